@@ -1,0 +1,46 @@
+"""Strata: an inference daemon for large language models (build script: the cffi C core in native/)."""
+from setuptools import find_packages, setup
+
+setup(
+    name="strata",
+    version="0.1.0",
+    description="An inference daemon for LLMs with conversation checkpoints of hybrid models' running state",
+    python_requires=">=3.11",
+    packages=find_packages(include=["strata", "strata.*", "link", "link.*"]),
+    include_package_data=True,
+    setup_requires=["cffi>=1.16"],
+    cffi_modules=["native/build_cpu.py:ffibuilder"],
+    install_requires=[
+        "numpy>=1.26",
+        "cffi>=1.16",
+        "gguf>=0.10",
+        "tokenizers>=0.20",
+        "jinja2>=3.1",
+        "structlog>=24.1",
+        "uvloop>=0.19",
+        "aiohttp>=3.9",
+        "prometheus-client>=0.20",
+        "tqdm>=4.60",
+    ],
+    extras_require={
+        "test": [
+            "pytest>=8",
+            "pytest-asyncio>=0.23",
+            "hypothesis>=6.100",
+            "openai>=1.40",
+            "torch==2.13.0",
+            "transformers>=4.46",
+            "accelerate>=0.30",
+            "sentencepiece",
+            "protobuf",
+        ],
+        "bench": ["llama-cpp-python>=0.3"],
+        "gpu": ["cupy-cuda12x"],
+    },
+    entry_points={
+        "console_scripts": [
+            "strata=strata.cli.main:main",
+            "stratactl=strata.cli.ctl:main",
+        ]
+    },
+)
