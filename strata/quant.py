@@ -2,24 +2,83 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
+try:  # the cffi C core (native/build_cpu.py); a checkout without the build falls back to numpy
+    from strata import _native
+
+    _ffi, _lib = _native.ffi, _native.lib
+    _NATIVE_ERROR: str | None = None
+except ImportError as _e:  # pragma: no cover - exercised only without the build
+    _ffi = _lib = None
+    _NATIVE_ERROR = str(_e)
+
+T = GGMLQuantizationType
+
+#: GGML types WeightTensor dequantizes and multiplies (C core; the numpy fallback covers the same set).
+SUPPORTED_TYPES = frozenset({
+    T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K,
+})
+
+#: From this many tokens on, matmul dequantizes a tile of weight rows to fp32 and calls numpy's BLAS
+#: instead of the Q8 integer kernels. Measured with bench/matmul.py (see its docstring); override with
+#: the environment variable STRATA_BLAS_MIN_TOKENS.
+BLAS_MIN_TOKENS = int(os.environ.get("STRATA_BLAS_MIN_TOKENS", "64"))
+#: Rows per dequantized tile on the BLAS path: at most about this many fp32 bytes at a time.
+_BLAS_TILE_BYTES = 4 << 20
+
 _THREADS = max(1, os.cpu_count() or 1)
+_warned = False
+
+_ERRORS = {-1: "unsupported GGML type", -2: "bad sizes", -3: "row id out of range", -4: "out of memory"}
+
+
+def _fallback_warning() -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(f"strata._native is not built ({_NATIVE_ERROR}); using the slow numpy path. Build it with "
+                      "`python native/build_cpu.py` or `pip install -e .`", RuntimeWarning, stacklevel=3)
+
+
+def native_available() -> bool:
+    """True when the C core strata._native is importable."""
+    return _lib is not None
+
+
+def cpu_path() -> str:
+    """The active kernel set: "avx2" (AVX2+FMA), "portable" (plain C) or "numpy" (no C core built).
+
+    STRATA_CPU_PATH=portable in the environment forces the plain-C path at import.
+    """
+    if _lib is None:
+        return "numpy"
+    return _ffi.string(_lib.strata_cpu_path()).decode()
+
+
+def set_cpu_path(name: str) -> None:
+    """Select the kernel set: "auto", "avx2" or "portable". Raises ValueError if unknown or unsupported here."""
+    if _lib is None:
+        raise ValueError("the C core strata._native is not built")
+    if _lib.strata_cpu_set_path(str(name).encode()) != 0:
+        raise ValueError(f"CPU path {name!r} is unknown or not supported by this CPU (use auto, avx2 or portable)")
 
 
 def set_threads(n: int) -> None:
-    """Set the number of CPU threads the C core uses for matmul (n >= 1)."""
+    """Set the number of CPU threads the C core uses for matmul and dequantize (n >= 1)."""
     global _THREADS
-    if n < 1:
+    if int(n) < 1:
         raise ValueError(f"threads must be >= 1, got {n}")
     _THREADS = int(n)
 
 
 def get_threads() -> int:
+    """The number of CPU threads the C core uses."""
     return _THREADS
 
 
@@ -28,40 +87,163 @@ def block_shape(t: GGMLQuantizationType) -> tuple[int, int]:
     return GGML_QUANT_SIZES[t]
 
 
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise ValueError(f"{what}: {_ERRORS.get(rc, f'error {rc}')}")
+
+
 @dataclass
 class WeightTensor:
     """One model tensor as stored in the GGUF file.
 
     shape is numpy order: (n_out, n_in) for a matrix (GGUF's ``ne`` reversed). ``data`` is the raw
     storage: a uint8 array of packed blocks with shape (n_out, bytes_per_row) for quantized types, or a
-    float array for F32/F16/BF16 (BF16 is stored as uint16 bits by the gguf reader).
+    float array for F32/F16 (BF16 as uint16 bits). Block layouts are ggml's (ggml-common.h).
     """
 
     name: str
     ggml_type: GGMLQuantizationType
     shape: tuple[int, ...]
     data: np.ndarray
+    _raw_cache: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
         return int(self.data.nbytes)
 
-    def dequantize(self) -> np.ndarray:
-        """Return the tensor as float32 with shape ``self.shape``."""
+    # ---- layout ----
+
+    def _layout(self) -> tuple[int, int, int]:
+        """(n_rows, n_in, row_bytes); ValueError when the type is unsupported or the data size is wrong."""
         t = self.ggml_type
-        if t == GGMLQuantizationType.F32:
+        if t not in SUPPORTED_TYPES:
+            raise ValueError(f"tensor {self.name}: unsupported GGML type {getattr(t, 'name', t)}")
+        if not self.shape:
+            raise ValueError(f"tensor {self.name}: empty shape")
+        n_in = int(self.shape[-1])
+        n_rows = int(np.prod(self.shape[:-1], dtype=np.int64)) if len(self.shape) > 1 else 1
+        blck, size = GGML_QUANT_SIZES[t]
+        if n_in % blck:
+            raise ValueError(f"tensor {self.name}: row length {n_in} is not a multiple of the "
+                             f"{t.name} block size {blck}")
+        row_bytes = n_in // blck * size
+        if self.data.nbytes != n_rows * row_bytes:
+            raise ValueError(f"tensor {self.name}: {self.data.nbytes} data bytes, expected {n_rows * row_bytes} "
+                             f"for {t.name} shape {tuple(self.shape)}")
+        return n_rows, n_in, row_bytes
+
+    def _raw(self) -> np.ndarray:
+        """The storage as a C-contiguous uint8 array (n_rows, row_bytes) (a view of a memory map if it is one)."""
+        if self._raw_cache is None:
+            n_rows, _, row_bytes = self._layout()
+            d = self.data if self.data.flags.c_contiguous else np.ascontiguousarray(self.data)
+            self._raw_cache = d.reshape(-1).view(np.uint8).reshape(n_rows, row_bytes)
+        return self._raw_cache
+
+    # ---- operations ----
+
+    def dequantize(self) -> np.ndarray:
+        """Return the tensor as float32 with shape ``self.shape`` (C core: ggml's dequantize_row_* formulas)."""
+        t = self.ggml_type
+        if t == T.F32:
+            self._layout()
             return np.asarray(self.data, dtype=np.float32).reshape(self.shape)
-        if t == GGMLQuantizationType.F16:
-            return np.asarray(self.data, dtype=np.float16).astype(np.float32).reshape(self.shape)
-        return np.asarray(gguf_quants.dequantize(self.data, t), dtype=np.float32).reshape(self.shape)
+        if _lib is None:
+            _fallback_warning()
+            return _np_dequantize(self)
+        n_rows, n_in, row_bytes = self._layout()
+        out = np.empty((n_rows, n_in), dtype=np.float32)
+        raw = self._raw()
+        _check(_lib.strata_dequantize(int(t), _ffi.from_buffer(raw), row_bytes, n_rows, n_in,
+                                      _ffi.from_buffer("float[]", out), _THREADS), f"dequantize {self.name}")
+        return out.reshape(self.shape)
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
-        """Dequantize selected rows (embedding lookup): ids int (n,) -> float32 (n, n_in)."""
-        ids = np.asarray(ids, dtype=np.int64)
-        sub = WeightTensor(self.name, self.ggml_type, (len(ids),) + tuple(self.shape[1:]),
-                           np.ascontiguousarray(self.data.reshape(self.shape[0], -1)[ids]))
-        return sub.dequantize()
+        """Dequantize selected rows (embedding lookup): ids int (n,) -> float32 (n, n_in).
+
+        Raises ValueError when ids is not a 1-D integer array or an id is outside [0, n_rows).
+        """
+        ids = np.asarray(ids)
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"rows of {self.name}: ids must be a 1-D integer array, got {ids.dtype} {ids.shape}")
+        n_rows, n_in, row_bytes = self._layout()
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= n_rows):
+            bad = ids[(ids < 0) | (ids >= n_rows)][0]
+            raise ValueError(f"rows of {self.name}: id {int(bad)} out of range [0, {n_rows})")
+        if _lib is None:
+            _fallback_warning()
+            sub = WeightTensor(self.name, self.ggml_type, (len(ids), n_in), np.ascontiguousarray(self._raw()[ids]))
+            return _np_dequantize(sub)
+        out = np.empty((len(ids), n_in), dtype=np.float32)
+        if len(ids):
+            _check(_lib.strata_get_rows(int(self.ggml_type), _ffi.from_buffer(self._raw()), row_bytes, n_rows, n_in,
+                                        _ffi.from_buffer("int64_t[]", ids), len(ids),
+                                        _ffi.from_buffer("float[]", out)), f"rows of {self.name}")
+        return out
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
-        """y = x @ W.T for x float32 (n_tokens, n_in); returns float32 (n_tokens, n_out)."""
-        return np.asarray(x, dtype=np.float32) @ self.dequantize().T
+        """y = x @ W.T for x float32 (n_tokens, n_in) (or (n_in,)); returns float32 (n_tokens, n_out) (or (n_out,)).
+
+        Quantized weights: for n_tokens < BLAS_MIN_TOKENS the activations are quantized to Q8 (Q8_0-style
+        blocks of 32 for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, Q8_K blocks of 256 for K-quants) and multiplied with
+        integer dot products on the packed blocks (llama.cpp's ggml_vec_dot_*_q8_* scheme), so the result
+        carries the Q8 activation rounding (relative error ~1e-2 of |x||w|, see tests/test_quant.py). From
+        BLAS_MIN_TOKENS on, tiles of rows are dequantized to fp32 and multiplied by numpy's BLAS.
+        F32 weights go to BLAS directly. Raises ValueError for a wrong dtype, rank or row length.
+        """
+        if not isinstance(x, np.ndarray) or x.dtype != np.float32:
+            raise ValueError(f"matmul with {self.name}: x must be a float32 numpy array, got "
+                             f"{getattr(x, 'dtype', type(x).__name__)}")
+        if len(self.shape) != 2:
+            raise ValueError(f"matmul with {self.name}: weight must be 2-D, has shape {tuple(self.shape)}")
+        n_out, n_in, row_bytes = self._layout()
+        if x.ndim not in (1, 2) or x.shape[-1] != n_in:
+            raise ValueError(f"matmul with {self.name}: x must have shape (n_tokens, {n_in}), got {x.shape}")
+        squeeze = x.ndim == 1
+        x2 = np.ascontiguousarray(x.reshape(-1, n_in))
+        n_tok = x2.shape[0]
+        t = self.ggml_type
+        if t == T.F32:
+            y = x2 @ np.asarray(self.data, dtype=np.float32).reshape(n_out, n_in).T
+        elif _lib is None:
+            _fallback_warning()
+            y = x2 @ _np_dequantize(self).reshape(n_out, n_in).T
+        elif n_tok == 0:
+            y = np.zeros((0, n_out), dtype=np.float32)
+        elif n_tok >= BLAS_MIN_TOKENS or t in (T.F16, T.BF16) or not _lib.strata_can_matmul(int(t)):
+            y = self._matmul_blas(x2, n_out, n_in, row_bytes)
+        else:
+            y = np.empty((n_tok, n_out), dtype=np.float32)
+            _check(_lib.strata_matmul(int(t), _ffi.from_buffer(self._raw()), row_bytes, n_out, n_in,
+                                      _ffi.from_buffer("float[]", x2), n_tok, _ffi.from_buffer("float[]", y),
+                                      _THREADS), f"matmul with {self.name}")
+        return y[0] if squeeze else y
+
+    def _matmul_blas(self, x2: np.ndarray, n_out: int, n_in: int, row_bytes: int) -> np.ndarray:
+        """x2 @ W.T by dequantizing tiles of rows (C core) and numpy matmul; never a whole fp32 copy."""
+        raw = self._raw()
+        y = np.empty((x2.shape[0], n_out), dtype=np.float32)
+        tile_rows = max(16, min(n_out, _BLAS_TILE_BYTES // (4 * n_in)))
+        buf = np.empty((tile_rows, n_in), dtype=np.float32)
+        for r0 in range(0, n_out, tile_rows):
+            r1 = min(n_out, r0 + tile_rows)
+            tile = buf[: r1 - r0]
+            _check(_lib.strata_dequantize(int(self.ggml_type), _ffi.from_buffer(raw[r0:r1]), row_bytes, r1 - r0,
+                                          n_in, _ffi.from_buffer("float[]", tile), _THREADS),
+                   f"matmul with {self.name}")
+            np.matmul(x2, tile.T, out=y[:, r0:r1])
+        return y
+
+
+def _np_dequantize(w: WeightTensor) -> np.ndarray:
+    """numpy reference path (gguf.quants), used only when the C core is not built."""
+    t = w.ggml_type
+    if t == T.F32:
+        return np.asarray(w.data, dtype=np.float32).reshape(w.shape)
+    if t == T.F16:
+        return np.asarray(w.data).view(np.float16).astype(np.float32).reshape(w.shape)
+    if t == T.BF16:
+        bits = np.asarray(w.data).reshape(-1).view(np.uint16).astype(np.uint32) << 16
+        return bits.view(np.float32).reshape(w.shape)
+    return np.asarray(gguf_quants.dequantize(w._raw(), t), dtype=np.float32).reshape(w.shape)

@@ -1,0 +1,13 @@
+"""The engine: one model, one live sequence, prompts read in parts with checkpoints, decode and streaming."""
+from strata.engine.types import (ContextOverflow, EmptyPrompt, FinalEvent, GenerationRequest, TokenEvent)
+
+
+def __getattr__(name):
+    # Engine is imported lazily so the request/event types can be used without loading the model stack.
+    if name == "Engine":
+        from strata.engine.engine import Engine
+        return Engine
+    raise AttributeError(f"module 'strata.engine' has no attribute {name!r}")
+
+
+__all__ = ["Engine", "GenerationRequest", "TokenEvent", "FinalEvent", "ContextOverflow", "EmptyPrompt"]

@@ -1,0 +1,237 @@
+"""GPU throughput of Strata's CUDA llama path against llama.cpp's llama-bench on the same GGUF and GPU.
+
+Prompt tokens/s at 512 / 4096 / 16384 tokens and decode tokens/s at context 0 / 4096 / 16384, plus decode as a
+fraction of the memory-bandwidth limit (weight bytes read per token / measured device copy bandwidth).
+Usage: python bench/gpu_throughput.py --model PATH [--model PATH2] [--llama-bench BIN] [--synthetic OUT.gguf]
+Writes bench/results/gpu_<gpu>_<commit>.json (or --out).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+PROMPTS = (512, 4096, 16384)
+DEPTHS = (0, 4096, 16384)
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def copy_bandwidth(cp) -> float:
+    """Device-to-device copy bandwidth in bytes/s (bytes read + bytes written), median of 20 copies of 2 GiB."""
+    n = 1 << 31
+    a = cp.empty(n, cp.uint8)
+    b = cp.empty(n, cp.uint8)
+    a.fill(1)
+    ts = []
+    for i in range(23):
+        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+        e0.record()
+        b[...] = a
+        e1.record()
+        e1.synchronize()
+        if i >= 3:
+            ts.append(cp.cuda.get_elapsed_time(e0, e1) / 1e3)
+    del a, b
+    return 2 * n / float(np.median(ts))
+
+
+def make_synthetic_llama(out: str, tok_src: str, n_embd=2048, n_layer=24, n_head=16, n_kv=8, n_ff=8192,
+                         seed=0) -> str:
+    """Write a llama GGUF with random Q4_K weights (valid f16 scales), F32 norms, and the tokenizer of tok_src."""
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+    r = gguf.GGUFReader(tok_src)
+    f = {k: r.fields[k].contents() for k in r.fields if k.startswith("tokenizer.")}
+    n_vocab = len(f["tokenizer.ggml.tokens"])
+    w = gguf.GGUFWriter(out, "llama")
+    w.add_name("strata-synthetic-llama")
+    w.add_context_length(32768)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    w.add_rope_freq_base(500000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_dimension_count(n_embd // n_head)
+    w.add_file_type(15)  # MOSTLY_Q4_K_M-style label
+    w.add_tokenizer_model(f["tokenizer.ggml.model"])
+    if "tokenizer.ggml.pre" in f:
+        w.add_tokenizer_pre(f["tokenizer.ggml.pre"])
+    w.add_token_list(f["tokenizer.ggml.tokens"])
+    w.add_token_types(f["tokenizer.ggml.token_type"])
+    if "tokenizer.ggml.merges" in f:
+        w.add_token_merges(f["tokenizer.ggml.merges"])
+    for k, fn in (("bos", w.add_bos_token_id), ("eos", w.add_eos_token_id)):
+        if f"tokenizer.ggml.{k}_token_id" in f:
+            fn(int(f[f"tokenizer.ggml.{k}_token_id"]))
+    rng = np.random.default_rng(seed)
+
+    def q4k(rows, cols):
+        nb = cols // 256
+        raw = rng.integers(0, 256, size=(rows, nb, 144), dtype=np.uint8)
+        raw[:, :, 0:2] = np.full((rows, nb), 2e-3, np.float16).view(np.uint8).reshape(rows, nb, 2)
+        raw[:, :, 2:4] = np.full((rows, nb), 1e-3, np.float16).view(np.uint8).reshape(rows, nb, 2)
+        return raw.reshape(rows, nb * 144)
+
+    hd = n_embd // n_head
+    w.add_tensor("token_embd.weight", q4k(n_vocab, n_embd), raw_dtype=Q.Q4_K)
+    w.add_tensor("output_norm.weight", np.ones(n_embd, np.float32))
+    w.add_tensor("output.weight", q4k(n_vocab, n_embd), raw_dtype=Q.Q4_K)
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", np.ones(n_embd, np.float32))
+        w.add_tensor(p + "ffn_norm.weight", np.ones(n_embd, np.float32))
+        w.add_tensor(p + "attn_q.weight", q4k(n_embd, n_embd), raw_dtype=Q.Q4_K)
+        w.add_tensor(p + "attn_k.weight", q4k(n_kv * hd, n_embd), raw_dtype=Q.Q4_K)
+        w.add_tensor(p + "attn_v.weight", q4k(n_kv * hd, n_embd), raw_dtype=Q.Q4_K)
+        w.add_tensor(p + "attn_output.weight", q4k(n_embd, n_embd), raw_dtype=Q.Q4_K)
+        w.add_tensor(p + "ffn_gate.weight", q4k(n_ff, n_embd), raw_dtype=Q.Q4_K)
+        w.add_tensor(p + "ffn_up.weight", q4k(n_ff, n_embd), raw_dtype=Q.Q4_K)
+        w.add_tensor(p + "ffn_down.weight", q4k(n_embd, n_ff), raw_dtype=Q.Q4_K)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def bench_strata(path: str, prompts, depths, n_gen: int, ubatch: int, bw: float) -> dict:
+    import cupy as cp
+    from strata.backend.cuda import LlamaCuda
+    rng = np.random.default_rng(0)
+    max_ctx = max(max(prompts), max(depths) + n_gen + 16) + 256
+    run = LlamaCuda(path, max_ctx=max_ctx, ubatch=ubatch)
+    vocab = run.n_vocab
+    res = {"weight_bytes_per_token": run.weight_bytes, "prompt": {}, "decode": {}}
+    run.forward(rng.integers(0, vocab, 512))                       # warm-up (cuBLAS handles, kernels)
+    for n in prompts:
+        toks = rng.integers(0, vocab, n)
+        ts = []
+        for _ in range(2):
+            run.reset()
+            t0 = time.perf_counter()
+            run.forward(toks)
+            ts.append(time.perf_counter() - t0)
+        res["prompt"][str(n)] = n / min(ts)
+        print(f"  strata pp{n}: {n / min(ts):.1f} tok/s", flush=True)
+    for d in depths:
+        run.reset()
+        if d:
+            run.forward(rng.integers(0, vocab, d))
+        run.decode_greedy(1, 8)                                     # capture the graph for this size class
+        run.pos = d
+        cp.cuda.Device().synchronize()
+        t0 = time.perf_counter()
+        run.decode_greedy(1, n_gen)
+        dt = time.perf_counter() - t0
+        tps = n_gen / dt
+        res["decode"][str(d)] = tps
+        kv_read = 2 * run.n_layer * run.n_kv * run.hd * 2 * (d + n_gen / 2)
+        res.setdefault("decode_bw_fraction", {})[str(d)] = run.weight_bytes * tps / bw
+        res.setdefault("decode_bw_fraction_incl_kv", {})[str(d)] = (run.weight_bytes + kv_read) * tps / bw
+        print(f"  strata tg{n_gen}@d{d}: {tps:.1f} tok/s  ({100 * run.weight_bytes * tps / bw:.1f}% of bandwidth limit)",
+              flush=True)
+    del run
+    cp.get_default_memory_pool().free_all_blocks()
+    return res
+
+
+def bench_llama(bin_path: str, path: str, prompts, depths, n_gen: int, ubatch: int) -> dict:
+    res = {"prompt": {}, "decode": {}, "cmd": []}
+    runs = [["-p", ",".join(map(str, prompts)), "-n", "0", "-d", "0"],
+            ["-p", "0", "-n", str(n_gen), "-d", ",".join(map(str, depths))]]
+    for extra in runs:
+        cmd = [bin_path, "-m", path, "-ngl", "99", "-fa", "1", "-ub", str(ubatch), "-b", str(max(ubatch, 2048)),
+               "-r", "2", "-o", "json", *extra]
+        res["cmd"].append(" ".join(cmd))
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        if p.returncode != 0:
+            res["error"] = p.stderr[-2000:]
+            print("  llama-bench failed:", p.stderr[-800:], flush=True)
+            continue
+        for row in json.loads(p.stdout):
+            if row["n_gen"] == 0:
+                res["prompt"][str(row["n_prompt"])] = row["avg_ts"]
+                print(f"  llama.cpp pp{row['n_prompt']}: {row['avg_ts']:.1f} tok/s", flush=True)
+            else:
+                res["decode"][str(row.get("n_depth", 0))] = row["avg_ts"]
+                print(f"  llama.cpp tg{row['n_gen']}@d{row.get('n_depth', 0)}: {row['avg_ts']:.1f} tok/s", flush=True)
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", action="append", default=[], help="GGUF path ('default' = the default model)")
+    ap.add_argument("--synthetic", default=None, help="write a ~1.5B Q4_K synthetic llama here and bench it too")
+    ap.add_argument("--tokenizer-from", default=None, help="GGUF whose tokenizer the synthetic model copies")
+    ap.add_argument("--llama-bench", default=None, help="llama-bench binary built with CUDA")
+    ap.add_argument("--n-gen", type=int, default=128)
+    ap.add_argument("--ubatch", type=int, default=512)
+    ap.add_argument("--prompts", default=",".join(map(str, PROMPTS)))
+    ap.add_argument("--depths", default=",".join(map(str, DEPTHS)))
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    import cupy as cp
+    from strata.default_model import resolve_model
+    prompts = [int(x) for x in a.prompts.split(",")]
+    depths = [int(x) for x in a.depths.split(",")]
+    models = [str(resolve_model(m)) for m in (a.model or ["default"]) if m != "none"]
+    if a.synthetic:
+        if not os.path.exists(a.synthetic):
+            t0 = time.time()
+            make_synthetic_llama(a.synthetic, a.tokenizer_from or models[0])
+            print(f"synthetic model written in {time.time() - t0:.1f}s", flush=True)
+        models.append(a.synthetic)
+    props = cp.cuda.runtime.getDeviceProperties(0)
+    gpu = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    bw = copy_bandwidth(cp)
+    print(f"GPU {gpu}; device copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    out = {"commit": commit(), "gpu": gpu, "copy_bandwidth_Bps": bw, "n_gen": a.n_gen, "ubatch": a.ubatch,
+           "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "models": {}}
+    for m in models:
+        print(f"model {m} ({os.path.getsize(m) / 1e6:.0f} MB)", flush=True)
+        entry = {"file_bytes": os.path.getsize(m)}
+        entry["strata"] = bench_strata(m, prompts, depths, a.n_gen, a.ubatch, bw)
+        if a.llama_bench and os.path.exists(a.llama_bench):
+            entry["llama.cpp"] = bench_llama(a.llama_bench, m, prompts, depths, a.n_gen, a.ubatch)
+            ratios = {}
+            for kind in ("prompt", "decode"):
+                for k, v in entry["strata"][kind].items():
+                    ref = entry["llama.cpp"][kind].get(k)
+                    if ref:
+                        ratios[f"{kind}_{k}"] = v / ref
+            entry["ratio_strata_over_llamacpp"] = ratios
+        out["models"][os.path.basename(m)] = entry
+    dest = Path(a.out) if a.out else ROOT / "bench" / "results" / f"gpu_{gpu.replace(' ', '_')}_{out['commit']}.json"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text(json.dumps(out, indent=1))
+    print("\nsummary (tokens/s; ratio = Strata / llama.cpp)")
+    for name, e in out["models"].items():
+        for kind in ("prompt", "decode"):
+            for k, v in e["strata"][kind].items():
+                ref = e.get("llama.cpp", {}).get(kind, {}).get(k)
+                print(f"{name[:34]:34s} {kind:6s} {k:>6s}: strata {v:9.1f}  llama.cpp {ref or float('nan'):9.1f}  "
+                      f"ratio {v / ref if ref else float('nan'):.2f}")
+    print("wrote", dest)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

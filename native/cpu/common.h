@@ -1,0 +1,80 @@
+/* Strata C core: GGUF block layouts (per ggml-common.h), activation block formats and the kernel table. */
+#ifndef STRATA_COMMON_H
+#define STRATA_COMMON_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+/* GGML type ids (ggml.h enum ggml_type; gguf.GGMLQuantizationType). */
+enum {
+    ST_F32 = 0, ST_F16 = 1, ST_Q4_0 = 2, ST_Q4_1 = 3, ST_Q5_0 = 6, ST_Q5_1 = 7, ST_Q8_0 = 8,
+    ST_Q2_K = 10, ST_Q3_K = 11, ST_Q4_K = 12, ST_Q5_K = 13, ST_Q6_K = 14, ST_Q8_K = 15, ST_BF16 = 30,
+    ST_N_TYPES = 31
+};
+
+#define QK32 32
+#define QK_K 256
+#define K_SCALE_SIZE 12
+
+typedef uint16_t st_half;
+
+/* Weight blocks, byte-for-byte as in ggml-common.h. */
+typedef struct { st_half d; uint8_t qs[QK32 / 2]; } block_q4_0;                  /* 18 B */
+typedef struct { st_half d; st_half m; uint8_t qs[QK32 / 2]; } block_q4_1;       /* 20 B */
+typedef struct { st_half d; uint8_t qh[4]; uint8_t qs[QK32 / 2]; } block_q5_0;   /* 22 B */
+typedef struct { st_half d; st_half m; uint8_t qh[4]; uint8_t qs[QK32 / 2]; } block_q5_1; /* 24 B */
+typedef struct { st_half d; int8_t qs[QK32]; } block_q8_0;                       /* 34 B */
+typedef struct { uint8_t scales[QK_K / 16]; uint8_t qs[QK_K / 4]; st_half d; st_half dmin; } block_q2_K; /* 84 B */
+typedef struct { uint8_t hmask[QK_K / 8]; uint8_t qs[QK_K / 4]; uint8_t scales[12]; st_half d; } block_q3_K; /* 110 B */
+typedef struct { st_half d; st_half dmin; uint8_t scales[K_SCALE_SIZE]; uint8_t qs[QK_K / 2]; } block_q4_K; /* 144 B */
+typedef struct { st_half d; st_half dmin; uint8_t scales[K_SCALE_SIZE]; uint8_t qh[QK_K / 8]; uint8_t qs[QK_K / 2]; } block_q5_K; /* 176 B */
+typedef struct { uint8_t ql[QK_K / 2]; uint8_t qh[QK_K / 4]; int8_t scales[QK_K / 16]; st_half d; } block_q6_K; /* 210 B */
+typedef struct { float d; int8_t qs[QK_K]; int16_t bsums[QK_K / 16]; } block_q8_K; /* 292 B */
+
+/* Activation block for the 32-element weight types: Q8_0 values with an fp32 scale and the
+ * pre-scaled block sum s = d * sum(qs) (ggml's Q8_1 idea, used for the Q4_1/Q5_1 minimum and the
+ * Q4_0/Q5_0 offset). Internal format, never stored. */
+typedef struct { float d; float s; int8_t qs[QK32]; } block_a8;                  /* 40 B */
+
+/* fp16 -> fp32 table (65536 entries), filled once by strata_init(). */
+extern float st_fp16_table[65536];
+static inline float st_h2f(st_half h) { return st_fp16_table[h]; }
+float st_h2f_compute(uint16_t h);
+
+static inline float st_bf2f(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f;
+}
+
+static inline int st_nearest_int(float fval) {
+    /* round half away from zero for |fval| <= 2^22 (ggml's nearest_int rounds half to even; either is
+     * a valid Q8 activation rounding). */
+    return (int)(fval >= 0.0f ? fval + 0.5f : fval - 0.5f);
+}
+
+enum { ACT_A8 = 1, ACT_Q8K = 2 };
+
+/* Tokens processed together per weight row in one kernel call (weights unpacked once per block). */
+#define ST_NT 4
+
+/* dot_nt: out[t * out_stride] = dot(weight row w (nb blocks), activation row t) for t < nt (nt <= ST_NT).
+ * act points at the first activation row; rows are act_stride bytes apart. */
+typedef void (*st_dot_fn)(int nb, const void *w, const void *act, size_t act_stride, int nt,
+                          float *out, size_t out_stride);
+typedef void (*st_dequant_fn)(const void *src, float *dst, int64_t n);
+typedef void (*st_quant_act_fn)(const float *x, void *dst, int64_t n);
+
+typedef struct {
+    st_dequant_fn dequant[ST_N_TYPES];
+    st_dot_fn dot[ST_N_TYPES];
+    st_quant_act_fn quant_a8;
+    st_quant_act_fn quant_q8k;
+    const char *name;
+} st_kernels;
+
+const st_kernels *st_kernels_portable(void);
+#if defined(__x86_64__) || defined(_M_X64)
+const st_kernels *st_kernels_avx2(void);
+#endif
+
+#endif

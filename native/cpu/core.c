@@ -1,0 +1,353 @@
+/* Strata C core: runtime CPU dispatch, the worker pool, and the public API (dequantize, get_rows, matmul). */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <time.h>
+
+#include "common.h"
+#include "strata_cpu.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define ST_PAUSE() _mm_pause()
+#else
+#define ST_PAUSE() ((void)0)
+#endif
+
+float st_fp16_table[65536];
+
+float st_h2f_compute(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    const uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+    uint32_t f;
+    if (exp == 0) {
+        float v = (float)mant * (1.0f / 16777216.0f); /* subnormal: mant * 2^-24 */
+        memcpy(&f, &v, 4);
+        f |= sign;
+    } else if (exp == 31) {
+        f = sign | 0x7f800000u | (mant << 13);
+    } else {
+        f = sign | ((exp + 112) << 23) | (mant << 13);
+    }
+    float out; memcpy(&out, &f, 4);
+    return out;
+}
+
+/* ---------------- dispatch ---------------- */
+
+static const st_kernels *g_k;
+static pthread_once_t g_once = PTHREAD_ONCE_INIT;
+
+int strata_cpu_has_avx2(void) {
+#if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__)
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+    return 0;
+#endif
+}
+
+static const st_kernels *pick(const char *name) {
+    if (!name || !*name || !strcmp(name, "auto")) {
+#if defined(__x86_64__) || defined(_M_X64)
+        if (strata_cpu_has_avx2()) return st_kernels_avx2();
+#endif
+        return st_kernels_portable();
+    }
+    if (!strcmp(name, "portable")) return st_kernels_portable();
+#if defined(__x86_64__) || defined(_M_X64)
+    if (!strcmp(name, "avx2") && strata_cpu_has_avx2()) return st_kernels_avx2();
+#endif
+    return NULL;
+}
+
+static void init_once(void) {
+    for (uint32_t i = 0; i < 65536; i++) st_fp16_table[i] = st_h2f_compute((uint16_t)i);
+    (void)st_kernels_portable();
+#if defined(__x86_64__) || defined(_M_X64)
+    (void)st_kernels_avx2();
+#endif
+    const st_kernels *k = pick(getenv("STRATA_CPU_PATH"));
+    g_k = k ? k : pick("auto");
+}
+
+static inline const st_kernels *K(void) { pthread_once(&g_once, init_once); return g_k; }
+
+const char *strata_cpu_path(void) { return K()->name; }
+
+int strata_cpu_set_path(const char *name) {
+    K();
+    const st_kernels *k = pick(name);
+    if (!k) return -1;
+    g_k = k;
+    return 0;
+}
+
+typedef struct { int type, blck, size; } st_type_info;
+
+static int type_info(int type, int *blck, int *size) {
+    switch (type) {
+    case ST_F32: *blck = 1; *size = 4; return 1;
+    case ST_F16: case ST_BF16: *blck = 1; *size = 2; return 1;
+    case ST_Q4_0: *blck = 32; *size = sizeof(block_q4_0); return 1;
+    case ST_Q4_1: *blck = 32; *size = sizeof(block_q4_1); return 1;
+    case ST_Q5_0: *blck = 32; *size = sizeof(block_q5_0); return 1;
+    case ST_Q5_1: *blck = 32; *size = sizeof(block_q5_1); return 1;
+    case ST_Q8_0: *blck = 32; *size = sizeof(block_q8_0); return 1;
+    case ST_Q2_K: *blck = 256; *size = sizeof(block_q2_K); return 1;
+    case ST_Q3_K: *blck = 256; *size = sizeof(block_q3_K); return 1;
+    case ST_Q4_K: *blck = 256; *size = sizeof(block_q4_K); return 1;
+    case ST_Q5_K: *blck = 256; *size = sizeof(block_q5_K); return 1;
+    case ST_Q6_K: *blck = 256; *size = sizeof(block_q6_K); return 1;
+    case ST_Q8_K: *blck = 256; *size = sizeof(block_q8_K); return 1;
+    default: *blck = 0; *size = 0; return 0;
+    }
+}
+
+int strata_block_size(int type) { int b, s; type_info(type, &b, &s); return b; }
+int strata_type_size(int type) { int b, s; type_info(type, &b, &s); return s; }
+int strata_can_matmul(int type) { return type >= 0 && type < ST_N_TYPES && K()->dot[type] != NULL; }
+
+/* ---------------- worker pool ----------------
+ * Persistent threads; a task is published by bumping a generation counter packed with its thread count.
+ * Workers spin briefly (STRATA_SPIN_US, default 200 us) and then sleep on a condition variable, so
+ * back-to-back matmuls in decode do not pay a thread wake-up each. Callers are serialized. */
+
+#define ST_MAX_THREADS 256
+typedef void (*st_task_fn)(void *arg, int ith, int nth);
+
+static struct {
+    pthread_mutex_t run_mu, mu;
+    pthread_cond_t cv, done_cv;
+    int n_workers;
+    _Atomic uint64_t ctl; /* (generation << 16) | nth */
+    _Atomic int pending;
+    st_task_fn fn;
+    void *arg;
+    long spin_ns;
+} P = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER};
+
+static inline long now_ns(void) {
+    struct timespec ts; clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1000000000L + ts.tv_nsec;
+}
+
+static void *worker_main(void *argp) {
+    const int ith = (int)(intptr_t)argp;
+    uint64_t seen = atomic_load_explicit(&P.ctl, memory_order_acquire) >> 16;
+    for (;;) {
+        uint64_t c = atomic_load_explicit(&P.ctl, memory_order_acquire);
+        if ((c >> 16) == seen) {
+            const long t0 = now_ns();
+            for (int i = 1;; i++) {
+                ST_PAUSE();
+                c = atomic_load_explicit(&P.ctl, memory_order_acquire);
+                if ((c >> 16) != seen) break;
+                if ((i & 63) == 0 && now_ns() - t0 > P.spin_ns) {
+                    pthread_mutex_lock(&P.mu);
+                    while (((c = atomic_load_explicit(&P.ctl, memory_order_acquire)) >> 16) == seen)
+                        pthread_cond_wait(&P.cv, &P.mu);
+                    pthread_mutex_unlock(&P.mu);
+                    break;
+                }
+            }
+        }
+        seen = c >> 16;
+        const int nth = (int)(c & 0xffff);
+        if (ith < nth) {
+            P.fn(P.arg, ith, nth);
+            if (atomic_fetch_sub_explicit(&P.pending, 1, memory_order_acq_rel) == 1) {
+                pthread_mutex_lock(&P.mu);
+                pthread_cond_signal(&P.done_cv);
+                pthread_mutex_unlock(&P.mu);
+            }
+        }
+    }
+    return NULL;
+}
+
+static void run_task(st_task_fn fn, void *arg, int nth) {
+    if (nth > ST_MAX_THREADS) nth = ST_MAX_THREADS;
+    if (nth <= 1) { fn(arg, 0, 1); return; }
+    pthread_mutex_lock(&P.run_mu);
+    if (P.spin_ns == 0) {
+        const char *s = getenv("STRATA_SPIN_US");
+        P.spin_ns = (s ? atol(s) : 200) * 1000L;
+        if (P.spin_ns <= 0) P.spin_ns = 1;
+    }
+    while (P.n_workers < nth - 1) {
+        pthread_t th;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        if (pthread_create(&th, &attr, worker_main, (void *)(intptr_t)(P.n_workers + 1)) != 0) {
+            pthread_attr_destroy(&attr);
+            break;
+        }
+        pthread_attr_destroy(&attr);
+        P.n_workers++;
+    }
+    if (nth > P.n_workers + 1) nth = P.n_workers + 1;
+    if (nth <= 1) { pthread_mutex_unlock(&P.run_mu); fn(arg, 0, 1); return; }
+    P.fn = fn;
+    P.arg = arg;
+    atomic_store_explicit(&P.pending, nth - 1, memory_order_relaxed);
+    pthread_mutex_lock(&P.mu);
+    const uint64_t gen = (atomic_load_explicit(&P.ctl, memory_order_relaxed) >> 16) + 1;
+    atomic_store_explicit(&P.ctl, (gen << 16) | (uint64_t)nth, memory_order_release);
+    pthread_cond_broadcast(&P.cv);
+    pthread_mutex_unlock(&P.mu);
+    fn(arg, 0, nth);
+    const long t0 = now_ns();
+    for (int i = 1; atomic_load_explicit(&P.pending, memory_order_acquire) > 0; i++) {
+        ST_PAUSE();
+        if ((i & 63) == 0 && now_ns() - t0 > P.spin_ns) {
+            pthread_mutex_lock(&P.mu);
+            while (atomic_load_explicit(&P.pending, memory_order_acquire) > 0) pthread_cond_wait(&P.done_cv, &P.mu);
+            pthread_mutex_unlock(&P.mu);
+            break;
+        }
+    }
+    pthread_mutex_unlock(&P.run_mu);
+}
+
+/* ---------------- dequantize / get_rows ---------------- */
+
+typedef struct {
+    st_dequant_fn fn;
+    const char *src; int64_t src_row_bytes, n_rows, n_in;
+    float *dst;
+} dq_task;
+
+static void dq_worker(void *arg, int ith, int nth) {
+    dq_task *t = (dq_task *)arg;
+    const int64_t per = (t->n_rows + nth - 1) / nth;
+    const int64_t r0 = per * ith, r1 = r0 + per < t->n_rows ? r0 + per : t->n_rows;
+    for (int64_t r = r0; r < r1; r++) t->fn(t->src + r * t->src_row_bytes, t->dst + r * t->n_in, t->n_in);
+}
+
+static int check_rows(int type, int64_t src_row_bytes, int64_t n_rows, int64_t n_in, int *blck, int *size) {
+    if (!type_info(type, blck, size)) return ST_ERR_TYPE;
+    if (n_rows < 0 || n_in <= 0 || n_in % *blck != 0) return ST_ERR_SHAPE;
+    if (src_row_bytes < (n_in / *blck) * *size) return ST_ERR_SHAPE;
+    return ST_OK;
+}
+
+int strata_dequantize(int type, const void *src, int64_t src_row_bytes, int64_t n_rows, int64_t n_in,
+                      float *dst, int n_threads) {
+    int blck, size;
+    const int err = check_rows(type, src_row_bytes, n_rows, n_in, &blck, &size);
+    if (err) return err;
+    dq_task t = {K()->dequant[type], (const char *)src, src_row_bytes, n_rows, n_in, dst};
+    if (!t.fn) return ST_ERR_TYPE;
+    int nth = n_threads < 1 ? 1 : n_threads;
+    const int64_t max_nth = (n_rows * n_in) / 65536 + 1; /* about 64K elements per thread at least */
+    if (nth > max_nth) nth = (int)max_nth;
+    if (nth > n_rows) nth = (int)(n_rows > 0 ? n_rows : 1);
+    run_task(dq_worker, &t, nth);
+    return ST_OK;
+}
+
+int strata_get_rows(int type, const void *src, int64_t src_row_bytes, int64_t n_rows, int64_t n_in,
+                    const int64_t *ids, int64_t n_ids, float *dst) {
+    int blck, size;
+    const int err = check_rows(type, src_row_bytes, n_rows, n_in, &blck, &size);
+    if (err) return err;
+    const st_dequant_fn fn = K()->dequant[type];
+    if (!fn) return ST_ERR_TYPE;
+    for (int64_t i = 0; i < n_ids; i++)
+        if (ids[i] < 0 || ids[i] >= n_rows) return ST_ERR_INDEX;
+    for (int64_t i = 0; i < n_ids; i++) fn((const char *)src + ids[i] * src_row_bytes, dst + i * n_in, n_in);
+    return ST_OK;
+}
+
+/* ---------------- matmul ---------------- */
+
+typedef struct {
+    st_quant_act_fn quant;
+    const float *x; int64_t n_in, n_tok;
+    char *act; size_t act_row_bytes;
+} qa_task;
+
+static void qa_worker(void *arg, int ith, int nth) {
+    qa_task *t = (qa_task *)arg;
+    const int64_t per = (t->n_tok + nth - 1) / nth;
+    const int64_t r0 = per * ith, r1 = r0 + per < t->n_tok ? r0 + per : t->n_tok;
+    for (int64_t r = r0; r < r1; r++) t->quant(t->x + r * t->n_in, t->act + r * t->act_row_bytes, t->n_in);
+}
+
+typedef struct {
+    st_dot_fn dot;
+    const char *w; size_t w_row_bytes; int nb;
+    const char *act; size_t act_row_bytes;
+    float *y; int64_t n_out, n_tok;
+    int64_t chunk_rows, n_chunks;
+    _Atomic int64_t next;
+} mm_task;
+
+static void mm_worker(void *arg, int ith, int nth) {
+    (void)ith; (void)nth;
+    mm_task *m = (mm_task *)arg;
+    for (;;) {
+        const int64_t c = atomic_fetch_add_explicit(&m->next, 1, memory_order_relaxed);
+        if (c >= m->n_chunks) break;
+        const int64_t r0 = c * m->chunk_rows;
+        const int64_t r1 = r0 + m->chunk_rows < m->n_out ? r0 + m->chunk_rows : m->n_out;
+        for (int64_t t0 = 0; t0 < m->n_tok; t0 += ST_NT) {
+            const int nt = (int)(m->n_tok - t0 < ST_NT ? m->n_tok - t0 : ST_NT);
+            const char *a = m->act + t0 * m->act_row_bytes;
+            float *yy = m->y + t0 * m->n_out;
+            for (int64_t r = r0; r < r1; r++)
+                m->dot(m->nb, m->w + r * m->w_row_bytes, a, m->act_row_bytes, nt, yy + r, (size_t)m->n_out);
+        }
+    }
+}
+
+int strata_matmul(int type, const void *w, int64_t w_row_bytes, int64_t n_out, int64_t n_in,
+                  const float *x, int64_t n_tokens, float *y, int n_threads) {
+    int blck, size;
+    const int err = check_rows(type, w_row_bytes, n_out, n_in, &blck, &size);
+    if (err) return err;
+    const st_kernels *k = K();
+    if (!k->dot[type]) return ST_ERR_TYPE;
+    if (n_tokens <= 0 || n_out == 0) return n_tokens < 0 ? ST_ERR_SHAPE : ST_OK;
+    const int is_k = blck == QK_K;
+    const int nb = (int)(n_in / blck);
+    const size_t act_row_bytes = (size_t)nb * (is_k ? sizeof(block_q8_K) : sizeof(block_a8));
+    char *act = (char *)malloc(act_row_bytes * (size_t)n_tokens);
+    if (!act) return ST_ERR_NOMEM;
+    int nth = n_threads < 1 ? 1 : n_threads;
+
+    qa_task qa = {is_k ? k->quant_q8k : k->quant_a8, x, n_in, n_tokens, act, act_row_bytes};
+    int qnth = nth;
+    if (qnth > n_tokens) qnth = (int)n_tokens;
+    if (n_tokens * n_in < 32768) qnth = 1;
+    run_task(qa_worker, &qa, qnth);
+
+    mm_task m;
+    m.dot = k->dot[type];
+    m.w = (const char *)w; m.w_row_bytes = (size_t)w_row_bytes; m.nb = nb;
+    m.act = act; m.act_row_bytes = act_row_bytes;
+    m.y = y; m.n_out = n_out; m.n_tok = n_tokens;
+    /* Chunks of output rows: about 4 per thread for balance; for batches, at most ~32 KiB of weights per
+     * chunk so a chunk stays in L1/L2 while every token tile passes over it. */
+    int64_t rows = (n_out + 4 * nth - 1) / (4 * nth);
+    if (n_tokens > ST_NT) {
+        int64_t cap = 32768 / (w_row_bytes > 0 ? w_row_bytes : 1);
+        if (cap < 4) cap = 4;
+        if (rows > cap) rows = cap;
+    }
+    if (rows < 4) rows = 4;
+    m.chunk_rows = rows;
+    m.n_chunks = (n_out + rows - 1) / rows;
+    atomic_init(&m.next, 0);
+    /* Tiny products are not worth waking threads: ~1 MFLOP per thread at least. */
+    const int64_t work = n_out * n_in * n_tokens;
+    if (nth > 1 && work / nth < (1 << 18)) nth = (int)(work / (1 << 18)) + 1;
+    if (nth > m.n_chunks) nth = (int)m.n_chunks;
+    run_task(mm_worker, &m, nth);
+    free(act);
+    return ST_OK;
+}

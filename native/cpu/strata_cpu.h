@@ -1,0 +1,25 @@
+/* Strata C core: public C API (also the cffi cdef in native/build_cpu.py; keep the two in sync). */
+#ifndef STRATA_CPU_H
+#define STRATA_CPU_H
+#include <stdint.h>
+
+/* Error codes returned by the functions below (0 = success). */
+#define ST_OK 0
+#define ST_ERR_TYPE (-1)   /* unsupported GGML type for this operation */
+#define ST_ERR_SHAPE (-2)  /* n_in not a multiple of the block size, or non-positive sizes */
+#define ST_ERR_INDEX (-3)  /* a row id out of range */
+#define ST_ERR_NOMEM (-4)
+
+const char *strata_cpu_path(void);                 /* "avx2" or "portable" */
+int strata_cpu_set_path(const char *name);         /* "auto" | "avx2" | "portable"; -1 if unknown/unsupported */
+int strata_cpu_has_avx2(void);
+int strata_block_size(int type);                   /* elements per block, 0 if unsupported */
+int strata_type_size(int type);                    /* bytes per block, 0 if unsupported */
+int strata_can_matmul(int type);                   /* 1 if strata_matmul supports the type */
+int strata_dequantize(int type, const void *src, int64_t src_row_bytes, int64_t n_rows, int64_t n_in,
+                      float *dst, int n_threads);
+int strata_get_rows(int type, const void *src, int64_t src_row_bytes, int64_t n_rows, int64_t n_in,
+                    const int64_t *ids, int64_t n_ids, float *dst);
+int strata_matmul(int type, const void *w, int64_t w_row_bytes, int64_t n_out, int64_t n_in,
+                  const float *x, int64_t n_tokens, float *y, int n_threads);
+#endif

@@ -1,0 +1,71 @@
+/* Strata CUDA kernels: plain C launchers (the cffi ABI-mode interface of strata/_cuda_kernels.so).
+ *
+ * Every launcher takes the CUDA stream first (a cudaStream_t passed as void*; 0 = legacy default stream),
+ * then device pointers, then sizes, and returns the cudaError_t of the launch (0 = success).
+ * Layouts are row-major. GGML block formats follow ggml/src/ggml-common.h (llama.cpp) and gguf-py's
+ * quants.py. ggml_type uses GGML's numbering: F32 0, F16 1, Q4_0 2, Q4_1 3, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14.
+ */
+#ifndef STRATA_CUDA_H
+#define STRATA_CUDA_H
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* 1 if ggml_type is supported by the quantized kernels, else 0. */
+int strata_supports_type(int ggml_type);
+
+/* y[t, r] = sum_k W[r, k] * x[t, k]: W (n_out rows of packed GGML blocks), x f32 (n_tokens, n_in),
+ * y f32 (n_tokens, n_out). n_tokens 1..8 (decode); n_in a multiple of the type's block size. */
+int strata_matvec(void *stream, int ggml_type, const void *w, const float *x, float *y,
+                  int n_out, int n_in, int n_tokens);
+
+/* Dequantize n_rows rows of W to f16 (out_f16 != 0) or f32: out (n_rows, n_in). */
+int strata_dequant(void *stream, int ggml_type, const void *w, void *out, int n_rows, int n_in, int out_f16);
+
+/* Embedding lookup: out f32 (n_ids, n_in) = dequantized rows ids[i] of W. ids int32 on the device. */
+int strata_get_rows(void *stream, int ggml_type, const void *w, const int *ids, float *out, int n_ids, int n_in);
+
+/* RMSNorm fused with the residual add: s = x + residual (residual may be NULL: s = x);
+ * sum_out (may be NULL) = s; out = s / sqrt(mean(s^2) + eps) * weight. All f32, (n_rows, dim). */
+int strata_rms_norm(void *stream, const float *x, const float *residual, const float *weight,
+                    float *out, float *sum_out, int n_rows, int dim, float eps);
+
+/* RoPE in place on x f32 (n_tokens, n_heads, head_dim): position positions[t] (int32, device);
+ * rotates the first n_rot dims; neox != 0 pairs (i, i + n_rot/2), else (2i, 2i+1). theta_i = pos * base^(-2i/n_rot). */
+int strata_rope(void *stream, float *x, const int *positions, int n_tokens, int n_heads, int head_dim,
+                int n_rot, float base, int neox);
+
+/* out = silu(gate) * up, f32, n elements. */
+int strata_swiglu(void *stream, const float *gate, const float *up, float *out, long long n);
+
+/* Write K/V rows of n new tokens into the paged f16 cache.
+ * k, v f32 (n, n_kv, hd); cache (n_pages, page_size, n_kv, hd) f16; page_table int32; start at *d_start + start_off
+ * (d_start may be NULL: start = start_off). */
+int strata_kv_write(void *stream, const float *k, const float *v, void *k_cache, void *v_cache,
+                    const int *page_table, const int *d_start, int start_off, int n, int n_kv, int hd, int page_size);
+
+/* Decode attention over the paged f16 cache, split-K. q f32 (n_q_tokens=1, n_head, hd); kv length *d_len
+ * (device int32) or len if d_len is NULL. partial: f32 scratch of n_head * n_split * (hd + 2).
+ * out f32 (n_head, hd). GQA: head h reads kv head h / (n_head / n_kv). hd <= 256, multiple of 32. */
+int strata_attn_decode(void *stream, const float *q, const void *k_cache, const void *v_cache,
+                       const int *page_table, const int *d_len, int len, float *partial, float *out,
+                       int n_head, int n_kv, int hd, int page_size, int n_split, float scale);
+
+/* Gather the first len positions of the paged f16 cache into contiguous f32 (n_kv, len, hd) for K and V. */
+int strata_kv_gather(void *stream, const void *k_cache, const void *v_cache, const int *page_table,
+                     float *k_out, float *v_out, int len, int n_kv, int hd, int page_size);
+
+/* Causal softmax in place over rows of s f32 (n_rows_total, len): row r belongs to query i = r % n_q at
+ * absolute position pos0 + i; keys j > pos0 + i are masked. s is scaled by scale first. */
+int strata_causal_softmax(void *stream, float *s, int n_rows_total, int n_q, int len, int pos0, float scale);
+
+/* argmax over each row of x f32 (n_rows, n): out int32 (n_rows). Ties go to the lowest index. */
+int strata_argmax(void *stream, const float *x, int *out, int n_rows, int n);
+
+/* Add integer delta to a device int32 scalar (position counters inside CUDA graphs). */
+int strata_add_scalar(void *stream, int *p, int delta, int count);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

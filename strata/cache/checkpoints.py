@@ -1,0 +1,321 @@
+"""Conversation checkpoints: where to resume a prompt, which parts to read, which checkpoints to save and keep."""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from strata.cache.retention import Kept, choose_victims, pinned_root
+
+__all__ = ["CheckpointCache", "PrefillPlan", "KINDS"]
+
+#: cut point kinds, in the order that names a checkpoint when several fall on one position
+KINDS = ("root", "pin", "turn", "message", "tail", "periodic")
+_TEMPLATE_KINDS = ("root", "message", "turn", "pin")
+_RANK = {k: i for i, k in enumerate(KINDS)}
+
+
+@dataclass
+class PrefillPlan:
+    """How the engine reads one prompt.
+
+    resume_pos: tokens of the prompt already in place before reading (0 <= resume_pos < len(prompt)).
+    resume_from: "live" (the live sequence is a prefix of the prompt: read only the new tokens),
+    "checkpoint" (restore ``snapshot`` first, then read from its position) or "none" (reset the sequence,
+    read from 0). snapshot: the strata.state.Snapshot to restore when resume_from == "checkpoint", else None.
+    part_ends: ascending positions where a part of the read ends (the last is len(prompt)); the engine
+    reads [resume_pos, part_ends[0]), [part_ends[0], part_ends[1]), ... each in ubatch-sized forward calls.
+    save_at: part end -> cut point kind: after the part ending there, save ``state.capture()`` with
+    ``cache.save(pos, kind, snapshot)``. keep_live: False when the request opted out of checkpoints
+    (seed #861): the engine leaves no live session (the next request does not continue it).
+    erased: positions of the checkpoints this plan erased (no longer a prefix of what the arena will hold).
+    """
+
+    resume_pos: int
+    resume_from: str
+    snapshot: Any
+    part_ends: list[int]
+    save_at: dict[int, str]
+    keep_live: bool = True
+    erased: list[int] = field(default_factory=list)
+
+    @property
+    def reset(self) -> bool:
+        """True when the sequence must be reset to position 0 before reading."""
+        return self.resume_from == "none"
+
+    def describe(self) -> str:
+        """One line for logs: where the read starts and its parts."""
+        parts, start = [], self.resume_pos
+        for e in self.part_ends:
+            parts.append(f"[{start},{e})" + (f"+{self.save_at[e]}" if e in self.save_at else ""))
+            start = e
+        return f"resume {self.resume_pos} ({self.resume_from}) parts {' '.join(parts)}"
+
+
+@dataclass
+class _Entry:
+    pos: int
+    kind: str
+    snapshot: Any
+    tokens: tuple[int, ...]
+    bytes: int
+    saved: int
+    last_use: int
+    last_use_time: float
+    mounts: int = 0
+
+
+def _cut(cp) -> tuple[int, str]:
+    """(pos, kind) of a CutPoint (strata.chat_template.CutPoint, a (pos, kind[, index]) tuple or a dict)."""
+    if isinstance(cp, dict):
+        return int(cp["pos"]), str(cp["kind"])
+    if hasattr(cp, "pos") and hasattr(cp, "kind"):
+        return int(cp.pos), str(cp.kind)
+    return int(cp[0]), str(cp[1])
+
+
+def _snapshot_bytes(snap) -> int:
+    nb = getattr(snap, "nbytes", None)
+    if callable(nb):
+        return int(nb())
+    if nb is not None:
+        return int(nb)
+    running = getattr(snap, "running", None) or {}
+    return sum(int(a.nbytes) for parts in running.values() for a in parts.values())
+
+
+class CheckpointCache:
+    """The engine's conversation checkpoints over its one KV arena (DESIGN.md §2, seeds #62, #861).
+
+    cap: ``--prompt-cache N``, checkpoints kept at most (0: none, reads are "live" or from 0 in one part;
+    1: no pin, plain first-in-first-out, the old behaviour; >= 2: the root is pinned, the rest LRU).
+    every: ``--prompt-cache-every`` tokens between periodic cut points (0: none). root_min:
+    ``--prompt-cache-root``, the minimum root length (tokens) worth pinning. budget_bytes:
+    ``--prompt-cache-mib`` in bytes, a hard cap on the checkpoints' own memory (see retention). tail: the
+    distance (tokens) of the near-tail cut point from the prompt's end (0: none).
+
+    The kept checkpoints always form a prefix chain of what the arena holds: :meth:`plan` erases every
+    checkpoint that is not a prefix of the new prompt (and of the live sequence), and every one past the
+    resume point (the read overwrites the arena there). Thread-safe (one lock); the engine calls plan/save
+    from its thread, ``entries``/``stats`` may be called from any. Raises ValueError (one line) for bad
+    numbers; nothing changes then.
+    """
+
+    def __init__(self, cap: int = 6, every: int = 0, root_min: int = 0, budget_bytes: int = 1024 << 20,
+                 tail: int = 0):
+        for name, v in (("cap (--prompt-cache)", cap), ("every (--prompt-cache-every)", every),
+                        ("root_min (--prompt-cache-root)", root_min), ("budget_bytes (--prompt-cache-mib)",
+                                                                        budget_bytes),
+                        ("tail", tail)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
+        self.cap = cap
+        self.every = every
+        self.root_min = root_min
+        self.budget_bytes = budget_bytes
+        self.tail = tail
+        self._entries: dict[int, _Entry] = {}
+        self._clock = 0
+        self._lock = threading.Lock()
+        self._live_ok = True
+        self._stats = dict(hits=0, hits_live=0, hits_checkpoint=0, misses=0, tokens_saved=0, saves=0,
+                           evictions=0, erased=0)
+
+    # ---- the request loop ------------------------------------------------------------------------
+    def plan(self, state, prompt_tokens, cut_points, *, checkpoint: bool = True,
+             cache_prompt: bool = True) -> PrefillPlan:
+        """Decide how to read ``prompt_tokens`` on ``state`` (a strata.state.SequenceState).
+
+        Resume rules, first that applies:
+
+        1. cache_prompt=False (llama.cpp's meaning): reuse nothing, read from 0; every checkpoint is erased.
+        2. live: the previous request left a live session (its checkpoint flag was not False) and
+           ``state.tokens`` is a non-empty, strictly shorter prefix of the prompt: read only the new tokens.
+        3. checkpoint: the deepest kept checkpoint, shorter than the prompt, whose tokens are a prefix of the
+           prompt and of ``state.tokens``. Never the full prompt: one token at least is read so there are
+           logits; a checkpoint at len(prompt) steps back to the next shallower one. Mounting re-dates it.
+        4. none: read from 0 (the engine resets the sequence).
+
+        The same rules hold for every architecture: an attention-only sequence could cut its KV back to
+        any common prefix, but a resume point that is not a saved cut point would split the read where the
+        first read did not, and the same request sent twice would no longer read the same parts (the
+        exactness property, DESIGN.md §4). So nothing is resumed except a live end or a checkpoint.
+
+        Parts: the kept cut points after the resume point, de-duplicated, plus len(prompt). Kept: the
+        template's root / message / turn / pin points, periodic points every ``every`` tokens (absolute
+        positions k*every) and the near-tail point len(prompt) - tail. Points shallower than the root are
+        dropped (the root is the shallowest checkpoint a chat saves, so it is the chain's root).
+        checkpoint=False (seed #861): only the root (when it is at least root_min long) and a client pin
+        are kept, so the prompt after the reused prefix is read in one part; keep_live is False. cap 0:
+        no cut points at all, one part. A checkpoint is saved at every kept cut point.
+
+        prompt_tokens: list of int token ids, non-empty. cut_points: CutPoint(pos, kind, index) objects
+        (or (pos, kind) tuples) with 0 <= pos <= len(prompt) and kind in root/message/turn/pin. Raises
+        ValueError (one line), changing nothing, for an empty prompt or a bad cut point.
+        """
+        prompt = [int(t) for t in prompt_tokens]
+        n = len(prompt)
+        if n == 0:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        cuts = []
+        for cp in cut_points or ():
+            p, kind = _cut(cp)
+            if kind not in _TEMPLATE_KINDS:
+                raise ValueError(f"unknown cut point kind {kind!r} (expected one of {', '.join(_TEMPLATE_KINDS)})")
+            if not 0 <= p <= n:
+                raise ValueError(f"cut point {kind} at {p} is outside the prompt [0, {n}]")
+            cuts.append((p, kind))
+        checkpoint = bool(checkpoint)
+        cache_prompt = bool(cache_prompt)
+        state_tokens = list(state.tokens)
+
+        with self._lock:
+            live_ok = self._live_ok
+            erased: list[int] = []
+            resume, source, snap = 0, "none", None
+            if cache_prompt:
+                L = len(state_tokens)
+                if live_ok and 0 < L < n and prompt[:L] == state_tokens:
+                    resume, source = L, "live"
+                else:
+                    best = None
+                    for e in self._entries.values():
+                        if e.pos < n and e.pos <= L and prompt[:e.pos] == list(e.tokens) \
+                                and state_tokens[:e.pos] == list(e.tokens):
+                            if best is None or e.pos > best.pos:
+                                best = e
+                    if best is not None:
+                        resume, source, snap = best.pos, "checkpoint", best.snapshot
+                        self._clock += 1
+                        best.last_use = self._clock
+                        best.last_use_time = time.time()
+                        best.mounts += 1
+            # erase what the arena will no longer hold: not a prefix of the prompt (or of the live sequence),
+            # or past the resume point (the read overwrites [resume, n))
+            for pos, e in list(self._entries.items()):
+                ok = (source != "none" and pos <= resume and prompt[:pos] == list(e.tokens)
+                      and state_tokens[:pos] == list(e.tokens))
+                if not ok:
+                    del self._entries[pos]
+                    erased.append(pos)
+            self._stats["erased"] += len(erased)
+            if source == "none":
+                self._stats["misses"] += 1
+            else:
+                self._stats["hits"] += 1
+                self._stats["hits_" + source] += 1
+                self._stats["tokens_saved"] += resume
+
+            points = self._kept_points(n, cuts, resume, checkpoint)
+            part_ends = sorted(p for p in points if p < n) + [n]
+            save_at = dict(sorted(points.items()))
+            self._live_ok = checkpoint
+        return PrefillPlan(resume_pos=resume, resume_from=source, snapshot=snap, part_ends=part_ends,
+                           save_at=save_at, keep_live=checkpoint, erased=sorted(erased))
+
+    def _kept_points(self, n: int, cuts: list[tuple[int, str]], resume: int, checkpoint: bool) -> dict[int, str]:
+        """Cut points after `resume` at which to end a part and save a checkpoint -> {pos: kind}."""
+        if self.cap == 0:
+            return {}
+        roots = [p for p, k in cuts if k == "root"]
+        root = max(roots) if roots else 0
+        cand: list[tuple[int, str]] = []
+        if checkpoint:
+            cand += cuts
+            if self.every:
+                cand += [(p, "periodic") for p in range(self.every, n, self.every)]
+            if self.tail and n - self.tail > 0:
+                cand.append((n - self.tail, "tail"))
+        else:
+            cand += [(p, k) for p, k in cuts if k == "pin"]
+            if roots and root >= self.root_min:
+                cand.append((root, "root"))
+        out: dict[int, str] = {}
+        for p, k in cand:
+            if p <= resume or p <= 0 or p < root or p > n:
+                continue
+            if p not in out or _RANK[k] < _RANK[out[p]]:
+                out[p] = k
+        return out
+
+    def save(self, pos: int, kind: str, snapshot) -> list[int]:
+        """Keep ``snapshot`` (a strata.state.Snapshot taken at ``pos``) as a checkpoint of kind ``kind``.
+
+        Checkpoints that the snapshot's tokens contradict (no longer a prefix of what the arena holds) are
+        erased; an existing one at ``pos`` is replaced; then retention (strata.cache.retention) evicts.
+        Returns the positions evicted or erased. With cap 0 nothing is kept. Raises ValueError (one line),
+        keeping nothing, for an unknown kind, pos <= 0, or a snapshot taken at another position.
+        """
+        if kind not in _RANK:
+            raise ValueError(f"unknown checkpoint kind {kind!r} (expected one of {', '.join(KINDS)})")
+        if isinstance(pos, bool) or not isinstance(pos, int) or pos <= 0:
+            raise ValueError(f"a checkpoint position must be an integer > 0, got {pos!r}")
+        spos = getattr(snapshot, "pos", None)
+        tokens = tuple(int(t) for t in getattr(snapshot, "tokens", ()))
+        if spos != pos or len(tokens) != pos:
+            raise ValueError(f"the snapshot was taken at position {spos} with {len(tokens)} tokens, "
+                             f"not at {pos}")
+        nbytes = _snapshot_bytes(snapshot)
+        with self._lock:
+            gone: list[int] = []
+            for p, e in list(self._entries.items()):
+                lo, hi = (e.tokens, tokens) if p <= pos else (tokens, e.tokens)
+                if hi[:len(lo)] != lo or p == pos:
+                    del self._entries[p]
+                    if p != pos:
+                        gone.append(p)
+            self._stats["erased"] += len(gone)
+            if self.cap == 0:
+                return gone
+            self._clock += 1
+            self._entries[pos] = _Entry(pos=pos, kind=kind, snapshot=snapshot, tokens=tokens, bytes=nbytes,
+                                        saved=self._clock, last_use=self._clock, last_use_time=time.time())
+            self._stats["saves"] += 1
+            victims = choose_victims(self._kept(), cap=self.cap, root_min=self.root_min,
+                                     budget_bytes=self.budget_bytes)
+            for p in victims:
+                del self._entries[p]
+            self._stats["evictions"] += len(victims)
+            return gone + victims
+
+    # ---- visibility ------------------------------------------------------------------------------
+    def _kept(self) -> list[Kept]:
+        return [Kept(pos=e.pos, kind=e.kind, last_use=e.last_use, bytes=e.bytes, saved=e.saved)
+                for e in self._entries.values()]
+
+    def entries(self) -> list[dict]:
+        """The kept checkpoints by position: dicts with pos (tokens), kind, bytes, last_use (logical clock,
+        larger = more recent), last_use_time (Unix seconds), mounts (times restored), pinned (bool)."""
+        with self._lock:
+            pin = pinned_root(self._kept(), self.cap, self.root_min)
+            return [dict(pos=e.pos, kind=e.kind, bytes=e.bytes, last_use=e.last_use,
+                         last_use_time=e.last_use_time, mounts=e.mounts,
+                         pinned=pin is not None and pin.pos == e.pos)
+                    for e in sorted(self._entries.values(), key=lambda e: e.pos)]
+
+    def stats(self) -> dict:
+        """Counters since start: hits (plans that reused a prefix; hits_live + hits_checkpoint), misses,
+        tokens_saved (prompt tokens not read thanks to a hit), saves, evictions (retention), erased
+        (no longer a prefix of the arena)."""
+        with self._lock:
+            return dict(self._stats)
+
+    @property
+    def live_ok(self) -> bool:
+        """Whether the live sequence may be continued by the next request (False after checkpoint=False)."""
+        return self._live_ok
+
+    def drop_live(self) -> None:
+        """Forbid continuing the live sequence (the engine calls it when the sequence is not continuable)."""
+        with self._lock:
+            self._live_ok = False
+
+    def clear(self) -> None:
+        """Drop every checkpoint (counters stay)."""
+        with self._lock:
+            self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)

@@ -1,0 +1,105 @@
+"""Checkpoint retention: which conversation checkpoints to evict, as one pure function (seed #62)."""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+__all__ = ["Kept", "pinned_root", "choose_victims"]
+
+
+@dataclass(frozen=True)
+class Kept:
+    """What retention knows of one kept checkpoint.
+
+    pos: prompt position (tokens) the checkpoint resumes at, > 0, unique among the kept ones.
+    kind: the cut point kind it was saved at ("root", "message", "turn", "pin", "periodic", "tail");
+    informational only, retention decides by position, use and size.
+    last_use: logical time of the last save or mount (larger is more recent; re-dated on every mount).
+    bytes: memory the checkpoint holds of its own (running state copy; attention KV pages are shared with
+    the arena and not counted), >= 0.
+    saved: logical time of the save (insertion order), used by the first-in-first-out mode (cap 1).
+    """
+
+    pos: int
+    kind: str
+    last_use: int
+    bytes: int
+    saved: int = 0
+
+
+def _check(kept: Sequence[Kept], cap: int, root_min: int, budget_bytes: int | None) -> None:
+    if not isinstance(cap, int) or cap < 0:
+        raise ValueError(f"cap (--prompt-cache) must be an integer >= 0, got {cap!r}")
+    if not isinstance(root_min, int) or root_min < 0:
+        raise ValueError(f"root_min (--prompt-cache-root) must be an integer >= 0, got {root_min!r}")
+    if budget_bytes is not None and (not isinstance(budget_bytes, int) or budget_bytes < 0):
+        raise ValueError(f"budget_bytes (--prompt-cache-mib) must be an integer >= 0 or None, got {budget_bytes!r}")
+    seen: set[int] = set()
+    for k in kept:
+        if k.pos <= 0:
+            raise ValueError(f"a checkpoint position must be > 0, got {k.pos}")
+        if k.bytes < 0:
+            raise ValueError(f"checkpoint at {k.pos} has a negative size {k.bytes}")
+        if k.pos in seen:
+            raise ValueError(f"two kept checkpoints at position {k.pos}: positions must be unique")
+        seen.add(k.pos)
+
+
+def pinned_root(kept: Iterable[Kept], cap: int, root_min: int) -> Kept | None:
+    """The checkpoint retention pins, or None.
+
+    The kept checkpoints are always a prefix chain (the request loop erases every checkpoint that is not a
+    prefix of what the KV arena holds: one arena, one branch of history), so the deepest point every kept
+    checkpoint shares is the shallowest one — the chain's root. It is pinned when cap >= 2 (cap 1 is the
+    old first-in-first-out behaviour, with no pin) and its length is at least root_min tokens.
+    """
+    kept = list(kept)
+    if cap < 2 or not kept:
+        return None
+    root = min(kept, key=lambda k: k.pos)
+    return root if root.pos >= root_min else None
+
+
+def choose_victims(kept: Sequence[Kept], *, cap: int, root_min: int = 0,
+                   budget_bytes: int | None = None) -> list[int]:
+    """Which kept checkpoints to evict -> their positions, in eviction order (first = evicted first).
+
+    The policy (seed #62, "the conversation cache keeps its shared prefix; the rest rotates LRU"):
+
+    * cap 0 (``--prompt-cache 0``): keep none; every checkpoint is a victim.
+    * cap 1: plain first-in-first-out by save order, no pin — the old behaviour exactly.
+    * cap >= 2: the root (see :func:`pinned_root`: the shallowest checkpoint of the prefix chain, when it
+      is at least ``root_min`` tokens long) is pinned and never a victim of the count limit; the others are
+      evicted least-recently-used first (``last_use``, ties broken by save order then position) until at
+      most ``cap`` remain. Why not a radix tree: the chain has exactly one branch, so the only question is
+      what to drop.
+    * ``budget_bytes`` (``--prompt-cache-mib``): after the count limit, unpinned checkpoints keep going in
+      the same order while the kept bytes exceed the budget; if the pinned root alone still exceeds it, the
+      root goes too (the budget is a hard cap on memory). None means no byte limit.
+
+    Pure: reads its arguments only, changes nothing. Raises ValueError (one line) for a negative cap,
+    root_min or budget, a position <= 0, a negative size or duplicate positions.
+    """
+    kept = list(kept)
+    _check(kept, cap, root_min, budget_bytes)
+    if cap == 0:
+        return [k.pos for k in sorted(kept, key=lambda k: (k.saved, k.pos))]
+    pin = pinned_root(kept, cap, root_min)
+    if cap == 1:
+        order = sorted(kept, key=lambda k: (k.saved, k.pos))
+    else:
+        order = sorted((k for k in kept if k is not pin), key=lambda k: (k.last_use, k.saved, k.pos))
+    victims: list[int] = []
+    n = len(kept)
+    total = sum(k.bytes for k in kept)
+    for k in order:
+        over_count = n > cap
+        over_bytes = budget_bytes is not None and total > budget_bytes
+        if not (over_count or over_bytes):
+            break
+        victims.append(k.pos)
+        n -= 1
+        total -= k.bytes
+    if pin is not None and budget_bytes is not None and total > budget_bytes:
+        victims.append(pin.pos)
+    return victims

@@ -1,0 +1,404 @@
+"""Chat template: `tokenizer.chat_template` rendered in a jinja2 sandbox the Hugging Face way, giving token ids and cut points."""
+from __future__ import annotations
+
+import copy
+import re
+import json
+import secrets
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Literal, Sequence
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.utils
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from strata.tokenizer import Tokenizer
+
+CutKind = Literal["root", "message", "turn", "pin"]
+_KIND_ORDER = {"root": 0, "message": 1, "pin": 2, "turn": 3}
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+@dataclass(frozen=True)
+class CutPoint:
+    """A token position where the prompt may be split and a checkpoint saved (DESIGN.md "cut points").
+
+    pos: number of prompt tokens before the cut. kind: "root" (end of the leading system message(s)),
+    "message" (end of message `index`), "turn" (start of the final generation prompt, index None),
+    "pin" (end of the client-pinned message `index`).
+    """
+    pos: int
+    kind: CutKind
+    index: int | None = None
+
+
+@dataclass
+class RenderedPrompt:
+    """Prompt token ids, the rendered text, and cut points sorted by pos (several kinds may share a pos).
+
+    content_safe: True when message contents were tokenized as plain text by the sentinel method (always
+    the case unless the template transforms contents; see ChatTemplate.render).
+    """
+    tokens: list[int]
+    text: str
+    cut_points: list[CutPoint] = field(default_factory=list)
+    content_safe: bool = True
+
+
+class _GenerationTracker(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (transformers' AssistantTracker): renders its body unchanged."""
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller):
+        return caller()
+
+
+def _raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # transformers' override: no HTML escaping, json.dumps options exposed
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt):
+    return datetime.now().strftime(fmt)
+
+
+class _TemplateDict:
+    def __call__(self, *args, **kwargs):
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args, **kwargs):
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    def __init__(*args, **kwargs):
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+        _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name):
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"chat templates cannot set underscore attributes ({name!r})")
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    """The jinja2 environment of transformers' _compile_jinja_template (utils/chat_template_utils.py)."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_GenerationTracker, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _TemplateNamespace
+    return env
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def _prepare_messages(messages) -> list[dict]:
+    """A fresh copy: None-valued keys dropped, reasoning fields aliased (as transformers does)."""
+    if not isinstance(messages, (list, tuple)):
+        raise ValueError(f"messages must be a list, got {type(messages).__name__}")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"message {i} must be an object, got {type(m).__name__}")
+        if "role" not in m:
+            raise ValueError(f"message {i} has no role")
+        m = {k: copy.deepcopy(v) for k, v in m.items() if v is not None}
+        reasoning = next((m[k] for k in _REASONING_FIELDS if m.get(k) is not None), None)
+        if reasoning is not None:
+            m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+        out.append(m)
+    return out
+
+
+class ChatTemplate:
+    """Renders chats with a model's Jinja chat template and tokenizes them safely.
+
+    Rendering follows Hugging Face transformers' apply_chat_template (ImmutableSandboxedEnvironment with
+    trim_blocks/lstrip_blocks, loopcontrols, `raise_exception`, `strftime_now`, transformers' `tojson`,
+    variables messages/tools/documents/add_generation_prompt/bos_token/eos_token plus any extra keyword such
+    as enable_thinking).
+
+    Client text never becomes control tokens: the chat is also rendered with unique sentinel strings in place
+    of every client string (message contents and text parts, tool-call arguments, reasoning); when putting
+    the real strings back in gives exactly the real rendering, the template's own text is tokenized with
+    special-token parsing and the client strings without it (llama.cpp's fragment rules, so the ids equal
+    llama.cpp's tokenization of the same text wherever the contents hold no special-token text).
+    Fallback when a template transforms contents (e.g. strips or splits them): each client string found
+    verbatim in the rendering, in order, is marked plain text; then if the result still holds more control
+    tokens than the template alone produces, render raises ValueError rather than let client text
+    become control tokens.
+    """
+
+    def __init__(self, template_str: str, tokenizer: Tokenizer, bos_token: str | None = None,
+                 eos_token: str | None = None, special_tokens: dict[str, str] | None = None):
+        if not isinstance(template_str, str) or not template_str.strip():
+            raise ValueError("chat template is empty")
+        self.source = template_str
+        self.tokenizer = tokenizer
+        self.bos_token = bos_token if bos_token is not None else (
+            tokenizer.tokens[tokenizer.bos_id] if tokenizer.bos_id is not None else "")
+        self.eos_token = eos_token if eos_token is not None else (
+            tokenizer.tokens[tokenizer.eos_id] if tokenizer.eos_id is not None else "")
+        self.special_tokens = dict(special_tokens or {})
+        try:
+            self._template = _environment().from_string(template_str)
+        except jinja2.TemplateError as e:
+            raise ValueError(f"chat template does not compile: {_one_line(e)}") from None
+
+    @classmethod
+    def from_gguf(cls, metadata: dict, tokenizer: Tokenizer) -> "ChatTemplate":
+        """From `tokenizer.chat_template`; ValueError if the GGUF has none."""
+        t = metadata.get("tokenizer.chat_template")
+        if not t:
+            raise ValueError("GGUF has no tokenizer.chat_template")
+        return cls(str(t), tokenizer)
+
+    # ----------------------------------------------------------------- text
+    def render_text(self, messages, add_generation_prompt: bool = True, tools=None, documents=None,
+                    **kw) -> str:
+        """The rendered prompt text. Raises ValueError (one line) for template errors / raise_exception."""
+        return self._render(_prepare_messages(messages), add_generation_prompt, tools, documents, kw)
+
+    def _render(self, messages, add_generation_prompt, tools, documents, kw) -> str:
+        variables = dict(self.special_tokens)
+        variables.update(bos_token=self.bos_token, eos_token=self.eos_token)
+        variables.update(kw)
+        try:
+            return self._template.render(messages=messages, tools=tools, documents=documents,
+                                         add_generation_prompt=add_generation_prompt, **variables)
+        except jinja2.TemplateError as e:
+            raise ValueError(f"chat template error: {_one_line(e)}") from None
+        except Exception as e:  # template code errors (TypeError, KeyError, ...) are the template's problem
+            raise ValueError(f"chat template error: {type(e).__name__}: {_one_line(e)}") from None
+
+    # ----------------------------------------------------------------- tokens + cut points
+    def render(self, messages, add_generation_prompt: bool = True, tools=None, documents=None,
+               pin_message: int | None = None, **kw) -> RenderedPrompt:
+        """Render and tokenize a chat, finding its cut points.
+
+        Cut points are found by rendering prefixes of the conversation: message_at(i) is the length of
+        render(messages[:i+1], add_generation_prompt=False) when that text is a prefix of the full text and
+        its tokens are a prefix of the full tokens (otherwise that cut point is skipped); root_at is
+        message_at of the last leading system message; turn_at is the length of the chat rendered without the
+        generation prompt (only with add_generation_prompt); pin_at is message_at(pin_message).
+        Raises ValueError for bad messages, a bad pin_message, or template errors.
+        """
+        msgs = _prepare_messages(messages)
+        if pin_message is not None:
+            if isinstance(pin_message, bool) or not isinstance(pin_message, int):
+                raise ValueError(f"pin_message must be a message index, got {pin_message!r}")
+            if pin_message < 0:
+                pin_message += len(msgs)
+            if not 0 <= pin_message < len(msgs):
+                raise ValueError(f"pin_message {pin_message} is out of range for {len(msgs)} messages")
+        text = self._render(msgs, add_generation_prompt, tools, documents, kw)
+        pieces, safe = self._pieces(msgs, text, add_generation_prompt, tools, documents, kw)
+        tk = self.tokenizer
+        joined, frags = tk.split_special(pieces)
+        if joined != text:  # pieces always cover the text; guard against a logic error
+            raise ValueError("internal error: prompt pieces do not cover the rendered text")
+        if safe is False:
+            # fallback guard: client text must not add control tokens beyond the template's own
+            tmpl_ctrl = self._template_control_count(msgs, add_generation_prompt, tools, documents, kw)
+            n_ctrl = sum(1 for f in frags if f.token_id is not None and tk.is_control(f.token_id))
+            if tmpl_ctrl is None or n_ctrl > tmpl_ctrl:
+                raise ValueError("message content would become control tokens (the template transforms "
+                                 "contents, so they cannot be isolated)")
+        parts = tk.encode_fragments(text, frags)
+        bos = 0
+        tokens: list[int] = []
+        if tk.add_bos and tk.bos_id is not None and not (frags and frags[0].token_id == tk.bos_id):
+            tokens.append(tk.bos_id)
+            bos = 1
+        # token offset of each fragment start
+        starts = []
+        for f, ids in zip(frags, parts):
+            starts.append(len(tokens))
+            tokens.extend(ids)
+
+        def char_to_pos(c: int) -> int | None:
+            """Token position of a cut at character c, if the tokens of text[:c] are a prefix of tokens."""
+            if c == len(text):
+                return len(tokens)
+            if c == 0:
+                return bos
+            for k, f in enumerate(frags):
+                if f.start == c:
+                    return starts[k]
+                if f.start < c < f.end:
+                    if f.token_id is not None:
+                        return None
+                    head = text[f.start:c]
+                    prev_special = k == 0 or frags[k - 1].token_id is not None
+                    ids = tk.encode_raw(head, after_special=prev_special)
+                    if parts[k][:len(ids)] == ids:
+                        return starts[k] + len(ids)
+                    return None
+            return None
+
+        cuts: list[CutPoint] = []
+        n_sys = 0
+        while n_sys < len(msgs) and msgs[n_sys].get("role") in ("system", "developer"):
+            n_sys += 1
+        msg_pos: dict[int, int] = {}
+        for i in range(len(msgs)):
+            if i == len(msgs) - 1 and not add_generation_prompt:
+                c = len(text)
+                prefix_ok = True
+            else:
+                try:
+                    prefix = self._render(msgs[:i + 1], False, tools, documents, kw)
+                except ValueError:
+                    continue
+                prefix_ok = text.startswith(prefix)
+                c = len(prefix)
+            if not prefix_ok:
+                continue
+            p = char_to_pos(c)
+            if p is None:
+                continue
+            msg_pos[i] = p
+            cuts.append(CutPoint(p, "message", i))
+        if n_sys and (n_sys - 1) in msg_pos:
+            cuts.append(CutPoint(msg_pos[n_sys - 1], "root", n_sys - 1))
+        if pin_message is not None and pin_message in msg_pos:
+            cuts.append(CutPoint(msg_pos[pin_message], "pin", pin_message))
+        if add_generation_prompt and msgs:
+            try:
+                base = self._render(msgs, False, tools, documents, kw)
+            except ValueError:
+                base = None
+            if base is not None and text.startswith(base):
+                p = char_to_pos(len(base))
+                if p is not None:
+                    cuts.append(CutPoint(p, "turn", None))
+        cuts.sort(key=lambda cp: (cp.pos, _KIND_ORDER[cp.kind], -1 if cp.index is None else cp.index))
+        return RenderedPrompt(tokens=tokens, text=text, cut_points=cuts, content_safe=safe)
+
+    # ----------------------------------------------------------------- sentinels
+    @staticmethod
+    def _substitute(msgs: list[dict], nonce: str) -> tuple[list[dict], dict[str, str]]:
+        """Copy of msgs with every client string replaced by a sentinel; returns (copy, sentinel -> string)."""
+        table: dict[str, str] = {}
+
+        def sent(s: str) -> str:
+            key = f"zqx{nonce}s{len(table)}qzx"
+            table[key] = s
+            return key
+
+        def walk_args(v):
+            if isinstance(v, str):
+                return sent(v) if v else v
+            if isinstance(v, dict):
+                return {k: walk_args(x) for k, x in v.items()}
+            if isinstance(v, list):
+                return [walk_args(x) for x in v]
+            return v
+
+        out = []
+        for m in msgs:
+            m = copy.deepcopy(m)
+            c = m.get("content")
+            if isinstance(c, str) and c:
+                m["content"] = sent(c)
+            elif isinstance(c, list):
+                for part in c:
+                    if isinstance(part, dict) and isinstance(part.get("text"), str) and part["text"]:
+                        part["text"] = sent(part["text"])
+            shared: dict[str, str] = {}  # reasoning aliases hold one string: give them one sentinel
+            for k in _REASONING_FIELDS:
+                v = m.get(k)
+                if isinstance(v, str) and v:
+                    if v not in shared:
+                        shared[v] = sent(v)
+                    m[k] = shared[v]
+            tcs = m.get("tool_calls")
+            if isinstance(tcs, list):
+                for tc in tcs:
+                    fn = tc.get("function") if isinstance(tc, dict) else None
+                    if isinstance(fn, dict) and "arguments" in fn:
+                        fn["arguments"] = walk_args(fn["arguments"])
+            out.append(m)
+        return out, table
+
+    def _pieces(self, msgs, text, add_generation_prompt, tools, documents, kw):
+        """[(text, parse_special)] covering `text`, and whether the sentinel method succeeded."""
+        nonce = secrets.token_hex(4)
+        while nonce in text:
+            nonce = secrets.token_hex(4)
+        smsgs, table = self._substitute(msgs, nonce)
+        if not table:
+            return [(text, True)], True
+        try:
+            stext = self._render(smsgs, add_generation_prompt, tools, documents, kw)
+        except ValueError:
+            stext = None
+        if stext is not None:
+            pieces: list[tuple[str, bool]] = []
+            pat = re.compile("|".join(re.escape(k) for k in sorted(table, key=len, reverse=True)))
+            pos = 0
+            for m in pat.finditer(stext):
+                if m.start() > pos:
+                    pieces.append((stext[pos:m.start()], True))
+                pieces.append((table[m.group(0)], False))
+                pos = m.end()
+            if pos < len(stext):
+                pieces.append((stext[pos:], True))
+            if "".join(t for t, _ in pieces) == text:
+                return pieces, True
+        # fallback: mark client strings found verbatim (in order of appearance) as plain text
+        strings = sorted(set(table.values()), key=len, reverse=True)
+        spans = []
+        for s in strings:
+            start = 0
+            while True:
+                j = text.find(s, start)
+                if j < 0:
+                    break
+                if not any(a < j + len(s) and j < b for a, b in spans):
+                    spans.append((j, j + len(s)))
+                start = j + 1
+        spans.sort()
+        pieces, pos = [], 0
+        for a, b in spans:
+            if a > pos:
+                pieces.append((text[pos:a], True))
+            pieces.append((text[a:b], False))
+            pos = b
+        if pos < len(text):
+            pieces.append((text[pos:], True))
+        return pieces, False
+
+    def _template_control_count(self, msgs, add_generation_prompt, tools, documents, kw) -> int | None:
+        """Control tokens the template itself emits: the sentinel rendering tokenized with special parsing."""
+        smsgs, _ = self._substitute(msgs, secrets.token_hex(4))
+        try:
+            stext = self._render(smsgs, add_generation_prompt, tools, documents, kw)
+        except ValueError:
+            return None
+        _, frags = self.tokenizer.split_special([(stext, True)])
+        return sum(1 for f in frags if f.token_id is not None and self.tokenizer.is_control(f.token_id))

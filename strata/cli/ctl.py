@@ -1,0 +1,360 @@
+"""`stratactl`: the admin command line of a running daemon, over its Unix socket (or --url).
+
+Exit codes: 0 ok, 1 the server answered with an error, 2 usage, 3 cannot connect (the message names
+the socket path or URL).
+"""
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import socket
+import sys
+import urllib.parse
+from typing import Any
+
+from strata.serve.paths import client_socket_path
+
+EXIT_OK, EXIT_SERVER, EXIT_USAGE, EXIT_CONNECT = 0, 1, 2, 3
+
+
+class CtlError(Exception):
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float):
+        super().__init__("localhost", timeout=timeout)
+        self.unix_path = path
+
+    def connect(self) -> None:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(self.timeout)
+        try:
+            s.connect(self.unix_path)
+        except OSError:
+            s.close()
+            raise
+        self.sock = s
+
+
+class Client:
+    """One HTTP exchange per call, over the Unix socket or a TCP URL."""
+
+    def __init__(self, socket_path: str | None, url: str | None, api_key: str | None, timeout: float):
+        self.socket_path, self.url, self.api_key, self.timeout = socket_path, url, api_key, timeout
+        if url:
+            u = urllib.parse.urlsplit(url)
+            if u.scheme not in ("http", "https") or not u.hostname:
+                raise CtlError(f"--url must look like http://HOST:PORT, got {url!r}", EXIT_USAGE)
+            self._u = u
+        self.where = url if url else f"socket {socket_path}"
+
+    def _conn(self):
+        if self.url:
+            cls = http.client.HTTPSConnection if self._u.scheme == "https" else http.client.HTTPConnection
+            return cls(self._u.hostname, self._u.port, timeout=self.timeout)
+        return _UnixHTTPConnection(self.socket_path, self.timeout)
+
+    def request(self, method: str, path: str, body: Any = None):
+        """-> (status, headers, response) with the response still open (read or stream it)."""
+        if self.url and self._u.path.rstrip("/"):
+            path = self._u.path.rstrip("/") + path
+        headers = {"Accept": "application/json"}
+        data = None
+        if body is not None:
+            data = json.dumps(body).encode()
+            headers["Content-Type"] = "application/json"
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        conn = self._conn()
+        try:
+            conn.request(method, path, body=data, headers=headers)
+            resp = conn.getresponse()
+        except (OSError, http.client.HTTPException) as e:
+            conn.close()
+            hint = " (is `strata serve` running?)" if isinstance(e, (FileNotFoundError, ConnectionRefusedError)) else ""
+            raise CtlError(f"cannot connect to {self.where}: {e}{hint}", EXIT_CONNECT) from None
+        return resp
+
+    def call(self, method: str, path: str, body: Any = None, *, raw: bool = False):
+        resp = self.request(method, path, body)
+        try:
+            payload = resp.read()
+        except (OSError, http.client.HTTPException) as e:
+            raise CtlError(f"lost the connection to {self.where}: {e}", EXIT_CONNECT) from None
+        if resp.status >= 400:
+            raise CtlError(f"server error {resp.status}: {_error_message(payload)}", EXIT_SERVER)
+        if raw:
+            return payload.decode("utf-8", "replace")
+        try:
+            return json.loads(payload)
+        except ValueError:
+            raise CtlError(f"the server answered {resp.status} with something that is not JSON", EXIT_SERVER) from None
+
+
+def _error_message(payload: bytes) -> str:
+    try:
+        d = json.loads(payload)
+        return d["error"]["message"] if isinstance(d.get("error"), dict) else json.dumps(d)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return payload.decode("utf-8", "replace").strip()[:500]
+
+
+# ------------------------------------------------------------------------------------------------ output
+def _human_bytes(n) -> str:
+    if n is None:
+        return "-"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def table(rows: list[list[Any]], header: list[str]) -> str:
+    cells = [header] + [["-" if c is None else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _kv(pairs: list[tuple[str, Any]]) -> str:
+    w = max(len(k) for k, _ in pairs)
+    return "\n".join(f"{k.ljust(w)}  {'-' if v is None else v}" for k, v in pairs)
+
+
+def _out(args, data, human: str) -> None:
+    print(json.dumps(data, indent=2, ensure_ascii=False) if args.json else human)
+
+
+# ------------------------------------------------------------------------------------------------ commands
+def cmd_status(c: Client, args) -> int:
+    d = c.call("GET", "/status")
+    e = d.get("engine", {})
+    kv = e.get("kv_pages") or {}
+    mem = e.get("memory") or {}
+    q = d.get("queue", {})
+    stages = ", ".join(f"{s.get('stage')}: {s.get('device')} layers {s.get('layers')}" for s in d.get("stages", []))
+    _out(args, d, _kv([
+        ("model", d.get("model")), ("arch", e.get("arch")), ("path", e.get("path")), ("n_ctx", e.get("n_ctx")),
+        ("stages", stages), ("position", e.get("pos")),
+        ("queue", f"{q.get('running', 0)} running, {q.get('waiting', 0)} waiting (max {q.get('max')})"),
+        ("kv pages", f"{kv.get('used')} / {kv.get('total')} used (page size {kv.get('page_size')})"),
+        ("checkpoints", f"{len(e.get('checkpoints') or [])} kept, {_human_bytes(e.get('checkpoint_bytes'))} "
+                        f"(--prompt-cache {e.get('prompt_cache')})"),
+        ("memory", f"weights {_human_bytes(mem.get('weights_bytes'))}, KV pool {_human_bytes(mem.get('kv_pool_bytes'))}, "
+                   f"RSS {_human_bytes(mem.get('rss_bytes'))}"),
+        ("requests", e.get("requests")), ("uptime", f"{d.get('uptime_s')} s"), ("version", d.get("version")),
+    ]))
+    return EXIT_OK
+
+
+def cmd_health(c: Client, args) -> int:
+    resp = c.request("GET", "/health")
+    payload = resp.read()
+    try:
+        d = json.loads(payload)
+    except ValueError:
+        raise CtlError(f"server error {resp.status}: {payload[:200]!r}", EXIT_SERVER) from None
+    _out(args, d, d.get("status", "?") + (f" ({d['model']})" if d.get("model") else ""))
+    return EXIT_OK if resp.status == 200 else EXIT_SERVER
+
+
+def cmd_models(c: Client, args) -> int:
+    d = c.call("GET", "/v1/models")
+    rows = [[m.get("id"), (m.get("meta") or {}).get("arch"), (m.get("meta") or {}).get("n_ctx"),
+             (m.get("meta") or {}).get("path")] for m in d.get("data", [])]
+    _out(args, d, table(rows, ["ID", "ARCH", "N_CTX", "PATH"]))
+    return EXIT_OK
+
+
+def cmd_slots(c: Client, args) -> int:
+    d = c.call("GET", "/slots")
+    rows = [[s.get("id"), s.get("state"), s.get("pos"), s.get("n_ctx"), s.get("checkpoints")] for s in d]
+    _out(args, d, table(rows, ["ID", "STATE", "POS", "N_CTX", "CHECKPOINTS"]))
+    return EXIT_OK
+
+
+def cmd_metrics(c: Client, args) -> int:
+    text = c.call("GET", "/metrics", raw=True)
+    if not args.json:
+        print(text, end="")
+        return EXIT_OK
+    from prometheus_client.parser import text_string_to_metric_families
+    out: dict[str, list] = {}
+    for fam in text_string_to_metric_families(text):
+        out[fam.name] = [{"name": s.name, "labels": s.labels, "value": s.value} for s in fam.samples]
+    print(json.dumps(out, indent=2))
+    return EXIT_OK
+
+
+def cmd_cache(c: Client, args) -> int:
+    d = c.call("GET", "/cache")
+    rows = [[cp.get("pos"), cp.get("kind"), _human_bytes(cp.get("bytes")), cp.get("last_use"),
+             "yes" if cp.get("pinned") or cp.get("root") else ""] for cp in d.get("checkpoints", [])]
+    human = table(rows, ["POS", "KIND", "BYTES", "LAST_USE", "ROOT"]) + (
+        f"\n{len(rows)} checkpoints, {_human_bytes(d.get('checkpoint_bytes'))} (--prompt-cache {d.get('prompt_cache')})")
+    _out(args, d, human)
+    return EXIT_OK
+
+
+def cmd_slot_action(c: Client, args) -> int:
+    body = {"filename": args.filename} if getattr(args, "filename", None) else None
+    d = c.call("POST", f"/slots/{args.slot}?action={args.cmd}", body)
+    _out(args, d, f"slot {args.slot}: {args.cmd} done" + (f" ({args.filename})" if getattr(args, "filename", None) else ""))
+    return EXIT_OK
+
+
+def _chat_body(args, messages: list[dict], stream: bool) -> dict:
+    body: dict[str, Any] = {"messages": messages, "stream": stream}
+    for k in ("max_tokens", "temperature", "seed", "top_k", "top_p"):
+        v = getattr(args, k)
+        if v is not None:
+            body[k] = v
+    if args.model:
+        body["model"] = args.model
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def _stream_chat(c: Client, args, messages: list[dict]) -> tuple[str, dict]:
+    """Stream one answer to stdout; -> (text, the final chunk's usage/timings/strata)."""
+    resp = c.request("POST", "/v1/chat/completions", _chat_body(args, messages, True))
+    if resp.status >= 400:
+        raise CtlError(f"server error {resp.status}: {_error_message(resp.read())}", EXIT_SERVER)
+    text, info = [], {}
+    try:
+        for line in resp:
+            line = line.strip()
+            if not line.startswith(b"data: "):
+                continue
+            data = line[6:]
+            if data == b"[DONE]":
+                break
+            d = json.loads(data)
+            if "error" in d:
+                raise CtlError(f"server error: {_error_message(data)}", EXIT_SERVER)
+            for ch in d.get("choices", []):
+                piece = (ch.get("delta") or {}).get("content") or ""
+                if piece:
+                    text.append(piece)
+                    sys.stdout.write(piece)
+                    sys.stdout.flush()
+            for k in ("usage", "timings", "strata"):
+                if d.get(k):
+                    info[k] = d[k]
+    except (OSError, http.client.HTTPException) as e:
+        raise CtlError(f"lost the connection to {c.where}: {e}", EXIT_CONNECT) from None
+    finally:
+        resp.close()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    return "".join(text), info
+
+
+def cmd_chat(c: Client, args) -> int:
+    messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    if args.message is not None:
+        messages.append({"role": "user", "content": args.message})
+        if args.json:
+            print(json.dumps(c.call("POST", "/v1/chat/completions", _chat_body(args, messages, False)),
+                             indent=2, ensure_ascii=False))
+            return EXIT_OK
+        _text, info = _stream_chat(c, args, messages)
+        _print_stats(args, info)
+        return EXIT_OK
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print("stratactl chat: type a message; /reset clears the conversation, /exit or Ctrl-D leaves.",
+              file=sys.stderr)
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            return EXIT_OK
+        except KeyboardInterrupt:
+            print(file=sys.stderr)
+            return EXIT_OK
+        line = line.strip()
+        if not line:
+            continue
+        if line in ("/exit", "/quit"):
+            return EXIT_OK
+        if line == "/reset":
+            messages = messages[:1] if args.system else []
+            continue
+        messages.append({"role": "user", "content": line})
+        text, info = _stream_chat(c, args, messages)
+        messages.append({"role": "assistant", "content": text})
+        _print_stats(args, info)
+
+
+def _print_stats(args, info: dict) -> None:
+    if not args.verbose:
+        return
+    t, s = info.get("timings", {}), info.get("strata", {})
+    print(f"[prompt {t.get('prompt_n')} read, {t.get('cache_n')} reused ({s.get('resume_from')}), "
+          f"{t.get('predicted_n')} generated, {t.get('predicted_per_second', 0):.1f} tok/s]", file=sys.stderr)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="stratactl", description="Control a running Strata daemon.")
+    p.add_argument("--socket", "-s", default=None,
+                   help="daemon's Unix socket (default $STRATA_SOCKET, $XDG_RUNTIME_DIR/strata/strata.sock "
+                        "or /run/strata/strata.sock)")
+    p.add_argument("--url", default=os.environ.get("STRATA_URL") or None,
+                   help="talk HTTP to this URL instead of the socket, e.g. http://127.0.0.1:8080")
+    p.add_argument("--api-key", default=os.environ.get("STRATA_API_KEY") or None, help="Bearer token for --url")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for an answer")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", help="print the server's JSON instead of a table")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    sub.add_parser("status", parents=[common], help="model, stages, queue, cache and memory use").set_defaults(fn=cmd_status)
+    sub.add_parser("health", parents=[common], help="is the daemon up and the model loaded").set_defaults(fn=cmd_health)
+    sub.add_parser("models", parents=[common], help="the served model").set_defaults(fn=cmd_models)
+    sub.add_parser("slots", parents=[common], help="the engine's slots").set_defaults(fn=cmd_slots)
+    sub.add_parser("metrics", parents=[common], help="Prometheus metrics (--json: parsed)").set_defaults(fn=cmd_metrics)
+    sub.add_parser("cache", parents=[common], help="list conversation checkpoints").set_defaults(fn=cmd_cache)
+    for action, hlp in (("save", "save a slot to a session file"), ("restore", "restore a slot from a session file"),
+                        ("erase", "erase a slot")):
+        sp = sub.add_parser(action, parents=[common], help=hlp)
+        sp.add_argument("slot", type=int, help="slot id (0)")
+        if action != "erase":
+            sp.add_argument("--filename", "-f", default=None, help="session file name")
+        sp.set_defaults(fn=cmd_slot_action)
+    ch = sub.add_parser("chat", parents=[common], help="chat with the model: one message, or interactive without one")
+    ch.add_argument("message", nargs="?", default=None, help="one-shot message (omit for an interactive chat)")
+    ch.add_argument("--system", default=None, help="system prompt")
+    ch.add_argument("--model", default=None)
+    ch.add_argument("--max-tokens", "-n", type=int, default=None)
+    ch.add_argument("--temperature", type=float, default=None)
+    ch.add_argument("--top-k", type=int, default=None)
+    ch.add_argument("--top-p", type=float, default=None)
+    ch.add_argument("--seed", type=int, default=None)
+    ch.add_argument("--verbose", "-v", action="store_true", help="print tokens read / reused / generated")
+    ch.set_defaults(fn=cmd_chat)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)  # exits 2 on usage errors
+    try:
+        sock = None if args.url else str(args.socket or client_socket_path())
+        c = Client(sock, args.url, args.api_key, args.timeout)
+        return args.fn(c, args)
+    except CtlError as e:
+        print(f"stratactl: {e}", file=sys.stderr)
+        return e.code
+    except BrokenPipeError:
+        return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

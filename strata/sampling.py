@@ -1,0 +1,262 @@
+"""Token sampling (SamplingParams, Sampler: greedy, penalties, top-k, top-p, min-p, temperature, seed) and StopMatcher."""
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from numbers import Integral, Real
+
+import numpy as np
+
+
+def _real(name, v):
+    if isinstance(v, bool) or not isinstance(v, Real) or not math.isfinite(float(v)):
+        raise ValueError(f"{name} must be a finite number, got {v!r}")
+    return float(v)
+
+
+def _int(name, v):
+    if isinstance(v, bool) or not isinstance(v, Integral):
+        raise ValueError(f"{name} must be an integer, got {v!r}")
+    return int(v)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings (llama.cpp's names and defaults; OpenAI's presence/frequency penalties).
+
+    temperature: >= 0; 0 = greedy (argmax after penalties).      top_k: >= 0; 0 = off.
+    top_p: in (0, 1]; 1 = off.                                     min_p: in [0, 1]; 0 = off.
+    repeat_penalty: > 0; 1 = off.  presence_penalty, frequency_penalty: in [-2, 2]; 0 = off.
+    repeat_last_n: tokens of history the penalties look at; 0 = none, -1 = all.
+    seed: None or -1 = fresh entropy, otherwise an int >= 0 (same seed, same logits -> same tokens).
+    logprobs: None, or how many top log-probabilities to return per token (0..20).
+    Raises ValueError (one line naming the field) for a bad value.
+    """
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repeat_last_n: int = 64
+    seed: int | None = None
+    logprobs: int | None = None
+
+    def __post_init__(self):
+        t = _real("temperature", self.temperature)
+        if t < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if _int("top_k", self.top_k) < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k!r}")
+        p = _real("top_p", self.top_p)
+        if not 0 < p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        m = _real("min_p", self.min_p)
+        if not 0 <= m <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if _real("repeat_penalty", self.repeat_penalty) <= 0:
+            raise ValueError(f"repeat_penalty must be > 0, got {self.repeat_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = _real(name, getattr(self, name))
+            if not -2 <= v <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if _int("repeat_last_n", self.repeat_last_n) < -1:
+            raise ValueError(f"repeat_last_n must be >= -1, got {self.repeat_last_n!r}")
+        if self.seed is not None:
+            s = _int("seed", self.seed)
+            if s < -1 or s >= 2**64:
+                raise ValueError(f"seed must be -1 or in [0, 2**64), got {self.seed!r}")
+        if self.logprobs is not None:
+            n = _int("logprobs", self.logprobs)
+            if not 0 <= n <= 20:
+                raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class SampleResult:
+    """One sampled token: its id, its log-probability and (if asked) the top log-probabilities.
+
+    Log-probabilities are natural logs of the softmax of the model's unmodified logits (before penalties,
+    truncation and temperature), as OpenAI reports them. top_logprobs: [(token_id, logprob)], best first.
+    """
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """float64 log-softmax of a 1-D array."""
+    x = logits.astype(np.float64)
+    m = x.max()
+    return x - (m + math.log(np.exp(x - m).sum()))
+
+
+class Sampler:
+    """Samples token ids from float32 logits (n_vocab,) with llama.cpp's chain order:
+    penalties -> top-k -> top-p -> min-p -> temperature -> draw (llama.cpp src/llama-sampling.cpp;
+    common/sampling.cpp's default order without DRY/typical/XTC). temperature == 0 is greedy: argmax of the
+    penalized logits (ties -> lowest id).
+
+    Penalties (llama_sampler_penalties_apply), for each token seen c > 0 times in the last repeat_last_n
+    accepted tokens: logit = logit * repeat_penalty if logit <= 0 else logit / repeat_penalty; then
+    logit -= c * frequency_penalty + presence_penalty.
+    The draw uses numpy's PCG64 Generator seeded with params.seed, so one seed gives one token sequence.
+    Call accept(token) for every token that should count for the penalties (generated ones; the engine
+    decides whether prompt tokens count).
+    """
+
+    def __init__(self, params: SamplingParams, n_vocab: int):
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if _int("n_vocab", n_vocab) <= 0:
+            raise ValueError(f"n_vocab must be > 0, got {n_vocab!r}")
+        self.params = params
+        self.n_vocab = int(n_vocab)
+        seed = params.seed
+        self._rng = np.random.Generator(np.random.PCG64(None if seed is None or seed == -1 else seed))
+        maxlen = None if params.repeat_last_n == -1 else params.repeat_last_n
+        self._history: deque[int] = deque(maxlen=maxlen)
+
+    def accept(self, token_id: int) -> None:
+        """Record a token in the penalty history."""
+        if self.params.repeat_last_n != 0:
+            self._history.append(int(token_id))
+
+    def reset(self) -> None:
+        """Clear the penalty history (the RNG keeps its state)."""
+        self._history.clear()
+
+    def apply_penalties(self, logits: np.ndarray) -> np.ndarray:
+        """Penalized copy of logits (float32); the input is unchanged."""
+        p = self.params
+        out = np.array(logits, dtype=np.float32, copy=True)
+        if not self._history or (p.repeat_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0):
+            return out
+        counts = Counter(self._history)
+        ids = np.fromiter(counts.keys(), dtype=np.int64, count=len(counts))
+        c = np.fromiter(counts.values(), dtype=np.float32, count=len(counts))
+        ids_ok = (ids >= 0) & (ids < out.shape[0])
+        ids, c = ids[ids_ok], c[ids_ok]
+        v = out[ids]
+        v = np.where(v <= 0, v * np.float32(p.repeat_penalty), v / np.float32(p.repeat_penalty))
+        v = v - (c * np.float32(p.frequency_penalty) + np.float32(p.presence_penalty))
+        out[ids] = v.astype(np.float32)
+        return out
+
+    def candidates(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The penalized, truncated candidate set: (ids int64, logits float32 after temperature), best first.
+
+        For temperature 0 this is the single argmax token.
+        """
+        p = self.params
+        x = self.apply_penalties(logits)
+        if p.temperature == 0:
+            i = int(np.argmax(x))
+            return np.array([i], dtype=np.int64), x[[i]]
+        n = x.shape[0]
+        k = p.top_k if 0 < p.top_k < n else n
+        if k < n:
+            ids = np.argpartition(-x, k - 1)[:k]
+        else:
+            ids = np.arange(n)
+        # stable order: logit descending, then id ascending
+        order = np.lexsort((ids, -x[ids]))
+        ids = ids[order]
+        lg = x[ids]
+        if p.top_p < 1.0:
+            e = np.exp((lg - lg[0]).astype(np.float64))
+            cum = np.cumsum(e / e.sum())
+            last = int(np.searchsorted(cum, p.top_p, side="left")) + 1
+            ids, lg = ids[:last], lg[:last]
+        if p.min_p > 0.0:
+            keep = lg >= lg[0] + np.float32(math.log(p.min_p))
+            keep[0] = True
+            ids, lg = ids[keep], lg[keep]
+        return ids, (lg / np.float32(p.temperature)).astype(np.float32)
+
+    def sample(self, logits: np.ndarray) -> SampleResult:
+        """Pick the next token from logits float32 (n_vocab,). Does not call accept().
+
+        Raises ValueError for logits of the wrong shape or with NaN.
+        """
+        logits = np.asarray(logits)
+        if logits.ndim != 1 or logits.shape[0] != self.n_vocab:
+            raise ValueError(f"logits must have shape ({self.n_vocab},), got {logits.shape}")
+        if np.isnan(logits).any():
+            raise ValueError("logits contain NaN")
+        ids, lg = self.candidates(logits)
+        if ids.shape[0] == 1:
+            tok = int(ids[0])
+        else:
+            e = np.exp((lg - lg.max()).astype(np.float64))
+            cum = np.cumsum(e)
+            u = self._rng.random() * cum[-1]
+            j = min(int(np.searchsorted(cum, u, side="right")), ids.shape[0] - 1)
+            tok = int(ids[j])
+        ls = log_softmax(logits)
+        top = None
+        if self.params.logprobs is not None:
+            n = self.params.logprobs
+            if n > 0:
+                cand = np.argpartition(-ls, n - 1)[:n] if n < ls.shape[0] else np.arange(ls.shape[0])
+                cand = cand[np.lexsort((cand, -ls[cand]))]
+                top = [(int(i), float(ls[i])) for i in cand]
+            else:
+                top = []
+        return SampleResult(tok, float(ls[tok]), top)
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text, also when one spans several pieces.
+
+    feed(piece) -> (text safe to emit now, stopped). Text that could be the start of a stop string is held
+    back until it is resolved; on a match the text before the earliest stop is returned with stopped=True
+    and the stop string itself is never emitted. flush() returns what is held back at the end.
+    Raises ValueError if a stop is not a string.
+    """
+
+    def __init__(self, stops: list[str] | tuple[str, ...] | None):
+        stops = list(stops or [])
+        for s in stops:
+            if not isinstance(s, str):
+                raise ValueError(f"stop strings must be str, got {type(s).__name__}")
+        self.stops = [s for s in dict.fromkeys(stops) if s]
+        self._buf = ""
+        self.stopped = False
+        self.matched: str | None = None
+
+    def feed(self, piece: str) -> tuple[str, bool]:
+        if self.stopped:
+            return "", True
+        buf = self._buf + piece
+        best = -1
+        for s in self.stops:
+            i = buf.find(s)
+            if i >= 0 and (best < 0 or i < best):
+                best, self.matched = i, s
+        if best >= 0:
+            self.stopped = True
+            self._buf = ""
+            return buf[:best], True
+        hold = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(buf)), hold, -1):
+                if buf.endswith(s[:k]):
+                    hold = k
+                    break
+        if hold:
+            self._buf = buf[-hold:]
+            return buf[:-hold], False
+        self._buf = ""
+        return buf, False
+
+    def flush(self) -> str:
+        """The held-back text (call when generation ends without a stop)."""
+        out, self._buf = self._buf, ""
+        return out

@@ -1,0 +1,545 @@
+"""The aiohttp application: OpenAI-compatible routes, Strata's admin routes, auth, errors, request ids.
+
+Routes: POST /v1/chat/completions, POST /v1/completions (JSON or SSE), GET /v1/models[/{id}], GET /health,
+GET /metrics, GET /slots, POST /slots/{id}?action=save|restore|erase, GET /status, GET /cache.
+Every error is an OpenAI error object ({"error": {"message", "type", "param", "code"}}).
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import os
+import re
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from strata import __version__
+from strata.serve import schema
+from strata.serve.errors import ApiError, error_body
+from strata.serve.metrics import CONTENT_TYPE, Metrics
+from strata.serve.worker import EngineError, EngineWorker, Job, QueueFull, ShuttingDown
+
+log = structlog.get_logger("strata.serve")
+
+_RID_OK = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+SLOT_ACTIONS = ("save", "restore", "erase")
+
+
+@dataclass
+class ServeConfig:
+    """What `strata serve` was asked for (the parsed flags that matter to the app)."""
+    socket_path: str | None = None
+    host: str | None = None
+    port: int | None = None
+    api_key: str | None = None
+    queue_max: int = 16
+    max_body: int = 8 * 1024 * 1024
+    retry_after: int = 1
+    drain_timeout: float = 30.0
+
+
+CONFIG_KEY = web.AppKey("config", ServeConfig)
+WORKER_KEY = web.AppKey("worker", EngineWorker)
+METRICS_KEY = web.AppKey("metrics", Metrics)
+STARTED_KEY = web.AppKey("started", float)
+
+
+def _json(data: Any, status: int = 200, headers: dict | None = None) -> web.Response:
+    return web.Response(body=json.dumps(data, ensure_ascii=False).encode(), status=status,
+                        content_type="application/json", headers=headers)
+
+
+def _err(e: ApiError) -> web.Response:
+    return _json(e.body(), e.status, e.headers)
+
+
+def _is_unix(request: web.Request) -> bool:
+    tr = request.transport
+    sock = tr.get_extra_info("socket") if tr is not None else None
+    return sock is not None and sock.family == socket.AF_UNIX
+
+
+def _route_name(request: web.Request) -> str:
+    try:
+        res = request.match_info.route.resource
+    except AttributeError:
+        res = None
+    return res.canonical if res is not None else "unmatched"
+
+
+@web.middleware
+async def middleware(request: web.Request, handler):
+    """Request id on every log line, API-key check on TCP, exceptions -> OpenAI error objects, metrics."""
+    rid = request.headers.get("X-Request-Id", "")
+    if not _RID_OK.match(rid):
+        rid = uuid.uuid4().hex[:16]
+    request["rid"] = rid
+    structlog.contextvars.clear_contextvars()
+    structlog.contextvars.bind_contextvars(request_id=rid)
+    cfg = request.app[CONFIG_KEY]
+    t0 = time.perf_counter()
+    status = 500
+    try:
+        if cfg.api_key and request.path != "/health" and not _is_unix(request):
+            got = request.headers.get("Authorization", "")
+            token = got[7:] if got[:7].lower() == "bearer " else ""
+            if not hmac.compare_digest(token.encode(), cfg.api_key.encode()):
+                raise ApiError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        resp = await handler(request)
+    except ApiError as e:
+        resp = _err(e)
+    except web.HTTPException as e:
+        if e.status == 404:
+            msg = f"unknown route: {request.method} {request.path}"
+        elif e.status == 405:
+            msg = f"method {request.method} is not allowed on {request.path}"
+        elif e.status == 413:
+            msg = f"the request body is larger than --max-body ({cfg.max_body} bytes)"
+        else:
+            msg = e.reason or str(e)
+        resp = _json(error_body(e.status, msg, code={404: "not_found", 413: "request_too_large"}.get(e.status)),
+                     e.status)
+    except asyncio.CancelledError:
+        log.info("request cancelled", method=request.method, path=request.path,
+                 ms=round((time.perf_counter() - t0) * 1e3, 2), reason="client disconnected or shutdown")
+        request.app[METRICS_KEY].requests.labels(route=_route_name(request), status="499").inc()
+        raise
+    except Exception as e:  # noqa: BLE001 - nothing a client sends may crash the daemon
+        log.exception("request failed", error=f"{type(e).__name__}: {e}")
+        resp = _json(error_body(500, f"internal error: {type(e).__name__}: {e}"), 500)
+    status = resp.status
+    if not resp.prepared:
+        resp.headers["X-Request-Id"] = rid
+    request.app[METRICS_KEY].requests.labels(route=_route_name(request), status=str(status)).inc()
+    log.info("request", method=request.method, path=request.path, status=status,
+             ms=round((time.perf_counter() - t0) * 1e3, 2))
+    return resp
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _engine(request: web.Request):
+    w = request.app[WORKER_KEY]
+    if w.engine is None:
+        if w.load_error is not None:
+            raise ApiError(503, f"the model failed to load: {w.load_error}", code="model_load_failed")
+        raise ApiError(503, "the model is still loading", code="loading", headers={"Retry-After": "1"})
+    return w.engine
+
+
+def _model_ids(engine) -> list[str]:
+    return [engine.model_name]
+
+
+def _check_model(engine, model: str | None) -> None:
+    if model is None or model in _model_ids(engine) or model == "default":
+        return
+    raise ApiError(404, f"the model {model!r} does not exist: this daemon serves {engine.model_name!r}",
+                   param="model", code="model_not_found")
+
+
+async def _read_body(request: web.Request) -> dict:
+    cfg = request.app[CONFIG_KEY]
+    if request.content_length is not None and request.content_length > cfg.max_body:
+        raise ApiError(413, f"the request body is {request.content_length} bytes, more than --max-body "
+                            f"({cfg.max_body} bytes)", code="request_too_large")
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise ApiError(413, f"the request body is larger than --max-body ({cfg.max_body} bytes)",
+                       code="request_too_large") from None
+    return schema.parse_json(raw)
+
+
+def _engine_error(err: EngineError) -> ApiError:
+    e = err.exc
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, ShuttingDown):
+        return ApiError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "5"})
+    name = type(e).__name__
+    if name == "ContextOverflow":
+        return ApiError(400, str(e), param="messages", code="context_length_exceeded")
+    if isinstance(e, ValueError):
+        return ApiError(400, str(e), code="invalid_value")
+    return ApiError(500, f"the engine failed: {name}: {e}", code="engine_error")
+
+
+def _sampling(p: schema.ParsedRequest):
+    from strata.sampling import SamplingParams
+    try:
+        return SamplingParams(**p.sampling)
+    except (ValueError, TypeError) as e:
+        raise ApiError(400, f"bad sampling parameters: {e}", code="invalid_value") from None
+
+
+def _token_text(engine, token_id: int) -> str:
+    return engine.detokenize([token_id])
+
+
+def _lp_entry(text: str, lp: float) -> dict:
+    return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8", "replace"))}
+
+
+# ---------------------------------------------------------------------------------------------- routes
+async def health(request: web.Request) -> web.Response:
+    w = request.app[WORKER_KEY]
+    if w.engine is None:
+        return _json({"status": "loading" if w.load_error is None else "error"}, 503)
+    return _json({"status": "ok" if not w.closing else "stopping", "model": w.engine.model_name,
+                  "queue": {"running": int(w.running is not None), "waiting": w.waiting, "max": w.queue_max}},
+                 200 if not w.closing else 503)
+
+
+async def models(request: web.Request) -> web.Response:
+    engine = _engine(request)
+    return _json({"object": "list", "data": [_model_obj(request, engine)]})
+
+
+def _model_obj(request, engine) -> dict:
+    return {"id": engine.model_name, "object": "model", "created": int(request.app[STARTED_KEY]),
+            "owned_by": "strata", "meta": {"n_ctx": engine.n_ctx, "arch": getattr(engine, "arch", None),
+                                           "n_vocab": getattr(engine, "n_vocab", None),
+                                           "path": getattr(engine, "model_path", None)}}
+
+
+async def model_one(request: web.Request) -> web.Response:
+    engine = _engine(request)
+    _check_model(engine, request.match_info["model"])
+    return _json(_model_obj(request, engine))
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[METRICS_KEY].render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+def _engine_status(engine) -> dict:
+    for _ in range(3):  # read from the loop while the engine thread may be appending checkpoints
+        try:
+            return engine.status()
+        except RuntimeError:
+            continue
+    return engine.status()
+
+
+async def status(request: web.Request) -> web.Response:
+    engine = _engine(request)
+    w = request.app[WORKER_KEY]
+    cfg = request.app[CONFIG_KEY]
+    st = _engine_status(engine)
+    n_layer = getattr(engine.config, "n_layer", None) or getattr(engine.config, "block_count", None)
+    return _json({
+        "version": __version__, "model": engine.model_name, "uptime_s": round(time.time() - request.app[STARTED_KEY], 1),
+        "stages": [{"stage": 0, "device": st.get("device"), "layers": [0, n_layer], "remote": False}],
+        "queue": {"running": int(w.running is not None), "waiting": w.waiting, "max": w.queue_max},
+        "listen": {"socket": cfg.socket_path, "tcp": f"{cfg.host}:{cfg.port}" if cfg.port is not None else None},
+        "engine": st,
+    })
+
+
+async def cache(request: web.Request) -> web.Response:
+    engine = _engine(request)
+    st = _engine_status(engine)
+    return _json({"prompt_cache": st.get("prompt_cache"), "checkpoint_bytes": st.get("checkpoint_bytes"),
+                  "pos": st.get("pos"), "checkpoints": st.get("checkpoints", [])})
+
+
+async def slots(request: web.Request) -> web.Response:
+    engine = _engine(request)
+    w = request.app[WORKER_KEY]
+    st = _engine_status(engine)
+    return _json([{"id": 0, "n_ctx": engine.n_ctx, "is_processing": w.running is not None,
+                   "state": "processing" if w.running is not None else "idle", "pos": st.get("pos"),
+                   "model": engine.model_name, "checkpoints": len(st.get("checkpoints", []))}])
+
+
+async def slot_action(request: web.Request) -> web.Response:
+    engine = _engine(request)
+    sid = request.match_info["slot"]
+    if not sid.isdigit():
+        raise ApiError(400, f"slot id must be a non-negative integer, got {sid!r}", param="id", code="invalid_value")
+    if int(sid) != 0:
+        raise ApiError(404, f"slot {int(sid)} does not exist: this daemon has one slot (0)", code="not_found")
+    action = request.query.get("action")
+    if action not in SLOT_ACTIONS:
+        raise ApiError(400, f"'action' must be one of {', '.join(SLOT_ACTIONS)}, got {action!r}", param="action",
+                       code="invalid_value")
+    body = {}
+    if request.can_read_body:
+        body = await _read_body(request)
+    fn = getattr(engine, f"slot_{action}", None)
+    if fn is None:
+        raise ApiError(501, f"slot {action} needs session files, which this release of Strata does not have "
+                            f"(POST /slots/{sid}?action={action})", code="not_implemented")
+    w = request.app[WORKER_KEY]
+    job = _submit(w, lambda eng: fn(0, **body), call=True, rid=request["rid"])
+    item = await job.events.get()
+    if isinstance(item, EngineError):
+        raise _engine_error(item)
+    return _json(item[1] if isinstance(item[1], dict) else {"id": 0, "action": action, "result": item[1]})
+
+
+def _submit(w: EngineWorker, what, *, call: bool = False, rid: str = "") -> Job:
+    try:
+        return w.call(what, rid) if call else w.submit(what, rid)
+    except QueueFull as e:
+        raise ApiError(503, f"the server is busy: {e}; retry later", code="queue_full",
+                       headers={"Retry-After": str(1)}) from None
+    except ShuttingDown:
+        raise ApiError(503, "the server is shutting down", code="shutting_down",
+                       headers={"Retry-After": "5"}) from None
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    body = await _read_body(request)
+    p = schema.parse_chat(body)
+    engine = _engine(request)
+    _check_model(engine, p.model)
+    loop = asyncio.get_running_loop()
+    try:
+        rendered = await loop.run_in_executor(
+            None, lambda: engine.render_chat(p.messages, tools=p.tools, pin_message=p.pin))
+    except ValueError as e:
+        raise ApiError(400, f"the chat template refused the messages: {e}", param="messages",
+                       code="invalid_value") from None
+    return await _generate(request, engine, p, list(rendered.tokens), list(rendered.cut_points))
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    body = await _read_body(request)
+    p = schema.parse_completion(body)
+    engine = _engine(request)
+    _check_model(engine, p.model)
+    if isinstance(p.prompt, str):
+        text = p.prompt
+        tokens = await asyncio.get_running_loop().run_in_executor(None, lambda: engine.tokenize_prompt(text))
+    else:
+        tokens = p.prompt
+        n_vocab = getattr(engine, "n_vocab", None)
+        bad = [t for t in tokens if t < 0 or (n_vocab is not None and t >= n_vocab)]
+        if bad:
+            raise ApiError(400, f"'prompt' holds token id {bad[0]} outside the vocabulary [0, {n_vocab})",
+                           param="prompt", code="invalid_value")
+    return await _generate(request, engine, p, list(tokens), [])
+
+
+async def _generate(request: web.Request, engine, p: schema.ParsedRequest, tokens: list[int],
+                    cut_points: list) -> web.StreamResponse:
+    from strata.engine.types import GenerationRequest
+
+    n_ctx = engine.n_ctx
+    if len(tokens) >= n_ctx:
+        raise ApiError(400, f"the prompt has {len(tokens)} tokens but the context holds {n_ctx} (at most "
+                            f"{n_ctx - 1} prompt tokens, leaving room for one generated token)",
+                       param="messages" if p.kind == "chat" else "prompt", code="context_length_exceeded")
+    if not tokens:
+        raise ApiError(400, "the prompt is empty: at least one token is needed", param="prompt",
+                       code="invalid_value")
+    greq = GenerationRequest(prompt_tokens=tokens, cut_points=cut_points, sampling=_sampling(p),
+                             max_tokens=p.max_tokens, stop=p.stop,
+                             logprobs=p.top_logprobs if p.logprobs else None,
+                             cache_prompt=p.cache_prompt, checkpoint=p.checkpoint, cancel=threading.Event())
+    w = request.app[WORKER_KEY]
+    job = _submit(w, greq, rid=request["rid"])
+    log.debug("queued", prompt_tokens=len(tokens), waiting=w.waiting, stream=p.stream)
+    done = False
+    try:
+        if p.stream:
+            resp = await _stream(request, engine, p, job)
+        else:
+            resp = await _collect(request, engine, p, job)
+        done = True
+        return resp
+    finally:
+        if not done:
+            w.drop(job)  # client gone (task cancelled / write failed) or error: stop within one token
+
+
+def _ids(request, p) -> tuple[str, int]:
+    prefix = "chatcmpl-" if p.kind == "chat" else "cmpl-"
+    return prefix + request["rid"], int(time.time())
+
+
+async def _next(job: Job):
+    item = await job.events.get()
+    if isinstance(item, EngineError):
+        raise _engine_error(item)
+    return item
+
+
+def _usage(final) -> dict:
+    u = dict(final.usage)
+    u["prompt_tokens_details"] = {"cached_tokens": int(final.timings.get("cache_n", 0) or 0)}
+    return u
+
+
+def _timings(final) -> dict:
+    t = dict(final.timings)
+    for k in ("prompt_ms", "predicted_ms", "prompt_per_second", "predicted_per_second"):
+        if k in t and t[k] is not None:
+            t[k] = round(float(t[k]), 3)
+    return t
+
+
+def _strata_obj(final) -> dict:
+    s = dict(final.strata or {})
+    if "parts" in s:
+        s["parts"] = [list(x) for x in s["parts"]]
+    return s
+
+
+class _LogprobsAcc:
+    """Collects per-token logprobs in the chat format (content list) or the legacy completions format."""
+
+    def __init__(self, engine, kind: str):
+        self.engine, self.kind = engine, kind
+        self.content: list[dict] = []
+        self.tokens, self.token_logprobs, self.top, self.offsets = [], [], [], []
+        self.offset = 0
+
+    def add(self, ev, emitted: str) -> dict | None:
+        if ev.logprob is None:
+            return None
+        text = _token_text(self.engine, ev.token_id)
+        tops = ev.top_logprobs or []
+        if self.kind == "chat":
+            entry = _lp_entry(text, ev.logprob)
+            entry["top_logprobs"] = [_lp_entry(t, lp) for (_i, t, lp) in tops]
+            self.content.append(entry)
+            return {"content": [entry]}
+        top = {}
+        for (_i, t, lp) in tops:
+            top.setdefault(t, lp)
+        self.tokens.append(text)
+        self.token_logprobs.append(ev.logprob)
+        self.top.append(top)
+        self.offsets.append(self.offset)
+        self.offset += len(emitted)
+        return {"tokens": [text], "token_logprobs": [ev.logprob], "top_logprobs": [top],
+                "text_offset": [self.offsets[-1]]}
+
+    def result(self) -> dict:
+        if self.kind == "chat":
+            return {"content": self.content}
+        return {"tokens": self.tokens, "token_logprobs": self.token_logprobs, "top_logprobs": self.top,
+                "text_offset": self.offsets}
+
+
+async def _collect(request, engine, p, job) -> web.Response:
+    pieces: list[str] = []
+    acc = _LogprobsAcc(engine, p.kind)
+    while True:
+        ev = await _next(job)
+        if hasattr(ev, "finish_reason"):
+            final = ev
+            break
+        pieces.append(ev.text)
+        acc.add(ev, ev.text)
+    pieces.append(final.text or "")
+    text = "".join(pieces)
+    cid, created = _ids(request, p)
+    lp = acc.result() if p.logprobs else None
+    if p.kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                  "finish_reason": final.finish_reason}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": final.finish_reason}
+        obj = "text_completion"
+    return _json({"id": cid, "object": obj, "created": created, "model": engine.model_name,
+                  "system_fingerprint": f"strata-{__version__}", "choices": [choice], "usage": _usage(final),
+                  "timings": _timings(final), "strata": _strata_obj(final)})
+
+
+async def _stream(request, engine, p, job) -> web.StreamResponse:
+    cid, created = _ids(request, p)
+    chat = p.kind == "chat"
+    base = {"id": cid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+            "model": engine.model_name, "system_fingerprint": f"strata-{__version__}"}
+    acc = _LogprobsAcc(engine, p.kind)
+    resp: web.StreamResponse | None = None
+
+    def chunk(choices: list, **extra) -> bytes:
+        d = dict(base, choices=choices, **extra)
+        if p.include_usage and "usage" not in d:
+            d["usage"] = None
+        return b"data: " + json.dumps(d, ensure_ascii=False).encode() + b"\n\n"
+
+    def choice(text: str | None, lp, finish=None, role=False) -> dict:
+        if chat:
+            delta: dict[str, Any] = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            return {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        return {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish}
+
+    try:
+        while True:
+            try:
+                ev = await _next(job)
+            except ApiError as e:
+                if resp is None:
+                    raise
+                await resp.write(b"data: " + json.dumps(e.body()).encode() + b"\n\n")
+                await resp.write(b"data: [DONE]\n\n")
+                return resp
+            if resp is None:
+                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
+                                                   "Cache-Control": "no-cache", "X-Request-Id": request["rid"],
+                                                   "X-Accel-Buffering": "no"})
+                await resp.prepare(request)
+                if chat:
+                    await resp.write(chunk([choice("", None, role=True)]))
+            if hasattr(ev, "finish_reason"):
+                final = ev
+                tail = final.text or ""
+                if tail:
+                    await resp.write(chunk([choice(tail, None)]))
+                await resp.write(chunk([choice(None if chat else "", None, final.finish_reason)],
+                                       timings=_timings(final), strata=_strata_obj(final)))
+                if p.include_usage:
+                    await resp.write(chunk([], usage=_usage(final)))
+                await resp.write(b"data: [DONE]\n\n")
+                await resp.write_eof()
+                return resp
+            lp = acc.add(ev, ev.text) if p.logprobs else None
+            if ev.text or lp is not None:
+                await resp.write(chunk([choice(ev.text, lp)]))
+    except (ConnectionResetError, ConnectionError) as e:
+        log.info("client disconnected mid-stream", error=str(e) or type(e).__name__)
+        request.app[WORKER_KEY].drop(job)
+        return resp if resp is not None else web.Response(status=499)
+
+
+def make_app(cfg: ServeConfig, worker: EngineWorker, metrics_: Metrics) -> web.Application:
+    """Build the application; `worker` owns the engine thread (started by the caller)."""
+    app = web.Application(middlewares=[middleware], client_max_size=cfg.max_body)
+    app[CONFIG_KEY] = cfg
+    app[WORKER_KEY] = worker
+    app[METRICS_KEY] = metrics_
+    app[STARTED_KEY] = time.time()
+    r = app.router
+    r.add_post("/v1/chat/completions", chat_completions)
+    r.add_post("/chat/completions", chat_completions)
+    r.add_post("/v1/completions", completions)
+    r.add_post("/completions", completions)
+    r.add_get("/v1/models", models)
+    r.add_get("/v1/models/{model}", model_one)
+    r.add_get("/health", health)
+    r.add_get("/v1/health", health)
+    r.add_get("/metrics", metrics)
+    r.add_get("/slots", slots)
+    r.add_post("/slots/{slot}", slot_action)
+    r.add_get("/status", status)
+    r.add_get("/cache", cache)
+    return app

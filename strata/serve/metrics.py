@@ -1,0 +1,57 @@
+"""Prometheus metrics of the daemon (prometheus-client), one registry per app, served by GET /metrics."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# seconds; a 135M model on CPU answers in ms, a 30B one on a busy GPU in seconds
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+
+
+class Metrics:
+    """All series; names start with strata_. Counters are thread-safe (the engine thread updates them)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("strata_requests", "HTTP requests answered, by route and status code",
+                                ["route", "status"], registry=r)
+        self.finished = Counter("strata_generations", "Generations finished, by finish reason",
+                                ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter("strata_prompt_tokens", "Prompt tokens read by the model (prefill)",
+                                     registry=r)
+        self.generated_tokens = Counter("strata_generated_tokens", "Tokens generated (decode)", registry=r)
+        self.ttft = Histogram("strata_time_to_first_token_seconds",
+                              "Time from accepting a request to its first generated token, queue wait included",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.token_latency = Histogram("strata_time_per_output_token_seconds",
+                                       "Time between consecutive generated tokens", buckets=TOKEN_BUCKETS,
+                                       registry=r)
+        self.queue_depth = Gauge("strata_queue_depth", "Requests waiting for the engine", registry=r)
+        self.running = Gauge("strata_requests_running", "Requests being generated now (0 or 1 per engine)",
+                             registry=r)
+        self.cache_hits = Counter("strata_checkpoint_hits",
+                                  "Requests that resumed from earlier work, by how (live / checkpoint)",
+                                  ["resume_from"], registry=r)
+        self.cache_misses = Counter("strata_checkpoint_misses", "Requests that read their prompt from token 0",
+                                    registry=r)
+        self.tokens_saved = Counter("strata_checkpoint_tokens_saved",
+                                    "Prompt tokens not read because they were resumed (timings.cache_n)",
+                                    registry=r)
+
+    def observe_final(self, usage: dict, timings: dict, strata: dict, finish_reason: str) -> None:
+        """Count one finished generation from its FinalEvent fields."""
+        self.finished.labels(finish_reason=finish_reason).inc()
+        self.prompt_tokens.inc(max(0, int(timings.get("prompt_n", 0) or 0)))
+        self.generated_tokens.inc(max(0, int(timings.get("predicted_n", usage.get("completion_tokens", 0)) or 0)))
+        cache_n = int(timings.get("cache_n", 0) or 0)
+        how = (strata or {}).get("resume_from") or ("checkpoint" if cache_n else "none")
+        if cache_n > 0 and how != "none":
+            self.cache_hits.labels(resume_from=how).inc()
+            self.tokens_saved.inc(cache_n)
+        else:
+            self.cache_misses.inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,265 @@
+"""OpenAI request validation: JSON bodies of /v1/chat/completions and /v1/completions -> ParsedRequest.
+
+Field names and ranges follow the OpenAI API reference (https://platform.openai.com/docs/api-reference/chat)
+with llama.cpp's server extensions (top_k, min_p, repeat_penalty, cache_prompt) and Strata's own
+(strata_checkpoint, strata_pin). Every refusal is an ApiError(400, one line naming the field).
+Unknown fields are ignored (clients send many optional ones), except those that would change the
+answer in a way Strata cannot honour (n > 1, echo, suffix, logit_bias, image parts, json formats).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from strata.serve.errors import ApiError
+
+MAX_STOP = 16
+MAX_TOP_LOGPROBS = 20
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
+@dataclass
+class ParsedRequest:
+    kind: str                                   # "chat" | "completion"
+    model: str | None
+    stream: bool = False
+    include_usage: bool = False
+    max_tokens: int | None = None
+    stop: list[str] = field(default_factory=list)
+    sampling: dict[str, Any] = field(default_factory=dict)   # keyword arguments of SamplingParams
+    logprobs: bool = False
+    top_logprobs: int = 0
+    cache_prompt: bool = True
+    checkpoint: bool = True
+    pin: int | None = None
+    messages: list[dict] | None = None          # chat
+    tools: list | None = None                   # chat
+    prompt: str | list[int] | None = None       # completion: text or token ids
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json(raw: bytes) -> dict:
+    """Decode a request body; ApiError(400) for invalid UTF-8/JSON (NaN and Infinity included) or a non-object."""
+    if not raw.strip():
+        raise ApiError(400, "the request body is empty: send a JSON object")
+    try:
+        body = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"the request body is not UTF-8: {e.reason} at byte {e.start}") from None
+    except (ValueError, RecursionError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {_tname(body)}")
+    return body
+
+
+def _tname(v) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "an integer",
+            float: "a number", type(None): "null"}.get(type(v), type(v).__name__)
+
+
+def _bad(param: str, msg: str) -> ApiError:
+    return ApiError(400, f"'{param}' {msg}", param=param, code="invalid_value")
+
+
+def _opt_bool(body: dict, key: str, default: bool) -> bool:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise _bad(key, f"must be a boolean, got {_tname(v)}")
+    return v
+
+
+def _opt_int(body: dict, key: str, lo: int | None = None, hi: int | None = None) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _bad(key, f"must be an integer, got {_tname(v)}")
+    if lo is not None and v < lo or hi is not None and v > hi:
+        rng = f">= {lo}" if hi is None else f"in {lo}..{hi}"
+        raise _bad(key, f"must be {rng}, got {v}")
+    return v
+
+
+def _opt_num(body: dict, key: str, lo: float, hi: float, *, lo_open: bool = False) -> float | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise _bad(key, f"must be a number, got {_tname(v)}")
+    v = float(v)
+    if not math.isfinite(v) or v > hi or v < lo or (lo_open and v == lo):
+        raise _bad(key, f"must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {v:g}")
+    return v
+
+
+def _common(body: dict, kind: str) -> ParsedRequest:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _bad("model", f"must be a string, got {_tname(model)}")
+    r = ParsedRequest(kind=kind, model=model)
+    n = _opt_int(body, "n", 1)
+    if n is not None and n != 1:
+        raise ApiError(400, f"'n' must be 1: Strata returns one choice per request, got {n}", param="n",
+                       code="unsupported_value")
+    best_of = _opt_int(body, "best_of", 1)
+    if best_of is not None and best_of != 1:
+        raise ApiError(400, f"'best_of' must be 1, got {best_of}", param="best_of", code="unsupported_value")
+    r.stream = _opt_bool(body, "stream", False)
+    so = body.get("stream_options")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise _bad("stream_options", f"must be an object, got {_tname(so)}")
+        if not r.stream:
+            raise _bad("stream_options", "is only allowed when 'stream' is true")
+        r.include_usage = _opt_bool(so, "include_usage", False)
+    mt = _opt_int(body, "max_completion_tokens", 0)
+    mt2 = _opt_int(body, "max_tokens", 0)
+    if mt is not None and mt2 is not None and mt != mt2:
+        raise _bad("max_tokens", f"and 'max_completion_tokens' disagree ({mt2} vs {mt}): send one")
+    r.max_tokens = mt if mt is not None else mt2
+    stop = body.get("stop")
+    if stop is not None:
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise _bad("stop", "must be a string or an array of strings")
+        if len(stop) > MAX_STOP:
+            raise _bad("stop", f"has {len(stop)} strings, at most {MAX_STOP} are allowed")
+        if any(s == "" for s in stop):
+            raise _bad("stop", "must not contain an empty string")
+        r.stop = list(stop)
+    s = r.sampling
+    for key, lo, hi, lo_open in (("temperature", 0.0, 2.0, False), ("top_p", 0.0, 1.0, True),
+                                 ("min_p", 0.0, 1.0, False), ("presence_penalty", -2.0, 2.0, False),
+                                 ("frequency_penalty", -2.0, 2.0, False), ("repeat_penalty", 0.0, 10.0, True)):
+        v = _opt_num(body, key, lo, hi, lo_open=lo_open)
+        if v is not None:
+            s[key] = v
+    top_k = _opt_int(body, "top_k", 0)
+    if top_k is not None:
+        s["top_k"] = top_k
+    seed = _opt_int(body, "seed", -1, 2 ** 64 - 1)
+    if seed is not None:
+        s["seed"] = seed
+    lb = body.get("logit_bias")
+    if lb not in (None, {}):
+        raise ApiError(400, "'logit_bias' is not supported by Strata", param="logit_bias", code="unsupported_value")
+    rf = body.get("response_format")
+    if rf is not None:
+        if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
+            raise _bad("response_format", "must be an object with a string 'type'")
+        if rf["type"] != "text":
+            raise ApiError(400, f"'response_format' type {rf['type']!r} is not supported (only 'text')",
+                           param="response_format", code="unsupported_value")
+    r.cache_prompt = _opt_bool(body, "cache_prompt", True)
+    r.checkpoint = _opt_bool(body, "strata_checkpoint", True)
+    return r
+
+
+def _content_text(content, i: int, role: str) -> str | None:
+    where = f"messages[{i}].content"
+    if content is None:
+        if role in ("assistant",):
+            return None
+        raise _bad(where, "must be a string or an array of text parts, got null")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        out = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict):
+                raise _bad(f"{where}[{j}]", f"must be an object, got {_tname(part)}")
+            t = part.get("type")
+            if t != "text":
+                raise ApiError(400, f"'{where}[{j}]' has type {t!r}: only 'text' parts are supported",
+                               param=where, code="unsupported_value")
+            if not isinstance(part.get("text"), str):
+                raise _bad(f"{where}[{j}].text", "must be a string")
+            out.append(part["text"])
+        return "".join(out)
+    raise _bad(where, f"must be a string or an array of text parts, got {_tname(content)}")
+
+
+def parse_chat(body: dict) -> ParsedRequest:
+    """Validate a /v1/chat/completions body."""
+    r = _common(body, "chat")
+    msgs = body.get("messages")
+    if msgs is None:
+        raise ApiError(400, "'messages' is required", param="messages", code="missing_required_parameter")
+    if not isinstance(msgs, list) or not msgs:
+        raise _bad("messages", "must be a non-empty array of message objects")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise _bad(f"messages[{i}]", f"must be an object, got {_tname(m)}")
+        role = m.get("role")
+        if not isinstance(role, str) or role not in ROLES:
+            raise _bad(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {role!r}")
+        msg: dict[str, Any] = {"role": "system" if role == "developer" else role,
+                               "content": _content_text(m.get("content"), i, role)}
+        for key in ("name", "tool_call_id"):
+            if m.get(key) is not None:
+                if not isinstance(m[key], str):
+                    raise _bad(f"messages[{i}].{key}", "must be a string")
+                msg[key] = m[key]
+        tc = m.get("tool_calls")
+        if tc is not None:
+            if not isinstance(tc, list) or not all(isinstance(c, dict) for c in tc):
+                raise _bad(f"messages[{i}].tool_calls", "must be an array of objects")
+            msg["tool_calls"] = tc
+        if msg["content"] is None:
+            msg["content"] = ""
+        out.append(msg)
+    r.messages = out
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+            raise _bad("tools", "must be an array of tool objects")
+        r.tools = tools or None
+    r.logprobs = _opt_bool(body, "logprobs", False)
+    tl = _opt_int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if tl is not None:
+        if tl and not r.logprobs:
+            raise _bad("top_logprobs", "needs 'logprobs': true")
+        r.top_logprobs = tl
+    pin = _opt_int(body, "strata_pin", 0)
+    if pin is not None and pin >= len(out):
+        raise _bad("strata_pin", f"names message {pin} but there are {len(out)} messages (0..{len(out) - 1})")
+    r.pin = pin
+    return r
+
+
+def parse_completion(body: dict) -> ParsedRequest:
+    """Validate a /v1/completions body (prompt: a string, one-string array, token ids, or one id array)."""
+    r = _common(body, "completion")
+    if "prompt" not in body or body["prompt"] is None:
+        raise ApiError(400, "'prompt' is required", param="prompt", code="missing_required_parameter")
+    p = body["prompt"]
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]
+    if isinstance(p, str):
+        r.prompt = p
+    elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        r.prompt = list(p)
+    elif isinstance(p, list) and len(p) > 1 and all(isinstance(t, (str, list)) for t in p):
+        raise ApiError(400, "'prompt' holds several prompts: Strata answers one prompt per request",
+                       param="prompt", code="unsupported_value")
+    else:
+        raise _bad("prompt", "must be a string, an array of one string, or a non-empty array of token ids")
+    if _opt_bool(body, "echo", False):
+        raise ApiError(400, "'echo' is not supported", param="echo", code="unsupported_value")
+    if body.get("suffix") not in (None, ""):
+        raise ApiError(400, "'suffix' is not supported", param="suffix", code="unsupported_value")
+    lp = _opt_int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+    if lp is not None:
+        r.logprobs = True
+        r.top_logprobs = lp
+    return r

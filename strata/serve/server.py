@@ -1,0 +1,121 @@
+"""Running the daemon: bind the Unix socket (and TCP), load the engine on its thread, sd_notify, drain on SIGTERM."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import os
+import signal
+import socket
+from pathlib import Path
+from typing import Any, Callable
+
+import structlog
+from aiohttp import web
+
+from strata.serve.app import ServeConfig, make_app
+from strata.serve.errors import ApiError
+from strata.serve.metrics import Metrics
+from strata.serve.notify import sd_notify
+from strata.serve.worker import EngineError, EngineWorker, ShuttingDown
+
+log = structlog.get_logger("strata.serve")
+
+
+class StartupError(RuntimeError):
+    """The daemon could not start (socket in use, model failed to load); the message is one line."""
+
+
+def _prepare_socket(path: Path) -> None:
+    """Create the socket's directory (0750 if new) and remove a stale socket; refuse one that is live."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
+    if path.exists() or path.is_symlink():
+        if not path.is_socket():
+            raise StartupError(f"{path} exists and is not a socket; refusing to replace it")
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.settimeout(1.0)
+            s.connect(str(path))
+        except OSError as e:
+            if e.errno not in (errno.ECONNREFUSED, errno.ENOENT):
+                raise StartupError(f"cannot check the existing socket {path}: {e}") from None
+            path.unlink(missing_ok=True)  # stale: nobody listens
+        else:
+            raise StartupError(f"another daemon is already listening on {path}")
+        finally:
+            s.close()
+
+
+async def serve(cfg: ServeConfig, engine_factory: Callable[[], Any]) -> int:
+    """Serve until SIGTERM/SIGINT; returns the process exit status (0 after a clean drain)."""
+    loop = asyncio.get_running_loop()
+    metrics = Metrics()
+    worker = EngineWorker(engine_factory, queue_max=cfg.queue_max, metrics=metrics, loop=loop)
+    app = make_app(cfg, worker, metrics)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    await runner.setup()
+    sock_path = Path(cfg.socket_path) if cfg.socket_path else None
+    try:
+        if sock_path is not None:
+            _prepare_socket(sock_path)
+            await web.UnixSite(runner, str(sock_path)).start()
+            os.chmod(sock_path, 0o660)
+        if cfg.port is not None:
+            try:
+                await web.TCPSite(runner, cfg.host, cfg.port).start()
+            except OSError as e:
+                raise StartupError(f"cannot listen on {cfg.host}:{cfg.port}: {e.strerror or e}") from None
+    except BaseException:
+        await runner.cleanup()
+        raise
+    log.info("listening", socket=str(sock_path) if sock_path else None,
+             tcp=f"{cfg.host}:{cfg.port}" if cfg.port is not None else None, pid=os.getpid())
+
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    worker.start()
+    sd_notify("STATUS=loading the model")
+    stop_task = asyncio.ensure_future(stop.wait())
+    try:
+        done, _ = await asyncio.wait({worker.loaded, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+        if worker.loaded in done:
+            exc = worker.loaded.exception()
+            if exc is not None:
+                raise StartupError(f"the model failed to load: {exc}")
+            eng = worker.engine
+            log.info("model loaded", model=eng.model_name, n_ctx=eng.n_ctx,
+                     load_ms=round(getattr(eng, "load_ms", 0.0), 1))
+            sd_notify(f"READY=1\nSTATUS=serving {eng.model_name}\nMAINPID={os.getpid()}")
+            await stop_task
+        log.info("shutting down", running=worker.running is not None, waiting=worker.waiting)
+        sd_notify("STOPPING=1\nSTATUS=draining")
+        await _drain(worker, cfg.drain_timeout)
+        return 0
+    finally:
+        stop_task.cancel()
+        await runner.cleanup()
+        worker.stop(timeout=5.0)
+        if sock_path is not None:
+            with contextlib.suppress(OSError):
+                sock_path.unlink()
+        log.info("stopped")
+
+
+async def _drain(worker: EngineWorker, timeout: float) -> None:
+    """Refuse new work, answer queued requests 503, let the running one finish (cancel it after `timeout` s)."""
+    for job in worker.begin_shutdown():
+        job.events.put_nowait(EngineError(ShuttingDown("the server is shutting down")))
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    cancelled = False
+    while worker.running is not None:
+        if not cancelled and loop.time() >= deadline:
+            log.warning("drain timeout: cancelling the running request", timeout_s=timeout)
+            worker.running.cancel()
+            cancelled = True
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0)  # let handlers write their last events
+
+
+__all__ = ["serve", "StartupError", "ServeConfig", "ApiError"]

@@ -1,0 +1,207 @@
+"""The engine thread: loads the Engine, runs one generation at a time from a bounded FIFO, streams events to asyncio.
+
+The event loop never calls into the model. A request is a Job: the loop submits it (QueueFull beyond
+--queue-max waiting jobs), the engine thread runs `engine.generate(job.request)` and hands each
+TokenEvent / FinalEvent to the job's asyncio.Queue with loop.call_soon_threadsafe. Setting the
+request's cancel event stops generation between two tokens (the engine checks it); a job cancelled
+while still waiting is dropped without touching the engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import structlog
+
+log = structlog.get_logger("strata.serve.worker")
+
+
+class QueueFull(Exception):
+    """More than queue_max requests are already waiting."""
+
+
+class ShuttingDown(Exception):
+    """The daemon is draining and takes no new work."""
+
+
+@dataclass
+class EngineError:
+    """An exception raised by the engine while running a job (delivered in place of events)."""
+    exc: BaseException
+
+
+@dataclass
+class Job:
+    request: Any                          # strata.engine GenerationRequest (has .cancel: threading.Event)
+    events: asyncio.Queue
+    request_id: str = ""
+    accepted_at: float = field(default_factory=time.perf_counter)
+    started_at: float | None = None
+    first_token_at: float | None = None
+    state: str = "waiting"                # waiting -> running -> done | dropped
+    fn: Callable[[Any], Any] | None = None  # a call to run on the engine thread instead of a generation
+
+    def cancel(self) -> None:
+        c = getattr(self.request, "cancel", None)
+        if c is not None:
+            c.set()
+
+
+class EngineWorker:
+    """One engine, one thread, one FIFO of at most `queue_max` waiting jobs (plus the one running)."""
+
+    def __init__(self, engine_factory: Callable[[], Any], *, queue_max: int, metrics, loop: asyncio.AbstractEventLoop):
+        if queue_max < 0:
+            raise ValueError(f"queue_max must be >= 0, got {queue_max}")
+        self._factory = engine_factory
+        self.queue_max = queue_max
+        self.metrics = metrics
+        self.loop = loop
+        self.engine = None
+        self.load_error: BaseException | None = None
+        self.loaded = loop.create_future()
+        self._cv = threading.Condition()
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._running: Job | None = None
+        self._stop = False
+        self.closing = False
+        self._thread = threading.Thread(target=self._main, name="strata-engine", daemon=True)
+
+    # ---------------------------------------------------------------- loop side
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def waiting(self) -> int:
+        with self._cv:
+            return len(self._waiting)
+
+    @property
+    def running(self) -> Job | None:
+        return self._running
+
+    def submit(self, request, request_id: str = "") -> Job:
+        """Queue a generation; raises QueueFull or ShuttingDown. Call from the event loop."""
+        job = Job(request=request, events=asyncio.Queue(), request_id=request_id)
+        return self._enqueue(job)
+
+    def call(self, fn: Callable[[Any], Any], request_id: str = "") -> Job:
+        """Queue fn(engine) to run on the engine thread in turn; its result arrives as the only event."""
+        job = Job(request=None, events=asyncio.Queue(), request_id=request_id, fn=fn)
+        return self._enqueue(job)
+
+    def _enqueue(self, job: Job) -> Job:
+        with self._cv:
+            if self.closing:
+                raise ShuttingDown("the server is shutting down")
+            if len(self._waiting) + (self._running is not None) > self.queue_max:
+                raise QueueFull(f"{len(self._waiting)} requests are already waiting (--queue-max {self.queue_max})")
+            self._waiting.append(job)
+            self.metrics.queue_depth.set(len(self._waiting))
+            self._cv.notify()
+        return job
+
+    def drop(self, job: Job) -> None:
+        """Cancel a job: drop it if waiting, else ask the engine to stop it between tokens."""
+        job.cancel()
+        with self._cv:
+            if job.state == "waiting":
+                try:
+                    self._waiting.remove(job)
+                except ValueError:
+                    pass
+                job.state = "dropped"
+                self.metrics.queue_depth.set(len(self._waiting))
+
+    def begin_shutdown(self) -> list[Job]:
+        """Refuse new jobs; return the jobs that were still waiting (removed from the queue)."""
+        with self._cv:
+            self.closing = True
+            dropped = list(self._waiting)
+            self._waiting.clear()
+            for j in dropped:
+                j.state = "dropped"
+            self.metrics.queue_depth.set(0)
+        return dropped
+
+    def stop(self, timeout: float | None = None) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._thread.join(timeout)
+
+    # ---------------------------------------------------------------- engine thread
+    def _post(self, job: Job, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(job.events.put_nowait, item)
+        except RuntimeError:  # loop closed during shutdown
+            pass
+
+    def _main(self) -> None:
+        try:
+            self.engine = self._factory()
+        except BaseException as e:  # noqa: BLE001 - reported to the loop, which exits with it
+            self.load_error = err = e
+            self.loop.call_soon_threadsafe(lambda: self.loaded.done() or self.loaded.set_exception(err))
+            return
+        self.loop.call_soon_threadsafe(lambda: self.loaded.done() or self.loaded.set_result(self.engine))
+        while True:
+            with self._cv:
+                while not self._waiting and not self._stop:
+                    self._cv.wait()
+                if self._stop and not self._waiting:
+                    return
+                job = self._waiting.popleft()
+                job.state = "running"
+                self._running = job
+                self.metrics.queue_depth.set(len(self._waiting))
+                self.metrics.running.set(1)
+            try:
+                with structlog.contextvars.bound_contextvars(request_id=job.request_id):
+                    if job.fn is not None:
+                        self._run_call(job)
+                    else:
+                        self._run_generation(job)
+            finally:
+                with self._cv:
+                    job.state = "done"
+                    self._running = None
+                    self.metrics.running.set(0)
+
+    def _run_call(self, job: Job) -> None:
+        try:
+            self._post(job, ("result", job.fn(self.engine)))
+        except BaseException as e:  # noqa: BLE001
+            self._post(job, EngineError(e))
+
+    def _run_generation(self, job: Job) -> None:
+        job.started_at = time.perf_counter()
+        last = None
+        try:
+            for ev in self.engine.generate(job.request):
+                now = time.perf_counter()
+                if hasattr(ev, "finish_reason"):
+                    self.metrics.observe_final(dict(ev.usage or {}), dict(ev.timings or {}),
+                                               dict(getattr(ev, "strata", None) or {}), ev.finish_reason)
+                    log.info("generation finished", finish_reason=ev.finish_reason,
+                             prompt_n=(ev.timings or {}).get("prompt_n"),
+                             cache_n=(ev.timings or {}).get("cache_n"),
+                             predicted_n=(ev.timings or {}).get("predicted_n"),
+                             queue_ms=round((job.started_at - job.accepted_at) * 1e3, 2),
+                             resume_from=(getattr(ev, "strata", None) or {}).get("resume_from"))
+                else:
+                    if last is None:
+                        job.first_token_at = now
+                        self.metrics.ttft.observe(now - job.accepted_at)
+                    else:
+                        self.metrics.token_latency.observe(now - last)
+                    last = now
+                self._post(job, ev)
+        except BaseException as e:  # noqa: BLE001 - the engine must stay up for the next request
+            log.error("generation failed", error=f"{type(e).__name__}: {e}", exc_info=not isinstance(e, ValueError))
+            self.metrics.finished.labels(finish_reason="error").inc()
+            self._post(job, EngineError(e))

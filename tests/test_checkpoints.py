@@ -1,0 +1,300 @@
+"""Conversation checkpoints: CheckpointCache.plan/save on the real SequenceState, and end to end on the default model."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from strata.cache import CheckpointCache
+from strata.kv_cache import PagePool, PagedKV
+from strata.state import SequenceState
+
+# ---- a tiny sequence: the real SequenceState / PagedKV over a 1-layer pool ------------------------------------
+# Reading a token writes K/V that depend on the whole prefix (a rolling hash, as attention output would) and,
+# for the hybrid variant, advances an exact integer recurrence in the running state. Both are exact in float32,
+# so a read resumed from a checkpoint must give the same state hashes as a read from 0.
+
+PAGE = 8
+
+
+def new_state(hybrid: bool = False, n_pages: int = 64) -> SequenceState:
+    k = [np.zeros((1, n_pages, PAGE, 2), np.float32)]
+    v = [np.zeros((1, n_pages, PAGE, 2), np.float32)]
+    pool = PagePool([0], n_pages, PAGE, 1, 2, k, v)
+    running = {1: {"conv": np.zeros(3, np.float32), "ssm": np.zeros((2, 2), np.float32)}} if hybrid else None
+    return SequenceState(PagedKV(pool), running)
+
+
+def read(state: SequenceState, toks) -> None:
+    """Read tokens one forward call (a part) at a time, like Model.forward."""
+    toks = [int(t) for t in toks]
+    if not toks:
+        return
+    h = 0
+    for t in state.tokens:
+        h = (h * 31 + t) % 997
+    kk = np.zeros((len(toks), 1, 2), np.float32)
+    for i, t in enumerate(toks):
+        h = (h * 31 + t) % 997
+        kk[i, 0] = (h, t)
+        for parts in state.running.values():
+            parts["ssm"][...] = (parts["ssm"] * 3 + t) % 1009
+            parts["conv"][...] = np.roll(parts["conv"], -1)
+            parts["conv"][-1] = t
+    state.kv.reserve(len(toks))
+    state.kv.pool.write(0, state.kv.pages, state.kv.length, kk, kk + 1)
+    state.kv.commit(len(toks))
+    state.advance(toks)
+
+
+def run(cache: CheckpointCache, state: SequenceState, prompt, cuts, answer=(), **kw):
+    """Apply a plan the way the engine does: restore / reset, read the parts, save at save_at; then read
+    `answer` (the generated tokens fed back). Returns (plan, parts read)."""
+    plan = cache.plan(state, prompt, cuts, **kw)
+    if plan.snapshot is not None:
+        state.restore(plan.snapshot)
+    elif plan.resume_from == "none":
+        state.reset()
+    assert state.pos == plan.resume_pos and state.tokens == list(prompt[:plan.resume_pos])
+    parts, start = [], plan.resume_pos
+    for end in plan.part_ends:
+        read(state, prompt[start:end])
+        parts.append((start, end))
+        if end in plan.save_at:
+            cache.save(end, plan.save_at[end], state.capture())
+        start = end
+    read(state, answer)
+    return plan, parts
+
+
+# a ChatML-shaped conversation: system S, then (user, answer) turns; header H = the generation prompt
+S = list(range(1000, 1040))           # 40-token system message
+H = [7, 8, 9]                         # "<|im_start|>assistant\n"
+
+
+def chat(*users, answers=()):
+    """Prompt tokens and cut points for a chat: S, user_1, answer_1, ..., user_k, H."""
+    toks = list(S)
+    cuts = [(len(S), "root", 0), (len(S), "message", 0)]
+    for i, u in enumerate(users):
+        toks += list(u)
+        cuts.append((len(toks), "message", 1 + 2 * i))
+        if i < len(answers):
+            toks += list(H) + list(answers[i])
+            cuts.append((len(toks), "message", 2 + 2 * i))
+    cuts.append((len(toks), "turn", len(users) + len(answers)))
+    toks += H
+    return toks, cuts
+
+
+U1, U2, U3 = list(range(2000, 2012)), list(range(3000, 3009)), list(range(4000, 4015))
+A1, A2 = [50, 51, 52, 53], [60, 61, 62]
+
+
+def test_first_read_parts_and_saves():
+    cache, st = CheckpointCache(cap=6), new_state()
+    p, cuts = chat(U1)
+    plan, parts = run(cache, st, p, cuts)
+    assert plan.resume_from == "none" and plan.resume_pos == 0 and plan.snapshot is None
+    assert plan.part_ends == [40, 52, 55]
+    assert plan.save_at == {40: "root", 52: "turn"}
+    assert parts == [(0, 40), (40, 52), (52, 55)]
+    assert [(e["pos"], e["kind"], e["pinned"]) for e in cache.entries()] == [(40, "root", True), (52, "turn", False)]
+
+
+def test_same_request_twice_resumes_at_turn_and_matches():
+    cache, st = CheckpointCache(cap=6), new_state(hybrid=True)
+    p, cuts = chat(U1)
+    run(cache, st, p, cuts, answer=[70, 71])
+    h1 = st.hashes()
+    plan, parts = run(cache, st, p, cuts, answer=[70, 71])
+    assert (plan.resume_from, plan.resume_pos, parts) == ("checkpoint", 52, [(52, 55)])
+    assert st.hashes() == h1
+    assert cache.stats()["hits"] == 1 and cache.stats()["tokens_saved"] == 52
+
+
+def test_live_continuation_reads_only_new_tokens():
+    cache, st = CheckpointCache(cap=6), new_state(hybrid=True)
+    p1, c1 = chat(U1)
+    run(cache, st, p1, c1, answer=A1)           # the last answer token is sampled, fed back here for simplicity
+    p2, c2 = chat(U1, U2, answers=[A1])
+    assert p2[:st.pos] == st.tokens
+    plan, parts = run(cache, st, p2, c2)
+    assert plan.resume_from == "live" and plan.resume_pos == len(p1) + len(A1)
+    assert parts[0][0] == len(p1) + len(A1) and plan.part_ends[-1] == len(p2)
+    # the new user message ends and the turn start are cut points: a checkpoint there
+    assert len(p2) - 3 in plan.save_at
+    # equal to a read from 0
+    ref = new_state(hybrid=True)
+    read(ref, p2)
+    assert st.hashes() == ref.hashes()
+
+
+def test_new_chat_resumes_from_the_root_and_erases_the_other_branch():
+    cache, st = CheckpointCache(cap=6), new_state(hybrid=True)
+    pa, ca = chat(U1)
+    run(cache, st, pa, ca, answer=A1)
+    pb, cb = chat(U3)
+    plan, parts = run(cache, st, pb, cb)
+    assert (plan.resume_from, plan.resume_pos) == ("checkpoint", 40)
+    assert plan.erased == [52]                           # chat A's turn is not a prefix of chat B
+    assert parts == [(40, 55), (55, 58)]
+    assert [e["pos"] for e in cache.entries()] == [40, 55]
+    ref = new_state(hybrid=True)
+    read(ref, pb)
+    assert st.hashes() == ref.hashes()
+
+
+def test_never_resumes_at_the_full_prompt():
+    # a cut point at len(prompt) (no generation prompt): the next identical prompt steps back to an earlier one
+    cache, st = CheckpointCache(cap=6), new_state(hybrid=True)
+    p = S + U1
+    cuts = [(40, "root", 0), (40, "message", 0), (52, "message", 1)]
+    plan, _ = run(cache, st, p, cuts)
+    assert plan.save_at == {40: "root", 52: "message"}
+    plan, parts = run(cache, st, p, cuts)
+    assert (plan.resume_from, plan.resume_pos, parts) == ("checkpoint", 40, [(40, 52)])
+    # the same state as before: the read stays in the same parts
+    ref = new_state(hybrid=True)
+    read(ref, p[:40])
+    read(ref, p[40:])
+    assert st.hashes() == ref.hashes()
+
+
+def test_checkpoint_false_reads_one_part_keeps_root_and_leaves_no_live_session():
+    cache, st = CheckpointCache(cap=6, root_min=16), new_state(hybrid=True)
+    p1, c1 = chat(U1)
+    plan, parts = run(cache, st, p1, c1, checkpoint=False)
+    assert plan.keep_live is False
+    assert parts == [(0, 40), (40, 55)] and plan.save_at == {40: "root"}   # builds the root
+    plan, parts = run(cache, st, chat(U2)[0], chat(U2)[1], checkpoint=False)
+    assert (plan.resume_from, plan.resume_pos) == ("checkpoint", 40)
+    assert parts == [(40, 52)] and plan.save_at == {}                      # one part, no turn checkpoint
+    assert [e["pos"] for e in cache.entries()] == [40]
+    # no live session: a continuation of that prompt resumes from the root, not live
+    p3 = chat(U2)[0] + [5, 6]
+    plan, _ = run(cache, st, p3, chat(U2)[1])
+    assert (plan.resume_from, plan.resume_pos) == ("checkpoint", 40)
+
+
+def test_checkpoint_false_root_below_root_min_is_not_saved():
+    cache, st = CheckpointCache(cap=6, root_min=64), new_state()
+    p, c = chat(U1)
+    plan, parts = run(cache, st, p, c, checkpoint=False)
+    assert parts == [(0, 55)] and cache.entries() == []
+    # the default arm still saves it (unpinned: shorter than root_min)
+    plan, _ = run(cache, st, p, c)
+    assert plan.save_at == {40: "root", 52: "turn"}
+    assert [e["pinned"] for e in cache.entries()] == [False, False]
+
+
+def test_cache_prompt_false_reuses_nothing():
+    cache, st = CheckpointCache(cap=6), new_state()
+    p, c = chat(U1)
+    run(cache, st, p, c)
+    plan, parts = run(cache, st, p, c, cache_prompt=False)
+    assert (plan.resume_from, plan.resume_pos) == ("none", 0)
+    assert plan.erased == [40, 52]
+    assert parts == [(0, 40), (40, 52), (52, 55)]          # still saves fresh checkpoints
+
+
+def test_prompt_cache_0_one_part_live_or_zero():
+    cache, st = CheckpointCache(cap=0), new_state()
+    p1, c1 = chat(U1)
+    plan, parts = run(cache, st, p1, c1, answer=A1)
+    assert parts == [(0, 55)] and plan.save_at == {} and cache.entries() == []
+    p2, c2 = chat(U1, U2, answers=[A1])
+    plan, parts = run(cache, st, p2, c2)
+    assert plan.resume_from == "live" and parts == [(59, len(p2))]
+    plan, parts = run(cache, st, p1, c1)
+    assert plan.resume_from == "none" and parts == [(0, 55)]
+
+
+def test_periodic_and_tail_points():
+    cache, st = CheckpointCache(cap=12, every=16, tail=5), new_state()
+    p, c = chat(U1, U2, answers=[A1])                        # 40 + 12 + 3 + 4 + 9 + 3 = 71 tokens
+    plan, _ = run(cache, st, p, c)
+    assert len(p) == 71
+    # periodic multiples of 16 at or after the root (40): 48, 64; tail at 66; root, messages, turn
+    assert plan.save_at == {40: "root", 48: "periodic", 52: "message", 59: "message", 64: "periodic",
+                            66: "tail", 68: "turn"}
+    assert plan.part_ends == [40, 48, 52, 59, 64, 66, 68, 71]
+    # checkpoint=False: no periodic, no tail, no turn
+    cache2, st2 = CheckpointCache(cap=12, every=16, tail=5), new_state()
+    plan, _ = run(cache2, st2, p, c, checkpoint=False)
+    assert plan.part_ends == [40, 71] and plan.save_at == {40: "root"}
+
+
+def test_pin_kept_with_checkpoint_false():
+    cache, st = CheckpointCache(cap=6), new_state()
+    p, c = chat(U1, U2, answers=[A1])
+    c = c + [(59, "pin", 2)]
+    plan, _ = run(cache, st, p, c, checkpoint=False)
+    assert plan.save_at == {40: "root", 59: "pin"}
+
+
+def test_retention_in_the_cache_pins_root_rotates_and_mount_re_dates():
+    cache, st = CheckpointCache(cap=3), new_state()
+    # chat A: three turns live; each saves message/turn checkpoints; the root must survive
+    pa, ca = chat(U1)
+    run(cache, st, pa, ca, answer=A1)
+    pa2, ca2 = chat(U1, U2, answers=[A1])
+    run(cache, st, pa2, ca2, answer=A2)
+    pa3, ca3 = chat(U1, U2, U3, answers=[A1, A2])
+    run(cache, st, pa3, ca3)
+    ents = cache.entries()
+    assert len(ents) == 3 and ents[0]["pos"] == 40 and ents[0]["pinned"]
+    assert cache.stats()["evictions"] > 0
+    # re-dating: resuming the same prompt mounts the deepest (turn) one
+    before = {e["pos"]: e["last_use"] for e in cache.entries()}
+    plan, _ = run(cache, st, pa3, ca3)
+    after = {e["pos"]: e["last_use"] for e in cache.entries()}
+    assert plan.resume_from == "checkpoint" and after[plan.resume_pos] > before[plan.resume_pos]
+    assert [e["mounts"] for e in cache.entries() if e["pos"] == plan.resume_pos] == [1]
+
+
+def test_cap_1_is_fifo_root_not_kept():
+    cache, st = CheckpointCache(cap=1), new_state()
+    pa, ca = chat(U1)
+    run(cache, st, pa, ca, answer=A1)
+    assert [e["pos"] for e in cache.entries()] == [52]          # the root went first (FIFO)
+    plan, _ = run(cache, st, chat(U3)[0], chat(U3)[1])
+    assert plan.resume_from == "none"                            # a new chat reads from 0: the old behaviour
+
+
+def test_byte_budget():
+    # hybrid snapshots: 3 + 4 floats (28 bytes) + 4 bytes per token
+    cache, st = CheckpointCache(cap=6, budget_bytes=28 + 4 * 40 + 28 + 4 * 52 - 1), new_state(hybrid=True)
+    p, c = chat(U1)
+    run(cache, st, p, c)
+    assert [e["pos"] for e in cache.entries()] == [40]          # 52 evicted (root pinned, LRU otherwise)
+    assert cache.entries()[0]["bytes"] == 28 + 4 * 40
+
+
+def test_bad_input_changes_nothing():
+    cache, st = CheckpointCache(cap=6), new_state()
+    p, c = chat(U1)
+    run(cache, st, p, c)
+    before = cache.entries()
+    with pytest.raises(ValueError, match="empty"):
+        cache.plan(st, [], c)
+    with pytest.raises(ValueError, match="outside the prompt"):
+        cache.plan(st, p, [(99, "turn", 0)])
+    with pytest.raises(ValueError, match="kind"):
+        cache.plan(st, p, [(3, "bogus", 0)])
+    with pytest.raises(ValueError, match="position"):
+        cache.save(10, "turn", st.capture())
+    with pytest.raises(ValueError, match="kind"):
+        cache.save(st.pos, "bogus", st.capture())
+    with pytest.raises(ValueError, match="cap"):
+        CheckpointCache(cap=-1)
+    assert cache.entries() == before
+
+
+def test_checkpoints_not_in_the_arena_are_never_restored():
+    # the sequence was reset behind the cache's back: its checkpoints no longer match the arena
+    cache, st = CheckpointCache(cap=6), new_state()
+    p, c = chat(U1)
+    run(cache, st, p, c)
+    st.reset()
+    plan, _ = run(cache, st, p, c)
+    assert plan.resume_from == "none" and plan.erased == [40, 52]

@@ -1,0 +1,225 @@
+"""Unit tests of the CUDA kernels (native/cuda) against numpy references: gguf-py's dequantizers for the GGUF
+block formats, float64 numpy for the rest. Skipped with a reason without CuPy, a GPU or the kernel library."""
+import numpy as np
+import pytest
+
+from strata.backend import cuda as C
+
+_why = C.unavailable_reason()
+pytestmark = pytest.mark.skipif(_why is not None, reason=f"CUDA backend unavailable: {_why}")
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+from gguf import quants as gq  # noqa: E402
+
+# offsets of the f16 scale fields inside one block, per type (ggml-common.h)
+SCALE_OFFS = {Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q8_0: [0], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208]}
+
+
+def random_blocks(t, n_out, n_in, rng):
+    """Random packed blocks of type t: every quant bit pattern, finite f16 scales (±[1e-3, 1e-1])."""
+    qk, bs = gguf.GGML_QUANT_SIZES[t]
+    nb = n_in // qk
+    raw = rng.integers(0, 256, size=(n_out, nb, bs), dtype=np.uint8)
+    for off in SCALE_OFFS[t]:
+        sc = (rng.uniform(1e-3, 1e-1, size=(n_out, nb)) * rng.choice([-1, 1], size=(n_out, nb))).astype(np.float16)
+        raw[:, :, off:off + 2] = sc.view(np.uint8).reshape(n_out, nb, 2)
+    return raw.reshape(n_out, nb * bs)
+
+
+def ref_dequant(raw, t, n_out, n_in):
+    return np.asarray(gq.dequantize(raw, t), dtype=np.float64).reshape(n_out, n_in)
+
+
+@pytest.fixture(scope="module")
+def cp():
+    import cupy
+    return cupy
+
+
+@pytest.fixture(scope="module")
+def be():
+    return C.CudaBackend()
+
+
+def rel(a, b):
+    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / max(np.linalg.norm(b), 1e-30))
+
+
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("n_tokens", [1, 3, 8])
+def test_matvec_matches_gguf_dequant(be, cp, t, n_tokens):
+    rng = np.random.default_rng(int(t) * 100 + n_tokens)
+    n_out, n_in = 77, 512
+    raw = random_blocks(t, n_out, n_in, rng)
+    W = ref_dequant(raw, t, n_out, n_in)
+    x = rng.standard_normal((n_tokens, n_in)).astype(np.float32)
+    w = C.upload_raw("w", int(t), (n_out, n_in), raw)
+    y = cp.full((n_tokens, n_out), cp.nan, cp.float32)
+    be.matmul(cp.asarray(x), w, out=y)
+    ref = x.astype(np.float64) @ W.T
+    assert np.isfinite(cp.asnumpy(y)).all()
+    assert rel(cp.asnumpy(y), ref) < 1e-5
+
+
+@pytest.mark.parametrize("t", TYPES + [Q.F16, Q.F32], ids=lambda t: t.name)
+def test_dequant_f32_and_f16(be, cp, t):
+    rng = np.random.default_rng(7 + int(t))
+    n_out, n_in = 33, 768
+    if t == Q.F32:
+        raw = rng.standard_normal((n_out, n_in)).astype(np.float32)
+        W = raw.astype(np.float64)
+    elif t == Q.F16:
+        raw = rng.standard_normal((n_out, n_in)).astype(np.float16)
+        W = raw.astype(np.float64)
+    else:
+        raw = random_blocks(t, n_out, n_in, rng)
+        W = ref_dequant(raw, t, n_out, n_in)
+    w = C.upload_raw("w", int(t), (n_out, n_in), raw)
+    lib = C.lib()
+    for f16 in (0, 1):
+        out = cp.full((n_out, n_in), cp.nan, cp.float16 if f16 else cp.float32)
+        C._check(lib.strata_dequant(C._stream_ptr(), int(t), C._p(w.data), C._p(out), n_out, n_in, f16), "dequant")
+        got = cp.asnumpy(out).astype(np.float64)
+        if f16:
+            np.testing.assert_allclose(got, W.astype(np.float16).astype(np.float64), rtol=0, atol=0)
+        else:
+            np.testing.assert_allclose(got, W, rtol=1e-6, atol=1e-7)
+    ids = np.array([5, 0, 32, 5], np.int32)
+    rows = cp.asnumpy(be.embed(w, ids))
+    np.testing.assert_allclose(rows, W[ids], rtol=1e-6, atol=1e-7)
+
+
+def test_gemm_prefill_path(be, cp):
+    rng = np.random.default_rng(3)
+    n_out, n_in, n = 200, 1024, 40
+    raw = random_blocks(Q.Q4_K, n_out, n_in, rng)
+    W = ref_dequant(raw, Q.Q4_K, n_out, n_in)
+    x = rng.standard_normal((n, n_in)).astype(np.float32)
+    y = be.matmul(cp.asarray(x), C.upload_raw("w", int(Q.Q4_K), (n_out, n_in), raw))
+    # f16 operands, f32 accumulation: relative error ~1e-3
+    assert rel(cp.asnumpy(y), x.astype(np.float64) @ W.T) < 3e-3
+
+
+@pytest.mark.parametrize("with_res", [False, True])
+def test_rms_norm_residual(be, cp, with_res):
+    rng = np.random.default_rng(11)
+    n, dim, eps = 5, 576, 1e-5
+    x = rng.standard_normal((n, dim)).astype(np.float32)
+    r = rng.standard_normal((n, dim)).astype(np.float32)
+    w = rng.standard_normal(dim).astype(np.float32)
+    s = x.astype(np.float64) + (r if with_res else 0)
+    ref = s / np.sqrt((s * s).mean(-1, keepdims=True) + eps) * w
+    d_sum = cp.full((n, dim), cp.nan, cp.float32)
+    out = be.rms_norm(cp.asarray(x), cp.asarray(w), eps, residual=cp.asarray(r) if with_res else None, sum_out=d_sum)
+    assert rel(cp.asnumpy(out), ref) < 1e-6
+    assert rel(cp.asnumpy(d_sum), s) < 1e-7
+
+
+def rope_ref(x, pos, n_rot, base, neox):
+    """llama.cpp ggml_rope (NORM: pairs (2i, 2i+1); NEOX: pairs (i, i + n_rot/2)); dims >= n_rot untouched."""
+    x = x.astype(np.float64).copy()
+    half = n_rot // 2
+    i = np.arange(half)
+    ang = pos[:, None].astype(np.float64) * base ** (-2.0 * i / n_rot)      # (n, half)
+    c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    a = i if neox else 2 * i
+    b = i + half if neox else 2 * i + 1
+    x0, x1 = x[..., a].copy(), x[..., b].copy()
+    x[..., a] = x0 * c - x1 * s
+    x[..., b] = x0 * s + x1 * c
+    return x
+
+
+@pytest.mark.parametrize("neox", [False, True])
+@pytest.mark.parametrize("n_rot", [64, 32])
+def test_rope(be, cp, neox, n_rot):
+    rng = np.random.default_rng(5)
+    n, h, hd = 6, 3, 64
+    x = rng.standard_normal((n, h, hd)).astype(np.float32)
+    pos = np.array([0, 1, 7, 100, 4095, 16383], np.int32)
+    got = cp.asnumpy(be.rope(cp.asarray(x), pos, n_rot, 100000.0, neox))
+    ref = rope_ref(x, pos, n_rot, 100000.0, neox)
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=2e-5)
+
+
+def test_swiglu(be, cp):
+    rng = np.random.default_rng(2)
+    g = rng.standard_normal(10000).astype(np.float32) * 4
+    u = rng.standard_normal(10000).astype(np.float32)
+    ref = g / (1 + np.exp(-g.astype(np.float64))) * u
+    np.testing.assert_allclose(cp.asnumpy(be.swiglu(cp.asarray(g), cp.asarray(u))), ref, rtol=1e-5, atol=1e-6)
+
+
+def attn_ref(q, K, V, pos0, scale):
+    """Causal GQA attention in float64: q (n, H, hd) at positions pos0.., K/V (L, KV, hd)."""
+    n, H, hd = q.shape
+    g = H // K.shape[1]
+    out = np.zeros((n, H, hd))
+    for i in range(n):
+        L = pos0 + i + 1
+        for h in range(H):
+            s = K[:L, h // g] @ q[i, h] * scale
+            p = np.exp(s - s.max())
+            out[i, h] = (p / p.sum()) @ V[:L, h // g]
+    return out
+
+
+class _Pool:
+    def __init__(self, page_size, n_pages):
+        self.page_size, self.n_pages = page_size, n_pages
+
+
+class _KV:
+    """The PagedKV fields the backend reads (page table, length, pool)."""
+    def __init__(self, table, length, pool):
+        self.page_table, self.length, self.pool = table, length, pool
+
+
+@pytest.mark.parametrize("ctx", [1, 300, 5000])
+def test_paged_attention_decode_and_prefill(ctx):
+    import cupy as cp
+    be = C.CudaBackend()
+    rng = np.random.default_rng(ctx)
+    H, KV, hd, ps = 9, 3, 64, 16
+    n_pages = (ctx + 40) // ps + 2
+    table = list(rng.permutation(n_pages))             # scattered pages
+    pool = _Pool(ps, n_pages)
+    K = rng.standard_normal((ctx + 32, KV, hd)).astype(np.float16).astype(np.float64)
+    V = rng.standard_normal((ctx + 32, KV, hd)).astype(np.float16).astype(np.float64)
+    q_all = rng.standard_normal((ctx + 32, H, hd))
+    scale = 1 / np.sqrt(hd)
+    # prefill the first ctx-1 positions in one call (prefill path), then one decode step at ctx-1
+    n0 = ctx - 1
+    if n0 > 0:
+        got = be.attention(cp.asarray(q_all[:n0], dtype=cp.float32), cp.asarray(K[:n0], dtype=cp.float32),
+                           cp.asarray(V[:n0], dtype=cp.float32), _KV(table, 0, pool), 0, scale)
+        if n0 <= 400:
+            ref = attn_ref(q_all[:n0], K, V, 0, scale)
+            assert rel(cp.asnumpy(got), ref) < 1e-4
+    got = be.attention(cp.asarray(q_all[n0:ctx], dtype=cp.float32), cp.asarray(K[n0:ctx], dtype=cp.float32),
+                       cp.asarray(V[n0:ctx], dtype=cp.float32), _KV(table, n0, pool), 0, scale)
+    ref = attn_ref(q_all[n0:ctx], K, V, n0, scale)
+    assert rel(cp.asnumpy(got), ref) < 1e-4
+    # a 20-token chunk after the context (prefill path with a non-zero start)
+    got = be.attention(cp.asarray(q_all[ctx:ctx + 20], dtype=cp.float32), cp.asarray(K[ctx:ctx + 20], dtype=cp.float32),
+                       cp.asarray(V[ctx:ctx + 20], dtype=cp.float32), _KV(table, ctx, pool), 0, scale)
+    ref = attn_ref(q_all[ctx:ctx + 20], K, V, ctx, scale)
+    assert rel(cp.asnumpy(got), ref) < 1e-4
+
+
+def test_argmax(cp):
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((4, 49152)).astype(np.float32)
+    x[2, 100] = x[2, 200] = 50.0     # tie: lowest index wins (numpy's rule)
+    out = cp.full(4, -1, cp.int32)
+    C._check(C.lib().strata_argmax(C._stream_ptr(), C._p(cp.asarray(x)), C._p(out), 4, x.shape[1]), "argmax")
+    np.testing.assert_array_equal(cp.asnumpy(out), x.argmax(1))
+
+
+def test_bad_type_is_rejected():
+    with pytest.raises(ValueError, match="not supported"):
+        C.upload_raw("w", 6, (4, 32), np.zeros((4, 22), np.uint8))   # Q5_0: not implemented

@@ -1,0 +1,112 @@
+"""Parity of the llama model with Hugging Face transformers on the real default model (teacher-forced logits)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+# transformers dequantizes the GGUF to fp32 with the same block formulas, and both sides compute in fp32, so
+# the only differences are float summation order: measured max |diff| ~1e-4 over 540 positions. The tolerance
+# leaves room for a faster matmul (tiled BLAS, FMA) while still catching any real error (a wrong RoPE pairing,
+# mask or KV position changes logits by whole units).
+MAX_ABS_LOGIT_DIFF = 2e-2
+# top-1 must agree wherever the reference's top-1/top-2 margin exceeds this (logits).
+TOP1_MARGIN = 0.05
+
+CHAT = [
+    {"role": "system", "content": "You are a patient assistant who helps people plan small home projects. "
+                                  "Answer with short numbered steps and mention safety where it matters."},
+    {"role": "user", "content": "I want to put up a shelf in my living room. The wall is plasterboard. "
+                                "What do I need?"},
+    {"role": "assistant", "content": "1. A stud finder, to locate the timber or metal studs behind the board.\n"
+                                     "2. A spirit level and a pencil.\n3. A drill with a set of wood bits.\n"
+                                     "4. Screws long enough to go at least 30 mm into the stud, or heavy-duty "
+                                     "plasterboard anchors where there is no stud.\n5. The shelf and its brackets.\n"
+                                     "Wear eye protection while drilling, and check for pipes and cables first."},
+    {"role": "user", "content": "There's no stud where I want it. Will anchors hold books?"},
+    {"role": "assistant", "content": "Spring toggle or metal cavity anchors can hold about 10-20 kg each in "
+                                     "12.5 mm plasterboard, but a shelf full of books can weigh 25 kg per metre. "
+                                     "Use at least four anchors, spread the load with a long rail, or move the "
+                                     "shelf 20 cm so that one bracket lands on a stud."},
+    {"role": "user", "content": "OK, I'll move it to hit a stud. How do I make sure it's level when there are "
+                                "two brackets?"},
+    {"role": "assistant", "content": "1. Fix the first bracket loosely with one screw.\n2. Rest the shelf on it, "
+                                     "put the level on top and mark the second bracket's holes.\n3. Drill pilot "
+                                     "holes at the marks, fit the second bracket, then tighten both.\n4. Check the "
+                                     "level again before loading it."},
+    {"role": "user", "content": "Thanks! Last question: my drill has a hammer setting. Should I use it on "
+                                "plasterboard? And what about the tiles in my kitchen, for a second shelf there?"},
+    {"role": "assistant", "content": "No hammer on plasterboard: it crumbles the board and the hole ends up too "
+                                     "big. For ceramic tiles, put masking tape over the spot, start slowly with a "
+                                     "tile or glass bit without hammer, and only switch to a masonry bit for the "
+                                     "wall behind the tile."},
+    {"role": "user", "content": "Which screws and plugs for the tiled wall?"},
+    {"role": "assistant", "content": "Behind most kitchen tiles is brick or concrete: use 6 mm wall plugs with "
+                                     "5 x 50 mm screws, drill through the tile with the tile bit, then 40 mm deep "
+                                     "into the wall with the masonry bit. Push the plug in until it sits behind "
+                                     "the tile, so the tile does not crack when you tighten the screw."},
+    {"role": "user", "content": "Great, can you summarise everything as a checklist I can print?"},
+]
+
+
+def _split_runs(n_total: int):
+    """(name, list of batch sizes) of the ubatch schedules compared with the reference."""
+    head = 512
+    return [
+        ("ubatch 512 + single-token decode", [head] + [1] * (n_total - head)),
+        ("ubatch 64", [64] * (n_total // 64) + ([n_total % 64] if n_total % 64 else [])),
+    ]
+
+
+@pytest.fixture(scope="session")
+def hf_reference(default_model_path):
+    """(token ids (T,), fp32 logits (T, n_vocab)) from transformers on the same GGUF, computed once per session."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    d, name = str(default_model_path.parent), default_model_path.name
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
+    ids = tok.apply_chat_template(CHAT, add_generation_prompt=True)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    ids = np.asarray(ids, dtype=np.int32)
+    assert len(ids) >= 500, len(ids)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        logits = model(torch.from_numpy(ids.astype(np.int64))[None]).logits[0].float().numpy()
+    del model
+    return ids, logits
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", [0, 1], ids=["ubatch512_decode", "ubatch64"])
+def test_teacher_forced_logits_match_transformers(default_model, hf_reference, run):
+    ids, ref = hf_reference
+    name, batches = _split_runs(len(ids))[run]
+    assert sum(batches) == len(ids)
+    pool = default_model.new_page_pool(1024)
+    state = default_model.new_state(pool)
+    out = []
+    p = 0
+    for b in batches:
+        lg = default_model.forward(ids[p:p + b], state, all_logits=True)
+        assert lg.shape == (b, default_model.config.n_vocab)
+        out.append(lg)
+        p += b
+    ours = np.concatenate(out)
+    assert state.pos == len(ids) and state.kv.length == len(ids)
+    # the sequence crosses page boundaries (page size 256) in both schedules
+    assert len(state.kv.pages) == -(-len(ids) // pool.page_size) >= 3
+
+    diff = np.abs(ours - ref)
+    max_diff = float(diff.max())
+    top2 = np.sort(ref, axis=1)[:, -2:]
+    margin = top2[:, 1] - top2[:, 0]
+    decisive = margin > TOP1_MARGIN
+    agree = ours.argmax(1) == ref.argmax(1)
+    bad = np.nonzero(decisive & ~agree)[0]
+    print(f"{name}: T={len(ids)} max|diff|={max_diff:.2e} mean|diff|={float(diff.mean()):.2e} "
+          f"top1 agree {int(agree.sum())}/{len(ids)} (decisive {int(decisive.sum())})")
+    assert bad.size == 0, f"{name}: top-1 differs at decisive positions {bad[:10].tolist()}"
+    assert max_diff < MAX_ABS_LOGIT_DIFF, f"{name}: max |logit diff| {max_diff:.3e} at row {int(diff.max(1).argmax())}"

@@ -1,0 +1,393 @@
+"""The real daemon on the real default model, driven by real clients: openai over TCP, raw HTTP over the Unix socket."""
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import threading
+import time
+
+import pytest
+
+from tests.test_serve_daemon import Daemon, free_port
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "test-key-1234"
+COUNT_PROMPT = "1, 2, 3, 4, 5, 6, 7, 8,"   # a greedy model keeps counting: a long generation on demand
+HI = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve")
+    d = Daemon(tmp, "--api-key", API_KEY, "--queue-max", "1", "--max-body", "65536", port=free_port()).start()
+    yield d
+    rc = d.stop()
+    assert rc == 0, d.log_tail()
+
+
+@pytest.fixture(scope="module")
+def client(daemon):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{daemon.port}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model_id(daemon):
+    st, d = daemon.json("GET", "/v1/models")
+    assert st == 200
+    return d["data"][0]["id"]
+
+
+def sse_events(body: bytes) -> list:
+    out = []
+    for block in body.decode().split("\n\n"):
+        if block.startswith("data: "):
+            data = block[6:]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ basics
+def test_health_and_models_over_unix_socket(daemon, model_id):
+    st, d = daemon.json("GET", "/health")
+    assert st == 200 and d["status"] == "ok" and d["model"] == model_id
+    assert model_id == "SmolLM2-135M-Instruct.Q4_1"
+    st, d = daemon.json("GET", f"/v1/models/{model_id}")
+    assert st == 200 and d["id"] == model_id and d["meta"]["n_ctx"] == 512
+    st, d = daemon.json("GET", "/v1/models/gpt-4")
+    assert st == 404 and d["error"]["code"] == "model_not_found"
+    import os
+    import stat
+    assert stat.S_IMODE(os.stat(daemon.sock).st_mode) == 0o660
+
+
+def test_openai_chat_usage_matches_reference_tokenizer(client, model_id):
+    r = client.chat.completions.create(model=model_id, messages=HI, max_tokens=8, temperature=0)
+    ch = r.choices[0]
+    assert ch.message.role == "assistant" and isinstance(ch.message.content, str) and ch.message.content
+    assert ch.finish_reason in ("stop", "length")
+    assert r.usage.completion_tokens <= 8
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    # the prompt length against an independent tokenizer + template: transformers reading the same GGUF
+    transformers = pytest.importorskip("transformers")
+    from strata.default_model import default_model_path
+    p = default_model_path()
+    tok = transformers.AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    ref = tok.apply_chat_template(HI, add_generation_prompt=True, tokenize=True)
+    assert r.usage.prompt_tokens == len(ref)
+
+
+def test_openai_stream_equals_non_stream(client, model_id):
+    kw = dict(model=model_id, messages=HI, max_tokens=12, temperature=0)
+    whole = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_stop_strings(client, model_id):
+    base = client.completions.create(model=model_id, prompt=COUNT_PROMPT, max_tokens=12, temperature=0)
+    text = base.choices[0].text
+    assert " 11," in text, text          # the count goes on: 9, 10, 11, ...
+    cut = text.index(" 11,")
+    r = client.completions.create(model=model_id, prompt=COUNT_PROMPT, max_tokens=12, temperature=0, stop=[" 11,"])
+    assert r.choices[0].text == text[:cut] and r.choices[0].finish_reason == "stop"
+    s = list(client.completions.create(model=model_id, prompt=COUNT_PROMPT, max_tokens=12, temperature=0,
+                                       stop=[" 11,", "zzz"], stream=True))
+    assert "".join(c.choices[0].text for c in s if c.choices) == text[:cut]
+    assert s[-1].choices[0].finish_reason == "stop"
+
+
+def test_logprobs(client, model_id):
+    r = client.chat.completions.create(model=model_id, messages=HI, max_tokens=5, temperature=0, logprobs=True,
+                                       top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens - (r.choices[0].finish_reason == "stop")
+    for e in content:
+        assert e.logprob <= 0 and len(e.top_logprobs) == 3
+        lps = [t.logprob for t in e.top_logprobs]
+        assert lps == sorted(lps, reverse=True) and sum(2.718281828 ** x for x in lps) <= 1 + 1e-6
+        assert e.logprob == pytest.approx(lps[0], abs=1e-5)    # greedy picks the most likely token
+        assert e.top_logprobs[0].token == e.token
+    c = client.completions.create(model=model_id, prompt=COUNT_PROMPT, max_tokens=3, temperature=0, logprobs=2)
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 3
+    assert "".join(lp.tokens) == c.choices[0].text
+
+
+# ------------------------------------------------------------------------------------------ timings, strata, metrics
+def test_timings_strata_and_checkpoint_metrics(daemon):
+    body = {"messages": [{"role": "system", "content": "You are a terse assistant."},
+                         {"role": "user", "content": "Name a colour."}], "max_tokens": 4, "temperature": 0,
+            "cache_prompt": True, "strata_checkpoint": True, "strata_pin": 0}
+    st, a = daemon.json("POST", "/v1/chat/completions", body)
+    assert st == 200, a
+    t = a["timings"]
+    for k in ("prompt_n", "prompt_ms", "predicted_n", "predicted_ms", "cache_n"):
+        assert k in t
+    assert t["prompt_n"] + t["cache_n"] == a["usage"]["prompt_tokens"]
+    assert t["predicted_n"] == a["usage"]["completion_tokens"]
+    assert a["strata"]["resume_from"] in ("live", "checkpoint", "none")
+    saved0 = daemon.metric("strata_checkpoint_tokens_saved_total")
+    st, b = daemon.json("POST", "/v1/chat/completions", body)
+    assert st == 200
+    assert b["choices"][0]["message"]["content"] == a["choices"][0]["message"]["content"]
+    assert b["timings"]["cache_n"] > 0 and b["strata"]["resume_from"] in ("live", "checkpoint")
+    assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == b["timings"]["cache_n"]
+    assert b["strata"]["resume_pos"] == b["timings"]["cache_n"]
+    assert daemon.metric("strata_checkpoint_tokens_saved_total") - saved0 == b["timings"]["cache_n"]
+    st, off = daemon.json("POST", "/v1/chat/completions", dict(body, cache_prompt=False))
+    assert st == 200 and off["timings"]["cache_n"] == 0
+    assert off["choices"][0]["message"]["content"] == a["choices"][0]["message"]["content"]
+
+
+def test_metrics_series(daemon):
+    st, h, b = daemon.request("GET", "/metrics")
+    assert st == 200 and h["content-type"].startswith("text/plain")
+    text = b.decode()
+    for name in ("strata_requests_total", "strata_prompt_tokens_total", "strata_generated_tokens_total",
+                 "strata_time_to_first_token_seconds_bucket", "strata_time_per_output_token_seconds_bucket",
+                 "strata_queue_depth", "strata_checkpoint_hits_total", "strata_checkpoint_tokens_saved_total"):
+        assert name in text, name
+    assert daemon.metric("strata_time_to_first_token_seconds_count") >= 1
+    assert daemon.metric("strata_generated_tokens_total") >= 1
+
+
+def test_slots(daemon):
+    st, d = daemon.json("GET", "/slots")
+    assert st == 200 and d[0]["id"] == 0 and d[0]["n_ctx"] == 512
+    for action in ("save", "restore", "erase"):
+        st, e = daemon.json("POST", f"/slots/0?action={action}")
+        assert st == 501 and "session files" in e["error"]["message"]
+    st, e = daemon.json("POST", "/slots/3?action=save")
+    assert st == 404
+    st, e = daemon.json("POST", "/slots/0?action=explode")
+    assert st == 400 and e["error"]["param"] == "action"
+    st, d = daemon.json("GET", "/status")
+    assert st == 200 and d["engine"]["n_ctx"] == 512 and d["queue"]["max"] == 1
+    st, d = daemon.json("GET", "/cache")
+    assert st == 200 and isinstance(d["checkpoints"], list)
+
+
+# ------------------------------------------------------------------------------------------ errors
+@pytest.mark.parametrize("raw,needle", [
+    (b"{not json", "not valid JSON"),
+    (b"[1, 2]", "must be a JSON object"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', "not valid JSON"),
+    (json.dumps({"messages": "hi"}).encode(), "'messages'"),
+    (json.dumps({"messages": [{"role": "wizard", "content": "x"}]}).encode(), "role"),
+    (json.dumps({"messages": HI, "temperature": "hot"}).encode(), "'temperature' must be a number"),
+    (json.dumps({"messages": HI, "temperature": 7}).encode(), "'temperature' must be in"),
+    (json.dumps({"messages": HI, "max_tokens": -1}).encode(), "'max_tokens'"),
+    (json.dumps({"messages": HI, "n": 2}).encode(), "'n' must be 1"),
+    (json.dumps({"messages": HI, "top_logprobs": 3}).encode(), "needs 'logprobs'"),
+    (json.dumps({"messages": HI, "stream_options": {"include_usage": True}}).encode(), "only allowed"),
+    (json.dumps({"messages": HI, "strata_pin": 5}).encode(), "strata_pin"),
+    (json.dumps({"messages": HI, "stop": ""}).encode(), "'stop'"),
+])
+def test_bad_requests_get_400(daemon, raw, needle):
+    st, h, b = daemon.request("POST", "/v1/chat/completions", raw=raw)
+    assert st == 400, b
+    err = json.loads(b)["error"]
+    assert needle in err["message"] and err["type"] == "invalid_request_error"
+
+
+def test_prompt_too_long_names_the_numbers(daemon):
+    st, d = daemon.json("POST", "/v1/completions", {"prompt": "word " * 700, "max_tokens": 1})
+    assert st == 400 and d["error"]["code"] == "context_length_exceeded"
+    assert "512" in d["error"]["message"] and "tokens" in d["error"]["message"]
+    assert daemon.json("GET", "/health")[0] == 200
+
+
+def test_routes_models_and_sizes(daemon):
+    st, d = daemon.json("GET", "/v1/nothing-here")
+    assert st == 404 and "unknown route" in d["error"]["message"]
+    st, d = daemon.json("POST", "/v1/chat/completions", {"model": "gpt-4o", "messages": HI, "max_tokens": 1})
+    assert st == 404 and d["error"]["param"] == "model"
+    st, h, b = daemon.request("POST", "/v1/chat/completions",
+                              raw=json.dumps({"messages": HI, "pad": "x" * 70000}).encode())
+    assert st == 413 and "--max-body" in json.loads(b)["error"]["message"]
+    st, d = daemon.json("GET", "/v1/chat/completions")
+    assert st == 405 and "error" in d
+
+
+def test_api_key_on_tcp(daemon):
+    import http.client
+    def call(headers):
+        c = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=30)
+        c.request("GET", "/v1/models", headers=headers)
+        r = c.getresponse()
+        return r.status, json.loads(r.read())
+    assert call({})[0] == 401
+    st, d = call({"Authorization": "Bearer wrong-key"})
+    assert st == 401 and d["error"]["type"] == "authentication_error"
+    assert call({"Authorization": f"Bearer {API_KEY}"})[0] == 200
+    c = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=30)
+    c.request("GET", "/health")
+    assert c.getresponse().status == 200             # liveness probes need no key
+
+
+def test_non_loopback_needs_api_key(tmp_path):
+    import subprocess
+    import sys
+    from tests.test_serve_daemon import ROOT, env_for_daemon
+    r = subprocess.run([sys.executable, "-m", "strata.cli.main", "serve", "--socket", str(tmp_path / "s"),
+                        "--host", "0.0.0.0", "--port", "1"], capture_output=True, text=True, env=env_for_daemon(),
+                       cwd=ROOT, timeout=60)
+    assert r.returncode == 2 and "--api-key" in r.stderr
+
+
+# ------------------------------------------------------------------------------------------ concurrency
+async def _stream_unix(sock: str, body: dict, on_first=None, stop_after: int | None = None):
+    """Stream a completion over the Unix socket; -> (text, [arrival times of content events], events)."""
+    import aiohttp
+    conn = aiohttp.UnixConnector(path=sock)
+    texts, times, events = [], [], []
+    async with aiohttp.ClientSession(connector=conn) as s:
+        async with s.post("http://strata/v1/completions", json=dict(body, stream=True)) as r:
+            if r.status != 200:
+                return r.status, await r.json(), r.headers
+            async for line in r.content:
+                line = line.strip()
+                if not line.startswith(b"data: "):
+                    continue
+                if line == b"data: [DONE]":
+                    events.append("[DONE]")
+                    break
+                ev = json.loads(line[6:])
+                events.append(ev)
+                t = ev["choices"][0]["text"] if ev["choices"] else ""
+                if t:
+                    texts.append(t)
+                    times.append(time.monotonic())
+                    if on_first is not None and len(texts) == 1:
+                        on_first()
+                    if stop_after is not None and len(texts) >= stop_after:
+                        return "".join(texts), times, events   # leaving the block drops the connection
+    return "".join(texts), times, events
+
+
+def test_two_clients_take_turns(daemon):
+    a = {"prompt": COUNT_PROMPT, "max_tokens": 10, "temperature": 0}
+    b = {"prompt": "The quick brown fox", "max_tokens": 10, "temperature": 0}
+    solo_a = asyncio.run(_stream_unix(daemon.sock, a))[0]
+    solo_b = asyncio.run(_stream_unix(daemon.sock, b))[0]
+
+    async def both():
+        ta = asyncio.create_task(_stream_unix(daemon.sock, a))
+        await asyncio.sleep(0.05)
+        tb = asyncio.create_task(_stream_unix(daemon.sock, b))
+        return await ta, await tb
+    (text_a, times_a, _), (text_b, times_b, _) = asyncio.run(both())
+    assert text_a == solo_a and text_b == solo_b           # neither sees the other's tokens
+    assert times_b[0] >= times_a[-1]                       # the second waited for the first to finish
+
+
+def test_queue_full_gives_503(daemon):
+    long = {"prompt": COUNT_PROMPT, "max_tokens": 60, "temperature": 0}
+    short = {"prompt": "Hello", "max_tokens": 2, "temperature": 0}
+
+    async def run():
+        import aiohttp
+        first = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        ta = asyncio.create_task(_stream_unix(daemon.sock, long, on_first=lambda: loop.call_soon(first.set)))
+        await first.wait()                                 # A is generating: 1 running, 0 waiting
+
+        async def post(body):
+            async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=daemon.sock)) as s:
+                async with s.post("http://strata/v1/completions", json=body) as r:
+                    return r.status, await r.json(), dict(r.headers)
+        b, c = await asyncio.gather(post(short), post(short))
+        await ta
+        return b, c
+    b, c = asyncio.run(run())
+    statuses = sorted([b[0], c[0]])
+    assert statuses == [200, 503], (b, c)
+    busy = b if b[0] == 503 else c
+    assert busy[1]["error"]["code"] == "queue_full" and int(busy[2]["Retry-After"]) >= 1
+    assert daemon.metric("strata_requests_total", {"status": "503"}) >= 1
+
+
+def test_disconnect_mid_stream_cancels_and_engine_stays_usable(daemon):
+    probe = {"prompt": "The quick brown fox", "max_tokens": 6, "temperature": 0}
+    before = asyncio.run(_stream_unix(daemon.sock, probe))[0]
+    cancelled0 = daemon.metric("strata_generations_total", {"finish_reason": "cancelled"})
+    gen0 = daemon.metric("strata_generated_tokens_total")
+    text, _, _ = asyncio.run(_stream_unix(daemon.sock, {"prompt": COUNT_PROMPT, "max_tokens": 300, "temperature": 0},
+                                          stop_after=2))
+    assert text
+    deadline = time.monotonic() + 60
+    while daemon.metric("strata_generations_total", {"finish_reason": "cancelled"}) == cancelled0:
+        assert time.monotonic() < deadline, "the engine did not stop after the client left"
+        time.sleep(0.05)
+    generated = daemon.metric("strata_generated_tokens_total") - gen0
+    assert generated < 40, generated          # stopped soon after the disconnect, far from max_tokens=300
+    assert asyncio.run(_stream_unix(daemon.sock, probe))[0] == before
+    assert daemon.json("GET", "/health")[0] == 200
+
+
+# ------------------------------------------------------------------------------------------ logging
+def test_json_logs_carry_the_request_id(daemon):
+    st, h, b = daemon.request("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2},
+                              headers={"X-Request-Id": "req-abc-123"})
+    assert st == 200 and h["x-request-id"] == "req-abc-123"
+    assert json.loads(b)["id"] == "cmpl-req-abc-123"
+    time.sleep(0.2)
+    lines = daemon.log_lines()                       # every line is JSON (stderr is not a TTY)
+    mine = [ln for ln in lines if ln.get("request_id") == "req-abc-123"]
+    events = {ln["event"] for ln in mine}
+    assert {"request", "generation finished"} <= events, events   # loop and engine-thread lines alike
+    assert all("timestamp" in ln and "level" in ln for ln in lines)
+
+
+# ------------------------------------------------------------------------------------------ shutdown
+def test_sigterm_drains_and_notifies(tmp_path):
+    ns_path = str(tmp_path / "notify.sock")
+    ns = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    ns.bind(ns_path)
+    ns.settimeout(0.2)
+    got: list[str] = []
+
+    def listen():
+        while len(got) < 20:
+            try:
+                got.append(ns.recv(4096).decode())
+            except socket.timeout:
+                if stop_listen.is_set():
+                    return
+            except OSError:
+                return
+    stop_listen = threading.Event()
+    th = threading.Thread(target=listen, daemon=True)
+    th.start()
+    d = Daemon(tmp_path, env={"NOTIFY_SOCKET": ns_path}).start()
+    try:
+        assert any("READY=1" in m for m in got), got
+        result = {}
+
+        def on_first():
+            d.proc.send_signal(signal.SIGTERM)        # mid-generation
+        result["r"] = asyncio.run(_stream_unix(d.sock, {"prompt": COUNT_PROMPT, "max_tokens": 20, "temperature": 0},
+                                               on_first=on_first))
+        text, _, events = result["r"]
+        assert events[-1] == "[DONE]"                 # the running request finished its stream
+        assert events[-2]["choices"][0]["finish_reason"] in ("length", "stop", "cancelled")
+        rc = d.proc.wait(60)
+        assert rc == 0, d.log_tail()
+    finally:
+        d.stop()
+        stop_listen.set()
+        th.join(5)
+        ns.close()
+    assert any("STOPPING=1" in m for m in got), got
+    import os
+    assert not os.path.exists(d.sock)

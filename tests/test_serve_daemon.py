@@ -1,0 +1,123 @@
+"""Test support (no tests here): start the real `strata serve` daemon in a subprocess and talk HTTP to its Unix socket."""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float = 120.0):
+        super().__init__("localhost", timeout=timeout)
+        self.unix_path = path
+
+    def connect(self):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(self.timeout)
+        s.connect(self.unix_path)
+        self.sock = s
+
+
+def env_for_daemon(extra: dict | None = None) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.pop("NOTIFY_SOCKET", None)
+    env.pop("STRATA_API_KEY", None)
+    env.update(extra or {})
+    return env
+
+
+class Daemon:
+    """`python -m strata.cli.main serve` on a temporary socket; stderr goes to self.log_path (JSON lines)."""
+
+    def __init__(self, tmp: Path, *args: str, port: int | None = None, env: dict | None = None, n_ctx: int = 512):
+        self.sock = str(tmp / "strata.sock")
+        self.port = port
+        self.log_path = tmp / "daemon.log"
+        self.cmd = [sys.executable, "-m", "strata.cli.main", "serve", "--socket", self.sock, "--n-ctx", str(n_ctx),
+                    "--threads", "2", "--log-level", "debug", *args]
+        if port is not None:
+            self.cmd += ["--port", str(port)]
+        self.env = env_for_daemon(env)
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 180.0) -> "Daemon":
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=self._log, env=self.env, cwd=ROOT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"strata serve exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                st, _, _ = self.request("GET", "/health", timeout=2)
+                if st == 200:
+                    return self
+            except OSError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"strata serve did not become healthy in {timeout} s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def log_lines(self) -> list[dict]:
+        return [json.loads(line) for line in self.log_path.read_text().splitlines() if line.strip()]
+
+    def request(self, method: str, path: str, body=None, *, raw: bytes | None = None, headers: dict | None = None,
+                timeout: float = 120.0):
+        """-> (status, headers dict (lower-case names), body bytes) over the Unix socket."""
+        c = UnixHTTPConnection(self.sock, timeout)
+        try:
+            data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+            h = {"Content-Type": "application/json"} if data is not None else {}
+            h.update(headers or {})
+            c.request(method, path, body=data, headers=h)
+            r = c.getresponse()
+            return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+        finally:
+            c.close()
+
+    def json(self, method: str, path: str, body=None, **kw):
+        st, h, b = self.request(method, path, body, **kw)
+        return st, json.loads(b)
+
+    def metric(self, name: str, labels: dict | None = None) -> float:
+        from prometheus_client.parser import text_string_to_metric_families
+        _, _, b = self.request("GET", "/metrics")
+        total = 0.0
+        for fam in text_string_to_metric_families(b.decode()):
+            for s in fam.samples:
+                if s.name == name and all(s.labels.get(k) == v for k, v in (labels or {}).items()):
+                    total += s.value
+        return total
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 60.0) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
