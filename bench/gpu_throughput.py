@@ -25,6 +25,8 @@ DEPTHS = (0, 4096, 16384)
 
 
 def commit() -> str:
+    if os.environ.get("STRATA_COMMIT"):
+        return os.environ["STRATA_COMMIT"]
     try:
         return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True).stdout.strip() or "unknown"

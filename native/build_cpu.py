@@ -20,9 +20,11 @@ CDEF = """
 const char *strata_cpu_path(void);
 int strata_cpu_set_path(const char *name);
 int strata_cpu_has_avx2(void);
+int strata_cpu_has_avxvnni(void);
 int strata_block_size(int type);
 int strata_type_size(int type);
 int strata_can_matmul(int type);
+void strata_park_workers(void);
 int strata_dequantize(int type, const void *src, int64_t src_row_bytes, int64_t n_rows, int64_t n_in,
                       float *dst, int n_threads);
 int strata_get_rows(int type, const void *src, int64_t src_row_bytes, int64_t n_rows, int64_t n_in,
@@ -31,7 +33,7 @@ int strata_matmul(int type, const void *w, int64_t w_row_bytes, int64_t n_out, i
                   const float *x, int64_t n_tokens, float *y, int n_threads);
 """
 
-SOURCES = ["core.c", "portable.c", "avx2.c"]
+SOURCES = ["core.c", "portable.c", "avx2.c", "avxvnni.c"]
 
 
 def make_builder(absolute: bool = False) -> FFI:
@@ -55,7 +57,7 @@ def make_builder(absolute: bool = False) -> FFI:
         include_dirs=[path(CPU)],
         extra_compile_args=["-O3", "-std=gnu11", "-fno-strict-aliasing", "-Wall", "-Wno-unused-function"],
         libraries=["pthread"] if sys.platform != "win32" else [],
-        depends=[path(CPU / f) for f in ("common.h", "strata_cpu.h", "kernels.inc")],
+        depends=[path(CPU / f) for f in ("common.h", "strata_cpu.h", "kernels.inc", "avx2_dot32.inc")],
     )
     return ffi
 

@@ -5,9 +5,9 @@ import copy
 import re
 import json
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Literal, Sequence
+from typing import Literal
 
 import jinja2
 import jinja2.ext
@@ -37,14 +37,14 @@ class CutPoint:
 
 @dataclass
 class RenderedPrompt:
-    """Prompt token ids, the rendered text, and cut points sorted by pos (several kinds may share a pos).
+    """Prompt token ids, cut points sorted by pos (several kinds may share a pos), and the rendered text.
 
     content_safe: True when message contents were tokenized as plain text by the sentinel method (always
     the case unless the template transforms contents; see ChatTemplate.render).
     """
     tokens: list[int]
+    cut_points: list[CutPoint]
     text: str
-    cut_points: list[CutPoint] = field(default_factory=list)
     content_safe: bool = True
 
 

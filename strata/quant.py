@@ -26,9 +26,12 @@ SUPPORTED_TYPES = frozenset({
 })
 
 #: From this many tokens on, matmul dequantizes a tile of weight rows to fp32 and calls numpy's BLAS
-#: instead of the Q8 integer kernels. Measured with bench/matmul.py (see its docstring); override with
-#: the environment variable STRATA_BLAS_MIN_TOKENS.
-BLAS_MIN_TOKENS = int(os.environ.get("STRATA_BLAS_MIN_TOKENS", "64"))
+#: instead of the Q8 integer kernels. Crossover measured with bench/matmul.py on a 2-core Sapphire Rapids
+#: VM (OpenBLAS with AVX-512, 2 threads): the Q8 kernels (~65 GFLOP/s per thread, AVX2/AVX-VNNI) win up to
+#: 32-64 tokens for the SmolLM2 shapes, BLAS wins from 64-128 tokens on (about 1.3-2x at 256-512 tokens).
+#: On a machine whose cores are oversubscribed OpenBLAS stalls badly (10x slower), while the Q8 kernels
+#: degrade gracefully; raise this with the environment variable STRATA_BLAS_MIN_TOKENS to avoid BLAS.
+BLAS_MIN_TOKENS = int(os.environ.get("STRATA_BLAS_MIN_TOKENS", "128"))
 #: Rows per dequantized tile on the BLAS path: at most about this many fp32 bytes at a time.
 _BLAS_TILE_BYTES = 4 << 20
 
@@ -52,7 +55,8 @@ def native_available() -> bool:
 
 
 def cpu_path() -> str:
-    """The active kernel set: "avx2" (AVX2+FMA), "portable" (plain C) or "numpy" (no C core built).
+    """The active kernel set: "avxvnni" (AVX2+FMA+AVX-VNNI), "avx2" (AVX2+FMA), "portable" (plain C) or
+    "numpy" (no C core built); the C core picks the best one the CPU supports.
 
     STRATA_CPU_PATH=portable in the environment forces the plain-C path at import.
     """
@@ -62,11 +66,19 @@ def cpu_path() -> str:
 
 
 def set_cpu_path(name: str) -> None:
-    """Select the kernel set: "auto", "avx2" or "portable". Raises ValueError if unknown or unsupported here."""
+    """Select the kernel set: "auto", "avxvnni", "avx2" or "portable". Raises ValueError if unknown or
+    unsupported by this CPU."""
     if _lib is None:
         raise ValueError("the C core strata._native is not built")
     if _lib.strata_cpu_set_path(str(name).encode()) != 0:
-        raise ValueError(f"CPU path {name!r} is unknown or not supported by this CPU (use auto, avx2 or portable)")
+        raise ValueError(f"CPU path {name!r} is unknown or not supported by this CPU (use auto, avxvnni, avx2 or portable)")
+
+
+def park_workers() -> None:
+    """Let the C core's idle worker threads sleep now instead of spinning for the next call (call before
+    long numpy/BLAS work so the workers do not compete with BLAS's own threads). No-op without the C core."""
+    if _lib is not None:
+        _lib.strata_park_workers()
 
 
 def set_threads(n: int) -> None:
@@ -106,6 +118,8 @@ class WeightTensor:
     shape: tuple[int, ...]
     data: np.ndarray
     _raw_cache: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
+    _layout_cache: tuple | None = field(default=None, init=False, repr=False, compare=False)
+    _ptr_cache: object = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
@@ -115,6 +129,8 @@ class WeightTensor:
 
     def _layout(self) -> tuple[int, int, int]:
         """(n_rows, n_in, row_bytes); ValueError when the type is unsupported or the data size is wrong."""
+        if self._layout_cache is not None:
+            return self._layout_cache
         t = self.ggml_type
         if t not in SUPPORTED_TYPES:
             raise ValueError(f"tensor {self.name}: unsupported GGML type {getattr(t, 'name', t)}")
@@ -130,7 +146,8 @@ class WeightTensor:
         if self.data.nbytes != n_rows * row_bytes:
             raise ValueError(f"tensor {self.name}: {self.data.nbytes} data bytes, expected {n_rows * row_bytes} "
                              f"for {t.name} shape {tuple(self.shape)}")
-        return n_rows, n_in, row_bytes
+        self._layout_cache = (n_rows, n_in, row_bytes)
+        return self._layout_cache
 
     def _raw(self) -> np.ndarray:
         """The storage as a C-contiguous uint8 array (n_rows, row_bytes) (a view of a memory map if it is one)."""
@@ -139,6 +156,12 @@ class WeightTensor:
             d = self.data if self.data.flags.c_contiguous else np.ascontiguousarray(self.data)
             self._raw_cache = d.reshape(-1).view(np.uint8).reshape(n_rows, row_bytes)
         return self._raw_cache
+
+    def _ptr(self):
+        """cffi pointer to the packed storage (kept alive by the cached array)."""
+        if self._ptr_cache is None:
+            self._ptr_cache = _ffi.from_buffer(self._raw())
+        return self._ptr_cache
 
     # ---- operations ----
 
@@ -215,7 +238,7 @@ class WeightTensor:
             y = self._matmul_blas(x2, n_out, n_in, row_bytes)
         else:
             y = np.empty((n_tok, n_out), dtype=np.float32)
-            _check(_lib.strata_matmul(int(t), _ffi.from_buffer(self._raw()), row_bytes, n_out, n_in,
+            _check(_lib.strata_matmul(int(t), self._ptr(), row_bytes, n_out, n_in,
                                       _ffi.from_buffer("float[]", x2), n_tok, _ffi.from_buffer("float[]", y),
                                       _THREADS), f"matmul with {self.name}")
         return y[0] if squeeze else y
@@ -232,6 +255,7 @@ class WeightTensor:
             _check(_lib.strata_dequantize(int(self.ggml_type), _ffi.from_buffer(raw[r0:r1]), row_bytes, r1 - r0,
                                           n_in, _ffi.from_buffer("float[]", tile), _THREADS),
                    f"matmul with {self.name}")
+            _lib.strata_park_workers()  # our spinning workers would steal cores from BLAS's threads
             np.matmul(x2, tile.T, out=y[:, r0:r1])
         return y
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from numbers import Integral, Real
 
 import numpy as np
@@ -161,8 +161,20 @@ class Sampler:
             return np.array([i], dtype=np.int64), x[[i]]
         n = x.shape[0]
         k = p.top_k if 0 < p.top_k < n else n
+        total = None  # sum of exp(logit - max) over the top-k set, when ids below is a subset of it
         if k < n:
             ids = np.argpartition(-x, k - 1)[:k]
+        elif (p.top_p < 1.0 or p.min_p > 0.0) and n > 2048:
+            # shortcut (same result): when the best 1024 already decide top-p / min-p, skip sorting the rest
+            part = np.argpartition(-x, 1023)[:1024]
+            mx = float(x[part].max())
+            total = float(np.exp((x - mx).astype(np.float64)).sum())
+            mass = float(np.exp((x[part] - mx).astype(np.float64)).sum()) / total
+            if (p.top_p < 1.0 and mass >= p.top_p) or (
+                    p.min_p > 0.0 and float(x[part].min()) < mx + math.log(p.min_p)):
+                ids = part
+            else:
+                ids, total = np.arange(n), None
         else:
             ids = np.arange(n)
         # stable order: logit descending, then id ascending
@@ -171,7 +183,7 @@ class Sampler:
         lg = x[ids]
         if p.top_p < 1.0:
             e = np.exp((lg - lg[0]).astype(np.float64))
-            cum = np.cumsum(e / e.sum())
+            cum = np.cumsum(e / (e.sum() if total is None else total))
             last = int(np.searchsorted(cum, p.top_p, side="left")) + 1
             ids, lg = ids[:last], lg[:last]
         if p.min_p > 0.0:

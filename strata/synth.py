@@ -76,8 +76,8 @@ class SynthSpec:
     norm_topk: bool = True              # norm_topk_prob
     n_mtp: int = 1                      # MTP blocks (0 or 1)
     tie_embeddings: bool = True
-    qtype: str = "F32"                  # type of 2-D/3-D weight matrices
-    embd_qtype: str = "Q8_0"            # type of token_embd (and output when untied)
+    qtype: str = "F16"                  # type of 2-D/3-D weight matrices
+    embd_qtype: str = "Q4_0"            # type of token_embd (and output when untied)
     seed: int = 0
     name: str = "strata-synthetic"
 
@@ -313,16 +313,24 @@ def _write_metadata(w: gguf.GGUFWriter, s: SynthSpec) -> None:
         w.add_key_value(name, val, vt, sub_type=sub)
 
 
-def write_synthetic(path: str | Path, spec: SynthSpec, progress: bool = False) -> Path:
+def write_synthetic(path: str | Path, spec: SynthSpec, progress: bool = False,
+                    overrides: dict[str, Any] | None = None) -> Path:
     """Write ``spec`` as a GGUF at ``path`` (streamed: one tensor in memory at a time). Returns the path.
 
-    Raises ValueError for an unknown arch or a quant type the gguf library cannot write.
+    ``overrides`` replaces metadata values by full key (e.g. {"qwen35.ssm.state_size": 8}), to make files whose
+    metadata disagrees with their tensors. Raises ValueError for an unknown arch or a quant type the gguf
+    library cannot write.
     """
     spec.validate()
     path = Path(path)
     plan = _plan(spec)
     w = gguf.GGUFWriter(path, spec.arch)
     _write_metadata(w, spec)
+    for key, val in (overrides or {}).items():
+        kv = w.kv_data[0]
+        if key not in kv:
+            raise ValueError(f"override of unknown metadata key {key!r}")
+        kv[key] = dataclasses.replace(kv[key], value=val)
     types = []
     for t in plan:
         q = _qtype_for(spec, t)
@@ -343,8 +351,8 @@ def write_synthetic(path: str | Path, spec: SynthSpec, progress: bool = False) -
 
 # ------------------------------------------------------------------------------------------------ HF export
 
-def _reader_tensors(path: str | Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    r = gguf.GGUFReader(path)
+def _reader_tensors(src) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    r = src if isinstance(src, gguf.GGUFReader) else gguf.GGUFReader(src)
     meta = {k: f.contents() for k, f in r.fields.items() if not k.startswith("tokenizer.") and f.types}
     out = {}
     for t in r.tensors:
@@ -365,9 +373,11 @@ def _ungroup_v(x: np.ndarray, axis: int, n_k: int, r: int, hd: int) -> np.ndarra
     return np.moveaxis(y, 0, axis)
 
 
-def export_hf(path: str | Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+def export_hf(path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """Read a synthetic (or converter-written) GGUF and return (transformers config kwargs, HF state dict).
 
+    ``path``: a file path or an already opened ``gguf.GGUFReader`` (tensors are dequantized with the gguf
+    library's numpy dequantizers).
     The config dict carries ``architectures`` (Qwen3NextForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM,
     LlamaForCausalLM); the state dict holds float32 numpy arrays in HF naming, MTP weights under ``mtp.*``.
     """
@@ -505,7 +515,7 @@ def export_hf(path: str | Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     return cfg, sd
 
 
-def hf_model(path: str | Path):
+def hf_model(path):
     """Build the transformers model (torch float32, eval) holding the GGUF's weights; returns (model, mtp_state).
 
     ``mtp_state`` is the ``mtp.*`` part of the state dict (transformers' Qwen3-Next / Qwen3.5 classes ignore MTP).
@@ -522,8 +532,8 @@ def hf_model(path: str | Path):
     config = conf_cls(**cfg)
     config._attn_implementation = "eager"
     model = getattr(transformers, arch)(config).float().eval()
-    mtp = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in sd.items() if k.startswith("mtp.")}
-    main = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in sd.items() if not k.startswith("mtp.")}
+    mtp = {k: torch.from_numpy(np.array(v, dtype=np.float32)) for k, v in sd.items() if k.startswith("mtp.")}
+    main = {k: torch.from_numpy(np.array(v, dtype=np.float32)) for k, v in sd.items() if not k.startswith("mtp.")}
     missing, unexpected = model.load_state_dict(main, strict=False)
     missing = [m for m in missing if not (cfg.get("tie_word_embeddings") and m == "lm_head.weight")]
     if missing or unexpected:

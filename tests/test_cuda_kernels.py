@@ -119,6 +119,21 @@ def test_rms_norm_residual(be, cp, with_res):
     assert rel(cp.asnumpy(d_sum), s) < 1e-7
 
 
+def test_rms_norm_in_place_residual_stream(be, cp):
+    """The model's fused form: residual stream x += o and hn = norm(x), with sum_out aliasing the residual."""
+    rng = np.random.default_rng(12)
+    n, dim, eps = 3, 576, 1e-5
+    o = rng.standard_normal((n, dim)).astype(np.float32)
+    x = rng.standard_normal((n, dim)).astype(np.float32)
+    w = rng.standard_normal(dim).astype(np.float32)
+    s = x.astype(np.float64) + o
+    ref = s / np.sqrt((s * s).mean(-1, keepdims=True) + eps) * w
+    d_x = cp.asarray(x)
+    out = be.rms_norm(cp.asarray(o), cp.asarray(w), eps, residual=d_x, sum_out=d_x)
+    assert rel(cp.asnumpy(out), ref) < 1e-6
+    assert rel(cp.asnumpy(d_x), s) < 1e-7
+
+
 def rope_ref(x, pos, n_rot, base, neox):
     """llama.cpp ggml_rope (NORM: pairs (2i, 2i+1); NEOX: pairs (i, i + n_rot/2)); dims >= n_rot untouched."""
     x = x.astype(np.float64).copy()
@@ -223,3 +238,26 @@ def test_argmax(cp):
 def test_bad_type_is_rejected():
     with pytest.raises(ValueError, match="not supported"):
         C.upload_raw("w", 6, (4, 32), np.zeros((4, 22), np.uint8))   # Q5_0: not implemented
+
+
+@pytest.mark.parametrize("n_rot", [64, 32])
+def test_rope_kv_decode_fused(cp, n_rot):
+    """strata_rope_kv_decode == RoPE (numpy reference) on q and k, then k and v stored as f16 at the page slot."""
+    rng = np.random.default_rng(n_rot)
+    H, KV, hd, ps, n_pages, p = 9, 3, 64, 16, 8, 37
+    qkv = rng.standard_normal((1, (H + 2 * KV) * hd)).astype(np.float32)
+    table = rng.permutation(n_pages).astype(np.int32)
+    kc = cp.zeros((n_pages, ps, KV, hd), cp.float16)
+    vc = cp.zeros((n_pages, ps, KV, hd), cp.float16)
+    d_qkv = cp.asarray(qkv)
+    pos = cp.asarray([p, p + 1], dtype=cp.int32)
+    C._check(C.lib().strata_rope_kv_decode(C._stream_ptr(), C._p(d_qkv), C._p(pos), C._p(kc), C._p(vc),
+                                           C._p(cp.asarray(table)), H, KV, hd, n_rot, 100000.0, 0, ps), "rope_kv")
+    qk_ref = rope_ref(qkv[:, :(H + KV) * hd].reshape(1, H + KV, hd), np.array([p]), n_rot, 100000.0, False)
+    got = cp.asnumpy(d_qkv)
+    np.testing.assert_allclose(got[:, :(H + KV) * hd].reshape(1, H + KV, hd), qk_ref, rtol=1e-4, atol=2e-5)
+    slot = cp.asnumpy(kc)[table[p // ps], p % ps].astype(np.float64)
+    np.testing.assert_allclose(slot, qk_ref[0, H:].astype(np.float16), rtol=1e-3, atol=1e-3)
+    v = qkv[0, (H + KV) * hd:].reshape(KV, hd)
+    np.testing.assert_array_equal(cp.asnumpy(vc)[table[p // ps], p % ps], v.astype(np.float16))
+    assert float(cp.abs(kc).sum()) == pytest.approx(float(np.abs(slot).sum()), rel=1e-3)   # nothing else written

@@ -7,13 +7,19 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-# transformers dequantizes the GGUF to fp32 with the same block formulas, and both sides compute in fp32, so
-# the only differences are float summation order: measured max |diff| ~1e-4 over 540 positions. The tolerance
-# leaves room for a faster matmul (tiled BLAS, FMA) while still catching any real error (a wrong RoPE pairing,
-# mask or KV position changes logits by whole units).
-MAX_ABS_LOGIT_DIFF = 2e-2
-# top-1 must agree wherever the reference's top-1/top-2 margin exceeds this (logits).
-TOP1_MARGIN = 0.05
+# transformers dequantizes the GGUF to fp32 with the same block formulas and computes in fp32. Strata's matmul
+# (strata.quant) has two paths: from quant.BLAS_MIN_TOKENS tokens on it dequantizes weight tiles to fp32 and calls
+# BLAS, so only the summation order differs (measured max |diff| ~1e-4 with exact fp32 weights); below that it
+# quantizes the activations to 8 bits and uses integer dot products on the packed blocks, as llama.cpp does, which
+# moves logits by up to ~1.3 on this model (measured over 65 decode steps; mean |diff| ~1e-2). Tolerances per row
+# by the path its batch took. Any real error (RoPE pairing, causal mask, KV position, GQA head mapping) moves
+# logits by several units on every row.
+MAX_ABS_DIFF_FP32 = 5e-2
+MAX_ABS_DIFF_Q8 = 2.5
+MEAN_ABS_DIFF_Q8 = 5e-2
+# top-1 must agree wherever the reference's top-1/top-2 margin exceeds this (logits); measured disagreements on
+# the 8-bit path had margins <= 0.08.
+TOP1_MARGIN = 0.25
 
 CHAT = [
     {"role": "system", "content": "You are a patient assistant who helps people plan small home projects. "
@@ -54,9 +60,10 @@ CHAT = [
 def _split_runs(n_total: int):
     """(name, list of batch sizes) of the ubatch schedules compared with the reference."""
     head = 512
+    mixed = [64, 64, 64, 64, 100, 7, 200]
     return [
         ("ubatch 512 + single-token decode", [head] + [1] * (n_total - head)),
-        ("ubatch 64", [64] * (n_total // 64) + ([n_total % 64] if n_total % 64 else [])),
+        ("mixed ubatches", mixed + [n_total - sum(mixed)]),
     ]
 
 
@@ -80,7 +87,7 @@ def hf_reference(default_model_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("run", [0, 1], ids=["ubatch512_decode", "ubatch64"])
+@pytest.mark.parametrize("run", [0, 1], ids=["ubatch512_decode", "mixed_ubatches"])
 def test_teacher_forced_logits_match_transformers(default_model, hf_reference, run):
     ids, ref = hf_reference
     name, batches = _split_runs(len(ids))[run]
@@ -99,14 +106,48 @@ def test_teacher_forced_logits_match_transformers(default_model, hf_reference, r
     # the sequence crosses page boundaries (page size 256) in both schedules
     assert len(state.kv.pages) == -(-len(ids) // pool.page_size) >= 3
 
+    from strata import quant
+    blas_min = getattr(quant, "BLAS_MIN_TOKENS", 1)
+    fp32_rows = np.concatenate([np.full(b, b >= blas_min) for b in batches])
     diff = np.abs(ours - ref)
-    max_diff = float(diff.max())
+    row_max = diff.max(axis=1)
     top2 = np.sort(ref, axis=1)[:, -2:]
     margin = top2[:, 1] - top2[:, 0]
     decisive = margin > TOP1_MARGIN
     agree = ours.argmax(1) == ref.argmax(1)
     bad = np.nonzero(decisive & ~agree)[0]
-    print(f"{name}: T={len(ids)} max|diff|={max_diff:.2e} mean|diff|={float(diff.mean()):.2e} "
+    q8 = ~fp32_rows
+    print(f"\n{name}: T={len(ids)} fp32-path rows {int(fp32_rows.sum())}: max|diff| "
+          f"{float(row_max[fp32_rows].max(initial=0)):.2e}; 8-bit-path rows {int(q8.sum())}: max|diff| "
+          f"{float(row_max[q8].max(initial=0)):.2e} mean {float(diff[q8].mean()) if q8.any() else 0:.2e}; "
           f"top1 agree {int(agree.sum())}/{len(ids)} (decisive {int(decisive.sum())})")
     assert bad.size == 0, f"{name}: top-1 differs at decisive positions {bad[:10].tolist()}"
-    assert max_diff < MAX_ABS_LOGIT_DIFF, f"{name}: max |logit diff| {max_diff:.3e} at row {int(diff.max(1).argmax())}"
+    assert row_max[fp32_rows].max(initial=0) < MAX_ABS_DIFF_FP32, f"{name}: fp32-path rows differ too much"
+    if q8.any():
+        assert row_max[q8].max() < MAX_ABS_DIFF_Q8, f"{name}: 8-bit-path rows differ too much"
+        assert diff[q8].mean() < MEAN_ABS_DIFF_Q8, f"{name}: 8-bit-path rows differ too much on average"
+
+
+@pytest.mark.parametrize("n_rot", [64, 32])
+def test_rope_matches_transformers(n_rot):
+    """NeoX pairing against transformers' apply_rotary_pos_emb (rotate_half), with partial rotary dims left
+    untouched; the normal pairing (2i, 2i+1) is the NeoX one on de-interleaved dims (the permutation llama.cpp's
+    converter applies to Q/K rows)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    from strata.backend.cpu import CPUBackend
+    rng = np.random.default_rng(3)
+    n, H, hd, theta = 40, 3, 64, 100000.0
+    pos = np.arange(1000, 1000 + n)
+    x = rng.standard_normal((n, H, hd)).astype(np.float32)
+    inv = 1.0 / (theta ** (torch.arange(0, n_rot, 2, dtype=torch.float64) / n_rot))
+    freqs = torch.from_numpy(pos.astype(np.float64))[:, None] * inv[None]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    xt = torch.from_numpy(x.astype(np.float64)).transpose(0, 1)[None]  # (1, H, n, hd)
+    rot, _ = apply_rotary_pos_emb(xt[..., :n_rot], xt[..., :n_rot], emb.cos()[None], emb.sin()[None])
+    ref = np.concatenate([rot[0].transpose(0, 1).numpy(), x[..., n_rot:]], axis=-1)
+    be = CPUBackend()
+    np.testing.assert_allclose(be.rope(x, pos, n_rot, theta, neox=True), ref, atol=2e-5)
+    perm = np.concatenate([np.arange(0, n_rot, 2), np.arange(1, n_rot, 2), np.arange(n_rot, hd)])
+    inter = np.empty_like(x)
+    inter[..., perm] = x  # dims i and i + n_rot/2 of x become the adjacent pair (2i, 2i+1)
+    np.testing.assert_allclose(be.rope(inter, pos, n_rot, theta, neox=False)[..., perm], ref, atol=2e-5)

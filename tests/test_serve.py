@@ -77,6 +77,7 @@ def test_openai_chat_usage_matches_reference_tokenizer(client, model_id):
     p = default_model_path()
     tok = transformers.AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
     ref = tok.apply_chat_template(HI, add_generation_prompt=True, tokenize=True)
+    ref = ref["input_ids"] if hasattr(ref, "keys") else ref
     assert r.usage.prompt_tokens == len(ref)
 
 
@@ -330,6 +331,7 @@ def test_disconnect_mid_stream_cancels_and_engine_stays_usable(daemon):
         assert time.monotonic() < deadline, "the engine did not stop after the client left"
         time.sleep(0.05)
     generated = daemon.metric("strata_generated_tokens_total") - gen0
+    print("generated after disconnect:", generated)
     assert generated < 40, generated          # stopped soon after the disconnect, far from max_tokens=300
     assert asyncio.run(_stream_unix(daemon.sock, probe))[0] == before
     assert daemon.json("GET", "/health")[0] == 200

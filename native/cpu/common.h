@@ -61,12 +61,16 @@ enum { ACT_A8 = 1, ACT_Q8K = 2 };
  * act points at the first activation row; rows are act_stride bytes apart. */
 typedef void (*st_dot_fn)(int nb, const void *w, const void *act, size_t act_stride, int nt,
                           float *out, size_t out_stride);
+/* dot2: the same for two weight rows w and w + w_stride: out[t * out_stride + r] for r = 0, 1 (optional). */
+typedef void (*st_dot2_fn)(int nb, const void *w, size_t w_stride, const void *act, size_t act_stride, int nt,
+                           float *out, size_t out_stride);
 typedef void (*st_dequant_fn)(const void *src, float *dst, int64_t n);
 typedef void (*st_quant_act_fn)(const float *x, void *dst, int64_t n);
 
 typedef struct {
     st_dequant_fn dequant[ST_N_TYPES];
     st_dot_fn dot[ST_N_TYPES];
+    st_dot2_fn dot2[ST_N_TYPES];
     st_quant_act_fn quant_a8;
     st_quant_act_fn quant_q8k;
     const char *name;
@@ -75,6 +79,14 @@ typedef struct {
 const st_kernels *st_kernels_portable(void);
 #if defined(__x86_64__) || defined(_M_X64)
 const st_kernels *st_kernels_avx2(void);
+#endif
+/* AVX-VNNI intrinsics and __builtin_cpu_supports("avxvnni"): gcc >= 11, clang >= 13 */
+#if (defined(__x86_64__) || defined(_M_X64)) && \
+    ((defined(__clang__) && __clang_major__ >= 13) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+#define ST_HAVE_AVXVNNI 1
+const st_kernels *st_kernels_avxvnni(void);
+#else
+#define ST_HAVE_AVXVNNI 0
 #endif
 
 #endif

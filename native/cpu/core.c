@@ -49,8 +49,19 @@ int strata_cpu_has_avx2(void) {
 #endif
 }
 
+int strata_cpu_has_avxvnni(void) {
+#if ST_HAVE_AVXVNNI
+    return strata_cpu_has_avx2() && __builtin_cpu_supports("avxvnni");
+#else
+    return 0;
+#endif
+}
+
 static const st_kernels *pick(const char *name) {
     if (!name || !*name || !strcmp(name, "auto")) {
+#if ST_HAVE_AVXVNNI
+        if (strata_cpu_has_avxvnni()) return st_kernels_avxvnni();
+#endif
 #if defined(__x86_64__) || defined(_M_X64)
         if (strata_cpu_has_avx2()) return st_kernels_avx2();
 #endif
@@ -60,6 +71,9 @@ static const st_kernels *pick(const char *name) {
 #if defined(__x86_64__) || defined(_M_X64)
     if (!strcmp(name, "avx2") && strata_cpu_has_avx2()) return st_kernels_avx2();
 #endif
+#if ST_HAVE_AVXVNNI
+    if (!strcmp(name, "avxvnni") && strata_cpu_has_avxvnni()) return st_kernels_avxvnni();
+#endif
     return NULL;
 }
 
@@ -68,6 +82,9 @@ static void init_once(void) {
     (void)st_kernels_portable();
 #if defined(__x86_64__) || defined(_M_X64)
     (void)st_kernels_avx2();
+#endif
+#if ST_HAVE_AVXVNNI
+    (void)st_kernels_avxvnni();
 #endif
     const st_kernels *k = pick(getenv("STRATA_CPU_PATH"));
     g_k = k ? k : pick("auto");
@@ -113,20 +130,25 @@ int strata_can_matmul(int type) { return type >= 0 && type < ST_N_TYPES && K()->
 /* ---------------- worker pool ----------------
  * Persistent threads; a task is published by bumping a generation counter packed with its thread count.
  * Workers spin briefly (STRATA_SPIN_US, default 200 us) and then sleep on a condition variable, so
- * back-to-back matmuls in decode do not pay a thread wake-up each. Callers are serialized. */
+ * back-to-back matmuls in decode do not pay a thread wake-up each. Tasks hand out work through atomic
+ * counters, and a worker must "join" a task before touching it: when the calling thread has finished all
+ * the work it closes the task and waits only for workers that joined. A worker that was descheduled (an
+ * oversubscribed machine) therefore never delays a call. Callers are serialized. */
 
 #define ST_MAX_THREADS 256
+#define JOIN_CLOSED (1ull << 16)
 typedef void (*st_task_fn)(void *arg, int ith, int nth);
 
 static struct {
     pthread_mutex_t run_mu, mu;
     pthread_cond_t cv, done_cv;
     int n_workers;
-    _Atomic uint64_t ctl; /* (generation << 16) | nth */
-    _Atomic int pending;
+    _Atomic uint64_t ctl;  /* (generation << 16) | nth */
+    _Atomic uint64_t join; /* (generation << 17) | closed << 16 | joined workers still running */
     st_task_fn fn;
     void *arg;
     long spin_ns;
+    _Atomic int park; /* set by strata_park_workers: spinning workers go to sleep now */
 } P = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER};
 
 static inline long now_ns(void) {
@@ -134,9 +156,12 @@ static inline long now_ns(void) {
     return ts.tv_sec * 1000000000L + ts.tv_nsec;
 }
 
+/* Generation current when worker i was created (it must not miss the task published right after). */
+static uint64_t g_start_gen[ST_MAX_THREADS];
+
 static void *worker_main(void *argp) {
     const int ith = (int)(intptr_t)argp;
-    uint64_t seen = atomic_load_explicit(&P.ctl, memory_order_acquire) >> 16;
+    uint64_t seen = g_start_gen[ith];
     for (;;) {
         uint64_t c = atomic_load_explicit(&P.ctl, memory_order_acquire);
         if ((c >> 16) == seen) {
@@ -145,7 +170,7 @@ static void *worker_main(void *argp) {
                 ST_PAUSE();
                 c = atomic_load_explicit(&P.ctl, memory_order_acquire);
                 if ((c >> 16) != seen) break;
-                if ((i & 63) == 0 && now_ns() - t0 > P.spin_ns) {
+                if ((i & 63) == 0 && (atomic_load_explicit(&P.park, memory_order_relaxed) || now_ns() - t0 > P.spin_ns)) {
                     pthread_mutex_lock(&P.mu);
                     while (((c = atomic_load_explicit(&P.ctl, memory_order_acquire)) >> 16) == seen)
                         pthread_cond_wait(&P.cv, &P.mu);
@@ -156,18 +181,29 @@ static void *worker_main(void *argp) {
         }
         seen = c >> 16;
         const int nth = (int)(c & 0xffff);
-        if (ith < nth) {
-            P.fn(P.arg, ith, nth);
-            if (atomic_fetch_sub_explicit(&P.pending, 1, memory_order_acq_rel) == 1) {
-                pthread_mutex_lock(&P.mu);
-                pthread_cond_signal(&P.done_cv);
-                pthread_mutex_unlock(&P.mu);
+        if (ith >= nth) continue;
+        uint64_t j = atomic_load_explicit(&P.join, memory_order_acquire);
+        int joined = 0;
+        while ((j >> 17) == (seen & ((1ull << 47) - 1)) && !(j & JOIN_CLOSED)) {
+            if (atomic_compare_exchange_weak_explicit(&P.join, &j, j + 1, memory_order_acq_rel, memory_order_acquire)) {
+                joined = 1;
+                break;
             }
+        }
+        if (!joined) continue;
+        P.fn(P.arg, ith, nth);
+        const uint64_t after = atomic_fetch_sub_explicit(&P.join, 1, memory_order_acq_rel) - 1;
+        if ((after & 0xffff) == 0 && (after & JOIN_CLOSED)) {
+            pthread_mutex_lock(&P.mu);
+            pthread_cond_signal(&P.done_cv);
+            pthread_mutex_unlock(&P.mu);
         }
     }
     return NULL;
 }
 
+/* Run fn(arg, ith, nth) on up to nth threads (the caller is ith 0). fn must share out its work through
+ * atomic counters so that any subset of the threads completes it. */
 static void run_task(st_task_fn fn, void *arg, int nth) {
     if (nth > ST_MAX_THREADS) nth = ST_MAX_THREADS;
     if (nth <= 1) { fn(arg, 0, 1); return; }
@@ -182,6 +218,7 @@ static void run_task(st_task_fn fn, void *arg, int nth) {
         pthread_attr_t attr;
         pthread_attr_init(&attr);
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        g_start_gen[P.n_workers + 1] = atomic_load_explicit(&P.ctl, memory_order_relaxed) >> 16;
         if (pthread_create(&th, &attr, worker_main, (void *)(intptr_t)(P.n_workers + 1)) != 0) {
             pthread_attr_destroy(&attr);
             break;
@@ -193,19 +230,22 @@ static void run_task(st_task_fn fn, void *arg, int nth) {
     if (nth <= 1) { pthread_mutex_unlock(&P.run_mu); fn(arg, 0, 1); return; }
     P.fn = fn;
     P.arg = arg;
-    atomic_store_explicit(&P.pending, nth - 1, memory_order_relaxed);
-    pthread_mutex_lock(&P.mu);
+    atomic_store_explicit(&P.park, 0, memory_order_relaxed);
     const uint64_t gen = (atomic_load_explicit(&P.ctl, memory_order_relaxed) >> 16) + 1;
+    atomic_store_explicit(&P.join, (gen & ((1ull << 47) - 1)) << 17, memory_order_release);
+    pthread_mutex_lock(&P.mu);
     atomic_store_explicit(&P.ctl, (gen << 16) | (uint64_t)nth, memory_order_release);
     pthread_cond_broadcast(&P.cv);
     pthread_mutex_unlock(&P.mu);
     fn(arg, 0, nth);
+    /* all work is handed out; close the task and wait for the workers that joined */
+    atomic_fetch_or_explicit(&P.join, JOIN_CLOSED, memory_order_acq_rel);
     const long t0 = now_ns();
-    for (int i = 1; atomic_load_explicit(&P.pending, memory_order_acquire) > 0; i++) {
+    for (int i = 1; atomic_load_explicit(&P.join, memory_order_acquire) & 0xffff; i++) {
         ST_PAUSE();
         if ((i & 63) == 0 && now_ns() - t0 > P.spin_ns) {
             pthread_mutex_lock(&P.mu);
-            while (atomic_load_explicit(&P.pending, memory_order_acquire) > 0) pthread_cond_wait(&P.done_cv, &P.mu);
+            while (atomic_load_explicit(&P.join, memory_order_acquire) & 0xffff) pthread_cond_wait(&P.done_cv, &P.mu);
             pthread_mutex_unlock(&P.mu);
             break;
         }
@@ -213,19 +253,27 @@ static void run_task(st_task_fn fn, void *arg, int nth) {
     pthread_mutex_unlock(&P.run_mu);
 }
 
+void strata_park_workers(void) { atomic_store_explicit(&P.park, 1, memory_order_relaxed); }
+
 /* ---------------- dequantize / get_rows ---------------- */
 
 typedef struct {
     st_dequant_fn fn;
     const char *src; int64_t src_row_bytes, n_rows, n_in;
     float *dst;
+    int64_t chunk;
+    _Atomic int64_t next;
 } dq_task;
 
 static void dq_worker(void *arg, int ith, int nth) {
+    (void)ith; (void)nth;
     dq_task *t = (dq_task *)arg;
-    const int64_t per = (t->n_rows + nth - 1) / nth;
-    const int64_t r0 = per * ith, r1 = r0 + per < t->n_rows ? r0 + per : t->n_rows;
-    for (int64_t r = r0; r < r1; r++) t->fn(t->src + r * t->src_row_bytes, t->dst + r * t->n_in, t->n_in);
+    for (;;) {
+        const int64_t r0 = atomic_fetch_add_explicit(&t->next, t->chunk, memory_order_relaxed);
+        if (r0 >= t->n_rows) break;
+        const int64_t r1 = r0 + t->chunk < t->n_rows ? r0 + t->chunk : t->n_rows;
+        for (int64_t r = r0; r < r1; r++) t->fn(t->src + r * t->src_row_bytes, t->dst + r * t->n_in, t->n_in);
+    }
 }
 
 static int check_rows(int type, int64_t src_row_bytes, int64_t n_rows, int64_t n_in, int *blck, int *size) {
@@ -240,8 +288,10 @@ int strata_dequantize(int type, const void *src, int64_t src_row_bytes, int64_t 
     int blck, size;
     const int err = check_rows(type, src_row_bytes, n_rows, n_in, &blck, &size);
     if (err) return err;
-    dq_task t = {K()->dequant[type], (const char *)src, src_row_bytes, n_rows, n_in, dst};
+    dq_task t = {K()->dequant[type], (const char *)src, src_row_bytes, n_rows, n_in, dst, 1};
     if (!t.fn) return ST_ERR_TYPE;
+    t.chunk = 16384 / n_in + 1; /* ~16K elements per claim */
+    atomic_init(&t.next, 0);
     int nth = n_threads < 1 ? 1 : n_threads;
     const int64_t max_nth = (n_rows * n_in) / 65536 + 1; /* about 64K elements per thread at least */
     if (nth > max_nth) nth = (int)max_nth;
@@ -269,17 +319,22 @@ typedef struct {
     st_quant_act_fn quant;
     const float *x; int64_t n_in, n_tok;
     char *act; size_t act_row_bytes;
+    _Atomic int64_t next;
 } qa_task;
 
 static void qa_worker(void *arg, int ith, int nth) {
+    (void)ith; (void)nth;
     qa_task *t = (qa_task *)arg;
-    const int64_t per = (t->n_tok + nth - 1) / nth;
-    const int64_t r0 = per * ith, r1 = r0 + per < t->n_tok ? r0 + per : t->n_tok;
-    for (int64_t r = r0; r < r1; r++) t->quant(t->x + r * t->n_in, t->act + r * t->act_row_bytes, t->n_in);
+    for (;;) {
+        const int64_t r = atomic_fetch_add_explicit(&t->next, 1, memory_order_relaxed);
+        if (r >= t->n_tok) break;
+        t->quant(t->x + r * t->n_in, t->act + r * t->act_row_bytes, t->n_in);
+    }
 }
 
 typedef struct {
     st_dot_fn dot;
+    st_dot2_fn dot2;
     const char *w; size_t w_row_bytes; int nb;
     const char *act; size_t act_row_bytes;
     float *y; int64_t n_out, n_tok;
@@ -299,7 +354,12 @@ static void mm_worker(void *arg, int ith, int nth) {
             const int nt = (int)(m->n_tok - t0 < ST_NT ? m->n_tok - t0 : ST_NT);
             const char *a = m->act + t0 * m->act_row_bytes;
             float *yy = m->y + t0 * m->n_out;
-            for (int64_t r = r0; r < r1; r++)
+            int64_t r = r0;
+            if (m->dot2)
+                for (; r + 1 < r1; r += 2)
+                    m->dot2(m->nb, m->w + r * m->w_row_bytes, m->w_row_bytes, a, m->act_row_bytes, nt, yy + r,
+                            (size_t)m->n_out);
+            for (; r < r1; r++)
                 m->dot(m->nb, m->w + r * m->w_row_bytes, a, m->act_row_bytes, nt, yy + r, (size_t)m->n_out);
         }
     }
@@ -321,6 +381,7 @@ int strata_matmul(int type, const void *w, int64_t w_row_bytes, int64_t n_out, i
     int nth = n_threads < 1 ? 1 : n_threads;
 
     qa_task qa = {is_k ? k->quant_q8k : k->quant_a8, x, n_in, n_tokens, act, act_row_bytes};
+    atomic_init(&qa.next, 0);
     int qnth = nth;
     if (qnth > n_tokens) qnth = (int)n_tokens;
     if (n_tokens * n_in < 32768) qnth = 1;
@@ -328,6 +389,7 @@ int strata_matmul(int type, const void *w, int64_t w_row_bytes, int64_t n_out, i
 
     mm_task m;
     m.dot = k->dot[type];
+    m.dot2 = k->dot2[type];
     m.w = (const char *)w; m.w_row_bytes = (size_t)w_row_bytes; m.nb = nb;
     m.act = act; m.act_row_bytes = act_row_bytes;
     m.y = y; m.n_out = n_out; m.n_tok = n_tokens;

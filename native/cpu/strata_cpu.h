@@ -10,12 +10,14 @@
 #define ST_ERR_INDEX (-3)  /* a row id out of range */
 #define ST_ERR_NOMEM (-4)
 
-const char *strata_cpu_path(void);                 /* "avx2" or "portable" */
-int strata_cpu_set_path(const char *name);         /* "auto" | "avx2" | "portable"; -1 if unknown/unsupported */
+const char *strata_cpu_path(void);                 /* "avxvnni", "avx2" or "portable" */
+int strata_cpu_set_path(const char *name);         /* "auto" | "avxvnni" | "avx2" | "portable"; -1 if unsupported */
 int strata_cpu_has_avx2(void);
+int strata_cpu_has_avxvnni(void);
 int strata_block_size(int type);                   /* elements per block, 0 if unsupported */
 int strata_type_size(int type);                    /* bytes per block, 0 if unsupported */
 int strata_can_matmul(int type);                   /* 1 if strata_matmul supports the type */
+void strata_park_workers(void);                    /* idle workers stop spinning and sleep now */
 int strata_dequantize(int type, const void *src, int64_t src_row_bytes, int64_t n_rows, int64_t n_in,
                       float *dst, int n_threads);
 int strata_get_rows(int type, const void *src, int64_t src_row_bytes, int64_t n_rows, int64_t n_in,

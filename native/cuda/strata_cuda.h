@@ -62,6 +62,11 @@ int strata_causal_softmax(void *stream, float *s, int n_rows_total, int n_q, int
 /* argmax over each row of x f32 (n_rows, n): out int32 (n_rows). Ties go to the lowest index. */
 int strata_argmax(void *stream, const float *x, int *out, int n_rows, int n);
 
+/* Decode step, fused: RoPE on q and k of qkv f32 [q (n_head*hd) | k (n_kv*hd) | v (n_kv*hd)] of one token at
+ * position *pos (in place), then k (rotated) and v written to the paged f16 cache at *pos. */
+int strata_rope_kv_decode(void *stream, float *qkv, const int *pos, void *k_cache, void *v_cache, const int *page_table,
+                          int n_head, int n_kv, int hd, int n_rot, float base, int neox, int page_size);
+
 /* Add integer delta to a device int32 scalar (position counters inside CUDA graphs). */
 int strata_add_scalar(void *stream, int *p, int delta, int count);
 

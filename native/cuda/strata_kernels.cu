@@ -55,8 +55,17 @@ __device__ static inline void dequant8(const uint8_t *__restrict__ row, int c, f
     const float m = T == T_Q4_1 ? ldh(b + 2) : -8.0f * d;
     const uint8_t *qs = b + (T == T_Q4_0 ? 2 : 4) + (w & 15);
     const int sh = w >= 16 ? 4 : 0;
+    if (T == T_Q4_1) {  // 20-byte blocks: qs is 4-byte aligned
+      const uint32_t lo = reinterpret_cast<const uint32_t *>(qs)[0], hi = reinterpret_cast<const uint32_t *>(qs)[1];
 #pragma unroll
-    for (int i = 0; i < 8; i++) v[i] = d * (float)((qs[i] >> sh) & 15) + m;
+      for (int i = 0; i < 4; i++) {
+        v[i] = d * (float)((lo >> (8 * i + sh)) & 15) + m;
+        v[i + 4] = d * (float)((hi >> (8 * i + sh)) & 15) + m;
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; i++) v[i] = d * (float)((qs[i] >> sh) & 15) + m;
+    }
   } else if (T == T_Q8_0) {
     const uint8_t *b = row + (e >> 5) * 34;
     const float d = ldh(b);
@@ -73,15 +82,22 @@ __device__ static inline void dequant8(const uint8_t *__restrict__ row, int c, f
     const float d = ldh(b) * sc, m = ldh(b + 2) * mn;
     const uint8_t *qs = b + (T == T_Q4_K ? 16 : 48) + 32 * j + (l0 & 31);
     const int sh = hi ? 4 : 0;
+    // 144- and 176-byte blocks keep qs/qh 8-byte aligned: one 8-byte load each
+    const uint2 q8 = *reinterpret_cast<const uint2 *>(qs);
     if (T == T_Q4_K) {
 #pragma unroll
-      for (int i = 0; i < 8; i++) v[i] = d * (float)((qs[i] >> sh) & 15) - m;
+      for (int i = 0; i < 4; i++) {
+        v[i] = d * (float)((q8.x >> (8 * i + sh)) & 15) - m;
+        v[i + 4] = d * (float)((q8.y >> (8 * i + sh)) & 15) - m;
+      }
     } else {
-      const uint8_t *qh = b + 16 + (l0 & 31);
+      const uint2 h8 = *reinterpret_cast<const uint2 *>(b + 16 + (l0 & 31));
       const int u = 2 * j + hi;
 #pragma unroll
-      for (int i = 0; i < 8; i++)
-        v[i] = d * (float)(((qs[i] >> sh) & 15) + (((qh[i] >> u) & 1) << 4)) - m;
+      for (int i = 0; i < 4; i++) {
+        v[i] = d * (float)(((q8.x >> (8 * i + sh)) & 15) + (((h8.x >> (8 * i + u)) & 1) << 4)) - m;
+        v[i + 4] = d * (float)(((q8.y >> (8 * i + sh)) & 15) + (((h8.y >> (8 * i + u)) & 1) << 4)) - m;
+      }
     }
   } else if (T == T_Q6_K) {
     const uint8_t *b = row + (e >> 8) * 210;
@@ -233,7 +249,8 @@ __global__ void k_rms_norm(const float *__restrict__ x, const float *__restrict_
   const float tot = block_sum(ss, sh);
   const float r = rsqrtf(tot / (float)dim + eps);
   for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-    float s = x[base + i] + (res ? res[base + i] : 0.f);
+    // sum_out may alias x or residual: re-read the sum this thread stored, not the overwritten inputs
+    float s = sum_out ? sum_out[base + i] : x[base + i] + (res ? res[base + i] : 0.f);
     out[base + i] = s * r * wt[i];
   }
 }
@@ -501,5 +518,46 @@ __global__ void k_add_scalar(int *p, int delta, int count) {
 
 extern "C" int strata_add_scalar(void *stream, int *p, int delta, int count) {
   k_add_scalar<<<1, 32, 0, (cudaStream_t)stream>>>(p, delta, count);
+  return (int)cudaGetLastError();
+}
+
+// ---------------------------------------------------------------- decode: RoPE on q and k + K/V cache write, fused
+// qkv f32 (1, (H + 2*KV) * hd) = [q | k | v] of one token at position *pos.
+__global__ void k_rope_kv_decode(float *qkv, const int *pos, __half *kc, __half *vc, const int *pt, int H, int KV,
+                                 int hd, int n_rot, float base, int neox, int ps) {
+  const int half = n_rot / 2;
+  const int n_pairs = (H + KV) * half;
+  const int idx = blockIdx.x * blockDim.x + threadIdx.x;
+  const int p = pos[0];
+  if (idx < n_pairs) {
+    const int h = idx / half, i = idx % half;
+    float *x = qkv + h * hd;
+    const double ang = (double)p * pow((double)base, -2.0 * (double)i / (double)n_rot);
+    const float c = (float)cos(ang), s = (float)sin(ang);
+    const int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
+    const float x0 = x[a], x1 = x[b];
+    const float y0 = x0 * c - x1 * s, y1 = x0 * s + x1 * c;
+    x[a] = y0;
+    x[b] = y1;
+    if (h >= H) {
+      kc[kv_index(pt, p, h - H, a, KV, hd, ps)] = __float2half(y0);
+      kc[kv_index(pt, p, h - H, b, KV, hd, ps)] = __float2half(y1);
+    }
+    return;
+  }
+  const int j = idx - n_pairs;
+  if (j < KV * hd) {
+    const int kh = j / hd, d = j % hd;
+    vc[kv_index(pt, p, kh, d, KV, hd, ps)] = __float2half(qkv[(H + KV) * hd + j]);
+    if (d >= n_rot) kc[kv_index(pt, p, kh, d, KV, hd, ps)] = __float2half(qkv[H * hd + j]);
+  }
+}
+
+extern "C" int strata_rope_kv_decode(void *stream, float *qkv, const int *pos, void *kc, void *vc, const int *pt,
+                                     int n_head, int n_kv, int hd, int n_rot, float base, int neox, int ps) {
+  if (n_rot > hd || n_rot % 2) return (int)cudaErrorInvalidValue;
+  const int total = (n_head + n_kv) * (n_rot / 2) + n_kv * hd;
+  k_rope_kv_decode<<<(total + 127) / 128, 128, 0, (cudaStream_t)stream>>>(qkv, pos, (__half *)kc, (__half *)vc, pt,
+                                                                          n_head, n_kv, hd, n_rot, base, neox, ps);
   return (int)cudaGetLastError();
 }

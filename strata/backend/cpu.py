@@ -130,8 +130,7 @@ class CPUBackend(Backend):
         K, V = kv.read(slot, start + n)  # (n_kv, L, hd)
         hv = V.shape[-1]
         # (n, n_kv, g, hd) -> (n_kv, n*g, hd): row r is token r // g, group r % g
-        qg = np.ascontiguousarray(q.reshape(n, n_kv, g, hd).transpose(1, 0, 2, 3)).reshape(n_kv, n * g, hd)
-        qg *= np.float32(scale)
+        qg = (q.reshape(n, n_kv, g, hd).transpose(1, 0, 2, 3) * np.float32(scale)).reshape(n_kv, n * g, hd)
         out = np.empty((n_kv, n * g, hv), dtype=np.float32)
         L = start + n
         chunk = max(1, min(n, ATTN_SCORE_BYTES // max(1, n_head * L * 4)))

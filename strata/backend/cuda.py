@@ -43,7 +43,16 @@ int strata_kv_gather(void *stream, const void *k_cache, const void *v_cache, con
 int strata_causal_softmax(void *stream, float *s, int n_rows_total, int n_q, int len, int pos0, float scale);
 int strata_argmax(void *stream, const float *x, int *out, int n_rows, int n);
 int strata_add_scalar(void *stream, int *p, int delta, int count);
+int strata_rope_kv_decode(void *stream, float *qkv, const int *pos, void *k_cache, void *v_cache, const int *page_table,
+                          int n_head, int n_kv, int hd, int n_rot, float base, int neox, int page_size);
 """
+
+MAX_SPLIT = 256          # split-K partitions of decode attention (about 64 positions each)
+
+
+def n_split_for(length: int) -> int:
+    """Split-K partitions for decode attention over length positions: ~64 positions per block, at most MAX_SPLIT."""
+    return max(1, min(MAX_SPLIT, (length + 63) // 64))
 
 # GGML type ids handled by the quantized kernels (ggml.h numbering).
 SUPPORTED_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
@@ -335,7 +344,7 @@ class CudaBackend:
                "strata_kv_write")
         total = length + n
         if n == 1:
-            n_split = max(1, min(64, total // 256))
+            n_split = n_split_for(total)
             need = n_head * n_split * (hd + 2)
             if self._partial is None or self._partial.size < need:
                 self._partial = cp.empty(need, cp.float32)
@@ -464,7 +473,7 @@ class LlamaCuda:
         self.kc = [cp.zeros(shape, cp.float16) for _ in range(self.n_layer)]
         self.vc = [cp.zeros(shape, cp.float16) for _ in range(self.n_layer)]
         self.pt = cp.arange(n_pages, dtype=cp.int32)
-        self.partial = cp.zeros(self.n_head * 64 * (self.hd + 2), cp.float32)
+        self.partial = cp.zeros(self.n_head * MAX_SPLIT * (self.hd + 2), cp.float32)
         self.graphs = {}
         self.pos = 0
 
@@ -500,14 +509,14 @@ class LlamaCuda:
         with self.stream:
             for s in range(0, len(tokens), self.ubatch):
                 chunk = tokens[s:s + self.ubatch]
-                lg = self._forward_chunk(chunk, all_logits or s + self.ubatch >= len(tokens))
+                lg = self._forward_chunk(chunk, all_logits or s + self.ubatch >= len(tokens), all_logits)
                 if lg is not None:
                     outs.append(lg)
             self.stream.synchronize()
         res = cp.asnumpy(cp.concatenate(outs, axis=0))
         return res if all_logits else res[-1]
 
-    def _forward_chunk(self, chunk, want_logits: bool):
+    def _forward_chunk(self, chunk, want_logits: bool, all_rows: bool = False):
         cp, be, lb = self.cp, self.be, lib()
         n = len(chunk)
         if self.pos + n > self.max_ctx:
@@ -530,7 +539,7 @@ class LlamaCuda:
                                       self.pos, n, KV, hd, self.PAGE), "kv_write")
             if n == 1:
                 total = self.pos + 1
-                ns = max(1, min(64, total // 256))
+                ns = n_split_for(total)
                 att = cp.empty((1, H, hd), cp.float32)
                 _check(lb.strata_attn_decode(s, _p(q), _p(self.kc[li]), _p(self.vc[li]), _p(self.pt), _ffi.NULL, total,
                                              _p(self.partial), _p(att), H, KV, hd, self.PAGE, ns, self.scale), "attn")
@@ -544,7 +553,7 @@ class LlamaCuda:
         self.pos += n
         if not want_logits:
             return None
-        return self._mm(hn if n <= 8 else cp.ascontiguousarray(hn), self.output)
+        return self._mm(hn if all_rows else cp.ascontiguousarray(hn[-1:]), self.output)
 
     # ---- graph decode
     def _decode_step_kernels(self, n_split: int) -> None:
@@ -570,10 +579,9 @@ class LlamaCuda:
                 for w, off in ((L["q"], 0), (L["k"], E), (L["v"], E + kvd)):
                     _check(lb.strata_matvec(s, w.ggml_type, _p(w.data), _p(d["hn"]),
                                             _ffi.cast("float *", qkv.data.ptr + 4 * off), w.shape[0], E, 1), "mv")
-            # q and k are adjacent: one RoPE launch over H + KV heads
-            _check(lb.strata_rope(s, q_ptr, _p(pos), 1, H + KV, hd, self.n_rot, self.theta, 0), "rope")
-            _check(lb.strata_kv_write(s, k_ptr, v_ptr, _p(self.kc[li]), _p(self.vc[li]), _p(self.pt), _p(pos), 0, 1,
-                                      KV, hd, self.PAGE), "kv_write")
+            # q and k are adjacent: one launch rotates both and writes k, v into the cache
+            _check(lb.strata_rope_kv_decode(s, q_ptr, _p(pos), _p(self.kc[li]), _p(self.vc[li]), _p(self.pt), H, KV,
+                                            hd, self.n_rot, self.theta, 0, self.PAGE), "rope_kv")
             _check(lb.strata_attn_decode(s, q_ptr, _p(self.kc[li]), _p(self.vc[li]), _p(self.pt), pos_len, 0,
                                          _p(self.partial), _p(d["att"]), H, KV, hd, self.PAGE, n_split, self.scale),
                    "attn")
@@ -609,7 +617,7 @@ class LlamaCuda:
     def _graph_for(self, cls: int):
         g = self.graphs.get(cls)
         if g is None:
-            n_split = max(1, min(64, cls // 512))
+            n_split = n_split_for(cls)
             st = self.stream
             with st:
                 if self.use_graphs:

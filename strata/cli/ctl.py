@@ -313,8 +313,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="talk HTTP to this URL instead of the socket, e.g. http://127.0.0.1:8080")
     p.add_argument("--api-key", default=os.environ.get("STRATA_API_KEY") or None, help="Bearer token for --url")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for an answer")
+    p.add_argument("--json", action="store_true", help="print the server's JSON instead of a table")
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--json", action="store_true", help="print the server's JSON instead of a table")
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                        help="print the server's JSON instead of a table")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     sub.add_parser("status", parents=[common], help="model, stages, queue, cache and memory use").set_defaults(fn=cmd_status)
     sub.add_parser("health", parents=[common], help="is the daemon up and the model loaded").set_defaults(fn=cmd_health)

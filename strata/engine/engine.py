@@ -78,7 +78,7 @@ class Engine:
             self.tokenizer = Tokenizer.from_gguf(self.file.metadata)
         except ValueError as e:
             raise ModelLoadError(f"{path}: {e}") from None
-        self.template = _make_template(self.file, self.tokenizer)
+        self.template, self._template_error = _make_template(self.file, self.tokenizer)
         self.pool = self.model.new_page_pool(self.n_ctx)
         self.state = self.model.new_state(self.pool)
         self.load_ms = (time.perf_counter() - t0) * 1000.0
@@ -99,6 +99,9 @@ class Engine:
         Message text never becomes control tokens; the template's own markers do. Raises ValueError
         (one line) for a malformed message list or a template error.
         """
+        if self.template is None:
+            raise ValueError(f"{self.model_name} has no usable chat template ({self._template_error}); "
+                             "send raw text instead")
         return self.template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                     pin_message=pin_message, **template_kwargs)
 
@@ -360,5 +363,9 @@ def _make_backend(device: str):
 
 
 def _make_template(f, tokenizer):
+    """(ChatTemplate, None), or (None, reason) when the GGUF has no usable template (raw text still works)."""
     from strata.chat_template import ChatTemplate
-    return ChatTemplate.from_gguf(f.metadata, tokenizer)
+    try:
+        return ChatTemplate.from_gguf(f.metadata, tokenizer), None
+    except ValueError as e:
+        return None, str(e)

@@ -69,6 +69,7 @@ class Model:
         self.attn_layers: list[int] = list(range(self.config.n_layer))
         self._progress = progress
         self._bar = None
+        self._loaded = 0
 
     # --- loading -----------------------------------------------------------------------------------
     def weight(self, name: str, shape: tuple | None = None, optional: bool = False) -> Any:
@@ -87,11 +88,15 @@ class Model:
             self._bar = progress_bar(self.file.nbytes, f"loading {os.path.basename(self.file.path)} "
                                      f"to {self.backend.name}", self._progress)
         out = self.backend.upload(t)
-        self._bar[0](t.nbytes)
+        n = min(t.nbytes, self.file.nbytes - self._loaded)
+        self._loaded += n
+        self._bar[0](n)
         return out
 
     def _done_loading(self) -> None:
         if self._bar is not None:
+            self._bar[0](self.file.nbytes - self._loaded)  # tensors this architecture does not use
+            self._loaded = self.file.nbytes
             self._bar[1]()
             self._bar = None
 

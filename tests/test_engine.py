@@ -1,0 +1,168 @@
+"""Engine tests on the real default model: answers, stop strings, limits, cancel, seeds, overflow, exactness."""
+from __future__ import annotations
+
+import pytest
+
+from strata.engine import ContextOverflow, EmptyPrompt, FinalEvent, GenerationRequest, TokenEvent
+from strata.sampling import SamplingParams
+
+# SmolLM2-135M answers the bare "What is the capital of France?" with "L'Étoile, ..." under its template's
+# default system prompt (llama.cpp on the same GGUF gives the same text); asking for a sentence gives Paris.
+FRANCE = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+STORY = [{"role": "user", "content": "Write a long story about a dragon who learns to bake bread."}]
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def engine(default_model_path):
+    from strata.engine import Engine
+    return Engine(default_model_path, n_ctx=2048, ubatch=64)
+
+
+def run(engine, messages=FRANCE, **kw):
+    """(text, token events, final event) of one request on a chat."""
+    r = engine.render_chat(messages)
+    kw.setdefault("sampling", GREEDY)
+    kw.setdefault("max_tokens", 40)
+    req = GenerationRequest(prompt_tokens=r.tokens, cut_points=r.cut_points, **kw)
+    events = list(engine.generate(req))
+    toks = [e for e in events if isinstance(e, TokenEvent)]
+    final = events[-1]
+    assert isinstance(final, FinalEvent) and sum(isinstance(e, FinalEvent) for e in events) == 1
+    return "".join(e.text for e in toks) + final.text, toks, final
+
+
+def test_greedy_answers_paris(engine):
+    text, toks, final = run(engine)
+    assert "Paris" in text
+    assert final.finish_reason == "stop"                       # ended on <|im_end|>, which is not emitted
+    assert "<|im_end|>" not in text and final.strata["stopped_by"] == "<|im_end|>"
+    u = final.usage
+    assert u["completion_tokens"] == len(toks) + 1             # the EOG token counts, like llama.cpp
+    assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+    t = final.timings
+    assert t["prompt_n"] + t["cache_n"] == u["prompt_tokens"] and t["predicted_n"] == u["completion_tokens"]
+
+
+def test_stop_string_spanning_tokens(engine):
+    full, toks, _ = run(engine)
+    # a stop string made of the end of one token's text and the start of the next one's
+    i = next(k for k in range(len(toks) - 1) if len(toks[k].text) >= 2 and len(toks[k + 1].text) >= 2
+             and toks[k + 1].text.strip())
+    stop = toks[i].text[-2:] + toks[i + 1].text[:2]
+    assert not any(stop in e.text for e in toks)               # no single token holds it
+    text, stoks, final = run(engine, stop=["never-appears", stop])
+    assert final.finish_reason == "stop" and final.strata["stopped_by"] == stop
+    assert stop not in text
+    assert text == full[:full.index(stop)]
+    assert len(stoks) == i + 2                                 # ended on the token that completed the stop
+
+
+def test_stop_string_single_token(engine):
+    text, _, final = run(engine, stop=["Paris"])
+    assert final.finish_reason == "stop" and "Paris" not in text and text.strip()
+
+
+def test_max_tokens_gives_length(engine):
+    text, toks, final = run(engine, max_tokens=3)
+    assert final.finish_reason == "length"
+    assert len(toks) == 3 and final.usage["completion_tokens"] == 3
+    _, toks0, final0 = run(engine, max_tokens=0)
+    assert final0.finish_reason == "length" and toks0 == []
+
+
+def test_cancel_mid_decode_then_next_request_matches_fresh_engine(engine, default_model_path):
+    from strata.engine import Engine
+    r = engine.render_chat(STORY)
+    req = GenerationRequest(prompt_tokens=r.tokens, cut_points=r.cut_points, sampling=GREEDY, max_tokens=200)
+    after_cancel = 0
+    final = None
+    seen = 0
+    for ev in engine.generate(req):
+        if isinstance(ev, FinalEvent):
+            final = ev
+            break
+        seen += 1
+        if req.cancel.is_set():
+            after_cancel += 1
+        if seen == 5:
+            req.cancel.set()
+    assert final.finish_reason == "cancelled"
+    assert after_cancel <= 1
+    assert final.usage["completion_tokens"] == seen
+    assert engine.state.pos == len(engine.state.tokens)        # a consistent sequence is left behind
+
+    text, _, final2 = run(engine)
+    fresh = Engine(default_model_path, n_ctx=2048, ubatch=64)
+    fresh_text, _, _ = run(fresh)
+    assert text == fresh_text and "Paris" in text
+
+
+def test_seeded_sampling_is_reproducible(engine):
+    p = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, min_p=0.0, seed=1234)
+    a, _, _ = run(engine, STORY, sampling=p, max_tokens=24)
+    b, _, _ = run(engine, STORY, sampling=p, max_tokens=24)
+    assert a == b and a
+
+
+def test_logprobs_are_reported(engine):
+    _, toks, _ = run(engine, max_tokens=4, logprobs=3)
+    for e in toks:
+        assert e.logprob is not None and e.logprob <= 0.0
+        assert len(e.top_logprobs) == 3
+        assert e.top_logprobs[0][2] >= e.top_logprobs[1][2] >= e.top_logprobs[2][2]
+        assert e.top_logprobs[0][0] == e.token_id              # greedy picks the top token
+
+
+def test_context_overflow_and_empty_prompt(engine):
+    n = engine.n_ctx + 5
+    with pytest.raises(ContextOverflow) as ei:
+        engine.generate(GenerationRequest(prompt_tokens=[1] * n))
+    assert str(n) in str(ei.value) and str(engine.n_ctx) in str(ei.value)
+    assert isinstance(ei.value, ValueError)
+    with pytest.raises(EmptyPrompt):
+        engine.generate(GenerationRequest(prompt_tokens=[]))
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.generate(GenerationRequest(prompt_tokens=[1, engine.n_vocab]))
+    text, _, _ = run(engine)                                   # nothing changed: the engine still answers
+    assert "Paris" in text
+
+
+def test_same_request_twice_is_byte_identical(engine):
+    engine.clear_checkpoints()
+    engine.state_reset()
+    msgs = [{"role": "system", "content": "You are a terse geography tutor."}] + FRANCE
+    a, _, fa = run(engine, msgs)
+    ha = engine.state.hashes()
+    b, _, fb = run(engine, msgs)
+    hb = engine.state.hashes()
+    assert a == b and "Paris" in a
+    # the second read resumed through a checkpoint (turn_at) and read only the parts after it
+    assert fb.strata["resume_from"] == "checkpoint" and fb.timings["cache_n"] > 0
+    assert fb.strata["parts"][0][0] == fb.strata["resume_pos"]
+    assert fb.strata["parts"] == [p for p in fa.strata["parts"] if p[0] >= fb.strata["resume_pos"]]
+    assert ha == hb                                            # same tokens, same K/V bits
+
+
+def test_next_turn_resumes(engine):
+    engine.state_reset()
+    first, _, _ = run(engine)
+    msgs = FRANCE + [{"role": "assistant", "content": first},
+                     {"role": "user", "content": "What is the capital of Italy? Answer in one sentence."}]
+    text, _, final = run(engine, msgs)
+    assert final.strata["resume_from"] in ("live", "checkpoint") and final.timings["cache_n"] > 0
+    assert final.timings["prompt_n"] < final.usage["prompt_tokens"]
+    assert text.strip()
+
+
+def test_prompt_cache_off_reads_one_part(default_model_path):
+    from strata.engine import Engine
+    e = Engine(default_model_path, n_ctx=1024, ubatch=16, prompt_cache=0)
+    _, _, f1 = run(e, max_tokens=2)
+    n = f1.usage["prompt_tokens"]
+    assert f1.strata["parts"] == [(0, n)] and f1.strata["resume_from"] == "none"
+    assert e.checkpoints() == []
+    _, _, f2 = run(e, max_tokens=2)                            # not a strict prefix: read from 0 again
+    assert f2.strata["parts"] == [(0, n)]
+    st = e.status()
+    assert st["arch"] == "llama" and st["n_ctx"] == 1024 and st["kv_pages"]["used"] >= 1

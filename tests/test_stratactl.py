@@ -1,0 +1,94 @@
+"""`stratactl` in a subprocess against the real daemon: every subcommand, --json, exit codes 0/1/2/3."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.test_serve_daemon import ROOT, Daemon, env_for_daemon, free_port
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    d = Daemon(tmp_path_factory.mktemp("ctl"), port=free_port()).start()
+    yield d
+    assert d.stop() == 0, d.log_tail()
+
+
+def ctl(daemon, *args, stdin: str | None = None, socket: str | None = None):
+    where = ["--socket", socket or daemon.sock] if daemon is not None or socket else []
+    return subprocess.run([sys.executable, "-m", "strata.cli.ctl", *where, *args], capture_output=True, text=True,
+                          input=stdin, env=env_for_daemon(), cwd=ROOT, timeout=120)
+
+
+def test_health_models_slots(daemon):
+    r = ctl(daemon, "health")
+    assert r.returncode == 0 and r.stdout.startswith("ok"), r.stderr
+    r = ctl(daemon, "health", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["status"] == "ok"
+    r = ctl(daemon, "models")
+    assert r.returncode == 0 and "SmolLM2-135M-Instruct.Q4_1" in r.stdout and "N_CTX" in r.stdout
+    assert json.loads(ctl(daemon, "models", "--json").stdout)["data"][0]["meta"]["n_ctx"] == 512
+    r = ctl(daemon, "slots")
+    assert r.returncode == 0 and "idle" in r.stdout
+    assert json.loads(ctl(daemon, "slots", "--json").stdout)[0]["id"] == 0
+
+
+def test_chat_one_shot_then_status_cache_metrics(daemon):
+    r = ctl(daemon, "chat", "Say hello.", "--system", "You are brief.", "--max-tokens", "6", "--temperature", "0",
+            "-v")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() and "generated" in r.stderr
+    j = ctl(daemon, "chat", "Say hello.", "--system", "You are brief.", "--max-tokens", "6", "--temperature", "0",
+            "--json")
+    d = json.loads(j.stdout)
+    assert d["choices"][0]["message"]["content"] == r.stdout.rstrip("\n")   # streamed == non-streamed
+    assert d["timings"]["cache_n"] > 0                                       # the second read resumed
+    r = ctl(daemon, "status")
+    assert r.returncode == 0 and "SmolLM2-135M-Instruct.Q4_1" in r.stdout and "queue" in r.stdout
+    s = json.loads(ctl(daemon, "--json", "status").stdout)
+    assert s["engine"]["n_ctx"] == 512 and s["queue"]["waiting"] == 0
+    r = ctl(daemon, "cache")
+    assert r.returncode == 0 and "POS" in r.stdout and "checkpoints" in r.stdout
+    c = json.loads(ctl(daemon, "cache", "--json").stdout)
+    assert len(c["checkpoints"]) >= 1
+    assert all({"pos", "kind", "bytes"} <= set(cp) for cp in c["checkpoints"])
+    r = ctl(daemon, "metrics")
+    assert r.returncode == 0 and "strata_generated_tokens_total" in r.stdout
+    m = json.loads(ctl(daemon, "metrics", "--json").stdout)
+    assert sum(s["value"] for s in m["strata_generated_tokens"] if s["name"].endswith("_total")) >= 6
+
+
+def test_chat_interactive(daemon):
+    r = ctl(daemon, "chat", "--max-tokens", "4", "--temperature", "0", stdin="Hi there\nAnd again\n/exit\n")
+    assert r.returncode == 0, r.stderr
+    assert len([ln for ln in r.stdout.splitlines() if ln.strip()]) >= 2
+
+
+def test_slot_actions_report_server_error(daemon):
+    for action in (["save", "0", "--filename", "a.bin"], ["restore", "0", "--filename", "a.bin"], ["erase", "0"]):
+        r = ctl(daemon, *action)
+        assert r.returncode == 1 and "501" in r.stderr and "session files" in r.stderr
+
+
+def test_url_over_tcp(daemon):
+    r = subprocess.run([sys.executable, "-m", "strata.cli.ctl", "--url", f"http://127.0.0.1:{daemon.port}", "health"],
+                       capture_output=True, text=True, env=env_for_daemon(), cwd=ROOT, timeout=60)
+    assert r.returncode == 0 and r.stdout.startswith("ok")
+
+
+def test_exit_codes(tmp_path):
+    bad = str(tmp_path / "missing.sock")
+    for cmd in ("status", "health", "models", "slots", "metrics", "cache"):
+        r = ctl(None, cmd, socket=bad)
+        assert r.returncode == 3 and bad in r.stderr, (cmd, r.stderr)
+    r = ctl(None, "chat", "hi", socket=bad)
+    assert r.returncode == 3 and bad in r.stderr
+    r = ctl(None, "frobnicate", socket=bad)
+    assert r.returncode == 2
+    r = ctl(None, "save", socket=bad)          # missing slot id
+    assert r.returncode == 2
