@@ -24,6 +24,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+# llama.cpp's OpenMP workers spin while waiting by default; on a machine shared with other jobs (more busy
+# threads than cores) spinning threads starve each other and llama.cpp drops to a few tokens/s. Passive
+# waiting is set unless the caller chose a policy; the JSON records it.
+OMP_POLICY_SET_BY_BENCH = "OMP_WAIT_POLICY" not in os.environ
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 TEXT = ("The history of the printing press begins in the fifteenth century, when movable metal type made books "
         "cheaper to produce. Within fifty years presses were running in more than two hundred European cities, and "
         "the number of books in circulation grew from thousands to millions. Scholars argue about how much this "
@@ -138,6 +144,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "cpu_throughput.json"))
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",") if s]
+    load_start = os.getloadavg()
 
     from strata.engine import Engine
     n_ctx = max(sizes + [args.decode_context + args.decode_tokens]) + 16
@@ -188,7 +195,7 @@ def main(argv=None) -> int:
                   "decode": res["strata"]["decode_tps"] / res["llama_cpp"]["decode_tps"]}
 
     print(f"model {engine.model_name} ({engine.arch}), {args.threads} threads, ubatch {args.ubatch}, "
-          f"best of {args.repeats}, CPU {cpu_name()}")
+          f"best of {args.repeats}, CPU {cpu_name()}, load average {load_start[0]:.1f} -> {os.getloadavg()[0]:.1f}")
     print(f"{'':>16} {'Strata tok/s':>14} {'llama.cpp tok/s':>16} {'ratio':>8}")
     for n in sizes:
         s = res["strata"]["prompt_tps"][n]
@@ -207,7 +214,10 @@ def main(argv=None) -> int:
         "model": engine.model_name, "model_path": engine.model_path, "arch": engine.arch,
         "threads": args.threads, "ubatch": args.ubatch, "repeats": args.repeats,
         "decode_tokens": args.decode_tokens, "decode_context": args.decode_context,
-        "machine": {"cpu": cpu_name(), "cpu_count": os.cpu_count(), "python": platform.python_version()},
+        "machine": {"cpu": cpu_name(), "cpu_count": os.cpu_count(), "python": platform.python_version(),
+                    "load_average_start": load_start, "load_average_end": os.getloadavg()},
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY") + (" (set by the bench)" if OMP_POLICY_SET_BY_BENCH
+                                                                 else ""),
         "strata": res["strata"],
         "llama_cpp": res["llama_cpp"] if llm is not None else None,
         "llama_cpp_note": llama_note or ("llama.cpp extra CPU buffer types (AMX/repack) "

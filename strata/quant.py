@@ -29,8 +29,9 @@ SUPPORTED_TYPES = frozenset({
 #: instead of the Q8 integer kernels. Crossover measured with bench/matmul.py on a 2-core Sapphire Rapids
 #: VM (OpenBLAS with AVX-512, 2 threads): the Q8 kernels (~65 GFLOP/s per thread, AVX2/AVX-VNNI) win up to
 #: 32-64 tokens for the SmolLM2 shapes, BLAS wins from 64-128 tokens on (about 1.3-2x at 256-512 tokens).
-#: On a machine whose cores are oversubscribed OpenBLAS stalls badly (10x slower), while the Q8 kernels
-#: degrade gracefully; raise this with the environment variable STRATA_BLAS_MIN_TOKENS to avoid BLAS.
+#: On a machine whose cores are oversubscribed, multi-threaded OpenBLAS stalls in bursts (measured 30-70x
+#: slower, also in a process that never loaded Strata), while the Q8 kernels degrade gracefully; raise this
+#: with the environment variable STRATA_BLAS_MIN_TOKENS to keep prefill off BLAS.
 BLAS_MIN_TOKENS = int(os.environ.get("STRATA_BLAS_MIN_TOKENS", "128"))
 #: Rows per dequantized tile on the BLAS path: at most about this many fp32 bytes at a time.
 _BLAS_TILE_BYTES = 4 << 20
@@ -255,7 +256,7 @@ class WeightTensor:
             _check(_lib.strata_dequantize(int(self.ggml_type), _ffi.from_buffer(raw[r0:r1]), row_bytes, r1 - r0,
                                           n_in, _ffi.from_buffer("float[]", tile), _THREADS),
                    f"matmul with {self.name}")
-            _lib.strata_park_workers()  # our spinning workers would steal cores from BLAS's threads
+            _lib.strata_park_workers()  # idle C-core workers sleep instead of spinning against BLAS's threads
             np.matmul(x2, tile.T, out=y[:, r0:r1])
         return y
 

@@ -183,17 +183,6 @@ def attn_ref(q, K, V, pos0, scale):
     return out
 
 
-class _Pool:
-    def __init__(self, page_size, n_pages):
-        self.page_size, self.n_pages = page_size, n_pages
-
-
-class _KV:
-    """The PagedKV fields the backend reads (page table, length, pool)."""
-    def __init__(self, table, length, pool):
-        self.page_table, self.length, self.pool = table, length, pool
-
-
 @pytest.mark.parametrize("ctx", [1, 300, 5000])
 def test_paged_attention_decode_and_prefill(ctx):
     import cupy as cp
@@ -202,7 +191,6 @@ def test_paged_attention_decode_and_prefill(ctx):
     H, KV, hd, ps = 9, 3, 64, 16
     n_pages = (ctx + 40) // ps + 2
     table = list(rng.permutation(n_pages))             # scattered pages
-    pool = _Pool(ps, n_pages)
     K = rng.standard_normal((ctx + 32, KV, hd)).astype(np.float16).astype(np.float64)
     V = rng.standard_normal((ctx + 32, KV, hd)).astype(np.float16).astype(np.float64)
     q_all = rng.standard_normal((ctx + 32, H, hd))
@@ -210,18 +198,18 @@ def test_paged_attention_decode_and_prefill(ctx):
     # prefill the first ctx-1 positions in one call (prefill path), then one decode step at ctx-1
     n0 = ctx - 1
     if n0 > 0:
-        got = be.attention(cp.asarray(q_all[:n0], dtype=cp.float32), cp.asarray(K[:n0], dtype=cp.float32),
-                           cp.asarray(V[:n0], dtype=cp.float32), _KV(table, 0, pool), 0, scale)
+        got = be.attention_pages(cp.asarray(q_all[:n0], dtype=cp.float32), cp.asarray(K[:n0], dtype=cp.float32),
+                           cp.asarray(V[:n0], dtype=cp.float32), table, 0, ps, n_pages, 0, scale)
         if n0 <= 400:
             ref = attn_ref(q_all[:n0], K, V, 0, scale)
             assert rel(cp.asnumpy(got), ref) < 1e-4
-    got = be.attention(cp.asarray(q_all[n0:ctx], dtype=cp.float32), cp.asarray(K[n0:ctx], dtype=cp.float32),
-                       cp.asarray(V[n0:ctx], dtype=cp.float32), _KV(table, n0, pool), 0, scale)
+    got = be.attention_pages(cp.asarray(q_all[n0:ctx], dtype=cp.float32), cp.asarray(K[n0:ctx], dtype=cp.float32),
+                       cp.asarray(V[n0:ctx], dtype=cp.float32), table, n0, ps, n_pages, 0, scale)
     ref = attn_ref(q_all[n0:ctx], K, V, n0, scale)
     assert rel(cp.asnumpy(got), ref) < 1e-4
     # a 20-token chunk after the context (prefill path with a non-zero start)
-    got = be.attention(cp.asarray(q_all[ctx:ctx + 20], dtype=cp.float32), cp.asarray(K[ctx:ctx + 20], dtype=cp.float32),
-                       cp.asarray(V[ctx:ctx + 20], dtype=cp.float32), _KV(table, ctx, pool), 0, scale)
+    got = be.attention_pages(cp.asarray(q_all[ctx:ctx + 20], dtype=cp.float32), cp.asarray(K[ctx:ctx + 20], dtype=cp.float32),
+                       cp.asarray(V[ctx:ctx + 20], dtype=cp.float32), table, ctx, ps, n_pages, 0, scale)
     ref = attn_ref(q_all[ctx:ctx + 20], K, V, ctx, scale)
     assert rel(cp.asnumpy(got), ref) < 1e-4
 

@@ -86,3 +86,26 @@ def test_greedy_64_tokens_identical(model_path, hf, prompt_ids, graphs):
     ref_last = hf_logits(m, full)[-1]
     ours_last = run.decode_logits().astype(np.float64)
     assert np.linalg.norm(ours_last - ref_last) / np.linalg.norm(ref_last) < LOGITS_REL_L2
+
+
+def test_llama_py_on_cuda_backend_matches_cpu_backend(model_path, prompt_ids):
+    """strata/models/llama.py unchanged on CudaBackend vs CPUBackend: prompt logits and 16 greedy tokens."""
+    from strata.backend.cpu import CPUBackend
+    from strata.gguf_file import open_gguf
+    from strata.models.base import model_class
+    f = open_gguf(model_path)
+    outs = {}
+    for name, be in (("cpu", CPUBackend()), ("cuda", C.CudaBackend())):
+        m = model_class(f.arch)(f, be)
+        st = m.new_state(m.new_page_pool(1024))
+        lg = m.forward(np.asarray(prompt_ids, np.int32), st, all_logits=True)
+        toks, t = [], int(np.argmax(lg[-1]))
+        for _ in range(16):
+            toks.append(t)
+            t = int(np.argmax(m.forward(np.asarray([t], np.int32), st)))
+        outs[name] = (np.asarray(lg, np.float64), toks)
+    (ref, ref_t), (got, got_t) = outs["cpu"], outs["cuda"]
+    err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+    print(f"llama.py cuda vs cpu: logits rel L2 {err:.2e}; tokens {got_t} vs {ref_t}")
+    assert err < LOGITS_REL_L2
+    assert got_t == ref_t

@@ -166,3 +166,54 @@ def test_prompt_cache_off_reads_one_part(default_model_path):
     assert f2.strata["parts"] == [(0, n)]
     st = e.status()
     assert st["arch"] == "llama" and st["n_ctx"] == 1024 and st["kv_pages"]["used"] >= 1
+
+
+def test_checkpoint_opt_out_reads_one_part_and_reuses_root(engine):
+    engine.clear_checkpoints()
+    engine.state_reset()
+    system = {"role": "system", "content": "You are a terse geography tutor. " * 8}
+    _, _, f1 = run(engine, [system] + FRANCE, max_tokens=2)
+    root = next(c.pos for c in engine.render_chat([system] + FRANCE).cut_points if c.kind == "root")
+    assert len(f1.strata["parts"]) >= 2 and f1.strata["parts"][0] == (0, root)
+    other = [system, {"role": "user", "content": "Name a river in Spain."}]
+    _, _, f2 = run(engine, other, max_tokens=2, checkpoint=False)
+    n2 = f2.usage["prompt_tokens"]
+    assert f2.strata["resume_from"] == "checkpoint" and f2.strata["resume_pos"] == root
+    assert f2.strata["parts"] == [(root, n2)]                  # one part after the reused root
+    _, _, f3 = run(engine, other, max_tokens=2)                # no live session was left: resume from the root
+    assert f3.strata["resume_from"] == "checkpoint" and f3.strata["resume_pos"] == root
+
+
+def test_trace_and_state_hash_logs(engine, monkeypatch):
+    from structlog.testing import capture_logs
+    monkeypatch.setenv("STRATA_TRACE", "1")
+    monkeypatch.setenv("STRATA_STATE_HASH", "1")
+    engine.state_reset()
+    with capture_logs() as logs:
+        _, _, final = run(engine, max_tokens=3)
+    parts = [(e["start"], e["end"]) for e in logs if e["event"] == "prefill_part"]
+    assert parts == final.strata["parts"]
+    hashes = [e for e in logs if e["event"] == "state_hash"]
+    assert len(hashes) == 1 and hashes[0]["kv"] == engine.state.hashes()["kv"]
+
+
+def test_cancel_during_prompt_read(engine):
+    engine.clear_checkpoints()
+    engine.state_reset()
+    r = engine.render_chat(STORY)
+    req = GenerationRequest(prompt_tokens=r.tokens, cut_points=r.cut_points, sampling=GREEDY, max_tokens=5)
+    req.cancel.set()
+    events = list(engine.generate(req))
+    assert len(events) == 1 and events[0].finish_reason == "cancelled"
+    assert events[0].usage["completion_tokens"] == 0
+    text, _, final = run(engine)
+    assert "Paris" in text and final.strata["resume_from"] != "live"
+
+
+def test_bad_cut_point_changes_nothing(engine):
+    before = engine.state.hashes()
+    with pytest.raises(ValueError, match="cut point"):
+        engine.generate(GenerationRequest(prompt_tokens=[1, 2, 3], cut_points=[(9, "turn")]))
+    with pytest.raises(ValueError, match="kind"):
+        engine.generate(GenerationRequest(prompt_tokens=[1, 2, 3], cut_points=[(1, "bogus")]))
+    assert engine.state.hashes() == before

@@ -8,7 +8,8 @@ tests/data/hybrid_<arch>_llamacpp.json by tools/hybrid_llamacpp_reference.py.
 Tolerances (F32 weights; logits have magnitude ~20-40):
   * transformers, last-position logits: max abs diff < 5e-3 (measured ~1e-4), same argmax;
   * llama.cpp, sampled logits at 5 positions: max abs diff < 2e-2 (measured < 3e-3), same argmax;
-  * chunked prefill vs step-by-step recurrence: logits < 1e-3, running state < 1e-4;
+  * chunked prefill vs step-by-step recurrence, all positions: logits < 3e-3 (measured < 8e-4), running state
+    < 1e-4 (measured < 6e-6);
   * MTP drafter vs the same head built from transformers modules: < 5e-3.
 """
 import hashlib
@@ -114,7 +115,7 @@ def test_chunked_prefill_equals_recurrence(loaded):
         lb = m.forward(toks, b, all_logits=True)
     finally:
         m.gdn_mode = "auto"
-    assert np.abs(la - lb).max() < 1e-3
+    assert np.abs(la - lb).max() < 3e-3
     assert a.running.keys() == b.running.keys() and a.running
     for layer in a.running:
         for k in ("conv", "ssm"):

@@ -9,17 +9,19 @@ transformers = pytest.importorskip("transformers")
 
 # transformers dequantizes the GGUF to fp32 with the same block formulas and computes in fp32. Strata's matmul
 # (strata.quant) has two paths: from quant.BLAS_MIN_TOKENS tokens on it dequantizes weight tiles to fp32 and calls
-# BLAS, so only the summation order differs (measured max |diff| ~1e-4 with exact fp32 weights); below that it
-# quantizes the activations to 8 bits and uses integer dot products on the packed blocks, as llama.cpp does, which
-# moves logits by up to ~1.3 on this model (measured over 65 decode steps; mean |diff| ~1e-2). Tolerances per row
-# by the path its batch took. Any real error (RoPE pairing, causal mask, KV position, GQA head mapping) moves
-# logits by several units on every row.
+# BLAS, so only the summation order differs; below that it quantizes the activations to 8 bits (Q8 blocks) and
+# uses integer dot products on the packed blocks, as llama.cpp does.
+# fp32 path (BLAS_MIN_TOKENS forced to 1): measured max |diff| 8.6e-5 over 577 positions.
 MAX_ABS_DIFF_FP32 = 5e-2
-MAX_ABS_DIFF_Q8 = 2.5
-MEAN_ABS_DIFF_Q8 = 5e-2
-# top-1 must agree wherever the reference's top-1/top-2 margin exceeds this (logits); measured disagreements on
-# the 8-bit path had margins <= 0.08.
-TOP1_MARGIN = 0.25
+TOP1_MARGIN_FP32 = 0.1
+# 8-bit activation path: measured max |diff| 1.31 / mean 0.12 (512-token batch + 65 decode steps) and 2.16 / 0.17
+# (all 64-token batches). Simulating Q8_0 activation rounding in numpy on exact fp32 weights gives the same size
+# (max 2.87, mean 0.16, top-1 flips up to a reference margin of 0.22), so this is the rounding, not an error.
+# Any real error (RoPE pairing, causal mask, KV position, GQA head mapping) moves logits by several units on
+# every row.
+MAX_ABS_DIFF_Q8 = 4.0
+MEAN_ABS_DIFF_Q8 = 0.25
+TOP1_MARGIN_Q8 = 1.0
 
 CHAT = [
     {"role": "system", "content": "You are a patient assistant who helps people plan small home projects. "
@@ -57,14 +59,12 @@ CHAT = [
 ]
 
 
-def _split_runs(n_total: int):
-    """(name, list of batch sizes) of the ubatch schedules compared with the reference."""
-    head = 512
-    mixed = [64, 64, 64, 64, 100, 7, 200]
-    return [
-        ("ubatch 512 + single-token decode", [head] + [1] * (n_total - head)),
-        ("mixed ubatches", mixed + [n_total - sum(mixed)]),
-    ]
+RUNS = {
+    # name: (force the fp32 matmul path, ubatch schedule as a function of the sequence length)
+    "fp32_mixed_ubatches": (True, lambda t: [256, 64, 100, 7, 1, 1, 1, 1, 1] + [t - 432]),
+    "default_ubatch512_decode": (False, lambda t: [512] + [1] * (t - 512)),
+    "default_ubatch64": (False, lambda t: [64] * (t // 64) + ([t % 64] if t % 64 else [])),
+}
 
 
 @pytest.fixture(scope="session")
@@ -87,11 +87,15 @@ def hf_reference(default_model_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("run", [0, 1], ids=["ubatch512_decode", "mixed_ubatches"])
-def test_teacher_forced_logits_match_transformers(default_model, hf_reference, run):
+@pytest.mark.parametrize("run", list(RUNS))
+def test_teacher_forced_logits_match_transformers(default_model, hf_reference, run, monkeypatch):
+    from strata import quant
     ids, ref = hf_reference
-    name, batches = _split_runs(len(ids))[run]
-    assert sum(batches) == len(ids)
+    fp32, schedule = RUNS[run]
+    batches = schedule(len(ids))
+    assert sum(batches) == len(ids) and min(batches) > 0
+    if fp32:
+        monkeypatch.setattr(quant, "BLAS_MIN_TOKENS", 1)
     pool = default_model.new_page_pool(1024)
     state = default_model.new_state(pool)
     out = []
@@ -106,26 +110,19 @@ def test_teacher_forced_logits_match_transformers(default_model, hf_reference, r
     # the sequence crosses page boundaries (page size 256) in both schedules
     assert len(state.kv.pages) == -(-len(ids) // pool.page_size) >= 3
 
-    from strata import quant
-    blas_min = getattr(quant, "BLAS_MIN_TOKENS", 1)
-    fp32_rows = np.concatenate([np.full(b, b >= blas_min) for b in batches])
     diff = np.abs(ours - ref)
-    row_max = diff.max(axis=1)
     top2 = np.sort(ref, axis=1)[:, -2:]
     margin = top2[:, 1] - top2[:, 0]
-    decisive = margin > TOP1_MARGIN
     agree = ours.argmax(1) == ref.argmax(1)
-    bad = np.nonzero(decisive & ~agree)[0]
-    q8 = ~fp32_rows
-    print(f"\n{name}: T={len(ids)} fp32-path rows {int(fp32_rows.sum())}: max|diff| "
-          f"{float(row_max[fp32_rows].max(initial=0)):.2e}; 8-bit-path rows {int(q8.sum())}: max|diff| "
-          f"{float(row_max[q8].max(initial=0)):.2e} mean {float(diff[q8].mean()) if q8.any() else 0:.2e}; "
-          f"top1 agree {int(agree.sum())}/{len(ids)} (decisive {int(decisive.sum())})")
-    assert bad.size == 0, f"{name}: top-1 differs at decisive positions {bad[:10].tolist()}"
-    assert row_max[fp32_rows].max(initial=0) < MAX_ABS_DIFF_FP32, f"{name}: fp32-path rows differ too much"
-    if q8.any():
-        assert row_max[q8].max() < MAX_ABS_DIFF_Q8, f"{name}: 8-bit-path rows differ too much"
-        assert diff[q8].mean() < MEAN_ABS_DIFF_Q8, f"{name}: 8-bit-path rows differ too much on average"
+    max_tol, margin_tol = (MAX_ABS_DIFF_FP32, TOP1_MARGIN_FP32) if fp32 else (MAX_ABS_DIFF_Q8, TOP1_MARGIN_Q8)
+    bad = np.nonzero((margin > margin_tol) & ~agree)[0]
+    print(f"\n{run}: T={len(ids)} max|diff| {float(diff.max()):.3e} mean {float(diff.mean()):.2e}; top-1 agrees at "
+          f"{int(agree.sum())}/{len(ids)}; largest reference margin where it differs: "
+          f"{float(margin[~agree].max(initial=0)):.3f}")
+    assert bad.size == 0, f"{run}: top-1 differs at positions {bad[:10].tolist()} (margins > {margin_tol})"
+    assert diff.max() < max_tol, f"{run}: max |logit diff| {float(diff.max()):.3e} >= {max_tol}"
+    if not fp32:
+        assert diff.mean() < MEAN_ABS_DIFF_Q8, f"{run}: mean |logit diff| {float(diff.mean()):.3e}"
 
 
 @pytest.mark.parametrize("n_rot", [64, 32])

@@ -23,6 +23,9 @@ from typing import Any
 
 import numpy as np
 
+from strata.backend.base import Backend
+from strata.kv_cache import DEFAULT_PAGE_SIZE, PagedKV, PagePool
+
 _CDEF = """
 int strata_supports_type(int ggml_type);
 int strata_matvec(void *stream, int ggml_type, const void *w, const float *x, float *y, int n_out, int n_in, int n_tokens);
@@ -210,12 +213,13 @@ class _Gemm:
         return y
 
 
-class CudaBackend:
-    """Backend ops on CuPy arrays (docs/internals.md "Backend ops").
+class CudaBackend(Backend):
+    """Backend ops on CuPy arrays (strata/backend/base.py, docs/internals.md "Backend ops").
 
-    device: CUDA ordinal (``--device cuda:N``). kv_dtype: "f16" (the only KV format implemented so far; "q8_0"
-    raises ValueError). page_size / n_pages size the device KV pool used by ``attention`` (pages are addressed by
-    the page ids of the sequence's PagedKV). Raises CudaUnavailable when CuPy, a GPU or the kernel library is missing.
+    device: CUDA ordinal (``--device cuda:N``). kv_dtype: "f16" only for now (``--kv q8_0`` raises ValueError).
+    The PagePool made by ``new_page_pool`` keeps the documented float32 layout (n_kv_head, n_pages, page_size,
+    head_dim) as CuPy arrays, so checkpoints and parking read pages as on the CPU. Raises CudaUnavailable when
+    CuPy, a GPU or the kernel library is missing.
     """
 
     def __init__(self, device: int = 0, kv_dtype: str = "f16", gemm_threshold: int = 8):
@@ -225,8 +229,11 @@ class CudaBackend:
         if kv_dtype != "f16":
             raise ValueError(f"kv_dtype {kv_dtype!r} is not implemented on CUDA (only 'f16')")
         import cupy
-        self.cp = cupy
+        self.cp = self.xp = cupy
         self.device_id = int(device)
+        if not 0 <= self.device_id < cupy.cuda.runtime.getDeviceCount():
+            raise CudaUnavailable(f"no CUDA device {self.device_id} "
+                                  f"({cupy.cuda.runtime.getDeviceCount()} present)")
         self.device = cupy.cuda.Device(self.device_id)
         self.device.use()
         self.name = f"cuda:{self.device_id}"
@@ -234,14 +241,17 @@ class CudaBackend:
         self.gemm_threshold = gemm_threshold
         self.gemm = _Gemm()
         lib()
-        self._kv: dict[int, tuple[Any, Any]] = {}   # layer -> (k pool, v pool)
+        self._kv: dict[int, tuple[Any, Any]] = {}   # layer -> (k pool, v pool) of attention_pages
         self._partial = None
+        self._rope_cache: dict[tuple, tuple[Any, Any]] = {}
 
     # ---- weights and tensors
-    def upload(self, w) -> DeviceWeight:
-        """WeightTensor (strata.quant) -> DeviceWeight (raw blocks on the device)."""
+    def upload(self, w) -> Any:
+        """WeightTensor (strata.quant) -> DeviceWeight (raw blocks on the device); 1-D tensors -> f32 CuPy arrays."""
         if isinstance(w, DeviceWeight):
             return w
+        if len(w.shape) == 1:
+            return self.cp.asarray(np.asarray(w.dequantize(), dtype=np.float32))
         return upload_raw(w.name, int(w.ggml_type), tuple(w.shape), w.data)
 
     def asarray(self, x):
@@ -276,28 +286,102 @@ class CudaBackend:
         return y
 
     def rms_norm(self, x, weight, eps: float, residual=None, sum_out=None):
-        """RMSNorm over the last dim of f32 (n, dim); with residual, normalizes x + residual (written to sum_out)."""
+        """RMSNorm over the last dim of f32 (n, dim); with residual, normalizes x + residual (also written to
+        sum_out when given; sum_out may alias residual)."""
         x = self.asarray(x)
+        if residual is not None:
+            residual = self.asarray(residual)
         wt = weight.data if isinstance(weight, DeviceWeight) else self.asarray(weight)
-        out = self.cp.empty_like(x)
-        _check(lib().strata_rms_norm(_stream_ptr(), _p(x), _p(residual), _p(wt), _p(out), _p(sum_out),
-                                     x.shape[0], x.shape[-1], float(eps)), "strata_rms_norm")
-        return out
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        out = self.cp.empty_like(x2)
+        _check(lib().strata_rms_norm(_stream_ptr(), _p(x2), _p(residual), _p(wt), _p(out), _p(sum_out),
+                                     x2.shape[0], x2.shape[-1], float(eps)), "strata_rms_norm")
+        return out.reshape(shape)
 
-    def rope(self, x, positions, n_rot: int, theta: float, neox: bool):
-        """Rotate the first n_rot dims of x f32 (n_tokens, n_heads, head_dim) in place (and return it)."""
-        x = self.asarray(x)
-        pos = self.cp.asarray(np.asarray(positions, dtype=np.int32)) if isinstance(positions, np.ndarray) or \
-            isinstance(positions, (list, tuple)) else positions
+    def rope(self, x, positions, n_rot: int, theta: float, neox: bool, freq_factors=None, freq_scale: float = 1.0):
+        """RoPE on a copy of x f32 (n_tokens, n_heads, head_dim), first n_rot dims (see Backend.rope).
+        The kernel computes angles in float64; freq_factors / freq_scale use a CuPy table instead."""
+        cp = self.cp
+        x = cp.array(x, dtype=cp.float32, copy=True, order="C")
+        pos_h = np.asarray(positions, dtype=np.int64) if not isinstance(positions, cp.ndarray) else None
+        if pos_h is not None and pos_h.size and pos_h.min() < 0:
+            raise ValueError("RoPE positions must be >= 0")
         n, h, hd = x.shape
-        _check(lib().strata_rope(_stream_ptr(), _p(x), _p(pos), n, h, hd, int(n_rot), float(theta), int(bool(neox))),
-               "strata_rope")
+        if freq_factors is None and freq_scale == 1.0:
+            pos = cp.asarray(pos_h.astype(np.int32)) if pos_h is not None else positions.astype(cp.int32)
+            _check(lib().strata_rope(_stream_ptr(), _p(x), _p(pos), n, h, hd, int(n_rot), float(theta),
+                                     int(bool(neox))), "strata_rope")
+            return x
+        pos = pos_h if pos_h is not None else cp.asnumpy(positions).astype(np.int64)
+        inv = float(theta) ** (-np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)
+        if freq_factors is not None:
+            ff = freq_factors if isinstance(freq_factors, np.ndarray) else cp.asnumpy(freq_factors)
+            inv = inv / np.asarray(ff, dtype=np.float64)[: n_rot // 2]
+        ang = pos[:, None].astype(np.float64) * (freq_scale * inv)[None, :]
+        cos = cp.asarray(np.cos(ang).astype(np.float32))[:, None, :]
+        sin = cp.asarray(np.sin(ang).astype(np.float32))[:, None, :]
+        half = n_rot // 2
+        if neox:
+            x0, x1 = x[..., :half].copy(), x[..., half:n_rot].copy()
+            x[..., :half] = x0 * cos - x1 * sin
+            x[..., half:n_rot] = x0 * sin + x1 * cos
+        else:
+            x0, x1 = x[..., 0:n_rot:2].copy(), x[..., 1:n_rot:2].copy()
+            x[..., 0:n_rot:2] = x0 * cos - x1 * sin
+            x[..., 1:n_rot:2] = x0 * sin + x1 * cos
         return x
 
     def swiglu(self, gate, up):
         gate, up = self.asarray(gate), self.asarray(up)
         out = self.cp.empty_like(gate)
         _check(lib().strata_swiglu(_stream_ptr(), _p(gate), _p(up), _p(out), gate.size), "strata_swiglu")
+        return out
+
+    # ---- the PagePool path used by model files (strata/kv_cache.py)
+    def new_page_pool(self, layers, n_pages: int, n_kv_head: int, head_dim: int, page_size: int = DEFAULT_PAGE_SIZE,
+                      head_dim_v: int | None = None) -> PagePool:
+        """PagePool with zeroed float32 CuPy storage (n_kv_head, n_pages, page_size, head_dim) per attention layer."""
+        cp = self.cp
+        hv = head_dim_v or head_dim
+        k = [cp.zeros((n_kv_head, n_pages, page_size, head_dim), cp.float32) for _ in layers]
+        v = [cp.zeros((n_kv_head, n_pages, page_size, hv), cp.float32) for _ in layers]
+        return PagePool(layers, n_pages, page_size, n_kv_head, head_dim, k, v, to_host=cp.asnumpy, head_dim_v=hv)
+
+    def attention(self, q, k, v, kv: PagedKV, layer: int, scale: float):
+        """See Backend.attention: k/v written into the sequence's pages (PagePool.write), K/V of [0, length + n)
+        read back (PagePool.read: a view for one ascending run of pages), then S = Q K^T per KV head (cuBLAS,
+        f32), causal softmax (strata_causal_softmax), O = P V. Queries are chunked so S stays under 1 GiB."""
+        cp = self.cp
+        q, k, v = self.asarray(q), self.asarray(k), self.asarray(v)
+        n, n_head, hd = q.shape
+        n_kv = k.shape[1]
+        if n_head % n_kv:
+            raise ValueError(f"n_head {n_head} is not a multiple of n_kv_head {n_kv}")
+        g = n_head // n_kv
+        pool = kv.pool
+        slot = pool.slot(layer)
+        start = kv.length
+        if start + n > kv.capacity:
+            raise ValueError(f"attention at [{start}, {start + n}) past the reserved pages ({kv.capacity})")
+        pool.write(slot, kv.pages, start, k, v)
+        K, V = kv.read(slot, start + n)                     # (n_kv, L, hd), (n_kv, L, hv)
+        L = start + n
+        hv = V.shape[-1]
+        Kt = K.transpose(0, 2, 1)
+        out = cp.empty((n, n_head, hv), cp.float32)
+        chunk = max(1, min(n, (1 << 30) // max(1, n_head * L * 4)))
+        s = _stream_ptr()
+        for i0 in range(0, n, chunk):
+            i1 = min(n, i0 + chunk)
+            c = i1 - i0
+            qh = cp.ascontiguousarray(q[i0:i1].transpose(1, 0, 2)).reshape(n_kv, g * c, hd)   # row = gi*c + i
+            lk = start + i1
+            S = cp.ascontiguousarray(cp.matmul(qh, Kt[:, :, :lk]))                            # (n_kv, g*c, lk)
+            _check(lib().strata_causal_softmax(s, _p(S), n_kv * g * c, c, lk, start + i0, float(scale)),
+                   "strata_causal_softmax")
+            O = cp.matmul(S, V[:, :lk])                                                       # (n_kv, g*c, hv)
+            out[i0:i1] = O.reshape(n_head, c, hv).transpose(1, 0, 2)
         return out
 
     # ---- attention over the paged KV cache
@@ -309,28 +393,10 @@ class CudaBackend:
             self._kv[layer] = kv
         return kv
 
-    @staticmethod
-    def _page_info(kv) -> tuple[list[int], int, int, int]:
-        """(page table, current length, page size, pool capacity in pages) of a PagedKV (strata/kv_cache.py)."""
-        table = getattr(kv, "page_table", None)
-        if table is None:
-            table = getattr(kv, "pages")
-        length = int(getattr(kv, "length"))
-        pool = getattr(kv, "pool")
-        ps = int(getattr(pool, "page_size"))
-        cap = int(getattr(pool, "n_pages", None) or getattr(pool, "capacity", None) or len(table))
-        return [int(p) for p in table], length, ps, cap
-
-    def attention(self, q, k, v, kv, layer: int, scale: float):
-        """Write k/v of the new tokens at kv.length.., then causal GQA attention over [0, kv.length + n).
-
-        q f32 (n, n_head, hd), k/v f32 (n, n_kv, hd) -> f32 (n, n_head, hd). The page table must already
-        cover kv.length + n positions.
-        """
-        table, length, ps, cap = self._page_info(kv)
-        return self.attention_pages(q, k, v, table, length, ps, cap, layer, scale)
-
     def attention_pages(self, q, k, v, table, length: int, ps: int, cap: int, layer: int, scale: float):
+        """The f16 paged path of LlamaCuda as a backend op: k/v written at `length` into this backend's own f16
+        pools (cap pages of ps tokens, page ids from `table`), then split-K decode attention (n == 1) or
+        gathered causal attention (n > 1). q f32 (n, n_head, hd) -> f32 (n, n_head, hd)."""
         cp = self.cp
         q, k, v = self.asarray(q), self.asarray(k), self.asarray(v)
         n, n_head, hd = q.shape
@@ -653,3 +719,6 @@ class LlamaCuda:
         """Logits of the last graph decode step (host copy)."""
         self.stream.synchronize()
         return self.cp.asnumpy(self.d["logits"][0])
+
+
+CUDABackend = CudaBackend   # the name strata/engine/engine.py imports

@@ -74,7 +74,12 @@ def sampling_params(args):
 
 
 def load_engine(args):
-    """Build the Engine from parsed engine options (a progress bar on stderr while a large model loads)."""
+    """Build the Engine from parsed engine options (a progress bar on stderr while a large model loads).
+
+    Engine logs (STRATA_TRACE=1, STRATA_STATE_HASH=1) go to stderr so stdout carries only the answer."""
+    import structlog
+    if not structlog.is_configured():
+        structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
     from strata.engine import Engine
     return Engine(args.model, n_ctx=args.n_ctx, ubatch=args.ubatch, threads=args.threads,
                   prompt_cache=args.prompt_cache, prompt_cache_every=args.prompt_cache_every,
@@ -123,8 +128,9 @@ def cmd_generate(args) -> int:
         messages.append({"role": "user", "content": prompt})
         rendered = engine.render_chat(messages)
         tokens, cuts = list(rendered.tokens), list(rendered.cut_points)
+    # one request and done: no turn checkpoint to save (seed #861's opt-out), so the prompt is one part
     req = GenerationRequest(prompt_tokens=tokens, cut_points=cuts, sampling=sampling_params(args),
-                            max_tokens=args.max_tokens, stop=list(args.stop))
+                            max_tokens=args.max_tokens, stop=list(args.stop), checkpoint=False)
     final = _stream(engine, req, sys.stdout)
     sys.stdout.write("\n")
     sys.stdout.flush()

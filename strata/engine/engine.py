@@ -23,6 +23,7 @@ from strata.engine.types import (ContextOverflow, EmptyPrompt, FinalEvent, Gener
 log = structlog.get_logger("strata.engine")
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
+CUT_KINDS = ("root", "message", "turn", "pin")  # the chat template's cut points (strata.chat_template.CutPoint)
 
 
 def _env_flag(name: str) -> bool:
@@ -147,61 +148,84 @@ class Engine:
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {req.logprobs}")
         for c in req.cut_points or ():
-            pos = c["pos"] if isinstance(c, dict) else getattr(c, "pos", None)
-            if pos is None:
-                pos = c[0]
+            if isinstance(c, dict):
+                pos, kind = c.get("pos"), c.get("kind")
+            elif hasattr(c, "pos"):
+                pos, kind = c.pos, getattr(c, "kind", None)
+            else:
+                pos, kind = c[0], c[1]
+            if kind not in CUT_KINDS:
+                raise ValueError(f"unknown cut point kind {kind!r} (expected one of {', '.join(CUT_KINDS)})")
             if not 0 <= int(pos) <= len(prompt):
-                raise ValueError(f"cut point at {pos} is outside the prompt [0, {len(prompt)}]")
+                raise ValueError(f"cut point {kind} at {pos} is outside the prompt [0, {len(prompt)}]")
 
     def state_reset(self) -> None:
         """Drop the live sequence back to position 0 (pages kept, running state zeroed)."""
         self.state.reset()
 
-    def _read(self, tokens: list[int], start: int, end: int):
-        """Read tokens[start:end] in ubatch-sized forward calls starting fresh at `start`; last token's logits."""
+    def _read(self, tokens: list[int], start: int, end: int, cancel=None):
+        """Read tokens[start:end] in ubatch-sized forward calls starting fresh at `start` -> the last token's
+        logits, or None when `cancel` was set between two calls (the sequence then ends at a call boundary)."""
         logits = None
         p = start
         while p < end:
+            if cancel is not None and cancel.is_set():
+                return None
             q = min(end, p + self.ubatch)
             logits = self.model.forward(np.asarray(tokens[p:q], dtype=np.int32), self.state)
             p = q
         return logits
 
     def _prefill(self, req: GenerationRequest, prompt: list[int], trace: bool):
-        """Plan, restore / cut back / continue, read the parts, save checkpoints -> (plan, parts, logits)."""
+        """Plan, restore / cut back / continue, read the parts, save checkpoints -> (plan, parts, logits).
+
+        logits is None when req.cancel was set during the read: the sequence then ends at a forward-call
+        boundary inside a part, so it is not offered for live continuation (a later read of that part must
+        split it the same way as the first); checkpoints of the parts completed stay."""
         n = len(prompt)
         plan = self.cache.plan(self.state, prompt, list(req.cut_points or ()), checkpoint=req.checkpoint,
-                               cache_prompt=req.cache_prompt)
-        st = self.state
-        if plan.snapshot is not None:
-            st.restore(plan.snapshot)
-        elif plan.resume_from == "none" or plan.resume_pos == 0:
-            st.reset()
-        elif plan.resume_pos < st.pos:
-            st.truncate(plan.resume_pos)
-        resume = plan.resume_pos
-        if st.pos != resume or not 0 <= resume < n or st.tokens != prompt[:resume]:
-            raise RuntimeError(f"internal: plan resumes at {resume} ({plan.resume_from}) but the sequence holds "
-                               f"{st.pos} tokens that are not that prefix of the {n}-token prompt")
-        if trace:
-            log.info("prefill_plan", plan=plan.describe(), erased=list(getattr(plan, "erased", [])))
+                               cache_prompt=req.cache_prompt)      # ValueError here changes nothing
         parts: list[tuple[int, int]] = []
-        logits = None
-        start = resume
-        ends = [e for e in plan.part_ends if resume < e <= n]
-        if not ends or ends[-1] != n:
-            ends.append(n)
-        for end in ends:
-            t0 = time.perf_counter()
-            logits = self._read(prompt, start, end)
-            parts.append((start, end))
-            kind = plan.save_at.get(end)
-            if kind is not None:
-                self.cache.save(end, kind, st.capture())
+        try:
+            st = self.state
+            if plan.snapshot is not None:
+                st.restore(plan.snapshot)
+            elif plan.resume_from == "none" or plan.resume_pos == 0:
+                st.reset()
+            elif plan.resume_pos < st.pos:
+                st.truncate(plan.resume_pos)
+            resume = plan.resume_pos
+            if st.pos != resume or not 0 <= resume < n or st.tokens != prompt[:resume]:
+                raise RuntimeError(f"internal: plan resumes at {resume} ({plan.resume_from}) but the sequence "
+                                   f"holds {st.pos} tokens that are not that prefix of the {n}-token prompt")
             if trace:
-                log.info("prefill_part", start=start, end=end, n_tokens=end - start, ubatch=self.ubatch,
-                         ms=round((time.perf_counter() - t0) * 1000.0, 2), checkpoint=kind)
-            start = end
+                log.info("prefill_plan", plan=plan.describe(), erased=list(getattr(plan, "erased", [])))
+            logits = None
+            start = resume
+            ends = [e for e in plan.part_ends if resume < e <= n]
+            if not ends or ends[-1] != n:
+                ends.append(n)
+            for end in ends:
+                t0 = time.perf_counter()
+                logits = self._read(prompt, start, end, req.cancel)
+                if logits is None:
+                    self.cache.drop_live()
+                    if trace:
+                        log.info("prefill_cancelled", start=start, end=end, pos=st.pos)
+                    break
+                parts.append((start, end))
+                kind = plan.save_at.get(end)
+                if kind is not None:
+                    self.cache.save(end, kind, st.capture())
+                if trace:
+                    log.info("prefill_part", start=start, end=end, n_tokens=end - start, ubatch=self.ubatch,
+                             ms=round((time.perf_counter() - t0) * 1000.0, 2), checkpoint=kind)
+                start = end
+        except BaseException:
+            # a failed or interrupted read leaves the arena partly written: start the next request from 0
+            self.state_reset()
+            self.cache.drop_live()
+            raise
         return plan, parts, logits
 
     def _run(self, req: GenerationRequest, prompt: list[int]) -> Iterator[TokenEvent | FinalEvent]:
@@ -212,13 +236,8 @@ class Engine:
         n = len(prompt)
         trace = _env_flag("STRATA_TRACE")
         t_start = time.perf_counter()
-        try:
-            plan, parts, logits = self._prefill(req, prompt, trace)
-        except BaseException:
-            # a failed or interrupted read leaves the arena partly written: start the next request from 0
-            self.state_reset()
-            self.cache.drop_live()
-            raise
+        plan, parts, logits = self._prefill(req, prompt, trace)
+        prompt_n = self.state.pos - plan.resume_pos          # tokens read (all of them unless cancelled)
         t_prompt = time.perf_counter()
         prompt_ms = (t_prompt - t_start) * 1000.0
 
@@ -239,6 +258,9 @@ class Engine:
         trailing = ""
         try:
             while True:
+                if logits is None:            # cancelled while reading the prompt
+                    finish = "cancelled"
+                    break
                 if n_gen >= max_new:
                     finish = "length"
                     break
@@ -288,7 +310,6 @@ class Engine:
             if _env_flag("STRATA_STATE_HASH"):
                 log.info("state_hash", pos=st.pos, **st.hashes())
         predicted_ms = (t_end - t_prompt) * 1000.0
-        prompt_n = n - plan.resume_pos
         final = FinalEvent(
             finish_reason=finish,
             usage={"prompt_tokens": n, "completion_tokens": n_gen, "total_tokens": n + n_gen},

@@ -1,0 +1,92 @@
+"""strata.synth: synthetic GGUF files in llama.cpp's layout (names and keys from the gguf library's constants),
+reproducible from a seed, with the default model's tokenizer; the llama export checked against transformers."""
+import hashlib
+
+import gguf
+import numpy as np
+import pytest
+
+from strata import synth
+from strata.default_model import default_model_path
+
+
+def _sha(p):
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def default_reader():
+    return gguf.GGUFReader(default_model_path())
+
+
+@pytest.mark.parametrize("arch", ["qwen3next", "qwen35", "qwen35moe"])
+def test_tiny_file_layout(arch, tmp_path, default_reader):
+    path = synth.write_synthetic(tmp_path / "a.gguf", synth.preset(arch))
+    assert path.stat().st_size < 5 * 1024 * 1024
+    r = gguf.GGUFReader(path)
+    A = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
+    allowed = {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[A]}
+    nextn = {gguf.TENSOR_NAMES[t] for t in (gguf.MODEL_TENSOR.NEXTN_EH_PROJ, gguf.MODEL_TENSOR.NEXTN_ENORM,
+                                            gguf.MODEL_TENSOR.NEXTN_HNORM, gguf.MODEL_TENSOR.NEXTN_SHARED_HEAD_NORM)}
+    for t in r.tensors:
+        base = t.name.rsplit(".", 1)[0] if t.name.endswith((".weight", ".bias")) else t.name
+        fmt = base.replace(base.split(".")[1], "{bid}", 1) if base.startswith("blk.") else base
+        assert fmt in allowed or fmt in nextn, f"{t.name} is not a {arch} tensor name in gguf.constants"
+    f = r.fields
+    K = gguf.Keys
+    n_layer, n_mtp = 4, 1
+    assert f[K.General.ARCHITECTURE].contents() == arch
+    assert f[K.LLM.BLOCK_COUNT.format(arch=arch)].contents() == n_layer + n_mtp
+    assert f[K.LLM.NEXTN_PREDICT_LAYERS.format(arch=arch)].contents() == n_mtp
+    for key in (K.SSM.CONV_KERNEL, K.SSM.STATE_SIZE, K.SSM.GROUP_COUNT, K.SSM.TIME_STEP_RANK, K.SSM.INNER_SIZE,
+                K.LLM.FULL_ATTENTION_INTERVAL, K.Rope.DIMENSION_COUNT):
+        assert key.format(arch=arch) in f
+    names = {t.name: t for t in r.tensors}
+    assert "blk.3.attn_q.weight" in names and "blk.0.ssm_a" in names and "blk.3.ssm_a" not in names
+    a = np.asarray(names["blk.0.ssm_a"].data)
+    assert (a < 0).all()                                    # -exp(A_log)
+    assert list(names["blk.0.ssm_conv1d.weight"].shape) == [4, 128]    # ne = (kernel, 2*n_k*d_k + n_v*d_v)
+    if arch != "qwen35":
+        assert (K.LLM.EXPERT_COUNT.format(arch=arch)) in f
+    # tokenizer and chat template copied from the default model
+    for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.chat_template", "tokenizer.ggml.eos_token_id"):
+        assert f[key].contents() == default_reader.fields[key].contents()
+    assert f["tokenizer.ggml.tokens"].contents()[:100] == default_reader.fields["tokenizer.ggml.tokens"].contents()[:100]
+
+
+def test_reproducible_from_seed(tmp_path):
+    a = synth.write_synthetic(tmp_path / "a.gguf", synth.preset("qwen35moe", seed=5))
+    b = synth.write_synthetic(tmp_path / "b.gguf", synth.preset("qwen35moe", seed=5))
+    c = synth.write_synthetic(tmp_path / "c.gguf", synth.preset("qwen35moe", seed=6))
+    assert _sha(a) == _sha(b) != _sha(c)
+
+
+def test_quant_types(tmp_path):
+    path = synth.write_synthetic(tmp_path / "q.gguf", synth.preset("qwen35", qtype="Q8_0", embd_qtype="Q8_0"))
+    r = gguf.GGUFReader(path)
+    types = {t.name: t.tensor_type for t in r.tensors}
+    assert types["blk.0.attn_qkv.weight"] == gguf.GGMLQuantizationType.Q8_0
+    assert types["blk.0.ssm_conv1d.weight"] == gguf.GGMLQuantizationType.F32
+    assert types["output_norm.weight"] == gguf.GGMLQuantizationType.F32
+    with pytest.raises(ValueError, match="Q4_K"):
+        synth.preset("qwen35", qtype="Q4_K")
+    with pytest.raises(ValueError, match="unknown arch"):
+        synth.preset("mamba")
+
+
+def test_llama_export_matches_strata_llama(tmp_path):
+    """The llama synthetic file read by Strata's llama model and by transformers (after the inverse Q/K
+    permutation) gives the same logits (F32 weights; max abs diff < 5e-3)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from strata.gguf_file import open_gguf
+    from strata.models.base import load_model
+    path = synth.write_synthetic(tmp_path / "l.gguf", synth.preset("llama", qtype="F32", embd_qtype="F32", seed=2))
+    f = open_gguf(path)
+    m = load_model(f)
+    hf, _ = synth.hf_model(f.reader)
+    toks = np.random.default_rng(0).integers(0, m.config.n_vocab, 40).astype(np.int32)
+    got = m.forward(toks, m.new_state(m.new_page_pool(64)))
+    with torch.no_grad():
+        want = hf(torch.from_numpy(toks[None].astype(np.int64))).logits[0, -1].numpy()
+    assert np.abs(got - want).max() < 5e-3
