@@ -1,5 +1,29 @@
 """Strata: an inference daemon for large language models (build script: the cffi C core in native/)."""
+import os
+import sys
+import warnings
+
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "native"))
+from build_cuda import build_cuda_kernels  # noqa: E402
+
+
+class BuildPyWithCuda(build_py):
+    """Compile native/cuda/*.cu into strata/_cuda_kernels.so when nvcc is present (skipped otherwise).
+
+    STRATA_NO_CUDA=1 skips it; a failed nvcc build is a warning, never a failed install (the CPU backend runs).
+    """
+
+    def run(self):
+        if os.environ.get("STRATA_NO_CUDA") != "1":
+            try:
+                build_cuda_kernels()
+            except RuntimeError as e:
+                warnings.warn(f"CUDA kernels not built: {str(e).splitlines()[0]}")
+        super().run()
+
 
 setup(
     name="strata",
@@ -8,6 +32,8 @@ setup(
     python_requires=">=3.11",
     packages=find_packages(include=["strata", "strata.*", "link", "link.*"]),
     include_package_data=True,
+    package_data={"strata": ["_cuda_kernels.so"]},
+    cmdclass={"build_py": BuildPyWithCuda},
     setup_requires=["cffi>=1.16"],
     cffi_modules=["native/build_cpu.py:ffibuilder"],
     install_requires=[
@@ -35,7 +61,7 @@ setup(
             "protobuf",
         ],
         "bench": ["llama-cpp-python>=0.3"],
-        "gpu": ["cupy-cuda12x"],
+        "gpu": ["cupy-cuda13x"],
     },
     entry_points={
         "console_scripts": [
