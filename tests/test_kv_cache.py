@@ -103,9 +103,11 @@ def reference_attention(q, K, V, start, scale):
     return out
 
 
-@pytest.mark.parametrize("score_bytes", [1 << 25, 512])  # one chunk, and many small query chunks
-def test_paged_attention_matches_dense_reference(monkeypatch, score_bytes):
+# one query chunk / many small chunks; decode through BLAS / through einsum
+@pytest.mark.parametrize("score_bytes,decode_blas_keys", [(1 << 25, 4096), (512, 4096), (1 << 25, 0)])
+def test_paged_attention_matches_dense_reference(monkeypatch, score_bytes, decode_blas_keys):
     monkeypatch.setattr(cpu_backend, "ATTN_SCORE_BYTES", score_bytes)
+    monkeypatch.setattr(cpu_backend, "DECODE_BLAS_MAX_KEYS", decode_blas_keys)
     rng = np.random.default_rng(2)
     be = CPUBackend()
     H = 6

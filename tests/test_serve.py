@@ -283,10 +283,12 @@ def test_two_clients_take_turns(daemon):
     solo_b = asyncio.run(_stream_unix(daemon.sock, b))[0]
 
     async def both():
-        ta = asyncio.create_task(_stream_unix(daemon.sock, a))
-        await asyncio.sleep(0.05)
+        loop = asyncio.get_running_loop()
+        started = asyncio.Event()
+        ta = asyncio.create_task(_stream_unix(daemon.sock, a, on_first=lambda: loop.call_soon(started.set)))
+        await asyncio.wait_for(started.wait(), 120)      # A is generating; B arrives while it runs
         tb = asyncio.create_task(_stream_unix(daemon.sock, b))
-        return await ta, await tb
+        return await asyncio.wait_for(ta, 120), await asyncio.wait_for(tb, 120)
     (text_a, times_a, _), (text_b, times_b, _) = asyncio.run(both())
     assert text_a == solo_a and text_b == solo_b           # neither sees the other's tokens
     assert times_b[0] >= times_a[-1]                       # the second waited for the first to finish
@@ -301,14 +303,17 @@ def test_queue_full_gives_503(daemon):
         first = asyncio.Event()
         loop = asyncio.get_running_loop()
         ta = asyncio.create_task(_stream_unix(daemon.sock, long, on_first=lambda: loop.call_soon(first.set)))
-        await first.wait()                                 # A is generating: 1 running, 0 waiting
+        done, _ = await asyncio.wait({ta, asyncio.ensure_future(first.wait())}, timeout=120,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        assert first.is_set(), f"the long request did not start streaming: {ta.result() if ta.done() else 'timeout'}"
+        # A is generating: 1 running, 0 waiting; with --queue-max 1 one of B, C waits and the other is refused
 
         async def post(body):
             async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=daemon.sock)) as s:
                 async with s.post("http://strata/v1/completions", json=body) as r:
                     return r.status, await r.json(), dict(r.headers)
-        b, c = await asyncio.gather(post(short), post(short))
-        await ta
+        b, c = await asyncio.wait_for(asyncio.gather(post(short), post(short)), 120)
+        await asyncio.wait_for(ta, 120)
         return b, c
     b, c = asyncio.run(run())
     statuses = sorted([b[0], c[0]])
@@ -331,7 +336,6 @@ def test_disconnect_mid_stream_cancels_and_engine_stays_usable(daemon):
         assert time.monotonic() < deadline, "the engine did not stop after the client left"
         time.sleep(0.05)
     generated = daemon.metric("strata_generated_tokens_total") - gen0
-    print("generated after disconnect:", generated)
     assert generated < 40, generated          # stopped soon after the disconnect, far from max_tokens=300
     assert asyncio.run(_stream_unix(daemon.sock, probe))[0] == before
     assert daemon.json("GET", "/health")[0] == 200

@@ -57,8 +57,41 @@ FIELDS = {
     "strata_pin": st.integers(-2, 6) | junk,
 }
 
+not_null = junk.filter(lambda v: v is not None)                  # max_tokens: null would mean "no limit"
+text = st.text(st.characters(codec="utf-8"), max_size=40)
+VALID = {
+    "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1), "top_k": st.integers(0, 100),
+    "min_p": st.floats(0, 1), "seed": st.integers(0, 2 ** 32), "presence_penalty": st.floats(-2, 2),
+    "frequency_penalty": st.floats(-2, 2), "stop": text.filter(bool) | st.lists(text.filter(bool), max_size=3),
+    "stream": st.booleans(), "cache_prompt": st.booleans(), "strata_checkpoint": st.booleans(),
+    "model": st.sampled_from(["SmolLM2-135M-Instruct.Q4_1", "default"]), "n": st.just(1),
+}
+valid_chat = st.fixed_dictionaries(
+    {"messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
+                                                 "content": text}), min_size=1, max_size=3),
+     "max_tokens": st.integers(0, 3)},
+    optional=dict(VALID, logprobs=st.booleans()))
+valid_completion = st.fixed_dictionaries(
+    {"prompt": text.filter(bool) | st.lists(st.integers(0, 49151), min_size=1, max_size=8),
+     "max_tokens": st.integers(0, 3)},
+    optional=dict(VALID, logprobs=st.integers(0, 5)))
+
+
+@st.composite
+def mutated(draw, base):
+    """A valid body with up to two fields replaced by anything (or removed)."""
+    body = dict(draw(base))
+    for _ in range(draw(st.integers(0, 2))):
+        key = draw(st.sampled_from(sorted(set(FIELDS) | set(body))))
+        if key == "max_tokens" or draw(st.booleans()):
+            body[key] = draw(FIELDS.get(key, junk) if key != "max_tokens" else st.integers(-2, 3) | not_null)
+        else:
+            body.pop(key, None)
+    return body
+
+
 bodies = st.fixed_dictionaries(
-    {"max_tokens": st.integers(-2, 3) | junk},                   # always present: generations stay short
+    {"max_tokens": st.integers(-2, 3) | not_null},               # always present: generations stay short
     optional=FIELDS)
 
 
@@ -80,10 +113,15 @@ def _check_answer(status: int, headers: dict, body: bytes, streamed: bool) -> No
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                    HealthCheck.too_slow])
-@given(route=st.sampled_from(ROUTES), body=bodies)
-def test_fuzz_json_bodies(daemon, route, body):
+@given(case=st.one_of(st.tuples(st.just("/v1/chat/completions"), mutated(valid_chat)),
+                     st.tuples(st.just("/v1/completions"), mutated(valid_completion)),
+                     st.tuples(st.sampled_from(ROUTES), bodies)))
+def test_fuzz_json_bodies(daemon, case):
+    route, body = case
     st_, h, b = daemon.request("POST", route, raw=json.dumps(body).encode(), timeout=60)
     _check_answer(st_, h, b, bool(body.get("stream")))
+    if st_ == 200 and not body.get("stream"):
+        assert json.loads(b)["usage"]["completion_tokens"] <= body["max_tokens"]
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -99,3 +137,6 @@ def test_health_after_fuzz(daemon):
     st_, d = daemon.json("GET", "/health")
     assert st_ == 200 and d["status"] == "ok"
     assert daemon.proc.poll() is None
+    # the fuzz reached the engine, not only the validator (hypothesis's first examples are the simplest bodies)
+    assert daemon.metric("strata_generations_total") >= 1
+    assert daemon.metric("strata_requests_total", {"status": "200"}) >= 1

@@ -138,7 +138,7 @@ def cmd_generate(args) -> int:
     return 0
 
 
-CHAT_HELP = "commands: /reset (new conversation), /quit (or Ctrl-D) to leave"
+CHAT_HELP = "commands: /reset (new conversation), /quit (or Ctrl-D) to leave; Ctrl-C stops an answer"
 
 
 def cmd_chat(args) -> int:
@@ -188,6 +188,10 @@ def cmd_chat(args) -> int:
         except ValueError as e:        # ContextOverflow: the conversation outgrew the context
             messages.pop()
             print(f"strata: error: {e} (use /reset)", file=sys.stderr)
+            continue
+        except KeyboardInterrupt:      # Ctrl-C stops this answer; the chat goes on without it
+            messages.pop()
+            print("\n(interrupted)", file=sys.stderr)
             continue
         sys.stdout.write("\n")
         sys.stdout.flush()
