@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as hst
 
 from strata.cache import CheckpointCache
 from strata.kv_cache import PagePool, PagedKV
@@ -298,6 +300,35 @@ def test_checkpoints_not_in_the_arena_are_never_restored():
     st.reset()
     plan, _ = run(cache, st, p, c)
     assert plan.resume_from == "none" and plan.erased == [40, 52]
+
+
+@settings(max_examples=40, deadline=None)
+@given(cap=hst.integers(0, 5), every=hst.sampled_from([0, 16]), steps=hst.lists(
+    hst.tuples(hst.integers(0, 2), hst.integers(0, 3), hst.booleans()), min_size=1, max_size=10))
+def test_property_chain_cap_root_and_exact_resume(cap, every, steps):
+    """Random requests (which chat, how many turns, checkpoint flag): the kept checkpoints stay a prefix chain
+    of at most cap, the root stays once saved (cap >= 2), and every resumed read ends in the same state as a
+    read from 0 (the hybrid sequence's integer recurrence is exact)."""
+    cache, st = CheckpointCache(cap=cap, every=every), new_state(hybrid=True)
+    answers = [[50, 51], [60, 61, 62], [70]]
+    root_seen = False
+    for which, turns, ckpt in steps:
+        users = [[u + 100 * which for u in base] for base in (U1, U2, U3, U1)[:turns + 1]]
+        p, c = chat(*users, answers=answers[:turns])
+        plan, _ = run(cache, st, p, c, answer=[90 + which], checkpoint=ckpt)
+        if root_seen and cap >= 2:
+            assert plan.resume_pos >= 40 or plan.resume_from == "live"
+        ents = cache.entries()
+        assert len(ents) <= cap
+        for a, b in zip(ents, ents[1:]):
+            assert a["pos"] < b["pos"]
+        if cap >= 2 and any(e["pos"] == 40 for e in ents):
+            root_seen = True
+        if root_seen and cap >= 2:
+            assert ents[0]["pos"] == 40 and ents[0]["pinned"]
+        ref = new_state(hybrid=True)
+        read(ref, p + [90 + which])
+        assert st.hashes() == ref.hashes()
 
 
 # ---- end to end on the real default model (SmolLM2-135M-Instruct Q4_1) through strata.engine.Engine ------------
