@@ -5,8 +5,11 @@ through llama-cpp-python (optional: `pip install llama-cpp-python`; its column i
 is not importable). Each figure is the best of --repeats runs, the two engines alternating, so a noisy
 neighbour on a shared machine hurts both alike. Writes JSON (default bench/results/cpu_throughput.json).
 
+Decode is measured after prompts of --decode-context tokens (default 128, 2048 and 8192: long-context decode is
+bound by reading the KV cache). Each repeat re-reads the prompt (untimed), so long contexts use --long-repeats.
+
 Usage: python bench/cpu_throughput.py [--model default|PATH] [--threads N] [--sizes 128,512,2048]
-       [--decode-tokens 64] [--ubatch 512] [--repeats 3] [--no-llama]
+       [--decode-tokens 64] [--decode-context 128,2048,8192] [--ubatch 512] [--repeats 3] [--no-llama]
 """
 from __future__ import annotations
 
@@ -135,7 +138,10 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--sizes", default="128,512,2048")
     ap.add_argument("--decode-tokens", type=int, default=64)
-    ap.add_argument("--decode-context", type=int, default=128, help="prompt tokens before the decode run")
+    ap.add_argument("--decode-context", default="128,2048,8192",
+                    help="prompt tokens before a decode run; a comma list gives one decode row per context")
+    ap.add_argument("--long-repeats", type=int, default=1,
+                    help="repeats for decode rows whose context exceeds 1024 tokens (each repeat re-reads the prompt)")
     ap.add_argument("--ubatch", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-llama", action="store_true", help="skip the llama.cpp column")
@@ -144,12 +150,13 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "cpu_throughput.json"))
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",") if s]
+    dctx = [int(s) for s in str(args.decode_context).split(",") if s]
     load_start = os.getloadavg()
 
     from strata.engine import Engine
-    n_ctx = max(sizes + [args.decode_context + args.decode_tokens]) + 16
+    n_ctx = max(sizes + [c + args.decode_tokens for c in dctx]) + 16
     engine = Engine(args.model, n_ctx=n_ctx, ubatch=args.ubatch, threads=args.threads, prompt_cache=0)
-    ids_all = prompt_ids(engine, max(sizes + [args.decode_context]))
+    ids_all = prompt_ids(engine, max(sizes + dctx))
 
     llm, llama_note = None, None
     if args.no_llama:
@@ -179,20 +186,29 @@ def main(argv=None) -> int:
         res["strata"]["prompt_tps"][n] = n / best_s
         if llm is not None:
             res["llama_cpp"]["prompt_tps"][n] = n / best_l
-    ids = ids_all[:args.decode_context]
-    best_s, best_l = float("inf"), float("inf")
-    for _ in range(args.repeats):
-        best_s = min(best_s, strata_decode(engine, ids, args.decode_tokens))
+    res["strata"]["decode_tps_by_context"] = {}
+    res["llama_cpp"]["decode_tps_by_context"] = {}
+    for c in dctx:
+        ids = ids_all[:c]
+        best_s, best_l = float("inf"), float("inf")
+        for _ in range(args.repeats if c <= 1024 else args.long_repeats):
+            best_s = min(best_s, strata_decode(engine, ids, args.decode_tokens))
+            if llm is not None:
+                best_l = min(best_l, llama_decode(llm, ids, args.decode_tokens))
+        res["strata"]["decode_tps_by_context"][c] = args.decode_tokens / best_s
         if llm is not None:
-            best_l = min(best_l, llama_decode(llm, ids, args.decode_tokens))
-    res["strata"]["decode_tps"] = args.decode_tokens / best_s
+            res["llama_cpp"]["decode_tps_by_context"][c] = args.decode_tokens / best_l
+    # the headline decode figure is the first (shortest) context
+    res["strata"]["decode_tps"] = res["strata"]["decode_tps_by_context"][dctx[0]]
     if llm is not None:
-        res["llama_cpp"]["decode_tps"] = args.decode_tokens / best_l
+        res["llama_cpp"]["decode_tps"] = res["llama_cpp"]["decode_tps_by_context"][dctx[0]]
 
     ratios = None
     if llm is not None:
         ratios = {"prompt": {n: res["strata"]["prompt_tps"][n] / res["llama_cpp"]["prompt_tps"][n] for n in sizes},
-                  "decode": res["strata"]["decode_tps"] / res["llama_cpp"]["decode_tps"]}
+                  "decode": res["strata"]["decode_tps"] / res["llama_cpp"]["decode_tps"],
+                  "decode_by_context": {c: res["strata"]["decode_tps_by_context"][c]
+                                        / res["llama_cpp"]["decode_tps_by_context"][c] for c in dctx}}
 
     print(f"model {engine.model_name} ({engine.arch}), {args.threads} threads, ubatch {args.ubatch}, "
           f"best of {args.repeats}, CPU {cpu_name()}, load average {load_start[0]:.1f} -> {os.getloadavg()[0]:.1f}")
@@ -203,17 +219,18 @@ def main(argv=None) -> int:
         if llm is not None:
             line += f" {res['llama_cpp']['prompt_tps'][n]:16.1f} {ratios['prompt'][n]:8.2f}"
         print(line)
-    line = f"{'decode ' + str(args.decode_tokens):>16} {res['strata']['decode_tps']:14.1f}"
-    if llm is not None:
-        line += f" {res['llama_cpp']['decode_tps']:16.1f} {ratios['decode']:8.2f}"
-    print(line)
+    for c in dctx:
+        line = f"{f'decode @{c}':>16} {res['strata']['decode_tps_by_context'][c]:14.1f}"
+        if llm is not None:
+            line += f" {res['llama_cpp']['decode_tps_by_context'][c]:16.1f} {ratios['decode_by_context'][c]:8.2f}"
+        print(line)
     if llama_note:
         print(f"note: {llama_note}")
 
     out = {
         "model": engine.model_name, "model_path": engine.model_path, "arch": engine.arch,
         "threads": args.threads, "ubatch": args.ubatch, "repeats": args.repeats,
-        "decode_tokens": args.decode_tokens, "decode_context": args.decode_context,
+        "decode_tokens": args.decode_tokens, "decode_contexts": dctx, "long_repeats": args.long_repeats,
         "machine": {"cpu": cpu_name(), "cpu_count": os.cpu_count(), "python": platform.python_version(),
                     "load_average_start": load_start, "load_average_end": os.getloadavg()},
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY") + (" (set by the bench)" if OMP_POLICY_SET_BY_BENCH

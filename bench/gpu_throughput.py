@@ -114,43 +114,60 @@ def make_synthetic_llama(out: str, tok_src: str, n_embd=2048, n_layer=24, n_head
     return out
 
 
-def bench_strata(path: str, prompts, depths, n_gen: int, ubatch: int, bw: float) -> dict:
+def bench_strata(path: str, prompts, depths, n_gen: int, ubatch: int, bw: float, f32_act: bool = True) -> dict:
+    """Strata as the engine runs it on CUDA: strata/models/llama.py on CudaBackend for prefill (ubatch-sized
+    forward calls), the LlamaCuda CUDA-graph plan for decode (greedy, argmax on the device). With f32_act, decode
+    is also timed with the f32-activation matvec (STRATA_CUDA_DP4A=0 equivalent) for comparison."""
     import cupy as cp
-    from strata.backend.cuda import LlamaCuda
+    from strata.backend.cuda import CudaBackend, LlamaCuda
+    from strata.models.base import load_model
     rng = np.random.default_rng(0)
     max_ctx = max(max(prompts), max(depths) + n_gen + 16) + 256
-    run = LlamaCuda(path, max_ctx=max_ctx, ubatch=ubatch)
-    vocab = run.n_vocab
-    res = {"weight_bytes_per_token": run.weight_bytes, "prompt": {}, "decode": {}}
-    run.forward(rng.integers(0, vocab, 512))                       # warm-up (cuBLAS handles, kernels)
+    model = load_model(path, CudaBackend())
+    pool = model.new_page_pool(max_ctx)
+    st = model.new_state(pool)
+    plan = LlamaCuda(model, pool)
+    vocab = model.config.n_vocab
+    res = {"weight_bytes_per_token": plan.weight_bytes, "prompt": {}, "decode": {}}
+
+    def prefill(toks):
+        st.reset()
+        for s in range(0, len(toks), ubatch):
+            model.forward(np.asarray(toks[s:s + ubatch], np.int32), st)
+
+    prefill(rng.integers(0, vocab, 512))                           # warm-up (cuBLAS handles, kernels)
     for n in prompts:
         toks = rng.integers(0, vocab, n)
         ts = []
         for _ in range(2):
-            run.reset()
+            cp.cuda.Device().synchronize()
             t0 = time.perf_counter()
-            run.forward(toks)
+            prefill(toks)
+            cp.cuda.Device().synchronize()
             ts.append(time.perf_counter() - t0)
         res["prompt"][str(n)] = n / min(ts)
         print(f"  strata pp{n}: {n / min(ts):.1f} tok/s", flush=True)
-    for d in depths:
-        run.reset()
-        if d:
-            run.forward(rng.integers(0, vocab, d))
-        run.decode_greedy(1, 8)                                     # capture the graph for this size class
-        run.pos = d
-        cp.cuda.Device().synchronize()
-        t0 = time.perf_counter()
-        run.decode_greedy(1, n_gen)
-        dt = time.perf_counter() - t0
-        tps = n_gen / dt
-        res["decode"][str(d)] = tps
-        kv_read = 2 * run.n_layer * run.n_kv * run.hd * 2 * (d + n_gen / 2)
-        res.setdefault("decode_bw_fraction", {})[str(d)] = run.weight_bytes * tps / bw
-        res.setdefault("decode_bw_fraction_incl_kv", {})[str(d)] = (run.weight_bytes + kv_read) * tps / bw
-        print(f"  strata tg{n_gen}@d{d}: {tps:.1f} tok/s  ({100 * run.weight_bytes * tps / bw:.1f}% of bandwidth limit)",
-              flush=True)
-    del run
+    c = model.config
+    for kind, dp4a in (("decode", True), ("decode_f32act", False)) if f32_act else (("decode", True),):
+        plan.dp4a, plan.graphs = dp4a, {}
+        for d in depths:
+            prefill(rng.integers(0, vocab, d)) if d else st.reset()
+            p0 = st.pos
+            plan.decode_greedy(1, 8, st)                            # capture the graph for this size class
+            st.truncate(p0)
+            cp.cuda.Device().synchronize()
+            t0 = time.perf_counter()
+            plan.decode_greedy(1, n_gen, st)
+            dt = time.perf_counter() - t0
+            tps = n_gen / dt
+            res[kind][str(d)] = tps
+            if kind == "decode":
+                kv_read = 2 * c.n_layer * c.n_head_kv * c.head_dim * 2 * (d + n_gen / 2)
+                res.setdefault("decode_bw_fraction", {})[str(d)] = plan.weight_bytes * tps / bw
+                res.setdefault("decode_bw_fraction_incl_kv", {})[str(d)] = (plan.weight_bytes + kv_read) * tps / bw
+            print(f"  strata {kind} tg{n_gen}@d{d}: {tps:.1f} tok/s  "
+                  f"({100 * plan.weight_bytes * tps / bw:.1f}% of bandwidth limit)", flush=True)
+    del plan, st, pool, model
     cp.get_default_memory_pool().free_all_blocks()
     return res
 
@@ -189,6 +206,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", default=",".join(map(str, PROMPTS)))
     ap.add_argument("--depths", default=",".join(map(str, DEPTHS)))
     ap.add_argument("--out", default=None)
+    ap.add_argument("--reference", default=None,
+                    help="without --llama-bench: take llama.cpp's numbers from this earlier results JSON (same GPU "
+                         "kind, same GGUF files); the summary marks them as stored, not measured in this run")
     a = ap.parse_args(argv)
     import cupy as cp
     from strata.default_model import resolve_model
@@ -213,6 +233,11 @@ def main(argv=None) -> int:
         entry["strata"] = bench_strata(m, prompts, depths, a.n_gen, a.ubatch, bw)
         if a.llama_bench and os.path.exists(a.llama_bench):
             entry["llama.cpp"] = bench_llama(a.llama_bench, m, prompts, depths, a.n_gen, a.ubatch)
+        elif a.reference:
+            ref = json.loads(Path(a.reference).read_text())["models"].get(os.path.basename(m), {}).get("llama.cpp")
+            if ref:
+                entry["llama.cpp"] = dict(ref, stored_from=a.reference)
+        if "llama.cpp" in entry:
             ratios = {}
             for kind in ("prompt", "decode"):
                 for k, v in entry["strata"][kind].items():
@@ -226,11 +251,15 @@ def main(argv=None) -> int:
     dest.write_text(json.dumps(out, indent=1))
     print("\nsummary (tokens/s; ratio = Strata / llama.cpp)")
     for name, e in out["models"].items():
-        for kind in ("prompt", "decode"):
-            for k, v in e["strata"][kind].items():
-                ref = e.get("llama.cpp", {}).get(kind, {}).get(k)
+        for kind in ("prompt", "decode", "decode_f32act"):
+            for k, v in e["strata"].get(kind, {}).items():
+                ref = e.get("llama.cpp", {}).get("decode" if kind.startswith("decode") else kind, {}).get(k)
+                if "stored_from" in e.get("llama.cpp", {}):
+                    kind_note = " (llama.cpp stored)"
+                else:
+                    kind_note = ""
                 print(f"{name[:34]:34s} {kind:6s} {k:>6s}: strata {v:9.1f}  llama.cpp {ref or float('nan'):9.1f}  "
-                      f"ratio {v / ref if ref else float('nan'):.2f}")
+                      f"ratio {v / ref if ref else float('nan'):.2f}{kind_note}")
     print("wrote", dest)
     return 0
 

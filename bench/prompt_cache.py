@@ -100,6 +100,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ubatch", type=int, default=512)
     ap.add_argument("--baseline", choices=["full", "cold"], default="full",
                     help="cold: the --prompt-cache 0 arm plays turns 1-4 only (saves its cold re-reads)")
+    ap.add_argument("--arms", nargs="+", default=["checkpoints", "prompt_cache_0"],
+                    choices=["checkpoints", "prompt_cache_0"], help="which arms to run (both by default)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "prompt_cache.json"))
     args = ap.parse_args(argv)
 
@@ -110,11 +112,14 @@ def main(argv=None) -> int:
         n_ctx = size + 1024
         arms = {}
         for arm, pc in (("checkpoints", 6), ("prompt_cache_0", 0)):
+            if arm not in args.arms:
+                continue
             e = Engine(args.model, n_ctx=n_ctx, ubatch=args.ubatch, threads=args.threads, prompt_cache=pc)
             system = system_prompt(e.tokenizer, size)
             arms[arm] = play(e, system, args.max_tokens, full=(pc > 0 or args.baseline == "full"))
             del e
-        cold = {k: v[0]["ttft_s"] for k, v in arms.items()}
+        arms.setdefault("prompt_cache_0", [])
+        cold = {k: v[0]["ttft_s"] if v else float("nan") for k, v in arms.items()}
         print(f"\nsystem prompt ~{size} tokens (first prompt {arms['checkpoints'][0]['n_prompt']} tokens), "
               f"cold TTFT: checkpoints {cold['checkpoints']:.2f} s, prompt-cache 0 {cold['prompt_cache_0']:.2f} s", flush=True)
         print(f"{'step':22} {'ckpt TTFT':>10} {'resume':>18} {'/cold':>7} | {'pc0 TTFT':>9} {'resume':>12} "
@@ -133,8 +138,14 @@ def main(argv=None) -> int:
                 line += (f"{b['ttft_s']:8.3f}s {b['resume_from'] + ' ' + str(b['resume_pos']):>12} "
                          f"{b['ratio_to_cold']:7.1%} | {a['ratio_to_prompt_cache_0']:8.3f}")
             print(line, flush=True)
-        results["sizes"][str(size)] = arms
+        prev = {}
         out = Path(args.out)
+        if out.exists():
+            try:
+                prev = json.loads(out.read_text()).get("sizes", {})
+            except ValueError:
+                prev = {}
+        results["sizes"] = {**prev, **results["sizes"], str(size): arms}
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(results, indent=1))      # after each size: partial results survive
         print(f"wrote {out}", flush=True)

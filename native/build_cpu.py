@@ -31,9 +31,13 @@ int strata_get_rows(int type, const void *src, int64_t src_row_bytes, int64_t n_
                     const int64_t *ids, int64_t n_ids, float *dst);
 int strata_matmul(int type, const void *w, int64_t w_row_bytes, int64_t n_out, int64_t n_in,
                   const float *x, int64_t n_tokens, float *y, int n_threads);
+int strata_attention(const float *q, int64_t n, int n_head, int n_kv, int hd, int hv,
+                     const float *K, const float *V, int64_t pool_pages, int page_size,
+                     const int32_t *pages, int64_t n_seq_pages, int64_t start, float scale,
+                     float *out, int n_threads);
 """
 
-SOURCES = ["core.c", "portable.c", "avx2.c", "avxvnni.c"]
+SOURCES = ["core.c", "portable.c", "avx2.c", "avxvnni.c", "attention.c"]
 
 
 def make_builder(absolute: bool = False) -> FFI:

@@ -32,7 +32,7 @@ SUPPORTED_TYPES = frozenset({
 #: On a machine whose cores are oversubscribed, multi-threaded OpenBLAS stalls in bursts (measured 30-70x
 #: slower, also in a process that never loaded Strata), while the Q8 kernels degrade gracefully; raise this
 #: with the environment variable STRATA_BLAS_MIN_TOKENS to keep prefill off BLAS.
-BLAS_MIN_TOKENS = int(os.environ.get("STRATA_BLAS_MIN_TOKENS", "128"))
+BLAS_MIN_TOKENS = int(os.environ.get("STRATA_BLAS_MIN_TOKENS", str(1 << 30)))
 #: Rows per dequantized tile on the BLAS path: at most about this many fp32 bytes at a time.
 _BLAS_TILE_BYTES = 4 << 20
 

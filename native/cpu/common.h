@@ -76,6 +76,10 @@ typedef struct {
     const char *name;
 } st_kernels;
 
+/* Run fn(arg, ith, nth) on up to nth pool threads, the caller being ith 0 (core.c); fn must share out its
+ * work through atomic counters so that any subset of the threads completes it. */
+void st_run_task(void (*fn)(void *arg, int ith, int nth), void *arg, int nth);
+
 const st_kernels *st_kernels_portable(void);
 #if defined(__x86_64__) || defined(_M_X64)
 const st_kernels *st_kernels_avx2(void);

@@ -255,6 +255,9 @@ static void run_task(st_task_fn fn, void *arg, int nth) {
 
 void strata_park_workers(void) { atomic_store_explicit(&P.park, 1, memory_order_relaxed); }
 
+/* The pool for other files of the core (attention.c). */
+void st_run_task(void (*fn)(void *arg, int ith, int nth), void *arg, int nth) { run_task(fn, arg, nth); }
+
 /* ---------------- dequantize / get_rows ---------------- */
 
 typedef struct {

@@ -24,4 +24,11 @@ int strata_get_rows(int type, const void *src, int64_t src_row_bytes, int64_t n_
                     const int64_t *ids, int64_t n_ids, float *dst);
 int strata_matmul(int type, const void *w, int64_t w_row_bytes, int64_t n_out, int64_t n_in,
                   const float *x, int64_t n_tokens, float *y, int n_threads);
+/* Causal GQA attention over paged float32 K/V (attention.c; AVX2+FMA only: ST_ERR_TYPE without it).
+ * q (n, n_head, hd) at positions start.., K (n_kv, pool_pages, page_size, hd), V likewise with hv, pages: the
+ * sequence's page table (n_seq_pages entries); out (n, n_head, hv). hd and hv multiples of 8. */
+int strata_attention(const float *q, int64_t n, int n_head, int n_kv, int hd, int hv,
+                     const float *K, const float *V, int64_t pool_pages, int page_size,
+                     const int32_t *pages, int64_t n_seq_pages, int64_t start, float scale,
+                     float *out, int n_threads);
 #endif

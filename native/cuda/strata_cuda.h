@@ -19,6 +19,21 @@ int strata_supports_type(int ggml_type);
 int strata_matvec(void *stream, int ggml_type, const void *w, const float *x, float *y,
                   int n_out, int n_in, int n_tokens);
 
+/* Decode matvec on int8 activations: strata_quantize_q8_1 writes x f32 (n_in) as int8 [n_in] followed by float2
+ * (d, d * sum q) per block of 32 into xq (n_in + n_in / 4 bytes, 16-byte aligned; llama.cpp quantize_q8_1 with
+ * d = max|x| / 127, q = round-to-nearest-even(x / d)). strata_matvec_q8 then computes y f32 (n_out) = W x with
+ * __dp4a integer dot products per 32-element sub-block (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; see
+ * strata_matvec_q8_supported); W 16-byte aligned. */
+int strata_quantize_q8_1(void *stream, const float *x, void *xq, int n_in);
+int strata_matvec_q8_supported(int ggml_type);
+int strata_matvec_q8(void *stream, int ggml_type, const void *w, const void *xq, float *y, int n_out, int n_in);
+
+/* Prefill attention, tiled flash-style (f16 wmma, online softmax), causal GQA over the paged f16 cache: q f32
+ * (n, n_head, hd) at positions length..length+n-1 (K/V of those already written) -> out f32 (n, n_head, hd).
+ * ws: f32 workspace of n_split * n_head * n * (hd + 2) (per key-range split: m, l, O per row). hd 64 or 128. */
+int strata_flash_prefill(void *stream, const float *q, const void *kc, const void *vc, const int *pt, float *out,
+                         float *ws, int n, int n_head, int n_kv, int hd, int ps, int length, int n_split, float scale);
+
 /* Dequantize n_rows rows of W to f16 (out_f16 != 0) or f32: out (n_rows, n_in). */
 int strata_dequant(void *stream, int ggml_type, const void *w, void *out, int n_rows, int n_in, int out_f16);
 

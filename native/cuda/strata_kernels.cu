@@ -3,8 +3,10 @@
 // Block formats follow llama.cpp's ggml-common.h / ggml-quants.c dequantize_row_* (and gguf-py quants.py).
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
+#include <mma.h>
 #include <stdint.h>
 #include <math.h>
+#include <stdlib.h>
 #include "strata_cuda.h"
 
 enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
@@ -223,6 +225,160 @@ extern "C" int strata_get_rows(void *stream, int t, const void *w, const int *id
   return dequant_launch(stream, t, w, out, ids, n_ids, n_in, 0);
 }
 
+// ---------------------------------------------------------------- decode matvec on int8 activations (dp4a)
+// x is quantized once per matmul to q8_1-style blocks of 32 (llama.cpp quantize_q8_1): d = max|x| / 127,
+// q = round-to-nearest-even(x / d) (IEEE division), kept as int8 [n_in] followed by float2 (d, d * sum q) per
+// block. Each weight sub-block of 32 elements is then dotted with one x block by 8 __dp4a over 16-byte loads
+// (llama.cpp vec_dot_*_q8_1 arithmetic). 8 lanes per output row, 4 rows per warp.
+__global__ void k_quantize_q8_1(const float *__restrict__ x, int8_t *__restrict__ xq, float2 *__restrict__ ds,
+                                int n_in) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;   // blockDim multiple of 32; one warp = one block of 32
+  const float v = i < n_in ? x[i] : 0.f;
+  float amax = fabsf(v);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  const float d = __fdiv_rn(amax, 127.0f);   // IEEE division despite --use_fast_math
+  const int q = amax == 0.f ? 0 : __float2int_rn(__fdiv_rn(v, d));
+  int sum = q;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  if (i < n_in) {
+    xq[i] = (int8_t)q;
+    if ((i & 31) == 0) ds[i >> 5] = make_float2(d, d * (float)sum);
+  }
+}
+
+__device__ static inline int ld32a2(const uint8_t *p) {  // 4 bytes at a 2-byte aligned address
+  const uint16_t *h = reinterpret_cast<const uint16_t *>(p);
+  return (int)((uint32_t)h[0] | ((uint32_t)h[1] << 16));
+}
+
+// Dot of weight sub-block u (32 elements) of one row with x block u: returns the f32 contribution.
+template <int T>
+__device__ static inline float dot_q8(const uint8_t *__restrict__ row, int u, const int *__restrict__ xq, float2 xds) {
+  int x[8];
+  {
+    const int4 a = __ldg(reinterpret_cast<const int4 *>(xq) + 2 * u), b = __ldg(reinterpret_cast<const int4 *>(xq) + 2 * u + 1);
+    x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w; x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
+  }
+  if (T == T_Q4_0 || T == T_Q4_1) {
+    const uint8_t *b = row + u * (T == T_Q4_0 ? 18 : 20);
+    int q[4];
+    if (T == T_Q4_1) {
+      const int *p = reinterpret_cast<const int *>(b + 4);
+#pragma unroll
+      for (int i = 0; i < 4; i++) q[i] = p[i];
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; i++) q[i] = ld32a2(b + 2 + 4 * i);
+    }
+    int s = 0;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      s = __dp4a(q[i] & 0x0F0F0F0F, x[i], s);
+      s = __dp4a((q[i] >> 4) & 0x0F0F0F0F, x[4 + i], s);
+    }
+    const float d = ldh(b);
+    if (T == T_Q4_0) return d * (xds.x * (float)s - 8.0f * xds.y);
+    return d * xds.x * (float)s + ldh(b + 2) * xds.y;
+  } else if (T == T_Q8_0) {
+    const uint8_t *b = row + u * 34;
+    int s = 0;
+#pragma unroll
+    for (int i = 0; i < 8; i++) s = __dp4a(ld32a2(b + 2 + 4 * i), x[i], s);
+    return ldh(b) * xds.x * (float)s;
+  } else if (T == T_Q4_K || T == T_Q5_K) {
+    const int bs = T == T_Q4_K ? 144 : 176;
+    const uint8_t *b = row + (u >> 3) * bs;
+    const int j = u & 7, p = j >> 1, sh = 4 * (j & 1);
+    const int4 *qp = reinterpret_cast<const int4 *>(b + (T == T_Q4_K ? 16 : 48) + 32 * p);
+    const int4 q0 = qp[0], q1 = qp[1];
+    int q[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
+#pragma unroll
+    for (int i = 0; i < 8; i++) q[i] = (q[i] >> sh) & 0x0F0F0F0F;
+    if (T == T_Q5_K) {
+      const int4 *hp = reinterpret_cast<const int4 *>(b + 16);
+      const int4 h0 = hp[0], h1 = hp[1];
+      const int h[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
+#pragma unroll
+      for (int i = 0; i < 8; i++) q[i] |= ((h[i] >> j) & 0x01010101) << 4;
+    }
+    int s = 0;
+#pragma unroll
+    for (int i = 0; i < 8; i++) s = __dp4a(q[i], x[i], s);
+    float sc, mn;
+    scale_min_k4(j, b + 4, sc, mn);
+    return ldh(b) * sc * xds.x * (float)s - ldh(b + 2) * mn * xds.y;
+  } else {  // T_Q6_K: sub-block u covers elements 32u..32u+31 of the row: half n, group g
+    const uint8_t *b = row + (u >> 3) * 210;
+    const int j = u & 7, n = j >> 2, g = j & 3;
+    const uint8_t *ql = b + 64 * n + 32 * (g & 1);
+    const uint8_t *qh = b + 128 + 32 * n;
+    const int sl = g >= 2 ? 4 : 0, shh = 2 * g;
+    int s0 = 0, s1 = 0;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+      const int lo = (ld32a2(ql + 4 * i) >> sl) & 0x0F0F0F0F;
+      const int hi = ((ld32a2(qh + 4 * i) >> shh) & 0x03030303) << 4;
+      const int v = __vsubss4(lo | hi, 0x20202020);      // q - 32 in [-32, 31]
+      if (i < 4) s0 = __dp4a(v, x[i], s0); else s1 = __dp4a(v, x[i], s1);
+    }
+    const int8_t *sc = reinterpret_cast<const int8_t *>(b + 192) + 8 * n + 2 * g;
+    return ldh(b + 208) * xds.x * ((float)sc[0] * (float)s0 + (float)sc[1] * (float)s1);
+  }
+}
+
+#define MVQ_LANES 8
+template <int T>
+__global__ void k_matvec_q8(const uint8_t *__restrict__ w, const int8_t *__restrict__ xq,
+                            const float2 *__restrict__ xds, float *__restrict__ y, int n_out, int n_units,
+                            long long row_bytes) {
+  const int row = (blockIdx.x * blockDim.x + threadIdx.x) / MVQ_LANES;
+  const int g = threadIdx.x % MVQ_LANES;
+  float acc = 0.f;
+  if (row < n_out) {
+    const uint8_t *r = w + (long long)row * row_bytes;
+    const int *x = reinterpret_cast<const int *>(xq);
+    for (int u = g; u < n_units; u += MVQ_LANES) acc += dot_q8<T>(r, u, x, __ldg(xds + u));
+  }
+#pragma unroll
+  for (int o = MVQ_LANES / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+  if (row < n_out && g == 0) y[row] = acc;
+}
+
+extern "C" int strata_quantize_q8_1(void *stream, const float *x, void *xq, int n_in) {
+  if (n_in <= 0 || n_in % 32) return (int)cudaErrorInvalidValue;
+  int8_t *q = (int8_t *)xq;
+  k_quantize_q8_1<<<(n_in + 255) / 256, 256, 0, (cudaStream_t)stream>>>(x, q, (float2 *)(q + n_in), n_in);
+  return (int)cudaGetLastError();
+}
+
+extern "C" int strata_matvec_q8_supported(int t) {
+  return t == T_Q4_0 || t == T_Q4_1 || t == T_Q8_0 || t == T_Q4_K || t == T_Q5_K || t == T_Q6_K;
+}
+
+extern "C" int strata_matvec_q8(void *stream, int t, const void *w, const void *xq, float *y, int n_out, int n_in) {
+  if (!strata_matvec_q8_supported(t) || n_in % block_elems(t) || n_in % 32 || n_out <= 0)
+    return (int)cudaErrorInvalidValue;
+  if (((uintptr_t)xq & 15) || ((uintptr_t)w & 15)) return (int)cudaErrorMisalignedAddress;
+  const long long rb = row_bytes_of(t, n_in);
+  const int threads = 128, rows = threads / MVQ_LANES;
+  const unsigned blocks = (unsigned)((n_out + rows - 1) / rows);
+  const int8_t *q = (const int8_t *)xq;
+  const float2 *ds = (const float2 *)(q + n_in);
+  cudaStream_t s = (cudaStream_t)stream;
+  const uint8_t *W = (const uint8_t *)w;
+  switch (t) {
+    case T_Q4_0: k_matvec_q8<T_Q4_0><<<blocks, threads, 0, s>>>(W, q, ds, y, n_out, n_in / 32, rb); break;
+    case T_Q4_1: k_matvec_q8<T_Q4_1><<<blocks, threads, 0, s>>>(W, q, ds, y, n_out, n_in / 32, rb); break;
+    case T_Q8_0: k_matvec_q8<T_Q8_0><<<blocks, threads, 0, s>>>(W, q, ds, y, n_out, n_in / 32, rb); break;
+    case T_Q4_K: k_matvec_q8<T_Q4_K><<<blocks, threads, 0, s>>>(W, q, ds, y, n_out, n_in / 32, rb); break;
+    case T_Q5_K: k_matvec_q8<T_Q5_K><<<blocks, threads, 0, s>>>(W, q, ds, y, n_out, n_in / 32, rb); break;
+    case T_Q6_K: k_matvec_q8<T_Q6_K><<<blocks, threads, 0, s>>>(W, q, ds, y, n_out, n_in / 32, rb); break;
+  }
+  return (int)cudaGetLastError();
+}
+
 // ---------------------------------------------------------------- RMSNorm (+ residual)
 __device__ static inline float block_sum(float v, float *sh) {
 #pragma unroll
@@ -429,6 +585,97 @@ __global__ void k_attn_combine(const float *partial, float *out, int n_split, in
   }
 }
 
+// Decode attention with several positions per warp in flight: a group of LP = hd / 8 lanes owns one position
+// (each lane one 16-byte load of 8 f16 K values and 8 V values), so a warp reads 32 / LP positions per step and
+// each group unrolls 2 positions (loads issued before the dot products). Each group keeps its own online softmax
+// (m, l, o); groups and warps are merged in shared memory into the same (M, L, O) partial as k_attn_decode.
+template <int LP>
+__global__ void k_attn_decode_v(const float *__restrict__ q, const __half *__restrict__ kc,
+                                const __half *__restrict__ vc, const int *__restrict__ pt, const int *d_len,
+                                int len_arg, float *__restrict__ partial, int n_head, int n_kv, int ps, int n_split,
+                                float scale) {
+  constexpr int hd = 8 * LP, PPW = 32 / LP, NG = ATT_WARPS * PPW, STEP = 2 * NG;
+  const int h = blockIdx.x, sp = blockIdx.y;
+  const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, grp = lane / LP, gl = lane % LP;
+  const int kvh = h / (n_head / n_kv);
+  const int len = d_len ? *d_len : len_arg;
+  const int chunk = (len + n_split - 1) / n_split;
+  const int beg = sp * chunk, end = min(len, beg + chunk);
+  float qv[8], o[8];
+  {
+    const float4 *qp = reinterpret_cast<const float4 *>(q + h * hd + 8 * gl);
+    const float4 a = qp[0], b = qp[1];
+    qv[0] = a.x * scale; qv[1] = a.y * scale; qv[2] = a.z * scale; qv[3] = a.w * scale;
+    qv[4] = b.x * scale; qv[5] = b.y * scale; qv[6] = b.z * scale; qv[7] = b.w * scale;
+  }
+#pragma unroll
+  for (int i = 0; i < 8; i++) o[i] = 0.f;
+  float m = -INFINITY, l = 0.f;
+  const int g_id = wid * PPW + grp;
+  for (int p0 = beg; p0 < end; p0 += STEP) {
+    const int pa = p0 + g_id, pb = p0 + NG + g_id;
+    const bool va = pa < end, vb = pb < end;
+    uint4 ka = make_uint4(0, 0, 0, 0), kb = ka, xa = ka, xb = ka;
+    if (va) {
+      const long long base = (((long long)pt[pa / ps] * ps + (pa % ps)) * n_kv + kvh) * hd + 8 * gl;
+      ka = *reinterpret_cast<const uint4 *>(kc + base);
+      xa = *reinterpret_cast<const uint4 *>(vc + base);
+    }
+    if (vb) {
+      const long long base = (((long long)pt[pb / ps] * ps + (pb % ps)) * n_kv + kvh) * hd + 8 * gl;
+      kb = *reinterpret_cast<const uint4 *>(kc + base);
+      xb = *reinterpret_cast<const uint4 *>(vc + base);
+    }
+    const __half2 *k2a = reinterpret_cast<const __half2 *>(&ka), *k2b = reinterpret_cast<const __half2 *>(&kb);
+    float sa = 0.f, sb = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      const float2 fa = __half22float2(k2a[i]), fb = __half22float2(k2b[i]);
+      sa += qv[2 * i] * fa.x + qv[2 * i + 1] * fa.y;
+      sb += qv[2 * i] * fb.x + qv[2 * i + 1] * fb.y;
+    }
+#pragma unroll
+    for (int off = LP / 2; off > 0; off >>= 1) {
+      sa += __shfl_xor_sync(0xffffffffu, sa, off);
+      sb += __shfl_xor_sync(0xffffffffu, sb, off);
+    }
+    if (va) {
+      const float mn = fmaxf(m, vb ? fmaxf(sa, sb) : sa);
+      const float corr = __expf(m - mn), ea = __expf(sa - mn), eb = vb ? __expf(sb - mn) : 0.f;
+      l = l * corr + ea + eb;
+      const __half2 *v2a = reinterpret_cast<const __half2 *>(&xa), *v2b = reinterpret_cast<const __half2 *>(&xb);
+#pragma unroll
+      for (int i = 0; i < 4; i++) {
+        const float2 fa = __half22float2(v2a[i]), fb = __half22float2(v2b[i]);
+        o[2 * i] = o[2 * i] * corr + ea * fa.x + eb * fb.x;
+        o[2 * i + 1] = o[2 * i + 1] * corr + ea * fa.y + eb * fb.y;
+      }
+      m = mn;
+    }
+  }
+  __shared__ float sm[NG], sl[NG], so[NG][hd];
+  if (gl == 0) { sm[g_id] = m; sl[g_id] = l; }
+#pragma unroll
+  for (int i = 0; i < 8; i++) so[g_id][8 * gl + i] = o[i];
+  __syncthreads();
+  float M = -INFINITY;
+  for (int w = 0; w < NG; w++) M = fmaxf(M, sm[w]);
+  float *dst = partial + ((long long)h * n_split + sp) * (hd + 2);
+  for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+    float acc = 0.f;
+    for (int w = 0; w < NG; w++)
+      if (sm[w] > -INFINITY) acc += so[w][d] * __expf(sm[w] - M);
+    dst[2 + d] = acc;
+  }
+  if (threadIdx.x == 0) {
+    float L = 0.f;
+    for (int w = 0; w < NG; w++)
+      if (sm[w] > -INFINITY) L += sl[w] * __expf(sm[w] - M);
+    dst[0] = M;
+    dst[1] = L;
+  }
+}
+
 extern "C" int strata_attn_decode(void *stream, const float *q, const void *kc, const void *vc, const int *pt,
                                   const int *d_len, int len, float *partial, float *out, int n_head, int n_kv, int hd,
                                   int ps, int n_split, float scale) {
@@ -437,10 +684,19 @@ extern "C" int strata_attn_decode(void *stream, const float *q, const void *kc, 
   dim3 grid(n_head, n_split);
   const __half *K = (const __half *)kc, *V = (const __half *)vc;
 #define AD(E) k_attn_decode<E><<<grid, 32 * ATT_WARPS, 0, s>>>(q, K, V, pt, d_len, len, partial, n_head, n_kv, ps, n_split, scale)
-  switch (hd / 32) {
-    case 1: AD(1); break; case 2: AD(2); break; case 3: AD(3); break; case 4: AD(4); break;
-    case 5: AD(5); break; case 6: AD(6); break; case 7: AD(7); break; case 8: AD(8); break;
+#define AV(LP) k_attn_decode_v<LP><<<grid, 32 * ATT_WARPS, 0, s>>>(q, K, V, pt, d_len, len, partial, n_head, n_kv, ps, n_split, scale)
+  // 32 / 64 / 128 / 256: 16-byte lane groups; other multiples of 32 (or STRATA_CUDA_ATTN_V1=1): one position
+  // per warp step
+  static const int v1 = getenv("STRATA_CUDA_ATTN_V1") && getenv("STRATA_CUDA_ATTN_V1")[0] == '1';
+  switch (v1 ? 0 : hd) {
+    case 32: AV(4); break; case 64: AV(8); break; case 128: AV(16); break; case 256: AV(32); break;
+    default:
+      switch (hd / 32) {
+        case 1: AD(1); break; case 2: AD(2); break; case 3: AD(3); break; case 4: AD(4); break;
+        case 5: AD(5); break; case 6: AD(6); break; case 7: AD(7); break; case 8: AD(8); break;
+      }
   }
+#undef AV
 #undef AD
   k_attn_combine<<<n_head, hd, 0, s>>>(partial, out, n_split, hd);
   return (int)cudaGetLastError();
@@ -476,6 +732,188 @@ extern "C" int strata_causal_softmax(void *stream, float *s, int n_rows, int n_q
   if (n_rows <= 0) return 0;
   k_causal_softmax<<<n_rows, 256, 0, (cudaStream_t)stream>>>(s, n_q, len, pos0, scale);
   return (int)cudaGetLastError();
+}
+
+// ---------------------------------------------------------------- prefill attention: tiled, flash-style (f16 MMA)
+// Causal GQA attention of n new queries (positions length..length+n-1) over the paged f16 cache, without
+// materializing the score matrix: a block takes 64 queries of one head (4 warps x 16 rows) and one split of the
+// key range; per 64-key tile S = Q K^T (wmma m16n16k16, f16 inputs scaled by `scale`, f32 accumulate), causal
+// mask, online softmax (FlashAttention, Dao et al. 2022: running max m and sum l per row; P rounded to f16),
+// O += P V (wmma, f32 accumulate, O kept in shared memory). Each split writes (m, l, O) per row; a combine
+// kernel merges the splits: out = sum_s O_s e^(m_s - M) / sum_s l_s e^(m_s - M).
+#define FA_BQ 64
+#define FA_BK 64
+template <int HD>
+struct FaSmem {
+  static constexpr int LDH = HD + 8, LDS = FA_BK + 4, LDP = FA_BK + 8, LDO = HD + 4;
+  static constexpr size_t bytes = (size_t)3 * 64 * LDH * 2 + (size_t)64 * LDS * 4 + (size_t)64 * LDP * 2 +
+                                  (size_t)64 * LDO * 4 + 2 * 64 * 4;
+};
+
+template <int HD>
+__global__ void __launch_bounds__(128) k_flash_prefill(const float *__restrict__ q, const __half *__restrict__ kc,
+                                                       const __half *__restrict__ vc, const int *__restrict__ pt,
+                                                       float *__restrict__ ws, int n, int n_head, int n_kv, int ps,
+                                                       int length, int tiles_per_split, float scale) {
+  using namespace nvcuda;
+  using SM = FaSmem<HD>;
+  constexpr int LDH = SM::LDH, LDS = SM::LDS, LDP = SM::LDP, LDO = SM::LDO;
+  extern __shared__ __align__(128) unsigned char fa_smem[];
+  __half *Qs = reinterpret_cast<__half *>(fa_smem);
+  __half *Ks = Qs + 64 * LDH;
+  __half *Vs = Ks + 64 * LDH;
+  float *Ss = reinterpret_cast<float *>(Vs + 64 * LDH);
+  __half *Ps = reinterpret_cast<__half *>(Ss + 64 * LDS);
+  float *Os = reinterpret_cast<float *>(Ps + 64 * LDP);
+  float *Ms = Os + 64 * LDO;
+  float *Ls = Ms + 64;
+  const int i0 = blockIdx.x * FA_BQ, h = blockIdx.y, split = blockIdx.z;
+  const int kvh = h / (n_head / n_kv);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int total = length + n;
+  for (int idx = tid; idx < FA_BQ * HD; idx += 128) {
+    const int r = idx / HD, d = idx % HD, i = i0 + r;
+    Qs[r * LDH + d] = __float2half(i < n ? q[((long long)i * n_head + h) * HD + d] * scale : 0.f);
+  }
+  for (int idx = tid; idx < 64 * LDO; idx += 128) Os[idx] = 0.f;
+  if (tid < 64) { Ms[tid] = -INFINITY; Ls[tid] = 0.f; }
+  const int q_last = length + min(n, i0 + FA_BQ) - 1;
+  const int t_beg = split * tiles_per_split * FA_BK;
+  const int t_end = min(q_last + 1, t_beg + tiles_per_split * FA_BK);
+  for (int t0 = t_beg; t0 < t_end; t0 += FA_BK) {
+    __syncthreads();
+    constexpr int CH = HD / 8;
+    for (int idx = tid; idx < FA_BK * CH; idx += 128) {
+      const int r = idx / CH, c = idx % CH, p = t0 + r;
+      uint4 kk = make_uint4(0, 0, 0, 0), vv = kk;
+      if (p < total) {
+        const long long base = (((long long)pt[p / ps] * ps + (p % ps)) * n_kv + kvh) * HD + 8 * c;
+        kk = *reinterpret_cast<const uint4 *>(kc + base);
+        vv = *reinterpret_cast<const uint4 *>(vc + base);
+      }
+      *reinterpret_cast<uint4 *>(Ks + r * LDH + 8 * c) = kk;
+      *reinterpret_cast<uint4 *>(Vs + r * LDH + 8 * c) = vv;
+    }
+    __syncthreads();
+    float *S = Ss + warp * 16 * LDS;
+#pragma unroll
+    for (int nt = 0; nt < FA_BK / 16; nt++) {
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+      wmma::fill_fragment(acc, 0.f);
+#pragma unroll
+      for (int k = 0; k < HD / 16; k++) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> a;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::col_major> b;
+        wmma::load_matrix_sync(a, Qs + warp * 16 * LDH + k * 16, LDH);
+        wmma::load_matrix_sync(b, Ks + nt * 16 * LDH + k * 16, LDH);
+        wmma::mma_sync(acc, a, b, acc);
+      }
+      wmma::store_matrix_sync(S + nt * 16, acc, LDS, wmma::mem_row_major);
+    }
+    __syncwarp();
+    {
+      const int r = lane >> 1, hf = lane & 1, row = warp * 16 + r;
+      const int qpos = length + i0 + row;
+      float *srow = S + r * LDS + hf * 32;
+      float mx = -INFINITY;
+#pragma unroll 8
+      for (int j = 0; j < 32; j++) {
+        const int p = t0 + hf * 32 + j;
+        const float v = (p <= qpos && p < total) ? srow[j] : -INFINITY;
+        srow[j] = v;
+        mx = fmaxf(mx, v);
+      }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      const float m_old = Ms[row], m_new = fmaxf(m_old, mx);
+      float sum = 0.f;
+      __half *prow = Ps + row * LDP + hf * 32;
+#pragma unroll 8
+      for (int j = 0; j < 32; j++) {
+        const float e = m_new == -INFINITY ? 0.f : __expf(srow[j] - m_new);
+        const __half eh = __float2half(e);
+        sum += __half2float(eh);
+        prow[j] = eh;
+      }
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      const float corr = m_old == -INFINITY ? 0.f : __expf(m_old - m_new);
+      float *orow = Os + row * LDO;
+      for (int d = hf; d < HD; d += 2) orow[d] *= corr;
+      __syncwarp();
+      if (hf == 0) { Ms[row] = m_new; Ls[row] = Ls[row] * corr + sum; }
+    }
+    __syncwarp();
+#pragma unroll
+    for (int dt = 0; dt < HD / 16; dt++) {
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+      float *o = Os + warp * 16 * LDO + dt * 16;
+      wmma::load_matrix_sync(acc, o, LDO, wmma::mem_row_major);
+#pragma unroll
+      for (int k = 0; k < FA_BK / 16; k++) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> a;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::row_major> b;
+        wmma::load_matrix_sync(a, Ps + warp * 16 * LDP + k * 16, LDP);
+        wmma::load_matrix_sync(b, Vs + k * 16 * LDH + dt * 16, LDH);
+        wmma::mma_sync(acc, a, b, acc);
+      }
+      wmma::store_matrix_sync(o, acc, LDO, wmma::mem_row_major);
+    }
+  }
+  __syncthreads();
+  for (int idx = tid; idx < FA_BQ * (HD + 2); idx += 128) {
+    const int r = idx / (HD + 2), c = idx % (HD + 2), i = i0 + r;
+    if (i >= n) continue;
+    float *dst = ws + (((long long)split * n_head + h) * n + i) * (HD + 2);
+    dst[c] = c == 0 ? Ms[r] : c == 1 ? Ls[r] : Os[r * LDO + c - 2];
+  }
+}
+
+__global__ void k_flash_combine(const float *__restrict__ ws, float *__restrict__ out, int n, int n_head, int hd,
+                                int n_split) {
+  const int i = blockIdx.x, h = blockIdx.y;
+  const long long stride = (long long)n_head * n * (hd + 2);
+  const float *p = ws + ((long long)h * n + i) * (hd + 2);
+  float M = -INFINITY;
+  for (int s = 0; s < n_split; s++) M = fmaxf(M, p[s * stride]);
+  float L = 0.f;
+  for (int s = 0; s < n_split; s++) {
+    const float ms = p[s * stride];
+    if (ms > -INFINITY) L += p[s * stride + 1] * __expf(ms - M);
+  }
+  for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+    float acc = 0.f;
+    for (int s = 0; s < n_split; s++) {
+      const float ms = p[s * stride];
+      if (ms > -INFINITY) acc += p[s * stride + 2 + d] * __expf(ms - M);
+    }
+    out[((long long)i * n_head + h) * hd + d] = acc / L;
+  }
+}
+
+template <int HD>
+static int flash_launch(cudaStream_t s, const float *q, const __half *K, const __half *V, const int *pt, float *out,
+                        float *ws, int n, int n_head, int n_kv, int ps, int length, int n_split, float scale) {
+  const size_t smem = FaSmem<HD>::bytes;
+  cudaError_t e = cudaFuncSetAttribute(k_flash_prefill<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+  if (e != cudaSuccess) return (int)e;
+  const int n_tiles = (length + n + FA_BK - 1) / FA_BK;
+  const int tps = (n_tiles + n_split - 1) / n_split;
+  dim3 grid((n + FA_BQ - 1) / FA_BQ, n_head, n_split);
+  k_flash_prefill<HD><<<grid, 128, smem, s>>>(q, K, V, pt, ws, n, n_head, n_kv, ps, length, tps, scale);
+  k_flash_combine<<<dim3(n, n_head), HD, 0, s>>>(ws, out, n, n_head, HD, n_split);
+  return (int)cudaGetLastError();
+}
+
+extern "C" int strata_flash_prefill(void *stream, const float *q, const void *kc, const void *vc, const int *pt,
+                                    float *out, float *ws, int n, int n_head, int n_kv, int hd, int ps, int length,
+                                    int n_split, float scale) {
+  if (n <= 0 || n_head % n_kv || n_split < 1) return (int)cudaErrorInvalidValue;
+  cudaStream_t s = (cudaStream_t)stream;
+  const __half *K = (const __half *)kc, *V = (const __half *)vc;
+  switch (hd) {
+    case 64: return flash_launch<64>(s, q, K, V, pt, out, ws, n, n_head, n_kv, ps, length, n_split, scale);
+    case 128: return flash_launch<128>(s, q, K, V, pt, out, ws, n, n_head, n_kv, ps, length, n_split, scale);
+  }
+  return (int)cudaErrorInvalidValue;
 }
 
 // ---------------------------------------------------------------- argmax

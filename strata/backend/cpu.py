@@ -1,12 +1,14 @@
 """The CPU backend: numpy + the C core (through WeightTensor) for RMSNorm, RoPE, paged GQA attention, SwiGLU, matmul."""
 from __future__ import annotations
 
+import os
 from typing import Any, Sequence
 
 import numpy as np
 
 from strata.backend.base import Array, Backend
 from strata.kv_cache import DEFAULT_PAGE_SIZE, PagedKV, PagePool
+from strata import quant
 from strata.quant import WeightTensor
 
 # Bytes of attention scores one query chunk may hold; bounds prefill memory at long contexts.
@@ -16,6 +18,11 @@ DECODE_BLAS_MAX_KEYS = 4096
 
 
 _MASKS: dict[int, np.ndarray] = {}
+
+#: Attention through the C core (native/cpu/attention.c) when it is built and the CPU has AVX2+FMA;
+#: the numpy path below otherwise (STRATA_NUMPY_ATTENTION=1 forces numpy).
+_NATIVE_ATTENTION = (quant._lib is not None and bool(quant._lib.strata_cpu_has_avx2())
+                     and os.environ.get("STRATA_NUMPY_ATTENTION", "") in ("", "0"))
 
 
 def _causal_mask(c: int) -> np.ndarray:
@@ -129,6 +136,12 @@ class CPUBackend(Backend):
         if start + n > kv.capacity:
             raise ValueError(f"attention at [{start}, {start + n}) past the reserved pages ({kv.capacity})")
         pool.write(slot, kv.pages, start, k, v)
+        Kp, Vp = pool.k[slot], pool.v[slot]
+        lib = quant._lib
+        if (lib is not None and _NATIVE_ATTENTION and hd % 8 == 0 and Vp.shape[-1] % 8 == 0 and g <= 48
+                and isinstance(Kp, np.ndarray) and Kp.dtype == np.float32 and Vp.dtype == np.float32
+                and Kp.flags.c_contiguous and Vp.flags.c_contiguous):
+            return self._attention_native(lib, q, n, n_head, n_kv, hd, Kp, Vp, pool, kv, start, scale)
         K, V = kv.read(slot, start + n)  # (n_kv, L, hd)
         hv = V.shape[-1]
         # (n, n_kv, g, hd) -> (n_kv, n*g, hd): row r is token r // g, group r % g
@@ -170,3 +183,19 @@ class CPUBackend(Backend):
                     np.matmul(s[h], V[h, :lk], out=out[h, i0 * g:i1 * g])
             out[:, i0 * g:i1 * g] /= denom
         return out.reshape(n_kv, n, g, hv).transpose(1, 0, 2, 3).reshape(n, n_head, hv)
+
+    def _attention_native(self, lib, q, n, n_head, n_kv, hd, Kp, Vp, pool, kv, start, scale) -> np.ndarray:
+        """C core attention (one pass per KV head over the sequence's pages, FlashAttention-style online
+        softmax merged in page order; deterministic for any thread count). Returns (n, n_head, hv) float32."""
+        ffi = quant._ffi
+        hv = Vp.shape[-1]
+        q = np.ascontiguousarray(q, dtype=np.float32)
+        pages = np.asarray(kv.pages, dtype=np.int32)
+        out = np.empty((n, n_head, hv), dtype=np.float32)
+        rc = lib.strata_attention(ffi.from_buffer("float[]", q), n, n_head, n_kv, hd, hv,
+                                  ffi.from_buffer("float[]", Kp), ffi.from_buffer("float[]", Vp), pool.n_pages,
+                                  pool.page_size, ffi.from_buffer("int32_t[]", pages), len(pages), start,
+                                  float(scale), ffi.from_buffer("float[]", out), quant.get_threads())
+        if rc != 0:
+            raise ValueError(f"attention: C core error {rc} (n={n}, heads={n_head}/{n_kv}, head_dim={hd}/{hv})")
+        return out

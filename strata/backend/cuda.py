@@ -1,14 +1,16 @@
 """The CUDA backend: CuPy owns device memory, streams, graphs and cuBLAS; Strata's raw kernels (strata/_cuda_kernels.so,
 built from native/cuda/ by native/build_cuda.py) are loaded through cffi in ABI mode and launched on CuPy's stream.
 
-Two entry points:
+The model is defined once, in ``strata/models/llama.py`` (LlamaModel on Backend ops). This module gives it:
 
-* ``CudaBackend`` implements the Backend ops of docs/internals.md (upload, embed, matmul, rms_norm, rope,
-  attention, swiglu, to_host) on CuPy arrays, so ``strata/models/llama.py`` runs on it unchanged.
-* ``LlamaCuda`` is the fast path for the ``llama`` architecture used by the benchmark and the parity test: fused
-  QKV and gate/up weights, a preallocated decode step captured once per context-size class as a CUDA graph (one
-  graph launch per token, argmax on the device), and a prefill path that dequantizes each weight to f16 and
-  calls cuBLAS (GemmEx, f32 accumulate).
+* ``CudaBackend``: the Backend ops of docs/internals.md on CuPy arrays (upload, embed, matmul, rms_norm, rope,
+  attention, swiglu, to_host) and ``new_page_pool`` -> ``CudaPagePool`` (f16 KV pages on the device), so
+  LlamaModel.forward runs on the GPU unchanged (prefill, and every forward the plan below does not take).
+* ``LlamaCuda``: the CUDA execution plan of LlamaModel's one-token decode step, built from the LlamaModel's own
+  uploaded weights and config and the sequence's CudaPagePool pages: fused launches, preallocated buffers,
+  captured once per context-size class as a CUDA graph (one graph launch per token).
+* ``GraphDecodeModel`` (``CudaBackend.fast_path(model)``): what the engine runs; one-token forwards go through
+  LlamaCuda, everything else is LlamaModel.
 
 Numerics: weights are dequantized exactly as llama.cpp's dequantize_row_* (f32 arithmetic); decode matvec keeps
 activations in f32; prefill GEMMs take f16 activations and f16 weights with f32 accumulation; the KV cache is f16.
@@ -29,6 +31,11 @@ from strata.kv_cache import DEFAULT_PAGE_SIZE, PagedKV, PagePool
 _CDEF = """
 int strata_supports_type(int ggml_type);
 int strata_matvec(void *stream, int ggml_type, const void *w, const float *x, float *y, int n_out, int n_in, int n_tokens);
+int strata_quantize_q8_1(void *stream, const float *x, void *xq, int n_in);
+int strata_flash_prefill(void *stream, const float *q, const void *kc, const void *vc, const int *pt, float *out,
+                         float *ws, int n, int n_head, int n_kv, int hd, int ps, int length, int n_split, float scale);
+int strata_matvec_q8_supported(int ggml_type);
+int strata_matvec_q8(void *stream, int ggml_type, const void *w, const void *xq, float *y, int n_out, int n_in);
 int strata_dequant(void *stream, int ggml_type, const void *w, void *out, int n_rows, int n_in, int out_f16);
 int strata_get_rows(void *stream, int ggml_type, const void *w, const int *ids, float *out, int n_ids, int n_in);
 int strata_rms_norm(void *stream, const float *x, const float *residual, const float *weight, float *out,
@@ -49,6 +56,15 @@ int strata_add_scalar(void *stream, int *p, int delta, int count);
 int strata_rope_kv_decode(void *stream, float *qkv, const int *pos, void *k_cache, void *v_cache, const int *page_table,
                           int n_head, int n_kv, int hd, int n_rot, float base, int neox, int page_size);
 """
+
+# Decode matvec (one token) on int8 activations with __dp4a for Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K weights;
+# STRATA_CUDA_DP4A=0 keeps the f32-activation kernel (strata_matvec) everywhere.
+DP4A = os.environ.get("STRATA_CUDA_DP4A", "1") not in ("0", "false", "no")
+
+# Prefill attention through the tiled flash-style kernel (f16 wmma, online softmax) for head_dim 64 / 128;
+# STRATA_CUDA_FLASH=0 keeps the materialized-score path (cuBLAS f32 + strata_causal_softmax).
+FLASH = os.environ.get("STRATA_CUDA_FLASH", "1") not in ("0", "false", "no")
+FLASH_HEAD_DIMS = (64, 128)
 
 MAX_SPLIT = 256          # split-K partitions of decode attention (about 64 positions each)
 
@@ -279,11 +295,24 @@ class CudaBackend(Backend):
         if n > self.gemm_threshold:
             return self.gemm(x, w, out)
         y = out if out is not None else self.cp.empty((n, w.shape[0]), self.cp.float32)
+        if n == 1 and DP4A and lib().strata_matvec_q8_supported(w.ggml_type):
+            xq = self.quantize_q8(x)
+            _check(lib().strata_matvec_q8(_stream_ptr(), w.ggml_type, _p(w.data), _p(xq), _p(y), w.shape[0],
+                                          w.shape[1]), "strata_matvec_q8")
+            return y
         for s in range(0, n, 8):
             e = min(n, s + 8)
             _check(lib().strata_matvec(_stream_ptr(), w.ggml_type, _p(w.data), _p(x[s:e]), _p(y[s:e]), w.shape[0],
                                        w.shape[1], e - s), "strata_matvec")
         return y
+
+    def quantize_q8(self, x, out=None):
+        """One f32 activation row x (1, n_in) -> int8 q8_1 blocks for strata_matvec_q8: uint8 (n_in + n_in // 4)
+        = int8 values then float2 (d, d * sum q) per 32 (d = max|x| / 127, round to nearest even)."""
+        n_in = int(x.shape[-1])
+        xq = out if out is not None else self.cp.empty(n_in + n_in // 4, self.cp.uint8)
+        _check(lib().strata_quantize_q8_1(_stream_ptr(), _p(x), _p(xq), n_in), "strata_quantize_q8_1")
+        return xq
 
     def rms_norm(self, x, weight, eps: float, residual=None, sum_out=None):
         """RMSNorm over the last dim of f32 (n, dim); with residual, normalizes x + residual (also written to
@@ -341,17 +370,35 @@ class CudaBackend(Backend):
     # ---- the PagePool path used by model files (strata/kv_cache.py)
     def new_page_pool(self, layers, n_pages: int, n_kv_head: int, head_dim: int, page_size: int = DEFAULT_PAGE_SIZE,
                       head_dim_v: int | None = None) -> PagePool:
-        """PagePool with zeroed float32 CuPy storage (n_kv_head, n_pages, page_size, head_dim) per attention layer."""
+        """A CudaPagePool (f16 pages in the kernels' layout) when the kernels handle the shape (head_dim_v ==
+        head_dim, a multiple of 32 up to 256); else a PagePool with zeroed float32 CuPy storage (n_kv_head,
+        n_pages, page_size, head_dim) per attention layer (the generic path, e.g. hybrid models)."""
         cp = self.cp
         hv = head_dim_v or head_dim
+        if hv == head_dim and head_dim % 32 == 0 and head_dim <= 256:
+            return CudaPagePool(layers, n_pages, page_size, n_kv_head, head_dim)
         k = [cp.zeros((n_kv_head, n_pages, page_size, head_dim), cp.float32) for _ in layers]
         v = [cp.zeros((n_kv_head, n_pages, page_size, hv), cp.float32) for _ in layers]
         return PagePool(layers, n_pages, page_size, n_kv_head, head_dim, k, v, to_host=cp.asnumpy, head_dim_v=hv)
 
+    def fast_path(self, model):
+        """The model the engine should run: GraphDecodeModel (one-token forward through the LlamaCuda CUDA-graph
+        plan) for llama models the plan supports, else the model itself."""
+        return GraphDecodeModel(model) if LlamaCuda.unsupported(model) is None else model
+
+    def memory_info(self) -> dict[str, int]:
+        """Device memory in bytes: total, free (cudaMemGetInfo) and held by CuPy's pool (used / total)."""
+        free, total = self.cp.cuda.runtime.memGetInfo()
+        mp = self.cp.get_default_memory_pool()
+        return {"device_total_bytes": int(total), "device_free_bytes": int(free),
+                "pool_used_bytes": int(mp.used_bytes()), "pool_total_bytes": int(mp.total_bytes())}
+
     def attention(self, q, k, v, kv: PagedKV, layer: int, scale: float):
-        """See Backend.attention: k/v written into the sequence's pages (PagePool.write), K/V of [0, length + n)
-        read back (PagePool.read: a view for one ascending run of pages), then S = Q K^T per KV head (cuBLAS,
-        f32), causal softmax (strata_causal_softmax), O = P V. Queries are chunked so S stays under 1 GiB."""
+        """See Backend.attention. On a CudaPagePool: k/v written into the sequence's f16 pages by strata_kv_write,
+        then the split-K decode kernel (n == 1) or prefill_attention (n > 1) through the pool's device page
+        table. On a float32 PagePool (generic path): PagePool.write, PagePool.read, S = Q K^T per KV head
+        (cuBLAS, f32), causal softmax (strata_causal_softmax), O = P V. Queries are chunked so S stays under
+        1 GiB."""
         cp = self.cp
         q, k, v = self.asarray(q), self.asarray(k), self.asarray(v)
         n, n_head, hd = q.shape
@@ -364,6 +411,9 @@ class CudaBackend(Backend):
         start = kv.length
         if start + n > kv.capacity:
             raise ValueError(f"attention at [{start}, {start + n}) past the reserved pages ({kv.capacity})")
+        if isinstance(pool, CudaPagePool):
+            return paged_attention(self, q, k, v, pool.k[slot], pool.v[slot], pool.table(kv.pages), start,
+                                   pool.page_size, scale)
         pool.write(slot, kv.pages, start, k, v)
         K, V = kv.read(slot, start + n)                     # (n_kv, L, hd), (n_kv, L, hv)
         L = start + n
@@ -405,320 +455,371 @@ class CudaBackend(Backend):
             raise ValueError(f"attention: page table covers {len(table) * ps} positions, need {length + n}")
         kc, vc = self._pool(layer, cap, ps, n_kv, hd)
         pt = cp.asarray(np.asarray(table, dtype=np.int32))
-        s = _stream_ptr()
-        _check(lib().strata_kv_write(s, _p(k), _p(v), _p(kc), _p(vc), _p(pt), _ffi.NULL, length, n, n_kv, hd, ps),
-               "strata_kv_write")
-        total = length + n
-        if n == 1:
-            n_split = n_split_for(total)
-            need = n_head * n_split * (hd + 2)
-            if self._partial is None or self._partial.size < need:
-                self._partial = cp.empty(need, cp.float32)
-            out = cp.empty((1, n_head, hd), cp.float32)
-            _check(lib().strata_attn_decode(s, _p(q), _p(kc), _p(vc), _p(pt), _ffi.NULL, total, _p(self._partial),
-                                            _p(out), n_head, n_kv, hd, ps, n_split, float(scale)), "strata_attn_decode")
-            return out
-        return prefill_attention(self, q, kc, vc, pt, length, n_kv, ps, scale)
+        return paged_attention(self, q, k, v, kc, vc, pt, length, ps, scale)
 
 
 def prefill_attention(be, q, kc, vc, pt, length: int, n_kv: int, ps: int, scale: float):
-    """Causal GQA attention of n new queries (positions length..length+n-1) over the paged f16 cache.
+    """Causal GQA attention of n new queries (positions length..length+n-1) over the paged f16 cache
+    (their K/V already written); q f32 (n, n_head, hd) contiguous -> f32 (n, n_head, hd).
 
-    Gathers K/V to f32, S = Q K^T per KV head (cuBLAS batched), masked softmax (strata_causal_softmax), O = P V.
-    Memory: n_head * n * (length + n) * 4 bytes for S.
+    head_dim 64 / 128 (and FLASH): strata_flash_prefill, tiled over 64 queries x 64 keys with online softmax
+    (FlashAttention), f16 tensor-core products (Q scaled and P rounded to f16, f32 accumulation), the key range
+    split so that about 1024 blocks run, the splits merged by a combine kernel. Otherwise: K/V gathered to f32,
+    S = Q K^T per KV head (cuBLAS batched, f32), masked softmax (strata_causal_softmax), O = P V, queries in
+    chunks so S (n_head * chunk * (length + n) * 4 bytes) stays under 1 GiB.
     """
     cp = be.cp
     n, n_head, hd = q.shape
     g = n_head // n_kv
     total = length + n
+    s = _stream_ptr()
+    if FLASH and hd in FLASH_HEAD_DIMS:
+        n_tiles = (total + 63) // 64
+        blocks = ((n + 63) // 64) * n_head
+        n_split = max(1, min(32, -(-1024 // blocks), -(-n_tiles // 4)))
+        ws = cp.empty(n_split * n_head * n * (hd + 2), cp.float32)
+        out = cp.empty((n, n_head, hd), cp.float32)
+        _check(lib().strata_flash_prefill(s, _p(q), _p(kc), _p(vc), _p(pt), _p(out), _p(ws), n, n_head, n_kv, hd, ps,
+                                          int(length), n_split, float(scale)), "strata_flash_prefill")
+        return out
     kf = cp.empty((n_kv, total, hd), cp.float32)
     vf = cp.empty((n_kv, total, hd), cp.float32)
-    s = _stream_ptr()
     _check(lib().strata_kv_gather(s, _p(kc), _p(vc), _p(pt), _p(kf), _p(vf), total, n_kv, hd, ps), "strata_kv_gather")
-    qh = cp.ascontiguousarray(q.transpose(1, 0, 2)).reshape(n_kv, g * n, hd)
-    S = cp.matmul(qh, kf.transpose(0, 2, 1))                       # (n_kv, g*n, total)
-    _check(lib().strata_causal_softmax(s, _p(S), n_kv * g * n, n, total, length, float(scale)), "strata_causal_softmax")
-    O = cp.matmul(S, vf)                                             # (n_kv, g*n, hd)
-    return cp.ascontiguousarray(O.reshape(n_head, n, hd).transpose(1, 0, 2))
+    out = cp.empty((n, n_head, hd), cp.float32)
+    chunk = max(1, min(n, (1 << 30) // max(1, n_head * total * 4)))
+    for i0 in range(0, n, chunk):
+        i1 = min(n, i0 + chunk)
+        c, lk = i1 - i0, length + i1
+        qh = cp.ascontiguousarray(q[i0:i1].transpose(1, 0, 2)).reshape(n_kv, g * c, hd)   # row = gi * c + i
+        S = cp.ascontiguousarray(cp.matmul(qh, kf[:, :lk].transpose(0, 2, 1)))          # (n_kv, g*c, lk)
+        _check(lib().strata_causal_softmax(s, _p(S), n_kv * g * c, c, lk, length + i0, float(scale)),
+               "strata_causal_softmax")
+        O = cp.matmul(S, vf[:, :lk])                                                      # (n_kv, g*c, hd)
+        out[i0:i1] = O.reshape(n_head, c, hd).transpose(1, 0, 2)
+    return out
 
 
-# ------------------------------------------------------------------------------------------------ llama fast path
-def _field(reader, key, default=None):
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    try:
-        return f.contents()
-    except Exception:
-        v = f.parts[f.data[0]]
-        return v.tobytes().decode() if v.dtype == np.uint8 else v.item()
+# ------------------------------------------------------------------------------------------------ f16 paged KV pool
+class CudaPagePool(PagePool):
+    """A PagePool whose pages live on the device as f16 in the kernels' layout: per attention layer one K and one
+    V array of shape (n_pages, page_size, n_kv_head, head_dim) (token t of page p, head h at [p, t, h]).
+
+    Same page accounting as PagePool (alloc / free / slot); ``write`` and ``read`` keep PagePool's contract
+    (write f32 (n, n_kv_head, head_dim) at [start, start + n); read -> f32 copies (n_kv_head, length, head_dim),
+    converted from f16), so SequenceState.hashes / nbytes and checkpoints work unchanged. ``table(pages)`` is
+    the device page table (int32, one fixed buffer of n_pages entries that CUDA graphs read); it is rewritten
+    only when the page list changes. KV storage: 2 bytes per element (``bytes_per_token`` counts f16).
+    """
+
+    def __init__(self, layers, n_pages: int, page_size: int, n_kv_head: int, head_dim: int):
+        import cupy as cp
+        shape = (int(n_pages), int(page_size), int(n_kv_head), int(head_dim))
+        k = [cp.zeros(shape, cp.float16) for _ in layers]
+        v = [cp.zeros(shape, cp.float16) for _ in layers]
+        super().__init__(layers, n_pages, page_size, n_kv_head, head_dim, k, v, to_host=cp.asnumpy)
+        self.cp = cp
+        self._pt = cp.zeros(max(1, int(n_pages)), cp.int32)
+        self._pt_key: tuple[int, ...] | None = None
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of K+V one token takes over all attention layers (f16)."""
+        return len(self.layers) * self.n_kv_head * (self.head_dim + self.head_dim_v) * 2
+
+    def table(self, pages) -> Any:
+        """The device page table holding `pages` (int32, fixed address; entries past len(pages) are stale)."""
+        key = tuple(int(p) for p in pages)
+        if key != self._pt_key:
+            if len(key) > self.n_pages:
+                raise ValueError(f"page table of {len(key)} pages is longer than the pool ({self.n_pages})")
+            if key:
+                self._pt[:len(key)] = self.cp.asarray(np.asarray(key, dtype=np.int32))
+            self._pt_key = key
+        return self._pt
+
+    def write(self, slot: int, pages, start: int, k: Any, v: Any) -> None:
+        cp = self.cp
+        k = cp.ascontiguousarray(cp.asarray(k, dtype=cp.float32))
+        v = cp.ascontiguousarray(cp.asarray(v, dtype=cp.float32))
+        n = int(k.shape[0])
+        if k.shape != (n, self.n_kv_head, self.head_dim) or v.shape != k.shape:
+            raise ValueError(f"KV write: k {tuple(k.shape)} / v {tuple(v.shape)} do not match "
+                             f"(n, {self.n_kv_head}, {self.head_dim})")
+        if start + n > len(pages) * self.page_size:
+            raise ValueError(f"KV write at [{start}, {start + n}) past the pages given ({len(pages) * self.page_size})")
+        pt = self.table(pages)
+        _check(lib().strata_kv_write(_stream_ptr(), _p(k), _p(v), _p(self.k[slot]), _p(self.v[slot]), _p(pt),
+                                     _ffi.NULL, int(start), n, self.n_kv_head, self.head_dim, self.page_size),
+               "strata_kv_write")
+
+    def read(self, slot: int, pages, length: int, contiguous: bool | None = None) -> tuple[Any, Any]:
+        cp = self.cp
+        ko = cp.empty((self.n_kv_head, int(length), self.head_dim), cp.float32)
+        vo = cp.empty((self.n_kv_head, int(length), self.head_dim_v), cp.float32)
+        if length > 0:
+            if length > len(pages) * self.page_size:
+                raise ValueError(f"KV read of {length} positions past the pages given ({len(pages) * self.page_size})")
+            pt = self.table(pages)
+            _check(lib().strata_kv_gather(_stream_ptr(), _p(self.k[slot]), _p(self.v[slot]), _p(pt), _p(ko), _p(vo),
+                                          int(length), self.n_kv_head, self.head_dim, self.page_size),
+                   "strata_kv_gather")
+        return ko, vo
+
+
+def paged_attention(be: "CudaBackend", q, k, v, kc, vc, pt, length: int, ps: int, scale: float):
+    """Write k/v f32 (n, n_kv, hd) at positions [length, length + n) of the f16 pages kc/vc (n_pages, ps, n_kv, hd)
+    through page table pt (device int32), then attend: split-K decode kernel for n == 1, prefill_attention above.
+    q f32 (n, n_head, hd) -> f32 (n, n_head, hd)."""
+    cp = be.cp
+    n, n_head, hd = q.shape
+    n_kv = k.shape[1]
+    s = _stream_ptr()
+    _check(lib().strata_kv_write(s, _p(k), _p(v), _p(kc), _p(vc), _p(pt), _ffi.NULL, int(length), n, n_kv, hd, ps),
+           "strata_kv_write")
+    total = length + n
+    if n == 1:
+        n_split = n_split_for(total)
+        need = n_head * n_split * (hd + 2)
+        if be._partial is None or be._partial.size < need:
+            be._partial = cp.empty(max(need, n_head * MAX_SPLIT * (hd + 2)), cp.float32)
+        out = cp.empty((1, n_head, hd), cp.float32)
+        _check(lib().strata_attn_decode(s, _p(q), _p(kc), _p(vc), _p(pt), _ffi.NULL, total, _p(be._partial),
+                                        _p(out), n_head, n_kv, hd, ps, n_split, float(scale)), "strata_attn_decode")
+        return out
+    return prefill_attention(be, q, kc, vc, pt, length, n_kv, ps, scale)
+
+
+# ------------------------------------------------------------------------------------------------ llama decode plan
+def _dptr(w) -> Any:
+    """Device pointer of a DeviceWeight's storage or of a CuPy array."""
+    return _p(w.data if isinstance(w, DeviceWeight) else w)
 
 
 class LlamaCuda:
-    """The ``llama`` architecture on the GPU with fused weights and CUDA-graph decode.
+    """The CUDA execution plan of one decode step of ``strata/models/llama.py``'s LlamaModel.
 
-    path: GGUF file. max_ctx: KV capacity in tokens (rounded up to pages of 256). ubatch: prefill chunk.
-    ``prefill(tokens) -> logits f32 (n_vocab,)`` of the last token; ``decode_greedy(first_token, n) -> list[int]``
-    runs n graph launches (argmax on the device); ``step_logits(token) -> logits`` is one eager decode step.
+    It owns no weights and no model definition: it reads the LlamaModel's uploaded tensors (fused wqkv /
+    w_gate_up when llama.py fused them) and config, and the sequence's f16 pages in a CudaPagePool. The step is
+    the same computation as LlamaModel.forward for one token (embedding row, per layer RMSNorm -> QKV matvec ->
+    RoPE -> K/V write -> split-K GQA attention -> output matvec + residual -> RMSNorm -> gate/up matvec ->
+    SwiGLU -> down matvec + residual; final RMSNorm, output matvec, argmax), with fused launches (RoPE + K/V
+    write; residual add + next RMSNorm), preallocated buffers and the token / position read from device memory,
+    so it is captured once per context-size class (256, 512, 1024, ... positions; the class fixes the split-K
+    count) as a CUDA graph and replayed with one graph launch per token.
+
+    ``unsupported(model)`` gives why a model cannot use the plan (None if it can): Q/K/V biases, RoPE frequency
+    factors or linear scaling, a head_dim that is not a multiple of 32 up to 256. ``decode(token, state)`` is
+    LlamaModel.forward([token], state) (same errors, same state bookkeeping) returning host f32 logits (n_vocab,);
+    ``decode_greedy(first, n, state)`` runs n steps feeding back the device argmax (benchmark, parity tests).
     """
 
-    PAGE = 256
-
-    def __init__(self, path: str, backend: CudaBackend | None = None, max_ctx: int = 4096, ubatch: int = 512,
-                 use_graphs: bool = True):
-        import gguf
+    def __init__(self, model, pool: CudaPagePool, use_graphs: bool = True):
+        why = self.unsupported(model)
+        if why:
+            raise ValueError(f"the CUDA decode plan cannot run this model: {why}")
+        if not isinstance(pool, CudaPagePool):
+            raise TypeError("LlamaCuda needs the CudaPagePool made by CudaBackend.new_page_pool")
         cp = self.cp = __import__("cupy")
-        self.be = backend or CudaBackend()
-        r = gguf.GGUFReader(path)
-        arch = _field(r, "general.architecture")
-        if arch != "llama":
-            raise ValueError(f"LlamaCuda: architecture {arch!r} is not 'llama'")
-        a = arch
-        self.n_embd = int(_field(r, f"{a}.embedding_length"))
-        self.n_layer = int(_field(r, f"{a}.block_count"))
-        self.n_head = int(_field(r, f"{a}.attention.head_count"))
-        self.n_kv = int(_field(r, f"{a}.attention.head_count_kv", self.n_head))
-        self.hd = self.n_embd // self.n_head
-        self.n_rot = int(_field(r, f"{a}.rope.dimension_count", self.hd))
-        self.theta = float(_field(r, f"{a}.rope.freq_base", 10000.0))
-        self.eps = float(_field(r, f"{a}.attention.layer_norm_rms_epsilon", 1e-5))
-        self.n_ff = int(_field(r, f"{a}.feed_forward_length"))
-        self.scale = 1.0 / math.sqrt(self.hd)
-        T = {t.name: t for t in r.tensors}
-
-        def up(name):
-            t = T[name]
-            shape = tuple(int(s) for s in reversed(list(t.shape)))
-            return upload_raw(name, int(t.tensor_type), shape, np.asarray(t.data))
-
-        self.tok = up("token_embd.weight")
-        self.n_vocab = self.tok.shape[0]
-        self.out_norm = up("output_norm.weight")
-        self.output = up("output.weight") if "output.weight" in T else self.tok
-        self.layers = []
-        for i in range(self.n_layer):
-            p = f"blk.{i}."
-            q, k, v = up(p + "attn_q.weight"), up(p + "attn_k.weight"), up(p + "attn_v.weight")
-            g, u = up(p + "ffn_gate.weight"), up(p + "ffn_up.weight")
-            L = {"attn_norm": up(p + "attn_norm.weight"), "ffn_norm": up(p + "ffn_norm.weight"),
-                 "wo": up(p + "attn_output.weight"), "down": up(p + "ffn_down.weight")}
-            try:
-                L["qkv"] = concat_weights(p + "qkv", [q, k, v])
-            except ValueError:
-                L["q"], L["k"], L["v"] = q, k, v
-            try:
-                L["gu"] = concat_weights(p + "gate_up", [g, u])
-            except ValueError:
-                L["gate"], L["up"] = g, u
-            self.layers.append(L)
-        del r
-        self.weight_bytes = sum(w.nbytes for L in self.layers for w in L.values()) + self.output.nbytes + \
-            self.out_norm.nbytes + self.n_embd * 2   # one embedding row per token
-        self.ubatch = ubatch
+        self.model = model
+        self.pool = pool
+        c = model.config
+        self.n_embd, self.n_layer, self.n_head, self.n_kv = c.n_embd, c.n_layer, c.n_head, c.n_head_kv
+        self.hd, self.n_ff, self.n_vocab = c.head_dim, c.n_ff, c.n_vocab
+        self.n_rot, self.theta, self.neox, self.eps = model.n_rot, float(c.rope_theta), int(bool(c.rope_neox)), \
+            float(c.rms_eps)
+        self.scale = float(model.scale)
         self.use_graphs = use_graphs
-        self.max_ctx = 0
-        self.resize(max_ctx)
         self.stream = cp.cuda.Stream(non_blocking=True)
-        E, kvd = self.n_embd, self.n_kv * self.hd
-        self.d = {  # decode buffers (fixed addresses for graph capture)
-            "tok": cp.zeros(1, cp.int32), "pos": cp.zeros(2, cp.int32), "x": cp.zeros((1, E), cp.float32),
-            "hn": cp.zeros((1, E), cp.float32), "qkv": cp.zeros((1, E + 2 * kvd), cp.float32),
-            "att": cp.zeros((1, E), cp.float32), "o": cp.zeros((1, E), cp.float32),
-            "gu": cp.zeros((1, 2 * self.n_ff), cp.float32), "act": cp.zeros((1, self.n_ff), cp.float32),
-            "logits": cp.zeros((1, self.n_vocab), cp.float32),
+        E, nq, kvd, F = self.n_embd, self.n_head * self.hd, self.n_kv * self.hd, self.n_ff
+        self.d = {  # fixed addresses (graph capture); inp = [token, pos, len]
+            "inp": cp.zeros(3, cp.int32), "x": cp.zeros((1, E), cp.float32), "hn": cp.zeros((1, E), cp.float32),
+            "qkv": cp.zeros((1, nq + 2 * kvd), cp.float32), "att": cp.zeros((1, nq), cp.float32),
+            "o": cp.zeros((1, E), cp.float32), "gu": cp.zeros((1, 2 * F), cp.float32),
+            "act": cp.zeros((1, F), cp.float32), "logits": cp.zeros((1, self.n_vocab), cp.float32),
+            "partial": cp.zeros(self.n_head * MAX_SPLIT * (self.hd + 2), cp.float32),
+            "xq": cp.zeros(max(E, nq, F) * 5 // 4, cp.uint8),     # int8 activations + (d, d * sum) per 32
         }
+        self.dp4a = DP4A
         self.graphs: dict[int, Any] = {}
-        self.pos = 0
+        layers = model.layers
+        self.weight_bytes = sum(w.nbytes for L in layers for w in
+                                (L.wqkv, L.wq, L.wk, L.wv, L.wo, L.w_gate_up, L.w_gate, L.w_up, L.w_down)
+                                if isinstance(w, DeviceWeight)) + model.output.nbytes + \
+            (model.tok_embd.nbytes // max(1, self.n_vocab))   # one embedding row per token
 
-    def resize(self, max_ctx: int) -> None:
-        """Allocate the KV cache for max_ctx tokens (drops its contents)."""
-        cp = self.cp
-        n_pages = (max_ctx + self.PAGE - 1) // self.PAGE
-        self.max_ctx = n_pages * self.PAGE
-        shape = (n_pages, self.PAGE, self.n_kv, self.hd)
-        self.kc = [cp.zeros(shape, cp.float16) for _ in range(self.n_layer)]
-        self.vc = [cp.zeros(shape, cp.float16) for _ in range(self.n_layer)]
-        self.pt = cp.arange(n_pages, dtype=cp.int32)
-        self.partial = cp.zeros(self.n_head * MAX_SPLIT * (self.hd + 2), cp.float32)
-        self.graphs = {}
-        self.pos = 0
+    @staticmethod
+    def unsupported(model) -> str | None:
+        if getattr(model, "arch", None) != "llama":
+            return f"architecture {getattr(model, 'arch', None)!r} is not 'llama'"
+        if getattr(model, "rope_freqs", None) is not None or getattr(model, "freq_scale", 1.0) != 1.0:
+            return "RoPE frequency factors / linear scaling"
+        if any(L.bq is not None or L.bk is not None or L.bv is not None for L in model.layers):
+            return "Q/K/V biases"
+        c = model.config
+        if c.head_dim % 32 or c.head_dim > 256 or model.n_rot > c.head_dim or model.n_rot % 2:
+            return f"head_dim {c.head_dim} / n_rot {model.n_rot} (needs a multiple of 32 up to 256)"
+        if not isinstance(model.tok_embd, DeviceWeight) or not isinstance(model.output, DeviceWeight):
+            return "weights are not on the CUDA backend"
+        return None
 
-    def kv_bytes(self) -> int:
-        return 2 * sum(k.nbytes for k in self.kc)
-
-    def reset(self) -> None:
-        self.pos = 0
-
-    # ---- eager building blocks (x: (n, E) f32)
-    def _mm(self, x, w, out=None):
-        return self.be.matmul(x, w, out)
-
-    def _layer_qkv(self, L, hn):
-        if "qkv" in L:
-            y = self._mm(hn, L["qkv"])
-            E, kvd = self.n_embd, self.n_kv * self.hd
-            return y[:, :E], y[:, E:E + kvd], y[:, E + kvd:]
-        return self._mm(hn, L["q"]), self._mm(hn, L["k"]), self._mm(hn, L["v"])
-
-    def _ffn(self, L, hn):
-        if "gu" in L:
-            y = self._mm(hn, L["gu"])
-            F = self.n_ff
-            return self.be.swiglu(y[:, :F], y[:, F:])
-        return self.be.swiglu(self._mm(hn, L["gate"]), self._mm(hn, L["up"]))
-
-    def forward(self, tokens, all_logits: bool = False):
-        """Eager forward of tokens (int, n) at self.pos; returns f32 logits (n_vocab,) or (n, n_vocab) on the host."""
-        cp, be = self.cp, self.be
-        tokens = np.asarray(tokens, dtype=np.int32)
-        outs = []
-        with self.stream:
-            for s in range(0, len(tokens), self.ubatch):
-                chunk = tokens[s:s + self.ubatch]
-                lg = self._forward_chunk(chunk, all_logits or s + self.ubatch >= len(tokens), all_logits)
-                if lg is not None:
-                    outs.append(lg)
-            self.stream.synchronize()
-        res = cp.asnumpy(cp.concatenate(outs, axis=0))
-        return res if all_logits else res[-1]
-
-    def _forward_chunk(self, chunk, want_logits: bool, all_rows: bool = False):
-        cp, be, lb = self.cp, self.be, lib()
-        n = len(chunk)
-        if self.pos + n > self.max_ctx:
-            raise ValueError(f"context overflow: {self.pos + n} > max_ctx {self.max_ctx}")
-        E, H, KV, hd = self.n_embd, self.n_head, self.n_kv, self.hd
-        s = _stream_ptr()
-        x = be.embed(self.tok, chunk)
-        positions = cp.arange(self.pos, self.pos + n, dtype=cp.int32)
-        hn = cp.empty_like(x)
-        _check(lb.strata_rms_norm(s, _p(x), _ffi.NULL, _p(self.layers[0]["attn_norm"].data), _p(hn), _ffi.NULL, n, E,
-                                  self.eps), "rms")
-        for li, L in enumerate(self.layers):
-            q, k, v = self._layer_qkv(L, hn)
-            q = cp.ascontiguousarray(q).reshape(n, H, hd)
-            k = cp.ascontiguousarray(k).reshape(n, KV, hd)
-            v = cp.ascontiguousarray(v).reshape(n, KV, hd)
-            _check(lb.strata_rope(s, _p(q), _p(positions), n, H, hd, self.n_rot, self.theta, 0), "rope")
-            _check(lb.strata_rope(s, _p(k), _p(positions), n, KV, hd, self.n_rot, self.theta, 0), "rope")
-            _check(lb.strata_kv_write(s, _p(k), _p(v), _p(self.kc[li]), _p(self.vc[li]), _p(self.pt), _ffi.NULL,
-                                      self.pos, n, KV, hd, self.PAGE), "kv_write")
-            if n == 1:
-                total = self.pos + 1
-                ns = n_split_for(total)
-                att = cp.empty((1, H, hd), cp.float32)
-                _check(lb.strata_attn_decode(s, _p(q), _p(self.kc[li]), _p(self.vc[li]), _p(self.pt), _ffi.NULL, total,
-                                             _p(self.partial), _p(att), H, KV, hd, self.PAGE, ns, self.scale), "attn")
+    # ---- the step
+    def _mv(self, s, ws, x, n_in: int) -> None:
+        """y = W x for each (W, y_ptr, n_out) in ws, all reading f32 x (device array) of n_in values; with dp4a,
+        x is quantized to int8 blocks once (strata_quantize_q8_1) and shared by the weights."""
+        lb = lib()
+        xq = None
+        for w, y_ptr, n_out in ws:
+            if self.dp4a and lb.strata_matvec_q8_supported(w.ggml_type):
+                if xq is None:
+                    xq = self.d["xq"]
+                    _check(lb.strata_quantize_q8_1(s, _p(x), _p(xq), n_in), "strata_quantize_q8_1")
+                _check(lb.strata_matvec_q8(s, w.ggml_type, _p(w.data), _p(xq), y_ptr, n_out, n_in), "strata_matvec_q8")
             else:
-                att = prefill_attention(be, q, self.kc[li], self.vc[li], self.pt, self.pos, KV, self.PAGE, self.scale)
-            o = self._mm(att.reshape(n, E), L["wo"])
-            _check(lb.strata_rms_norm(s, _p(o), _p(x), _p(L["ffn_norm"].data), _p(hn), _p(x), n, E, self.eps), "rms")
-            d = self._mm(self._ffn(L, hn), L["down"])
-            nxt = self.layers[li + 1]["attn_norm"] if li + 1 < self.n_layer else self.out_norm
-            _check(lb.strata_rms_norm(s, _p(d), _p(x), _p(nxt.data), _p(hn), _p(x), n, E, self.eps), "rms")
-        self.pos += n
-        if not want_logits:
-            return None
-        return self._mm(hn if all_rows else cp.ascontiguousarray(hn[-1:]), self.output)
+                _check(lb.strata_matvec(s, w.ggml_type, _p(w.data), _p(x), y_ptr, n_out, n_in, 1), "strata_matvec")
 
-    # ---- graph decode
-    def _decode_step_kernels(self, n_split: int) -> None:
-        """Enqueue one decode step on the current stream using only preallocated buffers and device positions."""
-        lb, d = lib(), self.d
+    def _enqueue_step(self, n_split: int) -> None:
+        """Enqueue one decode step on the current stream (only preallocated buffers; token/pos from d['inp'])."""
+        lb, d, m, pool = lib(), self.d, self.model, self.pool
         s = _stream_ptr()
         E, H, KV, hd, F = self.n_embd, self.n_head, self.n_kv, self.hd, self.n_ff
-        kvd = KV * hd
-        pos = d["pos"]
-        pos_len = _ffi.cast("int *", pos.data.ptr + 4)
-        _check(lb.strata_get_rows(s, self.tok.ggml_type, _p(self.tok.data), _p(d["tok"]), _p(d["x"]), 1, E), "rows")
-        _check(lb.strata_rms_norm(s, _p(d["x"]), _ffi.NULL, _p(self.layers[0]["attn_norm"].data), _p(d["hn"]),
-                                  _ffi.NULL, 1, E, self.eps), "rms")
-        qkv = d["qkv"]
-        q_ptr = _p(qkv)
-        k_ptr = _ffi.cast("float *", qkv.data.ptr + 4 * E)
-        v_ptr = _ffi.cast("float *", qkv.data.ptr + 4 * (E + kvd))
-        for li, L in enumerate(self.layers):
-            if "qkv" in L:
-                w = L["qkv"]
-                _check(lb.strata_matvec(s, w.ggml_type, _p(w.data), _p(d["hn"]), q_ptr, w.shape[0], E, 1), "mv")
+        nq, kvd = H * hd, KV * hd
+        inp = d["inp"].data.ptr
+        tok_p, pos_p, len_p = (_ffi.cast("int *", inp + 4 * i) for i in range(3))
+        f32 = lambda a, off=0: _ffi.cast("float *", a.data.ptr + 4 * off)  # noqa: E731
+        pt = pool._pt
+        _check(lb.strata_get_rows(s, m.tok_embd.ggml_type, _p(m.tok_embd.data), tok_p, _p(d["x"]), 1, E), "rows")
+        _check(lb.strata_rms_norm(s, _p(d["x"]), _ffi.NULL, _dptr(m.layers[0].attn_norm), _p(d["hn"]), _ffi.NULL,
+                                  1, E, self.eps), "rms")
+        qkv, gu = d["qkv"], d["gu"]
+        for li, L in enumerate(m.layers):
+            slot = pool.slot(li)
+            kc, vc = pool.k[slot], pool.v[slot]
+            if L.wqkv is not None:
+                self._mv(s, [(L.wqkv, f32(qkv), nq + 2 * kvd)], d["hn"], E)
             else:
-                for w, off in ((L["q"], 0), (L["k"], E), (L["v"], E + kvd)):
-                    _check(lb.strata_matvec(s, w.ggml_type, _p(w.data), _p(d["hn"]),
-                                            _ffi.cast("float *", qkv.data.ptr + 4 * off), w.shape[0], E, 1), "mv")
-            # q and k are adjacent: one launch rotates both and writes k, v into the cache
-            _check(lb.strata_rope_kv_decode(s, q_ptr, _p(pos), _p(self.kc[li]), _p(self.vc[li]), _p(self.pt), H, KV,
-                                            hd, self.n_rot, self.theta, 0, self.PAGE), "rope_kv")
-            _check(lb.strata_attn_decode(s, q_ptr, _p(self.kc[li]), _p(self.vc[li]), _p(self.pt), pos_len, 0,
-                                         _p(self.partial), _p(d["att"]), H, KV, hd, self.PAGE, n_split, self.scale),
-                   "attn")
-            w = L["wo"]
-            _check(lb.strata_matvec(s, w.ggml_type, _p(w.data), _p(d["att"]), _p(d["o"]), E, E, 1), "mv")
-            _check(lb.strata_rms_norm(s, _p(d["o"]), _p(d["x"]), _p(L["ffn_norm"].data), _p(d["hn"]), _p(d["x"]), 1, E,
+                self._mv(s, [(L.wq, f32(qkv), nq), (L.wk, f32(qkv, nq), kvd), (L.wv, f32(qkv, nq + kvd), kvd)],
+                         d["hn"], E)
+            _check(lb.strata_rope_kv_decode(s, f32(qkv), pos_p, _p(kc), _p(vc), _p(pt), H, KV, hd, self.n_rot,
+                                            self.theta, self.neox, pool.page_size), "rope_kv")
+            _check(lb.strata_attn_decode(s, f32(qkv), _p(kc), _p(vc), _p(pt), len_p, 0, _p(d["partial"]),
+                                         _p(d["att"]), H, KV, hd, pool.page_size, n_split, self.scale), "attn")
+            self._mv(s, [(L.wo, _p(d["o"]), E)], d["att"], nq)
+            _check(lb.strata_rms_norm(s, _p(d["o"]), _p(d["x"]), _dptr(L.ffn_norm), _p(d["hn"]), _p(d["x"]), 1, E,
                                       self.eps), "rms")
-            gu = d["gu"]
-            if "gu" in L:
-                w = L["gu"]
-                _check(lb.strata_matvec(s, w.ggml_type, _p(w.data), _p(d["hn"]), _p(gu), 2 * F, E, 1), "mv")
+            if L.w_gate_up is not None:
+                self._mv(s, [(L.w_gate_up, f32(gu), 2 * F)], d["hn"], E)
             else:
-                for w, off in ((L["gate"], 0), (L["up"], F)):
-                    _check(lb.strata_matvec(s, w.ggml_type, _p(w.data), _p(d["hn"]),
-                                            _ffi.cast("float *", gu.data.ptr + 4 * off), F, E, 1), "mv")
-            _check(lb.strata_swiglu(s, _p(gu), _ffi.cast("float *", gu.data.ptr + 4 * F), _p(d["act"]), F), "swiglu")
-            w = L["down"]
-            _check(lb.strata_matvec(s, w.ggml_type, _p(w.data), _p(d["act"]), _p(d["o"]), E, F, 1), "mv")
-            nxt = self.layers[li + 1]["attn_norm"] if li + 1 < self.n_layer else self.out_norm
-            _check(lb.strata_rms_norm(s, _p(d["o"]), _p(d["x"]), _p(nxt.data), _p(d["hn"]), _p(d["x"]), 1, E,
+                self._mv(s, [(L.w_gate, f32(gu), F), (L.w_up, f32(gu, F), F)], d["hn"], E)
+            _check(lb.strata_swiglu(s, f32(gu), f32(gu, F), _p(d["act"]), F), "swiglu")
+            self._mv(s, [(L.w_down, _p(d["o"]), E)], d["act"], F)
+            nxt = m.layers[li + 1].attn_norm if li + 1 < self.n_layer else m.out_norm
+            _check(lb.strata_rms_norm(s, _p(d["o"]), _p(d["x"]), _dptr(nxt), _p(d["hn"]), _p(d["x"]), 1, E,
                                       self.eps), "rms")
-        w = self.output
-        _check(lb.strata_matvec(s, w.ggml_type, _p(w.data), _p(d["hn"]), _p(d["logits"]), self.n_vocab, E, 1), "mv")
-        _check(lb.strata_argmax(s, _p(d["logits"]), _p(d["tok"]), 1, self.n_vocab), "argmax")
-        _check(lb.strata_add_scalar(s, _p(pos), 1, 2), "add")
+        self._mv(s, [(m.output, _p(d["logits"]), self.n_vocab)], d["hn"], E)
+        _check(lb.strata_argmax(s, _p(d["logits"]), tok_p, 1, self.n_vocab), "argmax")
+        _check(lb.strata_add_scalar(s, pos_p, 1, 2), "add")
 
-    def _split_class(self, length: int) -> int:
+    @staticmethod
+    def size_class(length: int) -> int:
+        """Context-size class of a step attending over `length` positions: the power of two >= max(256, length)."""
         c = 256
         while c < length:
             c *= 2
         return c
 
-    def _graph_for(self, cls: int):
+    def _launch(self, length: int) -> None:
+        """One step attending over `length` positions, on self.stream (graph replay or eager launches)."""
+        cls = self.size_class(length)
+        n_split = n_split_for(cls)
+        if not self.use_graphs:
+            self._enqueue_step(n_split)
+            return
         g = self.graphs.get(cls)
         if g is None:
-            n_split = n_split_for(cls)
-            st = self.stream
-            with st:
-                if self.use_graphs:
-                    st.begin_capture()
-                    self._decode_step_kernels(n_split)
-                    g = st.end_capture()
-                else:
-                    g = n_split
+            self.stream.begin_capture()
+            try:
+                self._enqueue_step(n_split)
+            finally:
+                g = self.stream.end_capture()
             self.graphs[cls] = g
-        return g
+        g.launch(self.stream)
 
-    def decode_greedy(self, first_token: int, n: int, sync_each: bool = False) -> list[int]:
-        """Feed first_token at self.pos, then greedy-decode: returns the n tokens chosen (argmax on the device)."""
+    def _begin(self, state, tokens: list[int], n: int) -> None:
+        kv = state.kv
+        if kv.pool is not self.pool:
+            raise ValueError("the sequence's KV pages are not in this plan's pool")
+        if kv.length != state.pos:
+            raise ValueError(f"KV length {kv.length} != sequence position {state.pos}")
+        for t in tokens:
+            if not 0 <= t < self.n_vocab:
+                raise ValueError(f"token id out of range [0, {self.n_vocab})")
+        kv.reserve(n)                                         # KVCacheFull here changes nothing
         cp = self.cp
-        if self.pos + n > self.max_ctx:
-            raise ValueError(f"context overflow: {self.pos + n} > max_ctx {self.max_ctx}")
-        out = cp.zeros(n, cp.int32)
+        self.stream.wait_event(cp.cuda.get_current_stream().record())
         with self.stream:
-            self.d["tok"][...] = first_token
-            self.d["pos"][...] = cp.asarray([self.pos, self.pos + 1], dtype=cp.int32)
-            for i in range(n):
-                g = self._graph_for(self._split_class(self.pos + 1))
-                if self.use_graphs:
-                    g.launch(self.stream)
-                else:
-                    self._decode_step_kernels(g)
-                out[i:i + 1] = self.d["tok"]
-                self.pos += 1
-            self.stream.synchronize()
-        return [int(t) for t in cp.asnumpy(out)]
+            self.pool.table(kv.pages)
+            self.d["inp"].set(np.asarray([tokens[0], state.pos, state.pos + 1], dtype=np.int32), stream=self.stream)
 
-    def decode_logits(self) -> np.ndarray:
-        """Logits of the last graph decode step (host copy)."""
-        self.stream.synchronize()
-        return self.cp.asnumpy(self.d["logits"][0])
+    def decode(self, token: int, state) -> np.ndarray:
+        """LlamaModel.forward([token], state) through the graph -> f32 logits (n_vocab,) on the host."""
+        token = int(token)
+        self._begin(state, [token], 1)
+        with self.stream:
+            self._launch(state.pos + 1)
+            logits = self.cp.asnumpy(self.d["logits"][0], stream=self.stream)
+        state.kv.commit(1)
+        state.advance([token])
+        return logits
+
+    def decode_greedy(self, first_token: int, n: int, state) -> list[int]:
+        """Feed first_token at state.pos, then n - 1 device-argmax tokens; returns the n argmax tokens chosen.
+        The sequence advances by n (first_token and the first n - 1 chosen)."""
+        if n < 1:
+            return []
+        self._begin(state, [int(first_token)], n)
+        cp = self.cp
+        out = cp.zeros(n, cp.int32)
+        p0 = state.pos
+        with self.stream:
+            for i in range(n):
+                self._launch(p0 + i + 1)
+                out[i:i + 1] = self.d["inp"][0:1]
+            got = [int(t) for t in cp.asnumpy(out, stream=self.stream)]
+        state.kv.commit(n)
+        state.advance([int(first_token)] + got[:-1])
+        return got
+
+    def logits(self) -> np.ndarray:
+        """Logits of the last step (host f32 (n_vocab,))."""
+        return self.cp.asnumpy(self.d["logits"][0], stream=self.stream)
+
+
+class GraphDecodeModel:
+    """What the engine runs on CUDA: the LlamaModel itself (prefill, all_logits, every attribute), except that a
+    one-token forward() on a CudaPagePool sequence goes through the LlamaCuda decode plan (CUDA graph).
+    STRATA_CUDA_GRAPHS=0 turns the plan off (every call is LlamaModel.forward, eager)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.plans: dict[int, LlamaCuda] = {}
+        self.use_graphs = os.environ.get("STRATA_CUDA_GRAPHS", "1") not in ("0", "false", "no")
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def plan(self, pool: CudaPagePool) -> LlamaCuda:
+        p = self.plans.get(id(pool))
+        if p is None or p.pool is not pool:
+            p = self.plans[id(pool)] = LlamaCuda(self.model, pool)
+        return p
+
+    def forward(self, tokens, state, all_logits: bool = False):
+        """LlamaModel.forward (same arguments, result and errors), on the backend's device in any thread."""
+        toks = np.asarray(tokens, dtype=np.int32).reshape(-1)
+        with self.model.backend.device:
+            if self.use_graphs and toks.shape[0] == 1 and not all_logits and isinstance(state.kv.pool, CudaPagePool):
+                return self.plan(state.kv.pool).decode(int(toks[0]), state)
+            return self.model.forward(tokens, state, all_logits)
 
 
 CUDABackend = CudaBackend   # the name strata/engine/engine.py imports

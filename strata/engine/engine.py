@@ -71,6 +71,9 @@ class Engine:
         t0 = time.perf_counter()
         self.backend = _make_backend(device)
         self.model = load_model(path, self.backend, progress=progress)
+        fast_path = getattr(self.backend, "fast_path", None)      # CUDA: graph decode plan of the same model
+        if fast_path is not None:
+            self.model = fast_path(self.model)
         self.file = self.model.file
         self.config = self.file.config
         self.arch = self.file.arch
@@ -376,11 +379,17 @@ def _make_backend(device: str):
         from strata.backend.cpu import CPUBackend
         return CPUBackend()
     try:
-        from strata.backend.cuda import CUDABackend
+        from strata.backend.cuda import CUDABackend, CudaUnavailable
     except ImportError as e:
         raise ValueError(f"device {device!r} needs the CUDA backend, which is not available: {e}") from None
-    idx = int(device.split(":", 1)[1]) if ":" in device else 0
-    return CUDABackend(idx)
+    try:
+        idx = int(device.split(":", 1)[1]) if ":" in device else 0
+    except ValueError:
+        raise ValueError(f"unknown device {device!r}: use 'cpu' or 'cuda[:N]'") from None
+    try:
+        return CUDABackend(idx)
+    except CudaUnavailable as e:
+        raise ValueError(f"device {device!r}: {e}") from None
 
 
 def _make_template(f, tokenizer):

@@ -1,0 +1,428 @@
+/* Strata C core: causal GQA attention over the paged float32 KV cache (AVX2+FMA), for decode and prefill.
+ *
+ * Method (FlashAttention's online softmax, Dao et al. 2022, "FlashAttention", arXiv:2205.14135; split-K
+ * decode as in "Flash-Decoding"): keys are taken one KV page at a time (a "segment"). For each query row a
+ * segment gives a partial (m = max score, l = sum exp(s - m), a = sum exp(s - m) v); partials are merged in
+ * page order, starting from page 0: M' = max(M, m), A = A exp(M - M') + a exp(m - M'), L likewise. The
+ * output is A / L.
+ *
+ * Determinism: a row's arithmetic depends only on its query, its position and the K/V it sees. Row blocks,
+ * the number of tokens in the call, the thread count and whether segments are computed in parallel (split,
+ * for decode) or in a loop (prefill) never change a bit: every row has its own FMA chains in a fixed order,
+ * masked keys contribute exact zeros, and partials are always merged sequentially in page order.
+ */
+#include <math.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+
+#include "common.h"
+#include "strata_cpu.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
+#elif defined(__GNUC__)
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+#endif
+
+#include <immintrin.h>
+
+#define KT_W 16   /* keys per QK tile (two vectors) */
+#define QK_RB 6   /* query rows per QK micro-kernel */
+#define PV_RB 3   /* query rows per PV micro-kernel */
+#define ROWS_MAX 64
+
+typedef struct {
+    const float *q;         /* (n, n_head, hd) */
+    int64_t n;
+    int n_head, n_kv, hd, hv, g;
+    const float *K, *V;     /* (n_kv, pool_pages, ps, hd|hv) */
+    int64_t pool_pages;
+    int ps;
+    const int32_t *pages;
+    int64_t start;
+    float scale;
+    float *out;             /* (n, n_head, hv) */
+    int qb;                 /* tokens per row block */
+    int64_t n_blocks, n_segs;
+    int split;
+    float *scratch;         /* split: per (h, blk, seg) item: R*(2 + hv) floats */
+    int64_t item_floats;
+    int64_t n_items;
+    _Atomic int64_t next;
+} at_task;
+
+/* exp(x) for x <= 0 (scores minus their max), 8 lanes: Cephes-style range reduction x = n ln2 + r and a
+ * degree-6 polynomial for exp(r); lanes below -87 (incl. -inf for masked keys) give exactly 0. */
+static inline __m256 exp_le0(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f);
+    const __m256 zero_mask = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+    const __m256 c1 = _mm256_set1_ps(0.693359375f), c2 = _mm256_set1_ps(-2.12194440e-4f);
+    __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(fx, c1, x);
+    r = _mm256_fnmadd_ps(fx, c2, r);
+    __m256 p = _mm256_set1_ps(1.9875691500E-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
+    const __m256 r2 = _mm256_mul_ps(r, r);
+    p = _mm256_fmadd_ps(p, r2, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    p = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    return _mm256_andnot_ps(zero_mask, p);
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    a = _mm_add_ss(a, _mm_shuffle_ps(a, a, 1));
+    return _mm_cvtss_f32(a);
+}
+
+/* S[r][j0 .. j0+16) = qs[r] . KT[:, 0..16) for rows r0 .. r0+RB. */
+#define QK_KERNEL(RB)                                                                                     \
+    static inline void qk_rows_##RB(const float *qs, int hd, const float *kt, float *S, int sw) {         \
+        __m256 a0[RB], a1[RB];                                                                            \
+        for (int r = 0; r < RB; r++) { a0[r] = _mm256_setzero_ps(); a1[r] = _mm256_setzero_ps(); }       \
+        for (int d = 0; d < hd; d++) {                                                                    \
+            const __m256 k0 = _mm256_load_ps(kt + d * KT_W), k1 = _mm256_load_ps(kt + d * KT_W + 8);     \
+            for (int r = 0; r < RB; r++) {                                                                \
+                const __m256 qv = _mm256_broadcast_ss(qs + (size_t)r * hd + d);                           \
+                a0[r] = _mm256_fmadd_ps(qv, k0, a0[r]);                                                   \
+                a1[r] = _mm256_fmadd_ps(qv, k1, a1[r]);                                                   \
+            }                                                                                             \
+        }                                                                                                 \
+        for (int r = 0; r < RB; r++) {                                                                    \
+            _mm256_storeu_ps(S + (size_t)r * sw, a0[r]);                                                  \
+            _mm256_storeu_ps(S + (size_t)r * sw + 8, a1[r]);                                              \
+        }                                                                                                 \
+    }
+QK_KERNEL(1)
+QK_KERNEL(2)
+QK_KERNEL(3)
+QK_KERNEL(4)
+QK_KERNEL(5)
+QK_KERNEL(6)
+
+/* a[r][c0 .. c0 + 8*NV) += sum_{j < jn} P[r][j] V[j][c0 ..) for RB rows. */
+#define PV_KERNEL(RB)                                                                                     \
+    static inline void pv_rows_##RB(const float *P, int sw, const float *Vp, int hv, int jn, float *a,   \
+                                    int c0, int nv) {                                                     \
+        __m256 acc[RB][4];                                                                                \
+        for (int r = 0; r < RB; r++)                                                                      \
+            for (int c = 0; c < 4; c++) acc[r][c] = _mm256_setzero_ps();                                  \
+        if (nv == 4) {                                                                                    \
+            for (int j = 0; j < jn; j++) {                                                                \
+                const float *vr = Vp + (size_t)j * hv + c0;                                               \
+                const __m256 v0 = _mm256_loadu_ps(vr), v1 = _mm256_loadu_ps(vr + 8);                      \
+                const __m256 v2 = _mm256_loadu_ps(vr + 16), v3 = _mm256_loadu_ps(vr + 24);                \
+                for (int r = 0; r < RB; r++) {                                                            \
+                    const __m256 p = _mm256_broadcast_ss(P + (size_t)r * sw + j);                         \
+                    acc[r][0] = _mm256_fmadd_ps(p, v0, acc[r][0]);                                        \
+                    acc[r][1] = _mm256_fmadd_ps(p, v1, acc[r][1]);                                        \
+                    acc[r][2] = _mm256_fmadd_ps(p, v2, acc[r][2]);                                        \
+                    acc[r][3] = _mm256_fmadd_ps(p, v3, acc[r][3]);                                        \
+                }                                                                                         \
+            }                                                                                             \
+        } else {                                                                                          \
+            for (int j = 0; j < jn; j++) {                                                                \
+                const float *vr = Vp + (size_t)j * hv + c0;                                               \
+                for (int r = 0; r < RB; r++) {                                                            \
+                    const __m256 p = _mm256_broadcast_ss(P + (size_t)r * sw + j);                         \
+                    for (int c = 0; c < nv; c++)                                                          \
+                        acc[r][c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * c), acc[r][c]);          \
+                }                                                                                         \
+            }                                                                                             \
+        }                                                                                                 \
+        for (int r = 0; r < RB; r++)                                                                      \
+            for (int c = 0; c < nv; c++) _mm256_storeu_ps(a + (size_t)r * hv + c0 + 8 * c, acc[r][c]);  \
+    }
+PV_KERNEL(1)
+PV_KERNEL(2)
+PV_KERNEL(3)
+
+typedef struct {
+    float *qs;   /* R x hd, scaled queries */
+    float *S;    /* R x sw scores / probabilities */
+    float *kt;   /* hd x KT_W, 32-byte aligned */
+    float *pm, *pl, *pa;  /* partial: m[R], l[R], a[R x hv] */
+    float *M, *L, *A;     /* running merge */
+    int sw;
+} at_buf;
+
+static int buf_alloc(at_buf *b, const at_task *t) {
+    const int R = t->qb * t->g;
+    b->sw = (t->ps + KT_W - 1) / KT_W * KT_W;
+    const size_t n = (size_t)R * t->hd + (size_t)R * b->sw + (size_t)t->hd * KT_W + 2 * ((size_t)R * (2 + t->hv)) + 64;
+    float *m = (float *)aligned_alloc(32, (n * sizeof(float) + 31) / 32 * 32);
+    if (!m) return 0;
+    b->kt = m;
+    b->qs = b->kt + (size_t)t->hd * KT_W;
+    b->S = b->qs + (size_t)R * t->hd;
+    b->pm = b->S + (size_t)R * b->sw;
+    b->pl = b->pm + R;
+    b->pa = b->pl + R;
+    b->M = b->pa + (size_t)R * t->hv;
+    b->L = b->M + R;
+    b->A = b->L + R;
+    return 1;
+}
+
+/* Rows of block blk: token i0 + r / g, query head h*g + r % g. Fills b->qs (scaled); returns R. */
+static int load_queries(const at_task *t, at_buf *b, int h, int64_t blk, int64_t *i0_out) {
+    const int64_t i0 = blk * t->qb;
+    const int64_t i1 = i0 + t->qb < t->n ? i0 + t->qb : t->n;
+    const int R = (int)(i1 - i0) * t->g;
+    const __m256 sc = _mm256_set1_ps(t->scale);
+    for (int r = 0; r < R; r++) {
+        const float *src = t->q + ((i0 + r / t->g) * t->n_head + (int64_t)h * t->g + r % t->g) * t->hd;
+        float *dst = b->qs + (size_t)r * t->hd;
+        for (int d = 0; d < t->hd; d += 8) _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_loadu_ps(src + d), sc));
+    }
+    *i0_out = i0;
+    return R;
+}
+
+/* Partial of segment s for the R rows in b->qs (tokens from i0): b->pm, b->pl, b->pa. pl[r] = 0 marks a row
+ * that sees no key of the segment. */
+static void seg_partial(const at_task *t, at_buf *b, int h, int64_t i0, int R, int64_t s) {
+    const int hd = t->hd, hv = t->hv, g = t->g, sw = b->sw;
+    const int64_t k0 = s * t->ps;
+    const int64_t last_q = t->start + i0 + (R - 1) / g;   /* position of the block's last query */
+    int64_t kend = k0 + t->ps;
+    if (kend > last_q + 1) kend = last_q + 1;
+    const int nk = (int)(kend - k0);
+    const int64_t page = t->pages[s];
+    const float *Kp = t->K + ((int64_t)h * t->pool_pages + page) * t->ps * hd;
+    const float *Vp = t->V + ((int64_t)h * t->pool_pages + page) * t->ps * hv;
+    /* scores */
+    for (int j0 = 0; j0 < nk; j0 += KT_W) {
+        const int jn = nk - j0 < KT_W ? nk - j0 : KT_W;
+        for (int jj = 0; jj < KT_W; jj++) {
+            if (jj < jn) {
+                const float *kr = Kp + (size_t)(j0 + jj) * hd;
+                for (int d = 0; d < hd; d++) b->kt[d * KT_W + jj] = kr[d];
+            } else {
+                for (int d = 0; d < hd; d++) b->kt[d * KT_W + jj] = 0.0f;
+            }
+        }
+        int r = 0;
+        for (; r + QK_RB <= R; r += QK_RB) qk_rows_6(b->qs + (size_t)r * hd, hd, b->kt, b->S + (size_t)r * sw + j0, sw);
+        switch (R - r) {
+        case 5: qk_rows_5(b->qs + (size_t)r * hd, hd, b->kt, b->S + (size_t)r * sw + j0, sw); break;
+        case 4: qk_rows_4(b->qs + (size_t)r * hd, hd, b->kt, b->S + (size_t)r * sw + j0, sw); break;
+        case 3: qk_rows_3(b->qs + (size_t)r * hd, hd, b->kt, b->S + (size_t)r * sw + j0, sw); break;
+        case 2: qk_rows_2(b->qs + (size_t)r * hd, hd, b->kt, b->S + (size_t)r * sw + j0, sw); break;
+        case 1: qk_rows_1(b->qs + (size_t)r * hd, hd, b->kt, b->S + (size_t)r * sw + j0, sw); break;
+        default: break;
+        }
+    }
+    /* softmax pieces per row; vis = keys of the segment the row's query sees */
+    const int nk8 = (nk + 7) / 8 * 8;
+    int vis[ROWS_MAX];
+    for (int r = 0; r < R; r++) {
+        const int64_t qpos = t->start + i0 + r / g;
+        int64_t v = qpos - k0 + 1;
+        if (v > nk) v = nk;
+        vis[r] = v > 0 ? (int)v : 0;
+        float *Sr = b->S + (size_t)r * sw;
+        if (vis[r] == 0) { b->pm[r] = -INFINITY; b->pl[r] = 0.0f; continue; }
+        float m = Sr[0];
+        for (int j = 1; j < vis[r]; j++) m = Sr[j] > m ? Sr[j] : m;
+        for (int j = vis[r]; j < nk8; j++) Sr[j] = -INFINITY;
+        const __m256 mv = _mm256_set1_ps(m);
+        __m256 acc = _mm256_setzero_ps();
+        for (int j = 0; j < nk8; j += 8) {
+            const __m256 p = exp_le0(_mm256_sub_ps(_mm256_loadu_ps(Sr + j), mv));
+            _mm256_storeu_ps(Sr + j, p);
+            acc = _mm256_add_ps(acc, p);
+        }
+        b->pm[r] = m;
+        b->pl[r] = hsum8(acc);
+    }
+    /* P V */
+    for (int r = 0; r < R;) {
+        const int rb = R - r >= PV_RB ? PV_RB : R - r;
+        int jn = 0;
+        for (int i = 0; i < rb; i++) jn = vis[r + i] > jn ? vis[r + i] : jn;
+        for (int c0 = 0; c0 < hv; c0 += 32) {
+            const int nv = (hv - c0) / 8 < 4 ? (hv - c0) / 8 : 4;
+            float *a = b->pa + (size_t)r * hv;
+            const float *P = b->S + (size_t)r * sw;
+            if (rb == 3) pv_rows_3(P, sw, Vp, hv, jn, a, c0, nv);
+            else if (rb == 2) pv_rows_2(P, sw, Vp, hv, jn, a, c0, nv);
+            else pv_rows_1(P, sw, Vp, hv, jn, a, c0, nv);
+        }
+        r += rb;
+    }
+}
+
+/* Merge partial row r (m, l, a) into the running row (M, L, A); first says the running row is empty. */
+static inline void merge_row(float *M, float *L, float *A, float m, float l, const float *a, int hv, int first) {
+    if (l == 0.0f) return;
+    if (first || *L == 0.0f) {
+        *M = m; *L = l;
+        memcpy(A, a, (size_t)hv * sizeof(float));
+        return;
+    }
+    const float mx = m > *M ? m : *M;
+    const float c1 = expf(*M - mx), c2 = expf(m - mx);
+    const __m256 v1 = _mm256_set1_ps(c1), v2 = _mm256_set1_ps(c2);
+    for (int i = 0; i < hv; i += 8)
+        _mm256_storeu_ps(A + i, _mm256_fmadd_ps(_mm256_loadu_ps(A + i), v1, _mm256_mul_ps(_mm256_loadu_ps(a + i), v2)));
+    *L = *L * c1 + l * c2;
+    *M = mx;
+}
+
+static void write_out(const at_task *t, int h, int64_t i0, int R, const float *L, const float *A) {
+    for (int r = 0; r < R; r++) {
+        float *o = t->out + ((i0 + r / t->g) * t->n_head + (int64_t)h * t->g + r % t->g) * t->hv;
+        const __m256 inv = _mm256_set1_ps(1.0f / L[r]);
+        for (int i = 0; i < t->hv; i += 8) _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(A + (size_t)r * t->hv + i), inv));
+    }
+}
+
+static inline int64_t block_segs(const at_task *t, int64_t blk) {
+    int64_t i1 = (blk + 1) * t->qb;
+    if (i1 > t->n) i1 = t->n;
+    return (t->start + i1 - 1) / t->ps + 1;
+}
+
+/* prefill: one item = (KV head, row block); segments in a loop, merged as they come */
+static void at_worker_seq(void *arg, int ith, int nth) {
+    (void)ith; (void)nth;
+    at_task *t = (at_task *)arg;
+    at_buf b;
+    if (!buf_alloc(&b, t)) return; /* another thread finishes the items */
+    for (;;) {
+        const int64_t it = atomic_fetch_add_explicit(&t->next, 1, memory_order_relaxed);
+        if (it >= t->n_items) break;
+        /* latest (most expensive) blocks first */
+        const int64_t blk = t->n_blocks - 1 - it / t->n_kv;
+        const int h = (int)(it % t->n_kv);
+        int64_t i0;
+        const int R = load_queries(t, &b, h, blk, &i0);
+        const int64_t ns = block_segs(t, blk);
+        for (int r = 0; r < R; r++) b.L[r] = 0.0f;
+        for (int64_t s = 0; s < ns; s++) {
+            seg_partial(t, &b, h, i0, R, s);
+            for (int r = 0; r < R; r++)
+                merge_row(b.M + r, b.L + r, b.A + (size_t)r * t->hv, b.pm[r], b.pl[r], b.pa + (size_t)r * t->hv, t->hv, s == 0);
+        }
+        write_out(t, h, i0, R, b.L, b.A);
+    }
+    free(b.kt);
+}
+
+/* decode: one item = (KV head, row block, segment) into scratch; merged afterwards */
+static void at_worker_split(void *arg, int ith, int nth) {
+    (void)ith; (void)nth;
+    at_task *t = (at_task *)arg;
+    at_buf b;
+    if (!buf_alloc(&b, t)) return;
+    for (;;) {
+        const int64_t it = atomic_fetch_add_explicit(&t->next, 1, memory_order_relaxed);
+        if (it >= t->n_items) break;
+        const int64_t s = it % t->n_segs;
+        const int64_t hb = it / t->n_segs;
+        const int h = (int)(hb % t->n_kv);
+        const int64_t blk = hb / t->n_kv;
+        float *dst = t->scratch + it * t->item_floats;
+        int64_t i0;
+        const int R = load_queries(t, &b, h, blk, &i0);
+        if (s >= block_segs(t, blk)) {
+            for (int r = 0; r < R; r++) dst[R + r] = 0.0f;
+            continue;
+        }
+        b.pm = dst; b.pl = dst + R; b.pa = dst + 2 * R;
+        seg_partial(t, &b, h, i0, R, s);
+    }
+    free(b.kt);
+}
+
+int strata_attention(const float *q, int64_t n, int n_head, int n_kv, int hd, int hv,
+                     const float *K, const float *V, int64_t pool_pages, int page_size,
+                     const int32_t *pages, int64_t n_seq_pages, int64_t start, float scale,
+                     float *out, int n_threads) {
+    if (!strata_cpu_has_avx2()) return ST_ERR_TYPE;
+    if (n <= 0 || n_head <= 0 || n_kv <= 0 || n_head % n_kv || hd <= 0 || hv <= 0 || hd % 8 || hv % 8 ||
+        page_size <= 0 || start < 0 || (start + n + page_size - 1) / page_size > n_seq_pages)
+        return ST_ERR_SHAPE;
+    for (int64_t i = 0; i < (start + n + page_size - 1) / page_size; i++)
+        if (pages[i] < 0 || pages[i] >= pool_pages) return ST_ERR_INDEX;
+    at_task t;
+    memset(&t, 0, sizeof t);
+    t.q = q; t.n = n; t.n_head = n_head; t.n_kv = n_kv; t.hd = hd; t.hv = hv; t.g = n_head / n_kv;
+    t.K = K; t.V = V; t.pool_pages = pool_pages; t.ps = page_size; t.pages = pages; t.start = start;
+    t.scale = scale; t.out = out;
+    t.qb = 48 / t.g;
+    if (t.qb < 1) t.qb = 1;
+    if (t.qb * t.g > ROWS_MAX) return ST_ERR_SHAPE;
+    if (t.qb > n) t.qb = (int)n;
+    t.n_blocks = (n + t.qb - 1) / t.qb;
+    t.n_segs = (start + n - 1) / page_size + 1;
+    int nth = n_threads < 1 ? 1 : n_threads;
+    /* small work: one thread (waking workers costs more) */
+    const double work = (double)n * (double)(start + n) * n_head * (hd + hv);
+    if (work < 2e5) nth = 1;
+    atomic_init(&t.next, 0);
+    if (t.n_blocks * n_kv < 2 * nth && t.n_segs > 1) {
+        const int R = t.qb * t.g;
+        t.split = 1;
+        t.item_floats = (int64_t)R * (2 + hv);
+        t.n_items = t.n_blocks * n_kv * t.n_segs;
+        t.scratch = (float *)malloc((size_t)(t.n_items * t.item_floats) * sizeof(float));
+        if (!t.scratch) return ST_ERR_NOMEM;
+        st_run_task(at_worker_split, &t, nth);
+        if (atomic_load(&t.next) < t.n_items) at_worker_split(&t, 0, 1); /* a failed allocation left items */
+        float *M = (float *)malloc((size_t)R * (2 + hv) * sizeof(float));
+        if (!M) { free(t.scratch); return ST_ERR_NOMEM; }
+        float *L = M + R, *A = L + R;
+        for (int64_t blk = 0; blk < t.n_blocks; blk++) {
+            const int64_t i0 = blk * t.qb;
+            const int Rb = (int)((i0 + t.qb < n ? t.qb : n - i0) * t.g);
+            for (int h = 0; h < n_kv; h++) {
+                for (int r = 0; r < Rb; r++) L[r] = 0.0f;
+                const int64_t ns = block_segs(&t, blk);
+                for (int64_t s = 0; s < ns; s++) {
+                    const float *p = t.scratch + ((blk * n_kv + h) * t.n_segs + s) * t.item_floats;
+                    for (int r = 0; r < Rb; r++)
+                        merge_row(M + r, L + r, A + (size_t)r * hv, p[r], p[Rb + r], p + 2 * Rb + (size_t)r * hv, hv, s == 0);
+                }
+                write_out(&t, h, i0, Rb, L, A);
+            }
+        }
+        free(M);
+        free(t.scratch);
+    } else {
+        t.n_items = t.n_blocks * n_kv;
+        st_run_task(at_worker_seq, &t, nth);
+        if (atomic_load(&t.next) < t.n_items) at_worker_seq(&t, 0, 1);
+    }
+    return ST_OK;
+}
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#elif defined(__GNUC__)
+#pragma GCC pop_options
+#endif
+
+#else /* not x86-64 */
+
+int strata_attention(const float *q, int64_t n, int n_head, int n_kv, int hd, int hv,
+                     const float *K, const float *V, int64_t pool_pages, int page_size,
+                     const int32_t *pages, int64_t n_seq_pages, int64_t start, float scale,
+                     float *out, int n_threads) {
+    (void)q; (void)n; (void)n_head; (void)n_kv; (void)hd; (void)hv; (void)K; (void)V; (void)pool_pages;
+    (void)page_size; (void)pages; (void)n_seq_pages; (void)start; (void)scale; (void)out; (void)n_threads;
+    return ST_ERR_TYPE;
+}
+
+#endif
