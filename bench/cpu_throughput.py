@@ -27,12 +27,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-# llama.cpp's OpenMP workers spin while waiting by default; on a machine shared with other jobs (more busy
-# threads than cores) spinning threads starve each other and llama.cpp drops to a few tokens/s. Passive
-# waiting is set unless the caller chose a policy; the JSON records it.
-OMP_POLICY_SET_BY_BENCH = "OMP_WAIT_POLICY" not in os.environ
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
+# llama.cpp's OpenMP workers: OMP_WAIT_POLICY decides how they wait between calls. ACTIVE spins forever (its idle
+# threads then steal the cores from Strata's turn in the alternation, and starve each other on a busy machine);
+# PASSIVE sleeps at once (slow wake-ups per decode token); libgomp's default spins a while, then sleeps. --omp-policy
+# picks one (default: libgomp's default, llama.cpp as shipped); an OMP_WAIT_POLICY already set in the environment
+# wins. The JSON records the policy.
 TEXT = ("The history of the printing press begins in the fifteenth century, when movable metal type made books "
         "cheaper to produce. Within fifty years presses were running in more than two hundred European cities, and "
         "the number of books in circulation grew from thousands to millions. Scholars argue about how much this "
@@ -144,11 +143,20 @@ def main(argv=None) -> int:
                     help="repeats for decode rows whose context exceeds 1024 tokens (each repeat re-reads the prompt)")
     ap.add_argument("--ubatch", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--omp-policy", choices=["default", "passive", "active"], default="default",
+                    help="OMP_WAIT_POLICY for llama.cpp's OpenMP threads (see the note at the top)")
     ap.add_argument("--no-llama", action="store_true", help="skip the llama.cpp column")
     ap.add_argument("--llama-extra-bufts", action="store_true",
                     help="let llama.cpp use its AMX/repacked CPU buffers (crashes in some sandboxes)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "cpu_throughput.json"))
     args = ap.parse_args(argv)
+    if "OMP_WAIT_POLICY" in os.environ:
+        omp_policy = os.environ["OMP_WAIT_POLICY"] + " (from the environment)"
+    elif args.omp_policy != "default":
+        os.environ["OMP_WAIT_POLICY"] = args.omp_policy.upper()
+        omp_policy = args.omp_policy.upper()
+    else:
+        omp_policy = "libgomp default (unset)"
     sizes = [int(s) for s in args.sizes.split(",") if s]
     dctx = [int(s) for s in str(args.decode_context).split(",") if s]
     load_start = os.getloadavg()
@@ -233,8 +241,7 @@ def main(argv=None) -> int:
         "decode_tokens": args.decode_tokens, "decode_contexts": dctx, "long_repeats": args.long_repeats,
         "machine": {"cpu": cpu_name(), "cpu_count": os.cpu_count(), "python": platform.python_version(),
                     "load_average_start": load_start, "load_average_end": os.getloadavg()},
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY") + (" (set by the bench)" if OMP_POLICY_SET_BY_BENCH
-                                                                 else ""),
+        "omp_wait_policy": omp_policy,
         "strata": res["strata"],
         "llama_cpp": res["llama_cpp"] if llm is not None else None,
         "llama_cpp_note": llama_note or ("llama.cpp extra CPU buffer types (AMX/repack) "

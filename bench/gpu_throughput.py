@@ -114,10 +114,10 @@ def make_synthetic_llama(out: str, tok_src: str, n_embd=2048, n_layer=24, n_head
     return out
 
 
-def bench_strata(path: str, prompts, depths, n_gen: int, ubatch: int, bw: float, f32_act: bool = True) -> dict:
+def bench_strata(path: str, prompts, depths, n_gen: int, ubatch: int, bw: float, int8_act: bool = True) -> dict:
     """Strata as the engine runs it on CUDA: strata/models/llama.py on CudaBackend for prefill (ubatch-sized
-    forward calls), the LlamaCuda CUDA-graph plan for decode (greedy, argmax on the device). With f32_act, decode
-    is also timed with the f32-activation matvec (STRATA_CUDA_DP4A=0 equivalent) for comparison."""
+    forward calls), the LlamaCuda CUDA-graph plan for decode (greedy, argmax on the device; f32 activations, the
+    default). With int8_act, decode is also timed with the int8-activation dp4a matvec (STRATA_CUDA_DP4A=1)."""
     import cupy as cp
     from strata.backend.cuda import CudaBackend, LlamaCuda
     from strata.models.base import load_model
@@ -128,7 +128,7 @@ def bench_strata(path: str, prompts, depths, n_gen: int, ubatch: int, bw: float,
     st = model.new_state(pool)
     plan = LlamaCuda(model, pool)
     vocab = model.config.n_vocab
-    res = {"weight_bytes_per_token": plan.weight_bytes, "prompt": {}, "decode": {}}
+    res = {"weight_bytes_per_token": plan.weight_bytes, "prompt": {}, "decode": {}, "decode_int8act": {}}
 
     def prefill(toks):
         st.reset()
@@ -148,7 +148,7 @@ def bench_strata(path: str, prompts, depths, n_gen: int, ubatch: int, bw: float,
         res["prompt"][str(n)] = n / min(ts)
         print(f"  strata pp{n}: {n / min(ts):.1f} tok/s", flush=True)
     c = model.config
-    for kind, dp4a in (("decode", True), ("decode_f32act", False)) if f32_act else (("decode", True),):
+    for kind, dp4a in (("decode", False), ("decode_int8act", True)) if int8_act else (("decode", False),):
         plan.dp4a, plan.graphs = dp4a, {}
         for d in depths:
             prefill(rng.integers(0, vocab, d)) if d else st.reset()
@@ -251,7 +251,7 @@ def main(argv=None) -> int:
     dest.write_text(json.dumps(out, indent=1))
     print("\nsummary (tokens/s; ratio = Strata / llama.cpp)")
     for name, e in out["models"].items():
-        for kind in ("prompt", "decode", "decode_f32act"):
+        for kind in ("prompt", "decode", "decode_int8act"):
             for k, v in e["strata"].get(kind, {}).items():
                 ref = e.get("llama.cpp", {}).get("decode" if kind.startswith("decode") else kind, {}).get(k)
                 if "stored_from" in e.get("llama.cpp", {}):

@@ -34,10 +34,16 @@ int strata_matmul(int type, const void *w, int64_t w_row_bytes, int64_t n_out, i
 int strata_attention(const float *q, int64_t n, int n_head, int n_kv, int hd, int hv,
                      const float *K, const float *V, int64_t pool_pages, int page_size,
                      const int32_t *pages, int64_t n_seq_pages, int64_t start, float scale,
+                     const float *k_new, int64_t k_stride, const float *v_new, int64_t v_stride,
                      float *out, int n_threads);
+int strata_rms_norm(const float *x, const float *r, const float *w, int64_t n, int64_t dim, float eps,
+                    float *out, float *sum_out);
+int strata_rope(const float *x, int64_t x_stride, int64_t n, int n_head, int hd, int n_rot, const int64_t *pos,
+                const float *cos_t, const float *sin_t, int64_t n_table, int neox, float *out);
+int strata_swiglu(const float *gate, const float *up, int64_t n, int64_t ff, int64_t stride, float *out);
 """
 
-SOURCES = ["core.c", "portable.c", "avx2.c", "avxvnni.c", "attention.c"]
+SOURCES = ["core.c", "portable.c", "avx2.c", "avxvnni.c", "attention.c", "ops.c"]
 
 
 def make_builder(absolute: bool = False) -> FFI:

@@ -121,6 +121,7 @@ class WeightTensor:
     _raw_cache: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
     _layout_cache: tuple | None = field(default=None, init=False, repr=False, compare=False)
     _ptr_cache: object = field(default=None, init=False, repr=False, compare=False)
+    _fast_cache: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
@@ -216,6 +217,14 @@ class WeightTensor:
         BLAS_MIN_TOKENS on, tiles of rows are dequantized to fp32 and multiplied by numpy's BLAS.
         F32 weights go to BLAS directly. Raises ValueError for a wrong dtype, rank or row length.
         """
+        fast = self._fast_cache
+        if (fast is not None and type(x) is np.ndarray and x.dtype == np.float32 and x.ndim == 2
+                and x.shape[1] == fast[1] and 0 < x.shape[0] < BLAS_MIN_TOKENS and x.flags.c_contiguous):
+            # the integer-kernel path with the checks below already passed once for this tensor (decode)
+            y = np.empty((x.shape[0], fast[0]), dtype=np.float32)
+            _check(_lib.strata_matmul(fast[3], fast[4], fast[2], fast[0], fast[1], _ffi.from_buffer("float[]", x),
+                                      x.shape[0], _ffi.from_buffer("float[]", y), _THREADS), f"matmul with {self.name}")
+            return y
         if not isinstance(x, np.ndarray) or x.dtype != np.float32:
             raise ValueError(f"matmul with {self.name}: x must be a float32 numpy array, got "
                              f"{getattr(x, 'dtype', type(x).__name__)}")
@@ -238,6 +247,7 @@ class WeightTensor:
         elif n_tok >= BLAS_MIN_TOKENS or t in (T.F16, T.BF16) or not _lib.strata_can_matmul(int(t)):
             y = self._matmul_blas(x2, n_out, n_in, row_bytes)
         else:
+            self._fast_cache = (n_out, n_in, row_bytes, int(t), self._ptr())
             y = np.empty((n_tok, n_out), dtype=np.float32)
             _check(_lib.strata_matmul(int(t), self._ptr(), row_bytes, n_out, n_in,
                                       _ffi.from_buffer("float[]", x2), n_tok, _ffi.from_buffer("float[]", y),

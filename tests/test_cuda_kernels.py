@@ -82,9 +82,8 @@ def q8_1_dequant(x):
     return (q.astype(np.float64) * d[:, None].astype(np.float64)).reshape(np.shape(x))
 
 
-@pytest.mark.skipif(not C.DP4A, reason="STRATA_CUDA_DP4A=0")
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
-def test_matvec_dp4a_int8_activations(be, cp, t):
+def test_matvec_dp4a_int8_activations(be, cp, t, monkeypatch):
     """The decode kernel: x quantized to int8 blocks bit-exactly as quantize_q8_1 (values, d, d * sum q); y
     within 1e-5 of W (x rounded to q8_1) and, stating the cost of the rounding, within 2e-2 of W x."""
     rng = np.random.default_rng(50 + int(t))
@@ -100,6 +99,7 @@ def test_matvec_dp4a_int8_activations(be, cp, t):
     assert np.array_equal(ds[:, 0], d)
     np.testing.assert_allclose(ds[:, 1], d * q.astype(np.float32).sum(axis=1), rtol=1e-6)
     w = C.upload_raw("w", int(t), (n_out, n_in), raw)
+    monkeypatch.setattr(C, "DP4A", True)
     y = cp.asnumpy(be.matmul(cp.asarray(x), w))
     assert rel(y, q8_1_dequant(x) @ W.T) < 1e-5
     err = rel(y, x.astype(np.float64) @ W.T)

@@ -126,9 +126,11 @@ def test_greedy_64_tokens_identical(model_path, hf, prompt_ids, graphs):
     assert np.linalg.norm(ours_last - ref_last) / np.linalg.norm(ref_last) < LOGITS_REL_L2
 
 
-def test_graph_decode_step_matches_llama_py_forward(model_path, prompt_ids):
+def test_graph_decode_step_matches_llama_py_forward(model_path, prompt_ids, monkeypatch):
     """The plan's step is llama.py's one-token forward: same logits (up to split-K summation order), same
-    tokens, same state bookkeeping, on two sequences of one pool."""
+    tokens, same state bookkeeping, on two sequences of one pool. f32 activations: with int8 activations
+    (STRATA_CUDA_DP4A=1) a 1e-7 difference can flip an int8 rounding, and the runs drift apart by ~1e-2."""
+    monkeypatch.setattr(C, "DP4A", False)
     model = _cuda_model(model_path)
     pool = model.new_page_pool(2048)
     fast = model.backend.fast_path(model)

@@ -85,6 +85,34 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(a);
 }
 
+/* kt[d * 16 + j] = K[j][d] for keys j < jn (0 for jn <= j < 16): 8x8 register transposes (hd % 8 == 0). */
+static inline void build_kt(const float *K, int hd, int jn, float *kt) {
+    for (int j0 = 0; j0 < KT_W; j0 += 8) {
+        for (int d = 0; d < hd; d += 8) {
+            __m256 r[8];
+            for (int i = 0; i < 8; i++)
+                r[i] = j0 + i < jn ? _mm256_loadu_ps(K + (size_t)(j0 + i) * hd + d) : _mm256_setzero_ps();
+            const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+            const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+            const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+            const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+            const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+            const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+            const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+            const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+            float *o = kt + (size_t)d * KT_W + j0;
+            _mm256_store_ps(o + 0 * KT_W, _mm256_permute2f128_ps(u0, u4, 0x20));
+            _mm256_store_ps(o + 1 * KT_W, _mm256_permute2f128_ps(u1, u5, 0x20));
+            _mm256_store_ps(o + 2 * KT_W, _mm256_permute2f128_ps(u2, u6, 0x20));
+            _mm256_store_ps(o + 3 * KT_W, _mm256_permute2f128_ps(u3, u7, 0x20));
+            _mm256_store_ps(o + 4 * KT_W, _mm256_permute2f128_ps(u0, u4, 0x31));
+            _mm256_store_ps(o + 5 * KT_W, _mm256_permute2f128_ps(u1, u5, 0x31));
+            _mm256_store_ps(o + 6 * KT_W, _mm256_permute2f128_ps(u2, u6, 0x31));
+            _mm256_store_ps(o + 7 * KT_W, _mm256_permute2f128_ps(u3, u7, 0x31));
+        }
+    }
+}
+
 /* S[r][j0 .. j0+16) = qs[r] . KT[:, 0..16) for rows r0 .. r0+RB. */
 #define QK_KERNEL(RB)                                                                                     \
     static inline void qk_rows_##RB(const float *qs, int hd, const float *kt, float *S, int sw) {         \
@@ -204,14 +232,7 @@ static void seg_partial(const at_task *t, at_buf *b, int h, int64_t i0, int R, i
     /* scores */
     for (int j0 = 0; j0 < nk; j0 += KT_W) {
         const int jn = nk - j0 < KT_W ? nk - j0 : KT_W;
-        for (int jj = 0; jj < KT_W; jj++) {
-            if (jj < jn) {
-                const float *kr = Kp + (size_t)(j0 + jj) * hd;
-                for (int d = 0; d < hd; d++) b->kt[d * KT_W + jj] = kr[d];
-            } else {
-                for (int d = 0; d < hd; d++) b->kt[d * KT_W + jj] = 0.0f;
-            }
-        }
+        build_kt(Kp + (size_t)j0 * hd, hd, jn, b->kt);
         int r = 0;
         for (; r + QK_RB <= R; r += QK_RB) qk_rows_6(b->qs + (size_t)r * hd, hd, b->kt, b->S + (size_t)r * sw + j0, sw);
         switch (R - r) {
@@ -349,6 +370,7 @@ static void at_worker_split(void *arg, int ith, int nth) {
 int strata_attention(const float *q, int64_t n, int n_head, int n_kv, int hd, int hv,
                      const float *K, const float *V, int64_t pool_pages, int page_size,
                      const int32_t *pages, int64_t n_seq_pages, int64_t start, float scale,
+                     const float *k_new, int64_t k_stride, const float *v_new, int64_t v_stride,
                      float *out, int n_threads) {
     if (!strata_cpu_has_avx2()) return ST_ERR_TYPE;
     if (n <= 0 || n_head <= 0 || n_kv <= 0 || n_head % n_kv || hd <= 0 || hv <= 0 || hd % 8 || hv % 8 ||
@@ -356,6 +378,18 @@ int strata_attention(const float *q, int64_t n, int n_head, int n_kv, int hd, in
         return ST_ERR_SHAPE;
     for (int64_t i = 0; i < (start + n + page_size - 1) / page_size; i++)
         if (pages[i] < 0 || pages[i] >= pool_pages) return ST_ERR_INDEX;
+    /* store the new tokens' K/V (when given) at positions [start, start + n) */
+    if (k_new && v_new) {
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t p = start + i, page = pages[p / page_size], off = p % page_size;
+            for (int h = 0; h < n_kv; h++) {
+                memcpy((float *)K + ((h * pool_pages + page) * page_size + off) * hd, k_new + i * k_stride + (int64_t)h * hd,
+                       (size_t)hd * sizeof(float));
+                memcpy((float *)V + ((h * pool_pages + page) * page_size + off) * hv, v_new + i * v_stride + (int64_t)h * hv,
+                       (size_t)hv * sizeof(float));
+            }
+        }
+    }
     at_task t;
     memset(&t, 0, sizeof t);
     t.q = q; t.n = n; t.n_head = n_head; t.n_kv = n_kv; t.hd = hd; t.hv = hv; t.g = n_head / n_kv;
@@ -419,9 +453,11 @@ int strata_attention(const float *q, int64_t n, int n_head, int n_kv, int hd, in
 int strata_attention(const float *q, int64_t n, int n_head, int n_kv, int hd, int hv,
                      const float *K, const float *V, int64_t pool_pages, int page_size,
                      const int32_t *pages, int64_t n_seq_pages, int64_t start, float scale,
+                     const float *k_new, int64_t k_stride, const float *v_new, int64_t v_stride,
                      float *out, int n_threads) {
     (void)q; (void)n; (void)n_head; (void)n_kv; (void)hd; (void)hv; (void)K; (void)V; (void)pool_pages;
     (void)page_size; (void)pages; (void)n_seq_pages; (void)start; (void)scale; (void)out; (void)n_threads;
+    (void)k_new; (void)k_stride; (void)v_new; (void)v_stride;
     return ST_ERR_TYPE;
 }
 

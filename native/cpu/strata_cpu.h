@@ -26,9 +26,18 @@ int strata_matmul(int type, const void *w, int64_t w_row_bytes, int64_t n_out, i
                   const float *x, int64_t n_tokens, float *y, int n_threads);
 /* Causal GQA attention over paged float32 K/V (attention.c; AVX2+FMA only: ST_ERR_TYPE without it).
  * q (n, n_head, hd) at positions start.., K (n_kv, pool_pages, page_size, hd), V likewise with hv, pages: the
- * sequence's page table (n_seq_pages entries); out (n, n_head, hv). hd and hv multiples of 8. */
+ * sequence's page table (n_seq_pages entries); out (n, n_head, hv). hd and hv multiples of 8. When k_new and
+ * v_new are not NULL, the new tokens' K/V ((n, n_kv, hd|hv), tokens k_stride/v_stride floats apart) are stored at
+ * positions [start, start + n) first. */
 int strata_attention(const float *q, int64_t n, int n_head, int n_kv, int hd, int hv,
                      const float *K, const float *V, int64_t pool_pages, int page_size,
                      const int32_t *pages, int64_t n_seq_pages, int64_t start, float scale,
+                     const float *k_new, int64_t k_stride, const float *v_new, int64_t v_stride,
                      float *out, int n_threads);
+/* Per-token ops (ops.c; AVX2+FMA only: ST_ERR_TYPE without it). */
+int strata_rms_norm(const float *x, const float *r, const float *w, int64_t n, int64_t dim, float eps,
+                    float *out, float *sum_out);
+int strata_rope(const float *x, int64_t x_stride, int64_t n, int n_head, int hd, int n_rot, const int64_t *pos,
+                const float *cos_t, const float *sin_t, int64_t n_table, int neox, float *out);
+int strata_swiglu(const float *gate, const float *up, int64_t n, int64_t ff, int64_t stride, float *out);
 #endif

@@ -339,6 +339,7 @@ __global__ void k_matvec_q8(const uint8_t *__restrict__ w, const int8_t *__restr
   if (row < n_out) {
     const uint8_t *r = w + (long long)row * row_bytes;
     const int *x = reinterpret_cast<const int *>(xq);
+#pragma unroll 4
     for (int u = g; u < n_units; u += MVQ_LANES) acc += dot_q8<T>(r, u, x, __ldg(xds + u));
   }
 #pragma unroll

@@ -21,6 +21,7 @@ _MASKS: dict[int, np.ndarray] = {}
 
 #: Attention through the C core (native/cpu/attention.c) when it is built and the CPU has AVX2+FMA;
 #: the numpy path below otherwise (STRATA_NUMPY_ATTENTION=1 forces numpy).
+_NATIVE_OPS = quant._lib is not None and bool(quant._lib.strata_cpu_has_avx2())
 _NATIVE_ATTENTION = (quant._lib is not None and bool(quant._lib.strata_cpu_has_avx2())
                      and os.environ.get("STRATA_NUMPY_ATTENTION", "") in ("", "0"))
 
@@ -33,6 +34,16 @@ def _causal_mask(c: int) -> np.ndarray:
         if len(_MASKS) < 64:
             _MASKS[c] = m
     return m
+
+
+_NULL = quant._ffi.NULL if quant._ffi is not None else None
+
+
+def _fp(a: np.ndarray):
+    """cffi float* to the first element of a (any strides; the caller keeps a alive)."""
+    if a.flags.c_contiguous:
+        return quant._ffi.from_buffer("float[]", a)
+    return quant._ffi.cast("float *", a.ctypes.data)
 
 
 class CPUBackend(Backend):
@@ -62,6 +73,17 @@ class CPUBackend(Backend):
 
     # --- elementwise --------------------------------------------------------------------------------
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float, residual: np.ndarray | None = None) -> np.ndarray:
+        if (_NATIVE_OPS and x.dtype == np.float32 and x.ndim >= 1 and x.flags.c_contiguous
+                and isinstance(weight, np.ndarray) and weight.dtype == np.float32 and weight.shape == x.shape[-1:]
+                and weight.flags.c_contiguous
+                and (residual is None or (residual.dtype == np.float32 and residual.shape == x.shape
+                                          and residual.flags.c_contiguous))):
+            out = np.empty_like(x)
+            dim = x.shape[-1]
+            rc = quant._lib.strata_rms_norm(_fp(x), _fp(residual) if residual is not None else _NULL, _fp(weight),
+                                            x.size // dim, dim, float(eps), _fp(out), _NULL)
+            if rc == 0:
+                return out
         if residual is not None:
             x = x + residual
         ms = np.einsum("...i,...i->...", x, x, dtype=np.float32) / np.float32(x.shape[-1])
@@ -69,6 +91,13 @@ class CPUBackend(Backend):
         return (x * scale[..., None]) * weight
 
     def swiglu(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+        if (_NATIVE_OPS and gate.ndim == 2 and gate.shape == up.shape and gate.dtype == np.float32
+                and up.dtype == np.float32 and gate.strides == up.strides and gate.strides[1] == 4
+                and gate.strides[0] % 4 == 0 and gate.shape[0] > 0):
+            n, ff = gate.shape
+            out = np.empty((n, ff), dtype=np.float32)
+            if quant._lib.strata_swiglu(_fp(gate), _fp(up), n, ff, gate.strides[0] // 4, _fp(out)) == 0:
+                return out
         with np.errstate(over="ignore"):
             return gate / (np.float32(1.0) + np.exp(-gate)) * up
 
@@ -97,6 +126,17 @@ class CPUBackend(Backend):
             raise ValueError("RoPE positions must be >= 0")
         cos_t, sin_t = self._rope_table(int(positions.max()) + 1 if positions.size else 1, n_rot, theta,
                                         freq_factors, freq_scale)
+        if (_NATIVE_OPS and x.ndim == 3 and x.dtype == np.float32 and x.strides[2] == 4
+                and x.strides[1] == 4 * x.shape[2] and x.strides[0] % 4 == 0 and x.shape[0] == positions.shape[0]
+                and n_rot % 2 == 0 and 0 < n_rot <= x.shape[2]):
+            n, nh, hd = x.shape
+            out = np.empty((n, nh, hd), dtype=np.float32)
+            positions = np.ascontiguousarray(positions)
+            rc = quant._lib.strata_rope(_fp(x), x.strides[0] // 4, n, nh, hd, n_rot,
+                                        quant._ffi.cast("int64_t *", positions.ctypes.data), _fp(cos_t),
+                                        _fp(sin_t), cos_t.shape[0], int(bool(neox)), _fp(out))
+            if rc == 0:
+                return out
         cos = cos_t[positions][:, None, :]  # (n, 1, n_rot/2)
         sin = sin_t[positions][:, None, :]
         out = np.array(x, dtype=np.float32, copy=True)
@@ -135,13 +175,13 @@ class CPUBackend(Backend):
         start = kv.length
         if start + n > kv.capacity:
             raise ValueError(f"attention at [{start}, {start + n}) past the reserved pages ({kv.capacity})")
-        pool.write(slot, kv.pages, start, k, v)
         Kp, Vp = pool.k[slot], pool.v[slot]
         lib = quant._lib
-        if (lib is not None and _NATIVE_ATTENTION and hd % 8 == 0 and Vp.shape[-1] % 8 == 0 and g <= 48
+        if (_NATIVE_ATTENTION and hd % 8 == 0 and Vp.shape[-1] % 8 == 0 and g <= 48
                 and isinstance(Kp, np.ndarray) and Kp.dtype == np.float32 and Vp.dtype == np.float32
                 and Kp.flags.c_contiguous and Vp.flags.c_contiguous):
-            return self._attention_native(lib, q, n, n_head, n_kv, hd, Kp, Vp, pool, kv, start, scale)
+            return self._attention_native(lib, q, k, v, n, n_head, n_kv, hd, Kp, Vp, pool, kv, start, scale)
+        pool.write(slot, kv.pages, start, k, v)
         K, V = kv.read(slot, start + n)  # (n_kv, L, hd)
         hv = V.shape[-1]
         # (n, n_kv, g, hd) -> (n_kv, n*g, hd): row r is token r // g, group r % g
@@ -184,18 +224,30 @@ class CPUBackend(Backend):
             out[:, i0 * g:i1 * g] /= denom
         return out.reshape(n_kv, n, g, hv).transpose(1, 0, 2, 3).reshape(n, n_head, hv)
 
-    def _attention_native(self, lib, q, n, n_head, n_kv, hd, Kp, Vp, pool, kv, start, scale) -> np.ndarray:
-        """C core attention (one pass per KV head over the sequence's pages, FlashAttention-style online
-        softmax merged in page order; deterministic for any thread count). Returns (n, n_head, hv) float32."""
+    def _attention_native(self, lib, q, k, v, n, n_head, n_kv, hd, Kp, Vp, pool, kv, start, scale) -> np.ndarray:
+        """C core attention (stores k/v in the pages, then one pass per KV head over the sequence's pages,
+        FlashAttention-style online softmax merged in page order; deterministic for any thread count).
+        Returns (n, n_head, hv) float32."""
         ffi = quant._ffi
         hv = Vp.shape[-1]
         q = np.ascontiguousarray(q, dtype=np.float32)
+        k, v = _rows(k, n_kv, hd), _rows(v, n_kv, hv)
         pages = np.asarray(kv.pages, dtype=np.int32)
         out = np.empty((n, n_head, hv), dtype=np.float32)
         rc = lib.strata_attention(ffi.from_buffer("float[]", q), n, n_head, n_kv, hd, hv,
                                   ffi.from_buffer("float[]", Kp), ffi.from_buffer("float[]", Vp), pool.n_pages,
                                   pool.page_size, ffi.from_buffer("int32_t[]", pages), len(pages), start,
-                                  float(scale), ffi.from_buffer("float[]", out), quant.get_threads())
+                                  float(scale), _fp(k), k.strides[0] // 4, _fp(v), v.strides[0] // 4,
+                                  ffi.from_buffer("float[]", out), quant.get_threads())
         if rc != 0:
             raise ValueError(f"attention: C core error {rc} (n={n}, heads={n_head}/{n_kv}, head_dim={hd}/{hv})")
         return out
+
+
+def _rows(a: np.ndarray, heads: int, d: int) -> np.ndarray:
+    """a (n, heads, d) float32 whose heads are contiguous within a token (tokens any whole-float stride); a
+    contiguous copy otherwise."""
+    if (a.dtype == np.float32 and a.ndim == 3 and a.strides[2] == 4 and a.strides[1] == 4 * d
+            and a.strides[0] % 4 == 0 and a.strides[0] >= 4 * heads * d):
+        return a
+    return np.ascontiguousarray(a, dtype=np.float32).reshape(a.shape[0], heads, d)

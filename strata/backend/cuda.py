@@ -57,9 +57,11 @@ int strata_rope_kv_decode(void *stream, float *qkv, const int *pos, void *k_cach
                           int n_head, int n_kv, int hd, int n_rot, float base, int neox, int page_size);
 """
 
-# Decode matvec (one token) on int8 activations with __dp4a for Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K weights;
-# STRATA_CUDA_DP4A=0 keeps the f32-activation kernel (strata_matvec) everywhere.
-DP4A = os.environ.get("STRATA_CUDA_DP4A", "1") not in ("0", "false", "no")
+# Decode matvec (one token) on int8 activations with __dp4a for Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K weights: opt-in
+# (STRATA_CUDA_DP4A=1). Measured on the H200 it was not faster than the f32-activation kernel (decode is bound by
+# launch latency, not by the matvec's arithmetic) and the int8 rounding costs 5e-3..1.4e-2 rel. L2 in the logits
+# (f32 activations: 3e-4), so strata_matvec (f32 activations) is the default.
+DP4A = os.environ.get("STRATA_CUDA_DP4A", "0") not in ("0", "false", "no", "")
 
 # Prefill attention through the tiled flash-style kernel (f16 wmma, online softmax) for head_dim 64 / 128;
 # STRATA_CUDA_FLASH=0 keeps the materialized-score path (cuBLAS f32 + strata_causal_softmax).

@@ -130,21 +130,32 @@ class LlamaModel(Model):
             rope_kw["freq_scale"] = self.freq_scale
         nq, nk = nh * hd, nkv * hd
         x = be.embed(self.tok_embd, tokens)
+        fuse_rope = be.name == "cpu"
         for il, L in enumerate(self.layers):
             h = be.rms_norm(x, L.attn_norm, c.rms_eps)
-            if L.wqkv is not None:
+            if fuse_rope and L.wqkv is not None and L.bq is None and L.bk is None:
+                # Q and K heads are adjacent in the fused output: one RoPE call for both (the same per-head op;
+                # CPU only, where q/k may stay strided views)
                 qkv = be.matmul(h, L.wqkv)
-                q, k, v = qkv[:, :nq], qkv[:, nq:nq + nk], qkv[:, nq + nk:]
+                qk = be.rope(qkv[:, :nq + nk].reshape(n, nh + nkv, hd), positions, self.n_rot, c.rope_theta,
+                             c.rope_neox, **rope_kw)
+                q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nq + nk:]
+                if L.bv is not None:
+                    v = v + L.bv
             else:
-                q, k, v = be.matmul(h, L.wq), be.matmul(h, L.wk), be.matmul(h, L.wv)
-            if L.bq is not None:
-                q = q + L.bq
-            if L.bk is not None:
-                k = k + L.bk
-            if L.bv is not None:
-                v = v + L.bv
-            q = be.rope(q.reshape(n, nh, hd), positions, self.n_rot, c.rope_theta, c.rope_neox, **rope_kw)
-            k = be.rope(k.reshape(n, nkv, hd), positions, self.n_rot, c.rope_theta, c.rope_neox, **rope_kw)
+                if L.wqkv is not None:
+                    qkv = be.matmul(h, L.wqkv)
+                    q, k, v = qkv[:, :nq], qkv[:, nq:nq + nk], qkv[:, nq + nk:]
+                else:
+                    q, k, v = be.matmul(h, L.wq), be.matmul(h, L.wk), be.matmul(h, L.wv)
+                if L.bq is not None:
+                    q = q + L.bq
+                if L.bk is not None:
+                    k = k + L.bk
+                if L.bv is not None:
+                    v = v + L.bv
+                q = be.rope(q.reshape(n, nh, hd), positions, self.n_rot, c.rope_theta, c.rope_neox, **rope_kw)
+                k = be.rope(k.reshape(n, nkv, hd), positions, self.n_rot, c.rope_theta, c.rope_neox, **rope_kw)
             a = be.attention(q, k, v.reshape(n, nkv, hd), kv, il, self.scale)
             x = x + be.matmul(a.reshape(n, nh * hd), L.wo)
             h = be.rms_norm(x, L.ffn_norm, c.rms_eps)
