@@ -5,11 +5,12 @@ through llama-cpp-python (optional: `pip install llama-cpp-python`; its column i
 is not importable). Each figure is the best of --repeats runs, the two engines alternating, so a noisy
 neighbour on a shared machine hurts both alike. Writes JSON (default bench/results/cpu_throughput.json).
 
-Decode is measured after prompts of --decode-context tokens (default 128, 2048 and 8192: long-context decode is
-bound by reading the KV cache). Each repeat re-reads the prompt (untimed), so long contexts use --long-repeats.
+Decode is measured after prompts of --decode-context tokens (default 128, 2048 and 8064, so that 64 new tokens
+stay inside SmolLM2's 8K training context; long-context decode is bound by reading the KV cache). Each repeat
+re-reads the prompt (untimed), so contexts over 1024 tokens use --long-repeats.
 
 Usage: python bench/cpu_throughput.py [--model default|PATH] [--threads N] [--sizes 128,512,2048]
-       [--decode-tokens 64] [--decode-context 128,2048,8192] [--ubatch 512] [--repeats 3] [--no-llama]
+       [--decode-tokens 64] [--decode-context 128,2048,8064] [--ubatch 512] [--repeats 3] [--no-llama]
 """
 from __future__ import annotations
 
@@ -137,7 +138,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--sizes", default="128,512,2048")
     ap.add_argument("--decode-tokens", type=int, default=64)
-    ap.add_argument("--decode-context", default="128,2048,8192",
+    ap.add_argument("--decode-context", default="128,2048,8064",
                     help="prompt tokens before a decode run; a comma list gives one decode row per context")
     ap.add_argument("--long-repeats", type=int, default=1,
                     help="repeats for decode rows whose context exceeds 1024 tokens (each repeat re-reads the prompt)")

@@ -26,12 +26,12 @@ SUPPORTED_TYPES = frozenset({
 })
 
 #: From this many tokens on, matmul dequantizes a tile of weight rows to fp32 and calls numpy's BLAS
-#: instead of the Q8 integer kernels. Crossover measured with bench/matmul.py on a 2-core Sapphire Rapids
-#: VM (OpenBLAS with AVX-512, 2 threads): the Q8 kernels (~65 GFLOP/s per thread, AVX2/AVX-VNNI) win up to
-#: 32-64 tokens for the SmolLM2 shapes, BLAS wins from 64-128 tokens on (about 1.3-2x at 256-512 tokens).
-#: On a machine whose cores are oversubscribed, multi-threaded OpenBLAS stalls in bursts (measured 30-70x
-#: slower, also in a process that never loaded Strata), while the Q8 kernels degrade gracefully; raise this
-#: with the environment variable STRATA_BLAS_MIN_TOKENS to keep prefill off BLAS.
+#: instead of the Q8 integer kernels. Off by default (2^30): on a quiet 2-core Sapphire Rapids VM, 2-thread
+#: OpenBLAS (AVX-512) beats the Q8 kernels (AVX-VNNI) by about 1.3x from 128-512 tokens on (bench/matmul.py),
+#: but whenever the cores are shared it stalls in bursts (measured 30-400x slower: a 128-token prompt at
+#: 22 tok/s instead of 450; also in a process that never loaded Strata, and nothing here limits its threads),
+#: while the Q8 kernels degrade gracefully. Set the environment variable STRATA_BLAS_MIN_TOKENS (e.g. 128)
+#: to use BLAS for large batches on a dedicated machine.
 BLAS_MIN_TOKENS = int(os.environ.get("STRATA_BLAS_MIN_TOKENS", str(1 << 30)))
 #: Rows per dequantized tile on the BLAS path: at most about this many fp32 bytes at a time.
 _BLAS_TILE_BYTES = 4 << 20

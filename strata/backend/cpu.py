@@ -11,7 +11,8 @@ from strata.kv_cache import DEFAULT_PAGE_SIZE, PagedKV, PagePool
 from strata import quant
 from strata.quant import WeightTensor
 
-# Bytes of attention scores one query chunk may hold; bounds prefill memory at long contexts.
+# numpy attention path (no C core / no AVX2): bytes of attention scores one query chunk may hold; bounds
+# prefill memory at long contexts.
 ATTN_SCORE_BYTES = 32 * 1024 * 1024
 # Decode attention uses BLAS up to this many keys, einsum beyond (see CPUBackend.attention).
 DECODE_BLAS_MAX_KEYS = 4096
@@ -163,8 +164,11 @@ class CPUBackend(Backend):
 
     def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, kv: PagedKV, layer: int,
                   scale: float) -> np.ndarray:
-        """Causal GQA attention over the paged KV (see Backend.attention). Scores and softmax in float32;
-        queries are processed in chunks so a chunk's scores stay under ATTN_SCORE_BYTES."""
+        """Causal GQA attention over the paged KV (see Backend.attention), float32. With the C core and AVX2:
+        native/cpu/attention.c (FlashAttention-style online softmax per KV page, the GQA group's queries together;
+        decode splits pages over threads, prefill splits KV heads x query blocks; bit-identical for any thread
+        count and any way the tokens are split into calls). Otherwise numpy: queries in chunks so a chunk's
+        scores stay under ATTN_SCORE_BYTES."""
         n, n_head, hd = q.shape
         n_kv = k.shape[1]
         if n_head % n_kv:
