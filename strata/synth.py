@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 

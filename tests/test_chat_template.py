@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from strata.chat_template import ChatTemplate, CutPoint
+from strata.chat_template import ChatTemplate
 from strata.tokenizer import Tokenizer
 
 CHATS = [

@@ -2,7 +2,6 @@
 engine with device cuda, on the default model, against an independent float32 reference: Hugging Face transformers
 loading the same GGUF (weights dequantized by gguf-py); plus the checkpoint tests of tests/test_checkpoints.py run on
 a cuda engine. Skipped without a GPU."""
-import os
 
 import numpy as np
 import pytest

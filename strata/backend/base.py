@@ -66,6 +66,21 @@ class Backend(ABC):
                       page_size: int = DEFAULT_PAGE_SIZE, head_dim_v: int | None = None) -> PagePool:
         """A PagePool with zeroed float32 K/V storage for the attention layers `layers`."""
 
+    @staticmethod
+    def attention_geometry(q: Array, k: Array, kv: PagedKV, layer: int) -> tuple[int, int, int, int, int, int]:
+        """Checks shared by every backend's attention: -> (n, n_head, hd, group, slot, start).
+
+        group = n_head // n_kv_head (GQA), slot = the pool's storage index of model layer `layer`, start = kv.length.
+        Raises ValueError when n_head is not a multiple of n_kv_head or the new tokens pass the reserved pages."""
+        n, n_head, hd = q.shape
+        n_kv = k.shape[1]
+        if n_head % n_kv:
+            raise ValueError(f"n_head {n_head} is not a multiple of n_kv_head {n_kv}")
+        start = kv.length
+        if start + n > kv.capacity:
+            raise ValueError(f"attention at [{start}, {start + n}) past the reserved pages ({kv.capacity})")
+        return n, n_head, hd, n_head // n_kv, kv.pool.slot(layer), start
+
     def softmax(self, x: Array) -> Array:
         """Softmax over the last axis (float32), with the backend's array module ``self.xp``."""
         e = self.xp.exp(x - x.max(axis=-1, keepdims=True))

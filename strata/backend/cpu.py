@@ -169,16 +169,9 @@ class CPUBackend(Backend):
         decode splits pages over threads, prefill splits KV heads x query blocks; bit-identical for any thread
         count and any way the tokens are split into calls). Otherwise numpy: queries in chunks so a chunk's
         scores stay under ATTN_SCORE_BYTES."""
-        n, n_head, hd = q.shape
-        n_kv = k.shape[1]
-        if n_head % n_kv:
-            raise ValueError(f"n_head {n_head} is not a multiple of n_kv_head {n_kv}")
-        g = n_head // n_kv
+        n, n_head, hd, g, slot, start = self.attention_geometry(q, k, kv, layer)
+        n_kv = n_head // g
         pool = kv.pool
-        slot = pool.slot(layer)
-        start = kv.length
-        if start + n > kv.capacity:
-            raise ValueError(f"attention at [{start}, {start + n}) past the reserved pages ({kv.capacity})")
         Kp, Vp = pool.k[slot], pool.v[slot]
         lib = quant._lib
         if (_NATIVE_ATTENTION and hd % 8 == 0 and Vp.shape[-1] % 8 == 0 and g <= 48

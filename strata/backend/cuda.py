@@ -17,7 +17,6 @@ activations in f32; prefill GEMMs take f16 activations and f16 weights with f32 
 """
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -403,16 +402,9 @@ class CudaBackend(Backend):
         1 GiB."""
         cp = self.cp
         q, k, v = self.asarray(q), self.asarray(k), self.asarray(v)
-        n, n_head, hd = q.shape
-        n_kv = k.shape[1]
-        if n_head % n_kv:
-            raise ValueError(f"n_head {n_head} is not a multiple of n_kv_head {n_kv}")
-        g = n_head // n_kv
+        n, n_head, hd, g, slot, start = self.attention_geometry(q, k, kv, layer)
+        n_kv = n_head // g
         pool = kv.pool
-        slot = pool.slot(layer)
-        start = kv.length
-        if start + n > kv.capacity:
-            raise ValueError(f"attention at [{start}, {start + n}) past the reserved pages ({kv.capacity})")
         if isinstance(pool, CudaPagePool):
             return paged_attention(self, q, k, v, pool.k[slot], pool.v[slot], pool.table(kv.pages), start,
                                    pool.page_size, scale)

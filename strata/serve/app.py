@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import os
 import re
 import socket
 import threading
