@@ -458,11 +458,17 @@ def test_replay_two_chats_share_the_root_and_match_prompt_cache_0(engine, engine
             assert final.strata["resume_pos"] > root
     assert any(e["pinned"] and e["pos"] == root for e in engine.checkpoints())
     # the same answers, token for token, as a run without checkpoints on the same prompts. The parts read
-    # differ (cut points vs one part) and the CPU kernels round differently with the batch size, so where they
-    # do not, the first difference must be a near tie that rounding flipped: each run's choice wins by < 1 nat.
+    # differ (cut points vs one part); on the hybrid model the GDN takes its chunked path for a multi-token part
+    # and chunk boundaries move with the parts, so there a difference must be a near tie that rounding flipped:
+    # each run's choice wins by < 1 nat.
+    # On the attention-only default model the CPU kernels give every row the same bits whatever batch it is read
+    # in (integer matmul per row, attention merged page by page), so the answers must be identical.
+    exact = engine.arch == "llama" and engine.device == "cpu"
     for (ta, fa, ra, _, pa, _), (tb, fb, rb, _, pb, _) in zip(cached, plain):
         assert ra.tokens == rb.tokens
-        if ta != tb:
+        if exact:
+            assert ta == tb
+        elif ta != tb:
             i = next(i for i, (x, y) in enumerate(zip(ta + [-1], tb + [-1])) if x != y)
             assert i < min(len(ta), len(tb)), "one answer ended early: not a rounding flip"
             gap_a = pa[i][ta[i]] - pa[i].get(tb[i], float("-inf"))
