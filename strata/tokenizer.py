@@ -280,12 +280,15 @@ class Tokenizer:
         Special-token text is only recognised inside one piece (never across a piece boundary); CONTROL and
         UNKNOWN tokens only in pieces with parse_special=True, USER_DEFINED tokens in every piece (llama.cpp's
         rule). Adjacent raw fragments are merged. Returns (joined text, fragments covering it in order).
+        Raises ValueError for text that is not valid Unicode (a lone surrogate, e.g. from JSON "\\ud800" or
+        undecodable command-line bytes): it has no UTF-8 encoding, so no token ids.
         """
         frags: list[Fragment] = []
         off = 0
         for text, parse_special in pieces:
             if not text:
                 continue
+            check_text(text)
             # (start, end, id) within this piece; llama.cpp order: each special in turn over remaining raw text
             parts: list[tuple[int, int, int | None]] = [(0, len(text), None)]
             for stext, sid, user_defined in self._specials:
@@ -389,6 +392,15 @@ class Tokenizer:
         return self.decode_bytes(ids, special).decode("utf-8", errors="replace")
 
 
+def check_text(text: str) -> None:
+    """Raise ValueError (one line, naming the character and its index) if `text` has no UTF-8 encoding."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"text is not valid Unicode: lone surrogate U+{ord(text[e.start]):04X} at character "
+                         f"{e.start}") from None
+
+
 class StreamDecoder:
     """Incremental detokenization: feed token ids, get back only complete UTF-8 text.
 
@@ -411,8 +423,9 @@ class StreamDecoder:
         """Bytes held back (an incomplete UTF-8 sequence)."""
         return self._dec.getstate()[0]
 
-    def flush(self) -> str:
-        """Text of any held bytes (U+FFFD for an incomplete sequence); resets the decoder."""
-        out = self._dec.decode(b"", final=True)
+    def flush(self, drop_incomplete: bool = False) -> str:
+        """Text of any held bytes (U+FFFD for an incomplete sequence, or "" for it with drop_incomplete: a
+        generation cut by max_tokens mid-character ends at the last whole character); resets the decoder."""
+        out = "" if drop_incomplete else self._dec.decode(b"", final=True)
         self._dec.reset()
         return out

@@ -121,3 +121,27 @@ def test_chat_keeps_conversation_and_exits_on_eof(default_model_path):
     # after /reset the same first question is asked again: the same answer
     answers = p.stdout.split("\n")
     assert "Paris" in answers[0] and p.stdout.count("Paris") >= 2
+
+
+def test_undecodable_prompt_bytes_are_a_one_line_error(default_model_path):
+    """argv bytes that are not UTF-8 (b'hi \\xff') reach Python as a lone surrogate: refused in one line."""
+    p = strata("generate", "--prompt", "hi \udcff there", "--max-tokens", "4")
+    assert_one_line_error(p, "not valid Unicode")
+
+
+def test_bad_sampling_value_is_refused_before_the_model_loads():
+    p = strata("generate", "--prompt", "hi", "--temperature", "-1", "--model", "/nonexistent.gguf")
+    assert_one_line_error(p, "temperature")          # not the missing-file error: checked before loading
+
+
+def test_chat_survives_an_undecodable_line(default_model_path):
+    """A line of stdin that is not UTF-8 never kills the chat: depending on the stdin error handler it arrives as
+    U+FFFD (answered) or as a lone surrogate (a one-line error); either way the next line is answered."""
+    code = "import sys\nfrom strata.cli.main import main\nsys.exit(main(sys.argv[1:]))"
+    e = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-c", code, "chat", "--max-tokens", "4", "--n-ctx", "512"],
+                       input=b"hi \xff\nhello\n", capture_output=True, env=e, cwd=str(ROOT), timeout=300)
+    err = p.stderr.decode("utf-8", "replace")
+    assert p.returncode == 0 and "Traceback" not in err, err
+    refused = "not valid Unicode" in err
+    assert err.count("[prompt:") == (1 if refused else 2)

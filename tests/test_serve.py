@@ -193,12 +193,22 @@ def test_slots(daemon):
     (json.dumps({"messages": HI, "stream_options": {"include_usage": True}}).encode(), "only allowed"),
     (json.dumps({"messages": HI, "strata_pin": 5}).encode(), "strata_pin"),
     (json.dumps({"messages": HI, "stop": ""}).encode(), "'stop'"),
+    (b'{"messages": [{"role": "user", "content": "hi \\ud800"}]}', "not valid Unicode"),
+    (b'{"messages": [{"role": "system", "content": "\\ud83d"}, {"role": "user", "content": "x"}]}',
+     "not valid Unicode"),
 ])
 def test_bad_requests_get_400(daemon, raw, needle):
     st, h, b = daemon.request("POST", "/v1/chat/completions", raw=raw)
     assert st == 400, b
     err = json.loads(b)["error"]
     assert needle in err["message"] and err["type"] == "invalid_request_error"
+
+
+def test_completion_prompt_with_a_lone_surrogate_gets_400(daemon):
+    st, h, b = daemon.request("POST", "/v1/completions", raw=b'{"prompt": "hi \\udc80", "max_tokens": 1}')
+    err = json.loads(b)["error"]
+    assert st == 400 and "not valid Unicode" in err["message"] and err["param"] == "prompt"
+    assert daemon.json("GET", "/health")[0] == 200
 
 
 def test_prompt_too_long_names_the_numbers(daemon):

@@ -243,6 +243,24 @@ def test_stream_decoder_holds_partial_characters(tok):
     assert sd.flush() == ""
 
 
+def test_stream_decoder_cut_mid_character_drops_the_partial_bytes(tok):
+    """A generation cut by max_tokens inside a character: flush(drop_incomplete=True) gives "" (no U+FFFD)."""
+    ids = tok.encode("ok \U0001f600")
+    sd = StreamDecoder(tok)
+    text = "".join(sd.feed(i) for i in ids[:-1])
+    assert text == "ok " and sd.pending()
+    assert sd.flush(drop_incomplete=True) == "" and not sd.pending()
+    sd.feed(ids[:-1])
+    assert sd.flush() == "\ufffd"            # without drop_incomplete the held bytes become U+FFFD
+
+
+@pytest.mark.parametrize("text", ["hi \ud800", "\udc80", "a\udfffb"])
+def test_lone_surrogates_are_a_one_line_error(tok, text):
+    """Text with no UTF-8 encoding (JSON "\\ud800", undecodable argv bytes) is refused, naming the character."""
+    with pytest.raises(ValueError, match=r"not valid Unicode: lone surrogate U\+D[89A-F][0-9A-F]{2} at character \d+$"):
+        tok.encode(text)
+
+
 @pytest.fixture(scope="module")
 def partial_ids(tok):
     """Tokens whose bytes are not valid UTF-8 alone (pieces of multi-byte characters)."""

@@ -127,6 +127,7 @@ def cmd_generate(args) -> int:
         if sys.stdin.isatty():
             raise CliError("give --prompt TEXT (or pipe the prompt on stdin)", EXIT_USAGE)
         prompt = sys.stdin.read()
+    sampling = sampling_params(args)            # bad sampling values fail before the model loads
     engine = load_engine(args)
     if args.raw:
         tokens = engine.tokenize_prompt(prompt)
@@ -139,7 +140,7 @@ def cmd_generate(args) -> int:
         rendered = engine.render_chat(messages)
         tokens, cuts = list(rendered.tokens), list(rendered.cut_points)
     # one request and done: no turn checkpoint to save (seed #861's opt-out), so the prompt is one part
-    req = GenerationRequest(prompt_tokens=tokens, cut_points=cuts, sampling=sampling_params(args),
+    req = GenerationRequest(prompt_tokens=tokens, cut_points=cuts, sampling=sampling,
                             max_tokens=args.max_tokens, stop=list(args.stop), checkpoint=False)
     final = _stream(engine, req, sys.stdout)
     sys.stdout.write("\n")
@@ -153,6 +154,7 @@ CHAT_HELP = "commands: /reset (new conversation), /quit (or Ctrl-D) to leave; Ct
 
 def cmd_chat(args) -> int:
     from strata.engine import GenerationRequest
+    sampling = sampling_params(args)            # bad sampling values fail before the model loads
     engine = load_engine(args)
     interactive = sys.stdin.isatty()
     print(f"strata chat: {engine.model_name} ({engine.arch}, n_ctx {engine.n_ctx}). {CHAT_HELP}", file=sys.stderr)
@@ -181,9 +183,6 @@ def cmd_chat(args) -> int:
             print("(new conversation)", file=sys.stderr)
             continue
         messages.append({"role": "user", "content": line})
-        rendered = engine.render_chat(messages)
-        req = GenerationRequest(prompt_tokens=list(rendered.tokens), cut_points=list(rendered.cut_points),
-                                sampling=sampling_params(args), max_tokens=args.max_tokens, stop=list(args.stop))
         chunks: list[str] = []
 
         class _Tee:
@@ -194,8 +193,11 @@ def cmd_chat(args) -> int:
             def flush(self):
                 sys.stdout.flush()
         try:
+            rendered = engine.render_chat(messages)
+            req = GenerationRequest(prompt_tokens=list(rendered.tokens), cut_points=list(rendered.cut_points),
+                                    sampling=sampling, max_tokens=args.max_tokens, stop=list(args.stop))
             final = _stream(engine, req, _Tee())
-        except ValueError as e:        # ContextOverflow: the conversation outgrew the context
+        except ValueError as e:        # invalid text, or ContextOverflow: the conversation outgrew the context
             messages.pop()
             print(f"strata: error: {e} (use /reset)", file=sys.stderr)
             continue

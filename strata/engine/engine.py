@@ -296,7 +296,8 @@ class Engine:
                     break
                 logits = self.model.forward(np.asarray([tok], dtype=np.int32), st)
             if not stopper.stopped:         # a stop string's tail and what follows it are dropped
-                tail, _ = stopper.feed(decoder.flush())
+                # a character the last token left incomplete (max_tokens, cancel) is dropped, never sent as U+FFFD
+                tail, _ = stopper.feed(decoder.flush(drop_incomplete=True))
                 trailing = tail + stopper.flush()
         except GeneratorExit:         # the consumer closed the iterator (client went away): a cancel
             finish = "cancelled"

@@ -319,7 +319,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     _check_model(engine, p.model)
     if isinstance(p.prompt, str):
         text = p.prompt
-        tokens = await asyncio.get_running_loop().run_in_executor(None, lambda: engine.tokenize_prompt(text))
+        try:
+            tokens = await asyncio.get_running_loop().run_in_executor(None, lambda: engine.tokenize_prompt(text))
+        except ValueError as e:          # e.g. a lone surrogate: no UTF-8 encoding, so no tokens
+            raise ApiError(400, f"'prompt': {e}", param="prompt", code="invalid_value") from None
     else:
         tokens = p.prompt
         n_vocab = getattr(engine, "n_vocab", None)
