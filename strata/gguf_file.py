@@ -103,8 +103,9 @@ def open_gguf(path: str | os.PathLike, *, check_arch: bool = True) -> GGUFModelF
     try:
         reader = GGUFReader(p, "r")
     except Exception as e:  # the reader raises ValueError/IndexError/KeyError/... on truncated or corrupt data
-        reason = str(e) or type(e).__name__
-        raise ModelLoadError(f"{p} is not a valid GGUF file (truncated or corrupt: {reason})") from None
+        reason = " ".join((str(e) or type(e).__name__).split())
+        raise ModelLoadError(f"{p} is not a valid GGUF file: truncated or corrupt ({p.stat().st_size} bytes; "
+                             f"the gguf reader said: {reason})") from None
 
     metadata: dict[str, Any] = {}
     for name, f in reader.fields.items():
