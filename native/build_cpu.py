@@ -7,6 +7,7 @@ target attribute and chosen at run time (STRATA_CPU_PATH=portable forces the pla
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -16,32 +17,14 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 CPU = HERE / "cpu"
 
-CDEF = """
-const char *strata_cpu_path(void);
-int strata_cpu_set_path(const char *name);
-int strata_cpu_has_avx2(void);
-int strata_cpu_has_avxvnni(void);
-int strata_block_size(int type);
-int strata_type_size(int type);
-int strata_can_matmul(int type);
-void strata_park_workers(void);
-int strata_dequantize(int type, const void *src, int64_t src_row_bytes, int64_t n_rows, int64_t n_in,
-                      float *dst, int n_threads);
-int strata_get_rows(int type, const void *src, int64_t src_row_bytes, int64_t n_rows, int64_t n_in,
-                    const int64_t *ids, int64_t n_ids, float *dst);
-int strata_matmul(int type, const void *w, int64_t w_row_bytes, int64_t n_out, int64_t n_in,
-                  const float *x, int64_t n_tokens, float *y, int n_threads);
-int strata_attention(const float *q, int64_t n, int n_head, int n_kv, int hd, int hv,
-                     const float *K, const float *V, int64_t pool_pages, int page_size,
-                     const int32_t *pages, int64_t n_seq_pages, int64_t start, float scale,
-                     const float *k_new, int64_t k_stride, const float *v_new, int64_t v_stride,
-                     float *out, int n_threads);
-int strata_rms_norm(const float *x, const float *r, const float *w, int64_t n, int64_t dim, float eps,
-                    float *out, float *sum_out);
-int strata_rope(const float *x, int64_t x_stride, int64_t n, int n_head, int hd, int n_rot, const int64_t *pos,
-                const float *cos_t, const float *sin_t, int64_t n_table, int neox, float *out);
-int strata_swiglu(const float *gate, const float *up, int64_t n, int64_t ff, int64_t stride, float *out);
-"""
+def cdef_from_header(header: Path) -> str:
+    """The cffi cdef: the public header's declarations, without comments and preprocessor lines (one source of
+    truth for the C API)."""
+    text = re.sub(r"/\*.*?\*/", "", header.read_text(), flags=re.S)
+    return "\n".join(ln for ln in text.splitlines() if not ln.lstrip().startswith("#"))
+
+
+CDEF = cdef_from_header(CPU / "strata_cpu.h")
 
 SOURCES = ["core.c", "portable.c", "avx2.c", "avxvnni.c", "attention.c", "ops.c"]
 

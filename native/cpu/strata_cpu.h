@@ -1,4 +1,4 @@
-/* Strata C core: public C API (also the cffi cdef in native/build_cpu.py; keep the two in sync). */
+/* Strata C core: public C API (native/build_cpu.py reads its declarations as the cffi cdef). */
 #ifndef STRATA_CPU_H
 #define STRATA_CPU_H
 #include <stdint.h>
