@@ -20,12 +20,7 @@
 
 #if defined(__x86_64__) || defined(_M_X64)
 
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
-#elif defined(__GNUC__)
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
-#endif
+#include "target_avx2_begin.inc"
 
 #include <immintrin.h>
 
@@ -442,11 +437,7 @@ int strata_attention(const float *q, int64_t n, int n_head, int n_kv, int hd, in
     return ST_OK;
 }
 
-#if defined(__clang__)
-#pragma clang attribute pop
-#elif defined(__GNUC__)
-#pragma GCC pop_options
-#endif
+#include "target_end.inc"
 
 #else /* not x86-64 */
 

@@ -5,12 +5,7 @@
 
 #if defined(__x86_64__) || defined(_M_X64)
 
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
-#elif defined(__GNUC__)
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
-#endif
+#include "target_avx2_begin.inc"
 
 #include <immintrin.h>
 
@@ -32,10 +27,6 @@ const st_kernels *st_kernels_avx2(void) {
     return &k;
 }
 
-#if defined(__clang__)
-#pragma clang attribute pop
-#elif defined(__GNUC__)
-#pragma GCC pop_options
-#endif
+#include "target_end.inc"
 
 #endif /* x86-64 */

@@ -33,10 +33,6 @@ const st_kernels *st_kernels_avxvnni(void) {
     return &k;
 }
 
-#if defined(__clang__)
-#pragma clang attribute pop
-#elif defined(__GNUC__)
-#pragma GCC pop_options
-#endif
+#include "target_end.inc"
 
 #endif /* x86-64 */

@@ -8,12 +8,7 @@
 
 #if defined(__x86_64__) || defined(_M_X64)
 
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
-#elif defined(__GNUC__)
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
-#endif
+#include "target_avx2_begin.inc"
 
 #include <immintrin.h>
 
@@ -123,11 +118,7 @@ int strata_swiglu(const float *gate, const float *up, int64_t n, int64_t ff, int
     return ST_OK;
 }
 
-#if defined(__clang__)
-#pragma clang attribute pop
-#elif defined(__GNUC__)
-#pragma GCC pop_options
-#endif
+#include "target_end.inc"
 
 #else
 

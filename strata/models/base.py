@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+from abc import ABC, abstractmethod
 from typing import Any, Callable, ClassVar
 
 import numpy as np
@@ -52,7 +53,7 @@ def model_class(arch: str) -> type["Model"]:
     return cls
 
 
-class Model:
+class Model(ABC):
     """One architecture's forward pass, written against Backend ops only (runs on CPU or CUDA).
 
     Subclasses set ``arch``, load and upload their weights in __init__ (through ``self.weight``), and implement
@@ -116,10 +117,10 @@ class Model:
         """An empty sequence with its own page table over `pool`."""
         return SequenceState(PagedKV(pool), self.new_running_state())
 
+    @abstractmethod
     def forward(self, tokens: np.ndarray, state: SequenceState, all_logits: bool = False) -> np.ndarray:
         """Read `tokens` (int32 (n_tokens,)) at state.pos. Returns float32 logits (n_vocab,) of the last token,
         or (n_tokens, n_vocab) with all_logits. Advances state.pos, state.tokens and the KV length."""
-        raise NotImplementedError
 
 
 def load_model(path_or_file: str | os.PathLike | GGUFModelFile, backend=None,
