@@ -13,19 +13,7 @@
 
 #include "kernels.inc"
 
-const st_kernels *st_kernels_avx2(void) {
-    static st_kernels k;
-    static int done = 0;
-    if (!done) {
-        memset(&k, 0, sizeof k);
-        fill_table(&k);
-        k.dot2[ST_Q4_0] = dot_q4_0_2; k.dot2[ST_Q4_1] = dot_q4_1_2;
-        k.dot2[ST_Q5_0] = dot_q5_0_2; k.dot2[ST_Q5_1] = dot_q5_1_2;
-        k.name = "avx2";
-        done = 1;
-    }
-    return &k;
-}
+ST_DEFINE_AVX2_CLASS_TABLE(st_kernels_avx2, "avx2")
 
 #include "target_end.inc"
 
