@@ -114,10 +114,10 @@ def make_synthetic_llama(out: str, tok_src: str, n_embd=2048, n_layer=24, n_head
     return out
 
 
-def bench_strata(path: str, prompts, depths, n_gen: int, ubatch: int, bw: float, int8_act: bool = True) -> dict:
-    """Strata as the engine runs it on CUDA: strata/models/llama.py on CudaBackend for prefill (ubatch-sized
-    forward calls), the LlamaCuda CUDA-graph plan for decode (greedy, argmax on the device; f32 activations, the
-    default). With int8_act, decode is also timed with the int8-activation dp4a matvec (STRATA_CUDA_DP4A=1)."""
+def bench_strata(path: str, prompts, depths, n_gen: int, ubatch: int, bw: float, f32_act: bool = False) -> dict:
+    """Strata as the engine runs it on CUDA (CudaBackend.fast_path): the LlamaCuda plan's prefill for ubatch-sized
+    forward calls and its CUDA-graph decode step (greedy, argmax on the device; int8 activations, the default).
+    With f32_act, decode is also timed with f32 activations (STRATA_CUDA_DP4A=0)."""
     import cupy as cp
     from strata.backend.cuda import CudaBackend, LlamaCuda
     from strata.models.base import load_model
@@ -128,12 +128,13 @@ def bench_strata(path: str, prompts, depths, n_gen: int, ubatch: int, bw: float,
     st = model.new_state(pool)
     plan = LlamaCuda(model, pool)
     vocab = model.config.n_vocab
-    res = {"weight_bytes_per_token": plan.weight_bytes, "prompt": {}, "decode": {}, "decode_int8act": {}}
+    fast = model.backend.fast_path(model)
+    res = {"weight_bytes_per_token": plan.weight_bytes, "prompt": {}, "decode": {}, "decode_f32act": {}}
 
     def prefill(toks):
         st.reset()
         for s in range(0, len(toks), ubatch):
-            model.forward(np.asarray(toks[s:s + ubatch], np.int32), st)
+            fast.forward(np.asarray(toks[s:s + ubatch], np.int32), st)
 
     prefill(rng.integers(0, vocab, 512))                           # warm-up (cuBLAS handles, kernels)
     for n in prompts:
@@ -148,7 +149,7 @@ def bench_strata(path: str, prompts, depths, n_gen: int, ubatch: int, bw: float,
         res["prompt"][str(n)] = n / min(ts)
         print(f"  strata pp{n}: {n / min(ts):.1f} tok/s", flush=True)
     c = model.config
-    for kind, dp4a in (("decode", False), ("decode_int8act", True)) if int8_act else (("decode", False),):
+    for kind, dp4a in (("decode", True), ("decode_f32act", False)) if f32_act else (("decode", True),):
         plan.dp4a, plan.graphs = dp4a, {}
         for d in depths:
             prefill(rng.integers(0, vocab, d)) if d else st.reset()
@@ -251,7 +252,7 @@ def main(argv=None) -> int:
     dest.write_text(json.dumps(out, indent=1))
     print("\nsummary (tokens/s; ratio = Strata / llama.cpp)")
     for name, e in out["models"].items():
-        for kind in ("prompt", "decode", "decode_int8act"):
+        for kind in ("prompt", "decode", "decode_f32act"):
             for k, v in e["strata"].get(kind, {}).items():
                 ref = e.get("llama.cpp", {}).get("decode" if kind.startswith("decode") else kind, {}).get(k)
                 if "stored_from" in e.get("llama.cpp", {}):

@@ -297,3 +297,164 @@ def test_rope_kv_decode_fused(cp, n_rot):
     v = qkv[0, (H + KV) * hd:].reshape(KV, hd)
     np.testing.assert_array_equal(cp.asnumpy(vc)[table[p // ps], p % ps], v.astype(np.float16))
     assert float(cp.abs(kc).sum()) == pytest.approx(float(np.abs(slot).sum()), rel=1e-3)   # nothing else written
+
+
+# ------------------------------------------------------------------ second-generation kernels (decode plan, prefill)
+def _q8(cp, x):
+    """x f32 (n,) -> the q8_1 buffer strata_quantize_q8_1 writes (n + n // 4 bytes)."""
+    xq = cp.zeros(x.size + x.size // 4, cp.uint8)
+    C._check(C.lib().strata_quantize_q8_1(C._stream_ptr(), C._p(cp.asarray(x, dtype=cp.float32)), C._p(xq), x.size),
+             "quantize")
+    return xq
+
+
+def _q8_parts(buf, n):
+    b = np.asarray(buf)
+    return b[:n].view(np.int8), b[n:n + n // 4].view(np.float32).reshape(-1, 2)
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_matvec_q8w_warp_per_row(cp, t, rows):
+    """strata_matvec_q8w == W times x rounded to q8_1 (float64 reference), every row written, any rows per warp."""
+    rng = np.random.default_rng(int(t) + 17 * rows)
+    n_out, n_in = 1029, 1024
+    raw = random_blocks(t, n_out, n_in, rng)
+    W = ref_dequant(raw, t, n_out, n_in)
+    x = rng.standard_normal(n_in).astype(np.float32)
+    w = C.upload_raw("w", int(t), (n_out, n_in), raw)
+    y = cp.full(n_out, cp.nan, cp.float32)
+    C._check(C.lib().strata_matvec_q8w(C._stream_ptr(), int(t), C._p(w.data), C._p(_q8(cp, x)), C._p(y), n_out,
+                                       n_in, rows), "matvec_q8w")
+    got = cp.asnumpy(y)
+    assert np.isfinite(got).all()
+    assert rel(got, W @ q8_1_dequant(x[None])[0]) < 1e-5
+
+
+def test_rms_norm_ex_f16_and_q8_outputs(cp):
+    rng = np.random.default_rng(5)
+    E = 576
+    x, r, w = (rng.standard_normal(E).astype(np.float32) for _ in range(3))
+    s = x.astype(np.float64) + r
+    ref = s / np.sqrt((s * s).mean() + 1e-5) * w
+    out, out16, xq = cp.full(E, cp.nan, cp.float32), cp.zeros(E, cp.float16), cp.zeros(E + E // 4, cp.uint8)
+    C._check(C.lib().strata_rms_norm_ex(C._stream_ptr(), C._p(cp.asarray(x)), C._p(cp.asarray(r)), C._p(cp.asarray(w)),
+                                        C._p(out), C._ffi.NULL, C._p(out16), C._p(xq), 1, E, 1e-5), "rms_ex")
+    got = cp.asnumpy(out)
+    assert rel(got, ref) < 1e-5
+    np.testing.assert_allclose(cp.asnumpy(out16).astype(np.float64), ref, rtol=2e-3, atol=2e-3)
+    q, d = _q8_parts(cp.asnumpy(xq), E)
+    q_ref, d_ref = q8_1_reference(got)
+    np.testing.assert_array_equal(q, q_ref.reshape(-1))
+    np.testing.assert_array_equal(d[:, 0], d_ref)
+    np.testing.assert_allclose(d[:, 1], d_ref * q_ref.reshape(-1, 32).sum(1), rtol=1e-6)
+
+
+def test_swiglu_gu_outputs(cp):
+    rng = np.random.default_rng(6)
+    n, F = 3, 1536
+    gu = rng.standard_normal((n, 2 * F)).astype(np.float32) * 3
+    g, u = gu[:, :F].astype(np.float64), gu[:, F:]
+    ref = g / (1 + np.exp(-g)) * u
+    out, out16 = cp.full((n, F), cp.nan, cp.float32), cp.zeros((n, F), cp.float16)
+    C._check(C.lib().strata_swiglu_gu(C._stream_ptr(), C._p(cp.asarray(gu)), n, F, C._p(out), C._p(out16),
+                                      C._ffi.NULL), "swiglu_gu")
+    np.testing.assert_allclose(cp.asnumpy(out), ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(cp.asnumpy(out16).astype(np.float64), ref, rtol=2e-3, atol=2e-3)
+    xq = cp.zeros(F + F // 4, cp.uint8)
+    C._check(C.lib().strata_swiglu_gu(C._stream_ptr(), C._p(cp.asarray(gu[:1])), 1, F, C._ffi.NULL, C._ffi.NULL,
+                                      C._p(xq)), "swiglu_gu q8")
+    q, _ = _q8_parts(cp.asnumpy(xq), F)
+    q_ref, _ = q8_1_reference(cp.asnumpy(out)[0])
+    assert (q != q_ref.reshape(-1)).sum() <= 2      # f32 rounding of silu may move a value across a .5
+
+
+@pytest.mark.parametrize("neox", [False, True])
+def test_rope_kv_prefill(cp, neox):
+    rng = np.random.default_rng(7 + neox)
+    H, KV, hd, ps, n_pages, n, pos0, n_rot = 8, 2, 64, 16, 12, 37, 21, 64
+    stride = (H + 2 * KV) * hd + 8                     # padded rows: the kernel must honour the stride
+    qkv = rng.standard_normal((n, stride)).astype(np.float32)
+    table = rng.permutation(n_pages).astype(np.int32)
+    kc, vc = cp.zeros((n_pages, ps, KV, hd), cp.float16), cp.zeros((n_pages, ps, KV, hd), cp.float16)
+    d = cp.asarray(qkv)
+    C._check(C.lib().strata_rope_kv_prefill(C._stream_ptr(), C._p(d), stride, pos0, C._p(kc), C._p(vc),
+                                            C._p(cp.asarray(table)), n, H, KV, hd, n_rot, 10000.0, int(neox), ps),
+             "rope_kv_prefill")
+    pos = np.arange(pos0, pos0 + n)
+    qk_ref = rope_ref(qkv[:, :(H + KV) * hd].reshape(n, H + KV, hd), pos, n_rot, 10000.0, neox)
+    got = cp.asnumpy(d)
+    np.testing.assert_allclose(got[:, :(H + KV) * hd].reshape(n, H + KV, hd), qk_ref, rtol=1e-4, atol=2e-5)
+    np.testing.assert_array_equal(got[:, (H + KV) * hd:], qkv[:, (H + KV) * hd:])
+    K, V = cp.asnumpy(kc), cp.asnumpy(vc)
+    for t, p in enumerate(pos):
+        np.testing.assert_allclose(K[table[p // ps], p % ps].astype(np.float64), qk_ref[t, H:].astype(np.float16),
+                                   rtol=1e-3, atol=1e-3)
+        np.testing.assert_array_equal(V[table[p // ps], p % ps],
+                                      qkv[t, (H + KV) * hd:(H + 2 * KV) * hd].reshape(KV, hd).astype(np.float16))
+
+
+def _paged(cp, rng, L, KV, hd, ps):
+    n_pages = L // ps + 2
+    table = rng.permutation(n_pages).astype(np.int32)
+    K = rng.standard_normal((L, KV, hd)).astype(np.float16)
+    V = rng.standard_normal((L, KV, hd)).astype(np.float16)
+    kc, vc = np.zeros((n_pages, ps, KV, hd), np.float16), np.zeros((n_pages, ps, KV, hd), np.float16)
+    for p in range(L):
+        kc[table[p // ps], p % ps] = K[p]
+        vc[table[p // ps], p % ps] = V[p]
+    return K.astype(np.float64), V.astype(np.float64), cp.asarray(kc), cp.asarray(vc), cp.asarray(table)
+
+
+@pytest.mark.parametrize("hd", [64, 128])
+@pytest.mark.parametrize("H,KV", [(9, 3), (8, 8), (32, 4), (16, 2)])
+@pytest.mark.parametrize("L,n_split", [(1, 1), (77, 1), (300, 3), (5000, 40), (5000, 128)])
+def test_attn_decode_gqa(cp, hd, H, KV, L, n_split):
+    """strata_attn_decode_gqa == float64 attention of the last position; q8_1 output == q8_1 of the f32 output;
+    twice in a row (the split counters reset themselves)."""
+    rng = np.random.default_rng(L + hd + H)
+    ps = 16
+    K, V, kc, vc, pt = _paged(cp, rng, L, KV, hd, ps)
+    q = rng.standard_normal((1, H, hd))
+    scale = 1 / np.sqrt(hd)
+    ref = attn_ref(q, K, V, L - 1, scale)[0].reshape(-1)
+    ws = cp.zeros(H * n_split * (hd + 2), cp.float32)
+    ctr = cp.zeros(KV, cp.uint32)
+    dq = cp.asarray(q.reshape(-1), dtype=cp.float32)
+    for _ in range(2):
+        out = cp.full(H * hd, cp.nan, cp.float32)
+        oq = cp.zeros(H * hd + H * hd // 4, cp.uint8)
+        C._check(C.lib().strata_attn_decode_gqa(C._stream_ptr(), C._p(dq), C._p(kc), C._p(vc), C._p(pt), C._ffi.NULL,
+                                                L, C._p(ws), C._ffi.cast("unsigned *", ctr.data.ptr), C._p(out),
+                                                C._p(oq), H, KV, hd, ps, n_split, scale), "attn_gqa")
+        got = cp.asnumpy(out)
+        assert rel(got, ref) < 1e-4
+        assert int(cp.asnumpy(ctr).sum()) == 0
+        q, _ = _q8_parts(cp.asnumpy(oq), H * hd)
+        np.testing.assert_array_equal(q, q8_1_reference(got)[0].reshape(-1))
+
+
+@pytest.mark.parametrize("hd", [64, 128])
+@pytest.mark.parametrize("n,length,n_split", [(1, 0, 1), (37, 0, 1), (200, 0, 1), (130, 1000, 1), (130, 1000, 4),
+                                              (64, 3000, 16)])
+@pytest.mark.parametrize("f16_out", [False, True])
+def test_fa2_prefill(cp, hd, n, length, n_split, f16_out):
+    """strata_fa2_prefill == float64 causal GQA attention; q read with a row stride (the fused qkv buffer)."""
+    rng = np.random.default_rng(n + length + hd + n_split)
+    H, KV, ps = 12, 4, 16
+    K, V, kc, vc, pt = _paged(cp, rng, length + n, KV, hd, ps)
+    q = rng.standard_normal((n, H, hd))
+    stride = (H + 2 * KV) * hd
+    qbuf = np.zeros((n, stride), np.float32)
+    qbuf[:, :H * hd] = q.reshape(n, -1)
+    scale = 1 / np.sqrt(hd)
+    ws = cp.zeros(n_split * H * n * (hd + 2), cp.float32)
+    out = cp.full((n, H, hd), cp.nan, cp.float32)
+    out16 = cp.full((n, H, hd), cp.nan, cp.float16)
+    C._check(C.lib().strata_fa2_prefill(C._stream_ptr(), C._p(cp.asarray(qbuf)), stride, C._p(kc), C._p(vc), C._p(pt),
+                                        C._ffi.NULL if f16_out else C._p(out), C._p(out16) if f16_out else C._ffi.NULL,
+                                        C._p(ws), n, H, KV, hd, ps, length, n_split, scale), "fa2")
+    got = cp.asnumpy(out16 if f16_out else out).astype(np.float64)
+    assert np.isfinite(got).all()
+    for i0, i1 in ((0, min(n, 40)), (max(0, n - 24), n)):
+        assert rel(got[i0:i1], attn_ref(q[i0:i1], K, V, length + i0, scale)) < 5e-3

@@ -27,6 +27,9 @@ int strata_matvec(void *stream, int ggml_type, const void *w, const float *x, fl
 int strata_quantize_q8_1(void *stream, const float *x, void *xq, int n_in);
 int strata_matvec_q8_supported(int ggml_type);
 int strata_matvec_q8(void *stream, int ggml_type, const void *w, const void *xq, float *y, int n_out, int n_in);
+/* The same product with one warp per rows_per_warp (1, 2 or 4) rows: the decode step's matvec. */
+int strata_matvec_q8w(void *stream, int ggml_type, const void *w, const void *xq, float *y, int n_out, int n_in,
+                      int rows_per_warp);
 
 /* Prefill attention, tiled flash-style (f16 wmma, online softmax), causal GQA over the paged f16 cache: q f32
  * (n, n_head, hd) at positions length..length+n-1 (K/V of those already written) -> out f32 (n, n_head, hd).
@@ -45,6 +48,11 @@ int strata_get_rows(void *stream, int ggml_type, const void *w, const int *ids, 
 int strata_rms_norm(void *stream, const float *x, const float *residual, const float *weight,
                     float *out, float *sum_out, int n_rows, int dim, float eps);
 
+/* strata_rms_norm with more outputs, each optional: out f32, sum_out f32 (x + residual), out16 f16 (n_rows, dim),
+ * out_q8 q8_1 blocks (n_rows == 1, dim % 32 == 0; layout of strata_quantize_q8_1). */
+int strata_rms_norm_ex(void *stream, const float *x, const float *residual, const float *weight, float *out,
+                       float *sum_out, void *out16, void *out_q8, int n_rows, int dim, float eps);
+
 /* RoPE in place on x f32 (n_tokens, n_heads, head_dim): position positions[t] (int32, device);
  * rotates the first n_rot dims; neox != 0 pairs (i, i + n_rot/2), else (2i, 2i+1). theta_i = pos * base^(-2i/n_rot). */
 int strata_rope(void *stream, float *x, const int *positions, int n_tokens, int n_heads, int head_dim,
@@ -52,6 +60,10 @@ int strata_rope(void *stream, float *x, const int *positions, int n_tokens, int 
 
 /* out = silu(gate) * up, f32, n elements. */
 int strata_swiglu(void *stream, const float *gate, const float *up, float *out, long long n);
+
+/* SwiGLU of a fused gate|up buffer gu f32 (n, 2F): silu(gu[t, :F]) * gu[t, F:] into any of out f32 (n, F),
+ * out16 f16 (n, F), out_q8 q8_1 blocks (n == 1, F % 32 == 0). */
+int strata_swiglu_gu(void *stream, const float *gu, int n, int F, float *out, void *out16, void *out_q8);
 
 /* Write K/V rows of n new tokens into the paged f16 cache.
  * k, v f32 (n, n_kv, hd); cache (n_pages, page_size, n_kv, hd) f16; page_table int32; start at *d_start + start_off
@@ -81,6 +93,27 @@ int strata_argmax(void *stream, const float *x, int *out, int n_rows, int n);
  * position *pos (in place), then k (rotated) and v written to the paged f16 cache at *pos. */
 int strata_rope_kv_decode(void *stream, float *qkv, const int *pos, void *k_cache, void *v_cache, const int *page_table,
                           int n_head, int n_kv, int hd, int n_rot, float base, int neox, int page_size);
+
+/* Prefill, fused: RoPE in place on q and k of n tokens' rows of qkv f32 (row stride `stride` floats, layout of
+ * strata_rope_kv_decode), token t at position pos0 + t, and k (rotated) / v written to the f16 cache. */
+int strata_rope_kv_prefill(void *stream, float *qkv, int stride, int pos0, void *k_cache, void *v_cache,
+                           const int *page_table, int n, int n_head, int n_kv, int hd, int n_rot, float base, int neox,
+                           int page_size);
+
+/* Decode attention (one query token), GQA-shared and self-merging (attention.cu): grid (n_kv, n_split); q f32
+ * (n_head * hd); length *d_len (device) or len; ws f32 (n_head * n_split * (hd + 2)); counters uint32 (n_kv),
+ * zero before the first call and left zero; out f32 (n_head * hd) and, if out_q8, q8_1 blocks of out. hd 32, 64,
+ * 128 or 256; n_head / n_kv <= 8; n_split <= 128. */
+int strata_attn_decode_gqa(void *stream, const float *q, const void *k_cache, const void *v_cache,
+                           const int *page_table, const int *d_len, int len, float *ws, unsigned *counters, float *out,
+                           void *out_q8, int n_head, int n_kv, int hd, int page_size, int n_split, float scale);
+
+/* Prefill attention, FlashAttention-2 on mma.sync (attention.cu): q f32 rows of n tokens with row stride q_stride
+ * floats (head h at h * hd), causal over positions [0, length + n) of the paged f16 cache; out f32 or out16 f16
+ * (n, n_head, hd); ws f32 (n_split * n_head * n * (hd + 2)) when n_split > 1. hd 64 or 128. */
+int strata_fa2_prefill(void *stream, const float *q, int q_stride, const void *k_cache, const void *v_cache,
+                       const int *page_table, float *out, void *out16, float *ws, int n, int n_head, int n_kv, int hd,
+                       int page_size, int length, int n_split, float scale);
 
 /* Add integer delta to a device int32 scalar (position counters inside CUDA graphs). */
 int strata_add_scalar(void *stream, int *p, int delta, int count);

@@ -8,6 +8,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include "strata_cuda.h"
+#include "q8.cuh"
 
 enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
 
@@ -254,13 +255,14 @@ __device__ static inline int ld32a2(const uint8_t *p) {  // 4 bytes at a 2-byte 
 }
 
 // Dot of weight sub-block u (32 elements) of one row with x block u: returns the f32 contribution.
+__device__ static inline void load_xq(const int *__restrict__ xq, int u, int x[8]) {
+  const int4 a = __ldg(reinterpret_cast<const int4 *>(xq) + 2 * u), b = __ldg(reinterpret_cast<const int4 *>(xq) + 2 * u + 1);
+  x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w; x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
+}
+
+// Dot of weight sub-block u (32 elements) of one row with the int8 x block u already in registers (x[8], xds).
 template <int T>
-__device__ static inline float dot_q8(const uint8_t *__restrict__ row, int u, const int *__restrict__ xq, float2 xds) {
-  int x[8];
-  {
-    const int4 a = __ldg(reinterpret_cast<const int4 *>(xq) + 2 * u), b = __ldg(reinterpret_cast<const int4 *>(xq) + 2 * u + 1);
-    x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w; x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
-  }
+__device__ static inline float dot_q8x(const uint8_t *__restrict__ row, int u, const int x[8], float2 xds) {
   if (T == T_Q4_0 || T == T_Q4_1) {
     const uint8_t *b = row + u * (T == T_Q4_0 ? 18 : 20);
     int q[4];
@@ -328,6 +330,13 @@ __device__ static inline float dot_q8(const uint8_t *__restrict__ row, int u, co
   }
 }
 
+template <int T>
+__device__ static inline float dot_q8(const uint8_t *__restrict__ row, int u, const int *__restrict__ xq, float2 xds) {
+  int x[8];
+  load_xq(xq, u, x);
+  return dot_q8x<T>(row, u, x, xds);
+}
+
 #define MVQ_LANES 8
 template <int T>
 __global__ void k_matvec_q8(const uint8_t *__restrict__ w, const int8_t *__restrict__ xq,
@@ -380,6 +389,67 @@ extern "C" int strata_matvec_q8(void *stream, int t, const void *w, const void *
   return (int)cudaGetLastError();
 }
 
+// Warp-per-row variant for decode: a warp takes R consecutive rows and its 32 lanes stride over the row's 32-element
+// sub-blocks, so one x block (loaded once into registers) serves R rows and every lane keeps R weight loads in
+// flight; the whole grid covers a 2-16 MB matrix in one wave. Same arithmetic as k_matvec_q8.
+template <int T, int R>
+__global__ void __launch_bounds__(128) k_matvec_q8w(const uint8_t *__restrict__ w, const int8_t *__restrict__ xq,
+                                                    const float2 *__restrict__ xds, float *__restrict__ y, int n_out,
+                                                    int n_units, long long row_bytes) {
+  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  const int row0 = warp * R;
+  if (row0 >= n_out) return;   // whole warps only
+  const int *x = reinterpret_cast<const int *>(xq);
+  float acc[R];
+#pragma unroll
+  for (int r = 0; r < R; r++) acc[r] = 0.f;
+#pragma unroll 2
+  for (int u = lane; u < n_units; u += 32) {
+    int xv[8];
+    load_xq(x, u, xv);
+    const float2 ds = __ldg(xds + u);
+#pragma unroll
+    for (int r = 0; r < R; r++)
+      if (R == 1 || row0 + r < n_out) acc[r] += dot_q8x<T>(w + (long long)(row0 + r) * row_bytes, u, xv, ds);
+  }
+#pragma unroll
+  for (int r = 0; r < R; r++) {
+    float v = acc[r];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (lane == r && row0 + r < n_out) y[row0 + r] = v;
+  }
+}
+
+extern "C" int strata_matvec_q8w(void *stream, int t, const void *w, const void *xq, float *y, int n_out, int n_in,
+                                 int rows_per_warp) {
+  if (!strata_matvec_q8_supported(t) || n_in % block_elems(t) || n_in % 32 || n_out <= 0)
+    return (int)cudaErrorInvalidValue;
+  if (((uintptr_t)xq & 15) || ((uintptr_t)w & 15)) return (int)cudaErrorMisalignedAddress;
+  const long long rb = row_bytes_of(t, n_in);
+  const int R = rows_per_warp >= 4 ? 4 : rows_per_warp >= 2 ? 2 : 1;
+  const int threads = 128, rows_per_block = (threads / 32) * R;
+  const unsigned blocks = (unsigned)((n_out + rows_per_block - 1) / rows_per_block);
+  const int8_t *q = (const int8_t *)xq;
+  const float2 *ds = (const float2 *)(q + n_in);
+  cudaStream_t s = (cudaStream_t)stream;
+  const uint8_t *W = (const uint8_t *)w;
+#define MW(TT, RR) k_matvec_q8w<TT, RR><<<blocks, threads, 0, s>>>(W, q, ds, y, n_out, n_in / 32, rb)
+#define MWR(TT) if (R == 1) MW(TT, 1); else if (R == 2) MW(TT, 2); else MW(TT, 4);
+  switch (t) {
+    case T_Q4_0: MWR(T_Q4_0); break;
+    case T_Q4_1: MWR(T_Q4_1); break;
+    case T_Q8_0: MWR(T_Q8_0); break;
+    case T_Q4_K: MWR(T_Q4_K); break;
+    case T_Q5_K: MWR(T_Q5_K); break;
+    case T_Q6_K: MWR(T_Q6_K); break;
+  }
+#undef MWR
+#undef MW
+  return (int)cudaGetLastError();
+}
+
 // ---------------------------------------------------------------- RMSNorm (+ residual)
 __device__ static inline float block_sum(float v, float *sh) {
 #pragma unroll
@@ -394,7 +464,8 @@ __device__ static inline float block_sum(float v, float *sh) {
 }
 
 __global__ void k_rms_norm(const float *__restrict__ x, const float *__restrict__ res, const float *__restrict__ wt,
-                           float *__restrict__ out, float *__restrict__ sum_out, int dim, float eps) {
+                           float *__restrict__ out, float *__restrict__ sum_out, __half *__restrict__ out16,
+                           int8_t *__restrict__ out_q8, int dim, float eps) {
   __shared__ float sh[32];
   const long long base = (long long)blockIdx.x * dim;
   float ss = 0.f;
@@ -405,18 +476,28 @@ __global__ void k_rms_norm(const float *__restrict__ x, const float *__restrict_
   }
   const float tot = block_sum(ss, sh);
   const float r = rsqrtf(tot / (float)dim + eps);
-  for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+  for (int i = threadIdx.x; i < dim; i += blockDim.x) {   // dim % 32 == 0 when out_q8: warps stay whole
     // sum_out may alias x or residual: re-read the sum this thread stored, not the overwritten inputs
     float s = sum_out ? sum_out[base + i] : x[base + i] + (res ? res[base + i] : 0.f);
-    out[base + i] = s * r * wt[i];
+    const float v = s * r * wt[i];
+    if (out) out[base + i] = v;
+    if (out16) out16[base + i] = __float2half(v);
+    if (out_q8) q8_store(v, i, out_q8, reinterpret_cast<float2 *>(out_q8 + dim));
   }
 }
 
 extern "C" int strata_rms_norm(void *stream, const float *x, const float *res, const float *w, float *out,
                                float *sum_out, int n_rows, int dim, float eps) {
+  return strata_rms_norm_ex(stream, x, res, w, out, sum_out, nullptr, nullptr, n_rows, dim, eps);
+}
+
+extern "C" int strata_rms_norm_ex(void *stream, const float *x, const float *res, const float *w, float *out,
+                                  float *sum_out, void *out16, void *out_q8, int n_rows, int dim, float eps) {
   if (n_rows <= 0) return 0;
+  if (out_q8 && (n_rows != 1 || dim % 32)) return (int)cudaErrorInvalidValue;
   // out may alias x or sum_out: each element is read (both passes) before it is written only by its own thread.
-  k_rms_norm<<<n_rows, 256, 0, (cudaStream_t)stream>>>(x, res, w, out, sum_out, dim, eps);
+  k_rms_norm<<<n_rows, 256, 0, (cudaStream_t)stream>>>(x, res, w, out, sum_out, (__half *)out16, (int8_t *)out_q8,
+                                                       dim, eps);
   return (int)cudaGetLastError();
 }
 
@@ -460,6 +541,31 @@ __global__ void k_swiglu(const float *g, const float *u, float *o, long long n) 
 extern "C" int strata_swiglu(void *stream, const float *g, const float *u, float *o, long long n) {
   if (n <= 0) return 0;
   k_swiglu<<<(unsigned)((n + 255) / 256), 256, 0, (cudaStream_t)stream>>>(g, u, o, n);
+  return (int)cudaGetLastError();
+}
+
+// SwiGLU of a fused gate|up buffer gu f32 (n, 2F) (gate = gu[t, :F], up = gu[t, F:]) into any of: f32 out (n, F),
+// f16 out16 (n, F), q8_1 blocks out_q8 (n == 1, F % 32 == 0).
+__global__ void k_swiglu_gu(const float *__restrict__ gu, int F, long long total, float *__restrict__ out,
+                            __half *__restrict__ out16, int8_t *__restrict__ out_q8) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  float v = 0.f;
+  if (i < total) {
+    const long long t = i / F, j = i % F;
+    const float a = gu[t * 2 * F + j];
+    v = a / (1.f + expf(-a)) * gu[t * 2 * F + F + j];
+    if (out) out[i] = v;
+    if (out16) out16[i] = __float2half(v);
+  }
+  if (out_q8 && i - (threadIdx.x & 31) < total) q8_store(v, (int)i, out_q8, reinterpret_cast<float2 *>(out_q8 + total));
+}
+
+extern "C" int strata_swiglu_gu(void *stream, const float *gu, int n, int F, float *out, void *out16, void *out_q8) {
+  const long long total = (long long)n * F;
+  if (total <= 0) return 0;
+  if (out_q8 && (n != 1 || F % 32)) return (int)cudaErrorInvalidValue;
+  k_swiglu_gu<<<(unsigned)((total + 255) / 256), 256, 0, (cudaStream_t)stream>>>(gu, F, total, out, (__half *)out16,
+                                                                                 (int8_t *)out_q8);
   return (int)cudaGetLastError();
 }
 

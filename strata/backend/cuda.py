@@ -54,25 +54,63 @@ int strata_argmax(void *stream, const float *x, int *out, int n_rows, int n);
 int strata_add_scalar(void *stream, int *p, int delta, int count);
 int strata_rope_kv_decode(void *stream, float *qkv, const int *pos, void *k_cache, void *v_cache, const int *page_table,
                           int n_head, int n_kv, int hd, int n_rot, float base, int neox, int page_size);
+int strata_matvec_q8w(void *stream, int ggml_type, const void *w, const void *xq, float *y, int n_out, int n_in,
+                      int rows_per_warp);
+int strata_rms_norm_ex(void *stream, const float *x, const float *residual, const float *weight, float *out,
+                       float *sum_out, void *out16, void *out_q8, int n_rows, int dim, float eps);
+int strata_swiglu_gu(void *stream, const float *gu, int n, int F, float *out, void *out16, void *out_q8);
+int strata_rope_kv_prefill(void *stream, float *qkv, int stride, int pos0, void *k_cache, void *v_cache,
+                           const int *page_table, int n, int n_head, int n_kv, int hd, int n_rot, float base, int neox,
+                           int page_size);
+int strata_attn_decode_gqa(void *stream, const float *q, const void *k_cache, const void *v_cache,
+                           const int *page_table, const int *d_len, int len, float *ws, unsigned *counters, float *out,
+                           void *out_q8, int n_head, int n_kv, int hd, int page_size, int n_split, float scale);
+int strata_fa2_prefill(void *stream, const float *q, int q_stride, const void *k_cache, const void *v_cache,
+                       const int *page_table, float *out, void *out16, float *ws, int n, int n_head, int n_kv, int hd,
+                       int page_size, int length, int n_split, float scale);
 """
 
-# Decode matvec (one token) on int8 activations with __dp4a for Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K weights: opt-in
-# (STRATA_CUDA_DP4A=1). Measured on the H200 it was not faster than the f32-activation kernel (decode is bound by
-# launch latency, not by the matvec's arithmetic) and the int8 rounding costs 5e-3..1.4e-2 rel. L2 in the logits
-# (f32 activations: 3e-4), so strata_matvec (f32 activations) is the default.
-DP4A = os.environ.get("STRATA_CUDA_DP4A", "0") not in ("0", "false", "no", "")
+# Decode matvec (one token) on int8 activations with __dp4a for Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K weights, the
+# activations rounded to q8_1 blocks by the kernel that produces them (RMSNorm, attention, SwiGLU), as llama.cpp's
+# mmvq and Strata's CPU backend do. STRATA_CUDA_DP4A=0 keeps f32 activations (f32 dequantize-and-dot kernel): ~3e-4
+# rel. L2 in the logits instead of 5e-3..1.4e-2, at a lower speed on models whose matvecs are not launch-bound.
+DP4A = os.environ.get("STRATA_CUDA_DP4A", "1") not in ("0", "false", "no", "")
 
-# Prefill attention through the tiled flash-style kernel (f16 wmma, online softmax) for head_dim 64 / 128;
-# STRATA_CUDA_FLASH=0 keeps the materialized-score path (cuBLAS f32 + strata_causal_softmax).
+# Attention kernels: "v2" (default) = GQA-shared self-merging split-K decode and FlashAttention-2 (mma.sync) prefill
+# (native/cuda/attention.cu); "v1" = the first kernels (per-head split-K decode + combine, wmma flash prefill).
+ATTN = os.environ.get("STRATA_CUDA_ATTN", "v2")
+
+# Prefill attention through the tiled flash-style kernels for head_dim 64 / 128; STRATA_CUDA_FLASH=0 keeps the
+# materialized-score path (cuBLAS f32 + strata_causal_softmax).
 FLASH = os.environ.get("STRATA_CUDA_FLASH", "1") not in ("0", "false", "no")
 FLASH_HEAD_DIMS = (64, 128)
 
-MAX_SPLIT = 256          # split-K partitions of decode attention (about 64 positions each)
+# Decode matvec rows per warp (strata_matvec_q8w); 0 = by size (1 up to 4096 rows, else 2).
+MV_ROWS = int(os.environ.get("STRATA_CUDA_MV_ROWS", "0") or 0)
+
+# Prefill GEMMs read f16 copies of the weights kept on the device (2 bytes per weight, made once) instead of
+# dequantizing each weight per ubatch: STRATA_CUDA_F16_WEIGHTS=1. Off by default (it costs ~3.5x the memory of a
+# 4-bit model).
+F16_WEIGHTS = os.environ.get("STRATA_CUDA_F16_WEIGHTS", "0") not in ("0", "false", "no", "")
+
+MAX_SPLIT = 256          # split-K partitions of the v1 decode attention (about 64 positions each)
+GQA_MAX_SPLIT = 128      # split-K partitions of the v2 decode attention (DA_MAX_SPLIT in attention.cu)
 
 
 def n_split_for(length: int) -> int:
-    """Split-K partitions for decode attention over length positions: ~64 positions per block, at most MAX_SPLIT."""
+    """Split-K partitions for the v1 decode attention over length positions: ~64 positions per block."""
     return max(1, min(MAX_SPLIT, (length + 63) // 64))
+
+
+def n_split_gqa(length: int, n_kv: int, n_sm: int) -> int:
+    """Split-K partitions for the v2 decode attention (grid n_kv x n_split): at least 128 positions per block and
+    about two blocks per multiprocessor, at most GQA_MAX_SPLIT."""
+    return max(1, min(GQA_MAX_SPLIT, -(-length // 128), max(1, 2 * n_sm // max(1, n_kv))))
+
+
+def rows_per_warp(n_out: int) -> int:
+    return MV_ROWS or (1 if n_out <= 4096 else 2)
+
 
 # GGML type ids handled by the quantized kernels (ggml.h numbering).
 SUPPORTED_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
@@ -260,6 +298,8 @@ class CudaBackend(Backend):
         lib()
         self._kv: dict[int, tuple[Any, Any]] = {}   # layer -> (k pool, v pool) of attention_pages
         self._partial = None
+        self._counters = None
+        self.n_sm = int(cupy.cuda.runtime.getDeviceProperties(self.device_id)["multiProcessorCount"])
         self._rope_cache: dict[tuple, tuple[Any, Any]] = {}
 
     # ---- weights and tensors
@@ -298,8 +338,8 @@ class CudaBackend(Backend):
         y = out if out is not None else self.cp.empty((n, w.shape[0]), self.cp.float32)
         if n == 1 and DP4A and lib().strata_matvec_q8_supported(w.ggml_type):
             xq = self.quantize_q8(x)
-            _check(lib().strata_matvec_q8(_stream_ptr(), w.ggml_type, _p(w.data), _p(xq), _p(y), w.shape[0],
-                                          w.shape[1]), "strata_matvec_q8")
+            _check(lib().strata_matvec_q8w(_stream_ptr(), w.ggml_type, _p(w.data), _p(xq), _p(y), w.shape[0],
+                                           w.shape[1], rows_per_warp(w.shape[0])), "strata_matvec_q8w")
             return y
         for s in range(0, n, 8):
             e = min(n, s + 8)
@@ -452,13 +492,20 @@ class CudaBackend(Backend):
         return paged_attention(self, q, k, v, kc, vc, pt, length, ps, scale)
 
 
+def fa2_splits(n: int, n_head: int, total: int, n_sm: int) -> int:
+    """Key-range splits of the FA2 prefill kernel: enough blocks ((n / 64) * n_head * splits) for two waves of
+    n_sm multiprocessors, each split at least 8 key tiles of 64, at most 16."""
+    blocks = -(-n // 64) * n_head
+    return max(1, min(16, -(-2 * n_sm // blocks), (total + 63) // 64 // 8))
+
+
 def prefill_attention(be, q, kc, vc, pt, length: int, n_kv: int, ps: int, scale: float):
     """Causal GQA attention of n new queries (positions length..length+n-1) over the paged f16 cache
     (their K/V already written); q f32 (n, n_head, hd) contiguous -> f32 (n, n_head, hd).
 
-    head_dim 64 / 128 (and FLASH): strata_flash_prefill, tiled over 64 queries x 64 keys with online softmax
-    (FlashAttention), f16 tensor-core products (Q scaled and P rounded to f16, f32 accumulation), the key range
-    split so that about 1024 blocks run, the splits merged by a combine kernel. Otherwise: K/V gathered to f32,
+    head_dim 64 / 128 (and FLASH): strata_fa2_prefill (FlashAttention-2 on mma.sync, attention.cu; with
+    STRATA_CUDA_ATTN=v1 the first wmma kernel strata_flash_prefill), the key range split so that two waves of
+    blocks run, the splits merged by a combine kernel. Otherwise: K/V gathered to f32,
     S = Q K^T per KV head (cuBLAS batched, f32), masked softmax (strata_causal_softmax), O = P V, queries in
     chunks so S (n_head * chunk * (length + n) * 4 bytes) stays under 1 GiB.
     """
@@ -467,6 +514,13 @@ def prefill_attention(be, q, kc, vc, pt, length: int, n_kv: int, ps: int, scale:
     g = n_head // n_kv
     total = length + n
     s = _stream_ptr()
+    if FLASH and hd in FLASH_HEAD_DIMS and ATTN == "v2":
+        out = cp.empty((n, n_head, hd), cp.float32)
+        n_split = fa2_splits(n, n_head, total, be.n_sm)
+        ws = cp.empty(n_split * n_head * n * (hd + 2), cp.float32) if n_split > 1 else None
+        _check(lib().strata_fa2_prefill(s, _p(q), n_head * hd, _p(kc), _p(vc), _p(pt), _p(out), _ffi.NULL, _p(ws), n,
+                                        n_head, n_kv, hd, ps, int(length), n_split, float(scale)), "strata_fa2_prefill")
+        return out
     if FLASH and hd in FLASH_HEAD_DIMS:
         n_tiles = (total + 63) // 64
         blocks = ((n + 63) // 64) * n_head
@@ -571,6 +625,18 @@ def paged_attention(be: "CudaBackend", q, k, v, kc, vc, pt, length: int, ps: int
     _check(lib().strata_kv_write(s, _p(k), _p(v), _p(kc), _p(vc), _p(pt), _ffi.NULL, int(length), n, n_kv, hd, ps),
            "strata_kv_write")
     total = length + n
+    if n == 1 and ATTN == "v2" and hd in (32, 64, 128, 256) and n_head // n_kv <= 8:
+        n_split = n_split_gqa(total, n_kv, be.n_sm)
+        need = n_head * n_split * (hd + 2)
+        if be._partial is None or be._partial.size < need:
+            be._partial = cp.empty(max(need, n_head * MAX_SPLIT * (hd + 2)), cp.float32)
+        if be._counters is None or be._counters.size < n_kv:
+            be._counters = cp.zeros(max(64, n_kv), cp.uint32)
+        out = cp.empty((1, n_head, hd), cp.float32)
+        _check(lib().strata_attn_decode_gqa(s, _p(q), _p(kc), _p(vc), _p(pt), _ffi.NULL, total, _p(be._partial),
+                                            _ffi.cast("unsigned *", be._counters.data.ptr), _p(out), _ffi.NULL,
+                                            n_head, n_kv, hd, ps, n_split, float(scale)), "strata_attn_decode_gqa")
+        return out
     if n == 1:
         n_split = n_split_for(total)
         need = n_head * n_split * (hd + 2)
@@ -590,21 +656,29 @@ def _dptr(w) -> Any:
 
 
 class LlamaCuda:
-    """The CUDA execution plan of one decode step of ``strata/models/llama.py``'s LlamaModel.
+    """The CUDA execution plan of ``strata/models/llama.py``'s LlamaModel: its one-token decode step and its prefill.
 
     It owns no weights and no model definition: it reads the LlamaModel's uploaded tensors (fused wqkv /
-    w_gate_up when llama.py fused them) and config, and the sequence's f16 pages in a CudaPagePool. The step is
-    the same computation as LlamaModel.forward for one token (embedding row, per layer RMSNorm -> QKV matvec ->
-    RoPE -> K/V write -> split-K GQA attention -> output matvec + residual -> RMSNorm -> gate/up matvec ->
-    SwiGLU -> down matvec + residual; final RMSNorm, output matvec, argmax), with fused launches (RoPE + K/V
-    write; residual add + next RMSNorm), preallocated buffers and the token / position read from device memory,
-    so it is captured once per context-size class (256, 512, 1024, ... positions; the class fixes the split-K
-    count) as a CUDA graph and replayed with one graph launch per token.
+    w_gate_up when llama.py fused them) and config, and the sequence's f16 pages in a CudaPagePool. Both compute
+    what LlamaModel.forward computes (embedding row, per layer RMSNorm -> QKV -> RoPE -> K/V write -> causal GQA
+    attention -> output projection + residual -> RMSNorm -> gate/up -> SwiGLU -> down + residual; final RMSNorm,
+    output projection), with fused launches and preallocated buffers:
+
+    * decode (``decode``, ``decode_greedy``): matvecs on int8 q8_1 activations (DP4A; written by the RMSNorm,
+      attention and SwiGLU kernels that produce them) or f32 activations, RoPE fused with the K/V write, GQA-shared
+      split-K attention that merges its own splits, the residual add fused into the next RMSNorm; token and position
+      read from device memory, so the step is captured once per context-size class (256, 512, ... positions; the
+      class fixes the split count) as a CUDA graph and replayed with one graph launch per token.
+    * prefill (``prefill``): cuBLAS GEMMs on f16 operands with f32 accumulation and output (weights dequantized to
+      f16 per ubatch, or kept as f16 copies with STRATA_CUDA_F16_WEIGHTS=1), the residual add done by the GEMM
+      (beta = 1), RMSNorm and SwiGLU writing f16 GEMM inputs, RoPE fused with the K/V write, FlashAttention-2 prefill
+      attention; launched eagerly (positions are kernel arguments).
 
     ``unsupported(model)`` gives why a model cannot use the plan (None if it can): Q/K/V biases, RoPE frequency
-    factors or linear scaling, a head_dim that is not a multiple of 32 up to 256. ``decode(token, state)`` is
-    LlamaModel.forward([token], state) (same errors, same state bookkeeping) returning host f32 logits (n_vocab,);
-    ``decode_greedy(first, n, state)`` runs n steps feeding back the device argmax (benchmark, parity tests).
+    factors or linear scaling, a head_dim that is not 32/64/128/256, more than 8 query heads per KV head.
+    ``decode(token, state)`` / ``prefill(tokens, state, all_logits)`` are LlamaModel.forward (same errors, same
+    state bookkeeping) returning host f32 logits; ``decode_greedy(first, n, state)`` runs n steps feeding back the
+    device argmax (benchmark, parity tests).
     """
 
     def __init__(self, model, pool: CudaPagePool, use_graphs: bool = True):
@@ -623,18 +697,24 @@ class LlamaCuda:
             float(c.rms_eps)
         self.scale = float(model.scale)
         self.use_graphs = use_graphs
+        self.n_sm = int(model.backend.n_sm)
         self.stream = cp.cuda.Stream(non_blocking=True)
         E, nq, kvd, F = self.n_embd, self.n_head * self.hd, self.n_kv * self.hd, self.n_ff
+        q8 = lambda n: cp.zeros(n + n // 4, cp.uint8)   # noqa: E731  int8 values + float2 (d, d * sum) per 32
         self.d = {  # fixed addresses (graph capture); inp = [token, pos, len]
             "inp": cp.zeros(3, cp.int32), "x": cp.zeros((1, E), cp.float32), "hn": cp.zeros((1, E), cp.float32),
             "qkv": cp.zeros((1, nq + 2 * kvd), cp.float32), "att": cp.zeros((1, nq), cp.float32),
             "o": cp.zeros((1, E), cp.float32), "gu": cp.zeros((1, 2 * F), cp.float32),
             "act": cp.zeros((1, F), cp.float32), "logits": cp.zeros((1, self.n_vocab), cp.float32),
-            "partial": cp.zeros(self.n_head * MAX_SPLIT * (self.hd + 2), cp.float32),
-            "xq": cp.zeros(max(E, nq, F) * 5 // 4, cp.uint8),     # int8 activations + (d, d * sum) per 32
+            "partial": cp.zeros(self.n_head * max(MAX_SPLIT, GQA_MAX_SPLIT) * (self.hd + 2), cp.float32),
+            "counters": cp.zeros(max(64, self.n_kv), cp.uint32),
+            "hq": q8(E), "aq": q8(nq), "fq": q8(F),
         }
         self.dp4a = DP4A
         self.graphs: dict[int, Any] = {}
+        self._pf: dict[str, Any] = {}          # prefill buffers, grown to the largest ubatch seen
+        self._w16: dict[int, Any] = {}         # id(DeviceWeight) -> f16 copy (F16_WEIGHTS)
+        self._w16_scratch = None
         layers = model.layers
         self.weight_bytes = sum(w.nbytes for L in layers for w in
                                 (L.wqkv, L.wq, L.wk, L.wv, L.wo, L.w_gate_up, L.w_gate, L.w_up, L.w_down)
@@ -650,24 +730,28 @@ class LlamaCuda:
         if any(L.bq is not None or L.bk is not None or L.bv is not None for L in model.layers):
             return "Q/K/V biases"
         c = model.config
-        if c.head_dim % 32 or c.head_dim > 256 or model.n_rot > c.head_dim or model.n_rot % 2:
-            return f"head_dim {c.head_dim} / n_rot {model.n_rot} (needs a multiple of 32 up to 256)"
+        if c.head_dim not in (32, 64, 128, 256) or model.n_rot > c.head_dim or model.n_rot % 2:
+            return f"head_dim {c.head_dim} / n_rot {model.n_rot} (needs 32, 64, 128 or 256)"
+        if c.n_head // c.n_head_kv > 8:
+            return f"{c.n_head // c.n_head_kv} query heads per KV head (at most 8)"
         if not isinstance(model.tok_embd, DeviceWeight) or not isinstance(model.output, DeviceWeight):
             return "weights are not on the CUDA backend"
         return None
 
-    # ---- the step
-    def _mv(self, s, ws, x, n_in: int) -> None:
-        """y = W x for each (W, y_ptr, n_out) in ws, all reading f32 x (device array) of n_in values; with dp4a,
-        x is quantized to int8 blocks once (strata_quantize_q8_1) and shared by the weights."""
+    def prefill_supported(self) -> bool:
+        """Whether ``prefill`` can run this model (fused QKV and gate/up weights, head_dim 64 or 128)."""
+        return self.hd in FLASH_HEAD_DIMS and all(L.wqkv is not None and L.w_gate_up is not None
+                                                  for L in self.model.layers)
+
+    # ---- the decode step
+    def _mv(self, s, ws, x, xq, n_in: int) -> None:
+        """y = W x for each (W, y_ptr, n_out) in ws: from the q8_1 blocks xq (already written by the kernel that
+        produced x) when the plan runs on int8 activations and W's type has the dp4a kernel, else from f32 x."""
         lb = lib()
-        xq = None
         for w, y_ptr, n_out in ws:
             if self.dp4a and lb.strata_matvec_q8_supported(w.ggml_type):
-                if xq is None:
-                    xq = self.d["xq"]
-                    _check(lb.strata_quantize_q8_1(s, _p(x), _p(xq), n_in), "strata_quantize_q8_1")
-                _check(lb.strata_matvec_q8(s, w.ggml_type, _p(w.data), _p(xq), y_ptr, n_out, n_in), "strata_matvec_q8")
+                _check(lb.strata_matvec_q8w(s, w.ggml_type, _p(w.data), _p(xq), y_ptr, n_out, n_in,
+                                            rows_per_warp(n_out)), "strata_matvec_q8w")
             else:
                 _check(lb.strata_matvec(s, w.ggml_type, _p(w.data), _p(x), y_ptr, n_out, n_in, 1), "strata_matvec")
 
@@ -680,36 +764,48 @@ class LlamaCuda:
         inp = d["inp"].data.ptr
         tok_p, pos_p, len_p = (_ffi.cast("int *", inp + 4 * i) for i in range(3))
         f32 = lambda a, off=0: _ffi.cast("float *", a.data.ptr + 4 * off)  # noqa: E731
+        NULL = _ffi.NULL
+        q8 = self.dp4a
+        hq, aq, fq = (_p(d[k]) if q8 else NULL for k in ("hq", "aq", "fq"))
+        ctr = _ffi.cast("unsigned *", d["counters"].data.ptr)
         pt = pool._pt
+        v2 = ATTN == "v2"
         _check(lb.strata_get_rows(s, m.tok_embd.ggml_type, _p(m.tok_embd.data), tok_p, _p(d["x"]), 1, E), "rows")
-        _check(lb.strata_rms_norm(s, _p(d["x"]), _ffi.NULL, _dptr(m.layers[0].attn_norm), _p(d["hn"]), _ffi.NULL,
-                                  1, E, self.eps), "rms")
+        _check(lb.strata_rms_norm_ex(s, _p(d["x"]), NULL, _dptr(m.layers[0].attn_norm), _p(d["hn"]), NULL, NULL,
+                                     hq, 1, E, self.eps), "rms")
         qkv, gu = d["qkv"], d["gu"]
         for li, L in enumerate(m.layers):
             slot = pool.slot(li)
             kc, vc = pool.k[slot], pool.v[slot]
             if L.wqkv is not None:
-                self._mv(s, [(L.wqkv, f32(qkv), nq + 2 * kvd)], d["hn"], E)
+                self._mv(s, [(L.wqkv, f32(qkv), nq + 2 * kvd)], d["hn"], d["hq"], E)
             else:
                 self._mv(s, [(L.wq, f32(qkv), nq), (L.wk, f32(qkv, nq), kvd), (L.wv, f32(qkv, nq + kvd), kvd)],
-                         d["hn"], E)
+                         d["hn"], d["hq"], E)
             _check(lb.strata_rope_kv_decode(s, f32(qkv), pos_p, _p(kc), _p(vc), _p(pt), H, KV, hd, self.n_rot,
                                             self.theta, self.neox, pool.page_size), "rope_kv")
-            _check(lb.strata_attn_decode(s, f32(qkv), _p(kc), _p(vc), _p(pt), len_p, 0, _p(d["partial"]),
-                                         _p(d["att"]), H, KV, hd, pool.page_size, n_split, self.scale), "attn")
-            self._mv(s, [(L.wo, _p(d["o"]), E)], d["att"], nq)
-            _check(lb.strata_rms_norm(s, _p(d["o"]), _p(d["x"]), _dptr(L.ffn_norm), _p(d["hn"]), _p(d["x"]), 1, E,
-                                      self.eps), "rms")
-            if L.w_gate_up is not None:
-                self._mv(s, [(L.w_gate_up, f32(gu), 2 * F)], d["hn"], E)
+            if v2:
+                _check(lb.strata_attn_decode_gqa(s, f32(qkv), _p(kc), _p(vc), _p(pt), len_p, 0, _p(d["partial"]), ctr,
+                                                 _p(d["att"]), aq, H, KV, hd, pool.page_size, n_split, self.scale),
+                       "attn")
             else:
-                self._mv(s, [(L.w_gate, f32(gu), F), (L.w_up, f32(gu, F), F)], d["hn"], E)
-            _check(lb.strata_swiglu(s, f32(gu), f32(gu, F), _p(d["act"]), F), "swiglu")
-            self._mv(s, [(L.w_down, _p(d["o"]), E)], d["act"], F)
+                _check(lb.strata_attn_decode(s, f32(qkv), _p(kc), _p(vc), _p(pt), len_p, 0, _p(d["partial"]),
+                                             _p(d["att"]), H, KV, hd, pool.page_size, n_split, self.scale), "attn")
+                if q8:
+                    _check(lb.strata_quantize_q8_1(s, _p(d["att"]), aq, nq), "quantize")
+            self._mv(s, [(L.wo, _p(d["o"]), E)], d["att"], d["aq"], nq)
+            _check(lb.strata_rms_norm_ex(s, _p(d["o"]), _p(d["x"]), _dptr(L.ffn_norm), _p(d["hn"]), _p(d["x"]), NULL,
+                                         hq, 1, E, self.eps), "rms")
+            if L.w_gate_up is not None:
+                self._mv(s, [(L.w_gate_up, f32(gu), 2 * F)], d["hn"], d["hq"], E)
+            else:
+                self._mv(s, [(L.w_gate, f32(gu), F), (L.w_up, f32(gu, F), F)], d["hn"], d["hq"], E)
+            _check(lb.strata_swiglu_gu(s, f32(gu), 1, F, _p(d["act"]), NULL, fq), "swiglu")
+            self._mv(s, [(L.w_down, _p(d["o"]), E)], d["act"], d["fq"], F)
             nxt = m.layers[li + 1].attn_norm if li + 1 < self.n_layer else m.out_norm
-            _check(lb.strata_rms_norm(s, _p(d["o"]), _p(d["x"]), _dptr(nxt), _p(d["hn"]), _p(d["x"]), 1, E,
-                                      self.eps), "rms")
-        self._mv(s, [(m.output, _p(d["logits"]), self.n_vocab)], d["hn"], E)
+            _check(lb.strata_rms_norm_ex(s, _p(d["o"]), _p(d["x"]), _dptr(nxt), _p(d["hn"]), _p(d["x"]), NULL, hq, 1,
+                                         E, self.eps), "rms")
+        self._mv(s, [(m.output, _p(d["logits"]), self.n_vocab)], d["hn"], d["hq"], E)
         _check(lb.strata_argmax(s, _p(d["logits"]), tok_p, 1, self.n_vocab), "argmax")
         _check(lb.strata_add_scalar(s, pos_p, 1, 2), "add")
 
@@ -724,7 +820,7 @@ class LlamaCuda:
     def _launch(self, length: int) -> None:
         """One step attending over `length` positions, on self.stream (graph replay or eager launches)."""
         cls = self.size_class(length)
-        n_split = n_split_for(cls)
+        n_split = n_split_gqa(cls, self.n_kv, self.n_sm) if ATTN == "v2" else n_split_for(cls)
         if not self.use_graphs:
             self._enqueue_step(n_split)
             return
@@ -754,16 +850,21 @@ class LlamaCuda:
             self.pool.table(kv.pages)
             self.d["inp"].set(np.asarray([tokens[0], state.pos, state.pos + 1], dtype=np.int32), stream=self.stream)
 
-    def decode(self, token: int, state) -> np.ndarray:
-        """LlamaModel.forward([token], state) through the graph -> f32 logits (n_vocab,) on the host."""
+    def decode_device(self, token: int, state):
+        """LlamaModel.forward([token], state) through the graph, logits left on the device: a CuPy f32 (n_vocab,)
+        view of the plan's logits buffer (valid until the next step), ordered on the current stream."""
         token = int(token)
         self._begin(state, [token], 1)
         with self.stream:
             self._launch(state.pos + 1)
-            logits = self.cp.asnumpy(self.d["logits"][0], stream=self.stream)
+        self.cp.cuda.get_current_stream().wait_event(self.stream.record())
         state.kv.commit(1)
         state.advance([token])
-        return logits
+        return self.d["logits"][0]
+
+    def decode(self, token: int, state) -> np.ndarray:
+        """LlamaModel.forward([token], state) through the graph -> f32 logits (n_vocab,) on the host."""
+        return self.cp.asnumpy(self.decode_device(token, state))
 
     def decode_greedy(self, first_token: int, n: int, state) -> list[int]:
         """Feed first_token at state.pos, then n - 1 device-argmax tokens; returns the n argmax tokens chosen.
@@ -787,6 +888,112 @@ class LlamaCuda:
         """Logits of the last step (host f32 (n_vocab,))."""
         return self.cp.asnumpy(self.d["logits"][0], stream=self.stream)
 
+    # ---- prefill
+    def _buf(self, name: str, shape: tuple[int, ...], dtype) -> Any:
+        """A prefill buffer of at least this shape (grown, never shrunk), viewed as exactly `shape`."""
+        cp = self.cp
+        n = int(np.prod(shape))
+        b = self._pf.get(name)
+        if b is None or b.size < n or b.dtype != np.dtype(dtype):
+            b = self._pf[name] = cp.empty(n, dtype)
+        return b[:n].reshape(shape)
+
+    def _weight16(self, w: DeviceWeight) -> Any:
+        """W as f16 (n_out, n_in): the kept copy (F16_WEIGHTS) or a shared scratch dequantized now."""
+        cp = self.cp
+        if F16_WEIGHTS:
+            c = self._w16.get(id(w))
+            if c is None:
+                c = self._w16[id(w)] = cp.empty(w.shape, cp.float16)
+                _check(lib().strata_dequant(_stream_ptr(), w.ggml_type, _p(w.data), _p(c), w.shape[0], w.shape[1], 1),
+                       "strata_dequant")
+            return c
+        n = w.shape[0] * w.shape[1]
+        if self._w16_scratch is None or self._w16_scratch.size < n:
+            self._w16_scratch = cp.empty(n, cp.float16)
+        _check(lib().strata_dequant(_stream_ptr(), w.ggml_type, _p(w.data), _p(self._w16_scratch), w.shape[0],
+                                    w.shape[1], 1), "strata_dequant")
+        return self._w16_scratch
+
+    def _gemm(self, a16, w: DeviceWeight, y, accumulate: bool) -> None:
+        """y f32 (n, n_out) (+)= a16 f16 (n, n_in) @ W.T through cuBLAS GemmEx (f32 accumulate; beta = 1 adds
+        into y: the residual add)."""
+        from cupy_backends.cuda.libs import cublas
+        cp = self.cp
+        n, k = a16.shape
+        m = w.shape[0]
+        w16 = self._weight16(w)
+        h = cp.cuda.device.get_cublas_handle()
+        cublas.setStream(h, cp.cuda.get_current_stream().ptr)
+        beta = _ONE if accumulate else _ZERO
+        cublas.gemmEx(h, 1, 0, m, n, k, _ONE.ctypes.data, w16.data.ptr, 2, k, a16.data.ptr, 2, k,
+                      beta.ctypes.data, y.data.ptr, 0, m, 68, -1)
+
+    def prefill(self, tokens, state, all_logits: bool = False) -> np.ndarray:
+        """LlamaModel.forward(tokens, state, all_logits) for n >= 1 tokens on the current stream -> host f32 logits
+        (n_vocab,) of the last token, or (n, n_vocab) with all_logits. Same errors and bookkeeping."""
+        cp, lb, m, pool = self.cp, lib(), self.model, self.pool
+        toks = np.asarray(tokens, dtype=np.int32).reshape(-1)
+        n = int(toks.shape[0])
+        if n == 0:
+            raise ValueError("forward() needs at least one token")
+        if int(toks.min()) < 0 or int(toks.max()) >= self.n_vocab:
+            raise ValueError(f"token id out of range [0, {self.n_vocab})")
+        kv = state.kv
+        if kv.pool is not pool:
+            raise ValueError("the sequence's KV pages are not in this plan's pool")
+        if kv.length != state.pos:
+            raise ValueError(f"KV length {kv.length} != sequence position {state.pos}")
+        kv.reserve(n)
+        s = _stream_ptr()
+        E, H, KV, hd, F = self.n_embd, self.n_head, self.n_kv, self.hd, self.n_ff
+        nq, kvd = H * hd, KV * hd
+        W = nq + 2 * kvd
+        NULL = _ffi.NULL
+        pos0 = int(state.pos)
+        pt = pool.table(kv.pages)
+        ids = cp.asarray(toks)
+        x = self._buf("x", (n, E), cp.float32)
+        h16 = self._buf("h16", (n, max(E, nq)), cp.float16)
+        qkv = self._buf("qkv", (n, W), cp.float32)
+        gu = self._buf("gu", (n, 2 * F), cp.float32)
+        act16 = self._buf("act16", (n, F), cp.float16)
+        total = pos0 + n
+        n_split = fa2_splits(n, H, total, self.n_sm)
+        ws = self._buf("ws", (n_split * H * n * (hd + 2),), cp.float32) if n_split > 1 else None
+        _check(lb.strata_get_rows(s, m.tok_embd.ggml_type, _p(m.tok_embd.data), _p(ids), _p(x), n, E), "rows")
+        hE = h16[:, :E] if h16.shape[1] == E else self._buf("hE", (n, E), cp.float16)
+        att16 = h16[:, :nq] if h16.shape[1] == nq else self._buf("att16", (n, nq), cp.float16)
+        for li, L in enumerate(m.layers):
+            slot = pool.slot(li)
+            kc, vc = pool.k[slot], pool.v[slot]
+            _check(lb.strata_rms_norm_ex(s, _p(x), NULL, _dptr(L.attn_norm), NULL, NULL, _p(hE), NULL, n, E,
+                                         self.eps), "rms")
+            self._gemm(hE, L.wqkv, qkv, False)
+            _check(lb.strata_rope_kv_prefill(s, _p(qkv), W, pos0, _p(kc), _p(vc), _p(pt), n, H, KV, hd, self.n_rot,
+                                             self.theta, self.neox, pool.page_size), "rope_kv_prefill")
+            _check(lb.strata_fa2_prefill(s, _p(qkv), W, _p(kc), _p(vc), _p(pt), NULL, _p(att16), _p(ws), n, H, KV,
+                                         hd, pool.page_size, pos0, n_split, self.scale), "fa2_prefill")
+            self._gemm(att16, L.wo, x, True)
+            _check(lb.strata_rms_norm_ex(s, _p(x), NULL, _dptr(L.ffn_norm), NULL, NULL, _p(hE), NULL, n, E,
+                                         self.eps), "rms")
+            self._gemm(hE, L.w_gate_up, gu, False)
+            _check(lb.strata_swiglu_gu(s, _p(gu), n, F, NULL, _p(act16), NULL), "swiglu")
+            self._gemm(act16, L.w_down, x, True)
+        rows = x if all_logits else x[n - 1:]
+        hn = cp.empty(rows.shape, cp.float32)
+        _check(lb.strata_rms_norm_ex(s, _p(rows), NULL, _dptr(m.out_norm), _p(hn), NULL, NULL, NULL, rows.shape[0], E,
+                                     self.eps), "rms")
+        logits = m.backend.matmul(hn, m.output)
+        kv.commit(n)
+        state.advance(toks)
+        out = cp.asnumpy(logits)
+        return out if all_logits else out[0]
+
+
+_ONE = np.ones(1, np.float32)
+_ZERO = np.zeros(1, np.float32)
+
 
 class GraphDecodeModel:
     """What the engine runs on CUDA: the LlamaModel itself (prefill, all_logits, every attribute), except that a
@@ -808,12 +1015,26 @@ class GraphDecodeModel:
         return p
 
     def forward(self, tokens, state, all_logits: bool = False):
-        """LlamaModel.forward (same arguments, result and errors), on the backend's device in any thread."""
+        """LlamaModel.forward (same arguments, result and errors), on the backend's device in any thread: one token
+        through the plan's CUDA graph, several through the plan's prefill."""
         toks = np.asarray(tokens, dtype=np.int32).reshape(-1)
         with self.model.backend.device:
-            if self.use_graphs and toks.shape[0] == 1 and not all_logits and isinstance(state.kv.pool, CudaPagePool):
-                return self.plan(state.kv.pool).decode(int(toks[0]), state)
+            if self.use_graphs and isinstance(state.kv.pool, CudaPagePool):
+                plan = self.plan(state.kv.pool)
+                if toks.shape[0] == 1 and not all_logits:
+                    return plan.decode(int(toks[0]), state)
+                if toks.shape[0] > 1 and plan.prefill_supported():
+                    return plan.prefill(toks, state, all_logits)
             return self.model.forward(tokens, state, all_logits)
+
+    def forward_device(self, tokens, state):
+        """forward(tokens, state) with the last token's logits left on the device: CuPy f32 (n_vocab,), ordered on
+        the current stream (valid until the next call)."""
+        toks = np.asarray(tokens, dtype=np.int32).reshape(-1)
+        with self.model.backend.device:
+            if self.use_graphs and toks.shape[0] == 1 and isinstance(state.kv.pool, CudaPagePool):
+                return self.plan(state.kv.pool).decode_device(int(toks[0]), state)
+            return self.model.backend.cp.asarray(self.forward(tokens, state))
 
 
 CUDABackend = CudaBackend   # the name strata/engine/engine.py imports

@@ -1,0 +1,173 @@
+"""Kernel-level timings of the CUDA backend against the hardware limit and against the previous kernels.
+
+Decode matvec: achieved weight bandwidth of each variant (f32-activation kernel, 8-lanes-per-row int8 kernel,
+warp-per-row int8 kernel with 1/2/4 rows per warp) over the measured device copy bandwidth, on the matrix shapes of the
+default model and of the synthetic 1.7B llama of bench/gpu_throughput.py. Decode attention: v1 (per-head split-K +
+combine) vs v2 (GQA-shared, self-merging) in microseconds and KV bandwidth. Prefill attention: v1 (wmma) vs v2
+(FlashAttention-2, mma.sync) in TFLOP/s (causal flops 2 * 2 * n * (length + n/2) * hd * n_head).
+Every time is the median of CUDA-event-timed launches after warm-up, rotating over enough weight copies to spill the
+L2. Usage: python bench/cuda_kernels.py [--out PATH]. Writes JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def timeit(cp, fn, reps: int = 50, warm: int = 5) -> float:
+    """Median seconds of fn() (which launches on the current stream), CUDA events around each call."""
+    for _ in range(warm):
+        fn()
+    ts = []
+    for _ in range(reps):
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(cp.cuda.get_elapsed_time(a, b) / 1e3)
+    return float(np.median(ts))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    import cupy as cp
+    from bench.gpu_throughput import commit, copy_bandwidth
+    from strata.backend import cuda as C
+    be = C.CudaBackend()
+    lib, ffi, s = C.lib(), C._ffi, C._stream_ptr
+    bw = copy_bandwidth(cp)
+    props = cp.cuda.runtime.getDeviceProperties(0)
+    gpu = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    print(f"GPU {gpu}, copy bandwidth {bw / 1e12:.2f} TB/s, {be.n_sm} SMs", flush=True)
+    res = {"gpu": gpu, "commit": commit(), "copy_bandwidth_Bps": bw, "matvec": [], "attn_decode": [],
+           "attn_prefill": [], "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    rng = np.random.default_rng(0)
+    # (name, ggml type, n_out, n_in)
+    shapes = [("smol qkv Q4_1", 3, 960, 576), ("smol o Q4_1", 3, 576, 576), ("smol gate_up Q4_1", 3, 3072, 576),
+              ("smol down Q4_1", 3, 576, 1536), ("smol head Q8_0", 8, 49152, 576),
+              ("1.7B qkv Q4_K", 12, 4096, 2048), ("1.7B o Q4_K", 12, 2048, 2048),
+              ("1.7B gate_up Q4_K", 12, 16384, 2048), ("1.7B down Q4_K", 12, 2048, 8192),
+              ("1.7B head Q4_K", 12, 49152, 2048), ("Q6_K 4096x4096", 14, 4096, 4096),
+              ("Q8_0 4096x4096", 8, 4096, 4096), ("Q4_0 4096x4096", 2, 4096, 4096)]
+    print(f"{'matvec':22s} {'MB':>7s} " + " ".join(f"{v:>14s}" for v in
+                                                    ("f32", "q8 8-lane", "q8w R1", "q8w R2", "q8w R4")))
+    for name, t, n_out, n_in in shapes:
+        qk, bsz = C.BLOCK[t]
+        rb = n_in // qk * bsz
+        nbytes = n_out * rb
+        copies = max(1, int(np.ceil(200e6 / nbytes)))          # rotate over > 3x the L2
+        ws = []
+        for _ in range(copies):
+            raw = rng.integers(0, 256, size=(n_out, rb), dtype=np.uint8)
+            ws.append(C.upload_raw("w", t, (n_out, n_in), raw))
+            # finite scales: overwrite the f16 scale fields with small values
+        for w in ws:
+            d = w.data.reshape(n_out, n_in // qk, bsz)
+            if t in (2, 3, 8):
+                d[:, :, 0:2] = cp.asarray(np.full((1, 1), 1e-3, np.float16).view(np.uint8).reshape(1, 1, 2))
+            elif t in (12, 13):
+                d[:, :, 0:4] = cp.asarray(np.full((1, 1, 2), 1e-3, np.float16).view(np.uint8).reshape(1, 1, 4))
+            elif t == 14:
+                d[:, :, 208:210] = cp.asarray(np.full((1, 1), 1e-3, np.float16).view(np.uint8).reshape(1, 1, 2))
+        x = cp.asarray(rng.standard_normal(n_in).astype(np.float32))
+        xq = be.quantize_q8(x[None])
+        y = cp.empty(n_out, cp.float32)
+        it = iter(range(10 ** 9))
+
+        def pick():
+            return ws[next(it) % copies]
+
+        variants = {
+            "f32": lambda: lib.strata_matvec(s(), t, C._p(pick().data), C._p(x), C._p(y), n_out, n_in, 1),
+            "q8 8-lane": lambda: lib.strata_matvec_q8(s(), t, C._p(pick().data), C._p(xq), C._p(y), n_out, n_in),
+        }
+        for r in (1, 2, 4):
+            variants[f"q8w R{r}"] = (lambda r=r: lib.strata_matvec_q8w(s(), t, C._p(pick().data), C._p(xq), C._p(y),
+                                                                       n_out, n_in, r))
+        row = {"name": name, "type": t, "n_out": n_out, "n_in": n_in, "bytes": nbytes, "us": {}, "bw_fraction": {}}
+        for k, fn in variants.items():
+            dt = timeit(cp, fn, reps=100)
+            row["us"][k] = dt * 1e6
+            row["bw_fraction"][k] = nbytes / dt / bw
+        res["matvec"].append(row)
+        print(f"{name:22s} {nbytes / 1e6:7.2f} " + " ".join(
+            f"{row['us'][k]:6.1f}us {100 * row['bw_fraction'][k]:4.0f}%" for k in variants), flush=True)
+        del ws
+
+    # decode attention
+    print(f"\n{'attn decode':28s} {'v1 us':>8s} {'v2 us':>8s} {'v2 KV TB/s':>10s}")
+    ps = 16
+    for H, KV, hd in ((9, 3, 64), (16, 8, 128), (32, 8, 128)):
+        for L in (512, 4096, 16384):
+            n_pages = L // ps + 1
+            kc = cp.asarray(rng.standard_normal((n_pages, ps, KV, hd)).astype(np.float16))
+            vc = cp.asarray(rng.standard_normal((n_pages, ps, KV, hd)).astype(np.float16))
+            pt = cp.asarray(rng.permutation(n_pages).astype(np.int32))
+            q = cp.asarray(rng.standard_normal(H * hd).astype(np.float32))
+            out = cp.empty(H * hd, cp.float32)
+            ws = cp.empty(H * max(C.MAX_SPLIT, C.GQA_MAX_SPLIT) * (hd + 2), cp.float32)
+            ctr = cp.zeros(KV, cp.uint32)
+            oq = cp.empty(H * hd * 5 // 4, cp.uint8)
+            n1 = C.n_split_for(L)
+            n2 = C.n_split_gqa(L, KV, be.n_sm)
+            sc = 1 / np.sqrt(hd)
+            t1 = timeit(cp, lambda: lib.strata_attn_decode(s(), C._p(q), C._p(kc), C._p(vc), C._p(pt), ffi.NULL, L,
+                                                           C._p(ws), C._p(out), H, KV, hd, ps, n1, sc))
+            t2 = timeit(cp, lambda: lib.strata_attn_decode_gqa(s(), C._p(q), C._p(kc), C._p(vc), C._p(pt), ffi.NULL,
+                                                               L, C._p(ws), ffi.cast("unsigned *", ctr.data.ptr),
+                                                               C._p(out), C._p(oq), H, KV, hd, ps, n2, sc))
+            kvb = 2 * L * KV * hd * 2
+            res["attn_decode"].append({"H": H, "KV": KV, "hd": hd, "L": L, "v1_us": t1 * 1e6, "v2_us": t2 * 1e6,
+                                       "n_split_v2": n2, "kv_bytes": kvb})
+            print(f"H{H} KV{KV} hd{hd} L{L:6d} split{n2:4d}  {t1 * 1e6:8.1f} {t2 * 1e6:8.1f} {kvb / t2 / 1e12:10.2f}",
+                  flush=True)
+
+    # prefill attention (n = 512 queries after `length` cached positions)
+    print(f"\n{'attn prefill':30s} {'v1 ms':>8s} {'v2 ms':>8s} {'v2 TFLOP/s':>10s}")
+    for H, KV, hd in ((9, 3, 64), (16, 8, 128)):
+        for length in (0, 3584, 15872):
+            n = 512
+            L = length + n
+            n_pages = L // ps + 1
+            kc = cp.asarray(rng.standard_normal((n_pages, ps, KV, hd)).astype(np.float16))
+            vc = cp.asarray(rng.standard_normal((n_pages, ps, KV, hd)).astype(np.float16))
+            pt = cp.asarray(np.arange(n_pages, dtype=np.int32))
+            q = cp.asarray(rng.standard_normal((n, H, hd)).astype(np.float32))
+            out = cp.empty((n, H, hd), cp.float32)
+            sc = 1 / np.sqrt(hd)
+            n_tiles = (L + 63) // 64
+            blocks = ((n + 63) // 64) * H
+            s1 = max(1, min(32, -(-1024 // blocks), -(-n_tiles // 4)))
+            ws1 = cp.empty(s1 * H * n * (hd + 2), cp.float32)
+            s2 = C.fa2_splits(n, H, L, be.n_sm)
+            ws2 = cp.empty(s2 * H * n * (hd + 2), cp.float32)
+            t1 = timeit(cp, lambda: lib.strata_flash_prefill(s(), C._p(q), C._p(kc), C._p(vc), C._p(pt), C._p(out),
+                                                             C._p(ws1), n, H, KV, hd, ps, length, s1, sc), reps=20)
+            t2 = timeit(cp, lambda: lib.strata_fa2_prefill(s(), C._p(q), H * hd, C._p(kc), C._p(vc), C._p(pt),
+                                                           C._p(out), ffi.NULL, C._p(ws2), n, H, KV, hd, ps, length,
+                                                           s2, sc), reps=20)
+            flops = 4.0 * n * (length + n / 2) * hd * H
+            res["attn_prefill"].append({"H": H, "KV": KV, "hd": hd, "n": n, "length": length, "v1_ms": t1 * 1e3,
+                                        "v2_ms": t2 * 1e3, "v2_tflops": flops / t2 / 1e12, "n_split_v2": s2})
+            print(f"H{H} KV{KV} hd{hd} n{n} len{length:6d} split{s2:3d} {t1 * 1e3:8.3f} {t2 * 1e3:8.3f} "
+                  f"{flops / t2 / 1e12:10.1f}", flush=True)
+    dest = Path(a.out) if a.out else ROOT / "bench" / "results" / f"cuda_kernels_{gpu.replace(' ', '_')}.json"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text(json.dumps(res, indent=1))
+    print("wrote", dest)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

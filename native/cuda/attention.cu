@@ -1,0 +1,526 @@
+// Attention over the paged f16 KV cache, second generation: the prefill RoPE + K/V write for n tokens, decode
+// attention that shares each KV head's loads across its GQA group and merges its split-K partials in the last block
+// to finish, and prefill attention in the FlashAttention-2 form on mma.sync tensor-core instructions.
+//
+// Cache layout (as strata_kernels.cu): per layer K and V arrays (n_pages, page_size, n_kv, hd) f16; position p of
+// a sequence lives in page pt[p / page_size], slot p % page_size.
+#include <cuda_runtime.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+#include <math.h>
+#include "strata_cuda.h"
+#include "q8.cuh"
+
+__device__ static inline long long kv_off(const int *__restrict__ pt, int p, int kvh, int n_kv, int hd, int ps) {
+  return (((long long)pt[p / ps] * ps + (p % ps)) * n_kv + kvh) * hd;
+}
+
+// ---------------------------------------------------------------- prefill: RoPE on q and k + K/V cache write
+// qkv f32 rows of n tokens with row stride `stride` floats: [q (H*hd) | k (KV*hd) | v (KV*hd)]; token t is at
+// position pos0 + t. RoPE (angles in float64, as the decode kernel) is applied in place to q and k; k (rotated) and
+// v are written to the cache as f16.
+__global__ void k_rope_kv_prefill(float *__restrict__ qkv, int stride, int pos0, __half *__restrict__ kc,
+                                  __half *__restrict__ vc, const int *__restrict__ pt, int n, int H, int KV, int hd,
+                                  int n_rot, float base, int neox, int ps) {
+  const int half = n_rot / 2;
+  const int per_tok = (H + KV) * half + KV * hd;
+  const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (idx >= (long long)n * per_tok) return;
+  const int t = (int)(idx / per_tok), j0 = (int)(idx % per_tok);
+  const int p = pos0 + t;
+  float *row = qkv + (long long)t * stride;
+  if (j0 < (H + KV) * half) {
+    const int h = j0 / half, i = j0 % half;
+    float *x = row + h * hd;
+    const double ang = (double)p * pow((double)base, -2.0 * (double)i / (double)n_rot);
+    const float c = (float)cos(ang), s = (float)sin(ang);
+    const int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
+    const float x0 = x[a], x1 = x[b];
+    const float y0 = x0 * c - x1 * s, y1 = x0 * s + x1 * c;
+    x[a] = y0;
+    x[b] = y1;
+    if (h >= H) {
+      const long long o = kv_off(pt, p, h - H, KV, hd, ps);
+      kc[o + a] = __float2half(y0);
+      kc[o + b] = __float2half(y1);
+    }
+    return;
+  }
+  const int j = j0 - (H + KV) * half;
+  const int kh = j / hd, d = j % hd;
+  const long long o = kv_off(pt, p, kh, KV, hd, ps) + d;
+  vc[o] = __float2half(row[(H + KV) * hd + j]);
+  if (d >= n_rot) kc[o] = __float2half(row[H * hd + j]);
+}
+
+extern "C" int strata_rope_kv_prefill(void *stream, float *qkv, int stride, int pos0, void *kc, void *vc,
+                                      const int *pt, int n, int n_head, int n_kv, int hd, int n_rot, float base,
+                                      int neox, int ps) {
+  if (n_rot > hd || n_rot % 2 || n < 0 || stride < (n_head + 2 * n_kv) * hd) return (int)cudaErrorInvalidValue;
+  const long long total = (long long)n * ((n_head + n_kv) * (n_rot / 2) + n_kv * hd);
+  if (total == 0) return 0;
+  k_rope_kv_prefill<<<(unsigned)((total + 255) / 256), 256, 0, (cudaStream_t)stream>>>(
+      qkv, stride, pos0, (__half *)kc, (__half *)vc, pt, n, n_head, n_kv, hd, n_rot, base, neox, ps);
+  return (int)cudaGetLastError();
+}
+
+// ---------------------------------------------------------------- decode attention, GQA-shared, self-merging
+// grid (n_kv, n_split), 128 threads. A block takes one KV head, all g = n_head / n_kv query heads of its group (G >=
+// g registers per lane), and one range of positions. A group of LP = hd / 8 lanes owns one position per step (one
+// 16-byte load of K and of V per lane, the next position's loads issued before this one's arithmetic) and keeps an
+// online softmax (m, l, o) per query head; groups are merged in shared memory into one partial (m, l, O) per head and
+// split. The last block of a KV head to finish (atomic counter, reset by that block) merges the splits:
+// out = sum_s O_s e^(m_s - M) / sum_s l_s e^(m_s - M) (Dao et al., Flash-Decoding), written as f32 and, if out_q8
+// is given, as q8_1 blocks for the next matvec.
+#define DA_WARPS 4
+#define DA_MAX_SPLIT 128
+template <int LP, int G>
+__global__ void __launch_bounds__(32 * DA_WARPS) k_attn_decode_gqa(
+    const float *__restrict__ q, const __half *__restrict__ kc, const __half *__restrict__ vc,
+    const int *__restrict__ pt, const int *__restrict__ d_len, int len_arg, float *__restrict__ ws,
+    unsigned *__restrict__ counters, float *__restrict__ out, int8_t *__restrict__ out_q8, int n_head, int n_kv,
+    int ps, int n_split, float scale) {
+  constexpr int hd = 8 * LP, PPW = 32 / LP, NG = DA_WARPS * PPW;
+  const int kvh = blockIdx.x, sp = blockIdx.y;
+  const int g = n_head / n_kv;
+  const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, grp = lane / LP, gl = lane % LP;
+  const int gid = wid * PPW + grp;
+  const int len = d_len ? *d_len : len_arg;
+  const int chunk = (len + n_split - 1) / n_split;
+  const int beg = sp * chunk, end = min(len, beg + chunk);
+  float qv[G][8], o[G][8], m[G], l[G];
+#pragma unroll
+  for (int j = 0; j < G; j++) {
+    m[j] = -INFINITY;
+    l[j] = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; i++) { qv[j][i] = 0.f; o[j][i] = 0.f; }
+    if (j < g) {
+      const float4 *qp = reinterpret_cast<const float4 *>(q + (kvh * g + j) * hd + 8 * gl);
+      const float4 a = qp[0], b = qp[1];
+      qv[j][0] = a.x * scale; qv[j][1] = a.y * scale; qv[j][2] = a.z * scale; qv[j][3] = a.w * scale;
+      qv[j][4] = b.x * scale; qv[j][5] = b.y * scale; qv[j][6] = b.z * scale; qv[j][7] = b.w * scale;
+    }
+  }
+  int p = beg + gid;
+  uint4 kn = make_uint4(0, 0, 0, 0), vn = kn;
+  if (p < end) {
+    const long long off = kv_off(pt, p, kvh, n_kv, hd, ps) + 8 * gl;
+    kn = *reinterpret_cast<const uint4 *>(kc + off);
+    vn = *reinterpret_cast<const uint4 *>(vc + off);
+  }
+  for (; p < end; p += NG) {
+    const uint4 kk = kn, vv = vn;
+    const int pn = p + NG;
+    if (pn < end) {
+      const long long off = kv_off(pt, pn, kvh, n_kv, hd, ps) + 8 * gl;
+      kn = *reinterpret_cast<const uint4 *>(kc + off);
+      vn = *reinterpret_cast<const uint4 *>(vc + off);
+    }
+    float kf[8], vf[8];
+    {
+      const __half2 *k2 = reinterpret_cast<const __half2 *>(&kk), *v2 = reinterpret_cast<const __half2 *>(&vv);
+#pragma unroll
+      for (int i = 0; i < 4; i++) {
+        const float2 a = __half22float2(k2[i]), b = __half22float2(v2[i]);
+        kf[2 * i] = a.x; kf[2 * i + 1] = a.y; vf[2 * i] = b.x; vf[2 * i + 1] = b.y;
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < G; j++) {
+      if (j >= g) break;
+      float s = 0.f;
+#pragma unroll
+      for (int i = 0; i < 8; i++) s += qv[j][i] * kf[i];
+#pragma unroll
+      for (int off = LP / 2; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+      const float mn = fmaxf(m[j], s);
+      const float corr = __expf(m[j] - mn), e = __expf(s - mn);
+      l[j] = l[j] * corr + e;
+#pragma unroll
+      for (int i = 0; i < 8; i++) o[j][i] = o[j][i] * corr + e * vf[i];
+      m[j] = mn;
+    }
+  }
+  // merge the NG groups of this block, per query head
+  __shared__ float sm[NG], sl[NG], so[NG][hd];
+  __shared__ float mw[G][DA_MAX_SPLIT];
+  __shared__ float Lsh[G];
+  __shared__ bool last;
+  const long long hs = (long long)(hd + 2);
+#pragma unroll
+  for (int j = 0; j < G; j++) {
+    if (j >= g) break;   // g is uniform over the block: every thread takes the same barriers
+    __syncthreads();
+    if (gl == 0) { sm[gid] = m[j]; sl[gid] = l[j]; }
+#pragma unroll
+    for (int i = 0; i < 8; i++) so[gid][8 * gl + i] = o[j][i];
+    __syncthreads();
+    float M = -INFINITY;
+    for (int w = 0; w < NG; w++) M = fmaxf(M, sm[w]);
+    float *dst = ws + ((long long)(kvh * g + j) * n_split + sp) * hs;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+      float acc = 0.f;
+      for (int w = 0; w < NG; w++)
+        if (sm[w] > -INFINITY) acc += so[w][d] * __expf(sm[w] - M);
+      dst[2 + d] = acc;
+    }
+    if (threadIdx.x == 0) {
+      float L = 0.f;
+      for (int w = 0; w < NG; w++)
+        if (sm[w] > -INFINITY) L += sl[w] * __expf(sm[w] - M);
+      dst[0] = M;
+      dst[1] = L;
+    }
+  }
+  __threadfence();
+  __syncthreads();
+  if (n_split > 1) {
+    if (threadIdx.x == 0) last = atomicAdd(&counters[kvh], 1u) == (unsigned)(n_split - 1);
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+  }
+  // merge the splits of the g heads of this KV head (partials read through L2: __ldcg)
+  for (int idx = threadIdx.x; idx < g * n_split; idx += blockDim.x) {
+    const int j = idx / n_split, s = idx % n_split;
+    mw[j][s] = __ldcg(ws + ((long long)(kvh * g + j) * n_split + s) * hs);
+  }
+  __syncthreads();
+  if (threadIdx.x < g) {
+    const int j = threadIdx.x;
+    float M = -INFINITY;
+    for (int s = 0; s < n_split; s++) M = fmaxf(M, mw[j][s]);
+    float L = 0.f;
+    for (int s = 0; s < n_split; s++) {
+      const float w = mw[j][s] > -INFINITY ? __expf(mw[j][s] - M) : 0.f;
+      L += w * __ldcg(ws + ((long long)(kvh * g + j) * n_split + s) * hs + 1);
+      mw[j][s] = w;
+    }
+    Lsh[j] = L;
+  }
+  __syncthreads();
+  const int n_out = g * hd;   // a multiple of 32: warps stay whole for the q8 store
+  for (int idx = threadIdx.x; idx < ((n_out + 31) & ~31); idx += blockDim.x) {
+    float v = 0.f;
+    if (idx < n_out) {
+      const int j = idx / hd, d = idx % hd;
+      const float *src = ws + (long long)(kvh * g + j) * n_split * hs + 2 + d;
+      float acc = 0.f;
+#pragma unroll 4
+      for (int s = 0; s < n_split; s++) acc += mw[j][s] * __ldcg(src + s * hs);
+      v = acc / Lsh[j];
+      out[kvh * n_out + idx] = v;
+    }
+    if (out_q8) q8_store(v, kvh * n_out + idx, out_q8, reinterpret_cast<float2 *>(out_q8 + n_head * hd));
+  }
+  if (n_split > 1 && threadIdx.x == 0) counters[kvh] = 0;
+}
+
+extern "C" int strata_attn_decode_gqa(void *stream, const float *q, const void *kc, const void *vc, const int *pt,
+                                      const int *d_len, int len, float *ws, unsigned *counters, float *out,
+                                      void *out_q8, int n_head, int n_kv, int hd, int ps, int n_split, float scale) {
+  if (n_kv <= 0 || n_head % n_kv || n_split < 1 || n_split > DA_MAX_SPLIT || (n_split > 1 && !counters))
+    return (int)cudaErrorInvalidValue;
+  const int g = n_head / n_kv;
+  if (g > 8) return (int)cudaErrorInvalidValue;
+  cudaStream_t s = (cudaStream_t)stream;
+  dim3 grid(n_kv, n_split);
+  const __half *K = (const __half *)kc, *V = (const __half *)vc;
+  int8_t *oq = (int8_t *)out_q8;
+#define DG(LP, GG) k_attn_decode_gqa<LP, GG><<<grid, 32 * DA_WARPS, 0, s>>>(q, K, V, pt, d_len, len, ws, counters, out, oq, n_head, n_kv, ps, n_split, scale)
+#define DGG(LP) \
+  if (g == 1) DG(LP, 1); else if (g == 2) DG(LP, 2); else if (g <= 4) DG(LP, 4); else DG(LP, 8);
+  switch (hd) {
+    case 32: DGG(4); break;
+    case 64: DGG(8); break;
+    case 128: DGG(16); break;
+    case 256: DGG(32); break;
+    default: return (int)cudaErrorInvalidValue;
+  }
+#undef DGG
+#undef DG
+  return (int)cudaGetLastError();
+}
+
+// ---------------------------------------------------------------- prefill attention: FlashAttention-2 on mma.sync
+// Causal GQA attention of n new queries (positions length .. length + n - 1) over the paged f16 cache (their K/V
+// already written). Block = 4 warps = 64 queries of one head and one split of the key range; each warp owns 16
+// query rows with Q (scaled by scale * log2 e, f16) in registers as mma A fragments. Per 64-key tile (cp.async
+// double-buffered in shared memory): S = Q K^T with mma.sync.m16n8k16 (f16 in, f32 accumulate), causal mask, online
+// softmax in registers (exp2, running max m and sum l per row), P rounded to f16 and reused as the A fragment of
+// O += P V (V's B fragments by ldmatrix.trans), O in registers. FlashAttention-2: Dao 2023, arXiv:2307.08691.
+// n_split == 1: out (f32, or f16 out16) = O / l directly; else each split writes (m, l, O) (m in log2 units) to
+// ws and k_fa2_combine merges them.
+#define FA2_BQ 64
+#define FA2_BK 64
+
+__device__ static inline void mma16816(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ static inline uint32_t pack_half2(float lo, float hi) {
+  __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t *>(&h);
+}
+
+__device__ static inline void cp_async16(uint32_t dst, const void *src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+__device__ static inline void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ static inline void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+template <int HD>
+struct Fa2Smem {
+  static constexpr int LDH = HD + 8;                               // halves per smem row (conflict-free, 16B rows)
+  static constexpr size_t tile = (size_t)FA2_BK * LDH;             // halves per K or V tile
+  static constexpr size_t bytes = 2 * 2 * tile * sizeof(__half);   // K and V, double-buffered
+};
+
+template <int HD>
+__global__ void __launch_bounds__(128) k_fa2_prefill(const float *__restrict__ q, int q_stride,
+                                                     const __half *__restrict__ kc, const __half *__restrict__ vc,
+                                                     const int *__restrict__ pt, float *__restrict__ ws,
+                                                     float *__restrict__ out, __half *__restrict__ out16, int n,
+                                                     int n_head, int n_kv, int ps, int length, int tiles_per_split,
+                                                     int n_split, float qscale) {
+  using SM = Fa2Smem<HD>;
+  constexpr int LDH = SM::LDH, KC = HD / 16, DT = HD / 8, CH = HD / 8;
+  extern __shared__ __align__(16) unsigned char fa2_smem[];
+  __half *Kb = reinterpret_cast<__half *>(fa2_smem);    // [2][BK][LDH]
+  __half *Vb = Kb + 2 * SM::tile;                         // [2][BK][LDH]
+  const int i0 = (gridDim.x - 1 - blockIdx.x) * FA2_BQ;   // longest (latest) query blocks first
+  const int h = blockIdx.y, split = blockIdx.z;
+  const int kvh = h / (n_head / n_kv);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
+  const int total = length + n;
+  const int r0 = i0 + warp * 16 + gq, r1 = r0 + 8;       // the two query rows of this thread (block-relative + i0)
+  const int qp0 = length + r0, qp1 = length + r1;         // their positions
+
+  // Q fragments (A operand), scaled by qscale = softmax scale * log2(e)
+  uint32_t qa[KC][4];
+#pragma unroll
+  for (int kc = 0; kc < KC; kc++) {
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {   // hf 0: cols 2tq, 2tq+1; hf 1: cols 2tq+8, 2tq+9
+      const int col = kc * 16 + hf * 8 + 2 * tq;
+      float2 a = make_float2(0.f, 0.f), b = a;
+      if (r0 < n) a = *reinterpret_cast<const float2 *>(q + (long long)r0 * q_stride + h * HD + col);
+      if (r1 < n) b = *reinterpret_cast<const float2 *>(q + (long long)r1 * q_stride + h * HD + col);
+      qa[kc][2 * hf] = pack_half2(a.x * qscale, a.y * qscale);
+      qa[kc][2 * hf + 1] = pack_half2(b.x * qscale, b.y * qscale);
+    }
+  }
+  float o[DT][4];
+#pragma unroll
+  for (int dt = 0; dt < DT; dt++) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+
+  const int q_last = length + min(n, i0 + FA2_BQ) - 1;
+  const int t_beg = split * tiles_per_split * FA2_BK;
+  const int t_end = min(q_last + 1, t_beg + tiles_per_split * FA2_BK);
+  const int n_tiles = t_end > t_beg ? (t_end - t_beg + FA2_BK - 1) / FA2_BK : 0;
+
+  auto load_tile = [&](int t, int buf) {
+    const int t0 = t_beg + t * FA2_BK;
+    __half *Ks = Kb + buf * SM::tile, *Vs = Vb + buf * SM::tile;
+    for (int idx = tid; idx < FA2_BK * CH; idx += 128) {
+      const int r = idx / CH, c = idx % CH, p = t0 + r;
+      const bool ok = p < total;
+      const long long off = ok ? kv_off(pt, p, kvh, n_kv, HD, ps) + 8 * c : 0;
+      cp_async16((uint32_t)__cvta_generic_to_shared(Ks + r * LDH + 8 * c), kc + off, ok ? 16 : 0);
+      cp_async16((uint32_t)__cvta_generic_to_shared(Vs + r * LDH + 8 * c), vc + off, ok ? 16 : 0);
+    }
+    cp_async_commit();
+  };
+
+  if (n_tiles > 0) load_tile(0, 0);
+  for (int t = 0; t < n_tiles; t++) {
+    if (t + 1 < n_tiles) {
+      load_tile(t + 1, (t + 1) & 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const __half *Ks = Kb + (t & 1) * SM::tile, *Vs = Vb + (t & 1) * SM::tile;
+    const int t0 = t_beg + t * FA2_BK;
+    float s[8][4];
+#pragma unroll
+    for (int nt = 0; nt < 8; nt++) {
+      s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+      const __half *kr = Ks + (nt * 8 + gq) * LDH + 2 * tq;
+#pragma unroll
+      for (int kc = 0; kc < KC; kc++) {
+        const uint32_t b0 = *reinterpret_cast<const uint32_t *>(kr + kc * 16);
+        const uint32_t b1 = *reinterpret_cast<const uint32_t *>(kr + kc * 16 + 8);
+        mma16816(s[nt], qa[kc], b0, b1);
+      }
+    }
+    // causal mask where this tile reaches past the warp's first query position
+    if (t0 + FA2_BK - 1 > length + i0 + warp * 16) {
+#pragma unroll
+      for (int nt = 0; nt < 8; nt++) {
+        const int key = t0 + nt * 8 + 2 * tq;
+        if (key > qp0) s[nt][0] = -INFINITY;
+        if (key + 1 > qp0) s[nt][1] = -INFINITY;
+        if (key > qp1) s[nt][2] = -INFINITY;
+        if (key + 1 > qp1) s[nt][3] = -INFINITY;
+      }
+    }
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int nt = 0; nt < 8; nt++) {
+      mx0 = fmaxf(mx0, fmaxf(s[nt][0], s[nt][1]));
+      mx1 = fmaxf(mx1, fmaxf(s[nt][2], s[nt][3]));
+    }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+    const float mu0 = mn0 == -INFINITY ? 0.f : mn0, mu1 = mn1 == -INFINITY ? 0.f : mn1;
+    const float c0 = exp2f(m0 - mu0), c1 = exp2f(m1 - mu1);
+    m0 = mn0;
+    m1 = mn1;
+    float ps0 = 0.f, ps1 = 0.f;
+    uint32_t pa[4][4];
+#pragma unroll
+    for (int nt = 0; nt < 8; nt++) {
+      const float e0 = exp2f(s[nt][0] - mu0), e1 = exp2f(s[nt][1] - mu0);
+      const float e2 = exp2f(s[nt][2] - mu1), e3 = exp2f(s[nt][3] - mu1);
+      const uint32_t lo = pack_half2(e0, e1), hi = pack_half2(e2, e3);
+      // the row sums count P as rounded to f16, as the P V product sees it
+      const float2 flo = __half22float2(*reinterpret_cast<const __half2 *>(&lo));
+      const float2 fhi = __half22float2(*reinterpret_cast<const __half2 *>(&hi));
+      ps0 += flo.x + flo.y;
+      ps1 += fhi.x + fhi.y;
+      pa[nt >> 1][(nt & 1) * 2] = lo;
+      pa[nt >> 1][(nt & 1) * 2 + 1] = hi;
+    }
+    l0 = l0 * c0 + ps0;
+    l1 = l1 * c1 + ps1;
+#pragma unroll
+    for (int dt = 0; dt < DT; dt++) {
+      o[dt][0] *= c0; o[dt][1] *= c0;
+      o[dt][2] *= c1; o[dt][3] *= c1;
+    }
+    // O += P V: for each 16-key chunk, V's B fragments of two 8-wide d tiles per ldmatrix.x4.trans
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) {
+#pragma unroll
+      for (int dt = 0; dt < DT; dt += 2) {
+        const int key = kk * 16 + ((lane >> 3) & 1) * 8 + (lane & 7);
+        const int col = (dt + (lane >> 4)) * 8;
+        const uint32_t addr = (uint32_t)__cvta_generic_to_shared(Vs + key * LDH + col);
+        uint32_t b0, b1, b2, b3;
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3)
+                     : "r"(addr));
+        mma16816(o[dt], pa[kk], b0, b1);
+        mma16816(o[dt + 1], pa[kk], b2, b3);
+      }
+    }
+    __syncthreads();   // everyone is done with this buffer before it is refilled
+  }
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+  if (n_split == 1) {
+    const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+#pragma unroll
+    for (int dt = 0; dt < DT; dt++) {
+      const int col = dt * 8 + 2 * tq;
+      if (r0 < n) {
+        const long long off = ((long long)r0 * n_head + h) * HD + col;
+        if (out16) *reinterpret_cast<__half2 *>(out16 + off) = __floats2half2_rn(o[dt][0] * inv0, o[dt][1] * inv0);
+        else *reinterpret_cast<float2 *>(out + off) = make_float2(o[dt][0] * inv0, o[dt][1] * inv0);
+      }
+      if (r1 < n) {
+        const long long off = ((long long)r1 * n_head + h) * HD + col;
+        if (out16) *reinterpret_cast<__half2 *>(out16 + off) = __floats2half2_rn(o[dt][2] * inv1, o[dt][3] * inv1);
+        else *reinterpret_cast<float2 *>(out + off) = make_float2(o[dt][2] * inv1, o[dt][3] * inv1);
+      }
+    }
+    return;
+  }
+  const long long hs = HD + 2;
+#pragma unroll
+  for (int hf = 0; hf < 2; hf++) {
+    const int r = hf ? r1 : r0;
+    if (r >= n) continue;
+    float *dst = ws + (((long long)split * n_head + h) * n + r) * hs;
+    if (tq == 0) {
+      dst[0] = hf ? m1 : m0;
+      dst[1] = hf ? l1 : l0;
+    }
+#pragma unroll
+    for (int dt = 0; dt < DT; dt++) {
+      dst[2 + dt * 8 + 2 * tq] = o[dt][2 * hf];
+      dst[3 + dt * 8 + 2 * tq] = o[dt][2 * hf + 1];
+    }
+  }
+}
+
+// Merge of the FA2 splits (m in log2 units): one block per (query, head), hd threads.
+__global__ void k_fa2_combine(const float *__restrict__ ws, float *__restrict__ out, __half *__restrict__ out16,
+                              int n, int n_head, int hd, int n_split) {
+  const int i = blockIdx.x, h = blockIdx.y;
+  const long long stride = (long long)n_head * n * (hd + 2);
+  const float *p = ws + ((long long)h * n + i) * (hd + 2);
+  float M = -INFINITY;
+  for (int s = 0; s < n_split; s++) M = fmaxf(M, p[s * stride]);
+  float L = 0.f;
+  for (int s = 0; s < n_split; s++) {
+    const float ms = p[s * stride];
+    if (ms > -INFINITY) L += p[s * stride + 1] * exp2f(ms - M);
+  }
+  const float inv = L > 0.f ? 1.f / L : 0.f;
+  for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+    float acc = 0.f;
+    for (int s = 0; s < n_split; s++) {
+      const float ms = p[s * stride];
+      if (ms > -INFINITY) acc += p[s * stride + 2 + d] * exp2f(ms - M);
+    }
+    const long long off = ((long long)i * n_head + h) * hd + d;
+    if (out16) out16[off] = __float2half(acc * inv);
+    else out[off] = acc * inv;
+  }
+}
+
+template <int HD>
+static int fa2_launch(cudaStream_t s, const float *q, int q_stride, const __half *K, const __half *V, const int *pt,
+                      float *out, __half *out16, float *ws, int n, int n_head, int n_kv, int ps, int length,
+                      int n_split, float scale) {
+  const size_t smem = Fa2Smem<HD>::bytes;
+  cudaError_t e = cudaFuncSetAttribute(k_fa2_prefill<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+  if (e != cudaSuccess) return (int)e;
+  const int n_tiles = (length + n + FA2_BK - 1) / FA2_BK;
+  const int tps = (n_tiles + n_split - 1) / n_split;
+  dim3 grid((n + FA2_BQ - 1) / FA2_BQ, n_head, n_split);
+  const float qscale = scale * 1.4426950408889634f;
+  k_fa2_prefill<HD><<<grid, 128, smem, s>>>(q, q_stride, K, V, pt, ws, out, out16, n, n_head, n_kv, ps, length, tps,
+                                            n_split, qscale);
+  if (n_split > 1) k_fa2_combine<<<dim3(n, n_head), HD, 0, s>>>(ws, out, out16, n, n_head, HD, n_split);
+  return (int)cudaGetLastError();
+}
+
+extern "C" int strata_fa2_prefill(void *stream, const float *q, int q_stride, const void *kc, const void *vc,
+                                  const int *pt, float *out, void *out16, float *ws, int n, int n_head, int n_kv,
+                                  int hd, int ps, int length, int n_split, float scale) {
+  if (n <= 0 || n_kv <= 0 || n_head % n_kv || n_split < 1 || q_stride < n_head * hd || (!out && !out16))
+    return (int)cudaErrorInvalidValue;
+  cudaStream_t s = (cudaStream_t)stream;
+  const __half *K = (const __half *)kc, *V = (const __half *)vc;
+  __half *o16 = (__half *)out16;
+  switch (hd) {
+    case 64: return fa2_launch<64>(s, q, q_stride, K, V, pt, out, o16, ws, n, n_head, n_kv, ps, length, n_split, scale);
+    case 128: return fa2_launch<128>(s, q, q_stride, K, V, pt, out, o16, ws, n, n_head, n_kv, ps, length, n_split, scale);
+  }
+  return (int)cudaErrorInvalidValue;
+}
