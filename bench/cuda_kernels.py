@@ -5,8 +5,8 @@ warp-per-row int8 kernel with 1/2/4 rows per warp) over the measured device copy
 default model and of the synthetic 1.7B llama of bench/gpu_throughput.py. Decode attention: v1 (per-head split-K +
 combine) vs v2 (GQA-shared, self-merging) in microseconds and KV bandwidth. Prefill attention: v1 (wmma) vs v2
 (FlashAttention-2, mma.sync) in TFLOP/s (causal flops 2 * 2 * n * (length + n/2) * hd * n_head).
-Every time is the median of CUDA-event-timed launches after warm-up, rotating over enough weight copies to spill the
-L2. Usage: python bench/cuda_kernels.py [--out PATH]. Writes JSON.
+Every time is per launch inside a CUDA graph of 20 launches (median of 20 replays, CUDA events), rotating over enough
+weight copies to spill the L2. Usage: python bench/cuda_kernels.py [--out PATH]. Writes JSON.
 """
 from __future__ import annotations
 
@@ -22,18 +22,27 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def timeit(cp, fn, reps: int = 50, warm: int = 5) -> float:
-    """Median seconds of fn() (which launches on the current stream), CUDA events around each call."""
-    for _ in range(warm):
+def timeit(cp, fn, reps: int = 20, per_graph: int = 20) -> float:
+    """Median seconds of one fn() (launches on the current stream): per_graph calls captured in one CUDA graph, the
+    graph replayed reps times between CUDA events (so Python launch cost stays out, as in the decode graph)."""
+    st = cp.cuda.Stream(non_blocking=True)
+    with st:
         fn()
-    ts = []
-    for _ in range(reps):
-        a, b = cp.cuda.Event(), cp.cuda.Event()
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(cp.cuda.get_elapsed_time(a, b) / 1e3)
+        st.synchronize()
+        st.begin_capture()
+        for _ in range(per_graph):
+            fn()
+        g = st.end_capture()
+        g.launch(st)
+        st.synchronize()
+        ts = []
+        for _ in range(reps):
+            a, b = cp.cuda.Event(), cp.cuda.Event()
+            a.record(st)
+            g.launch(st)
+            b.record(st)
+            b.synchronize()
+            ts.append(cp.cuda.get_elapsed_time(a, b) / 1e3 / per_graph)
     return float(np.median(ts))
 
 
@@ -66,7 +75,7 @@ def main(argv=None) -> int:
         qk, bsz = C.BLOCK[t]
         rb = n_in // qk * bsz
         nbytes = n_out * rb
-        copies = max(1, int(np.ceil(200e6 / nbytes)))          # rotate over > 3x the L2
+        copies = max(1, min(20, int(np.ceil(200e6 / nbytes))))   # rotate over > 3x the L2
         ws = []
         for _ in range(copies):
             raw = rng.integers(0, 256, size=(n_out, rb), dtype=np.uint8)
@@ -97,7 +106,7 @@ def main(argv=None) -> int:
                                                                        n_out, n_in, r))
         row = {"name": name, "type": t, "n_out": n_out, "n_in": n_in, "bytes": nbytes, "us": {}, "bw_fraction": {}}
         for k, fn in variants.items():
-            dt = timeit(cp, fn, reps=100)
+            dt = timeit(cp, fn)
             row["us"][k] = dt * 1e6
             row["bw_fraction"][k] = nbytes / dt / bw
         res["matvec"].append(row)
@@ -111,8 +120,14 @@ def main(argv=None) -> int:
     for H, KV, hd in ((9, 3, 64), (16, 8, 128), (32, 8, 128)):
         for L in (512, 4096, 16384):
             n_pages = L // ps + 1
-            kc = cp.asarray(rng.standard_normal((n_pages, ps, KV, hd)).astype(np.float16))
-            vc = cp.asarray(rng.standard_normal((n_pages, ps, KV, hd)).astype(np.float16))
+            nc = max(1, min(8, int(np.ceil(150e6 / (4 * L * KV * hd)))))    # K/V copies rotated past the L2
+            kcs = [cp.asarray(rng.standard_normal((n_pages, ps, KV, hd)).astype(np.float16)) for _ in range(nc)]
+            vcs = [cp.asarray(rng.standard_normal((n_pages, ps, KV, hd)).astype(np.float16)) for _ in range(nc)]
+            ring = iter(range(10 ** 9))
+
+            def kv(kcs=kcs, vcs=vcs, ring=ring, nc=nc):
+                i = next(ring) % nc
+                return C._p(kcs[i]), C._p(vcs[i])
             pt = cp.asarray(rng.permutation(n_pages).astype(np.int32))
             q = cp.asarray(rng.standard_normal(H * hd).astype(np.float32))
             out = cp.empty(H * hd, cp.float32)
@@ -122,9 +137,9 @@ def main(argv=None) -> int:
             n1 = C.n_split_for(L)
             n2 = C.n_split_gqa(L, KV, be.n_sm)
             sc = 1 / np.sqrt(hd)
-            t1 = timeit(cp, lambda: lib.strata_attn_decode(s(), C._p(q), C._p(kc), C._p(vc), C._p(pt), ffi.NULL, L,
+            t1 = timeit(cp, lambda: lib.strata_attn_decode(s(), C._p(q), *kv(), C._p(pt), ffi.NULL, L,
                                                            C._p(ws), C._p(out), H, KV, hd, ps, n1, sc))
-            t2 = timeit(cp, lambda: lib.strata_attn_decode_gqa(s(), C._p(q), C._p(kc), C._p(vc), C._p(pt), ffi.NULL,
+            t2 = timeit(cp, lambda: lib.strata_attn_decode_gqa(s(), C._p(q), *kv(), C._p(pt), ffi.NULL,
                                                                L, C._p(ws), ffi.cast("unsigned *", ctr.data.ptr),
                                                                C._p(out), C._p(oq), H, KV, hd, ps, n2, sc))
             kvb = 2 * L * KV * hd * 2
@@ -153,10 +168,10 @@ def main(argv=None) -> int:
             s2 = C.fa2_splits(n, H, L, be.n_sm)
             ws2 = cp.empty(s2 * H * n * (hd + 2), cp.float32)
             t1 = timeit(cp, lambda: lib.strata_flash_prefill(s(), C._p(q), C._p(kc), C._p(vc), C._p(pt), C._p(out),
-                                                             C._p(ws1), n, H, KV, hd, ps, length, s1, sc), reps=20)
+                                                             C._p(ws1), n, H, KV, hd, ps, length, s1, sc), per_graph=4)
             t2 = timeit(cp, lambda: lib.strata_fa2_prefill(s(), C._p(q), H * hd, C._p(kc), C._p(vc), C._p(pt),
                                                            C._p(out), ffi.NULL, C._p(ws2), n, H, KV, hd, ps, length,
-                                                           s2, sc), reps=20)
+                                                           s2, sc), per_graph=4)
             flops = 4.0 * n * (length + n / 2) * hd * H
             res["attn_prefill"].append({"H": H, "KV": KV, "hd": hd, "n": n, "length": length, "v1_ms": t1 * 1e3,
                                         "v2_ms": t2 * 1e3, "v2_tflops": flops / t2 / 1e12, "n_split_v2": s2})

@@ -303,8 +303,9 @@ def test_rope_kv_decode_fused(cp, n_rot):
 def _q8(cp, x):
     """x f32 (n,) -> the q8_1 buffer strata_quantize_q8_1 writes (n + n // 4 bytes)."""
     xq = cp.zeros(x.size + x.size // 4, cp.uint8)
-    C._check(C.lib().strata_quantize_q8_1(C._stream_ptr(), C._p(cp.asarray(x, dtype=cp.float32)), C._p(xq), x.size),
-             "quantize")
+    dx = cp.asarray(x, dtype=cp.float32)
+    C._check(C.lib().strata_quantize_q8_1(C._stream_ptr(), C._p(dx), C._p(xq), x.size), "quantize")
+    cp.cuda.get_current_stream().synchronize()
     return xq
 
 
@@ -338,7 +339,8 @@ def test_rms_norm_ex_f16_and_q8_outputs(cp):
     s = x.astype(np.float64) + r
     ref = s / np.sqrt((s * s).mean() + 1e-5) * w
     out, out16, xq = cp.full(E, cp.nan, cp.float32), cp.zeros(E, cp.float16), cp.zeros(E + E // 4, cp.uint8)
-    C._check(C.lib().strata_rms_norm_ex(C._stream_ptr(), C._p(cp.asarray(x)), C._p(cp.asarray(r)), C._p(cp.asarray(w)),
+    dx, dr, dw = cp.asarray(x), cp.asarray(r), cp.asarray(w)     # kept alive until the kernel has run
+    C._check(C.lib().strata_rms_norm_ex(C._stream_ptr(), C._p(dx), C._p(dr), C._p(dw),
                                         C._p(out), C._ffi.NULL, C._p(out16), C._p(xq), 1, E, 1e-5), "rms_ex")
     got = cp.asnumpy(out)
     assert rel(got, ref) < 1e-5
@@ -357,12 +359,13 @@ def test_swiglu_gu_outputs(cp):
     g, u = gu[:, :F].astype(np.float64), gu[:, F:]
     ref = g / (1 + np.exp(-g)) * u
     out, out16 = cp.full((n, F), cp.nan, cp.float32), cp.zeros((n, F), cp.float16)
-    C._check(C.lib().strata_swiglu_gu(C._stream_ptr(), C._p(cp.asarray(gu)), n, F, C._p(out), C._p(out16),
+    dgu = cp.asarray(gu)
+    C._check(C.lib().strata_swiglu_gu(C._stream_ptr(), C._p(dgu), n, F, C._p(out), C._p(out16),
                                       C._ffi.NULL), "swiglu_gu")
     np.testing.assert_allclose(cp.asnumpy(out), ref, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(cp.asnumpy(out16).astype(np.float64), ref, rtol=2e-3, atol=2e-3)
     xq = cp.zeros(F + F // 4, cp.uint8)
-    C._check(C.lib().strata_swiglu_gu(C._stream_ptr(), C._p(cp.asarray(gu[:1])), 1, F, C._ffi.NULL, C._ffi.NULL,
+    C._check(C.lib().strata_swiglu_gu(C._stream_ptr(), C._p(dgu), 1, F, C._ffi.NULL, C._ffi.NULL,
                                       C._p(xq)), "swiglu_gu q8")
     q, _ = _q8_parts(cp.asnumpy(xq), F)
     q_ref, _ = q8_1_reference(cp.asnumpy(out)[0])
@@ -378,8 +381,9 @@ def test_rope_kv_prefill(cp, neox):
     table = rng.permutation(n_pages).astype(np.int32)
     kc, vc = cp.zeros((n_pages, ps, KV, hd), cp.float16), cp.zeros((n_pages, ps, KV, hd), cp.float16)
     d = cp.asarray(qkv)
+    dt = cp.asarray(table)
     C._check(C.lib().strata_rope_kv_prefill(C._stream_ptr(), C._p(d), stride, pos0, C._p(kc), C._p(vc),
-                                            C._p(cp.asarray(table)), n, H, KV, hd, n_rot, 10000.0, int(neox), ps),
+                                            C._p(dt), n, H, KV, hd, n_rot, 10000.0, int(neox), ps),
              "rope_kv_prefill")
     pos = np.arange(pos0, pos0 + n)
     qk_ref = rope_ref(qkv[:, :(H + KV) * hd].reshape(n, H + KV, hd), pos, n_rot, 10000.0, neox)
@@ -451,7 +455,8 @@ def test_fa2_prefill(cp, hd, n, length, n_split, f16_out):
     ws = cp.zeros(n_split * H * n * (hd + 2), cp.float32)
     out = cp.full((n, H, hd), cp.nan, cp.float32)
     out16 = cp.full((n, H, hd), cp.nan, cp.float16)
-    C._check(C.lib().strata_fa2_prefill(C._stream_ptr(), C._p(cp.asarray(qbuf)), stride, C._p(kc), C._p(vc), C._p(pt),
+    dq = cp.asarray(qbuf)
+    C._check(C.lib().strata_fa2_prefill(C._stream_ptr(), C._p(dq), stride, C._p(kc), C._p(vc), C._p(pt),
                                         C._ffi.NULL if f16_out else C._p(out), C._p(out16) if f16_out else C._ffi.NULL,
                                         C._p(ws), n, H, KV, hd, ps, length, n_split, scale), "fa2")
     got = cp.asnumpy(out16 if f16_out else out).astype(np.float64)

@@ -26,18 +26,19 @@ build() {
 if [ "$stage" = K ]; then
   if [ ! -x /tmp/lb/bin/llama-bench ] && [ -f .dev/A/llamacpp.tar.gz ]; then
     mkdir -p /tmp/lcsrc && tar xzf .dev/A/llamacpp.tar.gz -C /tmp/lcsrc
-    setsid nohup bash -c 'cd /tmp/lcsrc/llama.cpp && cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
-      -DLLAMA_CURL=OFF -DGGML_NATIVE=ON -DCMAKE_BUILD_TYPE=Release > /tmp/lc_build.log 2>&1 && \
-      cmake --build build -j 12 --target llama-bench >> /tmp/lc_build.log 2>&1 && mkdir -p /tmp/lb && \
-      ln -sfn /tmp/lcsrc/llama.cpp/build/bin /tmp/lb/bin; echo done >> /tmp/lc_build.log' \
+    setsid nohup bash -c 'cmake -S /tmp/lcsrc/llama.cpp -B /tmp/lb -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+      -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_CURL=OFF \
+      -DCMAKE_BUILD_TYPE=Release > /tmp/lc_build.log 2>&1 && cmake --build /tmp/lb -j 12 --target llama-bench \
+      >> /tmp/lc_build.log 2>&1; echo done >> /tmp/lc_build.log' \
       > /dev/null 2>&1 &
   fi
   cp .dev/A/tok.gguf /tmp/tok.gguf
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
-  build
-  timeout 240 python3 -m pytest -q -rs -x tests/test_cuda_kernels.py -k "q8w or rms_norm_ex or swiglu_gu or rope_kv_prefill or gqa or fa2" 2>&1 | tail -25 | tee "$OUT/kernels_new.log"
-  timeout 200 python3 -m pytest -q tests/test_cuda_kernels.py 2>&1 | tail -15 | tee "$OUT/kernels.log"
-  timeout 200 python3 bench/cuda_kernels.py --out "$OUT/cuda_kernels.json" 2>&1 | tee "$OUT/cuda_kernels.log"
+  [ -f strata/_cuda_kernels.so ] && [ -n "$PREBUILT" ] || build
+  timeout ${KT_S:-200} python3 -m pytest -v -rs -p timeout --timeout 40 tests/test_cuda_kernels.py ${KT_K:+-k "$KT_K"} 2>&1 \
+    | grep -E "PASS|FAIL|ERROR|Timeout|passed|failed|Error|assert" | tail -60 > "$OUT/kernels.log"
+  grep -cE "PASSED" "$OUT/kernels.log"; grep -vE "PASSED" "$OUT/kernels.log" | tail -30
+  timeout ${KB_S:-200} python3 bench/cuda_kernels.py --out "$OUT/cuda_kernels.json" 2>&1 | tee "$OUT/cuda_kernels.log"
   tail -3 /tmp/lc_build.log
   exit 0
 fi
@@ -54,7 +55,7 @@ fi
 timeout 240 python3 -m pytest -q -rs -s tests/test_cuda_parity.py tests/test_cuda_device_errors.py 2>&1 \
   | grep -v "it/s]" | tee "$OUT/parity.log" | tail -30
 for f in tests/test_cuda_hybrid.py tests/test_device_sampling.py; do
-  [ -f "$f" ] && timeout 120 python3 -m pytest -q -rs "$f" 2>&1 | tail -8 | tee -a "$OUT/other_tests.log"
+  [ -f "$f" ] && timeout 90 python3 -m pytest -q -rs -x "$f" 2>&1 | tail -8 | tee -a "$OUT/other_tests.log"
 done
 python3 -m strata.cli.main serve --device cuda --port 8765 --no-socket > "$OUT/serve_log.txt" 2>&1 &
 spid=$!

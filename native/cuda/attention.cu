@@ -102,16 +102,19 @@ __global__ void __launch_bounds__(32 * DA_WARPS) k_attn_decode_gqa(
       qv[j][4] = b.x * scale; qv[j][5] = b.y * scale; qv[j][6] = b.z * scale; qv[j][7] = b.w * scale;
     }
   }
-  int p = beg + gid;
+  // positions step warp by warp (all 32 lanes run every iteration: the shuffles need the whole warp); a group
+  // whose position is past the end computes on zeros and keeps its state
+  const int wbase = beg + wid * PPW;
   uint4 kn = make_uint4(0, 0, 0, 0), vn = kn;
-  if (p < end) {
-    const long long off = kv_off(pt, p, kvh, n_kv, hd, ps) + 8 * gl;
+  if (wbase + grp < end) {
+    const long long off = kv_off(pt, wbase + grp, kvh, n_kv, hd, ps) + 8 * gl;
     kn = *reinterpret_cast<const uint4 *>(kc + off);
     vn = *reinterpret_cast<const uint4 *>(vc + off);
   }
-  for (; p < end; p += NG) {
+  for (int p0 = wbase; p0 < end; p0 += NG) {
+    const bool valid = p0 + grp < end;
     const uint4 kk = kn, vv = vn;
-    const int pn = p + NG;
+    const int pn = p0 + NG + grp;
     if (pn < end) {
       const long long off = kv_off(pt, pn, kvh, n_kv, hd, ps) + 8 * gl;
       kn = *reinterpret_cast<const uint4 *>(kc + off);
@@ -134,12 +137,14 @@ __global__ void __launch_bounds__(32 * DA_WARPS) k_attn_decode_gqa(
       for (int i = 0; i < 8; i++) s += qv[j][i] * kf[i];
 #pragma unroll
       for (int off = LP / 2; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-      const float mn = fmaxf(m[j], s);
-      const float corr = __expf(m[j] - mn), e = __expf(s - mn);
-      l[j] = l[j] * corr + e;
+      if (valid) {
+        const float mn = fmaxf(m[j], s);
+        const float corr = __expf(m[j] - mn), e = __expf(s - mn);
+        l[j] = l[j] * corr + e;
 #pragma unroll
-      for (int i = 0; i < 8; i++) o[j][i] = o[j][i] * corr + e * vf[i];
-      m[j] = mn;
+        for (int i = 0; i < 8; i++) o[j][i] = o[j][i] * corr + e * vf[i];
+        m[j] = mn;
+      }
     }
   }
   // merge the NG groups of this block, per query head

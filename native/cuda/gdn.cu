@@ -1,0 +1,172 @@
+// Strata CUDA kernels for Gated DeltaNet layers (qwen3next / qwen35 / qwen35moe): the recurrent gated delta rule
+// (decode) and the causal depthwise conv with its window as state.
+// Formulas: strata/backend/gdn.py (delta_rule_recurrent, causal_conv1d), from Yang, Kautz, Hatamizadeh,
+// "Gated Delta Networks" (arXiv:2412.06464) as in transformers modeling_qwen3_next.py
+// (torch_recurrent_gated_delta_rule, causal_conv1d_update). Launchers: plain C, stream first, return cudaError_t.
+#include <cuda_runtime.h>
+#include <math.h>
+
+namespace {
+
+constexpr int GDN_COLS = 32;   // value columns per block (one warp wide)
+constexpr int GDN_ROWS = 8;    // row groups per block: thread (tx, ty) owns rows ty, ty + 8, ... of column tx
+
+// One block per (value head h, tile of 32 value columns). For each token t (in order):
+//   S <- exp(g_t) S;  kv_mem = S^T k_t;  u = (v_t - kv_mem) * beta_t;  S <- S + k_t u^T;  o_t = S^T (q_t * scale)
+// with S = state[h] (d_k, d_v) kept in registers (M rows per thread) across the tokens, written back at the end.
+// q, k: (n, n_qk, d_k); value head h reads key head (tiled ? h % n_qk : h / (n_v / n_qk)).
+template <int M>
+__global__ void k_gdn_recurrent(const float *__restrict__ q, const float *__restrict__ k,
+                                const float *__restrict__ v, const float *__restrict__ g,
+                                const float *__restrict__ beta, float *__restrict__ state,
+                                float *__restrict__ out, int n, int n_v, int n_qk, int dk, int dv, int tiled,
+                                float scale) {
+  extern __shared__ float sh[];               // q_s[dk], k_s[dk]
+  float *q_s = sh, *k_s = sh + dk;
+  __shared__ float red[GDN_ROWS][GDN_COLS + 1];
+  __shared__ float u_s[GDN_COLS];
+  const int tx = threadIdx.x, ty = threadIdx.y, tid = ty * GDN_COLS + tx;
+  const int h = blockIdx.y;
+  const int j = blockIdx.x * GDN_COLS + tx;
+  const bool col = j < dv;
+  const int hk = tiled ? h % n_qk : h / (n_v / n_qk);
+  float *S = state + (long long)h * dk * dv;
+  float s[M];
+#pragma unroll
+  for (int m = 0; m < M; m++) {
+    const int i = ty + GDN_ROWS * m;
+    s[m] = (col && i < dk) ? S[(long long)i * dv + j] : 0.0f;
+  }
+  for (int t = 0; t < n; t++) {
+    const float *qt = q + ((long long)t * n_qk + hk) * dk;
+    const float *kt = k + ((long long)t * n_qk + hk) * dk;
+    for (int i = tid; i < dk; i += GDN_COLS * GDN_ROWS) {
+      q_s[i] = qt[i] * scale;
+      k_s[i] = kt[i];
+    }
+    __syncthreads();
+    const float eg = expf(g[(long long)t * n_v + h]);
+    const float b = beta[(long long)t * n_v + h];
+    float kv = 0.0f;
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+      const int i = ty + GDN_ROWS * m;
+      if (i < dk) {
+        s[m] *= eg;
+        kv += k_s[i] * s[m];
+      }
+    }
+    red[ty][tx] = kv;
+    __syncthreads();
+    if (ty == 0) {
+      float sum = 0.0f;
+#pragma unroll
+      for (int r = 0; r < GDN_ROWS; r++) sum += red[r][tx];
+      u_s[tx] = col ? (v[((long long)t * n_v + h) * dv + j] - sum) * b : 0.0f;
+    }
+    __syncthreads();
+    const float u = u_s[tx];
+    float o = 0.0f;
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+      const int i = ty + GDN_ROWS * m;
+      if (i < dk) {
+        s[m] += k_s[i] * u;
+        o += q_s[i] * s[m];
+      }
+    }
+    red[ty][tx] = o;
+    __syncthreads();
+    if (ty == 0 && col) {
+      float sum = 0.0f;
+#pragma unroll
+      for (int r = 0; r < GDN_ROWS; r++) sum += red[r][tx];
+      out[((long long)t * n_v + h) * dv + j] = sum;
+    }
+    __syncthreads();                          // red, q_s, k_s are rewritten by the next token
+  }
+#pragma unroll
+  for (int m = 0; m < M; m++) {
+    const int i = ty + GDN_ROWS * m;
+    if (col && i < dk) S[(long long)i * dv + j] = s[m];
+  }
+}
+
+// One thread per channel c: xx = window[:, c] ++ x[:, c]; y[t, c] = silu(sum_j w[c, j] * xx[t + j]);
+// window[:, c] <- the last K - 1 inputs. K is the kernel width (2..8).
+template <int K>
+__global__ void k_gdn_conv(const float *__restrict__ x, const float *__restrict__ w, float *__restrict__ window,
+                           float *__restrict__ y, int n, int channels) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= channels) return;
+  float buf[K];
+  float wc[K];
+#pragma unroll
+  for (int j = 0; j < K; j++) wc[j] = w[(long long)c * K + j];
+#pragma unroll
+  for (int j = 0; j < K - 1; j++) buf[j] = window[(long long)j * channels + c];
+  for (int t = 0; t < n; t++) {
+    buf[K - 1] = x[(long long)t * channels + c];
+    float acc = 0.0f;
+#pragma unroll
+    for (int j = 0; j < K; j++) acc += buf[j] * wc[j];
+    y[(long long)t * channels + c] = acc / (1.0f + expf(-acc));
+#pragma unroll
+    for (int j = 0; j < K - 1; j++) buf[j] = buf[j + 1];
+  }
+#pragma unroll
+  for (int j = 0; j < K - 1; j++) window[(long long)j * channels + c] = buf[j];
+}
+
+template <int M>
+int launch_recurrent(cudaStream_t st, const float *q, const float *k, const float *v, const float *g,
+                     const float *beta, float *state, float *out, int n, int n_v, int n_qk, int dk, int dv, int tiled,
+                     float scale) {
+  dim3 grid((dv + GDN_COLS - 1) / GDN_COLS, n_v), block(GDN_COLS, GDN_ROWS);
+  k_gdn_recurrent<M><<<grid, block, 2 * dk * sizeof(float), st>>>(q, k, v, g, beta, state, out, n, n_v, n_qk, dk,
+                                                                   dv, tiled, scale);
+  return (int)cudaGetLastError();
+}
+
+}  // namespace
+
+// Gated delta rule over n tokens one at a time (decode: n = 1), state updated in place.
+// q, k f32 (n, n_qk, d_k) L2-normalised (q is multiplied by `scale` here, = 1/sqrt(d_k) in the models); v f32
+// (n, n_v, d_v); g (log decay, <= 0) and beta f32 (n, n_v); state f32 (n_v, d_k, d_v); out f32 (n, n_v, d_v).
+// n_v a multiple of n_qk; tiled = 1: value head h reads key head h % n_qk (qwen35*), 0: h / (n_v / n_qk)
+// (qwen3next). d_k <= 256. Returns cudaErrorInvalidValue (1) for bad sizes.
+extern "C" int strata_gdn_recurrent(void *stream, const float *q, const float *k, const float *v, const float *g,
+                                    const float *beta, float *state, float *out, int n, int n_v, int n_qk, int dk,
+                                    int dv, int tiled, float scale) {
+  if (n < 0 || n_v <= 0 || n_qk <= 0 || n_v % n_qk || dk <= 0 || dk > 256 || dv <= 0) return 1;
+  if (n == 0) return 0;
+  cudaStream_t st = (cudaStream_t)stream;
+  const int m = (dk + GDN_ROWS - 1) / GDN_ROWS;
+  if (m <= 1) return launch_recurrent<1>(st, q, k, v, g, beta, state, out, n, n_v, n_qk, dk, dv, tiled, scale);
+  if (m <= 2) return launch_recurrent<2>(st, q, k, v, g, beta, state, out, n, n_v, n_qk, dk, dv, tiled, scale);
+  if (m <= 4) return launch_recurrent<4>(st, q, k, v, g, beta, state, out, n, n_v, n_qk, dk, dv, tiled, scale);
+  if (m <= 8) return launch_recurrent<8>(st, q, k, v, g, beta, state, out, n, n_v, n_qk, dk, dv, tiled, scale);
+  if (m <= 16) return launch_recurrent<16>(st, q, k, v, g, beta, state, out, n, n_v, n_qk, dk, dv, tiled, scale);
+  return launch_recurrent<32>(st, q, k, v, g, beta, state, out, n, n_v, n_qk, dk, dv, tiled, scale);
+}
+
+// Causal depthwise conv + SiLU over n tokens with the window as state (gdn.causal_conv1d): x f32 (n, channels),
+// w f32 (channels, kernel), window f32 (kernel - 1, channels) updated in place, y f32 (n, channels).
+// kernel 2..8. Returns cudaErrorInvalidValue (1) for bad sizes.
+extern "C" int strata_gdn_conv(void *stream, const float *x, const float *w, float *window, float *y, int n,
+                               int channels, int kernel) {
+  if (n < 0 || channels <= 0 || kernel < 2 || kernel > 8) return 1;
+  if (n == 0) return 0;
+  cudaStream_t st = (cudaStream_t)stream;
+  const int bs = 128, nb = (channels + bs - 1) / bs;
+  switch (kernel) {
+    case 2: k_gdn_conv<2><<<nb, bs, 0, st>>>(x, w, window, y, n, channels); break;
+    case 3: k_gdn_conv<3><<<nb, bs, 0, st>>>(x, w, window, y, n, channels); break;
+    case 4: k_gdn_conv<4><<<nb, bs, 0, st>>>(x, w, window, y, n, channels); break;
+    case 5: k_gdn_conv<5><<<nb, bs, 0, st>>>(x, w, window, y, n, channels); break;
+    case 6: k_gdn_conv<6><<<nb, bs, 0, st>>>(x, w, window, y, n, channels); break;
+    case 7: k_gdn_conv<7><<<nb, bs, 0, st>>>(x, w, window, y, n, channels); break;
+    default: k_gdn_conv<8><<<nb, bs, 0, st>>>(x, w, window, y, n, channels); break;
+  }
+  return (int)cudaGetLastError();
+}
