@@ -407,3 +407,29 @@ def test_sigterm_drains_and_notifies(tmp_path):
     assert any("STOPPING=1" in m for m in got), got
     import os
     assert not os.path.exists(d.sock)
+
+
+def _cuda_unavailable():
+    try:
+        from strata.backend import cuda as C
+    except Exception as e:  # noqa: BLE001
+        return f"strata.backend.cuda not importable: {e}"
+    return C.unavailable_reason()
+
+
+@pytest.mark.skipif(_cuda_unavailable() is not None, reason=f"CUDA backend unavailable: {_cuda_unavailable()}")
+def test_status_device_memory_on_cuda():
+    """/status's "device" object for a CUDA engine: cudaMemGetInfo's numbers (read with CuPy directly here) and the
+    KV pool allocated from CuPy's pool."""
+    import cupy as cp
+
+    from strata.engine import Engine
+    from strata.serve.app import device_info
+    e = Engine("default", n_ctx=512, device="cuda", prompt_cache=0)
+    d = device_info(e)
+    free, total = cp.cuda.runtime.memGetInfo()
+    assert d["name"] == "cuda:0" and d["kind"] == "cuda" and "error" not in d
+    assert d["device_total_bytes"] == total
+    assert 0 < d["device_used_bytes"] <= total and abs(d["device_free_bytes"] - free) < total // 10
+    assert d["pool_total_bytes"] >= d["pool_used_bytes"] >= d["kv_pool_bytes"] > 0
+    assert d["weights_bytes"] == e.file.nbytes

@@ -92,3 +92,21 @@ def test_exit_codes(tmp_path):
     assert r.returncode == 2
     r = ctl(None, "save", socket=bad)          # missing slot id
     assert r.returncode == 2
+
+
+def test_status_device_memory(daemon):
+    """/status's "device" object on the CPU daemon: the weights are the GGUF's tensor bytes (gguf's own reader), the KV
+    page pool is pages x page size x (K + V of 30 layers x 3 KV heads x 64 dims, float32); the table prints it."""
+    gguf = pytest.importorskip("gguf")
+    s = json.loads(ctl(daemon, "--json", "status").stdout)
+    dev = s["device"]
+    assert dev["name"] == "cpu" and dev["kind"] == "cpu"
+    assert dev["weights_bytes"] == sum(int(t.n_bytes) for t in gguf.GGUFReader(s["engine"]["path"]).tensors)
+    kv = s["engine"]["kv_pages"]
+    assert kv["total"] * kv["page_size"] >= 512
+    assert dev["kv_pool_bytes"] == kv["total"] * kv["page_size"] * 30 * 2 * 3 * 64 * 4
+    assert 0 <= dev["kv_used_bytes"] <= dev["kv_pool_bytes"]
+    assert "device_total_bytes" not in dev                     # no accelerator memory on the CPU backend
+    r = ctl(daemon, "status")
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("device"))
+    assert "cpu:" in line and "weights" in line and "KV pool" in line and "MiB" in line

@@ -24,7 +24,7 @@ build() {
   fi
 }
 if [ "$stage" = K ]; then
-  if [ ! -x /tmp/lb/bin/llama-bench ] && [ -f .dev/A/llamacpp.tar.gz ]; then
+  if [ -z "$NO_LLAMA" ] && [ ! -x /tmp/lb/bin/llama-bench ] && [ -f .dev/A/llamacpp.tar.gz ]; then
     mkdir -p /tmp/lcsrc && tar xzf .dev/A/llamacpp.tar.gz -C /tmp/lcsrc
     setsid nohup bash -c 'cmake -S /tmp/lcsrc/llama.cpp -B /tmp/lb -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
       -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_CURL=OFF \
@@ -39,7 +39,12 @@ if [ "$stage" = K ]; then
     | grep -E "PASS|FAIL|ERROR|Timeout|passed|failed|Error|assert" | tail -60 > "$OUT/kernels.log"
   grep -cE "PASSED" "$OUT/kernels.log"; grep -vE "PASSED" "$OUT/kernels.log" | tail -30
   timeout ${KB_S:-200} python3 bench/cuda_kernels.py --out "$OUT/cuda_kernels.json" 2>&1 | tee "$OUT/cuda_kernels.log"
-  tail -3 /tmp/lc_build.log
+  [ -f /tmp/lc_build.log ] && tail -3 /tmp/lc_build.log
+  if [ -n "$SYN_DECODE" ]; then   # decode of the synthetic 1.7B llama only (no default model needed)
+    timeout 150 python3 bench/gpu_throughput.py --model none --synthetic /tmp/syn.gguf --tokenizer-from /tmp/tok.gguf \
+      --prompts 512 --depths 0,4096,16384 --reference bench/results/gpu_NVIDIA_H200_40fb58a.json \
+      --out "$OUT/gpu_syn.json" 2>&1 | grep -v "it/s" | tail -12
+  fi
   exit 0
 fi
 [ -f strata/_cuda_kernels.so ] || build

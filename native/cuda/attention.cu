@@ -66,21 +66,43 @@ extern "C" int strata_rope_kv_prefill(void *stream, float *qkv, int stride, int 
 
 // ---------------------------------------------------------------- decode attention, GQA-shared, self-merging
 // grid (n_kv, n_split), 128 threads. A block takes one KV head, all g = n_head / n_kv query heads of its group (G >=
-// g registers per lane), and one range of positions. A group of LP = hd / 8 lanes owns one position per step (one
-// 16-byte load of K and of V per lane, the next position's loads issued before this one's arithmetic) and keeps an
-// online softmax (m, l, o) per query head; groups are merged in shared memory into one partial (m, l, O) per head and
-// split. The last block of a KV head to finish (atomic counter, reset by that block) merges the splits:
-// out = sum_s O_s e^(m_s - M) / sum_s l_s e^(m_s - M) (Dao et al., Flash-Decoding), written as f32 and, if out_q8
-// is given, as q8_1 blocks for the next matvec.
+// g registers per lane), and one range of positions. A group of LP = hd / 8 lanes owns one position at a time (one
+// 16-byte load of K and of V per lane); each iteration a group loads B positions at once (B * 32 bytes in flight
+// per lane), then scores them and folds them into an online softmax (m, l, o) per query head. Groups are merged in
+// shared memory into one partial per head and split: O (hd floats) at ws[(head * n_split + split) * hd], (m, l) at
+// ws[n_head * n_split * hd + 2 * (head * n_split + split)]. The last block of a KV head to finish (atomic counter,
+// reset by that block) merges the splits: out = sum_s O_s e^(m_s - M) / sum_s l_s e^(m_s - M) (Flash-Decoding),
+// four outputs per thread with 16-byte loads, written as f32 and, if out_q8 is given, as q8_1 blocks.
 #define DA_WARPS 4
 #define DA_MAX_SPLIT 128
+
+// q8_1 store of four consecutive values per lane: the 8 lanes of an aligned lane group hold one block of 32.
+__device__ static inline void q8_store4(float4 v, int i, int8_t *__restrict__ xq, float2 *__restrict__ ds) {
+  const unsigned mask = __activemask();   // whole 8-lane groups are active
+  float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+#pragma unroll
+  for (int o = 4; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, o));
+  const float d = __fdiv_rn(amax, 127.0f);
+  int q[4] = {0, 0, 0, 0};
+  if (amax != 0.f) {
+    q[0] = __float2int_rn(__fdiv_rn(v.x, d)); q[1] = __float2int_rn(__fdiv_rn(v.y, d));
+    q[2] = __float2int_rn(__fdiv_rn(v.z, d)); q[3] = __float2int_rn(__fdiv_rn(v.w, d));
+  }
+  int sum = q[0] + q[1] + q[2] + q[3];
+#pragma unroll
+  for (int o = 4; o > 0; o >>= 1) sum += __shfl_xor_sync(mask, sum, o);
+  *reinterpret_cast<char4 *>(xq + i) = make_char4((signed char)q[0], (signed char)q[1], (signed char)q[2],
+                                                  (signed char)q[3]);
+  if ((i & 31) == 0) ds[i >> 5] = make_float2(d, d * (float)sum);
+}
+
 template <int LP, int G>
 __global__ void __launch_bounds__(32 * DA_WARPS) k_attn_decode_gqa(
     const float *__restrict__ q, const __half *__restrict__ kc, const __half *__restrict__ vc,
     const int *__restrict__ pt, const int *__restrict__ d_len, int len_arg, float *__restrict__ ws,
     unsigned *__restrict__ counters, float *__restrict__ out, int8_t *__restrict__ out_q8, int n_head, int n_kv,
     int ps, int n_split, float scale) {
-  constexpr int hd = 8 * LP, PPW = 32 / LP, NG = DA_WARPS * PPW;
+  constexpr int hd = 8 * LP, PPW = 32 / LP, NG = DA_WARPS * PPW, B = G >= 8 ? 2 : 4;
   const int kvh = blockIdx.x, sp = blockIdx.y;
   const int g = n_head / n_kv;
   const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, grp = lane / LP, gl = lane % LP;
@@ -102,49 +124,65 @@ __global__ void __launch_bounds__(32 * DA_WARPS) k_attn_decode_gqa(
       qv[j][4] = b.x * scale; qv[j][5] = b.y * scale; qv[j][6] = b.z * scale; qv[j][7] = b.w * scale;
     }
   }
-  // positions step warp by warp (all 32 lanes run every iteration: the shuffles need the whole warp); a group
-  // whose position is past the end computes on zeros and keeps its state
-  const int wbase = beg + wid * PPW;
-  uint4 kn = make_uint4(0, 0, 0, 0), vn = kn;
-  if (wbase + grp < end) {
-    const long long off = kv_off(pt, wbase + grp, kvh, n_kv, hd, ps) + 8 * gl;
-    kn = *reinterpret_cast<const uint4 *>(kc + off);
-    vn = *reinterpret_cast<const uint4 *>(vc + off);
-  }
-  for (int p0 = wbase; p0 < end; p0 += NG) {
-    const bool valid = p0 + grp < end;
-    const uint4 kk = kn, vv = vn;
-    const int pn = p0 + NG + grp;
-    if (pn < end) {
-      const long long off = kv_off(pt, pn, kvh, n_kv, hd, ps) + 8 * gl;
-      kn = *reinterpret_cast<const uint4 *>(kc + off);
-      vn = *reinterpret_cast<const uint4 *>(vc + off);
+  // the loop is block-uniform (every lane runs every iteration: the shuffles need whole warps); a group whose
+  // position is past the end scores zeros and leaves its state alone
+  for (int P = beg; P < end; P += B * NG) {
+    uint4 kk[B], vv[B];
+    bool ok[B];
+#pragma unroll
+    for (int b = 0; b < B; b++) {
+      const int p = P + b * NG + gid;
+      ok[b] = p < end;
+      kk[b] = vv[b] = make_uint4(0, 0, 0, 0);
+      if (ok[b]) {
+        const long long off = kv_off(pt, p, kvh, n_kv, hd, ps) + 8 * gl;
+        kk[b] = *reinterpret_cast<const uint4 *>(kc + off);
+        vv[b] = *reinterpret_cast<const uint4 *>(vc + off);
+      }
     }
-    float kf[8], vf[8];
-    {
-      const __half2 *k2 = reinterpret_cast<const __half2 *>(&kk), *v2 = reinterpret_cast<const __half2 *>(&vv);
+    float kf[B][8], vf[B][8];
+#pragma unroll
+    for (int b = 0; b < B; b++) {
+      const __half2 *k2 = reinterpret_cast<const __half2 *>(&kk[b]), *v2 = reinterpret_cast<const __half2 *>(&vv[b]);
 #pragma unroll
       for (int i = 0; i < 4; i++) {
-        const float2 a = __half22float2(k2[i]), b = __half22float2(v2[i]);
-        kf[2 * i] = a.x; kf[2 * i + 1] = a.y; vf[2 * i] = b.x; vf[2 * i + 1] = b.y;
+        const float2 x = __half22float2(k2[i]), y = __half22float2(v2[i]);
+        kf[b][2 * i] = x.x; kf[b][2 * i + 1] = x.y; vf[b][2 * i] = y.x; vf[b][2 * i + 1] = y.y;
       }
     }
 #pragma unroll
     for (int j = 0; j < G; j++) {
       if (j >= g) break;
-      float s = 0.f;
+      float sc[B];
 #pragma unroll
-      for (int i = 0; i < 8; i++) s += qv[j][i] * kf[i];
+      for (int b = 0; b < B; b++) {
+        float t = 0.f;
 #pragma unroll
-      for (int off = LP / 2; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-      if (valid) {
-        const float mn = fmaxf(m[j], s);
-        const float corr = __expf(m[j] - mn), e = __expf(s - mn);
-        l[j] = l[j] * corr + e;
-#pragma unroll
-        for (int i = 0; i < 8; i++) o[j][i] = o[j][i] * corr + e * vf[i];
-        m[j] = mn;
+        for (int i = 0; i < 8; i++) t += qv[j][i] * kf[b][i];
+        sc[b] = t;
       }
+#pragma unroll
+      for (int off = LP / 2; off > 0; off >>= 1)
+#pragma unroll
+        for (int b = 0; b < B; b++) sc[b] += __shfl_xor_sync(0xffffffffu, sc[b], off);
+      float mx = m[j];
+#pragma unroll
+      for (int b = 0; b < B; b++)
+        if (ok[b]) mx = fmaxf(mx, sc[b]);
+      if (mx == -INFINITY) continue;   // nothing valid yet for this group
+      const float corr = __expf(m[j] - mx);
+      l[j] *= corr;
+#pragma unroll
+      for (int i = 0; i < 8; i++) o[j][i] *= corr;
+#pragma unroll
+      for (int b = 0; b < B; b++) {
+        if (!ok[b]) continue;
+        const float e = __expf(sc[b] - mx);
+        l[j] += e;
+#pragma unroll
+        for (int i = 0; i < 8; i++) o[j][i] += e * vf[b][i];
+      }
+      m[j] = mx;
     }
   }
   // merge the NG groups of this block, per query head
@@ -152,7 +190,7 @@ __global__ void __launch_bounds__(32 * DA_WARPS) k_attn_decode_gqa(
   __shared__ float mw[G][DA_MAX_SPLIT];
   __shared__ float Lsh[G];
   __shared__ bool last;
-  const long long hs = (long long)(hd + 2);
+  float *wo = ws, *wml = ws + (long long)n_head * n_split * hd;
 #pragma unroll
   for (int j = 0; j < G; j++) {
     if (j >= g) break;   // g is uniform over the block: every thread takes the same barriers
@@ -163,19 +201,19 @@ __global__ void __launch_bounds__(32 * DA_WARPS) k_attn_decode_gqa(
     __syncthreads();
     float M = -INFINITY;
     for (int w = 0; w < NG; w++) M = fmaxf(M, sm[w]);
-    float *dst = ws + ((long long)(kvh * g + j) * n_split + sp) * hs;
+    const long long hsp = (long long)(kvh * g + j) * n_split + sp;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
       float acc = 0.f;
       for (int w = 0; w < NG; w++)
         if (sm[w] > -INFINITY) acc += so[w][d] * __expf(sm[w] - M);
-      dst[2 + d] = acc;
+      wo[hsp * hd + d] = acc;
     }
     if (threadIdx.x == 0) {
       float L = 0.f;
       for (int w = 0; w < NG; w++)
         if (sm[w] > -INFINITY) L += sl[w] * __expf(sm[w] - M);
-      dst[0] = M;
-      dst[1] = L;
+      wml[2 * hsp] = M;
+      wml[2 * hsp + 1] = L;
     }
   }
   __threadfence();
@@ -187,10 +225,8 @@ __global__ void __launch_bounds__(32 * DA_WARPS) k_attn_decode_gqa(
     __threadfence();
   }
   // merge the splits of the g heads of this KV head (partials read through L2: __ldcg)
-  for (int idx = threadIdx.x; idx < g * n_split; idx += blockDim.x) {
-    const int j = idx / n_split, s = idx % n_split;
-    mw[j][s] = __ldcg(ws + ((long long)(kvh * g + j) * n_split + s) * hs);
-  }
+  const long long h0 = (long long)kvh * g * n_split;
+  for (int idx = threadIdx.x; idx < g * n_split; idx += blockDim.x) mw[idx / n_split][idx % n_split] = __ldcg(wml + 2 * (h0 + idx));
   __syncthreads();
   if (threadIdx.x < g) {
     const int j = threadIdx.x;
@@ -199,25 +235,28 @@ __global__ void __launch_bounds__(32 * DA_WARPS) k_attn_decode_gqa(
     float L = 0.f;
     for (int s = 0; s < n_split; s++) {
       const float w = mw[j][s] > -INFINITY ? __expf(mw[j][s] - M) : 0.f;
-      L += w * __ldcg(ws + ((long long)(kvh * g + j) * n_split + s) * hs + 1);
+      L += w * __ldcg(wml + 2 * (h0 + (long long)j * n_split + s) + 1);
       mw[j][s] = w;
     }
     Lsh[j] = L;
   }
   __syncthreads();
-  const int n_out = g * hd;   // a multiple of 32: warps stay whole for the q8 store
-  for (int idx = threadIdx.x; idx < ((n_out + 31) & ~31); idx += blockDim.x) {
-    float v = 0.f;
-    if (idx < n_out) {
-      const int j = idx / hd, d = idx % hd;
-      const float *src = ws + (long long)(kvh * g + j) * n_split * hs + 2 + d;
-      float acc = 0.f;
-#pragma unroll 4
-      for (int s = 0; s < n_split; s++) acc += mw[j][s] * __ldcg(src + s * hs);
-      v = acc / Lsh[j];
-      out[kvh * n_out + idx] = v;
+  const int n_out4 = g * hd / 4;   // a multiple of 8: lane groups of 8 stay whole for the q8 store
+  for (int idx = threadIdx.x; idx < n_out4; idx += blockDim.x) {
+    const int j = (4 * idx) / hd, d = (4 * idx) % hd;
+    const float4 *src = reinterpret_cast<const float4 *>(wo + (h0 + (long long)j * n_split) * hd + d);
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 8
+    for (int s = 0; s < n_split; s++) {
+      const float w = mw[j][s];
+      const float4 v = __ldcg(src + (long long)s * (hd / 4));
+      acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
     }
-    if (out_q8) q8_store(v, kvh * n_out + idx, out_q8, reinterpret_cast<float2 *>(out_q8 + n_head * hd));
+    const float inv = 1.f / Lsh[j];
+    acc.x *= inv; acc.y *= inv; acc.z *= inv; acc.w *= inv;
+    const int oi = kvh * g * hd + 4 * idx;
+    *reinterpret_cast<float4 *>(out + oi) = acc;
+    if (out_q8) q8_store4(acc, oi, out_q8, reinterpret_cast<float2 *>(out_q8 + n_head * hd));
   }
   if (n_split > 1 && threadIdx.x == 0) counters[kvh] = 0;
 }

@@ -103,9 +103,9 @@ def n_split_for(length: int) -> int:
 
 
 def n_split_gqa(length: int, n_kv: int, n_sm: int) -> int:
-    """Split-K partitions for the v2 decode attention (grid n_kv x n_split): at least 128 positions per block and
+    """Split-K partitions for the v2 decode attention (grid n_kv x n_split): at least 256 positions per block and
     about two blocks per multiprocessor, at most GQA_MAX_SPLIT."""
-    return max(1, min(GQA_MAX_SPLIT, -(-length // 128), max(1, 2 * n_sm // max(1, n_kv))))
+    return max(1, min(GQA_MAX_SPLIT, -(-length // 256), max(1, 2 * n_sm // max(1, n_kv))))
 
 
 def rows_per_warp(n_out: int) -> int:

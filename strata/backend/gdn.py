@@ -1,4 +1,4 @@
-"""Gated DeltaNet ops in numpy: causal depthwise conv with its window as state, L2 norm, chunked and recurrent delta rule.
+"""Gated DeltaNet ops on numpy or CuPy arrays: causal conv with its window as state, L2 norm, delta rule.
 
 Source of the formulas: Yang, Kautz, Hatamizadeh, "Gated Delta Networks: Improving Mamba2 with Delta Rule"
 (arXiv:2412.06464), as used by Qwen3-Next / Qwen3.5 (reference implementation: Hugging Face transformers
@@ -18,29 +18,52 @@ with A_ts = beta_t e^(G_t - G_s) k_t.k_s for s < t (the UT/WY form of the paper,
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 CHUNK = 64
 
+_cupy: Any = None            # the cupy module once imported; False when it is not importable
+
+
+def array_module(x) -> Any:
+    """numpy or cupy: the array module of x (``cupy.get_array_module``; numpy when CuPy is not importable)."""
+    global _cupy
+    if _cupy is None:
+        try:
+            import cupy
+            _cupy = cupy
+        except Exception:  # ImportError or a broken CUDA install
+            _cupy = False
+    if _cupy is False or isinstance(x, np.ndarray):
+        return np
+    return _cupy.get_array_module(x)
+
 
 def silu(x: np.ndarray) -> np.ndarray:
     """x * sigmoid(x), float32."""
-    return x / (1.0 + np.exp(-x))
+    xp = array_module(x)
+    return x / (1.0 + xp.exp(-x))
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
-    return 1.0 / (1.0 + np.exp(-x))
+    """1 / (1 + e^-x), elementwise."""
+    xp = array_module(x)
+    return 1.0 / (1.0 + xp.exp(-x))
 
 
 def softplus(x: np.ndarray) -> np.ndarray:
     """log(1 + e^x), computed stably (torch.nn.functional.softplus with threshold 20 gives the same in fp32)."""
-    return np.where(x > 20.0, x, np.log1p(np.exp(np.minimum(x, 20.0)))).astype(np.float32)
+    xp = array_module(x)
+    return xp.where(x > 20.0, x, xp.log1p(xp.exp(xp.minimum(x, 20.0)))).astype(np.float32)
 
 
 def l2_norm(x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
     """x * rsqrt(sum(x^2, last axis) + eps) (the FLA / transformers ``l2norm``); float32, shape kept."""
-    x = np.asarray(x, dtype=np.float32)
-    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + np.float32(eps))
+    xp = array_module(x)
+    x = xp.asarray(x, dtype=np.float32)
+    return x / xp.sqrt(xp.sum(x * x, axis=-1, keepdims=True) + np.float32(eps))
 
 
 def causal_conv1d(x: np.ndarray, weight: np.ndarray, window: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -51,15 +74,16 @@ def causal_conv1d(x: np.ndarray, weight: np.ndarray, window: np.ndarray) -> tupl
     (zeros at the start of a sequence). Returns (silu(y) of shape (n_tokens, channels), new window of shape
     (kernel - 1, channels)). y[t, c] = sum_j weight[c, j] * xx[t + j, c] with xx = window ++ x.
     """
+    xp = array_module(x)
     n, c = x.shape
     k = weight.shape[1]
-    if weight.shape[0] != c or window.shape != (k - 1, c):
+    if weight.shape[0] != c or tuple(window.shape) != (k - 1, c):
         raise ValueError(f"causal_conv1d: x {x.shape}, weight {weight.shape}, window {window.shape} disagree")
-    xx = np.concatenate([window, x], axis=0)
-    y = np.zeros((n, c), dtype=np.float32)
+    xx = xp.concatenate([window, x], axis=0)
+    y = xp.zeros((n, c), dtype=np.float32)
     for j in range(k):
         y += xx[j:j + n] * weight[:, j]
-    return silu(y), np.ascontiguousarray(xx[n:n + k - 1] if k > 1 else xx[:0])
+    return silu(y), xp.ascontiguousarray(xx[n:n + k - 1] if k > 1 else xx[:0])
 
 
 def delta_rule_recurrent(q, k, v, g, beta, state):
@@ -69,16 +93,17 @@ def delta_rule_recurrent(q, k, v, g, beta, state):
     g, beta: (n_tokens, n_heads); state: (n_heads, d_k, d_v), updated in place and returned.
     Returns (o of shape (n_tokens, n_heads, d_v), state).
     """
+    xp = array_module(state)
     n, _, dk = q.shape
     scale = np.float32(1.0 / np.sqrt(dk))
-    out = np.empty(v.shape, dtype=np.float32)
+    out = xp.empty(v.shape, dtype=np.float32)
     for t in range(n):
-        state *= np.exp(g[t])[:, None, None]
+        state *= xp.exp(g[t])[:, None, None]
         kt = k[t]
-        kv_mem = np.einsum("hk,hkv->hv", kt, state)
+        kv_mem = xp.einsum("hk,hkv->hv", kt, state)
         u = (v[t] - kv_mem) * beta[t][:, None]
         state += kt[:, :, None] * u[:, None, :]
-        out[t] = np.einsum("hk,hkv->hv", q[t] * scale, state)
+        out[t] = xp.einsum("hk,hkv->hv", q[t] * scale, state)
     return out, state
 
 
@@ -89,36 +114,37 @@ def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
     rounding of the step-by-step recurrence. Cost per chunk: one batched (n_heads, L, L) triangular solve and
     matmuls of size L x d.
     """
+    xp = array_module(state)
     n, h, dk = q.shape
     dv = v.shape[2]
     scale = np.float32(1.0 / np.sqrt(dk))
-    out = np.empty((n, h, dv), dtype=np.float32)
+    out = xp.empty((n, h, dv), dtype=np.float32)
     # head-major views: (h, n, d)
-    qh = np.ascontiguousarray(q.transpose(1, 0, 2)) * scale
-    kh = np.ascontiguousarray(k.transpose(1, 0, 2))
-    vh = np.ascontiguousarray(v.transpose(1, 0, 2))
-    gh = np.ascontiguousarray(g.T).astype(np.float32)
-    bh = np.ascontiguousarray(beta.T).astype(np.float32)
+    qh = xp.ascontiguousarray(q.transpose(1, 0, 2)) * scale
+    kh = xp.ascontiguousarray(k.transpose(1, 0, 2))
+    vh = xp.ascontiguousarray(v.transpose(1, 0, 2))
+    gh = xp.ascontiguousarray(g.T).astype(np.float32)
+    bh = xp.ascontiguousarray(beta.T).astype(np.float32)
     for s in range(0, n, chunk):
         e = min(n, s + chunk)
         L = e - s
         qc, kc, vc, bc = qh[:, s:e], kh[:, s:e], vh[:, s:e], bh[:, s:e]
-        G = np.cumsum(gh[:, s:e], axis=1)                         # (h, L)
+        G = xp.cumsum(gh[:, s:e], axis=1)                         # (h, L)
         diff = G[:, :, None] - G[:, None, :]                      # G_t - G_s
-        lower = np.tril(np.ones((L, L), dtype=bool))
-        D = np.where(lower, np.exp(np.where(lower, diff, 0.0)), 0.0).astype(np.float32)  # e^(G_t-G_s), s<=t
+        lower = xp.tril(xp.ones((L, L), dtype=bool))
+        D = xp.where(lower, xp.exp(xp.where(lower, diff, 0.0)), 0.0).astype(np.float32)  # e^(G_t-G_s), s<=t
         kk = kc @ kc.transpose(0, 2, 1)                           # (h, L, L) k_t . k_s
-        A = np.tril(bc[:, :, None] * D * kk, -1)
-        M = A + np.eye(L, dtype=np.float32)
-        eG = np.exp(G)                                            # (h, L)
-        rhs = np.concatenate([bc[:, :, None] * vc, (bc * eG)[:, :, None] * kc], axis=2)
-        sol = np.linalg.solve(M, rhs).astype(np.float32)          # unit lower-triangular system
+        A = xp.tril(bc[:, :, None] * D * kk, -1)
+        M = A + xp.eye(L, dtype=np.float32)
+        eG = xp.exp(G)                                            # (h, L)
+        rhs = xp.concatenate([bc[:, :, None] * vc, (bc * eG)[:, :, None] * kc], axis=2)
+        sol = xp.linalg.solve(M, rhs).astype(np.float32)          # unit lower-triangular system
         U = sol[:, :, :dv] - sol[:, :, dv:] @ state               # (h, L, dv)
         qk = (qc @ kc.transpose(0, 2, 1)) * D                     # (h, L, L), s <= t
         o = eG[:, :, None] * (qc @ state) + qk @ U
         out[s:e] = o.transpose(1, 0, 2)
-        w = np.exp(G[:, -1:] - G)                                 # (h, L) e^(G_L - G_s)
-        state *= np.exp(G[:, -1])[:, None, None]
+        w = xp.exp(G[:, -1:] - G)                                 # (h, L) e^(G_L - G_s)
+        state *= xp.exp(G[:, -1])[:, None, None]
         state += (kc * w[:, :, None]).transpose(0, 2, 1) @ U
     return out, state
 
@@ -128,5 +154,6 @@ def gated_rms_norm(x: np.ndarray, weight: np.ndarray, gate: np.ndarray, eps: flo
 
     x, gate: float32 (..., d); weight: float32 (d,) (plain weight, no +1 offset).
     """
-    xn = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps))
+    xp = array_module(x)
+    xn = x / xp.sqrt(xp.mean(x * x, axis=-1, keepdims=True) + np.float32(eps))
     return (xn * weight * silu(gate)).astype(np.float32)

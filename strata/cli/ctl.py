@@ -135,6 +135,23 @@ def _out(args, data, human: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ commands
+def _device_line(dev: dict) -> str:
+    """One line for /status's "device" object: name, then (CUDA) device memory used / total and CuPy's pool, then
+    the weights and the KV page pool."""
+    if not dev:
+        return "-"
+    parts = []
+    if dev.get("device_total_bytes") is not None:
+        parts.append(f"{_human_bytes(dev.get('device_used_bytes'))} / {_human_bytes(dev.get('device_total_bytes'))} "
+                     f"used ({_human_bytes(dev.get('device_free_bytes'))} free), CuPy pool "
+                     f"{_human_bytes(dev.get('pool_used_bytes'))} / {_human_bytes(dev.get('pool_total_bytes'))}")
+    parts.append(f"weights {_human_bytes(dev.get('weights_bytes'))}")
+    parts.append(f"KV pool {_human_bytes(dev.get('kv_pool_bytes'))} ({_human_bytes(dev.get('kv_used_bytes'))} in use)")
+    if dev.get("error"):
+        parts.append(f"memory info failed: {dev['error']}")
+    return f"{dev.get('name', '?')}: " + ", ".join(parts)
+
+
 def cmd_status(c: Client, args) -> int:
     d = c.call("GET", "/status")
     e = d.get("engine", {})
@@ -149,6 +166,7 @@ def cmd_status(c: Client, args) -> int:
         ("kv pages", f"{kv.get('used')} / {kv.get('total')} used (page size {kv.get('page_size')})"),
         ("checkpoints", f"{len(e.get('checkpoints') or [])} kept, {_human_bytes(e.get('checkpoint_bytes'))} "
                         f"(--prompt-cache {e.get('prompt_cache')})"),
+        ("device", _device_line(d.get("device") or {})),
         ("memory", f"weights {_human_bytes(mem.get('weights_bytes'))}, KV pool {_human_bytes(mem.get('kv_pool_bytes'))}, "
                    f"RSS {_human_bytes(mem.get('rss_bytes'))}"),
         ("requests", e.get("requests")), ("uptime", f"{d.get('uptime_s')} s"), ("version", d.get("version")),

@@ -17,6 +17,7 @@ from strata.default_model import resolve_model
 from strata.gguf_file import ModelLoadError
 from strata.models.base import load_model
 from strata.sampling import Sampler, SamplingParams, StopMatcher
+from strata.sampling_device import DeviceSampler
 from strata.tokenizer import StreamDecoder, Tokenizer
 from strata.engine.types import (ContextOverflow, EmptyPrompt, FinalEvent, GenerationRequest, TokenEvent)
 
@@ -248,7 +249,12 @@ class Engine:
         if req.logprobs is not None and params.logprobs != req.logprobs:
             params = dataclasses.replace(params, logprobs=req.logprobs)
         want_lp = params.logprobs is not None
-        sampler = Sampler(params, self.n_vocab)
+        # a model with forward_device (CUDA) keeps the logits on the device and samples there; STRATA_DEVICE_SAMPLING=0
+        # turns that off (host copy + Sampler)
+        on_device = hasattr(self.model, "forward_device") and os.environ.get("STRATA_DEVICE_SAMPLING", "1") not in (
+            "0", "false", "no")
+        sampler = (DeviceSampler if on_device else Sampler)(params, self.n_vocab)
+        forward = self.model.forward_device if on_device else self.model.forward
         for t in prompt[-params.repeat_last_n:] if params.repeat_last_n > 0 else prompt:
             sampler.accept(t)            # the penalties see the prompt too (as llama.cpp's server does)
         decoder = StreamDecoder(self.tokenizer)
@@ -294,7 +300,7 @@ class Engine:
                 if req.cancel.is_set():
                     finish = "cancelled"
                     break
-                logits = self.model.forward(np.asarray([tok], dtype=np.int32), st)
+                logits = forward(np.asarray([tok], dtype=np.int32), st)
             if not stopper.stopped:         # a stop string's tail and what follows it are dropped
                 # a character the last token left incomplete (max_tokens, cancel) is dropped, never sent as U+FFFD
                 tail, _ = stopper.feed(decoder.flush(drop_incomplete=True))

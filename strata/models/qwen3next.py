@@ -22,6 +22,11 @@ converter (``conversion/qwen.py``), whose file layout is what this reads:
 
 Running state per GDN layer (``SequenceState.running[layer]``, float32): ``conv`` (kernel-1, conv channels) —
 the last inputs of the causal conv — and ``ssm`` (n_v, d_k, d_v) — the delta-rule matrix.
+
+On the CUDA backend (``backend.xp`` is CuPy) activations and the running state stay on the device: elementwise
+parts run as CuPy ops, the causal conv and the one-token (decode) delta rule as raw kernels
+(strata/backend/cuda_gdn.py, native/cuda/gdn.cu), prefill's chunked delta rule as CuPy batched matmuls and solves,
+and MoE routing on the device (only the (n_tokens, k) expert ids come to the host to drive the expert loop).
 """
 from __future__ import annotations
 
@@ -148,6 +153,10 @@ class Qwen3NextModel(Model):
         self.n_ff_shexp = int(_meta(f, "expert_shared_feed_forward_length", 0) or 0)
         self.norm_topk = bool(_meta(f, "expert_weights_norm", True))
         self.gdn_mode = "auto"
+        self.xp = getattr(backend, "xp", np)          # numpy (CPU backend) or cupy (CUDA backend)
+        self.on_device = self.xp is not np
+        self.tiled = a != "qwen3next"                 # value head h reads key head h % n_k (else h // r)
+        self.kmap_x = self._dev(self.kmap)
 
         self.attn_layers = [i for i in range(self.n_layer) if not self.recurrent[i]]
         self.tok_embd = self.weight("token_embd.weight", (c.n_vocab, E))
@@ -190,7 +199,7 @@ class Qwen3NextModel(Model):
                 if int(np.prod(g.shape)) != E:
                     raise ModelLoadError(f"{self.file.path}: tensor {p}ffn_gate_inp_shexp.weight has shape {g.shape} "
                                          f"but the metadata expects ({E},)")
-                out.shared_gate = np.ascontiguousarray(g.dequantize().reshape(E), dtype=np.float32)
+                out.shared_gate = self._dev(np.ascontiguousarray(g.dequantize().reshape(E), dtype=np.float32))
             return out
         ff = self.config.n_ff
         return _FFN(dense=(self.weight(p + "ffn_gate.weight", (ff, E)), self.weight(p + "ffn_up.weight", (ff, E)),
@@ -229,19 +238,25 @@ class Qwen3NextModel(Model):
         else:
             L.w_beta = self.weight(p + "ssm_beta.weight", (nv, E))
             L.w_alpha = self.weight(p + "ssm_alpha.weight", (nv, E))
-        L.conv = np.ascontiguousarray(
-            f.tensor(p + "ssm_conv1d.weight", (self.conv_dim, self.d_conv)).dequantize(), dtype=np.float32)
+        L.conv = self._dev(np.ascontiguousarray(
+            f.tensor(p + "ssm_conv1d.weight", (self.conv_dim, self.d_conv)).dequantize(), dtype=np.float32))
         L.dt = self.weight(p + "ssm_dt.bias", (nv,))
         L.a = self.weight(p + "ssm_a", (nv,))
         L.ssm_norm = self.weight(p + "ssm_norm.weight", (dv,))
         L.ssm_out = self.weight(p + "ssm_out.weight", (E, self.value_dim))
         return L
 
+    def _dev(self, a: np.ndarray) -> Any:
+        """A host array as the backend's array (itself on the CPU, a CuPy copy on CUDA)."""
+        return self.xp.asarray(a) if self.on_device else a
+
     # --- state -------------------------------------------------------------------------------------
     def new_running_state(self) -> dict[int, dict[str, Any]]:
-        """Zeroed running state: per GDN layer {"conv": (d_conv-1, conv_dim), "ssm": (n_v, d_k, d_v)} float32."""
-        return {i: {"conv": np.zeros((self.d_conv - 1, self.conv_dim), dtype=np.float32),
-                    "ssm": np.zeros((self.nv, self.dk, self.dv), dtype=np.float32)}
+        """Zeroed running state: per GDN layer {"conv": (d_conv-1, conv_dim), "ssm": (n_v, d_k, d_v)} float32,
+        numpy on the CPU backend, CuPy (on the device) on the CUDA backend."""
+        xp = self.xp
+        return {i: {"conv": xp.zeros((self.d_conv - 1, self.conv_dim), dtype=np.float32),
+                    "ssm": xp.zeros((self.nv, self.dk, self.dv), dtype=np.float32)}
                 for i in range(self.n_layer) if self.recurrent[i]}
 
     def running_state_nbytes(self) -> int:
@@ -254,25 +269,36 @@ class Qwen3NextModel(Model):
         be = self.backend
         n = x.shape[0]
         nk, nv, dk, dv, r = self.nk, self.nv, self.dk, self.dv, self.r
-        qkv = be.to_host(be.matmul(x, L.wqkv))
-        z = be.to_host(be.matmul(x, L.wz)).reshape(n, nv, dv)
+        dev = self.on_device
+        host = (lambda a: a) if dev else be.to_host
+        qkv = host(be.matmul(x, L.wqkv))
+        z = host(be.matmul(x, L.wz)).reshape(n, nv, dv)
         if L.w_ba is not None:
-            ba = be.to_host(be.matmul(x, L.w_ba)).reshape(n, nk, 2 * r)
+            ba = host(be.matmul(x, L.w_ba)).reshape(n, nk, 2 * r)
             b, a = ba[:, :, :r].reshape(n, nv), ba[:, :, r:].reshape(n, nv)
         else:
-            b, a = be.to_host(be.matmul(x, L.w_beta)), be.to_host(be.matmul(x, L.w_alpha))
-        y, window = gdn.causal_conv1d(qkv, L.conv, run["conv"])
-        run["conv"][...] = window
-        q = gdn.l2_norm(y[:, :self.key_dim].reshape(n, nk, dk))[:, self.kmap]
-        k = gdn.l2_norm(y[:, self.key_dim:2 * self.key_dim].reshape(n, nk, dk))[:, self.kmap]
-        v = np.ascontiguousarray(y[:, 2 * self.key_dim:].reshape(n, nv, dv))
+            b, a = host(be.matmul(x, L.w_beta)), host(be.matmul(x, L.w_alpha))
+        mode = self.gdn_mode
+        step = mode == "recurrent" or (mode == "auto" and n == 1)
+        if dev:
+            from strata.backend import cuda_gdn
+            y, _ = cuda_gdn.conv(qkv, L.conv, run["conv"])          # window updated in place
+        else:
+            y, window = gdn.causal_conv1d(qkv, L.conv, run["conv"])
+            run["conv"][...] = window
+        q = gdn.l2_norm(y[:, :self.key_dim].reshape(n, nk, dk))
+        k = gdn.l2_norm(y[:, self.key_dim:2 * self.key_dim].reshape(n, nk, dk))
+        v = self.xp.ascontiguousarray(y[:, 2 * self.key_dim:].reshape(n, nv, dv))
         beta = gdn.sigmoid(b).astype(np.float32)
         g = (L.a * gdn.softplus(a + L.dt)).astype(np.float32)
-        mode = self.gdn_mode
-        if mode == "recurrent" or (mode == "auto" and n == 1):
-            o, _ = gdn.delta_rule_recurrent(q, k, v, g, beta, run["ssm"])
+        if dev and step:                                                 # the decode kernel maps key heads itself
+            o, _ = cuda_gdn.recurrent(q, k, v, g, beta, run["ssm"], tiled=self.tiled)
         else:
-            o, _ = gdn.delta_rule_chunked(q, k, v, g, beta, run["ssm"])
+            q, k = q[:, self.kmap_x], k[:, self.kmap_x]
+            if step:
+                o, _ = gdn.delta_rule_recurrent(q, k, v, g, beta, run["ssm"])
+            else:
+                o, _ = gdn.delta_rule_chunked(q, k, v, g, beta, run["ssm"])
         o = gdn.gated_rms_norm(o, L.ssm_norm, z, self.eps)
         return be.matmul(o.reshape(n, nv * dv), L.ssm_out)
 
@@ -284,7 +310,7 @@ class Qwen3NextModel(Model):
         q, gate = qg[:, :, :hd], qg[:, :, hd:]
         k = be.matmul(x, L.wk).reshape(n, nkv, hd)
         v = be.matmul(x, L.wv).reshape(n, nkv, hd)
-        q = be.rms_norm(np.ascontiguousarray(q), L.q_norm, self.eps)
+        q = be.rms_norm(self.xp.ascontiguousarray(q), L.q_norm, self.eps)
         k = be.rms_norm(k, L.k_norm, self.eps)
         q = be.rope(q, positions, self.n_rot, c.rope_theta, True)
         k = be.rope(k, positions, self.n_rot, c.rope_theta, True)
@@ -370,15 +396,16 @@ class Qwen3NextModel(Model):
             raise ValueError("this model has no MTP layer (nextn_predict_layers = 0)")
         be, m = self.backend, self.mtp
         toks = self._check_tokens(next_tokens)
-        hidden = np.asarray(hidden, dtype=np.float32).reshape(-1, self.config.n_embd)
+        hidden = self.xp.asarray(hidden, dtype=np.float32).reshape(-1, self.config.n_embd)
         if hidden.shape[0] != toks.shape[0]:
             raise ValueError(f"mtp_logits: {hidden.shape[0]} hidden states for {toks.shape[0]} tokens")
         n = toks.shape[0]
         mtp_kv.reserve(n)
         positions = np.arange(mtp_kv.length, mtp_kv.length + n, dtype=np.int64)
         e = be.embed(m["embed"] if m["embed"] is not None else self.tok_embd, toks)
-        x = np.concatenate([be.rms_norm(e, m["enorm"], self.eps), be.rms_norm(hidden, m["hnorm"], self.eps)], axis=1)
-        x = be.matmul(np.ascontiguousarray(x), m["eh_proj"])
+        x = self.xp.concatenate([be.rms_norm(e, m["enorm"], self.eps), be.rms_norm(hidden, m["hnorm"], self.eps)],
+                                axis=1)
+        x = be.matmul(self.xp.ascontiguousarray(x), m["eh_proj"])
         x = self._block(m["block"], self.n_layer, x, positions, mtp_kv, None)
         x = be.rms_norm(x, m["head_norm"] if m["head_norm"] is not None else self.out_norm, self.eps)
         mtp_kv.commit(n)

@@ -1,0 +1,109 @@
+"""Launchers of the Gated DeltaNet CUDA kernels (native/cuda/gdn.cu in strata/_cuda_kernels.so) on CuPy arrays.
+
+The library is the CUDA backend's (strata/backend/cuda.py ``_lib_path``), opened here with this module's own cffi
+FFI and cdef (ABI mode), so the two modules do not share declarations. Kernels run on CuPy's current stream.
+Semantics are those of strata/backend/gdn.py: ``recurrent`` = ``gdn.delta_rule_recurrent``, ``conv`` =
+``gdn.causal_conv1d`` (state arrays updated in place).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from strata.backend.cuda import _check, _lib_path
+
+_CDEF = """
+int strata_gdn_recurrent(void *stream, const float *q, const float *k, const float *v, const float *g,
+                         const float *beta, float *state, float *out, int n, int n_v, int n_qk, int dk, int dv,
+                         int tiled, float scale);
+int strata_gdn_conv(void *stream, const float *x, const float *w, float *window, float *y, int n, int channels,
+                    int kernel);
+"""
+
+_ffi = None
+_lib = None
+
+
+def lib():
+    """The cffi handle of the kernel library with the GDN declarations (loaded once)."""
+    global _ffi, _lib
+    if _lib is None:
+        import cffi
+        ffi = cffi.FFI()
+        ffi.cdef(_CDEF)
+        p = _lib_path()
+        if not p.exists():
+            raise RuntimeError(f"kernel library {p} missing (run: python native/build_cuda.py)")
+        _lib, _ffi = ffi.dlopen(str(p)), ffi
+    return _lib
+
+
+def _p(a) -> Any:
+    return _ffi.cast("void *", a.data.ptr)
+
+
+def _stream() -> Any:
+    import cupy
+    return _ffi.cast("void *", cupy.cuda.get_current_stream().ptr)
+
+
+def _f32c(a, name: str, shape: tuple[int, ...]):
+    """a as a C-contiguous float32 CuPy array of `shape` (copying only when needed); ValueError otherwise."""
+    import cupy
+    if tuple(a.shape) != tuple(shape):
+        raise ValueError(f"{name}: shape {tuple(a.shape)}, expected {tuple(shape)}")
+    return cupy.ascontiguousarray(a, dtype=cupy.float32)
+
+
+def _state(a, name: str, shape: tuple[int, ...]):
+    import cupy
+    if not isinstance(a, cupy.ndarray) or a.dtype != cupy.float32 or not a.flags.c_contiguous \
+            or tuple(a.shape) != tuple(shape):
+        raise ValueError(f"{name}: needs a C-contiguous float32 CuPy array of shape {tuple(shape)} (updated in "
+                         f"place), got {type(a).__name__} {getattr(a, 'dtype', None)} {tuple(a.shape)}")
+    return a
+
+
+def recurrent(q, k, v, g, beta, state, tiled: bool = True):
+    """Gated delta rule token by token on the device (``gdn.delta_rule_recurrent``), state updated in place.
+
+    q, k: float32 CuPy (n, n_qk, d_k), L2-normalised, unscaled (the kernel scales q by 1/sqrt(d_k)); value head h
+    reads key head h % n_qk (tiled) or h // (n_v / n_qk); with n_qk == n_v both are the identity. v: (n, n_v, d_v);
+    g, beta: (n, n_v); state: C-contiguous float32 (n_v, d_k, d_v). Returns (out float32 (n, n_v, d_v), state).
+    Raises ValueError for shapes that disagree (nothing changed) and RuntimeError for a CUDA error.
+    """
+    import cupy
+    n, n_qk, dk = (int(s) for s in q.shape)
+    n_v, dv = int(v.shape[1]), int(v.shape[2])
+    if n_v % n_qk or dk > 256:
+        raise ValueError(f"gdn recurrent: {n_v} value heads over {n_qk} key heads, d_k {dk} (needs a multiple, "
+                         f"d_k <= 256)")
+    q = _f32c(q, "q", (n, n_qk, dk))
+    k = _f32c(k, "k", (n, n_qk, dk))
+    v = _f32c(v, "v", (n, n_v, dv))
+    g = _f32c(g, "g", (n, n_v))
+    beta = _f32c(beta, "beta", (n, n_v))
+    state = _state(state, "state", (n_v, dk, dv))
+    out = cupy.empty((n, n_v, dv), cupy.float32)
+    lb = lib()
+    _check(lb.strata_gdn_recurrent(_stream(), _p(q), _p(k), _p(v), _p(g), _p(beta), _p(state), _p(out), n, n_v,
+                                   n_qk, dk, dv, int(bool(tiled)), float(1.0 / dk ** 0.5)), "strata_gdn_recurrent")
+    return out, state
+
+
+def conv(x, weight, window):
+    """Causal depthwise conv + SiLU with the window as state (``gdn.causal_conv1d``), window updated in place.
+
+    x float32 CuPy (n, channels); weight (channels, kernel), kernel 2..8; window C-contiguous float32
+    (kernel - 1, channels). Returns (y float32 (n, channels), window).
+    """
+    import cupy
+    n, c = (int(s) for s in x.shape)
+    kk = int(weight.shape[1])
+    if not 2 <= kk <= 8:
+        raise ValueError(f"gdn conv: kernel width {kk} outside [2, 8]")
+    x = _f32c(x, "x", (n, c))
+    weight = _f32c(weight, "weight", (c, kk))
+    window = _state(window, "window", (kk - 1, c))
+    y = cupy.empty((n, c), cupy.float32)
+    _check(lib().strata_gdn_conv(_stream(), _p(x), _p(weight), _p(window), _p(y), n, c, kk), "strata_gdn_conv")
+    return y, window
