@@ -3,6 +3,7 @@
 Prompt tokens/s at 512 / 4096 / 16384 tokens and decode tokens/s at context 0 / 4096 / 16384, plus decode as a
 fraction of the memory-bandwidth limit (weight bytes read per token / measured device copy bandwidth).
 Usage: python bench/gpu_throughput.py --model PATH [--model PATH2] [--llama-bench BIN] [--synthetic OUT.gguf]
+       [--synthetic-hybrid OUT2.gguf]
 Writes bench/results/gpu_<gpu>_<commit>.json (or --out).
 """
 from __future__ import annotations
@@ -201,6 +202,9 @@ def main(argv=None) -> int:
     ap.add_argument("--model", action="append", default=[], help="GGUF path ('default' = the default model)")
     ap.add_argument("--synthetic", default=None, help="write a ~1.5B Q4_K synthetic llama here and bench it too")
     ap.add_argument("--tokenizer-from", default=None, help="GGUF whose tokenizer the synthetic model copies")
+    ap.add_argument("--synthetic-hybrid", default=None,
+                    help="write a ~1.5B qwen35 hybrid (Gated DeltaNet + attention, random Q8_0; "
+                         "bench/gpu_hybrid_model.py) here and bench it too")
     ap.add_argument("--llama-bench", default=None, help="llama-bench binary built with CUDA")
     ap.add_argument("--n-gen", type=int, default=128)
     ap.add_argument("--ubatch", type=int, default=512)
@@ -222,6 +226,15 @@ def main(argv=None) -> int:
             make_synthetic_llama(a.synthetic, a.tokenizer_from or models[0])
             print(f"synthetic model written in {time.time() - t0:.1f}s", flush=True)
         models.append(a.synthetic)
+    hybrids = []
+    if a.synthetic_hybrid:
+        from bench.gpu_hybrid_model import make_synthetic_hybrid
+        if not os.path.exists(a.synthetic_hybrid):
+            t0 = time.time()
+            make_synthetic_hybrid(a.synthetic_hybrid, a.tokenizer_from or models[0])
+            print(f"synthetic hybrid written in {time.time() - t0:.1f}s", flush=True)
+        models.append(a.synthetic_hybrid)
+        hybrids.append(a.synthetic_hybrid)
     props = cp.cuda.runtime.getDeviceProperties(0)
     gpu = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     bw = copy_bandwidth(cp)
@@ -231,7 +244,12 @@ def main(argv=None) -> int:
     for m in models:
         print(f"model {m} ({os.path.getsize(m) / 1e6:.0f} MB)", flush=True)
         entry = {"file_bytes": os.path.getsize(m)}
-        entry["strata"] = bench_strata(m, prompts, depths, a.n_gen, a.ubatch, bw)
+        if m in hybrids:
+            from bench.gpu_hybrid_model import bench_hybrid
+            h = bench_hybrid(m, prompts, depths, a.n_gen, a.ubatch)
+            entry["strata"] = {k: {str(n): v for n, v in h[k].items()} for k in ("prompt", "decode")}
+        else:
+            entry["strata"] = bench_strata(m, prompts, depths, a.n_gen, a.ubatch, bw)
         if a.llama_bench and os.path.exists(a.llama_bench):
             entry["llama.cpp"] = bench_llama(a.llama_bench, m, prompts, depths, a.n_gen, a.ubatch)
         elif a.reference:

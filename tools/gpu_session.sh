@@ -72,5 +72,5 @@ kill "$spid"; wait "$spid" 2>/dev/null
 LB=""; [ -x /tmp/lb/bin/llama-bench ] && LB="--llama-bench /tmp/lb/bin/llama-bench"
 [ -z "$LB" ] && tail -3 /tmp/lc_build.log
 [ -f /tmp/syn.gguf ] || cp .dev/A/tok.gguf /tmp/tok.gguf 2>/dev/null
-timeout ${BENCH_S:-300} python3 bench/gpu_throughput.py --model default --synthetic /tmp/syn.gguf --tokenizer-from /tmp/model/$M \
+timeout ${BENCH_S:-300} python3 bench/gpu_throughput.py --model default --synthetic /tmp/syn.gguf --synthetic-hybrid /tmp/hyb.gguf --tokenizer-from /tmp/model/$M \
   $LB --reference "${REF:-bench/results/gpu_NVIDIA_H200_40fb58a.json}" --out "$OUT/gpu_throughput.json" 2>&1 | tee "$OUT/bench.log" | tail -40
