@@ -141,7 +141,8 @@ def main(argv=None) -> int:
                                                            C._p(ws), C._p(out), H, KV, hd, ps, n1, sc))
             t2 = timeit(cp, lambda: lib.strata_attn_decode_gqa(s(), C._p(q), *kv(), C._p(pt), ffi.NULL,
                                                                L, C._p(ws), ffi.cast("unsigned *", ctr.data.ptr),
-                                                               C._p(out), C._p(oq), H, KV, hd, ps, n2, sc))
+                                                               C._p(out), C._p(oq), H, KV, hd, ps, n2, sc, ffi.NULL,
+                                                               ffi.NULL))
             kvb = 2 * L * KV * hd * 2
             res["attn_decode"].append({"H": H, "KV": KV, "hd": hd, "L": L, "v1_us": t1 * 1e6, "v2_us": t2 * 1e6,
                                        "n_split_v2": n2, "kv_bytes": kvb})
@@ -171,7 +172,7 @@ def main(argv=None) -> int:
                                                              C._p(ws1), n, H, KV, hd, ps, length, s1, sc), per_graph=4)
             t2 = timeit(cp, lambda: lib.strata_fa2_prefill(s(), C._p(q), H * hd, C._p(kc), C._p(vc), C._p(pt),
                                                            C._p(out), ffi.NULL, C._p(ws2), n, H, KV, hd, ps, length,
-                                                           s2, sc), per_graph=4)
+                                                           s2, sc, ffi.NULL, ffi.NULL), per_graph=4)
             flops = 4.0 * n * (length + n / 2) * hd * H
             res["attn_prefill"].append({"H": H, "KV": KV, "hd": hd, "n": n, "length": length, "v1_ms": t1 * 1e3,
                                         "v2_ms": t2 * 1e3, "v2_tflops": flops / t2 / 1e12, "n_split_v2": s2})

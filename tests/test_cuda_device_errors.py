@@ -35,3 +35,27 @@ def test_missing_device_ordinal_is_a_clear_error():
     from strata.engine import Engine
     with pytest.raises(ValueError, match="no CUDA device 99"):
         Engine("default", device="cuda:99")
+
+
+def test_kv_q8_0_on_cpu_and_unknown_kv_are_clear_errors():
+    _default_model()
+    from strata.engine import Engine
+    with pytest.raises(ValueError, match=r"--kv q8_0 needs --device cuda"):
+        Engine("default", device="cpu", kv="q8_0")
+    with pytest.raises(ValueError, match="unknown KV cache type 'q4'"):
+        Engine("default", device="cpu", kv="q4")
+
+
+def test_cli_kv_option():
+    """`strata generate --kv` takes f16 / q8_0 only (argparse error, exit 2) and q8_0 on the CPU is refused before
+    the model loads."""
+    import subprocess
+    import sys
+    _default_model()
+    r = subprocess.run([sys.executable, "-m", "strata.cli.main", "generate", "--kv", "q4", "--prompt", "hi"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "invalid choice: 'q4'" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "strata.cli.main", "generate", "--kv", "q8_0", "-n", "1", "--prompt", "hi"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "--kv q8_0 needs --device cuda" in r.stderr
+    assert "Traceback" not in r.stderr

@@ -430,7 +430,8 @@ def test_attn_decode_gqa(cp, hd, H, KV, L, n_split):
         oq = cp.zeros(H * hd + H * hd // 4, cp.uint8)
         C._check(C.lib().strata_attn_decode_gqa(C._stream_ptr(), C._p(dq), C._p(kc), C._p(vc), C._p(pt), C._ffi.NULL,
                                                 L, C._p(ws), C._ffi.cast("unsigned *", ctr.data.ptr), C._p(out),
-                                                C._p(oq), H, KV, hd, ps, n_split, scale), "attn_gqa")
+                                                C._p(oq), H, KV, hd, ps, n_split, scale, C._ffi.NULL,
+                                                C._ffi.NULL), "attn_gqa")
         got = cp.asnumpy(out)
         assert rel(got, ref) < 1e-4
         assert int(cp.asnumpy(ctr).sum()) == 0
@@ -458,8 +459,106 @@ def test_fa2_prefill(cp, hd, n, length, n_split, f16_out):
     dq = cp.asarray(qbuf)
     C._check(C.lib().strata_fa2_prefill(C._stream_ptr(), C._p(dq), stride, C._p(kc), C._p(vc), C._p(pt),
                                         C._ffi.NULL if f16_out else C._p(out), C._p(out16) if f16_out else C._ffi.NULL,
-                                        C._p(ws), n, H, KV, hd, ps, length, n_split, scale), "fa2")
+                                        C._p(ws), n, H, KV, hd, ps, length, n_split, scale, C._ffi.NULL,
+                                        C._ffi.NULL), "fa2")
     got = cp.asnumpy(out16 if f16_out else out).astype(np.float64)
     assert np.isfinite(got).all()
     for i0, i1 in ((0, min(n, 40)), (max(0, n - 24), n)):
         assert rel(got[i0:i1], attn_ref(q[i0:i1], K, V, length + i0, scale)) < 5e-3
+
+
+# ------------------------------------------------------------------ q8_0 KV cache (--kv q8_0)
+def q8_0_rows(x):
+    """ggml q8_0 of f32 rows (..., hd) per 32 values in numpy: d = max|x| / 127 (f32, stored as f16), q =
+    rint(x / d) (ties to even) -> (q int8, d f16)."""
+    xb = np.asarray(x, np.float32).reshape(-1, 32)
+    amax = np.abs(xb).max(axis=1, keepdims=True)
+    d = (amax / np.float32(127)).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(amax > 0, np.rint(xb / np.where(d > 0, d, 1)), 0).astype(np.int8)
+    return q.reshape(np.shape(x)), d[:, 0].astype(np.float16).reshape(np.shape(x)[:-1] + (np.shape(x)[-1] // 32,))
+
+
+def _paged_q8(cp, rng, L, KV, hd, ps):
+    """Random K/V of L positions written through strata_kv_write_q8 into scattered pages; returns the values the
+    cache represents (d * q, float64), the device arrays and the table."""
+    n_pages = L // ps + 2
+    table = rng.permutation(n_pages).astype(np.int32)
+    K = rng.standard_normal((L, KV, hd)).astype(np.float32) * 2
+    V = rng.standard_normal((L, KV, hd)).astype(np.float32)
+    shape, sshape = (n_pages, ps, KV, hd), (n_pages, ps, KV, hd // 32)
+    kq, vq = cp.zeros(shape, cp.int8), cp.zeros(shape, cp.int8)
+    ks, vs = cp.zeros(sshape, cp.float16), cp.zeros(sshape, cp.float16)
+    pt, dk, dv = cp.asarray(table), cp.asarray(K), cp.asarray(V)
+    C._check(C.lib().strata_kv_write_q8(C._stream_ptr(), C._p(dk), KV * hd, C._p(dv), KV * hd, C._p(kq), C._p(vq),
+                                        C._p(ks), C._p(vs), C._p(pt), C._ffi.NULL, 0, L, KV, hd, ps), "kv_write_q8")
+    cp.cuda.get_current_stream().synchronize()
+    deq = []
+    for X in (K, V):
+        q, d = q8_0_rows(X)
+        deq.append((q.reshape(L, KV, hd // 32, 32) * d.astype(np.float64)[..., None]).reshape(L, KV, hd))
+    return deq[0], deq[1], (kq, vq, ks, vs), pt, (q8_0_rows(K), q8_0_rows(V)), table
+
+
+@pytest.mark.parametrize("hd", [64, 128])
+def test_kv_write_q8_and_gather(cp, hd):
+    """strata_kv_write_q8 stores ggml q8_0 (int8 bit-exact, f16 scales exact) at the page slots; strata_kv_gather_q8
+    and CudaPagePool(kv="q8_0").read give d * q back."""
+    rng = np.random.default_rng(hd)
+    L, KV, ps = 70, 3, 16
+    Kd, Vd, (kq, vq, ks, vs), pt, ((qk, dk), (qv, dv)), table = _paged_q8(cp, rng, L, KV, hd, ps)
+    Q, S = cp.asnumpy(kq), cp.asnumpy(ks)
+    for p in (0, 17, L - 1):
+        np.testing.assert_array_equal(Q[table[p // ps], p % ps], qk[p])
+        np.testing.assert_array_equal(S[table[p // ps], p % ps], dk[p])
+    ko, vo = cp.empty((KV, L, hd), cp.float32), cp.empty((KV, L, hd), cp.float32)
+    C._check(C.lib().strata_kv_gather_q8(C._stream_ptr(), C._p(kq), C._p(vq), C._p(ks), C._p(vs), C._p(pt), C._p(ko),
+                                         C._p(vo), L, KV, hd, ps), "kv_gather_q8")
+    np.testing.assert_allclose(cp.asnumpy(ko), Kd.transpose(1, 0, 2), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(cp.asnumpy(vo), Vd.transpose(1, 0, 2), rtol=1e-6, atol=1e-6)
+    pool = C.CudaPagePool([0], L // ps + 2, ps, KV, hd, kv="q8_0")
+    pages = pool.alloc(-(-L // ps))
+    pool.write(0, pages, 0, cp.asarray(Kd.astype(np.float32)), cp.asarray(Vd.astype(np.float32)))
+    k2, v2 = pool.read(0, pages, L)
+    np.testing.assert_allclose(cp.asnumpy(k2), Kd.transpose(1, 0, 2), rtol=1e-3, atol=1e-3)   # d * q re-quantized
+    np.testing.assert_allclose(cp.asnumpy(v2), Vd.transpose(1, 0, 2), rtol=1e-3, atol=1e-3)
+    np.testing.assert_array_equal(cp.asnumpy(vq)[table[5 // ps], 5 % ps], qv[5])
+    np.testing.assert_array_equal(cp.asnumpy(vs)[table[5 // ps], 5 % ps], dv[5])
+    assert pool.bytes_per_token == 2 * KV * hd + 2 * KV * hd // 16
+
+
+@pytest.mark.parametrize("hd", [64, 128])
+@pytest.mark.parametrize("L,n_split", [(1, 1), (300, 3), (5000, 40)])
+def test_attn_decode_gqa_q8_cache(cp, hd, L, n_split):
+    """strata_attn_decode_gqa on a q8_0 cache == float64 attention over the values the cache holds (d * q)."""
+    rng = np.random.default_rng(L + hd)
+    H, KV, ps = 16, 4, 16
+    Kd, Vd, (kq, vq, ks, vs), pt, _, _ = _paged_q8(cp, rng, L, KV, hd, ps)
+    q = rng.standard_normal((1, H, hd))
+    scale = 1 / np.sqrt(hd)
+    ref = attn_ref(q, Kd, Vd, L - 1, scale)[0].reshape(-1)
+    ws, ctr = cp.zeros(H * n_split * (hd + 2), cp.float32), cp.zeros(KV, cp.uint32)
+    dq, out = cp.asarray(q.reshape(-1), dtype=cp.float32), cp.full(H * hd, cp.nan, cp.float32)
+    C._check(C.lib().strata_attn_decode_gqa(C._stream_ptr(), C._p(dq), C._p(kq), C._p(vq), C._p(pt), C._ffi.NULL, L,
+                                            C._p(ws), C._ffi.cast("unsigned *", ctr.data.ptr), C._p(out), C._ffi.NULL,
+                                            H, KV, hd, ps, n_split, scale, C._p(ks), C._p(vs)), "attn_gqa_q8")
+    assert rel(cp.asnumpy(out), ref) < 1e-4
+
+
+@pytest.mark.parametrize("hd", [64, 128])
+@pytest.mark.parametrize("n,length,n_split", [(37, 0, 1), (130, 1000, 4)])
+def test_fa2_prefill_q8_cache(cp, hd, n, length, n_split):
+    """strata_fa2_prefill on a q8_0 cache == float64 causal attention over d * q (the tile holds them as f16)."""
+    rng = np.random.default_rng(n + length + hd)
+    H, KV, ps = 12, 4, 16
+    Kd, Vd, (kq, vq, ks, vs), pt, _, _ = _paged_q8(cp, rng, length + n, KV, hd, ps)
+    q = rng.standard_normal((n, H, hd))
+    scale = 1 / np.sqrt(hd)
+    dq = cp.asarray(q.reshape(n, -1), dtype=cp.float32)
+    ws, out = cp.zeros(n_split * H * n * (hd + 2), cp.float32), cp.full((n, H, hd), cp.nan, cp.float32)
+    C._check(C.lib().strata_fa2_prefill(C._stream_ptr(), C._p(dq), H * hd, C._p(kq), C._p(vq), C._p(pt), C._p(out),
+                                        C._ffi.NULL, C._p(ws), n, H, KV, hd, ps, length, n_split, scale, C._p(ks),
+                                        C._p(vs)), "fa2_q8")
+    got = cp.asnumpy(out).astype(np.float64)
+    for i0, i1 in ((0, min(n, 40)), (max(0, n - 24), n)):
+        assert rel(got[i0:i1], attn_ref(q[i0:i1], Kd, Vd, length + i0, scale)) < 5e-3

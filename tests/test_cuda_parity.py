@@ -276,3 +276,40 @@ def test_cuda_matches_cpu_backend(model_path, prompt_ids):
     gap = lg[ref[i]] - lg[got[i]]
     print(f"CUDA and CPU greedy runs part at token {i}: {got[i]} vs {ref[i]}, CPU logit gap {gap:.3f}")
     assert i >= 8 and gap < NEAR_TIE_LOGIT
+
+
+# ---- --kv q8_0 (int8 K/V with an f16 scale per 32 values)
+@pytest.fixture(scope="module")
+def cuda_engine_q8(model_path):
+    from strata.engine import Engine
+    e = Engine("default", n_ctx=2048, device="cuda", kv="q8_0", prompt_cache=6)
+    assert isinstance(e.pool, C.CudaPagePool) and e.pool.kv == "q8_0" and e.status()["kv"] == "q8_0"
+    return e
+
+
+def test_engine_cuda_kv_q8_0_greedy_and_memory(cuda_engine_q8, cuda_engine, hf):
+    """The engine with a q8_0 KV cache: greedy tokens match transformers' (near ties excepted, as for f16), the plan
+    is used, and the cache takes 1.0625 / 2 of the f16 cache's bytes per token."""
+    import torch
+    from strata.engine import GenerationRequest
+    from strata.sampling import SamplingParams
+    _, m = hf
+    e = cuda_engine_q8
+    e.clear_checkpoints()
+    e.state_reset()
+    r = e.render_chat([{"role": "user", "content": "Name three rivers in Europe and one fact about each."}])
+    evs = list(e.generate(GenerationRequest(r.tokens, r.cut_points, SamplingParams(temperature=0.0), max_tokens=32)))
+    got = [x.token_id for x in evs[:-1]]
+    with torch.no_grad():
+        out = m.generate(torch.tensor([list(r.tokens)]), max_new_tokens=32, do_sample=False)
+    ref = [int(t) for t in out[0, len(r.tokens):]]
+    print("engine cuda kv q8_0:", got[:16], "ref:", ref[:16])
+    assert_greedy_matches(m, r.tokens, got, ref)
+    assert e.model.plans
+    assert e.pool.bytes_per_token * 32 == cuda_engine.pool.bytes_per_token * 17
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_engine_cuda_kv_q8_0_checkpoint_exactness(cuda_engine_q8, sampling):
+    from tests import test_checkpoints as TC
+    TC.test_exactness_same_request_twice(cuda_engine_q8, sampling)

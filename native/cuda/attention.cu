@@ -39,13 +39,14 @@ __global__ void k_rope_kv_prefill(float *__restrict__ qkv, int stride, int pos0,
     const float y0 = x0 * c - x1 * s, y1 = x0 * s + x1 * c;
     x[a] = y0;
     x[b] = y1;
-    if (h >= H) {
+    if (h >= H && kc) {   // kc NULL: RoPE only (a q8_0 cache is written by strata_kv_write_q8)
       const long long o = kv_off(pt, p, h - H, KV, hd, ps);
       kc[o + a] = __float2half(y0);
       kc[o + b] = __float2half(y1);
     }
     return;
   }
+  if (!kc) return;
   const int j = j0 - (H + KV) * half;
   const int kh = j / hd, d = j % hd;
   const long long o = kv_off(pt, p, kh, KV, hd, ps) + d;
@@ -62,6 +63,92 @@ extern "C" int strata_rope_kv_prefill(void *stream, float *qkv, int stride, int 
   k_rope_kv_prefill<<<(unsigned)((total + 255) / 256), 256, 0, (cudaStream_t)stream>>>(
       qkv, stride, pos0, (__half *)kc, (__half *)vc, pt, n, n_head, n_kv, hd, n_rot, base, neox, ps);
   return (int)cudaGetLastError();
+}
+
+// ---------------------------------------------------------------- q8_0 KV cache
+// The q8_0 cache (--kv q8_0): per layer int8 K and V (n_pages, page_size, n_kv, hd) and f16 scales (n_pages,
+// page_size, n_kv, hd / 32): element = d * q per 32 consecutive elements of one (position, head) row, d = max|x| /
+// 127 stored as f16, q = round-to-nearest-even(x / d) (ggml's q8_0 block, split into two arrays so that a lane's 8
+// values stay one 8-byte load). The scale of element offset e (in the int8 array) is at e / 32.
+
+// One warp per (token, KV head, 32-block, K or V). k / v: f32 rows of n tokens (row strides in floats), head h at
+// h * hd; token t goes to position (*d_start or 0) + start + t.
+__global__ void k_kv_write_q8(const float *__restrict__ k, int k_stride, const float *__restrict__ v, int v_stride,
+                              int8_t *__restrict__ kq, int8_t *__restrict__ vq, __half *__restrict__ ks,
+                              __half *__restrict__ vs, const int *__restrict__ pt, const int *__restrict__ d_start,
+                              int start, int n, int n_kv, int hd, int ps) {
+  const long long gw = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31, nb = hd / 32;
+  if (gw >= (long long)n * n_kv * nb * 2) return;   // whole warps
+  const int which = (int)(gw & 1);
+  const long long rest = gw >> 1;
+  const int b = (int)(rest % nb), h = (int)((rest / nb) % n_kv), t = (int)(rest / ((long long)nb * n_kv));
+  const float x = which ? v[(long long)t * v_stride + h * hd + 32 * b + lane]
+                        : k[(long long)t * k_stride + h * hd + 32 * b + lane];
+  float amax = fabsf(x);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  const float d = __fdiv_rn(amax, 127.0f);
+  const int q = amax == 0.f ? 0 : __float2int_rn(__fdiv_rn(x, d));
+  const int pos = (d_start ? *d_start : 0) + start + t;
+  const long long e = kv_off(pt, pos, h, n_kv, hd, ps) + 32 * b;
+  (which ? vq : kq)[e + lane] = (int8_t)q;
+  if (lane == 0) (which ? vs : ks)[e >> 5] = __float2half(d);
+}
+
+extern "C" int strata_kv_write_q8(void *stream, const float *k, int k_stride, const float *v, int v_stride, void *kq,
+                                  void *vq, void *ks, void *vs, const int *pt, const int *d_start, int start, int n,
+                                  int n_kv, int hd, int ps) {
+  if (hd % 32 || n < 0) return (int)cudaErrorInvalidValue;
+  const long long warps = (long long)n * n_kv * (hd / 32) * 2;
+  if (warps == 0) return 0;
+  k_kv_write_q8<<<(unsigned)((warps * 32 + 255) / 256), 256, 0, (cudaStream_t)stream>>>(
+      k, k_stride, v, v_stride, (int8_t *)kq, (int8_t *)vq, (__half *)ks, (__half *)vs, pt, d_start, start, n, n_kv,
+      hd, ps);
+  return (int)cudaGetLastError();
+}
+
+// The first len positions of a q8_0 cache as f32 (n_kv, len, hd) for K and V (checkpoints, state reads).
+__global__ void k_kv_gather_q8(const int8_t *__restrict__ kq, const int8_t *__restrict__ vq,
+                               const __half *__restrict__ ks, const __half *__restrict__ vs, const int *__restrict__ pt,
+                               float *__restrict__ ko, float *__restrict__ vo, int len, int n_kv, int hd, int ps) {
+  const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (idx >= (long long)n_kv * len * hd) return;
+  const int d = (int)(idx % hd), p = (int)((idx / hd) % len), h = (int)(idx / ((long long)hd * len));
+  const long long e = kv_off(pt, p, h, n_kv, hd, ps) + d;
+  ko[idx] = __half2float(ks[e >> 5]) * (float)kq[e];
+  vo[idx] = __half2float(vs[e >> 5]) * (float)vq[e];
+}
+
+extern "C" int strata_kv_gather_q8(void *stream, const void *kq, const void *vq, const void *ks, const void *vs,
+                                   const int *pt, float *ko, float *vo, int len, int n_kv, int hd, int ps) {
+  const long long total = (long long)n_kv * len * hd;
+  if (total == 0) return 0;
+  k_kv_gather_q8<<<(unsigned)((total + 255) / 256), 256, 0, (cudaStream_t)stream>>>(
+      (const int8_t *)kq, (const int8_t *)vq, (const __half *)ks, (const __half *)vs, pt, ko, vo, len, n_kv, hd, ps);
+  return (int)cudaGetLastError();
+}
+
+// 8 consecutive cache values at element offset e as f32: f16 (one 16-byte load) or q8_0 (8 bytes + the scale).
+template <bool Q8>
+__device__ static inline void load_kv8(const void *__restrict__ c, const __half *__restrict__ sc, long long e,
+                                       float f[8]) {
+  if (Q8) {
+    const uint2 r = *reinterpret_cast<const uint2 *>(reinterpret_cast<const int8_t *>(c) + e);
+    const float d = __half2float(sc[e >> 5]);
+    const int8_t *q = reinterpret_cast<const int8_t *>(&r);
+#pragma unroll
+    for (int i = 0; i < 8; i++) f[i] = d * (float)q[i];
+  } else {
+    const uint4 r = *reinterpret_cast<const uint4 *>(reinterpret_cast<const __half *>(c) + e);
+    const __half2 *h = reinterpret_cast<const __half2 *>(&r);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      const float2 x = __half22float2(h[i]);
+      f[2 * i] = x.x;
+      f[2 * i + 1] = x.y;
+    }
+  }
 }
 
 // ---------------------------------------------------------------- decode attention, GQA-shared, self-merging
@@ -96,9 +183,10 @@ __device__ static inline void q8_store4(float4 v, int i, int8_t *__restrict__ xq
   if ((i & 31) == 0) ds[i >> 5] = make_float2(d, d * (float)sum);
 }
 
-template <int LP, int G>
+template <int LP, int G, bool Q8>
 __global__ void __launch_bounds__(32 * DA_WARPS) k_attn_decode_gqa(
-    const float *__restrict__ q, const __half *__restrict__ kc, const __half *__restrict__ vc,
+    const float *__restrict__ q, const void *__restrict__ kc, const void *__restrict__ vc,
+    const __half *__restrict__ ks, const __half *__restrict__ vs,
     const int *__restrict__ pt, const int *__restrict__ d_len, int len_arg, float *__restrict__ ws,
     unsigned *__restrict__ counters, float *__restrict__ out, int8_t *__restrict__ out_q8, int n_head, int n_kv,
     int ps, int n_split, float scale) {
@@ -127,27 +215,19 @@ __global__ void __launch_bounds__(32 * DA_WARPS) k_attn_decode_gqa(
   // the loop is block-uniform (every lane runs every iteration: the shuffles need whole warps); a group whose
   // position is past the end scores zeros and leaves its state alone
   for (int P = beg; P < end; P += B * NG) {
-    uint4 kk[B], vv[B];
+    float kf[B][8], vf[B][8];
     bool ok[B];
 #pragma unroll
     for (int b = 0; b < B; b++) {
       const int p = P + b * NG + gid;
       ok[b] = p < end;
-      kk[b] = vv[b] = make_uint4(0, 0, 0, 0);
       if (ok[b]) {
-        const long long off = kv_off(pt, p, kvh, n_kv, hd, ps) + 8 * gl;
-        kk[b] = *reinterpret_cast<const uint4 *>(kc + off);
-        vv[b] = *reinterpret_cast<const uint4 *>(vc + off);
-      }
-    }
-    float kf[B][8], vf[B][8];
+        const long long e = kv_off(pt, p, kvh, n_kv, hd, ps) + 8 * gl;
+        load_kv8<Q8>(kc, ks, e, kf[b]);
+        load_kv8<Q8>(vc, vs, e, vf[b]);
+      } else {
 #pragma unroll
-    for (int b = 0; b < B; b++) {
-      const __half2 *k2 = reinterpret_cast<const __half2 *>(&kk[b]), *v2 = reinterpret_cast<const __half2 *>(&vv[b]);
-#pragma unroll
-      for (int i = 0; i < 4; i++) {
-        const float2 x = __half22float2(k2[i]), y = __half22float2(v2[i]);
-        kf[b][2 * i] = x.x; kf[b][2 * i + 1] = x.y; vf[b][2 * i] = y.x; vf[b][2 * i + 1] = y.y;
+        for (int i = 0; i < 8; i++) kf[b][i] = vf[b][i] = 0.f;
       }
     }
 #pragma unroll
@@ -263,18 +343,20 @@ __global__ void __launch_bounds__(32 * DA_WARPS) k_attn_decode_gqa(
 
 extern "C" int strata_attn_decode_gqa(void *stream, const float *q, const void *kc, const void *vc, const int *pt,
                                       const int *d_len, int len, float *ws, unsigned *counters, float *out,
-                                      void *out_q8, int n_head, int n_kv, int hd, int ps, int n_split, float scale) {
+                                      void *out_q8, int n_head, int n_kv, int hd, int ps, int n_split, float scale,
+                                      const void *k_scales, const void *v_scales) {
   if (n_kv <= 0 || n_head % n_kv || n_split < 1 || n_split > DA_MAX_SPLIT || (n_split > 1 && !counters))
     return (int)cudaErrorInvalidValue;
   const int g = n_head / n_kv;
-  if (g > 8) return (int)cudaErrorInvalidValue;
+  if (g > 8 || (!k_scales) != (!v_scales)) return (int)cudaErrorInvalidValue;
   cudaStream_t s = (cudaStream_t)stream;
   dim3 grid(n_kv, n_split);
-  const __half *K = (const __half *)kc, *V = (const __half *)vc;
+  const __half *KS = (const __half *)k_scales, *VS = (const __half *)v_scales;
   int8_t *oq = (int8_t *)out_q8;
-#define DG(LP, GG) k_attn_decode_gqa<LP, GG><<<grid, 32 * DA_WARPS, 0, s>>>(q, K, V, pt, d_len, len, ws, counters, out, oq, n_head, n_kv, ps, n_split, scale)
+#define DG(LP, GG, Q) k_attn_decode_gqa<LP, GG, Q><<<grid, 32 * DA_WARPS, 0, s>>>(q, kc, vc, KS, VS, pt, d_len, len, ws, counters, out, oq, n_head, n_kv, ps, n_split, scale)
+#define DGQ(LP, GG) if (KS) DG(LP, GG, true); else DG(LP, GG, false);
 #define DGG(LP) \
-  if (g == 1) DG(LP, 1); else if (g == 2) DG(LP, 2); else if (g <= 4) DG(LP, 4); else DG(LP, 8);
+  if (g == 1) { DGQ(LP, 1) } else if (g == 2) { DGQ(LP, 2) } else if (g <= 4) { DGQ(LP, 4) } else { DGQ(LP, 8) }
   switch (hd) {
     case 32: DGG(4); break;
     case 64: DGG(8); break;
@@ -283,6 +365,7 @@ extern "C" int strata_attn_decode_gqa(void *stream, const float *q, const void *
     default: return (int)cudaErrorInvalidValue;
   }
 #undef DGG
+#undef DGQ
 #undef DG
   return (int)cudaGetLastError();
 }
@@ -325,9 +408,10 @@ struct Fa2Smem {
   static constexpr size_t bytes = 2 * 2 * tile * sizeof(__half);   // K and V, double-buffered
 };
 
-template <int HD>
+template <int HD, bool Q8>
 __global__ void __launch_bounds__(128) k_fa2_prefill(const float *__restrict__ q, int q_stride,
-                                                     const __half *__restrict__ kc, const __half *__restrict__ vc,
+                                                     const void *__restrict__ kc, const void *__restrict__ vc,
+                                                     const __half *__restrict__ ks, const __half *__restrict__ vs,
                                                      const int *__restrict__ pt, float *__restrict__ ws,
                                                      float *__restrict__ out, __half *__restrict__ out16, int n,
                                                      int n_head, int n_kv, int ps, int length, int tiles_per_split,
@@ -376,8 +460,26 @@ __global__ void __launch_bounds__(128) k_fa2_prefill(const float *__restrict__ q
       const int r = idx / CH, c = idx % CH, p = t0 + r;
       const bool ok = p < total;
       const long long off = ok ? kv_off(pt, p, kvh, n_kv, HD, ps) + 8 * c : 0;
-      cp_async16((uint32_t)__cvta_generic_to_shared(Ks + r * LDH + 8 * c), kc + off, ok ? 16 : 0);
-      cp_async16((uint32_t)__cvta_generic_to_shared(Vs + r * LDH + 8 * c), vc + off, ok ? 16 : 0);
+      if (Q8) {   // dequantize through registers (8 values per 8-byte load) into the f16 tile
+        uint4 kh = make_uint4(0, 0, 0, 0), vh = kh;
+        if (ok) {
+          float f[8];
+          __half2 *h2 = reinterpret_cast<__half2 *>(&kh);
+          load_kv8<true>(kc, ks, off, f);
+#pragma unroll
+          for (int i = 0; i < 4; i++) h2[i] = __floats2half2_rn(f[2 * i], f[2 * i + 1]);
+          h2 = reinterpret_cast<__half2 *>(&vh);
+          load_kv8<true>(vc, vs, off, f);
+#pragma unroll
+          for (int i = 0; i < 4; i++) h2[i] = __floats2half2_rn(f[2 * i], f[2 * i + 1]);
+        }
+        *reinterpret_cast<uint4 *>(Ks + r * LDH + 8 * c) = kh;
+        *reinterpret_cast<uint4 *>(Vs + r * LDH + 8 * c) = vh;
+      } else {
+        const __half *K = reinterpret_cast<const __half *>(kc), *V = reinterpret_cast<const __half *>(vc);
+        cp_async16((uint32_t)__cvta_generic_to_shared(Ks + r * LDH + 8 * c), K + off, ok ? 16 : 0);
+        cp_async16((uint32_t)__cvta_generic_to_shared(Vs + r * LDH + 8 * c), V + off, ok ? 16 : 0);
+      }
     }
     cp_async_commit();
   };
@@ -537,34 +639,38 @@ __global__ void k_fa2_combine(const float *__restrict__ ws, float *__restrict__ 
   }
 }
 
-template <int HD>
-static int fa2_launch(cudaStream_t s, const float *q, int q_stride, const __half *K, const __half *V, const int *pt,
-                      float *out, __half *out16, float *ws, int n, int n_head, int n_kv, int ps, int length,
-                      int n_split, float scale) {
+template <int HD, bool Q8>
+static int fa2_launch(cudaStream_t s, const float *q, int q_stride, const void *K, const void *V, const __half *KS,
+                      const __half *VS, const int *pt, float *out, __half *out16, float *ws, int n, int n_head,
+                      int n_kv, int ps, int length, int n_split, float scale) {
   const size_t smem = Fa2Smem<HD>::bytes;
-  cudaError_t e = cudaFuncSetAttribute(k_fa2_prefill<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+  cudaError_t e = cudaFuncSetAttribute(k_fa2_prefill<HD, Q8>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   if (e != cudaSuccess) return (int)e;
   const int n_tiles = (length + n + FA2_BK - 1) / FA2_BK;
   const int tps = (n_tiles + n_split - 1) / n_split;
   dim3 grid((n + FA2_BQ - 1) / FA2_BQ, n_head, n_split);
   const float qscale = scale * 1.4426950408889634f;
-  k_fa2_prefill<HD><<<grid, 128, smem, s>>>(q, q_stride, K, V, pt, ws, out, out16, n, n_head, n_kv, ps, length, tps,
-                                            n_split, qscale);
+  k_fa2_prefill<HD, Q8><<<grid, 128, smem, s>>>(q, q_stride, K, V, KS, VS, pt, ws, out, out16, n, n_head, n_kv, ps,
+                                                length, tps, n_split, qscale);
   if (n_split > 1) k_fa2_combine<<<dim3(n, n_head), HD, 0, s>>>(ws, out, out16, n, n_head, HD, n_split);
   return (int)cudaGetLastError();
 }
 
 extern "C" int strata_fa2_prefill(void *stream, const float *q, int q_stride, const void *kc, const void *vc,
                                   const int *pt, float *out, void *out16, float *ws, int n, int n_head, int n_kv,
-                                  int hd, int ps, int length, int n_split, float scale) {
-  if (n <= 0 || n_kv <= 0 || n_head % n_kv || n_split < 1 || q_stride < n_head * hd || (!out && !out16))
+                                  int hd, int ps, int length, int n_split, float scale, const void *k_scales,
+                                  const void *v_scales) {
+  if (n <= 0 || n_kv <= 0 || n_head % n_kv || n_split < 1 || q_stride < n_head * hd || (!out && !out16) ||
+      (!k_scales) != (!v_scales))
     return (int)cudaErrorInvalidValue;
   cudaStream_t s = (cudaStream_t)stream;
-  const __half *K = (const __half *)kc, *V = (const __half *)vc;
+  const __half *KS = (const __half *)k_scales, *VS = (const __half *)v_scales;
   __half *o16 = (__half *)out16;
+#define FL(H, Q) fa2_launch<H, Q>(s, q, q_stride, kc, vc, KS, VS, pt, out, o16, ws, n, n_head, n_kv, ps, length, n_split, scale)
   switch (hd) {
-    case 64: return fa2_launch<64>(s, q, q_stride, K, V, pt, out, o16, ws, n, n_head, n_kv, ps, length, n_split, scale);
-    case 128: return fa2_launch<128>(s, q, q_stride, K, V, pt, out, o16, ws, n, n_head, n_kv, ps, length, n_split, scale);
+    case 64: return KS ? FL(64, true) : FL(64, false);
+    case 128: return KS ? FL(128, true) : FL(128, false);
   }
+#undef FL
   return (int)cudaErrorInvalidValue;
 }

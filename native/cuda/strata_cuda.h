@@ -95,25 +95,41 @@ int strata_rope_kv_decode(void *stream, float *qkv, const int *pos, void *k_cach
                           int n_head, int n_kv, int hd, int n_rot, float base, int neox, int page_size);
 
 /* Prefill, fused: RoPE in place on q and k of n tokens' rows of qkv f32 (row stride `stride` floats, layout of
- * strata_rope_kv_decode), token t at position pos0 + t, and k (rotated) / v written to the f16 cache. */
+ * strata_rope_kv_decode), token t at position pos0 + t, and k (rotated) / v written to the f16 cache (k_cache
+ * NULL: RoPE only, for a q8_0 cache written by strata_kv_write_q8; the same holds for strata_rope_kv_decode). */
 int strata_rope_kv_prefill(void *stream, float *qkv, int stride, int pos0, void *k_cache, void *v_cache,
                            const int *page_table, int n, int n_head, int n_kv, int hd, int n_rot, float base, int neox,
                            int page_size);
 
+/* q8_0 KV cache (attention.cu; --kv q8_0): per layer int8 K and V (n_pages, page_size, n_kv, hd) and f16 scales
+ * (n_pages, page_size, n_kv, hd / 32), element = d * q per 32 values of one (position, head) row (ggml q8_0
+ * arithmetic). strata_kv_write_q8 quantizes f32 rows of n tokens (k / v row strides in floats, head h at h * hd)
+ * into positions (*d_start or 0) + start + t; strata_kv_gather_q8 reads the first len positions back as f32
+ * (n_kv, len, hd). */
+int strata_kv_write_q8(void *stream, const float *k, int k_stride, const float *v, int v_stride, void *k_cache,
+                       void *v_cache, void *k_scales, void *v_scales, const int *page_table, const int *d_start,
+                       int start, int n, int n_kv, int hd, int page_size);
+int strata_kv_gather_q8(void *stream, const void *k_cache, const void *v_cache, const void *k_scales,
+                        const void *v_scales, const int *page_table, float *k_out, float *v_out, int len, int n_kv,
+                        int hd, int page_size);
+
 /* Decode attention (one query token), GQA-shared and self-merging (attention.cu): grid (n_kv, n_split); q f32
  * (n_head * hd); length *d_len (device) or len; ws f32 (n_head * n_split * (hd + 2)); counters uint32 (n_kv),
  * zero before the first call and left zero; out f32 (n_head * hd) and, if out_q8, q8_1 blocks of out. hd 32, 64,
- * 128 or 256; n_head / n_kv <= 8; n_split <= 128. */
+ * 128 or 256; n_head / n_kv <= 8; n_split <= 128. k_scales / v_scales NULL: f16 cache; given: q8_0 cache. */
 int strata_attn_decode_gqa(void *stream, const float *q, const void *k_cache, const void *v_cache,
                            const int *page_table, const int *d_len, int len, float *ws, unsigned *counters, float *out,
-                           void *out_q8, int n_head, int n_kv, int hd, int page_size, int n_split, float scale);
+                           void *out_q8, int n_head, int n_kv, int hd, int page_size, int n_split, float scale,
+                           const void *k_scales, const void *v_scales);
 
 /* Prefill attention, FlashAttention-2 on mma.sync (attention.cu): q f32 rows of n tokens with row stride q_stride
- * floats (head h at h * hd), causal over positions [0, length + n) of the paged f16 cache; out f32 or out16 f16
- * (n, n_head, hd); ws f32 (n_split * n_head * n * (hd + 2)) when n_split > 1. hd 64 or 128. */
+ * floats (head h at h * hd), causal over positions [0, length + n) of the paged cache (f16, or q8_0 when
+ * k_scales / v_scales are given); out f32 or out16 f16 (n, n_head, hd); ws f32 (n_split * n_head * n * (hd + 2))
+ * when n_split > 1. hd 64 or 128. */
 int strata_fa2_prefill(void *stream, const float *q, int q_stride, const void *k_cache, const void *v_cache,
                        const int *page_table, float *out, void *out16, float *ws, int n, int n_head, int n_kv, int hd,
-                       int page_size, int length, int n_split, float scale);
+                       int page_size, int length, int n_split, float scale, const void *k_scales,
+                       const void *v_scales);
 
 /* Add integer delta to a device int32 scalar (position counters inside CUDA graphs). */
 int strata_add_scalar(void *stream, int *p, int delta, int count);

@@ -1084,14 +1084,14 @@ __global__ void k_rope_kv_decode(float *qkv, const int *pos, __half *kc, __half 
     const float y0 = x0 * c - x1 * s, y1 = x0 * s + x1 * c;
     x[a] = y0;
     x[b] = y1;
-    if (h >= H) {
+    if (h >= H && kc) {   // kc NULL: RoPE only (a q8_0 cache is written by strata_kv_write_q8)
       kc[kv_index(pt, p, h - H, a, KV, hd, ps)] = __float2half(y0);
       kc[kv_index(pt, p, h - H, b, KV, hd, ps)] = __float2half(y1);
     }
     return;
   }
   const int j = idx - n_pairs;
-  if (j < KV * hd) {
+  if (kc && j < KV * hd) {
     const int kh = j / hd, d = j % hd;
     vc[kv_index(pt, p, kh, d, KV, hd, ps)] = __float2half(qkv[(H + KV) * hd + j]);
     if (d >= n_rot) kc[kv_index(pt, p, kh, d, KV, hd, ps)] = __float2half(qkv[H * hd + j]);

@@ -64,10 +64,18 @@ int strata_rope_kv_prefill(void *stream, float *qkv, int stride, int pos0, void 
                            int page_size);
 int strata_attn_decode_gqa(void *stream, const float *q, const void *k_cache, const void *v_cache,
                            const int *page_table, const int *d_len, int len, float *ws, unsigned *counters, float *out,
-                           void *out_q8, int n_head, int n_kv, int hd, int page_size, int n_split, float scale);
+                           void *out_q8, int n_head, int n_kv, int hd, int page_size, int n_split, float scale,
+                           const void *k_scales, const void *v_scales);
 int strata_fa2_prefill(void *stream, const float *q, int q_stride, const void *k_cache, const void *v_cache,
                        const int *page_table, float *out, void *out16, float *ws, int n, int n_head, int n_kv, int hd,
-                       int page_size, int length, int n_split, float scale);
+                       int page_size, int length, int n_split, float scale, const void *k_scales,
+                       const void *v_scales);
+int strata_kv_write_q8(void *stream, const float *k, int k_stride, const float *v, int v_stride, void *k_cache,
+                       void *v_cache, void *k_scales, void *v_scales, const int *page_table, const int *d_start,
+                       int start, int n, int n_kv, int hd, int page_size);
+int strata_kv_gather_q8(void *stream, const void *k_cache, const void *v_cache, const void *k_scales,
+                        const void *v_scales, const int *page_table, float *k_out, float *v_out, int len, int n_kv,
+                        int hd, int page_size);
 """
 
 # Decode matvec (one token) on int8 activations with __dp4a for Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K weights, the
@@ -92,6 +100,8 @@ MV_ROWS = int(os.environ.get("STRATA_CUDA_MV_ROWS", "0") or 0)
 # dequantizing each weight per ubatch: STRATA_CUDA_F16_WEIGHTS=1. Off by default (it costs ~3.5x the memory of a
 # 4-bit model).
 F16_WEIGHTS = os.environ.get("STRATA_CUDA_F16_WEIGHTS", "0") not in ("0", "false", "no", "")
+
+KV_DTYPES = ("f16", "q8_0")   # KV cache types of CudaPagePool (--kv)
 
 MAX_SPLIT = 256          # split-K partitions of the v1 decode attention (about 64 positions each)
 GQA_MAX_SPLIT = 128      # split-K partitions of the v2 decode attention (DA_MAX_SPLIT in attention.cu)
@@ -271,18 +281,17 @@ class _Gemm:
 class CudaBackend(Backend):
     """Backend ops on CuPy arrays (strata/backend/base.py, docs/internals.md "Backend ops").
 
-    device: CUDA ordinal (``--device cuda:N``). kv_dtype: "f16" only for now (``--kv q8_0`` raises ValueError).
-    The PagePool made by ``new_page_pool`` keeps the documented float32 layout (n_kv_head, n_pages, page_size,
-    head_dim) as CuPy arrays, so checkpoints and parking read pages as on the CPU. Raises CudaUnavailable when
-    CuPy, a GPU or the kernel library is missing.
+    device: CUDA ordinal (``--device cuda:N``). kv_dtype: the KV cache of ``new_page_pool``'s CudaPagePool, "f16"
+    (2 bytes per value) or "q8_0" (int8 values and an f16 scale per 32: 1.0625 bytes; ValueError otherwise).
+    Raises CudaUnavailable when CuPy, a GPU or the kernel library is missing.
     """
 
     def __init__(self, device: int = 0, kv_dtype: str = "f16", gemm_threshold: int = 8):
         why = unavailable_reason()
         if why:
             raise CudaUnavailable(f"CUDA backend unavailable: {why}")
-        if kv_dtype != "f16":
-            raise ValueError(f"kv_dtype {kv_dtype!r} is not implemented on CUDA (only 'f16')")
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"KV cache type {kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
         import cupy
         self.cp = self.xp = cupy
         self.device_id = int(device)
@@ -417,7 +426,10 @@ class CudaBackend(Backend):
         cp = self.cp
         hv = head_dim_v or head_dim
         if hv == head_dim and head_dim % 32 == 0 and head_dim <= 256:
-            return CudaPagePool(layers, n_pages, page_size, n_kv_head, head_dim)
+            return CudaPagePool(layers, n_pages, page_size, n_kv_head, head_dim, kv=self.kv_dtype)
+        if self.kv_dtype != "f16":
+            raise ValueError(f"--kv {self.kv_dtype} needs head_dim_v == head_dim, a multiple of 32 up to 256 "
+                             f"(this model: {head_dim} / {hv})")
         k = [cp.zeros((n_kv_head, n_pages, page_size, head_dim), cp.float32) for _ in layers]
         v = [cp.zeros((n_kv_head, n_pages, page_size, hv), cp.float32) for _ in layers]
         return PagePool(layers, n_pages, page_size, n_kv_head, head_dim, k, v, to_host=cp.asnumpy, head_dim_v=hv)
@@ -446,8 +458,9 @@ class CudaBackend(Backend):
         n_kv = n_head // g
         pool = kv.pool
         if isinstance(pool, CudaPagePool):
+            ks, vs = pool.scales(slot)
             return paged_attention(self, q, k, v, pool.k[slot], pool.v[slot], pool.table(kv.pages), start,
-                                   pool.page_size, scale)
+                                   pool.page_size, scale, ks, vs)
         pool.write(slot, kv.pages, start, k, v)
         K, V = kv.read(slot, start + n)                     # (n_kv, L, hd), (n_kv, L, hv)
         L = start + n
@@ -499,7 +512,7 @@ def fa2_splits(n: int, n_head: int, total: int, n_sm: int) -> int:
     return max(1, min(16, -(-2 * n_sm // blocks), (total + 63) // 64 // 8))
 
 
-def prefill_attention(be, q, kc, vc, pt, length: int, n_kv: int, ps: int, scale: float):
+def prefill_attention(be, q, kc, vc, pt, length: int, n_kv: int, ps: int, scale: float, ks=None, vs=None):
     """Causal GQA attention of n new queries (positions length..length+n-1) over the paged f16 cache
     (their K/V already written); q f32 (n, n_head, hd) contiguous -> f32 (n, n_head, hd).
 
@@ -514,14 +527,16 @@ def prefill_attention(be, q, kc, vc, pt, length: int, n_kv: int, ps: int, scale:
     g = n_head // n_kv
     total = length + n
     s = _stream_ptr()
-    if FLASH and hd in FLASH_HEAD_DIMS and ATTN == "v2":
+    q8 = ks is not None
+    if FLASH and hd in FLASH_HEAD_DIMS and (ATTN == "v2" or q8):
         out = cp.empty((n, n_head, hd), cp.float32)
         n_split = fa2_splits(n, n_head, total, be.n_sm)
         ws = cp.empty(n_split * n_head * n * (hd + 2), cp.float32) if n_split > 1 else None
         _check(lib().strata_fa2_prefill(s, _p(q), n_head * hd, _p(kc), _p(vc), _p(pt), _p(out), _ffi.NULL, _p(ws), n,
-                                        n_head, n_kv, hd, ps, int(length), n_split, float(scale)), "strata_fa2_prefill")
+                                        n_head, n_kv, hd, ps, int(length), n_split, float(scale), _p(ks), _p(vs)),
+               "strata_fa2_prefill")
         return out
-    if FLASH and hd in FLASH_HEAD_DIMS:
+    if FLASH and hd in FLASH_HEAD_DIMS and not q8:
         n_tiles = (total + 63) // 64
         blocks = ((n + 63) // 64) * n_head
         n_split = max(1, min(32, -(-1024 // blocks), -(-n_tiles // 4)))
@@ -532,7 +547,12 @@ def prefill_attention(be, q, kc, vc, pt, length: int, n_kv: int, ps: int, scale:
         return out
     kf = cp.empty((n_kv, total, hd), cp.float32)
     vf = cp.empty((n_kv, total, hd), cp.float32)
-    _check(lib().strata_kv_gather(s, _p(kc), _p(vc), _p(pt), _p(kf), _p(vf), total, n_kv, hd, ps), "strata_kv_gather")
+    if q8:
+        _check(lib().strata_kv_gather_q8(s, _p(kc), _p(vc), _p(ks), _p(vs), _p(pt), _p(kf), _p(vf), total, n_kv, hd,
+                                         ps), "strata_kv_gather_q8")
+    else:
+        _check(lib().strata_kv_gather(s, _p(kc), _p(vc), _p(pt), _p(kf), _p(vf), total, n_kv, hd, ps),
+               "strata_kv_gather")
     out = cp.empty((n, n_head, hd), cp.float32)
     chunk = max(1, min(n, (1 << 30) // max(1, n_head * total * 4)))
     for i0 in range(0, n, chunk):
@@ -549,30 +569,53 @@ def prefill_attention(be, q, kc, vc, pt, length: int, n_kv: int, ps: int, scale:
 
 # ------------------------------------------------------------------------------------------------ f16 paged KV pool
 class CudaPagePool(PagePool):
-    """A PagePool whose pages live on the device as f16 in the kernels' layout: per attention layer one K and one
-    V array of shape (n_pages, page_size, n_kv_head, head_dim) (token t of page p, head h at [p, t, h]).
+    """A PagePool whose pages live on the device in the kernels' layout: per attention layer one K and one V array of
+    shape (n_pages, page_size, n_kv_head, head_dim) (token t of page p, head h at [p, t, h]).
 
+    kv "f16": the arrays are f16 (2 bytes per value). kv "q8_0" (``--kv q8_0``): the arrays are int8 and each layer
+    also has f16 scale arrays (n_pages, page_size, n_kv_head, head_dim / 32), ``scales(slot)``: value = d * q per 32
+    values of one (position, head) row, d = max|x| / 127 (ggml's q8_0 block; 1.0625 bytes per value).
     Same page accounting as PagePool (alloc / free / slot); ``write`` and ``read`` keep PagePool's contract
     (write f32 (n, n_kv_head, head_dim) at [start, start + n); read -> f32 copies (n_kv_head, length, head_dim),
-    converted from f16), so SequenceState.hashes / nbytes and checkpoints work unchanged. ``table(pages)`` is
-    the device page table (int32, one fixed buffer of n_pages entries that CUDA graphs read); it is rewritten
-    only when the page list changes. KV storage: 2 bytes per element (``bytes_per_token`` counts f16).
+    converted from the stored type), so SequenceState.hashes / nbytes and checkpoints work unchanged.
+    ``table(pages)`` is the device page table (int32, one fixed buffer of n_pages entries that CUDA graphs read); it
+    is rewritten only when the page list changes. Raises ValueError for another kv type, or q8_0 with a head_dim
+    that is not a multiple of 32.
     """
 
-    def __init__(self, layers, n_pages: int, page_size: int, n_kv_head: int, head_dim: int):
+    def __init__(self, layers, n_pages: int, page_size: int, n_kv_head: int, head_dim: int, kv: str = "f16"):
         import cupy as cp
+        if kv not in KV_DTYPES:
+            raise ValueError(f"KV cache type {kv!r} is not one of {', '.join(KV_DTYPES)}")
+        if kv == "q8_0" and head_dim % 32:
+            raise ValueError(f"--kv q8_0 needs head_dim a multiple of 32 (got {head_dim})")
         shape = (int(n_pages), int(page_size), int(n_kv_head), int(head_dim))
-        k = [cp.zeros(shape, cp.float16) for _ in layers]
-        v = [cp.zeros(shape, cp.float16) for _ in layers]
+        dt = cp.int8 if kv == "q8_0" else cp.float16
+        k = [cp.zeros(shape, dt) for _ in layers]
+        v = [cp.zeros(shape, dt) for _ in layers]
         super().__init__(layers, n_pages, page_size, n_kv_head, head_dim, k, v, to_host=cp.asnumpy)
+        self.kv = kv
         self.cp = cp
+        if kv == "q8_0":
+            sshape = shape[:3] + (int(head_dim) // 32,)
+            self.ks = [cp.zeros(sshape, cp.float16) for _ in layers]
+            self.vs = [cp.zeros(sshape, cp.float16) for _ in layers]
+        else:
+            self.ks = self.vs = None
         self._pt = cp.zeros(max(1, int(n_pages)), cp.int32)
         self._pt_key: tuple[int, ...] | None = None
 
+    def scales(self, slot: int) -> tuple[Any, Any]:
+        """The f16 scale arrays of layer slot `slot` (q8_0), or (None, None) for an f16 cache."""
+        if self.ks is None:
+            return None, None
+        return self.ks[slot], self.vs[slot]
+
     @property
     def bytes_per_token(self) -> int:
-        """Bytes of K+V one token takes over all attention layers (f16)."""
-        return len(self.layers) * self.n_kv_head * (self.head_dim + self.head_dim_v) * 2
+        """Bytes of K+V one token takes over all attention layers (f16: 2 per value; q8_0: 1 + 2 / 32)."""
+        vals = len(self.layers) * self.n_kv_head * (self.head_dim + self.head_dim_v)
+        return vals * 2 if self.kv == "f16" else vals + vals // 16
 
     def table(self, pages) -> Any:
         """The device page table holding `pages` (int32, fixed address; entries past len(pages) are stale)."""
@@ -596,6 +639,13 @@ class CudaPagePool(PagePool):
         if start + n > len(pages) * self.page_size:
             raise ValueError(f"KV write at [{start}, {start + n}) past the pages given ({len(pages) * self.page_size})")
         pt = self.table(pages)
+        row = self.n_kv_head * self.head_dim
+        if self.kv == "q8_0":
+            _check(lib().strata_kv_write_q8(_stream_ptr(), _p(k), row, _p(v), row, _p(self.k[slot]),
+                                            _p(self.v[slot]), _p(self.ks[slot]), _p(self.vs[slot]), _p(pt),
+                                            _ffi.NULL, int(start), n, self.n_kv_head, self.head_dim, self.page_size),
+                   "strata_kv_write_q8")
+            return
         _check(lib().strata_kv_write(_stream_ptr(), _p(k), _p(v), _p(self.k[slot]), _p(self.v[slot]), _p(pt),
                                      _ffi.NULL, int(start), n, self.n_kv_head, self.head_dim, self.page_size),
                "strata_kv_write")
@@ -608,24 +658,37 @@ class CudaPagePool(PagePool):
             if length > len(pages) * self.page_size:
                 raise ValueError(f"KV read of {length} positions past the pages given ({len(pages) * self.page_size})")
             pt = self.table(pages)
-            _check(lib().strata_kv_gather(_stream_ptr(), _p(self.k[slot]), _p(self.v[slot]), _p(pt), _p(ko), _p(vo),
-                                          int(length), self.n_kv_head, self.head_dim, self.page_size),
-                   "strata_kv_gather")
+            if self.kv == "q8_0":
+                _check(lib().strata_kv_gather_q8(_stream_ptr(), _p(self.k[slot]), _p(self.v[slot]),
+                                                 _p(self.ks[slot]), _p(self.vs[slot]), _p(pt), _p(ko), _p(vo),
+                                                 int(length), self.n_kv_head, self.head_dim, self.page_size),
+                       "strata_kv_gather_q8")
+            else:
+                _check(lib().strata_kv_gather(_stream_ptr(), _p(self.k[slot]), _p(self.v[slot]), _p(pt), _p(ko),
+                                              _p(vo), int(length), self.n_kv_head, self.head_dim, self.page_size),
+                       "strata_kv_gather")
         return ko, vo
 
 
-def paged_attention(be: "CudaBackend", q, k, v, kc, vc, pt, length: int, ps: int, scale: float):
-    """Write k/v f32 (n, n_kv, hd) at positions [length, length + n) of the f16 pages kc/vc (n_pages, ps, n_kv, hd)
+def paged_attention(be: "CudaBackend", q, k, v, kc, vc, pt, length: int, ps: int, scale: float, ks=None, vs=None):
+    """Write k/v f32 (n, n_kv, hd) at positions [length, length + n) of the pages kc/vc (n_pages, ps, n_kv, hd)
     through page table pt (device int32), then attend: split-K decode kernel for n == 1, prefill_attention above.
+    The pages are f16, or q8_0 when the scale arrays ks/vs (n_pages, ps, n_kv, hd / 32) f16 are given.
     q f32 (n, n_head, hd) -> f32 (n, n_head, hd)."""
     cp = be.cp
     n, n_head, hd = q.shape
     n_kv = k.shape[1]
     s = _stream_ptr()
-    _check(lib().strata_kv_write(s, _p(k), _p(v), _p(kc), _p(vc), _p(pt), _ffi.NULL, int(length), n, n_kv, hd, ps),
-           "strata_kv_write")
+    q8 = ks is not None
+    if q8:
+        _check(lib().strata_kv_write_q8(s, _p(k), n_kv * hd, _p(v), n_kv * hd, _p(kc), _p(vc), _p(ks), _p(vs), _p(pt),
+                                        _ffi.NULL, int(length), n, n_kv, hd, ps), "strata_kv_write_q8")
+    else:
+        _check(lib().strata_kv_write(s, _p(k), _p(v), _p(kc), _p(vc), _p(pt), _ffi.NULL, int(length), n, n_kv, hd,
+                                     ps), "strata_kv_write")
     total = length + n
-    if n == 1 and ATTN == "v2" and hd in (32, 64, 128, 256) and n_head // n_kv <= 8:
+    v2_ok = hd in (32, 64, 128, 256) and n_head // n_kv <= 8
+    if n == 1 and (ATTN == "v2" or q8) and v2_ok:
         n_split = n_split_gqa(total, n_kv, be.n_sm)
         need = n_head * n_split * (hd + 2)
         if be._partial is None or be._partial.size < need:
@@ -635,8 +698,12 @@ def paged_attention(be: "CudaBackend", q, k, v, kc, vc, pt, length: int, ps: int
         out = cp.empty((1, n_head, hd), cp.float32)
         _check(lib().strata_attn_decode_gqa(s, _p(q), _p(kc), _p(vc), _p(pt), _ffi.NULL, total, _p(be._partial),
                                             _ffi.cast("unsigned *", be._counters.data.ptr), _p(out), _ffi.NULL,
-                                            n_head, n_kv, hd, ps, n_split, float(scale)), "strata_attn_decode_gqa")
+                                            n_head, n_kv, hd, ps, n_split, float(scale), _p(ks), _p(vs)),
+               "strata_attn_decode_gqa")
         return out
+    if q8 and n == 1:
+        raise ValueError(f"--kv q8_0 decode attention needs head_dim 32/64/128/256 and at most 8 query heads per "
+                         f"KV head (this model: {hd}, {n_head // n_kv})")
     if n == 1:
         n_split = n_split_for(total)
         need = n_head * n_split * (hd + 2)
@@ -646,7 +713,7 @@ def paged_attention(be: "CudaBackend", q, k, v, kc, vc, pt, length: int, ps: int
         _check(lib().strata_attn_decode(s, _p(q), _p(kc), _p(vc), _p(pt), _ffi.NULL, total, _p(be._partial),
                                         _p(out), n_head, n_kv, hd, ps, n_split, float(scale)), "strata_attn_decode")
         return out
-    return prefill_attention(be, q, kc, vc, pt, length, n_kv, ps, scale)
+    return prefill_attention(be, q, kc, vc, pt, length, n_kv, ps, scale, ks, vs)
 
 
 # ------------------------------------------------------------------------------------------------ llama decode plan
@@ -711,6 +778,7 @@ class LlamaCuda:
             "hq": q8(E), "aq": q8(nq), "fq": q8(F),
         }
         self.dp4a = DP4A
+        self.attn_v2 = ATTN == "v2" or pool.kv == "q8_0"     # the first attention kernels read f16 pages only
         self.graphs: dict[int, Any] = {}
         self._pf: dict[str, Any] = {}          # prefill buffers, grown to the largest ubatch seen
         self._w16: dict[int, Any] = {}         # id(DeviceWeight) -> f16 copy (F16_WEIGHTS)
@@ -769,7 +837,7 @@ class LlamaCuda:
         hq, aq, fq = (_p(d[k]) if q8 else NULL for k in ("hq", "aq", "fq"))
         ctr = _ffi.cast("unsigned *", d["counters"].data.ptr)
         pt = pool._pt
-        v2 = ATTN == "v2"
+        v2 = self.attn_v2
         _check(lb.strata_get_rows(s, m.tok_embd.ggml_type, _p(m.tok_embd.data), tok_p, _p(d["x"]), 1, E), "rows")
         _check(lb.strata_rms_norm_ex(s, _p(d["x"]), NULL, _dptr(m.layers[0].attn_norm), _p(d["hn"]), NULL, NULL,
                                      hq, 1, E, self.eps), "rms")
@@ -777,17 +845,25 @@ class LlamaCuda:
         for li, L in enumerate(m.layers):
             slot = pool.slot(li)
             kc, vc = pool.k[slot], pool.v[slot]
+            ks, vs = pool.scales(slot)
             if L.wqkv is not None:
                 self._mv(s, [(L.wqkv, f32(qkv), nq + 2 * kvd)], d["hn"], d["hq"], E)
             else:
                 self._mv(s, [(L.wq, f32(qkv), nq), (L.wk, f32(qkv, nq), kvd), (L.wv, f32(qkv, nq + kvd), kvd)],
                          d["hn"], d["hq"], E)
-            _check(lb.strata_rope_kv_decode(s, f32(qkv), pos_p, _p(kc), _p(vc), _p(pt), H, KV, hd, self.n_rot,
-                                            self.theta, self.neox, pool.page_size), "rope_kv")
+            if ks is None:
+                _check(lb.strata_rope_kv_decode(s, f32(qkv), pos_p, _p(kc), _p(vc), _p(pt), H, KV, hd, self.n_rot,
+                                                self.theta, self.neox, pool.page_size), "rope_kv")
+            else:   # q8_0 cache: RoPE in place, then the K/V rows quantized into the cache
+                _check(lb.strata_rope_kv_decode(s, f32(qkv), pos_p, NULL, NULL, _p(pt), H, KV, hd, self.n_rot,
+                                                self.theta, self.neox, pool.page_size), "rope")
+                _check(lb.strata_kv_write_q8(s, f32(qkv, nq), nq + 2 * kvd, f32(qkv, nq + kvd), nq + 2 * kvd, _p(kc),
+                                             _p(vc), _p(ks), _p(vs), _p(pt), pos_p, 0, 1, KV, hd, pool.page_size),
+                       "kv_write_q8")
             if v2:
                 _check(lb.strata_attn_decode_gqa(s, f32(qkv), _p(kc), _p(vc), _p(pt), len_p, 0, _p(d["partial"]), ctr,
-                                                 _p(d["att"]), aq, H, KV, hd, pool.page_size, n_split, self.scale),
-                       "attn")
+                                                 _p(d["att"]), aq, H, KV, hd, pool.page_size, n_split, self.scale,
+                                                 _p(ks), _p(vs)), "attn")
             else:
                 _check(lb.strata_attn_decode(s, f32(qkv), _p(kc), _p(vc), _p(pt), len_p, 0, _p(d["partial"]),
                                              _p(d["att"]), H, KV, hd, pool.page_size, n_split, self.scale), "attn")
@@ -820,7 +896,7 @@ class LlamaCuda:
     def _launch(self, length: int) -> None:
         """One step attending over `length` positions, on self.stream (graph replay or eager launches)."""
         cls = self.size_class(length)
-        n_split = n_split_gqa(cls, self.n_kv, self.n_sm) if ATTN == "v2" else n_split_for(cls)
+        n_split = n_split_gqa(cls, self.n_kv, self.n_sm) if self.attn_v2 else n_split_for(cls)
         if not self.use_graphs:
             self._enqueue_step(n_split)
             return
@@ -967,13 +1043,23 @@ class LlamaCuda:
         for li, L in enumerate(m.layers):
             slot = pool.slot(li)
             kc, vc = pool.k[slot], pool.v[slot]
+            ks, vs = pool.scales(slot)
             _check(lb.strata_rms_norm_ex(s, _p(x), NULL, _dptr(L.attn_norm), NULL, NULL, _p(hE), NULL, n, E,
                                          self.eps), "rms")
             self._gemm(hE, L.wqkv, qkv, False)
-            _check(lb.strata_rope_kv_prefill(s, _p(qkv), W, pos0, _p(kc), _p(vc), _p(pt), n, H, KV, hd, self.n_rot,
-                                             self.theta, self.neox, pool.page_size), "rope_kv_prefill")
+            if ks is None:
+                _check(lb.strata_rope_kv_prefill(s, _p(qkv), W, pos0, _p(kc), _p(vc), _p(pt), n, H, KV, hd,
+                                                 self.n_rot, self.theta, self.neox, pool.page_size), "rope_kv_prefill")
+            else:   # q8_0 cache: RoPE in place, then the K/V rows quantized into the cache
+                _check(lb.strata_rope_kv_prefill(s, _p(qkv), W, pos0, NULL, NULL, _p(pt), n, H, KV, hd, self.n_rot,
+                                                 self.theta, self.neox, pool.page_size), "rope_prefill")
+                kq = _ffi.cast("float *", qkv.data.ptr + 4 * nq)
+                vq = _ffi.cast("float *", qkv.data.ptr + 4 * (nq + kvd))
+                _check(lb.strata_kv_write_q8(s, kq, W, vq, W, _p(kc), _p(vc), _p(ks), _p(vs), _p(pt), NULL, pos0, n,
+                                             KV, hd, pool.page_size), "kv_write_q8")
             _check(lb.strata_fa2_prefill(s, _p(qkv), W, _p(kc), _p(vc), _p(pt), NULL, _p(att16), _p(ws), n, H, KV,
-                                         hd, pool.page_size, pos0, n_split, self.scale), "fa2_prefill")
+                                         hd, pool.page_size, pos0, n_split, self.scale, _p(ks), _p(vs)),
+                   "fa2_prefill")
             self._gemm(att16, L.wo, x, True)
             _check(lb.strata_rms_norm_ex(s, _p(x), NULL, _dptr(L.ffn_norm), NULL, NULL, _p(hE), NULL, n, E,
                                          self.eps), "rms")

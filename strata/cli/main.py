@@ -33,6 +33,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="tokens per forward call while reading a prompt (default 512)")
     m.add_argument("--threads", "-t", type=_pos_int, default=None, help="CPU threads (default: all cores)")
     m.add_argument("--device", default="cpu", help="'cpu' (default) or 'cuda[:N]'")
+    m.add_argument("--kv", default="f16", choices=("f16", "q8_0"),
+                   help="KV cache type on CUDA: f16 (default) or q8_0 (int8 + a scale per 32 values, ~half the "
+                        "memory); the CPU backend keeps float32")
     c = p.add_argument_group("conversation checkpoints")
     c.add_argument("--prompt-cache", type=_nonneg_int, default=6,
                    help="checkpoints kept (default 6; 0 turns them off; 1 is plain FIFO without the root pin)")
@@ -46,7 +49,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args) -> dict:
     """Engine keyword arguments (besides the model) from the options add_engine_args defined."""
-    return dict(n_ctx=args.n_ctx, ubatch=args.ubatch, threads=args.threads, device=args.device,
+    return dict(n_ctx=args.n_ctx, ubatch=args.ubatch, threads=args.threads, device=args.device, kv=args.kv,
                 prompt_cache=args.prompt_cache, prompt_cache_every=args.prompt_cache_every,
                 prompt_cache_root=args.prompt_cache_root, prompt_cache_mib=args.prompt_cache_mib)
 

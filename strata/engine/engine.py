@@ -47,7 +47,7 @@ class Engine:
     """
 
     def __init__(self, model: str | os.PathLike = "default", *, n_ctx: int = 4096, ubatch: int = 512,
-                 threads: int | None = None, device: str = "cpu", prompt_cache: int = 6,
+                 threads: int | None = None, device: str = "cpu", kv: str = "f16", prompt_cache: int = 6,
                  prompt_cache_every: int = 0, prompt_cache_root: int = 0, prompt_cache_mib: int = 1024,
                  prompt_cache_tail: int = 0, progress=None):
         if n_ctx < 2:
@@ -58,19 +58,24 @@ class Engine:
             raise ValueError(f"prompt_cache must be >= 0, got {prompt_cache}")
         if device != "cpu" and not str(device).startswith("cuda"):
             raise ValueError(f"unknown device {device!r}: use 'cpu' or 'cuda[:N]'")
+        if kv not in ("f16", "q8_0"):
+            raise ValueError(f"unknown KV cache type {kv!r}: use 'f16' or 'q8_0'")
+        if kv != "f16" and device == "cpu":
+            raise ValueError(f"--kv {kv} needs --device cuda (the CPU backend keeps its KV cache in float32)")
         if threads is not None:
             quant.set_threads(int(threads))
         self.threads = quant.get_threads()
         self.n_ctx = int(n_ctx)
         self.ubatch = int(ubatch)
         self.device = device
+        self.kv = kv
         self.prompt_cache = int(prompt_cache)
 
         path = resolve_model(model)
         self.model_path = str(path)
         self.model_name = path.stem
         t0 = time.perf_counter()
-        self.backend = _make_backend(device)
+        self.backend = _make_backend(device, kv)
         self.model = load_model(path, self.backend, progress=progress)
         fast_path = getattr(self.backend, "fast_path", None)      # CUDA: graph decode plan of the same model
         if fast_path is not None:
@@ -354,7 +359,7 @@ class Engine:
         kv_pool_bytes = pool.capacity_tokens * pool.bytes_per_token
         return {
             "model": self.model_name, "path": self.model_path, "arch": self.arch, "device": self.device,
-            "n_ctx": self.n_ctx, "ubatch": self.ubatch, "threads": self.threads, "n_vocab": self.n_vocab,
+            "kv": self.kv, "n_ctx": self.n_ctx, "ubatch": self.ubatch, "threads": self.threads, "n_vocab": self.n_vocab,
             "n_layer": self.config.n_layer,
             "pos": self.state.pos,
             "kv_pages": {"used": pool.n_pages - pool.n_free, "total": pool.n_pages, "page_size": pool.page_size},
@@ -381,7 +386,7 @@ def _rss_bytes() -> int | None:
         return None
 
 
-def _make_backend(device: str):
+def _make_backend(device: str, kv: str = "f16"):
     if device == "cpu":
         from strata.backend.cpu import CPUBackend
         return CPUBackend()
@@ -394,7 +399,7 @@ def _make_backend(device: str):
     except ValueError:
         raise ValueError(f"unknown device {device!r}: use 'cpu' or 'cuda[:N]'") from None
     try:
-        return CUDABackend(idx)
+        return CUDABackend(idx, kv_dtype=kv)
     except CudaUnavailable as e:
         raise ValueError(f"device {device!r}: {e}") from None
 
