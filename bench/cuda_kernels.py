@@ -115,7 +115,8 @@ def main(argv=None) -> int:
         del ws
 
     # decode attention
-    print(f"\n{'attn decode':28s} {'v1 us':>8s} {'v2 us':>8s} {'v2 KV TB/s':>10s}")
+    print(f"\n{'attn decode':28s} {'v1 us':>8s} {'v2 us':>8s} {'v2 KV TB/s':>10s}   v2 us at >= 64 / 128 positions "
+          "per block (ATTN_CHUNK sweep)")
     ps = 16
     for H, KV, hd in ((9, 3, 64), (16, 8, 128), (32, 8, 128)):
         for L in (512, 4096, 16384):
@@ -143,11 +144,18 @@ def main(argv=None) -> int:
                                                                L, C._p(ws), ffi.cast("unsigned *", ctr.data.ptr),
                                                                C._p(out), C._p(oq), H, KV, hd, ps, n2, sc, ffi.NULL,
                                                                ffi.NULL))
+            sweep = {}
+            for chunk in (64, 128):
+                nc2 = C.n_split_gqa(L, KV, be.n_sm, chunk)
+                sweep[chunk] = 1e6 * timeit(cp, lambda nc2=nc2: lib.strata_attn_decode_gqa(
+                    s(), C._p(q), *kv(), C._p(pt), ffi.NULL, L, C._p(ws), ffi.cast("unsigned *", ctr.data.ptr),
+                    C._p(out), C._p(oq), H, KV, hd, ps, nc2, sc, ffi.NULL, ffi.NULL))
             kvb = 2 * L * KV * hd * 2
             res["attn_decode"].append({"H": H, "KV": KV, "hd": hd, "L": L, "v1_us": t1 * 1e6, "v2_us": t2 * 1e6,
-                                       "n_split_v2": n2, "kv_bytes": kvb})
-            print(f"H{H} KV{KV} hd{hd} L{L:6d} split{n2:4d}  {t1 * 1e6:8.1f} {t2 * 1e6:8.1f} {kvb / t2 / 1e12:10.2f}",
-                  flush=True)
+                                       "n_split_v2": n2, "kv_bytes": kvb, "v2_us_by_chunk": sweep,
+                                       "chunk": C.ATTN_CHUNK})
+            print(f"H{H} KV{KV} hd{hd} L{L:6d} split{n2:4d}  {t1 * 1e6:8.1f} {t2 * 1e6:8.1f} {kvb / t2 / 1e12:10.2f}   "
+                  f"{sweep[64]:6.1f} {sweep[128]:6.1f}", flush=True)
 
     # prefill attention (n = 512 queries after `length` cached positions)
     print(f"\n{'attn prefill':30s} {'v1 ms':>8s} {'v2 ms':>8s} {'v2 TFLOP/s':>10s}")

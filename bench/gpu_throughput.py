@@ -118,7 +118,8 @@ def make_synthetic_llama(out: str, tok_src: str, n_embd=2048, n_layer=24, n_head
 def bench_strata(path: str, prompts, depths, n_gen: int, ubatch: int, bw: float, f32_act: bool = False) -> dict:
     """Strata as the engine runs it on CUDA (CudaBackend.fast_path): the LlamaCuda plan's prefill for ubatch-sized
     forward calls and its CUDA-graph decode step (greedy, argmax on the device; int8 activations, the default).
-    With f32_act, decode is also timed with f32 activations (STRATA_CUDA_DP4A=0)."""
+    Decode is timed again with programmatic dependent launch (decode_pdl; STRATA_CUDA_PDL=1) and, with f32_act,
+    with f32 activations (STRATA_CUDA_DP4A=0)."""
     import cupy as cp
     from strata.backend.cuda import CudaBackend, LlamaCuda
     from strata.models.base import load_model
@@ -150,12 +151,18 @@ def bench_strata(path: str, prompts, depths, n_gen: int, ubatch: int, bw: float,
         res["prompt"][str(n)] = n / min(ts)
         print(f"  strata pp{n}: {n / min(ts):.1f} tok/s", flush=True)
     c = model.config
-    for kind, dp4a in (("decode", True), ("decode_f32act", False)) if f32_act else (("decode", True),):
+    modes = [("decode", True, False), ("decode_pdl", True, True)] + ([("decode_f32act", False, False)] if f32_act else [])
+    lib = __import__("strata.backend.cuda", fromlist=["lib"]).lib()
+    pdl0 = lib.strata_get_pdl()
+    for kind, dp4a, pdl in modes:
+        lib.strata_set_pdl(int(pdl))
         plan.dp4a, plan.graphs = dp4a, {}
+        res.setdefault(kind, {})
         for d in depths:
             prefill(rng.integers(0, vocab, d)) if d else st.reset()
             p0 = st.pos
-            plan.decode_greedy(1, 8, st)                            # capture the graph for this size class
+            toks = plan.decode_greedy(1, 8, st)                     # capture the graph for this size class
+            res.setdefault("tokens_" + kind, {})[str(d)] = toks     # PDL must not change a single token
             st.truncate(p0)
             cp.cuda.Device().synchronize()
             t0 = time.perf_counter()
@@ -169,6 +176,10 @@ def bench_strata(path: str, prompts, depths, n_gen: int, ubatch: int, bw: float,
                 res.setdefault("decode_bw_fraction_incl_kv", {})[str(d)] = (plan.weight_bytes + kv_read) * tps / bw
             print(f"  strata {kind} tg{n_gen}@d{d}: {tps:.1f} tok/s  "
                   f"({100 * plan.weight_bytes * tps / bw:.1f}% of bandwidth limit)", flush=True)
+    lib.strata_set_pdl(pdl0)
+    if "tokens_decode_pdl" in res:
+        res["pdl_tokens_equal"] = res["tokens_decode_pdl"] == res["tokens_decode"]
+        print(f"  PDL tokens equal to plain launches: {res['pdl_tokens_equal']}", flush=True)
     del plan, st, pool, model
     cp.get_default_memory_pool().free_all_blocks()
     return res
@@ -270,7 +281,7 @@ def main(argv=None) -> int:
     dest.write_text(json.dumps(out, indent=1))
     print("\nsummary (tokens/s; ratio = Strata / llama.cpp)")
     for name, e in out["models"].items():
-        for kind in ("prompt", "decode", "decode_f32act"):
+        for kind in ("prompt", "decode", "decode_pdl", "decode_f32act"):
             for k, v in e["strata"].get(kind, {}).items():
                 ref = e.get("llama.cpp", {}).get("decode" if kind.startswith("decode") else kind, {}).get(k)
                 if "stored_from" in e.get("llama.cpp", {}):

@@ -313,3 +313,25 @@ def test_engine_cuda_kv_q8_0_greedy_and_memory(cuda_engine_q8, cuda_engine, hf):
 def test_engine_cuda_kv_q8_0_checkpoint_exactness(cuda_engine_q8, sampling):
     from tests import test_checkpoints as TC
     TC.test_exactness_same_request_twice(cuda_engine_q8, sampling)
+
+
+def test_pdl_changes_no_token(model_path, prompt_ids):
+    """Programmatic dependent launch (STRATA_CUDA_PDL) only moves launches earlier: prefill logits and 48 greedy
+    graph-decode tokens are bit-identical with it on and off (a missing griddep_wait would show up as a race)."""
+    lb = C.lib()
+    before = lb.strata_get_pdl()
+    runs = []
+    try:
+        for on in (0, 1):
+            lb.strata_set_pdl(on)
+            model = _cuda_model(model_path)
+            pool = model.new_page_pool(1024)
+            fast = model.backend.fast_path(model)
+            st = model.new_state(pool)
+            logits = _prefill(fast, st, prompt_ids, 24)
+            first = int(np.argmax(logits))
+            runs.append((logits, [first] + fast.plan(pool).decode_greedy(first, 48, st)))
+    finally:
+        lb.strata_set_pdl(before)
+    assert np.array_equal(runs[0][0], runs[1][0])
+    assert runs[0][1] == runs[1][1]

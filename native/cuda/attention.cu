@@ -10,6 +10,7 @@
 #include <math.h>
 #include "strata_cuda.h"
 #include "q8.cuh"
+#include "launch.cuh"
 
 __device__ static inline long long kv_off(const int *__restrict__ pt, int p, int kvh, int n_kv, int hd, int ps) {
   return (((long long)pt[p / ps] * ps + (p % ps)) * n_kv + kvh) * hd;
@@ -22,6 +23,8 @@ __device__ static inline long long kv_off(const int *__restrict__ pt, int p, int
 __global__ void k_rope_kv_prefill(float *__restrict__ qkv, int stride, int pos0, __half *__restrict__ kc,
                                   __half *__restrict__ vc, const int *__restrict__ pt, int n, int H, int KV, int hd,
                                   int n_rot, float base, int neox, int ps) {
+  griddep_launch();
+  griddep_wait();
   const int half = n_rot / 2;
   const int per_tok = (H + KV) * half + KV * hd;
   const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -60,7 +63,7 @@ extern "C" int strata_rope_kv_prefill(void *stream, float *qkv, int stride, int 
   if (n_rot > hd || n_rot % 2 || n < 0 || stride < (n_head + 2 * n_kv) * hd) return (int)cudaErrorInvalidValue;
   const long long total = (long long)n * ((n_head + n_kv) * (n_rot / 2) + n_kv * hd);
   if (total == 0) return 0;
-  k_rope_kv_prefill<<<(unsigned)((total + 255) / 256), 256, 0, (cudaStream_t)stream>>>(
+  st_launch(k_rope_kv_prefill, (unsigned)((total + 255) / 256), 256, 0, (cudaStream_t)stream, 
       qkv, stride, pos0, (__half *)kc, (__half *)vc, pt, n, n_head, n_kv, hd, n_rot, base, neox, ps);
   return (int)cudaGetLastError();
 }
@@ -77,6 +80,8 @@ __global__ void k_kv_write_q8(const float *__restrict__ k, int k_stride, const f
                               int8_t *__restrict__ kq, int8_t *__restrict__ vq, __half *__restrict__ ks,
                               __half *__restrict__ vs, const int *__restrict__ pt, const int *__restrict__ d_start,
                               int start, int n, int n_kv, int hd, int ps) {
+  griddep_launch();
+  griddep_wait();
   const long long gw = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31, nb = hd / 32;
   if (gw >= (long long)n * n_kv * nb * 2) return;   // whole warps
@@ -102,7 +107,7 @@ extern "C" int strata_kv_write_q8(void *stream, const float *k, int k_stride, co
   if (hd % 32 || n < 0) return (int)cudaErrorInvalidValue;
   const long long warps = (long long)n * n_kv * (hd / 32) * 2;
   if (warps == 0) return 0;
-  k_kv_write_q8<<<(unsigned)((warps * 32 + 255) / 256), 256, 0, (cudaStream_t)stream>>>(
+  st_launch(k_kv_write_q8, (unsigned)((warps * 32 + 255) / 256), 256, 0, (cudaStream_t)stream, 
       k, k_stride, v, v_stride, (int8_t *)kq, (int8_t *)vq, (__half *)ks, (__half *)vs, pt, d_start, start, n, n_kv,
       hd, ps);
   return (int)cudaGetLastError();
@@ -112,6 +117,8 @@ extern "C" int strata_kv_write_q8(void *stream, const float *k, int k_stride, co
 __global__ void k_kv_gather_q8(const int8_t *__restrict__ kq, const int8_t *__restrict__ vq,
                                const __half *__restrict__ ks, const __half *__restrict__ vs, const int *__restrict__ pt,
                                float *__restrict__ ko, float *__restrict__ vo, int len, int n_kv, int hd, int ps) {
+  griddep_launch();
+  griddep_wait();
   const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (idx >= (long long)n_kv * len * hd) return;
   const int d = (int)(idx % hd), p = (int)((idx / hd) % len), h = (int)(idx / ((long long)hd * len));
@@ -124,7 +131,7 @@ extern "C" int strata_kv_gather_q8(void *stream, const void *kq, const void *vq,
                                    const int *pt, float *ko, float *vo, int len, int n_kv, int hd, int ps) {
   const long long total = (long long)n_kv * len * hd;
   if (total == 0) return 0;
-  k_kv_gather_q8<<<(unsigned)((total + 255) / 256), 256, 0, (cudaStream_t)stream>>>(
+  st_launch(k_kv_gather_q8, (unsigned)((total + 255) / 256), 256, 0, (cudaStream_t)stream, 
       (const int8_t *)kq, (const int8_t *)vq, (const __half *)ks, (const __half *)vs, pt, ko, vo, len, n_kv, hd, ps);
   return (int)cudaGetLastError();
 }
@@ -190,6 +197,8 @@ __global__ void __launch_bounds__(32 * DA_WARPS) k_attn_decode_gqa(
     const int *__restrict__ pt, const int *__restrict__ d_len, int len_arg, float *__restrict__ ws,
     unsigned *__restrict__ counters, float *__restrict__ out, int8_t *__restrict__ out_q8, int n_head, int n_kv,
     int ps, int n_split, float scale) {
+  griddep_launch();
+  griddep_wait();
   constexpr int hd = 8 * LP, PPW = 32 / LP, NG = DA_WARPS * PPW, B = G >= 8 ? 2 : 4;
   const int kvh = blockIdx.x, sp = blockIdx.y;
   const int g = n_head / n_kv;
@@ -353,7 +362,7 @@ extern "C" int strata_attn_decode_gqa(void *stream, const float *q, const void *
   dim3 grid(n_kv, n_split);
   const __half *KS = (const __half *)k_scales, *VS = (const __half *)v_scales;
   int8_t *oq = (int8_t *)out_q8;
-#define DG(LP, GG, Q) k_attn_decode_gqa<LP, GG, Q><<<grid, 32 * DA_WARPS, 0, s>>>(q, kc, vc, KS, VS, pt, d_len, len, ws, counters, out, oq, n_head, n_kv, ps, n_split, scale)
+#define DG(LP, GG, Q) st_launch(k_attn_decode_gqa<LP, GG, Q>, grid, 32 * DA_WARPS, 0, s, q, kc, vc, KS, VS, pt, d_len, len, ws, counters, out, oq, n_head, n_kv, ps, n_split, scale)
 #define DGQ(LP, GG) if (KS) DG(LP, GG, true); else DG(LP, GG, false);
 #define DGG(LP) \
   if (g == 1) { DGQ(LP, 1) } else if (g == 2) { DGQ(LP, 2) } else if (g <= 4) { DGQ(LP, 4) } else { DGQ(LP, 8) }
@@ -416,6 +425,8 @@ __global__ void __launch_bounds__(128) k_fa2_prefill(const float *__restrict__ q
                                                      float *__restrict__ out, __half *__restrict__ out16, int n,
                                                      int n_head, int n_kv, int ps, int length, int tiles_per_split,
                                                      int n_split, float qscale) {
+  griddep_launch();
+  griddep_wait();
   using SM = Fa2Smem<HD>;
   constexpr int LDH = SM::LDH, KC = HD / 16, DT = HD / 8, CH = HD / 8;
   extern __shared__ __align__(16) unsigned char fa2_smem[];
@@ -616,6 +627,8 @@ __global__ void __launch_bounds__(128) k_fa2_prefill(const float *__restrict__ q
 // Merge of the FA2 splits (m in log2 units): one block per (query, head), hd threads.
 __global__ void k_fa2_combine(const float *__restrict__ ws, float *__restrict__ out, __half *__restrict__ out16,
                               int n, int n_head, int hd, int n_split) {
+  griddep_launch();
+  griddep_wait();
   const int i = blockIdx.x, h = blockIdx.y;
   const long long stride = (long long)n_head * n * (hd + 2);
   const float *p = ws + ((long long)h * n + i) * (hd + 2);
@@ -650,9 +663,9 @@ static int fa2_launch(cudaStream_t s, const float *q, int q_stride, const void *
   const int tps = (n_tiles + n_split - 1) / n_split;
   dim3 grid((n + FA2_BQ - 1) / FA2_BQ, n_head, n_split);
   const float qscale = scale * 1.4426950408889634f;
-  k_fa2_prefill<HD, Q8><<<grid, 128, smem, s>>>(q, q_stride, K, V, KS, VS, pt, ws, out, out16, n, n_head, n_kv, ps,
+  st_launch(k_fa2_prefill<HD, Q8>, grid, 128, smem, s, q, q_stride, K, V, KS, VS, pt, ws, out, out16, n, n_head, n_kv, ps,
                                                 length, tps, n_split, qscale);
-  if (n_split > 1) k_fa2_combine<<<dim3(n, n_head), HD, 0, s>>>(ws, out, out16, n, n_head, HD, n_split);
+  if (n_split > 1) st_launch(k_fa2_combine, dim3(n, n_head), HD, 0, s, ws, out, out16, n, n_head, HD, n_split);
   return (int)cudaGetLastError();
 }
 

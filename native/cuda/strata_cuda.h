@@ -11,6 +11,11 @@
 extern "C" {
 #endif
 
+/* Programmatic dependent launch (launch.cuh) for every launcher of strata_kernels.cu and attention.cu: 1 on, 0 off
+ * (default: STRATA_CUDA_PDL=1 in the environment turns it on). Set it before capturing a CUDA graph. */
+void strata_set_pdl(int on);
+int strata_get_pdl(void);
+
 /* 1 if ggml_type is supported by the quantized kernels, else 0. */
 int strata_supports_type(int ggml_type);
 

@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include "strata_cuda.h"
 #include "q8.cuh"
+#include "launch.cuh"
 
 enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
 
@@ -120,6 +121,8 @@ __device__ static inline void dequant8(const uint8_t *__restrict__ row, int c, f
 template <int T, int NT>
 __global__ void k_matvec(const uint8_t *__restrict__ w, const float *__restrict__ x, float *__restrict__ y,
                          int n_out, int n_in, long long row_bytes) {
+  griddep_launch();
+  griddep_wait();
   const int warps = blockDim.x >> 5;
   const int row = blockIdx.x * warps + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
@@ -151,6 +154,8 @@ __global__ void k_matvec(const uint8_t *__restrict__ w, const float *__restrict_
 template <int T>
 __global__ void k_dequant(const uint8_t *__restrict__ w, void *__restrict__ out, const int *__restrict__ ids,
                           int n_rows, int n_in, long long row_bytes, int out_f16) {
+  griddep_launch();
+  griddep_wait();
   const int nc = n_in >> 3;
   const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (idx >= (long long)n_rows * nc) return;
@@ -182,6 +187,17 @@ static inline long long row_bytes_of(int t, int n_in) {
 
 extern "C" int strata_supports_type(int t) { return block_bytes(t) != 0; }
 
+// Programmatic dependent launch for st_launch (launch.cuh): off unless STRATA_CUDA_PDL=1 or strata_set_pdl(1).
+static int g_pdl = -1;
+extern "C" int strata_get_pdl(void) {
+  if (g_pdl < 0) {
+    const char *e = getenv("STRATA_CUDA_PDL");
+    g_pdl = e && e[0] == '1';
+  }
+  return g_pdl;
+}
+extern "C" void strata_set_pdl(int on) { g_pdl = on ? 1 : 0; }
+
 extern "C" int strata_matvec(void *stream, int t, const void *w, const float *x, float *y, int n_out, int n_in,
                              int n_tokens) {
   if (!block_bytes(t) || n_in % block_elems(t) || n_in % 32 || n_tokens < 1 || n_tokens > 8)
@@ -191,7 +207,7 @@ extern "C" int strata_matvec(void *stream, int t, const void *w, const float *x,
   const int threads = 256, rows_per_block = threads / 32;
   const int blocks = (n_out + rows_per_block - 1) / rows_per_block;
   const uint8_t *W = (const uint8_t *)w;
-#define MV(NT, TT) k_matvec<TT, NT><<<blocks, threads, 0, s>>>(W, x, y, n_out, n_in, rb)
+#define MV(NT, TT) st_launch(k_matvec<TT, NT>, blocks, threads, 0, s, W, x, y, n_out, n_in, rb)
 #define MVT(TT) \
   switch (n_tokens) { case 1: MV(1, TT); break; case 2: MV(2, TT); break; case 3: MV(3, TT); break; \
     case 4: MV(4, TT); break; case 5: MV(5, TT); break; case 6: MV(6, TT); break; case 7: MV(7, TT); break; \
@@ -212,7 +228,7 @@ static int dequant_launch(void *stream, int t, const void *w, void *out, const i
   const int threads = 256;
   const unsigned blocks = (unsigned)((total + threads - 1) / threads);
   const uint8_t *W = (const uint8_t *)w;
-#define DQ(TT) k_dequant<TT><<<blocks, threads, 0, s>>>(W, out, ids, n_rows, n_in, rb, out_f16)
+#define DQ(TT) st_launch(k_dequant<TT>, blocks, threads, 0, s, W, out, ids, n_rows, n_in, rb, out_f16)
   DISPATCH_TYPE(t, DQ)
 #undef DQ
   return (int)cudaGetLastError();
@@ -233,6 +249,8 @@ extern "C" int strata_get_rows(void *stream, int t, const void *w, const int *id
 // (llama.cpp vec_dot_*_q8_1 arithmetic). 8 lanes per output row, 4 rows per warp.
 __global__ void k_quantize_q8_1(const float *__restrict__ x, int8_t *__restrict__ xq, float2 *__restrict__ ds,
                                 int n_in) {
+  griddep_launch();
+  griddep_wait();
   const int i = blockIdx.x * blockDim.x + threadIdx.x;   // blockDim multiple of 32; one warp = one block of 32
   const float v = i < n_in ? x[i] : 0.f;
   float amax = fabsf(v);
@@ -342,6 +360,8 @@ template <int T>
 __global__ void k_matvec_q8(const uint8_t *__restrict__ w, const int8_t *__restrict__ xq,
                             const float2 *__restrict__ xds, float *__restrict__ y, int n_out, int n_units,
                             long long row_bytes) {
+  griddep_launch();
+  griddep_wait();
   const int row = (blockIdx.x * blockDim.x + threadIdx.x) / MVQ_LANES;
   const int g = threadIdx.x % MVQ_LANES;
   float acc = 0.f;
@@ -359,7 +379,7 @@ __global__ void k_matvec_q8(const uint8_t *__restrict__ w, const int8_t *__restr
 extern "C" int strata_quantize_q8_1(void *stream, const float *x, void *xq, int n_in) {
   if (n_in <= 0 || n_in % 32) return (int)cudaErrorInvalidValue;
   int8_t *q = (int8_t *)xq;
-  k_quantize_q8_1<<<(n_in + 255) / 256, 256, 0, (cudaStream_t)stream>>>(x, q, (float2 *)(q + n_in), n_in);
+  st_launch(k_quantize_q8_1, (n_in + 255) / 256, 256, 0, (cudaStream_t)stream, x, q, (float2 *)(q + n_in), n_in);
   return (int)cudaGetLastError();
 }
 
@@ -379,12 +399,12 @@ extern "C" int strata_matvec_q8(void *stream, int t, const void *w, const void *
   cudaStream_t s = (cudaStream_t)stream;
   const uint8_t *W = (const uint8_t *)w;
   switch (t) {
-    case T_Q4_0: k_matvec_q8<T_Q4_0><<<blocks, threads, 0, s>>>(W, q, ds, y, n_out, n_in / 32, rb); break;
-    case T_Q4_1: k_matvec_q8<T_Q4_1><<<blocks, threads, 0, s>>>(W, q, ds, y, n_out, n_in / 32, rb); break;
-    case T_Q8_0: k_matvec_q8<T_Q8_0><<<blocks, threads, 0, s>>>(W, q, ds, y, n_out, n_in / 32, rb); break;
-    case T_Q4_K: k_matvec_q8<T_Q4_K><<<blocks, threads, 0, s>>>(W, q, ds, y, n_out, n_in / 32, rb); break;
-    case T_Q5_K: k_matvec_q8<T_Q5_K><<<blocks, threads, 0, s>>>(W, q, ds, y, n_out, n_in / 32, rb); break;
-    case T_Q6_K: k_matvec_q8<T_Q6_K><<<blocks, threads, 0, s>>>(W, q, ds, y, n_out, n_in / 32, rb); break;
+    case T_Q4_0: st_launch(k_matvec_q8<T_Q4_0>, blocks, threads, 0, s, W, q, ds, y, n_out, n_in / 32, rb); break;
+    case T_Q4_1: st_launch(k_matvec_q8<T_Q4_1>, blocks, threads, 0, s, W, q, ds, y, n_out, n_in / 32, rb); break;
+    case T_Q8_0: st_launch(k_matvec_q8<T_Q8_0>, blocks, threads, 0, s, W, q, ds, y, n_out, n_in / 32, rb); break;
+    case T_Q4_K: st_launch(k_matvec_q8<T_Q4_K>, blocks, threads, 0, s, W, q, ds, y, n_out, n_in / 32, rb); break;
+    case T_Q5_K: st_launch(k_matvec_q8<T_Q5_K>, blocks, threads, 0, s, W, q, ds, y, n_out, n_in / 32, rb); break;
+    case T_Q6_K: st_launch(k_matvec_q8<T_Q6_K>, blocks, threads, 0, s, W, q, ds, y, n_out, n_in / 32, rb); break;
   }
   return (int)cudaGetLastError();
 }
@@ -396,10 +416,17 @@ template <int T, int R>
 __global__ void __launch_bounds__(128) k_matvec_q8w(const uint8_t *__restrict__ w, const int8_t *__restrict__ xq,
                                                     const float2 *__restrict__ xds, float *__restrict__ y, int n_out,
                                                     int n_units, long long row_bytes) {
+  griddep_launch();
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   const int row0 = warp * R;
   if (row0 >= n_out) return;   // whole warps only
+  // the weights are read-only: with PDL this warp's rows stream into L2 while the previous kernel finishes
+#pragma unroll
+  for (int r = 0; r < R; r++)
+    if (row0 + r < n_out)
+      for (long long o = 128LL * lane; o < row_bytes; o += 32 * 128) prefetch_l2(w + (long long)(row0 + r) * row_bytes + o);
+  griddep_wait();
   const int *x = reinterpret_cast<const int *>(xq);
   float acc[R];
 #pragma unroll
@@ -435,7 +462,7 @@ extern "C" int strata_matvec_q8w(void *stream, int t, const void *w, const void 
   const float2 *ds = (const float2 *)(q + n_in);
   cudaStream_t s = (cudaStream_t)stream;
   const uint8_t *W = (const uint8_t *)w;
-#define MW(TT, RR) k_matvec_q8w<TT, RR><<<blocks, threads, 0, s>>>(W, q, ds, y, n_out, n_in / 32, rb)
+#define MW(TT, RR) st_launch(k_matvec_q8w<TT, RR>, blocks, threads, 0, s, W, q, ds, y, n_out, n_in / 32, rb)
 #define MWR(TT) if (R == 1) MW(TT, 1); else if (R == 2) MW(TT, 2); else MW(TT, 4);
   switch (t) {
     case T_Q4_0: MWR(T_Q4_0); break;
@@ -466,6 +493,8 @@ __device__ static inline float block_sum(float v, float *sh) {
 __global__ void k_rms_norm(const float *__restrict__ x, const float *__restrict__ res, const float *__restrict__ wt,
                            float *__restrict__ out, float *__restrict__ sum_out, __half *__restrict__ out16,
                            int8_t *__restrict__ out_q8, int dim, float eps) {
+  griddep_launch();
+  griddep_wait();
   __shared__ float sh[32];
   const long long base = (long long)blockIdx.x * dim;
   float ss = 0.f;
@@ -496,13 +525,15 @@ extern "C" int strata_rms_norm_ex(void *stream, const float *x, const float *res
   if (n_rows <= 0) return 0;
   if (out_q8 && (n_rows != 1 || dim % 32)) return (int)cudaErrorInvalidValue;
   // out may alias x or sum_out: each element is read (both passes) before it is written only by its own thread.
-  k_rms_norm<<<n_rows, 256, 0, (cudaStream_t)stream>>>(x, res, w, out, sum_out, (__half *)out16, (int8_t *)out_q8,
+  st_launch(k_rms_norm, n_rows, 256, 0, (cudaStream_t)stream, x, res, w, out, sum_out, (__half *)out16, (int8_t *)out_q8,
                                                        dim, eps);
   return (int)cudaGetLastError();
 }
 
 // ---------------------------------------------------------------- RoPE
 __global__ void k_rope(float *x, const int *pos, int n_tokens, int n_heads, int hd, int n_rot, float base, int neox) {
+  griddep_launch();
+  griddep_wait();
   const int half = n_rot / 2;
   const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (idx >= (long long)n_tokens * n_heads * half) return;
@@ -524,13 +555,15 @@ extern "C" int strata_rope(void *stream, float *x, const int *positions, int n_t
   if (n_rot > hd || n_rot % 2) return (int)cudaErrorInvalidValue;
   const long long total = (long long)n_tokens * n_heads * (n_rot / 2);
   if (total == 0) return 0;
-  k_rope<<<(unsigned)((total + 255) / 256), 256, 0, (cudaStream_t)stream>>>(x, positions, n_tokens, n_heads, hd,
+  st_launch(k_rope, (unsigned)((total + 255) / 256), 256, 0, (cudaStream_t)stream, x, positions, n_tokens, n_heads, hd,
                                                                             n_rot, base, neox);
   return (int)cudaGetLastError();
 }
 
 // ---------------------------------------------------------------- SwiGLU
 __global__ void k_swiglu(const float *g, const float *u, float *o, long long n) {
+  griddep_launch();
+  griddep_wait();
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) {
     const float a = g[i];
@@ -540,7 +573,7 @@ __global__ void k_swiglu(const float *g, const float *u, float *o, long long n) 
 
 extern "C" int strata_swiglu(void *stream, const float *g, const float *u, float *o, long long n) {
   if (n <= 0) return 0;
-  k_swiglu<<<(unsigned)((n + 255) / 256), 256, 0, (cudaStream_t)stream>>>(g, u, o, n);
+  st_launch(k_swiglu, (unsigned)((n + 255) / 256), 256, 0, (cudaStream_t)stream, g, u, o, n);
   return (int)cudaGetLastError();
 }
 
@@ -548,6 +581,8 @@ extern "C" int strata_swiglu(void *stream, const float *g, const float *u, float
 // f16 out16 (n, F), q8_1 blocks out_q8 (n == 1, F % 32 == 0).
 __global__ void k_swiglu_gu(const float *__restrict__ gu, int F, long long total, float *__restrict__ out,
                             __half *__restrict__ out16, int8_t *__restrict__ out_q8) {
+  griddep_launch();
+  griddep_wait();
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   float v = 0.f;
   if (i < total) {
@@ -564,7 +599,7 @@ extern "C" int strata_swiglu_gu(void *stream, const float *gu, int n, int F, flo
   const long long total = (long long)n * F;
   if (total <= 0) return 0;
   if (out_q8 && (n != 1 || F % 32)) return (int)cudaErrorInvalidValue;
-  k_swiglu_gu<<<(unsigned)((total + 255) / 256), 256, 0, (cudaStream_t)stream>>>(gu, F, total, out, (__half *)out16,
+  st_launch(k_swiglu_gu, (unsigned)((total + 255) / 256), 256, 0, (cudaStream_t)stream, gu, F, total, out, (__half *)out16,
                                                                                  (int8_t *)out_q8);
   return (int)cudaGetLastError();
 }
@@ -577,6 +612,8 @@ __device__ static inline long long kv_index(const int *pt, int pos, int h, int d
 
 __global__ void k_kv_write(const float *k, const float *v, __half *kc, __half *vc, const int *pt, const int *d_start,
                            int start_off, int n, int n_kv, int hd, int ps) {
+  griddep_launch();
+  griddep_wait();
   const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (idx >= (long long)n * n_kv * hd) return;
   const int d = (int)(idx % hd);
@@ -592,13 +629,15 @@ extern "C" int strata_kv_write(void *stream, const float *k, const float *v, voi
                                const int *d_start, int start_off, int n, int n_kv, int hd, int ps) {
   const long long total = (long long)n * n_kv * hd;
   if (total == 0) return 0;
-  k_kv_write<<<(unsigned)((total + 255) / 256), 256, 0, (cudaStream_t)stream>>>(
+  st_launch(k_kv_write, (unsigned)((total + 255) / 256), 256, 0, (cudaStream_t)stream, 
       k, v, (__half *)kc, (__half *)vc, pt, d_start, start_off, n, n_kv, hd, ps);
   return (int)cudaGetLastError();
 }
 
 __global__ void k_kv_gather(const __half *kc, const __half *vc, const int *pt, float *ko, float *vo, int len, int n_kv,
                             int hd, int ps) {
+  griddep_launch();
+  griddep_wait();
   const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (idx >= (long long)n_kv * len * hd) return;
   const int d = (int)(idx % hd);
@@ -613,7 +652,7 @@ extern "C" int strata_kv_gather(void *stream, const void *kc, const void *vc, co
                                 int len, int n_kv, int hd, int ps) {
   const long long total = (long long)n_kv * len * hd;
   if (total == 0) return 0;
-  k_kv_gather<<<(unsigned)((total + 255) / 256), 256, 0, (cudaStream_t)stream>>>(
+  st_launch(k_kv_gather, (unsigned)((total + 255) / 256), 256, 0, (cudaStream_t)stream, 
       (const __half *)kc, (const __half *)vc, pt, ko, vo, len, n_kv, hd, ps);
   return (int)cudaGetLastError();
 }
@@ -624,6 +663,8 @@ template <int EPL>  // elements per lane: hd = 32 * EPL
 __global__ void k_attn_decode(const float *__restrict__ q, const __half *__restrict__ kc, const __half *__restrict__ vc,
                               const int *__restrict__ pt, const int *d_len, int len_arg, float *__restrict__ partial,
                               int n_head, int n_kv, int ps, int n_split, float scale) {
+  griddep_launch();
+  griddep_wait();
   constexpr int hd = 32 * EPL;
   const int h = blockIdx.x, sp = blockIdx.y;
   const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
@@ -673,6 +714,8 @@ __global__ void k_attn_decode(const float *__restrict__ q, const __half *__restr
 }
 
 __global__ void k_attn_combine(const float *partial, float *out, int n_split, int hd) {
+  griddep_launch();
+  griddep_wait();
   const int h = blockIdx.x;
   const float *p = partial + (long long)h * n_split * (hd + 2);
   float M = -INFINITY;
@@ -701,6 +744,8 @@ __global__ void k_attn_decode_v(const float *__restrict__ q, const __half *__res
                                 const __half *__restrict__ vc, const int *__restrict__ pt, const int *d_len,
                                 int len_arg, float *__restrict__ partial, int n_head, int n_kv, int ps, int n_split,
                                 float scale) {
+  griddep_launch();
+  griddep_wait();
   constexpr int hd = 8 * LP, PPW = 32 / LP, NG = ATT_WARPS * PPW, STEP = 2 * NG;
   const int h = blockIdx.x, sp = blockIdx.y;
   const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, grp = lane / LP, gl = lane % LP;
@@ -790,8 +835,8 @@ extern "C" int strata_attn_decode(void *stream, const float *q, const void *kc, 
   cudaStream_t s = (cudaStream_t)stream;
   dim3 grid(n_head, n_split);
   const __half *K = (const __half *)kc, *V = (const __half *)vc;
-#define AD(E) k_attn_decode<E><<<grid, 32 * ATT_WARPS, 0, s>>>(q, K, V, pt, d_len, len, partial, n_head, n_kv, ps, n_split, scale)
-#define AV(LP) k_attn_decode_v<LP><<<grid, 32 * ATT_WARPS, 0, s>>>(q, K, V, pt, d_len, len, partial, n_head, n_kv, ps, n_split, scale)
+#define AD(E) st_launch(k_attn_decode<E>, grid, 32 * ATT_WARPS, 0, s, q, K, V, pt, d_len, len, partial, n_head, n_kv, ps, n_split, scale)
+#define AV(LP) st_launch(k_attn_decode_v<LP>, grid, 32 * ATT_WARPS, 0, s, q, K, V, pt, d_len, len, partial, n_head, n_kv, ps, n_split, scale)
   // 32 / 64 / 128 / 256: 16-byte lane groups; other multiples of 32 (or STRATA_CUDA_ATTN_V1=1): one position
   // per warp step
   static const int v1 = getenv("STRATA_CUDA_ATTN_V1") && getenv("STRATA_CUDA_ATTN_V1")[0] == '1';
@@ -805,12 +850,14 @@ extern "C" int strata_attn_decode(void *stream, const float *q, const void *kc, 
   }
 #undef AV
 #undef AD
-  k_attn_combine<<<n_head, hd, 0, s>>>(partial, out, n_split, hd);
+  st_launch(k_attn_combine, n_head, hd, 0, s, partial, out, n_split, hd);
   return (int)cudaGetLastError();
 }
 
 // ---------------------------------------------------------------- causal softmax (prefill attention)
 __global__ void k_causal_softmax(float *s, int n_q, int len, int pos0, float scale) {
+  griddep_launch();
+  griddep_wait();
   __shared__ float sh[32];
   const int r = blockIdx.x;
   float *row = s + (long long)r * len;
@@ -837,7 +884,7 @@ __global__ void k_causal_softmax(float *s, int n_q, int len, int pos0, float sca
 
 extern "C" int strata_causal_softmax(void *stream, float *s, int n_rows, int n_q, int len, int pos0, float scale) {
   if (n_rows <= 0) return 0;
-  k_causal_softmax<<<n_rows, 256, 0, (cudaStream_t)stream>>>(s, n_q, len, pos0, scale);
+  st_launch(k_causal_softmax, n_rows, 256, 0, (cudaStream_t)stream, s, n_q, len, pos0, scale);
   return (int)cudaGetLastError();
 }
 
@@ -862,6 +909,8 @@ __global__ void __launch_bounds__(128) k_flash_prefill(const float *__restrict__
                                                        const __half *__restrict__ vc, const int *__restrict__ pt,
                                                        float *__restrict__ ws, int n, int n_head, int n_kv, int ps,
                                                        int length, int tiles_per_split, float scale) {
+  griddep_launch();
+  griddep_wait();
   using namespace nvcuda;
   using SM = FaSmem<HD>;
   constexpr int LDH = SM::LDH, LDS = SM::LDS, LDP = SM::LDP, LDO = SM::LDO;
@@ -976,6 +1025,8 @@ __global__ void __launch_bounds__(128) k_flash_prefill(const float *__restrict__
 
 __global__ void k_flash_combine(const float *__restrict__ ws, float *__restrict__ out, int n, int n_head, int hd,
                                 int n_split) {
+  griddep_launch();
+  griddep_wait();
   const int i = blockIdx.x, h = blockIdx.y;
   const long long stride = (long long)n_head * n * (hd + 2);
   const float *p = ws + ((long long)h * n + i) * (hd + 2);
@@ -1005,8 +1056,8 @@ static int flash_launch(cudaStream_t s, const float *q, const __half *K, const _
   const int n_tiles = (length + n + FA_BK - 1) / FA_BK;
   const int tps = (n_tiles + n_split - 1) / n_split;
   dim3 grid((n + FA_BQ - 1) / FA_BQ, n_head, n_split);
-  k_flash_prefill<HD><<<grid, 128, smem, s>>>(q, K, V, pt, ws, n, n_head, n_kv, ps, length, tps, scale);
-  k_flash_combine<<<dim3(n, n_head), HD, 0, s>>>(ws, out, n, n_head, HD, n_split);
+  st_launch(k_flash_prefill<HD>, grid, 128, smem, s, q, K, V, pt, ws, n, n_head, n_kv, ps, length, tps, scale);
+  st_launch(k_flash_combine, dim3(n, n_head), HD, 0, s, ws, out, n, n_head, HD, n_split);
   return (int)cudaGetLastError();
 }
 
@@ -1025,6 +1076,8 @@ extern "C" int strata_flash_prefill(void *stream, const float *q, const void *kc
 
 // ---------------------------------------------------------------- argmax
 __global__ void k_argmax(const float *x, int *out, int n) {
+  griddep_launch();
+  griddep_wait();
   __shared__ float sv[32];
   __shared__ int si[32];
   const float *row = x + (long long)blockIdx.x * n;
@@ -1052,17 +1105,19 @@ __global__ void k_argmax(const float *x, int *out, int n) {
 
 extern "C" int strata_argmax(void *stream, const float *x, int *out, int n_rows, int n) {
   if (n_rows <= 0) return 0;
-  k_argmax<<<n_rows, 1024, 0, (cudaStream_t)stream>>>(x, out, n);
+  st_launch(k_argmax, n_rows, 1024, 0, (cudaStream_t)stream, x, out, n);
   return (int)cudaGetLastError();
 }
 
 __global__ void k_add_scalar(int *p, int delta, int count) {
+  griddep_launch();
+  griddep_wait();
   const int i = threadIdx.x;
   if (i < count) p[i] += delta;
 }
 
 extern "C" int strata_add_scalar(void *stream, int *p, int delta, int count) {
-  k_add_scalar<<<1, 32, 0, (cudaStream_t)stream>>>(p, delta, count);
+  st_launch(k_add_scalar, 1, 32, 0, (cudaStream_t)stream, p, delta, count);
   return (int)cudaGetLastError();
 }
 
@@ -1070,6 +1125,8 @@ extern "C" int strata_add_scalar(void *stream, int *p, int delta, int count) {
 // qkv f32 (1, (H + 2*KV) * hd) = [q | k | v] of one token at position *pos.
 __global__ void k_rope_kv_decode(float *qkv, const int *pos, __half *kc, __half *vc, const int *pt, int H, int KV,
                                  int hd, int n_rot, float base, int neox, int ps) {
+  griddep_launch();
+  griddep_wait();
   const int half = n_rot / 2;
   const int n_pairs = (H + KV) * half;
   const int idx = blockIdx.x * blockDim.x + threadIdx.x;
@@ -1102,7 +1159,7 @@ extern "C" int strata_rope_kv_decode(void *stream, float *qkv, const int *pos, v
                                      int n_head, int n_kv, int hd, int n_rot, float base, int neox, int ps) {
   if (n_rot > hd || n_rot % 2) return (int)cudaErrorInvalidValue;
   const int total = (n_head + n_kv) * (n_rot / 2) + n_kv * hd;
-  k_rope_kv_decode<<<(total + 127) / 128, 128, 0, (cudaStream_t)stream>>>(qkv, pos, (__half *)kc, (__half *)vc, pt,
+  st_launch(k_rope_kv_decode, (total + 127) / 128, 128, 0, (cudaStream_t)stream, qkv, pos, (__half *)kc, (__half *)vc, pt,
                                                                           n_head, n_kv, hd, n_rot, base, neox, ps);
   return (int)cudaGetLastError();
 }

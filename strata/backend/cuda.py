@@ -28,6 +28,8 @@ from strata.backend.base import Backend
 from strata.kv_cache import DEFAULT_PAGE_SIZE, PagedKV, PagePool
 
 _CDEF = """
+void strata_set_pdl(int on);
+int strata_get_pdl(void);
 int strata_supports_type(int ggml_type);
 int strata_matvec(void *stream, int ggml_type, const void *w, const float *x, float *y, int n_out, int n_in, int n_tokens);
 int strata_quantize_q8_1(void *stream, const float *x, void *xq, int n_in);
@@ -112,10 +114,16 @@ def n_split_for(length: int) -> int:
     return max(1, min(MAX_SPLIT, (length + 63) // 64))
 
 
-def n_split_gqa(length: int, n_kv: int, n_sm: int) -> int:
-    """Split-K partitions for the v2 decode attention (grid n_kv x n_split): at least 256 positions per block and
-    about two blocks per multiprocessor, at most GQA_MAX_SPLIT."""
-    return max(1, min(GQA_MAX_SPLIT, -(-length // 256), max(1, 2 * n_sm // max(1, n_kv))))
+# Positions per block of the v2 decode attention (at least): 256 measured on the H200 (bench/cuda_kernels.py sweeps
+# 64 / 128 / 256); STRATA_CUDA_ATTN_CHUNK overrides.
+ATTN_CHUNK = int(os.environ.get("STRATA_CUDA_ATTN_CHUNK", "256") or 256)
+
+
+def n_split_gqa(length: int, n_kv: int, n_sm: int, chunk: int | None = None) -> int:
+    """Split-K partitions for the v2 decode attention (grid n_kv x n_split): at least `chunk` (ATTN_CHUNK) positions
+    per block and about two blocks per multiprocessor, at most GQA_MAX_SPLIT."""
+    c = max(1, int(chunk or ATTN_CHUNK))
+    return max(1, min(GQA_MAX_SPLIT, -(-length // c), max(1, 2 * n_sm // max(1, n_kv))))
 
 
 def rows_per_warp(n_out: int) -> int:
