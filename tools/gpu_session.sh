@@ -9,7 +9,7 @@
 #   bench/gpu_throughput.py (llama-bench if its build finished, else llama.cpp numbers stored in $REF).
 # Stage T (any carry): run the test files named in $TESTS only.
 stage=${1:?K, M or T}
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4   # torch (the reference) must not fight the llama.cpp build for cores
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/parts
 D=.dev/A; [ "$stage" = M ] && D=.dev/B
 [ -d /tmp/site/cffi ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$D"/whl/*.whl || exit 1
@@ -28,7 +28,7 @@ if [ "$stage" = K ]; then
     mkdir -p /tmp/lcsrc && tar xzf .dev/A/llamacpp.tar.gz -C /tmp/lcsrc
     setsid nohup bash -c 'cmake -S /tmp/lcsrc/llama.cpp -B /tmp/lb -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
       -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_CURL=OFF \
-      -DCMAKE_BUILD_TYPE=Release > /tmp/lc_build.log 2>&1 && cmake --build /tmp/lb -j 12 --target llama-bench \
+      -DCMAKE_BUILD_TYPE=Release > /tmp/lc_build.log 2>&1 && cmake --build /tmp/lb -j 10 --target llama-bench \
       >> /tmp/lc_build.log 2>&1; echo done >> /tmp/lc_build.log' \
       > /dev/null 2>&1 &
   fi
@@ -57,10 +57,12 @@ if [ "$stage" = T ]; then
   timeout ${T_S:-400} python3 -m pytest -q -rs -x $TESTS 2>&1 | grep -v "it/s]" | tail -40 | tee "$OUT/tests.log"
   exit 0
 fi
-timeout 240 python3 -m pytest -q -rs -s tests/test_cuda_parity.py tests/test_cuda_device_errors.py 2>&1 \
+timeout ${PT_S:-300} python3 -m pytest -q -rs -s -p timeout --timeout 120 --timeout-method thread \
+  tests/test_cuda_parity.py tests/test_cuda_device_errors.py 2>&1 \
   | grep -v "it/s]" | tee "$OUT/parity.log" | tail -30
 for f in tests/test_cuda_hybrid.py tests/test_device_sampling.py; do
-  [ -f "$f" ] && timeout 90 python3 -m pytest -q -rs -x "$f" 2>&1 | tail -8 | tee -a "$OUT/other_tests.log"
+  [ -f "$f" ] && timeout ${OT_S:-150} python3 -m pytest -q -rs -p timeout --timeout 60 --timeout-method thread "$f" \
+    2>&1 | grep -E "passed|failed|FAILED|Error|Timeout" | tail -12 | tee -a "$OUT/other_tests.log"
 done
 python3 -m strata.cli.main serve --device cuda --port 8765 --no-socket > "$OUT/serve_log.txt" 2>&1 &
 spid=$!

@@ -127,6 +127,8 @@ def n_split_gqa(length: int, n_kv: int, n_sm: int, chunk: int | None = None) -> 
 
 
 def rows_per_warp(n_out: int) -> int:
+    """Rows per warp of strata_matvec_q8w for a matrix of n_out rows: STRATA_CUDA_MV_ROWS, else 1 up to 4096 rows
+    and 2 above (bench/cuda_kernels.py: 1 is fastest or within 5% on the H200 at every size measured)."""
     return MV_ROWS or (1 if n_out <= 4096 else 2)
 
 
