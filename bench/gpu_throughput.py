@@ -154,12 +154,13 @@ def bench_strata(path: str, prompts, depths, n_gen: int, ubatch: int, bw: float,
     modes = [("decode", True, False), ("decode_pdl", True, True)] + ([("decode_f32act", False, False)] if f32_act else [])
     lib = __import__("strata.backend.cuda", fromlist=["lib"]).lib()
     pdl0 = lib.strata_get_pdl()
+    ctx = {d: rng.integers(0, vocab, d) for d in depths}          # the same contexts in every mode
     for kind, dp4a, pdl in modes:
         lib.strata_set_pdl(int(pdl))
         plan.dp4a, plan.graphs = dp4a, {}
         res.setdefault(kind, {})
         for d in depths:
-            prefill(rng.integers(0, vocab, d)) if d else st.reset()
+            prefill(ctx[d]) if d else st.reset()
             p0 = st.pos
             toks = plan.decode_greedy(1, 8, st)                     # capture the graph for this size class
             res.setdefault("tokens_" + kind, {})[str(d)] = toks     # PDL must not change a single token

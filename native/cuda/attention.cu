@@ -71,8 +71,9 @@ extern "C" int strata_rope_kv_prefill(void *stream, float *qkv, int stride, int 
 // ---------------------------------------------------------------- q8_0 KV cache
 // The q8_0 cache (--kv q8_0): per layer int8 K and V (n_pages, page_size, n_kv, hd) and f16 scales (n_pages,
 // page_size, n_kv, hd / 32): element = d * q per 32 consecutive elements of one (position, head) row, d = max|x| /
-// 127 stored as f16, q = round-to-nearest-even(x / d) (ggml's q8_0 block, split into two arrays so that a lane's 8
-// values stay one 8-byte load). The scale of element offset e (in the int8 array) is at e / 32.
+// 127 stored as f16, q = round-to-nearest-even(x / d) (ggml's q8_0 block layout, split into two arrays so that a
+// lane's 8 values stay one 8-byte load; ggml rounds ties away from zero, so a value exactly half-way between two
+// steps can land one step apart). The scale of element offset e (in the int8 array) is at e / 32.
 
 // One warp per (token, KV head, 32-block, K or V). k / v: f32 rows of n tokens (row strides in floats), head h at
 // h * hd; token t goes to position (*d_start or 0) + start + t.
@@ -129,6 +130,7 @@ __global__ void k_kv_gather_q8(const int8_t *__restrict__ kq, const int8_t *__re
 
 extern "C" int strata_kv_gather_q8(void *stream, const void *kq, const void *vq, const void *ks, const void *vs,
                                    const int *pt, float *ko, float *vo, int len, int n_kv, int hd, int ps) {
+  if (hd % 32 || len < 0) return (int)cudaErrorInvalidValue;
   const long long total = (long long)n_kv * len * hd;
   if (total == 0) return 0;
   st_launch(k_kv_gather_q8, (unsigned)((total + 255) / 256), 256, 0, (cudaStream_t)stream, 

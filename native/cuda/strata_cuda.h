@@ -107,8 +107,8 @@ int strata_rope_kv_prefill(void *stream, float *qkv, int stride, int pos0, void 
                            int page_size);
 
 /* q8_0 KV cache (attention.cu; --kv q8_0): per layer int8 K and V (n_pages, page_size, n_kv, hd) and f16 scales
- * (n_pages, page_size, n_kv, hd / 32), element = d * q per 32 values of one (position, head) row (ggml q8_0
- * arithmetic). strata_kv_write_q8 quantizes f32 rows of n tokens (k / v row strides in floats, head h at h * hd)
+ * (n_pages, page_size, n_kv, hd / 32), element = d * q per 32 values of one (position, head) row (ggml's q8_0
+ * block: d = max|x| / 127; q rounded to nearest even). strata_kv_write_q8 quantizes f32 rows of n tokens (k / v row strides in floats, head h at h * hd)
  * into positions (*d_start or 0) + start + t; strata_kv_gather_q8 reads the first len positions back as f32
  * (n_kv, len, hd). */
 int strata_kv_write_q8(void *stream, const float *k, int k_stride, const float *v, int v_stride, void *k_cache,

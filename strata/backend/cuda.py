@@ -4,16 +4,17 @@ built from native/cuda/ by native/build_cuda.py) are loaded through cffi in ABI 
 The model is defined once, in ``strata/models/llama.py`` (LlamaModel on Backend ops). This module gives it:
 
 * ``CudaBackend``: the Backend ops of docs/internals.md on CuPy arrays (upload, embed, matmul, rms_norm, rope,
-  attention, swiglu, to_host) and ``new_page_pool`` -> ``CudaPagePool`` (f16 KV pages on the device), so
-  LlamaModel.forward runs on the GPU unchanged (prefill, and every forward the plan below does not take).
-* ``LlamaCuda``: the CUDA execution plan of LlamaModel's one-token decode step, built from the LlamaModel's own
-  uploaded weights and config and the sequence's CudaPagePool pages: fused launches, preallocated buffers,
-  captured once per context-size class as a CUDA graph (one graph launch per token).
-* ``GraphDecodeModel`` (``CudaBackend.fast_path(model)``): what the engine runs; one-token forwards go through
-  LlamaCuda, everything else is LlamaModel.
+  attention, swiglu, to_host) and ``new_page_pool`` -> ``CudaPagePool`` (f16 or q8_0 KV pages on the device), so
+  LlamaModel.forward runs on the GPU unchanged (hybrid models, and every forward the plan below does not take).
+* ``LlamaCuda``: the CUDA execution plan of LlamaModel, built from the LlamaModel's own uploaded weights and config
+  and the sequence's CudaPagePool pages: the one-token decode step (fused launches, preallocated buffers, captured
+  once per context-size class as a CUDA graph: one graph launch per token) and the prefill (cuBLAS + FA2).
+* ``GraphDecodeModel`` (``CudaBackend.fast_path(model)``): what the engine runs; forwards go through LlamaCuda where
+  it applies, everything else is LlamaModel.
 
-Numerics: weights are dequantized exactly as llama.cpp's dequantize_row_* (f32 arithmetic); decode matvec keeps
-activations in f32; prefill GEMMs take f16 activations and f16 weights with f32 accumulation; the KV cache is f16.
+Numerics: weights are dequantized exactly as llama.cpp's dequantize_row_* (f32 arithmetic); decode matvecs take
+int8 (q8_1) activations (STRATA_CUDA_DP4A=0: f32); prefill GEMMs take f16 activations and f16 weights with f32
+accumulation; the KV cache is f16 or q8_0 (--kv).
 """
 from __future__ import annotations
 
@@ -457,9 +458,9 @@ class CudaBackend(Backend):
                 "pool_used_bytes": int(mp.used_bytes()), "pool_total_bytes": int(mp.total_bytes())}
 
     def attention(self, q, k, v, kv: PagedKV, layer: int, scale: float):
-        """See Backend.attention. On a CudaPagePool: k/v written into the sequence's f16 pages by strata_kv_write,
-        then the split-K decode kernel (n == 1) or prefill_attention (n > 1) through the pool's device page
-        table. On a float32 PagePool (generic path): PagePool.write, PagePool.read, S = Q K^T per KV head
+        """See Backend.attention. On a CudaPagePool: k/v written into the sequence's pages (f16: strata_kv_write;
+        q8_0: strata_kv_write_q8), then the split-K decode kernel (n == 1) or prefill_attention (n > 1) through the
+        pool's device page table. On a float32 PagePool (generic path): PagePool.write, PagePool.read, S = Q K^T per KV head
         (cuBLAS, f32), causal softmax (strata_causal_softmax), O = P V. Queries are chunked so S stays under
         1 GiB."""
         cp = self.cp
@@ -597,8 +598,8 @@ class CudaPagePool(PagePool):
         import cupy as cp
         if kv not in KV_DTYPES:
             raise ValueError(f"KV cache type {kv!r} is not one of {', '.join(KV_DTYPES)}")
-        if kv == "q8_0" and head_dim % 32:
-            raise ValueError(f"--kv q8_0 needs head_dim a multiple of 32 (got {head_dim})")
+        if kv == "q8_0" and head_dim not in (32, 64, 128, 256):
+            raise ValueError(f"--kv q8_0 needs head_dim 32, 64, 128 or 256 (this model: {head_dim})")
         shape = (int(n_pages), int(page_size), int(n_kv_head), int(head_dim))
         dt = cp.int8 if kv == "q8_0" else cp.float16
         k = [cp.zeros(shape, dt) for _ in layers]
@@ -690,6 +691,8 @@ def paged_attention(be: "CudaBackend", q, k, v, kc, vc, pt, length: int, ps: int
     n_kv = k.shape[1]
     s = _stream_ptr()
     q8 = ks is not None
+    if q8 and n_head // n_kv > 8:     # before anything is written: the q8_0 decode kernel takes groups of <= 8
+        raise ValueError(f"--kv q8_0 needs at most 8 query heads per KV head (this model: {n_head // n_kv})")
     if q8:
         _check(lib().strata_kv_write_q8(s, _p(k), n_kv * hd, _p(v), n_kv * hd, _p(kc), _p(vc), _p(ks), _p(vs), _p(pt),
                                         _ffi.NULL, int(length), n, n_kv, hd, ps), "strata_kv_write_q8")
@@ -711,9 +714,6 @@ def paged_attention(be: "CudaBackend", q, k, v, kc, vc, pt, length: int, ps: int
                                             n_head, n_kv, hd, ps, n_split, float(scale), _p(ks), _p(vs)),
                "strata_attn_decode_gqa")
         return out
-    if q8 and n == 1:
-        raise ValueError(f"--kv q8_0 decode attention needs head_dim 32/64/128/256 and at most 8 query heads per "
-                         f"KV head (this model: {hd}, {n_head // n_kv})")
     if n == 1:
         n_split = n_split_for(total)
         need = n_head * n_split * (hd + 2)
