@@ -217,3 +217,15 @@ def test_bad_cut_point_changes_nothing(engine):
     with pytest.raises(ValueError, match="kind"):
         engine.generate(GenerationRequest(prompt_tokens=[1, 2, 3], cut_points=[(1, "bogus")]))
     assert engine.state.hashes() == before
+
+
+def test_huge_text_is_refused_before_tokenizing(engine):
+    """A 6 MB prompt: ContextOverflow with a lower bound on its tokens ("at least": the text was never tokenized,
+    which takes seconds at this size), for raw text and for chat messages; a prompt that fits is tokenized."""
+    from strata.engine import ContextOverflow
+    text = "The river flows to the sea. " * 215_000
+    with pytest.raises(ContextOverflow, match=r"at least \d+ tokens but the context holds 2048"):
+        engine.tokenize_prompt(text)
+    with pytest.raises(ContextOverflow, match="at least"):
+        engine.render_chat([{"role": "user", "content": text}])
+    assert len(engine.tokenize_prompt("The river flows to the sea. " * 50)) > 50

@@ -218,6 +218,21 @@ def test_prompt_too_long_names_the_numbers(daemon):
     assert daemon.json("GET", "/health")[0] == 200
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_huge_prompt_is_refused_before_tokenizing(daemon, path):
+    """60 KB of text cannot fit in 512 tokens whatever the tokenizer does (no token covers more characters than its
+    vocabulary string is long, 81 for SmolLM2): refused with that lower bound, without tokenizing (a multi-megabyte
+    prompt under a larger --max-body would otherwise cost seconds of CPU first)."""
+    text = "abcdefghij" * 6_000
+    body = {"prompt": text} if path == "/v1/completions" else {"messages": [{"role": "user", "content": text}]}
+    t0 = time.monotonic()
+    st, d = daemon.json("POST", path, dict(body, max_tokens=1))
+    assert st == 400 and d["error"]["code"] == "context_length_exceeded", d
+    assert "at least" in d["error"]["message"] and "512" in d["error"]["message"]
+    print(f"{path}: refused in {time.monotonic() - t0:.2f} s")
+    assert daemon.json("GET", "/health")[0] == 200
+
+
 def test_routes_models_and_sizes(daemon):
     st, d = daemon.json("GET", "/v1/nothing-here")
     assert st == 404 and "unknown route" in d["error"]["message"]

@@ -69,6 +69,7 @@ class Engine:
         self.ubatch = int(ubatch)
         self.device = device
         self.kv = kv
+        self._max_token_chars: int | None = None
         self.prompt_cache = int(prompt_cache)
 
         path = resolve_model(model)
@@ -112,6 +113,9 @@ class Engine:
         if self.template is None:
             raise ValueError(f"{self.model_name} has no usable chat template ({self._template_error}); "
                              "send raw text instead")
+        if isinstance(messages, list):
+            self._check_text_fits(sum(len(m["content"]) for m in messages
+                                      if isinstance(m, dict) and isinstance(m.get("content"), str)))
         return self.template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                     pin_message=pin_message, **template_kwargs)
 
@@ -119,7 +123,20 @@ class Engine:
         """Tokenize raw completion text (/v1/completions): BOS per the model's metadata, special-token text
         kept as text."""
         kw = {} if add_bos is None else {"add_bos": add_bos}
+        if isinstance(text, str):
+            self._check_text_fits(len(text))
         return list(self.tokenizer.encode(text, **kw))
+
+    def _check_text_fits(self, n_chars: int) -> None:
+        """Refuse text that cannot fit before tokenizing it (a multi-megabyte prompt costs seconds of CPU to
+        tokenize): no token decodes to more characters than its vocabulary string is long, so the text needs at
+        least n_chars / (longest vocabulary string) tokens. Raises ContextOverflow (at least ...) when that
+        lower bound already fills the context."""
+        if self._max_token_chars is None:
+            self._max_token_chars = max(1, max((len(t) for t in self.tokenizer.tokens), default=1))
+        need = -(-int(n_chars) // self._max_token_chars)
+        if need >= self.n_ctx:
+            raise ContextOverflow(need, self.n_ctx, at_least=True)
 
     def detokenize(self, ids) -> str:
         return self.tokenizer.decode(list(ids))

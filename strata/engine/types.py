@@ -12,12 +12,12 @@ ResumeFrom = Literal["live", "checkpoint", "none"]
 class ContextOverflow(ValueError):
     """The prompt does not fit in the context (n_ctx). The message names both numbers."""
 
-    def __init__(self, n_prompt: int, n_ctx: int):
+    def __init__(self, n_prompt: int, n_ctx: int, at_least: bool = False):
         self.n_prompt = int(n_prompt)
         self.n_ctx = int(n_ctx)
         super().__init__(
-            f"the prompt has {self.n_prompt} tokens but the context holds {self.n_ctx} "
-            f"(at most {self.n_ctx - 1} prompt tokens, leaving room for one generated token)")
+            f"the prompt has {'at least ' if at_least else ''}{self.n_prompt} tokens but the context holds "
+            f"{self.n_ctx} (at most {self.n_ctx - 1} prompt tokens, leaving room for one generated token)")
 
 
 class EmptyPrompt(ValueError):

@@ -21,6 +21,7 @@ import structlog
 from aiohttp import web
 
 from strata import __version__
+from strata.engine.types import ContextOverflow
 from strata.serve import schema
 from strata.serve.errors import ApiError, error_body
 from strata.serve.metrics import CONTENT_TYPE, Metrics
@@ -347,6 +348,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     try:
         rendered = await loop.run_in_executor(
             None, lambda: engine.render_chat(p.messages, tools=p.tools, pin_message=p.pin))
+    except ContextOverflow as e:         # too long to be worth rendering and tokenizing
+        raise ApiError(400, str(e), param="messages", code="context_length_exceeded") from None
     except ValueError as e:
         raise ApiError(400, f"the chat template refused the messages: {e}", param="messages",
                        code="invalid_value") from None
@@ -362,6 +365,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
         text = p.prompt
         try:
             tokens = await asyncio.get_running_loop().run_in_executor(None, lambda: engine.tokenize_prompt(text))
+        except ContextOverflow as e:
+            raise ApiError(400, str(e), param="prompt", code="context_length_exceeded") from None
         except ValueError as e:          # e.g. a lone surrogate: no UTF-8 encoding, so no tokens
             raise ApiError(400, f"'prompt': {e}", param="prompt", code="invalid_value") from None
     else:
