@@ -448,3 +448,20 @@ def test_status_device_memory_on_cuda():
     assert 0 < d["device_used_bytes"] <= total and abs(d["device_free_bytes"] - free) < total // 10
     assert d["pool_total_bytes"] >= d["pool_used_bytes"] >= d["kv_pool_bytes"] > 0
     assert d["weights_bytes"] == e.file.nbytes
+
+
+def test_busy_tcp_port_is_a_clear_error_and_leaves_no_socket(tmp_path):
+    """`strata serve --socket S --port P` with P taken: exit with one line naming the port; S is not left behind
+    (a stale socket file would make the next start think another server is there)."""
+    import subprocess
+    import sys
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        sock = tmp_path / "s.sock"
+        r = subprocess.run([sys.executable, "-m", "strata.cli.main", "serve", "--socket", str(sock), "--port",
+                            str(port), "--n-ctx", "256"], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert f"cannot listen on 127.0.0.1:{port}" in r.stderr and "Traceback" not in r.stderr
+    assert not sock.exists()

@@ -55,10 +55,12 @@ async def serve(cfg: ServeConfig, engine_factory: Callable[[], Any]) -> int:
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     sock_path = Path(cfg.socket_path) if cfg.socket_path else None
+    sock_made = False
     try:
         if sock_path is not None:
             _prepare_socket(sock_path)
             await web.UnixSite(runner, str(sock_path)).start()
+            sock_made = True
             os.chmod(sock_path, 0o660)
         if cfg.port is not None:
             try:
@@ -67,6 +69,9 @@ async def serve(cfg: ServeConfig, engine_factory: Callable[[], Any]) -> int:
                 raise StartupError(f"cannot listen on {cfg.host}:{cfg.port}: {e.strerror or e}") from None
     except BaseException:
         await runner.cleanup()
+        if sock_made:                       # leave no socket file behind that nobody listens on
+            with contextlib.suppress(OSError):
+                sock_path.unlink()
         raise
     log.info("listening", socket=str(sock_path) if sock_path else None,
              tcp=f"{cfg.host}:{cfg.port}" if cfg.port is not None else None, pid=os.getpid())
