@@ -145,3 +145,17 @@ def test_chat_survives_an_undecodable_line(default_model_path):
     assert p.returncode == 0 and "Traceback" not in err, err
     refused = "not valid Unicode" in err
     assert err.count("[prompt:") == (1 if refused else 2)
+
+
+def test_chat_unknown_slash_command_is_not_sent_to_the_model(default_model_path):
+    """`/helpme` is an unknown command: a one-line note, nothing generated; `//etc` sends "/etc"; /help prints the
+    commands; the next plain line is answered."""
+    code = "import sys\nfrom strata.cli.main import main\nsys.exit(main(sys.argv[1:]))"
+    e = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-c", code, "chat", "--max-tokens", "3", "--n-ctx", "512"],
+                       input=b"/helpme\n/help\n//etc is a folder\nhello\n", capture_output=True, env=e,
+                       cwd=str(ROOT), timeout=300)
+    err = p.stderr.decode("utf-8", "replace")
+    assert p.returncode == 0 and "Traceback" not in err, err
+    assert "unknown command '/helpme'" in err
+    assert err.count("[prompt:") == 2          # "//etc is a folder" and "hello" were answered, "/helpme" was not

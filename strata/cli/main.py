@@ -152,7 +152,8 @@ def cmd_generate(args) -> int:
     return 0
 
 
-CHAT_HELP = "commands: /reset (new conversation), /quit (or Ctrl-D) to leave; Ctrl-C stops an answer"
+CHAT_HELP = ("commands: /reset (new conversation), /help, /quit (or Ctrl-D) to leave; Ctrl-C stops an answer; "
+             "start a message with // to send a literal '/'")
 
 
 def cmd_chat(args) -> int:
@@ -184,6 +185,15 @@ def cmd_chat(args) -> int:
         if text == "/reset":
             messages = list(base)
             print("(new conversation)", file=sys.stderr)
+            continue
+        if text == "/help":
+            print(CHAT_HELP, file=sys.stderr)
+            continue
+        if text.startswith("//"):              # an escaped slash: the message itself starts with '/'
+            line = line.replace("//", "/", 1)
+        elif text.startswith("/") and len(text) > 1 and not text[1].isspace():
+            print(f"strata: unknown command {text.split()[0]!r} (not sent to the model). {CHAT_HELP}",
+                  file=sys.stderr)
             continue
         messages.append({"role": "user", "content": line})
         chunks: list[str] = []
