@@ -69,6 +69,14 @@ def test_chat_interactive(daemon):
     assert len([ln for ln in r.stdout.splitlines() if ln.strip()]) >= 2
 
 
+def test_chat_unknown_slash_command_is_not_sent(daemon):
+    before = ctl(daemon, "status", "--json")
+    n0 = json.loads(before.stdout)["engine"]["requests"]
+    r = ctl(daemon, "chat", "--max-tokens", "2", "--temperature", "0", stdin="/frobnicate now\n/exit\n")
+    assert r.returncode == 0 and "unknown command '/frobnicate'" in r.stderr
+    assert json.loads(ctl(daemon, "status", "--json").stdout)["engine"]["requests"] == n0    # nothing was sent
+
+
 def test_slot_actions_report_server_error(daemon):
     for action in (["save", "0", "--filename", "a.bin"], ["restore", "0", "--filename", "a.bin"], ["erase", "0"]):
         r = ctl(daemon, *action)

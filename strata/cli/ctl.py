@@ -296,7 +296,8 @@ def cmd_chat(c: Client, args) -> int:
         return EXIT_OK
     interactive = sys.stdin.isatty()
     if interactive:
-        print("stratactl chat: type a message; /reset clears the conversation, /exit or Ctrl-D leaves.",
+        print("stratactl chat: type a message; /reset clears the conversation, /exit or Ctrl-D leaves, // sends a "
+              "leading '/'.",
               file=sys.stderr)
     while True:
         try:
@@ -313,6 +314,12 @@ def cmd_chat(c: Client, args) -> int:
             return EXIT_OK
         if line == "/reset":
             messages = messages[:1] if args.system else []
+            continue
+        if line.startswith("//"):              # an escaped slash: the message itself starts with '/'
+            line = line[1:]
+        elif line.startswith("/") and len(line) > 1 and not line[1].isspace():
+            print(f"stratactl: unknown command {line.split()[0]!r} (not sent); /reset, /exit; // sends a "
+                  "leading '/'", file=sys.stderr)
             continue
         messages.append({"role": "user", "content": line})
         text, info = _stream_chat(c, args, messages)
