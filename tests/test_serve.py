@@ -465,3 +465,14 @@ def test_busy_tcp_port_is_a_clear_error_and_leaves_no_socket(tmp_path):
     assert r.returncode != 0
     assert f"cannot listen on 127.0.0.1:{port}" in r.stderr and "Traceback" not in r.stderr
     assert not sock.exists()
+
+
+def test_too_long_socket_path_is_a_clear_error(tmp_path):
+    import subprocess
+    import sys
+    sock = tmp_path / ("d" * 120) / "strata.sock"
+    r = subprocess.run([sys.executable, "-m", "strata.cli.main", "serve", "--socket", str(sock), "--n-ctx", "256"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "over the 107-byte limit of Unix socket addresses" in r.stderr
+    assert not sock.parent.exists()          # nothing created

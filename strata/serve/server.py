@@ -22,12 +22,20 @@ from strata.serve.worker import EngineError, EngineWorker, ShuttingDown
 log = structlog.get_logger("strata.serve")
 
 
+SUN_PATH_MAX = 107   # bytes of a Unix socket path on Linux (struct sockaddr_un.sun_path is 108 with the NUL)
+
+
 class StartupError(RuntimeError):
     """The daemon could not start (socket in use, model failed to load); the message is one line."""
 
 
 def _prepare_socket(path: Path) -> None:
-    """Create the socket's directory (0750 if new) and remove a stale socket; refuse one that is live."""
+    """Create the socket's directory (0750 if new) and remove a stale socket; refuse one that is live, and a path
+    longer than a Unix socket address holds (sun_path: 108 bytes with the terminating NUL on Linux)."""
+    n = len(os.fsencode(str(path)))
+    if n > SUN_PATH_MAX:
+        raise StartupError(f"socket path {path} is {n} bytes, over the {SUN_PATH_MAX}-byte limit of Unix socket "
+                           "addresses; choose a shorter --socket")
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
     if path.exists() or path.is_symlink():
         if not path.is_socket():
