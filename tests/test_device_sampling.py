@@ -288,9 +288,12 @@ def _cuda_why():
 @pytest.mark.parametrize("cfg", CONFIGS + [dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.3,
                                                 frequency_penalty=0.5, presence_penalty=0.5, repeat_last_n=16,
                                                 logprobs=3)])
-def test_cupy_matches_numpy(cfg, monkeypatch):
+@pytest.mark.parametrize("kernel", ["1", "0"], ids=["kernel", "array-path"])
+def test_cupy_matches_numpy(cfg, kernel, monkeypatch):
+    """The CuPy run (the one-block kernel where it applies, or the array path the engine uses by default) draws the
+    numpy run's tokens for the same seed and logits."""
     import cupy as cp
-    monkeypatch.setenv("STRATA_SAMPLE_KERNEL", "1")
+    monkeypatch.setenv("STRATA_SAMPLE_KERNEL", kernel)
     rng = np.random.default_rng(3)
     n = 49152
     sn = DeviceSampler(SamplingParams(seed=77, **cfg), n)
@@ -304,7 +307,9 @@ def test_cupy_matches_numpy(cfg, monkeypatch):
             assert math.isclose(a.logprob, b.logprob, rel_tol=1e-9, abs_tol=1e-9)
         sn.accept(a.token_id)
         sc.accept(b.token_id)
-    if cfg.get("logprobs") is None and (cfg["top_k"] or cfg["top_p"] < 1 or cfg["min_p"] > 0):
+    if kernel == "0":
+        assert sc.kernel_calls == 0
+    elif cfg.get("logprobs") is None and (cfg["top_k"] or cfg["top_p"] < 1 or cfg["min_p"] > 0):
         assert sc.kernel_calls > 0                    # the strata_sample kernel drew (not only the array path)
 
 
