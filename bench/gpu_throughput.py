@@ -118,8 +118,9 @@ def make_synthetic_llama(out: str, tok_src: str, n_embd=2048, n_layer=24, n_head
 def bench_strata(path: str, prompts, depths, n_gen: int, ubatch: int, bw: float, f32_act: bool = False) -> dict:
     """Strata as the engine runs it on CUDA (CudaBackend.fast_path): the LlamaCuda plan's prefill for ubatch-sized
     forward calls and its CUDA-graph decode step (greedy, argmax on the device; int8 activations, the default).
-    Decode is timed again with programmatic dependent launch (decode_pdl; STRATA_CUDA_PDL=1) and, with f32_act,
-    with f32 activations (STRATA_CUDA_DP4A=0)."""
+    Decode is timed again with programmatic dependent launch (decode_pdl; STRATA_CUDA_PDL=1), with the decode
+    attention kernel chosen by context size (decode_attn_auto; STRATA_CUDA_ATTN=auto) and, with f32_act, with f32
+    activations (STRATA_CUDA_DP4A=0)."""
     import cupy as cp
     from strata.backend.cuda import CudaBackend, LlamaCuda
     from strata.models.base import load_model
@@ -151,13 +152,16 @@ def bench_strata(path: str, prompts, depths, n_gen: int, ubatch: int, bw: float,
         res["prompt"][str(n)] = n / min(ts)
         print(f"  strata pp{n}: {n / min(ts):.1f} tok/s", flush=True)
     c = model.config
-    modes = [("decode", True, False), ("decode_pdl", True, True)] + ([("decode_f32act", False, False)] if f32_act else [])
+    # (name, int8 activations, PDL, decode attention kernel choice: LlamaCuda.attn)
+    modes = [("decode", True, False, plan.attn), ("decode_pdl", True, True, plan.attn),
+             ("decode_attn_auto", True, False, "auto")] + ([("decode_f32act", False, False, plan.attn)] if f32_act else [])
+    attn0 = plan.attn
     lib = __import__("strata.backend.cuda", fromlist=["lib"]).lib()
     pdl0 = lib.strata_get_pdl()
     ctx = {d: rng.integers(0, vocab, d) for d in depths}          # the same contexts in every mode
-    for kind, dp4a, pdl in modes:
+    for kind, dp4a, pdl, attn in modes:
         lib.strata_set_pdl(int(pdl))
-        plan.dp4a, plan.graphs = dp4a, {}
+        plan.dp4a, plan.graphs, plan.attn = dp4a, {}, attn
         res.setdefault(kind, {})
         for d in depths:
             prefill(ctx[d]) if d else st.reset()
@@ -178,6 +182,7 @@ def bench_strata(path: str, prompts, depths, n_gen: int, ubatch: int, bw: float,
             print(f"  strata {kind} tg{n_gen}@d{d}: {tps:.1f} tok/s  "
                   f"({100 * plan.weight_bytes * tps / bw:.1f}% of bandwidth limit)", flush=True)
     lib.strata_set_pdl(pdl0)
+    plan.attn = attn0
     if "tokens_decode_pdl" in res:
         res["pdl_tokens_equal"] = res["tokens_decode_pdl"] == res["tokens_decode"]
         print(f"  PDL tokens equal to plain launches: {res['pdl_tokens_equal']}", flush=True)
@@ -282,7 +287,7 @@ def main(argv=None) -> int:
     dest.write_text(json.dumps(out, indent=1))
     print("\nsummary (tokens/s; ratio = Strata / llama.cpp)")
     for name, e in out["models"].items():
-        for kind in ("prompt", "decode", "decode_pdl", "decode_f32act"):
+        for kind in ("prompt", "decode", "decode_pdl", "decode_attn_auto", "decode_f32act"):
             for k, v in e["strata"].get(kind, {}).items():
                 ref = e.get("llama.cpp", {}).get("decode" if kind.startswith("decode") else kind, {}).get(k)
                 if "stored_from" in e.get("llama.cpp", {}):

@@ -338,3 +338,24 @@ def test_pdl_changes_no_token(model_path, prompt_ids):
         lb.strata_set_pdl(before)
     assert np.array_equal(runs[0][0], runs[1][0])
     assert runs[0][1] == runs[1][1]
+
+
+def test_decode_attention_kernels_agree(model_path, prompt_ids):
+    """The two decode attention kernels the plan can choose between (STRATA_CUDA_ATTN v1 / v2 / auto) give the same
+    step: logits within 1e-4 rel. L2 (f32 activations, so an int8 rounding flip cannot amplify a summation-order
+    difference)."""
+    model = _cuda_model(model_path)
+    pool = model.new_page_pool(1024)
+    fast = model.backend.fast_path(model)
+    st = model.new_state(pool)
+    first = int(np.argmax(_prefill(fast, st, prompt_ids, 512)))
+    plan = fast.plan(pool)
+    plan.dp4a = False
+    p0 = st.pos
+    out = {}
+    for attn in ("v2", "v1", "auto"):
+        plan.attn, plan.graphs = attn, {}
+        st.truncate(p0)
+        out[attn] = plan.decode(first, st).astype(np.float64)
+    for attn in ("v1", "auto"):
+        assert np.linalg.norm(out[attn] - out["v2"]) / np.linalg.norm(out["v2"]) < 1e-4, attn

@@ -88,8 +88,11 @@ int strata_kv_gather_q8(void *stream, const void *k_cache, const void *v_cache, 
 DP4A = os.environ.get("STRATA_CUDA_DP4A", "1") not in ("0", "false", "no", "")
 
 # Attention kernels: "v2" (default) = GQA-shared self-merging split-K decode and FlashAttention-2 (mma.sync) prefill
-# (native/cuda/attention.cu); "v1" = the first kernels (per-head split-K decode + combine, wmma flash prefill).
+# (native/cuda/attention.cu); "v1" = the first kernels (per-head split-K decode + combine, wmma flash prefill);
+# "auto" = v2 everywhere except decode below AUTO_V2_FROM positions, where the first decode kernel measured faster
+# (H200, bench/cuda_kernels.py: 6.8 vs 13.6 µs at 512 positions; 18.3 vs 14.5 at 4096).
 ATTN = os.environ.get("STRATA_CUDA_ATTN", "v2")
+AUTO_V2_FROM = 4096
 
 # Prefill attention through the tiled flash-style kernels for head_dim 64 / 128; STRATA_CUDA_FLASH=0 keeps the
 # materialized-score path (cuBLAS f32 + strata_causal_softmax).
@@ -539,7 +542,7 @@ def prefill_attention(be, q, kc, vc, pt, length: int, n_kv: int, ps: int, scale:
     total = length + n
     s = _stream_ptr()
     q8 = ks is not None
-    if FLASH and hd in FLASH_HEAD_DIMS and (ATTN == "v2" or q8):
+    if FLASH and hd in FLASH_HEAD_DIMS and (ATTN != "v1" or q8):
         out = cp.empty((n, n_head, hd), cp.float32)
         n_split = fa2_splits(n, n_head, total, be.n_sm)
         ws = cp.empty(n_split * n_head * n * (hd + 2), cp.float32) if n_split > 1 else None
@@ -701,7 +704,8 @@ def paged_attention(be: "CudaBackend", q, k, v, kc, vc, pt, length: int, ps: int
                                      ps), "strata_kv_write")
     total = length + n
     v2_ok = hd in (32, 64, 128, 256) and n_head // n_kv <= 8
-    if n == 1 and (ATTN == "v2" or q8) and v2_ok:
+    use_v2 = q8 or ATTN == "v2" or (ATTN == "auto" and total >= AUTO_V2_FROM)
+    if n == 1 and use_v2 and v2_ok:
         n_split = n_split_gqa(total, n_kv, be.n_sm)
         need = n_head * n_split * (hd + 2)
         if be._partial is None or be._partial.size < need:
@@ -788,7 +792,7 @@ class LlamaCuda:
             "hq": q8(E), "aq": q8(nq), "fq": q8(F),
         }
         self.dp4a = DP4A
-        self.attn_v2 = ATTN == "v2" or pool.kv == "q8_0"     # the first attention kernels read f16 pages only
+        self.attn = ATTN                                      # "v1" | "v2" | "auto" (decode attention kernel)
         self.graphs: dict[int, Any] = {}
         self._pf: dict[str, Any] = {}          # prefill buffers, grown to the largest ubatch seen
         self._w16: dict[int, Any] = {}         # id(DeviceWeight) -> f16 copy (F16_WEIGHTS)
@@ -833,8 +837,9 @@ class LlamaCuda:
             else:
                 _check(lb.strata_matvec(s, w.ggml_type, _p(w.data), _p(x), y_ptr, n_out, n_in, 1), "strata_matvec")
 
-    def _enqueue_step(self, n_split: int) -> None:
-        """Enqueue one decode step on the current stream (only preallocated buffers; token/pos from d['inp'])."""
+    def _enqueue_step(self, n_split: int, v2: bool) -> None:
+        """Enqueue one decode step on the current stream (only preallocated buffers; token/pos from d['inp']);
+        decode attention by strata_attn_decode_gqa (v2) or the first split-K kernel, n_split partitions."""
         lb, d, m, pool = lib(), self.d, self.model, self.pool
         s = _stream_ptr()
         E, H, KV, hd, F = self.n_embd, self.n_head, self.n_kv, self.hd, self.n_ff
@@ -847,7 +852,6 @@ class LlamaCuda:
         hq, aq, fq = (_p(d[k]) if q8 else NULL for k in ("hq", "aq", "fq"))
         ctr = _ffi.cast("unsigned *", d["counters"].data.ptr)
         pt = pool._pt
-        v2 = self.attn_v2
         _check(lb.strata_get_rows(s, m.tok_embd.ggml_type, _p(m.tok_embd.data), tok_p, _p(d["x"]), 1, E), "rows")
         _check(lb.strata_rms_norm_ex(s, _p(d["x"]), NULL, _dptr(m.layers[0].attn_norm), _p(d["hn"]), NULL, NULL,
                                      hq, 1, E, self.eps), "rms")
@@ -895,6 +899,14 @@ class LlamaCuda:
         _check(lb.strata_argmax(s, _p(d["logits"]), tok_p, 1, self.n_vocab), "argmax")
         _check(lb.strata_add_scalar(s, pos_p, 1, 2), "add")
 
+    def decode_attn_v2(self, size_class: int) -> bool:
+        """Whether the decode step of this size class uses the GQA-shared kernel (strata_attn_decode_gqa) rather
+        than the first split-K kernel: always for a q8_0 cache (the first kernel reads f16 only), else by
+        self.attn ("v2", "v1", or "auto": from AUTO_V2_FROM positions up)."""
+        if self.pool.kv == "q8_0" or self.attn == "v2":
+            return True
+        return self.attn == "auto" and size_class >= AUTO_V2_FROM
+
     @staticmethod
     def size_class(length: int) -> int:
         """Context-size class of a step attending over `length` positions: the power of two >= max(256, length)."""
@@ -906,15 +918,16 @@ class LlamaCuda:
     def _launch(self, length: int) -> None:
         """One step attending over `length` positions, on self.stream (graph replay or eager launches)."""
         cls = self.size_class(length)
-        n_split = n_split_gqa(cls, self.n_kv, self.n_sm) if self.attn_v2 else n_split_for(cls)
+        v2 = self.decode_attn_v2(cls)
+        n_split = n_split_gqa(cls, self.n_kv, self.n_sm) if v2 else n_split_for(cls)
         if not self.use_graphs:
-            self._enqueue_step(n_split)
+            self._enqueue_step(n_split, v2)
             return
         g = self.graphs.get(cls)
         if g is None:
             self.stream.begin_capture()
             try:
-                self._enqueue_step(n_split)
+                self._enqueue_step(n_split, v2)
             finally:
                 g = self.stream.end_capture()
             self.graphs[cls] = g
