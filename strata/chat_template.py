@@ -20,6 +20,7 @@ from strata.tokenizer import Tokenizer
 CutKind = Literal["root", "message", "turn", "pin"]
 _KIND_ORDER = {"root": 0, "message": 1, "pin": 2, "turn": 3}
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+MESSAGE_CUTS = 64   # messages at the end of a chat that get a "message" cut point (each costs a prefix render)
 
 
 @dataclass(frozen=True)
@@ -197,15 +198,18 @@ class ChatTemplate:
 
     # ----------------------------------------------------------------- tokens + cut points
     def render(self, messages, add_generation_prompt: bool = True, tools=None, documents=None,
-               pin_message: int | None = None, **kw) -> RenderedPrompt:
+               pin_message: int | None = None, text_check=None, **kw) -> RenderedPrompt:
         """Render and tokenize a chat, finding its cut points.
 
-        Cut points are found by rendering prefixes of the conversation: message_at(i) is the length of
+        Cut points are found by rendering prefixes of the conversation (for the last MESSAGE_CUTS messages, the
+        root and the pin only, so that the work stays linear in the conversation): message_at(i) is the length of
         render(messages[:i+1], add_generation_prompt=False) when that text is a prefix of the full text and
         its tokens are a prefix of the full tokens (otherwise that cut point is skipped); root_at is
         message_at of the last leading system message; turn_at is the length of the chat rendered without the
         generation prompt (only with add_generation_prompt); pin_at is message_at(pin_message).
-        Raises ValueError for bad messages, a bad pin_message, or template errors.
+        text_check, if given, is called with the rendered text before anything is tokenized (the engine refuses
+        text that cannot fit its context there). Raises ValueError for bad messages, a bad pin_message, or
+        template errors (and whatever text_check raises).
         """
         msgs = _prepare_messages(messages)
         if pin_message is not None:
@@ -216,6 +220,8 @@ class ChatTemplate:
             if not 0 <= pin_message < len(msgs):
                 raise ValueError(f"pin_message {pin_message} is out of range for {len(msgs)} messages")
         text = self._render(msgs, add_generation_prompt, tools, documents, kw)
+        if text_check is not None:
+            text_check(text)
         pieces, safe = self._pieces(msgs, text, add_generation_prompt, tools, documents, kw)
         tk = self.tokenizer
         joined, frags = tk.split_special(pieces)
@@ -265,7 +271,14 @@ class ChatTemplate:
         while n_sys < len(msgs) and msgs[n_sys].get("role") in ("system", "developer"):
             n_sys += 1
         msg_pos: dict[int, int] = {}
-        for i in range(len(msgs)):
+        # each message cut costs a render of the prefix: only the last MESSAGE_CUTS messages, the leading system
+        # messages' end (root) and the pinned message get one, so a long conversation renders in linear time
+        wanted = set(range(max(0, len(msgs) - MESSAGE_CUTS), len(msgs)))
+        if n_sys:
+            wanted.add(n_sys - 1)
+        if pin_message is not None:
+            wanted.add(pin_message)
+        for i in sorted(wanted):
             if i == len(msgs) - 1 and not add_generation_prompt:
                 c = len(text)
                 prefix_ok = True

@@ -211,3 +211,29 @@ def test_hf_globals_and_kwargs(tok):
     year, bos, eos, custom, js, gen, loop = text.split("#")
     assert len(year) == 4 and year.isdigit()
     assert (bos, eos, custom, js, gen, loop) == ("<|im_start|>", "<|im_end|>", "xyz", '{"a": "\u00e9<"}', "g", "0")
+
+
+def test_long_conversation_renders_in_linear_work(tmpl, monkeypatch):
+    """A 1500-message chat: the template is rendered a bounded number of times (message cut points only for the
+    last MESSAGE_CUTS messages, the root and the pin), not once per message (which made the work quadratic); the
+    cut points kept are the same as a short chat's for those messages."""
+    from strata import chat_template as CT
+    calls = []
+    real = CT.ChatTemplate._render
+
+    def counting(self, *a, **k):
+        calls.append(1)
+        return real(self, *a, **k)
+    monkeypatch.setattr(CT.ChatTemplate, "_render", counting)
+    msgs = [{"role": "system", "content": "Be brief."}] + [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"} for i in range(1500)]
+    r = tmpl.render(msgs, pin_message=3)
+    assert len(calls) <= CT.MESSAGE_CUTS + 6
+    kinds = {(c.kind, c.index) for c in r.cut_points}
+    assert ("root", 0) in kinds and ("pin", 3) in kinds and ("message", 1500) in kinds
+    assert ("message", 700) not in kinds
+    # the kept cut points sit where the same prefix, rendered and tokenized alone, ends
+    last = [c for c in r.cut_points if c.kind == "message" and c.index == 1499][0]
+    calls.clear()
+    head = tmpl.render(msgs[:1500], add_generation_prompt=False)
+    assert r.tokens[:last.pos] == head.tokens

@@ -229,3 +229,11 @@ def test_huge_text_is_refused_before_tokenizing(engine):
     with pytest.raises(ContextOverflow, match="at least"):
         engine.render_chat([{"role": "user", "content": text}])
     assert len(engine.tokenize_prompt("The river flows to the sea. " * 50)) > 50
+
+
+def test_many_small_messages_are_refused_after_one_render(engine):
+    """200,000 empty messages (6.6 MB of JSON, under the daemon's default body limit): the rendered text alone shows
+    that it cannot fit, so ContextOverflow comes before any tokenizing or prefix rendering."""
+    from strata.engine import ContextOverflow
+    with pytest.raises(ContextOverflow, match="at least"):
+        engine.render_chat([{"role": "user", "content": ""}] * 200_000)

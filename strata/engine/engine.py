@@ -117,7 +117,8 @@ class Engine:
             self._check_text_fits(sum(len(m["content"]) for m in messages
                                       if isinstance(m, dict) and isinstance(m.get("content"), str)))
         return self.template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                                    pin_message=pin_message, **template_kwargs)
+                                    pin_message=pin_message, text_check=lambda t: self._check_text_fits(len(t)),
+                                    **template_kwargs)
 
     def tokenize_prompt(self, text: str, *, add_bos: bool | None = None) -> list[int]:
         """Tokenize raw completion text (/v1/completions): BOS per the model's metadata, special-token text
