@@ -118,3 +118,13 @@ def test_status_device_memory(daemon):
     r = ctl(daemon, "status")
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith("device"))
     assert "cpu:" in line and "weights" in line and "KV pool" in line and "MiB" in line
+
+
+def test_chat_goes_on_after_a_server_error(daemon):
+    """A message the server refuses (too long for the context) is reported and dropped; the next one is answered."""
+    long = "word " * 2000
+    r = ctl(daemon, "chat", "--max-tokens", "2", "--temperature", "0", stdin=f"{long}\nHi\n/help\n/exit\n")
+    assert r.returncode == 0, r.stderr
+    assert "server error 400" in r.stderr and "context" in r.stderr
+    assert "/reset clears the conversation" in r.stderr          # /help
+    assert [ln for ln in r.stdout.splitlines() if ln.strip()]    # "Hi" was answered

@@ -254,6 +254,7 @@ def _stream_chat(c: Client, args, messages: list[dict]) -> tuple[str, dict]:
     if resp.status >= 400:
         raise CtlError(f"server error {resp.status}: {_error_message(resp.read())}", EXIT_SERVER)
     text, info = [], {}
+    done = False
     try:
         for line in resp:
             line = line.strip()
@@ -261,6 +262,7 @@ def _stream_chat(c: Client, args, messages: list[dict]) -> tuple[str, dict]:
                 continue
             data = line[6:]
             if data == b"[DONE]":
+                done = True
                 break
             d = json.loads(data)
             if "error" in d:
@@ -280,7 +282,14 @@ def _stream_chat(c: Client, args, messages: list[dict]) -> tuple[str, dict]:
         resp.close()
     sys.stdout.write("\n")
     sys.stdout.flush()
+    if not done:
+        raise CtlError(f"the answer stream from {c.where} ended before it finished (no [DONE]): the server went away?",
+                       EXIT_CONNECT)
     return "".join(text), info
+
+
+CTL_CHAT_HELP = "/reset clears the conversation, /help, /exit or Ctrl-D leaves, Ctrl-C stops an answer, // sends a " \
+    "leading '/'"
 
 
 def cmd_chat(c: Client, args) -> int:
@@ -296,8 +305,7 @@ def cmd_chat(c: Client, args) -> int:
         return EXIT_OK
     interactive = sys.stdin.isatty()
     if interactive:
-        print("stratactl chat: type a message; /reset clears the conversation, /exit or Ctrl-D leaves, // sends a "
-              "leading '/'.",
+        print(f"stratactl chat: type a message. {CTL_CHAT_HELP}",
               file=sys.stderr)
     while True:
         try:
@@ -314,15 +322,29 @@ def cmd_chat(c: Client, args) -> int:
             return EXIT_OK
         if line == "/reset":
             messages = messages[:1] if args.system else []
+            print("(new conversation)", file=sys.stderr)
+            continue
+        if line == "/help":
+            print(CTL_CHAT_HELP, file=sys.stderr)
             continue
         if line.startswith("//"):              # an escaped slash: the message itself starts with '/'
             line = line[1:]
         elif line.startswith("/") and len(line) > 1 and not line[1].isspace():
-            print(f"stratactl: unknown command {line.split()[0]!r} (not sent); /reset, /exit; // sends a "
-                  "leading '/'", file=sys.stderr)
+            print(f"stratactl: unknown command {line.split()[0]!r} (not sent). {CTL_CHAT_HELP}", file=sys.stderr)
             continue
         messages.append({"role": "user", "content": line})
-        text, info = _stream_chat(c, args, messages)
+        try:
+            text, info = _stream_chat(c, args, messages)
+        except KeyboardInterrupt:              # Ctrl-C stops this answer; the chat goes on without it
+            messages.pop()
+            print("\n(interrupted)", file=sys.stderr)
+            continue
+        except CtlError as e:
+            if e.code != EXIT_SERVER:          # the server is gone: nothing more to chat with
+                raise
+            messages.pop()                     # e.g. the conversation outgrew the context: say so, go on
+            print(f"stratactl: {e}", file=sys.stderr)
+            continue
         messages.append({"role": "assistant", "content": text})
         _print_stats(args, info)
 
@@ -387,6 +409,9 @@ def main(argv: list[str] | None = None) -> int:
         return e.code
     except BrokenPipeError:
         return EXIT_OK
+    except KeyboardInterrupt:                  # Ctrl-C outside an interactive answer: leave without a traceback
+        print("\n(interrupted)", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
