@@ -159,3 +159,9 @@ def test_chat_unknown_slash_command_is_not_sent_to_the_model(default_model_path)
     assert p.returncode == 0 and "Traceback" not in err, err
     assert "unknown command '/helpme'" in err
     assert err.count("[prompt:") == 2          # "//etc is a folder" and "hello" were answered, "/helpme" was not
+
+
+def test_context_too_large_for_memory_is_one_line(default_model_path):
+    """--n-ctx far beyond memory (the float32 KV cache would need terabytes): one line naming n_ctx, no traceback."""
+    p = strata("generate", "--prompt", "hi", "-n", "1", "--n-ctx", str(10 ** 10))
+    assert_one_line_error(p, "cannot allocate the KV cache for n_ctx 10000000000")

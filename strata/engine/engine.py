@@ -90,7 +90,11 @@ class Engine:
         except ValueError as e:
             raise ModelLoadError(f"{path}: {e}") from None
         self.template, self._template_error = _make_template(self.file, self.tokenizer)
-        self.pool = self.model.new_page_pool(self.n_ctx)
+        try:
+            self.pool = self.model.new_page_pool(self.n_ctx)
+        except MemoryError as e:            # numpy's ArrayMemoryError too; CuPy's OutOfMemoryError is a MemoryError
+            raise ValueError(f"cannot allocate the KV cache for n_ctx {self.n_ctx}: {str(e).splitlines()[0]} "
+                             f"(choose a smaller --n-ctx)") from None
         self.state = self.model.new_state(self.pool)
         self.load_ms = (time.perf_counter() - t0) * 1000.0
         self.cache = CheckpointCache(cap=self.prompt_cache, every=int(prompt_cache_every),
