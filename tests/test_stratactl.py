@@ -113,11 +113,13 @@ def test_status_device_memory(daemon):
     kv = s["engine"]["kv_pages"]
     assert kv["total"] * kv["page_size"] >= 512
     assert dev["kv_pool_bytes"] == kv["total"] * kv["page_size"] * 30 * 2 * 3 * 64 * 4
-    assert 0 <= dev["kv_used_bytes"] <= dev["kv_pool_bytes"]
+    assert 0 <= dev["kv_valid_bytes"] <= dev["kv_used_bytes"] <= dev["kv_pool_bytes"]
+    assert dev["kv"] == "f32" and s["engine"]["kv"] == "f32"   # the CPU backend's cache holds float32
     assert "device_total_bytes" not in dev                     # no accelerator memory on the CPU backend
     r = ctl(daemon, "status")
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith("device"))
-    assert "cpu:" in line and "weights" in line and "KV pool" in line and "MiB" in line
+    assert "cpu:" in line and "weights" in line and "KV pool f32" in line and "MiB" in line
+    assert "in pages held" in line and "in valid positions" in line
 
 
 def test_chat_goes_on_after_a_server_error(daemon):

@@ -146,7 +146,11 @@ def _device_line(dev: dict) -> str:
                      f"used ({_human_bytes(dev.get('device_free_bytes'))} free), CuPy pool "
                      f"{_human_bytes(dev.get('pool_used_bytes'))} / {_human_bytes(dev.get('pool_total_bytes'))}")
     parts.append(f"weights {_human_bytes(dev.get('weights_bytes'))}")
-    parts.append(f"KV pool {_human_bytes(dev.get('kv_pool_bytes'))} ({_human_bytes(dev.get('kv_used_bytes'))} in use)")
+    held = f"{_human_bytes(dev.get('kv_used_bytes'))} in pages held"
+    if dev.get("kv_valid_bytes") is not None:
+        held += f", {_human_bytes(dev.get('kv_valid_bytes'))} in valid positions"
+    kv = f" {dev['kv']}" if dev.get("kv") else ""
+    parts.append(f"KV pool{kv} {_human_bytes(dev.get('kv_pool_bytes'))} ({held})")
     if dev.get("error"):
         parts.append(f"memory info failed: {dev['error']}")
     return f"{dev.get('name', '?')}: " + ", ".join(parts)

@@ -68,7 +68,7 @@ class Engine:
         self.n_ctx = int(n_ctx)
         self.ubatch = int(ubatch)
         self.device = device
-        self.kv = kv
+        self.kv = kv if device != "cpu" else "f32"       # what the KV cache holds (the CPU backend: float32)
         self._max_token_chars: int | None = None
         self.prompt_cache = int(prompt_cache)
 

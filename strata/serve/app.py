@@ -239,7 +239,9 @@ def _array_bytes(arrays) -> int | None:
 
 def device_info(engine) -> dict:
     """The "device" object of /status: name ("cpu" or "cuda:N"), kind, the model's weight bytes (GGUF tensor bytes),
-    the KV page pool's bytes (allocated, and in pages in use); on CUDA also the device's total / free / used bytes
+    the KV cache type ("f32" on the CPU, "f16" / "q8_0" on CUDA), the KV page pool's bytes (allocated; in pages
+    held by the sequence, which keeps its pages after a shorter prompt; in valid positions); on CUDA also the
+    device's total / free / used bytes
     (cudaMemGetInfo) and CuPy's memory pool used / total bytes (CudaBackend.memory_info, read on that device)."""
     backend = getattr(engine, "backend", None)
     name = str(getattr(backend, "name", None) or getattr(engine, "device", "cpu"))
@@ -248,10 +250,16 @@ def device_info(engine) -> dict:
     d["weights_bytes"] = int(f.nbytes) if f is not None else None
     pool = getattr(engine, "pool", None)
     if pool is not None:
-        alloc = _array_bytes(list(getattr(pool, "k", []) or []) + list(getattr(pool, "v", []) or []))
+        arrays = [a for name in ("k", "v", "ks", "vs") for a in (getattr(pool, name, None) or [])]
+        alloc = _array_bytes(arrays)
         per_token = int(pool.bytes_per_token)
+        d["kv"] = getattr(engine, "kv", None)
         d["kv_pool_bytes"] = alloc if alloc else int(pool.capacity_tokens) * per_token
         d["kv_used_bytes"] = (pool.n_pages - pool.n_free) * pool.page_size * per_token
+        st = getattr(engine, "state", None)
+        kvs = getattr(st, "kv", None)
+        if kvs is not None and getattr(kvs, "pool", None) is pool:
+            d["kv_valid_bytes"] = int(kvs.length) * per_token
     mem = getattr(backend, "memory_info", None)
     if callable(mem):
         ctx = getattr(backend, "device", None)
