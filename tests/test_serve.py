@@ -476,3 +476,13 @@ def test_too_long_socket_path_is_a_clear_error(tmp_path):
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "over the 107-byte limit of Unix socket addresses" in r.stderr
     assert not sock.parent.exists()          # nothing created
+
+
+def test_serve_kv_q8_0_on_cpu_is_refused_before_listening(tmp_path):
+    import subprocess
+    import sys
+    sock = tmp_path / "s.sock"
+    r = subprocess.run([sys.executable, "-m", "strata.cli.main", "serve", "--socket", str(sock), "--kv", "q8_0"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--kv q8_0 needs --device cuda" in r.stderr and "Traceback" not in r.stderr
+    assert not sock.exists()

@@ -92,6 +92,8 @@ def check_args(args) -> str | None:
         return "--no-socket needs --port (or --host): the daemon would listen nowhere"
     if args.drain_timeout < 0:
         return f"--drain-timeout must be >= 0, got {args.drain_timeout}"
+    if getattr(args, "kv", "f16") != "f16" and getattr(args, "device", "cpu") == "cpu":
+        return f"--kv {args.kv} needs --device cuda (the CPU backend keeps its KV cache in float32)"
     return None
 
 
