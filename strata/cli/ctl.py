@@ -162,7 +162,9 @@ def cmd_status(c: Client, args) -> int:
     kv = e.get("kv_pages") or {}
     mem = e.get("memory") or {}
     q = d.get("queue", {})
-    stages = ", ".join(f"{s.get('stage')}: {s.get('device')} layers {s.get('layers')}" for s in d.get("stages", []))
+    def _layers(r):
+        return f"layers {r[0]}-{r[1] - 1}" if isinstance(r, list) and len(r) == 2 else f"layers {r}"
+    stages = ", ".join(f"{s.get('stage')}: {s.get('device')} {_layers(s.get('layers'))}" for s in d.get("stages", []))
     _out(args, d, _kv([
         ("model", d.get("model")), ("arch", e.get("arch")), ("path", e.get("path")), ("n_ctx", e.get("n_ctx")),
         ("stages", stages), ("position", e.get("pos")),

@@ -211,8 +211,10 @@ def cmd_chat(args) -> int:
                                     sampling=sampling, max_tokens=args.max_tokens, stop=list(args.stop))
             final = _stream(engine, req, _Tee())
         except ValueError as e:        # invalid text, or ContextOverflow: the conversation outgrew the context
+            alone = len(messages) == len(base) + 1      # the message itself does not fit: /reset would not help
             messages.pop()
-            print(f"strata: error: {e} (use /reset)", file=sys.stderr)
+            print(f"strata: error: {e}" + ("" if alone else " (the message was dropped; /reset starts over)"),
+                  file=sys.stderr)
             continue
         except KeyboardInterrupt:      # Ctrl-C stops this answer; the chat goes on without it
             messages.pop()
