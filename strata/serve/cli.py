@@ -42,8 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
     n = p.add_argument_group("listening")
     n.add_argument("--socket", default=None,
-                   help="Unix socket path (default: $RUNTIME_DIRECTORY/strata.sock under systemd, else "
-                        "$XDG_RUNTIME_DIR/strata/strata.sock, else /run/strata/strata.sock)")
+                   help="Unix socket path (default: $STRATA_SOCKET, else $RUNTIME_DIRECTORY/strata.sock under "
+                        "systemd, else $XDG_RUNTIME_DIR/strata/strata.sock, else /run/strata/strata.sock)")
     n.add_argument("--no-socket", action="store_true", help="do not listen on a Unix socket (TCP only)")
     n.add_argument("--host", default=None, help="TCP address for OpenAI clients (default 127.0.0.1 when --port is given)")
     n.add_argument("--port", type=_nonneg, default=None, help=f"TCP port (default {DEFAULT_PORT} when --host is given)")
