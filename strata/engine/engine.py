@@ -117,9 +117,8 @@ class Engine:
         if self.template is None:
             raise ValueError(f"{self.model_name} has no usable chat template ({self._template_error}); "
                              "send raw text instead")
-        if isinstance(messages, list):
-            self._check_text_fits(sum(len(m["content"]) for m in messages
-                                      if isinstance(m, dict) and isinstance(m.get("content"), str)))
+        # the rendered text, not the message contents, is what gets tokenized (templates may drop parts of a
+        # content, e.g. earlier turns' reasoning): its length bounds the token count before any tokenizing
         return self.template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                     pin_message=pin_message, text_check=lambda t: self._check_text_fits(len(t)),
                                     **template_kwargs)
