@@ -2,6 +2,7 @@
 # Device calls of the CUDA work (issue 6): logs and JSON go to $OUT. Carried folders (see docs/cuda.md):
 #   .dev/A = wheels (whl/), the default model's first half (parts/), llamacpp.tar.gz, tok.gguf
 #   .dev/B = wheels, the model's second half + its sha256 manifest, join.sh
+#   (local folders named in .git/info/exclude, made with ../shared/offline/{wheels,split,llamacpp-src}.sh)
 # Stage K (carry .dev/A): install the wheels, start the llama.cpp CUDA build in the background (llama-bench into
 #   /tmp/lb/bin), build the kernels for sm_90, run the kernel tests and bench/cuda_kernels.py.
 # Stage M (carry .dev/B, same warm machine): join the model, run the parity / device-error tests (and the hybrid and
@@ -35,7 +36,7 @@ if [ "$stage" = K ]; then
   cp .dev/A/tok.gguf /tmp/tok.gguf
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
   [ -f strata/_cuda_kernels.so ] && [ -n "$PREBUILT" ] || build
-  timeout ${KT_S:-200} python3 -m pytest -v -rs -p timeout --timeout 40 tests/test_cuda_kernels.py ${KT_K:+-k "$KT_K"} 2>&1 \
+  timeout ${KT_S:-200} python3 -m pytest -v -rs -p timeout --timeout 40 --timeout-method thread tests/test_cuda_kernels.py ${KT_K:+-k "$KT_K"} 2>&1 \
     | grep -E "PASS|FAIL|ERROR|Timeout|passed|failed|Error|assert" | tail -60 > "$OUT/kernels.log"
   grep -cE "PASSED" "$OUT/kernels.log"; grep -vE "PASSED" "$OUT/kernels.log" | tail -30
   timeout ${KB_S:-200} python3 bench/cuda_kernels.py --out "$OUT/cuda_kernels.json" 2>&1 | tee "$OUT/cuda_kernels.log"
