@@ -130,3 +130,11 @@ def test_chat_goes_on_after_a_server_error(daemon):
     assert "server error 400" in r.stderr and "context" in r.stderr
     assert "/reset clears the conversation" in r.stderr          # /help
     assert [ln for ln in r.stdout.splitlines() if ln.strip()]    # "Hi" was answered
+
+
+def test_chat_is_greedy_by_default_like_strata_chat(daemon):
+    """stratactl chat without --temperature sends temperature 0: the same question twice, the same answer."""
+    a = ctl(daemon, "chat", "--max-tokens", "12", "Name a colour.")
+    b = ctl(daemon, "chat", "--max-tokens", "12", "Name a colour.")
+    assert a.returncode == 0 and b.returncode == 0
+    assert a.stdout == b.stdout and a.stdout.strip()

@@ -321,7 +321,7 @@ def cmd_chat(c: Client, args) -> int:
         except KeyboardInterrupt:
             print(file=sys.stderr)
             return EXIT_OK
-        line = line.strip()
+        raw, line = line, line.strip()         # commands are matched stripped; a message is sent as typed
         if not line:
             continue
         if line in ("/exit", "/quit"):
@@ -334,11 +334,11 @@ def cmd_chat(c: Client, args) -> int:
             print(CTL_CHAT_HELP, file=sys.stderr)
             continue
         if line.startswith("//"):              # an escaped slash: the message itself starts with '/'
-            line = line[1:]
+            raw = raw.replace("//", "/", 1)
         elif line.startswith("/") and len(line) > 1 and not line[1].isspace():
             print(f"stratactl: unknown command {line.split()[0]!r} (not sent). {CTL_CHAT_HELP}", file=sys.stderr)
             continue
-        messages.append({"role": "user", "content": line})
+        messages.append({"role": "user", "content": raw})
         try:
             text, info = _stream_chat(c, args, messages)
         except KeyboardInterrupt:              # Ctrl-C stops this answer; the chat goes on without it
@@ -395,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--system", default=None, help="system prompt")
     ch.add_argument("--model", default=None)
     ch.add_argument("--max-tokens", "-n", type=int, default=256, help="tokens per answer at most (default 256, as `strata chat`)")
-    ch.add_argument("--temperature", type=float, default=None)
+    ch.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default, as `strata chat`)")
     ch.add_argument("--top-k", type=int, default=None)
     ch.add_argument("--top-p", type=float, default=None)
     ch.add_argument("--seed", type=int, default=None)
