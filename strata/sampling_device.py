@@ -54,12 +54,8 @@ def sample_kernel():
         return None
     if _kernel_lib is None:
         try:
-            import cffi
-
-            from strata.backend.cuda import _lib_path
-            ffi = cffi.FFI()
-            ffi.cdef(_KERNEL_CDEF)
-            lib = ffi.dlopen(str(_lib_path()))
+            from strata.backend.cuda import open_kernel_library
+            ffi, lib = open_kernel_library(_KERNEL_CDEF)
             _ = lib.strata_sample                               # AttributeError: an older library
             _kernel_lib = (ffi, lib)
         except Exception:  # noqa: BLE001 -- no kernel: the array path does the same sampling

@@ -174,17 +174,24 @@ def _lib_path() -> Path:
     return Path(os.environ.get("STRATA_CUDA_LIB", str(DEFAULT_LIB)))
 
 
+def open_kernel_library(cdef: str) -> tuple[Any, Any]:
+    """(ffi, lib): the kernel library (strata/_cuda_kernels.so, or $STRATA_CUDA_LIB) opened through a new cffi FFI
+    in ABI mode with these C declarations. Each module that launches kernels keeps its own (cdata of one FFI is
+    not passed to another). Raises CudaUnavailable when the library is missing."""
+    import cffi
+    ffi = cffi.FFI()
+    ffi.cdef(cdef)
+    p = _lib_path()
+    if not p.exists():
+        raise CudaUnavailable(f"kernel library {p} missing (run: python native/build_cuda.py)")
+    return ffi, ffi.dlopen(str(p))
+
+
 def lib():
     """The cffi handle of the kernel library (loaded once)."""
     global _lib, _ffi
     if _lib is None:
-        import cffi
-        ffi = cffi.FFI()
-        ffi.cdef(_CDEF)
-        p = _lib_path()
-        if not p.exists():
-            raise CudaUnavailable(f"kernel library {p} missing (run: python native/build_cuda.py)")
-        _lib, _ffi = ffi.dlopen(str(p)), ffi
+        _ffi, _lib = open_kernel_library(_CDEF)
     return _lib
 
 

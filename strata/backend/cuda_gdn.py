@@ -1,7 +1,7 @@
 """Launchers of the Gated DeltaNet CUDA kernels (native/cuda/gdn.cu in strata/_cuda_kernels.so) on CuPy arrays.
 
-The library is the CUDA backend's (strata/backend/cuda.py ``_lib_path``), opened here with this module's own cffi
-FFI and cdef (ABI mode), so the two modules do not share declarations. Kernels run on CuPy's current stream.
+The library is the CUDA backend's, opened by strata/backend/cuda.py ``open_kernel_library`` with this module's own
+cffi FFI and cdef (ABI mode), so the two modules do not share declarations. Kernels run on CuPy's current stream.
 Semantics are those of strata/backend/gdn.py: ``recurrent`` = ``gdn.delta_rule_recurrent``, ``conv`` =
 ``gdn.causal_conv1d`` (state arrays updated in place).
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from strata.backend.cuda import _check, _lib_path
+from strata.backend.cuda import _check, open_kernel_library
 
 _CDEF = """
 int strata_gdn_recurrent(void *stream, const float *q, const float *k, const float *v, const float *g,
@@ -27,13 +27,7 @@ def lib():
     """The cffi handle of the kernel library with the GDN declarations (loaded once)."""
     global _ffi, _lib
     if _lib is None:
-        import cffi
-        ffi = cffi.FFI()
-        ffi.cdef(_CDEF)
-        p = _lib_path()
-        if not p.exists():
-            raise RuntimeError(f"kernel library {p} missing (run: python native/build_cuda.py)")
-        _lib, _ffi = ffi.dlopen(str(p)), ffi
+        _ffi, _lib = open_kernel_library(_CDEF)
     return _lib
 
 
