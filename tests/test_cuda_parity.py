@@ -195,12 +195,11 @@ def cuda_engine_nocache(model_path):
     return Engine("default", n_ctx=2048, device="cuda", prompt_cache=0)
 
 
-def test_engine_cuda_greedy_matches_reference(cuda_engine, hf):
+def engine_greedy_vs_reference(e, m, label: str):
+    """32 greedy tokens of a fresh chat from engine e and from transformers model m: (prompt tokens, ours, ref)."""
     import torch
     from strata.engine import GenerationRequest
     from strata.sampling import SamplingParams
-    _, m = hf
-    e = cuda_engine
     e.clear_checkpoints()
     e.state_reset()
     r = e.render_chat([{"role": "user", "content": "Name three rivers in Europe and one fact about each."}])
@@ -209,9 +208,16 @@ def test_engine_cuda_greedy_matches_reference(cuda_engine, hf):
     with torch.no_grad():
         out = m.generate(torch.tensor([list(r.tokens)]), max_new_tokens=32, do_sample=False)
     ref = [int(t) for t in out[0, len(r.tokens):]]
-    print("engine cuda:", got[:16], "ref:", ref[:16], evs[-1].timings)
+    print(f"{label}:", got[:16], "ref:", ref[:16], evs[-1].timings)
+    return r.tokens, got, ref
+
+
+def test_engine_cuda_greedy_matches_reference(cuda_engine, hf):
+    _, m = hf
+    e = cuda_engine
+    prompt, got, ref = engine_greedy_vs_reference(e, m, "engine cuda")
     assert len(got) > 0
-    assert_greedy_matches(m, r.tokens, got, ref)
+    assert_greedy_matches(m, prompt, got, ref)
     assert e.model.plans, "the engine's decode did not use the graph plan"
     st = e.status()
     assert st["device"] == "cuda" and st["state_bytes"] > 0
@@ -292,22 +298,11 @@ def cuda_engine_q8(model_path):
 def test_engine_cuda_kv_q8_0_greedy_and_memory(cuda_engine_q8, cuda_engine, hf):
     """The engine with a q8_0 KV cache: greedy tokens match transformers' (near ties excepted, as for f16), the plan
     is used, and the cache takes 1.0625 / 2 of the f16 cache's bytes per token."""
-    import torch
-    from strata.engine import GenerationRequest
-    from strata.sampling import SamplingParams
     _, m = hf
     e = cuda_engine_q8
-    e.clear_checkpoints()
-    e.state_reset()
-    r = e.render_chat([{"role": "user", "content": "Name three rivers in Europe and one fact about each."}])
-    evs = list(e.generate(GenerationRequest(r.tokens, r.cut_points, SamplingParams(temperature=0.0), max_tokens=32)))
-    got = [x.token_id for x in evs[:-1]]
-    with torch.no_grad():
-        out = m.generate(torch.tensor([list(r.tokens)]), max_new_tokens=32, do_sample=False)
-    ref = [int(t) for t in out[0, len(r.tokens):]]
-    print("engine cuda kv q8_0:", got[:16], "ref:", ref[:16])
+    prompt, got, ref = engine_greedy_vs_reference(e, m, "engine cuda kv q8_0")
     # q8_0 K/V carry ~0.4% error on top of the f16 path's: a near tie may part a little earlier / a little wider
-    assert_greedy_matches(m, r.tokens, got, ref, near_tie=2 * NEAR_TIE_LOGIT, min_index=4)
+    assert_greedy_matches(m, prompt, got, ref, near_tie=2 * NEAR_TIE_LOGIT, min_index=4)
     assert e.model.plans
     assert e.pool.bytes_per_token * 32 == cuda_engine.pool.bytes_per_token * 17
 
