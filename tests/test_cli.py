@@ -165,3 +165,14 @@ def test_context_too_large_for_memory_is_one_line(default_model_path):
     """--n-ctx far beyond memory (the float32 KV cache would need terabytes): one line naming n_ctx, no traceback."""
     p = strata("generate", "--prompt", "hi", "-n", "1", "--n-ctx", str(10 ** 10))
     assert_one_line_error(p, "cannot allocate the KV cache for n_ctx 10000000000")
+
+
+def test_parse_chat_line():
+    from strata.cli.chat_input import parse_chat_line as p
+    assert p("   ") == ("empty", "")
+    assert p(" /quit ") == ("quit", "") and p("/exit") == ("quit", "")
+    assert p("/reset") == ("reset", "") and p("/help") == ("help", "")
+    assert p("/frob now") == ("unknown", "/frob")
+    assert p("//etc is a folder ") == ("message", "/etc is a folder ")       # sent as typed, one '/' less
+    assert p("/ not a command") == ("message", "/ not a command")
+    assert p(" hello  ") == ("message", " hello  ")

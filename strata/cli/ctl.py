@@ -15,6 +15,7 @@ import time
 import urllib.parse
 from typing import Any
 
+from strata.cli.chat_input import parse_chat_line
 from strata.serve.paths import client_socket_path
 
 EXIT_OK, EXIT_SERVER, EXIT_USAGE, EXIT_CONNECT = 0, 1, 2, 3
@@ -321,24 +322,22 @@ def cmd_chat(c: Client, args) -> int:
         except KeyboardInterrupt:
             print(file=sys.stderr)
             return EXIT_OK
-        raw, line = line, line.strip()         # commands are matched stripped; a message is sent as typed
-        if not line:
+        kind, line = parse_chat_line(line)
+        if kind == "empty":
             continue
-        if line in ("/exit", "/quit"):
+        if kind == "quit":
             return EXIT_OK
-        if line == "/reset":
+        if kind == "reset":
             messages = messages[:1] if args.system else []
             print("(new conversation)", file=sys.stderr)
             continue
-        if line == "/help":
+        if kind == "help":
             print(CTL_CHAT_HELP, file=sys.stderr)
             continue
-        if line.startswith("//"):              # an escaped slash: the message itself starts with '/'
-            raw = raw.replace("//", "/", 1)
-        elif line.startswith("/") and len(line) > 1 and not line[1].isspace():
-            print(f"stratactl: unknown command {line.split()[0]!r} (not sent). {CTL_CHAT_HELP}", file=sys.stderr)
+        if kind == "unknown":
+            print(f"stratactl: unknown command {line!r} (not sent). {CTL_CHAT_HELP}", file=sys.stderr)
             continue
-        messages.append({"role": "user", "content": raw})
+        messages.append({"role": "user", "content": line})
         try:
             text, info = _stream_chat(c, args, messages)
         except KeyboardInterrupt:              # Ctrl-C stops this answer; the chat goes on without it

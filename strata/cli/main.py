@@ -6,6 +6,8 @@ import importlib
 import os
 import sys
 
+from strata.cli.chat_input import parse_chat_line
+
 # Modules that add subcommands: each exposes add_parser(subparsers) -> the parser it added, whose
 # `func` default is called with the parsed args and returns an exit status. Missing modules are skipped.
 SUBCOMMAND_MODULES = ["strata.serve.cli"]
@@ -177,23 +179,20 @@ def cmd_chat(args) -> int:
             if interactive:
                 print(file=sys.stderr)
             return 0
-        text = line.strip()
-        if not text:
+        kind, line = parse_chat_line(line)
+        if kind == "empty":
             continue
-        if text in ("/quit", "/exit"):
+        if kind == "quit":
             return 0
-        if text == "/reset":
+        if kind == "reset":
             messages = list(base)
             print("(new conversation)", file=sys.stderr)
             continue
-        if text == "/help":
+        if kind == "help":
             print(CHAT_HELP, file=sys.stderr)
             continue
-        if text.startswith("//"):              # an escaped slash: the message itself starts with '/'
-            line = line.replace("//", "/", 1)
-        elif text.startswith("/") and len(text) > 1 and not text[1].isspace():
-            print(f"strata: unknown command {text.split()[0]!r} (not sent to the model). {CHAT_HELP}",
-                  file=sys.stderr)
+        if kind == "unknown":
+            print(f"strata: unknown command {line!r} (not sent to the model). {CHAT_HELP}", file=sys.stderr)
             continue
         messages.append({"role": "user", "content": line})
         chunks: list[str] = []
