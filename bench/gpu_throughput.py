@@ -237,20 +237,21 @@ def main(argv=None) -> int:
     prompts = [int(x) for x in a.prompts.split(",")]
     depths = [int(x) for x in a.depths.split(",")]
     models = [str(resolve_model(m)) for m in (a.model or ["default"]) if m != "none"]
-    if a.synthetic:
-        if not os.path.exists(a.synthetic):
+    tok_src = a.tokenizer_from or (models[0] if models else None)
+
+    def synthetic(path: str, make, what: str) -> None:
+        if not os.path.exists(path):
             t0 = time.time()
-            make_synthetic_llama(a.synthetic, a.tokenizer_from or models[0])
-            print(f"synthetic model written in {time.time() - t0:.1f}s", flush=True)
-        models.append(a.synthetic)
+            make(path, tok_src)
+            print(f"synthetic {what} written in {time.time() - t0:.1f}s", flush=True)
+        models.append(path)
+
+    if a.synthetic:
+        synthetic(a.synthetic, make_synthetic_llama, "model")
     hybrids = []
     if a.synthetic_hybrid:
         from bench.gpu_hybrid_model import make_synthetic_hybrid
-        if not os.path.exists(a.synthetic_hybrid):
-            t0 = time.time()
-            make_synthetic_hybrid(a.synthetic_hybrid, a.tokenizer_from or models[0])
-            print(f"synthetic hybrid written in {time.time() - t0:.1f}s", flush=True)
-        models.append(a.synthetic_hybrid)
+        synthetic(a.synthetic_hybrid, make_synthetic_hybrid, "hybrid")
         hybrids.append(a.synthetic_hybrid)
     props = cp.cuda.runtime.getDeviceProperties(0)
     gpu = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
