@@ -115,8 +115,8 @@ def main(argv=None) -> int:
         del ws
 
     # decode attention
-    print(f"\n{'attn decode':28s} {'v1 us':>8s} {'v2 us':>8s} {'v2 KV TB/s':>10s}   v2 us at >= 64 / 128 positions "
-          "per block (ATTN_CHUNK sweep)")
+    print(f"\n{'attn decode':28s} {'v1 us':>8s} {'v2 us':>8s} {'v2 KV TB/s':>10s}   best v2 of the sweep over "
+          "positions per block (ATTN_CHUNK 64/128/256) x blocks per SM (ATTN_BPS 2/4/8/16)")
     ps = 16
     for H, KV, hd in ((9, 3, 64), (16, 8, 128), (32, 8, 128)):
         for L in (512, 4096, 16384):
@@ -145,17 +145,20 @@ def main(argv=None) -> int:
                                                                C._p(out), C._p(oq), H, KV, hd, ps, n2, sc, ffi.NULL,
                                                                ffi.NULL))
             sweep = {}
-            for chunk in (64, 128):
-                nc2 = C.n_split_gqa(L, KV, be.n_sm, chunk)
-                sweep[chunk] = 1e6 * timeit(cp, lambda nc2=nc2: lib.strata_attn_decode_gqa(
-                    s(), C._p(q), *kv(), C._p(pt), ffi.NULL, L, C._p(ws), ffi.cast("unsigned *", ctr.data.ptr),
-                    C._p(out), C._p(oq), H, KV, hd, ps, nc2, sc, ffi.NULL, ffi.NULL))
+            for chunk in (64, 128, 256):
+                for bps in (2, 4, 8, 16):
+                    nc2 = C.n_split_gqa(L, KV, be.n_sm, chunk, bps)
+                    sweep[f"{chunk}/{bps}"] = 1e6 * timeit(cp, lambda nc2=nc2: lib.strata_attn_decode_gqa(
+                        s(), C._p(q), *kv(), C._p(pt), ffi.NULL, L, C._p(ws), ffi.cast("unsigned *", ctr.data.ptr),
+                        C._p(out), C._p(oq), H, KV, hd, ps, nc2, sc, ffi.NULL, ffi.NULL))
+            best = min(sweep, key=sweep.get)
             kvb = 2 * L * KV * hd * 2
             res["attn_decode"].append({"H": H, "KV": KV, "hd": hd, "L": L, "v1_us": t1 * 1e6, "v2_us": t2 * 1e6,
-                                       "n_split_v2": n2, "kv_bytes": kvb, "v2_us_by_chunk": sweep,
-                                       "chunk": C.ATTN_CHUNK})
+                                       "n_split_v2": n2, "kv_bytes": kvb, "v2_us_by_chunk_bps": sweep,
+                                       "chunk": C.ATTN_CHUNK, "bps": C.ATTN_BPS, "best": best})
             print(f"H{H} KV{KV} hd{hd} L{L:6d} split{n2:4d}  {t1 * 1e6:8.1f} {t2 * 1e6:8.1f} {kvb / t2 / 1e12:10.2f}   "
-                  f"{sweep[64]:6.1f} {sweep[128]:6.1f}", flush=True)
+                  f"{sweep[best]:6.1f} at {best}  (" + " ".join(f"{k}:{v:.1f}" for k, v in sweep.items()) + ")",
+                  flush=True)
 
     # prefill attention (n = 512 queries after `length` cached positions)
     print(f"\n{'attn prefill':30s} {'v1 ms':>8s} {'v2 ms':>8s} {'v2 TFLOP/s':>10s}")

@@ -165,21 +165,27 @@ def make_synthetic_hybrid(out_path: str | os.PathLike, tok_src_gguf: str | os.Pa
 
 
 def bench_hybrid(path: str, prompts=PROMPTS, depths=DEPTHS, n_gen: int = 128, ubatch: int = 512) -> dict:
-    """Time strata.models.base.load_model(path, CudaBackend()) on random tokens.
+    """Time strata.models.base.load_model(path, CudaBackend()) on random tokens, as the engine runs it
+    (CudaBackend.fast_path: the CUDA-graph decode plan when it supports the model).
 
     prompt: for each n in prompts, a fresh sequence reads n tokens in ubatch-sized forward calls (best of 2);
-    decode: for each depth d, a sequence holding d tokens reads n_gen tokens by one-token forward calls (greedy,
-    argmax of the host logits). The device is synchronized before each clock read. Returns
-    {"prompt": {n: tok/s}, "decode": {d: tok/s}} (keys are ints).
+    prompt_chunked: the same for the smallest n with the chunked delta rule (gdn_mode "chunked"; the default on the
+    device is the recurrent kernel). decode: for each depth d, a sequence holding d tokens reads n_gen tokens
+    greedily (the plan's decode_greedy, device argmax, when there is a plan; else one-token forward calls and the
+    host argmax); decode_generic: the same at the first depth through the model's own forward (no plan: the
+    feature's reference). The device is synchronized before each clock read. Returns {"prompt": {n: tok/s},
+    "prompt_chunked": {...}, "decode": {d: tok/s}, "decode_generic": {...}, "plan": bool} (keys are ints).
     """
     import cupy as cp
     from strata.backend.cuda import CudaBackend
     from strata.models.base import load_model
     rng = np.random.default_rng(0)
     model = load_model(path, CudaBackend())
+    fast = model.backend.fast_path(model)
     max_ctx = max(max(prompts, default=0), max(depths, default=0) + n_gen + 16) + 256
     pool = model.new_page_pool(max_ctx)
     st = model.new_state(pool)
+    plan = fast.plan(pool) if hasattr(fast, "plan") else None
     vocab = model.config.n_vocab
     sync = cp.cuda.Device().synchronize
 
@@ -187,14 +193,10 @@ def bench_hybrid(path: str, prompts=PROMPTS, depths=DEPTHS, n_gen: int = 128, ub
         st.reset()
         logits = None
         for s in range(0, len(toks), ubatch):
-            logits = model.forward(np.asarray(toks[s:s + ubatch], np.int32), st)
+            logits = fast.forward(np.asarray(toks[s:s + ubatch], np.int32), st)
         return logits
 
-    prefill(rng.integers(0, vocab, min(ubatch, 128) + 3))           # warm-up: cuBLAS, cuSOLVER, kernels
-    for t in range(3):
-        model.forward(np.asarray([t], np.int32), st)
-    res: dict = {"prompt": {}, "decode": {}}
-    for n in prompts:
+    def timed_prompt(n):
         toks = rng.integers(0, vocab, n)
         ts = []
         for _ in range(2):
@@ -203,19 +205,46 @@ def bench_hybrid(path: str, prompts=PROMPTS, depths=DEPTHS, n_gen: int = 128, ub
             prefill(toks)
             sync()
             ts.append(time.perf_counter() - t0)
-        res["prompt"][n] = n / min(ts)
-        print(f"  strata hybrid pp{n}: {n / min(ts):.1f} tok/s", flush=True)
-    for d in depths:
-        logits = prefill(rng.integers(0, vocab, d)) if d else (st.reset() or None)
-        tok = int(np.argmax(logits)) if logits is not None else 1
-        sync()
-        t0 = time.perf_counter()
+        return n / min(ts)
+
+    prefill(rng.integers(0, vocab, min(ubatch, 128) + 3))           # warm-up: cuBLAS, cuSOLVER, kernels
+    for t in range(3):
+        fast.forward(np.asarray([t], np.int32), st)
+    res: dict = {"prompt": {}, "prompt_chunked": {}, "decode": {}, "decode_generic": {}, "plan": plan is not None}
+    for n in prompts:
+        res["prompt"][n] = timed_prompt(n)
+        print(f"  strata hybrid pp{n}: {res['prompt'][n]:.1f} tok/s", flush=True)
+    if prompts:
+        mode0, model.gdn_mode = model.gdn_mode, "chunked"
+        n = min(prompts)
+        res["prompt_chunked"][n] = timed_prompt(n)
+        model.gdn_mode = mode0
+        print(f"  strata hybrid pp{n} (chunked delta rule): {res['prompt_chunked'][n]:.1f} tok/s", flush=True)
+
+    def generic(tok):
         for _ in range(n_gen):
             tok = int(np.argmax(model.forward(np.asarray([tok], np.int32), st)))
-        sync()
-        res["decode"][d] = n_gen / (time.perf_counter() - t0)
-        print(f"  strata hybrid tg{n_gen}@d{d}: {res['decode'][d]:.1f} tok/s", flush=True)
-    del st, pool, model
+
+    for i, d in enumerate(depths):
+        logits = prefill(rng.integers(0, vocab, d)) if d else (st.reset() or None)
+        tok = int(np.argmax(logits)) if logits is not None else 1
+        snap = st.capture()
+        runs = [("decode", (lambda: plan.decode_greedy(tok, n_gen, st)) if plan is not None else
+                 (lambda: generic(tok)))]
+        if i == 0 and plan is not None:
+            runs.append(("decode_generic", lambda: generic(tok)))
+        for kind, run in runs:
+            st.restore(snap)
+            if kind == "decode" and plan is not None:
+                plan.decode_greedy(tok, 4, st)                       # graph capture for this size class
+                st.restore(snap)
+            sync()
+            t0 = time.perf_counter()
+            run()
+            sync()
+            res[kind][d] = n_gen / (time.perf_counter() - t0)
+            print(f"  strata hybrid {kind} tg{n_gen}@d{d}: {res[kind][d]:.1f} tok/s", flush=True)
+    del st, pool, model, plan, fast
     cp.get_default_memory_pool().free_all_blocks()
     return res
 

@@ -118,9 +118,9 @@ def make_synthetic_llama(out: str, tok_src: str, n_embd=2048, n_layer=24, n_head
 def bench_strata(path: str, prompts, depths, n_gen: int, ubatch: int, bw: float, f32_act: bool = False) -> dict:
     """Strata as the engine runs it on CUDA (CudaBackend.fast_path): the LlamaCuda plan's prefill for ubatch-sized
     forward calls and its CUDA-graph decode step (greedy, argmax on the device; int8 activations, the default).
-    Decode is timed again with programmatic dependent launch (decode_pdl; STRATA_CUDA_PDL=1), with the decode
-    attention kernel chosen by context size (decode_attn_auto; STRATA_CUDA_ATTN=auto) and, with f32_act, with f32
-    activations (STRATA_CUDA_DP4A=0)."""
+    Decode is timed again without programmatic dependent launch (decode_no_pdl; STRATA_CUDA_PDL=0: the feature's
+    reference, whose greedy tokens must be the same), with the GQA decode attention kernel at every context size
+    (decode_attn_v2; STRATA_CUDA_ATTN=v2) and, with f32_act, with f32 activations (STRATA_CUDA_DP4A=0)."""
     import cupy as cp
     from strata.backend.cuda import CudaBackend, LlamaCuda
     from strata.models.base import load_model
@@ -152,12 +152,14 @@ def bench_strata(path: str, prompts, depths, n_gen: int, ubatch: int, bw: float,
         res["prompt"][str(n)] = n / min(ts)
         print(f"  strata pp{n}: {n / min(ts):.1f} tok/s", flush=True)
     c = model.config
-    # (name, int8 activations, PDL, decode attention kernel choice: LlamaCuda.attn)
-    modes = [("decode", True, False, plan.attn), ("decode_pdl", True, True, plan.attn),
-             ("decode_attn_auto", True, False, "auto")] + ([("decode_f32act", False, False, plan.attn)] if f32_act else [])
-    attn0 = plan.attn
     lib = __import__("strata.backend.cuda", fromlist=["lib"]).lib()
-    pdl0 = lib.strata_get_pdl()
+    pdl_default = lib.strata_get_pdl()
+    # (name, int8 activations, PDL, decode attention kernel choice: LlamaCuda.attn)
+    modes = [("decode", True, pdl_default, plan.attn), ("decode_no_pdl", True, False, plan.attn),
+             ("decode_attn_v2", True, pdl_default, "v2")] + \
+        ([("decode_f32act", False, pdl_default, plan.attn)] if f32_act else [])
+    attn0 = plan.attn
+    pdl0 = pdl_default
     ctx = {d: rng.integers(0, vocab, d) for d in depths}          # the same contexts in every mode
     for kind, dp4a, pdl, attn in modes:
         lib.strata_set_pdl(int(pdl))
@@ -183,8 +185,8 @@ def bench_strata(path: str, prompts, depths, n_gen: int, ubatch: int, bw: float,
                   f"({100 * plan.weight_bytes * tps / bw:.1f}% of bandwidth limit)", flush=True)
     lib.strata_set_pdl(pdl0)
     plan.attn = attn0
-    if "tokens_decode_pdl" in res:
-        res["pdl_tokens_equal"] = res["tokens_decode_pdl"] == res["tokens_decode"]
+    if "tokens_decode_no_pdl" in res:
+        res["pdl_tokens_equal"] = res["tokens_decode_no_pdl"] == res["tokens_decode"]
         print(f"  PDL tokens equal to plain launches: {res['pdl_tokens_equal']}", flush=True)
     del plan, st, pool, model
     cp.get_default_memory_pool().free_all_blocks()
@@ -265,7 +267,8 @@ def main(argv=None) -> int:
         if m in hybrids:
             from bench.gpu_hybrid_model import bench_hybrid
             h = bench_hybrid(m, prompts, depths, a.n_gen, a.ubatch)
-            entry["strata"] = {k: {str(n): v for n, v in h[k].items()} for k in ("prompt", "decode")}
+            entry["strata"] = {k: ({str(n): v for n, v in h[k].items()} if isinstance(h[k], dict) else h[k])
+                               for k in h}
         else:
             entry["strata"] = bench_strata(m, prompts, depths, a.n_gen, a.ubatch, bw)
         if a.llama_bench and os.path.exists(a.llama_bench):
@@ -288,9 +291,10 @@ def main(argv=None) -> int:
     dest.write_text(json.dumps(out, indent=1))
     print("\nsummary (tokens/s; ratio = Strata / llama.cpp)")
     for name, e in out["models"].items():
-        for kind in ("prompt", "decode", "decode_pdl", "decode_attn_auto", "decode_f32act"):
+        for kind in ("prompt", "prompt_chunked", "decode", "decode_no_pdl", "decode_attn_v2", "decode_generic",
+                     "decode_f32act"):
             for k, v in e["strata"].get(kind, {}).items():
-                ref = e.get("llama.cpp", {}).get("decode" if kind.startswith("decode") else kind, {}).get(k)
+                ref = e.get("llama.cpp", {}).get("decode" if kind.startswith("decode") else "prompt", {}).get(k)
                 if "stored_from" in e.get("llama.cpp", {}):
                     kind_note = " (llama.cpp stored)"
                 else:

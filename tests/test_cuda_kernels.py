@@ -412,7 +412,7 @@ def _paged(cp, rng, L, KV, hd, ps):
 
 @pytest.mark.parametrize("hd", [64, 128])
 @pytest.mark.parametrize("H,KV", [(9, 3), (8, 8), (32, 4), (16, 2)])
-@pytest.mark.parametrize("L,n_split", [(1, 1), (77, 1), (300, 3), (5000, 40), (5000, 128)])
+@pytest.mark.parametrize("L,n_split", [(1, 1), (77, 1), (300, 3), (5000, 40), (5000, 128), (5000, 256), (100, 256)])
 def test_attn_decode_gqa(cp, hd, H, KV, L, n_split):
     """strata_attn_decode_gqa == float64 attention of the last position; q8_1 output == q8_1 of the f32 output;
     twice in a row (the split counters reset themselves)."""

@@ -34,7 +34,7 @@ if [ "$stage" = K ]; then
       > /dev/null 2>&1 &
   fi
   cp .dev/A/tok.gguf /tmp/tok.gguf
-  nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+  { nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv; which nsys ncu; ls /usr/local/cuda*/bin 2>/dev/null | tr "\n" " "; } | tee "$OUT/gpu.txt"
   [ -f strata/_cuda_kernels.so ] && [ -n "$PREBUILT" ] || build
   timeout ${KT_S:-200} python3 -m pytest -v -rs -p timeout --timeout 40 --timeout-method thread tests/test_cuda_kernels.py ${KT_K:+-k "$KT_K"} 2>&1 \
     | grep -E "PASS|FAIL|ERROR|Timeout|passed|failed|Error|assert" | tail -60 > "$OUT/kernels.log"

@@ -168,9 +168,10 @@ __device__ static inline void load_kv8(const void *__restrict__ c, const __half 
 // shared memory into one partial per head and split: O (hd floats) at ws[(head * n_split + split) * hd], (m, l) at
 // ws[n_head * n_split * hd + 2 * (head * n_split + split)]. The last block of a KV head to finish (atomic counter,
 // reset by that block) merges the splits: out = sum_s O_s e^(m_s - M) / sum_s l_s e^(m_s - M) (Flash-Decoding),
-// four outputs per thread with 16-byte loads, written as f32 and, if out_q8 is given, as q8_1 blocks.
+// the split weights by one warp per head, the outputs in 16-byte loads by parts of the block over the splits,
+// written as f32 and, if out_q8 is given, as q8_1 blocks.
 #define DA_WARPS 4
-#define DA_MAX_SPLIT 128
+#define DA_MAX_SPLIT 256
 
 // q8_1 store of four consecutive values per lane: the 8 lanes of an aligned lane group hold one block of 32.
 __device__ static inline void q8_store4(float4 v, int i, int8_t *__restrict__ xq, float2 *__restrict__ ds) {
@@ -315,39 +316,60 @@ __global__ void __launch_bounds__(32 * DA_WARPS) k_attn_decode_gqa(
     if (!last) return;
     __threadfence();
   }
-  // merge the splits of the g heads of this KV head (partials read through L2: __ldcg)
+  // merge the splits of the g heads of this KV head (partials read through L2: __ldcg). Weights: one warp per head,
+  // lanes over the splits; outputs: P block-parts over the splits per group of four outputs, summed in shared memory.
   const long long h0 = (long long)kvh * g * n_split;
-  for (int idx = threadIdx.x; idx < g * n_split; idx += blockDim.x) mw[idx / n_split][idx % n_split] = __ldcg(wml + 2 * (h0 + idx));
-  __syncthreads();
-  if (threadIdx.x < g) {
-    const int j = threadIdx.x;
+  for (int j = wid; j < g; j += DA_WARPS) {   // warp-uniform: whole warps reach the shuffles
+    const float *mlj = wml + 2 * (h0 + (long long)j * n_split);
     float M = -INFINITY;
-    for (int s = 0; s < n_split; s++) M = fmaxf(M, mw[j][s]);
+    for (int s = lane; s < n_split; s += 32) M = fmaxf(M, __ldcg(mlj + 2 * s));
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, off));
     float L = 0.f;
-    for (int s = 0; s < n_split; s++) {
-      const float w = mw[j][s] > -INFINITY ? __expf(mw[j][s] - M) : 0.f;
-      L += w * __ldcg(wml + 2 * (h0 + (long long)j * n_split + s) + 1);
+    for (int s = lane; s < n_split; s += 32) {
+      const float ms = __ldcg(mlj + 2 * s);
+      const float w = ms > -INFINITY ? __expf(ms - M) : 0.f;
+      L += w * __ldcg(mlj + 2 * s + 1);
       mw[j][s] = w;
     }
-    Lsh[j] = L;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) L += __shfl_xor_sync(0xffffffffu, L, off);
+    if (lane == 0) Lsh[j] = L;
   }
   __syncthreads();
+  constexpr int T = 32 * DA_WARPS;
   const int n_out4 = g * hd / 4;   // a multiple of 8: lane groups of 8 stay whole for the q8 store
-  for (int idx = threadIdx.x; idx < n_out4; idx += blockDim.x) {
+  int P = 1;                       // a power of two with P * n_out4 <= T (so W >= n_out4 or P == 1)
+  while (2 * P * n_out4 <= T) P *= 2;
+  const int W = T / P, part = threadIdx.x / W, o4 = threadIdx.x % W;
+  __shared__ float4 pr[T];
+  for (int idx0 = 0; idx0 < n_out4; idx0 += W) {   // block-uniform trip count
+    const int idx = idx0 + o4;
     const int j = (4 * idx) / hd, d = (4 * idx) % hd;
-    const float4 *src = reinterpret_cast<const float4 *>(wo + (h0 + (long long)j * n_split) * hd + d);
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 8
-    for (int s = 0; s < n_split; s++) {
-      const float w = mw[j][s];
-      const float4 v = __ldcg(src + (long long)s * (hd / 4));
-      acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
+    if (idx < n_out4) {
+      const float4 *src = reinterpret_cast<const float4 *>(wo + (h0 + (long long)j * n_split) * hd + d);
+#pragma unroll 4
+      for (int s = part; s < n_split; s += P) {
+        const float w = mw[j][s];
+        const float4 v = __ldcg(src + (long long)s * (hd / 4));
+        acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
+      }
     }
-    const float inv = 1.f / Lsh[j];
-    acc.x *= inv; acc.y *= inv; acc.z *= inv; acc.w *= inv;
-    const int oi = kvh * g * hd + 4 * idx;
-    *reinterpret_cast<float4 *>(out + oi) = acc;
-    if (out_q8) q8_store4(acc, oi, out_q8, reinterpret_cast<float2 *>(out_q8 + n_head * hd));
+    pr[threadIdx.x] = acc;
+    __syncthreads();
+    if (part == 0 && idx < n_out4) {
+      for (int p2 = 1; p2 < P; p2++) {
+        const float4 t = pr[p2 * W + o4];
+        acc.x += t.x; acc.y += t.y; acc.z += t.z; acc.w += t.w;
+      }
+      const float inv = 1.f / Lsh[j];
+      acc.x *= inv; acc.y *= inv; acc.z *= inv; acc.w *= inv;
+      const int oi = kvh * g * hd + 4 * idx;
+      *reinterpret_cast<float4 *>(out + oi) = acc;
+      if (out_q8) q8_store4(acc, oi, out_q8, reinterpret_cast<float2 *>(out_q8 + n_head * hd));
+    }
+    __syncthreads();
   }
   if (n_split > 1 && threadIdx.x == 0) counters[kvh] = 0;
 }

@@ -12,7 +12,8 @@ extern "C" {
 #endif
 
 /* Programmatic dependent launch (launch.cuh) for every launcher of strata_kernels.cu and attention.cu: 1 on, 0 off
- * (default: STRATA_CUDA_PDL=1 in the environment turns it on). Set it before capturing a CUDA graph. */
+ * (default: on for compute capability >= 9.0; STRATA_CUDA_PDL=0 / 1 in the environment turns it off / on). Set it
+ * before capturing a CUDA graph. */
 void strata_set_pdl(int on);
 int strata_get_pdl(void);
 
@@ -138,6 +139,31 @@ int strata_fa2_prefill(void *stream, const float *q, int q_stride, const void *k
 
 /* Add integer delta to a device int32 scalar (position counters inside CUDA graphs). */
 int strata_add_scalar(void *stream, int *p, int delta, int count);
+
+/* qwen35 decode plan (qwen35.cu) */
+/* One-token causal depthwise conv + SiLU (gdn.causal_conv1d, n = 1): x f32 (channels) (the first channels of the fused
+ * GDN projection), w f32 (channels, kernel), window f32 (kernel - 1, channels) updated in place, y f32 (channels).
+ * kernel 2..8. */
+int strata_q35_conv(void *stream, const float *x, const float *w, float *window, float *y, int channels, int kernel);
+/* One-token gated delta rule with its prologue: y = conv output [q (n_k*dk) | k (n_k*dk) | v (n_v*dv)]; q, k
+ * L2-normalised (l2_eps; q times scale); beta = sigmoid(b), g = A * softplus(a + dt) with b, a read from proj
+ * (ba_grouped: qwen3next ssm_ba per key head [b x r, a x r] at b_off; else b at b_off + h, a at a_off + h);
+ * state f32 (n_v, dk, dv) in place; out f32 (n_v, dv). tiled: value head h reads key head h % n_k, else h / (n_v/n_k).
+ * dk <= 256. */
+int strata_q35_gdn_step(void *stream, const float *y, const float *proj, const float *A, const float *dt, float *state,
+                        float *out, int n_v, int n_k, int dk, int dv, int tiled, int b_off, int a_off, int ba_grouped,
+                        float scale, float l2_eps);
+/* Gated RMSNorm per value head (gdn.gated_rms_norm): o, z f32 (n_v, dv), w f32 (dv) -> out f32 (may be NULL) and
+ * q8_1 blocks out_q8 (may be NULL; dv % 32 == 0) of the (n_v * dv) row. */
+int strata_q35_gated_norm(void *stream, const float *o, const float *z, const float *w, float *out, void *out_q8,
+                          int n_v, int dv, float eps);
+/* Gated attention prologue: qg f32 [per head (q hd | gate hd)] ++ k (n_kv*hd) ++ v (n_kv*hd) -> qkv f32
+ * [q | k | v] (strata_rope_kv_decode's layout) with per-head RMSNorm of q (q_norm) and k (k_norm), and gate f32
+ * (n_head*hd). hd a multiple of 32 up to 256. */
+int strata_q35_attn_prep(void *stream, const float *qg, const float *q_norm, const float *k_norm, float *qkv,
+                         float *gate, int n_head, int n_kv, int hd, float eps);
+/* att * sigmoid(gate) over n elements -> out f32 (may be NULL) and q8_1 blocks out_q8 (may be NULL; n % 32 == 0). */
+int strata_q35_out_gate(void *stream, const float *att, const float *gate, float *out, void *out_q8, int n);
 
 #ifdef __cplusplus
 }

@@ -187,12 +187,20 @@ static inline long long row_bytes_of(int t, int n_in) {
 
 extern "C" int strata_supports_type(int t) { return block_bytes(t) != 0; }
 
-// Programmatic dependent launch for st_launch (launch.cuh): off unless STRATA_CUDA_PDL=1 or strata_set_pdl(1).
+// Programmatic dependent launch for st_launch (launch.cuh): on by default on compute capability 9.0 and newer
+// (H200: decode 1.05-1.35x, the same tokens; bench/gpu_throughput.py decode_no_pdl), STRATA_CUDA_PDL=0 turns it
+// off, STRATA_CUDA_PDL=1 forces it on; strata_set_pdl overrides both.
 static int g_pdl = -1;
 extern "C" int strata_get_pdl(void) {
   if (g_pdl < 0) {
     const char *e = getenv("STRATA_CUDA_PDL");
-    g_pdl = e && e[0] == '1';
+    if (e && e[0]) {
+      g_pdl = e[0] == '1';
+    } else {
+      int dev = 0, major = 0;
+      g_pdl = cudaGetDevice(&dev) == cudaSuccess &&
+              cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess && major >= 9;
+    }
   }
   return g_pdl;
 }

@@ -87,11 +87,12 @@ int strata_kv_gather_q8(void *stream, const void *k_cache, const void *v_cache, 
 # rel. L2 in the logits instead of 5e-3..1.4e-2, at a lower speed on models whose matvecs are not launch-bound.
 DP4A = os.environ.get("STRATA_CUDA_DP4A", "1") not in ("0", "false", "no", "")
 
-# Attention kernels: "v2" (default) = GQA-shared self-merging split-K decode and FlashAttention-2 (mma.sync) prefill
-# (native/cuda/attention.cu); "v1" = the first kernels (per-head split-K decode + combine, wmma flash prefill);
-# "auto" = v2 everywhere except decode below AUTO_V2_FROM positions, where the first decode kernel measured faster
-# (H200, bench/cuda_kernels.py: 6.8 vs 13.6 µs at 512 positions; 18.3 vs 14.5 at 4096).
-ATTN = os.environ.get("STRATA_CUDA_ATTN", "v2")
+# Decode attention kernel: "auto" (default) = the first split-K kernel ("v1": per-head splits + a combine launch)
+# below AUTO_V2_FROM positions and the GQA-shared self-merging split-K kernel ("v2") from there (and for a q8_0 cache
+# always), as measured on the H200 (bench/cuda_kernels.py: 6.7 vs 9.7 us at 512 positions, 18.4 vs 13.8 at 4096;
+# decode at depth 0 1277 vs 1023 tok/s on SmolLM2). Prefill attention is FlashAttention-2 (mma.sync) except with
+# "v1" (the first wmma flash kernel). STRATA_CUDA_ATTN=v1|v2|auto.
+ATTN = os.environ.get("STRATA_CUDA_ATTN", "auto")
 AUTO_V2_FROM = 4096
 
 # Prefill attention through the tiled flash-style kernels for head_dim 64 / 128; STRATA_CUDA_FLASH=0 keeps the
@@ -110,7 +111,7 @@ F16_WEIGHTS = os.environ.get("STRATA_CUDA_F16_WEIGHTS", "0") not in ("0", "false
 KV_DTYPES = ("f16", "q8_0")   # KV cache types of CudaPagePool (--kv)
 
 MAX_SPLIT = 256          # split-K partitions of the v1 decode attention (about 64 positions each)
-GQA_MAX_SPLIT = 128      # split-K partitions of the v2 decode attention (DA_MAX_SPLIT in attention.cu)
+GQA_MAX_SPLIT = 256      # split-K partitions of the v2 decode attention (DA_MAX_SPLIT in attention.cu)
 
 
 def n_split_for(length: int) -> int:
@@ -118,16 +119,20 @@ def n_split_for(length: int) -> int:
     return max(1, min(MAX_SPLIT, (length + 63) // 64))
 
 
-# Positions per block of the v2 decode attention (at least): 256 measured on the H200 (bench/cuda_kernels.py sweeps
-# 64 / 128 / 256); STRATA_CUDA_ATTN_CHUNK overrides.
-ATTN_CHUNK = int(os.environ.get("STRATA_CUDA_ATTN_CHUNK", "256") or 256)
+# The v2 decode attention's split: at least ATTN_CHUNK positions per block and about ATTN_BPS blocks per
+# multiprocessor (a block has 4 warps; memory-bound, so it needs many in flight). Session 2 used 256 / 2, which left
+# the H200 at 1.2 TB/s on KV reads at 16K context; bench/cuda_kernels.py sweeps both. STRATA_CUDA_ATTN_CHUNK /
+# STRATA_CUDA_ATTN_BPS override.
+ATTN_CHUNK = int(os.environ.get("STRATA_CUDA_ATTN_CHUNK", "128") or 128)
+ATTN_BPS = int(os.environ.get("STRATA_CUDA_ATTN_BPS", "8") or 8)
 
 
-def n_split_gqa(length: int, n_kv: int, n_sm: int, chunk: int | None = None) -> int:
+def n_split_gqa(length: int, n_kv: int, n_sm: int, chunk: int | None = None, bps: int | None = None) -> int:
     """Split-K partitions for the v2 decode attention (grid n_kv x n_split): at least `chunk` (ATTN_CHUNK) positions
-    per block and about two blocks per multiprocessor, at most GQA_MAX_SPLIT."""
+    per block and about `bps` (ATTN_BPS) blocks per multiprocessor, at most GQA_MAX_SPLIT."""
     c = max(1, int(chunk or ATTN_CHUNK))
-    return max(1, min(GQA_MAX_SPLIT, -(-length // c), max(1, 2 * n_sm // max(1, n_kv))))
+    b = max(1, int(bps or ATTN_BPS))
+    return max(1, min(GQA_MAX_SPLIT, -(-length // c), max(1, b * n_sm // max(1, n_kv))))
 
 
 def rows_per_warp(n_out: int) -> int:

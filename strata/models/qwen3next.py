@@ -93,7 +93,9 @@ def _meta(f: GGUFModelFile, key: str, default: Any = None, required: bool = Fals
 class Qwen3NextModel(Model):
     """Qwen3-Next / Qwen3.5 hybrid decoder (see the module docstring for layouts).
 
-    ``gdn_mode``: "auto" (chunked delta rule for n_tokens > 1, recurrent step for one token), "chunked" or
+    ``gdn_mode``: "auto" (on the CPU the chunked delta rule for n_tokens > 1 and the recurrent step for one token; on
+    CUDA the recurrent kernel for every n, one launch per layer with the state in registers, which beats the chunked
+    form's many small array operations: bench/gpu_throughput.py hybrid prompt vs prompt_chunked), "chunked" or
     "recurrent" (forces one path, for tests and benchmarks).
     """
 
@@ -279,7 +281,7 @@ class Qwen3NextModel(Model):
         else:
             b, a = host(be.matmul(x, L.w_beta)), host(be.matmul(x, L.w_alpha))
         mode = self.gdn_mode
-        step = mode == "recurrent" or (mode == "auto" and n == 1)
+        step = mode == "recurrent" or (mode == "auto" and (n == 1 or dev))   # device: one recurrent kernel launch
         if dev:
             from strata.backend import cuda_gdn
             y, _ = cuda_gdn.conv(qkv, L.conv, run["conv"])          # window updated in place
