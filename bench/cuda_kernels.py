@@ -116,7 +116,7 @@ def main(argv=None) -> int:
 
     # decode attention
     print(f"\n{'attn decode':28s} {'v1 us':>8s} {'v2 us':>8s} {'v2 KV TB/s':>10s}   best v2 of the sweep over "
-          "positions per block (ATTN_CHUNK 64/128/256) x blocks per SM (ATTN_BPS 2/4/8/16)")
+          "positions per block (ATTN_CHUNK 32/64/128/256) x blocks per SM (ATTN_BPS 4/8/16)")
     ps = 16
     for H, KV, hd in ((9, 3, 64), (16, 8, 128), (32, 8, 128)):
         for L in (512, 4096, 16384):
@@ -145,8 +145,8 @@ def main(argv=None) -> int:
                                                                C._p(out), C._p(oq), H, KV, hd, ps, n2, sc, ffi.NULL,
                                                                ffi.NULL))
             sweep = {}
-            for chunk in (64, 128, 256):
-                for bps in (2, 4, 8, 16):
+            for chunk in (32, 64, 128, 256):
+                for bps in (4, 8, 16):
                     nc2 = C.n_split_gqa(L, KV, be.n_sm, chunk, bps)
                     sweep[f"{chunk}/{bps}"] = 1e6 * timeit(cp, lambda nc2=nc2: lib.strata_attn_decode_gqa(
                         s(), C._p(q), *kv(), C._p(pt), ffi.NULL, L, C._p(ws), ffi.cast("unsigned *", ctr.data.ptr),

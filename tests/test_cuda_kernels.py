@@ -146,10 +146,11 @@ def test_gemm_prefill_path(be, cp):
     assert rel(cp.asnumpy(y), x.astype(np.float64) @ W.T) < 3e-3
 
 
+@pytest.mark.parametrize("dim", [576, 2048, 5000, 9000])    # register kernels (<= 8192, any width) and the loop form
 @pytest.mark.parametrize("with_res", [False, True])
-def test_rms_norm_residual(be, cp, with_res):
+def test_rms_norm_residual(be, cp, with_res, dim):
     rng = np.random.default_rng(11)
-    n, dim, eps = 5, 576, 1e-5
+    n, eps = 5, 1e-5
     x = rng.standard_normal((n, dim)).astype(np.float32)
     r = rng.standard_normal((n, dim)).astype(np.float32)
     w = rng.standard_normal(dim).astype(np.float32)
@@ -161,10 +162,11 @@ def test_rms_norm_residual(be, cp, with_res):
     assert rel(cp.asnumpy(d_sum), s) < 1e-7
 
 
-def test_rms_norm_in_place_residual_stream(be, cp):
+@pytest.mark.parametrize("dim", [576, 2048, 9000])
+def test_rms_norm_in_place_residual_stream(be, cp, dim):
     """The model's fused form: residual stream x += o and hn = norm(x), with sum_out aliasing the residual."""
     rng = np.random.default_rng(12)
-    n, dim, eps = 3, 576, 1e-5
+    n, eps = 3, 1e-5
     o = rng.standard_normal((n, dim)).astype(np.float32)
     x = rng.standard_normal((n, dim)).astype(np.float32)
     w = rng.standard_normal(dim).astype(np.float32)
@@ -332,9 +334,9 @@ def test_matvec_q8w_warp_per_row(cp, t, rows):
     assert rel(got, W @ q8_1_dequant(x[None])[0]) < 1e-5
 
 
-def test_rms_norm_ex_f16_and_q8_outputs(cp):
+@pytest.mark.parametrize("E", [576, 2048, 8192])
+def test_rms_norm_ex_f16_and_q8_outputs(cp, E):
     rng = np.random.default_rng(5)
-    E = 576
     x, r, w = (rng.standard_normal(E).astype(np.float32) for _ in range(3))
     s = x.astype(np.float64) + r
     ref = s / np.sqrt((s * s).mean() + 1e-5) * w

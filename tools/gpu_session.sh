@@ -8,20 +8,22 @@
 # Stage M (carry .dev/B, same warm machine): join the model, run the parity / device-error tests (and the hybrid and
 #   device-sampling GPU tests when present), a `strata serve --device cuda` smoke request, and
 #   bench/gpu_throughput.py (llama-bench if its build finished, else llama.cpp numbers stored in $REF).
+# Stage P (carry .dev/B, after K): GDN kernel tests, quick hybrid prompt bench, ncu profile of a decode token.
 # Stage T (any carry): run the test files named in $TESTS only.
-stage=${1:?K, M or T}
+stage=${1:?K, M, P or T}
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4   # torch (the reference) must not fight the llama.cpp build for cores
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/parts
-D=.dev/A; [ "$stage" = M ] && D=.dev/B
+D=.dev/A; [ "$stage" != K ] && D=.dev/B
 [ -d /tmp/site/cffi ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$D"/whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD
 cp "$D"/parts/* /tmp/parts/ 2>/dev/null
 build() {
   if ! python3 native/build_cuda.py --arch 90 > "$OUT/build.log" 2>&1; then
-    echo "full build failed; building attention.cu + strata_kernels.cu only" | tee -a "$OUT/build.log"
+    echo "full build failed; building without qwen35.cu" | tee -a "$OUT/build.log"; tail -20 "$OUT/build.log"
     nvcc -O3 -std=c++17 --shared -Xcompiler -fPIC -lineinfo --use_fast_math -I native/cuda \
       -gencode=arch=compute_90,code=sm_90 -o strata/_cuda_kernels.so native/cuda/strata_kernels.cu \
-      native/cuda/attention.cu >> "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 2; }
+      native/cuda/attention.cu native/cuda/gdn.cu native/cuda/sampling.cu >> "$OUT/build.log" 2>&1 \
+      || { tail -30 "$OUT/build.log"; exit 2; }
   fi
 }
 if [ "$stage" = K ]; then
@@ -54,6 +56,17 @@ if [ ! -f /tmp/model/$M ]; then
   bash .dev/B/join.sh /tmp/parts $M /tmp/model || { echo "MODEL JOIN FAILED (fresh machine?)"; exit 3; }
 fi
 export STRATA_DEFAULT_MODEL=/tmp/model/$M
+if [ "$stage" = P ]; then   # GDN kernel tests, hybrid prompt rows, ncu decode profile of the synthetic 1.7B llama
+  timeout ${HT_S:-150} python3 -m pytest -q -rs -p timeout --timeout 60 --timeout-method thread tests/test_cuda_hybrid.py \
+    -k "recurrent or conv or chunked" 2>&1 | grep -E "passed|failed|FAILED|Error|Timeout|assert" | tail -12 | tee "$OUT/gdn_tests.log"
+  timeout ${HB_S:-150} python3 bench/gpu_hybrid_model.py --out-gguf /tmp/hyb.gguf --prompts ${HB_PROMPTS:-512,4096} \
+    --depths 0 --n-gen 32 --json "$OUT/hybrid_quick.json" 2>&1 | grep -v "it/s" | tail -8
+  [ -f /tmp/syn.gguf ] || python3 -c "import sys; sys.path.insert(0, '.'); from bench.gpu_throughput import \
+make_synthetic_llama as m; m('/tmp/syn.gguf', '/tmp/model/$M')"
+  timeout ${PR_S:-200} python3 bench/decode_profile.py --model /tmp/syn.gguf --depths ${PR_DEPTHS:-0,16384} \
+    --out "$OUT/decode_profile.json" 2>&1 | tail -60
+  exit 0
+fi
 if [ "$stage" = T ]; then
   timeout ${T_S:-400} python3 -m pytest -q -rs -x $TESTS 2>&1 | grep -v "it/s]" | tail -40 | tee "$OUT/tests.log"
   exit 0

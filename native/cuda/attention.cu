@@ -349,8 +349,8 @@ __global__ void __launch_bounds__(32 * DA_WARPS) k_attn_decode_gqa(
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     if (idx < n_out4) {
       const float4 *src = reinterpret_cast<const float4 *>(wo + (h0 + (long long)j * n_split) * hd + d);
-#pragma unroll 4
-      for (int s = part; s < n_split; s += P) {
+#pragma unroll 16
+      for (int s = part; s < n_split; s += P) {   // 16 loads in flight per thread: the merge is latency-bound
         const float w = mw[j][s];
         const float4 v = __ldcg(src + (long long)s * (hd / 4));
         acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;

@@ -6,6 +6,8 @@
 #include <cuda_runtime.h>
 #include <math.h>
 
+#include "launch.cuh"
+
 namespace {
 
 constexpr int GDN_COLS = 32;   // value columns per block (one warp wide)
@@ -15,17 +17,19 @@ constexpr int GDN_ROWS = 8;    // row groups per block: thread (tx, ty) owns row
 //   S <- exp(g_t) S;  kv_mem = S^T k_t;  u = (v_t - kv_mem) * beta_t;  S <- S + k_t u^T;  o_t = S^T (q_t * scale)
 // with S = state[h] (d_k, d_v) kept in registers (M rows per thread) across the tokens, written back at the end.
 // q, k: (n, n_qk, d_k); value head h reads key head (tiled ? h % n_qk : h / (n_v / n_qk)).
+// Software-pipelined for prefill (n in the hundreds): token t + 1's q, k, v, g, beta are loaded into registers
+// while token t computes and stored into the other half of double-buffered shared memory, so a token costs two
+// block barriers and no exposed global-load latency; every thread sums the 8 partial columns of kv_mem itself.
 template <int M>
-__global__ void k_gdn_recurrent(const float *__restrict__ q, const float *__restrict__ k,
-                                const float *__restrict__ v, const float *__restrict__ g,
-                                const float *__restrict__ beta, float *__restrict__ state,
-                                float *__restrict__ out, int n, int n_v, int n_qk, int dk, int dv, int tiled,
-                                float scale) {
-  extern __shared__ float sh[];               // q_s[dk], k_s[dk]
-  float *q_s = sh, *k_s = sh + dk;
-  __shared__ float red[GDN_ROWS][GDN_COLS + 1];
-  __shared__ float u_s[GDN_COLS];
-  const int tx = threadIdx.x, ty = threadIdx.y, tid = ty * GDN_COLS + tx;
+__global__ void __launch_bounds__(GDN_COLS * GDN_ROWS) k_gdn_recurrent(
+    const float *__restrict__ q, const float *__restrict__ k, const float *__restrict__ v,
+    const float *__restrict__ g, const float *__restrict__ beta, float *__restrict__ state, float *__restrict__ out,
+    int n, int n_v, int n_qk, int dk, int dv, int tiled, float scale) {
+  griddep_launch();
+  griddep_wait();
+  extern __shared__ float sh[];               // q_s[2][dk], k_s[2][dk] (double-buffered by token parity)
+  __shared__ float red1[GDN_ROWS][GDN_COLS + 1], red2[GDN_ROWS][GDN_COLS + 1];
+  const int tx = threadIdx.x, ty = threadIdx.y, tid = ty * GDN_COLS + tx;   // dk <= 256 = threads per block
   const int h = blockIdx.y;
   const int j = blockIdx.x * GDN_COLS + tx;
   const bool col = j < dv;
@@ -37,16 +41,29 @@ __global__ void k_gdn_recurrent(const float *__restrict__ q, const float *__rest
     const int i = ty + GDN_ROWS * m;
     s[m] = (col && i < dk) ? S[(long long)i * dv + j] : 0.0f;
   }
+  // token 0 into buffer 0 and registers
+  if (tid < dk) {
+    sh[tid] = q[(long long)hk * dk + tid] * scale;
+    sh[2 * dk + tid] = k[(long long)hk * dk + tid];
+  }
+  float g_c = g[h], b_c = beta[h], v_c = col ? v[(long long)h * dv + j] : 0.0f;
+  __syncthreads();
   for (int t = 0; t < n; t++) {
-    const float *qt = q + ((long long)t * n_qk + hk) * dk;
-    const float *kt = k + ((long long)t * n_qk + hk) * dk;
-    for (int i = tid; i < dk; i += GDN_COLS * GDN_ROWS) {
-      q_s[i] = qt[i] * scale;
-      k_s[i] = kt[i];
+    const int cur = t & 1;
+    const float *q_s = sh + cur * dk, *k_s = sh + 2 * dk + cur * dk;
+    // loads of token t + 1 (consumed after this token's second barrier)
+    const bool more = t + 1 < n;
+    float q_n = 0.0f, k_n = 0.0f, g_n = 0.0f, b_n = 0.0f, v_n = 0.0f;
+    if (more) {
+      if (tid < dk) {
+        q_n = q[((long long)(t + 1) * n_qk + hk) * dk + tid];
+        k_n = k[((long long)(t + 1) * n_qk + hk) * dk + tid];
+      }
+      g_n = g[(long long)(t + 1) * n_v + h];
+      b_n = beta[(long long)(t + 1) * n_v + h];
+      if (col) v_n = v[((long long)(t + 1) * n_v + h) * dv + j];
     }
-    __syncthreads();
-    const float eg = expf(g[(long long)t * n_v + h]);
-    const float b = beta[(long long)t * n_v + h];
+    const float eg = expf(g_c);
     float kv = 0.0f;
 #pragma unroll
     for (int m = 0; m < M; m++) {
@@ -56,16 +73,12 @@ __global__ void k_gdn_recurrent(const float *__restrict__ q, const float *__rest
         kv += k_s[i] * s[m];
       }
     }
-    red[ty][tx] = kv;
-    __syncthreads();
-    if (ty == 0) {
-      float sum = 0.0f;
+    red1[ty][tx] = kv;
+    __syncthreads();                          // (1) kv partials of token t
+    float sum = 0.0f;
 #pragma unroll
-      for (int r = 0; r < GDN_ROWS; r++) sum += red[r][tx];
-      u_s[tx] = col ? (v[((long long)t * n_v + h) * dv + j] - sum) * b : 0.0f;
-    }
-    __syncthreads();
-    const float u = u_s[tx];
+    for (int r = 0; r < GDN_ROWS; r++) sum += red1[r][tx];
+    const float u = col ? (v_c - sum) * b_c : 0.0f;
     float o = 0.0f;
 #pragma unroll
     for (int m = 0; m < M; m++) {
@@ -75,15 +88,21 @@ __global__ void k_gdn_recurrent(const float *__restrict__ q, const float *__rest
         o += q_s[i] * s[m];
       }
     }
-    red[ty][tx] = o;
-    __syncthreads();
-    if (ty == 0 && col) {
-      float sum = 0.0f;
-#pragma unroll
-      for (int r = 0; r < GDN_ROWS; r++) sum += red[r][tx];
-      out[((long long)t * n_v + h) * dv + j] = sum;
+    red2[ty][tx] = o;
+    if (more && tid < dk) {                   // the other buffer was last read before barrier (2) of token t - 1
+      sh[(cur ^ 1) * dk + tid] = q_n * scale;
+      sh[2 * dk + (cur ^ 1) * dk + tid] = k_n;
     }
-    __syncthreads();                          // red, q_s, k_s are rewritten by the next token
+    __syncthreads();                          // (2) o partials of token t, q/k of token t + 1
+    if (ty == 0 && col) {
+      float acc = 0.0f;
+#pragma unroll
+      for (int r = 0; r < GDN_ROWS; r++) acc += red2[r][tx];
+      out[((long long)t * n_v + h) * dv + j] = acc;
+    }
+    g_c = g_n;
+    b_c = b_n;
+    v_c = v_n;
   }
 #pragma unroll
   for (int m = 0; m < M; m++) {
@@ -97,6 +116,8 @@ __global__ void k_gdn_recurrent(const float *__restrict__ q, const float *__rest
 template <int K>
 __global__ void k_gdn_conv(const float *__restrict__ x, const float *__restrict__ w, float *__restrict__ window,
                            float *__restrict__ y, int n, int channels) {
+  griddep_launch();
+  griddep_wait();
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= channels) return;
   float buf[K];
@@ -123,8 +144,8 @@ int launch_recurrent(cudaStream_t st, const float *q, const float *k, const floa
                      const float *beta, float *state, float *out, int n, int n_v, int n_qk, int dk, int dv, int tiled,
                      float scale) {
   dim3 grid((dv + GDN_COLS - 1) / GDN_COLS, n_v), block(GDN_COLS, GDN_ROWS);
-  k_gdn_recurrent<M><<<grid, block, 2 * dk * sizeof(float), st>>>(q, k, v, g, beta, state, out, n, n_v, n_qk, dk,
-                                                                   dv, tiled, scale);
+  st_launch(k_gdn_recurrent<M>, grid, block, 4 * dk * sizeof(float), st, q, k, v, g, beta, state, out, n, n_v, n_qk,
+            dk, dv, tiled, scale);
   return (int)cudaGetLastError();
 }
 
@@ -160,13 +181,13 @@ extern "C" int strata_gdn_conv(void *stream, const float *x, const float *w, flo
   cudaStream_t st = (cudaStream_t)stream;
   const int bs = 128, nb = (channels + bs - 1) / bs;
   switch (kernel) {
-    case 2: k_gdn_conv<2><<<nb, bs, 0, st>>>(x, w, window, y, n, channels); break;
-    case 3: k_gdn_conv<3><<<nb, bs, 0, st>>>(x, w, window, y, n, channels); break;
-    case 4: k_gdn_conv<4><<<nb, bs, 0, st>>>(x, w, window, y, n, channels); break;
-    case 5: k_gdn_conv<5><<<nb, bs, 0, st>>>(x, w, window, y, n, channels); break;
-    case 6: k_gdn_conv<6><<<nb, bs, 0, st>>>(x, w, window, y, n, channels); break;
-    case 7: k_gdn_conv<7><<<nb, bs, 0, st>>>(x, w, window, y, n, channels); break;
-    default: k_gdn_conv<8><<<nb, bs, 0, st>>>(x, w, window, y, n, channels); break;
+    case 2: st_launch(k_gdn_conv<2>, nb, bs, 0, st, x, w, window, y, n, channels); break;
+    case 3: st_launch(k_gdn_conv<3>, nb, bs, 0, st, x, w, window, y, n, channels); break;
+    case 4: st_launch(k_gdn_conv<4>, nb, bs, 0, st, x, w, window, y, n, channels); break;
+    case 5: st_launch(k_gdn_conv<5>, nb, bs, 0, st, x, w, window, y, n, channels); break;
+    case 6: st_launch(k_gdn_conv<6>, nb, bs, 0, st, x, w, window, y, n, channels); break;
+    case 7: st_launch(k_gdn_conv<7>, nb, bs, 0, st, x, w, window, y, n, channels); break;
+    default: st_launch(k_gdn_conv<8>, nb, bs, 0, st, x, w, window, y, n, channels); break;
   }
   return (int)cudaGetLastError();
 }

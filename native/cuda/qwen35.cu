@@ -70,9 +70,8 @@ __global__ void __launch_bounds__(Q35_COLS *Q35_ROWS)
   griddep_launch();
   griddep_wait();
   __shared__ float q_s[Q35_MAX_DK], k_s[Q35_MAX_DK];
-  __shared__ float red[Q35_ROWS][Q35_COLS + 1];
+  __shared__ float red1[Q35_ROWS][Q35_COLS + 1], red2[Q35_ROWS][Q35_COLS + 1];
   __shared__ float nrm[2][Q35_ROWS];
-  __shared__ float u_s[Q35_COLS];
   const int tx = threadIdx.x, ty = threadIdx.y, tid = ty * Q35_COLS + tx;
   const int h = blockIdx.y;
   const int j = blockIdx.x * Q35_COLS + tx;
@@ -126,6 +125,7 @@ __global__ void __launch_bounds__(Q35_COLS *Q35_ROWS)
   const float sp = sp_in > 20.0f ? sp_in : log1pf(expf(sp_in));
   const float eg = expf(A[h] * sp);
   __syncthreads();                            // q_s, k_s complete
+  const float vv = col ? y[2LL * n_k * dk + (long long)h * dv + j] : 0.0f;
   float kvm = 0.0f;
 #pragma unroll
   for (int m = 0; m < M; m++) {
@@ -135,16 +135,12 @@ __global__ void __launch_bounds__(Q35_COLS *Q35_ROWS)
       kvm += k_s[i] * s[m];
     }
   }
-  red[ty][tx] = kvm;
+  red1[ty][tx] = kvm;
   __syncthreads();
-  if (ty == 0) {
-    float sum = 0.0f;
+  float sum = 0.0f;                           // every thread sums its column's 8 partials of S^T k itself
 #pragma unroll
-    for (int w = 0; w < Q35_ROWS; w++) sum += red[w][tx];
-    u_s[tx] = col ? (y[2LL * n_k * dk + (long long)h * dv + j] - sum) * b : 0.0f;
-  }
-  __syncthreads();
-  const float u = u_s[tx];
+  for (int w = 0; w < Q35_ROWS; w++) sum += red1[w][tx];
+  const float u = col ? (vv - sum) * b : 0.0f;
   float o = 0.0f;
 #pragma unroll
   for (int m = 0; m < M; m++) {
@@ -154,13 +150,13 @@ __global__ void __launch_bounds__(Q35_COLS *Q35_ROWS)
       o += q_s[i] * s[m];
     }
   }
-  red[ty][tx] = o;                            // red's first use was read before the u_s barrier above
+  red2[ty][tx] = o;                           // a second array: red1 may still be read by other warps
   __syncthreads();
   if (ty == 0 && col) {
-    float sum = 0.0f;
+    float acc = 0.0f;
 #pragma unroll
-    for (int w = 0; w < Q35_ROWS; w++) sum += red[w][tx];
-    out[(long long)h * dv + j] = sum;
+    for (int w = 0; w < Q35_ROWS; w++) acc += red2[w][tx];
+    out[(long long)h * dv + j] = acc;
   }
 #pragma unroll
   for (int m = 0; m < M; m++) {
@@ -275,8 +271,8 @@ extern "C" int strata_q35_gdn_step(void *stream, const float *y, const float *pr
   if (n_v <= 0 || n_k <= 0 || n_v % n_k || dk <= 0 || dk > Q35_MAX_DK || dv <= 0) return (int)cudaErrorInvalidValue;
   cudaStream_t st = (cudaStream_t)stream;
   const int m = (dk + Q35_ROWS - 1) / Q35_ROWS;
-#define Q35_STEP(MM) launch_step<MM>(st, y, proj, A, dt, state, out, n_v, n_k, dk, dv, tiled, b_off, a_off, ba_grouped, \
-                                     scale, l2_eps)
+#define Q35_STEP(MM) \
+  launch_step<MM>(st, y, proj, A, dt, state, out, n_v, n_k, dk, dv, tiled, b_off, a_off, ba_grouped, scale, l2_eps)
   if (m <= 2) Q35_STEP(2);
   else if (m <= 4) Q35_STEP(4);
   else if (m <= 8) Q35_STEP(8);

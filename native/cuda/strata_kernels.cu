@@ -523,6 +523,53 @@ __global__ void k_rms_norm(const float *__restrict__ x, const float *__restrict_
   }
 }
 
+// The same RMSNorm with the row held in registers (EPT elements per thread, dim <= 256 * EPT): all loads of a
+// thread are issued before any store (the loop form above serializes each load behind the previous iteration's
+// possibly-aliasing store: ~8 dependent L2 round trips per pass for a 2048-wide row), and the norm weights are read
+// before griddep_wait (constants), overlapping the previous kernel under PDL. Aliasing rules are those of k_rms_norm
+// (an element is loaded and stored by one thread only).
+template <int EPT>
+__global__ void __launch_bounds__(256) k_rms_norm_r(const float *x, const float *res, const float *__restrict__ wt,
+                                                    float *out, float *sum_out, __half *out16, int8_t *out_q8, int dim,
+                                                    float eps) {
+  griddep_launch();
+  float w[EPT], v[EPT];
+#pragma unroll
+  for (int k = 0; k < EPT; k++) {
+    const int i = threadIdx.x + 256 * k;
+    w[k] = i < dim ? __ldg(wt + i) : 0.f;
+  }
+  griddep_wait();
+  __shared__ float sh[32];
+  const long long base = (long long)blockIdx.x * dim;
+#pragma unroll
+  for (int k = 0; k < EPT; k++) {
+    const int i = threadIdx.x + 256 * k;
+    v[k] = i < dim ? x[base + i] + (res ? res[base + i] : 0.f) : 0.f;
+  }
+  float ss = 0.f;
+#pragma unroll
+  for (int k = 0; k < EPT; k++) ss += v[k] * v[k];
+  if (sum_out) {
+#pragma unroll
+    for (int k = 0; k < EPT; k++) {
+      const int i = threadIdx.x + 256 * k;
+      if (i < dim) sum_out[base + i] = v[k];
+    }
+  }
+  const float r = rsqrtf(block_sum(ss, sh) / (float)dim + eps);
+#pragma unroll
+  for (int k = 0; k < EPT; k++) {
+    const int i = threadIdx.x + 256 * k;
+    if (i < dim) {                         // warp-uniform when dim % 32 == 0 (required with out_q8)
+      const float y = v[k] * r * w[k];
+      if (out) out[base + i] = y;
+      if (out16) out16[base + i] = __float2half(y);
+      if (out_q8) q8_store(y, i, out_q8, reinterpret_cast<float2 *>(out_q8 + dim));
+    }
+  }
+}
+
 extern "C" int strata_rms_norm(void *stream, const float *x, const float *res, const float *w, float *out,
                                float *sum_out, int n_rows, int dim, float eps) {
   return strata_rms_norm_ex(stream, x, res, w, out, sum_out, nullptr, nullptr, n_rows, dim, eps);
@@ -533,8 +580,18 @@ extern "C" int strata_rms_norm_ex(void *stream, const float *x, const float *res
   if (n_rows <= 0) return 0;
   if (out_q8 && (n_rows != 1 || dim % 32)) return (int)cudaErrorInvalidValue;
   // out may alias x or sum_out: each element is read (both passes) before it is written only by its own thread.
-  st_launch(k_rms_norm, n_rows, 256, 0, (cudaStream_t)stream, x, res, w, out, sum_out, (__half *)out16, (int8_t *)out_q8,
-                                                       dim, eps);
+  cudaStream_t st = (cudaStream_t)stream;
+  __half *o16 = (__half *)out16;
+  int8_t *oq = (int8_t *)out_q8;
+#define RN(E) st_launch(k_rms_norm_r<E>, n_rows, 256, 0, st, x, res, w, out, sum_out, o16, oq, dim, eps)
+  if (dim <= 256) RN(1);
+  else if (dim <= 512) RN(2);
+  else if (dim <= 1024) RN(4);
+  else if (dim <= 2048) RN(8);
+  else if (dim <= 4096) RN(16);
+  else if (dim <= 8192) RN(32);
+  else st_launch(k_rms_norm, n_rows, 256, 0, st, x, res, w, out, sum_out, o16, oq, dim, eps);
+#undef RN
   return (int)cudaGetLastError();
 }
 

@@ -119,20 +119,22 @@ def n_split_for(length: int) -> int:
     return max(1, min(MAX_SPLIT, (length + 63) // 64))
 
 
-# The v2 decode attention's split: at least ATTN_CHUNK positions per block and about ATTN_BPS blocks per
-# multiprocessor (a block has 4 warps; memory-bound, so it needs many in flight). Session 2 used 256 / 2, which left
-# the H200 at 1.2 TB/s on KV reads at 16K context; bench/cuda_kernels.py sweeps both. STRATA_CUDA_ATTN_CHUNK /
-# STRATA_CUDA_ATTN_BPS override.
-ATTN_CHUNK = int(os.environ.get("STRATA_CUDA_ATTN_CHUNK", "128") or 128)
-ATTN_BPS = int(os.environ.get("STRATA_CUDA_ATTN_BPS", "8") or 8)
+# The v2 decode attention's split: at least ATTN_CHUNK positions per block, about ATTN_BPS blocks per multiprocessor
+# and at most ATTN_MAX_SPLIT splits (the last block's merge reads every split's partial). Swept on the H200
+# (bench/cuda_kernels.py, chunk 32..256 x 4..16 blocks per SM): ~64 splits of >= 64 positions were best or within 5%
+# at 512..16384 positions for 3 and 8 KV heads (16K, 8 KV heads hd128: 41 us vs 58 us with session 2's 256 / 2).
+# STRATA_CUDA_ATTN_CHUNK / _BPS / _MAX_SPLIT override.
+ATTN_CHUNK = int(os.environ.get("STRATA_CUDA_ATTN_CHUNK", "64") or 64)
+ATTN_BPS = int(os.environ.get("STRATA_CUDA_ATTN_BPS", "4") or 4)
+ATTN_MAX_SPLIT = min(GQA_MAX_SPLIT, int(os.environ.get("STRATA_CUDA_ATTN_MAX_SPLIT", "128") or 128))
 
 
 def n_split_gqa(length: int, n_kv: int, n_sm: int, chunk: int | None = None, bps: int | None = None) -> int:
     """Split-K partitions for the v2 decode attention (grid n_kv x n_split): at least `chunk` (ATTN_CHUNK) positions
-    per block and about `bps` (ATTN_BPS) blocks per multiprocessor, at most GQA_MAX_SPLIT."""
+    per block, about `bps` (ATTN_BPS) blocks per multiprocessor, at most ATTN_MAX_SPLIT."""
     c = max(1, int(chunk or ATTN_CHUNK))
     b = max(1, int(bps or ATTN_BPS))
-    return max(1, min(GQA_MAX_SPLIT, -(-length // c), max(1, b * n_sm // max(1, n_kv))))
+    return max(1, min(ATTN_MAX_SPLIT, -(-length // c), max(1, b * n_sm // max(1, n_kv))))
 
 
 def rows_per_warp(n_out: int) -> int:

@@ -1,0 +1,509 @@
+"""The CUDA decode plan of the hybrid qwen35 / qwen3next models (dense FFN): ``Qwen35Cuda`` and ``Qwen35GraphModel``.
+
+Like ``LlamaCuda`` / ``GraphDecodeModel`` (strata/backend/cuda.py) for llama: the one-token decode step of
+strata/models/qwen3next.py's Qwen3NextModel as fused kernel launches on preallocated device buffers (token,
+position and length read from a device int32 buffer ``inp``), captured once per context-size class as a CUDA graph
+and replayed with one graph launch per token. Prefill (n > 1 tokens) stays the model's generic forward.
+
+Per layer (native/cuda/qwen35.cu for the ``strata_q35_*`` kernels, the rest shared with LlamaCuda):
+
+* GDN layer: one matvec over the fused [attn_qkv | attn_gate | ssm_beta | ssm_alpha] (or ``ssm_ba``) rows on the
+  q8_1 activations of the RMSNorm -> ``strata_q35_conv`` (causal conv + SiLU, window in place) ->
+  ``strata_q35_gdn_step`` (L2-normalised q/k, beta = sigmoid(b), g = ssm_a * softplus(alpha + dt), the gated delta
+  rule on the ssm state in place) -> ``strata_q35_gated_norm`` (RMSNorm(o) * ssm_norm * silu(z), q8_1 out) ->
+  ``ssm_out`` matvec.
+* Attention layer: fused [attn_q | attn_k | attn_v] matvec -> ``strata_q35_attn_prep`` (per-head q/k RMSNorm, gate
+  split off) -> ``strata_rope_kv_decode`` (partial-rotary NeoX RoPE + K/V write into the sequence's CudaPagePool
+  pages) -> ``strata_attn_decode_gqa`` -> ``strata_q35_out_gate`` (att * sigmoid(gate), q8_1 out) -> attn_output
+  matvec.
+* Residual adds fused into the next ``strata_rms_norm_ex`` (which also writes the q8_1 blocks the next matvec
+  reads); FFN: fused gate|up matvec -> ``strata_swiglu_gu`` (q8_1 out) -> down matvec.
+* Final RMSNorm, output matvec, device argmax into ``inp[0]``, position / length + 1 (``strata_add_scalar``).
+
+Running state: a captured graph has fixed addresses, so the plan owns one conv / ssm buffer per GDN layer and
+makes the sequence it decodes *resident* (``ResidentState``): its ``state.running[layer]`` entries become the
+plan's buffers (their contents copied in), and the previously resident sequence gets copies of the buffers back.
+Everything that updates a running state in place (the model's generic prefill, ``SequenceState.restore`` /
+``reset``) then works on the buffers unchanged.
+"""
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from strata.backend import cuda as C
+
+_CDEF = C._CDEF + """
+int strata_q35_conv(void *stream, const float *x, const float *w, float *window, float *y, int channels, int kernel);
+int strata_q35_gdn_step(void *stream, const float *y, const float *proj, const float *A, const float *dt, float *state,
+                        float *out, int n_v, int n_k, int dk, int dv, int tiled, int b_off, int a_off, int ba_grouped,
+                        float scale, float l2_eps);
+int strata_q35_gated_norm(void *stream, const float *o, const float *z, const float *w, float *out, void *out_q8,
+                          int n_v, int dv, float eps);
+int strata_q35_attn_prep(void *stream, const float *qg, const float *q_norm, const float *k_norm, float *qkv,
+                         float *gate, int n_head, int n_kv, int hd, float eps);
+int strata_q35_out_gate(void *stream, const float *att, const float *gate, float *out, void *out_q8, int n);
+"""
+
+L2_EPS = 1e-6            # gdn.l2_norm's default eps (the model's q/k normalisation)
+ATTN_HEAD_DIMS = (32, 64, 128, 256)
+
+_ffi = None
+_lib = None
+
+
+def lib():
+    """The cffi handle of the kernel library with LlamaCuda's and this plan's declarations (loaded once)."""
+    global _ffi, _lib
+    if _lib is None:
+        _ffi, _lib = C.open_kernel_library(_CDEF)
+    return _lib
+
+
+def _vp(ptr: int) -> Any:
+    """An integer device address as a cffi void*."""
+    return _ffi.cast("void *", ptr)
+
+
+def _a(a, off: int = 0) -> Any:
+    """Device address of a CuPy array (or DeviceWeight's storage) plus off 4-byte elements, as void*."""
+    if a is None:
+        return _ffi.NULL
+    if isinstance(a, C.DeviceWeight):
+        a = a.data
+    return _vp(a.data.ptr + 4 * off)
+
+
+def _stream() -> Any:
+    import cupy
+    return _vp(cupy.cuda.get_current_stream().ptr)
+
+
+def graphs_enabled() -> bool:
+    """STRATA_CUDA_GRAPHS (default 1): 0 / false / no runs the plan's kernels eagerly instead of graph replay."""
+    return os.environ.get("STRATA_CUDA_GRAPHS", "1") not in ("0", "false", "no")
+
+
+# ------------------------------------------------------------------------------------------------ pure logic
+def fuse_groups(name: str, parts: list, concat: Callable | None = None) -> list[tuple[Any, int, int]]:
+    """One matvec per run of consecutive weights of one GGML type and width: [(weight, row offset, n_out)].
+
+    parts: DeviceWeight-like objects (ggml_type, shape (n_out, n_in)) whose outputs lie back to back in one buffer;
+    runs of two or more are stacked along n_out by ``concat(name, run)`` (default ``cuda.concat_weights``, a new
+    device copy: the model's tensors are left untouched), single weights are used as they are."""
+    concat = concat or C.concat_weights
+    out: list[tuple[Any, int, int]] = []
+    off, i = 0, 0
+    while i < len(parts):
+        j = i + 1
+        while j < len(parts) and parts[j].ggml_type == parts[i].ggml_type and parts[j].shape[1] == parts[i].shape[1]:
+            j += 1
+        w = parts[i] if j == i + 1 else concat(f"{name}[{i}:{j}]", parts[i:j])
+        out.append((w, off, int(w.shape[0])))
+        off += int(w.shape[0])
+        i = j
+    return out
+
+
+def unsupported(model) -> str | None:
+    """Why Qwen35Cuda cannot run `model` (one line), or None if it can."""
+    if getattr(model, "arch", None) != "qwen3next" or not hasattr(model, "recurrent"):
+        return f"architecture {getattr(model, 'arch', None)!r} is not a qwen3next / qwen35 hybrid"
+    if getattr(model, "moe", False):
+        return (f"MoE FFN layers ({getattr(model, 'variant', '?')}, {model.n_expert} experts): the plan runs dense "
+                f"FFNs only")
+    c = model.config
+    E, H, KV, hd = c.n_embd, c.n_head, c.n_head_kv, c.head_dim
+    if E % 32:
+        return f"n_embd {E} is not a multiple of 32 (q8_1 activation blocks)"
+    if any(not r for r in model.recurrent):
+        if hd not in ATTN_HEAD_DIMS:
+            return f"attention head_dim {hd} (needs 32, 64, 128 or 256)"
+        if H % KV or H // KV > 8:
+            return f"{H} query heads over {KV} KV heads (needs a multiple, at most 8 per KV head)"
+        if model.n_rot > hd or model.n_rot % 2:
+            return f"rope dimension count {model.n_rot} with head_dim {hd}"
+    if any(model.recurrent):
+        if model.dk > 256:
+            return f"GDN key head dim d_k {model.dk} (at most 256)"
+        if model.dv % 32:
+            return f"GDN value head dim d_v {model.dv} is not a multiple of 32 (q8_1 blocks per head)"
+        if not 2 <= model.d_conv <= 8:
+            return f"GDN conv kernel {model.d_conv} outside [2, 8]"
+    if c.n_ff % 32:
+        return f"n_ff {c.n_ff} is not a multiple of 32 (q8_1 activation blocks)"
+    if not getattr(model, "on_device", False) or not isinstance(model.tok_embd, C.DeviceWeight) \
+            or not isinstance(model.output, C.DeviceWeight):
+        return "weights are not on the CUDA backend"
+    return None
+
+
+class ResidentState:
+    """The plan's fixed-address running-state buffers and which sequence they currently hold.
+
+    buffers: layer -> {"conv": array, "ssm": array} (float32, numpy or CuPy). ``attach(state)`` makes `state`
+    resident: the previously resident sequence's entries that are the buffers get copies of them (its state as of
+    now), `state`'s arrays are copied into the buffers and its ``state.running[layer][name]`` entries become the
+    buffers. Raises ValueError, changing nothing, when `state`'s running-state layout differs. The copies run on
+    the array module's current stream (CuPy) in program order."""
+
+    def __init__(self, buffers: dict[int, dict[str, Any]]):
+        self.buf = buffers
+        self._owner: Any = None               # weakref to the resident SequenceState
+
+    def owner(self):
+        """The resident SequenceState, or None."""
+        return self._owner() if self._owner is not None else None
+
+    def is_resident(self, state) -> bool:
+        r = state.running
+        return all(r.get(layer, {}).get(k) is b for layer, parts in self.buf.items() for k, b in parts.items())
+
+    def check(self, state) -> None:
+        """ValueError unless state.running has the buffers' layers, names, shapes and float32."""
+        r = state.running
+        for layer, parts in self.buf.items():
+            for k, b in parts.items():
+                a = r.get(layer, {}).get(k)
+                if a is None or tuple(a.shape) != tuple(b.shape) or a.dtype != np.float32:
+                    have = "missing" if a is None else f"{a.dtype} {tuple(a.shape)}"
+                    raise ValueError(f"running state {layer}/{k} is {have}, the plan needs float32 {tuple(b.shape)}")
+
+    def attach(self, state) -> bool:
+        """Make `state` resident (see the class docstring); returns False when it already was."""
+        if self.is_resident(state):
+            self._owner = weakref.ref(state)
+            return False
+        self.check(state)
+        old = self.owner()
+        if old is not None and old is not state:
+            for layer, parts in self.buf.items():
+                for k, b in parts.items():
+                    if old.running.get(layer, {}).get(k) is b:
+                        old.running[layer][k] = b.copy()
+        for layer, parts in self.buf.items():
+            for k, b in parts.items():
+                a = state.running[layer][k]
+                if a is not b:
+                    b[...] = a
+                    state.running[layer][k] = b
+        self._owner = weakref.ref(state)
+        return True
+
+    def detach(self) -> None:
+        """Give the resident sequence copies of the buffers (nothing is resident afterwards)."""
+        old = self.owner()
+        if old is not None:
+            for layer, parts in self.buf.items():
+                for k, b in parts.items():
+                    if old.running.get(layer, {}).get(k) is b:
+                        old.running[layer][k] = b.copy()
+        self._owner = None
+
+
+# ------------------------------------------------------------------------------------------------ the plan
+class Qwen35Cuda:
+    """The CUDA decode plan of Qwen3NextModel (qwen35 dense FFN; see the module docstring for the launches).
+
+    It reads the model's uploaded tensors (matrices of one GGML type fused at init: GDN [attn_qkv | attn_gate |
+    ssm_beta | ssm_alpha] or [.. | ssm_ba], attention [attn_q | attn_k | attn_v], FFN [gate | up]; a fused copy
+    costs the device memory of its parts once more) and config, and the sequence's CudaPagePool pages (f16 or
+    q8_0). Numerics: matvecs on int8 q8_1 activations for the types strata_matvec_q8w supports (STRATA_CUDA_DP4A=0,
+    or F16/F32 weights: f32 activations through strata_matvec), everything else f32 (the same as the generic path
+    on the CUDA backend, whose one-token matmuls also take q8_1 activations).
+
+    ``decode(token, state)`` = model.forward([token], state) -> host f32 logits (n_vocab,) (same errors: ValueError
+    for a bad token / foreign pool / KV length mismatch / running-state layout, KVCacheFull from kv.reserve, each
+    changing nothing); ``decode_device`` leaves them on the device; ``decode_greedy(first, n, state)`` feeds the
+    device argmax back n times (benchmarks, tests). ``use_graphs`` (default: STRATA_CUDA_GRAPHS != 0) captures one
+    graph per context-size class (``size_class``) or launches eagerly.
+
+    Timing (what bench/ should do): build ``Qwen35Cuda(model, pool)`` (or ``Qwen35GraphModel(model).plan(pool)``),
+    prefill the prompt with model.forward, call ``decode_greedy(tok, 8, st)`` once as warm-up (graph capture), then
+    ``cupy.cuda.Device().synchronize()``, time ``decode_greedy(tok, n, st)`` (it returns after the tokens reached
+    the host), and report n / seconds; for the engine-like path time ``Qwen35GraphModel.forward([tok], st)`` calls
+    (host logits per token).
+    """
+
+    def __init__(self, model, pool, use_graphs: bool | None = None):
+        why = unsupported(model)
+        if why:
+            raise ValueError(f"the qwen35 CUDA decode plan cannot run this model: {why}")
+        if not isinstance(pool, C.CudaPagePool):
+            raise TypeError("Qwen35Cuda needs the CudaPagePool made by CudaBackend.new_page_pool")
+        cp = self.cp = __import__("cupy")
+        lib()
+        self.model, self.pool = model, pool
+        c = model.config
+        self.n_embd, self.n_head, self.n_kv, self.hd = c.n_embd, c.n_head, c.n_head_kv, c.head_dim
+        self.n_ff, self.n_vocab, self.n_layer = c.n_ff, c.n_vocab, model.n_layer
+        self.n_rot, self.theta, self.eps = int(model.n_rot), float(c.rope_theta), float(model.eps)
+        self.scale = float(model.scale)
+        self.use_graphs = graphs_enabled() if use_graphs is None else bool(use_graphs)
+        self.dp4a = C.DP4A
+        self.n_sm = int(model.backend.n_sm)
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self.graphs: dict[int, Any] = {}
+        E, H, KV, hd, F = self.n_embd, self.n_head, self.n_kv, self.hd, self.n_ff
+        nq, kvd = H * hd, KV * hd
+        conv_dim, vdim, nv = model.conv_dim, model.value_dim, model.nv
+        q8 = lambda n: cp.zeros(n + n // 4, cp.uint8)   # int8 values + float2 (d, d * sum) per 32
+        self.d = {  # fixed addresses (graph capture); inp = [token, pos, len]
+            "inp": cp.zeros(3, cp.int32), "x": cp.zeros((1, E), cp.float32), "hn": cp.zeros((1, E), cp.float32),
+            "hq": q8(E), "o": cp.zeros((1, E), cp.float32),
+            "gu": cp.zeros((1, 2 * F), cp.float32), "act": cp.zeros((1, F), cp.float32), "fq": q8(F),
+            "logits": cp.zeros((1, self.n_vocab), cp.float32),
+        }
+        if any(model.recurrent):
+            self.d.update({
+                "proj": cp.zeros(conv_dim + vdim + 2 * nv, cp.float32), "y": cp.zeros(conv_dim, cp.float32),
+                "ov": cp.zeros(vdim, cp.float32), "vn": cp.zeros(vdim, cp.float32), "vq": q8(vdim)})
+        if not all(model.recurrent):
+            self.d.update({
+                "qg": cp.zeros(2 * nq + 2 * kvd, cp.float32), "qkv": cp.zeros(nq + 2 * kvd, cp.float32),
+                "gate": cp.zeros(nq, cp.float32), "att": cp.zeros(nq, cp.float32), "an": cp.zeros(nq, cp.float32),
+                "aq": q8(nq), "partial": cp.zeros(H * C.GQA_MAX_SPLIT * (hd + 2), cp.float32),
+                "counters": cp.zeros(max(64, KV), cp.uint32)})
+        # fused weights per layer: lists of (weight, row offset, n_out) into the layer's output buffer
+        self.w_in: dict[int, list] = {}
+        self.w_gu: dict[int, list] = {}
+        for li, L in enumerate(model.layers):
+            if L.recurrent:
+                tail = [L.w_ba] if L.w_ba is not None else [L.w_beta, L.w_alpha]
+                self.w_in[li] = fuse_groups(f"blk.{li}.gdn_in", [L.wqkv, L.wz] + tail)
+            else:
+                self.w_in[li] = fuse_groups(f"blk.{li}.attn_qkv", [L.wq, L.wk, L.wv])
+            g, u, _ = L.ffn.dense
+            self.w_gu[li] = fuse_groups(f"blk.{li}.ffn_gate_up", [g, u])
+        self.resident = ResidentState(model.new_running_state())
+
+    @staticmethod
+    def unsupported(model) -> str | None:
+        """Why the plan cannot run `model` (one line), or None (module function ``unsupported``)."""
+        return unsupported(model)
+
+    # ---- the decode step
+    def _mv(self, s, groups, y, x, xq, n_in: int) -> None:
+        """y[off:off + n_out] = W x for each (W, off, n_out) of groups: q8_1 activations xq (written by the kernel
+        that produced x) when the plan runs on int8 activations and W's type has the dp4a kernel, else f32 x."""
+        lb = _lib
+        for w, off, n_out in groups:
+            if self.dp4a and lb.strata_matvec_q8_supported(w.ggml_type):
+                C._check(lb.strata_matvec_q8w(s, w.ggml_type, _a(w), _a(xq), _a(y, off), n_out, n_in,
+                                              C.rows_per_warp(n_out)), "strata_matvec_q8w")
+            else:
+                C._check(lb.strata_matvec(s, w.ggml_type, _a(w), _a(x), _a(y, off), n_out, n_in, 1), "strata_matvec")
+
+    def _enqueue_step(self, n_split: int) -> None:
+        """Enqueue one decode step on the current stream: only preallocated buffers, token / pos / len read from
+        d['inp'], n_split partitions of the decode attention."""
+        lb, d, m = _lib, self.d, self.model
+        ck = C._check
+        s = _stream()
+        E, F = self.n_embd, self.n_ff
+        NULL = _ffi.NULL
+        inp = d["inp"].data.ptr
+        tok_p, pos_p, len_p = (_ffi.cast("int *", inp + 4 * i) for i in range(3))
+        q8 = self.dp4a
+        qp = lambda k: _a(d[k]) if q8 else NULL
+        x, hn, o = d["x"], d["hn"], d["o"]
+        ck(lb.strata_get_rows(s, m.tok_embd.ggml_type, _a(m.tok_embd), tok_p, _a(x), 1, E), "get_rows")
+        ck(lb.strata_rms_norm_ex(s, _a(x), NULL, _a(m.layers[0].attn_norm), _a(hn), NULL, NULL, qp("hq"), 1, E,
+                                 self.eps), "rms_norm")
+        for li, L in enumerate(m.layers):
+            if L.recurrent:
+                self._gdn(s, li, L, qp)
+            else:
+                self._attn(s, li, L, qp, pos_p, len_p, n_split)
+            ck(lb.strata_rms_norm_ex(s, _a(o), _a(x), _a(L.post_norm), _a(hn), _a(x), NULL, qp("hq"), 1, E, self.eps),
+               "rms_norm")
+            self._mv(s, self.w_gu[li], d["gu"], hn, d["hq"], E)
+            ck(lb.strata_swiglu_gu(s, _a(d["gu"]), 1, F, _a(d["act"]), NULL, qp("fq")), "swiglu_gu")
+            self._mv(s, [(L.ffn.dense[2], 0, E)], o, d["act"], d["fq"], F)
+            nxt = m.layers[li + 1].attn_norm if li + 1 < self.n_layer else m.out_norm
+            ck(lb.strata_rms_norm_ex(s, _a(o), _a(x), _a(nxt), _a(hn), _a(x), NULL, qp("hq"), 1, E, self.eps),
+               "rms_norm")
+        self._mv(s, [(m.output, 0, self.n_vocab)], d["logits"], hn, d["hq"], E)
+        ck(lb.strata_argmax(s, _a(d["logits"]), tok_p, 1, self.n_vocab), "argmax")
+        ck(lb.strata_add_scalar(s, pos_p, 1, 2), "add_scalar")
+
+    def _gdn(self, s, li: int, L, qp) -> None:
+        """GDN layer li: fused in-projection, conv, delta-rule step, gated norm, ssm_out into d['o']."""
+        lb, d, m = _lib, self.d, self.model
+        E = self.n_embd
+        conv_dim, vdim, nv, nk, dk, dv = m.conv_dim, m.value_dim, m.nv, m.nk, m.dk, m.dv
+        buf = self.resident.buf[li]
+        proj = d["proj"]
+        self._mv(s, self.w_in[li], proj, d["hn"], d["hq"], E)
+        C._check(lb.strata_q35_conv(s, _a(proj), _a(L.conv), _a(buf["conv"]), _a(d["y"]), conv_dim, m.d_conv),
+                 "strata_q35_conv")
+        b_off = conv_dim + vdim
+        C._check(lb.strata_q35_gdn_step(s, _a(d["y"]), _a(proj), _a(L.a), _a(L.dt), _a(buf["ssm"]), _a(d["ov"]), nv,
+                                        nk, dk, dv, int(bool(m.tiled)), b_off, b_off + nv, int(L.w_ba is not None),
+                                        float(1.0 / dk ** 0.5), L2_EPS), "strata_q35_gdn_step")
+        C._check(lb.strata_q35_gated_norm(s, _a(d["ov"]), _a(proj, conv_dim), _a(L.ssm_norm), _a(d["vn"]), qp("vq"),
+                                          nv, dv, self.eps), "strata_q35_gated_norm")
+        self._mv(s, [(L.ssm_out, 0, E)], d["o"], d["vn"], d["vq"], vdim)
+
+    def _attn(self, s, li: int, L, qp, pos_p, len_p, n_split: int) -> None:
+        """Gated attention layer li: fused q|gate/k/v matvec, q/k norm, RoPE + K/V write, GQA decode attention,
+        output gate, attn_output into d['o']."""
+        lb, d, pool = _lib, self.d, self.pool
+        E, H, KV, hd = self.n_embd, self.n_head, self.n_kv, self.hd
+        nq, kvd = H * hd, KV * hd
+        NULL = _ffi.NULL
+        slot = pool.slot(li)
+        kc, vc = pool.k[slot], pool.v[slot]
+        ks, vs = pool.scales(slot)
+        pt = pool._pt
+        qkv = d["qkv"]
+        self._mv(s, self.w_in[li], d["qg"], d["hn"], d["hq"], E)
+        C._check(lb.strata_q35_attn_prep(s, _a(d["qg"]), _a(L.q_norm), _a(L.k_norm), _a(qkv), _a(d["gate"]), H, KV,
+                                         hd, self.eps), "strata_q35_attn_prep")
+        if ks is None:
+            C._check(lb.strata_rope_kv_decode(s, _a(qkv), pos_p, _a(kc), _a(vc), _a(pt), H, KV, hd, self.n_rot,
+                                              self.theta, 1, pool.page_size), "strata_rope_kv_decode")
+        else:   # q8_0 cache: RoPE in place, then the K/V rows quantized into the cache
+            C._check(lb.strata_rope_kv_decode(s, _a(qkv), pos_p, NULL, NULL, _a(pt), H, KV, hd, self.n_rot,
+                                              self.theta, 1, pool.page_size), "strata_rope_kv_decode")
+            C._check(lb.strata_kv_write_q8(s, _a(qkv, nq), nq + 2 * kvd, _a(qkv, nq + kvd), nq + 2 * kvd, _a(kc),
+                                           _a(vc), _a(ks), _a(vs), _a(pt), pos_p, 0, 1, KV, hd, pool.page_size),
+                     "strata_kv_write_q8")
+        ctr = _ffi.cast("unsigned *", d["counters"].data.ptr)
+        C._check(lb.strata_attn_decode_gqa(s, _a(qkv), _a(kc), _a(vc), _a(pt), len_p, 0, _a(d["partial"]), ctr,
+                                           _a(d["att"]), NULL, H, KV, hd, pool.page_size, n_split, self.scale,
+                                           _a(ks), _a(vs)), "strata_attn_decode_gqa")
+        C._check(lb.strata_q35_out_gate(s, _a(d["att"]), _a(d["gate"]), _a(d["an"]), qp("aq"), nq),
+                 "strata_q35_out_gate")
+        self._mv(s, [(L.wo, 0, E)], d["o"], d["an"], d["aq"], nq)
+
+    @staticmethod
+    def size_class(length: int) -> int:
+        """Context-size class of a step attending over `length` positions: the power of two >= max(256, length)."""
+        return C.LlamaCuda.size_class(length)
+
+    def _launch(self, length: int) -> None:
+        """One step attending over `length` positions, on self.stream (graph replay or eager launches)."""
+        cls = self.size_class(length)
+        n_split = C.n_split_gqa(cls, self.n_kv, self.n_sm)
+        if not self.use_graphs:
+            self._enqueue_step(n_split)
+            return
+        g = self.graphs.get(cls)
+        if g is None:
+            self.stream.begin_capture()
+            try:
+                self._enqueue_step(n_split)
+            finally:
+                g = self.stream.end_capture()
+            self.graphs[cls] = g
+        g.launch(self.stream)
+
+    def _begin(self, state, first: int, n: int) -> None:
+        """Checks (changing nothing on error), kv.reserve(n), residency, page table and inp = [first, pos, pos+1]."""
+        kv = state.kv
+        if kv.pool is not self.pool:
+            raise ValueError("the sequence's KV pages are not in this plan's pool")
+        if kv.length != state.pos:
+            raise ValueError(f"KV length {kv.length} != sequence position {state.pos}")
+        if not 0 <= first < self.n_vocab:
+            raise ValueError(f"token id out of range [0, {self.n_vocab})")
+        self.resident.check(state)
+        kv.reserve(n)                                         # KVCacheFull here changes nothing
+        cp = self.cp
+        self.resident.attach(state)                           # copies on the current stream
+        self.stream.wait_event(cp.cuda.get_current_stream().record())
+        with self.stream:
+            self.pool.table(kv.pages)
+            self.d["inp"].set(np.asarray([first, state.pos, state.pos + 1], dtype=np.int32), stream=self.stream)
+
+    def decode_device(self, token: int, state):
+        """model.forward([token], state) through the plan, logits left on the device: a CuPy f32 (n_vocab,) view of
+        the plan's logits buffer (valid until the next step), ordered on the current stream."""
+        token = int(token)
+        self._begin(state, token, 1)
+        with self.stream:
+            self._launch(state.pos + 1)
+        self.cp.cuda.get_current_stream().wait_event(self.stream.record())
+        state.kv.commit(1)
+        state.advance([token])
+        return self.d["logits"][0]
+
+    def decode(self, token: int, state) -> np.ndarray:
+        """model.forward([token], state) through the plan -> f32 logits (n_vocab,) on the host."""
+        return self.cp.asnumpy(self.decode_device(token, state))
+
+    def decode_greedy(self, first_token: int, n: int, state) -> list[int]:
+        """Feed first_token at state.pos, then n - 1 device-argmax tokens; returns the n argmax tokens chosen.
+        The sequence advances by n (first_token and the first n - 1 chosen)."""
+        if n < 1:
+            return []
+        first_token = int(first_token)
+        self._begin(state, first_token, n)
+        cp = self.cp
+        p0 = state.pos
+        with self.stream:
+            out = cp.zeros(n, cp.int32)
+            for i in range(n):
+                self._launch(p0 + i + 1)
+                out[i:i + 1] = self.d["inp"][0:1]
+            got = [int(t) for t in cp.asnumpy(out, stream=self.stream)]
+        self.cp.cuda.get_current_stream().wait_event(self.stream.record())
+        state.kv.commit(n)
+        state.advance([first_token] + got[:-1])
+        return got
+
+    def logits(self) -> np.ndarray:
+        """Logits of the last step (host f32 (n_vocab,))."""
+        return self.cp.asnumpy(self.d["logits"][0], stream=self.stream)
+
+
+class Qwen35GraphModel:
+    """What the engine runs on CUDA for a qwen35 (dense) model: the Qwen3NextModel itself (prefill, all_logits, MTP,
+    every attribute), except that a one-token forward() on a CudaPagePool sequence goes through the Qwen35Cuda
+    decode plan (one plan per pool). Same interface as cuda.GraphDecodeModel. STRATA_CUDA_GRAPHS=0: the plan
+    launches its kernels eagerly (same numerics, no graph)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.plans: dict[int, Qwen35Cuda] = {}
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def plan(self, pool) -> Qwen35Cuda:
+        """The plan of `pool` (made on first use)."""
+        p = self.plans.get(id(pool))
+        if p is None or p.pool is not pool:
+            p = self.plans[id(pool)] = Qwen35Cuda(self.model, pool)
+        return p
+
+    def forward(self, tokens, state, all_logits: bool = False):
+        """Qwen3NextModel.forward (same arguments, result and errors), on the backend's device in any thread: one
+        token (without all_logits) on a CudaPagePool through the plan, everything else the model's forward."""
+        toks = np.asarray(tokens).reshape(-1)
+        with self.model.backend.device:
+            if toks.shape[0] == 1 and not all_logits and isinstance(state.kv.pool, C.CudaPagePool):
+                return self.plan(state.kv.pool).decode(_token(toks[0], self.model.config.n_vocab), state)
+            return self.model.forward(tokens, state, all_logits)
+
+    def forward_device(self, tokens, state):
+        """forward(tokens, state) with the last token's logits left on the device: CuPy f32 (n_vocab,), ordered on
+        the current stream (valid until the next call)."""
+        toks = np.asarray(tokens).reshape(-1)
+        with self.model.backend.device:
+            if toks.shape[0] == 1 and isinstance(state.kv.pool, C.CudaPagePool):
+                return self.plan(state.kv.pool).decode_device(_token(toks[0], self.model.config.n_vocab), state)
+            return self.model.backend.cp.asarray(self.model.forward(tokens, state))
+
+
+def _token(t, n_vocab: int) -> int:
+    """t as a Python int; ValueError (the model's message) when it is not an integer id in [0, n_vocab)."""
+    v = int(t)
+    if v != t or not 0 <= v < n_vocab:
+        raise ValueError(f"token id out of range [0, {n_vocab})")
+    return v
