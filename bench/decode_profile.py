@@ -9,7 +9,8 @@ step time (what a token costs), and their difference (launch gaps between graph 
 that per-kernel durations do not show). Kernels are grouped by name with their share of the kernel time and the
 fraction of the copy bandwidth their weight bytes would need (matvecs only).
 
-Usage: python bench/decode_profile.py --model PATH [--depths 0,4096,16384] [--tokens 2] [--out OUT.json]
+With --prefill N the step is one forward of N new tokens at each depth (the engine's prefill path; any model).
+Usage: python bench/decode_profile.py --model PATH [--depths 0,4096,16384] [--tokens 2] [--prefill N] [--out JSON]
 (needs `ncu` on PATH or in /usr/local/cuda/bin; the script runs itself under ncu with --child).
 """
 from __future__ import annotations
@@ -32,16 +33,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def _plan(path: str, max_ctx: int):
+def _plan(path: str, max_ctx: int, need_plan: bool = True):
     from strata.backend.cuda import CudaBackend
     from strata.models.base import load_model
     model = load_model(path, CudaBackend())
     fast = model.backend.fast_path(model)
-    if not hasattr(fast, "plan"):
+    if need_plan and not hasattr(fast, "plan"):
         raise SystemExit(f"{path}: no CUDA decode plan for this model (fast_path returned the model itself)")
     pool = model.new_page_pool(max_ctx)
     st = model.new_state(pool)
-    return model, fast, fast.plan(pool), st
+    return model, fast, (fast.plan(pool) if hasattr(fast, "plan") else None), st
 
 
 def child(a) -> int:
@@ -49,7 +50,7 @@ def child(a) -> int:
     launch and slows graph replays ~20x) or run `tokens` eager steps inside the profiler window (under ncu)."""
     import cupy as cp
     depths = [int(x) for x in a.depths.split(",") if x]
-    model, fast, plan, st = _plan(a.model, max(depths) + 64 * a.tokens + 512)
+    model, fast, plan, st = _plan(a.model, max(depths) + 64 * a.tokens + 512 + a.prefill, need_plan=not a.prefill)
     rng = np.random.default_rng(0)
     vocab = model.config.n_vocab
     out = {}
@@ -59,6 +60,26 @@ def child(a) -> int:
         for s in range(0, d, 512):
             fast.forward(np.asarray(toks[s:s + 512], np.int32), st)
         snap = st.capture()
+        if a.prefill:                      # one forward of `prefill` new tokens at depth d (the engine's path)
+            new = np.asarray(rng.integers(0, vocab, a.prefill), np.int32)
+            best = float("inf")
+            for _ in range(3 if a.time_only else 1):                  # warm-up / best of 3
+                st.restore(snap)
+                cp.cuda.Device().synchronize()
+                t0 = time.perf_counter()
+                fast.forward(new, st)
+                cp.cuda.Device().synchronize()
+                best = min(best, (time.perf_counter() - t0) * 1e6)
+            if a.time_only:
+                out[d] = best
+                continue
+            st.restore(snap)
+            cp.cuda.Device().synchronize()
+            cp.cuda.profiler.start()
+            fast.forward(new, st)
+            cp.cuda.Device().synchronize()
+            cp.cuda.profiler.stop()
+            continue
         if a.time_only:                    # no profiler attached: the graph step as a real run sees it
             plan.use_graphs = True
             plan.decode_greedy(1, 4, st)                              # capture the graph of this size class
@@ -93,8 +114,10 @@ def parent(a) -> int:
         print("ncu not found", file=sys.stderr)
         return 2
     depths = [int(x) for x in a.depths.split(",") if x]
-    res = {"model": os.path.basename(a.model), "tokens": a.tokens, "depths": {}}
-    me = [sys.executable, __file__, "--child", "--model", a.model, "--tokens", str(a.tokens)]
+    res = {"model": os.path.basename(a.model), "tokens": a.tokens, "prefill": a.prefill, "depths": {}}
+    me = [sys.executable, __file__, "--child", "--model", a.model, "--tokens", str(a.tokens), "--prefill",
+          str(a.prefill)]
+    per = 1 if a.prefill else a.tokens              # steps profiled per depth
     p = subprocess.run(me + ["--time-only", "--depths", a.depths], capture_output=True, text=True,
                        timeout=a.timeout)
     m = re.search(r"^STEP_US (.*)$", p.stdout, re.M)
@@ -124,13 +147,14 @@ def parent(a) -> int:
             k["calls"] += 1
             k["us"] += us
         for k in kernels.values():
-            k["calls"] /= a.tokens
-            k["us"] /= a.tokens
+            k["calls"] /= per
+            k["us"] /= per
         total = sum(k["us"] for k in kernels.values())
         launches = sum(k["calls"] for k in kernels.values())
         res["depths"][d] = {"graph_step_us": step_us, "kernel_us": total, "launches": launches,
                             "gap_us": step_us - total, "kernels": kernels}
-        print(f"\ndepth {d}: graph step {step_us:.1f} us; kernels {total:.1f} us in {launches:.0f} launches; "
+        what = f"prefill of {a.prefill} tokens" if a.prefill else "graph step"
+        print(f"\ndepth {d}: {what} {step_us:.1f} us; kernels {total:.1f} us in {launches:.0f} launches; "
               f"the rest (gaps, ramp, tails) {step_us - total:.1f} us ({100 * (step_us - total) / step_us:.0f}%)")
         for name, k in sorted(kernels.items(), key=lambda kv: -kv[1]["us"]):
             print(f"  {name[:60]:60s} {k['calls']:6.0f} x  {k['us']:8.1f} us  {100 * k['us'] / total:5.1f}%")
@@ -146,6 +170,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", required=True, help="GGUF path (a model the CUDA decode plan supports)")
     ap.add_argument("--depths", default="0,4096,16384")
     ap.add_argument("--tokens", type=int, default=2, help="decode tokens profiled per depth")
+    ap.add_argument("--prefill", type=int, default=0,
+                    help="profile one forward of this many new tokens (prefill, the engine's path) instead of decode")
     ap.add_argument("--timeout", type=int, default=300, help="seconds per ncu run")
     ap.add_argument("--out", default=None)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

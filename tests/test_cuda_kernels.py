@@ -529,6 +529,30 @@ def test_kv_write_q8_and_gather(cp, hd):
     assert pool.bytes_per_token == 2 * KV * hd + 2 * KV * hd // 16
 
 
+@pytest.mark.parametrize("hd", [32, 64, 96, 128])
+@pytest.mark.parametrize("H,KV", [(9, 3), (16, 8)])
+@pytest.mark.parametrize("L,n_split", [(1, 1), (77, 2), (300, 5)])
+def test_attn_decode_v1_q8_output(cp, hd, H, KV, L, n_split):
+    """strata_attn_decode_ex (the first split-K kernel + combine) == float64 attention of the last position, and its
+    q8_1 output == q8_1 of its f32 output (the plan feeds it to the o-projection matvec directly)."""
+    rng = np.random.default_rng(L + hd + H + 1)
+    ps = 16
+    K, V, kc, vc, pt = _paged(cp, rng, L, KV, hd, ps)
+    q = rng.standard_normal((1, H, hd))
+    scale = 1 / np.sqrt(hd)
+    ref = attn_ref(q, K, V, L - 1, scale)[0].reshape(-1)
+    ws = cp.zeros(H * n_split * (hd + 2), cp.float32)
+    dq = cp.asarray(q.reshape(-1), dtype=cp.float32)
+    out = cp.full(H * hd, cp.nan, cp.float32)
+    oq = cp.zeros(H * hd + H * hd // 4, cp.uint8)
+    C._check(C.lib().strata_attn_decode_ex(C._stream_ptr(), C._p(dq), C._p(kc), C._p(vc), C._p(pt), C._ffi.NULL, L,
+                                           C._p(ws), C._p(out), C._p(oq), H, KV, hd, ps, n_split, scale), "attn_v1")
+    got = cp.asnumpy(out)
+    assert rel(got, ref) < 1e-4
+    qv, _ = _q8_parts(cp.asnumpy(oq), H * hd)
+    np.testing.assert_array_equal(qv, q8_1_reference(got)[0].reshape(-1))
+
+
 @pytest.mark.parametrize("hd", [64, 128])
 @pytest.mark.parametrize("L,n_split", [(1, 1), (300, 3), (5000, 40)])
 def test_attn_decode_gqa_q8_cache(cp, hd, L, n_split):

@@ -19,7 +19,8 @@ GPU tests (skipped with the reason from strata.backend.cuda.unavailable_reason()
   * (c) two sequences interleaved token by token give the logits each gives alone (resident swapping), and a
     snapshot / restore through state.py round-trips (hashes, then the same logits again);
   * (d) a bad token id raises ValueError and advances nothing (pos, KV length, running state);
-  * (e) graphs on vs STRATA_CUDA_GRAPHS=0 (eager launches): identical greedy tokens and logits.
+  * (e) graphs on vs STRATA_CUDA_GRAPHS=0 (eager launches): identical greedy tokens and logits;
+  * (f) a q8_0 KV cache (--kv q8_0): plan vs the generic path on the same pool, logits rel L2 < 1e-2.
 """
 import sys
 from pathlib import Path
@@ -453,4 +454,26 @@ def test_graphs_vs_eager_identical(setup, monkeypatch):
     assert t_graph == t_eager
     assert rel_l2(l_eager, l_graph) < 1e-6
     assert len(graph.graphs) >= 1 and not eager.graphs
+    st.release()
+
+
+@gpu
+def test_q8_0_kv_cache_plan_matches_generic(setup):
+    """--kv q8_0: the plan's RoPE-only decode kernel + strata_kv_write_q8 + the q8_0 attention against the generic
+    path on the same q8_0 pool (rel L2 < 1e-2 over 12 steps)."""
+    m = load_model(setup.path, C.CudaBackend(kv_dtype="q8_0"))
+    pool = m.new_page_pool(256, n_seq=2)
+    assert pool.kv == "q8_0"
+    plan = Q.Qwen35Cuda(m, pool)
+    ref, st = m.new_state(pool), m.new_state(pool)
+    toks = _prompt(20, setup.n_vocab, 12)
+    lr = m.forward(toks, ref)
+    m.forward(toks, st)
+    for _ in range(12):
+        t = int(np.argmax(lr))
+        lr = m.forward(np.array([t], np.int32), ref)
+        lp = plan.decode(t, st)
+        e = rel_l2(lp, lr)
+        assert np.isfinite(lp).all() and e < PLAN_REL_L2, f"q8_0 KV: plan vs generic logits rel L2 {e:.2e}"
+    ref.release()
     st.release()

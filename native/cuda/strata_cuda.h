@@ -83,6 +83,11 @@ int strata_kv_write(void *stream, const float *k, const float *v, void *k_cache,
 int strata_attn_decode(void *stream, const float *q, const void *k_cache, const void *v_cache,
                        const int *page_table, const int *d_len, int len, float *partial, float *out,
                        int n_head, int n_kv, int hd, int page_size, int n_split, float scale);
+/* strata_attn_decode that also writes the output as q8_1 blocks (out_q8: int8 [n_head * hd] then float2 (d, d * sum)
+ * per 32, the layout of strata_quantize_q8_1) for the next matvec; out_q8 NULL = strata_attn_decode. */
+int strata_attn_decode_ex(void *stream, const float *q, const void *k_cache, const void *v_cache,
+                          const int *page_table, const int *d_len, int len, float *partial, float *out, void *out_q8,
+                          int n_head, int n_kv, int hd, int page_size, int n_split, float scale);
 
 /* Gather the first len positions of the paged f16 cache into contiguous f32 (n_kv, len, hd) for K and V. */
 int strata_kv_gather(void *stream, const void *k_cache, const void *v_cache, const int *page_table,

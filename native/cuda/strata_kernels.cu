@@ -778,7 +778,7 @@ __global__ void k_attn_decode(const float *__restrict__ q, const __half *__restr
   }
 }
 
-__global__ void k_attn_combine(const float *partial, float *out, int n_split, int hd) {
+__global__ void k_attn_combine(const float *partial, float *out, int8_t *out_q8, int n_split, int hd) {
   griddep_launch();
   griddep_wait();
   const int h = blockIdx.x;
@@ -797,6 +797,8 @@ __global__ void k_attn_combine(const float *partial, float *out, int n_split, in
       if (ms > -INFINITY) acc += p[s * (hd + 2) + 2 + d] * __expf(ms - M);
     }
     out[h * hd + d] = acc / L;
+    // blockDim == hd, a multiple of 32: warps stay whole and each covers one aligned q8_1 block
+    if (out_q8) q8_store(acc / L, h * hd + d, out_q8, reinterpret_cast<float2 *>(out_q8 + gridDim.x * hd));
   }
 }
 
@@ -896,6 +898,13 @@ __global__ void k_attn_decode_v(const float *__restrict__ q, const __half *__res
 extern "C" int strata_attn_decode(void *stream, const float *q, const void *kc, const void *vc, const int *pt,
                                   const int *d_len, int len, float *partial, float *out, int n_head, int n_kv, int hd,
                                   int ps, int n_split, float scale) {
+  return strata_attn_decode_ex(stream, q, kc, vc, pt, d_len, len, partial, out, nullptr, n_head, n_kv, hd, ps,
+                               n_split, scale);
+}
+
+extern "C" int strata_attn_decode_ex(void *stream, const float *q, const void *kc, const void *vc, const int *pt,
+                                     const int *d_len, int len, float *partial, float *out, void *out_q8, int n_head,
+                                     int n_kv, int hd, int ps, int n_split, float scale) {
   if (hd % 32 || hd > 256 || n_head % n_kv || n_split < 1) return (int)cudaErrorInvalidValue;
   cudaStream_t s = (cudaStream_t)stream;
   dim3 grid(n_head, n_split);
@@ -915,7 +924,7 @@ extern "C" int strata_attn_decode(void *stream, const float *q, const void *kc, 
   }
 #undef AV
 #undef AD
-  st_launch(k_attn_combine, n_head, hd, 0, s, partial, out, n_split, hd);
+  st_launch(k_attn_combine, n_head, hd, 0, s, partial, out, (int8_t *)out_q8, n_split, hd);
   return (int)cudaGetLastError();
 }
 

@@ -50,6 +50,9 @@ int strata_kv_write(void *stream, const float *k, const float *v, void *k_cache,
 int strata_attn_decode(void *stream, const float *q, const void *k_cache, const void *v_cache, const int *page_table,
                        const int *d_len, int len, float *partial, float *out, int n_head, int n_kv, int hd,
                        int page_size, int n_split, float scale);
+int strata_attn_decode_ex(void *stream, const float *q, const void *k_cache, const void *v_cache,
+                          const int *page_table, const int *d_len, int len, float *partial, float *out, void *out_q8,
+                          int n_head, int n_kv, int hd, int page_size, int n_split, float scale);
 int strata_kv_gather(void *stream, const void *k_cache, const void *v_cache, const int *page_table, float *k_out,
                      float *v_out, int len, int n_kv, int hd, int page_size);
 int strata_causal_softmax(void *stream, float *s, int n_rows_total, int n_q, int len, int pos0, float scale);
@@ -893,10 +896,9 @@ class LlamaCuda:
                                                  _p(d["att"]), aq, H, KV, hd, pool.page_size, n_split, self.scale,
                                                  _p(ks), _p(vs)), "attn")
             else:
-                _check(lb.strata_attn_decode(s, f32(qkv), _p(kc), _p(vc), _p(pt), len_p, 0, _p(d["partial"]),
-                                             _p(d["att"]), H, KV, hd, pool.page_size, n_split, self.scale), "attn")
-                if q8:
-                    _check(lb.strata_quantize_q8_1(s, _p(d["att"]), aq, nq), "quantize")
+                _check(lb.strata_attn_decode_ex(s, f32(qkv), _p(kc), _p(vc), _p(pt), len_p, 0, _p(d["partial"]),
+                                                _p(d["att"]), aq, H, KV, hd, pool.page_size, n_split, self.scale),
+                       "attn")
             self._mv(s, [(L.wo, _p(d["o"]), E)], d["att"], d["aq"], nq)
             _check(lb.strata_rms_norm_ex(s, _p(d["o"]), _p(d["x"]), _dptr(L.ffn_norm), _p(d["hn"]), _p(d["x"]), NULL,
                                          hq, 1, E, self.eps), "rms")
