@@ -467,8 +467,15 @@ class CudaBackend(Backend):
 
     def fast_path(self, model):
         """The model the engine should run: GraphDecodeModel (one-token forward through the LlamaCuda CUDA-graph
-        plan) for llama models the plan supports, else the model itself."""
-        return GraphDecodeModel(model) if LlamaCuda.unsupported(model) is None else model
+        plan, prefill through its cuBLAS/FA2 plan) for llama models the plan supports; Qwen35GraphModel
+        (strata/backend/cuda_qwen35.py: one-token forward through the Qwen35Cuda CUDA-graph plan) for the dense
+        hybrid models it supports; else the model itself."""
+        if LlamaCuda.unsupported(model) is None:
+            return GraphDecodeModel(model)
+        from strata.backend import cuda_qwen35
+        if cuda_qwen35.unsupported(model) is None:
+            return cuda_qwen35.Qwen35GraphModel(model)
+        return model
 
     def memory_info(self) -> dict[str, int]:
         """Device memory in bytes: total, free (cudaMemGetInfo) and held by CuPy's pool (used / total)."""
