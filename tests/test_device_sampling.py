@@ -301,7 +301,11 @@ def test_cupy_matches_numpy(cfg, kernel, monkeypatch):
     for step in range(60):
         x = (rng.standard_normal(n) * (0.5 + step % 4)).astype(np.float32)
         a, b = sn.sample(x), sc.sample(cp.asarray(x))
-        assert a.token_id == b.token_id, step
+        if a.token_id != b.token_id:
+            xs = cp.asnumpy(x)
+            raise AssertionError(f"step {step} cfg {cfg}: kernel {a.token_id} (logit {xs[a.token_id]!r}) vs array "
+                                 f"path {b.token_id} (logit {xs[b.token_id]!r}); max {xs.max()!r}, "
+                                 f"ties at max {int((xs == xs.max()).sum())}")
         if a.top_logprobs is not None:
             assert [i for i, _ in a.top_logprobs] == [i for i, _ in b.top_logprobs]
             assert math.isclose(a.logprob, b.logprob, rel_tol=1e-9, abs_tol=1e-9)
@@ -330,22 +334,46 @@ def _tricky_logits(rng, n, step):
                                  dict(temperature=0.7, top_k=3000, top_p=1.0, min_p=0.2),
                                  dict(temperature=0.9, top_k=100, top_p=0.9, min_p=0.0, repeat_penalty=1.2,
                                       frequency_penalty=0.3, presence_penalty=-0.2, repeat_last_n=32)])
+def _top_p_cut_ambiguous(pen: np.ndarray, p: SamplingParams) -> bool:
+    """Whether the top-p prefix of these penalized logits is decided by float64 rounding: some prefix of the sorted
+    (top-k) candidates has softmax mass within 1e-9 of top_p (exact ties make masses like 90 x 0.01 = 0.9), where
+    two correct summation orders (the kernel's block scan, CuPy's cumsum) may keep different counts."""
+    if p.temperature == 0 or p.top_p >= 1.0:
+        return False
+    v = np.sort(pen[np.isfinite(pen)].astype(np.float64))[::-1]
+    if p.top_k and 0 < p.top_k < v.size:
+        v = v[:p.top_k]
+    w = np.exp(v - v[0])
+    return bool(np.any(np.abs(np.cumsum(w) / w.sum() - p.top_p) < 1e-9))
+
+
 def test_kernel_matches_array_path(monkeypatch, n, cfg):
     """strata_sample (one block) against DeviceSampler's CuPy array path on the same logits and seed: ties, -inf,
-    vocabularies below and above the kernel's 2048-entry buffer."""
+    vocabularies below and above the kernel's 2048-entry buffer. The same token at every step, except where the
+    top-p cut is decided by float64 summation order (exact-tie masses equal to top_p: _top_p_cut_ambiguous; at most
+    a few of the 80 steps), after which both samplers accept the array path's token so their histories agree."""
     import cupy as cp
     rng = np.random.default_rng(n)
     p = SamplingParams(seed=5, **cfg)
     ker, arr = DeviceSampler(p, n), DeviceSampler(p, n)
+    ambiguous = 0
     for step in range(80):
         x = cp.asarray(_tricky_logits(rng, n, step))
         monkeypatch.setenv("STRATA_SAMPLE_KERNEL", "1")
         a = ker.sample(x)
         monkeypatch.setenv("STRATA_SAMPLE_KERNEL", "0")
         b = arr.sample(x)
-        assert a.token_id == b.token_id, step
-        ker.accept(a.token_id)
+        if a.token_id != b.token_id:
+            xs = cp.asnumpy(x)
+            pen = cp.asnumpy(arr.apply_penalties(x))
+            if not _top_p_cut_ambiguous(pen, p):
+                raise AssertionError(f"step {step} cfg {cfg}: kernel {a.token_id} (logit {xs[a.token_id]!r}) vs "
+                                     f"array path {b.token_id} (logit {xs[b.token_id]!r}); max {xs.max()!r}, ties "
+                                     f"at max {int((xs == xs.max()).sum())}")
+            ambiguous += 1
+        ker.accept(b.token_id)
         arr.accept(b.token_id)
+    assert ambiguous <= 4, f"{ambiguous} of 80 steps had an ambiguous top-p cut"
     assert ker.kernel_calls > 0 and arr.kernel_calls == 0
 
 

@@ -9,6 +9,7 @@
 #   device-sampling GPU tests when present), a `strata serve --device cuda` smoke request, and
 #   bench/gpu_throughput.py (llama-bench if its build finished, else llama.cpp numbers stored in $REF).
 # Stage P (carry .dev/B, after K): GDN kernel tests, quick hybrid prompt bench, ncu profile of a decode token.
+# Stage Q (carry .dev/B, after K): hybrid decode plan tests, quick hybrid bench, ncu profiles (decode, prefill).
 # Stage T (any carry): run the test files named in $TESTS only.
 stage=${1:?K, M, P or T}
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4   # torch (the reference) must not fight the llama.cpp build for cores
@@ -65,6 +66,23 @@ if [ "$stage" = P ]; then   # GDN kernel tests, hybrid prompt rows, ncu decode p
 make_synthetic_llama as m; m('/tmp/syn.gguf', '/tmp/model/$M')"
   timeout ${PR_S:-200} python3 bench/decode_profile.py --model /tmp/syn.gguf --depths ${PR_DEPTHS:-0,16384} \
     --out "$OUT/decode_profile.json" 2>&1 | tail -60
+  exit 0
+fi
+if [ "$stage" = Q ]; then   # hybrid decode plan tests, device-sampling kernel check, quick hybrid bench, profiles
+  timeout ${QT_S:-180} python3 -m pytest -x -q -rs -s -p timeout --timeout 90 --timeout-method thread \
+    tests/test_cuda_qwen35.py 2>&1 | grep -v "it/s]" | tail -25 | tee "$OUT/qwen35_tests.log"
+  timeout 90 python3 -m pytest -x -q -p timeout --timeout 60 --timeout-method thread tests/test_device_sampling.py \
+    -k kernel_matches 2>&1 | grep -E "passed|failed|Error|step" | tail -6
+  timeout ${HB_S:-150} python3 bench/gpu_hybrid_model.py --out-gguf /tmp/hyb.gguf --prompts 512 \
+    --depths 0,4096 --n-gen 64 --json "$OUT/hybrid_quick.json" 2>&1 | grep -v "it/s" | tail -8
+  [ -f /tmp/syn.gguf ] || python3 -c "import sys; sys.path.insert(0, '.'); from bench.gpu_throughput import \
+make_synthetic_llama as m; m('/tmp/syn.gguf', '/tmp/model/$M')"
+  timeout ${PR_S:-150} python3 bench/decode_profile.py --model /tmp/syn.gguf --depths 0,16384 \
+    --out "$OUT/profile_syn.json" 2>&1 | tail -32
+  timeout 120 python3 bench/decode_profile.py --model /tmp/hyb.gguf --depths 0 --prefill 512 \
+    --out "$OUT/profile_hyb_prefill.json" 2>&1 | tail -30
+  timeout 120 python3 bench/decode_profile.py --model /tmp/hyb.gguf --depths 0 \
+    --out "$OUT/profile_hyb_decode.json" 2>&1 | tail -24
   exit 0
 fi
 if [ "$stage" = T ]; then

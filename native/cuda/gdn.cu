@@ -13,12 +13,22 @@ namespace {
 constexpr int GDN_COLS = 32;   // value columns per block (one warp wide)
 constexpr int GDN_ROWS = 8;    // row groups per block: thread (tx, ty) owns rows ty, ty + 8, ... of column tx
 
+constexpr int GDN_STAGES = 4;  // prefill pipeline depth: tokens t + 1 .. t + 3 in flight while token t computes
+
+__device__ __forceinline__ void cp_async4(float *dst, const float *src) {
+  const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(d), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
 // One block per (value head h, tile of 32 value columns). For each token t (in order):
 //   S <- exp(g_t) S;  kv_mem = S^T k_t;  u = (v_t - kv_mem) * beta_t;  S <- S + k_t u^T;  o_t = S^T (q_t * scale)
 // with S = state[h] (d_k, d_v) kept in registers (M rows per thread) across the tokens, written back at the end.
 // q, k: (n, n_qk, d_k); value head h reads key head (tiled ? h % n_qk : h / (n_v / n_qk)).
-// Software-pipelined for prefill (n in the hundreds): token t + 1's q, k, v, g, beta are loaded into registers
-// while token t computes and stored into the other half of double-buffered shared memory, so a token costs two
+// Pipelined for prefill (n in the hundreds): a token's q, k, v (this tile), g and beta are copied by cp.async into
+// a ring of GDN_STAGES shared-memory stages, GDN_STAGES - 1 tokens ahead of the one computing, so a token costs two
 // block barriers and no exposed global-load latency; every thread sums the 8 partial columns of kv_mem itself.
 template <int M>
 __global__ void __launch_bounds__(GDN_COLS * GDN_ROWS) k_gdn_recurrent(
@@ -27,13 +37,30 @@ __global__ void __launch_bounds__(GDN_COLS * GDN_ROWS) k_gdn_recurrent(
     int n, int n_v, int n_qk, int dk, int dv, int tiled, float scale) {
   griddep_launch();
   griddep_wait();
-  extern __shared__ float sh[];               // q_s[2][dk], k_s[2][dk] (double-buffered by token parity)
+  extern __shared__ float sh[];               // GDN_STAGES x [q (dk) | k (dk) | v (32) | g | beta]
   __shared__ float red1[GDN_ROWS][GDN_COLS + 1], red2[GDN_ROWS][GDN_COLS + 1];
   const int tx = threadIdx.x, ty = threadIdx.y, tid = ty * GDN_COLS + tx;   // dk <= 256 = threads per block
   const int h = blockIdx.y;
   const int j = blockIdx.x * GDN_COLS + tx;
   const bool col = j < dv;
   const int hk = tiled ? h % n_qk : h / (n_v / n_qk);
+  const int SS = 2 * dk + GDN_COLS + 2;       // floats per stage
+  // copies of token t into stage t % GDN_STAGES (nothing past n); every thread commits one group per call
+  auto issue = [&](int t) {
+    if (t < n) {
+      float *st = sh + (t % GDN_STAGES) * SS;
+      if (tid < dk) {
+        cp_async4(st + tid, q + ((long long)t * n_qk + hk) * dk + tid);
+        cp_async4(st + dk + tid, k + ((long long)t * n_qk + hk) * dk + tid);
+      }
+      if (ty == 0 && col) cp_async4(st + 2 * dk + tx, v + ((long long)t * n_v + h) * dv + j);
+      if (tid == 0) {
+        cp_async4(st + 2 * dk + GDN_COLS, g + (long long)t * n_v + h);
+        cp_async4(st + 2 * dk + GDN_COLS + 1, beta + (long long)t * n_v + h);
+      }
+    }
+    cp_async_commit();
+  };
   float *S = state + (long long)h * dk * dv;
   float s[M];
 #pragma unroll
@@ -41,29 +68,16 @@ __global__ void __launch_bounds__(GDN_COLS * GDN_ROWS) k_gdn_recurrent(
     const int i = ty + GDN_ROWS * m;
     s[m] = (col && i < dk) ? S[(long long)i * dv + j] : 0.0f;
   }
-  // token 0 into buffer 0 and registers
-  if (tid < dk) {
-    sh[tid] = q[(long long)hk * dk + tid] * scale;
-    sh[2 * dk + tid] = k[(long long)hk * dk + tid];
-  }
-  float g_c = g[h], b_c = beta[h], v_c = col ? v[(long long)h * dv + j] : 0.0f;
-  __syncthreads();
+#pragma unroll
+  for (int t = 0; t < GDN_STAGES - 1; t++) issue(t);
+  cp_async_wait<GDN_STAGES - 2>();            // token 0 landed (this thread's copies)
+  __syncthreads();                            // ... and everyone's
   for (int t = 0; t < n; t++) {
-    const int cur = t & 1;
-    const float *q_s = sh + cur * dk, *k_s = sh + 2 * dk + cur * dk;
-    // loads of token t + 1 (consumed after this token's second barrier)
-    const bool more = t + 1 < n;
-    float q_n = 0.0f, k_n = 0.0f, g_n = 0.0f, b_n = 0.0f, v_n = 0.0f;
-    if (more) {
-      if (tid < dk) {
-        q_n = q[((long long)(t + 1) * n_qk + hk) * dk + tid];
-        k_n = k[((long long)(t + 1) * n_qk + hk) * dk + tid];
-      }
-      g_n = g[(long long)(t + 1) * n_v + h];
-      b_n = beta[(long long)(t + 1) * n_v + h];
-      if (col) v_n = v[((long long)(t + 1) * n_v + h) * dv + j];
-    }
-    const float eg = expf(g_c);
+    issue(t + GDN_STAGES - 1);                // into stage (t - 1) % GDN_STAGES, last read before barrier (2) of t - 1
+    const float *st = sh + (t % GDN_STAGES) * SS;
+    const float *q_s = st, *k_s = st + dk;
+    const float eg = expf(st[2 * dk + GDN_COLS]), b = st[2 * dk + GDN_COLS + 1];
+    const float v_c = st[2 * dk + tx];        // unused (u = 0) when !col
     float kv = 0.0f;
 #pragma unroll
     for (int m = 0; m < M; m++) {
@@ -78,7 +92,7 @@ __global__ void __launch_bounds__(GDN_COLS * GDN_ROWS) k_gdn_recurrent(
     float sum = 0.0f;
 #pragma unroll
     for (int r = 0; r < GDN_ROWS; r++) sum += red1[r][tx];
-    const float u = col ? (v_c - sum) * b_c : 0.0f;
+    const float u = col ? (v_c - sum) * b : 0.0f;
     float o = 0.0f;
 #pragma unroll
     for (int m = 0; m < M; m++) {
@@ -89,20 +103,14 @@ __global__ void __launch_bounds__(GDN_COLS * GDN_ROWS) k_gdn_recurrent(
       }
     }
     red2[ty][tx] = o;
-    if (more && tid < dk) {                   // the other buffer was last read before barrier (2) of token t - 1
-      sh[(cur ^ 1) * dk + tid] = q_n * scale;
-      sh[2 * dk + (cur ^ 1) * dk + tid] = k_n;
-    }
-    __syncthreads();                          // (2) o partials of token t, q/k of token t + 1
+    cp_async_wait<GDN_STAGES - 2>();          // token t + 1 landed (this thread's copies)
+    __syncthreads();                          // (2) o partials of token t; token t + 1 visible to all
     if (ty == 0 && col) {
       float acc = 0.0f;
 #pragma unroll
       for (int r = 0; r < GDN_ROWS; r++) acc += red2[r][tx];
-      out[((long long)t * n_v + h) * dv + j] = acc;
+      out[((long long)t * n_v + h) * dv + j] = acc * scale;
     }
-    g_c = g_n;
-    b_c = b_n;
-    v_c = v_n;
   }
 #pragma unroll
   for (int m = 0; m < M; m++) {
@@ -126,7 +134,24 @@ __global__ void k_gdn_conv(const float *__restrict__ x, const float *__restrict_
   for (int j = 0; j < K; j++) wc[j] = w[(long long)c * K + j];
 #pragma unroll
   for (int j = 0; j < K - 1; j++) buf[j] = window[(long long)j * channels + c];
-  for (int t = 0; t < n; t++) {
+  constexpr int U = 8;                        // tokens whose inputs are loaded together (latency-bound loop)
+  int t0 = 0;
+  for (; t0 + U <= n; t0 += U) {
+    float xv[U];
+#pragma unroll
+    for (int u = 0; u < U; u++) xv[u] = x[(long long)(t0 + u) * channels + c];
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      buf[K - 1] = xv[u];
+      float acc = 0.0f;
+#pragma unroll
+      for (int j = 0; j < K; j++) acc += buf[j] * wc[j];
+      y[(long long)(t0 + u) * channels + c] = acc / (1.0f + expf(-acc));
+#pragma unroll
+      for (int j = 0; j < K - 1; j++) buf[j] = buf[j + 1];
+    }
+  }
+  for (int t = t0; t < n; t++) {
     buf[K - 1] = x[(long long)t * channels + c];
     float acc = 0.0f;
 #pragma unroll
@@ -144,8 +169,8 @@ int launch_recurrent(cudaStream_t st, const float *q, const float *k, const floa
                      const float *beta, float *state, float *out, int n, int n_v, int n_qk, int dk, int dv, int tiled,
                      float scale) {
   dim3 grid((dv + GDN_COLS - 1) / GDN_COLS, n_v), block(GDN_COLS, GDN_ROWS);
-  st_launch(k_gdn_recurrent<M>, grid, block, 4 * dk * sizeof(float), st, q, k, v, g, beta, state, out, n, n_v, n_qk,
-            dk, dv, tiled, scale);
+  st_launch(k_gdn_recurrent<M>, grid, block, GDN_STAGES * (2 * dk + GDN_COLS + 2) * sizeof(float), st, q, k, v, g, beta,
+            state, out, n, n_v, n_qk, dk, dv, tiled, scale);
   return (int)cudaGetLastError();
 }
 

@@ -170,6 +170,23 @@ int strata_q35_attn_prep(void *stream, const float *qg, const float *q_norm, con
 /* att * sigmoid(gate) over n elements -> out f32 (may be NULL) and q8_1 blocks out_q8 (may be NULL; n % 32 == 0). */
 int strata_q35_out_gate(void *stream, const float *att, const float *gate, float *out, void *out_q8, int n);
 
+/* GDN prefill (gdn_prefill.cu) */
+/* Gated DeltaNet prologue for n tokens (one launch): y f32 rows [q (n_k*dk) | k (n_k*dk) | v (n_v*dv)] y_stride floats
+ * apart (the causal conv output) -> q_out, k_out f32 (n, n_k, dk) L2-normalised per key head (x / sqrt(|x|^2 +
+ * l2_eps), unscaled), v_out f32 (n, n_v, dv) (may be NULL), beta_out = sigmoid(b) and g_out = A * softplus(a + dt)
+ * (threshold 20) f32 (n, n_v). b and a rows are ba_stride floats apart; ba_grouped (qwen3next ssm_ba, per key head
+ * [b x r, a x r], r = n_v / n_k): value head h reads b[b_off + (h/r)*2r + h%r], a[a_off + (h/r)*2r + r + h%r];
+ * else (ssm_beta / ssm_alpha) b[b_off + h], a[a_off + h]. A, dt f32 (n_v). n_v a multiple of n_k. */
+int strata_gdn_prep(void *stream, const float *y, int y_stride, const float *b, const float *a, int ba_stride,
+                    int b_off, int a_off, int ba_grouped, const float *A, const float *dt, float *q_out, float *k_out,
+                    float *v_out, float *g_out, float *beta_out, int n, int n_k, int n_v, int dk, int dv,
+                    float l2_eps);
+/* Gated RMSNorm of n_rows rows of d (gdn.gated_rms_norm), one launch: out[r] = o[r] / sqrt(mean(o[r]^2) + eps) * w *
+ * silu(z_r); o, out f32 (n_rows, d) contiguous, w f32 (d); z_r = the d floats at z + (r / z_group) * z_stride +
+ * (r % z_group) * d (z_group rows per token back to back, tokens z_stride floats apart; z_stride >= z_group * d). */
+int strata_gdn_gated_norm_rows(void *stream, const float *o, const float *z, int z_stride, int z_group,
+                               const float *w, float *out, int n_rows, int d, float eps);
+
 #ifdef __cplusplus
 }
 #endif
