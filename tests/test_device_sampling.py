@@ -326,14 +326,6 @@ def _tricky_logits(rng, n, step):
     return x.astype(np.float32)
 
 
-@pytest.mark.skipif(_cuda_why() is not None, reason=f"CUDA backend unavailable: {_cuda_why()}")
-@pytest.mark.parametrize("n", [1000, 49152])
-@pytest.mark.parametrize("cfg", [dict(temperature=0.0), dict(temperature=0.8), dict(temperature=1.2, top_k=3),
-                                 dict(temperature=1.0, top_k=0, top_p=0.5, min_p=0.0),
-                                 dict(temperature=1.0, top_k=0, top_p=0.99, min_p=0.01),
-                                 dict(temperature=0.7, top_k=3000, top_p=1.0, min_p=0.2),
-                                 dict(temperature=0.9, top_k=100, top_p=0.9, min_p=0.0, repeat_penalty=1.2,
-                                      frequency_penalty=0.3, presence_penalty=-0.2, repeat_last_n=32)])
 def _top_p_cut_ambiguous(pen: np.ndarray, p: SamplingParams) -> bool:
     """Whether the top-p prefix of these penalized logits is decided by float64 rounding: some prefix of the sorted
     (top-k) candidates has softmax mass within 1e-9 of top_p (exact ties make masses like 90 x 0.01 = 0.9), where
@@ -347,6 +339,14 @@ def _top_p_cut_ambiguous(pen: np.ndarray, p: SamplingParams) -> bool:
     return bool(np.any(np.abs(np.cumsum(w) / w.sum() - p.top_p) < 1e-9))
 
 
+@pytest.mark.skipif(_cuda_why() is not None, reason=f"CUDA backend unavailable: {_cuda_why()}")
+@pytest.mark.parametrize("n", [1000, 49152])
+@pytest.mark.parametrize("cfg", [dict(temperature=0.0), dict(temperature=0.8), dict(temperature=1.2, top_k=3),
+                                 dict(temperature=1.0, top_k=0, top_p=0.5, min_p=0.0),
+                                 dict(temperature=1.0, top_k=0, top_p=0.99, min_p=0.01),
+                                 dict(temperature=0.7, top_k=3000, top_p=1.0, min_p=0.2),
+                                 dict(temperature=0.9, top_k=100, top_p=0.9, min_p=0.0, repeat_penalty=1.2,
+                                      frequency_penalty=0.3, presence_penalty=-0.2, repeat_last_n=32)])
 def test_kernel_matches_array_path(monkeypatch, n, cfg):
     """strata_sample (one block) against DeviceSampler's CuPy array path on the same logits and seed: ties, -inf,
     vocabularies below and above the kernel's 2048-entry buffer. The same token at every step, except where the
