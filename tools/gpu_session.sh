@@ -10,11 +10,12 @@
 #   bench/gpu_throughput.py (llama-bench if its build finished, else llama.cpp numbers stored in $REF).
 # Stage P (carry .dev/B, after K): GDN kernel tests, quick hybrid prompt bench, ncu profile of a decode token.
 # Stage Q (carry .dev/B, after K): hybrid decode plan tests, quick hybrid bench, ncu profiles (decode, prefill).
+# Stages F1 (carry .dev/B, after K) / F2 (same machine): a session's final test subsets; serve smoke + bench.
 # Stage T (any carry): run the test files named in $TESTS only.
 stage=${1:?K, M, P or T}
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4   # torch (the reference) must not fight the llama.cpp build for cores
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/parts
-D=.dev/A; [ "$stage" != K ] && D=.dev/B
+D=.dev/A; [ "$stage" != K ] && D=.dev/B; [ "$stage" = F2 ] && D=/tmp/none
 [ -d /tmp/site/cffi ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$D"/whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD
 cp "$D"/parts/* /tmp/parts/ 2>/dev/null
@@ -83,6 +84,30 @@ make_synthetic_llama as m; m('/tmp/syn.gguf', '/tmp/model/$M')"
     --out "$OUT/profile_hyb_prefill.json" 2>&1 | tail -30
   timeout 120 python3 bench/decode_profile.py --model /tmp/hyb.gguf --depths 0 \
     --out "$OUT/profile_hyb_decode.json" 2>&1 | tail -24
+  exit 0
+fi
+if [ "$stage" = F1 ]; then   # final checks of a session's changes (subsets chosen to fit the device budget)
+  t() { timeout "$1" python3 -m pytest -q -rs -p timeout --timeout 90 --timeout-method thread "${@:2}" 2>&1 \
+          | grep -E "passed|failed|FAILED|Error|Timeout|assert|step " | tail -8; }
+  t 120 tests/test_cuda_qwen35.py tests/test_gdn_prefill_kernels.py | tee "$OUT/f_qwen35.log"
+  t 100 tests/test_cuda_hybrid.py -k "recurrent or conv or chunked or prefill_logits or greedy_64 or capture" \
+    | tee "$OUT/f_hybrid.log"
+  t 40 tests/test_device_sampling.py -k "kernel_matches and 49152" | tee "$OUT/f_sampling.log"
+  t 170 tests/test_cuda_parity.py -k "plan_prefill or greedy_64 or engine_cuda_greedy or kv_q8_0_greedy or pdl \
+or attention_kernels_agree or checkpoint_exactness" | tee "$OUT/f_parity.log"
+  exit 0
+fi
+if [ "$stage" = F2 ]; then   # serve smoke + the throughput bench (llama.cpp numbers from $REF)
+  python3 -m strata.cli.main serve --device cuda --port 8765 --no-socket > "$OUT/serve_log.txt" 2>&1 &
+  spid=$!
+  for i in $(seq 1 90); do curl -sf http://127.0.0.1:8765/health >/dev/null && break; sleep 0.5; done
+  body='{"model":"default","messages":[{"role":"user","content":"What is a GPU?"}],"max_tokens":24,"temperature":0}'
+  for i in 1 2; do curl -s -m 60 http://127.0.0.1:8765/v1/chat/completions -H 'Content-Type: application/json' \
+    -d "$body" | head -c 400; echo; done | tee "$OUT/serve.txt"
+  kill "$spid"; wait "$spid" 2>/dev/null
+  timeout ${BENCH_S:-300} python3 bench/gpu_throughput.py --model default --synthetic /tmp/syn.gguf \
+    --synthetic-hybrid /tmp/hyb.gguf --tokenizer-from /tmp/model/$M --reference "$REF" \
+    --out "$OUT/gpu_throughput.json" 2>&1 | grep -v "it/s" | tee "$OUT/bench.log" | tail -45
   exit 0
 fi
 if [ "$stage" = T ]; then

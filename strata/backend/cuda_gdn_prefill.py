@@ -1,4 +1,4 @@
-"""Launchers of the fused Gated DeltaNet prefill prologue / epilogue kernels (native/cuda/gdn_prefill.cu) on CuPy arrays.
+"""Launchers of the fused GDN prefill prologue / epilogue kernels (native/cuda/gdn_prefill.cu) on CuPy arrays.
 
 ``prep`` turns the causal conv output and the beta / alpha projections of n tokens into what
 ``cuda_gdn.recurrent`` reads (L2-normalised q, k per key head, contiguous v, g, beta); ``gated_norm`` is the output
@@ -152,8 +152,9 @@ def prep(y, b, a, A, dt, n_k: int, dk: int, dv: int, l2_eps: float = L2_EPS):
     beta = xp.empty((n, n_v), np.float32)
     from strata.backend.cuda import _check
     lb = lib()
-    _check(lb.strata_gdn_prep(_stream(), _p(y), ys, _p(b), _p(a), bs, 0, 0, int(grouped), _p(A), _p(dt), _p(q),
-                              _p(k), _p(v), _p(g), _p(beta), n, int(n_k), n_v, int(dk), int(dv), float(l2_eps)),
+    _check(lb.strata_gdn_prep(_stream(), _p(y), int(ys), _p(b), _p(a), int(bs), 0, 0, int(grouped), _p(A), _p(dt),
+                              _p(q), _p(k), _p(v), _p(g), _p(beta), n, int(n_k), n_v, int(dk), int(dv),
+                              float(l2_eps)),
            "strata_gdn_prep")
     return q, k, v, g, beta
 
@@ -181,7 +182,7 @@ def gated_norm(o, z, w, eps: float):
     out = xp.empty((n, nh, d), np.float32)
     from strata.backend.cuda import _check
     lb = lib()
-    _check(lb.strata_gdn_gated_norm_rows(_stream(), _p(o), _p(z), zs, nh, _p(w), _p(out), n * nh, d, float(eps)),
+    _check(lb.strata_gdn_gated_norm_rows(_stream(), _p(o), _p(z), int(zs), nh, _p(w), _p(out), n * nh, d, float(eps)),
            "strata_gdn_gated_norm_rows")
     return out
 

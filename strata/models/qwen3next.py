@@ -23,10 +23,13 @@ converter (``conversion/qwen.py``), whose file layout is what this reads:
 Running state per GDN layer (``SequenceState.running[layer]``, float32): ``conv`` (kernel-1, conv channels) —
 the last inputs of the causal conv — and ``ssm`` (n_v, d_k, d_v) — the delta-rule matrix.
 
-On the CUDA backend (``backend.xp`` is CuPy) activations and the running state stay on the device: elementwise
-parts run as CuPy ops, the causal conv and the one-token (decode) delta rule as raw kernels
-(strata/backend/cuda_gdn.py, native/cuda/gdn.cu), prefill's chunked delta rule as CuPy batched matmuls and solves,
-and MoE routing on the device (only the (n_tokens, k) expert ids come to the host to drive the expert loop).
+On the CUDA backend (``backend.xp`` is CuPy) activations and the running state stay on the device. A GDN layer is
+four kernel launches besides its GEMMs, for any number of tokens: the causal conv and the delta rule (recurrent, the
+state in registers; strata/backend/cuda_gdn.py, native/cuda/gdn.cu), and the fused q/k L2 norm + gates and gated
+RMSNorm (strata/backend/cuda_gdn_prefill.py, native/cuda/gdn_prefill.cu). ``gdn_mode="chunked"`` keeps the chunked
+delta rule as CuPy batched matmuls and solves (with CuPy elementwise ops). MoE routing runs on the device (only the
+(n_tokens, k) expert ids come to the host to drive the expert loop). The one-token decode of dense models has its own
+CUDA-graph plan (strata/backend/cuda_qwen35.py), which the engine uses through CudaBackend.fast_path.
 """
 from __future__ import annotations
 
@@ -272,6 +275,19 @@ class Qwen3NextModel(Model):
         n = x.shape[0]
         nk, nv, dk, dv, r = self.nk, self.nv, self.dk, self.dv, self.r
         dev = self.on_device
+        mode = self.gdn_mode
+        step = mode == "recurrent" or (mode == "auto" and (n == 1 or dev))   # device: one recurrent kernel launch
+        if dev and step:      # fused: conv, prep (norms, gates), delta rule, gated norm: one kernel launch each
+            from strata.backend import cuda_gdn, cuda_gdn_prefill
+            y, _ = cuda_gdn.conv(be.matmul(x, L.wqkv), L.conv, run["conv"])     # window updated in place
+            if L.w_ba is not None:
+                b, a = be.matmul(x, L.w_ba), None                # (n, 2 n_v): per key head [beta x r, alpha x r]
+            else:
+                b, a = be.matmul(x, L.w_beta), be.matmul(x, L.w_alpha)
+            q, k, v, g, beta = cuda_gdn_prefill.prep(y, b, a, L.a, L.dt, nk, dk, dv)
+            o, _ = cuda_gdn.recurrent(q, k, v, g, beta, run["ssm"], tiled=self.tiled)   # maps key heads itself
+            o = cuda_gdn_prefill.gated_norm(o, be.matmul(x, L.wz), L.ssm_norm, self.eps)
+            return be.matmul(o.reshape(n, nv * dv), L.ssm_out)
         host = (lambda a: a) if dev else be.to_host
         qkv = host(be.matmul(x, L.wqkv))
         z = host(be.matmul(x, L.wz)).reshape(n, nv, dv)
@@ -280,9 +296,7 @@ class Qwen3NextModel(Model):
             b, a = ba[:, :, :r].reshape(n, nv), ba[:, :, r:].reshape(n, nv)
         else:
             b, a = host(be.matmul(x, L.w_beta)), host(be.matmul(x, L.w_alpha))
-        mode = self.gdn_mode
-        step = mode == "recurrent" or (mode == "auto" and (n == 1 or dev))   # device: one recurrent kernel launch
-        if dev:
+        if dev:                                                          # gdn_mode "chunked" on the device
             from strata.backend import cuda_gdn
             y, _ = cuda_gdn.conv(qkv, L.conv, run["conv"])          # window updated in place
         else:
@@ -293,14 +307,11 @@ class Qwen3NextModel(Model):
         v = self.xp.ascontiguousarray(y[:, 2 * self.key_dim:].reshape(n, nv, dv))
         beta = gdn.sigmoid(b).astype(np.float32)
         g = (L.a * gdn.softplus(a + L.dt)).astype(np.float32)
-        if dev and step:                                                 # the decode kernel maps key heads itself
-            o, _ = cuda_gdn.recurrent(q, k, v, g, beta, run["ssm"], tiled=self.tiled)
+        q, k = q[:, self.kmap_x], k[:, self.kmap_x]
+        if step:
+            o, _ = gdn.delta_rule_recurrent(q, k, v, g, beta, run["ssm"])
         else:
-            q, k = q[:, self.kmap_x], k[:, self.kmap_x]
-            if step:
-                o, _ = gdn.delta_rule_recurrent(q, k, v, g, beta, run["ssm"])
-            else:
-                o, _ = gdn.delta_rule_chunked(q, k, v, g, beta, run["ssm"])
+            o, _ = gdn.delta_rule_chunked(q, k, v, g, beta, run["ssm"])
         o = gdn.gated_rms_norm(o, L.ssm_norm, z, self.eps)
         return be.matmul(o.reshape(n, nv * dv), L.ssm_out)
 
