@@ -12,6 +12,7 @@ kernels run on CuPy's current stream.
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -19,6 +20,8 @@ import numpy as np
 from strata.backend import gdn
 
 L2_EPS = 1e-6            # gdn.l2_norm's default eps: the model's q / k normalisation
+# STRATA_GDN_FUSED=0: on CuPy too, the array formulas of gdn.py (several CuPy launches) instead of the two kernels.
+FUSED = os.environ.get("STRATA_GDN_FUSED", "1") not in ("0", "false", "no")
 
 _CDEF = """
 int strata_gdn_prep(void *stream, const float *y, int y_stride, const float *b, const float *a, int ba_stride,
@@ -126,11 +129,11 @@ def prep(y, b, a, A, dt, n_k: int, dk: int, dv: int, l2_eps: float = L2_EPS):
         _shape(b, "beta projection", (n, n_v))
         _shape(a, "alpha projection", (n, n_v))
     xp = gdn.array_module(y)
-    if xp is np:                                              # the numpy formulas, as qwen3next._gdn applies them
+    if xp is np or not FUSED:                                 # the array formulas, as qwen3next._gdn applies them
         kd = n_k * dk
         q = gdn.l2_norm(y[:, :kd].reshape(n, n_k, dk), l2_eps)
         k = gdn.l2_norm(y[:, kd:2 * kd].reshape(n, n_k, dk), l2_eps)
-        v = np.ascontiguousarray(y[:, 2 * kd:].reshape(n, n_v, dv), dtype=np.float32)
+        v = xp.ascontiguousarray(y[:, 2 * kd:].reshape(n, n_v, dv), dtype=np.float32)
         beta = gdn.sigmoid(b[:, b_idx]).astype(np.float32)
         g = (A * gdn.softplus((b if grouped else a)[:, a_idx] + dt)).astype(np.float32)
         return q, k, v, g, beta
@@ -174,7 +177,7 @@ def gated_norm(o, z, w, eps: float):
                          f"{(n, nh, d)} or {(n, nh * d)}")
     _shape(w, "gated_norm weight", (d,))
     xp = gdn.array_module(o)
-    if xp is np:
+    if xp is np or not FUSED:
         return gdn.gated_rms_norm(o, w, z.reshape(n, nh, d), eps)
     o = xp.ascontiguousarray(o, dtype=np.float32)
     z, zs = _rows(xp, z)
