@@ -89,11 +89,11 @@ fi
 if [ "$stage" = F1 ]; then   # final checks of a session's changes (subsets chosen to fit the device budget)
   t() { timeout "$1" python3 -m pytest -q -rs -p timeout --timeout 90 --timeout-method thread "${@:2}" 2>&1 \
           | grep -E "passed|failed|FAILED|Error|Timeout|assert|step " | tail -8; }
-  t 120 tests/test_cuda_qwen35.py tests/test_gdn_prefill_kernels.py | tee "$OUT/f_qwen35.log"
-  t 100 tests/test_cuda_hybrid.py -k "recurrent or conv or chunked or prefill_logits or greedy_64 or capture" \
+  t 100 tests/test_cuda_qwen35.py tests/test_gdn_prefill_kernels.py | tee "$OUT/f_qwen35.log"
+  t 80 tests/test_cuda_hybrid.py -k "recurrent or conv or chunked or prefill_logits or greedy_64 or capture" \
     | tee "$OUT/f_hybrid.log"
-  t 40 tests/test_device_sampling.py -k "kernel_matches and 49152" | tee "$OUT/f_sampling.log"
-  t 170 tests/test_cuda_parity.py -k "plan_prefill or greedy_64 or engine_cuda_greedy or kv_q8_0_greedy or pdl \
+  t 30 tests/test_device_sampling.py -k "kernel_matches and 49152" | tee "$OUT/f_sampling.log"
+  t 130 tests/test_cuda_parity.py -k "plan_prefill or greedy_64 or engine_cuda_greedy or kv_q8_0_greedy or pdl \
 or attention_kernels_agree or checkpoint_exactness" | tee "$OUT/f_parity.log"
   exit 0
 fi
