@@ -2,12 +2,11 @@
 
 The decode plan (CudaBackend.fast_path's plan: LlamaCuda, or the hybrid plan) is run eagerly for a few tokens
 inside a cudaProfilerStart/Stop window under ``ncu --metrics gpu__time_duration.sum`` (no cache flush, so kernels
-see the warm L2 of a real run; clocks locked to base, so the GPU's idle clock between ncu's replays does not inflate
-small kernels: durations are somewhat pessimistic against a boosted real run), and the same plan's CUDA-graph
-decode step is timed in a separate run without the profiler. Per token: the sum of the kernels' durations (what the GPU computes), the graph
-step time (what a token costs), and their difference (launch gaps between graph nodes and ramp-up/tail effects
-that per-kernel durations do not show). Kernels are grouped by name with their share of the kernel time and the
-fraction of the copy bandwidth their weight bytes would need (matvecs only).
+see the warm L2 of a real run; clocks locked to base), and the same plan's CUDA-graph decode step is timed in a
+separate run without the profiler. Per step it reports the sum of the kernels' durations, the graph step time and
+their difference, and the kernels grouped by name with their calls, time and share of the kernel time. On the H200
+the difference came out negative: at base clock, and with ncu's ~2 µs floor per kernel, small kernels last longer
+than in a real run, so read the shares (which kernels dominate), not the difference, as the result.
 
 With --prefill N the step is one forward of N new tokens at each depth (the engine's prefill path; any model).
 Usage: python bench/decode_profile.py --model PATH [--depths 0,4096,16384] [--tokens 2] [--prefill N] [--out JSON]

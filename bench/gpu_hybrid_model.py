@@ -209,7 +209,8 @@ def bench_hybrid(path: str, prompts=PROMPTS, depths=DEPTHS, n_gen: int = 128, ub
 
     prefill(rng.integers(0, vocab, min(ubatch, 128) + 3))           # warm-up: cuBLAS, cuSOLVER, kernels
     for t in range(3):
-        fast.forward(np.asarray([t], np.int32), st)
+        fast.forward(np.asarray([t], np.int32), st)                  # the plan (graph capture)
+        model.forward(np.asarray([t], np.int32), st)                 # the generic one-token path (decode_generic)
     res: dict = {"prompt": {}, "prompt_chunked": {}, "decode": {}, "decode_generic": {}, "plan": plan is not None}
     for n in prompts:
         res["prompt"][n] = timed_prompt(n)

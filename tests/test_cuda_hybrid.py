@@ -345,7 +345,8 @@ def test_synthetic_hybrid_file_matches_llamacpp(tiny_bench_file, tmp_path):
 @gpu
 @pytest.mark.parametrize("n,h,n_qk,dk,dv,tiled", [(1, 4, 4, 16, 24, True), (1, 16, 16, 128, 128, True),
                                                   (1, 8, 2, 64, 64, False), (1, 8, 2, 64, 64, True),
-                                                  (6, 4, 2, 16, 24, False), (3, 32, 16, 256, 96, True)])
+                                                  (6, 4, 2, 16, 24, False), (3, 32, 16, 256, 96, True),
+                                                  (37, 16, 16, 128, 128, True), (9, 8, 4, 256, 64, False)])
 def test_recurrent_kernel_matches_numpy(n, h, n_qk, dk, dv, tiled):
     import cupy as cp
     from strata.backend import cuda_gdn
@@ -363,7 +364,8 @@ def test_recurrent_kernel_matches_numpy(n, h, n_qk, dk, dv, tiled):
 
 
 @gpu
-@pytest.mark.parametrize("n,c,kk", [(1, 96, 4), (7, 6144, 4), (3, 33, 2), (2, 50, 8)])
+@pytest.mark.parametrize("n,c,kk", [(1, 96, 4), (7, 6144, 4), (3, 33, 2), (2, 50, 8), (8, 96, 4), (9, 130, 3),
+                                     (17, 6144, 4), (512, 200, 4)])    # n >= 8: the 8-token batched loads
 def test_conv_kernel_matches_numpy(n, c, kk):
     import cupy as cp
     from strata.backend import cuda_gdn

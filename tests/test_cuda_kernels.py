@@ -146,7 +146,7 @@ def test_gemm_prefill_path(be, cp):
     assert rel(cp.asnumpy(y), x.astype(np.float64) @ W.T) < 3e-3
 
 
-@pytest.mark.parametrize("dim", [576, 2048, 5000, 9000])    # register kernels (<= 8192, any width) and the loop form
+@pytest.mark.parametrize("dim", [200, 512, 576, 2048, 4096, 5000, 9000])   # every register width (<= 8192) + the loop
 @pytest.mark.parametrize("with_res", [False, True])
 def test_rms_norm_residual(be, cp, with_res, dim):
     rng = np.random.default_rng(11)

@@ -1,6 +1,7 @@
 // Kernel launches with programmatic dependent launch (PDL, sm_90+), shared by the kernel files.
 //
-// With PDL on (STRATA_CUDA_PDL=1, or strata_set_pdl(1)), st_launch gives each launch the
+// With PDL on (the default on compute capability >= 9.0; STRATA_CUDA_PDL=0 / strata_set_pdl(0) turn it off),
+// st_launch gives each launch the
 // cudaLaunchAttributeProgrammaticStreamSerialization attribute: the next kernel on the stream may be scheduled once
 // every block of this one has run griddep_launch() (griddepcontrol.launch_dependents), and it runs up to its
 // griddep_wait() (griddepcontrol.wait: the previous grid has completed and its memory is visible) early, so launch

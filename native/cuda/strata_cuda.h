@@ -55,7 +55,9 @@ int strata_rms_norm(void *stream, const float *x, const float *residual, const f
                     float *out, float *sum_out, int n_rows, int dim, float eps);
 
 /* strata_rms_norm with more outputs, each optional: out f32, sum_out f32 (x + residual), out16 f16 (n_rows, dim),
- * out_q8 q8_1 blocks (n_rows == 1, dim % 32 == 0; layout of strata_quantize_q8_1). */
+ * out_q8 q8_1 blocks (n_rows == 1, dim % 32 == 0; layout of strata_quantize_q8_1). Both launchers read `weight`
+ * before the programmatic-dependent-launch wait (it overlaps the previous kernel): weight must not be written by
+ * the kernel launched just before on the stream (model norm weights are constants). */
 int strata_rms_norm_ex(void *stream, const float *x, const float *residual, const float *weight, float *out,
                        float *sum_out, void *out16, void *out_q8, int n_rows, int dim, float eps);
 
@@ -127,7 +129,7 @@ int strata_kv_gather_q8(void *stream, const void *k_cache, const void *v_cache, 
 /* Decode attention (one query token), GQA-shared and self-merging (attention.cu): grid (n_kv, n_split); q f32
  * (n_head * hd); length *d_len (device) or len; ws f32 (n_head * n_split * (hd + 2)); counters uint32 (n_kv),
  * zero before the first call and left zero; out f32 (n_head * hd) and, if out_q8, q8_1 blocks of out. hd 32, 64,
- * 128 or 256; n_head / n_kv <= 8; n_split <= 128. k_scales / v_scales NULL: f16 cache; given: q8_0 cache. */
+ * 128 or 256; n_head / n_kv <= 8; n_split <= 256. k_scales / v_scales NULL: f16 cache; given: q8_0 cache. */
 int strata_attn_decode_gqa(void *stream, const float *q, const void *k_cache, const void *v_cache,
                            const int *page_table, const int *d_len, int len, float *ws, unsigned *counters, float *out,
                            void *out_q8, int n_head, int n_kv, int hd, int page_size, int n_split, float scale,

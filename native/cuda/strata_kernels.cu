@@ -188,14 +188,16 @@ static inline long long row_bytes_of(int t, int n_in) {
 extern "C" int strata_supports_type(int t) { return block_bytes(t) != 0; }
 
 // Programmatic dependent launch for st_launch (launch.cuh): on by default on compute capability 9.0 and newer
-// (H200: decode 1.05-1.35x, the same tokens; bench/gpu_throughput.py decode_no_pdl), STRATA_CUDA_PDL=0 turns it
-// off, STRATA_CUDA_PDL=1 forces it on; strata_set_pdl overrides both.
+// (H200: decode 1.05-1.35x, the same tokens; bench/gpu_throughput.py decode_no_pdl), STRATA_CUDA_PDL=0 (or
+// false / no / off) turns it off, any other value forces it on; strata_set_pdl overrides both.
 static int g_pdl = -1;
 extern "C" int strata_get_pdl(void) {
   if (g_pdl < 0) {
     const char *e = getenv("STRATA_CUDA_PDL");
-    if (e && e[0]) {
-      g_pdl = e[0] == '1';
+    if (e && e[0]) {   // "0", "false", "no", "off" (any case of the first letter): off; anything else: on
+      const char c = e[0];
+      g_pdl = !(c == '0' || c == 'f' || c == 'F' || c == 'n' || c == 'N' ||
+                ((c == 'o' || c == 'O') && (e[1] == 'f' || e[1] == 'F')));
     } else {
       int dev = 0, major = 0;
       g_pdl = cudaGetDevice(&dev) == cudaSuccess &&

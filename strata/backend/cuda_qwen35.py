@@ -160,6 +160,7 @@ class ResidentState:
         return self._owner() if self._owner is not None else None
 
     def is_resident(self, state) -> bool:
+        """Whether every running-state array of `state` is one of the plan's buffers (identity, not equality)."""
         r = state.running
         return all(r.get(layer, {}).get(k) is b for layer, parts in self.buf.items() for k, b in parts.items())
 
@@ -474,6 +475,16 @@ class Qwen35GraphModel:
 
     def __getattr__(self, name):
         return getattr(self.model, name)
+
+    def new_page_pool(self, *args, **kwargs):
+        """The model's page pool, with this pool's plan made at once: its fused weight copies (about 2/3 of the layer
+        weights again) are allocated when the engine loads the model, so a device that cannot hold them fails then,
+        not at the first decode token."""
+        pool = self.model.new_page_pool(*args, **kwargs)
+        if isinstance(pool, C.CudaPagePool):
+            with self.model.backend.device:
+                self.plan(pool)
+        return pool
 
     def plan(self, pool) -> Qwen35Cuda:
         """The plan of `pool` (made on first use)."""
