@@ -21,29 +21,17 @@ import numpy as np
 import pytest
 
 from strata import synth
-from strata.backend import gdn, moe
 from strata.backend import cuda as C
+from strata.backend import gdn, moe
 from strata.models.base import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench import gpu_hybrid_model as bench_h  # noqa: E402
+from tests.cuda_marks import CUDA_WHY as _why  # noqa: E402
+from tests.cuda_marks import default_model_missing, gpu
 
-_why = C.unavailable_reason()
-gpu = pytest.mark.skipif(_why is not None, reason=f"CUDA backend unavailable: {_why}")
-
-
-def _default_model_missing() -> str | None:
-    """The synthetic models copy the default model's tokenizer: why it cannot be read, or None."""
-    from strata.default_model import default_model_path
-    try:
-        p = default_model_path()
-    except Exception as e:  # noqa: BLE001  (DefaultModelMissing, an unreadable package)
-        return str(e)
-    return None if p.is_file() else f"default model not at {p}"
-
-
-_no_model = _default_model_missing()
+_no_model = default_model_missing()
 pytestmark = pytest.mark.skipif(_no_model is not None, reason=f"synthetic models need the default model's tokenizer: "
                                                               f"{_no_model}")
 
@@ -349,6 +337,7 @@ def test_synthetic_hybrid_file_matches_llamacpp(tiny_bench_file, tmp_path):
                                                   (37, 16, 16, 128, 128, True), (9, 8, 4, 256, 64, False)])
 def test_recurrent_kernel_matches_numpy(n, h, n_qk, dk, dv, tiled):
     import cupy as cp
+
     from strata.backend import cuda_gdn
     q, k, v, g, b, s0 = _gdn_inputs(n, h, dk, dv, seed=h + dk, n_qk=n_qk)
     kmap = np.arange(h) % n_qk if tiled else np.arange(h) // (h // n_qk)
@@ -368,6 +357,7 @@ def test_recurrent_kernel_matches_numpy(n, h, n_qk, dk, dv, tiled):
                                      (17, 6144, 4), (512, 200, 4)])    # n >= 8: the 8-token batched loads
 def test_conv_kernel_matches_numpy(n, c, kk):
     import cupy as cp
+
     from strata.backend import cuda_gdn
     rng = np.random.default_rng(c)
     x = rng.standard_normal((n, c)).astype(np.float32)

@@ -412,21 +412,27 @@ def _paged(cp, rng, L, KV, hd, ps):
     return K.astype(np.float64), V.astype(np.float64), cp.asarray(kc), cp.asarray(vc), cp.asarray(table)
 
 
+def _decode_case(cp, seed, L, H, KV, hd, ps=16):
+    """A decode-attention case: paged f16 K/V of L positions, one query (H heads), its float64 reference output of
+    the last position. Returns (kc, vc, pt, dq f32 device (H * hd), scale, ref (H * hd))."""
+    rng = np.random.default_rng(seed)
+    K, V, kc, vc, pt = _paged(cp, rng, L, KV, hd, ps)
+    q = rng.standard_normal((1, H, hd))
+    scale = 1 / np.sqrt(hd)
+    ref = attn_ref(q, K, V, L - 1, scale)[0].reshape(-1)
+    return kc, vc, pt, cp.asarray(q.reshape(-1), dtype=cp.float32), scale, ref
+
+
 @pytest.mark.parametrize("hd", [64, 128])
 @pytest.mark.parametrize("H,KV", [(9, 3), (8, 8), (32, 4), (16, 2)])
 @pytest.mark.parametrize("L,n_split", [(1, 1), (77, 1), (300, 3), (5000, 40), (5000, 128), (5000, 256), (100, 256)])
 def test_attn_decode_gqa(cp, hd, H, KV, L, n_split):
     """strata_attn_decode_gqa == float64 attention of the last position; q8_1 output == q8_1 of the f32 output;
     twice in a row (the split counters reset themselves)."""
-    rng = np.random.default_rng(L + hd + H)
     ps = 16
-    K, V, kc, vc, pt = _paged(cp, rng, L, KV, hd, ps)
-    q = rng.standard_normal((1, H, hd))
-    scale = 1 / np.sqrt(hd)
-    ref = attn_ref(q, K, V, L - 1, scale)[0].reshape(-1)
+    kc, vc, pt, dq, scale, ref = _decode_case(cp, L + hd + H, L, H, KV, hd, ps)
     ws = cp.zeros(H * n_split * (hd + 2), cp.float32)
     ctr = cp.zeros(KV, cp.uint32)
-    dq = cp.asarray(q.reshape(-1), dtype=cp.float32)
     for _ in range(2):
         out = cp.full(H * hd, cp.nan, cp.float32)
         oq = cp.zeros(H * hd + H * hd // 4, cp.uint8)
@@ -535,14 +541,9 @@ def test_kv_write_q8_and_gather(cp, hd):
 def test_attn_decode_v1_q8_output(cp, hd, H, KV, L, n_split):
     """strata_attn_decode_ex (the first split-K kernel + combine) == float64 attention of the last position, and its
     q8_1 output == q8_1 of its f32 output (the plan feeds it to the o-projection matvec directly)."""
-    rng = np.random.default_rng(L + hd + H + 1)
     ps = 16
-    K, V, kc, vc, pt = _paged(cp, rng, L, KV, hd, ps)
-    q = rng.standard_normal((1, H, hd))
-    scale = 1 / np.sqrt(hd)
-    ref = attn_ref(q, K, V, L - 1, scale)[0].reshape(-1)
+    kc, vc, pt, dq, scale, ref = _decode_case(cp, L + hd + H + 1, L, H, KV, hd, ps)
     ws = cp.zeros(H * n_split * (hd + 2), cp.float32)
-    dq = cp.asarray(q.reshape(-1), dtype=cp.float32)
     out = cp.full(H * hd, cp.nan, cp.float32)
     oq = cp.zeros(H * hd + H * hd // 4, cp.uint8)
     C._check(C.lib().strata_attn_decode_ex(C._stream_ptr(), C._p(dq), C._p(kc), C._p(vc), C._p(pt), C._ffi.NULL, L,

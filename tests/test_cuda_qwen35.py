@@ -38,21 +38,10 @@ from strata.state import SequenceState
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-_why = C.unavailable_reason()
-gpu = pytest.mark.skipif(_why is not None, reason=f"CUDA backend unavailable: {_why}")
+from tests.cuda_marks import CUDA_WHY as _why  # noqa: E402
+from tests.cuda_marks import default_model_missing, gpu
 
-
-def _default_model_missing() -> str | None:
-    """The synthetic models copy the default model's tokenizer: why it cannot be read, or None."""
-    from strata.default_model import default_model_path
-    try:
-        p = default_model_path()
-    except Exception as e:  # noqa: BLE001  (DefaultModelMissing, an unreadable package)
-        return str(e)
-    return None if p.is_file() else f"default model not at {p}"
-
-
-_no_model = _default_model_missing()
+_no_model = default_model_missing()
 needs_model = pytest.mark.skipif(_no_model is not None,
                                  reason=f"synthetic models need the default model's tokenizer: {_no_model}")
 
