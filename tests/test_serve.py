@@ -81,6 +81,23 @@ def test_openai_chat_usage_matches_reference_tokenizer(client, model_id):
     assert r.usage.prompt_tokens == len(ref)
 
 
+def test_raw_completion_reads_special_token_text_as_tokens(client, model_id):
+    """A /v1/completions prompt written in ChatML reads <|im_start|> / <|im_end|> as the special tokens (llama.cpp's
+    server and vLLM do): the same token count as transformers' tokenizer on the same GGUF, and the same greedy answer
+    as the chat endpoint gives for those messages."""
+    msgs = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "What is 2+2?"}]
+    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in msgs) + "<|im_start|>assistant\n"
+    raw = client.completions.create(model=model_id, prompt=text, max_tokens=8, temperature=0)
+    chat = client.chat.completions.create(model=model_id, messages=msgs, max_tokens=8, temperature=0)
+    assert raw.usage.prompt_tokens == chat.usage.prompt_tokens
+    assert raw.choices[0].text == chat.choices[0].message.content
+    transformers = pytest.importorskip("transformers")
+    from strata.default_model import default_model_path
+    p = default_model_path()
+    tok = transformers.AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    assert raw.usage.prompt_tokens == len(tok(text, add_special_tokens=False)["input_ids"])
+
+
 def test_openai_stream_equals_non_stream(client, model_id):
     kw = dict(model=model_id, messages=HI, max_tokens=12, temperature=0)
     whole = client.chat.completions.create(**kw)

@@ -123,13 +123,15 @@ class Engine:
                                     pin_message=pin_message, text_check=lambda t: self._check_text_fits(len(t)),
                                     **template_kwargs)
 
-    def tokenize_prompt(self, text: str, *, add_bos: bool | None = None) -> list[int]:
-        """Tokenize raw completion text (/v1/completions): BOS per the model's metadata, special-token text
-        kept as text."""
+    def tokenize_prompt(self, text: str, *, add_bos: bool | None = None, parse_special: bool = True) -> list[int]:
+        """Tokenize raw completion text (/v1/completions, `strata generate`): BOS per the model's metadata, and the
+        text of special tokens (``<|im_start|>``) read as those tokens, as llama.cpp's server and llama-cli do
+        (llama_tokenize with parse_special) and vLLM's Hugging Face tokenizers do, so a prompt written in the chat
+        template's format reads as that format. parse_special=False keeps such text as characters."""
         kw = {} if add_bos is None else {"add_bos": add_bos}
         if isinstance(text, str):
             self._check_text_fits(len(text))
-        return list(self.tokenizer.encode(text, **kw))
+        return list(self.tokenizer.encode(text, parse_special=parse_special, **kw))
 
     def _check_text_fits(self, n_chars: int) -> None:
         """Refuse text that cannot fit before tokenizing it (a multi-megabyte prompt costs seconds of CPU to
