@@ -210,6 +210,7 @@ def test_slots(daemon):
     (json.dumps({"messages": HI, "stream_options": {"include_usage": True}}).encode(), "only allowed"),
     (json.dumps({"messages": HI, "strata_pin": 5}).encode(), "strata_pin"),
     (json.dumps({"messages": HI, "stop": ""}).encode(), "'stop'"),
+    (json.dumps({"messages": HI, "stop": ["ok", "x" * 513]}).encode(), "513 characters, at most 512"),
     (b'{"messages": [{"role": "user", "content": "hi \\ud800"}]}', "not valid Unicode"),
     (b'{"messages": [{"role": "system", "content": "\\ud83d"}, {"role": "user", "content": "x"}]}',
      "not valid Unicode"),

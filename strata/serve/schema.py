@@ -16,6 +16,7 @@ from typing import Any
 from strata.serve.errors import ApiError
 
 MAX_STOP = 16
+MAX_STOP_CHARS = 512       # per stop string: matching a held-back prefix costs up to len^2 per generated token
 MAX_TOP_LOGPROBS = 20
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
@@ -135,6 +136,9 @@ def _common(body: dict, kind: str) -> ParsedRequest:
             raise _bad("stop", f"has {len(stop)} strings, at most {MAX_STOP} are allowed")
         if any(s == "" for s in stop):
             raise _bad("stop", "must not contain an empty string")
+        long = next((s for s in stop if len(s) > MAX_STOP_CHARS), None)
+        if long is not None:
+            raise _bad("stop", f"has a string of {len(long)} characters, at most {MAX_STOP_CHARS} are allowed")
         r.stop = list(stop)
     s = r.sampling
     for key, lo, hi, lo_open in (("temperature", 0.0, 2.0, False), ("top_p", 0.0, 1.0, True),
