@@ -228,8 +228,10 @@ class StopMatcher:
     """Finds stop strings in streamed text, also when one spans several pieces.
 
     feed(piece) -> (text safe to emit now, stopped). Text that could be the start of a stop string is held
-    back until it is resolved; on a match the text before the earliest stop is returned with stopped=True
-    and the stop string itself is never emitted. flush() returns what is held back at the end.
+    back until it is resolved; the output is the whole text up to its earliest stop string, so a match is only
+    taken when no unfinished stop string starts before it (stops "<" and "><<" on "><" then "<": "" and "><<",
+    not ">" and "<"). On a match stopped=True and the stop string itself is never emitted. flush() returns what
+    is held back at the end, cut at a stop string it holds (setting ``stopped``).
     Raises ValueError if a stop is not a string.
     """
 
@@ -243,32 +245,46 @@ class StopMatcher:
         self.stopped = False
         self.matched: str | None = None
 
-    def feed(self, piece: str) -> tuple[str, bool]:
-        if self.stopped:
-            return "", True
-        buf = self._buf + piece
-        best = -1
+    def _earliest(self, buf: str) -> tuple[int, str | None]:
+        """(index, stop) of the earliest full stop string in buf (first listed on a tie), or (-1, None)."""
+        best, match = -1, None
         for s in self.stops:
             i = buf.find(s)
             if i >= 0 and (best < 0 or i < best):
-                best, self.matched = i, s
-        if best >= 0:
-            self.stopped = True
-            self._buf = ""
-            return buf[:best], True
+                best, match = i, s
+        return best, match
+
+    def _pending(self, buf: str) -> int:
+        """Length of the longest suffix of buf that is a proper prefix of a stop string (it may still become one)."""
         hold = 0
         for s in self.stops:
             for k in range(min(len(s) - 1, len(buf)), hold, -1):
                 if buf.endswith(s[:k]):
                     hold = k
                     break
-        if hold:
-            self._buf = buf[-hold:]
-            return buf[:-hold], False
-        self._buf = ""
-        return buf, False
+        return hold
+
+    def _stop(self, text: str, match: str | None) -> str:
+        self.stopped, self.matched, self._buf = True, match, ""
+        return text
+
+    def feed(self, piece: str) -> tuple[str, bool]:
+        if self.stopped:
+            return "", True
+        buf = self._buf + piece
+        best, match = self._earliest(buf)
+        pending = len(buf) - self._pending(buf)      # where the earliest still-possible stop starts
+        if best >= 0 and best <= pending:            # no unfinished stop starts before this match
+            return self._stop(buf[:best], match), True
+        # hold from the earliest unfinished stop (a full match after it is decided once that one is)
+        self._buf = buf[pending:]
+        return buf[:pending], False
 
     def flush(self) -> str:
-        """The held-back text (call when generation ends without a stop)."""
-        out, self._buf = self._buf, ""
-        return out
+        """The held-back text, cut at the earliest stop string it holds (then ``stopped`` is set), when generation
+        ends."""
+        if self.stopped:
+            return ""
+        buf, self._buf = self._buf, ""
+        best, match = self._earliest(buf)
+        return self._stop(buf[:best], match) if best >= 0 else buf

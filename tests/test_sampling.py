@@ -170,6 +170,7 @@ def _run_stop(stops, pieces):
             break
     if not stopped:
         out.append(m.flush())
+        stopped = m.stopped
     return "".join(out), stopped
 
 
@@ -178,6 +179,11 @@ def test_stop_across_pieces():
     assert _run_stop(["\n\n"], ["a\n", "\nb"]) == ("a", True)
     assert _run_stop(["STOP"], ["ST", "OP"]) == ("", True)
     assert _run_stop(["xyz"], ["abc", "xy"]) == ("abcxy", False)  # held text is released at the end
+    # a match is not taken while a stop that starts earlier is unfinished (hypothesis found this one)
+    assert _run_stop(["<", "><<"], ["><", "<"]) == ("", True)
+    assert _run_stop(["<", "><<"], ["><"]) == (">", True)          # ... and flush cuts at the held "<"
+    m = StopMatcher(["<", "><<"])
+    assert m.feed("><") == ("", False) and m.flush() == ">" and m.stopped and m.matched == "<"
     m = StopMatcher(["abc"])
     assert m.feed("xxa") == ("xx", False)   # "a" could start the stop: held
     assert m.feed("bd") == ("abd", False)   # resolved: released

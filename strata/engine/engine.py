@@ -333,6 +333,8 @@ class Engine:
                 # a character the last token left incomplete (max_tokens, cancel) is dropped, never sent as U+FFFD
                 tail, _ = stopper.feed(decoder.flush(drop_incomplete=True))
                 trailing = tail + stopper.flush()
+                if stopper.stopped and finish != "cancelled":   # the held-back text held a stop string
+                    finish, stopped_by = "stop", stopper.matched
         except GeneratorExit:         # the consumer closed the iterator (client went away): a cancel
             finish = "cancelled"
             raise
