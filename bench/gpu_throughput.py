@@ -25,14 +25,31 @@ PROMPTS = (512, 4096, 16384)
 DEPTHS = (0, 4096, 16384)
 
 
+def source_digest() -> str:
+    """sha256 (first 16 hex digits) of the code that ran: every .py / .cu / .cuh / .h / .c file under strata/,
+    native/ and bench/ (path and bytes, sorted). A copy of the working tree whose git HEAD is stale (the device
+    machine's) still names its code: compare with `python -c "from bench.gpu_throughput import source_digest as d;
+    print(d())"` at a checkout."""
+    import hashlib
+    h = hashlib.sha256()
+    files = sorted(p for d in ("strata", "native", "bench") for p in (ROOT / d).rglob("*")
+                   if p.suffix in (".py", ".cu", ".cuh", ".h", ".c") and p.is_file())
+    for p in files:
+        h.update(str(p.relative_to(ROOT)).encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
 def commit() -> str:
+    """The git commit (STRATA_COMMIT overrides) and, after a '+', source_digest(): the device machine's copy of the
+    tree can carry a stale git HEAD, the digest names the code itself."""
     if os.environ.get("STRATA_COMMIT"):
-        return os.environ["STRATA_COMMIT"]
+        return os.environ["STRATA_COMMIT"] + "+" + source_digest()
     try:
-        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True).stdout.strip() or "unknown"
     except OSError:
-        return "unknown"
+        head = "unknown"
+    return head + "+" + source_digest()
 
 
 def copy_bandwidth(cp) -> float:
