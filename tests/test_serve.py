@@ -141,6 +141,27 @@ def test_logprobs(client, model_id):
     assert "".join(lp.tokens) == c.choices[0].text
 
 
+def test_logprobs_bytes_are_the_tokens_bytes(client, model_id):
+    """A character spread over byte-fallback tokens: each entry's `bytes` are that token's own bytes (not the UTF-8
+    of U+FFFD), so joining them rebuilds the text, as OpenAI, vLLM and llama.cpp give them."""
+    r = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "Say 日本"}],
+                                       max_tokens=6, temperature=0, logprobs=True, top_logprobs=1)
+    content = r.choices[0].logprobs.content
+    joined = b"".join(bytes(e.bytes) for e in content)
+    assert joined.decode("utf-8", "ignore") == r.choices[0].message.content
+    partial = [e for e in content if not _valid_utf8(bytes(e.bytes))]
+    assert partial, "the greedy answer was expected to hold a character split over byte tokens"
+    assert all(e.top_logprobs[0].bytes == e.bytes for e in content)
+
+
+def _valid_utf8(b: bytes) -> bool:
+    try:
+        b.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
 # ------------------------------------------------------------------------------------------ timings, strata, metrics
 def test_timings_strata_and_checkpoint_metrics(daemon):
     body = {"messages": [{"role": "system", "content": "You are a terse assistant."},

@@ -147,6 +147,11 @@ class Engine:
     def detokenize(self, ids) -> str:
         return self.tokenizer.decode(list(ids))
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes a token stands for (a byte-fallback token: its one byte, which alone may not be valid
+        UTF-8; what OpenAI's logprobs `bytes` field carries). ValueError for an id outside the vocabulary."""
+        return self.tokenizer.token_bytes(int(token_id))
+
     # ---- generation ------------------------------------------------------------------------------
     def generate(self, req: GenerationRequest) -> Iterator[TokenEvent | FinalEvent]:
         """Run one request; returns an iterator of TokenEvents ending with exactly one FinalEvent.

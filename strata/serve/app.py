@@ -185,8 +185,11 @@ def _token_text(engine, token_id: int) -> str:
     return engine.detokenize([token_id])
 
 
-def _lp_entry(text: str, lp: float) -> dict:
-    return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8", "replace"))}
+def _lp_entry(engine, token_id: int, text: str, lp: float) -> dict:
+    """One OpenAI logprobs entry: `bytes` are the token's own bytes (so that joining them rebuilds text a character
+    of which spans several tokens), not the UTF-8 of its (possibly U+FFFD) text."""
+    raw = engine.token_bytes(token_id) if hasattr(engine, "token_bytes") else text.encode("utf-8", "replace")
+    return {"token": text, "logprob": lp, "bytes": list(raw)}
 
 
 # ---------------------------------------------------------------------------------------------- routes
@@ -467,8 +470,8 @@ class _LogprobsAcc:
         text = _token_text(self.engine, ev.token_id)
         tops = ev.top_logprobs or []
         if self.kind == "chat":
-            entry = _lp_entry(text, ev.logprob)
-            entry["top_logprobs"] = [_lp_entry(t, lp) for (_i, t, lp) in tops]
+            entry = _lp_entry(self.engine, ev.token_id, text, ev.logprob)
+            entry["top_logprobs"] = [_lp_entry(self.engine, i, t, lp) for (i, t, lp) in tops]
             self.content.append(entry)
             return {"content": [entry]}
         top = {}
