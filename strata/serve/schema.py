@@ -228,6 +228,14 @@ def parse_chat(body: dict) -> ParsedRequest:
         if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
             raise _bad("tools", "must be an array of tool objects")
         r.tools = tools or None
+    # Tools are rendered into the prompt when the chat template takes them, but tool calls are not parsed out of
+    # the answer: a request that must get a tool call cannot be served (vLLM answers 400 without a tool parser).
+    tc = body.get("tool_choice")
+    if tc is not None and tc not in ("none", "auto"):
+        if tc == "required" or isinstance(tc, dict):
+            raise _bad("tool_choice", f"{json.dumps(tc)} needs tool calls in the answer, which this server does not "
+                                      "parse (tools are only rendered into the prompt): use \"auto\" or \"none\"")
+        raise _bad("tool_choice", 'must be "none", "auto", "required" or a function object')
     r.logprobs = _opt_bool(body, "logprobs", False)
     tl = _opt_int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
     if tl is not None:
