@@ -529,3 +529,22 @@ def test_serve_kv_q8_0_on_cpu_is_refused_before_listening(tmp_path):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--kv q8_0 needs --device cuda" in r.stderr and "Traceback" not in r.stderr
     assert not sock.exists()
+
+
+def test_port_0_reports_the_bound_port(tmp_path):
+    """`--port 0` lets the OS pick: the log's "listening" line and /status name the real port (not :0), and it
+    answers there."""
+    import http.client
+    d = Daemon(tmp_path, port=0).start()
+    try:
+        st, s = d.json("GET", "/status")
+        tcp = s["listen"]["tcp"]
+        host, port = tcp.rsplit(":", 1)
+        assert st == 200 and host == "127.0.0.1" and int(port) > 0
+        assert any(line.get("event") == "listening" and line.get("tcp") == tcp for line in d.log_lines())
+        c = http.client.HTTPConnection(host, int(port), timeout=10)
+        c.request("GET", "/health")
+        assert c.getresponse().status == 200
+        c.close()
+    finally:
+        assert d.stop() == 0, d.log_tail()

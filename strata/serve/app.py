@@ -44,6 +44,20 @@ class ServeConfig:
     max_body: int = 8 * 1024 * 1024
     retry_after: int = 1
     drain_timeout: float = 30.0
+    tcp_bound: str | None = None      # the TCP address actually bound ("[::1]:8090"; --port 0 gives the real port)
+
+    def tcp_address(self) -> str | None:
+        """host:port the TCP listener has (the bound one once known; IPv6 hosts in brackets), or None."""
+        if self.port is None:
+            return None
+        if self.tcp_bound:
+            return self.tcp_bound
+        return format_hostport(self.host or "127.0.0.1", self.port)
+
+
+def format_hostport(host: str, port: int) -> str:
+    """host:port, with an IPv6 host in brackets ([::1]:8080), as URLs write it."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 CONFIG_KEY = web.AppKey("config", ServeConfig)
@@ -291,7 +305,7 @@ async def status(request: web.Request) -> web.Response:
         "version": __version__, "model": engine.model_name, "uptime_s": round(time.time() - request.app[STARTED_KEY], 1),
         "stages": [{"stage": 0, "device": st.get("device"), "layers": [0, n_layer], "remote": False}],
         "queue": {"running": int(w.running is not None), "waiting": w.waiting, "max": w.queue_max},
-        "listen": {"socket": cfg.socket_path, "tcp": f"{cfg.host}:{cfg.port}" if cfg.port is not None else None},
+        "listen": {"socket": cfg.socket_path, "tcp": cfg.tcp_address()},
         "device": device_info(engine),
         "engine": st,
     })

@@ -13,7 +13,7 @@ from typing import Any, Callable
 import structlog
 from aiohttp import web
 
-from strata.serve.app import ServeConfig, make_app
+from strata.serve.app import ServeConfig, format_hostport, make_app
 from strata.serve.errors import ApiError
 from strata.serve.metrics import Metrics
 from strata.serve.notify import sd_notify
@@ -74,7 +74,10 @@ async def serve(cfg: ServeConfig, engine_factory: Callable[[], Any]) -> int:
             try:
                 await web.TCPSite(runner, cfg.host, cfg.port).start()
             except OSError as e:
-                raise StartupError(f"cannot listen on {cfg.host}:{cfg.port}: {e.strerror or e}") from None
+                raise StartupError(f"cannot listen on {cfg.tcp_address()}: {e.strerror or e}") from None
+            bound = [a for a in runner.addresses if isinstance(a, tuple)]     # (host, port[, flow, scope])
+            if bound:
+                cfg.tcp_bound = ", ".join(format_hostport(str(a[0]), int(a[1])) for a in bound)
     except BaseException:
         await runner.cleanup()
         if sock_made:                       # leave no socket file behind that nobody listens on
@@ -82,7 +85,7 @@ async def serve(cfg: ServeConfig, engine_factory: Callable[[], Any]) -> int:
                 sock_path.unlink()
         raise
     log.info("listening", socket=str(sock_path) if sock_path else None,
-             tcp=f"{cfg.host}:{cfg.port}" if cfg.port is not None else None, pid=os.getpid())
+             tcp=cfg.tcp_address(), pid=os.getpid())
 
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
