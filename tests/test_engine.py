@@ -237,3 +237,17 @@ def test_many_small_messages_are_refused_after_one_render(engine):
     from strata.engine import ContextOverflow
     with pytest.raises(ContextOverflow, match="at least"):
         engine.render_chat([{"role": "user", "content": ""}] * 200_000)
+
+
+def test_n_ctx_past_the_training_context_warns(default_model_path):
+    """--n-ctx above the GGUF's context_length (8192 for SmolLM2) loads, with a warning naming both numbers."""
+    from structlog.testing import capture_logs
+
+    from strata.engine import Engine
+    with capture_logs() as logs:
+        e = Engine(default_model_path, n_ctx=8200, prompt_cache=0)
+    w = [r for r in logs if r["log_level"] == "warning" and "training context" in r["event"]]
+    assert e.n_ctx == 8200 and len(w) == 1 and w[0]["n_ctx"] == 8200 and w[0]["n_ctx_train"] == 8192
+    with capture_logs() as logs:
+        Engine(default_model_path, n_ctx=512, prompt_cache=0)
+    assert not [r for r in logs if "training context" in r["event"]]

@@ -85,6 +85,10 @@ class Engine:
         self.config = self.file.config
         self.arch = self.file.arch
         self.n_vocab = int(self.config.n_vocab)
+        n_train = int(getattr(self.config, "n_ctx_train", 0) or 0)
+        if n_train and self.n_ctx > n_train:    # llama.cpp warns the same way (n_ctx_per_seq > n_ctx_train)
+            log.warning("n_ctx exceeds the model's training context: quality degrades past it", n_ctx=self.n_ctx,
+                        n_ctx_train=n_train, model=self.model_name)
         try:
             self.tokenizer = Tokenizer.from_gguf(self.file.metadata)
         except ValueError as e:
