@@ -314,6 +314,20 @@ def test_non_loopback_needs_api_key(tmp_path):
     assert r.returncode == 2 and "--api-key" in r.stderr
 
 
+@pytest.mark.parametrize("key", [" ", "two words", "tab\tkey"])
+def test_api_key_with_spaces_is_refused(tmp_path, key):
+    """A key with whitespace can never match 'Authorization: Bearer <key>' (HTTP trims and splits it): a usage
+    error before anything starts, also through STRATA_API_KEY."""
+    import subprocess
+    import sys
+    from tests.test_serve_daemon import ROOT, env_for_daemon
+    r = subprocess.run([sys.executable, "-m", "strata.cli.main", "serve", "--socket", str(tmp_path / "s"),
+                        "--host", "0.0.0.0", "--port", "1"], capture_output=True, text=True,
+                       env=env_for_daemon({"STRATA_API_KEY": key}), cwd=ROOT, timeout=60)
+    assert r.returncode == 2 and "without spaces" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "s").exists()
+
+
 # ------------------------------------------------------------------------------------------ concurrency
 async def _stream_unix(sock: str, body: dict, on_first=None, stop_after: int | None = None):
     """Stream a completion over the Unix socket; -> (text, [arrival times of content events], events)."""

@@ -80,6 +80,10 @@ def _is_loopback(host: str) -> bool:
 
 def check_args(args) -> str | None:
     """The one-line usage error for an inconsistent flag set, or None."""
+    key = args.api_key
+    if key is not None and (not key or any(c.isspace() for c in key)):
+        return ("--api-key (or STRATA_API_KEY) must be a non-empty token without spaces: clients send it as "
+                "'Authorization: Bearer <key>', so a key with spaces could never match")
     if args.port is not None or args.host is not None:
         args.host = args.host or "127.0.0.1"
         args.port = DEFAULT_PORT if args.port is None else args.port
