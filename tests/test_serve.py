@@ -203,9 +203,19 @@ def test_metrics_series(daemon):
 def test_slots(daemon):
     st, d = daemon.json("GET", "/slots")
     assert st == 200 and d[0]["id"] == 0 and d[0]["n_ctx"] == 512
-    for action in ("save", "restore", "erase"):
+    for action in ("save", "restore"):
         st, e = daemon.json("POST", f"/slots/0?action={action}")
         assert st == 501 and "session files" in e["error"]["message"]
+    # erase: the conversation is forgotten (live sequence and checkpoints), the next request reads everything
+    body = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+            "max_tokens": 2, "temperature": 0}
+    daemon.json("POST", "/v1/chat/completions", body)
+    st, d = daemon.json("POST", "/slots/0?action=erase")
+    assert st == 200 and d["id_slot"] == 0 and d["n_erased"] > 0
+    c = daemon.json("GET", "/cache")[1]
+    assert c["checkpoints"] == [] and c["pos"] == 0
+    st, a = daemon.json("POST", "/v1/chat/completions", body)
+    assert st == 200 and a["timings"]["cache_n"] == 0 and a["strata"]["resume_from"] == "none"
     st, e = daemon.json("POST", "/slots/3?action=save")
     assert st == 404
     st, e = daemon.json("POST", "/slots/0?action=explode")

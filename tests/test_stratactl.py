@@ -78,9 +78,18 @@ def test_chat_unknown_slash_command_is_not_sent(daemon):
 
 
 def test_slot_actions_report_server_error(daemon):
-    for action in (["save", "0", "--filename", "a.bin"], ["restore", "0", "--filename", "a.bin"], ["erase", "0"]):
+    for action in (["save", "0", "--filename", "a.bin"], ["restore", "0", "--filename", "a.bin"]):
         r = ctl(daemon, *action)
         assert r.returncode == 1 and "501" in r.stderr and "session files" in r.stderr
+
+
+def test_erase_forgets_the_conversation(daemon):
+    r = ctl(daemon, "chat", "--max-tokens", "2", "--temperature", "0", "Hello")
+    assert r.returncode == 0
+    r = ctl(daemon, "erase", "0")
+    assert r.returncode == 0 and "slot 0: erase done" in r.stdout
+    st = json.loads(ctl(daemon, "status", "--json").stdout)["engine"]
+    assert st["pos"] == 0 and st["checkpoints"] == []
 
 
 def test_url_over_tcp(daemon):

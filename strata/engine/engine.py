@@ -385,6 +385,18 @@ class Engine:
     def clear_checkpoints(self) -> None:
         self.cache.clear()
 
+    def slot_erase(self, slot_id: int = 0) -> dict[str, int]:
+        """Forget the slot's conversation (llama.cpp's POST /slots/{id}?action=erase): the live sequence back to
+        position 0 and every checkpoint dropped, so the next request reads its whole prompt. Returns
+        {"id_slot": 0, "n_erased": tokens the live sequence held}. ValueError for a slot other than 0."""
+        if int(slot_id) != 0:
+            raise ValueError(f"slot {slot_id} does not exist: this engine has one slot (0)")
+        n = int(self.state.pos)
+        self.state_reset()
+        self.cache.drop_live()
+        self.cache.clear()
+        return {"id_slot": 0, "n_erased": n}
+
     def status(self) -> dict[str, Any]:
         """Engine status for `stratactl status` (JSON-ready): model, arch, n_ctx, KV pages used/total,
         the live sequence's position and state bytes, checkpoints, cache counters, memory in bytes."""
