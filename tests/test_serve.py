@@ -491,6 +491,27 @@ def test_sigterm_drains_and_notifies(tmp_path):
     assert not os.path.exists(d.sock)
 
 
+def test_second_sigterm_cancels_the_running_request(tmp_path):
+    """SIGTERM drains (the running request may finish, up to --drain-timeout); a second SIGTERM stops it at once,
+    as a second Ctrl-C does in llama.cpp's server and vLLM: the stream ends 'cancelled' long before its 300 tokens
+    (the drain timeout, 120 s, is not what ended it), and the daemon exits 0."""
+    d = Daemon(tmp_path, "--drain-timeout", "120").start()
+    try:
+        def on_first():
+            d.proc.send_signal(signal.SIGTERM)
+            threading.Timer(0.3, lambda: d.proc.send_signal(signal.SIGTERM)).start()
+        text, _, events = asyncio.run(_stream_unix(d.sock, {"prompt": COUNT_PROMPT, "max_tokens": 300,
+                                                            "temperature": 0}, on_first=on_first))
+        assert events[-1] == "[DONE]"
+        assert events[-2]["choices"][0]["finish_reason"] == "cancelled"
+        n_content = sum(1 for e in events if isinstance(e, dict) and e["choices"][0].get("text"))
+        assert n_content < 300
+        assert d.proc.wait(60) == 0, d.log_tail()
+        assert any(line.get("event") == "second signal: cancelling the running request" for line in d.log_lines())
+    finally:
+        d.stop()
+
+
 def _cuda_unavailable():
     try:
         from strata.backend import cuda as C

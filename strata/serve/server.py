@@ -106,7 +106,10 @@ async def serve(cfg: ServeConfig, engine_factory: Callable[[], Any]) -> int:
             await stop_task
         log.info("shutting down", running=worker.running is not None, waiting=worker.waiting)
         sd_notify("STOPPING=1\nSTATUS=draining")
-        await _drain(worker, cfg.drain_timeout)
+        force = asyncio.Event()                     # a second SIGTERM / SIGINT: stop the running request now
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, force.set)
+        await _drain(worker, cfg.drain_timeout, force)
         return 0
     finally:
         stop_task.cancel()
@@ -118,16 +121,21 @@ async def serve(cfg: ServeConfig, engine_factory: Callable[[], Any]) -> int:
         log.info("stopped")
 
 
-async def _drain(worker: EngineWorker, timeout: float) -> None:
-    """Refuse new work, answer queued requests 503, let the running one finish (cancel it after `timeout` s)."""
+async def _drain(worker: EngineWorker, timeout: float, force: asyncio.Event | None = None) -> None:
+    """Refuse new work, answer queued requests 503, let the running one finish (cancel it after `timeout` s, or
+    at once when `force` is set: a second SIGTERM / SIGINT, as llama.cpp's server and vLLM stop on a second
+    Ctrl-C)."""
     for job in worker.begin_shutdown():
         job.events.put_nowait(EngineError(ShuttingDown("the server is shutting down")))
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     cancelled = False
     while worker.running is not None:
-        if not cancelled and loop.time() >= deadline:
-            log.warning("drain timeout: cancelling the running request", timeout_s=timeout)
+        if not cancelled and (loop.time() >= deadline or (force is not None and force.is_set())):
+            if force is not None and force.is_set():
+                log.warning("second signal: cancelling the running request")
+            else:
+                log.warning("drain timeout: cancelling the running request", timeout_s=timeout)
             worker.running.cancel()
             cancelled = True
         await asyncio.sleep(0.02)
