@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -176,3 +177,15 @@ def test_parse_chat_line():
     assert p("//etc is a folder ") == ("message", "/etc is a folder ")       # sent as typed, one '/' less
     assert p("/ not a command") == ("message", "/ not a command")
     assert p(" hello  ") == ("message", " hello  ")
+
+
+@pytest.mark.parametrize("args,stdin,needle", [
+    (["--prompt", ""], None, "the prompt is empty"),
+    ([], "  \n", "the prompt is empty"),
+    (["--prompt", "hi", "--stop", ""], None, "--stop must not be an empty string"),
+])
+def test_generate_refuses_an_empty_prompt_or_stop(args, stdin, needle):
+    """As the API does: an empty prompt or stop string is a one-line usage error before the model loads."""
+    p = strata("generate", *args, stdin=stdin)
+    assert_one_line_error(p, needle)
+    assert p.returncode == 2

@@ -132,6 +132,10 @@ def cmd_generate(args) -> int:
         if sys.stdin.isatty():
             raise CliError("give --prompt TEXT (or pipe the prompt on stdin)", EXIT_USAGE)
         prompt = sys.stdin.read()
+    if not prompt.strip():
+        raise CliError("the prompt is empty (give --prompt TEXT or pipe some text)", EXIT_USAGE)
+    if any(s == "" for s in args.stop):
+        raise CliError("--stop must not be an empty string", EXIT_USAGE)
     sampling = sampling_params(args)            # bad sampling values fail before the model loads
     engine = load_engine(args)
     if args.raw:
