@@ -1,6 +1,8 @@
-"""Skip marks shared by the CUDA test files: `gpu` (CuPy, a GPU and the kernel library) and the default model."""
+"""Shared by the CUDA test files: the skip marks (`gpu`: CuPy, a GPU and the kernel library; the default model),
+rel_l2 and host()."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from strata.backend import cuda as C
@@ -17,3 +19,14 @@ def default_model_missing() -> str | None:
     except Exception as e:  # noqa: BLE001  (DefaultModelMissing, an unreadable package)
         return str(e)
     return None if p.is_file() else f"default model not at {p}"
+
+
+def rel_l2(a, b) -> float:
+    """||a - b|| / ||b|| in float64."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def host(a):
+    """A CuPy array's host copy (numpy arrays and others through np.asarray)."""
+    return a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else np.asarray(a)

@@ -39,7 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tests.cuda_marks import CUDA_WHY as _why  # noqa: E402
-from tests.cuda_marks import default_model_missing, gpu
+from tests.cuda_marks import default_model_missing, gpu, rel_l2
+from tests.cuda_marks import host as _host
 
 _no_model = default_model_missing()
 needs_model = pytest.mark.skipif(_no_model is not None,
@@ -48,15 +49,6 @@ needs_model = pytest.mark.skipif(_no_model is not None,
 PLAN_REL_L2 = 1e-2
 N_GREEDY = 64
 NEAR_TIE_LOGIT = 0.25
-
-
-def rel_l2(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
-def _host(a):
-    return a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else np.asarray(a)
 
 
 def _spec(qtype: str = "Q8_0", **kw):

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from tests.test_serve_daemon import Daemon, free_port
+from tests.test_tokenizer import _invalid_alone
 
 pytestmark = pytest.mark.slow
 
@@ -149,17 +150,9 @@ def test_logprobs_bytes_are_the_tokens_bytes(client, model_id):
     content = r.choices[0].logprobs.content
     joined = b"".join(bytes(e.bytes) for e in content)
     assert joined.decode("utf-8", "ignore") == r.choices[0].message.content
-    partial = [e for e in content if not _valid_utf8(bytes(e.bytes))]
+    partial = [e for e in content if _invalid_alone(bytes(e.bytes))]
     assert partial, "the greedy answer was expected to hold a character split over byte tokens"
     assert all(e.top_logprobs[0].bytes == e.bytes for e in content)
-
-
-def _valid_utf8(b: bytes) -> bool:
-    try:
-        b.decode("utf-8")
-        return True
-    except UnicodeDecodeError:
-        return False
 
 
 # ------------------------------------------------------------------------------------------ timings, strata, metrics
