@@ -204,6 +204,12 @@ class Engine:
         """Drop the live sequence back to position 0 (pages kept, running state zeroed)."""
         self.state.reset()
 
+    def _forget_live(self) -> None:
+        """state_reset, and the checkpoint cache told not to continue the live sequence: the next request starts
+        from a checkpoint or from 0."""
+        self.state_reset()
+        self.cache.drop_live()
+
     def _read(self, tokens: list[int], start: int, end: int, cancel=None):
         """Read tokens[start:end] in ubatch-sized forward calls starting fresh at `start` -> the last token's
         logits, or None when `cancel` was set between two calls (the sequence then ends at a call boundary)."""
@@ -264,8 +270,7 @@ class Engine:
                 start = end
         except BaseException:
             # a failed or interrupted read leaves the arena partly written: start the next request from 0
-            self.state_reset()
-            self.cache.drop_live()
+            self._forget_live()
             raise
         return plan, parts, logits
 
@@ -350,8 +355,7 @@ class Engine:
         except BaseException:
             # an error inside a forward call may leave a layer's K/V half written: start over next time
             finish = "cancelled"
-            self.state_reset()
-            self.cache.drop_live()
+            self._forget_live()
             raise
         finally:
             t_end = time.perf_counter()
@@ -392,9 +396,8 @@ class Engine:
         if int(slot_id) != 0:
             raise ValueError(f"slot {slot_id} does not exist: this engine has one slot (0)")
         n = int(self.state.pos)
-        self.state_reset()
-        self.cache.drop_live()
-        self.cache.clear()
+        self._forget_live()
+        self.clear_checkpoints()
         return {"id_slot": 0, "n_erased": n}
 
     def status(self) -> dict[str, Any]:
