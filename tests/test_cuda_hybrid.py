@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench import gpu_hybrid_model as bench_h  # noqa: E402
 from tests.cuda_marks import CUDA_WHY as _why  # noqa: E402
-from tests.cuda_marks import default_model_missing, gpu, rel_l2
+from tests.cuda_marks import assert_parts_at_near_tie, default_model_missing, gpu, rel_l2
 from tests.cuda_marks import host as _host
 
 _no_model = default_model_missing()
@@ -448,14 +448,13 @@ def test_greedy_64_tokens_match_cpu(pair):
         got.append(int(np.argmax(lg)))
         lg = pair.cuda.forward(np.array([got[-1]], np.int32), sg)
     print(f"{pair.cpu.variant}: cuda {got[:12]} cpu {ref[:12]}")
-    if got != ref:
-        i = next(i for i in range(N_GREEDY) if got[i] != ref[i])
+
+    def cpu_logits_after(prefix):
         s2 = pair.cpu.new_state(pair.pool_cpu)
-        lr = _prefill(pair.cpu, s2, np.concatenate([toks, np.asarray(ref[:i], np.int32)]), 64)
-        gap = float(lr[ref[i]] - lr[got[i]])
-        print(f"greedy runs part at token {i}: {got[i]} vs CPU {ref[i]}, CPU logit gap {gap:.3f}")
-        assert gap < NEAR_TIE_LOGIT, f"token {i}: {got[i]} vs {ref[i]} is not a near tie (gap {gap:.3f})"
+        lr = _prefill(pair.cpu, s2, np.concatenate([toks, np.asarray(prefix, np.int32)]), 64)
         s2.release()
+        return lr
+    assert_parts_at_near_tie(got, ref, cpu_logits_after, NEAR_TIE_LOGIT)
     sc.release()
     sg.release()
 

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tests.cuda_marks import CUDA_WHY as _why  # noqa: E402
-from tests.cuda_marks import default_model_missing, gpu, rel_l2
+from tests.cuda_marks import assert_parts_at_near_tie, default_model_missing, gpu, rel_l2
 from tests.cuda_marks import host as _host
 
 _no_model = default_model_missing()
@@ -349,14 +349,13 @@ def test_decode_greedy_matches_cpu(setup):
     got = [first] + setup.plan().decode_greedy(first, N_GREEDY - 1, sg)
     assert sg.pos == 30 + N_GREEDY - 1 and sg.tokens[30:] == got[:-1]
     print(f"{setup.cuda.file.path}: plan {got[:12]} cpu {ref[:12]}")
-    if got != ref:
-        i = next(i for i in range(N_GREEDY) if got[i] != ref[i])
+
+    def cpu_logits_after(prefix):
         s2 = setup.cpu.new_state(setup.pool_cpu)
-        lr = setup.cpu.forward(np.concatenate([toks, np.asarray(ref[:i], np.int32)]), s2)
-        gap = float(lr[ref[i]] - lr[got[i]])
-        print(f"greedy runs part at token {i}: {got[i]} vs CPU {ref[i]}, CPU logit gap {gap:.3f}")
-        assert gap < NEAR_TIE_LOGIT, f"token {i}: {got[i]} vs {ref[i]} is not a near tie (gap {gap:.3f})"
+        lr = setup.cpu.forward(np.concatenate([toks, np.asarray(prefix, np.int32)]), s2)
         s2.release()
+        return lr
+    assert_parts_at_near_tie(got, ref, cpu_logits_after, NEAR_TIE_LOGIT)
     sc.release()
     sg.release()
 
