@@ -104,6 +104,21 @@ def main(argv=None) -> int:
         for r in (1, 2, 4):
             variants[f"q8w R{r}"] = (lambda r=r: lib.strata_matvec_q8w(s(), t, C._p(pick().data), C._p(xq), C._p(y),
                                                                        n_out, n_in, r))
+        if "gate_up" in name:   # SwiGLU fused into the matvec vs the decode plan's matvec + strata_swiglu_gu
+            F = n_out // 2
+            act, aq = cp.empty(F, cp.float32), cp.empty(F + F // 4, cp.uint8)
+
+            def unfused():
+                lib.strata_matvec_q8w(s(), t, C._p(pick().data), C._p(xq), C._p(y), n_out, n_in,
+                                      C.rows_per_warp(n_out))
+                lib.strata_swiglu_gu(s(), C._p(y), 1, F, C._p(act), ffi.NULL, C._p(aq))
+            variants["mv+swiglu"] = unfused
+            for rp in (1, 2, 4):
+                def fused(rp=rp):
+                    w = pick().data
+                    lib.strata_matvec_q8w_glu(s(), t, C._p(w), ffi.cast("void *", w.data.ptr + F * rb), C._p(xq),
+                                              C._p(act), C._p(aq), F, n_in, rp)
+                variants[f"glu RP{rp}"] = fused
         row = {"name": name, "type": t, "n_out": n_out, "n_in": n_in, "bytes": nbytes, "us": {}, "bw_fraction": {}}
         for k, fn in variants.items():
             dt = timeit(cp, fn)
@@ -111,7 +126,8 @@ def main(argv=None) -> int:
             row["bw_fraction"][k] = nbytes / dt / bw
         res["matvec"].append(row)
         print(f"{name:22s} {nbytes / 1e6:7.2f} " + " ".join(
-            f"{row['us'][k]:6.1f}us {100 * row['bw_fraction'][k]:4.0f}%" for k in variants), flush=True)
+            f"{row['us'][k]:6.1f}us {100 * row['bw_fraction'][k]:4.0f}%" for k in variants)
+              + ("  (" + ", ".join(variants) + ")" if len(variants) > 5 else ""), flush=True)
         del ws
 
     # decode attention

@@ -334,6 +334,59 @@ def test_matvec_q8w_warp_per_row(cp, t, rows):
     assert rel(got, W @ q8_1_dequant(x[None])[0]) < 1e-5
 
 
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rp", [1, 2, 4])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "separate"])
+def test_matvec_q8w_glu(cp, t, rp, fused):
+    """strata_matvec_q8w_glu == silu(Wg x) * (Wu x) on x rounded to q8_1 (float64 reference), and bit for bit the
+    unfused pair it replaces (strata_matvec_q8w over [gate; up], then strata_swiglu_gu): f32 act and q8_1 blocks."""
+    rng = np.random.default_rng(int(t) + 31 * rp)
+    F, n_in = 1536, 1024
+    raw = random_blocks(t, 2 * F, n_in, rng)
+    W = ref_dequant(raw, t, 2 * F, n_in)
+    x = rng.standard_normal(n_in).astype(np.float32)
+    xq = _q8(cp, x)
+    wgu = C.upload_raw("gu", int(t), (2 * F, n_in), raw)
+    if fused:
+        gp = wgu.data.data.ptr
+        up = gp + F * wgu.data.shape[1]
+        keep = ()
+    else:
+        wg = C.upload_raw("g", int(t), (F, n_in), raw[:F].copy())
+        wu = C.upload_raw("u", int(t), (F, n_in), raw[F:].copy())
+        gp, up, keep = wg.data.data.ptr, wu.data.data.ptr, (wg, wu)
+    act = cp.full(F, cp.nan, cp.float32)
+    aq = cp.zeros(F + F // 4, cp.uint8)
+    vp = lambda a: C._ffi.cast("void *", a)   # noqa: E731
+    C._check(C.lib().strata_matvec_q8w_glu(C._stream_ptr(), int(t), vp(gp), vp(up), C._p(xq), C._p(act), C._p(aq),
+                                           F, n_in, rp), "matvec_glu")
+    gu = cp.full(2 * F, cp.nan, cp.float32)
+    act0, aq0 = cp.full(F, cp.nan, cp.float32), cp.zeros(F + F // 4, cp.uint8)
+    C._check(C.lib().strata_matvec_q8w(C._stream_ptr(), int(t), C._p(wgu.data), C._p(xq), C._p(gu), 2 * F, n_in, 1),
+             "matvec_q8w")
+    C._check(C.lib().strata_swiglu_gu(C._stream_ptr(), C._p(gu), 1, F, C._p(act0), C._ffi.NULL, C._p(aq0)), "swiglu")
+    got = cp.asnumpy(act)
+    y = W @ q8_1_dequant(x[None])[0]
+    g, u = y[:F], y[F:]
+    assert rel(got, g / (1 + np.exp(-g)) * u) < 1e-5
+    np.testing.assert_array_equal(got, cp.asnumpy(act0))
+    np.testing.assert_array_equal(cp.asnumpy(aq), cp.asnumpy(aq0))
+    del keep
+
+
+def test_matvec_q8w_glu_rejects_bad_shapes(cp):
+    """F not a multiple of 32 (a thread block writes whole q8_1 blocks) or an unsupported type: an error code and
+    nothing written."""
+    xq = cp.zeros(1024 + 256, cp.uint8)
+    act = cp.full(64, cp.nan, cp.float32)
+    w = cp.zeros(1 << 16, cp.uint8)
+    for t, F in ((2, 48), (1, 64)):                                      # Q4_0 with F = 48; F16 (no dp4a kernel)
+        rc = C.lib().strata_matvec_q8w_glu(C._stream_ptr(), t, C._p(w), C._p(w), C._p(xq), C._p(act), C._ffi.NULL,
+                                           F, 1024, 2)
+        assert rc != 0
+    assert cp.isnan(act).all()
+
+
 @pytest.mark.parametrize("E", [576, 2048, 8192])
 def test_rms_norm_ex_f16_and_q8_outputs(cp, E):
     rng = np.random.default_rng(5)

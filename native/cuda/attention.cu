@@ -160,6 +160,39 @@ __device__ static inline void load_kv8(const void *__restrict__ c, const __half 
   }
 }
 
+// The raw cache words of load_kv8 (f16: one 16-byte word; q8_0: 8 bytes in .x/.y and the block's scale), loaded
+// without converting so that a thread issues all its loads of an iteration before the first one is used.
+template <bool Q8>
+__device__ static inline void load_kv8_raw(const void *__restrict__ c, const __half *__restrict__ sc, long long e,
+                                           uint4 &r, __half &d) {
+  if (Q8) {
+    const uint2 t = *reinterpret_cast<const uint2 *>(reinterpret_cast<const int8_t *>(c) + e);
+    r = make_uint4(t.x, t.y, 0u, 0u);
+    d = sc[e >> 5];
+  } else {
+    r = *reinterpret_cast<const uint4 *>(reinterpret_cast<const __half *>(c) + e);
+  }
+}
+
+// load_kv8's f32 values from the raw words of load_kv8_raw.
+template <bool Q8>
+__device__ static inline void cvt_kv8(const uint4 &r, __half dh, float f[8]) {
+  if (Q8) {
+    const float d = __half2float(dh);
+    const int8_t *q = reinterpret_cast<const int8_t *>(&r);
+#pragma unroll
+    for (int i = 0; i < 8; i++) f[i] = d * (float)q[i];
+  } else {
+    const __half2 *h = reinterpret_cast<const __half2 *>(&r);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      const float2 x = __half22float2(h[i]);
+      f[2 * i] = x.x;
+      f[2 * i + 1] = x.y;
+    }
+  }
+}
+
 // ---------------------------------------------------------------- decode attention, GQA-shared, self-merging
 // grid (n_kv, n_split), 128 threads. A block takes one KV head, all g = n_head / n_kv query heads of its group (G >=
 // g registers per lane), and one range of positions. A group of LP = hd / 8 lanes owns one position at a time (one
@@ -225,22 +258,30 @@ __global__ void __launch_bounds__(32 * DA_WARPS) k_attn_decode_gqa(
     }
   }
   // the loop is block-uniform (every lane runs every iteration: the shuffles need whole warps); a group whose
-  // position is past the end scores zeros and leaves its state alone
+  // position is past the end loads the last position of the range (a valid address: the loads stay unconditional,
+  // so all 2B of an iteration are in flight at once; behind a branch each waited for the previous one's use) and
+  // scores nothing
   for (int P = beg; P < end; P += B * NG) {
     float kf[B][8], vf[B][8];
     bool ok[B];
+    uint4 kr[B], vr[B];
+    __half kd[B], vd[B];
+    long long e[B];
 #pragma unroll
     for (int b = 0; b < B; b++) {
       const int p = P + b * NG + gid;
       ok[b] = p < end;
-      if (ok[b]) {
-        const long long e = kv_off(pt, p, kvh, n_kv, hd, ps) + 8 * gl;
-        load_kv8<Q8>(kc, ks, e, kf[b]);
-        load_kv8<Q8>(vc, vs, e, vf[b]);
-      } else {
+      e[b] = kv_off(pt, min(p, end - 1), kvh, n_kv, hd, ps) + 8 * gl;
+    }
 #pragma unroll
-        for (int i = 0; i < 8; i++) kf[b][i] = vf[b][i] = 0.f;
-      }
+    for (int b = 0; b < B; b++) {
+      load_kv8_raw<Q8>(kc, ks, e[b], kr[b], kd[b]);
+      load_kv8_raw<Q8>(vc, vs, e[b], vr[b], vd[b]);
+    }
+#pragma unroll
+    for (int b = 0; b < B; b++) {
+      cvt_kv8<Q8>(kr[b], kd[b], kf[b]);
+      cvt_kv8<Q8>(vr[b], vd[b], vf[b]);
     }
 #pragma unroll
     for (int j = 0; j < G; j++) {

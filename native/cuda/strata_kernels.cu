@@ -447,8 +447,8 @@ __global__ void __launch_bounds__(128) k_matvec_q8w(const uint8_t *__restrict__ 
     load_xq(x, u, xv);
     const float2 ds = __ldg(xds + u);
 #pragma unroll
-    for (int r = 0; r < R; r++)
-      if (R == 1 || row0 + r < n_out) acc[r] += dot_q8x<T>(w + (long long)(row0 + r) * row_bytes, u, xv, ds);
+    for (int r = 0; r < R; r++)   // a row past the end re-reads the last row (not stored): no branch around loads
+      acc[r] += dot_q8x<T>(w + (long long)min(row0 + r, n_out - 1) * row_bytes, u, xv, ds);
   }
 #pragma unroll
   for (int r = 0; r < R; r++) {
@@ -484,6 +484,90 @@ extern "C" int strata_matvec_q8w(void *stream, int t, const void *w, const void 
   }
 #undef MWR
 #undef MW
+  return (int)cudaGetLastError();
+}
+
+// SwiGLU fused into the gate/up decode matvec: act[i] = silu(gate_i . x) * (up_i . x), i < F, gate row i at
+// wg + i * row_bytes and up row i at wu + i * row_bytes (for a fused [gate; up] weight wu = wg + F * row_bytes). A
+// block of 32 / RP warps takes 32 consecutive i, RP per warp (2 RP rows; the x block in registers serves them all, as
+// in k_matvec_q8w), so it holds a whole q8_1 block of act and writes it itself: the separate SwiGLU launch is gone.
+// Same arithmetic, bit for bit, as k_matvec_q8w (R = 1) over both halves followed by k_swiglu_gu. F % 32 == 0.
+template <int T, int RP>
+__global__ void __launch_bounds__(32 * (32 / RP)) k_matvec_q8w_glu(
+    const uint8_t *__restrict__ wg, const uint8_t *__restrict__ wu, const int8_t *__restrict__ xq,
+    const float2 *__restrict__ xds, float *__restrict__ act, int8_t *__restrict__ act_q8, int F, int n_units,
+    long long row_bytes) {
+  griddep_launch();
+  const int wid = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int i0 = blockIdx.x * 32 + wid * RP;
+#pragma unroll
+  for (int r = 0; r < RP; r++)
+    for (long long o = 128LL * lane; o < row_bytes; o += 32 * 128) {
+      prefetch_l2(wg + (long long)(i0 + r) * row_bytes + o);
+      prefetch_l2(wu + (long long)(i0 + r) * row_bytes + o);
+    }
+  griddep_wait();
+  const int *x = reinterpret_cast<const int *>(xq);
+  float ag[RP], au[RP];
+#pragma unroll
+  for (int r = 0; r < RP; r++) ag[r] = au[r] = 0.f;
+#pragma unroll 2
+  for (int u = lane; u < n_units; u += 32) {
+    int xv[8];
+    load_xq(x, u, xv);
+    const float2 ds = __ldg(xds + u);
+#pragma unroll
+    for (int r = 0; r < RP; r++) {
+      ag[r] += dot_q8x<T>(wg + (long long)(i0 + r) * row_bytes, u, xv, ds);
+      au[r] += dot_q8x<T>(wu + (long long)(i0 + r) * row_bytes, u, xv, ds);
+    }
+  }
+  __shared__ float sv[32];
+#pragma unroll
+  for (int r = 0; r < RP; r++) {
+    float a = ag[r], b = au[r];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      a += __shfl_xor_sync(0xffffffffu, a, o);
+      b += __shfl_xor_sync(0xffffffffu, b, o);
+    }
+    if (lane == 0) sv[wid * RP + r] = a / (1.f + expf(-a)) * b;
+  }
+  __syncthreads();
+  if (wid == 0) {
+    const float v = sv[lane];
+    const int i = blockIdx.x * 32 + lane;
+    if (act) act[i] = v;
+    if (act_q8) q8_store(v, i, act_q8, reinterpret_cast<float2 *>(act_q8 + F));
+  }
+}
+
+extern "C" int strata_matvec_q8w_glu(void *stream, int t, const void *w_gate, const void *w_up, const void *xq,
+                                     float *act, void *act_q8, int F, int n_in, int pairs_per_warp) {
+  if (!strata_matvec_q8_supported(t) || n_in % block_elems(t) || n_in % 32 || F <= 0 || F % 32)
+    return (int)cudaErrorInvalidValue;
+  if (((uintptr_t)xq & 15) || ((uintptr_t)w_gate & 15) || ((uintptr_t)w_up & 15) || ((uintptr_t)act_q8 & 7))
+    return (int)cudaErrorMisalignedAddress;
+  const long long rb = row_bytes_of(t, n_in);
+  const int RP = pairs_per_warp >= 4 ? 4 : pairs_per_warp >= 2 ? 2 : 1;
+  const int8_t *q = (const int8_t *)xq;
+  const float2 *ds = (const float2 *)(q + n_in);
+  cudaStream_t s = (cudaStream_t)stream;
+  const uint8_t *G = (const uint8_t *)w_gate, *U = (const uint8_t *)w_up;
+  int8_t *aq = (int8_t *)act_q8;
+  const unsigned blocks = (unsigned)(F / 32);
+#define MG(TT, RR) st_launch(k_matvec_q8w_glu<TT, RR>, blocks, 32 * (32 / RR), 0, s, G, U, q, ds, act, aq, F, n_in / 32, rb)
+#define MGR(TT) if (RP == 1) MG(TT, 1); else if (RP == 2) MG(TT, 2); else MG(TT, 4);
+  switch (t) {
+    case T_Q4_0: MGR(T_Q4_0); break;
+    case T_Q4_1: MGR(T_Q4_1); break;
+    case T_Q8_0: MGR(T_Q8_0); break;
+    case T_Q4_K: MGR(T_Q4_K); break;
+    case T_Q5_K: MGR(T_Q5_K); break;
+    case T_Q6_K: MGR(T_Q6_K); break;
+  }
+#undef MGR
+#undef MG
   return (int)cudaGetLastError();
 }
 
@@ -836,17 +920,13 @@ __global__ void k_attn_decode_v(const float *__restrict__ q, const __half *__res
   for (int p0 = beg; p0 < end; p0 += STEP) {
     const int pa = p0 + g_id, pb = p0 + NG + g_id;
     const bool va = pa < end, vb = pb < end;
-    uint4 ka = make_uint4(0, 0, 0, 0), kb = ka, xa = ka, xb = ka;
-    if (va) {
-      const long long base = (((long long)pt[pa / ps] * ps + (pa % ps)) * n_kv + kvh) * hd + 8 * gl;
-      ka = *reinterpret_cast<const uint4 *>(kc + base);
-      xa = *reinterpret_cast<const uint4 *>(vc + base);
-    }
-    if (vb) {
-      const long long base = (((long long)pt[pb / ps] * ps + (pb % ps)) * n_kv + kvh) * hd + 8 * gl;
-      kb = *reinterpret_cast<const uint4 *>(kc + base);
-      xb = *reinterpret_cast<const uint4 *>(vc + base);
-    }
+    // positions past the end load the range's last one (valid; its score is not used): unconditional loads are
+    // all in flight together, a load behind a branch waits for the previous one's use
+    const int qa = min(pa, end - 1), qb = min(pb, end - 1);
+    const long long ba = (((long long)pt[qa / ps] * ps + (qa % ps)) * n_kv + kvh) * hd + 8 * gl;
+    const long long bb = (((long long)pt[qb / ps] * ps + (qb % ps)) * n_kv + kvh) * hd + 8 * gl;
+    const uint4 ka = *reinterpret_cast<const uint4 *>(kc + ba), xa = *reinterpret_cast<const uint4 *>(vc + ba);
+    const uint4 kb = *reinterpret_cast<const uint4 *>(kc + bb), xb = *reinterpret_cast<const uint4 *>(vc + bb);
     const __half2 *k2a = reinterpret_cast<const __half2 *>(&ka), *k2b = reinterpret_cast<const __half2 *>(&kb);
     float sa = 0.f, sb = 0.f;
 #pragma unroll

@@ -65,6 +65,8 @@ int strata_matvec_q8w(void *stream, int ggml_type, const void *w, const void *xq
 int strata_rms_norm_ex(void *stream, const float *x, const float *residual, const float *weight, float *out,
                        float *sum_out, void *out16, void *out_q8, int n_rows, int dim, float eps);
 int strata_swiglu_gu(void *stream, const float *gu, int n, int F, float *out, void *out16, void *out_q8);
+int strata_matvec_q8w_glu(void *stream, int ggml_type, const void *w_gate, const void *w_up, const void *xq, float *act,
+                          void *act_q8, int F, int n_in, int pairs_per_warp);
 int strata_rope_kv_prefill(void *stream, float *qkv, int stride, int pos0, void *k_cache, void *v_cache,
                            const int *page_table, int n, int n_head, int n_kv, int hd, int n_rot, float base, int neox,
                            int page_size);
@@ -105,6 +107,24 @@ FLASH_HEAD_DIMS = (64, 128)
 
 # Decode matvec rows per warp (strata_matvec_q8w); 0 = by size (1 up to 4096 rows, else 2).
 MV_ROWS = int(os.environ.get("STRATA_CUDA_MV_ROWS", "0") or 0)
+
+# SwiGLU fused into the gate/up decode matvec (strata_matvec_q8w_glu: the block that makes 32 activations also
+# writes their q8_1 block, one launch fewer per layer); STRATA_CUDA_GLU=0 keeps matvec + strata_swiglu_gu.
+# STRATA_CUDA_GLU_RP: gate/up row pairs per warp (1, 2 or 4; 0 = by size, glu_pairs_per_warp).
+GLU = os.environ.get("STRATA_CUDA_GLU", "1") not in ("0", "false", "no", "off")
+GLU_RP = int(os.environ.get("STRATA_CUDA_GLU_RP", "0") or 0)
+
+
+def glu_pairs_per_warp(n_ff: int, n_sm: int) -> int:
+    """Row pairs per warp of strata_matvec_q8w_glu for n_ff activations: STRATA_CUDA_GLU_RP, else the most (4, 2)
+    that still gives >= 16 warps per multiprocessor, else 1."""
+    if GLU_RP:
+        return GLU_RP
+    for rp in (4, 2):
+        if n_ff // rp >= 16 * n_sm:
+            return rp
+    return 1
+
 
 # Prefill GEMMs read f16 copies of the weights kept on the device (2 bytes per weight, made once) instead of
 # dequantizing each weight per ubatch: STRATA_CUDA_F16_WEIGHTS=1. Off by default (it costs ~3.5x the memory of a
@@ -755,6 +775,28 @@ def paged_attention(be: "CudaBackend", q, k, v, kc, vc, pt, length: int, ps: int
 
 
 # ------------------------------------------------------------------------------------------------ llama decode plan
+def glu_pointers(parts: list, n_ff: int, n_embd: int):
+    """(ggml type, gate address, up address) (ints: each caller casts with its own FFI) for strata_matvec_q8w_glu,
+    or None when the FFN weights cannot use it.
+
+    parts: [fused [gate; up] DeviceWeight of 2 n_ff rows] or [gate, up] DeviceWeights (n_ff rows each, one type);
+    the type must have the dp4a kernel and n_ff be a multiple of 32 (whole q8_1 blocks per thread block)."""
+    if n_ff % 32 or not all(isinstance(w, DeviceWeight) for w in parts):
+        return None
+    lb = lib()
+    if len(parts) == 1 and parts[0].shape[0] == 2 * n_ff:
+        w = parts[0]
+        if not lb.strata_matvec_q8_supported(w.ggml_type):
+            return None
+        base = int(w.data.data.ptr)
+        up = base + n_ff * _row_bytes(w.ggml_type, n_embd)
+        return (w.ggml_type, base, up) if up % 16 == 0 else None   # the kernel reads 16-byte words
+    if len(parts) == 2 and parts[0].ggml_type == parts[1].ggml_type and \
+            all(w.shape[0] == n_ff for w in parts) and lb.strata_matvec_q8_supported(parts[0].ggml_type):
+        return parts[0].ggml_type, int(parts[0].data.data.ptr), int(parts[1].data.data.ptr)
+    return None
+
+
 def _dptr(w) -> Any:
     """Device pointer of a DeviceWeight's storage or of a CuPy array."""
     return _p(w.data if isinstance(w, DeviceWeight) else w)
@@ -770,10 +812,11 @@ class LlamaCuda:
     output projection), with fused launches and preallocated buffers:
 
     * decode (``decode``, ``decode_greedy``): matvecs on int8 q8_1 activations (DP4A; written by the RMSNorm,
-      attention and SwiGLU kernels that produce them) or f32 activations, RoPE fused with the K/V write, GQA-shared
-      split-K attention that merges its own splits, the residual add fused into the next RMSNorm; token and position
-      read from device memory, so the step is captured once per context-size class (256, 512, ... positions; the
-      class fixes the split count) as a CUDA graph and replayed with one graph launch per token.
+      attention and SwiGLU kernels that produce them; SwiGLU fused into the gate/up matvec) or f32 activations,
+      RoPE fused with the K/V write, GQA-shared split-K attention that merges its own splits, the residual add fused
+      into the next RMSNorm; token and position read from device memory, so the step is captured once per
+      context-size class (256, 512, ... positions; the class fixes the split count) as a CUDA graph and replayed with
+      one graph launch per token.
     * prefill (``prefill``): cuBLAS GEMMs on f16 operands with f32 accumulation and output (weights dequantized to
       f16 per ubatch, or kept as f16 copies with STRATA_CUDA_F16_WEIGHTS=1), the residual add done by the GEMM
       (beta = 1), RMSNorm and SwiGLU writing f16 GEMM inputs, RoPE fused with the K/V write, FlashAttention-2 prefill
@@ -816,6 +859,7 @@ class LlamaCuda:
             "hq": q8(E), "aq": q8(nq), "fq": q8(F),
         }
         self.dp4a = DP4A
+        self.glu = GLU                                        # SwiGLU fused into the gate/up matvec
         self.attn = ATTN                                      # "v1" | "v2" | "auto" (decode attention kernel)
         self.graphs: dict[int, Any] = {}
         self._pf: dict[str, Any] = {}          # prefill buffers, grown to the largest ubatch seen
@@ -860,6 +904,12 @@ class LlamaCuda:
                                             rows_per_warp(n_out)), "strata_matvec_q8w")
             else:
                 _check(lb.strata_matvec(s, w.ggml_type, _p(w.data), _p(x), y_ptr, n_out, n_in, 1), "strata_matvec")
+
+    def _glu_weights(self, L):
+        """glu_pointers for this layer's FFN when the plan fuses SwiGLU (GLU on, int8 activations), else None."""
+        if not (self.glu and self.dp4a):
+            return None
+        return glu_pointers([L.w_gate_up] if L.w_gate_up is not None else [L.w_gate, L.w_up], self.n_ff, self.n_embd)
 
     def _enqueue_step(self, n_split: int, v2: bool) -> None:
         """Enqueue one decode step on the current stream (only preallocated buffers; token/pos from d['inp']);
@@ -909,11 +959,17 @@ class LlamaCuda:
             self._mv(s, [(L.wo, _p(d["o"]), E)], d["att"], d["aq"], nq)
             _check(lb.strata_rms_norm_ex(s, _p(d["o"]), _p(d["x"]), _dptr(L.ffn_norm), _p(d["hn"]), _p(d["x"]), NULL,
                                          hq, 1, E, self.eps), "rms")
-            if L.w_gate_up is not None:
-                self._mv(s, [(L.w_gate_up, f32(gu), 2 * F)], d["hn"], d["hq"], E)
+            glu = self._glu_weights(L)
+            if glu is not None:      # SwiGLU in the gate/up matvec: act and its q8_1 blocks from one launch
+                vp = lambda a: _ffi.cast("void *", a)   # noqa: E731
+                _check(lb.strata_matvec_q8w_glu(s, glu[0], vp(glu[1]), vp(glu[2]), hq, _p(d["act"]), fq, F, E,
+                                                glu_pairs_per_warp(F, self.n_sm)), "matvec_glu")
             else:
-                self._mv(s, [(L.w_gate, f32(gu), F), (L.w_up, f32(gu, F), F)], d["hn"], d["hq"], E)
-            _check(lb.strata_swiglu_gu(s, f32(gu), 1, F, _p(d["act"]), NULL, fq), "swiglu")
+                if L.w_gate_up is not None:
+                    self._mv(s, [(L.w_gate_up, f32(gu), 2 * F)], d["hn"], d["hq"], E)
+                else:
+                    self._mv(s, [(L.w_gate, f32(gu), F), (L.w_up, f32(gu, F), F)], d["hn"], d["hq"], E)
+                _check(lb.strata_swiglu_gu(s, f32(gu), 1, F, _p(d["act"]), NULL, fq), "swiglu")
             self._mv(s, [(L.w_down, _p(d["o"]), E)], d["act"], d["fq"], F)
             nxt = m.layers[li + 1].attn_norm if li + 1 < self.n_layer else m.out_norm
             _check(lb.strata_rms_norm_ex(s, _p(d["o"]), _p(d["x"]), _dptr(nxt), _p(d["hn"]), _p(d["x"]), NULL, hq, 1,

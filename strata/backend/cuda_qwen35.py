@@ -17,7 +17,8 @@ Per layer (native/cuda/qwen35.cu for the ``strata_q35_*`` kernels, the rest shar
   pages) -> ``strata_attn_decode_gqa`` -> ``strata_q35_out_gate`` (att * sigmoid(gate), q8_1 out) -> attn_output
   matvec.
 * Residual adds fused into the next ``strata_rms_norm_ex`` (which also writes the q8_1 blocks the next matvec
-  reads); FFN: fused gate|up matvec -> ``strata_swiglu_gu`` (q8_1 out) -> down matvec.
+  reads); FFN: ``strata_matvec_q8w_glu`` (gate|up matvec with SwiGLU, q8_1 out; or the matvec then
+  ``strata_swiglu_gu``) -> down matvec.
 * Final RMSNorm, output matvec, device argmax into ``inp[0]``, position / length + 1 (``strata_add_scalar``).
 
 Running state: a captured graph has fixed addresses, so the plan owns one conv / ssm buffer per GDN layer and
@@ -322,8 +323,13 @@ class Qwen35Cuda:
                 self._attn(s, li, L, qp, pos_p, len_p, n_split)
             ck(lb.strata_rms_norm_ex(s, _a(o), _a(x), _a(L.post_norm), _a(hn), _a(x), NULL, qp("hq"), 1, E, self.eps),
                "rms_norm")
-            self._mv(s, self.w_gu[li], d["gu"], hn, d["hq"], E)
-            ck(lb.strata_swiglu_gu(s, _a(d["gu"]), 1, F, _a(d["act"]), NULL, qp("fq")), "swiglu_gu")
+            glu = C.glu_pointers([w for w, _, _ in self.w_gu[li]], F, E) if (q8 and C.GLU) else None
+            if glu is not None:   # SwiGLU in the gate/up matvec (act and its q8_1 blocks from one launch)
+                ck(lb.strata_matvec_q8w_glu(s, glu[0], _vp(glu[1]), _vp(glu[2]), qp("hq"), _a(d["act"]), qp("fq"), F, E,
+                                            C.glu_pairs_per_warp(F, self.n_sm)), "matvec_glu")
+            else:
+                self._mv(s, self.w_gu[li], d["gu"], hn, d["hq"], E)
+                ck(lb.strata_swiglu_gu(s, _a(d["gu"]), 1, F, _a(d["act"]), NULL, qp("fq")), "swiglu_gu")
             self._mv(s, [(L.ffn.dense[2], 0, E)], o, d["act"], d["fq"], F)
             nxt = m.layers[li + 1].attn_norm if li + 1 < self.n_layer else m.out_norm
             ck(lb.strata_rms_norm_ex(s, _a(o), _a(x), _a(nxt), _a(hn), _a(x), NULL, qp("hq"), 1, E, self.eps),
