@@ -1,0 +1,130 @@
+"""A/B of the CUDA decode plan's settings: decode tokens/s of one model under variants, interleaved rounds.
+
+Each variant is a set of module settings of strata.backend.cuda read when a decode step is captured (GLU, GLU_RP,
+ATTN, ATTN_CHUNK, ATTN_BPS, ATTN_MAX_SPLIT, PDL on/off); the plan's graphs are dropped between variants, and the
+variants run in turn for --rounds rounds on the same contexts, so clock and thermal drift spread over all of them
+instead of favouring the first. Greedy tokens of each variant are compared with the first variant's (the settings
+must not change them, except the attention split, which changes f32 summation order).
+
+Usage: python bench/decode_variants.py --model PATH [--depths 0,4096,16384] [--n-gen 128] [--rounds 3]
+  [--variant 'name:GLU=0,ATTN_CHUNK=256' ...] [--out JSON]
+(--variant may repeat; the first variant is the reference; default: the defaults, GLU=0, GLU_RP=1, GLU_RP=2.)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+DEFAULT_VARIANTS = ["default:", "no_glu:GLU=0", "glu_rp1:GLU_RP=1", "glu_rp2:GLU_RP=2"]
+
+
+def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
+    """'name:KEY=VAL,KEY=VAL' -> (name, {KEY: VAL}); raises ValueError on a malformed spec."""
+    name, _, rest = spec.partition(":")
+    if not name:
+        raise ValueError(f"variant {spec!r}: no name before ':'")
+    kv = {}
+    for item in filter(None, rest.split(",")):
+        k, eq, v = item.partition("=")
+        if not eq:
+            raise ValueError(f"variant {spec!r}: {item!r} is not KEY=VALUE")
+        kv[k.strip()] = v.strip()
+    return name, kv
+
+
+def apply(C, plan, lib, settings: dict[str, str], base: dict) -> None:
+    """Restore the base settings, then set these (module globals of strata.backend.cuda, PDL through the library);
+    drop the plan's captured graphs so the next step is captured with them."""
+    for k, v in base.items():
+        if not k.startswith("_"):
+            setattr(C, k, v)
+    plan.glu, plan.attn = base["GLU"], base["ATTN"]
+    lib.strata_set_pdl(base["_PDL"])
+    for k, v in settings.items():
+        if k == "PDL":
+            lib.strata_set_pdl(int(v))
+        elif k == "GLU":
+            plan.glu = v not in ("0", "false", "no", "off")
+        elif k == "ATTN":
+            plan.attn = v
+        elif k in ("GLU_RP", "ATTN_CHUNK", "ATTN_BPS", "ATTN_MAX_SPLIT"):
+            setattr(C, k, int(v))
+        else:
+            raise ValueError(f"unknown setting {k!r}")
+    plan.graphs = {}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--depths", default="0,4096,16384")
+    ap.add_argument("--n-gen", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--variant", action="append", default=[])
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    variants = [parse_variant(v) for v in (a.variant or DEFAULT_VARIANTS)]
+    depths = [int(x) for x in a.depths.split(",") if x]
+    import cupy as cp
+    from strata.backend import cuda as C
+    from strata.models.base import load_model
+    model = load_model(a.model, C.CudaBackend())
+    pool = model.new_page_pool(max(depths) + a.n_gen + 512)
+    st = model.new_state(pool)
+    plan = C.LlamaCuda(model, pool)
+    fast = model.backend.fast_path(model)
+    lib = C.lib()
+    base = {k: getattr(C, k) for k in ("GLU", "GLU_RP", "ATTN", "ATTN_CHUNK", "ATTN_BPS", "ATTN_MAX_SPLIT")}
+    base["_PDL"] = lib.strata_get_pdl()
+    rng = np.random.default_rng(0)
+    ctx = {d: rng.integers(0, model.config.n_vocab, d) for d in depths}
+    snaps = {}
+    for d in depths:
+        st.reset()
+        for s in range(0, d, 512):
+            fast.forward(np.asarray(ctx[d][s:s + 512], np.int32), st)
+        snaps[d] = st.capture()
+    tps: dict[str, dict[int, list[float]]] = {n: {d: [] for d in depths} for n, _ in variants}
+    tokens: dict[str, dict[int, list[int]]] = {n: {} for n, _ in variants}
+    for r in range(a.rounds):
+        for name, settings in variants:
+            apply(C, plan, lib, settings, base)
+            for d in depths:
+                st.restore(snaps[d])
+                p0 = st.pos
+                tokens[name][d] = plan.decode_greedy(1, 16, st)          # capture + the tokens to compare
+                st.truncate(p0)
+                cp.cuda.Device().synchronize()
+                t0 = time.perf_counter()
+                plan.decode_greedy(1, a.n_gen, st)
+                tps[name][d].append(a.n_gen / (time.perf_counter() - t0))
+        print(f"round {r + 1}/{a.rounds} done", flush=True)
+    apply(C, plan, lib, {}, base)
+    ref = variants[0][0]
+    res = {"model": Path(a.model).name, "n_gen": a.n_gen, "rounds": a.rounds, "variants": {}}
+    print(f"{'variant':16s} " + " ".join(f"{'d' + str(d):>16s}" for d in depths) + "   (median tok/s, ratio to "
+          f"{ref}; tokens == {ref})")
+    for name, settings in variants:
+        med = {d: statistics.median(tps[name][d]) for d in depths}
+        same = {d: tokens[name][d] == tokens[ref][d] for d in depths}
+        res["variants"][name] = {"settings": settings, "tok_s": tps[name], "median": med,
+                                 "ratio": {d: med[d] / statistics.median(tps[ref][d]) for d in depths},
+                                 "tokens_equal": same}
+        print(f"{name:16s} " + " ".join(f"{med[d]:8.1f} ({med[d] / statistics.median(tps[ref][d]):.3f})"
+                                        for d in depths) + f"   {all(same.values())}", flush=True)
+    if a.out:
+        Path(a.out).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
