@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -160,6 +161,12 @@ def main(argv=None) -> int:
                                                                L, C._p(ws), ffi.cast("unsigned *", ctr.data.ptr),
                                                                C._p(out), C._p(oq), H, KV, hd, ps, n2, sc, ffi.NULL,
                                                                ffi.NULL))
+            os.environ["STRATA_CUDA_ATTN_DB"] = "0"          # the single-buffered kernel, same split
+            t2s = timeit(cp, lambda: lib.strata_attn_decode_gqa(s(), C._p(q), *kv(), C._p(pt), ffi.NULL,
+                                                                L, C._p(ws), ffi.cast("unsigned *", ctr.data.ptr),
+                                                                C._p(out), C._p(oq), H, KV, hd, ps, n2, sc, ffi.NULL,
+                                                                ffi.NULL))
+            del os.environ["STRATA_CUDA_ATTN_DB"]
             sweep = {}
             for chunk in (32, 64, 128, 256):
                 for bps in (4, 8, 16):
@@ -170,9 +177,11 @@ def main(argv=None) -> int:
             best = min(sweep, key=sweep.get)
             kvb = 2 * L * KV * hd * 2
             res["attn_decode"].append({"H": H, "KV": KV, "hd": hd, "L": L, "v1_us": t1 * 1e6, "v2_us": t2 * 1e6,
+                                       "v2_single_buffer_us": t2s * 1e6,
                                        "n_split_v2": n2, "kv_bytes": kvb, "v2_us_by_chunk_bps": sweep,
                                        "chunk": C.ATTN_CHUNK, "bps": C.ATTN_BPS, "best": best})
             print(f"H{H} KV{KV} hd{hd} L{L:6d} split{n2:4d}  {t1 * 1e6:8.1f} {t2 * 1e6:8.1f} {kvb / t2 / 1e12:10.2f}   "
+                  f"(single-buffer {t2s * 1e6:.1f})  "
                   f"{sweep[best]:6.1f} at {best}  (" + " ".join(f"{k}:{v:.1f}" for k, v in sweep.items()) + ")",
                   flush=True)
 

@@ -1,7 +1,8 @@
 """A/B of the CUDA decode plan's settings: decode tokens/s of one model under variants, interleaved rounds.
 
 Each variant is a set of module settings of strata.backend.cuda read when a decode step is captured (GLU, GLU_RP,
-ATTN, ATTN_CHUNK, ATTN_BPS, ATTN_MAX_SPLIT, PDL on/off); the plan's graphs are dropped between variants, and the
+ATTN, ATTN_CHUNK, ATTN_BPS, ATTN_MAX_SPLIT, PDL on/off) or a STRATA_* environment variable the kernel launchers read
+(STRATA_CUDA_ATTN_DB); the plan's graphs are dropped between variants, and the
 variants run in turn for --rounds rounds on the same contexts, so clock and thermal drift spread over all of them
 instead of favouring the first. Greedy tokens of each variant are compared with the first variant's (the settings
 must not change them, except the attention split, which changes f32 summation order).
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -41,16 +43,26 @@ def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
     return name, kv
 
 
+_ENV_SET: set[str] = set()
+
+
 def apply(C, plan, lib, settings: dict[str, str], base: dict) -> None:
-    """Restore the base settings, then set these (module globals of strata.backend.cuda, PDL through the library);
-    drop the plan's captured graphs so the next step is captured with them."""
+    """Restore the base settings, then set these (module globals of strata.backend.cuda, PDL through the library,
+    STRATA_* names as environment variables that the kernel launchers read at capture); drop the plan's captured
+    graphs so the next step is captured with them."""
+    for k in _ENV_SET:
+        os.environ.pop(k, None)
+    _ENV_SET.clear()
     for k, v in base.items():
         if not k.startswith("_"):
             setattr(C, k, v)
     plan.glu, plan.attn = base["GLU"], base["ATTN"]
     lib.strata_set_pdl(base["_PDL"])
     for k, v in settings.items():
-        if k == "PDL":
+        if k.startswith("STRATA_"):
+            os.environ[k] = v
+            _ENV_SET.add(k)
+        elif k == "PDL":
             lib.strata_set_pdl(int(v))
         elif k == "GLU":
             plan.glu = v not in ("0", "false", "no", "off")
@@ -87,19 +99,18 @@ def main(argv=None) -> int:
     base["_PDL"] = lib.strata_get_pdl()
     rng = np.random.default_rng(0)
     ctx = {d: rng.integers(0, model.config.n_vocab, d) for d in depths}
-    snaps = {}
-    for d in depths:
+
+    def prefill(d: int) -> None:   # the context again each time (decoded tokens overwrite the cache after it)
         st.reset()
         for s in range(0, d, 512):
             fast.forward(np.asarray(ctx[d][s:s + 512], np.int32), st)
-        snaps[d] = st.capture()
     tps: dict[str, dict[int, list[float]]] = {n: {d: [] for d in depths} for n, _ in variants}
     tokens: dict[str, dict[int, list[int]]] = {n: {} for n, _ in variants}
     for r in range(a.rounds):
         for name, settings in variants:
             apply(C, plan, lib, settings, base)
             for d in depths:
-                st.restore(snaps[d])
+                prefill(d)
                 p0 = st.pos
                 tokens[name][d] = plan.decode_greedy(1, 16, st)          # capture + the tokens to compare
                 st.truncate(p0)

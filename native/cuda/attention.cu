@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <math.h>
 #include "strata_cuda.h"
 #include "q8.cuh"
@@ -193,15 +194,35 @@ __device__ static inline void cvt_kv8(const uint4 &r, __half dh, float f[8]) {
   }
 }
 
+// Raw K and V words of B positions p0, p0 + stride, ... (clamped to end - 1: the loads are unconditional) of KV
+// head kvh, element offset d0 within the head.
+template <bool Q8, int B>
+__device__ static inline void issue_kv8(const void *__restrict__ kc, const void *__restrict__ vc,
+                                        const __half *__restrict__ ks, const __half *__restrict__ vs,
+                                        const int *__restrict__ pt, int p0, int stride, int end, int kvh, int n_kv,
+                                        int hd, int ps, int d0, uint4 (&kr)[B], uint4 (&vr)[B], __half (&kd)[B],
+                                        __half (&vd)[B]) {
+  long long e[B];
+#pragma unroll
+  for (int b = 0; b < B; b++) e[b] = kv_off(pt, min(p0 + b * stride, end - 1), kvh, n_kv, hd, ps) + d0;
+#pragma unroll
+  for (int b = 0; b < B; b++) {
+    load_kv8_raw<Q8>(kc, ks, e[b], kr[b], kd[b]);
+    load_kv8_raw<Q8>(vc, vs, e[b], vr[b], vd[b]);
+  }
+}
+
 // ---------------------------------------------------------------- decode attention, GQA-shared, self-merging
 // grid (n_kv, n_split), 128 threads. A block takes one KV head, all g = n_head / n_kv query heads of its group (G >=
 // g registers per lane), and one range of positions. A group of LP = hd / 8 lanes owns one position at a time (one
-// 16-byte load of K and of V per lane); each iteration a group loads B positions at once (B * 32 bytes in flight
-// per lane), then scores them and folds them into an online softmax (m, l, o) per query head. Groups are merged in
+// 16-byte load of K and of V per lane); each iteration a group scores B positions loaded during the previous
+// iteration (B * 32 bytes in flight per lane while it computes) and folds them into an online softmax (m, l, o) per
+// query head. Groups are merged in
 // shared memory into one partial per head and split: O (hd floats) at ws[(head * n_split + split) * hd], (m, l) at
 // ws[n_head * n_split * hd + 2 * (head * n_split + split)]. The last block of a KV head to finish (atomic counter,
 // reset by that block) merges the splits: out = sum_s O_s e^(m_s - M) / sum_s l_s e^(m_s - M) (Flash-Decoding),
-// the split weights by one warp per head, the outputs in 16-byte loads by parts of the block over the splits,
+// the split weights by one warp per head (all (m, l) pairs loaded at once), the outputs in 16-byte loads by parts
+// of the block over the splits,
 // written as f32 and, if out_q8 is given, as q8_1 blocks.
 #define DA_WARPS 4
 #define DA_MAX_SPLIT 256
@@ -226,7 +247,7 @@ __device__ static inline void q8_store4(float4 v, int i, int8_t *__restrict__ xq
   if ((i & 31) == 0) ds[i >> 5] = make_float2(d, d * (float)sum);
 }
 
-template <int LP, int G, bool Q8>
+template <int LP, int G, bool Q8, bool DB>
 __global__ void __launch_bounds__(32 * DA_WARPS) k_attn_decode_gqa(
     const float *__restrict__ q, const void *__restrict__ kc, const void *__restrict__ vc,
     const __half *__restrict__ ks, const __half *__restrict__ vs,
@@ -260,29 +281,22 @@ __global__ void __launch_bounds__(32 * DA_WARPS) k_attn_decode_gqa(
   // the loop is block-uniform (every lane runs every iteration: the shuffles need whole warps); a group whose
   // position is past the end loads the last position of the range (a valid address: the loads stay unconditional,
   // so all 2B of an iteration are in flight at once; behind a branch each waited for the previous one's use) and
-  // scores nothing
-  for (int P = beg; P < end; P += B * NG) {
+  // scores nothing. The next iteration's loads are issued before this one's arithmetic (double buffering).
+  constexpr int STEP = B * NG;
+  uint4 kr[B], vr[B];
+  __half kd[B], vd[B];
+  if (beg < end) issue_kv8<Q8, B>(kc, vc, ks, vs, pt, beg + gid, NG, end, kvh, n_kv, hd, ps, 8 * gl, kr, vr, kd, vd);
+  for (int P = beg; P < end; P += STEP) {
     float kf[B][8], vf[B][8];
     bool ok[B];
-    uint4 kr[B], vr[B];
-    __half kd[B], vd[B];
-    long long e[B];
 #pragma unroll
     for (int b = 0; b < B; b++) {
-      const int p = P + b * NG + gid;
-      ok[b] = p < end;
-      e[b] = kv_off(pt, min(p, end - 1), kvh, n_kv, hd, ps) + 8 * gl;
-    }
-#pragma unroll
-    for (int b = 0; b < B; b++) {
-      load_kv8_raw<Q8>(kc, ks, e[b], kr[b], kd[b]);
-      load_kv8_raw<Q8>(vc, vs, e[b], vr[b], vd[b]);
-    }
-#pragma unroll
-    for (int b = 0; b < B; b++) {
+      ok[b] = P + b * NG + gid < end;
       cvt_kv8<Q8>(kr[b], kd[b], kf[b]);
       cvt_kv8<Q8>(vr[b], vd[b], vf[b]);
     }
+    if (DB && P + STEP < end)   // block-uniform
+      issue_kv8<Q8, B>(kc, vc, ks, vs, pt, P + STEP + gid, NG, end, kvh, n_kv, hd, ps, 8 * gl, kr, vr, kd, vd);
 #pragma unroll
     for (int j = 0; j < G; j++) {
       if (j >= g) break;
@@ -317,6 +331,8 @@ __global__ void __launch_bounds__(32 * DA_WARPS) k_attn_decode_gqa(
       }
       m[j] = mx;
     }
+    if (!DB && P + STEP < end)   // single buffer: fewer registers, the loads wait for this iteration's arithmetic
+      issue_kv8<Q8, B>(kc, vc, ks, vs, pt, P + STEP + gid, NG, end, kvh, n_kv, hd, ps, 8 * gl, kr, vr, kd, vd);
   }
   // merge the NG groups of this block, per query head
   __shared__ float sm[NG], sl[NG], so[NG][hd];
@@ -361,17 +377,27 @@ __global__ void __launch_bounds__(32 * DA_WARPS) k_attn_decode_gqa(
   // lanes over the splits; outputs: P block-parts over the splits per group of four outputs, summed in shared memory.
   const long long h0 = (long long)kvh * g * n_split;
   for (int j = wid; j < g; j += DA_WARPS) {   // warp-uniform: whole warps reach the shuffles
-    const float *mlj = wml + 2 * (h0 + (long long)j * n_split);
+    // every (m, l) of the head's splits loaded at once (DA_MAX_SPLIT / 32 per lane, clamped: unconditional loads)
+    const float2 *mlj = reinterpret_cast<const float2 *>(wml) + (h0 + (long long)j * n_split);
+    constexpr int PER = DA_MAX_SPLIT / 32;
+    float2 ml[PER];
+#pragma unroll
+    for (int k = 0; k < PER; k++) ml[k] = __ldcg(mlj + min(lane + 32 * k, n_split - 1));
     float M = -INFINITY;
-    for (int s = lane; s < n_split; s += 32) M = fmaxf(M, __ldcg(mlj + 2 * s));
+#pragma unroll
+    for (int k = 0; k < PER; k++)
+      if (lane + 32 * k < n_split) M = fmaxf(M, ml[k].x);
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, off));
     float L = 0.f;
-    for (int s = lane; s < n_split; s += 32) {
-      const float ms = __ldcg(mlj + 2 * s);
-      const float w = ms > -INFINITY ? __expf(ms - M) : 0.f;
-      L += w * __ldcg(mlj + 2 * s + 1);
-      mw[j][s] = w;
+#pragma unroll
+    for (int k = 0; k < PER; k++) {
+      const int s = lane + 32 * k;
+      if (s < n_split) {
+        const float w = ml[k].x > -INFINITY ? __expf(ml[k].x - M) : 0.f;
+        L += w * ml[k].y;
+        mw[j][s] = w;
+      }
     }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) L += __shfl_xor_sync(0xffffffffu, L, off);
@@ -427,8 +453,12 @@ extern "C" int strata_attn_decode_gqa(void *stream, const float *q, const void *
   dim3 grid(n_kv, n_split);
   const __half *KS = (const __half *)k_scales, *VS = (const __half *)v_scales;
   int8_t *oq = (int8_t *)out_q8;
-#define DG(LP, GG, Q) st_launch(k_attn_decode_gqa<LP, GG, Q>, grid, 32 * DA_WARPS, 0, s, q, kc, vc, KS, VS, pt, d_len, len, ws, counters, out, oq, n_head, n_kv, ps, n_split, scale)
-#define DGQ(LP, GG) if (KS) DG(LP, GG, true); else DG(LP, GG, false);
+  // double-buffered K/V loads (more registers: fewer blocks per SM) unless STRATA_CUDA_ATTN_DB=0 (read per launch)
+  const char *dbe = getenv("STRATA_CUDA_ATTN_DB");
+  const bool db = !(dbe && dbe[0] == '0');
+#define DG(LP, GG, Q) { if (db) DGD(LP, GG, Q, true); else DGD(LP, GG, Q, false); }
+#define DGD(LP, GG, Q, D) st_launch(k_attn_decode_gqa<LP, GG, Q, D>, grid, 32 * DA_WARPS, 0, s, q, kc, vc, KS, VS, pt, d_len, len, ws, counters, out, oq, n_head, n_kv, ps, n_split, scale)
+#define DGQ(LP, GG) { if (KS) DG(LP, GG, true) else DG(LP, GG, false) }
 #define DGG(LP) \
   if (g == 1) { DGQ(LP, 1) } else if (g == 2) { DGQ(LP, 2) } else if (g <= 4) { DGQ(LP, 4) } else { DGQ(LP, 8) }
   switch (hd) {
@@ -441,6 +471,7 @@ extern "C" int strata_attn_decode_gqa(void *stream, const float *q, const void *
 #undef DGG
 #undef DGQ
 #undef DG
+#undef DGD
   return (int)cudaGetLastError();
 }
 
