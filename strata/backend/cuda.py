@@ -109,9 +109,12 @@ FLASH_HEAD_DIMS = (64, 128)
 MV_ROWS = int(os.environ.get("STRATA_CUDA_MV_ROWS", "0") or 0)
 
 # SwiGLU fused into the gate/up decode matvec (strata_matvec_q8w_glu: the block that makes 32 activations also
-# writes their q8_1 block, one launch fewer per layer); STRATA_CUDA_GLU=0 keeps matvec + strata_swiglu_gu.
+# writes their q8_1 block, one launch fewer per layer): opt-in, STRATA_CUDA_GLU=1. Measured on the H200
+# (bench/decode_variants.py, same tokens): the fused kernel alone is faster (18.9 MB gate/up: 8.3 vs 9.4 us with the
+# SwiGLU launch), but in the decode graph it lost 8% on the 1.7B model at depth 0 (944 vs 1018 tok/s; its 4-row warps
+# hide less of the L2 latency than the 2-row matvec once PDL has prefetched the weights) and won 0.6% on SmolLM2.
 # STRATA_CUDA_GLU_RP: gate/up row pairs per warp (1, 2 or 4; 0 = by size, glu_pairs_per_warp).
-GLU = os.environ.get("STRATA_CUDA_GLU", "1") not in ("0", "false", "no", "off")
+GLU = os.environ.get("STRATA_CUDA_GLU", "0") not in ("0", "false", "no", "off", "")
 GLU_RP = int(os.environ.get("STRATA_CUDA_GLU_RP", "0") or 0)
 
 
@@ -143,13 +146,15 @@ def n_split_for(length: int) -> int:
 
 
 # The v2 decode attention's split: at least ATTN_CHUNK positions per block, about ATTN_BPS blocks per multiprocessor
-# and at most ATTN_MAX_SPLIT splits (the last block's merge reads every split's partial). Swept on the H200
-# (bench/cuda_kernels.py, chunk 32..256 x 4..16 blocks per SM): ~64 splits of >= 64 positions were best or within 5%
-# at 512..16384 positions for 3 and 8 KV heads (16K, 8 KV heads hd128: 41 us vs 58 us with session 2's 256 / 2).
-# STRATA_CUDA_ATTN_CHUNK / _BPS / _MAX_SPLIT override.
-ATTN_CHUNK = int(os.environ.get("STRATA_CUDA_ATTN_CHUNK", "64") or 64)
+# and at most ATTN_MAX_SPLIT splits (the last block's merge reads every split's partial). Measured on the H200
+# (bench/cuda_kernels.py sweep of chunk 32..256 x 4..16 blocks per SM with the double-buffered kernel; decode A/B in
+# bench/decode_variants.py): 128 positions per block were best at 4096 positions (SmolLM2's 3 KV heads 15.7 -> 13.4
+# us, 8 KV heads hd128 20.1 -> 14.4 us vs 64), and at 16384 positions 64 splits beat 128 (3 KV heads 33.0 -> 20.3 us;
+# 8 KV heads equal), so at most 64 splits. A decode plan sizes the split for the shortest length of its context-size
+# class (n_split_class). STRATA_CUDA_ATTN_CHUNK / _BPS / _MAX_SPLIT override.
+ATTN_CHUNK = int(os.environ.get("STRATA_CUDA_ATTN_CHUNK", "128") or 128)
 ATTN_BPS = int(os.environ.get("STRATA_CUDA_ATTN_BPS", "4") or 4)
-ATTN_MAX_SPLIT = min(GQA_MAX_SPLIT, int(os.environ.get("STRATA_CUDA_ATTN_MAX_SPLIT", "128") or 128))
+ATTN_MAX_SPLIT = min(GQA_MAX_SPLIT, int(os.environ.get("STRATA_CUDA_ATTN_MAX_SPLIT", "64") or 64))
 
 
 def n_split_gqa(length: int, n_kv: int, n_sm: int, chunk: int | None = None, bps: int | None = None) -> int:
@@ -158,6 +163,13 @@ def n_split_gqa(length: int, n_kv: int, n_sm: int, chunk: int | None = None, bps
     c = max(1, int(chunk or ATTN_CHUNK))
     b = max(1, int(bps or ATTN_BPS))
     return max(1, min(ATTN_MAX_SPLIT, -(-length // c), max(1, b * n_sm // max(1, n_kv))))
+
+
+def n_split_class(size_class: int, n_kv: int, n_sm: int) -> int:
+    """The v2 split of a decode plan's context-size class (lengths size_class / 2 + 1 .. size_class, one captured
+    graph): n_split_gqa of the class's shortest length, so every length in it gets >= ATTN_CHUNK positions per
+    block (sized for the longest, a step just past the class boundary got half that: 33 vs 20 us at 16K positions)."""
+    return n_split_gqa(max(1, size_class // 2), n_kv, n_sm)
 
 
 def rows_per_warp(n_out: int) -> int:
@@ -998,7 +1010,7 @@ class LlamaCuda:
         """One step attending over `length` positions, on self.stream (graph replay or eager launches)."""
         cls = self.size_class(length)
         v2 = self.decode_attn_v2(cls)
-        n_split = n_split_gqa(cls, self.n_kv, self.n_sm) if v2 else n_split_for(cls)
+        n_split = n_split_class(cls, self.n_kv, self.n_sm) if v2 else n_split_for(cls)
         if not self.use_graphs:
             self._enqueue_step(n_split, v2)
             return

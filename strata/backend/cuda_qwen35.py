@@ -396,7 +396,7 @@ class Qwen35Cuda:
     def _launch(self, length: int) -> None:
         """One step attending over `length` positions, on self.stream (graph replay or eager launches)."""
         cls = self.size_class(length)
-        n_split = C.n_split_gqa(cls, self.n_kv, self.n_sm)
+        n_split = C.n_split_class(cls, self.n_kv, self.n_sm)
         if not self.use_graphs:
             self._enqueue_step(n_split)
             return
