@@ -139,30 +139,8 @@ extern "C" int strata_kv_gather_q8(void *stream, const void *kq, const void *vq,
   return (int)cudaGetLastError();
 }
 
-// 8 consecutive cache values at element offset e as f32: f16 (one 16-byte load) or q8_0 (8 bytes + the scale).
-template <bool Q8>
-__device__ static inline void load_kv8(const void *__restrict__ c, const __half *__restrict__ sc, long long e,
-                                       float f[8]) {
-  if (Q8) {
-    const uint2 r = *reinterpret_cast<const uint2 *>(reinterpret_cast<const int8_t *>(c) + e);
-    const float d = __half2float(sc[e >> 5]);
-    const int8_t *q = reinterpret_cast<const int8_t *>(&r);
-#pragma unroll
-    for (int i = 0; i < 8; i++) f[i] = d * (float)q[i];
-  } else {
-    const uint4 r = *reinterpret_cast<const uint4 *>(reinterpret_cast<const __half *>(c) + e);
-    const __half2 *h = reinterpret_cast<const __half2 *>(&r);
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-      const float2 x = __half22float2(h[i]);
-      f[2 * i] = x.x;
-      f[2 * i + 1] = x.y;
-    }
-  }
-}
-
-// The raw cache words of load_kv8 (f16: one 16-byte word; q8_0: 8 bytes in .x/.y and the block's scale), loaded
-// without converting so that a thread issues all its loads of an iteration before the first one is used.
+// The raw cache words of 8 consecutive values at element offset e (f16: one 16-byte word; q8_0: 8 bytes in .x/.y
+// and the block's scale), loaded without converting so that a thread can issue all its loads before using one.
 template <bool Q8>
 __device__ static inline void load_kv8_raw(const void *__restrict__ c, const __half *__restrict__ sc, long long e,
                                            uint4 &r, __half &d) {
@@ -175,7 +153,7 @@ __device__ static inline void load_kv8_raw(const void *__restrict__ c, const __h
   }
 }
 
-// load_kv8's f32 values from the raw words of load_kv8_raw.
+// The f32 values of the raw words of load_kv8_raw (q8_0: d * q).
 template <bool Q8>
 __device__ static inline void cvt_kv8(const uint4 &r, __half dh, float f[8]) {
   if (Q8) {
@@ -192,6 +170,16 @@ __device__ static inline void cvt_kv8(const uint4 &r, __half dh, float f[8]) {
       f[2 * i + 1] = x.y;
     }
   }
+}
+
+// 8 consecutive cache values at element offset e as f32: f16 (one 16-byte load) or q8_0 (8 bytes + the scale).
+template <bool Q8>
+__device__ static inline void load_kv8(const void *__restrict__ c, const __half *__restrict__ sc, long long e,
+                                       float f[8]) {
+  uint4 r;
+  __half d = __float2half(0.f);
+  load_kv8_raw<Q8>(c, sc, e, r, d);
+  cvt_kv8<Q8>(r, d, f);
 }
 
 // Raw K and V words of B positions p0, p0 + stride, ... (clamped to end - 1: the loads are unconditional) of KV

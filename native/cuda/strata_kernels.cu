@@ -181,6 +181,13 @@ __global__ void k_dequant(const uint8_t *__restrict__ w, void *__restrict__ out,
     case T_Q4_1: F(T_Q4_1); break; case T_Q8_0: F(T_Q8_0); break; case T_Q4_K: F(T_Q4_K); break; \
     case T_Q5_K: F(T_Q5_K); break; case T_Q6_K: F(T_Q6_K); break; default: return (int)cudaErrorInvalidValue; }
 
+// The same for the types of the int8-activation (dp4a) kernels (strata_matvec_q8_supported).
+#define DISPATCH_Q8_TYPE(t, F) \
+  switch (t) { \
+    case T_Q4_0: F(T_Q4_0); break; case T_Q4_1: F(T_Q4_1); break; case T_Q8_0: F(T_Q8_0); break; \
+    case T_Q4_K: F(T_Q4_K); break; case T_Q5_K: F(T_Q5_K); break; case T_Q6_K: F(T_Q6_K); break; \
+    default: return (int)cudaErrorInvalidValue; }
+
 static inline long long row_bytes_of(int t, int n_in) {
   return (long long)(n_in / block_elems(t)) * block_bytes(t);
 }
@@ -408,15 +415,30 @@ extern "C" int strata_matvec_q8(void *stream, int t, const void *w, const void *
   const float2 *ds = (const float2 *)(q + n_in);
   cudaStream_t s = (cudaStream_t)stream;
   const uint8_t *W = (const uint8_t *)w;
-  switch (t) {
-    case T_Q4_0: st_launch(k_matvec_q8<T_Q4_0>, blocks, threads, 0, s, W, q, ds, y, n_out, n_in / 32, rb); break;
-    case T_Q4_1: st_launch(k_matvec_q8<T_Q4_1>, blocks, threads, 0, s, W, q, ds, y, n_out, n_in / 32, rb); break;
-    case T_Q8_0: st_launch(k_matvec_q8<T_Q8_0>, blocks, threads, 0, s, W, q, ds, y, n_out, n_in / 32, rb); break;
-    case T_Q4_K: st_launch(k_matvec_q8<T_Q4_K>, blocks, threads, 0, s, W, q, ds, y, n_out, n_in / 32, rb); break;
-    case T_Q5_K: st_launch(k_matvec_q8<T_Q5_K>, blocks, threads, 0, s, W, q, ds, y, n_out, n_in / 32, rb); break;
-    case T_Q6_K: st_launch(k_matvec_q8<T_Q6_K>, blocks, threads, 0, s, W, q, ds, y, n_out, n_in / 32, rb); break;
-  }
+#define MQ(TT) st_launch(k_matvec_q8<TT>, blocks, threads, 0, s, W, q, ds, y, n_out, n_in / 32, rb)
+  DISPATCH_Q8_TYPE(t, MQ)
+#undef MQ
   return (int)cudaGetLastError();
+}
+
+// One lane's share of the dot products of NR weight rows with the q8_1 vector (x int8 blocks, xds their (d, d * sum)):
+// the lanes of a warp stride over the rows' 32-element sub-blocks (u = lane, lane + 32, ...), each x block loaded
+// once into registers for all NR rows, 2 sub-blocks unrolled; a warp sum of acc[r] gives row r's product. The loop
+// of k_matvec_q8w, which keeps its own copy: the decode plan's hottest kernel was measured with that code (through
+// this helper its register allocation changes).
+template <int T, int NR>
+__device__ static inline void warp_rows_dot(const uint8_t *const (&rows)[NR], const int *__restrict__ x,
+                                            const float2 *__restrict__ xds, int n_units, int lane, float (&acc)[NR]) {
+#pragma unroll
+  for (int r = 0; r < NR; r++) acc[r] = 0.f;
+#pragma unroll 2
+  for (int u = lane; u < n_units; u += 32) {
+    int xv[8];
+    load_xq(x, u, xv);
+    const float2 ds = __ldg(xds + u);
+#pragma unroll
+    for (int r = 0; r < NR; r++) acc[r] += dot_q8x<T>(rows[r], u, xv, ds);
+  }
 }
 
 // Warp-per-row variant for decode: a warp takes R consecutive rows and its 32 lanes stride over the row's 32-element
@@ -474,14 +496,7 @@ extern "C" int strata_matvec_q8w(void *stream, int t, const void *w, const void 
   const uint8_t *W = (const uint8_t *)w;
 #define MW(TT, RR) st_launch(k_matvec_q8w<TT, RR>, blocks, threads, 0, s, W, q, ds, y, n_out, n_in / 32, rb)
 #define MWR(TT) if (R == 1) MW(TT, 1); else if (R == 2) MW(TT, 2); else MW(TT, 4);
-  switch (t) {
-    case T_Q4_0: MWR(T_Q4_0); break;
-    case T_Q4_1: MWR(T_Q4_1); break;
-    case T_Q8_0: MWR(T_Q8_0); break;
-    case T_Q4_K: MWR(T_Q4_K); break;
-    case T_Q5_K: MWR(T_Q5_K); break;
-    case T_Q6_K: MWR(T_Q6_K); break;
-  }
+  DISPATCH_Q8_TYPE(t, MWR)
 #undef MWR
 #undef MW
   return (int)cudaGetLastError();
@@ -507,25 +522,18 @@ __global__ void __launch_bounds__(32 * (32 / RP)) k_matvec_q8w_glu(
       prefetch_l2(wu + (long long)(i0 + r) * row_bytes + o);
     }
   griddep_wait();
-  const int *x = reinterpret_cast<const int *>(xq);
-  float ag[RP], au[RP];
+  const uint8_t *rows[2 * RP];   // gate rows, then up rows
 #pragma unroll
-  for (int r = 0; r < RP; r++) ag[r] = au[r] = 0.f;
-#pragma unroll 2
-  for (int u = lane; u < n_units; u += 32) {
-    int xv[8];
-    load_xq(x, u, xv);
-    const float2 ds = __ldg(xds + u);
-#pragma unroll
-    for (int r = 0; r < RP; r++) {
-      ag[r] += dot_q8x<T>(wg + (long long)(i0 + r) * row_bytes, u, xv, ds);
-      au[r] += dot_q8x<T>(wu + (long long)(i0 + r) * row_bytes, u, xv, ds);
-    }
+  for (int r = 0; r < RP; r++) {
+    rows[r] = wg + (long long)(i0 + r) * row_bytes;
+    rows[RP + r] = wu + (long long)(i0 + r) * row_bytes;
   }
+  float acc[2 * RP];
+  warp_rows_dot<T, 2 * RP>(rows, reinterpret_cast<const int *>(xq), xds, n_units, lane, acc);
   __shared__ float sv[32];
 #pragma unroll
   for (int r = 0; r < RP; r++) {
-    float a = ag[r], b = au[r];
+    float a = acc[r], b = acc[RP + r];
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
       a += __shfl_xor_sync(0xffffffffu, a, o);
@@ -558,14 +566,7 @@ extern "C" int strata_matvec_q8w_glu(void *stream, int t, const void *w_gate, co
   const unsigned blocks = (unsigned)(F / 32);
 #define MG(TT, RR) st_launch(k_matvec_q8w_glu<TT, RR>, blocks, 32 * (32 / RR), 0, s, G, U, q, ds, act, aq, F, n_in / 32, rb)
 #define MGR(TT) if (RP == 1) MG(TT, 1); else if (RP == 2) MG(TT, 2); else MG(TT, 4);
-  switch (t) {
-    case T_Q4_0: MGR(T_Q4_0); break;
-    case T_Q4_1: MGR(T_Q4_1); break;
-    case T_Q8_0: MGR(T_Q8_0); break;
-    case T_Q4_K: MGR(T_Q4_K); break;
-    case T_Q5_K: MGR(T_Q5_K); break;
-    case T_Q6_K: MGR(T_Q6_K); break;
-  }
+  DISPATCH_Q8_TYPE(t, MGR)
 #undef MGR
 #undef MG
   return (int)cudaGetLastError();
