@@ -161,12 +161,16 @@ def main(argv=None) -> int:
                                                                L, C._p(ws), ffi.cast("unsigned *", ctr.data.ptr),
                                                                C._p(out), C._p(oq), H, KV, hd, ps, n2, sc, ffi.NULL,
                                                                ffi.NULL))
+            db_env = os.environ.get("STRATA_CUDA_ATTN_DB")
             os.environ["STRATA_CUDA_ATTN_DB"] = "0"          # the single-buffered kernel, same split
             t2s = timeit(cp, lambda: lib.strata_attn_decode_gqa(s(), C._p(q), *kv(), C._p(pt), ffi.NULL,
                                                                 L, C._p(ws), ffi.cast("unsigned *", ctr.data.ptr),
                                                                 C._p(out), C._p(oq), H, KV, hd, ps, n2, sc, ffi.NULL,
                                                                 ffi.NULL))
-            del os.environ["STRATA_CUDA_ATTN_DB"]
+            if db_env is None:                               # the caller's setting back for the rest
+                del os.environ["STRATA_CUDA_ATTN_DB"]
+            else:
+                os.environ["STRATA_CUDA_ATTN_DB"] = db_env
             sweep = {}
             for chunk in (32, 64, 128, 256):
                 for bps in (4, 8, 16):

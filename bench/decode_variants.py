@@ -9,7 +9,8 @@ must not change them, except the attention split, which changes f32 summation or
 
 Usage: python bench/decode_variants.py --model PATH [--depths 0,4096,16384] [--n-gen 128] [--rounds 3]
   [--variant 'name:GLU=0,ATTN_CHUNK=256' ...] [--out JSON]
-(--variant may repeat; the first variant is the reference; default: the defaults, GLU=0, GLU_RP=1, GLU_RP=2.)
+(--variant may repeat; the first variant is the reference; default: the defaults, fused SwiGLU with its row pairs
+per warp by size / 1 / 2, the single-buffered decode attention.)
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-DEFAULT_VARIANTS = ["default:", "no_glu:GLU=0", "glu_rp1:GLU_RP=1", "glu_rp2:GLU_RP=2"]
+DEFAULT_VARIANTS = ["default:", "glu:GLU=1", "glu_rp1:GLU=1,GLU_RP=1", "glu_rp2:GLU=1,GLU_RP=2",
+                    "single_buffer:STRATA_CUDA_ATTN_DB=0"]
 
 
 def parse_variant(spec: str) -> tuple[str, dict[str, str]]:

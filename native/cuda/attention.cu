@@ -8,6 +8,7 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include <math.h>
 #include "strata_cuda.h"
 #include "q8.cuh"
@@ -203,9 +204,9 @@ __device__ static inline void issue_kv8(const void *__restrict__ kc, const void 
 // ---------------------------------------------------------------- decode attention, GQA-shared, self-merging
 // grid (n_kv, n_split), 128 threads. A block takes one KV head, all g = n_head / n_kv query heads of its group (G >=
 // g registers per lane), and one range of positions. A group of LP = hd / 8 lanes owns one position at a time (one
-// 16-byte load of K and of V per lane); each iteration a group scores B positions loaded during the previous
-// iteration (B * 32 bytes in flight per lane while it computes) and folds them into an online softmax (m, l, o) per
-// query head. Groups are merged in
+// 16-byte load of K and of V per lane); each iteration a group scores B positions and folds them into an online
+// softmax (m, l, o) per query head; with DB the next B positions' loads are issued before that arithmetic (B * 32
+// bytes in flight per lane while it computes), without DB after it. Groups are merged in
 // shared memory into one partial per head and split: O (hd floats) at ws[(head * n_split + split) * hd], (m, l) at
 // ws[n_head * n_split * hd + 2 * (head * n_split + split)]. The last block of a KV head to finish (atomic counter,
 // reset by that block) merges the splits: out = sum_s O_s e^(m_s - M) / sum_s l_s e^(m_s - M) (Flash-Decoding),
@@ -272,7 +273,9 @@ __global__ void __launch_bounds__(32 * DA_WARPS) k_attn_decode_gqa(
   // scores nothing. The next iteration's loads are issued before this one's arithmetic (double buffering).
   constexpr int STEP = B * NG;
   uint4 kr[B], vr[B];
-  __half kd[B], vd[B];
+  __half kd[B], vd[B];   // q8_0 block scales (unused with an f16 cache)
+#pragma unroll
+  for (int b = 0; b < B; b++) kd[b] = vd[b] = __float2half(0.f);
   if (beg < end) issue_kv8<Q8, B>(kc, vc, ks, vs, pt, beg + gid, NG, end, kvh, n_kv, hd, ps, 8 * gl, kr, vr, kd, vd);
   for (int P = beg; P < end; P += STEP) {
     float kf[B][8], vf[B][8];
@@ -319,7 +322,7 @@ __global__ void __launch_bounds__(32 * DA_WARPS) k_attn_decode_gqa(
       }
       m[j] = mx;
     }
-    if (!DB && P + STEP < end)   // single buffer: fewer registers, the loads wait for this iteration's arithmetic
+    if (!DB && P + STEP < end)   // issued after the arithmetic: the loads are not in flight while it runs
       issue_kv8<Q8, B>(kc, vc, ks, vs, pt, P + STEP + gid, NG, end, kvh, n_kv, hd, ps, 8 * gl, kr, vr, kd, vd);
   }
   // merge the NG groups of this block, per query head
@@ -441,9 +444,10 @@ extern "C" int strata_attn_decode_gqa(void *stream, const float *q, const void *
   dim3 grid(n_kv, n_split);
   const __half *KS = (const __half *)k_scales, *VS = (const __half *)v_scales;
   int8_t *oq = (int8_t *)out_q8;
-  // double-buffered K/V loads (more registers: fewer blocks per SM) unless STRATA_CUDA_ATTN_DB=0 (read per launch)
+  // the next iteration's K/V loads issued before this one's arithmetic unless STRATA_CUDA_ATTN_DB=0/false/no/off
+  // (read per launch; the same registers either way: ptxas keeps the raw words live across iterations in both)
   const char *dbe = getenv("STRATA_CUDA_ATTN_DB");
-  const bool db = !(dbe && dbe[0] == '0');
+  const bool db = !(dbe && (!strcmp(dbe, "0") || !strcmp(dbe, "false") || !strcmp(dbe, "no") || !strcmp(dbe, "off")));
 #define DG(LP, GG, Q) { if (db) DGD(LP, GG, Q, true); else DGD(LP, GG, Q, false); }
 #define DGD(LP, GG, Q, D) st_launch(k_attn_decode_gqa<LP, GG, Q, D>, grid, 32 * DA_WARPS, 0, s, q, kc, vc, KS, VS, pt, d_len, len, ws, counters, out, oq, n_head, n_kv, ps, n_split, scale)
 #define DGQ(LP, GG) { if (KS) DG(LP, GG, true) else DG(LP, GG, false) }

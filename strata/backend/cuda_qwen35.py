@@ -17,8 +17,8 @@ Per layer (native/cuda/qwen35.cu for the ``strata_q35_*`` kernels, the rest shar
   pages) -> ``strata_attn_decode_gqa`` -> ``strata_q35_out_gate`` (att * sigmoid(gate), q8_1 out) -> attn_output
   matvec.
 * Residual adds fused into the next ``strata_rms_norm_ex`` (which also writes the q8_1 blocks the next matvec
-  reads); FFN: ``strata_matvec_q8w_glu`` (gate|up matvec with SwiGLU, q8_1 out; or the matvec then
-  ``strata_swiglu_gu``) -> down matvec.
+  reads); FFN: fused gate|up matvec -> ``strata_swiglu_gu`` (q8_1 out) -> down matvec (with STRATA_CUDA_GLU=1 one
+  ``strata_matvec_q8w_glu`` launch does both).
 * Final RMSNorm, output matvec, device argmax into ``inp[0]``, position / length + 1 (``strata_add_scalar``).
 
 Running state: a captured graph has fixed addresses, so the plan owns one conv / ssm buffer per GDN layer and
