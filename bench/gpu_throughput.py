@@ -52,6 +52,30 @@ def commit() -> str:
     return head + "+" + source_digest()
 
 
+BUILD_TOOLS = ("cc1plus", "cc1", "nvcc", "cicc", "ptxas", "ld", "make", "gmake", "cmake", "ninja")
+
+
+def host_load(proc: str = "/proc") -> dict:
+    """What else the host is doing: the 1-minute load average, the CPU count and the names of running compiler /
+    build processes (BUILD_TOOLS, read from proc/*/comm). The prefill rows are host-bound (Python launches), so a
+    llama.cpp build running beside the bench lowers them (session 4 on the H200: SmolLM2 prompt 4096 72.5k vs 102.8k
+    tok/s without); the bench records this and warns."""
+    names = []
+    for d in Path(proc).glob("[0-9]*"):
+        try:
+            comm = (d / "comm").read_text().strip()
+        except OSError:
+            continue
+        if comm in BUILD_TOOLS:
+            names.append(comm)
+    try:
+        load = float(Path(proc, "loadavg").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        load = None
+    return {"load_avg_1m": load, "n_cpu": os.cpu_count(), "build_processes": sorted(set(names)),
+            "n_build_processes": len(names)}
+
+
 def copy_bandwidth(cp) -> float:
     """Device-to-device copy bandwidth in bytes/s (bytes read + bytes written), median of 20 copies of 2 GiB."""
     n = 1 << 31
@@ -283,8 +307,12 @@ def main(argv=None) -> int:
     gpu = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     bw = copy_bandwidth(cp)
     print(f"GPU {gpu}; device copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    host = host_load()
+    if host["n_build_processes"]:
+        print(f"WARNING: {host['n_build_processes']} build processes are running ({', '.join(host['build_processes'])}"
+              f"; load {host['load_avg_1m']}): host-bound rows (prefill) will read low", flush=True)
     out = {"commit": commit(), "gpu": gpu, "copy_bandwidth_Bps": bw, "n_gen": a.n_gen, "ubatch": a.ubatch,
-           "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "models": {}}
+           "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host_at_start": host, "models": {}}
     for m in models:
         print(f"model {m} ({os.path.getsize(m) / 1e6:.0f} MB)", flush=True)
         entry = {"file_bytes": os.path.getsize(m)}
@@ -310,6 +338,7 @@ def main(argv=None) -> int:
                         ratios[f"{kind}_{k}"] = v / ref
             entry["ratio_strata_over_llamacpp"] = ratios
         out["models"][os.path.basename(m)] = entry
+    out["host_at_end"] = host_load()
     dest = Path(a.out) if a.out else ROOT / "bench" / "results" / f"gpu_{gpu.replace(' ', '_')}_{out['commit']}.json"
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(json.dumps(out, indent=1))

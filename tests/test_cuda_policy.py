@@ -1,0 +1,60 @@
+"""The CUDA decode plans' launch-shape rules (pure Python: they run without a GPU, in CI)."""
+import pytest
+
+from strata.backend import cuda as C
+
+
+@pytest.mark.parametrize("n_kv", [1, 3, 8, 32])
+@pytest.mark.parametrize("n_sm", [46, 132])
+def test_split_class_gives_every_length_its_chunk(n_kv, n_sm):
+    """n_split_class: one split count per context-size class (a captured graph serves every length in it) with at
+    least ATTN_CHUNK positions per block for the class's shortest length (so for all of them, unless one split
+    already takes everything), at most ATTN_MAX_SPLIT splits and about ATTN_BPS blocks per multiprocessor at most."""
+    prev = 0
+    for cls in (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072):
+        s = C.n_split_class(cls, n_kv, n_sm)
+        shortest = 1 if cls == 256 else cls // 2 + 1
+        assert 1 <= s <= C.ATTN_MAX_SPLIT <= C.GQA_MAX_SPLIT
+        assert s == 1 or -(-shortest // s) >= C.ATTN_CHUNK     # positions per block of the kernel's own chunking
+        assert s <= max(1, C.ATTN_BPS * n_sm // n_kv)
+        assert s >= prev                                       # longer classes never get fewer splits
+        prev = s
+
+
+def test_split_class_is_the_measured_setting():
+    """The H200 settings of docs/cuda.md: SmolLM2's 3 KV heads get 32 splits for the 8192 class (a 4097..8192
+    context: >= 128 positions per block) and 64 for the 32768 class (not the 128 that sizing for the longest length
+    gave: 20.3 vs 33.0 us at 16K positions)."""
+    if (C.ATTN_CHUNK, C.ATTN_BPS, C.ATTN_MAX_SPLIT) != (128, 4, 64):
+        pytest.skip("STRATA_CUDA_ATTN_CHUNK / _BPS / _MAX_SPLIT override the defaults")
+    assert C.n_split_class(8192, 3, 132) == 32
+    assert C.n_split_class(32768, 3, 132) == 64
+    assert C.n_split_class(32768, 8, 132) == 64
+
+
+@pytest.mark.parametrize("n_ff,n_sm,want", [(1536, 132, 1), (8192, 132, 2), (16384, 132, 4), (8192, 46, 4)])
+def test_glu_pairs_per_warp(n_ff, n_sm, want, monkeypatch):
+    """The fused SwiGLU kernel's row pairs per warp: the most (4, 2) that still leaves >= 16 warps per SM, else 1;
+    STRATA_CUDA_GLU_RP (module GLU_RP) overrides."""
+    monkeypatch.setattr(C, "GLU_RP", 0)
+    assert C.glu_pairs_per_warp(n_ff, n_sm) == want
+    monkeypatch.setattr(C, "GLU_RP", 2)
+    assert C.glu_pairs_per_warp(n_ff, n_sm) == 2
+
+
+def test_bench_host_load_names_build_processes(tmp_path):
+    """bench/gpu_throughput.host_load reads a proc tree: the build tools running and the load average (the bench
+    warns when a compiler runs beside it: its prefill rows are host-bound)."""
+    from bench.gpu_throughput import host_load
+    for pid, comm in ((1, "systemd"), (7, "cc1plus"), (8, "cc1plus"), (9, "nvcc"), (10, "python3")):
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "comm").write_text(comm + "\n")
+    (tmp_path / "11").mkdir()                                  # a process that exited: no comm file
+    (tmp_path / "loadavg").write_text("7.50 3.00 1.00 2/300 12345\n")
+    h = host_load(str(tmp_path))
+    assert h["build_processes"] == ["cc1plus", "nvcc"] and h["n_build_processes"] == 3
+    assert h["load_avg_1m"] == 7.5
+    clean = tmp_path / "clean"
+    clean.mkdir()
+    assert host_load(str(clean)) == {"load_avg_1m": None, "n_cpu": h["n_cpu"], "build_processes": [],
+                                     "n_build_processes": 0}
