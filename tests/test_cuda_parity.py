@@ -344,16 +344,22 @@ def test_pdl_changes_no_token(model_path, prompt_ids):
     assert runs[0][1] == runs[1][1]
 
 
-def test_fused_swiglu_changes_no_token(model_path, prompt_ids):
-    """The opt-in fused SwiGLU decode matvec (STRATA_CUDA_GLU=1, strata_matvec_q8w_glu) is bit-identical to the
-    matvec + strata_swiglu_gu pair it replaces: the decode logits after a prompt and 48 greedy graph-decode tokens
-    are the same with it on and off (the layers' fused gate/up weights do take the fused path)."""
+def _plan_after_prompt(model_path, prompt_ids, n: int):
+    """(model, its LlamaCuda plan, a sequence state after the prompt (prefilled in ubatches of n), the greedy next
+    token)."""
     model = _cuda_model(model_path)
     pool = model.new_page_pool(1024)
     fast = model.backend.fast_path(model)
     st = model.new_state(pool)
-    first = int(np.argmax(_prefill(fast, st, prompt_ids, 24)))
-    plan = fast.plan(pool)
+    first = int(np.argmax(_prefill(fast, st, prompt_ids, n)))
+    return model, fast.plan(pool), st, first
+
+
+def test_fused_swiglu_changes_no_token(model_path, prompt_ids):
+    """The opt-in fused SwiGLU decode matvec (STRATA_CUDA_GLU=1, strata_matvec_q8w_glu) is bit-identical to the
+    matvec + strata_swiglu_gu pair it replaces: the decode logits after a prompt and 48 greedy graph-decode tokens
+    are the same with it on and off (the layers' fused gate/up weights do take the fused path)."""
+    model, plan, st, first = _plan_after_prompt(model_path, prompt_ids, 24)
     plan.glu = True
     assert all(plan._glu_weights(L) is not None for L in model.layers)
     p0 = st.pos
@@ -372,12 +378,7 @@ def test_decode_attention_kernels_agree(model_path, prompt_ids):
     """The two decode attention kernels the plan can choose between (STRATA_CUDA_ATTN v1 / v2 / auto) give the same
     step: logits within 1e-4 rel. L2 (f32 activations, so an int8 rounding flip cannot amplify a summation-order
     difference)."""
-    model = _cuda_model(model_path)
-    pool = model.new_page_pool(1024)
-    fast = model.backend.fast_path(model)
-    st = model.new_state(pool)
-    first = int(np.argmax(_prefill(fast, st, prompt_ids, 512)))
-    plan = fast.plan(pool)
+    _, plan, st, first = _plan_after_prompt(model_path, prompt_ids, 512)
     plan.dp4a = False
     p0 = st.pos
     out = {}
