@@ -167,8 +167,9 @@ def n_split_gqa(length: int, n_kv: int, n_sm: int, chunk: int | None = None, bps
 
 def n_split_class(size_class: int, n_kv: int, n_sm: int) -> int:
     """The v2 split of a decode plan's context-size class (lengths size_class / 2 + 1 .. size_class, or 1 .. 256 for
-    the first class; one captured graph): n_split_gqa of the class's shortest length, so every length in it gets >= ATTN_CHUNK positions per
-    block (sized for the longest, a step just past the class boundary got half that: 33 vs 20 us at 16K positions)."""
+    the first class; one captured graph): n_split_gqa of the class's shortest length, so every length in it gets
+    >= ATTN_CHUNK positions per block (sized for the longest, a step just past the class boundary got half that: 33
+    vs 20 us at 16K positions)."""
     return n_split_gqa(max(1, size_class // 2), n_kv, n_sm)
 
 
@@ -825,11 +826,10 @@ class LlamaCuda:
 
     * decode (``decode``, ``decode_greedy``): matvecs on int8 q8_1 activations (DP4A; written by the RMSNorm,
       attention and SwiGLU kernels that produce them; optionally, STRATA_CUDA_GLU=1, SwiGLU inside the gate/up
-      matvec) or f32 activations,
-      RoPE fused with the K/V write, GQA-shared split-K attention that merges its own splits, the residual add fused
-      into the next RMSNorm; token and position read from device memory, so the step is captured once per
-      context-size class (256, 512, ... positions; the class fixes the split count) as a CUDA graph and replayed with
-      one graph launch per token.
+      matvec) or f32 activations, RoPE fused with the K/V write, GQA-shared split-K attention that merges its own
+      splits, the residual add fused into the next RMSNorm; token and position read from device memory, so the step
+      is captured once per context-size class (256, 512, ... positions; the class fixes the split count,
+      n_split_class) as a CUDA graph and replayed with one graph launch per token.
     * prefill (``prefill``): cuBLAS GEMMs on f16 operands with f32 accumulation and output (weights dequantized to
       f16 per ubatch, or kept as f16 copies with STRATA_CUDA_F16_WEIGHTS=1), the residual add done by the GEMM
       (beta = 1), RMSNorm and SwiGLU writing f16 GEMM inputs, RoPE fused with the K/V write, FlashAttention-2 prefill
