@@ -4,7 +4,9 @@ Decode matvec: achieved weight bandwidth of each variant (f32-activation kernel,
 warp-per-row int8 kernel with 1/2/4 rows per warp) over the measured device copy bandwidth, on the matrix shapes of the
 default model and of the synthetic 1.7B llama of bench/gpu_throughput.py. Decode attention: v1 (per-head split-K +
 combine) vs v2 (GQA-shared, self-merging) in microseconds and KV bandwidth. Prefill attention: v1 (wmma) vs v2
-(FlashAttention-2, mma.sync) in TFLOP/s (causal flops 2 * 2 * n * (length + n/2) * hd * n_head).
+(FlashAttention-2, mma.sync) in TFLOP/s (causal flops 2 * 2 * n * (length + n/2) * hd * n_head). Gated DeltaNet
+prefill (ubatch of 512 tokens): the delta rule's block kernel vs the warp kernel, and the causal conv (``--only-gdn``
+runs just this section).
 Every time is per launch inside a CUDA graph of 20 launches (median of 20 replays, CUDA events), rotating over enough
 weight copies to spill the L2. Usage: python bench/cuda_kernels.py [--out PATH]. Writes JSON.
 """
@@ -47,9 +49,49 @@ def timeit(cp, fn, reps: int = 20, per_graph: int = 20) -> float:
     return float(np.median(ts))
 
 
+def bench_gdn(cp, res: dict, rng) -> None:
+    """res["gdn"]: microseconds per launch of strata_gdn_recurrent_ex (block and warp variants) and strata_gdn_conv on
+    one ubatch, for the GDN shapes of the synthetic 1.5B hybrid (16 value heads of 128) and others."""
+    from strata.backend import cuda_gdn as G
+    lib = G.lib()
+    res["gdn"] = []
+    print(f"\n{'gdn delta rule':34s} {'block us':>9s} {'warp us':>9s} {'speedup':>8s}")
+    for n, nv, nk, dk, dv in ((512, 16, 16, 128, 128), (512, 32, 16, 128, 128), (512, 16, 16, 64, 64),
+                              (512, 8, 4, 256, 256), (128, 16, 16, 128, 128)):
+        q = cp.asarray(rng.standard_normal((n, nk, dk)).astype(np.float32))
+        q /= cp.linalg.norm(q, axis=-1, keepdims=True)
+        k = cp.asarray(rng.standard_normal((n, nk, dk)).astype(np.float32))
+        k /= cp.linalg.norm(k, axis=-1, keepdims=True)
+        v = cp.asarray(rng.standard_normal((n, nv, dv)).astype(np.float32))
+        g = cp.asarray(-rng.uniform(0.01, 0.5, (n, nv)).astype(np.float32))
+        beta = cp.asarray(rng.uniform(0.1, 0.9, (n, nv)).astype(np.float32))
+        state = cp.zeros((nv, dk, dv), cp.float32)
+        out = cp.empty((n, nv, dv), cp.float32)
+        p = lambda a: G._p(a)   # noqa: E731
+        us = {}
+        for name, var in (("block", 1), ("warp", 2)):
+            us[name] = 1e6 * timeit(cp, lambda var=var: lib.strata_gdn_recurrent_ex(
+                G._stream(), p(q), p(k), p(v), p(g), p(beta), p(state), p(out), n, nv, nk, dk, dv, 1,
+                float(dk ** -0.5), var), per_graph=4)
+        res["gdn"].append({"op": "delta_rule", "n": n, "n_v": nv, "n_k": nk, "dk": dk, "dv": dv, "us": us})
+        print(f"n{n} v{nv} k{nk} dk{dk} dv{dv}{'':14s} {us['block']:9.1f} {us['warp']:9.1f} "
+              f"{us['block'] / us['warp']:7.2f}x", flush=True)
+    for n, c, kk in ((512, 6144, 4), (512, 12288, 4)):
+        x = cp.asarray(rng.standard_normal((n, c + 64)).astype(np.float32))
+        w = cp.asarray(rng.standard_normal((c, kk)).astype(np.float32))
+        win = cp.zeros((kk - 1, c), cp.float32)
+        y = cp.empty((n, c), cp.float32)
+        t = 1e6 * timeit(cp, lambda: lib.strata_gdn_conv(G._stream(), G._p(x), c + 64, G._p(w), G._p(win), G._p(y), n,
+                                                         c, kk), per_graph=4)
+        res["gdn"].append({"op": "conv", "n": n, "channels": c, "kernel": kk, "us": t,
+                           "bytes": 4 * n * c * 2})
+        print(f"conv n{n} c{c} k{kk}: {t:.1f} us ({4 * n * c * 2 / t / 1e6:.2f} TB/s in + out)", flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
+    ap.add_argument("--only-gdn", action="store_true", help="time the Gated DeltaNet kernels only")
     a = ap.parse_args(argv)
     import cupy as cp
     from bench.gpu_throughput import commit, copy_bandwidth
@@ -63,6 +105,12 @@ def main(argv=None) -> int:
     res = {"gpu": gpu, "commit": commit(), "copy_bandwidth_Bps": bw, "matvec": [], "attn_decode": [],
            "attn_prefill": [], "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     rng = np.random.default_rng(0)
+    bench_gdn(cp, res, rng)
+    if a.only_gdn:
+        dest = Path(a.out) if a.out else ROOT / "bench" / "results" / f"cuda_kernels_gdn_{gpu.replace(' ', '_')}.json"
+        dest.write_text(json.dumps(res, indent=1))
+        print("wrote", dest)
+        return 0
     # (name, ggml type, n_out, n_in)
     shapes = [("smol qkv Q4_1", 3, 960, 576), ("smol o Q4_1", 3, 576, 576), ("smol gate_up Q4_1", 3, 3072, 576),
               ("smol down Q4_1", 3, 576, 1536), ("smol head Q8_0", 8, 49152, 576),

@@ -168,9 +168,11 @@ def bench_hybrid(path: str, prompts=PROMPTS, depths=DEPTHS, n_gen: int = 128, ub
     """Time strata.models.base.load_model(path, CudaBackend()) on random tokens, as the engine runs it
     (CudaBackend.fast_path: the CUDA-graph decode plan when it supports the model).
 
-    prompt: for each n in prompts, a fresh sequence reads n tokens in ubatch-sized forward calls (best of 2);
-    prompt_chunked: the same for the smallest n with the chunked delta rule (gdn_mode "chunked"; the default on the
-    device is the recurrent kernel). decode: for each depth d, a sequence holding d tokens reads n_gen tokens
+    prompt: for each n in prompts, a fresh sequence reads n tokens in ubatch-sized forward calls (best of 2; with a
+    plan, its prefill: Qwen35Cuda.prefill); prompt_generic: the same for the smallest n through the model's own
+    forward (the prefill plan's reference: STRATA_CUDA_HYBRID_PREFILL=0); prompt_chunked: the model's own forward
+    with the chunked delta rule (gdn_mode "chunked"; the default on the device is the recurrent kernel).
+    decode: for each depth d, a sequence holding d tokens reads n_gen tokens
     greedily (the plan's decode_greedy, device argmax, when there is a plan; else one-token forward calls and the
     host argmax); decode_generic: the same at the first depth through the model's own forward (no plan: the
     feature's reference). The device is synchronized before each clock read. Returns {"prompt": {n: tok/s},
@@ -211,15 +213,23 @@ def bench_hybrid(path: str, prompts=PROMPTS, depths=DEPTHS, n_gen: int = 128, ub
     for t in range(3):
         fast.forward(np.asarray([t], np.int32), st)                  # the plan (graph capture)
         model.forward(np.asarray([t], np.int32), st)                 # the generic one-token path (decode_generic)
-    res: dict = {"prompt": {}, "prompt_chunked": {}, "decode": {}, "decode_generic": {}, "plan": plan is not None}
+    res: dict = {"prompt": {}, "prompt_generic": {}, "prompt_chunked": {}, "decode": {}, "decode_generic": {},
+                 "plan": plan is not None}
     for n in prompts:
         res["prompt"][n] = timed_prompt(n)
         print(f"  strata hybrid pp{n}: {res['prompt'][n]:.1f} tok/s", flush=True)
     if prompts:
-        mode0, model.gdn_mode = model.gdn_mode, "chunked"
         n = min(prompts)
+        routed = getattr(fast, "prefill", None)
+        if routed:                                  # the model's own forward (the prefill plan off)
+            fast.prefill = False
+            res["prompt_generic"][n] = timed_prompt(n)
+            print(f"  strata hybrid pp{n} (generic forward): {res['prompt_generic'][n]:.1f} tok/s", flush=True)
+        mode0, model.gdn_mode = model.gdn_mode, "chunked"
         res["prompt_chunked"][n] = timed_prompt(n)
         model.gdn_mode = mode0
+        if routed:
+            fast.prefill = True
         print(f"  strata hybrid pp{n} (chunked delta rule): {res['prompt_chunked'][n]:.1f} tok/s", flush=True)
 
     def generic(tok):

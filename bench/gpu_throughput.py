@@ -344,7 +344,8 @@ def main(argv=None) -> int:
     dest.write_text(json.dumps(out, indent=1))
     print("\nsummary (tokens/s; ratio = Strata / llama.cpp)")
     for name, e in out["models"].items():
-        for kind in ("prompt", "prompt_chunked", "decode", "decode_no_pdl", "decode_glu", "decode_attn_v2",
+        for kind in ("prompt", "prompt_generic", "prompt_chunked", "decode", "decode_no_pdl", "decode_glu",
+                     "decode_attn_v2",
                      "decode_generic",
                      "decode_f32act"):
             for k, v in e["strata"].get(kind, {}).items():

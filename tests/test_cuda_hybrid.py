@@ -323,25 +323,43 @@ def test_synthetic_hybrid_file_matches_llamacpp(tiny_bench_file, tmp_path):
 
 # ------------------------------------------------------------------ GPU: kernels
 @gpu
+@pytest.mark.parametrize("variant", ["auto", "block", "warp"])
 @pytest.mark.parametrize("n,h,n_qk,dk,dv,tiled", [(1, 4, 4, 16, 24, True), (1, 16, 16, 128, 128, True),
                                                   (1, 8, 2, 64, 64, False), (1, 8, 2, 64, 64, True),
                                                   (6, 4, 2, 16, 24, False), (3, 32, 16, 256, 96, True),
-                                                  (37, 16, 16, 128, 128, True), (9, 8, 4, 256, 64, False)])
-def test_recurrent_kernel_matches_numpy(n, h, n_qk, dk, dv, tiled):
+                                                  (37, 16, 16, 128, 128, True), (9, 8, 4, 256, 64, False),
+                                                  (512, 16, 16, 128, 128, True), (130, 8, 2, 64, 64, False),
+                                                  (67, 4, 2, 32, 32, True), (2, 4, 4, 256, 8, True)])
+def test_recurrent_kernel_matches_numpy(n, h, n_qk, dk, dv, tiled, variant):
+    """Both delta-rule kernels (the block kernel; the warp kernel: dk 32 / 64 / 128 / 256, dv % 4 == 0, token
+    groups of 4 or 2 with a partial last group) against gdn.delta_rule_recurrent in float32 numpy."""
     import cupy as cp
 
     from strata.backend import cuda_gdn
     q, k, v, g, b, s0 = _gdn_inputs(n, h, dk, dv, seed=h + dk, n_qk=n_qk)
+    if variant == "warp" and (dk not in (32, 64, 128, 256) or dv % 4):
+        with pytest.raises(RuntimeError, match="strata_gdn_recurrent"):
+            cuda_gdn.recurrent(cp.asarray(q), cp.asarray(k), cp.asarray(v), cp.asarray(g), cp.asarray(b),
+                               cp.asarray(s0), tiled=tiled, variant=variant)
+        return
     kmap = np.arange(h) % n_qk if tiled else np.arange(h) // (h // n_qk)
     s_ref = s0.copy()
     o_ref, _ = gdn.delta_rule_recurrent(q[:, kmap], k[:, kmap], v, g, b, s_ref)
     s_d = cp.asarray(s0)
     o_d, s_out = cuda_gdn.recurrent(cp.asarray(q), cp.asarray(k), cp.asarray(v), cp.asarray(g), cp.asarray(b),
-                                    s_d, tiled=tiled)
+                                    s_d, tiled=tiled, variant=variant)
     assert s_out is s_d
     eo, es = rel_l2(o_d.get(), o_ref), rel_l2(s_d.get(), s_ref)
-    print(f"recurrent kernel n={n} h={h} dk={dk} dv={dv}: out rel L2 {eo:.2e}, state rel L2 {es:.2e}")
+    print(f"recurrent kernel ({variant}) n={n} h={h} dk={dk} dv={dv}: out rel L2 {eo:.2e}, state rel L2 {es:.2e}")
     assert eo < KERNEL_REL_L2 and es < KERNEL_REL_L2
+
+
+def test_recurrent_unknown_variant_is_value_error():
+    from strata.backend import cuda_gdn
+    q = np.zeros((2, 1, 32), np.float32)
+    with pytest.raises(ValueError, match="variant 'fast'"):
+        cuda_gdn.recurrent(q, q, q, np.zeros((2, 1), np.float32), np.zeros((2, 1), np.float32),
+                           np.zeros((1, 32, 32), np.float32), variant="fast")
 
 
 @gpu
@@ -361,6 +379,26 @@ def test_conv_kernel_matches_numpy(n, c, kk):
     err = float(np.abs(y_d.get() - y_ref).max())
     print(f"conv kernel n={n} c={c} k={kk}: max abs {err:.2e}")
     assert err < 1e-5
+    assert np.array_equal(win_d.get(), win_ref)
+
+
+@gpu
+@pytest.mark.parametrize("n,kk", [(1, 4), (2, 4), (3, 4), (16, 4), (40, 4), (5, 8)])
+def test_conv_kernel_reads_strided_rows_in_place(n, kk):
+    """x as a column slice of a wider projection (rows x_stride floats apart): read in place, same result as the
+    contiguous copy; n < kernel - 1 keeps part of the old window."""
+    import cupy as cp
+
+    from strata.backend import cuda_gdn
+    rng = np.random.default_rng(n + kk)
+    c = 96
+    proj = rng.standard_normal((n, c + 37)).astype(np.float32)
+    w = rng.standard_normal((c, kk)).astype(np.float32)
+    win = rng.standard_normal((kk - 1, c)).astype(np.float32)
+    y_ref, win_ref = gdn.causal_conv1d(proj[:, :c], w, win)
+    win_d = cp.asarray(win)
+    y_d, _ = cuda_gdn.conv(cp.asarray(proj)[:, :c], cp.asarray(w), win_d)
+    assert float(np.abs(y_d.get() - y_ref).max()) < 1e-5
     assert np.array_equal(win_d.get(), win_ref)
 
 
@@ -521,7 +559,8 @@ def test_cuda_mtp_head_matches_cpu(pair):
 @gpu
 def test_bench_hybrid_runs_tiny(tiny_bench_file):
     r = bench_h.bench_hybrid(tiny_bench_file, prompts=(64,), depths=(0, 40), n_gen=4, ubatch=32)
-    assert set(r) == {"prompt", "prompt_chunked", "decode", "decode_generic", "plan"}
+    assert set(r) == {"prompt", "prompt_generic", "prompt_chunked", "decode", "decode_generic", "plan"}
+    assert set(r["prompt_generic"]) == ({64} if r["plan"] else set())
     assert set(r["prompt"]) == {64} and set(r["prompt_chunked"]) == {64} and set(r["decode"]) == {0, 40}
     assert set(r["decode_generic"]) == ({0} if r["plan"] else set())
     assert all(v > 0 for k, d in r.items() if k != "plan" for v in d.values())

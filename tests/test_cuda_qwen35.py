@@ -20,7 +20,11 @@ GPU tests (skipped with the reason from strata.backend.cuda.unavailable_reason()
     snapshot / restore through state.py round-trips (hashes, then the same logits again);
   * (d) a bad token id raises ValueError and advances nothing (pos, KV length, running state);
   * (e) graphs on vs STRATA_CUDA_GRAPHS=0 (eager launches): identical greedy tokens and logits;
-  * (f) a q8_0 KV cache (--kv q8_0): plan vs the generic path on the same pool, logits rel L2 < 1e-2.
+  * (f) a q8_0 KV cache (--kv q8_0): plan vs the generic path on the same pool, logits rel L2 < 1e-2;
+  * (g) the plan's prefill (Qwen35Cuda.prefill: f16 GEMMs on fused weights, the warp delta-rule kernel, fused
+    norms) vs the generic model.forward on the same backend, for a fresh prompt, a continuation after decode steps,
+    all_logits, ubatch chunks, head_dim 32 (the non-flash attention fallback) and a q8_0 cache: logits, running
+    state and KV pages rel L2 < 1e-2, identical bookkeeping; bad input raises and changes nothing.
 """
 import sys
 from pathlib import Path
@@ -182,6 +186,15 @@ def test_cdef_matches_header():
     assert set(mine) == {"strata_q35_conv", "strata_q35_gdn_step", "strata_q35_gated_norm", "strata_q35_attn_prep",
                          "strata_q35_out_gate"}
     assert mine == {k: hdr[k] for k in mine}
+    from strata.backend import cuda_gdn, cuda_gdn_prefill          # the GDN launchers the prefill plan also declares
+
+    def all_decls(text):
+        return {m.group(1): re.sub(r"\s+", " ", m.group(2)).strip()
+                for m in re.finditer(r"int (strata_gdn_\w+)\(([^;]*)\);", text)}
+    gdn = all_decls(cuda_gdn._CDEF + cuda_gdn_prefill._CDEF)
+    assert set(gdn) == {"strata_gdn_recurrent", "strata_gdn_recurrent_ex", "strata_gdn_conv", "strata_gdn_prep",
+                        "strata_gdn_gated_norm_rows"}
+    assert gdn == {k: all_decls(header)[k] for k in gdn}
     src = (ROOT / "native" / "cuda" / "qwen35.cu").read_text()
     for name in mine:
         assert f'extern "C" int {name}(' in src
@@ -298,8 +311,8 @@ def test_plan_logits_match_generic_forward(setup):
     toks = _prompt(40, setup.n_vocab, 1)
     ref, st = m.new_state(setup.pool), m.new_state(setup.pool)
     lr = m.forward(toks, ref)
-    lp = setup.graph.forward(toks, st)                       # n > 1: the generic prefill
-    assert rel_l2(lp, lr) < 1e-5
+    lp = setup.graph.forward(toks, st)                       # n > 1: the plan's prefill
+    assert rel_l2(lp, lr) < PLAN_REL_L2
     worst = 0.0
 
     def steps(n, lr):
@@ -321,7 +334,7 @@ def test_plan_logits_match_generic_forward(setup):
     assert plan.resident.is_resident(st)
     more = _prompt(5, setup.n_vocab, 9)
     lr = m.forward(more, ref)
-    lp = setup.graph.forward(more, st)                       # generic prefill on the resident state
+    lp = setup.graph.forward(more, st)                       # the plan's prefill on the resident state
     assert rel_l2(lp, lr) < PLAN_REL_L2
     assert plan.resident.is_resident(st)
     lr = steps(8, lr)
@@ -459,3 +472,104 @@ def test_q8_0_kv_cache_plan_matches_generic(setup):
         assert np.isfinite(lp).all() and e < 2 * PLAN_REL_L2, f"q8_0 KV: plan vs generic logits rel L2 {e:.2e}"
     ref.release()
     st.release()
+
+
+def _assert_same_sequences(a, b, tol=PLAN_REL_L2):
+    """Same bookkeeping, and running state and KV pages of two sequences (one pool or two) within tol rel L2."""
+    assert a.pos == b.pos and a.kv.length == b.kv.length == a.pos and a.tokens == b.tokens
+    for layer in a.running:
+        for name in ("conv", "ssm"):
+            e = rel_l2(_host(a.running[layer][name]), _host(b.running[layer][name]))
+            assert e < tol, f"running state {layer}/{name} rel L2 {e:.2e}"
+    for slot in range(len(a.kv.pool.k)):
+        ka, va = (np.asarray(_host(t), np.float32) for t in a.kv.pool.read(slot, a.kv.pages, a.pos))
+        kb, vb = (np.asarray(_host(t), np.float32) for t in b.kv.pool.read(slot, b.kv.pages, b.pos))
+        assert rel_l2(ka, kb) < tol and rel_l2(va, vb) < tol, f"KV slot {slot}"
+
+
+def _prefill_vs_generic(m, pool, plan, n_vocab, seed):
+    """Prompt, decode steps, a continuation, all_logits and ubatch chunks: plan.prefill vs m.forward."""
+    ref, st = m.new_state(pool), m.new_state(pool)
+    toks = _prompt(70, n_vocab, seed)
+    lr, lp = m.forward(toks, ref), plan.prefill(toks, st)
+    worst = rel_l2(lp, lr)
+    _assert_same_sequences(ref, st)
+    for _ in range(3):                                       # decode on the plan, then prefill on the resident state
+        t = int(np.argmax(lr))
+        lr, lp = m.forward(np.array([t], np.int32), ref), plan.decode(t, st)
+    more = _prompt(33, n_vocab, seed + 1)
+    lr, lp = m.forward(more, ref, all_logits=True), plan.prefill(more, st, all_logits=True)
+    assert lp.shape == lr.shape == (33, n_vocab)
+    worst = max(worst, rel_l2(lp, lr))
+    assert plan.resident.is_resident(st)
+    for lo in range(0, 40, 16):                              # ubatch chunks (one of 8 tokens: the chunk boundary)
+        chunk = _prompt(min(16, 40 - lo), n_vocab, seed + 2 + lo)
+        lr, lp = m.forward(chunk, ref), plan.prefill(chunk, st)
+        worst = max(worst, rel_l2(lp, lr))
+    _assert_same_sequences(ref, st)
+    print(f"plan prefill vs generic forward: worst logits rel L2 {worst:.2e}")
+    assert worst < PLAN_REL_L2
+    ref.release()
+    st.release()
+
+
+@gpu
+def test_plan_prefill_matches_generic_forward(setup):
+    _prefill_vs_generic(setup.cuda, setup.pool, setup.plan(), setup.n_vocab, 21)
+
+
+@gpu
+@pytest.mark.parametrize("kv", ["f16", "q8_0"])
+def test_plan_prefill_head_dim_32_and_kv_types(setup, kv, tmp_path):
+    """head_dim 32 (not a flash head size: cuda.prefill_attention) and d_k = d_v = 32 (the warp kernel's R = 1)."""
+    path = synth.write_synthetic(tmp_path / "q35_hd32.gguf", _spec("Q8_0", head_dim=32, head_k_dim=32, head_v_dim=32))
+    m = load_model(path, C.CudaBackend(kv_dtype=kv))
+    assert Q.unsupported(m) is None
+    pool = m.new_page_pool(512, n_seq=2)
+    _prefill_vs_generic(m, pool, Q.Qwen35Cuda(m, pool), m.config.n_vocab, 31)
+
+
+@gpu
+def test_plan_prefill_bad_input_changes_nothing(setup):
+    m, plan = setup.cuda, setup.plan()
+    st = m.new_state(setup.pool)
+    plan.prefill(_prompt(12, setup.n_vocab, 7), st)
+    h, pos, length = st.hashes(), st.pos, st.kv.length
+    for bad in ([setup.n_vocab, 1], [1, -1], []):
+        with pytest.raises(ValueError):
+            plan.prefill(np.array(bad, np.int64), st)
+        with pytest.raises(ValueError):
+            setup.graph.forward(np.array(bad, np.int64), st)
+    other = m.new_state(setup.cuda.new_page_pool(64))
+    with pytest.raises(ValueError, match="not in this plan's pool"):
+        plan.prefill(np.array([1, 2], np.int32), other)
+    assert st.hashes() == h and st.pos == pos and st.kv.length == length
+    st.release()
+
+
+@gpu
+def test_prefill_switch_routes_to_generic(setup, monkeypatch):
+    """STRATA_CUDA_HYBRID_PREFILL=0: the wrapper sends n > 1 tokens to the model's own forward (the bench's
+    reference); both routes give the same logits within the plan tolerance."""
+    monkeypatch.setenv("STRATA_CUDA_HYBRID_PREFILL", "0")
+    off = Q.Qwen35GraphModel(setup.cuda)
+    assert off.prefill is False
+    monkeypatch.setenv("STRATA_CUDA_HYBRID_PREFILL", "1")
+    on = Q.Qwen35GraphModel(setup.cuda)
+    assert on.prefill is True
+    toks = _prompt(24, setup.n_vocab, 5)
+    a, b = setup.cuda.new_state(setup.pool), setup.cuda.new_state(setup.pool)
+    calls = []
+    real = Q.Qwen35Cuda.prefill
+
+    def spy(self, *args, **kw):
+        calls.append(len(args[0]))
+        return real(self, *args, **kw)
+    monkeypatch.setattr(Q.Qwen35Cuda, "prefill", spy)
+    la = off.forward(toks, a)
+    assert calls == []
+    lb = on.forward(toks, b)
+    assert calls == [24]
+    assert rel_l2(la, lb) < PLAN_REL_L2
+    a.release()
+    b.release()

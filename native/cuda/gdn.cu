@@ -119,49 +119,214 @@ __global__ void __launch_bounds__(GDN_COLS * GDN_ROWS) k_gdn_recurrent(
   }
 }
 
-// One thread per channel c: xx = window[:, c] ++ x[:, c]; y[t, c] = silu(sum_j w[c, j] * xx[t + j]);
-// window[:, c] <- the last K - 1 inputs. K is the kernel width (2..8).
+// Causal conv + SiLU, one thread per (channel c, tile of GDN_CONV_T tokens): y[t, c] = silu(sum_j w[c, j] * xx[t + j])
+// with xx = window[:, c] ++ x[:, c] (x rows x_stride floats apart). Only the tile-0 thread of a channel reads the old
+// window (tiles >= 1 start at t >= GDN_CONV_T >= K - 1 and read x only), and it writes the new window (the last
+// K - 1 entries of xx) after its reads, so no other thread sees a half-updated window. K is the kernel width (2..8).
+constexpr int GDN_CONV_T = 16;
 template <int K>
-__global__ void k_gdn_conv(const float *__restrict__ x, const float *__restrict__ w, float *__restrict__ window,
-                           float *__restrict__ y, int n, int channels) {
+__global__ void k_gdn_conv(const float *__restrict__ x, long long x_stride, const float *__restrict__ w,
+                           float *__restrict__ window, float *__restrict__ y, int n, int channels) {
   griddep_launch();
   griddep_wait();
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= channels) return;
-  float buf[K];
-  float wc[K];
+  const int t0 = blockIdx.y * GDN_CONV_T, t1 = min(n, t0 + GDN_CONV_T);
+  float buf[K], wc[K], old[K - 1];
 #pragma unroll
   for (int j = 0; j < K; j++) wc[j] = w[(long long)c * K + j];
 #pragma unroll
-  for (int j = 0; j < K - 1; j++) buf[j] = window[(long long)j * channels + c];
-  constexpr int U = 8;                        // tokens whose inputs are loaded together (latency-bound loop)
-  int t0 = 0;
-  for (; t0 + U <= n; t0 += U) {
-    float xv[U];
-#pragma unroll
-    for (int u = 0; u < U; u++) xv[u] = x[(long long)(t0 + u) * channels + c];
-#pragma unroll
-    for (int u = 0; u < U; u++) {
-      buf[K - 1] = xv[u];
-      float acc = 0.0f;
-#pragma unroll
-      for (int j = 0; j < K; j++) acc += buf[j] * wc[j];
-      y[(long long)(t0 + u) * channels + c] = acc / (1.0f + expf(-acc));
-#pragma unroll
-      for (int j = 0; j < K - 1; j++) buf[j] = buf[j + 1];
+  for (int j = 0; j < K - 1; j++) {           // inputs t0 - (K - 1) + j
+    const int t = t0 - (K - 1) + j;
+    if (t < 0) {
+      old[j] = window[(long long)(t + K - 1) * channels + c];   // only tile 0 gets here
+      buf[j] = old[j];
+    } else {
+      buf[j] = x[(long long)t * x_stride + c];
     }
   }
-  for (int t = t0; t < n; t++) {
-    buf[K - 1] = x[(long long)t * channels + c];
+  float xv[GDN_CONV_T];
+#pragma unroll
+  for (int u = 0; u < GDN_CONV_T; u++) xv[u] = x[(long long)min(t0 + u, n - 1) * x_stride + c];
+#pragma unroll
+  for (int u = 0; u < GDN_CONV_T; u++) {
+    buf[K - 1] = xv[u];
     float acc = 0.0f;
 #pragma unroll
     for (int j = 0; j < K; j++) acc += buf[j] * wc[j];
-    y[(long long)t * channels + c] = acc / (1.0f + expf(-acc));
+    if (t0 + u < t1) y[(long long)(t0 + u) * channels + c] = acc / (1.0f + expf(-acc));
 #pragma unroll
     for (int j = 0; j < K - 1; j++) buf[j] = buf[j + 1];
   }
+  if (blockIdx.y == 0) {                      // new window: xx positions n .. n + K - 2, i.e. inputs n - (K - 1) + j
 #pragma unroll
-  for (int j = 0; j < K - 1; j++) window[(long long)j * channels + c] = buf[j];
+    for (int j = 0; j < K - 1; j++) {
+      const int t = n - (K - 1) + j;
+      float v = 0.0f;
+      if (t < 0) {                            // n < K - 1: part of the old window stays (old[t + K - 1])
+#pragma unroll
+        for (int i = 0; i < K - 1; i++) v = (i == t + K - 1) ? old[i] : v;
+      } else {
+        v = x[(long long)t * x_stride + c];
+      }
+      window[(long long)j * channels + c] = v;
+    }
+  }
+}
+
+// ---- prefill: one warp per (value head, GW_C value columns), no block barriers
+constexpr int GW_C = 4;        // value columns per warp (one float4 of v, state and output per row)
+constexpr int GW_WARPS = 4;    // warps per block
+constexpr unsigned FULL = 0xffffffffu;
+
+// R consecutive floats at p (16-byte aligned when R % 4 == 0, 8 when R == 2) into registers.
+template <int R>
+__device__ __forceinline__ void load_rows(float (&d)[R], const float *__restrict__ p) {
+  if constexpr (R % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < R; i += 4) {
+      const float4 f = *reinterpret_cast<const float4 *>(p + i);
+      d[i] = f.x; d[i + 1] = f.y; d[i + 2] = f.z; d[i + 3] = f.w;
+    }
+  } else if constexpr (R == 2) {
+    const float2 f = *reinterpret_cast<const float2 *>(p);
+    d[0] = f.x; d[1] = f.y;
+  } else {
+#pragma unroll
+    for (int i = 0; i < R; i++) d[i] = p[i];
+  }
+}
+
+// Warp sums of N values (N = 2, 4, 8, 16 or 32) with N - 1 + (5 - log2 N) shuffles instead of 5 N (reduce-scatter:
+// at each of the first log2 N levels a lane sends the half of its values its partner keeps). Returns the sum of
+// p[lane >> (5 - log2 N)] over the warp; p is overwritten.
+template <int N>
+__device__ __forceinline__ float warp_reduce_scatter(float (&p)[N], int lane) {
+  constexpr int LOG = N == 2 ? 1 : N == 4 ? 2 : N == 8 ? 3 : N == 16 ? 4 : 5;
+#pragma unroll
+  for (int lv = 0; lv < LOG; lv++) {
+    const int half = N >> (lv + 1), m = 16 >> lv;
+    const bool hi = lane & m;
+#pragma unroll
+    for (int i = 0; i < half; i++) {
+      const float send = hi ? p[i] : p[i + half];
+      const float keep = hi ? p[i + half] : p[i];
+      p[i] = keep + __shfl_xor_sync(FULL, send, m);
+    }
+  }
+#pragma unroll
+  for (int m = 16 >> LOG; m >= 1; m >>= 1) p[0] += __shfl_xor_sync(FULL, p[0], m);
+  return p[0];
+}
+
+// Same recurrence as k_gdn_recurrent, for prefill. Warp (h, c0) holds S[h][:, c0 .. c0 + GW_C) in registers, lane l
+// rows [R l, R l + R) (d_k = 32 R): per token, kv = S^T k is a warp sum (butterfly: every lane gets all GW_C
+// columns), u = (v - exp(g) kv) beta, S <- exp(g) S + k u^T, and the output partials S^T q of U tokens are summed
+// together by one reduce-scatter per group. The loads of the next U tokens (q, k rows, v columns, g, beta; indices
+// clamped to n - 1, not used past it) are issued before the current group computes.
+template <int R, int U>
+__global__ void __launch_bounds__(GW_WARPS * 32) k_gdn_recurrent_warp(
+    const float *__restrict__ q, const float *__restrict__ k, const float *__restrict__ v,
+    const float *__restrict__ g, const float *__restrict__ beta, float *__restrict__ state, float *__restrict__ out,
+    int n, int n_v, int n_qk, int dk, int dv, int tiled, float scale) {
+  griddep_launch();
+  griddep_wait();
+  const int lane = threadIdx.x & 31;
+  const int tiles = dv / GW_C;
+  const int gw = blockIdx.x * GW_WARPS + (threadIdx.x >> 5);
+  if (gw >= n_v * tiles) return;              // warp-uniform
+  const int h = gw / tiles, c0 = (gw % tiles) * GW_C;
+  const int hk = tiled ? h % n_qk : h / (n_v / n_qk);
+  const int r0 = R * lane;
+  float s[R][GW_C];
+  float *S = state + ((long long)h * dk + r0) * dv + c0;
+#pragma unroll
+  for (int r = 0; r < R; r++) {
+    const float4 f = *reinterpret_cast<const float4 *>(S + (long long)r * dv);
+    s[r][0] = f.x; s[r][1] = f.y; s[r][2] = f.z; s[r][3] = f.w;
+  }
+  const long long qk_stride = (long long)n_qk * dk, v_stride = (long long)n_v * dv;
+  const float *qp = q + (long long)hk * dk + r0, *kp = k + (long long)hk * dk + r0;
+  const float *vp = v + (long long)h * dv + c0, *gp = g + h, *bp = beta + h;
+  float cq[U][R], ck[U][R], cv[U][GW_C], cg[U], cb[U];     // the group computing
+  float nq[U][R], nk[U][R], nv[U][GW_C], ng[U], nb[U];     // the next group, in flight
+  auto load = [&](float (&lq)[U][R], float (&lk)[U][R], float (&lv)[U][GW_C], float (&lg)[U], float (&lb)[U],
+                  int t0) {
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      const long long t = min(t0 + u, n - 1);
+      load_rows<R>(lq[u], qp + t * qk_stride);
+      load_rows<R>(lk[u], kp + t * qk_stride);
+      const float4 f = *reinterpret_cast<const float4 *>(vp + t * v_stride);
+      lv[u][0] = f.x; lv[u][1] = f.y; lv[u][2] = f.z; lv[u][3] = f.w;
+      lg[u] = gp[t * n_v];
+      lb[u] = bp[t * n_v];
+    }
+  };
+  load(cq, ck, cv, cg, cb, 0);
+  for (int t0 = 0; t0 < n; t0 += U) {
+    load(nq, nk, nv, ng, nb, t0 + U);
+    float op[U * GW_C];
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      if (t0 + u < n) {                       // warp-uniform
+        const float eg = __expf(cg[u]);
+        float kv[GW_C];
+#pragma unroll
+        for (int c = 0; c < GW_C; c++) {
+          float a = 0.0f;
+#pragma unroll
+          for (int r = 0; r < R; r++) a = fmaf(s[r][c], ck[u][r], a);
+          kv[c] = a;
+        }
+#pragma unroll
+        for (int m = 16; m >= 1; m >>= 1) {
+#pragma unroll
+          for (int c = 0; c < GW_C; c++) kv[c] += __shfl_xor_sync(FULL, kv[c], m);
+        }
+#pragma unroll
+        for (int c = 0; c < GW_C; c++) {
+          const float uu = (cv[u][c] - eg * kv[c]) * cb[u];
+          float a = 0.0f;
+#pragma unroll
+          for (int r = 0; r < R; r++) {
+            s[r][c] = fmaf(ck[u][r], uu, eg * s[r][c]);
+            a = fmaf(s[r][c], cq[u][r], a);
+          }
+          op[u * GW_C + c] = a;
+        }
+      } else {
+#pragma unroll
+        for (int c = 0; c < GW_C; c++) op[u * GW_C + c] = 0.0f;
+      }
+    }
+    constexpr int SH = 32 / (U * GW_C);         // lanes holding each output value
+    const float o = warp_reduce_scatter<U * GW_C>(op, lane);
+    const int idx = lane / SH, u = idx / GW_C, c = idx % GW_C;
+    if (lane % SH == 0 && t0 + u < n) out[((long long)(t0 + u) * n_v + h) * dv + c0 + c] = o * scale;
+#pragma unroll
+    for (int u2 = 0; u2 < U; u2++) {
+#pragma unroll
+      for (int r = 0; r < R; r++) { cq[u2][r] = nq[u2][r]; ck[u2][r] = nk[u2][r]; }
+#pragma unroll
+      for (int c2 = 0; c2 < GW_C; c2++) cv[u2][c2] = nv[u2][c2];
+      cg[u2] = ng[u2];
+      cb[u2] = nb[u2];
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < R; r++)
+    *reinterpret_cast<float4 *>(S + (long long)r * dv) = make_float4(s[r][0], s[r][1], s[r][2], s[r][3]);
+}
+
+template <int R, int U>
+int launch_recurrent_warp(cudaStream_t st, const float *q, const float *k, const float *v, const float *g,
+                          const float *beta, float *state, float *out, int n, int n_v, int n_qk, int dk, int dv,
+                          int tiled, float scale) {
+  const long long warps = (long long)n_v * (dv / GW_C);
+  st_launch(k_gdn_recurrent_warp<R, U>, dim3((unsigned)((warps + GW_WARPS - 1) / GW_WARPS)), dim3(GW_WARPS * 32), 0,
+            st, q, k, v, g, beta, state, out, n, n_v, n_qk, dk, dv, tiled, scale);
+  return (int)cudaGetLastError();
 }
 
 template <int M>
@@ -180,13 +345,27 @@ int launch_recurrent(cudaStream_t st, const float *q, const float *k, const floa
 // q, k f32 (n, n_qk, d_k) L2-normalised (q is multiplied by `scale` here, = 1/sqrt(d_k) in the models); v f32
 // (n, n_v, d_v); g (log decay, <= 0) and beta f32 (n, n_v); state f32 (n_v, d_k, d_v); out f32 (n, n_v, d_v).
 // n_v a multiple of n_qk; tiled = 1: value head h reads key head h % n_qk (qwen35*), 0: h / (n_v / n_qk)
-// (qwen3next). d_k <= 256. Returns cudaErrorInvalidValue (1) for bad sizes.
-extern "C" int strata_gdn_recurrent(void *stream, const float *q, const float *k, const float *v, const float *g,
-                                    const float *beta, float *state, float *out, int n, int n_v, int n_qk, int dk,
-                                    int dv, int tiled, float scale) {
-  if (n < 0 || n_v <= 0 || n_qk <= 0 || n_v % n_qk || dk <= 0 || dk > 256 || dv <= 0) return 1;
+// (qwen3next). d_k <= 256. variant: 0 = choose (the warp kernel when n > 1, d_k is 32, 64, 128 or 256 and
+// d_v % 4 == 0, else the block kernel), 1 = the block kernel (k_gdn_recurrent), 2 = the warp kernel
+// (k_gdn_recurrent_warp; cudaErrorInvalidValue when the shape does not allow it). All arrays contiguous, 16-byte
+// aligned for the warp kernel. Returns cudaErrorInvalidValue (1) for bad sizes.
+extern "C" int strata_gdn_recurrent_ex(void *stream, const float *q, const float *k, const float *v, const float *g,
+                                       const float *beta, float *state, float *out, int n, int n_v, int n_qk, int dk,
+                                       int dv, int tiled, float scale, int variant) {
+  if (n < 0 || n_v <= 0 || n_qk <= 0 || n_v % n_qk || dk <= 0 || dk > 256 || dv <= 0 || variant < 0 || variant > 2)
+    return 1;
+  const bool warp_ok = (dk == 32 || dk == 64 || dk == 128 || dk == 256) && dv % GW_C == 0;
+  if (variant == 2 && !warp_ok) return 1;
   if (n == 0) return 0;
   cudaStream_t st = (cudaStream_t)stream;
+  if (variant == 2 || (variant == 0 && warp_ok && n > 1)) {
+    int (*launch)(cudaStream_t, const float *, const float *, const float *, const float *, const float *, float *,
+                  float *, int, int, int, int, int, int, float) = launch_recurrent_warp<8, 2>;   // dk 256
+    if (dk == 32) launch = launch_recurrent_warp<1, 4>;
+    if (dk == 64) launch = launch_recurrent_warp<2, 4>;
+    if (dk == 128) launch = launch_recurrent_warp<4, 4>;
+    return launch(st, q, k, v, g, beta, state, out, n, n_v, n_qk, dk, dv, tiled, scale);
+  }
   const int m = (dk + GDN_ROWS - 1) / GDN_ROWS;
   if (m <= 1) return launch_recurrent<1>(st, q, k, v, g, beta, state, out, n, n_v, n_qk, dk, dv, tiled, scale);
   if (m <= 2) return launch_recurrent<2>(st, q, k, v, g, beta, state, out, n, n_v, n_qk, dk, dv, tiled, scale);
@@ -196,23 +375,32 @@ extern "C" int strata_gdn_recurrent(void *stream, const float *q, const float *k
   return launch_recurrent<32>(st, q, k, v, g, beta, state, out, n, n_v, n_qk, dk, dv, tiled, scale);
 }
 
-// Causal depthwise conv + SiLU over n tokens with the window as state (gdn.causal_conv1d): x f32 (n, channels),
-// w f32 (channels, kernel), window f32 (kernel - 1, channels) updated in place, y f32 (n, channels).
+extern "C" int strata_gdn_recurrent(void *stream, const float *q, const float *k, const float *v, const float *g,
+                                    const float *beta, float *state, float *out, int n, int n_v, int n_qk, int dk,
+                                    int dv, int tiled, float scale) {
+  return strata_gdn_recurrent_ex(stream, q, k, v, g, beta, state, out, n, n_v, n_qk, dk, dv, tiled, scale, 0);
+}
+
+// Causal depthwise conv + SiLU over n tokens with the window as state (gdn.causal_conv1d): x f32 (n, channels)
+// with rows x_stride floats apart (x_stride >= channels: the conv channels of a wider projection), w f32
+// (channels, kernel), window f32 (kernel - 1, channels) updated in place, y f32 (n, channels) contiguous.
 // kernel 2..8. Returns cudaErrorInvalidValue (1) for bad sizes.
-extern "C" int strata_gdn_conv(void *stream, const float *x, const float *w, float *window, float *y, int n,
-                               int channels, int kernel) {
-  if (n < 0 || channels <= 0 || kernel < 2 || kernel > 8) return 1;
+extern "C" int strata_gdn_conv(void *stream, const float *x, int x_stride, const float *w, float *window, float *y,
+                               int n, int channels, int kernel) {
+  if (n < 0 || channels <= 0 || x_stride < channels || kernel < 2 || kernel > 8) return 1;
   if (n == 0) return 0;
   cudaStream_t st = (cudaStream_t)stream;
-  const int bs = 128, nb = (channels + bs - 1) / bs;
+  const int bs = 128;
+  const dim3 nb((channels + bs - 1) / bs, (n + GDN_CONV_T - 1) / GDN_CONV_T);
+  const long long xs = x_stride;
   switch (kernel) {
-    case 2: st_launch(k_gdn_conv<2>, nb, bs, 0, st, x, w, window, y, n, channels); break;
-    case 3: st_launch(k_gdn_conv<3>, nb, bs, 0, st, x, w, window, y, n, channels); break;
-    case 4: st_launch(k_gdn_conv<4>, nb, bs, 0, st, x, w, window, y, n, channels); break;
-    case 5: st_launch(k_gdn_conv<5>, nb, bs, 0, st, x, w, window, y, n, channels); break;
-    case 6: st_launch(k_gdn_conv<6>, nb, bs, 0, st, x, w, window, y, n, channels); break;
-    case 7: st_launch(k_gdn_conv<7>, nb, bs, 0, st, x, w, window, y, n, channels); break;
-    default: st_launch(k_gdn_conv<8>, nb, bs, 0, st, x, w, window, y, n, channels); break;
+    case 2: st_launch(k_gdn_conv<2>, nb, bs, 0, st, x, xs, w, window, y, n, channels); break;
+    case 3: st_launch(k_gdn_conv<3>, nb, bs, 0, st, x, xs, w, window, y, n, channels); break;
+    case 4: st_launch(k_gdn_conv<4>, nb, bs, 0, st, x, xs, w, window, y, n, channels); break;
+    case 5: st_launch(k_gdn_conv<5>, nb, bs, 0, st, x, xs, w, window, y, n, channels); break;
+    case 6: st_launch(k_gdn_conv<6>, nb, bs, 0, st, x, xs, w, window, y, n, channels); break;
+    case 7: st_launch(k_gdn_conv<7>, nb, bs, 0, st, x, xs, w, window, y, n, channels); break;
+    default: st_launch(k_gdn_conv<8>, nb, bs, 0, st, x, xs, w, window, y, n, channels); break;
   }
   return (int)cudaGetLastError();
 }

@@ -6,6 +6,7 @@
 // qwen35.cu's k_q35_gdn_step prologue and k_q35_gated_norm. Launchers: plain C, stream first, return cudaError_t;
 // every kernel is launched by st_launch and runs griddep_launch(); griddep_wait() before it reads anything
 // (launch.cuh). Only warp shuffles reduce (no block barriers): every shuffle runs in warp-uniform control flow.
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <math.h>
 
@@ -76,10 +77,11 @@ __global__ void __launch_bounds__(GP_THREADS)
 // Gated RMSNorm of rows (gdn.gated_rms_norm), grid ceil(n_rows / 8), block GP_THREADS: one warp per row
 // (row = blockIdx.x * 8 + warp). o, out f32 (n_rows, d) contiguous; row r's gate is the d floats at
 // z + (r / z_group) * z_stride + (r % z_group) * d (z_group rows of one token lie back to back, tokens z_stride apart);
-// out[r] = o[r] / sqrt(mean(o[r]^2) + eps) * w * silu(z_r).
+// out[r] = o[r] / sqrt(mean(o[r]^2) + eps) * w * silu(z_r), written as f32 (out) and / or f16 (out16).
 __global__ void __launch_bounds__(GP_THREADS)
     k_gdn_gated_norm_rows(const float *__restrict__ o, const float *__restrict__ z, long long z_stride, int z_group,
-                          const float *__restrict__ w, float *__restrict__ out, int n_rows, int d, float eps) {
+                          const float *__restrict__ w, float *__restrict__ out, __half *__restrict__ out16,
+                          int n_rows, int d, float eps) {
   griddep_launch();
   griddep_wait();
   const int lane = threadIdx.x & 31;
@@ -94,10 +96,11 @@ __global__ void __launch_bounds__(GP_THREADS)
   }
   ss = gp_warp_sum(ss);
   const float rn = 1.0f / sqrtf(ss / (float)d + eps);
-  float *dst = out + row * d;
   for (int i = lane; i < d; i += 32) {
     const float zz = zrow[i];
-    dst[i] = orow[i] * rn * w[i] * (zz / (1.0f + expf(-zz)));
+    const float val = orow[i] * rn * w[i] * (zz / (1.0f + expf(-zz)));
+    if (out) out[row * d + i] = val;
+    if (out16) out16[row * d + i] = __float2half_rn(val);
   }
 }
 
@@ -121,13 +124,13 @@ extern "C" int strata_gdn_prep(void *stream, const float *y, int y_stride, const
 }
 
 extern "C" int strata_gdn_gated_norm_rows(void *stream, const float *o, const float *z, int z_stride, int z_group,
-                                          const float *w, float *out, int n_rows, int d, float eps) {
+                                          const float *w, float *out, void *out16, int n_rows, int d, float eps) {
   if (n_rows < 0 || d <= 0 || z_group <= 0 || (long long)z_stride < (long long)z_group * d)
     return (int)cudaErrorInvalidValue;
   if (n_rows == 0) return 0;
-  if (!o || !z || !w || !out) return (int)cudaErrorInvalidValue;
+  if (!o || !z || !w || (!out && !out16)) return (int)cudaErrorInvalidValue;
   const int nb = (int)(((long long)n_rows + GP_WARPS - 1) / GP_WARPS);
   st_launch(k_gdn_gated_norm_rows, dim3(nb), dim3(GP_THREADS), 0, (cudaStream_t)stream, o, z, (long long)z_stride,
-            z_group, w, out, n_rows, d, eps);
+            z_group, w, out, (__half *)out16, n_rows, d, eps);
   return (int)cudaGetLastError();
 }

@@ -7,6 +7,7 @@
 // delta_rule_recurrent, gated_rms_norm), from transformers modeling_qwen3_next.py / modeling_qwen3_5.py and
 // llama.cpp src/models/qwen3next.cpp. Launchers: plain C, stream first, return cudaError_t; every kernel is launched
 // by st_launch and runs griddep_launch(); griddep_wait() before it reads anything (launch.cuh).
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 #include <math.h>
@@ -201,6 +202,10 @@ __global__ void k_q35_attn_prep(const float *__restrict__ qg, const float *__res
   griddep_wait();
   __shared__ float sh[32];
   const int b = blockIdx.x, i = threadIdx.x;
+  const long long t = blockIdx.y;                     // token: rows of qg, qkv and gate
+  qg += t * (2LL * n_head + 2LL * n_kv) * hd;
+  qkv += t * ((long long)n_head + 2LL * n_kv) * hd;
+  gate += t * (long long)n_head * hd;
   const float *src;
   float *dst;
   const float *w = nullptr;
@@ -222,10 +227,10 @@ __global__ void k_q35_attn_prep(const float *__restrict__ qg, const float *__res
   dst[i] = w ? x * rsqrtf(tot / (float)hd + eps) * w[i] : x;
 }
 
-// Attention output gate: v = att * sigmoid(gate) over n elements -> out f32 (may be NULL) and q8_1 blocks out_q8
-// (may be NULL; n % 32 == 0). Grid ceil(n / 256), block 256.
+// Attention output gate: v = att * sigmoid(gate) over n elements -> out f32, out16 f16 and q8_1 blocks out_q8 (each
+// may be NULL; out_q8 needs n % 32 == 0). Grid ceil(n / 256), block 256.
 __global__ void k_q35_out_gate(const float *__restrict__ att, const float *__restrict__ gate, float *__restrict__ out,
-                               int8_t *__restrict__ out_q8, int n) {
+                               __half *__restrict__ out16, int8_t *__restrict__ out_q8, int n) {
   griddep_launch();
   griddep_wait();
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -233,6 +238,7 @@ __global__ void k_q35_out_gate(const float *__restrict__ att, const float *__res
   if (i < n) {
     v = att[i] * (1.0f / (1.0f + expf(-gate[i])));
     if (out) out[i] = v;
+    if (out16) out16[i] = __float2half_rn(v);
   }
   if (out_q8 && i - (int)(threadIdx.x & 31) < n) q8_store(v, i, out_q8, reinterpret_cast<float2 *>(out_q8 + n));
 }
@@ -292,16 +298,19 @@ extern "C" int strata_q35_gated_norm(void *stream, const float *o, const float *
 }
 
 extern "C" int strata_q35_attn_prep(void *stream, const float *qg, const float *q_norm, const float *k_norm,
-                                    float *qkv, float *gate, int n_head, int n_kv, int hd, float eps) {
-  if (n_head <= 0 || n_kv <= 0 || hd <= 0 || hd % 32 || hd > 256) return (int)cudaErrorInvalidValue;
-  st_launch(k_q35_attn_prep, dim3(n_head + 2 * n_kv), dim3(hd), 0, (cudaStream_t)stream, qg, q_norm, k_norm, qkv, gate,
-            n_head, n_kv, hd, eps);
+                                    float *qkv, float *gate, int n, int n_head, int n_kv, int hd, float eps) {
+  if (n < 0 || n > 65535 || n_head <= 0 || n_kv <= 0 || hd <= 0 || hd % 32 || hd > 256)
+    return (int)cudaErrorInvalidValue;
+  if (n == 0) return 0;
+  st_launch(k_q35_attn_prep, dim3(n_head + 2 * n_kv, n), dim3(hd), 0, (cudaStream_t)stream, qg, q_norm, k_norm, qkv,
+            gate, n_head, n_kv, hd, eps);
   return (int)cudaGetLastError();
 }
 
-extern "C" int strata_q35_out_gate(void *stream, const float *att, const float *gate, float *out, void *out_q8, int n) {
+extern "C" int strata_q35_out_gate(void *stream, const float *att, const float *gate, float *out, void *out16,
+                                   void *out_q8, int n) {
   if (n <= 0 || (out_q8 && n % 32)) return (int)cudaErrorInvalidValue;
   st_launch(k_q35_out_gate, dim3((n + 255) / 256), dim3(256), 0, (cudaStream_t)stream, att, gate, out,
-            (int8_t *)out_q8, n);
+            (__half *)out16, (int8_t *)out_q8, n);
   return (int)cudaGetLastError();
 }

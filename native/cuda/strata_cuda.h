@@ -168,13 +168,31 @@ int strata_q35_gdn_step(void *stream, const float *y, const float *proj, const f
  * q8_1 blocks out_q8 (may be NULL; dv % 32 == 0) of the (n_v * dv) row. */
 int strata_q35_gated_norm(void *stream, const float *o, const float *z, const float *w, float *out, void *out_q8,
                           int n_v, int dv, float eps);
-/* Gated attention prologue: qg f32 [per head (q hd | gate hd)] ++ k (n_kv*hd) ++ v (n_kv*hd) -> qkv f32
- * [q | k | v] (strata_rope_kv_decode's layout) with per-head RMSNorm of q (q_norm) and k (k_norm), and gate f32
- * (n_head*hd). hd a multiple of 32 up to 256. */
+/* Gated attention prologue for n tokens (rows back to back): qg f32 [per head (q hd | gate hd)] ++ k (n_kv*hd) ++ v
+ * (n_kv*hd) -> qkv f32 [q | k | v] (strata_rope_kv_decode's layout) with per-head RMSNorm of q (q_norm) and k
+ * (k_norm), and gate f32 (n_head*hd). hd a multiple of 32 up to 256; n <= 65535. */
 int strata_q35_attn_prep(void *stream, const float *qg, const float *q_norm, const float *k_norm, float *qkv,
-                         float *gate, int n_head, int n_kv, int hd, float eps);
-/* att * sigmoid(gate) over n elements -> out f32 (may be NULL) and q8_1 blocks out_q8 (may be NULL; n % 32 == 0). */
-int strata_q35_out_gate(void *stream, const float *att, const float *gate, float *out, void *out_q8, int n);
+                         float *gate, int n, int n_head, int n_kv, int hd, float eps);
+/* att * sigmoid(gate) over n elements -> out f32, out16 f16 and q8_1 blocks out_q8 (each may be NULL; out_q8 needs
+ * n % 32 == 0). */
+int strata_q35_out_gate(void *stream, const float *att, const float *gate, float *out, void *out16, void *out_q8,
+                        int n);
+
+/* Gated DeltaNet (gdn.cu) */
+/* Gated delta rule over n tokens (S <- exp(g) S; u = (v - S^T k) beta; S <- S + k u^T; o = S^T q scale): q, k f32
+ * (n, n_qk, dk), v f32 (n, n_v, dv), g, beta f32 (n, n_v), state f32 (n_v, dk, dv) in place, out f32 (n, n_v, dv).
+ * tiled: value head h reads key head h % n_qk, else h / (n_v / n_qk). dk <= 256. variant 0 = choose, 1 = the
+ * block kernel, 2 = the warp kernel (dk 32/64/128/256, dv % 4 == 0, 16-byte aligned arrays). */
+int strata_gdn_recurrent(void *stream, const float *q, const float *k, const float *v, const float *g,
+                         const float *beta, float *state, float *out, int n, int n_v, int n_qk, int dk, int dv,
+                         int tiled, float scale);
+int strata_gdn_recurrent_ex(void *stream, const float *q, const float *k, const float *v, const float *g,
+                            const float *beta, float *state, float *out, int n, int n_v, int n_qk, int dk, int dv,
+                            int tiled, float scale, int variant);
+/* Causal depthwise conv + SiLU of n tokens: x f32 (n, channels) rows x_stride floats apart, w f32 (channels, kernel),
+ * window f32 (kernel - 1, channels) in place, y f32 (n, channels). kernel 2..8. */
+int strata_gdn_conv(void *stream, const float *x, int x_stride, const float *w, float *window, float *y, int n,
+                    int channels, int kernel);
 
 /* GDN prefill (gdn_prefill.cu) */
 /* Gated DeltaNet prologue for n tokens (one launch): y f32 rows [q (n_k*dk) | k (n_k*dk) | v (n_v*dv)] y_stride floats
@@ -188,10 +206,11 @@ int strata_gdn_prep(void *stream, const float *y, int y_stride, const float *b, 
                     float *v_out, float *g_out, float *beta_out, int n, int n_k, int n_v, int dk, int dv,
                     float l2_eps);
 /* Gated RMSNorm of n_rows rows of d (gdn.gated_rms_norm), one launch: out[r] = o[r] / sqrt(mean(o[r]^2) + eps) * w *
- * silu(z_r); o, out f32 (n_rows, d) contiguous, w f32 (d); z_r = the d floats at z + (r / z_group) * z_stride +
- * (r % z_group) * d (z_group rows per token back to back, tokens z_stride floats apart; z_stride >= z_group * d). */
+ * silu(z_r); o f32 (n_rows, d) contiguous, w f32 (d); written to out f32 and / or out16 f16 (n_rows, d) (either
+ * may be NULL, not both); z_r = the d floats at z + (r / z_group) * z_stride + (r % z_group) * d (z_group rows per
+ * token back to back, tokens z_stride floats apart; z_stride >= z_group * d). */
 int strata_gdn_gated_norm_rows(void *stream, const float *o, const float *z, int z_stride, int z_group,
-                               const float *w, float *out, int n_rows, int d, float eps);
+                               const float *w, float *out, void *out16, int n_rows, int d, float eps);
 
 #ifdef __cplusplus
 }

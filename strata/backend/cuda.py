@@ -815,6 +815,60 @@ def _dptr(w) -> Any:
     return _p(w.data if isinstance(w, DeviceWeight) else w)
 
 
+class PrefillScratch:
+    """What a plan's prefill needs besides the model: device buffers grown to the largest ubatch seen (never shrunk),
+    f16 copies of quantized weights for cuBLAS (dequantized per call into one shared scratch, or kept per weight with
+    STRATA_CUDA_F16_WEIGHTS=1) and the GEMM itself. Everything runs on CuPy's current stream."""
+
+    def __init__(self):
+        import cupy
+        self.cp = cupy
+        self._bufs: dict[str, Any] = {}
+        self._w16: dict[int, Any] = {}         # id(DeviceWeight) -> f16 copy (F16_WEIGHTS)
+        self._w16_scratch = None
+
+    def buf(self, name: str, shape: tuple[int, ...], dtype) -> Any:
+        """The buffer `name` viewed as exactly `shape` (C-contiguous; contents undefined)."""
+        n = int(np.prod(shape))
+        b = self._bufs.get(name)
+        if b is None or b.size < n or b.dtype != np.dtype(dtype):
+            b = self._bufs[name] = self.cp.empty(n, dtype)
+        return b[:n].reshape(shape)
+
+    def weight16(self, w: DeviceWeight) -> Any:
+        """W as f16 (n_out, n_in): the kept copy (F16_WEIGHTS) or the shared scratch dequantized now (valid until
+        the next call)."""
+        cp = self.cp
+        if F16_WEIGHTS:
+            c = self._w16.get(id(w))
+            if c is None:
+                c = self._w16[id(w)] = cp.empty(w.shape, cp.float16)
+                _check(lib().strata_dequant(_stream_ptr(), w.ggml_type, _p(w.data), _p(c), w.shape[0], w.shape[1], 1),
+                       "strata_dequant")
+            return c
+        n = w.shape[0] * w.shape[1]
+        if self._w16_scratch is None or self._w16_scratch.size < n:
+            self._w16_scratch = cp.empty(n, cp.float16)
+        _check(lib().strata_dequant(_stream_ptr(), w.ggml_type, _p(w.data), _p(self._w16_scratch), w.shape[0],
+                                    w.shape[1], 1), "strata_dequant")
+        return self._w16_scratch
+
+    def gemm(self, a16, w: DeviceWeight, y, accumulate: bool, col: int = 0) -> None:
+        """y[:, col:col + n_out] f32 (+)= a16 f16 (n, n_in) @ W.T through cuBLAS GemmEx (f32 accumulate; beta = 1
+        adds into y: the residual add). y: C-contiguous f32 (n, width >= col + n_out); a16 C-contiguous."""
+        from cupy_backends.cuda.libs import cublas
+        cp = self.cp
+        n, k = a16.shape
+        m = w.shape[0]
+        width = y.shape[1]
+        w16 = self.weight16(w)
+        h = cp.cuda.device.get_cublas_handle()
+        cublas.setStream(h, cp.cuda.get_current_stream().ptr)
+        beta = _ONE if accumulate else _ZERO
+        cublas.gemmEx(h, 1, 0, m, n, k, _ONE.ctypes.data, w16.data.ptr, 2, k, a16.data.ptr, 2, k,
+                      beta.ctypes.data, y.data.ptr + 4 * col, 0, width, 68, -1)
+
+
 class LlamaCuda:
     """The CUDA execution plan of ``strata/models/llama.py``'s LlamaModel: its one-token decode step and its prefill.
 
@@ -875,9 +929,7 @@ class LlamaCuda:
         self.glu = GLU                                        # SwiGLU fused into the gate/up matvec
         self.attn = ATTN                                      # "v1" | "v2" | "auto" (decode attention kernel)
         self.graphs: dict[int, Any] = {}
-        self._pf: dict[str, Any] = {}          # prefill buffers, grown to the largest ubatch seen
-        self._w16: dict[int, Any] = {}         # id(DeviceWeight) -> f16 copy (F16_WEIGHTS)
-        self._w16_scratch = None
+        self.pf = PrefillScratch()             # prefill buffers and f16 weights for cuBLAS
         layers = model.layers
         self.weight_bytes = sum(w.nbytes for L in layers for w in
                                 (L.wqkv, L.wq, L.wk, L.wv, L.wo, L.w_gate_up, L.w_gate, L.w_up, L.w_down)
@@ -1080,46 +1132,6 @@ class LlamaCuda:
         return self.cp.asnumpy(self.d["logits"][0], stream=self.stream)
 
     # ---- prefill
-    def _buf(self, name: str, shape: tuple[int, ...], dtype) -> Any:
-        """A prefill buffer of at least this shape (grown, never shrunk), viewed as exactly `shape`."""
-        cp = self.cp
-        n = int(np.prod(shape))
-        b = self._pf.get(name)
-        if b is None or b.size < n or b.dtype != np.dtype(dtype):
-            b = self._pf[name] = cp.empty(n, dtype)
-        return b[:n].reshape(shape)
-
-    def _weight16(self, w: DeviceWeight) -> Any:
-        """W as f16 (n_out, n_in): the kept copy (F16_WEIGHTS) or a shared scratch dequantized now."""
-        cp = self.cp
-        if F16_WEIGHTS:
-            c = self._w16.get(id(w))
-            if c is None:
-                c = self._w16[id(w)] = cp.empty(w.shape, cp.float16)
-                _check(lib().strata_dequant(_stream_ptr(), w.ggml_type, _p(w.data), _p(c), w.shape[0], w.shape[1], 1),
-                       "strata_dequant")
-            return c
-        n = w.shape[0] * w.shape[1]
-        if self._w16_scratch is None or self._w16_scratch.size < n:
-            self._w16_scratch = cp.empty(n, cp.float16)
-        _check(lib().strata_dequant(_stream_ptr(), w.ggml_type, _p(w.data), _p(self._w16_scratch), w.shape[0],
-                                    w.shape[1], 1), "strata_dequant")
-        return self._w16_scratch
-
-    def _gemm(self, a16, w: DeviceWeight, y, accumulate: bool) -> None:
-        """y f32 (n, n_out) (+)= a16 f16 (n, n_in) @ W.T through cuBLAS GemmEx (f32 accumulate; beta = 1 adds
-        into y: the residual add)."""
-        from cupy_backends.cuda.libs import cublas
-        cp = self.cp
-        n, k = a16.shape
-        m = w.shape[0]
-        w16 = self._weight16(w)
-        h = cp.cuda.device.get_cublas_handle()
-        cublas.setStream(h, cp.cuda.get_current_stream().ptr)
-        beta = _ONE if accumulate else _ZERO
-        cublas.gemmEx(h, 1, 0, m, n, k, _ONE.ctypes.data, w16.data.ptr, 2, k, a16.data.ptr, 2, k,
-                      beta.ctypes.data, y.data.ptr, 0, m, 68, -1)
-
     def prefill(self, tokens, state, all_logits: bool = False) -> np.ndarray:
         """LlamaModel.forward(tokens, state, all_logits) for n >= 1 tokens on the current stream -> host f32 logits
         (n_vocab,) of the last token, or (n, n_vocab) with all_logits. Same errors and bookkeeping."""
@@ -1144,24 +1156,24 @@ class LlamaCuda:
         pos0 = int(state.pos)
         pt = pool.table(kv.pages)
         ids = cp.asarray(toks)
-        x = self._buf("x", (n, E), cp.float32)
-        h16 = self._buf("h16", (n, max(E, nq)), cp.float16)
-        qkv = self._buf("qkv", (n, W), cp.float32)
-        gu = self._buf("gu", (n, 2 * F), cp.float32)
-        act16 = self._buf("act16", (n, F), cp.float16)
+        x = self.pf.buf("x", (n, E), cp.float32)
+        h16 = self.pf.buf("h16", (n, max(E, nq)), cp.float16)
+        qkv = self.pf.buf("qkv", (n, W), cp.float32)
+        gu = self.pf.buf("gu", (n, 2 * F), cp.float32)
+        act16 = self.pf.buf("act16", (n, F), cp.float16)
         total = pos0 + n
         n_split = fa2_splits(n, H, total, self.n_sm)
-        ws = self._buf("ws", (n_split * H * n * (hd + 2),), cp.float32) if n_split > 1 else None
+        ws = self.pf.buf("ws", (n_split * H * n * (hd + 2),), cp.float32) if n_split > 1 else None
         _check(lb.strata_get_rows(s, m.tok_embd.ggml_type, _p(m.tok_embd.data), _p(ids), _p(x), n, E), "rows")
-        hE = h16[:, :E] if h16.shape[1] == E else self._buf("hE", (n, E), cp.float16)
-        att16 = h16[:, :nq] if h16.shape[1] == nq else self._buf("att16", (n, nq), cp.float16)
+        hE = h16[:, :E] if h16.shape[1] == E else self.pf.buf("hE", (n, E), cp.float16)
+        att16 = h16[:, :nq] if h16.shape[1] == nq else self.pf.buf("att16", (n, nq), cp.float16)
         for li, L in enumerate(m.layers):
             slot = pool.slot(li)
             kc, vc = pool.k[slot], pool.v[slot]
             ks, vs = pool.scales(slot)
             _check(lb.strata_rms_norm_ex(s, _p(x), NULL, _dptr(L.attn_norm), NULL, NULL, _p(hE), NULL, n, E,
                                          self.eps), "rms")
-            self._gemm(hE, L.wqkv, qkv, False)
+            self.pf.gemm(hE, L.wqkv, qkv, False)
             if ks is None:
                 _check(lb.strata_rope_kv_prefill(s, _p(qkv), W, pos0, _p(kc), _p(vc), _p(pt), n, H, KV, hd,
                                                  self.n_rot, self.theta, self.neox, pool.page_size), "rope_kv_prefill")
@@ -1175,12 +1187,12 @@ class LlamaCuda:
             _check(lb.strata_fa2_prefill(s, _p(qkv), W, _p(kc), _p(vc), _p(pt), NULL, _p(att16), _p(ws), n, H, KV,
                                          hd, pool.page_size, pos0, n_split, self.scale, _p(ks), _p(vs)),
                    "fa2_prefill")
-            self._gemm(att16, L.wo, x, True)
+            self.pf.gemm(att16, L.wo, x, True)
             _check(lb.strata_rms_norm_ex(s, _p(x), NULL, _dptr(L.ffn_norm), NULL, NULL, _p(hE), NULL, n, E,
                                          self.eps), "rms")
-            self._gemm(hE, L.w_gate_up, gu, False)
+            self.pf.gemm(hE, L.w_gate_up, gu, False)
             _check(lb.strata_swiglu_gu(s, _p(gu), n, F, NULL, _p(act16), NULL), "swiglu")
-            self._gemm(act16, L.w_down, x, True)
+            self.pf.gemm(act16, L.w_down, x, True)
         rows = x if all_logits else x[n - 1:]
         hn = cp.empty(rows.shape, cp.float32)
         _check(lb.strata_rms_norm_ex(s, _p(rows), NULL, _dptr(m.out_norm), _p(hn), NULL, NULL, NULL, rows.shape[0], E,

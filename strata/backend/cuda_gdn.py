@@ -15,9 +15,14 @@ _CDEF = """
 int strata_gdn_recurrent(void *stream, const float *q, const float *k, const float *v, const float *g,
                          const float *beta, float *state, float *out, int n, int n_v, int n_qk, int dk, int dv,
                          int tiled, float scale);
-int strata_gdn_conv(void *stream, const float *x, const float *w, float *window, float *y, int n, int channels,
-                    int kernel);
+int strata_gdn_recurrent_ex(void *stream, const float *q, const float *k, const float *v, const float *g,
+                            const float *beta, float *state, float *out, int n, int n_v, int n_qk, int dk, int dv,
+                            int tiled, float scale, int variant);
+int strata_gdn_conv(void *stream, const float *x, int x_stride, const float *w, float *window, float *y, int n,
+                    int channels, int kernel);
 """
+# strata_gdn_recurrent_ex variants: choose (the warp kernel for prefill when the shape allows it), block, warp
+VARIANTS = {"auto": 0, "block": 1, "warp": 2}
 
 _ffi = None
 _lib = None
@@ -57,14 +62,19 @@ def _state(a, name: str, shape: tuple[int, ...]):
     return a
 
 
-def recurrent(q, k, v, g, beta, state, tiled: bool = True):
+def recurrent(q, k, v, g, beta, state, tiled: bool = True, variant: str = "auto"):
     """Gated delta rule token by token on the device (``gdn.delta_rule_recurrent``), state updated in place.
 
     q, k: float32 CuPy (n, n_qk, d_k), L2-normalised, unscaled (the kernel scales q by 1/sqrt(d_k)); value head h
     reads key head h % n_qk (tiled) or h // (n_v / n_qk); with n_qk == n_v both are the identity. v: (n, n_v, d_v);
-    g, beta: (n, n_v); state: C-contiguous float32 (n_v, d_k, d_v). Returns (out float32 (n, n_v, d_v), state).
-    Raises ValueError for shapes that disagree (nothing changed) and RuntimeError for a CUDA error.
+    g, beta: (n, n_v); state: C-contiguous float32 (n_v, d_k, d_v). variant (``VARIANTS``): "auto" (the warp
+    kernel for n > 1 when d_k is 32 / 64 / 128 / 256 and d_v % 4 == 0, else the block kernel), "block" or "warp"
+    (tests and benchmarks). Returns (out float32 (n, n_v, d_v), state). Raises ValueError for shapes that disagree
+    or an unknown variant (nothing changed) and RuntimeError for a CUDA error (a "warp" variant the shape does not
+    allow included).
     """
+    if variant not in VARIANTS:
+        raise ValueError(f"gdn recurrent: variant {variant!r} is not one of {', '.join(VARIANTS)}")
     import cupy
     n, n_qk, dk = (int(s) for s in q.shape)
     n_v, dv = int(v.shape[1]), int(v.shape[2])
@@ -79,25 +89,29 @@ def recurrent(q, k, v, g, beta, state, tiled: bool = True):
     state = _state(state, "state", (n_v, dk, dv))
     out = cupy.empty((n, n_v, dv), cupy.float32)
     lb = lib()
-    _check(lb.strata_gdn_recurrent(_stream(), _p(q), _p(k), _p(v), _p(g), _p(beta), _p(state), _p(out), n, n_v,
-                                   n_qk, dk, dv, int(bool(tiled)), float(1.0 / dk ** 0.5)), "strata_gdn_recurrent")
+    _check(lb.strata_gdn_recurrent_ex(_stream(), _p(q), _p(k), _p(v), _p(g), _p(beta), _p(state), _p(out), n, n_v,
+                                      n_qk, dk, dv, int(bool(tiled)), float(1.0 / dk ** 0.5), VARIANTS[variant]),
+           "strata_gdn_recurrent")
     return out, state
 
 
 def conv(x, weight, window):
     """Causal depthwise conv + SiLU with the window as state (``gdn.causal_conv1d``), window updated in place.
 
-    x float32 CuPy (n, channels); weight (channels, kernel), kernel 2..8; window C-contiguous float32
-    (kernel - 1, channels). Returns (y float32 (n, channels), window).
+    x float32 CuPy (n, channels) (rows may lie apart: a column slice of a wider projection is read in place);
+    weight (channels, kernel), kernel 2..8; window C-contiguous float32 (kernel - 1, channels). Returns (y float32
+    (n, channels) C-contiguous, window).
     """
     import cupy
     n, c = (int(s) for s in x.shape)
     kk = int(weight.shape[1])
     if not 2 <= kk <= 8:
         raise ValueError(f"gdn conv: kernel width {kk} outside [2, 8]")
-    x = _f32c(x, "x", (n, c))
+    rows_ok = x.dtype == cupy.float32 and x.strides[1] == 4 and x.strides[0] % 4 == 0 and x.strides[0] >= 4 * c
+    x = x if rows_ok else _f32c(x, "x", (n, c))
     weight = _f32c(weight, "weight", (c, kk))
     window = _state(window, "window", (kk - 1, c))
     y = cupy.empty((n, c), cupy.float32)
-    _check(lib().strata_gdn_conv(_stream(), _p(x), _p(weight), _p(window), _p(y), n, c, kk), "strata_gdn_conv")
+    _check(lib().strata_gdn_conv(_stream(), _p(x), max(c, x.strides[0] // 4), _p(weight), _p(window), _p(y), n, c,
+                                 kk), "strata_gdn_conv")
     return y, window

@@ -29,7 +29,7 @@ int strata_gdn_prep(void *stream, const float *y, int y_stride, const float *b, 
                     float *v_out, float *g_out, float *beta_out, int n, int n_k, int n_v, int dk, int dv,
                     float l2_eps);
 int strata_gdn_gated_norm_rows(void *stream, const float *o, const float *z, int z_stride, int z_group,
-                               const float *w, float *out, int n_rows, int d, float eps);
+                               const float *w, float *out, void *out16, int n_rows, int d, float eps);
 """
 
 _ffi = None
@@ -185,7 +185,8 @@ def gated_norm(o, z, w, eps: float):
     out = xp.empty((n, nh, d), np.float32)
     from strata.backend.cuda import _check
     lb = lib()
-    _check(lb.strata_gdn_gated_norm_rows(_stream(), _p(o), _p(z), int(zs), nh, _p(w), _p(out), n * nh, d, float(eps)),
+    _check(lb.strata_gdn_gated_norm_rows(_stream(), _p(o), _p(z), int(zs), nh, _p(w), _p(out), _ffi.NULL, n * nh, d,
+                                         float(eps)),
            "strata_gdn_gated_norm_rows")
     return out
 

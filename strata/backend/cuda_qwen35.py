@@ -3,7 +3,9 @@
 Like ``LlamaCuda`` / ``GraphDecodeModel`` (strata/backend/cuda.py) for llama: the one-token decode step of
 strata/models/qwen3next.py's Qwen3NextModel as fused kernel launches on preallocated device buffers (token,
 position and length read from a device int32 buffer ``inp``), captured once per context-size class as a CUDA graph
-and replayed with one graph launch per token. Prefill (n > 1 tokens) stays the model's generic forward.
+and replayed with one graph launch per token. ``Qwen35Cuda.prefill`` runs n > 1 tokens (a ubatch) with cuBLAS GEMMs
+on f16 copies of the fused weights (written into column ranges of one f32 output), kernels on preallocated buffers
+and the warp-per-columns delta-rule kernel (native/cuda/gdn.cu); see its docstring.
 
 Per layer (native/cuda/qwen35.cu for the ``strata_q35_*`` kernels, the rest shared with LlamaCuda):
 
@@ -37,8 +39,9 @@ from typing import Any
 import numpy as np
 
 from strata.backend import cuda as C
+from strata.backend import cuda_gdn, cuda_gdn_prefill
 
-_CDEF = C._CDEF + """
+_CDEF = C._CDEF + cuda_gdn._CDEF + cuda_gdn_prefill._CDEF + """
 int strata_q35_conv(void *stream, const float *x, const float *w, float *window, float *y, int channels, int kernel);
 int strata_q35_gdn_step(void *stream, const float *y, const float *proj, const float *A, const float *dt, float *state,
                         float *out, int n_v, int n_k, int dk, int dv, int tiled, int b_off, int a_off, int ba_grouped,
@@ -46,8 +49,9 @@ int strata_q35_gdn_step(void *stream, const float *y, const float *proj, const f
 int strata_q35_gated_norm(void *stream, const float *o, const float *z, const float *w, float *out, void *out_q8,
                           int n_v, int dv, float eps);
 int strata_q35_attn_prep(void *stream, const float *qg, const float *q_norm, const float *k_norm, float *qkv,
-                         float *gate, int n_head, int n_kv, int hd, float eps);
-int strata_q35_out_gate(void *stream, const float *att, const float *gate, float *out, void *out_q8, int n);
+                         float *gate, int n, int n_head, int n_kv, int hd, float eps);
+int strata_q35_out_gate(void *stream, const float *att, const float *gate, float *out, void *out16, void *out_q8,
+                        int n);
 """
 
 L2_EPS = 1e-6            # gdn.l2_norm's default eps (the model's q/k normalisation)
@@ -87,6 +91,12 @@ def _stream() -> Any:
 def graphs_enabled() -> bool:
     """STRATA_CUDA_GRAPHS (default 1): 0 / false / no runs the plan's kernels eagerly instead of graph replay."""
     return os.environ.get("STRATA_CUDA_GRAPHS", "1") not in ("0", "false", "no")
+
+
+def prefill_enabled() -> bool:
+    """STRATA_CUDA_HYBRID_PREFILL (default 1): 0 / false / no / off sends n > 1 tokens through the model's generic
+    forward instead of ``Qwen35Cuda.prefill`` (the feature's reference in benchmarks)."""
+    return os.environ.get("STRATA_CUDA_HYBRID_PREFILL", "1").lower() not in ("0", "false", "no", "off")
 
 
 # ------------------------------------------------------------------------------------------------ pure logic
@@ -282,6 +292,7 @@ class Qwen35Cuda:
             g, u, _ = L.ffn.dense
             self.w_gu[li] = fuse_groups(f"blk.{li}.ffn_gate_up", [g, u])
         self.resident = ResidentState(model.new_running_state())
+        self.pf = C.PrefillScratch()                          # prefill buffers and f16 weights for cuBLAS
 
     @staticmethod
     def unsupported(model) -> str | None:
@@ -369,8 +380,8 @@ class Qwen35Cuda:
         pt = pool._pt
         qkv = d["qkv"]
         self._mv(s, self.w_in[li], d["qg"], d["hn"], d["hq"], E)
-        C._check(lb.strata_q35_attn_prep(s, _a(d["qg"]), _a(L.q_norm), _a(L.k_norm), _a(qkv), _a(d["gate"]), H, KV,
-                                         hd, self.eps), "strata_q35_attn_prep")
+        C._check(lb.strata_q35_attn_prep(s, _a(d["qg"]), _a(L.q_norm), _a(L.k_norm), _a(qkv), _a(d["gate"]), 1, H,
+                                         KV, hd, self.eps), "strata_q35_attn_prep")
         if ks is None:
             C._check(lb.strata_rope_kv_decode(s, _a(qkv), pos_p, _a(kc), _a(vc), _a(pt), H, KV, hd, self.n_rot,
                                               self.theta, 1, pool.page_size), "strata_rope_kv_decode")
@@ -384,9 +395,138 @@ class Qwen35Cuda:
         C._check(lb.strata_attn_decode_gqa(s, _a(qkv), _a(kc), _a(vc), _a(pt), len_p, 0, _a(d["partial"]), ctr,
                                            _a(d["att"]), NULL, H, KV, hd, pool.page_size, n_split, self.scale,
                                            _a(ks), _a(vs)), "strata_attn_decode_gqa")
-        C._check(lb.strata_q35_out_gate(s, _a(d["att"]), _a(d["gate"]), _a(d["an"]), qp("aq"), nq),
+        C._check(lb.strata_q35_out_gate(s, _a(d["att"]), _a(d["gate"]), _a(d["an"]), NULL, qp("aq"), nq),
                  "strata_q35_out_gate")
         self._mv(s, [(L.wo, 0, E)], d["o"], d["an"], d["aq"], nq)
+
+    # ---- prefill (n > 1 tokens)
+    def prefill(self, tokens, state, all_logits: bool = False) -> np.ndarray:
+        """Qwen3NextModel.forward(tokens, state, all_logits) for n >= 1 tokens on the current stream -> host f32
+        logits (n_vocab,) of the last token, or (n, n_vocab) with all_logits. Same errors (ValueError for an empty
+        batch, a bad token, a foreign pool, a KV length mismatch or a running-state layout the plan cannot use;
+        KVCacheFull from kv.reserve; each changing nothing) and bookkeeping (KV pages written, running state updated
+        in place, sequence advanced).
+
+        Per layer: RMSNorm writing f16 rows; one cuBLAS GEMM per fused weight group (f16 operands, f32 accumulate)
+        into its columns of the layer's f32 projection; GDN: strata_gdn_conv on the projection's conv channels in
+        place (window updated), strata_gdn_prep, strata_gdn_recurrent_ex (the warp kernel when the shape allows),
+        strata_gdn_gated_norm_rows writing f16, the ssm_out GEMM adding into the residual (beta = 1); attention:
+        strata_q35_attn_prep over the n rows, RoPE + K/V write (strata_rope_kv_prefill; q8_0 caches through
+        strata_kv_write_q8), FlashAttention-2 (strata_fa2_prefill; head_dim 64 / 128, else cuda.prefill_attention),
+        strata_q35_out_gate writing f16, the attn_output GEMM adding into the residual; FFN: gate|up GEMM,
+        strata_swiglu_gu writing f16, down GEMM adding into the residual. Final RMSNorm and the output projection on
+        the last row (all rows with all_logits)."""
+        cp, m, pool = self.cp, self.model, self.pool
+        toks = m._check_tokens(tokens)
+        n = int(toks.shape[0])
+        kv = state.kv
+        if kv.pool is not pool:
+            raise ValueError("the sequence's KV pages are not in this plan's pool")
+        if kv.length != state.pos:
+            raise ValueError(f"KV length {kv.length} != sequence position {state.pos}")
+        self.resident.check(state)
+        kv.reserve(n)                                         # KVCacheFull here changes nothing
+        lb, pf = _lib, self.pf
+        s = _stream()
+        E, F = self.n_embd, self.n_ff
+        NULL = _ffi.NULL
+        pos0 = int(state.pos)
+        x = pf.buf("x", (n, E), cp.float32)
+        hE = pf.buf("hE", (n, E), cp.float16)
+        ids = pf.buf("ids", (n,), cp.int32)
+        ids.set(toks)
+        C._check(lb.strata_get_rows(s, m.tok_embd.ggml_type, _a(m.tok_embd), _a(ids), _a(x), n, E), "get_rows")
+        pt = self.pool.table(kv.pages) if not all(m.recurrent) else None
+        for li, L in enumerate(m.layers):
+            C._check(lb.strata_rms_norm_ex(s, _a(x), NULL, _a(L.attn_norm), NULL, NULL, _a(hE), NULL, n, E,
+                                           self.eps), "rms_norm")
+            if L.recurrent:
+                self._gdn_prefill(s, li, L, hE, x, n, state.running[li])
+            else:
+                self._attn_prefill(s, li, L, hE, x, n, pos0, pt)
+            C._check(lb.strata_rms_norm_ex(s, _a(x), NULL, _a(L.post_norm), NULL, NULL, _a(hE), NULL, n, E,
+                                           self.eps), "rms_norm")
+            gu = pf.buf("gu", (n, 2 * F), cp.float32)
+            act16 = pf.buf("act16", (n, F), cp.float16)
+            for w, off, _ in self.w_gu[li]:
+                pf.gemm(hE, w, gu, False, off)
+            C._check(lb.strata_swiglu_gu(s, _a(gu), n, F, NULL, _a(act16), NULL), "swiglu_gu")
+            pf.gemm(act16, L.ffn.dense[2], x, True)
+        rows = x if all_logits else x[n - 1:]
+        hn = cp.empty(rows.shape, cp.float32)
+        C._check(lb.strata_rms_norm_ex(s, _a(rows), NULL, _a(m.out_norm), _a(hn), NULL, NULL, NULL, rows.shape[0], E,
+                                       self.eps), "rms_norm")
+        logits = m.backend.matmul(hn, m.output)
+        kv.commit(n)
+        state.advance(toks)
+        out = cp.asnumpy(logits)
+        return out if all_logits else out[0]
+
+    def _gdn_prefill(self, s, li: int, L, hE, x, n: int, run) -> None:
+        """GDN layer li over n rows: x += ssm_out(gated_norm(delta_rule(prep(conv(W_in hE))), z))."""
+        cp, lb, pf, m = self.cp, _lib, self.pf, self.model
+        conv_dim, vdim, nv, nk, dk, dv = m.conv_dim, m.value_dim, m.nv, m.nk, m.dk, m.dv
+        wp = conv_dim + vdim + 2 * nv
+        proj = pf.buf("proj", (n, wp), cp.float32)
+        for w, off, _ in self.w_in[li]:
+            pf.gemm(hE, w, proj, False, off)
+        f32 = lambda name, shape: pf.buf(name, shape, cp.float32)   # noqa: E731
+        y = f32("y", (n, conv_dim))
+        q, k = f32("q", (n, nk, dk)), f32("k", (n, nk, dk))
+        v, o = f32("v", (n, nv, dv)), f32("o", (n, nv, dv))
+        g, beta = f32("g", (n, nv)), f32("beta", (n, nv))
+        on16 = pf.buf("on16", (n, vdim), cp.float16)
+        C._check(lb.strata_gdn_conv(s, _a(proj), wp, _a(L.conv), _a(run["conv"]), _a(y), n, conv_dim, m.d_conv),
+                 "strata_gdn_conv")
+        b_off = conv_dim + vdim
+        grouped = L.w_ba is not None
+        C._check(lb.strata_gdn_prep(s, _a(y), conv_dim, _a(proj), _a(proj), wp, b_off, b_off if grouped else b_off + nv,
+                                    int(grouped), _a(L.a), _a(L.dt), _a(q), _a(k), _a(v), _a(g), _a(beta), n, nk, nv,
+                                    dk, dv, L2_EPS), "strata_gdn_prep")
+        C._check(lb.strata_gdn_recurrent_ex(s, _a(q), _a(k), _a(v), _a(g), _a(beta), _a(run["ssm"]), _a(o), n, nv, nk,
+                                            dk, dv, int(bool(m.tiled)), float(1.0 / dk ** 0.5),
+                                            cuda_gdn.VARIANTS["auto"]), "strata_gdn_recurrent")
+        C._check(lb.strata_gdn_gated_norm_rows(s, _a(o), _a(proj, conv_dim), wp, nv, _a(L.ssm_norm), _ffi.NULL,
+                                               _a(on16), n * nv, dv, self.eps), "strata_gdn_gated_norm_rows")
+        pf.gemm(on16, L.ssm_out, x, True)
+
+    def _attn_prefill(self, s, li: int, L, hE, x, n: int, pos0: int, pt) -> None:
+        """Gated attention layer li over n rows at positions pos0.. (K/V written into the pages of table pt):
+        x += attn_output(attention(rope(norm(q)), rope(norm(k)), v) * sigmoid(gate))."""
+        cp, lb, pf, pool = self.cp, _lib, self.pf, self.pool
+        H, KV, hd = self.n_head, self.n_kv, self.hd
+        nq, kvd = H * hd, KV * hd
+        W = nq + 2 * kvd
+        NULL = _ffi.NULL
+        slot = pool.slot(li)
+        kc, vc = pool.k[slot], pool.v[slot]
+        ks, vs = pool.scales(slot)
+        qg = pf.buf("qg", (n, 2 * nq + 2 * kvd), cp.float32)
+        for w, off, _ in self.w_in[li]:
+            pf.gemm(hE, w, qg, False, off)
+        qkv, gate = pf.buf("qkv", (n, W), cp.float32), pf.buf("gate", (n, nq), cp.float32)
+        att = pf.buf("att", (n, nq), cp.float32)
+        an16 = pf.buf("an16", (n, nq), cp.float16)
+        C._check(lb.strata_q35_attn_prep(s, _a(qg), _a(L.q_norm), _a(L.k_norm), _a(qkv), _a(gate), n, H, KV, hd,
+                                         self.eps), "strata_q35_attn_prep")
+        C._check(lb.strata_rope_kv_prefill(s, _a(qkv), W, pos0, NULL if ks is not None else _a(kc),
+                                           NULL if ks is not None else _a(vc), _a(pt), n, H, KV, hd, self.n_rot,
+                                           self.theta, 1, pool.page_size), "strata_rope_kv_prefill")
+        if ks is not None:   # q8_0 cache: the rotated K and V rows quantized into the cache
+            C._check(lb.strata_kv_write_q8(s, _a(qkv, nq), W, _a(qkv, nq + kvd), W, _a(kc), _a(vc), _a(ks), _a(vs),
+                                           _a(pt), NULL, pos0, n, KV, hd, pool.page_size), "strata_kv_write_q8")
+        if C.FLASH and hd in C.FLASH_HEAD_DIMS:
+            n_split = C.fa2_splits(n, H, pos0 + n, self.n_sm)
+            ws = pf.buf("ws", (n_split * H * n * (hd + 2),), cp.float32) if n_split > 1 else None
+            C._check(lb.strata_fa2_prefill(s, _a(qkv), W, _a(kc), _a(vc), _a(pt), _a(att), NULL, _a(ws), n, H, KV, hd,
+                                           pool.page_size, pos0, n_split, self.scale, _a(ks), _a(vs)),
+                     "strata_fa2_prefill")
+        else:
+            q = cp.ascontiguousarray(qkv[:, :nq]).reshape(n, H, hd)
+            att[...] = C.prefill_attention(self.model.backend, q, kc, vc, pt, pos0, KV, pool.page_size, self.scale,
+                                           ks, vs).reshape(n, nq)
+        C._check(lb.strata_q35_out_gate(s, _a(att), _a(gate), NULL, _a(an16), NULL, n * nq), "strata_q35_out_gate")
+        pf.gemm(an16, L.wo, x, True)
 
     @staticmethod
     def size_class(length: int) -> int:
@@ -478,6 +618,7 @@ class Qwen35GraphModel:
     def __init__(self, model):
         self.model = model
         self.plans: dict[int, Qwen35Cuda] = {}
+        self.prefill = prefill_enabled()                      # n > 1 tokens through Qwen35Cuda.prefill
 
     def __getattr__(self, name):
         return getattr(self.model, name)
@@ -500,12 +641,16 @@ class Qwen35GraphModel:
         return p
 
     def forward(self, tokens, state, all_logits: bool = False):
-        """Qwen3NextModel.forward (same arguments, result and errors), on the backend's device in any thread: one
-        token (without all_logits) on a CudaPagePool through the plan, everything else the model's forward."""
+        """Qwen3NextModel.forward (same arguments, result and errors), on the backend's device in any thread: on a
+        CudaPagePool one token (without all_logits) through the plan's decode step, more (or all_logits) through its
+        prefill (``self.prefill``, STRATA_CUDA_HYBRID_PREFILL); everything else the model's forward."""
         toks = np.asarray(tokens).reshape(-1)
         with self.model.backend.device:
-            if toks.shape[0] == 1 and not all_logits and isinstance(state.kv.pool, C.CudaPagePool):
-                return self.plan(state.kv.pool).decode(_token(toks[0], self.model.config.n_vocab), state)
+            if isinstance(state.kv.pool, C.CudaPagePool):
+                if toks.shape[0] == 1 and not all_logits:
+                    return self.plan(state.kv.pool).decode(_token(toks[0], self.model.config.n_vocab), state)
+                if self.prefill:
+                    return self.plan(state.kv.pool).prefill(tokens, state, all_logits)
             return self.model.forward(tokens, state, all_logits)
 
     def forward_device(self, tokens, state):
@@ -515,7 +660,7 @@ class Qwen35GraphModel:
         with self.model.backend.device:
             if toks.shape[0] == 1 and isinstance(state.kv.pool, C.CudaPagePool):
                 return self.plan(state.kv.pool).decode_device(_token(toks[0], self.model.config.n_vocab), state)
-            return self.model.backend.cp.asarray(self.model.forward(tokens, state))
+            return self.model.backend.cp.asarray(self.forward(tokens, state))
 
 
 def _token(t, n_vocab: int) -> int:
