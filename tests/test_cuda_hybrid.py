@@ -323,21 +323,24 @@ def test_synthetic_hybrid_file_matches_llamacpp(tiny_bench_file, tmp_path):
 
 # ------------------------------------------------------------------ GPU: kernels
 @gpu
-@pytest.mark.parametrize("variant", ["auto", "block", "warp"])
+@pytest.mark.parametrize("variant", ["auto", "block", "warp", "warp2", "warp1"])
 @pytest.mark.parametrize("n,h,n_qk,dk,dv,tiled", [(1, 4, 4, 16, 24, True), (1, 16, 16, 128, 128, True),
                                                   (1, 8, 2, 64, 64, False), (1, 8, 2, 64, 64, True),
                                                   (6, 4, 2, 16, 24, False), (3, 32, 16, 256, 96, True),
                                                   (37, 16, 16, 128, 128, True), (9, 8, 4, 256, 64, False),
                                                   (512, 16, 16, 128, 128, True), (130, 8, 2, 64, 64, False),
-                                                  (67, 4, 2, 32, 32, True), (2, 4, 4, 256, 8, True)])
+                                                  (67, 4, 2, 32, 32, True), (2, 4, 4, 256, 8, True),
+                                                  (21, 4, 2, 128, 6, False)])
 def test_recurrent_kernel_matches_numpy(n, h, n_qk, dk, dv, tiled, variant):
-    """Both delta-rule kernels (the block kernel; the warp kernel: dk 32 / 64 / 128 / 256, dv % 4 == 0, token
-    groups of 4 or 2 with a partial last group) against gdn.delta_rule_recurrent in float32 numpy."""
+    """The delta-rule kernels (the block kernel; the warp kernel with 4 / 2 / 1 columns per warp: dk 32 / 64 / 128 /
+    256, dv a multiple of the columns, token groups of 2 to 8 with a partial last group) against
+    gdn.delta_rule_recurrent in float32 numpy."""
     import cupy as cp
 
     from strata.backend import cuda_gdn
     q, k, v, g, b, s0 = _gdn_inputs(n, h, dk, dv, seed=h + dk, n_qk=n_qk)
-    if variant == "warp" and (dk not in (32, 64, 128, 256) or dv % 4):
+    cols = {"warp": 4, "warp2": 2, "warp1": 1}.get(variant)
+    if cols and (dk not in (32, 64, 128, 256) or dv % cols):
         with pytest.raises(RuntimeError, match="strata_gdn_recurrent"):
             cuda_gdn.recurrent(cp.asarray(q), cp.asarray(k), cp.asarray(v), cp.asarray(g), cp.asarray(b),
                                cp.asarray(s0), tiled=tiled, variant=variant)

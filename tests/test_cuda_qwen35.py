@@ -10,10 +10,11 @@ ssm_ba split) against the model's own _gdn for qwen35 and qwen3next (rel L2 < 1e
 GPU tests (skipped with the reason from strata.backend.cuda.unavailable_reason()) on a small synthetic qwen35
 (n_embd 128, 8 layers = 6 GDN + 2 gated attention, head_dim 64 with n_rot 16, GDN 2 key / 4 value heads of 64
 (tiled key-head mapping), FFN 256; Q8_0 or F16 matrices):
-  * (a) 16 plan decode steps after a prompt vs the generic model.forward on the same backend: logits rel L2 < 1e-2
-    (both take int8 q8_1 activations in the one-token matvecs, but quantize at slightly different points and the
-    plan fuses the norms, so they are not bit-equal), then a generic 5-token prefill on the resident state and 8 more
-    plan steps (the prefill must update the plan's buffers in place); running state rel L2 < 1e-2;
+  * (a) 16 plan decode steps after a prompt vs the generic model.forward on the same backend: logits rel L2 < 2e-2
+    (STEP_REL_L2: both take int8 q8_1 activations in the one-token matvecs, but quantize at slightly different
+    points and the plan fuses the norms, so an int8 value can round the other way), then a 5-token prefill (the
+    wrapper sends <= 8 tokens to the generic forward) on the resident state and 8 more plan steps (the prefill must
+    update the plan's buffers in place); running state rel L2 < 1e-2;
   * (b) 64 greedy tokens by decode_greedy identical to the CPU backend's, or the first difference a near tie
     (< 0.25 logit on the CPU, the rule of tests/test_cuda_hybrid.py);
   * (c) two sequences interleaved token by token give the logits each gives alone (resident swapping), and a
@@ -51,6 +52,10 @@ needs_model = pytest.mark.skipif(_no_model is not None,
                                  reason=f"synthetic models need the default model's tokenizer: {_no_model}")
 
 PLAN_REL_L2 = 1e-2
+# One decode step, plan vs generic, Q8_0 weights: both quantize the activations to int8 (q8_1), at points that differ
+# by float rounding; the logits agree to ~1e-7 until one int8 value rounds the other way, then jump to ~1e-2
+# (measured on the H200, session 5: 1.7e-07 for 7 steps, then 0.84-1.4e-2; F16 weights stay below 7e-7).
+STEP_REL_L2 = 2e-2
 N_GREEDY = 64
 NEAR_TIE_LOGIT = 0.25
 
@@ -328,13 +333,13 @@ def test_plan_logits_match_generic_forward(setup):
                 lp = _host(setup.graph.forward_device(np.array([t], np.int32), st))
             e = rel_l2(lp, lr)
             worst = max(worst, e)
-            assert np.isfinite(lp).all() and e < PLAN_REL_L2, f"plan vs generic logits rel L2 {e:.2e}"
+            assert np.isfinite(lp).all() and e < STEP_REL_L2, f"plan vs generic logits rel L2 {e:.2e}"
         return lr
     lr = steps(16, lr)
     assert plan.resident.is_resident(st)
     more = _prompt(5, setup.n_vocab, 9)
     lr = m.forward(more, ref)
-    lp = setup.graph.forward(more, st)                       # the plan's prefill on the resident state
+    lp = setup.graph.forward(more, st)                       # 5 tokens: the generic forward on the resident state
     assert rel_l2(lp, lr) < PLAN_REL_L2
     assert plan.resident.is_resident(st)
     lr = steps(8, lr)

@@ -175,8 +175,8 @@ __global__ void k_gdn_conv(const float *__restrict__ x, long long x_stride, cons
 }
 
 // ---- prefill: one warp per (value head, GW_C value columns), no block barriers
-constexpr int GW_C = 4;        // value columns per warp (one float4 of v, state and output per row)
 constexpr int GW_WARPS = 4;    // warps per block
+constexpr int WARP_AUTO_VARIANT = 2;   // the warp kernel variant 0 (choose) takes: 4 value columns per warp
 constexpr unsigned FULL = 0xffffffffu;
 
 // R consecutive floats at p (16-byte aligned when R % 4 == 0, 8 when R == 2) into registers.
@@ -224,7 +224,7 @@ __device__ __forceinline__ float warp_reduce_scatter(float (&p)[N], int lane) {
 // columns), u = (v - exp(g) kv) beta, S <- exp(g) S + k u^T, and the output partials S^T q of U tokens are summed
 // together by one reduce-scatter per group. The loads of the next U tokens (q, k rows, v columns, g, beta; indices
 // clamped to n - 1, not used past it) are issued before the current group computes.
-template <int R, int U>
+template <int R, int U, int GW_C>
 __global__ void __launch_bounds__(GW_WARPS * 32) k_gdn_recurrent_warp(
     const float *__restrict__ q, const float *__restrict__ k, const float *__restrict__ v,
     const float *__restrict__ g, const float *__restrict__ beta, float *__restrict__ state, float *__restrict__ out,
@@ -241,10 +241,7 @@ __global__ void __launch_bounds__(GW_WARPS * 32) k_gdn_recurrent_warp(
   float s[R][GW_C];
   float *S = state + ((long long)h * dk + r0) * dv + c0;
 #pragma unroll
-  for (int r = 0; r < R; r++) {
-    const float4 f = *reinterpret_cast<const float4 *>(S + (long long)r * dv);
-    s[r][0] = f.x; s[r][1] = f.y; s[r][2] = f.z; s[r][3] = f.w;
-  }
+  for (int r = 0; r < R; r++) load_rows<GW_C>(s[r], S + (long long)r * dv);
   const long long qk_stride = (long long)n_qk * dk, v_stride = (long long)n_v * dv;
   const float *qp = q + (long long)hk * dk + r0, *kp = k + (long long)hk * dk + r0;
   const float *vp = v + (long long)h * dv + c0, *gp = g + h, *bp = beta + h;
@@ -257,8 +254,7 @@ __global__ void __launch_bounds__(GW_WARPS * 32) k_gdn_recurrent_warp(
       const long long t = min(t0 + u, n - 1);
       load_rows<R>(lq[u], qp + t * qk_stride);
       load_rows<R>(lk[u], kp + t * qk_stride);
-      const float4 f = *reinterpret_cast<const float4 *>(vp + t * v_stride);
-      lv[u][0] = f.x; lv[u][1] = f.y; lv[u][2] = f.z; lv[u][3] = f.w;
+      load_rows<GW_C>(lv[u], vp + t * v_stride);
       lg[u] = gp[t * n_v];
       lb[u] = bp[t * n_v];
     }
@@ -315,16 +311,18 @@ __global__ void __launch_bounds__(GW_WARPS * 32) k_gdn_recurrent_warp(
     }
   }
 #pragma unroll
-  for (int r = 0; r < R; r++)
-    *reinterpret_cast<float4 *>(S + (long long)r * dv) = make_float4(s[r][0], s[r][1], s[r][2], s[r][3]);
+  for (int r = 0; r < R; r++) {
+#pragma unroll
+    for (int c = 0; c < GW_C; c++) S[(long long)r * dv + c] = s[r][c];
+  }
 }
 
-template <int R, int U>
+template <int R, int U, int GW_C>
 int launch_recurrent_warp(cudaStream_t st, const float *q, const float *k, const float *v, const float *g,
                           const float *beta, float *state, float *out, int n, int n_v, int n_qk, int dk, int dv,
                           int tiled, float scale) {
   const long long warps = (long long)n_v * (dv / GW_C);
-  st_launch(k_gdn_recurrent_warp<R, U>, dim3((unsigned)((warps + GW_WARPS - 1) / GW_WARPS)), dim3(GW_WARPS * 32), 0,
+  st_launch(k_gdn_recurrent_warp<R, U, GW_C>, dim3((unsigned)((warps + GW_WARPS - 1) / GW_WARPS)), dim3(GW_WARPS * 32), 0,
             st, q, k, v, g, beta, state, out, n, n_v, n_qk, dk, dv, tiled, scale);
   return (int)cudaGetLastError();
 }
@@ -345,26 +343,34 @@ int launch_recurrent(cudaStream_t st, const float *q, const float *k, const floa
 // q, k f32 (n, n_qk, d_k) L2-normalised (q is multiplied by `scale` here, = 1/sqrt(d_k) in the models); v f32
 // (n, n_v, d_v); g (log decay, <= 0) and beta f32 (n, n_v); state f32 (n_v, d_k, d_v); out f32 (n, n_v, d_v).
 // n_v a multiple of n_qk; tiled = 1: value head h reads key head h % n_qk (qwen35*), 0: h / (n_v / n_qk)
-// (qwen3next). d_k <= 256. variant: 0 = choose (the warp kernel when n > 1, d_k is 32, 64, 128 or 256 and
-// d_v % 4 == 0, else the block kernel), 1 = the block kernel (k_gdn_recurrent), 2 = the warp kernel
-// (k_gdn_recurrent_warp; cudaErrorInvalidValue when the shape does not allow it). All arrays contiguous, 16-byte
-// aligned for the warp kernel. Returns cudaErrorInvalidValue (1) for bad sizes.
+// (qwen3next). d_k <= 256. variant: 0 = choose (the warp kernel of WARP_AUTO_VARIANT when n > 1, d_k is 32, 64,
+// 128 or 256 and d_v a multiple of its columns per warp, else the block kernel), 1 = the block kernel
+// (k_gdn_recurrent), 2 / 3 / 4 = the warp kernel (k_gdn_recurrent_warp) with 4 / 2 / 1 value columns per warp
+// (cudaErrorInvalidValue when the shape does not allow it). All arrays contiguous, 16-byte aligned for the warp
+// kernel. Returns cudaErrorInvalidValue (1) for bad sizes.
 extern "C" int strata_gdn_recurrent_ex(void *stream, const float *q, const float *k, const float *v, const float *g,
                                        const float *beta, float *state, float *out, int n, int n_v, int n_qk, int dk,
                                        int dv, int tiled, float scale, int variant) {
-  if (n < 0 || n_v <= 0 || n_qk <= 0 || n_v % n_qk || dk <= 0 || dk > 256 || dv <= 0 || variant < 0 || variant > 2)
+  if (n < 0 || n_v <= 0 || n_qk <= 0 || n_v % n_qk || dk <= 0 || dk > 256 || dv <= 0 || variant < 0 || variant > 4)
     return 1;
-  const bool warp_ok = (dk == 32 || dk == 64 || dk == 128 || dk == 256) && dv % GW_C == 0;
-  if (variant == 2 && !warp_ok) return 1;
+  // warp kernel columns per warp by variant (2: 4, 3: 2, 4: 1); variant 0 takes WARP_AUTO_VARIANT
+  const int wv = variant == 0 ? WARP_AUTO_VARIANT : variant;
+  const int cols = wv == 2 ? 4 : wv == 3 ? 2 : 1;
+  const bool warp_ok = (dk == 32 || dk == 64 || dk == 128 || dk == 256) && dv % cols == 0;
+  if (variant >= 2 && !warp_ok) return 1;
   if (n == 0) return 0;
   cudaStream_t st = (cudaStream_t)stream;
-  if (variant == 2 || (variant == 0 && warp_ok && n > 1)) {
-    int (*launch)(cudaStream_t, const float *, const float *, const float *, const float *, const float *, float *,
-                  float *, int, int, int, int, int, int, float) = launch_recurrent_warp<8, 2>;   // dk 256
-    if (dk == 32) launch = launch_recurrent_warp<1, 4>;
-    if (dk == 64) launch = launch_recurrent_warp<2, 4>;
-    if (dk == 128) launch = launch_recurrent_warp<4, 4>;
-    return launch(st, q, k, v, g, beta, state, out, n, n_v, n_qk, dk, dv, tiled, scale);
+  if (variant >= 2 || (variant == 0 && warp_ok && n > 1)) {
+    using Launch = int (*)(cudaStream_t, const float *, const float *, const float *, const float *, const float *,
+                           float *, float *, int, int, int, int, int, int, float);
+    // [dk 32, 64, 128, 256][4, 2, 1 columns]: U tokens per group so that U * columns <= 16 and registers fit
+    static const Launch table[4][3] = {
+        {launch_recurrent_warp<1, 4, 4>, launch_recurrent_warp<1, 8, 2>, launch_recurrent_warp<1, 8, 1>},
+        {launch_recurrent_warp<2, 4, 4>, launch_recurrent_warp<2, 8, 2>, launch_recurrent_warp<2, 8, 1>},
+        {launch_recurrent_warp<4, 4, 4>, launch_recurrent_warp<4, 4, 2>, launch_recurrent_warp<4, 8, 1>},
+        {launch_recurrent_warp<8, 2, 4>, launch_recurrent_warp<8, 4, 2>, launch_recurrent_warp<8, 4, 1>}};
+    const int di = dk == 32 ? 0 : dk == 64 ? 1 : dk == 128 ? 2 : 3;
+    return table[di][wv - 2](st, q, k, v, g, beta, state, out, n, n_v, n_qk, dk, dv, tiled, scale);
   }
   const int m = (dk + GDN_ROWS - 1) / GDN_ROWS;
   if (m <= 1) return launch_recurrent<1>(st, q, k, v, g, beta, state, out, n, n_v, n_qk, dk, dv, tiled, scale);

@@ -182,7 +182,8 @@ int strata_q35_out_gate(void *stream, const float *att, const float *gate, float
 /* Gated delta rule over n tokens (S <- exp(g) S; u = (v - S^T k) beta; S <- S + k u^T; o = S^T q scale): q, k f32
  * (n, n_qk, dk), v f32 (n, n_v, dv), g, beta f32 (n, n_v), state f32 (n_v, dk, dv) in place, out f32 (n, n_v, dv).
  * tiled: value head h reads key head h % n_qk, else h / (n_v / n_qk). dk <= 256. variant 0 = choose, 1 = the
- * block kernel, 2 = the warp kernel (dk 32/64/128/256, dv % 4 == 0, 16-byte aligned arrays). */
+ * block kernel, 2 / 3 / 4 = the warp kernel with 4 / 2 / 1 value columns per warp (dk 32/64/128/256, dv a multiple
+ * of the columns, 16-byte aligned arrays). */
 int strata_gdn_recurrent(void *stream, const float *q, const float *k, const float *v, const float *g,
                          const float *beta, float *state, float *out, int n, int n_v, int n_qk, int dk, int dv,
                          int tiled, float scale);

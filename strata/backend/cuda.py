@@ -239,10 +239,12 @@ def lib():
 
 
 def _check(rc: int, what: str) -> None:
+    """RuntimeError naming the launcher and the CUDA error when a launcher returned rc != 0 (1 = invalid argument:
+    the launchers' size checks)."""
     if rc != 0:
         import cupy
-        msg = cupy.cuda.runtime.getErrorString(rc)
-        raise RuntimeError(f"{what} failed: CUDA error {rc} ({msg.decode() if isinstance(msg, bytes) else msg})")
+        msg = str(cupy.cuda.runtime.CUDARuntimeError(int(rc)))      # "cudaErrorInvalidValue: invalid argument"
+        raise RuntimeError(f"{what} failed: CUDA error {rc} ({msg})")
 
 
 def _p(a) -> Any:

@@ -21,8 +21,9 @@ int strata_gdn_recurrent_ex(void *stream, const float *q, const float *k, const 
 int strata_gdn_conv(void *stream, const float *x, int x_stride, const float *w, float *window, float *y, int n,
                     int channels, int kernel);
 """
-# strata_gdn_recurrent_ex variants: choose (the warp kernel for prefill when the shape allows it), block, warp
-VARIANTS = {"auto": 0, "block": 1, "warp": 2}
+# strata_gdn_recurrent_ex variants: choose (the warp kernel for prefill when the shape allows it), the block kernel,
+# the warp kernel with 4 / 2 / 1 value columns per warp
+VARIANTS = {"auto": 0, "block": 1, "warp": 2, "warp2": 3, "warp1": 4}
 
 _ffi = None
 _lib = None
@@ -68,8 +69,8 @@ def recurrent(q, k, v, g, beta, state, tiled: bool = True, variant: str = "auto"
     q, k: float32 CuPy (n, n_qk, d_k), L2-normalised, unscaled (the kernel scales q by 1/sqrt(d_k)); value head h
     reads key head h % n_qk (tiled) or h // (n_v / n_qk); with n_qk == n_v both are the identity. v: (n, n_v, d_v);
     g, beta: (n, n_v); state: C-contiguous float32 (n_v, d_k, d_v). variant (``VARIANTS``): "auto" (the warp
-    kernel for n > 1 when d_k is 32 / 64 / 128 / 256 and d_v % 4 == 0, else the block kernel), "block" or "warp"
-    (tests and benchmarks). Returns (out float32 (n, n_v, d_v), state). Raises ValueError for shapes that disagree
+    kernel for n > 1 when d_k is 32 / 64 / 128 / 256 and d_v % 4 == 0, else the block kernel), "block", or "warp" /
+    "warp2" / "warp1" (4 / 2 / 1 value columns per warp; tests and benchmarks). Returns (out float32 (n, n_v, d_v), state). Raises ValueError for shapes that disagree
     or an unknown variant (nothing changed) and RuntimeError for a CUDA error (a "warp" variant the shape does not
     allow included).
     """

@@ -642,14 +642,16 @@ class Qwen35GraphModel:
 
     def forward(self, tokens, state, all_logits: bool = False):
         """Qwen3NextModel.forward (same arguments, result and errors), on the backend's device in any thread: on a
-        CudaPagePool one token (without all_logits) through the plan's decode step, more (or all_logits) through its
-        prefill (``self.prefill``, STRATA_CUDA_HYBRID_PREFILL); everything else the model's forward."""
+        CudaPagePool one token (without all_logits) through the plan's decode step, more tokens than the backend's
+        GEMM threshold (8) through its prefill (``self.prefill``, STRATA_CUDA_HYBRID_PREFILL: the same f16 GEMMs as
+        the model's forward there, bit-identical logits measured on the H200); everything else (a few tokens: the
+        model's f32-activation matvecs) the model's forward."""
         toks = np.asarray(tokens).reshape(-1)
         with self.model.backend.device:
             if isinstance(state.kv.pool, C.CudaPagePool):
                 if toks.shape[0] == 1 and not all_logits:
                     return self.plan(state.kv.pool).decode(_token(toks[0], self.model.config.n_vocab), state)
-                if self.prefill:
+                if self.prefill and toks.shape[0] > self.model.backend.gemm_threshold:
                     return self.plan(state.kv.pool).prefill(tokens, state, all_logits)
             return self.model.forward(tokens, state, all_logits)
 
