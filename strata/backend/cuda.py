@@ -817,6 +817,19 @@ def _dptr(w) -> Any:
     return _p(w.data if isinstance(w, DeviceWeight) else w)
 
 
+def prefill_logits(model, x, all_logits: bool, eps: float) -> np.ndarray:
+    """A prefill plan's last step: the final RMSNorm (model.out_norm) of the last row of x, or of every row with
+    all_logits, and the output projection (model.output, through the backend's matmul) -> host f32 (n_vocab,) or
+    (n, n_vocab). x: CuPy f32 (n, n_embd), the residual stream after the last layer."""
+    import cupy as cp
+    rows = x if all_logits else x[x.shape[0] - 1:]
+    hn = cp.empty(rows.shape, cp.float32)
+    _check(lib().strata_rms_norm_ex(_stream_ptr(), _p(rows), _ffi.NULL, _dptr(model.out_norm), _p(hn), _ffi.NULL,
+                                    _ffi.NULL, _ffi.NULL, rows.shape[0], rows.shape[1], float(eps)), "rms_norm")
+    out = cp.asnumpy(model.backend.matmul(hn, model.output))
+    return out if all_logits else out[0]
+
+
 class PrefillScratch:
     """What a plan's prefill needs besides the model: device buffers grown to the largest ubatch seen (never shrunk),
     f16 copies of quantized weights for cuBLAS (dequantized per call into one shared scratch, or kept per weight with
@@ -1195,15 +1208,10 @@ class LlamaCuda:
             self.pf.gemm(hE, L.w_gate_up, gu, False)
             _check(lb.strata_swiglu_gu(s, _p(gu), n, F, NULL, _p(act16), NULL), "swiglu")
             self.pf.gemm(act16, L.w_down, x, True)
-        rows = x if all_logits else x[n - 1:]
-        hn = cp.empty(rows.shape, cp.float32)
-        _check(lb.strata_rms_norm_ex(s, _p(rows), NULL, _dptr(m.out_norm), _p(hn), NULL, NULL, NULL, rows.shape[0], E,
-                                     self.eps), "rms")
-        logits = m.backend.matmul(hn, m.output)
+        logits = prefill_logits(m, x, all_logits, self.eps)
         kv.commit(n)
         state.advance(toks)
-        out = cp.asnumpy(logits)
-        return out if all_logits else out[0]
+        return logits
 
 
 _ONE = np.ones(1, np.float32)

@@ -452,15 +452,10 @@ class Qwen35Cuda:
                 pf.gemm(hE, w, gu, False, off)
             C._check(lb.strata_swiglu_gu(s, _a(gu), n, F, NULL, _a(act16), NULL), "swiglu_gu")
             pf.gemm(act16, L.ffn.dense[2], x, True)
-        rows = x if all_logits else x[n - 1:]
-        hn = cp.empty(rows.shape, cp.float32)
-        C._check(lb.strata_rms_norm_ex(s, _a(rows), NULL, _a(m.out_norm), _a(hn), NULL, NULL, NULL, rows.shape[0], E,
-                                       self.eps), "rms_norm")
-        logits = m.backend.matmul(hn, m.output)
+        logits = C.prefill_logits(m, x, all_logits, self.eps)
         kv.commit(n)
         state.advance(toks)
-        out = cp.asnumpy(logits)
-        return out if all_logits else out[0]
+        return logits
 
     def _gdn_prefill(self, s, li: int, L, hE, x, n: int, run) -> None:
         """GDN layer li over n rows: x += ssm_out(gated_norm(delta_rule(prep(conv(W_in hE))), z))."""
