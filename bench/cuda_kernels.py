@@ -55,7 +55,7 @@ def bench_gdn(cp, res: dict, rng) -> None:
     from strata.backend import cuda_gdn as G
     lib = G.lib()
     res["gdn"] = []
-    print(f"\n{'gdn delta rule':34s} {'block us':>9s} {'warp us':>9s} {'speedup':>8s}  (warp: 4 / 2 / 1 columns)")
+    print(f"\n{'gdn delta rule':34s} {'block us':>9s} {'auto us':>9s} {'speedup':>8s}  (warp: 4 / 2 / 1 columns)")
     for n, nv, nk, dk, dv in ((512, 16, 16, 128, 128), (512, 32, 16, 128, 128), (512, 16, 16, 64, 64),
                               (512, 8, 4, 256, 256), (128, 16, 16, 128, 128)):
         q = cp.asarray(rng.standard_normal((n, nk, dk)).astype(np.float32))
@@ -69,13 +69,13 @@ def bench_gdn(cp, res: dict, rng) -> None:
         out = cp.empty((n, nv, dv), cp.float32)
         p = lambda a: G._p(a)   # noqa: E731
         us = {}
-        for name, var in (("block", 1), ("warp", 2), ("warp2", 3), ("warp1", 4)):
+        for name, var in (("block", 1), ("auto", 0), ("warp", 2), ("warp2", 3), ("warp1", 4)):
             us[name] = 1e6 * timeit(cp, lambda var=var: lib.strata_gdn_recurrent_ex(
                 G._stream(), p(q), p(k), p(v), p(g), p(beta), p(state), p(out), n, nv, nk, dk, dv, 1,
                 float(dk ** -0.5), var), per_graph=4)
         res["gdn"].append({"op": "delta_rule", "n": n, "n_v": nv, "n_k": nk, "dk": dk, "dv": dv, "us": us})
-        print(f"n{n} v{nv} k{nk} dk{dk} dv{dv}{'':14s} {us['block']:9.1f} {us['warp']:9.1f} "
-              f"{us['block'] / us['warp']:7.2f}x  ({us['warp']:.1f} / {us['warp2']:.1f} / {us['warp1']:.1f})",
+        print(f"n{n} v{nv} k{nk} dk{dk} dv{dv}{'':14s} {us['block']:9.1f} {us['auto']:9.1f} "
+              f"{us['block'] / us['auto']:7.2f}x  ({us['warp']:.1f} / {us['warp2']:.1f} / {us['warp1']:.1f})",
               flush=True)
     for n, c, kk in ((512, 6144, 4), (512, 12288, 4)):
         x = cp.asarray(rng.standard_normal((n, c + 64)).astype(np.float32))

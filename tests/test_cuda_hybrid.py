@@ -367,7 +367,7 @@ def test_recurrent_unknown_variant_is_value_error():
 
 @gpu
 @pytest.mark.parametrize("n,c,kk", [(1, 96, 4), (7, 6144, 4), (3, 33, 2), (2, 50, 8), (8, 96, 4), (9, 130, 3),
-                                     (17, 6144, 4), (512, 200, 4)])    # n >= 8: the 8-token batched loads
+                                     (17, 6144, 4), (512, 200, 4)])    # n > 16: several 16-token tiles
 def test_conv_kernel_matches_numpy(n, c, kk):
     import cupy as cp
 

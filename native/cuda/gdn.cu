@@ -7,6 +7,7 @@
 #include <math.h>
 
 #include "launch.cuh"
+#include "strata_cuda.h"
 
 namespace {
 
@@ -27,9 +28,10 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 //   S <- exp(g_t) S;  kv_mem = S^T k_t;  u = (v_t - kv_mem) * beta_t;  S <- S + k_t u^T;  o_t = S^T (q_t * scale)
 // with S = state[h] (d_k, d_v) kept in registers (M rows per thread) across the tokens, written back at the end.
 // q, k: (n, n_qk, d_k); value head h reads key head (tiled ? h % n_qk : h / (n_v / n_qk)).
-// Pipelined for prefill (n in the hundreds): a token's q, k, v (this tile), g and beta are copied by cp.async into
-// a ring of GDN_STAGES shared-memory stages, GDN_STAGES - 1 tokens ahead of the one computing, so a token costs two
-// block barriers and no exposed global-load latency; every thread sums the 8 partial columns of kv_mem itself.
+// Pipelined (written for prefill; since k_gdn_recurrent_warp it runs for n = 1 and the shapes the warp kernel does
+// not take): a token's q, k, v (this tile), g and beta are copied by cp.async into a ring of GDN_STAGES
+// shared-memory stages, GDN_STAGES - 1 tokens ahead of the one computing, so a token costs two block barriers and no
+// exposed global-load latency; every thread sums the 8 partial columns of kv_mem itself.
 template <int M>
 __global__ void __launch_bounds__(GDN_COLS * GDN_ROWS) k_gdn_recurrent(
     const float *__restrict__ q, const float *__restrict__ k, const float *__restrict__ v,

@@ -192,7 +192,8 @@ __global__ void k_q35_gated_norm(const float *__restrict__ o, const float *__res
 }
 
 // Gated attention prologue: qg f32 = [per head h: q (hd) | gate (hd)] (n_head heads) ++ k (n_kv*hd) ++ v (n_kv*hd)
-// (the fused attn_q / attn_k / attn_v matvec). Grid n_head + 2 n_kv, block hd (a multiple of 32, <= 256):
+// (the fused attn_q / attn_k / attn_v matvec), one row per token. Grid (n_head + 2 n_kv, tokens), block hd (a
+// multiple of 32, <= 256); per token row:
 // qkv f32 [q (n_head*hd) | k (n_kv*hd) | v (n_kv*hd)] (strata_rope_kv_decode's layout) with per-head RMSNorm
 // q = q / sqrt(mean(q^2) + eps) * q_norm, k likewise with k_norm, v copied; gate f32 (n_head*hd).
 __global__ void k_q35_attn_prep(const float *__restrict__ qg, const float *__restrict__ qn,
@@ -299,11 +300,14 @@ extern "C" int strata_q35_gated_norm(void *stream, const float *o, const float *
 
 extern "C" int strata_q35_attn_prep(void *stream, const float *qg, const float *q_norm, const float *k_norm,
                                     float *qkv, float *gate, int n, int n_head, int n_kv, int hd, float eps) {
-  if (n < 0 || n > 65535 || n_head <= 0 || n_kv <= 0 || hd <= 0 || hd % 32 || hd > 256)
-    return (int)cudaErrorInvalidValue;
-  if (n == 0) return 0;
-  st_launch(k_q35_attn_prep, dim3(n_head + 2 * n_kv, n), dim3(hd), 0, (cudaStream_t)stream, qg, q_norm, k_norm, qkv,
-            gate, n_head, n_kv, hd, eps);
+  if (n < 0 || n_head <= 0 || n_kv <= 0 || hd <= 0 || hd % 32 || hd > 256) return (int)cudaErrorInvalidValue;
+  const long long qg_row = (2LL * n_head + 2LL * n_kv) * hd, qkv_row = ((long long)n_head + 2LL * n_kv) * hd,
+                  gate_row = (long long)n_head * hd;
+  for (int t0 = 0; t0 < n; t0 += 65535) {             // grid.y holds at most 65535 token rows per launch
+    const int rows = n - t0 < 65535 ? n - t0 : 65535;
+    st_launch(k_q35_attn_prep, dim3(n_head + 2 * n_kv, rows), dim3(hd), 0, (cudaStream_t)stream, qg + t0 * qg_row,
+              q_norm, k_norm, qkv + t0 * qkv_row, gate + t0 * gate_row, n_head, n_kv, hd, eps);
+  }
   return (int)cudaGetLastError();
 }
 

@@ -170,7 +170,7 @@ int strata_q35_gated_norm(void *stream, const float *o, const float *z, const fl
                           int n_v, int dv, float eps);
 /* Gated attention prologue for n tokens (rows back to back): qg f32 [per head (q hd | gate hd)] ++ k (n_kv*hd) ++ v
  * (n_kv*hd) -> qkv f32 [q | k | v] (strata_rope_kv_decode's layout) with per-head RMSNorm of q (q_norm) and k
- * (k_norm), and gate f32 (n_head*hd). hd a multiple of 32 up to 256; n <= 65535. */
+ * (k_norm), and gate f32 (n_head*hd). hd a multiple of 32 up to 256. */
 int strata_q35_attn_prep(void *stream, const float *qg, const float *q_norm, const float *k_norm, float *qkv,
                          float *gate, int n, int n_head, int n_kv, int hd, float eps);
 /* att * sigmoid(gate) over n elements -> out f32, out16 f16 and q8_1 blocks out_q8 (each may be NULL; out_q8 needs

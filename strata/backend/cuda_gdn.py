@@ -69,10 +69,11 @@ def recurrent(q, k, v, g, beta, state, tiled: bool = True, variant: str = "auto"
     q, k: float32 CuPy (n, n_qk, d_k), L2-normalised, unscaled (the kernel scales q by 1/sqrt(d_k)); value head h
     reads key head h % n_qk (tiled) or h // (n_v / n_qk); with n_qk == n_v both are the identity. v: (n, n_v, d_v);
     g, beta: (n, n_v); state: C-contiguous float32 (n_v, d_k, d_v). variant (``VARIANTS``): "auto" (the warp
-    kernel with 2 columns per warp for n > 1 when d_k is 32 / 64 / 128 / 256 and d_v is even, else the block kernel), "block", or "warp" /
-    "warp2" / "warp1" (4 / 2 / 1 value columns per warp; tests and benchmarks). Returns (out float32 (n, n_v, d_v), state). Raises ValueError for shapes that disagree
-    or an unknown variant (nothing changed) and RuntimeError for a CUDA error (a "warp" variant the shape does not
-    allow included).
+    kernel with 2 columns per warp for n > 1 when d_k is 32 / 64 / 128 / 256 and d_v is even, else the block
+    kernel), "block", or "warp" / "warp2" / "warp1" (4 / 2 / 1 value columns per warp; tests and benchmarks);
+    arrays not 16-byte aligned take the block kernel. Returns (out float32 (n, n_v, d_v), state). Raises ValueError
+    for shapes that disagree, an unknown variant or a warp variant on misaligned arrays (nothing changed), and
+    RuntimeError for a CUDA error (a warp variant the shape does not allow included).
     """
     if variant not in VARIANTS:
         raise ValueError(f"gdn recurrent: variant {variant!r} is not one of {', '.join(VARIANTS)}")
@@ -89,6 +90,10 @@ def recurrent(q, k, v, g, beta, state, tiled: bool = True, variant: str = "auto"
     beta = _f32c(beta, "beta", (n, n_v))
     state = _state(state, "state", (n_v, dk, dv))
     out = cupy.empty((n, n_v, dv), cupy.float32)
+    if any(a.data.ptr % 16 for a in (q, k, v, state)):     # the warp kernel's vector loads need 16-byte alignment
+        if variant not in ("auto", "block"):
+            raise ValueError(f"gdn recurrent: the {variant!r} kernel needs 16-byte aligned q, k, v and state")
+        variant = "block"
     lb = lib()
     _check(lb.strata_gdn_recurrent_ex(_stream(), _p(q), _p(k), _p(v), _p(g), _p(beta), _p(state), _p(out), n, n_v,
                                       n_qk, dk, dv, int(bool(tiled)), float(1.0 / dk ** 0.5), VARIANTS[variant]),
@@ -108,7 +113,8 @@ def conv(x, weight, window):
     kk = int(weight.shape[1])
     if not 2 <= kk <= 8:
         raise ValueError(f"gdn conv: kernel width {kk} outside [2, 8]")
-    rows_ok = x.dtype == cupy.float32 and x.strides[1] == 4 and x.strides[0] % 4 == 0 and x.strides[0] >= 4 * c
+    rows_ok = isinstance(x, cupy.ndarray) and x.dtype == cupy.float32 and x.strides[1] == 4 and \
+        x.strides[0] % 4 == 0 and x.strides[0] >= 4 * c
     x = x if rows_ok else _f32c(x, "x", (n, c))
     weight = _f32c(weight, "weight", (c, kk))
     window = _state(window, "window", (kk - 1, c))

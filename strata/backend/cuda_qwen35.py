@@ -605,10 +605,12 @@ class Qwen35Cuda:
 
 
 class Qwen35GraphModel:
-    """What the engine runs on CUDA for a qwen35 (dense) model: the Qwen3NextModel itself (prefill, all_logits, MTP,
-    every attribute), except that a one-token forward() on a CudaPagePool sequence goes through the Qwen35Cuda
-    decode plan (one plan per pool). Same interface as cuda.GraphDecodeModel. STRATA_CUDA_GRAPHS=0: the plan
-    launches its kernels eagerly (same numerics, no graph)."""
+    """What the engine runs on CUDA for a qwen35 (dense) model: the Qwen3NextModel itself (all_logits of a few tokens,
+    MTP, every attribute), except that on a CudaPagePool sequence a one-token forward() goes through the Qwen35Cuda
+    decode plan and more than 8 tokens through its prefill (one plan per pool). Same interface as
+    cuda.GraphDecodeModel. STRATA_CUDA_GRAPHS=0: the plan launches its decode kernels eagerly (same numerics, no
+    graph); STRATA_CUDA_HYBRID_PREFILL=0: prefill through the model's forward. The plan's prefill does not read the
+    model's ``gdn_mode`` or STRATA_GDN_FUSED (it always runs the fused kernels and the recurrent delta rule)."""
 
     def __init__(self, model):
         self.model = model
