@@ -178,9 +178,10 @@ __global__ void k_gdn_conv(const float *__restrict__ x, long long x_stride, cons
 
 // ---- prefill: one warp per (value head, GW_C value columns), no block barriers
 constexpr int GW_WARPS = 4;    // warps per block
-// The warp kernel variant 0 (choose) takes: 3 = 2 value columns per warp, the fastest on the H200 for the 16-head
-// d_k = d_v = 128 shape (bench/cuda_kernels.py --only-gdn: 136 us per 512 tokens vs 203 with 4 columns, 183 with 1).
-constexpr int WARP_AUTO_VARIANT = 3;
+// The warp kernel variant 0 (choose) takes for d_k: the columns per warp measured fastest on the H200 for one 512-token
+// ubatch (bench/cuda_kernels.py --only-gdn, us for 4 / 2 / 1 columns): d_k 64 -> 1 (170 / 119 / 95), 128 -> 2
+// (203 / 136 / 183), 256 -> 4 (177 / 177 / 285); d_k 32 (not measured) -> 2.
+__host__ __forceinline__ int warp_auto_variant(int dk) { return dk == 64 ? 4 : dk == 256 ? 2 : 3; }
 constexpr unsigned FULL = 0xffffffffu;
 
 // R consecutive floats at p (16-byte aligned when R % 4 == 0, 8 when R == 2) into registers.
@@ -347,8 +348,8 @@ int launch_recurrent(cudaStream_t st, const float *q, const float *k, const floa
 // q, k f32 (n, n_qk, d_k) L2-normalised (q is multiplied by `scale` here, = 1/sqrt(d_k) in the models); v f32
 // (n, n_v, d_v); g (log decay, <= 0) and beta f32 (n, n_v); state f32 (n_v, d_k, d_v); out f32 (n, n_v, d_v).
 // n_v a multiple of n_qk; tiled = 1: value head h reads key head h % n_qk (qwen35*), 0: h / (n_v / n_qk)
-// (qwen3next). d_k <= 256. variant: 0 = choose (the warp kernel of WARP_AUTO_VARIANT when n > 1, d_k is 32, 64,
-// 128 or 256 and d_v a multiple of its columns per warp, else the block kernel), 1 = the block kernel
+// (qwen3next). d_k <= 256. variant: 0 = choose (the warp kernel variant of warp_auto_variant(d_k) when n > 1, d_k
+// is 32, 64, 128 or 256 and d_v a multiple of its columns per warp, else the block kernel), 1 = the block kernel
 // (k_gdn_recurrent), 2 / 3 / 4 = the warp kernel (k_gdn_recurrent_warp) with 4 / 2 / 1 value columns per warp
 // (cudaErrorInvalidValue when the shape does not allow it). All arrays contiguous, 16-byte aligned for the warp
 // kernel. Returns cudaErrorInvalidValue (1) for bad sizes.
@@ -357,8 +358,8 @@ extern "C" int strata_gdn_recurrent_ex(void *stream, const float *q, const float
                                        int dv, int tiled, float scale, int variant) {
   if (n < 0 || n_v <= 0 || n_qk <= 0 || n_v % n_qk || dk <= 0 || dk > 256 || dv <= 0 || variant < 0 || variant > 4)
     return 1;
-  // warp kernel columns per warp by variant (2: 4, 3: 2, 4: 1); variant 0 takes WARP_AUTO_VARIANT
-  const int wv = variant == 0 ? WARP_AUTO_VARIANT : variant;
+  // warp kernel columns per warp by variant (2: 4, 3: 2, 4: 1); variant 0 takes warp_auto_variant(dk)
+  const int wv = variant == 0 ? warp_auto_variant(dk) : variant;
   const int cols = wv == 2 ? 4 : wv == 3 ? 2 : 1;
   const bool warp_ok = (dk == 32 || dk == 64 || dk == 128 || dk == 256) && dv % cols == 0;
   if (variant >= 2 && !warp_ok) return 1;

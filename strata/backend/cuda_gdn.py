@@ -68,9 +68,9 @@ def recurrent(q, k, v, g, beta, state, tiled: bool = True, variant: str = "auto"
 
     q, k: float32 CuPy (n, n_qk, d_k), L2-normalised, unscaled (the kernel scales q by 1/sqrt(d_k)); value head h
     reads key head h % n_qk (tiled) or h // (n_v / n_qk); with n_qk == n_v both are the identity. v: (n, n_v, d_v);
-    g, beta: (n, n_v); state: C-contiguous float32 (n_v, d_k, d_v). variant (``VARIANTS``): "auto" (the warp
-    kernel with 2 columns per warp for n > 1 when d_k is 32 / 64 / 128 / 256 and d_v is even, else the block
-    kernel), "block", or "warp" / "warp2" / "warp1" (4 / 2 / 1 value columns per warp; tests and benchmarks);
+    g, beta: (n, n_v); state: C-contiguous float32 (n_v, d_k, d_v). variant (``VARIANTS``): "auto" (for n > 1
+    the warp kernel with the columns per warp measured fastest for d_k: 1 for 64, 2 for 32 and 128, 4 for 256, when
+    d_v is a multiple of them; else the block kernel), "block", or "warp" / "warp2" / "warp1" (4 / 2 / 1 value columns per warp; tests and benchmarks);
     arrays not 16-byte aligned take the block kernel. Returns (out float32 (n, n_v, d_v), state). Raises ValueError
     for shapes that disagree, an unknown variant or a warp variant on misaligned arrays (nothing changed), and
     RuntimeError for a CUDA error (a warp variant the shape does not allow included).
