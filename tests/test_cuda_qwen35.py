@@ -557,14 +557,15 @@ def test_plan_prefill_bad_input_changes_nothing(setup):
     with pytest.raises(ValueError, match="not in this plan's pool"):
         plan.prefill(np.array(good, np.int32), other)
     assert st.hashes() == h and st.pos == pos and st.kv.length == length
-    small = m.new_page_pool(32)                          # 2 pages of 16: room for 32 tokens
+    small = m.new_page_pool(32)
+    cap = small.n_pages * small.page_size                # whole pages: at least 32 tokens
     sp = Q.Qwen35Cuda(m, small)
     s2 = m.new_state(small)
-    sp.prefill(_prompt(20, setup.n_vocab, 9), s2)
+    sp.prefill(_prompt(cap - 12, setup.n_vocab, 9), s2)
     h2 = s2.hashes()
     with pytest.raises(KVCacheFull):
         sp.prefill(_prompt(20, setup.n_vocab, 10), s2)
-    assert s2.hashes() == h2 and s2.pos == 20 and s2.kv.length == 20
+    assert s2.hashes() == h2 and s2.pos == cap - 12 and s2.kv.length == cap - 12
     st.release()
     s2.release()
 
