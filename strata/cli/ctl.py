@@ -295,8 +295,8 @@ def _stream_chat(c: Client, args, messages: list[dict]) -> tuple[str, dict]:
     return "".join(text), info
 
 
-CTL_CHAT_HELP = "/reset clears the conversation, /help, /exit or Ctrl-D leaves, Ctrl-C stops an answer, // sends a " \
-    "leading '/'"
+CTL_CHAT_HELP = "/reset clears the conversation, /help, /quit (or /exit, Ctrl-D) leaves, Ctrl-C stops an answer, // " \
+    "sends a leading '/'"
 
 
 def cmd_chat(c: Client, args) -> int:
