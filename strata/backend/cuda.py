@@ -203,7 +203,9 @@ def unavailable_reason() -> str | None:
         if cupy.cuda.runtime.getDeviceCount() < 1:
             return "no CUDA device"
     except Exception as e:
-        return f"no usable CUDA device ({e})"
+        hint = " (no NVIDIA GPU or driver here, or a driver older than this CuPy's CUDA)" \
+            if "InsufficientDriver" in str(e) or "NoDevice" in str(e) else ""
+        return f"no usable CUDA device ({e}){hint}"
     try:
         import cffi  # noqa: F401
     except ImportError:
