@@ -615,7 +615,7 @@ class Qwen35GraphModel:
     def __init__(self, model):
         self.model = model
         self.plans: dict[int, Qwen35Cuda] = {}
-        self.prefill = prefill_enabled()                      # n > 1 tokens through Qwen35Cuda.prefill
+        self.prefill = prefill_enabled()                      # n > 8 tokens through Qwen35Cuda.prefill
 
     def __getattr__(self, name):
         return getattr(self.model, name)
