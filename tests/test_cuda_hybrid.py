@@ -567,3 +567,72 @@ def test_bench_hybrid_runs_tiny(tiny_bench_file):
     assert set(r["prompt"]) == {64} and set(r["prompt_chunked"]) == {64} and set(r["decode"]) == {0, 40}
     assert set(r["decode_generic"]) == ({0} if r["plan"] else set())
     assert all(v > 0 for k, d in r.items() if k != "plan" for v in d.values())
+
+
+# ------------------------------------------------------------------ CPU: numpy mirrors of the warp delta-rule kernel
+def _mirror_reduce_scatter(p):
+    """native/cuda/gdn.cu warp_reduce_scatter<N>, lane by lane: p (32 lanes, N values) -> (32,) the value each lane
+    returns (lane l: the warp sum of value l >> (5 - log2 N))."""
+    p = p.copy()
+    n = p.shape[1]
+    log = int(np.log2(n))
+    lanes = np.arange(32)
+    for lv in range(log):
+        half, m = n >> (lv + 1), 16 >> lv
+        hi = (lanes & m) != 0
+        send = np.where(hi[:, None], p[:, :half], p[:, half:2 * half])
+        keep = np.where(hi[:, None], p[:, half:2 * half], p[:, :half])
+        p[:, :half] = keep + send[lanes ^ m]                   # __shfl_xor_sync(send, m)
+    out = p[:, 0].copy()
+    m = 16 >> log
+    while m >= 1:
+        out = out + out[lanes ^ m]
+        m >>= 1
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 4, 8, 16, 32])
+def test_warp_reduce_scatter_mirror_gives_each_lane_its_sum(n):
+    p = np.random.default_rng(n).standard_normal((32, n))
+    got = _mirror_reduce_scatter(p)
+    want = p.sum(axis=0)[np.arange(32) >> (5 - int(np.log2(n)))]
+    assert np.allclose(got, want)
+
+
+@pytest.mark.parametrize("u,cols,n", [(4, 4, 9), (4, 2, 5), (8, 1, 3), (2, 4, 7)])
+def test_warp_kernel_order_of_operations_mirror(u, cols, n):
+    """The warp kernel's per-token arithmetic (kv from the state before the decay, times exp(g); S = exp(g) S + k u^T;
+    outputs of a token group summed by the reduce-scatter and written by lane % (32 / (U C)) == 0), in float64 numpy
+    for one value head, against gdn.delta_rule_recurrent."""
+    dk, dv = 64, 2 * cols
+    R = dk // 32
+    q, k, v, g, b, s0 = _gdn_inputs(n, 1, dk, dv, seed=u + cols)
+    s_ref = s0.copy()
+    o_ref, _ = gdn.delta_rule_recurrent(q, k, v, g, b, s_ref)
+    scale = 1.0 / np.sqrt(dk)
+    out = np.zeros((n, dv))
+    state = s0[0].astype(np.float64)
+    for c0 in range(0, dv, cols):                              # one warp per column tile
+        s = state[:, c0:c0 + cols].reshape(32, R, cols).copy()   # lane l: rows R l .. R l + R - 1
+        for t0 in range(0, n, u):
+            op = np.zeros((32, u * cols))
+            for j in range(u):
+                t = t0 + j
+                if t >= n:
+                    continue
+                kk = k[t, 0].reshape(32, R)
+                qq = q[t, 0].reshape(32, R)
+                eg = np.exp(g[t, 0])
+                kv = (s * kk[:, :, None]).sum(axis=1).sum(axis=0)    # butterfly: every lane has the sums
+                uu = (v[t, 0, c0:c0 + cols] - eg * kv) * b[t, 0]
+                s = kk[:, :, None] * uu[None, None, :] + eg * s
+                op[:, j * cols:(j + 1) * cols] = (s * qq[:, :, None]).sum(axis=1)
+            o = _mirror_reduce_scatter(op)
+            sh = 32 // (u * cols)
+            for lane in range(0, 32, sh):
+                idx = lane // sh
+                j, c = idx // cols, idx % cols
+                if t0 + j < n:
+                    out[t0 + j, c0 + c] = o[lane] * scale
+        state[:, c0:c0 + cols] = s.reshape(dk, cols)
+    assert rel_l2(out, o_ref[:, 0]) < 1e-5 and rel_l2(state, s_ref[0]) < 1e-5
