@@ -58,3 +58,17 @@ def test_bench_host_load_names_build_processes(tmp_path):
     clean.mkdir()
     assert host_load(str(clean)) == {"load_avg_1m": None, "n_cpu": h["n_cpu"], "build_processes": [],
                                      "n_build_processes": 0}
+
+
+def test_check_sequence_names_the_problem():
+    """cuda.check_sequence, the plans' shared pre-step check: a foreign pool or a KV length off the position is a
+    one-line ValueError; a matching sequence passes."""
+    from types import SimpleNamespace as NS
+
+    from strata.backend import cuda as C
+    pool, other = object(), object()
+    C.check_sequence(pool, NS(kv=NS(pool=pool, length=5), pos=5))
+    with pytest.raises(ValueError, match="not in this plan's pool"):
+        C.check_sequence(other, NS(kv=NS(pool=pool, length=5), pos=5))
+    with pytest.raises(ValueError, match="KV length 4 != sequence position 5"):
+        C.check_sequence(pool, NS(kv=NS(pool=pool, length=4), pos=5))

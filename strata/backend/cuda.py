@@ -745,6 +745,16 @@ class CudaPagePool(PagePool):
         return ko, vo
 
 
+def check_sequence(pool, state) -> None:
+    """ValueError (one line) unless the sequence's KV pages are in `pool` and its KV length equals its position: what
+    every plan checks before a step reads or writes the sequence."""
+    kv = state.kv
+    if kv.pool is not pool:
+        raise ValueError("the sequence's KV pages are not in this plan's pool")
+    if kv.length != state.pos:
+        raise ValueError(f"KV length {kv.length} != sequence position {state.pos}")
+
+
 def paged_attention(be: "CudaBackend", q, k, v, kc, vc, pt, length: int, ps: int, scale: float, ks=None, vs=None):
     """Write k/v f32 (n, n_kv, hd) at positions [length, length + n) of the pages kc/vc (n_pages, ps, n_kv, hd)
     through page table pt (device int32), then attend: split-K decode kernel for n == 1, prefill_attention above.
@@ -1095,11 +1105,8 @@ class LlamaCuda:
         g.launch(self.stream)
 
     def _begin(self, state, tokens: list[int], n: int) -> None:
+        check_sequence(self.pool, state)
         kv = state.kv
-        if kv.pool is not self.pool:
-            raise ValueError("the sequence's KV pages are not in this plan's pool")
-        if kv.length != state.pos:
-            raise ValueError(f"KV length {kv.length} != sequence position {state.pos}")
         for t in tokens:
             if not 0 <= t < self.n_vocab:
                 raise ValueError(f"token id out of range [0, {self.n_vocab})")
@@ -1159,11 +1166,8 @@ class LlamaCuda:
             raise ValueError("forward() needs at least one token")
         if int(toks.min()) < 0 or int(toks.max()) >= self.n_vocab:
             raise ValueError(f"token id out of range [0, {self.n_vocab})")
+        check_sequence(pool, state)
         kv = state.kv
-        if kv.pool is not pool:
-            raise ValueError("the sequence's KV pages are not in this plan's pool")
-        if kv.length != state.pos:
-            raise ValueError(f"KV length {kv.length} != sequence position {state.pos}")
         kv.reserve(n)
         s = _stream_ptr()
         E, H, KV, hd, F = self.n_embd, self.n_head, self.n_kv, self.hd, self.n_ff

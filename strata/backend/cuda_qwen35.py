@@ -419,11 +419,8 @@ class Qwen35Cuda:
         cp, m, pool = self.cp, self.model, self.pool
         toks = m._check_tokens(tokens)
         n = int(toks.shape[0])
+        C.check_sequence(pool, state)
         kv = state.kv
-        if kv.pool is not pool:
-            raise ValueError("the sequence's KV pages are not in this plan's pool")
-        if kv.length != state.pos:
-            raise ValueError(f"KV length {kv.length} != sequence position {state.pos}")
         self.resident.check(state)
         kv.reserve(n)                                         # KVCacheFull here changes nothing
         lb, pf = _lib, self.pf
@@ -547,11 +544,8 @@ class Qwen35Cuda:
 
     def _begin(self, state, first: int, n: int) -> None:
         """Checks (changing nothing on error), kv.reserve(n), residency, page table and inp = [first, pos, pos+1]."""
+        C.check_sequence(self.pool, state)
         kv = state.kv
-        if kv.pool is not self.pool:
-            raise ValueError("the sequence's KV pages are not in this plan's pool")
-        if kv.length != state.pos:
-            raise ValueError(f"KV length {kv.length} != sequence position {state.pos}")
         if not 0 <= first < self.n_vocab:
             raise ValueError(f"token id out of range [0, {self.n_vocab})")
         self.resident.check(state)
