@@ -158,9 +158,11 @@ def make_synthetic_llama(out: str, tok_src: str, n_embd=2048, n_layer=24, n_head
 
 def bench_strata(path: str, prompts, depths, n_gen: int, ubatch: int, bw: float, f32_act: bool = False) -> dict:
     """Strata as the engine runs it on CUDA (CudaBackend.fast_path): the LlamaCuda plan's prefill for ubatch-sized
-    forward calls and its CUDA-graph decode step (greedy, argmax on the device; int8 activations, the default).
-    Decode is timed again without programmatic dependent launch (decode_no_pdl; STRATA_CUDA_PDL=0: the feature's
-    reference, whose greedy tokens must be the same), with the fused-SwiGLU setting flipped (decode_glu: the opt-in
+    forward calls and its CUDA-graph decode step (greedy, argmax on the device; int8 activations, the default: the
+    persistent decode step where the model allows it). Decode is timed again with the launch-per-op graph
+    (decode_no_step; STRATA_CUDA_STEP=0: the step's reference) and, on that graph, without programmatic dependent
+    launch (decode_no_pdl; STRATA_CUDA_PDL=0, whose greedy tokens must be the same), with the fused-SwiGLU setting
+    flipped (decode_glu: the opt-in
     STRATA_CUDA_GLU=1 kernel when it is off, as by default; same tokens), with the GQA decode attention kernel at
     every context size
     (decode_attn_v2; STRATA_CUDA_ATTN=v2) and, with f32_act, with f32 activations (STRATA_CUDA_DP4A=0)."""
@@ -197,18 +199,24 @@ def bench_strata(path: str, prompts, depths, n_gen: int, ubatch: int, bw: float,
     c = model.config
     lib = __import__("strata.backend.cuda", fromlist=["lib"]).lib()
     pdl_default = lib.strata_get_pdl()
-    # (name, int8 activations, PDL, decode attention kernel choice: LlamaCuda.attn, SwiGLU fused in the matvec)
-    glu0 = plan.glu
-    modes = [("decode", True, pdl_default, plan.attn, glu0), ("decode_no_pdl", True, False, plan.attn, glu0),
-             ("decode_glu", True, pdl_default, plan.attn, not glu0),
-             ("decode_attn_v2", True, pdl_default, "v2", glu0)] + \
-        ([("decode_f32act", False, pdl_default, plan.attn, glu0)] if f32_act else [])
+    # (name, persistent step, int8 activations, PDL, decode attention kernel choice: LlamaCuda.attn, SwiGLU fused in
+    # the matvec); the variants after decode_no_step are options of the launch-per-op graph
+    glu0, step0 = plan.glu, plan.step
+    res["step"] = {"on": bool(step0), "why_off": plan.step_why, "blocks": plan.step_blocks}
+    print(f"  persistent decode step: {'on, %d blocks' % plan.step_blocks if step0 else 'off: ' + str(plan.step_why)}",
+          flush=True)
+    modes = [("decode", step0, True, pdl_default, plan.attn, glu0)] + \
+        ([("decode_no_step", False, True, pdl_default, plan.attn, glu0)] if step0 else []) + \
+        [("decode_no_pdl", False, True, False, plan.attn, glu0),
+         ("decode_glu", False, True, pdl_default, plan.attn, not glu0),
+         ("decode_attn_v2", False, True, pdl_default, "v2", glu0)] + \
+        ([("decode_f32act", False, False, pdl_default, plan.attn, glu0)] if f32_act else [])
     attn0 = plan.attn
     pdl0 = pdl_default
     ctx = {d: rng.integers(0, vocab, d) for d in depths}          # the same contexts in every mode
-    for kind, dp4a, pdl, attn, glu in modes:
+    for kind, step, dp4a, pdl, attn, glu in modes:
         lib.strata_set_pdl(int(pdl))
-        plan.dp4a, plan.graphs, plan.attn, plan.glu = dp4a, {}, attn, glu
+        plan.step, plan.dp4a, plan.graphs, plan.attn, plan.glu = step, dp4a, {}, attn, glu
         res.setdefault(kind, {})
         for d in depths:
             prefill(ctx[d]) if d else st.reset()
@@ -229,11 +237,16 @@ def bench_strata(path: str, prompts, depths, n_gen: int, ubatch: int, bw: float,
             print(f"  strata {kind} tg{n_gen}@d{d}: {tps:.1f} tok/s  "
                   f"({100 * plan.weight_bytes * tps / bw:.1f}% of bandwidth limit)", flush=True)
     lib.strata_set_pdl(pdl0)
-    plan.attn, plan.glu = attn0, glu0
+    plan.attn, plan.glu, plan.step = attn0, glu0, step0
+    base = "tokens_decode_no_step" if step0 else "tokens_decode"     # the launch-per-op graph's own tokens
     if "tokens_decode_no_pdl" in res:
-        res["pdl_tokens_equal"] = res["tokens_decode_no_pdl"] == res["tokens_decode"]
+        res["pdl_tokens_equal"] = res["tokens_decode_no_pdl"] == res[base]
         print(f"  PDL tokens equal to plain launches: {res['pdl_tokens_equal']}", flush=True)
-    res["glu_tokens_equal"] = res["tokens_decode_glu"] == res["tokens_decode"]   # the fusion is bit-exact
+    if step0:   # other summation order: a near tie may part (reported, not required)
+        same = {d: res["tokens_decode"][d] == res["tokens_decode_no_step"][d] for d in res["tokens_decode"]}
+        res["step_tokens_equal"] = same
+        print(f"  persistent step's 8 greedy tokens equal to the launch-per-op graph's: {same}", flush=True)
+    res["glu_tokens_equal"] = res["tokens_decode_glu"] == res[base]   # the fusion is bit-exact
     print(f"  tokens with the fused SwiGLU {'off' if glu0 else 'on'} equal to the default's: "
           f"{res['glu_tokens_equal']}", flush=True)
     del plan, st, pool, model
@@ -344,7 +357,8 @@ def main(argv=None) -> int:
     dest.write_text(json.dumps(out, indent=1))
     print("\nsummary (tokens/s; ratio = Strata / llama.cpp)")
     for name, e in out["models"].items():
-        for kind in ("prompt", "prompt_generic", "prompt_chunked", "decode", "decode_no_pdl", "decode_glu",
+        for kind in ("prompt", "prompt_generic", "prompt_chunked", "decode", "decode_no_step", "decode_no_pdl",
+                     "decode_glu",
                      "decode_attn_v2",
                      "decode_generic",
                      "decode_f32act"):

@@ -213,6 +213,46 @@ int strata_gdn_prep(void *stream, const float *y, int y_stride, const float *b, 
 int strata_gdn_gated_norm_rows(void *stream, const float *o, const float *z, int z_stride, int z_group,
                                const float *w, float *out, void *out16, int n_rows, int d, float eps);
 
+/* Persistent decode step of the llama architecture (decode_step.cu): one cooperative launch runs a token at position
+ * inp[1] through every layer (attending over inp[2] positions) and the output head: logits f32 (n_vocab), the
+ * argmax written to inp[0] and inp[1], inp[2] advanced by one, as LlamaCuda's launch-per-op step. A matrix: GGUF
+ * blocks at w (16-byte aligned), rows of row_bytes, ggml type (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K). Per layer: the
+ * f32 norm weights, q / k / v (n_head*hd, n_kv*hd, n_kv*hd rows of n_embd), o (n_embd rows of n_head*hd), gate / up
+ * (n_ff rows of n_embd, one type), down (n_embd rows of n_ff), the f16 K / V cache arrays of the layer. Buffers
+ * (device): layers (n_layer), inp int32 [token, pos, len], page_table int32, x f32 (n_embd) the residual row (the
+ * token's embedding row on entry; the last layer's output on return), q f32 (n_head*hd), att f32 (n_head*hd) and
+ * att_q8 / act_q8 q8_1 blocks (strata_quantize_q8_1's layout) of n_head*hd and n_ff values, ws f32 (n_head *
+ * max_split * (hd + 2)), counters uint32 (n_kv, zero, left zero), barrier uint64 (used by one grid size only),
+ * argmax uint64 (zero, left zero). hd 64 or 128, n_head / n_kv <= 4, n_embd and n_ff multiples of 32 and of the
+ * matrices' block sizes, max_split <= 256. */
+typedef struct { const void *w; long long row_bytes; int type; int rows; } strata_step_mat;
+typedef struct {
+  const float *attn_norm, *ffn_norm;
+  strata_step_mat q, k, v, o, gate, up, down;
+  void *k_cache, *v_cache;
+} strata_step_layer;
+typedef struct {
+  const strata_step_layer *layers;
+  const float *out_norm;
+  strata_step_mat head;
+  int *inp;
+  const int *page_table;
+  float *x, *q, *att;
+  void *att_q8, *act_q8;
+  float *logits, *ws;
+  unsigned *counters;
+  unsigned long long *barrier, *argmax;
+  int n_layer, n_embd, n_head, n_kv, head_dim, n_ff, n_vocab, n_rot, neox, page_size, max_split;
+  float rope_base, eps, scale;
+} strata_step_args;
+/* 0 if the step can run these arguments (scalars and every matrix: host copies of the layers), else an error. */
+int strata_decode_step_check(const strata_step_args *a, const strata_step_layer *layers);
+/* The grid size for blocks_per_sm blocks per SM (capped by the kernel's occupancy), or minus a CUDA error. */
+int strata_decode_step_grid(const strata_step_args *a, int blocks_per_sm);
+/* Launch the step on n_blocks blocks (<= strata_decode_step_grid: every block must be resident), cooperative: with
+ * the cooperative launch attribute (the driver checks residency). */
+int strata_decode_step(void *stream, const strata_step_args *a, int n_blocks, int cooperative);
+
 #ifdef __cplusplus
 }
 #endif

@@ -84,6 +84,29 @@ int strata_kv_write_q8(void *stream, const float *k, int k_stride, const float *
 int strata_kv_gather_q8(void *stream, const void *k_cache, const void *v_cache, const void *k_scales,
                         const void *v_scales, const int *page_table, float *k_out, float *v_out, int len, int n_kv,
                         int hd, int page_size);
+typedef struct { const void *w; long long row_bytes; int type; int rows; } strata_step_mat;
+typedef struct {
+  const float *attn_norm, *ffn_norm;
+  strata_step_mat q, k, v, o, gate, up, down;
+  void *k_cache, *v_cache;
+} strata_step_layer;
+typedef struct {
+  const strata_step_layer *layers;
+  const float *out_norm;
+  strata_step_mat head;
+  int *inp;
+  const int *page_table;
+  float *x, *q, *att;
+  void *att_q8, *act_q8;
+  float *logits, *ws;
+  unsigned *counters;
+  unsigned long long *barrier, *argmax;
+  int n_layer, n_embd, n_head, n_kv, head_dim, n_ff, n_vocab, n_rot, neox, page_size, max_split;
+  float rope_base, eps, scale;
+} strata_step_args;
+int strata_decode_step_check(const strata_step_args *a, const strata_step_layer *layers);
+int strata_decode_step_grid(const strata_step_args *a, int blocks_per_sm);
+int strata_decode_step(void *stream, const strata_step_args *a, int n_blocks, int cooperative);
 """
 
 # Decode matvec (one token) on int8 activations with __dp4a for Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K weights, the
@@ -135,6 +158,13 @@ def glu_pairs_per_warp(n_ff: int, n_sm: int) -> int:
 F16_WEIGHTS = os.environ.get("STRATA_CUDA_F16_WEIGHTS", "0") not in ("0", "false", "no", "")
 
 KV_DTYPES = ("f16", "q8_0")   # KV cache types of CudaPagePool (--kv)
+
+# The persistent decode step (decode_step.cu: one cooperative launch per token, grid-wide barriers between the
+# phases of each layer instead of ~9 launches per layer) for llama models it can run (f16 KV cache, head_dim 64 /
+# 128, <= 4 query heads per KV head, dp4a weight types): on by default; STRATA_CUDA_STEP=0 keeps the launch-per-op
+# graph. STRATA_CUDA_STEP_BPS: blocks (of 128 threads) per multiprocessor, capped by the kernel's occupancy.
+STEP = os.environ.get("STRATA_CUDA_STEP", "1") not in ("0", "false", "no", "off", "")
+STEP_BPS = int(os.environ.get("STRATA_CUDA_STEP_BPS", "2") or 2)
 
 MAX_SPLIT = 256          # split-K partitions of the v1 decode attention (about 64 positions each)
 GQA_MAX_SPLIT = 256      # split-K partitions of the v2 decode attention (DA_MAX_SPLIT in attention.cu)
@@ -824,6 +854,24 @@ def glu_pointers(parts: list, n_ff: int, n_embd: int):
     return None
 
 
+def step_matrices(L, n_head: int, n_kv: int, head_dim: int, n_ff: int) -> dict:
+    """The seven matrices of a llama layer for the persistent decode step, {name: (DeviceWeight, first row, rows)}
+    for q, k, v, o, gate, up, down: row ranges of the fused wqkv ([q; k; v]) and w_gate_up ([gate; up]) when the
+    layer has them, else the separate weights (row 0, all rows)."""
+    nq, kvd = n_head * head_dim, n_kv * head_dim
+    if L.wqkv is not None:
+        m = {"q": (L.wqkv, 0, nq), "k": (L.wqkv, nq, kvd), "v": (L.wqkv, nq + kvd, kvd)}
+    else:
+        m = {"q": (L.wq, 0, nq), "k": (L.wk, 0, kvd), "v": (L.wv, 0, kvd)}
+    m["o"] = (L.wo, 0, L.wo.shape[0])
+    if L.w_gate_up is not None:
+        m["gate"], m["up"] = (L.w_gate_up, 0, n_ff), (L.w_gate_up, n_ff, n_ff)
+    else:
+        m["gate"], m["up"] = (L.w_gate, 0, n_ff), (L.w_up, 0, n_ff)
+    m["down"] = (L.w_down, 0, L.w_down.shape[0])
+    return m
+
+
 def _dptr(w) -> Any:
     """Device pointer of a DeviceWeight's storage or of a CuPy array."""
     return _p(w.data if isinstance(w, DeviceWeight) else w)
@@ -957,6 +1005,12 @@ class LlamaCuda:
         self.attn = ATTN                                      # "v1" | "v2" | "auto" (decode attention kernel)
         self.graphs: dict[int, Any] = {}
         self.pf = PrefillScratch()             # prefill buffers and f16 weights for cuBLAS
+        self.step_why: str | None = None       # why the persistent decode step is off (None: on)
+        self.step_blocks = 0
+        self._step: tuple | None = None
+        self.step = STEP and self._build_step()
+        if not STEP:
+            self.step_why = "STRATA_CUDA_STEP=0"
         layers = model.layers
         self.weight_bytes = sum(w.nbytes for L in layers for w in
                                 (L.wqkv, L.wq, L.wk, L.wv, L.wo, L.w_gate_up, L.w_gate, L.w_up, L.w_down)
@@ -986,6 +1040,65 @@ class LlamaCuda:
                                                   for L in self.model.layers)
 
     # ---- the decode step
+    def _build_step(self) -> bool:
+        """Fill the persistent decode step's arguments (strata_step_args, its layer table copied to the device) for
+        this model and pool; False, with self.step_why saying why, when strata_decode_step cannot run them."""
+        if not self.dp4a:
+            self.step_why = "f32 activations (STRATA_CUDA_DP4A=0)"
+            return False
+        if self.pool.kv != "f16":
+            self.step_why = f"{self.pool.kv} KV cache (the step reads f16)"
+            return False
+        cp, ffi, lb, m, d, pool = self.cp, _ffi, lib(), self.model, self.d, self.pool
+        ptr = lambda ct, a, off=0: ffi.cast(ct, a.data.ptr + off)   # noqa: E731
+
+        def setmat(dst, w, row0: int, rows: int) -> bool:
+            if not isinstance(w, DeviceWeight) or w.data.dtype != cp.uint8:
+                return False
+            rb = w.nbytes // w.shape[0]
+            dst.w, dst.row_bytes, dst.type, dst.rows = ptr("void *", w.data, row0 * rb), rb, w.ggml_type, rows
+            return True
+
+        layers = ffi.new("strata_step_layer[]", self.n_layer)
+        for li, L in enumerate(m.layers):
+            mats = step_matrices(L, self.n_head, self.n_kv, self.hd, self.n_ff)
+            if not all(setmat(getattr(layers[li], k), *v) for k, v in mats.items()):
+                self.step_why = "a matrix is not in GGUF blocks on the device"
+                return False
+            layers[li].attn_norm = ptr("const float *", L.attn_norm.data)
+            layers[li].ffn_norm = ptr("const float *", L.ffn_norm.data)
+            slot = pool.slot(li)
+            layers[li].k_cache, layers[li].v_cache = _p(pool.k[slot]), _p(pool.v[slot])
+        a = ffi.new("strata_step_args *")
+        sync = cp.zeros(2, cp.uint64)                          # grid barrier counter, argmax key
+        if not setmat(a.head, m.output, 0, self.n_vocab):
+            self.step_why = "the output head is not in GGUF blocks"
+            return False
+        a.out_norm = ptr("const float *", m.out_norm.data)
+        a.inp, a.page_table = ptr("int *", d["inp"]), ptr("const int *", pool._pt)
+        a.x, a.q, a.att = ptr("float *", d["x"]), ptr("float *", d["qkv"]), ptr("float *", d["att"])
+        a.att_q8, a.act_q8 = _p(d["aq"]), _p(d["fq"])
+        a.logits, a.ws = ptr("float *", d["logits"]), ptr("float *", d["partial"])
+        a.counters = ptr("unsigned *", d["counters"])
+        a.barrier, a.argmax = ptr("unsigned long long *", sync), ptr("unsigned long long *", sync, 8)
+        a.n_layer, a.n_embd, a.n_head, a.n_kv, a.head_dim = self.n_layer, self.n_embd, self.n_head, self.n_kv, self.hd
+        a.n_ff, a.n_vocab, a.n_rot, a.neox, a.page_size = self.n_ff, self.n_vocab, self.n_rot, self.neox, \
+            pool.page_size
+        a.max_split = GQA_MAX_SPLIT
+        a.rope_base, a.eps, a.scale = self.theta, self.eps, self.scale
+        if lb.strata_decode_step_check(a, layers) != 0:
+            self.step_why = ("needs head_dim 64 / 128, <= 4 query heads per KV head, n_embd / n_ff multiples of 32 "
+                             "and Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K matrices (gate and up of one type)")
+            return False
+        table = cp.asarray(np.frombuffer(ffi.buffer(layers), np.uint8).copy())
+        a.layers = ptr("const strata_step_layer *", table)
+        nb = lb.strata_decode_step_grid(a, STEP_BPS)
+        if nb <= 0:
+            self.step_why = f"no grid for the step (CUDA error {-nb})"
+            return False
+        self._step, self.step_blocks = (a, layers, table, sync), nb
+        return True
+
     def _mv(self, s, ws, x, xq, n_in: int) -> None:
         """y = W x for each (W, y_ptr, n_out) in ws: from the q8_1 blocks xq (already written by the kernel that
         produced x) when the plan runs on int8 activations and W's type has the dp4a kernel, else from f32 x."""
@@ -1019,6 +1132,9 @@ class LlamaCuda:
         ctr = _ffi.cast("unsigned *", d["counters"].data.ptr)
         pt = pool._pt
         _check(lb.strata_get_rows(s, m.tok_embd.ggml_type, _p(m.tok_embd.data), tok_p, _p(d["x"]), 1, E), "rows")
+        if self.step:    # everything after the embedding row in one cooperative launch
+            _check(lb.strata_decode_step(s, self._step[0], self.step_blocks, 1), "strata_decode_step")
+            return
         _check(lb.strata_rms_norm_ex(s, _p(d["x"]), NULL, _dptr(m.layers[0].attn_norm), _p(d["hn"]), NULL, NULL,
                                      hq, 1, E, self.eps), "rms")
         qkv, gu = d["qkv"], d["gu"]
@@ -1088,9 +1204,12 @@ class LlamaCuda:
 
     def _launch(self, length: int) -> None:
         """One step attending over `length` positions, on self.stream (graph replay or eager launches)."""
-        cls = self.size_class(length)
-        v2 = self.decode_attn_v2(cls)
-        n_split = n_split_class(cls, self.n_kv, self.n_sm) if v2 else n_split_for(cls)
+        if self.step:    # the step sizes its attention split from the length itself: one graph for all
+            cls, v2, n_split = -1, True, 0
+        else:
+            cls = self.size_class(length)
+            v2 = self.decode_attn_v2(cls)
+            n_split = n_split_class(cls, self.n_kv, self.n_sm) if v2 else n_split_for(cls)
         if not self.use_graphs:
             self._enqueue_step(n_split, v2)
             return

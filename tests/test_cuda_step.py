@@ -1,0 +1,175 @@
+"""The persistent decode step (native/cuda/decode_step.cu, LlamaCuda with STRATA_CUDA_STEP on): its logits against
+llama.py's eager forward (f32 activations, a different code path: one kernel per op) and against the launch-per-op
+graph, at short and long contexts (one split to dozens of self-merged splits, many pages), on the default model
+(Q4_1, head_dim 64, 3 query heads per KV head) and on synthetic llama models (Q4_K head_dim 128 / 2 per KV head;
+Q8_0 head_dim 64 / 4 per KV head); its fused argmax against the host argmax of its own logits; the fallbacks. The
+greedy run against transformers is tests/test_cuda_parity.py's (the step is the plan's default). The CPU-only tests
+check the cffi declarations against the header and the fused-weight row ranges."""
+
+import re
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from strata.backend import cuda as C
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from tests.cuda_marks import CUDA_WHY  # noqa: E402
+
+gpu = pytest.mark.skipif(CUDA_WHY is not None, reason=f"CUDA backend unavailable: {CUDA_WHY}")
+
+# One step's logits, step vs the launch-per-op graph (both on int8 activations): the sums run in another order,
+# which can flip an int8 rounding of an activation; vs llama.py's eager forward (f32 activations) the int8
+# rounding itself (tests/test_cuda_parity.py measures 5e-3..1.4e-2 for it).
+STEP_VS_GRAPH = 1e-2
+STEP_VS_EAGER = 3e-2
+
+
+# ------------------------------------------------------------------ CPU: declarations and weight row ranges
+def test_step_cdef_matches_header():
+    """The structs and launchers declared for cffi are the header's, character for character (comments and
+    whitespace aside)."""
+    text = re.sub(r"/\*.*?\*/", " ", (ROOT / "native" / "cuda" / "strata_cuda.h").read_text(), flags=re.S)
+    header = re.sub(r"\s+", " ", text)
+    cdef = C._CDEF
+    start = cdef.index("typedef struct { const void *w;")
+    end = cdef.index("int strata_decode_step(void *stream")
+    block = re.sub(r"\s+", " ", cdef[start:cdef.index(";", end) + 1])
+    assert block in header
+    src = (ROOT / "native" / "cuda" / "decode_step.cu").read_text()
+    for name in ("strata_decode_step_check", "strata_decode_step_grid", "strata_decode_step"):
+        assert f'extern "C" int {name}(' in src
+
+
+def _w(rows, cols):
+    return SimpleNamespace(shape=(rows, cols))
+
+
+def test_step_matrices_fused_and_separate():
+    """Fused [q; k; v] and [gate; up] weights become row ranges of one weight; separate ones are used whole."""
+    H, KV, hd, E, F = 4, 2, 64, 256, 512
+    wqkv, wo, wgu, wd = _w(H * hd + 2 * KV * hd, E), _w(E, H * hd), _w(2 * F, E), _w(E, F)
+    fused = SimpleNamespace(wqkv=wqkv, wo=wo, w_gate_up=wgu, w_down=wd, wq=None, wk=None, wv=None, w_gate=None,
+                            w_up=None)
+    m = C.step_matrices(fused, H, KV, hd, F)
+    assert m["q"] == (wqkv, 0, H * hd) and m["k"] == (wqkv, H * hd, KV * hd)
+    assert m["v"] == (wqkv, H * hd + KV * hd, KV * hd)
+    assert m["gate"] == (wgu, 0, F) and m["up"] == (wgu, F, F)
+    assert m["o"] == (wo, 0, E) and m["down"] == (wd, 0, E)
+    wq, wk, wv, wg, wu = _w(H * hd, E), _w(KV * hd, E), _w(KV * hd, E), _w(F, E), _w(F, E)
+    sep = SimpleNamespace(wqkv=None, wo=wo, w_gate_up=None, w_down=wd, wq=wq, wk=wk, wv=wv, w_gate=wg, w_up=wu)
+    m = C.step_matrices(sep, H, KV, hd, F)
+    assert m["q"] == (wq, 0, H * hd) and m["k"] == (wk, 0, KV * hd) and m["v"] == (wv, 0, KV * hd)
+    assert m["gate"] == (wg, 0, F) and m["up"] == (wu, 0, F)
+
+
+# ------------------------------------------------------------------ GPU
+def _default_path():
+    from strata.default_model import default_model_path
+    try:
+        p = default_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    if not p.is_file():
+        pytest.skip(f"default model not at {p}")
+    return p
+
+
+@pytest.fixture(scope="module")
+def model_files(tmp_path_factory):
+    """name -> GGUF path: the default model, a Q4_K llama with head_dim 128 (the benchmark's generator, small), a
+    Q8_0 llama with head_dim 64 and 4 query heads per KV head (strata.synth)."""
+    from bench.gpu_throughput import make_synthetic_llama
+    from strata import synth
+    d = tmp_path_factory.mktemp("step")
+    base = _default_path()
+    q4k = make_synthetic_llama(str(d / "q4k.gguf"), str(base), n_embd=512, n_layer=3, n_head=4, n_kv=2, n_ff=1024,
+                               seed=1)
+    q8 = synth.write_synthetic(d / "q8.gguf", synth.preset("llama", "tiny", n_embd=256, n_layer=2, n_head=4,
+                                                          n_head_kv=1, head_dim=64, n_ff=512, qtype="Q8_0",
+                                                          embd_qtype="Q8_0", tie_embeddings=False, seed=2))
+    return {"default": base, "q4k": Path(q4k), "q8": Path(q8)}
+
+
+def _setup(path, n_ctx=4096):
+    from strata.models.base import load_model
+    model = load_model(path, C.CudaBackend())
+    pool = model.new_page_pool(n_ctx)
+    return model, pool
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@gpu
+@pytest.mark.parametrize("name", ["default", "q4k", "q8"])
+@pytest.mark.parametrize("n_prompt", [5, 700, 3000])
+def test_step_logits_match_eager_and_graph(model_files, name, n_prompt):
+    """After a random prompt, 4 decode steps through the step, the launch-per-op graph and llama.py's forward on
+    three copies of one sequence: logits within STEP_VS_GRAPH / STEP_VS_EAGER, the same greedy token."""
+    model, pool = _setup(model_files[name])
+    plan = C.LlamaCuda(model, pool)
+    assert plan.step, plan.step_why
+    ref_plan = C.LlamaCuda(model, pool)
+    ref_plan.step = False
+    rng = np.random.default_rng(n_prompt)
+    prompt = rng.integers(0, model.config.n_vocab, n_prompt).astype(np.int32)
+    states = [model.new_state(pool) for _ in range(3)]
+    for st in states:
+        for s in range(0, n_prompt, 512):
+            model.forward(prompt[s:s + 512], st)
+    tok = int(prompt[-1])
+    for _ in range(4):
+        a = plan.decode(tok, states[0])
+        b = ref_plan.decode(tok, states[1])
+        c = model.forward(np.asarray([tok], np.int32), states[2])
+        assert _rel(a, b) < STEP_VS_GRAPH, (_rel(a, b), name, n_prompt)
+        assert _rel(a, c) < STEP_VS_EAGER, (_rel(a, c), name, n_prompt)
+        tok = int(np.argmax(c))
+    assert states[0].pos == states[1].pos == states[2].pos == n_prompt + 4
+    assert states[0].tokens == states[2].tokens
+
+
+@gpu
+def test_step_fused_argmax_is_argmax_of_its_logits(model_files):
+    """decode_greedy (the argmax inside the step, the token fed back on the device) chooses, step after step, the
+    host argmax of the logits decode() returns for the same sequence: 24 tokens, and the same final position."""
+    model, pool = _setup(model_files["default"])
+    plan = C.LlamaCuda(model, pool)
+    assert plan.step
+    sa, sb = model.new_state(pool), model.new_state(pool)
+    prompt = np.arange(100, 140, dtype=np.int32)
+    for st in (sa, sb):
+        model.forward(prompt, st)
+    greedy = plan.decode_greedy(7, 24, sa)
+    host, tok = [], 7
+    for _ in range(24):
+        tok = int(np.argmax(plan.decode(tok, sb)))
+        host.append(tok)
+    assert greedy == host
+    assert sa.pos == sb.pos and sa.tokens == sb.tokens
+
+
+@gpu
+def test_step_falls_back_where_it_cannot_run(model_files, monkeypatch):
+    """A q8_0 KV cache and f32 activations keep the launch-per-op graph (step_why says why); STRATA_CUDA_STEP=0
+    turns the step off."""
+    from strata.models.base import load_model
+    q8 = load_model(model_files["default"], C.CudaBackend(kv_dtype="q8_0"))
+    plan = C.LlamaCuda(q8, q8.new_page_pool(512))
+    assert not plan.step and "q8_0" in plan.step_why
+    del plan, q8
+    model = load_model(model_files["default"], C.CudaBackend())
+    monkeypatch.setattr(C, "DP4A", False)
+    plan = C.LlamaCuda(model, model.new_page_pool(512))
+    assert not plan.step and "f32" in plan.step_why
+    monkeypatch.setattr(C, "DP4A", True)
+    monkeypatch.setattr(C, "STEP", False)
+    plan = C.LlamaCuda(model, model.new_page_pool(512))
+    assert not plan.step and plan.step_why == "STRATA_CUDA_STEP=0"
