@@ -12,11 +12,18 @@
 //   E  down projection from those q8_1 blocks, residual added.
 // Then the final RMSNorm, the output head (logits f32) and the argmax (packed (value, index) atomicMax, lowest index
 // on ties, as strata_argmax), written to inp[0] with pos and len advanced, as LlamaCuda's captured step does.
-// While a phase runs, its blocks prefetch the weights of a later phase into L2 (prefetch.global.L2), so DRAM keeps
-// streaming weights across the barriers. The arithmetic is that of the launch-per-op plan (strata_kernels.cu's
+// The arithmetic is that of the launch-per-op plan (strata_kernels.cu's
 // dp4a matvec on q8_1 activations, the same RoPE angles, the same attention body); sums run in another order.
 // Barrier: Cooperative Groups' grid sync scheme (CUDA C++ Programming Guide, "Grid Synchronization") on a 64-bit
 // arrival counter that is never reset (each barrier waits for the next multiple of the grid size).
+//
+// Opt-in (STRATA_CUDA_STEP=1): on the H200 it is slower than the launch-per-op graph (1.7B Q4_K llama: 701 vs 1015
+// tok/s at depth 0). Nsight Compute: 168 registers per thread (the attention body) leave 2 warps per scheduler
+// (12.5% occupancy), each waiting ~12 cycles per instruction, so the dp4a matvec phases run at 12% of DRAM bandwidth
+// (gate / up 19 us and the head 36 us, against ~9 and ~15 us as separate kernels at full occupancy). Measured
+// and dropped: L2 prefetch of the next phase's weights (no gain), cp.async streaming of each block's rows into
+// shared memory (slower: 466 tok/s), 4 blocks per SM (register spills, slower), the dot inlined (slower).
+// See docs/cuda.md.
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
@@ -24,11 +31,13 @@
 #include "strata_cuda.h"
 #include "quant.cuh"
 #include "q8.cuh"
-#include "launch.cuh"
 #include "attn_decode.cuh"
 
 #define ST_THREADS (32 * DA_WARPS)   // the attention body's block size
 #define ST_WARPS DA_WARPS
+#ifndef ST_MIN_BLOCKS
+#define ST_MIN_BLOCKS 4   // blocks per SM the register allocation must allow (<= 128 registers per thread)
+#endif
 
 __device__ __forceinline__ unsigned long long ld_acquire_u64(const unsigned long long *p) {
   unsigned long long v;
@@ -36,31 +45,29 @@ __device__ __forceinline__ unsigned long long ld_acquire_u64(const unsigned long
   return v;
 }
 
-// Every block of the grid arrives before any leaves; writes before it are visible (through L2) after it.
-__device__ __forceinline__ void grid_barrier(unsigned long long *bar) {
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Every block of the grid arrives before any leaves; writes before it are visible (through L2) after it. With a
+// trace buffer, block 0 records when it arrived at barrier k (k = 1, 2, ...) in trace[2k - 1] and when it left it
+// in trace[2k]; trace[0]: the kernel's start.
+__device__ __forceinline__ void grid_barrier(unsigned long long *bar, unsigned long long *trace, int &k) {
   __syncthreads();
   if (threadIdx.x == 0) {
     const unsigned long long nb = gridDim.x;
+    if (trace && blockIdx.x == 0) trace[++k] = global_ns();
     __threadfence();
     const unsigned long long old = atomicAdd(bar, 1ull);
     const unsigned long long target = (old / nb + 1) * nb;
     while (ld_acquire_u64(bar) < target) {
     }
     __threadfence();
+    if (trace && blockIdx.x == 0) trace[++k] = global_ns();
   }
   __syncthreads();
-}
-
-// Prefetch [p, p + bytes) into L2, the 128-byte lines spread over every thread of the grid.
-__device__ __forceinline__ void prefetch_range(const void *p, long long bytes) {
-  const char *c = reinterpret_cast<const char *>(p);
-  const long long stride = (long long)gridDim.x * ST_THREADS * 128;
-  for (long long o = (long long)(blockIdx.x * ST_THREADS + threadIdx.x) * 128; o < bytes; o += stride)
-    prefetch_l2(c + o);
-}
-
-__device__ __forceinline__ void prefetch_mat(const strata_step_mat &m) {
-  prefetch_range(m.w, (long long)m.rows * m.row_bytes);
 }
 
 __device__ __forceinline__ const uint8_t *mat_row(const strata_step_mat &m, int r) {
@@ -112,16 +119,29 @@ __device__ __forceinline__ float f4_at(const float4 &v, int i) {
 }
 
 // RMSNorm of the residual row x (n f32, read through L2) with weight w into shared memory as q8_1 blocks (xs int8
-// [n], then float2 [n / 32]); k_rms_norm_r's arithmetic.
+// [n], then float2 [n / 32]); k_rms_norm_r's arithmetic. Up to 16 * ST_THREADS values are loaded at once and kept in
+// registers.
 __device__ void norm_to_smem(const float *x, const float *__restrict__ w, int n, float eps, int8_t *xs,
                              float *red) {
+  constexpr int NPT = 16;
   float2 *xds = reinterpret_cast<float2 *>(xs + n);
   const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+  const bool regs = n <= NPT * ST_THREADS;
+  float v[NPT];
   float ss = 0.f;
-#pragma unroll 4
-  for (int i = threadIdx.x; i < n; i += ST_THREADS) {
-    const float v = __ldcg(x + i);
-    ss += v * v;
+  if (regs) {
+#pragma unroll
+    for (int k = 0; k < NPT; k++) {
+      const int i = threadIdx.x + k * ST_THREADS;
+      v[k] = i < n ? __ldcg(x + i) : 0.f;
+    }
+#pragma unroll
+    for (int k = 0; k < NPT; k++) ss += v[k] * v[k];
+  } else {
+    for (int i = threadIdx.x; i < n; i += ST_THREADS) {
+      const float t = __ldcg(x + i);
+      ss += t * t;
+    }
   }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
@@ -131,9 +151,17 @@ __device__ void norm_to_smem(const float *x, const float *__restrict__ w, int n,
 #pragma unroll
   for (int k = 0; k < ST_WARPS; k++) tot += red[k];
   const float r = rsqrtf(tot / (float)n + eps);
-  for (int i0 = 32 * wid; i0 < n; i0 += ST_THREADS) {   // whole warps: n % 32 == 0
-    const int i = i0 + lane;
-    q8_store(__ldcg(x + i) * r * __ldg(w + i), i, xs, xds);
+  if (regs) {   // warp wid holds elements [k * ST_THREADS + 32 wid, + 32): whole q8_1 blocks (n % 32 == 0)
+#pragma unroll
+    for (int k = 0; k < NPT; k++) {
+      const int i0 = k * ST_THREADS + 32 * wid;
+      if (i0 < n) q8_store(v[k] * r * __ldg(w + i0 + lane), i0 + lane, xs, xds);
+    }
+  } else {
+    for (int i0 = 32 * wid; i0 < n; i0 += ST_THREADS) {
+      const int i = i0 + lane;
+      q8_store(__ldcg(x + i) * r * __ldg(w + i), i, xs, xds);
+    }
   }
   __syncthreads();
 }
@@ -159,14 +187,16 @@ __device__ __forceinline__ bool pair_rows(int j, int rl, int neox, int &a, int &
   return false;
 }
 
-// x[r] += row r of m . xs for every row, groups of four rows per warp (the residual add of C and E).
+// x[r] += row r of m . xs for every row, groups of four rows per warp (the residual add of C and E); x[r] is read
+// before the dot so that its load overlaps the weights'.
 __device__ __forceinline__ void matvec_residual(const strata_step_mat &m, const int8_t *xs, int n_units, float *x,
                                                 int n_rows, int gw, int nw, int lane) {
   for (int g = gw; 4 * g < n_rows; g += nw) {
     const int r0 = 4 * g;
+    const float xr = lane < 4 && r0 + lane < n_rows ? __ldcg(x + r0 + lane) : 0.f;
     const float4 d = dot4(m.type, mat_row(m, r0), mat_row(m, r0 + 1), mat_row(m, r0 + 2), mat_row(m, r0 + 3), xs,
                           n_units);
-    if (lane < 4 && r0 + lane < n_rows) x[r0 + lane] = __ldcg(x + r0 + lane) + f4_at(d, lane);
+    if (lane < 4 && r0 + lane < n_rows) x[r0 + lane] = xr + f4_at(d, lane);
   }
 }
 
@@ -180,23 +210,32 @@ __device__ __forceinline__ unsigned long long argmax_key(float v, int i) {
 }
 
 template <int LP, int G>
-__global__ void __launch_bounds__(ST_THREADS) k_decode_step(const strata_step_args a) {
-  constexpr int hd = 8 * LP;
-  extern __shared__ __align__(16) int8_t xs[];
+__global__ void __launch_bounds__(ST_THREADS, ST_MIN_BLOCKS) k_decode_step(const strata_step_args a) {
+  constexpr int hd = 8 * LP, half = hd / 2;
+  extern __shared__ __align__(16) int8_t xs[];      // the activation vector as q8_1 blocks
   __shared__ float red[ST_WARPS];
   __shared__ float sv[32];
+  __shared__ float2 rope_cs[half];                   // (cos, sin) of RoPE pair j at this position
   const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
   const int gw = blockIdx.x * ST_WARPS + wid, nw = gridDim.x * ST_WARPS;
   const int E = a.n_embd, H = a.n_head, KV = a.n_kv, F = a.n_ff, nq = H * hd, V = a.n_vocab;
   const int pos = a.inp[1], len = a.inp[2];
-  const int half = hd / 2, n_groups_qkv = (H + 2 * KV) * half / 2;
+  const int n_groups_qkv = (H + 2 * KV) * half / 2;
+  int tk = 0;   // trace index (thread 0 of block 0)
+  if (a.trace && blockIdx.x == 0 && threadIdx.x == 0) a.trace[0] = global_ns();
   int n_split = min(min(max(1, (int)gridDim.x / KV), (len + 63) / 64), a.max_split);
   n_split = max(n_split, 1);
+  if (threadIdx.x < half) {   // RoPE angles as k_rope_kv_decode computes them (float64), once per step
+    const int rl = a.n_rot, j = threadIdx.x;
+    if (j < rl / 2) {
+      const double ang = (double)pos * pow((double)a.rope_base, -2.0 * (double)j / (double)rl);
+      rope_cs[j] = make_float2((float)cos(ang), (float)sin(ang));
+    }
+  }
   for (int li = 0; li < a.n_layer; li++) {
     const strata_step_layer &L = a.layers[li];
     __half *kc = reinterpret_cast<__half *>(L.k_cache), *vc = reinterpret_cast<__half *>(L.v_cache);
-    // ---- A: RMSNorm, Q / K / V, RoPE, K / V write
-    prefetch_mat(L.o);
+    // ---- A: RMSNorm, Q / K / V, RoPE, K / V write (rope_cs is visible after the norm's barrier)
     norm_to_smem(a.x, L.attn_norm, E, a.eps, xs, red);
     for (int g = gw; g < n_groups_qkv; g += nw) {
       const int p0 = 2 * g, h = p0 / half, j0 = p0 % half;   // pairs j0, j0 + 1 of head h (same head: half even)
@@ -211,13 +250,11 @@ __global__ void __launch_bounds__(ST_THREADS) k_decode_step(const strata_step_ar
                             mat_row(m, base + rb1), xs, E / 32);
       if (lane < 2) {
         const int j = j0 + lane;
-        int ra, rb;
-        const bool rot = pair_rows(j, rl, a.neox, ra, rb);
+        const int ra = lane ? ra1 : ra0, rb = lane ? rb1 : rb0;
         float y0 = lane ? d.z : d.x, y1 = lane ? d.w : d.y;
-        if (rot) {   // the angle as k_rope_kv_decode computes it (float64)
-          const double ang = (double)pos * pow((double)a.rope_base, -2.0 * (double)j / (double)rl);
-          const float c = (float)cos(ang), s = (float)sin(ang);
-          const float t0 = y0 * c - y1 * s, t1 = y0 * s + y1 * c;
+        if (j < rl / 2) {
+          const float2 cs = rope_cs[j];
+          const float t0 = y0 * cs.x - y1 * cs.y, t1 = y0 * cs.y + y1 * cs.x;
           y0 = t0;
           y1 = t1;
         }
@@ -232,31 +269,20 @@ __global__ void __launch_bounds__(ST_THREADS) k_decode_step(const strata_step_ar
         }
       }
     }
-    grid_barrier(a.barrier);
+    grid_barrier(a.barrier, a.trace, tk);
     // ---- B: attention
-    prefetch_mat(L.gate);
-    prefetch_mat(L.up);
     for (int it = blockIdx.x; it < KV * n_split; it += gridDim.x) {
       attn_gqa_block<LP, G, false, true, true>(it % KV, it / KV, a.q, kc, vc, nullptr, nullptr, a.page_table, len,
                                                a.ws, a.counters, a.att, reinterpret_cast<int8_t *>(a.att_q8), H, KV,
                                                a.page_size, n_split, a.scale);
       __syncthreads();
     }
-    grid_barrier(a.barrier);
+    grid_barrier(a.barrier, a.trace, tk);
     // ---- C: output projection + residual
-    prefetch_mat(L.down);
     q8_to_smem(reinterpret_cast<const int8_t *>(a.att_q8), nq, xs);
     matvec_residual(L.o, xs, nq / 32, a.x, E, gw, nw, lane);
-    grid_barrier(a.barrier);
+    grid_barrier(a.barrier, a.trace, tk);
     // ---- D: RMSNorm, gate / up, SwiGLU -> q8_1 blocks
-    if (li + 1 < a.n_layer) {
-      const strata_step_layer &N = a.layers[li + 1];
-      prefetch_mat(N.q);
-      prefetch_mat(N.k);
-      prefetch_mat(N.v);
-    } else {   // the first part of the output head (it does not fit in L2 whole)
-      prefetch_range(a.head.w, min((long long)a.head.rows * a.head.row_bytes, 24LL << 20));
-    }
     norm_to_smem(a.x, L.ffn_norm, E, a.eps, xs, red);
     int8_t *act = reinterpret_cast<int8_t *>(a.act_q8);
     for (int ub = blockIdx.x; 32 * ub < F; ub += gridDim.x) {
@@ -274,19 +300,20 @@ __global__ void __launch_bounds__(ST_THREADS) k_decode_step(const strata_step_ar
       if (wid == 0) q8_store(sv[lane], 32 * ub + lane, act, reinterpret_cast<float2 *>(act + F));
       __syncthreads();
     }
-    grid_barrier(a.barrier);
+    grid_barrier(a.barrier, a.trace, tk);
     // ---- E: down projection + residual
     q8_to_smem(act, F, xs);
     matvec_residual(L.down, xs, F / 32, a.x, E, gw, nw, lane);
-    grid_barrier(a.barrier);
+    grid_barrier(a.barrier, a.trace, tk);
   }
   // ---- final RMSNorm, output head, argmax
   norm_to_smem(a.x, a.out_norm, E, a.eps, xs, red);
+  const strata_step_mat head = a.head;
   unsigned long long best = 0ull;
   for (int g = gw; 4 * g < V; g += nw) {
     const int r0 = 4 * g;
-    const float4 d = dot4(a.head.type, mat_row(a.head, r0), mat_row(a.head, r0 + 1), mat_row(a.head, r0 + 2),
-                          mat_row(a.head, r0 + 3), xs, E / 32);
+    const float4 d = dot4(head.type, mat_row(head, r0), mat_row(head, r0 + 1), mat_row(head, r0 + 2),
+                          mat_row(head, r0 + 3), xs, E / 32);
     if (lane < 4 && r0 + lane < V) {
       const float v = f4_at(d, lane);
       a.logits[r0 + lane] = v;
@@ -300,7 +327,7 @@ __global__ void __launch_bounds__(ST_THREADS) k_decode_step(const strata_step_ar
     best = t > best ? t : best;
   }
   if (lane == 0 && best) atomicMax(a.argmax, best);
-  grid_barrier(a.barrier);
+  grid_barrier(a.barrier, a.trace, tk);
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     const unsigned long long b = ld_acquire_u64(a.argmax);
     a.inp[0] = b ? (int)(0xffffffffu - (unsigned)(b & 0xffffffffull)) : 0;
@@ -318,6 +345,7 @@ static bool mat_ok(const strata_step_mat &m, int rows, int n_in) {
          (m.row_bytes & 3) == 0;
 }
 
+
 static int scalars_ok(const strata_step_args *a) {
   if (!a || a->n_layer < 1 || a->n_embd <= 0 || a->n_embd % 32 || a->n_ff <= 0 || a->n_ff % 32 || a->n_kv <= 0 ||
       a->n_head % a->n_kv || a->n_head / a->n_kv > 4 || (a->head_dim != 64 && a->head_dim != 128) ||
@@ -327,7 +355,7 @@ static int scalars_ok(const strata_step_args *a) {
   return 1;
 }
 
-extern "C" int strata_decode_step_check(const strata_step_args *a, const strata_step_layer *layers) {
+extern "C" int strata_decode_step_check(strata_step_args *a, const strata_step_layer *layers) {
   if (!scalars_ok(a) || !layers) return (int)cudaErrorInvalidValue;
   const int E = a->n_embd, nq = a->n_head * a->head_dim, kvd = a->n_kv * a->head_dim, F = a->n_ff;
   for (int i = 0; i < a->n_layer; i++) {
@@ -338,15 +366,13 @@ extern "C" int strata_decode_step_check(const strata_step_args *a, const strata_
       return (int)cudaErrorInvalidValue;
   }
   if (!mat_ok(a->head, a->n_vocab, E) || !a->out_norm) return (int)cudaErrorInvalidValue;
+  int n = E > nq ? E : nq;
+  n = F > n ? F : n;
+  a->xs_bytes = (n + n / 4 + 15) / 16 * 16;
   return 0;
 }
 
-static size_t step_smem(const strata_step_args *a) {
-  int n = a->n_embd;
-  if (a->n_head * a->head_dim > n) n = a->n_head * a->head_dim;
-  if (a->n_ff > n) n = a->n_ff;
-  return (size_t)(n + n / 4 + 15) / 16 * 16;
-}
+static size_t step_smem(const strata_step_args *a) { return (size_t)a->xs_bytes; }
 
 typedef void (*step_kernel_t)(const strata_step_args);
 
@@ -373,7 +399,7 @@ extern "C" int strata_decode_step_grid(const strata_step_args *a, int blocks_per
 }
 
 extern "C" int strata_decode_step(void *stream, const strata_step_args *a, int n_blocks, int cooperative) {
-  if (!scalars_ok(a) || n_blocks < 1) return (int)cudaErrorInvalidValue;
+  if (!scalars_ok(a) || n_blocks < 1 || a->xs_bytes < 16) return (int)cudaErrorInvalidValue;   // checked args
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3((unsigned)n_blocks);
   cfg.blockDim = dim3(ST_THREADS);

@@ -223,7 +223,8 @@ int strata_gdn_gated_norm_rows(void *stream, const float *o, const float *z, int
  * token's embedding row on entry; the last layer's output on return), q f32 (n_head*hd), att f32 (n_head*hd) and
  * att_q8 / act_q8 q8_1 blocks (strata_quantize_q8_1's layout) of n_head*hd and n_ff values, ws f32 (n_head *
  * max_split * (hd + 2)), counters uint32 (n_kv, zero, left zero), barrier uint64 (used by one grid size only),
- * argmax uint64 (zero, left zero). hd 64 or 128, n_head / n_kv <= 4, n_embd and n_ff multiples of 32 and of the
+ * argmax uint64 (zero, left zero), trace uint64 (NULL, or 10 * n_layer + 3: %globaltimer ns of block 0 at the start and
+ * when it arrives at / leaves each grid barrier, for profiling). hd 64 or 128, n_head / n_kv <= 4, n_embd and n_ff multiples of 32 and of the
  * matrices' block sizes, max_split <= 256. */
 typedef struct { const void *w; long long row_bytes; int type; int rows; } strata_step_mat;
 typedef struct {
@@ -241,12 +242,14 @@ typedef struct {
   void *att_q8, *act_q8;
   float *logits, *ws;
   unsigned *counters;
-  unsigned long long *barrier, *argmax;
+  unsigned long long *barrier, *argmax, *trace;
   int n_layer, n_embd, n_head, n_kv, head_dim, n_ff, n_vocab, n_rot, neox, page_size, max_split;
+  int xs_bytes;
   float rope_base, eps, scale;
 } strata_step_args;
-/* 0 if the step can run these arguments (scalars and every matrix: host copies of the layers), else an error. */
-int strata_decode_step_check(const strata_step_args *a, const strata_step_layer *layers);
+/* 0 if the step can run these arguments (scalars and every matrix: host copies of the layers), else an error; fills
+ * a->xs_bytes (its shared memory: the q8_1 activation vector). */
+int strata_decode_step_check(strata_step_args *a, const strata_step_layer *layers);
 /* The grid size for blocks_per_sm blocks per SM (capped by the kernel's occupancy), or minus a CUDA error. */
 int strata_decode_step_grid(const strata_step_args *a, int blocks_per_sm);
 /* Launch the step on n_blocks blocks (<= strata_decode_step_grid: every block must be resident), cooperative: with

@@ -100,11 +100,12 @@ typedef struct {
   void *att_q8, *act_q8;
   float *logits, *ws;
   unsigned *counters;
-  unsigned long long *barrier, *argmax;
+  unsigned long long *barrier, *argmax, *trace;
   int n_layer, n_embd, n_head, n_kv, head_dim, n_ff, n_vocab, n_rot, neox, page_size, max_split;
+  int xs_bytes;
   float rope_base, eps, scale;
 } strata_step_args;
-int strata_decode_step_check(const strata_step_args *a, const strata_step_layer *layers);
+int strata_decode_step_check(strata_step_args *a, const strata_step_layer *layers);
 int strata_decode_step_grid(const strata_step_args *a, int blocks_per_sm);
 int strata_decode_step(void *stream, const strata_step_args *a, int n_blocks, int cooperative);
 """
@@ -161,9 +162,11 @@ KV_DTYPES = ("f16", "q8_0")   # KV cache types of CudaPagePool (--kv)
 
 # The persistent decode step (decode_step.cu: one cooperative launch per token, grid-wide barriers between the
 # phases of each layer instead of ~9 launches per layer) for llama models it can run (f16 KV cache, head_dim 64 /
-# 128, <= 4 query heads per KV head, dp4a weight types): on by default; STRATA_CUDA_STEP=0 keeps the launch-per-op
-# graph. STRATA_CUDA_STEP_BPS: blocks (of 128 threads) per multiprocessor, capped by the kernel's occupancy.
-STEP = os.environ.get("STRATA_CUDA_STEP", "1") not in ("0", "false", "no", "off", "")
+# 128, <= 4 query heads per KV head, dp4a weight types): opt-in, STRATA_CUDA_STEP=1. Measured on the H200 it is
+# slower than the launch-per-op graph (1.7B Q4_K llama at depth 0: 701 vs 1015 tok/s; its 168 registers per thread
+# leave 2 warps per scheduler, see docs/cuda.md). STRATA_CUDA_STEP_BPS: blocks (of 128 threads) per multiprocessor,
+# capped by the kernel's occupancy (2 on the H200).
+STEP = os.environ.get("STRATA_CUDA_STEP", "0") not in ("0", "false", "no", "off", "")
 STEP_BPS = int(os.environ.get("STRATA_CUDA_STEP_BPS", "2") or 2)
 
 MAX_SPLIT = 256          # split-K partitions of the v1 decode attention (about 64 positions each)
@@ -1008,9 +1011,9 @@ class LlamaCuda:
         self.step_why: str | None = None       # why the persistent decode step is off (None: on)
         self.step_blocks = 0
         self._step: tuple | None = None
-        self.step = STEP and self._build_step()
+        self.step = STEP and self.prepare_step()
         if not STEP:
-            self.step_why = "STRATA_CUDA_STEP=0"
+            self.step_why = "off (STRATA_CUDA_STEP=1 turns it on)"
         layers = model.layers
         self.weight_bytes = sum(w.nbytes for L in layers for w in
                                 (L.wqkv, L.wq, L.wk, L.wv, L.wo, L.w_gate_up, L.w_gate, L.w_up, L.w_down)
@@ -1040,9 +1043,12 @@ class LlamaCuda:
                                                   for L in self.model.layers)
 
     # ---- the decode step
-    def _build_step(self) -> bool:
+    def prepare_step(self) -> bool:
         """Fill the persistent decode step's arguments (strata_step_args, its layer table copied to the device) for
-        this model and pool; False, with self.step_why saying why, when strata_decode_step cannot run them."""
+        this model and pool (once; then setting self.step = True routes decode steps to it); False, with
+        self.step_why saying why, when strata_decode_step cannot run them."""
+        if self._step is not None:
+            return True
         if not self.dp4a:
             self.step_why = "f32 activations (STRATA_CUDA_DP4A=0)"
             return False
@@ -1065,8 +1071,8 @@ class LlamaCuda:
             if not all(setmat(getattr(layers[li], k), *v) for k, v in mats.items()):
                 self.step_why = "a matrix is not in GGUF blocks on the device"
                 return False
-            layers[li].attn_norm = ptr("const float *", L.attn_norm.data)
-            layers[li].ffn_norm = ptr("const float *", L.ffn_norm.data)
+            layers[li].attn_norm = ffi.cast("const float *", _dptr(L.attn_norm))
+            layers[li].ffn_norm = ffi.cast("const float *", _dptr(L.ffn_norm))
             slot = pool.slot(li)
             layers[li].k_cache, layers[li].v_cache = _p(pool.k[slot]), _p(pool.v[slot])
         a = ffi.new("strata_step_args *")
@@ -1074,7 +1080,7 @@ class LlamaCuda:
         if not setmat(a.head, m.output, 0, self.n_vocab):
             self.step_why = "the output head is not in GGUF blocks"
             return False
-        a.out_norm = ptr("const float *", m.out_norm.data)
+        a.out_norm = ffi.cast("const float *", _dptr(m.out_norm))
         a.inp, a.page_table = ptr("int *", d["inp"]), ptr("const int *", pool._pt)
         a.x, a.q, a.att = ptr("float *", d["x"]), ptr("float *", d["qkv"]), ptr("float *", d["att"])
         a.att_q8, a.act_q8 = _p(d["aq"]), _p(d["fq"])
@@ -1096,7 +1102,7 @@ class LlamaCuda:
         if nb <= 0:
             self.step_why = f"no grid for the step (CUDA error {-nb})"
             return False
-        self._step, self.step_blocks = (a, layers, table, sync), nb
+        self._step, self.step_blocks, self.step_why = (a, layers, table, sync), nb, None
         return True
 
     def _mv(self, s, ws, x, xq, n_in: int) -> None:
