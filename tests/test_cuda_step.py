@@ -19,9 +19,7 @@ from strata.backend import cuda as C
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from tests.cuda_marks import CUDA_WHY  # noqa: E402
-
-gpu = pytest.mark.skipif(CUDA_WHY is not None, reason=f"CUDA backend unavailable: {CUDA_WHY}")
+from tests.cuda_marks import default_model_missing, gpu, rel_l2  # noqa: E402
 
 # The step's logits vs the launch-per-op graph and vs llama.py's eager forward, at the first decode step after a
 # shared prefill. All three round activations to int8 (q8_1) blocks before each matvec, so a 1e-7 difference in
@@ -73,14 +71,11 @@ def test_step_matrices_fused_and_separate():
 
 # ------------------------------------------------------------------ GPU
 def _default_path():
+    why = default_model_missing()
+    if why:
+        pytest.skip(why)
     from strata.default_model import default_model_path
-    try:
-        p = default_model_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    if not p.is_file():
-        pytest.skip(f"default model not at {p}")
-    return p
+    return default_model_path()
 
 
 @pytest.fixture(scope="module")
@@ -116,11 +111,6 @@ def _setup(path, n_ctx=12000):
     return model, pool
 
 
-def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
 @gpu
 @pytest.mark.parametrize("name,n_prompt", [("default", 5), ("default", 700), ("default", 3000), ("q4k", 5),
                                            ("q4k", 700), ("q4", 700), ("q4", 3000), ("q8", 5), ("q8", 700)])
@@ -147,8 +137,8 @@ def test_step_logits_match_eager_and_graph(model_files, name, n_prompt, step_on)
         c = model.forward(np.asarray([tok], np.int32), states[2])
         assert np.isfinite(a).all() and np.isfinite(c).all()
         if i == 0:
-            assert _rel(a, b) < FIRST_STEP_REL_L2, (_rel(a, b), name, n_prompt)
-            assert _rel(a, c) < FIRST_STEP_REL_L2, (_rel(a, c), name, n_prompt)
+            assert rel_l2(a, b) < FIRST_STEP_REL_L2, (rel_l2(a, b), name, n_prompt)
+            assert rel_l2(a, c) < FIRST_STEP_REL_L2, (rel_l2(a, c), name, n_prompt)
         ta, tc = int(np.argmax(a)), int(np.argmax(c))
         assert ta == tc or c[tc] - c[ta] < NEAR_TIE_LOGIT, (i, ta, tc, c[tc] - c[ta])
         tok = tc
