@@ -248,7 +248,7 @@ def test_device_path_control_flow_with_numpy(arch, tmp_path, monkeypatch):
     toks = np.random.default_rng(2).integers(0, ref.config.n_vocab, 40).astype(np.int32)
     sa, sb = ref.new_state(ref.new_page_pool(128)), dev.new_state(dev.new_page_pool(128))
     la, lb = ref.forward(toks[:30], sa), dev.forward(toks[:30], sb)
-    assert rel_l2(lb, la) < 1e-6
+    assert rel_l2(lb, la) < 1e-5   # float32 in another summation order: 1.1e-6 on the H200 host's numpy, < 1e-6 here
     for t in toks[30:]:                                   # decode: the recurrent kernel's branch
         la, lb = ref.forward(np.array([t], np.int32), sa), dev.forward(np.array([t], np.int32), sb)
         assert rel_l2(lb, la) < 1e-5
