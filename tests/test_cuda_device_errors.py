@@ -15,8 +15,28 @@ def _default_model():
 def test_bad_device_index_is_a_clear_error():
     _default_model()
     from strata.engine import Engine
-    with pytest.raises(ValueError, match="unknown device 'cuda:x'"):
-        Engine("default", device="cuda:x")
+    for bad in ("cuda:x", "cudafoo", "cuda:-1", "gpu", "cuda:"):
+        with pytest.raises(ValueError, match=f"unknown device '{bad}'"):
+            Engine("default", device=bad)
+
+
+def test_parse_device():
+    from strata.engine.engine import parse_device
+    assert parse_device("cpu") == ("cpu", 0) and parse_device("cuda") == ("cuda", 0)
+    assert parse_device("cuda:3") == ("cuda", 3)
+    with pytest.raises(ValueError, match="use 'cpu' or 'cuda\\[:N\\]'"):
+        parse_device("cuda1")
+
+
+def test_cli_bad_device_is_refused_before_the_daemon_starts(tmp_path):
+    """`strata serve --device foo`: argparse's one-line error (exit 2); nothing listens, no socket file is left."""
+    import subprocess
+    import sys
+    sock = tmp_path / "s.sock"
+    r = subprocess.run([sys.executable, "-m", "strata.cli.main", "serve", "--device", "foo", "--socket", str(sock)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "unknown device 'foo'" in r.stderr
+    assert "listening" not in r.stderr + r.stdout and not sock.exists()
 
 
 @pytest.mark.skipif(C.unavailable_reason() is None, reason="a GPU is present: the unavailable path cannot run")

@@ -34,7 +34,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--ubatch", "-ub", type=_pos_int, default=512,
                    help="tokens per forward call while reading a prompt (default 512)")
     m.add_argument("--threads", "-t", type=_pos_int, default=None, help="CPU threads (default: all cores)")
-    m.add_argument("--device", default="cpu", help="'cpu' (default) or 'cuda[:N]'")
+    m.add_argument("--device", type=_device, default="cpu", help="'cpu' (default) or 'cuda[:N]'")
     m.add_argument("--kv", default="f16", choices=("f16", "q8_0"),
                    help="KV cache type on CUDA: f16 (default) or q8_0 (int8 + a scale per 32 values, ~half the "
                         "memory); the CPU backend keeps float32")
@@ -67,6 +67,16 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--frequency-penalty", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def _device(s: str) -> str:
+    """--device: 'cpu', 'cuda' or 'cuda:N', refused by argparse (exit 2, before anything starts) otherwise."""
+    from strata.engine.engine import parse_device
+    try:
+        parse_device(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return s
 
 
 def _pos_int(s: str) -> int:

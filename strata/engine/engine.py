@@ -56,8 +56,7 @@ class Engine:
             raise ValueError(f"ubatch must be >= 1, got {ubatch}")
         if prompt_cache < 0:
             raise ValueError(f"prompt_cache must be >= 0, got {prompt_cache}")
-        if device != "cpu" and not str(device).startswith("cuda"):
-            raise ValueError(f"unknown device {device!r}: use 'cpu' or 'cuda[:N]'")
+        parse_device(device)
         if kv not in ("f16", "q8_0"):
             raise ValueError(f"unknown KV cache type {kv!r}: use 'f16' or 'q8_0'")
         if kv != "f16" and device == "cpu":
@@ -435,18 +434,26 @@ def _rss_bytes() -> int | None:
         return None
 
 
+def parse_device(device) -> tuple[str, int]:
+    """('cpu', 0) for 'cpu', ('cuda', N) for 'cuda' (N = 0) or 'cuda:N' (N a non-negative integer); ValueError
+    naming the accepted forms for anything else."""
+    d = str(device)
+    if d in ("cpu", "cuda"):
+        return d, 0
+    if d.startswith("cuda:") and d[5:].isdigit():
+        return "cuda", int(d[5:])
+    raise ValueError(f"unknown device {device!r}: use 'cpu' or 'cuda[:N]'")
+
+
 def _make_backend(device: str, kv: str = "f16"):
-    if device == "cpu":
+    kind, idx = parse_device(device)
+    if kind == "cpu":
         from strata.backend.cpu import CPUBackend
         return CPUBackend()
     try:
         from strata.backend.cuda import CUDABackend, CudaUnavailable
     except ImportError as e:
         raise ValueError(f"device {device!r} needs the CUDA backend, which is not available: {e}") from None
-    try:
-        idx = int(device.split(":", 1)[1]) if ":" in device else 0
-    except ValueError:
-        raise ValueError(f"unknown device {device!r}: use 'cpu' or 'cuda[:N]'") from None
     try:
         return CUDABackend(idx, kv_dtype=kv)
     except CudaUnavailable as e:
