@@ -69,6 +69,75 @@ def test_step_matrices_fused_and_separate():
     assert m["gate"] == (wg, 0, F) and m["up"] == (wu, 0, F)
 
 
+def _host_library():
+    """The kernel library through cffi without CuPy or a GPU (strata_decode_step_check is host code), or skip."""
+    if not C._lib_path().exists():
+        pytest.skip(f"kernel library {C._lib_path()} not built (no nvcc)")
+    try:
+        return C.open_kernel_library(C._CDEF)
+    except OSError as e:
+        pytest.skip(f"kernel library cannot be loaded here: {e}")
+
+
+def _valid_step_args(ffi, E=256, H=4, KV=2, hd=64, F=512, V=1000, n_layer=2, t=12):
+    """Host-side strata_step_args / layers of a consistent Q4_K llama shape (fake 16-byte aligned addresses)."""
+    rb = lambda n_in: n_in // 256 * 144   # noqa: E731  Q4_K row bytes
+    addr = iter(range(1 << 20, 1 << 40, 1 << 20))
+    layers = ffi.new("strata_step_layer[]", n_layer)
+    for L in layers:
+        for name, rows, n_in in (("q", H * hd, E), ("k", KV * hd, E), ("v", KV * hd, E), ("o", E, H * hd),
+                                 ("gate", F, E), ("up", F, E), ("down", E, F)):
+            m = getattr(L, name)
+            m.w, m.row_bytes, m.type, m.rows = ffi.cast("void *", next(addr)), rb(n_in), t, rows
+        L.attn_norm = L.ffn_norm = ffi.cast("const float *", next(addr))
+        L.k_cache = L.v_cache = ffi.cast("void *", next(addr))
+    a = ffi.new("strata_step_args *")
+    a.head.w, a.head.row_bytes, a.head.type, a.head.rows = ffi.cast("void *", next(addr)), rb(E), t, V
+    a.out_norm = ffi.cast("const float *", next(addr))
+    a.n_layer, a.n_embd, a.n_head, a.n_kv, a.head_dim, a.n_ff, a.n_vocab = n_layer, E, H, KV, hd, F, V
+    a.n_rot, a.page_size, a.max_split = hd, 256, 256
+    return a, layers
+
+
+def test_step_check_accepts_a_valid_shape_and_sizes_its_shared_memory():
+    ffi, lib = _host_library()
+    a, layers = _valid_step_args(ffi)
+    assert lib.strata_decode_step_check(a, layers) == 0
+    n = 512                                               # max(n_embd, n_head * hd, n_ff)
+    assert a.xs_bytes == (n + n // 4 + 15) // 16 * 16     # int8 values + a float2 per 32
+
+
+@pytest.mark.parametrize("bad", ["head_dim", "gqa", "gate_type", "row_bytes", "misaligned", "rows", "type",
+                                 "n_embd", "max_split", "no_cache"])
+def test_step_check_refuses_what_it_cannot_run(bad):
+    """Each shape the kernel cannot take is refused by the host check (an error code, nothing launched)."""
+    ffi, lib = _host_library()
+    a, layers = _valid_step_args(ffi)
+    L = layers[1]
+    if bad == "head_dim":
+        a.head_dim = 96
+    elif bad == "gqa":
+        a.n_head, a.n_kv = 10, 2                          # 5 query heads per KV head (at most 4)
+    elif bad == "gate_type":
+        L.up.type, L.up.row_bytes = 14, 256 // 256 * 210  # Q6_K up with Q4_K gate
+    elif bad == "row_bytes":
+        L.down.row_bytes += 4
+    elif bad == "misaligned":
+        L.o.w = ffi.cast("void *", int(ffi.cast("intptr_t", L.o.w)) + 8)
+    elif bad == "rows":
+        L.k.rows -= 1
+    elif bad == "type":
+        a.head.type = 1                                   # F16: no dp4a dot
+    elif bad == "n_embd":
+        a.n_embd = 250
+    elif bad == "max_split":
+        a.max_split = 257
+    elif bad == "no_cache":
+        L.v_cache = ffi.NULL
+    assert lib.strata_decode_step_check(a, layers) != 0
+    assert lib.strata_decode_step(ffi.NULL, ffi.new("strata_step_args *"), 1, 1) != 0   # unchecked args: refused
+
+
 # ------------------------------------------------------------------ GPU
 def _default_path():
     why = default_model_missing()
