@@ -163,7 +163,8 @@ def bench_strata(path: str, prompts, depths, n_gen: int, ubatch: int, bw: float,
     """Strata as the engine runs it on CUDA (CudaBackend.fast_path): the LlamaCuda plan's prefill for ubatch-sized
     forward calls and its CUDA-graph decode step (greedy, argmax on the device; int8 activations, the default: the
     launch-per-op CUDA graph). Decode is timed again with the opt-in persistent decode step (decode_step;
-    STRATA_CUDA_STEP=1; with the step on, decode_no_step is the graph) and, on the graph, without programmatic dependent
+    STRATA_CUDA_STEP=1; with the step on, decode_no_step is the graph), with every matvec one warp per row
+    (decode_no_mvblock; STRATA_CUDA_MV_BLOCK_FROM=0) and, on the graph, without programmatic dependent
     launch (decode_no_pdl; STRATA_CUDA_PDL=0, whose greedy tokens must be the same), with the fused-SwiGLU setting
     flipped (decode_glu: the opt-in
     STRATA_CUDA_GLU=1 kernel when it is off, as by default; same tokens), with the GQA decode attention kernel at
@@ -209,19 +210,22 @@ def bench_strata(path: str, prompts, depths, n_gen: int, ubatch: int, bw: float,
     res["step"] = {"runs": bool(step_ok), "why_not": plan.step_why, "blocks": plan.step_blocks}
     why = f"{plan.step_blocks} blocks" if step_ok else f"cannot run: {plan.step_why}"
     print(f"  persistent decode step: {why}", flush=True)
-    modes = [("decode", step0, True, pdl_default, plan.attn, glu0)] + \
-        ([("decode_step", True, True, pdl_default, plan.attn, glu0)] if step_ok and not step0 else []) + \
-        ([("decode_no_step", False, True, pdl_default, plan.attn, glu0)] if step0 else []) + \
-        [("decode_no_pdl", False, True, False, plan.attn, glu0),
-         ("decode_glu", False, True, pdl_default, plan.attn, not glu0),
-         ("decode_attn_v2", False, True, pdl_default, "v2", glu0)] + \
-        ([("decode_f32act", False, False, pdl_default, plan.attn, glu0)] if f32_act else [])
+    mvb0 = plan.mv_block_from
+    modes = [("decode", step0, True, pdl_default, plan.attn, glu0, mvb0)] + \
+        ([("decode_step", True, True, pdl_default, plan.attn, glu0, mvb0)] if step_ok and not step0 else []) + \
+        ([("decode_no_step", False, True, pdl_default, plan.attn, glu0, mvb0)] if step0 else []) + \
+        ([("decode_no_mvblock", False, True, pdl_default, plan.attn, glu0, 0)] if mvb0 else []) + \
+        [("decode_no_pdl", False, True, False, plan.attn, glu0, mvb0),
+         ("decode_glu", False, True, pdl_default, plan.attn, not glu0, mvb0),
+         ("decode_attn_v2", False, True, pdl_default, "v2", glu0, mvb0)] + \
+        ([("decode_f32act", False, False, pdl_default, plan.attn, glu0, mvb0)] if f32_act else [])
     attn0 = plan.attn
     pdl0 = pdl_default
     ctx = {d: rng.integers(0, vocab, d) for d in depths}          # the same contexts in every mode
-    for kind, step, dp4a, pdl, attn, glu in modes:
+    for kind, step, dp4a, pdl, attn, glu, mvb in modes:
         lib.strata_set_pdl(int(pdl))
         plan.step, plan.dp4a, plan.graphs, plan.attn, plan.glu = step, dp4a, {}, attn, glu
+        plan.mv_block_from = mvb
         res.setdefault(kind, {})
         for d in depths:
             prefill(ctx[d]) if d else st.reset()
@@ -242,7 +246,7 @@ def bench_strata(path: str, prompts, depths, n_gen: int, ubatch: int, bw: float,
             print(f"  strata {kind} tg{n_gen}@d{d}: {tps:.1f} tok/s  "
                   f"({100 * plan.weight_bytes * tps / bw:.1f}% of bandwidth limit)", flush=True)
     lib.strata_set_pdl(pdl0)
-    plan.attn, plan.glu, plan.step = attn0, glu0, step0
+    plan.attn, plan.glu, plan.step, plan.mv_block_from = attn0, glu0, step0, mvb0
     base = "tokens_decode_no_step" if step0 else "tokens_decode"     # the launch-per-op graph's own tokens
     if "tokens_decode_no_pdl" in res:
         res["pdl_tokens_equal"] = res["tokens_decode_no_pdl"] == res[base]
@@ -364,7 +368,7 @@ def main(argv=None) -> int:
     print("\nsummary (tokens/s; ratio = Strata / llama.cpp)")
     for name, e in out["models"].items():
         for kind in ("prompt", "prompt_generic", "prompt_chunked", "decode", "decode_step", "decode_no_step",
-                     "decode_no_pdl",
+                     "decode_no_mvblock", "decode_no_pdl",
                      "decode_glu",
                      "decode_attn_v2",
                      "decode_generic",

@@ -335,6 +335,26 @@ def test_matvec_q8w_warp_per_row(cp, t, rows):
 
 
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("n_in", [1024, 8192])
+def test_matvec_q8b_block_per_rows(cp, t, rows, n_in):
+    """strata_matvec_q8b == W times x rounded to q8_1 (float64 reference), every row written (n_out not a multiple
+    of the rows per block), short and long rows."""
+    rng = np.random.default_rng(int(t) + 31 * rows + n_in)
+    n_out = 1029
+    raw = random_blocks(t, n_out, n_in, rng)
+    W = ref_dequant(raw, t, n_out, n_in)
+    x = rng.standard_normal(n_in).astype(np.float32)
+    w = C.upload_raw("w", int(t), (n_out, n_in), raw)
+    y = cp.full(n_out, cp.nan, cp.float32)
+    C._check(C.lib().strata_matvec_q8b(C._stream_ptr(), int(t), C._p(w.data), C._p(_q8(cp, x)), C._p(y), n_out,
+                                       n_in, rows), "matvec_q8b")
+    got = cp.asnumpy(y)
+    assert np.isfinite(got).all()
+    assert rel(got, W @ q8_1_dequant(x[None])[0]) < 1e-5
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rp", [1, 2, 4])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "separate"])
 def test_matvec_q8w_glu(cp, t, rp, fused):

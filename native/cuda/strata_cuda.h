@@ -36,6 +36,10 @@ int strata_matvec_q8(void *stream, int ggml_type, const void *w, const void *xq,
 /* The same product with one warp per rows_per_warp (1, 2 or 4) rows: the decode step's matvec. */
 int strata_matvec_q8w(void *stream, int ggml_type, const void *w, const void *xq, float *y, int n_out, int n_in,
                       int rows_per_warp);
+/* The same product with one block of 4 warps per rows_per_block (1, 2 or 4) rows, its 128 threads splitting each
+ * row's sub-blocks: for long rows (n_in >= 4096: the down projection). */
+int strata_matvec_q8b(void *stream, int ggml_type, const void *w, const void *xq, float *y, int n_out, int n_in,
+                      int rows_per_block);
 /* SwiGLU fused into the gate/up product: act f32 (F) = silu(Wg x) * (Wu x) and its q8_1 blocks act_q8 (F + F / 4
  * bytes, as strata_swiglu_gu; act may be NULL); F % 32 == 0; pairs_per_warp 1, 2 or 4 (block = 32 / it warps). */
 int strata_matvec_q8w_glu(void *stream, int ggml_type, const void *w_gate, const void *w_up, const void *xq, float *act,

@@ -400,6 +400,69 @@ extern "C" int strata_matvec_q8w(void *stream, int t, const void *w, const void 
   return (int)cudaGetLastError();
 }
 
+// Block-per-rows variant for long rows (the down projection: n_in = n_ff): a block of 4 warps takes RB consecutive
+// rows and its 128 threads stride over the rows' 32-element sub-blocks (u = tid, tid + 128, ...), each x block
+// loaded once for the RB rows; the four warps' partial sums meet in shared memory. One warp per row gives such a row
+// 8+ dependent load rounds per lane and few warps per SM; here every load of a row is in flight at once. Same
+// per-sub-block arithmetic as k_matvec_q8w; the sum runs in another order.
+template <int T, int RB>
+__global__ void __launch_bounds__(128) k_matvec_q8b(const uint8_t *__restrict__ w, const int8_t *__restrict__ xq,
+                                                    const float2 *__restrict__ xds, float *__restrict__ y, int n_out,
+                                                    int n_units, long long row_bytes) {
+  griddep_launch();
+  const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
+  const int row0 = blockIdx.x * RB;
+  // the weights are read-only: with PDL this block's rows stream into L2 while the previous kernel finishes
+#pragma unroll
+  for (int r = 0; r < RB; r++)
+    if (row0 + r < n_out)
+      for (long long o = 128LL * tid; o < row_bytes; o += 128 * 128) prefetch_l2(w + (long long)(row0 + r) * row_bytes + o);
+  griddep_wait();
+  const int *x = reinterpret_cast<const int *>(xq);
+  float acc[RB];
+#pragma unroll
+  for (int r = 0; r < RB; r++) acc[r] = 0.f;
+#pragma unroll 2
+  for (int u = tid; u < n_units; u += 128) {
+    int xv[8];
+    load_xq(x, u, xv);
+    const float2 ds = __ldg(xds + u);
+#pragma unroll
+    for (int r = 0; r < RB; r++)   // a row past the end re-reads the last row (not stored)
+      acc[r] += dot_q8x<T>(w + (long long)min(row0 + r, n_out - 1) * row_bytes, u, xv, ds);
+  }
+  __shared__ float part[4][RB];
+#pragma unroll
+  for (int r = 0; r < RB; r++) {
+    float v = acc[r];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (lane == 0) part[wid][r] = v;
+  }
+  __syncthreads();
+  if (tid < RB && row0 + tid < n_out) y[row0 + tid] = (part[0][tid] + part[1][tid]) + (part[2][tid] + part[3][tid]);
+}
+
+extern "C" int strata_matvec_q8b(void *stream, int t, const void *w, const void *xq, float *y, int n_out, int n_in,
+                                 int rows_per_block) {
+  if (!strata_matvec_q8_supported(t) || n_in % block_elems(t) || n_in % 32 || n_out <= 0)
+    return (int)cudaErrorInvalidValue;
+  if (((uintptr_t)xq & 15) || ((uintptr_t)w & 15)) return (int)cudaErrorMisalignedAddress;
+  const long long rb = row_bytes_of(t, n_in);
+  const int RB = rows_per_block >= 4 ? 4 : rows_per_block >= 2 ? 2 : 1;
+  const unsigned blocks = (unsigned)((n_out + RB - 1) / RB);
+  const int8_t *q = (const int8_t *)xq;
+  const float2 *ds = (const float2 *)(q + n_in);
+  cudaStream_t s = (cudaStream_t)stream;
+  const uint8_t *W = (const uint8_t *)w;
+#define MB(TT, RR) st_launch(k_matvec_q8b<TT, RR>, blocks, 128, 0, s, W, q, ds, y, n_out, n_in / 32, rb)
+#define MBR(TT) if (RB == 1) MB(TT, 1); else if (RB == 2) MB(TT, 2); else MB(TT, 4);
+  DISPATCH_Q8_TYPE(t, MBR)
+#undef MBR
+#undef MB
+  return (int)cudaGetLastError();
+}
+
 // SwiGLU fused into the gate/up decode matvec: act[i] = silu(gate_i . x) * (up_i . x), i < F, gate row i at
 // wg + i * row_bytes and up row i at wu + i * row_bytes (for a fused [gate; up] weight wu = wg + F * row_bytes). A
 // block of 32 / RP warps takes 32 consecutive i, RP per warp (2 RP rows; the x block in registers serves them all, as

@@ -62,6 +62,8 @@ int strata_rope_kv_decode(void *stream, float *qkv, const int *pos, void *k_cach
                           int n_head, int n_kv, int hd, int n_rot, float base, int neox, int page_size);
 int strata_matvec_q8w(void *stream, int ggml_type, const void *w, const void *xq, float *y, int n_out, int n_in,
                       int rows_per_warp);
+int strata_matvec_q8b(void *stream, int ggml_type, const void *w, const void *xq, float *y, int n_out, int n_in,
+                      int rows_per_block);
 int strata_rms_norm_ex(void *stream, const float *x, const float *residual, const float *weight, float *out,
                        float *sum_out, void *out16, void *out_q8, int n_rows, int dim, float eps);
 int strata_swiglu_gu(void *stream, const float *gu, int n, int F, float *out, void *out16, void *out_q8);
@@ -204,6 +206,12 @@ def n_split_class(size_class: int, n_kv: int, n_sm: int) -> int:
     >= ATTN_CHUNK positions per block (sized for the longest, a step just past the class boundary got half that: 33
     vs 20 us at 16K positions)."""
     return n_split_gqa(max(1, size_class // 2), n_kv, n_sm)
+
+
+# Decode matvecs whose rows hold at least this many 32-element sub-blocks (n_in >= 4096: the down projection) run
+# one block of 4 warps per row (strata_matvec_q8b) instead of one warp per row; STRATA_CUDA_MV_BLOCK_FROM=0 turns
+# that off.
+MV_BLOCK_FROM = int(os.environ.get("STRATA_CUDA_MV_BLOCK_FROM", "128") or 0)
 
 
 def rows_per_warp(n_out: int) -> int:
@@ -1007,6 +1015,7 @@ class LlamaCuda:
         }
         self.dp4a = DP4A
         self.glu = GLU                                        # SwiGLU fused into the gate/up matvec
+        self.mv_block_from = MV_BLOCK_FROM                    # strata_matvec_q8b for rows this long (0: never)
         self.attn = ATTN                                      # "v1" | "v2" | "auto" (decode attention kernel)
         self.graphs: dict[int, Any] = {}
         self.pf = PrefillScratch()             # prefill buffers and f16 weights for cuBLAS
@@ -1113,6 +1122,10 @@ class LlamaCuda:
         lb = lib()
         for w, y_ptr, n_out in ws:
             if self.dp4a and lb.strata_matvec_q8_supported(w.ggml_type):
+                if self.mv_block_from and n_in // 32 >= self.mv_block_from:
+                    _check(lb.strata_matvec_q8b(s, w.ggml_type, _p(w.data), _p(xq), y_ptr, n_out, n_in, 1),
+                           "strata_matvec_q8b")
+                    continue
                 _check(lb.strata_matvec_q8w(s, w.ggml_type, _p(w.data), _p(xq), y_ptr, n_out, n_in,
                                             rows_per_warp(n_out)), "strata_matvec_q8w")
             else:
