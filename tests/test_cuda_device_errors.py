@@ -24,8 +24,9 @@ def test_parse_device():
     from strata.engine.engine import parse_device
     assert parse_device("cpu") == ("cpu", 0) and parse_device("cuda") == ("cuda", 0)
     assert parse_device("cuda:3") == ("cuda", 3)
-    with pytest.raises(ValueError, match="use 'cpu' or 'cuda\\[:N\\]'"):
-        parse_device("cuda1")
+    for bad in ("cuda1", "cuda:\u00b2", "cuda:\u0663"):       # unicode digits are not device ordinals
+        with pytest.raises(ValueError, match="use 'cpu' or 'cuda\\[:N\\]'"):
+            parse_device(bad)
 
 
 def test_cli_bad_device_is_refused_before_the_daemon_starts(tmp_path):
@@ -37,6 +38,28 @@ def test_cli_bad_device_is_refused_before_the_daemon_starts(tmp_path):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "unknown device 'foo'" in r.stderr
     assert "listening" not in r.stderr + r.stdout and not sock.exists()
+
+
+@pytest.mark.skipif(C.unavailable_reason() is None, reason="a GPU is present: the unavailable path cannot run")
+def test_cli_serve_without_gpu_fails_before_listening(tmp_path):
+    """`strata serve --device cuda` without a usable GPU: one error line, exit 1, nothing listened."""
+    import subprocess
+    import sys
+    sock = tmp_path / "s.sock"
+    r = subprocess.run([sys.executable, "-m", "strata.cli.main", "serve", "--device", "cuda", "--socket", str(sock)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "CUDA backend unavailable" in r.stderr
+    assert "listening" not in r.stderr + r.stdout and not sock.exists()
+
+
+def test_cli_rejects_a_context_of_one_token():
+    """--n-ctx 1 is a usage error (exit 2) like other bad numbers, named in words, not by a function name."""
+    import subprocess
+    import sys
+    for bad, msg in (("1", "must be >= 2"), ("abc", "invalid context length value")):
+        r = subprocess.run([sys.executable, "-m", "strata.cli.main", "generate", "--n-ctx", bad, "--prompt", "hi"],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and msg in r.stderr, r.stderr
 
 
 @pytest.mark.skipif(C.unavailable_reason() is None, reason="a GPU is present: the unavailable path cannot run")

@@ -72,7 +72,7 @@ def test_step_matrices_fused_and_separate():
 def _host_library():
     """The kernel library through cffi without CuPy or a GPU (strata_decode_step_check is host code), or skip."""
     if not C._lib_path().exists():
-        pytest.skip(f"kernel library {C._lib_path()} not built (no nvcc)")
+        pytest.skip(f"no kernel library at {C._lib_path()} (built by setup.py when nvcc is present)")
     try:
         return C.open_kernel_library(C._CDEF)
     except OSError as e:

