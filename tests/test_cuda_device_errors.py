@@ -29,27 +29,29 @@ def test_parse_device():
             parse_device(bad)
 
 
-def test_cli_bad_device_is_refused_before_the_daemon_starts(tmp_path):
-    """`strata serve --device foo`: argparse's one-line error (exit 2); nothing listens, no socket file is left."""
+def _serve_fails(tmp_path, device: str):
+    """`strata serve --device DEVICE` on a socket in tmp_path: (exit status, stderr), after checking that nothing
+    listened and no socket file is left."""
     import subprocess
     import sys
     sock = tmp_path / "s.sock"
-    r = subprocess.run([sys.executable, "-m", "strata.cli.main", "serve", "--device", "foo", "--socket", str(sock)],
+    r = subprocess.run([sys.executable, "-m", "strata.cli.main", "serve", "--device", device, "--socket", str(sock)],
                        capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "unknown device 'foo'" in r.stderr
     assert "listening" not in r.stderr + r.stdout and not sock.exists()
+    return r.returncode, r.stderr
+
+
+def test_cli_bad_device_is_refused_before_the_daemon_starts(tmp_path):
+    """`strata serve --device foo`: argparse's one-line error (exit 2)."""
+    rc, err = _serve_fails(tmp_path, "foo")
+    assert rc == 2 and "unknown device 'foo'" in err
 
 
 @pytest.mark.skipif(C.unavailable_reason() is None, reason="a GPU is present: the unavailable path cannot run")
 def test_cli_serve_without_gpu_fails_before_listening(tmp_path):
-    """`strata serve --device cuda` without a usable GPU: one error line, exit 1, nothing listened."""
-    import subprocess
-    import sys
-    sock = tmp_path / "s.sock"
-    r = subprocess.run([sys.executable, "-m", "strata.cli.main", "serve", "--device", "cuda", "--socket", str(sock)],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 1 and "CUDA backend unavailable" in r.stderr
-    assert "listening" not in r.stderr + r.stdout and not sock.exists()
+    """`strata serve --device cuda` without a usable GPU: one error line, exit 1."""
+    rc, err = _serve_fails(tmp_path, "cuda")
+    assert rc == 1 and "CUDA backend unavailable" in err
 
 
 def test_cli_rejects_a_context_of_one_token():

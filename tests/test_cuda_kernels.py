@@ -318,37 +318,19 @@ def _q8_parts(buf, n):
 
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 2, 4])
-def test_matvec_q8w_warp_per_row(cp, t, rows):
-    """strata_matvec_q8w == W times x rounded to q8_1 (float64 reference), every row written, any rows per warp."""
-    rng = np.random.default_rng(int(t) + 17 * rows)
-    n_out, n_in = 1029, 1024
-    raw = random_blocks(t, n_out, n_in, rng)
-    W = ref_dequant(raw, t, n_out, n_in)
-    x = rng.standard_normal(n_in).astype(np.float32)
-    w = C.upload_raw("w", int(t), (n_out, n_in), raw)
-    y = cp.full(n_out, cp.nan, cp.float32)
-    C._check(C.lib().strata_matvec_q8w(C._stream_ptr(), int(t), C._p(w.data), C._p(_q8(cp, x)), C._p(y), n_out,
-                                       n_in, rows), "matvec_q8w")
-    got = cp.asnumpy(y)
-    assert np.isfinite(got).all()
-    assert rel(got, W @ q8_1_dequant(x[None])[0]) < 1e-5
-
-
-@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [1, 2, 4])
-@pytest.mark.parametrize("n_in", [1024, 8192])
-def test_matvec_q8b_block_per_rows(cp, t, rows, n_in):
-    """strata_matvec_q8b == W times x rounded to q8_1 (float64 reference), every row written (n_out not a multiple
-    of the rows per block), short and long rows."""
-    rng = np.random.default_rng(int(t) + 31 * rows + n_in)
+@pytest.mark.parametrize("kind,n_in", [("q8w", 1024), ("q8b", 1024), ("q8b", 8192)])
+def test_matvec_q8_decode_kernels(cp, t, rows, kind, n_in):
+    """strata_matvec_q8w (a warp per `rows` rows) and strata_matvec_q8b (a block per `rows` rows, short and long
+    rows) == W times x rounded to q8_1 (float64 reference), every row written (n_out not a multiple of `rows`)."""
+    rng = np.random.default_rng(int(t) + 17 * rows + n_in + (kind == "q8b"))
     n_out = 1029
     raw = random_blocks(t, n_out, n_in, rng)
     W = ref_dequant(raw, t, n_out, n_in)
     x = rng.standard_normal(n_in).astype(np.float32)
     w = C.upload_raw("w", int(t), (n_out, n_in), raw)
     y = cp.full(n_out, cp.nan, cp.float32)
-    C._check(C.lib().strata_matvec_q8b(C._stream_ptr(), int(t), C._p(w.data), C._p(_q8(cp, x)), C._p(y), n_out,
-                                       n_in, rows), "matvec_q8b")
+    fn = getattr(C.lib(), f"strata_matvec_{kind}")
+    C._check(fn(C._stream_ptr(), int(t), C._p(w.data), C._p(_q8(cp, x)), C._p(y), n_out, n_in, rows), kind)
     got = cp.asnumpy(y)
     assert np.isfinite(got).all()
     assert rel(got, W @ q8_1_dequant(x[None])[0]) < 1e-5
