@@ -131,6 +131,7 @@ AUTO_V2_FROM = 4096
 FLASH = os.environ.get("STRATA_CUDA_FLASH", "1") not in ("0", "false", "no")
 FLASH_HEAD_DIMS = (64, 128)
 
+
 def _env_int(name: str, default: int) -> int:
     """An integer setting from the environment (unset or empty: default); ValueError naming the variable."""
     v = os.environ.get(name, "").strip()
