@@ -29,6 +29,9 @@ from tests.cuda_marks import default_model_missing, gpu, rel_l2  # noqa: E402
 # ~1e-7. Later steps are compared by their greedy token: equal, or a near tie in the eager logits.
 FIRST_STEP_REL_L2 = 4e-2
 NEAR_TIE_LOGIT = 0.25
+# The strata.synth models (weights quantized from a normal distribution): no rounding flip was seen on the H200
+# (step vs graph and vs eager 5e-8 .. 1.6e-7 at 5 / 700 / 3000 positions, every step), so every step is held tight.
+TIGHT_REL_L2 = {"q4": 1e-4, "q8": 1e-4}
 
 
 # ------------------------------------------------------------------ CPU: declarations and weight row ranges
@@ -107,8 +110,18 @@ def test_step_check_accepts_a_valid_shape_and_sizes_its_shared_memory():
     assert a.xs_bytes == (n + n // 4 + 15) // 16 * 16     # int8 values + a float2 per 32
 
 
+def test_step_launch_refuses_arguments_changed_after_the_check():
+    """A larger n_ff after the check would overrun the shared memory the check sized: launch and grid refuse."""
+    ffi, lib = _host_library()
+    a, layers = _valid_step_args(ffi)
+    assert lib.strata_decode_step_check(a, layers) == 0
+    a.n_ff = 4096
+    assert lib.strata_decode_step(ffi.NULL, a, 1) != 0
+    assert lib.strata_decode_step_grid(a, 2) < 0
+
+
 @pytest.mark.parametrize("bad", ["head_dim", "gqa", "gate_type", "row_bytes", "misaligned", "rows", "type",
-                                 "n_embd", "max_split", "no_cache"])
+                                 "n_embd", "max_split", "no_cache", "no_heads", "n_rot"])
 def test_step_check_refuses_what_it_cannot_run(bad):
     """Each shape the kernel cannot take is refused by the host check (an error code, nothing launched)."""
     ffi, lib = _host_library()
@@ -119,7 +132,7 @@ def test_step_check_refuses_what_it_cannot_run(bad):
     elif bad == "gqa":
         a.n_head, a.n_kv = 10, 2                          # 5 query heads per KV head (at most 4)
     elif bad == "gate_type":
-        L.up.type, L.up.row_bytes = 14, 256 // 256 * 210  # Q6_K up with Q4_K gate
+        L.up.type, L.up.row_bytes = 13, 176               # Q5_K up (valid on its own) with a Q4_K gate
     elif bad == "row_bytes":
         L.down.row_bytes += 4
     elif bad == "misaligned":
@@ -134,8 +147,12 @@ def test_step_check_refuses_what_it_cannot_run(bad):
         a.max_split = 257
     elif bad == "no_cache":
         L.v_cache = ffi.NULL
+    elif bad == "no_heads":
+        a.n_head = 0
+    elif bad == "n_rot":
+        a.n_rot = -2
     assert lib.strata_decode_step_check(a, layers) != 0
-    assert lib.strata_decode_step(ffi.NULL, ffi.new("strata_step_args *"), 1, 1) != 0   # unchecked args: refused
+    assert lib.strata_decode_step(ffi.NULL, ffi.new("strata_step_args *"), 1) != 0   # unchecked args: refused
 
 
 # ------------------------------------------------------------------ GPU
@@ -173,7 +190,7 @@ def step_on(monkeypatch):
     monkeypatch.setattr(C, "STEP", True)
 
 
-def _setup(path, n_ctx=12000):
+def _setup(path, n_ctx=16384):
     from strata.models.base import load_model
     model = load_model(path, C.CudaBackend())
     pool = model.new_page_pool(n_ctx)
@@ -185,9 +202,10 @@ def _setup(path, n_ctx=12000):
                                            ("q4k", 700), ("q4", 700), ("q4", 3000), ("q8", 5), ("q8", 700)])
 def test_step_logits_match_eager_and_graph(model_files, name, n_prompt, step_on):
     """After a random prompt, 4 decode steps through the step, the launch-per-op graph and llama.py's forward on
-    three copies of one sequence: finite logits, the first step's within FIRST_STEP_REL_L2 of both, every step's
-    greedy token the eager one's (or a near tie), the same state bookkeeping (700 and 3000 positions: 11 and 47
-    attention splits merged by the last block of each KV head, pages of 256)."""
+    three copies of one sequence: finite logits, the first step's within FIRST_STEP_REL_L2 of both (every step's
+    within TIGHT_REL_L2 on the strata.synth models), every step's greedy token the eager one's (or a near tie), the
+    same state bookkeeping (700 and 3000 positions: 11 and 47 attention splits merged by the last block of each KV
+    head, pages of 256; another prompt fills the first pages, so the step's page table matters)."""
     model, pool = _setup(model_files[name])
     plan = C.LlamaCuda(model, pool)
     assert plan.step, plan.step_why
@@ -195,19 +213,22 @@ def test_step_logits_match_eager_and_graph(model_files, name, n_prompt, step_on)
     ref_plan.step = False
     rng = np.random.default_rng(n_prompt)
     prompt = rng.integers(0, model.config.n_vocab, n_prompt).astype(np.int32)
+    decoy = model.new_state(pool)   # another prompt in the first pages: a step that ignored its page table
+    decoy_prompt = rng.integers(0, model.config.n_vocab, n_prompt).astype(np.int32)   # would read these
     states = [model.new_state(pool) for _ in range(3)]
-    for st in states:
+    for st, p in [(decoy, decoy_prompt)] + [(st, prompt) for st in states]:
         for s in range(0, n_prompt, 512):
-            model.forward(prompt[s:s + 512], st)
+            model.forward(p[s:s + 512], st)
     tok = int(prompt[-1])
     for i in range(4):
         a = plan.decode(tok, states[0])
         b = ref_plan.decode(tok, states[1])
         c = model.forward(np.asarray([tok], np.int32), states[2])
         assert np.isfinite(a).all() and np.isfinite(c).all()
-        if i == 0:
-            assert rel_l2(a, b) < FIRST_STEP_REL_L2, (rel_l2(a, b), name, n_prompt)
-            assert rel_l2(a, c) < FIRST_STEP_REL_L2, (rel_l2(a, c), name, n_prompt)
+        if i == 0 or name in TIGHT_REL_L2:
+            bound = TIGHT_REL_L2.get(name, FIRST_STEP_REL_L2)
+            assert rel_l2(a, b) < bound, (i, rel_l2(a, b), name, n_prompt)
+            assert rel_l2(a, c) < bound, (i, rel_l2(a, c), name, n_prompt)
         ta, tc = int(np.argmax(a)), int(np.argmax(c))
         assert ta == tc or c[tc] - c[ta] < NEAR_TIE_LOGIT, (i, ta, tc, c[tc] - c[ta])
         tok = tc

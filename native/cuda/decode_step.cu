@@ -36,7 +36,7 @@
 
 #define ST_THREADS (32 * DA_WARPS)   // the attention body's block size
 #define ST_WARPS DA_WARPS
-// Blocks per SM the register allocation must allow: 2 (168 registers per thread, no spills). 4 (<= 128 registers)
+// Blocks per SM the register allocation must allow: 2 (255 registers per thread with CUDA 13, no spills). 4 (<= 128)
 // spills ~0.5 KB per thread and was slower on the H200 (490 vs 701 tok/s on the 1.7B model).
 #define ST_MIN_BLOCKS 2
 
@@ -349,12 +349,22 @@ static bool mat_ok(const strata_step_mat &m, int rows, int n_in) {
 
 static int scalars_ok(const strata_step_args *a) {
   if (!a || a->n_layer < 1 || a->n_embd <= 0 || a->n_embd % 32 || a->n_ff <= 0 || a->n_ff % 32 || a->n_kv <= 0 ||
-      a->n_head % a->n_kv || a->n_head / a->n_kv > 4 || (a->head_dim != 64 && a->head_dim != 128) ||
-      a->n_rot > a->head_dim || a->n_rot % 2 || a->page_size <= 0 || a->max_split < 1 ||
-      a->max_split > DA_MAX_SPLIT || a->n_vocab <= 0)
+      a->n_head < a->n_kv || a->n_head % a->n_kv || a->n_head / a->n_kv > 4 ||
+      (a->head_dim != 64 && a->head_dim != 128) || a->n_rot < 0 || a->n_rot > a->head_dim || a->n_rot % 2 ||
+      a->page_size <= 0 || a->max_split < 1 || a->max_split > DA_MAX_SPLIT || a->n_vocab <= 0)
     return 0;
   return 1;
 }
+
+// Dynamic shared memory of the step: the largest activation vector (n_embd, n_head * hd, n_ff) as q8_1 blocks.
+static int expected_xs(const strata_step_args *a) {
+  int n = a->n_embd > a->n_head * a->head_dim ? a->n_embd : a->n_head * a->head_dim;
+  n = a->n_ff > n ? a->n_ff : n;
+  return (n + n / 4 + 15) / 16 * 16;
+}
+
+// Arguments strata_decode_step_check accepted and nobody changed since (the scalars and the shared memory agree).
+static int checked(const strata_step_args *a) { return scalars_ok(a) && a->xs_bytes == expected_xs(a); }
 
 extern "C" int strata_decode_step_check(strata_step_args *a, const strata_step_layer *layers) {
   if (!scalars_ok(a) || !layers) return (int)cudaErrorInvalidValue;
@@ -367,9 +377,7 @@ extern "C" int strata_decode_step_check(strata_step_args *a, const strata_step_l
       return (int)cudaErrorInvalidValue;
   }
   if (!mat_ok(a->head, a->n_vocab, E) || !a->out_norm) return (int)cudaErrorInvalidValue;
-  int n = E > nq ? E : nq;
-  n = F > n ? F : n;
-  a->xs_bytes = (n + n / 4 + 15) / 16 * 16;
+  a->xs_bytes = expected_xs(a);
   return 0;
 }
 
@@ -385,13 +393,13 @@ static step_kernel_t step_kernel(const strata_step_args *a) {
 }
 
 extern "C" int strata_decode_step_grid(const strata_step_args *a, int blocks_per_sm) {
-  if (!scalars_ok(a) || blocks_per_sm < 1) return -(int)cudaErrorInvalidValue;
+  if (!checked(a) || blocks_per_sm < 1) return -(int)cudaErrorInvalidValue;
   int dev = 0, n_sm = 0, occ = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev);
   const step_kernel_t k = step_kernel(a);
   const size_t smem = step_smem(a);
-  if (e == cudaSuccess && smem > 48 * 1024)
+  if (e == cudaSuccess)   // always: the kernel's static shared memory counts against the 48 KB default too
     e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, k, ST_THREADS, smem);
   if (e != cudaSuccess) return -(int)e;
@@ -399,19 +407,17 @@ extern "C" int strata_decode_step_grid(const strata_step_args *a, int blocks_per
   return n_sm * (blocks_per_sm < occ ? blocks_per_sm : occ);
 }
 
-extern "C" int strata_decode_step(void *stream, const strata_step_args *a, int n_blocks, int cooperative) {
-  if (!scalars_ok(a) || n_blocks < 1 || a->xs_bytes < 16) return (int)cudaErrorInvalidValue;   // checked args
+extern "C" int strata_decode_step(void *stream, const strata_step_args *a, int n_blocks) {
+  if (!checked(a) || n_blocks < 1) return (int)cudaErrorInvalidValue;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3((unsigned)n_blocks);
   cfg.blockDim = dim3(ST_THREADS);
   cfg.dynamicSmemBytes = step_smem(a);
   cfg.stream = (cudaStream_t)stream;
-  cudaLaunchAttribute attr[1];
-  if (cooperative) {
-    attr[0].id = cudaLaunchAttributeCooperative;
-    attr[0].val.cooperative = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-  }
+  cudaLaunchAttribute attr[1];   // cooperative: the driver refuses a grid whose blocks cannot all be resident
+  attr[0].id = cudaLaunchAttributeCooperative;
+  attr[0].val.cooperative = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
   return (int)cudaLaunchKernelEx(&cfg, step_kernel(a), *a);
 }

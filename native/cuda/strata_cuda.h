@@ -256,9 +256,9 @@ typedef struct {
 int strata_decode_step_check(strata_step_args *a, const strata_step_layer *layers);
 /* The grid size for blocks_per_sm blocks per SM (capped by the kernel's occupancy), or minus a CUDA error. */
 int strata_decode_step_grid(const strata_step_args *a, int blocks_per_sm);
-/* Launch the step on n_blocks blocks (<= strata_decode_step_grid: every block must be resident), cooperative: with
- * the cooperative launch attribute (the driver checks residency). */
-int strata_decode_step(void *stream, const strata_step_args *a, int n_blocks, int cooperative);
+/* Launch the step (arguments strata_decode_step_check accepted) on n_blocks blocks (<= strata_decode_step_grid),
+ * a cooperative launch: the driver refuses a grid whose blocks cannot all be resident at once. */
+int strata_decode_step(void *stream, const strata_step_args *a, int n_blocks);
 
 #ifdef __cplusplus
 }

@@ -109,7 +109,7 @@ typedef struct {
 } strata_step_args;
 int strata_decode_step_check(strata_step_args *a, const strata_step_layer *layers);
 int strata_decode_step_grid(const strata_step_args *a, int blocks_per_sm);
-int strata_decode_step(void *stream, const strata_step_args *a, int n_blocks, int cooperative);
+int strata_decode_step(void *stream, const strata_step_args *a, int n_blocks);
 """
 
 # Decode matvec (one token) on int8 activations with __dp4a for Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K weights, the
@@ -220,9 +220,9 @@ def n_split_class(size_class: int, n_kv: int, n_sm: int) -> int:
     return n_split_gqa(max(1, size_class // 2), n_kv, n_sm)
 
 
-# Decode matvecs whose rows hold at least this many 32-element sub-blocks (n_in >= 4096: the down projection) run
-# one block of 4 warps per row (strata_matvec_q8b) instead of one warp per row; STRATA_CUDA_MV_BLOCK_FROM=0 turns
-# that off.
+# The llama decode graph's down projection, when its rows hold at least this many 32-element sub-blocks (n_ff >=
+# 4096), runs one block of 4 warps per row (strata_matvec_q8b) instead of one warp per row (measured on the H200: syn
+# decode +2.3-3.8%; other matrices not measured, so they keep q8w); STRATA_CUDA_MV_BLOCK_FROM=0 turns that off.
 MV_BLOCK_FROM = _env_int("STRATA_CUDA_MV_BLOCK_FROM", 128)
 
 
@@ -1031,7 +1031,7 @@ class LlamaCuda:
         self.attn = ATTN                                      # "v1" | "v2" | "auto" (decode attention kernel)
         self.graphs: dict[int, Any] = {}
         self.pf = PrefillScratch()             # prefill buffers and f16 weights for cuBLAS
-        self.step_why: str | None = None       # why the persistent decode step is off (None: on)
+        self.step_why: str | None = None       # why the persistent decode step is off or cannot run
         self.step_blocks = 0
         self._step: tuple | None = None
         self.step = STEP and self.prepare_step()
@@ -1082,7 +1082,7 @@ class LlamaCuda:
         ptr = lambda ct, a, off=0: ffi.cast(ct, a.data.ptr + off)   # noqa: E731
 
         def setmat(dst, w, row0: int, rows: int) -> bool:
-            if not isinstance(w, DeviceWeight) or w.data.dtype != cp.uint8:
+            if not isinstance(w, DeviceWeight) or w.data.dtype != cp.uint8 or row0 + rows > w.shape[0]:
                 return False
             rb = w.nbytes // w.shape[0]
             dst.w, dst.row_bytes, dst.type, dst.rows = ptr("void *", w.data, row0 * rb), rb, w.ggml_type, rows
@@ -1128,13 +1128,14 @@ class LlamaCuda:
         self._step, self.step_blocks, self.step_why = (a, layers, table, sync), nb, None
         return True
 
-    def _mv(self, s, ws, x, xq, n_in: int) -> None:
+    def _mv(self, s, ws, x, xq, n_in: int, long_rows: bool = False) -> None:
         """y = W x for each (W, y_ptr, n_out) in ws: from the q8_1 blocks xq (already written by the kernel that
-        produced x) when the plan runs on int8 activations and W's type has the dp4a kernel, else from f32 x."""
+        produced x) when the plan runs on int8 activations and W's type has the dp4a kernel, else from f32 x.
+        long_rows (the down projection): a block per row (strata_matvec_q8b) from mv_block_from sub-blocks."""
         lb = lib()
         for w, y_ptr, n_out in ws:
             if self.dp4a and lb.strata_matvec_q8_supported(w.ggml_type):
-                if self.mv_block_from and n_in // 32 >= self.mv_block_from:
+                if long_rows and self.mv_block_from and n_in // 32 >= self.mv_block_from:
                     _check(lb.strata_matvec_q8b(s, w.ggml_type, _p(w.data), _p(xq), y_ptr, n_out, n_in, 1),
                            "strata_matvec_q8b")
                     continue
@@ -1166,7 +1167,9 @@ class LlamaCuda:
         pt = pool._pt
         _check(lb.strata_get_rows(s, m.tok_embd.ggml_type, _p(m.tok_embd.data), tok_p, _p(d["x"]), 1, E), "rows")
         if self.step:    # everything after the embedding row in one cooperative launch
-            _check(lb.strata_decode_step(s, self._step[0], self.step_blocks, 1), "strata_decode_step")
+            if self._step is None and not self.prepare_step():
+                raise ValueError(f"the persistent decode step cannot run this model: {self.step_why}")
+            _check(lb.strata_decode_step(s, self._step[0], self.step_blocks), "strata_decode_step")
             return
         _check(lb.strata_rms_norm_ex(s, _p(d["x"]), NULL, _dptr(m.layers[0].attn_norm), _p(d["hn"]), NULL, NULL,
                                      hq, 1, E, self.eps), "rms")
@@ -1211,7 +1214,7 @@ class LlamaCuda:
                 else:
                     self._mv(s, [(L.w_gate, f32(gu), F), (L.w_up, f32(gu, F), F)], d["hn"], d["hq"], E)
                 _check(lb.strata_swiglu_gu(s, f32(gu), 1, F, _p(d["act"]), NULL, fq), "swiglu")
-            self._mv(s, [(L.w_down, _p(d["o"]), E)], d["act"], d["fq"], F)
+            self._mv(s, [(L.w_down, _p(d["o"]), E)], d["act"], d["fq"], F, long_rows=True)
             nxt = m.layers[li + 1].attn_norm if li + 1 < self.n_layer else m.out_norm
             _check(lb.strata_rms_norm_ex(s, _p(d["o"]), _p(d["x"]), _dptr(nxt), _p(d["hn"]), _p(d["x"]), NULL, hq, 1,
                                          E, self.eps), "rms")

@@ -101,17 +101,29 @@ def check_args(args) -> str | None:
     return None
 
 
+def _cuda_unusable(device: str) -> str | None:
+    """Why `device` ('cuda' / 'cuda:N', already parsed by argparse) cannot run here, or None."""
+    from strata.backend.cuda import unavailable_reason
+    from strata.engine.engine import parse_device
+    why = unavailable_reason()
+    if why:
+        return f"CUDA backend unavailable: {why}"
+    import cupy
+    n = cupy.cuda.runtime.getDeviceCount()
+    idx = parse_device(device)[1]
+    return None if idx < n else f"no CUDA device {idx} (this machine has {n})"
+
+
 def run(args) -> int:
     """Start the daemon with parsed flags; returns the exit status (2 usage, 1 startup failure, 0 clean stop)."""
     err = check_args(args)
     if err:
         print(f"strata serve: error: {err}", file=sys.stderr)
         return 2
-    if str(args.device).startswith("cuda"):   # no GPU / CuPy / kernels: say so before opening any socket
-        from strata.backend.cuda import unavailable_reason
-        why = unavailable_reason()
+    if str(args.device).startswith("cuda"):   # no GPU / CuPy / kernels / such a GPU: say so before any socket
+        why = _cuda_unusable(args.device)
         if why:
-            print(f"strata serve: error: device {args.device!r}: CUDA backend unavailable: {why}", file=sys.stderr)
+            print(f"strata serve: error: device {args.device!r}: {why}", file=sys.stderr)
             return 1
     configure_logging(args.log_level, json={"auto": None, "json": True, "console": False}[args.log_format])
     import structlog
