@@ -302,10 +302,17 @@ extern "C" int strata_matvec_q8_supported(int t) {
   return t == T_Q4_0 || t == T_Q4_1 || t == T_Q8_0 || t == T_Q4_K || t == T_Q5_K || t == T_Q6_K;
 }
 
-extern "C" int strata_matvec_q8(void *stream, int t, const void *w, const void *xq, float *y, int n_out, int n_in) {
+// The arguments every int8-activation matvec launcher checks: a dp4a type, n_in a whole number of blocks and of q8_1
+// blocks, rows, 16-byte aligned weights and activations.
+static int q8_matvec_check(int t, const void *w, const void *xq, int n_out, int n_in) {
   if (!strata_matvec_q8_supported(t) || n_in % block_elems(t) || n_in % 32 || n_out <= 0)
     return (int)cudaErrorInvalidValue;
   if (((uintptr_t)xq & 15) || ((uintptr_t)w & 15)) return (int)cudaErrorMisalignedAddress;
+  return 0;
+}
+
+extern "C" int strata_matvec_q8(void *stream, int t, const void *w, const void *xq, float *y, int n_out, int n_in) {
+  if (const int e = q8_matvec_check(t, w, xq, n_out, n_in)) return e;
   const long long rb = row_bytes_of(t, n_in);
   const int threads = 128, rows = threads / MVQ_LANES;
   const unsigned blocks = (unsigned)((n_out + rows - 1) / rows);
@@ -319,18 +326,27 @@ extern "C" int strata_matvec_q8(void *stream, int t, const void *w, const void *
   return (int)cudaGetLastError();
 }
 
-// One lane's share of the dot products of NR weight rows with the q8_1 vector (x int8 blocks, xds their (d, d * sum)):
-// the lanes of a warp stride over the rows' 32-element sub-blocks (u = lane, lane + 32, ...), each x block loaded
-// once into registers for all NR rows, 2 sub-blocks unrolled; a warp sum of acc[r] gives row r's product. The loop
-// of k_matvec_q8w, which keeps its own copy: the decode plan's hottest kernel was measured with that code (through
-// this helper its register allocation changes).
-template <int T, int NR>
-__device__ static inline void warp_rows_dot(const uint8_t *const (&rows)[NR], const int *__restrict__ x,
-                                            const float2 *__restrict__ xds, int n_units, int lane, float (&acc)[NR]) {
+// Prefetch one read-only weight row into L2, its 128-byte lines spread over STRIDE threads (this one: `first`):
+// with PDL the rows stream in while the previous kernel finishes.
+template <int STRIDE>
+__device__ static inline void prefetch_row_l2(const uint8_t *row, long long row_bytes, int first) {
+  for (long long o = 128LL * first; o < row_bytes; o += STRIDE * 128) prefetch_l2(row + o);
+}
+
+// One thread's share of the dot products of NR weight rows with the q8_1 vector (x int8 blocks, xds their (d, d *
+// sum)): STRIDE threads stride over the rows' 32-element sub-blocks (u = first, first + STRIDE, ...), each x block
+// loaded once into registers for all NR rows, 2 sub-blocks unrolled; summing acc[r] over the STRIDE threads gives
+// row r's product. STRIDE 32 is a warp's share (k_matvec_q8w_glu), 128 a block's (k_matvec_q8b). The loop of
+// k_matvec_q8w, which keeps its own copy: the decode plan's hottest kernel was measured with that code (through this
+// helper its register allocation changes).
+template <int T, int NR, int STRIDE>
+__device__ static inline void strided_rows_dot(const uint8_t *const (&rows)[NR], const int *__restrict__ x,
+                                               const float2 *__restrict__ xds, int n_units, int first,
+                                               float (&acc)[NR]) {
 #pragma unroll
   for (int r = 0; r < NR; r++) acc[r] = 0.f;
 #pragma unroll 2
-  for (int u = lane; u < n_units; u += 32) {
+  for (int u = first; u < n_units; u += STRIDE) {
     int xv[8];
     load_xq(x, u, xv);
     const float2 ds = __ldg(xds + u);
@@ -352,6 +368,7 @@ __global__ void __launch_bounds__(128) k_matvec_q8w(const uint8_t *__restrict__ 
   const int row0 = warp * R;
   if (row0 >= n_out) return;   // whole warps only
   // the weights are read-only: with PDL this warp's rows stream into L2 while the previous kernel finishes
+  // (prefetch_row_l2's loop, kept inline like the dot loop below: the measured code of the hottest kernel)
 #pragma unroll
   for (int r = 0; r < R; r++)
     if (row0 + r < n_out)
@@ -381,9 +398,7 @@ __global__ void __launch_bounds__(128) k_matvec_q8w(const uint8_t *__restrict__ 
 
 extern "C" int strata_matvec_q8w(void *stream, int t, const void *w, const void *xq, float *y, int n_out, int n_in,
                                  int rows_per_warp) {
-  if (!strata_matvec_q8_supported(t) || n_in % block_elems(t) || n_in % 32 || n_out <= 0)
-    return (int)cudaErrorInvalidValue;
-  if (((uintptr_t)xq & 15) || ((uintptr_t)w & 15)) return (int)cudaErrorMisalignedAddress;
+  if (const int e = q8_matvec_check(t, w, xq, n_out, n_in)) return e;
   const long long rb = row_bytes_of(t, n_in);
   const int R = rows_per_warp >= 4 ? 4 : rows_per_warp >= 2 ? 2 : 1;
   const int threads = 128, rows_per_block = (threads / 32) * R;
@@ -412,25 +427,15 @@ __global__ void __launch_bounds__(128) k_matvec_q8b(const uint8_t *__restrict__ 
   griddep_launch();
   const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
   const int row0 = blockIdx.x * RB;
-  // the weights are read-only: with PDL this block's rows stream into L2 while the previous kernel finishes
+  const uint8_t *rows[RB];   // a row past the end re-reads the last row (not stored)
 #pragma unroll
-  for (int r = 0; r < RB; r++)
-    if (row0 + r < n_out)
-      for (long long o = 128LL * tid; o < row_bytes; o += 128 * 128) prefetch_l2(w + (long long)(row0 + r) * row_bytes + o);
-  griddep_wait();
-  const int *x = reinterpret_cast<const int *>(xq);
-  float acc[RB];
-#pragma unroll
-  for (int r = 0; r < RB; r++) acc[r] = 0.f;
-#pragma unroll 2
-  for (int u = tid; u < n_units; u += 128) {
-    int xv[8];
-    load_xq(x, u, xv);
-    const float2 ds = __ldg(xds + u);
-#pragma unroll
-    for (int r = 0; r < RB; r++)   // a row past the end re-reads the last row (not stored)
-      acc[r] += dot_q8x<T>(w + (long long)min(row0 + r, n_out - 1) * row_bytes, u, xv, ds);
+  for (int r = 0; r < RB; r++) {
+    rows[r] = w + (long long)min(row0 + r, n_out - 1) * row_bytes;
+    if (row0 + r < n_out) prefetch_row_l2<128>(rows[r], row_bytes, tid);
   }
+  griddep_wait();
+  float acc[RB];
+  strided_rows_dot<T, RB, 128>(rows, reinterpret_cast<const int *>(xq), xds, n_units, tid, acc);
   __shared__ float part[4][RB];
 #pragma unroll
   for (int r = 0; r < RB; r++) {
@@ -445,9 +450,7 @@ __global__ void __launch_bounds__(128) k_matvec_q8b(const uint8_t *__restrict__ 
 
 extern "C" int strata_matvec_q8b(void *stream, int t, const void *w, const void *xq, float *y, int n_out, int n_in,
                                  int rows_per_block) {
-  if (!strata_matvec_q8_supported(t) || n_in % block_elems(t) || n_in % 32 || n_out <= 0)
-    return (int)cudaErrorInvalidValue;
-  if (((uintptr_t)xq & 15) || ((uintptr_t)w & 15)) return (int)cudaErrorMisalignedAddress;
+  if (const int e = q8_matvec_check(t, w, xq, n_out, n_in)) return e;
   const long long rb = row_bytes_of(t, n_in);
   const int RB = rows_per_block >= 4 ? 4 : rows_per_block >= 2 ? 2 : 1;
   const unsigned blocks = (unsigned)((n_out + RB - 1) / RB);
@@ -477,11 +480,10 @@ __global__ void __launch_bounds__(32 * (32 / RP)) k_matvec_q8w_glu(
   const int wid = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int i0 = blockIdx.x * 32 + wid * RP;
 #pragma unroll
-  for (int r = 0; r < RP; r++)
-    for (long long o = 128LL * lane; o < row_bytes; o += 32 * 128) {
-      prefetch_l2(wg + (long long)(i0 + r) * row_bytes + o);
-      prefetch_l2(wu + (long long)(i0 + r) * row_bytes + o);
-    }
+  for (int r = 0; r < RP; r++) {
+    prefetch_row_l2<32>(wg + (long long)(i0 + r) * row_bytes, row_bytes, lane);
+    prefetch_row_l2<32>(wu + (long long)(i0 + r) * row_bytes, row_bytes, lane);
+  }
   griddep_wait();
   const uint8_t *rows[2 * RP];   // gate rows, then up rows
 #pragma unroll
@@ -490,7 +492,7 @@ __global__ void __launch_bounds__(32 * (32 / RP)) k_matvec_q8w_glu(
     rows[RP + r] = wu + (long long)(i0 + r) * row_bytes;
   }
   float acc[2 * RP];
-  warp_rows_dot<T, 2 * RP>(rows, reinterpret_cast<const int *>(xq), xds, n_units, lane, acc);
+  strided_rows_dot<T, 2 * RP, 32>(rows, reinterpret_cast<const int *>(xq), xds, n_units, lane, acc);
   __shared__ float sv[32];
 #pragma unroll
   for (int r = 0; r < RP; r++) {
