@@ -3,10 +3,11 @@
 Decode matvec: achieved weight bandwidth of each variant (f32-activation kernel, 8-lanes-per-row int8 kernel,
 warp-per-row int8 kernel with 1/2/4 rows per warp) over the measured device copy bandwidth, on the matrix shapes of the
 default model and of the synthetic 1.7B llama of bench/gpu_throughput.py. Decode attention: v1 (per-head split-K +
-combine) vs v2 (GQA-shared, self-merging) in microseconds and KV bandwidth. Prefill attention: v1 (wmma) vs v2
+combine) vs v2 (GQA-shared, self-merging) in microseconds and KV bandwidth, v2 with and without the one-wave cap on
+its split, and v2 over a sweep of n_split. Prefill attention: v1 (wmma) vs v2
 (FlashAttention-2, mma.sync) in TFLOP/s (causal flops 2 * 2 * n * (length + n/2) * hd * n_head). Gated DeltaNet
 prefill (ubatch of 512 tokens): the delta rule's block kernel vs the warp kernel, and the causal conv (``--only-gdn``
-runs just this section).
+runs just this section; ``--only-attn-decode`` the decode attention, with its n_split sweep).
 Every time is per launch inside a CUDA graph of 20 launches (median of 20 replays, CUDA events), rotating over enough
 weight copies to spill the L2. Usage: python bench/cuda_kernels.py [--out PATH]. Writes JSON.
 """
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -89,10 +89,63 @@ def bench_gdn(cp, res: dict, rng) -> None:
         print(f"conv n{n} c{c} k{kk}: {t:.1f} us ({4 * n * c * 2 / t / 1e6:.2f} TB/s in + out)", flush=True)
 
 
+def bench_attn_decode(cp, res, rng, be, timeit) -> None:
+    """Decode attention: v1 vs v2 at the plan's split (with and without the one-wave cap), and v2 over a sweep of
+    n_split (the only thing ATTN_CHUNK / ATTN_BPS / the cap change), per shape and context length."""
+    from strata.backend import cuda as C
+    lib, ffi, s = C.lib(), C._ffi, C._stream_ptr
+    splits = (8, 16, 24, 32, 40, 48, 56, 64, 88, 128, 256)
+    print(f"\n{'attn decode':28s} {'v1 us':>8s} {'v2 us':>8s} {'v2 KV TB/s':>10s}   v2 without the one-wave cap; "
+          f"v2 by n_split {splits}")
+    ps = 16
+    for H, KV, hd in ((9, 3, 64), (16, 8, 128), (32, 8, 128)):
+        for L in (512, 4096, 16384):
+            n_pages = L // ps + 1
+            nc = max(1, min(8, int(np.ceil(150e6 / (4 * L * KV * hd)))))    # K/V copies rotated past the L2
+            kcs = [cp.asarray(rng.standard_normal((n_pages, ps, KV, hd)).astype(np.float16)) for _ in range(nc)]
+            vcs = [cp.asarray(rng.standard_normal((n_pages, ps, KV, hd)).astype(np.float16)) for _ in range(nc)]
+            ring = iter(range(10 ** 9))
+
+            def kv(kcs=kcs, vcs=vcs, ring=ring, nc=nc):
+                i = next(ring) % nc
+                return C._p(kcs[i]), C._p(vcs[i])
+            pt = cp.asarray(rng.permutation(n_pages).astype(np.int32))
+            q = cp.asarray(rng.standard_normal(H * hd).astype(np.float32))
+            out = cp.empty(H * hd, cp.float32)
+            ws = cp.empty(H * max(C.MAX_SPLIT, C.GQA_MAX_SPLIT) * (hd + 2), cp.float32)
+            ctr = cp.zeros(KV, cp.uint32)
+            oq = cp.empty(H * hd * 5 // 4, cp.uint8)
+            n1 = C.n_split_for(L)
+            resident = C.gqa_resident(hd, H // KV, False)
+            n2 = C.n_split_gqa(L, KV, be.n_sm, resident=resident)
+            n2_nocap = C.n_split_gqa(L, KV, be.n_sm)
+            sc = 1 / np.sqrt(hd)
+
+            def v2(ns):
+                return timeit(cp, lambda: lib.strata_attn_decode_gqa(
+                    s(), C._p(q), *kv(), C._p(pt), ffi.NULL, L, C._p(ws), ffi.cast("unsigned *", ctr.data.ptr),
+                    C._p(out), C._p(oq), H, KV, hd, ps, ns, sc, ffi.NULL, ffi.NULL))
+            t1 = timeit(cp, lambda: lib.strata_attn_decode(s(), C._p(q), *kv(), C._p(pt), ffi.NULL, L,
+                                                           C._p(ws), C._p(out), H, KV, hd, ps, n1, sc))
+            t2, t2n = v2(n2), v2(n2_nocap)
+            sweep = {ns: 1e6 * v2(ns) for ns in splits}
+            best = min(sweep, key=sweep.get)
+            kvb = 2 * L * KV * hd * 2
+            res["attn_decode"].append({"H": H, "KV": KV, "hd": hd, "L": L, "v1_us": t1 * 1e6, "v2_us": t2 * 1e6,
+                                       "n_split_v2": n2, "resident_blocks_per_sm": resident,
+                                       "v2_no_cap_us": t2n * 1e6, "n_split_v2_no_cap": n2_nocap,
+                                       "kv_bytes": kvb, "v2_us_by_split": sweep, "best_split": best})
+            print(f"H{H} KV{KV} hd{hd} L{L:6d} split{n2:4d}  {t1 * 1e6:8.1f} {t2 * 1e6:8.1f} {kvb / t2 / 1e12:10.2f}   "
+                  f"(no cap: split {n2_nocap} {t2n * 1e6:.1f}, {t2n / t2:.2f}x; {resident} blocks/SM)  best "
+                  f"{sweep[best]:6.1f} at {best}  (" + " ".join(f"{k}:{v:.1f}" for k, v in sweep.items()) + ")",
+                  flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--only-gdn", action="store_true", help="time the Gated DeltaNet kernels only")
+    ap.add_argument("--only-attn-decode", action="store_true", help="time the decode attention kernels only")
     a = ap.parse_args(argv)
     import cupy as cp
     from bench.gpu_throughput import commit, copy_bandwidth
@@ -106,6 +159,12 @@ def main(argv=None) -> int:
     res = {"gpu": gpu, "commit": commit(), "copy_bandwidth_Bps": bw, "matvec": [], "attn_decode": [],
            "attn_prefill": [], "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     rng = np.random.default_rng(0)
+    if a.only_attn_decode:
+        bench_attn_decode(cp, res, rng, be, timeit)
+        dest = Path(a.out) if a.out else ROOT / "bench" / "results" / f"attn_split_sweep_{gpu.replace(' ', '_')}.json"
+        dest.write_text(json.dumps(res, indent=1))
+        print("wrote", dest)
+        return 0
     bench_gdn(cp, res, rng)
     if a.only_gdn:
         dest = Path(a.out) if a.out else ROOT / "bench" / "results" / f"cuda_kernels_gdn_{gpu.replace(' ', '_')}.json"
@@ -180,65 +239,10 @@ def main(argv=None) -> int:
               + ("  (" + ", ".join(variants) + ")" if len(variants) > 5 else ""), flush=True)
         del ws
 
-    # decode attention
-    print(f"\n{'attn decode':28s} {'v1 us':>8s} {'v2 us':>8s} {'v2 KV TB/s':>10s}   best v2 of the sweep over "
-          "positions per block (ATTN_CHUNK 32/64/128/256) x blocks per SM (ATTN_BPS 4/8/16)")
-    ps = 16
-    for H, KV, hd in ((9, 3, 64), (16, 8, 128), (32, 8, 128)):
-        for L in (512, 4096, 16384):
-            n_pages = L // ps + 1
-            nc = max(1, min(8, int(np.ceil(150e6 / (4 * L * KV * hd)))))    # K/V copies rotated past the L2
-            kcs = [cp.asarray(rng.standard_normal((n_pages, ps, KV, hd)).astype(np.float16)) for _ in range(nc)]
-            vcs = [cp.asarray(rng.standard_normal((n_pages, ps, KV, hd)).astype(np.float16)) for _ in range(nc)]
-            ring = iter(range(10 ** 9))
-
-            def kv(kcs=kcs, vcs=vcs, ring=ring, nc=nc):
-                i = next(ring) % nc
-                return C._p(kcs[i]), C._p(vcs[i])
-            pt = cp.asarray(rng.permutation(n_pages).astype(np.int32))
-            q = cp.asarray(rng.standard_normal(H * hd).astype(np.float32))
-            out = cp.empty(H * hd, cp.float32)
-            ws = cp.empty(H * max(C.MAX_SPLIT, C.GQA_MAX_SPLIT) * (hd + 2), cp.float32)
-            ctr = cp.zeros(KV, cp.uint32)
-            oq = cp.empty(H * hd * 5 // 4, cp.uint8)
-            n1 = C.n_split_for(L)
-            n2 = C.n_split_gqa(L, KV, be.n_sm)
-            sc = 1 / np.sqrt(hd)
-            t1 = timeit(cp, lambda: lib.strata_attn_decode(s(), C._p(q), *kv(), C._p(pt), ffi.NULL, L,
-                                                           C._p(ws), C._p(out), H, KV, hd, ps, n1, sc))
-            t2 = timeit(cp, lambda: lib.strata_attn_decode_gqa(s(), C._p(q), *kv(), C._p(pt), ffi.NULL,
-                                                               L, C._p(ws), ffi.cast("unsigned *", ctr.data.ptr),
-                                                               C._p(out), C._p(oq), H, KV, hd, ps, n2, sc, ffi.NULL,
-                                                               ffi.NULL))
-            db_env = os.environ.get("STRATA_CUDA_ATTN_DB")
-            os.environ["STRATA_CUDA_ATTN_DB"] = "0"          # the single-buffered kernel, same split
-            t2s = timeit(cp, lambda: lib.strata_attn_decode_gqa(s(), C._p(q), *kv(), C._p(pt), ffi.NULL,
-                                                                L, C._p(ws), ffi.cast("unsigned *", ctr.data.ptr),
-                                                                C._p(out), C._p(oq), H, KV, hd, ps, n2, sc, ffi.NULL,
-                                                                ffi.NULL))
-            if db_env is None:                               # the caller's setting back for the rest
-                del os.environ["STRATA_CUDA_ATTN_DB"]
-            else:
-                os.environ["STRATA_CUDA_ATTN_DB"] = db_env
-            sweep = {}
-            for chunk in (32, 64, 128, 256):
-                for bps in (4, 8, 16):
-                    nc2 = C.n_split_gqa(L, KV, be.n_sm, chunk, bps)
-                    sweep[f"{chunk}/{bps}"] = 1e6 * timeit(cp, lambda nc2=nc2: lib.strata_attn_decode_gqa(
-                        s(), C._p(q), *kv(), C._p(pt), ffi.NULL, L, C._p(ws), ffi.cast("unsigned *", ctr.data.ptr),
-                        C._p(out), C._p(oq), H, KV, hd, ps, nc2, sc, ffi.NULL, ffi.NULL))
-            best = min(sweep, key=sweep.get)
-            kvb = 2 * L * KV * hd * 2
-            res["attn_decode"].append({"H": H, "KV": KV, "hd": hd, "L": L, "v1_us": t1 * 1e6, "v2_us": t2 * 1e6,
-                                       "v2_single_buffer_us": t2s * 1e6,
-                                       "n_split_v2": n2, "kv_bytes": kvb, "v2_us_by_chunk_bps": sweep,
-                                       "chunk": C.ATTN_CHUNK, "bps": C.ATTN_BPS, "best": best})
-            print(f"H{H} KV{KV} hd{hd} L{L:6d} split{n2:4d}  {t1 * 1e6:8.1f} {t2 * 1e6:8.1f} {kvb / t2 / 1e12:10.2f}   "
-                  f"(single-buffer {t2s * 1e6:.1f})  "
-                  f"{sweep[best]:6.1f} at {best}  (" + " ".join(f"{k}:{v:.1f}" for k, v in sweep.items()) + ")",
-                  flush=True)
+    bench_attn_decode(cp, res, rng, be, timeit)
 
     # prefill attention (n = 512 queries after `length` cached positions)
+    ps = 16
     print(f"\n{'attn prefill':30s} {'v1 ms':>8s} {'v2 ms':>8s} {'v2 TFLOP/s':>10s}")
     for H, KV, hd in ((9, 3, 64), (16, 8, 128)):
         for length in (0, 3584, 15872):

@@ -1,8 +1,8 @@
 """A/B of the CUDA decode plan's settings: decode tokens/s of one model under variants, interleaved rounds.
 
 Each variant is a set of module settings of strata.backend.cuda read when a decode step is captured (GLU, GLU_RP,
-ATTN, ATTN_CHUNK, ATTN_BPS, ATTN_MAX_SPLIT, PDL on/off) or a STRATA_* environment variable the kernel launchers read
-(STRATA_CUDA_ATTN_DB); the plan's graphs are dropped between variants, and the
+ATTN, ATTN_CHUNK, ATTN_BPS, ATTN_MAX_SPLIT, ATTN_ONE_WAVE, PDL on/off) or a STRATA_* environment variable the kernel
+launchers read (STRATA_CUDA_ATTN_DB); the plan's graphs are dropped between variants, and the
 variants run in turn for --rounds rounds on the same contexts, so clock and thermal drift spread over all of them
 instead of favouring the first. Greedy tokens of each variant are compared with the first variant's (the settings
 must not change them, except the attention split, which changes f32 summation order).
@@ -70,7 +70,7 @@ def apply(C, plan, lib, settings: dict[str, str], base: dict) -> None:
             plan.glu = v not in ("0", "false", "no", "off")
         elif k == "ATTN":
             plan.attn = v
-        elif k in ("GLU_RP", "ATTN_CHUNK", "ATTN_BPS", "ATTN_MAX_SPLIT"):
+        elif k in ("GLU_RP", "ATTN_CHUNK", "ATTN_BPS", "ATTN_MAX_SPLIT", "ATTN_ONE_WAVE"):
             setattr(C, k, int(v))
         else:
             raise ValueError(f"unknown setting {k!r}")
@@ -97,7 +97,8 @@ def main(argv=None) -> int:
     plan = C.LlamaCuda(model, pool)
     fast = model.backend.fast_path(model)
     lib = C.lib()
-    base = {k: getattr(C, k) for k in ("GLU", "GLU_RP", "ATTN", "ATTN_CHUNK", "ATTN_BPS", "ATTN_MAX_SPLIT")}
+    base = {k: getattr(C, k) for k in ("GLU", "GLU_RP", "ATTN", "ATTN_CHUNK", "ATTN_BPS", "ATTN_MAX_SPLIT",
+                                       "ATTN_ONE_WAVE")}
     base["_PDL"] = lib.strata_get_pdl()
     rng = np.random.default_rng(0)
     ctx = {d: rng.integers(0, model.config.n_vocab, d) for d in depths}

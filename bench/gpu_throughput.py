@@ -166,10 +166,9 @@ def bench_strata(path: str, prompts, depths, n_gen: int, ubatch: int, bw: float,
     STRATA_CUDA_STEP=1; with the step on, decode_no_step is the graph), with every matvec one warp per row
     (decode_no_mvblock; STRATA_CUDA_MV_BLOCK_FROM=0) and, on the graph, without programmatic dependent
     launch (decode_no_pdl; STRATA_CUDA_PDL=0, whose greedy tokens must be the same), with the fused-SwiGLU setting
-    flipped (decode_glu: the opt-in
-    STRATA_CUDA_GLU=1 kernel when it is off, as by default; same tokens), with the GQA decode attention kernel at
-    every context size
-    (decode_attn_v2; STRATA_CUDA_ATTN=v2) and, with f32_act, with f32 activations (STRATA_CUDA_DP4A=0)."""
+    flipped (decode_no_glu: the matvec + SwiGLU launch pair when the fused kernel is on, as by default; decode_glu
+    the other way round; same tokens), with the GQA decode attention kernel at every context size (decode_attn_v2;
+    STRATA_CUDA_ATTN=v2) and, with f32_act, with f32 activations (STRATA_CUDA_DP4A=0)."""
     import cupy as cp
     from strata.backend.cuda import CudaBackend, LlamaCuda
     from strata.models.base import load_model
@@ -211,12 +210,13 @@ def bench_strata(path: str, prompts, depths, n_gen: int, ubatch: int, bw: float,
     why = f"{plan.step_blocks} blocks" if step_ok else f"cannot run: {plan.step_why}"
     print(f"  persistent decode step: {why}", flush=True)
     mvb0 = plan.mv_block_from
+    glu_kind = "decode_no_glu" if glu0 else "decode_glu"
     modes = [("decode", step0, True, pdl_default, plan.attn, glu0, mvb0)] + \
         ([("decode_step", True, True, pdl_default, plan.attn, glu0, mvb0)] if step_ok and not step0 else []) + \
         ([("decode_no_step", False, True, pdl_default, plan.attn, glu0, mvb0)] if step0 else []) + \
         ([("decode_no_mvblock", False, True, pdl_default, plan.attn, glu0, 0)] if mvb0 else []) + \
         [("decode_no_pdl", False, True, False, plan.attn, glu0, mvb0),
-         ("decode_glu", False, True, pdl_default, plan.attn, not glu0, mvb0),
+         (glu_kind, False, True, pdl_default, plan.attn, not glu0, mvb0),
          ("decode_attn_v2", False, True, pdl_default, "v2", glu0, mvb0)] + \
         ([("decode_f32act", False, False, pdl_default, plan.attn, glu0, mvb0)] if f32_act else [])
     attn0 = plan.attn
@@ -256,7 +256,7 @@ def bench_strata(path: str, prompts, depths, n_gen: int, ubatch: int, bw: float,
         same = {d: res[other][d] == res[base][d] for d in res[base]}
         res["step_tokens_equal"] = same
         print(f"  persistent step's 8 greedy tokens equal to the launch-per-op graph's: {same}", flush=True)
-    res["glu_tokens_equal"] = res["tokens_decode_glu"] == res[base]   # the fusion is bit-exact
+    res["glu_tokens_equal"] = res["tokens_" + glu_kind] == res[base]   # the fusion is bit-exact
     print(f"  tokens with the fused SwiGLU {'off' if glu0 else 'on'} equal to the default's: "
           f"{res['glu_tokens_equal']}", flush=True)
     del plan, st, pool, model
@@ -368,9 +368,7 @@ def main(argv=None) -> int:
     print("\nsummary (tokens/s; ratio = Strata / llama.cpp)")
     for name, e in out["models"].items():
         for kind in ("prompt", "prompt_generic", "prompt_chunked", "decode", "decode_step", "decode_no_step",
-                     "decode_no_mvblock", "decode_no_pdl",
-                     "decode_glu",
-                     "decode_attn_v2",
+                     "decode_no_mvblock", "decode_no_pdl", "decode_glu", "decode_no_glu", "decode_attn_v2",
                      "decode_generic",
                      "decode_f32act"):
             for k, v in e["strata"].get(kind, {}).items():

@@ -356,7 +356,7 @@ def _plan_after_prompt(model_path, prompt_ids, n: int):
 
 
 def test_fused_swiglu_changes_no_token(model_path, prompt_ids):
-    """The opt-in fused SwiGLU decode matvec (STRATA_CUDA_GLU=1, strata_matvec_q8w_glu) is bit-identical to the
+    """The fused SwiGLU decode matvec (strata_matvec_q8w_glu, the llama graph's default) is bit-identical to the
     matvec + strata_swiglu_gu pair it replaces: the decode logits after a prompt and 48 greedy graph-decode tokens
     are the same with it on and off (the layers' fused gate/up weights do take the fused path)."""
     model, plan, st, first = _plan_after_prompt(model_path, prompt_ids, 24)

@@ -72,3 +72,31 @@ def test_check_sequence_names_the_problem():
         C.check_sequence(other, NS(kv=NS(pool=pool, length=5), pos=5))
     with pytest.raises(ValueError, match="KV length 4 != sequence position 5"):
         C.check_sequence(pool, NS(kv=NS(pool=pool, length=4), pos=5))
+
+
+def test_split_fits_one_wave(monkeypatch):
+    """With the decode attention kernel's resident blocks per multiprocessor given, the split never makes more
+    blocks than run at once (n_kv x n_split <= resident x n_sm); without it (or with STRATA_CUDA_ATTN_ONE_WAVE=0)
+    the split is the chunk / ATTN_BPS rule alone. The H200 cases of the sweep: 8 KV heads with 3 resident blocks get
+    49 splits at 16K positions (was 64: 1.29 waves), 3 KV heads keep 64."""
+    monkeypatch.setattr(C, "ATTN_ONE_WAVE", True)
+    for n_kv in (1, 3, 8, 32):
+        for resident in (1, 2, 3, 5):
+            for length in (1, 300, 4096, 16384, 131072):
+                s = C.n_split_gqa(length, n_kv, 132, resident=resident)
+                assert 1 <= s <= C.n_split_gqa(length, n_kv, 132)
+                assert s == 1 or n_kv * s <= resident * 132
+    if (C.ATTN_CHUNK, C.ATTN_BPS, C.ATTN_MAX_SPLIT) == (128, 4, 64):
+        assert C.n_split_class(32768, 8, 132, resident=3) == 49
+        assert C.n_split_class(32768, 3, 132, resident=2) == 64
+        assert C.n_split_class(32768, 8, 132) == 64
+    monkeypatch.setattr(C, "ATTN_ONE_WAVE", False)
+    assert C.n_split_gqa(16384, 8, 132, resident=3) == C.n_split_gqa(16384, 8, 132)
+
+
+@pytest.mark.parametrize("env,want", [(None, (True, False)), ("1", (True, True)), ("0", (False, False)),
+                                      ("off", (False, False)), ("", (False, False))])
+def test_glu_settings(env, want):
+    """The fused SwiGLU matvec is on in the llama decode graph and off in the hybrid one by default (measured:
+    docs/cuda.md); STRATA_CUDA_GLU forces both."""
+    assert C.glu_settings(env) == want

@@ -185,6 +185,28 @@ extern "C" int strata_attn_decode_gqa(void *stream, const float *q, const void *
   return (int)cudaGetLastError();
 }
 
+// Blocks of k_attn_decode_gqa resident per multiprocessor for this head size / group / cache type (the kernel the
+// launcher picks; its registers decide: 157 per thread for hd 128 with 2 query heads per KV head, 2-3 blocks on the
+// H200), or a negative cudaError_t. The decode plans cap n_split so that the grid (n_kv x n_split) fits in one wave.
+extern "C" int strata_attn_decode_gqa_occupancy(int hd, int g, int q8) {
+  int n = 0;
+  cudaError_t e = cudaErrorInvalidValue;
+#define OC(LP, GG, Q) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k_attn_decode_gqa<LP, GG, Q, true>, 32 * DA_WARPS, 0)
+#define OCQ(LP, GG) { if (q8) OC(LP, GG, true); else OC(LP, GG, false); }
+#define OCG(LP) \
+  if (g == 1) OCQ(LP, 1) else if (g == 2) OCQ(LP, 2) else if (g <= 4) OCQ(LP, 4) else if (g <= 8) OCQ(LP, 8)
+  switch (hd) {
+    case 32: OCG(4); break;
+    case 64: OCG(8); break;
+    case 128: OCG(16); break;
+    case 256: OCG(32); break;
+  }
+#undef OCG
+#undef OCQ
+#undef OC
+  return e == cudaSuccess ? n : -(int)e;
+}
+
 // ---------------------------------------------------------------- prefill attention: FlashAttention-2 on mma.sync
 // Causal GQA attention of n new queries (positions length .. length + n - 1) over the paged f16 cache (their K/V
 // already written). Block = 4 warps = 64 queries of one head and one split of the key range; each warp owns 16

@@ -18,6 +18,7 @@ accumulation; the KV cache is f16 or q8_0 (--kv).
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +77,7 @@ int strata_attn_decode_gqa(void *stream, const float *q, const void *k_cache, co
                            const int *page_table, const int *d_len, int len, float *ws, unsigned *counters, float *out,
                            void *out_q8, int n_head, int n_kv, int hd, int page_size, int n_split, float scale,
                            const void *k_scales, const void *v_scales);
+int strata_attn_decode_gqa_occupancy(int hd, int g, int q8);
 int strata_fa2_prefill(void *stream, const float *q, int q_stride, const void *k_cache, const void *v_cache,
                        const int *page_table, float *out, void *out16, float *ws, int n, int n_head, int n_kv, int hd,
                        int page_size, int length, int n_split, float scale, const void *k_scales,
@@ -146,13 +148,23 @@ def _env_int(name: str, default: int) -> int:
 # Decode matvec rows per warp (strata_matvec_q8w); 0 = by size (1 up to 4096 rows, else 2).
 MV_ROWS = _env_int("STRATA_CUDA_MV_ROWS", 0)
 
+
+def glu_settings(env: str | None) -> tuple[bool, bool]:
+    """(llama graph, hybrid graph) use of the fused SwiGLU matvec for a STRATA_CUDA_GLU value (None: unset)."""
+    if env is None:
+        return True, False
+    on = env not in ("0", "false", "no", "off", "")
+    return on, on
+
+
 # SwiGLU fused into the gate/up decode matvec (strata_matvec_q8w_glu: the block that makes 32 activations also
-# writes their q8_1 block, one launch fewer per layer): opt-in, STRATA_CUDA_GLU=1. Measured on the H200
-# (bench/decode_variants.py, same tokens): the fused kernel alone is faster (18.9 MB gate/up: 8.3 vs 9.4 us with the
-# SwiGLU launch), but in the decode graph it lost 8% on the 1.7B model at depth 0 (944 vs 1018 tok/s; its 4-row warps
-# hide less of the L2 latency than the 2-row matvec once PDL has prefetched the weights) and won 0.6% on SmolLM2.
-# STRATA_CUDA_GLU_RP: gate/up row pairs per warp (1, 2 or 4; 0 = by size, glu_pairs_per_warp).
-GLU = os.environ.get("STRATA_CUDA_GLU", "0") not in ("0", "false", "no", "off", "")
+# writes their q8_1 block, one launch fewer per layer; bit-identical). Measured on the H200 (bench/decode_variants.py,
+# interleaved rounds, same tokens): in the llama decode graph with the down projection on strata_matvec_q8b it wins
+# on both models (1.7B Q4_K: +1.5 / +1.5 / +2.0% at depth 0 / 4096 / 16384; SmolLM2 +4-6% at depth 0 in three
+# sessions' same-run rows, even deeper; before q8b it lost 8% on the 1.7B model), so the llama graph uses it; in the
+# hybrid decode graph it loses 14% (bench/gpu_hybrid_model.py: 684 -> 588 tok/s at depth 0), so that graph does not.
+# STRATA_CUDA_GLU=1 / 0 forces it on / off in both. STRATA_CUDA_GLU_RP: gate/up row pairs per warp (1, 2 or 4; 0 = by size, glu_pairs_per_warp).
+GLU, GLU_HYBRID = glu_settings(os.environ.get("STRATA_CUDA_GLU"))
 GLU_RP = _env_int("STRATA_CUDA_GLU_RP", 0)
 
 
@@ -202,22 +214,41 @@ def n_split_for(length: int) -> int:
 ATTN_CHUNK = _env_int("STRATA_CUDA_ATTN_CHUNK", 128)
 ATTN_BPS = _env_int("STRATA_CUDA_ATTN_BPS", 4)
 ATTN_MAX_SPLIT = min(GQA_MAX_SPLIT, _env_int("STRATA_CUDA_ATTN_MAX_SPLIT", 64))
+# ... and no more splits than fit in one wave: n_kv x n_split <= the kernel's resident blocks per multiprocessor x
+# multiprocessors. Its registers (157 per thread for hd 128 with 2 query heads per KV head, 198 for hd 64 with 3)
+# leave 2-3 blocks per SM on the H200, not the 4 of ATTN_BPS: 8 KV heads x 64 splits = 512 blocks ran in 1.29 waves
+# (Nsight Compute), and a sweep of n_split (bench/results/attn_split_sweep_NVIDIA_H200.json) gave 38.3 -> 29.7 us at
+# 16K positions for 16 / 8 heads of 128 (48 splits: 384 blocks <= 396 resident), 55.8 -> 41.6 us for 32 / 8 heads
+# (32 splits), SmolLM2's 3 KV heads unchanged (64 splits already fit). STRATA_CUDA_ATTN_ONE_WAVE=0 turns the cap off.
+ATTN_ONE_WAVE = os.environ.get("STRATA_CUDA_ATTN_ONE_WAVE", "1") not in ("0", "false", "no", "off", "")
 
 
-def n_split_gqa(length: int, n_kv: int, n_sm: int, chunk: int | None = None, bps: int | None = None) -> int:
+@functools.lru_cache(maxsize=None)
+def gqa_resident(hd: int, g: int, q8: bool) -> int:
+    """Blocks of the v2 decode attention kernel (head size hd, g query heads per KV head, q8_0 or f16 cache)
+    resident per multiprocessor of the current GPU; 0 when the shape has no kernel."""
+    return max(0, int(lib().strata_attn_decode_gqa_occupancy(int(hd), int(g), int(bool(q8)))))
+
+
+def n_split_gqa(length: int, n_kv: int, n_sm: int, chunk: int | None = None, bps: int | None = None,
+                resident: int = 0) -> int:
     """Split-K partitions for the v2 decode attention (grid n_kv x n_split): at least `chunk` (ATTN_CHUNK) positions
-    per block, about `bps` (ATTN_BPS) blocks per multiprocessor, at most ATTN_MAX_SPLIT."""
+    per block, about `bps` (ATTN_BPS) blocks per multiprocessor, at most ATTN_MAX_SPLIT, and (ATTN_ONE_WAVE, given
+    the kernel's `resident` blocks per multiprocessor, gqa_resident) no more blocks than run at once."""
     c = max(1, int(chunk or ATTN_CHUNK))
     b = max(1, int(bps or ATTN_BPS))
-    return max(1, min(ATTN_MAX_SPLIT, -(-length // c), max(1, b * n_sm // max(1, n_kv))))
+    s = max(1, min(ATTN_MAX_SPLIT, -(-length // c), max(1, b * n_sm // max(1, n_kv))))
+    if ATTN_ONE_WAVE and resident > 0:
+        s = min(s, max(1, resident * n_sm // max(1, n_kv)))
+    return s
 
 
-def n_split_class(size_class: int, n_kv: int, n_sm: int) -> int:
+def n_split_class(size_class: int, n_kv: int, n_sm: int, resident: int = 0) -> int:
     """The v2 split of a decode plan's context-size class (lengths size_class / 2 + 1 .. size_class, or 1 .. 256 for
     the first class; one captured graph): n_split_gqa of the class's shortest length, so every length in it gets
     >= ATTN_CHUNK positions per block (sized for the longest, a step just past the class boundary got half that: 33
     vs 20 us at 16K positions)."""
-    return n_split_gqa(max(1, size_class // 2), n_kv, n_sm)
+    return n_split_gqa(max(1, size_class // 2), n_kv, n_sm, resident=resident)
 
 
 # The llama decode graph's down projection, when its rows hold at least this many 32-element sub-blocks (n_ff >=
@@ -830,7 +861,7 @@ def paged_attention(be: "CudaBackend", q, k, v, kc, vc, pt, length: int, ps: int
     v2_ok = hd in (32, 64, 128, 256) and n_head // n_kv <= 8
     use_v2 = q8 or ATTN == "v2" or (ATTN == "auto" and total >= AUTO_V2_FROM)
     if n == 1 and use_v2 and v2_ok:
-        n_split = n_split_gqa(total, n_kv, be.n_sm)
+        n_split = n_split_gqa(total, n_kv, be.n_sm, resident=gqa_resident(hd, n_head // n_kv, q8))
         need = n_head * n_split * (hd + 2)
         if be._partial is None or be._partial.size < need:
             be._partial = cp.empty(max(need, n_head * MAX_SPLIT * (hd + 2)), cp.float32)
@@ -1230,6 +1261,10 @@ class LlamaCuda:
             return True
         return self.attn == "auto" and size_class >= AUTO_V2_FROM
 
+    def attn_resident(self) -> int:
+        """Resident blocks per multiprocessor of this plan's v2 decode attention kernel (gqa_resident)."""
+        return gqa_resident(self.hd, self.n_head // self.n_kv, self.pool.kv == "q8_0")
+
     @staticmethod
     def size_class(length: int) -> int:
         """Context-size class of a step attending over `length` positions: the power of two >= max(256, length)."""
@@ -1245,7 +1280,7 @@ class LlamaCuda:
         else:
             cls = self.size_class(length)
             v2 = self.decode_attn_v2(cls)
-            n_split = n_split_class(cls, self.n_kv, self.n_sm) if v2 else n_split_for(cls)
+            n_split = n_split_class(cls, self.n_kv, self.n_sm, self.attn_resident()) if v2 else n_split_for(cls)
         if not self.use_graphs:
             self._enqueue_step(n_split, v2)
             return

@@ -334,7 +334,7 @@ class Qwen35Cuda:
                 self._attn(s, li, L, qp, pos_p, len_p, n_split)
             ck(lb.strata_rms_norm_ex(s, _a(o), _a(x), _a(L.post_norm), _a(hn), _a(x), NULL, qp("hq"), 1, E, self.eps),
                "rms_norm")
-            glu = C.glu_pointers([w for w, _, _ in self.w_gu[li]], F, E) if (q8 and C.GLU) else None
+            glu = C.glu_pointers([w for w, _, _ in self.w_gu[li]], F, E) if (q8 and C.GLU_HYBRID) else None
             if glu is not None:   # SwiGLU in the gate/up matvec (act and its q8_1 blocks from one launch)
                 ck(lb.strata_matvec_q8w_glu(s, glu[0], _vp(glu[1]), _vp(glu[2]), qp("hq"), _a(d["act"]), qp("fq"), F, E,
                                             C.glu_pairs_per_warp(F, self.n_sm)), "matvec_glu")
@@ -528,7 +528,8 @@ class Qwen35Cuda:
     def _launch(self, length: int) -> None:
         """One step attending over `length` positions, on self.stream (graph replay or eager launches)."""
         cls = self.size_class(length)
-        n_split = C.n_split_class(cls, self.n_kv, self.n_sm)
+        n_split = C.n_split_class(cls, self.n_kv, self.n_sm, C.gqa_resident(self.hd, self.n_head // self.n_kv,
+                                                                          self.pool.kv == "q8_0"))
         if not self.use_graphs:
             self._enqueue_step(n_split)
             return
