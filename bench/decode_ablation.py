@@ -16,7 +16,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -68,13 +67,9 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     depths = [int(x) for x in a.depths.split(",") if x]
     import cupy as cp
+    from bench.decode_variants import open_plan, timed_decode
     from strata.backend import cuda as C
-    from strata.models.base import load_model
-    model = load_model(a.model, C.CudaBackend())
-    pool = model.new_page_pool(max(depths) + a.n_gen + 512)
-    st = model.new_state(pool)
-    plan = C.LlamaCuda(model, pool)
-    fast = model.backend.fast_path(model)
+    model, st, plan, fast = open_plan(a.model, max(depths) + a.n_gen + 512)
     real_lib = C.lib
     scratch = cp.zeros(4, cp.int32)
     scratch_ptr = C._ffi.cast("int *", scratch.data.ptr)
@@ -86,19 +81,12 @@ def main(argv=None) -> int:
             ctx = rng.integers(0, model.config.n_vocab, d)
             for s0 in range(0, d, 512):
                 fast.forward(np.asarray(ctx[s0:s0 + 512], np.int32), st)
-            p0 = st.pos
             for _ in range(a.rounds):
                 for name, (names, trivial) in VARIANTS.items():
                     swapped = _SwappedLib(real_lib(), names, trivial, scratch_ptr)
                     C.lib = lambda swapped=swapped: swapped    # read by the plan when it captures the step
                     plan.graphs = {}
-                    plan.decode_greedy(1, 8, st)               # capture
-                    st.truncate(p0)
-                    cp.cuda.Device().synchronize()
-                    t0 = time.perf_counter()
-                    plan.decode_greedy(1, a.n_gen, st)
-                    us[d][name].append((time.perf_counter() - t0) / a.n_gen * 1e6)
-                    st.truncate(p0)
+                    us[d][name].append(timed_decode(plan, st, a.n_gen)[1] * 1e6)
     finally:
         C.lib = real_lib
         plan.graphs = {}

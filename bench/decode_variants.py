@@ -77,6 +77,31 @@ def apply(C, plan, lib, settings: dict[str, str], base: dict) -> None:
     plan.graphs = {}
 
 
+def open_plan(path: str, max_ctx: int):
+    """(model, a sequence state, its LlamaCuda plan, the backend's fast path) for the GGUF at path on CUDA, over a
+    page pool of max_ctx positions."""
+    from strata.backend import cuda as C
+    from strata.models.base import load_model
+    model = load_model(path, C.CudaBackend())
+    pool = model.new_page_pool(max_ctx)
+    return model, model.new_state(pool), C.LlamaCuda(model, pool), model.backend.fast_path(model)
+
+
+def timed_decode(plan, st, n_gen: int) -> tuple[list[int], float]:
+    """16 greedy graph-decode tokens from st.pos (capturing the step's graph), then n_gen more timed; st is put
+    back where it was. Returns (the 16 tokens, seconds per timed token)."""
+    import cupy as cp
+    p0 = st.pos
+    tokens = plan.decode_greedy(1, 16, st)
+    st.truncate(p0)
+    cp.cuda.Device().synchronize()
+    t0 = time.perf_counter()
+    plan.decode_greedy(1, n_gen, st)
+    dt = (time.perf_counter() - t0) / n_gen
+    st.truncate(p0)
+    return tokens, dt
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
@@ -88,14 +113,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     variants = [parse_variant(v) for v in (a.variant or DEFAULT_VARIANTS)]
     depths = [int(x) for x in a.depths.split(",") if x]
-    import cupy as cp
     from strata.backend import cuda as C
-    from strata.models.base import load_model
-    model = load_model(a.model, C.CudaBackend())
-    pool = model.new_page_pool(max(depths) + a.n_gen + 512)
-    st = model.new_state(pool)
-    plan = C.LlamaCuda(model, pool)
-    fast = model.backend.fast_path(model)
+    model, st, plan, fast = open_plan(a.model, max(depths) + a.n_gen + 512)
     lib = C.lib()
     base = {k: getattr(C, k) for k in ("GLU", "GLU_RP", "ATTN", "ATTN_CHUNK", "ATTN_BPS", "ATTN_MAX_SPLIT",
                                        "ATTN_ONE_WAVE")}
@@ -114,13 +133,8 @@ def main(argv=None) -> int:
             apply(C, plan, lib, settings, base)
             for d in depths:
                 prefill(d)
-                p0 = st.pos
-                tokens[name][d] = plan.decode_greedy(1, 16, st)          # capture + the tokens to compare
-                st.truncate(p0)
-                cp.cuda.Device().synchronize()
-                t0 = time.perf_counter()
-                plan.decode_greedy(1, a.n_gen, st)
-                tps[name][d].append(a.n_gen / (time.perf_counter() - t0))
+                tokens[name][d], dt = timed_decode(plan, st, a.n_gen)   # + the tokens to compare
+                tps[name][d].append(1 / dt)
         print(f"round {r + 1}/{a.rounds} done", flush=True)
     apply(C, plan, lib, {}, base)
     ref = variants[0][0]
