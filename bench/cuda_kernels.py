@@ -237,7 +237,7 @@ def main(argv=None) -> int:
         print(f"{name:22s} {nbytes / 1e6:7.2f} " + " ".join(
             f"{row['us'][k]:6.1f}us {100 * row['bw_fraction'][k]:4.0f}%" for k in variants)
               + ("  (" + ", ".join(variants) + ")" if len(variants) > 5 else ""), flush=True)
-        del ws
+        ws = None   # the copies go before the next shape's
 
     bench_attn_decode(cp, res, rng, be, timeit)
 

@@ -9,8 +9,9 @@ must not change them, except the attention split, which changes f32 summation or
 
 Usage: python bench/decode_variants.py --model PATH [--depths 0,4096,16384] [--n-gen 128] [--rounds 3]
   [--variant 'name:GLU=0,ATTN_CHUNK=256' ...] [--out JSON]
-(--variant may repeat; the first variant is the reference; default: the defaults, fused SwiGLU with its row pairs
-per warp by size / 1 / 2, the single-buffered decode attention.)
+(--variant may repeat; the first variant is the reference; default: the defaults, the separate SwiGLU launch, the
+fused SwiGLU with 1 / 2 row pairs per warp, the single-buffered decode attention, its split without the one-wave
+cap.)
 """
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-DEFAULT_VARIANTS = ["default:", "glu:GLU=1", "glu_rp1:GLU=1,GLU_RP=1", "glu_rp2:GLU=1,GLU_RP=2",
-                    "single_buffer:STRATA_CUDA_ATTN_DB=0"]
+DEFAULT_VARIANTS = ["default:", "no_glu:GLU=0", "glu_rp1:GLU=1,GLU_RP=1", "glu_rp2:GLU=1,GLU_RP=2",
+                    "single_buffer:STRATA_CUDA_ATTN_DB=0", "no_one_wave:ATTN_ONE_WAVE=0"]
 
 
 def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
@@ -70,7 +71,9 @@ def apply(C, plan, lib, settings: dict[str, str], base: dict) -> None:
             plan.glu = v not in ("0", "false", "no", "off")
         elif k == "ATTN":
             plan.attn = v
-        elif k in ("GLU_RP", "ATTN_CHUNK", "ATTN_BPS", "ATTN_MAX_SPLIT", "ATTN_ONE_WAVE"):
+        elif k == "ATTN_ONE_WAVE":
+            C.ATTN_ONE_WAVE = v not in ("0", "false", "no", "off")
+        elif k in ("GLU_RP", "ATTN_CHUNK", "ATTN_BPS", "ATTN_MAX_SPLIT"):
             setattr(C, k, int(v))
         else:
             raise ValueError(f"unknown setting {k!r}")

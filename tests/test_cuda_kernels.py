@@ -617,6 +617,22 @@ def test_attn_decode_v1_q8_output(cp, hd, H, KV, L, n_split):
     np.testing.assert_array_equal(qv, q8_1_reference(got)[0].reshape(-1))
 
 
+def test_gqa_resident_blocks(attn_db):
+    """strata_attn_decode_gqa_occupancy / gqa_resident: at least one resident block per SM for every head size and
+    group the GQA decode kernel takes (f16 and q8_0 caches, both STRATA_CUDA_ATTN_DB variants), 0 for a shape it
+    does not take (the split is then not capped), and a one-wave split for the plan's shapes."""
+    for hd in (32, 64, 128, 256):
+        for g in (1, 2, 3, 4, 8):
+            for q8 in (False, True):
+                assert 1 <= C.gqa_resident(hd, g, q8) <= 16, (hd, g, q8)
+    assert C.gqa_resident(96, 2, False) == 0 and C.gqa_resident(128, 9, False) == 0
+    assert C.lib().strata_attn_decode_gqa_occupancy(96, 2, 0) < 0
+    n_sm = C.CudaBackend().n_sm
+    for n_kv in (3, 8):
+        r = C.gqa_resident(128, 2, False)
+        assert n_kv * C.n_split_gqa(1 << 20, n_kv, n_sm, resident=r) <= max(n_kv, r * n_sm)
+
+
 @pytest.mark.parametrize("hd", [64, 128])
 @pytest.mark.parametrize("L,n_split", [(1, 1), (300, 3), (5000, 40)])
 def test_attn_decode_gqa_q8_cache(cp, hd, L, n_split, attn_db):

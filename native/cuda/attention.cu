@@ -150,6 +150,15 @@ __global__ void __launch_bounds__(32 * DA_WARPS) k_attn_decode_gqa(
                                        counters, out, out_q8, n_head, n_kv, ps, n_split, scale);
 }
 
+// Whether the GQA decode kernel issues the next iteration's K/V loads before this one's arithmetic (double
+// buffering): yes unless STRATA_CUDA_ATTN_DB=0/false/no/off (read per launch). The two variants hold different
+// registers (hd 128, 2 query heads per KV head: 157 vs 150; 1 head: 128 vs 71), so the occupancy query below asks
+// about the same one.
+static bool attn_db() {
+  const char *e = getenv("STRATA_CUDA_ATTN_DB");
+  return !(e && (!strcmp(e, "0") || !strcmp(e, "false") || !strcmp(e, "no") || !strcmp(e, "off")));
+}
+
 extern "C" int strata_attn_decode_gqa(void *stream, const float *q, const void *kc, const void *vc, const int *pt,
                                       const int *d_len, int len, float *ws, unsigned *counters, float *out,
                                       void *out_q8, int n_head, int n_kv, int hd, int ps, int n_split, float scale,
@@ -162,10 +171,7 @@ extern "C" int strata_attn_decode_gqa(void *stream, const float *q, const void *
   dim3 grid(n_kv, n_split);
   const __half *KS = (const __half *)k_scales, *VS = (const __half *)v_scales;
   int8_t *oq = (int8_t *)out_q8;
-  // the next iteration's K/V loads issued before this one's arithmetic unless STRATA_CUDA_ATTN_DB=0/false/no/off
-  // (read per launch; the same registers either way: ptxas keeps the raw words live across iterations in both)
-  const char *dbe = getenv("STRATA_CUDA_ATTN_DB");
-  const bool db = !(dbe && (!strcmp(dbe, "0") || !strcmp(dbe, "false") || !strcmp(dbe, "no") || !strcmp(dbe, "off")));
+  const bool db = attn_db();
 #define DG(LP, GG, Q) { if (db) DGD(LP, GG, Q, true); else DGD(LP, GG, Q, false); }
 #define DGD(LP, GG, Q, D) st_launch(k_attn_decode_gqa<LP, GG, Q, D>, grid, 32 * DA_WARPS, 0, s, q, kc, vc, KS, VS, pt, d_len, len, ws, counters, out, oq, n_head, n_kv, ps, n_split, scale)
 #define DGQ(LP, GG) { if (KS) DG(LP, GG, true) else DG(LP, GG, false) }
@@ -185,14 +191,16 @@ extern "C" int strata_attn_decode_gqa(void *stream, const float *q, const void *
   return (int)cudaGetLastError();
 }
 
-// Blocks of k_attn_decode_gqa resident per multiprocessor for this head size / group / cache type (the kernel the
-// launcher picks; its registers decide: 157 per thread for hd 128 with 2 query heads per KV head, 2-3 blocks on the
-// H200), or a negative cudaError_t. The decode plans cap n_split so that the grid (n_kv x n_split) fits in one wave.
+// Blocks of k_attn_decode_gqa resident per multiprocessor for this head size / group / cache type and the current
+// STRATA_CUDA_ATTN_DB (the kernel the launcher picks; its registers decide: 157 per thread for hd 128 with 2 query
+// heads per KV head, 2-3 blocks on the H200), or a negative cudaError_t. The decode plans cap n_split so that the grid (n_kv x n_split) fits in one wave.
 extern "C" int strata_attn_decode_gqa_occupancy(int hd, int g, int q8) {
   int n = 0;
   cudaError_t e = cudaErrorInvalidValue;
-#define OC(LP, GG, Q) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k_attn_decode_gqa<LP, GG, Q, true>, 32 * DA_WARPS, 0)
-#define OCQ(LP, GG) { if (q8) OC(LP, GG, true); else OC(LP, GG, false); }
+  const bool db = attn_db();
+#define OCD(LP, GG, Q, D) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k_attn_decode_gqa<LP, GG, Q, D>, 32 * DA_WARPS, 0)
+#define OC(LP, GG, Q) { if (db) OCD(LP, GG, Q, true); else OCD(LP, GG, Q, false); }
+#define OCQ(LP, GG) { if (q8) OC(LP, GG, true) else OC(LP, GG, false) }
 #define OCG(LP) \
   if (g == 1) OCQ(LP, 1) else if (g == 2) OCQ(LP, 2) else if (g <= 4) OCQ(LP, 4) else if (g <= 8) OCQ(LP, 8)
   switch (hd) {
@@ -204,6 +212,7 @@ extern "C" int strata_attn_decode_gqa_occupancy(int hd, int g, int q8) {
 #undef OCG
 #undef OCQ
 #undef OC
+#undef OCD
   return e == cudaSuccess ? n : -(int)e;
 }
 

@@ -18,7 +18,6 @@ accumulation; the KV cache is f16 or q8_0 (--kv).
 """
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -163,7 +162,8 @@ def glu_settings(env: str | None) -> tuple[bool, bool]:
 # on both models (1.7B Q4_K: +1.5 / +1.5 / +2.0% at depth 0 / 4096 / 16384; SmolLM2 +4-6% at depth 0 in three
 # sessions' same-run rows, even deeper; before q8b it lost 8% on the 1.7B model), so the llama graph uses it; in the
 # hybrid decode graph it loses 14% (bench/gpu_hybrid_model.py: 684 -> 588 tok/s at depth 0), so that graph does not.
-# STRATA_CUDA_GLU=1 / 0 forces it on / off in both. STRATA_CUDA_GLU_RP: gate/up row pairs per warp (1, 2 or 4; 0 = by size, glu_pairs_per_warp).
+# STRATA_CUDA_GLU=1 / 0 (or false / no / off / empty) forces it on / off in both. STRATA_CUDA_GLU_RP: gate/up row
+# pairs per warp (1, 2 or 4; 0 = by size, glu_pairs_per_warp).
 GLU, GLU_HYBRID = glu_settings(os.environ.get("STRATA_CUDA_GLU"))
 GLU_RP = _env_int("STRATA_CUDA_GLU_RP", 0)
 
@@ -206,7 +206,8 @@ def n_split_for(length: int) -> int:
 
 # The v2 decode attention's split: at least ATTN_CHUNK positions per block, about ATTN_BPS blocks per multiprocessor
 # and at most ATTN_MAX_SPLIT splits (the last block's merge reads every split's partial). Measured on the H200
-# (bench/cuda_kernels.py sweep of chunk 32..256 x 4..16 blocks per SM with the double-buffered kernel; decode A/B in
+# (session 4's bench/cuda_kernels.py, a sweep of chunk 32..256 x 4..16 blocks per SM with the double-buffered kernel,
+# cuda_kernels_NVIDIA_H200.json; decode A/B in
 # bench/decode_variants.py): 128 positions per block were best at 4096 positions (SmolLM2's 3 KV heads 15.7 -> 13.4
 # us, 8 KV heads hd128 20.1 -> 14.4 us vs 64), and at 16384 positions 64 splits beat 128 (3 KV heads 33.0 -> 20.3 us;
 # 8 KV heads equal), so at most 64 splits. A decode plan sizes the split for the shortest length of its context-size
@@ -217,17 +218,26 @@ ATTN_MAX_SPLIT = min(GQA_MAX_SPLIT, _env_int("STRATA_CUDA_ATTN_MAX_SPLIT", 64))
 # ... and no more splits than fit in one wave: n_kv x n_split <= the kernel's resident blocks per multiprocessor x
 # multiprocessors. Its registers (157 per thread for hd 128 with 2 query heads per KV head, 198 for hd 64 with 3)
 # leave 2-3 blocks per SM on the H200, not the 4 of ATTN_BPS: 8 KV heads x 64 splits = 512 blocks ran in 1.29 waves
-# (Nsight Compute), and a sweep of n_split (bench/results/attn_split_sweep_NVIDIA_H200.json) gave 38.3 -> 29.7 us at
-# 16K positions for 16 / 8 heads of 128 (48 splits: 384 blocks <= 396 resident), 55.8 -> 41.6 us for 32 / 8 heads
-# (32 splits), SmolLM2's 3 KV heads unchanged (64 splits already fit). STRATA_CUDA_ATTN_ONE_WAVE=0 turns the cap off.
+# (Nsight Compute). Measured (bench/cuda_kernels.py --only-attn-decode, attn_split_sweep_NVIDIA_H200.json) at 16K
+# positions: 16 / 8 heads of 128 36.6 -> 28.1 us (49 splits: 392 blocks <= 396 resident), 32 / 8 heads 55.3 -> 39.6
+# us (33 splits), SmolLM2's 3 KV heads unchanged (64 splits already fit). STRATA_CUDA_ATTN_ONE_WAVE=0 turns it off.
 ATTN_ONE_WAVE = os.environ.get("STRATA_CUDA_ATTN_ONE_WAVE", "1") not in ("0", "false", "no", "off", "")
 
 
-@functools.lru_cache(maxsize=None)
+_RESIDENT: dict[tuple, int] = {}
+
+
 def gqa_resident(hd: int, g: int, q8: bool) -> int:
-    """Blocks of the v2 decode attention kernel (head size hd, g query heads per KV head, q8_0 or f16 cache)
-    resident per multiprocessor of the current GPU; 0 when the shape has no kernel."""
-    return max(0, int(lib().strata_attn_decode_gqa_occupancy(int(hd), int(g), int(bool(q8)))))
+    """Blocks of the v2 decode attention kernel (head size hd, g query heads per KV head, q8_0 or f16 cache, and
+    the STRATA_CUDA_ATTN_DB variant) resident per multiprocessor of the current GPU; 0 when the shape has no kernel
+    or the query fails (then the split is not capped). Cached per shape and variant once known."""
+    key = (int(hd), int(g), bool(q8), os.environ.get("STRATA_CUDA_ATTN_DB"))
+    n = _RESIDENT.get(key)
+    if n is None:
+        n = max(0, int(lib().strata_attn_decode_gqa_occupancy(key[0], key[1], int(key[2]))))
+        if n > 0:
+            _RESIDENT[key] = n
+    return n
 
 
 def n_split_gqa(length: int, n_kv: int, n_sm: int, chunk: int | None = None, bps: int | None = None,
@@ -1008,8 +1018,8 @@ class LlamaCuda:
     output projection), with fused launches and preallocated buffers:
 
     * decode (``decode``, ``decode_greedy``): matvecs on int8 q8_1 activations (DP4A; written by the RMSNorm,
-      attention and SwiGLU kernels that produce them; optionally, STRATA_CUDA_GLU=1, SwiGLU inside the gate/up
-      matvec) or f32 activations, RoPE fused with the K/V write, GQA-shared split-K attention that merges its own
+      attention and SwiGLU kernels that produce them; by default SwiGLU inside the gate/up matvec,
+      STRATA_CUDA_GLU=0 a separate launch) or f32 activations, RoPE fused with the K/V write, GQA-shared split-K attention that merges its own
       splits, the residual add fused into the next RMSNorm; token and position read from device memory, so the step
       is captured once per context-size class (256, 512, ... positions; the class fixes the split count,
       n_split_class) as a CUDA graph and replayed with one graph launch per token. With STRATA_CUDA_STEP=1
@@ -1263,7 +1273,7 @@ class LlamaCuda:
 
     def attn_resident(self) -> int:
         """Resident blocks per multiprocessor of this plan's v2 decode attention kernel (gqa_resident)."""
-        return gqa_resident(self.hd, self.n_head // self.n_kv, self.pool.kv == "q8_0")
+        return gqa_resident(self.hd, self.n_head // max(1, self.n_kv), self.pool.kv == "q8_0")
 
     @staticmethod
     def size_class(length: int) -> int:
@@ -1280,7 +1290,8 @@ class LlamaCuda:
         else:
             cls = self.size_class(length)
             v2 = self.decode_attn_v2(cls)
-            n_split = n_split_class(cls, self.n_kv, self.n_sm, self.attn_resident()) if v2 else n_split_for(cls)
+            n_split = n_split_class(cls, self.n_kv, self.n_sm, self.attn_resident()) if v2 else \
+                n_split_for(cls)
         if not self.use_graphs:
             self._enqueue_step(n_split, v2)
             return

@@ -528,8 +528,8 @@ class Qwen35Cuda:
     def _launch(self, length: int) -> None:
         """One step attending over `length` positions, on self.stream (graph replay or eager launches)."""
         cls = self.size_class(length)
-        n_split = C.n_split_class(cls, self.n_kv, self.n_sm, C.gqa_resident(self.hd, self.n_head // self.n_kv,
-                                                                          self.pool.kv == "q8_0"))
+        n_split = C.n_split_class(cls, self.n_kv, self.n_sm,
+                                  C.gqa_resident(self.hd, self.n_head // max(1, self.n_kv), self.pool.kv == "q8_0"))
         if not self.use_graphs:
             self._enqueue_step(n_split)
             return
