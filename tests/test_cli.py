@@ -130,6 +130,15 @@ def test_undecodable_prompt_bytes_are_a_one_line_error(default_model_path):
     assert_one_line_error(p, "not valid Unicode")
 
 
+@pytest.mark.parametrize("cmd", [["generate", "--prompt", "hi"], ["chat"]])
+def test_kv_q8_0_on_cpu_is_a_usage_error_before_the_model_loads(cmd):
+    """--kv q8_0 with --device cpu: the same usage error (exit 2) as `strata serve` gives, before any model loads
+    (the model path does not exist)."""
+    p = strata(*cmd, "--kv", "q8_0", "--device", "cpu", "--model", "/nonexistent.gguf")
+    assert_one_line_error(p, "--kv q8_0 needs --device cuda")
+    assert p.returncode == 2
+
+
 def test_bad_sampling_value_is_refused_before_the_model_loads():
     p = strata("generate", "--prompt", "hi", "--temperature", "-1", "--model", "/nonexistent.gguf")
     assert_one_line_error(p, "temperature")          # not the missing-file error: checked before loading

@@ -49,6 +49,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="memory budget of the checkpoints (MiB)")
 
 
+def engine_args_error(args) -> str | None:
+    """A flag combination of add_engine_args' options that no engine can run (a usage error), or None."""
+    if getattr(args, "kv", "f16") != "f16" and getattr(args, "device", "cpu") == "cpu":
+        return f"--kv {args.kv} needs --device cuda (the CPU backend keeps its KV cache in float32)"
+    return None
+
+
 def engine_kwargs(args) -> dict:
     """Engine keyword arguments (besides the model) from the options add_engine_args defined."""
     return dict(n_ctx=args.n_ctx, ubatch=args.ubatch, threads=args.threads, device=args.device, kv=args.kv,
@@ -110,6 +117,9 @@ def load_engine(args):
     import structlog
     if not structlog.is_configured():
         structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+    err = engine_args_error(args)
+    if err:
+        raise CliError(err, EXIT_USAGE)
     from strata.engine import Engine
     return Engine(args.model, progress=None, **engine_kwargs(args))
 

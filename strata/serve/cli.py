@@ -7,7 +7,7 @@ import ipaddress
 import os
 import sys
 
-from strata.cli.main import add_engine_args, engine_kwargs
+from strata.cli.main import add_engine_args, engine_args_error, engine_kwargs
 from strata.serve.log import LEVELS, configure_logging
 from strata.serve.paths import default_socket_path
 
@@ -96,9 +96,7 @@ def check_args(args) -> str | None:
         return "--no-socket needs --port (or --host): the daemon would listen nowhere"
     if args.drain_timeout < 0:
         return f"--drain-timeout must be >= 0, got {args.drain_timeout}"
-    if getattr(args, "kv", "f16") != "f16" and getattr(args, "device", "cpu") == "cpu":
-        return f"--kv {args.kv} needs --device cuda (the CPU backend keeps its KV cache in float32)"
-    return None
+    return engine_args_error(args)
 
 
 def _cuda_unusable(device: str) -> str | None:
