@@ -193,7 +193,8 @@ extern "C" int strata_attn_decode_gqa(void *stream, const float *q, const void *
 
 // Blocks of k_attn_decode_gqa resident per multiprocessor for this head size / group / cache type and the current
 // STRATA_CUDA_ATTN_DB (the kernel the launcher picks; its registers decide: 157 per thread for hd 128 with 2 query
-// heads per KV head, 2-3 blocks on the H200), or a negative cudaError_t. The decode plans cap n_split so that the grid (n_kv x n_split) fits in one wave.
+// heads per KV head, 2-3 blocks on the H200), or a negative cudaError_t. The decode plans cap n_split so that the
+// grid (n_kv x n_split) fits in one wave.
 extern "C" int strata_attn_decode_gqa_occupancy(int hd, int g, int q8) {
   int n = 0;
   cudaError_t e = cudaErrorInvalidValue;

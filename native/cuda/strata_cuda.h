@@ -142,8 +142,9 @@ int strata_attn_decode_gqa(void *stream, const float *q, const void *k_cache, co
                            const int *page_table, const int *d_len, int len, float *ws, unsigned *counters, float *out,
                            void *out_q8, int n_head, int n_kv, int hd, int page_size, int n_split, float scale,
                            const void *k_scales, const void *v_scales);
-/* Blocks of strata_attn_decode_gqa's kernel resident per multiprocessor for head size hd, g query heads per KV head
- * and an f16 (q8 = 0) or q8_0 cache; a negative cudaError_t for an unsupported shape. */
+/* Blocks of strata_attn_decode_gqa's kernel resident per multiprocessor for head size hd, g query heads per KV head,
+ * an f16 (q8 = 0) or q8_0 cache and the current STRATA_CUDA_ATTN_DB variant; a negative cudaError_t for an
+ * unsupported shape. */
 int strata_attn_decode_gqa_occupancy(int hd, int g, int q8);
 
 /* Prefill attention, FlashAttention-2 on mma.sync (attention.cu): q f32 rows of n tokens with row stride q_stride
