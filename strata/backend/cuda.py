@@ -1022,9 +1022,10 @@ class LlamaCuda:
       STRATA_CUDA_GLU=0 a separate launch) or f32 activations, RoPE fused with the K/V write, GQA-shared split-K
       attention that merges its own splits, the residual add fused into the next RMSNorm; token and position read
       from device memory, so the step is captured once per context-size class (256, 512, ... positions; the class
-      fixes the split count, n_split_class) as a CUDA graph and replayed with one graph launch per token. With STRATA_CUDA_STEP=1
-      (``step``; ``prepare_step()`` sets it up) the step after the embedding row is instead one cooperative launch
-      of the persistent decode step (strata_decode_step), measured slower on the H200, see docs/cuda.md.
+      fixes the split count, n_split_class) as a CUDA graph and replayed with one graph launch per token. With
+      STRATA_CUDA_STEP=1 (``step``; ``prepare_step()`` sets it up) the step after the embedding row is instead one
+      cooperative launch of the persistent decode step (strata_decode_step), measured slower on the H200, see
+      docs/cuda.md.
     * prefill (``prefill``): cuBLAS GEMMs on f16 operands with f32 accumulation and output (weights dequantized to
       f16 per ubatch, or kept as f16 copies with STRATA_CUDA_F16_WEIGHTS=1), the residual add done by the GEMM
       (beta = 1), RMSNorm and SwiGLU writing f16 GEMM inputs, RoPE fused with the K/V write, FlashAttention-2 prefill
