@@ -397,8 +397,11 @@ def check_text(text: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ValueError(f"text is not valid Unicode: lone surrogate U+{ord(text[e.start]):04X} at character "
-                         f"{e.start}") from None
+        c = ord(text[e.start])
+        if 0xDC80 <= c <= 0xDCFF:   # Python's stand-in (surrogateescape) for a byte of argv / stdin that is not UTF-8
+            raise ValueError(f"text is not valid Unicode: byte 0x{c - 0xDC00:02X} that is not UTF-8 (lone surrogate "
+                             f"U+{c:04X}) at character {e.start}") from None
+        raise ValueError(f"text is not valid Unicode: lone surrogate U+{c:04X} at character {e.start}") from None
 
 
 class StreamDecoder:

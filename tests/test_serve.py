@@ -142,6 +142,27 @@ def test_logprobs(client, model_id):
     assert "".join(lp.tokens) == c.choices[0].text
 
 
+def test_logprobs_cover_exactly_the_text_when_a_stop_string_ends_it(client, model_id):
+    """A stop string's tokens are cut from the answer and from its logprobs: the tokens join to the returned text,
+    each text_offset is where its token starts in it, streamed and not; the chat content list likewise."""
+    kw = dict(model=model_id, prompt=COUNT_PROMPT, max_tokens=12, temperature=0, logprobs=1, stop=[" 11"])
+    r = client.completions.create(**kw)
+    text, lp = r.choices[0].text, r.choices[0].logprobs
+    assert r.choices[0].finish_reason == "stop" and text and not text.endswith(" 1")
+    assert "".join(lp.tokens) == text
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
+    chunks = [c for c in client.completions.create(**kw, stream=True) if c.choices]
+    toks = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    offs = [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert "".join(c.choices[0].text for c in chunks) == text and toks == lp.tokens and offs == lp.text_offset
+    messages = [{"role": "user", "content": "Count from 1 to 20, separated by commas."}]
+    ch = client.chat.completions.create(model=model_id, messages=messages, max_tokens=40, temperature=0,
+                                        logprobs=True, stop=["7"])
+    content = ch.choices[0].message.content
+    assert ch.choices[0].finish_reason == "stop" and "7" not in content
+    assert "".join(e.token for e in ch.choices[0].logprobs.content) == content
+
+
 def test_logprobs_bytes_are_the_tokens_bytes(client, model_id):
     """A character spread over byte-fallback tokens: each entry's `bytes` are that token's own bytes (not the UTF-8
     of U+FFFD), so joining them rebuilds the text, as OpenAI, vLLM and llama.cpp give them."""
@@ -248,6 +269,16 @@ def test_bad_requests_get_400(daemon, raw, needle):
     assert st == 400, b
     err = json.loads(b)["error"]
     assert needle in err["message"] and err["type"] == "invalid_request_error"
+
+
+def test_body_that_does_not_decode_gets_400(daemon):
+    """A body that is not what its Content-Encoding says: a 400 naming the encoding, not a 500, and the daemon
+    answers the next request."""
+    st, h, b = daemon.request("POST", "/v1/chat/completions", raw=b"notgzip", headers={"Content-Encoding": "gzip"})
+    err = json.loads(b)["error"]
+    assert st == 400 and err["type"] == "invalid_request_error", b
+    assert "could not be read (Content-Encoding gzip)" in err["message"] and "\n" not in err["message"]
+    assert daemon.json("GET", "/health")[0] == 200
 
 
 def test_completion_prompt_with_a_lone_surrogate_gets_400(daemon):
@@ -440,6 +471,28 @@ def test_json_logs_carry_the_request_id(daemon):
     assert all("timestamp" in ln and "level" in ln for ln in lines)
 
 
+def test_malformed_http_is_one_short_log_line_without_the_body(daemon):
+    """A request whose chunked framing is broken: aiohttp answers 400 itself; the daemon's log gets one WARNING
+    line naming the error, not an ERROR traceback quoting the body (a prompt would end up in the journal)."""
+    marker = "SECRET-PROMPT-TEXT"
+    body = json.dumps({"prompt": marker * 500, "max_tokens": 1}).encode()
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.settimeout(30)
+        s.connect(daemon.sock)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: strata\r\nContent-Type: application/json\r\n"
+                  b"Transfer-Encoding: chunked\r\n\r\n" + body)
+        assert b" 400 " in s.recv(200).split(b"\r\n", 1)[0]   # aiohttp's own answer
+    finally:
+        s.close()
+    time.sleep(0.3)
+    text = daemon.log_path.read_text()
+    assert marker not in text
+    bad = [ln for ln in daemon.log_lines() if "malformed HTTP request" in ln.get("event", "")]
+    assert bad and all(ln["level"] == "warning" and "exception" not in ln for ln in bad), bad
+    assert daemon.json("GET", "/health")[0] == 200
+
+
 # ------------------------------------------------------------------------------------------ shutdown
 def test_sigterm_drains_and_notifies(tmp_path):
     ns_path = str(tmp_path / "notify.sock")
@@ -557,6 +610,22 @@ def test_too_long_socket_path_is_a_clear_error(tmp_path):
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "over the 107-byte limit of Unix socket addresses" in r.stderr
     assert not sock.parent.exists()          # nothing created
+
+
+def test_unusable_socket_path_names_it(tmp_path):
+    """A --socket whose directory cannot be made (under a regular file) or where no socket can be bound: one line
+    naming the path and the reason, exit 1, no traceback."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.test_serve_daemon import ROOT, env_for_daemon
+    (tmp_path / "file").write_text("x")
+    for sock, needle in ((tmp_path / "file" / "s.sock", f"cannot create the socket directory {tmp_path / 'file'}"),
+                         (Path("/proc/strata-test.sock"), "cannot listen on /proc/strata-test.sock")):
+        r = subprocess.run([sys.executable, "-m", "strata.cli.main", "serve", "--socket", str(sock), "--n-ctx", "256"],
+                           capture_output=True, text=True, timeout=120, env=env_for_daemon(), cwd=ROOT)
+        assert r.returncode == 1 and "Traceback" not in r.stderr and needle in r.stderr, r.stderr
 
 
 def test_serve_kv_q8_0_on_cpu_is_refused_before_listening(tmp_path):

@@ -109,6 +109,9 @@ def test_exit_codes(tmp_path):
     assert r.returncode == 2
     r = ctl(None, "save", socket=bad)          # missing slot id
     assert r.returncode == 2
+    for t in ("-1", "0", "nan", "soon"):       # a usage error naming --timeout, not a traceback
+        r = ctl(None, "--timeout", t, "status", socket=bad)
+        assert r.returncode == 2 and "--timeout" in r.stderr and "Traceback" not in r.stderr, (t, r.stderr)
 
 
 def test_status_device_memory(daemon):

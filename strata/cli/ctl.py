@@ -362,6 +362,18 @@ def _print_stats(args, info: dict) -> None:
           f"{t.get('predicted_n')} generated, {t.get('predicted_per_second', 0):.1f} tok/s]", file=sys.stderr)
 
 
+
+def _seconds(v: str) -> float:
+    """argparse type of --timeout: a finite number of seconds > 0."""
+    try:
+        x = float(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{v!r} is not a number of seconds") from None
+    if not (0 < x < float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {v!r}")
+    return x
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="stratactl", description="Control a running Strata daemon.")
     p.add_argument("--socket", "-s", default=None,
@@ -370,7 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url", default=os.environ.get("STRATA_URL") or None,
                    help="talk HTTP to this URL instead of the socket, e.g. http://127.0.0.1:8080")
     p.add_argument("--api-key", default=os.environ.get("STRATA_API_KEY") or None, help="Bearer token for --url")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for an answer")
+    p.add_argument("--timeout", type=_seconds, default=600.0, help="seconds to wait for an answer (> 0)")
     p.add_argument("--json", action="store_true", help="print the server's JSON instead of a table")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,

@@ -7,6 +7,7 @@ Every error is an OpenAI error object ({"error": {"message", "type", "param", "c
 from __future__ import annotations
 
 import asyncio
+import codecs
 import hmac
 import json
 import re
@@ -170,6 +171,11 @@ async def _read_body(request: web.Request) -> dict:
     except web.HTTPRequestEntityTooLarge:
         raise ApiError(413, f"the request body is larger than --max-body ({cfg.max_body} bytes)",
                        code="request_too_large") from None
+    except web.RequestPayloadError as e:   # e.g. a Content-Encoding the body does not decode with
+        enc = request.headers.get("Content-Encoding")
+        why = " ".join(str(e).split()).removeprefix("400, message: ")
+        raise ApiError(400, f"the request body could not be read{f' (Content-Encoding {enc})' if enc else ''}: "
+                            f"{why}") from None
     return schema.parse_json(raw)
 
 
@@ -470,34 +476,69 @@ def _strata_obj(final) -> dict:
 
 
 class _LogprobsAcc:
-    """Collects per-token logprobs in the chat format (content list) or the legacy completions format."""
+    """Collects per-token logprobs in the chat format (content list) or the legacy completions format, covering
+    exactly the text the answer returns: an entry is held back while its token's text is (a possible stop string
+    or an incomplete UTF-8 sequence held back by the engine), released with the text, and dropped if that text
+    never comes (the stop string cut from the answer). text_offset: the character offset in the answer where the
+    token's text starts (tokens splitting one character share its offset)."""
 
     def __init__(self, engine, kind: str):
         self.engine, self.kind = engine, kind
         self.content: list[dict] = []
         self.tokens, self.token_logprobs, self.top, self.offsets = [], [], [], []
-        self.offset = 0
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._chars = 0                           # characters of all tokens' bytes decoded so far
+        self._released = 0                        # characters of the answer released so far
+        self._pending: list[tuple[int, Any]] = []  # (offset, entry) not yet covered by released text
 
     def add(self, ev, emitted: str) -> dict | None:
+        """Take one TokenEvent (emitted: the text it released); returns the entries released now, as one chunk's
+        logprobs, or None."""
         if ev.logprob is None:
             return None
         text = _token_text(self.engine, ev.token_id)
+        raw = self.engine.token_bytes(ev.token_id) if hasattr(self.engine, "token_bytes") else text.encode()
+        offset = self._chars
+        self._chars += len(self._decoder.decode(raw))
         tops = ev.top_logprobs or []
         if self.kind == "chat":
-            entry = _lp_entry(self.engine, ev.token_id, text, ev.logprob)
+            entry: Any = _lp_entry(self.engine, ev.token_id, text, ev.logprob)
             entry["top_logprobs"] = [_lp_entry(self.engine, i, t, lp) for (i, t, lp) in tops]
-            self.content.append(entry)
-            return {"content": [entry]}
-        top = {}
-        for (_i, t, lp) in tops:
-            top.setdefault(t, lp)
-        self.tokens.append(text)
-        self.token_logprobs.append(ev.logprob)
-        self.top.append(top)
-        self.offsets.append(self.offset)
-        self.offset += len(emitted)
-        return {"tokens": [text], "token_logprobs": [ev.logprob], "top_logprobs": [top],
-                "text_offset": [self.offsets[-1]]}
+        else:
+            top: dict[str, float] = {}
+            for (_i, t, lp) in tops:
+                top.setdefault(t, lp)
+            entry = (text, ev.logprob, top)
+        self._pending.append((offset, entry))
+        return self._release(len(emitted))
+
+    def finish(self, tail: str) -> dict | None:
+        """The end of the answer (tail: the FinalEvent's held-back text): entries it covers are released, the rest
+        (a stop string's tokens) dropped."""
+        out = self._release(len(tail))
+        self._pending.clear()
+        return out
+
+    def _release(self, n_chars: int) -> dict | None:
+        self._released += n_chars
+        done = []
+        while self._pending and self._pending[0][0] < self._released:
+            done.append(self._pending.pop(0))
+        if not done:
+            return None
+        if self.kind == "chat":
+            entries = [e for _, e in done]
+            self.content.extend(entries)
+            return {"content": entries}
+        chunk: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for offset, (text, lp, top) in done:
+            for lst, v in ((self.tokens, text), (self.token_logprobs, lp), (self.top, top), (self.offsets, offset)):
+                lst.append(v)
+            chunk["tokens"].append(text)
+            chunk["token_logprobs"].append(lp)
+            chunk["top_logprobs"].append(top)
+            chunk["text_offset"].append(offset)
+        return chunk
 
     def result(self) -> dict:
         if self.kind == "chat":
@@ -517,6 +558,7 @@ async def _collect(request, engine, p, job) -> web.Response:
         pieces.append(ev.text)
         acc.add(ev, ev.text)
     pieces.append(final.text or "")
+    acc.finish(final.text or "")
     text = "".join(pieces)
     cid, created = _ids(request, p)
     lp = acc.result() if p.logprobs else None
@@ -576,8 +618,9 @@ async def _stream(request, engine, p, job) -> web.StreamResponse:
             if hasattr(ev, "finish_reason"):
                 final = ev
                 tail = final.text or ""
-                if tail:
-                    await resp.write(chunk([choice(tail, None)]))
+                lp = acc.finish(tail) if p.logprobs else None
+                if tail or lp is not None:
+                    await resp.write(chunk([choice(tail, lp)]))
                 await resp.write(chunk([choice(None if chat else "", None, final.finish_reason)],
                                        timings=_timings(final), strata=_strata_obj(final)))
                 if p.include_usage:

@@ -2,11 +2,28 @@
 from __future__ import annotations
 
 import logging
+import re
 import sys
 
 import structlog
 
 LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+class _MalformedRequestFilter(logging.Filter):
+    """aiohttp logs a malformed HTTP message (bad chunked framing, a header it cannot parse) at ERROR with a traceback
+    whose exception text quotes the raw bytes, so one bad request can put a whole prompt into the journal; keep one
+    WARNING line naming the error, without the quoted bytes and cut to 200 characters."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from aiohttp.http_exceptions import HttpProcessingError
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            text = re.split(r"\s+b['\"]", " ".join(str(exc).split()), maxsplit=1)[0]   # not the quoted bytes
+            record.msg, record.args = f"malformed HTTP request: {type(exc).__name__}: {text[:200]}", ()
+            record.exc_info, record.exc_text = None, None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
 
 
 def configure_logging(level: str = "info", *, json: bool | None = None, stream=None) -> None:
@@ -42,6 +59,9 @@ def configure_logging(level: str = "info", *, json: bool | None = None, stream=N
     root.addHandler(handler)
     root.setLevel(level.upper())
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    server = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, _MalformedRequestFilter) for f in server.filters):
+        server.addFilter(_MalformedRequestFilter())
     structlog.configure(
         processors=shared + [structlog.processors.StackInfoRenderer(),
                              structlog.stdlib.ProcessorFormatter.wrap_for_formatter],

@@ -36,7 +36,10 @@ def _prepare_socket(path: Path) -> None:
     if n > SUN_PATH_MAX:
         raise StartupError(f"socket path {path} is {n} bytes, over the {SUN_PATH_MAX}-byte limit of Unix socket "
                            "addresses; choose a shorter --socket")
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
+    except OSError as e:
+        raise StartupError(f"cannot create the socket directory {path.parent}: {e.strerror or e}") from None
     if path.exists() or path.is_symlink():
         if not path.is_socket():
             raise StartupError(f"{path} exists and is not a socket; refusing to replace it")
@@ -67,7 +70,10 @@ async def serve(cfg: ServeConfig, engine_factory: Callable[[], Any]) -> int:
     try:
         if sock_path is not None:
             _prepare_socket(sock_path)
-            await web.UnixSite(runner, str(sock_path)).start()
+            try:
+                await web.UnixSite(runner, str(sock_path)).start()
+            except OSError as e:
+                raise StartupError(f"cannot listen on {sock_path}: {e.strerror or e}") from None
             sock_made = True
             os.chmod(sock_path, 0o660)
         if cfg.port is not None:

@@ -98,8 +98,10 @@ class EngineWorker:
         with self._cv:
             if self.closing:
                 raise ShuttingDown("the server is shutting down")
-            if len(self._waiting) + (self._running is not None) > self.queue_max:
-                raise QueueFull(f"{len(self._waiting)} requests are already waiting (--queue-max {self.queue_max})")
+            n_wait, n_run = len(self._waiting), int(self._running is not None)
+            if n_wait + n_run > self.queue_max:
+                raise QueueFull(f"{n_run} request running and {n_wait} waiting (--queue-max {self.queue_max}: at "
+                                f"most {self.queue_max} waiting behind the running one)")
             self._waiting.append(job)
             self.metrics.queue_depth.set(len(self._waiting))
             self._cv.notify()
