@@ -398,10 +398,10 @@ def check_text(text: str) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         c = ord(text[e.start])
-        if 0xDC80 <= c <= 0xDCFF:   # Python's stand-in (surrogateescape) for a byte of argv / stdin that is not UTF-8
-            raise ValueError(f"text is not valid Unicode: byte 0x{c - 0xDC00:02X} that is not UTF-8 (lone surrogate "
-                             f"U+{c:04X}) at character {e.start}") from None
-        raise ValueError(f"text is not valid Unicode: lone surrogate U+{c:04X} at character {e.start}") from None
+        # U+DC80..U+DCFF is also how Python passes on a byte of argv / stdin / a file that is not UTF-8
+        raw = f" (or the byte 0x{c - 0xDC00:02X}, not UTF-8, of command-line or file input)" if 0xDC80 <= c <= 0xDCFF \
+            else ""
+        raise ValueError(f"text is not valid Unicode: lone surrogate U+{c:04X}{raw} at character {e.start}") from None
 
 
 class StreamDecoder:

@@ -362,7 +362,6 @@ def _print_stats(args, info: dict) -> None:
           f"{t.get('predicted_n')} generated, {t.get('predicted_per_second', 0):.1f} tok/s]", file=sys.stderr)
 
 
-
 def _seconds(v: str) -> float:
     """argparse type of --timeout: a finite number of seconds > 0."""
     try:

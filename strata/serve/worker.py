@@ -100,8 +100,8 @@ class EngineWorker:
                 raise ShuttingDown("the server is shutting down")
             n_wait, n_run = len(self._waiting), int(self._running is not None)
             if n_wait + n_run > self.queue_max:
-                raise QueueFull(f"{n_run} request running and {n_wait} waiting (--queue-max {self.queue_max}: at "
-                                f"most {self.queue_max} waiting behind the running one)")
+                raise QueueFull(f"{n_run} running, {n_wait} waiting (--queue-max {self.queue_max}: at most "
+                                f"{self.queue_max} waiting)")
             self._waiting.append(job)
             self.metrics.queue_depth.set(len(self._waiting))
             self._cv.notify()
