@@ -89,7 +89,7 @@ def bench_gdn(cp, res: dict, rng) -> None:
         print(f"conv n{n} c{c} k{kk}: {t:.1f} us ({4 * n * c * 2 / t / 1e6:.2f} TB/s in + out)", flush=True)
 
 
-def bench_attn_decode(cp, res, rng, be, timeit) -> None:
+def bench_attn_decode(cp, res, rng, be) -> None:
     """Decode attention: v1 vs v2 at the plan's split (with and without the one-wave cap), and v2 over a sweep of
     n_split (the only thing ATTN_CHUNK / ATTN_BPS / the cap change), per shape and context length."""
     from strata.backend import cuda as C
@@ -127,7 +127,8 @@ def bench_attn_decode(cp, res, rng, be, timeit) -> None:
                     C._p(out), C._p(oq), H, KV, hd, ps, ns, sc, ffi.NULL, ffi.NULL))
             t1 = timeit(cp, lambda: lib.strata_attn_decode(s(), C._p(q), *kv(), C._p(pt), ffi.NULL, L,
                                                            C._p(ws), C._p(out), H, KV, hd, ps, n1, sc))
-            t2, t2n = v2(n2), v2(n2_nocap)
+            t2 = v2(n2)
+            t2n = t2 if n2_nocap == n2 else v2(n2_nocap)
             sweep = {ns: 1e6 * v2(ns) for ns in splits}
             best = min(sweep, key=sweep.get)
             kvb = 2 * L * KV * hd * 2
@@ -160,7 +161,7 @@ def main(argv=None) -> int:
            "attn_prefill": [], "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     rng = np.random.default_rng(0)
     if a.only_attn_decode:
-        bench_attn_decode(cp, res, rng, be, timeit)
+        bench_attn_decode(cp, res, rng, be)
         dest = Path(a.out) if a.out else ROOT / "bench" / "results" / f"attn_split_sweep_{gpu.replace(' ', '_')}.json"
         dest.write_text(json.dumps(res, indent=1))
         print("wrote", dest)
@@ -239,7 +240,7 @@ def main(argv=None) -> int:
               + ("  (" + ", ".join(variants) + ")" if len(variants) > 5 else ""), flush=True)
         ws = None   # the copies go before the next shape's
 
-    bench_attn_decode(cp, res, rng, be, timeit)
+    bench_attn_decode(cp, res, rng, be)
 
     # prefill attention (n = 512 queries after `length` cached positions)
     ps = 16

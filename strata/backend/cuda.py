@@ -148,12 +148,20 @@ def _env_int(name: str, default: int) -> int:
 MV_ROWS = _env_int("STRATA_CUDA_MV_ROWS", 0)
 
 
+_OFF = ("0", "false", "no", "off", "")   # the values that turn an on / off setting off
+
+
+def _env_on(name: str, default: bool) -> bool:
+    """An on / off setting from the environment: off for 0 / false / no / off / empty, on for anything else."""
+    v = os.environ.get(name)
+    return default if v is None else v not in _OFF
+
+
 def glu_settings(env: str | None) -> tuple[bool, bool]:
     """(llama graph, hybrid graph) use of the fused SwiGLU matvec for a STRATA_CUDA_GLU value (None: unset)."""
     if env is None:
         return True, False
-    on = env not in ("0", "false", "no", "off", "")
-    return on, on
+    return env not in _OFF, env not in _OFF
 
 
 # SwiGLU fused into the gate/up decode matvec (strata_matvec_q8w_glu: the block that makes 32 activations also
@@ -192,7 +200,7 @@ KV_DTYPES = ("f16", "q8_0")   # KV cache types of CudaPagePool (--kv)
 # slower than the launch-per-op graph (1.7B Q4_K llama at depth 0: 716 vs 1018 tok/s, same run; its registers
 # leave 2 warps per scheduler, see docs/cuda.md). STRATA_CUDA_STEP_BPS: blocks (of 128 threads) per multiprocessor,
 # capped by the kernel's occupancy (2 on the H200).
-STEP = os.environ.get("STRATA_CUDA_STEP", "0") not in ("0", "false", "no", "off", "")
+STEP = _env_on("STRATA_CUDA_STEP", False)
 STEP_BPS = _env_int("STRATA_CUDA_STEP_BPS", 2)
 
 MAX_SPLIT = 256          # split-K partitions of the v1 decode attention (about 64 positions each)
@@ -221,7 +229,7 @@ ATTN_MAX_SPLIT = min(GQA_MAX_SPLIT, _env_int("STRATA_CUDA_ATTN_MAX_SPLIT", 64))
 # (Nsight Compute). Measured (bench/cuda_kernels.py --only-attn-decode, attn_split_sweep_NVIDIA_H200.json) at 16K
 # positions: 16 / 8 heads of 128 36.6 -> 28.1 us (49 splits: 392 blocks <= 396 resident), 32 / 8 heads 55.3 -> 39.6
 # us (33 splits), SmolLM2's 3 KV heads unchanged (64 splits already fit). STRATA_CUDA_ATTN_ONE_WAVE=0 turns it off.
-ATTN_ONE_WAVE = os.environ.get("STRATA_CUDA_ATTN_ONE_WAVE", "1") not in ("0", "false", "no", "off", "")
+ATTN_ONE_WAVE = _env_on("STRATA_CUDA_ATTN_ONE_WAVE", True)
 
 
 _RESIDENT: dict[tuple, int] = {}

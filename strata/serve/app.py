@@ -530,14 +530,12 @@ class _LogprobsAcc:
             entries = [e for _, e in done]
             self.content.extend(entries)
             return {"content": entries}
-        chunk: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for offset, (text, lp, top) in done:
-            for lst, v in ((self.tokens, text), (self.token_logprobs, lp), (self.top, top), (self.offsets, offset)):
-                lst.append(v)
-            chunk["tokens"].append(text)
-            chunk["token_logprobs"].append(lp)
-            chunk["top_logprobs"].append(top)
-            chunk["text_offset"].append(offset)
+        chunk = {"tokens": [e[0] for _, e in done], "token_logprobs": [e[1] for _, e in done],
+                 "top_logprobs": [e[2] for _, e in done], "text_offset": [o for o, _ in done]}
+        self.tokens += chunk["tokens"]
+        self.token_logprobs += chunk["token_logprobs"]
+        self.top += chunk["top_logprobs"]
+        self.offsets += chunk["text_offset"]
         return chunk
 
     def result(self) -> dict:
