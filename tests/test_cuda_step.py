@@ -108,6 +108,9 @@ def test_step_check_accepts_a_valid_shape_and_sizes_its_shared_memory():
     assert lib.strata_decode_step_check(a, layers) == 0
     n = 512                                               # max(n_embd, n_head * hd, n_ff)
     assert a.xs_bytes == (n + n // 4 + 15) // 16 * 16     # int8 values + a float2 per 32
+    rb = 512 // 256 * 144                                 # the longest rows: down's (n_ff values, Q4_K)
+    assert a.min_slot == (4 * rb + 64 + 15) // 16 * 16    # a phase D tile: 2 rows each of gate and up + slack
+    assert a.n_slot == 0 and lib.strata_decode_step(ffi.NULL, a, 1) != 0   # no ring sized yet: not launched
 
 
 def test_step_launch_refuses_arguments_changed_after_the_check():
@@ -121,7 +124,7 @@ def test_step_launch_refuses_arguments_changed_after_the_check():
 
 
 @pytest.mark.parametrize("bad", ["head_dim", "gqa", "gate_type", "row_bytes", "misaligned", "rows", "type",
-                                 "n_embd", "max_split", "no_cache", "no_heads", "n_rot"])
+                                 "n_embd", "max_split", "no_cache", "no_heads", "n_rot", "neox"])
 def test_step_check_refuses_what_it_cannot_run(bad):
     """Each shape the kernel cannot take is refused by the host check (an error code, nothing launched)."""
     ffi, lib = _host_library()
@@ -151,6 +154,8 @@ def test_step_check_refuses_what_it_cannot_run(bad):
         a.n_head = 0
     elif bad == "n_rot":
         a.n_rot = -2
+    elif bad == "neox":
+        a.neox = 1                                        # RoPE pairs half a head apart: not one tile's rows
     assert lib.strata_decode_step_check(a, layers) != 0
     assert lib.strata_decode_step(ffi.NULL, ffi.new("strata_step_args *"), 1) != 0   # unchecked args: refused
 

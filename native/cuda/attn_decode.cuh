@@ -85,7 +85,7 @@ __device__ static inline void issue_kv8(const void *__restrict__ kc, const void 
 }
 
 // ---------------------------------------------------------------- decode attention, GQA-shared, self-merging
-// One block of 128 threads (DA_WARPS warps; k_attn_decode_gqa's grid is (n_kv, n_split)) takes KV head kvh, all
+// One block of NW warps (k_attn_decode_gqa: DA_WARPS, its grid (n_kv, n_split)) takes KV head kvh, all
 // g = n_head / n_kv query heads of its group (G >= g registers per lane), and position range sp of n_split over len
 // positions. A group of LP = hd / 8 lanes owns one position at a time (one
 // 16-byte load of K and of V per lane); each iteration a group scores B positions and folds them into an online
@@ -120,12 +120,24 @@ __device__ static inline void q8_store4(float4 v, int i, int8_t *__restrict__ xq
   if ((i & 31) == 0) ds[i >> 5] = make_float2(d, d * (float)sum);
 }
 
-template <int LP, int G, bool Q8, bool DB, bool COH>
+// The body's block-wide barrier: __syncthreads, or (SUB) named barrier 1 over its NW warps when the body runs on
+// the first NW warps of a larger block (the persistent decode step).
+template <bool SUB, int NW>
+__device__ __forceinline__ void da_sync() {
+  if (SUB)
+    asm volatile("bar.sync 1, %0;" ::"n"(32 * NW) : "memory");
+  else
+    __syncthreads();
+}
+
+// NW: the warps running the body (the block's first NW; DA_WARPS in k_attn_decode_gqa, whose block is exactly
+// that), SUB: the block has more threads than those (named barrier instead of __syncthreads).
+template <int LP, int G, bool Q8, bool DB, bool COH, bool SUB = false, int NW = DA_WARPS>
 __device__ __forceinline__ void attn_gqa_block(
     int kvh, int sp, const float *q, const void *kc, const void *vc, const __half *__restrict__ ks,
     const __half *__restrict__ vs, const int *__restrict__ pt, int len, float *ws, unsigned *counters, float *out,
     int8_t *out_q8, int n_head, int n_kv, int ps, int n_split, float scale) {
-  constexpr int hd = 8 * LP, PPW = 32 / LP, NG = DA_WARPS * PPW, B = G >= 8 ? 2 : 4;
+  constexpr int hd = 8 * LP, PPW = 32 / LP, NG = NW * PPW, B = G >= 8 ? 2 : 4;
   const int g = n_head / n_kv;
   const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, grp = lane / LP, gl = lane % LP;
   const int gid = wid * PPW + grp;
@@ -212,15 +224,15 @@ __device__ __forceinline__ void attn_gqa_block(
 #pragma unroll
   for (int j = 0; j < G; j++) {
     if (j >= g) break;   // g is uniform over the block: every thread takes the same barriers
-    __syncthreads();
+    da_sync<SUB, NW>();
     if (gl == 0) { sm[gid] = m[j]; sl[gid] = l[j]; }
 #pragma unroll
     for (int i = 0; i < 8; i++) so[gid][8 * gl + i] = o[j][i];
-    __syncthreads();
+    da_sync<SUB, NW>();
     float M = -INFINITY;
     for (int w = 0; w < NG; w++) M = fmaxf(M, sm[w]);
     const long long hsp = (long long)(kvh * g + j) * n_split + sp;
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+    for (int d = threadIdx.x; d < hd; d += 32 * NW) {
       float acc = 0.f;
       for (int w = 0; w < NG; w++)
         if (sm[w] > -INFINITY) acc += so[w][d] * __expf(sm[w] - M);
@@ -235,17 +247,17 @@ __device__ __forceinline__ void attn_gqa_block(
     }
   }
   __threadfence();
-  __syncthreads();
+  da_sync<SUB, NW>();
   if (n_split > 1) {
     if (threadIdx.x == 0) last = atomicAdd(&counters[kvh], 1u) == (unsigned)(n_split - 1);
-    __syncthreads();
+    da_sync<SUB, NW>();
     if (!last) return;   // block-uniform
     __threadfence();
   }
   // merge the splits of the g heads of this KV head (partials read through L2: __ldcg). Weights: one warp per head,
   // lanes over the splits; outputs: P block-parts over the splits per group of four outputs, summed in shared memory.
   const long long h0 = (long long)kvh * g * n_split;
-  for (int j = wid; j < g; j += DA_WARPS) {   // warp-uniform: whole warps reach the shuffles
+  for (int j = wid; j < g; j += NW) {   // warp-uniform: whole warps reach the shuffles
     // every (m, l) of the head's splits loaded at once (DA_MAX_SPLIT / 32 per lane, clamped: unconditional loads)
     const float2 *mlj = reinterpret_cast<const float2 *>(wml) + (h0 + (long long)j * n_split);
     constexpr int PER = DA_MAX_SPLIT / 32;
@@ -272,8 +284,8 @@ __device__ __forceinline__ void attn_gqa_block(
     for (int off = 16; off > 0; off >>= 1) L += __shfl_xor_sync(0xffffffffu, L, off);
     if (lane == 0) Lsh[j] = L;
   }
-  __syncthreads();
-  constexpr int T = 32 * DA_WARPS;
+  da_sync<SUB, NW>();
+  constexpr int T = 32 * NW;
   const int n_out4 = g * hd / 4;   // a multiple of 8: lane groups of 8 stay whole for the q8 store
   int P = 1;                       // a power of two with P * n_out4 <= T (so W >= n_out4 or P == 1)
   while (2 * P * n_out4 <= T) P *= 2;
@@ -293,7 +305,7 @@ __device__ __forceinline__ void attn_gqa_block(
       }
     }
     pr[threadIdx.x] = acc;
-    __syncthreads();
+    da_sync<SUB, NW>();
     if (part == 0 && idx < n_out4) {
       for (int p2 = 1; p2 < P; p2++) {
         const float4 t = pr[p2 * W + o4];
@@ -305,7 +317,7 @@ __device__ __forceinline__ void attn_gqa_block(
       *reinterpret_cast<float4 *>(out + oi) = acc;
       if (out_q8) q8_store4(acc, oi, out_q8, reinterpret_cast<float2 *>(out_q8 + n_head * hd));
     }
-    __syncthreads();
+    da_sync<SUB, NW>();
   }
   if (n_split > 1 && threadIdx.x == 0) counters[kvh] = 0;
 }

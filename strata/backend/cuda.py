@@ -105,11 +105,11 @@ typedef struct {
   unsigned *counters;
   unsigned long long *barrier, *argmax, *trace;
   int n_layer, n_embd, n_head, n_kv, head_dim, n_ff, n_vocab, n_rot, neox, page_size, max_split;
-  int xs_bytes;
+  int xs_bytes, min_slot, slot_bytes, n_slot;
   float rope_base, eps, scale;
 } strata_step_args;
 int strata_decode_step_check(strata_step_args *a, const strata_step_layer *layers);
-int strata_decode_step_grid(const strata_step_args *a, int blocks_per_sm);
+int strata_decode_step_grid(strata_step_args *a, int blocks_per_sm);
 int strata_decode_step(void *stream, const strata_step_args *a, int n_blocks);
 """
 
@@ -195,13 +195,13 @@ F16_WEIGHTS = os.environ.get("STRATA_CUDA_F16_WEIGHTS", "0") not in ("0", "false
 KV_DTYPES = ("f16", "q8_0")   # KV cache types of CudaPagePool (--kv)
 
 # The persistent decode step (decode_step.cu: one cooperative launch per token, grid-wide barriers between the
-# phases of each layer instead of ~9 launches per layer) for llama models it can run (f16 KV cache, head_dim 64 /
-# 128, <= 4 query heads per KV head, dp4a weight types): opt-in, STRATA_CUDA_STEP=1. Measured on the H200 it is
-# slower than the launch-per-op graph (1.7B Q4_K llama at depth 0: 716 vs 1018 tok/s, same run; its registers
-# leave 2 warps per scheduler, see docs/cuda.md). STRATA_CUDA_STEP_BPS: blocks (of 128 threads) per multiprocessor,
-# capped by the kernel's occupancy (2 on the H200).
+# phases of each layer instead of ~9 launches per layer, every block's weight rows streamed into a shared-memory
+# ring by bulk copies that run ahead of the phases) for llama models it can run (compute capability >= 9.0, f16 KV
+# cache, head_dim 64 / 128, <= 4 query heads per KV head, RoPE on adjacent pairs, dp4a weight types): opt-in,
+# STRATA_CUDA_STEP=1; see docs/cuda.md for its measurements. STRATA_CUDA_STEP_BPS: blocks (of 128 threads) per
+# multiprocessor, each with its own ring in the multiprocessor's shared memory (capped by the kernel's occupancy).
 STEP = _env_on("STRATA_CUDA_STEP", False)
-STEP_BPS = _env_int("STRATA_CUDA_STEP_BPS", 2)
+STEP_BPS = _env_int("STRATA_CUDA_STEP_BPS", 1)
 
 MAX_SPLIT = 256          # split-K partitions of the v1 decode attention (about 64 positions each)
 GQA_MAX_SPLIT = 256      # split-K partitions of the v2 decode attention (DA_MAX_SPLIT in attention.cu)
@@ -1166,14 +1166,16 @@ class LlamaCuda:
         a.max_split = GQA_MAX_SPLIT
         a.rope_base, a.eps, a.scale = self.theta, self.eps, self.scale
         if lb.strata_decode_step_check(a, layers) != 0:
-            self.step_why = ("needs head_dim 64 / 128, <= 4 query heads per KV head, n_embd / n_ff multiples of 32 "
-                             "and Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K matrices (gate and up of one type)")
+            self.step_why = ("needs head_dim 64 / 128, <= 4 query heads per KV head, RoPE on adjacent pairs (not "
+                             "NeoX), n_embd / n_ff multiples of 32 and Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K matrices "
+                             "(gate and up of one type)")
             return False
         table = cp.asarray(np.frombuffer(ffi.buffer(layers), np.uint8).copy())
         a.layers = ptr("const strata_step_layer *", table)
         nb = lb.strata_decode_step_grid(a, STEP_BPS)
         if nb <= 0:
-            self.step_why = f"no grid for the step (CUDA error {-nb})"
+            self.step_why = (f"no grid for the step (CUDA error {-nb}"
+                             f"{': needs compute capability 9.0' if -nb == 801 else ''})")
             return False
         self._step, self.step_blocks, self.step_why = (a, layers, table, sync), nb, None
         return True
