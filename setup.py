@@ -11,7 +11,8 @@ from build_cuda import build_cuda_kernels  # noqa: E402
 
 
 class BuildPyWithCuda(build_py):
-    """Compile native/cuda/*.cu into strata/_cuda_kernels.so when nvcc is present (skipped otherwise).
+    """Compile native/cuda/*.cu into strata/_cuda_kernels.so (and its header _cuda_kernels.h) when nvcc is present
+    (skipped otherwise).
 
     STRATA_NO_CUDA=1 skips it; a failed nvcc build is a warning, never a failed install (the CPU backend runs).
     """
@@ -32,7 +33,7 @@ setup(
     python_requires=">=3.11",
     packages=find_packages(include=["strata", "strata.*", "link", "link.*"]),
     include_package_data=True,
-    package_data={"strata": ["_cuda_kernels.so"]},
+    package_data={"strata": ["_cuda_kernels.so", "_cuda_kernels.h"]},
     cmdclass={"build_py": BuildPyWithCuda},
     setup_requires=["cffi>=1.16"],
     cffi_modules=["native/build_cpu.py:ffibuilder"],

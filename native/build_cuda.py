@@ -1,4 +1,5 @@
-"""Build native/cuda/*.cu with nvcc into strata/_cuda_kernels.so (a plain shared library loaded by cffi in ABI mode).
+"""Build native/cuda/*.cu with nvcc into strata/_cuda_kernels.so (a plain shared library loaded by cffi in ABI mode),
+with its C declarations (native/cuda/strata_cuda.h) copied beside it as strata/_cuda_kernels.h: what cffi reads.
 
 Real machine code for sm_80, sm_86, sm_89, sm_90 and sm_120 (each only if this nvcc accepts it) plus PTX of the
 newest accepted arch, so newer GPUs JIT-compile. Without nvcc this does nothing and succeeds: Strata then runs on
@@ -68,6 +69,7 @@ def build_cuda_kernels(out: str | os.PathLike | None = None, archs: list[str] | 
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"build_cuda: nvcc failed (exit {r.returncode})\n{r.stdout}{r.stderr}")
+    shutil.copyfile(SRC_DIR / "strata_cuda.h", out.with_suffix(".h"))   # the declarations of this very build
     return str(out)
 
 

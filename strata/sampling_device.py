@@ -34,11 +34,6 @@ def uniform(seed: int, step: int) -> float:
     return (splitmix64((key + int(step) * _GOLDEN) & _MASK64) >> 11) * (1.0 / (1 << 53))
 
 
-_KERNEL_CDEF = """
-int strata_sample(void *stream, const float *logits, const float *counts, int n, float repeat_penalty,
-                  float frequency_penalty, float presence_penalty, float temperature, int top_k, double top_p,
-                  float min_p, float log_min_p, double u, int *out);
-"""
 _kernel_lib: Any = None          # (ffi, lib) once loaded, False when unavailable
 
 
@@ -55,7 +50,7 @@ def sample_kernel():
     if _kernel_lib is None:
         try:
             from strata.backend.cuda import open_kernel_library
-            ffi, lib = open_kernel_library(_KERNEL_CDEF)
+            ffi, lib = open_kernel_library()
             _ = lib.strata_sample                               # AttributeError: an older library
             _kernel_lib = (ffi, lib)
         except Exception:  # noqa: BLE001 -- no kernel: the array path does the same sampling

@@ -177,35 +177,6 @@ def test_graphs_env_switch(monkeypatch):
     assert Q.graphs_enabled() is True
 
 
-def test_cdef_matches_header():
-    """Every qwen35 launcher declared for cffi is in native/cuda/strata_cuda.h with the same parameters."""
-    import re
-    header = (ROOT / "native" / "cuda" / "strata_cuda.h").read_text()
-    assert "/* qwen35 decode plan (qwen35.cu) */" in header
-
-    def decls(text):
-        out = {}
-        for m in re.finditer(r"int (strata_q35_\w+)\(([^;]*)\);", text):
-            out[m.group(1)] = re.sub(r"\s+", " ", m.group(2)).strip()
-        return out
-    mine, hdr = decls(Q._CDEF), decls(header)
-    assert set(mine) == {"strata_q35_conv", "strata_q35_gdn_step", "strata_q35_gated_norm", "strata_q35_attn_prep",
-                         "strata_q35_out_gate"}
-    assert mine == {k: hdr[k] for k in mine}
-    from strata.backend import cuda_gdn, cuda_gdn_prefill          # the GDN launchers the prefill plan also declares
-
-    def all_decls(text):
-        return {m.group(1): re.sub(r"\s+", " ", m.group(2)).strip()
-                for m in re.finditer(r"int (strata_gdn_\w+)\(([^;]*)\);", text)}
-    gdn = all_decls(cuda_gdn._CDEF + cuda_gdn_prefill._CDEF)
-    assert set(gdn) == {"strata_gdn_recurrent", "strata_gdn_recurrent_ex", "strata_gdn_conv", "strata_gdn_prep",
-                        "strata_gdn_gated_norm_rows"}
-    assert gdn == {k: all_decls(header)[k] for k in gdn}
-    src = (ROOT / "native" / "cuda" / "qwen35.cu").read_text()
-    for name in mine:
-        assert f'extern "C" int {name}(' in src
-
-
 # numpy mirrors of the qwen35.cu kernels' index arithmetic (line by line), checked against the model's own _gdn
 def _mirror_conv(x, w, window):
     K = w.shape[1]

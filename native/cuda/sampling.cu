@@ -16,6 +16,7 @@
 #include <cub/block/block_scan.cuh>
 #include <math.h>
 #include <stdint.h>
+#include "strata_cuda.h"
 
 namespace {
 

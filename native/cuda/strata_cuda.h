@@ -221,6 +221,13 @@ int strata_gdn_prep(void *stream, const float *y, int y_stride, const float *b, 
 int strata_gdn_gated_norm_rows(void *stream, const float *o, const float *z, int z_stride, int z_group,
                                const float *w, float *out, void *out16, int n_rows, int d, float eps);
 
+/* Sampling on the device in one block (sampling.cu): penalties, top-k, top-p, min-p, temperature, the draw u in
+ * [0, 1); out int32[2] <- {token, status} (status 0 ok, 1 NaN in the logits, 2 the candidates overflow the kernel's
+ * buffer). counts: token occurrences in the penalty window, or NULL. */
+int strata_sample(void *stream, const float *logits, const float *counts, int n, float repeat_penalty,
+                  float frequency_penalty, float presence_penalty, float temperature, int top_k, double top_p,
+                  float min_p, float log_min_p, double u, int *out);
+
 /* Persistent decode step of the llama architecture (decode_step.cu): one cooperative launch runs a token at position
  * inp[1] through every layer (attending over inp[2] positions) and the output head: logits f32 (n_vocab), the
  * argmax written to inp[0] and inp[1], inp[2] advanced by one, as LlamaCuda's launch-per-op step. A matrix: GGUF

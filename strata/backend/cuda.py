@@ -28,90 +28,9 @@ import numpy as np
 from strata.backend.base import Backend
 from strata.kv_cache import DEFAULT_PAGE_SIZE, PagedKV, PagePool
 
-_CDEF = """
-void strata_set_pdl(int on);
-int strata_get_pdl(void);
-int strata_supports_type(int ggml_type);
-int strata_matvec(void *stream, int ggml_type, const void *w, const float *x, float *y, int n_out, int n_in, int n_tokens);
-int strata_quantize_q8_1(void *stream, const float *x, void *xq, int n_in);
-int strata_flash_prefill(void *stream, const float *q, const void *kc, const void *vc, const int *pt, float *out,
-                         float *ws, int n, int n_head, int n_kv, int hd, int ps, int length, int n_split, float scale);
-int strata_matvec_q8_supported(int ggml_type);
-int strata_matvec_q8(void *stream, int ggml_type, const void *w, const void *xq, float *y, int n_out, int n_in);
-int strata_dequant(void *stream, int ggml_type, const void *w, void *out, int n_rows, int n_in, int out_f16);
-int strata_get_rows(void *stream, int ggml_type, const void *w, const int *ids, float *out, int n_ids, int n_in);
-int strata_rms_norm(void *stream, const float *x, const float *residual, const float *weight, float *out,
-                    float *sum_out, int n_rows, int dim, float eps);
-int strata_rope(void *stream, float *x, const int *positions, int n_tokens, int n_heads, int head_dim, int n_rot,
-                float base, int neox);
-int strata_swiglu(void *stream, const float *gate, const float *up, float *out, long long n);
-int strata_kv_write(void *stream, const float *k, const float *v, void *k_cache, void *v_cache, const int *page_table,
-                    const int *d_start, int start_off, int n, int n_kv, int hd, int page_size);
-int strata_attn_decode(void *stream, const float *q, const void *k_cache, const void *v_cache, const int *page_table,
-                       const int *d_len, int len, float *partial, float *out, int n_head, int n_kv, int hd,
-                       int page_size, int n_split, float scale);
-int strata_attn_decode_ex(void *stream, const float *q, const void *k_cache, const void *v_cache,
-                          const int *page_table, const int *d_len, int len, float *partial, float *out, void *out_q8,
-                          int n_head, int n_kv, int hd, int page_size, int n_split, float scale);
-int strata_kv_gather(void *stream, const void *k_cache, const void *v_cache, const int *page_table, float *k_out,
-                     float *v_out, int len, int n_kv, int hd, int page_size);
-int strata_causal_softmax(void *stream, float *s, int n_rows_total, int n_q, int len, int pos0, float scale);
-int strata_argmax(void *stream, const float *x, int *out, int n_rows, int n);
-int strata_add_scalar(void *stream, int *p, int delta, int count);
-int strata_rope_kv_decode(void *stream, float *qkv, const int *pos, void *k_cache, void *v_cache, const int *page_table,
-                          int n_head, int n_kv, int hd, int n_rot, float base, int neox, int page_size);
-int strata_matvec_q8w(void *stream, int ggml_type, const void *w, const void *xq, float *y, int n_out, int n_in,
-                      int rows_per_warp);
-int strata_matvec_q8b(void *stream, int ggml_type, const void *w, const void *xq, float *y, int n_out, int n_in,
-                      int rows_per_block);
-int strata_rms_norm_ex(void *stream, const float *x, const float *residual, const float *weight, float *out,
-                       float *sum_out, void *out16, void *out_q8, int n_rows, int dim, float eps);
-int strata_swiglu_gu(void *stream, const float *gu, int n, int F, float *out, void *out16, void *out_q8);
-int strata_matvec_q8w_glu(void *stream, int ggml_type, const void *w_gate, const void *w_up, const void *xq, float *act,
-                          void *act_q8, int F, int n_in, int pairs_per_warp);
-int strata_rope_kv_prefill(void *stream, float *qkv, int stride, int pos0, void *k_cache, void *v_cache,
-                           const int *page_table, int n, int n_head, int n_kv, int hd, int n_rot, float base, int neox,
-                           int page_size);
-int strata_attn_decode_gqa(void *stream, const float *q, const void *k_cache, const void *v_cache,
-                           const int *page_table, const int *d_len, int len, float *ws, unsigned *counters, float *out,
-                           void *out_q8, int n_head, int n_kv, int hd, int page_size, int n_split, float scale,
-                           const void *k_scales, const void *v_scales);
-int strata_attn_decode_gqa_occupancy(int hd, int g, int q8);
-int strata_fa2_prefill(void *stream, const float *q, int q_stride, const void *k_cache, const void *v_cache,
-                       const int *page_table, float *out, void *out16, float *ws, int n, int n_head, int n_kv, int hd,
-                       int page_size, int length, int n_split, float scale, const void *k_scales,
-                       const void *v_scales);
-int strata_kv_write_q8(void *stream, const float *k, int k_stride, const float *v, int v_stride, void *k_cache,
-                       void *v_cache, void *k_scales, void *v_scales, const int *page_table, const int *d_start,
-                       int start, int n, int n_kv, int hd, int page_size);
-int strata_kv_gather_q8(void *stream, const void *k_cache, const void *v_cache, const void *k_scales,
-                        const void *v_scales, const int *page_table, float *k_out, float *v_out, int len, int n_kv,
-                        int hd, int page_size);
-typedef struct { const void *w; long long row_bytes; int type; int rows; } strata_step_mat;
-typedef struct {
-  const float *attn_norm, *ffn_norm;
-  strata_step_mat q, k, v, o, gate, up, down;
-  void *k_cache, *v_cache;
-} strata_step_layer;
-typedef struct {
-  const strata_step_layer *layers;
-  const float *out_norm;
-  strata_step_mat head;
-  int *inp;
-  const int *page_table;
-  float *x, *q, *att;
-  void *att_q8, *act_q8;
-  float *logits, *ws;
-  unsigned *counters;
-  unsigned long long *barrier, *argmax, *trace;
-  int n_layer, n_embd, n_head, n_kv, head_dim, n_ff, n_vocab, n_rot, neox, page_size, max_split;
-  int xs_bytes, min_slot, slot_bytes, n_slot;
-  float rope_base, eps, scale;
-} strata_step_args;
-int strata_decode_step_check(strata_step_args *a, const strata_step_layer *layers);
-int strata_decode_step_grid(strata_step_args *a, int blocks_per_sm);
-int strata_decode_step(void *stream, const strata_step_args *a, int n_blocks);
-"""
+# The kernel library's C declarations are native/cuda/strata_cuda.h (the header the .cu files compile against),
+# read by kernel_declarations(); nothing here repeats them.
+
 
 # Decode matvec (one token) on int8 activations with __dp4a for Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K weights, the
 # activations rounded to q8_1 blocks by the kernel that produces them (RMSNorm, attention, SwiGLU), as llama.cpp's
@@ -321,16 +240,42 @@ def _lib_path() -> Path:
     return Path(os.environ.get("STRATA_CUDA_LIB", str(DEFAULT_LIB)))
 
 
-def open_kernel_library(cdef: str) -> tuple[Any, Any]:
+SOURCE_HEADER = Path(__file__).resolve().parent.parent.parent / "native" / "cuda" / "strata_cuda.h"
+
+
+def header_path(library: Path | None = None) -> Path:
+    """The C header of a kernel library: the one its build copied beside it (``<library>.h``: the declarations of
+    that very binary; installed with the package), else the source tree's native/cuda/strata_cuda.h (a library
+    built by hand, e.g. $STRATA_CUDA_LIB). Raises CudaUnavailable when neither exists."""
+    library = library or _lib_path()
+    for p in (library.with_suffix(".h"), SOURCE_HEADER):
+        if p.exists():
+            return p
+    raise CudaUnavailable(f"no C header for {library} (expected {library.with_suffix('.h')} or {SOURCE_HEADER})")
+
+
+def kernel_declarations(header: Path | None = None) -> str:
+    """The header's declarations as cffi's cdef takes them: comments, preprocessor lines and the ``extern "C"``
+    wrapper removed (the header is plain C otherwise: typedef'd structs and launcher prototypes)."""
+    import re
+    text = (header or header_path()).read_text()
+    text = re.sub(r"/\*.*?\*/", " ", text, flags=re.DOTALL)
+    text = re.sub(r"//[^\n]*", "", text)
+    lines = [ln for ln in text.splitlines() if not ln.lstrip().startswith("#") and 'extern "C"' not in ln]
+    return re.sub(r"^\s*}\s*$", "", "\n".join(lines), flags=re.MULTILINE)   # the extern "C" block's brace
+
+
+def open_kernel_library() -> tuple[Any, Any]:
     """(ffi, lib): the kernel library (strata/_cuda_kernels.so, or $STRATA_CUDA_LIB) opened through a new cffi FFI
-    in ABI mode with these C declarations. Each module that launches kernels keeps its own (cdata of one FFI is
-    not passed to another). Raises CudaUnavailable when the library is missing."""
+    in ABI mode with its header's declarations (kernel_declarations). Each module that launches kernels keeps its
+    own (cdata of one FFI is not passed to another). Raises CudaUnavailable when the library or its header is
+    missing."""
     import cffi
-    ffi = cffi.FFI()
-    ffi.cdef(cdef)
     p = _lib_path()
     if not p.exists():
         raise CudaUnavailable(f"kernel library {p} missing (run: python native/build_cuda.py)")
+    ffi = cffi.FFI()
+    ffi.cdef(kernel_declarations(header_path(p)))
     return ffi, ffi.dlopen(str(p))
 
 
@@ -338,7 +283,7 @@ def lib():
     """The cffi handle of the kernel library (loaded once)."""
     global _lib, _ffi
     if _lib is None:
-        _ffi, _lib = open_kernel_library(_CDEF)
+        _ffi, _lib = open_kernel_library()
     return _lib
 
 

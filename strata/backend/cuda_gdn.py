@@ -1,7 +1,7 @@
 """Launchers of the Gated DeltaNet CUDA kernels (native/cuda/gdn.cu in strata/_cuda_kernels.so) on CuPy arrays.
 
 The library is the CUDA backend's, opened by strata/backend/cuda.py ``open_kernel_library`` with this module's own
-cffi FFI and cdef (ABI mode), so the two modules do not share declarations. Kernels run on CuPy's current stream.
+cffi FFI (ABI mode; the declarations of native/cuda/strata_cuda.h). Kernels run on CuPy's current stream.
 Semantics are those of strata/backend/gdn.py: ``recurrent`` = ``gdn.delta_rule_recurrent``, ``conv`` =
 ``gdn.causal_conv1d`` (state arrays updated in place).
 """
@@ -11,16 +11,6 @@ from typing import Any
 
 from strata.backend.cuda import _check, open_kernel_library
 
-_CDEF = """
-int strata_gdn_recurrent(void *stream, const float *q, const float *k, const float *v, const float *g,
-                         const float *beta, float *state, float *out, int n, int n_v, int n_qk, int dk, int dv,
-                         int tiled, float scale);
-int strata_gdn_recurrent_ex(void *stream, const float *q, const float *k, const float *v, const float *g,
-                            const float *beta, float *state, float *out, int n, int n_v, int n_qk, int dk, int dv,
-                            int tiled, float scale, int variant);
-int strata_gdn_conv(void *stream, const float *x, int x_stride, const float *w, float *window, float *y, int n,
-                    int channels, int kernel);
-"""
 # strata_gdn_recurrent_ex variants: choose (the warp kernel for prefill when the shape allows it), the block kernel,
 # the warp kernel with 4 / 2 / 1 value columns per warp
 VARIANTS = {"auto": 0, "block": 1, "warp": 2, "warp2": 3, "warp1": 4}
@@ -30,10 +20,10 @@ _lib = None
 
 
 def lib():
-    """The cffi handle of the kernel library with the GDN declarations (loaded once)."""
+    """The cffi handle of the kernel library (this module's FFI, loaded once)."""
     global _ffi, _lib
     if _lib is None:
-        _ffi, _lib = open_kernel_library(_CDEF)
+        _ffi, _lib = open_kernel_library()
     return _lib
 
 

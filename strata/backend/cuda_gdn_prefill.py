@@ -23,25 +23,16 @@ L2_EPS = 1e-6            # gdn.l2_norm's default eps: the model's q / k normalis
 # STRATA_GDN_FUSED=0: on CuPy too, the array formulas of gdn.py (several CuPy launches) instead of the two kernels.
 FUSED = os.environ.get("STRATA_GDN_FUSED", "1") not in ("0", "false", "no")
 
-_CDEF = """
-int strata_gdn_prep(void *stream, const float *y, int y_stride, const float *b, const float *a, int ba_stride,
-                    int b_off, int a_off, int ba_grouped, const float *A, const float *dt, float *q_out, float *k_out,
-                    float *v_out, float *g_out, float *beta_out, int n, int n_k, int n_v, int dk, int dv,
-                    float l2_eps);
-int strata_gdn_gated_norm_rows(void *stream, const float *o, const float *z, int z_stride, int z_group,
-                               const float *w, float *out, void *out16, int n_rows, int d, float eps);
-"""
-
 _ffi = None
 _lib = None
 
 
 def lib():
-    """The cffi handle of the kernel library with the GDN prefill declarations (loaded once)."""
+    """The cffi handle of the kernel library (this module's FFI, loaded once)."""
     global _ffi, _lib
     if _lib is None:
         from strata.backend.cuda import open_kernel_library
-        _ffi, _lib = open_kernel_library(_CDEF)
+        _ffi, _lib = open_kernel_library()
     return _lib
 
 

@@ -41,19 +41,6 @@ import numpy as np
 from strata.backend import cuda as C
 from strata.backend import cuda_gdn, cuda_gdn_prefill
 
-_CDEF = C._CDEF + cuda_gdn._CDEF + cuda_gdn_prefill._CDEF + """
-int strata_q35_conv(void *stream, const float *x, const float *w, float *window, float *y, int channels, int kernel);
-int strata_q35_gdn_step(void *stream, const float *y, const float *proj, const float *A, const float *dt, float *state,
-                        float *out, int n_v, int n_k, int dk, int dv, int tiled, int b_off, int a_off, int ba_grouped,
-                        float scale, float l2_eps);
-int strata_q35_gated_norm(void *stream, const float *o, const float *z, const float *w, float *out, void *out_q8,
-                          int n_v, int dv, float eps);
-int strata_q35_attn_prep(void *stream, const float *qg, const float *q_norm, const float *k_norm, float *qkv,
-                         float *gate, int n, int n_head, int n_kv, int hd, float eps);
-int strata_q35_out_gate(void *stream, const float *att, const float *gate, float *out, void *out16, void *out_q8,
-                        int n);
-"""
-
 L2_EPS = 1e-6            # gdn.l2_norm's default eps (the model's q/k normalisation)
 ATTN_HEAD_DIMS = (32, 64, 128, 256)
 
@@ -62,10 +49,10 @@ _lib = None
 
 
 def lib():
-    """The cffi handle of the kernel library with LlamaCuda's and this plan's declarations (loaded once)."""
+    """The cffi handle of the kernel library (this plan's FFI, loaded once)."""
     global _ffi, _lib
     if _lib is None:
-        _ffi, _lib = C.open_kernel_library(_CDEF)
+        _ffi, _lib = C.open_kernel_library()
     return _lib
 
 
