@@ -158,7 +158,8 @@ enum { PH_A = 0, PH_C = 1, PH_D = 2, PH_E = 3, PH_HEAD = 4, PH_END = 5 };
 // One tile: `rows` rows of one matrix from src0 (bytes0 bytes) and, in phase D, the same rows of up from src1. A
 // part's copy starts at the 16-byte boundary below its source and is a multiple of 16 bytes, so the rows sit in
 // the slot at their source's offset modulo 16 (every alignment the dot relies on holds in the slot as in global
-// memory); the second part starts at the first copy's end.
+// memory); the second part starts at the first copy's end. A copy may read up to 15 bytes past its last row: still
+// inside the weight's device allocation (CuPy rounds allocations up to 512 bytes; fused weights hold more rows).
 struct Tile {
   const uint8_t *src0, *src1;
   int bytes0, bytes1, rows, rb, type;
