@@ -202,3 +202,20 @@ def test_generate_refuses_an_empty_prompt_or_stop(args, stdin, needle):
     p = strata("generate", *args, stdin=stdin)
     assert_one_line_error(p, needle)
     assert p.returncode == 2
+
+
+@pytest.mark.parametrize("flag,value,needle", [("--top-p", "2", "top_p"), ("--min-p", "5", "min_p"),
+                                               ("--repeat-penalty", "-1", "repeat_penalty"),
+                                               ("--seed", "99999999999999999999", "seed")])
+def test_every_bad_sampling_value_is_a_usage_error(flag, value, needle):
+    """Values SamplingParams refuses exit 2 (usage), as argparse's own range errors (--top-k -3) do."""
+    p = strata("generate", "--prompt", "hi", flag, value, "--model", "/nonexistent.gguf")
+    assert_one_line_error(p, needle)
+    assert p.returncode == 2
+
+
+def test_system_with_raw_is_a_usage_error():
+    """--system has no place in a raw completion: refused (exit 2) instead of silently dropped."""
+    p = strata("generate", "--raw", "--system", "be brief", "--prompt", "hi", "--model", "/nonexistent.gguf")
+    assert_one_line_error(p, "--system needs chat mode")
+    assert p.returncode == 2

@@ -202,6 +202,20 @@ def test_timings_strata_and_checkpoint_metrics(daemon):
     assert off["choices"][0]["message"]["content"] == a["choices"][0]["message"]["content"]
 
 
+def test_metrics_label_a_wrong_method_with_its_route(daemon):
+    """A 405 (a method the route does not take) counts under the route's template, not as "unmatched"; a path no
+    route has stays "unmatched"."""
+    st, _, _ = daemon.request("GET", "/slots/0")
+    assert st == 405
+    assert daemon.metric("strata_requests_total", {"route": "/slots/{slot}", "status": "405"}) >= 1
+    st, _, _ = daemon.request("GET", "/v1/chat/completions")
+    assert st == 405
+    assert daemon.metric("strata_requests_total", {"route": "/v1/chat/completions", "status": "405"}) >= 1
+    st, _, _ = daemon.request("GET", "/no/such/route")
+    assert st == 404
+    assert daemon.metric("strata_requests_total", {"route": "unmatched", "status": "404"}) >= 1
+
+
 def test_metrics_series(daemon):
     st, h, b = daemon.request("GET", "/metrics")
     assert st == 200 and h["content-type"].startswith("text/plain")
@@ -262,7 +276,10 @@ def test_slots(daemon):
     (json.dumps({"messages": HI, "tool_choice": "sometimes"}).encode(), "'tool_choice'"),
     (b'{"messages": [{"role": "user", "content": "hi \\ud800"}]}', "not valid Unicode"),
     (b'{"messages": [{"role": "system", "content": "\\ud83d"}, {"role": "user", "content": "x"}]}',
-     "not valid Unicode"),
+     "'messages[0].content' is not valid Unicode: lone surrogate U+D83D at character 0"),
+    (b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "ok \\udc80"}]}]}',
+     "'messages[0].content[0].text' is not valid Unicode: lone surrogate U+DC80 at character 3"),
+    (b'{"messages": ' + b"[" * 20000 + b"]" * 20000 + b"}", "not valid JSON: nested too deeply"),
 ])
 def test_bad_requests_get_400(daemon, raw, needle):
     st, h, b = daemon.request("POST", "/v1/chat/completions", raw=raw)

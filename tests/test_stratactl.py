@@ -81,6 +81,8 @@ def test_slot_actions_report_server_error(daemon):
     for action in (["save", "0", "--filename", "a.bin"], ["restore", "0", "--filename", "a.bin"]):
         r = ctl(daemon, *action)
         assert r.returncode == 1 and "501" in r.stderr and "session files" in r.stderr
+        r = ctl(daemon, "--json", *action)        # --json: the server's error object on stdout as well
+        assert r.returncode == 1 and "session files" in json.loads(r.stdout)["error"]["message"]
 
 
 def test_erase_forgets_the_conversation(daemon):
@@ -105,6 +107,10 @@ def test_exit_codes(tmp_path):
         assert r.returncode == 3 and bad in r.stderr, (cmd, r.stderr)
     r = ctl(None, "chat", "hi", socket=bad)
     assert r.returncode == 3 and bad in r.stderr
+    r = ctl(None, "chat", socket=bad, stdin="")   # interactive / piped with nothing to send: still told at once
+    assert r.returncode == 3 and bad in r.stderr
+    r = ctl(None, "status", socket=str(tmp_path))  # a directory where the socket should be: said so
+    assert r.returncode == 3 and "is a directory, not a socket" in r.stderr
     r = ctl(None, "frobnicate", socket=bad)
     assert r.returncode == 2
     r = ctl(None, "save", socket=bad)          # missing slot id

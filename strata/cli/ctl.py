@@ -10,6 +10,7 @@ import http.client
 import json
 import os
 import socket
+import stat
 import sys
 import time
 import urllib.parse
@@ -22,9 +23,11 @@ EXIT_OK, EXIT_SERVER, EXIT_USAGE, EXIT_CONNECT = 0, 1, 2, 3
 
 
 class CtlError(Exception):
-    def __init__(self, message: str, code: int):
+    """A one-line error and the exit status; payload: the server's error body, when it answered one."""
+
+    def __init__(self, message: str, code: int, payload: bytes | None = None):
         super().__init__(message)
-        self.code = code
+        self.code, self.payload = code, payload
 
 
 class _UnixHTTPConnection(http.client.HTTPConnection):
@@ -79,8 +82,19 @@ class Client:
         except (OSError, http.client.HTTPException) as e:
             conn.close()
             hint = " (is `strata serve` running?)" if isinstance(e, (FileNotFoundError, ConnectionRefusedError)) else ""
+            if not self.url and os.path.exists(self.socket_path) and not stat.S_ISSOCK(os.stat(self.socket_path).st_mode):
+                kind = "a directory" if os.path.isdir(self.socket_path) else "a regular file"
+                hint = f" ({self.socket_path} is {kind}, not a socket: give --socket the path strata serve listens on)"
             raise CtlError(f"cannot connect to {self.where}: {e}{hint}", EXIT_CONNECT) from None
         return resp
+
+    def check_reachable(self) -> None:
+        """One GET /health: CtlError (exit 3) when nothing answers at the socket or URL; any HTTP answer will do."""
+        resp = self.request("GET", "/health")
+        try:
+            resp.read()
+        except (OSError, http.client.HTTPException):
+            pass
 
     def call(self, method: str, path: str, body: Any = None, *, raw: bool = False):
         resp = self.request(method, path, body)
@@ -89,7 +103,7 @@ class Client:
         except (OSError, http.client.HTTPException) as e:
             raise CtlError(f"lost the connection to {self.where}: {e}", EXIT_CONNECT) from None
         if resp.status >= 400:
-            raise CtlError(f"server error {resp.status}: {_error_message(payload)}", EXIT_SERVER)
+            raise CtlError(f"server error {resp.status}: {_error_message(payload)}", EXIT_SERVER, payload)
         if raw:
             return payload.decode("utf-8", "replace")
         try:
@@ -311,6 +325,7 @@ def cmd_chat(c: Client, args) -> int:
         _print_stats(args, info)
         return EXIT_OK
     interactive = sys.stdin.isatty()
+    c.check_reachable()                        # no server: say so now, not after the first message
     if interactive:
         print(f"stratactl chat: type a message. {CTL_CHAT_HELP}",
               file=sys.stderr)
@@ -319,9 +334,9 @@ def cmd_chat(c: Client, args) -> int:
             line = input("> " if interactive else "")
         except EOFError:
             return EXIT_OK
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:              # Ctrl-C at the prompt leaves, as `strata chat` does
             print(file=sys.stderr)
-            return EXIT_OK
+            return 130
         kind, line = parse_chat_line(line)
         if kind == "empty":
             continue
@@ -421,6 +436,11 @@ def main(argv: list[str] | None = None) -> int:
         c = Client(sock, args.url, args.api_key, args.timeout)
         return args.fn(c, args)
     except CtlError as e:
+        if getattr(args, "json", False) and e.payload:   # --json: the server's own error object on stdout too
+            try:
+                print(json.dumps(json.loads(e.payload), indent=2, ensure_ascii=False))
+            except ValueError:
+                pass
         print(f"stratactl: {e}", file=sys.stderr)
         return e.code
     except BrokenPipeError:

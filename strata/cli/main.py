@@ -103,11 +103,15 @@ _ctx_int = _int_at_least(2, "context length")
 
 
 def sampling_params(args):
-    """SamplingParams from the parsed sampling options."""
+    """SamplingParams from the parsed sampling options; a value SamplingParams refuses is a usage error (exit 2, as
+    argparse's own range errors)."""
     from strata.sampling import SamplingParams
-    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                          repeat_penalty=args.repeat_penalty, presence_penalty=args.presence_penalty,
-                          frequency_penalty=args.frequency_penalty, seed=args.seed)
+    try:
+        return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                              repeat_penalty=args.repeat_penalty, presence_penalty=args.presence_penalty,
+                              frequency_penalty=args.frequency_penalty, seed=args.seed)
+    except (ValueError, OverflowError) as e:
+        raise CliError(str(e), EXIT_USAGE) from None
 
 
 def load_engine(args):
@@ -158,6 +162,9 @@ def cmd_generate(args) -> int:
         raise CliError("the prompt is empty (give --prompt TEXT or pipe some text)", EXIT_USAGE)
     if any(s == "" for s in args.stop):
         raise CliError("--stop must not be an empty string", EXIT_USAGE)
+    if args.raw and args.system is not None:
+        raise CliError("--system needs chat mode (not allowed with --raw: the raw text has no system message)",
+                       EXIT_USAGE)
     sampling = sampling_params(args)            # bad sampling values fail before the model loads
     engine = load_engine(args)
     if args.raw:

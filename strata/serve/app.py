@@ -83,11 +83,20 @@ def _is_unix(request: web.Request) -> bool:
 
 
 def _route_name(request: web.Request) -> str:
+    """The matched route's template for the metrics label; for a method the route does not take (405), the
+    template of the route the path matches; "unmatched" when no route does."""
     try:
         res = request.match_info.route.resource
     except AttributeError:
         res = None
-    return res.canonical if res is not None else "unmatched"
+    if res is not None:
+        return res.canonical
+    for r in request.app.router.resources():
+        info = r.get_info()
+        pattern = info.get("pattern")
+        if info.get("path") == request.path or (pattern is not None and pattern.fullmatch(request.path)):
+            return r.canonical
+    return "unmatched"
 
 
 @web.middleware

@@ -52,7 +52,9 @@ def parse_json(raw: bytes) -> dict:
         body = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
     except UnicodeDecodeError as e:
         raise ApiError(400, f"the request body is not UTF-8: {e.reason} at byte {e.start}") from None
-    except (ValueError, RecursionError) as e:
+    except RecursionError:
+        raise ApiError(400, "the request body is not valid JSON: nested too deeply") from None
+    except ValueError as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {_tname(body)}")
@@ -168,6 +170,17 @@ def _common(body: dict, kind: str) -> ParsedRequest:
     return r
 
 
+def _unicode_text(text: str, where: str) -> str:
+    """text, or ApiError(400) naming the field and the position of a lone surrogate (JSON "\\ud800" decodes to
+    one; it has no UTF-8 encoding, so no tokens)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise _bad(where, f"is not valid Unicode: lone surrogate U+{ord(text[e.start]):04X} at character "
+                          f"{e.start} of the text") from None
+    return text
+
+
 def _content_text(content, i: int, role: str) -> str | None:
     where = f"messages[{i}].content"
     if content is None:
@@ -175,7 +188,7 @@ def _content_text(content, i: int, role: str) -> str | None:
             return None
         raise _bad(where, "must be a string or an array of text parts, got null")
     if isinstance(content, str):
-        return content
+        return _unicode_text(content, where)
     if isinstance(content, list):
         out = []
         for j, part in enumerate(content):
@@ -187,7 +200,7 @@ def _content_text(content, i: int, role: str) -> str | None:
                                param=where, code="unsupported_value")
             if not isinstance(part.get("text"), str):
                 raise _bad(f"{where}[{j}].text", "must be a string")
-            out.append(part["text"])
+            out.append(_unicode_text(part["text"], f"{where}[{j}].text"))
         return "".join(out)
     raise _bad(where, f"must be a string or an array of text parts, got {_tname(content)}")
 
