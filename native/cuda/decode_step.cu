@@ -590,7 +590,7 @@ __global__ void __launch_bounds__(ST_BLOCK, 1) k_decode_step(const strata_step_a
   for (int li = 0; li < a.n_layer; li++) {
     const strata_step_layer &L = lt[li];
     __half *kc = reinterpret_cast<__half *>(L.k_cache), *vc = reinterpret_cast<__half *>(L.v_cache);
-    // ---- A: RMSNorm, Q / K / V, RoPE, K / V write (rope_cs is visible after the norm's __syncthreads)
+    // ---- A: RMSNorm, Q / K / V, RoPE, K / V write (rope_cs is visible after the norm's csync)
     ST_MARK(0);
     norm_to_smem(a.x, L.attn_norm, E, a.eps, xs, red);
     ST_MARK(1);
