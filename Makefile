@@ -27,4 +27,4 @@ test: install-test
 	if [ $$rc -eq 5 ]; then echo "no tests ran: failing" >&2; exit 1; fi; exit $$rc
 
 clean:
-	rm -rf $(VENV) build *.egg-info strata/_native*.so strata/_native*.c strata/_cuda_kernels.so
+	rm -rf $(VENV) build *.egg-info strata/_native*.so strata/_native*.c strata/_cuda_kernels.so strata/_cuda_kernels.h

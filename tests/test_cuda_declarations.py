@@ -56,8 +56,7 @@ def test_build_copies_the_header_beside_the_library(tmp_path, monkeypatch):
     only creates its -o file), and setup.py installs it with the library."""
     import os
     import stat
-    import sys
-    sys.path.insert(0, str(ROOT / "native"))
+    monkeypatch.syspath_prepend(str(ROOT / "native"))
     from build_cuda import build_cuda_kernels
     fake = tmp_path / "nvcc"
     fake.write_text('#!/bin/sh\nwhile [ $# -gt 0 ]; do if [ "$1" = -o ]; then : > "$2"; fi; shift; done\n')
@@ -70,3 +69,14 @@ def test_build_copies_the_header_beside_the_library(tmp_path, monkeypatch):
     assert (tmp_path / "lib" / "k.h").read_text() == C.SOURCE_HEADER.read_text()
     assert C.header_path(out) == tmp_path / "lib" / "k.h"
     assert '"_cuda_kernels.h"' in (ROOT / "setup.py").read_text()
+
+
+def test_a_header_that_is_not_ours_is_cuda_unavailable(tmp_path, monkeypatch):
+    """A library whose neighbouring header cffi cannot parse: CudaUnavailable naming the header (what the engine
+    turns into "device 'cuda': ..."), not a cffi exception."""
+    lib = tmp_path / "k.so"
+    lib.write_bytes(b"")
+    (tmp_path / "k.h").write_text("int strata_x(struct never_declared *p)\n")   # no ';': not C declarations
+    monkeypatch.setenv("STRATA_CUDA_LIB", str(lib))
+    with pytest.raises(C.CudaUnavailable, match="k.h"):
+        C.open_kernel_library()

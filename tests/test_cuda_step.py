@@ -92,8 +92,12 @@ def test_step_check_accepts_a_valid_shape_and_sizes_its_shared_memory():
     assert lib.strata_decode_step_check(a, layers) == 0
     n = 512                                               # max(n_embd, n_head * hd, n_ff)
     assert a.xs_bytes == (n + n // 4 + 15) // 16 * 16     # int8 values + a float2 per 32
-    rb = 512 // 256 * 144                                 # the longest rows: down's (n_ff values, Q4_K)
-    assert a.min_slot == (4 * rb + 64 + 15) // 16 * 16    # a phase D tile: 2 rows each of gate and up + slack
+    rb, rb_down = 256 // 256 * 144, 512 // 256 * 144      # Q4_K rows of n_embd and of n_ff (down) values
+    # the largest tile of one row: down's rb_down + 32; of a RoPE pair: 2 rb + 32; of phase D, 2 rows each of gate
+    # and up (+ 32 of slack each part), which wins here
+    assert a.min_slot == max(rb_down + 32, 2 * rb + 32, 2 * (2 * rb + 32)) == 2 * (2 * rb + 32)
+    a, layers = _valid_step_args(ffi, F=2048)             # down rows of 2048 values (1152 bytes): one row wins
+    assert lib.strata_decode_step_check(a, layers) == 0 and a.min_slot == 1152 + 32
     assert a.n_slot == 0 and lib.strata_decode_step(ffi.NULL, a, 1) != 0   # no ring sized yet: not launched
 
 

@@ -208,6 +208,9 @@ def test_metrics_label_a_wrong_method_with_its_route(daemon):
     st, _, _ = daemon.request("GET", "/slots/0")
     assert st == 405
     assert daemon.metric("strata_requests_total", {"route": "/slots/{slot}", "status": "405"}) >= 1
+    st, _, _ = daemon.request("GET", "/slots/a%2Fb")   # matched by the router's (encoded) path: same label
+    assert st == 405
+    assert daemon.metric("strata_requests_total", {"route": "/slots/{slot}", "status": "405"}) >= 2
     st, _, _ = daemon.request("GET", "/v1/chat/completions")
     assert st == 405
     assert daemon.metric("strata_requests_total", {"route": "/v1/chat/completions", "status": "405"}) >= 1
@@ -276,9 +279,9 @@ def test_slots(daemon):
     (json.dumps({"messages": HI, "tool_choice": "sometimes"}).encode(), "'tool_choice'"),
     (b'{"messages": [{"role": "user", "content": "hi \\ud800"}]}', "not valid Unicode"),
     (b'{"messages": [{"role": "system", "content": "\\ud83d"}, {"role": "user", "content": "x"}]}',
-     "'messages[0].content' is not valid Unicode: lone surrogate U+D83D at character 0"),
+     "'messages[0].content' is not valid Unicode: lone surrogate U+D83D at code point 0"),
     (b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "ok \\udc80"}]}]}',
-     "'messages[0].content[0].text' is not valid Unicode: lone surrogate U+DC80 at character 3"),
+     "'messages[0].content[0].text' is not valid Unicode: lone surrogate U+DC80 at code point 3"),
     (b'{"messages": ' + b"[" * 20000 + b"]" * 20000 + b"}", "not valid JSON: nested too deeply"),
 ])
 def test_bad_requests_get_400(daemon, raw, needle):

@@ -2,7 +2,7 @@
 // its phases separated by grid-wide barriers instead of kernel launches, its weights streamed into shared memory by
 // bulk copies that run ahead of the phases.
 //
-// The weight stream. Every block (one per SM) owns a fixed share of every matrix's rows (contiguous, the same every
+// The weight stream. Every block (one per SM on the H200) owns a fixed share of every matrix's rows (contiguous, the same every
 // token) and reads them, in the order the phases use them, as tiles of whole rows (<= ST_TILE_ROWS rows, <=
 // slot_bytes) copied by the Tensor Memory Accelerator (cp.async.bulk, global -> shared, completion counted on the
 // slot's `full` mbarrier) into a ring of n_slot slots. A producer warp issues tile k into slot k % n_slot as soon as
@@ -54,6 +54,7 @@
                                      // of the epilogue warp)
 #define ST_SLOT 32288                // preferred slot: 28 rows of 2048 Q4_K values (1152 bytes) + alignment slack
 #define ST_MAX_SLOTS 8
+#define ST_MAX_BLOCKS 1024           // blocks of one grid at most (the shares are computed in int32)
 #define ST_BLOCK (ST_THREADS + 32)   // the consumer warps, then the producer warp
 
 // Barrier of the ST_WARPS consumer warps (named barrier 2; 1 is the attention body's, 0 is never used once the
@@ -175,7 +176,7 @@ __device__ __forceinline__ const uint8_t *part1(const Tile &t, uint8_t *slot) {
   return slot + copy_bytes(t.src0, t.bytes0) + ((uintptr_t)t.src1 & 15);
 }
 
-// Rows of rb bytes a slot holds as one tile (<= 32): with even = true, an even count (whole RoPE pairs).
+// Rows of rb bytes a slot holds as one tile (<= ST_TILE_ROWS): with even = true, an even count (whole RoPE pairs).
 __host__ __device__ __forceinline__ int tile_rows(int slot, int rb, bool even) {
   int r = (slot - 32) / rb;
   r = r < ST_TILE_ROWS ? r : ST_TILE_ROWS;
@@ -189,7 +190,7 @@ __host__ __device__ __forceinline__ int glu_tile_rows(int slot, int rb) {
   return k;
 }
 
-// Block b's share [lo, hi) of n items over nb blocks (n * nb < 2^31: checked on the host).
+// Block b's share [lo, hi) of n items over nb blocks (n * nb < 2^31: the host checks n < 2^21, nb <= 1024).
 __device__ __forceinline__ void share(int n, int b, int nb, int &lo, int &hi) {
   lo = n * b / nb;
   hi = n * (b + 1) / nb;
@@ -722,7 +723,8 @@ static int scalars_ok(const strata_step_args *a) {
       a->n_head < a->n_kv || a->n_head % a->n_kv || a->n_head / a->n_kv > 4 ||
       (a->head_dim != 64 && a->head_dim != 128) || a->n_rot < 0 || a->n_rot > a->head_dim || a->n_rot % 2 ||
       a->neox || a->page_size <= 0 || a->max_split < 1 || a->max_split > DA_MAX_SPLIT || a->n_vocab <= 0 ||
-      a->n_vocab >= (1 << 21) || a->n_ff >= (1 << 21) || a->n_embd >= (1 << 21))   // shares in int32 (<= 1024 blocks)
+      a->n_vocab >= (1 << 21) || a->n_ff >= (1 << 21) || a->n_embd >= (1 << 21) ||
+      (long long)a->n_head * a->head_dim >= (1 << 20))   // shares computed in int32 over <= ST_MAX_BLOCKS blocks
     return 0;
   return 1;
 }
@@ -749,19 +751,25 @@ static int launchable(const strata_step_args *a) {
 extern "C" int strata_decode_step_check(strata_step_args *a, const strata_step_layer *layers) {
   if (!scalars_ok(a) || !layers) return (int)cudaErrorInvalidValue;
   const int E = a->n_embd, nq = a->n_head * a->head_dim, kvd = a->n_kv * a->head_dim, F = a->n_ff;
-  long long rb = a->head.row_bytes;
+  // The smallest slot every tile fits (rows + 32 bytes of alignment slack per part): one row of o / down / the head,
+  // two of q / k / v (a RoPE pair), two each of gate and up (phase D).
+  long long one = a->head.row_bytes, two = 0, glu = 0;
   for (int i = 0; i < a->n_layer; i++) {
     const strata_step_layer &L = layers[i];
     if (!mat_ok(L.q, nq, E) || !mat_ok(L.k, kvd, E) || !mat_ok(L.v, kvd, E) || !mat_ok(L.o, E, nq) ||
         !mat_ok(L.gate, F, E) || !mat_ok(L.up, F, E) || !mat_ok(L.down, E, F) || L.gate.type != L.up.type ||
         !L.attn_norm || !L.ffn_norm || !L.k_cache || !L.v_cache)
       return (int)cudaErrorInvalidValue;
-    const strata_step_mat *ms[] = {&L.q, &L.k, &L.v, &L.o, &L.gate, &L.down};
-    for (const strata_step_mat *m : ms) rb = m->row_bytes > rb ? m->row_bytes : rb;
+    for (const strata_step_mat *m : {&L.o, &L.down}) one = m->row_bytes > one ? m->row_bytes : one;
+    for (const strata_step_mat *m : {&L.q, &L.k, &L.v}) two = m->row_bytes > two ? m->row_bytes : two;
+    glu = L.gate.row_bytes > glu ? L.gate.row_bytes : glu;
   }
   if (!mat_ok(a->head, a->n_vocab, E) || !a->out_norm) return (int)cudaErrorInvalidValue;
   a->xs_bytes = expected_xs(a);
-  a->min_slot = (int)((4 * rb + 64 + 15) / 16 * 16);   // phase D: two rows each of gate and up, + alignment slack
+  long long need = one + 32;
+  need = 2 * two + 32 > need ? 2 * two + 32 : need;
+  need = 2 * (2 * glu + 32) > need ? 2 * (2 * glu + 32) : need;
+  a->min_slot = (int)((need + 15) / 16 * 16);
   a->slot_bytes = a->n_slot = 0;
   return 0;
 }
@@ -797,7 +805,14 @@ extern "C" int strata_decode_step_grid(strata_step_args *a, int blocks_per_sm) {
   const step_kernel_t k = step_kernel(a);
   cudaFuncAttributes fa;
   e = cudaFuncGetAttributes(&fa, k);
+  // Any ring up to the device's limit may be launched (the ring differs by model: one process may hold several).
+  if (e == cudaSuccess)
+    e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, optin - (int)fa.sharedSizeBytes);
+  if (e == cudaSuccess)   // what the registers allow: the ring is sized for that many blocks per SM at most
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, k, ST_BLOCK, 0);
   if (e != cudaSuccess) return -(int)e;
+  if (occ < 1) return -(int)cudaErrorInvalidConfiguration;
+  blocks_per_sm = blocks_per_sm < occ ? blocks_per_sm : occ;
   // The ring: slots of ST_SLOT bytes (or the matrices' minimum, if larger) in what the blocks of one SM leave.
   long long avail = (long long)per_sm / blocks_per_sm - reserved;
   avail = (avail < optin ? avail : optin) - (long long)fa.sharedSizeBytes - a->xs_bytes - table_bytes(a);
@@ -810,16 +825,15 @@ extern "C" int strata_decode_step_grid(strata_step_args *a, int blocks_per_sm) {
   if (slot < a->min_slot) return -(int)cudaErrorInvalidConfiguration;
   a->slot_bytes = (int)slot;
   a->n_slot = (int)(n_slot < ST_MAX_SLOTS ? n_slot : ST_MAX_SLOTS);
-  const size_t smem = step_smem(a);
-  e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-  if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, k, ST_BLOCK, smem);
+  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, k, ST_BLOCK, step_smem(a));
   if (e != cudaSuccess) return -(int)e;
   if (occ < 1) return -(int)cudaErrorInvalidConfiguration;
-  return n_sm * (blocks_per_sm < occ ? blocks_per_sm : occ);
+  const int nb = n_sm * (blocks_per_sm < occ ? blocks_per_sm : occ);
+  return nb < ST_MAX_BLOCKS ? nb : ST_MAX_BLOCKS;
 }
 
 extern "C" int strata_decode_step(void *stream, const strata_step_args *a, int n_blocks) {
-  if (!launchable(a) || n_blocks < 1) return (int)cudaErrorInvalidValue;
+  if (!launchable(a) || n_blocks < 1 || n_blocks > ST_MAX_BLOCKS) return (int)cudaErrorInvalidValue;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3((unsigned)n_blocks);
   cfg.blockDim = dim3(ST_BLOCK);

@@ -117,8 +117,9 @@ KV_DTYPES = ("f16", "q8_0")   # KV cache types of CudaPagePool (--kv)
 # phases of each layer instead of ~9 launches per layer, every block's weight rows streamed into a shared-memory
 # ring by bulk copies that run ahead of the phases) for llama models it can run (compute capability >= 9.0, f16 KV
 # cache, head_dim 64 / 128, <= 4 query heads per KV head, RoPE on adjacent pairs, dp4a weight types): opt-in,
-# STRATA_CUDA_STEP=1; see docs/cuda.md for its measurements. STRATA_CUDA_STEP_BPS: blocks (of 128 threads) per
-# multiprocessor, each with its own ring in the multiprocessor's shared memory (capped by the kernel's occupancy).
+# STRATA_CUDA_STEP=1; see docs/cuda.md for its measurements. STRATA_CUDA_STEP_BPS: blocks (of 256 threads: 7
+# consumer warps and a producer) per multiprocessor, each with its own ring in the multiprocessor's shared memory
+# (capped by the kernel's register occupancy: 1 on the H200).
 STEP = _env_on("STRATA_CUDA_STEP", False)
 STEP_BPS = _env_int("STRATA_CUDA_STEP_BPS", 1)
 
@@ -233,6 +234,10 @@ def unavailable_reason() -> str | None:
         return "cffi is not installed"
     if not _lib_path().exists():
         return f"kernel library {_lib_path()} missing (run: python native/build_cuda.py)"
+    try:
+        header_path()
+    except CudaUnavailable as e:
+        return str(e)
     return None
 
 
@@ -275,7 +280,11 @@ def open_kernel_library() -> tuple[Any, Any]:
     if not p.exists():
         raise CudaUnavailable(f"kernel library {p} missing (run: python native/build_cuda.py)")
     ffi = cffi.FFI()
-    ffi.cdef(kernel_declarations(header_path(p)))
+    h = header_path(p)
+    try:
+        ffi.cdef(kernel_declarations(h))
+    except cffi.CDefError as e:
+        raise CudaUnavailable(f"the kernel library's header {h} is not Strata's declarations: {e}") from None
     return ffi, ffi.dlopen(str(p))
 
 

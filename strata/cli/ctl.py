@@ -82,9 +82,14 @@ class Client:
         except (OSError, http.client.HTTPException) as e:
             conn.close()
             hint = " (is `strata serve` running?)" if isinstance(e, (FileNotFoundError, ConnectionRefusedError)) else ""
-            if not self.url and os.path.exists(self.socket_path) and not stat.S_ISSOCK(os.stat(self.socket_path).st_mode):
-                kind = "a directory" if os.path.isdir(self.socket_path) else "a regular file"
-                hint = f" ({self.socket_path} is {kind}, not a socket: give --socket the path strata serve listens on)"
+            try:
+                mode = None if self.url else os.stat(self.socket_path).st_mode
+            except OSError:                    # not there (any more): the hint above stands
+                mode = None
+            if mode is not None and not stat.S_ISSOCK(mode):
+                kind = "a directory" if stat.S_ISDIR(mode) else "a regular file" if stat.S_ISREG(mode) else "not a socket"
+                hint = f" ({self.socket_path} is {kind}{', not a socket' if kind != 'not a socket' else ''}: " \
+                       "give --socket the path strata serve listens on)"
             raise CtlError(f"cannot connect to {self.where}: {e}{hint}", EXIT_CONNECT) from None
         return resp
 
@@ -95,6 +100,8 @@ class Client:
             resp.read()
         except (OSError, http.client.HTTPException):
             pass
+        finally:
+            resp.close()
 
     def call(self, method: str, path: str, body: Any = None, *, raw: bool = False):
         resp = self.request(method, path, body)
@@ -439,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "json", False) and e.payload:   # --json: the server's own error object on stdout too
             try:
                 print(json.dumps(json.loads(e.payload), indent=2, ensure_ascii=False))
-            except ValueError:
+            except (ValueError, RecursionError):
                 pass
         print(f"stratactl: {e}", file=sys.stderr)
         return e.code

@@ -82,20 +82,21 @@ def _is_unix(request: web.Request) -> bool:
     return sock is not None and sock.family == socket.AF_UNIX
 
 
-def _route_name(request: web.Request) -> str:
+async def _route_name(request: web.Request) -> str:
     """The matched route's template for the metrics label; for a method the route does not take (405), the
-    template of the route the path matches; "unmatched" when no route does."""
+    template of the route whose path matched (asked of each resource as the router asks it); "unmatched" when no
+    route's path does."""
     try:
         res = request.match_info.route.resource
     except AttributeError:
         res = None
     if res is not None:
         return res.canonical
-    for r in request.app.router.resources():
-        info = r.get_info()
-        pattern = info.get("pattern")
-        if info.get("path") == request.path or (pattern is not None and pattern.fullmatch(request.path)):
-            return r.canonical
+    if getattr(request.match_info.http_exception, "status", None) == 405:
+        for r in request.app.router.resources():
+            _match, allowed = await r.resolve(request)
+            if allowed:                    # the path matched; only the method did not
+                return r.canonical
     return "unmatched"
 
 
@@ -135,7 +136,7 @@ async def middleware(request: web.Request, handler):
     except asyncio.CancelledError:
         log.info("request cancelled", method=request.method, path=request.path,
                  ms=round((time.perf_counter() - t0) * 1e3, 2), reason="client disconnected or shutdown")
-        request.app[METRICS_KEY].requests.labels(route=_route_name(request), status="499").inc()
+        request.app[METRICS_KEY].requests.labels(route=await _route_name(request), status="499").inc()
         raise
     except Exception as e:  # noqa: BLE001 - nothing a client sends may crash the daemon
         log.exception("request failed", error=f"{type(e).__name__}: {e}")
@@ -143,7 +144,7 @@ async def middleware(request: web.Request, handler):
     status = resp.status
     if not resp.prepared:
         resp.headers["X-Request-Id"] = rid
-    request.app[METRICS_KEY].requests.labels(route=_route_name(request), status=str(status)).inc()
+    request.app[METRICS_KEY].requests.labels(route=await _route_name(request), status=str(status)).inc()
     log.info("request", method=request.method, path=request.path, status=status,
              ms=round((time.perf_counter() - t0) * 1e3, 2))
     return resp

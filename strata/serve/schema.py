@@ -176,7 +176,7 @@ def _unicode_text(text: str, where: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise _bad(where, f"is not valid Unicode: lone surrogate U+{ord(text[e.start]):04X} at character "
+        raise _bad(where, f"is not valid Unicode: lone surrogate U+{ord(text[e.start]):04X} at code point "
                           f"{e.start} of the text") from None
     return text
 
