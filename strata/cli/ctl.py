@@ -87,7 +87,8 @@ class Client:
             except OSError:                    # not there (any more): the hint above stands
                 mode = None
             if mode is not None and not stat.S_ISSOCK(mode):
-                kind = "a directory" if stat.S_ISDIR(mode) else "a regular file" if stat.S_ISREG(mode) else "a special file"
+                kind = ("a directory" if stat.S_ISDIR(mode) else "a regular file" if stat.S_ISREG(mode)
+                        else "a special file")
                 hint = f" ({self.socket_path} is {kind}, not a socket: give --socket the path strata serve listens on)"
             raise CtlError(f"cannot connect to {self.where}: {e}{hint}", EXIT_CONNECT) from None
         return resp
