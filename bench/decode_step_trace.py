@@ -20,7 +20,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-TILE_ENTRIES = 3 * 4096 + 4 + 10   # ST_TILE_TRACE: per tile 3, clocks 3 + 1 unused, 10 layer-1 points
+# The ST_TILE_TRACE layout after the barrier trace (decode_step.cu): 3 entries per tile for up to TRACE_TILES tiles,
+# then 3 clocks (clock64 at the start and end, %globaltimer at the end) and one unused entry, then the 10 points.
+TRACE_TILES = 4096
+CLOCKS = 3 * TRACE_TILES
+MARKS_AT = CLOCKS + 4
+TILE_ENTRIES = MARKS_AT + 10
 MARKS = ["A start", "A norm done", "A tiles done", "B start", "C start", "C tiles done", "D start",
          "D norm done", "E start", "E tiles done"]
 
@@ -58,14 +63,14 @@ def summarize(t: np.ndarray, n_layer: int) -> dict:
         out["phases"][name] = {"work_us": float(work[j:5 * n_layer:5].mean()),
                                "wait_us": float(wait[j:5 * n_layer:5].mean())}
     out["head"] = {"work_us": float(work[-1]), "wait_us": float(wait[-1])}
-    tt = t[base:base + 3 * 4096].reshape(-1, 3)
+    tt = t[base:base + CLOCKS].reshape(-1, 3)
     n = int((tt[:, 0] > 0).sum())
     if n:
         tt = tt[:n] - t0
         w, d = (tt[:, 1] - tt[:, 0]) / 1e3, (tt[:, 2] - tt[:, 1]) / 1e3
         gap = (tt[1:, 0] - tt[:-1, 2]) / 1e3
-        ck = t[base + 3 * 4096: base + 3 * 4096 + 3]
-        marks = (t[base + 3 * 4096 + 4: base + 3 * 4096 + 14] - t0) / 1e3
+        ck = t[base + CLOCKS: base + CLOCKS + 3]
+        marks = (t[base + MARKS_AT: base + MARKS_AT + len(MARKS)] - t0) / 1e3
         out["tiles"] = {"n": n, "median_wait_us": float(np.median(w)), "median_dots_us": float(np.median(d)),
                         "median_gap_us": float(np.median(gap)), "sum_wait_us": float(w.sum()),
                         "sum_dots_us": float(d.sum()), "sum_gap_us": float(gap.sum()),

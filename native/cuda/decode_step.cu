@@ -491,9 +491,17 @@ __device__ __forceinline__ unsigned long long argmax_key(float v, int i) {
   return ((unsigned long long)ord << 32) | (unsigned long long)(0xffffffffu - (unsigned)i);
 }
 
-#ifdef ST_TILE_TRACE   // diagnostics: block 0 thread 0's time at point k of layer 1
+#ifdef ST_TILE_TRACE   // diagnostics: the layout of the header's ST_TILE_TRACE paragraph
+#define ST_TRACE_TILES 4096
+#define ST_TRACE_CLOCKS (3 * ST_TRACE_TILES)       // clock64 at the start, at the end, %globaltimer at the end
+#define ST_TRACE_MARKS (ST_TRACE_CLOCKS + 4)       // layer 1's points
+// Block 0's tile trace: after the grid barriers' trace.
+__device__ __forceinline__ unsigned long long *tile_trace(const strata_step_args &a) {
+  return a.trace + 10 * a.n_layer + 3;
+}
+// Block 0 thread 0's time at point k of layer 1.
 #define ST_MARK(k) \
-  if (a.trace && b == 0 && threadIdx.x == 0 && li == 1) a.trace[10 * a.n_layer + 3 + 3 * 4096 + 4 + (k)] = global_ns()
+  if (a.trace && b == 0 && threadIdx.x == 0 && li == 1) tile_trace(a)[ST_TRACE_MARKS + (k)] = global_ns()
 #else
 #define ST_MARK(k)
 #endif
@@ -518,7 +526,7 @@ __global__ void __launch_bounds__(ST_BLOCK, 1) k_decode_step(const strata_step_a
   int tk = 0;   // trace index (thread 0 of block 0)
   if (a.trace && b == 0 && threadIdx.x == 0) a.trace[0] = global_ns();
 #ifdef ST_TILE_TRACE
-  if (a.trace && b == 0 && threadIdx.x == 0) a.trace[10 * a.n_layer + 3 + 3 * 4096] = clock64();
+  if (a.trace && b == 0 && threadIdx.x == 0) tile_trace(a)[ST_TRACE_CLOCKS] = clock64();
 #endif
   if (threadIdx.x == 0) {
     for (int s = 0; s < NS; s++) {
@@ -558,8 +566,8 @@ __global__ void __launch_bounds__(ST_BLOCK, 1) k_decode_step(const strata_step_a
     const int s = t % NS;
     uint8_t *slot = smem + (size_t)s * SB;
 #ifdef ST_TILE_TRACE   // diagnostics: block 0's tile t waited from tt[3t] to tt[3t + 1], its dots done at tt[3t + 2]
-    unsigned long long *tt = a.trace && b == 0 && threadIdx.x == 0 && t < 4096 ? a.trace + 10 * a.n_layer + 3 + 3 * t
-                                                                                : nullptr;
+    unsigned long long *tt = a.trace && b == 0 && threadIdx.x == 0 && t < ST_TRACE_TILES ? tile_trace(a) + 3 * t
+                                                                                          : nullptr;
     if (tt) tt[0] = global_ns();
 #endif
     mbar_wait(&bars[s], (unsigned)(t / NS) & 1u);
@@ -694,8 +702,8 @@ __global__ void __launch_bounds__(ST_BLOCK, 1) k_decode_step(const strata_step_a
   grid_barrier(a.barrier, a.trace, tk);
 #ifdef ST_TILE_TRACE
   if (a.trace && b == 0 && threadIdx.x == 0) {
-    a.trace[10 * a.n_layer + 3 + 3 * 4096 + 1] = clock64();
-    a.trace[10 * a.n_layer + 3 + 3 * 4096 + 2] = global_ns();
+    tile_trace(a)[ST_TRACE_CLOCKS + 1] = clock64();
+    tile_trace(a)[ST_TRACE_CLOCKS + 2] = global_ns();
   }
 #endif
   if (b == 0 && threadIdx.x == 0) {

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from strata.backend import cuda as C
-from strata.backend import cuda_gdn, cuda_gdn_prefill
+from strata.backend import cuda_gdn
 
 L2_EPS = 1e-6            # gdn.l2_norm's default eps (the model's q/k normalisation)
 ATTN_HEAD_DIMS = (32, 64, 128, 256)
