@@ -1,9 +1,9 @@
 """A/B of the CUDA decode plan's settings: decode tokens/s of one model under variants, interleaved rounds.
 
 Each variant is a set of module settings of strata.backend.cuda read when a decode step is captured (GLU, GLU_RP,
-ATTN, ATTN_CHUNK, ATTN_BPS, ATTN_MAX_SPLIT, ATTN_ONE_WAVE, PDL on/off) or a STRATA_* environment variable the kernel
-launchers read (STRATA_CUDA_ATTN_DB); the plan's graphs are dropped between variants, and the
-variants run in turn for --rounds rounds on the same contexts, so clock and thermal drift spread over all of them
+ATTN, ATTN_CHUNK, ATTN_BPS, ATTN_MAX_SPLIT, ATTN_ONE_WAVE, QKV_ROPE, V1_CHUNK, PDL on/off) or a STRATA_* environment variable
+the kernel launchers read (STRATA_CUDA_ATTN_DB, STRATA_CUDA_NORM_CONTIG); the plan's graphs are dropped between
+variants, and the variants run in turn for --rounds rounds on the same contexts, so clock and thermal drift spread over all of them
 instead of favouring the first. Greedy tokens of each variant are compared with the first variant's (the settings
 must not change them, except the attention split, which changes f32 summation order).
 
@@ -59,7 +59,8 @@ def apply(C, plan, lib, settings: dict[str, str], base: dict) -> None:
     for k, v in base.items():
         if not k.startswith("_"):
             setattr(C, k, v)
-    plan.glu, plan.attn = base["GLU"], base["ATTN"]
+    plan.glu, plan.attn, plan.qkv_rope = base["GLU"], base["ATTN"], base["QKV_ROPE"]
+    plan.fused_norm = base["FUSED_NORM"]
     lib.strata_set_pdl(base["_PDL"])
     for k, v in settings.items():
         if k.startswith("STRATA_"):
@@ -71,9 +72,13 @@ def apply(C, plan, lib, settings: dict[str, str], base: dict) -> None:
             plan.glu = v not in ("0", "false", "no", "off")
         elif k == "ATTN":
             plan.attn = v
+        elif k == "QKV_ROPE":
+            plan.qkv_rope = v not in ("0", "false", "no", "off")
+        elif k == "FUSED_NORM":
+            plan.fused_norm = v not in ("0", "false", "no", "off")
         elif k == "ATTN_ONE_WAVE":
             C.ATTN_ONE_WAVE = v not in ("0", "false", "no", "off")
-        elif k in ("GLU_RP", "ATTN_CHUNK", "ATTN_BPS", "ATTN_MAX_SPLIT"):
+        elif k in ("GLU_RP", "ATTN_CHUNK", "ATTN_BPS", "ATTN_MAX_SPLIT", "V1_CHUNK", "FUSED_NORM_R"):
             setattr(C, k, int(v))
         else:
             raise ValueError(f"unknown setting {k!r}")
@@ -120,7 +125,8 @@ def main(argv=None) -> int:
     model, st, plan, fast = open_plan(a.model, max(depths) + a.n_gen + 512)
     lib = C.lib()
     base = {k: getattr(C, k) for k in ("GLU", "GLU_RP", "ATTN", "ATTN_CHUNK", "ATTN_BPS", "ATTN_MAX_SPLIT",
-                                       "ATTN_ONE_WAVE")}
+                                       "ATTN_ONE_WAVE", "QKV_ROPE", "V1_CHUNK",
+                                       "FUSED_NORM", "FUSED_NORM_R")}
     base["_PDL"] = lib.strata_get_pdl()
     rng = np.random.default_rng(0)
     ctx = {d: rng.integers(0, model.config.n_vocab, d) for d in depths}

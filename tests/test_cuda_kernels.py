@@ -301,6 +301,121 @@ def test_rope_kv_decode_fused(cp, n_rot):
     assert float(cp.abs(kc).sum()) == pytest.approx(float(np.abs(slot).sum()), rel=1e-3)   # nothing else written
 
 
+@pytest.mark.parametrize("t", [Q.Q4_K, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("H,KV,hd,n_rot", [(9, 3, 64, 64), (5, 1, 36, 32)])
+def test_matvec_q8w_rope_equals_matvec_then_rope_kv(cp, t, rows, H, KV, hd, n_rot):
+    """strata_matvec_q8w_rope == strata_matvec_q8w followed by strata_rope_kv_decode, bit for bit: qkv, the K and V
+    cache (the page of the position, nothing else) — partial rotary and a last block with fewer rows than 4 * rows
+    included; and the separate path is itself checked against numpy in test_rope_kv_decode_fused."""
+    rng = np.random.default_rng(int(t) + rows + hd)
+    n_in, ps, n_pages, p = 512, 16, 6, 21
+    n_out = (H + 2 * KV) * hd
+    raw = random_blocks(t, n_out, n_in, rng)
+    w = C.upload_raw("w", int(t), (n_out, n_in), raw)
+    xq = _q8(cp, rng.standard_normal(n_in).astype(np.float32))
+    table = cp.asarray(rng.permutation(n_pages).astype(np.int32))
+    pos = cp.asarray([p], dtype=cp.int32)
+    lb, s, N = C.lib(), C._stream_ptr(), C._ffi.NULL
+    outs = []
+    for fused in (False, True):
+        qkv = cp.full(n_out, cp.nan, cp.float32)
+        kc, vc = (cp.zeros((n_pages, ps, KV, hd), cp.float16) for _ in range(2))
+        if fused:
+            C._check(lb.strata_matvec_q8w_rope(s, int(t), C._p(w.data), C._p(xq), C._p(qkv), H, KV, hd, n_in, rows,
+                                               C._p(pos), C._p(kc), C._p(vc), C._p(table), n_rot, 10000.0, ps,
+                                               N, N, N, N, 0.0), "matvec_rope")
+        else:
+            C._check(lb.strata_matvec_q8w(s, int(t), C._p(w.data), C._p(xq), C._p(qkv), n_out, n_in, rows), "mv")
+            C._check(lb.strata_rope_kv_decode(s, C._p(qkv), C._p(pos), C._p(kc), C._p(vc), C._p(table), H, KV, hd,
+                                              n_rot, 10000.0, 0, ps), "rope_kv")
+        outs.append([cp.asnumpy(a) for a in (qkv, kc, vc)])
+    for a, b in zip(*outs):
+        np.testing.assert_array_equal(a, b)
+    assert np.isfinite(outs[1][0]).all()
+    assert np.count_nonzero(outs[1][2]) > 0.9 * KV * hd     # the V row was written (random values are rarely 0)
+
+
+@pytest.mark.parametrize("E", [576, 2048, 4096])
+@pytest.mark.parametrize("with_delta", [True, False])
+def test_fused_norm_matvecs_match_norm_then_matvec(cp, E, with_delta):
+    """strata_matvec_q8w_rope and strata_matvec_q8w_glu_norm with the RMSNorm in their prologue == strata_rms_norm_ex
+    (q8_1 output) followed by the plain launchers, within f32 rounding (the sum of squares runs in another order, so
+    a q8 value may move by one), and block 0 stores x + delta exactly; the inputs are left as they were."""
+    rng = np.random.default_rng(E + with_delta)
+    H, KV, hd, F, ps, p = 4, 2, 64, 256, 16, 5
+    n_out = (H + 2 * KV) * hd
+    t = Q.Q4_K if E % 256 == 0 else Q.Q4_1     # SmolLM2's width (576) with its type
+    wq = C.upload_raw("wqkv", int(t), (n_out, E), random_blocks(t, n_out, E, rng))
+    wg = C.upload_raw("wgu", int(t), (2 * F, E), random_blocks(t, 2 * F, E, rng))
+    x, dl, nw = (cp.asarray(rng.standard_normal(E).astype(np.float32)) for _ in range(3))
+    delta = dl if with_delta else None
+    x0 = cp.asnumpy(x)
+    table, pos = cp.arange(4, dtype=cp.int32), cp.asarray([p], dtype=cp.int32)
+    lb, s, N = C.lib(), C._stream_ptr(), C._ffi.NULL
+    ref_x = x + dl if with_delta else x.copy()
+    hq = cp.zeros(E + E // 4, cp.uint8)
+    C._check(lb.strata_rms_norm_ex(s, C._p(x), C._p(delta), C._p(nw), N, N, N, C._p(hq), 1, E, 1e-5), "rms")
+    res = {}
+    for fused in (False, True):
+        qkv, act = cp.zeros(n_out, cp.float32), cp.zeros(F, cp.float32)
+        kc, vc = (cp.zeros((4, ps, KV, hd), cp.float16) for _ in range(2))
+        x_out = cp.full(E, cp.nan, cp.float32)
+        norm = (C._p(x), C._p(delta), C._p(nw), C._p(x_out)) if fused else (N, N, N, N)
+        C._check(lb.strata_matvec_q8w_rope(s, int(t), C._p(wq.data), N if fused else C._p(hq), C._p(qkv), H, KV,
+                                           hd, E, 4, C._p(pos), C._p(kc), C._p(vc), C._p(table), hd, 10000.0, ps,
+                                           *norm, 1e-5), "rope")
+        if fused:
+            np.testing.assert_array_equal(cp.asnumpy(x_out), cp.asnumpy(ref_x))
+            x_out[:] = cp.nan
+        g, u = C._ffi.cast("void *", wg.data.data.ptr), C._ffi.cast("void *", wg.data.data.ptr + wg.nbytes // 2)
+        C._check(lb.strata_matvec_q8w_glu_norm(s, int(t), g, u, N if fused else C._p(hq), C._p(act), N, F, E, 2,
+                                               *norm, 1e-5), "glu")
+        if fused:
+            np.testing.assert_array_equal(cp.asnumpy(x_out), cp.asnumpy(ref_x))
+        res[fused] = (cp.asnumpy(qkv), cp.asnumpy(act), cp.asnumpy(kc))
+    for a, b in zip(res[False], res[True]):
+        a, b = a.astype(np.float64), b.astype(np.float64)
+        assert np.linalg.norm(a - b) <= 2e-3 * np.linalg.norm(a)
+    np.testing.assert_array_equal(cp.asnumpy(x), x0)
+
+
+def test_fused_norm_refuses_bad_input(cp):
+    """A fused norm whose output aliases its input, a width not a multiple of 32 or too wide, or misaligned
+    vectors: an error code, nothing written."""
+    E = 1024
+    w = cp.zeros(1 << 20, cp.uint8)
+    x, nw = cp.ones(E + 4, cp.float32), cp.ones(E, cp.float32)
+    qkv, act = cp.full(1024, cp.nan, cp.float32), cp.full(256, cp.nan, cp.float32)
+    kc = cp.zeros(1 << 14, cp.float16)
+    pos, table = cp.zeros(1, cp.int32), cp.zeros(4, cp.int32)
+    lb, s, N = C.lib(), C._stream_ptr(), C._ffi.NULL
+    xp = C._ffi.cast("float *", x.data.ptr)
+    for xo, n_in, xx in ((xp, E, xp), (N, E - 16, xp), (N, 16384, xp), (N, E, C._ffi.cast("float *", x.data.ptr + 4))):
+        rc = lb.strata_matvec_q8w_rope(s, int(Q.Q8_0), C._p(w), N, C._p(qkv), 4, 2, 64, n_in, 4, C._p(pos), C._p(kc),
+                                       C._p(kc), C._p(table), 64, 10000.0, 16, xx, N, C._p(nw), xo, 1e-5)
+        assert rc != 0, n_in
+        rc = lb.strata_matvec_q8w_glu_norm(s, int(Q.Q8_0), C._p(w), C._p(w), N, C._p(act), N, 256, n_in, 4, xx, N,
+                                           C._p(nw), xo, 1e-5)
+        assert rc != 0, n_in
+    assert cp.isnan(qkv).all() and cp.isnan(act).all()
+
+
+def test_matvec_q8w_rope_refuses_bad_input(cp):
+    """Odd head size or rotary count, n_rot > hd, a NULL cache or position: cudaErrorInvalidValue, nothing run."""
+    w, xq, qkv = cp.zeros(1 << 16, cp.uint8), cp.zeros(640, cp.uint8), cp.full(1024, cp.nan, cp.float32)
+    kc = cp.zeros(1 << 12, cp.float16)
+    pos, table = cp.zeros(1, cp.int32), cp.zeros(4, cp.int32)
+    lb, s, N = C.lib(), C._stream_ptr(), C._ffi.NULL
+    for hd, n_rot, k, p in ((64, 63, kc, pos), (63, 62, kc, pos), (64, 66, kc, pos), (64, 64, None, pos),
+                            (64, 64, kc, None)):
+        rc = lb.strata_matvec_q8w_rope(s, int(Q.Q4_K), C._p(w), C._p(xq), C._p(qkv), 2, 1, hd, 512, 1,
+                                       C._p(p) if p is not None else N, C._p(k) if k is not None else N,
+                                       C._p(kc), C._p(table), n_rot, 10000.0, 16, N, N, N, N, 0.0)
+        assert rc != 0, (hd, n_rot)
+    assert cp.isnan(qkv).all()
+
+
 # ------------------------------------------------------------------ second-generation kernels (decode plan, prefill)
 def _q8(cp, x):
     """x f32 (n,) -> the q8_1 buffer strata_quantize_q8_1 writes (n + n // 4 bytes)."""

@@ -44,6 +44,12 @@ int strata_matvec_q8b(void *stream, int ggml_type, const void *w, const void *xq
  * bytes, as strata_swiglu_gu; act may be NULL); F % 32 == 0; pairs_per_warp 1, 2 or 4 (block = 32 / it warps). */
 int strata_matvec_q8w_glu(void *stream, int ggml_type, const void *w_gate, const void *w_up, const void *xq, float *act,
                           void *act_q8, int F, int n_in, int pairs_per_warp);
+/* strata_matvec_q8w_glu with the RMSNorm that produces x fused into its prologue (norm_w != NULL; xq unused): the
+ * inputs, bounds (n_in <= 8 * 4 * the block's 32 * (32 / pairs_per_warp) threads) and errors of
+ * strata_matvec_q8w_rope's fused norm. */
+int strata_matvec_q8w_glu_norm(void *stream, int ggml_type, const void *w_gate, const void *w_up, const void *xq,
+                               float *act, void *act_q8, int F, int n_in, int pairs_per_warp, const float *norm_x,
+                               const float *norm_delta, const float *norm_w, float *norm_x_out, float eps);
 
 /* Prefill attention, tiled flash-style (f16 wmma, online softmax), causal GQA over the paged f16 cache: q f32
  * (n, n_head, hd) at positions length..length+n-1 (K/V of those already written) -> out f32 (n, n_head, hd).
@@ -114,6 +120,21 @@ int strata_argmax(void *stream, const float *x, int *out, int n_rows, int n);
  * position *pos (in place), then k (rotated) and v written to the paged f16 cache at *pos. */
 int strata_rope_kv_decode(void *stream, float *qkv, const int *pos, void *k_cache, void *v_cache, const int *page_table,
                           int n_head, int n_kv, int hd, int n_rot, float base, int neox, int page_size);
+
+/* The decode step's QKV matvec with strata_rope_kv_decode fused into its epilogue (adjacent RoPE pairs only, i.e.
+ * neox = 0; f16 cache): qkv f32 [q (n_head*hd) | k | v] = W (fused Q|K|V rows, ggml type t, n_in columns) . x (q8_1
+ * blocks of strata_quantize_q8_1), q and k rotated at position *pos, k and v written to the paged cache at *pos.
+ * Same values, bit for bit, as strata_matvec_q8w followed by strata_rope_kv_decode.
+ * Fused RMSNorm (norm_w != NULL; xq is then unused): every block computes x = RMSNorm(norm_x + norm_delta) * norm_w
+ * (norm_delta may be NULL) itself, as q8_1 in shared memory, and block 0 stores norm_x + norm_delta to norm_x_out
+ * (may be NULL; must not alias norm_x or norm_delta); n_in % 32 == 0, n_in <= 4096, the four f32 vectors 16-byte
+ * aligned. Same per-element arithmetic as strata_rms_norm_ex's q8_1 output (the sum of squares in another order).
+ * cudaErrorInvalidValue for odd hd / n_rot, n_rot > hd, a NULL cache or position, a fused norm out of those bounds,
+ * or what strata_matvec_q8w refuses. */
+int strata_matvec_q8w_rope(void *stream, int ggml_type, const void *w, const void *xq, float *qkv, int n_head, int n_kv,
+                           int hd, int n_in, int rows_per_warp, const int *pos, void *k_cache, void *v_cache,
+                           const int *page_table, int n_rot, float base, int page_size, const float *norm_x,
+                           const float *norm_delta, const float *norm_w, float *norm_x_out, float eps);
 
 /* Prefill, fused: RoPE in place on q and k of n tokens' rows of qkv f32 (row stride `stride` floats, layout of
  * strata_rope_kv_decode), token t at position pos0 + t, and k (rotated) / v written to the f16 cache (k_cache

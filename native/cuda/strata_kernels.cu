@@ -333,13 +333,105 @@ __device__ static inline void prefetch_row_l2(const uint8_t *row, long long row_
   for (long long o = 128LL * first; o < row_bytes; o += STRIDE * 128) prefetch_l2(row + o);
 }
 
+// q8_1 activation block u from x / xds that may be in shared memory (generic loads; load_xq's __ldg is for global).
+__device__ static inline void load_xq_g(const int *x, const float2 *xds, int u, int xv[8], float2 &ds) {
+  const int4 a = reinterpret_cast<const int4 *>(x)[2 * u], b = reinterpret_cast<const int4 *>(x)[2 * u + 1];
+  xv[0] = a.x; xv[1] = a.y; xv[2] = a.z; xv[3] = a.w; xv[4] = b.x; xv[5] = b.y; xv[6] = b.z; xv[7] = b.w;
+  ds = xds[u];
+}
+
+// ---------------------------------------------------------------- RMSNorm fused into a decode matvec's prologue
+// The decode graph's RMSNorm before the QKV and gate/up matvecs, done by every block of the matvec itself after
+// its PDL wait (its weights already staged): s = x + delta, y = s / sqrt(mean(s^2) + eps) * w, y as q8_1 blocks in
+// the block's shared memory; block 0 also stores s (the residual stream) to x_out. One launch and one dependent
+// global round trip per norm fewer than strata_rms_norm_ex + matvec. Each thread holds 8-element chunks (chunk c =
+// tid + k * blockDim), so a q8_1 block is 4 neighbouring lanes; same per-element arithmetic as k_rms_norm_c.
+struct NormIn {
+  const float *x, *delta, *w;   // residual stream, the output to add to it (may be NULL), norm weight: f32 (dim)
+  float *x_out;                 // x + delta (may be NULL); must not alias x or delta (other blocks read them)
+  float eps;
+  int dim;                      // % 32 == 0, <= 8 * MAXC * blockDim.x
+};
+
+// Before the PDL wait: this thread's chunks of the norm weight (constants) into registers.
+template <int MAXC>
+__device__ static inline void fn_load_w(const NormIn &n, float (&w)[MAXC][8]) {
+#pragma unroll
+  for (int k = 0; k < MAXC; k++) {
+    const int c = threadIdx.x + k * blockDim.x;
+    const bool live = 8 * c < n.dim;
+    const float4 a = live ? __ldg(reinterpret_cast<const float4 *>(n.w) + 2 * c) : make_float4(0, 0, 0, 0);
+    const float4 b = live ? __ldg(reinterpret_cast<const float4 *>(n.w) + 2 * c + 1) : make_float4(0, 0, 0, 0);
+    w[k][0] = a.x; w[k][1] = a.y; w[k][2] = a.z; w[k][3] = a.w; w[k][4] = b.x; w[k][5] = b.y; w[k][6] = b.z;
+    w[k][7] = b.w;
+  }
+}
+
+__device__ static inline float block_sum(float v, float *sh);
+
+// After the PDL wait: the norm into xs (int8, dim) and xds (float2 (d, d * sum q), dim / 32), shared memory; ends
+// with __syncthreads (every thread of the block must call it).
+template <int MAXC>
+__device__ static inline void fn_norm_q8(const NormIn &n, const float (&w)[MAXC][8], int8_t *xs, float2 *xds,
+                                         float *red) {
+  float v[MAXC][8];
+  float ss = 0.f;
+#pragma unroll
+  for (int k = 0; k < MAXC; k++) {
+    const int c = threadIdx.x + k * blockDim.x;
+    const bool live = 8 * c < n.dim;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+      float4 a = live ? reinterpret_cast<const float4 *>(n.x)[2 * c + h] : make_float4(0, 0, 0, 0);
+      if (n.delta && live) {
+        const float4 d = reinterpret_cast<const float4 *>(n.delta)[2 * c + h];
+        a.x += d.x; a.y += d.y; a.z += d.z; a.w += d.w;
+      }
+      v[k][4 * h] = a.x; v[k][4 * h + 1] = a.y; v[k][4 * h + 2] = a.z; v[k][4 * h + 3] = a.w;
+      if (n.x_out && blockIdx.x == 0 && live) reinterpret_cast<float4 *>(n.x_out)[2 * c + h] = a;
+    }
+#pragma unroll
+    for (int e = 0; e < 8; e++) ss += v[k][e] * v[k][e];
+  }
+  const float r = rsqrtf(block_sum(ss, red) / (float)n.dim + n.eps);
+#pragma unroll
+  for (int k = 0; k < MAXC; k++) {
+    const int c = threadIdx.x + k * blockDim.x;
+    float y[8], amax = 0.f;
+#pragma unroll
+    for (int e = 0; e < 8; e++) {
+      y[e] = v[k][e] * r * w[k][e];
+      amax = fmaxf(amax, fabsf(y[e]));
+    }
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    const float d = __fdiv_rn(amax, 127.0f);
+    int q[8], sum = 0;
+#pragma unroll
+    for (int e = 0; e < 8; e++) {
+      q[e] = amax == 0.f ? 0 : __float2int_rn(__fdiv_rn(y[e], d));
+      sum += q[e];
+    }
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    if (8 * c < n.dim) {
+      int2 pk;
+      pk.x = (q[0] & 255) | ((q[1] & 255) << 8) | ((q[2] & 255) << 16) | (q[3] << 24);
+      pk.y = (q[4] & 255) | ((q[5] & 255) << 8) | ((q[6] & 255) << 16) | (q[7] << 24);
+      reinterpret_cast<int2 *>(xs)[c] = pk;
+      if ((c & 3) == 0) xds[c >> 2] = make_float2(d, d * (float)sum);
+    }
+  }
+  __syncthreads();
+}
+
 // One thread's share of the dot products of NR weight rows with the q8_1 vector (x int8 blocks, xds their (d, d *
 // sum)): STRIDE threads stride over the rows' 32-element sub-blocks (u = first, first + STRIDE, ...), each x block
 // loaded once into registers for all NR rows, 2 sub-blocks unrolled; summing acc[r] over the STRIDE threads gives
 // row r's product. STRIDE 32 is a warp's share (k_matvec_q8w_glu), 128 a block's (k_matvec_q8b). The loop of
 // k_matvec_q8w, which keeps its own copy: the decode plan's hottest kernel was measured with that code (through this
 // helper its register allocation changes).
-template <int T, int NR, int STRIDE>
+template <int T, int NR, int STRIDE, bool XSHARED = false>
 __device__ static inline void strided_rows_dot(const uint8_t *const (&rows)[NR], const int *__restrict__ x,
                                                const float2 *__restrict__ xds, int n_units, int first,
                                                float (&acc)[NR]) {
@@ -348,52 +440,180 @@ __device__ static inline void strided_rows_dot(const uint8_t *const (&rows)[NR],
 #pragma unroll 2
   for (int u = first; u < n_units; u += STRIDE) {
     int xv[8];
-    load_xq(x, u, xv);
-    const float2 ds = __ldg(xds + u);
+    float2 ds;
+    if (XSHARED) {
+      load_xq_g(x, xds, u, xv, ds);
+    } else {
+      load_xq(x, u, xv);
+      ds = __ldg(xds + u);
+    }
 #pragma unroll
     for (int r = 0; r < NR; r++) acc[r] += dot_q8x<T>(rows[r], u, xv, ds);
   }
 }
 
+// One decode RoPE pair: (x0, x1) rotated by pos * base^(-2i / n_rot) (the angle in double precision), each output
+// one rounded product and one fused multiply-add, so every kernel that calls this (k_rope_kv_decode, the QKV
+// matvec's epilogue) gives the same bits whatever the compiler would contract.
+__device__ static inline void rope_rotate(int pos, int i, int n_rot, float base, float &x0, float &x1) {
+  const double ang = (double)pos * pow((double)base, -2.0 * (double)i / (double)n_rot);
+  const float c = (float)cos(ang), s = (float)sin(ang);
+  const float y0 = __fmaf_rn(x0, c, __fmul_rn(-x1, s)), y1 = __fmaf_rn(x0, s, __fmul_rn(x1, c));
+  x0 = y0;
+  x1 = y1;
+}
+
+// Element offset of (position pos, KV head h, dim d) in a paged cache (n_pages, ps, n_kv, hd) by page table pt.
+__device__ static inline long long kv_index(const int *pt, int pos, int h, int d, int n_kv, int hd, int ps) {
+  const int page = pt[pos / ps], slot = pos % ps;
+  return (((long long)page * ps + slot) * n_kv + h) * hd + d;
+}
+
+// What the QKV decode matvec's epilogue needs to do strata_rope_kv_decode's work (k_matvec_q8w<T, R, true>).
+struct RopeKV {
+  const int *pos, *pt;    // position (device), page table
+  __half *kc, *vc;        // f16 cache of this layer
+  int H, KV, hd, n_rot, ps;
+  float base;
+};
+
+// RoPE (adjacent pairs, neox = 0) of one pair of rows (a, a + 1) of qkv [q (H*hd) | k (KV*hd) | v (KV*hd)] and the
+// k / v cache writes, from the rows' dot products y0, y1: k_rope_kv_decode's arithmetic (rope_rotate), so the fused
+// and separate paths agree bit for bit.
+__device__ static inline void rope_kv_pair(const RopeKV &r, float *qkv, int a, float y0, float y1) {
+  const int p = r.pos[0], qk = (r.H + r.KV) * r.hd;
+  if (a < qk) {
+    const int h = a / r.hd, d = a % r.hd;
+    if (d < r.n_rot) rope_rotate(p, d / 2, r.n_rot, r.base, y0, y1);
+    if (h >= r.H) {
+      const long long o = kv_index(r.pt, p, h - r.H, d, r.KV, r.hd, r.ps);
+      r.kc[o] = __float2half(y0);
+      r.kc[o + 1] = __float2half(y1);
+    }
+  } else {
+    const int j = a - qk;
+    const long long o = kv_index(r.pt, p, j / r.hd, j % r.hd, r.KV, r.hd, r.ps);
+    r.vc[o] = __float2half(y0);
+    r.vc[o + 1] = __float2half(y1);
+  }
+  qkv[a] = y0;
+  qkv[a + 1] = y1;
+}
+
 // Warp-per-row variant for decode: a warp takes R consecutive rows and its 32 lanes stride over the row's 32-element
 // sub-blocks, so one x block (loaded once into registers) serves R rows and every lane keeps R weight loads in
 // flight; the whole grid covers a 2-16 MB matrix in one wave. Same arithmetic as k_matvec_q8.
-template <int T, int R>
+// ROPE: y is the decode step's qkv row and the epilogue also does strata_rope_kv_decode's work (RoPE with adjacent
+// pairs, k / v into the f16 cache; rope_kv_pair): a block's 4 * R rows are whole pairs, which meet in shared memory.
+// STAGE: each warp copies its R rows into shared memory (mv_slot bytes per warp, dynamic) before the PDL wait and
+// reads them there (launch.cuh, "weight staging"); else it prefetches them into L2.
+// FNC > 0: the RMSNorm of fn is fused into the prologue (fn_norm_q8, FNC chunks per thread; xq / xds unused): the
+// block's q8_1 x lives in shared memory after the staged rows (STAGE required).
+template <int T, int R, bool ROPE, bool STAGE, int FNC>
 __global__ void __launch_bounds__(128) k_matvec_q8w(const uint8_t *__restrict__ w, const int8_t *__restrict__ xq,
                                                     const float2 *__restrict__ xds, float *__restrict__ y, int n_out,
-                                                    int n_units, long long row_bytes) {
+                                                    int n_units, long long row_bytes, RopeKV rope, int slot,
+                                                    NormIn fn) {
   griddep_launch();
+  extern __shared__ __align__(16) uint8_t staged[];
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   const int row0 = warp * R;
-  if (row0 >= n_out) return;   // whole warps only
-  // the weights are read-only: with PDL this warp's rows stream into L2 while the previous kernel finishes
-  // (prefetch_row_l2's loop, kept inline like the dot loop below: the measured code of the hottest kernel)
+  // whole warps only (with ROPE or a fused norm every warp reaches the block's barriers)
+  if (!ROPE && !FNC && row0 >= n_out) return;
+  float nw[FNC > 0 ? FNC : 1][8];
+  if (FNC) fn_load_w(fn, nw);
+  // rows past the end re-read the last row (not stored): no branch around loads
+  const int first = min(row0, n_out - 1), last = min(row0 + R, n_out);   // rows [first, max(last, first + 1))
+  const uint8_t *base = w + (long long)first * row_bytes;
+  if (STAGE) {
+    base = stage_bytes(base, (long long)max(last - first, 1) * row_bytes, staged + (threadIdx.x >> 5) * slot, lane,
+                       32);
+  } else {
+    // the weights are read-only: with PDL this warp's rows stream into L2 while the previous kernel finishes
+    // (prefetch_row_l2's loop, kept inline like the dot loop below: the measured code of the hottest kernel)
 #pragma unroll
-  for (int r = 0; r < R; r++)
-    if (row0 + r < n_out)
-      for (long long o = 128LL * lane; o < row_bytes; o += 32 * 128) prefetch_l2(w + (long long)(row0 + r) * row_bytes + o);
+    for (int r = 0; r < R; r++)
+      if (row0 + r < n_out)
+        for (long long o = 128LL * lane; o < row_bytes; o += 32 * 128) prefetch_l2(w + (long long)(row0 + r) * row_bytes + o);
+  }
   griddep_wait();
+  if (STAGE) {
+    stage_wait();
+    __syncwarp();
+  }
   const int *x = reinterpret_cast<const int *>(xq);
+  if (FNC) {   // the block's normalized x as q8_1 in shared memory, after the 4 warps' staged rows
+    __shared__ float red[32];
+    int8_t *xs = reinterpret_cast<int8_t *>(staged + 4 * slot);
+    fn_norm_q8(fn, nw, xs, reinterpret_cast<float2 *>(xs + fn.dim), red);
+    x = reinterpret_cast<const int *>(xs);
+    xds = reinterpret_cast<const float2 *>(xs + fn.dim);
+  }
   float acc[R];
 #pragma unroll
   for (int r = 0; r < R; r++) acc[r] = 0.f;
 #pragma unroll 2
   for (int u = lane; u < n_units; u += 32) {
     int xv[8];
-    load_xq(x, u, xv);
-    const float2 ds = __ldg(xds + u);
+    float2 ds;
+    if (FNC) {
+      load_xq_g(x, xds, u, xv, ds);
+    } else {
+      load_xq(x, u, xv);
+      ds = __ldg(xds + u);
+    }
 #pragma unroll
-    for (int r = 0; r < R; r++)   // a row past the end re-reads the last row (not stored): no branch around loads
-      acc[r] += dot_q8x<T>(w + (long long)min(row0 + r, n_out - 1) * row_bytes, u, xv, ds);
+    for (int r = 0; r < R; r++)
+      acc[r] += dot_q8x<T>(base + (long long)(min(row0 + r, n_out - 1) - first) * row_bytes, u, xv, ds);
   }
+  __shared__ float sv[ROPE ? 4 * R : 1];
 #pragma unroll
   for (int r = 0; r < R; r++) {
     float v = acc[r];
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    if (lane == r && row0 + r < n_out) y[row0 + r] = v;
+    if (ROPE) {
+      if (lane == r) sv[(threadIdx.x >> 5) * R + r] = v;
+    } else if (lane == r && row0 + r < n_out) {
+      y[row0 + r] = v;
+    }
   }
+  if (ROPE) {
+    __syncthreads();
+    const int a = blockIdx.x * 4 * R + 2 * threadIdx.x;   // thread t < 2R: the block's pair t
+    if (threadIdx.x < 2 * R && a < n_out) rope_kv_pair(rope, y, a, sv[2 * threadIdx.x], sv[2 * threadIdx.x + 1]);
+  }
+}
+
+// Launch k_matvec_q8w (4 warps of R rows per block), staged when mv_stage_on() and the block's rows fit in 48 KB of
+// shared memory.
+// With a fused norm (fn.w != NULL): staged, FNC = dim / (8 * 128) rounded up to 1, 2 or 4 (the launchers check the
+// bounds), x's q8_1 blocks after the rows in shared memory.
+template <int T, int R, bool ROPE>
+static int launch_q8w(cudaStream_t s, const uint8_t *W, const int8_t *q, const float2 *ds, float *y, int n_out,
+                      int n_units, long long rb, const RopeKV &rk, const NormIn &fn) {
+  const unsigned blocks = (unsigned)((n_out + 4 * R - 1) / (4 * R));
+  const long long slot = staged_size((long long)R * rb);
+  if constexpr (ROPE) {   // only the QKV matvec takes a fused norm (fewer instantiations)
+    if (fn.w) {
+      const size_t smem = (size_t)(4 * slot + fn.dim + fn.dim / 4);
+      if (smem > 48 * 1024) return (int)cudaErrorInvalidValue;
+      const int c = (fn.dim + 1023) / 1024;
+#define FQ(C) st_launch(k_matvec_q8w<T, R, ROPE, true, C>, blocks, 128, smem, s, W, q, ds, y, n_out, n_units, rb, rk, \
+                        (int)slot, fn)
+      if (c <= 1) FQ(1); else if (c <= 2) FQ(2); else FQ(4);
+#undef FQ
+      return 0;
+    }
+  }
+  if (mv_stage_on() && 4 * slot <= 48 * 1024) {
+    st_launch(k_matvec_q8w<T, R, ROPE, true, 0>, blocks, 128, (size_t)(4 * slot), s, W, q, ds, y, n_out, n_units, rb,
+              rk, (int)slot, fn);
+  } else {
+    st_launch(k_matvec_q8w<T, R, ROPE, false, 0>, blocks, 128, 0, s, W, q, ds, y, n_out, n_units, rb, rk, 0, fn);
+  }
+  return 0;
 }
 
 extern "C" int strata_matvec_q8w(void *stream, int t, const void *w, const void *xq, float *y, int n_out, int n_in,
@@ -401,13 +621,11 @@ extern "C" int strata_matvec_q8w(void *stream, int t, const void *w, const void 
   if (const int e = q8_matvec_check(t, w, xq, n_out, n_in)) return e;
   const long long rb = row_bytes_of(t, n_in);
   const int R = rows_per_warp >= 4 ? 4 : rows_per_warp >= 2 ? 2 : 1;
-  const int threads = 128, rows_per_block = (threads / 32) * R;
-  const unsigned blocks = (unsigned)((n_out + rows_per_block - 1) / rows_per_block);
   const int8_t *q = (const int8_t *)xq;
   const float2 *ds = (const float2 *)(q + n_in);
   cudaStream_t s = (cudaStream_t)stream;
   const uint8_t *W = (const uint8_t *)w;
-#define MW(TT, RR) st_launch(k_matvec_q8w<TT, RR>, blocks, threads, 0, s, W, q, ds, y, n_out, n_in / 32, rb)
+#define MW(TT, RR) launch_q8w<TT, RR, false>(s, W, q, ds, y, n_out, n_in / 32, rb, RopeKV{}, NormIn{})
 #define MWR(TT) if (R == 1) MW(TT, 1); else if (R == 2) MW(TT, 2); else MW(TT, 4);
   DISPATCH_Q8_TYPE(t, MWR)
 #undef MWR
@@ -415,25 +633,81 @@ extern "C" int strata_matvec_q8w(void *stream, int t, const void *w, const void 
   return (int)cudaGetLastError();
 }
 
+// The host checks of a fused RMSNorm's inputs (NormIn) for a matvec of n_in columns run by `threads` threads per
+// block: dim = n_in % 32 == 0 and <= 32 * threads (4 chunks of 8 per thread), x / delta / w / x_out 16-byte
+// aligned, x_out distinct from x and delta. Fills *fn; 0 or cudaErrorInvalidValue / cudaErrorMisalignedAddress.
+static int fused_norm_in(const float *x, const float *delta, const float *w, float *x_out, float eps, int n_in,
+                         int threads, NormIn *fn) {
+  *fn = NormIn{};
+  if (!w) return 0;
+  if (!x || n_in % 32 || n_in > 32 * threads || (x_out && (x_out == x || x_out == delta)))
+    return (int)cudaErrorInvalidValue;
+  if (((uintptr_t)x | (uintptr_t)delta | (uintptr_t)w | (uintptr_t)x_out) & 15) return (int)cudaErrorMisalignedAddress;
+  *fn = NormIn{x, delta, w, x_out, eps, n_in};
+  return 0;
+}
+
+extern "C" int strata_matvec_q8w_rope(void *stream, int t, const void *w, const void *xq, float *qkv, int n_head,
+                                      int n_kv, int hd, int n_in, int rows_per_warp, const int *pos, void *k_cache,
+                                      void *v_cache, const int *page_table, int n_rot, float base, int page_size,
+                                      const float *norm_x, const float *norm_delta, const float *norm_w,
+                                      float *norm_x_out, float eps) {
+  const int n_out = (n_head + 2 * n_kv) * hd;
+  if (n_head <= 0 || n_kv <= 0 || hd <= 0 || hd % 2 || n_rot > hd || n_rot % 2 || n_rot < 0 || page_size <= 0 ||
+      !pos || !k_cache || !v_cache || !page_table)
+    return (int)cudaErrorInvalidValue;
+  NormIn fn;
+  if (const int e = fused_norm_in(norm_x, norm_delta, norm_w, norm_x_out, eps, n_in, 128, &fn)) return e;
+  if (const int e = q8_matvec_check(t, w, norm_w ? w : xq, n_out, n_in)) return e;   // xq unused with a norm
+  const long long rb = row_bytes_of(t, n_in);
+  const int R = rows_per_warp >= 4 ? 4 : rows_per_warp >= 2 ? 2 : 1;
+  const int8_t *q = (const int8_t *)xq;
+  const float2 *ds = (const float2 *)(q + n_in);
+  const RopeKV rk{pos, page_table, (__half *)k_cache, (__half *)v_cache, n_head, n_kv, hd, n_rot, page_size, base};
+  cudaStream_t s = (cudaStream_t)stream;
+  const uint8_t *W = (const uint8_t *)w;
+  int rc = 0;
+#define MW(TT, RR) rc = launch_q8w<TT, RR, true>(s, W, q, ds, qkv, n_out, n_in / 32, rb, rk, fn)
+#define MWR(TT) if (R == 1) MW(TT, 1); else if (R == 2) MW(TT, 2); else MW(TT, 4);
+  DISPATCH_Q8_TYPE(t, MWR)
+#undef MWR
+#undef MW
+  return rc ? rc : (int)cudaGetLastError();
+}
+
 // Block-per-rows variant for long rows (the down projection: n_in = n_ff): a block of 4 warps takes RB consecutive
 // rows and its 128 threads stride over the rows' 32-element sub-blocks (u = tid, tid + 128, ...), each x block
 // loaded once for the RB rows; the four warps' partial sums meet in shared memory. One warp per row gives such a row
 // 8+ dependent load rounds per lane and few warps per SM; here every load of a row is in flight at once. Same
 // per-sub-block arithmetic as k_matvec_q8w; the sum runs in another order.
-template <int T, int RB>
+// STAGE: the block copies its rows into shared memory before the PDL wait (launch.cuh, "weight staging").
+template <int T, int RB, bool STAGE>
 __global__ void __launch_bounds__(128) k_matvec_q8b(const uint8_t *__restrict__ w, const int8_t *__restrict__ xq,
                                                     const float2 *__restrict__ xds, float *__restrict__ y, int n_out,
                                                     int n_units, long long row_bytes) {
   griddep_launch();
+  extern __shared__ __align__(16) uint8_t staged[];
   const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
   const int row0 = blockIdx.x * RB;
-  const uint8_t *rows[RB];   // a row past the end re-reads the last row (not stored)
+  const int last = min(row0 + RB, n_out);   // rows [row0, last); a row past the end re-reads the last row
+  const uint8_t *rows[RB];
+  if (STAGE) {
+    const uint8_t *b = stage_bytes(w + (long long)row0 * row_bytes, (long long)(last - row0) * row_bytes, staged,
+                                   tid, 128);
 #pragma unroll
-  for (int r = 0; r < RB; r++) {
-    rows[r] = w + (long long)min(row0 + r, n_out - 1) * row_bytes;
-    if (row0 + r < n_out) prefetch_row_l2<128>(rows[r], row_bytes, tid);
+    for (int r = 0; r < RB; r++) rows[r] = b + (long long)(min(row0 + r, n_out - 1) - row0) * row_bytes;
+  } else {
+#pragma unroll
+    for (int r = 0; r < RB; r++) {
+      rows[r] = w + (long long)min(row0 + r, n_out - 1) * row_bytes;
+      if (row0 + r < n_out) prefetch_row_l2<128>(rows[r], row_bytes, tid);
+    }
   }
   griddep_wait();
+  if (STAGE) {
+    stage_wait();
+    __syncthreads();
+  }
   float acc[RB];
   strided_rows_dot<T, RB, 128>(rows, reinterpret_cast<const int *>(xq), xds, n_units, tid, acc);
   __shared__ float part[4][RB];
@@ -458,7 +732,11 @@ extern "C" int strata_matvec_q8b(void *stream, int t, const void *w, const void 
   const float2 *ds = (const float2 *)(q + n_in);
   cudaStream_t s = (cudaStream_t)stream;
   const uint8_t *W = (const uint8_t *)w;
-#define MB(TT, RR) st_launch(k_matvec_q8b<TT, RR>, blocks, 128, 0, s, W, q, ds, y, n_out, n_in / 32, rb)
+  const long long slot = staged_size(RB * rb);
+  const bool stage = mv_stage_on() && slot <= 48 * 1024;
+#define MB(TT, RR) (stage ? st_launch(k_matvec_q8b<TT, RR, true>, blocks, 128, (size_t)slot, s, W, q, ds, y, n_out, \
+                                      n_in / 32, rb) \
+                          : st_launch(k_matvec_q8b<TT, RR, false>, blocks, 128, 0, s, W, q, ds, y, n_out, n_in / 32, rb))
 #define MBR(TT) if (RB == 1) MB(TT, 1); else if (RB == 2) MB(TT, 2); else MB(TT, 4);
   DISPATCH_Q8_TYPE(t, MBR)
 #undef MBR
@@ -471,28 +749,52 @@ extern "C" int strata_matvec_q8b(void *stream, int t, const void *w, const void 
 // block of 32 / RP warps takes 32 consecutive i, RP per warp (2 RP rows; the x block in registers serves them all, as
 // in k_matvec_q8w), so it holds a whole q8_1 block of act and writes it itself: the separate SwiGLU launch is gone.
 // Same arithmetic, bit for bit, as k_matvec_q8w (R = 1) over both halves followed by k_swiglu_gu. F % 32 == 0.
-template <int T, int RP>
+// STAGE: each warp copies its RP gate and RP up rows into shared memory (2 slots of `slot` bytes per warp) before the
+// PDL wait (launch.cuh, "weight staging").
+// FNC > 0: the RMSNorm of fn fused into the prologue as in k_matvec_q8w (x's q8_1 blocks after the staged rows).
+template <int T, int RP, bool STAGE, int FNC>
 __global__ void __launch_bounds__(32 * (32 / RP)) k_matvec_q8w_glu(
     const uint8_t *__restrict__ wg, const uint8_t *__restrict__ wu, const int8_t *__restrict__ xq,
     const float2 *__restrict__ xds, float *__restrict__ act, int8_t *__restrict__ act_q8, int F, int n_units,
-    long long row_bytes) {
+    long long row_bytes, int slot, NormIn fn) {
   griddep_launch();
+  extern __shared__ __align__(16) uint8_t staged[];
+  float nw[FNC > 0 ? FNC : 1][8];
+  if (FNC) fn_load_w(fn, nw);
   const int wid = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int i0 = blockIdx.x * 32 + wid * RP;
+  const uint8_t *g = wg + (long long)i0 * row_bytes, *u = wu + (long long)i0 * row_bytes;
+  if (STAGE) {
+    g = stage_bytes(g, RP * row_bytes, staged + 2 * wid * slot, lane, 32);
+    u = stage_bytes(u, RP * row_bytes, staged + (2 * wid + 1) * slot, lane, 32);
+  } else {
 #pragma unroll
-  for (int r = 0; r < RP; r++) {
-    prefetch_row_l2<32>(wg + (long long)(i0 + r) * row_bytes, row_bytes, lane);
-    prefetch_row_l2<32>(wu + (long long)(i0 + r) * row_bytes, row_bytes, lane);
+    for (int r = 0; r < RP; r++) {
+      prefetch_row_l2<32>(g + r * row_bytes, row_bytes, lane);
+      prefetch_row_l2<32>(u + r * row_bytes, row_bytes, lane);
+    }
   }
   griddep_wait();
+  if (STAGE) {
+    stage_wait();
+    __syncwarp();
+  }
   const uint8_t *rows[2 * RP];   // gate rows, then up rows
 #pragma unroll
   for (int r = 0; r < RP; r++) {
-    rows[r] = wg + (long long)(i0 + r) * row_bytes;
-    rows[RP + r] = wu + (long long)(i0 + r) * row_bytes;
+    rows[r] = g + r * row_bytes;
+    rows[RP + r] = u + r * row_bytes;
   }
   float acc[2 * RP];
-  strided_rows_dot<T, 2 * RP, 32>(rows, reinterpret_cast<const int *>(xq), xds, n_units, lane, acc);
+  if (FNC) {
+    __shared__ float red[32];
+    int8_t *xs = reinterpret_cast<int8_t *>(staged + 2 * (32 / RP) * slot);
+    fn_norm_q8(fn, nw, xs, reinterpret_cast<float2 *>(xs + fn.dim), red);
+    strided_rows_dot<T, 2 * RP, 32, true>(rows, reinterpret_cast<const int *>(xs),
+                                          reinterpret_cast<const float2 *>(xs + fn.dim), n_units, lane, acc);
+  } else {
+    strided_rows_dot<T, 2 * RP, 32>(rows, reinterpret_cast<const int *>(xq), xds, n_units, lane, acc);
+  }
   __shared__ float sv[32];
 #pragma unroll
   for (int r = 0; r < RP; r++) {
@@ -513,26 +815,84 @@ __global__ void __launch_bounds__(32 * (32 / RP)) k_matvec_q8w_glu(
   }
 }
 
+// Launch k_matvec_q8w_glu (32 / RP warps per block), staged when mv_stage_on() and the block's rows fit in the
+// device's shared memory per block (the opt-in limit, set on the kernel once).
+// The most dynamic shared memory kernel k may take on the current device (the opt-in limit less k's static shared
+// memory), set on k (once per kernel: cached; 0 if refused).
+template <typename K>
+static int smem_optin(K k, int &cached) {
+  if (cached < 0) {
+    int dev = 0, v = 0;
+    cudaFuncAttributes fa;
+    if (cudaGetDevice(&dev) == cudaSuccess &&
+        cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) == cudaSuccess &&
+        cudaFuncGetAttributes(&fa, k) == cudaSuccess && (v -= (int)fa.sharedSizeBytes) > 0 &&
+        cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, v) == cudaSuccess)
+      cached = v;
+    else
+      cached = 0;
+    cudaGetLastError();
+  }
+  return cached;
+}
+
+template <int T, int RP>
+static int launch_glu(cudaStream_t s, const uint8_t *G, const uint8_t *U, const int8_t *q, const float2 *ds,
+                      float *act, int8_t *aq, int F, int n_units, long long rb, const NormIn &fn) {
+  const unsigned blocks = (unsigned)(F / 32), threads = 32 * (32 / RP);
+  const long long slot = staged_size((long long)RP * rb), smem = 2 * (32 / RP) * slot;
+  if (fn.w) {   // fused norm: staged, x's q8_1 blocks after the rows
+    const long long total = smem + fn.dim + fn.dim / 4;
+    const int c = (fn.dim + 8 * (int)threads - 1) / (8 * (int)threads);
+#define FG(C) do { static int oi = -1; \
+    if (total > smem_optin(k_matvec_q8w_glu<T, RP, true, C>, oi)) return (int)cudaErrorInvalidValue; \
+    st_launch(k_matvec_q8w_glu<T, RP, true, C>, blocks, threads, (size_t)total, s, G, U, q, ds, act, aq, F, n_units, \
+              rb, (int)slot, fn); } while (0)
+    if (c <= 1) FG(1); else if (c <= 2) FG(2); else FG(4);
+#undef FG
+    return 0;
+  }
+  static int optin = -1;
+  if (mv_stage_on() && smem <= smem_optin(k_matvec_q8w_glu<T, RP, true, 0>, optin))
+    st_launch(k_matvec_q8w_glu<T, RP, true, 0>, blocks, threads, (size_t)smem, s, G, U, q, ds, act, aq, F, n_units,
+              rb, (int)slot, fn);
+  else
+    st_launch(k_matvec_q8w_glu<T, RP, false, 0>, blocks, threads, 0, s, G, U, q, ds, act, aq, F, n_units, rb, 0, fn);
+  return 0;
+}
+
 extern "C" int strata_matvec_q8w_glu(void *stream, int t, const void *w_gate, const void *w_up, const void *xq,
                                      float *act, void *act_q8, int F, int n_in, int pairs_per_warp) {
+  return strata_matvec_q8w_glu_norm(stream, t, w_gate, w_up, xq, act, act_q8, F, n_in, pairs_per_warp, nullptr,
+                                    nullptr, nullptr, nullptr, 0.f);
+}
+
+extern "C" int strata_matvec_q8w_glu_norm(void *stream, int t, const void *w_gate, const void *w_up, const void *xq,
+                                          float *act, void *act_q8, int F, int n_in, int pairs_per_warp,
+                                          const float *norm_x, const float *norm_delta, const float *norm_w,
+                                          float *norm_x_out, float eps) {
   if (!strata_matvec_q8_supported(t) || n_in % block_elems(t) || n_in % 32 || F <= 0 || F % 32)
     return (int)cudaErrorInvalidValue;
+  const int RP0 = pairs_per_warp >= 4 ? 4 : pairs_per_warp >= 2 ? 2 : 1;
+  NormIn fn;
+  if (const int e = fused_norm_in(norm_x, norm_delta, norm_w, norm_x_out, eps, n_in, 32 * (32 / RP0), &fn)) return e;
+  if (norm_w) xq = w_gate;   // unused with a fused norm: pass the alignment check
   if (((uintptr_t)xq & 15) || ((uintptr_t)w_gate & 15) || ((uintptr_t)w_up & 15) || ((uintptr_t)act_q8 & 7))
     return (int)cudaErrorMisalignedAddress;
   const long long rb = row_bytes_of(t, n_in);
-  const int RP = pairs_per_warp >= 4 ? 4 : pairs_per_warp >= 2 ? 2 : 1;
+  const int RP = RP0;
   const int8_t *q = (const int8_t *)xq;
   const float2 *ds = (const float2 *)(q + n_in);
   cudaStream_t s = (cudaStream_t)stream;
   const uint8_t *G = (const uint8_t *)w_gate, *U = (const uint8_t *)w_up;
   int8_t *aq = (int8_t *)act_q8;
-  const unsigned blocks = (unsigned)(F / 32);
-#define MG(TT, RR) st_launch(k_matvec_q8w_glu<TT, RR>, blocks, 32 * (32 / RR), 0, s, G, U, q, ds, act, aq, F, n_in / 32, rb)
+  int rc = 0;
+#define MG(TT, RR) rc = launch_glu<TT, RR>(s, G, U, q, ds, act, aq, F, n_in / 32, rb, fn)
 #define MGR(TT) if (RP == 1) MG(TT, 1); else if (RP == 2) MG(TT, 2); else MG(TT, 4);
   DISPATCH_Q8_TYPE(t, MGR)
 #undef MGR
 #undef MG
-  return (int)cudaGetLastError();
+  return rc ? rc : (int)cudaGetLastError();
 }
 
 // ---------------------------------------------------------------- RMSNorm (+ residual)
@@ -620,6 +980,71 @@ __global__ void __launch_bounds__(256) k_rms_norm_r(const float *x, const float 
   }
 }
 
+// The register RMSNorm with each thread holding EPT consecutive elements [EPT * t, EPT * t + EPT) (dim % EPT == 0,
+// dim <= 256 * EPT): a q8_1 block of 32 elements is 32 / EPT neighbouring lanes, so its absmax and integer sum take
+// log2(32 / EPT) shuffles after a per-thread pass (k_rms_norm_r's lane-per-element q8_store takes 10 shuffles per
+// element group, EPT times over); same q8_1 arithmetic per element as q8_store (llama.cpp quantize_q8_1). The sum
+// of squares runs in another order than k_rms_norm_r (f32 rounding differs in the last bits).
+template <int EPT>
+__global__ void __launch_bounds__(256) k_rms_norm_c(const float *x, const float *res, const float *__restrict__ wt,
+                                                    float *out, float *sum_out, __half *out16, int8_t *out_q8, int dim,
+                                                    float eps) {
+  griddep_launch();
+  const int e0 = EPT * threadIdx.x;
+  const bool live = e0 < dim;
+  float w[EPT], v[EPT];
+#pragma unroll
+  for (int k = 0; k < EPT; k++) w[k] = live ? __ldg(wt + e0 + k) : 0.f;
+  griddep_wait();
+  __shared__ float sh[32];
+  const long long base = (long long)blockIdx.x * dim + e0;
+#pragma unroll
+  for (int k = 0; k < EPT; k++) v[k] = live ? x[base + k] + (res ? res[base + k] : 0.f) : 0.f;
+  float ss = 0.f;
+#pragma unroll
+  for (int k = 0; k < EPT; k++) ss += v[k] * v[k];
+  if (sum_out && live) {
+#pragma unroll
+    for (int k = 0; k < EPT; k++) sum_out[base + k] = v[k];
+  }
+  const float r = rsqrtf(block_sum(ss, sh) / (float)dim + eps);
+  float y[EPT];
+#pragma unroll
+  for (int k = 0; k < EPT; k++) y[k] = v[k] * r * w[k];
+  if (live) {
+    if (out) {
+#pragma unroll
+      for (int k = 0; k < EPT; k++) out[base + k] = y[k];
+    }
+    if (out16) {
+#pragma unroll
+      for (int k = 0; k < EPT; k++) out16[base + k] = __float2half(y[k]);
+    }
+  }
+  if (out_q8) {   // n_rows == 1, dim % 32 == 0: a group's lanes are all live or all not (warp-uniform shuffles)
+    constexpr int G = EPT >= 32 ? 1 : 32 / EPT;   // lanes per q8_1 block
+    float amax = 0.f;
+#pragma unroll
+    for (int k = 0; k < EPT; k++) amax = fmaxf(amax, fabsf(y[k]));
+#pragma unroll
+    for (int o = G / 2; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float d = __fdiv_rn(amax, 127.0f);
+    int q[EPT], sum = 0;
+#pragma unroll
+    for (int k = 0; k < EPT; k++) {
+      q[k] = amax == 0.f ? 0 : __float2int_rn(__fdiv_rn(y[k], d));
+      sum += q[k];
+    }
+#pragma unroll
+    for (int o = G / 2; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (live) {
+#pragma unroll
+      for (int k = 0; k < EPT; k++) out_q8[e0 + k] = (int8_t)q[k];
+      if ((e0 & 31) == 0) reinterpret_cast<float2 *>(out_q8 + dim)[e0 >> 5] = make_float2(d, d * (float)sum);
+    }
+  }
+}
+
 extern "C" int strata_rms_norm(void *stream, const float *x, const float *res, const float *w, float *out,
                                float *sum_out, int n_rows, int dim, float eps) {
   return strata_rms_norm_ex(stream, x, res, w, out, sum_out, nullptr, nullptr, n_rows, dim, eps);
@@ -633,6 +1058,16 @@ extern "C" int strata_rms_norm_ex(void *stream, const float *x, const float *res
   cudaStream_t st = (cudaStream_t)stream;
   __half *o16 = (__half *)out16;
   int8_t *oq = (int8_t *)out_q8;
+  const char *ce = getenv("STRATA_CUDA_NORM_CONTIG");   // 0: the lane-per-element kernel (A/B measurements)
+  const int contig = ce ? atoi(ce) : 1;
+  if (contig && dim % 32 == 0 && dim <= 8192) {   // EPT = dim / 256 rounded up to a power of two, at most 32
+    const int ept = dim <= 256 ? 1 : dim <= 512 ? 2 : dim <= 1024 ? 4 : dim <= 2048 ? 8 : dim <= 4096 ? 16 : 32;
+#define RC(E) st_launch(k_rms_norm_c<E>, n_rows, 256, 0, st, x, res, w, out, sum_out, o16, oq, dim, eps)
+    if (ept == 1) RC(1); else if (ept == 2) RC(2); else if (ept == 4) RC(4);
+    else if (ept == 8) RC(8); else if (ept == 16) RC(16); else RC(32);
+#undef RC
+    return (int)cudaGetLastError();
+  }
 #define RN(E) st_launch(k_rms_norm_r<E>, n_rows, 256, 0, st, x, res, w, out, sum_out, o16, oq, dim, eps)
   if (dim <= 256) RN(1);
   else if (dim <= 512) RN(2);
@@ -720,10 +1155,7 @@ extern "C" int strata_swiglu_gu(void *stream, const float *gu, int n, int F, flo
 }
 
 // ---------------------------------------------------------------- paged KV cache (f16)
-__device__ static inline long long kv_index(const int *pt, int pos, int h, int d, int n_kv, int hd, int ps) {
-  const int page = pt[pos / ps], slot = pos % ps;
-  return (((long long)page * ps + slot) * n_kv + h) * hd + d;
-}
+// (kv_index, the element offset of (position, KV head, dim) in a paged cache, is defined with the decode matvecs)
 
 __global__ void k_kv_write(const float *k, const float *v, __half *kc, __half *vc, const int *pt, const int *d_start,
                            int start_off, int n, int n_kv, int hd, int ps) {
@@ -1254,11 +1686,9 @@ __global__ void k_rope_kv_decode(float *qkv, const int *pos, __half *kc, __half 
   if (idx < n_pairs) {
     const int h = idx / half, i = idx % half;
     float *x = qkv + h * hd;
-    const double ang = (double)p * pow((double)base, -2.0 * (double)i / (double)n_rot);
-    const float c = (float)cos(ang), s = (float)sin(ang);
     const int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
-    const float x0 = x[a], x1 = x[b];
-    const float y0 = x0 * c - x1 * s, y1 = x0 * s + x1 * c;
+    float y0 = x[a], y1 = x[b];
+    rope_rotate(p, i, n_rot, base, y0, y1);
     x[a] = y0;
     x[b] = y1;
     if (h >= H && kc) {   // kc NULL: RoPE only (a q8_0 cache is written by strata_kv_write_q8)

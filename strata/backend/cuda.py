@@ -106,6 +106,21 @@ def glu_pairs_per_warp(n_ff: int, n_sm: int) -> int:
     return 1
 
 
+# RoPE and the K / V cache write in the epilogue of the llama decode graph's QKV matvec (strata_matvec_q8w_rope: one
+# launch per layer fewer, bit-identical) where it applies: fused Q|K|V weight with a dp4a kernel, adjacent RoPE
+# pairs (not NeoX), f16 cache. STRATA_CUDA_QKV_ROPE=0 keeps the separate strata_rope_kv_decode launch.
+QKV_ROPE = _env_on("STRATA_CUDA_QKV_ROPE", True)
+
+
+# The llama decode graph's two RMSNorms per layer computed inside the QKV and gate/up matvecs (every block
+# normalizes the residual stream itself after its weights are staged, strata_matvec_q8w_rope /
+# strata_matvec_q8w_glu_norm: two launches per layer fewer) where the plan fuses RoPE and SwiGLU; STRATA_CUDA_FUSED_NORM=0
+# keeps the separate strata_rms_norm_ex launches. FUSED_NORM_R: QKV rows per warp then (4: a quarter of the blocks,
+# each of which reads the residual stream).
+FUSED_NORM = _env_on("STRATA_CUDA_FUSED_NORM", True)
+FUSED_NORM_R = _env_int("STRATA_CUDA_FUSED_NORM_R", 4)
+
+
 # Prefill GEMMs read f16 copies of the weights kept on the device (2 bytes per weight, made once) instead of
 # dequantizing each weight per ubatch: STRATA_CUDA_F16_WEIGHTS=1. Off by default (it costs ~3.5x the memory of a
 # 4-bit model).
@@ -127,9 +142,14 @@ MAX_SPLIT = 256          # split-K partitions of the v1 decode attention (about 
 GQA_MAX_SPLIT = 256      # split-K partitions of the v2 decode attention (DA_MAX_SPLIT in attention.cu)
 
 
+# Positions per block of the v1 decode attention's split (n_split_for); STRATA_CUDA_ATTN_V1_CHUNK overrides.
+V1_CHUNK = _env_int("STRATA_CUDA_ATTN_V1_CHUNK", 64)
+
+
 def n_split_for(length: int) -> int:
-    """Split-K partitions for the v1 decode attention over length positions: ~64 positions per block."""
-    return max(1, min(MAX_SPLIT, (length + 63) // 64))
+    """Split-K partitions for the v1 decode attention over length positions: ~V1_CHUNK (64) positions per block."""
+    c = max(1, V1_CHUNK)
+    return max(1, min(MAX_SPLIT, (length + c - 1) // c))
 
 
 # The v2 decode attention's split: at least ATTN_CHUNK positions per block, about ATTN_BPS blocks per multiprocessor
@@ -1021,7 +1041,8 @@ class LlamaCuda:
         E, nq, kvd, F = self.n_embd, self.n_head * self.hd, self.n_kv * self.hd, self.n_ff
         q8 = lambda n: cp.zeros(n + n // 4, cp.uint8)   # noqa: E731  int8 values + float2 (d, d * sum) per 32
         self.d = {  # fixed addresses (graph capture); inp = [token, pos, len]
-            "inp": cp.zeros(3, cp.int32), "x": cp.zeros((1, E), cp.float32), "hn": cp.zeros((1, E), cp.float32),
+            "inp": cp.zeros(3, cp.int32), "x": cp.zeros((1, E), cp.float32), "x2": cp.zeros((1, E), cp.float32),
+            "hn": cp.zeros((1, E), cp.float32),
             "qkv": cp.zeros((1, nq + 2 * kvd), cp.float32), "att": cp.zeros((1, nq), cp.float32),
             "o": cp.zeros((1, E), cp.float32), "gu": cp.zeros((1, 2 * F), cp.float32),
             "act": cp.zeros((1, F), cp.float32), "logits": cp.zeros((1, self.n_vocab), cp.float32),
@@ -1033,6 +1054,8 @@ class LlamaCuda:
         self.glu = GLU                                        # SwiGLU fused into the gate/up matvec
         self.mv_block_from = MV_BLOCK_FROM                    # strata_matvec_q8b for rows this long (0: never)
         self.attn = ATTN                                      # "v1" | "v2" | "auto" (decode attention kernel)
+        self.qkv_rope = QKV_ROPE                              # RoPE + K / V write in the QKV matvec
+        self.fused_norm = FUSED_NORM                          # RMSNorms in the QKV and gate/up matvecs
         self.graphs: dict[int, Any] = {}
         self.pf = PrefillScratch()             # prefill buffers and f16 weights for cuBLAS
         self.step_why: str | None = None       # why the persistent decode step is off or cannot run
@@ -1150,6 +1173,17 @@ class LlamaCuda:
             else:
                 _check(lb.strata_matvec(s, w.ggml_type, _p(w.data), _p(x), y_ptr, n_out, n_in, 1), "strata_matvec")
 
+    def fused_norm_ok(self) -> bool:
+        """Whether the decode graph fuses the RMSNorms into the matvecs (FUSED_NORM): every layer's QKV matvec takes
+        RoPE (f16 cache) and its gate/up matvec SwiGLU, n_embd % 32 == 0 and <= 4096."""
+        return bool(self.fused_norm and self.pool.kv == "f16" and self.n_embd % 32 == 0 and self.n_embd <= 4096
+                    and all(self._qkv_rope(L) and self._glu_weights(L) is not None for L in self.model.layers))
+
+    def _qkv_rope(self, L) -> bool:
+        """Whether the decode graph fuses RoPE and the K / V write into layer L's QKV matvec (QKV_ROPE)."""
+        return bool(self.qkv_rope and self.dp4a and not self.neox and L.wqkv is not None
+                    and lib().strata_matvec_q8_supported(L.wqkv.ggml_type))
+
     def _glu_weights(self, L):
         """glu_pointers for this layer's FFN when the plan fuses SwiGLU (GLU on, int8 activations), else None."""
         if not (self.glu and self.dp4a):
@@ -1177,19 +1211,35 @@ class LlamaCuda:
                 raise ValueError(f"the persistent decode step cannot run this model: {self.step_why}")
             _check(lb.strata_decode_step(s, self._step[0], self.step_blocks), "strata_decode_step")
             return
-        _check(lb.strata_rms_norm_ex(s, _p(d["x"]), NULL, _dptr(m.layers[0].attn_norm), _p(d["hn"]), NULL, NULL,
-                                     hq, 1, E, self.eps), "rms")
+        fused = self.fused_norm_ok()   # the two RMSNorms of a layer inside the QKV and gate/up matvecs
+        # the residual stream: fused, it alternates between x and x2 (a fused norm's block 0 writes x + delta to the
+        # other buffer while every block reads both), delta = the last matvec's output not yet added (None: none)
+        xa, xb, delta = d["x"], d["x2"], None
+        if not fused:
+            _check(lb.strata_rms_norm_ex(s, _p(d["x"]), NULL, _dptr(m.layers[0].attn_norm), _p(d["hn"]), NULL, NULL,
+                                         hq, 1, E, self.eps), "rms")
         qkv, gu = d["qkv"], d["gu"]
         for li, L in enumerate(m.layers):
             slot = pool.slot(li)
             kc, vc = pool.k[slot], pool.v[slot]
             ks, vs = pool.scales(slot)
-            if L.wqkv is not None:
+            rope_fused = ks is None and self._qkv_rope(L)
+            if rope_fused:   # RoPE and the K / V write in the QKV matvec's epilogue (and the norm in its prologue)
+                norm = (_p(xa), _p(delta), _dptr(L.attn_norm), _p(xb)) if fused else (NULL, NULL, NULL, NULL)
+                _check(lb.strata_matvec_q8w_rope(s, L.wqkv.ggml_type, _p(L.wqkv.data), hq, f32(qkv), H, KV, hd, E,
+                                                 FUSED_NORM_R if fused else rows_per_warp(nq + 2 * kvd), pos_p,
+                                                 _p(kc), _p(vc), _p(pt), self.n_rot, self.theta, pool.page_size,
+                                                 *norm, self.eps), "matvec_rope")
+                if fused:
+                    xa, xb = xb, xa
+            elif L.wqkv is not None:
                 self._mv(s, [(L.wqkv, f32(qkv), nq + 2 * kvd)], d["hn"], d["hq"], E)
             else:
                 self._mv(s, [(L.wq, f32(qkv), nq), (L.wk, f32(qkv, nq), kvd), (L.wv, f32(qkv, nq + kvd), kvd)],
                          d["hn"], d["hq"], E)
-            if ks is None:
+            if rope_fused:
+                pass
+            elif ks is None:
                 _check(lb.strata_rope_kv_decode(s, f32(qkv), pos_p, _p(kc), _p(vc), _p(pt), H, KV, hd, self.n_rot,
                                                 self.theta, self.neox, pool.page_size), "rope_kv")
             else:   # q8_0 cache: RoPE in place, then the K/V rows quantized into the cache
@@ -1207,22 +1257,32 @@ class LlamaCuda:
                                                 _p(d["att"]), aq, H, KV, hd, pool.page_size, n_split, self.scale),
                        "attn")
             self._mv(s, [(L.wo, _p(d["o"]), E)], d["att"], d["aq"], nq)
-            _check(lb.strata_rms_norm_ex(s, _p(d["o"]), _p(d["x"]), _dptr(L.ffn_norm), _p(d["hn"]), _p(d["x"]), NULL,
-                                         hq, 1, E, self.eps), "rms")
             glu = self._glu_weights(L)
-            if glu is not None:      # SwiGLU in the gate/up matvec: act and its q8_1 blocks from one launch
-                vp = lambda a: _ffi.cast("void *", a)   # noqa: E731
-                _check(lb.strata_matvec_q8w_glu(s, glu[0], vp(glu[1]), vp(glu[2]), hq, _p(d["act"]), fq, F, E,
-                                                glu_pairs_per_warp(F, self.n_sm)), "matvec_glu")
+            vp = lambda a: _ffi.cast("void *", a)   # noqa: E731
+            if fused:        # the norm in the gate/up matvec's prologue: x + o -> the other residual buffer
+                _check(lb.strata_matvec_q8w_glu_norm(s, glu[0], vp(glu[1]), vp(glu[2]), NULL, _p(d["act"]), fq, F, E,
+                                                     glu_pairs_per_warp(F, self.n_sm), _p(xa), _p(d["o"]),
+                                                     _dptr(L.ffn_norm), _p(xb), self.eps), "matvec_glu_norm")
+                xa, xb = xb, xa
             else:
-                if L.w_gate_up is not None:
-                    self._mv(s, [(L.w_gate_up, f32(gu), 2 * F)], d["hn"], d["hq"], E)
+                _check(lb.strata_rms_norm_ex(s, _p(d["o"]), _p(d["x"]), _dptr(L.ffn_norm), _p(d["hn"]), _p(d["x"]),
+                                             NULL, hq, 1, E, self.eps), "rms")
+                if glu is not None:      # SwiGLU in the gate/up matvec: act and its q8_1 blocks from one launch
+                    _check(lb.strata_matvec_q8w_glu(s, glu[0], vp(glu[1]), vp(glu[2]), hq, _p(d["act"]), fq, F, E,
+                                                    glu_pairs_per_warp(F, self.n_sm)), "matvec_glu")
                 else:
-                    self._mv(s, [(L.w_gate, f32(gu), F), (L.w_up, f32(gu, F), F)], d["hn"], d["hq"], E)
-                _check(lb.strata_swiglu_gu(s, f32(gu), 1, F, _p(d["act"]), NULL, fq), "swiglu")
+                    if L.w_gate_up is not None:
+                        self._mv(s, [(L.w_gate_up, f32(gu), 2 * F)], d["hn"], d["hq"], E)
+                    else:
+                        self._mv(s, [(L.w_gate, f32(gu), F), (L.w_up, f32(gu, F), F)], d["hn"], d["hq"], E)
+                    _check(lb.strata_swiglu_gu(s, f32(gu), 1, F, _p(d["act"]), NULL, fq), "swiglu")
             self._mv(s, [(L.w_down, _p(d["o"]), E)], d["act"], d["fq"], F, long_rows=True)
+            if fused:
+                delta = d["o"]
+                if li + 1 < self.n_layer:
+                    continue
             nxt = m.layers[li + 1].attn_norm if li + 1 < self.n_layer else m.out_norm
-            _check(lb.strata_rms_norm_ex(s, _p(d["o"]), _p(d["x"]), _dptr(nxt), _p(d["hn"]), _p(d["x"]), NULL, hq, 1,
+            _check(lb.strata_rms_norm_ex(s, _p(d["o"]), _p(xa), _dptr(nxt), _p(d["hn"]), _p(xa), NULL, hq, 1,
                                          E, self.eps), "rms")
         self._mv(s, [(m.output, _p(d["logits"]), self.n_vocab)], d["hn"], d["hq"], E)
         _check(lb.strata_argmax(s, _p(d["logits"]), tok_p, 1, self.n_vocab), "argmax")
