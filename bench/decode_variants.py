@@ -1,10 +1,11 @@
 """A/B of the CUDA decode plan's settings: decode tokens/s of one model under variants, interleaved rounds.
 
 Each variant is a set of module settings of strata.backend.cuda read when a decode step is captured (GLU, GLU_RP,
-ATTN, ATTN_CHUNK, ATTN_BPS, ATTN_MAX_SPLIT, ATTN_ONE_WAVE, QKV_ROPE, V1_CHUNK, PDL on/off) or a STRATA_* environment variable
-the kernel launchers read (STRATA_CUDA_ATTN_DB, STRATA_CUDA_NORM_CONTIG); the plan's graphs are dropped between
-variants, and the variants run in turn for --rounds rounds on the same contexts, so clock and thermal drift spread over all of them
-instead of favouring the first. Greedy tokens of each variant are compared with the first variant's (the settings
+ATTN, ATTN_CHUNK, ATTN_BPS, ATTN_MAX_SPLIT, ATTN_ONE_WAVE, QKV_ROPE, V1_CHUNK, FUSED_NORM, FUSED_NORM_R,
+MV_BLOCK_FROM, PDL on/off) or a STRATA_* environment variable the kernel launchers read (STRATA_CUDA_ATTN_DB,
+STRATA_CUDA_NORM_CONTIG, STRATA_CUDA_MV_STAGE); the plan's graphs are dropped between variants, and the variants
+run in turn for --rounds rounds on the same contexts, so clock and thermal drift spread over all of them instead of
+favouring the first. Greedy tokens of each variant are compared with the first variant's (the settings
 must not change them, except the attention split, which changes f32 summation order).
 
 Usage: python bench/decode_variants.py --model PATH [--depths 0,4096,16384] [--n-gen 128] [--rounds 3]
@@ -60,7 +61,7 @@ def apply(C, plan, lib, settings: dict[str, str], base: dict) -> None:
         if not k.startswith("_"):
             setattr(C, k, v)
     plan.glu, plan.attn, plan.qkv_rope = base["GLU"], base["ATTN"], base["QKV_ROPE"]
-    plan.fused_norm = base["FUSED_NORM"]
+    plan.fused_norm, plan.mv_block_from = base["FUSED_NORM"], base["MV_BLOCK_FROM"]
     lib.strata_set_pdl(base["_PDL"])
     for k, v in settings.items():
         if k.startswith("STRATA_"):
@@ -76,6 +77,8 @@ def apply(C, plan, lib, settings: dict[str, str], base: dict) -> None:
             plan.qkv_rope = v not in ("0", "false", "no", "off")
         elif k == "FUSED_NORM":
             plan.fused_norm = v not in ("0", "false", "no", "off")
+        elif k == "MV_BLOCK_FROM":
+            plan.mv_block_from = int(v)
         elif k == "ATTN_ONE_WAVE":
             C.ATTN_ONE_WAVE = v not in ("0", "false", "no", "off")
         elif k in ("GLU_RP", "ATTN_CHUNK", "ATTN_BPS", "ATTN_MAX_SPLIT", "V1_CHUNK", "FUSED_NORM_R"):
@@ -126,7 +129,7 @@ def main(argv=None) -> int:
     lib = C.lib()
     base = {k: getattr(C, k) for k in ("GLU", "GLU_RP", "ATTN", "ATTN_CHUNK", "ATTN_BPS", "ATTN_MAX_SPLIT",
                                        "ATTN_ONE_WAVE", "QKV_ROPE", "V1_CHUNK",
-                                       "FUSED_NORM", "FUSED_NORM_R")}
+                                       "FUSED_NORM", "FUSED_NORM_R", "MV_BLOCK_FROM")}
     base["_PDL"] = lib.strata_get_pdl()
     rng = np.random.default_rng(0)
     ctx = {d: rng.integers(0, model.config.n_vocab, d) for d in depths}
