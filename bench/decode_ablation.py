@@ -1,8 +1,9 @@
 """Marginal cost of each kernel class in the llama CUDA decode graph: the graph timed with one class swapped out.
 
 Each variant captures the decode step with the launches of one kernel class (the RMSNorms, RoPE + K/V write, decode
-attention, the warp-per-row matvecs, the down projection's block-per-row matvec, the fused SwiGLU matvec, the SwiGLU
-launch, every matvec, everything) replaced by a trivial one-thread launch (``triv``: the graph keeps its node count,
+attention, the warp-per-row matvecs, the down projection's block-per-row matvec, the fused SwiGLU matvec, the QKV
+matvec with the norm and RoPE inside, the SwiGLU matvec with the norm inside, the SwiGLU launch, every matvec,
+everything) replaced by a trivial one-thread launch (``triv``: the graph keeps its node count,
 so the saving is that class's own cost beyond a node's), or left out (``skip``, for the all-classes variant: the
 floor of the embedding row, argmax and graph launch). The logits of a swapped-out step are garbage and not looked
 at; the variants run in turn for --rounds rounds on the same context (median), so drift spreads over all of them.
@@ -23,7 +24,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-MATVECS = ["strata_matvec_q8w", "strata_matvec_q8b", "strata_matvec_q8w_glu"]
+MATVECS = ["strata_matvec_q8w", "strata_matvec_q8b", "strata_matvec_q8w_glu", "strata_matvec_q8w_rope",
+           "strata_matvec_q8w_glu_norm"]
 OTHERS = ["strata_rms_norm_ex", "strata_rope_kv_decode", "strata_attn_decode_ex", "strata_attn_decode_gqa",
           "strata_swiglu_gu"]
 VARIANTS = {   # name: (launchers swapped out, replaced by a trivial launch (True) or left out)
@@ -34,6 +36,8 @@ VARIANTS = {   # name: (launchers swapped out, replaced by a trivial launch (Tru
     "matvec_q8w": (["strata_matvec_q8w"], True),
     "matvec_q8b": (["strata_matvec_q8b"], True),
     "matvec_glu": (["strata_matvec_q8w_glu"], True),
+    "qkv_norm_rope": (["strata_matvec_q8w_rope"], True),
+    "glu_norm": (["strata_matvec_q8w_glu_norm"], True),
     "swiglu": (["strata_swiglu_gu"], True),
     "all_matvecs": (MATVECS, True),
     "all_triv": (MATVECS + OTHERS, True),
