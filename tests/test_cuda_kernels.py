@@ -380,6 +380,22 @@ def test_fused_norm_matvecs_match_norm_then_matvec(cp, E, with_delta):
     np.testing.assert_array_equal(cp.asnumpy(x), x0)
 
 
+def test_fused_norm_supported_shapes(cp):
+    """strata_fused_norm_supported: the 1.7B benchmark model's layer (Q4_K, n_embd 2048, 4 QKV rows per warp, 2 row
+    pairs per warp) and SmolLM2's (Q4_1, 576) fit; widths above 4096 or not a multiple of 32, a type without the dp4a
+    kernel, and shapes whose staged rows exceed the shared memory (Q6_K QKV rows at 4096: 54 KB > 48 KB; Q8_0 gate /
+    up at 4096 with 2 pairs per warp: 279 KB) do not, so the plan keeps separate norms for them."""
+    f = C.lib().strata_fused_norm_supported
+    assert f(int(Q.Q4_K), int(Q.Q4_K), 2048, 4, 2) == 1
+    assert f(int(Q.Q4_1), int(Q.Q4_1), 576, 4, 1) == 1
+    assert f(int(Q.Q4_K), int(Q.Q4_K), 4096, 4, 2) == 1          # 8B-class Q4_K: 42 KB / 148 KB
+    assert f(int(Q.Q4_0), int(Q.Q4_0), 4128, 4, 2) == 0          # wider than 4096
+    assert f(int(Q.Q4_0), int(Q.Q4_0), 1040, 4, 2) == 0          # not whole q8_1 blocks
+    assert f(6, int(Q.Q4_K), 2048, 4, 2) == 0                     # Q5_0: no dp4a kernel
+    assert f(int(Q.Q6_K), int(Q.Q4_K), 4096, 4, 2) == 0
+    assert f(int(Q.Q4_K), int(Q.Q8_0), 4096, 4, 2) == 0
+
+
 def test_fused_norm_refuses_bad_input(cp):
     """A fused norm whose output aliases its input, a width not a multiple of 32 or too wide, or misaligned
     vectors: an error code, nothing written."""

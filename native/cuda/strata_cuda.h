@@ -50,6 +50,11 @@ int strata_matvec_q8w_glu(void *stream, int ggml_type, const void *w_gate, const
 int strata_matvec_q8w_glu_norm(void *stream, int ggml_type, const void *w_gate, const void *w_up, const void *xq,
                                float *act, void *act_q8, int F, int n_in, int pairs_per_warp, const float *norm_x,
                                const float *norm_delta, const float *norm_w, float *norm_x_out, float eps);
+/* 1 when the two fused-norm decode matvecs can run a layer with these shapes on the current device: QKV weights of
+ * type t_qkv (rows_per_warp 1 / 2 / 4) and gate / up weights of type t_gate_up (pairs_per_warp) over n_in columns
+ * (% 32 == 0, <= 4096, whole blocks of both types), their staged rows and x's q8_1 blocks fitting the shared memory
+ * a block may take (48 KB for QKV; the device's opt-in limit for gate / up); else 0 (the plan keeps separate norms). */
+int strata_fused_norm_supported(int t_qkv, int t_gate_up, int n_in, int rows_per_warp, int pairs_per_warp);
 
 /* Prefill attention, tiled flash-style (f16 wmma, online softmax), causal GQA over the paged f16 cache: q f32
  * (n, n_head, hd) at positions length..length+n-1 (K/V of those already written) -> out f32 (n, n_head, hd).

@@ -588,6 +588,14 @@ __global__ void __launch_bounds__(128) k_matvec_q8w(const uint8_t *__restrict__ 
 
 // Launch k_matvec_q8w (4 warps of R rows per block), staged when mv_stage_on() and the block's rows fit in 48 KB of
 // shared memory.
+// Dynamic shared memory of the fused-norm decode matvecs: the staged rows (4 warps x R rows; 32 / RP warps x RP gate
+// and RP up rows) and then x's q8_1 blocks (n_in int8 + n_in / 32 float2). One formula for the launchers and for
+// strata_fused_norm_supported.
+static long long fused_qkv_smem(long long rb, int R, int n_in) { return 4 * staged_size(R * rb) + n_in + n_in / 4; }
+static long long fused_glu_smem(long long rb, int RP, int n_in) {
+  return 2 * (32 / RP) * staged_size(RP * rb) + n_in + n_in / 4;
+}
+
 // With a fused norm (fn.w != NULL): staged, FNC = dim / (8 * 128) rounded up to 1, 2 or 4 (the launchers check the
 // bounds), x's q8_1 blocks after the rows in shared memory.
 template <int T, int R, bool ROPE>
@@ -597,7 +605,7 @@ static int launch_q8w(cudaStream_t s, const uint8_t *W, const int8_t *q, const f
   const long long slot = staged_size((long long)R * rb);
   if constexpr (ROPE) {   // only the QKV matvec takes a fused norm (fewer instantiations)
     if (fn.w) {
-      const size_t smem = (size_t)(4 * slot + fn.dim + fn.dim / 4);
+      const size_t smem = (size_t)fused_qkv_smem(rb, R, fn.dim);   // = 4 * slot + x's q8_1 blocks
       if (smem > 48 * 1024) return (int)cudaErrorInvalidValue;
       const int c = (fn.dim + 1023) / 1024;
 #define FQ(C) st_launch(k_matvec_q8w<T, R, ROPE, true, C>, blocks, 128, smem, s, W, q, ds, y, n_out, n_units, rb, rk, \
@@ -842,7 +850,7 @@ static int launch_glu(cudaStream_t s, const uint8_t *G, const uint8_t *U, const 
   const unsigned blocks = (unsigned)(F / 32), threads = 32 * (32 / RP);
   const long long slot = staged_size((long long)RP * rb), smem = 2 * (32 / RP) * slot;
   if (fn.w) {   // fused norm: staged, x's q8_1 blocks after the rows
-    const long long total = smem + fn.dim + fn.dim / 4;
+    const long long total = fused_glu_smem(rb, RP, fn.dim);   // = smem + x's q8_1 blocks
     const int c = (fn.dim + 8 * (int)threads - 1) / (8 * (int)threads);
 #define FG(C) do { static int oi = -1; \
     if (total > smem_optin(k_matvec_q8w_glu<T, RP, true, C>, oi)) return (int)cudaErrorInvalidValue; \
@@ -893,6 +901,23 @@ extern "C" int strata_matvec_q8w_glu_norm(void *stream, int t, const void *w_gat
 #undef MGR
 #undef MG
   return rc ? rc : (int)cudaGetLastError();
+}
+
+extern "C" int strata_fused_norm_supported(int t_qkv, int t_gate_up, int n_in, int rows_per_warp, int pairs_per_warp) {
+  if (!strata_matvec_q8_supported(t_qkv) || !strata_matvec_q8_supported(t_gate_up) || n_in <= 0 || n_in % 32 ||
+      n_in > 4096 || n_in % block_elems(t_qkv) || n_in % block_elems(t_gate_up))
+    return 0;
+  const int R = rows_per_warp >= 4 ? 4 : rows_per_warp >= 2 ? 2 : 1;
+  const int RP = pairs_per_warp >= 4 ? 4 : pairs_per_warp >= 2 ? 2 : 1;
+  if (fused_qkv_smem(row_bytes_of(t_qkv, n_in), R, n_in) > 48 * 1024) return 0;
+  int dev = 0, optin = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  // the gate/up kernel's static shared memory (its sv / red arrays, 256 bytes) comes off the opt-in limit
+  return fused_glu_smem(row_bytes_of(t_gate_up, n_in), RP, n_in) <= optin - 1024 ? 1 : 0;
 }
 
 // ---------------------------------------------------------------- RMSNorm (+ residual)

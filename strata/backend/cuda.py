@@ -1175,9 +1175,17 @@ class LlamaCuda:
 
     def fused_norm_ok(self) -> bool:
         """Whether the decode graph fuses the RMSNorms into the matvecs (FUSED_NORM): every layer's QKV matvec takes
-        RoPE (f16 cache) and its gate/up matvec SwiGLU, n_embd % 32 == 0 and <= 4096."""
-        return bool(self.fused_norm and self.pool.kv == "f16" and self.n_embd % 32 == 0 and self.n_embd <= 4096
-                    and all(self._qkv_rope(L) and self._glu_weights(L) is not None for L in self.model.layers))
+        RoPE (f16 cache) and its gate/up matvec SwiGLU, and the fused kernels fit the device for the layer's weight
+        types and n_embd (strata_fused_norm_supported: n_embd % 32 == 0, <= 4096, shared memory)."""
+        if not (self.fused_norm and self.pool.kv == "f16"):
+            return False
+        lb, rp = lib(), glu_pairs_per_warp(self.n_ff, self.n_sm)
+        for L in self.model.layers:
+            glu = self._glu_weights(L)
+            if not (self._qkv_rope(L) and glu is not None and
+                    lb.strata_fused_norm_supported(L.wqkv.ggml_type, glu[0], self.n_embd, FUSED_NORM_R, rp)):
+                return False
+        return True
 
     def _qkv_rope(self, L) -> bool:
         """Whether the decode graph fuses RoPE and the K / V write into layer L's QKV matvec (QKV_ROPE)."""
