@@ -6,7 +6,8 @@ MV_BLOCK_FROM, PDL on/off) or a STRATA_* environment variable the kernel launche
 STRATA_CUDA_NORM_CONTIG, STRATA_CUDA_MV_STAGE); the plan's graphs are dropped between variants, and the variants
 run in turn for --rounds rounds on the same contexts, so clock and thermal drift spread over all of them instead of
 favouring the first. Greedy tokens of each variant are compared with the first variant's (the settings
-must not change them, except the attention split, which changes f32 summation order).
+must not change them, except those that change an f32 summation order: the attention split, FUSED_NORM,
+STRATA_CUDA_NORM_CONTIG).
 
 Usage: python bench/decode_variants.py --model PATH [--depths 0,4096,16384] [--n-gen 128] [--rounds 3]
   [--variant 'name:GLU=0,ATTN_CHUNK=256' ...] [--out JSON]

@@ -380,20 +380,37 @@ def test_fused_norm_matvecs_match_norm_then_matvec(cp, E, with_delta):
     np.testing.assert_array_equal(cp.asnumpy(x), x0)
 
 
+def _fused_smem(t, n_in, r, rp):
+    """(QKV, gate/up) dynamic shared memory of the fused-norm matvecs, computed here from the GGUF block sizes: 4
+    warps x r rows and 32 / rp warps x rp gate + rp up rows, each run in 16-byte chunks plus 16, then x's q8_1."""
+    bs, be = gq.GGML_QUANT_SIZES[t][1], gq.GGML_QUANT_SIZES[t][0]
+    rb = n_in // be * bs
+    staged = lambda n: (n + 15) // 16 * 16 + 16   # noqa: E731
+    x = n_in + n_in // 4
+    return 4 * staged(r * rb) + x, 2 * (32 // rp) * staged(rp * rb) + x
+
+
 def test_fused_norm_supported_shapes(cp):
-    """strata_fused_norm_supported: the 1.7B benchmark model's layer (Q4_K, n_embd 2048, 4 QKV rows per warp, 2 row
-    pairs per warp) and SmolLM2's (Q4_1, 576) fit; widths above 4096 or not a multiple of 32, a type without the dp4a
-    kernel, and shapes whose staged rows exceed the shared memory (Q6_K QKV rows at 4096: 54 KB > 48 KB; Q8_0 gate /
-    up at 4096 with 2 pairs per warp: 279 KB) do not, so the plan keeps separate norms for them."""
+    """strata_fused_norm_supported against this test's own account of the shapes: widths above 4096 or not a multiple
+    of 32 and a type without the dp4a kernel never fit; otherwise a shape fits exactly when both kernels' staged rows
+    and x's q8_1 blocks fit the device's opt-in shared memory less 1 KB (the 1.7B benchmark model's and SmolLM2's
+    layers do on every GPU; Q8_0 gate / up at 4096 with 2 pairs per warp, 279 KB, on none)."""
     f = C.lib().strata_fused_norm_supported
+    optin = cp.cuda.runtime.deviceGetAttribute(cp.cuda.runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                               cp.cuda.Device().id)
+    limit = max(optin - 1024, 47 * 1024)
     assert f(int(Q.Q4_K), int(Q.Q4_K), 2048, 4, 2) == 1
     assert f(int(Q.Q4_1), int(Q.Q4_1), 576, 4, 1) == 1
-    assert f(int(Q.Q4_K), int(Q.Q4_K), 4096, 4, 2) == 1          # 8B-class Q4_K: 42 KB / 148 KB
     assert f(int(Q.Q4_0), int(Q.Q4_0), 4128, 4, 2) == 0          # wider than 4096
     assert f(int(Q.Q4_0), int(Q.Q4_0), 1040, 4, 2) == 0          # not whole q8_1 blocks
     assert f(6, int(Q.Q4_K), 2048, 4, 2) == 0                     # Q5_0: no dp4a kernel
-    assert f(int(Q.Q6_K), int(Q.Q4_K), 4096, 4, 2) == 0
     assert f(int(Q.Q4_K), int(Q.Q8_0), 4096, 4, 2) == 0
+    for tq, tg, n_in, r, rp in ((Q.Q4_K, Q.Q4_K, 4096, 4, 2), (Q.Q6_K, Q.Q4_K, 4096, 4, 2),
+                                (Q.Q6_K, Q.Q6_K, 4096, 2, 4), (Q.Q8_0, Q.Q8_0, 2688, 4, 1), (Q.Q8_0, Q.Q4_0, 4096, 1, 4)):
+        q_smem, _ = _fused_smem(tq, n_in, r, rp)
+        _, g_smem = _fused_smem(tg, n_in, r, rp)
+        want = int(q_smem <= limit and g_smem <= limit)
+        assert f(int(tq), int(tg), n_in, r, rp) == want, (tq.name, tg.name, n_in, r, rp, q_smem, g_smem, limit)
 
 
 def test_fused_norm_refuses_bad_input(cp):

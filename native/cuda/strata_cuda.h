@@ -134,8 +134,9 @@ int strata_rope_kv_decode(void *stream, float *qkv, const int *pos, void *k_cach
  * (norm_delta may be NULL) itself, as q8_1 in shared memory, and block 0 stores norm_x + norm_delta to norm_x_out
  * (may be NULL; must not alias norm_x or norm_delta); n_in % 32 == 0, n_in <= 4096, the four f32 vectors 16-byte
  * aligned. Same per-element arithmetic as strata_rms_norm_ex's q8_1 output (the sum of squares in another order).
- * cudaErrorInvalidValue for odd hd / n_rot, n_rot > hd, a NULL cache or position, a fused norm out of those bounds,
- * or what strata_matvec_q8w refuses. */
+ * cudaErrorInvalidValue for odd hd / n_rot, n_rot > hd, a NULL cache or position, a fused norm out of those bounds
+ * or whose staged rows exceed the device's shared memory (strata_fused_norm_supported), or what strata_matvec_q8w
+ * refuses; cudaErrorMisalignedAddress for a misaligned vector. */
 int strata_matvec_q8w_rope(void *stream, int ggml_type, const void *w, const void *xq, float *qkv, int n_head, int n_kv,
                            int hd, int n_in, int rows_per_warp, const int *pos, void *k_cache, void *v_cache,
                            const int *page_table, int n_rot, float base, int page_size, const float *norm_x,

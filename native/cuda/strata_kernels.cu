@@ -305,7 +305,7 @@ extern "C" int strata_matvec_q8_supported(int t) {
 // The arguments every int8-activation matvec launcher checks: a dp4a type, n_in a whole number of blocks and of q8_1
 // blocks, rows, 16-byte aligned weights and activations.
 static int q8_matvec_check(int t, const void *w, const void *xq, int n_out, int n_in) {
-  if (!strata_matvec_q8_supported(t) || n_in % block_elems(t) || n_in % 32 || n_out <= 0)
+  if (!strata_matvec_q8_supported(t) || n_in <= 0 || n_in % block_elems(t) || n_in % 32 || n_out <= 0 || !w || !xq)
     return (int)cudaErrorInvalidValue;
   if (((uintptr_t)xq & 15) || ((uintptr_t)w & 15)) return (int)cudaErrorMisalignedAddress;
   return 0;
@@ -415,10 +415,12 @@ __device__ static inline void fn_norm_q8(const NormIn &n, const float (&w)[MAXC]
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);
     sum += __shfl_xor_sync(0xffffffffu, sum, 2);
     if (8 * c < n.dim) {
-      int2 pk;
-      pk.x = (q[0] & 255) | ((q[1] & 255) << 8) | ((q[2] & 255) << 16) | (q[3] << 24);
-      pk.y = (q[4] & 255) | ((q[5] & 255) << 8) | ((q[6] & 255) << 16) | (q[7] << 24);
-      reinterpret_cast<int2 *>(xs)[c] = pk;
+      uint2 pk;   // the 8 int8 values, little-endian
+      pk.x = (uint32_t)(q[0] & 255) | (uint32_t)(q[1] & 255) << 8 | (uint32_t)(q[2] & 255) << 16 |
+             (uint32_t)(q[3] & 255) << 24;
+      pk.y = (uint32_t)(q[4] & 255) | (uint32_t)(q[5] & 255) << 8 | (uint32_t)(q[6] & 255) << 16 |
+             (uint32_t)(q[7] & 255) << 24;
+      reinterpret_cast<uint2 *>(xs)[c] = pk;
       if ((c & 3) == 0) xds[c >> 2] = make_float2(d, d * (float)sum);
     }
   }
@@ -505,7 +507,7 @@ __device__ static inline void rope_kv_pair(const RopeKV &r, float *qkv, int a, f
 // flight; the whole grid covers a 2-16 MB matrix in one wave. Same arithmetic as k_matvec_q8.
 // ROPE: y is the decode step's qkv row and the epilogue also does strata_rope_kv_decode's work (RoPE with adjacent
 // pairs, k / v into the f16 cache; rope_kv_pair): a block's 4 * R rows are whole pairs, which meet in shared memory.
-// STAGE: each warp copies its R rows into shared memory (mv_slot bytes per warp, dynamic) before the PDL wait and
+// STAGE: each warp copies its R rows into shared memory (`slot` bytes per warp, dynamic) before the PDL wait and
 // reads them there (launch.cuh, "weight staging"); else it prefetches them into L2.
 // FNC > 0: the RMSNorm of fn is fused into the prologue (fn_norm_q8, FNC chunks per thread; xq / xds unused): the
 // block's q8_1 x lives in shared memory after the staged rows (STAGE required).
@@ -586,8 +588,34 @@ __global__ void __launch_bounds__(128) k_matvec_q8w(const uint8_t *__restrict__ 
   }
 }
 
-// Launch k_matvec_q8w (4 warps of R rows per block), staged when mv_stage_on() and the block's rows fit in 48 KB of
-// shared memory.
+// Dynamic shared memory a staged decode matvec takes without the opt-in attribute: 48 KB less 1 KB for the kernels'
+// static shared memory (at most 256 bytes: sv / red arrays).
+static const long long SMEM_PLAIN = 47 * 1024;
+
+// The most dynamic shared memory kernel k may take on the current device (the opt-in limit less k's static shared
+// memory), with the attribute set on k for that device; cached per kernel (cache) and device (up to 16; a benign
+// race: every thread stores the same value); 0 if refused.
+template <typename K>
+static int smem_optin(K k, int (&cache)[16]) {
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 16) {
+    cudaGetLastError();
+    return 0;
+  }
+  if (cache[dev] == 0) {   // 0: not asked yet; else the limit + 1
+    int v = 0;
+    cudaFuncAttributes fa;
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) == cudaSuccess &&
+        cudaFuncGetAttributes(&fa, k) == cudaSuccess && (v -= (int)fa.sharedSizeBytes) > 0 &&
+        cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, v) == cudaSuccess)
+      cache[dev] = v + 1;
+    else
+      cache[dev] = 1;
+    cudaGetLastError();
+  }
+  return cache[dev] - 1;
+}
+
 // Dynamic shared memory of the fused-norm decode matvecs: the staged rows (4 warps x R rows; 32 / RP warps x RP gate
 // and RP up rows) and then x's q8_1 blocks (n_in int8 + n_in / 32 float2). One formula for the launchers and for
 // strata_fused_norm_supported.
@@ -596,8 +624,10 @@ static long long fused_glu_smem(long long rb, int RP, int n_in) {
   return 2 * (32 / RP) * staged_size(RP * rb) + n_in + n_in / 4;
 }
 
-// With a fused norm (fn.w != NULL): staged, FNC = dim / (8 * 128) rounded up to 1, 2 or 4 (the launchers check the
-// bounds), x's q8_1 blocks after the rows in shared memory.
+// Launch k_matvec_q8w (4 warps of R rows per block), staged when mv_stage_on() and the block's rows fit in
+// SMEM_PLAIN. With a fused norm (fn.w != NULL): always staged (x's q8_1 blocks after the rows), FNC = dim / (8 * 128)
+// rounded up to 1, 2 or 4 (dim <= 4096, checked by the launcher), up to the device's opt-in shared memory, else
+// cudaErrorInvalidValue (strata_fused_norm_supported says so beforehand).
 template <int T, int R, bool ROPE>
 static int launch_q8w(cudaStream_t s, const uint8_t *W, const int8_t *q, const float2 *ds, float *y, int n_out,
                       int n_units, long long rb, const RopeKV &rk, const NormIn &fn) {
@@ -606,16 +636,18 @@ static int launch_q8w(cudaStream_t s, const uint8_t *W, const int8_t *q, const f
   if constexpr (ROPE) {   // only the QKV matvec takes a fused norm (fewer instantiations)
     if (fn.w) {
       const size_t smem = (size_t)fused_qkv_smem(rb, R, fn.dim);   // = 4 * slot + x's q8_1 blocks
-      if (smem > 48 * 1024) return (int)cudaErrorInvalidValue;
       const int c = (fn.dim + 1023) / 1024;
-#define FQ(C) st_launch(k_matvec_q8w<T, R, ROPE, true, C>, blocks, 128, smem, s, W, q, ds, y, n_out, n_units, rb, rk, \
-                        (int)slot, fn)
+#define FQ(C) do { static int oi[16]; \
+    if ((long long)smem > SMEM_PLAIN && (long long)smem > smem_optin(k_matvec_q8w<T, R, ROPE, true, C>, oi)) \
+      return (int)cudaErrorInvalidValue; \
+    st_launch(k_matvec_q8w<T, R, ROPE, true, C>, blocks, 128, smem, s, W, q, ds, y, n_out, n_units, rb, rk, (int)slot, \
+              fn); } while (0)
       if (c <= 1) FQ(1); else if (c <= 2) FQ(2); else FQ(4);
 #undef FQ
       return 0;
     }
   }
-  if (mv_stage_on() && 4 * slot <= 48 * 1024) {
+  if (mv_stage_on() && 4 * slot <= SMEM_PLAIN) {
     st_launch(k_matvec_q8w<T, R, ROPE, true, 0>, blocks, 128, (size_t)(4 * slot), s, W, q, ds, y, n_out, n_units, rb,
               rk, (int)slot, fn);
   } else {
@@ -642,13 +674,13 @@ extern "C" int strata_matvec_q8w(void *stream, int t, const void *w, const void 
 }
 
 // The host checks of a fused RMSNorm's inputs (NormIn) for a matvec of n_in columns run by `threads` threads per
-// block: dim = n_in % 32 == 0 and <= 32 * threads (4 chunks of 8 per thread), x / delta / w / x_out 16-byte
-// aligned, x_out distinct from x and delta. Fills *fn; 0 or cudaErrorInvalidValue / cudaErrorMisalignedAddress.
+// block: dim = n_in % 32 == 0, <= 4096 and <= 32 * threads (4 chunks of 8 per thread), x / delta / w / x_out
+// 16-byte aligned, x_out distinct from x and delta. Fills *fn; 0 or cudaErrorInvalidValue / cudaErrorMisalignedAddress.
 static int fused_norm_in(const float *x, const float *delta, const float *w, float *x_out, float eps, int n_in,
                          int threads, NormIn *fn) {
   *fn = NormIn{};
   if (!w) return 0;
-  if (!x || n_in % 32 || n_in > 32 * threads || (x_out && (x_out == x || x_out == delta)))
+  if (!x || n_in <= 0 || n_in % 32 || n_in > 4096 || n_in > 32 * threads || (x_out && (x_out == x || x_out == delta)))
     return (int)cudaErrorInvalidValue;
   if (((uintptr_t)x | (uintptr_t)delta | (uintptr_t)w | (uintptr_t)x_out) & 15) return (int)cudaErrorMisalignedAddress;
   *fn = NormIn{x, delta, w, x_out, eps, n_in};
@@ -741,10 +773,11 @@ extern "C" int strata_matvec_q8b(void *stream, int t, const void *w, const void 
   cudaStream_t s = (cudaStream_t)stream;
   const uint8_t *W = (const uint8_t *)w;
   const long long slot = staged_size(RB * rb);
-  const bool stage = mv_stage_on() && slot <= 48 * 1024;
+  const bool stage = mv_stage_on() && slot <= SMEM_PLAIN;
 #define MB(TT, RR) (stage ? st_launch(k_matvec_q8b<TT, RR, true>, blocks, 128, (size_t)slot, s, W, q, ds, y, n_out, \
                                       n_in / 32, rb) \
-                          : st_launch(k_matvec_q8b<TT, RR, false>, blocks, 128, 0, s, W, q, ds, y, n_out, n_in / 32, rb))
+                          : st_launch(k_matvec_q8b<TT, RR, false>, blocks, 128, 0, s, W, q, ds, y, n_out, n_in / 32, \
+                                      rb))
 #define MBR(TT) if (RB == 1) MB(TT, 1); else if (RB == 2) MB(TT, 2); else MB(TT, 4);
   DISPATCH_Q8_TYPE(t, MBR)
 #undef MBR
@@ -824,26 +857,8 @@ __global__ void __launch_bounds__(32 * (32 / RP)) k_matvec_q8w_glu(
 }
 
 // Launch k_matvec_q8w_glu (32 / RP warps per block), staged when mv_stage_on() and the block's rows fit in the
-// device's shared memory per block (the opt-in limit, set on the kernel once).
-// The most dynamic shared memory kernel k may take on the current device (the opt-in limit less k's static shared
-// memory), set on k (once per kernel: cached; 0 if refused).
-template <typename K>
-static int smem_optin(K k, int &cached) {
-  if (cached < 0) {
-    int dev = 0, v = 0;
-    cudaFuncAttributes fa;
-    if (cudaGetDevice(&dev) == cudaSuccess &&
-        cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) == cudaSuccess &&
-        cudaFuncGetAttributes(&fa, k) == cudaSuccess && (v -= (int)fa.sharedSizeBytes) > 0 &&
-        cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, v) == cudaSuccess)
-      cached = v;
-    else
-      cached = 0;
-    cudaGetLastError();
-  }
-  return cached;
-}
-
+// device's shared memory per block (the opt-in limit, smem_optin); with a fused norm always staged (dim <= 4096: FNC
+// 1, or 2 with RP = 4), else cudaErrorInvalidValue (strata_fused_norm_supported says so beforehand).
 template <int T, int RP>
 static int launch_glu(cudaStream_t s, const uint8_t *G, const uint8_t *U, const int8_t *q, const float2 *ds,
                       float *act, int8_t *aq, int F, int n_units, long long rb, const NormIn &fn) {
@@ -852,15 +867,21 @@ static int launch_glu(cudaStream_t s, const uint8_t *G, const uint8_t *U, const 
   if (fn.w) {   // fused norm: staged, x's q8_1 blocks after the rows
     const long long total = fused_glu_smem(rb, RP, fn.dim);   // = smem + x's q8_1 blocks
     const int c = (fn.dim + 8 * (int)threads - 1) / (8 * (int)threads);
-#define FG(C) do { static int oi = -1; \
+#define FG(C) do { static int oi[16]; \
     if (total > smem_optin(k_matvec_q8w_glu<T, RP, true, C>, oi)) return (int)cudaErrorInvalidValue; \
     st_launch(k_matvec_q8w_glu<T, RP, true, C>, blocks, threads, (size_t)total, s, G, U, q, ds, act, aq, F, n_units, \
               rb, (int)slot, fn); } while (0)
-    if (c <= 1) FG(1); else if (c <= 2) FG(2); else FG(4);
+    if (c <= 1) {
+      FG(1);
+    } else if constexpr (RP == 4) {   // 256 threads: 2 chunks of 8 up to 4096 (fused_norm_in's bound)
+      FG(2);
+    } else {
+      return (int)cudaErrorInvalidValue;
+    }
 #undef FG
     return 0;
   }
-  static int optin = -1;
+  static int optin[16];
   if (mv_stage_on() && smem <= smem_optin(k_matvec_q8w_glu<T, RP, true, 0>, optin))
     st_launch(k_matvec_q8w_glu<T, RP, true, 0>, blocks, threads, (size_t)smem, s, G, U, q, ds, act, aq, F, n_units,
               rb, (int)slot, fn);
@@ -909,15 +930,16 @@ extern "C" int strata_fused_norm_supported(int t_qkv, int t_gate_up, int n_in, i
     return 0;
   const int R = rows_per_warp >= 4 ? 4 : rows_per_warp >= 2 ? 2 : 1;
   const int RP = pairs_per_warp >= 4 ? 4 : pairs_per_warp >= 2 ? 2 : 1;
-  if (fused_qkv_smem(row_bytes_of(t_qkv, n_in), R, n_in) > 48 * 1024) return 0;
   int dev = 0, optin = 0;
   if (cudaGetDevice(&dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) {
     cudaGetLastError();
     return 0;
   }
-  // the gate/up kernel's static shared memory (its sv / red arrays, 256 bytes) comes off the opt-in limit
-  return fused_glu_smem(row_bytes_of(t_gate_up, n_in), RP, n_in) <= optin - 1024 ? 1 : 0;
+  // both kernels may take the opt-in limit less their static shared memory (<= 256 bytes; 1 KB kept)
+  const long long limit = optin - 1024 > SMEM_PLAIN ? optin - 1024 : SMEM_PLAIN;
+  return fused_qkv_smem(row_bytes_of(t_qkv, n_in), R, n_in) <= limit &&
+         fused_glu_smem(row_bytes_of(t_gate_up, n_in), RP, n_in) <= limit;
 }
 
 // ---------------------------------------------------------------- RMSNorm (+ residual)

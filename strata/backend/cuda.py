@@ -114,9 +114,10 @@ QKV_ROPE = _env_on("STRATA_CUDA_QKV_ROPE", True)
 
 # The llama decode graph's two RMSNorms per layer computed inside the QKV and gate/up matvecs (every block
 # normalizes the residual stream itself after its weights are staged, strata_matvec_q8w_rope /
-# strata_matvec_q8w_glu_norm: two launches per layer fewer) where the plan fuses RoPE and SwiGLU; STRATA_CUDA_FUSED_NORM=0
-# keeps the separate strata_rms_norm_ex launches. FUSED_NORM_R: QKV rows per warp then (4: a quarter of the blocks,
-# each of which reads the residual stream).
+# strata_matvec_q8w_glu_norm: two launches per layer fewer) where the plan fuses RoPE and SwiGLU and the kernels fit
+# (LlamaCuda.fused_norm_rows); STRATA_CUDA_FUSED_NORM=0 keeps the separate strata_rms_norm_ex launches. FUSED_NORM_R:
+# QKV rows per warp then (4: a quarter of the blocks, each of which reads the residual stream; fewer if the staged
+# rows would not fit).
 FUSED_NORM = _env_on("STRATA_CUDA_FUSED_NORM", True)
 FUSED_NORM_R = _env_int("STRATA_CUDA_FUSED_NORM_R", 4)
 
@@ -1173,19 +1174,24 @@ class LlamaCuda:
             else:
                 _check(lb.strata_matvec(s, w.ggml_type, _p(w.data), _p(x), y_ptr, n_out, n_in, 1), "strata_matvec")
 
-    def fused_norm_ok(self) -> bool:
-        """Whether the decode graph fuses the RMSNorms into the matvecs (FUSED_NORM): every layer's QKV matvec takes
-        RoPE (f16 cache) and its gate/up matvec SwiGLU, and the fused kernels fit the device for the layer's weight
-        types and n_embd (strata_fused_norm_supported: n_embd % 32 == 0, <= 4096, shared memory)."""
+    def fused_norm_rows(self) -> int:
+        """QKV rows per warp with which the decode graph fuses the RMSNorms into the matvecs (FUSED_NORM), or 0 when
+        it does not: every layer's QKV matvec must take RoPE (f16 cache), its gate/up matvec SwiGLU, and the fused
+        kernels must fit the device for the layer's weight types and n_embd (strata_fused_norm_supported: n_embd %
+        32 == 0, <= 4096, shared memory), tried with FUSED_NORM_R rows per warp, then fewer (smaller staged rows).
+        All layers or none: the residual stream's buffers alternate only in the fused form."""
         if not (self.fused_norm and self.pool.kv == "f16"):
-            return False
+            return 0
+        layers = self.model.layers
+        glus = [self._glu_weights(L) for L in layers]
+        if not all(self._qkv_rope(L) and g is not None for L, g in zip(layers, glus)):
+            return 0
         lb, rp = lib(), glu_pairs_per_warp(self.n_ff, self.n_sm)
-        for L in self.model.layers:
-            glu = self._glu_weights(L)
-            if not (self._qkv_rope(L) and glu is not None and
-                    lb.strata_fused_norm_supported(L.wqkv.ggml_type, glu[0], self.n_embd, FUSED_NORM_R, rp)):
-                return False
-        return True
+        for r in dict.fromkeys((FUSED_NORM_R, 2, 1)):
+            if all(lb.strata_fused_norm_supported(L.wqkv.ggml_type, g[0], self.n_embd, r, rp)
+                   for L, g in zip(layers, glus)):
+                return r
+        return 0
 
     def _qkv_rope(self, L) -> bool:
         """Whether the decode graph fuses RoPE and the K / V write into layer L's QKV matvec (QKV_ROPE)."""
@@ -1219,7 +1225,8 @@ class LlamaCuda:
                 raise ValueError(f"the persistent decode step cannot run this model: {self.step_why}")
             _check(lb.strata_decode_step(s, self._step[0], self.step_blocks), "strata_decode_step")
             return
-        fused = self.fused_norm_ok()   # the two RMSNorms of a layer inside the QKV and gate/up matvecs
+        fused_r = self.fused_norm_rows()   # the two RMSNorms of a layer inside the QKV and gate/up matvecs
+        fused = fused_r > 0
         # the residual stream: fused, it alternates between x and x2 (a fused norm's block 0 writes x + delta to the
         # other buffer while every block reads both), delta = the last matvec's output not yet added (None: none)
         xa, xb, delta = d["x"], d["x2"], None
@@ -1235,7 +1242,7 @@ class LlamaCuda:
             if rope_fused:   # RoPE and the K / V write in the QKV matvec's epilogue (and the norm in its prologue)
                 norm = (_p(xa), _p(delta), _dptr(L.attn_norm), _p(xb)) if fused else (NULL, NULL, NULL, NULL)
                 _check(lb.strata_matvec_q8w_rope(s, L.wqkv.ggml_type, _p(L.wqkv.data), hq, f32(qkv), H, KV, hd, E,
-                                                 FUSED_NORM_R if fused else rows_per_warp(nq + 2 * kvd), pos_p,
+                                                 fused_r if fused else rows_per_warp(nq + 2 * kvd), pos_p,
                                                  _p(kc), _p(vc), _p(pt), self.n_rot, self.theta, pool.page_size,
                                                  *norm, self.eps), "matvec_rope")
                 if fused:
