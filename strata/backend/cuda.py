@@ -1252,7 +1252,7 @@ class LlamaCuda:
             else:
                 self._mv(s, [(L.wq, f32(qkv), nq), (L.wk, f32(qkv, nq), kvd), (L.wv, f32(qkv, nq + kvd), kvd)],
                          d["hn"], d["hq"], E)
-            if rope_fused:
+            if rope_fused:   # done in the QKV matvec's epilogue
                 pass
             elif ks is None:
                 _check(lb.strata_rope_kv_decode(s, f32(qkv), pos_p, _p(kc), _p(vc), _p(pt), H, KV, hd, self.n_rot,
