@@ -49,20 +49,34 @@ def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
 
 
 _ENV_SET: set[str] = set()
+_OFF = ("0", "false", "no", "off")
+
+
+def _on(v: str) -> bool:
+    return v not in _OFF
+
+
+# settings that are attributes of the plan (read when it captures a step): name -> (attribute, parser); their base
+# values are the strata.backend.cuda module globals of the same name, which the plan copies when it is made
+PLAN_SETTINGS = {"GLU": ("glu", _on), "ATTN": ("attn", str), "QKV_ROPE": ("qkv_rope", _on),
+                 "FUSED_NORM": ("fused_norm", _on), "MV_BLOCK_FROM": ("mv_block_from", int)}
+# settings that are module globals the plan reads at capture: name -> parser
+MODULE_SETTINGS = {"ATTN_ONE_WAVE": _on, "GLU_RP": int, "ATTN_CHUNK": int, "ATTN_BPS": int, "ATTN_MAX_SPLIT": int,
+                   "V1_CHUNK": int, "FUSED_NORM_R": int}
 
 
 def apply(C, plan, lib, settings: dict[str, str], base: dict) -> None:
-    """Restore the base settings, then set these (module globals of strata.backend.cuda, PDL through the library,
-    STRATA_* names as environment variables that the kernel launchers read at capture); drop the plan's captured
-    graphs so the next step is captured with them."""
+    """Restore the base settings, then set these (plan attributes, module globals of strata.backend.cuda, PDL
+    through the library, STRATA_* names as environment variables that the kernel launchers read at capture); drop
+    the plan's captured graphs so the next step is captured with them."""
     for k in _ENV_SET:
         os.environ.pop(k, None)
     _ENV_SET.clear()
     for k, v in base.items():
         if not k.startswith("_"):
             setattr(C, k, v)
-    plan.glu, plan.attn, plan.qkv_rope = base["GLU"], base["ATTN"], base["QKV_ROPE"]
-    plan.fused_norm, plan.mv_block_from = base["FUSED_NORM"], base["MV_BLOCK_FROM"]
+    for k, (attr, _) in PLAN_SETTINGS.items():
+        setattr(plan, attr, base[k])
     lib.strata_set_pdl(base["_PDL"])
     for k, v in settings.items():
         if k.startswith("STRATA_"):
@@ -70,20 +84,11 @@ def apply(C, plan, lib, settings: dict[str, str], base: dict) -> None:
             _ENV_SET.add(k)
         elif k == "PDL":
             lib.strata_set_pdl(int(v))
-        elif k == "GLU":
-            plan.glu = v not in ("0", "false", "no", "off")
-        elif k == "ATTN":
-            plan.attn = v
-        elif k == "QKV_ROPE":
-            plan.qkv_rope = v not in ("0", "false", "no", "off")
-        elif k == "FUSED_NORM":
-            plan.fused_norm = v not in ("0", "false", "no", "off")
-        elif k == "MV_BLOCK_FROM":
-            plan.mv_block_from = int(v)
-        elif k == "ATTN_ONE_WAVE":
-            C.ATTN_ONE_WAVE = v not in ("0", "false", "no", "off")
-        elif k in ("GLU_RP", "ATTN_CHUNK", "ATTN_BPS", "ATTN_MAX_SPLIT", "V1_CHUNK", "FUSED_NORM_R"):
-            setattr(C, k, int(v))
+        elif k in PLAN_SETTINGS:
+            attr, parse = PLAN_SETTINGS[k]
+            setattr(plan, attr, parse(v))
+        elif k in MODULE_SETTINGS:
+            setattr(C, k, MODULE_SETTINGS[k](v))
         else:
             raise ValueError(f"unknown setting {k!r}")
     plan.graphs = {}
@@ -128,9 +133,7 @@ def main(argv=None) -> int:
     from strata.backend import cuda as C
     model, st, plan, fast = open_plan(a.model, max(depths) + a.n_gen + 512)
     lib = C.lib()
-    base = {k: getattr(C, k) for k in ("GLU", "GLU_RP", "ATTN", "ATTN_CHUNK", "ATTN_BPS", "ATTN_MAX_SPLIT",
-                                       "ATTN_ONE_WAVE", "QKV_ROPE", "V1_CHUNK",
-                                       "FUSED_NORM", "FUSED_NORM_R", "MV_BLOCK_FROM")}
+    base = {k: getattr(C, k) for k in (*PLAN_SETTINGS, *MODULE_SETTINGS)}
     base["_PDL"] = lib.strata_get_pdl()
     rng = np.random.default_rng(0)
     ctx = {d: rng.integers(0, model.config.n_vocab, d) for d in depths}

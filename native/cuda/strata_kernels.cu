@@ -302,6 +302,10 @@ extern "C" int strata_matvec_q8_supported(int t) {
   return t == T_Q4_0 || t == T_Q4_1 || t == T_Q8_0 || t == T_Q4_K || t == T_Q5_K || t == T_Q6_K;
 }
 
+// Rows (or row pairs) per warp / block of the decode matvec kernels for a requested count: 1, 2 or 4 (the
+// instantiated ones; more is 4, fewer than 2 is 1).
+static inline int rows_1_2_4(int n) { return n >= 4 ? 4 : n >= 2 ? 2 : 1; }
+
 // The arguments every int8-activation matvec launcher checks: a dp4a type, n_in a whole number of blocks and of q8_1
 // blocks, rows, 16-byte aligned weights and activations.
 static int q8_matvec_check(int t, const void *w, const void *xq, int n_out, int n_in) {
@@ -333,11 +337,18 @@ __device__ static inline void prefetch_row_l2(const uint8_t *row, long long row_
   for (long long o = 128LL * first; o < row_bytes; o += STRIDE * 128) prefetch_l2(row + o);
 }
 
-// q8_1 activation block u from x / xds that may be in shared memory (generic loads; load_xq's __ldg is for global).
-__device__ static inline void load_xq_g(const int *x, const float2 *xds, int u, int xv[8], float2 &ds) {
-  const int4 a = reinterpret_cast<const int4 *>(x)[2 * u], b = reinterpret_cast<const int4 *>(x)[2 * u + 1];
-  xv[0] = a.x; xv[1] = a.y; xv[2] = a.z; xv[3] = a.w; xv[4] = b.x; xv[5] = b.y; xv[6] = b.z; xv[7] = b.w;
-  ds = xds[u];
+// q8_1 activation block u (8 ints of int8 values, its (d, d * sum)): XSHARED, x / xds in shared memory (generic
+// loads), else in global memory (load_xq's __ldg).
+template <bool XSHARED>
+__device__ static inline void load_x(const int *x, const float2 *xds, int u, int xv[8], float2 &ds) {
+  if (XSHARED) {
+    const int4 a = reinterpret_cast<const int4 *>(x)[2 * u], b = reinterpret_cast<const int4 *>(x)[2 * u + 1];
+    xv[0] = a.x; xv[1] = a.y; xv[2] = a.z; xv[3] = a.w; xv[4] = b.x; xv[5] = b.y; xv[6] = b.z; xv[7] = b.w;
+    ds = xds[u];
+  } else {
+    load_xq(x, u, xv);
+    ds = __ldg(xds + u);
+  }
 }
 
 // ---------------------------------------------------------------- RMSNorm fused into a decode matvec's prologue
@@ -346,12 +357,36 @@ __device__ static inline void load_xq_g(const int *x, const float2 *xds, int u, 
 // the block's shared memory; block 0 also stores s (the residual stream) to x_out. One launch and one dependent
 // global round trip per norm fewer than strata_rms_norm_ex + matvec. Each thread holds 8-element chunks (chunk c =
 // tid + k * blockDim), so a q8_1 block is 4 neighbouring lanes; same per-element arithmetic as k_rms_norm_c.
+#define FUSED_NORM_MAX_DIM 4096   // widest fused-norm row: 4 chunks of 8 per thread of a 128-thread QKV block
+
 struct NormIn {
   const float *x, *delta, *w;   // residual stream, the output to add to it (may be NULL), norm weight: f32 (dim)
   float *x_out;                 // x + delta (may be NULL); must not alias x or delta (other blocks read them)
   float eps;
   int dim;                      // % 32 == 0, <= 8 * MAXC * blockDim.x
 };
+
+// q8_1 quantization of EPT consecutive values y per lane, G = 32 / EPT neighbouring lanes holding one 32-value
+// block (all of them call it: full-mask shuffles): q the int8 values, d = absmax / 127 and sum (the block's sum of
+// q) for its (d, d * sum) pair. Per element the arithmetic of q8_store (llama.cpp quantize_q8_1).
+template <int EPT>
+__device__ static inline void q8_chunk(const float (&y)[EPT], int (&q)[EPT], float &d, int &sum) {
+  constexpr int G = EPT >= 32 ? 1 : 32 / EPT;
+  float amax = 0.f;
+#pragma unroll
+  for (int k = 0; k < EPT; k++) amax = fmaxf(amax, fabsf(y[k]));
+#pragma unroll
+  for (int o = G / 2; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  d = __fdiv_rn(amax, 127.0f);
+  sum = 0;
+#pragma unroll
+  for (int k = 0; k < EPT; k++) {
+    q[k] = amax == 0.f ? 0 : __float2int_rn(__fdiv_rn(y[k], d));
+    sum += q[k];
+  }
+#pragma unroll
+  for (int o = G / 2; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+}
 
 // Before the PDL wait: this thread's chunks of the norm weight (constants) into registers.
 template <int MAXC>
@@ -397,23 +432,11 @@ __device__ static inline void fn_norm_q8(const NormIn &n, const float (&w)[MAXC]
 #pragma unroll
   for (int k = 0; k < MAXC; k++) {
     const int c = threadIdx.x + k * blockDim.x;
-    float y[8], amax = 0.f;
+    float y[8], d;
+    int q[8], sum;
 #pragma unroll
-    for (int e = 0; e < 8; e++) {
-      y[e] = v[k][e] * r * w[k][e];
-      amax = fmaxf(amax, fabsf(y[e]));
-    }
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-    const float d = __fdiv_rn(amax, 127.0f);
-    int q[8], sum = 0;
-#pragma unroll
-    for (int e = 0; e < 8; e++) {
-      q[e] = amax == 0.f ? 0 : __float2int_rn(__fdiv_rn(y[e], d));
-      sum += q[e];
-    }
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    for (int e = 0; e < 8; e++) y[e] = v[k][e] * r * w[k][e];
+    q8_chunk(y, q, d, sum);
     if (8 * c < n.dim) {
       uint2 pk;   // the 8 int8 values, little-endian
       pk.x = (uint32_t)(q[0] & 255) | (uint32_t)(q[1] & 255) << 8 | (uint32_t)(q[2] & 255) << 16 |
@@ -443,12 +466,7 @@ __device__ static inline void strided_rows_dot(const uint8_t *const (&rows)[NR],
   for (int u = first; u < n_units; u += STRIDE) {
     int xv[8];
     float2 ds;
-    if (XSHARED) {
-      load_xq_g(x, xds, u, xv, ds);
-    } else {
-      load_xq(x, u, xv);
-      ds = __ldg(xds + u);
-    }
+    load_x<XSHARED>(x, xds, u, xv, ds);
 #pragma unroll
     for (int r = 0; r < NR; r++) acc[r] += dot_q8x<T>(rows[r], u, xv, ds);
   }
@@ -471,7 +489,7 @@ __device__ static inline long long kv_index(const int *pt, int pos, int h, int d
   return (((long long)page * ps + slot) * n_kv + h) * hd + d;
 }
 
-// What the QKV decode matvec's epilogue needs to do strata_rope_kv_decode's work (k_matvec_q8w<T, R, true>).
+// What the QKV decode matvec's epilogue needs to do strata_rope_kv_decode's work (k_matvec_q8w with ROPE).
 struct RopeKV {
   const int *pos, *pt;    // position (device), page table
   __half *kc, *vc;        // f16 cache of this layer
@@ -559,12 +577,7 @@ __global__ void __launch_bounds__(128) k_matvec_q8w(const uint8_t *__restrict__ 
   for (int u = lane; u < n_units; u += 32) {
     int xv[8];
     float2 ds;
-    if (FNC) {
-      load_xq_g(x, xds, u, xv, ds);
-    } else {
-      load_xq(x, u, xv);
-      ds = __ldg(xds + u);
-    }
+    load_x<(FNC > 0)>(x, xds, u, xv, ds);
 #pragma unroll
     for (int r = 0; r < R; r++)
       acc[r] += dot_q8x<T>(base + (long long)(min(row0 + r, n_out - 1) - first) * row_bytes, u, xv, ds);
@@ -660,7 +673,7 @@ extern "C" int strata_matvec_q8w(void *stream, int t, const void *w, const void 
                                  int rows_per_warp) {
   if (const int e = q8_matvec_check(t, w, xq, n_out, n_in)) return e;
   const long long rb = row_bytes_of(t, n_in);
-  const int R = rows_per_warp >= 4 ? 4 : rows_per_warp >= 2 ? 2 : 1;
+  const int R = rows_1_2_4(rows_per_warp);
   const int8_t *q = (const int8_t *)xq;
   const float2 *ds = (const float2 *)(q + n_in);
   cudaStream_t s = (cudaStream_t)stream;
@@ -680,7 +693,8 @@ static int fused_norm_in(const float *x, const float *delta, const float *w, flo
                          int threads, NormIn *fn) {
   *fn = NormIn{};
   if (!w) return 0;
-  if (!x || n_in <= 0 || n_in % 32 || n_in > 4096 || n_in > 32 * threads || (x_out && (x_out == x || x_out == delta)))
+  if (!x || n_in <= 0 || n_in % 32 || n_in > FUSED_NORM_MAX_DIM || n_in > 32 * threads ||
+      (x_out && (x_out == x || x_out == delta)))
     return (int)cudaErrorInvalidValue;
   if (((uintptr_t)x | (uintptr_t)delta | (uintptr_t)w | (uintptr_t)x_out) & 15) return (int)cudaErrorMisalignedAddress;
   *fn = NormIn{x, delta, w, x_out, eps, n_in};
@@ -700,7 +714,7 @@ extern "C" int strata_matvec_q8w_rope(void *stream, int t, const void *w, const 
   if (const int e = fused_norm_in(norm_x, norm_delta, norm_w, norm_x_out, eps, n_in, 128, &fn)) return e;
   if (const int e = q8_matvec_check(t, w, norm_w ? w : xq, n_out, n_in)) return e;   // xq unused with a norm
   const long long rb = row_bytes_of(t, n_in);
-  const int R = rows_per_warp >= 4 ? 4 : rows_per_warp >= 2 ? 2 : 1;
+  const int R = rows_1_2_4(rows_per_warp);
   const int8_t *q = (const int8_t *)xq;
   const float2 *ds = (const float2 *)(q + n_in);
   const RopeKV rk{pos, page_table, (__half *)k_cache, (__half *)v_cache, n_head, n_kv, hd, n_rot, page_size, base};
@@ -766,7 +780,7 @@ extern "C" int strata_matvec_q8b(void *stream, int t, const void *w, const void 
                                  int rows_per_block) {
   if (const int e = q8_matvec_check(t, w, xq, n_out, n_in)) return e;
   const long long rb = row_bytes_of(t, n_in);
-  const int RB = rows_per_block >= 4 ? 4 : rows_per_block >= 2 ? 2 : 1;
+  const int RB = rows_1_2_4(rows_per_block);
   const unsigned blocks = (unsigned)((n_out + RB - 1) / RB);
   const int8_t *q = (const int8_t *)xq;
   const float2 *ds = (const float2 *)(q + n_in);
@@ -902,14 +916,13 @@ extern "C" int strata_matvec_q8w_glu_norm(void *stream, int t, const void *w_gat
                                           float *norm_x_out, float eps) {
   if (!strata_matvec_q8_supported(t) || n_in % block_elems(t) || n_in % 32 || F <= 0 || F % 32)
     return (int)cudaErrorInvalidValue;
-  const int RP0 = pairs_per_warp >= 4 ? 4 : pairs_per_warp >= 2 ? 2 : 1;
+  const int RP = rows_1_2_4(pairs_per_warp);
   NormIn fn;
-  if (const int e = fused_norm_in(norm_x, norm_delta, norm_w, norm_x_out, eps, n_in, 32 * (32 / RP0), &fn)) return e;
+  if (const int e = fused_norm_in(norm_x, norm_delta, norm_w, norm_x_out, eps, n_in, 32 * (32 / RP), &fn)) return e;
   if (norm_w) xq = w_gate;   // unused with a fused norm: pass the alignment check
   if (((uintptr_t)xq & 15) || ((uintptr_t)w_gate & 15) || ((uintptr_t)w_up & 15) || ((uintptr_t)act_q8 & 7))
     return (int)cudaErrorMisalignedAddress;
   const long long rb = row_bytes_of(t, n_in);
-  const int RP = RP0;
   const int8_t *q = (const int8_t *)xq;
   const float2 *ds = (const float2 *)(q + n_in);
   cudaStream_t s = (cudaStream_t)stream;
@@ -926,10 +939,10 @@ extern "C" int strata_matvec_q8w_glu_norm(void *stream, int t, const void *w_gat
 
 extern "C" int strata_fused_norm_supported(int t_qkv, int t_gate_up, int n_in, int rows_per_warp, int pairs_per_warp) {
   if (!strata_matvec_q8_supported(t_qkv) || !strata_matvec_q8_supported(t_gate_up) || n_in <= 0 || n_in % 32 ||
-      n_in > 4096 || n_in % block_elems(t_qkv) || n_in % block_elems(t_gate_up))
+      n_in > FUSED_NORM_MAX_DIM || n_in % block_elems(t_qkv) || n_in % block_elems(t_gate_up))
     return 0;
-  const int R = rows_per_warp >= 4 ? 4 : rows_per_warp >= 2 ? 2 : 1;
-  const int RP = pairs_per_warp >= 4 ? 4 : pairs_per_warp >= 2 ? 2 : 1;
+  const int R = rows_1_2_4(rows_per_warp);
+  const int RP = rows_1_2_4(pairs_per_warp);
   int dev = 0, optin = 0;
   if (cudaGetDevice(&dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) {
@@ -1069,21 +1082,9 @@ __global__ void __launch_bounds__(256) k_rms_norm_c(const float *x, const float 
     }
   }
   if (out_q8) {   // n_rows == 1, dim % 32 == 0: a group's lanes are all live or all not (warp-uniform shuffles)
-    constexpr int G = EPT >= 32 ? 1 : 32 / EPT;   // lanes per q8_1 block
-    float amax = 0.f;
-#pragma unroll
-    for (int k = 0; k < EPT; k++) amax = fmaxf(amax, fabsf(y[k]));
-#pragma unroll
-    for (int o = G / 2; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float d = __fdiv_rn(amax, 127.0f);
-    int q[EPT], sum = 0;
-#pragma unroll
-    for (int k = 0; k < EPT; k++) {
-      q[k] = amax == 0.f ? 0 : __float2int_rn(__fdiv_rn(y[k], d));
-      sum += q[k];
-    }
-#pragma unroll
-    for (int o = G / 2; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    float d;
+    int q[EPT], sum;
+    q8_chunk(y, q, d, sum);
     if (live) {
 #pragma unroll
       for (int k = 0; k < EPT; k++) out_q8[e0 + k] = (int8_t)q[k];
