@@ -1,13 +1,13 @@
 """A/B of the CUDA decode plan's settings: decode tokens/s of one model under variants, interleaved rounds.
 
 Each variant is a set of module settings of strata.backend.cuda read when a decode step is captured (GLU, GLU_RP,
-ATTN, ATTN_CHUNK, ATTN_BPS, ATTN_MAX_SPLIT, ATTN_ONE_WAVE, QKV_ROPE, V1_CHUNK, FUSED_NORM, FUSED_NORM_R,
-MV_BLOCK_FROM, PDL on/off) or a STRATA_* environment variable the kernel launchers read (STRATA_CUDA_ATTN_DB,
-STRATA_CUDA_NORM_CONTIG, STRATA_CUDA_MV_STAGE); the plan's graphs are dropped between variants, and the variants
-run in turn for --rounds rounds on the same contexts, so clock and thermal drift spread over all of them instead of
-favouring the first. Greedy tokens of each variant are compared with the first variant's (the settings
-must not change them, except those that change an f32 summation order: the attention split, FUSED_NORM,
-STRATA_CUDA_NORM_CONTIG).
+ATTN, ATTN_CHUNK, ATTN_BPS, ATTN_MAX_SPLIT, ATTN_ONE_WAVE, ATTN_MERGE, PRE_WAIT, QKV_ROPE, V1_CHUNK, FUSED_NORM,
+FUSED_NORM_R, MV_BLOCK_FROM, MV_BLOCK_ROWS, PDL on/off) or a STRATA_* environment variable the kernel launchers read
+(STRATA_CUDA_ATTN_DB, STRATA_CUDA_NORM_CONTIG, STRATA_CUDA_MV_STAGE); the plan's graphs are dropped between
+variants, and the variants run in turn for --rounds rounds on the same contexts, so clock and thermal drift spread
+over all of them instead of favouring the first. Greedy tokens of each variant are compared with the first
+variant's (the settings must not change them, except those that change an f32 summation order: the attention
+split, FUSED_NORM, STRATA_CUDA_NORM_CONTIG).
 
 Usage: python bench/decode_variants.py --model PATH [--depths 0,4096,16384] [--n-gen 128] [--rounds 3]
   [--variant 'name:GLU=0,ATTN_CHUNK=256' ...] [--out JSON]
@@ -59,10 +59,11 @@ def _on(v: str) -> bool:
 # settings that are attributes of the plan (read when it captures a step): name -> (attribute, parser); their base
 # values are the strata.backend.cuda module globals of the same name, which the plan copies when it is made
 PLAN_SETTINGS = {"GLU": ("glu", _on), "ATTN": ("attn", str), "QKV_ROPE": ("qkv_rope", _on),
-                 "FUSED_NORM": ("fused_norm", _on), "MV_BLOCK_FROM": ("mv_block_from", int)}
+                 "FUSED_NORM": ("fused_norm", _on), "MV_BLOCK_FROM": ("mv_block_from", int),
+                 "ATTN_MERGE": ("attn_merge", _on), "PRE_WAIT": ("pre_wait", _on)}
 # settings that are module globals the plan reads at capture: name -> parser
 MODULE_SETTINGS = {"ATTN_ONE_WAVE": _on, "GLU_RP": int, "ATTN_CHUNK": int, "ATTN_BPS": int, "ATTN_MAX_SPLIT": int,
-                   "V1_CHUNK": int, "FUSED_NORM_R": int}
+                   "V1_CHUNK": int, "FUSED_NORM_R": int, "MV_BLOCK_ROWS": int}
 
 
 def apply(C, plan, lib, settings: dict[str, str], base: dict) -> None:

@@ -304,10 +304,12 @@ def test_rope_kv_decode_fused(cp, n_rot):
 @pytest.mark.parametrize("t", [Q.Q4_K, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 2, 4])
 @pytest.mark.parametrize("H,KV,hd,n_rot", [(9, 3, 64, 64), (5, 1, 36, 32)])
-def test_matvec_q8w_rope_equals_matvec_then_rope_kv(cp, t, rows, H, KV, hd, n_rot):
+@pytest.mark.parametrize("pre", [0, 1], ids=["after-wait", "pre-wait"])
+def test_matvec_q8w_rope_equals_matvec_then_rope_kv(cp, t, rows, H, KV, hd, n_rot, pre):
     """strata_matvec_q8w_rope == strata_matvec_q8w followed by strata_rope_kv_decode, bit for bit: qkv, the K and V
     cache (the page of the position, nothing else) — partial rotary and a last block with fewer rows than 4 * rows
-    included; and the separate path is itself checked against numpy in test_rope_kv_decode_fused."""
+    included, the angles and cache slots computed after or before the PDL wait; and the separate path is itself
+    checked against numpy in test_rope_kv_decode_fused."""
     rng = np.random.default_rng(int(t) + rows + hd)
     n_in, ps, n_pages, p = 512, 16, 6, 21
     n_out = (H + 2 * KV) * hd
@@ -324,7 +326,7 @@ def test_matvec_q8w_rope_equals_matvec_then_rope_kv(cp, t, rows, H, KV, hd, n_ro
         if fused:
             C._check(lb.strata_matvec_q8w_rope(s, int(t), C._p(w.data), C._p(xq), C._p(qkv), H, KV, hd, n_in, rows,
                                                C._p(pos), C._p(kc), C._p(vc), C._p(table), n_rot, 10000.0, ps,
-                                               N, N, N, N, 0.0), "matvec_rope")
+                                               N, N, N, N, 0.0, pre), "matvec_rope")
         else:
             C._check(lb.strata_matvec_q8w(s, int(t), C._p(w.data), C._p(xq), C._p(qkv), n_out, n_in, rows), "mv")
             C._check(lb.strata_rope_kv_decode(s, C._p(qkv), C._p(pos), C._p(kc), C._p(vc), C._p(table), H, KV, hd,
@@ -364,7 +366,7 @@ def test_fused_norm_matvecs_match_norm_then_matvec(cp, E, with_delta):
         norm = (C._p(x), C._p(delta), C._p(nw), C._p(x_out)) if fused else (N, N, N, N)
         C._check(lb.strata_matvec_q8w_rope(s, int(t), C._p(wq.data), N if fused else C._p(hq), C._p(qkv), H, KV,
                                            hd, E, 4, C._p(pos), C._p(kc), C._p(vc), C._p(table), hd, 10000.0, ps,
-                                           *norm, 1e-5), "rope")
+                                           *norm, 1e-5, 0), "rope")
         if fused:
             np.testing.assert_array_equal(cp.asnumpy(x_out), cp.asnumpy(ref_x))
             x_out[:] = cp.nan
@@ -426,7 +428,7 @@ def test_fused_norm_refuses_bad_input(cp):
     xp = C._ffi.cast("float *", x.data.ptr)
     for xo, n_in, xx in ((xp, E, xp), (N, E - 16, xp), (N, 16384, xp), (N, E, C._ffi.cast("float *", x.data.ptr + 4))):
         rc = lb.strata_matvec_q8w_rope(s, int(Q.Q8_0), C._p(w), N, C._p(qkv), 4, 2, 64, n_in, 4, C._p(pos), C._p(kc),
-                                       C._p(kc), C._p(table), 64, 10000.0, 16, xx, N, C._p(nw), xo, 1e-5)
+                                       C._p(kc), C._p(table), 64, 10000.0, 16, xx, N, C._p(nw), xo, 1e-5, 0)
         assert rc != 0, n_in
         rc = lb.strata_matvec_q8w_glu_norm(s, int(Q.Q8_0), C._p(w), C._p(w), N, C._p(act), N, 256, n_in, 4, xx, N,
                                            C._p(nw), xo, 1e-5)
@@ -444,7 +446,7 @@ def test_matvec_q8w_rope_refuses_bad_input(cp):
                             (64, 64, kc, None)):
         rc = lb.strata_matvec_q8w_rope(s, int(Q.Q4_K), C._p(w), C._p(xq), C._p(qkv), 2, 1, hd, 512, 1,
                                        C._p(p) if p is not None else N, C._p(k) if k is not None else N,
-                                       C._p(kc), C._p(table), n_rot, 10000.0, 16, N, N, N, N, 0.0)
+                                       C._p(kc), C._p(table), n_rot, 10000.0, 16, N, N, N, N, 0.0, 0)
         assert rc != 0, (hd, n_rot)
     assert cp.isnan(qkv).all()
 
@@ -746,23 +748,37 @@ def test_kv_write_q8_and_gather(cp, hd):
     assert pool.bytes_per_token == 2 * KV * hd + 2 * KV * hd // 16
 
 
-@pytest.mark.parametrize("hd", [32, 64, 96, 128])
+@pytest.mark.parametrize("hd", [32, 64, 96, 128, 256])
 @pytest.mark.parametrize("H,KV", [(9, 3), (16, 8)])
-@pytest.mark.parametrize("L,n_split", [(1, 1), (77, 2), (300, 5)])
+@pytest.mark.parametrize("L,n_split", [(1, 1), (1, 4), (77, 2), (300, 5), (300, 40)])
 def test_attn_decode_v1_q8_output(cp, hd, H, KV, L, n_split):
-    """strata_attn_decode_ex (the first split-K kernel + combine) == float64 attention of the last position, and its
-    q8_1 output == q8_1 of its f32 output (the plan feeds it to the o-projection matvec directly)."""
+    """strata_attn_decode_ex (the first split-K kernel; its splits merged by a second launch, or by the last block of
+    each head with counters; the length and pages read after or before the PDL wait) == float64 attention of the
+    last position, all four forms bit for bit, the counters left at 0 (the next layer's launch reuses them), and the
+    q8_1 output == q8_1 of the f32 output (the plan feeds it to the o-projection matvec directly). (1, 4): splits
+    with no position."""
     ps = 16
     kc, vc, pt, dq, scale, ref = _decode_case(cp, L + hd + H + 1, L, H, KV, hd, ps)
-    ws = cp.zeros(H * n_split * (hd + 2), cp.float32)
-    out = cp.full(H * hd, cp.nan, cp.float32)
-    oq = cp.zeros(H * hd + H * hd // 4, cp.uint8)
-    C._check(C.lib().strata_attn_decode_ex(C._stream_ptr(), C._p(dq), C._p(kc), C._p(vc), C._p(pt), C._ffi.NULL, L,
-                                           C._p(ws), C._p(out), C._p(oq), H, KV, hd, ps, n_split, scale), "attn_v1")
-    got = cp.asnumpy(out)
-    assert rel(got, ref) < 1e-4
-    qv, _ = _q8_parts(cp.asnumpy(oq), H * hd)
-    np.testing.assert_array_equal(qv, q8_1_reference(got)[0].reshape(-1))
+    outs = []
+    ctr = cp.zeros(H, cp.uint32)
+    for merged in (False, True):
+        for pre in (0, 1):
+            ws = cp.zeros(H * n_split * (hd + 2), cp.float32)
+            out = cp.full(H * hd, cp.nan, cp.float32)
+            oq = cp.zeros(H * hd + H * hd // 4, cp.uint8)
+            ctr_p = C._ffi.cast("unsigned *", ctr.data.ptr) if merged else C._ffi.NULL
+            C._check(C.lib().strata_attn_decode_ex(C._stream_ptr(), C._p(dq), C._p(kc), C._p(vc), C._p(pt),
+                                                   C._ffi.NULL, L, C._p(ws), C._p(out), C._p(oq), ctr_p, pre, H, KV,
+                                                   hd, ps, n_split, scale), "attn_v1")
+            got = cp.asnumpy(out)
+            assert rel(got, ref) < 1e-4
+            qv, _ = _q8_parts(cp.asnumpy(oq), H * hd)
+            np.testing.assert_array_equal(qv, q8_1_reference(got)[0].reshape(-1))
+            assert not cp.asnumpy(ctr).any()   # reset by the merging blocks: reused by the next call
+            outs.append((got, cp.asnumpy(oq)))
+    for got, oq in outs[1:]:
+        np.testing.assert_array_equal(got, outs[0][0])
+        np.testing.assert_array_equal(oq, outs[0][1])
 
 
 def test_gqa_resident_blocks(attn_db):

@@ -85,3 +85,57 @@ static inline int mv_stage_on() {
   const char *e = getenv("STRATA_CUDA_MV_STAGE");
   return e ? atoi(e) != 0 : 1;
 }
+
+// ---------------------------------------------------------------- kernel timeline trace (diagnostics)
+// Built with -DST_KTRACE (bench/decode_timeline.py builds such a library): thread 0 of every block of the traced
+// decode kernels records, per event, three uint64: %gridid (one per launch), %globaltimer (ns) and
+// tag | event << 8 | %smid << 16 | blockIdx.x << 32 into the buffer strata_ktrace_set gave the translation unit
+// (KT_DEFINE_SETTER; one region per SM), up to its capacity. Events: KT_START (after griddep_launch: the block is
+// resident), KT_WAITED (griddep_wait returned), KT_STAGED (warp 0's staged weights are in shared memory), KT_END, and
+// in the matvecs KT_NORMED (a fused norm's q8_1 x is in shared memory) and KT_DOTTED (warp 0's dots are done).
+// Without ST_KTRACE, KT() is nothing and the kernels are unchanged.
+enum { KT_START = 0, KT_WAITED = 1, KT_STAGED = 2, KT_END = 3, KT_NORMED = 4, KT_DOTTED = 5 };
+enum { KT_MATVEC = 1, KT_MATVEC_BLOCK = 2, KT_GLU = 3, KT_ATTN = 4, KT_ATTN_MERGE = 5, KT_NORM = 6, KT_ARGMAX = 7 };
+#ifdef ST_KTRACE
+#define KT_SMS 256   // the buffer is cut into one region per SM (%smid), each with its own counter: no global atomic
+static __device__ unsigned long long *st_kt_buf;
+static __device__ unsigned st_kt_n[KT_SMS], st_kt_cap;
+__device__ __forceinline__ void kt_record(int tag, int ev) {
+  if (threadIdx.x != 0 || !st_kt_buf) return;
+  unsigned long long g, t;
+  unsigned sm;
+  asm volatile("mov.u64 %0, %%gridid;" : "=l"(g));
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+  sm %= KT_SMS;
+  const unsigned per = st_kt_cap / KT_SMS, i = atomicAdd(&st_kt_n[sm], 1u);
+  if (i >= per) return;
+  unsigned long long *r = st_kt_buf + 3ull * (sm * per + i);
+  r[0] = g;
+  r[1] = t;
+  r[2] = (unsigned long long)(tag | ev << 8 | sm << 16) | (unsigned long long)blockIdx.x << 32;
+}
+#define KT(tag, ev) kt_record(tag, ev)
+// strata_ktrace_set(buf, cap): trace into buf (cap records of 3 uint64, zeroed by the caller: unused records stay 0;
+// NULL: off), counters reset; strata_ktrace_count(): records dropped for want of room (0: the trace is whole).
+// Exported only by a -DST_KTRACE build (not in strata_cuda.h; bench/decode_timeline.py finds them by name).
+#define KT_DEFINE_SETTER                                                                                   \
+  extern "C" int strata_ktrace_set(void *buf, unsigned cap) {                                              \
+    static const unsigned zero[KT_SMS] = {};                                                               \
+    cudaMemcpyToSymbol(st_kt_buf, &buf, sizeof(buf));                                                      \
+    cudaMemcpyToSymbol(st_kt_cap, &cap, sizeof(cap));                                                      \
+    cudaMemcpyToSymbol(st_kt_n, zero, sizeof(zero));                                                       \
+    return (int)cudaGetLastError();                                                                        \
+  }                                                                                                        \
+  extern "C" unsigned strata_ktrace_count(void) {                                                          \
+    unsigned n[KT_SMS], cap = 0, dropped = 0;                                                              \
+    cudaMemcpyFromSymbol(n, st_kt_n, sizeof(n));                                                           \
+    cudaMemcpyFromSymbol(&cap, st_kt_cap, sizeof(cap));                                                    \
+    for (int s = 0; s < KT_SMS; s++)                                                                       \
+      if (n[s] > cap / KT_SMS) dropped += n[s] - cap / KT_SMS;                                             \
+    return dropped;                                                                                        \
+  }
+#else
+#define KT(tag, ev) ((void)0)
+#define KT_DEFINE_SETTER
+#endif

@@ -12,6 +12,8 @@
 #include "launch.cuh"
 #include "quant.cuh"
 
+KT_DEFINE_SETTER   // strata_ktrace_set / strata_ktrace_count in a -DST_KTRACE build (launch.cuh)
+
 // Dequantize the 8 consecutive elements [8c, 8c+8) of one row.
 template <int T>
 __device__ static inline void dequant8(const uint8_t *__restrict__ row, int c, float v[8]) {
@@ -475,12 +477,22 @@ __device__ static inline void strided_rows_dot(const uint8_t *const (&rows)[NR],
 // One decode RoPE pair: (x0, x1) rotated by pos * base^(-2i / n_rot) (the angle in double precision), each output
 // one rounded product and one fused multiply-add, so every kernel that calls this (k_rope_kv_decode, the QKV
 // matvec's epilogue) gives the same bits whatever the compiler would contract.
-__device__ static inline void rope_rotate(int pos, int i, int n_rot, float base, float &x0, float &x1) {
+// RoPE's (cos, sin) of pair i at position pos, angle pos * base^(-2i / n_rot) in double precision (Su et al.,
+// RoFormer, eq. 34; llama.cpp's ggml_rope with theta_scale = base^(-2 / n_rot)).
+__device__ static inline float2 rope_angle(int pos, int i, int n_rot, float base) {
   const double ang = (double)pos * pow((double)base, -2.0 * (double)i / (double)n_rot);
-  const float c = (float)cos(ang), s = (float)sin(ang);
-  const float y0 = __fmaf_rn(x0, c, __fmul_rn(-x1, s)), y1 = __fmaf_rn(x0, s, __fmul_rn(x1, c));
+  return make_float2((float)cos(ang), (float)sin(ang));
+}
+
+// Rotate (x0, x1) by cs = (cos, sin), explicit fma so every caller rounds alike.
+__device__ static inline void rope_apply(float2 cs, float &x0, float &x1) {
+  const float y0 = __fmaf_rn(x0, cs.x, __fmul_rn(-x1, cs.y)), y1 = __fmaf_rn(x0, cs.y, __fmul_rn(x1, cs.x));
   x0 = y0;
   x1 = y1;
+}
+
+__device__ static inline void rope_rotate(int pos, int i, int n_rot, float base, float &x0, float &x1) {
+  rope_apply(rope_angle(pos, i, n_rot, base), x0, x1);
 }
 
 // Element offset of (position pos, KV head h, dim d) in a paged cache (n_pages, ps, n_kv, hd) by page table pt.
@@ -495,26 +507,45 @@ struct RopeKV {
   __half *kc, *vc;        // f16 cache of this layer
   int H, KV, hd, n_rot, ps;
   float base;
+  int pre_wait;           // pos and pt are not written by the previous kernel: read them before the PDL wait
 };
 
-// RoPE (adjacent pairs, neox = 0) of one pair of rows (a, a + 1) of qkv [q (H*hd) | k (KV*hd) | v (KV*hd)] and the
-// k / v cache writes, from the rows' dot products y0, y1: k_rope_kv_decode's arithmetic (rope_rotate), so the fused
-// and separate paths agree bit for bit.
-__device__ static inline void rope_kv_pair(const RopeKV &r, float *qkv, int a, float y0, float y1) {
+// The input-independent half of one pair's epilogue: the pair's (cos, sin) and its cache element (or -1: a q row).
+struct RopePair {
+  float2 cs;
+  long long o;
+};
+
+// RoPE (adjacent pairs, neox = 0) of the pair of rows (a, a + 1) of qkv [q (H*hd) | k (KV*hd) | v (KV*hd)] and the
+// k / v cache writes, in two halves: rope_pair_prepare (position, angle, page lookup: before the PDL wait when
+// RopeKV::pre_wait) and rope_pair_store (from the rows' dot products y0, y1). k_rope_kv_decode's arithmetic
+// (rope_angle / rope_apply), so the fused and separate paths agree bit for bit.
+__device__ static inline RopePair rope_pair_prepare(const RopeKV &r, int a) {
   const int p = r.pos[0], qk = (r.H + r.KV) * r.hd;
+  RopePair rp{make_float2(1.f, 0.f), -1};
   if (a < qk) {
     const int h = a / r.hd, d = a % r.hd;
-    if (d < r.n_rot) rope_rotate(p, d / 2, r.n_rot, r.base, y0, y1);
-    if (h >= r.H) {
-      const long long o = kv_index(r.pt, p, h - r.H, d, r.KV, r.hd, r.ps);
-      r.kc[o] = __float2half(y0);
-      r.kc[o + 1] = __float2half(y1);
-    }
+    if (d < r.n_rot) rp.cs = rope_angle(p, d / 2, r.n_rot, r.base);
+    if (h >= r.H) rp.o = kv_index(r.pt, p, h - r.H, d, r.KV, r.hd, r.ps);
   } else {
     const int j = a - qk;
-    const long long o = kv_index(r.pt, p, j / r.hd, j % r.hd, r.KV, r.hd, r.ps);
-    r.vc[o] = __float2half(y0);
-    r.vc[o + 1] = __float2half(y1);
+    rp.o = kv_index(r.pt, p, j / r.hd, j % r.hd, r.KV, r.hd, r.ps);
+  }
+  return rp;
+}
+
+__device__ static inline void rope_pair_store(const RopeKV &r, const RopePair &rp, float *qkv, int a, float y0,
+                                              float y1) {
+  const int qk = (r.H + r.KV) * r.hd;
+  if (a < qk) {
+    if (a % r.hd < r.n_rot) rope_apply(rp.cs, y0, y1);
+    if (rp.o >= 0) {
+      r.kc[rp.o] = __float2half(y0);
+      r.kc[rp.o + 1] = __float2half(y1);
+    }
+  } else {
+    r.vc[rp.o] = __float2half(y0);
+    r.vc[rp.o + 1] = __float2half(y1);
   }
   qkv[a] = y0;
   qkv[a + 1] = y1;
@@ -535,6 +566,7 @@ __global__ void __launch_bounds__(128) k_matvec_q8w(const uint8_t *__restrict__ 
                                                     int n_units, long long row_bytes, RopeKV rope, int slot,
                                                     NormIn fn) {
   griddep_launch();
+  KT(KT_MATVEC, KT_START);
   extern __shared__ __align__(16) uint8_t staged[];
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
@@ -557,16 +589,25 @@ __global__ void __launch_bounds__(128) k_matvec_q8w(const uint8_t *__restrict__ 
       if (row0 + r < n_out)
         for (long long o = 128LL * lane; o < row_bytes; o += 32 * 128) prefetch_l2(w + (long long)(row0 + r) * row_bytes + o);
   }
+  // the RoPE epilogue's pair (thread t < 2R: the block's pair t): its angle and cache slot before the wait if allowed
+  const int pair_a = blockIdx.x * 4 * R + 2 * threadIdx.x;
+  const bool pair_live = ROPE && threadIdx.x < 2 * R && pair_a < n_out;
+  RopePair pair{};
+  if (pair_live && rope.pre_wait) pair = rope_pair_prepare(rope, pair_a);
   griddep_wait();
+  KT(KT_MATVEC, KT_WAITED);
+  if (pair_live && !rope.pre_wait) pair = rope_pair_prepare(rope, pair_a);
   if (STAGE) {
     stage_wait();
     __syncwarp();
+    KT(KT_MATVEC, KT_STAGED);
   }
   const int *x = reinterpret_cast<const int *>(xq);
   if (FNC) {   // the block's normalized x as q8_1 in shared memory, after the 4 warps' staged rows
     __shared__ float red[32];
     int8_t *xs = reinterpret_cast<int8_t *>(staged + 4 * slot);
     fn_norm_q8(fn, nw, xs, reinterpret_cast<float2 *>(xs + fn.dim), red);
+    KT(KT_MATVEC, KT_NORMED);
     x = reinterpret_cast<const int *>(xs);
     xds = reinterpret_cast<const float2 *>(xs + fn.dim);
   }
@@ -582,6 +623,7 @@ __global__ void __launch_bounds__(128) k_matvec_q8w(const uint8_t *__restrict__ 
     for (int r = 0; r < R; r++)
       acc[r] += dot_q8x<T>(base + (long long)(min(row0 + r, n_out - 1) - first) * row_bytes, u, xv, ds);
   }
+  KT(KT_MATVEC, KT_DOTTED);
   __shared__ float sv[ROPE ? 4 * R : 1];
 #pragma unroll
   for (int r = 0; r < R; r++) {
@@ -596,9 +638,9 @@ __global__ void __launch_bounds__(128) k_matvec_q8w(const uint8_t *__restrict__ 
   }
   if (ROPE) {
     __syncthreads();
-    const int a = blockIdx.x * 4 * R + 2 * threadIdx.x;   // thread t < 2R: the block's pair t
-    if (threadIdx.x < 2 * R && a < n_out) rope_kv_pair(rope, y, a, sv[2 * threadIdx.x], sv[2 * threadIdx.x + 1]);
+    if (pair_live) rope_pair_store(rope, pair, y, pair_a, sv[2 * threadIdx.x], sv[2 * threadIdx.x + 1]);
   }
+  KT(KT_MATVEC, KT_END);
 }
 
 // Dynamic shared memory a staged decode matvec takes without the opt-in attribute: 48 KB less 1 KB for the kernels'
@@ -705,7 +747,7 @@ extern "C" int strata_matvec_q8w_rope(void *stream, int t, const void *w, const 
                                       int n_kv, int hd, int n_in, int rows_per_warp, const int *pos, void *k_cache,
                                       void *v_cache, const int *page_table, int n_rot, float base, int page_size,
                                       const float *norm_x, const float *norm_delta, const float *norm_w,
-                                      float *norm_x_out, float eps) {
+                                      float *norm_x_out, float eps, int pre_wait) {
   const int n_out = (n_head + 2 * n_kv) * hd;
   if (n_head <= 0 || n_kv <= 0 || hd <= 0 || hd % 2 || n_rot > hd || n_rot % 2 || n_rot < 0 || page_size <= 0 ||
       !pos || !k_cache || !v_cache || !page_table)
@@ -717,7 +759,8 @@ extern "C" int strata_matvec_q8w_rope(void *stream, int t, const void *w, const 
   const int R = rows_1_2_4(rows_per_warp);
   const int8_t *q = (const int8_t *)xq;
   const float2 *ds = (const float2 *)(q + n_in);
-  const RopeKV rk{pos, page_table, (__half *)k_cache, (__half *)v_cache, n_head, n_kv, hd, n_rot, page_size, base};
+  const RopeKV rk{pos,  page_table, (__half *)k_cache, (__half *)v_cache, n_head, n_kv, hd, n_rot, page_size, base,
+                  pre_wait != 0};
   cudaStream_t s = (cudaStream_t)stream;
   const uint8_t *W = (const uint8_t *)w;
   int rc = 0;
@@ -740,6 +783,7 @@ __global__ void __launch_bounds__(128) k_matvec_q8b(const uint8_t *__restrict__ 
                                                     const float2 *__restrict__ xds, float *__restrict__ y, int n_out,
                                                     int n_units, long long row_bytes) {
   griddep_launch();
+  KT(KT_MATVEC_BLOCK, KT_START);
   extern __shared__ __align__(16) uint8_t staged[];
   const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
   const int row0 = blockIdx.x * RB;
@@ -758,12 +802,15 @@ __global__ void __launch_bounds__(128) k_matvec_q8b(const uint8_t *__restrict__ 
     }
   }
   griddep_wait();
+  KT(KT_MATVEC_BLOCK, KT_WAITED);
   if (STAGE) {
     stage_wait();
     __syncthreads();
+    KT(KT_MATVEC_BLOCK, KT_STAGED);
   }
   float acc[RB];
   strided_rows_dot<T, RB, 128>(rows, reinterpret_cast<const int *>(xq), xds, n_units, tid, acc);
+  KT(KT_MATVEC_BLOCK, KT_DOTTED);
   __shared__ float part[4][RB];
 #pragma unroll
   for (int r = 0; r < RB; r++) {
@@ -774,6 +821,7 @@ __global__ void __launch_bounds__(128) k_matvec_q8b(const uint8_t *__restrict__ 
   }
   __syncthreads();
   if (tid < RB && row0 + tid < n_out) y[row0 + tid] = (part[0][tid] + part[1][tid]) + (part[2][tid] + part[3][tid]);
+  KT(KT_MATVEC_BLOCK, KT_END);
 }
 
 extern "C" int strata_matvec_q8b(void *stream, int t, const void *w, const void *xq, float *y, int n_out, int n_in,
@@ -813,6 +861,7 @@ __global__ void __launch_bounds__(32 * (32 / RP)) k_matvec_q8w_glu(
     const float2 *__restrict__ xds, float *__restrict__ act, int8_t *__restrict__ act_q8, int F, int n_units,
     long long row_bytes, int slot, NormIn fn) {
   griddep_launch();
+  KT(KT_GLU, KT_START);
   extern __shared__ __align__(16) uint8_t staged[];
   float nw[FNC > 0 ? FNC : 1][8];
   if (FNC) fn_load_w(fn, nw);
@@ -830,9 +879,11 @@ __global__ void __launch_bounds__(32 * (32 / RP)) k_matvec_q8w_glu(
     }
   }
   griddep_wait();
+  KT(KT_GLU, KT_WAITED);
   if (STAGE) {
     stage_wait();
     __syncwarp();
+    KT(KT_GLU, KT_STAGED);
   }
   const uint8_t *rows[2 * RP];   // gate rows, then up rows
 #pragma unroll
@@ -845,11 +896,13 @@ __global__ void __launch_bounds__(32 * (32 / RP)) k_matvec_q8w_glu(
     __shared__ float red[32];
     int8_t *xs = reinterpret_cast<int8_t *>(staged + 2 * (32 / RP) * slot);
     fn_norm_q8(fn, nw, xs, reinterpret_cast<float2 *>(xs + fn.dim), red);
+    KT(KT_GLU, KT_NORMED);
     strided_rows_dot<T, 2 * RP, 32, true>(rows, reinterpret_cast<const int *>(xs),
                                           reinterpret_cast<const float2 *>(xs + fn.dim), n_units, lane, acc);
   } else {
     strided_rows_dot<T, 2 * RP, 32>(rows, reinterpret_cast<const int *>(xq), xds, n_units, lane, acc);
   }
+  KT(KT_GLU, KT_DOTTED);
   __shared__ float sv[32];
 #pragma unroll
   for (int r = 0; r < RP; r++) {
@@ -868,6 +921,7 @@ __global__ void __launch_bounds__(32 * (32 / RP)) k_matvec_q8w_glu(
     if (act) act[i] = v;
     if (act_q8) q8_store(v, i, act_q8, reinterpret_cast<float2 *>(act_q8 + F));
   }
+  KT(KT_GLU, KT_END);
 }
 
 // Launch k_matvec_q8w_glu (32 / RP warps per block), staged when mv_stage_on() and the block's rows fit in the
@@ -1050,12 +1104,14 @@ __global__ void __launch_bounds__(256) k_rms_norm_c(const float *x, const float 
                                                     float *out, float *sum_out, __half *out16, int8_t *out_q8, int dim,
                                                     float eps) {
   griddep_launch();
+  KT(KT_NORM, KT_START);
   const int e0 = EPT * threadIdx.x;
   const bool live = e0 < dim;
   float w[EPT], v[EPT];
 #pragma unroll
   for (int k = 0; k < EPT; k++) w[k] = live ? __ldg(wt + e0 + k) : 0.f;
   griddep_wait();
+  KT(KT_NORM, KT_WAITED);
   __shared__ float sh[32];
   const long long base = (long long)blockIdx.x * dim + e0;
 #pragma unroll
@@ -1091,6 +1147,7 @@ __global__ void __launch_bounds__(256) k_rms_norm_c(const float *x, const float 
       if ((e0 & 31) == 0) reinterpret_cast<float2 *>(out_q8 + dim)[e0 >> 5] = make_float2(d, d * (float)sum);
     }
   }
+  KT(KT_NORM, KT_END);
 }
 
 extern "C" int strata_rms_norm(void *stream, const float *x, const float *res, const float *w, float *out,
@@ -1253,13 +1310,62 @@ extern "C" int strata_kv_gather(void *stream, const void *kc, const void *vc, co
 }
 
 // ---------------------------------------------------------------- decode attention (split-K)
+// Merge head h's n_split split-K partials (M, L, O[hd] each, as k_attn_decode writes them) into out[h * hd ..] and,
+// with out_q8, its q8_1 blocks (int8 [n_head * hd] then float2 per 32). Partials are read through L2 (__ldcg): other
+// blocks of the calling grid may have written them. Every thread of the block calls it; hd % 32 == 0, so the loop
+// over d keeps warps whole (q8_store's shuffles) with any multiple of 32 threads.
+__device__ static void attn_merge_head(const float *partial, int h, int n_split, int hd, int n_head, float *out,
+                                       int8_t *out_q8) {
+  const float *p = partial + (long long)h * n_split * (hd + 2);
+  float M = -INFINITY;
+  for (int s = 0; s < n_split; s++) M = fmaxf(M, __ldcg(p + s * (hd + 2)));
+  float L = 0.f;
+  for (int s = 0; s < n_split; s++) {
+    const float ms = __ldcg(p + s * (hd + 2));
+    if (ms > -INFINITY) L += __ldcg(p + s * (hd + 2) + 1) * __expf(ms - M);
+  }
+  for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+    float acc = 0.f;
+    for (int s = 0; s < n_split; s++) {
+      const float ms = __ldcg(p + s * (hd + 2));
+      if (ms > -INFINITY) acc += __ldcg(p + s * (hd + 2) + 2 + d) * __expf(ms - M);
+    }
+    out[h * hd + d] = acc / L;
+    if (out_q8) q8_store(acc / L, h * hd + d, out_q8, reinterpret_cast<float2 *>(out_q8 + n_head * hd));
+  }
+}
+
+// The split-K kernels' tail with a fused merge (counters != NULL): the last block of head h to store its partial
+// (threadfence + an atomic count per head, reset by that block; the CUDA samples' threadFenceReduction scheme) merges
+// the head's splits, so no k_attn_combine launch follows. Every thread of the block calls it after its stores.
+__device__ static void attn_split_tail(const float *partial, unsigned *counters, int h, int n_split, int hd,
+                                       int n_head, float *out, int8_t *out_q8) {
+  if (!counters) return;
+  __shared__ int last;
+  if (n_split > 1) {
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(&counters[h], 1u) == (unsigned)(n_split - 1);
+    __syncthreads();
+    if (!last) return;   // block-uniform
+    __threadfence();
+  } else {
+    __syncthreads();
+  }
+  attn_merge_head(partial, h, n_split, hd, n_head, out, out_q8);
+  if (n_split > 1 && threadIdx.x == 0) counters[h] = 0;
+}
+
 #define ATT_WARPS 4
 template <int EPL>  // elements per lane: hd = 32 * EPL
 __global__ void k_attn_decode(const float *__restrict__ q, const __half *__restrict__ kc, const __half *__restrict__ vc,
                               const int *__restrict__ pt, const int *d_len, int len_arg, float *__restrict__ partial,
-                              int n_head, int n_kv, int ps, int n_split, float scale) {
+                              int n_head, int n_kv, int ps, int n_split, float scale, unsigned *counters, float *out,
+                              int8_t *out_q8, int /* pre_wait: reads everything after the wait */) {
   griddep_launch();
+  KT(KT_ATTN, KT_START);
   griddep_wait();
+  KT(KT_ATTN, KT_WAITED);
   constexpr int hd = 32 * EPL;
   const int h = blockIdx.x, sp = blockIdx.y;
   const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
@@ -1306,30 +1412,17 @@ __global__ void k_attn_decode(const float *__restrict__ q, const __half *__restr
     dst[0] = M;
     dst[1] = L;
   }
+  attn_split_tail(partial, counters, h, n_split, hd, n_head, out, out_q8);
+  KT(KT_ATTN, KT_END);
 }
 
 __global__ void k_attn_combine(const float *partial, float *out, int8_t *out_q8, int n_split, int hd) {
   griddep_launch();
+  KT(KT_ATTN_MERGE, KT_START);
   griddep_wait();
-  const int h = blockIdx.x;
-  const float *p = partial + (long long)h * n_split * (hd + 2);
-  float M = -INFINITY;
-  for (int s = 0; s < n_split; s++) M = fmaxf(M, p[s * (hd + 2)]);
-  float L = 0.f;
-  for (int s = 0; s < n_split; s++) {
-    const float ms = p[s * (hd + 2)];
-    if (ms > -INFINITY) L += p[s * (hd + 2) + 1] * __expf(ms - M);
-  }
-  for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-    float acc = 0.f;
-    for (int s = 0; s < n_split; s++) {
-      const float ms = p[s * (hd + 2)];
-      if (ms > -INFINITY) acc += p[s * (hd + 2) + 2 + d] * __expf(ms - M);
-    }
-    out[h * hd + d] = acc / L;
-    // blockDim == hd, a multiple of 32: warps stay whole and each covers one aligned q8_1 block
-    if (out_q8) q8_store(acc / L, h * hd + d, out_q8, reinterpret_cast<float2 *>(out_q8 + gridDim.x * hd));
-  }
+  KT(KT_ATTN_MERGE, KT_WAITED);
+  attn_merge_head(partial, blockIdx.x, n_split, hd, gridDim.x, out, out_q8);
+  KT(KT_ATTN_MERGE, KT_END);
 }
 
 // Decode attention with several positions per warp in flight: a group of LP = hd / 8 lanes owns one position
@@ -1340,16 +1433,33 @@ template <int LP>
 __global__ void k_attn_decode_v(const float *__restrict__ q, const __half *__restrict__ kc,
                                 const __half *__restrict__ vc, const int *__restrict__ pt, const int *d_len,
                                 int len_arg, float *__restrict__ partial, int n_head, int n_kv, int ps, int n_split,
-                                float scale) {
+                                float scale, unsigned *counters, float *out, int8_t *out_q8, int pre_wait) {
   griddep_launch();
-  griddep_wait();
+  KT(KT_ATTN, KT_START);
   constexpr int hd = 8 * LP, PPW = 32 / LP, NG = ATT_WARPS * PPW, STEP = 2 * NG;
   const int h = blockIdx.x, sp = blockIdx.y;
   const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, grp = lane / LP, gl = lane % LP;
   const int kvh = h / (n_head / n_kv);
-  const int len = d_len ? *d_len : len_arg;
-  const int chunk = (len + n_split - 1) / n_split;
-  const int beg = sp * chunk, end = min(len, beg + chunk);
+  const int g_id = wid * PPW + grp;
+  // the length, the split's range and the pages of the first step's two positions (pga, pgb): before the PDL wait
+  // when the caller allows it (pre_wait: the length and page table are not written by the previous kernel), so
+  // that after it only q and the K / V rows are loaded (the first step's K / V include the position the previous
+  // kernel wrote)
+  int len = 0, beg = 0, end = 0, pga = 0, pgb = 0;
+  auto bounds = [&]() {
+    len = d_len ? *d_len : len_arg;
+    const int chunk = (len + n_split - 1) / n_split;
+    beg = sp * chunk;
+    end = min(len, beg + chunk);
+    if (beg < end) {
+      pga = pt[min(beg + g_id, end - 1) / ps];
+      pgb = pt[min(beg + NG + g_id, end - 1) / ps];
+    }
+  };
+  if (pre_wait) bounds();
+  griddep_wait();
+  KT(KT_ATTN, KT_WAITED);
+  if (!pre_wait) bounds();
   float qv[8], o[8];
   {
     const float4 *qp = reinterpret_cast<const float4 *>(q + h * hd + 8 * gl);
@@ -1360,15 +1470,18 @@ __global__ void k_attn_decode_v(const float *__restrict__ q, const __half *__res
 #pragma unroll
   for (int i = 0; i < 8; i++) o[i] = 0.f;
   float m = -INFINITY, l = 0.f;
-  const int g_id = wid * PPW + grp;
   for (int p0 = beg; p0 < end; p0 += STEP) {
     const int pa = p0 + g_id, pb = p0 + NG + g_id;
     const bool va = pa < end, vb = pb < end;
     // positions past the end load the range's last one (valid; its score is not used): unconditional loads are
     // all in flight together, a load behind a branch waits for the previous one's use
     const int qa = min(pa, end - 1), qb = min(pb, end - 1);
-    const long long ba = (((long long)pt[qa / ps] * ps + (qa % ps)) * n_kv + kvh) * hd + 8 * gl;
-    const long long bb = (((long long)pt[qb / ps] * ps + (qb % ps)) * n_kv + kvh) * hd + 8 * gl;
+    if (p0 != beg) {
+      pga = pt[qa / ps];
+      pgb = pt[qb / ps];
+    }
+    const long long ba = (((long long)pga * ps + (qa % ps)) * n_kv + kvh) * hd + 8 * gl;
+    const long long bb = (((long long)pgb * ps + (qb % ps)) * n_kv + kvh) * hd + 8 * gl;
     const uint4 ka = *reinterpret_cast<const uint4 *>(kc + ba), xa = *reinterpret_cast<const uint4 *>(vc + ba);
     const uint4 kb = *reinterpret_cast<const uint4 *>(kc + bb), xb = *reinterpret_cast<const uint4 *>(vc + bb);
     const __half2 *k2a = reinterpret_cast<const __half2 *>(&ka), *k2b = reinterpret_cast<const __half2 *>(&kb);
@@ -1419,24 +1532,28 @@ __global__ void k_attn_decode_v(const float *__restrict__ q, const __half *__res
     dst[0] = M;
     dst[1] = L;
   }
+  attn_split_tail(partial, counters, h, n_split, hd, n_head, out, out_q8);
+  KT(KT_ATTN, KT_END);
 }
 
 extern "C" int strata_attn_decode(void *stream, const float *q, const void *kc, const void *vc, const int *pt,
                                   const int *d_len, int len, float *partial, float *out, int n_head, int n_kv, int hd,
                                   int ps, int n_split, float scale) {
-  return strata_attn_decode_ex(stream, q, kc, vc, pt, d_len, len, partial, out, nullptr, n_head, n_kv, hd, ps,
-                               n_split, scale);
+  return strata_attn_decode_ex(stream, q, kc, vc, pt, d_len, len, partial, out, nullptr, nullptr, 0, n_head, n_kv,
+                               hd, ps, n_split, scale);
 }
 
 extern "C" int strata_attn_decode_ex(void *stream, const float *q, const void *kc, const void *vc, const int *pt,
-                                     const int *d_len, int len, float *partial, float *out, void *out_q8, int n_head,
-                                     int n_kv, int hd, int ps, int n_split, float scale) {
-  if (hd % 32 || hd > 256 || n_head % n_kv || n_split < 1) return (int)cudaErrorInvalidValue;
+                                     const int *d_len, int len, float *partial, float *out, void *out_q8,
+                                     unsigned *counters, int pre_wait, int n_head, int n_kv, int hd, int ps,
+                                     int n_split, float scale) {
+  if (hd % 32 || hd > 256 || hd <= 0 || n_kv <= 0 || n_head % n_kv || n_split < 1) return (int)cudaErrorInvalidValue;
   cudaStream_t s = (cudaStream_t)stream;
   dim3 grid(n_head, n_split);
   const __half *K = (const __half *)kc, *V = (const __half *)vc;
-#define AD(E) st_launch(k_attn_decode<E>, grid, 32 * ATT_WARPS, 0, s, q, K, V, pt, d_len, len, partial, n_head, n_kv, ps, n_split, scale)
-#define AV(LP) st_launch(k_attn_decode_v<LP>, grid, 32 * ATT_WARPS, 0, s, q, K, V, pt, d_len, len, partial, n_head, n_kv, ps, n_split, scale)
+  int8_t *oq = (int8_t *)out_q8;
+#define AD(E) st_launch(k_attn_decode<E>, grid, 32 * ATT_WARPS, 0, s, q, K, V, pt, d_len, len, partial, n_head, n_kv, ps, n_split, scale, counters, out, oq, pre_wait)
+#define AV(LP) st_launch(k_attn_decode_v<LP>, grid, 32 * ATT_WARPS, 0, s, q, K, V, pt, d_len, len, partial, n_head, n_kv, ps, n_split, scale, counters, out, oq, pre_wait)
   // 32 / 64 / 128 / 256: 16-byte lane groups; other multiples of 32 (or STRATA_CUDA_ATTN_V1=1): one position
   // per warp step
   static const int v1 = getenv("STRATA_CUDA_ATTN_V1") && getenv("STRATA_CUDA_ATTN_V1")[0] == '1';
@@ -1450,7 +1567,8 @@ extern "C" int strata_attn_decode_ex(void *stream, const float *q, const void *k
   }
 #undef AV
 #undef AD
-  st_launch(k_attn_combine, n_head, hd, 0, s, partial, out, (int8_t *)out_q8, n_split, hd);
+  // without counters the merge is a second launch (one block of hd threads per head)
+  if (!counters) st_launch(k_attn_combine, n_head, hd, 0, s, partial, out, oq, n_split, hd);
   return (int)cudaGetLastError();
 }
 
@@ -1677,7 +1795,9 @@ extern "C" int strata_flash_prefill(void *stream, const float *q, const void *kc
 // ---------------------------------------------------------------- argmax
 __global__ void k_argmax(const float *x, int *out, int n) {
   griddep_launch();
+  KT(KT_ARGMAX, KT_START);
   griddep_wait();
+  KT(KT_ARGMAX, KT_WAITED);
   __shared__ float sv[32];
   __shared__ int si[32];
   const float *row = x + (long long)blockIdx.x * n;

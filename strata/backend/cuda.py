@@ -111,6 +111,16 @@ def glu_pairs_per_warp(n_ff: int, n_sm: int) -> int:
 # pairs (not NeoX), f16 cache. STRATA_CUDA_QKV_ROPE=0 keeps the separate strata_rope_kv_decode launch.
 QKV_ROPE = _env_on("STRATA_CUDA_QKV_ROPE", True)
 
+# The first split-K decode kernel merges its splits itself in the decode graph (the last block of each head, an
+# atomic count per head; strata_attn_decode_ex with counters): one launch per layer fewer, the same arithmetic.
+# STRATA_CUDA_ATTN_MERGE=0 keeps the separate combine launch.
+ATTN_MERGE = _env_on("STRATA_CUDA_ATTN_MERGE", True)
+
+# In a captured decode graph the position, the length and the page table change only between replays, so the QKV
+# matvec's RoPE epilogue (angles, cache slots) and the first split-K attention kernel (length, pages) read them
+# before their PDL wait, off the dependent chain. STRATA_CUDA_PRE_WAIT=0 reads them after the wait.
+PRE_WAIT = _env_on("STRATA_CUDA_PRE_WAIT", True)
+
 
 # The llama decode graph's two RMSNorms per layer computed inside the QKV and gate/up matvecs (every block
 # normalizes the residual stream itself after its weights are staged, strata_matvec_q8w_rope /
@@ -214,6 +224,8 @@ def n_split_class(size_class: int, n_kv: int, n_sm: int, resident: int = 0) -> i
 # 4096), runs one block of 4 warps per row (strata_matvec_q8b) instead of one warp per row (measured on the H200: syn
 # decode +2.3-3.8%; other matrices not measured, so they keep q8w); STRATA_CUDA_MV_BLOCK_FROM=0 turns that off.
 MV_BLOCK_FROM = _env_int("STRATA_CUDA_MV_BLOCK_FROM", 128)
+# Rows per block of that kernel (1, 2 or 4; STRATA_CUDA_MV_BLOCK_ROWS).
+MV_BLOCK_ROWS = _env_int("STRATA_CUDA_MV_BLOCK_ROWS", 1)
 
 
 def rows_per_warp(n_out: int) -> int:
@@ -1048,13 +1060,15 @@ class LlamaCuda:
             "o": cp.zeros((1, E), cp.float32), "gu": cp.zeros((1, 2 * F), cp.float32),
             "act": cp.zeros((1, F), cp.float32), "logits": cp.zeros((1, self.n_vocab), cp.float32),
             "partial": cp.zeros(self.n_head * max(MAX_SPLIT, GQA_MAX_SPLIT) * (self.hd + 2), cp.float32),
-            "counters": cp.zeros(max(64, self.n_kv), cp.uint32),
+            "counters": cp.zeros(max(64, self.n_kv, self.n_head), cp.uint32),   # per KV head (v2) / head (v1)
             "hq": q8(E), "aq": q8(nq), "fq": q8(F),
         }
         self.dp4a = DP4A
         self.glu = GLU                                        # SwiGLU fused into the gate/up matvec
         self.mv_block_from = MV_BLOCK_FROM                    # strata_matvec_q8b for rows this long (0: never)
         self.attn = ATTN                                      # "v1" | "v2" | "auto" (decode attention kernel)
+        self.attn_merge = ATTN_MERGE                          # v1: the last split block merges (no combine launch)
+        self.pre_wait = PRE_WAIT                              # graph: pos / len / page table read before PDL waits
         self.qkv_rope = QKV_ROPE                              # RoPE + K / V write in the QKV matvec
         self.fused_norm = FUSED_NORM                          # RMSNorms in the QKV and gate/up matvecs
         self.graphs: dict[int, Any] = {}
@@ -1166,8 +1180,8 @@ class LlamaCuda:
         for w, y_ptr, n_out in ws:
             if self.dp4a and lb.strata_matvec_q8_supported(w.ggml_type):
                 if long_rows and self.mv_block_from and n_in // 32 >= self.mv_block_from:
-                    _check(lb.strata_matvec_q8b(s, w.ggml_type, _p(w.data), _p(xq), y_ptr, n_out, n_in, 1),
-                           "strata_matvec_q8b")
+                    _check(lb.strata_matvec_q8b(s, w.ggml_type, _p(w.data), _p(xq), y_ptr, n_out, n_in,
+                                                MV_BLOCK_ROWS), "strata_matvec_q8b")
                     continue
                 _check(lb.strata_matvec_q8w(s, w.ggml_type, _p(w.data), _p(xq), y_ptr, n_out, n_in,
                                             rows_per_warp(n_out)), "strata_matvec_q8w")
@@ -1204,9 +1218,12 @@ class LlamaCuda:
             return None
         return glu_pointers([L.w_gate_up] if L.w_gate_up is not None else [L.w_gate, L.w_up], self.n_ff, self.n_embd)
 
-    def _enqueue_step(self, n_split: int, v2: bool) -> None:
+    def _enqueue_step(self, n_split: int, v2: bool, graph: bool = False) -> None:
         """Enqueue one decode step on the current stream (only preallocated buffers; token/pos from d['inp']);
-        decode attention by strata_attn_decode_gqa (v2) or the first split-K kernel, n_split partitions."""
+        decode attention by strata_attn_decode_gqa (v2) or the first split-K kernel, n_split partitions. graph: the
+        step is being captured as a graph, whose launches are ordered behind all earlier work on the stream, and in
+        which only the last launch writes the position and length: the kernels may read them and the page table
+        before their PDL wait (pre_wait; not so for eager steps, whose launches overlap the previous step's)."""
         lb, d, m, pool = lib(), self.d, self.model, self.pool
         s = _stream_ptr()
         E, H, KV, hd, F = self.n_embd, self.n_head, self.n_kv, self.hd, self.n_ff
@@ -1225,6 +1242,7 @@ class LlamaCuda:
                 raise ValueError(f"the persistent decode step cannot run this model: {self.step_why}")
             _check(lb.strata_decode_step(s, self._step[0], self.step_blocks), "strata_decode_step")
             return
+        pre = graph and self.pre_wait      # position, length and page table read before the PDL waits
         fused_r = self.fused_norm_rows()   # the two RMSNorms of a layer inside the QKV and gate/up matvecs
         fused = fused_r > 0
         # the residual stream: fused, it alternates between x and x2 (a fused norm's block 0 writes x + delta to the
@@ -1244,7 +1262,7 @@ class LlamaCuda:
                 _check(lb.strata_matvec_q8w_rope(s, L.wqkv.ggml_type, _p(L.wqkv.data), hq, f32(qkv), H, KV, hd, E,
                                                  fused_r if fused else rows_per_warp(nq + 2 * kvd), pos_p,
                                                  _p(kc), _p(vc), _p(pt), self.n_rot, self.theta, pool.page_size,
-                                                 *norm, self.eps), "matvec_rope")
+                                                 *norm, self.eps, int(pre)), "matvec_rope")
                 if fused:
                     xa, xb = xb, xa
             elif L.wqkv is not None:
@@ -1269,8 +1287,8 @@ class LlamaCuda:
                                                  _p(ks), _p(vs)), "attn")
             else:
                 _check(lb.strata_attn_decode_ex(s, f32(qkv), _p(kc), _p(vc), _p(pt), len_p, 0, _p(d["partial"]),
-                                                _p(d["att"]), aq, H, KV, hd, pool.page_size, n_split, self.scale),
-                       "attn")
+                                                _p(d["att"]), aq, ctr if self.attn_merge else NULL, int(pre), H,
+                                                KV, hd, pool.page_size, n_split, self.scale), "attn")
             self._mv(s, [(L.wo, _p(d["o"]), E)], d["att"], d["aq"], nq)
             glu = self._glu_weights(L)
             vp = lambda a: _ffi.cast("void *", a)   # noqa: E731
@@ -1339,7 +1357,7 @@ class LlamaCuda:
         if g is None:
             self.stream.begin_capture()
             try:
-                self._enqueue_step(n_split, v2)
+                self._enqueue_step(n_split, v2, graph=True)
             finally:
                 g = self.stream.end_capture()
             self.graphs[cls] = g
