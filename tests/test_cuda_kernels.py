@@ -759,6 +759,7 @@ def test_attn_decode_v1_q8_output(cp, hd, H, KV, L, n_split):
     with no position."""
     ps = 16
     kc, vc, pt, dq, scale, ref = _decode_case(cp, L + hd + H + 1, L, H, KV, hd, ps)
+    lb = C.lib()   # loads the library (and C._ffi)
     outs = []
     ctr = cp.zeros(H, cp.uint32)
     for merged in (False, True):
@@ -767,9 +768,9 @@ def test_attn_decode_v1_q8_output(cp, hd, H, KV, L, n_split):
             out = cp.full(H * hd, cp.nan, cp.float32)
             oq = cp.zeros(H * hd + H * hd // 4, cp.uint8)
             ctr_p = C._ffi.cast("unsigned *", ctr.data.ptr) if merged else C._ffi.NULL
-            C._check(C.lib().strata_attn_decode_ex(C._stream_ptr(), C._p(dq), C._p(kc), C._p(vc), C._p(pt),
-                                                   C._ffi.NULL, L, C._p(ws), C._p(out), C._p(oq), ctr_p, pre, H, KV,
-                                                   hd, ps, n_split, scale), "attn_v1")
+            C._check(lb.strata_attn_decode_ex(C._stream_ptr(), C._p(dq), C._p(kc), C._p(vc), C._p(pt), C._ffi.NULL,
+                                              L, C._p(ws), C._p(out), C._p(oq), ctr_p, pre, H, KV, hd, ps, n_split,
+                                              scale), "attn_v1")
             got = cp.asnumpy(out)
             assert rel(got, ref) < 1e-4
             qv, _ = _q8_parts(cp.asnumpy(oq), H * hd)

@@ -1518,6 +1518,20 @@ __global__ void k_attn_decode_v(const float *__restrict__ q, const __half *__res
   __syncthreads();
   float M = -INFINITY;
   for (int w = 0; w < NG; w++) M = fmaxf(M, sm[w]);
+  if (counters && n_split == 1) {   // the block is the whole head: the output directly, no partial to read back
+    float L = 0.f;                  // (merging one split multiplies by __expf(0) = 1: the same bits as the merge)
+    for (int w = 0; w < NG; w++)
+      if (sm[w] > -INFINITY) L += sl[w] * __expf(sm[w] - M);
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {   // warp-uniform (hd % 32 == 0): q8_store's shuffles
+      float acc = 0.f;
+      for (int w = 0; w < NG; w++)
+        if (sm[w] > -INFINITY) acc += so[w][d] * __expf(sm[w] - M);
+      out[h * hd + d] = acc / L;
+      if (out_q8) q8_store(acc / L, h * hd + d, out_q8, reinterpret_cast<float2 *>(out_q8 + n_head * hd));
+    }
+    KT(KT_ATTN, KT_END);
+    return;
+  }
   float *dst = partial + ((long long)h * n_split + sp) * (hd + 2);
   for (int d = threadIdx.x; d < hd; d += blockDim.x) {
     float acc = 0.f;
