@@ -768,9 +768,12 @@ def test_attn_decode_v1_q8_output(cp, hd, H, KV, L, n_split):
             out = cp.full(H * hd, cp.nan, cp.float32)
             oq = cp.zeros(H * hd + H * hd // 4, cp.uint8)
             ctr_p = C._ffi.cast("unsigned *", ctr.data.ptr) if merged else C._ffi.NULL
-            C._check(lb.strata_attn_decode_ex(C._stream_ptr(), C._p(dq), C._p(kc), C._p(vc), C._p(pt), C._ffi.NULL,
-                                              L, C._p(ws), C._p(out), C._p(oq), ctr_p, pre, H, KV, hd, ps, n_split,
-                                              scale), "attn_v1")
+            # the length from device memory when read before the wait (as the decode graph does), else the argument
+            dl = cp.asarray([L], dtype=cp.int32)   # kept alive until the kernel has run
+            d_len = C._ffi.cast("int *", dl.data.ptr) if pre else C._ffi.NULL
+            C._check(lb.strata_attn_decode_ex(C._stream_ptr(), C._p(dq), C._p(kc), C._p(vc), C._p(pt), d_len,
+                                              0 if pre else L, C._p(ws), C._p(out), C._p(oq), ctr_p, pre, H, KV, hd,
+                                              ps, n_split, scale), "attn_v1")
             got = cp.asnumpy(out)
             assert rel(got, ref) < 1e-4
             qv, _ = _q8_parts(cp.asnumpy(oq), H * hd)

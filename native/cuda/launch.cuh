@@ -1,14 +1,15 @@
 // Kernel launches with programmatic dependent launch (PDL, sm_90+), shared by the kernel files.
 //
 // With PDL on (the default on compute capability >= 9.0; STRATA_CUDA_PDL=0 / strata_set_pdl(0) turn it off),
-// st_launch gives each launch the
-// cudaLaunchAttributeProgrammaticStreamSerialization attribute: the next kernel on the stream may be scheduled once
-// every block of this one has run griddep_launch() (griddepcontrol.launch_dependents), and it runs up to its
-// griddep_wait() (griddepcontrol.wait: the previous grid has completed and its memory is visible) early, so launch
-// latency and read-only prologues (a matvec's weight prefetch) overlap the previous kernel. Every kernel launched
-// through st_launch therefore starts with griddep_launch(), then griddep_wait() before it touches memory another
-// kernel writes. With PDL off the launch is an ordinary one. CUDA C++ Programming Guide, "Programmatic Dependent
-// Launch and Synchronization"; PTX ISA, griddepcontrol.
+// st_launch gives each launch the cudaLaunchAttributeProgrammaticStreamSerialization attribute: the next kernel on
+// the stream may be scheduled once every block of this one has run griddep_launch()
+// (griddepcontrol.launch_dependents), and it runs up to its griddep_wait() (griddepcontrol.wait: the previous grid
+// has completed and its memory is visible) early, so launch latency and read-only prologues (a matvec's weight
+// prefetch) overlap the previous kernel. Every kernel launched through st_launch therefore starts with
+// griddep_launch(), then griddep_wait() before it touches memory another kernel writes (or before it where the
+// caller says no earlier kernel of the chain writes it: the decode graph's position and page table, pre_wait; any
+// earlier kernel may still run then, not just the previous one). With PDL off the launch is an ordinary one. CUDA C++
+// Programming Guide, "Programmatic Dependent Launch and Synchronization"; PTX ISA, griddepcontrol.
 #pragma once
 #include <cuda_runtime.h>
 #include <stdint.h>

@@ -107,8 +107,9 @@ int strata_attn_decode(void *stream, const float *q, const void *k_cache, const 
 /* strata_attn_decode that also writes the output as q8_1 blocks (out_q8: int8 [n_head * hd] then float2 (d, d * sum)
  * per 32, the layout of strata_quantize_q8_1) for the next matvec; out_q8 NULL = strata_attn_decode. counters: NULL
  * (a second launch merges the splits) or n_head uint32, all 0, left 0: the last split block of each head merges it
- * (one launch; the same arithmetic). pre_wait != 0: *d_len and the page table are not written by the kernel
- * launched before this one (a decode graph), so they may be read before the PDL wait. */
+ * (one launch; the same arithmetic). pre_wait != 0: no kernel earlier in the stream's chain of programmatic
+ * dependent launches writes *d_len or the page table (every kernel may pass its launch point before its predecessors
+ * end; in a decode graph only the last launch advances them), so they may be read before the PDL wait. */
 int strata_attn_decode_ex(void *stream, const float *q, const void *k_cache, const void *v_cache,
                           const int *page_table, const int *d_len, int len, float *partial, float *out, void *out_q8,
                           unsigned *counters, int pre_wait, int n_head, int n_kv, int hd, int page_size, int n_split,
@@ -133,9 +134,10 @@ int strata_rope_kv_decode(void *stream, float *qkv, const int *pos, void *k_cach
 /* The decode step's QKV matvec with strata_rope_kv_decode fused into its epilogue (adjacent RoPE pairs only, i.e.
  * neox = 0; f16 cache): qkv f32 [q (n_head*hd) | k | v] = W (fused Q|K|V rows, ggml type t, n_in columns) . x (q8_1
  * blocks of strata_quantize_q8_1), q and k rotated at position *pos, k and v written to the paged cache at *pos.
- * Same values, bit for bit, as strata_matvec_q8w followed by strata_rope_kv_decode. pre_wait != 0: *pos and the page
- * table are not written by the kernel launched before this one (a decode graph: they change between replays), so the
- * epilogue's angles and cache slots are computed before the PDL wait, off the dependent chain.
+ * Same values, bit for bit, as strata_matvec_q8w followed by strata_rope_kv_decode. pre_wait != 0: no kernel earlier
+ * in the stream's chain of programmatic dependent launches writes *pos or the page table (in a decode graph only the
+ * last launch advances them), so the epilogue's angles and cache slots are computed before the PDL wait, off the
+ * dependent chain.
  * Fused RMSNorm (norm_w != NULL; xq is then unused): every block computes x = RMSNorm(norm_x + norm_delta) * norm_w
  * (norm_delta may be NULL) itself, as q8_1 in shared memory, and block 0 stores norm_x + norm_delta to norm_x_out
  * (may be NULL; must not alias norm_x or norm_delta); n_in % 32 == 0, n_in <= 4096, the four f32 vectors 16-byte

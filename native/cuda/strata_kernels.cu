@@ -507,7 +507,7 @@ struct RopeKV {
   __half *kc, *vc;        // f16 cache of this layer
   int H, KV, hd, n_rot, ps;
   float base;
-  int pre_wait;           // pos and pt are not written by the previous kernel: read them before the PDL wait
+  int pre_wait;           // no earlier kernel of the PDL chain writes pos or pt: read them before the PDL wait
 };
 
 // The input-independent half of one pair's epilogue: the pair's (cos, sin) and its cache element (or -1: a q row).
@@ -1428,7 +1428,8 @@ __global__ void k_attn_combine(const float *partial, float *out, int8_t *out_q8,
 // Decode attention with several positions per warp in flight: a group of LP = hd / 8 lanes owns one position
 // (each lane one 16-byte load of 8 f16 K values and 8 V values), so a warp reads 32 / LP positions per step and
 // each group unrolls 2 positions (loads issued before the dot products). Each group keeps its own online softmax
-// (m, l, o); groups and warps are merged in shared memory into the same (M, L, O) partial as k_attn_decode.
+// (m, l, o); groups and warps are merged in shared memory into the same (M, L, O) partial as k_attn_decode (or,
+// with counters and one split, straight into the output).
 template <int LP>
 __global__ void k_attn_decode_v(const float *__restrict__ q, const __half *__restrict__ kc,
                                 const __half *__restrict__ vc, const int *__restrict__ pt, const int *d_len,
@@ -1442,7 +1443,7 @@ __global__ void k_attn_decode_v(const float *__restrict__ q, const __half *__res
   const int kvh = h / (n_head / n_kv);
   const int g_id = wid * PPW + grp;
   // the length, the split's range and the pages of the first step's two positions (pga, pgb): before the PDL wait
-  // when the caller allows it (pre_wait: the length and page table are not written by the previous kernel), so
+  // when the caller allows it (pre_wait: no earlier kernel of the PDL chain writes the length or page table), so
   // that after it only q and the K / V rows are loaded (the first step's K / V include the position the previous
   // kernel wrote)
   int len = 0, beg = 0, end = 0, pga = 0, pgb = 0;

@@ -111,7 +111,7 @@ def glu_pairs_per_warp(n_ff: int, n_sm: int) -> int:
 # pairs (not NeoX), f16 cache. STRATA_CUDA_QKV_ROPE=0 keeps the separate strata_rope_kv_decode launch.
 QKV_ROPE = _env_on("STRATA_CUDA_QKV_ROPE", True)
 
-# The first split-K decode kernel merges its splits itself in the decode graph (the last block of each head, an
+# The first split-K decode kernel merges its splits itself in the llama decode step (the last block of each head, an
 # atomic count per head; strata_attn_decode_ex with counters): one launch per layer fewer, the same arithmetic.
 # STRATA_CUDA_ATTN_MERGE=0 keeps the separate combine launch.
 ATTN_MERGE = _env_on("STRATA_CUDA_ATTN_MERGE", True)
