@@ -474,17 +474,16 @@ __device__ static inline void strided_rows_dot(const uint8_t *const (&rows)[NR],
   }
 }
 
-// One decode RoPE pair: (x0, x1) rotated by pos * base^(-2i / n_rot) (the angle in double precision), each output
-// one rounded product and one fused multiply-add, so every kernel that calls this (k_rope_kv_decode, the QKV
-// matvec's epilogue) gives the same bits whatever the compiler would contract.
-// RoPE's (cos, sin) of pair i at position pos, angle pos * base^(-2i / n_rot) in double precision (Su et al.,
-// RoFormer, eq. 34; llama.cpp's ggml_rope with theta_scale = base^(-2 / n_rot)).
+// One decode RoPE pair, in two halves that every decode RoPE (k_rope_kv_decode, the QKV matvec's epilogue) calls,
+// so they give the same bits whatever the compiler would contract. rope_angle: (cos, sin) of pair i at position
+// pos, angle pos * base^(-2i / n_rot) in double precision (Su et al., RoFormer, eq. 34; llama.cpp's ggml_rope with
+// theta_scale = base^(-2 / n_rot)).
 __device__ static inline float2 rope_angle(int pos, int i, int n_rot, float base) {
   const double ang = (double)pos * pow((double)base, -2.0 * (double)i / (double)n_rot);
   return make_float2((float)cos(ang), (float)sin(ang));
 }
 
-// Rotate (x0, x1) by cs = (cos, sin), explicit fma so every caller rounds alike.
+// rope_apply: (x0, x1) rotated by cs = (cos, sin), each output one rounded product and one fused multiply-add.
 __device__ static inline void rope_apply(float2 cs, float &x0, float &x1) {
   const float y0 = __fmaf_rn(x0, cs.x, __fmul_rn(-x1, cs.y)), y1 = __fmaf_rn(x0, cs.y, __fmul_rn(x1, cs.x));
   x0 = y0;
@@ -555,7 +554,8 @@ __device__ static inline void rope_pair_store(const RopeKV &r, const RopePair &r
 // sub-blocks, so one x block (loaded once into registers) serves R rows and every lane keeps R weight loads in
 // flight; the whole grid covers a 2-16 MB matrix in one wave. Same arithmetic as k_matvec_q8.
 // ROPE: y is the decode step's qkv row and the epilogue also does strata_rope_kv_decode's work (RoPE with adjacent
-// pairs, k / v into the f16 cache; rope_kv_pair): a block's 4 * R rows are whole pairs, which meet in shared memory.
+// pairs, k / v into the f16 cache; rope_pair_prepare / rope_pair_store): a block's 4 * R rows are whole pairs, which
+// meet in shared memory.
 // STAGE: each warp copies its R rows into shared memory (`slot` bytes per warp, dynamic) before the PDL wait and
 // reads them there (launch.cuh, "weight staging"); else it prefetches them into L2.
 // FNC > 0: the RMSNorm of fn is fused into the prologue (fn_norm_q8, FNC chunks per thread; xq / xds unused): the
@@ -1356,6 +1356,40 @@ __device__ static void attn_split_tail(const float *partial, unsigned *counters,
   if (n_split > 1 && threadIdx.x == 0) counters[h] = 0;
 }
 
+// The end of a split-K decode block (after __syncthreads; every thread calls it): its NG groups' online-softmax states
+// (sm, sl, so in shared memory) merged into the split's partial (M, L, O[HD]) and then attn_split_tail; with counters
+// and one split the block is the whole head, so the output is written directly and no partial is read back (merging
+// one split multiplies by __expf(0) = 1: the same bits as attn_merge_head).
+template <int NG, int HD>
+__device__ static void attn_block_finish(const float (&sm)[NG], const float (&sl)[NG], const float (&so)[NG][HD],
+                                         float *partial, unsigned *counters, int h, int sp, int n_split, int n_head,
+                                         float *out, int8_t *out_q8) {
+  float M = -INFINITY;
+  for (int w = 0; w < NG; w++) M = fmaxf(M, sm[w]);
+  float L = 0.f;
+  for (int w = 0; w < NG; w++)
+    if (sm[w] > -INFINITY) L += sl[w] * __expf(sm[w] - M);
+  const bool direct = counters && n_split == 1;   // block-uniform
+  float *dst = partial + ((long long)h * n_split + sp) * (HD + 2);
+  for (int d = threadIdx.x; d < HD; d += blockDim.x) {   // warp-uniform (HD % 32 == 0): q8_store's shuffles
+    float acc = 0.f;
+    for (int w = 0; w < NG; w++)
+      if (sm[w] > -INFINITY) acc += so[w][d] * __expf(sm[w] - M);
+    if (!direct) {
+      dst[2 + d] = acc;
+    } else {
+      out[h * HD + d] = acc / L;
+      if (out_q8) q8_store(acc / L, h * HD + d, out_q8, reinterpret_cast<float2 *>(out_q8 + n_head * HD));
+    }
+  }
+  if (direct) return;
+  if (threadIdx.x == 0) {
+    dst[0] = M;
+    dst[1] = L;
+  }
+  attn_split_tail(partial, counters, h, n_split, HD, n_head, out, out_q8);
+}
+
 #define ATT_WARPS 4
 template <int EPL>  // elements per lane: hd = 32 * EPL
 __global__ void k_attn_decode(const float *__restrict__ q, const __half *__restrict__ kc, const __half *__restrict__ vc,
@@ -1396,23 +1430,7 @@ __global__ void k_attn_decode(const float *__restrict__ q, const __half *__restr
 #pragma unroll
   for (int k = 0; k < EPL; k++) so[wid][lane + 32 * k] = o[k];
   __syncthreads();
-  float M = -INFINITY;
-  for (int w = 0; w < ATT_WARPS; w++) M = fmaxf(M, sm[w]);
-  float *dst = partial + ((long long)h * n_split + sp) * (hd + 2);
-  for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-    float acc = 0.f;
-    for (int w = 0; w < ATT_WARPS; w++)
-      if (sm[w] > -INFINITY) acc += so[w][d] * __expf(sm[w] - M);
-    dst[2 + d] = acc;
-  }
-  if (threadIdx.x == 0) {
-    float L = 0.f;
-    for (int w = 0; w < ATT_WARPS; w++)
-      if (sm[w] > -INFINITY) L += sl[w] * __expf(sm[w] - M);
-    dst[0] = M;
-    dst[1] = L;
-  }
-  attn_split_tail(partial, counters, h, n_split, hd, n_head, out, out_q8);
+  attn_block_finish(sm, sl, so, partial, counters, h, sp, n_split, n_head, out, out_q8);
   KT(KT_ATTN, KT_END);
 }
 
@@ -1517,37 +1535,7 @@ __global__ void k_attn_decode_v(const float *__restrict__ q, const __half *__res
 #pragma unroll
   for (int i = 0; i < 8; i++) so[g_id][8 * gl + i] = o[i];
   __syncthreads();
-  float M = -INFINITY;
-  for (int w = 0; w < NG; w++) M = fmaxf(M, sm[w]);
-  if (counters && n_split == 1) {   // the block is the whole head: the output directly, no partial to read back
-    float L = 0.f;                  // (merging one split multiplies by __expf(0) = 1: the same bits as the merge)
-    for (int w = 0; w < NG; w++)
-      if (sm[w] > -INFINITY) L += sl[w] * __expf(sm[w] - M);
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {   // warp-uniform (hd % 32 == 0): q8_store's shuffles
-      float acc = 0.f;
-      for (int w = 0; w < NG; w++)
-        if (sm[w] > -INFINITY) acc += so[w][d] * __expf(sm[w] - M);
-      out[h * hd + d] = acc / L;
-      if (out_q8) q8_store(acc / L, h * hd + d, out_q8, reinterpret_cast<float2 *>(out_q8 + n_head * hd));
-    }
-    KT(KT_ATTN, KT_END);
-    return;
-  }
-  float *dst = partial + ((long long)h * n_split + sp) * (hd + 2);
-  for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-    float acc = 0.f;
-    for (int w = 0; w < NG; w++)
-      if (sm[w] > -INFINITY) acc += so[w][d] * __expf(sm[w] - M);
-    dst[2 + d] = acc;
-  }
-  if (threadIdx.x == 0) {
-    float L = 0.f;
-    for (int w = 0; w < NG; w++)
-      if (sm[w] > -INFINITY) L += sl[w] * __expf(sm[w] - M);
-    dst[0] = M;
-    dst[1] = L;
-  }
-  attn_split_tail(partial, counters, h, n_split, hd, n_head, out, out_q8);
+  attn_block_finish(sm, sl, so, partial, counters, h, sp, n_split, n_head, out, out_q8);
   KT(KT_ATTN, KT_END);
 }
 
