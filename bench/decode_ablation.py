@@ -2,7 +2,8 @@
 
 Each variant captures the decode step with the launches of one kernel class (the RMSNorms, RoPE + K/V write, decode
 attention, the warp-per-row matvecs, the down projection's block-per-row matvec, the fused SwiGLU matvec, the QKV
-matvec with the norm and RoPE inside, the SwiGLU matvec with the norm inside, the SwiGLU launch, every matvec,
+matvec with the norm and RoPE inside, the SwiGLU matvec with the norm inside, the output / down matvecs adding to the
+residual stream (the norm handoff), the SwiGLU launch, every matvec,
 everything) replaced by a trivial one-thread launch (``triv``: the graph keeps its node count,
 so the saving is that class's own cost beyond a node's), or left out (``skip``, for the all-classes variant: the
 floor of the embedding row, argmax and graph launch). The logits of a swapped-out step are garbage and not looked
@@ -25,9 +26,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 MATVECS = ["strata_matvec_q8w", "strata_matvec_q8b", "strata_matvec_q8w_glu", "strata_matvec_q8w_rope",
-           "strata_matvec_q8w_glu_norm"]
-OTHERS = ["strata_rms_norm_ex", "strata_rope_kv_decode", "strata_attn_decode_ex", "strata_attn_decode_gqa",
-          "strata_swiglu_gu"]
+           "strata_matvec_q8w_glu_norm", "strata_matvec_q8_resid"]
+OTHERS = ["strata_rms_norm_ex", "strata_norm_q8", "strata_rope_kv_decode", "strata_attn_decode_ex",
+          "strata_attn_decode_gqa", "strata_swiglu_gu"]
 VARIANTS = {   # name: (launchers swapped out, replaced by a trivial launch (True) or left out)
     "full": ([], True),
     "rms": (["strata_rms_norm_ex"], True),
@@ -38,6 +39,7 @@ VARIANTS = {   # name: (launchers swapped out, replaced by a trivial launch (Tru
     "matvec_glu": (["strata_matvec_q8w_glu"], True),
     "qkv_norm_rope": (["strata_matvec_q8w_rope"], True),
     "glu_norm": (["strata_matvec_q8w_glu_norm"], True),
+    "matvec_resid": (["strata_matvec_q8_resid"], True),
     "swiglu": (["strata_swiglu_gu"], True),
     "all_matvecs": (MATVECS, True),
     "all_triv": (MATVECS + OTHERS, True),

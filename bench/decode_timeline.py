@@ -11,7 +11,8 @@ resident, first / last block released by griddep_wait, the last block's weights 
 done, its dots done (warp 0's), the last block ended (`span`: the launch's share of the dependent chain; the spans
 add up to the token). --variant takes bench/decode_variants.py's 'name:KEY=VAL,...' settings (repeatable; default:
 the defaults). Usage:
-python bench/decode_timeline.py --model PATH [--depths 0,4096] [--tokens 3] [--variant SPEC ...] [--out JSON]
+python bench/decode_timeline.py --model PATH [--depths 0,4096] [--tokens 3] [--variant SPEC ...] [--shared-layers]
+  [--out JSON]
 """
 from __future__ import annotations
 
@@ -115,10 +116,13 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=3)
     ap.add_argument("--n-gen", type=int, default=64)
     ap.add_argument("--variant", action="append", default=[])
+    ap.add_argument("--shared-layers", action="store_true",
+                    help="every layer reads the first layer's weights (bench/decode_variants.py's L2-resident bound)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     import cupy as cp
-    from bench.decode_variants import MODULE_SETTINGS, PLAN_SETTINGS, apply, open_plan, parse_variant, timed_decode
+    from bench.decode_variants import (MODULE_SETTINGS, PLAN_SETTINGS, apply, open_plan, parse_variant,
+                                       share_first_layer, timed_decode)
     from strata.backend import cuda as C
     so = ctypes.CDLL(str(C._lib_path()))
     if not hasattr(so, "strata_ktrace_set"):
@@ -128,6 +132,8 @@ def main(argv=None) -> int:
     so.strata_ktrace_count.restype = ctypes.c_uint
     depths = [int(x) for x in a.depths.split(",") if x]
     model, st, plan, fast = open_plan(a.model, max(depths) + a.n_gen + 512)
+    if a.shared_layers:
+        share_first_layer(model)
     n_layer = model.config.n_layer
     variants = [parse_variant(v) for v in (a.variant or ["default:"])]
     lib = C.lib()
@@ -136,7 +142,7 @@ def main(argv=None) -> int:
     buf = cp.zeros((CAP, 3), cp.uint64)
     rng = np.random.default_rng(0)
     res = {"model": Path(a.model).name, "gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
-           "variants": dict(variants), "depths": {}}
+           "shared_layers": a.shared_layers, "variants": dict(variants), "depths": {}}
     for d, (vname, settings) in ((d, v) for d in depths for v in variants):
         if vname == variants[0][0]:
             st.reset()

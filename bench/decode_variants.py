@@ -9,8 +9,13 @@ over all of them instead of favouring the first. Greedy tokens of each variant a
 variant's (the settings must not change them, except those that change an f32 summation order: the attention
 split, FUSED_NORM, STRATA_CUDA_NORM_CONTIG).
 
+--shared-layers points every layer at the first layer's weights (same shapes and types, ~35 MB for the 1.7B model,
+which stays in the 50 MB L2 from one layer to the next): the decode step then reads almost nothing from DRAM but the
+output head, so its time is the dependent chain's own (launch boundaries, L2 latency, compute) — the bound that
+faster weight streaming alone cannot pass. Its tokens are another model's.
+
 Usage: python bench/decode_variants.py --model PATH [--depths 0,4096,16384] [--n-gen 128] [--rounds 3]
-  [--variant 'name:GLU=0,ATTN_CHUNK=256' ...] [--out JSON]
+  [--variant 'name:GLU=0,ATTN_CHUNK=256' ...] [--shared-layers] [--out JSON]
 (--variant may repeat; the first variant is the reference; default: the defaults, the separate SwiGLU launch, the
 fused SwiGLU with 1 / 2 row pairs per warp, the single-buffered decode attention, its split without the one-wave
 cap.)
@@ -60,10 +65,11 @@ def _on(v: str) -> bool:
 # values are the strata.backend.cuda module globals of the same name, which the plan copies when it is made
 PLAN_SETTINGS = {"GLU": ("glu", _on), "ATTN": ("attn", str), "QKV_ROPE": ("qkv_rope", _on),
                  "FUSED_NORM": ("fused_norm", _on), "MV_BLOCK_FROM": ("mv_block_from", int),
-                 "ATTN_MERGE": ("attn_merge", _on), "PRE_WAIT": ("pre_wait", _on)}
+                 "ATTN_MERGE": ("attn_merge", _on), "PRE_WAIT": ("pre_wait", _on),
+                 "NORM_HANDOFF": ("norm_handoff", _on)}
 # settings that are module globals the plan reads at capture: name -> parser
 MODULE_SETTINGS = {"ATTN_ONE_WAVE": _on, "GLU_RP": int, "ATTN_CHUNK": int, "ATTN_BPS": int, "ATTN_MAX_SPLIT": int,
-                   "V1_CHUNK": int, "FUSED_NORM_R": int, "MV_BLOCK_ROWS": int}
+                   "V1_CHUNK": int, "FUSED_NORM_R": int, "MV_BLOCK_ROWS": int, "HANDOFF_R": int}
 
 
 def apply(C, plan, lib, settings: dict[str, str], base: dict) -> None:
@@ -105,6 +111,19 @@ def open_plan(path: str, max_ctx: int):
     return model, model.new_state(pool), C.LlamaCuda(model, pool), model.backend.fast_path(model)
 
 
+LAYER_WEIGHTS = ("wqkv", "wq", "wk", "wv", "wo", "w_gate_up", "w_gate", "w_up", "w_down")
+
+
+def share_first_layer(model) -> None:
+    """Point every layer's matrices at the first layer's (the norms stay per layer): the same shapes and types, so
+    the same kernels and launches, reading one layer's weights over and over."""
+    first = model.layers[0]
+    for L in model.layers[1:]:
+        for k in LAYER_WEIGHTS:
+            if getattr(first, k, None) is not None:
+                setattr(L, k, getattr(first, k))
+
+
 def timed_decode(plan, st, n_gen: int) -> tuple[list[int], float]:
     """16 greedy graph-decode tokens from st.pos (capturing the step's graph), then n_gen more timed; st is put
     back where it was. Returns (the 16 tokens, seconds per timed token)."""
@@ -127,12 +146,16 @@ def main(argv=None) -> int:
     ap.add_argument("--n-gen", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--variant", action="append", default=[])
+    ap.add_argument("--shared-layers", action="store_true",
+                    help="every layer reads the first layer's weights (the L2-resident bound)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     variants = [parse_variant(v) for v in (a.variant or DEFAULT_VARIANTS)]
     depths = [int(x) for x in a.depths.split(",") if x]
     from strata.backend import cuda as C
     model, st, plan, fast = open_plan(a.model, max(depths) + a.n_gen + 512)
+    if a.shared_layers:
+        share_first_layer(model)
     lib = C.lib()
     base = {k: getattr(C, k) for k in (*PLAN_SETTINGS, *MODULE_SETTINGS)}
     base["_PDL"] = lib.strata_get_pdl()
@@ -155,7 +178,8 @@ def main(argv=None) -> int:
         print(f"round {r + 1}/{a.rounds} done", flush=True)
     apply(C, plan, lib, {}, base)
     ref = variants[0][0]
-    res = {"model": Path(a.model).name, "n_gen": a.n_gen, "rounds": a.rounds, "variants": {}}
+    res = {"model": Path(a.model).name, "n_gen": a.n_gen, "rounds": a.rounds, "shared_layers": a.shared_layers,
+           "variants": {}}
     print(f"{'variant':16s} " + " ".join(f"{'d' + str(d):>16s}" for d in depths) + "   (median tok/s, ratio to "
           f"{ref}; tokens == {ref})")
     for name, settings in variants:

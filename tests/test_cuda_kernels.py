@@ -326,7 +326,7 @@ def test_matvec_q8w_rope_equals_matvec_then_rope_kv(cp, t, rows, H, KV, hd, n_ro
         if fused:
             C._check(lb.strata_matvec_q8w_rope(s, int(t), C._p(w.data), C._p(xq), C._p(qkv), H, KV, hd, n_in, rows,
                                                C._p(pos), C._p(kc), C._p(vc), C._p(table), n_rot, 10000.0, ps,
-                                               N, N, N, N, 0.0, pre), "matvec_rope")
+                                               N, N, N, N, 0.0, pre, N), "matvec_rope")
         else:
             C._check(lb.strata_matvec_q8w(s, int(t), C._p(w.data), C._p(xq), C._p(qkv), n_out, n_in, rows), "mv")
             C._check(lb.strata_rope_kv_decode(s, C._p(qkv), C._p(pos), C._p(kc), C._p(vc), C._p(table), H, KV, hd,
@@ -366,13 +366,13 @@ def test_fused_norm_matvecs_match_norm_then_matvec(cp, E, with_delta):
         norm = (C._p(x), C._p(delta), C._p(nw), C._p(x_out)) if fused else (N, N, N, N)
         C._check(lb.strata_matvec_q8w_rope(s, int(t), C._p(wq.data), N if fused else C._p(hq), C._p(qkv), H, KV,
                                            hd, E, 4, C._p(pos), C._p(kc), C._p(vc), C._p(table), hd, 10000.0, ps,
-                                           *norm, 1e-5, 0), "rope")
+                                           *norm, 1e-5, 0, N), "rope")
         if fused:
             np.testing.assert_array_equal(cp.asnumpy(x_out), cp.asnumpy(ref_x))
             x_out[:] = cp.nan
         g, u = C._ffi.cast("void *", wg.data.data.ptr), C._ffi.cast("void *", wg.data.data.ptr + wg.nbytes // 2)
         C._check(lb.strata_matvec_q8w_glu_norm(s, int(t), g, u, N if fused else C._p(hq), C._p(act), N, F, E, 2,
-                                               *norm, 1e-5), "glu")
+                                               *norm, 1e-5, N), "glu")
         if fused:
             np.testing.assert_array_equal(cp.asnumpy(x_out), cp.asnumpy(ref_x))
         res[fused] = (cp.asnumpy(qkv), cp.asnumpy(act), cp.asnumpy(kc))
@@ -380,6 +380,101 @@ def test_fused_norm_matvecs_match_norm_then_matvec(cp, E, with_delta):
         a, b = a.astype(np.float64), b.astype(np.float64)
         assert np.linalg.norm(a - b) <= 2e-3 * np.linalg.norm(a)
     np.testing.assert_array_equal(cp.asnumpy(x), x0)
+
+
+@pytest.mark.parametrize("E,t", [(576, Q.Q4_1), (2048, Q.Q4_K), (4096, Q.Q6_K)], ids=lambda v: getattr(v, "name", v))
+@pytest.mark.parametrize("block", [0, 1], ids=["warp", "block"])
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_norm_handoff(cp, E, t, block, rows):
+    """The norm handoff against this test's own numpy account: strata_matvec_q8_resid leaves x + W xq in x (the sum
+    of strata_matvec_q8w / _q8b's product and x, bit for bit), q8_1(x * w) in x_q8 (== strata_quantize_q8_1 of x * w
+    computed in numpy, bit for bit), each 32-row group's sum of x^2 in x_ss (f64 reference, 1e-5) and its counters
+    back at 0; strata_norm_q8 writes the same handoff for a whole vector; the consumers given norm_ss ==
+    their plain launch on x_q8 with the output scaled by 1 / sqrt(mean(x^2) + eps) (QKV before RoPE: RoPE'd in
+    numpy; gate/up: silu(r g) * (r u))."""
+    rng = np.random.default_rng(E + 7 * block + rows)
+    n_in, F, H, KV, hd, ps, p, eps = 1024, 256, 4, 2, 64, 16, 5, 1e-5
+    lb, s, N = C.lib(), C._stream_ptr(), C._ffi.NULL
+    w = C.upload_raw("w", int(t), (E, n_in), random_blocks(t, E, n_in, rng))
+    xq_in = _q8(cp, rng.standard_normal(n_in).astype(np.float32))
+    x0 = rng.standard_normal(E).astype(np.float32)
+    nw = rng.standard_normal(E).astype(np.float32)
+    x, dnw = cp.asarray(x0), cp.asarray(nw)
+    hq, ss = cp.zeros(E + E // 4, cp.uint8), cp.full(E // 32, cp.nan, cp.float32)
+    cnt = cp.zeros(E // 32, cp.uint32)
+    f32 = lambda a: C._ffi.cast("float *", a.data.ptr)   # noqa: E731
+    for _ in range(2):   # twice: the counters were reset by the first run
+        x[:] = cp.asarray(x0)
+        C._check(lb.strata_matvec_q8_resid(s, int(t), C._p(w.data), C._p(xq_in), E, n_in, rows, block, f32(x),
+                                           f32(dnw), C._p(hq), f32(ss), C._ffi.cast("unsigned *", cnt.data.ptr)),
+                 "resid")
+    y = cp.zeros(E, cp.float32)
+    mv = lb.strata_matvec_q8b if block else lb.strata_matvec_q8w
+    C._check(mv(s, int(t), C._p(w.data), C._p(xq_in), C._p(y), E, n_in, rows), "mv")
+    want_x = x0 + cp.asnumpy(y)
+    np.testing.assert_array_equal(cp.asnumpy(x), want_x)
+    np.testing.assert_array_equal(cp.asnumpy(hq), cp.asnumpy(_q8(cp, want_x * nw)))
+    want_ss = (want_x.astype(np.float64) ** 2).reshape(-1, 32).sum(1)
+    np.testing.assert_allclose(cp.asnumpy(ss), want_ss, rtol=1e-5)
+    assert not cnt.any()
+    hq2, ss2 = cp.zeros_like(hq), cp.zeros_like(ss)
+    C._check(lb.strata_norm_q8(s, f32(x), f32(dnw), C._p(hq2), f32(ss2), E), "norm_q8")
+    np.testing.assert_array_equal(cp.asnumpy(hq2), cp.asnumpy(hq))
+    np.testing.assert_array_equal(cp.asnumpy(ss2), cp.asnumpy(ss))
+    if E > 4096 or rows != 2 or block:
+        return
+    # the consumers, on x_q8 / x_ss
+    r = 1.0 / np.sqrt(np.float64(want_ss.sum()) / E + eps)
+    n_out = (H + 2 * KV) * hd
+    tq = Q.Q4_K if E % 256 == 0 else Q.Q4_1
+    wq = C.upload_raw("wqkv", int(tq), (n_out, E), random_blocks(tq, n_out, E, rng))
+    wg = C.upload_raw("wgu", int(tq), (2 * F, E), random_blocks(tq, 2 * F, E, rng))
+    table, pos = cp.arange(4, dtype=cp.int32), cp.asarray([p], dtype=cp.int32)
+    kc, vc = (cp.zeros((4, ps, KV, hd), cp.float16) for _ in range(2))
+    qkv, plain = cp.zeros(n_out, cp.float32), cp.zeros(n_out, cp.float32)
+    C._check(lb.strata_matvec_q8w_rope(s, int(tq), C._p(wq.data), C._p(hq), C._p(qkv), H, KV, hd, E, 2, C._p(pos),
+                                       C._p(kc), C._p(vc), C._p(table), hd, 10000.0, ps, N, N, N, N, eps, 1, f32(ss)),
+             "rope")
+    C._check(lb.strata_matvec_q8w(s, int(tq), C._p(wq.data), C._p(hq), C._p(plain), n_out, E, 2), "mv")
+    ref = cp.asnumpy(plain).astype(np.float64) * r
+    ang = p * 10000.0 ** (-np.arange(hd // 2) * 2 / hd)
+    qk = ref[:(H + KV) * hd].reshape(-1, hd // 2, 2)
+    c, sn = np.cos(ang), np.sin(ang)
+    ref[:(H + KV) * hd] = np.stack([qk[..., 0] * c - qk[..., 1] * sn, qk[..., 0] * sn + qk[..., 1] * c], -1).ravel()
+    np.testing.assert_allclose(cp.asnumpy(qkv), ref, rtol=2e-4, atol=2e-4 * np.abs(ref).max())
+    np.testing.assert_allclose(cp.asnumpy(vc)[0, p].ravel(), ref[(H + KV) * hd:], rtol=2e-3,
+                               atol=2e-3 * np.abs(ref).max())
+    act, gu = cp.zeros(F, cp.float32), cp.zeros(2 * F, cp.float32)
+    g, u = C._ffi.cast("void *", wg.data.data.ptr), C._ffi.cast("void *", wg.data.data.ptr + wg.nbytes // 2)
+    C._check(lb.strata_matvec_q8w_glu_norm(s, int(tq), g, u, C._p(hq), C._p(act), N, F, E, 2, N, N, N, N, eps,
+                                           f32(ss)), "glu")
+    C._check(lb.strata_matvec_q8w(s, int(tq), C._p(wg.data), C._p(hq), C._p(gu), 2 * F, E, 1), "mv")
+    gr, ur = (cp.asnumpy(gu).astype(np.float64) * r).reshape(2, F)
+    want = gr / (1 + np.exp(-gr)) * ur
+    np.testing.assert_allclose(cp.asnumpy(act), want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
+
+
+def test_norm_handoff_refuses_bad_input(cp):
+    """strata_matvec_q8_resid without x, or handing off with n_out % 32 != 0 or without its buffers; a consumer
+    given both a fused norm and norm_ss: an error code, nothing written."""
+    lb, s, N = C.lib(), C._stream_ptr(), C._ffi.NULL
+    w, xq = cp.zeros(1 << 16, cp.uint8), _q8(cp, np.ones(512, np.float32))
+    x = cp.full(64, cp.nan, cp.float32)
+    hq, ss, cnt = cp.zeros(80, cp.uint8), cp.zeros(2, cp.float32), cp.zeros(2, cp.uint32)
+    f = lambda a: C._ffi.cast("float *", a.data.ptr)   # noqa: E731
+    u = C._ffi.cast("unsigned *", cnt.data.ptr)
+    for args in ((64, N, f(x), C._p(hq), f(ss), u), (48, f(x), f(x), C._p(hq), f(ss), u),
+                 (64, f(x), f(x), N, f(ss), u), (64, f(x), f(x), C._p(hq), N, u), (64, f(x), f(x), C._p(hq), f(ss), N)):
+        n_out, xx, nw, q, sp, c = args
+        assert lb.strata_matvec_q8_resid(s, int(Q.Q4_K), C._p(w), C._p(xq), n_out, 512, 1, 0, xx, nw, q, sp, c) != 0
+    assert lb.strata_norm_q8(s, f(x), f(x), C._p(hq), f(ss), 48) != 0
+    qkv, kc = cp.full(512, cp.nan, cp.float32), cp.zeros(1 << 12, cp.float16)
+    pos, table = cp.zeros(1, cp.int32), cp.zeros(4, cp.int32)
+    rc = lb.strata_matvec_q8w_rope(s, int(Q.Q4_K), C._p(w), C._p(xq), C._p(qkv), 4, 2, 32, 512, 1, C._p(pos),
+                                   C._p(kc), C._p(kc), C._p(table), 32, 10000.0, 16, N, N, f(x), N, 1e-5, 0, f(ss))
+    assert rc != 0
+    cp.cuda.get_current_stream().synchronize()
+    assert cp.isnan(x).all() and cp.isnan(qkv).all()
 
 
 def _fused_smem(t, n_in, r, rp):
@@ -428,10 +523,10 @@ def test_fused_norm_refuses_bad_input(cp):
     xp = C._ffi.cast("float *", x.data.ptr)
     for xo, n_in, xx in ((xp, E, xp), (N, E - 16, xp), (N, 16384, xp), (N, E, C._ffi.cast("float *", x.data.ptr + 4))):
         rc = lb.strata_matvec_q8w_rope(s, int(Q.Q8_0), C._p(w), N, C._p(qkv), 4, 2, 64, n_in, 4, C._p(pos), C._p(kc),
-                                       C._p(kc), C._p(table), 64, 10000.0, 16, xx, N, C._p(nw), xo, 1e-5, 0)
+                                       C._p(kc), C._p(table), 64, 10000.0, 16, xx, N, C._p(nw), xo, 1e-5, 0, N)
         assert rc != 0, n_in
         rc = lb.strata_matvec_q8w_glu_norm(s, int(Q.Q8_0), C._p(w), C._p(w), N, C._p(act), N, 256, n_in, 4, xx, N,
-                                           C._p(nw), xo, 1e-5)
+                                           C._p(nw), xo, 1e-5, N)
         assert rc != 0, n_in
     assert cp.isnan(qkv).all() and cp.isnan(act).all()
 
@@ -446,7 +541,7 @@ def test_matvec_q8w_rope_refuses_bad_input(cp):
                             (64, 64, kc, None)):
         rc = lb.strata_matvec_q8w_rope(s, int(Q.Q4_K), C._p(w), C._p(xq), C._p(qkv), 2, 1, hd, 512, 1,
                                        C._p(p) if p is not None else N, C._p(k) if k is not None else N,
-                                       C._p(kc), C._p(table), n_rot, 10000.0, 16, N, N, N, N, 0.0, 0)
+                                       C._p(kc), C._p(table), n_rot, 10000.0, 16, N, N, N, N, 0.0, 0, N)
         assert rc != 0, (hd, n_rot)
     assert cp.isnan(qkv).all()
 

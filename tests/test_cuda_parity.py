@@ -360,7 +360,7 @@ def test_fused_swiglu_changes_no_token(model_path, prompt_ids):
     matvec + strata_swiglu_gu pair it replaces: the decode logits after a prompt and 48 greedy graph-decode tokens
     are the same with it on and off (the layers' fused gate/up weights do take the fused path)."""
     model, plan, st, first = _plan_after_prompt(model_path, prompt_ids, 24)
-    plan.glu, plan.fused_norm = True, False    # the norms inside the matvecs sum in another order (test below)
+    plan.glu, plan.fused_norm, plan.norm_handoff = True, False, False   # those norms sum in another order (below)
     assert all(plan._glu_weights(L) is not None for L in model.layers)
     p0 = st.pos
     runs = []
@@ -374,18 +374,22 @@ def test_fused_swiglu_changes_no_token(model_path, prompt_ids):
     assert runs[0][1] == runs[1][1]
 
 
-def test_fused_norm_decode_agrees(model_path, prompt_ids):
-    """The decode graph with the RMSNorms inside the QKV and gate/up matvecs (the default where they apply: every
-    layer here) against the one with separate norm launches: the same step within int8-activation rounding (the sum
-    of squares runs in another order, so a q8_1 value may move by one: 2e-2 rel. L2 on the logits) and the same 48
-    greedy tokens."""
+@pytest.mark.parametrize("mode", ["fused", "handoff"])
+def test_fused_norm_decode_agrees(model_path, prompt_ids, mode):
+    """The decode graph with the RMSNorms inside the QKV and gate/up matvecs (fused) or handed off by the output and
+    down projections (handoff, the default where it applies: every layer here) against the one with separate norm
+    launches: the same step within int8-activation rounding (the sum of squares runs in another order and the
+    handoff quantizes x * w before the 1 / rms scale, so a q8_1 value may move by one: 2e-2 rel. L2 on the logits)
+    and the same 48 greedy tokens."""
     model, plan, st, first = _plan_after_prompt(model_path, prompt_ids, 24)
-    plan.fused_norm = True
+    plan.fused_norm, plan.norm_handoff = True, True
+    assert plan.handoff_ok()
+    plan.norm_handoff = mode == "handoff"
     assert plan.fused_norm_rows() == 4
     p0 = st.pos
     runs = []
-    for fused in (False, True):
-        plan.fused_norm, plan.graphs = fused, {}
+    for on in (False, True):
+        plan.fused_norm, plan.norm_handoff, plan.graphs = on and mode == "fused", on and mode == "handoff", {}
         st.truncate(p0)
         logits = plan.decode(first, st).astype(np.float64)
         st.truncate(p0)

@@ -40,16 +40,30 @@ int strata_matvec_q8w(void *stream, int ggml_type, const void *w, const void *xq
  * row's sub-blocks: for long rows (n_in >= 4096: the down projection). */
 int strata_matvec_q8b(void *stream, int ggml_type, const void *w, const void *xq, float *y, int n_out, int n_in,
                       int rows_per_block);
+/* The norm handoff (the decode graph's alternative to the fused norms): x f32 (n_out) += W xq, with strata_matvec_q8w
+ * (block 0, rows_per_warp = rows) or strata_matvec_q8b (block != 0, rows_per_block = rows). norm_w != NULL (f32,
+ * n_out): the matvec also writes the next RMSNorm's input for its consumer, per 32-row group of x once the group is
+ * complete: x_q8 = q8_1 blocks of x * norm_w (n_out int8, then n_out / 32 float2 (d, d * sum q)) and x_ss f32
+ * (n_out / 32) the group's sum of x^2; counters (n_out / 32 uint32) must be zero and are left zero. The consumer
+ * (strata_matvec_q8w_rope / strata_matvec_q8w_glu_norm with norm_ss = x_ss, xq = x_q8) scales its dot products by
+ * 1 / sqrt(sum(x_ss) / n + eps): RMSNorm (Zhang & Sennrich 2019) with the norm's scale moved past the product.
+ * cudaErrorInvalidValue for a NULL x, or with norm_w a NULL x_q8 / x_ss / counters or n_out % 32 != 0, or what
+ * strata_matvec_q8w / _q8b refuse; cudaErrorMisalignedAddress for x_q8 not 8-byte aligned. */
+int strata_matvec_q8_resid(void *stream, int ggml_type, const void *w, const void *xq, int n_out, int n_in, int rows,
+                           int block, float *x, const float *norm_w, void *x_q8, float *x_ss, unsigned *counters);
+/* The norm handoff of a whole vector x f32 (n, % 32 == 0): x_q8 / x_ss as strata_matvec_q8_resid writes them. */
+int strata_norm_q8(void *stream, const float *x, const float *w, void *x_q8, float *x_ss, int n);
 /* SwiGLU fused into the gate/up product: act f32 (F) = silu(Wg x) * (Wu x) and its q8_1 blocks act_q8 (F + F / 4
  * bytes, as strata_swiglu_gu; act may be NULL); F % 32 == 0; pairs_per_warp 1, 2 or 4 (block = 32 / it warps). */
 int strata_matvec_q8w_glu(void *stream, int ggml_type, const void *w_gate, const void *w_up, const void *xq, float *act,
                           void *act_q8, int F, int n_in, int pairs_per_warp);
 /* strata_matvec_q8w_glu with the RMSNorm that produces x fused into its prologue (norm_w != NULL; xq unused): the
  * inputs, bounds (n_in <= 8 * 4 * the block's 32 * (32 / pairs_per_warp) threads) and errors of
- * strata_matvec_q8w_rope's fused norm. */
+ * strata_matvec_q8w_rope's fused norm; or handed off (norm_ss != NULL, see strata_matvec_q8_resid). */
 int strata_matvec_q8w_glu_norm(void *stream, int ggml_type, const void *w_gate, const void *w_up, const void *xq,
                                float *act, void *act_q8, int F, int n_in, int pairs_per_warp, const float *norm_x,
-                               const float *norm_delta, const float *norm_w, float *norm_x_out, float eps);
+                               const float *norm_delta, const float *norm_w, float *norm_x_out, float eps,
+                               const float *norm_ss);
 /* 1 when the two fused-norm decode matvecs can run a layer with these shapes on the current device: QKV weights of
  * type t_qkv (rows_per_warp 1 / 2 / 4) and gate / up weights of type t_gate_up (pairs_per_warp) over n_in columns
  * (% 32 == 0, <= 4096, whole blocks of both types), their staged rows and x's q8_1 blocks fitting the shared memory
@@ -144,11 +158,15 @@ int strata_rope_kv_decode(void *stream, float *qkv, const int *pos, void *k_cach
  * aligned. Same per-element arithmetic as strata_rms_norm_ex's q8_1 output (the sum of squares in another order).
  * cudaErrorInvalidValue for odd hd / n_rot, n_rot > hd, a NULL cache or position, a fused norm out of those bounds
  * or whose staged rows exceed the device's shared memory (strata_fused_norm_supported), or what strata_matvec_q8w
- * refuses; cudaErrorMisalignedAddress for a misaligned vector. */
+ * refuses; cudaErrorMisalignedAddress for a misaligned vector.
+ * Handed-off norm (norm_ss != NULL, the norm_x / delta / w / x_out pointers NULL, n_in <= 4096): xq holds q8_1(x *
+ * w) and norm_ss its groups' sums of x^2 (strata_matvec_q8_resid); every dot product is scaled by
+ * 1 / sqrt(sum(norm_ss) / n_in + eps) before RoPE. */
 int strata_matvec_q8w_rope(void *stream, int ggml_type, const void *w, const void *xq, float *qkv, int n_head, int n_kv,
                            int hd, int n_in, int rows_per_warp, const int *pos, void *k_cache, void *v_cache,
                            const int *page_table, int n_rot, float base, int page_size, const float *norm_x,
-                           const float *norm_delta, const float *norm_w, float *norm_x_out, float eps, int pre_wait);
+                           const float *norm_delta, const float *norm_w, float *norm_x_out, float eps, int pre_wait,
+                           const float *norm_ss);
 
 /* Prefill, fused: RoPE in place on q and k of n tokens' rows of qkv f32 (row stride `stride` floats, layout of
  * strata_rope_kv_decode), token t at position pos0 + t, and k (rotated) / v written to the f16 cache (k_cache

@@ -366,7 +366,97 @@ struct NormIn {
   float *x_out;                 // x + delta (may be NULL); must not alias x or delta (other blocks read them)
   float eps;
   int dim;                      // % 32 == 0, <= 8 * MAXC * blockDim.x
+  const float *ss;              // handed-off norm (w NULL): xq = q8_1(x * w) and ss its groups' sums of x^2 (dim / 32)
 };
+
+// ---------------------------------------------------------------- RMSNorm handed off by the producing matvec
+// The decode graph's alternative to the fused norm (norm handoff): the matvec that adds its output to the residual
+// stream x (the output and down projections) also writes what the next RMSNorm's consumer needs, per 32-row group of
+// x: q8_1(x * w) (w the norm weight; the norm's scale 1 / rms is a common factor of the whole vector, so it is left
+// out of the quantized values) and the group's sum of x^2. The consumer (QKV, gate/up) reads those q8_1 blocks as
+// any int8 activation and multiplies its dot products by r = 1 / sqrt(sum(ss) / dim + eps): no norm, no reduction
+// and 2.5 instead of 16 bytes per element on its dependent chain. RMSNorm: Zhang & Sennrich 2019, y = x / rms(x) * w.
+struct ResidOut {
+  float *x;             // residual stream f32 (n): x[row] += the row's product (NULL: plain y store)
+  const float *w;       // next norm's weight f32 (n); NULL: no handoff (the residual add only)
+  int8_t *xq;           // q8_1 of x * w: n int8, then n / 32 float2 (d, d * sum q)
+  float *ss;            // n / 32 sums of x^2
+  unsigned *cnt;        // n / 32 row counters, zero (the block completing a group resets its counter)
+  int n;                // rows (% 32 == 0)
+};
+
+// Warp-cooperative: lane holds v = x[i] (i = group * 32 + lane) of a finished group: its q8_1 block of v * w and its
+// sum of v^2 (xor butterfly: the same bits in every lane and every run).
+__device__ static inline void handoff_store(float v, int i, const float *__restrict__ w, int8_t *__restrict__ xq,
+                                            float *__restrict__ ss, int n) {
+  q8_store(v * __ldg(w + i), i, xq, reinterpret_cast<float2 *>(xq + n));
+  float s = v * v;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  if ((i & 31) == 0) ss[i >> 5] = s;
+}
+
+// The consumer's scale r = 1 / sqrt(sum(ss) / dim + eps), warp-cooperative (every lane gets the same bits), in two
+// halves so the loads are in flight during the dot products: handoff_load (this lane's groups lane + 32 k, dim <=
+// 4096) after the PDL wait, handoff_scale after the dots.
+struct HandoffSS {
+  float v[4];
+};
+__device__ static inline HandoffSS handoff_load(const NormIn &n) {
+  HandoffSS h;
+#pragma unroll
+  for (int k = 0; k < 4; k++) {
+    const int g = (threadIdx.x & 31) + 32 * k;
+    h.v[k] = n.ss && g < n.dim / 32 ? __ldcg(n.ss + g) : 0.f;
+  }
+  return h;
+}
+__device__ static inline float handoff_scale(const NormIn &n, const HandoffSS &h) {
+  float s = (h.v[0] + h.v[1]) + (h.v[2] + h.v[3]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  return rsqrtf(s / (float)n.dim + n.eps);
+}
+
+// After this block stored rows [r0, r0 + nr) of ro.x (nr divides 32: the rows lie in one group): count them into
+// their group; the block that completes the group writes its handoff (handoff_store) and resets the counter (the next
+// producer runs after this grid completes). Every thread of the block calls it. Ordering (PTX memory model, the
+// CUTLASS semaphore pattern): the barrier orders the block's stores before thread 0's acq_rel add at GPU scope
+// (release is cumulative), and the completing block's add acquires the other blocks' stores for the reads after the
+// second barrier.
+__device__ static inline void resid_handoff(const ResidOut &ro, int r0, int nr) {
+  __shared__ int last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const unsigned g = (unsigned)r0 >> 5;
+    unsigned old;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(ro.cnt + g), "r"((unsigned)nr)
+                 : "memory");
+    last = old + nr == 32;
+    if (last) ro.cnt[g] = 0;
+  }
+  __syncthreads();
+  if (last && threadIdx.x < 32) {
+    const int i = (r0 & ~31) + threadIdx.x;
+    handoff_store(__ldcg(ro.x + i), i, ro.w, ro.xq, ro.ss, ro.n);
+  }
+}
+
+// The norm handoff of a whole vector (the first layer's, after the embedding row): a block of one warp per group.
+__global__ void k_norm_q8(const float *__restrict__ x, const float *__restrict__ w, int8_t *__restrict__ xq,
+                          float *__restrict__ ss, int n) {
+  griddep_launch();
+  griddep_wait();
+  const int i = blockIdx.x * 32 + threadIdx.x;
+  handoff_store(x[i], i, w, xq, ss, n);
+}
+
+extern "C" int strata_norm_q8(void *stream, const float *x, const float *w, void *x_q8, float *x_ss, int n) {
+  if (!x || !w || !x_q8 || !x_ss || n <= 0 || n % 32) return (int)cudaErrorInvalidValue;
+  if ((uintptr_t)x_q8 & 7) return (int)cudaErrorMisalignedAddress;
+  st_launch(k_norm_q8, n / 32, 32, 0, (cudaStream_t)stream, x, w, (int8_t *)x_q8, x_ss, n);
+  return (int)cudaGetLastError();
+}
 
 // q8_1 quantization of EPT consecutive values y per lane, G = 32 / EPT neighbouring lanes holding one 32-value
 // block (all of them call it: full-mask shuffles): q the int8 values, d = absmax / 127 and sum (the block's sum of
@@ -564,7 +654,7 @@ template <int T, int R, bool ROPE, bool STAGE, int FNC>
 __global__ void __launch_bounds__(128) k_matvec_q8w(const uint8_t *__restrict__ w, const int8_t *__restrict__ xq,
                                                     const float2 *__restrict__ xds, float *__restrict__ y, int n_out,
                                                     int n_units, long long row_bytes, RopeKV rope, int slot,
-                                                    NormIn fn) {
+                                                    NormIn fn, ResidOut ro) {
   griddep_launch();
   KT(KT_MATVEC, KT_START);
   extern __shared__ __align__(16) uint8_t staged[];
@@ -597,6 +687,9 @@ __global__ void __launch_bounds__(128) k_matvec_q8w(const uint8_t *__restrict__ 
   griddep_wait();
   KT(KT_MATVEC, KT_WAITED);
   if (pair_live && !rope.pre_wait) pair = rope_pair_prepare(rope, pair_a);
+  // residual add: lane r < R holds x[row0 + r]; handed-off norm: the input's scale
+  const float xres = !ROPE && ro.x && lane < R && row0 + lane < n_out ? ro.x[row0 + lane] : 0.f;
+  const HandoffSS hss = handoff_load(fn);
   if (STAGE) {
     stage_wait();
     __syncwarp();
@@ -624,21 +717,29 @@ __global__ void __launch_bounds__(128) k_matvec_q8w(const uint8_t *__restrict__ 
       acc[r] += dot_q8x<T>(base + (long long)(min(row0 + r, n_out - 1) - first) * row_bytes, u, xv, ds);
   }
   KT(KT_MATVEC, KT_DOTTED);
+  const float in_scale = !FNC && fn.ss ? handoff_scale(fn, hss) : 1.f;
   __shared__ float sv[ROPE ? 4 * R : 1];
 #pragma unroll
   for (int r = 0; r < R; r++) {
     float v = acc[r];
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (!FNC && fn.ss) v *= in_scale;
     if (ROPE) {
       if (lane == r) sv[(threadIdx.x >> 5) * R + r] = v;
     } else if (lane == r && row0 + r < n_out) {
-      y[row0 + r] = v;
+      if (ro.x) {
+        ro.x[row0 + r] = xres + v;
+      } else {
+        y[row0 + r] = v;
+      }
     }
   }
   if (ROPE) {
     __syncthreads();
     if (pair_live) rope_pair_store(rope, pair, y, pair_a, sv[2 * threadIdx.x], sv[2 * threadIdx.x + 1]);
+  } else if (ro.w) {
+    resid_handoff(ro, blockIdx.x * 4 * R, 4 * R);
   }
   KT(KT_MATVEC, KT_END);
 }
@@ -685,7 +786,7 @@ static long long fused_glu_smem(long long rb, int RP, int n_in) {
 // cudaErrorInvalidValue (strata_fused_norm_supported says so beforehand).
 template <int T, int R, bool ROPE>
 static int launch_q8w(cudaStream_t s, const uint8_t *W, const int8_t *q, const float2 *ds, float *y, int n_out,
-                      int n_units, long long rb, const RopeKV &rk, const NormIn &fn) {
+                      int n_units, long long rb, const RopeKV &rk, const NormIn &fn, const ResidOut &ro = ResidOut{}) {
   const unsigned blocks = (unsigned)((n_out + 4 * R - 1) / (4 * R));
   const long long slot = staged_size((long long)R * rb);
   if constexpr (ROPE) {   // only the QKV matvec takes a fused norm (fewer instantiations)
@@ -696,7 +797,7 @@ static int launch_q8w(cudaStream_t s, const uint8_t *W, const int8_t *q, const f
     if ((long long)smem > SMEM_PLAIN && (long long)smem > smem_optin(k_matvec_q8w<T, R, ROPE, true, C>, oi)) \
       return (int)cudaErrorInvalidValue; \
     st_launch(k_matvec_q8w<T, R, ROPE, true, C>, blocks, 128, smem, s, W, q, ds, y, n_out, n_units, rb, rk, (int)slot, \
-              fn); } while (0)
+              fn, ro); } while (0)
       if (c <= 1) FQ(1); else if (c <= 2) FQ(2); else FQ(4);
 #undef FQ
       return 0;
@@ -704,9 +805,9 @@ static int launch_q8w(cudaStream_t s, const uint8_t *W, const int8_t *q, const f
   }
   if (mv_stage_on() && 4 * slot <= SMEM_PLAIN) {
     st_launch(k_matvec_q8w<T, R, ROPE, true, 0>, blocks, 128, (size_t)(4 * slot), s, W, q, ds, y, n_out, n_units, rb,
-              rk, (int)slot, fn);
+              rk, (int)slot, fn, ro);
   } else {
-    st_launch(k_matvec_q8w<T, R, ROPE, false, 0>, blocks, 128, 0, s, W, q, ds, y, n_out, n_units, rb, rk, 0, fn);
+    st_launch(k_matvec_q8w<T, R, ROPE, false, 0>, blocks, 128, 0, s, W, q, ds, y, n_out, n_units, rb, rk, 0, fn, ro);
   }
   return 0;
 }
@@ -732,14 +833,22 @@ extern "C" int strata_matvec_q8w(void *stream, int t, const void *w, const void 
 // block: dim = n_in % 32 == 0, <= 4096 and <= 32 * threads (4 chunks of 8 per thread), x / delta / w / x_out
 // 16-byte aligned, x_out distinct from x and delta. Fills *fn; 0 or cudaErrorInvalidValue / cudaErrorMisalignedAddress.
 static int fused_norm_in(const float *x, const float *delta, const float *w, float *x_out, float eps, int n_in,
-                         int threads, NormIn *fn) {
+                         int threads, const float *ss, NormIn *fn) {
   *fn = NormIn{};
+  if (ss) {   // handed-off norm (strata_matvec_q8_resid wrote xq and ss): nothing else
+    if (w || x || delta || x_out || n_in <= 0 || n_in % 32 || n_in > FUSED_NORM_MAX_DIM)
+      return (int)cudaErrorInvalidValue;
+    fn->ss = ss;
+    fn->eps = eps;
+    fn->dim = n_in;
+    return 0;
+  }
   if (!w) return 0;
   if (!x || n_in <= 0 || n_in % 32 || n_in > FUSED_NORM_MAX_DIM || n_in > 32 * threads ||
       (x_out && (x_out == x || x_out == delta)))
     return (int)cudaErrorInvalidValue;
   if (((uintptr_t)x | (uintptr_t)delta | (uintptr_t)w | (uintptr_t)x_out) & 15) return (int)cudaErrorMisalignedAddress;
-  *fn = NormIn{x, delta, w, x_out, eps, n_in};
+  *fn = NormIn{x, delta, w, x_out, eps, n_in, nullptr};
   return 0;
 }
 
@@ -747,13 +856,13 @@ extern "C" int strata_matvec_q8w_rope(void *stream, int t, const void *w, const 
                                       int n_kv, int hd, int n_in, int rows_per_warp, const int *pos, void *k_cache,
                                       void *v_cache, const int *page_table, int n_rot, float base, int page_size,
                                       const float *norm_x, const float *norm_delta, const float *norm_w,
-                                      float *norm_x_out, float eps, int pre_wait) {
+                                      float *norm_x_out, float eps, int pre_wait, const float *norm_ss) {
   const int n_out = (n_head + 2 * n_kv) * hd;
   if (n_head <= 0 || n_kv <= 0 || hd <= 0 || hd % 2 || n_rot > hd || n_rot % 2 || n_rot < 0 || page_size <= 0 ||
       !pos || !k_cache || !v_cache || !page_table)
     return (int)cudaErrorInvalidValue;
   NormIn fn;
-  if (const int e = fused_norm_in(norm_x, norm_delta, norm_w, norm_x_out, eps, n_in, 128, &fn)) return e;
+  if (const int e = fused_norm_in(norm_x, norm_delta, norm_w, norm_x_out, eps, n_in, 128, norm_ss, &fn)) return e;
   if (const int e = q8_matvec_check(t, w, norm_w ? w : xq, n_out, n_in)) return e;   // xq unused with a norm
   const long long rb = row_bytes_of(t, n_in);
   const int R = rows_1_2_4(rows_per_warp);
@@ -781,7 +890,7 @@ extern "C" int strata_matvec_q8w_rope(void *stream, int t, const void *w, const 
 template <int T, int RB, bool STAGE>
 __global__ void __launch_bounds__(128) k_matvec_q8b(const uint8_t *__restrict__ w, const int8_t *__restrict__ xq,
                                                     const float2 *__restrict__ xds, float *__restrict__ y, int n_out,
-                                                    int n_units, long long row_bytes) {
+                                                    int n_units, long long row_bytes, ResidOut ro) {
   griddep_launch();
   KT(KT_MATVEC_BLOCK, KT_START);
   extern __shared__ __align__(16) uint8_t staged[];
@@ -803,6 +912,7 @@ __global__ void __launch_bounds__(128) k_matvec_q8b(const uint8_t *__restrict__ 
   }
   griddep_wait();
   KT(KT_MATVEC_BLOCK, KT_WAITED);
+  const float xres = ro.x && tid < RB && row0 + tid < n_out ? ro.x[row0 + tid] : 0.f;   // residual add
   if (STAGE) {
     stage_wait();
     __syncthreads();
@@ -820,12 +930,20 @@ __global__ void __launch_bounds__(128) k_matvec_q8b(const uint8_t *__restrict__ 
     if (lane == 0) part[wid][r] = v;
   }
   __syncthreads();
-  if (tid < RB && row0 + tid < n_out) y[row0 + tid] = (part[0][tid] + part[1][tid]) + (part[2][tid] + part[3][tid]);
+  if (tid < RB && row0 + tid < n_out) {
+    const float v = (part[0][tid] + part[1][tid]) + (part[2][tid] + part[3][tid]);
+    if (ro.x) {
+      ro.x[row0 + tid] = xres + v;
+    } else {
+      y[row0 + tid] = v;
+    }
+  }
+  if (ro.w) resid_handoff(ro, row0, RB);
   KT(KT_MATVEC_BLOCK, KT_END);
 }
 
-extern "C" int strata_matvec_q8b(void *stream, int t, const void *w, const void *xq, float *y, int n_out, int n_in,
-                                 int rows_per_block) {
+static int launch_q8b(void *stream, int t, const void *w, const void *xq, float *y, int n_out, int n_in,
+                      int rows_per_block, const ResidOut &ro) {
   if (const int e = q8_matvec_check(t, w, xq, n_out, n_in)) return e;
   const long long rb = row_bytes_of(t, n_in);
   const int RB = rows_1_2_4(rows_per_block);
@@ -837,13 +955,40 @@ extern "C" int strata_matvec_q8b(void *stream, int t, const void *w, const void 
   const long long slot = staged_size(RB * rb);
   const bool stage = mv_stage_on() && slot <= SMEM_PLAIN;
 #define MB(TT, RR) (stage ? st_launch(k_matvec_q8b<TT, RR, true>, blocks, 128, (size_t)slot, s, W, q, ds, y, n_out, \
-                                      n_in / 32, rb) \
+                                      n_in / 32, rb, ro) \
                           : st_launch(k_matvec_q8b<TT, RR, false>, blocks, 128, 0, s, W, q, ds, y, n_out, n_in / 32, \
-                                      rb))
+                                      rb, ro))
 #define MBR(TT) if (RB == 1) MB(TT, 1); else if (RB == 2) MB(TT, 2); else MB(TT, 4);
   DISPATCH_Q8_TYPE(t, MBR)
 #undef MBR
 #undef MB
+  return (int)cudaGetLastError();
+}
+
+extern "C" int strata_matvec_q8b(void *stream, int t, const void *w, const void *xq, float *y, int n_out, int n_in,
+                                 int rows_per_block) {
+  return launch_q8b(stream, t, w, xq, y, n_out, n_in, rows_per_block, ResidOut{});
+}
+
+extern "C" int strata_matvec_q8_resid(void *stream, int t, const void *w, const void *xq, int n_out, int n_in,
+                                      int rows, int block, float *x, const float *norm_w, void *x_q8, float *x_ss,
+                                      unsigned *counters) {
+  if (!x || (norm_w && (!x_q8 || !x_ss || !counters || n_out % 32))) return (int)cudaErrorInvalidValue;
+  if ((uintptr_t)x_q8 & 7) return (int)cudaErrorMisalignedAddress;
+  const ResidOut ro{x, norm_w, (int8_t *)x_q8, x_ss, counters, n_out};
+  if (block) return launch_q8b(stream, t, w, xq, nullptr, n_out, n_in, rows, ro);
+  if (const int e = q8_matvec_check(t, w, xq, n_out, n_in)) return e;
+  const long long rb = row_bytes_of(t, n_in);
+  const int R = rows_1_2_4(rows);
+  const int8_t *q = (const int8_t *)xq;
+  const float2 *ds = (const float2 *)(q + n_in);
+  cudaStream_t s = (cudaStream_t)stream;
+  const uint8_t *W = (const uint8_t *)w;
+#define MW(TT, RR) launch_q8w<TT, RR, false>(s, W, q, ds, nullptr, n_out, n_in / 32, rb, RopeKV{}, NormIn{}, ro)
+#define MWR(TT) if (R == 1) MW(TT, 1); else if (R == 2) MW(TT, 2); else MW(TT, 4);
+  DISPATCH_Q8_TYPE(t, MWR)
+#undef MWR
+#undef MW
   return (int)cudaGetLastError();
 }
 
@@ -900,7 +1045,13 @@ __global__ void __launch_bounds__(32 * (32 / RP)) k_matvec_q8w_glu(
     strided_rows_dot<T, 2 * RP, 32, true>(rows, reinterpret_cast<const int *>(xs),
                                           reinterpret_cast<const float2 *>(xs + fn.dim), n_units, lane, acc);
   } else {
+    const HandoffSS hss = handoff_load(fn);
     strided_rows_dot<T, 2 * RP, 32>(rows, reinterpret_cast<const int *>(xq), xds, n_units, lane, acc);
+    if (fn.ss) {   // handed-off norm: the input's scale
+      const float r = handoff_scale(fn, hss);
+#pragma unroll
+      for (int k = 0; k < 2 * RP; k++) acc[k] *= r;
+    }
   }
   KT(KT_GLU, KT_DOTTED);
   __shared__ float sv[32];
@@ -961,18 +1112,19 @@ static int launch_glu(cudaStream_t s, const uint8_t *G, const uint8_t *U, const 
 extern "C" int strata_matvec_q8w_glu(void *stream, int t, const void *w_gate, const void *w_up, const void *xq,
                                      float *act, void *act_q8, int F, int n_in, int pairs_per_warp) {
   return strata_matvec_q8w_glu_norm(stream, t, w_gate, w_up, xq, act, act_q8, F, n_in, pairs_per_warp, nullptr,
-                                    nullptr, nullptr, nullptr, 0.f);
+                                    nullptr, nullptr, nullptr, 0.f, nullptr);
 }
 
 extern "C" int strata_matvec_q8w_glu_norm(void *stream, int t, const void *w_gate, const void *w_up, const void *xq,
                                           float *act, void *act_q8, int F, int n_in, int pairs_per_warp,
                                           const float *norm_x, const float *norm_delta, const float *norm_w,
-                                          float *norm_x_out, float eps) {
+                                          float *norm_x_out, float eps, const float *norm_ss) {
   if (!strata_matvec_q8_supported(t) || n_in % block_elems(t) || n_in % 32 || F <= 0 || F % 32)
     return (int)cudaErrorInvalidValue;
   const int RP = rows_1_2_4(pairs_per_warp);
   NormIn fn;
-  if (const int e = fused_norm_in(norm_x, norm_delta, norm_w, norm_x_out, eps, n_in, 32 * (32 / RP), &fn)) return e;
+  if (const int e = fused_norm_in(norm_x, norm_delta, norm_w, norm_x_out, eps, n_in, 32 * (32 / RP), norm_ss, &fn))
+    return e;
   if (norm_w) xq = w_gate;   // unused with a fused norm: pass the alignment check
   if (((uintptr_t)xq & 15) || ((uintptr_t)w_gate & 15) || ((uintptr_t)w_up & 15) || ((uintptr_t)act_q8 & 7))
     return (int)cudaErrorMisalignedAddress;

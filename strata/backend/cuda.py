@@ -131,6 +131,14 @@ PRE_WAIT = _env_on("STRATA_CUDA_PRE_WAIT", True)
 FUSED_NORM = _env_on("STRATA_CUDA_FUSED_NORM", True)
 FUSED_NORM_R = _env_int("STRATA_CUDA_FUSED_NORM_R", 4)
 
+# The norm handoff, preferred to the fused norms where it applies (LlamaCuda.handoff_ok): the output and down
+# projections add their products to the residual stream in place and, per 32-row group, write q8_1(x * the next
+# norm's weight) and the group's sum of x^2 (strata_matvec_q8_resid); the QKV and gate/up matvecs read those as their
+# int8 input and scale their dot products by 1 / rms (norm_ss): no norm on the dependent chain of a layer.
+# STRATA_CUDA_NORM_HANDOFF=0 keeps the fused norms.
+NORM_HANDOFF = _env_on("STRATA_CUDA_NORM_HANDOFF", True)
+HANDOFF_R = _env_int("STRATA_CUDA_HANDOFF_R", 4)   # QKV rows per warp then
+
 
 # Prefill GEMMs read f16 copies of the weights kept on the device (2 bytes per weight, made once) instead of
 # dequantizing each weight per ubatch: STRATA_CUDA_F16_WEIGHTS=1. Off by default (it costs ~3.5x the memory of a
@@ -1061,6 +1069,8 @@ class LlamaCuda:
             "act": cp.zeros((1, F), cp.float32), "logits": cp.zeros((1, self.n_vocab), cp.float32),
             "partial": cp.zeros(self.n_head * max(MAX_SPLIT, GQA_MAX_SPLIT) * (self.hd + 2), cp.float32),
             "counters": cp.zeros(max(64, self.n_kv, self.n_head), cp.uint32),   # per KV head (v2) / head (v1)
+            "ss": cp.zeros(max(1, E // 32), cp.float32),          # norm handoff: sums of x^2 per 32-row group
+            "hcnt": cp.zeros(max(1, E // 32), cp.uint32),         # norm handoff: rows done per group
             "hq": q8(E), "aq": q8(nq), "fq": q8(F),
         }
         self.dp4a = DP4A
@@ -1071,6 +1081,7 @@ class LlamaCuda:
         self.pre_wait = PRE_WAIT                              # graph: pos / len / page table read before PDL waits
         self.qkv_rope = QKV_ROPE                              # RoPE + K / V write in the QKV matvec
         self.fused_norm = FUSED_NORM                          # RMSNorms in the QKV and gate/up matvecs
+        self.norm_handoff = NORM_HANDOFF                      # or handed off by the output / down matvecs
         self.graphs: dict[int, Any] = {}
         self.pf = PrefillScratch()             # prefill buffers and f16 weights for cuBLAS
         self.step_why: str | None = None       # why the persistent decode step is off or cannot run
@@ -1207,6 +1218,18 @@ class LlamaCuda:
                 return r
         return 0
 
+    def handoff_ok(self) -> bool:
+        """Whether the decode graph hands the RMSNorms off (NORM_HANDOFF): every layer's QKV matvec takes RoPE (f16
+        cache) and its gate/up matvec SwiGLU, the output and down projections have dp4a kernels, n_embd % 32 == 0 and
+        <= 4096. All layers or none."""
+        if not (self.norm_handoff and self.dp4a and self.pool.kv == "f16" and self.n_embd % 32 == 0
+                and self.n_embd <= 4096):
+            return False
+        lb = lib()
+        return all(self._qkv_rope(L) and self._glu_weights(L) is not None and L.wo is not None
+                   and lb.strata_matvec_q8_supported(L.wo.ggml_type)
+                   and lb.strata_matvec_q8_supported(L.w_down.ggml_type) for L in self.model.layers)
+
     def _qkv_rope(self, L) -> bool:
         """Whether the decode graph fuses RoPE and the K / V write into layer L's QKV matvec (QKV_ROPE)."""
         return bool(self.qkv_rope and self.dp4a and not self.neox and L.wqkv is not None
@@ -1243,12 +1266,17 @@ class LlamaCuda:
             _check(lb.strata_decode_step(s, self._step[0], self.step_blocks), "strata_decode_step")
             return
         pre = graph and self.pre_wait      # position, length and page table read before the PDL waits
-        fused_r = self.fused_norm_rows()   # the two RMSNorms of a layer inside the QKV and gate/up matvecs
+        handoff = self.handoff_ok()        # the RMSNorms handed off by the output / down projections
+        fused_r = 0 if handoff else self.fused_norm_rows()   # or inside the QKV and gate/up matvecs
         fused = fused_r > 0
         # the residual stream: fused, it alternates between x and x2 (a fused norm's block 0 writes x + delta to the
-        # other buffer while every block reads both), delta = the last matvec's output not yet added (None: none)
+        # other buffer while every block reads both), delta = the last matvec's output not yet added (None: none);
+        # handed off, the matvecs add to x in place
         xa, xb, delta = d["x"], d["x2"], None
-        if not fused:
+        ss, hcnt = f32(d["ss"]), _ffi.cast("unsigned *", d["hcnt"].data.ptr)
+        if handoff:
+            _check(lb.strata_norm_q8(s, _p(d["x"]), _dptr(m.layers[0].attn_norm), hq, ss, E), "norm_q8")
+        elif not fused:
             _check(lb.strata_rms_norm_ex(s, _p(d["x"]), NULL, _dptr(m.layers[0].attn_norm), _p(d["hn"]), NULL, NULL,
                                          hq, 1, E, self.eps), "rms")
         qkv, gu = d["qkv"], d["gu"]
@@ -1260,9 +1288,10 @@ class LlamaCuda:
             if rope_fused:   # RoPE and the K / V write in the QKV matvec's epilogue (and the norm in its prologue)
                 norm = (_p(xa), _p(delta), _dptr(L.attn_norm), _p(xb)) if fused else (NULL, NULL, NULL, NULL)
                 _check(lb.strata_matvec_q8w_rope(s, L.wqkv.ggml_type, _p(L.wqkv.data), hq, f32(qkv), H, KV, hd, E,
-                                                 fused_r if fused else rows_per_warp(nq + 2 * kvd), pos_p,
+                                                 fused_r if fused else HANDOFF_R if handoff else
+                                                 rows_per_warp(nq + 2 * kvd), pos_p,
                                                  _p(kc), _p(vc), _p(pt), self.n_rot, self.theta, pool.page_size,
-                                                 *norm, self.eps, int(pre)), "matvec_rope")
+                                                 *norm, self.eps, int(pre), ss if handoff else NULL), "matvec_rope")
                 if fused:
                     xa, xb = xb, xa
             elif L.wqkv is not None:
@@ -1289,13 +1318,29 @@ class LlamaCuda:
                 _check(lb.strata_attn_decode_ex(s, f32(qkv), _p(kc), _p(vc), _p(pt), len_p, 0, _p(d["partial"]),
                                                 _p(d["att"]), aq, ctr if self.attn_merge else NULL, int(pre), H,
                                                 KV, hd, pool.page_size, n_split, self.scale), "attn")
-            self._mv(s, [(L.wo, _p(d["o"]), E)], d["att"], d["aq"], nq)
             glu = self._glu_weights(L)
             vp = lambda a: _ffi.cast("void *", a)   # noqa: E731
+            if handoff:      # x += Wo att, handing off the FFN norm; gate/up scaled by its 1 / rms; x += W_down act
+                _check(lb.strata_matvec_q8_resid(s, L.wo.ggml_type, _p(L.wo.data), aq, E, nq, rows_per_warp(E), 0,
+                                                 _p(xa), _dptr(L.ffn_norm), hq, ss, hcnt), "matvec_resid")
+                _check(lb.strata_matvec_q8w_glu_norm(s, glu[0], vp(glu[1]), vp(glu[2]), hq, _p(d["act"]), fq, F, E,
+                                                     glu_pairs_per_warp(F, self.n_sm), NULL, NULL, NULL, NULL,
+                                                     self.eps, ss), "matvec_glu_norm")
+                block = bool(self.mv_block_from and F // 32 >= self.mv_block_from)
+                last = li + 1 == self.n_layer
+                _check(lb.strata_matvec_q8_resid(s, L.w_down.ggml_type, _p(L.w_down.data), fq, E, F,
+                                                 MV_BLOCK_ROWS if block else rows_per_warp(E), int(block), _p(xa),
+                                                 NULL if last else _dptr(m.layers[li + 1].attn_norm), hq, ss, hcnt),
+                       "matvec_resid")
+                if last:
+                    _check(lb.strata_rms_norm_ex(s, _p(xa), NULL, _dptr(m.out_norm), _p(d["hn"]), NULL, NULL, hq, 1,
+                                                 E, self.eps), "rms")
+                continue
+            self._mv(s, [(L.wo, _p(d["o"]), E)], d["att"], d["aq"], nq)
             if fused:        # the norm in the gate/up matvec's prologue: x + o -> the other residual buffer
                 _check(lb.strata_matvec_q8w_glu_norm(s, glu[0], vp(glu[1]), vp(glu[2]), NULL, _p(d["act"]), fq, F, E,
                                                      glu_pairs_per_warp(F, self.n_sm), _p(xa), _p(d["o"]),
-                                                     _dptr(L.ffn_norm), _p(xb), self.eps), "matvec_glu_norm")
+                                                     _dptr(L.ffn_norm), _p(xb), self.eps, NULL), "matvec_glu_norm")
                 xa, xb = xb, xa
             else:
                 _check(lb.strata_rms_norm_ex(s, _p(d["o"]), _p(d["x"]), _dptr(L.ffn_norm), _p(d["hn"]), _p(d["x"]),
