@@ -9,6 +9,7 @@
 #include <stdint.h>
 #include <math.h>
 #include "q8.cuh"
+#include "launch.cuh"
 
 __device__ static inline long long kv_off(const int *__restrict__ pt, int p, int kvh, int n_kv, int hd, int ps) {
   return (((long long)pt[p / ps] * ps + (p % ps)) * n_kv + kvh) * hd;
@@ -246,13 +247,11 @@ __device__ __forceinline__ void attn_gqa_block(
       wml[2 * hsp + 1] = L;
     }
   }
-  __threadfence();
   da_sync<SUB, NW>();
   if (n_split > 1) {
-    if (threadIdx.x == 0) last = atomicAdd(&counters[kvh], 1u) == (unsigned)(n_split - 1);
+    if (threadIdx.x == 0) last = arrive_acq_rel(&counters[kvh], 1u) == (unsigned)(n_split - 1);
     da_sync<SUB, NW>();
     if (!last) return;   // block-uniform
-    __threadfence();
   }
   // merge the splits of the g heads of this KV head (partials read through L2: __ldcg). Weights: one warp per head,
   // lanes over the splits; outputs: P block-parts over the splits per group of four outputs, summed in shared memory.

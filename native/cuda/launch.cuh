@@ -29,6 +29,17 @@ __device__ __forceinline__ void griddep_wait() {
 #endif
 }
 
+// A block's arrival at a counter shared by blocks (the "last block" merges: split-K attention, the norm handoff):
+// called by one thread after a barrier that orders the block's stores before it. acq_rel at GPU scope: it releases
+// those stores (release is cumulative over the barrier) and, for the block that arrives last, acquires every other
+// block's, which its threads then read after the next barrier — the pattern of CUTLASS's semaphore, and no
+// __threadfence() by every storing thread. PTX ISA, "Memory Consistency Model" and atom. Returns the old value.
+__device__ __forceinline__ unsigned arrive_acq_rel(unsigned *counter, unsigned v) {
+  unsigned old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(counter), "r"(v) : "memory");
+  return old;
+}
+
 // Prefetch the 128-byte line holding p into L2 (no registers; used before griddep_wait for read-only weights).
 __device__ __forceinline__ void prefetch_l2(const void *p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));

@@ -419,20 +419,14 @@ __device__ static inline float handoff_scale(const NormIn &n, const HandoffSS &h
 }
 
 // After this block stored rows [r0, r0 + nr) of ro.x (nr divides 32: the rows lie in one group): count them into
-// their group; the block that completes the group writes its handoff (handoff_store) and resets the counter (the next
-// producer runs after this grid completes). Every thread of the block calls it. Ordering (PTX memory model, the
-// CUTLASS semaphore pattern): the barrier orders the block's stores before thread 0's acq_rel add at GPU scope
-// (release is cumulative), and the completing block's add acquires the other blocks' stores for the reads after the
-// second barrier.
+// their group (arrive_acq_rel); the block that completes the group writes its handoff (handoff_store) and resets the
+// counter (the next producer runs after this grid completes). Every thread of the block calls it.
 __device__ static inline void resid_handoff(const ResidOut &ro, int r0, int nr) {
   __shared__ int last;
   __syncthreads();
   if (threadIdx.x == 0) {
     const unsigned g = (unsigned)r0 >> 5;
-    unsigned old;
-    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(ro.cnt + g), "r"((unsigned)nr)
-                 : "memory");
-    last = old + nr == 32;
+    last = arrive_acq_rel(ro.cnt + g, (unsigned)nr) + nr == 32;
     if (last) ro.cnt[g] = 0;
   }
   __syncthreads();
@@ -1488,19 +1482,17 @@ __device__ static void attn_merge_head(const float *partial, int h, int n_split,
 }
 
 // The split-K kernels' tail with a fused merge (counters != NULL): the last block of head h to store its partial
-// (threadfence + an atomic count per head, reset by that block; the CUDA samples' threadFenceReduction scheme) merges
-// the head's splits, so no k_attn_combine launch follows. Every thread of the block calls it after its stores.
+// (a count per head, arrive_acq_rel, reset by that block) merges the head's splits, so no k_attn_combine launch
+// follows. Every thread of the block calls it after its stores.
 __device__ static void attn_split_tail(const float *partial, unsigned *counters, int h, int n_split, int hd,
                                        int n_head, float *out, int8_t *out_q8) {
   if (!counters) return;
   __shared__ int last;
   if (n_split > 1) {
-    __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(&counters[h], 1u) == (unsigned)(n_split - 1);
+    if (threadIdx.x == 0) last = arrive_acq_rel(&counters[h], 1u) == (unsigned)(n_split - 1);
     __syncthreads();
     if (!last) return;   // block-uniform
-    __threadfence();
   } else {
     __syncthreads();
   }
