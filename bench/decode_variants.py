@@ -2,12 +2,12 @@
 
 Each variant is a set of module settings of strata.backend.cuda read when a decode step is captured (GLU, GLU_RP,
 ATTN, ATTN_CHUNK, ATTN_BPS, ATTN_MAX_SPLIT, ATTN_ONE_WAVE, ATTN_MERGE, PRE_WAIT, QKV_ROPE, V1_CHUNK, FUSED_NORM,
-FUSED_NORM_R, MV_BLOCK_FROM, MV_BLOCK_ROWS, PDL on/off) or a STRATA_* environment variable the kernel launchers read
-(STRATA_CUDA_ATTN_DB, STRATA_CUDA_NORM_CONTIG, STRATA_CUDA_MV_STAGE); the plan's graphs are dropped between
-variants, and the variants run in turn for --rounds rounds on the same contexts, so clock and thermal drift spread
-over all of them instead of favouring the first. Greedy tokens of each variant are compared with the first
+FUSED_NORM_R, NORM_HANDOFF, HANDOFF_R, MV_BLOCK_FROM, MV_BLOCK_ROWS, PDL on/off) or a STRATA_* environment variable
+the kernel launchers read (STRATA_CUDA_ATTN_DB, STRATA_CUDA_NORM_CONTIG, STRATA_CUDA_MV_STAGE); the plan's graphs
+are dropped between variants, and the variants run in turn for --rounds rounds on the same contexts, so clock and
+thermal drift spread over all of them instead of favouring the first. Greedy tokens of each variant are compared with the first
 variant's (the settings must not change them, except those that change an f32 summation order: the attention
-split, FUSED_NORM, STRATA_CUDA_NORM_CONTIG).
+split, FUSED_NORM, NORM_HANDOFF (it quantizes x * w before the 1 / rms scale), STRATA_CUDA_NORM_CONTIG).
 
 --shared-layers points every layer at the first layer's weights (same shapes and types, ~35 MB for the 1.7B model,
 which stays in the 50 MB L2 from one layer to the next): the decode step then reads almost nothing from DRAM but the

@@ -403,8 +403,10 @@ def test_norm_handoff(cp, E, t, block, rows):
     hq, ss = cp.zeros(E + E // 4, cp.uint8), cp.full(E // 32, cp.nan, cp.float32)
     cnt = cp.zeros(E // 32, cp.uint32)
     f32 = lambda a: C._ffi.cast("float *", a.data.ptr)   # noqa: E731
-    for _ in range(2):   # twice: the counters were reset by the first run
+    for _ in range(2):   # twice: the counters were reset by the first run (outputs poisoned again before each)
         x[:] = cp.asarray(x0)
+        hq[:] = 0x5a
+        ss[:] = cp.nan
         C._check(lb.strata_matvec_q8_resid(s, int(t), C._p(w.data), C._p(xq_in), E, n_in, rows, block, f32(x),
                                            f32(dnw), C._p(hq), f32(ss), C._ffi.cast("unsigned *", cnt.data.ptr)),
                  "resid")
@@ -421,9 +423,9 @@ def test_norm_handoff(cp, E, t, block, rows):
     C._check(lb.strata_norm_q8(s, f32(x), f32(dnw), C._p(hq2), f32(ss2), E), "norm_q8")
     np.testing.assert_array_equal(cp.asnumpy(hq2), cp.asnumpy(hq))
     np.testing.assert_array_equal(cp.asnumpy(ss2), cp.asnumpy(ss))
-    if E > 4096 or rows != 2 or block:
+    if rows == 1 or block:
         return
-    # the consumers, on x_q8 / x_ss
+    # the consumers, on x_q8 / x_ss (2 and 4 QKV rows per warp / gate-up row pairs per warp)
     r = 1.0 / np.sqrt(np.float64(want_ss.sum()) / E + eps)
     n_out = (H + 2 * KV) * hd
     tq = Q.Q4_K if E % 256 == 0 else Q.Q4_1
@@ -432,10 +434,10 @@ def test_norm_handoff(cp, E, t, block, rows):
     table, pos = cp.arange(4, dtype=cp.int32), cp.asarray([p], dtype=cp.int32)
     kc, vc = (cp.zeros((4, ps, KV, hd), cp.float16) for _ in range(2))
     qkv, plain = cp.zeros(n_out, cp.float32), cp.zeros(n_out, cp.float32)
-    C._check(lb.strata_matvec_q8w_rope(s, int(tq), C._p(wq.data), C._p(hq), C._p(qkv), H, KV, hd, E, 2, C._p(pos),
-                                       C._p(kc), C._p(vc), C._p(table), hd, 10000.0, ps, N, N, N, N, eps, 1, f32(ss)),
-             "rope")
-    C._check(lb.strata_matvec_q8w(s, int(tq), C._p(wq.data), C._p(hq), C._p(plain), n_out, E, 2), "mv")
+    C._check(lb.strata_matvec_q8w_rope(s, int(tq), C._p(wq.data), C._p(hq), C._p(qkv), H, KV, hd, E, rows,
+                                       C._p(pos), C._p(kc), C._p(vc), C._p(table), hd, 10000.0, ps, N, N, N, N, eps,
+                                       1, f32(ss)), "rope")
+    C._check(lb.strata_matvec_q8w(s, int(tq), C._p(wq.data), C._p(hq), C._p(plain), n_out, E, rows), "mv")
     ref = cp.asnumpy(plain).astype(np.float64) * r
     ang = p * 10000.0 ** (-np.arange(hd // 2) * 2 / hd)
     qk = ref[:(H + KV) * hd].reshape(-1, hd // 2, 2)
@@ -446,7 +448,7 @@ def test_norm_handoff(cp, E, t, block, rows):
                                atol=2e-3 * np.abs(ref).max())
     act, gu = cp.zeros(F, cp.float32), cp.zeros(2 * F, cp.float32)
     g, u = C._ffi.cast("void *", wg.data.data.ptr), C._ffi.cast("void *", wg.data.data.ptr + wg.nbytes // 2)
-    C._check(lb.strata_matvec_q8w_glu_norm(s, int(tq), g, u, C._p(hq), C._p(act), N, F, E, 2, N, N, N, N, eps,
+    C._check(lb.strata_matvec_q8w_glu_norm(s, int(tq), g, u, C._p(hq), C._p(act), N, F, E, rows, N, N, N, N, eps,
                                            f32(ss)), "glu")
     C._check(lb.strata_matvec_q8w(s, int(tq), C._p(wg.data), C._p(hq), C._p(gu), 2 * F, E, 1), "mv")
     gr, ur = (cp.asnumpy(gu).astype(np.float64) * r).reshape(2, F)
@@ -455,26 +457,36 @@ def test_norm_handoff(cp, E, t, block, rows):
 
 
 def test_norm_handoff_refuses_bad_input(cp):
-    """strata_matvec_q8_resid without x, or handing off with n_out % 32 != 0 or without its buffers; a consumer
-    given both a fused norm and norm_ss: an error code, nothing written."""
+    """strata_matvec_q8_resid without x, or handing off with n_out % 32 != 0, without its buffers or with a misaligned
+    x_q8; strata_norm_q8 with a NULL pointer or n % 32 != 0; a consumer given both a fused norm and norm_ss, or
+    norm_ss over more than 4096 columns: an error code, and x, the q8_1 buffer, the sums, the counters and the
+    consumers' outputs unchanged."""
     lb, s, N = C.lib(), C._stream_ptr(), C._ffi.NULL
     w, xq = cp.zeros(1 << 16, cp.uint8), _q8(cp, np.ones(512, np.float32))
-    x = cp.full(64, cp.nan, cp.float32)
-    hq, ss, cnt = cp.zeros(80, cp.uint8), cp.zeros(2, cp.float32), cp.zeros(2, cp.uint32)
-    f = lambda a: C._ffi.cast("float *", a.data.ptr)   # noqa: E731
+    x = cp.full(64, 3.0, cp.float32)
+    hq, ss, cnt = cp.full(96, 7, cp.uint8), cp.full(2, 5.0, cp.float32), cp.zeros(2, cp.uint32)
+    f = lambda a, off=0: C._ffi.cast("float *", a.data.ptr + off)   # noqa: E731
     u = C._ffi.cast("unsigned *", cnt.data.ptr)
-    for args in ((64, N, f(x), C._p(hq), f(ss), u), (48, f(x), f(x), C._p(hq), f(ss), u),
-                 (64, f(x), f(x), N, f(ss), u), (64, f(x), f(x), C._p(hq), N, u), (64, f(x), f(x), C._p(hq), f(ss), N)):
-        n_out, xx, nw, q, sp, c = args
-        assert lb.strata_matvec_q8_resid(s, int(Q.Q4_K), C._p(w), C._p(xq), n_out, 512, 1, 0, xx, nw, q, sp, c) != 0
-    assert lb.strata_norm_q8(s, f(x), f(x), C._p(hq), f(ss), 48) != 0
-    qkv, kc = cp.full(512, cp.nan, cp.float32), cp.zeros(1 << 12, cp.float16)
+    q, q_odd = C._p(hq), C._ffi.cast("void *", hq.data.ptr + 4)
+    for n_out, xx, nw, qq, sp, c in ((64, N, f(x), q, f(ss), u), (48, f(x), f(x), q, f(ss), u),
+                                     (64, f(x), f(x), N, f(ss), u), (64, f(x), f(x), q, N, u),
+                                     (64, f(x), f(x), q, f(ss), N), (64, f(x), f(x), q_odd, f(ss), u)):
+        rc = lb.strata_matvec_q8_resid(s, int(Q.Q4_K), C._p(w), C._p(xq), n_out, 512, 1, 0, xx, nw, qq, sp, c)
+        assert rc != 0, n_out
+    for xx, qq, n in ((f(x), q, 48), (N, q, 64), (f(x), N, 64), (f(x), q_odd, 64)):
+        assert lb.strata_norm_q8(s, xx, f(x), qq, f(ss), n) != 0, n
+    qkv, act, kc = cp.full(512, 9.0, cp.float32), cp.full(256, 9.0, cp.float32), cp.zeros(1 << 12, cp.float16)
     pos, table = cp.zeros(1, cp.int32), cp.zeros(4, cp.int32)
-    rc = lb.strata_matvec_q8w_rope(s, int(Q.Q4_K), C._p(w), C._p(xq), C._p(qkv), 4, 2, 32, 512, 1, C._p(pos),
-                                   C._p(kc), C._p(kc), C._p(table), 32, 10000.0, 16, N, N, f(x), N, 1e-5, 0, f(ss))
-    assert rc != 0
+    for n_in, nw in ((512, f(x)), (8192, N)):   # a fused norm and norm_ss together; norm_ss over > 4096 columns
+        rc = lb.strata_matvec_q8w_rope(s, int(Q.Q4_K), C._p(w), C._p(xq), C._p(qkv), 4, 2, 32, n_in, 1, C._p(pos),
+                                       C._p(kc), C._p(kc), C._p(table), 32, 10000.0, 16, N, N, nw, N, 1e-5, 0, f(ss))
+        assert rc != 0, n_in
+        rc = lb.strata_matvec_q8w_glu_norm(s, int(Q.Q4_K), C._p(w), C._p(w), C._p(xq), C._p(act), N, 256, n_in, 2, N,
+                                           N, nw, N, 1e-5, f(ss))
+        assert rc != 0, n_in
     cp.cuda.get_current_stream().synchronize()
-    assert cp.isnan(x).all() and cp.isnan(qkv).all()
+    assert (x == 3.0).all() and (hq == 7).all() and (ss == 5.0).all() and not cnt.any()
+    assert (qkv == 9.0).all() and (act == 9.0).all() and not kc.any()
 
 
 def _fused_smem(t, n_in, r, rp):

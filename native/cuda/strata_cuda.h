@@ -46,12 +46,14 @@ int strata_matvec_q8b(void *stream, int ggml_type, const void *w, const void *xq
  * complete: x_q8 = q8_1 blocks of x * norm_w (n_out int8, then n_out / 32 float2 (d, d * sum q)) and x_ss f32
  * (n_out / 32) the group's sum of x^2; counters (n_out / 32 uint32) must be zero and are left zero. The consumer
  * (strata_matvec_q8w_rope / strata_matvec_q8w_glu_norm with norm_ss = x_ss, xq = x_q8) scales its dot products by
- * 1 / sqrt(sum(x_ss) / n + eps): RMSNorm (Zhang & Sennrich 2019) with the norm's scale moved past the product.
- * cudaErrorInvalidValue for a NULL x, or with norm_w a NULL x_q8 / x_ss / counters or n_out % 32 != 0, or what
- * strata_matvec_q8w / _q8b refuse; cudaErrorMisalignedAddress for x_q8 not 8-byte aligned. */
+ * 1 / sqrt(sum(x_ss) / n + eps): RMSNorm (Zhang & Sennrich 2019) with the norm's scale moved past the product;
+ * a consumer takes n <= 4096. x, x_q8 and x_ss must not alias xq (other blocks still read it while the handoff
+ * writes). cudaErrorInvalidValue for a NULL x, or with norm_w a NULL x_q8 / x_ss / counters or n_out % 32 != 0, or
+ * what strata_matvec_q8w / _q8b refuse; cudaErrorMisalignedAddress for x_q8 not 8-byte aligned. */
 int strata_matvec_q8_resid(void *stream, int ggml_type, const void *w, const void *xq, int n_out, int n_in, int rows,
                            int block, float *x, const float *norm_w, void *x_q8, float *x_ss, unsigned *counters);
-/* The norm handoff of a whole vector x f32 (n, % 32 == 0): x_q8 / x_ss as strata_matvec_q8_resid writes them. */
+/* The norm handoff of a whole vector x f32 (n, % 32 == 0): x_q8 / x_ss as strata_matvec_q8_resid writes them.
+ * cudaErrorInvalidValue for a NULL pointer or n % 32 != 0; cudaErrorMisalignedAddress for x_q8 not 8-byte aligned. */
 int strata_norm_q8(void *stream, const float *x, const float *w, void *x_q8, float *x_ss, int n);
 /* SwiGLU fused into the gate/up product: act f32 (F) = silu(Wg x) * (Wu x) and its q8_1 blocks act_q8 (F + F / 4
  * bytes, as strata_swiglu_gu; act may be NULL); F % 32 == 0; pairs_per_warp 1, 2 or 4 (block = 32 / it warps). */
@@ -59,7 +61,9 @@ int strata_matvec_q8w_glu(void *stream, int ggml_type, const void *w_gate, const
                           void *act_q8, int F, int n_in, int pairs_per_warp);
 /* strata_matvec_q8w_glu with the RMSNorm that produces x fused into its prologue (norm_w != NULL; xq unused): the
  * inputs, bounds (n_in <= 8 * 4 * the block's 32 * (32 / pairs_per_warp) threads) and errors of
- * strata_matvec_q8w_rope's fused norm; or handed off (norm_ss != NULL, see strata_matvec_q8_resid). */
+ * strata_matvec_q8w_rope's fused norm; or handed off (norm_ss != NULL, the four norm pointers NULL, xq the handoff's
+ * x_q8, n_in <= 4096: see strata_matvec_q8_resid), the gate and up products scaled by 1 / rms before SwiGLU (each
+ * lane's partial products, before the warp's sum: measured against transformers in that form). */
 int strata_matvec_q8w_glu_norm(void *stream, int ggml_type, const void *w_gate, const void *w_up, const void *xq,
                                float *act, void *act_q8, int F, int n_in, int pairs_per_warp, const float *norm_x,
                                const float *norm_delta, const float *norm_w, float *norm_x_out, float eps,

@@ -402,6 +402,7 @@ __device__ static inline void handoff_store(float v, int i, const float *__restr
 struct HandoffSS {
   float v[4];
 };
+static_assert(FUSED_NORM_MAX_DIM <= 4 * 32 * 32, "HandoffSS holds 4 group sums per lane");
 __device__ static inline HandoffSS handoff_load(const NormIn &n) {
   HandoffSS h;
 #pragma unroll
@@ -655,8 +656,8 @@ __global__ void __launch_bounds__(128) k_matvec_q8w(const uint8_t *__restrict__ 
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   const int row0 = warp * R;
-  // whole warps only (with ROPE or a fused norm every warp reaches the block's barriers)
-  if (!ROPE && !FNC && row0 >= n_out) return;
+  // whole warps only (with ROPE, a fused norm or a norm handoff every warp reaches the block's barriers)
+  if (!ROPE && !FNC && !ro.w && row0 >= n_out) return;
   float nw[FNC > 0 ? FNC : 1][8];
   if (FNC) fn_load_w(fn, nw);
   // rows past the end re-read the last row (not stored): no branch around loads
@@ -825,7 +826,8 @@ extern "C" int strata_matvec_q8w(void *stream, int t, const void *w, const void 
 
 // The host checks of a fused RMSNorm's inputs (NormIn) for a matvec of n_in columns run by `threads` threads per
 // block: dim = n_in % 32 == 0, <= 4096 and <= 32 * threads (4 chunks of 8 per thread), x / delta / w / x_out
-// 16-byte aligned, x_out distinct from x and delta. Fills *fn; 0 or cudaErrorInvalidValue / cudaErrorMisalignedAddress.
+// 16-byte aligned, x_out distinct from x and delta; or a handed-off norm (ss != NULL): the other four pointers NULL,
+// n_in % 32 == 0 and <= 4096. Fills *fn; 0 or cudaErrorInvalidValue / cudaErrorMisalignedAddress.
 static int fused_norm_in(const float *x, const float *delta, const float *w, float *x_out, float eps, int n_in,
                          int threads, const float *ss, NormIn *fn) {
   *fn = NormIn{};
@@ -1041,7 +1043,7 @@ __global__ void __launch_bounds__(32 * (32 / RP)) k_matvec_q8w_glu(
   } else {
     const HandoffSS hss = handoff_load(fn);
     strided_rows_dot<T, 2 * RP, 32>(rows, reinterpret_cast<const int *>(xq), xds, n_units, lane, acc);
-    if (fn.ss) {   // handed-off norm: the input's scale
+    if (fn.ss) {   // handed-off norm: the input's scale, on each lane's partial products (see the header)
       const float r = handoff_scale(fn, hss);
 #pragma unroll
       for (int k = 0; k < 2 * RP; k++) acc[k] *= r;

@@ -232,10 +232,11 @@ def n_split_class(size_class: int, n_kv: int, n_sm: int, resident: int = 0) -> i
 # 4096), runs one block of 4 warps per row (strata_matvec_q8b) instead of one warp per row (measured on the H200: syn
 # decode +2.3-3.8%; other matrices not measured, so they keep q8w); STRATA_CUDA_MV_BLOCK_FROM=0 turns that off.
 MV_BLOCK_FROM = _env_int("STRATA_CUDA_MV_BLOCK_FROM", 128)
-# Rows per block of that kernel (1, 2 or 4; STRATA_CUDA_MV_BLOCK_ROWS). 2 since session 11: with the norm handoff
-# +1.1 / +1.3 / +0.3% at depth 0 / 1000 / 4096 on syn against 1 (decode_variants_syn_session11_sweep_NVIDIA_H200.json;
-# +1.1 / +0.4 / +1.1% at 0 / 4096 / 16384 in another run); with session 10's fused norms it was 0.974 / 1.035.
-MV_BLOCK_ROWS = _env_int("STRATA_CUDA_MV_BLOCK_ROWS", 2)
+# Rows per block of that kernel (1, 2 or 4; STRATA_CUDA_MV_BLOCK_ROWS). Session 11 measured 2 at +1.1 / +1.3 / +0.3%
+# (depth 0 / 1000 / 4096, syn, with the norm handoff; decode_variants_syn_session11_sweep_NVIDIA_H200.json) and +1.1 /
+# +0.4 / +1.1% (0 / 4096 / 16384) in another run, 0.974 / 1.035 with session 10's fused norms; the default stays 1
+# until 2 has been through the GPU parity tests with the final kernels (docs/cuda.md, session 11).
+MV_BLOCK_ROWS = _env_int("STRATA_CUDA_MV_BLOCK_ROWS", 1)
 
 
 def rows_per_warp(n_out: int) -> int:
