@@ -807,8 +807,9 @@ static int launch_q8w(cudaStream_t s, const uint8_t *W, const int8_t *q, const f
   return 0;
 }
 
-extern "C" int strata_matvec_q8w(void *stream, int t, const void *w, const void *xq, float *y, int n_out, int n_in,
-                                 int rows_per_warp) {
+// strata_matvec_q8w, or (ro.x) its residual-add / norm-handoff form (strata_matvec_q8_resid).
+static int matvec_q8w(void *stream, int t, const void *w, const void *xq, float *y, int n_out, int n_in,
+                      int rows_per_warp, const ResidOut &ro) {
   if (const int e = q8_matvec_check(t, w, xq, n_out, n_in)) return e;
   const long long rb = row_bytes_of(t, n_in);
   const int R = rows_1_2_4(rows_per_warp);
@@ -816,12 +817,17 @@ extern "C" int strata_matvec_q8w(void *stream, int t, const void *w, const void 
   const float2 *ds = (const float2 *)(q + n_in);
   cudaStream_t s = (cudaStream_t)stream;
   const uint8_t *W = (const uint8_t *)w;
-#define MW(TT, RR) launch_q8w<TT, RR, false>(s, W, q, ds, y, n_out, n_in / 32, rb, RopeKV{}, NormIn{})
+#define MW(TT, RR) launch_q8w<TT, RR, false>(s, W, q, ds, y, n_out, n_in / 32, rb, RopeKV{}, NormIn{}, ro)
 #define MWR(TT) if (R == 1) MW(TT, 1); else if (R == 2) MW(TT, 2); else MW(TT, 4);
   DISPATCH_Q8_TYPE(t, MWR)
 #undef MWR
 #undef MW
   return (int)cudaGetLastError();
+}
+
+extern "C" int strata_matvec_q8w(void *stream, int t, const void *w, const void *xq, float *y, int n_out, int n_in,
+                                 int rows_per_warp) {
+  return matvec_q8w(stream, t, w, xq, y, n_out, n_in, rows_per_warp, ResidOut{});
 }
 
 // The host checks of a fused RMSNorm's inputs (NormIn) for a matvec of n_in columns run by `threads` threads per
@@ -972,20 +978,8 @@ extern "C" int strata_matvec_q8_resid(void *stream, int t, const void *w, const 
   if (!x || (norm_w && (!x_q8 || !x_ss || !counters || n_out % 32))) return (int)cudaErrorInvalidValue;
   if ((uintptr_t)x_q8 & 7) return (int)cudaErrorMisalignedAddress;
   const ResidOut ro{x, norm_w, (int8_t *)x_q8, x_ss, counters, n_out};
-  if (block) return launch_q8b(stream, t, w, xq, nullptr, n_out, n_in, rows, ro);
-  if (const int e = q8_matvec_check(t, w, xq, n_out, n_in)) return e;
-  const long long rb = row_bytes_of(t, n_in);
-  const int R = rows_1_2_4(rows);
-  const int8_t *q = (const int8_t *)xq;
-  const float2 *ds = (const float2 *)(q + n_in);
-  cudaStream_t s = (cudaStream_t)stream;
-  const uint8_t *W = (const uint8_t *)w;
-#define MW(TT, RR) launch_q8w<TT, RR, false>(s, W, q, ds, nullptr, n_out, n_in / 32, rb, RopeKV{}, NormIn{}, ro)
-#define MWR(TT) if (R == 1) MW(TT, 1); else if (R == 2) MW(TT, 2); else MW(TT, 4);
-  DISPATCH_Q8_TYPE(t, MWR)
-#undef MWR
-#undef MW
-  return (int)cudaGetLastError();
+  return block ? launch_q8b(stream, t, w, xq, nullptr, n_out, n_in, rows, ro)
+               : matvec_q8w(stream, t, w, xq, nullptr, n_out, n_in, rows, ro);
 }
 
 // SwiGLU fused into the gate/up decode matvec: act[i] = silu(gate_i . x) * (up_i . x), i < F, gate row i at
