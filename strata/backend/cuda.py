@@ -1026,7 +1026,9 @@ class LlamaCuda:
     * decode (``decode``, ``decode_greedy``): matvecs on int8 q8_1 activations (DP4A; written by the RMSNorm,
       attention and SwiGLU kernels that produce them; by default SwiGLU inside the gate/up matvec,
       STRATA_CUDA_GLU=0 a separate launch) or f32 activations, RoPE fused with the K/V write, GQA-shared split-K
-      attention that merges its own splits, the residual add fused into the next RMSNorm; token and position read
+      attention that merges its own splits, the residual add and the next RMSNorm's quantized input done by the
+      output / down matvecs (the norm handoff, NORM_HANDOFF; else the residual add fused into the next RMSNorm or
+      matvec); token and position read
       from device memory, so the step is captured once per context-size class (256, 512, ... positions; the class
       fixes the split count, n_split_class) as a CUDA graph and replayed with one graph launch per token. With
       STRATA_CUDA_STEP=1 (``step``; ``prepare_step()`` sets it up) the step after the embedding row is instead one
