@@ -1195,7 +1195,7 @@ class LlamaCuda:
         lb = lib()
         for w, y_ptr, n_out in ws:
             if self.dp4a and lb.strata_matvec_q8_supported(w.ggml_type):
-                if long_rows and self.mv_block_from and n_in // 32 >= self.mv_block_from:
+                if long_rows and self._block_rows(n_in):
                     _check(lb.strata_matvec_q8b(s, w.ggml_type, _p(w.data), _p(xq), y_ptr, n_out, n_in,
                                                 MV_BLOCK_ROWS), "strata_matvec_q8b")
                     continue
@@ -1203,6 +1203,18 @@ class LlamaCuda:
                                             rows_per_warp(n_out)), "strata_matvec_q8w")
             else:
                 _check(lb.strata_matvec(s, w.ggml_type, _p(w.data), _p(x), y_ptr, n_out, n_in, 1), "strata_matvec")
+
+    def _block_rows(self, n_in: int) -> bool:
+        """Whether a long-row matvec (the down projection, rows of n_in values) runs one block per MV_BLOCK_ROWS rows
+        (strata_matvec_q8b) rather than one warp per rows_per_warp rows: from mv_block_from sub-blocks per row."""
+        return bool(self.mv_block_from and n_in // 32 >= self.mv_block_from)
+
+    def _fused_glus(self) -> list | None:
+        """Every layer's glu_pointers when every layer's QKV matvec takes RoPE and its gate/up matvec SwiGLU (what
+        both the fused norms and the norm handoff need), else None."""
+        layers = self.model.layers
+        glus = [self._glu_weights(L) for L in layers]
+        return glus if all(self._qkv_rope(L) and g is not None for L, g in zip(layers, glus)) else None
 
     def fused_norm_rows(self) -> int:
         """QKV rows per warp with which the decode graph fuses the RMSNorms into the matvecs (FUSED_NORM), or 0 when
@@ -1212,9 +1224,8 @@ class LlamaCuda:
         All layers or none: the residual stream's buffers alternate only in the fused form."""
         if not (self.fused_norm and self.pool.kv == "f16"):
             return 0
-        layers = self.model.layers
-        glus = [self._glu_weights(L) for L in layers]
-        if not all(self._qkv_rope(L) and g is not None for L, g in zip(layers, glus)):
+        layers, glus = self.model.layers, self._fused_glus()
+        if glus is None:
             return 0
         lb, rp = lib(), glu_pairs_per_warp(self.n_ff, self.n_sm)
         for r in dict.fromkeys((FUSED_NORM_R, 2, 1)):
@@ -1231,9 +1242,9 @@ class LlamaCuda:
                 and self.n_embd <= 4096):
             return False
         lb = lib()
-        return all(self._qkv_rope(L) and self._glu_weights(L) is not None and L.wo is not None
-                   and lb.strata_matvec_q8_supported(L.wo.ggml_type)
-                   and lb.strata_matvec_q8_supported(L.w_down.ggml_type) for L in self.model.layers)
+        return self._fused_glus() is not None and all(
+            L.wo is not None and lb.strata_matvec_q8_supported(L.wo.ggml_type)
+            and lb.strata_matvec_q8_supported(L.w_down.ggml_type) for L in self.model.layers)
 
     def _qkv_rope(self, L) -> bool:
         """Whether the decode graph fuses RoPE and the K / V write into layer L's QKV matvec (QKV_ROPE)."""
@@ -1331,7 +1342,7 @@ class LlamaCuda:
                 _check(lb.strata_matvec_q8w_glu_norm(s, glu[0], vp(glu[1]), vp(glu[2]), hq, _p(d["act"]), fq, F, E,
                                                      glu_pairs_per_warp(F, self.n_sm), NULL, NULL, NULL, NULL,
                                                      self.eps, ss), "matvec_glu_norm")
-                block = bool(self.mv_block_from and F // 32 >= self.mv_block_from)
+                block = self._block_rows(F)
                 last = li + 1 == self.n_layer
                 _check(lb.strata_matvec_q8_resid(s, L.w_down.ggml_type, _p(L.w_down.data), fq, E, F,
                                                  MV_BLOCK_ROWS if block else rows_per_warp(E), int(block), _p(xa),
