@@ -159,7 +159,8 @@ def make_synthetic_llama(out: str, tok_src: str, n_embd=2048, n_layer=24, n_head
     return out
 
 
-def bench_strata(path: str, prompts, depths, n_gen: int, ubatch: int, bw: float, f32_act: bool = False) -> dict:
+def bench_strata(path: str, prompts, depths, n_gen: int, ubatch: int, bw: float, f32_act: bool = False,
+                 quick: bool = False) -> dict:
     """Strata as the engine runs it on CUDA (CudaBackend.fast_path): the LlamaCuda plan's prefill for ubatch-sized
     forward calls and its CUDA-graph decode step (greedy, argmax on the device; int8 activations, the default: the
     launch-per-op CUDA graph). Decode is timed again with the opt-in persistent decode step (decode_step;
@@ -168,7 +169,8 @@ def bench_strata(path: str, prompts, depths, n_gen: int, ubatch: int, bw: float,
     launch (decode_no_pdl; STRATA_CUDA_PDL=0, whose greedy tokens must be the same), with the fused-SwiGLU setting
     flipped (decode_no_glu: the matvec + SwiGLU launch pair when the fused kernel is on, as by default; decode_glu
     the other way round; same tokens), with the GQA decode attention kernel at every context size (decode_attn_v2;
-    STRATA_CUDA_ATTN=v2) and, with f32_act, with f32 activations (STRATA_CUDA_DP4A=0)."""
+    STRATA_CUDA_ATTN=v2) and, with f32_act, with f32 activations (STRATA_CUDA_DP4A=0). quick: the default decode
+    only (A/B runs of two builds)."""
     import cupy as cp
     from strata.backend.cuda import CudaBackend, LlamaCuda
     from strata.models.base import load_model
@@ -219,6 +221,8 @@ def bench_strata(path: str, prompts, depths, n_gen: int, ubatch: int, bw: float,
          (glu_kind, False, True, pdl_default, plan.attn, not glu0, mvb0),
          ("decode_attn_v2", False, True, pdl_default, "v2", glu0, mvb0)] + \
         ([("decode_f32act", False, False, pdl_default, plan.attn, glu0, mvb0)] if f32_act else [])
+    if quick:
+        modes = modes[:1]
     attn0 = plan.attn
     pdl0 = pdl_default
     ctx = {d: rng.integers(0, vocab, d) for d in depths}          # the same contexts in every mode
@@ -256,9 +260,10 @@ def bench_strata(path: str, prompts, depths, n_gen: int, ubatch: int, bw: float,
         same = {d: res[other][d] == res[base][d] for d in res[base]}
         res["step_tokens_equal"] = same
         print(f"  persistent step's 8 greedy tokens equal to the launch-per-op graph's: {same}", flush=True)
-    res["glu_tokens_equal"] = res["tokens_" + glu_kind] == res[base]   # the fusion is bit-exact
-    print(f"  tokens with the fused SwiGLU {'off' if glu0 else 'on'} equal to the default's: "
-          f"{res['glu_tokens_equal']}", flush=True)
+    if "tokens_" + glu_kind in res:
+        res["glu_tokens_equal"] = res["tokens_" + glu_kind] == res[base]   # the fusion is bit-exact
+        print(f"  tokens with the fused SwiGLU {'off' if glu0 else 'on'} equal to the default's: "
+              f"{res['glu_tokens_equal']}", flush=True)
     del plan, st, pool, model
     cp.get_default_memory_pool().free_all_blocks()
     return res
@@ -301,6 +306,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", default=",".join(map(str, PROMPTS)))
     ap.add_argument("--depths", default=",".join(map(str, DEPTHS)))
     ap.add_argument("--out", default=None)
+    ap.add_argument("--quick", action="store_true", help="the default decode mode only (A/B runs of two builds)")
     ap.add_argument("--reference", default=None,
                     help="without --llama-bench: take llama.cpp's numbers from this earlier results JSON (same GPU "
                          "kind, same GGUF files); the summary marks them as stored, not measured in this run")
@@ -345,7 +351,7 @@ def main(argv=None) -> int:
             entry["strata"] = {k: ({str(n): v for n, v in h[k].items()} if isinstance(h[k], dict) else h[k])
                                for k in h}
         else:
-            entry["strata"] = bench_strata(m, prompts, depths, a.n_gen, a.ubatch, bw)
+            entry["strata"] = bench_strata(m, prompts, depths, a.n_gen, a.ubatch, bw, quick=a.quick)
         if a.llama_bench and os.path.exists(a.llama_bench):
             entry["llama.cpp"] = bench_llama(a.llama_bench, m, prompts, depths, a.n_gen, a.ubatch)
         elif a.reference:

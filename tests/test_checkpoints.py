@@ -1,16 +1,21 @@
-"""Conversation checkpoints: CheckpointCache.plan/save on the real SequenceState, and end to end on the default model."""
+"""Conversation checkpoints: CheckpointCache.plan/save on the engine's real Sequence (one real Stage and Memory
+over a 1-layer pool, a toy runner), and end to end on the default model."""
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as hst
 
+from strata.backend.cpu import CPUBackend
 from strata.cache import CheckpointCache
-from strata.kv_cache import PagePool, PagedKV
-from strata.state import SequenceState
+from strata.engine.sequence import Sequence
+from strata.memory import Carve, HybridMemory, KVMemory, PagePool, RecurrentMemory
+from strata.stages import Stage
 
-# ---- a tiny sequence: the real SequenceState / PagedKV over a 1-layer pool ------------------------------------
+# ---- a tiny sequence: the real Sequence / Stage / Memory over a 1-layer pool, with a toy runner ------------------
 # Reading a token writes K/V that depend on the whole prefix (a rolling hash, as attention output would) and,
 # for the hybrid variant, advances an exact integer recurrence in the running state. Both are exact in float32,
 # so a read resumed from a checkpoint must give the same state hashes as a read from 0.
@@ -18,34 +23,44 @@ from strata.state import SequenceState
 PAGE = 8
 
 
-def new_state(hybrid: bool = False, n_pages: int = 64) -> SequenceState:
+class ToyRunner:
+    """forward(tokens, state): K/V = (rolling hash of the prefix, token), running state an integer recurrence."""
+
+    def forward(self, tokens, state, all_logits=False, x_in=None):
+        toks = [int(t) for t in tokens]
+        kv = state.kv
+        h = int(kv.read(0, kv.length)[0][0, -1, 0]) if kv.length else 0
+        kk = np.zeros((len(toks), 1, 2), np.float32)
+        for i, t in enumerate(toks):
+            h = (h * 31 + t) % 997
+            kk[i, 0] = (h, t)
+            for parts in state.running.values():
+                parts["ssm"][...] = (parts["ssm"] * 3 + t) % 1009
+                parts["conv"][...] = np.roll(parts["conv"], -1)
+                parts["conv"][-1] = t
+        kv.reserve(len(toks))
+        kv.pool.write(0, kv.pages, kv.length, kk, kk + 1)
+        kv.commit(len(toks))
+        state.advance(toks)
+        return np.zeros(4, np.float32)
+
+
+def new_state(hybrid: bool = False, n_pages: int = 64) -> Sequence:
     k = [np.zeros((1, n_pages, PAGE, 2), np.float32)]
     v = [np.zeros((1, n_pages, PAGE, 2), np.float32)]
-    pool = PagePool([0], n_pages, PAGE, 1, 2, k, v)
-    running = {1: {"conv": np.zeros(3, np.float32), "ssm": np.zeros((2, 2), np.float32)}} if hybrid else None
-    return SequenceState(PagedKV(pool), running)
+    carve = Carve(0, 2)
+    mem = KVMemory(carve, PagePool([0], n_pages, PAGE, 1, 2, k, v))
+    if hybrid:
+        mem = HybridMemory(carve, [mem, RecurrentMemory(carve, {1: {"conv": np.zeros(3, np.float32),
+                                                                     "ssm": np.zeros((2, 2), np.float32)}})])
+    stage = Stage(0, carve, "cpu", CPUBackend(), SimpleNamespace(n_blocks=2), mem, ToyRunner())
+    return Sequence([stage])
 
 
-def read(state: SequenceState, toks) -> None:
-    """Read tokens one forward call (a part) at a time, like Model.forward."""
-    toks = [int(t) for t in toks]
-    if not toks:
-        return
-    h = 0
-    for t in state.tokens:
-        h = (h * 31 + t) % 997
-    kk = np.zeros((len(toks), 1, 2), np.float32)
-    for i, t in enumerate(toks):
-        h = (h * 31 + t) % 997
-        kk[i, 0] = (h, t)
-        for parts in state.running.values():
-            parts["ssm"][...] = (parts["ssm"] * 3 + t) % 1009
-            parts["conv"][...] = np.roll(parts["conv"], -1)
-            parts["conv"][-1] = t
-    state.kv.reserve(len(toks))
-    state.kv.pool.write(0, state.kv.pages, state.kv.length, kk, kk + 1)
-    state.kv.commit(len(toks))
-    state.advance(toks)
+def read(state: Sequence, toks) -> None:
+    """Read tokens one forward call (a part) at a time, like the engine."""
+    if len(toks):
+        state.forward(np.asarray(toks, dtype=np.int32))
 
 
 def run(cache: CheckpointCache, state: SequenceState, prompt, cuts, answer=(), **kw):
@@ -430,9 +445,9 @@ def test_exactness_same_request_twice(engine, sampling):
     sp = SamplingParams(temperature=0.0) if sampling == "greedy" else SamplingParams(temperature=0.9, seed=1234)
     msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Tell me about rivers."}]
     t1, s1, f1, r = _ask(engine, msgs, sampling=sp)
-    h1 = engine.state.hashes()
+    h1 = engine.state_hashes()
     t2, s2, f2, _ = _ask(engine, msgs, sampling=sp)
-    h2 = engine.state.hashes()
+    h2 = engine.state_hashes()
     turn = [c.pos for c in r.cut_points if c.kind == "turn"][0]
     assert f1.strata["resume_from"] == "none"
     assert (f2.strata["resume_from"], f2.strata["resume_pos"]) == ("checkpoint", turn)

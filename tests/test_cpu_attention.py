@@ -6,7 +6,7 @@ import pytest
 from strata import quant
 from strata.backend import cpu as cpu_backend
 from strata.backend.cpu import CPUBackend
-from strata.kv_cache import PagedKV
+from strata.memory.kv import PagedKV
 
 pytestmark = pytest.mark.skipif(not cpu_backend._NATIVE_ATTENTION,
                                 reason="C core not built or CPU without AVX2+FMA (numpy attention is used)")

@@ -123,7 +123,7 @@ def test_plan_prefill_matches_reference(model_path, hf, prompt_ids):
     print(f"plan prefill logits rel L2 {err:.2e}")
     assert np.isfinite(got).all() and err < LOGITS_REL_L2
     assert (got.argmax(1) == ref.argmax(1)).mean() > 0.95
-    assert st.pos == len(prompt_ids) and st.tokens == list(prompt_ids)
+    assert st.pos == len(prompt_ids) == st.kv.length
     st2 = model.new_state(pool)
     last = _prefill(fast, st2, prompt_ids, 24).astype(np.float64)
     assert np.linalg.norm(last - ref[-1]) / np.linalg.norm(ref[-1]) < LOGITS_REL_L2
@@ -180,7 +180,7 @@ def test_graph_decode_step_matches_llama_py_forward(model_path, prompt_ids, monk
         assert err < 1e-3, err
         ta, tb = int(np.argmax(ga)), int(np.argmax(gb))
         assert ta == tb
-    assert sa.tokens == sb.tokens and sa.pos == sb.pos == sa.kv.length
+    assert sa.pos == sb.pos == sa.kv.length
     assert fast.plans, "the graph plan was not used"
     with pytest.raises(ValueError):
         fast.forward(np.asarray([10 ** 7], np.int32), sa)           # bad id: nothing changes
@@ -192,7 +192,7 @@ def test_graph_decode_step_matches_llama_py_forward(model_path, prompt_ids, monk
 def cuda_engine(model_path):
     from strata.engine import Engine
     e = Engine("default", n_ctx=2048, device="cuda", prompt_cache=6)
-    assert isinstance(e.model, C.GraphDecodeModel) and isinstance(e.pool, C.CudaPagePool)
+    assert isinstance(e.stages[0].runner, C.GraphDecodeModel) and isinstance(e.stages[0].memory.pool, C.CudaPagePool)
     return e
 
 
@@ -225,7 +225,7 @@ def test_engine_cuda_greedy_matches_reference(cuda_engine, hf):
     prompt, got, ref = engine_greedy_vs_reference(e, m, "engine cuda")
     assert len(got) > 0
     assert_greedy_matches(m, prompt, got, ref)
-    assert e.model.plans, "the engine's decode did not use the graph plan"
+    assert e.stages[0].runner.plans, "the engine's decode did not use the graph plan"
     st = e.status()
     assert st["device"] == "cuda" and st["state_bytes"] > 0
 
@@ -248,17 +248,17 @@ def test_engine_cuda_state_truncate_and_restore(cuda_engine):
     e = cuda_engine
     e.clear_checkpoints()
     e.state_reset()
-    st = e.state
+    st = e.seq
     ids = e.tokenize_prompt("The river flows past the old mill and on towards the sea, " * 40)
-    e.model.forward(np.asarray(ids[:300], np.int32), st)
+    st.forward(np.asarray(ids[:300], np.int32))
     h300, snap = st.hashes(), st.capture()
-    e.model.forward(np.asarray(ids[300:], np.int32), st)
+    st.forward(np.asarray(ids[300:], np.int32))
     for t in (11, 12, 13):
-        e.model.forward(np.asarray([t], np.int32), st)               # graph steps past a page boundary
+        st.forward(np.asarray([t], np.int32))               # graph steps past a page boundary
     assert st.hashes() != h300
     st.truncate(300)
-    assert st.hashes() == h300 and st.nbytes() == 300 * e.pool.bytes_per_token + 4 * 300
-    e.model.forward(np.asarray(ids[300:], np.int32), st)
+    assert st.hashes() == h300 and st.nbytes() == 300 * e.stages[0].memory.pool.bytes_per_token + 4 * 300
+    st.forward(np.asarray(ids[300:], np.int32))
     st.restore(snap)
     assert st.hashes() == h300 and st.pos == 300
 
@@ -298,7 +298,7 @@ def test_cuda_matches_cpu_backend(model_path, prompt_ids):
 def cuda_engine_q8(model_path):
     from strata.engine import Engine
     e = Engine("default", n_ctx=2048, device="cuda", kv="q8_0", prompt_cache=6)
-    assert isinstance(e.pool, C.CudaPagePool) and e.pool.kv == "q8_0" and e.status()["kv"] == "q8_0"
+    assert isinstance(e.stages[0].memory.pool, C.CudaPagePool) and e.stages[0].memory.pool.kv == "q8_0" and e.status()["kv"] == "q8_0"
     return e
 
 
@@ -312,8 +312,8 @@ def test_engine_cuda_kv_q8_0_greedy_and_memory(cuda_engine_q8, cuda_engine, hf):
     # Measured on the H200: identical for 16 tokens (session 2's split of the decode attention); parted at token 3 at
     # a 0.110-logit near tie with session 3's (more splits, so another summation order, and int8 roundings on top)
     assert_greedy_matches(m, prompt, got, ref, near_tie=2 * NEAR_TIE_LOGIT, min_index=2)
-    assert e.model.plans
-    assert e.pool.bytes_per_token * 32 == cuda_engine.pool.bytes_per_token * 17
+    assert e.stages[0].runner.plans
+    assert e.stages[0].memory.pool.bytes_per_token * 32 == cuda_engine.stages[0].memory.pool.bytes_per_token * 17
 
 
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])

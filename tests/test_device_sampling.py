@@ -228,19 +228,21 @@ def test_logprobs_from_unmodified_softmax():
 
 # ----------------------------------------------------------------------------- engine hook (real model, CPU)
 class DeviceForward:
-    """The default model with the forward_device contract: forward_device(tokens, state) -> float32 (n_vocab,)
+    """A stage runner with the forward_device contract: forward_device(tokens, state) -> float32 (n_vocab,)
     logits of the last token, same bookkeeping as forward; here numpy, so DeviceSampler runs with numpy."""
 
-    def __init__(self, model):
-        self.model = model
+    device_logits = True
+
+    def __init__(self, runner):
+        self.runner = runner
         self.calls = 0
 
-    def __getattr__(self, name):
-        return getattr(self.model, name)
+    def forward(self, tokens, state, all_logits=False, x_in=None):
+        return self.runner.forward(tokens, state, all_logits=all_logits, x_in=x_in)
 
-    def forward_device(self, tokens, state):
+    def forward_device(self, tokens, state, x_in=None):
         self.calls += 1
-        return self.model.forward(tokens, state)
+        return self.runner.forward(tokens, state, x_in=x_in)
 
 
 @pytest.fixture(scope="module")
@@ -258,12 +260,12 @@ def _tokens(engine, sampling, n=12, logprobs=2):
 
 
 def test_engine_forward_device_hook(engine):
-    assert not hasattr(engine.model, "forward_device")           # the CPU path keeps forward + Sampler
+    assert not engine.stages[-1].device_logits                   # the CPU path keeps forward + Sampler
     greedy_pen = SamplingParams(temperature=0, repeat_penalty=1.5, frequency_penalty=0.2, repeat_last_n=8)
     seeded = SamplingParams(temperature=0.9, seed=42)
     host = _tokens(engine, greedy_pen)
-    plain = engine.model
-    engine.model = dev = DeviceForward(plain)
+    plain = engine.stages[-1].runner
+    engine.stages[-1].runner = dev = DeviceForward(plain)
     try:
         got = _tokens(engine, greedy_pen)
         assert dev.calls == len(got) - 1 > 0
@@ -272,7 +274,7 @@ def test_engine_forward_device_hook(engine):
         a, b = _tokens(engine, seeded), _tokens(engine, seeded)
         assert a == b
     finally:
-        engine.model = plain
+        engine.stages[-1].runner = plain
 
 
 # ----------------------------------------------------------------------------- GPU: CuPy run == numpy run

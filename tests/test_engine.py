@@ -90,7 +90,7 @@ def test_cancel_mid_decode_then_next_request_matches_fresh_engine(engine, defaul
     assert final.finish_reason == "cancelled"
     assert after_cancel <= 1
     assert final.usage["completion_tokens"] == seen
-    assert engine.state.pos == len(engine.state.tokens)        # a consistent sequence is left behind
+    assert engine.seq.positions() == [engine.seq.pos] * len(engine.stages)   # a consistent sequence is left behind
 
     text, _, final2 = run(engine)
     fresh = Engine(default_model_path, n_ctx=2048, ubatch=64)
@@ -133,9 +133,9 @@ def test_same_request_twice_is_byte_identical(engine):
     engine.state_reset()
     msgs = [{"role": "system", "content": "You are a terse geography tutor."}] + FRANCE
     a, _, fa = run(engine, msgs)
-    ha = engine.state.hashes()
+    ha = engine.state_hashes()
     b, _, fb = run(engine, msgs)
-    hb = engine.state.hashes()
+    hb = engine.state_hashes()
     assert a == b and "Paris" in a
     # the second read resumed through a checkpoint (turn_at) and read only the parts after it
     assert fb.strata["resume_from"] == "checkpoint" and fb.timings["cache_n"] > 0
@@ -194,7 +194,7 @@ def test_trace_and_state_hash_logs(engine, monkeypatch):
     parts = [(e["start"], e["end"]) for e in logs if e["event"] == "prefill_part"]
     assert parts == final.strata["parts"]
     hashes = [e for e in logs if e["event"] == "state_hash"]
-    assert len(hashes) == 1 and hashes[0]["kv"] == engine.state.hashes()["kv"]
+    assert len(hashes) == 1 and hashes[0]["kv"] == engine.state_hashes()["kv"]
 
 
 def test_cancel_during_prompt_read(engine):
@@ -211,12 +211,12 @@ def test_cancel_during_prompt_read(engine):
 
 
 def test_bad_cut_point_changes_nothing(engine):
-    before = engine.state.hashes()
+    before = engine.state_hashes()
     with pytest.raises(ValueError, match="cut point"):
         engine.generate(GenerationRequest(prompt_tokens=[1, 2, 3], cut_points=[(9, "turn")]))
     with pytest.raises(ValueError, match="kind"):
         engine.generate(GenerationRequest(prompt_tokens=[1, 2, 3], cut_points=[(1, "bogus")]))
-    assert engine.state.hashes() == before
+    assert engine.state_hashes() == before
 
 
 def test_huge_text_is_refused_before_tokenizing(engine):

@@ -7,7 +7,7 @@ import pytest
 
 from strata.backend import cpu as cpu_backend
 from strata.backend.cpu import CPUBackend
-from strata.kv_cache import KVCacheFull, PagedKV, PagePool
+from strata.memory.kv import KVCacheFull, PagedKV, PagePool
 
 NKV, HD = 2, 8
 

@@ -593,9 +593,8 @@ def test_status_device_memory_on_cuda():
     import cupy as cp
 
     from strata.engine import Engine
-    from strata.serve.app import device_info
     e = Engine("default", n_ctx=512, device="cuda", prompt_cache=0)
-    d = device_info(e)
+    d = e.device_info()
     free, total = cp.cuda.runtime.memGetInfo()
     assert d["name"] == "cuda:0" and d["kind"] == "cuda" and "error" not in d
     assert d["device_total_bytes"] == total

@@ -65,7 +65,7 @@ def _request(engine, msgs, max_tokens: int, sampling, top: int) -> dict:
                 resume_from=final.strata["resume_from"], resume_pos=final.strata["resume_pos"],
                 parts=[list(p) for p in final.strata.get("parts", [])],
                 prompt_ms=round(final.timings["prompt_ms"], 1), wall_s=round(wall, 3),
-                hashes=engine.state.hashes())
+                hashes=engine.state_hashes())
 
 
 def play(cached, uncached, requests, system: str, max_tokens: int, sampling, top: int = 5):

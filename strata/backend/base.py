@@ -6,7 +6,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from strata.kv_cache import DEFAULT_PAGE_SIZE, PagedKV, PagePool
+from strata.memory.kv import DEFAULT_PAGE_SIZE, PagedKV, PagePool
 from strata.quant import WeightTensor
 
 Array = Any  # numpy.ndarray on CPU, cupy.ndarray on GPU
@@ -80,6 +80,16 @@ class Backend(ABC):
         if start + n > kv.capacity:
             raise ValueError(f"attention at [{start}, {start + n}) past the reserved pages ({kv.capacity})")
         return n, n_head, hd, n_head // n_kv, kv.pool.slot(layer), start
+
+    def drain(self) -> None:
+        """Wait until every operation queued on this backend's own device is done (a stage's state is read or
+        written only after its own device drained: seed #716). Nothing to wait for on the CPU."""
+
+    def total_memory(self) -> int:
+        """Total memory of this backend's device in bytes (not free memory: a carve chosen from it must be the same
+        after a restart). The CPU: physical RAM."""
+        import os
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
     def softmax(self, x: Array) -> Array:
         """Softmax over the last axis (float32), with the backend's array module ``self.xp``."""

@@ -7,7 +7,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from strata.backend.base import Array, Backend
-from strata.kv_cache import DEFAULT_PAGE_SIZE, PagedKV, PagePool
+from strata.memory.kv import DEFAULT_PAGE_SIZE, PagedKV, PagePool
 from strata import quant
 from strata.quant import WeightTensor
 

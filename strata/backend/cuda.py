@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from strata.backend.base import Backend
-from strata.kv_cache import DEFAULT_PAGE_SIZE, PagedKV, PagePool
+from strata.memory.kv import DEFAULT_PAGE_SIZE, PagedKV, PagePool
 
 # The kernel library's C declarations are native/cuda/strata_cuda.h (the header the .cu files compile against),
 # read by kernel_declarations(); nothing here repeats them.
@@ -585,7 +585,7 @@ class CudaBackend(Backend):
         _check(lib().strata_swiglu(_stream_ptr(), _p(gate), _p(up), _p(out), gate.size), "strata_swiglu")
         return out
 
-    # ---- the PagePool path used by model files (strata/kv_cache.py)
+    # ---- the PagePool path used by model files (strata/memory/kv.py)
     def new_page_pool(self, layers, n_pages: int, n_kv_head: int, head_dim: int, page_size: int = DEFAULT_PAGE_SIZE,
                       head_dim_v: int | None = None) -> PagePool:
         """A CudaPagePool (f16 pages in the kernels' layout) when the kernels handle the shape (head_dim_v ==
@@ -602,17 +602,28 @@ class CudaBackend(Backend):
         v = [cp.zeros((n_kv_head, n_pages, page_size, hv), cp.float32) for _ in layers]
         return PagePool(layers, n_pages, page_size, n_kv_head, head_dim, k, v, to_host=cp.asnumpy, head_dim_v=hv)
 
-    def fast_path(self, model):
-        """The model the engine should run: GraphDecodeModel (one-token forward through the LlamaCuda CUDA-graph
-        plan, prefill through its cuBLAS/FA2 plan) for llama models the plan supports; Qwen35GraphModel
-        (strata/backend/cuda_qwen35.py: one-token forward through the Qwen35Cuda CUDA-graph plan) for the dense
-        hybrid models it supports; else the model itself."""
-        if LlamaCuda.unsupported(model) is None:
-            return GraphDecodeModel(model)
+    def fast_path(self, model, lo: int = 0, hi: int | None = None):
+        """The runner of a stage running blocks [lo, hi) of `model` (hi None: all): GraphDecodeModel (one-token
+        forward through the LlamaCuda CUDA-graph plan, prefill through its cuBLAS/FA2 plan) for llama models the
+        plan supports; Qwen35GraphModel (strata/backend/cuda_qwen35.py: one-token forward through the Qwen35Cuda
+        CUDA-graph plan) for the dense hybrid models it supports; else the model itself."""
+        if LlamaCuda.unsupported(model, lo, hi) is None:
+            return GraphDecodeModel(model, lo, hi)
         from strata.backend import cuda_qwen35
-        if cuda_qwen35.unsupported(model) is None:
-            return cuda_qwen35.Qwen35GraphModel(model)
+        if cuda_qwen35.unsupported(model, lo, hi) is None:
+            return cuda_qwen35.Qwen35GraphModel(model, lo, hi)
         return model
+
+    def drain(self) -> None:
+        """Wait for everything queued on this backend's device (cudaDeviceSynchronize on this device, not the
+        current one: seed #716)."""
+        with self.device:
+            self.cp.cuda.Device(self.device_id).synchronize()
+
+    def total_memory(self) -> int:
+        """The device's total memory in bytes."""
+        with self.device:
+            return int(self.cp.cuda.runtime.memGetInfo()[1])
 
     def memory_info(self) -> dict[str, int]:
         """Device memory in bytes: total, free (cudaMemGetInfo) and held by CuPy's pool (used / total)."""
@@ -758,6 +769,8 @@ class CudaPagePool(PagePool):
     that is not a multiple of 32.
     """
 
+    page_axis = 0
+
     def __init__(self, layers, n_pages: int, page_size: int, n_kv_head: int, head_dim: int, kv: str = "f16"):
         import cupy as cp
         if kv not in KV_DTYPES:
@@ -853,6 +866,33 @@ def check_sequence(pool, state) -> None:
         raise ValueError("the sequence's KV pages are not in this plan's pool")
     if kv.length != state.pos:
         raise ValueError(f"KV length {kv.length} != sequence position {state.pos}")
+
+
+def carve_bounds(lo: int, hi: int | None, n_layer: int) -> tuple[int, int]:
+    """(lo, hi) of a plan's carve, the layers [lo, hi) of a model of n_layer blocks (hi None: all of them);
+    ValueError unless 0 <= lo < hi <= n_layer."""
+    lo, hi = int(lo), n_layer if hi is None else int(hi)
+    if not 0 <= lo < hi <= n_layer:
+        raise ValueError(f"carve [{lo}, {hi}) is not a non-empty range of the model's {n_layer} blocks")
+    return lo, hi
+
+
+def hidden_input(x_in, n: int, n_embd: int, first: bool, device_id: int):
+    """A stage's input x_in checked and viewed as (n, n_embd), or None for the first stage (whose input is the
+    embedding rows). ValueError / TypeError (one line) unless a later stage gets a CuPy float32 array of n * n_embd
+    elements on device device_id, and the first stage none."""
+    if first:
+        if x_in is not None:
+            raise ValueError("x_in is the input of a stage after the first (the first embeds its tokens)")
+        return None
+    import cupy
+    if not isinstance(x_in, cupy.ndarray):
+        raise TypeError(f"a stage after the first needs x_in, a CuPy float32 ({n}, {n_embd}) array "
+                        f"(got {type(x_in).__name__})")
+    if x_in.dtype != np.float32 or x_in.size != n * n_embd or x_in.device.id != device_id:
+        raise ValueError(f"x_in is {x_in.dtype} {tuple(x_in.shape)} on device {x_in.device.id}; the stage needs "
+                         f"float32 ({n}, {n_embd}) on device {device_id}")
+    return x_in.reshape(n, n_embd)
 
 
 def paged_attention(be: "CudaBackend", q, k, v, kc, vc, pt, length: int, ps: int, scale: float, ks=None, vs=None):
@@ -1044,12 +1084,19 @@ class LlamaCuda:
     ``decode(token, state)`` / ``prefill(tokens, state, all_logits)`` are LlamaModel.forward (same errors, same
     state bookkeeping) returning host f32 logits; ``decode_greedy(first, n, state)`` runs n steps feeding back the
     device argmax (benchmark, parity tests).
+
+    ``lo``, ``hi``: the carve, the layers [lo, hi) a pipeline stage runs (default all; ``first`` / ``last``: it holds
+    the embeddings / the final norm and output head). A stage after the first starts from ``x_in``, the previous
+    stage's residual stream (before the final norm) instead of the embedding rows; a stage before the last returns
+    its own instead of logits. The decode step's norm variant (handoff, fused, plain) is chosen over the carve's
+    layers; at its edges the residual stream is plain f32 in d['x'] in every variant.
     """
 
-    def __init__(self, model, pool: CudaPagePool, use_graphs: bool = True):
-        why = self.unsupported(model)
+    def __init__(self, model, pool: CudaPagePool, use_graphs: bool = True, lo: int = 0, hi: int | None = None):
+        why = self.unsupported(model, lo, hi)
         if why:
             raise ValueError(f"the CUDA decode plan cannot run this model: {why}")
+        lo, hi = carve_bounds(lo, hi, model.config.n_layer)
         if not isinstance(pool, CudaPagePool):
             raise TypeError("LlamaCuda needs the CudaPagePool made by CudaBackend.new_page_pool")
         cp = self.cp = __import__("cupy")
@@ -1061,6 +1108,8 @@ class LlamaCuda:
         self.n_rot, self.theta, self.neox, self.eps = model.n_rot, float(c.rope_theta), int(bool(c.rope_neox)), \
             float(c.rms_eps)
         self.scale = float(model.scale)
+        self.lo, self.hi = lo, hi                  # the carve: layers [lo, hi)
+        self.first, self.last = lo == 0, hi == self.n_layer   # holds the embeddings / the final norm and head
         self.use_graphs = use_graphs
         self.n_sm = int(model.backend.n_sm)
         self.stream = cp.cuda.Stream(non_blocking=True)
@@ -1095,33 +1144,41 @@ class LlamaCuda:
         self.step = STEP and self.prepare_step()
         if not STEP:
             self.step_why = "off (STRATA_CUDA_STEP=1 turns it on)"
-        layers = model.layers
-        self.weight_bytes = sum(w.nbytes for L in layers for w in
+        self.weight_bytes = sum(w.nbytes for L in self.layers() for w in
                                 (L.wqkv, L.wq, L.wk, L.wv, L.wo, L.w_gate_up, L.w_gate, L.w_up, L.w_down)
-                                if isinstance(w, DeviceWeight)) + model.output.nbytes + \
-            (model.tok_embd.nbytes // max(1, self.n_vocab))   # one embedding row per token
+                                if isinstance(w, DeviceWeight)) + \
+            (model.output.nbytes if self.last else 0) + \
+            (model.tok_embd.nbytes // max(1, self.n_vocab) if self.first else 0)   # one embedding row per token
+
+    def layers(self) -> list:
+        """The carve's layers (model.layers[lo:hi]; layer li of the model is layers()[li - lo])."""
+        return self.model.layers[self.lo:self.hi]
 
     @staticmethod
-    def unsupported(model) -> str | None:
+    def unsupported(model, lo: int = 0, hi: int | None = None) -> str | None:
+        """Why the plan cannot run the carve [lo, hi) of `model` (hi None: to the last block), or None if it can."""
         if getattr(model, "arch", None) != "llama":
             return f"architecture {getattr(model, 'arch', None)!r} is not 'llama'"
         if getattr(model, "rope_freqs", None) is not None or getattr(model, "freq_scale", 1.0) != 1.0:
             return "RoPE frequency factors / linear scaling"
-        if any(L.bq is not None or L.bk is not None or L.bv is not None for L in model.layers):
+        hi = model.config.n_layer if hi is None else hi
+        if any(L.bq is not None or L.bk is not None or L.bv is not None for L in model.layers[lo:hi]):
             return "Q/K/V biases"
         c = model.config
         if c.head_dim not in (32, 64, 128, 256) or model.n_rot > c.head_dim or model.n_rot % 2:
             return f"head_dim {c.head_dim} / n_rot {model.n_rot} (needs 32, 64, 128 or 256)"
         if c.n_head // c.n_head_kv > 8:
             return f"{c.n_head // c.n_head_kv} query heads per KV head (at most 8)"
-        if not isinstance(model.tok_embd, DeviceWeight) or not isinstance(model.output, DeviceWeight):
+        # the embeddings only in the first stage, the output head only in the last
+        if lo == 0 and not isinstance(model.tok_embd, DeviceWeight) or \
+                hi == model.config.n_layer and not isinstance(model.output, DeviceWeight):
             return "weights are not on the CUDA backend"
         return None
 
     def prefill_supported(self) -> bool:
-        """Whether ``prefill`` can run this model (fused QKV and gate/up weights, head_dim 64 or 128)."""
+        """Whether ``prefill`` can run this carve (fused QKV and gate/up weights, head_dim 64 or 128)."""
         return self.hd in FLASH_HEAD_DIMS and all(L.wqkv is not None and L.w_gate_up is not None
-                                                  for L in self.model.layers)
+                                                  for L in self.layers())
 
     # ---- the decode step
     def prepare_step(self) -> bool:
@@ -1130,6 +1187,9 @@ class LlamaCuda:
         self.step_why saying why, when strata_decode_step cannot run them."""
         if self._step is not None:
             return True
+        if not (self.first and self.last):
+            self.step_why = f"a carve of layers [{self.lo}, {self.hi}) (the step runs the whole model)"
+            return False
         if not self.dp4a:
             self.step_why = "f32 activations (STRATA_CUDA_DP4A=0)"
             return False
@@ -1212,7 +1272,7 @@ class LlamaCuda:
     def _fused_glus(self) -> list | None:
         """Every layer's glu_pointers when every layer's QKV matvec takes RoPE and its gate/up matvec SwiGLU (what
         both the fused norms and the norm handoff need), else None."""
-        layers = self.model.layers
+        layers = self.layers()
         glus = [self._glu_weights(L) for L in layers]
         return glus if all(self._qkv_rope(L) and g is not None for L, g in zip(layers, glus)) else None
 
@@ -1224,7 +1284,7 @@ class LlamaCuda:
         All layers or none: the residual stream's buffers alternate only in the fused form."""
         if not (self.fused_norm and self.pool.kv == "f16"):
             return 0
-        layers, glus = self.model.layers, self._fused_glus()
+        layers, glus = self.layers(), self._fused_glus()
         if glus is None:
             return 0
         lb, rp = lib(), glu_pairs_per_warp(self.n_ff, self.n_sm)
@@ -1244,7 +1304,7 @@ class LlamaCuda:
         lb = lib()
         return self._fused_glus() is not None and all(
             L.wo is not None and lb.strata_matvec_q8_supported(L.wo.ggml_type)
-            and lb.strata_matvec_q8_supported(L.w_down.ggml_type) for L in self.model.layers)
+            and lb.strata_matvec_q8_supported(L.w_down.ggml_type) for L in self.layers())
 
     def _qkv_rope(self, L) -> bool:
         """Whether the decode graph fuses RoPE and the K / V write into layer L's QKV matvec (QKV_ROPE)."""
@@ -1262,7 +1322,10 @@ class LlamaCuda:
         decode attention by strata_attn_decode_gqa (v2) or the first split-K kernel, n_split partitions. graph: the
         step is being captured as a graph, whose launches are ordered behind all earlier work on the stream, and in
         which only the last launch writes the position and length: the kernels may read them and the page table
-        before their PDL wait (pre_wait; not so for eager steps, whose launches overlap the previous step's)."""
+        before their PDL wait (pre_wait; not so for eager steps, whose launches overlap the previous step's).
+        A carve [lo, hi): the first stage starts from the embedding row, a later one from d['x'] (written by the
+        caller before the step); the last ends with the final norm, the output matvec and the argmax, an earlier one
+        with the residual stream in d['x']. Every stage advances the position and length."""
         lb, d, m, pool = lib(), self.d, self.model, self.pool
         s = _stream_ptr()
         E, H, KV, hd, F = self.n_embd, self.n_head, self.n_kv, self.hd, self.n_ff
@@ -1275,7 +1338,8 @@ class LlamaCuda:
         hq, aq, fq = (_p(d[k]) if q8 else NULL for k in ("hq", "aq", "fq"))
         ctr = _ffi.cast("unsigned *", d["counters"].data.ptr)
         pt = pool._pt
-        _check(lb.strata_get_rows(s, m.tok_embd.ggml_type, _p(m.tok_embd.data), tok_p, _p(d["x"]), 1, E), "rows")
+        if self.first:
+            _check(lb.strata_get_rows(s, m.tok_embd.ggml_type, _p(m.tok_embd.data), tok_p, _p(d["x"]), 1, E), "rows")
         if self.step:    # everything after the embedding row in one cooperative launch
             if self._step is None and not self.prepare_step():
                 raise ValueError(f"the persistent decode step cannot run this model: {self.step_why}")
@@ -1290,13 +1354,16 @@ class LlamaCuda:
         # handed off, the matvecs add to x in place
         xa, xb, delta = d["x"], d["x2"], None
         ss, hcnt = f32(d["ss"]), _ffi.cast("unsigned *", d["hcnt"].data.ptr)
+        first_norm = m.layers[self.lo].attn_norm    # the carve's first layer normalizes its input, as layer 0 does
         if handoff:
-            _check(lb.strata_norm_q8(s, _p(d["x"]), _dptr(m.layers[0].attn_norm), hq, ss, E), "norm_q8")
+            _check(lb.strata_norm_q8(s, _p(d["x"]), _dptr(first_norm), hq, ss, E), "norm_q8")
         elif not fused:
-            _check(lb.strata_rms_norm_ex(s, _p(d["x"]), NULL, _dptr(m.layers[0].attn_norm), _p(d["hn"]), NULL, NULL,
-                                         hq, 1, E, self.eps), "rms")
+            _check(lb.strata_rms_norm_ex(s, _p(d["x"]), NULL, _dptr(first_norm), _p(d["hn"]), NULL, NULL, hq, 1, E,
+                                         self.eps), "rms")
         qkv, gu = d["qkv"], d["gu"]
-        for li, L in enumerate(m.layers):
+        for li in range(self.lo, self.hi):
+            L = m.layers[li]
+            end = li + 1 == self.hi        # the carve's last layer
             slot = pool.slot(li)
             kc, vc = pool.k[slot], pool.v[slot]
             ks, vs = pool.scales(slot)
@@ -1343,12 +1410,12 @@ class LlamaCuda:
                                                      glu_pairs_per_warp(F, self.n_sm), NULL, NULL, NULL, NULL,
                                                      self.eps, ss), "matvec_glu_norm")
                 block = self._block_rows(F)
-                last = li + 1 == self.n_layer
+                # no handoff past the carve: a middle stage ends with x (in place) and the next stage normalizes it
                 _check(lb.strata_matvec_q8_resid(s, L.w_down.ggml_type, _p(L.w_down.data), fq, E, F,
                                                  MV_BLOCK_ROWS if block else rows_per_warp(E), int(block), _p(xa),
-                                                 NULL if last else _dptr(m.layers[li + 1].attn_norm), hq, ss, hcnt),
+                                                 NULL if end else _dptr(m.layers[li + 1].attn_norm), hq, ss, hcnt),
                        "matvec_resid")
-                if last:
+                if end and self.last:
                     _check(lb.strata_rms_norm_ex(s, _p(xa), NULL, _dptr(m.out_norm), _p(d["hn"]), NULL, NULL, hq, 1,
                                                  E, self.eps), "rms")
                 continue
@@ -1373,13 +1440,18 @@ class LlamaCuda:
             self._mv(s, [(L.w_down, _p(d["o"]), E)], d["act"], d["fq"], F, long_rows=True)
             if fused:
                 delta = d["o"]
-                if li + 1 < self.n_layer:
+                if not end:
                     continue
-            nxt = m.layers[li + 1].attn_norm if li + 1 < self.n_layer else m.out_norm
-            _check(lb.strata_rms_norm_ex(s, _p(d["o"]), _p(xa), _dptr(nxt), _p(d["hn"]), _p(xa), NULL, hq, 1,
-                                         E, self.eps), "rms")
-        self._mv(s, [(m.output, _p(d["logits"]), self.n_vocab)], d["hn"], d["hq"], E)
-        _check(lb.strata_argmax(s, _p(d["logits"]), tok_p, 1, self.n_vocab), "argmax")
+            if not end or self.last:   # x += o and the next layer's (or the final) norm
+                nxt = m.out_norm if end else m.layers[li + 1].attn_norm
+                _check(lb.strata_rms_norm_ex(s, _p(d["o"]), _p(xa), _dptr(nxt), _p(d["hn"]), _p(xa), NULL, hq, 1,
+                                             E, self.eps), "rms")
+            else:   # a middle stage's end: x = xa + o into d['x'] alone (the kernel reads a weight, writes no norm)
+                _check(lb.strata_rms_norm_ex(s, _p(d["o"]), _p(xa), _dptr(L.ffn_norm), NULL, _p(d["x"]), NULL, NULL,
+                                             1, E, self.eps), "residual")
+        if self.last:
+            self._mv(s, [(m.output, _p(d["logits"]), self.n_vocab)], d["hn"], d["hq"], E)
+            _check(lb.strata_argmax(s, _p(d["logits"]), tok_p, 1, self.n_vocab), "argmax")
         _check(lb.strata_add_scalar(s, pos_p, 1, 2), "add")
 
     def decode_attn_v2(self, size_class: int) -> bool:
@@ -1437,25 +1509,35 @@ class LlamaCuda:
             self.pool.table(kv.pages)
             self.d["inp"].set(np.asarray([tokens[0], state.pos, state.pos + 1], dtype=np.int32), stream=self.stream)
 
-    def decode_device(self, token: int, state):
+    def decode_device(self, token: int, state, x_in=None):
         """LlamaModel.forward([token], state) through the graph, logits left on the device: a CuPy f32 (n_vocab,)
-        view of the plan's logits buffer (valid until the next step), ordered on the current stream."""
+        view of the plan's logits buffer (valid until the next step), ordered on the current stream. A carve: x_in,
+        the hidden state a stage after the first starts from (CuPy f32, n_embd elements, on the plan's device), is
+        copied in before the step; a stage before the last returns its hidden state instead of logits, a CuPy f32
+        (1, n_embd) view of the plan's residual-stream buffer (valid until the next step)."""
         token = int(token)
+        x = hidden_input(x_in, 1, self.n_embd, self.first, self.model.backend.device_id)
         self._begin(state, [token], 1)
         with self.stream:
+            if x is not None:
+                self.d["x"][...] = x         # outside the graph, which reads d['x']
             self._launch(state.pos + 1)
         self.cp.cuda.get_current_stream().wait_event(self.stream.record())
         state.kv.commit(1)
         state.advance([token])
-        return self.d["logits"][0]
+        return self.d["logits"][0] if self.last else self.d["x"][:1]
 
-    def decode(self, token: int, state) -> np.ndarray:
-        """LlamaModel.forward([token], state) through the graph -> f32 logits (n_vocab,) on the host."""
-        return self.cp.asnumpy(self.decode_device(token, state))
+    def decode(self, token: int, state, x_in=None):
+        """LlamaModel.forward([token], state) through the graph -> f32 logits (n_vocab,) on the host; a stage before
+        the last: its hidden state, a CuPy f32 (1, n_embd) copy (decode_device)."""
+        out = self.decode_device(token, state, x_in)
+        return self.cp.asnumpy(out) if self.last else out.copy()
 
     def decode_greedy(self, first_token: int, n: int, state) -> list[int]:
         """Feed first_token at state.pos, then n - 1 device-argmax tokens; returns the n argmax tokens chosen.
-        The sequence advances by n (first_token and the first n - 1 chosen)."""
+        The sequence advances by n (first_token and the first n - 1 chosen). The whole model only (no carve)."""
+        if not (self.first and self.last):
+            raise ValueError(f"decode_greedy runs the whole model, not the carve [{self.lo}, {self.hi})")
         if n < 1:
             return []
         self._begin(state, [int(first_token)], n)
@@ -1476,9 +1558,12 @@ class LlamaCuda:
         return self.cp.asnumpy(self.d["logits"][0], stream=self.stream)
 
     # ---- prefill
-    def prefill(self, tokens, state, all_logits: bool = False) -> np.ndarray:
+    def prefill(self, tokens, state, all_logits: bool = False, x_in=None):
         """LlamaModel.forward(tokens, state, all_logits) for n >= 1 tokens on the current stream -> host f32 logits
-        (n_vocab,) of the last token, or (n, n_vocab) with all_logits. Same errors and bookkeeping."""
+        (n_vocab,) of the last token, or (n, n_vocab) with all_logits. Same errors and bookkeeping. A carve: a stage
+        after the first starts from x_in (CuPy f32 (n, n_embd) on the plan's device) instead of the embedding rows
+        (the tokens are counted and recorded all the same); a stage before the last returns its hidden states, a
+        CuPy f32 (n, n_embd) array of its own (all_logits unused)."""
         cp, lb, m, pool = self.cp, lib(), self.model, self.pool
         toks = np.asarray(tokens, dtype=np.int32).reshape(-1)
         n = int(toks.shape[0])
@@ -1486,6 +1571,7 @@ class LlamaCuda:
             raise ValueError("forward() needs at least one token")
         if int(toks.min()) < 0 or int(toks.max()) >= self.n_vocab:
             raise ValueError(f"token id out of range [0, {self.n_vocab})")
+        x_in = hidden_input(x_in, n, self.n_embd, self.first, m.backend.device_id)
         check_sequence(pool, state)
         kv = state.kv
         kv.reserve(n)
@@ -1496,7 +1582,6 @@ class LlamaCuda:
         NULL = _ffi.NULL
         pos0 = int(state.pos)
         pt = pool.table(kv.pages)
-        ids = cp.asarray(toks)
         x = self.pf.buf("x", (n, E), cp.float32)
         h16 = self.pf.buf("h16", (n, max(E, nq)), cp.float16)
         qkv = self.pf.buf("qkv", (n, W), cp.float32)
@@ -1505,10 +1590,15 @@ class LlamaCuda:
         total = pos0 + n
         n_split = fa2_splits(n, H, total, self.n_sm)
         ws = self.pf.buf("ws", (n_split * H * n * (hd + 2),), cp.float32) if n_split > 1 else None
-        _check(lb.strata_get_rows(s, m.tok_embd.ggml_type, _p(m.tok_embd.data), _p(ids), _p(x), n, E), "rows")
+        if self.first:
+            ids = cp.asarray(toks)
+            _check(lb.strata_get_rows(s, m.tok_embd.ggml_type, _p(m.tok_embd.data), _p(ids), _p(x), n, E), "rows")
+        else:
+            x[...] = x_in
         hE = h16[:, :E] if h16.shape[1] == E else self.pf.buf("hE", (n, E), cp.float16)
         att16 = h16[:, :nq] if h16.shape[1] == nq else self.pf.buf("att16", (n, nq), cp.float16)
-        for li, L in enumerate(m.layers):
+        for li in range(self.lo, self.hi):
+            L = m.layers[li]
             slot = pool.slot(li)
             kc, vc = pool.k[slot], pool.v[slot]
             ks, vs = pool.scales(slot)
@@ -1534,10 +1624,10 @@ class LlamaCuda:
             self.pf.gemm(hE, L.w_gate_up, gu, False)
             _check(lb.strata_swiglu_gu(s, _p(gu), n, F, NULL, _p(act16), NULL), "swiglu")
             self.pf.gemm(act16, L.w_down, x, True)
-        logits = prefill_logits(m, x, all_logits, self.eps)
+        out = prefill_logits(m, x, all_logits, self.eps) if self.last else x.copy()   # x: the scratch buffer
         kv.commit(n)
         state.advance(toks)
-        return logits
+        return out
 
 
 _ONE = np.ones(1, np.float32)
@@ -1547,10 +1637,18 @@ _ZERO = np.zeros(1, np.float32)
 class GraphDecodeModel:
     """What the engine runs on CUDA: the LlamaModel itself (prefill, all_logits, every attribute), except that a
     one-token forward() on a CudaPagePool sequence goes through the LlamaCuda decode plan (CUDA graph).
-    STRATA_CUDA_GRAPHS=0 turns the plan off (every call is LlamaModel.forward, eager)."""
+    STRATA_CUDA_GRAPHS=0 turns the plan off (every call is LlamaModel.forward, eager).
 
-    def __init__(self, model):
+    lo, hi: the carve, layers [lo, hi) (hi None: to the last block) that this stage runs (its plans are made with
+    it); a stage after the first takes the previous stage's hidden states (x_in), a stage before the last returns
+    its own (CuPy f32 (n, n_embd)) instead of logits; everything the plans do not take goes to the model's
+    forward_carve."""
+
+    device_logits = True        # forward_device leaves the last token's logits on the device
+
+    def __init__(self, model, lo: int = 0, hi: int | None = None):
         self.model = model
+        self.lo, self.hi = carve_bounds(lo, hi, model.config.n_layer)
         self.plans: dict[int, LlamaCuda] = {}
         self.use_graphs = os.environ.get("STRATA_CUDA_GRAPHS", "1") not in ("0", "false", "no")
 
@@ -1560,30 +1658,37 @@ class GraphDecodeModel:
     def plan(self, pool: CudaPagePool) -> LlamaCuda:
         p = self.plans.get(id(pool))
         if p is None or p.pool is not pool:
-            p = self.plans[id(pool)] = LlamaCuda(self.model, pool)
+            p = self.plans[id(pool)] = LlamaCuda(self.model, pool, lo=self.lo, hi=self.hi)
         return p
 
-    def forward(self, tokens, state, all_logits: bool = False):
+    def generic_forward(self, tokens, state, all_logits: bool = False, x_in=None):
+        """The model's own forward of this carve (host logits for the last stage, the hidden states on the device
+        before it)."""
+        return self.model.forward_carve(tokens, state, self.lo, self.hi, x_in=x_in, all_logits=all_logits)
+
+    def forward(self, tokens, state, all_logits: bool = False, x_in=None):
         """LlamaModel.forward (same arguments, result and errors), on the backend's device in any thread: one token
-        through the plan's CUDA graph, several through the plan's prefill."""
+        through the plan's CUDA graph, several through the plan's prefill. A carve: x_in the hidden states a stage
+        after the first starts from; a stage before the last returns its hidden states (CuPy f32 (n, n_embd))."""
         toks = np.asarray(tokens, dtype=np.int32).reshape(-1)
         with self.model.backend.device:
             if self.use_graphs and isinstance(state.kv.pool, CudaPagePool):
                 plan = self.plan(state.kv.pool)
                 if toks.shape[0] == 1 and not all_logits:
-                    return plan.decode(int(toks[0]), state)
+                    return plan.decode(int(toks[0]), state, x_in)
                 if toks.shape[0] > 1 and plan.prefill_supported():
-                    return plan.prefill(toks, state, all_logits)
-            return self.model.forward(tokens, state, all_logits)
+                    return plan.prefill(toks, state, all_logits, x_in)
+            return self.generic_forward(tokens, state, all_logits, x_in)
 
-    def forward_device(self, tokens, state):
-        """forward(tokens, state) with the last token's logits left on the device: CuPy f32 (n_vocab,), ordered on
-        the current stream (valid until the next call)."""
+    def forward_device(self, tokens, state, x_in=None):
+        """forward(tokens, state, x_in=x_in) with the last token's logits left on the device: CuPy f32 (n_vocab,),
+        ordered on the current stream (valid until the next call); a stage before the last: its hidden states, CuPy
+        f32 (n, n_embd)."""
         toks = np.asarray(tokens, dtype=np.int32).reshape(-1)
         with self.model.backend.device:
             if self.use_graphs and toks.shape[0] == 1 and isinstance(state.kv.pool, CudaPagePool):
-                return self.plan(state.kv.pool).decode_device(int(toks[0]), state)
-            return self.model.backend.cp.asarray(self.forward(tokens, state))
+                return self.plan(state.kv.pool).decode_device(int(toks[0]), state, x_in)
+            return self.model.backend.cp.asarray(self.forward(tokens, state, x_in=x_in))   # hidden: as it is
 
 
 CUDABackend = CudaBackend   # the name strata/engine/engine.py imports

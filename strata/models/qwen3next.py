@@ -20,7 +20,7 @@ converter (``conversion/qwen.py``), whose file layout is what this reads:
 * MTP: block ``n_layer`` (``nextn_predict_layers`` = 1) — ``nextn.eh_proj`` over [enorm(embed(t+1)), hnorm(h_t)],
   one full-attention block with its own KV, ``nextn.shared_head_norm``, the output head.
 
-Running state per GDN layer (``SequenceState.running[layer]``, float32): ``conv`` (kernel-1, conv channels) —
+Running state per GDN layer (``SequenceState.running[layer]``, float32, a stage's RecurrentMemory): ``conv`` (kernel-1, conv channels) —
 the last inputs of the causal conv — and ``ssm`` (n_v, d_k, d_v) — the delta-rule matrix.
 
 On the CUDA backend (``backend.xp`` is CuPy) activations and the running state stay on the device. A GDN layer is
@@ -42,10 +42,10 @@ import numpy as np
 from strata.backend import gdn
 from strata.backend.moe import expert_slices, moe_ffn
 from strata.gguf_file import GGUFModelFile, ModelLoadError
-from strata.kv_cache import DEFAULT_PAGE_SIZE, PagedKV
+from strata.memory import Carve, KVMemory, Memory, PagedKV, PagePool, SequenceState
+from strata.memory.kv import DEFAULT_PAGE_SIZE
 from strata.models.base import Model, register
 from strata.quant import WeightTensor
-from strata.state import SequenceState
 
 
 @dataclass
@@ -105,8 +105,8 @@ class Qwen3NextModel(Model):
     arch = "qwen3next"
     arch_aliases = ("qwen35", "qwen35moe")
 
-    def __init__(self, f: GGUFModelFile, backend, progress=None):
-        super().__init__(f, backend, progress)
+    def __init__(self, f: GGUFModelFile, backend, progress=None, layers: range | None = None):
+        super().__init__(f, backend, progress, layers)
         c = self.config
         a = f.arch
         self.variant = a
@@ -165,11 +165,12 @@ class Qwen3NextModel(Model):
 
         self.attn_layers = [i for i in range(self.n_layer) if not self.recurrent[i]]
         self.tok_embd = self.weight("token_embd.weight", (c.n_vocab, E))
-        self.layers = [self._load_block(i, self.recurrent[i]) for i in range(self.n_layer)]
+        self.layers = [self._load_block(i, self.recurrent[i]) if self.loads(i) else None
+                       for i in range(self.n_layer)]
         self.out_norm = self.weight("output_norm.weight", (E,))
         self.output = self.tok_embd if c.tie_embeddings else self.weight("output.weight", (c.n_vocab, E))
         self.mtp = None
-        if n_mtp:
+        if n_mtp and self.loads(self.n_layer - 1):         # the drafter lives on the last stage
             i = self.n_layer
             p = f"blk.{i}.nextn."
             self.mtp = {
@@ -256,18 +257,29 @@ class Qwen3NextModel(Model):
         return self.xp.asarray(a) if self.on_device else a
 
     # --- state -------------------------------------------------------------------------------------
-    def new_running_state(self) -> dict[int, dict[str, Any]]:
-        """Zeroed running state: per GDN layer {"conv": (d_conv-1, conv_dim), "ssm": (n_v, d_k, d_v)} float32,
-        numpy on the CPU backend, CuPy (on the device) on the CUDA backend."""
+    @property
+    def n_blocks(self) -> int:
+        return self.n_layer
+
+    def new_running_state(self, carve: Carve | None = None) -> dict[int, dict[str, Any]]:
+        """Zeroed running state of the carve's GDN layers (all by default): {"conv": (d_conv-1, conv_dim), "ssm":
+        (n_v, d_k, d_v)} float32 each, numpy on the CPU backend, CuPy (on the device) on the CUDA backend."""
         xp = self.xp
+        carve = self._carve(carve)
         return {i: {"conv": xp.zeros((self.d_conv - 1, self.conv_dim), dtype=np.float32),
                     "ssm": xp.zeros((self.nv, self.dk, self.dv), dtype=np.float32)}
-                for i in range(self.n_layer) if self.recurrent[i]}
+                for i in carve if self.recurrent[i]}
 
     def running_state_nbytes(self) -> int:
         """Bytes of one sequence's running state."""
         per = 4 * ((self.d_conv - 1) * self.conv_dim + self.nv * self.dk * self.dv)
         return per * sum(self.recurrent)
+
+    def _drafter_memory(self, n_ctx: int, carve: Carve, n_seq: int, page_size: int) -> list[Memory]:
+        """The MTP block's K/V ("draft") on the last stage."""
+        if self.mtp is None or carve.hi != self.n_layer:
+            return []
+        return [KVMemory(carve, self.new_mtp_pool(n_ctx, n_seq, page_size), name="draft", identity=self.identity())]
 
     # --- layers --------------------------------------------------------------------------------------
     def _gdn(self, L: _Layer, x: np.ndarray, run: dict[str, np.ndarray]) -> np.ndarray:
@@ -358,43 +370,54 @@ class Qwen3NextModel(Model):
             raise ValueError(f"token id out of range [0, {self.config.n_vocab})")
         return tokens
 
-    def forward_hidden(self, tokens: np.ndarray, state: SequenceState) -> np.ndarray:
-        """Read tokens at state.pos and return the final-normed hidden states float32 (n_tokens, n_embd) (the
-        LM head's input and the MTP head's ``h``). Advances the sequence like ``forward``."""
+    def _blocks(self, tokens: np.ndarray, state: SequenceState, lo: int, hi: int, x_in) -> Any:
+        """Blocks [lo, hi) over `tokens` at state.pos (checked by _check_carve) -> the residual stream; commits
+        and advances the sequence."""
         be = self.backend
-        tokens = self._check_tokens(tokens)
         n = int(tokens.shape[0])
         kv = state.kv
-        if kv.length != state.pos:
-            raise ValueError(f"KV length {kv.length} != sequence position {state.pos}")
-        kv.reserve(n)
+        if kv is not None:
+            kv.reserve(n)
         positions = np.arange(state.pos, state.pos + n, dtype=np.int64)
-        x = be.embed(self.tok_embd, tokens)
-        for il, L in enumerate(self.layers):
-            x = self._block(L, il, x, positions, kv, state.running.get(il))
-        x = be.rms_norm(x, self.out_norm, self.eps)
-        kv.commit(n)
+        x = be.embed(self.tok_embd, tokens) if lo == 0 else x_in
+        for il in range(lo, hi):
+            x = self._block(self.layers[il], il, x, positions, kv, state.running.get(il))
+        if kv is not None:
+            kv.commit(n)
         state.advance(tokens)
         return x
 
-    def forward(self, tokens: np.ndarray, state: SequenceState, all_logits: bool = False) -> np.ndarray:
-        """See Model.forward. Raises ValueError (changing nothing) for an empty batch or an out-of-vocab id,
-        and KVCacheFull when the page pool cannot hold the new tokens."""
-        h = self.forward_hidden(tokens, state)
+    def forward_hidden(self, tokens: np.ndarray, state: SequenceState) -> np.ndarray:
+        """Read tokens at state.pos and return the final-normed hidden states float32 (n_tokens, n_embd) (the
+        LM head's input and the MTP head's ``h``). Advances the sequence like ``forward``."""
+        tokens = self._check_carve(tokens, state, 0, self.n_layer, None)
+        return self.backend.rms_norm(self._blocks(tokens, state, 0, self.n_layer, None), self.out_norm, self.eps)
+
+    def forward_carve(self, tokens, state: SequenceState, lo: int, hi: int, x_in=None, all_logits: bool = False):
+        """See Model.forward_carve. Raises ValueError (changing nothing) for an empty batch, an out-of-vocab id or
+        a bad carve, and KVCacheFull when the page pool cannot hold the new tokens."""
+        tokens = self._check_carve(tokens, state, lo, hi, x_in)
+        x = self._blocks(tokens, state, lo, hi, x_in)
+        if hi < self.n_layer:
+            return x
         if not all_logits:
-            h = h[-1:]
+            x = x[-1:]
+        h = self.backend.rms_norm(x, self.out_norm, self.eps)
         logits = self.backend.to_host(self.backend.matmul(h, self.output))
         return logits if all_logits else logits[0]
 
     # --- MTP drafter -------------------------------------------------------------------------------
-    def new_mtp_kv(self, n_ctx: int, page_size: int = DEFAULT_PAGE_SIZE) -> PagedKV:
-        """A page table (own pool) for the MTP block's attention K/V, room for n_ctx positions."""
+    def new_mtp_pool(self, n_ctx: int, n_seq: int = 1, page_size: int = DEFAULT_PAGE_SIZE) -> PagePool:
+        """A page pool for the MTP block's attention K/V (layer n_layer), room for n_seq x n_ctx positions."""
         if self.mtp is None:
             raise ValueError("this model has no MTP layer (nextn_predict_layers = 0)")
         c = self.config
-        n_pages = max(1, -(-int(n_ctx) // page_size))
-        pool = self.backend.new_page_pool([self.n_layer], n_pages, c.n_head_kv, c.head_dim, page_size=page_size)
-        return PagedKV(pool)
+        n_pages = n_seq * max(1, -(-int(n_ctx) // page_size))
+        return self.backend.new_page_pool([self.n_layer], n_pages, c.n_head_kv, c.head_dim, page_size=page_size)
+
+    def new_mtp_kv(self, n_ctx: int, page_size: int = DEFAULT_PAGE_SIZE) -> PagedKV:
+        """A page table over its own pool for the MTP block's attention K/V, room for n_ctx positions."""
+        return PagedKV(self.new_mtp_pool(n_ctx, 1, page_size))
 
     def mtp_logits(self, hidden: np.ndarray, next_tokens: np.ndarray, mtp_kv: PagedKV) -> np.ndarray:
         """Draft logits from the MTP head: for each position p (= mtp_kv.length + i) the final-normed hidden

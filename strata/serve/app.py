@@ -263,66 +263,18 @@ def _engine_status(engine) -> dict:
     return engine.status()
 
 
-def _array_bytes(arrays) -> int | None:
-    try:
-        return int(sum(int(a.nbytes) for a in arrays))
-    except (TypeError, AttributeError):
-        return None
-
-
-def device_info(engine) -> dict:
-    """The "device" object of /status: name ("cpu" or "cuda:N"), kind, the model's weight bytes (GGUF tensor bytes),
-    the KV cache type ("f32" on the CPU, "f16" / "q8_0" on CUDA), the KV page pool's bytes (allocated; in pages
-    held by the sequence, which keeps its pages after a shorter prompt; in valid positions); on CUDA also the
-    device's total / free / used bytes
-    (cudaMemGetInfo) and CuPy's memory pool used / total bytes (CudaBackend.memory_info, read on that device)."""
-    backend = getattr(engine, "backend", None)
-    name = str(getattr(backend, "name", None) or getattr(engine, "device", "cpu"))
-    d: dict[str, Any] = {"name": name, "kind": "cuda" if name.startswith("cuda") else name}
-    f = getattr(engine, "file", None)
-    d["weights_bytes"] = int(f.nbytes) if f is not None else None
-    pool = getattr(engine, "pool", None)
-    if pool is not None:
-        arrays = [a for name in ("k", "v", "ks", "vs") for a in (getattr(pool, name, None) or [])]
-        alloc = _array_bytes(arrays)
-        per_token = int(pool.bytes_per_token)
-        d["kv"] = getattr(engine, "kv", None)
-        d["kv_pool_bytes"] = alloc if alloc else int(pool.capacity_tokens) * per_token
-        d["kv_used_bytes"] = (pool.n_pages - pool.n_free) * pool.page_size * per_token
-        st = getattr(engine, "state", None)
-        kvs = getattr(st, "kv", None)
-        if kvs is not None and getattr(kvs, "pool", None) is pool:
-            d["kv_valid_bytes"] = int(kvs.length) * per_token
-    mem = getattr(backend, "memory_info", None)
-    if callable(mem):
-        ctx = getattr(backend, "device", None)
-        try:
-            if hasattr(ctx, "__enter__"):
-                with ctx:
-                    info = mem()
-            else:
-                info = mem()
-        except Exception as e:  # noqa: BLE001 -- a status read must not fail the route
-            d["error"] = f"{type(e).__name__}: {e}"
-        else:
-            d.update({k: int(v) for k, v in info.items()})
-            if "device_total_bytes" in info and "device_free_bytes" in info:
-                d["device_used_bytes"] = int(info["device_total_bytes"]) - int(info["device_free_bytes"])
-    return d
-
-
 async def status(request: web.Request) -> web.Response:
     engine = _engine(request)
     w = request.app[WORKER_KEY]
     cfg = request.app[CONFIG_KEY]
     st = _engine_status(engine)
-    n_layer = getattr(engine.config, "n_layer", None) or getattr(engine.config, "block_count", None)
     return _json({
         "version": __version__, "model": engine.model_name, "uptime_s": round(time.time() - request.app[STARTED_KEY], 1),
-        "stages": [{"stage": 0, "device": st.get("device"), "layers": [0, n_layer], "remote": False}],
+        "stages": [{"stage": s["index"], "device": s["device"], "layers": [s["layer_lo"], s["layer_hi"]],
+                    "remote": False, "runner": s["runner"], "memory": s["memory"]} for s in st.get("stages", [])],
         "queue": {"running": int(w.running is not None), "waiting": w.waiting, "max": w.queue_max},
         "listen": {"socket": cfg.socket_path, "tcp": cfg.tcp_address()},
-        "device": device_info(engine),
+        "device": engine.device_info(),
         "engine": st,
     })
 

@@ -100,16 +100,19 @@ def check_args(args) -> str | None:
 
 
 def _cuda_unusable(device: str) -> str | None:
-    """Why `device` ('cuda' / 'cuda:N', already parsed by argparse) cannot run here, or None."""
+    """Why `device` ('cuda[:N]' or a comma list of them, already parsed by argparse) cannot run here, or None."""
     from strata.backend.cuda import unavailable_reason
-    from strata.engine.engine import parse_device
+    from strata.stages import parse_devices
     why = unavailable_reason()
     if why:
         return f"CUDA backend unavailable: {why}"
     import cupy
     n = cupy.cuda.runtime.getDeviceCount()
-    idx = parse_device(device)[1]
-    return None if idx < n else f"no CUDA device {idx} (this machine has {n})"
+    for d in parse_devices(device):
+        idx = int(d.split(":")[1])
+        if idx >= n:
+            return f"no CUDA device {idx} (this machine has {n})"
+    return None
 
 
 def run(args) -> int:

@@ -1,16 +1,16 @@
-"""The paged KV cache: PagePool (fixed-size pages of K/V per attention layer) and PagedKV (a sequence's page table)."""
+"""The paged KV cache: PagePool (K/V storage of fixed-size pages per attention layer, over a PageAllocator) and
+PagedKV (a sequence's page table, copy-on-write over shared pages)."""
 from __future__ import annotations
 
-import heapq
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from strata.memory.pages import KVCacheFull, PageAllocator
+
 DEFAULT_PAGE_SIZE = 256
 
-
-class KVCacheFull(RuntimeError):
-    """The page pool has too few free pages for a request (one-line message with the counts)."""
+__all__ = ["DEFAULT_PAGE_SIZE", "KVCacheFull", "PagePool", "PagedKV"]
 
 
 class PagePool:
@@ -20,16 +20,17 @@ class PagePool:
     float32 (numpy on CPU, CuPy on GPU; allocated by ``Backend.new_page_pool``). Token t of a sequence lives in
     page ``pages[t // page_size]`` at offset ``t % page_size``. ``layers`` lists the model's layer indices that
     have attention (all of them for llama; every few for hybrid models); ``slot(layer)`` maps one to its storage.
-    Free pages are handed out lowest id first, so a lone sequence gets one contiguous run and attention can read
-    it without gathering.
+    Page ids and reference counts are the ``alloc`` PageAllocator's (lowest id first, so a lone sequence gets one
+    contiguous run and attention can read it without gathering). ``page_axis`` is the axis of the storage arrays
+    that indexes pages (1 here; a backend's own layout may differ); ``storage(slot)`` names every array a page has
+    a slice of, which is what ``copy_page``, ``export_pages`` and ``import_pages`` move.
     """
+
+    page_axis = 1
 
     def __init__(self, layers: Sequence[int], n_pages: int, page_size: int, n_kv_head: int, head_dim: int,
                  k: list, v: list, to_host: Callable[[Any], np.ndarray] = np.asarray, head_dim_v: int | None = None):
-        if page_size <= 0 or page_size & (page_size - 1):
-            raise ValueError(f"page_size must be a power of two, got {page_size}")
-        if n_pages <= 0:
-            raise ValueError(f"n_pages must be > 0, got {n_pages}")
+        self.allocator = PageAllocator(n_pages, page_size)       # checks page_size and n_pages
         self.layers = tuple(int(x) for x in layers)
         self._slot = {layer: i for i, layer in enumerate(self.layers)}
         self.n_pages = int(n_pages)
@@ -40,12 +41,10 @@ class PagePool:
         self.k = k
         self.v = v
         self.to_host = to_host
-        self._free = list(range(self.n_pages))  # a min-heap
-        heapq.heapify(self._free)
 
     @property
     def n_free(self) -> int:
-        return len(self._free)
+        return self.allocator.n_free
 
     @property
     def capacity_tokens(self) -> int:
@@ -65,15 +64,61 @@ class PagePool:
 
     def alloc(self, n: int) -> list[int]:
         """Take n free pages (lowest ids first). Raises KVCacheFull, taking none, when fewer are free."""
-        if n > len(self._free):
-            raise KVCacheFull(f"KV cache full: need {n} more pages of {self.page_size} tokens, "
-                              f"{len(self._free)} of {self.n_pages} free")
-        return [heapq.heappop(self._free) for _ in range(n)]
+        return self.allocator.alloc(n)
 
     def free(self, pages: Sequence[int]) -> None:
-        """Return pages to the pool."""
-        for p in pages:
-            heapq.heappush(self._free, int(p))
+        """Drop one reference to each page (a page nobody holds any more is free again)."""
+        self.allocator.unref(pages)
+
+    # --- raw page storage (copy-on-write, byte parts) --------------------------------------------
+    def storage(self, slot: int) -> dict[str, Any]:
+        """The storage arrays of layer slot `slot` by name: "k", "v" (and "k_scale", "v_scale" where the cache
+        keeps scales). Every array has the page axis ``page_axis``."""
+        out = {"k": self.k[slot], "v": self.v[slot]}
+        ks = getattr(self, "ks", None)
+        if ks is not None:
+            out["k_scale"], out["v_scale"] = ks[slot], self.vs[slot]
+        return out
+
+    def _at(self, pages) -> tuple:
+        return (slice(None),) * self.page_axis + (pages,)
+
+    def copy_page(self, src: int, dst: int) -> None:
+        """Copy page `src` into page `dst` in every layer (the copy in copy-on-write)."""
+        for slot in range(len(self.layers)):
+            for a in self.storage(slot).values():
+                a[self._at(dst)] = a[self._at(src)]
+
+    def export_pages(self, pages: Sequence[int]) -> dict[str, np.ndarray]:
+        """Host copies of `pages` in every layer: "L{layer}.{name}" -> the array's slice along the page axis,
+        pages in the order given."""
+        idx = [int(p) for p in pages]
+        out = {}
+        for slot, layer in enumerate(self.layers):
+            for name, a in self.storage(slot).items():
+                out[f"L{layer}.{name}"] = np.ascontiguousarray(self.to_host(a[self._at(idx)]))
+        return out
+
+    def page_arrays(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        """Per exported name: the shape of ONE page's slice (the page axis of length 1) and the dtype."""
+        out = {}
+        for slot, layer in enumerate(self.layers):
+            for name, a in self.storage(slot).items():
+                shape = list(a.shape)
+                shape[self.page_axis] = 1
+                out[f"L{layer}.{name}"] = (tuple(shape), np.dtype(a.dtype))
+        return out
+
+    def import_pages(self, pages: Sequence[int], arrays: dict[str, Any]) -> None:
+        """Write `arrays` (as export_pages returns them, same pages count) into `pages`."""
+        idx = [int(p) for p in pages]
+        for slot, layer in enumerate(self.layers):
+            for name, a in self.storage(slot).items():
+                src = arrays[f"L{layer}.{name}"]
+                if not isinstance(a, np.ndarray):          # device storage: one host-to-device copy
+                    import cupy
+                    src = cupy.asarray(src)
+                a[self._at(idx)] = src
 
     # --- K/V access used by backends -------------------------------------------------------------
     def write(self, slot: int, pages: Sequence[int], start: int, k: Any, v: Any) -> None:
@@ -147,12 +192,39 @@ class PagedKV:
         return self._contig
 
     def reserve(self, n: int) -> None:
-        """Make sure pages cover [0, length + n). Raises KVCacheFull (holding nothing new) when the pool is short."""
-        need = -(-(self.length + n) // self.pool.page_size) - len(self.pages)
+        """Make sure pages cover [0, length + n) and that the pages [length, length + n) will be written into are
+        this table's alone (a page another holder shares is copied to a fresh page first: copy-on-write). Raises
+        KVCacheFull (holding nothing new, changing nothing) when the pool is short."""
+        ps = self.pool.page_size
+        alloc = self.pool.allocator
+        end = -(-(self.length + n) // ps)
+        first = self.length // ps
+        shared = [i for i in range(first, min(end, len(self.pages))) if alloc.refcount(self.pages[i]) > 1]
+        need = end - len(self.pages)
+        new = self.pool.alloc(max(0, need) + len(shared))      # KVCacheFull here takes nothing
+        for i, p in zip(shared, new[len(new) - len(shared):]):
+            self.pool.copy_page(self.pages[i], p)
+            alloc.unref([self.pages[i]])
+            self.pages[i] = p
         if need > 0:
-            new = self.pool.alloc(need)
-            self.pages.extend(new)
+            self.pages.extend(new[:need])
+        if new:
             self._contig = _is_run(self.pages)
+
+    def share(self, other: "PagedKV", length: int) -> None:
+        """Hold `other`'s pages covering [0, length) as this table's prefix (referenced, not copied); this table's
+        own pages are given back first. Writes past `length` copy a shared last page first (reserve)."""
+        if other.pool is not self.pool:
+            raise ValueError("cannot share pages across page pools")
+        if not 0 <= length <= other.length:
+            raise ValueError(f"share({length}) outside [0, {other.length}]")
+        m = -(-int(length) // self.pool.page_size)
+        pages = list(other.pages[:m])
+        self.pool.allocator.ref(pages)
+        self.release()
+        self.pages = pages
+        self.length = int(length)
+        self._contig = _is_run(self.pages)
 
     def commit(self, n: int) -> None:
         """Mark n more positions valid (after all layers wrote them)."""

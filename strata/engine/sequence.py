@@ -1,0 +1,126 @@
+"""Sequence (one conversation across the engine's stages: its token ids and its id in each stage's memory) and
+Checkpoint (the sequence at a position: one state part per stage)."""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+import numpy as np
+
+from strata.memory import PartMismatch, StatePart
+from strata.memory.memory import with_field_hashes
+
+
+@dataclass
+class Checkpoint:
+    """The sequence at ``pos``: its token ids and one StatePart per stage, in stage order (each naming its
+    carve). What the checkpoint cache keeps; restoring it lets a prompt that shares those tokens start at pos."""
+
+    pos: int
+    tokens: tuple[int, ...]
+    parts: list[StatePart]
+
+    def nbytes(self) -> int:
+        """Bytes held: every part's own bytes + token ids (int32)."""
+        return sum(p.nbytes() for p in self.parts) + 4 * len(self.tokens)
+
+
+class Sequence:
+    """One live conversation on the engine (DESIGN.md §2): the token ids read so far (the main process decides
+    positions) and, per stage, its sequence id there. Every operation runs over all stages; restore validates
+    every stage's part before any stage is written."""
+
+    def __init__(self, stages: list):
+        self.stages = stages
+        self.sids = [st.new_seq() for st in stages]
+        self.tokens: list[int] = []
+
+    @property
+    def pos(self) -> int:
+        return len(self.tokens)
+
+    # ---- reading ---------------------------------------------------------------------------------
+    def forward(self, tokens, all_logits: bool = False, on_device: bool = False):
+        """Read `tokens` through every stage, hidden states handed from one to the next -> the last stage's logits.
+        Pages for the new tokens are reserved on every stage first, so KVCacheFull changes nothing."""
+        toks = np.asarray(tokens, dtype=np.int32).reshape(-1)
+        for st, sid in zip(self.stages, self.sids):
+            st.reserve(sid, int(toks.shape[0]))
+        x = None
+        for st, sid in zip(self.stages, self.sids):
+            x = st.forward(toks, sid, x_in=x, all_logits=all_logits, on_device=on_device)
+        self.tokens.extend(int(t) for t in toks)
+        return x
+
+    # ---- state -----------------------------------------------------------------------------------
+    def capture(self) -> Checkpoint:
+        """A checkpoint at the current position (each stage drained on its own device first)."""
+        return Checkpoint(pos=self.pos, tokens=tuple(self.tokens),
+                          parts=[st.capture(sid) for st, sid in zip(self.stages, self.sids)])
+
+    def validate(self, ckpt: Checkpoint) -> None:
+        """PartMismatch (one line, naming the stage) unless every part fits its own stage and this sequence."""
+        if len(ckpt.parts) != len(self.stages):
+            raise PartMismatch(f"the checkpoint has {len(ckpt.parts)} stage parts, this engine runs "
+                               f"{len(self.stages)} stages")
+        if len(ckpt.tokens) != ckpt.pos:
+            raise PartMismatch(f"the checkpoint at {ckpt.pos} holds {len(ckpt.tokens)} tokens")
+        if any(p.is_reference for p in ckpt.parts):     # its K/V is this sequence's pages: they must hold its tokens
+            if ckpt.pos > self.pos:
+                raise PartMismatch(f"cannot restore position {ckpt.pos}: the sequence holds only {self.pos} tokens")
+            if tuple(self.tokens[:ckpt.pos]) != ckpt.tokens:
+                first = next(i for i, (a, b) in enumerate(zip(self.tokens, ckpt.tokens)) if a != b)
+                raise PartMismatch(f"cannot restore position {ckpt.pos}: the sequence diverged from the checkpoint "
+                                   f"at position {first}")
+        for st, sid, part in zip(self.stages, self.sids, ckpt.parts):
+            if part.pos != ckpt.pos:
+                raise PartMismatch(f"stage {st.index}'s part is at position {part.pos}, the checkpoint at {ckpt.pos}")
+            try:
+                st.validate(part, sid)
+            except PartMismatch as e:
+                raise PartMismatch(f"stage {st.index} ({st.carve} on {st.device}): {e}") from None
+
+    def restore(self, ckpt: Checkpoint) -> None:
+        """Validate every part, then restore each stage (drained on its own device) and the tokens."""
+        self.validate(ckpt)
+        for st, sid, part in zip(self.stages, self.sids, ckpt.parts):
+            st.restore(sid, part)
+        self.tokens = list(ckpt.tokens)
+
+    def truncate(self, p: int) -> None:
+        """Cut back to p tokens on every stage (ValueError, changing nothing, where a running state refuses)."""
+        if not 0 <= p <= self.pos:
+            raise ValueError(f"truncate({p}) outside [0, {self.pos}]")
+        if p == self.pos:
+            return
+        if p == 0:
+            self.reset()
+            return
+        for st, sid in zip(self.stages, self.sids):          # every stage's check before any cut
+            st.check_truncate(sid, p)
+        for st, sid in zip(self.stages, self.sids):
+            st.truncate(sid, p)
+        del self.tokens[p:]
+
+    def reset(self) -> None:
+        """Back to position 0 on every stage (pages kept, running state zeroed)."""
+        for st, sid in zip(self.stages, self.sids):
+            st.reset(sid)
+        self.tokens = []
+
+    def hashes(self) -> dict[str, str]:
+        """sha256 per field: "tokens", and every stage's per-layer hashes (layer indices are global, so a split
+        and an unsplit engine give the same keys), plus "kv" / "running" over all layers in order."""
+        per: dict[str, str] = {}
+        for st, sid in zip(self.stages, self.sids):
+            per.update({k: v for k, v in st.hashes(sid).items() if ".L" in k})
+        out = with_field_hashes(per)
+        out["tokens"] = hashlib.sha256(np.asarray(self.tokens, dtype=np.int32).tobytes()).hexdigest()
+        return out
+
+    def nbytes(self) -> int:
+        """Bytes of the sequence's state on every stage + token ids (int32)."""
+        return sum(st.nbytes(sid) for st, sid in zip(self.stages, self.sids)) + 4 * len(self.tokens)
+
+    def positions(self) -> list[int]:
+        """Each stage's position (all equal to pos between forward calls)."""
+        return [st.pos(sid) for st, sid in zip(self.stages, self.sids)]

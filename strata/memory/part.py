@@ -1,0 +1,86 @@
+"""Carve, StatePart (one stage's part of a conversation's state at a position) and PartMismatch."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+class PartMismatch(ValueError):
+    """A state part cannot be restored into this stage (carve, geometry, dtype, position or pages differ); the
+    one-line message names the mismatch. Raised before anything is written."""
+
+
+@dataclass(frozen=True)
+class Carve:
+    """The layers a stage runs: [lo, hi), half-open (DESIGN.md §2)."""
+
+    lo: int
+    hi: int
+
+    def __post_init__(self):
+        if not (isinstance(self.lo, int) and isinstance(self.hi, int)) or not 0 <= self.lo < self.hi:
+            raise ValueError(f"a carve needs 0 <= layer_lo < layer_hi, got {self.lo}..{self.hi}")
+
+    def __contains__(self, layer: int) -> bool:
+        return self.lo <= layer < self.hi
+
+    def __iter__(self):
+        return iter(range(self.lo, self.hi))
+
+    def __len__(self) -> int:
+        return self.hi - self.lo
+
+    def __str__(self) -> str:
+        return f"{self.lo}..{self.hi}"
+
+
+@dataclass
+class KVPages:
+    """K/V of positions [0, length) of one page pool.
+
+    Either a *reference* (``pages``: the ids in the stage's pool, valid while the sequence that was captured still
+    holds these tokens: the one-arena rule of seed #62, which the checkpoint cache enforces) or *host copies*
+    (``arrays``: PagePool.export_pages of those pages, "L{layer}.{k|v|k_scale|v_scale}" -> array with the page axis
+    of length ceil(length / page_size)): what parking and session files hold.
+    """
+
+    length: int
+    pages: tuple[int, ...] | None = None
+    arrays: dict[str, np.ndarray] | None = None
+
+    @property
+    def is_reference(self) -> bool:
+        return self.arrays is None
+
+    def nbytes(self) -> int:
+        """Bytes this holds itself (a reference holds none of the K/V)."""
+        return 0 if self.arrays is None else sum(int(a.nbytes) for a in self.arrays.values())
+
+
+@dataclass
+class StatePart:
+    """One stage's part of a conversation's state at position ``pos``.
+
+    carve: the stage's layers. geometry: Memory.geometry() of the stage that captured it (shapes, dtypes, page
+    size: everything a restore must match). running: recurrent layer -> {"conv", "ssm"} arrays (copies: on the
+    stage's device when captured, host numpy when read from bytes). kv: pool name ("kv"; "draft" for the MTP
+    drafter's K/V on the stage that carries it) -> KVPages.
+    """
+
+    carve: Carve
+    geometry: dict[str, Any]
+    pos: int
+    running: dict[int, dict[str, Any]] = field(default_factory=dict)
+    kv: dict[str, KVPages] = field(default_factory=dict)
+
+    @property
+    def is_reference(self) -> bool:
+        """True when some K/V is referenced in the stage's pool rather than held (see KVPages)."""
+        return any(k.is_reference for k in self.kv.values())
+
+    def nbytes(self) -> int:
+        """Bytes this part holds itself: running-state copies + K/V it holds (not what it references)."""
+        return sum(int(a.nbytes) for parts in self.running.values() for a in parts.values()) + \
+            sum(k.nbytes() for k in self.kv.values())

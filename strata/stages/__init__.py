@@ -1,0 +1,75 @@
+"""Stages: the layer split (split.py), Stage and ModelRunner (stage.py), and build_stages, which loads a model
+onto the stages' devices."""
+from __future__ import annotations
+
+from typing import Any
+
+from strata.memory import Carve
+from strata.stages.split import parse_devices, parse_split, plan_stages
+from strata.stages.stage import ModelRunner, Stage
+
+__all__ = ["ModelRunner", "Stage", "build_stages", "make_backend", "parse_devices", "parse_split", "plan_stages"]
+
+
+def make_backend(device: str, kv: str = "f16"):
+    """The backend of one device name ('cpu' or 'cuda:N'); ValueError (one line) when it cannot be made."""
+    if device == "cpu":
+        from strata.backend.cpu import CPUBackend
+        return CPUBackend()
+    try:
+        from strata.backend.cuda import CUDABackend, CudaUnavailable
+    except ImportError as e:
+        raise ValueError(f"device {device!r} needs the CUDA backend, which is not available: {e}") from None
+    try:
+        return CUDABackend(int(device.split(":")[1]), kv_dtype=kv)
+    except CudaUnavailable as e:
+        raise ValueError(f"device {device!r}: {e}") from None
+
+
+def _runner(backend, model, carve: Carve):
+    """The fastest runner of `carve` on `backend`: the backend's plan (CUDA graphs) where it has one, else
+    ModelRunner."""
+    fast = getattr(backend, "fast_path", None)
+    if fast is not None:
+        r = fast(model, carve.lo, carve.hi)
+        if r is not model:
+            return r
+    return ModelRunner(model, carve.lo, carve.hi)
+
+
+def build_stages(gguf_file, devices: list[str], split, n_ctx: int, kv: str = "f16", progress=None,
+                 load=None) -> list[Stage]:
+    """Load the model in `gguf_file` (an opened GGUFModelFile) onto the stages that --device / --layer-split
+    describe: one backend and one model per distinct device (holding the blocks of that device's carves), one
+    memory per stage sized for n_ctx tokens. `load(file, backend, progress, layers)` builds a model
+    (default strata.models.base.load_model). ValueError (one line) for a bad split or device."""
+    from strata.models.base import load_model, model_class
+    load = load or load_model
+    n_blocks = _n_blocks(gguf_file, model_class(gguf_file.arch))
+    backends: dict[str, Any] = {}
+    for d in devices:
+        if d not in backends:
+            backends[d] = make_backend(d, kv)
+    plan = plan_stages(devices, split, n_blocks, lambda d: backends[d].total_memory())
+    models: dict[str, Any] = {}
+    for d in dict.fromkeys(d for _, d in plan):
+        layers = frozenset(i for c, dd in plan if dd == d for i in c)
+        models[d] = load(gguf_file, backends[d], progress, None if len(layers) == n_blocks else layers)
+    stages = []
+    for i, (carve, d) in enumerate(plan):
+        model, be = models[d], backends[d]
+        try:
+            memory = model.new_memory(n_ctx, carve)
+        except MemoryError as e:         # numpy's ArrayMemoryError too; CuPy's OutOfMemoryError is a MemoryError
+            which = f" of stage {i} (layers {carve} on {d})" if len(plan) > 1 else ""
+            raise ValueError(f"cannot allocate the KV cache{which} for n_ctx {n_ctx}: "
+                             f"{str(e).splitlines()[0]} (choose a smaller --n-ctx)") from None
+        stages.append(Stage(i, carve, d, be, model, memory, _runner(be, model, carve)))
+    return stages
+
+
+def _n_blocks(f, cls) -> int:
+    """The model's main blocks from its metadata alone (before loading): block_count less the MTP layers."""
+    n = int(f.config.n_layer)
+    n_mtp = int(f.metadata.get(f"{f.arch}.nextn_predict_layers", 0) or 0)
+    return n - n_mtp

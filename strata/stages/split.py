@@ -1,0 +1,91 @@
+"""The layer split: parsing --device / --layer-split and choosing each stage's carve and device."""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from strata.memory import Carve
+
+
+def parse_devices(spec: str) -> list[str]:
+    """'cpu', 'cuda', 'cuda:N' or a comma list of them -> device names ('cuda' is 'cuda:0'). ValueError naming
+    the accepted forms otherwise. CPU and CUDA devices cannot be mixed."""
+    out = []
+    for d in str(spec).split(","):
+        d = d.strip()
+        if d == "cuda":
+            d = "cuda:0"
+        if d != "cpu" and not (d.startswith("cuda:") and d[5:].isascii() and d[5:].isdigit()):
+            raise ValueError(f"unknown device {d!r}: use 'cpu', 'cuda[:N]' or a comma list of them")
+        out.append(d)
+    if len({d == "cpu" for d in out}) > 1:
+        raise ValueError(f"--device {spec}: CPU and CUDA stages cannot be mixed")
+    return out
+
+
+def parse_split(spec: str | None) -> str | list[int] | None:
+    """None / '' (no split), 'auto', or 'L1,L2,...' (the first layer of each later stage) -> None, 'auto' or the
+    list of ints. ValueError (one line) for anything else."""
+    if spec is None or str(spec).strip() in ("", "none"):
+        return None
+    s = str(spec).strip()
+    if s == "auto":
+        return "auto"
+    try:
+        firsts = [int(x) for x in s.split(",")]
+    except ValueError:
+        raise ValueError(f"--layer-split {spec!r}: use 'auto' or the first layer of each later stage, "
+                         "e.g. '12' or '8,16'") from None
+    return firsts
+
+
+def carves_from_firsts(firsts: Sequence[int], n_blocks: int) -> list[Carve]:
+    """[0, L1), [L1, L2), ..., [Lk, n_blocks); ValueError unless 0 < L1 < L2 < ... < n_blocks."""
+    bounds = [0, *firsts, n_blocks]
+    if any(b >= c for b, c in zip(bounds, bounds[1:])):
+        raise ValueError(f"--layer-split {','.join(map(str, firsts))}: each stage's first layer must be above the "
+                         f"previous one and below the model's {n_blocks} blocks")
+    return [Carve(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def carves_by_weight(weights: Sequence[float], n_blocks: int) -> list[Carve]:
+    """Split n_blocks into len(weights) carves in proportion to `weights` (each stage at least one block)."""
+    k = len(weights)
+    if k > n_blocks:
+        raise ValueError(f"cannot split {n_blocks} blocks over {k} stages")
+    total = float(sum(weights))
+    firsts, acc = [], 0.0
+    for i, w in enumerate(weights[:-1]):
+        acc += w
+        f = int(round(acc / total * n_blocks))
+        lo = (firsts[-1] if firsts else 0) + 1
+        hi = n_blocks - (k - 1 - i)
+        firsts.append(min(max(f, lo), hi))
+    return carves_from_firsts(firsts, n_blocks)
+
+
+def plan_stages(devices: Sequence[str], split: str | list[int] | None, n_blocks: int,
+                total_memory: Callable[[str], int]) -> list[tuple[Carve, str]]:
+    """The stages: (carve, device) in layer order.
+
+    No split: one stage per listed device when several are listed (auto), else one stage. 'auto': one stage per
+    device, layers in proportion to each device's total memory (total, not free, so the carve is the same after a
+    restart and saved sessions stay valid); a single device gets one stage. 'L1,...': len + 1 stages, on one
+    device per stage or all on the one device listed; any other device count is a usage error.
+    """
+    devices = list(devices)
+    if split is None and len(devices) > 1:
+        split = "auto"
+    if split is None:
+        return [(Carve(0, n_blocks), devices[0])]
+    if split == "auto":
+        if len(devices) == 1:
+            return [(Carve(0, n_blocks), devices[0])]
+        carves = carves_by_weight([float(total_memory(d)) for d in devices], n_blocks)
+        return list(zip(carves, devices))
+    carves = carves_from_firsts(split, n_blocks)
+    if len(devices) == 1:
+        return [(c, devices[0]) for c in carves]
+    if len(devices) != len(carves):
+        raise ValueError(f"--layer-split {','.join(map(str, split))} makes {len(carves)} stages but --device lists "
+                         f"{len(devices)} devices: give one device per stage, or one for all")
+    return list(zip(carves, devices))

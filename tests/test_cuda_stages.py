@@ -1,0 +1,111 @@
+"""Stages on a GPU: 1 vs 2 (and 3) stages on cuda:0 through the CUDA plans (each stage a carve of the graph decode
+and prefill plans): the same greedy tokens and the same per-layer K/V and running-state hashes, cold and resumed
+through per-stage checkpoints; a stage's part through the byte format on device pages. Skips without a GPU."""
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+
+from tests.cuda_marks import default_model_missing, gpu
+
+pytestmark = [gpu, pytest.mark.skipif(default_model_missing() is not None, reason=f"{default_model_missing()}")]
+
+CHAT = [{"role": "system", "content": "You are a terse assistant who answers in one line."},
+        {"role": "user", "content": "Name a river in France and say where it flows."}]
+
+
+def _greedy(engine, msgs, n=24):
+    from strata.engine import GenerationRequest, TokenEvent
+    r = engine.render_chat(msgs)
+    evs = list(engine.generate(GenerationRequest(prompt_tokens=r.tokens, cut_points=r.cut_points, max_tokens=n,
+                                                 ignore_eos=True)))
+    return [e.token_id for e in evs if isinstance(e, TokenEvent)], evs[-1]
+
+
+def _conversation(engine):
+    engine.clear_checkpoints()
+    engine.state_reset()
+    t1, f1 = _greedy(engine, CHAT)
+    h1 = engine.state_hashes()
+    t2, f2 = _greedy(engine, CHAT)
+    h2 = engine.state_hashes()
+    assert (f1.strata["resume_from"], f2.strata["resume_from"]) == ("none", "checkpoint")
+    return [(t1, h1), (t2, h2)]
+
+
+def _engines(path, splits, **kw):
+    from strata.engine import Engine
+    out = {}
+    for s in splits:
+        dev = "cuda:0" if s is None else ",".join(["cuda:0"] * (s.count(",") + 2))
+        out[s] = Engine(path, n_ctx=1024, ubatch=128, device=dev, layer_split=s, prompt_cache=6, **kw)
+    return out
+
+
+def _differing(h, ref):
+    return sorted((k for k in ref if h.get(k) != ref[k]), key=lambda k: (k.split(".L")[0], int(k.split(".L")[1]))
+                  if ".L" in k else (k, -1))
+
+
+@pytest.fixture(scope="module")
+def default_runs():
+    from strata.default_model import default_model_path
+    engines = _engines(default_model_path(), [None, "15", "8,20"])
+    runs = {s: _conversation(e) for s, e in engines.items()}
+    return engines, runs
+
+
+def test_default_model_split_on_one_gpu_same_tokens_and_hashes(default_runs):
+    engines, runs = default_runs
+    from strata.backend import cuda as C
+    for s, e in engines.items():
+        assert all(isinstance(st.runner, C.GraphDecodeModel) for st in e.stages), s   # every carve on the plans
+        assert all(st.runner.plans for st in e.stages), s
+    base = runs[None]
+    assert base[0][0] == base[1][0]
+    for s in ("15", "8,20"):
+        for (t, h), (tb, hb) in zip(runs[s], base):
+            print(f"split {s}: tokens {t[:10]} differing hashes {_differing(h, hb)[:8]}")
+            assert t == tb, s
+            assert h == hb, f"split {s}: {_differing(h, hb)}"
+
+
+def test_split_checkpoint_part_round_trip_on_device_pages(default_runs):
+    from strata.memory import StatePart
+    engines, _ = default_runs
+    e = engines["15"]
+    seq = e.seq
+    e.state_reset()
+    seq.forward(np.arange(1, 301, dtype=np.int32))
+    h = seq.hashes()
+    blobs = []
+    for st, part in zip(e.stages, seq.capture().parts):
+        buf = io.BytesIO()
+        st.write(part, buf)
+        blobs.append(buf.getvalue())
+    seq.forward(np.arange(5, 40, dtype=np.int32))
+    parts = [st.read(io.BytesIO(b)) for st, b in zip(e.stages, blobs)]
+    assert all(isinstance(p, StatePart) and not p.is_reference for p in parts)
+    from strata.engine.sequence import Checkpoint
+    seq.restore(Checkpoint(pos=300, tokens=tuple(range(1, 301)), parts=parts))
+    assert seq.hashes() == h
+
+
+@pytest.fixture(scope="module")
+def hybrid_path(tmp_path_factory):
+    from strata import synth
+    return synth.write_synthetic(tmp_path_factory.mktemp("cuda_stages") / "qwen35.gguf",
+                                 synth.preset("qwen35", "tiny", n_layer=8, seed=3))
+
+
+def test_hybrid_split_on_one_gpu_same_tokens_and_hashes(hybrid_path):
+    engines = _engines(hybrid_path, [None, "4", "2,5"])
+    runs = {s: _conversation(e) for s, e in engines.items()}
+    base = runs[None]
+    for s in ("4", "2,5"):
+        for (t, h), (tb, hb) in zip(runs[s], base):
+            print(f"hybrid split {s}: tokens {t[:10]} differing hashes {_differing(h, hb)[:8]}")
+            assert t == tb, s
+            assert h == hb, f"split {s}: {_differing(h, hb)}"

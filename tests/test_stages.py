@@ -1,0 +1,209 @@
+"""Stages and the layer split on the CPU: carve planning, split parity (1, 2 and 3 stages give the same greedy
+tokens and, layer by layer, the same K/V and running-state hashes as the unsplit engine, read cold and resumed
+through checkpoints; the default model and a synthetic hybrid), per-stage checkpoint parts validated before any
+write, the per-device drain before every state read and write (seed #716), and the CLI / stratactl surface."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from strata import synth
+from strata.engine import Engine, GenerationRequest, TokenEvent
+from strata.memory import Carve, PartMismatch
+from strata.stages.split import carves_by_weight, plan_stages
+
+GB = 1 << 30
+
+
+# ---- carve planning ------------------------------------------------------------------------------------------
+
+def test_plan_stages_explicit_auto_and_errors():
+    mem = {"cuda:0": 80 * GB, "cuda:1": 40 * GB, "cpu": 64 * GB}.__getitem__
+    assert plan_stages(["cpu"], None, 30, mem) == [(Carve(0, 30), "cpu")]
+    assert plan_stages(["cpu"], "auto", 30, mem) == [(Carve(0, 30), "cpu")]
+    assert plan_stages(["cpu"], [10, 20], 30, mem) == [(Carve(0, 10), "cpu"), (Carve(10, 20), "cpu"),
+                                                       (Carve(20, 30), "cpu")]
+    assert plan_stages(["cuda:0", "cuda:1"], "auto", 30, mem) == [(Carve(0, 20), "cuda:0"), (Carve(20, 30), "cuda:1")]
+    assert plan_stages(["cuda:0", "cuda:1"], None, 30, mem) == plan_stages(["cuda:0", "cuda:1"], "auto", 30, mem)
+    assert plan_stages(["cuda:0", "cuda:0"], [7], 30, mem) == [(Carve(0, 7), "cuda:0"), (Carve(7, 30), "cuda:0")]
+    with pytest.raises(ValueError, match="makes 3 stages but --device lists 2 devices"):
+        plan_stages(["cuda:0", "cuda:1"], [5, 9], 30, mem)
+    for bad in ([0], [30], [12, 12], [20, 10]):
+        with pytest.raises(ValueError, match="first layer must be above"):
+            plan_stages(["cpu"], bad, 30, mem)
+    assert [len(c) for c in carves_by_weight([1, 1, 1], 3)] == [1, 1, 1]
+    assert [len(c) for c in carves_by_weight([100, 1], 4)] == [3, 1]        # every stage keeps a layer
+    with pytest.raises(ValueError, match="cannot split 2 blocks over 3 stages"):
+        carves_by_weight([1, 1, 1], 2)
+
+
+# ---- split parity on the CPU ---------------------------------------------------------------------------------
+
+def _greedy(engine, msgs, n=12):
+    r = engine.render_chat(msgs)
+    evs = list(engine.generate(GenerationRequest(prompt_tokens=r.tokens, cut_points=r.cut_points, max_tokens=n,
+                                                 ignore_eos=True)))
+    return [e.token_id for e in evs if isinstance(e, TokenEvent)], evs[-1]
+
+
+CHAT = [{"role": "system", "content": "You are a terse assistant who answers in one line."},
+        {"role": "user", "content": "Name a river in France."}]
+
+
+def _conversation(engine):
+    """A cold read, the same request again (resumed through a checkpoint), then a next turn; with hashes."""
+    engine.clear_checkpoints()
+    engine.state_reset()
+    out = []
+    t1, f1 = _greedy(engine, CHAT)
+    out.append((t1, engine.state_hashes(), f1.strata["resume_from"]))
+    t2, f2 = _greedy(engine, CHAT)
+    out.append((t2, engine.state_hashes(), f2.strata["resume_from"]))
+    turn2 = CHAT + [{"role": "assistant", "content": engine.detokenize(t1)},
+                    {"role": "user", "content": "And one in Spain?"}]
+    t3, f3 = _greedy(engine, turn2)
+    out.append((t3, engine.state_hashes(), f3.strata["resume_from"]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def hybrid_path(tmp_path_factory):
+    return synth.write_synthetic(tmp_path_factory.mktemp("split") / "qwen35.gguf",
+                                 synth.preset("qwen35", "tiny", n_layer=6, seed=11, n_mtp=1))
+
+
+@pytest.mark.parametrize("which", ["default", "hybrid"])
+def test_split_parity_cold_and_resumed(which, default_model_path, hybrid_path):
+    path = default_model_path if which == "default" else hybrid_path
+    splits = {"default": [None, "15", "7,22"], "hybrid": [None, "3", "2,4"]}[which]
+    runs = {}
+    for split in splits:
+        e = Engine(path, n_ctx=512, ubatch=32, prompt_cache=6, layer_split=split)
+        assert len(e.stages) == (1 if split is None else split.count(",") + 2)
+        runs[split] = _conversation(e)
+    base = runs[None]
+    assert [r[2] for r in base][:2] == ["none", "checkpoint"] and base[2][2] in ("live", "checkpoint")
+    assert base[0][0] == base[1][0]
+    layer_keys = [k for k in base[0][1] if ".L" in k]
+    n = 30 if which == "default" else 6
+    assert {int(k.split(".L")[1]) for k in layer_keys} == set(range(n)) | ({6} if which == "hybrid" else set())
+    for split in splits[1:]:
+        for (t, h, how), (tb, hb, howb) in zip(runs[split], base):
+            assert (t, how) == (tb, howb), split
+            assert h == hb, f"split {split}: " + ", ".join(k for k in hb if h.get(k) != hb[k])
+
+
+# ---- per-stage checkpoint parts and the per-device drain ----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def split_engine(default_model_path):
+    return Engine(default_model_path, n_ctx=256, ubatch=32, prompt_cache=6, layer_split="10,20")
+
+
+def test_checkpoint_has_one_part_per_stage_and_refuses_a_foreign_part(split_engine):
+    e = split_engine
+    e.state_reset()
+    seq = e.seq
+    seq.forward(np.arange(1, 41, dtype=np.int32))
+    ck = seq.capture()
+    assert [(p.carve.lo, p.carve.hi) for p in ck.parts] == [(0, 10), (10, 20), (20, 30)]
+    h = seq.hashes()
+    swapped = type(ck)(pos=ck.pos, tokens=ck.tokens, parts=[ck.parts[0], ck.parts[2], ck.parts[1]])
+    with pytest.raises(PartMismatch, match=r"stage 1 \(10..20 on cpu\): the part is of layers 20..30"):
+        seq.restore(swapped)
+    short = type(ck)(pos=ck.pos, tokens=ck.tokens, parts=ck.parts[:2])
+    with pytest.raises(PartMismatch, match="2 stage parts, this engine runs 3 stages"):
+        seq.restore(short)
+    assert seq.hashes() == h                     # nothing was written
+    seq.forward(np.arange(50, 60, dtype=np.int32))
+    seq.restore(ck)
+    assert seq.hashes() == h and seq.positions() == [40, 40, 40]
+
+
+class _Drains:
+    """Wraps a stage's backend so that its drains are logged under the stage's own name: the stages share one
+    CPU backend here, so without the wrapper a drain of stage 0 could not be told from one of stage 2."""
+
+    def __init__(self, backend, name, log):
+        self._b, self._name, self._log = backend, name, log
+
+    def __getattr__(self, a):
+        return getattr(self._b, a)
+
+    def drain(self):
+        self._log.append(("drain", self._name))
+
+
+def test_each_stage_drains_its_own_device_before_its_state_is_read_or_written(split_engine, monkeypatch):
+    e = split_engine
+    log: list = []
+    for st in e.stages:
+        monkeypatch.setattr(st, "backend", _Drains(st.backend, st.index, log))
+        for op in ("capture", "restore", "hashes", "reset"):
+            real = getattr(st.memory, op)
+            monkeypatch.setattr(st.memory, op, (lambda real, i, op: lambda *a, **k: (log.append((op, i)),
+                                                                                    real(*a, **k))[1])(real, st.index, op))
+    e.state_reset()
+    e.seq.forward(np.arange(1, 21, dtype=np.int32))
+    ck = e.seq.capture()
+    e.seq.hashes()
+    e.seq.restore(ck)
+    ops = [x for x in log if x[0] != "drain"]
+    assert {op for op, _ in ops} == {"capture", "restore", "hashes", "reset"}
+    for k, (op, i) in enumerate(log):
+        if op != "drain":        # every read or write of stage i's state right after stage i's own drain
+            assert k > 0 and log[k - 1] == ("drain", i), f"{op} of stage {i} after {log[k - 1:k]}, not its drain"
+
+
+# ---- the command line and stratactl ---------------------------------------------------------------------------
+
+def _strata(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "strata.cli.main", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_generate_with_a_layer_split_matches_unsplit():
+    a = _strata("generate", "--raw", "--prompt", "The capital of France is", "-n", "8", "--n-ctx", "256")
+    b = _strata("generate", "--raw", "--prompt", "The capital of France is", "-n", "8", "--n-ctx", "256",
+                "--device", "cpu,cpu,cpu", "--layer-split", "10,20")
+    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    assert a.stdout == b.stdout and a.stdout.strip()
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--layer-split", "ten"], "use 'auto' or the first layer"),
+    (["--layer-split", "12,8"], "must be positive and increasing"),
+    (["--device", "cpu,cpu", "--layer-split", "5,10"], "makes 3 stages but --device lists 2 devices"),
+    (["--device", "cpu,cuda:0"], "CPU and CUDA stages cannot be mixed"),
+])
+def test_bad_split_flags_are_usage_errors(args, msg):
+    r = _strata("generate", "--prompt", "hi", "-n", "1", *args)
+    assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr
+
+
+def test_split_past_the_model_is_one_line():
+    r = _strata("generate", "--prompt", "hi", "-n", "1", "--n-ctx", "128", "--layer-split", "40")
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "--layer-split 40: each stage's first layer must be above the previous one and below the model's 30 " \
+           "blocks" in r.stderr
+
+
+@pytest.mark.slow
+def test_stratactl_status_shows_each_stage(tmp_path):
+    from tests.test_serve_daemon import ROOT, Daemon, env_for_daemon
+    d = Daemon(tmp_path, "--layer-split", "12").start()
+    try:
+        run = lambda *a: subprocess.run([sys.executable, "-m", "strata.cli.ctl", "--socket", d.sock, *a],  # noqa: E731
+                                        capture_output=True, text=True, env=env_for_daemon(), cwd=ROOT, timeout=120)
+        s = json.loads(run("--json", "status").stdout)
+        assert [(x["stage"], x["device"], x["layers"]) for x in s["stages"]] == [(0, "cpu", [0, 12]),
+                                                                                 (1, "cpu", [12, 30])]
+        assert s["stages"][1]["memory"]["kv"]["layers"] == 18
+        r = run("status")
+        assert r.returncode == 0 and "0: cpu layers 0-11, KV 0 / 2 pages; 1: cpu layers 12-29" in r.stdout
+    finally:
+        assert d.stop() == 0, d.log_tail()

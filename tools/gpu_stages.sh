@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Device calls of the stages-and-memory work (issue 19); logs and JSON go to $OUT. Carried folders (local, named in
+# .git/info/exclude; made with ../shared/offline/{wheels,split,llamacpp-src}.sh and `git archive`):
+#   .dev/A = wheels (whl/), two of the default model's parts (parts/), llamacpp.tar.gz, before.tar.gz (main's tree)
+#   .dev/B = the model's other parts + its sha256 manifest (parts/), join.sh
+# Stage A (carry .dev/A): install the wheels, start the llama.cpp CUDA build (llama-bench) in the background, build
+#   this tree and main's tree (/tmp/before) for sm_90.
+# Stage B (carry .dev/B, same warm machine): join the model; the GPU tests (stages, parity, step, qwen35, hybrid,
+#   device sampling); a `strata serve --device cuda:0,cuda:0 --layer-split 15` smoke request.
+# Stage C (same machine): bench/gpu_throughput.py before / after alternating (the plan rows, llama-bench in the same
+#   run), bench/engine_ab.py before / after / after with two stages on cuda:0.
+stage=${1:?A, B or C}
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/parts
+if [ "$stage" = A ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .dev/A/whl/*.whl || exit 1
+  cp .dev/A/parts/* /tmp/parts/
+  mkdir -p /tmp/lcsrc && tar xzf .dev/A/llamacpp.tar.gz -C /tmp/lcsrc
+  setsid nohup bash -c 'cmake -S /tmp/lcsrc/llama.cpp -B /tmp/lb -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_CURL=OFF \
+    -DCMAKE_BUILD_TYPE=Release > /tmp/lc_build.log 2>&1 && cmake --build /tmp/lb -j 8 --target llama-bench \
+    >> /tmp/lc_build.log 2>&1; echo done >> /tmp/lc_build.log' > /dev/null 2>&1 &
+  rm -rf /tmp/before && tar xzf .dev/A/before.tar.gz -C /tmp
+  export PYTHONPATH=/tmp/site
+  nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpu.txt"
+  (python3 setup.py build_ext --inplace && python3 native/build_cuda.py --arch 90) > "$OUT/build_after.log" 2>&1 &
+  a=$!
+  (cd /tmp/before && python3 setup.py build_ext --inplace && python3 native/build_cuda.py --arch 90) \
+    > "$OUT/build_before.log" 2>&1 &
+  b=$!
+  wait $a; echo "after build rc=$?"; wait $b; echo "before build rc=$?"
+  tail -3 "$OUT/build_after.log" "$OUT/build_before.log"; tail -2 /tmp/lc_build.log
+  mkdir -p /tmp/built && cp strata/_cuda_kernels.so strata/_native*.so /tmp/built/
+  exit 0
+fi
+export PYTHONPATH=/tmp/site:$PWD
+[ -f strata/_cuda_kernels.so ] || cp /tmp/built/* strata/ 2>/dev/null
+M=SmolLM2-135M-Instruct.Q4_1.gguf
+if [ ! -f /tmp/model/$M ]; then
+  cp .dev/B/parts/* /tmp/parts/ 2>/dev/null
+  bash .dev/B/join.sh /tmp/parts $M /tmp/model || { echo "MODEL JOIN FAILED (fresh machine?)"; exit 3; }
+fi
+export STRATA_DEFAULT_MODEL=/tmp/model/$M
+t() { timeout "$1" python3 -m pytest -q -rs -p timeout --timeout 240 --timeout-method thread "${@:2}" 2>&1 \
+        | grep -vE "it/s\]" | grep -E "passed|failed|FAILED|Error|Timeout|assert|split|^E " | tail -25; }
+if [ "$stage" = B ]; then
+  t 200 -s tests/test_cuda_stages.py | tee "$OUT/t_stages.log"
+  t 200 tests/test_cuda_parity.py tests/test_cuda_device_errors.py | tee "$OUT/t_parity.log"
+  t 120 tests/test_cuda_step.py | tee "$OUT/t_step.log"
+  t 120 tests/test_cuda_qwen35.py tests/test_gdn_prefill_kernels.py | tee "$OUT/t_qwen35.log"
+  t 100 tests/test_cuda_hybrid.py tests/test_device_sampling.py tests/test_serve.py -k "cuda or device or hybrid" \
+    | tee "$OUT/t_hybrid.log"
+  python3 -m strata.cli.main serve --device cuda:0,cuda:0 --layer-split 15 --port 8765 --no-socket \
+    > "$OUT/serve_log.txt" 2>&1 &
+  spid=$!
+  for i in $(seq 1 120); do curl -sf http://127.0.0.1:8765/health >/dev/null && break; sleep 0.5; done
+  body='{"model":"default","messages":[{"role":"user","content":"What is a GPU?"}],"max_tokens":24,"temperature":0}'
+  for i in 1 2; do curl -s -m 60 http://127.0.0.1:8765/v1/chat/completions -H 'Content-Type: application/json' \
+    -d "$body" | head -c 500; echo; done | tee "$OUT/serve.txt"
+  curl -s -m 10 http://127.0.0.1:8765/status | head -c 1500 | tee -a "$OUT/serve.txt"; echo
+  kill "$spid"; wait "$spid" 2>/dev/null
+  tail -2 /tmp/lc_build.log
+  exit 0
+fi
+if [ "$stage" = C ]; then
+  [ -f /tmp/before/strata/_cuda_kernels.so ] || { echo "no before build"; exit 4; }
+  cp bench/gpu_throughput.py /tmp/before/bench/gpu_throughput.py      # the same bench (its --quick) for both trees
+  for i in $(seq 1 60); do grep -q '^done' /tmp/lc_build.log && break; sleep 5; done
+  LB=""; [ -x /tmp/lb/bin/llama-bench ] && LB="--llama-bench /tmp/lb/bin/llama-bench"
+  echo "llama-bench: ${LB:-not built}"
+  for r in 1 2; do
+    for tree in before after; do
+      dir=$PWD; [ $tree = before ] && dir=/tmp/before
+      extra=""; [ $r = 1 ] && [ $tree = after ] && extra="$LB"
+      (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout 200 python3 bench/gpu_throughput.py --quick --model $STRATA_DEFAULT_MODEL \
+        --prompts 512,4096,16384 --depths 0,4096,16384 $extra --out "$OUT/gpu_${tree}_$r.json" 2>&1 \
+        | grep -E "strata|llama|pp|tg" | grep -v "it/s" | tail -12)
+    done
+  done
+  timeout 400 python3 bench/engine_ab.py --device cuda --model $STRATA_DEFAULT_MODEL --arm before=/tmp/before \
+    --arm after=. --arm 'after_2stages=.?layer_split=15&device=cuda:0,cuda:0' --rounds 2 --prompts 512,4096 \
+    --depths 0,4096 --n-gen 128 --out "$OUT/engine_ab_cuda.json" 2>&1 | tail -12
+  exit 0
+fi
