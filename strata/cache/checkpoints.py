@@ -23,7 +23,7 @@ class PrefillPlan:
     resume_pos: tokens of the prompt already in place before reading (0 <= resume_pos < len(prompt)).
     resume_from: "live" (the live sequence is a prefix of the prompt: read only the new tokens),
     "checkpoint" (restore ``snapshot`` first, then read from its position) or "none" (reset the sequence,
-    read from 0). snapshot: the strata.state.Snapshot to restore when resume_from == "checkpoint", else None.
+    read from 0). snapshot: the strata.engine.sequence.Checkpoint to restore when resume_from == "checkpoint", else None.
     part_ends: ascending positions where a part of the read ends (the last is len(prompt)); the engine
     reads [resume_pos, part_ends[0]), [part_ends[0], part_ends[1]), ... each in ubatch-sized forward calls.
     save_at: part end -> cut point kind: after the part ending there, save ``state.capture()`` with
@@ -126,7 +126,7 @@ class CheckpointCache:
     # ---- the request loop ------------------------------------------------------------------------
     def plan(self, state, prompt_tokens, cut_points, *, checkpoint: bool = True,
              cache_prompt: bool = True) -> PrefillPlan:
-        """Decide how to read ``prompt_tokens`` on ``state`` (a strata.state.SequenceState).
+        """Decide how to read ``prompt_tokens`` on ``state`` (a strata.engine.sequence.Sequence: its token ids).
 
         Resume rules, first that applies:
 
@@ -241,7 +241,7 @@ class CheckpointCache:
         return out
 
     def save(self, pos: int, kind: str, snapshot) -> list[int]:
-        """Keep ``snapshot`` (a strata.state.Snapshot taken at ``pos``) as a checkpoint of kind ``kind``.
+        """Keep ``snapshot`` (a strata.engine.sequence.Checkpoint taken at ``pos``) as a checkpoint of kind ``kind``.
 
         Checkpoints that the snapshot's tokens contradict (no longer a prefix of what the arena holds) are
         erased; an existing one at ``pos`` is replaced; then retention (strata.cache.retention) evicts.

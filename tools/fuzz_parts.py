@@ -1,0 +1,101 @@
+"""Large fuzz run of the state-part reader (strata/memory/codec.py through Memory.read): mutated and truncated
+copies of real parts of a synthetic hybrid stage (KV pages, running state, the drafter's K/V) and random bytes.
+Every input must give a part equal to the original or a one-line FormatError / PartMismatch; anything else is a
+failure (the input is saved next to --out).
+
+Usage: python tools/fuzz_parts.py [--examples 100000] [--out bench/results/fuzz_parts.json]
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--examples", type=int, default=100_000)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "fuzz_parts.json"))
+    args = ap.parse_args(argv)
+    from hypothesis import HealthCheck, given, settings, strategies as hs
+
+    from strata import synth
+    from strata.memory import Carve, FormatError, PartMismatch
+    from strata.models.base import load_model
+
+    tmp = Path(tempfile.mkdtemp())
+    m = load_model(synth.write_synthetic(tmp / "q.gguf", synth.preset("qwen35", "tiny", seed=5, n_mtp=1)))
+    first = m.new_memory(64, Carve(0, 1), page_size=8)
+    mem = m.new_memory(64, Carve(1, m.n_blocks), page_size=8)
+    st = mem.seq(mem.new_seq())
+    toks = np.arange(1, 21, dtype=np.int32)
+    m.forward_carve(toks, st, 1, m.n_blocks, x_in=m.forward_carve(toks, first.seq(first.new_seq()), 0, 1))
+    st.draft.reserve(5)
+    st.draft.commit(5)
+    buf = io.BytesIO()
+    mem.write(st.capture(), buf)
+    data = buf.getvalue()
+    h = st.hashes()
+    counts = {"examples": 0, "refused": 0, "accepted": 0}
+    kinds: dict[str, int] = {}
+
+    def check(blob: bytes) -> None:
+        counts["examples"] += 1
+        try:
+            part = mem.read(io.BytesIO(blob))
+        except (FormatError, PartMismatch) as e:
+            msg = str(e)
+            if "\n" in msg:
+                raise AssertionError(f"multi-line error: {msg!r}")
+            counts["refused"] += 1
+            key = type(e).__name__ + ": " + msg.split(":")[0][:60]
+            kinds[key] = kinds.get(key, 0) + 1
+            return
+        fresh = mem.seq(mem.new_seq())
+        fresh.restore(part)
+        if fresh.hashes() != h:
+            raise AssertionError("an accepted part restored to a different state")
+        fresh.release()
+        counts["accepted"] += 1
+
+    mutation = hs.tuples(hs.lists(hs.tuples(hs.integers(0, 10 ** 7), hs.integers(0, 255)), min_size=0, max_size=6),
+                         hs.one_of(hs.none(), hs.integers(0, 10 ** 7)))
+
+    @settings(max_examples=args.examples * 9 // 10, deadline=None, derandomize=False, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(mutation)
+    def mutated(mut):
+        cuts, trunc = mut
+        b = bytearray(data)
+        for off, val in cuts:
+            b[off % len(b)] = val
+        if trunc is not None:
+            b = b[:trunc % (len(b) + 1)]
+        check(bytes(b))
+
+    @settings(max_examples=args.examples // 10, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(hs.binary(max_size=4096))
+    def random_bytes(blob):
+        check(blob)
+
+    t0 = time.time()
+    mutated()
+    random_bytes()
+    res = dict(counts, seconds=round(time.time() - t0, 1), part_bytes=len(data),
+               refusals=dict(sorted(kinds.items(), key=lambda kv: -kv[1])))
+    Path(args.out).write_text(json.dumps(res, indent=2))
+    print(json.dumps(res, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
