@@ -1,10 +1,11 @@
 """Engine-level A/B: prompt and decode tokens/s of Strata source trees (or engine settings), measured alternately
-in separate processes in one run, with medians and ratios against the first arm.
+in separate processes in one run, with medians and ratios against the first arm. Round r runs the arms rotated
+by r, so every arm takes every place in the order equally often (a place in the order was seen to bias a run on
+a 2-core machine).
 
 Each arm is a source tree plus optional engine flags (e.g. the same tree with --layer-split): it runs the request
 path users run (Engine.generate: prompt read in ubatch calls, greedy decode with EOG ignored, --prompt-cache 0), so
-it measures everything between the request and the kernels. Rounds alternate the arms (A B A B ...) so drift
-(clocks, other load) falls on both.
+it measures everything between the request and the kernels.
 
 Usage: python bench/engine_ab.py --arm before=/tmp/main --arm after=. [--arm 'split2=.?layer_split=15&device=cpu']
        [--device cuda] [--rounds 3] [--prompts 512,4096] [--depths 0,4096] [--n-gen 128] [--out FILE]
@@ -101,7 +102,7 @@ def main(argv=None) -> int:
     runs: dict[str, list[dict]] = {name: [] for name, _, _ in arms}
     t0 = time.time()
     for r in range(args.rounds):
-        for name, tree, kw in (arms if r % 2 == 0 else arms[::-1]):
+        for name, tree, kw in arms[r % len(arms):] + arms[:r % len(arms)]:
             cfg = dict(model=args.model, device=args.device, threads=args.threads, n_ctx=n_ctx, ubatch=args.ubatch,
                        prompts=prompts, depths=depths, n_gen=args.n_gen, engine=kw)
             res = measure(tree, cfg)

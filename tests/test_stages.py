@@ -207,3 +207,37 @@ def test_stratactl_status_shows_each_stage(tmp_path):
         assert r.returncode == 0 and "0: cpu layers 0-11, KV 0 / 2 pages; 1: cpu layers 12-29" in r.stdout
     finally:
         assert d.stop() == 0, d.log_tail()
+
+
+# ---- shape: the layering has no way back up ---------------------------------------------------------------------
+
+def _imports(path) -> set[str]:
+    """Every strata module a file imports, at module level or inside functions."""
+    import ast
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("strata"):
+            out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("strata"))
+    return out
+
+
+def test_memory_and_stages_import_nothing_above_them():
+    """strata.memory knows no model, backend, stage or engine; strata.stages knows no engine, cache or serve; the
+    daemon's request side (serve/ but its command line) imports no stage, memory, backend or model module: it reads
+    the engine's status surface."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1] / "strata"
+    for p in (root / "memory").glob("*.py"):
+        bad = {m for m in _imports(p) if not m.startswith("strata.memory")}
+        assert not bad, f"{p.name} imports {bad}"
+    for p in (root / "stages").glob("*.py"):
+        bad = {m for m in _imports(p) if m.startswith(("strata.engine", "strata.cache", "strata.serve", "strata.cli"))}
+        assert not bad, f"{p.name} imports {bad}"
+    for p in (root / "serve").glob("*.py"):
+        if p.name == "cli.py":          # the command line checks --device before the daemon starts
+            continue
+        bad = {m for m in _imports(p) if m.startswith(("strata.stages", "strata.memory", "strata.backend",
+                                                          "strata.models"))}
+        assert not bad, f"serve/{p.name} imports {bad}"

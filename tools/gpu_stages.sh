@@ -68,7 +68,7 @@ fi
 if [ "$stage" = C ]; then
   [ -f /tmp/before/strata/_cuda_kernels.so ] || { echo "no before build"; exit 4; }
   cp bench/gpu_throughput.py /tmp/before/bench/gpu_throughput.py      # the same bench (its --quick) for both trees
-  for i in $(seq 1 60); do grep -q '^done' /tmp/lc_build.log && break; sleep 5; done
+  [ -f /tmp/lc_build.log ] && for i in $(seq 1 60); do grep -q '^done' /tmp/lc_build.log && break; sleep 5; done
   LB=""; [ -x /tmp/lb/bin/llama-bench ] && LB="--llama-bench /tmp/lb/bin/llama-bench"
   echo "llama-bench: ${LB:-not built}"
   for r in $(seq 1 ${ROUNDS:-2}); do

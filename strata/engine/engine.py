@@ -431,7 +431,8 @@ class Engine:
     def device_info(self) -> dict[str, Any]:
         """The "device" object of /status: name (the devices, comma-joined), kind, the model's weight bytes (GGUF
         tensor bytes), the KV cache type ("f32" on the CPU, "f16" / "q8_0" on CUDA), the KV page pools' bytes
-        (allocated; in pages held; in the live sequence's valid positions), over all stages; on CUDA also each
+        (allocated; in pages held) and the live sequence's state bytes (its valid K/V positions and, for hybrid
+        models, its running state: kv_valid_bytes), over all stages; on CUDA also each
         device's total / free / used bytes (cudaMemGetInfo) and CuPy's memory pool used / total bytes, summed over
         the distinct devices."""
         names = list(dict.fromkeys(st.device for st in self.stages))

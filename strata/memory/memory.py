@@ -9,7 +9,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from strata.memory import codec
+import strata.memory.codec as codec
 from strata.memory.kv import KVCacheFull, PagedKV, PagePool
 from strata.memory.part import Carve, KVPages, PartMismatch, StatePart
 
