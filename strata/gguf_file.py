@@ -65,6 +65,25 @@ class GGUFModelFile:
     def has(self, name: str) -> bool:
         return name in self.tensors
 
+    def fingerprint(self) -> str:
+        """sha256 hex of what makes this model this model: every metadata key and value, the tensor table (name,
+        type, shape) and the first 4 KiB of every tensor's data (two fine-tunes of one architecture share the
+        table, not the weights). What a session file must match. Computed once."""
+        fp = getattr(self, "_fingerprint", None)
+        if fp is None:
+            import hashlib
+            import numpy as np
+            h = hashlib.sha256()
+            for k in sorted(self.metadata):
+                h.update(f"{k}={self.metadata[k]!r}\n".encode())
+            for name in sorted(self.tensors):
+                t = self.tensors[name]
+                h.update(f"{name}:{int(t.ggml_type)}:{tuple(t.shape)}\n".encode())
+                h.update(np.asarray(t.data).reshape(-1).view(np.uint8)[:4096].tobytes())
+            fp = h.hexdigest()
+            object.__setattr__(self, "_fingerprint", fp)
+        return fp
+
     def tensor(self, name: str, shape: tuple | None = None) -> WeightTensor:
         """The tensor `name`; with `shape` (numpy order) it must match.
 

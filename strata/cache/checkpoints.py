@@ -172,26 +172,16 @@ class CheckpointCache:
         state_tokens = list(state.tokens)
 
         with self._lock:
-            live_ok = self._live_ok
             erased: list[int] = []
             resume, source, snap = 0, "none", None
             if cache_prompt:
-                L = len(state_tokens)
-                if live_ok and 0 < L < n and prompt[:L] == state_tokens:
-                    resume, source = L, "live"
-                else:
-                    best = None
-                    for e in self._entries.values():
-                        if e.pos < n and e.pos <= L and prompt[:e.pos] == list(e.tokens) \
-                                and state_tokens[:e.pos] == list(e.tokens):
-                            if best is None or e.pos > best.pos:
-                                best = e
-                    if best is not None:
-                        resume, source, snap = best.pos, "checkpoint", best.snapshot
-                        self._clock += 1
-                        best.last_use = self._clock
-                        best.last_use_time = time.time()
-                        best.mounts += 1
+                resume, source, best = self._choose(prompt, state_tokens)
+                if best is not None:
+                    snap = best.snapshot
+                    self._clock += 1
+                    best.last_use = self._clock
+                    best.last_use_time = time.time()
+                    best.mounts += 1
             # erase what the arena will no longer hold: not a prefix of the prompt (or of the live sequence),
             # or past the resume point (the read overwrites [resume, n))
             for pos, e in list(self._entries.items()):
@@ -214,6 +204,48 @@ class CheckpointCache:
             self._live_ok = checkpoint
         return PrefillPlan(resume_pos=resume, resume_from=source, snapshot=snap, part_ends=part_ends,
                            save_at=save_at, keep_live=checkpoint, erased=sorted(erased))
+
+    def _choose(self, prompt: list[int], state_tokens: list[int]) -> tuple[int, str, Any]:
+        """Rules 2-4 of ``plan``: (resume position, "live" | "checkpoint" | "none", the checkpoint entry or None)."""
+        n, L = len(prompt), len(state_tokens)
+        if self._live_ok and 0 < L < n and prompt[:L] == state_tokens:
+            return L, "live", None
+        best = None
+        for e in self._entries.values():
+            if e.pos < n and e.pos <= L and prompt[:e.pos] == list(e.tokens) and state_tokens[:e.pos] == list(e.tokens):
+                if best is None or e.pos > best.pos:
+                    best = e
+        return (best.pos, "checkpoint", best) if best is not None else (0, "none", None)
+
+    def peek(self, state, prompt_tokens, cache_prompt: bool = True) -> int:
+        """The position ``plan`` would resume ``prompt_tokens`` at on ``state`` now (no side effects)."""
+        if not cache_prompt:
+            return 0
+        with self._lock:
+            return self._choose([int(t) for t in prompt_tokens], list(state.tokens))[0]
+
+    def deepest(self) -> int:
+        """The deepest kept checkpoint's position (0 when none is kept)."""
+        with self._lock:
+            return max(self._entries, default=0)
+
+    def export(self) -> list[tuple[int, str, Any]]:
+        """The kept checkpoints as (pos, kind, snapshot), by position (to park or save them with their
+        conversation)."""
+        with self._lock:
+            return [(e.pos, e.kind, e.snapshot) for e in sorted(self._entries.values(), key=lambda e: e.pos)]
+
+    def adopt(self, entries: list[tuple[int, str, Any]], live_ok: bool) -> None:
+        """Replace every kept checkpoint by `entries` ((pos, kind, snapshot), as ``export`` gives them, of the
+        conversation the engine now holds) and set whether its end may be continued live."""
+        with self._lock:
+            self._entries.clear()
+            self._live_ok = bool(live_ok)
+            for pos, kind, snap in sorted(entries, key=lambda x: x[0]):
+                self._clock += 1
+                self._entries[pos] = _Entry(pos=pos, kind=kind, snapshot=snap, tokens=tuple(snap.tokens),
+                                            bytes=_snapshot_bytes(snap), saved=self._clock, last_use=self._clock,
+                                            last_use_time=time.time())
 
     def _kept_points(self, n: int, cuts: list[tuple[int, str]], resume: int, checkpoint: bool) -> dict[int, str]:
         """Cut points after `resume` at which to end a part and save a checkpoint -> {pos: kind}."""

@@ -12,9 +12,14 @@ import numpy as np
 import structlog
 
 from strata import quant
+from pathlib import Path
+
+from strata.cache import session
 from strata.cache.checkpoints import CheckpointCache
+from strata.cache.conversation import Conversation, ParkStore, SavedCheckpoint
 from strata.default_model import resolve_model
-from strata.engine.sequence import Sequence
+from strata.engine.sequence import Checkpoint, Sequence
+from strata.memory import KVCacheFull, PartMismatch
 from strata.engine.types import (ContextOverflow, EmptyPrompt, FinalEvent, GenerationRequest, TokenEvent)
 from strata.gguf_file import ModelLoadError, open_gguf
 from strata.sampling import Sampler, SamplingParams, StopMatcher
@@ -40,6 +45,8 @@ class Engine:
     of each later stage; strata.stages.split). n_ctx: context length in
     tokens (the KV page pool is sized for it). ubatch: tokens per forward call while reading a prompt.
     threads: C-core threads (None: all cores). prompt_cache: checkpoints kept (0 = off; see strata.cache).
+    conversation_cache_mib: parked conversations' RAM budget (None: 25 % of host RAM; 0: no parking).
+    slot_save_path: the directory of session files (None: saving and restoring them is refused).
     prompt_cache_every: periodic cut points every N prompt tokens (0 = off). prompt_cache_root: minimum
     root length worth pinning. prompt_cache_mib: byte budget of the checkpoints (MiB). prompt_cache_tail:
     near-tail cut point distance (0 = off). progress: the loader's progress bar (None: a tqdm bar on stderr
@@ -52,7 +59,8 @@ class Engine:
     def __init__(self, model: str | os.PathLike = "default", *, n_ctx: int = 4096, ubatch: int = 512,
                  threads: int | None = None, device: str = "cpu", kv: str = "f16", prompt_cache: int = 6,
                  prompt_cache_every: int = 0, prompt_cache_root: int = 0, prompt_cache_mib: int = 1024,
-                 prompt_cache_tail: int = 0, progress=None, layer_split: str | None = None):
+                 prompt_cache_tail: int = 0, progress=None, layer_split: str | None = None,
+                 conversation_cache_mib: int | None = None, slot_save_path: str | os.PathLike | None = None):
         if n_ctx < 2:
             raise ValueError(f"n_ctx must be >= 2, got {n_ctx}")
         if ubatch < 1:
@@ -99,6 +107,12 @@ class Engine:
                                      root_min=int(prompt_cache_root),
                                      budget_bytes=int(prompt_cache_mib) * 1024 * 1024,
                                      tail=int(prompt_cache_tail))
+        if conversation_cache_mib is None:
+            conversation_cache_mib = default_conversation_cache_mib()
+        self.park = ParkStore(int(conversation_cache_mib) * 1024 * 1024) if conversation_cache_mib else None
+        self.slot_save_path = Path(slot_save_path) if slot_save_path else None
+        if self.slot_save_path is not None and not self.slot_save_path.is_dir():
+            raise ValueError(f"--slot-save-path {self.slot_save_path}: not a directory")
         self.eog_ids = set(int(t) for t in self.tokenizer.eog_ids)
         self._lock = threading.Lock()
         self.requests = 0
@@ -209,6 +223,116 @@ class Engine:
         self.state_reset()
         self.cache.drop_live()
 
+    # ---- conversations held apart: parking and session files ------------------------------------------
+    def _capture_conversation(self) -> Conversation:
+        """The live conversation as host copies: every stage's used K/V and running state, its checkpoints
+        (running state only; their K/V is the conversation's prefix)."""
+        parts = self.seq.materialize(self.seq.capture())
+        cps = [SavedCheckpoint(pos, kind, self.seq.detach(snap)) for pos, kind, snap in self.cache.export()]
+        return Conversation(tokens=tuple(self.seq.tokens), parts=parts, checkpoints=cps, live_ok=self.cache.live_ok)
+
+    def _restore_conversation(self, conv: Conversation) -> None:
+        """Make `conv` the live conversation with its checkpoints. Every part is validated against its own stage
+        first (PartMismatch / KVCacheFull, one line, change nothing)."""
+        whole = Checkpoint(pos=conv.pos, tokens=tuple(conv.tokens), parts=conv.parts)
+        self.seq.validate(whole)
+        for c in conv.checkpoints:
+            if not 0 < c.pos <= conv.pos:
+                raise PartMismatch(f"a checkpoint at {c.pos} lies outside the conversation's {conv.pos} tokens")
+            self.seq.validate_detached(c.pos, c.parts)
+        self.seq.restore(whole)
+        self.cache.adopt([(c.pos, c.kind, self.seq.attach(c.pos, c.parts)) for c in conv.checkpoints], conv.live_ok)
+
+    def _park_live(self, trace: bool) -> None:
+        """Park the live conversation (when it has one worth keeping and host RAM can take it)."""
+        if self.park is None or self.seq.pos == 0 or not self.cache.live_ok:
+            return                   # nothing live, or a "strata_checkpoint": false request's (seed #861)
+        need = self.seq.nbytes()
+        avail = _available_ram()
+        if avail is None or need > avail // 2:
+            self.park.stats["refused"] += 1
+            log.warning("not parking the live conversation: host RAM unknown or short", bytes=need, available=avail)
+            return
+        t0 = time.perf_counter()
+        gone = self.park.park(self._capture_conversation())
+        if trace:
+            log.info("parked", tokens=self.seq.pos, bytes=need, ms=round((time.perf_counter() - t0) * 1e3, 2),
+                     evicted=len(gone))
+
+    def _switch(self, prompt: list[int], cache_prompt: bool, trace: bool) -> bool:
+        """Before a request is planned: when a parked conversation skips more of `prompt` than the live one and
+        its checkpoints do, park the live one and restore that one (True); when the request leaves the live
+        conversation (it resumes before the live one's deepest checkpoint), park the live one."""
+        if self.park is None or not cache_prompt:
+            return False
+        here = self.cache.peek(self.seq, prompt)
+        conv, depth = self.park.best(prompt)
+        if conv is not None and depth > here:
+            self._park_live(trace)
+            t0 = time.perf_counter()
+            try:
+                self._restore_conversation(conv)
+            except (PartMismatch, KVCacheFull) as e:     # nothing written: the request reads as it would have
+                log.warning("a parked conversation could not be restored", error=str(e))
+                self.park.take(conv)
+                return False
+            self.park.take(conv)
+            if trace:
+                log.info("unparked", tokens=conv.pos, resume=depth, ms=round((time.perf_counter() - t0) * 1e3, 2))
+            return True
+        deepest = self.cache.deepest()
+        if self.seq.pos > 0 and (here < deepest or (deepest == 0 and here == 0)):
+            self._park_live(trace)
+        return False
+
+    def _session_path(self, filename) -> Path:
+        if self.slot_save_path is None:
+            raise session.SessionError("session files need --slot-save-path DIR (the directory they are kept in)")
+        return session.check_filename(self.slot_save_path, filename)
+
+    def slot_save(self, slot_id: int = 0, filename=None, **_ignored) -> dict[str, Any]:
+        """Save the slot's conversation (with its checkpoints) to --slot-save-path/filename, atomically
+        (llama-server's POST /slots/{id}?action=save). SessionError / ValueError (one line), nothing written."""
+        self._check_slot(slot_id)
+        path = self._session_path(filename)
+        with self._lock:
+            if self.seq.pos == 0:
+                raise session.SessionError("slot 0 holds no conversation (0 tokens): nothing to save")
+            t0 = time.perf_counter()
+            conv = self._capture_conversation()
+            n = session.save_atomic(path, lambda f: session.write(f, conv, self.file.fingerprint(), self.stages))
+        return {"id_slot": 0, "filename": filename, "n_saved": conv.pos, "n_written": n,
+                "timings": {"save_ms": round((time.perf_counter() - t0) * 1e3, 3)}}
+
+    def slot_restore(self, slot_id: int = 0, filename=None, **_ignored) -> dict[str, Any]:
+        """Restore the slot's conversation from --slot-save-path/filename (llama-server's POST
+        /slots/{id}?action=restore): the file is read under the live engine's limits and every part validated
+        before anything is written; on any error the live conversation is exactly as it was."""
+        self._check_slot(slot_id)
+        path = self._session_path(filename)
+        if not path.is_file():
+            raise session.SessionError(f"session file {filename!r} does not exist in {self.slot_save_path}")
+        with self._lock:
+            t0 = time.perf_counter()
+            with open(path, "rb") as f:
+                conv = session.read(f, self.file.fingerprint(), self.stages, self.n_ctx)
+                n_read = f.tell()
+            try:
+                self._restore_conversation(conv)
+            except (PartMismatch, KVCacheFull) as e:
+                raise session.SessionError(f"session file {filename!r}: {e}") from None
+        return {"id_slot": 0, "filename": filename, "n_restored": conv.pos, "n_read": n_read,
+                "timings": {"restore_ms": round((time.perf_counter() - t0) * 1e3, 3)}}
+
+    @staticmethod
+    def _check_slot(slot_id) -> None:
+        if str(slot_id) != "0":
+            raise ValueError(f"slot {slot_id} does not exist: this engine has one slot (0)")
+
+    def parked(self) -> list[dict]:
+        """The parked conversations for `stratactl cache` (tokens, bytes, tier, checkpoints, last use)."""
+        return self.park.entries() if self.park is not None else []
+
     def _read(self, tokens: list[int], start: int, end: int, cancel=None):
         """Read tokens[start:end] in ubatch-sized forward calls starting fresh at `start` -> the last token's
         logits, or None when `cancel` was set between two calls (the sequence then ends at a call boundary)."""
@@ -229,8 +353,11 @@ class Engine:
         boundary inside a part, so it is not offered for live continuation (a later read of that part must
         split it the same way as the first); checkpoints of the parts completed stay."""
         n = len(prompt)
+        from_park = self._switch(prompt, req.cache_prompt, trace)
         plan = self.cache.plan(self.seq, prompt, list(req.cut_points or ()), checkpoint=req.checkpoint,
-                               cache_prompt=req.cache_prompt)      # ValueError here changes nothing
+                               cache_prompt=req.cache_prompt)      # cut points were checked by _validate
+        if from_park and plan.resume_pos > 0:
+            plan.resume_from = "park"
         parts: list[tuple[int, int]] = []
         try:
             st = self.seq
@@ -388,15 +515,16 @@ class Engine:
     def clear_checkpoints(self) -> None:
         self.cache.clear()
 
-    def slot_erase(self, slot_id: int = 0) -> dict[str, int]:
-        """Forget the slot's conversation (llama.cpp's POST /slots/{id}?action=erase): the live sequence back to
-        position 0 and every checkpoint dropped, so the next request reads its whole prompt. Returns
-        {"id_slot": 0, "n_erased": tokens the live sequence held}. ValueError for a slot other than 0."""
-        if int(slot_id) != 0:
-            raise ValueError(f"slot {slot_id} does not exist: this engine has one slot (0)")
-        n = int(self.seq.pos)
-        self._forget_live()
-        self.clear_checkpoints()
+    def slot_erase(self, slot_id: int = 0, **_ignored) -> dict[str, int]:
+        """Forget the slot's conversation (llama.cpp's POST /slots/{id}?action=erase; a request body is ignored):
+        the live sequence back to position 0 and every checkpoint dropped, so the next request reads its whole
+        prompt (parked conversations stay). Returns {"id_slot": 0, "n_erased": tokens the live sequence held}.
+        ValueError for a slot other than 0."""
+        self._check_slot(slot_id)
+        with self._lock:
+            n = int(self.seq.pos)
+            self._forget_live()
+            self.clear_checkpoints()
         return {"id_slot": 0, "n_erased": n}
 
     def status(self) -> dict[str, Any]:
@@ -420,6 +548,9 @@ class Engine:
             "checkpoints": cps,
             "checkpoint_bytes": int(sum(int(c.get("bytes", 0) or 0) for c in cps)),
             "cache_stats": self.cache.stats(),
+            "parked": self.parked(),
+            "park_stats": dict(self.park.stats) if self.park is not None else None,
+            "conversation_cache_bytes": self.park.budget if self.park is not None else 0,
             "memory": {"weights_bytes": int(self.file.nbytes), "kv_pool_bytes": int(sum(m["bytes"] for m in kvs)),
                        "rss_bytes": _rss_bytes()},
             "requests": self.requests,
@@ -461,6 +592,26 @@ class Engine:
 
 
 # ---- helpers -------------------------------------------------------------------------------------
+
+def _available_ram() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes, or None when it cannot be read (then nothing is parked)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def default_conversation_cache_mib() -> int:
+    """--conversation-cache-mib's default: 25 % of host RAM (0 when it cannot be read)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4 // (1024 * 1024))
+    except (ValueError, OSError):
+        return 0
+
 
 def _rss_bytes() -> int | None:
     try:

@@ -86,6 +86,34 @@ class Sequence:
             st.restore(sid, part)
         self.tokens = list(ckpt.tokens)
 
+    # ---- conversations held apart (parking, session files) -----------------------------------------
+    def materialize(self, ckpt: Checkpoint) -> list[StatePart]:
+        """Host copies of every stage's part of `ckpt` (its K/V pages and running state)."""
+        return [st.materialize(p) for st, p in zip(self.stages, ckpt.parts)]
+
+    def detach(self, ckpt: Checkpoint) -> list[StatePart]:
+        """`ckpt`'s parts to keep with their conversation: running state as host copies, K/V as a prefix."""
+        return [st.detach(p) for st, p in zip(self.stages, ckpt.parts)]
+
+    def validate_detached(self, pos: int, parts: list[StatePart]) -> None:
+        """PartMismatch unless `parts` (detached, see detach) fit the stages at position `pos`."""
+        if len(parts) != len(self.stages):
+            raise PartMismatch(f"a checkpoint at {pos} has {len(parts)} stage parts, this engine runs "
+                               f"{len(self.stages)} stages")
+        for st, part in zip(self.stages, parts):
+            if part.pos != pos:
+                raise PartMismatch(f"stage {st.index}'s checkpoint part is at {part.pos}, expected {pos}")
+            try:
+                st.validate(part)
+            except PartMismatch as e:
+                raise PartMismatch(f"stage {st.index} ({st.carve} on {st.device}): {e}") from None
+
+    def attach(self, pos: int, parts: list[StatePart]) -> Checkpoint:
+        """A checkpoint of this sequence at `pos` from detached parts: K/V referencing its pages, running state
+        copied to each stage."""
+        return Checkpoint(pos=pos, tokens=tuple(self.tokens[:pos]),
+                          parts=[st.attach_prefix(sid, p) for st, sid, p in zip(self.stages, self.sids, parts)])
+
     def truncate(self, p: int) -> None:
         """Cut back to p tokens on every stage (ValueError, changing nothing, where a running state refuses)."""
         if not 0 <= p <= self.pos:

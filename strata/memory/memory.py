@@ -204,9 +204,29 @@ class Memory(ABC):
     def restore(self, sid: int, part: StatePart) -> None:
         """Validate, then make the sequence what `part` captured. PartMismatch changes nothing."""
         st = self.seq(sid)
+        if part.is_prefix:
+            raise PartMismatch("a checkpoint part whose K/V is its conversation's prefix cannot be restored alone: "
+                               "restore the conversation, then attach_prefix")
         self.validate(part, sid)
         self._restore(st, part)
         st.pos = part.pos
+
+    def detach(self, part: StatePart) -> StatePart:
+        """A checkpoint part to keep apart from the engine with its conversation: the running state as host copies
+        and the K/V as a prefix of the conversation's own (KVPages.is_prefix), so it costs no K/V bytes."""
+        return StatePart(carve=part.carve, geometry=part.geometry, pos=part.pos,
+                         running={li: {k: np.array(_host(a)) for k, a in d.items()} for li, d in part.running.items()},
+                         kv={name: KVPages(length=kvp.length) for name, kvp in part.kv.items()})
+
+    def attach_prefix(self, sid: int, part: StatePart) -> StatePart:
+        """The checkpoint part `part` (its K/V a prefix, see detach) as a part of sequence `sid`: its K/V a reference
+        to the sequence's first pages, its running state copied to this stage's arrays. PartMismatch unless the
+        part fits this stage and the sequence holds at least its positions."""
+        self.validate(part)
+        st = self.seq(sid)
+        out = StatePart(carve=part.carve, geometry=part.geometry, pos=part.pos)
+        self._attach(st, part, out)
+        return out
 
     def materialize(self, part: StatePart) -> StatePart:
         """The same part holding its K/V and running state as host copies (parking, session files). A part that
@@ -222,8 +242,9 @@ class Memory(ABC):
         if part.is_reference:
             part = self.materialize(part)
         lengths = {name: kvp.length for name, kvp in sorted(part.kv.items())}
+        prefix = sorted(name for name, kvp in part.kv.items() if kvp.is_prefix)
         expected: list = []
-        self._expect(part.pos, lengths, expected)
+        self._expect(part.pos, lengths, expected, prefix)
 
         def array(name: str) -> np.ndarray:
             field_, rest = name.split(".", 1)
@@ -233,7 +254,7 @@ class Memory(ABC):
             return part.kv[field_].arrays[rest]
         arrays = [(name, array(name)) for name, _, _ in expected]
         header = {"carve": [part.carve.lo, part.carve.hi], "pos": part.pos, "geometry": part.geometry,
-                  "kv_lengths": lengths}
+                  "kv_lengths": lengths, "kv_prefix": prefix}
         return codec.write(io, header, arrays)
 
     def read(self, io: BinaryIO) -> StatePart:
@@ -248,12 +269,13 @@ class Memory(ABC):
             d = _diff(header.get("geometry"), self.geometry())
             if d:
                 raise PartMismatch(f"the part's geometry differs from stage {self.carve}: {d}")
-            pos, lengths = header.get("pos"), header.get("kv_lengths")
+            pos, lengths, prefix = header.get("pos"), header.get("kv_lengths"), header.get("kv_prefix", [])
             if type(pos) is not int or not isinstance(lengths, dict) or \
-                    not all(type(v) is int for v in lengths.values()):
-                raise codec.FormatError("bad position or K/V lengths in the part header")
+                    not all(type(v) is int for v in lengths.values()) or not isinstance(prefix, list) or \
+                    not all(isinstance(x, str) and x in lengths for x in prefix):
+                raise codec.FormatError("bad position, K/V lengths or K/V prefix list in the part header")
             out: list[tuple[str, tuple[int, ...], np.dtype]] = []
-            self._expect(pos, lengths, out)
+            self._expect(pos, lengths, out, prefix)
             return out
 
         header, arrays = codec.read(io, expect)
@@ -267,7 +289,10 @@ class Memory(ABC):
                 kvp = part.kv.setdefault(field_, KVPages(length=header["kv_lengths"][field_], arrays={}))
                 kvp.arrays[rest] = a
         for name, length in header["kv_lengths"].items():
-            part.kv.setdefault(name, KVPages(length=length, arrays={}))
+            if name in header.get("kv_prefix", []):
+                part.kv[name] = KVPages(length=length)
+            else:
+                part.kv.setdefault(name, KVPages(length=length, arrays={}))
         self.validate(part)
         return part
 
@@ -311,7 +336,9 @@ class Memory(ABC):
     @abstractmethod
     def _materialize(self, part: StatePart, out: StatePart) -> None: ...
     @abstractmethod
-    def _expect(self, pos: int, lengths: dict, out: list) -> None: ...
+    def _expect(self, pos: int, lengths: dict, out: list, prefix=()) -> None: ...
+    @abstractmethod
+    def _attach(self, st: SequenceState, part: StatePart, out: StatePart) -> None: ...
     @abstractmethod
     def _hashes(self, st: SequenceState, out: dict) -> None: ...
     @abstractmethod
@@ -373,6 +400,8 @@ class KVMemory(Memory):
             raise PartMismatch(f"the part's {self.name} K/V length {kvp.length} does not fit "
                                f"(position {part.pos}, pool of {self.pool.capacity_tokens} tokens)")
         m = self._pages_for(kvp.length)
+        if kvp.is_prefix:
+            return
         if kvp.is_reference:
             if st is None:
                 return
@@ -411,20 +440,31 @@ class KVMemory(Memory):
         self.pool.import_pages(t.pages[:m], kvp.arrays)
         t.commit(kvp.length)
 
+    def _attach(self, st, part, out):
+        kvp, t = part.kv[self.name], self.table(st)
+        if t.length < kvp.length:
+            raise PartMismatch(f"the checkpoint's {self.name} K/V covers {kvp.length} positions, the sequence holds "
+                               f"{t.length}")
+        out.kv[self.name] = KVPages(length=kvp.length, pages=tuple(t.pages[:self._pages_for(kvp.length)]))
+
     def _materialize(self, part, out):
         kvp = part.kv[self.name]
-        if kvp.is_reference:
+        if kvp.is_prefix:
+            out.kv[self.name] = KVPages(length=kvp.length)
+        elif kvp.is_reference:
             out.kv[self.name] = KVPages(length=kvp.length, arrays=self.pool.export_pages(kvp.pages))
         else:
             out.kv[self.name] = KVPages(length=kvp.length, arrays={k: np.array(a) for k, a in kvp.arrays.items()})
 
-    def _expect(self, pos, lengths, out):
+    def _expect(self, pos, lengths, out, prefix=()):
         length = lengths.get(self.name)
         if length is None:
             raise PartMismatch(f"the part has no {self.name!r} K/V, stage {self.carve} keeps it")
         if not 0 <= length <= pos or (self.name == "kv" and length != pos) or length > self.pool.capacity_tokens:
             raise PartMismatch(f"the part's {self.name} K/V length {length} does not fit (position {pos}, "
                                f"pool of {self.pool.capacity_tokens} tokens)")
+        if self.name in prefix:
+            return
         m = self._pages_for(length)
         ax = self.pool.page_axis
         for n, (shape, dt) in sorted(self.pool.page_arrays().items()):
@@ -508,7 +548,10 @@ class RecurrentMemory(Memory):
     def _materialize(self, part, out):
         pass                                        # Memory.materialize copies the running state
 
-    def _expect(self, pos, lengths, out):
+    def _attach(self, st, part, out):
+        out.running = {li: {k: self.xp.array(a) for k, a in d.items()} for li, d in part.running.items()}
+
+    def _expect(self, pos, lengths, out, prefix=()):
         for li, d in sorted(self.init.items()):
             for k, a in sorted(d.items()):
                 out.append((f"running.L{li}.{k}", tuple(a.shape), np.dtype(a.dtype)))
@@ -572,8 +615,11 @@ class HybridMemory(Memory):
     def _materialize(self, part, out):
         self._each("_materialize", part, out)
 
-    def _expect(self, pos, lengths, out):
-        self._each("_expect", pos, lengths, out)
+    def _expect(self, pos, lengths, out, prefix=()):
+        self._each("_expect", pos, lengths, out, prefix)
+
+    def _attach(self, st, part, out):
+        self._each("_attach", st, part, out)
 
     def _hashes(self, st, out):
         self._each("_hashes", st, out)

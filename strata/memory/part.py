@@ -41,9 +41,11 @@ class KVPages:
     """K/V of positions [0, length) of one page pool.
 
     Either a *reference* (``pages``: the ids in the stage's pool, valid while the sequence that was captured still
-    holds these tokens: the one-arena rule of seed #62, which the checkpoint cache enforces) or *host copies*
+    holds these tokens: the one-arena rule of seed #62, which the checkpoint cache enforces), *host copies*
     (``arrays``: PagePool.export_pages of those pages, "L{layer}.{k|v|k_scale|v_scale}" -> array with the page axis
-    of length ceil(length / page_size)): what parking and session files hold.
+    of length ceil(length / page_size)): what parking and session files hold, or neither, a *prefix*: the first
+    ``length`` positions of the K/V of the conversation the part travels with (a parked or saved conversation's
+    checkpoints, whose K/V is a prefix of the conversation's own; Memory.attach_prefix makes it a reference again).
     """
 
     length: int
@@ -52,7 +54,11 @@ class KVPages:
 
     @property
     def is_reference(self) -> bool:
-        return self.arrays is None
+        return self.arrays is None and self.pages is not None
+
+    @property
+    def is_prefix(self) -> bool:
+        return self.arrays is None and self.pages is None
 
     def nbytes(self) -> int:
         """Bytes this holds itself (a reference holds none of the K/V)."""
@@ -79,6 +85,11 @@ class StatePart:
     def is_reference(self) -> bool:
         """True when some K/V is referenced in the stage's pool rather than held (see KVPages)."""
         return any(k.is_reference for k in self.kv.values())
+
+    @property
+    def is_prefix(self) -> bool:
+        """True when the K/V is the prefix of the conversation the part travels with (see KVPages)."""
+        return any(k.is_prefix for k in self.kv.values())
 
     def nbytes(self) -> int:
         """Bytes this part holds itself: running-state copies + K/V it holds (not what it references)."""

@@ -102,6 +102,17 @@ class Stage:
     def nbytes(self, sid: int) -> int:
         return self.memory.nbytes(sid)
 
+    def materialize(self, part: StatePart) -> StatePart:
+        self.backend.drain()
+        return self.memory.materialize(part)
+
+    def detach(self, part: StatePart) -> StatePart:
+        self.backend.drain()
+        return self.memory.detach(part)
+
+    def attach_prefix(self, sid: int, part: StatePart) -> StatePart:
+        return self.memory.attach_prefix(sid, part)
+
     def write(self, part: StatePart, io) -> int:
         self.backend.drain()
         return self.memory.write(part, io)

@@ -1,0 +1,200 @@
+"""Session files: a conversation on disk (--slot-save-path, POST /slots/N?action=save|restore), format versions 1
+(one stage) and 3 (per-stage blocks; version 2 is reserved), read under limits taken from the live engine before
+anything is allocated, written atomically.
+
+Layout (little-endian):
+
+    offset  size  field
+    0       8     magic b"STRATASF"
+    8       4     format version (1 or 3)
+    12      4     header length H (1 .. MAX_HEADER)
+    16      4     CRC-32 of the header
+    20      H     header: UTF-8 JSON {fingerprint (the model's, GGUFModelFile.fingerprint), n_tokens, live_ok,
+                  checkpoints: [[pos, kind], ...], carves: [[lo, hi], ...] (one per stage)}
+    20+H    4*N   the token ids, int32 (N = n_tokens)
+    ..      4     CRC-32 of the token ids
+    ..            stage 0's block
+    version 3 only:
+    ..      4     the number of later stages S
+    ..            S blocks, one per later stage in layer order
+    stage block: u32 number of parts (1 + len(checkpoints)), then the parts in the state-part format
+    (strata/memory/codec.py, each with its own checked header and checksum): the conversation's part, then one
+    per checkpoint in header order (their K/V a prefix of the conversation's: running state only).
+
+Nothing may follow the last block. Every refusal is a SessionError (a ValueError) with a one-line message.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+import zlib
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+
+from strata.cache.conversation import Conversation, SavedCheckpoint
+from strata.memory import FormatError, PartMismatch
+
+MAGIC = b"STRATASF"
+VERSION_ONE_STAGE = 1
+VERSION_STAGES = 3
+RESERVED = {2: "version 2 is reserved (a BF16 state codec) and not read by this build"}
+MAX_HEADER = 1 << 20
+MAX_CHECKPOINTS = 64
+_FIXED = struct.Struct("<8sIII")
+_U32 = struct.Struct("<I")
+_NAME_MAX = 255
+
+
+class SessionError(ValueError):
+    """A session file that cannot be saved or restored here (one-line message naming why)."""
+
+
+def check_filename(directory: str | os.PathLike, name) -> Path:
+    """The path of session file `name` inside `directory`: a plain file name (no separators, no '..', no NUL, at
+    most 255 bytes, not starting with '.') that resolves inside the directory (a symlink pointing out is refused).
+    SessionError otherwise."""
+    if not isinstance(name, str) or not name:
+        raise SessionError(f"'filename' must be a non-empty string, got {name!r}")
+    if "\0" in name or "/" in name or "\\" in name or name in (".", "..") or ".." in name or name.startswith("."):
+        raise SessionError(f"invalid session file name {name!r}: a plain file name is needed (no path separators, "
+                           "no '..', no NUL, not starting with '.')")
+    if len(name.encode("utf-8", "surrogatepass")) > _NAME_MAX:
+        raise SessionError(f"session file name is {len(name.encode('utf-8', 'surrogatepass'))} bytes long "
+                           f"(at most {_NAME_MAX})")
+    root = Path(directory).resolve()
+    p = root / name
+    if p.is_symlink() or p.resolve().parent != root:
+        raise SessionError(f"session file {name!r} resolves outside {root} (a symlink?)")
+    return p
+
+
+def write(io: BinaryIO, conv: Conversation, fingerprint: str, stages: list) -> int:
+    """Write `conv` (its parts materialized, its checkpoints' K/V as prefixes) for `stages` (strata Stage objects:
+    their write does the parts); version 1 for one stage, 3 for several. Returns bytes written."""
+    if len(conv.parts) != len(stages) or any(len(c.parts) != len(stages) for c in conv.checkpoints):
+        raise SessionError("incomplete state: a part per stage is missing; nothing saved")
+    version = VERSION_ONE_STAGE if len(stages) == 1 else VERSION_STAGES
+    header = {"fingerprint": fingerprint, "n_tokens": conv.pos, "live_ok": bool(conv.live_ok),
+              "checkpoints": [[c.pos, c.kind] for c in conv.checkpoints],
+              "carves": [[st.carve.lo, st.carve.hi] for st in stages]}
+    head = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    toks = np.asarray(conv.tokens, dtype="<i4").tobytes()
+    n = io.write(_FIXED.pack(MAGIC, version, len(head), zlib.crc32(head)))
+    n += io.write(head) + io.write(toks) + io.write(_U32.pack(zlib.crc32(toks)))
+    for i, st in enumerate(stages):
+        if i == 1:
+            n += io.write(_U32.pack(len(stages) - 1))
+        n += io.write(_U32.pack(1 + len(conv.checkpoints)))
+        n += st.write(conv.parts[i], io)
+        for c in conv.checkpoints:
+            n += st.write(c.parts[i], io)
+    return n
+
+
+def _exact(io: BinaryIO, n: int, what: str) -> bytes:
+    b = io.read(n)
+    if b is None or len(b) != n:
+        raise SessionError(f"the session file ends inside its {what} ({0 if not b else len(b)} of {n} bytes)")
+    return b
+
+
+def read(io: BinaryIO, fingerprint: str, stages: list, n_ctx: int) -> Conversation:
+    """Read a session file for the live engine: its model `fingerprint`, its `stages` and its context `n_ctx` are
+    the limits, checked before anything is allocated. SessionError (one line) for anything else."""
+    magic, version, hlen, hcrc = _FIXED.unpack(_exact(io, _FIXED.size, "fixed header"))
+    if magic != MAGIC:
+        raise SessionError(f"not a Strata session file (magic {magic!r})")
+    if version in RESERVED:
+        raise SessionError(f"session file format {RESERVED[version]}")
+    if version not in (VERSION_ONE_STAGE, VERSION_STAGES):
+        raise SessionError(f"session file format version {version} is not supported (this build reads 1 and 3)")
+    if not 0 < hlen <= MAX_HEADER:
+        raise SessionError(f"session file header length {hlen} is outside 1..{MAX_HEADER}")
+    head = _exact(io, hlen, "header")
+    if zlib.crc32(head) != hcrc:
+        raise SessionError("session file header checksum mismatch (the header is corrupt)")
+    try:
+        h = json.loads(head.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise SessionError("session file header is not JSON") from None
+    if not isinstance(h, dict):
+        raise SessionError("session file header is not a JSON object")
+    if h.get("fingerprint") != fingerprint:
+        raise SessionError("the session file is from another model (its fingerprint differs from the loaded "
+                           "model's)")
+    n, cps, carves = h.get("n_tokens"), h.get("checkpoints"), h.get("carves")
+    if type(n) is not int or not 0 < n:
+        raise SessionError(f"bad token count {n!r} in the session file")
+    if n >= n_ctx:
+        raise SessionError(f"the session holds {n} tokens, more than this engine's context allows "
+                           f"(n_ctx {n_ctx})")
+    if not isinstance(carves, list) or not all(isinstance(c, list) and len(c) == 2 and all(type(x) is int for x in c)
+                                               for c in carves):
+        raise SessionError("bad stage carves in the session file header")
+    mine = [[st.carve.lo, st.carve.hi] for st in stages]
+    if carves != mine or (version == VERSION_ONE_STAGE) != (len(stages) == 1):
+        raise SessionError(f"the session was saved with stages {_carves(carves)}, this engine runs {_carves(mine)} "
+                           f"(another --layer-split)")
+    if not isinstance(cps, list) or len(cps) > MAX_CHECKPOINTS or not all(
+            isinstance(c, list) and len(c) == 2 and type(c[0]) is int and 0 < c[0] <= n and isinstance(c[1], str)
+            for c in cps):
+        raise SessionError("bad checkpoint list in the session file header")
+    raw = _exact(io, 4 * n, "token ids")
+    (tcrc,) = _U32.unpack(_exact(io, 4, "token checksum"))
+    if zlib.crc32(raw) != tcrc:
+        raise SessionError("session file token checksum mismatch (the token ids are corrupt)")
+    tokens = tuple(int(t) for t in np.frombuffer(raw, dtype="<i4"))
+    parts: list = []
+    cparts: list[list] = [[] for _ in cps]
+    for i, st in enumerate(stages):
+        if i == 1:
+            (count,) = _U32.unpack(_exact(io, 4, "stage count"))
+            if count != len(stages) - 1:
+                raise SessionError(f"the session file has {count + 1} stages, the header {len(stages)}")
+        (k,) = _U32.unpack(_exact(io, 4, f"stage {i} block"))
+        if k != 1 + len(cps):
+            raise SessionError(f"stage {i}'s block holds {k} parts, the header names {1 + len(cps)}")
+        try:
+            part = st.read(io)
+            if part.pos != n or part.is_prefix:
+                raise SessionError(f"stage {i}'s part is at position {part.pos}, the session at {n}")
+            parts.append(part)
+            for j, (pos, _) in enumerate(cps):
+                cp = st.read(io)
+                if cp.pos != pos or not cp.is_prefix and cp.kv:
+                    raise SessionError(f"stage {i}'s checkpoint part {j} is at position {cp.pos}, expected {pos}")
+                cparts[j].append(cp)
+        except (FormatError, PartMismatch) as e:
+            raise SessionError(f"stage {i} (layers {st.carve}): {e}") from None
+    if io.read(1):
+        raise SessionError("the session file has bytes after its last stage block")
+    return Conversation(tokens=tokens, parts=parts, live_ok=bool(h.get("live_ok", True)),
+                        checkpoints=[SavedCheckpoint(pos, str(kind), cp) for (pos, kind), cp in zip(cps, cparts)])
+
+
+def _carves(cs) -> str:
+    return ", ".join(f"{lo}..{hi}" for lo, hi in cs) or "none"
+
+
+def save_atomic(path: Path, writer) -> int:
+    """Write a file through `writer(io) -> bytes` into a temporary file beside `path`, fsync it, rename it over
+    `path` and fsync the directory: a crash leaves the old file or the new one, never a torn one."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            n = writer(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return n

@@ -1,0 +1,109 @@
+"""Conversation parking (--conversation-cache-mib): A/B/A switching restores A from the park with the tokens and
+per-layer state hashes of A played alone (the default model and a synthetic hybrid, 1 and 2 stages); eight
+conversations round-robin each resume from their own park; the budget evicts least recently used; a
+"strata_checkpoint": false request leaves nothing to park; with parking off a switch reads again."""
+from __future__ import annotations
+
+import pytest
+
+from strata import synth
+from strata.engine import Engine, GenerationRequest, TokenEvent
+
+
+def ask(engine, msgs, n=8, **kw):
+    r = engine.render_chat(msgs)
+    evs = list(engine.generate(GenerationRequest(prompt_tokens=r.tokens, cut_points=r.cut_points, max_tokens=n,
+                                                 ignore_eos=True, **kw)))
+    return [e.token_id for e in evs if isinstance(e, TokenEvent)], evs[-1]
+
+
+def chat(topic: str, turn: int, answers: list[str]):
+    msgs = [{"role": "system", "content": f"You talk about {topic} only."}]
+    for i in range(turn + 1):
+        msgs.append({"role": "user", "content": f"Tell me fact {i + 1} about {topic}."})
+        if i < turn:
+            msgs.append({"role": "assistant", "content": answers[i]})
+    return msgs
+
+
+@pytest.fixture(scope="module")
+def hybrid_path(tmp_path_factory):
+    return synth.write_synthetic(tmp_path_factory.mktemp("park") / "qwen35.gguf",
+                                 synth.preset("qwen35", "tiny", n_layer=4, seed=21, n_mtp=1))
+
+
+def _play(engine, topic, turns, answers):
+    """Turn by turn; returns [(tokens, hashes, resume_from)]."""
+    out = []
+    for t in range(turns):
+        toks, final = ask(engine, chat(topic, t, answers))
+        answers.append(engine.detokenize(toks))
+        out.append((toks, engine.state_hashes(), final.strata["resume_from"]))
+    return out
+
+
+@pytest.mark.parametrize("which,split", [("default", None), ("default", "15"), ("hybrid", None), ("hybrid", "2")])
+def test_a_b_a_restores_a_from_the_park_bit_exact(which, split, default_model_path, hybrid_path):
+    path = default_model_path if which == "default" else hybrid_path
+    alone = Engine(path, n_ctx=1024, ubatch=32, layer_split=split, conversation_cache_mib=0)
+    ref = _play(alone, "rivers", 2, [])
+    e = Engine(path, n_ctx=1024, ubatch=32, layer_split=split, conversation_cache_mib=256)
+    answers: list[str] = []
+    first = _play(e, "rivers", 1, answers)
+    _play(e, "mountains", 1, [])                                  # B: A is parked
+    assert len(e.parked()) == 1 and e.parked()[0]["tokens"] > 0
+    toks, final = ask(e, chat("rivers", 1, answers))              # A again
+    assert final.strata["resume_from"] == "park" and final.strata["resume_pos"] > 0
+    assert first[0][0] == ref[0][0]
+    assert toks == ref[1][0]
+    assert e.state_hashes() == ref[1][1]                          # moved, never re-read: the same state
+    assert [p["tokens"] for p in e.parked()] != []                # B is parked now
+
+
+def test_eight_conversations_round_robin_each_from_its_own_park(hybrid_path):
+    topics = ["rivers", "ships", "bread", "stars", "glass", "maps", "bees", "clocks"]
+    e = Engine(hybrid_path, n_ctx=512, ubatch=32, conversation_cache_mib=256)
+    answers = {t: [] for t in topics}
+    got = {t: [] for t in topics}
+    for turn in range(3):
+        for t in topics:
+            toks, final = ask(e, chat(t, turn, answers[t]), n=4)
+            answers[t].append(e.detokenize(toks))
+            got[t].append(toks)
+            if turn > 0:
+                assert final.strata["resume_from"] == "park", (t, turn, final.strata)
+                # its own: past its first user message (other conversations share only the first few tokens)
+                assert final.strata["resume_pos"] >= len(e.render_chat(chat(t, 0, [])).tokens) - 4
+    for t in topics[:3]:                                          # each equals its conversation played alone
+        alone = Engine(hybrid_path, n_ctx=512, ubatch=32, conversation_cache_mib=0)
+        a: list[str] = []
+        for turn in range(3):
+            toks, _ = ask(alone, chat(t, turn, a), n=4)
+            a.append(alone.detokenize(toks))
+            assert toks == got[t][turn], (t, turn)
+
+
+def test_budget_evicts_least_recently_used_and_opt_out_parks_nothing(hybrid_path):
+    e = Engine(hybrid_path, n_ctx=512, ubatch=32, conversation_cache_mib=256)
+    ask(e, chat("rivers", 0, []))
+    ask(e, chat("ships", 0, []))                                  # rivers parked
+    one = e.parked()[0]["bytes"]
+    e.park.budget = int(2.5 * one)                                 # room for two parked conversations
+    for t in ("bread", "stars"):
+        ask(e, chat(t, 0, []))
+    parked = e.parked()
+    assert len(parked) == 2 and e.status()["park_stats"]["evicted"] == 1
+    _, final = ask(e, chat("rivers", 1, ["x"]))                   # the least recently used one left
+    assert final.strata["resume_from"] != "park"
+    ask(e, chat("glass", 0, []), checkpoint=False)                 # a one-shot request (seed #861)
+    n = e.status()["park_stats"]["parked"]
+    ask(e, chat("maps", 0, []))
+    assert e.status()["park_stats"]["parked"] == n                 # the one-shot conversation was not parked
+
+
+def test_parking_off_reads_again(hybrid_path):
+    e = Engine(hybrid_path, n_ctx=512, ubatch=32, conversation_cache_mib=0)
+    a, _ = ask(e, chat("rivers", 0, []))
+    ask(e, chat("ships", 0, []))
+    _, final = ask(e, chat("rivers", 1, [e.detokenize(a)]))
+    assert final.strata["resume_from"] != "park" and e.parked() == []
