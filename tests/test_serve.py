@@ -236,12 +236,14 @@ def test_slots(daemon):
     assert st == 200 and d[0]["id"] == 0 and d[0]["n_ctx"] == 512
     for action in ("save", "restore"):
         st, e = daemon.json("POST", f"/slots/0?action={action}")
-        assert st == 501 and "session files" in e["error"]["message"]
+        assert st == 400 and "filename" in e["error"]["message"]
+        st, e = daemon.json("POST", f"/slots/0?action={action}", {"filename": "a.bin", "id_slot": 0})
+        assert st == 400 and "--slot-save-path" in e["error"]["message"]      # this daemon has no directory
     # erase: the conversation is forgotten (live sequence and checkpoints), the next request reads everything
     body = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
             "max_tokens": 2, "temperature": 0}
     daemon.json("POST", "/v1/chat/completions", body)
-    st, d = daemon.json("POST", "/slots/0?action=erase")
+    st, d = daemon.json("POST", "/slots/0?action=erase", {"id_slot": 0, "filename": "x"})   # a body is ignored
     assert st == 200 and d["id_slot"] == 0 and d["n_erased"] > 0
     c = daemon.json("GET", "/cache")[1]
     assert c["checkpoints"] == [] and c["pos"] == 0

@@ -196,3 +196,48 @@ def make_golden(out_dir: Path, tmp: Path) -> None:
         follow = CHAT + [{"role": "assistant", "content": expect["answer"]}, {"role": "user", "content": "More?"}]
         expect["next_tokens"] = ask(e, follow)[0]
     (out_dir / "session_golden.json").write_text(json.dumps(expect, indent=1))
+
+
+@pytest.mark.slow
+def test_daemon_save_restart_restore_with_stratactl(tmp_path):
+    """The real daemon and stratactl: chat, `stratactl save`, stop, start again, `stratactl restore`, the next turn
+    resumes (cache_n > 0) with the answer an uninterrupted daemon gives; `stratactl cache` lists what is parked."""
+    import subprocess
+    import sys
+    from tests.test_serve_daemon import ROOT, Daemon, env_for_daemon
+    slots = tmp_path / "slots"
+    slots.mkdir()
+
+    def ctl(d, *a):
+        return subprocess.run([sys.executable, "-m", "strata.cli.ctl", "--socket", d.sock, *a], capture_output=True,
+                              text=True, env=env_for_daemon(), cwd=ROOT, timeout=120)
+    turn1 = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a river."}],
+             "max_tokens": 6, "temperature": 0}
+    (tmp_path / "a").mkdir()
+    d = Daemon(tmp_path / "a", "--slot-save-path", str(slots)).start()
+    try:
+        st, a = d.json("POST", "/v1/chat/completions", turn1)
+        turn2 = dict(turn1, messages=turn1["messages"] + [a["choices"][0]["message"],
+                                                          {"role": "user", "content": "Another one?"}])
+        r = ctl(d, "save", "0", "--filename", "chat.bin")
+        assert r.returncode == 0 and "save done" in r.stdout, r.stderr
+        st, other = d.json("POST", "/v1/chat/completions", dict(turn1, messages=[{"role": "user", "content": "Hi"}]))
+        c = json.loads(ctl(d, "cache", "--json").stdout)
+        assert c["parked"] and c["parked"][0]["tier"] == "ram"
+        assert "parked conversations" in ctl(d, "cache").stdout
+        st, b_direct = d.json("POST", "/v1/chat/completions", turn2)
+        assert b_direct["strata"]["resume_from"] == "park"
+    finally:
+        assert d.stop() == 0, d.log_tail()
+    (tmp_path / "b").mkdir()
+    d = Daemon(tmp_path / "b", "--slot-save-path", str(slots)).start()
+    try:
+        r = ctl(d, "restore", "0", "--filename", "chat.bin")
+        assert r.returncode == 0 and "restore done" in r.stdout, r.stderr
+        st, b = d.json("POST", "/v1/chat/completions", turn2)
+        assert st == 200 and b["timings"]["cache_n"] > 0
+        assert b["choices"][0]["message"]["content"] == b_direct["choices"][0]["message"]["content"]
+        st, e = d.json("POST", "/slots/0?action=restore", {"filename": "../etc/passwd"})
+        assert st == 400 and "invalid session file name" in e["error"]["message"]
+    finally:
+        assert d.stop() == 0, d.log_tail()

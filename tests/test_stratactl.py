@@ -80,9 +80,9 @@ def test_chat_unknown_slash_command_is_not_sent(daemon):
 def test_slot_actions_report_server_error(daemon):
     for action in (["save", "0", "--filename", "a.bin"], ["restore", "0", "--filename", "a.bin"]):
         r = ctl(daemon, *action)
-        assert r.returncode == 1 and "501" in r.stderr and "session files" in r.stderr
+        assert r.returncode == 1 and "400" in r.stderr and "--slot-save-path" in r.stderr
         r = ctl(daemon, "--json", *action)        # --json: the server's error object on stdout as well
-        assert r.returncode == 1 and "session files" in json.loads(r.stdout)["error"]["message"]
+        assert r.returncode == 1 and "--slot-save-path" in json.loads(r.stdout)["error"]["message"]
 
 
 def test_erase_forgets_the_conversation(daemon):

@@ -259,6 +259,13 @@ def cmd_cache(c: Client, args) -> int:
              "yes" if cp.get("pinned") or cp.get("root") else ""] for cp in d.get("checkpoints", [])]
     human = table(rows, ["POS", "KIND", "BYTES", "LAST USE", "PINNED"]) + (
         f"\n{len(rows)} checkpoints, {_human_bytes(d.get('checkpoint_bytes'))} (--prompt-cache {d.get('prompt_cache')})")
+    parked = d.get("parked") or []
+    if parked:
+        prow = [[p.get("tokens"), _human_bytes(p.get("bytes")), p.get("tier"), p.get("checkpoints"), last_use(p)]
+                for p in parked]
+        human += "\n\nparked conversations\n" + table(prow, ["TOKENS", "BYTES", "TIER", "CHECKPOINTS", "LAST USE"]) + (
+            f"\n{len(prow)} parked, {_human_bytes(sum(int(p.get('bytes') or 0) for p in parked))} of "
+            f"{_human_bytes(d.get('conversation_cache_bytes'))} (--conversation-cache-mib)")
     _out(args, d, human)
     return EXIT_OK
 

@@ -52,6 +52,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="minimum root length worth pinning (tokens)")
     c.add_argument("--prompt-cache-mib", type=_nonneg_int, default=1024,
                    help="memory budget of the checkpoints (MiB)")
+    c.add_argument("--conversation-cache-mib", type=_nonneg_int, default=None,
+                   help="host RAM for parked conversations (MiB; default 25%% of RAM; 0 = no parking)")
+    c.add_argument("--slot-save-path", default=None, metavar="DIR",
+                   help="directory of session files (POST /slots/0?action=save|restore; stratactl save|restore)")
 
 
 def engine_args_error(args) -> str | None:
@@ -72,7 +76,9 @@ def engine_kwargs(args) -> dict:
     return dict(n_ctx=args.n_ctx, ubatch=args.ubatch, threads=args.threads, device=args.device, kv=args.kv,
                 layer_split=getattr(args, "layer_split", None),
                 prompt_cache=args.prompt_cache, prompt_cache_every=args.prompt_cache_every,
-                prompt_cache_root=args.prompt_cache_root, prompt_cache_mib=args.prompt_cache_mib)
+                prompt_cache_root=args.prompt_cache_root, prompt_cache_mib=args.prompt_cache_mib,
+                conversation_cache_mib=getattr(args, "conversation_cache_mib", None),
+                slot_save_path=getattr(args, "slot_save_path", None))
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -283,7 +283,8 @@ async def cache(request: web.Request) -> web.Response:
     engine = _engine(request)
     st = _engine_status(engine)
     return _json({"prompt_cache": st.get("prompt_cache"), "checkpoint_bytes": st.get("checkpoint_bytes"),
-                  "pos": st.get("pos"), "checkpoints": st.get("checkpoints", [])})
+                  "pos": st.get("pos"), "checkpoints": st.get("checkpoints", []), "parked": st.get("parked", []),
+                  "conversation_cache_bytes": st.get("conversation_cache_bytes", 0)})
 
 
 async def slots(request: web.Request) -> web.Response:
@@ -309,12 +310,14 @@ async def slot_action(request: web.Request) -> web.Response:
     body = {}
     if request.can_read_body:
         body = await _read_body(request)
-    fn = getattr(engine, f"slot_{action}", None)
-    if fn is None:
-        raise ApiError(501, f"slot {action} needs session files, which this release of Strata does not have "
-                            f"(POST /slots/{sid}?action={action})", code="not_implemented")
+    fn = getattr(engine, f"slot_{action}")
+    # llama-server's request shape: {"filename": ...} for save / restore; anything else in the body is ignored
+    kw = {"filename": body["filename"]} if action != "erase" and "filename" in body else {}
+    if action != "erase" and not kw:
+        raise ApiError(400, f"slot {action} needs a JSON body with \"filename\"", param="filename",
+                       code="invalid_value")
     w = request.app[WORKER_KEY]
-    job = _submit(w, lambda eng: fn(0, **body), call=True, rid=request["rid"])
+    job = _submit(w, lambda eng: fn(0, **kw), call=True, rid=request["rid"])
     item = await job.events.get()
     if isinstance(item, EngineError):
         raise _engine_error(item)
