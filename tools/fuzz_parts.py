@@ -1,7 +1,8 @@
-"""Large fuzz run of the state-part reader (strata/memory/codec.py through Memory.read): mutated and truncated
-copies of real parts of a synthetic hybrid stage (KV pages, running state, the drafter's K/V) and random bytes.
-Every input must give a part equal to the original or a one-line FormatError / PartMismatch; anything else is a
-failure (the input is saved next to --out).
+"""Large fuzz runs of the two readers of state bytes: the state-part reader (strata/memory/codec.py through
+Memory.read: mutated and truncated copies of a real part of a synthetic hybrid stage with KV pages, running state
+and the drafter's K/V, and random bytes) and the session-file reader (strata/cache/session.py: mutated and truncated
+copies of a real two-stage session file with checkpoints). Every input must read back as the original or be refused
+with a one-line FormatError / PartMismatch / SessionError; anything else fails the run.
 
 Usage: python tools/fuzz_parts.py [--examples 100000] [--out bench/results/fuzz_parts.json]
 """
@@ -90,8 +91,53 @@ def main(argv=None) -> int:
     t0 = time.time()
     mutated()
     random_bytes()
-    res = dict(counts, seconds=round(time.time() - t0, 1), part_bytes=len(data),
-               refusals=dict(sorted(kinds.items(), key=lambda kv: -kv[1])))
+    res = {"parts": dict(counts, seconds=round(time.time() - t0, 1), part_bytes=len(data),
+                         refusals=dict(sorted(kinds.items(), key=lambda kv: -kv[1])))}
+    print(json.dumps(res, indent=2), flush=True)
+
+    # ---- session files: a two-stage conversation with its checkpoints
+    from strata.cache import session
+    from strata.engine import Engine, GenerationRequest
+    e = Engine(tmp / "q.gguf", n_ctx=256, ubatch=32, layer_split="2", slot_save_path=tmp, conversation_cache_mib=0)
+    r = e.render_chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a river."}])
+    list(e.generate(GenerationRequest(prompt_tokens=r.tokens, cut_points=r.cut_points, max_tokens=4)))
+    e.slot_save(0, filename="f.bin")
+    sdata = (tmp / "f.bin").read_bytes()
+    fp = e.file.fingerprint()
+    sc = {"examples": 0, "refused": 0, "accepted": 0}
+    skinds: dict[str, int] = {}
+
+    def scheck(blob: bytes) -> None:
+        sc["examples"] += 1
+        try:
+            conv = session.read(io.BytesIO(blob), fp, e.stages, e.n_ctx)
+        except (session.SessionError, FormatError, PartMismatch) as err:
+            msg = str(err)
+            if "\n" in msg:
+                raise AssertionError(f"multi-line error: {msg!r}")
+            sc["refused"] += 1
+            key = msg.split(":")[0][:60]
+            skinds[key] = skinds.get(key, 0) + 1
+            return
+        if conv.pos != e.seq.pos:
+            raise AssertionError("an accepted session file read back with another length")
+        sc["accepted"] += 1
+
+    @settings(max_examples=args.examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(mutation)
+    def session_mutated(mut):
+        cuts, trunc = mut
+        b = bytearray(sdata)
+        for off, val in cuts:
+            b[off % len(b)] = val
+        if trunc is not None:
+            b = b[:trunc % (len(b) + 1)]
+        scheck(bytes(b))
+
+    t0 = time.time()
+    session_mutated()
+    res["sessions"] = dict(sc, seconds=round(time.time() - t0, 1), file_bytes=len(sdata),
+                           refusals=dict(sorted(skinds.items(), key=lambda kv: -kv[1])))
     Path(args.out).write_text(json.dumps(res, indent=2))
     print(json.dumps(res, indent=2))
     return 0

@@ -81,6 +81,10 @@ class PagePool:
         return out
 
     def _at(self, pages) -> tuple:
+        """The index of `pages` along the page axis: a slice when they are one ascending run (a plain strided copy,
+        not a gather), else the list."""
+        if isinstance(pages, list) and pages and _is_run(pages):
+            pages = slice(pages[0], pages[0] + len(pages))
         return (slice(None),) * self.page_axis + (pages,)
 
     def copy_page(self, src: int, dst: int) -> None:
@@ -96,7 +100,9 @@ class PagePool:
         out = {}
         for slot, layer in enumerate(self.layers):
             for name, a in self.storage(slot).items():
-                out[f"L{layer}.{name}"] = np.ascontiguousarray(self.to_host(a[self._at(idx)]))
+                view = a[self._at(idx)]
+                out[f"L{layer}.{name}"] = np.array(view, order="C") if isinstance(a, np.ndarray) else \
+                    np.ascontiguousarray(self.to_host(view))      # a device array: to_host copies
         return out
 
     def page_arrays(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
