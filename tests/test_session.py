@@ -62,11 +62,11 @@ def test_save_restart_restore_continue(model_path, tmp_path, split):
     r = e2.slot_restore(0, filename="chat.bin")
     assert r["n_restored"] == len(e2.seq.tokens) and e2.state_hashes() == h
     t2, f2 = ask(e2, follow)
-    assert t2 == t2_uninterrupted and f2.strata["resume_pos"] > 0
+    assert t2 == t2_uninterrupted and f2.strata["resume_pos"] > 0 and f2.strata["resume_from"] == "session"
     e3 = _engine(model_path, tmp_path, split)                       # the saved checkpoints resume a branch
     e3.slot_restore(0, filename="chat.bin")
-    _, fb = ask(e3, BRANCH)
-    assert fb.strata["resume_from"] == "checkpoint" and fb.strata["resume_pos"] > 0
+    _, fb = ask(e3, BRANCH)                                          # from a saved checkpoint, not the end
+    assert fb.strata["resume_from"] == "session" and 0 < fb.strata["resume_pos"] < len(e3.seq.tokens) - 6
 
 
 def test_golden_files_of_both_versions_read(model_path, tmp_path):

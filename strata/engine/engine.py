@@ -114,6 +114,7 @@ class Engine:
         if self.slot_save_path is not None and not self.slot_save_path.is_dir():
             raise ValueError(f"--slot-save-path {self.slot_save_path}: not a directory")
         self.eog_ids = set(int(t) for t in self.tokenizer.eog_ids)
+        self._from_session = False           # the live conversation came from a session file, not yet resumed
         self._lock = threading.Lock()
         self.requests = 0
         self.last_final: FinalEvent | None = None
@@ -321,6 +322,7 @@ class Engine:
                 self._restore_conversation(conv)
             except (PartMismatch, KVCacheFull) as e:
                 raise session.SessionError(f"session file {filename!r}: {e}") from None
+            self._from_session = True
         return {"id_slot": 0, "filename": filename, "n_restored": conv.pos, "n_read": n_read,
                 "timings": {"restore_ms": round((time.perf_counter() - t0) * 1e3, 3)}}
 
@@ -356,8 +358,9 @@ class Engine:
         from_park = self._switch(prompt, req.cache_prompt, trace)
         plan = self.cache.plan(self.seq, prompt, list(req.cut_points or ()), checkpoint=req.checkpoint,
                                cache_prompt=req.cache_prompt)      # cut points were checked by _validate
-        if from_park and plan.resume_pos > 0:
-            plan.resume_from = "park"
+        if plan.resume_pos > 0 and (from_park or self._from_session):
+            plan.resume_from = "park" if from_park else "session"
+        self._from_session = False
         parts: list[tuple[int, int]] = []
         try:
             st = self.seq
