@@ -381,7 +381,7 @@ def model_path(request, tmp_path_factory):
 
 def _engine(path: str, prompt_cache: int):
     from strata.engine import Engine
-    return Engine(path, n_ctx=2048, prompt_cache=prompt_cache)
+    return Engine(path, n_ctx=2048, prompt_cache=prompt_cache, conversation_cache_mib=0)   # checkpoints alone
 
 
 @pytest.fixture(scope="module")
