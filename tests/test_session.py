@@ -138,17 +138,21 @@ def test_bad_names_and_empty_slot(model_path, tmp_path):
     outside = tmp_path / "outside.bin"
     outside.write_bytes(b"x")
     (d / "link.bin").symlink_to(outside)
+    (d / "inside.bin").symlink_to(d / "adir")
+    (d / "adir").mkdir()
     e = _engine(model_path, d)
     with pytest.raises(ValueError, match="holds no conversation"):
         e.slot_save(0, filename="empty.bin")
     ask(e, CHAT)
-    for bad in ("../x.bin", "a/b", "/etc/passwd", "..", "x\0y", "a" * 300, "", ".hidden", "link.bin", None, 7):
+    for bad in ("../x.bin", "a/b", "/etc/passwd", "..", "x\0y", "a" * 300, "b" * 201, "", ".hidden", "link.bin",
+                "inside.bin", "adir", "nl\nx", "\ud800x", None, 7):
         with pytest.raises(ValueError) as exc:
             e.slot_save(0, filename=bad)
         assert "\n" not in str(exc.value)
         with pytest.raises(ValueError):
             e.slot_restore(0, filename=bad)
-    assert sorted(os.listdir(d)) == ["link.bin"] and outside.read_bytes() == b"x"
+    assert sorted(os.listdir(d)) == ["adir", "inside.bin", "link.bin"] and outside.read_bytes() == b"x"
+    assert e.slot_save(0, filename="c" * 200)["n_saved"] > 0          # the longest name allowed
     with pytest.raises(ValueError, match="does not exist"):
         e.slot_restore(0, filename="missing.bin")
     with pytest.raises(ValueError, match="slot 1 does not exist"):
@@ -157,6 +161,20 @@ def test_bad_names_and_empty_slot(model_path, tmp_path):
     with pytest.raises(ValueError, match="need --slot-save-path"):
         no_dir.slot_save(0, filename="x.bin")
     assert e.slot_erase(0, filename="ignored.bin")["n_erased"] > 0 and e.seq.pos == 0
+
+
+def test_restore_parks_the_conversation_it_replaces(model_path, tmp_path):
+    e = Engine(model_path, n_ctx=512, ubatch=32, slot_save_path=tmp_path, conversation_cache_mib=256,
+               prompt_cache=2)
+    ask(e, CHAT)
+    e.slot_save(0, filename="a.bin")
+    b, _ = ask(e, BRANCH)                                          # CHAT is parked; BRANCH live
+    e.slot_restore(0, filename="a.bin")                            # BRANCH parked, the parked CHAT dropped
+    assert [p["tokens"] for p in e.parked()] == [len(e.render_chat(BRANCH).tokens) + len(b) - 1]   # the last token is not read yet
+    assert len(e.checkpoints()) <= 2                               # this engine's --prompt-cache applies
+    follow = BRANCH + [{"role": "assistant", "content": e.detokenize(b)}, {"role": "user", "content": "And?"}]
+    _, f = ask(e, follow)
+    assert f.strata["resume_from"] == "park"
 
 
 @settings(max_examples=1000, deadline=None, suppress_health_check=list(HealthCheck), database=None)

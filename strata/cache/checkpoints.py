@@ -246,6 +246,11 @@ class CheckpointCache:
                 self._entries[pos] = _Entry(pos=pos, kind=kind, snapshot=snap, tokens=tuple(snap.tokens),
                                             bytes=_snapshot_bytes(snap), saved=self._clock, last_use=self._clock,
                                             last_use_time=time.time())
+            if self.cap == 0:
+                self._entries.clear()
+            for p in choose_victims(self._kept(), cap=self.cap, root_min=self.root_min,
+                                    budget_bytes=self.budget_bytes) if self._entries else ():
+                del self._entries[p]            # this engine's --prompt-cache / --prompt-cache-mib apply
 
     def _kept_points(self, n: int, cuts: list[tuple[int, str]], resume: int, checkpoint: bool) -> dict[int, str]:
         """Cut points after `resume` at which to end a part and save a checkpoint -> {pos: kind}."""

@@ -114,6 +114,11 @@ class ParkStore:
             self._items.remove(conv)
             self.stats["restored"] += 1
 
+    def discard(self, tokens) -> None:
+        """Drop parked conversations holding exactly these tokens (one that became live by another way)."""
+        with self._lock:
+            self._items = [c for c in self._items if c.tokens != tuple(tokens)]
+
     def clear(self) -> None:
         with self._lock:
             self._items.clear()

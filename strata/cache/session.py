@@ -45,7 +45,7 @@ MAX_HEADER = 1 << 20
 MAX_CHECKPOINTS = 64
 _FIXED = struct.Struct("<8sIII")
 _U32 = struct.Struct("<I")
-_NAME_MAX = 255
+_NAME_MAX = 200          # the temporary file beside it adds a dot and a suffix (file names: 255 bytes)
 
 
 class SessionError(ValueError):
@@ -53,21 +53,30 @@ class SessionError(ValueError):
 
 
 def check_filename(directory: str | os.PathLike, name) -> Path:
-    """The path of session file `name` inside `directory`: a plain file name (no separators, no '..', no NUL, at
-    most 255 bytes, not starting with '.') that resolves inside the directory (a symlink pointing out is refused).
-    SessionError otherwise."""
+    """The path of session file `name` inside `directory`: a plain file name (no separators, no '..', no control
+    characters, valid UTF-8, at most 200 bytes, not starting with '.') that is not a symbolic link or a directory
+    and resolves inside the directory. SessionError otherwise (its message names the name, never the path)."""
     if not isinstance(name, str) or not name:
         raise SessionError(f"'filename' must be a non-empty string, got {name!r}")
-    if "\0" in name or "/" in name or "\\" in name or name in (".", "..") or ".." in name or name.startswith("."):
+    if any(ord(c) < 32 or ord(c) == 127 for c in name) or "/" in name or "\\" in name or ".." in name \
+            or name.startswith("."):
         raise SessionError(f"invalid session file name {name!r}: a plain file name is needed (no path separators, "
-                           "no '..', no NUL, not starting with '.')")
-    if len(name.encode("utf-8", "surrogatepass")) > _NAME_MAX:
-        raise SessionError(f"session file name is {len(name.encode('utf-8', 'surrogatepass'))} bytes long "
-                           f"(at most {_NAME_MAX})")
+                           "no '..', no control characters, not starting with '.')")
+    try:
+        size = len(name.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise SessionError(f"invalid session file name {name!r}: not valid UTF-8 text") from None
+    if size > _NAME_MAX:
+        raise SessionError(f"session file name is {size} bytes long (at most {_NAME_MAX})")
     root = Path(directory).resolve()
     p = root / name
-    if p.is_symlink() or p.resolve().parent != root:
-        raise SessionError(f"session file {name!r} resolves outside {root} (a symlink?)")
+    if p.is_symlink():
+        raise SessionError(f"session file {name!r} is a symbolic link: refused (it could point outside the "
+                           "session directory)")
+    if p.exists() and not p.is_file():
+        raise SessionError(f"session file {name!r} is not a regular file (a directory?)")
+    if p.resolve().parent != root:
+        raise SessionError(f"session file {name!r} resolves outside the session directory")
     return p
 
 
@@ -189,6 +198,9 @@ def save_atomic(path: Path, writer) -> int:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise SessionError(f"cannot write session file {path.name!r}: {e.strerror or type(e).__name__}") from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

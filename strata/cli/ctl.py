@@ -434,7 +434,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(action, parents=[common], help=hlp)
         sp.add_argument("slot", type=int, help="slot id (0)")
         if action != "erase":
-            sp.add_argument("--filename", "-f", default=None, help="session file name")
+            sp.add_argument("--filename", "-f", required=True,
+                            help="session file name (a plain name inside the daemon's --slot-save-path)")
         sp.set_defaults(fn=cmd_slot_action)
     ch = sub.add_parser("chat", parents=[common], help="chat with the model: one message, or interactive without one")
     ch.add_argument("message", nargs="?", default=None, help="one-shot message (omit for an interactive chat)")

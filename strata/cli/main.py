@@ -68,6 +68,9 @@ def engine_args_error(args) -> str | None:
     if split not in (None, "auto") and len(devices) > 1 and len(devices) != split.count(",") + 2:
         return (f"--layer-split {split} makes {split.count(',') + 2} stages but --device lists {len(devices)} "
                 f"devices: give one device per stage, or one for all")
+    slots = getattr(args, "slot_save_path", None)
+    if slots is not None and not os.path.isdir(slots):
+        return f"--slot-save-path {slots}: not a directory (create it first)"
     return None
 
 

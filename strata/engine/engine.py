@@ -318,11 +318,14 @@ class Engine:
             with open(path, "rb") as f:
                 conv = session.read(f, self.file.fingerprint(), self.stages, self.n_ctx)
                 n_read = f.tell()
+            self._park_live(False)               # the conversation the restore replaces is parked, not lost
             try:
                 self._restore_conversation(conv)
             except (PartMismatch, KVCacheFull) as e:
                 raise session.SessionError(f"session file {filename!r}: {e}") from None
             self._from_session = True
+            if self.park is not None:
+                self.park.discard(conv.tokens)   # now live: a parked copy of the same conversation is dropped
         return {"id_slot": 0, "filename": filename, "n_restored": conv.pos, "n_read": n_read,
                 "timings": {"restore_ms": round((time.perf_counter() - t0) * 1e3, 3)}}
 

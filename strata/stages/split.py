@@ -33,8 +33,7 @@ def parse_split(spec: str | None) -> str | list[int] | None:
     try:
         firsts = [int(x) for x in s.split(",")]
     except ValueError:
-        raise ValueError(f"--layer-split {spec!r}: use 'auto' or the first layer of each later stage, "
-                         "e.g. '12' or '8,16'") from None
+        raise ValueError(f"{spec!r}: use 'auto' or the first layer of each later stage, e.g. '12' or '8,16'") from None
     return firsts
 
 
