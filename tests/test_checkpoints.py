@@ -63,7 +63,7 @@ def read(state: Sequence, toks) -> None:
         state.forward(np.asarray(toks, dtype=np.int32))
 
 
-def run(cache: CheckpointCache, state: SequenceState, prompt, cuts, answer=(), **kw):
+def run(cache: CheckpointCache, state: Sequence, prompt, cuts, answer=(), **kw):
     """Apply a plan the way the engine does: restore / reset, read the parts, save at save_at; then read
     `answer` (the generated tokens fed back). Returns (plan, parts read)."""
     plan = cache.plan(state, prompt, cuts, **kw)
