@@ -107,3 +107,23 @@ def test_parking_off_reads_again(hybrid_path):
     ask(e, chat("ships", 0, []))
     _, final = ask(e, chat("rivers", 1, [e.detokenize(a)]))
     assert final.strata["resume_from"] != "park" and e.parked() == []
+
+
+def test_disk_tier_takes_what_ram_drops_and_gives_it_back_bit_exact(hybrid_path, tmp_path):
+    alone = Engine(hybrid_path, n_ctx=512, ubatch=32, conversation_cache_mib=0)
+    ref = _play(alone, "rivers", 2, [])
+    e = Engine(hybrid_path, n_ctx=512, ubatch=32, conversation_cache_mib=256, conversation_cache_dir=tmp_path,
+               conversation_cache_disk_mib=64)
+    answers: list[str] = []
+    _play(e, "rivers", 1, answers)
+    _play(e, "ships", 1, [])                                        # rivers parked in RAM
+    e.park.budget = e.parked()[0]["bytes"] + 1                       # RAM now holds one conversation
+    _play(e, "bread", 1, [])                                        # ships parked: rivers goes to disk
+    tiers = sorted(p["tier"] for p in e.parked())
+    assert tiers == ["disk", "ram"] and len(list(tmp_path.glob("park-*.bin"))) == 1
+    toks, final = ask(e, chat("rivers", 1, answers))
+    assert final.strata["resume_from"] == "disk" and toks == ref[1][0] and e.state_hashes() == ref[1][1]
+    # rivers' file is gone (bread, parked now, pushed ships to disk): one file per disk entry
+    assert len(list(tmp_path.glob("park-*.bin"))) == sum(p["tier"] == "disk" for p in e.parked()) == 1
+    with pytest.raises(ValueError, match="needs parking"):
+        Engine(hybrid_path, n_ctx=256, conversation_cache_mib=0, conversation_cache_dir=tmp_path)

@@ -1,11 +1,15 @@
 """Conversation (a whole conversation held apart from the engine: tokens, one host part per stage, its checkpoints)
-and how deep it can resume a prompt; ParkStore, the parked conversations in host RAM under a byte budget, LRU."""
+and how deep it can resume a prompt; ParkStore, the parked conversations in host RAM under a byte budget, LRU;
+DiskTier, the conversations RAM drops, kept as files under a budget of their own."""
 from __future__ import annotations
 
+import itertools
+import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from pathlib import Path
+from typing import Callable, Sequence
 
 from strata.memory import StatePart
 
@@ -65,10 +69,11 @@ class ParkStore:
     that skips most of a prompt (deepest match, ties to the most recent), never one that shares no prefix with it;
     ``take`` removes it (it becomes the live conversation). Thread-safe (status reads from the event loop)."""
 
-    def __init__(self, budget_bytes: int):
+    def __init__(self, budget_bytes: int, spill: Callable[[Conversation], None] | None = None):
         if budget_bytes < 0:
             raise ValueError(f"--conversation-cache-mib must be >= 0, got {budget_bytes}")
         self.budget = int(budget_bytes)
+        self.spill = spill             # where evicted conversations go (the disk tier), if anywhere
         self._items: list[Conversation] = []
         self._lock = threading.Lock()
         self.stats = {"parked": 0, "restored": 0, "evicted": 0, "refused": 0}
@@ -81,7 +86,15 @@ class ParkStore:
             return sum(c.nbytes() for c in self._items)
 
     def park(self, conv: Conversation) -> list[Conversation]:
-        """Keep `conv` (replacing a parked one with the same tokens); returns the conversations evicted."""
+        """Keep `conv` (replacing a parked one with the same tokens); returns the conversations evicted (handed
+        to ``spill`` first, when there is one)."""
+        gone = self._park(conv)
+        if self.spill is not None:
+            for c in gone:
+                self.spill(c)
+        return gone
+
+    def _park(self, conv: Conversation) -> list[Conversation]:
         size = conv.nbytes()
         with self._lock:
             if size > self.budget:
@@ -128,3 +141,79 @@ class ParkStore:
         with self._lock:
             return [{"tokens": c.pos, "bytes": c.nbytes(), "tier": "ram", "checkpoints": len(c.checkpoints),
                      "last_use_time": c.last_use} for c in sorted(self._items, key=lambda c: -c.last_use)]
+
+
+class DiskTier:
+    """The conversations RAM drops (``--conversation-cache-dir``, ``--conversation-cache-disk-mib``), one file
+    each, written and read by the engine's session-file functions (``write(path, conv) -> bytes`` and
+    ``read(path) -> Conversation``, under the live engine's limits). An index in memory (tokens, checkpoint
+    positions, file size) answers ``best(prompt)`` without reading files; least recently used files leave to stay
+    under the budget. Files of an earlier run (``park-*.bin``) are removed at start: this is a cache."""
+
+    def __init__(self, directory: str | os.PathLike, budget_bytes: int,
+                 write: Callable[[Path, Conversation], int], read: Callable[[Path], Conversation]):
+        self.dir = Path(directory)
+        if not self.dir.is_dir():
+            raise ValueError(f"--conversation-cache-dir {self.dir}: not a directory")
+        if budget_bytes <= 0:
+            raise ValueError(f"--conversation-cache-disk-mib must be > 0 with --conversation-cache-dir, got "
+                             f"{budget_bytes // (1 << 20)}")
+        self.budget = int(budget_bytes)
+        self._write, self._read = write, read
+        self._index: list[tuple[Conversation, Path, int]] = []     # (stub: tokens + checkpoint positions, file, bytes)
+        self._names = itertools.count()
+        self._lock = threading.Lock()
+        self.stats = {"written": 0, "restored": 0, "evicted": 0, "failed": 0}
+        for old in self.dir.glob("park-*.bin"):
+            old.unlink(missing_ok=True)
+
+    def add(self, conv: Conversation) -> None:
+        """Write `conv` to a file of its own and index it; the least recently used files leave over the budget."""
+        path = self.dir / f"park-{os.getpid()}-{next(self._names)}.bin"
+        try:
+            size = self._write(path, conv)
+        except (OSError, ValueError):
+            self.stats["failed"] += 1
+            path.unlink(missing_ok=True)
+            return
+        stub = Conversation(tokens=conv.tokens, parts=[], live_ok=conv.live_ok, last_use=conv.last_use,
+                            checkpoints=[SavedCheckpoint(c.pos, c.kind, []) for c in conv.checkpoints])
+        with self._lock:
+            for old in [e for e in self._index if e[0].tokens == conv.tokens]:
+                self._index.remove(old)
+                old[1].unlink(missing_ok=True)
+            self._index.append((stub, path, size))
+            self.stats["written"] += 1
+            while sum(e[2] for e in self._index) > self.budget:
+                victim = min(self._index, key=lambda e: e[0].last_use)
+                self._index.remove(victim)
+                victim[1].unlink(missing_ok=True)
+                self.stats["evicted"] += 1
+
+    def best(self, prompt: Sequence[int]) -> tuple[Path | None, int]:
+        """(the file that skips most of `prompt`, how many tokens), or (None, 0)."""
+        with self._lock:
+            best, depth, when = None, 0, -1.0
+            for stub, path, _ in self._index:
+                d = stub.depth(prompt)
+                if d > depth or (d == depth and d > 0 and stub.last_use > when):
+                    best, depth, when = path, d, stub.last_use
+            return best, depth
+
+    def take(self, path: Path) -> Conversation:
+        """Read the conversation in `path` (the read's errors propagate) and forget the file."""
+        with self._lock:
+            entry = next(e for e in self._index if e[1] == path)
+            self._index.remove(entry)
+        try:
+            conv = self._read(path)
+        finally:
+            path.unlink(missing_ok=True)
+        self.stats["restored"] += 1
+        return conv
+
+    def entries(self) -> list[dict]:
+        with self._lock:
+            return [{"tokens": stub.pos, "bytes": size, "tier": "disk", "checkpoints": len(stub.checkpoints),
+                     "last_use_time": stub.last_use} for stub, _, size in sorted(self._index,
+                                                                                 key=lambda e: -e[0].last_use)]

@@ -54,6 +54,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="memory budget of the checkpoints (MiB)")
     c.add_argument("--conversation-cache-mib", type=_nonneg_int, default=None,
                    help="host RAM for parked conversations (MiB; default 25%% of RAM; 0 = no parking)")
+    c.add_argument("--conversation-cache-dir", default=None, metavar="DIR",
+                   help="disk tier of parking: conversations RAM drops are kept as files here")
+    c.add_argument("--conversation-cache-disk-mib", type=_nonneg_int, default=8192,
+                   help="disk budget of --conversation-cache-dir (MiB, default 8192)")
     c.add_argument("--slot-save-path", default=None, metavar="DIR",
                    help="directory of session files (POST /slots/0?action=save|restore; stratactl save|restore)")
 
@@ -68,9 +72,10 @@ def engine_args_error(args) -> str | None:
     if split not in (None, "auto") and len(devices) > 1 and len(devices) != split.count(",") + 2:
         return (f"--layer-split {split} makes {split.count(',') + 2} stages but --device lists {len(devices)} "
                 f"devices: give one device per stage, or one for all")
-    slots = getattr(args, "slot_save_path", None)
-    if slots is not None and not os.path.isdir(slots):
-        return f"--slot-save-path {slots}: not a directory (create it first)"
+    for flag in ("slot_save_path", "conversation_cache_dir"):
+        d = getattr(args, flag, None)
+        if d is not None and not os.path.isdir(d):
+            return f"--{flag.replace('_', '-')} {d}: not a directory (create it first)"
     return None
 
 
@@ -81,7 +86,9 @@ def engine_kwargs(args) -> dict:
                 prompt_cache=args.prompt_cache, prompt_cache_every=args.prompt_cache_every,
                 prompt_cache_root=args.prompt_cache_root, prompt_cache_mib=args.prompt_cache_mib,
                 conversation_cache_mib=getattr(args, "conversation_cache_mib", None),
-                slot_save_path=getattr(args, "slot_save_path", None))
+                slot_save_path=getattr(args, "slot_save_path", None),
+                conversation_cache_dir=getattr(args, "conversation_cache_dir", None),
+                conversation_cache_disk_mib=getattr(args, "conversation_cache_disk_mib", 8192))
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

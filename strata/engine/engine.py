@@ -16,7 +16,7 @@ from pathlib import Path
 
 from strata.cache import session
 from strata.cache.checkpoints import CheckpointCache
-from strata.cache.conversation import Conversation, ParkStore, SavedCheckpoint
+from strata.cache.conversation import Conversation, DiskTier, ParkStore, SavedCheckpoint
 from strata.default_model import resolve_model
 from strata.engine.sequence import Checkpoint, Sequence
 from strata.memory import KVCacheFull, PartMismatch
@@ -47,6 +47,8 @@ class Engine:
     threads: C-core threads (None: all cores). prompt_cache: checkpoints kept (0 = off; see strata.cache).
     conversation_cache_mib: parked conversations' RAM budget (None: 25 % of host RAM; 0: no parking).
     slot_save_path: the directory of session files (None: saving and restoring them is refused).
+    conversation_cache_dir / conversation_cache_disk_mib: the disk tier of parking (the conversations RAM drops,
+    as files in that directory under that budget; None: none).
     prompt_cache_every: periodic cut points every N prompt tokens (0 = off). prompt_cache_root: minimum
     root length worth pinning. prompt_cache_mib: byte budget of the checkpoints (MiB). prompt_cache_tail:
     near-tail cut point distance (0 = off). progress: the loader's progress bar (None: a tqdm bar on stderr
@@ -60,7 +62,8 @@ class Engine:
                  threads: int | None = None, device: str = "cpu", kv: str = "f16", prompt_cache: int = 6,
                  prompt_cache_every: int = 0, prompt_cache_root: int = 0, prompt_cache_mib: int = 1024,
                  prompt_cache_tail: int = 0, progress=None, layer_split: str | None = None,
-                 conversation_cache_mib: int | None = None, slot_save_path: str | os.PathLike | None = None):
+                 conversation_cache_mib: int | None = None, slot_save_path: str | os.PathLike | None = None,
+                 conversation_cache_dir: str | os.PathLike | None = None, conversation_cache_disk_mib: int = 8192):
         if n_ctx < 2:
             raise ValueError(f"n_ctx must be >= 2, got {n_ctx}")
         if ubatch < 1:
@@ -110,6 +113,13 @@ class Engine:
         if conversation_cache_mib is None:
             conversation_cache_mib = default_conversation_cache_mib()
         self.park = ParkStore(int(conversation_cache_mib) * 1024 * 1024) if conversation_cache_mib else None
+        self.disk = None
+        if conversation_cache_dir:
+            if self.park is None:
+                raise ValueError("--conversation-cache-dir needs parking (--conversation-cache-mib > 0)")
+            self.disk = DiskTier(conversation_cache_dir, int(conversation_cache_disk_mib) * 1024 * 1024,
+                                 write=self._write_session, read=self._read_session)
+            self.park.spill = self.disk.add
         self.slot_save_path = Path(slot_save_path) if slot_save_path else None
         if self.slot_save_path is not None and not self.slot_save_path.is_dir():
             raise ValueError(f"--slot-save-path {self.slot_save_path}: not a directory")
@@ -260,31 +270,47 @@ class Engine:
             log.info("parked", tokens=self.seq.pos, bytes=need, ms=round((time.perf_counter() - t0) * 1e3, 2),
                      evicted=len(gone))
 
-    def _switch(self, prompt: list[int], cache_prompt: bool, trace: bool) -> bool:
-        """Before a request is planned: when a parked conversation skips more of `prompt` than the live one and
-        its checkpoints do, park the live one and restore that one (True); when the request leaves the live
-        conversation (it resumes before the live one's deepest checkpoint), park the live one."""
+    def _write_session(self, path: Path, conv: Conversation) -> int:
+        return session.save_atomic(path, lambda f: session.write(f, conv, self.file.fingerprint(), self.stages))
+
+    def _read_session(self, path: Path) -> Conversation:
+        with open(path, "rb") as f:
+            return session.read(f, self.file.fingerprint(), self.stages, self.n_ctx)
+
+    def _switch(self, prompt: list[int], cache_prompt: bool, trace: bool) -> str | None:
+        """Before a request is planned: when a parked conversation (RAM, else disk) skips more of `prompt` than
+        the live one and its checkpoints do, park the live one and restore that one ("park" / "disk"); when the
+        request leaves the live conversation (it resumes before the live one's deepest checkpoint), park the live
+        one (None)."""
         if self.park is None or not cache_prompt:
-            return False
+            return None
         here = self.cache.peek(self.seq, prompt)
         conv, depth = self.park.best(prompt)
-        if conv is not None and depth > here:
+        path, ddepth = self.disk.best(prompt) if self.disk is not None else (None, 0)
+        if (conv is not None and depth > here) or (path is not None and ddepth > here):
+            source = "park" if conv is not None and depth >= ddepth else "disk"
             self._park_live(trace)
             t0 = time.perf_counter()
             try:
+                if source == "disk":
+                    conv = self.disk.take(path)
                 self._restore_conversation(conv)
-            except (PartMismatch, KVCacheFull) as e:     # nothing written: the request reads as it would have
-                log.warning("a parked conversation could not be restored", error=str(e))
+            except (PartMismatch, KVCacheFull, session.SessionError, OSError) as e:
+                # nothing written: the request reads as it would have
+                log.warning("a parked conversation could not be restored", tier=source, error=str(e))
+                if source == "park":
+                    self.park.take(conv)
+                return None
+            if source == "park":
                 self.park.take(conv)
-                return False
-            self.park.take(conv)
             if trace:
-                log.info("unparked", tokens=conv.pos, resume=depth, ms=round((time.perf_counter() - t0) * 1e3, 2))
-            return True
+                log.info("unparked", tier=source, tokens=conv.pos, resume=max(depth, ddepth),
+                         ms=round((time.perf_counter() - t0) * 1e3, 2))
+            return source
         deepest = self.cache.deepest()
         if self.seq.pos > 0 and (here < deepest or (deepest == 0 and here == 0)):
             self._park_live(trace)
-        return False
+        return None
 
     def _session_path(self, filename) -> Path:
         if self.slot_save_path is None:
@@ -336,7 +362,8 @@ class Engine:
 
     def parked(self) -> list[dict]:
         """The parked conversations for `stratactl cache` (tokens, bytes, tier, checkpoints, last use)."""
-        return self.park.entries() if self.park is not None else []
+        return (self.park.entries() if self.park is not None else []) + \
+            (self.disk.entries() if self.disk is not None else [])
 
     def _read(self, tokens: list[int], start: int, end: int, cancel=None):
         """Read tokens[start:end] in ubatch-sized forward calls starting fresh at `start` -> the last token's
@@ -362,7 +389,7 @@ class Engine:
         plan = self.cache.plan(self.seq, prompt, list(req.cut_points or ()), checkpoint=req.checkpoint,
                                cache_prompt=req.cache_prompt)      # cut points were checked by _validate
         if plan.resume_pos > 0 and (from_park or self._from_session):
-            plan.resume_from = "park" if from_park else "session"
+            plan.resume_from = from_park or "session"
         self._from_session = False
         parts: list[tuple[int, int]] = []
         try:
@@ -556,6 +583,7 @@ class Engine:
             "cache_stats": self.cache.stats(),
             "parked": self.parked(),
             "park_stats": dict(self.park.stats) if self.park is not None else None,
+            "disk_stats": dict(self.disk.stats) if self.disk is not None else None,
             "conversation_cache_bytes": self.park.budget if self.park is not None else 0,
             "memory": {"weights_bytes": int(self.file.nbytes), "kv_pool_bytes": int(sum(m["bytes"] for m in kvs)),
                        "rss_bytes": _rss_bytes()},

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 FinishReason = Literal["stop", "length", "cancelled"]
-ResumeFrom = Literal["live", "checkpoint", "park", "session", "none"]
+ResumeFrom = Literal["live", "checkpoint", "park", "disk", "session", "none"]
 
 
 class ContextOverflow(ValueError):
