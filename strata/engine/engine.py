@@ -385,11 +385,11 @@ class Engine:
         boundary inside a part, so it is not offered for live continuation (a later read of that part must
         split it the same way as the first); checkpoints of the parts completed stay."""
         n = len(prompt)
-        from_park = self._switch(prompt, req.cache_prompt, trace)
+        unparked = self._switch(prompt, req.cache_prompt, trace)      # "park" | "disk" | None
         plan = self.cache.plan(self.seq, prompt, list(req.cut_points or ()), checkpoint=req.checkpoint,
                                cache_prompt=req.cache_prompt)      # cut points were checked by _validate
-        if plan.resume_pos > 0 and (from_park or self._from_session):
-            plan.resume_from = from_park or "session"
+        if plan.resume_pos > 0 and (unparked or self._from_session):
+            plan.resume_from = unparked or "session"
         self._from_session = False
         parts: list[tuple[int, int]] = []
         try:
