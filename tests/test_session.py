@@ -161,6 +161,7 @@ def test_bad_names_and_empty_slot(model_path, tmp_path):
     with pytest.raises(ValueError, match="need --slot-save-path"):
         no_dir.slot_save(0, filename="x.bin")
     assert e.slot_erase(0, filename="ignored.bin")["n_erased"] > 0 and e.seq.pos == 0
+    assert e.status()["kv_pages"]["used"] == 0                     # erase gives the pages back
 
 
 def test_restore_parks_the_conversation_it_replaces(model_path, tmp_path):

@@ -550,14 +550,15 @@ class Engine:
 
     def slot_erase(self, slot_id: int = 0, **_ignored) -> dict[str, int]:
         """Forget the slot's conversation (llama.cpp's POST /slots/{id}?action=erase; a request body is ignored):
-        the live sequence back to position 0 and every checkpoint dropped, so the next request reads its whole
-        prompt (parked conversations stay). Returns {"id_slot": 0, "n_erased": tokens the live sequence held}.
+        the live sequence back to position 0, its KV pages given back and every checkpoint dropped, so the next
+        request reads its whole prompt (parked conversations stay). Returns {"id_slot": 0, "n_erased": tokens the live sequence held}.
         ValueError for a slot other than 0."""
         self._check_slot(slot_id)
         with self._lock:
             n = int(self.seq.pos)
             self._forget_live()
             self.clear_checkpoints()
+            self.seq.trim()                      # its KV pages go back to the pool
         return {"id_slot": 0, "n_erased": n}
 
     def status(self) -> dict[str, Any]:

@@ -135,6 +135,11 @@ class Sequence:
             st.reset(sid)
         self.tokens = []
 
+    def trim(self) -> None:
+        """Give back every stage's pages past the valid positions."""
+        for st, sid in zip(self.stages, self.sids):
+            st.trim(sid)
+
     def hashes(self) -> dict[str, str]:
         """sha256 per field: "tokens", and every stage's per-layer hashes (layer indices are global, so a split
         and an unsplit engine give the same keys), plus "kv" / "running" over all layers in order."""

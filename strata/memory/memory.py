@@ -173,6 +173,13 @@ class Memory(ABC):
         self._reset(st)
         st.pos = 0
 
+    def trim(self, sid: int) -> None:
+        """Give back the pages past the sequence's valid positions (its page tables keep only what they hold)."""
+        st = self.seq(sid)
+        for table in (st.kv, st.draft):
+            if table is not None:
+                table.trim()
+
     # ---- parts -----------------------------------------------------------------------------------
     def geometry(self) -> dict[str, Any]:
         """Everything a part must match to be restored here (JSON-ready)."""

@@ -95,6 +95,9 @@ class Stage:
         self.backend.drain()
         self.memory.reset(sid)
 
+    def trim(self, sid: int) -> None:
+        self.memory.trim(sid)
+
     def hashes(self, sid: int) -> dict[str, str]:
         self.backend.drain()
         return self.memory.hashes(sid)
