@@ -15,6 +15,7 @@ from strata.backend.cpu import CPUBackend
 from strata.memory import (Carve, FormatError, KVCacheFull, PagedKV, PartMismatch, RecurrentMemory, StatePart)
 from strata.memory.pages import PageAllocator
 from strata.models.base import load_model
+from tests.mutation import mutate
 
 rng = np.random.default_rng(7)
 A = rng.integers(0, 49152, 40).astype(np.int32)
@@ -343,13 +344,8 @@ def test_reader_fuzz_mutated_parts(hybrid_stage, cuts, trunc):
     """Any byte changed or any cut: a one-line FormatError / PartMismatch, or (a change the checksums cannot see,
     e.g. none) the same part; never another exception."""
     m, mem, st, data = hybrid_stage
-    b = bytearray(data)
-    for off, val in cuts:
-        b[off % len(b)] = val
-    if trunc is not None:
-        b = b[:trunc % (len(b) + 1)]
     try:
-        part = mem.read(io.BytesIO(bytes(b)))
+        part = mem.read(io.BytesIO(mutate(data, cuts, trunc)))
     except (FormatError, PartMismatch) as e:
         assert "\n" not in str(e)
         return

@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings, strategies as hs
 from strata import synth
 from strata.cache import session
 from strata.engine import Engine, GenerationRequest, TokenEvent
+from tests.mutation import mutate
 
 DATA = Path(__file__).resolve().parent / "data"
 GOLDEN_SPEC = dict(arch="qwen35", size="tiny", n_layer=4, seed=31)
@@ -183,13 +184,8 @@ def test_restore_parks_the_conversation_it_replaces(model_path, tmp_path):
        trunc=hs.one_of(hs.none(), hs.integers(0, 10 ** 7)))
 def test_reader_fuzz(fuzz_engine, saved, mut, trunc):
     _, data = saved
-    b = bytearray(data)
-    for off, val in mut:
-        b[off % len(b)] = val
-    if trunc is not None:
-        b = b[:trunc % (len(b) + 1)]
     try:
-        conv = session.read(io.BytesIO(bytes(b)), fuzz_engine.file.fingerprint(), fuzz_engine.stages,
+        conv = session.read(io.BytesIO(mutate(data, mut, trunc)), fuzz_engine.file.fingerprint(), fuzz_engine.stages,
                             fuzz_engine.n_ctx)
     except ValueError as e:
         assert "\n" not in str(e)

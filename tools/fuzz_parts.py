@@ -32,6 +32,7 @@ def main(argv=None) -> int:
     from strata import synth
     from strata.memory import Carve, FormatError, PartMismatch
     from strata.models.base import load_model
+    from tests.mutation import mutate
 
     tmp = Path(tempfile.mkdtemp())
     m = load_model(synth.write_synthetic(tmp / "q.gguf", synth.preset("qwen35", "tiny", seed=5, n_mtp=1)))
@@ -75,13 +76,7 @@ def main(argv=None) -> int:
               suppress_health_check=list(HealthCheck))
     @given(mutation)
     def mutated(mut):
-        cuts, trunc = mut
-        b = bytearray(data)
-        for off, val in cuts:
-            b[off % len(b)] = val
-        if trunc is not None:
-            b = b[:trunc % (len(b) + 1)]
-        check(bytes(b))
+        check(mutate(data, *mut))
 
     @settings(max_examples=args.examples // 10, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     @given(hs.binary(max_size=4096))
@@ -126,13 +121,7 @@ def main(argv=None) -> int:
     @settings(max_examples=args.examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     @given(mutation)
     def session_mutated(mut):
-        cuts, trunc = mut
-        b = bytearray(sdata)
-        for off, val in cuts:
-            b[off % len(b)] = val
-        if trunc is not None:
-            b = b[:trunc % (len(b) + 1)]
-        scheck(bytes(b))
+        scheck(mutate(sdata, *mut))
 
     t0 = time.time()
     session_mutated()

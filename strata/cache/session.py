@@ -35,7 +35,7 @@ from typing import BinaryIO
 import numpy as np
 
 from strata.cache.conversation import Conversation, SavedCheckpoint
-from strata.memory import FormatError, PartMismatch
+from strata.memory import FormatError, PartMismatch, codec
 
 MAGIC = b"STRATASF"
 VERSION_ONE_STAGE = 1
@@ -104,10 +104,7 @@ def write(io: BinaryIO, conv: Conversation, fingerprint: str, stages: list) -> i
 
 
 def _exact(io: BinaryIO, n: int, what: str) -> bytes:
-    b = io.read(n)
-    if b is None or len(b) != n:
-        raise SessionError(f"the session file ends inside its {what} ({0 if not b else len(b)} of {n} bytes)")
-    return b
+    return codec.read_exact(io, n, what, SessionError, "session file")
 
 
 def read(io: BinaryIO, fingerprint: str, stages: list, n_ctx: int) -> Conversation:

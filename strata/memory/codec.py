@@ -65,10 +65,12 @@ def write(io: BinaryIO, header: dict[str, Any], arrays: list[tuple[str, np.ndarr
     return _FIXED.size + len(head) + total + _CRC.size
 
 
-def _exact(io: BinaryIO, n: int, what: str) -> bytes:
+def read_exact(io: BinaryIO, n: int, what: str, error: type[ValueError] = FormatError,
+               thing: str = "part") -> bytes:
+    """Exactly n bytes of `io`; `error` ("the {thing} ends inside its {what} (k of n bytes)") when it ends first."""
     b = io.read(n)
     if b is None or len(b) != n:
-        raise FormatError(f"the part ends inside its {what} ({0 if not b else len(b)} of {n} bytes)")
+        raise error(f"the {thing} ends inside its {what} ({0 if not b else len(b)} of {n} bytes)")
     return b
 
 
@@ -76,7 +78,7 @@ def read(io: BinaryIO, expect: Callable[[dict], list[tuple[str, tuple[int, ...],
          ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """Read one part -> (header, {name: array}). `expect(header)` returns the arrays the reader's stage expects
     for that header (or raises); nothing is allocated before the declared arrays match them exactly."""
-    magic, version, flags, hlen, hcrc = _FIXED.unpack(_exact(io, _FIXED.size, "fixed header"))
+    magic, version, flags, hlen, hcrc = _FIXED.unpack(read_exact(io, _FIXED.size, "fixed header"))
     if magic != MAGIC:
         raise FormatError(f"not a Strata state part (magic {magic!r}, expected {MAGIC!r})")
     if version != VERSION:
@@ -85,7 +87,7 @@ def read(io: BinaryIO, expect: Callable[[dict], list[tuple[str, tuple[int, ...],
         raise FormatError(f"unknown state part flags {flags:#06x}")
     if not 0 < hlen <= MAX_HEADER:
         raise FormatError(f"state part header length {hlen} is outside 1..{MAX_HEADER}")
-    head = _exact(io, hlen, "header")
+    head = read_exact(io, hlen, "header")
     if zlib.crc32(head) != hcrc:
         raise FormatError("state part header checksum mismatch (the header is corrupt)")
     try:
@@ -122,7 +124,7 @@ def read(io: BinaryIO, expect: Callable[[dict], list[tuple[str, tuple[int, ...],
         if buf.nbytes:
             got = io.readinto(buf) if hasattr(io, "readinto") else None
             if got is None:
-                b = _exact(io, buf.nbytes, f"array {name}")
+                b = read_exact(io, buf.nbytes, f"array {name}")
                 buf[:] = b
             elif got != buf.nbytes:
                 while got < buf.nbytes:          # a stream may return less than asked before its end
@@ -131,7 +133,7 @@ def read(io: BinaryIO, expect: Callable[[dict], list[tuple[str, tuple[int, ...],
                         raise FormatError(f"the part ends inside its array {name} ({got} of {buf.nbytes} bytes)")
                     got += more
         crc = zlib.crc32(buf, crc)
-    (pcrc,) = _CRC.unpack(_exact(io, _CRC.size, "payload checksum"))
+    (pcrc,) = _CRC.unpack(read_exact(io, _CRC.size, "payload checksum"))
     if pcrc != crc:
         raise FormatError("state part payload checksum mismatch (the arrays are corrupt)")
     return header, out

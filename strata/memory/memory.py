@@ -119,6 +119,7 @@ class Memory(ABC):
         self.identity = dict(identity or {})      # e.g. arch, n_embd: part of the geometry a part must match
         self._seqs: dict[int, SequenceState] = {}
         self._next = 0
+        self._geometry_cache: dict[str, Any] | None = None
 
     # ---- sequences -------------------------------------------------------------------------------
     def new_seq(self) -> int:
@@ -182,10 +183,13 @@ class Memory(ABC):
 
     # ---- parts -----------------------------------------------------------------------------------
     def geometry(self) -> dict[str, Any]:
-        """Everything a part must match to be restored here (JSON-ready)."""
-        g: dict[str, Any] = {"carve": [self.carve.lo, self.carve.hi], "identity": self.identity}
-        self._geometry(g)
-        return g
+        """Everything a part must match to be restored here (JSON-ready; built once: it never changes; callers
+        do not modify it)."""
+        if self._geometry_cache is None:
+            g: dict[str, Any] = {"carve": [self.carve.lo, self.carve.hi], "identity": self.identity}
+            self._geometry(g)
+            self._geometry_cache = g
+        return self._geometry_cache
 
     def capture(self, sid: int) -> StatePart:
         """The sequence at its position: running state copied, K/V referenced (KVPages)."""

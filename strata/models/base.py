@@ -148,9 +148,9 @@ class Model(ABC):
             pool = self.new_page_pool(n_ctx, n_seq, page_size, carve)
         fields: list[Memory] = []
         ident = self.identity()
-        if pool.layers or not self.new_running_state(carve):
-            fields.append(KVMemory(carve, pool, identity=ident))
         running = self.new_running_state(carve)
+        if pool.layers or not running:
+            fields.append(KVMemory(carve, pool, identity=ident))
         if running:
             fields.append(RecurrentMemory(carve, running, xp=getattr(self.backend, "xp", np), identity=ident))
         fields += self._drafter_memory(n_ctx, carve, n_seq, page_size)
