@@ -1,0 +1,812 @@
+"""The stage-link codec (link/, protocol 5): golden bytes, round trips, refusals, socket and asyncio readers, fuzz."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import stat
+import struct
+import subprocess
+import sys
+import threading
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import link
+from link import (DEFAULT_MAX_PAYLOAD, FLAG_ASYNC, HEADER_SIZE, MAGIC, MAX_CONTROL_PAYLOAD, VERSION, Ack, Bye,
+                  Challenge, CkptRestore, CkptSave, Commit, Error, ErrorCode, Forward, FrameError, Header, Hello,
+                  HelloAck, Hop, LinkError, MsgType, Ping, Pong, Reset, Result, VersionMismatch, decode_frame,
+                  decode_message, encode_frame, encode_payload, frame_bytes, parse_header, read_frame, recv_frame,
+                  send_frame, write_frame)
+from tests.mutation import mutate
+
+ROOT = Path(__file__).resolve().parents[1]
+GOLDEN_PATH = ROOT / "tests" / "data" / "link_golden.json"
+KEY = bytes(range(100, 132))
+CHALLENGE_NONCE = bytes(range(32, 64))
+HELLO_NONCE = bytes(range(0, 32))
+_HEAD = struct.Struct("<4sHHHHQQ")
+
+
+# ---------------------------------------------------------------- golden frames
+
+def golden_cases() -> dict:
+    """name -> (message, request_id, flags): one canonical frame per message type, fixed field values."""
+    hello = Hello(5, "smollm2-135m-instruct:q4_1:3f2a", 0, 15, 30, 576, "float32", 4096, 8, 6,
+                  [Hop("10.0.0.3", 7411, 15, 24), Hop("relay-β", 7412, 24, 30)], HELLO_NONCE)
+    hello.mac = link.hello_mac(KEY, CHALLENGE_NONCE, hello)
+    ack = HelloAck(5, "smollm2-135m-instruct:q4_1:3f2a", 0, 15, 6, 1_234_567, "wörker-a", "NVIDIA H200")
+    ack.mac = link.ack_mac(KEY, HELLO_NONCE, ack)
+    tokens = np.array([1, 2, 3], dtype=np.int32)
+    hidden = (np.arange(12, dtype=np.float32).reshape(3, 4) - 5.5) / 4
+    return {
+        "challenge": (Challenge(CHALLENGE_NONCE, True, "wörker-a"), 0, 0),
+        "hello": (hello, 1, 0),
+        "hello_ack": (ack, 1, 0),
+        "forward": (Forward(17, True, tokens, hidden), 2, 0),
+        "result": (Result(20, 1500, hidden.astype(np.float16)), 2, 0),
+        "commit": (Commit(19), 3, FLAG_ASYNC),
+        "ack": (Ack(19, 2, 8192), 3, 0),
+        "reset": (Reset([1, 3]), 4, 0),
+        "ckpt_save": (CkptSave(9, 17, [1, 3, 9]), 5, 0),
+        "ckpt_restore": (CkptRestore(3, 12, [1, 3]), 6, 0),
+        "error": (Error(ErrorCode.CKPT_MISSING, "checkpoint 3 is not held"), 6, 0),
+        "ping": (Ping(0x0123456789ABCDEF), 7, 0),
+        "pong": (Pong(0x0123456789ABCDEF), 7, 0),
+        "bye": (Bye("main process shutting down"), 0, 0),
+    }
+
+
+def make_golden(path: Path) -> None:
+    """Write tests/data/link_golden.json: name -> hex of the frame (tools/make_link_golden.py)."""
+    data = {name: frame_bytes(m, rid, fl).hex() for name, (m, rid, fl) in golden_cases().items()}
+    path.write_text(json.dumps(data, indent=1) + "\n")
+
+
+GOLDEN = json.loads(GOLDEN_PATH.read_text()) if GOLDEN_PATH.exists() else {}
+GOLDEN_FRAMES = {name: bytes.fromhex(h) for name, h in GOLDEN.items()}
+
+
+def raw_frame(type: int, payload: bytes, *, version: int = VERSION, flags: int = 0, reserved: int = 0,
+              request_id: int = 1, payload_len: int | None = None, magic: bytes = MAGIC) -> bytes:
+    """A frame with any header fields and correct checksums (to reach the check after them)."""
+    head = _HEAD.pack(magic, version, type, flags, reserved, request_id,
+                      len(payload) if payload_len is None else payload_len)
+    return head + struct.pack("<I", zlib.crc32(head)) + payload + struct.pack("<I", zlib.crc32(payload))
+
+
+def payload_of(frame: bytes) -> bytes:
+    return frame[HEADER_SIZE:-4]
+
+
+def refused(data, match: str, cls=FrameError, **kw) -> LinkError:
+    with pytest.raises(cls, match=match) as ei:
+        decode_frame(data, **kw)
+    assert "\n" not in str(ei.value)
+    return ei.value
+
+
+@pytest.mark.parametrize("name", sorted(golden_cases()))
+def test_golden_encode(name):
+    msg, rid, flags = golden_cases()[name]
+    assert frame_bytes(msg, rid, flags) == GOLDEN_FRAMES[name]
+
+
+@pytest.mark.parametrize("name", sorted(golden_cases()))
+def test_golden_decode(name):
+    msg, rid, flags = golden_cases()[name]
+    data = GOLDEN_FRAMES[name]
+    header, got = decode_frame(data)
+    assert header == Header(VERSION, link.msg_type(msg), flags, rid, len(data) - 36)
+    assert type(got) is type(msg) and got == msg
+    assert decode_message(header.type, payload_of(data)) == msg
+
+
+def test_golden_covers_every_type():
+    assert {link.msg_type(m) for m, _, _ in golden_cases().values()} == set(MsgType)
+    assert set(GOLDEN) == set(golden_cases())
+
+
+def test_golden_commit_bytes_spelled_out():
+    """The byte-by-byte example in link/PROTOCOL.md."""
+    b = GOLDEN_FRAMES["commit"]
+    assert b[:4] == b"STLK" and b[4:6] == b"\x05\x00" and b[6:8] == b"\x05\x00" and b[8:10] == b"\x01\x00"
+    assert b[10:12] == b"\0\0" and b[12:20] == (3).to_bytes(8, "little") and b[20:28] == (4).to_bytes(8, "little")
+    assert b[28:32] == zlib.crc32(b[:28]).to_bytes(4, "little") and b[32:36] == (19).to_bytes(4, "little")
+    assert b[36:] == zlib.crc32(b[32:36]).to_bytes(4, "little") and len(b) == 40
+
+
+def test_tensor_layout_aligned():
+    """Forward: pos, want_all, then each tensor's data at a 16-byte boundary of the payload."""
+    p = payload_of(GOLDEN_FRAMES["forward"])
+    assert p[4] == 1 and p[5:9] == bytes([2, 1, 0, 0]) and p[9:17] == (3).to_bytes(8, "little")
+    assert p[17:32] == bytes(15) and np.frombuffer(p[32:44], "<i4").tolist() == [1, 2, 3]
+    assert p[44:48] == bytes([0, 2, 0, 0]) and p[48:64] == struct.pack("<QQ", 3, 4) and len(p) == 64 + 48
+
+
+# ---------------------------------------------------------------- round trips and zero copy
+
+def test_round_trip_every_type_with_flags_and_ids():
+    for name, (msg, _, _) in golden_cases().items():
+        for rid, flags in ((0, 0), (2 ** 64 - 1, FLAG_ASYNC)):
+            h, got = decode_frame(frame_bytes(msg, rid, flags))
+            assert (h.request_id, h.flags, got) == (rid, flags, msg), name
+
+
+def test_empty_fields_round_trip():
+    for msg in (Forward(0, False, np.zeros(0, np.int32), np.zeros((0, 576), np.float16)), Reset([]),
+                Result(0, 0, np.zeros((0, 0), np.float32)), Bye(""), Error(99, ""),
+                Hello(5, "", 0, 0, 0, 0, "", 0, 0, 0, [], bytes(32)), HelloAck(5, "", 0, 0, 0, 0, "", "")):
+        assert decode_frame(frame_bytes(msg, 1))[1] == msg
+    assert decode_frame(frame_bytes(Error(99, "x"), 1))[1].code == 99          # codes unknown here stay ints
+
+
+def test_tensors_not_copied_on_encode():
+    hidden = np.ones((5, 8), np.float32)
+    tokens = np.arange(5, dtype=np.int32)
+    bufs = encode_frame(Forward(0, True, tokens, hidden), 1)
+    views = [b for b in bufs if isinstance(b, memoryview)]
+    assert len(views) == 2 and views[0].obj is tokens and views[1].obj is hidden
+
+
+def test_non_contiguous_and_big_endian_arrays_encode_as_contiguous_little_endian():
+    base = np.arange(40, dtype=np.float32).reshape(5, 8)
+    msg = Result(1, 2, base[:, ::2])
+    assert decode_frame(frame_bytes(msg, 1))[1] == Result(1, 2, np.ascontiguousarray(base[:, ::2]))
+    big = Forward(0, False, np.arange(3, dtype=">i4"), np.arange(6, dtype=">f4").reshape(3, 2))
+    got = decode_frame(frame_bytes(big, 1))[1]
+    assert got.tokens.tolist() == [0, 1, 2] and got.hidden.tolist() == [[0, 1], [2, 3], [4, 5]]
+    assert got.hidden.dtype == np.dtype("<f4")
+
+
+def test_decoded_tensors_are_views_of_the_payload():
+    data = bytearray(GOLDEN_FRAMES["forward"])
+    _, msg = decode_frame(data)
+    assert np.shares_memory(msg.hidden, np.frombuffer(data, np.uint8)) and msg.hidden.flags.writeable
+    assert msg.hidden.ctypes.data % 16 == np.frombuffer(data, np.uint8).ctypes.data % 16
+
+
+def test_message_equality_compares_arrays_by_dtype_shape_and_bytes():
+    t = np.array([1, 2], np.int32)
+    h = np.zeros((2, 3), np.float32)
+    assert Forward(0, False, t, h) == Forward(0, False, t.copy(), h.copy())
+    assert Forward(0, False, t, h) != Forward(0, False, t, h.astype(np.float16))
+    assert Forward(0, False, t, h) != Forward(0, False, t, h.reshape(2, 3, 1)[:, :, 0].reshape(3, 2))
+    assert Forward(0, False, t, h) != Forward(0, False, t, h + 1)
+    nan = np.full((1, 1), np.nan, np.float32)
+    assert Result(0, 0, nan) == Result(0, 0, nan.copy())
+    assert Commit(1) != Ack(1, 0, 0) and Commit(1) == Commit(1)
+    with pytest.raises(TypeError):
+        hash(Commit(1))
+
+
+# ---------------------------------------------------------------- refusals: the header
+
+def test_refuses_wrong_magic():
+    e = refused(b"STLX" + GOLDEN_FRAMES["ping"][4:], r"not a stage-link frame \(magic b'STLX', expected b'STLK'\)")
+    assert e.code == ErrorCode.BAD_FRAME
+
+
+def test_refuses_header_checksum():
+    b = bytearray(GOLDEN_FRAMES["ping"])
+    b[12] ^= 1                                    # the request id
+    refused(bytes(b), "frame header checksum mismatch")
+    b = bytearray(GOLDEN_FRAMES["ping"])
+    b[30] ^= 0x80                                 # the checksum itself
+    refused(bytes(b), "frame header checksum mismatch")
+
+
+def test_refuses_payload_checksum():
+    b = bytearray(GOLDEN_FRAMES["forward"])
+    b[HEADER_SIZE + 40] ^= 4
+    refused(bytes(b), "FORWARD payload checksum mismatch")
+    b = bytearray(GOLDEN_FRAMES["forward"])
+    b[-1] ^= 4
+    refused(bytes(b), "FORWARD payload checksum mismatch")
+
+
+def test_refuses_unknown_type():
+    for t in (0, 15, 99, 0xFFFF):
+        refused(raw_frame(t, b""), f"unknown message type {t}$")
+    with pytest.raises(FrameError, match="unknown message type 15"):
+        decode_message(15, b"")
+
+
+def test_refuses_unknown_flag_bits():
+    for flags in (0x2, 0x3, 0x8000):
+        refused(raw_frame(MsgType.PING, bytes(8), flags=flags), "unknown flag bits")
+    with pytest.raises(FrameError, match="unknown frame flag bits"):
+        encode_frame(Ping(1), 1, 0x4)
+
+
+def test_refuses_nonzero_reserved():
+    refused(raw_frame(MsgType.PING, bytes(8), reserved=1), "reserved field is 0x0001, must be 0")
+
+
+@pytest.mark.parametrize("theirs", [4, 6])
+def test_refuses_other_versions_naming_both(theirs):
+    e = refused(raw_frame(MsgType.HELLO, b"whatever a v%d hello holds" % theirs, version=theirs),
+                f"^peer speaks stage-link protocol {theirs}, this side speaks 5$", VersionMismatch)
+    assert (e.theirs, e.ours, e.code) == (theirs, 5, ErrorCode.VERSION)
+    assert isinstance(e, LinkError) and isinstance(e, ValueError)
+
+
+def test_version_checked_after_magic_and_checksum():
+    b = bytearray(raw_frame(MsgType.PING, bytes(8), version=4))
+    b[0] = ord("X")
+    refused(bytes(b), "not a stage-link frame")
+    b = bytearray(raw_frame(MsgType.PING, bytes(8), version=4))
+    b[28] ^= 1
+    refused(bytes(b), "header checksum")
+
+
+def test_refuses_over_limit_payload_before_reading_it():
+    e = refused(raw_frame(MsgType.FORWARD, b"", payload_len=DEFAULT_MAX_PAYLOAD + 1)[:HEADER_SIZE],
+                f"FORWARD frame declares a payload of {DEFAULT_MAX_PAYLOAD + 1} bytes, the limit is")
+    assert e.code == ErrorCode.LIMIT
+    with pytest.raises(FrameError, match="limit is 1048576") as ei:
+        parse_header(raw_frame(MsgType.PING, b"", payload_len=MAX_CONTROL_PAYLOAD + 1)[:HEADER_SIZE])
+    assert ei.value.code == ErrorCode.LIMIT
+    frame = frame_bytes(golden_cases()["forward"][0], 1)
+    refused(frame, "the limit is 100", max_payload=100)
+    assert decode_frame(frame, max_payload=len(frame) - 36)[1] == golden_cases()["forward"][0]
+    with pytest.raises(FrameError, match="over the limit of 100") as ei:
+        encode_frame(golden_cases()["forward"][0], 1, max_payload=100)
+    assert ei.value.code == ErrorCode.LIMIT
+
+
+def test_over_limit_header_alone_on_a_socket_is_refused_without_waiting_for_the_payload():
+    a, b = socket.socketpair()
+    with a, b:
+        b.settimeout(5)
+        a.sendall(raw_frame(MsgType.RESULT, b"", payload_len=2 ** 62)[:HEADER_SIZE])
+        with pytest.raises(FrameError, match="the limit is") as ei:
+            recv_frame(b)
+        assert ei.value.code == ErrorCode.LIMIT
+
+
+@pytest.mark.parametrize("name", sorted(golden_cases()))
+def test_refuses_truncation_at_every_byte(name):
+    data = GOLDEN_FRAMES[name]
+    for cut in range(len(data)):
+        with pytest.raises(FrameError, match="short frame"):
+            decode_frame(data[:cut])
+
+
+def test_refuses_bytes_after_the_frame():
+    refused(GOLDEN_FRAMES["ping"] + b"\0", "1 trailing bytes after the frame")
+    refused(GOLDEN_FRAMES["ping"] * 2, "44 trailing bytes after the frame")
+
+
+def test_parse_header_wants_exactly_32_bytes():
+    with pytest.raises(FrameError, match="a frame header is 32 bytes, got 31"):
+        parse_header(GOLDEN_FRAMES["ping"][:31])
+    with pytest.raises(FrameError, match="got 33"):
+        parse_header(GOLDEN_FRAMES["ping"][:33])
+    assert parse_header(GOLDEN_FRAMES["ping"][:32]) == Header(5, MsgType.PING, 0, 7, 8)
+
+
+# ---------------------------------------------------------------- refusals: payloads
+
+@pytest.mark.parametrize("name", sorted(golden_cases()))
+def test_refuses_trailing_bytes_inside_a_payload(name):
+    msg, _, _ = golden_cases()[name]
+    p = payload_of(GOLDEN_FRAMES[name])
+    refused(raw_frame(link.msg_type(msg), p + b"\0"), "payload has 1 trailing bytes after its last field")
+
+
+@pytest.mark.parametrize("name", sorted(golden_cases()))
+def test_refuses_payload_cut_short_at_every_byte(name):
+    """A payload that ends early, with checksums that agree: the field it ends in is named (a list or tensor that
+    does not fit is refused from its count or shape, before anything is read)."""
+    msg, _, _ = golden_cases()[name]
+    p = payload_of(GOLDEN_FRAMES[name])
+    for cut in range(len(p)):
+        refused(raw_frame(link.msg_type(msg), p[:cut]), r"payload ends inside its |payload's .* needs .* \d+ are left")
+
+
+def _str_payload(raw: bytes, length: int | None = None) -> bytes:
+    return struct.pack("<H", len(raw) if length is None else length) + raw
+
+
+def test_refuses_strings_not_utf8_or_too_long():
+    refused(raw_frame(MsgType.BYE, _str_payload(b"\xff\xfe")), "Bye payload's reason is not valid UTF-8")
+    refused(raw_frame(MsgType.BYE, _str_payload(b"\xed\xa0\x80")), "not valid UTF-8")       # a surrogate
+    refused(raw_frame(MsgType.BYE, _str_payload(b"a" * 4097)), "reason is 4097 bytes long, the limit is 4096")
+    assert decode_frame(raw_frame(MsgType.BYE, _str_payload("é".encode() * 2048)))[1] == Bye("é" * 2048)
+    with pytest.raises(FrameError, match="Bye.reason is 4098 bytes of UTF-8, the limit is 4096"):
+        frame_bytes(Bye("é" * 2049), 1)
+    with pytest.raises(FrameError, match="lone surrogate"):
+        frame_bytes(Bye("\ud800"), 1)
+
+
+def test_refuses_list_counts_beyond_the_payload_before_allocating():
+    refused(raw_frame(MsgType.RESET, struct.pack("<I", 0xFFFFFFFF)),
+            "keep count 4294967295 needs 34359738360 bytes, 0 are left")
+    refused(raw_frame(MsgType.CKPT_SAVE, struct.pack("<QII", 1, 2, 2) + bytes(15)), "keep count 2 needs 16 bytes, 15")
+    hello = payload_of(GOLDEN_FRAMES["hello"])
+    at = hello.index(struct.pack("<I", 2) + _str_payload(b"10.0.0.3"))
+    refused(raw_frame(MsgType.HELLO, hello[:at] + struct.pack("<I", 0xFFFFFFFF) + hello[at + 4:]),
+            "next_hops count 4294967295 needs at least")
+
+
+def _tensor(code: int, dims, pad: int = 0, at: int = 5, fill: bytes = b"") -> bytes:
+    head = struct.pack("<BBH", code, len(dims), pad) + struct.pack(f"<{len(dims)}Q", *dims)
+    return head + bytes((-(at + len(head))) % 16) + fill
+
+
+def test_refuses_bad_tensors():
+    def fwd(tokens: bytes, hidden: bytes = b"") -> bytes:
+        return raw_frame(MsgType.FORWARD, struct.pack("<IB", 0, 0) + tokens + hidden)
+    refused(fwd(_tensor(7, [1])), "tokens has unknown dtype code 7")
+    refused(fwd(_tensor(5, [1])), r"tokens has dtype code 5 \(bfloat16, reserved\)")
+    refused(fwd(_tensor(2, [1, 1, 1, 1, 1])), "tokens has 5 dimensions, the limit is 4")
+    refused(fwd(_tensor(2, [1], pad=1)), "tokens header has nonzero pad bytes")
+    good = _tensor(2, [1], fill=b"\1\0\0\0")
+    bad = bytearray(good)
+    bad[14] = 1
+    refused(fwd(bytes(bad)), "tokens padding is not zero")
+    refused(fwd(_tensor(0, [1], fill=bytes(4))), "tokens has dtype float32, expected int32")
+    refused(fwd(_tensor(2, [1, 1], fill=bytes(4))), "tokens has 2 dimensions, expected 1")
+    refused(fwd(_tensor(2, [2 ** 40], fill=bytes(8))),
+            f"tokens \\({2 ** 40},\\) int32 needs {2 ** 42} bytes, 8 are left")
+    refused(fwd(_tensor(2, [2 ** 64 - 1])), "over the limit of 281474976710656 elements")
+    refused(fwd(_tensor(2, [0]), _tensor(0, [1, 1, 0], at=32)), "hidden has 3 dimensions, expected 2")
+    refused(fwd(_tensor(2, [0]), _tensor(0, [2 ** 49, 0], at=32)), "over the limit of 281474976710656 elements")
+    refused(fwd(_tensor(2, [0]), _tensor(0, [1, 2], at=32, fill=bytes(8))), "carries 0 tokens but 1 hidden rows")
+    refused(fwd(_tensor(2, [0]), _tensor(2, [0, 2], at=32)), "hidden has dtype int32, expected float32 or float16")
+    assert decode_frame(fwd(_tensor(2, [0]), _tensor(1, [0, 2 ** 32], at=32)))[1].hidden.shape == (0, 2 ** 32)
+
+
+def test_refuses_bad_scalars():
+    refused(raw_frame(MsgType.FORWARD, struct.pack("<IB", 0, 2)), r"want_all is 2, not a bool \(0 or 1\)")
+    refused(raw_frame(MsgType.CHALLENGE, bytes(32) + b"\x07" + _str_payload(b"w")), "keyed is 7, not a bool")
+    ack = payload_of(GOLDEN_FRAMES["hello_ack"])
+    refused(raw_frame(MsgType.HELLO_ACK, ack[:-34] + _str_payload(b"12345")), "mac is 5 bytes, expected 0 or 32")
+    refused(raw_frame(MsgType.COMMIT, b"\1\0\0"), r"Commit payload ends inside its pos \(3 of 4 bytes left\)")
+
+
+def test_encoder_refuses_what_the_decoder_would():
+    cases = [
+        (Commit(-1), r"Commit.pos = -1 is outside 0..4294967295"),
+        (Commit(2 ** 32), "outside"),
+        (Commit(1.5), "Commit.pos must be an integer, not float"),
+        (Error(70000, "x"), "Error.code = 70000"),
+        (Ping(2 ** 64), "outside 0..18446744073709551615"),
+        (Reset([1, -2]), r"Reset.keep\[1\] = -2"),
+        (Reset(None), "Reset.keep must be a list"),
+        (Challenge(bytes(31), False, "w"), "Challenge.nonce must be 32 bytes"),
+        (Challenge(bytes(32), 2, "w"), "Challenge.keyed must be a bool"),
+        (Bye(b"bytes"), "Bye.reason must be a str"),
+        (HelloAck(5, "f", 0, 1, 0, 0, "w", "d", b"short"), "HelloAck.mac must be empty or 32 bytes"),
+        (Hello(5, "f", 0, 1, 1, 1, "f", 1, 1, 1, [("h", 1, 0, 1)], bytes(32)), r"Hello.next_hops\[0\] must be a Hop"),
+        (Hello(5, "f", 0, 1, 1, 1, "f", 1, 1, 1, [Hop("h", 70000, 0, 1)], bytes(32)), r"next_hops\[0\].port"),
+        (Forward(0, False, np.zeros(2, np.int64), np.zeros((2, 1), np.float32)), "Forward.tokens has dtype int64"),
+        (Forward(0, False, np.zeros(2, np.int32), np.zeros(2, np.float32)), "Forward.hidden has 1 dimensions"),
+        (Forward(0, False, np.zeros(2, np.int32), np.zeros((2, 1), np.float64)), "expected float32 or float16"),
+        (Forward(0, False, np.zeros(2, np.int32), np.zeros((3, 1), np.float32)), "carries 2 tokens but 3 hidden"),
+        (Forward(0, False, [1, 2], np.zeros((2, 1), np.float32)), "Forward.tokens must be a numpy array, not list"),
+    ]
+    for msg, match in cases:
+        with pytest.raises(FrameError, match=match):
+            frame_bytes(msg, 1)
+    with pytest.raises(TypeError, match="str is not a stage-link message"):
+        frame_bytes("hello", 1)
+    with pytest.raises(FrameError, match="request id -1"):
+        frame_bytes(Ping(1), -1)
+
+
+def test_errors_are_value_errors_with_codes_and_pickle():
+    import pickle
+    for e in (LinkError("x", ErrorCode.AUTH), FrameError("y"), FrameError("z", ErrorCode.LIMIT), VersionMismatch(4, 5)):
+        back = pickle.loads(pickle.dumps(e))
+        assert isinstance(e, ValueError) and type(back) is type(e) and str(back) == str(e) and back.code == e.code
+    assert FrameError("y").code == ErrorCode.BAD_FRAME and LinkError("x").code == ErrorCode.INTERNAL
+    assert [c.value for c in ErrorCode] == list(range(1, 11))
+    assert [t.value for t in MsgType] == list(range(1, 15))
+
+
+def test_error_of_an_exception_is_one_clipped_line():
+    e = Error.of(VersionMismatch(4, 5))
+    assert e == Error(ErrorCode.VERSION, "peer speaks stage-link protocol 4, this side speaks 5")
+    long = Error.of(RuntimeError("é" * 5000 + "\nsecond line"))
+    assert long.code == ErrorCode.INTERNAL and len(long.message.encode()) <= 4096 and "\n" not in long.message
+    assert decode_frame(frame_bytes(long, 1))[1] == long
+    assert Error.of(KeyError()).message == "KeyError"
+
+
+def test_codec_does_not_import_strata():
+    code = "import sys, link; assert not [m for m in sys.modules if m.split('.')[0] == 'strata'], sys.modules"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=str(ROOT))
+
+
+# ---------------------------------------------------------------- blocking sockets
+
+class TrickleSocket:
+    """A socket stand-in that sends and receives at most `step` bytes per call (partial sends and short reads)."""
+
+    def __init__(self, data: bytes = b"", step: int = 7):
+        self.data, self.at, self.step, self.sent = data, 0, step, bytearray()
+
+    def sendmsg(self, buffers):
+        out = b"".join(bytes(b) for b in buffers)[:self.step]
+        self.sent += out
+        return len(out)
+
+    def recv_into(self, buf, n=0):
+        k = min(len(buf), n or len(buf), self.step, len(self.data) - self.at)
+        buf[:k] = self.data[self.at:self.at + k]
+        self.at += k
+        return k
+
+
+def test_send_frame_loops_on_partial_sends():
+    for name, (msg, rid, flags) in golden_cases().items():
+        for step in (1, 7, 33):
+            s = TrickleSocket(step=step)
+            assert send_frame(s, msg, rid, flags) == len(GOLDEN_FRAMES[name])
+            assert bytes(s.sent) == GOLDEN_FRAMES[name]
+
+
+def test_recv_frame_over_short_reads():
+    data = b"".join(GOLDEN_FRAMES[n] for n in sorted(GOLDEN_FRAMES))
+    s = TrickleSocket(data, step=5)
+    for name in sorted(GOLDEN_FRAMES):
+        assert recv_frame(s)[1] == golden_cases()[name][0]
+    with pytest.raises(ConnectionError, match="^peer closed the link$"):
+        recv_frame(s)
+
+
+def test_socketpair_round_trip_every_type_in_order():
+    a, b = socket.socketpair()
+    with a, b:
+        b.settimeout(10)
+        cases = list(golden_cases().values())
+        for msg, rid, flags in cases:
+            send_frame(a, msg, rid, flags)
+        for msg, rid, flags in cases:
+            h, got = recv_frame(b)
+            assert (h.request_id, h.flags, got) == (rid, flags, msg)
+
+
+def test_socketpair_large_forward_with_partial_sends():
+    rng = np.random.default_rng(0)
+    msg = Forward(100, True, rng.integers(0, 50000, 700, dtype=np.int32),
+                  rng.standard_normal((700, 576)).astype(np.float32))           # 1.6 MB: many partial sends
+    a, b = socket.socketpair()
+    with a, b:
+        a.settimeout(30)
+        b.settimeout(30)
+        sent = []
+        t = threading.Thread(target=lambda: sent.append(send_frame(a, msg, 9)))
+        t.start()
+        h, got = recv_frame(b)
+        t.join()
+    assert got == msg and h.request_id == 9 and sent == [HEADER_SIZE + h.payload_len + 4]
+    assert got.hidden.flags.writeable and got.tokens.flags.writeable
+    got.hidden[0, 0] = 1.0                                                      # writable views of the payload
+
+
+def test_socketpair_eof_at_boundary_inside_a_frame_and_timeout():
+    data = GOLDEN_FRAMES["ckpt_save"]
+    for cut in range(len(data)):
+        a, b = socket.socketpair()
+        with a, b:
+            b.settimeout(10)
+            a.sendall(data[:cut])
+            a.shutdown(socket.SHUT_WR)
+            if cut == 0:
+                with pytest.raises(ConnectionError, match="^peer closed the link$"):
+                    recv_frame(b)
+            else:
+                with pytest.raises(FrameError, match="the link closed inside a frame's") as ei:
+                    recv_frame(b)
+                assert not isinstance(ei.value, ConnectionError)
+    a, b = socket.socketpair()
+    with a, b:
+        b.settimeout(0.05)
+        with pytest.raises(TimeoutError):
+            recv_frame(b)
+
+
+def test_pipelined_commit_settles_before_the_next_request():
+    """The ordering rules: a Commit sent ahead with ASYNC, its Ack read later, replies in request order."""
+    main, worker = socket.socketpair()
+    with main, worker:
+        main.settimeout(10)
+        worker.settimeout(10)
+        send_frame(main, Commit(19), 3, FLAG_ASYNC)                 # not waited for now
+        send_frame(main, Reset([1]), 4)                             # the next prompt: settle first
+        for _ in range(2):                                          # the worker answers in order
+            h, req = recv_frame(worker)
+            send_frame(worker, Ack(getattr(req, "pos", 0), 1, 100), h.request_id)
+        h, ack = recv_frame(main)
+        assert h.request_id == 3 and ack == Ack(19, 1, 100)         # the settle: the Commit's Ack comes first
+        h, ack = recv_frame(main)
+        assert h.request_id == 4 and ack == Ack(0, 1, 100)
+
+
+# ---------------------------------------------------------------- asyncio streams
+
+async def _pair():
+    a, b = socket.socketpair()
+    ra, wa = await asyncio.open_connection(sock=a)
+    rb, wb = await asyncio.open_connection(sock=b)
+    return (ra, wa), (rb, wb)
+
+
+async def _close(*writers):
+    for w in writers:
+        w.close()
+        try:
+            await w.wait_closed()
+        except OSError:
+            pass
+
+
+async def test_asyncio_round_trip_every_type():
+    (ra, wa), (rb, wb) = await _pair()
+    try:
+        for msg, rid, flags in golden_cases().values():
+            write_frame(wa, msg, rid, flags)
+        await wa.drain()
+        for msg, rid, flags in golden_cases().values():
+            h, got = await asyncio.wait_for(read_frame(rb), 10)
+            assert (h.request_id, h.flags, got) == (rid, flags, msg)
+    finally:
+        await _close(wa, wb)
+
+
+async def test_asyncio_large_payload_in_pieces_and_writable():
+    rng = np.random.default_rng(1)
+    msg = Result(3, 7, rng.standard_normal((1000, 576)).astype(np.float32))     # 2.3 MB > RECV_CHUNK
+    (ra, wa), (rb, wb) = await _pair()
+    try:
+        async def send():
+            write_frame(wa, msg, 5)
+            await wa.drain()
+        _, (h, got) = await asyncio.wait_for(asyncio.gather(send(), read_frame(rb)), 30)
+        assert got == msg and h.request_id == 5 and got.hidden.flags.writeable
+    finally:
+        await _close(wa, wb)
+
+
+async def test_asyncio_eof_and_limits():
+    data = GOLDEN_FRAMES["hello_ack"]
+    plen = len(data) - HEADER_SIZE - 4
+    for cut in (0, 1, 31, 32, 40, len(data) - 1):
+        got = cut if cut < HEADER_SIZE else cut - HEADER_SIZE if cut - HEADER_SIZE < plen else cut - HEADER_SIZE - plen
+        (ra, wa), (rb, wb) = await _pair()
+        try:
+            wa.write(data[:cut])
+            await wa.drain()
+            wa.write_eof()
+            if cut == 0:
+                with pytest.raises(ConnectionError, match="^peer closed the link$"):
+                    await asyncio.wait_for(read_frame(rb), 10)
+            else:
+                with pytest.raises(FrameError, match=f"closed inside a frame's .* \\({got} of "):
+                    await asyncio.wait_for(read_frame(rb), 10)
+        finally:
+            await _close(wa, wb)
+    (ra, wa), (rb, wb) = await _pair()
+    try:
+        wa.write(raw_frame(MsgType.FORWARD, b"", payload_len=2 ** 40)[:HEADER_SIZE])   # the payload never comes
+        await wa.drain()
+        with pytest.raises(FrameError, match="the limit is") as ei:
+            await asyncio.wait_for(read_frame(rb), 10)
+        assert ei.value.code == ErrorCode.LIMIT
+        wa.write(raw_frame(MsgType.PING, bytes(8), version=4))
+        await wa.drain()
+        with pytest.raises(VersionMismatch, match="protocol 4, this side speaks 5"):
+            await asyncio.wait_for(read_frame(rb), 10)
+    finally:
+        await _close(wa, wb)
+
+
+# ---------------------------------------------------------------- handshake authentication
+
+def test_hello_and_ack_macs():
+    hello = golden_cases()["hello"][0]
+    ack = golden_cases()["hello_ack"][0]
+    assert len(hello.mac) == 32 and link.verify(link.hello_mac(KEY, CHALLENGE_NONCE, hello), hello.mac)
+    assert link.verify(link.ack_mac(KEY, HELLO_NONCE, ack), ack.mac)
+    import hashlib
+    import hmac as hm
+    body = b"".join(encode_payload(Hello(**{**hello.__dict__, "mac": b""})))
+    assert hello.mac == hm.new(KEY, b"strata-link-5 hello\0" + CHALLENGE_NONCE + body, hashlib.sha256).digest()
+    assert not link.verify(link.hello_mac(KEY, HELLO_NONCE, hello), hello.mac)          # another challenge
+    assert not link.verify(link.hello_mac(KEY[::-1], CHALLENGE_NONCE, hello), hello.mac)  # another key
+    for field, value in (("lo", 1), ("fingerprint", "other"), ("next_hops", []), ("nonce", bytes(32)),
+                         ("ckpt_max", 64)):
+        changed = Hello(**{**hello.__dict__, field: value})
+        assert not link.verify(link.hello_mac(KEY, CHALLENGE_NONCE, changed), hello.mac), field
+    assert link.hello_mac(KEY, CHALLENGE_NONCE, Hello(**{**hello.__dict__, "mac": bytes(32)})) == hello.mac
+    assert link.ack_mac(KEY, CHALLENGE_NONCE, ack) != link.ack_mac(KEY, HELLO_NONCE, ack)
+    assert not link.verify(hello.mac, b"")
+    assert len(link.new_nonce()) == 32 and link.new_nonce() != link.new_nonce()
+
+
+def test_key_files(tmp_path):
+    p = tmp_path / "link.key"
+    key = link.write_key_file(p)
+    assert len(key) == 32 and p.read_bytes() == key and stat.S_IMODE(p.stat().st_mode) == 0o600
+    assert link.read_key_file(p) == key
+    with pytest.raises(LinkError, match=f"the link key file {p} already exists; refusing to overwrite it") as ei:
+        link.write_key_file(p)
+    assert ei.value.code == ErrorCode.AUTH and p.read_bytes() == key
+    os.chmod(p, 0o640)
+    with pytest.raises(LinkError, match=r"is open to group or others \(mode 0640\); chmod 600 it") as ei:
+        link.read_key_file(p)
+    assert ei.value.code == ErrorCode.AUTH
+    os.chmod(p, 0o604)
+    with pytest.raises(LinkError, match="open to group or others"):
+        link.read_key_file(p)
+    short = tmp_path / "short.key"
+    fd = os.open(short, os.O_WRONLY | os.O_CREAT, 0o600)
+    os.write(fd, b"x" * 31)
+    os.close(fd)
+    with pytest.raises(LinkError, match=f"the link key file {short} holds 31 bytes, at least 32 are needed"):
+        link.read_key_file(short)
+    with pytest.raises(LinkError, match="cannot read the link key file .*missing.key: No such file"):
+        link.read_key_file(tmp_path / "missing.key")
+    with pytest.raises(LinkError, match="is not a regular file"):
+        link.read_key_file(tmp_path)
+    big = tmp_path / "big.key"
+    fd = os.open(big, os.O_WRONLY | os.O_CREAT, 0o600)
+    os.write(fd, b"x" * 5000)
+    os.close(fd)
+    with pytest.raises(LinkError, match="5000 bytes, more than 4096"):
+        link.read_key_file(big)
+
+
+# ---------------------------------------------------------------- fuzz (shared with tools/fuzz_link.py)
+
+def fuzz_decode(blob) -> str:
+    """decode_frame(blob) returns a message that re-encodes to the same bytes ("accepted") or raises a one-line
+    LinkError ("refused"); anything else is a crash (the exception propagates)."""
+    try:
+        header, msg = decode_frame(blob)
+    except LinkError as e:
+        if "\n" in str(e):
+            raise AssertionError(f"multi-line error: {str(e)!r}")
+        return "refused"
+    again = frame_bytes(msg, header.request_id, header.flags)
+    if again != bytes(blob):
+        raise AssertionError("an accepted frame encodes back to other bytes")
+    return "accepted"
+
+
+def fuzz_stream(blob: bytes, step: int) -> str:
+    """recv_frame over a stream of `blob` delivered `step` bytes at a time: frames until a clean end
+    ("accepted": ConnectionError at a frame boundary) or a one-line LinkError ("refused")."""
+    s = TrickleSocket(blob, step)
+    for _ in range(len(blob) + 1):
+        try:
+            recv_frame(s)
+        except ConnectionError as e:
+            if s.at != len(blob) or str(e) != "peer closed the link":
+                raise AssertionError(f"ConnectionError before the end of the stream: {e}")
+            return "accepted"
+        except LinkError as e:
+            if "\n" in str(e):
+                raise AssertionError(f"multi-line error: {str(e)!r}")
+            return "refused"
+    raise AssertionError("the stream reader did not end")
+
+
+def fuzz_strategies():
+    """name -> (hypothesis strategy of one case, check(case) -> "accepted" | "refused")."""
+    from hypothesis import strategies as hs
+    names = sorted(GOLDEN_FRAMES)
+    changes = hs.lists(hs.tuples(hs.integers(0, 10 ** 6), hs.integers(0, 255)), min_size=0, max_size=6)
+    trunc = hs.one_of(hs.none(), hs.integers(0, 10 ** 6))
+
+    def payload_mutated(case):
+        name, ch, tr, extra = case
+        frame = GOLDEN_FRAMES[name]
+        p = mutate(payload_of(frame), ch, tr) if ch or tr is not None else payload_of(frame)
+        return fuzz_decode(raw_frame(frame[6] | frame[7] << 8, p + extra, flags=frame[8],
+                                     request_id=int.from_bytes(frame[12:20], "little")))
+
+    def header_fields(case):
+        t, version, flags, reserved, length, name, payload = case
+        frame = GOLDEN_FRAMES[name]                 # None: the golden frame's type / payload
+        t = frame[6] | frame[7] << 8 if t is None else t
+        payload = payload_of(frame) if payload is None else payload
+        return fuzz_decode(raw_frame(t, payload, version=version, flags=flags, reserved=reserved,
+                                     payload_len=length))
+
+    def stream(case):
+        picks, ch, tr, step = case
+        blob = b"".join(GOLDEN_FRAMES[n] for n in picks)
+        return fuzz_stream(mutate(blob, ch, tr) if blob and (ch or tr is not None) else blob, step)
+
+    return {
+        "random_bytes": (hs.binary(max_size=512), fuzz_decode),
+        "golden_mutated": (hs.tuples(hs.sampled_from(names), changes, trunc),
+                           lambda c: fuzz_decode(mutate(GOLDEN_FRAMES[c[0]], c[1], c[2]))),
+        "payload_mutated": (hs.tuples(hs.sampled_from(names), changes, trunc, hs.binary(max_size=8)),
+                            payload_mutated),
+        "random_payload": (hs.tuples(hs.sampled_from(list(MsgType)), hs.binary(max_size=400)),
+                           lambda c: fuzz_decode(raw_frame(c[0], c[1]))),
+        "header_fields": (hs.tuples(hs.one_of(hs.none(), hs.integers(0, 16)), hs.sampled_from([4, 5, 5, 5, 6, 0xFFFF]),
+                                    hs.sampled_from([0, 0, 1, 2, 0x8000]), hs.sampled_from([0, 0, 0, 1]),
+                                    hs.one_of(hs.none(), hs.integers(0, 2 ** 64 - 1)),
+                                    hs.sampled_from(names), hs.one_of(hs.none(), hs.binary(max_size=64))),
+                           header_fields),
+        "stream": (hs.tuples(hs.lists(hs.sampled_from(names), max_size=4), changes, trunc, hs.integers(1, 64)),
+                   stream),
+    }
+
+
+CI_FUZZ = {"random_bytes": 600, "golden_mutated": 1000, "payload_mutated": 1200, "random_payload": 800,
+           "header_fields": 400, "stream": 400}
+
+
+@pytest.mark.parametrize("name", sorted(CI_FUZZ))
+def test_fuzz(name):
+    """Every input decodes to a message that encodes back to the same bytes, or a one-line LinkError; nothing else."""
+    from hypothesis import HealthCheck, given, settings
+    strategy, check = fuzz_strategies()[name]
+
+    @settings(max_examples=CI_FUZZ[name], deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(strategy)
+    def run(case):
+        check(case)
+    run()
+
+
+def _message_strategy():
+    from hypothesis import strategies as hs
+    u16, u32, u64 = (hs.integers(0, 2 ** b - 1) for b in (16, 32, 64))
+    text = hs.text(max_size=24)
+    ids = hs.lists(u64, max_size=6)
+    mac = hs.one_of(hs.just(b""), hs.binary(min_size=32, max_size=32))
+    nonce = hs.binary(min_size=32, max_size=32)
+    hop = hs.builds(Hop, text, u16, u32, u32)
+
+    @hs.composite
+    def forward(draw):
+        n, e = draw(hs.integers(0, 5)), draw(hs.integers(0, 6))
+        dt = draw(hs.sampled_from(["<f4", "<f2"]))
+        tok = np.frombuffer(draw(hs.binary(min_size=4 * n, max_size=4 * n)), "<i4")
+        hid = np.frombuffer(draw(hs.binary(min_size=n * e * np.dtype(dt).itemsize,
+                                           max_size=n * e * np.dtype(dt).itemsize)), dt).reshape(n, e)
+        return Forward(draw(u32), draw(hs.booleans()), tok, hid)
+
+    @hs.composite
+    def result(draw):
+        r, e = draw(hs.integers(0, 5)), draw(hs.integers(0, 6))
+        dt = draw(hs.sampled_from(["<f4", "<f2"]))
+        size = r * e * np.dtype(dt).itemsize
+        return Result(draw(u32), draw(u64),
+                      np.frombuffer(draw(hs.binary(min_size=size, max_size=size)), dt).reshape(r, e))
+
+    return hs.one_of(
+        hs.builds(Challenge, nonce, hs.booleans(), text),
+        hs.builds(Hello, u16, text, u32, u32, u32, u32, text, u32, u32, u32, hs.lists(hop, max_size=3), nonce, mac),
+        hs.builds(HelloAck, u16, text, u32, u32, u32, u64, text, text, mac),
+        forward(), result(), hs.builds(Commit, u32), hs.builds(Reset, ids), hs.builds(CkptSave, u64, u32, ids),
+        hs.builds(CkptRestore, u64, u32, ids), hs.builds(Ack, u32, u32, u64),
+        hs.builds(Error, hs.sampled_from(list(ErrorCode)) | u16, text), hs.builds(Ping, u64),
+        hs.builds(Pong, u64), hs.builds(Bye, text))
+
+
+def test_round_trip_property():
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as hs
+
+    @settings(max_examples=600, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(_message_strategy(), hs.integers(0, 2 ** 64 - 1), hs.sampled_from([0, FLAG_ASYNC]))
+    def run(msg, rid, flags):
+        data = frame_bytes(msg, rid, flags)
+        h, got = decode_frame(data)
+        assert got == msg and (h.request_id, h.flags, h.type) == (rid, flags, link.msg_type(msg))
+        assert len(data) == HEADER_SIZE + h.payload_len + 4
+    run()
