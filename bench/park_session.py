@@ -128,6 +128,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", action="append", default=[])
     ap.add_argument("--synthetic-hybrid", default="small", help="a synthetic qwen35 of this preset size ('' = none)")
+    ap.add_argument("--hybrid-1_5b", action="store_true",
+                    help="instead: the ~1.5B qwen35 hybrid that bench/gpu_throughput.py writes (Q8_0, random)")
     ap.add_argument("--tokens", default="2048,8192")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default=None)
@@ -135,7 +137,11 @@ def main(argv=None) -> int:
     from strata import synth
     tmp = Path(tempfile.mkdtemp())
     models = list(args.model or ["default"])
-    if args.synthetic_hybrid:
+    if args.hybrid_1_5b:
+        from bench.gpu_hybrid_model import make_synthetic_hybrid
+        from strata.default_model import default_model_path
+        models.append(make_synthetic_hybrid(tmp / "hybrid_1_5b.gguf", default_model_path()))
+    elif args.synthetic_hybrid:
         models.append(str(synth.write_synthetic(tmp / "hybrid.gguf", synth.preset("qwen35", args.synthetic_hybrid))))
     res = {"device": args.device, "rows": []}
     for m in models:

@@ -11,7 +11,7 @@ from hypothesis import strategies as hst
 
 from strata.backend.cpu import CPUBackend
 from strata.cache import CheckpointCache
-from strata.engine.sequence import Sequence
+from strata.stages.sequence import Sequence
 from strata.memory import Carve, HybridMemory, KVMemory, PagePool, RecurrentMemory
 from strata.stages import Stage
 

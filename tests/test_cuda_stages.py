@@ -88,7 +88,7 @@ def test_split_checkpoint_part_round_trip_on_device_pages(default_runs):
     seq.forward(np.arange(5, 40, dtype=np.int32))
     parts = [st.read(io.BytesIO(b)) for st, b in zip(e.stages, blobs)]
     assert all(isinstance(p, StatePart) and not p.is_reference for p in parts)
-    from strata.engine.sequence import Checkpoint
+    from strata.stages.sequence import Checkpoint
     seq.restore(Checkpoint(pos=300, tokens=tuple(range(1, 301)), parts=parts))
     assert seq.hashes() == h
 
@@ -109,3 +109,38 @@ def test_hybrid_split_on_one_gpu_same_tokens_and_hashes(hybrid_path):
             print(f"hybrid split {s}: tokens {t[:10]} differing hashes {_differing(h, hb)[:8]}")
             assert t == tb, s
             assert h == hb, f"split {s}: {_differing(h, hb)}"
+
+
+def test_remote_stage_worker_on_the_same_gpu(default_runs):
+    """Main (layers 0-14, the head) and a `strata worker` process (layers 15-29) on cuda:0 over loopback: the same
+    greedy tokens as one process wherever the one-process run's top-2 margin is not a near tie (the main's head
+    runs as backend ops, not the plan's fused head), checkpoints resumed across the link."""
+    from strata.default_model import default_model_path
+    from strata.engine import Engine
+    from tests.test_remote_stage import WorkerProc
+    from tests.test_cuda_parity import NEAR_TIE_LOGIT as NEAR_TIE
+    engines, runs = default_runs
+    w = WorkerProc("--device", "cuda:0").start()
+    e = Engine(default_model_path(), n_ctx=1024, ubatch=128, device="cuda:0", layer_split="15", prompt_cache=6,
+               remote_stage=w.address)
+    try:
+        e.clear_checkpoints()
+        t1, f1 = _greedy(e, CHAT)
+        t2, f2 = _greedy(e, CHAT)
+        assert (f1.strata["resume_from"], f2.strata["resume_from"]) == ("none", "checkpoint")
+        assert t1 == t2
+        ref = runs[None][0][0]
+        if t1 != ref:
+            one = engines[None]
+            r = one.render_chat(CHAT)
+
+            def logits_after(prefix):
+                one.clear_checkpoints()
+                one.state_reset()
+                return np.asarray(one.seq.forward(np.asarray(list(r.tokens) + list(prefix), np.int32)))
+            from tests.cuda_marks import assert_parts_at_near_tie
+            assert_parts_at_near_tie(t1, ref, logits_after, NEAR_TIE)
+        assert e.stages[-1].status()["link"]["checkpoints_held"] > 0
+    finally:
+        e.close()
+        w.stop()

@@ -9,7 +9,9 @@
 #   device sampling); a `strata serve --device cuda:0,cuda:0 --layer-split 15` smoke request.
 # Stage C (same machine): bench/gpu_throughput.py before / after alternating (the plan rows, llama-bench in the same
 #   run), bench/engine_ab.py before / after / after with two stages on cuda:0.
-stage=${1:?A, B or C}
+# Stage D (same machine): bench/park_session.py (2K/16K/64K, the default model and the 1.5B hybrid) and
+#   bench/stage_link.py (main and worker as two processes on cuda:0), and the GPU remote-stage test.
+stage=${1:?A, B, C or D}
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/parts
 if [ "$stage" = A ]; then
@@ -63,6 +65,14 @@ if [ "$stage" = B ]; then
   curl -s -m 10 http://127.0.0.1:8765/status | head -c 1500 | tee -a "$OUT/serve.txt"; echo
   kill "$spid"; wait "$spid" 2>/dev/null
   tail -2 /tmp/lc_build.log
+  exit 0
+fi
+if [ "$stage" = D ]; then     # issue 21 / 22: parking and session files, the stage link (main + worker on cuda:0)
+  timeout ${PARK_T:-300} python3 bench/park_session.py --device cuda --tokens ${PARK_TOKENS:-2048,16384,65536} \
+    --hybrid-1_5b --out "$OUT/park_session_cuda.json" 2>&1 | grep -vE "it/s|^\s*$" | tail -12
+  timeout 240 python3 bench/stage_link.py --device cuda --prompt 2048 --decode 128 --rounds 3 \
+    --out "$OUT/stage_link_cuda.json" 2>&1 | grep -vE "it/s|^\s*$" | tail -12
+  t 240 tests/test_cuda_stages.py -k remote | tee "$OUT/t_remote.log"
   exit 0
 fi
 if [ "$stage" = C ]; then

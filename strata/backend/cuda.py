@@ -27,6 +27,7 @@ import numpy as np
 
 from strata.backend.base import Backend
 from strata.memory.kv import DEFAULT_PAGE_SIZE, PagedKV, PagePool
+from strata.memory.memory import host_copy
 
 # The kernel library's C declarations are native/cuda/strata_cuda.h (the header the .cu files compile against),
 # read by kernel_declarations(); nothing here repeats them.
@@ -600,7 +601,7 @@ class CudaBackend(Backend):
                              f"(this model: {head_dim} / {hv})")
         k = [cp.zeros((n_kv_head, n_pages, page_size, head_dim), cp.float32) for _ in layers]
         v = [cp.zeros((n_kv_head, n_pages, page_size, hv), cp.float32) for _ in layers]
-        return PagePool(layers, n_pages, page_size, n_kv_head, head_dim, k, v, to_host=cp.asnumpy, head_dim_v=hv)
+        return PagePool(layers, n_pages, page_size, n_kv_head, head_dim, k, v, to_host=host_copy, head_dim_v=hv)
 
     def fast_path(self, model, lo: int = 0, hi: int | None = None):
         """The runner of a stage running blocks [lo, hi) of `model` (hi None: all): GraphDecodeModel (one-token
@@ -781,7 +782,7 @@ class CudaPagePool(PagePool):
         dt = cp.int8 if kv == "q8_0" else cp.float16
         k = [cp.zeros(shape, dt) for _ in layers]
         v = [cp.zeros(shape, dt) for _ in layers]
-        super().__init__(layers, n_pages, page_size, n_kv_head, head_dim, k, v, to_host=cp.asnumpy)
+        super().__init__(layers, n_pages, page_size, n_kv_head, head_dim, k, v, to_host=host_copy)
         self.kv = kv
         self.cp = cp
         if kv == "q8_0":
@@ -1109,7 +1110,7 @@ class LlamaCuda:
             float(c.rms_eps)
         self.scale = float(model.scale)
         self.lo, self.hi = lo, hi                  # the carve: layers [lo, hi)
-        self.first, self.last = lo == 0, hi == self.n_layer   # holds the embeddings / the final norm and head
+        self.first, self.last = lo == 0, model.ends_with_head(hi)   # the embeddings / the final norm and head
         self.use_graphs = use_graphs
         self.n_sm = int(model.backend.n_sm)
         self.stream = cp.cuda.Stream(non_blocking=True)
@@ -1171,7 +1172,7 @@ class LlamaCuda:
             return f"{c.n_head // c.n_head_kv} query heads per KV head (at most 8)"
         # the embeddings only in the first stage, the output head only in the last
         if lo == 0 and not isinstance(model.tok_embd, DeviceWeight) or \
-                hi == model.config.n_layer and not isinstance(model.output, DeviceWeight):
+                model.ends_with_head(hi) and not isinstance(model.output, DeviceWeight):
             return "weights are not on the CUDA backend"
         return None
 

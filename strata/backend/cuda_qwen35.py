@@ -252,7 +252,7 @@ class Qwen35Cuda:
         self.n_embd, self.n_head, self.n_kv, self.hd = c.n_embd, c.n_head, c.n_head_kv, c.head_dim
         self.n_ff, self.n_vocab, self.n_layer = c.n_ff, c.n_vocab, model.n_layer
         self.lo, self.hi = lo, hi                  # the carve: layers [lo, hi) (the MTP block is never in one)
-        self.first, self.last = lo == 0, hi == self.n_layer   # holds the embeddings / the final norm and head
+        self.first, self.last = lo == 0, model.ends_with_head(hi)   # the embeddings / the final norm and head
         recurrent = model.recurrent[lo:hi]
         self.n_rot, self.theta, self.eps = int(model.n_rot), float(c.rope_theta), float(model.eps)
         self.scale = float(model.scale)

@@ -6,6 +6,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from strata.cache.retention import Kept, choose_victims, pinned_root
 
 __all__ = ["CheckpointCache", "PrefillPlan", "KINDS"]
@@ -23,7 +25,7 @@ class PrefillPlan:
     resume_pos: tokens of the prompt already in place before reading (0 <= resume_pos < len(prompt)).
     resume_from: "live" (the live sequence is a prefix of the prompt: read only the new tokens),
     "checkpoint" (restore ``snapshot`` first, then read from its position) or "none" (reset the sequence,
-    read from 0). snapshot: the strata.engine.sequence.Checkpoint to restore when resume_from == "checkpoint", else None.
+    read from 0). snapshot: the strata.stages.sequence.Checkpoint to restore when resume_from == "checkpoint", else None.
     part_ends: ascending positions where a part of the read ends (the last is len(prompt)); the engine
     reads [resume_pos, part_ends[0]), [part_ends[0], part_ends[1]), ... each in ubatch-sized forward calls.
     save_at: part end -> cut point kind: after the part ending there, save ``state.capture()`` with
@@ -86,6 +88,15 @@ def _snapshot_bytes(snap) -> int:
     return sum(int(a.nbytes) for parts in running.values() for a in parts.values())
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix of two token lists (numpy, not a per-token Python loop)."""
+    m = min(len(a), len(b))
+    if m == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:m], dtype=np.int64) != np.asarray(b[:m], dtype=np.int64))
+    return int(diff[0]) if diff.size else m
+
+
 class CheckpointCache:
     """The engine's conversation checkpoints over its one KV arena (DESIGN.md §2, seeds #62, #861).
 
@@ -126,22 +137,25 @@ class CheckpointCache:
     # ---- the request loop ------------------------------------------------------------------------
     def plan(self, state, prompt_tokens, cut_points, *, checkpoint: bool = True,
              cache_prompt: bool = True) -> PrefillPlan:
-        """Decide how to read ``prompt_tokens`` on ``state`` (a strata.engine.sequence.Sequence: its token ids).
+        """Decide how to read ``prompt_tokens`` on ``state`` (a strata.stages.sequence.Sequence: its token ids).
 
         Resume rules, first that applies:
 
         1. cache_prompt=False (llama.cpp's meaning): reuse nothing, read from 0; every checkpoint is erased.
         2. live: the previous request left a live session (its checkpoint flag was not False) and
            ``state.tokens`` is a non-empty, strictly shorter prefix of the prompt: read only the new tokens.
+           Or, for a prompt without cut points (a raw completion) on a sequence that can be cut back
+           (attention-only: ``state.can_truncate``), the longest common prefix of the two (at most
+           len(prompt) - 1) when it is deeper than every usable checkpoint: the engine cuts the K/V back there
+           and reads the rest (llama.cpp's server does the same). Chat prompts resume at their cut points.
         3. checkpoint: the deepest kept checkpoint, shorter than the prompt, whose tokens are a prefix of the
            prompt and of ``state.tokens``. Never the full prompt: one token at least is read so there are
            logits; a checkpoint at len(prompt) steps back to the next shallower one. Mounting re-dates it.
         4. none: read from 0 (the engine resets the sequence).
 
-        The same rules hold for every architecture: an attention-only sequence could cut its KV back to
-        any common prefix, but a resume point that is not a saved cut point would split the read where the
-        first read did not, and the same request sent twice would no longer read the same parts (the
-        exactness property, DESIGN.md §4). So nothing is resumed except a live end or a checkpoint.
+        A resume point that is not a saved cut point splits the read where the first read did not. The CPU
+        kernels give the same bits for any split of tokens into calls, so a request sent twice still answers
+        the same; on a GPU the same greedy tokens wherever the top-2 margin is not a near tie.
 
         Parts: the kept cut points after the resume point, de-duplicated, plus len(prompt). Kept: the
         template's root / message / turn / pin points, periodic points every ``every`` tokens (absolute
@@ -175,7 +189,7 @@ class CheckpointCache:
             erased: list[int] = []
             resume, source, snap = 0, "none", None
             if cache_prompt:
-                resume, source, best = self._choose(prompt, state_tokens)
+                resume, source, best = self._choose(prompt, state_tokens, state, cut_back=not cuts)
                 if best is not None:
                     snap = best.snapshot
                     self._clock += 1
@@ -205,7 +219,8 @@ class CheckpointCache:
         return PrefillPlan(resume_pos=resume, resume_from=source, snapshot=snap, part_ends=part_ends,
                            save_at=save_at, keep_live=checkpoint, erased=sorted(erased))
 
-    def _choose(self, prompt: list[int], state_tokens: list[int]) -> tuple[int, str, Any]:
+    def _choose(self, prompt: list[int], state_tokens: list[int], state=None, cut_back: bool = True
+                ) -> tuple[int, str, Any]:
         """Rules 2-4 of ``plan``: (resume position, "live" | "checkpoint" | "none", the checkpoint entry or None)."""
         n, L = len(prompt), len(state_tokens)
         if self._live_ok and 0 < L < n and prompt[:L] == state_tokens:
@@ -215,14 +230,22 @@ class CheckpointCache:
             if e.pos < n and e.pos <= L and prompt[:e.pos] == list(e.tokens) and state_tokens[:e.pos] == list(e.tokens):
                 if best is None or e.pos > best.pos:
                     best = e
+        # an attention-only sequence cuts its K/V back to the longest common prefix (at most n - 1: one token is
+        # read for the logits) when that skips more than any checkpoint does
+        can_cut = getattr(state, "can_truncate", None)
+        if cut_back and self._live_ok and can_cut is not None and L > 0:
+            k = min(common_prefix(prompt, state_tokens), n - 1)
+            if k > (best.pos if best is not None else 0) and can_cut(k):
+                return k, "live", None
         return (best.pos, "checkpoint", best) if best is not None else (0, "none", None)
 
-    def peek(self, state, prompt_tokens, cache_prompt: bool = True) -> int:
-        """The position ``plan`` would resume ``prompt_tokens`` at on ``state`` now (no side effects)."""
+    def peek(self, state, prompt_tokens, cache_prompt: bool = True, cut_back: bool = False) -> int:
+        """The position ``plan`` would resume ``prompt_tokens`` at on ``state`` now (no side effects); cut_back: the
+        prompt has no cut points (see ``plan``)."""
         if not cache_prompt:
             return 0
         with self._lock:
-            return self._choose([int(t) for t in prompt_tokens], list(state.tokens))[0]
+            return self._choose([int(t) for t in prompt_tokens], list(state.tokens), state, cut_back)[0]
 
     def deepest(self) -> int:
         """The deepest kept checkpoint's position (0 when none is kept)."""
@@ -278,7 +301,7 @@ class CheckpointCache:
         return out
 
     def save(self, pos: int, kind: str, snapshot) -> list[int]:
-        """Keep ``snapshot`` (a strata.engine.sequence.Checkpoint taken at ``pos``) as a checkpoint of kind ``kind``.
+        """Keep ``snapshot`` (a strata.stages.sequence.Checkpoint taken at ``pos``) as a checkpoint of kind ``kind``.
 
         Checkpoints that the snapshot's tokens contradict (no longer a prefix of what the arena holds) are
         erased; an existing one at ``pos`` is replaced; then retention (strata.cache.retention) evicts.

@@ -192,6 +192,10 @@ def cmd_status(c: Client, args) -> int:
         extra = f", KV {kvm.get('pages_used')} / {kvm.get('pages_total')} pages" if kvm else ""
         if m.get("running"):
             extra += f", {m['running'].get('layers')} recurrent layers"
+        lk = s.get("link")
+        if lk:
+            extra += (f", link up (round trip {lk.get('rtt_ms')} ms, {lk.get('checkpoints_held')} checkpoint parts "
+                      f"held)" if lk.get("up") else f", link DOWN: {lk.get('down_reason')}")
         return f"{s.get('stage')}: {s.get('device')} {_layers(s.get('layers'))}{extra}"
     stages = "; ".join(_stage(s) for s in d.get("stages", []))
     _out(args, d, _kv([

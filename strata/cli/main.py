@@ -10,7 +10,7 @@ from strata.cli.chat_input import parse_chat_line
 
 # Modules that add subcommands: each exposes add_parser(subparsers) -> the parser it added, whose
 # `func` default is called with the parsed args and returns an exit status. Missing modules are skipped.
-SUBCOMMAND_MODULES = ["strata.serve.cli"]
+SUBCOMMAND_MODULES = ["strata.serve.cli", "strata.cli.worker"]
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -44,8 +44,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache type on CUDA: f16 (default) or q8_0 (int8 + a scale per 32 values, ~half the "
                         "memory); the CPU backend keeps float32")
     c = p.add_argument_group("conversation checkpoints")
-    c.add_argument("--prompt-cache", type=_nonneg_int, default=6,
-                   help="checkpoints kept (default 6; 0 turns them off; 1 is plain FIFO without the root pin)")
+    c.add_argument("--prompt-cache", type=_nonneg_int, default=None,
+                   help="checkpoints kept (default 6, or 0 with --remote-stage; 0 turns them off; 1 is plain FIFO "
+                        "without the root pin)")
     c.add_argument("--prompt-cache-every", type=_nonneg_int, default=0,
                    help="also cut the prompt every N tokens (0 = off)")
     c.add_argument("--prompt-cache-root", type=_nonneg_int, default=0,
@@ -60,6 +61,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="disk budget of --conversation-cache-dir (MiB, default 8192)")
     c.add_argument("--slot-save-path", default=None, metavar="DIR",
                    help="directory of session files (POST /slots/0?action=save|restore; stratactl save|restore)")
+    r = p.add_argument_group("remote stages (the stage link)")
+    r.add_argument("--remote-stage", default=None, metavar="HOST:PORT[,HOST:PORT...]",
+                   help="workers (strata worker) that run the last layers, in chain order: the first relays to "
+                        "the next; the main keeps the embeddings, the output head and sampling")
+    r.add_argument("--link-key-file", default=None, metavar="FILE",
+                   help="the stage link's shared key (strata worker --gen-key FILE writes one)")
 
 
 def engine_args_error(args) -> str | None:
@@ -72,6 +79,18 @@ def engine_args_error(args) -> str | None:
     if split not in (None, "auto") and len(devices) > 1 and len(devices) != split.count(",") + 2:
         return (f"--layer-split {split} makes {split.count(',') + 2} stages but --device lists {len(devices)} "
                 f"devices: give one device per stage, or one for all")
+    remote = getattr(args, "remote_stage", None)
+    if remote:
+        from strata.stages.remote import parse_remote
+        try:
+            parse_remote(remote)
+        except ValueError as e:
+            return f"--remote-stage: {e}"
+        for flag in ("conversation_cache_dir", "slot_save_path"):
+            if getattr(args, flag, None):
+                return f"--{flag.replace('_', '-')} is not supported with --remote-stage yet"
+        if getattr(args, "conversation_cache_mib", None):
+            return "--conversation-cache-mib (parking) is not supported with --remote-stage yet"
     for flag in ("slot_save_path", "conversation_cache_dir"):
         d = getattr(args, flag, None)
         if d is not None and not os.path.isdir(d):
@@ -88,7 +107,8 @@ def engine_kwargs(args) -> dict:
                 conversation_cache_mib=getattr(args, "conversation_cache_mib", None),
                 slot_save_path=getattr(args, "slot_save_path", None),
                 conversation_cache_dir=getattr(args, "conversation_cache_dir", None),
-                conversation_cache_disk_mib=getattr(args, "conversation_cache_disk_mib", 8192))
+                conversation_cache_disk_mib=getattr(args, "conversation_cache_disk_mib", 8192),
+                remote_stage=getattr(args, "remote_stage", None), link_key_file=getattr(args, "link_key_file", None))
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -11,6 +11,8 @@ from typing import Any
 import numpy as np
 import structlog
 
+import link
+
 from strata import quant
 from pathlib import Path
 
@@ -18,13 +20,14 @@ from strata.cache import session
 from strata.cache.checkpoints import CheckpointCache
 from strata.cache.conversation import Conversation, DiskTier, ParkStore, SavedCheckpoint
 from strata.default_model import resolve_model
-from strata.engine.sequence import Checkpoint, Sequence
+from strata.stages.sequence import Checkpoint, Sequence
 from strata.memory import KVCacheFull, PartMismatch
 from strata.engine.types import (ContextOverflow, EmptyPrompt, FinalEvent, GenerationRequest, TokenEvent)
 from strata.gguf_file import ModelLoadError, open_gguf
 from strata.sampling import Sampler, SamplingParams, StopMatcher
 from strata.sampling_device import DeviceSampler
 from strata.stages import build_stages, parse_devices, parse_split
+from strata.stages.remote import CheckpointGone, RemoteStage, parse_remote
 from strata.tokenizer import StreamDecoder, Tokenizer
 
 log = structlog.get_logger("strata.engine")
@@ -44,7 +47,10 @@ class Engine:
     comma list (one device per stage, or one for all). layer_split: None, "auto" or "L1,L2,..." (the first layer
     of each later stage; strata.stages.split). n_ctx: context length in
     tokens (the KV page pool is sized for it). ubatch: tokens per forward call while reading a prompt.
-    threads: C-core threads (None: all cores). prompt_cache: checkpoints kept (0 = off; see strata.cache).
+    threads: C-core threads (None: all cores). prompt_cache: checkpoints kept (0 = off; None: 6, or 0 with a
+    remote stage; see strata.cache).
+    remote_stage: 'HOST:PORT[,HOST:PORT...]', workers running the last carves (a chain; strata.stages.remote);
+    link_key_file: the stage link's key (strata worker --gen-key).
     conversation_cache_mib: parked conversations' RAM budget (None: 25 % of host RAM; 0: no parking).
     slot_save_path: the directory of session files (None: saving and restoring them is refused).
     conversation_cache_dir / conversation_cache_disk_mib: the disk tier of parking (the conversations RAM drops,
@@ -59,17 +65,24 @@ class Engine:
     """
 
     def __init__(self, model: str | os.PathLike = "default", *, n_ctx: int = 4096, ubatch: int = 512,
-                 threads: int | None = None, device: str = "cpu", kv: str = "f16", prompt_cache: int = 6,
+                 threads: int | None = None, device: str = "cpu", kv: str = "f16", prompt_cache: int | None = None,
                  prompt_cache_every: int = 0, prompt_cache_root: int = 0, prompt_cache_mib: int = 1024,
                  prompt_cache_tail: int = 0, progress=None, layer_split: str | None = None,
                  conversation_cache_mib: int | None = None, slot_save_path: str | os.PathLike | None = None,
-                 conversation_cache_dir: str | os.PathLike | None = None, conversation_cache_disk_mib: int = 8192):
+                 conversation_cache_dir: str | os.PathLike | None = None, conversation_cache_disk_mib: int = 8192,
+                 remote_stage: str | None = None, link_key_file: str | os.PathLike | None = None):
         if n_ctx < 2:
             raise ValueError(f"n_ctx must be >= 2, got {n_ctx}")
         if ubatch < 1:
             raise ValueError(f"ubatch must be >= 1, got {ubatch}")
+        remote = parse_remote(remote_stage)
+        if prompt_cache is None:
+            prompt_cache = 0 if remote else 6    # a remote main sends no checkpoint message unless asked (#1887)
         if prompt_cache < 0:
             raise ValueError(f"prompt_cache must be >= 0, got {prompt_cache}")
+        if remote:
+            _check_remote_flags(conversation_cache_mib, conversation_cache_dir, prompt_cache_every, prompt_cache_tail)
+            conversation_cache_mib = 0
         devices = parse_devices(device)
         split = parse_split(layer_split)
         if kv not in ("f16", "q8_0"):
@@ -98,7 +111,15 @@ class Engine:
         if n_train and self.n_ctx > n_train:    # llama.cpp warns the same way (n_ctx_per_seq > n_ctx_train)
             log.warning("n_ctx exceeds the model's training context: quality degrades past it", n_ctx=self.n_ctx,
                         n_ctx_train=n_train, model=self.model_name)
-        self.stages = build_stages(self.file, devices, split, self.n_ctx, kv, progress)
+        key = link.read_key_file(link_key_file) if link_key_file else None
+
+        def make_remote(index, hops, model):
+            return RemoteStage(index, hops, model, fingerprint=self.file.fingerprint(), n_ctx=self.n_ctx,
+                               max_batch=self.ubatch, ckpt_max=self.prompt_cache, key=key)
+
+        self.remote = remote
+        self.stages = build_stages(self.file, devices, split, self.n_ctx, kv, progress, remote=remote,
+                                   make_remote=make_remote)
         try:
             self.tokenizer = Tokenizer.from_gguf(self.file.metadata)
         except ValueError as e:
@@ -277,14 +298,14 @@ class Engine:
         with open(path, "rb") as f:
             return session.read(f, self.file.fingerprint(), self.stages, self.n_ctx)
 
-    def _switch(self, prompt: list[int], cache_prompt: bool, trace: bool) -> str | None:
+    def _switch(self, prompt: list[int], cache_prompt: bool, trace: bool, cut_back: bool = False) -> str | None:
         """Before a request is planned: when a parked conversation (RAM, else disk) skips more of `prompt` than
         the live one and its checkpoints do, park the live one and restore that one ("park" / "disk"); when the
         request leaves the live conversation (it resumes before the live one's deepest checkpoint), park the live
         one (None)."""
         if self.park is None or not cache_prompt:
             return None
-        here = self.cache.peek(self.seq, prompt)
+        here = self.cache.peek(self.seq, prompt, cut_back=cut_back)
         conv, depth = self.park.best(prompt)
         path, ddepth = self.disk.best(prompt) if self.disk is not None else (None, 0)
         if (conv is not None and depth > here) or (path is not None and ddepth > here):
@@ -313,6 +334,8 @@ class Engine:
         return None
 
     def _session_path(self, filename) -> Path:
+        if self.remote:
+            raise session.SessionError("session files are not supported with a remote stage (--remote-stage) yet")
         if self.slot_save_path is None:
             raise session.SessionError("session files need --slot-save-path DIR (the directory they are kept in)")
         return session.check_filename(self.slot_save_path, filename)
@@ -385,7 +408,11 @@ class Engine:
         boundary inside a part, so it is not offered for live continuation (a later read of that part must
         split it the same way as the first); checkpoints of the parts completed stay."""
         n = len(prompt)
-        unparked = self._switch(prompt, req.cache_prompt, trace)      # "park" | "disk" | None
+        if self.seq.lost():        # a remote stage reconnected: the worker holds none of it any more
+            log.warning("a remote stage lost the live sequence and its checkpoints: reading from 0")
+            self._forget_live()
+            self.cache.clear()
+        unparked = self._switch(prompt, req.cache_prompt, trace, cut_back=not req.cut_points)  # "park" | "disk" | None
         plan = self.cache.plan(self.seq, prompt, list(req.cut_points or ()), checkpoint=req.checkpoint,
                                cache_prompt=req.cache_prompt)      # cut points were checked by _validate
         if plan.resume_pos > 0 and (unparked or self._from_session):
@@ -395,11 +422,19 @@ class Engine:
         try:
             st = self.seq
             if plan.snapshot is not None:
-                st.restore(plan.snapshot)
+                try:
+                    st.restore(plan.snapshot)
+                except CheckpointGone as e:      # the worker restarted or reconnected: read from token 0
+                    log.warning("a checkpoint is gone from the worker: reading from 0", error=str(e))
+                    self._forget_live()
+                    self.cache.clear()
+                    plan = self.cache.plan(self.seq, prompt, list(req.cut_points or ()), checkpoint=req.checkpoint,
+                                           cache_prompt=req.cache_prompt)
             elif plan.resume_from == "none" or plan.resume_pos == 0:
                 st.reset()
             elif plan.resume_pos < st.pos:
                 st.truncate(plan.resume_pos)
+            st.settle()                # the worker's Commits land before the prompt is read (seed #1887)
             resume = plan.resume_pos
             if st.pos != resume or not 0 <= resume < n or st.tokens != prompt[:resume]:
                 raise RuntimeError(f"internal: plan resumes at {resume} ({plan.resume_from}) but the sequence "
@@ -541,6 +576,16 @@ class Engine:
         yield final
 
     # ---- visibility ------------------------------------------------------------------------------
+    def unavailable(self) -> str | None:
+        """Why no request can run now (a remote stage's link is down and reconnecting), or None."""
+        return self.seq.unavailable()
+
+    def close(self) -> None:
+        """Stop the stage links' threads and close their connections."""
+        for st in self.stages:
+            if hasattr(st, "close"):
+                st.close()
+
     def checkpoints(self) -> list[dict]:
         """The kept checkpoints, for `stratactl cache`: dicts with pos, kind, bytes, last_use (see strata.cache)."""
         return list(self.cache.entries()) if self.prompt_cache > 0 else []
@@ -627,6 +672,16 @@ class Engine:
 
 
 # ---- helpers -------------------------------------------------------------------------------------
+
+def _check_remote_flags(conversation_cache_mib, conversation_cache_dir, every, tail) -> None:
+    """ValueError (one line) for what a remote stage does not support yet (seed #1887)."""
+    if conversation_cache_mib or conversation_cache_dir:
+        raise ValueError("parking (--conversation-cache-mib / --conversation-cache-dir) is not supported with a "
+                         "remote stage (--remote-stage) yet")
+    if every or tail:
+        raise ValueError("mid-prompt checkpoints (--prompt-cache-every / --prompt-cache-tail) are not supported "
+                         "with a remote stage (--remote-stage)")
+
 
 def _available_ram() -> int | None:
     """MemAvailable from /proc/meminfo in bytes, or None when it cannot be read (then nothing is parked)."""

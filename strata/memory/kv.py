@@ -102,7 +102,7 @@ class PagePool:
             for name, a in self.storage(slot).items():
                 view = a[self._at(idx)]
                 out[f"L{layer}.{name}"] = np.array(view, order="C") if isinstance(a, np.ndarray) else \
-                    np.ascontiguousarray(self.to_host(view))      # a device array: to_host copies
+                    self.to_host(view)      # a device array: to_host copies (pinned host memory on CUDA)
         return out
 
     def page_arrays(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:

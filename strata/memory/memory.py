@@ -63,6 +63,19 @@ def _host(a: Any) -> np.ndarray:
     return a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else np.asarray(a)
 
 
+def host_copy(a: Any) -> np.ndarray:
+    """A C-contiguous host copy of a numpy or CuPy array. A CuPy array lands in pinned (page-locked) host memory from
+    CuPy's pinned pool, so parking moves state at the bus's copy bandwidth and the copy back to the device is a
+    direct DMA."""
+    if isinstance(a, np.ndarray) or not hasattr(a, "get"):
+        return np.array(a, order="C")
+    import cupy
+    a = cupy.ascontiguousarray(a)
+    out = np.frombuffer(cupy.cuda.alloc_pinned_memory(max(1, a.nbytes)), a.dtype, a.size).reshape(a.shape)
+    a.get(out=out)
+    return out
+
+
 def _sha(*arrays) -> str:
     h = hashlib.sha256()
     for a in arrays:
@@ -226,7 +239,7 @@ class Memory(ABC):
         """A checkpoint part to keep apart from the engine with its conversation: the running state as host copies
         and the K/V as a prefix of the conversation's own (KVPages.is_prefix), so it costs no K/V bytes."""
         return StatePart(carve=part.carve, geometry=part.geometry, pos=part.pos,
-                         running={li: {k: np.array(_host(a)) for k, a in d.items()} for li, d in part.running.items()},
+                         running={li: {k: host_copy(a) for k, a in d.items()} for li, d in part.running.items()},
                          kv={name: KVPages(length=kvp.length) for name, kvp in part.kv.items()})
 
     def attach_prefix(self, sid: int, part: StatePart) -> StatePart:
@@ -243,7 +256,7 @@ class Memory(ABC):
         """The same part holding its K/V and running state as host copies (parking, session files). A part that
         references pages must be materialized while its sequence still holds them."""
         out = StatePart(carve=part.carve, geometry=part.geometry, pos=part.pos,
-                        running={li: {k: np.array(_host(a)) for k, a in d.items()} for li, d in part.running.items()})
+                        running={li: {k: host_copy(a) for k, a in d.items()} for li, d in part.running.items()})
         self._materialize(part, out)
         return out
 

@@ -73,6 +73,7 @@ class Model(ABC):
         self.backend = backend
         self.attn_layers: list[int] = list(range(self.config.n_layer))
         self.loaded_layers = layers
+        self.head_here = True        # False on a worker: its last carve returns hidden states, the main runs the head
         self._progress = progress
         self._bar = None
         self._loaded = 0
@@ -111,6 +112,22 @@ class Model(ABC):
     def n_blocks(self) -> int:
         """The main model's blocks (an MTP drafter block, if any, is not one of them)."""
         return self.config.n_layer
+
+    def ends_with_head(self, hi: int) -> bool:
+        """Whether a carve ending at block `hi` ends with the final norm and the output head (the last block, unless
+        this model runs on a worker: the main keeps the head)."""
+        return hi == self.n_blocks and self.head_here
+
+    def head(self, x, all_logits: bool = False, on_device: bool = False):
+        """The final norm and the output head over hidden states x (n, n_embd) -> float32 logits of the last row
+        (n_vocab,), or of every row with all_logits; host numpy, or a backend array with on_device."""
+        be = self.backend
+        if not all_logits:
+            x = x[-1:]
+        logits = be.matmul(be.rms_norm(x, self.out_norm, self.config.rms_eps), self.output)
+        if not on_device:
+            logits = be.to_host(logits)
+        return logits if all_logits else logits[0]
 
     def loads(self, i: int) -> bool:
         """Whether block i is uploaded on this backend (see ``layers``)."""

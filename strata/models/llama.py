@@ -163,13 +163,7 @@ class LlamaModel(Model):
             else:
                 act = be.swiglu(be.matmul(h, L.w_gate), be.matmul(h, L.w_up))
             x = x + be.matmul(act, L.w_down)
-        out = x
-        if hi == self.n_blocks:
-            if not all_logits:
-                x = x[n - 1:]
-            x = be.rms_norm(x, self.out_norm, c.rms_eps)
-            logits = be.to_host(be.matmul(x, self.output))
-            out = logits if all_logits else logits[0]
+        out = self.head(x, all_logits) if self.ends_with_head(hi) else x
         kv.commit(n)
         state.advance(tokens)
         return out

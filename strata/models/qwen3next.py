@@ -277,7 +277,7 @@ class Qwen3NextModel(Model):
 
     def _drafter_memory(self, n_ctx: int, carve: Carve, n_seq: int, page_size: int) -> list[Memory]:
         """The MTP block's K/V ("draft") on the last stage."""
-        if self.mtp is None or carve.hi != self.n_layer:
+        if self.mtp is None or not self.ends_with_head(carve.hi):
             return []
         return [KVMemory(carve, self.new_mtp_pool(n_ctx, n_seq, page_size), name="draft", identity=self.identity())]
 
@@ -398,13 +398,7 @@ class Qwen3NextModel(Model):
         a bad carve, and KVCacheFull when the page pool cannot hold the new tokens."""
         tokens = self._check_carve(tokens, state, lo, hi, x_in)
         x = self._blocks(tokens, state, lo, hi, x_in)
-        if hi < self.n_layer:
-            return x
-        if not all_logits:
-            x = x[-1:]
-        h = self.backend.rms_norm(x, self.out_norm, self.eps)
-        logits = self.backend.to_host(self.backend.matmul(h, self.output))
-        return logits if all_logits else logits[0]
+        return self.head(x, all_logits) if self.ends_with_head(hi) else x
 
     # --- MTP drafter -------------------------------------------------------------------------------
     def new_mtp_pool(self, n_ctx: int, n_seq: int = 1, page_size: int = DEFAULT_PAGE_SIZE) -> PagePool:

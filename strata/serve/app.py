@@ -160,6 +160,15 @@ def _engine(request: web.Request):
     return w.engine
 
 
+def _serving_engine(request: web.Request):
+    """_engine, and 503 at once (code worker_unavailable) while a remote stage's link is down."""
+    engine = _engine(request)
+    why = engine.unavailable() if hasattr(engine, "unavailable") else None
+    if why:
+        raise ApiError(503, why, code="worker_unavailable", headers={"Retry-After": "1"})
+    return engine
+
+
 def _model_ids(engine) -> list[str]:
     return [engine.model_name]
 
@@ -196,6 +205,8 @@ def _engine_error(err: EngineError) -> ApiError:
     if isinstance(e, ShuttingDown):
         return ApiError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "5"})
     name = type(e).__name__
+    if getattr(e, "http_status", None):     # a stage link failure (strata.stages.remote): 503 with its code
+        return ApiError(int(e.http_status), str(e), code=getattr(e, "api_code", "engine_error"))
     if name == "ContextOverflow":
         return ApiError(400, str(e), param="messages", code="context_length_exceeded")
     if isinstance(e, ValueError):
@@ -227,6 +238,9 @@ async def health(request: web.Request) -> web.Response:
     w = request.app[WORKER_KEY]
     if w.engine is None:
         return _json({"status": "loading" if w.load_error is None else "error"}, 503)
+    why = w.engine.unavailable() if hasattr(w.engine, "unavailable") else None
+    if why:
+        return _json({"status": "unavailable", "error": why}, 503)
     return _json({"status": "ok" if not w.closing else "stopping", "model": w.engine.model_name,
                   "queue": {"running": int(w.running is not None), "waiting": w.waiting, "max": w.queue_max}},
                  200 if not w.closing else 503)
@@ -271,7 +285,8 @@ async def status(request: web.Request) -> web.Response:
     return _json({
         "version": __version__, "model": engine.model_name, "uptime_s": round(time.time() - request.app[STARTED_KEY], 1),
         "stages": [{"stage": s["index"], "device": s["device"], "layers": [s["layer_lo"], s["layer_hi"]],
-                    "remote": False, "runner": s["runner"], "memory": s["memory"]} for s in st.get("stages", [])],
+                    "remote": "link" in s, "runner": s["runner"], "memory": s["memory"],
+                    **({"link": s["link"]} if "link" in s else {})} for s in st.get("stages", [])],
         "queue": {"running": int(w.running is not None), "waiting": w.waiting, "max": w.queue_max},
         "listen": {"socket": cfg.socket_path, "tcp": cfg.tcp_address()},
         "device": engine.device_info(),
@@ -338,7 +353,7 @@ def _submit(w: EngineWorker, what, *, call: bool = False, rid: str = "") -> Job:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await _read_body(request)
     p = schema.parse_chat(body)
-    engine = _engine(request)
+    engine = _serving_engine(request)
     _check_model(engine, p.model)
     loop = asyncio.get_running_loop()
     try:
@@ -355,7 +370,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def completions(request: web.Request) -> web.StreamResponse:
     body = await _read_body(request)
     p = schema.parse_completion(body)
-    engine = _engine(request)
+    engine = _serving_engine(request)
     _check_model(engine, p.model)
     if isinstance(p.prompt, str):
         text = p.prompt

@@ -104,7 +104,9 @@ async def serve(cfg: ServeConfig, engine_factory: Callable[[], Any]) -> int:
         if worker.loaded in done:
             exc = worker.loaded.exception()
             if exc is not None:
-                raise StartupError(f"the model failed to load: {exc}")
+                what = "the stage link failed" if getattr(exc, "api_code", "") == "worker_unavailable" else \
+                    "the model failed to load"
+                raise StartupError(f"{what}: {exc}")
             eng = worker.engine
             log.info("model loaded", model=eng.model_name, n_ctx=eng.n_ctx,
                      load_ms=round(getattr(eng, "load_ms", 0.0), 1))

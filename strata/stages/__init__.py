@@ -8,7 +8,8 @@ from strata.memory import Carve
 from strata.stages.split import parse_devices, parse_split, plan_stages
 from strata.stages.stage import ModelRunner, Stage
 
-__all__ = ["ModelRunner", "Stage", "build_stages", "make_backend", "parse_devices", "parse_split", "plan_stages"]
+__all__ = ["ModelRunner", "Stage", "build_stages", "load_stages", "make_backend", "n_main_blocks", "parse_devices",
+           "parse_split", "plan_stages"]
 
 
 def make_backend(device: str, kv: str = "f16"):
@@ -38,23 +39,40 @@ def _runner(backend, model, carve: Carve):
 
 
 def build_stages(gguf_file, devices: list[str], split, n_ctx: int, kv: str = "f16", progress=None,
-                 load=None) -> list[Stage]:
+                 load=None, remote: list[str] = (), make_remote=None) -> list[Stage]:
     """Load the model in `gguf_file` (an opened GGUFModelFile) onto the stages that --device / --layer-split
     describe: one backend and one model per distinct device (holding the blocks of that device's carves), one
     memory per stage sized for n_ctx tokens. `load(file, backend, progress, layers)` builds a model
-    (default strata.models.base.load_model). ValueError (one line) for a bad split or device."""
-    from strata.models.base import load_model, model_class
-    load = load or load_model
-    n_blocks = _n_blocks(gguf_file, model_class(gguf_file.arch))
+    (default strata.models.base.load_model). `remote`: the --remote-stage chain's addresses, which run the last
+    carves; `make_remote(index, hops, model)` makes the one stage standing for them (hops: [(address, carve)],
+    model: the last local stage's, which runs the output head). ValueError (one line) for a bad split or device."""
+    from strata.models.base import model_class
+    n_blocks = n_main_blocks(gguf_file, model_class(gguf_file.arch))
     backends: dict[str, Any] = {}
     for d in devices:
         if d not in backends:
             backends[d] = make_backend(d, kv)
-    plan = plan_stages(devices, split, n_blocks, lambda d: backends[d].total_memory())
+    plan = plan_stages(devices, split, n_blocks, lambda d: backends[d].total_memory(), remote=remote)
+    hops = [(d, c) for c, d in plan[len(plan) - len(remote):]] if remote else []
+    stages = load_stages(gguf_file, plan[:len(plan) - len(remote)], backends, n_ctx, progress, load)
+    if hops:
+        stages.append(make_remote(len(stages), hops, stages[-1].model))
+    return stages
+
+
+def load_stages(gguf_file, plan: list[tuple[Carve, str]], backends: dict[str, Any], n_ctx: int, progress=None,
+                load=None, head_here: bool = True) -> list[Stage]:
+    """The stages of `plan` ((carve, device) in layer order, devices in `backends`): one model per device holding
+    the blocks of its carves, one memory per stage. head_here=False: a carve ending at the last block returns
+    hidden states (a worker's: the main keeps the output head)."""
+    from strata.models.base import load_model, model_class
+    load = load or load_model
+    n_blocks = n_main_blocks(gguf_file, model_class(gguf_file.arch))
     models: dict[str, Any] = {}
     for d in dict.fromkeys(d for _, d in plan):
         layers = frozenset(i for c, dd in plan if dd == d for i in c)
         models[d] = load(gguf_file, backends[d], progress, None if len(layers) == n_blocks else layers)
+        models[d].head_here = head_here
     stages = []
     for i, (carve, d) in enumerate(plan):
         model, be = models[d], backends[d]
@@ -68,7 +86,7 @@ def build_stages(gguf_file, devices: list[str], split, n_ctx: int, kv: str = "f1
     return stages
 
 
-def _n_blocks(f, cls) -> int:
+def n_main_blocks(f, cls) -> int:
     """The model's main blocks from its metadata alone (before loading): block_count less the MTP layers."""
     n = int(f.config.n_layer)
     n_mtp = int(f.metadata.get(f"{f.arch}.nextn_predict_layers", 0) or 0)

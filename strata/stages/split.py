@@ -63,28 +63,38 @@ def carves_by_weight(weights: Sequence[float], n_blocks: int) -> list[Carve]:
 
 
 def plan_stages(devices: Sequence[str], split: str | list[int] | None, n_blocks: int,
-                total_memory: Callable[[str], int]) -> list[tuple[Carve, str]]:
-    """The stages: (carve, device) in layer order.
+                total_memory: Callable[[str], int], remote: Sequence[str] = ()) -> list[tuple[Carve, str]]:
+    """The stages: (carve, device) in layer order; the `remote` workers' addresses (--remote-stage, a chain) run
+    the last carves, one each, after the local devices' stages.
 
     No split: one stage per listed device when several are listed (auto), else one stage. 'auto': one stage per
     device, layers in proportion to each device's total memory (total, not free, so the carve is the same after a
-    restart and saved sessions stay valid); a single device gets one stage. 'L1,...': len + 1 stages, on one
-    device per stage or all on the one device listed; any other device count is a usage error.
+    restart and saved sessions stay valid); a single device gets one stage; with remote workers, whose memory the
+    main cannot see, every stage gets an equal share. 'L1,...': len + 1 stages, the last len(remote) on the
+    workers and the rest on one local device per stage or all on the one device listed; any other device count
+    is a usage error.
     """
-    devices = list(devices)
-    if split is None and len(devices) > 1:
+    devices, remote = list(devices), list(remote)
+    if split is None and len(devices) + len(remote) > 1:
         split = "auto"
     if split is None:
         return [(Carve(0, n_blocks), devices[0])]
     if split == "auto":
+        if remote:
+            carves = carves_by_weight([1.0] * (len(devices) + len(remote)), n_blocks)
+            return list(zip(carves, devices + remote))
         if len(devices) == 1:
             return [(Carve(0, n_blocks), devices[0])]
         carves = carves_by_weight([float(total_memory(d)) for d in devices], n_blocks)
         return list(zip(carves, devices))
     carves = carves_from_firsts(split, n_blocks)
+    n_local = len(carves) - len(remote)
+    if n_local < 1:
+        raise ValueError(f"--layer-split {','.join(map(str, split))} makes {len(carves)} stages, too few for "
+                         f"{len(remote)} remote stages and at least one local stage")
     if len(devices) == 1:
-        return [(c, devices[0]) for c in carves]
-    if len(devices) != len(carves):
-        raise ValueError(f"--layer-split {','.join(map(str, split))} makes {len(carves)} stages but --device lists "
-                         f"{len(devices)} devices: give one device per stage, or one for all")
-    return list(zip(carves, devices))
+        return list(zip(carves, [devices[0]] * n_local + remote))
+    if len(devices) != n_local:
+        raise ValueError(f"--layer-split {','.join(map(str, split))} makes {n_local} {'local ' if remote else ''}"
+                         f"stages but --device lists {len(devices)} devices: give one device per stage, or one for all")
+    return list(zip(carves, devices + remote))

@@ -22,7 +22,7 @@ class ModelRunner:
 
     def forward_device(self, tokens, state, x_in=None):
         out = self.forward(tokens, state, x_in=x_in)
-        return self.model.backend.asarray(out) if self.hi == self.model.n_blocks else out
+        return self.model.backend.asarray(out) if self.model.ends_with_head(self.hi) else out
 
 
 class Stage:
@@ -39,7 +39,7 @@ class Stage:
         self.index, self.carve, self.device = index, carve, device
         self.backend, self.model, self.memory, self.runner = backend, model, memory, runner
         self.first = carve.lo == 0
-        self.last = carve.hi == model.n_blocks
+        self.last = carve.hi == model.n_blocks and getattr(model, "head_here", True)
 
     @property
     def device_logits(self) -> bool:
@@ -68,6 +68,17 @@ class Stage:
         return self.runner.forward(tokens, st, all_logits=all_logits, x_in=x_in)
 
     # ---- state -----------------------------------------------------------------------------------
+    def settle(self) -> None:
+        """Nothing is ever in flight on a local stage (a remote one waits for its Commits here)."""
+
+    def lost(self) -> bool:
+        """Whether this stage lost the live sequence's state behind the engine's back (never, locally)."""
+        return False
+
+    def unavailable(self) -> str | None:
+        """Why the stage cannot run requests now (a remote stage's link is down), or None."""
+        return None
+
     def new_seq(self) -> int:
         return self.memory.new_seq()
 

@@ -39,19 +39,35 @@ class Sequence:
         return len(self.tokens)
 
     # ---- reading ---------------------------------------------------------------------------------
-    def forward(self, tokens, all_logits: bool = False, on_device: bool = False):
-        """Read `tokens` through every stage, hidden states handed from one to the next -> the last stage's logits.
-        Pages for the new tokens are reserved on every stage first, so KVCacheFull changes nothing."""
+    def forward(self, tokens, all_logits: bool = False, on_device: bool = False, x_in=None):
+        """Read `tokens` through every stage, hidden states handed from one to the next -> the last stage's logits
+        (a worker's stages: its last carve's hidden states). x_in: the hidden states the first stage starts from
+        when it is not stage 0 of the model (a worker's). Pages for the new tokens are reserved on every stage
+        first, so KVCacheFull changes nothing."""
         toks = np.asarray(tokens, dtype=np.int32).reshape(-1)
         for st, sid in zip(self.stages, self.sids):
             st.reserve(sid, int(toks.shape[0]))
-        x = None
+        x = x_in
         for st, sid in zip(self.stages, self.sids):
             x = st.forward(toks, sid, x_in=x, all_logits=all_logits, on_device=on_device)
         self.tokens.extend(int(t) for t in toks)
         return x
 
     # ---- state -----------------------------------------------------------------------------------
+    def settle(self) -> None:
+        """Wait until nothing sent ahead is in flight on any stage (a remote stage's Commits): before a prompt
+        is read, as a restore and a reset do (seed #1887)."""
+        for st in self.stages:
+            st.settle()
+
+    def lost(self) -> bool:
+        """Whether some stage lost its part of this sequence (a remote stage's link reconnected since)."""
+        return any(st.lost() for st in self.stages)
+
+    def unavailable(self) -> str | None:
+        """Why the stages cannot run requests now, or None."""
+        return next((r for r in (st.unavailable() for st in self.stages) if r), None)
+
     def capture(self) -> Checkpoint:
         """A checkpoint at the current position (each stage drained on its own device first)."""
         return Checkpoint(pos=self.pos, tokens=tuple(self.tokens),
@@ -128,6 +144,18 @@ class Sequence:
         for st, sid in zip(self.stages, self.sids):
             st.truncate(sid, p)
         del self.tokens[p:]
+
+    def can_truncate(self, p: int) -> bool:
+        """Whether ``truncate(p)`` would succeed on every stage (attention K/V can be cut back; a running state
+        cannot)."""
+        if not 0 <= p <= self.pos:
+            return False
+        try:
+            for st, sid in zip(self.stages, self.sids):
+                st.check_truncate(sid, p)
+        except ValueError:
+            return False
+        return True
 
     def reset(self) -> None:
         """Back to position 0 on every stage (pages kept, running state zeroed)."""

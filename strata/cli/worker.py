@@ -1,0 +1,133 @@
+"""The `strata worker` subcommand: its flags, the key generator, and run(args) serving the stage link under uvloop."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import os
+import signal
+import sys
+
+DEFAULT_PORT = 7700
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `worker` on the `strata` command's subparsers; sets func=run."""
+    p = subparsers.add_parser(
+        "worker", help="run a remote stage worker (the main's --remote-stage connects to it)",
+        description="Serve some of a model's layers to a Strata main over the stage link (protocol 5, TCP). The "
+                    "main tells the worker its carve at the hello; the worker runs it on --device.")
+    add_arguments(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--listen", default=f"127.0.0.1:{DEFAULT_PORT}", metavar="HOST:PORT",
+                   help=f"address to listen on (default 127.0.0.1:{DEFAULT_PORT}; port 0 picks a free one)")
+    p.add_argument("--model", "-m", default=os.environ.get("STRATA_MODEL", "default"),
+                   help="the same GGUF the main runs (checked by fingerprint at the hello), or 'default'")
+    p.add_argument("--device", default="cpu", help="'cpu' (default) or 'cuda[:N]'")
+    p.add_argument("--kv", default="f16", choices=("f16", "q8_0"), help="KV cache type on CUDA")
+    p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--link-key-file", default=None, metavar="FILE",
+                   help="the shared link key (at least 32 bytes, mode 0600): mains must prove they hold it")
+    p.add_argument("--insecure-listen", action="store_true",
+                   help="listen on a non-loopback address without a link key (anyone who reaches it can drive it)")
+    p.add_argument("--gen-key", default=None, metavar="FILE",
+                   help="write a new random link key to FILE (mode 0600) and exit")
+    p.add_argument("--log-level", default=os.environ.get("STRATA_LOG_LEVEL", "info"))
+    p.add_argument("--log-format", default="auto", choices=("auto", "json", "console"))
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def run(args) -> int:
+    """Start the worker; returns the exit status (2 usage, 1 start-up failure, 0 clean stop)."""
+    import link
+    from strata.stages.remote import parse_address
+    if args.gen_key:
+        try:
+            link.write_key_file(args.gen_key)
+        except (link.LinkError, OSError) as e:
+            print(f"strata worker: error: {e}", file=sys.stderr)
+            return 1
+        print(f"wrote a new link key to {args.gen_key} (mode 0600); give it to the main and every worker with "
+              "--link-key-file")
+        return 0
+    try:
+        host, port = parse_address(args.listen) if not args.listen.endswith(":0") else \
+            (args.listen.rpartition(":")[0].strip("[]"), 0)
+    except ValueError as e:
+        print(f"strata worker: error: --listen {e}", file=sys.stderr)
+        return 2
+    from strata.stages import parse_devices
+    try:
+        devices = parse_devices(args.device)
+    except ValueError as e:
+        print(f"strata worker: error: --device {e}", file=sys.stderr)
+        return 2
+    if len(devices) != 1:
+        print(f"strata worker: error: --device {args.device}: a worker runs its carve on one device", file=sys.stderr)
+        return 2
+    args.device = devices[0]
+    key = None
+    if args.link_key_file:
+        try:
+            key = link.read_key_file(args.link_key_file)
+        except link.LinkError as e:
+            print(f"strata worker: error: {e}", file=sys.stderr)
+            return 2
+    elif not _is_loopback(host) and not args.insecure_listen:
+        print(f"strata worker: error: listening on {host} (not a loopback address) needs --link-key-file "
+              "(strata worker --gen-key FILE writes one), or --insecure-listen", file=sys.stderr)
+        return 2
+    from strata.serve.log import configure_logging
+    configure_logging(args.log_level, json={"auto": None, "json": True, "console": False}[args.log_format])
+    import structlog
+    import uvloop
+
+    from strata import quant
+    from strata.gguf_file import ModelLoadError
+    from strata.serve.notify import sd_notify
+    from strata.stages.worker import Worker, WorkerConfig, commit_delay_from_env
+    log = structlog.get_logger("strata.worker")
+    if args.threads:
+        quant.set_threads(int(args.threads))
+    if key is None:
+        log.warning("no link key: any process that reaches this address can drive the worker", listen=args.listen)
+    cfg = WorkerConfig(host=host, port=port, model=args.model, device=args.device, kv=args.kv, key=key,
+                       commit_delay_s=commit_delay_from_env())
+    try:
+        worker = Worker(cfg)
+    except (ModelLoadError, ValueError, OSError) as e:
+        print(f"strata worker: error: {e}", file=sys.stderr)
+        return 1
+
+    async def main() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await worker.start()
+        except OSError as e:
+            print(f"strata worker: error: cannot listen on {args.listen}: {e.strerror or e}", file=sys.stderr)
+            return 1
+        print(f"strata worker listening on {host}:{worker.port}", file=sys.stderr, flush=True)
+        sd_notify(f"READY=1\nSTATUS=listening on {host}:{worker.port}")
+        await stop.wait()
+        sd_notify("STOPPING=1")
+        worker.server.close()
+        await worker.server.wait_closed()
+        return 0
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main())

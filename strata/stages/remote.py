@@ -1,0 +1,543 @@
+"""The main side of the stage link: LinkClient (one TCP connection to a worker: the hello, calls answered in order,
+Commits sent ahead and settled later) and RemoteStage (a Stage whose layers run on a worker chain while the main
+keeps the output head; its checkpoint parts are ids in the worker's store)."""
+from __future__ import annotations
+
+import itertools
+import secrets
+import select
+import socket
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import structlog
+
+import link
+from link import (Ack, Challenge, CkptRestore, CkptSave, Commit, Error, ErrorCode, Forward, FLAG_ASYNC, Hello,
+                  HelloAck, Hop, LinkError, Ping, Pong, Reset, Result)
+from strata.memory import Carve, PartMismatch
+
+log = structlog.get_logger("strata.stages.remote")
+
+PING_EVERY = 1.0          # seconds without a frame before the waiting side pings
+SILENT_AFTER = 3.0        # seconds without any frame (a Pong included) before the link counts as down
+CONNECT_TIMEOUT = 5.0     # connecting and the hello
+HANDSHAKE_MAX = 64 * 1024  # payload bytes a Challenge / Hello / HelloAck may have
+BACKOFF = (0.1, 0.2, 0.5, 1.0, 2.0)   # seconds between reconnection attempts (the last one repeats)
+
+
+class LinkDown(RuntimeError):
+    """The link to a worker failed (closed, silent, a bad frame, a refused hello); one line naming the worker.
+    A request that meets it fails with HTTP 503 (code worker_unavailable)."""
+
+    http_status = 503
+    api_code = "worker_unavailable"
+
+
+class WorkerRefused(LinkDown):
+    """The worker refused the link at the hello (another model or carve, its limits, the link key, the protocol
+    version), or did not answer it."""
+
+
+class WorkerError(RuntimeError):
+    """The worker answered a request with an Error (code, one-line message)."""
+
+    http_status = 503
+    api_code = "worker_error"
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = int(code)
+
+
+class CheckpointGone(PartMismatch):
+    """The worker does not hold the checkpoint part (it restarted or the link reconnected since): the request
+    reads from token 0."""
+
+
+def parse_address(addr: str) -> tuple[str, int]:
+    """'HOST:PORT' or '[IPv6]:PORT' -> (host, port); ValueError (one line) otherwise."""
+    s = str(addr).strip()
+    host, sep, port = s.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{addr!r} is not HOST:PORT (a port in 1..65535)")
+    return host, int(port)
+
+
+def parse_remote(spec: str | None) -> list[str]:
+    """--remote-stage 'HOST:PORT[,HOST:PORT...]' -> the addresses in chain order (checked); [] for None / ''."""
+    if not spec:
+        return []
+    out = [a.strip() for a in str(spec).split(",")]
+    for a in out:
+        parse_address(a)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+class LinkClient:
+    """One connection to one worker, used by one thread at a time (the engine thread; on a relay, its executor).
+
+    ``call`` sends a request and returns its reply (an Error reply raises WorkerError); ``post`` sends one with the
+    ASYNC flag and returns at once; ``settle`` waits for every posted reply. While waiting the client pings a quiet
+    worker every PING_EVERY seconds and gives up (LinkDown) after SILENT_AFTER seconds without a frame: a worker
+    that computes answers Pings from its event loop, a dead or frozen one does not.
+    """
+
+    def __init__(self, address: str, key: bytes | None = None, *, silent_after: float = SILENT_AFTER,
+                 connect_timeout: float = CONNECT_TIMEOUT):
+        self.address = address
+        self.host, self.port = parse_address(address)
+        self.key = key
+        self.silent_after, self.connect_timeout = float(silent_after), float(connect_timeout)
+        self.sock: socket.socket | None = None
+        self.max_payload = link.DEFAULT_MAX_PAYLOAD
+        self._rid = itertools.count(2)            # the Hello is request 1
+        self._posted: dict[int, Any] = {}       # rid -> None (awaited) or its reply
+        self._heard = time.monotonic()
+        self.sent_bytes = self.received_bytes = 0
+        self.ack: HelloAck | None = None
+
+    # ---- the hello -----------------------------------------------------------------------------------------
+    def connect(self, hello: Hello) -> HelloAck:
+        """Connect, answer the worker's Challenge with `hello` (its nonce and mac filled in here) and check the
+        HelloAck. WorkerRefused (one line naming the worker and the reason) for anything but a good ack."""
+        who = f"worker {self.address}"
+        try:
+            sock = socket.create_connection((self.host, self.port), timeout=self.connect_timeout)
+        except OSError as e:
+            raise WorkerRefused(f"{who}: cannot connect: {e.strerror or e}") from None
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _, ch = link.recv_frame(sock, HANDSHAKE_MAX)
+            if isinstance(ch, Error):
+                raise WorkerRefused(f"{who} refused the link: {ch.message}")
+            if not isinstance(ch, Challenge):
+                raise WorkerRefused(f"{who} opened with {type(ch).__name__}, not a Challenge")
+            if ch.keyed and self.key is None:
+                raise WorkerRefused(f"{who} requires the link key: give --link-key-file")
+            hello.nonce, hello.mac = secrets.token_bytes(32), b""
+            if self.key is not None:
+                hello.mac = link.hello_mac(self.key, ch.nonce, hello)
+            link.send_frame(sock, hello, 1)
+            _, ack = link.recv_frame(sock, HANDSHAKE_MAX)
+            if isinstance(ack, Error):
+                raise WorkerRefused(f"{who} refused the hello: {ack.message}")
+            if not isinstance(ack, HelloAck):
+                raise WorkerRefused(f"{who} answered the hello with {type(ack).__name__}")
+            if self.key is not None and not link.verify(link.ack_mac(self.key, hello.nonce, ack), ack.mac):
+                raise WorkerRefused(f"{who} could not prove it holds the link key")
+            if (ack.lo, ack.hi) != (hello.lo, hello.hi) or ack.fingerprint != hello.fingerprint:
+                raise WorkerRefused(f"{who} acknowledged layers [{ack.lo}, {ack.hi}) of model {ack.fingerprint[:12]}, "
+                                    f"not [{hello.lo}, {hello.hi}) of {hello.fingerprint[:12]}")
+        except WorkerRefused:
+            sock.close()
+            raise
+        except link.VersionMismatch as e:
+            sock.close()
+            raise WorkerRefused(f"{who}: {e}") from None
+        except (TimeoutError, socket.timeout):
+            sock.close()
+            raise WorkerRefused(f"{who} stayed silent for {self.connect_timeout:g} s at the hello") from None
+        except LinkError as e:
+            sock.close()
+            raise WorkerRefused(f"{who} sent a bad frame at the hello: {e}") from None
+        except OSError as e:            # ConnectionError included: it closed the link
+            sock.close()
+            raise WorkerRefused(f"{who} closed the link at the hello ({e.strerror or e or type(e).__name__})") \
+                from None
+        sock.settimeout(self.silent_after)      # inside a frame: silence past this is a failure
+        self.sock, self.ack, self._heard = sock, ack, time.monotonic()
+        return ack
+
+    def close(self) -> None:
+        if self.sock is not None:
+            try:
+                self.sock.close()
+            finally:
+                self.sock = None
+        self._posted.clear()
+
+    # ---- requests -------------------------------------------------------------------------------------------
+    def call(self, msg) -> Any:
+        """Send `msg` and return its reply (Error -> WorkerError; link failures -> LinkDown)."""
+        return self._wait(self._send(msg, 0))
+
+    def post(self, msg) -> None:
+        """Send `msg` with the ASYNC flag; its reply is taken by ``settle`` (or any later wait)."""
+        self._posted[self._send(msg, FLAG_ASYNC)] = None
+
+    @property
+    def unsettled(self) -> int:
+        return len(self._posted)
+
+    def settle(self) -> None:
+        """Wait for the replies of every posted request; the first Error among them raises WorkerError."""
+        first_error = None
+        for rid in list(self._posted):
+            try:
+                self._wait(rid)
+            except WorkerError as e:
+                first_error = first_error or e
+        if first_error is not None:
+            raise first_error
+
+    def ping(self) -> float:
+        """A Ping answered -> the round trip in seconds."""
+        t0 = time.perf_counter()
+        self.call(Ping(nonce=secrets.randbits(63)))
+        return time.perf_counter() - t0
+
+    def _down(self, why: str):
+        self.close()
+        raise LinkDown(f"worker {self.address}: {why}")
+
+    def _send(self, msg, flags: int) -> int:
+        if self.sock is None:
+            raise LinkDown(f"worker {self.address}: the link is down")
+        rid = next(self._rid)
+        try:
+            self.sent_bytes += link.send_frame(self.sock, msg, rid, flags)
+        except OSError as e:
+            self._down(f"sending failed ({e.strerror or e or type(e).__name__})")
+        return rid
+
+    def _wait(self, rid: int) -> Any:
+        if rid in self._posted and self._posted[rid] is not None:
+            return self._checked(self._posted.pop(rid))
+        while True:
+            if self.sock is None:
+                raise LinkDown(f"worker {self.address}: the link is down")
+            ready, _, _ = select.select([self.sock], [], [], PING_EVERY)
+            if not ready:
+                quiet = time.monotonic() - self._heard
+                if quiet > self.silent_after:
+                    self._down(f"sent nothing for {quiet:.1f} s")
+                try:
+                    link.send_frame(self.sock, Ping(nonce=0), 0)
+                except OSError as e:
+                    self._down(f"sending failed ({e.strerror or e or type(e).__name__})")
+                continue
+            try:
+                hdr, msg = link.recv_frame(self.sock, self.max_payload)
+            except (TimeoutError, socket.timeout):
+                self._down(f"went silent inside a frame for {self.silent_after:g} s")
+            except LinkError as e:
+                self._down(f"sent a bad frame: {e}")
+            except OSError as e:        # ConnectionError: it closed the link
+                self._down(f"closed the link ({e.strerror or e or type(e).__name__})")
+            self._heard = time.monotonic()
+            self.received_bytes += link.HEADER_SIZE + hdr.payload_len + link.TRAILER_SIZE
+            if hdr.request_id == rid:
+                self._posted.pop(rid, None)
+                return self._checked(msg)
+            if isinstance(msg, Pong):
+                continue
+            if isinstance(msg, Ping):
+                link.send_frame(self.sock, Pong(nonce=msg.nonce), hdr.request_id)
+                continue
+            if hdr.request_id in self._posted:
+                self._posted[hdr.request_id] = msg
+                continue
+            if isinstance(msg, link.Bye):
+                self._down(f"closed the link: {msg.reason}")
+            if isinstance(msg, Error):
+                self._down(f"failed: {msg.message}")
+            self._down(f"sent a {type(msg).__name__} that answers no request")
+
+    def _checked(self, msg):
+        if isinstance(msg, Error):
+            raise WorkerError(msg.code, f"worker {self.address}: {msg.message}")
+        return msg
+
+
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass(eq=False)
+class RemotePart:
+    """A remote stage's part of a checkpoint: the id the worker chain keeps it under (in that link's `epoch`),
+    its position and carve. The main holds no bytes of it (nbytes 0; the worker's store has its own limits)."""
+
+    carve: Carve
+    pos: int
+    ckpt_id: int
+    epoch: int
+    is_reference: bool = False
+    is_prefix: bool = False
+
+    def nbytes(self) -> int:
+        return 0
+
+
+class RemoteStage:
+    """Stage of the layers `hops` run on a worker chain (--remote-stage A,B: A runs the first carve and relays to
+    B). The main keeps the embeddings (on its local stages) and the output head: this stage sends the hidden
+    states on, takes the last carve's back, and runs the final norm and the head on `model`'s backend.
+
+    The main decides: positions, which checkpoints exist (the ids of the RemoteParts the main still holds travel as
+    the keep list of every checkpoint message, and the worker prunes to them when an operation succeeds). A link
+    failure fails the request in flight (LinkDown); a background thread then reconnects with backoff, and the
+    fresh worker state makes the engine start its live sequence and its checkpoints over (``lost``).
+    """
+
+    runner_name = "LinkClient"
+
+    def __init__(self, index: int, hops: list[tuple[str, Carve]], model, *, fingerprint: str, n_ctx: int,
+                 max_batch: int, ckpt_max: int, key: bytes | None = None, silent_after: float = SILENT_AFTER):
+        self.index = index
+        self.hops = [(a, Carve(c.lo, c.hi)) for a, c in hops]
+        self.carve = Carve(self.hops[0][1].lo, self.hops[-1][1].hi)
+        self.device = "remote:" + ",".join(a for a, _ in self.hops)
+        self.model, self.backend = model, model.backend
+        self.memory = None
+        self.first, self.last = False, True
+        self.fingerprint, self.n_ctx, self.max_batch, self.ckpt_max = fingerprint, int(n_ctx), int(max_batch), \
+            int(ckpt_max)
+        self.key, self.silent_after = key, silent_after
+        self.recurrent = bool(model.new_running_state(self.carve))   # can the worker's state be cut back?
+        self.client: LinkClient | None = None
+        self.epoch = 0                       # connections made; a RemotePart of another epoch is gone
+        self._seq_epoch = 0                  # the epoch the live sequence's worker state belongs to
+        self._pos = 0
+        self._ids = itertools.count(1)
+        self._parts: dict[int, weakref.ref] = {}
+        self._io = threading.RLock()         # the engine thread and the heartbeat / reconnect thread
+        self.down_reason: str | None = None
+        self.held, self.store_bytes, self.rtt_s = 0, 0, None
+        self.commits = 0                     # Commits sent ahead (settled before the next prompt is read)
+        self.worker_us = 0                   # the worker chain's own compute time over all Forwards (Result)
+        self._stop = threading.Event()
+        self._connect()                      # WorkerRefused at start: `strata serve` exits naming the worker
+        self._seq_epoch = self.epoch
+        self._thread = threading.Thread(target=self._keepalive, name="strata-link", daemon=True)
+        self._thread.start()
+
+    # ---- the link -------------------------------------------------------------------------------------------
+    def _hello(self) -> Hello:
+        c = self.hops[0][1]
+        return Hello(protocol=link.VERSION, fingerprint=self.fingerprint, lo=c.lo, hi=c.hi,
+                     n_blocks=int(self.model.n_blocks), n_embd=int(self.model.config.n_embd), act_dtype="f32",
+                     n_ctx=self.n_ctx, max_batch=self.max_batch, ckpt_max=self.ckpt_max,
+                     next_hops=[Hop(host=host, port=port, lo=cc.lo, hi=cc.hi)
+                                for (host, port), cc in ((parse_address(a), cc) for a, cc in self.hops[1:])],
+                     nonce=b"", mac=b"")
+
+    def _connect(self) -> None:
+        client = LinkClient(self.hops[0][0], self.key, silent_after=self.silent_after)
+        ack = client.connect(self._hello())
+        n_embd = int(self.model.config.n_embd)
+        client.max_payload = max(1 << 20, self.max_batch * (n_embd * 4 + 8) + 4096)
+        with self._io:
+            self.client, self.epoch, self._pos = client, self.epoch + 1, 0
+            self.down_reason, self.held, self.store_bytes = None, 0, 0
+        log.info("stage link up", stage=self.index, workers=[a for a, _ in self.hops], epoch=self.epoch,
+                 ckpt_max=ack.ckpt_max, part_bytes=ack.part_bytes, worker=ack.worker, device=ack.device)
+
+    def _mark_down(self, why: str) -> None:
+        with self._io:
+            if self.client is not None:
+                self.client.close()
+            self.client = None
+            if self.down_reason is None:
+                log.warning("stage link down", stage=self.index, error=why)
+            self.down_reason = why
+
+    def _keepalive(self) -> None:
+        """Ping an idle link every PING_EVERY s (a dead worker is noticed between requests, so they get 503 at
+        once); reconnect a down one with backoff."""
+        tries = 0
+        while not self._stop.wait(PING_EVERY if self.down_reason is None else BACKOFF[min(tries, len(BACKOFF) - 1)]):
+            if self.down_reason is not None:
+                try:
+                    self._connect()
+                    tries = 0
+                except LinkDown as e:
+                    tries += 1
+                    with self._io:
+                        self.down_reason = str(e)
+                continue
+            if not self._io.acquire(blocking=False):
+                continue                          # the engine is using the link: its own waits ping
+            try:
+                if self.client is not None and self.client.unsettled == 0 and \
+                        time.monotonic() - self.client._heard > PING_EVERY:
+                    self.rtt_s = self.client.ping()
+            except (LinkDown, WorkerError) as e:
+                self._mark_down(str(e))
+            finally:
+                self._io.release()
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._io:
+            if self.client is not None:
+                self.client.close()
+                self.client = None
+
+    def _live(self) -> LinkClient:
+        if self.client is None:
+            raise LinkDown(f"stage {self.index} ({self.device}) is unreachable: {self.down_reason}; reconnecting")
+        return self.client
+
+    def _call(self, msg):
+        with self._io:
+            try:
+                return self._live().call(msg)
+            except LinkDown as e:
+                self._mark_down(str(e))
+                raise
+
+    def _keep(self, also: int | None = None) -> list[int]:
+        """The ids of the RemoteParts the main still holds (and `also`): the worker keeps exactly these."""
+        for i in [i for i, r in self._parts.items() if r() is None]:
+            del self._parts[i]
+        ids = sorted(self._parts)
+        return ids + [also] if also is not None and also not in self._parts else ids
+
+    def _acked(self, ack) -> None:
+        if isinstance(ack, Ack):
+            self.held, self.store_bytes = int(ack.held), int(ack.store_bytes)
+
+    # ---- what the engine asks of every stage ------------------------------------------------------------------
+    @property
+    def device_logits(self) -> bool:
+        return getattr(self.backend, "xp", np) is not np
+
+    def unavailable(self) -> str | None:
+        """Why requests cannot run now (the link is down), or None."""
+        r = self.down_reason
+        return None if r is None else f"stage {self.index} ({self.device}) is unreachable: {r}; reconnecting"
+
+    def lost(self) -> bool:
+        """Whether the worker's part of the live sequence is gone (the link reconnected since)."""
+        return self._seq_epoch != self.epoch
+
+    def settle(self) -> None:
+        """Wait for the worker's replies to every Commit sent ahead (before a prompt is read)."""
+        with self._io:
+            try:
+                if self.client is not None:
+                    self.client.settle()
+            except LinkDown as e:
+                self._mark_down(str(e))
+                raise
+
+    def reserve(self, sid: int, n: int) -> None:
+        """Nothing here: the worker reserves its pages for the tokens a Forward carries (its pool holds n_ctx
+        tokens of its carve, as the main's does)."""
+
+    def forward(self, tokens: np.ndarray, sid: int, x_in=None, all_logits: bool = False, on_device: bool = False):
+        """Send the previous stage's hidden states through the worker chain; run the head on what comes back ->
+        logits as Stage.forward gives them."""
+        toks = np.ascontiguousarray(np.asarray(tokens, dtype=np.int32).reshape(-1))
+        be = self.backend
+        x = np.ascontiguousarray(x_in if isinstance(x_in, np.ndarray) else be.to_host(x_in), dtype=np.float32)
+        n = int(toks.shape[0])
+        res = self._call(Forward(pos=self._pos, want_all=bool(all_logits), tokens=toks, hidden=x))
+        if not isinstance(res, Result) or res.pos != self._pos + n:
+            self._mark_down(f"answered a Forward at {self._pos} of {n} tokens with "
+                            f"{type(res).__name__} at {getattr(res, 'pos', '?')}")
+            raise LinkDown(f"stage {self.index} ({self.device}): the worker lost step with the main")
+        self._pos = int(res.pos)
+        self.worker_us += int(res.compute_us)
+        h = res.hidden
+        if getattr(be, "xp", np) is not np:
+            with be.device:
+                return self.model.head(be.xp.asarray(h), all_logits, on_device=on_device)
+        return self.model.head(h, all_logits)
+
+    def new_seq(self) -> int:
+        return 0
+
+    def pos(self, sid: int) -> int:
+        return self._pos
+
+    def capture(self, sid: int) -> RemotePart:
+        """CkptSave: the worker chain keeps its part of the sequence at the current position under a new id."""
+        cid = next(self._ids)
+        ack = self._call(CkptSave(ckpt_id=cid, pos=self._pos, keep=self._keep(also=cid)))
+        self._acked(ack)
+        part = RemotePart(carve=self.carve, pos=self._pos, ckpt_id=cid, epoch=self.epoch)
+        self._parts[cid] = weakref.ref(part)
+        return part
+
+    def validate(self, part, sid: int | None = None) -> None:
+        if not isinstance(part, RemotePart):
+            raise PartMismatch(f"a {type(part).__name__} is not a part of a remote stage")
+        if part.carve != self.carve:
+            raise PartMismatch(f"the part is of layers {part.carve}, this remote stage runs {self.carve}")
+        if part.epoch != self.epoch:
+            raise CheckpointGone(f"the worker no longer holds checkpoint {part.ckpt_id} (the link reconnected)")
+
+    def restore(self, sid: int, part: RemotePart) -> None:
+        """CkptRestore (settling first). CheckpointGone when the worker does not hold the part."""
+        self.validate(part)
+        self.settle()
+        try:
+            ack = self._call(CkptRestore(ckpt_id=part.ckpt_id, pos=part.pos, keep=self._keep(also=part.ckpt_id)))
+        except WorkerError as e:
+            if e.code == ErrorCode.CKPT_MISSING:
+                raise CheckpointGone(str(e)) from None
+            raise
+        self._acked(ack)
+        self._pos = part.pos
+
+    def check_truncate(self, sid: int, p: int) -> None:
+        if not 0 <= p <= self._pos:
+            raise ValueError(f"truncate({p}) outside [0, {self._pos}]")
+        if self.recurrent and 0 < p < self._pos:
+            raise ValueError(f"cannot cut a recurrent running state back from {self._pos} to {p}; "
+                             "restore a checkpoint instead")
+
+    def truncate(self, sid: int, p: int) -> None:
+        """Commit(p), sent ahead: the worker keeps [0, p); the next prompt settles before it is read."""
+        self.check_truncate(sid, p)
+        with self._io:
+            try:
+                self._live().post(Commit(pos=int(p)))
+                self.commits += 1
+            except LinkDown as e:
+                self._mark_down(str(e))
+                raise
+        self._pos = int(p)
+
+    def reset(self, sid: int) -> None:
+        """Reset (a settle point). With the link down there is nothing to reset: the worker dropped the state."""
+        self._pos = 0
+        if self.client is None:
+            return
+        self.settle()
+        self._acked(self._call(Reset(keep=self._keep())))
+        self._seq_epoch = self.epoch
+
+    def trim(self, sid: int) -> None:
+        """Nothing to give back on the main; a Reset gives the worker's pages back."""
+
+    def hashes(self, sid: int) -> dict[str, str]:
+        """No per-layer hashes: the worker's state is not read back over the link."""
+        return {}
+
+    def nbytes(self, sid: int) -> int:
+        return 0
+
+    def _refuse(self, *_a, **_k):
+        raise RuntimeError("parking and session files are not supported with a remote stage (--remote-stage) yet")
+
+    materialize = detach = attach_prefix = write = read = _refuse
+
+    def memory_info(self) -> dict[str, int]:
+        return {}
+
+    def status(self) -> dict[str, Any]:
+        c = self.client
+        return {"index": self.index, "layer_lo": self.carve.lo, "layer_hi": self.carve.hi, "device": self.device,
+                "runner": self.runner_name, "memory": {},
+                "link": {"up": c is not None, "epoch": self.epoch, "down_reason": self.down_reason,
+                         "workers": [{"address": a, "layer_lo": cc.lo, "layer_hi": cc.hi} for a, cc in self.hops],
+                         "rtt_ms": None if self.rtt_s is None else round(self.rtt_s * 1e3, 3),
+                         "checkpoints_held": self.held, "store_bytes": self.store_bytes,
+                         "bytes_sent": c.sent_bytes if c else 0, "bytes_received": c.received_bytes if c else 0}}

@@ -1,0 +1,435 @@
+"""The worker process of the stage link (`strata worker`): an asyncio server that takes one main at a time, is
+told its carve in the main's hello, runs it on its own device, keeps its layers' part of each checkpoint under the
+id the main hands it, and relays to the next worker of a chain."""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import structlog
+
+import link
+from link import (Ack, Bye, Challenge, CkptRestore, CkptSave, Commit, Error, ErrorCode, Forward, Hello, HelloAck,
+                  LinkError, Ping, Pong, Reset, Result)
+from strata.stages.sequence import Checkpoint, Sequence
+from strata.memory import Carve, KVCacheFull, PartMismatch
+from strata.stages import load_stages, make_backend, n_main_blocks
+from strata.stages.remote import HANDSHAKE_MAX, LinkClient, LinkDown, WorkerError
+
+log = structlog.get_logger("strata.worker")
+
+CKPT_MAX = 64               # checkpoint parts a worker keeps at most (seed #1887)
+HELLO_TIMEOUT = 10.0        # seconds a connected main has to send its Hello
+IDLE_TIMEOUT = 15.0         # seconds without a frame from the main (it pings an idle link every second)
+INLINE_TOKENS = 8           # Forwards of at most this many tokens run on the event loop itself (a thread hand-off
+                            # costs more than such a step); longer ones on the compute thread, Pings answered meanwhile
+
+
+class Refuse(Exception):
+    """An operation the worker refuses: answered with Error(code, message); `fatal` also closes the link."""
+
+    def __init__(self, code: int, message: str, fatal: bool = False):
+        super().__init__(message)
+        self.code, self.fatal = int(code), fatal
+
+
+def available_ram() -> int | None:
+    """MemAvailable in bytes, or None when /proc/meminfo cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+@dataclass
+class WorkerConfig:
+    host: str
+    port: int
+    model: str = "default"
+    device: str = "cpu"
+    kv: str = "f16"
+    key: bytes | None = None
+    name: str = field(default_factory=socket.gethostname)
+    commit_delay_s: float = 0.0      # test hook (STRATA_TEST_COMMIT_DELAY_MS): Commits applied late, in the background
+
+
+class Carrier:
+    """What the worker holds for the connected main (used from the worker's one compute thread): the stages of
+    its carve, the live sequence, the checkpoint store (id -> Checkpoint) and the link to the next worker."""
+
+    def __init__(self, stages, hello: Hello, ckpt_max: int, next_hop: LinkClient | None):
+        self.stages, self.seq = stages, Sequence(stages)
+        self.n_embd, self.n_ctx, self.max_batch = int(hello.n_embd), int(hello.n_ctx), int(hello.max_batch)
+        self.ckpt_max = ckpt_max
+        self.store: dict[int, Checkpoint] = {}
+        self.next = next_hop
+
+    # ---- operations (each either succeeds whole or raises Refuse) ------------------------------------------
+    def handle(self, msg) -> Any:
+        try:
+            if isinstance(msg, Forward):
+                return self.forward(msg)
+            if isinstance(msg, CkptSave):
+                return self.ckpt_save(msg)
+            if isinstance(msg, CkptRestore):
+                return self.ckpt_restore(msg)
+            if isinstance(msg, Reset):
+                return self.reset(msg)
+            if isinstance(msg, Commit):
+                return self.commit(msg)
+        except WorkerError as e:            # the next worker's refusal, passed back with its code
+            raise Refuse(e.code, str(e)) from None
+        except LinkDown as e:
+            raise Refuse(ErrorCode.NEXT_HOP, str(e), fatal=True) from None
+        except KVCacheFull as e:
+            raise Refuse(ErrorCode.LIMIT, str(e)) from None
+        except (PartMismatch, ValueError) as e:
+            raise Refuse(ErrorCode.DESYNC, str(e)) from None
+        raise Refuse(ErrorCode.BAD_FRAME, f"a {type(msg).__name__} is not a request a worker serves")
+
+    def _at(self, pos: int, what: str) -> None:
+        if pos != self.seq.pos:
+            raise Refuse(ErrorCode.DESYNC, f"{what} at position {pos}, but this worker's sequence is at {self.seq.pos}")
+
+    def forward(self, m: Forward) -> Result:
+        self._at(m.pos, "Forward")
+        n = int(m.tokens.shape[0])
+        if n < 1 or n > self.max_batch or m.pos + n > self.n_ctx:
+            raise Refuse(ErrorCode.LIMIT, f"a Forward of {n} tokens at {m.pos} exceeds the hello's limits "
+                                          f"(max_batch {self.max_batch}, n_ctx {self.n_ctx})")
+        if tuple(m.hidden.shape) != (n, self.n_embd):
+            raise Refuse(ErrorCode.BAD_FRAME, f"hidden states {tuple(m.hidden.shape)} for {n} tokens of width "
+                                              f"{self.n_embd}")
+        t0 = time.perf_counter()
+        x = self.seq.forward(m.tokens, x_in=np.asarray(m.hidden, dtype=np.float32))
+        be = self.stages[-1].backend
+        if self.next is not None:
+            h = np.ascontiguousarray(be.to_host(x), dtype=np.float32)
+            res = self.next.call(Forward(pos=m.pos, want_all=m.want_all, tokens=m.tokens, hidden=h))
+            hidden = res.hidden
+        else:
+            hidden = np.ascontiguousarray(be.to_host(x if m.want_all else x[-1:]), dtype=np.float32)
+        return Result(pos=self.seq.pos, compute_us=int((time.perf_counter() - t0) * 1e6), hidden=hidden)
+
+    def _prune(self, keep) -> None:
+        for k in [k for k in self.store if k not in set(keep)]:
+            del self.store[k]
+
+    def _ack(self) -> Ack:
+        return Ack(pos=self.seq.pos, held=len(self.store), store_bytes=sum(c.nbytes() for c in self.store.values()))
+
+    def ckpt_save(self, m: CkptSave) -> Ack:
+        self._at(m.pos, "CkptSave")
+        kept = set(m.keep) & (set(self.store) | {m.ckpt_id})
+        if len(kept | {m.ckpt_id}) > self.ckpt_max:
+            raise Refuse(ErrorCode.LIMIT, f"keeping {len(kept | {m.ckpt_id})} checkpoint parts exceeds the "
+                                          f"{self.ckpt_max} granted at the hello")
+        cp = self.seq.capture()
+        if self.next is not None:
+            self.next.call(CkptSave(ckpt_id=m.ckpt_id, pos=m.pos, keep=list(m.keep)))
+        self.store[m.ckpt_id] = cp
+        self._prune(list(m.keep) + [m.ckpt_id])
+        return self._ack()
+
+    def ckpt_restore(self, m: CkptRestore) -> Ack:
+        cp = self.store.get(m.ckpt_id)
+        if cp is None:
+            raise Refuse(ErrorCode.CKPT_MISSING, f"checkpoint {m.ckpt_id} is not held here "
+                                                 f"({len(self.store)} held)")
+        if cp.pos != m.pos:
+            raise Refuse(ErrorCode.DESYNC, f"checkpoint {m.ckpt_id} is at {cp.pos}, not {m.pos}")
+        self.seq.restore(cp)
+        if self.next is not None:
+            self.next.call(CkptRestore(ckpt_id=m.ckpt_id, pos=m.pos, keep=list(m.keep)))
+        self._prune(list(m.keep) + [m.ckpt_id])
+        return self._ack()
+
+    def reset(self, m: Reset) -> Ack:
+        self.seq.reset()
+        if self.next is not None:
+            self.next.call(Reset(keep=list(m.keep)))
+        self._prune(m.keep)
+        return self._ack()
+
+    def commit(self, m: Commit) -> Ack:
+        self.seq.truncate(int(m.pos))
+        if self.next is not None:
+            self.next.call(Commit(pos=m.pos))
+        return self._ack()
+
+    def close(self) -> None:
+        """Disconnect: the store is cleared, the sequence reset, the next worker's link closed."""
+        self.store.clear()
+        try:
+            self.seq.reset()
+        finally:
+            if self.next is not None:
+                self.next.close()
+                self.next = None
+
+
+class Worker:
+    """The `strata worker` server. The model file is opened at start; the carve's layers are loaded at the first
+    hello that names it (and kept while later hellos name the same carve and context)."""
+
+    def __init__(self, cfg: WorkerConfig):
+        from strata.gguf_file import open_gguf
+        from strata.default_model import resolve_model
+        self.cfg = cfg
+        self.path = resolve_model(cfg.model)
+        self.file = open_gguf(self.path)
+        self.fingerprint = self.file.fingerprint()
+        from strata.models.base import model_class
+        self.n_blocks = n_main_blocks(self.file, model_class(self.file.arch))
+        self.backend = make_backend(cfg.device, cfg.kv)
+        self._stages: tuple[tuple[int, int, int], list] | None = None
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="strata-worker")
+        self.busy = False
+        self.carrier: Carrier | None = None       # the connected main's
+        self.server: asyncio.base_events.Server | None = None
+        self.connections = 0
+
+    # ---- the hello ---------------------------------------------------------------------------------------
+    def _check_hello(self, h: Hello) -> None:
+        if h.protocol != link.VERSION:
+            raise Refuse(ErrorCode.VERSION, f"the main's hello says protocol {h.protocol}, this worker speaks "
+                                            f"{link.VERSION}", fatal=True)
+        if h.fingerprint != self.fingerprint:
+            raise Refuse(ErrorCode.MODEL, f"the main runs model {h.fingerprint[:16]}, this worker has "
+                                          f"{self.fingerprint[:16]} ({self.path.name})", fatal=True)
+        if h.n_blocks != self.n_blocks or h.n_embd != int(self.file.config.n_embd):
+            raise Refuse(ErrorCode.MODEL, f"the main's model has {h.n_blocks} blocks of width {h.n_embd}, this "
+                                          f"worker's {self.n_blocks} of {self.file.config.n_embd}", fatal=True)
+        if not 0 < h.lo < h.hi <= self.n_blocks:
+            raise Refuse(ErrorCode.MODEL, f"layers [{h.lo}, {h.hi}) are not a worker's carve of this model's "
+                                          f"{self.n_blocks} blocks (the main keeps block 0's embeddings)", fatal=True)
+        if h.act_dtype != "f32":
+            raise Refuse(ErrorCode.MODEL, f"activations in {h.act_dtype!r}: this worker takes f32", fatal=True)
+        if not 1 <= h.max_batch <= h.n_ctx:
+            raise Refuse(ErrorCode.LIMIT, f"max_batch {h.max_batch} outside [1, n_ctx {h.n_ctx}]", fatal=True)
+        if h.ckpt_max > CKPT_MAX:
+            raise Refuse(ErrorCode.LIMIT, f"the main asks for {h.ckpt_max} checkpoint parts; a worker keeps at "
+                                          f"most {CKPT_MAX}", fatal=True)
+
+    def _stages_for(self, h: Hello) -> list:
+        key = (int(h.lo), int(h.hi), int(h.n_ctx))
+        if self._stages is None or self._stages[0] != key:
+            self._stages = None                               # the old carve's memory goes first
+            plan = [(Carve(h.lo, h.hi), self.cfg.device)]
+            try:
+                stages = load_stages(self.file, plan, {self.cfg.device: self.backend}, int(h.n_ctx), progress=False,
+                                     head_here=False)
+            except (ValueError, MemoryError) as e:
+                raise Refuse(ErrorCode.LIMIT, f"cannot hold layers [{h.lo}, {h.hi}) for n_ctx {h.n_ctx}: "
+                                              f"{str(e).splitlines()[0]}", fatal=True) from None
+            self._stages = (key, stages)
+            log.info("carve loaded", layers=f"[{h.lo}, {h.hi})", n_ctx=h.n_ctx, device=self.cfg.device)
+        return self._stages[1]
+
+    def setup(self, h: Hello) -> tuple[Carrier, HelloAck]:
+        """Check the hello, load the carve, link the next worker (a relay does it again for every main, so the
+        next one checks the real limits) -> the Carrier and the HelloAck (mac not yet set)."""
+        self._check_hello(h)
+        stages = self._stages_for(h)
+        part_bytes = sum(int(a.nbytes) for st in stages
+                         for parts in st.model.new_running_state(st.carve).values() for a in parts.values())
+        next_hop, granted = None, int(h.ckpt_max)
+        if h.next_hops:
+            nh, rest = h.next_hops[0], h.next_hops[1:]
+            if nh.lo != h.hi:
+                raise Refuse(ErrorCode.MODEL, f"the next worker's carve starts at {nh.lo}, this one ends at {h.hi}",
+                             fatal=True)
+            addr = f"[{nh.host}]:{nh.port}" if ":" in nh.host else f"{nh.host}:{nh.port}"
+            next_hop = LinkClient(addr, self.cfg.key)
+            try:
+                ack = next_hop.connect(Hello(protocol=link.VERSION, fingerprint=h.fingerprint, lo=nh.lo, hi=nh.hi,
+                                             n_blocks=h.n_blocks, n_embd=h.n_embd, act_dtype=h.act_dtype,
+                                             n_ctx=h.n_ctx, max_batch=h.max_batch, ckpt_max=h.ckpt_max,
+                                             next_hops=list(rest), nonce=b"", mac=b""))
+            except LinkDown as e:
+                raise Refuse(ErrorCode.NEXT_HOP, f"relay: {e}", fatal=True) from None
+            next_hop.max_payload = max(1 << 20, int(h.max_batch) * (int(h.n_embd) * 4 + 8) + 4096)
+            part_bytes += int(ack.part_bytes)
+            granted = min(granted, int(ack.ckpt_max))
+        if granted > 0:
+            avail = available_ram()
+            if avail is None:
+                raise Refuse(ErrorCode.LIMIT, "this worker cannot read its available RAM, so it keeps no checkpoint "
+                                              "parts: run the main without --prompt-cache", fatal=True)
+            if granted * part_bytes > avail // 2:
+                raise Refuse(ErrorCode.LIMIT, f"{granted} checkpoint parts of {part_bytes} bytes exceed half of this "
+                                              f"worker's available RAM ({avail // 2} bytes)", fatal=True)
+        carrier = Carrier(stages, h, granted, next_hop)
+        carrier.seq.reset()
+        ack = HelloAck(protocol=link.VERSION, fingerprint=self.fingerprint, lo=h.lo, hi=h.hi, ckpt_max=granted,
+                       part_bytes=part_bytes, worker=self.cfg.name, device=self.cfg.device, mac=b"")
+        return carrier, ack
+
+    # ---- the server --------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.server = await asyncio.start_server(self._on_main, self.cfg.host, self.cfg.port)
+        bound = [s.getsockname() for s in self.server.sockets]
+        log.info("worker listening", address=[f"{a[0]}:{a[1]}" for a in bound], model=self.path.name,
+                 device=self.cfg.device, keyed=self.cfg.key is not None)
+
+    @property
+    def port(self) -> int:
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def _on_main(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        who = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.busy:
+            log.warning("refusing a second main", peer=who)
+            await self._send(writer, Error(code=ErrorCode.BUSY, message="another main is connected to this worker"), 0)
+            writer.close()
+            return
+        self.busy = True
+        self.connections += 1
+        carrier = None
+        loop = asyncio.get_running_loop()
+        try:
+            nonce = link.new_nonce()
+            await self._send(writer, Challenge(nonce=nonce, keyed=self.cfg.key is not None, worker=self.cfg.name), 0)
+            try:
+                hdr, hello = await asyncio.wait_for(link.read_frame(reader, HANDSHAKE_MAX), HELLO_TIMEOUT)
+            except LinkError as e:
+                await self._send(writer, Error(code=e.code if isinstance(e.code, int) else ErrorCode.BAD_FRAME,
+                                               message=str(e)), 0)
+                log.warning("refused a main at the hello", peer=who, error=str(e))
+                return
+            if not isinstance(hello, Hello):
+                await self._send(writer, Error(code=ErrorCode.BAD_FRAME,
+                                               message=f"expected a Hello, got {type(hello).__name__}"), 0)
+                return
+            if self.cfg.key is not None and not link.verify(link.hello_mac(self.cfg.key, nonce, hello), hello.mac):
+                await self._send(writer, Error(code=ErrorCode.AUTH, message="the link key does not match "
+                                                                            "(--link-key-file)"), 0)
+                log.warning("refused a main without the link key", peer=who)
+                return
+            try:
+                carrier, ack = await loop.run_in_executor(self.pool, self.setup, hello)
+            except Refuse as e:
+                await self._send(writer, Error(code=e.code, message=str(e)), 0)
+                log.warning("refused a main at the hello", peer=who, error=str(e))
+                return
+            if self.cfg.key is not None:
+                ack.mac = link.ack_mac(self.cfg.key, hello.nonce, ack)
+            self.carrier = carrier
+            await self._send(writer, ack, hdr.request_id)
+            log.info("main connected", peer=who, layers=f"[{hello.lo}, {hello.hi})", ckpt_max=ack.ckpt_max,
+                     relay=len(hello.next_hops))
+            await self._serve(reader, writer, carrier, max(1 << 20, int(hello.max_batch) * (int(hello.n_embd) * 4 + 8)
+                                                         + 4096), who)
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError, OSError) as e:
+            log.info("main gone", peer=who, error=str(e) or type(e).__name__)
+        finally:
+            if carrier is not None:
+                self.carrier = None
+                await loop.run_in_executor(self.pool, carrier.close)
+            self.busy = False
+            writer.close()
+            log.info("main disconnected: checkpoint store cleared", peer=who)
+
+    async def _serve(self, reader, writer, carrier: Carrier, max_payload: int, who: str) -> None:
+        """Read the main's frames: Pings answered at once (also while a request computes), requests run one after
+        the other on the compute thread and answered in order (a Commit late, with the test hook)."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        late: set[asyncio.Task] = set()
+
+        async def run(hdr, msg) -> bool:
+            try:
+                if isinstance(msg, Forward) and msg.tokens.shape[0] <= INLINE_TOKENS:
+                    reply = carrier.handle(msg)       # a decode step: on the loop, no thread hand-off
+                else:
+                    reply = await loop.run_in_executor(self.pool, carrier.handle, msg)
+            except Refuse as e:
+                await self._send(writer, Error(code=e.code, message=str(e)), hdr.request_id)
+                log.warning("request refused", peer=who, request=type(msg).__name__, error=str(e))
+                return not e.fatal
+            except Exception as e:  # noqa: BLE001 -- the main gets the one line; the worker stays up
+                log.exception("request failed", peer=who, request=type(msg).__name__)
+                await self._send(writer, Error(code=ErrorCode.INTERNAL, message=f"{type(e).__name__}: {e}"),
+                                 hdr.request_id)
+                return True
+            await self._send(writer, reply, hdr.request_id)
+            return True
+
+        async def late_commit(hdr, msg) -> None:
+            await asyncio.sleep(self.cfg.commit_delay_s)
+            await run(hdr, msg)
+
+        async def compute() -> None:
+            while True:
+                hdr, msg = await queue.get()
+                if isinstance(msg, Commit) and self.cfg.commit_delay_s > 0:
+                    t = asyncio.ensure_future(late_commit(hdr, msg))
+                    late.add(t)
+                    t.add_done_callback(late.discard)
+                    continue
+                if not await run(hdr, msg):
+                    writer.close()
+                    return
+
+        worker_task = asyncio.ensure_future(compute())
+        try:
+            while not worker_task.done():
+                read = asyncio.ensure_future(asyncio.wait_for(link.read_frame(reader, max_payload), IDLE_TIMEOUT))
+                done, _ = await asyncio.wait({read, worker_task}, return_when=asyncio.FIRST_COMPLETED)
+                if read not in done:
+                    read.cancel()
+                    break
+                try:
+                    hdr, msg = read.result()
+                except LinkError as e:
+                    await self._send(writer, Error(code=ErrorCode.BAD_FRAME, message=str(e)), 0)
+                    log.warning("bad frame from the main", peer=who, error=str(e))
+                    return
+                if isinstance(msg, Ping):
+                    await self._send(writer, Pong(nonce=msg.nonce), hdr.request_id)
+                elif isinstance(msg, Pong):
+                    continue
+                elif isinstance(msg, Bye):
+                    return
+                else:
+                    queue.put_nowait((hdr, msg))
+        finally:
+            worker_task.cancel()
+            for t in list(late):
+                t.cancel()
+
+    @staticmethod
+    async def _send(writer, msg, rid: int) -> None:
+        link.write_frame(writer, msg, rid)
+        await writer.drain()
+
+    async def serve_forever(self, stop: asyncio.Event) -> None:
+        await self.start()
+        try:
+            await stop.wait()
+        finally:
+            self.server.close()
+            await self.server.wait_closed()
+            self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def commit_delay_from_env() -> float:
+    """STRATA_TEST_COMMIT_DELAY_MS: the test hook that applies Commits late (seconds; 0 off)."""
+    try:
+        return max(0.0, float(os.environ.get("STRATA_TEST_COMMIT_DELAY_MS", "0") or 0) / 1000.0)
+    except ValueError:
+        return 0.0

@@ -1,0 +1,461 @@
+"""The remote stage over the stage link, with real `strata worker` processes on loopback: greedy parity with one
+process (2 and 3 stages, the relay), checkpoints across the link, the settle, a store emptied under the main, the
+handshake's refusals (version, silence, close, key, model, limits, a second main), and the daemon's behaviour when a
+worker dies mid-stream and comes back."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import zlib
+
+import pytest
+
+import link
+from strata.engine.engine import Engine
+from strata.engine.types import GenerationRequest
+from strata.stages.remote import LinkClient, WorkerRefused
+from tests.test_serve_daemon import ROOT, Daemon, env_for_daemon, free_port
+
+N_CTX = 1024
+SYSTEM = "You are a helpful assistant who answers briefly. " * 12
+
+
+class WorkerProc:
+    """`python -m strata.cli.main worker` on 127.0.0.1 (port 0: a free one); stderr collected in `lines`."""
+
+    def __init__(self, *args: str, port: int = 0, env: dict | None = None, host: str = "127.0.0.1",
+                 wrap=None):
+        self.cmd = [sys.executable, "-m", "strata.cli.main", "worker", "--listen", f"{host}:{port}",
+                    "--threads", "1", "--log-format", "json", *args]
+        self.cmd = wrap(self.cmd) if wrap else self.cmd
+        self.host = host
+        self.env = env_for_daemon(env)
+        self.lines: list[str] = []
+        self.port = port
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 120.0) -> "WorkerProc":
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                     env=self.env, cwd=ROOT)
+        ready = threading.Event()
+
+        def drain():
+            for line in self.proc.stderr:
+                self.lines.append(line.rstrip("\n"))
+                if line.startswith("strata worker listening on"):
+                    self.port = int(line.strip().rpartition(":")[2])
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=drain, daemon=True).start()
+        if not ready.wait(timeout) or self.proc.poll() is not None:
+            raise RuntimeError("strata worker did not start:\n" + "\n".join(self.lines[-20:]))
+        return self
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def stop(self, sig=signal.SIGTERM) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture
+def workers():
+    made: list[WorkerProc] = []
+
+    def make(*args, **kw) -> WorkerProc:
+        w = WorkerProc(*args, **kw).start()
+        made.append(w)
+        return w
+
+    yield make
+    for w in made:
+        w.stop()
+
+
+def run(engine, rendered, n: int = 12):
+    req = GenerationRequest(prompt_tokens=list(rendered.tokens), cut_points=list(rendered.cut_points), max_tokens=n,
+                            cancel=threading.Event())
+    toks, final = [], None
+    for ev in engine.generate(req):
+        if hasattr(ev, "finish_reason"):
+            final = ev
+        else:
+            toks.append(ev.token_id)
+    return toks, final
+
+
+def conversation(engine) -> list:
+    """Two chats on one system prompt, each turn sent twice: (tokens, resume_from, resume_pos) per request."""
+    out = []
+    for first in ("Name three primes.", "What is the capital of France?"):
+        msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": first}]
+        for turn in range(2):
+            r = engine.render_chat(msgs)
+            a, f = run(engine, r)
+            b, g = run(engine, r)             # the same request again: byte-identical
+            out.append((a, f.strata["resume_from"], f.strata["resume_pos"]))
+            out.append((b, g.strata["resume_from"], g.strata["resume_pos"]))
+            msgs = msgs + [{"role": "assistant", "content": engine.detokenize(a)},
+                           {"role": "user", "content": "And then?"}]
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The same conversation on one process (the default model, checkpoints on)."""
+    e = Engine("default", n_ctx=N_CTX, prompt_cache=4)
+    return conversation(e)
+
+
+def test_two_and_three_stages_match_one_process_with_checkpoints(workers, reference):
+    a, b = workers(), workers()
+    for remote, split in ((a.address, "10"), (f"{a.address},{b.address}", "8,19")):
+        e = Engine("default", n_ctx=N_CTX, prompt_cache=4, remote_stage=remote, layer_split=split)
+        try:
+            got = conversation(e)
+            st = e.stages[-1].status()["link"]
+        finally:
+            e.close()
+        assert [g[0] for g in got] == [r[0] for r in reference], remote
+        assert [g[1:] for g in got] == [r[1:] for r in reference]         # the same resumes, from the same places
+        assert any(src == "checkpoint" for _, src, _ in got)
+        for i in range(0, len(got), 2):
+            assert got[i][0] == got[i + 1][0]                             # every request sent twice: the same
+        assert st["checkpoints_held"] > 0 and st["up"]
+
+
+def test_hybrid_checkpoints_across_the_link(workers, tmp_path):
+    """A synthetic Qwen3.5-style hybrid (Gated DeltaNet + attention): its running state cannot be cut back, so
+    every later turn resumes from a checkpoint, here one whose worker part is kept on the worker."""
+    from strata import synth
+    path = str(synth.write_synthetic(tmp_path / "qwen35.gguf", synth.preset("qwen35", "tiny", seed=11, n_mtp=0)))
+    n_blocks = Engine(path, n_ctx=N_CTX, prompt_cache=4).stages[0].carve.hi
+    ref = conversation(Engine(path, n_ctx=N_CTX, prompt_cache=4))
+    w = workers("--model", path)
+    e = Engine(path, n_ctx=N_CTX, prompt_cache=4, remote_stage=w.address, layer_split=str(n_blocks // 2))
+    try:
+        got = conversation(e)
+    finally:
+        e.close()
+    assert got == ref
+    assert sum(src == "checkpoint" for _, src, _ in got) >= 4
+
+
+def test_without_prompt_cache_the_remote_path_sends_no_checkpoint_message(workers):
+    w = workers()
+    e = Engine("default", n_ctx=N_CTX, remote_stage=w.address, layer_split="15")
+    try:
+        assert e.prompt_cache == 0
+        msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}]
+        r = e.render_chat(msgs)
+        a, f = run(e, r)
+        b, g = run(e, r)
+        assert a == b and e.stages[-1].held == 0 and f.strata["checkpoints"] == 0
+    finally:
+        e.close()
+
+
+def test_parking_and_session_files_are_refused_with_a_remote_stage(workers, tmp_path):
+    w = workers()
+    with pytest.raises(ValueError, match="parking .* not supported with a remote stage"):
+        Engine("default", n_ctx=N_CTX, remote_stage=w.address, conversation_cache_mib=64)
+    e = Engine("default", n_ctx=N_CTX, remote_stage=w.address, layer_split="15")
+    try:
+        with pytest.raises(Exception, match="session files are not supported with a remote stage"):
+            e.slot_save(0, "x.bin")
+    finally:
+        e.close()
+
+
+# ---- a worker in this process, to reach its store ------------------------------------------------------------
+class InProcessWorker:
+    def __init__(self, **kw):
+        from strata.stages.worker import Worker, WorkerConfig
+        self.worker = Worker(WorkerConfig(host="127.0.0.1", port=0, **kw))
+        self.loop = asyncio.new_event_loop()
+        started = threading.Event()
+
+        def main():
+            asyncio.set_event_loop(self.loop)
+            self.loop.run_until_complete(self.worker.start())
+            started.set()
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=main, daemon=True)
+        self.thread.start()
+        started.wait(60)
+        self.address = f"127.0.0.1:{self.worker.port}"
+
+    def close(self):
+        self.loop.call_soon_threadsafe(self.worker.server.close)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def test_a_store_emptied_under_the_main_makes_the_request_read_from_zero(reference):
+    w = InProcessWorker()
+    e = Engine("default", n_ctx=N_CTX, prompt_cache=4, remote_stage=w.address, layer_split="12")
+    try:
+        msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name three primes."}]
+        r = e.render_chat(msgs)
+        a, _ = run(e, r)
+        assert e.stages[-1].held > 0
+        w.worker.carrier.store.clear()             # the worker forgot every checkpoint part
+        b, g = run(e, r)
+        assert b == a == reference[0][0]
+        assert g.strata["resume_from"] == "none" and g.strata["resume_pos"] == 0
+        c, h = run(e, r)                            # and the checkpoints saved since serve again
+        assert c == a and h.strata["resume_from"] == "checkpoint"
+    finally:
+        e.close()
+        w.close()
+
+
+def test_settle_a_late_commit_is_waited_for(workers):
+    """The worker applies Commits late (the test hook); a live continuation that cuts the sequence back must wait
+    for the Commit's Ack before it sends the prompt, or the worker would read it at the wrong position."""
+    w = workers(env={"STRATA_TEST_COMMIT_DELAY_MS": "400"})
+    ref = Engine("default", n_ctx=N_CTX, prompt_cache=0)
+    e = Engine("default", n_ctx=N_CTX, prompt_cache=0, remote_stage=w.address, layer_split="10")
+    try:
+        p = ref.tokenize_prompt("The capital of France is Paris. The capital of Spain is")
+        commits = 0
+        for _ in range(3):
+            want, _ = run(ref, _Prompt(p), 8)
+            got, f = run(e, _Prompt(p), 8)
+            assert got == want
+            # continue the live sequence from a point inside what it holds: a cut-back (a Commit) then a read
+            q = p + want[:3]
+            want2, _ = run(ref, _Prompt(q), 8)
+            got2, f2 = run(e, _Prompt(q), 8)
+            assert got2 == want2
+            assert f2.strata["resume_from"] == "live"
+            commits += e.stages[-1].commits
+        assert commits > 0
+    finally:
+        e.close()
+
+
+class _Prompt:
+    def __init__(self, tokens):
+        self.tokens, self.cut_points = list(tokens), []
+
+
+# ---- the handshake -------------------------------------------------------------------------------------------
+def _fake_worker(behaviour: str) -> tuple[str, threading.Thread]:
+    """A listener that misbehaves at the hello: 'close', 'silent', or 'v4' (a Challenge framed as protocol 4)."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+
+    def serve():
+        c, _ = srv.accept()
+        if behaviour == "v4":
+            frame = bytearray(link.frame_bytes(link.Challenge(nonce=b"\0" * 32, keyed=False, worker="old"), 0))
+            frame[4:6] = struct.pack("<H", 4)
+            frame[28:32] = struct.pack("<I", zlib.crc32(bytes(frame[:28])))
+            c.sendall(bytes(frame))
+            time.sleep(1)
+        elif behaviour == "silent":
+            time.sleep(8)
+        c.close()
+        srv.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return f"127.0.0.1:{srv.getsockname()[1]}", t
+
+
+@pytest.mark.parametrize("behaviour,message", [("close", "closed the link at the hello"),
+                                               ("silent", "stayed silent"),
+                                               ("v4", "protocol 4.*5")])
+def test_serve_exits_naming_the_worker_and_the_reason(tmp_path, behaviour, message):
+    import re
+    addr, _ = _fake_worker(behaviour)
+    d = Daemon(tmp_path, "--remote-stage", addr, "--layer-split", "10")
+    with pytest.raises(RuntimeError) as ei:
+        d.start(timeout=60)
+    assert d.proc.returncode not in (0, None)
+    assert addr in str(ei.value) and re.search(message, str(ei.value)), str(ei.value)
+
+
+def test_link_key_is_required_and_checked(workers, tmp_path):
+    key = tmp_path / "link.key"
+    assert subprocess.run([sys.executable, "-m", "strata.cli.main", "worker", "--gen-key", str(key)],
+                          env=env_for_daemon(), cwd=ROOT, capture_output=True).returncode == 0
+    assert key.stat().st_mode & 0o077 == 0 and key.stat().st_size >= 32
+    w = workers("--link-key-file", str(key))
+    with pytest.raises(WorkerRefused, match="requires the link key"):
+        Engine("default", n_ctx=N_CTX, remote_stage=w.address, layer_split="10")
+    other = tmp_path / "other.key"
+    other.write_bytes(os.urandom(32))
+    other.chmod(0o600)
+    with pytest.raises(WorkerRefused, match="link key does not match"):
+        Engine("default", n_ctx=N_CTX, remote_stage=w.address, layer_split="10", link_key_file=str(other))
+    e = Engine("default", n_ctx=N_CTX, remote_stage=w.address, layer_split="10", link_key_file=str(key))
+    try:
+        r = e.render_chat([{"role": "user", "content": "Hi"}])
+        assert len(run(e, r, 4)[0]) == 4
+    finally:
+        e.close()
+
+
+def test_worker_refuses_a_second_main_another_model_and_too_many_parts(workers, tmp_path):
+    from strata import synth
+    w = workers()
+    e = Engine("default", n_ctx=N_CTX, remote_stage=w.address, layer_split="10")
+    try:
+        with pytest.raises(WorkerRefused, match="another main is connected"):
+            Engine("default", n_ctx=N_CTX, remote_stage=w.address, layer_split="10")
+    finally:
+        e.close()
+    time.sleep(0.5)
+    other = synth.write_synthetic(tmp_path / "tiny.gguf", synth.preset("llama", "tiny", seed=3))
+    with pytest.raises(WorkerRefused, match="the main runs model"):
+        Engine(str(other), n_ctx=256, remote_stage=w.address, layer_split="1")
+    with pytest.raises(WorkerRefused, match="at most 64"):
+        Engine("default", n_ctx=N_CTX, remote_stage=w.address, layer_split="10", prompt_cache=65)
+
+
+def test_raw_client_against_a_worker_bad_frames_are_refused(workers):
+    """A frame with a broken checksum gets an Error naming it, and the worker stays up for the next main."""
+    w = workers()
+    s = socket.create_connection(("127.0.0.1", w.port), timeout=10)
+    _, ch = link.recv_frame(s)
+    assert isinstance(ch, link.Challenge) and not ch.keyed
+    bad = bytearray(link.frame_bytes(link.Ping(nonce=1), 1))
+    bad[-1] ^= 0xFF
+    s.sendall(bytes(bad))
+    _, err = link.recv_frame(s)
+    assert isinstance(err, link.Error) and "checksum" in err.message
+    s.close()
+    time.sleep(0.3)
+    c = LinkClient(w.address)
+    with pytest.raises(WorkerRefused, match="not a worker's carve"):
+        c.connect(link.Hello(protocol=5, fingerprint=_default_fingerprint(), lo=0, hi=30, n_blocks=30, n_embd=576,
+                             act_dtype="f32", n_ctx=512, max_batch=64, ckpt_max=0, next_hops=[], nonce=b"", mac=b""))
+
+
+def _default_fingerprint() -> str:
+    from strata.default_model import resolve_model
+    from strata.gguf_file import open_gguf
+    return open_gguf(resolve_model("default")).fingerprint()
+
+
+# ---- the daemon: a worker dies mid-stream and comes back -----------------------------------------------------
+def test_daemon_worker_killed_mid_stream_then_back(workers, tmp_path):
+    from openai import OpenAI
+    port = free_port()
+    w = workers(port=0)
+    wport = w.port
+    d = Daemon(tmp_path, "--remote-stage", w.address, "--layer-split", "10", port=port, n_ctx=N_CTX).start()
+    try:
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60)
+        msgs = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
+        before = client.chat.completions.create(model="default", messages=msgs, max_tokens=24, temperature=0)
+        text = before.choices[0].message.content
+        stream = client.chat.completions.create(model="default", messages=msgs, max_tokens=400, temperature=0,
+                                                stream=True)
+        got, t_kill, t_end, error = 0, None, None, None
+        try:
+            for chunk in stream:
+                got += 1
+                if got == 5:
+                    w.stop(signal.SIGKILL)
+                    t_kill = time.monotonic()
+        except Exception as e:  # noqa: BLE001 -- the SSE error event surfaces as an APIError
+            error = e
+        t_end = time.monotonic()
+        assert t_kill is not None and error is not None, "the stream should end with an error event"
+        assert t_end - t_kill < 10
+        # while the worker is gone: 503 at once, and /health says why
+        t0 = time.monotonic()
+        st, body = d.json("POST", "/v1/chat/completions", {"messages": msgs, "max_tokens": 4})
+        assert st == 503 and body["error"]["code"] == "worker_unavailable"
+        assert time.monotonic() - t0 < 1.0
+        assert d.request("GET", "/health")[0] == 503
+        # the worker comes back on its port: the daemon reconnects and answers as before
+        back = WorkerProc(port=wport).start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and d.request("GET", "/health")[0] != 200:
+            time.sleep(0.2)
+        again = client.chat.completions.create(model="default", messages=msgs, max_tokens=24, temperature=0)
+        assert again.choices[0].message.content == text
+    finally:
+        d.stop()
+        if "back" in locals():
+            back.stop()
+
+
+def test_usage_errors_for_remote_flags():
+    env = env_for_daemon()
+    r = subprocess.run([sys.executable, "-m", "strata.cli.main", "serve", "--remote-stage", "nohost",
+                        "--no-socket", "--port", "1"], env=env, cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 2 and "--remote-stage" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "strata.cli.main", "worker", "--listen", "0.0.0.0:0"], env=env,
+                       cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 2 and "--link-key-file" in r.stderr
+
+
+# ---- hosts made of network namespaces ------------------------------------------------------------------------
+def test_three_hosts_over_veth_with_delay_and_loss_and_a_relay(tmp_path):
+    """main -- A -- B: three network namespaces, veth links with netem delay (1 ms) and loss (0.5 %); the main
+    cannot reach B, so A relays. The daemon (in the main's namespace) answers as one process does, and resumes
+    the next turn from a checkpoint across both links."""
+    from tests import netns
+    why = netns.available()
+    if why:
+        pytest.skip(why)
+    key = tmp_path / "link.key"
+    link.write_key_file(key)
+    hosts = netns.Hosts("m", "a", "b")
+    procs = []
+    try:
+        _, a_addr = hosts.link("m", "a", 61, delay_ms=1.0, loss_pct=0.5)
+        a_next, b_addr = hosts.link("a", "b", 62, delay_ms=1.0)
+        wa = WorkerProc("--link-key-file", str(key), host=a_addr, port=7700, wrap=lambda c: hosts.cmd("a", c))
+        wb = WorkerProc("--link-key-file", str(key), host=b_addr, port=7700, wrap=lambda c: hosts.cmd("b", c))
+        procs += [wb.start(), wa.start()]
+        d = Daemon(tmp_path, "--remote-stage", f"{a_addr}:7700,{b_addr}:7700", "--link-key-file", str(key),
+                   "--layer-split", "8,19", "--prompt-cache", "4", n_ctx=N_CTX)
+        d.cmd = hosts.cmd("m", d.cmd)
+        d.start()
+        procs.append(d)
+        ref = Engine("default", n_ctx=N_CTX, prompt_cache=4)
+        msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name three primes."}]
+        for turn in range(2):
+            r = ref.render_chat(msgs)
+            req = GenerationRequest(prompt_tokens=list(r.tokens), cut_points=list(r.cut_points), max_tokens=12,
+                                    cancel=threading.Event())
+            want = "".join(getattr(ev, "text", "") or "" for ev in ref.generate(req))
+            st, body = d.json("POST", "/v1/chat/completions", {"messages": msgs, "max_tokens": 12,
+                                                                "temperature": 0})
+            assert st == 200, body
+            assert body["choices"][0]["message"]["content"] == want
+            if turn == 1:
+                assert body["strata"]["resume_from"] in ("live", "checkpoint") and body["strata"]["resume_pos"] > 0
+            msgs = msgs + [{"role": "assistant", "content": want}, {"role": "user", "content": "And two more?"}]
+        if hosts.netem_error:
+            print(f"netem unavailable here ({hosts.netem_error}): the veth links ran without delay or loss")
+        st, status = d.json("GET", "/status")
+        stage = status["engine"]["stages"][-1] if "engine" in status else status["stages"][-1]
+        assert stage["link"]["up"] and stage["link"]["checkpoints_held"] > 0
+    finally:
+        for p in procs:
+            p.stop()
+        hosts.close()
