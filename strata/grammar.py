@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,6 +32,17 @@ def _llg():
 
 # ---- grammar texts -----------------------------------------------------------------------------------------------
 
+def lark_json(schema) -> str:
+    """An inline `%json {...}` rule of llguidance's Lark for a JSON schema (a list: any of them), written with
+    JSON_OPTIONS; keywords llguidance does not implement are ignored unless the schema's x-guidance says
+    lenient: false."""
+    if isinstance(schema, list):
+        schema = {"anyOf": schema} if len(schema) != 1 else schema[0]
+    s = dict(schema)
+    s["x-guidance"] = {**JSON_OPTIONS, "lenient": True, **(s.get("x-guidance") or {})}
+    return "%json " + json.dumps(s, ensure_ascii=False)
+
+
 def json_schema_grammar(schema: Any, *, strict: bool = True) -> str:
     """The llguidance grammar of a JSON schema (an object; True / {} mean any JSON value). strict: keywords
     llguidance does not implement are an error; otherwise they are ignored (OpenAI's non-strict mode)."""
@@ -38,11 +50,9 @@ def json_schema_grammar(schema: Any, *, strict: bool = True) -> str:
         schema = {}
     if not isinstance(schema, dict):
         raise GrammarError(f"a JSON schema must be an object, got {type(schema).__name__}")
-    try:
-        return _llg().LLMatcher.grammar_from_json_schema(json.dumps(schema),
-                                                         defaults=dict(JSON_OPTIONS, lenient=not strict))
-    except (ValueError, TypeError) as e:
-        raise GrammarError(f"invalid JSON schema: {_one_line(e)}") from None
+    s = dict(schema)
+    s["x-guidance"] = {**(s.get("x-guidance") or {}), "lenient": not strict}
+    return lark_grammar("start: " + lark_json(s))
 
 
 def lark_grammar(text: str) -> str:
@@ -65,6 +75,16 @@ def _text(text) -> str:
     if len(text) > MAX_GRAMMAR_CHARS:
         raise GrammarError(f"the grammar has {len(text)} characters, at most {MAX_GRAMMAR_CHARS} are allowed")
     return text
+
+
+def _grammar_message(err: str) -> str:
+    """llguidance's compile error in one line, without the grammar text it quotes: "invalid JSON schema: Invalid
+    type: foo", "invalid grammar: ..."."""
+    msg = " ".join(str(err).split())
+    msg = re.split(r" \d+ \| ", msg, maxsplit=1)[0]
+    msg = re.sub(r"^at \d+\(\d+\): ", "", msg)
+    m = re.match(r"failed to compile JSON schema: (.*)", msg)
+    return f"invalid JSON schema: {m.group(1)}" if m else f"invalid grammar: {msg}"
 
 
 def _one_line(e: BaseException) -> str:
@@ -121,7 +141,7 @@ class Constraint:
         self.grammar = grammar
         m = llg.LLMatcher(self.vocab, grammar, log_level=0)
         if m.is_error():
-            raise GrammarError(f"invalid grammar: {_one_line(Exception(m.get_error()))}")
+            raise GrammarError(_grammar_message(m.get_error()))
         self._matcher = m
         self._started = False
 

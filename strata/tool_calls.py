@@ -25,6 +25,7 @@ import secrets
 import string
 from dataclasses import dataclass
 
+from strata.grammar import lark_json
 from strata.json_stream import MORE, NO, OK, StringChars, ValueEnd, expect, skip_ws, string_at
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")      # OpenAI's function-name rule
@@ -98,7 +99,7 @@ class Hermes(ToolFormat):
         return _TagBlock(marker)
 
     def grammar(self, tools, choice, parallel, special):
-        call = _lark_json(_call_schemas(tools, choice, "arguments"))
+        call = lark_json(_call_schemas(tools, choice, "arguments"))
         rep = '("\\n" tc)*' if parallel and not isinstance(choice, dict) else ""
         return f'calls: tc {rep}\ntc: "<tool_call>\\n" {call} "\\n</tool_call>"\n'
 
@@ -144,7 +145,7 @@ class Llama3(ToolFormat):
         return _Llama3Block(marker)
 
     def grammar(self, tools, choice, parallel, special):
-        call = _lark_json(_call_schemas(tools, choice, "parameters"))
+        call = lark_json(_call_schemas(tools, choice, "parameters"))
         rep = '("; " tc)*' if parallel and not isinstance(choice, dict) else ""
         return f"calls: tc {rep}\ntc: {call}\n"
 
@@ -168,13 +169,12 @@ class Mistral(ToolFormat):
         single = not parallel or isinstance(choice, dict)
         if self.args_form:
             args = special("[ARGS]") or '"[ARGS]"'
-            alts = [f'"{fn["name"]}" {args} {_lark_json(_params(fn))}' for fn in _chosen(tools, choice)]
-            rep = "" if single else "*"
-            return f"calls: tc tc2{rep}\ntc: {tc} fn\ntc2: {tc} fn\nfn: " + " | ".join(alts) + "\n"
+            alts = [f'"{fn["name"]}" {args} {lark_json(_params(fn))}' for fn in _chosen(tools, choice)]
+            return f"calls: tc{'' if single else '+'}\ntc: {tc} fn\nfn: " + " | ".join(alts) + "\n"
         arr = {"type": "array", "items": {"anyOf": _call_schemas(tools, choice, "arguments")}, "minItems": 1}
         if single:
             arr["maxItems"] = 1
-        return f"calls: {tc} {_lark_json(arr)}\n"
+        return f"calls: {tc} {lark_json(arr)}\n"
 
 
 class Generic(ToolFormat):
@@ -191,7 +191,7 @@ class Generic(ToolFormat):
         return len(buf), None
 
     def grammar(self, tools, choice, parallel, special):
-        return f"calls: {_lark_json(generic_schema(tools, choice, parallel, allow_response=False))}\n"
+        return f"calls: {lark_json(generic_schema(tools, choice, parallel, allow_response=False))}\n"
 
 
 def generic_schema(tools, choice, parallel: bool, allow_response: bool) -> dict:
@@ -306,16 +306,6 @@ def _call_schemas(tools, choice, args_key: str) -> list[dict]:
              "required": ["name", args_key], "additionalProperties": False} for fn in _chosen(tools, choice)]
 
 
-def _lark_json(schema) -> str:
-    """An inline %json rule of llguidance's Lark with Strata's JSON layout (strata.grammar.JSON_OPTIONS)."""
-    from strata.grammar import JSON_OPTIONS
-    if isinstance(schema, list):
-        schema = {"anyOf": schema} if len(schema) != 1 else schema[0]
-    s = dict(schema)
-    s["x-guidance"] = dict(JSON_OPTIONS, lenient=True, **(s.get("x-guidance") or {}))
-    return "%json " + json.dumps(s, ensure_ascii=False)
-
-
 def _xml_value_rule(rule: str, schema: dict) -> str:
     """A parameter value of the XML format: a string as raw text (its enum as choices, maxLength as a bound, no
     '<'), anything else as JSON."""
@@ -326,7 +316,7 @@ def _xml_value_rule(rule: str, schema: dict) -> str:
         hi = schema.get("maxLength")
         rep = f"{{{int(schema.get('minLength', 0))},{int(hi)}}}" if isinstance(hi, int) else "*"
         return f"{rule}: /[^<\\n]{rep}/"
-    return f"{rule}: {_lark_json(schema)}"
+    return f"{rule}: {lark_json(schema)}"
 
 
 def _is_string(schema: dict) -> bool:
@@ -514,7 +504,7 @@ class _JsonCall:
             obj = json.loads(p.buf[j:end])
         except ValueError:
             return NO
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        if not _call_like(obj):
             return NO
         args = obj.get("arguments", obj.get("parameters", {}))
         if isinstance(args, str):
@@ -592,6 +582,17 @@ def _args_form_pending(s: str) -> bool:
         tail = r2[re.match(r"[A-Za-z0-9]{0,64}", r2).end():]
         return "[ARGS]".startswith(tail)
     return False
+
+
+def _call_like(obj) -> bool:
+    """A JSON call object: a non-empty string "name", and nothing but "arguments" / "parameters" (an object or a
+    JSON string), "type" and "id" beside it."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return False
+    if set(obj) - {"name", "arguments", "parameters", "type", "id"}:
+        return False
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return isinstance(args, (dict, str))
 
 
 def _loose_string(text: str) -> str:
@@ -899,8 +900,7 @@ class _GenericBlock:
         calls = obj.get("tool_calls") if isinstance(obj, dict) else None
         if isinstance(obj, dict) and isinstance(obj.get("tool_call"), dict):
             calls = [obj["tool_call"]]
-        if isinstance(calls, list) and calls and all(isinstance(c, dict) and isinstance(c.get("name"), str)
-                                                     and c["name"] for c in calls):
+        if isinstance(calls, list) and calls and all(_call_like(c) for c in calls):
             p.consume(self.seen)
             for c in calls:
                 args = c.get("arguments", c.get("parameters", {}))
