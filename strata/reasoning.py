@@ -15,6 +15,12 @@ def prompt_opens(prompt_text: str) -> bool:
     return prompt_text.rstrip().endswith(OPEN)
 
 
+def prompt_closes(prompt_text: str) -> bool:
+    """Whether the rendered prompt ends with a closed (empty) reasoning block, as Qwen3's template writes it when
+    enable_thinking is false: the answer then has none."""
+    return prompt_text.rstrip().endswith(CLOSE)
+
+
 def _hold(buf: str, tag: str) -> int:
     """Length of the longest tail of buf that is a proper prefix of tag."""
     for k in range(min(len(tag) - 1, len(buf)), 0, -1):

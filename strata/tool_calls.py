@@ -273,17 +273,15 @@ def _call_for_template(c: dict) -> dict:
     return c
 
 
-def generic_system_prompt(tools: list[dict], choice, parallel: bool) -> str:
-    """The text the generic family adds to the system prompt: the tools, and the answer's JSON shape."""
+def generic_system_prompt(tools: list[dict]) -> str:
+    """The text the generic family adds to the system prompt: the tools, and the answer's JSON shape. It depends on
+    the tools alone (tool_choice and parallel_tool_calls act through the grammar), so the turns of an agent loop
+    share their system prompt and with it their checkpoints."""
     fns = [{k: v for k, v in t["function"].items() if k in ("name", "description", "parameters")}
            for t in tools]
-    call = '{"name": <tool name>, "arguments": <arguments object>}'
-    if isinstance(choice, dict) or choice == "required":
-        how = f'Answer with one JSON object: {{"tool_calls": [{call}{", ..." if parallel else ""}]}}.'
-    else:
-        how = (f'Answer with one JSON object: {{"tool_calls": [{call}{", ..." if parallel else ""}]}} to call '
-               'tools, or {"response": <your answer>} to answer directly.')
-    return "You can call these tools:\n" + json.dumps(fns, ensure_ascii=False) + "\n" + how
+    return ("You can call these tools:\n" + json.dumps(fns, ensure_ascii=False) + "\n"
+            'To call tools, answer with one JSON object: {"tool_calls": [{"name": <tool name>, "arguments": '
+            '<arguments object>}, ...]}. Otherwise answer with {"response": <your answer>}.')
 
 
 # ----------------------------------------------------------------------------------------------- grammar bits

@@ -26,6 +26,7 @@ class ChatPlan:
     reasoning: bool = False
     thinks: bool = False                     # the template knows <think> blocks
     think_open: bool = False                 # the rendered prompt left one open
+    think_closed: bool = False               # the rendered prompt ends with a closed one (thinking switched off)
     body: str | None = None
     show_tokens: frozenset[int] = frozenset()
 
@@ -49,7 +50,7 @@ def plan_chat(engine, p) -> ChatPlan:
             plan.messages = tool_calls.template_messages(p.messages, fmt)
         else:
             msgs = tool_calls.template_messages(p.messages, fmt, renders_tool_role=_renders_tool_role(template))
-            prompt = tool_calls.generic_system_prompt(p.tools, p.tool_choice, p.parallel_tool_calls)
+            prompt = tool_calls.generic_system_prompt(p.tools)
             if msgs and msgs[0].get("role") == "system":
                 msgs[0] = dict(msgs[0], content=(msgs[0].get("content") or "") + "\n\n" + prompt)
             else:
@@ -74,6 +75,7 @@ def plan_chat(engine, p) -> ChatPlan:
 def after_render(plan: ChatPlan, prompt_text: str) -> None:
     """What the rendered prompt tells: whether it left a reasoning block open for the answer."""
     plan.think_open = plan.thinks and reasoning.prompt_opens(prompt_text)
+    plan.think_closed = plan.thinks and reasoning.prompt_closes(prompt_text)
 
 
 def chat_constraint(engine, plan: ChatPlan, param: str) -> Constraint | None:
@@ -83,7 +85,7 @@ def chat_constraint(engine, plan: ChatPlan, param: str) -> Constraint | None:
         return None
     if plan.think_open:             # the answer starts inside the block: any text up to </think>, then the body
         start = "start: think WS? body\nthink[lazy]: /(?s:.*)<\\/think>/\nWS: /[ \\t\\r\\n]+/\n"
-    elif plan.thinks and plan.reasoning:
+    elif plan.thinks and plan.reasoning and not plan.think_closed:   # the model may open one itself
         start = "start: (think WS?)? body\nthink[lazy]: /<think>(?s:.*)<\\/think>/\nWS: /[ \\t\\r\\n]+/\n"
     else:
         start = "start: body\n"
