@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -188,7 +189,6 @@ class TokenGuide:
 
     # -- masks
     def _compute(self) -> np.ndarray:
-        import time
         t0 = time.perf_counter()
         mask = np.zeros(self.words, dtype=np.int32)
         if self.m.is_error():
@@ -239,19 +239,25 @@ class TokenGuide:
             f.result()
 
 
-_DEVICE_BITS: dict = {}          # (device id, n_vocab) -> (word index, bit index) of every token id, on that device
+_BITS: dict = {}       # (array module, device id, n_vocab) -> (word index, bit index) of every token id, in that module
+
+
+def apply_words(xp, logits, words: np.ndarray, n_vocab: int):
+    """logits (xp array, (n_vocab,)) with -inf where the packed mask `words` (int32, bit i of word w = token 32w+i
+    allowed) has a 0, by array operations of the logits' own module: on a GPU (CuPy) the words go up (n_vocab/8
+    bytes) and each token reads its bit there; no custom kernel."""
+    dev = getattr(getattr(logits, "device", None), "id", None)
+    key = (xp.__name__, dev, int(n_vocab))
+    if key not in _BITS:
+        ids = xp.arange(n_vocab, dtype=xp.int32)
+        _BITS[key] = (ids >> 5, ids & 31)
+    widx, bidx = _BITS[key]
+    w = xp.asarray(words)
+    ok = ((w[widx] >> bidx) & 1).astype(bool)
+    return xp.where(ok, logits.astype(xp.float32, copy=False), xp.float32(-np.inf))
 
 
 def _apply_device(guide: TokenGuide, logits, mask: np.ndarray):
-    """The mask applied on the GPU with CuPy array operations (no custom kernel): the packed words go up (n_vocab/8
-    bytes), each token reads its bit."""
     import cupy as cp
     with cp.cuda.Device(logits.device.id):
-        key = (logits.device.id, guide.n_vocab)
-        if key not in _DEVICE_BITS:
-            ids = cp.arange(guide.n_vocab, dtype=cp.int32)
-            _DEVICE_BITS[key] = (ids >> 5, ids & 31)
-        widx, bidx = _DEVICE_BITS[key]
-        words = cp.asarray(mask)
-        ok = ((words[widx] >> bidx) & 1).astype(cp.bool_)
-        return cp.where(ok, logits.astype(cp.float32, copy=False), cp.float32(-cp.inf))
+        return apply_words(cp, logits, mask, guide.n_vocab)

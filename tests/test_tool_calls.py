@@ -257,3 +257,69 @@ def test_prompt_opening_a_reasoning_block():
     assert reasoning.prompt_opens("<|im_start|>assistant\n<think>\n")
     assert not reasoning.prompt_opens("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert reasoning.template_thinks("{{ '<think>' }}") and not reasoning.template_thinks("plain")
+
+
+# ------------------------------------------------------------------------------------------ the answer as served
+def _answer(fmt, opened=False, thinks=True):
+    from strata.serve.structured import ChatPlan
+    plan = ChatPlan(messages=[], tools=None, template_kwargs={}, pin=None, fmt=fmt, tool_defs=TOOLS if fmt else [],
+                    reasoning=thinks, thinks=thinks, think_open=opened)
+    return plan.answer()
+
+
+def _client_view(deltas):
+    """Deltas put together as OpenAI's clients do."""
+    msg = {"content": "", "reasoning_content": "", "tool_calls": {}}
+    for d in deltas:
+        msg["content"] += d.get("content") or ""
+        msg["reasoning_content"] += d.get("reasoning_content") or ""
+        for c in d.get("tool_calls") or []:
+            slot = msg["tool_calls"].setdefault(c["index"], {"id": c.get("id"), "name": "", "arguments": ""})
+            slot["name"] += c.get("function", {}).get("name") or ""
+            slot["arguments"] += c.get("function", {}).get("arguments") or ""
+    return msg
+
+
+ANSWERS = [
+    (tc.Hermes(), False, "<think>\nThe user wants the weather.\n</think>\n\nChecking.\n<tool_call>\n"
+                         '{"name": "get_weather", "arguments": {"location": "Oslo"}}\n</tool_call>',
+     "Checking.", "The user wants the weather.", [("get_weather", {"location": "Oslo"})]),
+    (tc.QwenXml(), True, "Need the time.\n</think>\n\n<tool_call>\n<function=get_time>\n<parameter=tz>\nUTC\n"
+                         "</parameter>\n</function>\n</tool_call>",
+     None, "Need the time.", [("get_time", {"tz": "UTC"})]),
+    (None, True, "Short thought.</think>  The answer is 4.  ", "The answer is 4.", "Short thought.", []),
+]
+
+
+@pytest.mark.parametrize("fmt,opened,text,content,reasoning_text,calls", ANSWERS)
+@settings(max_examples=25, deadline=None)
+@given(cuts=st.lists(st.integers(0, 10_000), max_size=10))
+def test_served_answer_streamed_equals_whole(fmt, opened, text, content, reasoning_text, calls, cuts):
+    """The message of a non-streamed answer and the deltas of a streamed one (any cut) say the same: content and
+    reasoning_content without the whitespace around them, calls named first, finish_reason tool_calls."""
+    whole = _answer(fmt, opened)
+    whole.feed(text)
+    whole.finish()
+    msg = whole.message()
+    assert msg["content"] == content
+    assert msg.get("reasoning_content") == reasoning_text
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg.get("tool_calls", [])] \
+        == calls
+    assert whole.finish_reason("stop") == ("tool_calls" if calls else "stop")
+    assert whole.finish_reason("length") == "length"
+    streamed = _answer(fmt, opened)
+    deltas = []
+    for piece in _cut(text, cuts):
+        deltas += streamed.feed(piece)
+    deltas += streamed.finish()
+    view = _client_view(deltas)
+    assert view["content"] == (content or "") and view["reasoning_content"] == reasoning_text
+    assert [(c["name"], c["arguments"]) for _, c in sorted(view["tool_calls"].items())] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in msg.get("tool_calls", [])]
+    assert all(d for d in deltas) and not any(d.get("content") == "" for d in deltas)
+
+
+def test_plain_answers_pass_through_untouched():
+    a = _answer(None, thinks=False)
+    assert a.feed("  Hello ") == [{"content": "  Hello "}] and a.feed("") == [] and a.finish() == []
+    assert a.message() == {"role": "assistant", "content": "  Hello "}
