@@ -145,12 +145,17 @@ class Constraint:
             raise GrammarError(_grammar_message(m.get_error()))
         self._matcher = m
         self._started = False
+        self.last: TokenGuide | None = None          # the latest start()'s guide (its timings, for benchmarks)
+        self.overlap = True
 
-    def start(self, overlap: bool = True) -> "TokenGuide":
-        """A fresh walk from the grammar's start (the first one takes the compiled matcher, later ones a copy)."""
+    def start(self, overlap: bool | None = None) -> "TokenGuide":
+        """A fresh walk from the grammar's start (the first one takes the compiled matcher, later ones a copy).
+        overlap: compute each next mask during the forward (None: self.overlap, True unless set otherwise)."""
         m = self._matcher if not self._started else self._matcher_copy()
         self._started = True
-        return TokenGuide(m, self.n_vocab, self.vocab.eos_tokens, overlap=overlap)
+        self.last = TokenGuide(m, self.n_vocab, self.vocab.eos_tokens,
+                               overlap=self.overlap if overlap is None else overlap)
+        return self.last
 
     def _matcher_copy(self):
         m = self._matcher.deep_copy()
@@ -184,7 +189,9 @@ class TokenGuide:
         self.words = (self.n_vocab + 31) // 32
         self.overlap = overlap
         self._next: Future | None = None
-        self.mask_s = 0.0                            # seconds spent computing masks (on whichever thread)
+        self.mask_s = 0.0          # seconds spent computing masks (on whichever thread)
+        self.wait_s = 0.0          # seconds the generation waited for a mask (all of mask_s without overlap)
+        self.apply_s = 0.0         # seconds spent putting masks on the logits
         self.steps = 0
 
     # -- masks
@@ -202,8 +209,11 @@ class TokenGuide:
 
     def mask(self) -> np.ndarray:
         """The packed mask of the next token (int32 words, bit i of word w = token 32w+i allowed)."""
+        t0 = time.perf_counter()
         f, self._next = self._next, None
-        return f.result() if f is not None else self._compute()
+        m = f.result() if f is not None else self._compute()
+        self.wait_s += time.perf_counter() - t0
+        return m
 
     def allowed(self) -> np.ndarray:
         """Boolean (n_vocab,) of the tokens allowed next (for tests and the benchmark)."""
@@ -212,11 +222,15 @@ class TokenGuide:
     def apply(self, logits):
         """A copy of logits (numpy, or CuPy on the logits' device) with the disallowed tokens at -inf."""
         mask = self.mask()
+        t0 = time.perf_counter()
         self.steps += 1
         if isinstance(logits, np.ndarray):
             ok = np.unpackbits(mask.view(np.uint8), bitorder="little", count=self.n_vocab).view(bool)
-            return np.where(ok, logits, np.float32(-np.inf)).astype(np.float32, copy=False)
-        return _apply_device(self, logits, mask)
+            out = np.where(ok, logits, np.float32(-np.inf)).astype(np.float32, copy=False)
+        else:
+            out = _apply_device(self, logits, mask)
+        self.apply_s += time.perf_counter() - t0
+        return out
 
     # -- moving on
     def accept(self, token_id: int) -> None:
