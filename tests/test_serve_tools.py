@@ -301,3 +301,62 @@ def test_json_object_and_completion_fields(smol):
                          ({"json_schema": {}, "grammar": "root ::= \"a\""}, "send one")):
         st, d = smol.json("POST", "/v1/completions", {"prompt": "x", "max_tokens": 4, **body})
         assert st == 400 and needle in d["error"]["message"], d
+
+
+# A reasoning template in the manner of Qwen3.5's: the generation prompt opens a <think> block, or (enable_thinking
+# false) writes an empty one.
+THINK_TEMPLATE = """{%- for m in messages %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% if enable_thinking is defined and enable_thinking is false %}<think>
+
+</think>
+
+{% else %}<think>
+{% endif %}{% endif %}"""
+
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory):
+    from strata import synth
+    tmp = tmp_path_factory.mktemp("think")
+    path = synth.write_synthetic(tmp / "thinker.gguf", synth.preset("qwen35", seed=1),     # seed 1 writes words
+                                 overrides={"tokenizer.chat_template": THINK_TEMPLATE})
+    d = Daemon(tmp, "--model", str(path), port=free_port(), n_ctx=1024).start()
+    yield d
+    assert d.stop() == 0, d.log_tail()
+
+
+def test_reasoning_content_and_template_kwargs(thinker):
+    """The prompt opens a reasoning block: a random-weight answer cut by max_tokens is all reasoning_content, streamed
+    the same; enable_thinking=false (chat_template_kwargs) closes the block in the prompt and the answer is content;
+    reasoning_format "none" leaves the reasoning in content."""
+    client = _client(thinker)
+    kw = dict(model="default", messages=ASK, max_tokens=12, temperature=1.0, seed=5)
+    r = client.chat.completions.create(**kw)
+    m = r.choices[0].message
+    reasoning = m.model_extra.get("reasoning_content")
+    assert r.choices[0].finish_reason == "length" and reasoning and m.content == ""
+    content, s_reasoning, calls, finish = _assemble(client.chat.completions.create(stream=True, **kw))
+    assert (content, s_reasoning, calls, finish) == ("", reasoning, [], "length")
+    raw = client.chat.completions.create(extra_body={"reasoning_format": "none"}, **kw).choices[0].message
+    assert raw.content.strip() == reasoning and not raw.model_extra.get("reasoning_content")
+    off = client.chat.completions.create(extra_body={"chat_template_kwargs": {"enable_thinking": False}}, **kw)
+    assert off.usage.prompt_tokens > r.usage.prompt_tokens                        # the closed block is in the prompt
+    assert off.choices[0].message.content and not off.choices[0].message.model_extra.get("reasoning_content")
+
+
+def test_history_with_calls_renders_without_tools(qwen):
+    """An assistant turn with tool_calls (arguments a JSON string) and its result are rendered by the template even
+    when the request carries no tools (the last turn of an agent loop)."""
+    client = _client(qwen)
+    msgs = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                           "arguments": '{"city": "Paris", "days": 3, "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    r = client.chat.completions.create(model="default", messages=msgs, max_tokens=4, temperature=0)
+    assert r.choices[0].message.tool_calls is None
+    with_tools = client.chat.completions.create(model="default", messages=msgs, tools=TOOLS, tool_choice="none",
+                                                max_tokens=4, temperature=0)
+    assert with_tools.usage.prompt_tokens == r.usage.prompt_tokens            # tool_choice none: no tools rendered

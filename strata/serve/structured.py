@@ -41,34 +41,38 @@ def plan_chat(engine, p) -> ChatPlan:
     plan = ChatPlan(messages=p.messages, tools=None, template_kwargs=dict(p.template_kwargs), pin=p.pin)
     plan.thinks = reasoning.template_thinks(source)
     plan.reasoning = p.reasoning and plan.thinks
-    if p.tools and p.tool_choice != "none":
-        fmt = tool_calls.detect(source)
-        plan.fmt, plan.tool_defs = fmt, p.tools
-        forced = p.tool_choice == "required" or isinstance(p.tool_choice, dict)
-        if fmt.native:
-            plan.tools = p.tools
-            plan.messages = tool_calls.template_messages(p.messages, fmt)
+    fmt = tool_calls.detect(source)
+    if any(m.get("tool_calls") or m.get("role") == "tool" for m in p.messages):
+        # earlier calls and their results as this family's template wants them, whether or not tools come now
+        plan.messages = tool_calls.template_messages(
+            p.messages, fmt, renders_tool_role=fmt.native or _renders_tool_role(template))
+    if not p.tools or p.tool_choice == "none":
+        if p.output is not None:
+            plan.body = _output_body(p.output)
+        return plan
+    plan.fmt, plan.tool_defs = fmt, p.tools
+    if fmt.native:
+        plan.tools = p.tools
+    else:
+        msgs = list(plan.messages)
+        prompt = tool_calls.generic_system_prompt(p.tools)
+        if msgs and msgs[0].get("role") == "system":
+            msgs[0] = dict(msgs[0], content=(msgs[0].get("content") or "") + "\n\n" + prompt)
         else:
-            msgs = tool_calls.template_messages(p.messages, fmt, renders_tool_role=_renders_tool_role(template))
-            prompt = tool_calls.generic_system_prompt(p.tools)
-            if msgs and msgs[0].get("role") == "system":
-                msgs[0] = dict(msgs[0], content=(msgs[0].get("content") or "") + "\n\n" + prompt)
-            else:
-                msgs.insert(0, {"role": "system", "content": prompt})
-                if plan.pin is not None:
-                    plan.pin += 1
-            plan.messages = msgs
-        special = _special_ref(engine)
-        if forced:
-            plan.body = fmt.grammar(p.tools, p.tool_choice, p.parallel_tool_calls, special).replace(
-                "calls:", "body:", 1)
-        elif not fmt.native and p.output is None:
-            # the generic format is a JSON answer: held to its shape, calls or a response (llama.cpp does the same)
-            schema = tool_calls.generic_schema(p.tools, p.tool_choice, p.parallel_tool_calls, allow_response=True)
-            plan.body = f"body: {lark_json(schema)}\n"
-        plan.show_tokens = _control_ids(engine, fmt.marker_tokens)
-    if p.output is not None and plan.body is None:
+            msgs.insert(0, {"role": "system", "content": prompt})
+            if plan.pin is not None:
+                plan.pin += 1
+        plan.messages = msgs
+    if p.tool_choice == "required" or isinstance(p.tool_choice, dict):
+        plan.body = fmt.grammar(p.tools, p.tool_choice, p.parallel_tool_calls, _special_ref(engine)).replace(
+            "calls:", "body:", 1)
+    elif p.output is not None:
         plan.body = _output_body(p.output)
+    elif not fmt.native:
+        # the generic format is a JSON answer: held to its shape, calls or a response (llama.cpp does the same)
+        schema = tool_calls.generic_schema(p.tools, p.tool_choice, p.parallel_tool_calls, allow_response=True)
+        plan.body = f"body: {lark_json(schema)}\n"
+    plan.show_tokens = _control_ids(engine, fmt.marker_tokens)
     return plan
 
 
