@@ -114,10 +114,11 @@ class QwenXml(Hermes):
             params = fn.get("parameters") or {}
             props = params.get("properties") or {}
             req = [p for p in (params.get("required") or []) if p in props]
-            parts = [f'"<function={fn["name"]}>\\n"']
+            parts = [_lit(f"<function={fn['name']}>\n")]
             for j, pname in enumerate(req):
                 rule = f"p{k}_{j}"
-                parts.append(f'"<parameter={pname}>\\n" {rule} "\\n</parameter>\\n"')
+                head = _lit(f"<parameter={pname}>\n")
+                parts.append(f'{head} {rule} "\\n</parameter>\\n"')
                 rules.append(_xml_value_rule(rule, props[pname]))
             parts.append('"</function>"')
             rules.append(f"f{k}: " + " ".join(parts))
@@ -169,7 +170,7 @@ class Mistral(ToolFormat):
         single = not parallel or isinstance(choice, dict)
         if self.args_form:
             args = special("[ARGS]") or '"[ARGS]"'
-            alts = [f'"{fn["name"]}" {args} {lark_json(_params(fn))}' for fn in _chosen(tools, choice)]
+            alts = [f'{_lit(fn["name"])} {args} {lark_json(_params(fn))}' for fn in _chosen(tools, choice)]
             return f"calls: tc{'' if single else '+'}\ntc: {tc} fn\nfn: " + " | ".join(alts) + "\n"
         arr = {"type": "array", "items": {"anyOf": _call_schemas(tools, choice, "arguments")}, "minItems": 1}
         if single:
@@ -304,13 +305,18 @@ def _call_schemas(tools, choice, args_key: str) -> list[dict]:
              "required": ["name", args_key], "additionalProperties": False} for fn in _chosen(tools, choice)]
 
 
+def _lit(text: str) -> str:
+    """A Lark string literal of any text (JSON's escapes are Lark's)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
 def _xml_value_rule(rule: str, schema: dict) -> str:
     """A parameter value of the XML format: a string as raw text (its enum as choices, maxLength as a bound, no
     '<'), anything else as JSON."""
     schema = schema if isinstance(schema, dict) else {}
     if _is_string(schema):
         if isinstance(schema.get("enum"), list) and all(isinstance(v, str) for v in schema["enum"]):
-            return f"{rule}: " + " | ".join(json.dumps(v, ensure_ascii=False) for v in schema["enum"])
+            return f"{rule}: " + " | ".join(_lit(v) for v in schema["enum"])
         hi = schema.get("maxLength")
         rep = f"{{{int(schema.get('minLength', 0))},{int(hi)}}}" if isinstance(hi, int) else "*"
         return f"{rule}: /[^<\\n]{rep}/"

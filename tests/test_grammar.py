@@ -156,3 +156,38 @@ def test_a_152k_vocabulary(tmp_path):
         text, ended = _walk(c, big, rng)
         assert ended
         jsonschema.validate(json.loads(text), SCHEMAS[0])
+
+
+FAMILY_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                         "days": {"type": "integer", "minimum": 1, "maximum": 9},
+                                         "unit": {"enum": ["c", "f"]}},
+        "required": ["city", "days", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "noop", "parameters": {"type": "object", "properties": {},
+                                                                      "additionalProperties": False}}},
+]
+
+
+@pytest.mark.parametrize("family", ["hermes", "qwen_xml", "llama3", "mistral", "mistral_args", "generic"])
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+def test_forced_calls_parse_back_and_validate(tok, family, choice):
+    """Random walks through each family's forced-call grammar are answers its parser reads as calls whose arguments
+    validate against the tool's parameters (jsonschema): the grammar and the parser agree."""
+    from strata import tool_calls as tc
+    fmt = {"hermes": tc.Hermes(), "qwen_xml": tc.QwenXml(), "llama3": tc.Llama3(), "mistral": tc.Mistral(),
+           "mistral_args": tc.Mistral(args_form=True), "generic": tc.Generic()}[family]
+    body = fmt.grammar(FAMILY_TOOLS, choice, True, lambda t: None).replace("calls:", "start:", 1)
+    c = grammar.Constraint(grammar.lark_grammar(body), tok)
+    rng = np.random.default_rng(11)
+    params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in FAMILY_TOOLS}
+    for _ in range(12):
+        text, ended = _walk(c, tok, rng, limit=300)
+        assert ended, text
+        content, calls = tc.parse(text, fmt, FAMILY_TOOLS)
+        assert calls and content.strip() == "", (text, content)
+        for call in calls:
+            name = call["function"]["name"]
+            assert name in params and (isinstance(choice, str) or name == "get_weather")
+            jsonschema.validate(json.loads(call["function"]["arguments"]), params[name])
