@@ -48,6 +48,7 @@ setup(
         "aiohttp>=3.9",
         "prometheus-client>=0.20",
         "tqdm>=4.60",
+        "llguidance>=1.9",
     ],
     extras_require={
         "test": [
@@ -55,6 +56,7 @@ setup(
             "pytest-asyncio>=0.23",
             "hypothesis>=6.100",
             "openai>=1.40",
+            "jsonschema>=4.20",
             "torch==2.13.0",
             "transformers>=4.46",
             "accelerate>=0.30",

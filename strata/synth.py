@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,6 +81,7 @@ class SynthSpec:
     embd_qtype: str = "Q4_0"            # type of token_embd (and output when untied)
     seed: int = 0
     name: str = "strata-synthetic"
+    n_vocab: int = 0                    # vocabulary size: 0 = the default model's (49152); more = synthetic_vocab
 
     @property
     def n_rot(self) -> int:
@@ -105,6 +107,9 @@ class SynthSpec:
             raise ValueError(f"n_v_heads {self.n_v_heads} is not a multiple of n_k_heads {self.n_k_heads}")
         if self.n_mtp not in (0, 1) or (self.arch == "llama" and self.n_mtp):
             raise ValueError("n_mtp must be 0 or 1 (and 0 for llama)")
+        if self.n_vocab and self.n_vocab < _vocab_size():
+            raise ValueError(f"n_vocab {self.n_vocab} is below the default model's {_vocab_size()} tokens "
+                             "(a synthetic vocabulary extends it)")
 
 
 def preset(arch: str, size: str = "tiny", **kw) -> SynthSpec:
@@ -143,10 +148,10 @@ class _T:
 
 
 def _plan(s: SynthSpec) -> list[_T]:
-    t: list[_T] = [_T("token_embd.weight", (_vocab_size(), s.n_embd), "embd")]
+    t: list[_T] = [_T("token_embd.weight", (_vocab_size(s), s.n_embd), "embd")]
     t.append(_T("output_norm.weight", (s.n_embd,), "norm"))
     if not s.tie_embeddings:
-        t.append(_T("output.weight", (_vocab_size(), s.n_embd), "embd", s.n_embd))
+        t.append(_T("output.weight", (_vocab_size(s), s.n_embd), "embd", s.n_embd))
     key_dim, value_dim = s.head_k_dim * s.n_k_heads, s.head_v_dim * s.n_v_heads
     conv_dim = 2 * key_dim + value_dim
     for il in range(s.n_layer + s.n_mtp):
@@ -248,8 +253,8 @@ def _encode(x: np.ndarray, q: QT) -> np.ndarray:
     return gguf.quants.quantize(x, q)
 
 
-def _vocab_size() -> int:
-    return len(_tokenizer_fields()["tokenizer.ggml.tokens"][0])
+def _vocab_size(s: SynthSpec | None = None) -> int:
+    return s.n_vocab if s is not None and s.n_vocab else len(_tokenizer_fields()["tokenizer.ggml.tokens"][0])
 
 
 _TOK_CACHE: dict[str, tuple[Any, Any, Any]] | None = None
@@ -287,7 +292,7 @@ def _write_metadata(w: gguf.GGUFWriter, s: SynthSpec) -> None:
     w.add_rope_freq_base(s.rope_theta)
     w.add_rope_dimension_count(s.n_rot)
     w.add_feed_forward_length(s.n_ff)
-    w.add_vocab_size(_vocab_size())
+    w.add_vocab_size(_vocab_size(s))
     w.add_file_type(gguf.LlamaFileType.ALL_F32 if s.qtype == "F32" else gguf.LlamaFileType.MOSTLY_F16
                     if s.qtype == "F16" else gguf.LlamaFileType.MOSTLY_Q8_0)
     if a in HYBRID_ARCHS:
@@ -309,8 +314,43 @@ def _write_metadata(w: gguf.GGUFWriter, s: SynthSpec) -> None:
         w.add_expert_feed_forward_length(s.n_ff_exp)
         w.add_expert_shared_feed_forward_length(s.n_ff_shexp)
         w.add_expert_weights_norm(s.norm_topk)
-    for name, (val, vt, sub) in _tokenizer_fields().items():
+    fields = _tokenizer_fields()
+    if s.n_vocab and s.n_vocab > _vocab_size():
+        tokens, types, merges = synthetic_vocab(s.n_vocab, s.seed)
+        fields = dict(fields)
+        for key, val in (("tokens", tokens), ("token_type", types), ("merges", merges)):
+            _, vt, sub = fields[f"tokenizer.ggml.{key}"]
+            fields[f"tokenizer.ggml.{key}"] = (val, vt, sub)
+    for name, (val, vt, sub) in fields.items():
         w.add_key_value(name, val, vt, sub_type=sub)
+
+
+def synthetic_vocab(n_vocab: int, seed: int = 0) -> tuple[list[str], list[int], list[str]]:
+    """The default model's vocabulary grown to n_vocab tokens (Qwen's 151936 for benchmarks at that size): each new
+    token is a new BPE merge of two existing ones (a word-start piece and a lower-case piece, or any two normal
+    pieces one time in four), so the file's tokenizer stays a consistent byte-level BPE. Returns (tokens,
+    token types, merges), reproducible from (n_vocab, seed)."""
+    f = _tokenizer_fields()
+    tokens = [str(t) for t in f["tokenizer.ggml.tokens"][0]]
+    types = [int(t) for t in f["tokenizer.ggml.token_type"][0]]
+    merges = [str(m) for m in f["tokenizer.ggml.merges"][0]]
+    if n_vocab <= len(tokens):
+        return tokens[:n_vocab], types[:n_vocab], merges
+    normal = [t for t, ty in zip(tokens, types) if ty == 1 and len(t) > 0]
+    heads = [t for t in normal if re.fullmatch(r"\u0120?[A-Za-z]{2,}", t)]
+    tails = [t for t in normal if re.fullmatch(r"[a-z]{2,}", t)]
+    seen = set(tokens)
+    rng = np.random.default_rng([int(seed), int(n_vocab)])
+    while len(tokens) < n_vocab:
+        pool_a, pool_b = (normal, normal) if rng.random() < 0.25 else (heads, tails)
+        a, b = pool_a[int(rng.integers(len(pool_a)))], pool_b[int(rng.integers(len(pool_b)))]
+        if a + b in seen or len(a + b) > 24:
+            continue
+        seen.add(a + b)
+        tokens.append(a + b)
+        types.append(1)
+        merges.append(f"{a} {b}")
+    return tokens, types, merges
 
 
 def write_synthetic(path: str | Path, spec: SynthSpec, progress: bool = False,

@@ -409,18 +409,24 @@ class StreamDecoder:
 
     Bytes of a character split over several tokens are held until the character is complete; invalid byte
     sequences become U+FFFD (never a broken sequence). Call flush() at the end for any held bytes.
+    special: control tokens give their text; show: ids of the control tokens that give it even without special.
     """
 
-    def __init__(self, tokenizer: Tokenizer, special: bool = False):
+    def __init__(self, tokenizer: Tokenizer, special: bool = False, show: Iterable[int] = ()):
         self.tokenizer = tokenizer
         self.special = special
+        self.show = frozenset(int(i) for i in show)
         self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def feed(self, ids: int | Iterable[int]) -> str:
         """Append token id(s); returns the newly completed text (possibly "")."""
         if isinstance(ids, int):
             ids = [ids]
-        return self._dec.decode(self.tokenizer.decode_bytes(ids, self.special))
+        if self.show:
+            raw = b"".join(self.tokenizer.token_piece(int(i), self.special or int(i) in self.show) for i in ids)
+        else:
+            raw = self.tokenizer.decode_bytes(ids, self.special)
+        return self._dec.decode(raw)
 
     def pending(self) -> bytes:
         """Bytes held back (an incomplete UTF-8 sequence)."""

@@ -492,7 +492,8 @@ class Engine:
         sampler = (DeviceSampler if on_device else Sampler)(params, self.n_vocab)
         for t in prompt[-params.repeat_last_n:] if params.repeat_last_n > 0 else prompt:
             sampler.accept(t)            # the penalties see the prompt too (as llama.cpp's server does)
-        decoder = StreamDecoder(self.tokenizer)
+        decoder = StreamDecoder(self.tokenizer, show=req.show_tokens)
+        guide = req.constraint.start() if req.constraint is not None else None   # strata.grammar: the token mask
         stopper = StopMatcher(list(req.stop or []))
         max_new = req.max_tokens if req.max_tokens is not None else self.n_ctx
         st = self.seq
@@ -511,9 +512,13 @@ class Engine:
                 if req.cancel.is_set():
                     finish = "cancelled"
                     break
+                if guide is not None:
+                    logits = guide.apply(logits)
                 res = sampler.sample(logits)
                 tok = int(res.token_id)
                 sampler.accept(tok)
+                if guide is not None:
+                    guide.accept(tok)
                 n_gen += 1
                 if tok in self.eog_ids and not req.ignore_eos:
                     finish = "stop"
@@ -552,6 +557,8 @@ class Engine:
             raise
         finally:
             t_end = time.perf_counter()
+            if guide is not None:
+                guide.close()
             self.requests += 1
             if _env_flag("STRATA_STATE_HASH"):
                 h = st.hashes()

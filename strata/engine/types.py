@@ -42,6 +42,10 @@ class GenerationRequest:
     the client asked to keep a checkpoint at (already among cut_points when the template found it).
     ignore_eos: keep generating past end-of-generation tokens (benchmarks; llama.cpp's ignore_eos).
     cancel: set it from another thread to stop between tokens (finish_reason "cancelled").
+    constraint: a strata.grammar.Constraint the answer must follow (its token mask is applied to the logits before
+    sampling; the answer ends when the grammar is complete), or None.
+    show_tokens: ids of control tokens whose text is part of the answer (tool-call markers such as <|python_tag|>
+    or [TOOL_CALLS], which the parsers of strata.tool_calls read); other control tokens stay invisible.
     """
 
     prompt_tokens: list[int]
@@ -55,6 +59,8 @@ class GenerationRequest:
     pin_at: int | None = None
     ignore_eos: bool = False
     cancel: threading.Event = field(default_factory=threading.Event)
+    constraint: Any = None
+    show_tokens: frozenset[int] = frozenset()
 
 
 @dataclass

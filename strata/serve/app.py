@@ -23,7 +23,7 @@ from aiohttp import web
 
 from strata import __version__
 from strata.engine.types import ContextOverflow
-from strata.serve import schema
+from strata.serve import schema, structured
 from strata.serve.errors import ApiError, error_body
 from strata.serve.metrics import CONTENT_TYPE, Metrics
 from strata.serve.worker import EngineError, EngineWorker, Job, QueueFull, ShuttingDown
@@ -355,16 +355,22 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     p = schema.parse_chat(body)
     engine = _serving_engine(request)
     _check_model(engine, p.model)
+    plan = structured.plan_chat(engine, p)           # tools, reasoning, response_format (strata.serve.structured)
     loop = asyncio.get_running_loop()
     try:
         rendered = await loop.run_in_executor(
-            None, lambda: engine.render_chat(p.messages, tools=p.tools, pin_message=p.pin))
+            None, lambda: engine.render_chat(plan.messages, tools=plan.tools, pin_message=plan.pin,
+                                             **plan.template_kwargs))
     except ContextOverflow as e:         # too long to be worth rendering and tokenizing
         raise ApiError(400, str(e), param="messages", code="context_length_exceeded") from None
     except ValueError as e:
         raise ApiError(400, f"the chat template refused the messages: {e}", param="messages",
                        code="invalid_value") from None
-    return await _generate(request, engine, p, list(rendered.tokens), list(rendered.cut_points))
+    structured.after_render(plan, rendered.text)
+    constraint = await loop.run_in_executor(
+        None, lambda: structured.chat_constraint(engine, plan, structured.param_of(p)))
+    return await _generate(request, engine, p, list(rendered.tokens), list(rendered.cut_points), plan=plan,
+                           constraint=constraint)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -387,11 +393,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
         if bad:
             raise ApiError(400, f"'prompt' holds token id {bad[0]} outside the vocabulary [0, {n_vocab})",
                            param="prompt", code="invalid_value")
-    return await _generate(request, engine, p, list(tokens), [])
+    constraint = await asyncio.get_running_loop().run_in_executor(
+        None, lambda: structured.completion_constraint(engine, p))
+    return await _generate(request, engine, p, list(tokens), [], constraint=constraint)
 
 
 async def _generate(request: web.Request, engine, p: schema.ParsedRequest, tokens: list[int],
-                    cut_points: list) -> web.StreamResponse:
+                    cut_points: list, plan: structured.ChatPlan | None = None,
+                    constraint=None) -> web.StreamResponse:
     from strata.engine.types import GenerationRequest
 
     n_ctx = engine.n_ctx
@@ -405,16 +414,18 @@ async def _generate(request: web.Request, engine, p: schema.ParsedRequest, token
     greq = GenerationRequest(prompt_tokens=tokens, cut_points=cut_points, sampling=_sampling(p),
                              max_tokens=p.max_tokens, stop=p.stop,
                              logprobs=p.top_logprobs if p.logprobs else None,
-                             cache_prompt=p.cache_prompt, checkpoint=p.checkpoint, cancel=threading.Event())
+                             cache_prompt=p.cache_prompt, checkpoint=p.checkpoint, cancel=threading.Event(),
+                             constraint=constraint, show_tokens=plan.show_tokens if plan else frozenset())
     w = request.app[WORKER_KEY]
     job = _submit(w, greq, rid=request["rid"])
     log.debug("queued", prompt_tokens=len(tokens), waiting=w.waiting, stream=p.stream)
     done = False
     try:
+        answer = plan.answer() if plan is not None else None
         if p.stream:
-            resp = await _stream(request, engine, p, job)
+            resp = await _stream(request, engine, p, job, answer)
         else:
-            resp = await _collect(request, engine, p, job)
+            resp = await _collect(request, engine, p, job, answer)
         done = True
         return resp
     finally:
@@ -525,7 +536,7 @@ class _LogprobsAcc:
                 "text_offset": self.offsets}
 
 
-async def _collect(request, engine, p, job) -> web.Response:
+async def _collect(request, engine, p, job, answer: structured.Answer | None = None) -> web.Response:
     pieces: list[str] = []
     acc = _LogprobsAcc(engine, p.kind)
     while True:
@@ -541,8 +552,12 @@ async def _collect(request, engine, p, job) -> web.Response:
     cid, created = _ids(request, p)
     lp = acc.result() if p.logprobs else None
     if p.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                  "finish_reason": final.finish_reason}
+        message, finish = {"role": "assistant", "content": text}, final.finish_reason
+        if answer is not None:
+            answer.feed(text)
+            answer.finish()
+            message, finish = answer.message(), answer.finish_reason(finish)
+        choice = {"index": 0, "message": message, "logprobs": lp, "finish_reason": finish}
         obj = "chat.completion"
     else:
         choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": final.finish_reason}
@@ -552,7 +567,7 @@ async def _collect(request, engine, p, job) -> web.Response:
                   "timings": _timings(final), "strata": _strata_obj(final)})
 
 
-async def _stream(request, engine, p, job) -> web.StreamResponse:
+async def _stream(request, engine, p, job, answer: structured.Answer | None = None) -> web.StreamResponse:
     cid, created = _ids(request, p)
     chat = p.kind == "chat"
     base = {"id": cid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
@@ -576,6 +591,20 @@ async def _stream(request, engine, p, job) -> web.StreamResponse:
             return {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
         return {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish}
 
+    async def pieces(text: str, lp, end: bool = False) -> None:
+        """One event's text as chunks: a chat answer taken apart (content / reasoning_content / tool_calls deltas,
+        the logprobs on the first), else as text."""
+        if answer is None:
+            if text or lp is not None:
+                await resp.write(chunk([choice(text, lp)]))
+            return
+        deltas = answer.feed(text) + (answer.finish() if end else [])
+        if not deltas and lp is not None:
+            deltas = [{"content": ""}]
+        for k, d in enumerate(deltas):
+            await resp.write(chunk([{"index": 0, "delta": d, "logprobs": lp if k == 0 else None,
+                                     "finish_reason": None}]))
+
     try:
         while True:
             try:
@@ -597,9 +626,9 @@ async def _stream(request, engine, p, job) -> web.StreamResponse:
                 final = ev
                 tail = final.text or ""
                 lp = acc.finish(tail) if p.logprobs else None
-                if tail or lp is not None:
-                    await resp.write(chunk([choice(tail, lp)]))
-                await resp.write(chunk([choice(None if chat else "", None, final.finish_reason)],
+                await pieces(tail, lp, end=True)
+                finish = answer.finish_reason(final.finish_reason) if answer is not None else final.finish_reason
+                await resp.write(chunk([choice(None if chat else "", None, finish)],
                                        timings=_timings(final), strata=_strata_obj(final)))
                 if p.include_usage:
                     await resp.write(chunk([], usage=_usage(final)))
@@ -607,8 +636,7 @@ async def _stream(request, engine, p, job) -> web.StreamResponse:
                 await resp.write_eof()
                 return resp
             lp = acc.add(ev, ev.text) if p.logprobs else None
-            if ev.text or lp is not None:
-                await resp.write(chunk([choice(ev.text, lp)]))
+            await pieces(ev.text, lp)
     except (ConnectionResetError, ConnectionError) as e:
         log.info("client disconnected mid-stream", error=str(e) or type(e).__name__)
         request.app[WORKER_KEY].drop(job)

@@ -1,10 +1,10 @@
 """OpenAI request validation: JSON bodies of /v1/chat/completions and /v1/completions -> ParsedRequest.
 
 Field names and ranges follow the OpenAI API reference (https://platform.openai.com/docs/api-reference/chat)
-with llama.cpp's server extensions (top_k, min_p, repeat_penalty, cache_prompt) and Strata's own
-(strata_checkpoint, strata_pin). Every refusal is an ApiError(400, one line naming the field).
-Unknown fields are ignored (clients send many optional ones), except those that would change the
-answer in a way Strata cannot honour (n > 1, echo, suffix, logit_bias, image parts, json formats).
+with llama.cpp's server extensions (top_k, min_p, repeat_penalty, cache_prompt, chat_template_kwargs,
+reasoning_format, json_schema, grammar) and Strata's own (strata_checkpoint, strata_pin). Every refusal is an
+ApiError(400, one line naming the field). Unknown fields are ignored (clients send many optional ones), except those
+that would change the answer in a way Strata cannot honour (n > 1, echo, suffix, logit_bias, image parts).
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from strata.serve.errors import ApiError
+from strata.tool_calls import NAME_RE
 
 MAX_STOP = 16
 MAX_STOP_CHARS = 512       # per stop string: matching a held-back prefix costs up to len^2 per generated token
@@ -36,7 +37,14 @@ class ParsedRequest:
     checkpoint: bool = True
     pin: int | None = None
     messages: list[dict] | None = None          # chat
-    tools: list | None = None                   # chat
+    tools: list | None = None                   # chat: [{"type": "function", "function": {"name", ...}}]
+    tool_choice: str | dict = "auto"            # chat: "none" | "auto" | "required" | {"type": "function", ...}
+    parallel_tool_calls: bool = True            # chat
+    template_kwargs: dict = field(default_factory=dict)   # chat: chat_template_kwargs (e.g. enable_thinking)
+    reasoning: bool = True                      # chat: reasoning_format other than "none"
+    output: dict | None = None                  # {"type": "json_schema", "schema", "strict"} | {"type": "grammar",
+                                                # "grammar"}: the answer constrained (response_format, json_schema,
+                                                # grammar)
     prompt: str | list[int] | None = None       # completion: text or token ids
 
 
@@ -158,13 +166,7 @@ def _common(body: dict, kind: str) -> ParsedRequest:
     lb = body.get("logit_bias")
     if lb not in (None, {}):
         raise ApiError(400, "'logit_bias' is not supported by Strata", param="logit_bias", code="unsupported_value")
-    rf = body.get("response_format")
-    if rf is not None:
-        if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
-            raise _bad("response_format", "must be an object with a string 'type'")
-        if rf["type"] != "text":
-            raise ApiError(400, f"'response_format' type {rf['type']!r} is not supported (only 'text')",
-                           param="response_format", code="unsupported_value")
+    r.output = _response_format(body.get("response_format"))
     r.cache_prompt = _opt_bool(body, "cache_prompt", True)
     r.checkpoint = _opt_bool(body, "strata_checkpoint", True)
     return r
@@ -229,26 +231,21 @@ def parse_chat(body: dict) -> ParsedRequest:
                 msg[key] = m[key]
         tc = m.get("tool_calls")
         if tc is not None:
-            if not isinstance(tc, list) or not all(isinstance(c, dict) for c in tc):
-                raise _bad(f"messages[{i}].tool_calls", "must be an array of objects")
-            msg["tool_calls"] = tc
+            msg["tool_calls"] = _message_tool_calls(tc, i)
         if msg["content"] is None:
             msg["content"] = ""
         out.append(msg)
     r.messages = out
-    tools = body.get("tools")
-    if tools is not None:
-        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-            raise _bad("tools", "must be an array of tool objects")
-        r.tools = tools or None
-    # Tools are rendered into the prompt when the chat template takes them, but tool calls are not parsed out of
-    # the answer: a request that must get a tool call cannot be served (vLLM answers 400 without a tool parser).
-    tc = body.get("tool_choice")
-    if tc is not None and tc not in ("none", "auto"):
-        if tc == "required" or isinstance(tc, dict):
-            raise _bad("tool_choice", f"{json.dumps(tc)} needs tool calls in the answer, which this server does not "
-                                      "parse (tools are only rendered into the prompt): use \"auto\" or \"none\"")
-        raise _bad("tool_choice", 'must be "none", "auto", "required" or a function object')
+    r.tools = _tools(body.get("tools"))
+    r.tool_choice = _tool_choice(body.get("tool_choice"), r.tools)
+    r.parallel_tool_calls = _opt_bool(body, "parallel_tool_calls", True)
+    if r.output is not None and (r.tool_choice == "required" or isinstance(r.tool_choice, dict)):
+        raise _bad("response_format", "cannot be combined with a tool_choice that forces a tool call")
+    r.template_kwargs = _template_kwargs(body.get("chat_template_kwargs"))
+    rfmt = body.get("reasoning_format")
+    if rfmt is not None and rfmt not in REASONING_FORMATS:
+        raise _bad("reasoning_format", f"must be one of {', '.join(REASONING_FORMATS)}, got {rfmt!r}")
+    r.reasoning = rfmt != "none"
     r.logprobs = _opt_bool(body, "logprobs", False)
     tl = _opt_int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
     if tl is not None:
@@ -287,4 +284,142 @@ def parse_completion(body: dict) -> ParsedRequest:
     if lp is not None:
         r.logprobs = True
         r.top_logprobs = lp
+    js, gr = body.get("json_schema"), body.get("grammar")
+    if js is not None and gr is not None:
+        raise _bad("grammar", "and 'json_schema' are both set: send one")
+    if js is not None:
+        if not isinstance(js, dict):
+            raise _bad("json_schema", f"must be a JSON schema object, got {_tname(js)}")
+        r.output = {"type": "json_schema", "schema": js, "strict": True, "param": "json_schema"}
+    elif gr is not None:
+        if not isinstance(gr, str) or not gr.strip():
+            raise _bad("grammar", "must be a non-empty string (a GBNF grammar, or Lark after %llguidance)")
+        r.output = {"type": "grammar", "grammar": gr, "param": "grammar"}
     return r
+
+
+# ---- tools and structured output -------------------------------------------------------------------------------
+
+REASONING_FORMATS = ("auto", "none", "deepseek", "deepseek-legacy")
+# the chat template's own variables: chat_template_kwargs may not replace them
+RESERVED_TEMPLATE_VARS = ("messages", "tools", "documents", "add_generation_prompt", "pin_message", "text_check",
+                          "bos_token", "eos_token")
+
+
+def _tools(tools) -> list[dict] | None:
+    """'tools': OpenAI function tools, [{"type": "function", "function": {"name", "description"?, "parameters"?,
+    "strict"?}}]."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise _bad("tools", f"must be an array of tool objects, got {_tname(tools)}")
+    names = set()
+    for i, t in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(t, dict):
+            raise _bad(where, f"must be an object, got {_tname(t)}")
+        if t.get("type", "function") != "function":
+            raise ApiError(400, f"'{where}.type' is {t.get('type')!r}: only 'function' tools are supported",
+                           param=where, code="unsupported_value")
+        fn = t.get("function")
+        if not isinstance(fn, dict):
+            raise _bad(f"{where}.function", "must be an object with a 'name'")
+        name = fn.get("name")
+        if not isinstance(name, str) or not NAME_RE.match(name):
+            raise _bad(f"{where}.function.name", "must be 1-64 letters, digits, '_', '.' or '-', got "
+                                                 f"{json.dumps(name)}")
+        if name in names:
+            raise _bad(f"{where}.function.name", f"{name!r} names two tools")
+        names.add(name)
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
+            raise _bad(f"{where}.function.description", "must be a string")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise _bad(f"{where}.function.parameters", f"must be a JSON schema object, got {_tname(fn['parameters'])}")
+        if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
+            raise _bad(f"{where}.function.strict", "must be a boolean")
+    return tools or None
+
+
+def _tool_choice(tc, tools: list[dict] | None):
+    """'tool_choice': "none" | "auto" (the default) | "required" | {"type": "function", "function": {"name": N}}
+    naming one of the tools."""
+    if tc is None:
+        return "auto"
+    if tc in ("none", "auto"):
+        return tc
+    if tc == "required" or isinstance(tc, dict):
+        if not tools:
+            raise _bad("tool_choice", f"{json.dumps(tc)} needs 'tools'")
+        if tc == "required":
+            return tc
+        fn = tc.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if tc.get("type") != "function" or not isinstance(name, str):
+            raise _bad("tool_choice", 'must be {"type": "function", "function": {"name": ...}} to name a function')
+        known = [t["function"]["name"] for t in tools]
+        if name not in known:
+            raise _bad("tool_choice", f"names the function {name!r}, which is not among the tools "
+                                      f"({', '.join(known)})")
+        return {"type": "function", "function": {"name": name}}
+    raise _bad("tool_choice", 'must be "none", "auto", "required" or a function object')
+
+
+def _message_tool_calls(tc, i: int) -> list[dict]:
+    """An assistant message's 'tool_calls' (as an earlier answer returned them)."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(tc, list):
+        raise _bad(where, "must be an array of tool call objects")
+    for j, c in enumerate(tc):
+        if not isinstance(c, dict) or not isinstance(c.get("function"), dict):
+            raise _bad(f"{where}[{j}]", "must be an object with a 'function' object")
+        fn = c["function"]
+        if not isinstance(fn.get("name"), str):
+            raise _bad(f"{where}[{j}].function.name", "must be a string")
+        if fn.get("arguments") is not None and not isinstance(fn["arguments"], (str, dict)):
+            raise _bad(f"{where}[{j}].function.arguments", "must be a JSON string (or an object)")
+        if c.get("id") is not None and not isinstance(c["id"], str):
+            raise _bad(f"{where}[{j}].id", "must be a string")
+    return tc
+
+
+def _template_kwargs(kw) -> dict:
+    if kw is None:
+        return {}
+    if not isinstance(kw, dict):
+        raise _bad("chat_template_kwargs", f"must be an object, got {_tname(kw)}")
+    for k in kw:
+        if not k.isidentifier():
+            raise _bad("chat_template_kwargs", f"has the key {k!r}, which is not a template variable name")
+        if k in RESERVED_TEMPLATE_VARS:
+            raise _bad("chat_template_kwargs", f"may not set {k!r} (the server sets it)")
+    return dict(kw)
+
+
+def _response_format(rf) -> dict | None:
+    """'response_format': {"type": "text"} (None), {"type": "json_object"} (llama.cpp's server also takes a
+    "schema" there), {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}."""
+    if rf is None:
+        return None
+    if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
+        raise _bad("response_format", "must be an object with a string 'type'")
+    t = rf["type"]
+    if t == "text":
+        return None
+    if t == "json_object":
+        schema = rf.get("schema", {"type": "object"})
+        if not isinstance(schema, dict):
+            raise _bad("response_format.schema", f"must be a JSON schema object, got {_tname(schema)}")
+        return {"type": "json_schema", "schema": schema, "strict": True, "param": "response_format"}
+    if t == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict):
+            raise _bad("response_format.json_schema", "must be an object with a 'schema'")
+        schema = js.get("schema", {"type": "object"})
+        if not isinstance(schema, dict):
+            raise _bad("response_format.json_schema.schema", f"must be a JSON schema object, got {_tname(schema)}")
+        strict = js.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise _bad("response_format.json_schema.strict", "must be a boolean")
+        return {"type": "json_schema", "schema": schema, "strict": bool(strict), "param": "response_format"}
+    raise ApiError(400, f"'response_format' type {t!r} is not supported (text, json_object, json_schema)",
+                   param="response_format", code="unsupported_value")
