@@ -22,6 +22,7 @@ one-line message.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import struct
 import zlib
@@ -54,15 +55,51 @@ def write(io: BinaryIO, header: dict[str, Any], arrays: list[tuple[str, np.ndarr
                       sort_keys=True).encode()
     io.write(_FIXED.pack(MAGIC, VERSION, 0, len(head), zlib.crc32(head)))
     io.write(head)
-    crc = 0
-    for _, a in arrays:
-        if a.nbytes == 0:
-            continue
-        buf = memoryview(np.ascontiguousarray(a)).cast("B")
-        crc = zlib.crc32(buf, crc)
-        io.write(buf)
-    io.write(_CRC.pack(crc))
+    with _PayloadCrc(total) as crc:
+        for _, a in arrays:
+            if a.nbytes == 0:
+                continue
+            buf = memoryview(np.ascontiguousarray(a)).cast("B")
+            crc.add(buf)
+            io.write(buf)
+        value = crc.value()
+    io.write(_CRC.pack(value))
     return _FIXED.size + len(head) + total + _CRC.size
+
+
+class _PayloadCrc:
+    """The payload's running CRC-32, computed beside the file I/O: for a payload over OVERLAP_BYTES a helper thread
+    takes the buffers in order (zlib.crc32 and file writes / reads both release the GIL), so writing or reading a
+    part costs about what the I/O alone costs instead of I/O + checksum."""
+
+    OVERLAP_BYTES = 8 << 20
+
+    def __init__(self, total: int):
+        self.crc = 0
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, "strata-crc") if total > self.OVERLAP_BYTES else None
+        self.pending: list = []
+
+    def _step(self, buf) -> None:
+        self.crc = zlib.crc32(buf, self.crc)
+
+    def add(self, buf) -> None:
+        """Fold `buf` in (after the buffers added before it); it must not change until value() returns."""
+        if self.pool is None:
+            self._step(buf)
+        else:
+            self.pending.append(self.pool.submit(self._step, buf))
+
+    def value(self) -> int:
+        for f in self.pending:
+            f.result()
+        return self.crc
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 def read_exact(io: BinaryIO, n: int, what: str, error: type[ValueError] = FormatError,
@@ -114,14 +151,13 @@ def read(io: BinaryIO, expect: Callable[[dict], list[tuple[str, tuple[int, ...],
     if header.get("payload_bytes") != total:
         raise FormatError(f"the part declares {header.get('payload_bytes')!r} payload bytes, its arrays take {total}")
     out: dict[str, np.ndarray] = {}
-    crc = 0
-    for name, shape, dt in wanted:
-        a = np.empty(shape, dtype=dt)
-        out[name] = a
-        if a.nbytes == 0:
-            continue
-        buf = memoryview(a).cast("B")
-        if buf.nbytes:
+    with _PayloadCrc(total) as running:
+        for name, shape, dt in wanted:
+            a = np.empty(shape, dtype=dt)
+            out[name] = a
+            if a.nbytes == 0:
+                continue
+            buf = memoryview(a).cast("B")
             got = io.readinto(buf) if hasattr(io, "readinto") else None
             if got is None:
                 b = read_exact(io, buf.nbytes, f"array {name}")
@@ -132,7 +168,8 @@ def read(io: BinaryIO, expect: Callable[[dict], list[tuple[str, tuple[int, ...],
                     if not more:
                         raise FormatError(f"the part ends inside its array {name} ({got} of {buf.nbytes} bytes)")
                     got += more
-        crc = zlib.crc32(buf, crc)
+            running.add(buf)
+        crc = running.value()
     (pcrc,) = _CRC.unpack(read_exact(io, _CRC.size, "payload checksum"))
     if pcrc != crc:
         raise FormatError("state part payload checksum mismatch (the arrays are corrupt)")
