@@ -6,7 +6,8 @@ For each model (the default SmolLM2-135M Q4_1 and a ~1 B synthetic llama written
   serve     `python -m strata.cli.main serve --socket S` until GET /health answers 200 (polled every 10 ms)
   generate  `python -m strata.cli.main generate --raw --prompt Hi --max-tokens 1` until it exits
   open      in this process: strata.gguf_file.open_gguf (header, metadata and tensor table), and the tokenizer build
-The best of the repeats is kept (a shared 2-core machine is noisy; the best is the least disturbed run).
+One untimed `generate` first (bytecode compiled, the file in the page cache: what a user's second start sees);
+then the best of the repeats is kept (a shared 2-core machine is noisy; the best is the least disturbed run).
 llama.cpp's column: `llama-server` to healthy and `llama-cli -n 1` when those binaries are on the PATH, else
 llama-cpp-python (`import llama_cpp`, a fresh process loading the model and answering one token) when importable;
 otherwise skipped with a note. Ratios against "before" come from --before (a JSON written by this script with
@@ -41,9 +42,12 @@ SYNTH_1B = dict(n_layer=16, n_embd=2048, n_head=32, n_head_kv=8, head_dim=64, n_
 
 
 def _env() -> dict:
+    """The environment of the measured processes: Strata importable from this checkout, bytecode cached as in a
+    user's shell (a sandbox's PYTHONDONTWRITEBYTECODE would add ~0.1 s of compiling Strata's own modules)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.pop("NOTIFY_SOCKET", None)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     return env
 
 
@@ -239,6 +243,7 @@ def main(argv=None) -> int:
             path = name
         size = os.path.getsize(path)
         row = {"model": name, "path": path, "file_bytes": size}
+        strata_generate(path, a.threads)                  # warm-up, untimed
         row["serve_healthy_s"], row["serve_runs"] = best(strata_serve, a.repeats, path, a.threads)
         row["generate_s"], row["generate_runs"] = best(strata_generate, a.repeats, path, a.threads)
         row.update(strata_open(path))
