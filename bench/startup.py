@@ -9,7 +9,8 @@ For each model (the default SmolLM2-135M Q4_1 and a ~1 B synthetic llama written
 One untimed `generate` first (bytecode compiled, the file in the page cache: what a user's second start sees);
 then the best of the repeats is kept (a shared 2-core machine is noisy; the best is the least disturbed run).
 llama.cpp's column: `llama-server` to healthy and `llama-cli -n 1` when those binaries are on the PATH, else
-llama-cpp-python (`import llama_cpp`, a fresh process loading the model and answering one token) when importable;
+llama-cpp-python (a fresh `--llama-python` process importing llama_cpp, loading the model and answering one token)
+when importable;
 otherwise skipped with a note. Ratios against "before" come from --before (a JSON written by this script with
 --save-before on the commit before the GGUF reader change), when that file exists.
 
@@ -158,12 +159,15 @@ LLAMA_CPP_PY = ("import sys, llama_cpp\n"
                 "m('Hi', max_tokens=1, temperature=0)\n")
 
 
-def llama_cpp_python(model: str, threads: int) -> float:
-    """Seconds of a fresh Python process that imports llama_cpp, loads the model and answers one token."""
-    t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-c", LLAMA_CPP_PY, model, str(threads)], stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL, check=True)
-    return time.perf_counter() - t0
+def llama_cpp_python(python: str):
+    """fn(model, threads) -> seconds of a fresh `python` process that imports llama_cpp, loads the model and answers
+    one token."""
+    def run(model: str, threads: int) -> float:
+        t0 = time.perf_counter()
+        subprocess.run([python, "-c", LLAMA_CPP_PY, model, str(threads)], stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, check=True)
+        return time.perf_counter() - t0
+    return run
 
 
 def _free_port() -> int:
@@ -172,21 +176,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def llama_runners() -> tuple[dict, str | None]:
+def llama_runners(python: str) -> tuple[dict, str | None]:
     """{name: fn(model, threads) -> s} of the llama.cpp tools found, and a note when none is."""
     runners = {}
     if shutil.which("llama-server"):
         runners["llama-server (healthy)"] = llama_server
     if shutil.which("llama-cli"):
         runners["llama-cli -n 1"] = llama_cli
-    if not runners:
-        try:
-            import llama_cpp  # noqa: F401
-            runners["llama-cpp-python (load + 1 token)"] = llama_cpp_python
-        except ImportError:
-            pass
+    if not runners and subprocess.run([python, "-c", "import llama_cpp"], capture_output=True).returncode == 0:
+        runners["llama-cpp-python (load + 1 token)"] = llama_cpp_python(python)
     note = None if runners else ("llama.cpp skipped: no llama-server / llama-cli on the PATH and llama_cpp "
-                                 "(pip install llama-cpp-python) is not importable")
+                                 f"(pip install llama-cpp-python) is not importable by {python}")
     return runners, note
 
 
@@ -226,9 +226,11 @@ def main(argv=None) -> int:
     ap.add_argument("--before", type=Path, default=ROOT / "bench/results/startup_cpu_before.json")
     ap.add_argument("--save-before", action="store_true", help="write this run to --before instead of --out")
     ap.add_argument("--no-llama", action="store_true", help="skip llama.cpp")
+    ap.add_argument("--llama-python", default=sys.executable,
+                    help="the Python that imports llama_cpp (default: this one; a separate venv keeps the build apart)")
     a = ap.parse_args(argv)
 
-    runners, note = ({}, "llama.cpp skipped (--no-llama)") if a.no_llama else llama_runners()
+    runners, note = ({}, "llama.cpp skipped (--no-llama)") if a.no_llama else llama_runners(a.llama_python)
     before = {}
     if not a.save_before and a.before.exists():
         before = {r["model"]: r for r in json.loads(a.before.read_text())["rows"]}
