@@ -1,7 +1,8 @@
 """The aiohttp application: OpenAI-compatible routes, Strata's admin routes, auth, errors, request ids.
 
 Routes: POST /v1/chat/completions, POST /v1/completions (JSON or SSE), GET /v1/models[/{id}], GET /health,
-GET /metrics, GET /slots, POST /slots/{id}?action=save|restore|erase, GET /status, GET /cache.
+GET /metrics, GET /slots, POST /slots/{id}?action=save|restore|erase, GET /status, GET /cache; llama-server's
+/tokenize, /detokenize, /apply-template, /props come from strata/serve/llama_api.py.
 Every error is an OpenAI error object ({"error": {"message", "type", "param", "code"}}).
 """
 from __future__ import annotations
@@ -621,4 +622,6 @@ def make_app(cfg: ServeConfig, worker: EngineWorker, metrics_: Metrics) -> web.A
     r.add_post("/slots/{slot}", slot_action)
     r.add_get("/status", status)
     r.add_get("/cache", cache)
+    from strata.serve import llama_api          # llama-server's /tokenize, /detokenize, /apply-template, /props
+    llama_api.add_routes(app)
     return app
