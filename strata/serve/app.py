@@ -391,7 +391,8 @@ async def _generate(request: web.Request, engine, p: schema.ParsedRequest, token
     greq = GenerationRequest(prompt_tokens=tokens, cut_points=cut_points, sampling=_sampling(p),
                              max_tokens=p.max_tokens, stop=p.stop,
                              logprobs=p.top_logprobs if p.logprobs else None,
-                             cache_prompt=p.cache_prompt, checkpoint=p.checkpoint, cancel=threading.Event())
+                             cache_prompt=p.cache_prompt, checkpoint=p.checkpoint, n=p.n,
+                             cancel=threading.Event())
     w = request.app[WORKER_KEY]
     job = _submit(w, greq, rid=request["rid"])
     log.debug("queued", prompt_tokens=len(tokens), waiting=w.waiting, stream=p.stream)
@@ -512,38 +513,47 @@ class _LogprobsAcc:
 
 
 async def _collect(request, engine, p, job) -> web.Response:
-    pieces: list[str] = []
-    acc = _LogprobsAcc(engine, p.kind)
-    while True:
+    from strata.engine.types import merge_choices
+    pieces: list[list[str]] = [[] for _ in range(p.n)]
+    accs = [_LogprobsAcc(engine, p.kind) for _ in range(p.n)]
+    finals = []
+    while len(finals) < p.n:
         ev = await _next(job)
         if hasattr(ev, "finish_reason"):
-            final = ev
-            break
-        pieces.append(ev.text)
-        acc.add(ev, ev.text)
-    pieces.append(final.text or "")
-    acc.finish(final.text or "")
-    text = "".join(pieces)
+            finals.append(ev)
+            pieces[ev.index].append(ev.text or "")
+            accs[ev.index].finish(ev.text or "")
+            continue
+        pieces[ev.index].append(ev.text)
+        accs[ev.index].add(ev, ev.text)
     cid, created = _ids(request, p)
-    lp = acc.result() if p.logprobs else None
-    if p.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                  "finish_reason": final.finish_reason}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": final.finish_reason}
-        obj = "text_completion"
-    return _json({"id": cid, "object": obj, "created": created, "model": engine.model_name,
-                  "system_fingerprint": f"strata-{__version__}", "choices": [choice], "usage": _usage(final),
-                  "timings": _timings(final), "strata": _strata_obj(final)})
+    choices = []
+    for f in finals:
+        text = "".join(pieces[f.index])
+        lp = accs[f.index].result() if p.logprobs else None
+        if p.kind == "chat":
+            choices.append({"index": f.index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                            "finish_reason": f.finish_reason})
+        else:
+            choices.append({"index": f.index, "text": text, "logprobs": lp, "finish_reason": f.finish_reason})
+    final = merge_choices(finals)
+    return _json({"id": cid, "object": "chat.completion" if p.kind == "chat" else "text_completion",
+                  "created": created, "model": engine.model_name, "system_fingerprint": f"strata-{__version__}",
+                  "choices": choices, "usage": _usage(final), "timings": _timings(final),
+                  "strata": _strata_obj(final)})
 
 
 async def _stream(request, engine, p, job) -> web.StreamResponse:
+    """SSE chunks, each choice's (its `index`) in turn; the last choice's finish chunk carries the request's timings
+    and strata, the usage chunk (include_usage) sums the choices."""
+    from strata.engine.types import merge_choices
     cid, created = _ids(request, p)
     chat = p.kind == "chat"
     base = {"id": cid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
             "model": engine.model_name, "system_fingerprint": f"strata-{__version__}"}
-    acc = _LogprobsAcc(engine, p.kind)
+    accs = [_LogprobsAcc(engine, p.kind) for _ in range(p.n)]
+    finals = []
+    started: set[int] = set()
     resp: web.StreamResponse | None = None
 
     def chunk(choices: list, **extra) -> bytes:
@@ -552,15 +562,15 @@ async def _stream(request, engine, p, job) -> web.StreamResponse:
             d["usage"] = None
         return b"data: " + json.dumps(d, ensure_ascii=False).encode() + b"\n\n"
 
-    def choice(text: str | None, lp, finish=None, role=False) -> dict:
+    def choice(i: int, text: str | None, lp, finish=None, role=False) -> dict:
         if chat:
             delta: dict[str, Any] = {}
             if role:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            return {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
-        return {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish}
+            return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        return {"index": i, "text": text or "", "logprobs": lp, "finish_reason": finish}
 
     try:
         while True:
@@ -577,24 +587,30 @@ async def _stream(request, engine, p, job) -> web.StreamResponse:
                                                    "Cache-Control": "no-cache", "X-Request-Id": request["rid"],
                                                    "X-Accel-Buffering": "no"})
                 await resp.prepare(request)
-                if chat:
-                    await resp.write(chunk([choice("", None, role=True)]))
+            i = ev.index
+            if chat and i not in started:
+                started.add(i)
+                await resp.write(chunk([choice(i, "", None, role=True)]))
             if hasattr(ev, "finish_reason"):
-                final = ev
-                tail = final.text or ""
-                lp = acc.finish(tail) if p.logprobs else None
+                finals.append(ev)
+                tail = ev.text or ""
+                lp = accs[i].finish(tail) if p.logprobs else None
                 if tail or lp is not None:
-                    await resp.write(chunk([choice(tail, lp)]))
-                await resp.write(chunk([choice(None if chat else "", None, final.finish_reason)],
+                    await resp.write(chunk([choice(i, tail, lp)]))
+                if len(finals) < p.n:
+                    await resp.write(chunk([choice(i, None if chat else "", None, ev.finish_reason)]))
+                    continue
+                final = merge_choices(finals)
+                await resp.write(chunk([choice(i, None if chat else "", None, ev.finish_reason)],
                                        timings=_timings(final), strata=_strata_obj(final)))
                 if p.include_usage:
                     await resp.write(chunk([], usage=_usage(final)))
                 await resp.write(b"data: [DONE]\n\n")
                 await resp.write_eof()
                 return resp
-            lp = acc.add(ev, ev.text) if p.logprobs else None
+            lp = accs[i].add(ev, ev.text) if p.logprobs else None
             if ev.text or lp is not None:
-                await resp.write(chunk([choice(ev.text, lp)]))
+                await resp.write(chunk([choice(i, ev.text, lp)]))
     except (ConnectionResetError, ConnectionError) as e:
         log.info("client disconnected mid-stream", error=str(e) or type(e).__name__)
         request.app[WORKER_KEY].drop(job)
