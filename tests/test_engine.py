@@ -276,3 +276,11 @@ def test_n_must_be_a_positive_integer(engine):
     for bad in (0, -1, True, 2.0):
         with pytest.raises(ValueError, match="n must be an integer >= 1"):
             engine.generate(GenerationRequest(prompt_tokens=r.tokens, n=bad))
+
+
+def test_max_tokens_past_the_training_context_is_refused_at_once(engine):
+    from strata.engine import MaxTokensTooLarge
+    r = engine.render_chat(FRANCE)
+    with pytest.raises(MaxTokensTooLarge, match="max_tokens is 8193, more than the model's training context of 8192"):
+        engine.generate(GenerationRequest(prompt_tokens=r.tokens, max_tokens=8193))
+    engine.validate(GenerationRequest(prompt_tokens=r.tokens, max_tokens=8192))     # within it: accepted

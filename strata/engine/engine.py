@@ -20,7 +20,8 @@ from strata.cache.conversation import Conversation, DiskTier, ParkStore, SavedCh
 from strata.default_model import resolve_model
 from strata.engine.sequence import Checkpoint, Sequence
 from strata.memory import KVCacheFull, PartMismatch
-from strata.engine.types import (ContextOverflow, EmptyPrompt, FinalEvent, GenerationRequest, TokenEvent)
+from strata.engine.types import (ContextOverflow, EmptyPrompt, FinalEvent, GenerationRequest, MaxTokensTooLarge,
+                                 TokenEvent)
 from strata.gguf_file import ModelLoadError, open_gguf
 from strata.sampling import Sampler, SamplingParams, StopMatcher
 from strata.sampling_device import DeviceSampler
@@ -199,6 +200,11 @@ class Engine:
         self._validate(req, prompt)
         return self._run(req, prompt)
 
+    def validate(self, req: GenerationRequest) -> None:
+        """What generate() checks before it starts (nothing is touched; safe from any thread): raises EmptyPrompt,
+        ContextOverflow, MaxTokensTooLarge or ValueError (one line). The server calls it before queueing."""
+        self._validate(req, [int(t) for t in req.prompt_tokens])
+
     def _validate(self, req: GenerationRequest, prompt: list[int]) -> None:
         if not prompt:
             raise EmptyPrompt()
@@ -209,6 +215,9 @@ class Engine:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.n_vocab})")
         if req.max_tokens is not None and req.max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {req.max_tokens}")
+        n_train = int(getattr(self.config, "n_ctx_train", 0) or 0)
+        if req.max_tokens is not None and n_train and req.max_tokens > n_train:
+            raise MaxTokensTooLarge(req.max_tokens, n_train)   # within it, a full context ends the answer ("length")
         if isinstance(req.n, bool) or not isinstance(req.n, int) or req.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {req.n!r}")
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:

@@ -20,6 +20,15 @@ class ContextOverflow(ValueError):
             f"{self.n_ctx} (at most {self.n_ctx - 1} prompt tokens, leaving room for one generated token)")
 
 
+class MaxTokensTooLarge(ValueError):
+    """max_tokens asks for more tokens than the model's training context (n_ctx_train) holds."""
+
+    def __init__(self, max_tokens: int, n_ctx_train: int):
+        self.max_tokens, self.n_ctx_train = int(max_tokens), int(n_ctx_train)
+        super().__init__(f"max_tokens is {self.max_tokens}, more than the model's training context of "
+                         f"{self.n_ctx_train} tokens (at most {self.n_ctx_train})")
+
+
 class EmptyPrompt(ValueError):
     """The prompt has no tokens."""
 

@@ -23,7 +23,7 @@ import structlog
 from aiohttp import web
 
 from strata import __version__
-from strata.engine.types import ContextOverflow
+from strata.engine.types import ContextOverflow, merge_choices
 from strata.serve import schema
 from strata.serve.errors import ApiError, error_body
 from strata.serve.metrics import CONTENT_TYPE, Metrics
@@ -199,6 +199,8 @@ def _engine_error(err: EngineError) -> ApiError:
     name = type(e).__name__
     if name == "ContextOverflow":
         return ApiError(400, str(e), param="messages", code="context_length_exceeded")
+    if name == "MaxTokensTooLarge":
+        return ApiError(400, str(e), param="max_tokens", code="invalid_value")
     if isinstance(e, ValueError):
         return ApiError(400, str(e), code="invalid_value")
     return ApiError(500, f"the engine failed: {name}: {e}", code="engine_error")
@@ -393,6 +395,10 @@ async def _generate(request: web.Request, engine, p: schema.ParsedRequest, token
                              logprobs=p.top_logprobs if p.logprobs else None,
                              cache_prompt=p.cache_prompt, checkpoint=p.checkpoint, n=p.n,
                              cancel=threading.Event())
+    try:
+        engine.validate(greq)              # refused now rather than after the queue (max_tokens past n_ctx_train, ...)
+    except ValueError as e:
+        raise _engine_error(EngineError(e)) from None
     w = request.app[WORKER_KEY]
     job = _submit(w, greq, rid=request["rid"])
     log.debug("queued", prompt_tokens=len(tokens), waiting=w.waiting, stream=p.stream)
@@ -513,7 +519,6 @@ class _LogprobsAcc:
 
 
 async def _collect(request, engine, p, job) -> web.Response:
-    from strata.engine.types import merge_choices
     pieces: list[list[str]] = [[] for _ in range(p.n)]
     accs = [_LogprobsAcc(engine, p.kind) for _ in range(p.n)]
     finals = []
@@ -546,7 +551,6 @@ async def _collect(request, engine, p, job) -> web.Response:
 async def _stream(request, engine, p, job) -> web.StreamResponse:
     """SSE chunks, each choice's (its `index`) in turn; the last choice's finish chunk carries the request's timings
     and strata, the usage chunk (include_usage) sums the choices."""
-    from strata.engine.types import merge_choices
     cid, created = _ids(request, p)
     chat = p.kind == "chat"
     base = {"id": cid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
