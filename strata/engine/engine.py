@@ -468,27 +468,21 @@ class Engine:
         at_prompt = self.seq.capture() if n_choices > 1 and logits is not None else None
         first_logits = logits.copy() if at_prompt is not None else logits
         greedy = params.temperature <= 0
-        replay: list[TokenEvent] | None = None       # greedy: choice 0's events, which every other choice repeats
+        replay = None                 # greedy: (choice 0's events, its outcome), which every other choice repeats
         for i in range(n_choices):
             t0 = time.perf_counter()
-            if i == 0:
-                out = self._decode(req, prompt, first_logits, params, 0)
-            elif req.cancel.is_set() or first_logits is None:
-                out = None
-            elif greedy and replay is not None:
-                out = "replay"
-            else:
-                self.seq.restore(at_prompt)
-                out = self._decode(req, prompt, first_logits.copy(), params, i)
-            if out is None:                           # cancelled before this choice started
-                finish, n_gen, n_run, trailing, stopped_by = "cancelled", 0, 0, "", None
-            elif out == "replay":
-                for ev in replay:
+            if i > 0 and (req.cancel.is_set() or first_logits is None):     # cancelled before this choice started
+                finish, toks, trailing, stopped_by, n_run = "cancelled", [], "", None, 0
+            elif i > 0 and replay is not None:
+                events, (finish, toks, trailing, stopped_by) = replay
+                for ev in events:
                     yield dataclasses.replace(ev, index=i)
-                n_gen, n_run = len(replay_done[1]), 0
-                finish, trailing, stopped_by = replay_done[0], replay_done[2], replay_done[3]
+                n_run = 0
             else:
-                events: list[TokenEvent] = []
+                if i > 0:
+                    self.seq.restore(at_prompt)
+                out = self._decode(req, prompt, first_logits if i == 0 else first_logits.copy(), params, i)
+                events = []
                 try:
                     while True:
                         ev = next(out)
@@ -499,9 +493,10 @@ class Engine:
                     finish, toks, trailing, stopped_by = stop.value
                 finally:
                     out.close()           # the consumer went away mid-choice: the decode's own cleanup runs now
-                n_gen = n_run = len(toks)
-                if greedy and i == 0:
-                    replay, replay_done = events, (finish, toks, trailing, stopped_by)
+                n_run = len(toks)
+                if greedy and n_choices > 1:
+                    replay = (events, (finish, toks, trailing, stopped_by))
+            n_gen = len(toks)
             predicted_ms = (time.perf_counter() - t0) * 1000.0 if n_run else 0.0
             first = i == 0
             final = FinalEvent(
