@@ -143,7 +143,7 @@ def plot_startup(results: Path, out: Path) -> Path | None:
         if lc:
             server = next((v for k, v in lc.items() if "server" in k), None)
             one = next((v for k, v in lc.items() if "server" not in k), None)
-            series.append(("llama.cpp", [server, one], OTHER))
+            series.append(("llama.cpp: " + ", ".join(lc), [server, one], OTHER))
         _bars(ax, ["serve -> healthy", "generate, 1 token"], series)
         ax.set_ylabel("wall time (s)")
         ax.set_title(f"{r['model']} ({r['file_bytes'] / 2 ** 20:.0f} MiB)", fontsize=10)
