@@ -63,7 +63,7 @@ setup(
             "sentencepiece",
             "protobuf",
         ],
-        "bench": ["llama-cpp-python>=0.3"],
+        "bench": ["llama-cpp-python>=0.3", "matplotlib>=3.7"],
         "gpu": ["cupy-cuda13x"],
     },
     entry_points={

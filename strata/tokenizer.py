@@ -155,12 +155,10 @@ class Tokenizer:
             if merges is None:
                 raise ValueError("tokenizer.ggml.merges is missing for a gpt2 (BPE) tokenizer")
             regexes, ignore_merges = PRE_TOKENIZERS[pre]
-            pairs = []
-            for m in merges:
-                p = m.find(" ", 1)
-                if p < 0:
-                    raise ValueError(f"malformed tokenizer.ggml.merges entry {m!r}")
-                pairs.append((m[:p], m[p + 1:]))
+            seps = [m.find(" ", 1) for m in merges]
+            if seps and min(seps) < 0:
+                raise ValueError(f"malformed tokenizer.ggml.merges entry {merges[seps.index(min(seps))]!r}")
+            pairs = [(m[:p], m[p + 1:]) for m, p in zip(merges, seps)]
             bpe = _models.BPE(vocab=dict(self._token_to_id), merges=pairs, ignore_merges=ignore_merges,
                               fuse_unk=False, byte_fallback=False)
             tk = _HFTokenizer(bpe)
@@ -168,9 +166,6 @@ class Tokenizer:
                 [_pre.Split(Regex(r), behavior="isolated", invert=False) for r in regexes]
                 + [_pre.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
             self._tk = tk
-            self._bytes = [t.encode("utf-8") if ty in (TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNKNOWN)
-                           else (b"" if ty == TOKEN_UNUSED else _byte_level_decode(t))
-                           for t, ty in zip(tokens, types)]
         elif model == "llama":
             if scores is None or len(scores) != self.n_vocab:
                 raise ValueError("tokenizer.ggml.scores is missing or has the wrong length for an SPM tokenizer")
@@ -189,19 +184,9 @@ class Tokenizer:
                               unk_token=unk, fuse_unk=False, byte_fallback=True)
             tk = _HFTokenizer(bpe)
             self._tk = tk
-            bts = []
-            for t, ty in zip(tokens, types):
-                if ty == TOKEN_BYTE and len(t) == 6 and t.startswith("<0x") and t.endswith(">"):
-                    bts.append(bytes([int(t[3:5], 16)]))
-                elif ty == TOKEN_UNUSED:
-                    bts.append(b"")
-                elif ty == TOKEN_NORMAL:
-                    bts.append(t.replace(_SPM_SPACE, " ").encode("utf-8"))
-                else:
-                    bts.append(t.encode("utf-8"))
-            self._bytes = bts
         else:
             raise ValueError(f"unsupported tokenizer.ggml.model {model!r} (supported: gpt2, llama)")
+        self._bytes: list[bytes | None] = [None] * self.n_vocab    # token_bytes, filled in as tokens are decoded
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -264,7 +249,22 @@ class Tokenizer:
         """
         if not 0 <= token_id < self.n_vocab:
             raise ValueError(f"token id {token_id} out of range [0, {self.n_vocab})")
-        return self._bytes[token_id]
+        b = self._bytes[token_id]
+        if b is None:
+            b = self._bytes[token_id] = self._bytes_of(self.tokens[token_id], self.token_types[token_id])
+        return b
+
+    def _bytes_of(self, t: str, ty: int) -> bytes:
+        if ty == TOKEN_UNUSED:
+            return b""
+        if self.model == "gpt2":
+            return t.encode("utf-8") if ty in (TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNKNOWN) \
+                else _byte_level_decode(t)
+        if ty == TOKEN_BYTE and len(t) == 6 and t.startswith("<0x") and t.endswith(">"):
+            return bytes([int(t[3:5], 16)])
+        if ty == TOKEN_NORMAL:
+            return t.replace(_SPM_SPACE, " ").encode("utf-8")
+        return t.encode("utf-8")
 
     def token_piece(self, token_id: int, special: bool = False) -> bytes:
         """Bytes llama.cpp's token_to_piece gives: CONTROL/UNKNOWN tokens are empty unless `special`."""

@@ -219,3 +219,19 @@ def test_system_with_raw_is_a_usage_error():
     p = strata("generate", "--raw", "--system", "be brief", "--prompt", "hi", "--model", "/nonexistent.gguf")
     assert_one_line_error(p, "--system needs chat mode")
     assert p.returncode == 2
+
+
+@pytest.mark.parametrize("cmd", ["serve", "generate", "chat"])
+def test_unknown_flag_prints_the_subcommands_usage_line(cmd):
+    p = strata(cmd, "--no-such-flag", "7")
+    assert p.returncode == 2 and "Traceback" not in p.stderr and p.stdout == ""
+    assert p.stderr.startswith(f"usage: strata {cmd} ")
+    assert p.stderr.strip().splitlines()[-1] == f"strata {cmd}: error: unrecognized arguments: --no-such-flag 7"
+
+
+def test_stratactl_unknown_flag_prints_the_subcommands_usage_line():
+    e = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-m", "strata.cli.ctl", "status", "--bogus"], capture_output=True, text=True,
+                       env=e, cwd=str(ROOT), timeout=60)
+    assert p.returncode == 2 and p.stderr.startswith("usage: stratactl status ")
+    assert p.stderr.strip().splitlines()[-1] == "stratactl status: error: unrecognized arguments: --bogus"

@@ -251,3 +251,36 @@ def test_n_ctx_past_the_training_context_warns(default_model_path):
     with capture_logs() as logs:
         Engine(default_model_path, n_ctx=512, prompt_cache=0)
     assert not [r for r in logs if "training context" in r["event"]]
+
+
+def test_cancel_between_choices_ends_the_rest_with_no_tokens(engine):
+    r = engine.render_chat(FRANCE)
+    req = GenerationRequest(prompt_tokens=r.tokens, cut_points=r.cut_points, max_tokens=6, n=3,
+                            sampling=SamplingParams(temperature=0.8, seed=3))
+    finals = []
+    for ev in engine.generate(req):
+        if isinstance(ev, FinalEvent):
+            finals.append(ev)
+            req.cancel.set()                       # after choice 0 ends
+        else:
+            assert ev.index == 0
+    assert [f.index for f in finals] == [0, 1, 2]
+    assert [f.finish_reason for f in finals][1:] == ["cancelled", "cancelled"]
+    assert all(f.usage["completion_tokens"] == 0 for f in finals[1:])
+    text, _, _ = run(engine)                       # the engine carries on as usual
+    assert "Paris" in text
+
+
+def test_n_must_be_a_positive_integer(engine):
+    r = engine.render_chat(FRANCE)
+    for bad in (0, -1, True, 2.0):
+        with pytest.raises(ValueError, match="n must be an integer >= 1"):
+            engine.generate(GenerationRequest(prompt_tokens=r.tokens, n=bad))
+
+
+def test_max_tokens_past_the_training_context_is_refused_at_once(engine):
+    from strata.engine import MaxTokensTooLarge
+    r = engine.render_chat(FRANCE)
+    with pytest.raises(MaxTokensTooLarge, match="max_tokens is 8193, more than the model's training context of 8192"):
+        engine.generate(GenerationRequest(prompt_tokens=r.tokens, max_tokens=8193))
+    engine.validate(GenerationRequest(prompt_tokens=r.tokens, max_tokens=8192))     # within it: accepted

@@ -269,7 +269,8 @@ def test_slots(daemon):
     (json.dumps({"messages": HI, "temperature": "hot"}).encode(), "'temperature' must be a number"),
     (json.dumps({"messages": HI, "temperature": 7}).encode(), "'temperature' must be in"),
     (json.dumps({"messages": HI, "max_tokens": -1}).encode(), "'max_tokens'"),
-    (json.dumps({"messages": HI, "n": 2}).encode(), "'n' must be 1"),
+    (json.dumps({"messages": HI, "n": 0}).encode(), "'n' must be in 1..16, got 0"),
+    (json.dumps({"messages": HI, "n": 17}).encode(), "'n' must be in 1..16, got 17"),
     (json.dumps({"messages": HI, "top_logprobs": 3}).encode(), "needs 'logprobs'"),
     (json.dumps({"messages": HI, "stream_options": {"include_usage": True}}).encode(), "only allowed"),
     (json.dumps({"messages": HI, "strata_pin": 5}).encode(), "strata_pin"),
@@ -676,3 +677,19 @@ def test_port_0_reports_the_bound_port(tmp_path):
         c.close()
     finally:
         assert d.stop() == 0, d.log_tail()
+
+
+def test_max_tokens_past_the_training_context_is_refused(daemon, client, model_id):
+    """SmolLM2 was trained on 8192 tokens: more is a 400 naming max_tokens (not clamped); within it, an answer the
+    configured context (512) cannot hold ends at the context with finish_reason "length"."""
+    import openai
+    for kw in ({"max_tokens": 8193}, {"max_completion_tokens": 100000}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=model_id, messages=HI, **kw)
+        err = e.value.body
+        assert err["param"] == "max_tokens" and err["code"] == "invalid_value"
+        assert "more than the model's training context of 8192 tokens" in err["message"]
+    st, d = daemon.json("POST", "/v1/completions", {"prompt": COUNT_PROMPT, "max_tokens": 8192, "temperature": 0,
+                                                     "cache_prompt": False})
+    assert st == 200 and d["choices"][0]["finish_reason"] == "length"
+    assert d["usage"]["total_tokens"] == 512

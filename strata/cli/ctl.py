@@ -16,6 +16,7 @@ import time
 import urllib.parse
 from typing import Any
 
+from strata.cli.argv import parse_args
 from strata.cli.chat_input import parse_chat_line
 from strata.serve.paths import client_socket_path
 
@@ -427,6 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
                         help="print the server's JSON instead of a table")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    p.subcommands = sub            # strata.cli.argv.parse_args: an unknown flag gets its subcommand's usage line
     sub.add_parser("status", parents=[common], help="model, stages, queue, cache and memory use").set_defaults(fn=cmd_status)
     sub.add_parser("health", parents=[common], help="is the daemon up and the model loaded").set_defaults(fn=cmd_health)
     sub.add_parser("models", parents=[common], help="the served model").set_defaults(fn=cmd_models)
@@ -456,7 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)  # exits 2 on usage errors
+    args = parse_args(build_parser(), argv)  # exits 2 on usage errors
     try:
         sock = None if args.url else str(args.socket or client_socket_path())
         c = Client(sock, args.url, args.api_key, args.timeout)

@@ -6,6 +6,7 @@ import importlib
 import os
 import sys
 
+from strata.cli.argv import parse_args
 from strata.cli.chat_input import parse_chat_line
 
 # Modules that add subcommands: each exposes add_parser(subparsers) -> the parser it added, whose
@@ -326,6 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"strata {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+    parser.subcommands = sub       # strata.cli.argv.parse_args: an unknown flag gets its subcommand's usage line
 
     g = sub.add_parser("generate", help="complete one prompt and print the answer",
                        description="Answer one prompt (wrapped as a user message with the chat template unless "
@@ -379,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
 
     Errors are printed as one line `strata: error: ...` without a traceback (STRATA_DEBUG=1 shows it)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     if os.environ.get("STRATA_DEBUG"):
         return int(args.func(args) or 0)
     try:

@@ -1,5 +1,6 @@
 """The engine: one model, one live sequence, prompts read in parts with checkpoints, decode and streaming."""
-from strata.engine.types import (ContextOverflow, EmptyPrompt, FinalEvent, GenerationRequest, TokenEvent)
+from strata.engine.types import (ContextOverflow, EmptyPrompt, FinalEvent, GenerationRequest, MaxTokensTooLarge,
+                                 TokenEvent, merge_choices)
 
 
 def __getattr__(name):
@@ -10,4 +11,5 @@ def __getattr__(name):
     raise AttributeError(f"module 'strata.engine' has no attribute {name!r}")
 
 
-__all__ = ["Engine", "GenerationRequest", "TokenEvent", "FinalEvent", "ContextOverflow", "EmptyPrompt"]
+__all__ = ["Engine", "GenerationRequest", "TokenEvent", "FinalEvent", "ContextOverflow", "EmptyPrompt", "MaxTokensTooLarge",
+           "merge_choices"]

@@ -22,7 +22,8 @@ from strata.cache.conversation import Conversation, DiskTier, ParkStore, SavedCh
 from strata.default_model import resolve_model
 from strata.stages.sequence import Checkpoint, Sequence
 from strata.memory import KVCacheFull, PartMismatch
-from strata.engine.types import (ContextOverflow, EmptyPrompt, FinalEvent, GenerationRequest, TokenEvent)
+from strata.engine.types import (ContextOverflow, EmptyPrompt, FinalEvent, GenerationRequest, MaxTokensTooLarge,
+                                 TokenEvent)
 from strata.gguf_file import ModelLoadError, open_gguf
 from strata.sampling import Sampler, SamplingParams, StopMatcher
 from strata.sampling_device import DeviceSampler
@@ -198,7 +199,8 @@ class Engine:
 
     # ---- generation ------------------------------------------------------------------------------
     def generate(self, req: GenerationRequest) -> Iterator[TokenEvent | FinalEvent]:
-        """Run one request; returns an iterator of TokenEvents ending with exactly one FinalEvent.
+        """Run one request; returns an iterator of TokenEvents and one FinalEvent per choice (req.n of them, each
+        choice's tokens then its FinalEvent, `index` 0, 1, ...; the last event is the last choice's FinalEvent).
 
         Raises at once (before any reading, nothing changed) EmptyPrompt / ContextOverflow (ValueError
         subclasses) and ValueError for a token id outside the vocabulary or bad numbers. Only one request runs
@@ -210,11 +212,19 @@ class Engine:
         calls, a part always starting a fresh ubatch, so a part's floating-point order is the same whenever
         it is read); save a checkpoint after each part ending at a save point; then decode one token at a
         time. Stops on an end-of-generation token, a stop string (not emitted), max_tokens or a full context
-        ("length"), or req.cancel (checked between tokens; "cancelled").
+        ("length"), or req.cancel (checked between tokens; "cancelled": the choices not yet started end so too,
+        with no tokens). With req.n > 1 the prompt is read once: each later choice restores the state captured at
+        the prompt's end and samples from the prompt's last logits with seed + index; greedy choices are one
+        decode whose events every choice repeats (their FinalEvents: predicted_n 0, resume_from "choice").
         """
         prompt = [int(t) for t in req.prompt_tokens]
         self._validate(req, prompt)
         return self._run(req, prompt)
+
+    def validate(self, req: GenerationRequest) -> None:
+        """What generate() checks before it starts (nothing is touched; safe from any thread): raises EmptyPrompt,
+        ContextOverflow, MaxTokensTooLarge or ValueError (one line). The server calls it before queueing."""
+        self._validate(req, [int(t) for t in req.prompt_tokens])
 
     def _validate(self, req: GenerationRequest, prompt: list[int]) -> None:
         if not prompt:
@@ -226,6 +236,11 @@ class Engine:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.n_vocab})")
         if req.max_tokens is not None and req.max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {req.max_tokens}")
+        n_train = int(getattr(self.config, "n_ctx_train", 0) or 0)
+        if req.max_tokens is not None and n_train and req.max_tokens > n_train:
+            raise MaxTokensTooLarge(req.max_tokens, n_train)   # within it, a full context ends the answer ("length")
+        if isinstance(req.n, bool) or not isinstance(req.n, int) or req.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {req.n!r}")
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {req.logprobs}")
         for c in req.cut_points or ():
@@ -478,12 +493,73 @@ class Engine:
         t_start = time.perf_counter()
         plan, parts, logits = self._prefill(req, prompt, trace)
         prompt_n = self.seq.pos - plan.resume_pos          # tokens read (all of them unless cancelled)
-        t_prompt = time.perf_counter()
-        prompt_ms = (t_prompt - t_start) * 1000.0
+        prompt_ms = (time.perf_counter() - t_start) * 1000.0
 
         params = req.sampling if req.sampling is not None else SamplingParams(temperature=0.0)
         if req.logprobs is not None and params.logprobs != req.logprobs:
             params = dataclasses.replace(params, logprobs=req.logprobs)
+        n_choices = max(1, int(req.n))
+        # the prompt is read once: every later choice restarts from its state (restored) and its last logits (kept)
+        at_prompt = self.seq.capture() if n_choices > 1 and logits is not None else None
+        first_logits = logits.copy() if at_prompt is not None else logits
+        greedy = params.temperature <= 0
+        replay = None                 # greedy: (choice 0's events, its outcome), which every other choice repeats
+        for i in range(n_choices):
+            t0 = time.perf_counter()
+            if i > 0 and (req.cancel.is_set() or first_logits is None):     # cancelled before this choice started
+                finish, toks, trailing, stopped_by, n_run = "cancelled", [], "", None, 0
+            elif i > 0 and replay is not None:
+                events, (finish, toks, trailing, stopped_by) = replay
+                for ev in events:
+                    yield dataclasses.replace(ev, index=i)
+                n_run = 0
+            else:
+                if i > 0:
+                    self.seq.restore(at_prompt)
+                out = self._decode(req, prompt, first_logits if i == 0 else first_logits.copy(), params, i)
+                events = []
+                try:
+                    while True:
+                        ev = next(out)
+                        if greedy and n_choices > 1:
+                            events.append(ev)
+                        yield ev
+                except StopIteration as stop:
+                    finish, toks, trailing, stopped_by = stop.value
+                finally:
+                    out.close()           # the consumer went away mid-choice: the decode's own cleanup runs now
+                n_run = len(toks)
+                if greedy and n_choices > 1:
+                    replay = (events, (finish, toks, trailing, stopped_by))
+            n_gen = len(toks)
+            predicted_ms = (time.perf_counter() - t0) * 1000.0 if n_run else 0.0
+            first = i == 0
+            final = FinalEvent(
+                finish_reason=finish,
+                usage={"prompt_tokens": n, "completion_tokens": n_gen, "total_tokens": n + n_gen},
+                timings={"prompt_n": prompt_n if first else 0, "prompt_ms": prompt_ms if first else 0.0,
+                         "prompt_per_second": prompt_n / (prompt_ms / 1000.0) if first and prompt_ms > 0 else 0.0,
+                         "predicted_n": n_run, "predicted_ms": predicted_ms,
+                         "predicted_per_second": n_run / (predicted_ms / 1000.0) if predicted_ms > 0 else 0.0,
+                         "cache_n": plan.resume_pos if first else n},
+                strata={"resume_pos": plan.resume_pos if first else n,
+                        "resume_from": plan.resume_from if first else "choice", "parts": parts if first else [],
+                        "checkpoints": len(self.cache), "stopped_by": stopped_by},
+                text=trailing, index=i)
+            if trace:
+                log.info("request_done", choice=i, finish=finish, prompt_n=final.timings["prompt_n"],
+                         cache_n=final.timings["cache_n"], predicted_n=n_run, prompt_ms=round(prompt_ms, 2),
+                         predicted_ms=round(predicted_ms, 2), checkpoints=len(self.cache))
+            self.last_final = final
+            yield final
+
+    def _decode(self, req: GenerationRequest, prompt: list[int], logits, params: SamplingParams, index: int):
+        """Generate one choice from the sequence as it stands (the prompt read) and the prompt's last logits: yields
+        TokenEvents, returns (finish_reason, token ids, trailing text, stopped_by). Choice `index` samples with
+        seed + index (a fresh draw when the seed is unset)."""
+        if index and params.seed is not None and params.seed != -1:
+            params = dataclasses.replace(params, seed=(params.seed + index) % 2 ** 64)
+        n = len(prompt)
         want_lp = params.logprobs is not None
         # a last stage on a GPU keeps the logits on the device and samples there; STRATA_DEVICE_SAMPLING=0 turns that
         # off (host copy + Sampler)
@@ -499,14 +575,14 @@ class Engine:
         st = self.seq
         finish = None
         stopped_by: str | None = None
-        n_gen = 0
+        toks: list[int] = []
         trailing = ""
         try:
             while True:
                 if logits is None:            # cancelled while reading the prompt
                     finish = "cancelled"
                     break
-                if n_gen >= max_new:
+                if len(toks) >= max_new:
                     finish = "length"
                     break
                 if req.cancel.is_set():
@@ -519,7 +595,7 @@ class Engine:
                 sampler.accept(tok)
                 if guide is not None:
                     guide.accept(tok)
-                n_gen += 1
+                toks.append(tok)
                 if tok in self.eog_ids and not req.ignore_eos:
                     finish = "stop"
                     stopped_by = self.tokenizer.decode([tok], special=True)
@@ -529,12 +605,12 @@ class Engine:
                     lp = res.logprob
                     top = [(i, self.tokenizer.decode([i], special=True), v) for i, v in (res.top_logprobs or [])]
                 text, hit = stopper.feed(decoder.feed(tok))
-                yield TokenEvent(tok, text, lp, top)
+                yield TokenEvent(tok, text, lp, top, index=index)
                 if hit:
                     finish = "stop"
                     stopped_by = stopper.matched
                     break
-                if n_gen >= max_new or n + n_gen >= self.n_ctx:
+                if len(toks) >= max_new or n + len(toks) >= self.n_ctx:
                     finish = "length"      # max_tokens, or the context is full (total tokens = n_ctx)
                     break
                 if req.cancel.is_set():
@@ -548,39 +624,19 @@ class Engine:
                 if stopper.stopped and finish != "cancelled":   # the held-back text held a stop string
                     finish, stopped_by = "stop", stopper.matched
         except GeneratorExit:         # the consumer closed the iterator (client went away): a cancel
-            finish = "cancelled"
             raise
         except BaseException:
             # an error inside a forward call may leave a layer's K/V half written: start over next time
-            finish = "cancelled"
             self._forget_live()
             raise
         finally:
-            t_end = time.perf_counter()
             if guide is not None:
                 guide.close()
-            self.requests += 1
+            self.requests += index == 0
             if _env_flag("STRATA_STATE_HASH"):
                 h = st.hashes()
                 log.info("state_hash", pos=st.pos, **{k: v for k, v in h.items() if ".L" not in k})
-        predicted_ms = (t_end - t_prompt) * 1000.0
-        final = FinalEvent(
-            finish_reason=finish,
-            usage={"prompt_tokens": n, "completion_tokens": n_gen, "total_tokens": n + n_gen},
-            timings={"prompt_n": prompt_n, "prompt_ms": prompt_ms,
-                     "prompt_per_second": prompt_n / (prompt_ms / 1000.0) if prompt_ms > 0 else 0.0,
-                     "predicted_n": n_gen, "predicted_ms": predicted_ms,
-                     "predicted_per_second": n_gen / (predicted_ms / 1000.0) if predicted_ms > 0 else 0.0,
-                     "cache_n": plan.resume_pos},
-            strata={"resume_pos": plan.resume_pos, "resume_from": plan.resume_from, "parts": parts,
-                    "checkpoints": len(self.cache), "stopped_by": stopped_by},
-            text=trailing)
-        if trace:
-            log.info("request_done", finish=finish, prompt_n=prompt_n, cache_n=plan.resume_pos,
-                     predicted_n=n_gen, prompt_ms=round(prompt_ms, 2), predicted_ms=round(predicted_ms, 2),
-                     checkpoints=len(self.cache))
-        self.last_final = final
-        yield final
+        return finish, toks, trailing, stopped_by
 
     # ---- visibility ------------------------------------------------------------------------------
     def unavailable(self) -> str | None:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 FinishReason = Literal["stop", "length", "cancelled"]
-ResumeFrom = Literal["live", "checkpoint", "park", "disk", "session", "none"]
+ResumeFrom = Literal["live", "checkpoint", "park", "disk", "session", "choice", "none"]
 
 
 class ContextOverflow(ValueError):
@@ -18,6 +18,15 @@ class ContextOverflow(ValueError):
         super().__init__(
             f"the prompt has {'at least ' if at_least else ''}{self.n_prompt} tokens but the context holds "
             f"{self.n_ctx} (at most {self.n_ctx - 1} prompt tokens, leaving room for one generated token)")
+
+
+class MaxTokensTooLarge(ValueError):
+    """max_tokens asks for more tokens than the model's training context (n_ctx_train) holds."""
+
+    def __init__(self, max_tokens: int, n_ctx_train: int):
+        self.max_tokens, self.n_ctx_train = int(max_tokens), int(n_ctx_train)
+        super().__init__(f"max_tokens is {self.max_tokens}, more than the model's training context of "
+                         f"{self.n_ctx_train} tokens (at most {self.n_ctx_train})")
 
 
 class EmptyPrompt(ValueError):
@@ -41,6 +50,7 @@ class GenerationRequest:
     session left; still resumes from a checkpoint and still saves the root). pin_at: a prompt position
     the client asked to keep a checkpoint at (already among cut_points when the template found it).
     ignore_eos: keep generating past end-of-generation tokens (benchmarks; llama.cpp's ignore_eos).
+    n: choices to generate from the one prompt read (OpenAI's n): choice i samples with seed + i.
     cancel: set it from another thread to stop between tokens (finish_reason "cancelled").
     constraint: a strata.grammar.Constraint the answer must follow (its token mask is applied to the logits before
     sampling; the answer ends when the grammar is complete), or None.
@@ -58,6 +68,7 @@ class GenerationRequest:
     checkpoint: bool = True
     pin_at: int | None = None
     ignore_eos: bool = False
+    n: int = 1
     cancel: threading.Event = field(default_factory=threading.Event)
     constraint: Any = None
     show_tokens: frozenset[int] = frozenset()
@@ -73,11 +84,12 @@ class TokenEvent:
     text: str
     logprob: float | None = None
     top_logprobs: list[tuple[int, str, float]] | None = None
+    index: int = 0                        # the choice it belongs to (GenerationRequest.n)
 
 
 @dataclass
 class FinalEvent:
-    """The end of a generation (always the last event).
+    """The end of one choice of a generation (the last event of a generation is its last choice's FinalEvent).
 
     finish_reason: "stop" (EOG token or stop string), "length" (max_tokens or context full),
     "cancelled". text: trailing text held back until the end (an incomplete UTF-8 tail or a partial
@@ -85,7 +97,8 @@ class FinalEvent:
     usage: prompt_tokens, completion_tokens, total_tokens.
     timings (llama.cpp's names): prompt_n (tokens read), prompt_ms, prompt_per_second, predicted_n,
     predicted_ms, predicted_per_second, cache_n (prompt tokens reused).
-    strata: resume_pos, resume_from ("live" | "checkpoint" | "none"), parts [(start, end), ...] read,
+    strata: resume_pos, resume_from ("live" | "checkpoint" | "park" | "disk" | "session" | "none"; "choice" for a
+    choice after the first: the prompt's state its first choice read), parts [(start, end), ...] read,
     checkpoints (number kept after the request), stop (the stop string or EOG token text that ended it).
     """
 
@@ -94,3 +107,20 @@ class FinalEvent:
     timings: dict
     strata: dict
     text: str = ""
+    index: int = 0                        # the choice it ends (one FinalEvent per choice)
+
+
+def merge_choices(finals: list[FinalEvent]) -> FinalEvent:
+    """One FinalEvent for a request from its choices' (in index order): usage over all choices (the prompt counted
+    once, OpenAI's n), timings of the prompt read (the first choice's) with the decode summed, the first choice's
+    strata; finish_reason and text are the first choice's."""
+    first = finals[0]
+    if len(finals) == 1:
+        return first
+    gen = sum(int(f.usage.get("completion_tokens", 0)) for f in finals)
+    usage = dict(first.usage, completion_tokens=gen, total_tokens=int(first.usage.get("prompt_tokens", 0)) + gen)
+    n_dec = sum(int(f.timings.get("predicted_n", 0)) for f in finals)
+    ms = sum(float(f.timings.get("predicted_ms", 0.0)) for f in finals)
+    timings = dict(first.timings, predicted_n=n_dec, predicted_ms=ms,
+                   predicted_per_second=n_dec / (ms / 1000.0) if ms > 0 else 0.0)
+    return FinalEvent(first.finish_reason, usage, timings, dict(first.strata), first.text, first.index)

@@ -1,7 +1,8 @@
 """The aiohttp application: OpenAI-compatible routes, Strata's admin routes, auth, errors, request ids.
 
 Routes: POST /v1/chat/completions, POST /v1/completions (JSON or SSE), GET /v1/models[/{id}], GET /health,
-GET /metrics, GET /slots, POST /slots/{id}?action=save|restore|erase, GET /status, GET /cache.
+GET /metrics, GET /slots, POST /slots/{id}?action=save|restore|erase, GET /status, GET /cache; llama-server's
+/tokenize, /detokenize, /apply-template, /props come from strata/serve/llama_api.py.
 Every error is an OpenAI error object ({"error": {"message", "type", "param", "code"}}).
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ import structlog
 from aiohttp import web
 
 from strata import __version__
-from strata.engine.types import ContextOverflow
+from strata.engine.types import ContextOverflow, merge_choices
 from strata.serve import schema, structured
 from strata.serve.errors import ApiError, error_body
 from strata.serve.metrics import CONTENT_TYPE, Metrics
@@ -209,6 +210,8 @@ def _engine_error(err: EngineError) -> ApiError:
         return ApiError(int(e.http_status), str(e), code=getattr(e, "api_code", "engine_error"))
     if name == "ContextOverflow":
         return ApiError(400, str(e), param="messages", code="context_length_exceeded")
+    if name == "MaxTokensTooLarge":
+        return ApiError(400, str(e), param="max_tokens", code="invalid_value")
     if isinstance(e, ValueError):
         return ApiError(400, str(e), code="invalid_value")
     return ApiError(500, f"the engine failed: {name}: {e}", code="engine_error")
@@ -414,18 +417,23 @@ async def _generate(request: web.Request, engine, p: schema.ParsedRequest, token
     greq = GenerationRequest(prompt_tokens=tokens, cut_points=cut_points, sampling=_sampling(p),
                              max_tokens=p.max_tokens, stop=p.stop,
                              logprobs=p.top_logprobs if p.logprobs else None,
-                             cache_prompt=p.cache_prompt, checkpoint=p.checkpoint, cancel=threading.Event(),
+                             cache_prompt=p.cache_prompt, checkpoint=p.checkpoint, n=p.n,
+                             cancel=threading.Event(),
                              constraint=constraint, show_tokens=plan.show_tokens if plan else frozenset())
+    try:
+        engine.validate(greq)              # refused now rather than after the queue (max_tokens past n_ctx_train, ...)
+    except ValueError as e:
+        raise _engine_error(EngineError(e)) from None
     w = request.app[WORKER_KEY]
     job = _submit(w, greq, rid=request["rid"])
     log.debug("queued", prompt_tokens=len(tokens), waiting=w.waiting, stream=p.stream)
     done = False
     try:
-        answer = plan.answer() if plan is not None else None
+        answers = [plan.answer() if plan is not None else None for _ in range(p.n)]   # one parser per choice
         if p.stream:
-            resp = await _stream(request, engine, p, job, answer)
+            resp = await _stream(request, engine, p, job, answers)
         else:
-            resp = await _collect(request, engine, p, job, answer)
+            resp = await _collect(request, engine, p, job, answers)
         done = True
         return resp
     finally:
@@ -536,43 +544,53 @@ class _LogprobsAcc:
                 "text_offset": self.offsets}
 
 
-async def _collect(request, engine, p, job, answer: structured.Answer | None = None) -> web.Response:
-    pieces: list[str] = []
-    acc = _LogprobsAcc(engine, p.kind)
-    while True:
+async def _collect(request, engine, p, job, answers: list | None = None) -> web.Response:
+    answers = answers or [None] * p.n
+    pieces: list[list[str]] = [[] for _ in range(p.n)]
+    accs = [_LogprobsAcc(engine, p.kind) for _ in range(p.n)]
+    finals = []
+    while len(finals) < p.n:
         ev = await _next(job)
         if hasattr(ev, "finish_reason"):
-            final = ev
-            break
-        pieces.append(ev.text)
-        acc.add(ev, ev.text)
-    pieces.append(final.text or "")
-    acc.finish(final.text or "")
-    text = "".join(pieces)
+            finals.append(ev)
+            pieces[ev.index].append(ev.text or "")
+            accs[ev.index].finish(ev.text or "")
+            continue
+        pieces[ev.index].append(ev.text)
+        accs[ev.index].add(ev, ev.text)
     cid, created = _ids(request, p)
-    lp = acc.result() if p.logprobs else None
-    if p.kind == "chat":
-        message, finish = {"role": "assistant", "content": text}, final.finish_reason
-        if answer is not None:
-            answer.feed(text)
-            answer.finish()
-            message, finish = answer.message(), answer.finish_reason(finish)
-        choice = {"index": 0, "message": message, "logprobs": lp, "finish_reason": finish}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": final.finish_reason}
-        obj = "text_completion"
-    return _json({"id": cid, "object": obj, "created": created, "model": engine.model_name,
-                  "system_fingerprint": f"strata-{__version__}", "choices": [choice], "usage": _usage(final),
-                  "timings": _timings(final), "strata": _strata_obj(final)})
+    choices = []
+    for f in finals:
+        text = "".join(pieces[f.index])
+        lp = accs[f.index].result() if p.logprobs else None
+        if p.kind == "chat":
+            message, finish, answer = {"role": "assistant", "content": text}, f.finish_reason, answers[f.index]
+            if answer is not None:
+                answer.feed(text)
+                answer.finish()
+                message, finish = answer.message(), answer.finish_reason(finish)
+            choices.append({"index": f.index, "message": message, "logprobs": lp, "finish_reason": finish})
+        else:
+            choices.append({"index": f.index, "text": text, "logprobs": lp, "finish_reason": f.finish_reason})
+    final = merge_choices(finals)
+    return _json({"id": cid, "object": "chat.completion" if p.kind == "chat" else "text_completion",
+                  "created": created, "model": engine.model_name, "system_fingerprint": f"strata-{__version__}",
+                  "choices": choices, "usage": _usage(final), "timings": _timings(final),
+                  "strata": _strata_obj(final)})
 
 
-async def _stream(request, engine, p, job, answer: structured.Answer | None = None) -> web.StreamResponse:
+async def _stream(request, engine, p, job, answers: list | None = None) -> web.StreamResponse:
+    """SSE chunks, each choice's (its `index`) in turn; the last choice's finish chunk carries the request's timings
+    and strata, the usage chunk (include_usage) sums the choices. A chat answer with a parser (tools, reasoning) is
+    taken apart into content / reasoning_content / tool_calls deltas."""
+    answers = answers or [None] * p.n
     cid, created = _ids(request, p)
     chat = p.kind == "chat"
     base = {"id": cid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
             "model": engine.model_name, "system_fingerprint": f"strata-{__version__}"}
-    acc = _LogprobsAcc(engine, p.kind)
+    accs = [_LogprobsAcc(engine, p.kind) for _ in range(p.n)]
+    finals = []
+    started: set[int] = set()
     resp: web.StreamResponse | None = None
 
     def chunk(choices: list, **extra) -> bytes:
@@ -581,28 +599,29 @@ async def _stream(request, engine, p, job, answer: structured.Answer | None = No
             d["usage"] = None
         return b"data: " + json.dumps(d, ensure_ascii=False).encode() + b"\n\n"
 
-    def choice(text: str | None, lp, finish=None, role=False) -> dict:
+    def choice(i: int, text: str | None, lp, finish=None, role=False) -> dict:
         if chat:
             delta: dict[str, Any] = {}
             if role:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            return {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
-        return {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish}
+            return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        return {"index": i, "text": text or "", "logprobs": lp, "finish_reason": finish}
 
-    async def pieces(text: str, lp, end: bool = False) -> None:
-        """One event's text as chunks: a chat answer taken apart (content / reasoning_content / tool_calls deltas,
-        the logprobs on the first), else as text."""
+    async def pieces(i: int, text: str, lp, end: bool = False) -> None:
+        """One event's text of choice i as chunks: a chat answer taken apart (content / reasoning_content /
+        tool_calls deltas, the logprobs on the first), else as text."""
+        answer = answers[i]
         if answer is None:
             if text or lp is not None:
-                await resp.write(chunk([choice(text, lp)]))
+                await resp.write(chunk([choice(i, text, lp)]))
             return
         deltas = answer.feed(text) + (answer.finish() if end else [])
         if not deltas and lp is not None:
             deltas = [{"content": ""}]
         for k, d in enumerate(deltas):
-            await resp.write(chunk([{"index": 0, "delta": d, "logprobs": lp if k == 0 else None,
+            await resp.write(chunk([{"index": i, "delta": d, "logprobs": lp if k == 0 else None,
                                      "finish_reason": None}]))
 
     try:
@@ -620,23 +639,29 @@ async def _stream(request, engine, p, job, answer: structured.Answer | None = No
                                                    "Cache-Control": "no-cache", "X-Request-Id": request["rid"],
                                                    "X-Accel-Buffering": "no"})
                 await resp.prepare(request)
-                if chat:
-                    await resp.write(chunk([choice("", None, role=True)]))
+            i = ev.index
+            if chat and i not in started:
+                started.add(i)
+                await resp.write(chunk([choice(i, "", None, role=True)]))
             if hasattr(ev, "finish_reason"):
-                final = ev
-                tail = final.text or ""
-                lp = acc.finish(tail) if p.logprobs else None
-                await pieces(tail, lp, end=True)
-                finish = answer.finish_reason(final.finish_reason) if answer is not None else final.finish_reason
-                await resp.write(chunk([choice(None if chat else "", None, finish)],
+                finals.append(ev)
+                tail = ev.text or ""
+                lp = accs[i].finish(tail) if p.logprobs else None
+                await pieces(i, tail, lp, end=True)
+                finish = answers[i].finish_reason(ev.finish_reason) if answers[i] is not None else ev.finish_reason
+                if len(finals) < p.n:
+                    await resp.write(chunk([choice(i, None if chat else "", None, finish)]))
+                    continue
+                final = merge_choices(finals)
+                await resp.write(chunk([choice(i, None if chat else "", None, finish)],
                                        timings=_timings(final), strata=_strata_obj(final)))
                 if p.include_usage:
                     await resp.write(chunk([], usage=_usage(final)))
                 await resp.write(b"data: [DONE]\n\n")
                 await resp.write_eof()
                 return resp
-            lp = acc.add(ev, ev.text) if p.logprobs else None
-            await pieces(ev.text, lp)
+            lp = accs[i].add(ev, ev.text) if p.logprobs else None
+            await pieces(i, ev.text, lp)
     except (ConnectionResetError, ConnectionError) as e:
         log.info("client disconnected mid-stream", error=str(e) or type(e).__name__)
         request.app[WORKER_KEY].drop(job)
@@ -664,4 +689,6 @@ def make_app(cfg: ServeConfig, worker: EngineWorker, metrics_: Metrics) -> web.A
     r.add_post("/slots/{slot}", slot_action)
     r.add_get("/status", status)
     r.add_get("/cache", cache)
+    from strata.serve import llama_api          # llama-server's /tokenize, /detokenize, /apply-template, /props
+    llama_api.add_routes(app)
     return app

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import ipaddress
 import os
 import sys
@@ -127,6 +126,8 @@ def run(args) -> int:
             print(f"strata serve: error: device {args.device!r}: {why}", file=sys.stderr)
             return 1
     configure_logging(args.log_level, json={"auto": None, "json": True, "console": False}[args.log_format])
+    import asyncio                  # here, not at the top: `strata generate` / `chat` import this module too
+
     import structlog
     import uvloop
 

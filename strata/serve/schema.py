@@ -4,7 +4,7 @@ Field names and ranges follow the OpenAI API reference (https://platform.openai.
 with llama.cpp's server extensions (top_k, min_p, repeat_penalty, cache_prompt, chat_template_kwargs,
 reasoning_format, json_schema, grammar) and Strata's own (strata_checkpoint, strata_pin). Every refusal is an
 ApiError(400, one line naming the field). Unknown fields are ignored (clients send many optional ones), except those
-that would change the answer in a way Strata cannot honour (n > 1, echo, suffix, logit_bias, image parts).
+that would change the answer in a way Strata cannot honour (best_of > 1, echo, suffix, logit_bias, image parts).
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from strata.tool_calls import NAME_RE
 MAX_STOP = 16
 MAX_STOP_CHARS = 512       # per stop string: matching a held-back prefix costs up to len^2 per generated token
 MAX_TOP_LOGPROBS = 20
+MAX_N = 16                 # choices per request (each one a full decode after the one prompt read)
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
@@ -26,6 +27,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 class ParsedRequest:
     kind: str                                   # "chat" | "completion"
     model: str | None
+    n: int = 1                                  # choices
     stream: bool = False
     include_usage: bool = False
     max_tokens: int | None = None
@@ -116,10 +118,7 @@ def _common(body: dict, kind: str) -> ParsedRequest:
     if model is not None and not isinstance(model, str):
         raise _bad("model", f"must be a string, got {_tname(model)}")
     r = ParsedRequest(kind=kind, model=model)
-    n = _opt_int(body, "n", 1)
-    if n is not None and n != 1:
-        raise ApiError(400, f"'n' must be 1: Strata returns one choice per request, got {n}", param="n",
-                       code="unsupported_value")
+    r.n = _opt_int(body, "n", 1, MAX_N) or 1
     best_of = _opt_int(body, "best_of", 1)
     if best_of is not None and best_of != 1:
         raise ApiError(400, f"'best_of' must be 1, got {best_of}", param="best_of", code="unsupported_value")

@@ -1,0 +1,187 @@
+"""llama-server's utility routes with its request and response shapes: /tokenize, /detokenize, /apply-template, /props.
+
+Shapes follow llama.cpp's tools/server/README.md. Errors on these routes are llama-server's error objects,
+{"error": {"code", "message", "type"}} (types invalid_request_error, not_found_error, server_error,
+not_supported_error, unavailable_error, exceed_context_size_error), not OpenAI's.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+
+from aiohttp import web
+
+from strata import __version__
+from strata.serve import schema
+from strata.serve.app import WORKER_KEY, _engine, _json, _read_body
+from strata.serve.errors import ApiError
+
+# HTTP status -> llama-server's error type (tools/server: format_error_response)
+LLAMA_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                     404: "not_found_error", 500: "server_error", 501: "not_supported_error",
+                     503: "unavailable_error"}
+
+
+class LlamaApiError(ApiError):
+    """An ApiError rendered in llama-server's shape."""
+
+    def body(self) -> dict:
+        kind = "exceed_context_size_error" if self.code == "context_length_exceeded" else \
+            LLAMA_ERROR_TYPES.get(self.status, "invalid_request_error")
+        return {"error": {"code": self.status, "message": self.message, "type": kind}}
+
+
+def _llama_errors(handler):
+    """Render every ApiError the handler raises (its own, and the shared body / engine checks') in llama-server's
+    shape."""
+    @functools.wraps(handler)
+    async def wrapped(request: web.Request):
+        try:
+            return await handler(request)
+        except LlamaApiError:
+            raise
+        except ApiError as e:
+            raise LlamaApiError(e.status, e.message, param=e.param, code=e.code, headers=e.headers) from None
+    return wrapped
+
+
+def _bad(msg: str) -> LlamaApiError:
+    return LlamaApiError(400, msg)
+
+
+def _flag(body: dict, key: str, default: bool) -> bool:
+    v = body.get(key, default)
+    if not isinstance(v, bool):
+        raise _bad(f"'{key}' must be a boolean, got {schema._tname(v)}")
+    return v
+
+
+def _token_ids(v, key: str, n_vocab: int) -> list[int]:
+    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        raise _bad(f"'{key}' must be an array of token ids")
+    bad = next((t for t in v if not 0 <= t < n_vocab), None)
+    if bad is not None:
+        raise _bad(f"'{key}' holds token id {bad} outside the vocabulary [0, {n_vocab})")
+    return list(v)
+
+
+def _piece(tok, token_id: int):
+    """A token's piece as llama-server gives it: its text (special tokens included) when the bytes are valid UTF-8,
+    else the list of its byte values."""
+    b = tok.token_piece(token_id, special=True)
+    try:
+        return b.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(b)
+
+
+@_llama_errors
+async def tokenize(request: web.Request) -> web.Response:
+    """POST /tokenize {content: str | [str | id, ...], add_special=false, parse_special=true, with_pieces=false}
+    -> {"tokens": [id, ...]} or {"tokens": [{"id", "piece"}, ...]}. In an array, ids pass through and only the first
+    element may get BOS (llama-server's tokenize_mixed)."""
+    body = await _read_body(request)
+    engine = _engine(request)
+    tok = engine.tokenizer
+    content = body.get("content")
+    if content is None:
+        raise _bad("'content' is required: the text to tokenize")
+    if isinstance(content, str):
+        parts: list = [content]
+    elif isinstance(content, list) and all(isinstance(p, str) or (isinstance(p, int) and not isinstance(p, bool))
+                                           for p in content):
+        parts = content
+    else:
+        raise _bad(f"'content' must be a string or an array of strings and token ids, got {schema._tname(content)}")
+    add_special = _flag(body, "add_special", False)
+    parse_special = _flag(body, "parse_special", True)
+    with_pieces = _flag(body, "with_pieces", False)
+    _token_ids([p for p in parts if isinstance(p, int)], "content", tok.n_vocab)
+
+    def run() -> list[int]:
+        ids: list[int] = []
+        for i, p in enumerate(parts):
+            if isinstance(p, int):
+                ids.append(p)
+            else:
+                kw = {} if add_special and i == 0 else {"add_bos": False, "add_eos": False}
+                ids.extend(tok.encode(p, parse_special=parse_special, **kw))
+        return ids
+
+    try:
+        ids = await asyncio.get_running_loop().run_in_executor(None, run)
+    except ValueError as e:              # a lone surrogate: no UTF-8, so no tokens
+        raise _bad(f"'content': {e}") from None
+    if with_pieces:
+        return _json({"tokens": [{"id": i, "piece": _piece(tok, i)} for i in ids]})
+    return _json({"tokens": ids})
+
+
+@_llama_errors
+async def detokenize(request: web.Request) -> web.Response:
+    """POST /detokenize {tokens: [id, ...]} -> {"content": text}: the tokens' pieces joined, special tokens as their
+    text (llama-server's tokens_to_str); bytes that are not UTF-8 become U+FFFD."""
+    body = await _read_body(request)
+    engine = _engine(request)
+    tok = engine.tokenizer
+    ids = _token_ids(body.get("tokens", []), "tokens", tok.n_vocab)
+    return _json({"content": tok.decode(ids, special=True)})
+
+
+@_llama_errors
+async def apply_template(request: web.Request) -> web.Response:
+    """POST /apply-template {messages, tools?} (as /v1/chat/completions takes them) -> {"prompt": text}: the chat
+    rendered by the model's template with the generation prompt, nothing generated."""
+    body = await _read_body(request)
+    p = schema.parse_chat(body)
+    engine = _engine(request)
+    if engine.template is None:
+        raise _bad(f"{engine.model_name} has no usable chat template ({engine._template_error})")
+    try:
+        text = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: engine.template.render_text(p.messages, tools=p.tools))
+    except ValueError as e:
+        raise _bad(f"the chat template refused the messages: {e}") from None
+    return _json({"prompt": text})
+
+
+@_llama_errors
+async def props(request: web.Request) -> web.Response:
+    """GET /props: llama-server's global properties, those Strata has (one slot, the sampling defaults, the model's
+    path, chat template, BOS / EOS text)."""
+    from dataclasses import fields
+
+    from strata.sampling import SamplingParams
+    engine = _engine(request)
+    w = request.app[WORKER_KEY]
+    tok = engine.tokenizer
+    d = {f.name: f.default for f in fields(SamplingParams)}
+    params = {"n_predict": -1, "seed": 4294967295, "temperature": d["temperature"], "top_k": d["top_k"],
+              "top_p": d["top_p"], "min_p": d["min_p"], "repeat_last_n": d["repeat_last_n"],
+              "repeat_penalty": d["repeat_penalty"], "presence_penalty": d["presence_penalty"],
+              "frequency_penalty": d["frequency_penalty"], "stop": [], "max_tokens": -1, "n_probs": 0,
+              "samplers": ["penalties", "top_k", "top_p", "min_p", "temperature"]}
+    tmpl = engine.template
+    return _json({
+        "default_generation_settings": {"id": 0, "id_task": -1, "n_ctx": engine.n_ctx, "speculative": False,
+                                        "is_processing": w.running is not None, "params": params},
+        "total_slots": 1,
+        "model_path": engine.model_path,
+        "chat_template": tmpl.source if tmpl is not None else "",
+        "bos_token": tok.tokens[tok.bos_id] if tok.bos_id is not None else "",
+        "eos_token": tok.tokens[tok.eos_id] if tok.eos_id is not None else "",
+        "modalities": {"vision": False, "audio": False},
+        "build_info": f"strata-{__version__}",
+    })
+
+
+def add_routes(app: web.Application) -> None:
+    """Register the routes on `app` (make_app calls this)."""
+    r = app.router
+    r.add_post("/tokenize", tokenize)
+    r.add_post("/detokenize", detokenize)
+    r.add_post("/apply-template", apply_template)
+    r.add_get("/props", props)
+
+
+__all__ = ["add_routes", "LlamaApiError"]

@@ -1,0 +1,138 @@
+"""llama-server's utility routes on the real daemon, driven with curl over the Unix socket: /tokenize, /detokenize,
+/apply-template, /props, and their errors in llama-server's shape."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import pytest
+
+from tests.test_serve_daemon import Daemon
+
+pytestmark = pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+
+
+def curl(d: Daemon, path: str, body=None, *, raw: str | None = None) -> tuple[int, dict]:
+    """(HTTP status, JSON body) of `curl --unix-socket` to the daemon; POST when a body is given."""
+    cmd = ["curl", "-sS", "--unix-socket", d.sock, f"http://strata{path}", "-w", "\n%{http_code}"]
+    if body is not None or raw is not None:
+        cmd += ["-H", "Content-Type: application/json", "--data-binary", raw if raw is not None else json.dumps(body)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True).stdout
+    text, _, status = out.rpartition("\n")
+    return int(status), json.loads(text)
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    d = Daemon(tmp_path_factory.mktemp("llama_api")).start()
+    yield d
+    d.stop()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_path):
+    from strata.gguf_file import open_gguf
+    from strata.tokenizer import Tokenizer
+    return Tokenizer.from_gguf(open_gguf(default_model_path).metadata)
+
+
+def test_tokenize_ids_and_pieces(daemon, tokenizer):
+    text = "Hello 🦙 world, <|im_start|>é"
+    st, r = curl(daemon, "/tokenize", {"content": text})
+    assert st == 200 and r["tokens"] == tokenizer.encode(text, parse_special=True, add_bos=False)
+    assert tokenizer.token_to_id("<|im_start|>") in r["tokens"]          # parse_special defaults to true
+    st, p = curl(daemon, "/tokenize", {"content": text, "with_pieces": True})
+    assert st == 200 and [t["id"] for t in p["tokens"]] == r["tokens"]
+    pieces = [t["piece"] for t in p["tokens"]]
+    # the llama is split over byte tokens: those pieces are byte lists, the others strings
+    assert any(isinstance(x, list) for x in pieces) and any(x == "<|im_start|>" for x in pieces)
+    joined = b"".join(bytes(x) if isinstance(x, list) else x.encode() for x in pieces)
+    assert joined == text.encode()
+    for x in pieces:
+        if isinstance(x, list):
+            with pytest.raises(UnicodeDecodeError):
+                bytes(x).decode("utf-8")
+
+
+def test_tokenize_parse_special_false_and_mixed_content(daemon, tokenizer):
+    st, r = curl(daemon, "/tokenize", {"content": "<|im_start|>", "parse_special": False})
+    assert st == 200 and len(r["tokens"]) > 1 and tokenizer.token_to_id("<|im_start|>") not in r["tokens"]
+    st, r = curl(daemon, "/tokenize", {"content": ["Hi", 1, " there"]})
+    assert st == 200 and r["tokens"] == tokenizer.encode("Hi", add_bos=False) + [1] + \
+        tokenizer.encode(" there", add_bos=False)
+
+
+def test_detokenize_round_trip(daemon):
+    text = "The capital of France is Paris. Ünïcödé ✓ 🦙"
+    _, r = curl(daemon, "/tokenize", {"content": text})
+    st, d = curl(daemon, "/detokenize", {"tokens": r["tokens"]})
+    assert st == 200 and d == {"content": text}
+    _, r = curl(daemon, "/tokenize", {"content": "<|im_start|>user"})
+    assert curl(daemon, "/detokenize", {"tokens": r["tokens"]})[1]["content"] == "<|im_start|>user"   # as text
+    assert curl(daemon, "/detokenize", {"tokens": []}) == (200, {"content": ""})
+
+
+def test_apply_template(daemon, default_model_path, tokenizer):
+    from strata.chat_template import ChatTemplate
+    from strata.gguf_file import open_gguf
+    msgs = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi <|im_end|>"}]
+    st, r = curl(daemon, "/apply-template", {"messages": msgs})
+    expect = ChatTemplate.from_gguf(open_gguf(default_model_path).metadata, tokenizer).render_text(msgs)
+    assert st == 200 and r == {"prompt": expect}
+    assert r["prompt"].startswith("<|im_start|>system\nBe terse.<|im_end|>") and \
+        r["prompt"].endswith("<|im_start|>assistant\n")
+
+
+def test_props(daemon, default_model_path):
+    from strata.gguf_file import open_gguf
+    st, r = curl(daemon, "/props")
+    assert st == 200
+    assert r["total_slots"] == 1 and r["model_path"] == str(default_model_path)
+    assert r["chat_template"] == open_gguf(default_model_path).metadata["tokenizer.chat_template"]
+    assert r["default_generation_settings"]["n_ctx"] == 512
+    assert r["default_generation_settings"]["params"]["temperature"] == 0.8
+    assert r["bos_token"] == "<|im_start|>" and r["eos_token"] == "<|im_end|>"
+    assert r["build_info"].startswith("strata-")
+
+
+@pytest.mark.parametrize("path,body,needle", [
+    ("/tokenize", {}, "'content' is required"),
+    ("/tokenize", {"content": 5}, "'content' must be a string or an array"),
+    ("/tokenize", {"content": "x", "with_pieces": "yes"}, "'with_pieces' must be a boolean"),
+    ("/tokenize", {"content": ["x", 10 ** 9]}, "token id 1000000000 outside the vocabulary"),
+    ("/tokenize", {"content": "\ud800"}, "lone surrogate U+D800"),
+    ("/detokenize", {"tokens": [1, -1]}, "token id -1 outside the vocabulary"),
+    ("/detokenize", {"tokens": "hi"}, "'tokens' must be an array of token ids"),
+    ("/apply-template", {}, "'messages' is required"),
+    ("/apply-template", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+])
+def test_errors_in_llama_server_shape(daemon, path, body, needle):
+    st, r = curl(daemon, path, body)
+    assert st == 400 and set(r) == {"error"} and set(r["error"]) == {"code", "message", "type"}
+    assert r["error"]["code"] == 400 and r["error"]["type"] == "invalid_request_error"
+    assert needle in r["error"]["message"] and "\n" not in r["error"]["message"]
+
+
+def test_malformed_json_and_wrong_method(daemon):
+    st, r = curl(daemon, "/tokenize", raw='{"content": ')
+    assert st == 400 and r["error"]["type"] == "invalid_request_error" and "not valid JSON" in r["error"]["message"]
+    st, _ = curl(daemon, "/props", {"x": 1})          # POST /props: llama-server needs --props for it; Strata has none
+    assert st == 405
+
+
+def test_add_special_adds_bos_where_the_model_asks_for_it(tmp_path):
+    """The default model's metadata says add_bos_token = false; a tiny synthetic llama that says true gets BOS with
+    add_special (and only then, and only before the first element of mixed content)."""
+    from strata import synth
+    path = synth.write_synthetic(tmp_path / "bos.gguf", synth.preset("llama", "tiny"),
+                                 overrides={"tokenizer.ggml.add_bos_token": True})
+    d = Daemon(tmp_path, "--model", str(path)).start()
+    try:
+        _, plain = curl(d, "/tokenize", {"content": "Hi"})
+        _, special = curl(d, "/tokenize", {"content": "Hi", "add_special": True})
+        assert special["tokens"] == [1] + plain["tokens"]
+        _, mixed = curl(d, "/tokenize", {"content": ["Hi", "Hi"], "add_special": True})
+        assert mixed["tokens"] == [1] + plain["tokens"] * 2
+    finally:
+        d.stop()
