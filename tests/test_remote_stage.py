@@ -156,6 +156,30 @@ def test_hybrid_checkpoints_across_the_link(workers, tmp_path):
     assert sum(src == "checkpoint" for _, src, _ in got) >= 4
 
 
+def test_small_cache_and_n_choices_over_the_link(workers):
+    """--prompt-cache 1 over many turns (every save evicts), and n = 3 seeded choices whose later ones restore the
+    prompt's state from a checkpoint part on the worker: all as one process answers."""
+    from strata.sampling import SamplingParams
+    w = workers()
+    ref = Engine("default", n_ctx=N_CTX, prompt_cache=1)
+    e = Engine("default", n_ctx=N_CTX, prompt_cache=1, remote_stage=w.address, layer_split="10")
+    try:
+        assert conversation(e) == conversation(ref)
+        r = ref.render_chat([{"role": "user", "content": "Tell me a word."}])
+
+        def choices(eng):
+            req = GenerationRequest(prompt_tokens=list(r.tokens), cut_points=list(r.cut_points), max_tokens=6, n=3,
+                                    sampling=SamplingParams(temperature=1.0, seed=7), cancel=threading.Event())
+            out: dict[int, list[int]] = {}
+            for ev in eng.generate(req):
+                if not hasattr(ev, "finish_reason"):
+                    out.setdefault(ev.index, []).append(ev.token_id)
+            return out
+        assert choices(e) == choices(ref)
+    finally:
+        e.close()
+
+
 def test_without_prompt_cache_the_remote_path_sends_no_checkpoint_message(workers):
     w = workers()
     e = Engine("default", n_ctx=N_CTX, remote_stage=w.address, layer_split="15")
@@ -328,8 +352,10 @@ def test_worker_refuses_a_second_main_another_model_and_too_many_parts(workers, 
     other = synth.write_synthetic(tmp_path / "tiny.gguf", synth.preset("llama", "tiny", seed=3))
     with pytest.raises(WorkerRefused, match="the main runs model"):
         Engine(str(other), n_ctx=256, remote_stage=w.address, layer_split="1")
+    c = LinkClient(w.address)
     with pytest.raises(WorkerRefused, match="at most 64"):
-        Engine("default", n_ctx=N_CTX, remote_stage=w.address, layer_split="10", prompt_cache=65)
+        c.connect(link.Hello(protocol=5, fingerprint=_default_fingerprint(), lo=10, hi=30, n_blocks=30, n_embd=576,
+                             act_dtype="f32", n_ctx=512, max_batch=64, ckpt_max=65, next_hops=[], nonce=b"", mac=b""))
 
 
 def test_raw_client_against_a_worker_bad_frames_are_refused(workers):

@@ -115,8 +115,11 @@ class Engine:
         key = link.read_key_file(link_key_file) if link_key_file else None
 
         def make_remote(index, hops, model):
+            # the worker may hold, besides the cache's N, the one being saved before an eviction, the one a plan
+            # restores and the prompt's state of n > 1 choices: room for 2N + 2 (at most the worker's 64)
+            parts = min(64, 2 * self.prompt_cache + 2) if self.prompt_cache else 0
             return RemoteStage(index, hops, model, fingerprint=self.file.fingerprint(), n_ctx=self.n_ctx,
-                               max_batch=self.ubatch, ckpt_max=self.prompt_cache, key=key)
+                               max_batch=self.ubatch, ckpt_max=parts, key=key)
 
         self.remote = remote
         self.stages = build_stages(self.file, devices, split, self.n_ctx, kv, progress, remote=remote,
@@ -241,6 +244,9 @@ class Engine:
             raise MaxTokensTooLarge(req.max_tokens, n_train)   # within it, a full context ends the answer ("length")
         if isinstance(req.n, bool) or not isinstance(req.n, int) or req.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {req.n!r}")
+        if req.n > 1 and self.remote and self.prompt_cache == 0:
+            raise ValueError("n > 1 with a remote stage needs --prompt-cache N: the worker keeps the prompt's state "
+                             "for the later choices as a checkpoint part")
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {req.logprobs}")
         for c in req.cut_points or ():
