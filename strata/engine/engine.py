@@ -24,6 +24,7 @@ from strata.stages.sequence import Checkpoint, Sequence
 from strata.memory import KVCacheFull, PartMismatch
 from strata.engine.types import (ContextOverflow, EmptyPrompt, FinalEvent, GenerationRequest, MaxTokensTooLarge,
                                  TokenEvent)
+from strata.hostmem import available_ram
 from strata.gguf_file import ModelLoadError, open_gguf
 from strata.sampling import Sampler, SamplingParams, StopMatcher
 from strata.sampling_device import DeviceSampler
@@ -301,7 +302,7 @@ class Engine:
         if self.park is None or self.seq.pos == 0 or not self.cache.live_ok:
             return                   # nothing live, or a "strata_checkpoint": false request's (seed #861)
         need = self.seq.nbytes()
-        avail = _available_ram()
+        avail = available_ram()
         if avail is None or need > avail // 2:
             self.park.stats["refused"] += 1
             log.warning("not parking the live conversation: host RAM unknown or short", bytes=need, available=avail)
@@ -750,18 +751,6 @@ def _check_remote_flags(conversation_cache_mib, conversation_cache_dir, every, t
     if every or tail:
         raise ValueError("mid-prompt checkpoints (--prompt-cache-every / --prompt-cache-tail) are not supported "
                          "with a remote stage (--remote-stage)")
-
-
-def _available_ram() -> int | None:
-    """MemAvailable from /proc/meminfo in bytes, or None when it cannot be read (then nothing is parked)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 def default_conversation_cache_mib() -> int:

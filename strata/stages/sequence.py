@@ -145,6 +145,12 @@ class Sequence:
             st.truncate(sid, p)
         del self.tokens[p:]
 
+    def drop(self) -> None:
+        """Give every stage's pages of this sequence back and forget it there (the sequence is unusable after)."""
+        for st, sid in zip(self.stages, self.sids):
+            st.drop_seq(sid)
+        self.sids, self.tokens = [], []
+
     def can_truncate(self, p: int) -> bool:
         """Whether ``truncate(p)`` would succeed on every stage (attention K/V can be cut back; a running state
         cannot)."""

@@ -82,6 +82,11 @@ class Stage:
     def new_seq(self) -> int:
         return self.memory.new_seq()
 
+    def drop_seq(self, sid: int) -> None:
+        """Give sequence `sid`'s pages back and forget it (drained first)."""
+        self.backend.drain()
+        self.memory.drop_seq(sid)
+
     def pos(self, sid: int) -> int:
         return self.memory.seq(sid).pos
 

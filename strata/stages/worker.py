@@ -18,6 +18,7 @@ import link
 from link import (Ack, Bye, Challenge, CkptRestore, CkptSave, Commit, Error, ErrorCode, Forward, Hello, HelloAck,
                   LinkError, Ping, Pong, Reset, Result)
 from strata.stages.sequence import Checkpoint, Sequence
+from strata.hostmem import available_ram
 from strata.memory import Carve, KVCacheFull, PartMismatch
 from strata.stages import load_stages, make_backend, n_main_blocks
 from strata.stages.remote import HANDSHAKE_MAX, LinkClient, LinkDown, WorkerError
@@ -37,18 +38,6 @@ class Refuse(Exception):
     def __init__(self, code: int, message: str, fatal: bool = False):
         super().__init__(message)
         self.code, self.fatal = int(code), fatal
-
-
-def available_ram() -> int | None:
-    """MemAvailable in bytes, or None when /proc/meminfo cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 @dataclass
@@ -168,10 +157,10 @@ class Carrier:
         return self._ack()
 
     def close(self) -> None:
-        """Disconnect: the store is cleared, the sequence reset, the next worker's link closed."""
+        """Disconnect: the store is cleared, the sequence's pages given back, the next worker's link closed."""
         self.store.clear()
         try:
-            self.seq.reset()
+            self.seq.drop()
         finally:
             if self.next is not None:
                 self.next.close()
@@ -261,19 +250,30 @@ class Worker:
             next_hop.max_payload = max(1 << 20, int(h.max_batch) * (int(h.n_embd) * 4 + 8) + 4096)
             part_bytes += int(ack.part_bytes)
             granted = min(granted, int(ack.ckpt_max))
-        if granted > 0:
-            avail = available_ram()
-            if avail is None:
-                raise Refuse(ErrorCode.LIMIT, "this worker cannot read its available RAM, so it keeps no checkpoint "
-                                              "parts: run the main without --prompt-cache", fatal=True)
-            if granted * part_bytes > avail // 2:
-                raise Refuse(ErrorCode.LIMIT, f"{granted} checkpoint parts of {part_bytes} bytes exceed half of this "
-                                              f"worker's available RAM ({avail // 2} bytes)", fatal=True)
+        try:
+            self._check_ram(granted, part_bytes)
+        except Refuse:
+            if next_hop is not None:
+                next_hop.close()
+            raise
         carrier = Carrier(stages, h, granted, next_hop)
-        carrier.seq.reset()
         ack = HelloAck(protocol=link.VERSION, fingerprint=self.fingerprint, lo=h.lo, hi=h.hi, ckpt_max=granted,
                        part_bytes=part_bytes, worker=self.cfg.name, device=self.cfg.device, mac=b"")
         return carrier, ack
+
+    @staticmethod
+    def _check_ram(granted: int, part_bytes: int) -> None:
+        """Refuse checkpoint parts this worker cannot hold: any when its available RAM cannot be read, more than
+        half of it."""
+        if granted <= 0:
+            return
+        avail = available_ram()
+        if avail is None:
+            raise Refuse(ErrorCode.LIMIT, "this worker cannot read its available RAM, so it keeps no checkpoint "
+                                          "parts: run the main without --prompt-cache", fatal=True)
+        if granted * part_bytes > avail // 2:
+            raise Refuse(ErrorCode.LIMIT, f"{granted} checkpoint parts of {part_bytes} bytes exceed half of this "
+                                          f"worker's available RAM ({avail // 2} bytes)", fatal=True)
 
     # ---- the server --------------------------------------------------------------------------------------
     async def start(self) -> None:
