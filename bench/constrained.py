@@ -183,11 +183,11 @@ def qwen_vocab_model(dirname: Path) -> Path:
     return synth.write_synthetic(dirname / "qwen-vocab-135m.gguf", spec)
 
 
-def engine_costs(model, threads: int | None, tokens: int, seed: int) -> dict:
+def engine_costs(model, threads: int | None, tokens: int, seed: int, device: str = "cpu") -> dict:
     from strata import grammar
     from strata.engine import Engine, GenerationRequest
     from strata.sampling import SamplingParams
-    eng = Engine(model, n_ctx=2048, threads=threads, prompt_cache=0)
+    eng = Engine(model, n_ctx=2048, threads=threads, prompt_cache=0, device=device)
     r = eng.render_chat([{"role": "user", "content": "Write a file with a short poem, as a JSON tool call."}])
     sp = SamplingParams(temperature=1.0, seed=seed)
 
@@ -199,7 +199,7 @@ def engine_costs(model, threads: int | None, tokens: int, seed: int) -> dict:
         return final, "".join(e.text for e in evs[:-1]) + final.text
 
     run(max_tokens=8)                                                    # warm-up
-    out = {"model": eng.model_name, "n_vocab": eng.n_vocab, "threads": eng.threads, "runs": {}}
+    out = {"model": eng.model_name, "n_vocab": eng.n_vocab, "threads": eng.threads, "device": device, "runs": {}}
     g = grammar.json_schema_grammar(SCHEMAS["tool_call"])
     for overlap in (True, False):
         c = grammar.Constraint(g, eng.tokenizer, eng.n_vocab)
@@ -233,6 +233,12 @@ def main():
     ap.add_argument("--tokens", type=int, default=160)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--skip-libraries", action="store_true", help="only the engine part")
+    ap.add_argument("--device", default="cpu", help="the engine part's device ('cuda' on a GPU)")
+    ap.add_argument("--model", action="append", default=None,
+                    help="the engine part's models (default: the default model and a 152K-vocabulary synthetic)")
+    ap.add_argument("--synthetic-1_7b", action="store_true",
+                    help="also the synthetic 1.7B llama that bench/gpu_throughput.py writes")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "constrained.json"))
     a = ap.parse_args()
     res = {"host": {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version()},
@@ -244,7 +250,7 @@ def main():
                 res["install"][lib]["version"] = metadata.version(lib)
             except metadata.PackageNotFoundError:
                 pass
-    for n in (49152, N_QWEN):
+    for n in (() if a.skip_libraries else (49152, N_QWEN)):
         tk = tokenizer(n)
         res["libraries"][str(n)] = {"llguidance": walk_llguidance(tk, a.walks, a.seed),
                                     "xgrammar": walk_xgrammar(tk, a.walks, a.seed)}
@@ -258,9 +264,16 @@ def main():
                       f"{m['mean_us']:7.1f} us  p50 {m['p50_us']:7.1f}  p99 {m['p99_us']:8.1f}  max {m['max_us']:8.1f}")
     if not a.skip_engine:
         with tempfile.TemporaryDirectory() as d:
-            for key, model in (("49152", "default"), (str(N_QWEN), None)):
+            models = [(m, m) for m in a.model] if a.model else [("49152", "default"), (str(N_QWEN), None)]
+            if a.synthetic_1_7b:
+                from bench.gpu_throughput import make_synthetic_llama
+                from strata.default_model import default_model_path
+                p17 = str(Path(d) / "llama_1_7b.gguf")
+                make_synthetic_llama(p17, str(default_model_path()))
+                models.append(("llama_1_7b", p17))
+            for key, model in models:
                 path = model or qwen_vocab_model(Path(d))
-                e = engine_costs(path, a.threads, a.tokens, a.seed)
+                e = engine_costs(path, a.threads, a.tokens, a.seed, a.device)
                 res["engine"][key] = e
                 for arm, r in e["runs"].items():
                     print(f"engine {e['model']:<28} vocab {e['n_vocab']:>6} {arm:<10} {r['tokens']:4d} tokens "

@@ -81,6 +81,23 @@ def test_mask_on_the_logits(tok):
     assert np.array_equal(np.isneginf(same), np.isneginf(out)) and np.array_equal(same[ok], out[ok])
 
 
+def test_mask_on_device_logits_equals_the_host_path(tok):
+    """On a GPU the mask is applied to CuPy logits where they are (Constraint.apply's device path): the same
+    logits as the numpy path, on the device. Skips without CuPy and a GPU."""
+    cp = pytest.importorskip("cupy")
+    try:
+        cp.cuda.runtime.getDeviceCount()
+    except Exception as e:  # noqa: BLE001 -- no driver / no device
+        pytest.skip(f"no GPU: {e}")
+    c = grammar.Constraint(grammar.json_schema_grammar({"type": "object", "properties": {"a": {"type": "integer"}},
+                                                        "required": ["a"]}), tok)
+    logits = np.random.default_rng(1).standard_normal(tok.n_vocab).astype(np.float32)
+    host = c.start(overlap=False).apply(logits)
+    dev = c.start(overlap=False).apply(cp.asarray(logits))
+    assert isinstance(dev, cp.ndarray)
+    assert np.array_equal(cp.asnumpy(dev), host)
+
+
 def test_overlapped_masks_equal_synchronous_ones(tok):
     c = grammar.Constraint(grammar.json_schema_grammar(SCHEMAS[0]), tok)
     first = None

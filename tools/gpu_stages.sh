@@ -11,7 +11,9 @@
 #   run), bench/engine_ab.py before / after / after with two stages on cuda:0.
 # Stage D (same machine): bench/park_session.py (2K/16K/64K, the default model and the 1.5B hybrid) and
 #   bench/stage_link.py (main and worker as two processes on cuda:0), and the GPU remote-stage test.
-stage=${1:?A, B, C or D}
+# Stage E (carry .dev/B): the grammar tests (the token mask on device logits), bench/constrained.py on the default
+#   model and the synthetic 1.7B llama, and park_session's 16K / 64K rows again.
+stage=${1:?A, B, C, D or E}
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/parts
 if [ "$stage" = A ]; then
@@ -73,6 +75,14 @@ if [ "$stage" = D ]; then     # issue 21 / 22: parking and session files, the st
   timeout 240 python3 bench/stage_link.py --device cuda --prompt 2048 --decode 128 --rounds 3 \
     --out "$OUT/stage_link_cuda.json" 2>&1 | grep -vE "it/s|^\s*$" | tail -12
   t 240 tests/test_cuda_stages.py -k remote | tee "$OUT/t_remote.log"
+  exit 0
+fi
+if [ "$stage" = E ]; then     # issue 24 (constrained output on the device) and 21 (session files, checksum beside I/O)
+  t 200 tests/test_grammar.py | tee "$OUT/t_grammar.log"
+  timeout 300 python3 bench/constrained.py --device cuda --skip-libraries --model default --synthetic-1_7b \
+    --out "$OUT/constrained_cuda.json" 2>&1 | grep -vE "it/s|^\s*$" | tail -8
+  timeout 200 python3 bench/park_session.py --device cuda --tokens 16384,65536 --synthetic-hybrid '' \
+    --out "$OUT/park_session_cuda_crc.json" 2>&1 | grep -vE "it/s|^\s*$" | tail -4
   exit 0
 fi
 if [ "$stage" = C ]; then
