@@ -188,11 +188,15 @@ def engine_costs(model, threads: int | None, tokens: int, seed: int, device: str
     from strata.engine import Engine, GenerationRequest
     from strata.sampling import SamplingParams
     eng = Engine(model, n_ctx=2048, threads=threads, prompt_cache=0, device=device)
-    r = eng.render_chat([{"role": "user", "content": "Write a file with a short poem, as a JSON tool call."}])
+    ask = "Write a file with a short poem, as a JSON tool call."
+    try:
+        prompt = list(eng.render_chat([{"role": "user", "content": ask}]).tokens)
+    except ValueError:                     # a synthetic model without a chat template: the raw text
+        prompt = eng.tokenize_prompt(ask + "\n")
     sp = SamplingParams(temperature=1.0, seed=seed)
 
     def run(constraint=None, max_tokens=tokens, ignore_eos=False):
-        req = GenerationRequest(prompt_tokens=r.tokens, cut_points=[], sampling=sp, max_tokens=max_tokens,
+        req = GenerationRequest(prompt_tokens=prompt, cut_points=[], sampling=sp, max_tokens=max_tokens,
                                 constraint=constraint, ignore_eos=ignore_eos, cache_prompt=False)
         evs = list(eng.generate(req))
         final = evs[-1]
