@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import os
 import signal
 import sys
@@ -40,18 +39,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-format", default="auto", choices=("auto", "json", "console"))
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
 def run(args) -> int:
     """Start the worker; returns the exit status (2 usage, 1 start-up failure, 0 clean stop)."""
     import link
+    from strata.serve.cli import is_loopback
     from strata.stages.remote import parse_address
     if args.gen_key:
         try:
@@ -85,7 +76,7 @@ def run(args) -> int:
         except link.LinkError as e:
             print(f"strata worker: error: {e}", file=sys.stderr)
             return 2
-    elif not _is_loopback(host) and not args.insecure_listen:
+    elif not is_loopback(host) and not args.insecure_listen:
         print(f"strata worker: error: listening on {host} (not a loopback address) needs --link-key-file "
               "(strata worker --gen-key FILE writes one), or --insecure-listen", file=sys.stderr)
         return 2

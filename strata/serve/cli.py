@@ -68,7 +68,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """Whether `host` is 'localhost' or a loopback address (IPv4 or IPv6, brackets allowed)."""
     if host == "localhost":
         return True
     try:
@@ -88,7 +89,7 @@ def check_args(args) -> str | None:
         args.port = DEFAULT_PORT if args.port is None else args.port
         if args.port > 65535:
             return f"--port must be <= 65535, got {args.port}"
-        if not _is_loopback(args.host) and not args.api_key:
+        if not is_loopback(args.host) and not args.api_key:
             return (f"listening on {args.host} (not a loopback address) requires --api-key "
                     "(or STRATA_API_KEY in the environment)")
     if args.no_socket and args.port is None:
