@@ -358,6 +358,29 @@ def test_worker_refuses_a_second_main_another_model_and_too_many_parts(workers, 
                              act_dtype="f32", n_ctx=512, max_batch=64, ckpt_max=65, next_hops=[], nonce=b"", mac=b""))
 
 
+def test_an_idle_chain_stays_up_and_a_silent_connection_locks_no_main_out(workers):
+    """The last worker of a chain drops a link that stays silent past --idle-timeout; the relay keeps it alive while
+    its main pings, so the first request after an idle spell still works. A connection that sends nothing does not
+    take the worker."""
+    b = workers("--idle-timeout", "2")
+    a = workers("--idle-timeout", "2")
+    e = Engine("default", n_ctx=N_CTX, remote_stage=f"{a.address},{b.address}", layer_split="10,20")
+    try:
+        r = e.render_chat([{"role": "user", "content": "Hi"}])
+        first = run(e, r, 4)[0]
+        time.sleep(5)                                   # longer than the idle timeout on both workers
+        assert run(e, r, 4)[0] == first and e.unavailable() is None
+    finally:
+        e.close()
+    c = workers()
+    lurker = socket.create_connection(("127.0.0.1", c.port), timeout=10)   # connects, says nothing
+    try:
+        e = Engine("default", n_ctx=N_CTX, remote_stage=c.address, layer_split="10")
+        e.close()
+    finally:
+        lurker.close()
+
+
 def test_raw_client_against_a_worker_bad_frames_are_refused(workers):
     """A frame with a broken checksum gets an Error naming it, and the worker stays up for the next main."""
     w = workers()

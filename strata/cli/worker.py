@@ -29,6 +29,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="'cpu' (default) or 'cuda[:N]'")
     p.add_argument("--kv", default="f16", choices=("f16", "q8_0"), help="KV cache type on CUDA")
     p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--max-ctx", type=int, default=None, metavar="N",
+                   help="the largest context a main may ask this worker for (default: the model's training context)")
+    p.add_argument("--idle-timeout", type=float, default=15.0, metavar="S",
+                   help="drop a main's link after S seconds without a frame (default 15; mains ping idle links every "
+                        "second)")
     p.add_argument("--link-key-file", default=None, metavar="FILE",
                    help="the shared link key (at least 32 bytes, mode 0600): mains must prove they hold it")
     p.add_argument("--insecure-listen", action="store_true",
@@ -95,7 +100,7 @@ def run(args) -> int:
     if key is None:
         log.warning("no link key: any process that reaches this address can drive the worker", listen=args.listen)
     cfg = WorkerConfig(host=host, port=port, model=args.model, device=args.device, kv=args.kv, key=key,
-                       commit_delay_s=commit_delay_from_env())
+                       max_ctx=args.max_ctx, idle_timeout=args.idle_timeout, commit_delay_s=commit_delay_from_env())
     try:
         worker = Worker(cfg)
     except (ModelLoadError, ValueError, OSError) as e:
@@ -116,6 +121,7 @@ def run(args) -> int:
         sd_notify(f"READY=1\nSTATUS=listening on {host}:{worker.port}")
         await stop.wait()
         sd_notify("STOPPING=1")
+        await worker.bye("the worker is shutting down")
         worker.server.close()
         await worker.server.wait_closed()
         return 0

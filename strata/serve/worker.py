@@ -204,6 +204,10 @@ class EngineWorker:
                     last = now
                 self._post(job, ev)
         except BaseException as e:  # noqa: BLE001 - the engine must stay up for the next request
-            log.error("generation failed", error=f"{type(e).__name__}: {e}", exc_info=not isinstance(e, ValueError))
+            if getattr(e, "http_status", None) == 503:     # a stage link down: expected, said in one line
+                log.warning("generation failed: a remote stage is unavailable", error=str(e))
+            else:
+                log.error("generation failed", error=f"{type(e).__name__}: {e}",
+                          exc_info=not isinstance(e, ValueError))
             self.metrics.finished.labels(finish_reason="error").inc()
             self._post(job, EngineError(e))

@@ -64,7 +64,7 @@ def parse_address(addr: str) -> tuple[str, int]:
     s = str(addr).strip()
     host, sep, port = s.rpartition(":")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or "/" in host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"{addr!r} is not HOST:PORT (a port in 1..65535)")
     return host, int(port)
 
@@ -99,7 +99,7 @@ class LinkClient:
         self.max_payload = link.DEFAULT_MAX_PAYLOAD
         self._rid = itertools.count(2)            # the Hello is request 1
         self._posted: dict[int, Any] = {}       # rid -> None (awaited) or its reply
-        self._heard = time.monotonic()
+        self.heard = time.monotonic()
         self.sent_bytes = self.received_bytes = 0
         self.ack: HelloAck | None = None
 
@@ -121,6 +121,8 @@ class LinkClient:
                 raise WorkerRefused(f"{who} opened with {type(ch).__name__}, not a Challenge")
             if ch.keyed and self.key is None:
                 raise WorkerRefused(f"{who} requires the link key: give --link-key-file")
+            if self.key is not None and not ch.keyed:
+                raise WorkerRefused(f"{who} has no link key while this side has one: start it with --link-key-file")
             hello.nonce, hello.mac = secrets.token_bytes(32), b""
             if self.key is not None:
                 hello.mac = link.hello_mac(self.key, ch.nonce, hello)
@@ -152,7 +154,7 @@ class LinkClient:
             raise WorkerRefused(f"{who} closed the link at the hello ({e.strerror or e or type(e).__name__})") \
                 from None
         sock.settimeout(self.silent_after)      # inside a frame: silence past this is a failure
-        self.sock, self.ack, self._heard = sock, ack, time.monotonic()
+        self.sock, self.ack, self.heard = sock, ack, time.monotonic()
         return ack
 
     def close(self) -> None:
@@ -215,7 +217,7 @@ class LinkClient:
                 raise LinkDown(f"worker {self.address}: the link is down")
             ready, _, _ = select.select([self.sock], [], [], PING_EVERY)
             if not ready:
-                quiet = time.monotonic() - self._heard
+                quiet = time.monotonic() - self.heard
                 if quiet > self.silent_after:
                     self._down(f"sent nothing for {quiet:.1f} s")
                 try:
@@ -231,7 +233,7 @@ class LinkClient:
                 self._down(f"sent a bad frame: {e}")
             except OSError as e:        # ConnectionError: it closed the link
                 self._down(f"closed the link ({e.strerror or e or type(e).__name__})")
-            self._heard = time.monotonic()
+            self.heard = time.monotonic()
             self.received_bytes += link.HEADER_SIZE + hdr.payload_len + link.TRAILER_SIZE
             if hdr.request_id == rid:
                 self._posted.pop(rid, None)
@@ -364,7 +366,7 @@ class RemoteStage:
                 continue                          # the engine is using the link: its own waits ping
             try:
                 if self.client is not None and self.client.unsettled == 0 and \
-                        time.monotonic() - self.client._heard > PING_EVERY:
+                        time.monotonic() - self.client.heard > PING_EVERY:
                     self.rtt_s = self.client.ping()
             except (LinkDown, WorkerError) as e:
                 self._mark_down(str(e))

@@ -28,6 +28,7 @@ log = structlog.get_logger("strata.worker")
 CKPT_MAX = 64               # checkpoint parts a worker keeps at most (seed #1887)
 HELLO_TIMEOUT = 10.0        # seconds a connected main has to send its Hello
 IDLE_TIMEOUT = 15.0         # seconds without a frame from the main (it pings an idle link every second)
+MAX_BATCH = 8192            # tokens a Forward may carry at most (bounds the frames a main can make the worker read)
 INLINE_TOKENS = 8           # Forwards of at most this many tokens run on the event loop itself (a thread hand-off
                             # costs more than such a step); longer ones on the compute thread, Pings answered meanwhile
 
@@ -49,6 +50,8 @@ class WorkerConfig:
     kv: str = "f16"
     key: bytes | None = None
     name: str = field(default_factory=socket.gethostname)
+    max_ctx: int | None = None       # the largest n_ctx a main may ask for (None: the model's training context)
+    idle_timeout: float = IDLE_TIMEOUT  # seconds without a frame before a main's link is dropped
     commit_delay_s: float = 0.0      # test hook (STRATA_TEST_COMMIT_DELAY_MS): Commits applied late, in the background
 
 
@@ -84,7 +87,7 @@ class Carrier:
             raise Refuse(ErrorCode.LIMIT, str(e)) from None
         except (PartMismatch, ValueError) as e:
             raise Refuse(ErrorCode.DESYNC, str(e)) from None
-        raise Refuse(ErrorCode.BAD_FRAME, f"a {type(msg).__name__} is not a request a worker serves")
+        raise Refuse(ErrorCode.BAD_FRAME, f"a {type(msg).__name__} is not a request a worker serves", fatal=True)
 
     def _at(self, pos: int, what: str) -> None:
         if pos != self.seq.pos:
@@ -98,7 +101,7 @@ class Carrier:
                                           f"(max_batch {self.max_batch}, n_ctx {self.n_ctx})")
         if tuple(m.hidden.shape) != (n, self.n_embd):
             raise Refuse(ErrorCode.BAD_FRAME, f"hidden states {tuple(m.hidden.shape)} for {n} tokens of width "
-                                              f"{self.n_embd}")
+                                              f"{self.n_embd}", fatal=True)
         t0 = time.perf_counter()
         x = self.seq.forward(m.tokens, x_in=np.asarray(m.hidden, dtype=np.float32))
         be = self.stages[-1].backend
@@ -156,6 +159,17 @@ class Carrier:
             self.next.call(Commit(pos=m.pos))
         return self._ack()
 
+    def ping_next(self) -> bool:
+        """Ping the next worker when its link has been quiet for a second -> False when it is gone."""
+        if self.next is None or time.monotonic() - self.next.heard < 1.0:
+            return True
+        try:
+            self.next.ping()
+        except (LinkDown, WorkerError) as e:
+            log.warning("the next worker is gone", error=str(e))
+            return False
+        return True
+
     def close(self) -> None:
         """Disconnect: the store is cleared, the sequence's pages given back, the next worker's link closed."""
         self.store.clear()
@@ -181,10 +195,12 @@ class Worker:
         from strata.models.base import model_class
         self.n_blocks = n_main_blocks(self.file, model_class(self.file.arch))
         self.backend = make_backend(cfg.device, cfg.kv)
+        self.max_ctx = int(cfg.max_ctx or getattr(self.file.config, "n_ctx_train", 0) or 131072)
         self._stages: tuple[tuple[int, int, int], list] | None = None
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="strata-worker")
         self.busy = False
         self.carrier: Carrier | None = None       # the connected main's
+        self.writer = None                          # and its connection (for a Bye at shutdown)
         self.server: asyncio.base_events.Server | None = None
         self.connections = 0
 
@@ -204,8 +220,12 @@ class Worker:
                                           f"{self.n_blocks} blocks (the main keeps block 0's embeddings)", fatal=True)
         if h.act_dtype != "f32":
             raise Refuse(ErrorCode.MODEL, f"activations in {h.act_dtype!r}: this worker takes f32", fatal=True)
-        if not 1 <= h.max_batch <= h.n_ctx:
-            raise Refuse(ErrorCode.LIMIT, f"max_batch {h.max_batch} outside [1, n_ctx {h.n_ctx}]", fatal=True)
+        if not 1 <= h.n_ctx <= self.max_ctx:
+            raise Refuse(ErrorCode.LIMIT, f"n_ctx {h.n_ctx} outside [1, {self.max_ctx}] (this worker's --max-ctx)",
+                         fatal=True)
+        if not 1 <= h.max_batch <= min(h.n_ctx, MAX_BATCH):
+            raise Refuse(ErrorCode.LIMIT, f"max_batch {h.max_batch} outside [1, {min(h.n_ctx, MAX_BATCH)}]",
+                         fatal=True)
         if h.ckpt_max > CKPT_MAX:
             raise Refuse(ErrorCode.LIMIT, f"the main asks for {h.ckpt_max} checkpoint parts; a worker keeps at "
                                           f"most {CKPT_MAX}", fatal=True)
@@ -287,19 +307,14 @@ class Worker:
         return int(self.server.sockets[0].getsockname()[1])
 
     async def _on_main(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One connection: the Challenge, an authenticated Hello (only then is the worker taken: a connection that
+        says nothing or holds no key cannot lock a main out), the carve set up, then _serve until it closes."""
         peer = writer.get_extra_info("peername")
         who = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         sock = writer.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if self.busy:
-            log.warning("refusing a second main", peer=who)
-            await self._send(writer, Error(code=ErrorCode.BUSY, message="another main is connected to this worker"), 0)
-            writer.close()
-            return
-        self.busy = True
-        self.connections += 1
-        carrier = None
+        carrier, taken = None, False
         loop = asyncio.get_running_loop()
         try:
             nonce = link.new_nonce()
@@ -308,41 +323,62 @@ class Worker:
                 hdr, hello = await asyncio.wait_for(link.read_frame(reader, HANDSHAKE_MAX), HELLO_TIMEOUT)
             except LinkError as e:
                 await self._send(writer, Error(code=e.code if isinstance(e.code, int) else ErrorCode.BAD_FRAME,
-                                               message=str(e)), 0)
+                                               message=str(e)), 1)
                 log.warning("refused a main at the hello", peer=who, error=str(e))
                 return
+            rid = hdr.request_id
             if not isinstance(hello, Hello):
                 await self._send(writer, Error(code=ErrorCode.BAD_FRAME,
-                                               message=f"expected a Hello, got {type(hello).__name__}"), 0)
+                                               message=f"expected a Hello, got {type(hello).__name__}"), rid)
                 return
             if self.cfg.key is not None and not link.verify(link.hello_mac(self.cfg.key, nonce, hello), hello.mac):
-                await self._send(writer, Error(code=ErrorCode.AUTH, message="the link key does not match "
-                                                                            "(--link-key-file)"), 0)
-                log.warning("refused a main without the link key", peer=who)
+                why = "the main sent no link key" if not hello.mac else "the main's link key does not match this one"
+                await self._send(writer, Error(code=ErrorCode.AUTH, message=f"{why} (--link-key-file)"), rid)
+                log.warning("refused a main: link key", peer=who, error=why)
                 return
+            if self.busy:
+                log.warning("refusing a second main", peer=who)
+                await self._send(writer, Error(code=ErrorCode.BUSY, message="another main is connected to this "
+                                                                            "worker"), rid)
+                return
+            self.busy, taken = True, True
+            self.connections += 1
             try:
                 carrier, ack = await loop.run_in_executor(self.pool, self.setup, hello)
             except Refuse as e:
-                await self._send(writer, Error(code=e.code, message=str(e)), 0)
+                await self._send(writer, Error(code=e.code, message=str(e)), rid)
                 log.warning("refused a main at the hello", peer=who, error=str(e))
                 return
             if self.cfg.key is not None:
                 ack.mac = link.ack_mac(self.cfg.key, hello.nonce, ack)
-            self.carrier = carrier
-            await self._send(writer, ack, hdr.request_id)
+            self.carrier, self.writer = carrier, writer
+            await self._send(writer, ack, rid)
             log.info("main connected", peer=who, layers=f"[{hello.lo}, {hello.hi})", ckpt_max=ack.ckpt_max,
                      relay=len(hello.next_hops))
             await self._serve(reader, writer, carrier, max(1 << 20, int(hello.max_batch) * (int(hello.n_embd) * 4 + 8)
                                                          + 4096), who)
-        except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError, OSError) as e:
+        except asyncio.TimeoutError:
+            log.info("main gone", peer=who, error=f"no frame for {self.cfg.idle_timeout:g} s (or no Hello in "
+                                                 f"{HELLO_TIMEOUT:g} s)")
+        except (ConnectionError, asyncio.IncompleteReadError, OSError) as e:
             log.info("main gone", peer=who, error=str(e) or type(e).__name__)
         finally:
             if carrier is not None:
-                self.carrier = None
+                self.carrier = self.writer = None
                 await loop.run_in_executor(self.pool, carrier.close)
-            self.busy = False
+            if taken:
+                self.busy = False
+                log.info("main disconnected: checkpoint store cleared", peer=who)
             writer.close()
-            log.info("main disconnected: checkpoint store cleared", peer=who)
+
+    async def bye(self, reason: str) -> None:
+        """Tell the connected main this worker is going away (SIGTERM), before the server closes."""
+        w = self.writer
+        if w is not None:
+            try:
+                await self._send(w, Bye(reason=reason), 0)
+            except (ConnectionError, OSError):
+                pass
 
     async def _serve(self, reader, writer, carrier: Carrier, max_payload: int, who: str) -> None:
         """Read the main's frames: Pings answered at once (also while a request computes), requests run one after
@@ -350,10 +386,11 @@ class Worker:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         late: set[asyncio.Task] = set()
+        pinging: set[asyncio.Task] = set()
 
         async def run(hdr, msg) -> bool:
             try:
-                if isinstance(msg, Forward) and msg.tokens.shape[0] <= INLINE_TOKENS:
+                if isinstance(msg, Forward) and msg.tokens.shape[0] <= INLINE_TOKENS and carrier.next is None:
                     reply = carrier.handle(msg)       # a decode step: on the loop, no thread hand-off
                 else:
                     reply = await loop.run_in_executor(self.pool, carrier.handle, msg)
@@ -368,6 +405,15 @@ class Worker:
                 return True
             await self._send(writer, reply, hdr.request_id)
             return True
+
+        async def keep_next() -> None:
+            """A relay's idle next hop hears from it as its main's pings reach the relay (on the compute thread,
+            the next link's one user); a next hop gone closes this link, so the main reconnects and re-links."""
+            try:
+                if not await loop.run_in_executor(self.pool, carrier.ping_next):
+                    writer.close()
+            finally:
+                pinging.clear()
 
         async def late_commit(hdr, msg) -> None:
             await asyncio.sleep(self.cfg.commit_delay_s)
@@ -388,7 +434,8 @@ class Worker:
         worker_task = asyncio.ensure_future(compute())
         try:
             while not worker_task.done():
-                read = asyncio.ensure_future(asyncio.wait_for(link.read_frame(reader, max_payload), IDLE_TIMEOUT))
+                read = asyncio.ensure_future(asyncio.wait_for(link.read_frame(reader, max_payload),
+                                                              self.cfg.idle_timeout))
                 done, _ = await asyncio.wait({read, worker_task}, return_when=asyncio.FIRST_COMPLETED)
                 if read not in done:
                     read.cancel()
@@ -401,6 +448,8 @@ class Worker:
                     return
                 if isinstance(msg, Ping):
                     await self._send(writer, Pong(nonce=msg.nonce), hdr.request_id)
+                    if carrier.next is not None and queue.empty() and not pinging:
+                        pinging.add(asyncio.ensure_future(keep_next()))
                 elif isinstance(msg, Pong):
                     continue
                 elif isinstance(msg, Bye):
