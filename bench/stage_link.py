@@ -74,7 +74,8 @@ def measure(engine, prompt_len: int, new_len: int, decode: int, rounds: int) -> 
 
 def run_arm(args) -> dict:
     from strata.engine.engine import Engine
-    kw = dict(n_ctx=args.n_ctx, device=args.device, prompt_cache=args.prompt_cache, conversation_cache_mib=0)
+    kw = dict(n_ctx=args.n_ctx, device=args.device, prompt_cache=args.prompt_cache, conversation_cache_mib=0,
+              threads=args.threads)
     if args.arm == "one":
         e = Engine(args.model, **kw)
     elif args.arm == "split":
@@ -92,6 +93,8 @@ def run_arm(args) -> dict:
 def start_worker(args, listen: str, wrap=None, env=None):
     cmd = [sys.executable, "-m", "strata.cli.main", "worker", "--listen", listen, "--model", args.model,
            "--device", args.worker_device or args.device, "--log-level", "warning"]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
     if args.link_key_file:
         cmd += ["--link-key-file", args.link_key_file]
     cmd = wrap(cmd) if wrap else cmd
@@ -110,6 +113,7 @@ def main() -> int:
     ap.add_argument("--model", default="default")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--worker-device", default=None)
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads of the main and of the worker each")
     ap.add_argument("--n-ctx", type=int, default=None, help="default: what the runs need")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new", type=int, default=32, help="new tokens of the resumed turn")
@@ -163,7 +167,8 @@ def main() -> int:
                                       str(key), "--model", args.model, "--device", args.device, "--n-ctx",
                                       str(args.n_ctx), "--prompt", str(args.prompt), "--new", str(args.new),
                                       "--decode", str(args.decode), "--rounds", str(args.rounds), "--split",
-                                      str(args.split), "--prompt-cache", str(args.prompt_cache)])
+                                      str(args.split), "--prompt-cache", str(args.prompt_cache)]
+                               + (["--threads", str(args.threads)] if args.threads else []))
                 out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=True)
                 rows["link_netns"] = json.loads(out.stdout.strip().splitlines()[-1])
                 rows["link_netns"]["netem_rtt_ms"] = 0.0 if hosts.netem_error else args.delay_ms
