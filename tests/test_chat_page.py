@@ -26,6 +26,7 @@ try:
     from selenium.common.exceptions import NoAlertPresentException, StaleElementReferenceException, WebDriverException
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support.ui import WebDriverWait
     SELENIUM = True
 except ImportError:
@@ -391,22 +392,37 @@ def test_xss_attempts_stay_inert(driver, daemon):
 
 
 @browser_only
+def test_server_error_is_shown_as_text(driver, daemon):
+    open_page(driver, daemon, settings={"max_tokens": 10 ** 9})    # past the model's training context: a 400
+    a = send(driver, "Hi")
+    err = a.find_element(By.CSS_SELECTOR, ".error")
+    assert "max_tokens" in err.text and err.find_elements(By.CSS_SELECTOR, "*") == []
+    assert meta(a)["finish"] == "" and a.find_element(By.CSS_SELECTOR, ".body").text == ""
+    msgs = stored(driver)["conversations"][0]["messages"]
+    assert msgs[-1]["role"] == "assistant" and msgs[-1]["content"] == "" and "max_tokens" in msgs[-1]["error"]
+
+
+@browser_only
 def test_api_key_prompt(driver, keyed):
     driver.get(f"http://127.0.0.1:{keyed.port}/")
     driver.execute_script("localStorage.clear(); localStorage.setItem('strata.settings.v1', "
                           "JSON.stringify({max_tokens: 6, temperature: 0}))")
     driver.refresh()
     dialog = driver.find_element(By.ID, "key-dialog")
+    model = driver.find_element(By.ID, "model")
     wait(driver, lambda x: dialog.get_attribute("open") is not None, 60)
-    assert driver.find_element(By.ID, "model").text == ""
     assert driver.find_element(By.ID, "key-error").text == ""             # no key yet: asked, not refused
+    driver.find_element(By.ID, "key-input").send_keys(Keys.ESCAPE)         # dismissed: the page says so
+    wait(driver, lambda x: model.text == "(no API key)", 60)
+    assert dialog.get_attribute("open") is None
+    driver.find_element(By.CSS_SELECTOR, "#settings summary").click()
+    driver.find_element(By.ID, "change-key").click()
     driver.find_element(By.ID, "key-input").send_keys("wrong-key\n")
     wait(driver, lambda x: "refused" in x.find_element(By.ID, "key-error").text, 60)
     assert dialog.get_attribute("open") is not None
     driver.find_element(By.ID, "key-input").send_keys(KEY + "\n")
-    wait_ready(driver)
+    wait(driver, lambda x: model.text == "SmolLM2-135M-Instruct.Q4_1", 60)
     assert dialog.get_attribute("open") is None
-    assert driver.find_element(By.ID, "model").text == "SmolLM2-135M-Instruct.Q4_1"
     assert driver.execute_script("return localStorage.getItem('strata.apiKey')") == KEY
     assert meta(send(driver, "Hi"))["finish"]
     # a key that stops working (the daemon restarted with another) is asked for again, then the answer comes

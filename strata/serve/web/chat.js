@@ -123,6 +123,7 @@ function renderAll() {
 }
 
 // ---------------------------------------------------------------------------------------------- the API key
+// Ask for the key; resolves true once one is saved, false if the dialog is dismissed (Escape) without one.
 function askKey(why) {
   $("key-error").textContent = why;
   $("key-input").value = "";
@@ -132,15 +133,19 @@ function askKey(why) {
   return new Promise(resolve => keyWaiters.push(resolve));
 }
 
+function keyGiven(ok) {
+  const waiters = keyWaiters;
+  keyWaiters = [];
+  waiters.forEach(resolve => resolve(ok));
+}
+
 function saveKey(e) {
   e.preventDefault();
   const key = $("key-input").value.trim();
   if (!key) return;
   store.setKey(key);
+  keyGiven(true);
   $("key-dialog").close();
-  const waiters = keyWaiters;
-  keyWaiters = [];
-  waiters.forEach(resolve => resolve());
 }
 
 function authMessage() {
@@ -158,7 +163,10 @@ async function loadModel() {
         $("model").textContent = `(${e.message})`;
         return;
       }
-      await askKey(authMessage());
+      if (!await askKey(authMessage())) {
+        $("model").textContent = "(no API key)";
+        return;
+      }
     }
   }
 }
@@ -233,8 +241,9 @@ async function answer(conv) {
   if (retry) {
     view.remove();
     renderButtons();
-    await askKey(authMessage());
-    return answer(conv);
+    if (await askKey(authMessage())) return answer(conv);
+    msg.error = "The server asks for an API key (Settings: API key…), then Regenerate.";
+    if (shown()) $("messages").append(view);
   }
   conv.messages.push(msg);
   store.saveState(state);
@@ -314,7 +323,7 @@ function bindSettings() {
     store.saveSettings(settings);
   };
   for (const input of [sys, max, temp]) input.addEventListener("change", save);
-  $("change-key").addEventListener("click", () => askKey(""));
+  $("change-key").addEventListener("click", () => askKey("").then(ok => ok && loadModel()));
 }
 
 function init() {
@@ -328,6 +337,7 @@ function init() {
   $("regenerate").addEventListener("click", regenerate);
   $("new-chat").addEventListener("click", newChat);
   $("key-form").addEventListener("submit", saveKey);
+  $("key-dialog").addEventListener("close", () => keyGiven(false));   // dismissed: the requests waiting give up
   renderAll();
   loadModel().then(() => {
     document.body.dataset.ready = "1";
