@@ -10,6 +10,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "nat
 from build_cuda import build_cuda_kernels  # noqa: E402
 
 
+WEB_PACKAGES = ["strata.serve.web", "strata.serve.web.vendor"]
+
+
 class BuildPyWithCuda(build_py):
     """Compile native/cuda/*.cu into strata/_cuda_kernels.so (and its header _cuda_kernels.h) when nvcc is present
     (skipped otherwise).
@@ -31,9 +34,11 @@ setup(
     version="0.1.0",
     description="An inference daemon for LLMs with conversation checkpoints of hybrid models' running state",
     python_requires=">=3.11",
-    packages=find_packages(include=["strata", "strata.*", "link", "link.*"]),
+    # strata/serve/web/ holds the chat page's files (no Python): listed as data packages, as setuptools asks
+    packages=find_packages(include=["strata", "strata.*", "link", "link.*"]) + WEB_PACKAGES,
     include_package_data=True,
-    package_data={"strata": ["_cuda_kernels.so", "_cuda_kernels.h"]},
+    package_data={"strata": ["_cuda_kernels.so", "_cuda_kernels.h"],
+                  **{p: ["*.html", "*.js", "*.css", "*.svg", "*.txt", "*.md"] for p in WEB_PACKAGES}},
     cmdclass={"build_py": BuildPyWithCuda},
     setup_requires=["cffi>=1.16"],
     cffi_modules=["native/build_cpu.py:ffibuilder"],
@@ -62,6 +67,7 @@ setup(
             "accelerate>=0.30",
             "sentencepiece",
             "protobuf",
+            "selenium>=4.20",
         ],
         "bench": ["llama-cpp-python>=0.3", "matplotlib>=3.7"],
         "gpu": ["cupy-cuda13x"],

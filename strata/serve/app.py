@@ -2,7 +2,8 @@
 
 Routes: POST /v1/chat/completions, POST /v1/completions (JSON or SSE), GET /v1/models[/{id}], GET /health,
 GET /metrics, GET /slots, POST /slots/{id}?action=save|restore|erase, GET /status, GET /cache; llama-server's
-/tokenize, /detokenize, /apply-template, /props come from strata/serve/llama_api.py.
+/tokenize, /detokenize, /apply-template, /props come from strata/serve/llama_api.py; the web chat page (GET /, /web/...)
+from strata/serve/chat_page.py.
 Every error is an OpenAI error object ({"error": {"message", "type", "param", "code"}}).
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ from aiohttp import web
 
 from strata import __version__
 from strata.engine.types import ContextOverflow, merge_choices
-from strata.serve import schema, structured
+from strata.serve import chat_page, schema, structured
 from strata.serve.errors import ApiError, error_body
 from strata.serve.metrics import CONTENT_TYPE, Metrics
 from strata.serve.worker import EngineError, EngineWorker, Job, QueueFull, ShuttingDown
@@ -114,7 +115,8 @@ async def middleware(request: web.Request, handler):
     t0 = time.perf_counter()
     status = 500
     try:
-        if cfg.api_key and request.path != "/health" and not _is_unix(request):
+        if cfg.api_key and request.path != "/health" and not chat_page.is_public(request.path) \
+                and not _is_unix(request):
             got = request.headers.get("Authorization", "")
             token = got[7:] if got[:7].lower() == "bearer " else ""
             if not hmac.compare_digest(token.encode(), cfg.api_key.encode()):
@@ -691,4 +693,5 @@ def make_app(cfg: ServeConfig, worker: EngineWorker, metrics_: Metrics) -> web.A
     r.add_get("/cache", cache)
     from strata.serve import llama_api          # llama-server's /tokenize, /detokenize, /apply-template, /props
     llama_api.add_routes(app)
+    chat_page.add_routes(app)
     return app
