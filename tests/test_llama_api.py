@@ -82,6 +82,20 @@ def test_apply_template(daemon, default_model_path, tokenizer):
     assert st == 200 and r == {"prompt": expect}
     assert r["prompt"].startswith("<|im_start|>system\nBe terse.<|im_end|>") and \
         r["prompt"].endswith("<|im_start|>assistant\n")
+    # without the generation prompt; and with tools, the prompt the chat route reads: the default model's template
+    # knows no tools, so the generic family's system prompt carries them, and /tokenize of it counts the chat
+    # route's prompt_tokens
+    _, r2 = curl(daemon, "/apply-template", {"messages": msgs, "add_generation_prompt": False})
+    assert r2["prompt"] == r["prompt"][:-len("<|im_start|>assistant\n")]
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    plain = [{"role": "user", "content": "Weather in Paris?"}]       # (message text never becomes control tokens)
+    _, r3 = curl(daemon, "/apply-template", {"messages": plain, "tools": tools})
+    assert "get_weather" in r3["prompt"]
+    _, toks = curl(daemon, "/tokenize", {"content": r3["prompt"], "parse_special": True})
+    st, chat = curl(daemon, "/v1/chat/completions", {"messages": plain, "tools": tools, "max_tokens": 1})
+    assert st == 200 and chat["usage"]["prompt_tokens"] == len(toks["tokens"])
 
 
 def test_props(daemon, default_model_path):

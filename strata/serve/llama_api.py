@@ -12,7 +12,7 @@ import functools
 from aiohttp import web
 
 from strata import __version__
-from strata.serve import schema
+from strata.serve import schema, structured
 from strata.serve.app import WORKER_KEY, _engine, _json, _read_body
 from strata.serve.errors import ApiError
 
@@ -130,16 +130,22 @@ async def detokenize(request: web.Request) -> web.Response:
 
 @_llama_errors
 async def apply_template(request: web.Request) -> web.Response:
-    """POST /apply-template {messages, tools?} (as /v1/chat/completions takes them) -> {"prompt": text}: the chat
-    rendered by the model's template with the generation prompt, nothing generated."""
+    """POST /apply-template {messages, tools?, add_generation_prompt?} (as /v1/chat/completions takes them) ->
+    {"prompt": text}: the prompt the chat route would read (tools as it gives them to the model, the generic
+    family's system prompt included), nothing generated."""
     body = await _read_body(request)
     p = schema.parse_chat(body)
     engine = _engine(request)
     if engine.template is None:
         raise _bad(f"{engine.model_name} has no usable chat template ({engine._template_error})")
+    agp = body.get("add_generation_prompt", True)
+    if not isinstance(agp, bool):
+        raise _bad("'add_generation_prompt' must be a boolean")
     try:
+        plan = structured.plan_chat(engine, p)    # the prompt /v1/chat/completions reads: tools as it injects them
         text = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: engine.template.render_text(p.messages, tools=p.tools))
+            None, lambda: engine.template.render_text(plan.messages, add_generation_prompt=agp, tools=plan.tools,
+                                                      **plan.template_kwargs))
     except ValueError as e:
         raise _bad(f"the chat template refused the messages: {e}") from None
     return _json({"prompt": text})
