@@ -271,7 +271,46 @@ def apply_words(xp, logits, words: np.ndarray, n_vocab: int):
     return xp.where(ok, logits.astype(xp.float32, copy=False), xp.float32(-np.inf))
 
 
+_MASK_KERNEL: Any = None       # (ffi, lib) of strata_apply_mask once loaded, False when the library lacks it
+
+
+def _mask_kernel():
+    """(ffi, lib) of strata_apply_mask (native/cuda/sampling.cu), or None (no kernel library, or an older one)."""
+    global _MASK_KERNEL
+    if _MASK_KERNEL is None:
+        try:
+            from strata.backend.cuda import open_kernel_library
+            ffi, lib = open_kernel_library()
+            _ = lib.strata_apply_mask
+            _MASK_KERNEL = (ffi, lib)
+        except Exception:  # noqa: BLE001 -- no kernel: apply_words' array operations do the same
+            _MASK_KERNEL = False
+    return _MASK_KERNEL or None
+
+
 def _apply_device(guide: TokenGuide, logits, mask: np.ndarray):
+    """The mask on device logits: the words go up from a pinned buffer on the current stream, then one kernel
+    (strata_apply_mask) writes the masked logits; apply_words' array operations where the kernel is missing."""
     import cupy as cp
     with cp.cuda.Device(logits.device.id):
-        return apply_words(cp, logits, mask, guide.n_vocab)
+        k = _mask_kernel()
+        if k is None:
+            return apply_words(cp, logits, mask, guide.n_vocab)
+        ffi, lib = k
+        words = mask.view(np.uint32)
+        st = guide.__dict__.get("_staging")
+        if st is None or st[0].shape != words.shape or st[1].device.id != logits.device.id:
+            host = np.frombuffer(cp.cuda.alloc_pinned_memory(words.nbytes), np.uint32, words.size)
+            st = guide._staging = (host, cp.empty(words.size, cp.uint32))
+        host, dev = st
+        host[:] = words
+        stream = cp.cuda.get_current_stream()
+        dev.set(host, stream=stream)
+        x = cp.ascontiguousarray(logits, dtype=cp.float32)
+        out = cp.empty(guide.n_vocab, cp.float32)
+        rc = lib.strata_apply_mask(ffi.cast("void *", stream.ptr), ffi.cast("const float *", x.data.ptr),
+                                   ffi.cast("const unsigned int *", dev.data.ptr), int(guide.n_vocab),
+                                   ffi.cast("float *", out.data.ptr))
+        if rc != 0:
+            raise RuntimeError(f"strata_apply_mask failed (CUDA error {rc})")
+        return out

@@ -93,9 +93,15 @@ def test_mask_on_device_logits_equals_the_host_path(tok):
                                                         "required": ["a"]}), tok)
     logits = np.random.default_rng(1).standard_normal(tok.n_vocab).astype(np.float32)
     host = c.start(overlap=False).apply(logits)
-    dev = c.start(overlap=False).apply(cp.asarray(logits))
+    g = c.start(overlap=False)
+    dev = g.apply(cp.asarray(logits))                  # strata_apply_mask where the kernel library has it
     assert isinstance(dev, cp.ndarray)
     assert np.array_equal(cp.asnumpy(dev), host)
+    words = c.start(overlap=False).mask()
+    arr = grammar.apply_words(cp, cp.asarray(logits), words, tok.n_vocab)   # the array-operations fallback
+    assert np.array_equal(cp.asnumpy(arr), host)
+    if grammar._mask_kernel() is not None:
+        assert "_staging" in g.__dict__              # the kernel ran (its pinned staging buffer exists)
 
 
 def test_overlapped_masks_equal_synchronous_ones(tok):

@@ -287,3 +287,19 @@ extern "C" int strata_sample(void *stream, const float *logits, const float *cou
                                                       u, out);
     return (int)cudaGetLastError();
 }
+
+/* The token mask of constrained decoding (strata/grammar.py): out[i] = logits[i] where bit (i & 31) of words[i >> 5]
+ * is set, else -inf; one thread per token. words: the grammar's packed allow-list (n_vocab bits, little-endian
+ * words), copied up from pinned memory on the same stream. out may be logits (in place). */
+namespace {
+__global__ void apply_mask_kernel(const float *logits, const unsigned int *words, int n, float *out) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = ((words[i >> 5] >> (i & 31)) & 1u) ? logits[i] : -INFINITY;
+}
+}  // namespace
+
+extern "C" int strata_apply_mask(void *stream, const float *logits, const unsigned int *words, int n, float *out) {
+    if (n <= 0) return (int)cudaErrorInvalidValue;
+    apply_mask_kernel<<<(n + 255) / 256, 256, 0, (cudaStream_t)stream>>>(logits, words, n, out);
+    return (int)cudaGetLastError();
+}

@@ -285,6 +285,10 @@ int strata_sample(void *stream, const float *logits, const float *counts, int n,
                   float frequency_penalty, float presence_penalty, float temperature, int top_k, double top_p,
                   float min_p, float log_min_p, double u, int *out);
 
+/* Constrained decoding's token mask (sampling.cu): out[i] = logits[i] where bit i of the packed words is set, else
+ * -inf (n tokens; out may be logits). */
+int strata_apply_mask(void *stream, const float *logits, const unsigned int *words, int n, float *out);
+
 /* Persistent decode step of the llama architecture (decode_step.cu): one cooperative launch runs a token at position
  * inp[1] through every layer (attending over inp[2] positions) and the output head: logits f32 (n_vocab), the
  * argmax written to inp[0] and inp[1], inp[2] advanced by one, as LlamaCuda's launch-per-op step. A matrix: GGUF
