@@ -1,7 +1,8 @@
 """Anthropic's Messages API on the chat route's path: POST /v1/messages (JSON or SSE), POST /v1/messages/count_tokens.
 
 A request is translated into a chat request (system and content blocks -> messages, tool_use blocks -> tool_calls,
-tool_result blocks -> tool messages, tools' input_schema -> parameters, tool_choice auto / any / tool / none) and
+tool_result blocks -> tool messages, tools' input_schema -> parameters, tool_choice auto / any / tool / none,
+output_config.format -> response_format) and
 answered by app.generate_chat; the answer's blocks (strata.serve.answer_blocks) become `thinking`, `text` and
 `tool_use` content blocks. Errors, on these routes the middleware's too (a bad key, an unknown method), are
 Anthropic's: {"type": "error", "error": {"type", "message"}}.
@@ -181,6 +182,21 @@ def _tool_choice(tc) -> tuple[str | dict | None, bool | None]:
     return {"any": "required"}.get(kind, kind), parallel
 
 
+def _output_format(oc) -> dict | None:
+    """'output_config': {"format": {"type": "json_schema", "schema"}} (structured outputs, held to the schema) -> the
+    chat route's response_format; 'effort' is accepted and has no effect."""
+    if oc is None:
+        return None
+    if not isinstance(oc, dict):
+        raise _bad("output_config", f"must be an object, got {schema._tname(oc)}")
+    fmt = oc.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise _bad("output_config.format", 'must be {"type": "json_schema", "schema": {...}}')
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"], "strict": True}}
+
+
 def parse(body: dict, *, count_only: bool = False) -> schema.ParsedRequest:
     """Validate a /v1/messages body (max_tokens required, except for count_tokens) and translate it into a chat
     request."""
@@ -200,6 +216,7 @@ def parse(body: dict, *, count_only: bool = False) -> schema.ParsedRequest:
     chat = {"model": body.get("model"), "stream": None if count_only else body.get("stream"),
             "max_tokens": max_tokens, "messages": msgs, "stop": stop or None, "tools": _tools(body.get("tools")),
             "tool_choice": tool_choice, "parallel_tool_calls": parallel,
+            "response_format": _output_format(body.get("output_config")),
             "temperature": body.get("temperature"), "top_p": body.get("top_p")}
     chat.update({k: body[k] for k in schema.EXTENSION_FIELDS if k in body})
     return schema.parse_chat({k: v for k, v in chat.items() if v is not None})
@@ -208,7 +225,8 @@ def parse(body: dict, *, count_only: bool = False) -> schema.ParsedRequest:
 # chat-route field names in errors -> the Messages API's
 _RENAMES = [(re.compile(r"\btools\[(\d+)\]\.function\.parameters"), r"tools[\1].input_schema"),
             (re.compile(r"\btools\[(\d+)\]\.function\."), r"tools[\1]."),
-            (re.compile(r"\bstop\b"), "stop_sequences")]
+            (re.compile(r"\bresponse_format(\.json_schema)?"), "output_config.format"),
+            (re.compile(r"^stop$|(?<=')stop(?=')"), "stop_sequences")]
 
 
 def _renamed(e: ApiError) -> ApiError:
