@@ -139,7 +139,8 @@ def test_output_config_format_holds_the_answer_to_a_schema(client):
                                                "word": {"type": "string", "maxLength": 8}},
               "required": ["n", "word"], "additionalProperties": False}
     m = client.messages.create(model="default", max_tokens=60, messages=[{"role": "user", "content": "A number."}],
-                               output_config={"format": {"type": "json_schema", "schema": schema}}, extra_body=GREEDY)
+                               extra_body={"output_config": {"format": {"type": "json_schema", "schema": schema}},
+                                           **GREEDY})
     assert m.stop_reason == "end_turn"
     jsonschema.validate(json.loads(m.content[0].text), schema)
 
