@@ -285,3 +285,32 @@ def test_reasoning_is_a_thinking_block(thinker):
     assert [i.type for i in r.output] == ["reasoning"] and r.status == "incomplete"
     assert r.output[0].content[0].text == m.content[0].thinking
     assert 0 < r.usage.output_tokens_details.reasoning_tokens <= 12
+
+
+async def test_an_error_mid_stream_ends_it_with_an_error_event():
+    """An ApiError after the stream began (a remote stage lost, say) ends it with Anthropic's error event."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from strata.serve.errors import ApiError
+    from strata.serve.messages_api import _failed
+    from strata.serve.sse import send_events
+
+    async def handler(request):
+        request["rid"] = "r1"
+
+        async def events():
+            yield "message_start", {"type": "message_start", "message": {}}
+            raise ApiError(503, "the worker went away", code="worker_unavailable")
+        return await send_events(request, None, events(), _failed)
+
+    app = web.Application()
+    app.router.add_post("/", handler)
+    async with TestClient(TestServer(app)) as c:
+        r = await c.post("/")
+        text = await r.text()
+    assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+    frames = [f.split("\n") for f in text.split("\n\n") if f]
+    assert [f[0] for f in frames] == ["event: message_start", "event: error"]
+    assert json.loads(frames[1][1][6:]) == {"type": "error", "error": {"type": "overloaded_error",
+                                                                       "message": "the worker went away"}}

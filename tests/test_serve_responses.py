@@ -231,3 +231,39 @@ def test_errors_in_openai_shape(smol):
     assert st == 404 and d["error"]["code"] == "not_found"
     st, d = smol.json("PUT", "/v1/responses")
     assert st == 405 and "error" in d
+
+
+async def test_an_error_mid_stream_ends_it_with_error_and_response_failed():
+    """An ApiError after the stream began ends it with an `error` event and `response.failed` (OpenAI's sequence)."""
+    from types import SimpleNamespace
+
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from strata.serve import schema
+    from strata.serve.errors import ApiError
+    from strata.serve.responses_api import ResponsesRequest, ResponseStore, _Response
+    from strata.serve.sse import send_events
+
+    req = ResponsesRequest(schema.parse_chat({"messages": [{"role": "user", "content": "x"}]}), [], True)
+    r = _Response(req, SimpleNamespace(model_name="m"), None, ResponseStore(1))
+
+    async def handler(request):
+        request["rid"] = "r1"
+
+        async def events():
+            yield r.event("response.created", response=r.obj("in_progress"))
+            raise ApiError(400, "max_tokens is 9", param="max_tokens", code="invalid_value")
+        return await send_events(request, None, events(), r.failed)
+
+    app = web.Application()
+    app.router.add_post("/", handler)
+    async with TestClient(TestServer(app)) as c:
+        text = await (await c.post("/")).text()
+    frames = [f.split("\n") for f in text.split("\n\n") if f]
+    assert [f[0][7:] for f in frames] == ["response.created", "error", "response.failed"]
+    err, failed = json.loads(frames[1][1][6:]), json.loads(frames[2][1][6:])
+    assert err == {"type": "error", "sequence_number": 1, "code": "invalid_value",
+                   "message": "max_output_tokens is 9", "param": "max_output_tokens"}
+    assert failed["response"]["status"] == "failed" and failed["sequence_number"] == 2
+    assert failed["response"]["error"] == {"code": "invalid_value", "message": "max_output_tokens is 9"}

@@ -79,10 +79,6 @@ def _json(data: Any, status: int = 200, headers: dict | None = None) -> web.Resp
                         content_type="application/json", headers=headers)
 
 
-def _err(e: ApiError) -> web.Response:
-    return _json(e.body(), e.status, e.headers)
-
-
 def _is_unix(request: web.Request) -> bool:
     tr = request.transport
     sock = tr.get_extra_info("socket") if tr is not None else None

@@ -28,7 +28,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 TOOL_CHOICES = ("auto", "any", "tool", "none")
 
 
-def error_body(e: ApiError) -> dict:
+def anthropic_error(e: ApiError) -> dict:
     """An ApiError in Anthropic's shape."""
     return {"type": "error", "error": {"type": ERROR_TYPES.get(e.status, "api_error"), "message": e.message}}
 
@@ -320,7 +320,7 @@ class _Message:
 
 
 def _failed(e: ApiError) -> list[tuple[str, dict]]:
-    return [("error", error_body(_renamed(e)))]
+    return [("error", anthropic_error(_renamed(e)))]
 
 
 async def _respond(request, engine, p, job, answers):
@@ -358,4 +358,4 @@ def add_routes(app: web.Application) -> None:
     """Register the routes and their error shape on `app` (make_app calls this)."""
     r = app.router
     for route in (r.add_post("/v1/messages", create_message), r.add_post("/v1/messages/count_tokens", count_tokens)):
-        app[ERROR_SHAPES_KEY][route.resource.canonical] = error_body
+        app[ERROR_SHAPES_KEY][route.resource.canonical] = anthropic_error
