@@ -267,3 +267,18 @@ async def test_an_error_mid_stream_ends_it_with_error_and_response_failed():
                    "message": "max_output_tokens is 9", "param": "max_output_tokens"}
     assert failed["response"]["status"] == "failed" and failed["sequence_number"] == 2
     assert failed["response"]["error"] == {"code": "invalid_value", "message": "max_output_tokens is 9"}
+
+
+def test_store_is_lru_and_size_zero_keeps_nothing():
+    from strata.serve.responses_api import ResponseStore
+    s = ResponseStore(2)
+    for k in "abc":
+        s.put(k, {"id": k}, [])
+    assert s.get("a") is None and len(s) == 2         # a, the least recently used, dropped for c
+    assert s.get("b") is not None                      # b read: c is now the least recently used
+    s.put("d", {"id": "d"}, [])
+    assert s.get("c") is None and s.get("b") and s.get("d")
+    assert s.delete("b") and not s.delete("b")
+    none = ResponseStore(0)
+    none.put("a", {}, [])
+    assert none.get("a") is None and len(none) == 0
