@@ -32,8 +32,9 @@ ITEM_PREFIX = {"reasoning": "rs", "text": "msg", "call": "fc"}
 
 class ResponseStore:
     """Responses kept for previous_response_id and GET: id -> (the response object, the conversation after it as
-    chat messages). At most `size` (0: none), the least recently used (created or read) dropped first. A chain of
-    responses shares its messages' objects, so a long conversation's text is held once."""
+    chat messages). At most `size` (0: none), the least recently used (created, read, or continued through
+    previous_response_id) dropped first. A chain of responses shares its messages' objects, so a long
+    conversation's text is held once."""
 
     def __init__(self, size: int):
         self.size = size
@@ -47,9 +48,10 @@ class ResponseStore:
         while len(self._d) > self.size:
             self._d.popitem(last=False)
 
-    def get(self, rid: str) -> tuple[dict, list[dict]] | None:
+    def get(self, rid: str, touch: bool = True) -> tuple[dict, list[dict]] | None:
+        """The entry of rid, or None; touch: count this as a use (a request that fails validation does not)."""
         entry = self._d.get(rid)
-        if entry is not None:
+        if entry is not None and touch:
             self._d.move_to_end(rid)
         return entry
 
@@ -212,7 +214,7 @@ def parse(body: dict, store: ResponseStore) -> ResponsesRequest:
     if prev_id is not None:
         if not isinstance(prev_id, str):
             raise _bad("previous_response_id", f"must be a string, got {schema._tname(prev_id)}")
-        entry = store.get(prev_id)
+        entry = store.get(prev_id, touch=False)        # used once the answer is done (bad input changes nothing)
         if entry is None:
             raise _not_found(prev_id, "previous_response_id")
         history = entry[1]
@@ -315,6 +317,8 @@ class _Response:
         ab = self.ab
         status = "incomplete" if ab.final.finish_reason == "length" else "completed"
         d = self.obj(status)
+        if self.req.echo["previous_response_id"] is not None:
+            self.store.get(self.req.echo["previous_response_id"])
         if self.req.store:
             calls = [{"id": b.call_id, "type": "function", "function": {"name": b.name, "arguments": b.text}}
                      for b in ab.blocks if b.kind == "call"]
