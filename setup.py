@@ -60,7 +60,8 @@ setup(
             "pytest>=8",
             "pytest-asyncio>=0.23",
             "hypothesis>=6.100",
-            "openai>=1.40",
+            "openai>=1.66",              # the Responses API (tests/test_serve_responses.py)
+            "anthropic>=0.41",           # the Messages API's client (tests/test_serve_messages.py)
             "jsonschema>=4.20",
             "torch==2.13.0",
             "transformers>=4.46",

@@ -78,13 +78,14 @@ valid_completion = st.fixed_dictionaries(
 
 
 @st.composite
-def mutated(draw, base):
-    """A valid body with up to two fields replaced by anything (or removed)."""
+def mutated(draw, base, fields=FIELDS, limit="max_tokens"):
+    """A valid body with up to two fields replaced by anything (or removed); `limit` (the length field) is only
+    replaced, never removed or null."""
     body = dict(draw(base))
     for _ in range(draw(st.integers(0, 2))):
-        key = draw(st.sampled_from(sorted(set(FIELDS) | set(body))))
-        if key == "max_tokens" or draw(st.booleans()):
-            body[key] = draw(FIELDS.get(key, junk) if key != "max_tokens" else st.integers(-2, 3) | not_null)
+        key = draw(st.sampled_from(sorted(set(fields) | set(body))))
+        if key == limit or draw(st.booleans()):
+            body[key] = draw(fields.get(key, junk) if key != limit else st.integers(-2, 3) | not_null)
         else:
             body.pop(key, None)
     return body
@@ -140,3 +141,78 @@ def test_health_after_fuzz(daemon):
     # the fuzz reached the engine, not only the validator (hypothesis's first examples are the simplest bodies)
     assert daemon.metric("strata_generations_total") >= 1
     assert daemon.metric("strata_requests_total", {"status": "200"}) >= 1
+
+
+# ---- the Responses and Messages routes: every body answers 200 or an error in the route's API's shape -------------
+input_item = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "developer", "user", "assistant", "tool"]) | junk,
+     "content": text | st.lists(st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text",
+                                                                                 "input_image"]),
+                                                        "text": text}), max_size=2) | junk},
+    optional={"type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning"]) | junk,
+              "call_id": text | junk, "name": text | junk, "arguments": text | junk, "output": text | junk})
+RESPONSES_FIELDS = {
+    "input": text | st.lists(input_item, max_size=3) | junk, "instructions": text | junk,
+    "previous_response_id": text | junk, "store": st.booleans() | junk, "stream": st.booleans() | junk,
+    "temperature": st.floats(-1, 3, allow_nan=False) | junk, "top_p": st.floats(-0.5, 1.5, allow_nan=False) | junk,
+    "tools": st.lists(st.fixed_dictionaries({"type": st.sampled_from(["function", "web_search"]) | junk,
+                                             "name": st.sampled_from(["f", "bad name"]) | junk}), max_size=2) | junk,
+    "tool_choice": st.sampled_from(["auto", "none", "required"]) | junk, "text": junk, "truncation": junk,
+}
+block = st.fixed_dictionaries({"type": st.sampled_from(["text", "tool_use", "tool_result", "thinking", "image"]) | junk},
+                              optional={"text": text | junk, "id": text | junk, "name": text | junk,
+                                        "input": junk, "tool_use_id": text | junk, "content": text | junk})
+MESSAGES_FIELDS = {
+    "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system"]) | junk,
+                                                "content": text | st.lists(block, max_size=3) | junk}),
+                         max_size=3) | junk,
+    "system": text | st.lists(block, max_size=2) | junk, "stop_sequences": st.lists(text, max_size=3) | junk,
+    "stream": st.booleans() | junk, "temperature": st.floats(-1, 3, allow_nan=False) | junk,
+    "tools": st.lists(st.fixed_dictionaries({"name": st.sampled_from(["f", "bad name"]) | junk,
+                                             "input_schema": junk}), max_size=2) | junk,
+    "tool_choice": st.fixed_dictionaries({"type": st.sampled_from(["auto", "any", "tool", "none"]) | junk},
+                                         optional={"name": text | junk}) | junk,
+    "output_config": junk,
+}
+
+
+def _check_api_answer(route: str, status: int, headers: dict, body: bytes) -> None:
+    assert status in (200, 400, 404, 413, 503), (status, body[:300])
+    if status == 200 and headers.get("content-type", "").startswith("text/event-stream"):
+        events = [b.split("\n", 1) for b in body.decode().split("\n\n") if b]
+        for name, data in events:
+            assert name.startswith("event: ") and data.startswith("data: ")
+            assert json.loads(data[6:])["type"] == name[7:]
+        assert events[-1][0][7:] in ("response.completed", "response.incomplete", "response.failed", "message_stop",
+                                     "error"), events[-1]
+        return
+    d = json.loads(body)
+    if status == 200:
+        assert d["usage"] and (d.get("output") is not None or d.get("content") is not None)
+    elif route == "/v1/messages":
+        assert d["type"] == "error" and set(d["error"]) == {"type", "message"} and d["error"]["message"]
+    else:
+        assert set(d["error"]) == {"message", "type", "param", "code"} and d["error"]["message"]
+
+
+valid_responses = st.fixed_dictionaries(
+    {"input": text.filter(str.strip) | st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "developer"]),
+                                                                       "content": text}), min_size=1, max_size=2),
+     "max_output_tokens": st.integers(1, 3)},
+    optional={"instructions": text, "stream": st.booleans(), "store": st.booleans(), "temperature": st.floats(0, 2)})
+valid_messages = st.fixed_dictionaries(
+    {"messages": st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": text}), min_size=1, max_size=2),
+     "max_tokens": st.integers(1, 3)},
+    optional={"system": text, "stream": st.booleans(), "stop_sequences": st.lists(text.filter(bool), max_size=2),
+              "temperature": st.floats(0, 1)})
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                   HealthCheck.too_slow])
+@given(case=st.one_of(
+    st.tuples(st.just("/v1/responses"), mutated(valid_responses, RESPONSES_FIELDS, "max_output_tokens")),
+    st.tuples(st.just("/v1/messages"), mutated(valid_messages, MESSAGES_FIELDS))))
+def test_fuzz_responses_and_messages_bodies(daemon, case):
+    route, body = case
+    st_, h, b = daemon.request("POST", route, raw=json.dumps(body).encode(), timeout=60)
+    _check_api_answer(route, st_, h, b)

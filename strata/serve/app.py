@@ -2,9 +2,11 @@
 
 Routes: POST /v1/chat/completions, POST /v1/completions (JSON or SSE), GET /v1/models[/{id}], GET /health,
 GET /metrics, GET /slots, POST /slots/{id}?action=save|restore|erase, GET /status, GET /cache; llama-server's
-/tokenize, /detokenize, /apply-template, /props come from strata/serve/llama_api.py; the web chat page (GET /, /web/...)
-from strata/serve/chat_page.py.
-Every error is an OpenAI error object ({"error": {"message", "type", "param", "code"}}).
+/tokenize, /detokenize, /apply-template, /props come from strata/serve/llama_api.py, OpenAI's /v1/responses from
+strata/serve/responses_api.py, Anthropic's /v1/messages from strata/serve/messages_api.py (both through
+generate_chat, the chat route's path), the web chat page (GET /, /web/...) from strata/serve/chat_page.py.
+Every error is an OpenAI error object ({"error": {"message", "type", "param", "code"}}), except on routes that
+register their API's own shape in ERROR_SHAPES_KEY.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from aiohttp import web
 from strata import __version__
 from strata.engine.types import ContextOverflow, merge_choices
 from strata.serve import chat_page, schema, structured
-from strata.serve.errors import ApiError, error_body
+from strata.serve.errors import ApiError
 from strata.serve.metrics import CONTENT_TYPE, Metrics
 from strata.serve.worker import EngineError, EngineWorker, Job, QueueFull, ShuttingDown
 
@@ -47,6 +49,7 @@ class ServeConfig:
     max_body: int = 8 * 1024 * 1024
     retry_after: int = 1
     drain_timeout: float = 30.0
+    responses_store: int = 256        # /v1/responses kept for previous_response_id (strata.serve.responses_api)
     tcp_bound: str | None = None      # the TCP address actually bound ("[::1]:8090"; --port 0 gives the real port)
 
     def tcp_address(self) -> str | None:
@@ -67,15 +70,13 @@ CONFIG_KEY = web.AppKey("config", ServeConfig)
 WORKER_KEY = web.AppKey("worker", EngineWorker)
 METRICS_KEY = web.AppKey("metrics", Metrics)
 STARTED_KEY = web.AppKey("started", float)
+# route template -> the error body of that route's API (ApiError -> dict); routes not in it answer OpenAI's shape
+ERROR_SHAPES_KEY = web.AppKey("error_shapes", dict)
 
 
 def _json(data: Any, status: int = 200, headers: dict | None = None) -> web.Response:
     return web.Response(body=json.dumps(data, ensure_ascii=False).encode(), status=status,
                         content_type="application/json", headers=headers)
-
-
-def _err(e: ApiError) -> web.Response:
-    return _json(e.body(), e.status, e.headers)
 
 
 def _is_unix(request: web.Request) -> bool:
@@ -102,9 +103,18 @@ async def _route_name(request: web.Request) -> str:
     return "unmatched"
 
 
+def _api_key_of(request: web.Request) -> str:
+    """The key a client sent: 'Authorization: Bearer <key>' (OpenAI's clients) or 'x-api-key: <key>' (Anthropic's)."""
+    got = request.headers.get("Authorization", "")
+    if got[:7].lower() == "bearer ":
+        return got[7:]
+    return request.headers.get("x-api-key", "")
+
+
 @web.middleware
 async def middleware(request: web.Request, handler):
-    """Request id on every log line, API-key check on TCP, exceptions -> OpenAI error objects, metrics."""
+    """Request id on every log line, API-key check on TCP, exceptions -> error objects in the route's API's shape,
+    metrics."""
     rid = request.headers.get("X-Request-Id", "")
     if not _RID_OK.match(rid):
         rid = uuid.uuid4().hex[:16]
@@ -117,14 +127,13 @@ async def middleware(request: web.Request, handler):
     try:
         if cfg.api_key and request.path != "/health" and not chat_page.is_public(request.path) \
                 and not _is_unix(request):
-            got = request.headers.get("Authorization", "")
-            token = got[7:] if got[:7].lower() == "bearer " else ""
-            if not hmac.compare_digest(token.encode(), cfg.api_key.encode()):
-                raise ApiError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            if not hmac.compare_digest(_api_key_of(request).encode(), cfg.api_key.encode()):
+                raise ApiError(401, "invalid or missing API key: send 'Authorization: Bearer <key>' or "
+                                    "'x-api-key: <key>'", code="invalid_api_key",
+                               headers={"WWW-Authenticate": "Bearer"})
         resp = await handler(request)
     except ApiError as e:
-        resp = _err(e)
+        resp = await _err_for(request, e)
     except web.HTTPException as e:
         if e.status == 404:
             msg = f"unknown route: {request.method} {request.path}"
@@ -134,8 +143,8 @@ async def middleware(request: web.Request, handler):
             msg = f"the request body is larger than --max-body ({cfg.max_body} bytes)"
         else:
             msg = e.reason or str(e)
-        resp = _json(error_body(e.status, msg, code={404: "not_found", 413: "request_too_large"}.get(e.status)),
-                     e.status)
+        resp = await _err_for(request, ApiError(e.status, msg, code={404: "not_found", 413: "request_too_large"}.get(
+            e.status)))
     except asyncio.CancelledError:
         log.info("request cancelled", method=request.method, path=request.path,
                  ms=round((time.perf_counter() - t0) * 1e3, 2), reason="client disconnected or shutdown")
@@ -143,7 +152,7 @@ async def middleware(request: web.Request, handler):
         raise
     except Exception as e:  # noqa: BLE001 - nothing a client sends may crash the daemon
         log.exception("request failed", error=f"{type(e).__name__}: {e}")
-        resp = _json(error_body(500, f"internal error: {type(e).__name__}: {e}"), 500)
+        resp = await _err_for(request, ApiError(500, f"internal error: {type(e).__name__}: {e}"))
     status = resp.status
     if not resp.prepared:
         resp.headers["X-Request-Id"] = rid
@@ -151,6 +160,12 @@ async def middleware(request: web.Request, handler):
     log.info("request", method=request.method, path=request.path, status=status,
              ms=round((time.perf_counter() - t0) * 1e3, 2))
     return resp
+
+
+async def _err_for(request: web.Request, e: ApiError) -> web.Response:
+    """The error response in the shape of the API the route belongs to (ERROR_SHAPES_KEY), else e's own."""
+    shape = request.app[ERROR_SHAPES_KEY].get(await _route_name(request))
+    return _json(shape(e) if shape is not None else e.body(), e.status, e.headers)
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -357,7 +372,12 @@ def _submit(w: EngineWorker, what, *, call: bool = False, rid: str = "") -> Job:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await _read_body(request)
-    p = schema.parse_chat(body)
+    return await generate_chat(request, schema.parse_chat(body))
+
+
+async def render_chat(request: web.Request, p: schema.ParsedRequest):
+    """A parsed chat request on the serving engine, rendered by its template: (engine, plan, rendered). The model is
+    checked first; a refusal of the template or a prompt too long to render is an ApiError naming 'messages'."""
     engine = _serving_engine(request)
     _check_model(engine, p.model)
     plan = structured.plan_chat(engine, p)           # tools, reasoning, response_format (strata.serve.structured)
@@ -372,10 +392,18 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         raise ApiError(400, f"the chat template refused the messages: {e}", param="messages",
                        code="invalid_value") from None
     structured.after_render(plan, rendered.text)
-    constraint = await loop.run_in_executor(
+    return engine, plan, rendered
+
+
+async def generate_chat(request: web.Request, p: schema.ParsedRequest, respond=None) -> web.StreamResponse:
+    """Answer a parsed chat request: rendered (render_chat), constrained, generated. respond(request, engine, p, job,
+    answers) sends the answer (default: the chat completion's JSON or SSE); the Responses and Messages routes pass
+    their own."""
+    engine, plan, rendered = await render_chat(request, p)
+    constraint = await asyncio.get_running_loop().run_in_executor(
         None, lambda: structured.chat_constraint(engine, plan, structured.param_of(p)))
     return await _generate(request, engine, p, list(rendered.tokens), list(rendered.cut_points), plan=plan,
-                           constraint=constraint)
+                           constraint=constraint, respond=respond)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -405,7 +433,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def _generate(request: web.Request, engine, p: schema.ParsedRequest, tokens: list[int],
                     cut_points: list, plan: structured.ChatPlan | None = None,
-                    constraint=None) -> web.StreamResponse:
+                    constraint=None, respond=None) -> web.StreamResponse:
     from strata.engine.types import GenerationRequest
 
     n_ctx = engine.n_ctx
@@ -432,10 +460,8 @@ async def _generate(request: web.Request, engine, p: schema.ParsedRequest, token
     done = False
     try:
         answers = [plan.answer() if plan is not None else None for _ in range(p.n)]   # one parser per choice
-        if p.stream:
-            resp = await _stream(request, engine, p, job, answers)
-        else:
-            resp = await _collect(request, engine, p, job, answers)
+        respond = respond or (_stream if p.stream else _collect)
+        resp = await respond(request, engine, p, job, answers)
         done = True
         return resp
     finally:
@@ -677,6 +703,7 @@ def make_app(cfg: ServeConfig, worker: EngineWorker, metrics_: Metrics) -> web.A
     app[WORKER_KEY] = worker
     app[METRICS_KEY] = metrics_
     app[STARTED_KEY] = time.time()
+    app[ERROR_SHAPES_KEY] = {}
     r = app.router
     r.add_post("/v1/chat/completions", chat_completions)
     r.add_post("/chat/completions", chat_completions)
@@ -694,4 +721,7 @@ def make_app(cfg: ServeConfig, worker: EngineWorker, metrics_: Metrics) -> web.A
     from strata.serve import llama_api          # llama-server's /tokenize, /detokenize, /apply-template, /props
     llama_api.add_routes(app)
     chat_page.add_routes(app)
+    from strata.serve import messages_api, responses_api
+    responses_api.add_routes(app)               # OpenAI's /v1/responses
+    messages_api.add_routes(app)                # Anthropic's /v1/messages
     return app

@@ -47,10 +47,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     n.add_argument("--host", default=None, help="TCP address for OpenAI clients (default 127.0.0.1 when --port is given)")
     n.add_argument("--port", type=_nonneg, default=None, help=f"TCP port (default {DEFAULT_PORT} when --host is given)")
     n.add_argument("--api-key", default=os.environ.get("STRATA_API_KEY") or None,
-                   help="Bearer token required on TCP (needed for a non-loopback --host); env STRATA_API_KEY")
+                   help="key required on TCP, as 'Authorization: Bearer <key>' or 'x-api-key: <key>' (needed for a "
+                        "non-loopback --host); env STRATA_API_KEY")
     n.add_argument("--queue-max", type=_nonneg, default=16,
                    help="requests allowed to wait behind the running one; beyond it 503 + Retry-After")
     n.add_argument("--max-body", type=_size, default=8 * 1024 * 1024, help="largest request body (default 8M)")
+    n.add_argument("--responses-store", type=_nonneg, default=256, metavar="N",
+                   help="/v1/responses kept for previous_response_id, least recently used dropped first (default "
+                        "256; 0 keeps none)")
     n.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let the running request finish before cancelling it")
     lg = p.add_argument_group("logging")
@@ -83,7 +87,7 @@ def check_args(args) -> str | None:
     key = args.api_key
     if key is not None and (not key or any(c.isspace() for c in key)):
         return ("--api-key (or STRATA_API_KEY) must be a non-empty token without spaces: clients send it as "
-                "'Authorization: Bearer <key>', so a key with spaces could never match")
+                "'Authorization: Bearer <key>' or 'x-api-key: <key>', so a key with spaces could never match")
     if args.port is not None or args.host is not None:
         args.host = args.host or "127.0.0.1"
         args.port = DEFAULT_PORT if args.port is None else args.port
@@ -138,7 +142,8 @@ def run(args) -> int:
     log = structlog.get_logger("strata.serve")
     cfg = ServeConfig(socket_path=None if args.no_socket else str(args.socket or default_socket_path()),
                       host=args.host, port=args.port, api_key=args.api_key, queue_max=args.queue_max,
-                      max_body=args.max_body, drain_timeout=args.drain_timeout)
+                      max_body=args.max_body, drain_timeout=args.drain_timeout,
+                      responses_store=args.responses_store)
 
     def factory():
         from strata.engine.engine import Engine

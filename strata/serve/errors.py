@@ -36,3 +36,13 @@ def error_body(status: int, message: str, *, param: str | None = None, code: str
     """The JSON body of an error: {"error": {"message", "type", "param", "code"}}."""
     return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
                       "param": param, "code": code}}
+
+
+def renamed(e: ApiError, renames) -> ApiError:
+    """e with field names replaced in its message and param: renames is [(compiled regex, replacement)], the chat
+    route's names -> those of the API a request came in through (the Responses and Messages routes)."""
+    def sub(text: str) -> str:
+        for rx, to in renames:
+            text = rx.sub(to, text)
+        return text
+    return ApiError(e.status, sub(e.message), param=sub(e.param) if e.param else None, code=e.code, headers=e.headers)

@@ -21,6 +21,9 @@ MAX_STOP_CHARS = 512       # per stop string: matching a held-back prefix costs 
 MAX_TOP_LOGPROBS = 20
 MAX_N = 16                 # choices per request (each one a full decode after the one prompt read)
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+# llama.cpp's and Strata's request fields that the Responses and Messages routes pass on to the chat request as they are
+EXTENSION_FIELDS = ("top_k", "min_p", "seed", "repeat_penalty", "presence_penalty", "frequency_penalty",
+                    "cache_prompt", "strata_checkpoint", "chat_template_kwargs", "reasoning_format")
 
 
 @dataclass
