@@ -1,6 +1,7 @@
 """Chat template: `tokenizer.chat_template` rendered in a jinja2 sandbox the Hugging Face way, giving token ids and cut points."""
 from __future__ import annotations
 
+import bisect
 import copy
 import re
 import json
@@ -245,6 +246,7 @@ class ChatTemplate:
         for f, ids in zip(frags, parts):
             starts.append(len(tokens))
             tokens.extend(ids)
+        char_starts = [f.start for f in frags]
 
         def char_to_pos(c: int) -> int | None:
             """Token position of a cut at character c, if the tokens of text[:c] are a prefix of tokens."""
@@ -252,18 +254,19 @@ class ChatTemplate:
                 return len(tokens)
             if c == 0:
                 return bos
-            for k, f in enumerate(frags):
-                if f.start == c:
-                    return starts[k]
-                if f.start < c < f.end:
-                    if f.token_id is not None:
-                        return None
-                    head = text[f.start:c]
-                    prev_special = k == 0 or frags[k - 1].token_id is not None
-                    ids = tk.encode_raw(head, after_special=prev_special)
-                    if parts[k][:len(ids)] == ids:
-                        return starts[k] + len(ids)
-                    return None
+            k = bisect.bisect_right(char_starts, c) - 1      # the fragment holding character c
+            if k < 0 or c >= frags[k].end:
+                return None
+            f = frags[k]
+            if f.start == c:
+                return starts[k]
+            if f.token_id is not None:
+                return None
+            head = text[f.start:c]
+            prev_special = k == 0 or frags[k - 1].token_id is not None
+            ids = tk.encode_raw(head, after_special=prev_special)
+            if parts[k][:len(ids)] == ids:
+                return starts[k] + len(ids)
             return None
 
         cuts: list[CutPoint] = []
@@ -372,12 +375,17 @@ class ChatTemplate:
             stext = None
         if stext is not None:
             pieces: list[tuple[str, bool]] = []
-            pat = re.compile("|".join(re.escape(k) for k in sorted(table, key=len, reverse=True)))
+            # every sentinel is zqx{nonce}s{i}qzx: one small pattern, whatever the number of client strings (the
+            # nonce is hex, so no sentinel starts inside another's text)
+            pat = re.compile(re.escape(f"zqx{nonce}s") + r"[0-9]+qzx")
             pos = 0
             for m in pat.finditer(stext):
+                string = table.get(m.group(0))
+                if string is None:          # not one of ours (a template that rewrote a sentinel): template text
+                    continue
                 if m.start() > pos:
                     pieces.append((stext[pos:m.start()], True))
-                pieces.append((table[m.group(0)], False))
+                pieces.append((string, False))
                 pos = m.end()
             if pos < len(stext):
                 pieces.append((stext[pos:], True))
