@@ -237,3 +237,66 @@ def test_long_conversation_renders_in_linear_work(tmpl, monkeypatch):
     calls.clear()
     head = tmpl.render(msgs[:1500], add_generation_prompt=False)
     assert r.tokens[:last.pos] == head.tokens
+
+
+# ----------------------------------------------------------------------------- later turns tokenize what is new
+_LONG = st.one_of(_CONTENT, st.tuples(_CONTENT, st.integers(1, 40)).map(lambda t: (t[0] + " record 7.") * t[1]))
+
+
+@pytest.fixture(scope="module")
+def pair(metadata):
+    """(template whose tokenizer keeps every fragment, small enough to evict; template whose tokenizer keeps none)."""
+    from strata.fragment_cache import FragmentCache
+    out = []
+    for kw in (dict(max_tokens=400, min_chars=0), dict(max_tokens=0)):
+        t = Tokenizer.from_gguf(metadata)
+        t.fragments = FragmentCache(**kw)
+        out.append(ChatTemplate.from_gguf(metadata, t))
+    return out
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(system=st.one_of(st.none(), _LONG), turns=st.lists(st.tuples(_LONG, _LONG), min_size=1, max_size=4),
+       pin=st.booleans())
+def test_later_turns_equal_a_full_tokenization(pair, system, turns, pin):
+    """A conversation played turn by turn, rendered with kept fragments (strata.fragment_cache), gives the tokens,
+    text and cut points of a tokenizer that keeps nothing, at every turn."""
+    cached, plain = pair
+    msgs = [] if system is None else [{"role": "system", "content": system}]
+    for user, answer in turns:
+        msgs.append({"role": "user", "content": user})
+        kw = dict(pin_message=0) if pin else {}
+        a, b = cached.render(msgs, **kw), plain.render(msgs, **kw)
+        assert (a.tokens, a.text, a.cut_points, a.content_safe) == (b.tokens, b.text, b.cut_points, b.content_safe)
+        msgs.append({"role": "assistant", "content": answer})
+
+
+def test_a_later_turn_tokenizes_only_what_is_new(metadata):
+    """Turn 2 of a chat with a long system prompt sends only its new text to the BPE model: the system prompt's and
+    the first turn's ids come from the fragments kept by turn 1."""
+    t = Tokenizer.from_gguf(metadata)
+    tmpl = ChatTemplate.from_gguf(metadata, t)
+    system = " ".join(f"Rule {i}: answer in plain words and cite the record." for i in range(400))
+    msgs = [{"role": "system", "content": system}, {"role": "user", "content": "Which river passes Shrewsbury?"}]
+    first = tmpl.render(msgs)
+    sent = []
+
+    class Recording:
+        def __init__(self, tk):
+            self.tk = tk
+
+        def encode_batch(self, texts, **kw):
+            sent.extend(texts)
+            return self.tk.encode_batch(texts, **kw)
+
+        def __getattr__(self, name):
+            return getattr(self.tk, name)
+
+    t._tk = Recording(t._tk)
+    msgs += [{"role": "assistant", "content": "The Severn, by record 12."},
+             {"role": "user", "content": "And which passes Newcastle?"}]
+    second = tmpl.render(msgs)
+    assert second.tokens[:len(first.tokens) - 3] == first.tokens[:-3]      # the generation prompt aside
+    assert sum(len(s) for s in sent) < 200 and not any("Rule 1:" in s for s in sent)
+    t._tk = t._tk.tk
+    assert second.tokens == Tokenizer.from_gguf(metadata).encode(second.text, parse_special=True)
