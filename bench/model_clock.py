@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Run `strata serve` with the model's time on the clock: every Sequence.forward and every prompt read (Engine._prefill) timed into $STRATA_BENCH_CLOCK.
+"""Run `strata serve` with every Sequence.forward and prompt read (Engine._prefill) timed into $STRATA_BENCH_CLOCK.
 
 bench/prompt_cache.py --e2e starts the daemon through this file, so the time to first token a client sees can be
 split into the model's forward calls while the prompt is read (the forward lines inside a prefill window that

@@ -236,8 +236,11 @@ class Engine:
         ValueError for an id no vocabulary holds."""
         try:
             return as_ids(req.prompt_tokens)
-        except ValueError as e:
-            raise ValueError(f"{e}: outside the vocabulary [0, {self.n_vocab})") from None
+        except ValueError:               # an id past int32: name it as _validate names one past the vocabulary
+            bad = next((int(t) for t in req.prompt_tokens if not 0 <= int(t) < self.n_vocab), None)
+            if bad is None:
+                raise
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.n_vocab})") from None
 
     def _validate(self, req: GenerationRequest, prompt: np.ndarray) -> None:
         if not prompt.shape[0]:
