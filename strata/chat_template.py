@@ -1,6 +1,7 @@
 """Chat template: `tokenizer.chat_template` rendered in a jinja2 sandbox the Hugging Face way, giving token ids and cut points."""
 from __future__ import annotations
 
+import bisect
 import copy
 import re
 import json
@@ -15,6 +16,7 @@ import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from strata.chat_prefixes import PrefixEnds, prefix_digests
 from strata.tokenizer import Tokenizer
 
 CutKind = Literal["root", "message", "turn", "pin"]
@@ -165,6 +167,7 @@ class ChatTemplate:
         self.eos_token = eos_token if eos_token is not None else (
             tokenizer.tokens[tokenizer.eos_id] if tokenizer.eos_id is not None else "")
         self.special_tokens = dict(special_tokens or {})
+        self.prefix_ends = PrefixEnds()        # message ends rendered by earlier requests (strata.chat_prefixes)
         try:
             self._template = _environment().from_string(template_str)
         except jinja2.TemplateError as e:
@@ -206,7 +209,9 @@ class ChatTemplate:
         render(messages[:i+1], add_generation_prompt=False) when that text is a prefix of the full text and
         its tokens are a prefix of the full tokens (otherwise that cut point is skipped); root_at is
         message_at of the last leading system message; turn_at is the length of the chat rendered without the
-        generation prompt (only with add_generation_prompt); pin_at is message_at(pin_message).
+        generation prompt (only with add_generation_prompt: the last message's prefix); pin_at is
+        message_at(pin_message). Prefix lengths rendered by earlier requests are reused (self.prefix_ends, keyed
+        by the messages, checked against the new text), so a later turn renders only its new prefixes.
         text_check, if given, is called with the rendered text before anything is tokenized (the engine refuses
         text that cannot fit its context there). Raises ValueError for bad messages, a bad pin_message, or
         template errors (and whatever text_check raises).
@@ -245,6 +250,7 @@ class ChatTemplate:
         for f, ids in zip(frags, parts):
             starts.append(len(tokens))
             tokens.extend(ids)
+        char_starts = [f.start for f in frags]
 
         def char_to_pos(c: int) -> int | None:
             """Token position of a cut at character c, if the tokens of text[:c] are a prefix of tokens."""
@@ -252,18 +258,19 @@ class ChatTemplate:
                 return len(tokens)
             if c == 0:
                 return bos
-            for k, f in enumerate(frags):
-                if f.start == c:
-                    return starts[k]
-                if f.start < c < f.end:
-                    if f.token_id is not None:
-                        return None
-                    head = text[f.start:c]
-                    prev_special = k == 0 or frags[k - 1].token_id is not None
-                    ids = tk.encode_raw(head, after_special=prev_special)
-                    if parts[k][:len(ids)] == ids:
-                        return starts[k] + len(ids)
-                    return None
+            k = bisect.bisect_right(char_starts, c) - 1      # the fragment holding character c
+            if k < 0 or c >= frags[k].end:
+                return None
+            f = frags[k]
+            if f.start == c:
+                return starts[k]
+            if f.token_id is not None:
+                return None
+            head = text[f.start:c]
+            prev_special = k == 0 or frags[k - 1].token_id is not None
+            ids = tk.encode_raw(head, after_special=prev_special)
+            if parts[k][:len(ids)] == ids:
+                return starts[k] + len(ids)
             return None
 
         cuts: list[CutPoint] = []
@@ -278,18 +285,10 @@ class ChatTemplate:
             wanted.add(n_sys - 1)
         if pin_message is not None:
             wanted.add(pin_message)
+        ends = self._message_ends(msgs, wanted, text, add_generation_prompt, tools, documents, kw)
         for i in sorted(wanted):
-            if i == len(msgs) - 1 and not add_generation_prompt:
-                c = len(text)
-                prefix_ok = True
-            else:
-                try:
-                    prefix = self._render(msgs[:i + 1], False, tools, documents, kw)
-                except ValueError:
-                    continue
-                prefix_ok = text.startswith(prefix)
-                c = len(prefix)
-            if not prefix_ok:
+            c = ends.get(i)
+            if c is None:
                 continue
             p = char_to_pos(c)
             if p is None:
@@ -301,16 +300,57 @@ class ChatTemplate:
         if pin_message is not None and pin_message in msg_pos:
             cuts.append(CutPoint(msg_pos[pin_message], "pin", pin_message))
         if add_generation_prompt and msgs:
-            try:
-                base = self._render(msgs, False, tools, documents, kw)
-            except ValueError:
-                base = None
-            if base is not None and text.startswith(base):
-                p = char_to_pos(len(base))
-                if p is not None:
-                    cuts.append(CutPoint(p, "turn", None))
+            c = ends.get(len(msgs) - 1)      # the chat without the generation prompt: the last message's prefix
+            p = char_to_pos(c) if c is not None else None
+            if p is not None:
+                cuts.append(CutPoint(p, "turn", None))
         cuts.sort(key=lambda cp: (cp.pos, _KIND_ORDER[cp.kind], -1 if cp.index is None else cp.index))
         return RenderedPrompt(tokens=tokens, text=text, cut_points=cuts, content_safe=safe)
+
+    def _message_ends(self, msgs, wanted, text, add_generation_prompt, tools, documents, kw) -> dict[int, int]:
+        """{i: len(render(msgs[:i+1], add_generation_prompt=False))} for each i in `wanted` whose prefix renders
+        and is a prefix of `text` (the last message's is the whole text without a generation prompt). Ends kept
+        from earlier requests (self.prefix_ends) are used when `text` starts with the text they were rendered as;
+        the rest are rendered and kept."""
+        n = len(msgs)
+        keys = self.prefix_ends.chain([tools, documents, dict(sorted(kw.items()))], msgs)
+
+        def render_end(i: int) -> int | None:
+            try:
+                prefix = self._render(msgs[:i + 1], False, tools, documents, kw)
+            except ValueError:
+                return None
+            return len(prefix) if text.startswith(prefix) else None
+
+        ends: dict[int, int] = {}
+        kept: dict[int, tuple[int, bytes]] = {}
+        fresh: dict[int, int] = {}
+        for i in wanted:
+            if i == n - 1 and not add_generation_prompt:
+                ends[i] = len(text)
+                continue
+            hit = self.prefix_ends.get(keys[i]) if keys is not None else None
+            if hit is not None and hit[0] <= len(text):
+                kept[i] = hit
+                continue
+            c = render_end(i)
+            if c is not None:
+                fresh[i] = c
+        digests = prefix_digests(text, [c for c, _ in kept.values()] + list(fresh.values()))
+        for i, (c, d) in kept.items():
+            if digests[c] == d:
+                ends[i] = c
+                continue
+            self.prefix_ends.stale()         # the template rendered these messages differently before: again
+            c = render_end(i)
+            if c is not None:
+                fresh[i] = c
+                digests.update(prefix_digests(text, [c]))
+        for i, c in fresh.items():
+            ends[i] = c
+            if keys is not None:
+                self.prefix_ends.put(keys[i], c, digests[c])
+        return ends
 
     # ----------------------------------------------------------------- sentinels
     @staticmethod
@@ -372,12 +412,17 @@ class ChatTemplate:
             stext = None
         if stext is not None:
             pieces: list[tuple[str, bool]] = []
-            pat = re.compile("|".join(re.escape(k) for k in sorted(table, key=len, reverse=True)))
+            # every sentinel is zqx{nonce}s{i}qzx: one small pattern, whatever the number of client strings (the
+            # nonce is hex, so no sentinel starts inside another's text)
+            pat = re.compile(re.escape(f"zqx{nonce}s") + r"[0-9]+qzx")
             pos = 0
             for m in pat.finditer(stext):
+                string = table.get(m.group(0))
+                if string is None:          # not one of ours (a template that rewrote a sentinel): template text
+                    continue
                 if m.start() > pos:
                     pieces.append((stext[pos:m.start()], True))
-                pieces.append((table[m.group(0)], False))
+                pieces.append((string, False))
                 pos = m.end()
             if pos < len(stext):
                 pieces.append((stext[pos:], True))

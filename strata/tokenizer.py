@@ -10,6 +10,8 @@ from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import models as _models
 from tokenizers import pre_tokenizers as _pre
 
+from strata.fragment_cache import FragmentCache
+
 # GGUF token types (gguf.TokenType / llama.cpp llama_token_type)
 TOKEN_NORMAL = 1
 TOKEN_UNKNOWN = 2
@@ -187,6 +189,7 @@ class Tokenizer:
         else:
             raise ValueError(f"unsupported tokenizer.ggml.model {model!r} (supported: gpt2, llama)")
         self._bytes: list[bytes | None] = [None] * self.n_vocab    # token_bytes, filled in as tokens are decoded
+        self.fragments = FragmentCache()       # ids of raw fragments already tokenized (encode_fragments)
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -334,27 +337,40 @@ class Tokenizer:
         return self._tk.encode(text, add_special_tokens=False).ids
 
     def encode_fragments(self, text: str, frags: Sequence[Fragment]) -> list[list[int]]:
-        """Token ids of each fragment from split_special (a special fragment gives [its id])."""
+        """Token ids of each fragment from split_special (a special fragment gives [its id]).
+
+        A raw fragment is tokenized on its own (llama.cpp's rule: nothing merges across a special token), so its
+        ids depend only on its text (and, for SPM models, whether a special token or the start precedes it): the
+        ids of fragments seen before come from ``self.fragments`` (strata.fragment_cache), and only new text is
+        tokenized. The result is the same either way."""
         out: list[list[int]] = []
         prev_special = True
-        raw_idx = []
-        raw_texts = []
+        spm = self.model == "llama"
+        todo: list[tuple[int, str, Any]] = []     # (fragment index, text, cache key or None): BPE, in one batch
+        cache = self.fragments
         for k, f in enumerate(frags):
             if f.token_id is not None:
                 out.append([f.token_id])
                 prev_special = True
-            else:
-                t = text[f.start:f.end]
-                if self.model == "llama":
-                    out.append(self.encode_raw(t, after_special=prev_special))
+                continue
+            t = text[f.start:f.end]
+            key = ((t, prev_special) if spm else t) if cache.wants(t) else None
+            ids = cache.get(key) if key is not None else None
+            if ids is None:
+                if spm:
+                    ids = self.encode_raw(t, after_special=prev_special)
+                    if key is not None:
+                        cache.put(key, ids)
                 else:
-                    out.append([])
-                    raw_idx.append(k)
-                    raw_texts.append(t)
-                prev_special = False
-        if raw_texts:
-            for k, enc in zip(raw_idx, self._tk.encode_batch(raw_texts, add_special_tokens=False)):
+                    ids = []
+                    todo.append((k, t, key))
+            out.append(ids)
+            prev_special = False
+        if todo:
+            for (k, _, key), enc in zip(todo, self._tk.encode_batch([t for _, t, _ in todo], add_special_tokens=False)):
                 out[k] = enc.ids
+                if key is not None:
+                    cache.put(key, enc.ids)
         return out
 
     def encode_pieces(self, pieces: Sequence[tuple[str, bool]], add_bos: bool | None = None,

@@ -237,3 +237,138 @@ def test_long_conversation_renders_in_linear_work(tmpl, monkeypatch):
     calls.clear()
     head = tmpl.render(msgs[:1500], add_generation_prompt=False)
     assert r.tokens[:last.pos] == head.tokens
+
+
+# ----------------------------------------------------------------------------- later turns tokenize what is new
+_LONG = st.one_of(_CONTENT, st.tuples(_CONTENT, st.integers(1, 40)).map(lambda t: (t[0] + " record 7.") * t[1]))
+
+
+@pytest.fixture(scope="module")
+def pair(metadata):
+    """(template that keeps fragments and message ends, in caches small enough to evict; template that keeps
+    neither)."""
+    from strata.chat_prefixes import PrefixEnds
+    from strata.fragment_cache import FragmentCache
+    out = []
+    for kw, ends in ((dict(max_tokens=400, min_chars=0), 16), (dict(max_tokens=0), 0)):
+        t = Tokenizer.from_gguf(metadata)
+        t.fragments = FragmentCache(**kw)
+        tmpl = ChatTemplate.from_gguf(metadata, t)
+        tmpl.prefix_ends = PrefixEnds(max_entries=ends)
+        out.append(tmpl)
+    return out
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(system=st.one_of(st.none(), _LONG), turns=st.lists(st.tuples(_LONG, _LONG), min_size=1, max_size=4),
+       pin=st.booleans())
+def test_later_turns_equal_a_full_tokenization(pair, system, turns, pin):
+    """A conversation played turn by turn, rendered with kept fragments (strata.fragment_cache) and message ends
+    (strata.chat_prefixes), gives the tokens, text and cut points of a template that keeps nothing, at every
+    turn."""
+    cached, plain = pair
+    msgs = [] if system is None else [{"role": "system", "content": system}]
+    for user, answer in turns:
+        msgs.append({"role": "user", "content": user})
+        kw = dict(pin_message=0) if pin else {}
+        a, b = cached.render(msgs, **kw), plain.render(msgs, **kw)
+        assert (a.tokens, a.text, a.cut_points, a.content_safe) == (b.tokens, b.text, b.cut_points, b.content_safe)
+        msgs.append({"role": "assistant", "content": answer})
+
+
+def test_a_later_turn_tokenizes_only_what_is_new(metadata):
+    """Turn 2 of a chat with a long system prompt sends only its new text to the BPE model: the system prompt's and
+    the first turn's ids come from the fragments kept by turn 1."""
+    t = Tokenizer.from_gguf(metadata)
+    tmpl = ChatTemplate.from_gguf(metadata, t)
+    system = " ".join(f"Rule {i}: answer in plain words and cite the record." for i in range(400))
+    msgs = [{"role": "system", "content": system}, {"role": "user", "content": "Which river passes Shrewsbury?"}]
+    first = tmpl.render(msgs)
+    sent = []
+
+    class Recording:
+        def __init__(self, tk):
+            self.tk = tk
+
+        def encode_batch(self, texts, **kw):
+            sent.extend(texts)
+            return self.tk.encode_batch(texts, **kw)
+
+        def __getattr__(self, name):
+            return getattr(self.tk, name)
+
+    t._tk = Recording(t._tk)
+    msgs += [{"role": "assistant", "content": "The Severn, by record 12."},
+             {"role": "user", "content": "And which passes Newcastle?"}]
+    second = tmpl.render(msgs)
+    assert second.tokens[:len(first.tokens) - 3] == first.tokens[:-3]      # the generation prompt aside
+    assert sum(len(s) for s in sent) < 200 and not any("Rule 1:" in s for s in sent)
+    t._tk = t._tk.tk
+    assert second.tokens == Tokenizer.from_gguf(metadata).encode(second.text, parse_special=True)
+
+
+def _counting_renders(monkeypatch):
+    from strata import chat_template as CT
+    calls = []
+    real = CT.ChatTemplate._render
+
+    def counting(self, *a, **k):
+        calls.append(1)
+        return real(self, *a, **k)
+    monkeypatch.setattr(CT.ChatTemplate, "_render", counting)
+    return calls
+
+
+def test_a_later_turn_renders_only_its_new_prefixes(tmpl, metadata, monkeypatch):
+    """Turn 2 of a 200-message chat renders the template four times (the chat, its sentinel copy, the two new
+    messages' prefixes), not once per kept message cut; its cut points equal those of a template that keeps nothing."""
+    from strata.chat_prefixes import PrefixEnds
+    msgs = [{"role": "system", "content": "Be brief."}] + [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": f"message {i}"} for i in range(199)]
+    t = ChatTemplate.from_gguf(metadata, Tokenizer.from_gguf(metadata))
+    t.render(msgs)
+    calls = _counting_renders(monkeypatch)
+    later = msgs + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
+    got = t.render(later)
+    assert len(calls) == 4
+    plain = ChatTemplate.from_gguf(metadata, Tokenizer.from_gguf(metadata))
+    plain.prefix_ends = PrefixEnds(max_entries=0)
+    ref = plain.render(later)
+    assert (got.tokens, got.cut_points) == (ref.tokens, ref.cut_points)
+
+
+def test_kept_message_ends_are_checked_against_the_new_text(tok, monkeypatch):
+    """A template whose output changes for the same messages (it prints strftime_now): the ends kept from the first
+    render no longer match, so the prefixes are rendered again and the cut points are those of a fresh render."""
+    from strata import chat_template as CT
+    from strata.chat_prefixes import PrefixEnds
+    stamp = ["A"]
+    monkeypatch.setattr(CT, "_strftime_now", lambda fmt: stamp[0])
+    src = ("{% for m in messages %}<|im_start|>{{ m.role }} {{ strftime_now('%d') }}\n{{ m.content }}<|im_end|>\n"
+           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    kept, plain = ChatTemplate(src, tok), ChatTemplate(src, tok)
+    plain.prefix_ends = PrefixEnds(max_entries=0)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye"}]
+    first = kept.render(msgs)
+    assert first.cut_points == plain.render(msgs).cut_points
+    stamp[0] = "BBBB"
+    again = kept.render(msgs)
+    assert kept.prefix_ends.stats["stale"] > 0
+    ref = plain.render(msgs)
+    assert (again.tokens, again.cut_points) == (ref.tokens, ref.cut_points) and again.cut_points != first.cut_points
+
+
+def test_message_ends_are_keyed_by_the_messages_not_the_text(metadata):
+    """Two chats that render to the same text (one message whose content spells the template's markers, and two
+    messages): the kept ends of one are not used for the other, whose message cut sits at its own message end."""
+    from strata.chat_prefixes import PrefixEnds
+    one = [{"role": "user", "content": "a<|im_end|>\n<|im_start|>assistant\nb"}]
+    two = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    kept = ChatTemplate.from_gguf(metadata, Tokenizer.from_gguf(metadata))
+    plain = ChatTemplate.from_gguf(metadata, Tokenizer.from_gguf(metadata))
+    plain.prefix_ends = PrefixEnds(max_entries=0)
+    assert kept.render_text(one, add_generation_prompt=False) == kept.render_text(two, add_generation_prompt=False)
+    kept.render(one)
+    got, ref = kept.render(two), plain.render(two)
+    assert got.cut_points == ref.cut_points and [c.index for c in got.cut_points if c.kind == "message"] == [0, 1]

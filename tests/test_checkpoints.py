@@ -317,6 +317,43 @@ def test_checkpoints_not_in_the_arena_are_never_restored():
     assert plan.resume_from == "none" and plan.erased == [40, 52]
 
 
+def test_token_ids_are_arrays_of_their_own():
+    """The sequence keeps its ids in one buffer; a checkpoint's ids are a read-only copy that later reads (after a
+    cut back, over the same buffer positions) never change, and restoring it gives those ids back."""
+    st = new_state()
+    read(st, list(range(100, 140)))
+    ck = st.capture()
+    assert ck.tokens.dtype == np.int32 and not ck.tokens.flags.writeable and ck.tokens.tolist() == list(range(100, 140))
+    st.truncate(20)
+    read(st, list(range(500, 800)))         # past the buffer's first size: it grows
+    assert ck.tokens.tolist() == list(range(100, 140))
+    assert st.tokens == list(range(100, 120)) + list(range(500, 800)) and st.ids.tolist() == st.tokens
+    with pytest.raises(ValueError):
+        st.ids[0] = 1                       # the view is read-only
+    st.reset()
+    read(st, list(range(100, 140)))
+    st.restore(ck)
+    assert st.tokens == list(range(100, 140))
+
+
+@pytest.mark.parametrize("as_array", [False, True])
+def test_plan_and_save_take_lists_or_int32_arrays(as_array):
+    """The same requests, prompts given as lists or int32 arrays: the same plans, parts and checkpoints."""
+    cache, st = CheckpointCache(cap=6), new_state()
+    seen = []
+    for users in ((U1,), (U1, U2), (U3,), (U1, U2, U3)):
+        p, c = chat(*users, answers=(A1, A2)[:len(users) - 1])
+        plan, parts = run(cache, st, np.asarray(p, np.int32) if as_array else p, c, answer=[77])
+        seen.append((plan.resume_pos, plan.resume_from, plan.part_ends, plan.save_at, plan.erased, parts,
+                     [(e["pos"], e["kind"]) for e in cache.entries()]))
+    ref_cache, ref_st = CheckpointCache(cap=6), new_state()
+    for users, got in zip(((U1,), (U1, U2), (U3,), (U1, U2, U3)), seen):
+        p, c = chat(*users, answers=(A1, A2)[:len(users) - 1])
+        plan, parts = run(ref_cache, ref_st, p, c, answer=[77])
+        assert got == (plan.resume_pos, plan.resume_from, plan.part_ends, plan.save_at, plan.erased, parts,
+                       [(e["pos"], e["kind"]) for e in ref_cache.entries()])
+
+
 @settings(max_examples=40, deadline=None)
 @given(cap=hst.integers(0, 5), every=hst.sampled_from([0, 16]), steps=hst.lists(
     hst.tuples(hst.integers(0, 2), hst.integers(0, 3), hst.booleans()), min_size=1, max_size=10))

@@ -292,3 +292,60 @@ def _invalid_alone(b: bytes) -> bool:
         return False
     except UnicodeDecodeError:
         return True
+
+
+# ----------------------------------------------------------------------------- fragments kept across requests
+# Raw text between special tokens is tokenized on its own, so ids kept for a fragment (strata.fragment_cache) are
+# exactly what tokenizing it again gives: texts that grow like a conversation, tokenized with fragments kept (every
+# fragment, in a cache small enough to evict) and with none kept, give the same ids.
+_PIECES = ["hello", " world", "  ", "\n", "\n\n", "x1", "123", "\u65e5", "\U0001f600", "<|im_start|>", "<|im_end|>",
+           "<|endoftext|>", "<tool>", "<s>", "'s", "\t", ".", "caf\u00e9", "\u0661", "the thin threads " * 5]
+_GROWING = st.lists(st.lists(st.sampled_from(_PIECES), max_size=10).map("".join), min_size=1, max_size=6)
+
+
+def _with_cache(metadata, **kw) -> Tokenizer:
+    from strata.fragment_cache import FragmentCache
+    t = Tokenizer.from_gguf(metadata)
+    t.fragments = FragmentCache(**kw)
+    return t
+
+
+@pytest.fixture(scope="module")
+def bpe_pair(metadata):
+    return _with_cache(metadata, max_tokens=64, min_chars=0), _with_cache(metadata, max_tokens=0)
+
+
+@pytest.fixture(scope="module")
+def spm_pair():
+    md = REF.spm_metadata(REF.spm_vocab())
+    return _with_cache(md, max_tokens=64, min_chars=0), _with_cache(md, max_tokens=0)
+
+
+@pytest.mark.parametrize("pair", ["bpe_pair", "spm_pair"])
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(chunks=_GROWING, ps=st.booleans())
+def test_kept_fragments_give_the_ids_of_a_full_tokenization(request, pair, chunks, ps):
+    cached, plain = request.getfixturevalue(pair)
+    for i in range(len(chunks)):
+        text = "".join(chunks[:i + 1])
+        assert cached.encode(text, parse_special=ps) == plain.encode(text, parse_special=ps), (text, ps)
+    assert cached.fragments.tokens <= 64 and plain.fragments.tokens == 0
+
+
+def test_fragment_cache_bounds():
+    from strata.fragment_cache import FragmentCache
+    c = FragmentCache(max_tokens=5, min_chars=3)
+    assert not c.wants("ab") and c.wants("abc") and not FragmentCache(max_tokens=0).wants("abc")
+    c.put("a", [1, 2])
+    c.put("b", [3, 4])
+    assert c.get("a") == [1, 2]            # "a" is now the most recent
+    c.put("c", [5])
+    assert c.tokens == 5 and len(c) == 3
+    c.put("d", [6, 7])                     # over 5 tokens: the least recently used ("b") leaves
+    assert c.get("b") is None and c.get("a") == [1, 2] and c.get("d") == [6, 7] and c.tokens == 5
+    c.put("e", list(range(6)))             # longer than the whole budget: not kept
+    assert c.get("e") is None and c.tokens == 5
+    got = c.get("a")
+    got.append(99)                         # a caller's list is its own
+    assert c.get("a") == [1, 2]
+    assert c.stats["evicted"] == 1 and c.stats["hits"] >= 4

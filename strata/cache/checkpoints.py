@@ -9,8 +9,9 @@ from typing import Any
 import numpy as np
 
 from strata.cache.retention import Kept, choose_victims, pinned_root
+from strata.token_ids import as_ids, common_prefix, frozen_ids, is_prefix
 
-__all__ = ["CheckpointCache", "PrefillPlan", "KINDS"]
+__all__ = ["CheckpointCache", "PrefillPlan", "KINDS", "common_prefix"]
 
 #: cut point kinds, in the order that names a checkpoint when several fall on one position
 KINDS = ("root", "pin", "turn", "message", "tail", "periodic")
@@ -61,7 +62,7 @@ class _Entry:
     pos: int
     kind: str
     snapshot: Any
-    tokens: tuple[int, ...]
+    tokens: np.ndarray          # read-only int32 (strata.token_ids): compared with numpy, never token by token
     bytes: int
     saved: int
     last_use: int
@@ -88,13 +89,10 @@ def _snapshot_bytes(snap) -> int:
     return sum(int(a.nbytes) for parts in running.values() for a in parts.values())
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """The length of the longest common prefix of two token lists (numpy, not a per-token Python loop)."""
-    m = min(len(a), len(b))
-    if m == 0:
-        return 0
-    diff = np.flatnonzero(np.asarray(a[:m], dtype=np.int64) != np.asarray(b[:m], dtype=np.int64))
-    return int(diff[0]) if diff.size else m
+def _state_ids(state) -> np.ndarray:
+    """The token ids a sequence holds, as int32 (a strata.stages.sequence.Sequence's ``ids`` view, no copy)."""
+    ids = getattr(state, "ids", None)
+    return ids if ids is not None else as_ids(state.tokens)
 
 
 class CheckpointCache:
@@ -165,12 +163,13 @@ class CheckpointCache:
         are kept, so the prompt after the reused prefix is read in one part; keep_live is False. cap 0:
         no cut points at all, one part. A checkpoint is saved at every kept cut point.
 
-        prompt_tokens: list of int token ids, non-empty. cut_points: CutPoint(pos, kind, index) objects
-        (or (pos, kind) tuples) with 0 <= pos <= len(prompt) and kind in root/message/turn/pin. Raises
-        ValueError (one line), changing nothing, for an empty prompt or a bad cut point.
+        prompt_tokens: token ids (a list, or an int32 array: no per-token work then), non-empty. cut_points:
+        CutPoint(pos, kind, index) objects (or (pos, kind) tuples) with 0 <= pos <= len(prompt) and kind in
+        root/message/turn/pin. Raises ValueError (one line), changing nothing, for an empty prompt or a bad cut
+        point.
         """
-        prompt = [int(t) for t in prompt_tokens]
-        n = len(prompt)
+        prompt = as_ids(prompt_tokens)
+        n = int(prompt.shape[0])
         if n == 0:
             raise ValueError("the prompt is empty: at least one token is needed")
         cuts = []
@@ -183,7 +182,7 @@ class CheckpointCache:
             cuts.append((p, kind))
         checkpoint = bool(checkpoint)
         cache_prompt = bool(cache_prompt)
-        state_tokens = list(state.tokens)
+        state_tokens = _state_ids(state)
 
         with self._lock:
             erased: list[int] = []
@@ -199,8 +198,8 @@ class CheckpointCache:
             # erase what the arena will no longer hold: not a prefix of the prompt (or of the live sequence),
             # or past the resume point (the read overwrites [resume, n))
             for pos, e in list(self._entries.items()):
-                ok = (source != "none" and pos <= resume and prompt[:pos] == list(e.tokens)
-                      and state_tokens[:pos] == list(e.tokens))
+                ok = (source != "none" and pos <= resume and is_prefix(e.tokens, prompt)
+                      and is_prefix(e.tokens, state_tokens))
                 if not ok:
                     del self._entries[pos]
                     erased.append(pos)
@@ -219,15 +218,16 @@ class CheckpointCache:
         return PrefillPlan(resume_pos=resume, resume_from=source, snapshot=snap, part_ends=part_ends,
                            save_at=save_at, keep_live=checkpoint, erased=sorted(erased))
 
-    def _choose(self, prompt: list[int], state_tokens: list[int], state=None, cut_back: bool = True
+    def _choose(self, prompt: np.ndarray, state_tokens: np.ndarray, state=None, cut_back: bool = True
                 ) -> tuple[int, str, Any]:
-        """Rules 2-4 of ``plan``: (resume position, "live" | "checkpoint" | "none", the checkpoint entry or None)."""
-        n, L = len(prompt), len(state_tokens)
-        if self._live_ok and 0 < L < n and prompt[:L] == state_tokens:
+        """Rules 2-4 of ``plan``: (resume position, "live" | "checkpoint" | "none", the checkpoint entry or None).
+        prompt, state_tokens: int32 arrays."""
+        n, L = int(prompt.shape[0]), int(state_tokens.shape[0])
+        if self._live_ok and 0 < L < n and is_prefix(state_tokens, prompt):
             return L, "live", None
         best = None
         for e in self._entries.values():
-            if e.pos < n and e.pos <= L and prompt[:e.pos] == list(e.tokens) and state_tokens[:e.pos] == list(e.tokens):
+            if e.pos < n and e.pos <= L and is_prefix(e.tokens, prompt) and is_prefix(e.tokens, state_tokens):
                 if best is None or e.pos > best.pos:
                     best = e
         # an attention-only sequence cuts its K/V back to the longest common prefix (at most n - 1: one token is
@@ -245,7 +245,7 @@ class CheckpointCache:
         if not cache_prompt:
             return 0
         with self._lock:
-            return self._choose([int(t) for t in prompt_tokens], list(state.tokens), state, cut_back)[0]
+            return self._choose(as_ids(prompt_tokens), _state_ids(state), state, cut_back)[0]
 
     def deepest(self) -> int:
         """The deepest kept checkpoint's position (0 when none is kept)."""
@@ -266,7 +266,7 @@ class CheckpointCache:
             self._live_ok = bool(live_ok)
             for pos, kind, snap in sorted(entries, key=lambda x: x[0]):
                 self._clock += 1
-                self._entries[pos] = _Entry(pos=pos, kind=kind, snapshot=snap, tokens=tuple(snap.tokens),
+                self._entries[pos] = _Entry(pos=pos, kind=kind, snapshot=snap, tokens=frozen_ids(snap.tokens),
                                             bytes=_snapshot_bytes(snap), saved=self._clock, last_use=self._clock,
                                             last_use_time=time.time())
             if self.cap == 0:
@@ -313,7 +313,7 @@ class CheckpointCache:
         if isinstance(pos, bool) or not isinstance(pos, int) or pos <= 0:
             raise ValueError(f"a checkpoint position must be an integer > 0, got {pos!r}")
         spos = getattr(snapshot, "pos", None)
-        tokens = tuple(int(t) for t in getattr(snapshot, "tokens", ()))
+        tokens = frozen_ids(getattr(snapshot, "tokens", ()))
         if spos != pos or len(tokens) != pos:
             raise ValueError(f"the snapshot was taken at position {spos} with {len(tokens)} tokens, "
                              f"not at {pos}")
@@ -322,7 +322,7 @@ class CheckpointCache:
             gone: list[int] = []
             for p, e in list(self._entries.items()):
                 lo, hi = (e.tokens, tokens) if p <= pos else (tokens, e.tokens)
-                if hi[:len(lo)] != lo or p == pos:
+                if p == pos or not is_prefix(lo, hi):
                     del self._entries[p]
                     if p != pos:
                         gone.append(p)

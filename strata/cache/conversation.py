@@ -11,7 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
+import numpy as np
+
 from strata.memory import StatePart
+from strata.token_ids import common_prefix, frozen_ids, same_ids
 
 
 @dataclass
@@ -24,17 +27,21 @@ class SavedCheckpoint:
     parts: list[StatePart]
 
 
-@dataclass
+@dataclass(eq=False)      # its tokens are an array: equality is identity
 class Conversation:
     """A conversation off the engine (parked in RAM, or read from a session file): its token ids, one
     materialized part per stage (K/V of its used pages and running state, host copies), its checkpoints and
-    whether its end may be continued live (False after a "strata_checkpoint": false request, seed #861)."""
+    whether its end may be continued live (False after a "strata_checkpoint": false request, seed #861).
+    tokens: any sequence of ids, kept as a read-only int32 array (strata.token_ids)."""
 
-    tokens: tuple[int, ...]
+    tokens: np.ndarray
     parts: list[StatePart]
     checkpoints: list[SavedCheckpoint] = field(default_factory=list)
     live_ok: bool = True
     last_use: float = field(default_factory=time.time)
+
+    def __post_init__(self):
+        self.tokens = frozen_ids(self.tokens)
 
     @property
     def pos(self) -> int:
@@ -49,18 +56,10 @@ class Conversation:
         it (and its end may be continued), else its deepest checkpoint that is a prefix of the prompt; always
         shorter than the prompt (one token at least is read), 0 when nothing matches."""
         n = len(prompt)
-        common = _common_prefix(self.tokens, prompt)
+        common = common_prefix(self.tokens, prompt)
         if self.live_ok and common == self.pos < n:
             return self.pos
         return max((c.pos for c in self.checkpoints if c.pos <= common and c.pos < n), default=0)
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 class ParkStore:
@@ -100,7 +99,7 @@ class ParkStore:
             if size > self.budget:
                 self.stats["refused"] += 1
                 return [conv]
-            self._items = [c for c in self._items if c.tokens != conv.tokens]
+            self._items = [c for c in self._items if not same_ids(c.tokens, conv.tokens)]
             conv.last_use = time.time()
             self._items.append(conv)
             self.stats["parked"] += 1
@@ -130,7 +129,7 @@ class ParkStore:
     def discard(self, tokens) -> None:
         """Drop parked conversations holding exactly these tokens (one that became live by another way)."""
         with self._lock:
-            self._items = [c for c in self._items if c.tokens != tuple(tokens)]
+            self._items = [c for c in self._items if not same_ids(c.tokens, tokens)]
 
     def clear(self) -> None:
         with self._lock:
@@ -179,7 +178,7 @@ class DiskTier:
         stub = Conversation(tokens=conv.tokens, parts=[], live_ok=conv.live_ok, last_use=conv.last_use,
                             checkpoints=[SavedCheckpoint(c.pos, c.kind, []) for c in conv.checkpoints])
         with self._lock:
-            for old in [e for e in self._index if e[0].tokens == conv.tokens]:
+            for old in [e for e in self._index if same_ids(e[0].tokens, conv.tokens)]:
                 self._index.remove(old)
                 old[1].unlink(missing_ok=True)
             self._index.append((stub, path, size))

@@ -152,7 +152,7 @@ def read(io: BinaryIO, fingerprint: str, stages: list, n_ctx: int) -> Conversati
     (tcrc,) = _U32.unpack(_exact(io, 4, "token checksum"))
     if zlib.crc32(raw) != tcrc:
         raise SessionError("session file token checksum mismatch (the token ids are corrupt)")
-    tokens = tuple(int(t) for t in np.frombuffer(raw, dtype="<i4"))
+    tokens = np.frombuffer(raw, dtype="<i4")
     parts: list = []
     cparts: list[list] = [[] for _ in cps]
     for i, st in enumerate(stages):

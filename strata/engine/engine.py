@@ -31,6 +31,7 @@ from strata.sampling_device import DeviceSampler
 from strata.stages import build_stages, parse_devices, parse_split
 from strata.stages.remote import CheckpointGone, RemoteStage, parse_remote
 from strata.tokenizer import StreamDecoder, Tokenizer
+from strata.token_ids import as_ids, is_prefix
 
 log = structlog.get_logger("strata.engine")
 
@@ -221,23 +222,34 @@ class Engine:
         the prompt's end and samples from the prompt's last logits with seed + index; greedy choices are one
         decode whose events every choice repeats (their FinalEvents: predicted_n 0, resume_from "choice").
         """
-        prompt = [int(t) for t in req.prompt_tokens]
+        prompt = self._prompt_ids(req)
         self._validate(req, prompt)
         return self._run(req, prompt)
 
     def validate(self, req: GenerationRequest) -> None:
         """What generate() checks before it starts (nothing is touched; safe from any thread): raises EmptyPrompt,
         ContextOverflow, MaxTokensTooLarge or ValueError (one line). The server calls it before queueing."""
-        self._validate(req, [int(t) for t in req.prompt_tokens])
+        self._validate(req, self._prompt_ids(req))
 
-    def _validate(self, req: GenerationRequest, prompt: list[int]) -> None:
-        if not prompt:
+    def _prompt_ids(self, req: GenerationRequest) -> np.ndarray:
+        """The request's prompt as int32 token ids (strata.token_ids: read in C, no per-token Python work).
+        ValueError for an id no vocabulary holds."""
+        try:
+            return as_ids(req.prompt_tokens)
+        except ValueError:               # an id past int32: name it as _validate names one past the vocabulary
+            bad = next((int(t) for t in req.prompt_tokens if not 0 <= int(t) < self.n_vocab), None)
+            if bad is None:
+                raise
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.n_vocab})") from None
+
+    def _validate(self, req: GenerationRequest, prompt: np.ndarray) -> None:
+        if not prompt.shape[0]:
             raise EmptyPrompt()
         if len(prompt) >= self.n_ctx:
             raise ContextOverflow(len(prompt), self.n_ctx)
-        bad = next((t for t in prompt if t < 0 or t >= self.n_vocab), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.n_vocab})")
+        out = np.flatnonzero((prompt < 0) | (prompt >= self.n_vocab))
+        if out.size:
+            raise ValueError(f"token id {int(prompt[out[0]])} is outside the vocabulary [0, {self.n_vocab})")
         if req.max_tokens is not None and req.max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {req.max_tokens}")
         n_train = int(getattr(self.config, "n_ctx_train", 0) or 0)
@@ -283,12 +295,12 @@ class Engine:
         (running state only; their K/V is the conversation's prefix)."""
         parts = self.seq.materialize(self.seq.capture())
         cps = [SavedCheckpoint(pos, kind, self.seq.detach(snap)) for pos, kind, snap in self.cache.export()]
-        return Conversation(tokens=tuple(self.seq.tokens), parts=parts, checkpoints=cps, live_ok=self.cache.live_ok)
+        return Conversation(tokens=self.seq.ids, parts=parts, checkpoints=cps, live_ok=self.cache.live_ok)
 
     def _restore_conversation(self, conv: Conversation) -> None:
         """Make `conv` the live conversation with its checkpoints. Every part is validated against its own stage
         first (PartMismatch / KVCacheFull, one line, change nothing)."""
-        whole = Checkpoint(pos=conv.pos, tokens=tuple(conv.tokens), parts=conv.parts)
+        whole = Checkpoint(pos=conv.pos, tokens=conv.tokens, parts=conv.parts)
         self.seq.validate(whole)
         for c in conv.checkpoints:
             if not 0 < c.pos <= conv.pos:
@@ -320,7 +332,7 @@ class Engine:
         with open(path, "rb") as f:
             return session.read(f, self.file.fingerprint(), self.stages, self.n_ctx)
 
-    def _switch(self, prompt: list[int], cache_prompt: bool, trace: bool, cut_back: bool = False) -> str | None:
+    def _switch(self, prompt: np.ndarray, cache_prompt: bool, trace: bool, cut_back: bool = False) -> str | None:
         """Before a request is planned: when a parked conversation (RAM, else disk) skips more of `prompt` than
         the live one and its checkpoints do, park the live one and restore that one ("park" / "disk"); when the
         request leaves the live conversation (it resumes before the live one's deepest checkpoint), park the live
@@ -410,7 +422,7 @@ class Engine:
         return (self.park.entries() if self.park is not None else []) + \
             (self.disk.entries() if self.disk is not None else [])
 
-    def _read(self, tokens: list[int], start: int, end: int, cancel=None):
+    def _read(self, tokens: np.ndarray, start: int, end: int, cancel=None):
         """Read tokens[start:end] in ubatch-sized forward calls starting fresh at `start` -> the last token's
         logits, or None when `cancel` was set between two calls (the sequence then ends at a call boundary)."""
         logits = None
@@ -419,11 +431,11 @@ class Engine:
             if cancel is not None and cancel.is_set():
                 return None
             q = min(end, p + self.ubatch)
-            logits = self.seq.forward(np.asarray(tokens[p:q], dtype=np.int32))
+            logits = self.seq.forward(tokens[p:q])
             p = q
         return logits
 
-    def _prefill(self, req: GenerationRequest, prompt: list[int], trace: bool):
+    def _prefill(self, req: GenerationRequest, prompt: np.ndarray, trace: bool):
         """Plan, restore / cut back / continue, read the parts, save checkpoints -> (plan, parts, logits).
 
         logits is None when req.cancel was set during the read: the sequence then ends at a forward-call
@@ -458,7 +470,7 @@ class Engine:
                 st.truncate(plan.resume_pos)
             st.settle()                # the worker's Commits land before the prompt is read (seed #1887)
             resume = plan.resume_pos
-            if st.pos != resume or not 0 <= resume < n or st.tokens != prompt[:resume]:
+            if st.pos != resume or not 0 <= resume < n or not is_prefix(st.ids, prompt):
                 raise RuntimeError(f"internal: plan resumes at {resume} ({plan.resume_from}) but the sequence "
                                    f"holds {st.pos} tokens that are not that prefix of the {n}-token prompt")
             if trace:
@@ -490,11 +502,11 @@ class Engine:
             raise
         return plan, parts, logits
 
-    def _run(self, req: GenerationRequest, prompt: list[int]) -> Iterator[TokenEvent | FinalEvent]:
+    def _run(self, req: GenerationRequest, prompt: np.ndarray) -> Iterator[TokenEvent | FinalEvent]:
         with self._lock:
             yield from self._run_locked(req, prompt)
 
-    def _run_locked(self, req: GenerationRequest, prompt: list[int]) -> Iterator[TokenEvent | FinalEvent]:
+    def _run_locked(self, req: GenerationRequest, prompt: np.ndarray) -> Iterator[TokenEvent | FinalEvent]:
         n = len(prompt)
         trace = _env_flag("STRATA_TRACE")
         t_start = time.perf_counter()
@@ -560,7 +572,7 @@ class Engine:
             self.last_final = final
             yield final
 
-    def _decode(self, req: GenerationRequest, prompt: list[int], logits, params: SamplingParams, index: int):
+    def _decode(self, req: GenerationRequest, prompt: np.ndarray, logits, params: SamplingParams, index: int):
         """Generate one choice from the sequence as it stands (the prompt read) and the prompt's last logits: yields
         TokenEvents, returns (finish_reason, token ids, trailing text, stopped_by). Choice `index` samples with
         seed + index (a fresh draw when the seed is unset)."""
@@ -573,7 +585,8 @@ class Engine:
         on_device = self.stages[-1].device_logits and os.environ.get("STRATA_DEVICE_SAMPLING", "1") not in (
             "0", "false", "no")
         sampler = (DeviceSampler if on_device else Sampler)(params, self.n_vocab)
-        for t in prompt[-params.repeat_last_n:] if params.repeat_last_n > 0 else prompt:
+        k = params.repeat_last_n        # tokens of history the penalties see (0 none, -1 all)
+        for t in (prompt[-k:] if k > 0 else prompt if k == -1 else prompt[:0]).tolist():
             sampler.accept(t)            # the penalties see the prompt too (as llama.cpp's server does)
         decoder = StreamDecoder(self.tokenizer, show=req.show_tokens)
         guide = req.constraint.start() if req.constraint is not None else None   # strata.grammar: the token mask

@@ -40,7 +40,8 @@ class EmptyPrompt(ValueError):
 class GenerationRequest:
     """One generation on the engine.
 
-    prompt_tokens: token ids (ints in [0, n_vocab)); cut_points: the chat template's CutPoint list
+    prompt_tokens: token ids (ints in [0, n_vocab)): a list, or an int32 array (strata.token_ids: then the engine
+    reads it without converting it again); cut_points: the chat template's CutPoint list
     (positions in prompt_tokens where a part may end and a checkpoint may be saved; [] for raw text).
     sampling: a strata.sampling.SamplingParams (None -> greedy defaults). max_tokens: completion tokens at
     most (None -> until EOG or the context is full). stop: stop strings (matched across tokens, never

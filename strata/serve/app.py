@@ -422,19 +422,28 @@ async def completions(request: web.Request) -> web.StreamResponse:
     else:
         tokens = p.prompt
         n_vocab = getattr(engine, "n_vocab", None)
-        bad = [t for t in tokens if t < 0 or (n_vocab is not None and t >= n_vocab)]
-        if bad:
-            raise ApiError(400, f"'prompt' holds token id {bad[0]} outside the vocabulary [0, {n_vocab})",
+        bad = _outside_vocab(tokens, n_vocab)
+        if bad is not None:
+            raise ApiError(400, f"'prompt' holds token id {bad} outside the vocabulary [0, {n_vocab})",
                            param="prompt", code="invalid_value")
     constraint = await asyncio.get_running_loop().run_in_executor(
         None, lambda: structured.completion_constraint(engine, p))
     return await _generate(request, engine, p, list(tokens), [], constraint=constraint)
 
 
+def _outside_vocab(tokens: list[int], n_vocab: int | None) -> int | None:
+    """The first token id below 0 or (when n_vocab is known) not below n_vocab, or None. min / max run in C: only
+    a prompt that holds such an id is looked through token by token."""
+    if min(tokens) >= 0 and (n_vocab is None or max(tokens) < n_vocab):
+        return None
+    return next(t for t in tokens if t < 0 or (n_vocab is not None and t >= n_vocab))
+
+
 async def _generate(request: web.Request, engine, p: schema.ParsedRequest, tokens: list[int],
                     cut_points: list, plan: structured.ChatPlan | None = None,
                     constraint=None, respond=None) -> web.StreamResponse:
     from strata.engine.types import GenerationRequest
+    from strata.token_ids import as_ids          # one conversion: validate and generate read it as it is
 
     n_ctx = engine.n_ctx
     if len(tokens) >= n_ctx:
@@ -444,13 +453,13 @@ async def _generate(request: web.Request, engine, p: schema.ParsedRequest, token
     if not tokens:
         raise ApiError(400, "the prompt is empty: at least one token is needed", param="prompt",
                        code="invalid_value")
-    greq = GenerationRequest(prompt_tokens=tokens, cut_points=cut_points, sampling=_sampling(p),
-                             max_tokens=p.max_tokens, stop=p.stop,
-                             logprobs=p.top_logprobs if p.logprobs else None,
-                             cache_prompt=p.cache_prompt, checkpoint=p.checkpoint, n=p.n,
-                             cancel=threading.Event(),
-                             constraint=constraint, show_tokens=plan.show_tokens if plan else frozenset())
     try:
+        greq = GenerationRequest(prompt_tokens=as_ids(tokens), cut_points=cut_points, sampling=_sampling(p),
+                                 max_tokens=p.max_tokens, stop=p.stop,
+                                 logprobs=p.top_logprobs if p.logprobs else None,
+                                 cache_prompt=p.cache_prompt, checkpoint=p.checkpoint, n=p.n,
+                                 cancel=threading.Event(),
+                                 constraint=constraint, show_tokens=plan.show_tokens if plan else frozenset())
         engine.validate(greq)              # refused now rather than after the queue (max_tokens past n_ctx_train, ...)
     except ValueError as e:
         raise _engine_error(EngineError(e)) from None

@@ -271,7 +271,7 @@ def parse_completion(body: dict) -> ParsedRequest:
         p = p[0]
     if isinstance(p, str):
         r.prompt = p
-    elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+    elif isinstance(p, list) and p and set(map(type, p)) == {int}:      # JSON integers (not true / false), in C
         r.prompt = list(p)
     elif isinstance(p, list) and len(p) > 1 and all(isinstance(t, (str, list)) for t in p):
         raise ApiError(400, "'prompt' holds several prompts: Strata answers one prompt per request",

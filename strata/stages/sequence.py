@@ -8,16 +8,21 @@ import numpy as np
 
 from strata.memory import PartMismatch, StatePart
 from strata.memory.memory import with_field_hashes
+from strata.token_ids import as_ids, common_prefix, frozen_ids, is_prefix
 
 
-@dataclass
+@dataclass(eq=False)      # its tokens are an array: equality is identity
 class Checkpoint:
     """The sequence at ``pos``: its token ids and one StatePart per stage, in stage order (each naming its
-    carve). What the checkpoint cache keeps; restoring it lets a prompt that shares those tokens start at pos."""
+    carve). What the checkpoint cache keeps; restoring it lets a prompt that shares those tokens start at pos.
+    tokens: any sequence of ids, kept as a read-only int32 array (strata.token_ids)."""
 
     pos: int
-    tokens: tuple[int, ...]
+    tokens: np.ndarray
     parts: list[StatePart]
+
+    def __post_init__(self):
+        self.tokens = frozen_ids(self.tokens)
 
     def nbytes(self) -> int:
         """Bytes held: every part's own bytes + token ids (int32)."""
@@ -27,16 +32,43 @@ class Checkpoint:
 class Sequence:
     """One live conversation on the engine (DESIGN.md §2): the token ids read so far (the main process decides
     positions) and, per stage, its sequence id there. Every operation runs over all stages; restore validates
-    every stage's part before any stage is written."""
+    every stage's part before any stage is written. The ids live in one int32 buffer (``ids``, a read-only view),
+    so reading n tokens costs O(n) and comparing the sequence with a prompt is one numpy comparison."""
 
     def __init__(self, stages: list):
         self.stages = stages
         self.sids = [st.new_seq() for st in stages]
-        self.tokens: list[int] = []
+        self._buf = np.zeros(256, np.int32)
+        self._n = 0
 
     @property
     def pos(self) -> int:
-        return len(self.tokens)
+        return self._n
+
+    @property
+    def ids(self) -> np.ndarray:
+        """The token ids read so far: a read-only int32 view (valid until the sequence changes)."""
+        v = self._buf[:self._n]
+        v.flags.writeable = False
+        return v
+
+    @property
+    def tokens(self) -> list[int]:
+        """The token ids read so far, as a new list (``ids`` is the view without a copy)."""
+        return self._buf[:self._n].tolist()
+
+    def _set(self, ids) -> None:
+        """Make ``ids`` the sequence's token ids (the buffer grows to hold them)."""
+        ids = as_ids(ids)
+        self._reserve_ids(ids.shape[0])
+        self._buf[:ids.shape[0]] = ids
+        self._n = int(ids.shape[0])
+
+    def _reserve_ids(self, n: int) -> None:
+        if n > self._buf.shape[0]:
+            buf = np.zeros(max(n, 2 * self._buf.shape[0]), np.int32)
+            buf[:self._n] = self._buf[:self._n]
+            self._buf = buf
 
     # ---- reading ---------------------------------------------------------------------------------
     def forward(self, tokens, all_logits: bool = False, on_device: bool = False, x_in=None):
@@ -50,7 +82,10 @@ class Sequence:
         x = x_in
         for st, sid in zip(self.stages, self.sids):
             x = st.forward(toks, sid, x_in=x, all_logits=all_logits, on_device=on_device)
-        self.tokens.extend(int(t) for t in toks)
+        k = int(toks.shape[0])
+        self._reserve_ids(self._n + k)
+        self._buf[self._n:self._n + k] = toks
+        self._n += k
         return x
 
     # ---- state -----------------------------------------------------------------------------------
@@ -70,7 +105,7 @@ class Sequence:
 
     def capture(self) -> Checkpoint:
         """A checkpoint at the current position (each stage drained on its own device first)."""
-        return Checkpoint(pos=self.pos, tokens=tuple(self.tokens),
+        return Checkpoint(pos=self.pos, tokens=frozen_ids(self.ids),
                           parts=[st.capture(sid) for st, sid in zip(self.stages, self.sids)])
 
     def validate(self, ckpt: Checkpoint) -> None:
@@ -83,8 +118,8 @@ class Sequence:
         if any(p.is_reference for p in ckpt.parts):     # its K/V is this sequence's pages: they must hold its tokens
             if ckpt.pos > self.pos:
                 raise PartMismatch(f"cannot restore position {ckpt.pos}: the sequence holds only {self.pos} tokens")
-            if tuple(self.tokens[:ckpt.pos]) != ckpt.tokens:
-                first = next(i for i, (a, b) in enumerate(zip(self.tokens, ckpt.tokens)) if a != b)
+            if not is_prefix(ckpt.tokens, self.ids):
+                first = common_prefix(self.ids, ckpt.tokens)
                 raise PartMismatch(f"cannot restore position {ckpt.pos}: the sequence diverged from the checkpoint "
                                    f"at position {first}")
         for st, sid, part in zip(self.stages, self.sids, ckpt.parts):
@@ -100,7 +135,7 @@ class Sequence:
         self.validate(ckpt)
         for st, sid, part in zip(self.stages, self.sids, ckpt.parts):
             st.restore(sid, part)
-        self.tokens = list(ckpt.tokens)
+        self._set(ckpt.tokens)
 
     # ---- conversations held apart (parking, session files) -----------------------------------------
     def materialize(self, ckpt: Checkpoint) -> list[StatePart]:
@@ -127,7 +162,7 @@ class Sequence:
     def attach(self, pos: int, parts: list[StatePart]) -> Checkpoint:
         """A checkpoint of this sequence at `pos` from detached parts: K/V referencing its pages, running state
         copied to each stage."""
-        return Checkpoint(pos=pos, tokens=tuple(self.tokens[:pos]),
+        return Checkpoint(pos=pos, tokens=frozen_ids(self.ids[:pos]),
                           parts=[st.attach_prefix(sid, p) for st, sid, p in zip(self.stages, self.sids, parts)])
 
     def truncate(self, p: int) -> None:
@@ -143,13 +178,13 @@ class Sequence:
             st.check_truncate(sid, p)
         for st, sid in zip(self.stages, self.sids):
             st.truncate(sid, p)
-        del self.tokens[p:]
+        self._n = p
 
     def drop(self) -> None:
         """Give every stage's pages of this sequence back and forget it there (the sequence is unusable after)."""
         for st, sid in zip(self.stages, self.sids):
             st.drop_seq(sid)
-        self.sids, self.tokens = [], []
+        self.sids, self._n = [], 0
 
     def can_truncate(self, p: int) -> bool:
         """Whether ``truncate(p)`` would succeed on every stage (attention K/V can be cut back; a running state
@@ -167,7 +202,7 @@ class Sequence:
         """Back to position 0 on every stage (pages kept, running state zeroed)."""
         for st, sid in zip(self.stages, self.sids):
             st.reset(sid)
-        self.tokens = []
+        self._n = 0
 
     def trim(self) -> None:
         """Give back every stage's pages past the valid positions."""
@@ -181,12 +216,12 @@ class Sequence:
         for st, sid in zip(self.stages, self.sids):
             per.update({k: v for k, v in st.hashes(sid).items() if ".L" in k})
         out = with_field_hashes(per)
-        out["tokens"] = hashlib.sha256(np.asarray(self.tokens, dtype=np.int32).tobytes()).hexdigest()
+        out["tokens"] = hashlib.sha256(self.ids.tobytes()).hexdigest()
         return out
 
     def nbytes(self) -> int:
         """Bytes of the sequence's state on every stage + token ids (int32)."""
-        return sum(st.nbytes(sid) for st, sid in zip(self.stages, self.sids)) + 4 * len(self.tokens)
+        return sum(st.nbytes(sid) for st, sid in zip(self.stages, self.sids)) + 4 * self._n
 
     def positions(self) -> list[int]:
         """Each stage's position (all equal to pos between forward calls)."""
