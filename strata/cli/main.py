@@ -82,16 +82,19 @@ def engine_args_error(args) -> str | None:
                 f"devices: give one device per stage, or one for all")
     remote = getattr(args, "remote_stage", None)
     if remote:
-        from strata.stages.remote import parse_remote
+        from strata.stages.remote import parse_remote, unsupported_with_remote
         try:
             parse_remote(remote)
         except ValueError as e:
             return f"--remote-stage: {e}"
-        for flag in ("conversation_cache_dir", "slot_save_path"):
-            if getattr(args, flag, None):
-                return f"--{flag.replace('_', '-')} is not supported with --remote-stage yet"
-        if getattr(args, "conversation_cache_mib", None):
-            return "--conversation-cache-mib (parking) is not supported with --remote-stage yet"
+        why = unsupported_with_remote(
+            conversation_cache_mib=getattr(args, "conversation_cache_mib", None),
+            conversation_cache_dir=getattr(args, "conversation_cache_dir", None),
+            slot_save_path=getattr(args, "slot_save_path", None),
+            prompt_cache_every=getattr(args, "prompt_cache_every", 0),
+            prompt_cache_tail=getattr(args, "prompt_cache_tail", 0))
+        if why:
+            return why
     for flag in ("slot_save_path", "conversation_cache_dir"):
         d = getattr(args, flag, None)
         if d is not None and not os.path.isdir(d):

@@ -29,7 +29,7 @@ from strata.gguf_file import ModelLoadError, open_gguf
 from strata.sampling import Sampler, SamplingParams, StopMatcher
 from strata.sampling_device import DeviceSampler
 from strata.stages import build_stages, parse_devices, parse_split
-from strata.stages.remote import CheckpointGone, RemoteStage, parse_remote
+from strata.stages.remote import CheckpointGone, RemoteStage, parse_remote, unsupported_with_remote
 from strata.tokenizer import StreamDecoder, Tokenizer
 from strata.token_ids import as_ids, is_prefix
 
@@ -84,7 +84,11 @@ class Engine:
         if prompt_cache < 0:
             raise ValueError(f"prompt_cache must be >= 0, got {prompt_cache}")
         if remote:
-            _check_remote_flags(conversation_cache_mib, conversation_cache_dir, prompt_cache_every, prompt_cache_tail)
+            why = unsupported_with_remote(conversation_cache_mib=conversation_cache_mib,
+                                          conversation_cache_dir=conversation_cache_dir, slot_save_path=slot_save_path,
+                                          prompt_cache_every=prompt_cache_every, prompt_cache_tail=prompt_cache_tail)
+            if why:
+                raise ValueError(why)
             conversation_cache_mib = 0
         devices = parse_devices(device)
         split = parse_split(layer_split)
@@ -755,16 +759,6 @@ class Engine:
 
 
 # ---- helpers -------------------------------------------------------------------------------------
-
-def _check_remote_flags(conversation_cache_mib, conversation_cache_dir, every, tail) -> None:
-    """ValueError (one line) for what a remote stage does not support yet (seed #1887)."""
-    if conversation_cache_mib or conversation_cache_dir:
-        raise ValueError("parking (--conversation-cache-mib / --conversation-cache-dir) is not supported with a "
-                         "remote stage (--remote-stage) yet")
-    if every or tail:
-        raise ValueError("mid-prompt checkpoints (--prompt-cache-every / --prompt-cache-tail) are not supported "
-                         "with a remote stage (--remote-stage)")
-
 
 def default_conversation_cache_mib() -> int:
     """--conversation-cache-mib's default: 25 % of host RAM (0 when it cannot be read)."""

@@ -29,8 +29,6 @@ CKPT_MAX = 64               # checkpoint parts a worker keeps at most (seed #188
 HELLO_TIMEOUT = 10.0        # seconds a connected main has to send its Hello
 IDLE_TIMEOUT = 15.0         # seconds without a frame from the main (it pings an idle link every second)
 MAX_BATCH = 8192            # tokens a Forward may carry at most (bounds the frames a main can make the worker read)
-INLINE_TOKENS = 8           # Forwards of at most this many tokens run on the event loop itself (a thread hand-off
-                            # costs more than such a step); longer ones on the compute thread, Pings answered meanwhile
 
 
 class Refuse(Exception):
@@ -390,10 +388,7 @@ class Worker:
 
         async def run(hdr, msg) -> bool:
             try:
-                if isinstance(msg, Forward) and msg.tokens.shape[0] <= INLINE_TOKENS and carrier.next is None:
-                    reply = carrier.handle(msg)       # a decode step: on the loop, no thread hand-off
-                else:
-                    reply = await loop.run_in_executor(self.pool, carrier.handle, msg)
+                reply = await loop.run_in_executor(self.pool, carrier.handle, msg)
             except Refuse as e:
                 await self._send(writer, Error(code=e.code, message=str(e)), hdr.request_id)
                 log.warning("request refused", peer=who, request=type(msg).__name__, error=str(e))
