@@ -52,7 +52,7 @@ def timeit(cp, fn, reps: int = 20, per_graph: int = 20) -> float:
 def bench_gdn(cp, res: dict, rng) -> None:
     """res["gdn"]: microseconds per launch of strata_gdn_recurrent_ex (block and warp variants) and strata_gdn_conv on
     one ubatch, for the GDN shapes of the synthetic 1.5B hybrid (16 value heads of 128) and others."""
-    from strata.backend import cuda_gdn as G
+    from strata.backend.cuda import gdn as G
     lib = G.lib()
     res["gdn"] = []
     print(f"\n{'gdn delta rule':34s} {'block us':>9s} {'auto us':>9s} {'speedup':>8s}  (warp: 4 / 2 / 1 columns)")
@@ -92,8 +92,9 @@ def bench_gdn(cp, res: dict, rng) -> None:
 def bench_attn_decode(cp, res, rng, be) -> None:
     """Decode attention: v1 vs v2 at the plan's split (with and without the one-wave cap), and v2 over a sweep of
     n_split (the only thing ATTN_CHUNK / ATTN_BPS / the cap change), per shape and context length."""
-    from strata.backend import cuda as C
-    lib, ffi, s = C.lib(), C._ffi, C._stream_ptr
+    from strata.backend.cuda import library as K
+    from strata.backend.cuda import settings as S
+    lib, ffi, s = K.lib(), K.ffi(), K.stream_ptr
     splits = (8, 16, 24, 32, 40, 48, 56, 64, 88, 128, 256)
     print(f"\n{'attn decode':28s} {'v1 us':>8s} {'v2 us':>8s} {'v2 KV TB/s':>10s}   v2 without the one-wave cap; "
           f"v2 by n_split {splits}")
@@ -108,25 +109,25 @@ def bench_attn_decode(cp, res, rng, be) -> None:
 
             def kv(kcs=kcs, vcs=vcs, ring=ring, nc=nc):
                 i = next(ring) % nc
-                return C._p(kcs[i]), C._p(vcs[i])
+                return K.ptr(kcs[i]), K.ptr(vcs[i])
             pt = cp.asarray(rng.permutation(n_pages).astype(np.int32))
             q = cp.asarray(rng.standard_normal(H * hd).astype(np.float32))
             out = cp.empty(H * hd, cp.float32)
-            ws = cp.empty(H * max(C.MAX_SPLIT, C.GQA_MAX_SPLIT) * (hd + 2), cp.float32)
+            ws = cp.empty(H * max(S.MAX_SPLIT, S.GQA_MAX_SPLIT) * (hd + 2), cp.float32)
             ctr = cp.zeros(KV, cp.uint32)
             oq = cp.empty(H * hd * 5 // 4, cp.uint8)
-            n1 = C.n_split_for(L)
-            resident = C.gqa_resident(hd, H // KV, False)
-            n2 = C.n_split_gqa(L, KV, be.n_sm, resident=resident)
-            n2_nocap = C.n_split_gqa(L, KV, be.n_sm)
+            n1 = S.n_split_for(L)
+            resident = S.gqa_resident(hd, H // KV, False)
+            n2 = S.n_split_gqa(L, KV, be.n_sm, resident=resident)
+            n2_nocap = S.n_split_gqa(L, KV, be.n_sm)
             sc = 1 / np.sqrt(hd)
 
             def v2(ns):
                 return timeit(cp, lambda: lib.strata_attn_decode_gqa(
-                    s(), C._p(q), *kv(), C._p(pt), ffi.NULL, L, C._p(ws), ffi.cast("unsigned *", ctr.data.ptr),
-                    C._p(out), C._p(oq), H, KV, hd, ps, ns, sc, ffi.NULL, ffi.NULL))
-            t1 = timeit(cp, lambda: lib.strata_attn_decode(s(), C._p(q), *kv(), C._p(pt), ffi.NULL, L,
-                                                           C._p(ws), C._p(out), H, KV, hd, ps, n1, sc))
+                    s(), K.ptr(q), *kv(), K.ptr(pt), ffi.NULL, L, K.ptr(ws), ffi.cast("unsigned *", ctr.data.ptr),
+                    K.ptr(out), K.ptr(oq), H, KV, hd, ps, ns, sc, ffi.NULL, ffi.NULL))
+            t1 = timeit(cp, lambda: lib.strata_attn_decode(s(), K.ptr(q), *kv(), K.ptr(pt), ffi.NULL, L,
+                                                           K.ptr(ws), K.ptr(out), H, KV, hd, ps, n1, sc))
             t2 = v2(n2)
             t2n = t2 if n2_nocap == n2 else v2(n2_nocap)
             sweep = {ns: 1e6 * v2(ns) for ns in splits}
@@ -151,8 +152,11 @@ def main(argv=None) -> int:
     import cupy as cp
     from bench.gpu_throughput import commit, copy_bandwidth
     from strata.backend import cuda as C
+    from strata.backend.cuda import library as K
+    from strata.backend.cuda import settings as S
+    from strata.backend.cuda import weights as W
     be = C.CudaBackend()
-    lib, ffi, s = C.lib(), C._ffi, C._stream_ptr
+    lib, ffi, s = K.lib(), K.ffi(), K.stream_ptr
     bw = copy_bandwidth(cp)
     props = cp.cuda.runtime.getDeviceProperties(0)
     gpu = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
@@ -182,14 +186,14 @@ def main(argv=None) -> int:
     print(f"{'matvec':22s} {'MB':>7s} " + " ".join(f"{v:>14s}" for v in
                                                     ("f32", "q8 8-lane", "q8w R1", "q8w R2", "q8w R4")))
     for name, t, n_out, n_in in shapes:
-        qk, bsz = C.BLOCK[t]
+        qk, bsz = W.BLOCK[t]
         rb = n_in // qk * bsz
         nbytes = n_out * rb
         copies = max(1, min(20, int(np.ceil(200e6 / nbytes))))   # rotate over > 3x the L2
         ws = []
         for _ in range(copies):
             raw = rng.integers(0, 256, size=(n_out, rb), dtype=np.uint8)
-            ws.append(C.upload_raw("w", t, (n_out, n_in), raw))
+            ws.append(W.upload_raw("w", t, (n_out, n_in), raw))
             # finite scales: overwrite the f16 scale fields with small values
         for w in ws:
             d = w.data.reshape(n_out, n_in // qk, bsz)
@@ -208,26 +212,26 @@ def main(argv=None) -> int:
             return ws[next(it) % copies]
 
         variants = {
-            "f32": lambda: lib.strata_matvec(s(), t, C._p(pick().data), C._p(x), C._p(y), n_out, n_in, 1),
-            "q8 8-lane": lambda: lib.strata_matvec_q8(s(), t, C._p(pick().data), C._p(xq), C._p(y), n_out, n_in),
+            "f32": lambda: lib.strata_matvec(s(), t, K.ptr(pick().data), K.ptr(x), K.ptr(y), n_out, n_in, 1),
+            "q8 8-lane": lambda: lib.strata_matvec_q8(s(), t, K.ptr(pick().data), K.ptr(xq), K.ptr(y), n_out, n_in),
         }
         for r in (1, 2, 4):
-            variants[f"q8w R{r}"] = (lambda r=r: lib.strata_matvec_q8w(s(), t, C._p(pick().data), C._p(xq), C._p(y),
+            variants[f"q8w R{r}"] = (lambda r=r: lib.strata_matvec_q8w(s(), t, K.ptr(pick().data), K.ptr(xq), K.ptr(y),
                                                                        n_out, n_in, r))
         if "gate_up" in name:   # SwiGLU fused into the matvec vs the decode plan's matvec + strata_swiglu_gu
             F = n_out // 2
             act, aq = cp.empty(F, cp.float32), cp.empty(F + F // 4, cp.uint8)
 
             def unfused():
-                lib.strata_matvec_q8w(s(), t, C._p(pick().data), C._p(xq), C._p(y), n_out, n_in,
-                                      C.rows_per_warp(n_out))
-                lib.strata_swiglu_gu(s(), C._p(y), 1, F, C._p(act), ffi.NULL, C._p(aq))
+                lib.strata_matvec_q8w(s(), t, K.ptr(pick().data), K.ptr(xq), K.ptr(y), n_out, n_in,
+                                      S.rows_per_warp(n_out))
+                lib.strata_swiglu_gu(s(), K.ptr(y), 1, F, K.ptr(act), ffi.NULL, K.ptr(aq))
             variants["mv+swiglu"] = unfused
             for rp in (1, 2, 4):
                 def fused(rp=rp):
                     w = pick().data
-                    lib.strata_matvec_q8w_glu(s(), t, C._p(w), ffi.cast("void *", w.data.ptr + F * rb), C._p(xq),
-                                              C._p(act), C._p(aq), F, n_in, rp)
+                    lib.strata_matvec_q8w_glu(s(), t, K.ptr(w), ffi.cast("void *", w.data.ptr + F * rb), K.ptr(xq),
+                                              K.ptr(act), K.ptr(aq), F, n_in, rp)
                 variants[f"glu RP{rp}"] = fused
         row = {"name": name, "type": t, "n_out": n_out, "n_in": n_in, "bytes": nbytes, "us": {}, "bw_fraction": {}}
         for k, fn in variants.items():
@@ -260,12 +264,12 @@ def main(argv=None) -> int:
             blocks = ((n + 63) // 64) * H
             s1 = max(1, min(32, -(-1024 // blocks), -(-n_tiles // 4)))
             ws1 = cp.empty(s1 * H * n * (hd + 2), cp.float32)
-            s2 = C.fa2_splits(n, H, L, be.n_sm)
+            s2 = S.fa2_splits(n, H, L, be.n_sm)
             ws2 = cp.empty(s2 * H * n * (hd + 2), cp.float32)
-            t1 = timeit(cp, lambda: lib.strata_flash_prefill(s(), C._p(q), C._p(kc), C._p(vc), C._p(pt), C._p(out),
-                                                             C._p(ws1), n, H, KV, hd, ps, length, s1, sc), per_graph=4)
-            t2 = timeit(cp, lambda: lib.strata_fa2_prefill(s(), C._p(q), H * hd, C._p(kc), C._p(vc), C._p(pt),
-                                                           C._p(out), ffi.NULL, C._p(ws2), n, H, KV, hd, ps, length,
+            t1 = timeit(cp, lambda: lib.strata_flash_prefill(s(), K.ptr(q), K.ptr(kc), K.ptr(vc), K.ptr(pt), K.ptr(out),
+                                                             K.ptr(ws1), n, H, KV, hd, ps, length, s1, sc), per_graph=4)
+            t2 = timeit(cp, lambda: lib.strata_fa2_prefill(s(), K.ptr(q), H * hd, K.ptr(kc), K.ptr(vc), K.ptr(pt),
+                                                           K.ptr(out), ffi.NULL, K.ptr(ws2), n, H, KV, hd, ps, length,
                                                            s2, sc, ffi.NULL, ffi.NULL), per_graph=4)
             flops = 4.0 * n * (length + n / 2) * hd * H
             res["attn_prefill"].append({"H": H, "KV": KV, "hd": hd, "n": n, "length": length, "v1_ms": t1 * 1e3,

@@ -163,16 +163,21 @@ def bench_strata(path: str, prompts, depths, n_gen: int, ubatch: int, bw: float,
                  quick: bool = False) -> dict:
     """Strata as the engine runs it on CUDA (CudaBackend.fast_path): the LlamaCuda plan's prefill for ubatch-sized
     forward calls and its CUDA-graph decode step (greedy, argmax on the device; int8 activations, the default: the
-    launch-per-op CUDA graph). Decode is timed again with the opt-in persistent decode step (decode_step;
-    STRATA_CUDA_STEP=1; with the step on, decode_no_step is the graph), with every matvec one warp per row
-    (decode_no_mvblock; STRATA_CUDA_MV_BLOCK_FROM=0) and, on the graph, without programmatic dependent
-    launch (decode_no_pdl; STRATA_CUDA_PDL=0, whose greedy tokens must be the same), with the fused-SwiGLU setting
-    flipped (decode_no_glu: the matvec + SwiGLU launch pair when the fused kernel is on, as by default; decode_glu
-    the other way round; same tokens), with the GQA decode attention kernel at every context size (decode_attn_v2;
-    STRATA_CUDA_ATTN=v2) and, with f32_act, with f32 activations (STRATA_CUDA_DP4A=0). quick: the default decode
-    only (A/B runs of two builds)."""
+    launch-per-op CUDA graph). Decode is timed again with every down projection one warp per row
+    (decode_no_mvblock: the plan's mv_block_from = 0) and without programmatic dependent launch (decode_no_pdl;
+    strata_set_pdl(0), whose greedy tokens must be the same), with the fused-SwiGLU setting flipped (decode_no_glu:
+    the matvec + SwiGLU launch pair when the fused kernel is on, as by default; decode_glu the other way round; same
+    tokens), with the GQA decode attention kernel at every context size (decode_attn_v2; plan.attn = "v2") and,
+    with f32_act, with f32 activations (plan.dp4a off). quick: the default decode only (A/B runs of two builds; the
+    bench also runs a tree from before issue #20's package split)."""
     import cupy as cp
-    from strata.backend.cuda import CudaBackend, LlamaCuda
+    from strata.backend.cuda import CudaBackend
+    try:
+        from strata.backend.cuda.library import lib as kernel_lib
+        from strata.backend.cuda.llama import LlamaCuda
+    except ImportError:                                            # a tree from before the package split
+        from strata.backend.cuda import LlamaCuda
+        from strata.backend.cuda import lib as kernel_lib
     from strata.models.base import load_model
     rng = np.random.default_rng(0)
     max_ctx = max(max(prompts), max(depths) + n_gen + 16) + 256
@@ -202,33 +207,26 @@ def bench_strata(path: str, prompts, depths, n_gen: int, ubatch: int, bw: float,
         res["prompt"][str(n)] = n / min(ts)
         print(f"  strata pp{n}: {n / min(ts):.1f} tok/s", flush=True)
     c = model.config
-    lib = __import__("strata.backend.cuda", fromlist=["lib"]).lib()
+    lib = kernel_lib()
     pdl_default = lib.strata_get_pdl()
-    # (name, persistent step, int8 activations, PDL, decode attention kernel choice: LlamaCuda.attn, SwiGLU fused in
-    # the matvec); decode_step: the opt-in persistent step (STRATA_CUDA_STEP=1) where the model allows it
-    glu0, step0 = plan.glu, plan.step
-    step_ok = plan.prepare_step()
-    res["step"] = {"runs": bool(step_ok), "why_not": plan.step_why, "blocks": plan.step_blocks}
-    why = f"{plan.step_blocks} blocks" if step_ok else f"cannot run: {plan.step_why}"
-    print(f"  persistent decode step: {why}", flush=True)
-    mvb0 = plan.mv_block_from
+    # (name, int8 activations, PDL, decode attention kernel choice: LlamaCuda.attn, SwiGLU fused in the matvec,
+    # block-per-row down projection from this many sub-blocks)
+    glu0, mvb0 = plan.glu, plan.mv_block_from
     glu_kind = "decode_no_glu" if glu0 else "decode_glu"
-    modes = [("decode", step0, True, pdl_default, plan.attn, glu0, mvb0)] + \
-        ([("decode_step", True, True, pdl_default, plan.attn, glu0, mvb0)] if step_ok and not step0 else []) + \
-        ([("decode_no_step", False, True, pdl_default, plan.attn, glu0, mvb0)] if step0 else []) + \
-        ([("decode_no_mvblock", False, True, pdl_default, plan.attn, glu0, 0)] if mvb0 else []) + \
-        [("decode_no_pdl", False, True, False, plan.attn, glu0, mvb0),
-         (glu_kind, False, True, pdl_default, plan.attn, not glu0, mvb0),
-         ("decode_attn_v2", False, True, pdl_default, "v2", glu0, mvb0)] + \
-        ([("decode_f32act", False, False, pdl_default, plan.attn, glu0, mvb0)] if f32_act else [])
+    modes = [("decode", True, pdl_default, plan.attn, glu0, mvb0)] + \
+        ([("decode_no_mvblock", True, pdl_default, plan.attn, glu0, 0)] if mvb0 else []) + \
+        [("decode_no_pdl", True, False, plan.attn, glu0, mvb0),
+         (glu_kind, True, pdl_default, plan.attn, not glu0, mvb0),
+         ("decode_attn_v2", True, pdl_default, "v2", glu0, mvb0)] + \
+        ([("decode_f32act", False, pdl_default, plan.attn, glu0, mvb0)] if f32_act else [])
     if quick:
         modes = modes[:1]
     attn0 = plan.attn
     pdl0 = pdl_default
     ctx = {d: rng.integers(0, vocab, d) for d in depths}          # the same contexts in every mode
-    for kind, step, dp4a, pdl, attn, glu, mvb in modes:
+    for kind, dp4a, pdl, attn, glu, mvb in modes:
         lib.strata_set_pdl(int(pdl))
-        plan.step, plan.dp4a, plan.graphs, plan.attn, plan.glu = step, dp4a, {}, attn, glu
+        plan.dp4a, plan.graphs, plan.attn, plan.glu = dp4a, {}, attn, glu
         plan.mv_block_from = mvb
         res.setdefault(kind, {})
         for d in depths:
@@ -250,16 +248,11 @@ def bench_strata(path: str, prompts, depths, n_gen: int, ubatch: int, bw: float,
             print(f"  strata {kind} tg{n_gen}@d{d}: {tps:.1f} tok/s  "
                   f"({100 * plan.weight_bytes * tps / bw:.1f}% of bandwidth limit)", flush=True)
     lib.strata_set_pdl(pdl0)
-    plan.attn, plan.glu, plan.step, plan.mv_block_from = attn0, glu0, step0, mvb0
-    base = "tokens_decode_no_step" if step0 else "tokens_decode"     # the launch-per-op graph's own tokens
+    plan.attn, plan.glu, plan.mv_block_from = attn0, glu0, mvb0
+    base = "tokens_decode"
     if "tokens_decode_no_pdl" in res:
         res["pdl_tokens_equal"] = res["tokens_decode_no_pdl"] == res[base]
         print(f"  PDL tokens equal to plain launches: {res['pdl_tokens_equal']}", flush=True)
-    other = "tokens_decode_step" if "tokens_decode_step" in res else "tokens_decode" if step0 else None
-    if other:   # other summation order: a near tie may part (reported, not required)
-        same = {d: res[other][d] == res[base][d] for d in res[base]}
-        res["step_tokens_equal"] = same
-        print(f"  persistent step's 8 greedy tokens equal to the launch-per-op graph's: {same}", flush=True)
     if "tokens_" + glu_kind in res:
         res["glu_tokens_equal"] = res["tokens_" + glu_kind] == res[base]   # the fusion is bit-exact
         print(f"  tokens with the fused SwiGLU {'off' if glu0 else 'on'} equal to the default's: "

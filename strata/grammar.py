@@ -279,8 +279,8 @@ def _mask_kernel():
     global _MASK_KERNEL
     if _MASK_KERNEL is None:
         try:
-            from strata.backend.cuda import open_kernel_library
-            ffi, lib = open_kernel_library()
+            from strata.backend.cuda import library
+            ffi, lib = library.ffi(), library.lib()
             _ = lib.strata_apply_mask
             _MASK_KERNEL = (ffi, lib)
         except Exception:  # noqa: BLE001 -- no kernel: apply_words' array operations do the same

@@ -38,8 +38,8 @@ _kernel_lib: Any = None          # (ffi, lib) once loaded, False when unavailabl
 
 
 def sample_kernel():
-    """(ffi, lib) of strata_sample (native/cuda/sampling.cu) in strata/_cuda_kernels.so through this module's own
-    cffi FFI in ABI mode, or None: library or symbol missing, or not asked for. Opt-in (STRATA_SAMPLE_KERNEL=1):
+    """(ffi, lib) of strata_sample (native/cuda/sampling.cu) in strata/_cuda_kernels.so (the backend's cffi handle), or
+    None: library or symbol missing, or not asked for. Opt-in (STRATA_SAMPLE_KERNEL=1):
     on the H200 it disagreed with the array path on one of the tricky-logits cases of
     tests/test_device_sampling.py::test_kernel_matches_array_path (logits rounded to halves: ties, -0.0); the likely
     cause, the array path's radix sort putting +0.0 before -0.0, is fixed in _argsort_desc but not yet re-run on a
@@ -49,8 +49,8 @@ def sample_kernel():
         return None
     if _kernel_lib is None:
         try:
-            from strata.backend.cuda import open_kernel_library
-            ffi, lib = open_kernel_library()
+            from strata.backend.cuda import library
+            ffi, lib = library.ffi(), library.lib()
             _ = lib.strata_sample                               # AttributeError: an older library
             _kernel_lib = (ffi, lib)
         except Exception:  # noqa: BLE001 -- no kernel: the array path does the same sampling

@@ -9,6 +9,7 @@ import cffi
 import pytest
 
 from strata.backend import cuda as C
+from strata.backend.cuda import library as K
 
 ROOT = Path(__file__).resolve().parent.parent
 CUDA_SRC = ROOT / "native" / "cuda"
@@ -21,7 +22,7 @@ def _declared(text: str) -> set[str]:
 def test_header_parses_in_cffi_and_declares_every_exported_launcher():
     """cffi parses the header's declarations (the structs of the persistent step among them), and the launchers it
     declares are exactly the extern "C" functions defined in native/cuda/*.cu."""
-    decl = C.kernel_declarations(C.SOURCE_HEADER)
+    decl = K.kernel_declarations(K.SOURCE_HEADER)
     assert "#" not in decl and "extern" not in decl and "/*" not in decl
     ffi = cffi.FFI()
     ffi.cdef(decl)
@@ -39,15 +40,15 @@ def test_header_beside_the_library_wins_else_the_source_tree(tmp_path, monkeypat
     """A library's own header (<library>.h, copied there by its build) is the one read; a library without one (built
     by hand) gets the source tree's; neither: CudaUnavailable naming both paths."""
     lib = tmp_path / "k.so"
-    assert C.header_path(lib) == C.SOURCE_HEADER
+    assert K.header_path(lib) == K.SOURCE_HEADER
     own = tmp_path / "k.h"
     own.write_text("int strata_only_here(void *stream);\n")
-    assert C.header_path(lib) == own
-    assert _declared(C.kernel_declarations(own)) == {"strata_only_here"}
+    assert K.header_path(lib) == own
+    assert _declared(K.kernel_declarations(own)) == {"strata_only_here"}
     own.unlink()
-    monkeypatch.setattr(C, "SOURCE_HEADER", tmp_path / "absent.h")
+    monkeypatch.setattr(K, "SOURCE_HEADER", tmp_path / "absent.h")
     with pytest.raises(C.CudaUnavailable, match="k.h") as e:
-        C.header_path(lib)
+        K.header_path(lib)
     assert "absent.h" in str(e.value)
 
 
@@ -66,8 +67,8 @@ def test_build_copies_the_header_beside_the_library(tmp_path, monkeypatch):
     out.parent.mkdir()
     assert build_cuda_kernels(out, ["90"], verbose=False) == str(out)
     assert out.exists() and os.access(fake, os.X_OK)
-    assert (tmp_path / "lib" / "k.h").read_text() == C.SOURCE_HEADER.read_text()
-    assert C.header_path(out) == tmp_path / "lib" / "k.h"
+    assert (tmp_path / "lib" / "k.h").read_text() == K.SOURCE_HEADER.read_text()
+    assert K.header_path(out) == tmp_path / "lib" / "k.h"
     assert '"_cuda_kernels.h"' in (ROOT / "setup.py").read_text()
 
 
@@ -79,4 +80,4 @@ def test_a_header_that_is_not_ours_is_cuda_unavailable(tmp_path, monkeypatch):
     (tmp_path / "k.h").write_text("int strata_x(struct never_declared *p)\n")   # no ';': not C declarations
     monkeypatch.setenv("STRATA_CUDA_LIB", str(lib))
     with pytest.raises(C.CudaUnavailable, match="k.h"):
-        C.open_kernel_library()
+        K.open_kernel_library()

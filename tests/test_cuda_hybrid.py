@@ -220,7 +220,7 @@ class _NumpyXP:
 
 def _emulated_kernels(monkeypatch):
     """cuda_gdn.conv / recurrent as numpy code with the kernels' contracts (window in place; key-head mapping)."""
-    from strata.backend import cuda_gdn
+    from strata.backend.cuda import gdn as cuda_gdn
 
     def conv(x, weight, window):
         y, win = gdn.causal_conv1d(x, weight, window.copy())
@@ -337,7 +337,7 @@ def test_recurrent_kernel_matches_numpy(n, h, n_qk, dk, dv, tiled, variant):
     gdn.delta_rule_recurrent in float32 numpy."""
     import cupy as cp
 
-    from strata.backend import cuda_gdn
+    from strata.backend.cuda import gdn as cuda_gdn
     q, k, v, g, b, s0 = _gdn_inputs(n, h, dk, dv, seed=h + dk, n_qk=n_qk)
     cols = {"warp": 4, "warp2": 2, "warp1": 1}.get(variant)
     if cols and (dk not in (32, 64, 128, 256) or dv % cols):
@@ -358,7 +358,7 @@ def test_recurrent_kernel_matches_numpy(n, h, n_qk, dk, dv, tiled, variant):
 
 
 def test_recurrent_unknown_variant_is_value_error():
-    from strata.backend import cuda_gdn
+    from strata.backend.cuda import gdn as cuda_gdn
     q = np.zeros((2, 1, 32), np.float32)
     with pytest.raises(ValueError, match="variant 'fast'"):
         cuda_gdn.recurrent(q, q, q, np.zeros((2, 1), np.float32), np.zeros((2, 1), np.float32),
@@ -371,7 +371,7 @@ def test_recurrent_unknown_variant_is_value_error():
 def test_conv_kernel_matches_numpy(n, c, kk):
     import cupy as cp
 
-    from strata.backend import cuda_gdn
+    from strata.backend.cuda import gdn as cuda_gdn
     rng = np.random.default_rng(c)
     x = rng.standard_normal((n, c)).astype(np.float32)
     w = rng.standard_normal((c, kk)).astype(np.float32)
@@ -392,7 +392,7 @@ def test_conv_kernel_reads_strided_rows_in_place(n, kk):
     contiguous copy; n < kernel - 1 keeps part of the old window."""
     import cupy as cp
 
-    from strata.backend import cuda_gdn
+    from strata.backend.cuda import gdn as cuda_gdn
     rng = np.random.default_rng(n + kk)
     c = 96
     proj = rng.standard_normal((n, c + 37)).astype(np.float32)

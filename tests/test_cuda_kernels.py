@@ -4,6 +4,9 @@ import numpy as np
 import pytest
 
 from strata.backend import cuda as C
+from strata.backend.cuda import library as KL
+from strata.backend.cuda import settings as S
+from strata.backend.cuda import weights as W
 
 _why = C.unavailable_reason()
 pytestmark = pytest.mark.skipif(_why is not None, reason=f"CUDA backend unavailable: {_why}")
@@ -57,11 +60,11 @@ def test_matvec_matches_gguf_dequant(be, cp, t, n_tokens):
     raw = random_blocks(t, n_out, n_in, rng)
     W = ref_dequant(raw, t, n_out, n_in)
     x = rng.standard_normal((n_tokens, n_in)).astype(np.float32)
-    w = C.upload_raw("w", int(t), (n_out, n_in), raw)
+    w = W.upload_raw("w", int(t), (n_out, n_in), raw)
     y = cp.full((n_tokens, n_out), cp.nan, cp.float32)
     be.matmul(cp.asarray(x), w, out=y)
     # one token goes through the int8-activation (dp4a) kernel: its exact reference is W times x rounded to q8_1
-    xr = q8_1_dequant(x) if n_tokens == 1 and C.DP4A else x.astype(np.float64)
+    xr = q8_1_dequant(x) if n_tokens == 1 and S.DP4A else x.astype(np.float64)
     ref = xr @ W.T
     assert np.isfinite(cp.asnumpy(y)).all()
     assert rel(cp.asnumpy(y), ref) < 1e-5
@@ -98,8 +101,8 @@ def test_matvec_dp4a_int8_activations(be, cp, t, monkeypatch):
     ds = xq[n_in:].view(np.float32).reshape(-1, 2)
     assert np.array_equal(ds[:, 0], d)
     np.testing.assert_allclose(ds[:, 1], d * q.astype(np.float32).sum(axis=1), rtol=1e-6)
-    w = C.upload_raw("w", int(t), (n_out, n_in), raw)
-    monkeypatch.setattr(C, "DP4A", True)
+    w = W.upload_raw("w", int(t), (n_out, n_in), raw)
+    monkeypatch.setattr(S, "DP4A", True)
     y = cp.asnumpy(be.matmul(cp.asarray(x), w))
     assert rel(y, q8_1_dequant(x) @ W.T) < 1e-5
     err = rel(y, x.astype(np.float64) @ W.T)
@@ -120,11 +123,11 @@ def test_dequant_f32_and_f16(be, cp, t):
     else:
         raw = random_blocks(t, n_out, n_in, rng)
         W = ref_dequant(raw, t, n_out, n_in)
-    w = C.upload_raw("w", int(t), (n_out, n_in), raw)
-    lib = C.lib()
+    w = W.upload_raw("w", int(t), (n_out, n_in), raw)
+    lib = KL.lib()
     for f16 in (0, 1):
         out = cp.full((n_out, n_in), cp.nan, cp.float16 if f16 else cp.float32)
-        C._check(lib.strata_dequant(C._stream_ptr(), int(t), C._p(w.data), C._p(out), n_out, n_in, f16), "dequant")
+        KL.check(lib.strata_dequant(KL.stream_ptr(), int(t), KL.ptr(w.data), KL.ptr(out), n_out, n_in, f16), "dequant")
         got = cp.asnumpy(out).astype(np.float64)
         if f16:
             np.testing.assert_allclose(got, W.astype(np.float16).astype(np.float64), rtol=0, atol=0)
@@ -141,7 +144,7 @@ def test_gemm_prefill_path(be, cp):
     raw = random_blocks(Q.Q4_K, n_out, n_in, rng)
     W = ref_dequant(raw, Q.Q4_K, n_out, n_in)
     x = rng.standard_normal((n, n_in)).astype(np.float32)
-    y = be.matmul(cp.asarray(x), C.upload_raw("w", int(Q.Q4_K), (n_out, n_in), raw))
+    y = be.matmul(cp.asarray(x), W.upload_raw("w", int(Q.Q4_K), (n_out, n_in), raw))
     # f16 operands, f32 accumulation: relative error ~1e-3
     assert rel(cp.asnumpy(y), x.astype(np.float64) @ W.T) < 3e-3
 
@@ -235,7 +238,7 @@ def test_paged_attention_decode_and_prefill(ctx, hd):
     rng = np.random.default_rng(ctx)
     H, KV, ps = 9, 3, 16
     # prefill (n > 1) through the flash kernel rounds Q (scaled) and P to f16 (f32 accumulation): ~1e-3
-    tol_prefill = 5e-3 if C.FLASH and hd in C.FLASH_HEAD_DIMS else 1e-4
+    tol_prefill = 5e-3 if hd in S.FLASH_HEAD_DIMS else 1e-4
     n_pages = (ctx + 40) // ps + 2
     table = list(rng.permutation(n_pages))             # scattered pages
     K = rng.standard_normal((ctx + 32, KV, hd)).astype(np.float16).astype(np.float64)
@@ -269,13 +272,13 @@ def test_argmax(cp):
     x = rng.standard_normal((4, 49152)).astype(np.float32)
     x[2, 100] = x[2, 200] = 50.0     # tie: lowest index wins (numpy's rule)
     out = cp.full(4, -1, cp.int32)
-    C._check(C.lib().strata_argmax(C._stream_ptr(), C._p(cp.asarray(x)), C._p(out), 4, x.shape[1]), "argmax")
+    KL.check(KL.lib().strata_argmax(KL.stream_ptr(), KL.ptr(cp.asarray(x)), KL.ptr(out), 4, x.shape[1]), "argmax")
     np.testing.assert_array_equal(cp.asnumpy(out), x.argmax(1))
 
 
 def test_bad_type_is_rejected():
     with pytest.raises(ValueError, match="not supported"):
-        C.upload_raw("w", 6, (4, 32), np.zeros((4, 22), np.uint8))   # Q5_0: not implemented
+        W.upload_raw("w", 6, (4, 32), np.zeros((4, 22), np.uint8))   # Q5_0: not implemented
 
 
 @pytest.mark.parametrize("n_rot", [64, 32])
@@ -289,8 +292,8 @@ def test_rope_kv_decode_fused(cp, n_rot):
     vc = cp.zeros((n_pages, ps, KV, hd), cp.float16)
     d_qkv = cp.asarray(qkv)
     pos = cp.asarray([p, p + 1], dtype=cp.int32)
-    C._check(C.lib().strata_rope_kv_decode(C._stream_ptr(), C._p(d_qkv), C._p(pos), C._p(kc), C._p(vc),
-                                           C._p(cp.asarray(table)), H, KV, hd, n_rot, 100000.0, 0, ps), "rope_kv")
+    KL.check(KL.lib().strata_rope_kv_decode(KL.stream_ptr(), KL.ptr(d_qkv), KL.ptr(pos), KL.ptr(kc), KL.ptr(vc),
+                                           KL.ptr(cp.asarray(table)), H, KV, hd, n_rot, 100000.0, 0, ps), "rope_kv")
     qk_ref = rope_ref(qkv[:, :(H + KV) * hd].reshape(1, H + KV, hd), np.array([p]), n_rot, 100000.0, False)
     got = cp.asnumpy(d_qkv)
     np.testing.assert_allclose(got[:, :(H + KV) * hd].reshape(1, H + KV, hd), qk_ref, rtol=1e-4, atol=2e-5)
@@ -314,22 +317,22 @@ def test_matvec_q8w_rope_equals_matvec_then_rope_kv(cp, t, rows, H, KV, hd, n_ro
     n_in, ps, n_pages, p = 512, 16, 6, 21
     n_out = (H + 2 * KV) * hd
     raw = random_blocks(t, n_out, n_in, rng)
-    w = C.upload_raw("w", int(t), (n_out, n_in), raw)
+    w = W.upload_raw("w", int(t), (n_out, n_in), raw)
     xq = _q8(cp, rng.standard_normal(n_in).astype(np.float32))
     table = cp.asarray(rng.permutation(n_pages).astype(np.int32))
     pos = cp.asarray([p], dtype=cp.int32)
-    lb, s, N = C.lib(), C._stream_ptr(), C._ffi.NULL
+    lb, s, N = KL.lib(), KL.stream_ptr(), KL.ffi().NULL
     outs = []
     for fused in (False, True):
         qkv = cp.full(n_out, cp.nan, cp.float32)
         kc, vc = (cp.zeros((n_pages, ps, KV, hd), cp.float16) for _ in range(2))
         if fused:
-            C._check(lb.strata_matvec_q8w_rope(s, int(t), C._p(w.data), C._p(xq), C._p(qkv), H, KV, hd, n_in, rows,
-                                               C._p(pos), C._p(kc), C._p(vc), C._p(table), n_rot, 10000.0, ps,
+            KL.check(lb.strata_matvec_q8w_rope(s, int(t), KL.ptr(w.data), KL.ptr(xq), KL.ptr(qkv), H, KV, hd, n_in, rows,
+                                               KL.ptr(pos), KL.ptr(kc), KL.ptr(vc), KL.ptr(table), n_rot, 10000.0, ps,
                                                N, N, N, N, 0.0, pre, N), "matvec_rope")
         else:
-            C._check(lb.strata_matvec_q8w(s, int(t), C._p(w.data), C._p(xq), C._p(qkv), n_out, n_in, rows), "mv")
-            C._check(lb.strata_rope_kv_decode(s, C._p(qkv), C._p(pos), C._p(kc), C._p(vc), C._p(table), H, KV, hd,
+            KL.check(lb.strata_matvec_q8w(s, int(t), KL.ptr(w.data), KL.ptr(xq), KL.ptr(qkv), n_out, n_in, rows), "mv")
+            KL.check(lb.strata_rope_kv_decode(s, KL.ptr(qkv), KL.ptr(pos), KL.ptr(kc), KL.ptr(vc), KL.ptr(table), H, KV, hd,
                                               n_rot, 10000.0, 0, ps), "rope_kv")
         outs.append([cp.asnumpy(a) for a in (qkv, kc, vc)])
     for a, b in zip(*outs):
@@ -348,30 +351,30 @@ def test_fused_norm_matvecs_match_norm_then_matvec(cp, E, with_delta):
     H, KV, hd, F, ps, p = 4, 2, 64, 256, 16, 5
     n_out = (H + 2 * KV) * hd
     t = Q.Q4_K if E % 256 == 0 else Q.Q4_1     # SmolLM2's width (576) with its type
-    wq = C.upload_raw("wqkv", int(t), (n_out, E), random_blocks(t, n_out, E, rng))
-    wg = C.upload_raw("wgu", int(t), (2 * F, E), random_blocks(t, 2 * F, E, rng))
+    wq = W.upload_raw("wqkv", int(t), (n_out, E), random_blocks(t, n_out, E, rng))
+    wg = W.upload_raw("wgu", int(t), (2 * F, E), random_blocks(t, 2 * F, E, rng))
     x, dl, nw = (cp.asarray(rng.standard_normal(E).astype(np.float32)) for _ in range(3))
     delta = dl if with_delta else None
     x0 = cp.asnumpy(x)
     table, pos = cp.arange(4, dtype=cp.int32), cp.asarray([p], dtype=cp.int32)
-    lb, s, N = C.lib(), C._stream_ptr(), C._ffi.NULL
+    lb, s, N = KL.lib(), KL.stream_ptr(), KL.ffi().NULL
     ref_x = x + dl if with_delta else x.copy()
     hq = cp.zeros(E + E // 4, cp.uint8)
-    C._check(lb.strata_rms_norm_ex(s, C._p(x), C._p(delta), C._p(nw), N, N, N, C._p(hq), 1, E, 1e-5), "rms")
+    KL.check(lb.strata_rms_norm_ex(s, KL.ptr(x), KL.ptr(delta), KL.ptr(nw), N, N, N, KL.ptr(hq), 1, E, 1e-5), "rms")
     res = {}
     for fused in (False, True):
         qkv, act = cp.zeros(n_out, cp.float32), cp.zeros(F, cp.float32)
         kc, vc = (cp.zeros((4, ps, KV, hd), cp.float16) for _ in range(2))
         x_out = cp.full(E, cp.nan, cp.float32)
-        norm = (C._p(x), C._p(delta), C._p(nw), C._p(x_out)) if fused else (N, N, N, N)
-        C._check(lb.strata_matvec_q8w_rope(s, int(t), C._p(wq.data), N if fused else C._p(hq), C._p(qkv), H, KV,
-                                           hd, E, 4, C._p(pos), C._p(kc), C._p(vc), C._p(table), hd, 10000.0, ps,
+        norm = (KL.ptr(x), KL.ptr(delta), KL.ptr(nw), KL.ptr(x_out)) if fused else (N, N, N, N)
+        KL.check(lb.strata_matvec_q8w_rope(s, int(t), KL.ptr(wq.data), N if fused else KL.ptr(hq), KL.ptr(qkv), H, KV,
+                                           hd, E, 4, KL.ptr(pos), KL.ptr(kc), KL.ptr(vc), KL.ptr(table), hd, 10000.0, ps,
                                            *norm, 1e-5, 0, N), "rope")
         if fused:
             np.testing.assert_array_equal(cp.asnumpy(x_out), cp.asnumpy(ref_x))
             x_out[:] = cp.nan
-        g, u = C._ffi.cast("void *", wg.data.data.ptr), C._ffi.cast("void *", wg.data.data.ptr + wg.nbytes // 2)
-        C._check(lb.strata_matvec_q8w_glu_norm(s, int(t), g, u, N if fused else C._p(hq), C._p(act), N, F, E, 2,
+        g, u = KL.ffi().cast("void *", wg.data.data.ptr), KL.ffi().cast("void *", wg.data.data.ptr + wg.nbytes // 2)
+        KL.check(lb.strata_matvec_q8w_glu_norm(s, int(t), g, u, N if fused else KL.ptr(hq), KL.ptr(act), N, F, E, 2,
                                                *norm, 1e-5, N), "glu")
         if fused:
             np.testing.assert_array_equal(cp.asnumpy(x_out), cp.asnumpy(ref_x))
@@ -394,25 +397,25 @@ def test_norm_handoff(cp, E, t, block, rows):
     numpy; gate/up: silu(r g) * (r u))."""
     rng = np.random.default_rng(E + 7 * block + rows)
     n_in, F, H, KV, hd, ps, p, eps = 1024, 256, 4, 2, 64, 16, 5, 1e-5
-    lb, s, N = C.lib(), C._stream_ptr(), C._ffi.NULL
-    w = C.upload_raw("w", int(t), (E, n_in), random_blocks(t, E, n_in, rng))
+    lb, s, N = KL.lib(), KL.stream_ptr(), KL.ffi().NULL
+    w = W.upload_raw("w", int(t), (E, n_in), random_blocks(t, E, n_in, rng))
     xq_in = _q8(cp, rng.standard_normal(n_in).astype(np.float32))
     x0 = rng.standard_normal(E).astype(np.float32)
     nw = rng.standard_normal(E).astype(np.float32)
     x, dnw = cp.asarray(x0), cp.asarray(nw)
     hq, ss = cp.zeros(E + E // 4, cp.uint8), cp.full(E // 32, cp.nan, cp.float32)
     cnt = cp.zeros(E // 32, cp.uint32)
-    f32 = lambda a: C._ffi.cast("float *", a.data.ptr)   # noqa: E731
+    f32 = lambda a: KL.ffi().cast("float *", a.data.ptr)   # noqa: E731
     for _ in range(2):   # twice: the counters were reset by the first run (outputs poisoned again before each)
         x[:] = cp.asarray(x0)
         hq[:] = 0x5a
         ss[:] = cp.nan
-        C._check(lb.strata_matvec_q8_resid(s, int(t), C._p(w.data), C._p(xq_in), E, n_in, rows, block, f32(x),
-                                           f32(dnw), C._p(hq), f32(ss), C._ffi.cast("unsigned *", cnt.data.ptr)),
+        KL.check(lb.strata_matvec_q8_resid(s, int(t), KL.ptr(w.data), KL.ptr(xq_in), E, n_in, rows, block, f32(x),
+                                           f32(dnw), KL.ptr(hq), f32(ss), KL.ffi().cast("unsigned *", cnt.data.ptr)),
                  "resid")
     y = cp.zeros(E, cp.float32)
     mv = lb.strata_matvec_q8b if block else lb.strata_matvec_q8w
-    C._check(mv(s, int(t), C._p(w.data), C._p(xq_in), C._p(y), E, n_in, rows), "mv")
+    KL.check(mv(s, int(t), KL.ptr(w.data), KL.ptr(xq_in), KL.ptr(y), E, n_in, rows), "mv")
     want_x = x0 + cp.asnumpy(y)
     np.testing.assert_array_equal(cp.asnumpy(x), want_x)
     np.testing.assert_array_equal(cp.asnumpy(hq), cp.asnumpy(_q8(cp, want_x * nw)))
@@ -420,7 +423,7 @@ def test_norm_handoff(cp, E, t, block, rows):
     np.testing.assert_allclose(cp.asnumpy(ss), want_ss, rtol=1e-5)
     assert not cnt.any()
     hq2, ss2 = cp.zeros_like(hq), cp.zeros_like(ss)
-    C._check(lb.strata_norm_q8(s, f32(x), f32(dnw), C._p(hq2), f32(ss2), E), "norm_q8")
+    KL.check(lb.strata_norm_q8(s, f32(x), f32(dnw), KL.ptr(hq2), f32(ss2), E), "norm_q8")
     np.testing.assert_array_equal(cp.asnumpy(hq2), cp.asnumpy(hq))
     np.testing.assert_array_equal(cp.asnumpy(ss2), cp.asnumpy(ss))
     if rows == 1 or block:
@@ -429,15 +432,15 @@ def test_norm_handoff(cp, E, t, block, rows):
     r = 1.0 / np.sqrt(np.float64(want_ss.sum()) / E + eps)
     n_out = (H + 2 * KV) * hd
     tq = Q.Q4_K if E % 256 == 0 else Q.Q4_1
-    wq = C.upload_raw("wqkv", int(tq), (n_out, E), random_blocks(tq, n_out, E, rng))
-    wg = C.upload_raw("wgu", int(tq), (2 * F, E), random_blocks(tq, 2 * F, E, rng))
+    wq = W.upload_raw("wqkv", int(tq), (n_out, E), random_blocks(tq, n_out, E, rng))
+    wg = W.upload_raw("wgu", int(tq), (2 * F, E), random_blocks(tq, 2 * F, E, rng))
     table, pos = cp.arange(4, dtype=cp.int32), cp.asarray([p], dtype=cp.int32)
     kc, vc = (cp.zeros((4, ps, KV, hd), cp.float16) for _ in range(2))
     qkv, plain = cp.zeros(n_out, cp.float32), cp.zeros(n_out, cp.float32)
-    C._check(lb.strata_matvec_q8w_rope(s, int(tq), C._p(wq.data), C._p(hq), C._p(qkv), H, KV, hd, E, rows,
-                                       C._p(pos), C._p(kc), C._p(vc), C._p(table), hd, 10000.0, ps, N, N, N, N, eps,
+    KL.check(lb.strata_matvec_q8w_rope(s, int(tq), KL.ptr(wq.data), KL.ptr(hq), KL.ptr(qkv), H, KV, hd, E, rows,
+                                       KL.ptr(pos), KL.ptr(kc), KL.ptr(vc), KL.ptr(table), hd, 10000.0, ps, N, N, N, N, eps,
                                        1, f32(ss)), "rope")
-    C._check(lb.strata_matvec_q8w(s, int(tq), C._p(wq.data), C._p(hq), C._p(plain), n_out, E, rows), "mv")
+    KL.check(lb.strata_matvec_q8w(s, int(tq), KL.ptr(wq.data), KL.ptr(hq), KL.ptr(plain), n_out, E, rows), "mv")
     ref = cp.asnumpy(plain).astype(np.float64) * r
     ang = p * 10000.0 ** (-np.arange(hd // 2) * 2 / hd)
     qk = ref[:(H + KV) * hd].reshape(-1, hd // 2, 2)
@@ -447,10 +450,10 @@ def test_norm_handoff(cp, E, t, block, rows):
     np.testing.assert_allclose(cp.asnumpy(vc)[0, p].ravel(), ref[(H + KV) * hd:], rtol=2e-3,
                                atol=2e-3 * np.abs(ref).max())
     act, gu = cp.zeros(F, cp.float32), cp.zeros(2 * F, cp.float32)
-    g, u = C._ffi.cast("void *", wg.data.data.ptr), C._ffi.cast("void *", wg.data.data.ptr + wg.nbytes // 2)
-    C._check(lb.strata_matvec_q8w_glu_norm(s, int(tq), g, u, C._p(hq), C._p(act), N, F, E, rows, N, N, N, N, eps,
+    g, u = KL.ffi().cast("void *", wg.data.data.ptr), KL.ffi().cast("void *", wg.data.data.ptr + wg.nbytes // 2)
+    KL.check(lb.strata_matvec_q8w_glu_norm(s, int(tq), g, u, KL.ptr(hq), KL.ptr(act), N, F, E, rows, N, N, N, N, eps,
                                            f32(ss)), "glu")
-    C._check(lb.strata_matvec_q8w(s, int(tq), C._p(wg.data), C._p(hq), C._p(gu), 2 * F, E, 1), "mv")
+    KL.check(lb.strata_matvec_q8w(s, int(tq), KL.ptr(wg.data), KL.ptr(hq), KL.ptr(gu), 2 * F, E, 1), "mv")
     gr, ur = (cp.asnumpy(gu).astype(np.float64) * r).reshape(2, F)
     want = gr / (1 + np.exp(-gr)) * ur
     np.testing.assert_allclose(cp.asnumpy(act), want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
@@ -461,27 +464,27 @@ def test_norm_handoff_refuses_bad_input(cp):
     x_q8; strata_norm_q8 with a NULL pointer or n % 32 != 0; a consumer given both a fused norm and norm_ss, or
     norm_ss over more than 4096 columns: an error code, and x, the q8_1 buffer, the sums, the counters and the
     consumers' outputs unchanged."""
-    lb, s, N = C.lib(), C._stream_ptr(), C._ffi.NULL
+    lb, s, N = KL.lib(), KL.stream_ptr(), KL.ffi().NULL
     w, xq = cp.zeros(1 << 16, cp.uint8), _q8(cp, np.ones(512, np.float32))
     x = cp.full(64, 3.0, cp.float32)
     hq, ss, cnt = cp.full(96, 7, cp.uint8), cp.full(2, 5.0, cp.float32), cp.zeros(2, cp.uint32)
-    f = lambda a, off=0: C._ffi.cast("float *", a.data.ptr + off)   # noqa: E731
-    u = C._ffi.cast("unsigned *", cnt.data.ptr)
-    q, q_odd = C._p(hq), C._ffi.cast("void *", hq.data.ptr + 4)
+    f = lambda a, off=0: KL.ffi().cast("float *", a.data.ptr + off)   # noqa: E731
+    u = KL.ffi().cast("unsigned *", cnt.data.ptr)
+    q, q_odd = KL.ptr(hq), KL.ffi().cast("void *", hq.data.ptr + 4)
     for n_out, xx, nw, qq, sp, c in ((64, N, f(x), q, f(ss), u), (48, f(x), f(x), q, f(ss), u),
                                      (64, f(x), f(x), N, f(ss), u), (64, f(x), f(x), q, N, u),
                                      (64, f(x), f(x), q, f(ss), N), (64, f(x), f(x), q_odd, f(ss), u)):
-        rc = lb.strata_matvec_q8_resid(s, int(Q.Q4_K), C._p(w), C._p(xq), n_out, 512, 1, 0, xx, nw, qq, sp, c)
+        rc = lb.strata_matvec_q8_resid(s, int(Q.Q4_K), KL.ptr(w), KL.ptr(xq), n_out, 512, 1, 0, xx, nw, qq, sp, c)
         assert rc != 0, n_out
     for xx, qq, n in ((f(x), q, 48), (N, q, 64), (f(x), N, 64), (f(x), q_odd, 64)):
         assert lb.strata_norm_q8(s, xx, f(x), qq, f(ss), n) != 0, n
     qkv, act, kc = cp.full(512, 9.0, cp.float32), cp.full(256, 9.0, cp.float32), cp.zeros(1 << 12, cp.float16)
     pos, table = cp.zeros(1, cp.int32), cp.zeros(4, cp.int32)
     for n_in, nw in ((512, f(x)), (8192, N)):   # a fused norm and norm_ss together; norm_ss over > 4096 columns
-        rc = lb.strata_matvec_q8w_rope(s, int(Q.Q4_K), C._p(w), C._p(xq), C._p(qkv), 4, 2, 32, n_in, 1, C._p(pos),
-                                       C._p(kc), C._p(kc), C._p(table), 32, 10000.0, 16, N, N, nw, N, 1e-5, 0, f(ss))
+        rc = lb.strata_matvec_q8w_rope(s, int(Q.Q4_K), KL.ptr(w), KL.ptr(xq), KL.ptr(qkv), 4, 2, 32, n_in, 1, KL.ptr(pos),
+                                       KL.ptr(kc), KL.ptr(kc), KL.ptr(table), 32, 10000.0, 16, N, N, nw, N, 1e-5, 0, f(ss))
         assert rc != 0, n_in
-        rc = lb.strata_matvec_q8w_glu_norm(s, int(Q.Q4_K), C._p(w), C._p(w), C._p(xq), C._p(act), N, 256, n_in, 2, N,
+        rc = lb.strata_matvec_q8w_glu_norm(s, int(Q.Q4_K), KL.ptr(w), KL.ptr(w), KL.ptr(xq), KL.ptr(act), N, 256, n_in, 2, N,
                                            N, nw, N, 1e-5, f(ss))
         assert rc != 0, n_in
     cp.cuda.get_current_stream().synchronize()
@@ -504,7 +507,7 @@ def test_fused_norm_supported_shapes(cp):
     of 32 and a type without the dp4a kernel never fit; otherwise a shape fits exactly when both kernels' staged rows
     and x's q8_1 blocks fit the device's opt-in shared memory less 1 KB (the 1.7B benchmark model's and SmolLM2's
     layers do on every GPU; Q8_0 gate / up at 4096 with 2 pairs per warp, 279 KB, on none)."""
-    f = C.lib().strata_fused_norm_supported
+    f = KL.lib().strata_fused_norm_supported
     optin = cp.cuda.runtime.deviceGetAttribute(cp.cuda.runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin,
                                                cp.cuda.Device().id)
     limit = max(optin - 1024, 47 * 1024)
@@ -531,14 +534,14 @@ def test_fused_norm_refuses_bad_input(cp):
     qkv, act = cp.full(1024, cp.nan, cp.float32), cp.full(256, cp.nan, cp.float32)
     kc = cp.zeros(1 << 14, cp.float16)
     pos, table = cp.zeros(1, cp.int32), cp.zeros(4, cp.int32)
-    lb, s, N = C.lib(), C._stream_ptr(), C._ffi.NULL
-    xp = C._ffi.cast("float *", x.data.ptr)
-    for xo, n_in, xx in ((xp, E, xp), (N, E - 16, xp), (N, 16384, xp), (N, E, C._ffi.cast("float *", x.data.ptr + 4))):
-        rc = lb.strata_matvec_q8w_rope(s, int(Q.Q8_0), C._p(w), N, C._p(qkv), 4, 2, 64, n_in, 4, C._p(pos), C._p(kc),
-                                       C._p(kc), C._p(table), 64, 10000.0, 16, xx, N, C._p(nw), xo, 1e-5, 0, N)
+    lb, s, N = KL.lib(), KL.stream_ptr(), KL.ffi().NULL
+    xp = KL.ffi().cast("float *", x.data.ptr)
+    for xo, n_in, xx in ((xp, E, xp), (N, E - 16, xp), (N, 16384, xp), (N, E, KL.ffi().cast("float *", x.data.ptr + 4))):
+        rc = lb.strata_matvec_q8w_rope(s, int(Q.Q8_0), KL.ptr(w), N, KL.ptr(qkv), 4, 2, 64, n_in, 4, KL.ptr(pos), KL.ptr(kc),
+                                       KL.ptr(kc), KL.ptr(table), 64, 10000.0, 16, xx, N, KL.ptr(nw), xo, 1e-5, 0, N)
         assert rc != 0, n_in
-        rc = lb.strata_matvec_q8w_glu_norm(s, int(Q.Q8_0), C._p(w), C._p(w), N, C._p(act), N, 256, n_in, 4, xx, N,
-                                           C._p(nw), xo, 1e-5, N)
+        rc = lb.strata_matvec_q8w_glu_norm(s, int(Q.Q8_0), KL.ptr(w), KL.ptr(w), N, KL.ptr(act), N, 256, n_in, 4, xx, N,
+                                           KL.ptr(nw), xo, 1e-5, N)
         assert rc != 0, n_in
     assert cp.isnan(qkv).all() and cp.isnan(act).all()
 
@@ -548,12 +551,12 @@ def test_matvec_q8w_rope_refuses_bad_input(cp):
     w, xq, qkv = cp.zeros(1 << 16, cp.uint8), cp.zeros(640, cp.uint8), cp.full(1024, cp.nan, cp.float32)
     kc = cp.zeros(1 << 12, cp.float16)
     pos, table = cp.zeros(1, cp.int32), cp.zeros(4, cp.int32)
-    lb, s, N = C.lib(), C._stream_ptr(), C._ffi.NULL
+    lb, s, N = KL.lib(), KL.stream_ptr(), KL.ffi().NULL
     for hd, n_rot, k, p in ((64, 63, kc, pos), (63, 62, kc, pos), (64, 66, kc, pos), (64, 64, None, pos),
                             (64, 64, kc, None)):
-        rc = lb.strata_matvec_q8w_rope(s, int(Q.Q4_K), C._p(w), C._p(xq), C._p(qkv), 2, 1, hd, 512, 1,
-                                       C._p(p) if p is not None else N, C._p(k) if k is not None else N,
-                                       C._p(kc), C._p(table), n_rot, 10000.0, 16, N, N, N, N, 0.0, 0, N)
+        rc = lb.strata_matvec_q8w_rope(s, int(Q.Q4_K), KL.ptr(w), KL.ptr(xq), KL.ptr(qkv), 2, 1, hd, 512, 1,
+                                       KL.ptr(p) if p is not None else N, KL.ptr(k) if k is not None else N,
+                                       KL.ptr(kc), KL.ptr(table), n_rot, 10000.0, 16, N, N, N, N, 0.0, 0, N)
         assert rc != 0, (hd, n_rot)
     assert cp.isnan(qkv).all()
 
@@ -563,7 +566,7 @@ def _q8(cp, x):
     """x f32 (n,) -> the q8_1 buffer strata_quantize_q8_1 writes (n + n // 4 bytes)."""
     xq = cp.zeros(x.size + x.size // 4, cp.uint8)
     dx = cp.asarray(x, dtype=cp.float32)
-    C._check(C.lib().strata_quantize_q8_1(C._stream_ptr(), C._p(dx), C._p(xq), x.size), "quantize")
+    KL.check(KL.lib().strata_quantize_q8_1(KL.stream_ptr(), KL.ptr(dx), KL.ptr(xq), x.size), "quantize")
     cp.cuda.get_current_stream().synchronize()
     return xq
 
@@ -584,10 +587,10 @@ def test_matvec_q8_decode_kernels(cp, t, rows, kind, n_in):
     raw = random_blocks(t, n_out, n_in, rng)
     W = ref_dequant(raw, t, n_out, n_in)
     x = rng.standard_normal(n_in).astype(np.float32)
-    w = C.upload_raw("w", int(t), (n_out, n_in), raw)
+    w = W.upload_raw("w", int(t), (n_out, n_in), raw)
     y = cp.full(n_out, cp.nan, cp.float32)
-    fn = getattr(C.lib(), f"strata_matvec_{kind}")
-    C._check(fn(C._stream_ptr(), int(t), C._p(w.data), C._p(_q8(cp, x)), C._p(y), n_out, n_in, rows), kind)
+    fn = getattr(KL.lib(), f"strata_matvec_{kind}")
+    KL.check(fn(KL.stream_ptr(), int(t), KL.ptr(w.data), KL.ptr(_q8(cp, x)), KL.ptr(y), n_out, n_in, rows), kind)
     got = cp.asnumpy(y)
     assert np.isfinite(got).all()
     assert rel(got, W @ q8_1_dequant(x[None])[0]) < 1e-5
@@ -605,25 +608,25 @@ def test_matvec_q8w_glu(cp, t, rp, fused):
     W = ref_dequant(raw, t, 2 * F, n_in)
     x = rng.standard_normal(n_in).astype(np.float32)
     xq = _q8(cp, x)
-    wgu = C.upload_raw("gu", int(t), (2 * F, n_in), raw)
+    wgu = W.upload_raw("gu", int(t), (2 * F, n_in), raw)
     if fused:
         gp = wgu.data.data.ptr
         up = gp + F * wgu.data.shape[1]
         keep = ()
     else:
-        wg = C.upload_raw("g", int(t), (F, n_in), raw[:F].copy())
-        wu = C.upload_raw("u", int(t), (F, n_in), raw[F:].copy())
+        wg = W.upload_raw("g", int(t), (F, n_in), raw[:F].copy())
+        wu = W.upload_raw("u", int(t), (F, n_in), raw[F:].copy())
         gp, up, keep = wg.data.data.ptr, wu.data.data.ptr, (wg, wu)
     act = cp.full(F, cp.nan, cp.float32)
     aq = cp.zeros(F + F // 4, cp.uint8)
-    vp = lambda a: C._ffi.cast("void *", a)   # noqa: E731
-    C._check(C.lib().strata_matvec_q8w_glu(C._stream_ptr(), int(t), vp(gp), vp(up), C._p(xq), C._p(act), C._p(aq),
+    vp = lambda a: KL.ffi().cast("void *", a)   # noqa: E731
+    KL.check(KL.lib().strata_matvec_q8w_glu(KL.stream_ptr(), int(t), vp(gp), vp(up), KL.ptr(xq), KL.ptr(act), KL.ptr(aq),
                                            F, n_in, rp), "matvec_glu")
     gu = cp.full(2 * F, cp.nan, cp.float32)
     act0, aq0 = cp.full(F, cp.nan, cp.float32), cp.zeros(F + F // 4, cp.uint8)
-    C._check(C.lib().strata_matvec_q8w(C._stream_ptr(), int(t), C._p(wgu.data), C._p(xq), C._p(gu), 2 * F, n_in, 1),
+    KL.check(KL.lib().strata_matvec_q8w(KL.stream_ptr(), int(t), KL.ptr(wgu.data), KL.ptr(xq), KL.ptr(gu), 2 * F, n_in, 1),
              "matvec_q8w")
-    C._check(C.lib().strata_swiglu_gu(C._stream_ptr(), C._p(gu), 1, F, C._p(act0), C._ffi.NULL, C._p(aq0)), "swiglu")
+    KL.check(KL.lib().strata_swiglu_gu(KL.stream_ptr(), KL.ptr(gu), 1, F, KL.ptr(act0), KL.ffi().NULL, KL.ptr(aq0)), "swiglu")
     got = cp.asnumpy(act)
     y = W @ q8_1_dequant(x[None])[0]
     g, u = y[:F], y[F:]
@@ -641,7 +644,7 @@ def test_matvec_q8w_glu_rejects_bad_shapes(cp):
     act = cp.full(64, cp.nan, cp.float32)
     w = cp.zeros(1 << 16, cp.uint8)
     for t, F in ((2, 48), (1, 64)):                                      # Q4_0 with F = 48; F16 (no dp4a kernel)
-        rc = C.lib().strata_matvec_q8w_glu(C._stream_ptr(), t, C._p(w), C._p(w), C._p(xq), C._p(act), C._ffi.NULL,
+        rc = KL.lib().strata_matvec_q8w_glu(KL.stream_ptr(), t, KL.ptr(w), KL.ptr(w), KL.ptr(xq), KL.ptr(act), KL.ffi().NULL,
                                            F, 1024, 2)
         assert rc != 0
     assert cp.isnan(act).all()
@@ -655,8 +658,8 @@ def test_rms_norm_ex_f16_and_q8_outputs(cp, E):
     ref = s / np.sqrt((s * s).mean() + 1e-5) * w
     out, out16, xq = cp.full(E, cp.nan, cp.float32), cp.zeros(E, cp.float16), cp.zeros(E + E // 4, cp.uint8)
     dx, dr, dw = cp.asarray(x), cp.asarray(r), cp.asarray(w)     # kept alive until the kernel has run
-    C._check(C.lib().strata_rms_norm_ex(C._stream_ptr(), C._p(dx), C._p(dr), C._p(dw),
-                                        C._p(out), C._ffi.NULL, C._p(out16), C._p(xq), 1, E, 1e-5), "rms_ex")
+    KL.check(KL.lib().strata_rms_norm_ex(KL.stream_ptr(), KL.ptr(dx), KL.ptr(dr), KL.ptr(dw),
+                                        KL.ptr(out), KL.ffi().NULL, KL.ptr(out16), KL.ptr(xq), 1, E, 1e-5), "rms_ex")
     got = cp.asnumpy(out)
     assert rel(got, ref) < 1e-5
     np.testing.assert_allclose(cp.asnumpy(out16).astype(np.float64), ref, rtol=2e-3, atol=2e-3)
@@ -675,13 +678,13 @@ def test_swiglu_gu_outputs(cp):
     ref = g / (1 + np.exp(-g)) * u
     out, out16 = cp.full((n, F), cp.nan, cp.float32), cp.zeros((n, F), cp.float16)
     dgu = cp.asarray(gu)
-    C._check(C.lib().strata_swiglu_gu(C._stream_ptr(), C._p(dgu), n, F, C._p(out), C._p(out16),
-                                      C._ffi.NULL), "swiglu_gu")
+    KL.check(KL.lib().strata_swiglu_gu(KL.stream_ptr(), KL.ptr(dgu), n, F, KL.ptr(out), KL.ptr(out16),
+                                      KL.ffi().NULL), "swiglu_gu")
     np.testing.assert_allclose(cp.asnumpy(out), ref, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(cp.asnumpy(out16).astype(np.float64), ref, rtol=2e-3, atol=2e-3)
     xq = cp.zeros(F + F // 4, cp.uint8)
-    C._check(C.lib().strata_swiglu_gu(C._stream_ptr(), C._p(dgu), 1, F, C._ffi.NULL, C._ffi.NULL,
-                                      C._p(xq)), "swiglu_gu q8")
+    KL.check(KL.lib().strata_swiglu_gu(KL.stream_ptr(), KL.ptr(dgu), 1, F, KL.ffi().NULL, KL.ffi().NULL,
+                                      KL.ptr(xq)), "swiglu_gu q8")
     q, _ = _q8_parts(cp.asnumpy(xq), F)
     q_ref, _ = q8_1_reference(cp.asnumpy(out)[0])
     assert (q != q_ref.reshape(-1)).sum() <= 2      # f32 rounding of silu may move a value across a .5
@@ -697,8 +700,8 @@ def test_rope_kv_prefill(cp, neox):
     kc, vc = cp.zeros((n_pages, ps, KV, hd), cp.float16), cp.zeros((n_pages, ps, KV, hd), cp.float16)
     d = cp.asarray(qkv)
     dt = cp.asarray(table)
-    C._check(C.lib().strata_rope_kv_prefill(C._stream_ptr(), C._p(d), stride, pos0, C._p(kc), C._p(vc),
-                                            C._p(dt), n, H, KV, hd, n_rot, 10000.0, int(neox), ps),
+    KL.check(KL.lib().strata_rope_kv_prefill(KL.stream_ptr(), KL.ptr(d), stride, pos0, KL.ptr(kc), KL.ptr(vc),
+                                            KL.ptr(dt), n, H, KV, hd, n_rot, 10000.0, int(neox), ps),
              "rope_kv_prefill")
     pos = np.arange(pos0, pos0 + n)
     qk_ref = rope_ref(qkv[:, :(H + KV) * hd].reshape(n, H + KV, hd), pos, n_rot, 10000.0, neox)
@@ -756,10 +759,10 @@ def test_attn_decode_gqa(cp, hd, H, KV, L, n_split, attn_db):
     for _ in range(2):
         out = cp.full(H * hd, cp.nan, cp.float32)
         oq = cp.zeros(H * hd + H * hd // 4, cp.uint8)
-        C._check(C.lib().strata_attn_decode_gqa(C._stream_ptr(), C._p(dq), C._p(kc), C._p(vc), C._p(pt), C._ffi.NULL,
-                                                L, C._p(ws), C._ffi.cast("unsigned *", ctr.data.ptr), C._p(out),
-                                                C._p(oq), H, KV, hd, ps, n_split, scale, C._ffi.NULL,
-                                                C._ffi.NULL), "attn_gqa")
+        KL.check(KL.lib().strata_attn_decode_gqa(KL.stream_ptr(), KL.ptr(dq), KL.ptr(kc), KL.ptr(vc), KL.ptr(pt), KL.ffi().NULL,
+                                                L, KL.ptr(ws), KL.ffi().cast("unsigned *", ctr.data.ptr), KL.ptr(out),
+                                                KL.ptr(oq), H, KV, hd, ps, n_split, scale, KL.ffi().NULL,
+                                                KL.ffi().NULL), "attn_gqa")
         got = cp.asnumpy(out)
         assert rel(got, ref) < 1e-4
         assert int(cp.asnumpy(ctr).sum()) == 0
@@ -785,10 +788,10 @@ def test_fa2_prefill(cp, hd, n, length, n_split, f16_out):
     out = cp.full((n, H, hd), cp.nan, cp.float32)
     out16 = cp.full((n, H, hd), cp.nan, cp.float16)
     dq = cp.asarray(qbuf)
-    C._check(C.lib().strata_fa2_prefill(C._stream_ptr(), C._p(dq), stride, C._p(kc), C._p(vc), C._p(pt),
-                                        C._ffi.NULL if f16_out else C._p(out), C._p(out16) if f16_out else C._ffi.NULL,
-                                        C._p(ws), n, H, KV, hd, ps, length, n_split, scale, C._ffi.NULL,
-                                        C._ffi.NULL), "fa2")
+    KL.check(KL.lib().strata_fa2_prefill(KL.stream_ptr(), KL.ptr(dq), stride, KL.ptr(kc), KL.ptr(vc), KL.ptr(pt),
+                                        KL.ffi().NULL if f16_out else KL.ptr(out), KL.ptr(out16) if f16_out else KL.ffi().NULL,
+                                        KL.ptr(ws), n, H, KV, hd, ps, length, n_split, scale, KL.ffi().NULL,
+                                        KL.ffi().NULL), "fa2")
     got = cp.asnumpy(out16 if f16_out else out).astype(np.float64)
     assert np.isfinite(got).all()
     for i0, i1 in ((0, min(n, 40)), (max(0, n - 24), n)):
@@ -818,8 +821,8 @@ def _paged_q8(cp, rng, L, KV, hd, ps):
     kq, vq = cp.zeros(shape, cp.int8), cp.zeros(shape, cp.int8)
     ks, vs = cp.zeros(sshape, cp.float16), cp.zeros(sshape, cp.float16)
     pt, dk, dv = cp.asarray(table), cp.asarray(K), cp.asarray(V)
-    C._check(C.lib().strata_kv_write_q8(C._stream_ptr(), C._p(dk), KV * hd, C._p(dv), KV * hd, C._p(kq), C._p(vq),
-                                        C._p(ks), C._p(vs), C._p(pt), C._ffi.NULL, 0, L, KV, hd, ps), "kv_write_q8")
+    KL.check(KL.lib().strata_kv_write_q8(KL.stream_ptr(), KL.ptr(dk), KV * hd, KL.ptr(dv), KV * hd, KL.ptr(kq), KL.ptr(vq),
+                                        KL.ptr(ks), KL.ptr(vs), KL.ptr(pt), KL.ffi().NULL, 0, L, KV, hd, ps), "kv_write_q8")
     cp.cuda.get_current_stream().synchronize()
     deq = []
     for X in (K, V):
@@ -840,8 +843,8 @@ def test_kv_write_q8_and_gather(cp, hd):
         np.testing.assert_array_equal(Q[table[p // ps], p % ps], qk[p])
         np.testing.assert_array_equal(S[table[p // ps], p % ps], dk[p])
     ko, vo = cp.empty((KV, L, hd), cp.float32), cp.empty((KV, L, hd), cp.float32)
-    C._check(C.lib().strata_kv_gather_q8(C._stream_ptr(), C._p(kq), C._p(vq), C._p(ks), C._p(vs), C._p(pt), C._p(ko),
-                                         C._p(vo), L, KV, hd, ps), "kv_gather_q8")
+    KL.check(KL.lib().strata_kv_gather_q8(KL.stream_ptr(), KL.ptr(kq), KL.ptr(vq), KL.ptr(ks), KL.ptr(vs), KL.ptr(pt), KL.ptr(ko),
+                                         KL.ptr(vo), L, KV, hd, ps), "kv_gather_q8")
     np.testing.assert_allclose(cp.asnumpy(ko), Kd.transpose(1, 0, 2), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(cp.asnumpy(vo), Vd.transpose(1, 0, 2), rtol=1e-6, atol=1e-6)
     pool = C.CudaPagePool([0], L // ps + 2, ps, KV, hd, kv="q8_0")
@@ -866,7 +869,7 @@ def test_attn_decode_v1_q8_output(cp, hd, H, KV, L, n_split):
     with no position."""
     ps = 16
     kc, vc, pt, dq, scale, ref = _decode_case(cp, L + hd + H + 1, L, H, KV, hd, ps)
-    lb = C.lib()   # loads the library (and C._ffi)
+    lb = KL.lib()   # loads the library (and KL.ffi())
     outs = []
     ctr = cp.zeros(H, cp.uint32)
     for merged in (False, True):
@@ -874,12 +877,12 @@ def test_attn_decode_v1_q8_output(cp, hd, H, KV, L, n_split):
             ws = cp.zeros(H * n_split * (hd + 2), cp.float32)
             out = cp.full(H * hd, cp.nan, cp.float32)
             oq = cp.zeros(H * hd + H * hd // 4, cp.uint8)
-            ctr_p = C._ffi.cast("unsigned *", ctr.data.ptr) if merged else C._ffi.NULL
+            ctr_p = KL.ffi().cast("unsigned *", ctr.data.ptr) if merged else KL.ffi().NULL
             # the length from device memory when read before the wait (as the decode graph does), else the argument
             dl = cp.asarray([L], dtype=cp.int32)   # kept alive until the kernel has run
-            d_len = C._ffi.cast("int *", dl.data.ptr) if pre else C._ffi.NULL
-            C._check(lb.strata_attn_decode_ex(C._stream_ptr(), C._p(dq), C._p(kc), C._p(vc), C._p(pt), d_len,
-                                              0 if pre else L, C._p(ws), C._p(out), C._p(oq), ctr_p, pre, H, KV, hd,
+            d_len = KL.ffi().cast("int *", dl.data.ptr) if pre else KL.ffi().NULL
+            KL.check(lb.strata_attn_decode_ex(KL.stream_ptr(), KL.ptr(dq), KL.ptr(kc), KL.ptr(vc), KL.ptr(pt), d_len,
+                                              0 if pre else L, KL.ptr(ws), KL.ptr(out), KL.ptr(oq), ctr_p, pre, H, KV, hd,
                                               ps, n_split, scale), "attn_v1")
             got = cp.asnumpy(out)
             assert rel(got, ref) < 1e-4
@@ -899,13 +902,13 @@ def test_gqa_resident_blocks(attn_db):
     for hd in (32, 64, 128, 256):
         for g in (1, 2, 3, 4, 8):
             for q8 in (False, True):
-                assert 1 <= C.gqa_resident(hd, g, q8) <= 16, (hd, g, q8)
-    assert C.gqa_resident(96, 2, False) == 0 and C.gqa_resident(128, 9, False) == 0
-    assert C.lib().strata_attn_decode_gqa_occupancy(96, 2, 0) < 0
+                assert 1 <= S.gqa_resident(hd, g, q8) <= 16, (hd, g, q8)
+    assert S.gqa_resident(96, 2, False) == 0 and S.gqa_resident(128, 9, False) == 0
+    assert KL.lib().strata_attn_decode_gqa_occupancy(96, 2, 0) < 0
     n_sm = C.CudaBackend().n_sm
     for n_kv in (3, 8):
-        r = C.gqa_resident(128, 2, False)
-        assert n_kv * C.n_split_gqa(1 << 20, n_kv, n_sm, resident=r) <= max(n_kv, r * n_sm)
+        r = S.gqa_resident(128, 2, False)
+        assert n_kv * S.n_split_gqa(1 << 20, n_kv, n_sm, resident=r) <= max(n_kv, r * n_sm)
 
 
 @pytest.mark.parametrize("hd", [64, 128])
@@ -920,9 +923,9 @@ def test_attn_decode_gqa_q8_cache(cp, hd, L, n_split, attn_db):
     ref = attn_ref(q, Kd, Vd, L - 1, scale)[0].reshape(-1)
     ws, ctr = cp.zeros(H * n_split * (hd + 2), cp.float32), cp.zeros(KV, cp.uint32)
     dq, out = cp.asarray(q.reshape(-1), dtype=cp.float32), cp.full(H * hd, cp.nan, cp.float32)
-    C._check(C.lib().strata_attn_decode_gqa(C._stream_ptr(), C._p(dq), C._p(kq), C._p(vq), C._p(pt), C._ffi.NULL, L,
-                                            C._p(ws), C._ffi.cast("unsigned *", ctr.data.ptr), C._p(out), C._ffi.NULL,
-                                            H, KV, hd, ps, n_split, scale, C._p(ks), C._p(vs)), "attn_gqa_q8")
+    KL.check(KL.lib().strata_attn_decode_gqa(KL.stream_ptr(), KL.ptr(dq), KL.ptr(kq), KL.ptr(vq), KL.ptr(pt), KL.ffi().NULL, L,
+                                            KL.ptr(ws), KL.ffi().cast("unsigned *", ctr.data.ptr), KL.ptr(out), KL.ffi().NULL,
+                                            H, KV, hd, ps, n_split, scale, KL.ptr(ks), KL.ptr(vs)), "attn_gqa_q8")
     assert rel(cp.asnumpy(out), ref) < 1e-4
 
 
@@ -937,9 +940,9 @@ def test_fa2_prefill_q8_cache(cp, hd, n, length, n_split):
     scale = 1 / np.sqrt(hd)
     dq = cp.asarray(q.reshape(n, -1), dtype=cp.float32)
     ws, out = cp.zeros(n_split * H * n * (hd + 2), cp.float32), cp.full((n, H, hd), cp.nan, cp.float32)
-    C._check(C.lib().strata_fa2_prefill(C._stream_ptr(), C._p(dq), H * hd, C._p(kq), C._p(vq), C._p(pt), C._p(out),
-                                        C._ffi.NULL, C._p(ws), n, H, KV, hd, ps, length, n_split, scale, C._p(ks),
-                                        C._p(vs)), "fa2_q8")
+    KL.check(KL.lib().strata_fa2_prefill(KL.stream_ptr(), KL.ptr(dq), H * hd, KL.ptr(kq), KL.ptr(vq), KL.ptr(pt), KL.ptr(out),
+                                        KL.ffi().NULL, KL.ptr(ws), n, H, KV, hd, ps, length, n_split, scale, KL.ptr(ks),
+                                        KL.ptr(vs)), "fa2_q8")
     got = cp.asnumpy(out).astype(np.float64)
     for i0, i1 in ((0, min(n, 40)), (max(0, n - 24), n)):
         assert rel(got[i0:i1], attn_ref(q[i0:i1], Kd, Vd, length + i0, scale)) < 5e-3

@@ -7,6 +7,9 @@ import numpy as np
 import pytest
 
 from strata.backend import cuda as C
+from strata.backend.cuda import library as K
+from strata.backend.cuda import llama as LL
+from strata.backend.cuda import settings as S
 
 _why = C.unavailable_reason()
 pytestmark = pytest.mark.skipif(_why is not None, reason=f"CUDA backend unavailable: {_why}")
@@ -17,7 +20,7 @@ LOGITS_REL_L2 = 2e-2          # ||ours - ref|| / ||ref|| over all positions
 # written from them, so the error grows along the run. Measured on the H200 (session 3): 2.65e-2 with the first
 # decode attention kernel below 4096 positions (the default, STRATA_CUDA_ATTN=auto), < 2e-2 with the GQA kernel, and
 # < 2e-2 with f32 activations (STRATA_CUDA_DP4A=0), all with the same 64 tokens as transformers.
-DECODE_LOGITS_REL_L2 = 4e-2 if C.DP4A else LOGITS_REL_L2
+DECODE_LOGITS_REL_L2 = 4e-2 if S.DP4A else LOGITS_REL_L2
 N_GREEDY = 64
 # Decode matvecs round the activations to int8 blocks (as llama.cpp's q8_1): a greedy run may leave the
 # reference's only at a near tie, where the reference's own logits of the two tokens differ by less than this.
@@ -142,7 +145,7 @@ def test_greedy_64_tokens_identical(model_path, hf, prompt_ids, graphs):
     model = _cuda_model(model_path)
     pool = model.new_page_pool(1024)
     st = model.new_state(pool)
-    plan = C.LlamaCuda(model, pool, use_graphs=graphs)
+    plan = LL.LlamaCuda(model, pool, use_graphs=graphs)
     first = int(np.argmax(_prefill(model, st, prompt_ids, 512)))
     got = [first] + plan.decode_greedy(first, N_GREEDY - 1, st)
     print("ours:", got[:16], "ref:", ref[:16])
@@ -163,11 +166,11 @@ def test_graph_decode_step_matches_llama_py_forward(model_path, prompt_ids, monk
     """The plan's step is llama.py's one-token forward: same logits (up to split-K summation order), same
     tokens, same state bookkeeping, on two sequences of one pool. f32 activations: with int8 activations
     (STRATA_CUDA_DP4A=1) a 1e-7 difference can flip an int8 rounding, and the runs drift apart by ~1e-2."""
-    monkeypatch.setattr(C, "DP4A", False)
+    monkeypatch.setattr(S, "DP4A", False)
     model = _cuda_model(model_path)
     pool = model.new_page_pool(2048)
     fast = model.backend.fast_path(model)
-    assert isinstance(fast, C.GraphDecodeModel)
+    assert isinstance(fast, LL.LlamaPlanModel)
     sa, sb = model.new_state(pool), model.new_state(pool)
     la = _prefill(model, sa, prompt_ids, 64)
     lb = _prefill(model, sb, prompt_ids, 64)
@@ -192,7 +195,7 @@ def test_graph_decode_step_matches_llama_py_forward(model_path, prompt_ids, monk
 def cuda_engine(model_path):
     from strata.engine import Engine
     e = Engine("default", n_ctx=2048, device="cuda", prompt_cache=6)
-    assert isinstance(e.stages[0].runner, C.GraphDecodeModel) and isinstance(e.stages[0].memory.pool, C.CudaPagePool)
+    assert isinstance(e.stages[0].runner, LL.LlamaPlanModel) and isinstance(e.stages[0].memory.pool, C.CudaPagePool)
     return e
 
 
@@ -325,7 +328,7 @@ def test_engine_cuda_kv_q8_0_checkpoint_exactness(cuda_engine_q8, sampling):
 def test_pdl_changes_no_token(model_path, prompt_ids):
     """Programmatic dependent launch (STRATA_CUDA_PDL) only moves launches earlier: prefill logits and 48 greedy
     graph-decode tokens are bit-identical with it on and off (a missing griddep_wait would show up as a race)."""
-    lb = C.lib()
+    lb = K.lib()
     before = lb.strata_get_pdl()
     runs = []
     try:

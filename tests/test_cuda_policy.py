@@ -1,7 +1,8 @@
 """The CUDA decode plans' launch-shape rules (pure Python: they run without a GPU, in CI)."""
 import pytest
 
-from strata.backend import cuda as C
+from strata.backend.cuda import runner as R
+from strata.backend.cuda import settings as S
 
 
 @pytest.mark.parametrize("n_kv", [1, 3, 8, 32])
@@ -12,11 +13,11 @@ def test_split_class_gives_every_length_its_chunk(n_kv, n_sm):
     already takes everything), at most ATTN_MAX_SPLIT splits and about ATTN_BPS blocks per multiprocessor at most."""
     prev = 0
     for cls in (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072):
-        s = C.n_split_class(cls, n_kv, n_sm)
+        s = S.n_split_class(cls, n_kv, n_sm)
         shortest = 1 if cls == 256 else cls // 2 + 1
-        assert 1 <= s <= C.ATTN_MAX_SPLIT <= C.GQA_MAX_SPLIT
-        assert s == 1 or -(-shortest // s) >= C.ATTN_CHUNK     # positions per block of the kernel's own chunking
-        assert s <= max(1, C.ATTN_BPS * n_sm // n_kv)
+        assert 1 <= s <= S.ATTN_MAX_SPLIT <= S.GQA_MAX_SPLIT
+        assert s == 1 or -(-shortest // s) >= S.ATTN_CHUNK     # positions per block of the kernel's own chunking
+        assert s <= max(1, S.ATTN_BPS * n_sm // n_kv)
         assert s >= prev                                       # longer classes never get fewer splits
         prev = s
 
@@ -25,21 +26,19 @@ def test_split_class_is_the_measured_setting():
     """The H200 settings of docs/cuda.md: SmolLM2's 3 KV heads get 32 splits for the 8192 class (a 4097..8192
     context: >= 128 positions per block) and 64 for the 32768 class (not the 128 that sizing for the longest length
     gave: 20.3 vs 33.0 us at 16K positions)."""
-    if (C.ATTN_CHUNK, C.ATTN_BPS, C.ATTN_MAX_SPLIT) != (128, 4, 64):
-        pytest.skip("STRATA_CUDA_ATTN_CHUNK / _BPS / _MAX_SPLIT override the defaults")
-    assert C.n_split_class(8192, 3, 132) == 32
-    assert C.n_split_class(32768, 3, 132) == 64
-    assert C.n_split_class(32768, 8, 132) == 64
+    assert S.n_split_class(8192, 3, 132) == 32
+    assert S.n_split_class(32768, 3, 132) == 64
+    assert S.n_split_class(32768, 8, 132) == 64
 
 
 @pytest.mark.parametrize("n_ff,n_sm,want", [(1536, 132, 1), (8192, 132, 2), (16384, 132, 4), (8192, 46, 4)])
 def test_glu_pairs_per_warp(n_ff, n_sm, want, monkeypatch):
     """The fused SwiGLU kernel's row pairs per warp: the most (4, 2) that still leaves >= 16 warps per SM, else 1;
-    STRATA_CUDA_GLU_RP (module GLU_RP) overrides."""
-    monkeypatch.setattr(C, "GLU_RP", 0)
-    assert C.glu_pairs_per_warp(n_ff, n_sm) == want
-    monkeypatch.setattr(C, "GLU_RP", 2)
-    assert C.glu_pairs_per_warp(n_ff, n_sm) == 2
+    settings.GLU_RP overrides."""
+    monkeypatch.setattr(S, "GLU_RP", 0)
+    assert S.glu_pairs_per_warp(n_ff, n_sm) == want
+    monkeypatch.setattr(S, "GLU_RP", 2)
+    assert S.glu_pairs_per_warp(n_ff, n_sm) == 2
 
 
 def test_bench_host_load_names_build_processes(tmp_path):
@@ -65,33 +64,31 @@ def test_check_sequence_names_the_problem():
     one-line ValueError; a matching sequence passes."""
     from types import SimpleNamespace as NS
 
-    from strata.backend import cuda as C
     pool, other = object(), object()
-    C.check_sequence(pool, NS(kv=NS(pool=pool, length=5), pos=5))
+    R.check_sequence(pool, NS(kv=NS(pool=pool, length=5), pos=5))
     with pytest.raises(ValueError, match="not in this plan's pool"):
-        C.check_sequence(other, NS(kv=NS(pool=pool, length=5), pos=5))
+        R.check_sequence(other, NS(kv=NS(pool=pool, length=5), pos=5))
     with pytest.raises(ValueError, match="KV length 4 != sequence position 5"):
-        C.check_sequence(pool, NS(kv=NS(pool=pool, length=4), pos=5))
+        R.check_sequence(pool, NS(kv=NS(pool=pool, length=4), pos=5))
 
 
 def test_split_fits_one_wave(monkeypatch):
     """With the decode attention kernel's resident blocks per multiprocessor given, the split never makes more
-    blocks than run at once (n_kv x n_split <= resident x n_sm); without it (or with STRATA_CUDA_ATTN_ONE_WAVE=0)
+    blocks than run at once (n_kv x n_split <= resident x n_sm); without it (or with settings.ATTN_ONE_WAVE off)
     the split is the chunk / ATTN_BPS rule alone. The H200 cases of the sweep: 8 KV heads with 3 resident blocks get
     49 splits at 16K positions (was 64: 1.29 waves), 3 KV heads keep 64."""
-    monkeypatch.setattr(C, "ATTN_ONE_WAVE", True)
+    monkeypatch.setattr(S, "ATTN_ONE_WAVE", True)
     for n_kv in (1, 3, 8, 32):
         for resident in (1, 2, 3, 5):
             for length in (1, 300, 4096, 16384, 131072):
-                s = C.n_split_gqa(length, n_kv, 132, resident=resident)
-                assert 1 <= s <= C.n_split_gqa(length, n_kv, 132)
+                s = S.n_split_gqa(length, n_kv, 132, resident=resident)
+                assert 1 <= s <= S.n_split_gqa(length, n_kv, 132)
                 assert s == 1 or n_kv * s <= resident * 132
-    if (C.ATTN_CHUNK, C.ATTN_BPS, C.ATTN_MAX_SPLIT) == (128, 4, 64):
-        assert C.n_split_class(32768, 8, 132, resident=3) == 49
-        assert C.n_split_class(32768, 3, 132, resident=2) == 64
-        assert C.n_split_class(32768, 8, 132) == 64
-    monkeypatch.setattr(C, "ATTN_ONE_WAVE", False)
-    assert C.n_split_gqa(16384, 8, 132, resident=3) == C.n_split_gqa(16384, 8, 132)
+    assert S.n_split_class(32768, 8, 132, resident=3) == 49
+    assert S.n_split_class(32768, 3, 132, resident=2) == 64
+    assert S.n_split_class(32768, 8, 132) == 64
+    monkeypatch.setattr(S, "ATTN_ONE_WAVE", False)
+    assert S.n_split_gqa(16384, 8, 132, resident=3) == S.n_split_gqa(16384, 8, 132)
 
 
 @pytest.mark.parametrize("env,want", [(None, (True, False)), ("1", (True, True)), ("0", (False, False)),
@@ -99,4 +96,4 @@ def test_split_fits_one_wave(monkeypatch):
 def test_glu_settings(env, want):
     """The fused SwiGLU matvec is on in the llama decode graph and off in the hybrid one by default (measured:
     docs/cuda.md); STRATA_CUDA_GLU forces both."""
-    assert C.glu_settings(env) == want
+    assert S.glu_settings(env) == want

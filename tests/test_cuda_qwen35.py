@@ -36,7 +36,9 @@ import pytest
 
 from strata import synth
 from strata.backend import cuda as C
-from strata.backend import cuda_qwen35 as Q
+from strata.backend.cuda import settings as S
+from strata.backend.cuda import weights as W
+from strata.backend.cuda import qwen35 as Q
 from strata.memory.kv import PagePool
 from strata.models.base import load_model
 from strata.memory import Carve, HybridMemory, KVMemory, RecurrentMemory
@@ -87,11 +89,11 @@ def test_unsupported_reasons_on_real_models(tmp_path):
 
 
 def _w(name, t, rows, cols, rng):
-    return C.DeviceWeight(name, t, (rows, cols), rng.standard_normal((rows, cols)).astype(np.float32))
+    return W.DeviceWeight(name, t, (rows, cols), rng.standard_normal((rows, cols)).astype(np.float32))
 
 
 def _np_concat(name, ws):
-    return C.DeviceWeight(name, ws[0].ggml_type, (sum(w.shape[0] for w in ws), ws[0].shape[1]),
+    return W.DeviceWeight(name, ws[0].ggml_type, (sum(w.shape[0] for w in ws), ws[0].shape[1]),
                           np.concatenate([w.data for w in ws], axis=0))
 
 
@@ -100,7 +102,7 @@ def test_fuse_groups_offsets_give_the_separate_products():
     E = 64
     # GDN-like [qkv | z | beta | alpha] with beta/alpha of another type: two groups, offsets back to back
     parts = [_w("qkv", 8, 96, E, rng), _w("z", 8, 32, E, rng), _w("beta", 0, 4, E, rng), _w("alpha", 0, 4, E, rng)]
-    groups = Q.fuse_groups("gdn", parts, concat=_np_concat)
+    groups = W.fuse_groups("gdn", parts, concat=_np_concat)
     assert [(off, n) for _, off, n in groups] == [(0, 128), (128, 8)]
     assert [w.ggml_type for w, _, _ in groups] == [8, 0]
     x = rng.standard_normal(E).astype(np.float32)
@@ -110,12 +112,12 @@ def test_fuse_groups_offsets_give_the_separate_products():
     np.testing.assert_array_equal(y, np.concatenate([p.data @ x for p in parts]))
     # one weight alone is used as is (no copy); alternating types are not fused
     one = _w("wo", 8, 16, E, rng)
-    assert Q.fuse_groups("wo", [one], concat=_np_concat)[0][0] is one
+    assert W.fuse_groups("wo", [one], concat=_np_concat)[0][0] is one
     alt = [_w("a", 8, 8, E, rng), _w("b", 2, 8, E, rng), _w("c", 8, 8, E, rng)]
-    assert [(off, n) for _, off, n in Q.fuse_groups("alt", alt, concat=_np_concat)] == [(0, 8), (8, 8), (16, 8)]
+    assert [(off, n) for _, off, n in W.fuse_groups("alt", alt, concat=_np_concat)] == [(0, 8), (8, 8), (16, 8)]
     # different widths are not fused either
     wide = [_w("a", 8, 8, E, rng), _w("b", 8, 8, 2 * E, rng)]
-    assert len(Q.fuse_groups("wide", wide, concat=_np_concat)) == 2
+    assert len(W.fuse_groups("wide", wide, concat=_np_concat)) == 2
 
 
 def _np_state(layers, seed):
@@ -174,9 +176,9 @@ def test_resident_state_swaps_and_state_py_writes_through():
 
 def test_graphs_env_switch(monkeypatch):
     monkeypatch.setenv("STRATA_CUDA_GRAPHS", "0")
-    assert Q.graphs_enabled() is False
+    assert S.graphs_enabled() is False
     monkeypatch.setenv("STRATA_CUDA_GRAPHS", "1")
-    assert Q.graphs_enabled() is True
+    assert S.graphs_enabled() is True
 
 
 # numpy mirrors of the qwen35.cu kernels' index arithmetic (line by line), checked against the model's own _gdn

@@ -59,9 +59,9 @@ def default_runs():
 
 def test_default_model_split_on_one_gpu_same_tokens_and_hashes(default_runs):
     engines, runs = default_runs
-    from strata.backend import cuda as C
+    from strata.backend.cuda import llama as LL
     for s, e in engines.items():
-        assert all(isinstance(st.runner, C.GraphDecodeModel) for st in e.stages), s   # every carve on the plans
+        assert all(isinstance(st.runner, LL.LlamaPlanModel) for st in e.stages), s   # every carve on the plans
         assert all(st.runner.plans for st in e.stages), s
     base = runs[None]
     assert base[0][0] == base[1][0]

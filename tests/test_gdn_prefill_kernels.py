@@ -22,7 +22,7 @@ import pytest
 
 from strata import synth
 from strata.backend import cuda as C
-from strata.backend import cuda_gdn_prefill as P
+from strata.backend.cuda import gdn_prefill as P
 from strata.backend import gdn
 from strata.models.base import load_model
 
@@ -278,7 +278,7 @@ def test_prep_recurrent_gated_norm_match_numpy_layer(n, tiled, grouped):
     """The device GDN layer core (prep -> recurrent kernel -> gated_norm) vs the numpy float32 layer of _gdn."""
     import cupy as cp
 
-    from strata.backend import cuda_gdn
+    from strata.backend.cuda import gdn as cuda_gdn
     nk, nv, dk, dv = 2, 6, 32, 16
     y, b, a, A, dt = _inputs(n, nk, nv, dk, dv, grouped, seed=90 + n)
     y *= 0.5

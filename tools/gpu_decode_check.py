@@ -8,6 +8,8 @@ import numpy as np
 
 sys.path.insert(0, ".")
 from strata.backend import cuda as C  # noqa: E402
+from strata.backend.cuda import llama as LL  # noqa: E402
+from strata.backend.cuda import settings as S  # noqa: E402
 from strata.models.base import load_model  # noqa: E402
 
 path = sys.argv[1]
@@ -38,13 +40,13 @@ for step in range(steps):
     out = {}
     for name, (st, _) in ways.items():
         if name.startswith("llama_py"):
-            C.DP4A = name.endswith("dp4a")
+            S.DP4A = name.endswith("dp4a")
             lg = model.forward(np.asarray([t], np.int32), st)
-            C.DP4A = True
+            S.DP4A = True
         else:
             p = plans.get(name)
             if p is None:
-                p = plans[name] = C.LlamaCuda(model, pool, use_graphs=name.startswith("graph"))
+                p = plans[name] = LL.LlamaCuda(model, pool, use_graphs=name.startswith("graph"))
                 p.dp4a = name.endswith("dp4a")
             lg = p.decode(t, st)
         out[name] = lg

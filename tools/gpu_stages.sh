@@ -50,7 +50,6 @@ t() { timeout "$1" python3 -m pytest -q -rs -p timeout --timeout 240 --timeout-m
 if [ "$stage" = B ]; then
   t 200 -s tests/test_cuda_stages.py | tee "$OUT/t_stages.log"
   t 200 tests/test_cuda_parity.py tests/test_cuda_device_errors.py | tee "$OUT/t_parity.log"
-  [ -n "$QUICK" ] || t 120 tests/test_cuda_step.py | tee "$OUT/t_step.log"
   [ -n "$QUICK" ] || t 120 tests/test_cuda_qwen35.py tests/test_gdn_prefill_kernels.py | tee "$OUT/t_qwen35.log"
   t 200 tests/test_cuda_hybrid.py tests/test_device_sampling.py | tee "$OUT/t_hybrid.log"
   t 60 tests/test_serve.py -k "cuda" | tee "$OUT/t_serve.log"

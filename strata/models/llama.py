@@ -70,6 +70,7 @@ class LlamaModel(Model):
         if c.extra.get("rope.scaling.type") == "linear" and c.extra.get("rope.scaling.factor"):
             self.freq_scale = 1.0 / float(c.extra["rope.scaling.factor"])
         self.scale = 1.0 / math.sqrt(hd)
+        self.eps = c.rms_eps
 
         self.tok_embd = self.weight("token_embd.weight", (c.n_vocab, E))
         self.rope_freqs = self.weight("rope_freqs.weight", (self.n_rot // 2,), optional=True)
@@ -130,7 +131,7 @@ class LlamaModel(Model):
         fuse_rope = be.name == "cpu"
         for il in range(lo, hi):
             L = self.layers[il]
-            h = be.rms_norm(x, L.attn_norm, c.rms_eps)
+            h = be.rms_norm(x, L.attn_norm, self.eps)
             if fuse_rope and L.wqkv is not None and L.bq is None and L.bk is None:
                 # Q and K heads are adjacent in the fused output: one RoPE call for both (the same per-head op;
                 # CPU only, where q/k may stay strided views)
@@ -156,7 +157,7 @@ class LlamaModel(Model):
                 k = be.rope(k.reshape(n, nkv, hd), positions, self.n_rot, c.rope_theta, c.rope_neox, **rope_kw)
             a = be.attention(q, k, v.reshape(n, nkv, hd), kv, il, self.scale)
             x = x + be.matmul(a.reshape(n, nh * hd), L.wo)
-            h = be.rms_norm(x, L.ffn_norm, c.rms_eps)
+            h = be.rms_norm(x, L.ffn_norm, self.eps)
             if L.w_gate_up is not None:
                 gu = be.matmul(h, L.w_gate_up)
                 act = be.swiglu(gu[:, :c.n_ff], gu[:, c.n_ff:])

@@ -25,11 +25,11 @@ the last inputs of the causal conv — and ``ssm`` (n_v, d_k, d_v) — the delta
 
 On the CUDA backend (``backend.xp`` is CuPy) activations and the running state stay on the device. A GDN layer is
 four kernel launches besides its GEMMs, for any number of tokens: the causal conv and the delta rule (recurrent, the
-state in registers; strata/backend/cuda_gdn.py, native/cuda/gdn.cu), and the fused q/k L2 norm + gates and gated
-RMSNorm (strata/backend/cuda_gdn_prefill.py, native/cuda/gdn_prefill.cu). ``gdn_mode="chunked"`` keeps the chunked
+state in registers; strata/backend/cuda/gdn.py, native/cuda/gdn.cu), and the fused q/k L2 norm + gates and gated
+RMSNorm (strata/backend/cuda/gdn_prefill.py, native/cuda/gdn_prefill.cu). ``gdn_mode="chunked"`` keeps the chunked
 delta rule as CuPy batched matmuls and solves (with CuPy elementwise ops). MoE routing runs on the device (only the
 (n_tokens, k) expert ids come to the host to drive the expert loop). The one-token decode of dense models has its own
-CUDA-graph plan (strata/backend/cuda_qwen35.py), which the engine uses through CudaBackend.fast_path.
+CUDA-graph plan (strata/backend/cuda/qwen35.py), which the engine uses through CudaBackend.fast_path.
 """
 from __future__ import annotations
 
@@ -290,7 +290,7 @@ class Qwen3NextModel(Model):
         mode = self.gdn_mode
         step = mode == "recurrent" or (mode == "auto" and (n == 1 or dev))   # device: one recurrent kernel launch
         if dev and step:      # fused: conv, prep (norms, gates), delta rule, gated norm: one kernel launch each
-            from strata.backend import cuda_gdn, cuda_gdn_prefill
+            from strata.backend.cuda import gdn as cuda_gdn, gdn_prefill as cuda_gdn_prefill
             y, _ = cuda_gdn.conv(be.matmul(x, L.wqkv), L.conv, run["conv"])     # window updated in place
             if L.w_ba is not None:
                 b, a = be.matmul(x, L.w_ba), None                # (n, 2 n_v): per key head [beta x r, alpha x r]
@@ -309,7 +309,7 @@ class Qwen3NextModel(Model):
         else:
             b, a = host(be.matmul(x, L.w_beta)), host(be.matmul(x, L.w_alpha))
         if dev:                                                          # gdn_mode "chunked" on the device
-            from strata.backend import cuda_gdn
+            from strata.backend.cuda import gdn as cuda_gdn
             y, _ = cuda_gdn.conv(qkv, L.conv, run["conv"])          # window updated in place
         else:
             y, window = gdn.causal_conv1d(qkv, L.conv, run["conv"])

@@ -1,39 +1,25 @@
 """Launchers of the fused GDN prefill prologue / epilogue kernels (native/cuda/gdn_prefill.cu) on CuPy arrays.
 
 ``prep`` turns the causal conv output and the beta / alpha projections of n tokens into what
-``cuda_gdn.recurrent`` reads (L2-normalised q, k per key head, contiguous v, g, beta); ``gated_norm`` is the output
+``cuda.gdn.recurrent`` reads (L2-normalised q, k per key head, contiguous v, g, beta); ``gated_norm`` is the output
 norm RMSNorm(o) * ssm_norm * silu(z). One kernel launch each, in place of ~25 small CuPy operations per layer.
 Formulas (and the reference the kernels are tested against): strata/backend/gdn.py (l2_norm, sigmoid, softplus,
 gated_rms_norm) as strata/models/qwen3next.py ``_gdn`` applies them. On numpy arrays both functions run that
 numpy code with the same contract (the CPU tests of the model's device control flow use it).
 
-The library is the CUDA backend's (strata/backend/cuda.py ``open_kernel_library``, own cffi FFI, ABI mode);
-kernels run on CuPy's current stream.
+Kernels run on CuPy's current stream.
 """
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
 
 from strata.backend import gdn
+from strata.backend.cuda.library import check, ffi, lib, ptr, stream_ptr
 
 L2_EPS = 1e-6            # gdn.l2_norm's default eps: the model's q / k normalisation
-# STRATA_GDN_FUSED=0: on CuPy too, the array formulas of gdn.py (several CuPy launches) instead of the two kernels.
-FUSED = os.environ.get("STRATA_GDN_FUSED", "1") not in ("0", "false", "no")
 
-_ffi = None
-_lib = None
-
-
-def lib():
-    """The cffi handle of the kernel library (this module's FFI, loaded once)."""
-    global _ffi, _lib
-    if _lib is None:
-        from strata.backend.cuda import open_kernel_library
-        _ffi, _lib = open_kernel_library()
-    return _lib
 
 
 # ------------------------------------------------------------------------------------------------ pure logic
@@ -95,7 +81,7 @@ def _rows(xp, a) -> tuple[Any, int]:
 
 # ------------------------------------------------------------------------------------------------ launchers
 def prep(y, b, a, A, dt, n_k: int, dk: int, dv: int, l2_eps: float = L2_EPS):
-    """GDN prologue of n tokens: (q, k, v, g, beta) for ``cuda_gdn.recurrent``, one kernel launch.
+    """GDN prologue of n tokens: (q, k, v, g, beta) for ``cuda.gdn.recurrent``, one kernel launch.
 
     y: float32 (n, 2*n_k*dk + n_v*dv), the causal conv output [q | k | v] (rows may lie apart, e.g. a view of a
     wider buffer). b, a: with a None, b is the qwen3next ``ssm_ba`` projection (n, 2*n_v) (per key head
@@ -120,7 +106,7 @@ def prep(y, b, a, A, dt, n_k: int, dk: int, dv: int, l2_eps: float = L2_EPS):
         _shape(b, "beta projection", (n, n_v))
         _shape(a, "alpha projection", (n, n_v))
     xp = gdn.array_module(y)
-    if xp is np or not FUSED:                                 # the array formulas, as qwen3next._gdn applies them
+    if xp is np:                                 # the array formulas, as qwen3next._gdn applies them
         kd = n_k * dk
         q = gdn.l2_norm(y[:, :kd].reshape(n, n_k, dk), l2_eps)
         k = gdn.l2_norm(y[:, kd:2 * kd].reshape(n, n_k, dk), l2_eps)
@@ -144,11 +130,10 @@ def prep(y, b, a, A, dt, n_k: int, dk: int, dv: int, l2_eps: float = L2_EPS):
     v = xp.empty((n, n_v, dv), np.float32)
     g = xp.empty((n, n_v), np.float32)
     beta = xp.empty((n, n_v), np.float32)
-    from strata.backend.cuda import _check
     lb = lib()
-    _check(lb.strata_gdn_prep(_stream(), _p(y), int(ys), _p(b), _p(a), int(bs), 0, 0, int(grouped), _p(A), _p(dt),
-                              _p(q), _p(k), _p(v), _p(g), _p(beta), n, int(n_k), n_v, int(dk), int(dv),
-                              float(l2_eps)),
+    check(lb.strata_gdn_prep(stream_ptr(), ptr(y), int(ys), ptr(b), ptr(a), int(bs), 0, 0, int(grouped), ptr(A),
+                             ptr(dt), ptr(q), ptr(k), ptr(v), ptr(g), ptr(beta), n, int(n_k), n_v, int(dk), int(dv),
+                             float(l2_eps)),
            "strata_gdn_prep")
     return q, k, v, g, beta
 
@@ -168,24 +153,16 @@ def gated_norm(o, z, w, eps: float):
                          f"{(n, nh, d)} or {(n, nh * d)}")
     _shape(w, "gated_norm weight", (d,))
     xp = gdn.array_module(o)
-    if xp is np or not FUSED:
+    if xp is np:
         return gdn.gated_rms_norm(o, w, z.reshape(n, nh, d), eps)
     o = xp.ascontiguousarray(o, dtype=np.float32)
     z, zs = _rows(xp, z)
     w = xp.ascontiguousarray(w, dtype=np.float32)
     out = xp.empty((n, nh, d), np.float32)
-    from strata.backend.cuda import _check
     lb = lib()
-    _check(lb.strata_gdn_gated_norm_rows(_stream(), _p(o), _p(z), int(zs), nh, _p(w), _p(out), _ffi.NULL, n * nh, d,
-                                         float(eps)),
+    check(lb.strata_gdn_gated_norm_rows(stream_ptr(), ptr(o), ptr(z), int(zs), nh, ptr(w), ptr(out), ffi().NULL,
+                                        n * nh, d, float(eps)),
            "strata_gdn_gated_norm_rows")
     return out
 
 
-def _p(a) -> Any:
-    return _ffi.cast("void *", a.data.ptr)
-
-
-def _stream() -> Any:
-    import cupy
-    return _ffi.cast("void *", cupy.cuda.get_current_stream().ptr)

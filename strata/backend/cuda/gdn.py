@@ -1,39 +1,18 @@
-"""Launchers of the Gated DeltaNet CUDA kernels (native/cuda/gdn.cu in strata/_cuda_kernels.so) on CuPy arrays.
+"""Launchers of the Gated DeltaNet CUDA kernels (native/cuda/gdn.cu) on CuPy arrays, on CuPy's current stream.
 
-The library is the CUDA backend's, opened by strata/backend/cuda.py ``open_kernel_library`` with this module's own
-cffi FFI (ABI mode; the declarations of native/cuda/strata_cuda.h). Kernels run on CuPy's current stream.
 Semantics are those of strata/backend/gdn.py: ``recurrent`` = ``gdn.delta_rule_recurrent``, ``conv`` =
 ``gdn.causal_conv1d`` (state arrays updated in place).
 """
 from __future__ import annotations
 
-from typing import Any
-
-from strata.backend.cuda import _check, open_kernel_library
+from strata.backend.cuda.library import check, lib, ptr, stream_ptr
 
 # strata_gdn_recurrent_ex variants: choose (the warp kernel for prefill when the shape allows it), the block kernel,
 # the warp kernel with 4 / 2 / 1 value columns per warp
 VARIANTS = {"auto": 0, "block": 1, "warp": 2, "warp2": 3, "warp1": 4}
 
-_ffi = None
-_lib = None
 
 
-def lib():
-    """The cffi handle of the kernel library (this module's FFI, loaded once)."""
-    global _ffi, _lib
-    if _lib is None:
-        _ffi, _lib = open_kernel_library()
-    return _lib
-
-
-def _p(a) -> Any:
-    return _ffi.cast("void *", a.data.ptr)
-
-
-def _stream() -> Any:
-    import cupy
-    return _ffi.cast("void *", cupy.cuda.get_current_stream().ptr)
 
 
 def _f32c(a, name: str, shape: tuple[int, ...]):
@@ -60,7 +39,8 @@ def recurrent(q, k, v, g, beta, state, tiled: bool = True, variant: str = "auto"
     reads key head h % n_qk (tiled) or h // (n_v / n_qk); with n_qk == n_v both are the identity. v: (n, n_v, d_v);
     g, beta: (n, n_v); state: C-contiguous float32 (n_v, d_k, d_v). variant (``VARIANTS``): "auto" (for n > 1
     the warp kernel with the columns per warp measured fastest for d_k: 1 for 64, 2 for 32 and 128, 4 for 256, when
-    d_v is a multiple of them; else the block kernel), "block", or "warp" / "warp2" / "warp1" (4 / 2 / 1 value columns per warp; tests and benchmarks);
+    d_v is a multiple of them; else the block kernel), "block", or "warp" / "warp2" / "warp1" (4 / 2 / 1 value
+    columns per warp; tests and benchmarks);
     arrays not 16-byte aligned take the block kernel. Returns (out float32 (n, n_v, d_v), state). Raises ValueError
     for shapes that disagree, an unknown variant or a warp variant on misaligned arrays (nothing changed), and
     RuntimeError for a CUDA error (a warp variant the shape does not allow included).
@@ -85,8 +65,8 @@ def recurrent(q, k, v, g, beta, state, tiled: bool = True, variant: str = "auto"
             raise ValueError(f"gdn recurrent: the {variant!r} kernel needs 16-byte aligned q, k, v and state")
         variant = "block"
     lb = lib()
-    _check(lb.strata_gdn_recurrent_ex(_stream(), _p(q), _p(k), _p(v), _p(g), _p(beta), _p(state), _p(out), n, n_v,
-                                      n_qk, dk, dv, int(bool(tiled)), float(1.0 / dk ** 0.5), VARIANTS[variant]),
+    check(lb.strata_gdn_recurrent_ex(stream_ptr(), ptr(q), ptr(k), ptr(v), ptr(g), ptr(beta), ptr(state), ptr(out), n,
+                                     n_v, n_qk, dk, dv, int(bool(tiled)), float(1.0 / dk ** 0.5), VARIANTS[variant]),
            "strata_gdn_recurrent")
     return out, state
 
@@ -109,6 +89,6 @@ def conv(x, weight, window):
     weight = _f32c(weight, "weight", (c, kk))
     window = _state(window, "window", (kk - 1, c))
     y = cupy.empty((n, c), cupy.float32)
-    _check(lib().strata_gdn_conv(_stream(), _p(x), max(c, x.strides[0] // 4), _p(weight), _p(window), _p(y), n, c,
-                                 kk), "strata_gdn_conv")
+    check(lib().strata_gdn_conv(stream_ptr(), ptr(x), max(c, x.strides[0] // 4), ptr(weight), ptr(window), ptr(y), n, c,
+                                kk), "strata_gdn_conv")
     return y, window

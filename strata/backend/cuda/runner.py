@@ -1,0 +1,456 @@
+"""The graph runner every family's CUDA plan shares: DecodePlan (buffers at fixed addresses, one CUDA graph captured
+per context-size class and replayed per token, the decode entry points, the launch blocks both families' layers are
+built of, and the prefill's start and end) and PlanModel (what the engine runs: the model, with one-token and
+long forwards routed to the plan of the sequence's page pool)."""
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import numpy as np
+
+from strata.backend.cuda import settings
+from strata.backend.cuda.gemm import PrefillScratch
+from strata.backend.cuda.library import check, ffi, fptr, lib, ptr, stream_ptr
+from strata.backend.cuda.pages import CudaPagePool, check_sequence
+from strata.backend.cuda.settings import MV_BLOCK_ROWS, glu_pairs_per_warp, rows_per_warp
+
+
+def carve_bounds(lo: int, hi: int | None, n_layer: int) -> tuple[int, int]:
+    """(lo, hi) of a plan's carve, the layers [lo, hi) of a model of n_layer blocks (hi None: all of them);
+    ValueError unless 0 <= lo < hi <= n_layer."""
+    lo, hi = int(lo), n_layer if hi is None else int(hi)
+    if not 0 <= lo < hi <= n_layer:
+        raise ValueError(f"carve [{lo}, {hi}) is not a non-empty range of the model's {n_layer} blocks")
+    return lo, hi
+
+
+def hidden_input(x_in, n: int, n_embd: int, first: bool, device_id: int):
+    """A stage's input x_in checked and viewed as (n, n_embd), or None for the first stage (whose input is the
+    embedding rows). ValueError / TypeError (one line) unless a later stage gets a CuPy float32 array of n * n_embd
+    elements on device device_id, and the first stage none."""
+    if first:
+        if x_in is not None:
+            raise ValueError("x_in is the input of a stage after the first (the first embeds its tokens)")
+        return None
+    import cupy
+    if not isinstance(x_in, cupy.ndarray):
+        raise TypeError(f"a stage after the first needs x_in, a CuPy float32 ({n}, {n_embd}) array "
+                        f"(got {type(x_in).__name__})")
+    if x_in.dtype != np.float32 or x_in.size != n * n_embd or x_in.device.id != device_id:
+        raise ValueError(f"x_in is {x_in.dtype} {tuple(x_in.shape)} on device {x_in.device.id}; the stage needs "
+                         f"float32 ({n}, {n_embd}) on device {device_id}")
+    return x_in.reshape(n, n_embd)
+
+
+def prefill_logits(model, x, all_logits: bool, eps: float) -> np.ndarray:
+    """A prefill plan's last step: the final RMSNorm (model.out_norm) of the last row of x, or of every row with
+    all_logits, and the output projection (model.output, through the backend's matmul) -> host f32 (n_vocab,) or
+    (n, n_vocab). x: CuPy f32 (n, n_embd), the residual stream after the last layer."""
+    import cupy as cp
+    rows = x if all_logits else x[x.shape[0] - 1:]
+    hn = cp.empty(rows.shape, cp.float32)
+    NULL = ffi().NULL
+    check(lib().strata_rms_norm_ex(stream_ptr(), ptr(rows), NULL, ptr(model.out_norm), ptr(hn), NULL, NULL, NULL,
+                                   rows.shape[0], rows.shape[1], float(eps)), "rms_norm")
+    out = cp.asnumpy(model.backend.matmul(hn, model.output))
+    return out if all_logits else out[0]
+
+
+def token_id(t, n_vocab: int) -> int:
+    """t as a Python int; ValueError (the model's message) when it is not an integer id in [0, n_vocab)."""
+    v = int(t)
+    if v != t or not 0 <= v < n_vocab:
+        raise ValueError(f"token id out of range [0, {n_vocab})")
+    return v
+
+
+def q8_buffer(cp, n: int):
+    """A q8_1 activation buffer for n values: int8 values, then float2 (d, d * sum) per 32."""
+    return cp.zeros(n + n // 4, cp.uint8)
+
+
+class DecodePlan:
+    """A family's layers executed on one GPU: subclasses (strata/backend/cuda/llama.py, qwen35.py) enqueue their fused
+    kernels (``_enqueue_step``, ``_step_args``, ``prefill``) and say which carves they run (``unsupported``); this
+    class owns everything around them.
+
+    * Buffers at fixed addresses in ``self.d`` (graph capture): ``inp`` = [token, pos, len] (int32, read by the
+      kernels, so one captured graph serves every token of its class), the residual stream ``x``, the normed row
+      ``hn`` and its q8_1 blocks ``hq``, the layer output ``o``, the FFN's ``gu`` / ``act`` / ``fq``, ``logits``;
+      with attention layers also ``qkv``, ``att`` / ``aq``, ``partial`` and ``counters`` of the split-K kernels.
+    * The decode step: ``decode_device`` / ``decode`` / ``decode_greedy`` check the sequence (changing nothing on
+      error), reserve its pages, write ``inp`` and replay the graph of the step's context-size class
+      (settings.size_class; captured on first use, ``use_graphs`` False: the kernels launched eagerly).
+    * The carve [lo, hi): the first stage embeds its token, a later one starts from ``x_in`` (the previous stage's
+      residual stream, copied into ``d['x']`` outside the graph); the last ends with the final norm, the output
+      matvec and the device argmax into ``inp[0]``, an earlier one returns its residual stream.
+    """
+
+    label: ClassVar[str] = "CUDA decode plan"     # how errors name the plan
+
+    def __init__(self, model, pool, use_graphs: bool | None = None, lo: int = 0, hi: int | None = None):
+        why = self.unsupported(model, lo, hi)
+        if why:
+            raise ValueError(f"the {self.label} cannot run this model: {why}")
+        lo, hi = carve_bounds(lo, hi, model.n_blocks)
+        if not isinstance(pool, CudaPagePool):
+            raise TypeError(f"{type(self).__name__} needs the CudaPagePool made by CudaBackend.new_page_pool")
+        cp = self.cp = __import__("cupy")
+        lib()
+        self.model, self.pool = model, pool
+        c = model.config
+        self.n_embd, self.n_head, self.n_kv, self.hd = c.n_embd, c.n_head, c.n_head_kv, c.head_dim
+        self.n_ff, self.n_vocab = c.n_ff, c.n_vocab
+        self.n_rot, self.theta, self.eps = int(model.n_rot), float(c.rope_theta), float(model.eps)
+        self.scale = float(model.scale)
+        self.lo, self.hi = lo, hi                                   # the carve: layers [lo, hi)
+        self.first, self.last = lo == 0, model.ends_with_head(hi)   # the embeddings / the final norm and head
+        self.use_graphs = settings.graphs_enabled() if use_graphs is None else bool(use_graphs)
+        self.dp4a = settings.DP4A
+        self.n_sm = int(model.backend.n_sm)
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self.graphs: dict[Any, Any] = {}
+        E, F = self.n_embd, self.n_ff
+        self.d = {"inp": cp.zeros(3, cp.int32), "x": cp.zeros((1, E), cp.float32), "hn": cp.zeros((1, E), cp.float32),
+                  "hq": q8_buffer(cp, E), "o": cp.zeros((1, E), cp.float32), "gu": cp.zeros((1, 2 * F), cp.float32),
+                  "act": cp.zeros((1, F), cp.float32), "fq": q8_buffer(cp, F),
+                  "logits": cp.zeros((1, self.n_vocab), cp.float32)}
+        self.pf = PrefillScratch()                  # prefill buffers and the f16 weight scratch for cuBLAS
+
+    def _attention_buffers(self) -> None:
+        """The decode attention's buffers: Q|K|V, the attention output and its q8_1 blocks, the split-K partials
+        and the merge counters (per KV head for v2, per head for v1)."""
+        cp, H, KV, hd = self.cp, self.n_head, self.n_kv, self.hd
+        nq = H * hd
+        self.d.update({"qkv": cp.zeros((1, nq + 2 * KV * hd), cp.float32), "att": cp.zeros((1, nq), cp.float32),
+                       "aq": q8_buffer(cp, nq),
+                       "partial": cp.zeros(H * max(settings.MAX_SPLIT, settings.GQA_MAX_SPLIT) * (hd + 2), cp.float32),
+                       "counters": cp.zeros(max(64, KV, H), cp.uint32)})
+
+    @staticmethod
+    def unsupported(model, lo: int = 0, hi: int | None = None) -> str | None:
+        """Why the plan cannot run the carve [lo, hi) of `model` (one line), or None if it can."""
+        raise NotImplementedError
+
+    def layers(self) -> list:
+        """The carve's layers (model.layers[lo:hi]; layer li of the model is layers()[li - lo])."""
+        return self.model.layers[self.lo:self.hi]
+
+    # ---- what a family's step is made of
+    def _step_args(self, size_class: int) -> tuple:
+        """The arguments of ``_enqueue_step`` for a step of this context-size class (its attention split)."""
+        raise NotImplementedError
+
+    def _enqueue_step(self, *args, graph: bool = False) -> None:
+        """Enqueue one decode step on the current stream: only preallocated buffers, token / pos / len read from
+        d['inp']. graph: the step is being captured (launches may read pos, len and the page table before their PDL
+        wait)."""
+        raise NotImplementedError
+
+    def _inp(self) -> tuple[Any, Any, Any]:
+        """int* to the token, the position and the length in d['inp']."""
+        inp = self.d["inp"].data.ptr
+        return tuple(ffi().cast("int *", inp + 4 * i) for i in range(3))
+
+    def _qp(self, name: str) -> Any:
+        """The q8_1 buffer `name` when the plan runs on int8 activations, else NULL (the kernels then skip it)."""
+        return ptr(self.d[name]) if self.dp4a else ffi().NULL
+
+    def _mv(self, s, groups, y, x, xq, n_in: int, long_rows: bool = False) -> None:
+        """y[off:off + n_out] = W x for each (W, off, n_out) of groups: from the q8_1 blocks xq (written by the kernel
+        that produced x) when the plan runs on int8 activations and W's type has the dp4a kernel, else from f32 x.
+        long_rows (a llama down projection): one block per MV_BLOCK_ROWS rows (strata_matvec_q8b) from
+        settings.MV_BLOCK_FROM sub-blocks per row."""
+        lb = lib()
+        for w, off, n_out in groups:
+            if self.dp4a and lb.strata_matvec_q8_supported(w.ggml_type):
+                if long_rows and self._block_rows(n_in):
+                    check(lb.strata_matvec_q8b(s, w.ggml_type, ptr(w), ptr(xq), fptr(y, off), n_out, n_in,
+                                               MV_BLOCK_ROWS), "strata_matvec_q8b")
+                    continue
+                check(lb.strata_matvec_q8w(s, w.ggml_type, ptr(w), ptr(xq), fptr(y, off), n_out, n_in,
+                                           rows_per_warp(n_out)), "strata_matvec_q8w")
+            else:
+                check(lb.strata_matvec(s, w.ggml_type, ptr(w), ptr(x), fptr(y, off), n_out, n_in, 1), "strata_matvec")
+
+    def _block_rows(self, n_in: int) -> bool:
+        """Whether a long-row matvec (rows of n_in values) runs one block per MV_BLOCK_ROWS rows."""
+        mv_from = getattr(self, "mv_block_from", 0)
+        return bool(mv_from and n_in // 32 >= mv_from)
+
+    def _embed_row(self, s, tok_p) -> None:
+        """The first stage's input: the token's embedding row into d['x']."""
+        if self.first:
+            m = self.model
+            check(lib().strata_get_rows(s, m.tok_embd.ggml_type, ptr(m.tok_embd), tok_p, ptr(self.d["x"]), 1,
+                                        self.n_embd), "get_rows")
+
+    def _norm(self, s, src, weight, residual=None, out="hn", sum_out=None) -> None:
+        """d[out] = RMSNorm(src (+ residual)) * weight with its q8_1 blocks in d['hq'], src + residual written to
+        sum_out (default: residual itself); out None: only that sum (the kernel reads the weight, writes no norm)."""
+        NULL = ffi().NULL
+        sum_out = residual if sum_out is None else sum_out
+        q = self._qp("hq") if out else NULL
+        check(lib().strata_rms_norm_ex(s, ptr(src), ptr(residual), ptr(weight), ptr(self.d[out]) if out else NULL,
+                                       ptr(sum_out), NULL, q, 1, self.n_embd, self.eps), "rms_norm")
+
+    def _ffn(self, s, gu_groups: list, w_down, glu, long_rows: bool = False) -> None:
+        """The dense SwiGLU FFN of the normed row d['hn'] / d['hq'] into d['o']: SwiGLU inside the gate/up matvec
+        (``glu``: glu_pointers) or gate/up matvecs into d['gu'] then strata_swiglu_gu (act and its q8_1 blocks),
+        then the down matvec."""
+        lb, d, E, F = lib(), self.d, self.n_embd, self.n_ff
+        if glu is not None:
+            a = ffi().cast
+            check(lb.strata_matvec_q8w_glu(s, glu[0], a("void *", glu[1]), a("void *", glu[2]), self._qp("hq"),
+                                           ptr(d["act"]), self._qp("fq"), F, E, glu_pairs_per_warp(F, self.n_sm)),
+                  "matvec_glu")
+        else:
+            self._mv(s, gu_groups, d["gu"], d["hn"], d["hq"], E)
+            check(lb.strata_swiglu_gu(s, ptr(d["gu"]), 1, F, ptr(d["act"]), ffi().NULL, self._qp("fq")), "swiglu_gu")
+        self._mv(s, [(w_down, 0, E)], d["o"], d["act"], d["fq"], F, long_rows=long_rows)
+
+    def _layer_end(self, s, li: int, own_norm, x=None) -> None:
+        """After layer li's FFN: x (default d['x']) += d['o'] and the next layer's (or, ending the last stage, the
+        final) norm into d['hn'] / d['hq']; a middle stage's last layer: only d['x'] = x + d['o'] (own_norm is read,
+        nothing normed)."""
+        m, d = self.model, self.d
+        x = d["x"] if x is None else x
+        end = li + 1 == self.hi
+        if not end or self.last:
+            self._norm(s, d["o"], m.out_norm if end else m.layers[li + 1].attn_norm, residual=x)
+        else:
+            self._norm(s, d["o"], own_norm, residual=x, out=None, sum_out=d["x"])
+
+    def _head(self, s, tok_p, pos_p) -> None:
+        """The step's end: on the last stage the output matvec of d['hn'] and the argmax into inp[0]; every stage
+        advances the position and the length."""
+        lb, d = lib(), self.d
+        if self.last:
+            self._mv(s, [(self.model.output, 0, self.n_vocab)], d["logits"], d["hn"], d["hq"], self.n_embd)
+            check(lb.strata_argmax(s, ptr(d["logits"]), tok_p, 1, self.n_vocab), "argmax")
+        check(lb.strata_add_scalar(s, pos_p, 1, 2), "add")
+
+    # ---- the runner
+    def _launch(self, length: int) -> None:
+        """One step attending over `length` positions, on self.stream (graph replay or eager launches)."""
+        cls = settings.size_class(length)
+        args = self._step_args(cls)
+        if not self.use_graphs:
+            self._enqueue_step(*args)
+            return
+        g = self.graphs.get(cls)
+        if g is None:
+            self.stream.begin_capture()
+            try:
+                self._enqueue_step(*args, graph=True)
+            finally:
+                g = self.stream.end_capture()
+            self.graphs[cls] = g
+        g.launch(self.stream)
+
+    def _check_state(self, state) -> None:
+        """A family's own checks of a sequence before a step (changing nothing on error)."""
+
+    def _attach(self, state) -> None:
+        """A family's own set-up of a sequence before its step runs (on the current stream)."""
+
+    def _begin(self, state, first: int, n: int) -> None:
+        """Checks (changing nothing on error), kv.reserve(n), the family's set-up, the page table and inp = [first,
+        pos, pos + 1], ordered after the current stream's work."""
+        check_sequence(self.pool, state)
+        kv = state.kv
+        if not 0 <= first < self.n_vocab:
+            raise ValueError(f"token id out of range [0, {self.n_vocab})")
+        self._check_state(state)
+        kv.reserve(n)                                         # KVCacheFull here changes nothing
+        self._attach(state)
+        self.stream.wait_event(self.cp.cuda.get_current_stream().record())
+        with self.stream:
+            self.pool.table(kv.pages)
+            self.d["inp"].set(np.asarray([first, state.pos, state.pos + 1], dtype=np.int32), stream=self.stream)
+
+    def decode_device(self, token: int, state, x_in=None):
+        """model.forward([token], state) through the plan, logits left on the device: a CuPy f32 (n_vocab,) view of
+        the plan's logits buffer (valid until the next step), ordered on the current stream. A carve: x_in, the
+        hidden state a stage after the first starts from (CuPy f32, n_embd elements, on the plan's device), is
+        copied in before the step; a stage before the last returns its hidden state instead of logits, a CuPy f32
+        (1, n_embd) view of the plan's residual-stream buffer (valid until the next step)."""
+        token = int(token)
+        x = hidden_input(x_in, 1, self.n_embd, self.first, self.model.backend.device_id)
+        self._begin(state, token, 1)
+        with self.stream:
+            if x is not None:
+                self.d["x"][...] = x         # outside the graph, which reads d['x']
+            self._launch(state.pos + 1)
+        self.cp.cuda.get_current_stream().wait_event(self.stream.record())
+        state.kv.commit(1)
+        state.advance([token])
+        return self.d["logits"][0] if self.last else self.d["x"][:1]
+
+    def decode(self, token: int, state, x_in=None):
+        """model.forward([token], state) through the plan -> f32 logits (n_vocab,) on the host; a stage before the
+        last: its hidden state, a CuPy f32 (1, n_embd) copy (decode_device)."""
+        out = self.decode_device(token, state, x_in)
+        return self.cp.asnumpy(out) if self.last else out.copy()
+
+    def decode_greedy(self, first_token: int, n: int, state) -> list[int]:
+        """Feed first_token at state.pos, then n - 1 device-argmax tokens; returns the n argmax tokens chosen.
+        The sequence advances by n (first_token and the first n - 1 chosen). The whole model only (no carve)."""
+        if not (self.first and self.last):
+            raise ValueError(f"decode_greedy runs the whole model, not the carve [{self.lo}, {self.hi})")
+        if n < 1:
+            return []
+        first_token = int(first_token)
+        self._begin(state, first_token, n)
+        cp = self.cp
+        p0 = state.pos
+        with self.stream:
+            out = cp.zeros(n, cp.int32)
+            for i in range(n):
+                self._launch(p0 + i + 1)
+                out[i:i + 1] = self.d["inp"][0:1]
+            got = [int(t) for t in cp.asnumpy(out, stream=self.stream)]
+        cp.cuda.get_current_stream().wait_event(self.stream.record())
+        state.kv.commit(n)
+        state.advance([first_token] + got[:-1])
+        return got
+
+    def logits(self) -> np.ndarray:
+        """Logits of the last step (host f32 (n_vocab,))."""
+        return self.cp.asnumpy(self.d["logits"][0], stream=self.stream)
+
+    # ---- prefill
+    def takes_prefill(self, n: int) -> bool:
+        """Whether ``prefill`` runs a forward of n > 1 tokens (else the model's own forward does)."""
+        return False
+
+    def _prefill_begin(self, tokens, state, x_in):
+        """A prefill's checks (changing nothing on error: an empty batch, a bad token, a foreign pool, a KV length
+        mismatch, the family's own; KVCacheFull from kv.reserve) and its input -> (token ids int32 (n,), the
+        residual stream x, CuPy f32 (n, n_embd) in the plan's scratch: the embedding rows, or x_in on a later
+        stage)."""
+        cp, m = self.cp, self.model
+        toks = np.asarray(tokens, dtype=np.int32).reshape(-1)
+        n = int(toks.shape[0])
+        if n == 0:
+            raise ValueError("forward() needs at least one token")
+        if int(toks.min()) < 0 or int(toks.max()) >= self.n_vocab:
+            raise ValueError(f"token id out of range [0, {self.n_vocab})")
+        x_in = hidden_input(x_in, n, self.n_embd, self.first, m.backend.device_id)
+        check_sequence(self.pool, state)
+        self._check_state(state)
+        state.kv.reserve(n)                                   # KVCacheFull here changes nothing
+        x = self.pf.buf("x", (n, self.n_embd), cp.float32)
+        if self.first:
+            ids = self.pf.buf("ids", (n,), cp.int32)
+            ids.set(toks)
+            check(lib().strata_get_rows(stream_ptr(), m.tok_embd.ggml_type, ptr(m.tok_embd), ptr(ids), ptr(x), n,
+                                        self.n_embd), "get_rows")
+        else:
+            x[...] = x_in
+        return toks, x
+
+    def _prefill_norm(self, s, x, weight, h16) -> None:
+        """h16 (f16 (n, n_embd)) = RMSNorm(x) * weight over the n rows of x."""
+        NULL = ffi().NULL
+        n = x.shape[0]
+        check(lib().strata_rms_norm_ex(s, ptr(x), NULL, ptr(weight), NULL, NULL, ptr(h16), NULL, n, self.n_embd,
+                                       self.eps), "rms_norm")
+
+    def _prefill_ffn(self, s, x, norm, gu_groups: list, w_down, h16) -> None:
+        """x += down(SwiGLU(gate|up(RMSNorm(x) * norm))) over the n rows of x: the gate|up GEMMs (one per group, into
+        its columns), strata_swiglu_gu writing f16, the down GEMM adding into x (beta = 1)."""
+        cp, pf, n, F = self.cp, self.pf, x.shape[0], self.n_ff
+        self._prefill_norm(s, x, norm, h16)
+        gu = pf.buf("gu", (n, 2 * F), cp.float32)
+        act16 = pf.buf("act16", (n, F), cp.float16)
+        for w, off, _ in gu_groups:
+            pf.gemm(h16, w, gu, False, off)
+        check(lib().strata_swiglu_gu(s, ptr(gu), n, F, ffi().NULL, ptr(act16), ffi().NULL), "swiglu")
+        pf.gemm(act16, w_down, x, True)
+
+    def _prefill_end(self, x, toks, state, all_logits: bool):
+        """The prefill's result (host logits on the last stage, else a copy of the hidden states: x is scratch) and
+        the sequence's bookkeeping (pages committed, tokens recorded)."""
+        out = prefill_logits(self.model, x, all_logits, self.eps) if self.last else x.copy()
+        state.kv.commit(int(toks.shape[0]))
+        state.advance(toks)
+        return out
+
+
+class PlanModel:
+    """What the engine runs on CUDA: the model itself (every attribute, everything the plan does not take), except
+    that on a CudaPagePool sequence a one-token forward goes through the family's DecodePlan (its captured graph)
+    and a long one through the plan's prefill (``takes_prefill``), one plan per pool. ``plan_class`` names the
+    family's plan.
+
+    lo, hi: the carve, layers [lo, hi) (hi None: to the last block) that this stage runs (its plans are made with
+    it); a stage after the first takes the previous stage's hidden states (x_in), a stage before the last returns
+    its own (CuPy f32 (n, n_embd)) instead of logits."""
+
+    plan_class: ClassVar[type[DecodePlan]] = DecodePlan
+    device_logits = True        # forward_device leaves the last token's logits on the device
+
+    def __init__(self, model, lo: int = 0, hi: int | None = None):
+        self.model = model
+        self.lo, self.hi = carve_bounds(lo, hi, model.n_blocks)
+        self.plans: dict[int, DecodePlan] = {}
+        self.prefill = self.prefill_enabled()        # long forwards through the plan's prefill (where it takes them)
+
+    @staticmethod
+    def prefill_enabled() -> bool:
+        """Whether this family's long forwards may go through its plan's prefill (read when the wrapper is made)."""
+        return True
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def new_page_pool(self, *args, **kwargs):
+        """The model's page pool, with this pool's plan made at once (its buffers and fused weight copies are
+        allocated when the engine loads the model, so a device that cannot hold them fails then, not at the first
+        decode token)."""
+        pool = self.model.new_page_pool(*args, **kwargs)
+        if isinstance(pool, CudaPagePool):
+            with self.model.backend.device:
+                self.plan(pool)
+        return pool
+
+    def plan(self, pool) -> DecodePlan:
+        """The plan of `pool` (made on first use)."""
+        p = self.plans.get(id(pool))
+        if p is None or p.pool is not pool:
+            p = self.plans[id(pool)] = self.plan_class(self.model, pool, lo=self.lo, hi=self.hi)
+        return p
+
+    def generic_forward(self, tokens, state, all_logits: bool = False, x_in=None):
+        """The model's own forward of this carve (host logits for the last stage, the hidden states on the device
+        before it)."""
+        return self.model.forward_carve(tokens, state, self.lo, self.hi, x_in=x_in, all_logits=all_logits)
+
+    def _on_plan(self, state) -> bool:
+        return state.kv is not None and isinstance(state.kv.pool, CudaPagePool)
+
+    def forward(self, tokens, state, all_logits: bool = False, x_in=None):
+        """The model's forward (same arguments, result and errors), on the backend's device in any thread: one token
+        (without all_logits) through the plan's decode step, a long forward through its prefill where the plan
+        takes it, everything else the model's own forward (generic_forward)."""
+        toks = np.asarray(tokens).reshape(-1)
+        with self.model.backend.device:
+            if self._on_plan(state):
+                plan = self.plan(state.kv.pool)
+                if toks.shape[0] == 1 and not all_logits:
+                    return plan.decode(token_id(toks[0], self.model.config.n_vocab), state, x_in)
+                if toks.shape[0] > 1 and self.prefill and plan.takes_prefill(int(toks.shape[0])):
+                    return plan.prefill(tokens, state, all_logits, x_in)
+            return self.generic_forward(tokens, state, all_logits, x_in)
+
+    def forward_device(self, tokens, state, x_in=None):
+        """forward(tokens, state, x_in=x_in) with the last token's logits left on the device: CuPy f32 (n_vocab,),
+        ordered on the current stream (valid until the next call); a stage before the last: its hidden states, CuPy
+        f32 (n, n_embd)."""
+        toks = np.asarray(tokens).reshape(-1)
+        with self.model.backend.device:
+            if toks.shape[0] == 1 and self._on_plan(state):
+                return self.plan(state.kv.pool).decode_device(token_id(toks[0], self.model.config.n_vocab), state,
+                                                              x_in)
+            return self.model.backend.cp.asarray(self.forward(tokens, state, x_in=x_in))   # hidden: as it is
