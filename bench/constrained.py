@@ -205,7 +205,7 @@ def engine_costs(model, threads: int | None, tokens: int, seed: int, device: str
     run(max_tokens=8)                                                    # warm-up
     out = {"model": eng.model_name, "n_vocab": eng.n_vocab, "threads": eng.threads, "device": device, "runs": {}}
     g = grammar.json_schema_grammar(SCHEMAS["tool_call"])
-    run(constraint=grammar.Constraint(g, eng.tokenizer, eng.n_vocab), max_tokens=8)   # warm: the mask kernel, pinned pool
+    run(constraint=grammar.Constraint(g, eng.tokenizer, eng.n_vocab), max_tokens=8)   # warm-up: mask kernel
     for overlap in (True, False):
         c = grammar.Constraint(g, eng.tokenizer, eng.n_vocab)
         c.overlap = overlap
