@@ -114,7 +114,7 @@ def make_synthetic_hybrid(out_path: str | os.PathLike, tok_src_gguf: str | os.Pa
 
     w = gguf.GGUFWriter(str(out_path), "qwen35")
     w.add_name(f"strata-synthetic-qwen35-{size}-{qtype}")
-    w.add_context_length(32768)
+    w.add_context_length(131072)
     w.add_embedding_length(E)
     w.add_block_count(n_layer)
     w.add_head_count(nh)

@@ -173,6 +173,68 @@ class DaemonClient:
             self.proc.wait()
 
 
+class LlamaServerClient(DaemonClient):
+    """The reference arm: llama.cpp's `llama-server` on the same GGUF (its prompt cache and context checkpoints on,
+    one slot, all layers on the GPU, flash attention), the same `openai` streaming client. resume_pos is its
+    timings' cache_n (the prompt tokens it reused); model time is not measured (nonmodel is 0)."""
+
+    def __init__(self, binary: str, model: str, n_ctx: int, ubatch: int, device: str):
+        import openai
+        from strata.default_model import resolve_model
+        from strata.gguf_file import open_gguf
+        from strata.tokenizer import Tokenizer
+        path = resolve_model(model)
+        self.clock = None
+        self.tokenizer = Tokenizer.from_gguf(open_gguf(path).metadata)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        help_text = subprocess.run([binary, "--help"], capture_output=True, text=True).stdout
+        cmd = [binary, "-m", path, "--host", "127.0.0.1", "--port", str(port), "-c", str(n_ctx), "-ub", str(ubatch),
+               "-b", str(max(ubatch, 2048)), "-np", "1", "--jinja", "-ngl", "99" if device.startswith("cuda") else "0"]
+        if "--flash-attn" in help_text:
+            cmd += ["-fa", "on"]
+        if "--ctx-checkpoints" in help_text:
+            cmd += ["--ctx-checkpoints", "8"]
+        self.cmd = cmd
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 600
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {self.proc.returncode}: {' '.join(cmd)}")
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError("llama-server did not become healthy in 600 s")
+            time.sleep(0.5)
+        self.client = openai.OpenAI(base_url=base + "/v1", api_key="none", timeout=3600, max_retries=0)
+        self.model = "model"
+
+    def step(self, msgs, max_tokens: int) -> tuple[str, dict]:
+        t0 = time.monotonic()
+        stream = self.client.chat.completions.create(model=self.model, messages=msgs, stream=True, temperature=0.0,
+                                                     max_tokens=max_tokens)
+        first, text, timings = None, [], {}
+        for chunk in stream:
+            ch = chunk.choices[0] if chunk.choices else None
+            if ch is not None and ch.delta is not None and ch.delta.content:
+                first = first or time.monotonic()
+                text.append(ch.delta.content)
+            if chunk.model_extra and chunk.model_extra.get("timings"):
+                timings = chunk.model_extra["timings"]
+        first = first or time.monotonic()
+        cache_n, prompt_n = int(timings.get("cache_n", 0)), int(timings.get("prompt_n", 0))
+        row = dict(ttft_s=first - t0, render_s=0.0, model_s=0.0, n_prompt=cache_n + prompt_n,
+                   prompt_ms=timings.get("prompt_ms"), resume_from="llama" if cache_n else "none", resume_pos=cache_n)
+        return "".join(text), row
+
+
 def play(client, system: str, max_tokens: int, full: bool = True) -> list[dict]:
     """The steps above on a fresh client -> one row per step."""
     a = [{"role": "system", "content": system}]
@@ -199,7 +261,12 @@ def play(client, system: str, max_tokens: int, full: bool = True) -> list[dict]:
 
 
 def synthetic_model(arch: str, n_ctx: int, directory: Path) -> str:
-    """A tiny synthetic model (strata.synth preset 'tiny') with a context of n_ctx; returns its path."""
+    """A tiny synthetic model (strata.synth preset 'tiny') with a context of n_ctx, or the synthetic 1.5B hybrid of
+    bench/gpu_hybrid_model.py (arch 'hybrid_1_5b'); returns its path."""
+    if arch == "hybrid_1_5b":
+        from gpu_hybrid_model import make_synthetic_hybrid      # bench/ is on sys.path
+        from strata.default_model import default_model_path
+        return make_synthetic_hybrid(directory / "hybrid_1_5b.gguf", default_model_path())
     from strata import synth
     path = directory / f"synthetic-{arch}-tiny.gguf"
     synth.write_synthetic(path, synth.preset(arch, "tiny", ctx=n_ctx))
@@ -210,7 +277,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[2048, 8192], help="system prompt sizes (tokens)")
     ap.add_argument("--model", default="default")
-    ap.add_argument("--synthetic", choices=["llama", "qwen3next"], default=None,
+    ap.add_argument("--synthetic", choices=["llama", "qwen3next", "hybrid_1_5b"], default=None,
                     help="a tiny synthetic model of this architecture instead of --model")
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
     ap.add_argument("--e2e", action="store_true", help="through the daemon with the openai client (streaming)")
@@ -221,6 +288,8 @@ def main(argv=None) -> int:
                     help="cold: the --prompt-cache 0 arm plays turns 1-4 only (saves its cold re-reads)")
     ap.add_argument("--arms", nargs="+", default=["checkpoints", "prompt_cache_0"],
                     choices=["checkpoints", "prompt_cache_0"], help="which arms to run (both by default)")
+    ap.add_argument("--llama-server", default=None, metavar="BIN",
+                    help="llama.cpp's llama-server: adds the llama_server arm (--e2e) on the same GGUF")
     ap.add_argument("--label", default=None, help="a name for this run, kept in the JSON (e.g. before / after)")
     ap.add_argument("--out", default=None, help="JSON file (default bench/results/prompt_cache[_e2e].json)")
     args = ap.parse_args(argv)
@@ -230,7 +299,8 @@ def main(argv=None) -> int:
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     results = dict(bench="prompt_cache", mode="e2e" if args.e2e else "engine", label=args.label, commit=commit,
-                   model=f"synthetic {args.synthetic} tiny" if args.synthetic else args.model, device=args.device,
+                   model=(f"synthetic {args.synthetic}" + ("" if args.synthetic == "hybrid_1_5b" else " tiny"))
+                   if args.synthetic else args.model, device=args.device,
                    machine=platform.machine(), cpus=os.cpu_count(), threads=args.threads,
                    max_tokens=args.max_tokens, ubatch=args.ubatch, sizes={})
     Client = DaemonClient if args.e2e else EngineClient
@@ -247,6 +317,23 @@ def main(argv=None) -> int:
                 arms[arm] = play(c, system, args.max_tokens, full=(pc > 0 or args.baseline == "full"))
             finally:
                 c.close()
+        if args.llama_server and args.e2e:
+            c = LlamaServerClient(args.llama_server, model, n_ctx, args.ubatch, args.device)
+            try:
+                arms["llama_server"] = play(c, system_prompt(c.tokenizer, size), args.max_tokens)
+                results["llama_server_cmd"] = " ".join(c.cmd)
+            finally:
+                c.close()
+            cold_l = arms["llama_server"][0]["ttft_s"]
+            ck = {r["step"]: r for r in arms.get("checkpoints", [])}
+            print(f"llama-server (cold {cold_l:.3f} s):", flush=True)
+            for r in arms["llama_server"]:
+                r["ratio_to_cold"] = r["ttft_s"] / cold_l
+                mine = ck.get(r["step"])
+                if mine is not None:
+                    mine["ratio_to_llama_server"] = (mine["ttft_s"] + mine["render_s"]) / r["ttft_s"]
+                print(f"  {r['step']:22} {r['ttft_s']:9.4f}s  cache_n {r['resume_pos']:>6} {r['ratio_to_cold']:7.2%}"
+                      + (f"  strata/llama-server {mine['ratio_to_llama_server']:.3f}" if mine else ""), flush=True)
         arms.setdefault("prompt_cache_0", [])
         arms.setdefault("checkpoints", [])
         cold = {k: v[0]["ttft_s"] + v[0]["render_s"] if v else float("nan") for k, v in arms.items()}
