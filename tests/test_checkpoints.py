@@ -71,6 +71,8 @@ def run(cache: CheckpointCache, state: Sequence, prompt, cuts, answer=(), **kw):
         state.restore(plan.snapshot)
     elif plan.resume_from == "none":
         state.reset()
+    elif state.pos > plan.resume_pos:      # live at a common prefix: the engine cuts the K/V back there
+        state.truncate(plan.resume_pos)
     assert state.pos == plan.resume_pos and state.tokens == list(prompt[:plan.resume_pos])
     parts, start = [], plan.resume_pos
     for end in plan.part_ends:
@@ -222,7 +224,11 @@ def test_prompt_cache_0_one_part_live_or_zero():
     p2, c2 = chat(U1, U2, answers=[A1])
     plan, parts = run(cache, st, p2, c2)
     assert plan.resume_from == "live" and parts == [(59, len(p2))]
-    plan, parts = run(cache, st, p1, c1)
+    plan, parts = run(cache, st, p1, c1)        # attention-only: cut back to the common prefix (one token read)
+    assert plan.resume_from == "live" and parts == [(54, 55)]
+    hy = new_state(hybrid=True)                 # a running state cannot be cut back: from 0 without checkpoints
+    run(cache, hy, p2, c2)
+    plan, parts = run(cache, hy, p1, c1)
     assert plan.resume_from == "none" and parts == [(0, 55)]
 
 
@@ -250,7 +256,7 @@ def test_pin_kept_with_checkpoint_false():
 
 
 def test_retention_in_the_cache_pins_root_rotates_and_mount_re_dates():
-    cache, st = CheckpointCache(cap=3), new_state()
+    cache, st = CheckpointCache(cap=3), new_state(hybrid=True)   # hybrid: resumes at checkpoints, never cuts back
     # chat A: three turns live; each saves message/turn checkpoints; the root must survive
     pa, ca = chat(U1)
     run(cache, st, pa, ca, answer=A1)
@@ -270,7 +276,7 @@ def test_retention_in_the_cache_pins_root_rotates_and_mount_re_dates():
 
 
 def test_cap_1_is_fifo_root_not_kept():
-    cache, st = CheckpointCache(cap=1), new_state()
+    cache, st = CheckpointCache(cap=1), new_state(hybrid=True)
     pa, ca = chat(U1)
     run(cache, st, pa, ca, answer=A1)
     assert [e["pos"] for e in cache.entries()] == [52]          # the root went first (FIFO)
@@ -487,8 +493,13 @@ def test_exactness_same_request_twice(engine, sampling):
     h2 = engine.state_hashes()
     turn = [c.pos for c in r.cut_points if c.kind == "turn"][0]
     assert f1.strata["resume_from"] == "none"
-    assert (f2.strata["resume_from"], f2.strata["resume_pos"]) == ("checkpoint", turn)
-    assert f2.strata["parts"] == [(turn, len(r.tokens))] and f2.timings["cache_n"] == turn
+    n = len(r.tokens)
+    if engine.arch == "llama":      # attention-only: the K/V cut back to the common prefix, one token read
+        assert (f2.strata["resume_from"], f2.strata["resume_pos"]) == ("live", n - 1)
+        assert f2.strata["parts"] == [(n - 1, n)] and f2.timings["cache_n"] == n - 1
+    else:                           # hybrid: the deepest checkpoint
+        assert (f2.strata["resume_from"], f2.strata["resume_pos"]) == ("checkpoint", turn)
+        assert f2.strata["parts"] == [(turn, n)] and f2.timings["cache_n"] == turn
     assert t1 == t2 and s1.encode() == s2.encode() and len(t1) > 0
     assert h1 == h2
 
@@ -503,7 +514,9 @@ def test_replay_two_chats_share_the_root_and_match_prompt_cache_0(engine, engine
         turn = i % 4
         if i == 0:
             assert final.strata["resume_from"] == "none"
-        elif turn == 0:      # a new chat: resumes from the pinned root
+        elif turn == 0 and engine.arch == "llama":     # a new chat: the common prefix, at or past the root
+            assert final.strata["resume_from"] == "live" and final.strata["resume_pos"] >= root
+        elif turn == 0:      # a new chat on a hybrid: resumes from the pinned root
             assert (final.strata["resume_from"], final.strata["resume_pos"]) == ("checkpoint", root)
         else:                # a later turn: continues (live) or resumes from a checkpoint, never from 0
             assert final.strata["resume_from"] in ("live", "checkpoint")
@@ -526,7 +539,8 @@ def test_replay_two_chats_share_the_root_and_match_prompt_cache_0(engine, engine
             gap_a = pa[i][ta[i]] - pa[i].get(tb[i], float("-inf"))
             gap_b = pb[i][tb[i]] - pb[i].get(ta[i], float("-inf"))
             assert gap_a < 1.0 and gap_b < 1.0, f"token {i}: {ta[i]} vs {tb[i]} is not a near tie"
-    assert plain[4][1].strata["resume_from"] == "none"          # without checkpoints the new chat reads from 0
+    # without checkpoints a new chat reads from 0 on a hybrid; an attention-only model cuts back to the common prefix
+    assert plain[4][1].strata["resume_from"] == ("live" if engine.arch == "llama" else "none")
 
 
 def test_strata_checkpoint_false_reads_one_part_and_reuses_the_root(engine):
@@ -546,4 +560,6 @@ def test_strata_checkpoint_false_reads_one_part_and_reuses_the_root(engine):
     _ask(engine, first)
     _, _, f2, r2 = _ask(engine, probe)
     turn = [c.pos for c in r2.cut_points if c.kind == "turn"][0]
-    assert f2.strata["parts"] == [(root, turn), (turn, len(r2.tokens))]
+    start = f2.strata["resume_pos"]       # the root, or on an attention-only model the common prefix past it
+    assert root <= start < turn and (start == root or engine.arch == "llama")
+    assert f2.strata["parts"] == [(start, turn), (turn, len(r2.tokens))]

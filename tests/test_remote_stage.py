@@ -133,7 +133,7 @@ def test_two_and_three_stages_match_one_process_with_checkpoints(workers, refere
             e.close()
         assert [g[0] for g in got] == [r[0] for r in reference], remote
         assert [g[1:] for g in got] == [r[1:] for r in reference]         # the same resumes, from the same places
-        assert any(src == "checkpoint" for _, src, _ in got)
+        assert any(src == "live" and pos > 0 for _, src, pos in got)      # attention-only: cut back over the link
         for i in range(0, len(got), 2):
             assert got[i][0] == got[i + 1][0]                             # every request sent twice: the same
         assert st["checkpoints_held"] > 0 and st["up"]
@@ -231,9 +231,12 @@ class InProcessWorker:
         self.thread.join(10)
 
 
-def test_a_store_emptied_under_the_main_makes_the_request_read_from_zero(reference):
-    w = InProcessWorker()
-    e = Engine("default", n_ctx=N_CTX, prompt_cache=4, remote_stage=w.address, layer_split="12")
+def test_a_store_emptied_under_the_main_makes_the_request_read_from_zero(tmp_path):
+    from strata import synth
+    # a hybrid: its running state cannot be cut back, so the same request again resumes from a checkpoint
+    path = str(synth.write_synthetic(tmp_path / "qwen35.gguf", synth.preset("qwen35", "tiny", seed=11, n_mtp=0)))
+    w = InProcessWorker(model=path)
+    e = Engine(path, n_ctx=N_CTX, prompt_cache=4, remote_stage=w.address, layer_split="2")
     try:
         msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name three primes."}]
         r = e.render_chat(msgs)
@@ -241,7 +244,7 @@ def test_a_store_emptied_under_the_main_makes_the_request_read_from_zero(referen
         assert e.stages[-1].held > 0
         w.worker.carrier.store.clear()             # the worker forgot every checkpoint part
         b, g = run(e, r)
-        assert b == a == reference[0][0]
+        assert b == a
         assert g.strata["resume_from"] == "none" and g.strata["resume_pos"] == 0
         c, h = run(e, r)                            # and the checkpoints saved since serve again
         assert c == a and h.strata["resume_from"] == "checkpoint"

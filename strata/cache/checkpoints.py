@@ -142,10 +142,10 @@ class CheckpointCache:
         1. cache_prompt=False (llama.cpp's meaning): reuse nothing, read from 0; every checkpoint is erased.
         2. live: the previous request left a live session (its checkpoint flag was not False) and
            ``state.tokens`` is a non-empty, strictly shorter prefix of the prompt: read only the new tokens.
-           Or, for a prompt without cut points (a raw completion) on a sequence that can be cut back
-           (attention-only: ``state.can_truncate``), the longest common prefix of the two (at most
-           len(prompt) - 1) when it is deeper than every usable checkpoint: the engine cuts the K/V back there
-           and reads the rest (llama.cpp's server does the same). Chat prompts resume at their cut points.
+           Or, on a sequence that can be cut back (attention-only: ``state.can_truncate``), the longest common
+           prefix of the two (at most len(prompt) - 1) when it is deeper than every usable checkpoint: the
+           engine cuts the K/V back there and reads the rest (llama.cpp's server does the same), for chat and
+           raw prompts alike.
         3. checkpoint: the deepest kept checkpoint, shorter than the prompt, whose tokens are a prefix of the
            prompt and of ``state.tokens``. Never the full prompt: one token at least is read so there are
            logits; a checkpoint at len(prompt) steps back to the next shallower one. Mounting re-dates it.
@@ -188,7 +188,7 @@ class CheckpointCache:
             erased: list[int] = []
             resume, source, snap = 0, "none", None
             if cache_prompt:
-                resume, source, best = self._choose(prompt, state_tokens, state, cut_back=not cuts)
+                resume, source, best = self._choose(prompt, state_tokens, state)
                 if best is not None:
                     snap = best.snapshot
                     self._clock += 1
@@ -239,9 +239,9 @@ class CheckpointCache:
                 return k, "live", None
         return (best.pos, "checkpoint", best) if best is not None else (0, "none", None)
 
-    def peek(self, state, prompt_tokens, cache_prompt: bool = True, cut_back: bool = False) -> int:
-        """The position ``plan`` would resume ``prompt_tokens`` at on ``state`` now (no side effects); cut_back: the
-        prompt has no cut points (see ``plan``)."""
+    def peek(self, state, prompt_tokens, cache_prompt: bool = True, cut_back: bool = True) -> int:
+        """The position ``plan`` would resume ``prompt_tokens`` at on ``state`` now (no side effects); cut_back False:
+        as if the sequence could not be cut back."""
         if not cache_prompt:
             return 0
         with self._lock:
