@@ -1,5 +1,6 @@
-// Decode attention over the paged KV cache shared by attention.cu (its own kernel) and decode_step.cu (the
-// persistent decode step): the cache addressing, raw K/V word loads, and the GQA-shared, self-merging block body.
+// Decode attention over the paged KV cache for attention.cu: the cache addressing, raw K/V word loads, and the
+// GQA-shared, self-merging block body (whose COH / SUB / NW options served the persistent decode step, removed in
+// issue #20; attention.cu's kernel takes the defaults).
 //
 // Cache layout: per layer K and V arrays (n_pages, page_size, n_kv, hd), f16 or q8_0 (int8 values and one f16 scale
 // per 32); position p of a sequence lives in page pt[p / page_size], slot p % page_size.

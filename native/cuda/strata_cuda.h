@@ -289,53 +289,6 @@ int strata_sample(void *stream, const float *logits, const float *counts, int n,
  * -inf (n tokens; out may be logits). */
 int strata_apply_mask(void *stream, const float *logits, const unsigned int *words, int n, float *out);
 
-/* Persistent decode step of the llama architecture (decode_step.cu): one cooperative launch runs a token at position
- * inp[1] through every layer (attending over inp[2] positions) and the output head: logits f32 (n_vocab), the
- * argmax written to inp[0] and inp[1], inp[2] advanced by one, as LlamaCuda's launch-per-op step. A matrix: GGUF
- * blocks at w (16-byte aligned), rows of row_bytes, ggml type (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K). Per layer: the
- * f32 norm weights, q / k / v (n_head*hd, n_kv*hd, n_kv*hd rows of n_embd), o (n_embd rows of n_head*hd), gate / up
- * (n_ff rows of n_embd, one type), down (n_embd rows of n_ff), the f16 K / V cache arrays of the layer. Buffers
- * (device): layers (n_layer), inp int32 [token, pos, len], page_table int32, x f32 (n_embd) the residual row (the
- * token's embedding row on entry; the last layer's output on return), q f32 (n_head*hd), att f32 (n_head*hd) and
- * att_q8 / act_q8 q8_1 blocks (strata_quantize_q8_1's layout) of n_head*hd and n_ff values, ws f32 (n_head *
- * max_split * (hd + 2)), counters uint32 (n_kv, zero, left zero), barrier uint64 (used by one grid size only),
- * argmax uint64 (zero, left zero), trace uint64 (NULL, or 10 * n_layer + 3: %globaltimer ns of block 0 at the start and
- * when it arrives at / leaves each grid barrier, for profiling). hd 64 or 128, n_head / n_kv <= 4, RoPE on adjacent
- * pairs (neox 0), n_embd and n_ff multiples of 32 and of the matrices' block sizes, max_split <= 256, n_layer <= 256.
- * xs_bytes, min_slot, slot_bytes, n_slot: filled by strata_decode_step_check and strata_decode_step_grid. */
-typedef struct { const void *w; long long row_bytes; int type; int rows; } strata_step_mat;
-typedef struct {
-  const float *attn_norm, *ffn_norm;
-  strata_step_mat q, k, v, o, gate, up, down;
-  void *k_cache, *v_cache;
-} strata_step_layer;
-typedef struct {
-  const strata_step_layer *layers;
-  const float *out_norm;
-  strata_step_mat head;
-  int *inp;
-  const int *page_table;
-  float *x, *q, *att;
-  void *att_q8, *act_q8;
-  float *logits, *ws;
-  unsigned *counters;
-  unsigned long long *barrier, *argmax, *trace;
-  int n_layer, n_embd, n_head, n_kv, head_dim, n_ff, n_vocab, n_rot, neox, page_size, max_split;
-  int xs_bytes, min_slot, slot_bytes, n_slot;
-  float rope_base, eps, scale;
-} strata_step_args;
-/* 0 if the step can run these arguments (scalars and every matrix: host copies of the layers), else an error; fills
- * a->xs_bytes (shared memory for the q8_1 activation vector) and a->min_slot (the smallest weight-ring slot its
- * rows fit), and clears the ring (slot_bytes, n_slot). */
-int strata_decode_step_check(strata_step_args *a, const strata_step_layer *layers);
-/* Sizes the step's weight ring for blocks_per_sm blocks per SM (1..4; a->slot_bytes, a->n_slot: what shared memory
- * the blocks of one SM leave) and returns the grid size (capped by the kernel's occupancy), or minus a CUDA error
- * (cudaErrorNotSupported below compute capability 9.0). */
-int strata_decode_step_grid(strata_step_args *a, int blocks_per_sm);
-/* Launch the step (arguments strata_decode_step_check accepted) on n_blocks blocks (<= strata_decode_step_grid),
- * a cooperative launch: the driver refuses a grid whose blocks cannot all be resident at once. */
-int strata_decode_step(void *stream, const strata_step_args *a, int n_blocks);
-
 #ifdef __cplusplus
 }
 #endif
