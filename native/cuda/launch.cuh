@@ -92,12 +92,6 @@ __device__ __forceinline__ const uint8_t *stage_bytes(const uint8_t *src, long l
 // __syncthreads).
 __device__ __forceinline__ void stage_wait() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
-// Host: whether the decode matvecs stage their rows (STRATA_CUDA_MV_STAGE=0: they prefetch into L2 only).
-static inline int mv_stage_on() {
-  const char *e = getenv("STRATA_CUDA_MV_STAGE");
-  return e ? atoi(e) != 0 : 1;
-}
-
 // ---------------------------------------------------------------- kernel timeline trace (diagnostics)
 // Built with -DST_KTRACE (bench/decode_timeline.py builds such a library): thread 0 of every block of the traced
 // decode kernels records, per event, three uint64: %gridid (one per launch), %globaltimer (ns) and

@@ -775,10 +775,10 @@ static long long fused_glu_smem(long long rb, int RP, int n_in) {
   return 2 * (32 / RP) * staged_size(RP * rb) + n_in + n_in / 4;
 }
 
-// Launch k_matvec_q8w (4 warps of R rows per block), staged when mv_stage_on() and the block's rows fit in
-// SMEM_PLAIN. With a fused norm (fn.w != NULL): always staged (x's q8_1 blocks after the rows), FNC = dim / (8 * 128)
-// rounded up to 1, 2 or 4 (dim <= 4096, checked by the launcher), up to the device's opt-in shared memory, else
-// cudaErrorInvalidValue (strata_fused_norm_supported says so beforehand).
+// Launch k_matvec_q8w (4 warps of R rows per block), staged when the block's rows fit in SMEM_PLAIN (else its warps
+// prefetch them into L2). With a fused norm (fn.w != NULL): always staged (x's q8_1 blocks after the rows), FNC =
+// dim / (8 * 128) rounded up to 1, 2 or 4 (dim <= 4096, checked by the launcher), up to the device's opt-in shared
+// memory, else cudaErrorInvalidValue (strata_fused_norm_supported says so beforehand).
 template <int T, int R, bool ROPE>
 static int launch_q8w(cudaStream_t s, const uint8_t *W, const int8_t *q, const float2 *ds, float *y, int n_out,
                       int n_units, long long rb, const RopeKV &rk, const NormIn &fn, const ResidOut &ro = ResidOut{}) {
@@ -798,7 +798,7 @@ static int launch_q8w(cudaStream_t s, const uint8_t *W, const int8_t *q, const f
       return 0;
     }
   }
-  if (mv_stage_on() && 4 * slot <= SMEM_PLAIN) {
+  if (4 * slot <= SMEM_PLAIN) {
     st_launch(k_matvec_q8w<T, R, ROPE, true, 0>, blocks, 128, (size_t)(4 * slot), s, W, q, ds, y, n_out, n_units, rb,
               rk, (int)slot, fn, ro);
   } else {
@@ -955,7 +955,7 @@ static int launch_q8b(void *stream, int t, const void *w, const void *xq, float 
   cudaStream_t s = (cudaStream_t)stream;
   const uint8_t *W = (const uint8_t *)w;
   const long long slot = staged_size(RB * rb);
-  const bool stage = mv_stage_on() && slot <= SMEM_PLAIN;
+  const bool stage = slot <= SMEM_PLAIN;
 #define MB(TT, RR) (stage ? st_launch(k_matvec_q8b<TT, RR, true>, blocks, 128, (size_t)slot, s, W, q, ds, y, n_out, \
                                       n_in / 32, rb, ro) \
                           : st_launch(k_matvec_q8b<TT, RR, false>, blocks, 128, 0, s, W, q, ds, y, n_out, n_in / 32, \
@@ -1065,9 +1065,9 @@ __global__ void __launch_bounds__(32 * (32 / RP)) k_matvec_q8w_glu(
   KT(KT_GLU, KT_END);
 }
 
-// Launch k_matvec_q8w_glu (32 / RP warps per block), staged when mv_stage_on() and the block's rows fit in the
-// device's shared memory per block (the opt-in limit, smem_optin); with a fused norm always staged (dim <= 4096: FNC
-// 1, or 2 with RP = 4), else cudaErrorInvalidValue (strata_fused_norm_supported says so beforehand).
+// Launch k_matvec_q8w_glu (32 / RP warps per block), staged when the block's rows fit in the device's shared memory
+// per block (the opt-in limit, smem_optin); with a fused norm always staged (dim <= 4096: FNC 1, or 2 with RP = 4),
+// else cudaErrorInvalidValue (strata_fused_norm_supported says so beforehand).
 template <int T, int RP>
 static int launch_glu(cudaStream_t s, const uint8_t *G, const uint8_t *U, const int8_t *q, const float2 *ds,
                       float *act, int8_t *aq, int F, int n_units, long long rb, const NormIn &fn) {
@@ -1091,7 +1091,7 @@ static int launch_glu(cudaStream_t s, const uint8_t *G, const uint8_t *U, const 
     return 0;
   }
   static int optin[16];
-  if (mv_stage_on() && smem <= smem_optin(k_matvec_q8w_glu<T, RP, true, 0>, optin))
+  if (smem <= smem_optin(k_matvec_q8w_glu<T, RP, true, 0>, optin))
     st_launch(k_matvec_q8w_glu<T, RP, true, 0>, blocks, threads, (size_t)smem, s, G, U, q, ds, act, aq, F, n_units,
               rb, (int)slot, fn);
   else
@@ -1305,9 +1305,7 @@ extern "C" int strata_rms_norm_ex(void *stream, const float *x, const float *res
   cudaStream_t st = (cudaStream_t)stream;
   __half *o16 = (__half *)out16;
   int8_t *oq = (int8_t *)out_q8;
-  const char *ce = getenv("STRATA_CUDA_NORM_CONTIG");   // 0: the lane-per-element kernel (A/B measurements)
-  const int contig = ce ? atoi(ce) : 1;
-  if (contig && dim % 32 == 0 && dim <= 8192) {   // EPT = dim / 256 rounded up to a power of two, at most 32
+  if (dim % 32 == 0 && dim <= 8192) {   // EPT = dim / 256 rounded up to a power of two, at most 32
     const int ept = dim <= 256 ? 1 : dim <= 512 ? 2 : dim <= 1024 ? 4 : dim <= 2048 ? 8 : dim <= 4096 ? 16 : 32;
 #define RC(E) st_launch(k_rms_norm_c<E>, n_rows, 256, 0, st, x, res, w, out, sum_out, o16, oq, dim, eps)
     if (ept == 1) RC(1); else if (ept == 2) RC(2); else if (ept == 4) RC(4);
@@ -1315,6 +1313,7 @@ extern "C" int strata_rms_norm_ex(void *stream, const float *x, const float *res
 #undef RC
     return (int)cudaGetLastError();
   }
+  // a width not a multiple of 32: the lane-per-element register kernel; wider than 8192: the loop kernel
 #define RN(E) st_launch(k_rms_norm_r<E>, n_rows, 256, 0, st, x, res, w, out, sum_out, o16, oq, dim, eps)
   if (dim <= 256) RN(1);
   else if (dim <= 512) RN(2);
@@ -1697,15 +1696,12 @@ extern "C" int strata_attn_decode_ex(void *stream, const float *q, const void *k
   int8_t *oq = (int8_t *)out_q8;
 #define AD(E) st_launch(k_attn_decode<E>, grid, 32 * ATT_WARPS, 0, s, q, K, V, pt, d_len, len, partial, n_head, n_kv, ps, n_split, scale, counters, out, oq, pre_wait)
 #define AV(LP) st_launch(k_attn_decode_v<LP>, grid, 32 * ATT_WARPS, 0, s, q, K, V, pt, d_len, len, partial, n_head, n_kv, ps, n_split, scale, counters, out, oq, pre_wait)
-  // 32 / 64 / 128 / 256: 16-byte lane groups; other multiples of 32 (or STRATA_CUDA_ATTN_V1=1): one position
-  // per warp step
-  static const int v1 = getenv("STRATA_CUDA_ATTN_V1") && getenv("STRATA_CUDA_ATTN_V1")[0] == '1';
-  switch (v1 ? 0 : hd) {
+  // 32 / 64 / 128 / 256: 16-byte lane groups; the other multiples of 32: one position per warp step
+  switch (hd) {
     case 32: AV(4); break; case 64: AV(8); break; case 128: AV(16); break; case 256: AV(32); break;
     default:
       switch (hd / 32) {
-        case 1: AD(1); break; case 2: AD(2); break; case 3: AD(3); break; case 4: AD(4); break;
-        case 5: AD(5); break; case 6: AD(6); break; case 7: AD(7); break; case 8: AD(8); break;
+        case 3: AD(3); break; case 5: AD(5); break; case 6: AD(6); break; case 7: AD(7); break;
       }
   }
 #undef AV
