@@ -274,7 +274,7 @@ extern "C" int strata_attn_decode_ex(void *stream, const float *q, const void *k
 }
 
 // ---------------------------------------------------------------- decode attention, GQA-shared, self-merging
-// One block of NW warps (k_attn_decode_gqa: DA_WARPS, its grid (n_kv, n_split)) takes KV head kvh, all
+// One block of DA_WARPS warps (k_attn_decode_gqa, grid (n_kv, n_split)) takes KV head kvh, all
 // g = n_head / n_kv query heads of its group (G >= g registers per lane), and position range sp of n_split over len
 // positions. A group of LP = hd / 8 lanes owns one position at a time (one
 // 16-byte load of K and of V per lane); each iteration a group scores B positions and folds them into an online
@@ -287,16 +287,9 @@ extern "C" int strata_attn_decode_ex(void *stream, const float *q, const void *k
 // of the block over the splits,
 // written as f32 and, if out_q8 is given, as q8_1 blocks.
 
-// A float4 load: through L2 only (ld.global.cg) when COH (data another block of the same kernel wrote: the
-// persistent decode step), else an ordinary load.
-template <bool COH>
-__device__ static inline float4 ld_f4(const float4 *p) {
-  return COH ? __ldcg(p) : *p;
-}
-
 // Raw K and V words of B positions p0, p0 + stride, ... (clamped to end - 1: the loads are unconditional) of KV
 // head kvh, element offset d0 within the head.
-template <bool Q8, int B, bool COH = false>
+template <bool Q8, int B>
 __device__ static inline void issue_kv8(const void *__restrict__ kc, const void *__restrict__ vc,
                                         const __half *__restrict__ ks, const __half *__restrict__ vs,
                                         const int *__restrict__ pt, int p0, int stride, int end, int kvh, int n_kv,
@@ -307,8 +300,8 @@ __device__ static inline void issue_kv8(const void *__restrict__ kc, const void 
   for (int b = 0; b < B; b++) e[b] = kv_off(pt, min(p0 + b * stride, end - 1), kvh, n_kv, hd, ps) + d0;
 #pragma unroll
   for (int b = 0; b < B; b++) {
-    load_kv8_raw<Q8, COH>(kc, ks, e[b], kr[b], kd[b]);
-    load_kv8_raw<Q8, COH>(vc, vs, e[b], vr[b], vd[b]);
+    load_kv8_raw<Q8>(kc, ks, e[b], kr[b], kd[b]);
+    load_kv8_raw<Q8>(vc, vs, e[b], vr[b], vd[b]);
   }
 }
 
@@ -335,24 +328,12 @@ __device__ static inline void q8_store4(float4 v, int i, int8_t *__restrict__ xq
   if ((i & 31) == 0) ds[i >> 5] = make_float2(d, d * (float)sum);
 }
 
-// The body's block-wide barrier: __syncthreads, or (SUB) named barrier 1 over its NW warps when the body runs on
-// the first NW warps of a larger block (the persistent decode step).
-template <bool SUB, int NW>
-__device__ __forceinline__ void da_sync() {
-  if (SUB)
-    asm volatile("bar.sync 1, %0;" ::"n"(32 * NW) : "memory");
-  else
-    __syncthreads();
-}
-
-// NW: the warps running the body (the block's first NW; DA_WARPS in k_attn_decode_gqa, whose block is exactly
-// that), SUB: the block has more threads than those (named barrier instead of __syncthreads).
-template <int LP, int G, bool Q8, bool DB, bool COH, bool SUB = false, int NW = DA_WARPS>
+template <int LP, int G, bool Q8, bool DB>
 __device__ __forceinline__ void attn_gqa_block(
     int kvh, int sp, const float *q, const void *kc, const void *vc, const __half *__restrict__ ks,
     const __half *__restrict__ vs, const int *__restrict__ pt, int len, float *ws, unsigned *counters, float *out,
     int8_t *out_q8, int n_head, int n_kv, int ps, int n_split, float scale) {
-  constexpr int hd = 8 * LP, PPW = 32 / LP, NG = NW * PPW, B = G >= 8 ? 2 : 4;
+  constexpr int hd = 8 * LP, PPW = 32 / LP, NG = DA_WARPS * PPW, B = G >= 8 ? 2 : 4;
   const int g = n_head / n_kv;
   const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, grp = lane / LP, gl = lane % LP;
   const int gid = wid * PPW + grp;
@@ -367,7 +348,7 @@ __device__ __forceinline__ void attn_gqa_block(
     for (int i = 0; i < 8; i++) { qv[j][i] = 0.f; o[j][i] = 0.f; }
     if (j < g) {
       const float4 *qp = reinterpret_cast<const float4 *>(q + (kvh * g + j) * hd + 8 * gl);
-      const float4 a = ld_f4<COH>(qp), b = ld_f4<COH>(qp + 1);
+      const float4 a = qp[0], b = qp[1];
       qv[j][0] = a.x * scale; qv[j][1] = a.y * scale; qv[j][2] = a.z * scale; qv[j][3] = a.w * scale;
       qv[j][4] = b.x * scale; qv[j][5] = b.y * scale; qv[j][6] = b.z * scale; qv[j][7] = b.w * scale;
     }
@@ -381,7 +362,7 @@ __device__ __forceinline__ void attn_gqa_block(
   __half kd[B], vd[B];   // q8_0 block scales (unused with an f16 cache)
 #pragma unroll
   for (int b = 0; b < B; b++) kd[b] = vd[b] = __float2half(0.f);
-  if (beg < end) issue_kv8<Q8, B, COH>(kc, vc, ks, vs, pt, beg + gid, NG, end, kvh, n_kv, hd, ps, 8 * gl, kr, vr, kd, vd);
+  if (beg < end) issue_kv8<Q8, B>(kc, vc, ks, vs, pt, beg + gid, NG, end, kvh, n_kv, hd, ps, 8 * gl, kr, vr, kd, vd);
   for (int P = beg; P < end; P += STEP) {
     float kf[B][8], vf[B][8];
     bool ok[B];
@@ -392,7 +373,7 @@ __device__ __forceinline__ void attn_gqa_block(
       cvt_kv8<Q8>(vr[b], vd[b], vf[b]);
     }
     if (DB && P + STEP < end)   // block-uniform
-      issue_kv8<Q8, B, COH>(kc, vc, ks, vs, pt, P + STEP + gid, NG, end, kvh, n_kv, hd, ps, 8 * gl, kr, vr, kd, vd);
+      issue_kv8<Q8, B>(kc, vc, ks, vs, pt, P + STEP + gid, NG, end, kvh, n_kv, hd, ps, 8 * gl, kr, vr, kd, vd);
 #pragma unroll
     for (int j = 0; j < G; j++) {
       if (j >= g) break;
@@ -428,7 +409,7 @@ __device__ __forceinline__ void attn_gqa_block(
       m[j] = mx;
     }
     if (!DB && P + STEP < end)   // issued after the arithmetic: the loads are not in flight while it runs
-      issue_kv8<Q8, B, COH>(kc, vc, ks, vs, pt, P + STEP + gid, NG, end, kvh, n_kv, hd, ps, 8 * gl, kr, vr, kd, vd);
+      issue_kv8<Q8, B>(kc, vc, ks, vs, pt, P + STEP + gid, NG, end, kvh, n_kv, hd, ps, 8 * gl, kr, vr, kd, vd);
   }
   // merge the NG groups of this block, per query head
   __shared__ float sm[NG], sl[NG], so[NG][hd];
@@ -439,15 +420,15 @@ __device__ __forceinline__ void attn_gqa_block(
 #pragma unroll
   for (int j = 0; j < G; j++) {
     if (j >= g) break;   // g is uniform over the block: every thread takes the same barriers
-    da_sync<SUB, NW>();
+    __syncthreads();
     if (gl == 0) { sm[gid] = m[j]; sl[gid] = l[j]; }
 #pragma unroll
     for (int i = 0; i < 8; i++) so[gid][8 * gl + i] = o[j][i];
-    da_sync<SUB, NW>();
+    __syncthreads();
     float M = -INFINITY;
     for (int w = 0; w < NG; w++) M = fmaxf(M, sm[w]);
     const long long hsp = (long long)(kvh * g + j) * n_split + sp;
-    for (int d = threadIdx.x; d < hd; d += 32 * NW) {
+    for (int d = threadIdx.x; d < hd; d += 32 * DA_WARPS) {
       float acc = 0.f;
       for (int w = 0; w < NG; w++)
         if (sm[w] > -INFINITY) acc += so[w][d] * __expf(sm[w] - M);
@@ -461,16 +442,16 @@ __device__ __forceinline__ void attn_gqa_block(
       wml[2 * hsp + 1] = L;
     }
   }
-  da_sync<SUB, NW>();
+  __syncthreads();
   if (n_split > 1) {
     if (threadIdx.x == 0) last = arrive_acq_rel(&counters[kvh], 1u) == (unsigned)(n_split - 1);
-    da_sync<SUB, NW>();
+    __syncthreads();
     if (!last) return;   // block-uniform
   }
   // merge the splits of the g heads of this KV head (partials read through L2: __ldcg). Weights: one warp per head,
   // lanes over the splits; outputs: P block-parts over the splits per group of four outputs, summed in shared memory.
   const long long h0 = (long long)kvh * g * n_split;
-  for (int j = wid; j < g; j += NW) {   // warp-uniform: whole warps reach the shuffles
+  for (int j = wid; j < g; j += DA_WARPS) {   // warp-uniform: whole warps reach the shuffles
     // every (m, l) of the head's splits loaded at once (DA_MAX_SPLIT / 32 per lane, clamped: unconditional loads)
     const float2 *mlj = reinterpret_cast<const float2 *>(wml) + (h0 + (long long)j * n_split);
     constexpr int PER = DA_MAX_SPLIT / 32;
@@ -497,8 +478,8 @@ __device__ __forceinline__ void attn_gqa_block(
     for (int off = 16; off > 0; off >>= 1) L += __shfl_xor_sync(0xffffffffu, L, off);
     if (lane == 0) Lsh[j] = L;
   }
-  da_sync<SUB, NW>();
-  constexpr int T = 32 * NW;
+  __syncthreads();
+  constexpr int T = 32 * DA_WARPS;
   const int n_out4 = g * hd / 4;   // a multiple of 8: lane groups of 8 stay whole for the q8 store
   int P = 1;                       // a power of two with P * n_out4 <= T (so W >= n_out4 or P == 1)
   while (2 * P * n_out4 <= T) P *= 2;
@@ -518,7 +499,7 @@ __device__ __forceinline__ void attn_gqa_block(
       }
     }
     pr[threadIdx.x] = acc;
-    da_sync<SUB, NW>();
+    __syncthreads();
     if (part == 0 && idx < n_out4) {
       for (int p2 = 1; p2 < P; p2++) {
         const float4 t = pr[p2 * W + o4];
@@ -530,7 +511,7 @@ __device__ __forceinline__ void attn_gqa_block(
       *reinterpret_cast<float4 *>(out + oi) = acc;
       if (out_q8) q8_store4(acc, oi, out_q8, reinterpret_cast<float2 *>(out_q8 + n_head * hd));
     }
-    da_sync<SUB, NW>();
+    __syncthreads();
   }
   if (n_split > 1 && threadIdx.x == 0) counters[kvh] = 0;
 }
@@ -544,7 +525,7 @@ __global__ void __launch_bounds__(32 * DA_WARPS) k_attn_decode_gqa(
     int ps, int n_split, float scale) {
   griddep_launch();
   griddep_wait();
-  attn_gqa_block<LP, G, Q8, DB, false>(blockIdx.x, blockIdx.y, q, kc, vc, ks, vs, pt, d_len ? *d_len : len_arg, ws,
+  attn_gqa_block<LP, G, Q8, DB>(blockIdx.x, blockIdx.y, q, kc, vc, ks, vs, pt, d_len ? *d_len : len_arg, ws,
                                        counters, out, out_q8, n_head, n_kv, ps, n_split, scale);
 }
 

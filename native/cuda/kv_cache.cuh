@@ -21,17 +21,17 @@ __device__ static inline long long kv_index(const int *pt, int pos, int h, int d
 
 // The raw cache words of 8 consecutive values at element offset e (f16: one 16-byte word; q8_0: 8 bytes in .x/.y
 // and the block's scale), loaded without converting so that a thread can issue all its loads before using one.
-template <bool Q8, bool COH = false>
+template <bool Q8>
 __device__ static inline void load_kv8_raw(const void *__restrict__ c, const __half *__restrict__ sc, long long e,
                                            uint4 &r, __half &d) {
   if (Q8) {
     const uint2 *p = reinterpret_cast<const uint2 *>(reinterpret_cast<const int8_t *>(c) + e);
-    const uint2 t = COH ? __ldcg(p) : *p;
+    const uint2 t = *p;
     r = make_uint4(t.x, t.y, 0u, 0u);
-    d = COH ? __ldcg(sc + (e >> 5)) : sc[e >> 5];
+    d = sc[e >> 5];
   } else {
     const uint4 *p = reinterpret_cast<const uint4 *>(reinterpret_cast<const __half *>(c) + e);
-    r = COH ? __ldcg(p) : *p;
+    r = *p;
   }
 }
 
