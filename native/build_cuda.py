@@ -63,7 +63,7 @@ def build_cuda_kernels(out: str | os.PathLike | None = None, archs: list[str] | 
         gencode += [f"-gencode=arch=compute_{a},code=sm_{a}"]
     gencode += [f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}"]
     # --threads 0: the per-architecture compilations of each file run in parallel on every core (the decode
-    # matvecs' template variants make strata_kernels.cu the long one: ~1.5 min per architecture on one core)
+    # matvecs' template variants make matvec_fused.cu the long one)
     cmd = [nvcc, "-O3", "-std=c++17", "--shared", "-Xcompiler", "-fPIC", "-lineinfo", "--use_fast_math",
            "--threads", "0", "-I", str(SRC_DIR), *gencode, "-o", str(out), *srcs]
     if verbose:

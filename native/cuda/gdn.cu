@@ -1,3 +1,4 @@
+// gdn.cu: Gated DeltaNet's recurrent delta rule over n tokens and its causal depthwise conv (strata_gdn_*).
 // Strata CUDA kernels for Gated DeltaNet layers (qwen3next / qwen35 / qwen35moe): the recurrent gated delta rule
 // (decode) and the causal depthwise conv with its window as state.
 // Formulas: strata/backend/gdn.py (delta_rule_recurrent, causal_conv1d), from Yang, Kautz, Hatamizadeh,

@@ -1,8 +1,9 @@
+// qwen35.cu: the qwen35 / qwen3next decode plan's own one-token kernels (GDN step, conv, gated norms, attention gate).
 // Strata CUDA kernels of the qwen35 / qwen3next decode plan (strata/backend/cuda_qwen35.py): the one-token Gated
 // DeltaNet step (causal conv with its window, L2-normalised q/k, sigmoid beta, decay g, gated delta rule), the GDN
 // gated RMSNorm, the gated-attention q/k RMSNorm split, and the attention output gate. Together with the shared
-// kernels (strata_kernels.cu: matvec_q8w, rms_norm_ex, swiglu_gu, rope_kv_decode, argmax, add_scalar;
-// attention.cu: attn_decode_gqa) they make the whole decode step, captured as one CUDA graph.
+// kernels (matvec_fused.cu: matvec_q8w; norm.cu: rms_norm_ex; rope_act.cu: swiglu_gu, rope_kv_decode; sampling.cu:
+// argmax, add_scalar; attn_decode.cu: attn_decode_gqa) they make the whole decode step, captured as one CUDA graph.
 // Formulas: strata/models/qwen3next.py (_gdn, _attn) and strata/backend/gdn.py (causal_conv1d, l2_norm,
 // delta_rule_recurrent, gated_rms_norm), from transformers modeling_qwen3_next.py / modeling_qwen3_5.py and
 // llama.cpp src/models/qwen3next.cpp. Launchers: plain C, stream first, return cudaError_t; every kernel is launched

@@ -1,3 +1,4 @@
+// sampling.cu: token selection on the device: the one-block sampler, the grammar mask, argmax; the position counter.
 /* Sampling on the device in one block: penalties -> top-k -> top-p -> min-p -> temperature -> draw
  * (strata/sampling_device.py's DeviceSampler chain, llama.cpp src/llama-sampling.cpp order), so a decode step
  * copies 8 bytes to the host instead of the logits.
@@ -17,6 +18,7 @@
 #include <math.h>
 #include <stdint.h>
 #include "strata_cuda.h"
+#include "launch.cuh"
 
 namespace {
 
@@ -303,3 +305,53 @@ extern "C" int strata_apply_mask(void *stream, const float *logits, const unsign
     apply_mask_kernel<<<(n + 255) / 256, 256, 0, (cudaStream_t)stream>>>(logits, words, n, out);
     return (int)cudaGetLastError();
 }
+
+// ---------------------------------------------------------------- argmax
+__global__ void k_argmax(const float *x, int *out, int n) {
+  griddep_launch();
+  KT(KT_ARGMAX, KT_START);
+  griddep_wait();
+  KT(KT_ARGMAX, KT_WAITED);
+  __shared__ float sv[32];
+  __shared__ int si[32];
+  const float *row = x + (long long)blockIdx.x * n;
+  float best = -INFINITY;
+  int bi = 0x7fffffff;
+  for (int j = threadIdx.x; j < n; j += blockDim.x) {
+    const float v = row[j];
+    if (v > best) { best = v; bi = j; }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, best, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+    if (ov > best || (ov == best && oi < bi)) { best = ov; bi = oi; }
+  }
+  const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  if (lane == 0) { sv[wid] = best; si[wid] = bi; }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int i = 1; i < nw; i++)
+      if (sv[i] > best || (sv[i] == best && si[i] < bi)) { best = sv[i]; bi = si[i]; }
+    out[blockIdx.x] = bi == 0x7fffffff ? 0 : bi;
+  }
+}
+
+extern "C" int strata_argmax(void *stream, const float *x, int *out, int n_rows, int n) {
+  if (n_rows <= 0) return 0;
+  st_launch(k_argmax, n_rows, 1024, 0, (cudaStream_t)stream, x, out, n);
+  return (int)cudaGetLastError();
+}
+
+__global__ void k_add_scalar(int *p, int delta, int count) {
+  griddep_launch();
+  griddep_wait();
+  const int i = threadIdx.x;
+  if (i < count) p[i] += delta;
+}
+
+extern "C" int strata_add_scalar(void *stream, int *p, int delta, int count) {
+  st_launch(k_add_scalar, 1, 32, 0, (cudaStream_t)stream, p, delta, count);
+  return (int)cudaGetLastError();
+}
+

@@ -11,12 +11,14 @@
 extern "C" {
 #endif
 
-/* Programmatic dependent launch (launch.cuh) for every launcher of strata_kernels.cu and attention.cu: 1 on, 0 off
- * (default: on for compute capability >= 9.0; STRATA_CUDA_PDL=0 / 1 in the environment turns it off / on). Set it
- * before capturing a CUDA graph. */
+/* ---------------- launch.cu: programmatic dependent launch on / off */
+/* Programmatic dependent launch (st_launch, launch.cuh) for every launcher but strata_sample and strata_apply_mask: 1
+ * on, 0 off (default: on for compute capability >= 9.0; STRATA_CUDA_PDL=0 / 1 in the environment turns it off / on).
+ * Set it before capturing a CUDA graph. */
 void strata_set_pdl(int on);
 int strata_get_pdl(void);
 
+/* ---------------- matvec.cu: f32-activation matvecs, dequantize, get_rows, q8_1 quantize, plain q8 matvec */
 /* 1 if ggml_type is supported by the quantized kernels, else 0. */
 int strata_supports_type(int ggml_type);
 
@@ -33,13 +35,23 @@ int strata_matvec(void *stream, int ggml_type, const void *w, const float *x, fl
 int strata_quantize_q8_1(void *stream, const float *x, void *xq, int n_in);
 int strata_matvec_q8_supported(int ggml_type);
 int strata_matvec_q8(void *stream, int ggml_type, const void *w, const void *xq, float *y, int n_out, int n_in);
-/* The same product with one warp per rows_per_warp (1, 2 or 4) rows: the decode step's matvec. */
+
+/* Dequantize n_rows rows of W to f16 (out_f16 != 0) or f32: out (n_rows, n_in). */
+int strata_dequant(void *stream, int ggml_type, const void *w, void *out, int n_rows, int n_in, int out_f16);
+
+/* Embedding lookup: out f32 (n_ids, n_in) = dequantized rows ids[i] of W. ids int32 on the device. */
+int strata_get_rows(void *stream, int ggml_type, const void *w, const int *ids, float *out, int n_ids, int n_in);
+
+/* ---------------- matvec_fused.cu: the q8_1 decode matvecs and what they fuse (norms, RoPE + K/V, residual, SwiGLU) */
+/* strata_matvec_q8's product with one warp per rows_per_warp (1, 2 or 4) rows: the decode step's matvec. */
 int strata_matvec_q8w(void *stream, int ggml_type, const void *w, const void *xq, float *y, int n_out, int n_in,
                       int rows_per_warp);
+
 /* The same product with one block of 4 warps per rows_per_block (1, 2 or 4) rows, its 128 threads splitting each
  * row's sub-blocks: for long rows (n_in >= 4096: the down projection). */
 int strata_matvec_q8b(void *stream, int ggml_type, const void *w, const void *xq, float *y, int n_out, int n_in,
                       int rows_per_block);
+
 /* The norm handoff (the decode graph's alternative to the fused norms): x f32 (n_out) += W xq, with strata_matvec_q8w
  * (block 0, rows_per_warp = rows) or strata_matvec_q8b (block != 0, rows_per_block = rows). norm_w != NULL (f32,
  * n_out): the matvec also writes the next RMSNorm's input for its consumer, per 32-row group of x once the group is
@@ -52,13 +64,16 @@ int strata_matvec_q8b(void *stream, int ggml_type, const void *w, const void *xq
  * what strata_matvec_q8w / _q8b refuse; cudaErrorMisalignedAddress for x_q8 not 8-byte aligned. */
 int strata_matvec_q8_resid(void *stream, int ggml_type, const void *w, const void *xq, int n_out, int n_in, int rows,
                            int block, float *x, const float *norm_w, void *x_q8, float *x_ss, unsigned *counters);
+
 /* The norm handoff of a whole vector x f32 (n, % 32 == 0): x_q8 / x_ss as strata_matvec_q8_resid writes them.
  * cudaErrorInvalidValue for a NULL pointer or n % 32 != 0; cudaErrorMisalignedAddress for x_q8 not 8-byte aligned. */
 int strata_norm_q8(void *stream, const float *x, const float *w, void *x_q8, float *x_ss, int n);
+
 /* SwiGLU fused into the gate/up product: act f32 (F) = silu(Wg x) * (Wu x) and its q8_1 blocks act_q8 (F + F / 4
  * bytes, as strata_swiglu_gu; act may be NULL); F % 32 == 0; pairs_per_warp 1, 2 or 4 (block = 32 / it warps). */
 int strata_matvec_q8w_glu(void *stream, int ggml_type, const void *w_gate, const void *w_up, const void *xq, float *act,
                           void *act_q8, int F, int n_in, int pairs_per_warp);
+
 /* strata_matvec_q8w_glu with the RMSNorm that produces x fused into its prologue (norm_w != NULL; xq unused): the
  * inputs, bounds (n_in <= 8 * 4 * the block's 32 * (32 / pairs_per_warp) threads) and errors of
  * strata_matvec_q8w_rope's fused norm; or handed off (norm_ss != NULL, the four norm pointers NULL, xq the handoff's
@@ -68,86 +83,12 @@ int strata_matvec_q8w_glu_norm(void *stream, int ggml_type, const void *w_gate, 
                                float *act, void *act_q8, int F, int n_in, int pairs_per_warp, const float *norm_x,
                                const float *norm_delta, const float *norm_w, float *norm_x_out, float eps,
                                const float *norm_ss);
+
 /* 1 when the two fused-norm decode matvecs can run a layer with these shapes on the current device: QKV weights of
  * type t_qkv (rows_per_warp 1 / 2 / 4) and gate / up weights of type t_gate_up (pairs_per_warp) over n_in columns
  * (% 32 == 0, <= 4096, whole blocks of both types), their staged rows and x's q8_1 blocks fitting the shared memory
  * a block may take (48 KB for QKV; the device's opt-in limit for gate / up); else 0 (the plan keeps separate norms). */
 int strata_fused_norm_supported(int t_qkv, int t_gate_up, int n_in, int rows_per_warp, int pairs_per_warp);
-
-/* Prefill attention, tiled flash-style (f16 wmma, online softmax), causal GQA over the paged f16 cache: q f32
- * (n, n_head, hd) at positions length..length+n-1 (K/V of those already written) -> out f32 (n, n_head, hd).
- * ws: f32 workspace of n_split * n_head * n * (hd + 2) (per key-range split: m, l, O per row). hd 64 or 128. */
-int strata_flash_prefill(void *stream, const float *q, const void *kc, const void *vc, const int *pt, float *out,
-                         float *ws, int n, int n_head, int n_kv, int hd, int ps, int length, int n_split, float scale);
-
-/* Dequantize n_rows rows of W to f16 (out_f16 != 0) or f32: out (n_rows, n_in). */
-int strata_dequant(void *stream, int ggml_type, const void *w, void *out, int n_rows, int n_in, int out_f16);
-
-/* Embedding lookup: out f32 (n_ids, n_in) = dequantized rows ids[i] of W. ids int32 on the device. */
-int strata_get_rows(void *stream, int ggml_type, const void *w, const int *ids, float *out, int n_ids, int n_in);
-
-/* RMSNorm fused with the residual add: s = x + residual (residual may be NULL: s = x);
- * sum_out (may be NULL) = s; out = s / sqrt(mean(s^2) + eps) * weight. All f32, (n_rows, dim). */
-int strata_rms_norm(void *stream, const float *x, const float *residual, const float *weight,
-                    float *out, float *sum_out, int n_rows, int dim, float eps);
-
-/* strata_rms_norm with more outputs, each optional: out f32, sum_out f32 (x + residual), out16 f16 (n_rows, dim),
- * out_q8 q8_1 blocks (n_rows == 1, dim % 32 == 0; layout of strata_quantize_q8_1). Both launchers read `weight`
- * before the programmatic-dependent-launch wait (it overlaps the previous kernel): weight must not be written by
- * the kernel launched just before on the stream (model norm weights are constants). */
-int strata_rms_norm_ex(void *stream, const float *x, const float *residual, const float *weight, float *out,
-                       float *sum_out, void *out16, void *out_q8, int n_rows, int dim, float eps);
-
-/* RoPE in place on x f32 (n_tokens, n_heads, head_dim): position positions[t] (int32, device);
- * rotates the first n_rot dims; neox != 0 pairs (i, i + n_rot/2), else (2i, 2i+1). theta_i = pos * base^(-2i/n_rot). */
-int strata_rope(void *stream, float *x, const int *positions, int n_tokens, int n_heads, int head_dim,
-                int n_rot, float base, int neox);
-
-/* out = silu(gate) * up, f32, n elements. */
-int strata_swiglu(void *stream, const float *gate, const float *up, float *out, long long n);
-
-/* SwiGLU of a fused gate|up buffer gu f32 (n, 2F): silu(gu[t, :F]) * gu[t, F:] into any of out f32 (n, F),
- * out16 f16 (n, F), out_q8 q8_1 blocks (n == 1, F % 32 == 0). */
-int strata_swiglu_gu(void *stream, const float *gu, int n, int F, float *out, void *out16, void *out_q8);
-
-/* Write K/V rows of n new tokens into the paged f16 cache.
- * k, v f32 (n, n_kv, hd); cache (n_pages, page_size, n_kv, hd) f16; page_table int32; start at *d_start + start_off
- * (d_start may be NULL: start = start_off). */
-int strata_kv_write(void *stream, const float *k, const float *v, void *k_cache, void *v_cache,
-                    const int *page_table, const int *d_start, int start_off, int n, int n_kv, int hd, int page_size);
-
-/* Decode attention over the paged f16 cache, split-K. q f32 (n_q_tokens=1, n_head, hd); kv length *d_len
- * (device int32) or len if d_len is NULL. partial: f32 scratch of n_head * n_split * (hd + 2).
- * out f32 (n_head, hd). GQA: head h reads kv head h / (n_head / n_kv). hd <= 256, multiple of 32. */
-int strata_attn_decode(void *stream, const float *q, const void *k_cache, const void *v_cache,
-                       const int *page_table, const int *d_len, int len, float *partial, float *out,
-                       int n_head, int n_kv, int hd, int page_size, int n_split, float scale);
-/* strata_attn_decode that also writes the output as q8_1 blocks (out_q8: int8 [n_head * hd] then float2 (d, d * sum)
- * per 32, the layout of strata_quantize_q8_1) for the next matvec; out_q8 NULL = strata_attn_decode. counters: NULL
- * (a second launch merges the splits) or n_head uint32, all 0, left 0: the last split block of each head merges it
- * (one launch; the same arithmetic). pre_wait != 0: no kernel earlier in the stream's chain of programmatic
- * dependent launches writes *d_len or the page table (every kernel may pass its launch point before its predecessors
- * end; in a decode graph only the last launch advances them), so they may be read before the PDL wait. */
-int strata_attn_decode_ex(void *stream, const float *q, const void *k_cache, const void *v_cache,
-                          const int *page_table, const int *d_len, int len, float *partial, float *out, void *out_q8,
-                          unsigned *counters, int pre_wait, int n_head, int n_kv, int hd, int page_size, int n_split,
-                          float scale);
-
-/* Gather the first len positions of the paged f16 cache into contiguous f32 (n_kv, len, hd) for K and V. */
-int strata_kv_gather(void *stream, const void *k_cache, const void *v_cache, const int *page_table,
-                     float *k_out, float *v_out, int len, int n_kv, int hd, int page_size);
-
-/* Causal softmax in place over rows of s f32 (n_rows_total, len): row r belongs to query i = r % n_q at
- * absolute position pos0 + i; keys j > pos0 + i are masked. s is scaled by scale first. */
-int strata_causal_softmax(void *stream, float *s, int n_rows_total, int n_q, int len, int pos0, float scale);
-
-/* argmax over each row of x f32 (n_rows, n): out int32 (n_rows). Ties go to the lowest index. */
-int strata_argmax(void *stream, const float *x, int *out, int n_rows, int n);
-
-/* Decode step, fused: RoPE on q and k of qkv f32 [q (n_head*hd) | k (n_kv*hd) | v (n_kv*hd)] of one token at
- * position *pos (in place), then k (rotated) and v written to the paged f16 cache at *pos. */
-int strata_rope_kv_decode(void *stream, float *qkv, const int *pos, void *k_cache, void *v_cache, const int *page_table,
-                          int n_head, int n_kv, int hd, int n_rot, float base, int neox, int page_size);
 
 /* The decode step's QKV matvec with strata_rope_kv_decode fused into its epilogue (adjacent RoPE pairs only, i.e.
  * neox = 0; f16 cache): qkv f32 [q (n_head*hd) | k | v] = W (fused Q|K|V rows, ggml type t, n_in columns) . x (q8_1
@@ -172,6 +113,37 @@ int strata_matvec_q8w_rope(void *stream, int ggml_type, const void *w, const voi
                            const float *norm_delta, const float *norm_w, float *norm_x_out, float eps, int pre_wait,
                            const float *norm_ss);
 
+/* ---------------- norm.cu: RMSNorm with the residual add */
+/* RMSNorm fused with the residual add: s = x + residual (residual may be NULL: s = x);
+ * sum_out (may be NULL) = s; out = s / sqrt(mean(s^2) + eps) * weight. All f32, (n_rows, dim). */
+int strata_rms_norm(void *stream, const float *x, const float *residual, const float *weight,
+                    float *out, float *sum_out, int n_rows, int dim, float eps);
+
+/* strata_rms_norm with more outputs, each optional: out f32, sum_out f32 (x + residual), out16 f16 (n_rows, dim),
+ * out_q8 q8_1 blocks (n_rows == 1, dim % 32 == 0; layout of strata_quantize_q8_1). Both launchers read `weight`
+ * before the programmatic-dependent-launch wait (it overlaps the previous kernel): weight must not be written by
+ * the kernel launched just before on the stream (model norm weights are constants). */
+int strata_rms_norm_ex(void *stream, const float *x, const float *residual, const float *weight, float *out,
+                       float *sum_out, void *out16, void *out_q8, int n_rows, int dim, float eps);
+
+/* ---------------- rope_act.cu: RoPE (alone and with the K/V cache write), SwiGLU */
+/* RoPE in place on x f32 (n_tokens, n_heads, head_dim): position positions[t] (int32, device);
+ * rotates the first n_rot dims; neox != 0 pairs (i, i + n_rot/2), else (2i, 2i+1). theta_i = pos * base^(-2i/n_rot). */
+int strata_rope(void *stream, float *x, const int *positions, int n_tokens, int n_heads, int head_dim,
+                int n_rot, float base, int neox);
+
+/* out = silu(gate) * up, f32, n elements. */
+int strata_swiglu(void *stream, const float *gate, const float *up, float *out, long long n);
+
+/* SwiGLU of a fused gate|up buffer gu f32 (n, 2F): silu(gu[t, :F]) * gu[t, F:] into any of out f32 (n, F),
+ * out16 f16 (n, F), out_q8 q8_1 blocks (n == 1, F % 32 == 0). */
+int strata_swiglu_gu(void *stream, const float *gu, int n, int F, float *out, void *out16, void *out_q8);
+
+/* Decode step, fused: RoPE on q and k of qkv f32 [q (n_head*hd) | k (n_kv*hd) | v (n_kv*hd)] of one token at
+ * position *pos (in place), then k (rotated) and v written to the paged f16 cache at *pos. */
+int strata_rope_kv_decode(void *stream, float *qkv, const int *pos, void *k_cache, void *v_cache, const int *page_table,
+                          int n_head, int n_kv, int hd, int n_rot, float base, int neox, int page_size);
+
 /* Prefill, fused: RoPE in place on q and k of n tokens' rows of qkv f32 (row stride `stride` floats, layout of
  * strata_rope_kv_decode), token t at position pos0 + t, and k (rotated) / v written to the f16 cache (k_cache
  * NULL: RoPE only, for a q8_0 cache written by strata_kv_write_q8; the same holds for strata_rope_kv_decode). */
@@ -179,11 +151,22 @@ int strata_rope_kv_prefill(void *stream, float *qkv, int stride, int pos0, void 
                            const int *page_table, int n, int n_head, int n_kv, int hd, int n_rot, float base, int neox,
                            int page_size);
 
-/* q8_0 KV cache (attention.cu; --kv q8_0): per layer int8 K and V (n_pages, page_size, n_kv, hd) and f16 scales
+/* ---------------- kv_cache.cu: paged KV cache writes and gathers (f16, q8_0) */
+/* Write K/V rows of n new tokens into the paged f16 cache.
+ * k, v f32 (n, n_kv, hd); cache (n_pages, page_size, n_kv, hd) f16; page_table int32; start at *d_start + start_off
+ * (d_start may be NULL: start = start_off). */
+int strata_kv_write(void *stream, const float *k, const float *v, void *k_cache, void *v_cache,
+                    const int *page_table, const int *d_start, int start_off, int n, int n_kv, int hd, int page_size);
+
+/* Gather the first len positions of the paged f16 cache into contiguous f32 (n_kv, len, hd) for K and V. */
+int strata_kv_gather(void *stream, const void *k_cache, const void *v_cache, const int *page_table,
+                     float *k_out, float *v_out, int len, int n_kv, int hd, int page_size);
+
+/* q8_0 KV cache (--kv q8_0): per layer int8 K and V (n_pages, page_size, n_kv, hd) and f16 scales
  * (n_pages, page_size, n_kv, hd / 32), element = d * q per 32 values of one (position, head) row (ggml's q8_0
- * block: d = max|x| / 127; q rounded to nearest even). strata_kv_write_q8 quantizes f32 rows of n tokens (k / v row strides in floats, head h at h * hd)
- * into positions (*d_start or 0) + start + t; strata_kv_gather_q8 reads the first len positions back as f32
- * (n_kv, len, hd). */
+ * block: d = max|x| / 127; q rounded to nearest even). strata_kv_write_q8 quantizes f32 rows of n tokens (k / v row
+ * strides in floats, head h at h * hd) into positions (*d_start or 0) + start + t; strata_kv_gather_q8 reads the
+ * first len positions back as f32 (n_kv, len, hd). */
 int strata_kv_write_q8(void *stream, const float *k, int k_stride, const float *v, int v_stride, void *k_cache,
                        void *v_cache, void *k_scales, void *v_scales, const int *page_table, const int *d_start,
                        int start, int n, int n_kv, int hd, int page_size);
@@ -191,7 +174,26 @@ int strata_kv_gather_q8(void *stream, const void *k_cache, const void *v_cache, 
                         const void *v_scales, const int *page_table, float *k_out, float *v_out, int len, int n_kv,
                         int hd, int page_size);
 
-/* Decode attention (one query token), GQA-shared and self-merging (attention.cu): grid (n_kv, n_split); q f32
+/* ---------------- attn_decode.cu: decode attention (split-K; GQA-shared) */
+/* Decode attention over the paged f16 cache, split-K. q f32 (n_q_tokens=1, n_head, hd); kv length *d_len
+ * (device int32) or len if d_len is NULL. partial: f32 scratch of n_head * n_split * (hd + 2).
+ * out f32 (n_head, hd). GQA: head h reads kv head h / (n_head / n_kv). hd <= 256, multiple of 32. */
+int strata_attn_decode(void *stream, const float *q, const void *k_cache, const void *v_cache,
+                       const int *page_table, const int *d_len, int len, float *partial, float *out,
+                       int n_head, int n_kv, int hd, int page_size, int n_split, float scale);
+
+/* strata_attn_decode that also writes the output as q8_1 blocks (out_q8: int8 [n_head * hd] then float2 (d, d * sum)
+ * per 32, the layout of strata_quantize_q8_1) for the next matvec; out_q8 NULL = strata_attn_decode. counters: NULL
+ * (a second launch merges the splits) or n_head uint32, all 0, left 0: the last split block of each head merges it
+ * (one launch; the same arithmetic). pre_wait != 0: no kernel earlier in the stream's chain of programmatic
+ * dependent launches writes *d_len or the page table (every kernel may pass its launch point before its predecessors
+ * end; in a decode graph only the last launch advances them), so they may be read before the PDL wait. */
+int strata_attn_decode_ex(void *stream, const float *q, const void *k_cache, const void *v_cache,
+                          const int *page_table, const int *d_len, int len, float *partial, float *out, void *out_q8,
+                          unsigned *counters, int pre_wait, int n_head, int n_kv, int hd, int page_size, int n_split,
+                          float scale);
+
+/* Decode attention (one query token), GQA-shared and self-merging: grid (n_kv, n_split); q f32
  * (n_head * hd); length *d_len (device) or len; ws f32 (n_head * n_split * (hd + 2)); counters uint32 (n_kv),
  * zero before the first call and left zero; out f32 (n_head * hd) and, if out_q8, q8_1 blocks of out. hd 32, 64,
  * 128 or 256; n_head / n_kv <= 8; n_split <= 256. k_scales / v_scales NULL: f16 cache; given: q8_0 cache. */
@@ -199,12 +201,24 @@ int strata_attn_decode_gqa(void *stream, const float *q, const void *k_cache, co
                            const int *page_table, const int *d_len, int len, float *ws, unsigned *counters, float *out,
                            void *out_q8, int n_head, int n_kv, int hd, int page_size, int n_split, float scale,
                            const void *k_scales, const void *v_scales);
+
 /* Blocks of strata_attn_decode_gqa's kernel resident per multiprocessor for head size hd, g query heads per KV head,
  * an f16 (q8 = 0) or q8_0 cache and the current STRATA_CUDA_ATTN_DB variant; a negative cudaError_t for an
  * unsupported shape. */
 int strata_attn_decode_gqa_occupancy(int hd, int g, int q8);
 
-/* Prefill attention, FlashAttention-2 on mma.sync (attention.cu): q f32 rows of n tokens with row stride q_stride
+/* ---------------- attn_prefill.cu: prefill attention (causal softmax, wmma flash, FlashAttention-2) */
+/* Prefill attention, tiled flash-style (f16 wmma, online softmax), causal GQA over the paged f16 cache: q f32
+ * (n, n_head, hd) at positions length..length+n-1 (K/V of those already written) -> out f32 (n, n_head, hd).
+ * ws: f32 workspace of n_split * n_head * n * (hd + 2) (per key-range split: m, l, O per row). hd 64 or 128. */
+int strata_flash_prefill(void *stream, const float *q, const void *kc, const void *vc, const int *pt, float *out,
+                         float *ws, int n, int n_head, int n_kv, int hd, int ps, int length, int n_split, float scale);
+
+/* Causal softmax in place over rows of s f32 (n_rows_total, len): row r belongs to query i = r % n_q at
+ * absolute position pos0 + i; keys j > pos0 + i are masked. s is scaled by scale first. */
+int strata_causal_softmax(void *stream, float *s, int n_rows_total, int n_q, int len, int pos0, float scale);
+
+/* Prefill attention, FlashAttention-2 on mma.sync: q f32 rows of n tokens with row stride q_stride
  * floats (head h at h * hd), causal over positions [0, length + n) of the paged cache (f16, or q8_0 when
  * k_scales / v_scales are given); out f32 or out16 f16 (n, n_head, hd); ws f32 (n_split * n_head * n * (hd + 2))
  * when n_split > 1. hd 64 or 128. */
@@ -213,14 +227,30 @@ int strata_fa2_prefill(void *stream, const float *q, int q_stride, const void *k
                        int page_size, int length, int n_split, float scale, const void *k_scales,
                        const void *v_scales);
 
+/* ---------------- sampling.cu: argmax, the graph's position counters, sampling, the grammar mask */
+/* argmax over each row of x f32 (n_rows, n): out int32 (n_rows). Ties go to the lowest index. */
+int strata_argmax(void *stream, const float *x, int *out, int n_rows, int n);
+
 /* Add integer delta to a device int32 scalar (position counters inside CUDA graphs). */
 int strata_add_scalar(void *stream, int *p, int delta, int count);
 
-/* qwen35 decode plan (qwen35.cu) */
+/* Sampling on the device in one block: penalties, top-k, top-p, min-p, temperature, the draw u in
+ * [0, 1); out int32[2] <- {token, status} (status 0 ok, 1 NaN in the logits, 2 the candidates overflow the kernel's
+ * buffer). counts: token occurrences in the penalty window, or NULL. */
+int strata_sample(void *stream, const float *logits, const float *counts, int n, float repeat_penalty,
+                  float frequency_penalty, float presence_penalty, float temperature, int top_k, double top_p,
+                  float min_p, float log_min_p, double u, int *out);
+
+/* Constrained decoding's token mask: out[i] = logits[i] where bit i of the packed words is set, else
+ * -inf (n tokens; out may be logits). */
+int strata_apply_mask(void *stream, const float *logits, const unsigned int *words, int n, float *out);
+
+/* ---------------- qwen35.cu: the qwen35 / qwen3next decode plan's one-token kernels */
 /* One-token causal depthwise conv + SiLU (gdn.causal_conv1d, n = 1): x f32 (channels) (the first channels of the fused
  * GDN projection), w f32 (channels, kernel), window f32 (kernel - 1, channels) updated in place, y f32 (channels).
  * kernel 2..8. */
 int strata_q35_conv(void *stream, const float *x, const float *w, float *window, float *y, int channels, int kernel);
+
 /* One-token gated delta rule with its prologue: y = conv output [q (n_k*dk) | k (n_k*dk) | v (n_v*dv)]; q, k
  * L2-normalised (l2_eps; q times scale); beta = sigmoid(b), g = A * softplus(a + dt) with b, a read from proj
  * (ba_grouped: qwen3next ssm_ba per key head [b x r, a x r] at b_off; else b at b_off + h, a at a_off + h);
@@ -229,21 +259,24 @@ int strata_q35_conv(void *stream, const float *x, const float *w, float *window,
 int strata_q35_gdn_step(void *stream, const float *y, const float *proj, const float *A, const float *dt, float *state,
                         float *out, int n_v, int n_k, int dk, int dv, int tiled, int b_off, int a_off, int ba_grouped,
                         float scale, float l2_eps);
+
 /* Gated RMSNorm per value head (gdn.gated_rms_norm): o, z f32 (n_v, dv), w f32 (dv) -> out f32 (may be NULL) and
  * q8_1 blocks out_q8 (may be NULL; dv % 32 == 0) of the (n_v * dv) row. */
 int strata_q35_gated_norm(void *stream, const float *o, const float *z, const float *w, float *out, void *out_q8,
                           int n_v, int dv, float eps);
+
 /* Gated attention prologue for n tokens (rows back to back): qg f32 [per head (q hd | gate hd)] ++ k (n_kv*hd) ++ v
  * (n_kv*hd) -> qkv f32 [q | k | v] (strata_rope_kv_decode's layout) with per-head RMSNorm of q (q_norm) and k
  * (k_norm), and gate f32 (n_head*hd). hd a multiple of 32 up to 256. */
 int strata_q35_attn_prep(void *stream, const float *qg, const float *q_norm, const float *k_norm, float *qkv,
                          float *gate, int n, int n_head, int n_kv, int hd, float eps);
+
 /* att * sigmoid(gate) over n elements -> out f32, out16 f16 and q8_1 blocks out_q8 (each may be NULL; out_q8 needs
  * n % 32 == 0). */
 int strata_q35_out_gate(void *stream, const float *att, const float *gate, float *out, void *out16, void *out_q8,
                         int n);
 
-/* Gated DeltaNet (gdn.cu) */
+/* ---------------- gdn.cu: Gated DeltaNet: the delta rule over n tokens and the causal conv */
 /* Gated delta rule over n tokens (S <- exp(g) S; u = (v - S^T k) beta; S <- S + k u^T; o = S^T q scale): q, k f32
  * (n, n_qk, dk), v f32 (n, n_v, dv), g, beta f32 (n, n_v), state f32 (n_v, dk, dv) in place, out f32 (n, n_v, dv).
  * tiled: value head h reads key head h % n_qk, else h / (n_v / n_qk). dk <= 256. variant 0 = choose, 1 = the
@@ -255,12 +288,13 @@ int strata_gdn_recurrent(void *stream, const float *q, const float *k, const flo
 int strata_gdn_recurrent_ex(void *stream, const float *q, const float *k, const float *v, const float *g,
                             const float *beta, float *state, float *out, int n, int n_v, int n_qk, int dk, int dv,
                             int tiled, float scale, int variant);
+
 /* Causal depthwise conv + SiLU of n tokens: x f32 (n, channels) rows x_stride floats apart, w f32 (channels, kernel),
  * window f32 (kernel - 1, channels) in place, y f32 (n, channels). kernel 2..8. */
 int strata_gdn_conv(void *stream, const float *x, int x_stride, const float *w, float *window, float *y, int n,
                     int channels, int kernel);
 
-/* GDN prefill (gdn_prefill.cu) */
+/* ---------------- gdn_prefill.cu: GDN prefill: the prologue and the gated norm for n tokens */
 /* Gated DeltaNet prologue for n tokens (one launch): y f32 rows [q (n_k*dk) | k (n_k*dk) | v (n_v*dv)] y_stride floats
  * apart (the causal conv output) -> q_out, k_out f32 (n, n_k, dk) L2-normalised per key head (x / sqrt(|x|^2 +
  * l2_eps), unscaled), v_out f32 (n, n_v, dv) (may be NULL), beta_out = sigmoid(b) and g_out = A * softplus(a + dt)
@@ -271,71 +305,13 @@ int strata_gdn_prep(void *stream, const float *y, int y_stride, const float *b, 
                     int b_off, int a_off, int ba_grouped, const float *A, const float *dt, float *q_out, float *k_out,
                     float *v_out, float *g_out, float *beta_out, int n, int n_k, int n_v, int dk, int dv,
                     float l2_eps);
+
 /* Gated RMSNorm of n_rows rows of d (gdn.gated_rms_norm), one launch: out[r] = o[r] / sqrt(mean(o[r]^2) + eps) * w *
  * silu(z_r); o f32 (n_rows, d) contiguous, w f32 (d); written to out f32 and / or out16 f16 (n_rows, d) (either
  * may be NULL, not both); z_r = the d floats at z + (r / z_group) * z_stride + (r % z_group) * d (z_group rows per
  * token back to back, tokens z_stride floats apart; z_stride >= z_group * d). */
 int strata_gdn_gated_norm_rows(void *stream, const float *o, const float *z, int z_stride, int z_group,
                                const float *w, float *out, void *out16, int n_rows, int d, float eps);
-
-/* Sampling on the device in one block (sampling.cu): penalties, top-k, top-p, min-p, temperature, the draw u in
- * [0, 1); out int32[2] <- {token, status} (status 0 ok, 1 NaN in the logits, 2 the candidates overflow the kernel's
- * buffer). counts: token occurrences in the penalty window, or NULL. */
-int strata_sample(void *stream, const float *logits, const float *counts, int n, float repeat_penalty,
-                  float frequency_penalty, float presence_penalty, float temperature, int top_k, double top_p,
-                  float min_p, float log_min_p, double u, int *out);
-
-/* Constrained decoding's token mask (sampling.cu): out[i] = logits[i] where bit i of the packed words is set, else
- * -inf (n tokens; out may be logits). */
-int strata_apply_mask(void *stream, const float *logits, const unsigned int *words, int n, float *out);
-
-/* Persistent decode step of the llama architecture (decode_step.cu): one cooperative launch runs a token at position
- * inp[1] through every layer (attending over inp[2] positions) and the output head: logits f32 (n_vocab), the
- * argmax written to inp[0] and inp[1], inp[2] advanced by one, as LlamaCuda's launch-per-op step. A matrix: GGUF
- * blocks at w (16-byte aligned), rows of row_bytes, ggml type (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K). Per layer: the
- * f32 norm weights, q / k / v (n_head*hd, n_kv*hd, n_kv*hd rows of n_embd), o (n_embd rows of n_head*hd), gate / up
- * (n_ff rows of n_embd, one type), down (n_embd rows of n_ff), the f16 K / V cache arrays of the layer. Buffers
- * (device): layers (n_layer), inp int32 [token, pos, len], page_table int32, x f32 (n_embd) the residual row (the
- * token's embedding row on entry; the last layer's output on return), q f32 (n_head*hd), att f32 (n_head*hd) and
- * att_q8 / act_q8 q8_1 blocks (strata_quantize_q8_1's layout) of n_head*hd and n_ff values, ws f32 (n_head *
- * max_split * (hd + 2)), counters uint32 (n_kv, zero, left zero), barrier uint64 (used by one grid size only),
- * argmax uint64 (zero, left zero), trace uint64 (NULL, or 10 * n_layer + 3: %globaltimer ns of block 0 at the start and
- * when it arrives at / leaves each grid barrier, for profiling). hd 64 or 128, n_head / n_kv <= 4, RoPE on adjacent
- * pairs (neox 0), n_embd and n_ff multiples of 32 and of the matrices' block sizes, max_split <= 256, n_layer <= 256.
- * xs_bytes, min_slot, slot_bytes, n_slot: filled by strata_decode_step_check and strata_decode_step_grid. */
-typedef struct { const void *w; long long row_bytes; int type; int rows; } strata_step_mat;
-typedef struct {
-  const float *attn_norm, *ffn_norm;
-  strata_step_mat q, k, v, o, gate, up, down;
-  void *k_cache, *v_cache;
-} strata_step_layer;
-typedef struct {
-  const strata_step_layer *layers;
-  const float *out_norm;
-  strata_step_mat head;
-  int *inp;
-  const int *page_table;
-  float *x, *q, *att;
-  void *att_q8, *act_q8;
-  float *logits, *ws;
-  unsigned *counters;
-  unsigned long long *barrier, *argmax, *trace;
-  int n_layer, n_embd, n_head, n_kv, head_dim, n_ff, n_vocab, n_rot, neox, page_size, max_split;
-  int xs_bytes, min_slot, slot_bytes, n_slot;
-  float rope_base, eps, scale;
-} strata_step_args;
-/* 0 if the step can run these arguments (scalars and every matrix: host copies of the layers), else an error; fills
- * a->xs_bytes (shared memory for the q8_1 activation vector) and a->min_slot (the smallest weight-ring slot its
- * rows fit), and clears the ring (slot_bytes, n_slot). */
-int strata_decode_step_check(strata_step_args *a, const strata_step_layer *layers);
-/* Sizes the step's weight ring for blocks_per_sm blocks per SM (1..4; a->slot_bytes, a->n_slot: what shared memory
- * the blocks of one SM leave) and returns the grid size (capped by the kernel's occupancy), or minus a CUDA error
- * (cudaErrorNotSupported below compute capability 9.0). */
-int strata_decode_step_grid(strata_step_args *a, int blocks_per_sm);
-/* Launch the step (arguments strata_decode_step_check accepted) on n_blocks blocks (<= strata_decode_step_grid),
- * a cooperative launch: the driver refuses a grid whose blocks cannot all be resident at once. */
-int strata_decode_step(void *stream, const strata_step_args *a, int n_blocks);
-
 #ifdef __cplusplus
 }
 #endif

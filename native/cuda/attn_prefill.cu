@@ -1,220 +1,231 @@
-// Attention over the paged f16 KV cache, second generation: the prefill RoPE + K/V write for n tokens, decode
-// attention that shares each KV head's loads across its GQA group and merges its split-K partials in the last block
-// to finish, and prefill attention in the FlashAttention-2 form on mma.sync tensor-core instructions.
-//
-// Cache layout (as strata_kernels.cu): per layer K and V arrays (n_pages, page_size, n_kv, hd) f16; position p of
-// a sequence lives in page pt[p / page_size], slot p % page_size.
+// attn_prefill.cu: prefill attention: causal softmax (the cuBLAS-scores path), wmma flash prefill, FlashAttention-2.
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
+#include <mma.h>
 #include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
 #include <math.h>
 #include "strata_cuda.h"
-#include "q8.cuh"
 #include "launch.cuh"
-#include "attn_decode.cuh"
+#include "kv_cache.cuh"
 
-// ---------------------------------------------------------------- prefill: RoPE on q and k + K/V cache write
-// qkv f32 rows of n tokens with row stride `stride` floats: [q (H*hd) | k (KV*hd) | v (KV*hd)]; token t is at
-// position pos0 + t. RoPE (angles in float64, as the decode kernel) is applied in place to q and k; k (rotated) and
-// v are written to the cache as f16.
-__global__ void k_rope_kv_prefill(float *__restrict__ qkv, int stride, int pos0, __half *__restrict__ kc,
-                                  __half *__restrict__ vc, const int *__restrict__ pt, int n, int H, int KV, int hd,
-                                  int n_rot, float base, int neox, int ps) {
+// ---------------------------------------------------------------- causal softmax (prefill attention)
+__global__ void k_causal_softmax(float *s, int n_q, int len, int pos0, float scale) {
   griddep_launch();
   griddep_wait();
-  const int half = n_rot / 2;
-  const int per_tok = (H + KV) * half + KV * hd;
-  const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (idx >= (long long)n * per_tok) return;
-  const int t = (int)(idx / per_tok), j0 = (int)(idx % per_tok);
-  const int p = pos0 + t;
-  float *row = qkv + (long long)t * stride;
-  if (j0 < (H + KV) * half) {
-    const int h = j0 / half, i = j0 % half;
-    float *x = row + h * hd;
-    const double ang = (double)p * pow((double)base, -2.0 * (double)i / (double)n_rot);
-    const float c = (float)cos(ang), s = (float)sin(ang);
-    const int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
-    const float x0 = x[a], x1 = x[b];
-    const float y0 = x0 * c - x1 * s, y1 = x0 * s + x1 * c;
-    x[a] = y0;
-    x[b] = y1;
-    if (h >= H && kc) {   // kc NULL: RoPE only (a q8_0 cache is written by strata_kv_write_q8)
-      const long long o = kv_off(pt, p, h - H, KV, hd, ps);
-      kc[o + a] = __float2half(y0);
-      kc[o + b] = __float2half(y1);
-    }
-    return;
-  }
-  if (!kc) return;
-  const int j = j0 - (H + KV) * half;
-  const int kh = j / hd, d = j % hd;
-  const long long o = kv_off(pt, p, kh, KV, hd, ps) + d;
-  vc[o] = __float2half(row[(H + KV) * hd + j]);
-  if (d >= n_rot) kc[o] = __float2half(row[H * hd + j]);
-}
-
-extern "C" int strata_rope_kv_prefill(void *stream, float *qkv, int stride, int pos0, void *kc, void *vc,
-                                      const int *pt, int n, int n_head, int n_kv, int hd, int n_rot, float base,
-                                      int neox, int ps) {
-  if (n_rot > hd || n_rot % 2 || n < 0 || stride < (n_head + 2 * n_kv) * hd) return (int)cudaErrorInvalidValue;
-  const long long total = (long long)n * ((n_head + n_kv) * (n_rot / 2) + n_kv * hd);
-  if (total == 0) return 0;
-  st_launch(k_rope_kv_prefill, (unsigned)((total + 255) / 256), 256, 0, (cudaStream_t)stream, 
-      qkv, stride, pos0, (__half *)kc, (__half *)vc, pt, n, n_head, n_kv, hd, n_rot, base, neox, ps);
-  return (int)cudaGetLastError();
-}
-
-// ---------------------------------------------------------------- q8_0 KV cache
-// The q8_0 cache (--kv q8_0): per layer int8 K and V (n_pages, page_size, n_kv, hd) and f16 scales (n_pages,
-// page_size, n_kv, hd / 32): element = d * q per 32 consecutive elements of one (position, head) row, d = max|x| /
-// 127 stored as f16, q = round-to-nearest-even(x / d) (ggml's q8_0 block layout, split into two arrays so that a
-// lane's 8 values stay one 8-byte load; ggml rounds ties away from zero, so a value exactly half-way between two
-// steps can land one step apart). The scale of element offset e (in the int8 array) is at e / 32.
-
-// One warp per (token, KV head, 32-block, K or V). k / v: f32 rows of n tokens (row strides in floats), head h at
-// h * hd; token t goes to position (*d_start or 0) + start + t.
-__global__ void k_kv_write_q8(const float *__restrict__ k, int k_stride, const float *__restrict__ v, int v_stride,
-                              int8_t *__restrict__ kq, int8_t *__restrict__ vq, __half *__restrict__ ks,
-                              __half *__restrict__ vs, const int *__restrict__ pt, const int *__restrict__ d_start,
-                              int start, int n, int n_kv, int hd, int ps) {
-  griddep_launch();
-  griddep_wait();
-  const long long gw = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-  const int lane = threadIdx.x & 31, nb = hd / 32;
-  if (gw >= (long long)n * n_kv * nb * 2) return;   // whole warps
-  const int which = (int)(gw & 1);
-  const long long rest = gw >> 1;
-  const int b = (int)(rest % nb), h = (int)((rest / nb) % n_kv), t = (int)(rest / ((long long)nb * n_kv));
-  const float x = which ? v[(long long)t * v_stride + h * hd + 32 * b + lane]
-                        : k[(long long)t * k_stride + h * hd + 32 * b + lane];
-  float amax = fabsf(x);
+  __shared__ float sh[32];
+  const int r = blockIdx.x;
+  float *row = s + (long long)r * len;
+  const int lim = min(len, pos0 + (r % n_q) + 1);
+  float m = -INFINITY;
+  for (int j = threadIdx.x; j < lim; j += blockDim.x) m = fmaxf(m, row[j] * scale);
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  const float d = __fdiv_rn(amax, 127.0f);
-  const int q = amax == 0.f ? 0 : __float2int_rn(__fdiv_rn(x, d));
-  const int pos = (d_start ? *d_start : 0) + start + t;
-  const long long e = kv_off(pt, pos, h, n_kv, hd, ps) + 32 * b;
-  (which ? vq : kq)[e + lane] = (int8_t)q;
-  if (lane == 0) (which ? vs : ks)[e >> 5] = __float2half(d);
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  if (lane == 0) sh[wid] = m;
+  __syncthreads();
+  m = -INFINITY;
+  for (int i = 0; i < nw; i++) m = fmaxf(m, sh[i]);
+  float sum = 0.f;
+  for (int j = threadIdx.x; j < lim; j += blockDim.x) {
+    const float e = __expf(row[j] * scale - m);
+    row[j] = e;
+    sum += e;
+  }
+  const float tot = block_sum(sum, sh);
+  const float inv = 1.f / tot;
+  for (int j = threadIdx.x; j < len; j += blockDim.x) row[j] = j < lim ? row[j] * inv : 0.f;
 }
 
-extern "C" int strata_kv_write_q8(void *stream, const float *k, int k_stride, const float *v, int v_stride, void *kq,
-                                  void *vq, void *ks, void *vs, const int *pt, const int *d_start, int start, int n,
-                                  int n_kv, int hd, int ps) {
-  if (hd % 32 || n < 0) return (int)cudaErrorInvalidValue;
-  const long long warps = (long long)n * n_kv * (hd / 32) * 2;
-  if (warps == 0) return 0;
-  st_launch(k_kv_write_q8, (unsigned)((warps * 32 + 255) / 256), 256, 0, (cudaStream_t)stream, 
-      k, k_stride, v, v_stride, (int8_t *)kq, (int8_t *)vq, (__half *)ks, (__half *)vs, pt, d_start, start, n, n_kv,
-      hd, ps);
+extern "C" int strata_causal_softmax(void *stream, float *s, int n_rows, int n_q, int len, int pos0, float scale) {
+  if (n_rows <= 0) return 0;
+  st_launch(k_causal_softmax, n_rows, 256, 0, (cudaStream_t)stream, s, n_q, len, pos0, scale);
   return (int)cudaGetLastError();
 }
 
-// The first len positions of a q8_0 cache as f32 (n_kv, len, hd) for K and V (checkpoints, state reads).
-__global__ void k_kv_gather_q8(const int8_t *__restrict__ kq, const int8_t *__restrict__ vq,
-                               const __half *__restrict__ ks, const __half *__restrict__ vs, const int *__restrict__ pt,
-                               float *__restrict__ ko, float *__restrict__ vo, int len, int n_kv, int hd, int ps) {
+// ---------------------------------------------------------------- prefill attention: tiled, flash-style (f16 MMA)
+// Causal GQA attention of n new queries (positions length..length+n-1) over the paged f16 cache, without
+// materializing the score matrix: a block takes 64 queries of one head (4 warps x 16 rows) and one split of the
+// key range; per 64-key tile S = Q K^T (wmma m16n16k16, f16 inputs scaled by `scale`, f32 accumulate), causal
+// mask, online softmax (FlashAttention, Dao et al. 2022: running max m and sum l per row; P rounded to f16),
+// O += P V (wmma, f32 accumulate, O kept in shared memory). Each split writes (m, l, O) per row; a combine
+// kernel merges the splits: out = sum_s O_s e^(m_s - M) / sum_s l_s e^(m_s - M).
+#define FA_BQ 64
+#define FA_BK 64
+template <int HD>
+struct FaSmem {
+  static constexpr int LDH = HD + 8, LDS = FA_BK + 4, LDP = FA_BK + 8, LDO = HD + 4;
+  static constexpr size_t bytes = (size_t)3 * 64 * LDH * 2 + (size_t)64 * LDS * 4 + (size_t)64 * LDP * 2 +
+                                  (size_t)64 * LDO * 4 + 2 * 64 * 4;
+};
+
+template <int HD>
+__global__ void __launch_bounds__(128) k_flash_prefill(const float *__restrict__ q, const __half *__restrict__ kc,
+                                                       const __half *__restrict__ vc, const int *__restrict__ pt,
+                                                       float *__restrict__ ws, int n, int n_head, int n_kv, int ps,
+                                                       int length, int tiles_per_split, float scale) {
   griddep_launch();
   griddep_wait();
-  const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (idx >= (long long)n_kv * len * hd) return;
-  const int d = (int)(idx % hd), p = (int)((idx / hd) % len), h = (int)(idx / ((long long)hd * len));
-  const long long e = kv_off(pt, p, h, n_kv, hd, ps) + d;
-  ko[idx] = __half2float(ks[e >> 5]) * (float)kq[e];
-  vo[idx] = __half2float(vs[e >> 5]) * (float)vq[e];
+  using namespace nvcuda;
+  using SM = FaSmem<HD>;
+  constexpr int LDH = SM::LDH, LDS = SM::LDS, LDP = SM::LDP, LDO = SM::LDO;
+  extern __shared__ __align__(128) unsigned char fa_smem[];
+  __half *Qs = reinterpret_cast<__half *>(fa_smem);
+  __half *Ks = Qs + 64 * LDH;
+  __half *Vs = Ks + 64 * LDH;
+  float *Ss = reinterpret_cast<float *>(Vs + 64 * LDH);
+  __half *Ps = reinterpret_cast<__half *>(Ss + 64 * LDS);
+  float *Os = reinterpret_cast<float *>(Ps + 64 * LDP);
+  float *Ms = Os + 64 * LDO;
+  float *Ls = Ms + 64;
+  const int i0 = blockIdx.x * FA_BQ, h = blockIdx.y, split = blockIdx.z;
+  const int kvh = h / (n_head / n_kv);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int total = length + n;
+  for (int idx = tid; idx < FA_BQ * HD; idx += 128) {
+    const int r = idx / HD, d = idx % HD, i = i0 + r;
+    Qs[r * LDH + d] = __float2half(i < n ? q[((long long)i * n_head + h) * HD + d] * scale : 0.f);
+  }
+  for (int idx = tid; idx < 64 * LDO; idx += 128) Os[idx] = 0.f;
+  if (tid < 64) { Ms[tid] = -INFINITY; Ls[tid] = 0.f; }
+  const int q_last = length + min(n, i0 + FA_BQ) - 1;
+  const int t_beg = split * tiles_per_split * FA_BK;
+  const int t_end = min(q_last + 1, t_beg + tiles_per_split * FA_BK);
+  for (int t0 = t_beg; t0 < t_end; t0 += FA_BK) {
+    __syncthreads();
+    constexpr int CH = HD / 8;
+    for (int idx = tid; idx < FA_BK * CH; idx += 128) {
+      const int r = idx / CH, c = idx % CH, p = t0 + r;
+      uint4 kk = make_uint4(0, 0, 0, 0), vv = kk;
+      if (p < total) {
+        const long long base = (((long long)pt[p / ps] * ps + (p % ps)) * n_kv + kvh) * HD + 8 * c;
+        kk = *reinterpret_cast<const uint4 *>(kc + base);
+        vv = *reinterpret_cast<const uint4 *>(vc + base);
+      }
+      *reinterpret_cast<uint4 *>(Ks + r * LDH + 8 * c) = kk;
+      *reinterpret_cast<uint4 *>(Vs + r * LDH + 8 * c) = vv;
+    }
+    __syncthreads();
+    float *S = Ss + warp * 16 * LDS;
+#pragma unroll
+    for (int nt = 0; nt < FA_BK / 16; nt++) {
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+      wmma::fill_fragment(acc, 0.f);
+#pragma unroll
+      for (int k = 0; k < HD / 16; k++) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> a;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::col_major> b;
+        wmma::load_matrix_sync(a, Qs + warp * 16 * LDH + k * 16, LDH);
+        wmma::load_matrix_sync(b, Ks + nt * 16 * LDH + k * 16, LDH);
+        wmma::mma_sync(acc, a, b, acc);
+      }
+      wmma::store_matrix_sync(S + nt * 16, acc, LDS, wmma::mem_row_major);
+    }
+    __syncwarp();
+    {
+      const int r = lane >> 1, hf = lane & 1, row = warp * 16 + r;
+      const int qpos = length + i0 + row;
+      float *srow = S + r * LDS + hf * 32;
+      float mx = -INFINITY;
+#pragma unroll 8
+      for (int j = 0; j < 32; j++) {
+        const int p = t0 + hf * 32 + j;
+        const float v = (p <= qpos && p < total) ? srow[j] : -INFINITY;
+        srow[j] = v;
+        mx = fmaxf(mx, v);
+      }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      const float m_old = Ms[row], m_new = fmaxf(m_old, mx);
+      float sum = 0.f;
+      __half *prow = Ps + row * LDP + hf * 32;
+#pragma unroll 8
+      for (int j = 0; j < 32; j++) {
+        const float e = m_new == -INFINITY ? 0.f : __expf(srow[j] - m_new);
+        const __half eh = __float2half(e);
+        sum += __half2float(eh);
+        prow[j] = eh;
+      }
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      const float corr = m_old == -INFINITY ? 0.f : __expf(m_old - m_new);
+      float *orow = Os + row * LDO;
+      for (int d = hf; d < HD; d += 2) orow[d] *= corr;
+      __syncwarp();
+      if (hf == 0) { Ms[row] = m_new; Ls[row] = Ls[row] * corr + sum; }
+    }
+    __syncwarp();
+#pragma unroll
+    for (int dt = 0; dt < HD / 16; dt++) {
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+      float *o = Os + warp * 16 * LDO + dt * 16;
+      wmma::load_matrix_sync(acc, o, LDO, wmma::mem_row_major);
+#pragma unroll
+      for (int k = 0; k < FA_BK / 16; k++) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> a;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::row_major> b;
+        wmma::load_matrix_sync(a, Ps + warp * 16 * LDP + k * 16, LDP);
+        wmma::load_matrix_sync(b, Vs + k * 16 * LDH + dt * 16, LDH);
+        wmma::mma_sync(acc, a, b, acc);
+      }
+      wmma::store_matrix_sync(o, acc, LDO, wmma::mem_row_major);
+    }
+  }
+  __syncthreads();
+  for (int idx = tid; idx < FA_BQ * (HD + 2); idx += 128) {
+    const int r = idx / (HD + 2), c = idx % (HD + 2), i = i0 + r;
+    if (i >= n) continue;
+    float *dst = ws + (((long long)split * n_head + h) * n + i) * (HD + 2);
+    dst[c] = c == 0 ? Ms[r] : c == 1 ? Ls[r] : Os[r * LDO + c - 2];
+  }
 }
 
-extern "C" int strata_kv_gather_q8(void *stream, const void *kq, const void *vq, const void *ks, const void *vs,
-                                   const int *pt, float *ko, float *vo, int len, int n_kv, int hd, int ps) {
-  if (hd % 32 || len < 0) return (int)cudaErrorInvalidValue;
-  const long long total = (long long)n_kv * len * hd;
-  if (total == 0) return 0;
-  st_launch(k_kv_gather_q8, (unsigned)((total + 255) / 256), 256, 0, (cudaStream_t)stream, 
-      (const int8_t *)kq, (const int8_t *)vq, (const __half *)ks, (const __half *)vs, pt, ko, vo, len, n_kv, hd, ps);
+__global__ void k_flash_combine(const float *__restrict__ ws, float *__restrict__ out, int n, int n_head, int hd,
+                                int n_split) {
+  griddep_launch();
+  griddep_wait();
+  const int i = blockIdx.x, h = blockIdx.y;
+  const long long stride = (long long)n_head * n * (hd + 2);
+  const float *p = ws + ((long long)h * n + i) * (hd + 2);
+  float M = -INFINITY;
+  for (int s = 0; s < n_split; s++) M = fmaxf(M, p[s * stride]);
+  float L = 0.f;
+  for (int s = 0; s < n_split; s++) {
+    const float ms = p[s * stride];
+    if (ms > -INFINITY) L += p[s * stride + 1] * __expf(ms - M);
+  }
+  for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+    float acc = 0.f;
+    for (int s = 0; s < n_split; s++) {
+      const float ms = p[s * stride];
+      if (ms > -INFINITY) acc += p[s * stride + 2 + d] * __expf(ms - M);
+    }
+    out[((long long)i * n_head + h) * hd + d] = acc / L;
+  }
+}
+
+template <int HD>
+static int flash_launch(cudaStream_t s, const float *q, const __half *K, const __half *V, const int *pt, float *out,
+                        float *ws, int n, int n_head, int n_kv, int ps, int length, int n_split, float scale) {
+  const size_t smem = FaSmem<HD>::bytes;
+  cudaError_t e = cudaFuncSetAttribute(k_flash_prefill<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+  if (e != cudaSuccess) return (int)e;
+  const int n_tiles = (length + n + FA_BK - 1) / FA_BK;
+  const int tps = (n_tiles + n_split - 1) / n_split;
+  dim3 grid((n + FA_BQ - 1) / FA_BQ, n_head, n_split);
+  st_launch(k_flash_prefill<HD>, grid, 128, smem, s, q, K, V, pt, ws, n, n_head, n_kv, ps, length, tps, scale);
+  st_launch(k_flash_combine, dim3(n, n_head), HD, 0, s, ws, out, n, n_head, HD, n_split);
   return (int)cudaGetLastError();
 }
 
-template <int LP, int G, bool Q8, bool DB>
-__global__ void __launch_bounds__(32 * DA_WARPS) k_attn_decode_gqa(
-    const float *__restrict__ q, const void *__restrict__ kc, const void *__restrict__ vc,
-    const __half *__restrict__ ks, const __half *__restrict__ vs,
-    const int *__restrict__ pt, const int *__restrict__ d_len, int len_arg, float *__restrict__ ws,
-    unsigned *__restrict__ counters, float *__restrict__ out, int8_t *__restrict__ out_q8, int n_head, int n_kv,
-    int ps, int n_split, float scale) {
-  griddep_launch();
-  griddep_wait();
-  attn_gqa_block<LP, G, Q8, DB, false>(blockIdx.x, blockIdx.y, q, kc, vc, ks, vs, pt, d_len ? *d_len : len_arg, ws,
-                                       counters, out, out_q8, n_head, n_kv, ps, n_split, scale);
-}
-
-// Whether the GQA decode kernel issues the next iteration's K/V loads before this one's arithmetic (double
-// buffering): yes unless STRATA_CUDA_ATTN_DB=0/false/no/off (read per launch). The two variants hold different
-// registers (hd 128, 2 query heads per KV head: 157 vs 150; 1 head: 128 vs 71), so the occupancy query below asks
-// about the same one.
-static bool attn_db() {
-  const char *e = getenv("STRATA_CUDA_ATTN_DB");
-  return !(e && (!strcmp(e, "0") || !strcmp(e, "false") || !strcmp(e, "no") || !strcmp(e, "off")));
-}
-
-extern "C" int strata_attn_decode_gqa(void *stream, const float *q, const void *kc, const void *vc, const int *pt,
-                                      const int *d_len, int len, float *ws, unsigned *counters, float *out,
-                                      void *out_q8, int n_head, int n_kv, int hd, int ps, int n_split, float scale,
-                                      const void *k_scales, const void *v_scales) {
-  if (n_kv <= 0 || n_head % n_kv || n_split < 1 || n_split > DA_MAX_SPLIT || (n_split > 1 && !counters))
-    return (int)cudaErrorInvalidValue;
-  const int g = n_head / n_kv;
-  if (g > 8 || (!k_scales) != (!v_scales)) return (int)cudaErrorInvalidValue;
+extern "C" int strata_flash_prefill(void *stream, const float *q, const void *kc, const void *vc, const int *pt,
+                                    float *out, float *ws, int n, int n_head, int n_kv, int hd, int ps, int length,
+                                    int n_split, float scale) {
+  if (n <= 0 || n_head % n_kv || n_split < 1) return (int)cudaErrorInvalidValue;
   cudaStream_t s = (cudaStream_t)stream;
-  dim3 grid(n_kv, n_split);
-  const __half *KS = (const __half *)k_scales, *VS = (const __half *)v_scales;
-  int8_t *oq = (int8_t *)out_q8;
-  const bool db = attn_db();
-#define DG(LP, GG, Q) { if (db) DGD(LP, GG, Q, true); else DGD(LP, GG, Q, false); }
-#define DGD(LP, GG, Q, D) st_launch(k_attn_decode_gqa<LP, GG, Q, D>, grid, 32 * DA_WARPS, 0, s, q, kc, vc, KS, VS, pt, d_len, len, ws, counters, out, oq, n_head, n_kv, ps, n_split, scale)
-#define DGQ(LP, GG) { if (KS) DG(LP, GG, true) else DG(LP, GG, false) }
-#define DGG(LP) \
-  if (g == 1) { DGQ(LP, 1) } else if (g == 2) { DGQ(LP, 2) } else if (g <= 4) { DGQ(LP, 4) } else { DGQ(LP, 8) }
+  const __half *K = (const __half *)kc, *V = (const __half *)vc;
   switch (hd) {
-    case 32: DGG(4); break;
-    case 64: DGG(8); break;
-    case 128: DGG(16); break;
-    case 256: DGG(32); break;
-    default: return (int)cudaErrorInvalidValue;
+    case 64: return flash_launch<64>(s, q, K, V, pt, out, ws, n, n_head, n_kv, ps, length, n_split, scale);
+    case 128: return flash_launch<128>(s, q, K, V, pt, out, ws, n, n_head, n_kv, ps, length, n_split, scale);
   }
-#undef DGG
-#undef DGQ
-#undef DG
-#undef DGD
-  return (int)cudaGetLastError();
-}
-
-// Blocks of k_attn_decode_gqa resident per multiprocessor for this head size / group / cache type and the current
-// STRATA_CUDA_ATTN_DB (the kernel the launcher picks; its registers decide: 157 per thread for hd 128 with 2 query
-// heads per KV head, 2-3 blocks on the H200), or a negative cudaError_t. The decode plans cap n_split so that the
-// grid (n_kv x n_split) fits in one wave.
-extern "C" int strata_attn_decode_gqa_occupancy(int hd, int g, int q8) {
-  int n = 0;
-  cudaError_t e = cudaErrorInvalidValue;
-  const bool db = attn_db();
-#define OCD(LP, GG, Q, D) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k_attn_decode_gqa<LP, GG, Q, D>, 32 * DA_WARPS, 0)
-#define OC(LP, GG, Q) { if (db) OCD(LP, GG, Q, true); else OCD(LP, GG, Q, false); }
-#define OCQ(LP, GG) { if (q8) OC(LP, GG, true) else OC(LP, GG, false) }
-#define OCG(LP) \
-  if (g == 1) OCQ(LP, 1) else if (g == 2) OCQ(LP, 2) else if (g <= 4) OCQ(LP, 4) else if (g <= 8) OCQ(LP, 8)
-  switch (hd) {
-    case 32: OCG(4); break;
-    case 64: OCG(8); break;
-    case 128: OCG(16); break;
-    case 256: OCG(32); break;
-  }
-#undef OCG
-#undef OCQ
-#undef OC
-#undef OCD
-  return e == cudaSuccess ? n : -(int)e;
+  return (int)cudaErrorInvalidValue;
 }
 
 // ---------------------------------------------------------------- prefill attention: FlashAttention-2 on mma.sync
