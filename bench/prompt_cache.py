@@ -125,22 +125,26 @@ class DaemonClient:
                    PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
         self.proc = subprocess.Popen(cmd, env=env)
         base = f"http://127.0.0.1:{port}"
+        self.wait_healthy(base, cmd, "the daemon")
+        self.client = openai.OpenAI(base_url=base + "/v1", api_key="none", timeout=3600, max_retries=0)
+        self.model = self.client.models.list().data[0].id
+
+    def wait_healthy(self, base: str, cmd: list, what: str) -> None:
+        """Wait (up to 600 s) until the server started as self.proc answers /health with 200."""
         deadline = time.monotonic() + 600
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the daemon exited with {self.proc.returncode}: {' '.join(cmd)}")
+                raise RuntimeError(f"{what} exited with {self.proc.returncode}: {' '.join(cmd)}")
             try:
                 with urllib.request.urlopen(base + "/health", timeout=5) as r:
                     if r.status == 200:
-                        break
+                        return
             except OSError:
                 pass
             if time.monotonic() > deadline:
                 self.close()
-                raise RuntimeError("the daemon did not become healthy in 600 s")
+                raise RuntimeError(f"{what} did not become healthy in 600 s")
             time.sleep(0.5)
-        self.client = openai.OpenAI(base_url=base + "/v1", api_key="none", timeout=3600, max_retries=0)
-        self.model = self.client.models.list().data[0].id
 
     def step(self, msgs, max_tokens: int) -> tuple[str, dict]:
         t0 = time.monotonic()
@@ -199,20 +203,7 @@ class LlamaServerClient(DaemonClient):
         self.cmd = cmd
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 600
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self.proc.returncode}: {' '.join(cmd)}")
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                self.close()
-                raise RuntimeError("llama-server did not become healthy in 600 s")
-            time.sleep(0.5)
+        self.wait_healthy(base, cmd, "llama-server")
         self.client = openai.OpenAI(base_url=base + "/v1", api_key="none", timeout=3600, max_retries=0)
         self.model = "model"
 

@@ -13,7 +13,10 @@
 #   bench/stage_link.py (main and worker as two processes on cuda:0), and the GPU remote-stage test.
 # Stage E (carry .dev/B): the grammar tests (the token mask on device logits), bench/constrained.py on the default
 #   model and the synthetic 1.7B llama, and park_session's 16K / 64K rows again.
-stage=${1:?A, B, C, D or E}
+# Issue 20's check (after A and the model join): T and U the whole GPU test set, G greedy tokens before / after on
+#   the default model and the synthetic 1.7B llama / 1.5B hybrid, C the throughput A/B; F issue 23's later turns on
+#   the H200 beside llama-server and issue 24's constraint cost.
+stage=${1:?A, J (model parts), B, C, D, E, T, U, G or F}
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/parts
 if [ "$stage" = A ]; then
@@ -23,7 +26,8 @@ if [ "$stage" = A ]; then
   [ -n "$NO_LLAMA" ] || setsid nohup bash -c 'cmake -S /tmp/lcsrc/llama.cpp -B /tmp/lb -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_CURL=OFF \
     -DCMAKE_BUILD_TYPE=Release > /tmp/lc_build.log 2>&1 && cmake --build /tmp/lb -j 8 --target llama-bench \
-    >> /tmp/lc_build.log 2>&1; echo done >> /tmp/lc_build.log' > /dev/null 2>&1 &
+    >> /tmp/lc_build.log 2>&1; cmake --build /tmp/lb -j 8 --target llama-server >> /tmp/lc_build.log 2>&1; \
+    echo done >> /tmp/lc_build.log' > /dev/null 2>&1 &
   rm -rf /tmp/before && tar xzf .dev/A/before.tar.gz -C /tmp
   export PYTHONPATH=/tmp/site
   nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpu.txt"
@@ -40,13 +44,53 @@ fi
 export PYTHONPATH=/tmp/site:$PWD
 [ -f strata/_cuda_kernels.so ] || cp /tmp/built/* strata/ 2>/dev/null
 M=SmolLM2-135M-Instruct.Q4_1.gguf
-if [ ! -f /tmp/model/$M ]; then
-  cp .dev/B/parts/* /tmp/parts/ 2>/dev/null
-  bash .dev/B/join.sh /tmp/parts $M /tmp/model || { echo "MODEL JOIN FAILED (fresh machine?)"; exit 3; }
+if [ ! -f /tmp/model/$M ]; then      # the parts come in .dev/B, or in .dev/B1 then .dev/B2 (the carry limit)
+  for b in B B1 B2; do cp .dev/$b/parts/* /tmp/parts/ 2>/dev/null; cp .dev/$b/join.sh /tmp/join.sh 2>/dev/null; done
+  if [ "$stage" = J ] && [ ! -f /tmp/parts/$M.part-ac ]; then echo "parts so far: $(ls /tmp/parts | tr '\n' ' ')"; exit 0; fi
+  bash /tmp/join.sh /tmp/parts $M /tmp/model || { echo "MODEL JOIN FAILED (fresh machine?)"; exit 3; }
 fi
+[ "$stage" = J ] && { ls -la /tmp/model; exit 0; }
 export STRATA_DEFAULT_MODEL=/tmp/model/$M
 t() { timeout "$1" python3 -m pytest -q -rs -p timeout --timeout 240 --timeout-method thread "${@:2}" 2>&1 \
         | grep -vE "it/s\]" | grep -E "passed|failed|FAILED|Error|Timeout|assert|split|^E " | tail -25; }
+if [ "$stage" = T ]; then     # issue 20: the whole GPU test set on this tree
+  t 280 tests/test_cuda_kernels.py tests/test_cuda_declarations.py tests/test_cuda_policy.py tests/test_cuda_device_errors.py \
+    tests/test_gdn_prefill_kernels.py tests/test_cuda_hybrid.py | tee "$OUT/t_kernels.log"
+  t 280 tests/test_cuda_parity.py tests/test_cuda_qwen35.py tests/test_cuda_stages.py | tee "$OUT/t_plans.log"
+  exit 0
+fi
+if [ "$stage" = U ]; then     # the rest of the GPU set: device sampling, grammar on device logits, serve on cuda
+  t 250 tests/test_device_sampling.py tests/test_grammar.py | tee "$OUT/t_sampling.log"
+  t 120 tests/test_serve.py -k "cuda" | tee "$OUT/t_serve.log"
+  tail -2 /tmp/lc_build.log
+  exit 0
+fi
+if [ "$stage" = G ]; then     # issue 20: greedy tokens before / after on the same files
+  cp tools/greedy_tokens.py /tmp/before/tools/greedy_tokens.py
+  for tree in before after; do
+    dir=$PWD; [ $tree = before ] && dir=/tmp/before
+    (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout 250 python3 tools/greedy_tokens.py --dir /tmp/gm \
+      $STRATA_DEFAULT_MODEL syn_llama_1_7b syn_hybrid_1_5b 2>&1 | grep '^{' > "$OUT/greedy_$tree.jsonl")
+  done
+  python3 - "$OUT" <<'PY'
+import json, sys
+out = sys.argv[1]
+rows = {t: {r["model"]: r for r in map(json.loads, open(f"{out}/greedy_{t}.jsonl"))} for t in ("before", "after")}
+for m in rows["after"]:
+    a, b = rows["after"][m], rows["before"].get(m)
+    print(m, a["runner"], "identical" if b and a["tokens"] == b["tokens"] else f"DIFFER before={b and b['tokens'][:12]} after={a['tokens'][:12]}")
+PY
+  exit 0
+fi
+if [ "$stage" = F ]; then     # issue 23 (later turns on the H200, llama-server beside) and 24 (constraint cost)
+  LS=""; [ -x /tmp/lb/bin/llama-server ] && LS="--llama-server /tmp/lb/bin/llama-server"
+  echo "llama-server: ${LS:-not built}"
+  timeout 330 python3 bench/prompt_cache.py --e2e --device cuda --synthetic hybrid_1_5b --sizes ${PC_SIZES:-4096 16384 65536} \
+    $LS --label h200 --out "$OUT/prompt_cache_e2e_cuda.json" 2>&1 | grep -vE "it/s|^\s*$" | tail -40
+  timeout 200 python3 bench/constrained.py --device cuda --skip-libraries --model default --synthetic-1_7b \
+    --out "$OUT/constrained_cuda.json" 2>&1 | grep -vE "it/s|^\s*$" | tail -8
+  exit 0
+fi
 if [ "$stage" = B ]; then
   t 200 -s tests/test_cuda_stages.py | tee "$OUT/t_stages.log"
   t 200 tests/test_cuda_parity.py tests/test_cuda_device_errors.py | tee "$OUT/t_parity.log"
