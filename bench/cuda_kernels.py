@@ -4,8 +4,7 @@ Decode matvec: achieved weight bandwidth of each variant (f32-activation kernel,
 warp-per-row int8 kernel with 1/2/4 rows per warp) over the measured device copy bandwidth, on the matrix shapes of the
 default model and of the synthetic 1.7B llama of bench/gpu_throughput.py. Decode attention: v1 (per-head split-K +
 combine) vs v2 (GQA-shared, self-merging) in microseconds and KV bandwidth, v2 with and without the one-wave cap on
-its split, and v2 over a sweep of n_split. Prefill attention: v1 (wmma) vs v2
-(FlashAttention-2, mma.sync) in TFLOP/s (causal flops 2 * 2 * n * (length + n/2) * hd * n_head). Gated DeltaNet
+its split, and v2 over a sweep of n_split. Prefill attention: FlashAttention-2 (mma.sync) in TFLOP/s (causal flops 2 * 2 * n * (length + n/2) * hd * n_head). Gated DeltaNet
 prefill (ubatch of 512 tokens): the delta rule's block kernel vs the warp kernel, and the causal conv (``--only-gdn``
 runs just this section; ``--only-attn-decode`` the decode attention, with its n_split sweep).
 Every time is per launch inside a CUDA graph of 20 launches (median of 20 replays, CUDA events), rotating over enough
@@ -248,7 +247,7 @@ def main(argv=None) -> int:
 
     # prefill attention (n = 512 queries after `length` cached positions)
     ps = 16
-    print(f"\n{'attn prefill':30s} {'v1 ms':>8s} {'v2 ms':>8s} {'v2 TFLOP/s':>10s}")
+    print(f"\n{'attn prefill':30s} {'v2 ms':>8s} {'v2 TFLOP/s':>10s}")
     for H, KV, hd in ((9, 3, 64), (16, 8, 128)):
         for length in (0, 3584, 15872):
             n = 512
@@ -260,21 +259,15 @@ def main(argv=None) -> int:
             q = cp.asarray(rng.standard_normal((n, H, hd)).astype(np.float32))
             out = cp.empty((n, H, hd), cp.float32)
             sc = 1 / np.sqrt(hd)
-            n_tiles = (L + 63) // 64
-            blocks = ((n + 63) // 64) * H
-            s1 = max(1, min(32, -(-1024 // blocks), -(-n_tiles // 4)))
-            ws1 = cp.empty(s1 * H * n * (hd + 2), cp.float32)
             s2 = S.fa2_splits(n, H, L, be.n_sm)
             ws2 = cp.empty(s2 * H * n * (hd + 2), cp.float32)
-            t1 = timeit(cp, lambda: lib.strata_flash_prefill(s(), K.ptr(q), K.ptr(kc), K.ptr(vc), K.ptr(pt), K.ptr(out),
-                                                             K.ptr(ws1), n, H, KV, hd, ps, length, s1, sc), per_graph=4)
             t2 = timeit(cp, lambda: lib.strata_fa2_prefill(s(), K.ptr(q), H * hd, K.ptr(kc), K.ptr(vc), K.ptr(pt),
                                                            K.ptr(out), ffi.NULL, K.ptr(ws2), n, H, KV, hd, ps, length,
                                                            s2, sc, ffi.NULL, ffi.NULL), per_graph=4)
             flops = 4.0 * n * (length + n / 2) * hd * H
-            res["attn_prefill"].append({"H": H, "KV": KV, "hd": hd, "n": n, "length": length, "v1_ms": t1 * 1e3,
+            res["attn_prefill"].append({"H": H, "KV": KV, "hd": hd, "n": n, "length": length,
                                         "v2_ms": t2 * 1e3, "v2_tflops": flops / t2 / 1e12, "n_split_v2": s2})
-            print(f"H{H} KV{KV} hd{hd} n{n} len{length:6d} split{s2:3d} {t1 * 1e3:8.3f} {t2 * 1e3:8.3f} "
+            print(f"H{H} KV{KV} hd{hd} n{n} len{length:6d} split{s2:3d} {t2 * 1e3:8.3f} "
                   f"{flops / t2 / 1e12:10.1f}", flush=True)
     dest = Path(a.out) if a.out else ROOT / "bench" / "results" / f"cuda_kernels_{gpu.replace(' ', '_')}.json"
     dest.parent.mkdir(parents=True, exist_ok=True)

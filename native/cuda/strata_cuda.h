@@ -207,13 +207,7 @@ int strata_attn_decode_gqa(void *stream, const float *q, const void *k_cache, co
  * unsupported shape. */
 int strata_attn_decode_gqa_occupancy(int hd, int g, int q8);
 
-/* ---------------- attn_prefill.cu: prefill attention (causal softmax, wmma flash, FlashAttention-2) */
-/* Prefill attention, tiled flash-style (f16 wmma, online softmax), causal GQA over the paged f16 cache: q f32
- * (n, n_head, hd) at positions length..length+n-1 (K/V of those already written) -> out f32 (n, n_head, hd).
- * ws: f32 workspace of n_split * n_head * n * (hd + 2) (per key-range split: m, l, O per row). hd 64 or 128. */
-int strata_flash_prefill(void *stream, const float *q, const void *kc, const void *vc, const int *pt, float *out,
-                         float *ws, int n, int n_head, int n_kv, int hd, int ps, int length, int n_split, float scale);
-
+/* ---------------- attn_prefill.cu: prefill attention (causal softmax, FlashAttention-2) */
 /* Causal softmax in place over rows of s f32 (n_rows_total, len): row r belongs to query i = r % n_q at
  * absolute position pos0 + i; keys j > pos0 + i are masked. s is scaled by scale first. */
 int strata_causal_softmax(void *stream, float *s, int n_rows_total, int n_q, int len, int pos0, float scale);
