@@ -33,7 +33,7 @@ class LlamaCuda(DecodePlan):
     scaling, a head_dim that is not 32/64/128/256, more than 8 query heads per KV head.
     """
 
-    def __init__(self, model, pool, use_graphs: bool | None = True, lo: int = 0, hi: int | None = None):
+    def __init__(self, model, pool, use_graphs: bool | None = None, lo: int = 0, hi: int | None = None):
         super().__init__(model, pool, use_graphs, lo, hi)
         cp, E = self.cp, self.n_embd
         self.neox = int(bool(model.config.rope_neox))
