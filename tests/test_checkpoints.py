@@ -442,16 +442,31 @@ def _fresh(e):
     e.state_reset()
 
 
-def _ask(e, messages, *, sampling=None, **kw):
-    """One chat request -> (token ids, text, FinalEvent)."""
+def _ask(e, messages, *, sampling=None, top=None, **kw):
+    """One chat request -> (token ids, text, FinalEvent); with a list `top`, each token's top-5 logprobs
+    ({id: logprob}) are appended to it."""
     from strata.engine import GenerationRequest
     from strata.sampling import SamplingParams
     r = e.render_chat(messages)
     req = GenerationRequest(r.tokens, r.cut_points, sampling or SamplingParams(temperature=0.0),
-                            max_tokens=MAX_TOKENS, **kw)
+                            max_tokens=MAX_TOKENS, logprobs=5 if top is not None else None, **kw)
     evs = list(e.generate(req))
     final = evs[-1]
+    if top is not None:
+        top.extend({i: lp for i, _, lp in (x.top_logprobs or [])} for x in evs[:-1])
     return [x.token_id for x in evs[:-1]], "".join(x.text for x in evs[:-1]) + final.text, final, r
+
+
+def assert_same_or_near_tie(ta, tb, pa, pb):
+    """Two answers to one prompt whose reads split differently: identical, or parting at a near tie (each run's
+    choice wins by < 1 nat in its own logprobs) with neither ending early."""
+    if ta == tb:
+        return
+    i = next(i for i, (x, y) in enumerate(zip(ta + [-1], tb + [-1])) if x != y)
+    assert i < min(len(ta), len(tb)), "one answer ended early: not a rounding flip"
+    gap_a = pa[i][ta[i]] - pa[i].get(tb[i], float("-inf"))
+    gap_b = pb[i][tb[i]] - pb[i].get(ta[i], float("-inf"))
+    assert gap_a < 1.0 and gap_b < 1.0, f"token {i}: {ta[i]} vs {tb[i]} is not a near tie"
 
 
 def _play(e, chats, prompts=None):
@@ -487,21 +502,30 @@ def test_exactness_same_request_twice(engine, sampling):
     _fresh(engine)
     sp = SamplingParams(temperature=0.0) if sampling == "greedy" else SamplingParams(temperature=0.9, seed=1234)
     msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Tell me about rivers."}]
-    t1, s1, f1, r = _ask(engine, msgs, sampling=sp)
+    p1, p2 = [], []
+    t1, s1, f1, r = _ask(engine, msgs, sampling=sp, top=p1)
     h1 = engine.state_hashes()
-    t2, s2, f2, _ = _ask(engine, msgs, sampling=sp)
+    t2, s2, f2, _ = _ask(engine, msgs, sampling=sp, top=p2)
     h2 = engine.state_hashes()
     turn = [c.pos for c in r.cut_points if c.kind == "turn"][0]
     assert f1.strata["resume_from"] == "none"
     n = len(r.tokens)
-    if engine.arch == "llama":      # attention-only: the K/V cut back to the common prefix, one token read
+    cut_back = engine.arch == "llama"
+    if cut_back:      # attention-only: the K/V cut back to the common prefix, one token read
         assert (f2.strata["resume_from"], f2.strata["resume_pos"]) == ("live", n - 1)
         assert f2.strata["parts"] == [(n - 1, n)] and f2.timings["cache_n"] == n - 1
-    else:                           # hybrid: the deepest checkpoint
+    else:             # hybrid: the deepest checkpoint, the same parts as the first read after it
         assert (f2.strata["resume_from"], f2.strata["resume_pos"]) == ("checkpoint", turn)
         assert f2.strata["parts"] == [(turn, n)] and f2.timings["cache_n"] == turn
-    assert t1 == t2 and s1.encode() == s2.encode() and len(t1) > 0
-    assert h1 == h2
+    assert len(t1) > 0
+    if engine.device == "cpu" or not cut_back:
+        # the CPU kernels give the same bits for any split of tokens into calls; a GPU re-reads the same parts
+        assert t1 == t2 and s1.encode() == s2.encode()
+        assert h1 == h2                                        # same tokens, same K/V bits
+    else:
+        # on a GPU the one token read at n - 1 goes through the decode kernels, not the prefill GEMMs: the same
+        # answer unless a near tie parts them (seeded sampling: the draw can follow a near tie too)
+        assert_same_or_near_tie(t1, t2, p1, p2)
 
 
 def test_replay_two_chats_share_the_root_and_match_prompt_cache_0(engine, engine_nocache):
@@ -533,12 +557,8 @@ def test_replay_two_chats_share_the_root_and_match_prompt_cache_0(engine, engine
         assert ra.tokens == rb.tokens
         if exact:
             assert ta == tb
-        elif ta != tb:
-            i = next(i for i, (x, y) in enumerate(zip(ta + [-1], tb + [-1])) if x != y)
-            assert i < min(len(ta), len(tb)), "one answer ended early: not a rounding flip"
-            gap_a = pa[i][ta[i]] - pa[i].get(tb[i], float("-inf"))
-            gap_b = pb[i][tb[i]] - pb[i].get(ta[i], float("-inf"))
-            assert gap_a < 1.0 and gap_b < 1.0, f"token {i}: {ta[i]} vs {tb[i]} is not a near tie"
+        else:
+            assert_same_or_near_tie(ta, tb, pa, pb)
     # without checkpoints a new chat reads from 0 on a hybrid; an attention-only model cuts back to the common prefix
     assert plain[4][1].strata["resume_from"] == ("live" if engine.arch == "llama" else "none")
 

@@ -6,7 +6,7 @@ import pytest
 from strata.backend import cuda as C
 from strata.backend.cuda import library as KL
 from strata.backend.cuda import settings as S
-from strata.backend.cuda import weights as W
+from strata.backend.cuda import weights as CW
 
 _why = C.unavailable_reason()
 pytestmark = pytest.mark.skipif(_why is not None, reason=f"CUDA backend unavailable: {_why}")
@@ -60,7 +60,7 @@ def test_matvec_matches_gguf_dequant(be, cp, t, n_tokens):
     raw = random_blocks(t, n_out, n_in, rng)
     W = ref_dequant(raw, t, n_out, n_in)
     x = rng.standard_normal((n_tokens, n_in)).astype(np.float32)
-    w = W.upload_raw("w", int(t), (n_out, n_in), raw)
+    w = CW.upload_raw("w", int(t), (n_out, n_in), raw)
     y = cp.full((n_tokens, n_out), cp.nan, cp.float32)
     be.matmul(cp.asarray(x), w, out=y)
     # one token goes through the int8-activation (dp4a) kernel: its exact reference is W times x rounded to q8_1
@@ -101,7 +101,7 @@ def test_matvec_dp4a_int8_activations(be, cp, t, monkeypatch):
     ds = xq[n_in:].view(np.float32).reshape(-1, 2)
     assert np.array_equal(ds[:, 0], d)
     np.testing.assert_allclose(ds[:, 1], d * q.astype(np.float32).sum(axis=1), rtol=1e-6)
-    w = W.upload_raw("w", int(t), (n_out, n_in), raw)
+    w = CW.upload_raw("w", int(t), (n_out, n_in), raw)
     monkeypatch.setattr(S, "DP4A", True)
     y = cp.asnumpy(be.matmul(cp.asarray(x), w))
     assert rel(y, q8_1_dequant(x) @ W.T) < 1e-5
@@ -123,7 +123,7 @@ def test_dequant_f32_and_f16(be, cp, t):
     else:
         raw = random_blocks(t, n_out, n_in, rng)
         W = ref_dequant(raw, t, n_out, n_in)
-    w = W.upload_raw("w", int(t), (n_out, n_in), raw)
+    w = CW.upload_raw("w", int(t), (n_out, n_in), raw)
     lib = KL.lib()
     for f16 in (0, 1):
         out = cp.full((n_out, n_in), cp.nan, cp.float16 if f16 else cp.float32)
@@ -144,7 +144,7 @@ def test_gemm_prefill_path(be, cp):
     raw = random_blocks(Q.Q4_K, n_out, n_in, rng)
     W = ref_dequant(raw, Q.Q4_K, n_out, n_in)
     x = rng.standard_normal((n, n_in)).astype(np.float32)
-    y = be.matmul(cp.asarray(x), W.upload_raw("w", int(Q.Q4_K), (n_out, n_in), raw))
+    y = be.matmul(cp.asarray(x), CW.upload_raw("w", int(Q.Q4_K), (n_out, n_in), raw))
     # f16 operands, f32 accumulation: relative error ~1e-3
     assert rel(cp.asnumpy(y), x.astype(np.float64) @ W.T) < 3e-3
 
@@ -278,7 +278,7 @@ def test_argmax(cp):
 
 def test_bad_type_is_rejected():
     with pytest.raises(ValueError, match="not supported"):
-        W.upload_raw("w", 6, (4, 32), np.zeros((4, 22), np.uint8))   # Q5_0: not implemented
+        CW.upload_raw("w", 6, (4, 32), np.zeros((4, 22), np.uint8))   # Q5_0: not implemented
 
 
 @pytest.mark.parametrize("n_rot", [64, 32])
@@ -317,7 +317,7 @@ def test_matvec_q8w_rope_equals_matvec_then_rope_kv(cp, t, rows, H, KV, hd, n_ro
     n_in, ps, n_pages, p = 512, 16, 6, 21
     n_out = (H + 2 * KV) * hd
     raw = random_blocks(t, n_out, n_in, rng)
-    w = W.upload_raw("w", int(t), (n_out, n_in), raw)
+    w = CW.upload_raw("w", int(t), (n_out, n_in), raw)
     xq = _q8(cp, rng.standard_normal(n_in).astype(np.float32))
     table = cp.asarray(rng.permutation(n_pages).astype(np.int32))
     pos = cp.asarray([p], dtype=cp.int32)
@@ -351,8 +351,8 @@ def test_fused_norm_matvecs_match_norm_then_matvec(cp, E, with_delta):
     H, KV, hd, F, ps, p = 4, 2, 64, 256, 16, 5
     n_out = (H + 2 * KV) * hd
     t = Q.Q4_K if E % 256 == 0 else Q.Q4_1     # SmolLM2's width (576) with its type
-    wq = W.upload_raw("wqkv", int(t), (n_out, E), random_blocks(t, n_out, E, rng))
-    wg = W.upload_raw("wgu", int(t), (2 * F, E), random_blocks(t, 2 * F, E, rng))
+    wq = CW.upload_raw("wqkv", int(t), (n_out, E), random_blocks(t, n_out, E, rng))
+    wg = CW.upload_raw("wgu", int(t), (2 * F, E), random_blocks(t, 2 * F, E, rng))
     x, dl, nw = (cp.asarray(rng.standard_normal(E).astype(np.float32)) for _ in range(3))
     delta = dl if with_delta else None
     x0 = cp.asnumpy(x)
@@ -398,7 +398,7 @@ def test_norm_handoff(cp, E, t, block, rows):
     rng = np.random.default_rng(E + 7 * block + rows)
     n_in, F, H, KV, hd, ps, p, eps = 1024, 256, 4, 2, 64, 16, 5, 1e-5
     lb, s, N = KL.lib(), KL.stream_ptr(), KL.ffi().NULL
-    w = W.upload_raw("w", int(t), (E, n_in), random_blocks(t, E, n_in, rng))
+    w = CW.upload_raw("w", int(t), (E, n_in), random_blocks(t, E, n_in, rng))
     xq_in = _q8(cp, rng.standard_normal(n_in).astype(np.float32))
     x0 = rng.standard_normal(E).astype(np.float32)
     nw = rng.standard_normal(E).astype(np.float32)
@@ -432,8 +432,8 @@ def test_norm_handoff(cp, E, t, block, rows):
     r = 1.0 / np.sqrt(np.float64(want_ss.sum()) / E + eps)
     n_out = (H + 2 * KV) * hd
     tq = Q.Q4_K if E % 256 == 0 else Q.Q4_1
-    wq = W.upload_raw("wqkv", int(tq), (n_out, E), random_blocks(tq, n_out, E, rng))
-    wg = W.upload_raw("wgu", int(tq), (2 * F, E), random_blocks(tq, 2 * F, E, rng))
+    wq = CW.upload_raw("wqkv", int(tq), (n_out, E), random_blocks(tq, n_out, E, rng))
+    wg = CW.upload_raw("wgu", int(tq), (2 * F, E), random_blocks(tq, 2 * F, E, rng))
     table, pos = cp.arange(4, dtype=cp.int32), cp.asarray([p], dtype=cp.int32)
     kc, vc = (cp.zeros((4, ps, KV, hd), cp.float16) for _ in range(2))
     qkv, plain = cp.zeros(n_out, cp.float32), cp.zeros(n_out, cp.float32)
@@ -587,7 +587,7 @@ def test_matvec_q8_decode_kernels(cp, t, rows, kind, n_in):
     raw = random_blocks(t, n_out, n_in, rng)
     W = ref_dequant(raw, t, n_out, n_in)
     x = rng.standard_normal(n_in).astype(np.float32)
-    w = W.upload_raw("w", int(t), (n_out, n_in), raw)
+    w = CW.upload_raw("w", int(t), (n_out, n_in), raw)
     y = cp.full(n_out, cp.nan, cp.float32)
     fn = getattr(KL.lib(), f"strata_matvec_{kind}")
     KL.check(fn(KL.stream_ptr(), int(t), KL.ptr(w.data), KL.ptr(_q8(cp, x)), KL.ptr(y), n_out, n_in, rows), kind)
@@ -608,14 +608,14 @@ def test_matvec_q8w_glu(cp, t, rp, fused):
     W = ref_dequant(raw, t, 2 * F, n_in)
     x = rng.standard_normal(n_in).astype(np.float32)
     xq = _q8(cp, x)
-    wgu = W.upload_raw("gu", int(t), (2 * F, n_in), raw)
+    wgu = CW.upload_raw("gu", int(t), (2 * F, n_in), raw)
     if fused:
         gp = wgu.data.data.ptr
         up = gp + F * wgu.data.shape[1]
         keep = ()
     else:
-        wg = W.upload_raw("g", int(t), (F, n_in), raw[:F].copy())
-        wu = W.upload_raw("u", int(t), (F, n_in), raw[F:].copy())
+        wg = CW.upload_raw("g", int(t), (F, n_in), raw[:F].copy())
+        wu = CW.upload_raw("u", int(t), (F, n_in), raw[F:].copy())
         gp, up, keep = wg.data.data.ptr, wu.data.data.ptr, (wg, wu)
     act = cp.full(F, cp.nan, cp.float32)
     aq = cp.zeros(F + F // 4, cp.uint8)

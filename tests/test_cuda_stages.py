@@ -31,7 +31,8 @@ def _conversation(engine):
     h1 = engine.state_hashes()
     t2, f2 = _greedy(engine, CHAT)
     h2 = engine.state_hashes()
-    assert (f1.strata["resume_from"], f2.strata["resume_from"]) == ("none", "checkpoint")
+    again = "live" if engine.arch == "llama" else "checkpoint"     # attention-only: cut back to the common prefix
+    assert (f1.strata["resume_from"], f2.strata["resume_from"]) == ("none", again)
     return [(t1, h1), (t2, h2)]
 
 
@@ -64,7 +65,9 @@ def test_default_model_split_on_one_gpu_same_tokens_and_hashes(default_runs):
         assert all(isinstance(st.runner, LL.LlamaPlanModel) for st in e.stages), s   # every carve on the plans
         assert all(st.runner.plans for st in e.stages), s
     base = runs[None]
-    assert base[0][0] == base[1][0]
+    # (the resend reads one token through the decode kernels: its answer equals the first one unless a near tie
+    # parts them, which test_cuda_parity's exactness test checks with logprobs; here every split must match one
+    # stage on both requests)
     for s in ("15", "8,20"):
         for (t, h), (tb, hb) in zip(runs[s], base):
             print(f"split {s}: tokens {t[:10]} differing hashes {_differing(h, hb)[:8]}")
@@ -114,7 +117,8 @@ def test_hybrid_split_on_one_gpu_same_tokens_and_hashes(hybrid_path):
 def test_remote_stage_worker_on_the_same_gpu(default_runs):
     """Main (layers 0-14, the head) and a `strata worker` process (layers 15-29) on cuda:0 over loopback: the same
     greedy tokens as one process wherever the one-process run's top-2 margin is not a near tie (the main's head
-    runs as backend ops, not the plan's fused head), checkpoints resumed across the link."""
+    runs as backend ops, not the plan's fused head); the resend cut back across the link (a Commit), checkpoints
+    saved on the worker."""
     from strata.default_model import default_model_path
     from strata.engine import Engine
     from tests.test_remote_stage import WorkerProc
@@ -127,19 +131,19 @@ def test_remote_stage_worker_on_the_same_gpu(default_runs):
         e.clear_checkpoints()
         t1, f1 = _greedy(e, CHAT)
         t2, f2 = _greedy(e, CHAT)
-        assert (f1.strata["resume_from"], f2.strata["resume_from"]) == ("none", "checkpoint")
-        assert t1 == t2
+        # attention-only: the resend cuts the K/V back (a Commit over the link) and reads the last prompt token
+        assert (f1.strata["resume_from"], f2.strata["resume_from"]) == ("none", "live")
         ref = runs[None][0][0]
-        if t1 != ref:
-            one = engines[None]
-            r = one.render_chat(CHAT)
+        one = engines[None]
+        r = one.render_chat(CHAT)
 
-            def logits_after(prefix):
-                one.clear_checkpoints()
-                one.state_reset()
-                return np.asarray(one.seq.forward(np.asarray(list(r.tokens) + list(prefix), np.int32)))
-            from tests.cuda_marks import assert_parts_at_near_tie
-            assert_parts_at_near_tie(t1, ref, logits_after, NEAR_TIE)
+        def logits_after(prefix):
+            one.clear_checkpoints()
+            one.state_reset()
+            return np.asarray(one.seq.forward(np.asarray(list(r.tokens) + list(prefix), np.int32)))
+        from tests.cuda_marks import assert_parts_at_near_tie
+        for t in (t1, t2):              # each equals one process's, or parts from it at a near tie
+            assert_parts_at_near_tie(t, ref, logits_after, NEAR_TIE)
         assert e.stages[-1].status()["link"]["checkpoints_held"] > 0
     finally:
         e.close()

@@ -23,6 +23,7 @@ import pytest
 from strata import synth
 from strata.backend import cuda as C
 from strata.backend.cuda import gdn_prefill as P
+from strata.backend.cuda import library as KL
 from strata.backend import gdn
 from strata.models.base import load_model
 
@@ -252,7 +253,7 @@ def test_gated_norm_rows_f16_output(n):
     """strata_gdn_gated_norm_rows' f16 output (the prefill plan's GEMM input) is the f32 output rounded to nearest;
     with both outputs NULL it returns an error and writes nothing."""
     import cupy as cp
-    lb = P.lib()
+    lb = KL.lib()
     nh, d = 4, 64
     rng = np.random.default_rng(n)
     o = cp.asarray(rng.standard_normal((n, nh, d)).astype(np.float32))
@@ -260,13 +261,13 @@ def test_gated_norm_rows_f16_output(n):
     w = cp.asarray(rng.standard_normal(d).astype(np.float32))
     out = cp.zeros((n, nh, d), cp.float32)
     out16 = cp.zeros((n, nh, d), cp.float16)
-    s = P._stream()
-    assert lb.strata_gdn_gated_norm_rows(s, P._p(o), P._p(z), nh * d, nh, P._p(w), P._p(out), P._p(out16), n * nh, d,
+    s = KL.stream_ptr()
+    assert lb.strata_gdn_gated_norm_rows(s, KL.ptr(o), KL.ptr(z), nh * d, nh, KL.ptr(w), KL.ptr(out), KL.ptr(out16), n * nh, d,
                                          1e-6) == 0
     _assert_close(out, ref_gated_norm(o.get(), z.get(), w.get(), 1e-6), "gated_norm f32 beside f16")
     assert cp.array_equal(out16, out.astype(cp.float16))
     before = out16.copy()
-    assert lb.strata_gdn_gated_norm_rows(s, P._p(o), P._p(z), nh * d, nh, P._p(w), P._ffi.NULL, P._ffi.NULL, n * nh,
+    assert lb.strata_gdn_gated_norm_rows(s, KL.ptr(o), KL.ptr(z), nh * d, nh, KL.ptr(w), KL.ffi().NULL, KL.ffi().NULL, n * nh,
                                          d, 1e-6) != 0
     assert cp.array_equal(out16, before)
 
