@@ -1,5 +1,5 @@
 """One JSON tool-call object read as it streams (JsonCall), and the steps the call-format readers share: the next
-call of a JSON array, an optional closing tag, what counts as a call object."""
+call of a JSON array, the rest of an object skipped, an optional closing tag, what counts as a call object."""
 from __future__ import annotations
 
 import json
@@ -134,16 +134,8 @@ class JsonCall:
             st, k = expect(p.buf, 0, (",",))
             if st != OK:                               # something else: the call ends here
                 return DONE
-            if self.scan is None:                      # further keys: skip to the closing brace
-                self.scan = ValueEnd()
-                self.scan.started, self.scan.stack = True, ["}"]
-                self.seen = 0
-            end = self.scan.feed(p.buf[self.seen:])
-            if end < 0 and not self.scan.bad:
-                self.seen = len(p.buf)
+            if not skip_rest(self, p):                 # further keys: skip to the closing brace
                 return DONE if final else MORE
-            if end >= 0:
-                p.consume(self.seen + end)
             self.phase = "done"
         return DONE
 
@@ -155,6 +147,23 @@ def closing(p: CallParser, tag: str, final: bool):
         p.consume(k if st == OK else len(p.buf))
         return DONE
     return MORE if st == MORE else DONE
+
+
+def skip_rest(block, p: CallParser) -> bool:
+    """Skip the rest of an object whose opening brace is behind (its closing brace included), scanned by block.scan
+    from block.seen (both set up on the first call) -> True when done (consumed through the brace, or nothing
+    consumed when the JSON broke), False when the object goes on past the buffer (block.seen moved to its end)."""
+    if block.scan is None:
+        block.scan = ValueEnd()
+        block.scan.started, block.scan.stack = True, ["}"]
+        block.seen = 0
+    end = block.scan.feed(p.buf[block.seen:])
+    if end < 0 and not block.scan.bad:
+        block.seen = len(p.buf)
+        return False
+    if end >= 0:
+        p.consume(block.seen + end)
+    return True
 
 
 def next_call(block, p: CallParser, final: bool):

@@ -7,7 +7,7 @@ import re
 from typing import TYPE_CHECKING
 
 from strata.json_stream import MORE, NO, OK, StringChars, ValueEnd, expect, skip_ws
-from strata.tool_json import DONE, JsonCall, call_like, closing, next_call
+from strata.tool_json import DONE, JsonCall, call_like, closing, next_call, skip_rest
 
 if TYPE_CHECKING:
     from strata.tool_parse import CallParser
@@ -297,20 +297,12 @@ class GenericBlock:
                     p.consume(k)
                 self.phase = "end"
             else:                                          # end: the rest of the object, skipped
-                if self.scan is None:
-                    self.scan = ValueEnd()
-                    self.scan.started, self.scan.stack = True, ["}"]
-                    self.seen = 0
-                end = self.scan.feed(p.buf[self.seen:])
-                if end < 0 and not self.scan.bad:
-                    self.seen = len(p.buf)
-                    if final:
-                        p.consume(len(p.buf))
-                        return DONE
-                    return MORE
-                if end >= 0:
-                    p.consume(self.seen + end)
-                return DONE
+                if skip_rest(self, p):
+                    return DONE
+                if final:
+                    p.consume(len(p.buf))
+                    return DONE
+                return MORE
 
     def _whole(self, p: CallParser, final: bool):
         """Not the usual layout: the whole object, if it is one, read as a generic answer; else content."""

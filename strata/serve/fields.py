@@ -1,5 +1,5 @@
-"""Request fields as the Responses and Messages routes read them: 400s that name the field, arrays of content parts
-(each an object) and the text parts among them read as one text."""
+"""Request fields as the Responses and Messages routes read them: 400s that name the field, arrays of objects (messages,
+items, tools, content parts), arrays of text parts read as one text."""
 from __future__ import annotations
 
 from typing import Callable, Iterator
@@ -18,13 +18,14 @@ def unsupported_field(param: str, msg: str) -> ApiError:
     return bad_field(param, msg, "unsupported_value")
 
 
-def parts(content: list, where: str) -> Iterator[tuple[str, dict]]:
-    """(where[j], part) for each part of an array of content parts; 400 at the first one that is not an object."""
-    for j, part in enumerate(content):
+def each_object(items: list, where: str) -> Iterator[tuple[str, dict]]:
+    """(where[j], item) for each item of an array (messages, input items, tools, content parts); 400 at the first
+    one that is not an object."""
+    for j, item in enumerate(items):
         at = f"{where}[{j}]"
-        if not isinstance(part, dict):
-            raise bad_field(at, f"must be an object, got {schema._tname(part)}")
-        yield at, part
+        if not isinstance(item, dict):
+            raise bad_field(at, f"must be an object, got {schema._tname(item)}")
+        yield at, item
 
 
 def part_text(part: dict, at: str) -> str:
@@ -44,7 +45,7 @@ def text_of(content, where: str, *, types: tuple[str, ...], array_of: str, type_
     if not isinstance(content, list):
         raise bad_field(where, f"must be a string or an array of {array_of}, got {schema._tname(content)}")
     out = []
-    for at, part in parts(content, where):
+    for at, part in each_object(content, where):
         if part.get("type") not in types:
             raise unsupported_field(at + type_at, refused(part.get("type")))
         out.append(part_text(part, at))

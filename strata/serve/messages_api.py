@@ -19,7 +19,7 @@ from strata.serve.answer_blocks import AnswerBlocks, Block
 from strata.serve.completions_api import generate_chat, render_chat, strata_of, timings_of
 from strata.serve.config import ERROR_SHAPES_KEY
 from strata.serve.errors import ApiError, renamed
-from strata.serve.fields import bad_field as _bad, part_text, parts, text_of, unsupported_field as _unsupported
+from strata.serve.fields import bad_field as _bad, each_object, part_text, text_of, unsupported_field as _unsupported
 from strata.serve.handling import json_response, read_body
 from strata.serve.sse import send_events
 
@@ -45,7 +45,7 @@ def _user_messages(content: list, where: str) -> list[dict]:
     """A user turn's blocks as chat messages: each tool_result a tool message, each run of text blocks a user
     message, in their order."""
     out: list[dict] = []
-    for at, b in parts(content, where):
+    for at, b in each_object(content, where):
         t = b.get("type")
         if t == "text":
             text = part_text(b, at)
@@ -67,7 +67,7 @@ def _assistant_message(content: list, where: str) -> dict:
     """An assistant turn's blocks as one chat message: text joined, tool_use blocks as tool_calls; thinking blocks
     are left out (templates drop earlier turns' reasoning)."""
     text, calls = [], []
-    for at, b in parts(content, where):
+    for at, b in each_object(content, where):
         t = b.get("type")
         if t == "text":
             text.append(part_text(b, at))
@@ -97,10 +97,7 @@ def _messages(msgs) -> list[dict]:
     if not isinstance(msgs, list) or not msgs:
         raise _bad("messages", "must be a non-empty array of messages")
     out: list[dict] = []
-    for i, m in enumerate(msgs):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise _bad(where, f"must be an object, got {schema._tname(m)}")
+    for where, m in each_object(msgs, "messages"):
         role, content = m.get("role"), m.get("content")
         if role not in ("user", "assistant"):
             raise _bad(f"{where}.role", f"must be 'user' or 'assistant', got {role!r} (the system prompt is 'system')")
@@ -124,11 +121,9 @@ def _tools(tools) -> list[dict] | None:
     if not isinstance(tools, list):
         raise _bad("tools", f"must be an array of tool objects, got {schema._tname(tools)}")
     out = []
-    for i, t in enumerate(tools):
-        if not isinstance(t, dict):
-            raise _bad(f"tools[{i}]", f"must be an object, got {schema._tname(t)}")
+    for at, t in each_object(tools, "tools"):
         if t.get("type", "custom") != "custom":
-            raise _unsupported(f"tools[{i}].type", f"is {t.get('type')!r}: Strata runs client tools only (custom)")
+            raise _unsupported(f"{at}.type", f"is {t.get('type')!r}: Strata runs client tools only (custom)")
         fn = {"name": t.get("name"), "parameters": t.get("input_schema", {"type": "object"})}
         if "description" in t:
             fn["description"] = t["description"]

@@ -24,7 +24,7 @@ from strata.serve.answer_blocks import AnswerBlocks, Block
 from strata.serve.completions_api import generate_chat, strata_of, timings_of
 from strata.serve.config import CONFIG_KEY
 from strata.serve.errors import ApiError, renamed
-from strata.serve.fields import bad_field as _bad, text_of, unsupported_field as _unsupported
+from strata.serve.fields import bad_field as _bad, each_object, text_of, unsupported_field as _unsupported
 from strata.serve.handling import json_response, read_body
 from strata.serve.sse import send_events
 
@@ -108,10 +108,7 @@ def input_messages(inp) -> list[dict]:
     if not isinstance(inp, list) or not inp:
         raise _bad("input", "must be a string or a non-empty array of input items")
     out: list[dict] = []
-    for i, item in enumerate(inp):
-        where = f"input[{i}]"
-        if not isinstance(item, dict):
-            raise _bad(where, f"must be an object, got {schema._tname(item)}")
+    for where, item in each_object(inp, "input"):
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "message":
             role = item.get("role")
@@ -147,11 +144,9 @@ def _tools(tools) -> list[dict] | None:
     if not isinstance(tools, list):
         raise _bad("tools", f"must be an array of tool objects, got {schema._tname(tools)}")
     out = []
-    for i, t in enumerate(tools):
-        if not isinstance(t, dict):
-            raise _bad(f"tools[{i}]", f"must be an object, got {schema._tname(t)}")
+    for at, t in each_object(tools, "tools"):
         if t.get("type") != "function":
-            raise _unsupported(f"tools[{i}].type", f"is {t.get('type')!r}: Strata runs function tools only")
+            raise _unsupported(f"{at}.type", f"is {t.get('type')!r}: Strata runs function tools only")
         out.append({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters", "strict")
                                                      if k in t}})
     return out
