@@ -24,6 +24,24 @@ from strata.serve.worker import EngineWorker
 __all__ = ["ServeConfig", "format_hostport", "make_app"]      # ServeConfig, format_hostport: their old home
 
 
+# this module's routes, in the order they are added (GET routes answer HEAD too, as aiohttp's add_get makes them)
+ROUTES = (
+    ("POST", "/v1/chat/completions", completions_api.chat_completions),
+    ("POST", "/chat/completions", completions_api.chat_completions),
+    ("POST", "/v1/completions", completions_api.completions),
+    ("POST", "/completions", completions_api.completions),
+    ("GET", "/v1/models", admin_api.models),
+    ("GET", "/v1/models/{model}", admin_api.model_one),
+    ("GET", "/health", admin_api.health),
+    ("GET", "/v1/health", admin_api.health),
+    ("GET", "/metrics", admin_api.metrics),
+    ("GET", "/slots", admin_api.slots),
+    ("POST", "/slots/{slot}", admin_api.slot_action),
+    ("GET", "/status", admin_api.status),
+    ("GET", "/cache", admin_api.cache),
+)
+
+
 def make_app(cfg: ServeConfig, worker: EngineWorker, metrics_: Metrics) -> web.Application:
     """Build the application; `worker` owns the engine thread (started by the caller)."""
     app = web.Application(middlewares=[middleware], client_max_size=cfg.max_body)
@@ -32,20 +50,8 @@ def make_app(cfg: ServeConfig, worker: EngineWorker, metrics_: Metrics) -> web.A
     app[METRICS_KEY] = metrics_
     app[STARTED_KEY] = time.time()
     app[ERROR_SHAPES_KEY] = {}
-    r = app.router
-    r.add_post("/v1/chat/completions", completions_api.chat_completions)
-    r.add_post("/chat/completions", completions_api.chat_completions)
-    r.add_post("/v1/completions", completions_api.completions)
-    r.add_post("/completions", completions_api.completions)
-    r.add_get("/v1/models", admin_api.models)
-    r.add_get("/v1/models/{model}", admin_api.model_one)
-    r.add_get("/health", admin_api.health)
-    r.add_get("/v1/health", admin_api.health)
-    r.add_get("/metrics", admin_api.metrics)
-    r.add_get("/slots", admin_api.slots)
-    r.add_post("/slots/{slot}", admin_api.slot_action)
-    r.add_get("/status", admin_api.status)
-    r.add_get("/cache", admin_api.cache)
+    for method, path, handler in ROUTES:
+        (app.router.add_get if method == "GET" else app.router.add_post)(path, handler)
     llama_api.add_routes(app)                   # llama-server's /tokenize, /detokenize, /apply-template, /props
     chat_page.add_routes(app)
     responses_api.add_routes(app)               # OpenAI's /v1/responses
