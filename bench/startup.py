@@ -52,18 +52,6 @@ def _env() -> dict:
     return env
 
 
-class _UnixConn(http.client.HTTPConnection):
-    def __init__(self, path: str):
-        super().__init__("localhost", timeout=5)
-        self.unix_path = path
-
-    def connect(self):
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(self.timeout)
-        s.connect(self.unix_path)
-        self.sock = s
-
-
 def _healthy(conn_factory) -> bool:
     c = conn_factory()
     try:
@@ -97,6 +85,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 def strata_serve(model: str, threads: int) -> float:
     """Seconds from spawning `strata serve` to its first 200 on /health."""
+    from strata.cli.ctl import UnixHTTPConnection
     with tempfile.TemporaryDirectory() as d:
         sock = os.path.join(d, "s.sock")
         cmd = [sys.executable, "-m", "strata.cli.main", "serve", "--model", model, "--socket", sock, "--n-ctx", "512",
@@ -104,7 +93,7 @@ def strata_serve(model: str, threads: int) -> float:
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env(), cwd=ROOT)
         try:
-            return _wait_healthy(proc, lambda: _UnixConn(sock), t0, 600, "strata serve")
+            return _wait_healthy(proc, lambda: UnixHTTPConnection(sock, 5), t0, 600, "strata serve")
         finally:
             _stop(proc)
 

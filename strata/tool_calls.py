@@ -23,8 +23,8 @@ import secrets
 import string
 from strata.grammar import lark_json
 from strata.json_stream import skip_ws
-from strata.tool_parse import (CallParser, Event, GenericBlock, Llama3Block, MistralBlock, TagBlock, assemble,
-                               hold_from, is_string, xml_value)
+from strata.tool_parse import CallParser, Event, assemble, hold_from
+from strata.tool_readers import GenericBlock, Llama3Block, MistralBlock, TagBlock, is_string, xml_value
 
 __all__ = ["NAME_RE", "ToolFormat", "Hermes", "QwenXml", "Llama3", "Mistral", "Generic", "detect", "generic_schema",
            "template_messages", "generic_system_prompt", "parse", "assemble", "xml_value", "Event", "CallParser"]

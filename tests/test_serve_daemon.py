@@ -1,7 +1,6 @@
 """Test support (no tests here): start the real `strata serve` daemon in a subprocess and talk HTTP to its Unix socket."""
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import signal
@@ -10,6 +9,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from strata.cli import ctl
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,16 +21,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class UnixHTTPConnection(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float = 120.0):
-        super().__init__("localhost", timeout=timeout)
-        self.unix_path = path
+class UnixHTTPConnection(ctl.UnixHTTPConnection):
+    """stratactl's connection to the daemon's Unix socket, with a test's default timeout."""
 
-    def connect(self):
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(self.timeout)
-        s.connect(self.unix_path)
-        self.sock = s
+    def __init__(self, path: str, timeout: float = 120.0):
+        super().__init__(path, timeout)
 
 
 def env_for_daemon(extra: dict | None = None) -> dict:

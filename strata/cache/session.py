@@ -117,17 +117,8 @@ def read(io: BinaryIO, fingerprint: str, stages: list, n_ctx: int) -> Conversati
         raise SessionError(f"session file format {RESERVED[version]}")
     if version not in (VERSION_ONE_STAGE, VERSION_STAGES):
         raise SessionError(f"session file format version {version} is not supported (this build reads 1 and 3)")
-    if not 0 < hlen <= MAX_HEADER:
-        raise SessionError(f"session file header length {hlen} is outside 1..{MAX_HEADER}")
-    head = _exact(io, hlen, "header")
-    if zlib.crc32(head) != hcrc:
-        raise SessionError("session file header checksum mismatch (the header is corrupt)")
-    try:
-        h = json.loads(head.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        raise SessionError("session file header is not JSON") from None
-    if not isinstance(h, dict):
-        raise SessionError("session file header is not a JSON object")
+    h = codec.read_json_header(io, hlen, hcrc, max_header=MAX_HEADER, name="session file", thing="session file",
+                               error=SessionError, why=False)
     if h.get("fingerprint") != fingerprint:
         raise SessionError("the session file is from another model (its fingerprint differs from the loaded "
                            "model's)")

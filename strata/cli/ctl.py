@@ -31,7 +31,9 @@ class CtlError(Exception):
         self.code, self.payload = code, payload
 
 
-class _UnixHTTPConnection(http.client.HTTPConnection):
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """HTTP over the Unix socket at `path` (the daemon's; bench/ and tests/ use it too)."""
+
     def __init__(self, path: str, timeout: float):
         super().__init__("localhost", timeout=timeout)
         self.unix_path = path
@@ -63,7 +65,7 @@ class Client:
         if self.url:
             cls = http.client.HTTPSConnection if self._u.scheme == "https" else http.client.HTTPConnection
             return cls(self._u.hostname, self._u.port, timeout=self.timeout)
-        return _UnixHTTPConnection(self.socket_path, self.timeout)
+        return UnixHTTPConnection(self.socket_path, self.timeout)
 
     def request(self, method: str, path: str, body: Any = None):
         """-> (status, headers, response) with the response still open (read or stream it)."""

@@ -1,4 +1,6 @@
-"""Engine: loads a model, reads prompts in parts (ubatch), saves/restores checkpoints, decodes and streams tokens."""
+"""Engine: loads a model over its stages and runs one request at a time on its live sequence: prompts rendered and
+tokenized, requests checked (validation.py), prompts read in parts with checkpoints (prefill.py), conversations parked
+and saved (parking.py), choices decoded (decode.py), status reported."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,33 +16,23 @@ import structlog
 import link
 
 from strata import quant
-from pathlib import Path
 
-from strata.cache import session
 from strata.cache.checkpoints import CheckpointCache
-from strata.cache.conversation import Conversation, DiskTier, ParkStore, SavedCheckpoint
 from strata.default_model import resolve_model
-from strata.stages.sequence import Checkpoint, Sequence
-from strata.memory import KVCacheFull, PartMismatch
-from strata.engine.types import (ContextOverflow, EmptyPrompt, FinalEvent, GenerationRequest, MaxTokensTooLarge,
-                                 TokenEvent)
-from strata.hostmem import available_ram
+from strata.engine import report
+from strata.engine.decode import Decoder, env_flag
+from strata.engine.parking import Conversations
+from strata.engine.prefill import PromptReader
+from strata.engine.types import ContextOverflow, FinalEvent, GenerationRequest, TokenEvent
+from strata.engine.validation import check_request, prompt_ids
 from strata.gguf_file import ModelLoadError, open_gguf
-from strata.sampling import Sampler, SamplingParams, StopMatcher
-from strata.sampling_device import DeviceSampler
+from strata.sampling import SamplingParams
 from strata.stages import build_stages, parse_devices, parse_split
-from strata.stages.remote import CheckpointGone, RemoteStage, parse_remote, unsupported_with_remote
-from strata.tokenizer import StreamDecoder, Tokenizer
-from strata.token_ids import as_ids, is_prefix
+from strata.stages.remote import RemoteStage, parse_remote, unsupported_with_remote
+from strata.stages.sequence import Sequence
+from strata.tokenizer import Tokenizer
 
 log = structlog.get_logger("strata.engine")
-
-MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
-CUT_KINDS = ("root", "message", "turn", "pin")  # the chat template's cut points (strata.chat_template.CutPoint)
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "") not in ("", "0", "false", "no")
 
 
 class Engine:
@@ -143,22 +135,35 @@ class Engine:
                                      tail=int(prompt_cache_tail))
         if conversation_cache_mib is None:
             conversation_cache_mib = default_conversation_cache_mib()
-        self.park = ParkStore(int(conversation_cache_mib) * 1024 * 1024) if conversation_cache_mib else None
-        self.disk = None
-        if conversation_cache_dir:
-            if self.park is None:
-                raise ValueError("--conversation-cache-dir needs parking (--conversation-cache-mib > 0)")
-            self.disk = DiskTier(conversation_cache_dir, int(conversation_cache_disk_mib) * 1024 * 1024,
-                                 write=self._write_session, read=self._read_session)
-            self.park.spill = self.disk.add
-        self.slot_save_path = Path(slot_save_path) if slot_save_path else None
-        if self.slot_save_path is not None and not self.slot_save_path.is_dir():
-            raise ValueError(f"--slot-save-path {self.slot_save_path}: not a directory")
+        # parking and session files (strata.engine.parking); ValueError for a disk tier without parking or a
+        # --slot-save-path that is not a directory
+        self.conversations = Conversations(
+            self.seq, self.cache, self.stages, self.file, self.n_ctx,
+            park_bytes=int(conversation_cache_mib) * 1024 * 1024 if conversation_cache_mib else None,
+            disk_dir=conversation_cache_dir, disk_bytes=int(conversation_cache_disk_mib) * 1024 * 1024,
+            slot_save_path=slot_save_path, remote=bool(remote))
         self.eog_ids = set(int(t) for t in self.tokenizer.eog_ids)
-        self._from_session = False           # the live conversation came from a session file, not yet resumed
+        self.reader = PromptReader(self.seq, self.cache, self.conversations, self.ubatch)
+        self.decoder = Decoder(self.seq, self.tokenizer, self.eog_ids, self.n_vocab, self.n_ctx, self.stages[-1],
+                               self.reader.forget_live)
         self._lock = threading.Lock()
         self.requests = 0
         self.last_final: FinalEvent | None = None
+
+    @property
+    def park(self):
+        """The parked conversations in host RAM (strata.cache.conversation.ParkStore), or None (no parking)."""
+        return self.conversations.park
+
+    @property
+    def disk(self):
+        """The disk tier of parking (strata.cache.conversation.DiskTier), or None."""
+        return self.conversations.disk
+
+    @property
+    def slot_save_path(self):
+        """The directory of session files (a Path), or None."""
+        return self.conversations.slot_save_path
 
     # ---- prompts ---------------------------------------------------------------------------------
     def render_chat(self, messages: list[dict], *, tools=None, add_generation_prompt: bool = True,
@@ -226,57 +231,20 @@ class Engine:
         the prompt's end and samples from the prompt's last logits with seed + index; greedy choices are one
         decode whose events every choice repeats (their FinalEvents: predicted_n 0, resume_from "choice").
         """
-        prompt = self._prompt_ids(req)
-        self._validate(req, prompt)
-        return self._run(req, prompt)
+        return self._run(req, self._checked_prompt(req))
 
     def validate(self, req: GenerationRequest) -> None:
         """What generate() checks before it starts (nothing is touched; safe from any thread): raises EmptyPrompt,
         ContextOverflow, MaxTokensTooLarge or ValueError (one line). The server calls it before queueing."""
-        self._validate(req, self._prompt_ids(req))
+        self._checked_prompt(req)
 
-    def _prompt_ids(self, req: GenerationRequest) -> np.ndarray:
-        """The request's prompt as int32 token ids (strata.token_ids: read in C, no per-token Python work).
-        ValueError for an id no vocabulary holds."""
-        try:
-            return as_ids(req.prompt_tokens)
-        except ValueError:               # an id past int32: name it as _validate names one past the vocabulary
-            bad = next((int(t) for t in req.prompt_tokens if not 0 <= int(t) < self.n_vocab), None)
-            if bad is None:
-                raise
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.n_vocab})") from None
-
-    def _validate(self, req: GenerationRequest, prompt: np.ndarray) -> None:
-        if not prompt.shape[0]:
-            raise EmptyPrompt()
-        if len(prompt) >= self.n_ctx:
-            raise ContextOverflow(len(prompt), self.n_ctx)
-        out = np.flatnonzero((prompt < 0) | (prompt >= self.n_vocab))
-        if out.size:
-            raise ValueError(f"token id {int(prompt[out[0]])} is outside the vocabulary [0, {self.n_vocab})")
-        if req.max_tokens is not None and req.max_tokens < 0:
-            raise ValueError(f"max_tokens must be >= 0, got {req.max_tokens}")
-        n_train = int(getattr(self.config, "n_ctx_train", 0) or 0)
-        if req.max_tokens is not None and n_train and req.max_tokens > n_train:
-            raise MaxTokensTooLarge(req.max_tokens, n_train)   # within it, a full context ends the answer ("length")
-        if isinstance(req.n, bool) or not isinstance(req.n, int) or req.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {req.n!r}")
-        if req.n > 1 and self.remote and self.prompt_cache == 0:
-            raise ValueError("n > 1 with a remote stage needs --prompt-cache N: the worker keeps the prompt's state "
-                             "for the later choices as a checkpoint part")
-        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {req.logprobs}")
-        for c in req.cut_points or ():
-            if isinstance(c, dict):
-                pos, kind = c.get("pos"), c.get("kind")
-            elif hasattr(c, "pos"):
-                pos, kind = c.pos, getattr(c, "kind", None)
-            else:
-                pos, kind = c[0], c[1]
-            if kind not in CUT_KINDS:
-                raise ValueError(f"unknown cut point kind {kind!r} (expected one of {', '.join(CUT_KINDS)})")
-            if not 0 <= int(pos) <= len(prompt):
-                raise ValueError(f"cut point {kind} at {pos} is outside the prompt [0, {len(prompt)}]")
+    def _checked_prompt(self, req: GenerationRequest) -> np.ndarray:
+        """The request's prompt as int32 token ids, the request checked against this engine (validation.py)."""
+        prompt = prompt_ids(req.prompt_tokens, self.n_vocab)
+        check_request(req, prompt, n_ctx=self.n_ctx, n_vocab=self.n_vocab,
+                      n_ctx_train=int(getattr(self.config, "n_ctx_train", 0) or 0), remote=bool(self.remote),
+                      prompt_cache=self.prompt_cache)
+        return prompt
 
     def state_reset(self) -> None:
         """Drop the live sequence back to position 0 (pages kept, running state zeroed)."""
@@ -290,221 +258,11 @@ class Engine:
     def _forget_live(self) -> None:
         """state_reset, and the checkpoint cache told not to continue the live sequence: the next request starts
         from a checkpoint or from 0."""
-        self.state_reset()
-        self.cache.drop_live()
-
-    # ---- conversations held apart: parking and session files ------------------------------------------
-    def _capture_conversation(self) -> Conversation:
-        """The live conversation as host copies: every stage's used K/V and running state, its checkpoints
-        (running state only; their K/V is the conversation's prefix)."""
-        parts = self.seq.materialize(self.seq.capture())
-        cps = [SavedCheckpoint(pos, kind, self.seq.detach(snap)) for pos, kind, snap in self.cache.export()]
-        return Conversation(tokens=self.seq.ids, parts=parts, checkpoints=cps, live_ok=self.cache.live_ok)
-
-    def _restore_conversation(self, conv: Conversation) -> None:
-        """Make `conv` the live conversation with its checkpoints. Every part is validated against its own stage
-        first (PartMismatch / KVCacheFull, one line, change nothing)."""
-        whole = Checkpoint(pos=conv.pos, tokens=conv.tokens, parts=conv.parts)
-        self.seq.validate(whole)
-        for c in conv.checkpoints:
-            if not 0 < c.pos <= conv.pos:
-                raise PartMismatch(f"a checkpoint at {c.pos} lies outside the conversation's {conv.pos} tokens")
-            self.seq.validate_detached(c.pos, c.parts)
-        self.seq.restore(whole)
-        self.cache.adopt([(c.pos, c.kind, self.seq.attach(c.pos, c.parts)) for c in conv.checkpoints], conv.live_ok)
-
-    def _park_live(self, trace: bool) -> None:
-        """Park the live conversation (when it has one worth keeping and host RAM can take it)."""
-        if self.park is None or self.seq.pos == 0 or not self.cache.live_ok:
-            return                   # nothing live, or a "strata_checkpoint": false request's (seed #861)
-        need = self.seq.nbytes()
-        avail = available_ram()
-        if avail is None or need > avail // 2:
-            self.park.stats["refused"] += 1
-            log.warning("not parking the live conversation: host RAM unknown or short", bytes=need, available=avail)
-            return
-        t0 = time.perf_counter()
-        gone = self.park.park(self._capture_conversation())
-        if trace:
-            log.info("parked", tokens=self.seq.pos, bytes=need, ms=round((time.perf_counter() - t0) * 1e3, 2),
-                     evicted=len(gone))
-
-    def _write_session(self, path: Path, conv: Conversation) -> int:
-        return session.save_atomic(path, lambda f: session.write(f, conv, self.file.fingerprint(), self.stages))
-
-    def _read_session(self, path: Path) -> Conversation:
-        with open(path, "rb") as f:
-            return session.read(f, self.file.fingerprint(), self.stages, self.n_ctx)
-
-    def _switch(self, prompt: np.ndarray, cache_prompt: bool, trace: bool, cut_back: bool = False) -> str | None:
-        """Before a request is planned: when a parked conversation (RAM, else disk) skips more of `prompt` than
-        the live one and its checkpoints do, park the live one and restore that one ("park" / "disk"); when the
-        request leaves the live conversation (it resumes before the live one's deepest checkpoint), park the live
-        one (None)."""
-        if self.park is None or not cache_prompt:
-            return None
-        here = self.cache.peek(self.seq, prompt, cut_back=cut_back)
-        conv, depth = self.park.best(prompt)
-        path, ddepth = self.disk.best(prompt) if self.disk is not None else (None, 0)
-        if (conv is not None and depth > here) or (path is not None and ddepth > here):
-            source = "park" if conv is not None and depth >= ddepth else "disk"
-            self._park_live(trace)
-            t0 = time.perf_counter()
-            try:
-                if source == "disk":
-                    conv = self.disk.take(path)
-                self._restore_conversation(conv)
-            except (PartMismatch, KVCacheFull, session.SessionError, OSError) as e:
-                # nothing written: the request reads as it would have
-                log.warning("a parked conversation could not be restored", tier=source, error=str(e))
-                if source == "park":
-                    self.park.take(conv)
-                return None
-            if source == "park":
-                self.park.take(conv)
-            if trace:
-                log.info("unparked", tier=source, tokens=conv.pos, resume=max(depth, ddepth),
-                         ms=round((time.perf_counter() - t0) * 1e3, 2))
-            return source
-        deepest = self.cache.deepest()
-        if self.seq.pos > 0 and (here < deepest or (deepest == 0 and here == 0)):
-            self._park_live(trace)
-        return None
-
-    def _session_path(self, filename) -> Path:
-        if self.remote:
-            raise session.SessionError("session files are not supported with a remote stage (--remote-stage) yet")
-        if self.slot_save_path is None:
-            raise session.SessionError("session files need --slot-save-path DIR (the directory they are kept in)")
-        return session.check_filename(self.slot_save_path, filename)
-
-    def slot_save(self, slot_id: int = 0, filename=None, **_ignored) -> dict[str, Any]:
-        """Save the slot's conversation (with its checkpoints) to --slot-save-path/filename, atomically
-        (llama-server's POST /slots/{id}?action=save). SessionError / ValueError (one line), nothing written."""
-        self._check_slot(slot_id)
-        path = self._session_path(filename)
-        with self._lock:
-            if self.seq.pos == 0:
-                raise session.SessionError("slot 0 holds no conversation (0 tokens): nothing to save")
-            t0 = time.perf_counter()
-            conv = self._capture_conversation()
-            n = session.save_atomic(path, lambda f: session.write(f, conv, self.file.fingerprint(), self.stages))
-        return {"id_slot": 0, "filename": filename, "n_saved": conv.pos, "n_written": n,
-                "timings": {"save_ms": round((time.perf_counter() - t0) * 1e3, 3)}}
-
-    def slot_restore(self, slot_id: int = 0, filename=None, **_ignored) -> dict[str, Any]:
-        """Restore the slot's conversation from --slot-save-path/filename (llama-server's POST
-        /slots/{id}?action=restore): the file is read under the live engine's limits and every part validated
-        before anything is written; on any error the live conversation is exactly as it was."""
-        self._check_slot(slot_id)
-        path = self._session_path(filename)
-        if not path.is_file():
-            raise session.SessionError(f"session file {filename!r} does not exist in {self.slot_save_path}")
-        with self._lock:
-            t0 = time.perf_counter()
-            with open(path, "rb") as f:
-                conv = session.read(f, self.file.fingerprint(), self.stages, self.n_ctx)
-                n_read = f.tell()
-            self._park_live(False)               # the conversation the restore replaces is parked, not lost
-            try:
-                self._restore_conversation(conv)
-            except (PartMismatch, KVCacheFull) as e:
-                raise session.SessionError(f"session file {filename!r}: {e}") from None
-            self._from_session = True
-            if self.park is not None:
-                self.park.discard(conv.tokens)   # now live: a parked copy of the same conversation is dropped
-        return {"id_slot": 0, "filename": filename, "n_restored": conv.pos, "n_read": n_read,
-                "timings": {"restore_ms": round((time.perf_counter() - t0) * 1e3, 3)}}
-
-    @staticmethod
-    def _check_slot(slot_id) -> None:
-        if str(slot_id) != "0":
-            raise ValueError(f"slot {slot_id} does not exist: this engine has one slot (0)")
-
-    def parked(self) -> list[dict]:
-        """The parked conversations for `stratactl cache` (tokens, bytes, tier, checkpoints, last use)."""
-        return (self.park.entries() if self.park is not None else []) + \
-            (self.disk.entries() if self.disk is not None else [])
-
-    def _read(self, tokens: np.ndarray, start: int, end: int, cancel=None):
-        """Read tokens[start:end] in ubatch-sized forward calls starting fresh at `start` -> the last token's
-        logits, or None when `cancel` was set between two calls (the sequence then ends at a call boundary)."""
-        logits = None
-        p = start
-        while p < end:
-            if cancel is not None and cancel.is_set():
-                return None
-            q = min(end, p + self.ubatch)
-            logits = self.seq.forward(tokens[p:q])
-            p = q
-        return logits
+        self.reader.forget_live()
 
     def _prefill(self, req: GenerationRequest, prompt: np.ndarray, trace: bool):
-        """Plan, restore / cut back / continue, read the parts, save checkpoints -> (plan, parts, logits).
-
-        logits is None when req.cancel was set during the read: the sequence then ends at a forward-call
-        boundary inside a part, so it is not offered for live continuation (a later read of that part must
-        split it the same way as the first); checkpoints of the parts completed stay."""
-        n = len(prompt)
-        if self.seq.lost():        # a remote stage reconnected: the worker holds none of it any more
-            log.warning("a remote stage lost the live sequence and its checkpoints: reading from 0")
-            self._forget_live()
-            self.cache.clear()
-        unparked = self._switch(prompt, req.cache_prompt, trace, cut_back=not req.cut_points)  # "park" | "disk" | None
-        plan = self.cache.plan(self.seq, prompt, list(req.cut_points or ()), checkpoint=req.checkpoint,
-                               cache_prompt=req.cache_prompt)      # cut points were checked by _validate
-        if plan.resume_pos > 0 and (unparked or self._from_session):
-            plan.resume_from = unparked or "session"
-        self._from_session = False
-        parts: list[tuple[int, int]] = []
-        try:
-            st = self.seq
-            if plan.snapshot is not None:
-                try:
-                    st.restore(plan.snapshot)
-                except CheckpointGone as e:      # the worker restarted or reconnected: read from token 0
-                    log.warning("a checkpoint is gone from the worker: reading from 0", error=str(e))
-                    self._forget_live()
-                    self.cache.clear()
-                    plan = self.cache.plan(self.seq, prompt, list(req.cut_points or ()), checkpoint=req.checkpoint,
-                                           cache_prompt=req.cache_prompt)
-            elif plan.resume_from == "none" or plan.resume_pos == 0:
-                st.reset()
-            elif plan.resume_pos < st.pos:
-                st.truncate(plan.resume_pos)
-            st.settle()                # the worker's Commits land before the prompt is read (seed #1887)
-            resume = plan.resume_pos
-            if st.pos != resume or not 0 <= resume < n or not is_prefix(st.ids, prompt):
-                raise RuntimeError(f"internal: plan resumes at {resume} ({plan.resume_from}) but the sequence "
-                                   f"holds {st.pos} tokens that are not that prefix of the {n}-token prompt")
-            if trace:
-                log.info("prefill_plan", plan=plan.describe(), erased=list(getattr(plan, "erased", [])))
-            logits = None
-            start = resume
-            ends = [e for e in plan.part_ends if resume < e <= n]
-            if not ends or ends[-1] != n:
-                ends.append(n)
-            for end in ends:
-                t0 = time.perf_counter()
-                logits = self._read(prompt, start, end, req.cancel)
-                if logits is None:
-                    self.cache.drop_live()
-                    if trace:
-                        log.info("prefill_cancelled", start=start, end=end, pos=st.pos)
-                    break
-                parts.append((start, end))
-                kind = plan.save_at.get(end)
-                if kind is not None:
-                    self.cache.save(end, kind, st.capture())
-                if trace:
-                    log.info("prefill_part", start=start, end=end, n_tokens=end - start, ubatch=self.ubatch,
-                             ms=round((time.perf_counter() - t0) * 1000.0, 2), checkpoint=kind)
-                start = end
-        except BaseException:
-            # a failed or interrupted read leaves the arena partly written: start the next request from 0
-            self._forget_live()
-            raise
-        return plan, parts, logits
+        """Read the prompt (PromptReader.prefill) -> (plan, parts, logits); bench/model_clock.py times it here."""
+        return self.reader.prefill(req, prompt, trace)
 
     def _run(self, req: GenerationRequest, prompt: np.ndarray) -> Iterator[TokenEvent | FinalEvent]:
         with self._lock:
@@ -512,7 +270,7 @@ class Engine:
 
     def _run_locked(self, req: GenerationRequest, prompt: np.ndarray) -> Iterator[TokenEvent | FinalEvent]:
         n = len(prompt)
-        trace = _env_flag("STRATA_TRACE")
+        trace = env_flag("STRATA_TRACE")
         t_start = time.perf_counter()
         plan, parts, logits = self._prefill(req, prompt, trace)
         prompt_n = self.seq.pos - plan.resume_pos          # tokens read (all of them unless cancelled)
@@ -539,7 +297,7 @@ class Engine:
             else:
                 if i > 0:
                     self.seq.restore(at_prompt)
-                out = self._decode(req, prompt, first_logits if i == 0 else first_logits.copy(), params, i)
+                out = self.decoder.choice(req, prompt, first_logits if i == 0 else first_logits.copy(), params, i)
                 events = []
                 try:
                     while True:
@@ -551,6 +309,7 @@ class Engine:
                     finish, toks, trailing, stopped_by = stop.value
                 finally:
                     out.close()           # the consumer went away mid-choice: the decode's own cleanup runs now
+                    self.requests += i == 0
                 n_run = len(toks)
                 if greedy and n_choices > 1:
                     replay = (events, (finish, toks, trailing, stopped_by))
@@ -576,91 +335,32 @@ class Engine:
             self.last_final = final
             yield final
 
-    def _decode(self, req: GenerationRequest, prompt: np.ndarray, logits, params: SamplingParams, index: int):
-        """Generate one choice from the sequence as it stands (the prompt read) and the prompt's last logits: yields
-        TokenEvents, returns (finish_reason, token ids, trailing text, stopped_by). Choice `index` samples with
-        seed + index (a fresh draw when the seed is unset)."""
-        if index and params.seed is not None and params.seed != -1:
-            params = dataclasses.replace(params, seed=(params.seed + index) % 2 ** 64)
-        n = len(prompt)
-        want_lp = params.logprobs is not None
-        # a last stage on a GPU keeps the logits on the device and samples there; STRATA_DEVICE_SAMPLING=0 turns that
-        # off (host copy + Sampler)
-        on_device = self.stages[-1].device_logits and os.environ.get("STRATA_DEVICE_SAMPLING", "1") not in (
-            "0", "false", "no")
-        sampler = (DeviceSampler if on_device else Sampler)(params, self.n_vocab)
-        k = params.repeat_last_n        # tokens of history the penalties see (0 none, -1 all)
-        for t in (prompt[-k:] if k > 0 else prompt if k == -1 else prompt[:0]).tolist():
-            sampler.accept(t)            # the penalties see the prompt too (as llama.cpp's server does)
-        decoder = StreamDecoder(self.tokenizer, show=req.show_tokens)
-        guide = req.constraint.start() if req.constraint is not None else None   # strata.grammar: the token mask
-        stopper = StopMatcher(list(req.stop or []))
-        max_new = req.max_tokens if req.max_tokens is not None else self.n_ctx
-        st = self.seq
-        finish = None
-        stopped_by: str | None = None
-        toks: list[int] = []
-        trailing = ""
-        try:
-            while True:
-                if logits is None:            # cancelled while reading the prompt
-                    finish = "cancelled"
-                    break
-                if len(toks) >= max_new:
-                    finish = "length"
-                    break
-                if req.cancel.is_set():
-                    finish = "cancelled"
-                    break
-                if guide is not None:
-                    logits = guide.apply(logits)
-                res = sampler.sample(logits)
-                tok = int(res.token_id)
-                sampler.accept(tok)
-                if guide is not None:
-                    guide.accept(tok)
-                toks.append(tok)
-                if tok in self.eog_ids and not req.ignore_eos:
-                    finish = "stop"
-                    stopped_by = self.tokenizer.decode([tok], special=True)
-                    break
-                lp = top = None
-                if want_lp:
-                    lp = res.logprob
-                    top = [(i, self.tokenizer.decode([i], special=True), v) for i, v in (res.top_logprobs or [])]
-                text, hit = stopper.feed(decoder.feed(tok))
-                yield TokenEvent(tok, text, lp, top, index=index)
-                if hit:
-                    finish = "stop"
-                    stopped_by = stopper.matched
-                    break
-                if len(toks) >= max_new or n + len(toks) >= self.n_ctx:
-                    finish = "length"      # max_tokens, or the context is full (total tokens = n_ctx)
-                    break
-                if req.cancel.is_set():
-                    finish = "cancelled"
-                    break
-                logits = st.forward(np.asarray([tok], dtype=np.int32), on_device=on_device)
-            if not stopper.stopped:         # a stop string's tail and what follows it are dropped
-                # a character the last token left incomplete (max_tokens, cancel) is dropped, never sent as U+FFFD
-                tail, _ = stopper.feed(decoder.flush(drop_incomplete=True))
-                trailing = tail + stopper.flush()
-                if stopper.stopped and finish != "cancelled":   # the held-back text held a stop string
-                    finish, stopped_by = "stop", stopper.matched
-        except GeneratorExit:         # the consumer closed the iterator (client went away): a cancel
-            raise
-        except BaseException:
-            # an error inside a forward call may leave a layer's K/V half written: start over next time
-            self._forget_live()
-            raise
-        finally:
-            if guide is not None:
-                guide.close()
-            self.requests += index == 0
-            if _env_flag("STRATA_STATE_HASH"):
-                h = st.hashes()
-                log.info("state_hash", pos=st.pos, **{k: v for k, v in h.items() if ".L" not in k})
-        return finish, toks, trailing, stopped_by
+    # ---- conversations held apart: parking and session files (strata.engine.parking) ------------------
+    def slot_save(self, slot_id: int = 0, filename=None, **_ignored) -> dict[str, Any]:
+        """Save the slot's conversation (with its checkpoints) to --slot-save-path/filename, atomically
+        (llama-server's POST /slots/{id}?action=save). SessionError / ValueError (one line), nothing written."""
+        self._check_slot(slot_id)
+        path = self.conversations.session_path(filename)
+        with self._lock:
+            return self.conversations.save(path, filename)
+
+    def slot_restore(self, slot_id: int = 0, filename=None, **_ignored) -> dict[str, Any]:
+        """Restore the slot's conversation from --slot-save-path/filename (llama-server's POST
+        /slots/{id}?action=restore): the file is read under the live engine's limits and every part validated
+        before anything is written; on any error the live conversation is exactly as it was."""
+        self._check_slot(slot_id)
+        path = self.conversations.session_path(filename, exists=True)
+        with self._lock:
+            return self.conversations.load(path, filename)
+
+    @staticmethod
+    def _check_slot(slot_id) -> None:
+        if str(slot_id) != "0":
+            raise ValueError(f"slot {slot_id} does not exist: this engine has one slot (0)")
+
+    def parked(self) -> list[dict]:
+        """The parked conversations for `stratactl cache` (tokens, bytes, tier, checkpoints, last use)."""
+        return self.conversations.parked()
 
     # ---- visibility ------------------------------------------------------------------------------
     def unavailable(self) -> str | None:
@@ -694,68 +394,12 @@ class Engine:
         return {"id_slot": 0, "n_erased": n}
 
     def status(self) -> dict[str, Any]:
-        """Engine status for `stratactl status` (JSON-ready): model, arch, n_ctx, the stages (carve, device, runner,
-        memory), KV pages used/total over all stages, the live sequence's position and state bytes, checkpoints,
-        cache counters, memory in bytes."""
-        cps = self.checkpoints()
-        stages = [st.status() for st in self.stages]
-        kvs = [m for s in stages for k, m in s["memory"].items() if k in ("kv", "draft")]
-        main_kv = [s["memory"]["kv"] for s in stages if "kv" in s["memory"]]
-        return {
-            "model": self.model_name, "path": self.model_path, "arch": self.arch, "device": self.device,
-            "kv": self.kv, "n_ctx": self.n_ctx, "ubatch": self.ubatch, "threads": self.threads, "n_vocab": self.n_vocab,
-            "n_layer": self.config.n_layer,
-            "stages": stages,
-            "pos": self.seq.pos,
-            "kv_pages": {"used": sum(m["pages_used"] for m in main_kv), "total": sum(m["pages_total"] for m in main_kv),
-                         "page_size": main_kv[0]["page_size"] if main_kv else 0},
-            "state_bytes": int(self.seq.nbytes()),
-            "prompt_cache": self.prompt_cache,
-            "checkpoints": cps,
-            "checkpoint_bytes": int(sum(int(c.get("bytes", 0) or 0) for c in cps)),
-            "cache_stats": self.cache.stats(),
-            "parked": self.parked(),
-            "park_stats": dict(self.park.stats) if self.park is not None else None,
-            "disk_stats": dict(self.disk.stats) if self.disk is not None else None,
-            "conversation_cache_bytes": self.park.budget if self.park is not None else 0,
-            "memory": {"weights_bytes": int(self.file.nbytes), "kv_pool_bytes": int(sum(m["bytes"] for m in kvs)),
-                       "rss_bytes": _rss_bytes()},
-            "requests": self.requests,
-            "busy": self._lock.locked(),
-            "load_ms": round(self.load_ms, 1),
-        }
-
+        """Engine status for `stratactl status` (JSON-ready; strata.engine.report.engine_status)."""
+        return report.engine_status(self, busy=self._lock.locked())
 
     def device_info(self) -> dict[str, Any]:
-        """The "device" object of /status: name (the devices, comma-joined), kind, the model's weight bytes (GGUF
-        tensor bytes), the KV cache type ("f32" on the CPU, "f16" / "q8_0" on CUDA), the KV page pools' bytes
-        (allocated; in pages held) and the live sequence's state bytes (its valid K/V positions and, for hybrid
-        models, its running state: kv_valid_bytes), over all stages; on CUDA also each
-        device's total / free / used bytes (cudaMemGetInfo) and CuPy's memory pool used / total bytes, summed over
-        the distinct devices."""
-        names = list(dict.fromkeys(st.device for st in self.stages))
-        d: dict[str, Any] = {"name": ",".join(names), "kind": "cuda" if names[0].startswith("cuda") else names[0],
-                             "weights_bytes": int(self.file.nbytes), "kv": self.kv}
-        mems = [st.status()["memory"] for st in self.stages]
-        kvs = [m[k] for m in mems for k in ("kv", "draft") if k in m]
-        d["kv_pool_bytes"] = int(sum(k["bytes"] for k in kvs))
-        d["kv_used_bytes"] = int(sum(k["bytes"] * k["pages_used"] // max(1, k["pages_total"]) for k in kvs))
-        d["kv_valid_bytes"] = int(self.seq.nbytes() - 4 * self.seq.pos)
-        seen: set[str] = set()
-        for st in self.stages:
-            if st.device in seen:
-                continue
-            seen.add(st.device)
-            try:
-                info = st.memory_info()
-            except Exception as e:  # noqa: BLE001 -- a status read must not fail the route
-                d["error"] = f"{type(e).__name__}: {e}"
-                continue
-            for k, v in info.items():
-                d[k] = int(d.get(k, 0)) + int(v)
-        if "device_total_bytes" in d and "device_free_bytes" in d:
-            d["device_used_bytes"] = int(d["device_total_bytes"]) - int(d["device_free_bytes"])
-        return d
+        """The "device" object of /status (strata.engine.report.device_info)."""
+        return report.device_info(self)
 
 
 # ---- helpers -------------------------------------------------------------------------------------
@@ -766,14 +410,6 @@ def default_conversation_cache_mib() -> int:
         return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4 // (1024 * 1024))
     except (ValueError, OSError):
         return 0
-
-
-def _rss_bytes() -> int | None:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def parse_device(device) -> tuple[str, int]:
@@ -794,3 +430,4 @@ def _make_template(f, tokenizer):
         return ChatTemplate.from_gguf(f.metadata, tokenizer), None
     except ValueError as e:
         return None, str(e)
+

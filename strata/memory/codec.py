@@ -111,6 +111,26 @@ def read_exact(io: BinaryIO, n: int, what: str, error: type[ValueError] = Format
     return b
 
 
+def read_json_header(io: BinaryIO, hlen: int, hcrc: int, *, max_header: int = MAX_HEADER, name: str = "state part",
+                     thing: str = "part", error: type[ValueError] = FormatError, why: bool = True) -> dict[str, Any]:
+    """The JSON header that follows a fixed header declaring its length `hlen` and CRC-32 `hcrc`: the length checked
+    (1 .. max_header) before it is read, the bytes read and checked against the CRC, parsed as a JSON object.
+    Every refusal is `error` with a one-line message naming the `name` ("{name} header ..."; the reading's, "the
+    {thing} ends inside its header"); why: add the JSON parser's reason to "is not JSON"."""
+    if not 0 < hlen <= max_header:
+        raise error(f"{name} header length {hlen} is outside 1..{max_header}")
+    head = read_exact(io, hlen, "header", error, thing)
+    if zlib.crc32(head) != hcrc:
+        raise error(f"{name} header checksum mismatch (the header is corrupt)")
+    try:
+        header = json.loads(head.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise error(f"{name} header is not JSON" + (f": {str(e).splitlines()[0][:120]}" if why else "")) from None
+    if not isinstance(header, dict):
+        raise error(f"{name} header is not a JSON object")
+    return header
+
+
 def read(io: BinaryIO, expect: Callable[[dict], list[tuple[str, tuple[int, ...], np.dtype]]]
          ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """Read one part -> (header, {name: array}). `expect(header)` returns the arrays the reader's stage expects
@@ -122,17 +142,7 @@ def read(io: BinaryIO, expect: Callable[[dict], list[tuple[str, tuple[int, ...],
         raise FormatError(f"state part format version {version} is not supported (this build reads {VERSION})")
     if flags != 0:
         raise FormatError(f"unknown state part flags {flags:#06x}")
-    if not 0 < hlen <= MAX_HEADER:
-        raise FormatError(f"state part header length {hlen} is outside 1..{MAX_HEADER}")
-    head = read_exact(io, hlen, "header")
-    if zlib.crc32(head) != hcrc:
-        raise FormatError("state part header checksum mismatch (the header is corrupt)")
-    try:
-        header = json.loads(head.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise FormatError(f"state part header is not JSON: {str(e).splitlines()[0][:120]}") from None
-    if not isinstance(header, dict):
-        raise FormatError("state part header is not a JSON object")
+    header = read_json_header(io, hlen, hcrc)
     table = header.get("arrays")
     if not isinstance(table, list) or not all(
             isinstance(r, list) and len(r) == 3 and isinstance(r[0], str) and isinstance(r[1], str)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from strata.serve.app import _next
+from strata.serve.handling import next_event
 
 
 @dataclass
@@ -36,7 +36,7 @@ class AnswerBlocks:
 
     async def events(self, job):
         while True:
-            ev = await _next(job)
+            ev = await next_event(job)
             if hasattr(ev, "finish_reason"):
                 deltas = self.answer.feed(ev.text or "") + self.answer.finish()
                 out = self._feed(deltas) + self._close()

@@ -136,7 +136,7 @@ def run(args) -> int:
     import structlog
     import uvloop
 
-    from strata.serve.app import ServeConfig
+    from strata.serve.config import ServeConfig
     from strata.serve.server import StartupError, serve
 
     log = structlog.get_logger("strata.serve")

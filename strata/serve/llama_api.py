@@ -13,8 +13,9 @@ from aiohttp import web
 
 from strata import __version__
 from strata.serve import schema, structured
-from strata.serve.app import WORKER_KEY, _engine, _json, _read_body
+from strata.serve.config import WORKER_KEY
 from strata.serve.errors import ApiError
+from strata.serve.handling import engine_of, json_response, read_body
 
 # HTTP status -> llama-server's error type (tools/server: format_error_response)
 LLAMA_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -80,8 +81,8 @@ async def tokenize(request: web.Request) -> web.Response:
     """POST /tokenize {content: str | [str | id, ...], add_special=false, parse_special=true, with_pieces=false}
     -> {"tokens": [id, ...]} or {"tokens": [{"id", "piece"}, ...]}. In an array, ids pass through and only the first
     element may get BOS (llama-server's tokenize_mixed)."""
-    body = await _read_body(request)
-    engine = _engine(request)
+    body = await read_body(request)
+    engine = engine_of(request)
     tok = engine.tokenizer
     content = body.get("content")
     if content is None:
@@ -113,19 +114,19 @@ async def tokenize(request: web.Request) -> web.Response:
     except ValueError as e:              # a lone surrogate: no UTF-8, so no tokens
         raise _bad(f"'content': {e}") from None
     if with_pieces:
-        return _json({"tokens": [{"id": i, "piece": _piece(tok, i)} for i in ids]})
-    return _json({"tokens": ids})
+        return json_response({"tokens": [{"id": i, "piece": _piece(tok, i)} for i in ids]})
+    return json_response({"tokens": ids})
 
 
 @_llama_errors
 async def detokenize(request: web.Request) -> web.Response:
     """POST /detokenize {tokens: [id, ...]} -> {"content": text}: the tokens' pieces joined, special tokens as their
     text (llama-server's tokens_to_str); bytes that are not UTF-8 become U+FFFD."""
-    body = await _read_body(request)
-    engine = _engine(request)
+    body = await read_body(request)
+    engine = engine_of(request)
     tok = engine.tokenizer
     ids = _token_ids(body.get("tokens", []), "tokens", tok.n_vocab)
-    return _json({"content": tok.decode(ids, special=True)})
+    return json_response({"content": tok.decode(ids, special=True)})
 
 
 @_llama_errors
@@ -133,9 +134,9 @@ async def apply_template(request: web.Request) -> web.Response:
     """POST /apply-template {messages, tools?, add_generation_prompt?} (as /v1/chat/completions takes them) ->
     {"prompt": text}: the prompt the chat route would read (tools as it gives them to the model, the generic
     family's system prompt included), nothing generated."""
-    body = await _read_body(request)
+    body = await read_body(request)
     p = schema.parse_chat(body)
-    engine = _engine(request)
+    engine = engine_of(request)
     if engine.template is None:
         raise _bad(f"{engine.model_name} has no usable chat template ({engine._template_error})")
     agp = body.get("add_generation_prompt", True)
@@ -148,7 +149,7 @@ async def apply_template(request: web.Request) -> web.Response:
                                                       **plan.template_kwargs))
     except ValueError as e:
         raise _bad(f"the chat template refused the messages: {e}") from None
-    return _json({"prompt": text})
+    return json_response({"prompt": text})
 
 
 @_llama_errors
@@ -158,7 +159,7 @@ async def props(request: web.Request) -> web.Response:
     from dataclasses import fields
 
     from strata.sampling import SamplingParams
-    engine = _engine(request)
+    engine = engine_of(request)
     w = request.app[WORKER_KEY]
     tok = engine.tokenizer
     d = {f.name: f.default for f in fields(SamplingParams)}
@@ -168,7 +169,7 @@ async def props(request: web.Request) -> web.Response:
               "frequency_penalty": d["frequency_penalty"], "stop": [], "max_tokens": -1, "n_probs": 0,
               "samplers": ["penalties", "top_k", "top_p", "min_p", "temperature"]}
     tmpl = engine.template
-    return _json({
+    return json_response({
         "default_generation_settings": {"id": 0, "id_task": -1, "n_ctx": engine.n_ctx, "speculative": False,
                                         "is_processing": w.running is not None, "params": params},
         "total_slots": 1,

@@ -2,10 +2,9 @@
 
 A request is translated into a chat request (system and content blocks -> messages, tool_use blocks -> tool_calls,
 tool_result blocks -> tool messages, tools' input_schema -> parameters, tool_choice auto / any / tool / none,
-output_config.format -> response_format) and
-answered by app.generate_chat; the answer's blocks (strata.serve.answer_blocks) become `thinking`, `text` and
-`tool_use` content blocks. Errors, on these routes the middleware's too (a bad key, an unknown method), are
-Anthropic's: {"type": "error", "error": {"type", "message"}}.
+output_config.format -> response_format) and answered by completions_api.generate_chat; the answer's blocks
+(strata.serve.answer_blocks) become `thinking`, `text` and `tool_use` content blocks. Errors, on these routes the
+middleware's too (a bad key, an unknown method), are Anthropic's: {"type": "error", "error": {"type", "message"}}.
 """
 from __future__ import annotations
 
@@ -17,8 +16,11 @@ from aiohttp import web
 
 from strata.serve import schema
 from strata.serve.answer_blocks import AnswerBlocks, Block
-from strata.serve.app import ERROR_SHAPES_KEY, _json, _read_body, _strata_obj, _timings, generate_chat, render_chat
+from strata.serve.completions_api import generate_chat, render_chat, strata_of, timings_of
+from strata.serve.config import ERROR_SHAPES_KEY
 from strata.serve.errors import ApiError, renamed
+from strata.serve.fields import bad_field as _bad, each_object, part_text, text_of, unsupported_field as _unsupported
+from strata.serve.handling import json_response, read_body
 from strata.serve.sse import send_events
 
 # HTTP status -> Anthropic's error type (https://docs.anthropic.com/en/api/errors)
@@ -33,48 +35,24 @@ def anthropic_error(e: ApiError) -> dict:
     return {"type": "error", "error": {"type": ERROR_TYPES.get(e.status, "api_error"), "message": e.message}}
 
 
-def _bad(param: str, msg: str, code: str = "invalid_value") -> ApiError:
-    return ApiError(400, f"'{param}' {msg}", param=param, code=code)
-
-
-def _unsupported(param: str, msg: str) -> ApiError:
-    return _bad(param, msg, "unsupported_value")
-
-
-def _text_blocks(content, where: str, what: str = "text blocks") -> str:
+def _text_blocks(content, where: str) -> str:
     """A string, or an array of text blocks, as one text."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise _bad(where, f"must be a string or an array of {what}, got {schema._tname(content)}")
-    out = []
-    for j, b in enumerate(content):
-        if not isinstance(b, dict):
-            raise _bad(f"{where}[{j}]", f"must be an object, got {schema._tname(b)}")
-        if b.get("type") != "text":
-            raise _unsupported(f"{where}[{j}].type", f"is {b.get('type')!r}: only text blocks are read here")
-        if not isinstance(b.get("text"), str):
-            raise _bad(f"{where}[{j}].text", "must be a string")
-        out.append(b["text"])
-    return "".join(out)
+    return text_of(content, where, types=("text",), array_of="text blocks", type_at=".type",
+                   refused=lambda t: f"is {t!r}: only text blocks are read here")
 
 
 def _user_messages(content: list, where: str) -> list[dict]:
     """A user turn's blocks as chat messages: each tool_result a tool message, each run of text blocks a user
     message, in their order."""
     out: list[dict] = []
-    for j, b in enumerate(content):
-        at = f"{where}[{j}]"
-        if not isinstance(b, dict):
-            raise _bad(at, f"must be an object, got {schema._tname(b)}")
+    for at, b in each_object(content, where):
         t = b.get("type")
         if t == "text":
-            if not isinstance(b.get("text"), str):
-                raise _bad(f"{at}.text", "must be a string")
+            text = part_text(b, at)
             if out and out[-1]["role"] == "user":
-                out[-1]["content"] += b["text"]
+                out[-1]["content"] += text
             else:
-                out.append({"role": "user", "content": b["text"]})
+                out.append({"role": "user", "content": text})
         elif t == "tool_result":
             if not isinstance(b.get("tool_use_id"), str):
                 raise _bad(f"{at}.tool_use_id", "must be a string")
@@ -89,15 +67,10 @@ def _assistant_message(content: list, where: str) -> dict:
     """An assistant turn's blocks as one chat message: text joined, tool_use blocks as tool_calls; thinking blocks
     are left out (templates drop earlier turns' reasoning)."""
     text, calls = [], []
-    for j, b in enumerate(content):
-        at = f"{where}[{j}]"
-        if not isinstance(b, dict):
-            raise _bad(at, f"must be an object, got {schema._tname(b)}")
+    for at, b in each_object(content, where):
         t = b.get("type")
         if t == "text":
-            if not isinstance(b.get("text"), str):
-                raise _bad(f"{at}.text", "must be a string")
-            text.append(b["text"])
+            text.append(part_text(b, at))
         elif t == "tool_use":
             for key in ("id", "name"):
                 if not isinstance(b.get(key), str):
@@ -124,10 +97,7 @@ def _messages(msgs) -> list[dict]:
     if not isinstance(msgs, list) or not msgs:
         raise _bad("messages", "must be a non-empty array of messages")
     out: list[dict] = []
-    for i, m in enumerate(msgs):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise _bad(where, f"must be an object, got {schema._tname(m)}")
+    for where, m in each_object(msgs, "messages"):
         role, content = m.get("role"), m.get("content")
         if role not in ("user", "assistant"):
             raise _bad(f"{where}.role", f"must be 'user' or 'assistant', got {role!r} (the system prompt is 'system')")
@@ -151,11 +121,9 @@ def _tools(tools) -> list[dict] | None:
     if not isinstance(tools, list):
         raise _bad("tools", f"must be an array of tool objects, got {schema._tname(tools)}")
     out = []
-    for i, t in enumerate(tools):
-        if not isinstance(t, dict):
-            raise _bad(f"tools[{i}]", f"must be an object, got {schema._tname(t)}")
+    for at, t in each_object(tools, "tools"):
         if t.get("type", "custom") != "custom":
-            raise _unsupported(f"tools[{i}].type", f"is {t.get('type')!r}: Strata runs client tools only (custom)")
+            raise _unsupported(f"{at}.type", f"is {t.get('type')!r}: Strata runs client tools only (custom)")
         fn = {"name": t.get("name"), "parameters": t.get("input_schema", {"type": "object"})}
         if "description" in t:
             fn["description"] = t["description"]
@@ -265,7 +233,7 @@ def _block(b: Block, done: bool) -> dict:
     return {"type": "text", "text": b.text if done else ""}
 
 
-def _usage(ab: AnswerBlocks) -> dict:
+def usage_of(ab: AnswerBlocks) -> dict:
     """Anthropic's usage: input_tokens are the prompt tokens read, cache_read_input_tokens those the cache gave."""
     f = ab.final
     cached = int(f.timings.get("cache_n", 0) or 0)
@@ -288,8 +256,8 @@ class _Message:
         if done:
             d["content"] = [_block(b, True) for b in self.ab.blocks]
             d["stop_reason"], d["stop_sequence"] = stop_reason(self.ab, self.p)
-            d["usage"] = _usage(self.ab)
-            d["timings"], d["strata"] = _timings(self.ab.final), _strata_obj(self.ab.final)
+            d["usage"] = usage_of(self.ab)
+            d["timings"], d["strata"] = timings_of(self.ab.final), strata_of(self.ab.final)
         return d
 
     async def stream(self, job):
@@ -329,13 +297,13 @@ async def _respond(request, engine, p, job, answers):
         return await send_events(request, job, m.stream(job), _failed)
     async for _ in m.ab.events(job):
         pass
-    return _json(m.obj(True))
+    return json_response(m.obj(True))
 
 
 # ------------------------------------------------------------------------------------------------ routes
 async def create_message(request: web.Request) -> web.StreamResponse:
     """POST /v1/messages."""
-    body = await _read_body(request)
+    body = await read_body(request)
     try:
         p = parse(body)
         return await generate_chat(request, p, respond=_respond)
@@ -346,12 +314,12 @@ async def create_message(request: web.Request) -> web.StreamResponse:
 async def count_tokens(request: web.Request) -> web.Response:
     """POST /v1/messages/count_tokens: the prompt's tokens as the template renders it (tools included), nothing
     generated."""
-    body = await _read_body(request)
+    body = await read_body(request)
     try:
         _engine, _plan, rendered = await render_chat(request, parse(body, count_only=True))
     except ApiError as e:
         raise _renamed(e) from None
-    return _json({"input_tokens": len(rendered.tokens)})
+    return json_response({"input_tokens": len(rendered.tokens)})
 
 
 def add_routes(app: web.Application) -> None:

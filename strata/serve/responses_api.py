@@ -1,11 +1,11 @@
 """OpenAI's Responses API on the chat route's path: POST /v1/responses (JSON or SSE), GET and DELETE /v1/responses/{id}.
 
 A request is translated into a chat request (input items -> messages, function tools -> chat tools, text.format ->
-response_format) and answered by app.generate_chat; the answer's blocks (strata.serve.answer_blocks) become output
-items: `reasoning`, `message` (output_text) and `function_call`. Responses are kept (unless `store` is false) in a
-bounded in-memory store, least recently used dropped first, for `previous_response_id`: the conversation so far is
-sent again through the template, so the engine resumes from its live sequence or a checkpoint. Errors are OpenAI
-error objects, with the Responses API's field names.
+response_format) and answered by completions_api.generate_chat; the answer's blocks (strata.serve.answer_blocks) become
+output items: `reasoning`, `message` (output_text) and `function_call`. Responses are kept (unless `store` is false) in
+a bounded in-memory store, least recently used dropped first, for `previous_response_id`: the conversation so far is
+sent again through the template, so the engine resumes from its live sequence or a checkpoint. Errors are OpenAI error
+objects, with the Responses API's field names.
 """
 from __future__ import annotations
 
@@ -21,8 +21,11 @@ from aiohttp import web
 from strata.sampling import SamplingParams
 from strata.serve import schema
 from strata.serve.answer_blocks import AnswerBlocks, Block
-from strata.serve.app import CONFIG_KEY, _json, _read_body, _strata_obj, _timings, generate_chat
+from strata.serve.completions_api import generate_chat, strata_of, timings_of
+from strata.serve.config import CONFIG_KEY
 from strata.serve.errors import ApiError, renamed
+from strata.serve.fields import bad_field as _bad, each_object, text_of, unsupported_field as _unsupported
+from strata.serve.handling import json_response, read_body
 from strata.serve.sse import send_events
 
 INPUT_ROLES = ("user", "assistant", "system", "developer")
@@ -65,14 +68,6 @@ class ResponseStore:
 STORE_KEY = web.AppKey("responses_store", ResponseStore)
 
 
-def _bad(param: str, msg: str, code: str = "invalid_value") -> ApiError:
-    return ApiError(400, f"'{param}' {msg}", param=param, code=code)
-
-
-def _unsupported(param: str, msg: str) -> ApiError:
-    return _bad(param, msg, "unsupported_value")
-
-
 def _not_found(rid: str, param: str | None = None) -> ApiError:
     return ApiError(404, f"response {rid!r} not found: it was never stored (store false), was deleted, or was dropped "
                          f"from the store (--responses-store keeps the most recent)", param=param,
@@ -92,21 +87,8 @@ class ResponsesRequest:
 
 def _text(content, where: str) -> str:
     """A message's or an output's content: a string, or an array of text parts (input_text / output_text)."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise _bad(where, f"must be a string or an array of input_text parts, got {schema._tname(content)}")
-    out = []
-    for j, part in enumerate(content):
-        if not isinstance(part, dict):
-            raise _bad(f"{where}[{j}]", f"must be an object, got {schema._tname(part)}")
-        if part.get("type") not in TEXT_PARTS:
-            raise _unsupported(f"{where}[{j}]", f"has type {part.get('type')!r}: Strata reads text parts only "
-                                                f"({', '.join(TEXT_PARTS[:2])})")
-        if not isinstance(part.get("text"), str):
-            raise _bad(f"{where}[{j}].text", "must be a string")
-        out.append(part["text"])
-    return "".join(out)
+    return text_of(content, where, types=TEXT_PARTS, array_of="input_text parts", type_at="",
+                   refused=lambda t: f"has type {t!r}: Strata reads text parts only ({', '.join(TEXT_PARTS[:2])})")
 
 
 def _str_field(item: dict, key: str, where: str) -> str:
@@ -126,10 +108,7 @@ def input_messages(inp) -> list[dict]:
     if not isinstance(inp, list) or not inp:
         raise _bad("input", "must be a string or a non-empty array of input items")
     out: list[dict] = []
-    for i, item in enumerate(inp):
-        where = f"input[{i}]"
-        if not isinstance(item, dict):
-            raise _bad(where, f"must be an object, got {schema._tname(item)}")
+    for where, item in each_object(inp, "input"):
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "message":
             role = item.get("role")
@@ -165,11 +144,9 @@ def _tools(tools) -> list[dict] | None:
     if not isinstance(tools, list):
         raise _bad("tools", f"must be an array of tool objects, got {schema._tname(tools)}")
     out = []
-    for i, t in enumerate(tools):
-        if not isinstance(t, dict):
-            raise _bad(f"tools[{i}]", f"must be an object, got {schema._tname(t)}")
+    for at, t in each_object(tools, "tools"):
         if t.get("type") != "function":
-            raise _unsupported(f"tools[{i}].type", f"is {t.get('type')!r}: Strata runs function tools only")
+            raise _unsupported(f"{at}.type", f"is {t.get('type')!r}: Strata runs function tools only")
         out.append({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters", "strict")
                                                      if k in t}})
     return out
@@ -307,7 +284,7 @@ class _Response:
                           "output_tokens": u["completion_tokens"],
                           "output_tokens_details": {"reasoning_tokens": ab.reasoning_tokens},
                           "total_tokens": u["total_tokens"]}
-            d["timings"], d["strata"] = _timings(f), _strata_obj(f)
+            d["timings"], d["strata"] = timings_of(f), strata_of(f)
             if status == "incomplete":
                 d["incomplete_details"] = {"reason": "max_output_tokens"}
         return d
@@ -387,13 +364,13 @@ async def _respond(req: ResponsesRequest, store: ResponseStore, request, engine,
         return await send_events(request, job, r.stream(job), r.failed)
     async for _ in r.ab.events(job):
         pass
-    return _json(r.done())
+    return json_response(r.done())
 
 
 # ------------------------------------------------------------------------------------------------ routes
 async def create_response(request: web.Request) -> web.StreamResponse:
     """POST /v1/responses."""
-    body = await _read_body(request)
+    body = await read_body(request)
     store = request.app[STORE_KEY]
     try:
         req = parse(body, store)
@@ -408,7 +385,7 @@ async def get_response(request: web.Request) -> web.Response:
     entry = request.app[STORE_KEY].get(rid)
     if entry is None:
         raise _not_found(rid)
-    return _json(entry[0])
+    return json_response(entry[0])
 
 
 async def delete_response(request: web.Request) -> web.Response:
@@ -416,7 +393,7 @@ async def delete_response(request: web.Request) -> web.Response:
     rid = request.match_info["id"]
     if not request.app[STORE_KEY].delete(rid):
         raise _not_found(rid)
-    return _json({"id": rid, "object": "response", "deleted": True})
+    return json_response({"id": rid, "object": "response", "deleted": True})
 
 
 def add_routes(app: web.Application) -> None:

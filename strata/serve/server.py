@@ -13,7 +13,8 @@ from typing import Any, Callable
 import structlog
 from aiohttp import web
 
-from strata.serve.app import ServeConfig, format_hostport, make_app
+from strata.serve.app import make_app
+from strata.serve.config import ServeConfig, format_hostport
 from strata.serve.errors import ApiError
 from strata.serve.metrics import Metrics
 from strata.serve.notify import sd_notify

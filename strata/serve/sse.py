@@ -6,7 +6,7 @@ import json
 import structlog
 from aiohttp import web
 
-from strata.serve.app import WORKER_KEY
+from strata.serve.config import WORKER_KEY
 from strata.serve.errors import ApiError
 
 log = structlog.get_logger("strata.serve")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from strata.memory import PartMismatch, StatePart
-from strata.memory.memory import with_field_hashes
+from strata.memory.host import with_field_hashes
 from strata.token_ids import as_ids, common_prefix, frozen_ids, is_prefix
 
 

@@ -1,0 +1,46 @@
+"""State arrays (numpy or CuPy) on the host: views and pinned copies of them, and the sha256 state hashes taken over
+them (per layer, then per field)."""
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import numpy as np
+
+
+def host_view(a: Any) -> np.ndarray:
+    """A numpy array of a numpy or CuPy array (a view where it can be)."""
+    return a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else np.asarray(a)
+
+
+def host_copy(a: Any) -> np.ndarray:
+    """A C-contiguous host copy of a numpy or CuPy array. A CuPy array lands in pinned (page-locked) host memory from
+    CuPy's pinned pool, so parking moves state at the bus's copy bandwidth and the copy back to the device is a
+    direct DMA."""
+    if isinstance(a, np.ndarray) or not hasattr(a, "get"):
+        return np.array(a, order="C")
+    import cupy
+    a = cupy.ascontiguousarray(a)
+    out = np.frombuffer(cupy.cuda.alloc_pinned_memory(max(1, a.nbytes)), a.dtype, a.size).reshape(a.shape)
+    a.get(out=out)
+    return out
+
+
+def sha_arrays(*arrays) -> str:
+    """sha256 over the arrays' bytes (C order, read on the host), in order."""
+    h = hashlib.sha256()
+    for a in arrays:
+        h.update(np.ascontiguousarray(host_view(a)).tobytes())
+    return h.hexdigest()
+
+
+def with_field_hashes(per_layer: dict[str, str]) -> dict[str, str]:
+    """Per-layer hashes ("kv.L3", "running.L0", ...) plus one hash per field over its layers in layer order ("kv",
+    "running", "draft"): a split and an unsplit model give the same keys and values."""
+    out = dict(per_layer)
+    for name in ("kv", "running", "draft"):
+        keys = sorted((k for k in per_layer if k.startswith(name + ".L")), key=lambda k: int(k.split(".L")[1]))
+        if keys:
+            out[name] = hashlib.sha256("".join(per_layer[k] for k in keys).encode()).hexdigest()
+    return out
+

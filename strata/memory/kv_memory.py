@@ -1,0 +1,150 @@
+"""KVMemory: a stage's attention K/V (or the MTP drafter's) in pages of a PagePool, behind the Memory interface."""
+from __future__ import annotations
+
+import numpy as np
+
+from strata.memory.host import sha_arrays
+from strata.memory.kv import KVCacheFull, PagedKV, PagePool
+from strata.memory.memory import Memory
+from strata.memory.part import Carve, KVPages, PartMismatch
+from strata.memory.sequence_state import SequenceState
+
+
+class KVMemory(Memory):
+    """Attention K/V in pages of `pool` (the carve's attention layers). `name` is the field: "kv" (the sequence's
+    page table, length == pos) or "draft" (the MTP drafter's, length <= pos)."""
+
+    def __init__(self, carve: Carve, pool: PagePool, name: str = "kv", identity: dict | None = None):
+        super().__init__(carve, identity)
+        bad = [li for li in pool.layers if li not in carve and name == "kv"]
+        if bad:
+            raise ValueError(f"KV layers {bad} are outside the carve {carve}")
+        self.pool = pool
+        self.name = name
+
+    def table(self, st: SequenceState) -> PagedKV:
+        return getattr(st, self.name)
+
+    def _open(self, st):
+        setattr(st, self.name, PagedKV(self.pool))
+
+    def _close(self, st):
+        self.table(st).release()
+
+    def _check_truncate(self, st, p):
+        pass
+
+    def _truncate(self, st, p):
+        t = self.table(st)
+        t.truncate(min(p, t.length))
+
+    def _reset(self, st):
+        self.table(st).truncate(0)
+
+    def _geometry(self, g):
+        pool = self.pool
+        g[self.name] = {"layers": list(pool.layers), "page_size": pool.page_size,
+                        "arrays": {n: [list(s), d.str] for n, (s, d) in pool.page_arrays().items()}}
+
+    def _pages_for(self, length: int) -> int:
+        return -(-int(length) // self.pool.page_size)
+
+    def _capture(self, st, part):
+        t = self.table(st)
+        part.kv[self.name] = KVPages(length=t.length, pages=tuple(t.pages[:self._pages_for(t.length)]))
+
+    def _check(self, part, st):
+        kvp = part.kv.get(self.name)
+        if kvp is None:
+            raise PartMismatch(f"the part has no {self.name!r} K/V, stage {self.carve} keeps it")
+        if self.name == "kv" and kvp.length != part.pos:
+            raise PartMismatch(f"the part's K/V length {kvp.length} != its position {part.pos}")
+        if not 0 <= kvp.length <= part.pos or kvp.length > self.pool.capacity_tokens:
+            raise PartMismatch(f"the part's {self.name} K/V length {kvp.length} does not fit "
+                               f"(position {part.pos}, pool of {self.pool.capacity_tokens} tokens)")
+        m = self._pages_for(kvp.length)
+        if kvp.is_prefix:
+            return
+        if kvp.is_reference:
+            if st is None:
+                return
+            t = self.table(st)
+            if tuple(t.pages[:m]) != tuple(kvp.pages or ()) or t.length < kvp.length:
+                raise PartMismatch(f"the part references {self.name} pages this sequence no longer holds "
+                                   f"(it holds {t.length} positions)")
+            return
+        want = {n: (tuple(s), d) for n, (s, d) in self.pool.page_arrays().items()}
+        if set(kvp.arrays) != set(want):
+            raise PartMismatch(f"the part's {self.name} arrays {sorted(kvp.arrays)} differ from the stage's")
+        ax = self.pool.page_axis
+        for n, (shape, dt) in want.items():
+            a = kvp.arrays[n]
+            exp = shape[:ax] + (m,) + shape[ax + 1:]
+            if tuple(a.shape) != exp or np.dtype(a.dtype) != dt:
+                raise PartMismatch(f"the part's {self.name} array {n} is {tuple(a.shape)} {np.dtype(a.dtype)}, "
+                                   f"expected {exp} {dt}")
+        if st is not None:
+            a = self.pool.allocator
+            t = self.table(st)
+            free = self.pool.n_free + sum(1 for p in t.pages if a.refcount(p) == 1)
+            if m > free:
+                raise KVCacheFull(f"KV cache full: restoring {kvp.length} {self.name} positions needs {m} pages, "
+                                   f"{free} can be freed")
+
+    def _restore(self, st, part):
+        kvp = part.kv[self.name]
+        t = self.table(st)
+        if kvp.is_reference:
+            t.truncate(kvp.length)
+            return
+        t.release()
+        m = self._pages_for(kvp.length)
+        t.reserve(kvp.length)                    # pages for [0, length); checked free above
+        self.pool.import_pages(t.pages[:m], kvp.arrays)
+        t.commit(kvp.length)
+
+    def _attach(self, st, part, out):
+        kvp, t = part.kv[self.name], self.table(st)
+        if t.length < kvp.length:
+            raise PartMismatch(f"the checkpoint's {self.name} K/V covers {kvp.length} positions, the sequence holds "
+                               f"{t.length}")
+        out.kv[self.name] = KVPages(length=kvp.length, pages=tuple(t.pages[:self._pages_for(kvp.length)]))
+
+    def _materialize(self, part, out):
+        kvp = part.kv[self.name]
+        if kvp.is_prefix:
+            out.kv[self.name] = KVPages(length=kvp.length)
+        elif kvp.is_reference:
+            out.kv[self.name] = KVPages(length=kvp.length, arrays=self.pool.export_pages(kvp.pages))
+        else:
+            out.kv[self.name] = KVPages(length=kvp.length, arrays={k: np.array(a) for k, a in kvp.arrays.items()})
+
+    def _expect(self, pos, lengths, out, prefix=()):
+        length = lengths.get(self.name)
+        if length is None:
+            raise PartMismatch(f"the part has no {self.name!r} K/V, stage {self.carve} keeps it")
+        if not 0 <= length <= pos or (self.name == "kv" and length != pos) or length > self.pool.capacity_tokens:
+            raise PartMismatch(f"the part's {self.name} K/V length {length} does not fit (position {pos}, "
+                               f"pool of {self.pool.capacity_tokens} tokens)")
+        if self.name in prefix:
+            return
+        m = self._pages_for(length)
+        ax = self.pool.page_axis
+        for n, (shape, dt) in sorted(self.pool.page_arrays().items()):
+            out.append((f"{self.name}.{n}", shape[:ax] + (m,) + shape[ax + 1:], dt))
+
+    def _hashes(self, st, out):
+        t = self.table(st)
+        for slot, layer in enumerate(self.pool.layers):
+            k, v = t.read(slot, t.length)
+            out[f"{self.name}.L{layer}"] = sha_arrays(k, v)
+
+    def _nbytes(self, st):
+        return self.table(st).nbytes()
+
+    def _stats(self, out):
+        pool = self.pool
+        out[self.name] = {"pages_used": pool.n_pages - pool.n_free, "pages_total": pool.n_pages,
+                          "page_size": pool.page_size, "layers": len(pool.layers),
+                          "bytes": pool.capacity_tokens * pool.bytes_per_token}
+

@@ -1,0 +1,95 @@
+"""RecurrentMemory: the running state of a stage's recurrent layers (it only moves forward), behind the Memory
+interface."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from strata.memory.host import sha_arrays
+from strata.memory.memory import Memory
+from strata.memory.part import Carve, PartMismatch
+
+
+class RecurrentMemory(Memory):
+    """Running state of the carve's recurrent layers: `init` is layer -> {name: zeroed array} (float32, numpy or
+    CuPy), the state every sequence starts from. A running state only moves forward: truncate refuses any
+    position but its own and 0 (restore a checkpoint instead)."""
+
+    def __init__(self, carve: Carve, init: dict[int, dict[str, Any]], xp: Any = np, identity: dict | None = None):
+        super().__init__(carve, identity)
+        bad = [li for li in init if li not in carve]
+        if bad:
+            raise ValueError(f"recurrent layers {bad} are outside the carve {carve}")
+        self.init = init
+        self.xp = xp            # the arrays' module (numpy, or CuPy on a GPU stage)
+
+    def _open(self, st):
+        st.running = {li: {k: a.copy() for k, a in d.items()} for li, d in self.init.items()}
+
+    def _close(self, st):
+        st.running = {}
+
+    def _check_truncate(self, st, p):
+        if self.init:
+            raise ValueError(f"cannot cut a recurrent running state back from {st.pos} to {p}; "
+                             "restore a checkpoint instead")
+
+    def _truncate(self, st, p):
+        pass
+
+    def _reset(self, st):
+        for li, d in self.init.items():
+            for k, a in d.items():
+                st.running[li][k][...] = a
+
+    def _geometry(self, g):
+        g["running"] = {str(li): {k: [list(a.shape), np.dtype(a.dtype).str] for k, a in sorted(d.items())}
+                        for li, d in sorted(self.init.items())}
+
+    def _capture(self, st, part):
+        part.running = {li: {k: a.copy() for k, a in d.items()} for li, d in st.running.items()}
+
+    def _check(self, part, st):
+        if set(part.running) != set(self.init):
+            raise PartMismatch(f"the part's running-state layers {sorted(part.running)} differ from stage "
+                               f"{self.carve}'s {sorted(self.init)}")
+        for li, d in self.init.items():
+            if set(part.running[li]) != set(d):
+                raise PartMismatch(f"the part's running state of layer {li} has {sorted(part.running[li])}, "
+                                   f"expected {sorted(d)}")
+            for k, a in d.items():
+                b = part.running[li][k]
+                if tuple(b.shape) != tuple(a.shape) or np.dtype(b.dtype) != np.dtype(a.dtype):
+                    raise PartMismatch(f"running state {li}/{k} is {tuple(b.shape)} {np.dtype(b.dtype)}, "
+                                       f"expected {tuple(a.shape)} {np.dtype(a.dtype)}")
+
+    def _restore(self, st, part):
+        for li, d in part.running.items():
+            for k, a in d.items():
+                dst = st.running[li][k]
+                dst[...] = self.xp.asarray(a)
+
+    def _materialize(self, part, out):
+        pass                                        # Memory.materialize copies the running state
+
+    def _attach(self, st, part, out):
+        out.running = {li: {k: self.xp.array(a) for k, a in d.items()} for li, d in part.running.items()}
+
+    def _expect(self, pos, lengths, out, prefix=()):
+        for li, d in sorted(self.init.items()):
+            for k, a in sorted(d.items()):
+                out.append((f"running.L{li}.{k}", tuple(a.shape), np.dtype(a.dtype)))
+
+    def _hashes(self, st, out):
+        for li in sorted(st.running):
+            d = st.running[li]
+            out[f"running.L{li}"] = sha_arrays(*(d[k] for k in sorted(d)))
+
+    def _nbytes(self, st):
+        return sum(int(a.nbytes) for d in st.running.values() for a in d.values())
+
+    def _stats(self, out):
+        out["running"] = {"layers": len(self.init),
+                          "bytes_per_sequence": sum(int(a.nbytes) for d in self.init.values() for a in d.values())}
+

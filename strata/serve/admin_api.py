@@ -1,0 +1,122 @@
+"""The routes about the daemon rather than a generation: /health, /v1/models[/{id}], /metrics, /status, /cache,
+/slots and POST /slots/{id}?action=save|restore|erase."""
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+
+from strata import __version__
+from strata.serve.config import CONFIG_KEY, METRICS_KEY, STARTED_KEY, WORKER_KEY
+from strata.serve.errors import ApiError
+from strata.serve.handling import as_api_error, check_model, engine_of, json_response, read_body, submit
+from strata.serve.metrics import CONTENT_TYPE
+from strata.serve.worker import EngineError
+
+SLOT_ACTIONS = ("save", "restore", "erase")
+
+
+async def health(request: web.Request) -> web.Response:
+    w = request.app[WORKER_KEY]
+    if w.engine is None:
+        return json_response({"status": "loading" if w.load_error is None else "error"}, 503)
+    why = w.engine.unavailable() if hasattr(w.engine, "unavailable") else None
+    if why:
+        return json_response({"status": "unavailable", "error": why}, 503)
+    return json_response({"status": "ok" if not w.closing else "stopping", "model": w.engine.model_name,
+                          "queue": {"running": int(w.running is not None), "waiting": w.waiting, "max": w.queue_max}},
+                         200 if not w.closing else 503)
+
+
+async def models(request: web.Request) -> web.Response:
+    engine = engine_of(request)
+    return json_response({"object": "list", "data": [_model_obj(request, engine)]})
+
+
+def _model_obj(request, engine) -> dict:
+    return {"id": engine.model_name, "object": "model", "created": int(request.app[STARTED_KEY]),
+            "owned_by": "strata", "meta": {"n_ctx": engine.n_ctx, "arch": getattr(engine, "arch", None),
+                                           "n_vocab": getattr(engine, "n_vocab", None),
+                                           "path": getattr(engine, "model_path", None)}}
+
+
+async def model_one(request: web.Request) -> web.Response:
+    engine = engine_of(request)
+    check_model(engine, request.match_info["model"])
+    return json_response(_model_obj(request, engine))
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[METRICS_KEY].render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+def _engine_status(engine) -> dict:
+    for _ in range(3):  # read from the loop while the engine thread may be appending checkpoints
+        try:
+            return engine.status()
+        except RuntimeError:
+            continue
+    return engine.status()
+
+
+async def status(request: web.Request) -> web.Response:
+    engine = engine_of(request)
+    w = request.app[WORKER_KEY]
+    cfg = request.app[CONFIG_KEY]
+    st = _engine_status(engine)
+    return json_response({
+        "version": __version__, "model": engine.model_name, "uptime_s": round(time.time() - request.app[STARTED_KEY], 1),
+        "stages": [{"stage": s["index"], "device": s["device"], "layers": [s["layer_lo"], s["layer_hi"]],
+                    "remote": "link" in s, "runner": s["runner"], "memory": s["memory"],
+                    **({"link": s["link"]} if "link" in s else {})} for s in st.get("stages", [])],
+        "queue": {"running": int(w.running is not None), "waiting": w.waiting, "max": w.queue_max},
+        "listen": {"socket": cfg.socket_path, "tcp": cfg.tcp_address()},
+        "device": engine.device_info(),
+        "engine": st,
+    })
+
+
+async def cache(request: web.Request) -> web.Response:
+    engine = engine_of(request)
+    st = _engine_status(engine)
+    return json_response({"prompt_cache": st.get("prompt_cache"), "checkpoint_bytes": st.get("checkpoint_bytes"),
+                          "pos": st.get("pos"), "checkpoints": st.get("checkpoints", []),
+                          "parked": st.get("parked", []),
+                          "conversation_cache_bytes": st.get("conversation_cache_bytes", 0)})
+
+
+async def slots(request: web.Request) -> web.Response:
+    engine = engine_of(request)
+    w = request.app[WORKER_KEY]
+    st = _engine_status(engine)
+    return json_response([{"id": 0, "n_ctx": engine.n_ctx, "is_processing": w.running is not None,
+                           "state": "processing" if w.running is not None else "idle", "pos": st.get("pos"),
+                           "model": engine.model_name, "checkpoints": len(st.get("checkpoints", []))}])
+
+
+async def slot_action(request: web.Request) -> web.Response:
+    engine = engine_of(request)
+    sid = request.match_info["slot"]
+    if not sid.isdigit():
+        raise ApiError(400, f"slot id must be a non-negative integer, got {sid!r}", param="id", code="invalid_value")
+    if int(sid) != 0:
+        raise ApiError(404, f"slot {int(sid)} does not exist: this daemon has one slot (0)", code="not_found")
+    action = request.query.get("action")
+    if action not in SLOT_ACTIONS:
+        raise ApiError(400, f"'action' must be one of {', '.join(SLOT_ACTIONS)}, got {action!r}", param="action",
+                       code="invalid_value")
+    body = {}
+    if request.can_read_body:
+        body = await read_body(request)
+    fn = getattr(engine, f"slot_{action}")
+    # llama-server's request shape: {"filename": ...} for save / restore; anything else in the body is ignored
+    kw = {"filename": body["filename"]} if action != "erase" and "filename" in body else {}
+    if action != "erase" and not kw:
+        raise ApiError(400, f"slot {action} needs a JSON body with \"filename\"", param="filename",
+                       code="invalid_value")
+    w = request.app[WORKER_KEY]
+    job = submit(w, lambda eng: fn(0, **kw), call=True, rid=request["rid"])
+    item = await job.events.get()
+    if isinstance(item, EngineError):
+        raise as_api_error(item)
+    return json_response(item[1] if isinstance(item[1], dict) else {"id": 0, "action": action, "result": item[1]})

@@ -1,0 +1,290 @@
+"""OpenAI's /v1/chat/completions and /v1/completions: a request rendered (chat), constrained, validated, queued on
+the engine worker and answered as JSON or SSE; generate_chat is also the path of the Responses and Messages routes."""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from strata import __version__
+from strata.engine.types import ContextOverflow, merge_choices
+from strata.serve import schema, structured
+from strata.serve.config import WORKER_KEY
+from strata.serve.errors import ApiError
+from strata.serve.handling import (as_api_error, check_model, json_response, next_event, read_body, serving_engine,
+                                   submit)
+from strata.serve.logprobs import LogprobsAcc
+from strata.serve.worker import EngineError
+
+log = structlog.get_logger("strata.serve")
+
+
+def _sampling(p: schema.ParsedRequest):
+    from strata.sampling import SamplingParams
+    try:
+        return SamplingParams(**p.sampling)
+    except (ValueError, TypeError) as e:
+        raise ApiError(400, f"bad sampling parameters: {e}", code="invalid_value") from None
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    body = await read_body(request)
+    return await generate_chat(request, schema.parse_chat(body))
+
+
+async def render_chat(request: web.Request, p: schema.ParsedRequest):
+    """A parsed chat request on the serving engine, rendered by its template: (engine, plan, rendered). The model is
+    checked first; a refusal of the template or a prompt too long to render is an ApiError naming 'messages'."""
+    engine = serving_engine(request)
+    check_model(engine, p.model)
+    plan = structured.plan_chat(engine, p)           # tools, reasoning, response_format (strata.serve.structured)
+    loop = asyncio.get_running_loop()
+    try:
+        rendered = await loop.run_in_executor(
+            None, lambda: engine.render_chat(plan.messages, tools=plan.tools, pin_message=plan.pin,
+                                             **plan.template_kwargs))
+    except ContextOverflow as e:         # too long to be worth rendering and tokenizing
+        raise ApiError(400, str(e), param="messages", code="context_length_exceeded") from None
+    except ValueError as e:
+        raise ApiError(400, f"the chat template refused the messages: {e}", param="messages",
+                       code="invalid_value") from None
+    structured.after_render(plan, rendered.text)
+    return engine, plan, rendered
+
+
+async def generate_chat(request: web.Request, p: schema.ParsedRequest, respond=None) -> web.StreamResponse:
+    """Answer a parsed chat request: rendered (render_chat), constrained, generated. respond(request, engine, p, job,
+    answers) sends the answer (default: the chat completion's JSON or SSE); the Responses and Messages routes pass
+    their own."""
+    engine, plan, rendered = await render_chat(request, p)
+    constraint = await asyncio.get_running_loop().run_in_executor(
+        None, lambda: structured.chat_constraint(engine, plan, structured.param_of(p)))
+    return await _generate(request, engine, p, list(rendered.tokens), list(rendered.cut_points), plan=plan,
+                           constraint=constraint, respond=respond)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    body = await read_body(request)
+    p = schema.parse_completion(body)
+    engine = serving_engine(request)
+    check_model(engine, p.model)
+    if isinstance(p.prompt, str):
+        text = p.prompt
+        try:
+            tokens = await asyncio.get_running_loop().run_in_executor(None, lambda: engine.tokenize_prompt(text))
+        except ContextOverflow as e:
+            raise ApiError(400, str(e), param="prompt", code="context_length_exceeded") from None
+        except ValueError as e:          # e.g. a lone surrogate: no UTF-8 encoding, so no tokens
+            raise ApiError(400, f"'prompt': {e}", param="prompt", code="invalid_value") from None
+    else:
+        tokens = p.prompt
+        n_vocab = getattr(engine, "n_vocab", None)
+        bad = _outside_vocab(tokens, n_vocab)
+        if bad is not None:
+            raise ApiError(400, f"'prompt' holds token id {bad} outside the vocabulary [0, {n_vocab})",
+                           param="prompt", code="invalid_value")
+    constraint = await asyncio.get_running_loop().run_in_executor(
+        None, lambda: structured.completion_constraint(engine, p))
+    return await _generate(request, engine, p, list(tokens), [], constraint=constraint)
+
+
+def _outside_vocab(tokens: list[int], n_vocab: int | None) -> int | None:
+    """The first token id below 0 or (when n_vocab is known) not below n_vocab, or None. min / max run in C: only
+    a prompt that holds such an id is looked through token by token."""
+    if min(tokens) >= 0 and (n_vocab is None or max(tokens) < n_vocab):
+        return None
+    return next(t for t in tokens if t < 0 or (n_vocab is not None and t >= n_vocab))
+
+
+async def _generate(request: web.Request, engine, p: schema.ParsedRequest, tokens: list[int],
+                    cut_points: list, plan: structured.ChatPlan | None = None,
+                    constraint=None, respond=None) -> web.StreamResponse:
+    from strata.engine.types import GenerationRequest
+    from strata.token_ids import as_ids          # one conversion: validate and generate read it as it is
+
+    n_ctx = engine.n_ctx
+    if len(tokens) >= n_ctx:
+        raise ApiError(400, f"the prompt has {len(tokens)} tokens but the context holds {n_ctx} (at most "
+                            f"{n_ctx - 1} prompt tokens, leaving room for one generated token)",
+                       param="messages" if p.kind == "chat" else "prompt", code="context_length_exceeded")
+    if not tokens:
+        raise ApiError(400, "the prompt is empty: at least one token is needed", param="prompt",
+                       code="invalid_value")
+    try:
+        greq = GenerationRequest(prompt_tokens=as_ids(tokens), cut_points=cut_points, sampling=_sampling(p),
+                                 max_tokens=p.max_tokens, stop=p.stop,
+                                 logprobs=p.top_logprobs if p.logprobs else None,
+                                 cache_prompt=p.cache_prompt, checkpoint=p.checkpoint, n=p.n,
+                                 cancel=threading.Event(),
+                                 constraint=constraint, show_tokens=plan.show_tokens if plan else frozenset())
+        engine.validate(greq)              # refused now rather than after the queue (max_tokens past n_ctx_train, ...)
+    except ValueError as e:
+        raise as_api_error(EngineError(e)) from None
+    w = request.app[WORKER_KEY]
+    job = submit(w, greq, rid=request["rid"])
+    log.debug("queued", prompt_tokens=len(tokens), waiting=w.waiting, stream=p.stream)
+    done = False
+    try:
+        answers = [plan.answer() if plan is not None else None for _ in range(p.n)]   # one parser per choice
+        respond = respond or (_stream if p.stream else _collect)
+        resp = await respond(request, engine, p, job, answers)
+        done = True
+        return resp
+    finally:
+        if not done:
+            w.drop(job)  # client gone (task cancelled / write failed) or error: stop within one token
+
+
+def _ids(request, p) -> tuple[str, int]:
+    prefix = "chatcmpl-" if p.kind == "chat" else "cmpl-"
+    return prefix + request["rid"], int(time.time())
+
+
+def usage_of(final) -> dict:
+    u = dict(final.usage)
+    u["prompt_tokens_details"] = {"cached_tokens": int(final.timings.get("cache_n", 0) or 0)}
+    return u
+
+
+def timings_of(final) -> dict:
+    t = dict(final.timings)
+    for k in ("prompt_ms", "predicted_ms", "prompt_per_second", "predicted_per_second"):
+        if k in t and t[k] is not None:
+            t[k] = round(float(t[k]), 3)
+    return t
+
+
+def strata_of(final) -> dict:
+    s = dict(final.strata or {})
+    if "parts" in s:
+        s["parts"] = [list(x) for x in s["parts"]]
+    return s
+
+
+async def _collect(request, engine, p, job, answers: list | None = None) -> web.Response:
+    answers = answers or [None] * p.n
+    pieces: list[list[str]] = [[] for _ in range(p.n)]
+    accs = [LogprobsAcc(engine, p.kind) for _ in range(p.n)]
+    finals = []
+    while len(finals) < p.n:
+        ev = await next_event(job)
+        if hasattr(ev, "finish_reason"):
+            finals.append(ev)
+            pieces[ev.index].append(ev.text or "")
+            accs[ev.index].finish(ev.text or "")
+            continue
+        pieces[ev.index].append(ev.text)
+        accs[ev.index].add(ev, ev.text)
+    cid, created = _ids(request, p)
+    choices = []
+    for f in finals:
+        text = "".join(pieces[f.index])
+        lp = accs[f.index].result() if p.logprobs else None
+        if p.kind == "chat":
+            message, finish, answer = {"role": "assistant", "content": text}, f.finish_reason, answers[f.index]
+            if answer is not None:
+                answer.feed(text)
+                answer.finish()
+                message, finish = answer.message(), answer.finish_reason(finish)
+            choices.append({"index": f.index, "message": message, "logprobs": lp, "finish_reason": finish})
+        else:
+            choices.append({"index": f.index, "text": text, "logprobs": lp, "finish_reason": f.finish_reason})
+    final = merge_choices(finals)
+    return json_response({"id": cid, "object": "chat.completion" if p.kind == "chat" else "text_completion",
+                          "created": created, "model": engine.model_name, "system_fingerprint": f"strata-{__version__}",
+                          "choices": choices, "usage": usage_of(final), "timings": timings_of(final),
+                          "strata": strata_of(final)})
+
+
+async def _stream(request, engine, p, job, answers: list | None = None) -> web.StreamResponse:
+    """SSE chunks, each choice's (its `index`) in turn; the last choice's finish chunk carries the request's timings
+    and strata, the usage chunk (include_usage) sums the choices. A chat answer with a parser (tools, reasoning) is
+    taken apart into content / reasoning_content / tool_calls deltas."""
+    answers = answers or [None] * p.n
+    cid, created = _ids(request, p)
+    chat = p.kind == "chat"
+    base = {"id": cid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+            "model": engine.model_name, "system_fingerprint": f"strata-{__version__}"}
+    accs = [LogprobsAcc(engine, p.kind) for _ in range(p.n)]
+    finals = []
+    started: set[int] = set()
+    resp: web.StreamResponse | None = None
+
+    def chunk(choices: list, **extra) -> bytes:
+        d = dict(base, choices=choices, **extra)
+        if p.include_usage and "usage" not in d:
+            d["usage"] = None
+        return b"data: " + json.dumps(d, ensure_ascii=False).encode() + b"\n\n"
+
+    def choice(i: int, text: str | None, lp, finish=None, role=False) -> dict:
+        if chat:
+            delta: dict[str, Any] = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        return {"index": i, "text": text or "", "logprobs": lp, "finish_reason": finish}
+
+    async def pieces(i: int, text: str, lp, end: bool = False) -> None:
+        """One event's text of choice i as chunks: a chat answer taken apart (content / reasoning_content /
+        tool_calls deltas, the logprobs on the first), else as text."""
+        answer = answers[i]
+        if answer is None:
+            if text or lp is not None:
+                await resp.write(chunk([choice(i, text, lp)]))
+            return
+        deltas = answer.feed(text) + (answer.finish() if end else [])
+        if not deltas and lp is not None:
+            deltas = [{"content": ""}]
+        for k, d in enumerate(deltas):
+            await resp.write(chunk([{"index": i, "delta": d, "logprobs": lp if k == 0 else None,
+                                     "finish_reason": None}]))
+
+    try:
+        while True:
+            try:
+                ev = await next_event(job)
+            except ApiError as e:
+                if resp is None:
+                    raise
+                await resp.write(b"data: " + json.dumps(e.body()).encode() + b"\n\n")
+                await resp.write(b"data: [DONE]\n\n")
+                return resp
+            if resp is None:
+                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
+                                                   "Cache-Control": "no-cache", "X-Request-Id": request["rid"],
+                                                   "X-Accel-Buffering": "no"})
+                await resp.prepare(request)
+            i = ev.index
+            if chat and i not in started:
+                started.add(i)
+                await resp.write(chunk([choice(i, "", None, role=True)]))
+            if hasattr(ev, "finish_reason"):
+                finals.append(ev)
+                tail = ev.text or ""
+                lp = accs[i].finish(tail) if p.logprobs else None
+                await pieces(i, tail, lp, end=True)
+                finish = answers[i].finish_reason(ev.finish_reason) if answers[i] is not None else ev.finish_reason
+                if len(finals) < p.n:
+                    await resp.write(chunk([choice(i, None if chat else "", None, finish)]))
+                    continue
+                final = merge_choices(finals)
+                await resp.write(chunk([choice(i, None if chat else "", None, finish)],
+                                       timings=timings_of(final), strata=strata_of(final)))
+                if p.include_usage:
+                    await resp.write(chunk([], usage=usage_of(final)))
+                await resp.write(b"data: [DONE]\n\n")
+                await resp.write_eof()
+                return resp
+            lp = accs[i].add(ev, ev.text) if p.logprobs else None
+            await pieces(i, ev.text, lp)
+    except (ConnectionResetError, ConnectionError) as e:
+        log.info("client disconnected mid-stream", error=str(e) or type(e).__name__)
+        request.app[WORKER_KEY].drop(job)
+        return resp if resp is not None else web.Response(status=499)

@@ -1,0 +1,46 @@
+"""What `strata serve` was asked for (ServeConfig) and the keys the application keeps its parts under: the config,
+the engine worker, the metrics, the start time and the error shapes of the routes' APIs."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from strata.serve.metrics import Metrics
+from strata.serve.worker import EngineWorker
+
+
+@dataclass
+class ServeConfig:
+    """What `strata serve` was asked for (the parsed flags that matter to the app)."""
+    socket_path: str | None = None
+    host: str | None = None
+    port: int | None = None
+    api_key: str | None = None
+    queue_max: int = 16
+    max_body: int = 8 * 1024 * 1024
+    retry_after: int = 1
+    drain_timeout: float = 30.0
+    responses_store: int = 256        # /v1/responses kept for previous_response_id (strata.serve.responses_api)
+    tcp_bound: str | None = None      # the TCP address actually bound ("[::1]:8090"; --port 0 gives the real port)
+
+    def tcp_address(self) -> str | None:
+        """host:port the TCP listener has (the bound one once known; IPv6 hosts in brackets), or None."""
+        if self.port is None:
+            return None
+        if self.tcp_bound:
+            return self.tcp_bound
+        return format_hostport(self.host or "127.0.0.1", self.port)
+
+
+def format_hostport(host: str, port: int) -> str:
+    """host:port, with an IPv6 host in brackets ([::1]:8080), as URLs write it."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+CONFIG_KEY = web.AppKey("config", ServeConfig)
+WORKER_KEY = web.AppKey("worker", EngineWorker)
+METRICS_KEY = web.AppKey("metrics", Metrics)
+STARTED_KEY = web.AppKey("started", float)
+# route template -> the error body of that route's API (ApiError -> dict); routes not in it answer OpenAI's shape
+ERROR_SHAPES_KEY = web.AppKey("error_shapes", dict)

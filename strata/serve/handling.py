@@ -1,0 +1,110 @@
+"""What the route handlers share: JSON responses, the body read under --max-body, the engine (503 while it loads or
+a remote stage is down), the model check, jobs submitted to the worker and their events, engine errors as ApiErrors."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from aiohttp import web
+
+from strata.serve import schema
+from strata.serve.config import CONFIG_KEY, WORKER_KEY
+from strata.serve.errors import ApiError
+from strata.serve.worker import EngineError, EngineWorker, Job, QueueFull, ShuttingDown
+
+
+def json_response(data: Any, status: int = 200, headers: dict | None = None) -> web.Response:
+    """`data` as a JSON response (UTF-8, non-ASCII kept as it is)."""
+    return web.Response(body=json.dumps(data, ensure_ascii=False).encode(), status=status,
+                        content_type="application/json", headers=headers)
+
+
+def engine_of(request: web.Request):
+    """The loaded engine; 503 while it loads (code loading) or when it failed to (model_load_failed)."""
+    w = request.app[WORKER_KEY]
+    if w.engine is None:
+        if w.load_error is not None:
+            raise ApiError(503, f"the model failed to load: {w.load_error}", code="model_load_failed")
+        raise ApiError(503, "the model is still loading", code="loading", headers={"Retry-After": "1"})
+    return w.engine
+
+
+def serving_engine(request: web.Request):
+    """engine_of, and 503 at once (code worker_unavailable) while a remote stage's link is down."""
+    engine = engine_of(request)
+    why = engine.unavailable() if hasattr(engine, "unavailable") else None
+    if why:
+        raise ApiError(503, why, code="worker_unavailable", headers={"Retry-After": "1"})
+    return engine
+
+
+def _model_ids(engine) -> list[str]:
+    return [engine.model_name]
+
+
+def check_model(engine, model: str | None) -> None:
+    """404 (model_not_found) for a model name the daemon does not serve (None and "default" are its own)."""
+    if model is None or model in _model_ids(engine) or model == "default":
+        return
+    raise ApiError(404, f"the model {model!r} does not exist: this daemon serves {engine.model_name!r}",
+                   param="model", code="model_not_found")
+
+
+async def read_body(request: web.Request) -> dict:
+    """The request's JSON body, read under --max-body (413 past it; 400 for a body that cannot be read or parsed)."""
+    cfg = request.app[CONFIG_KEY]
+    if request.content_length is not None and request.content_length > cfg.max_body:
+        raise ApiError(413, f"the request body is {request.content_length} bytes, more than --max-body "
+                            f"({cfg.max_body} bytes)", code="request_too_large")
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise ApiError(413, f"the request body is larger than --max-body ({cfg.max_body} bytes)",
+                       code="request_too_large") from None
+    except web.RequestPayloadError as e:   # e.g. a Content-Encoding the body does not decode with
+        enc = request.headers.get("Content-Encoding")
+        why = " ".join(str(e).split()).removeprefix("400, message: ")
+        raise ApiError(400, f"the request body could not be read{f' (Content-Encoding {enc})' if enc else ''}: "
+                            f"{why}") from None
+    return schema.parse_json(raw)
+
+
+def as_api_error(err: EngineError) -> ApiError:
+    """What an exception of the engine (or the worker) answers the client: 400 for a refused request, 503 while
+    shutting down or for a stage link failure, else 500."""
+    e = err.exc
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, ShuttingDown):
+        return ApiError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "5"})
+    name = type(e).__name__
+    if getattr(e, "http_status", None):     # a stage link failure (strata.stages.remote): 503 with its code
+        return ApiError(int(e.http_status), str(e), code=getattr(e, "api_code", "engine_error"))
+    if name == "ContextOverflow":
+        return ApiError(400, str(e), param="messages", code="context_length_exceeded")
+    if name == "MaxTokensTooLarge":
+        return ApiError(400, str(e), param="max_tokens", code="invalid_value")
+    if isinstance(e, ValueError):
+        return ApiError(400, str(e), code="invalid_value")
+    return ApiError(500, f"the engine failed: {name}: {e}", code="engine_error")
+
+
+def submit(w: EngineWorker, what, *, call: bool = False, rid: str = "") -> Job:
+    """Queue a GenerationRequest (or, call=True, a function of the engine) on the worker; 503 when it is full or
+    shutting down."""
+    try:
+        return w.call(what, rid) if call else w.submit(what, rid)
+    except QueueFull as e:
+        raise ApiError(503, f"the server is busy: {e}; retry later", code="queue_full",
+                       headers={"Retry-After": str(1)}) from None
+    except ShuttingDown:
+        raise ApiError(503, "the server is shutting down", code="shutting_down",
+                       headers={"Retry-After": "5"}) from None
+
+
+async def next_event(job: Job):
+    """The job's next event; an EngineError in its place is raised as its ApiError."""
+    item = await job.events.get()
+    if isinstance(item, EngineError):
+        raise as_api_error(item)
+    return item

@@ -1,0 +1,111 @@
+"""The application's middleware: a request id on every log line, the API-key check on TCP, exceptions as error
+objects in the shape of the route's API, the request metrics."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import re
+import socket
+import time
+import uuid
+
+import structlog
+from aiohttp import web
+
+from strata.serve import chat_page
+from strata.serve.config import CONFIG_KEY, ERROR_SHAPES_KEY, METRICS_KEY
+from strata.serve.errors import ApiError
+from strata.serve.handling import json_response
+
+log = structlog.get_logger("strata.serve")
+
+_RID_OK = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+
+
+def _is_unix(request: web.Request) -> bool:
+    tr = request.transport
+    sock = tr.get_extra_info("socket") if tr is not None else None
+    return sock is not None and sock.family == socket.AF_UNIX
+
+
+async def _route_name(request: web.Request) -> str:
+    """The matched route's template for the metrics label; for a method the route does not take (405), the
+    template of the route whose path matched (asked of each resource as the router asks it); "unmatched" when no
+    route's path does."""
+    try:
+        res = request.match_info.route.resource
+    except AttributeError:
+        res = None
+    if res is not None:
+        return res.canonical
+    if getattr(request.match_info.http_exception, "status", None) == 405:
+        for r in request.app.router.resources():
+            _match, allowed = await r.resolve(request)
+            if allowed:                    # the path matched; only the method did not
+                return r.canonical
+    return "unmatched"
+
+
+def _api_key_of(request: web.Request) -> str:
+    """The key a client sent: 'Authorization: Bearer <key>' (OpenAI's clients) or 'x-api-key: <key>' (Anthropic's)."""
+    got = request.headers.get("Authorization", "")
+    if got[:7].lower() == "bearer ":
+        return got[7:]
+    return request.headers.get("x-api-key", "")
+
+
+@web.middleware
+async def middleware(request: web.Request, handler):
+    """Request id on every log line, API-key check on TCP, exceptions -> error objects in the route's API's shape,
+    metrics."""
+    rid = request.headers.get("X-Request-Id", "")
+    if not _RID_OK.match(rid):
+        rid = uuid.uuid4().hex[:16]
+    request["rid"] = rid
+    structlog.contextvars.clear_contextvars()
+    structlog.contextvars.bind_contextvars(request_id=rid)
+    cfg = request.app[CONFIG_KEY]
+    t0 = time.perf_counter()
+    status = 500
+    try:
+        if cfg.api_key and request.path != "/health" and not chat_page.is_public(request.path) \
+                and not _is_unix(request):
+            if not hmac.compare_digest(_api_key_of(request).encode(), cfg.api_key.encode()):
+                raise ApiError(401, "invalid or missing API key: send 'Authorization: Bearer <key>' or "
+                                    "'x-api-key: <key>'", code="invalid_api_key",
+                               headers={"WWW-Authenticate": "Bearer"})
+        resp = await handler(request)
+    except ApiError as e:
+        resp = await _err_for(request, e)
+    except web.HTTPException as e:
+        if e.status == 404:
+            msg = f"unknown route: {request.method} {request.path}"
+        elif e.status == 405:
+            msg = f"method {request.method} is not allowed on {request.path}"
+        elif e.status == 413:
+            msg = f"the request body is larger than --max-body ({cfg.max_body} bytes)"
+        else:
+            msg = e.reason or str(e)
+        resp = await _err_for(request, ApiError(e.status, msg, code={404: "not_found", 413: "request_too_large"}.get(
+            e.status)))
+    except asyncio.CancelledError:
+        log.info("request cancelled", method=request.method, path=request.path,
+                 ms=round((time.perf_counter() - t0) * 1e3, 2), reason="client disconnected or shutdown")
+        request.app[METRICS_KEY].requests.labels(route=await _route_name(request), status="499").inc()
+        raise
+    except Exception as e:  # noqa: BLE001 - nothing a client sends may crash the daemon
+        log.exception("request failed", error=f"{type(e).__name__}: {e}")
+        resp = await _err_for(request, ApiError(500, f"internal error: {type(e).__name__}: {e}"))
+    status = resp.status
+    if not resp.prepared:
+        resp.headers["X-Request-Id"] = rid
+    request.app[METRICS_KEY].requests.labels(route=await _route_name(request), status=str(status)).inc()
+    log.info("request", method=request.method, path=request.path, status=status,
+             ms=round((time.perf_counter() - t0) * 1e3, 2))
+    return resp
+
+
+async def _err_for(request: web.Request, e: ApiError) -> web.Response:
+    """The error response in the shape of the API the route belongs to (ERROR_SHAPES_KEY), else e's own."""
+    shape = request.app[ERROR_SHAPES_KEY].get(await _route_name(request))
+    return json_response(shape(e) if shape is not None else e.body(), e.status, e.headers)
