@@ -218,8 +218,7 @@ class CheckpointCache:
         return PrefillPlan(resume_pos=resume, resume_from=source, snapshot=snap, part_ends=part_ends,
                            save_at=save_at, keep_live=checkpoint, erased=sorted(erased))
 
-    def _choose(self, prompt: np.ndarray, state_tokens: np.ndarray, state=None, cut_back: bool = True
-                ) -> tuple[int, str, Any]:
+    def _choose(self, prompt: np.ndarray, state_tokens: np.ndarray, state=None) -> tuple[int, str, Any]:
         """Rules 2-4 of ``plan``: (resume position, "live" | "checkpoint" | "none", the checkpoint entry or None).
         prompt, state_tokens: int32 arrays."""
         n, L = int(prompt.shape[0]), int(state_tokens.shape[0])
@@ -233,19 +232,18 @@ class CheckpointCache:
         # an attention-only sequence cuts its K/V back to the longest common prefix (at most n - 1: one token is
         # read for the logits) when that skips more than any checkpoint does
         can_cut = getattr(state, "can_truncate", None)
-        if cut_back and self._live_ok and can_cut is not None and L > 0:
+        if self._live_ok and can_cut is not None and L > 0:
             k = min(common_prefix(prompt, state_tokens), n - 1)
             if k > (best.pos if best is not None else 0) and can_cut(k):
                 return k, "live", None
         return (best.pos, "checkpoint", best) if best is not None else (0, "none", None)
 
-    def peek(self, state, prompt_tokens, cache_prompt: bool = True, cut_back: bool = True) -> int:
-        """The position ``plan`` would resume ``prompt_tokens`` at on ``state`` now (no side effects); cut_back False:
-        as if the sequence could not be cut back."""
+    def peek(self, state, prompt_tokens, cache_prompt: bool = True) -> int:
+        """The position ``plan`` would resume ``prompt_tokens`` at on ``state`` now (no side effects)."""
         if not cache_prompt:
             return 0
         with self._lock:
-            return self._choose(as_ids(prompt_tokens), _state_ids(state), state, cut_back)[0]
+            return self._choose(as_ids(prompt_tokens), _state_ids(state), state)[0]
 
     def deepest(self) -> int:
         """The deepest kept checkpoint's position (0 when none is kept)."""

@@ -81,14 +81,14 @@ class Conversations:
             log.info("parked", tokens=self.seq.pos, bytes=need, ms=round((time.perf_counter() - t0) * 1e3, 2),
                      evicted=len(gone))
 
-    def switch(self, prompt: np.ndarray, cache_prompt: bool, trace: bool, cut_back: bool = False) -> str | None:
+    def switch(self, prompt: np.ndarray, cache_prompt: bool, trace: bool) -> str | None:
         """Before a request is planned: when a parked conversation (RAM, else disk) skips more of `prompt` than
         the live one and its checkpoints do, park the live one and restore that one ("park" / "disk"); when the
         request leaves the live conversation (it resumes before the live one's deepest checkpoint), park the live
         one (None)."""
         if self.park is None or not cache_prompt:
             return None
-        here = self.cache.peek(self.seq, prompt, cut_back=cut_back)
+        here = self.cache.peek(self.seq, prompt)
         conv, depth = self.park.best(prompt)
         path, ddepth = self.disk.best(prompt) if self.disk is not None else (None, 0)
         if (conv is not None and depth > here) or (path is not None and ddepth > here):

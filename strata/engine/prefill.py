@@ -56,7 +56,7 @@ class PromptReader:
             self.forget_live()
             self.cache.clear()
         convs = self.conversations
-        unparked = convs.switch(prompt, req.cache_prompt, trace, cut_back=not req.cut_points)  # "park" | "disk" | None
+        unparked = convs.switch(prompt, req.cache_prompt, trace)  # "park" | "disk" | None
         plan = self.cache.plan(self.seq, prompt, list(req.cut_points or ()), checkpoint=req.checkpoint,
                                cache_prompt=req.cache_prompt)      # cut points were checked by check_request
         if plan.resume_pos > 0 and (unparked or convs.from_session):

@@ -279,6 +279,8 @@ class LlamaCuda(DecodePlan):
         ws = pf.buf("ws", (n_split * H * n * (hd + 2),), cp.float32) if n_split > 1 else None
         hE = h16[:, :E] if h16.shape[1] == E else pf.buf("hE", (n, E), cp.float16)
         att16 = h16[:, :nq] if h16.shape[1] == nq else pf.buf("att16", (n, nq), cp.float16)
+        gu, act16 = self._prefill_ffn_buffers(n)
+        gu_groups = {id(L): [(L.w_gate_up, 0, 2 * self.n_ff)] for L in self.layers()}
         for li in range(self.lo, self.hi):
             L = m.layers[li]
             slot = pool.slot(li)
@@ -296,7 +298,7 @@ class LlamaCuda(DecodePlan):
             check(lb.strata_fa2_prefill(s, ptr(qkv), W, ptr(kc), ptr(vc), ptr(pt), NULL, ptr(att16), ptr(ws), n, H, KV,
                                         hd, pool.page_size, pos0, n_split, self.scale, ptr(ks), ptr(vs)), "fa2_prefill")
             pf.gemm(att16, L.wo, x, True)
-            self._prefill_ffn(s, x, L.ffn_norm, [(L.w_gate_up, 0, 2 * self.n_ff)], L.w_down, hE)
+            self._prefill_ffn(s, x, L.ffn_norm, gu_groups[id(L)], L.w_down, hE, gu, act16)
         return self._prefill_end(x, toks, state, all_logits)
 
 

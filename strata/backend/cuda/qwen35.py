@@ -323,6 +323,7 @@ class Qwen35Cuda(DecodePlan):
         pos0 = int(state.pos)
         hE = pf.buf("hE", (n, self.n_embd), cp.float16)
         pt = self.pool.table(state.kv.pages) if not all(m.recurrent[self.lo:self.hi]) else None
+        gu, act16 = self._prefill_ffn_buffers(n)
         for li in range(self.lo, self.hi):
             L = m.layers[li]
             self._prefill_norm(s, x, L.attn_norm, hE)
@@ -330,7 +331,7 @@ class Qwen35Cuda(DecodePlan):
                 self._gdn_prefill(s, li, L, hE, x, n, state.running[li])
             else:
                 self._attn_prefill(s, li, L, hE, x, n, pos0, pt)
-            self._prefill_ffn(s, x, L.post_norm, self.w_gu[li], L.ffn.dense[2], hE)
+            self._prefill_ffn(s, x, L.post_norm, self.w_gu[li], L.ffn.dense[2], hE, gu, act16)
         return self._prefill_end(x, toks, state, all_logits)
 
     def _gdn_prefill(self, s, li: int, L, hE, x, n: int, run) -> None:

@@ -357,16 +357,20 @@ class DecodePlan:
         check(lib().strata_rms_norm_ex(s, ptr(x), NULL, ptr(weight), NULL, NULL, ptr(h16), NULL, n, self.n_embd,
                                        self.eps), "rms_norm")
 
-    def _prefill_ffn(self, s, x, norm, gu_groups: list, w_down, h16) -> None:
+    def _prefill_ffn_buffers(self, n: int):
+        """The FFN's scratch for n rows: the gate|up f32 output and the f16 activations (made once per prefill)."""
+        cp, pf = self.cp, self.pf
+        return pf.buf("gu", (n, 2 * self.n_ff), cp.float32), pf.buf("act16", (n, self.n_ff), cp.float16)
+
+    def _prefill_ffn(self, s, x, norm, gu_groups: list, w_down, h16, gu, act16) -> None:
         """x += down(SwiGLU(gate|up(RMSNorm(x) * norm))) over the n rows of x: the gate|up GEMMs (one per group, into
-        its columns), strata_swiglu_gu writing f16, the down GEMM adding into x (beta = 1)."""
-        cp, pf, n, F = self.cp, self.pf, x.shape[0], self.n_ff
+        its columns of gu), strata_swiglu_gu writing act16, the down GEMM adding into x (beta = 1)."""
+        pf, n, F = self.pf, x.shape[0], self.n_ff
         self._prefill_norm(s, x, norm, h16)
-        gu = pf.buf("gu", (n, 2 * F), cp.float32)
-        act16 = pf.buf("act16", (n, F), cp.float16)
         for w, off, _ in gu_groups:
             pf.gemm(h16, w, gu, False, off)
-        check(lib().strata_swiglu_gu(s, ptr(gu), n, F, ffi().NULL, ptr(act16), ffi().NULL), "swiglu")
+        NULL = ffi().NULL
+        check(lib().strata_swiglu_gu(s, ptr(gu), n, F, NULL, ptr(act16), NULL), "swiglu")
         pf.gemm(act16, w_down, x, True)
 
     def _prefill_end(self, x, toks, state, all_logits: bool):
