@@ -146,15 +146,16 @@ class Constraint:
         self._matcher = m
         self._started = False
         self.last: TokenGuide | None = None          # the latest start()'s guide (its timings, for benchmarks)
-        self.overlap = True
+        self.overlap: bool | None = None             # None: as start() is asked; True / False: always (benchmarks)
 
-    def start(self, overlap: bool | None = None) -> "TokenGuide":
+    def start(self, overlap: bool = True) -> "TokenGuide":
         """A fresh walk from the grammar's start (the first one takes the compiled matcher, later ones a copy).
-        overlap: compute each next mask during the forward (None: self.overlap, True unless set otherwise)."""
+        overlap: compute each next mask during the forward (the engine: on the CPU backend, not with device logits);
+        self.overlap, when set, decides instead."""
         m = self._matcher if not self._started else self._matcher_copy()
         self._started = True
         self.last = TokenGuide(m, self.n_vocab, self.vocab.eos_tokens,
-                               overlap=self.overlap if overlap is None else overlap)
+                               overlap=overlap if self.overlap is None else self.overlap)
         return self.last
 
     def _matcher_copy(self):
