@@ -487,6 +487,10 @@ def _prefill_vs_generic(m, pool, plan, n_vocab, seed):
         chunk = _prompt(min(16, 40 - lo), n_vocab, seed + 2 + lo)
         lr, lp = m.forward(chunk, ref), plan.prefill(chunk, st)
         worst = max(worst, rel_l2(lp, lr))
+    for k in (2, 3, 5):                                      # the short parts a chat's later turn is read in
+        chunk = _prompt(k, n_vocab, seed + 50 + k)
+        lr, lp = m.forward(chunk, ref), plan.prefill(chunk, st)
+        worst = max(worst, rel_l2(lp, lr))
     _assert_same_sequences(ref, st)
     print(f"plan prefill vs generic forward: worst logits rel L2 {worst:.2e}")
     assert worst < PLAN_REL_L2

@@ -210,10 +210,12 @@ class Qwen35Cuda(DecodePlan):
         return unsupported(model, lo, hi)
 
     def takes_prefill(self, n: int) -> bool:
-        """More tokens than the backend's GEMM threshold (8) go through ``prefill`` (the same f16 GEMMs as the
-        model's forward there, bit-identical logits measured on the H200); fewer through the model's f32-activation
-        matvecs."""
-        return n > self.model.backend.gemm_threshold
+        """Every forward of more than one token goes through ``prefill`` (f16 GEMMs; for more than the backend's GEMM
+        threshold, 8, the same GEMMs as the model's forward, bit-identical logits measured on the H200). Short ones
+        too: a chat's later turn is read in parts ending at its cut points, and a part of a few tokens through the
+        model's own forward (f32-activation matvecs, dozens of launches per layer) made a live continuation with
+        checkpoints 3-4x slower than without on the H200 (docs/checkpoints.md)."""
+        return n > 1
 
     def _check_state(self, state) -> None:
         self.resident.check(state)
@@ -402,8 +404,8 @@ class Qwen35Cuda(DecodePlan):
 
 
 class Qwen35GraphModel(PlanModel):
-    """The hybrid family's PlanModel (runner.PlanModel with Qwen35Cuda plans): MTP, all_logits of a few tokens and
-    everything else the plan does not take run on the model itself."""
+    """The hybrid family's PlanModel (runner.PlanModel with Qwen35Cuda plans): MTP and everything else the plan does
+    not take run on the model itself."""
 
     plan_class = Qwen35Cuda
 
