@@ -4,8 +4,8 @@ Decode matvec: achieved weight bandwidth of each variant (f32-activation kernel,
 warp-per-row int8 kernel with 1/2/4 rows per warp) over the measured device copy bandwidth, on the matrix shapes of the
 default model and of the synthetic 1.7B llama of bench/gpu_throughput.py. Decode attention: v1 (per-head split-K +
 combine) vs v2 (GQA-shared, self-merging) in microseconds and KV bandwidth, v2 with and without the one-wave cap on
-its split, and v2 over a sweep of n_split. Prefill attention: FlashAttention-2 (mma.sync) in TFLOP/s (causal flops 2 * 2 * n * (length + n/2) * hd * n_head). Gated DeltaNet
-prefill (ubatch of 512 tokens): the delta rule's block kernel vs the warp kernel, and the causal conv (``--only-gdn``
+its split, and v2 over a sweep of n_split. Prefill attention: FlashAttention-2 (mma.sync) in TFLOP/s (causal flops
+2 * 2 * n * (length + n/2) * hd * n_head). Gated DeltaNet prefill (ubatch of 512 tokens): the delta rule's block kernel vs the warp kernel, and the causal conv (``--only-gdn``
 runs just this section; ``--only-attn-decode`` the decode attention, with its n_split sweep).
 Every time is per launch inside a CUDA graph of 20 launches (median of 20 replays, CUDA events), rotating over enough
 weight copies to spill the L2. Usage: python bench/cuda_kernels.py [--out PATH]. Writes JSON.
@@ -51,8 +51,8 @@ def timeit(cp, fn, reps: int = 20, per_graph: int = 20) -> float:
 def bench_gdn(cp, res: dict, rng) -> None:
     """res["gdn"]: microseconds per launch of strata_gdn_recurrent_ex (block and warp variants) and strata_gdn_conv on
     one ubatch, for the GDN shapes of the synthetic 1.5B hybrid (16 value heads of 128) and others."""
-    from strata.backend.cuda import gdn as G
-    lib = G.lib()
+    from strata.backend.cuda import library as K
+    lib = K.lib()
     res["gdn"] = []
     print(f"\n{'gdn delta rule':34s} {'block us':>9s} {'auto us':>9s} {'speedup':>8s}  (warp: 4 / 2 / 1 columns)")
     for n, nv, nk, dk, dv in ((512, 16, 16, 128, 128), (512, 32, 16, 128, 128), (512, 16, 16, 64, 64),
@@ -66,11 +66,11 @@ def bench_gdn(cp, res: dict, rng) -> None:
         beta = cp.asarray(rng.uniform(0.1, 0.9, (n, nv)).astype(np.float32))
         state = cp.zeros((nv, dk, dv), cp.float32)
         out = cp.empty((n, nv, dv), cp.float32)
-        p = lambda a: G._p(a)   # noqa: E731
+        p = K.ptr
         us = {}
         for name, var in (("block", 1), ("auto", 0), ("warp", 2), ("warp2", 3), ("warp1", 4)):
             us[name] = 1e6 * timeit(cp, lambda var=var: lib.strata_gdn_recurrent_ex(
-                G._stream(), p(q), p(k), p(v), p(g), p(beta), p(state), p(out), n, nv, nk, dk, dv, 1,
+                K.stream_ptr(), p(q), p(k), p(v), p(g), p(beta), p(state), p(out), n, nv, nk, dk, dv, 1,
                 float(dk ** -0.5), var), per_graph=4)
         res["gdn"].append({"op": "delta_rule", "n": n, "n_v": nv, "n_k": nk, "dk": dk, "dv": dv, "us": us})
         print(f"n{n} v{nv} k{nk} dk{dk} dv{dv}{'':14s} {us['block']:9.1f} {us['auto']:9.1f} "
@@ -81,7 +81,7 @@ def bench_gdn(cp, res: dict, rng) -> None:
         w = cp.asarray(rng.standard_normal((c, kk)).astype(np.float32))
         win = cp.zeros((kk - 1, c), cp.float32)
         y = cp.empty((n, c), cp.float32)
-        t = 1e6 * timeit(cp, lambda: lib.strata_gdn_conv(G._stream(), G._p(x), c + 64, G._p(w), G._p(win), G._p(y), n,
+        t = 1e6 * timeit(cp, lambda: lib.strata_gdn_conv(K.stream_ptr(), K.ptr(x), c + 64, K.ptr(w), K.ptr(win), K.ptr(y), n,
                                                          c, kk), per_graph=4)
         res["gdn"].append({"op": "conv", "n": n, "channels": c, "kernel": kk, "us": t,
                            "bytes": 4 * n * c * 2})

@@ -187,7 +187,7 @@ class LlamaServerClient(DaemonClient):
         from strata.default_model import resolve_model
         from strata.gguf_file import open_gguf
         from strata.tokenizer import Tokenizer
-        path = resolve_model(model)
+        path = str(resolve_model(model))
         self.clock = None
         self.tokenizer = Tokenizer.from_gguf(open_gguf(path).metadata)
         with socket.socket() as s:
@@ -284,6 +284,8 @@ def main(argv=None) -> int:
     ap.add_argument("--label", default=None, help="a name for this run, kept in the JSON (e.g. before / after)")
     ap.add_argument("--out", default=None, help="JSON file (default bench/results/prompt_cache[_e2e].json)")
     args = ap.parse_args(argv)
+    if args.llama_server and not args.e2e:
+        ap.error("--llama-server runs end to end: add --e2e")
     out = Path(args.out or ROOT / "bench" / "results" / ("prompt_cache_e2e.json" if args.e2e else "prompt_cache.json"))
     tmp = Path(tempfile.mkdtemp(prefix="strata-prompt-cache-"))
     model = synthetic_model(args.synthetic, max(args.sizes) + 2048, tmp) if args.synthetic else args.model

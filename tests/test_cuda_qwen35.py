@@ -1,4 +1,4 @@
-"""The qwen35 CUDA decode plan (strata/backend/cuda_qwen35.py, native/cuda/qwen35.cu) against the generic model path.
+"""The qwen35 CUDA decode plan (strata/backend/cuda/qwen35.py, native/cuda/qwen35.cu) against the generic model path.
 
 Runs anywhere (no GPU): ``unsupported`` on real synthetic models loaded on the CPU backend (MoE, a d_v the q8_1
 blocks cannot take, weights not on the device), the weight fusion's grouping and row offsets (F32 stand-in weights,

@@ -1,4 +1,4 @@
-"""The fused GDN prefill kernels (native/cuda/gdn_prefill.cu via strata/backend/cuda_gdn_prefill.py) against float64
+"""The fused GDN prefill kernels (native/cuda/gdn_prefill.cu via strata/backend/cuda/gdn_prefill.py) against float64
 evaluations of strata/backend/gdn.py's formulas in qwen3next._gdn's layouts, and the model's fused device path.
 
 Runs anywhere: the beta / alpha column map (``ba_index``) equals _gdn's reshape-and-slice of ``ssm_ba``; the row-stride

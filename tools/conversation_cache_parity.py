@@ -3,8 +3,10 @@
 
 Scenarios (each a list of chat requests; the client resends the whole conversation every turn):
   reuse   A/B/A switching: chat A turn 1, chat B turn 1, A turn 2, B turn 2, A turn 3 (each switch resumes from the
-          shared system-prompt root; the other chat's checkpoints are erased)
-  repeat  every request sent twice; the repeat resumes through its turn_at checkpoint
+          shared system-prompt root, or on an attention-only model the longer common prefix; the other chat's
+          checkpoints are erased)
+  repeat  every request sent twice; the repeat resumes through its turn_at checkpoint, or on an attention-only
+          model live at the prompt's length - 1 (the K/V cut back)
   replay  two chats of four turns on one shared system prompt, played one after the other
 
 Both runs get the same prompts (each chat's history holds the cached run's answers). For every request the
@@ -129,7 +131,9 @@ def compare(name: str, cached: list[dict], plain: list[dict], exact: bool, stric
         if a["repeat"]:
             first = cached[i - 1]
             same = a["tokens"] == first["tokens"] and a["hashes"] == first["hashes"]
-            through = a["resume_from"] == "checkpoint"
+            # a checkpoint, or (attention-only) the live sequence cut back to all but the prompt's last token
+            through = a["resume_from"] == "checkpoint" or (a["resume_from"] == "live"
+                                                           and a["resume_pos"] == a["n_prompt"] - 1)
             lines.append(f"  {name} #{i} repeat of #{i - 1}: resumes {a['resume_pos']} ({a['resume_from']}), "
                          f"{'byte-identical tokens and state' if same else 'DIFFERS from the first send'}")
             ok &= same and through

@@ -21,13 +21,7 @@ D=.dev/A; [ "$stage" != K ] && D=.dev/B; [ "$stage" = F2 ] && D=/tmp/none
 export PYTHONPATH=/tmp/site:$PWD
 cp "$D"/parts/* /tmp/parts/ 2>/dev/null
 build() {
-  if ! python3 native/build_cuda.py --arch 90 > "$OUT/build.log" 2>&1; then
-    echo "full build failed; building without qwen35.cu" | tee -a "$OUT/build.log"; tail -20 "$OUT/build.log"
-    nvcc -O3 -std=c++17 --shared -Xcompiler -fPIC -lineinfo --use_fast_math -I native/cuda \
-      -gencode=arch=compute_90,code=sm_90 -o strata/_cuda_kernels.so native/cuda/strata_kernels.cu \
-      native/cuda/attention.cu native/cuda/gdn.cu native/cuda/sampling.cu >> "$OUT/build.log" 2>&1 \
-      || { tail -30 "$OUT/build.log"; exit 2; }
-  fi
+  python3 native/build_cuda.py --arch 90 > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 2; }
 }
 # The llama.cpp build competes with the bench's host-bound rows (prefill launches from Python: -30% seen in session
 # 4): wait for it up to $1 seconds, then stop it (the bench then takes llama.cpp's numbers from $REF).

@@ -1,5 +1,5 @@
 // gdn_prefill.cu: a GDN layer's prologue (strata_gdn_prep) and gated RMSNorm (strata_gdn_gated_norm_rows) for n tokens.
-// Strata CUDA kernels around the Gated DeltaNet delta rule for n tokens (prefill; strata/backend/cuda_gdn_prefill.py):
+// Strata CUDA kernels around the Gated DeltaNet delta rule for n tokens (prefill; strata/backend/cuda/gdn_prefill.py):
 // the prologue after the causal conv (L2-normalised q / k, contiguous v, beta = sigmoid(b), g = A * softplus(a + dt))
 // and the epilogue before ssm_out (RMSNorm(o) * ssm_norm * silu(z)), one launch each for all tokens and heads.
 // Formulas: strata/models/qwen3next.py (_gdn) and strata/backend/gdn.py (l2_norm, sigmoid, softplus, gated_rms_norm),

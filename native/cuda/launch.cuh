@@ -108,7 +108,8 @@ __device__ __forceinline__ const uint8_t *stage_bytes(const uint8_t *src, long l
 __device__ __forceinline__ void stage_wait() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
 // ---------------------------------------------------------------- kernel timeline trace (diagnostics)
-// Built with -DST_KTRACE (bench/decode_timeline.py builds such a library): thread 0 of every block of the traced
+// Built with -DST_KTRACE (bench/decode_timeline.py, at commit 568baa4, built such a library and read it; no bench on
+// main reads it since issue #20, the instrumentation stays for the next profile): thread 0 of every block of the traced
 // decode kernels records, per event, three uint64: %gridid (one per launch), %globaltimer (ns) and
 // tag | event << 8 | %smid << 16 | blockIdx.x << 32 into the buffer strata_ktrace_set gave (KT_DEFINE_SETTER, in
 // launch.cu; one region per SM), up to its capacity. Events: KT_START (after griddep_launch: the block is resident),
@@ -150,7 +151,7 @@ static void kt_unit_set(void *buf, unsigned cap, unsigned *counters) {
 static const int st_kt_registered = (kt_register(kt_unit_set), 1);
 // strata_ktrace_set(buf, cap): trace into buf (cap records of 3 uint64, zeroed by the caller: unused records stay 0;
 // NULL: off), counters reset; strata_ktrace_count(): records dropped for want of room (0: the trace is whole).
-// Exported only by a -DST_KTRACE build (not in strata_cuda.h; bench/decode_timeline.py finds them by name).
+// Exported only by a -DST_KTRACE build (not in strata_cuda.h; a tracing tool finds them by name).
 #define KT_DEFINE_SETTER                                                                                   \
   static kt_unit_setter st_kt_units[64];                                                                   \
   static int st_kt_n_units;                                                                                \

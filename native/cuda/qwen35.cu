@@ -1,5 +1,5 @@
 // qwen35.cu: the qwen35 / qwen3next decode plan's own one-token kernels (GDN step, conv, gated norms, attention gate).
-// Strata CUDA kernels of the qwen35 / qwen3next decode plan (strata/backend/cuda_qwen35.py): the one-token Gated
+// Strata CUDA kernels of the qwen35 / qwen3next decode plan (strata/backend/cuda/qwen35.py): the one-token Gated
 // DeltaNet step (causal conv with its window, L2-normalised q/k, sigmoid beta, decay g, gated delta rule), the GDN
 // gated RMSNorm, the gated-attention q/k RMSNorm split, and the attention output gate. Together with the shared
 // kernels (matvec_fused.cu: matvec_q8w; norm.cu: rms_norm_ex; rope_act.cu: swiglu_gu, rope_kv_decode; sampling.cu:

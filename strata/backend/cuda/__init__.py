@@ -15,7 +15,7 @@ from strata.backend.cuda.library import CudaUnavailable, open_kernel_library, un
 from strata.backend.cuda.pages import CudaPagePool
 from strata.backend.cuda.weights import DeviceWeight
 
-CUDABackend = CudaBackend   # the name strata/engine imports
+CUDABackend = CudaBackend   # the name strata/stages/__init__.py imports
 
 __all__ = ["CUDABackend", "CudaBackend", "CudaPagePool", "CudaUnavailable", "DeviceWeight", "open_kernel_library",
            "unavailable_reason"]

@@ -12,9 +12,6 @@ from strata.backend.cuda.library import check, lib, ptr, stream_ptr
 VARIANTS = {"auto": 0, "block": 1, "warp": 2, "warp2": 3, "warp1": 4}
 
 
-
-
-
 def _f32c(a, name: str, shape: tuple[int, ...]):
     """a as a C-contiguous float32 CuPy array of `shape` (copying only when needed); ValueError otherwise."""
     import cupy

@@ -21,7 +21,6 @@ from strata.backend.cuda.library import check, ffi, lib, ptr, stream_ptr
 L2_EPS = 1e-6            # gdn.l2_norm's default eps: the model's q / k normalisation
 
 
-
 # ------------------------------------------------------------------------------------------------ pure logic
 def ba_index(n_k: int, n_v: int, grouped: bool) -> tuple[np.ndarray, np.ndarray]:
     """Columns of the beta and alpha projections that value head h reads: (b_idx, a_idx), int64 (n_v,) each.

@@ -34,7 +34,7 @@ from strata.backend.cuda import settings
 from strata.backend.cuda.attention import prefill_attention
 from strata.backend.cuda.gdn import VARIANTS
 from strata.backend.cuda.library import check, ffi, lib, ptr, stream_ptr
-from strata.backend.cuda.runner import DecodePlan, PlanModel
+from strata.backend.cuda.runner import DecodePlan, PlanModel, q8_buffer
 from strata.backend.cuda.settings import ATTN_HEAD_DIMS, FLASH_HEAD_DIMS, fa2_splits, gqa_resident, n_split_class
 from strata.backend.cuda.weights import DeviceWeight, fuse_groups, glu_pointers
 from strata.memory import Carve
@@ -175,7 +175,7 @@ class Qwen35Cuda(DecodePlan):
 
     def __init__(self, model, pool, use_graphs: bool | None = None, lo: int = 0, hi: int | None = None):
         super().__init__(model, pool, use_graphs, lo, hi)
-        cp, q8 = self.cp, (lambda n: self.cp.zeros(n + n // 4, self.cp.uint8))
+        cp = self.cp
         H, KV, hd = self.n_head, self.n_kv, self.hd
         nq, kvd = H * hd, KV * hd
         recurrent = model.recurrent[self.lo:self.hi]
@@ -183,7 +183,7 @@ class Qwen35Cuda(DecodePlan):
             conv_dim, vdim, nv = model.conv_dim, model.value_dim, model.nv
             self.d.update({
                 "proj": cp.zeros(conv_dim + vdim + 2 * nv, cp.float32), "y": cp.zeros(conv_dim, cp.float32),
-                "ov": cp.zeros(vdim, cp.float32), "vn": cp.zeros(vdim, cp.float32), "vq": q8(vdim)})
+                "ov": cp.zeros(vdim, cp.float32), "vn": cp.zeros(vdim, cp.float32), "vq": q8_buffer(cp, vdim)})
         if not all(recurrent):
             self._attention_buffers()
             self.d.update({"qg": cp.zeros(2 * nq + 2 * kvd, cp.float32), "gate": cp.zeros(nq, cp.float32),

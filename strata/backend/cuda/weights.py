@@ -70,7 +70,7 @@ def fuse_groups(name: str, parts: list, concat: Callable | None = None) -> list[
     """One matvec per run of consecutive weights of one GGML type and width: [(weight, row offset, n_out)].
 
     parts: DeviceWeight-like objects (ggml_type, shape (n_out, n_in)) whose outputs lie back to back in one buffer;
-    runs of two or more are stacked along n_out by ``concat(name, run)`` (default ``cuda.concat_weights``, a new
+    runs of two or more are stacked along n_out by ``concat(name, run)`` (default ``concat_weights``, a new
     device copy: the model's tensors are left untouched), single weights are used as they are."""
     concat = concat or concat_weights
     out: list[tuple[Any, int, int]] = []
