@@ -3,7 +3,7 @@ kernels in one captured graph per context-size class; prefill through cuBLAS and
 from __future__ import annotations
 
 from strata.backend.cuda import settings
-from strata.backend.cuda.library import check, ffi, fptr, lib, ptr
+from strata.backend.cuda.library import addr, check, ffi, fptr, lib, ptr, stream_ptr
 from strata.backend.cuda.runner import DecodePlan, PlanModel
 from strata.backend.cuda.settings import (AUTO_V2_FROM, FLASH_HEAD_DIMS, FUSED_NORM_R, HANDOFF_R, MV_BLOCK_ROWS,
                                           fa2_splits, glu_pairs_per_warp, gqa_resident, n_split_class, n_split_for,
@@ -161,7 +161,7 @@ class LlamaCuda(DecodePlan):
         overlap the previous step's)."""
         lb, d, m, pool = lib(), self.d, self.model, self.pool
         f = ffi()
-        s = f.cast("void *", self.cp.cuda.get_current_stream().ptr)
+        s = stream_ptr()
         E, H, KV, hd, F = self.n_embd, self.n_head, self.n_kv, self.hd, self.n_ff
         nq, kvd = H * hd, KV * hd
         tok_p, pos_p, len_p = self._inp()
@@ -224,10 +224,9 @@ class LlamaCuda(DecodePlan):
                                                self.scale), "attn")
             glu = self._glu_weights(L)
             if handoff:      # x += Wo att, handing off the FFN norm; gate/up scaled by its 1 / rms; x += W_down act
-                vp = lambda a: f.cast("void *", a)   # noqa: E731
                 check(lb.strata_matvec_q8_resid(s, L.wo.ggml_type, ptr(L.wo), aq, E, nq, rows_per_warp(E), 0,
                                                 ptr(xa), ptr(L.ffn_norm), hq, ss, hcnt), "matvec_resid")
-                check(lb.strata_matvec_q8w_glu_norm(s, glu[0], vp(glu[1]), vp(glu[2]), hq, ptr(d["act"]), fq, F, E,
+                check(lb.strata_matvec_q8w_glu_norm(s, glu[0], addr(glu[1]), addr(glu[2]), hq, ptr(d["act"]), fq, F, E,
                                                     glu_pairs_per_warp(F, self.n_sm), NULL, NULL, NULL, NULL,
                                                     self.eps, ss), "matvec_glu_norm")
                 block = self._block_rows(F)
@@ -241,9 +240,8 @@ class LlamaCuda(DecodePlan):
                 continue
             self._mv(s, [(L.wo, 0, E)], d["o"], d["att"], d["aq"], nq)
             if fused:        # the norm in the gate/up matvec's prologue: x + o -> the other residual buffer
-                vp = lambda a: f.cast("void *", a)   # noqa: E731
-                check(lb.strata_matvec_q8w_glu_norm(s, glu[0], vp(glu[1]), vp(glu[2]), NULL, ptr(d["act"]), fq, F, E,
-                                                    glu_pairs_per_warp(F, self.n_sm), ptr(xa), ptr(d["o"]),
+                check(lb.strata_matvec_q8w_glu_norm(s, glu[0], addr(glu[1]), addr(glu[2]), NULL, ptr(d["act"]), fq, F,
+                                                    E, glu_pairs_per_warp(F, self.n_sm), ptr(xa), ptr(d["o"]),
                                                     ptr(L.ffn_norm), ptr(xb), self.eps, NULL), "matvec_glu_norm")
                 xa, xb = xb, xa
                 self._mv(s, [(L.w_down, 0, E)], d["o"], d["act"], d["fq"], F, long_rows=True)
@@ -266,7 +264,7 @@ class LlamaCuda(DecodePlan):
         cp, lb, m, pool, pf = self.cp, lib(), self.model, self.pool, self.pf
         toks, x = self._prefill_begin(tokens, state, x_in)
         n = int(toks.shape[0])
-        s = ffi().cast("void *", cp.cuda.get_current_stream().ptr)
+        s = stream_ptr()
         E, H, KV, hd = self.n_embd, self.n_head, self.n_kv, self.hd
         nq, kvd = H * hd, KV * hd
         W = nq + 2 * kvd
@@ -280,7 +278,6 @@ class LlamaCuda(DecodePlan):
         hE = h16[:, :E] if h16.shape[1] == E else pf.buf("hE", (n, E), cp.float16)
         att16 = h16[:, :nq] if h16.shape[1] == nq else pf.buf("att16", (n, nq), cp.float16)
         gu, act16 = self._prefill_ffn_buffers(n)
-        gu_groups = {id(L): [(L.w_gate_up, 0, 2 * self.n_ff)] for L in self.layers()}
         for li in range(self.lo, self.hi):
             L = m.layers[li]
             slot = pool.slot(li)
@@ -298,7 +295,7 @@ class LlamaCuda(DecodePlan):
             check(lb.strata_fa2_prefill(s, ptr(qkv), W, ptr(kc), ptr(vc), ptr(pt), NULL, ptr(att16), ptr(ws), n, H, KV,
                                         hd, pool.page_size, pos0, n_split, self.scale, ptr(ks), ptr(vs)), "fa2_prefill")
             pf.gemm(att16, L.wo, x, True)
-            self._prefill_ffn(s, x, L.ffn_norm, gu_groups[id(L)], L.w_down, hE, gu, act16)
+            self._prefill_ffn(s, x, L.ffn_norm, [(L.w_gate_up, 0, 2 * self.n_ff)], L.w_down, hE, gu, act16)
         return self._prefill_end(x, toks, state, all_logits)
 
 

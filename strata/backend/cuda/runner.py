@@ -10,7 +10,7 @@ import numpy as np
 
 from strata.backend.cuda import settings
 from strata.backend.cuda.gemm import PrefillScratch
-from strata.backend.cuda.library import check, ffi, fptr, lib, ptr, stream_ptr
+from strata.backend.cuda.library import addr, check, ffi, fptr, lib, ptr, stream_ptr
 from strata.backend.cuda.pages import CudaPagePool, check_sequence
 from strata.backend.cuda.settings import MV_BLOCK_ROWS, glu_pairs_per_warp, rows_per_warp
 
@@ -87,6 +87,7 @@ class DecodePlan:
     """
 
     label: ClassVar[str] = "CUDA decode plan"     # how errors name the plan
+    mv_block_from = 0            # long-row matvecs run a block per row from this many sub-blocks per row (0: never)
 
     def __init__(self, model, pool, use_graphs: bool | None = None, lo: int = 0, hi: int | None = None):
         why = self.unsupported(model, lo, hi)
@@ -175,8 +176,7 @@ class DecodePlan:
 
     def _block_rows(self, n_in: int) -> bool:
         """Whether a long-row matvec (rows of n_in values) runs one block per MV_BLOCK_ROWS rows."""
-        mv_from = getattr(self, "mv_block_from", 0)
-        return bool(mv_from and n_in // 32 >= mv_from)
+        return bool(self.mv_block_from and n_in // 32 >= self.mv_block_from)
 
     def _embed_row(self, s, tok_p) -> None:
         """The first stage's input: the token's embedding row into d['x']."""
@@ -200,8 +200,7 @@ class DecodePlan:
         then the down matvec."""
         lb, d, E, F = lib(), self.d, self.n_embd, self.n_ff
         if glu is not None:
-            a = ffi().cast
-            check(lb.strata_matvec_q8w_glu(s, glu[0], a("void *", glu[1]), a("void *", glu[2]), self._qp("hq"),
+            check(lb.strata_matvec_q8w_glu(s, glu[0], addr(glu[1]), addr(glu[2]), self._qp("hq"),
                                            ptr(d["act"]), self._qp("fq"), F, E, glu_pairs_per_warp(F, self.n_sm)),
                   "matvec_glu")
         else:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 
+from strata.backend.cuda.library import lib
+
 _OFF = ("0", "false", "no", "off", "")   # the values that turn an on / off switch off
 
 
@@ -153,7 +155,6 @@ def gqa_resident(hd: int, g: int, q8: bool) -> int:
     """Blocks of the v2 decode attention kernel (head size hd, g query heads per KV head, q8_0 or f16 cache, and
     the STRATA_CUDA_ATTN_DB variant) resident per multiprocessor of the current GPU; 0 when the shape has no kernel
     or the query fails (then the split is not capped). Cached per shape and variant once known."""
-    from strata.backend.cuda.library import lib
     key = (int(hd), int(g), bool(q8), os.environ.get("STRATA_CUDA_ATTN_DB"))
     n = _RESIDENT.get(key)
     if n is None:
