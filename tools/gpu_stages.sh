@@ -4,7 +4,8 @@
 #   .dev/A = wheels (whl/), two of the default model's parts (parts/), llamacpp.tar.gz, before.tar.gz (main's tree)
 #   .dev/B = the model's other parts + its sha256 manifest (parts/), join.sh
 # Stage A (carry .dev/A): install the wheels, start the llama.cpp CUDA build (llama-bench) in the background, build
-#   this tree and main's tree (/tmp/before) for sm_90.
+#   this tree and main's tree (/tmp/before) for sm_90 (NO_BEFORE=1: this tree only; LLAMA_FIRST=llama-server: that
+#   target first).
 # Stage B (carry .dev/B, same warm machine): join the model; the GPU tests (stages, parity, step, qwen35, hybrid,
 #   device sampling); a `strata serve --device cuda:0,cuda:0 --layer-split 15` smoke request.
 # Stage C (same machine): bench/gpu_throughput.py before / after alternating (the plan rows, llama-bench in the same
@@ -25,7 +26,7 @@ if [ "$stage" = A ]; then
   mkdir -p /tmp/lcsrc && tar xzf .dev/A/llamacpp.tar.gz -C /tmp/lcsrc
   [ -n "$NO_LLAMA" ] || setsid nohup bash -c 'cmake -S /tmp/lcsrc/llama.cpp -B /tmp/lb -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_CURL=OFF \
-    -DCMAKE_BUILD_TYPE=Release > /tmp/lc_build.log 2>&1 && cmake --build /tmp/lb -j 8 --target llama-bench \
+    -DCMAKE_BUILD_TYPE=Release > /tmp/lc_build.log 2>&1 && cmake --build /tmp/lb -j 8 --target ${LLAMA_FIRST:-llama-bench} \
     >> /tmp/lc_build.log 2>&1; cmake --build /tmp/lb -j 8 --target llama-server >> /tmp/lc_build.log 2>&1; \
     echo done >> /tmp/lc_build.log' > /dev/null 2>&1 &
   rm -rf /tmp/before && tar xzf .dev/A/before.tar.gz -C /tmp
@@ -33,11 +34,11 @@ if [ "$stage" = A ]; then
   nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpu.txt"
   (python3 setup.py build_ext --inplace && python3 native/build_cuda.py --arch 90) > "$OUT/build_after.log" 2>&1 &
   a=$!
-  (cd /tmp/before && python3 setup.py build_ext --inplace && python3 native/build_cuda.py --arch 90) \
-    > "$OUT/build_before.log" 2>&1 &
+  [ -n "$NO_BEFORE" ] || (cd /tmp/before && python3 setup.py build_ext --inplace && python3 native/build_cuda.py \
+    --arch 90) > "$OUT/build_before.log" 2>&1 &
   b=$!
-  wait $a; echo "after build rc=$?"; wait $b; echo "before build rc=$?"
-  tail -3 "$OUT/build_after.log" "$OUT/build_before.log"; tail -2 /tmp/lc_build.log
+  wait $a; echo "after build rc=$?"; [ -n "$NO_BEFORE" ] || { wait $b; echo "before build rc=$?"; }
+  tail -n 3 "$OUT/build_after.log"; tail -n 2 /tmp/lc_build.log
   mkdir -p /tmp/built && cp strata/_cuda_kernels.so strata/_native*.so /tmp/built/
   exit 0
 fi

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from strata.memory.pinned import pinned_bytes
+
 
 def engine_status(engine, busy: bool) -> dict[str, Any]:
     """Engine status for `stratactl status` (JSON-ready): model, arch, n_ctx, the stages (carve, device, runner,
@@ -33,7 +35,7 @@ def engine_status(engine, busy: bool) -> dict[str, Any]:
         "disk_stats": dict(engine.disk.stats) if engine.disk is not None else None,
         "conversation_cache_bytes": engine.park.budget if engine.park is not None else 0,
         "memory": {"weights_bytes": int(engine.file.nbytes), "kv_pool_bytes": int(sum(m["bytes"] for m in kvs)),
-                   "rss_bytes": _rss_bytes()},
+                   "rss_bytes": _rss_bytes(), "pinned_host_bytes": pinned_bytes()},
         "requests": engine.requests,
         "busy": busy,
         "load_ms": round(engine.load_ms, 1),

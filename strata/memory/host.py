@@ -15,13 +15,14 @@ def host_view(a: Any) -> np.ndarray:
 
 def host_copy(a: Any) -> np.ndarray:
     """A C-contiguous host copy of a numpy or CuPy array. A CuPy array lands in pinned (page-locked) host memory from
-    CuPy's pinned pool, so parking moves state at the bus's copy bandwidth and the copy back to the device is a
-    direct DMA."""
+    the process's arena (strata.memory.pinned), so parking moves state at the bus's copy bandwidth without pinning
+    fresh pages each time, and the copy back to the device is a direct DMA."""
     if isinstance(a, np.ndarray) or not hasattr(a, "get"):
         return np.array(a, order="C")
     import cupy
+    from strata.memory.pinned import arena
     a = cupy.ascontiguousarray(a)
-    out = np.frombuffer(cupy.cuda.alloc_pinned_memory(max(1, a.nbytes)), a.dtype, a.size).reshape(a.shape)
+    out = arena().empty(a.shape, a.dtype)
     a.get(out=out)
     return out
 
