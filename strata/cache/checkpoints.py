@@ -15,6 +15,12 @@ __all__ = ["CheckpointCache", "PrefillPlan", "KINDS", "common_prefix"]
 
 #: cut point kinds, in the order that names a checkpoint when several fall on one position
 KINDS = ("root", "pin", "turn", "message", "tail", "periodic")
+# A message end, periodic or near-tail cut point closer than this to the resume point ends no part: each part is one
+# forward call, a fixed ~8-12 ms on the H200's hybrid 1.5B whatever its length below a few hundred tokens (session
+# 15's profile of a later turn: a live continuation read 2 + 14 + 4 tokens in three calls, the first ending at the
+# previous answer's end), and a checkpoint there would skip fewer tokens than that costs. The root, a client's pin
+# and the turn point (the generation prompt's start, where a regenerate resumes) stay cut points wherever they fall.
+MIN_PART = 16
 _TEMPLATE_KINDS = ("root", "message", "turn", "pin")
 _RANK = {k: i for i, k in enumerate(KINDS)}
 
@@ -155,7 +161,8 @@ class CheckpointCache:
         kernels give the same bits for any split of tokens into calls, so a request sent twice still answers
         the same; on a GPU the same greedy tokens wherever the top-2 margin is not a near tie.
 
-        Parts: the kept cut points after the resume point, de-duplicated, plus len(prompt). Kept: the
+        Parts: the kept cut points after the resume point (a message end, periodic or tail point only at least
+        MIN_PART tokens after it), de-duplicated, plus len(prompt). Kept: the
         template's root / message / turn / pin points, periodic points every ``every`` tokens (absolute
         positions k*every) and the near-tail point len(prompt) - tail. Points shallower than the root are
         dropped (the root is the shallowest checkpoint a chat saves, so it is the chain's root).
@@ -291,12 +298,15 @@ class CheckpointCache:
             if roots and root >= self.root_min:
                 cand.append((root, "root"))
         out: dict[int, str] = {}
+        held: set[int] = set()          # points that stay however near the resume point (see MIN_PART)
         for p, k in cand:
             if p <= resume or p <= 0 or p < root or p > n:
                 continue
+            if k in ("root", "pin", "turn"):
+                held.add(p)
             if p not in out or _RANK[k] < _RANK[out[p]]:
                 out[p] = k
-        return out
+        return {p: k for p, k in out.items() if p - resume >= MIN_PART or p in held}
 
     def save(self, pos: int, kind: str, snapshot) -> list[int]:
         """Keep ``snapshot`` (a strata.stages.sequence.Checkpoint taken at ``pos``) as a checkpoint of kind ``kind``.
