@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
-"""Where a later chat turn's time goes: play bench/prompt_cache.py's chat on an engine (the synthetic 1.5B hybrid by
-default) and profile one later turn with cProfile, with the GPU synchronized around it; prints the turn's wall time,
-its parts and the functions that took the most time (own and cumulative, strata's only).
+"""Where a chat step's time goes: play bench/prompt_cache.py's chats on an engine (the synthetic 1.5B hybrid by
+default) and profile one step with cProfile (a later turn, the new chat, or the switch back to the first chat), the
+GPU synchronized around it; prints each step's time to the first token, its parts and the functions that took the
+most time in the profiled one (own and cumulative).
 
 Usage: PYTHONPATH=. python tools/profile_turn.py [--device cuda] [--size 16384] [--prompt-cache 6] [--turn 4]
+       [--step turn|new|switch]
 """
 from __future__ import annotations
 
@@ -25,7 +27,9 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--size", type=int, default=16384)
     ap.add_argument("--prompt-cache", type=int, default=6)
-    ap.add_argument("--turn", type=int, default=4, help="the turn profiled (2-4)")
+    ap.add_argument("--turn", type=int, default=4, help="the turn profiled (2-4) with --step turn")
+    ap.add_argument("--step", choices=["turn", "new", "switch"], default="turn",
+                    help="profile a later turn, the new chat after turn 4, or the switch back to chat A after it")
     ap.add_argument("--synthetic", default="hybrid_1_5b")
     ap.add_argument("--top", type=int, default=25)
     args = ap.parse_args()
@@ -37,10 +41,10 @@ def main() -> int:
     e = Engine(model, n_ctx=args.size + 2048, device=args.device, prompt_cache=args.prompt_cache)
     sync = (lambda: __import__("cupy").cuda.Device().synchronize()) if args.device.startswith("cuda") else (lambda: None)
     system = pc.system_prompt(e.tokenizer, args.size)
-    msgs = [{"role": "system", "content": system}]
+    a = [{"role": "system", "content": system}]
 
-    def turn(i, profile=None):
-        msgs.append({"role": "user", "content": pc.USERS_A[i]})
+    def ask(msgs, name, profile=None):
+        """One request on `msgs`; its answer appended to them; prints its time to the first token."""
         r = e.render_chat(msgs)
         req = GenerationRequest(r.tokens, r.cut_points, SamplingParams(temperature=0.0), max_tokens=8)
         sync()
@@ -59,15 +63,20 @@ def main() -> int:
             else:
                 final = ev
         msgs.append({"role": "assistant", "content": "".join(text) + final.text})
-        return (first - t0) * 1e3, final
+        print(f"{name}{' (profiled)' if profile else ''}: {(first - t0) * 1e3:.1f} ms to the first token, resume "
+              f"{final.strata['resume_from']} {final.strata['resume_pos']}, parts {final.strata.get('parts')}")
 
-    for i in range(args.turn - 1):
-        ms, final = turn(i)
-        print(f"turn {i + 1}: {ms:.1f} ms, resume {final.strata['resume_from']} {final.strata['resume_pos']}")
     prof = cProfile.Profile()
-    ms, final = turn(args.turn - 1, prof)
-    print(f"turn {args.turn} (profiled): {ms:.1f} ms to the first token, resume {final.strata['resume_from']} "
-          f"{final.strata['resume_pos']}, parts {final.strata.get('parts')}")
+    turns = args.turn if args.step == "turn" else 4
+    for i in range(turns):
+        a.append({"role": "user", "content": pc.USERS_A[i]})
+        ask(a, f"turn {i + 1}", prof if args.step == "turn" and i == turns - 1 else None)
+    if args.step in ("new", "switch"):
+        b = [{"role": "system", "content": system}, {"role": "user", "content": pc.USER_B}]
+        ask(b, "new chat", prof if args.step == "new" else None)
+    if args.step == "switch":
+        a.append({"role": "user", "content": pc.USERS_A[4]})
+        ask(a, "switch back", prof)
     for key in ("tottime", "cumulative"):
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats(key).print_stats(args.top)
