@@ -97,12 +97,25 @@ def test_reserve_pins_ahead_once():
     assert a.pins == 2
 
 
-def test_pinning_failure_falls_back_to_ordinary_memory():
+def test_pinning_failure_falls_back_to_ordinary_memory_without_retrying_each_array():
     pins = FakePins(fail=True)
     a = PinnedArena(pins.pin, pins.unpin)
-    x = a.empty((5, 5), np.float32)
-    x[:] = 1
-    assert a.fallbacks == 1 and a.pinned_bytes == 0 and x.sum() == 25
+    xs = [a.empty((5, 5), np.float32) for _ in range(10)]
+    xs[0][:] = 1
+    assert a.fallbacks == 10 and a.pinned_bytes == 0 and xs[0].sum() == 25
+    assert pins.calls == 1                          # one failed pin, not one per array
+
+
+def test_a_range_freed_inside_the_arena_waits_for_the_next_call():
+    """A finalizer that runs while the arena holds its lock (a garbage collection inside its own code) must not
+    take the lock again: the range is pending until the next call settles it."""
+    pins = FakePins()
+    a = PinnedArena(pins.pin, pins.unpin, keep_bytes=1 << 30)
+    x = a.empty((ALIGN,), np.uint8)
+    with a._lock:
+        del x                                       # the lease's finalizer runs here, under the lock
+        assert len(a._pending) == 1
+    assert a.used_bytes == 0 and not a._pending
 
 
 def test_a_range_freed_twice_is_refused():

@@ -69,7 +69,9 @@ class _Chunk:
 
 
 class _Lease:
-    """Held by the array's buffer: gives its range back when the last view of the array is gone."""
+    """Held by the array's buffer: hands its range back when the last view of the array is gone. The range goes to
+    the arena's pending list (one atomic append), not through its lock: a finalizer may run inside the arena's own
+    code on the same thread (a garbage collection there), where taking the lock again would deadlock."""
 
     __slots__ = ("arena", "chunk", "off", "n")
 
@@ -77,10 +79,7 @@ class _Lease:
         self.arena, self.chunk, self.off, self.n = arena, chunk, off, n
 
     def __del__(self):
-        try:
-            self.arena._give(self.chunk, self.off, self.n)
-        except Exception:       # interpreter shutdown, or a bug reported above: never raise from a finalizer
-            pass
+        self.arena._pending.append((self.chunk, self.off, self.n))
 
 
 class PinnedArena:
@@ -93,23 +92,44 @@ class PinnedArena:
         self.keep_bytes = keep_bytes
         self._chunks: list[_Chunk] = []
         self._lock = threading.Lock()
+        self._pending: list[tuple[_Chunk, int, int]] = []   # ranges whose arrays are gone, not yet given back
+        self._failed = False              # the last pin failed: no retry until a chunk went back
         self.pins = 0                     # chunks pinned so far (the costly calls)
         self.fallbacks = 0                # arrays served from ordinary memory because pinning failed
 
     @property
     def pinned_bytes(self) -> int:
-        return sum(c.size for c in self._chunks)
+        with self._lock:
+            self._settle()
+            return sum(c.size for c in self._chunks)
 
     @property
     def used_bytes(self) -> int:
-        return sum(c.used for c in self._chunks)
+        with self._lock:
+            self._settle()
+            return sum(c.used for c in self._chunks)
+
+    def _settle(self) -> None:
+        """Give the pending ranges back (the lock held); a chunk left empty goes back to the driver while more
+        than keep_bytes are pinned."""
+        while self._pending:
+            chunk, off, n = self._pending.pop()
+            chunk.give(off, n)
+            if chunk.used == 0 and sum(c.size for c in self._chunks) > self.keep_bytes:
+                self._chunks.remove(chunk)
+                self._unpin(chunk.ptr)
+                self._failed = False
 
     def _grow(self, n: int) -> _Chunk | None:
+        if self._failed:
+            return None
         size = max(CHUNK, _round(n, ALIGN))
         try:
             ptr = self._pin(size)
         except Exception as e:        # CUDARuntimeError (out of pinnable memory) and the like
-            log.warning("pinning host memory failed; using ordinary memory", bytes=size, error=str(e))
+            log.warning("pinning host memory failed; parking uses ordinary memory until pinned memory is freed",
+                        bytes=size, pinned=sum(c.size for c in self._chunks), error=str(e))
+            self._failed = True
             return None
         c = _Chunk(ptr, size)
         self._chunks.append(c)
@@ -118,19 +138,13 @@ class PinnedArena:
 
     def _take(self, n: int) -> tuple[_Chunk, int] | None:
         with self._lock:
+            self._settle()
             for c in self._chunks:
                 off = c.take(n)
                 if off is not None:
                     return c, off
             c = self._grow(n)
             return None if c is None else (c, c.take(n))
-
-    def _give(self, chunk: _Chunk, off: int, n: int) -> None:
-        with self._lock:
-            chunk.give(off, n)
-            if chunk.used == 0 and self.pinned_bytes > self.keep_bytes and chunk in self._chunks:
-                self._chunks.remove(chunk)
-                self._unpin(chunk.ptr)
 
     def empty(self, shape, dtype) -> np.ndarray:
         """An uninitialized C-contiguous array of `shape` / `dtype` in pinned memory (ordinary memory if pinning
@@ -149,10 +163,11 @@ class PinnedArena:
     def reserve(self, nbytes: int) -> None:
         """Pin ahead so that about `nbytes` are free in the arena, and keep at least what is pinned then."""
         with self._lock:
-            free = self.pinned_bytes - self.used_bytes
+            self._settle()
+            free = sum(c.size - c.used for c in self._chunks)
             if nbytes > free:
                 self._grow(nbytes - free)
-            self.keep_bytes = max(self.keep_bytes, self.pinned_bytes)
+            self.keep_bytes = max(self.keep_bytes, sum(c.size for c in self._chunks))
 
 
 _arena: list[PinnedArena] = []
