@@ -120,6 +120,31 @@ def test_first_read_parts_and_saves():
     assert [(e["pos"], e["kind"], e["pinned"]) for e in cache.entries()] == [(40, "root", True), (52, "turn", False)]
 
 
+def test_a_cut_point_near_the_previous_checkpoint_ends_no_part():
+    """MIN_PART: a message end a few tokens past the previous checkpoint is no part of its own; one far from it is a
+    checkpoint even right after a live resume point (an edited next message resumes there), and the turn point
+    always is."""
+    p1, c1 = chat(U1)                                   # S (40) U1 (12): the turn checkpoint at 52, H to 55
+    cache, st = CheckpointCache(cap=6), new_state(hybrid=True)
+    run(cache, st, p1, c1, answer=A1[:-1])              # live at 58; the rendered answer ends at 59
+    p2, c2 = chat(U1, U2, answers=[A1])
+    plan, parts = run(cache, st, p2, c2)
+    assert plan.resume_from == "live" and plan.resume_pos == 58
+    assert 59 not in plan.save_at and parts == [(58, 68), (68, 71)] and plan.save_at[68] == "turn"
+    long = list(range(700, 740))
+    cache, st = CheckpointCache(cap=6), new_state(hybrid=True)
+    run(cache, st, p1, c1, answer=long[:-1])           # live at 94, the answer ends at 95: 43 past the checkpoint
+    p2, c2 = chat(U1, U2, answers=[long])
+    plan, parts = run(cache, st, p2, c2)
+    assert plan.save_at[95] == "message" and parts[0] == (94, 95)
+    p3, c3 = chat(U1, U3, answers=[long])               # the next message edited: resumes at the answer's end
+    plan, parts = run(cache, st, p3, c3)
+    assert (plan.resume_from, plan.resume_pos) == ("checkpoint", 95)
+    ref = new_state(hybrid=True)
+    read(ref, p3)
+    assert st.hashes() == ref.hashes()
+
+
 def test_same_request_twice_resumes_at_turn_and_matches():
     cache, st = CheckpointCache(cap=6), new_state(hybrid=True)
     p, cuts = chat(U1)
@@ -165,7 +190,7 @@ def test_new_chat_resumes_from_the_root_and_erases_the_other_branch():
 
 def test_never_resumes_at_the_full_prompt():
     # a cut point at len(prompt) (no generation prompt): the next identical prompt steps back to an earlier one
-    cache, st = CheckpointCache(cap=6), new_state(hybrid=True)
+    cache, st = CheckpointCache(cap=6, min_part=0), new_state(hybrid=True)   # 52 is 12 past the root
     p = S + U1
     cuts = [(40, "root", 0), (40, "message", 0), (52, "message", 1)]
     plan, _ = run(cache, st, p, cuts)
@@ -233,7 +258,8 @@ def test_prompt_cache_0_one_part_live_or_zero():
 
 
 def test_periodic_and_tail_points():
-    cache, st = CheckpointCache(cap=12, every=16, tail=5), new_state()
+    # min_part 0: every cut point ends a part here (the points lie 2-8 tokens apart; MIN_PART has its own test)
+    cache, st = CheckpointCache(cap=12, every=16, tail=5, min_part=0), new_state()
     p, c = chat(U1, U2, answers=[A1])                        # 40 + 12 + 3 + 4 + 9 + 3 = 71 tokens
     plan, _ = run(cache, st, p, c)
     assert len(p) == 71
@@ -242,7 +268,7 @@ def test_periodic_and_tail_points():
                             66: "tail", 68: "turn"}
     assert plan.part_ends == [40, 48, 52, 59, 64, 66, 68, 71]
     # checkpoint=False: no periodic, no tail, no turn
-    cache2, st2 = CheckpointCache(cap=12, every=16, tail=5), new_state()
+    cache2, st2 = CheckpointCache(cap=12, every=16, tail=5, min_part=0), new_state()
     plan, _ = run(cache2, st2, p, c, checkpoint=False)
     assert plan.part_ends == [40, 71] and plan.save_at == {40: "root"}
 
@@ -462,7 +488,9 @@ def assert_same_or_near_tie(ta, tb, pa, pb):
     with neither ending early. Greedy: at a near tie (each run's choice wins by < 1 nat in its own logprobs).
     Sampled (a chosen token outside its own top 5): the draw saw the same distribution up to rounding (at least 4
     of the top-5 tokens shared, each shared logprob within 0.5 nat of the other run's: a GPU's two reads differ by
-    up to 0.21 nat there, the H200 in session 15), so the same uniform draw fell on either side of a boundary."""
+    up to 0.21 nat there, the H200 in session 15), so the same uniform draw fell on either side of a boundary.
+    This checks the state the draws saw, not the seed: that a seed repeats its draws is tests/test_device_sampling.py's
+    (and on the CPU the exactness test's byte equality)."""
     if ta == tb:
         return
     i = next(i for i, (x, y) in enumerate(zip(ta + [-1], tb + [-1])) if x != y)

@@ -16,13 +16,13 @@ from strata.memory.pinned import ALIGN, PinnedArena
 class FakePins:
     """pin / unpin over ctypes buffers, counting the calls and what is held."""
 
-    def __init__(self, fail: bool = False):
+    def __init__(self, fail: bool = False, fail_over: int | None = None):
         self.held: dict[int, ctypes.Array] = {}
-        self.calls, self.fail = 0, fail
+        self.calls, self.fail, self.fail_over = 0, fail, fail_over
 
     def pin(self, n: int) -> int:
         self.calls += 1
-        if self.fail:
+        if self.fail or self.fail_over is not None and n > self.fail_over:
             raise MemoryError("cudaErrorMemoryAllocation: out of memory")
         buf = (ctypes.c_ubyte * n)()
         self.held[ctypes.addressof(buf)] = buf
@@ -49,6 +49,7 @@ def test_ranges_are_reused_whatever_their_size():
     assert a.pins == 1 and a.used_bytes == 40960
     del x
     gc.collect()
+    a.settle()
     assert a.used_bytes == 0
     y = a.empty((3, 7), np.int16)                 # a different size: the same pinned chunk serves it
     z = a.empty((60 * ALIGN // 8,), np.float64)
@@ -67,10 +68,12 @@ def test_a_large_array_gets_a_chunk_of_its_own_and_views_keep_it():
     view = big[10:20]
     del big
     gc.collect()
+    a.settle()
     assert a.used_bytes == 200 * ALIGN             # the view holds the range
     view[:] = 3
     del view
     gc.collect()
+    a.settle()
     assert a.used_bytes == 0 and a.pinned_bytes == 0 and not pins.held   # beyond keep_bytes: back to the driver
 
 
@@ -80,6 +83,7 @@ def test_keep_bytes_holds_free_chunks_pinned():
     x = a.empty((ALIGN,), np.uint8)
     del x
     gc.collect()
+    a.settle()
     assert a.pinned_bytes == 64 * ALIGN and len(pins.held) == 1
 
 
@@ -87,7 +91,7 @@ def test_reserve_pins_ahead_once():
     pins = FakePins()
     a = PinnedArena(pins.pin, pins.unpin)
     a.reserve(300 * ALIGN)
-    assert a.pins == 1 and a.pinned_bytes >= 300 * ALIGN and a.keep_bytes == a.pinned_bytes
+    assert a.pins == 1 and a.pinned_bytes >= 300 * ALIGN and a.keep_bytes >= a.pinned_bytes
     xs = [a.empty((ALIGN,), np.uint8) for _ in range(299)]
     assert a.pins == 1 and a.used_bytes == 299 * ALIGN
     a.reserve(10)                                   # enough free already: nothing pinned
@@ -106,6 +110,23 @@ def test_pinning_failure_falls_back_to_ordinary_memory_without_retrying_each_arr
     assert pins.calls == 1                          # one failed pin, not one per array
 
 
+def test_a_refused_reserve_or_pin_is_not_held_against_later_ones():
+    pins = FakePins(fail_over=100 * ALIGN)
+    a = PinnedArena(pins.pin, pins.unpin)
+    a.reserve(200 * ALIGN)                          # one pin of 200 pages: refused, the reserve stops there
+    assert a.pinned_bytes == 0
+    x = a.empty((ALIGN,), np.uint8)                 # a chunk of 64 pages still pins
+    assert a.pins == 1 and a.fallbacks == 0
+    big = a.empty((150 * ALIGN,), np.uint8)         # refused: ordinary memory, and no retry per array ...
+    again = a.empty((150 * ALIGN,), np.uint8)
+    assert a.fallbacks == 2 and pins.calls == 3
+    del x
+    a.settle()                                      # ... until memory came back
+    small = a.empty((80 * ALIGN,), np.uint8)
+    assert a.pins == 2 and pins.calls == 4
+    del big, again, small
+
+
 def test_a_range_freed_inside_the_arena_waits_for_the_next_call():
     """A finalizer that runs while the arena holds its lock (a garbage collection inside its own code) must not
     take the lock again: the range is pending until the next call settles it."""
@@ -115,6 +136,7 @@ def test_a_range_freed_inside_the_arena_waits_for_the_next_call():
     with a._lock:
         del x                                       # the lease's finalizer runs here, under the lock
         assert len(a._pending) == 1
+    a.settle()
     assert a.used_bytes == 0 and not a._pending
 
 
@@ -141,10 +163,12 @@ def test_fuzz_live_arrays_never_overlap_and_all_memory_comes_back(ops):
             live[-1][0][:] = seed % 251
         else:
             live.pop(seed % len(live))          # reference counting frees it here (no cycles)
+        a.settle()
         assert a.used_bytes == sum((len(x) + ALIGN - 1) // ALIGN * ALIGN for x, _ in live)
         assert all(x[0] == v and x[-1] == v for x, v in live)
     assert all((x == v).all() for x, v in live)
     live.clear()
+    a.settle()
     assert a.used_bytes == 0
     assert all(r == [(0, c.size)] for r, c in zip(_free_ranges(a), a._chunks))
     assert a.pinned_bytes <= 128 * ALIGN                 # free chunks beyond keep_bytes went back

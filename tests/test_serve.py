@@ -112,6 +112,19 @@ def test_openai_stream_equals_non_stream(client, model_id):
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
 
 
+def test_repeat_last_n_sets_the_penalties_history(client, model_id):
+    """llama.cpp's repeat_last_n reaches the sampler on the OpenAI routes: with a history of 0 tokens a repeat
+    penalty sees nothing (the plain greedy count), with the default 64 it changes the count; -2 is refused."""
+    import openai
+    kw = dict(model=model_id, prompt=COUNT_PROMPT, max_tokens=8, temperature=0)
+    plain = client.completions.create(**kw).choices[0].text
+    none = client.completions.create(**kw, extra_body={"repeat_penalty": 5.0, "repeat_last_n": 0}).choices[0].text
+    last = client.completions.create(**kw, extra_body={"repeat_penalty": 5.0, "repeat_last_n": 64}).choices[0].text
+    assert none == plain and last != plain, (plain, none, last)
+    with pytest.raises(openai.BadRequestError, match="repeat_last_n"):
+        client.completions.create(**kw, extra_body={"repeat_last_n": -2})
+
+
 def test_stop_strings(client, model_id):
     base = client.completions.create(model=model_id, prompt=COUNT_PROMPT, max_tokens=12, temperature=0)
     text = base.choices[0].text

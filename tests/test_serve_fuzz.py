@@ -46,6 +46,7 @@ FIELDS = {
     "stop": st.text(max_size=5) | st.lists(st.text(max_size=5), max_size=20) | junk,
     "presence_penalty": st.floats(-3, 3, allow_nan=False) | junk,
     "frequency_penalty": st.floats(-3, 3, allow_nan=False) | junk,
+    "repeat_last_n": st.integers(-3, 100) | junk,
     "logprobs": st.booleans() | st.integers(-2, 25) | junk,
     "top_logprobs": st.integers(-2, 25) | junk,
     "n": st.integers(0, 3) | junk,

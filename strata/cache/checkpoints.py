@@ -15,11 +15,13 @@ __all__ = ["CheckpointCache", "PrefillPlan", "KINDS", "common_prefix"]
 
 #: cut point kinds, in the order that names a checkpoint when several fall on one position
 KINDS = ("root", "pin", "turn", "message", "tail", "periodic")
-# A message end, periodic or near-tail cut point closer than this to the resume point ends no part: each part is one
-# forward call, a fixed ~8-12 ms on the H200's hybrid 1.5B whatever its length below a few hundred tokens (session
-# 15's profile of a later turn: a live continuation read 2 + 14 + 4 tokens in three calls, the first ending at the
-# previous answer's end), and a checkpoint there would skip fewer tokens than that costs. The root, a client's pin
-# and the turn point (the generation prompt's start, where a regenerate resumes) stay cut points wherever they fall.
+# A message end, periodic or near-tail cut point closer than this to the previous checkpoint (one kept before the
+# read, or one this read keeps) ends no part: each part is one forward call, a fixed ~8-12 ms on the H200's hybrid
+# 1.5B whatever its length below a few hundred tokens (session 15's profile of a later turn: a live continuation read
+# 2 + 14 + 4 tokens in three calls), and a checkpoint there would save fewer tokens than that costs. The distance is
+# from the previous checkpoint, not from a live resume point: after a long answer, its end is the checkpoint an
+# edited next message resumes at. The root, a client's pin and the turn point (the generation prompt's start, where a
+# regenerate resumes) stay cut points wherever they fall.
 MIN_PART = 16
 _TEMPLATE_KINDS = ("root", "message", "turn", "pin")
 _RANK = {k: i for i, k in enumerate(KINDS)}
@@ -109,7 +111,8 @@ class CheckpointCache:
     every: ``--prompt-cache-every`` tokens between periodic cut points (0: none). root_min:
     ``--prompt-cache-root``, the minimum root length (tokens) worth pinning. budget_bytes:
     ``--prompt-cache-mib`` in bytes, a hard cap on the checkpoints' own memory (see retention). tail: the
-    distance (tokens) of the near-tail cut point from the prompt's end (0: none).
+    distance (tokens) of the near-tail cut point from the prompt's end (0: none). min_part: see MIN_PART (0: every
+    cut point ends a part).
 
     The kept checkpoints always form a prefix chain of what the arena holds: :meth:`plan` erases every
     checkpoint that is not a prefix of the new prompt (and of the live sequence), and every one past the
@@ -119,11 +122,11 @@ class CheckpointCache:
     """
 
     def __init__(self, cap: int = 6, every: int = 0, root_min: int = 0, budget_bytes: int = 1024 << 20,
-                 tail: int = 0):
+                 tail: int = 0, min_part: int = MIN_PART):
         for name, v in (("cap (--prompt-cache)", cap), ("every (--prompt-cache-every)", every),
                         ("root_min (--prompt-cache-root)", root_min), ("budget_bytes (--prompt-cache-mib)",
                                                                         budget_bytes),
-                        ("tail", tail)):
+                        ("tail", tail), ("min_part", min_part)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
         self.cap = cap
@@ -131,6 +134,7 @@ class CheckpointCache:
         self.root_min = root_min
         self.budget_bytes = budget_bytes
         self.tail = tail
+        self.min_part = min_part
         self._entries: dict[int, _Entry] = {}
         self._clock = 0
         self._lock = threading.Lock()
@@ -162,7 +166,7 @@ class CheckpointCache:
         the same; on a GPU the same greedy tokens wherever the top-2 margin is not a near tie.
 
         Parts: the kept cut points after the resume point (a message end, periodic or tail point only at least
-        MIN_PART tokens after it), de-duplicated, plus len(prompt). Kept: the
+        min_part tokens after the previous checkpoint), de-duplicated, plus len(prompt). Kept: the
         template's root / message / turn / pin points, periodic points every ``every`` tokens (absolute
         positions k*every) and the near-tail point len(prompt) - tail. Points shallower than the root are
         dropped (the root is the shallowest checkpoint a chat saves, so it is the chain's root).
@@ -306,7 +310,12 @@ class CheckpointCache:
                 held.add(p)
             if p not in out or _RANK[k] < _RANK[out[p]]:
                 out[p] = k
-        return {p: k for p, k in out.items() if p - resume >= MIN_PART or p in held}
+        # a checkpoint saves the tokens since the previous one (kept before this read, or kept by it)
+        prev, kept = max(self._entries, default=0), {}
+        for p in sorted(out):
+            if p in held or p - prev >= self.min_part:
+                kept[p], prev = out[p], p
+        return kept
 
     def save(self, pos: int, kind: str, snapshot) -> list[int]:
         """Keep ``snapshot`` (a strata.stages.sequence.Checkpoint taken at ``pos``) as a checkpoint of kind ``kind``.

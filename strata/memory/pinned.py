@@ -22,6 +22,7 @@ log = structlog.get_logger("strata.memory")
 
 ALIGN = 4096                     # every range starts on a host page
 CHUNK = 256 << 20                # the smallest pin; a larger request gets a chunk of its own size (rounded up)
+RESERVE_STEP = 1 << 30           # the largest pin of a reserve (a refused one stops it where it is)
 
 
 def _round(n: int, to: int) -> int:
@@ -87,27 +88,31 @@ class PinnedArena:
     dtype)` is a C-contiguous numpy array in it. Thread-safe (arrays are freed by the garbage collector of any
     thread). When pinning fails (the host's locked-memory limit), `empty` falls back to ordinary memory."""
 
-    def __init__(self, pin: Callable[[int], int], unpin: Callable[[int], None], keep_bytes: int = 0):
+    def __init__(self, pin: Callable[[int], int], unpin: Callable[[int], None], keep_bytes: int = CHUNK):
         self._pin, self._unpin = pin, unpin
-        self.keep_bytes = keep_bytes
+        self.keep_bytes = keep_bytes      # empty chunks are kept while at most this much is pinned
         self._chunks: list[_Chunk] = []
         self._lock = threading.Lock()
         self._pending: list[tuple[_Chunk, int, int]] = []   # ranges whose arrays are gone, not yet given back
-        self._failed = False              # the last pin failed: no retry until a chunk went back
+        self._failed = False              # the last pin failed: no retry until a range came back
         self.pins = 0                     # chunks pinned so far (the costly calls)
         self.fallbacks = 0                # arrays served from ordinary memory because pinning failed
 
     @property
     def pinned_bytes(self) -> int:
+        """Bytes pinned now (a read: ranges whose arrays are gone count until the next call settles them)."""
         with self._lock:
-            self._settle()
             return sum(c.size for c in self._chunks)
 
     @property
     def used_bytes(self) -> int:
         with self._lock:
-            self._settle()
             return sum(c.used for c in self._chunks)
+
+    def settle(self) -> None:
+        """Give back the ranges whose arrays are gone (every allocation does this first)."""
+        with self._lock:
+            self._settle()
 
     def _settle(self) -> None:
         """Give the pending ranges back (the lock held); a chunk left empty goes back to the driver while more
@@ -115,10 +120,10 @@ class PinnedArena:
         while self._pending:
             chunk, off, n = self._pending.pop()
             chunk.give(off, n)
+            self._failed = False          # memory came back: a pin may succeed again
             if chunk.used == 0 and sum(c.size for c in self._chunks) > self.keep_bytes:
                 self._chunks.remove(chunk)
                 self._unpin(chunk.ptr)
-                self._failed = False
 
     def _grow(self, n: int) -> _Chunk | None:
         if self._failed:
@@ -144,7 +149,10 @@ class PinnedArena:
                 if off is not None:
                     return c, off
             c = self._grow(n)
-            return None if c is None else (c, c.take(n))
+            if c is None:
+                self.fallbacks += 1
+                return None
+            return c, c.take(n)
 
     def empty(self, shape, dtype) -> np.ndarray:
         """An uninitialized C-contiguous array of `shape` / `dtype` in pinned memory (ordinary memory if pinning
@@ -153,7 +161,6 @@ class PinnedArena:
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         got = self._take(_round(max(nbytes, 1), ALIGN))
         if got is None:
-            self.fallbacks += 1
             return np.empty(shape, dtype)
         chunk, off = got
         buf = (ctypes.c_ubyte * max(nbytes, 1)).from_address(chunk.ptr + off)
@@ -161,12 +168,17 @@ class PinnedArena:
         return np.frombuffer(buf, dtype, int(np.prod(shape, dtype=np.int64))).reshape(shape)
 
     def reserve(self, nbytes: int) -> None:
-        """Pin ahead so that about `nbytes` are free in the arena, and keep at least what is pinned then."""
+        """Pin ahead so that about `nbytes` are free in the arena (in pins of at most RESERVE_STEP, stopping at the
+        first that fails, which is not held against later allocations), and keep at least what is pinned then."""
         with self._lock:
             self._settle()
             free = sum(c.size - c.used for c in self._chunks)
-            if nbytes > free:
-                self._grow(nbytes - free)
+            while free < nbytes:
+                c = self._grow(min(nbytes - free, RESERVE_STEP))
+                if c is None:
+                    break
+                free += c.size
+            self._failed = False
             self.keep_bytes = max(self.keep_bytes, sum(c.size for c in self._chunks))
 
 

@@ -22,8 +22,8 @@ MAX_TOP_LOGPROBS = 20
 MAX_N = 16                 # choices per request (each one a full decode after the one prompt read)
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 # llama.cpp's and Strata's request fields that the Responses and Messages routes pass on to the chat request as they are
-EXTENSION_FIELDS = ("top_k", "min_p", "seed", "repeat_penalty", "presence_penalty", "frequency_penalty",
-                    "cache_prompt", "strata_checkpoint", "chat_template_kwargs", "reasoning_format")
+EXTENSION_FIELDS = ("top_k", "min_p", "seed", "repeat_penalty", "repeat_last_n", "presence_penalty",
+                    "frequency_penalty", "cache_prompt", "strata_checkpoint", "chat_template_kwargs", "reasoning_format")
 
 
 @dataclass
@@ -162,6 +162,9 @@ def _common(body: dict, kind: str) -> ParsedRequest:
     top_k = _opt_int(body, "top_k", 0)
     if top_k is not None:
         s["top_k"] = top_k
+    last_n = _opt_int(body, "repeat_last_n", -1)      # llama.cpp's: the penalties' history (0 none, -1 all)
+    if last_n is not None:
+        s["repeat_last_n"] = last_n
     seed = _opt_int(body, "seed", -1, 2 ** 64 - 1)
     if seed is not None:
         s["seed"] = seed
