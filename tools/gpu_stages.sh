@@ -16,7 +16,7 @@
 #   model and the synthetic 1.7B llama, and park_session's 16K / 64K rows again.
 # Issue 20's check (after A and the model join): T and U the whole GPU test set, G greedy tokens before / after on
 #   the default model and the synthetic 1.7B llama / 1.5B hybrid, C the throughput A/B; F issue 23's later turns on
-#   the H200 beside llama-server and issue 24's constraint cost.
+#   the H200 end to end beside llama-server, then a profile of the switch back at 64K.
 stage=${1:?A, J (model parts), B, C, D, E, T, U, G or F}
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/parts
@@ -83,7 +83,7 @@ for m in rows["after"]:
 PY
   exit 0
 fi
-if [ "$stage" = F ]; then     # issue 23 (later turns on the H200, llama-server beside) and 24 (constraint cost)
+if [ "$stage" = F ]; then     # issue 23: later turns on the H200 (llama-server beside), the switch back profiled
   LS=""; [ -x /tmp/lb/bin/llama-server ] && LS="--llama-server /tmp/lb/bin/llama-server"
   echo "llama-server: ${LS:-not built}"
   # end to end (the openai client: its wheels are in .dev/A/whl since session 14) with llama-server beside,
@@ -91,8 +91,9 @@ if [ "$stage" = F ]; then     # issue 23 (later turns on the H200, llama-server 
   MODE="--e2e $LS"; python3 -c "import openai" 2>/dev/null || MODE=""
   timeout 330 python3 bench/prompt_cache.py $MODE --device cuda --synthetic hybrid_1_5b --sizes ${PC_SIZES:-4096 16384 65536} \
     --label h200 --out "$OUT/prompt_cache_cuda.json" 2>&1 | tr '\r' '\n' | grep -vE "it/s|^\s*$|loading" | tail -40
-  timeout 200 python3 bench/constrained.py --device cuda --skip-libraries --model default --synthetic-1_7b \
-    --out "$OUT/constrained_cuda.json" 2>&1 | grep -vE "it/s|^\s*$" | tail -8
+  # where the switch back's time goes (issue 23), at 64K
+  timeout 150 python3 tools/profile_turn.py --size 65536 --step switch --top 20 2>&1 | grep -vE "it/s|loading" \
+    | cut -c1-160 | head -50
   exit 0
 fi
 if [ "$stage" = B ]; then

@@ -31,13 +31,14 @@ def main() -> int:
     ap.add_argument("--step", choices=["turn", "new", "switch"], default="turn",
                     help="profile a later turn, the new chat after turn 4, or the switch back to chat A after it")
     ap.add_argument("--synthetic", default="hybrid_1_5b")
+    ap.add_argument("--model", default=None, help="a GGUF path or 'default' instead of the synthetic model")
     ap.add_argument("--top", type=int, default=25)
     args = ap.parse_args()
     import prompt_cache as pc                                  # bench/prompt_cache.py
     from strata.engine import Engine, GenerationRequest
     from strata.sampling import SamplingParams
     d = Path(tempfile.mkdtemp())
-    model = pc.synthetic_model(args.synthetic, args.size + 2048, d)
+    model = args.model or pc.synthetic_model(args.synthetic, args.size + 2048, d)
     e = Engine(model, n_ctx=args.size + 2048, device=args.device, prompt_cache=args.prompt_cache)
     sync = (lambda: __import__("cupy").cuda.Device().synchronize()) if args.device.startswith("cuda") else (lambda: None)
     system = pc.system_prompt(e.tokenizer, args.size)
