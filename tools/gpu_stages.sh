@@ -3,7 +3,7 @@
 # .git/info/exclude; made with ../shared/offline/{wheels,split,llamacpp-src}.sh and `git archive`):
 #   .dev/A = wheels (whl/), two of the default model's parts (parts/), llamacpp.tar.gz, before.tar.gz (main's tree)
 #   .dev/B = the model's other parts + its sha256 manifest (parts/), join.sh
-# Stage A (carry .dev/A): install the wheels, start the llama.cpp CUDA build (llama-bench) in the background, build
+# Stage A (carry .dev/A, and .dev/K when tools/prebuild_cuda.sh made it): install the wheels, start the llama.cpp CUDA build (llama-bench) in the background, build
 #   this tree and main's tree (/tmp/before) for sm_90 (NO_BEFORE=1: this tree only; LLAMA_FIRST=llama-server: that
 #   target first).
 # Stage B (carry .dev/B, same warm machine): join the model; the GPU tests (stages, parity, step, qwen35, hybrid,
@@ -32,7 +32,12 @@ if [ "$stage" = A ]; then
   rm -rf /tmp/before && tar xzf .dev/A/before.tar.gz -C /tmp
   export PYTHONPATH=/tmp/site
   nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpu.txt"
-  (python3 setup.py build_ext --inplace && python3 native/build_cuda.py --arch 90) > "$OUT/build_after.log" 2>&1 &
+  # kernels prebuilt here (tools/prebuild_cuda.sh: .dev/K, carried beside .dev/A) when they match native/cuda
+  KB="python3 native/build_cuda.py --arch 90"
+  if [ -f .dev/K/_cuda_kernels.so ] && [ "$(export LC_ALL=C; cat native/cuda/* | sha256sum | cut -d" " -f1)" = "$(cat .dev/K/src.sha256)" ]; then
+    cp .dev/K/_cuda_kernels.so .dev/K/_cuda_kernels.h strata/ && KB="echo kernels: prebuilt (.dev/K)"
+  fi
+  (python3 setup.py build_ext --inplace && $KB) > "$OUT/build_after.log" 2>&1 &
   a=$!
   [ -n "$NO_BEFORE" ] || (cd /tmp/before && python3 setup.py build_ext --inplace && python3 native/build_cuda.py \
     --arch 90) > "$OUT/build_before.log" 2>&1 &
