@@ -286,3 +286,6 @@ def test_max_tokens_past_the_training_context_is_refused_at_once(engine):
     with pytest.raises(MaxTokensTooLarge, match="max_tokens is 8193, more than the model's training context of 8192"):
         engine.generate(GenerationRequest(prompt_tokens=r.tokens, max_tokens=8193))
     engine.validate(GenerationRequest(prompt_tokens=r.tokens, max_tokens=8192))     # within it: accepted
+    if engine.n_ctx < 8192:                       # the refusal says what happens within it on this server
+        with pytest.raises(MaxTokensTooLarge, match=f"fills this server's context of {engine.n_ctx} tokens"):
+            engine.validate(GenerationRequest(prompt_tokens=r.tokens, max_tokens=8193))

@@ -23,10 +23,12 @@ class ContextOverflow(ValueError):
 class MaxTokensTooLarge(ValueError):
     """max_tokens asks for more tokens than the model's training context (n_ctx_train) holds."""
 
-    def __init__(self, max_tokens: int, n_ctx_train: int):
+    def __init__(self, max_tokens: int, n_ctx_train: int, n_ctx: int | None = None):
         self.max_tokens, self.n_ctx_train = int(max_tokens), int(n_ctx_train)
+        ctx = (f"; an answer that fills this server's context of {int(n_ctx)} tokens ends with finish_reason "
+               f"\"length\"") if n_ctx is not None and int(n_ctx) < self.n_ctx_train else ""
         super().__init__(f"max_tokens is {self.max_tokens}, more than the model's training context of "
-                         f"{self.n_ctx_train} tokens (at most {self.n_ctx_train})")
+                         f"{self.n_ctx_train} tokens (at most {self.n_ctx_train}{ctx})")
 
 
 class EmptyPrompt(ValueError):

@@ -37,7 +37,7 @@ def check_request(req: GenerationRequest, prompt: np.ndarray, *, n_ctx: int, n_v
     if req.max_tokens is not None and req.max_tokens < 0:
         raise ValueError(f"max_tokens must be >= 0, got {req.max_tokens}")
     if req.max_tokens is not None and n_ctx_train and req.max_tokens > n_ctx_train:
-        raise MaxTokensTooLarge(req.max_tokens, n_ctx_train)   # within it, a full context ends the answer ("length")
+        raise MaxTokensTooLarge(req.max_tokens, n_ctx_train, n_ctx)   # within it, a full context ends the answer ("length")
     if isinstance(req.n, bool) or not isinstance(req.n, int) or req.n < 1:
         raise ValueError(f"n must be an integer >= 1, got {req.n!r}")
     if req.n > 1 and remote and prompt_cache == 0:
