@@ -3,7 +3,8 @@
 # .git/info/exclude; made with ../shared/offline/{wheels,split,llamacpp-src}.sh and `git archive`):
 #   .dev/A = wheels (whl/), two of the default model's parts (parts/), llamacpp.tar.gz, before.tar.gz (main's tree)
 #   .dev/B = the model's other parts + its sha256 manifest (parts/), join.sh
-# Stage A (carry .dev/A, and .dev/K when tools/prebuild_cuda.sh made it): install the wheels, start the llama.cpp CUDA build (llama-bench) in the background, build
+# Order on a fresh machine: J (carry .dev/B1 and .dev/K, when tools/prebuild_cuda.sh made it), A, J (.dev/B2).
+# Stage A (carry .dev/A): install the wheels, start the llama.cpp CUDA build (llama-bench) in the background, build
 #   this tree and main's tree (/tmp/before) for sm_90 (NO_BEFORE=1: this tree only; LLAMA_FIRST=llama-server: that
 #   target first).
 # Stage B (carry .dev/B, same warm machine): join the model; the GPU tests (stages, parity, step, qwen35, hybrid,
@@ -32,10 +33,12 @@ if [ "$stage" = A ]; then
   rm -rf /tmp/before && tar xzf .dev/A/before.tar.gz -C /tmp
   export PYTHONPATH=/tmp/site
   nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpu.txt"
-  # kernels prebuilt here (tools/prebuild_cuda.sh: .dev/K, carried beside .dev/A) when they match native/cuda
+  # kernels prebuilt here (tools/prebuild_cuda.sh: .dev/K, carried with .dev/B1 in a J call before this one, which
+  # copies them to /tmp/K) when they match native/cuda
   KB="python3 native/build_cuda.py --arch 90"
-  if [ -f .dev/K/_cuda_kernels.so ] && [ "$(export LC_ALL=C; cat native/cuda/* | sha256sum | cut -d" " -f1)" = "$(cat .dev/K/src.sha256)" ]; then
-    cp .dev/K/_cuda_kernels.so .dev/K/_cuda_kernels.h strata/ && KB="echo kernels: prebuilt (.dev/K)"
+  K=/tmp/K; [ -f .dev/K/_cuda_kernels.so ] && K=.dev/K
+  if [ -f $K/_cuda_kernels.so ] && [ "$(export LC_ALL=C; cat native/cuda/* | sha256sum | cut -d" " -f1)" = "$(cat $K/src.sha256)" ]; then
+    cp $K/_cuda_kernels.so $K/_cuda_kernels.h strata/ && KB="echo kernels: prebuilt ($K)"
   fi
   (python3 setup.py build_ext --inplace && $KB) > "$OUT/build_after.log" 2>&1 &
   a=$!
@@ -48,6 +51,7 @@ if [ "$stage" = A ]; then
   exit 0
 fi
 export PYTHONPATH=/tmp/site:$PWD
+[ -d .dev/K ] && rm -rf /tmp/K && cp -r .dev/K /tmp/K      # prebuilt kernels for a stage A after this call
 [ -f strata/_cuda_kernels.so ] || cp /tmp/built/* strata/ 2>/dev/null
 M=SmolLM2-135M-Instruct.Q4_1.gguf
 if [ ! -f /tmp/model/$M ]; then      # the parts come in .dev/B, or in .dev/B1 then .dev/B2 (the carry limit)

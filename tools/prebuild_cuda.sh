@@ -4,7 +4,7 @@
 # them there when the sources changed since). .dev/ is named in .git/info/exclude.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-mkdir -p .dev/K
+mkdir -p .dev/K   # carried with .dev/B1 (the carry limit is 64 MiB a call)
 python3 native/build_cuda.py --arch 90 --out .dev/K/_cuda_kernels.so
 export LC_ALL=C
 cat native/cuda/* | sha256sum | cut -d' ' -f1 > .dev/K/src.sha256

@@ -180,8 +180,9 @@ def sampling_params(args):
         raise CliError(str(e), EXIT_USAGE) from None
 
 
-def load_engine(args):
-    """Build the Engine from parsed engine options (a progress bar on stderr while a large model loads).
+def load_engine(args, **overrides):
+    """Build the Engine from parsed engine options, with `overrides` of its keyword arguments (a progress bar on
+    stderr while a large model loads).
 
     Engine logs (STRATA_TRACE=1, STRATA_STATE_HASH=1) go to stderr so stdout carries only the answer."""
     import structlog
@@ -191,7 +192,7 @@ def load_engine(args):
     if err:
         raise CliError(err, EXIT_USAGE)
     from strata.engine import Engine
-    return Engine(args.model, progress=None, **engine_kwargs(args))
+    return Engine(args.model, progress=None, **{**engine_kwargs(args), **overrides})
 
 
 def _stream(engine, req, out) -> object:
@@ -232,7 +233,7 @@ def cmd_generate(args) -> int:
         raise CliError("--system needs chat mode (not allowed with --raw: the raw text has no system message)",
                        EXIT_USAGE)
     sampling = sampling_params(args)            # bad sampling values fail before the model loads
-    engine = load_engine(args)
+    engine = load_engine(args, conversation_cache_mib=0)     # one request: nothing to park
     if args.raw:
         tokens = engine.tokenize_prompt(prompt)
         cuts = []

@@ -142,10 +142,7 @@ class Engine:
             park_bytes=int(conversation_cache_mib) * 1024 * 1024 if conversation_cache_mib else None,
             disk_dir=conversation_cache_dir, disk_bytes=int(conversation_cache_disk_mib) * 1024 * 1024,
             slot_save_path=slot_save_path, remote=bool(remote))
-        t1 = time.perf_counter()
-        pinned = self.conversations.prepin()
-        if pinned:
-            log.info("pinned host memory for parking", mib=pinned >> 20, ms=round((time.perf_counter() - t1) * 1e3))
+        self.conversations.prepin()               # host memory for parking, set aside now (/status reports it)
         self.eog_ids = set(int(t) for t in self.tokenizer.eog_ids)
         self.reader = PromptReader(self.seq, self.cache, self.conversations, self.ubatch)
         self.decoder = Decoder(self.seq, self.tokenizer, self.eog_ids, self.n_vocab, self.n_ctx, self.stages[-1],

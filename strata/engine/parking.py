@@ -18,7 +18,7 @@ from strata.memory import KVCacheFull, PartMismatch
 from strata.stages.sequence import Checkpoint, Sequence
 
 log = structlog.get_logger("strata.engine")
-PREPIN_MAX = 4 << 30             # the most host memory pinned at start for parking (pinning: ~2.8 GB/s on the H200 host)
+PREPIN_MAX = 4 << 30             # the most host memory set aside at start for parking, per kind (pinned / ordinary)
 
 
 class Conversations:
@@ -46,26 +46,31 @@ class Conversations:
         self.from_session = False           # the live conversation came from a session file, not yet resumed
 
     def prepin(self) -> int:
-        """Pin host memory ahead for parking on a GPU (strata.memory.pinned): two full conversations of the local GPU
-        stages (a switch parks the live one while the other is still parked), each a full context's K/V plus its
-        running state and the checkpoints' copies of it; capped by the park budget and PREPIN_MAX and kept pinned
-        up to the park budget, so a park copies at the bus's bandwidth instead of pinning fresh pages first
-        (cudaHostAlloc: 0.3 s for 846 MiB on the H200 host against 16 ms for the copy). Returns the bytes asked
-        for."""
-        gpu = [st for st in self.stages if str(st.device).startswith("cuda")]
-        if self.park is None or not gpu:
+        """Host memory ahead for parking (strata.memory.pinned: pinned for the GPU stages, paged in for the CPU
+        ones): two full conversations of the local stages (a switch parks the live one while the other is still
+        parked), each a full context's K/V plus its running state and the checkpoints' copies of it; capped by the
+        park budget and PREPIN_MAX and kept up to the park budget, so a park copies at the bus's (or memcpy's)
+        bandwidth instead of getting fresh memory first (cudaHostAlloc: 0.3 s for 846 MiB on the H200 host against
+        16 ms for the copy; fresh CPU memory pages in at ~0.6-1.3 GB/s). Returns the bytes asked for."""
+        if self.park is None:
             return 0
-        full = 0
-        for st in gpu:
+        full: dict[str, int] = {}
+        for st in self.stages:
+            kind = str(st.device).split(":")[0]
+            if kind not in ("cuda", "cpu"):
+                continue                          # a remote stage keeps its own
             mem = st.memory.stats()
             running = int(mem.get("running", {}).get("bytes_per_sequence", 0))
-            full += int(mem.get("kv", {}).get("bytes", 0)) + running * (1 + self.cache.cap)
-        want = min(2 * full, self.park.budget, PREPIN_MAX)
+            full[kind] = full.get(kind, 0) + int(mem.get("kv", {}).get("bytes", 0)) + running * (1 + self.cache.cap)
         from strata.memory.pinned import arena
-        pins = arena()
-        pins.keep_bytes = max(pins.keep_bytes, self.park.budget)
-        pins.reserve(want)
-        return want
+        asked = 0
+        for kind, n in full.items():
+            want = min(2 * n, self.park.budget, PREPIN_MAX)
+            a = arena(kind)
+            a.keep_bytes = max(a.keep_bytes, self.park.budget)
+            a.reserve(want)
+            asked += want
+        return asked
 
     # ---- the live conversation as a Conversation ---------------------------------------------------
     def capture(self) -> Conversation:

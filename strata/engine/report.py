@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from strata.memory.pinned import pinned_bytes
+from strata.memory.pinned import host_bytes, pinned_bytes
 
 
 def engine_status(engine, busy: bool) -> dict[str, Any]:
@@ -35,7 +35,8 @@ def engine_status(engine, busy: bool) -> dict[str, Any]:
         "disk_stats": dict(engine.disk.stats) if engine.disk is not None else None,
         "conversation_cache_bytes": engine.park.budget if engine.park is not None else 0,
         "memory": {"weights_bytes": int(engine.file.nbytes), "kv_pool_bytes": int(sum(m["bytes"] for m in kvs)),
-                   "rss_bytes": _rss_bytes(), "pinned_host_bytes": pinned_bytes()},
+                   "rss_bytes": _rss_bytes(), "pinned_host_bytes": pinned_bytes(),
+                   "park_host_bytes": host_bytes()},
         "requests": engine.requests,
         "busy": busy,
         "load_ms": round(engine.load_ms, 1),

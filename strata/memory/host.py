@@ -14,15 +14,18 @@ def host_view(a: Any) -> np.ndarray:
 
 
 def host_copy(a: Any) -> np.ndarray:
-    """A C-contiguous host copy of a numpy or CuPy array. A CuPy array lands in pinned (page-locked) host memory from
-    the process's arena (strata.memory.pinned), so parking moves state at the bus's copy bandwidth without pinning
-    fresh pages each time, and the copy back to the device is a direct DMA."""
-    if isinstance(a, np.ndarray) or not hasattr(a, "get"):
-        return np.array(a, order="C")
-    import cupy
+    """A C-contiguous host copy of a numpy or CuPy array, in the process's host arena (strata.memory.pinned): a CuPy
+    array in pinned (page-locked) memory, so parking moves state at the bus's copy bandwidth without pinning fresh
+    pages each time and the copy back to the device is a direct DMA; a numpy array in memory already paged in."""
     from strata.memory.pinned import arena
+    if isinstance(a, np.ndarray) or not hasattr(a, "get"):
+        a = np.asarray(a)
+        out = arena("cpu").empty(a.shape, a.dtype)
+        out[...] = a
+        return out
+    import cupy
     a = cupy.ascontiguousarray(a)
-    out = arena().empty(a.shape, a.dtype)
+    out = arena("cuda").empty(a.shape, a.dtype)
     a.get(out=out)
     return out
 

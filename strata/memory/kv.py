@@ -7,6 +7,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from strata.memory.pages import KVCacheFull, PageAllocator
+from strata.memory.pinned import arena as host_arena
 
 DEFAULT_PAGE_SIZE = 256
 
@@ -100,9 +101,18 @@ class PagePool:
         out = {}
         for slot, layer in enumerate(self.layers):
             for name, a in self.storage(slot).items():
-                view = a[self._at(idx)]
-                out[f"L{layer}.{name}"] = np.array(view, order="C") if isinstance(a, np.ndarray) else \
-                    self.to_host(view)      # a device array: to_host copies (pinned host memory on CUDA)
+                at = self._at(idx)
+                if isinstance(a, np.ndarray):      # one copy into the host arena (a gather straight into it)
+                    shape = list(a.shape)
+                    shape[self.page_axis] = len(idx)
+                    dst = host_arena("cpu").empty(tuple(shape), a.dtype)
+                    if isinstance(at[self.page_axis], slice):
+                        dst[...] = a[at]
+                    else:
+                        np.take(a, idx, axis=self.page_axis, out=dst, mode="clip")   # "raise" buffers
+                    out[f"L{layer}.{name}"] = dst
+                else:                              # a device array: to_host copies (pinned host memory on CUDA)
+                    out[f"L{layer}.{name}"] = self.to_host(a[at])
         return out
 
     def page_arrays(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
