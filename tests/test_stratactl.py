@@ -111,6 +111,13 @@ def test_exit_codes(tmp_path):
     assert r.returncode == 3 and bad in r.stderr
     r = ctl(None, "status", socket=str(tmp_path))  # a directory where the socket should be: said so
     assert r.returncode == 3 and "is a directory, not a socket" in r.stderr
+    import socket as socketlib
+    stale = str(tmp_path / "stale.sock")           # a socket file nothing listens on (a daemon that exited)
+    s = socketlib.socket(socketlib.AF_UNIX)
+    s.bind(stale)
+    s.close()
+    r = ctl(None, "status", socket=stale)
+    assert r.returncode == 3 and "nothing listens on it" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     r = ctl(None, "frobnicate", socket=bad)
     assert r.returncode == 2
     r = ctl(None, "save", socket=bad)          # missing slot id

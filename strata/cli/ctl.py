@@ -93,6 +93,9 @@ class Client:
                 kind = ("a directory" if stat.S_ISDIR(mode) else "a regular file" if stat.S_ISREG(mode)
                         else "a special file")
                 hint = f" ({self.socket_path} is {kind}, not a socket: give --socket the path strata serve listens on)"
+            elif mode is not None and isinstance(e, ConnectionRefusedError):
+                hint = (" (the socket file is there but nothing listens on it: a daemon that exited left it; is "
+                        "`strata serve` running, and on this socket? --socket or $STRATA_SOCKET names another)")
             raise CtlError(f"cannot connect to {self.where}: {e}{hint}", EXIT_CONNECT) from None
         return resp
 
