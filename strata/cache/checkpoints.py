@@ -302,7 +302,7 @@ class CheckpointCache:
             if roots and root >= self.root_min:
                 cand.append((root, "root"))
         out: dict[int, str] = {}
-        held: set[int] = set()          # points that stay however near the resume point (see MIN_PART)
+        held: set[int] = set()          # points kept however near the previous checkpoint (see MIN_PART)
         for p, k in cand:
             if p <= resume or p <= 0 or p < root or p > n:
                 continue
