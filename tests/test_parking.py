@@ -127,3 +127,22 @@ def test_disk_tier_takes_what_ram_drops_and_gives_it_back_bit_exact(hybrid_path,
     assert len(list(tmp_path.glob("park-*.bin"))) == sum(p["tier"] == "disk" for p in e.parked()) == 1
     with pytest.raises(ValueError, match="needs parking"):
         Engine(hybrid_path, n_ctx=256, conversation_cache_mib=0, conversation_cache_dir=tmp_path)
+
+
+def test_host_memory_is_set_aside_for_two_conversations_at_start(hybrid_path):
+    """Conversations.prepin: the CPU stages' host arena holds two full conversations (a full context's K/V, the
+    running state and the checkpoints' copies of it) free when the engine starts, capped by the park budget, and
+    /status reports it; a park then takes its arrays from it."""
+    from strata.memory.pinned import arena, host_bytes
+    e = Engine(hybrid_path, n_ctx=512, ubatch=32, conversation_cache_mib=300)
+    mem = e.stages[0].memory.stats()
+    full = mem["kv"]["bytes"] + mem["running"]["bytes_per_sequence"] * (1 + e.cache.cap)
+    a = arena("cpu")
+    assert a.pinned_bytes - a.used_bytes >= min(2 * full, 300 << 20)
+    assert a.keep_bytes >= 300 << 20                       # kept up to the park budget
+    assert e.status()["memory"]["park_host_bytes"] == host_bytes() > 0
+    pins = a.pins
+    _play(e, "rivers", 2, [])
+    ask(e, chat("mountains", 0, []))                       # parks the rivers chat into the arena
+    assert len(e.park) == 1 and a.pins == pins             # nothing more allocated for it
+    e.close()
