@@ -18,7 +18,9 @@
 # Issue 20's check (after A and the model join): T and U the whole GPU test set, G greedy tokens before / after on
 #   the default model and the synthetic 1.7B llama / 1.5B hybrid, C the throughput A/B; F issue 23's later turns on
 #   the H200 end to end beside llama-server, then a profile of the switch back at 64K.
-stage=${1:?A, J (model parts), B, C, D, E, T, U, G or F}
+# Issue 26 (kind nvidia-h200-x2, after A and the model join): X the two-GPU tests, engine_ab 1 vs 2 GPUs, llama-bench
+#   -sm none / layer on the same file.
+stage=${1:?A, J (model parts), B, C, D, E, T, U, G, F or X}
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/parts
 if [ "$stage" = A ]; then
@@ -103,6 +105,17 @@ if [ "$stage" = F ]; then     # issue 23: later turns on the H200 (llama-server 
   # where the switch back's time goes (issue 23), at 64K
   timeout 150 python3 tools/profile_turn.py --size 65536 --step switch --top 20 2>&1 | grep -vE "it/s|loading" \
     | cut -c1-160 | head -50
+  exit 0
+fi
+if [ "$stage" = X ]; then     # issue 26 on nvidia-h200-x2 (after A and the model join): the two-GPU tests, 1 vs 2 GPUs
+  nvidia-smi --query-gpu=index,name --format=csv | tee "$OUT/gpus.txt"
+  t 500 tests/test_cuda_two_gpus.py tests/test_cuda_stages.py | tee "$OUT/t_two_gpus.log"
+  timeout 500 python3 bench/engine_ab.py --device cuda --model $STRATA_DEFAULT_MODEL --arm one_gpu=. \
+    --arm 'two_gpus=.?layer_split=auto&device=cuda:0,cuda:1' --rounds 2 --prompts 512,4096,16384 \
+    --depths 0,4096,16384 --out "$OUT/engine_ab_two_gpus.json" 2>&1 | grep -vE "it/s" | tail -12
+  [ -x /tmp/lb/bin/llama-bench ] && for sm in none layer; do timeout 300 /tmp/lb/bin/llama-bench \
+    -m $STRATA_DEFAULT_MODEL -ngl 99 -fa 1 -sm $sm -p 512,4096,16384 -n 128 -d 0,4096,16384 -r 2 -o json \
+    > "$OUT/llama_bench_sm_$sm.json" 2>/dev/null; echo "llama-bench -sm $sm rc=$?"; done
   exit 0
 fi
 if [ "$stage" = B ]; then
