@@ -113,6 +113,7 @@ if [ "$stage" = X ]; then     # issue 26 on nvidia-h200-x2 (after A and the mode
   timeout 500 python3 bench/engine_ab.py --device cuda --model $STRATA_DEFAULT_MODEL --arm one_gpu=. \
     --arm 'two_gpus=.?layer_split=auto&device=cuda:0,cuda:1' --rounds 2 --prompts 512,4096,16384 \
     --depths 0,4096,16384 --out "$OUT/engine_ab_two_gpus.json" 2>&1 | grep -vE "it/s" | tail -12
+  timeout 120 python3 bench/p2p_copy.py --engine-ab "$OUT/engine_ab_two_gpus.json" --out "$OUT/p2p_copy.json" 2>&1 | tail -8
   [ -x /tmp/lb/bin/llama-bench ] && for sm in none layer; do timeout 300 /tmp/lb/bin/llama-bench \
     -m $STRATA_DEFAULT_MODEL -ngl 99 -fa 1 -sm $sm -p 512,4096,16384 -n 128 -d 0,4096,16384 -r 2 -o json \
     > "$OUT/llama_bench_sm_$sm.json" 2>/dev/null; echo "llama-bench -sm $sm rc=$?"; done
