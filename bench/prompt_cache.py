@@ -311,12 +311,17 @@ def main(argv=None) -> int:
             finally:
                 c.close()
         if args.llama_server and args.e2e:
+            import openai
             c = LlamaServerClient(args.llama_server, model, n_ctx, args.ubatch, args.device)
             try:
                 arms["llama_server"] = play(c, system_prompt(c.tokenizer, size), args.max_tokens)
                 results["llama_server_cmd"] = " ".join(c.cmd)
+            except openai.BadRequestError as e:     # e.g. a context past the model's training context, which it caps
+                print(f"llama-server refused a request at {size} tokens, its arm is left out there: {e}", flush=True)
+                results.setdefault("llama_server_refused", {})[str(size)] = str(e)
             finally:
                 c.close()
+        if arms.get("llama_server"):
             cold_l = arms["llama_server"][0]["ttft_s"]
             ck = {r["step"]: r for r in arms.get("checkpoints", [])}
             print(f"llama-server (cold {cold_l:.3f} s):", flush=True)
