@@ -87,9 +87,10 @@ class _Lease:
 
 
 class PinnedArena:
-    """Pinned host memory in chunks from `pin(nbytes) -> address` (released with `unpin(address)`); `empty(shape,
-    dtype)` is a C-contiguous numpy array in it. Thread-safe (arrays are freed by the garbage collector of any
-    thread). When pinning fails (the host's locked-memory limit), `empty` falls back to ordinary memory."""
+    """Host memory in chunks from `pin(nbytes) -> address` (released with `unpin(address)`: cudaHostAlloc /
+    cudaFreeHost, or ordinary memory for the CPU stages); `empty(shape, dtype)` is a C-contiguous numpy array in it.
+    Thread-safe (arrays are freed by the garbage collector of any thread). When a pin fails (the host's locked-memory
+    limit, or no memory), `empty` falls back to a plain numpy array."""
 
     def __init__(self, pin: Callable[[int], int], unpin: Callable[[int], None], keep_bytes: int = CHUNK):
         self._pin, self._unpin = pin, unpin
@@ -175,6 +176,7 @@ class PinnedArena:
         first that fails, which is not held against later allocations), and keep at least what is pinned then."""
         with self._lock:
             self._settle()
+            self._failed = False          # a reservation tries afresh
             free = sum(c.size - c.used for c in self._chunks)
             while free < nbytes:
                 c = self._grow(min(nbytes - free, RESERVE_STEP))
