@@ -7,6 +7,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from strata.memory.pages import KVCacheFull, PageAllocator
+from strata.memory.host import host_copy
 from strata.memory.pinned import arena as host_arena
 
 DEFAULT_PAGE_SIZE = 256
@@ -102,17 +103,16 @@ class PagePool:
         for slot, layer in enumerate(self.layers):
             for name, a in self.storage(slot).items():
                 at = self._at(idx)
-                if isinstance(a, np.ndarray):      # one copy into the host arena (a gather straight into it)
+                key = f"L{layer}.{name}"
+                if not isinstance(a, np.ndarray):  # a device array: to_host copies (pinned host memory on CUDA)
+                    out[key] = self.to_host(a[at])
+                elif isinstance(at[self.page_axis], slice):
+                    out[key] = host_copy(a[at])    # one run of pages: one copy into the host arena
+                else:                              # a gather straight into the host arena ("raise" would buffer)
                     shape = list(a.shape)
                     shape[self.page_axis] = len(idx)
-                    dst = host_arena("cpu").empty(tuple(shape), a.dtype)
-                    if isinstance(at[self.page_axis], slice):
-                        dst[...] = a[at]
-                    else:
-                        np.take(a, idx, axis=self.page_axis, out=dst, mode="clip")   # "raise" buffers
-                    out[f"L{layer}.{name}"] = dst
-                else:                              # a device array: to_host copies (pinned host memory on CUDA)
-                    out[f"L{layer}.{name}"] = self.to_host(a[at])
+                    out[key] = host_arena("cpu").empty(tuple(shape), a.dtype)
+                    np.take(a, idx, axis=self.page_axis, out=out[key], mode="clip")
         return out
 
     def page_arrays(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:

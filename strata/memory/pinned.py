@@ -162,14 +162,16 @@ class PinnedArena:
         """An uninitialized C-contiguous array of `shape` / `dtype` in pinned memory (ordinary memory if pinning
         failed)."""
         dtype = np.dtype(dtype)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        got = self._take(_round(max(nbytes, 1), ALIGN))
+        count = int(np.prod(shape, dtype=np.int64))
+        nbytes = max(count * dtype.itemsize, 1)
+        span = _round(nbytes, ALIGN)
+        got = self._take(span)
         if got is None:
             return np.empty(shape, dtype)
         chunk, off = got
-        buf = (ctypes.c_ubyte * max(nbytes, 1)).from_address(chunk.ptr + off)
-        buf._lease = _Lease(self, chunk, off, _round(max(nbytes, 1), ALIGN))
-        return np.frombuffer(buf, dtype, int(np.prod(shape, dtype=np.int64))).reshape(shape)
+        buf = (ctypes.c_ubyte * nbytes).from_address(chunk.ptr + off)
+        buf._lease = _Lease(self, chunk, off, span)
+        return np.frombuffer(buf, dtype, count).reshape(shape)
 
     def reserve(self, nbytes: int) -> None:
         """Pin ahead so that about `nbytes` are free in the arena (in pins of at most RESERVE_STEP, stopping at the
