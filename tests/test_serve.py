@@ -551,6 +551,10 @@ def test_sigterm_drains_and_notifies(tmp_path):
     th.start()
     d = Daemon(tmp_path, env={"NOTIFY_SOCKET": ns_path}).start()
     try:
+        # The socket answers before the listener thread has necessarily read the READY datagram: wait for it.
+        deadline = time.monotonic() + 10
+        while not any("READY=1" in m for m in got) and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert any("READY=1" in m for m in got), got
         result = {}
 
