@@ -70,12 +70,14 @@ def system_prompt(tok, n_tokens: int) -> str:
 class EngineClient:
     """In process: render, then generate() on an Engine; its Sequence.forward timed into a clock file."""
 
-    def __init__(self, model: str, n_ctx: int, ubatch: int, threads, device: str, prompt_cache: int, clock: str):
+    def __init__(self, model: str, n_ctx: int, ubatch: int, threads, device: str, prompt_cache: int, clock: str,
+                 park_resident: int | None = None):
         from strata.engine import Engine
         model_clock.install(clock)
         self.clock = clock
         self.engine = Engine(model, n_ctx=n_ctx, ubatch=ubatch, threads=threads, device=device,
-                             prompt_cache=prompt_cache)
+                             prompt_cache=prompt_cache,
+                             **({} if park_resident is None else {"park_resident": park_resident}))
         self.tokenizer = self.engine.tokenizer
 
     def step(self, msgs, max_tokens: int) -> tuple[str, dict]:
@@ -106,7 +108,8 @@ class EngineClient:
 class DaemonClient:
     """End to end: `strata serve` (through bench/model_clock.py) on a free local port, the `openai` client streaming."""
 
-    def __init__(self, model: str, n_ctx: int, ubatch: int, threads, device: str, prompt_cache: int, clock: str):
+    def __init__(self, model: str, n_ctx: int, ubatch: int, threads, device: str, prompt_cache: int, clock: str,
+                 park_resident: int | None = None):
         import openai
         from strata.gguf_file import open_gguf
         from strata.tokenizer import Tokenizer
@@ -121,6 +124,8 @@ class DaemonClient:
                "--device", device, "--prompt-cache", str(prompt_cache), "--log-level", "warning"]
         if threads:
             cmd += ["--threads", str(threads)]
+        if park_resident is not None:
+            cmd += ["--park-resident", str(park_resident)]
         env = dict(os.environ, STRATA_BENCH_CLOCK=clock,
                    PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
         self.proc = subprocess.Popen(cmd, env=env)
@@ -281,6 +286,8 @@ def main(argv=None) -> int:
                     choices=["checkpoints", "prompt_cache_0"], help="which arms to run (both by default)")
     ap.add_argument("--llama-server", default=None, metavar="BIN",
                     help="llama.cpp's llama-server: adds the llama_server arm (--e2e) on the same GGUF")
+    ap.add_argument("--park-resident", type=int, default=None, metavar="N",
+                    help="Strata's --park-resident (default: its own; 0 = park in host RAM only, the reference)")
     ap.add_argument("--label", default=None, help="a name for this run, kept in the JSON (e.g. before / after)")
     ap.add_argument("--out", default=None, help="JSON file (default bench/results/prompt_cache[_e2e].json)")
     args = ap.parse_args(argv)
@@ -295,7 +302,7 @@ def main(argv=None) -> int:
                    model=(f"synthetic {args.synthetic}" + ("" if args.synthetic == "hybrid_1_5b" else " tiny"))
                    if args.synthetic else args.model, device=args.device,
                    machine=platform.machine(), cpus=os.cpu_count(), threads=args.threads,
-                   max_tokens=args.max_tokens, ubatch=args.ubatch, sizes={})
+                   max_tokens=args.max_tokens, ubatch=args.ubatch, park_resident=args.park_resident, sizes={})
     Client = DaemonClient if args.e2e else EngineClient
     for size in args.sizes:
         n_ctx = size + 1024
@@ -304,7 +311,7 @@ def main(argv=None) -> int:
             if arm not in args.arms:
                 continue
             clock = str(tmp / f"clock-{size}-{arm}")
-            c = Client(model, n_ctx, args.ubatch, args.threads, args.device, pc, clock)
+            c = Client(model, n_ctx, args.ubatch, args.threads, args.device, pc, clock, args.park_resident)
             try:
                 system = system_prompt(c.tokenizer, size)
                 arms[arm] = play(c, system, args.max_tokens, full=(pc > 0 or args.baseline == "full"))

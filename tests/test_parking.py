@@ -42,18 +42,22 @@ def _play(engine, topic, turns, answers):
     return out
 
 
+@pytest.mark.parametrize("resident", [0, 2])
 @pytest.mark.parametrize("which,split", [("default", None), ("default", "15"), ("hybrid", None), ("hybrid", "2")])
-def test_a_b_a_restores_a_from_the_park_bit_exact(which, split, default_model_path, hybrid_path):
+def test_a_b_a_restores_a_from_the_park_bit_exact(which, split, resident, default_model_path, hybrid_path):
+    """In host RAM (park_resident=0) and resident on the device (its pages held in the pool, the new conversation
+    sharing the system prompt's pages with it)."""
     path = default_model_path if which == "default" else hybrid_path
     alone = Engine(path, n_ctx=1024, ubatch=32, layer_split=split, conversation_cache_mib=0)
     ref = _play(alone, "rivers", 2, [])
-    e = Engine(path, n_ctx=1024, ubatch=32, layer_split=split, conversation_cache_mib=256)
+    e = Engine(path, n_ctx=1024, ubatch=32, layer_split=split, conversation_cache_mib=256, park_resident=resident)
     answers: list[str] = []
     first = _play(e, "rivers", 1, answers)
     _play(e, "mountains", 1, [])                                  # B: A is parked
     assert len(e.parked()) == 1 and e.parked()[0]["tokens"] > 0
+    assert e.parked()[0]["tier"] == ("device" if resident else "ram")
     toks, final = ask(e, chat("rivers", 1, answers))              # A again
-    assert final.strata["resume_from"] == "park" and final.strata["resume_pos"] > 0
+    assert final.strata["resume_from"] == ("resident" if resident else "park") and final.strata["resume_pos"] > 0
     assert first[0][0] == ref[0][0]
     assert toks == ref[1][0]
     assert e.state_hashes() == ref[1][1]                          # moved, never re-read: the same state
@@ -71,7 +75,8 @@ def test_eight_conversations_round_robin_each_from_its_own_park(hybrid_path):
             answers[t].append(e.detokenize(toks))
             got[t].append(toks)
             if turn > 0:
-                assert final.strata["resume_from"] == "park", (t, turn, final.strata)
+                # two resident on the device, the other five in host RAM
+                assert final.strata["resume_from"] in ("park", "resident"), (t, turn, final.strata)
                 # its own: past its first user message (other conversations share only the first few tokens)
                 assert final.strata["resume_pos"] >= len(e.render_chat(chat(t, 0, [])).tokens) - 4
     for t in topics[:3]:                                          # each equals its conversation played alone
@@ -84,7 +89,7 @@ def test_eight_conversations_round_robin_each_from_its_own_park(hybrid_path):
 
 
 def test_budget_evicts_least_recently_used_and_opt_out_parks_nothing(hybrid_path):
-    e = Engine(hybrid_path, n_ctx=512, ubatch=32, conversation_cache_mib=256)
+    e = Engine(hybrid_path, n_ctx=512, ubatch=32, conversation_cache_mib=256, park_resident=0)
     ask(e, chat("rivers", 0, []))
     ask(e, chat("ships", 0, []))                                  # rivers parked
     one = e.parked()[0]["bytes"]
@@ -106,14 +111,14 @@ def test_parking_off_reads_again(hybrid_path):
     a, _ = ask(e, chat("rivers", 0, []))
     ask(e, chat("ships", 0, []))
     _, final = ask(e, chat("rivers", 1, [e.detokenize(a)]))
-    assert final.strata["resume_from"] != "park" and e.parked() == []
+    assert final.strata["resume_from"] not in ("park", "resident") and e.parked() == []
 
 
 def test_disk_tier_takes_what_ram_drops_and_gives_it_back_bit_exact(hybrid_path, tmp_path):
     alone = Engine(hybrid_path, n_ctx=512, ubatch=32, conversation_cache_mib=0)
     ref = _play(alone, "rivers", 2, [])
     e = Engine(hybrid_path, n_ctx=512, ubatch=32, conversation_cache_mib=256, conversation_cache_dir=tmp_path,
-               conversation_cache_disk_mib=64)
+               conversation_cache_disk_mib=64, park_resident=0)
     answers: list[str] = []
     _play(e, "rivers", 1, answers)
     _play(e, "ships", 1, [])                                        # rivers parked in RAM
@@ -134,7 +139,7 @@ def test_host_memory_is_set_aside_for_two_conversations_at_start(hybrid_path):
     running state and the checkpoints' copies of it) free when the engine starts, capped by the park budget, and
     /status reports it; a park then takes its arrays from it."""
     from strata.memory.pinned import arena, host_bytes
-    e = Engine(hybrid_path, n_ctx=512, ubatch=32, conversation_cache_mib=300)
+    e = Engine(hybrid_path, n_ctx=512, ubatch=32, conversation_cache_mib=300, park_resident=0)
     mem = e.stages[0].memory.stats()
     full = mem["kv"]["bytes"] + mem["running"]["bytes_per_sequence"] * (1 + e.cache.cap)
     a = arena("cpu")

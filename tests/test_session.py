@@ -238,10 +238,10 @@ def test_daemon_save_restart_restore_with_stratactl(tmp_path):
         assert r.returncode == 0 and "save done" in r.stdout, r.stderr
         st, other = d.json("POST", "/v1/chat/completions", dict(turn1, messages=[{"role": "user", "content": "Hi"}]))
         c = json.loads(ctl(d, "cache", "--json").stdout)
-        assert c["parked"] and c["parked"][0]["tier"] == "ram"
+        assert c["parked"] and c["parked"][0]["tier"] == "device"      # parked resident (--park-resident)
         assert "parked conversations" in ctl(d, "cache").stdout
         st, b_direct = d.json("POST", "/v1/chat/completions", turn2)
-        assert b_direct["strata"]["resume_from"] == "park"
+        assert b_direct["strata"]["resume_from"] == "resident"
     finally:
         assert d.stop() == 0, d.log_tail()
     (tmp_path / "b").mkdir()

@@ -1,6 +1,6 @@
-"""Conversation (a whole conversation held apart from the engine: tokens, one host part per stage, its checkpoints)
-and how deep it can resume a prompt; ParkStore, the parked conversations in host RAM under a byte budget, LRU;
-DiskTier, the conversations RAM drops, kept as files under a budget of their own."""
+"""Conversation (a whole conversation held apart from the engine: tokens, one part per stage, its checkpoints) and
+how deep it can resume a prompt; ParkStore, parked conversations under a budget, LRU (on the devices, a count; in
+host RAM, bytes); DiskTier, the conversations RAM drops, kept as files under a budget of their own."""
 from __future__ import annotations
 
 import itertools
@@ -29,16 +29,18 @@ class SavedCheckpoint:
 
 @dataclass(eq=False)      # its tokens are an array: equality is identity
 class Conversation:
-    """A conversation off the engine (parked in RAM, or read from a session file): its token ids, one
-    materialized part per stage (K/V of its used pages and running state, host copies), its checkpoints and
-    whether its end may be continued live (False after a "strata_checkpoint": false request, seed #861).
-    tokens: any sequence of ids, kept as a read-only int32 array (strata.token_ids)."""
+    """A conversation off the engine (parked, or read from a session file): its token ids, one part per stage, its
+    checkpoints and whether its end may be continued live (False after a "strata_checkpoint": false request, seed
+    #861). In host RAM and files the parts are materialized (K/V of its used pages and running state, host
+    copies); parked resident on the devices they are held (pages kept in each stage's pool, running-state copies
+    on the device: ``resident``). tokens: any sequence of ids, kept as a read-only int32 array (strata.token_ids)."""
 
     tokens: np.ndarray
     parts: list[StatePart]
     checkpoints: list[SavedCheckpoint] = field(default_factory=list)
     live_ok: bool = True
     last_use: float = field(default_factory=time.time)
+    resident: bool = False
 
     def __post_init__(self):
         self.tokens = frozen_ids(self.tokens)
@@ -63,16 +65,24 @@ class Conversation:
 
 
 class ParkStore:
-    """Parked conversations in host RAM (``--conversation-cache-mib``): ``park`` adds one and evicts the least
-    recently used to stay under the budget (one that alone is over it is not kept); ``best(prompt)`` is the one
-    that skips most of a prompt (deepest match, ties to the most recent), never one that shares no prefix with it;
-    ``take`` removes it (it becomes the live conversation). Thread-safe (status reads from the event loop)."""
+    """Parked conversations under a budget, least recently used first out: in host RAM (``--conversation-cache-mib``,
+    the budget in bytes), or resident on their stages' devices (``--park-resident``, the budget a count; ``cost``
+    what one conversation takes of it, ``tier`` the name ``entries`` reports). ``park`` adds one and evicts the
+    least recently used to stay under the budget (one that alone is over it is not kept), handing them to ``spill``
+    (the next tier) when there is one, else to ``drop``; ``best(prompt)`` is the one that skips most of a prompt
+    (deepest match, ties to the most recent), never one that shares no prefix with it; ``take`` removes it (it
+    becomes the live conversation); ``pop_lru`` removes the least recently used. A conversation removed without
+    being taken or spilled (``discard``, ``clear``, replaced by one of the same tokens) goes to ``drop`` (a
+    resident one gives its pages back there). Thread-safe (status reads from the event loop)."""
 
-    def __init__(self, budget_bytes: int, spill: Callable[[Conversation], None] | None = None):
-        if budget_bytes < 0:
-            raise ValueError(f"--conversation-cache-mib must be >= 0, got {budget_bytes}")
-        self.budget = int(budget_bytes)
-        self.spill = spill             # where evicted conversations go (the disk tier), if anywhere
+    def __init__(self, budget: int, spill: Callable[[Conversation], None] | None = None, *,
+                 cost: Callable[[Conversation], int] = Conversation.nbytes, tier: str = "ram",
+                 drop: Callable[[Conversation], None] | None = None):
+        if budget < 0:
+            raise ValueError(f"--conversation-cache-mib must be >= 0, got {budget}")
+        self.budget = int(budget)
+        self.spill = spill             # where evicted conversations go (the next tier), if anywhere
+        self.cost, self.tier, self.drop = cost, tier, drop
         self._items: list[Conversation] = []
         self._lock = threading.Lock()
         self.stats = {"parked": 0, "restored": 0, "evicted": 0, "refused": 0}
@@ -86,30 +96,39 @@ class ParkStore:
 
     def park(self, conv: Conversation) -> list[Conversation]:
         """Keep `conv` (replacing a parked one with the same tokens); returns the conversations evicted (handed
-        to ``spill`` first, when there is one)."""
-        gone = self._park(conv)
-        if self.spill is not None:
-            for c in gone:
+        to ``spill``, else ``drop``)."""
+        gone, replaced = self._park(conv)
+        self._dropped(replaced)
+        for c in gone:
+            if self.spill is not None:
                 self.spill(c)
+            else:
+                self._dropped([c])
         return gone
 
-    def _park(self, conv: Conversation) -> list[Conversation]:
-        size = conv.nbytes()
+    def _dropped(self, convs: list[Conversation]) -> None:
+        if self.drop is not None:
+            for c in convs:
+                self.drop(c)
+
+    def _park(self, conv: Conversation) -> tuple[list[Conversation], list[Conversation]]:
+        size = self.cost(conv)
         with self._lock:
             if size > self.budget:
                 self.stats["refused"] += 1
-                return [conv]
-            self._items = [c for c in self._items if not same_ids(c.tokens, conv.tokens)]
+                return [conv], []
+            replaced = [c for c in self._items if same_ids(c.tokens, conv.tokens)]
+            self._items = [c for c in self._items if c not in replaced]
             conv.last_use = time.time()
             self._items.append(conv)
             self.stats["parked"] += 1
             gone = []
-            while sum(c.nbytes() for c in self._items) > self.budget:
+            while sum(self.cost(c) for c in self._items) > self.budget:
                 victim = min(self._items, key=lambda c: c.last_use)
                 self._items.remove(victim)
                 gone.append(victim)
             self.stats["evicted"] += len(gone)
-            return gone
+            return gone, replaced
 
     def best(self, prompt: Sequence[int]) -> tuple[Conversation | None, int]:
         """(the parked conversation that skips most of `prompt`, how many tokens), or (None, 0)."""
@@ -126,19 +145,32 @@ class ParkStore:
             self._items.remove(conv)
             self.stats["restored"] += 1
 
+    def pop_lru(self) -> Conversation | None:
+        """Remove and return the least recently used conversation (None when empty); the caller moves it on."""
+        with self._lock:
+            if not self._items:
+                return None
+            victim = min(self._items, key=lambda c: c.last_use)
+            self._items.remove(victim)
+            self.stats["evicted"] += 1
+            return victim
+
     def discard(self, tokens) -> None:
         """Drop parked conversations holding exactly these tokens (one that became live by another way)."""
         with self._lock:
-            self._items = [c for c in self._items if not same_ids(c.tokens, tokens)]
+            gone = [c for c in self._items if same_ids(c.tokens, tokens)]
+            self._items = [c for c in self._items if c not in gone]
+        self._dropped(gone)
 
     def clear(self) -> None:
         with self._lock:
-            self._items.clear()
+            gone, self._items = self._items, []
+        self._dropped(gone)
 
     def entries(self) -> list[dict]:
         """For `stratactl cache`: tokens, bytes, tier, checkpoints, last use (Unix seconds), most recent first."""
         with self._lock:
-            return [{"tokens": c.pos, "bytes": c.nbytes(), "tier": "ram", "checkpoints": len(c.checkpoints),
+            return [{"tokens": c.pos, "bytes": c.nbytes(), "tier": self.tier, "checkpoints": len(c.checkpoints),
                      "last_use_time": c.last_use} for c in sorted(self._items, key=lambda c: -c.last_use)]
 
 

@@ -271,13 +271,15 @@ def cmd_cache(c: Client, args) -> int:
         f"\n{len(rows)} checkpoints, {_human_bytes(d.get('checkpoint_bytes'))} (--prompt-cache {d.get('prompt_cache')})")
     parked = d.get("parked") or []
     if parked:
-        ram = sum(int(p.get("bytes") or 0) for p in parked if p.get("tier") != "disk")
+        ram = sum(int(p.get("bytes") or 0) for p in parked if p.get("tier") == "ram")
         disk = sum(int(p.get("bytes") or 0) for p in parked if p.get("tier") == "disk")
+        dev = sum(1 for p in parked if p.get("tier") == "device")
         prow = [[p.get("tokens"), _human_bytes(p.get("bytes")), p.get("tier"), p.get("checkpoints"), last_use(p)]
                 for p in parked]
         human += "\n\nparked conversations\n" + table(prow, ["TOKENS", "BYTES", "TIER", "CHECKPOINTS", "LAST USE"]) + (
             f"\n{len(prow)} parked; in RAM {_human_bytes(ram)} of {_human_bytes(d.get('conversation_cache_bytes'))} "
-            f"(--conversation-cache-mib)" + (f", on disk {_human_bytes(disk)}" if disk else ""))
+            f"(--conversation-cache-mib)" + (f", on disk {_human_bytes(disk)}" if disk else "") +
+            (f"; {dev} resident on the device (their KV pages held in the pool, --park-resident)" if dev else ""))
     _out(args, d, human)
     return EXIT_OK
 

@@ -56,6 +56,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="memory budget of the checkpoints (MiB)")
     c.add_argument("--conversation-cache-mib", type=_nonneg_int, default=None,
                    help="host RAM for parked conversations (MiB; default 25%% of RAM; 0 = no parking)")
+    c.add_argument("--park-resident", type=_nonneg_int, default=2, metavar="N",
+                   help="parked conversations kept on the device first, their KV pages held in the pool (pages "
+                        "they share with the live one are not copied); moved to host RAM when the pool runs short "
+                        "(default 2; 0 = park straight to host RAM)")
     c.add_argument("--conversation-cache-dir", default=None, metavar="DIR",
                    help="disk tier of parking: conversations RAM drops are kept as files here")
     c.add_argument("--conversation-cache-disk-mib", type=_nonneg_int, default=8192,
@@ -112,6 +116,7 @@ def engine_kwargs(args) -> dict:
                 slot_save_path=getattr(args, "slot_save_path", None),
                 conversation_cache_dir=getattr(args, "conversation_cache_dir", None),
                 conversation_cache_disk_mib=getattr(args, "conversation_cache_disk_mib", 8192),
+                park_resident=getattr(args, "park_resident", 2),
                 remote_stage=getattr(args, "remote_stage", None), link_key_file=getattr(args, "link_key_file", None))
 
 

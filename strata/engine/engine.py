@@ -50,6 +50,8 @@ class Engine:
     slot_save_path: the directory of session files (None: saving and restoring them is refused).
     conversation_cache_dir / conversation_cache_disk_mib: the disk tier of parking (the conversations RAM drops,
     as files in that directory under that budget; None: none).
+    park_resident: parked conversations kept resident on the stages' devices (their K/V pages held in the pool,
+    shared with the live one where they agree) before host RAM; 0: straight to RAM (strata.engine.parking).
     prompt_cache_every: periodic cut points every N prompt tokens (0 = off). prompt_cache_root: minimum
     root length worth pinning. prompt_cache_mib: byte budget of the checkpoints (MiB). prompt_cache_tail:
     near-tail cut point distance (0 = off). progress: the loader's progress bar (None: a tqdm bar on stderr
@@ -65,7 +67,8 @@ class Engine:
                  prompt_cache_tail: int = 0, progress=None, layer_split: str | None = None,
                  conversation_cache_mib: int | None = None, slot_save_path: str | os.PathLike | None = None,
                  conversation_cache_dir: str | os.PathLike | None = None, conversation_cache_disk_mib: int = 8192,
-                 remote_stage: str | None = None, link_key_file: str | os.PathLike | None = None):
+                 remote_stage: str | None = None, link_key_file: str | os.PathLike | None = None,
+                 park_resident: int = 2):
         if n_ctx < 2:
             raise ValueError(f"n_ctx must be >= 2, got {n_ctx}")
         if ubatch < 1:
@@ -141,7 +144,7 @@ class Engine:
             self.seq, self.cache, self.stages, self.file, self.n_ctx,
             park_bytes=int(conversation_cache_mib) * 1024 * 1024 if conversation_cache_mib else None,
             disk_dir=conversation_cache_dir, disk_bytes=int(conversation_cache_disk_mib) * 1024 * 1024,
-            slot_save_path=slot_save_path, remote=bool(remote))
+            slot_save_path=slot_save_path, remote=bool(remote), resident=int(park_resident))
         self.conversations.prepin()               # host memory for parking, set aside now (/status reports it)
         self.eog_ids = set(int(t) for t in self.tokenizer.eog_ids)
         self.reader = PromptReader(self.seq, self.cache, self.conversations, self.ubatch)

@@ -1,5 +1,6 @@
-"""The conversations the engine holds apart from the live one: parked in host RAM and spilled to disk, and session
-files (--slot-save-path); the switch of the live sequence to the parked conversation a prompt continues best."""
+"""The conversations the engine holds apart from the live one: parked resident on the stages' devices, moved to
+host RAM when their pages are needed and spilled to disk from there, and session files (--slot-save-path); the
+switch of the live sequence to the parked conversation a prompt continues best."""
 from __future__ import annotations
 
 import os
@@ -23,17 +24,29 @@ PREPIN_MAX = 4 << 30             # the most host memory set aside at start for p
 
 class Conversations:
     """Parking and session files of one engine: the live sequence `seq` with its checkpoint cache `cache` captured as
-    a Conversation (host copies) and restored from one; `park` (a ParkStore of park_bytes; None: no parking) and
-    `disk` (a DiskTier in disk_dir under disk_bytes, None: none) hold the conversations set aside; session files
-    live in `slot_save_path` (None: refused). `file` (its fingerprint), `stages` and `n_ctx` are what a session file
-    must match. Raises ValueError for a disk tier without parking or a slot_save_path that is not a directory.
-    The engine calls these under its lock."""
+    a Conversation and restored from one. Three tiers hold the conversations set aside:
+    - `resident` (a ParkStore of up to `resident` conversations; None: none, or a remote stage): parked on the
+      stages' own devices, their K/V pages held in the pools (memory.kv.Hold: pages a new conversation shares with
+      a parked one are not copied, and the one it switches back to is not copied either) and their running state
+      copied there; when a pool runs short (``make_room``), or more are parked, the least recently used moves to
+    - `park` (a ParkStore of park_bytes; None: no parking at all): host copies in RAM, spilling to
+    - `disk` (a DiskTier in disk_dir under disk_bytes, None: none).
+    Session files live in `slot_save_path` (None: refused). `file` (its fingerprint), `stages` and `n_ctx` are what
+    a session file must match. Raises ValueError for a disk tier without parking or a slot_save_path that is not a
+    directory. The engine calls these under its lock."""
 
     def __init__(self, seq: Sequence, cache: CheckpointCache, stages: list, file, n_ctx: int, *, park_bytes: int | None,
                  disk_dir: str | os.PathLike | None, disk_bytes: int, slot_save_path: str | os.PathLike | None,
-                 remote: bool):
+                 remote: bool, resident: int = 0):
         self.seq, self.cache, self.stages, self.file, self.n_ctx, self.remote = seq, cache, stages, file, n_ctx, remote
+        if resident < 0:
+            raise ValueError(f"--park-resident must be >= 0, got {resident}")
         self.park = ParkStore(park_bytes) if park_bytes is not None else None
+        self.resident = None
+        if self.park is not None and resident > 0 and not remote and seq.can_hold():
+            self.resident = ParkStore(resident, spill=self._demote, cost=lambda c: 1, tier="device",
+                                      drop=self._release)
+            seq.make_room = self.make_room
         self.disk = None
         if disk_dir:
             if self.park is None:
@@ -80,23 +93,84 @@ class Conversations:
         cps = [SavedCheckpoint(pos, kind, self.seq.detach(snap)) for pos, kind, snap in self.cache.export()]
         return Conversation(tokens=self.seq.ids, parts=parts, checkpoints=cps, live_ok=self.cache.live_ok)
 
+    def capture_resident(self) -> Conversation:
+        """The live conversation parked where it is: every stage's pages held (nothing copied), its running state
+        and its checkpoints' copied on the device."""
+        parts = self.seq.hold(self.seq.capture())
+        cps = [SavedCheckpoint(pos, kind, self.seq.detach(snap, to_host=False))
+               for pos, kind, snap in self.cache.export()]
+        return Conversation(tokens=self.seq.ids, parts=parts, checkpoints=cps, live_ok=self.cache.live_ok,
+                            resident=True)
+
     def restore(self, conv: Conversation) -> None:
-        """Make `conv` the live conversation with its checkpoints. Every part is validated against its own stage
-        first (PartMismatch / KVCacheFull, one line, change nothing)."""
+        """Make `conv` the live conversation with its checkpoints (a resident one's pages become the live
+        sequence's: nothing is copied but the running state, on the device). Every part is validated against its
+        own stage first (PartMismatch / KVCacheFull, one line, change nothing); a pool short of pages for a host
+        conversation first moves resident ones to RAM (make_room)."""
         whole = Checkpoint(pos=conv.pos, tokens=conv.tokens, parts=conv.parts)
-        self.seq.validate(whole)
+        while True:
+            try:
+                self.seq.validate(whole)
+                break
+            except KVCacheFull:
+                if not self.make_room():
+                    raise
         for c in conv.checkpoints:
             if not 0 < c.pos <= conv.pos:
                 raise PartMismatch(f"a checkpoint at {c.pos} lies outside the conversation's {conv.pos} tokens")
             self.seq.validate_detached(c.pos, c.parts)
         self.seq.restore(whole)
         self.cache.adopt([(c.pos, c.kind, self.seq.attach(c.pos, c.parts)) for c in conv.checkpoints], conv.live_ok)
+        if conv.resident:
+            self.seq.release(conv.parts)      # the live sequence holds the pages now
+
+    # ---- the resident tier ---------------------------------------------------------------------------
+    def make_room(self) -> bool:
+        """Move the least recently used resident conversation to host RAM (its pages given back); False when none
+        is resident. The live sequence calls this when a pool is short of pages (Sequence.make_room)."""
+        conv = self.resident.pop_lru() if self.resident is not None else None
+        if conv is None:
+            return False
+        self._demote(conv)
+        return True
+
+    def _demote(self, conv: Conversation) -> None:
+        """A resident conversation to host RAM (host copies of its pages and running state), its pages given back;
+        dropped when host RAM is short."""
+        try:
+            need = conv.nbytes() + sum(k.length * k.hold.pool.bytes_per_token
+                                       for p in conv.parts for k in p.kv.values() if k.is_held)
+            avail = available_ram()
+            if avail is None or need > avail // 2:
+                self.park.stats["refused"] += 1
+                log.warning("dropping a resident conversation: host RAM unknown or short", available=avail)
+                return
+            t0 = time.perf_counter()
+            parts = [st.materialize(p) for st, p in zip(self.stages, conv.parts)]
+            cps = [SavedCheckpoint(c.pos, c.kind, [st.detach(p) for st, p in zip(self.stages, c.parts)])
+                   for c in conv.checkpoints]
+            self.park.park(Conversation(tokens=conv.tokens, parts=parts, checkpoints=cps, live_ok=conv.live_ok,
+                                        last_use=conv.last_use))
+            log.debug("resident conversation moved to host RAM", tokens=conv.pos,
+                      ms=round((time.perf_counter() - t0) * 1e3, 2))
+        finally:
+            self._release(conv)
+
+    def _release(self, conv: Conversation) -> None:
+        self.seq.release(conv.parts)
 
     # ---- parking -------------------------------------------------------------------------------------
     def park_live(self, trace: bool) -> None:
         """Park the live conversation (when it has one worth keeping and host RAM can take it)."""
         if self.park is None or self.seq.pos == 0 or not self.cache.live_ok:
             return                   # nothing live, or a "strata_checkpoint": false request's (seed #861)
+        if self.resident is not None:
+            t0 = time.perf_counter()
+            gone = self.resident.park(self.capture_resident())
+            if trace:
+                log.info("parked", tier="device", tokens=self.seq.pos, ms=round((time.perf_counter() - t0) * 1e3, 2),
+                         moved_to_ram=len(gone))
+            return
         need = self.seq.nbytes()
         avail = available_ram()
         if avail is None or need > avail // 2:
@@ -117,26 +191,28 @@ class Conversations:
         if self.park is None or not cache_prompt:
             return None
         here = self.cache.peek(self.seq, prompt)
-        conv, depth = self.park.best(prompt)
-        path, ddepth = self.disk.best(prompt) if self.disk is not None else (None, 0)
-        if (conv is not None and depth > here) or (path is not None and ddepth > here):
-            source = "park" if conv is not None and depth >= ddepth else "disk"
+        # the deepest resume of the three tiers; a tie goes to the nearest (device, then RAM, then disk)
+        found = [(tier, *store.best(prompt)) for tier, store in (("resident", self.resident), ("park", self.park),
+                                                                ("disk", self.disk)) if store is not None]
+        source, conv, depth = max(found, key=lambda f: f[2])
+        if conv is not None and depth > here:
+            store = {"resident": self.resident, "park": self.park, "disk": self.disk}[source]
+            if source != "disk":
+                store.take(conv)              # out of its tier before the live one is parked beside it
             self.park_live(trace)
             t0 = time.perf_counter()
             try:
                 if source == "disk":
-                    conv = self.disk.take(path)
+                    conv = self.disk.take(conv)
                 self.restore(conv)
             except (PartMismatch, KVCacheFull, session.SessionError, OSError) as e:
-                # nothing written: the request reads as it would have
+                # nothing written: the request reads as it would have; a RAM or resident one is dropped
                 log.warning("a parked conversation could not be restored", tier=source, error=str(e))
-                if source == "park":
-                    self.park.take(conv)
+                if source == "resident":
+                    self._release(conv)
                 return None
-            if source == "park":
-                self.park.take(conv)
             if trace:
-                log.info("unparked", tier=source, tokens=conv.pos, resume=max(depth, ddepth),
+                log.info("unparked", tier=source, tokens=conv.pos, resume=depth,
                          ms=round((time.perf_counter() - t0) * 1e3, 2))
             return source
         deepest = self.cache.deepest()
@@ -146,8 +222,7 @@ class Conversations:
 
     def parked(self) -> list[dict]:
         """The parked conversations for `stratactl cache` (tokens, bytes, tier, checkpoints, last use)."""
-        return (self.park.entries() if self.park is not None else []) + \
-            (self.disk.entries() if self.disk is not None else [])
+        return [e for store in (self.resident, self.park, self.disk) if store is not None for e in store.entries()]
 
     # ---- session files -----------------------------------------------------------------------------
     def write_session(self, path: Path, conv: Conversation) -> int:
@@ -194,7 +269,8 @@ class Conversations:
         except (PartMismatch, KVCacheFull) as e:
             raise session.SessionError(f"session file {filename!r}: {e}") from None
         self.from_session = True
-        if self.park is not None:
-            self.park.discard(conv.tokens)   # now live: a parked copy of the same conversation is dropped
+        for store in (self.resident, self.park):
+            if store is not None:
+                store.discard(conv.tokens)   # now live: a parked copy of the same conversation is dropped
         return {"id_slot": 0, "filename": filename, "n_restored": conv.pos, "n_read": n_read,
                 "timings": {"restore_ms": round((time.perf_counter() - t0) * 1e3, 3)}}

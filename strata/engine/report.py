@@ -10,12 +10,13 @@ from strata.memory.pinned import host_bytes, pinned_bytes
 
 def engine_status(engine, busy: bool) -> dict[str, Any]:
     """Engine status for `stratactl status` (JSON-ready): model, arch, n_ctx, the stages (carve, device, runner,
-    memory), KV pages used/total over all stages, the live sequence's position and state bytes, checkpoints,
-    cache counters, memory in bytes; busy: whether a request runs now."""
+    memory), KV pages used/total over all stages (and held by conversations parked resident), the live sequence's
+    position and state bytes, checkpoints, cache counters, memory in bytes; busy: whether a request runs now."""
     cps = engine.checkpoints()
     stages = [st.status() for st in engine.stages]
     kvs = [m for s in stages for k, m in s["memory"].items() if k in ("kv", "draft")]
     main_kv = [s["memory"]["kv"] for s in stages if "kv" in s["memory"]]
+    res = engine.conversations.resident
     return {
         "model": engine.model_name, "path": engine.model_path, "arch": engine.arch, "device": engine.device,
         "kv": engine.kv, "n_ctx": engine.n_ctx, "ubatch": engine.ubatch, "threads": engine.threads,
@@ -24,6 +25,7 @@ def engine_status(engine, busy: bool) -> dict[str, Any]:
         "stages": stages,
         "pos": engine.seq.pos,
         "kv_pages": {"used": sum(m["pages_used"] for m in main_kv), "total": sum(m["pages_total"] for m in main_kv),
+                     "held": sum(m.get("pages_held", 0) for m in main_kv),
                      "page_size": main_kv[0]["page_size"] if main_kv else 0},
         "state_bytes": int(engine.seq.nbytes()),
         "prompt_cache": engine.prompt_cache,
@@ -32,6 +34,7 @@ def engine_status(engine, busy: bool) -> dict[str, Any]:
         "cache_stats": engine.cache.stats(),
         "parked": engine.parked(),
         "park_stats": dict(engine.park.stats) if engine.park is not None else None,
+        "resident_stats": dict(res.stats) if res is not None else None,
         "disk_stats": dict(engine.disk.stats) if engine.disk is not None else None,
         "conversation_cache_bytes": engine.park.budget if engine.park is not None else 0,
         "memory": {"weights_bytes": int(engine.file.nbytes), "kv_pool_bytes": int(sum(m["bytes"] for m in kvs)),

@@ -39,6 +39,7 @@ class HybridMemory(Memory):
     _materialize = _each("_materialize")
     _expect = _each("_expect")
     _attach = _each("_attach")
+    _hold = _each("_hold")
     _hashes = _each("_hashes")
     _stats = _each("_stats")
 

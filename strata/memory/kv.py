@@ -12,7 +12,26 @@ from strata.memory.pinned import arena as host_arena
 
 DEFAULT_PAGE_SIZE = 256
 
-__all__ = ["DEFAULT_PAGE_SIZE", "KVCacheFull", "PagePool", "PagedKV"]
+__all__ = ["DEFAULT_PAGE_SIZE", "Hold", "KVCacheFull", "PagePool", "PagedKV"]
+
+
+class Hold:
+    """Pages of a pool held by something other than a sequence (a conversation parked resident on its device):
+    one reference on each page, so the K/V of [0, length) stays while the live sequence reads on over other pages.
+    A sequence that writes into a page it shares with a hold keeps the page and the hold gets a copy
+    (PagePool.rehome): the live page table never changes under the checkpoints that reference it. ``release``
+    gives the references back (idempotent)."""
+
+    def __init__(self, pool: "PagePool", pages: Sequence[int], length: int):
+        self.pool = pool
+        self.pages = [int(p) for p in pages]
+        self.length = int(length)
+        self.released = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.pool._drop_hold(self)
 
 
 class PagePool:
@@ -43,6 +62,7 @@ class PagePool:
         self.k = k
         self.v = v
         self.to_host = to_host
+        self._holds: list[Hold] = []
 
     @property
     def n_free(self) -> int:
@@ -71,6 +91,47 @@ class PagePool:
     def free(self, pages: Sequence[int]) -> None:
         """Drop one reference to each page (a page nobody holds any more is free again)."""
         self.allocator.unref(pages)
+
+    # --- holds: pages kept for a conversation parked on the device -------------------------------
+    def hold(self, pages: Sequence[int], length: int) -> Hold:
+        """A Hold of `pages` (each allocated; one more reference each) for K/V of [0, length)."""
+        if len(pages) != -(-int(length) // self.page_size):
+            raise ValueError(f"a hold of {length} positions needs {-(-int(length) // self.page_size)} pages, "
+                             f"got {len(pages)}")
+        h = Hold(self, pages, length)
+        self.allocator.ref(h.pages)                  # ValueError, holding nothing, for a free page
+        self._holds.append(h)
+        return h
+
+    @property
+    def holds(self) -> list[Hold]:
+        """The holds not yet released."""
+        return list(self._holds)
+
+    def held_pages(self) -> int:
+        """Pages some hold references (counted once)."""
+        return len({p for h in self.holds for p in h.pages})
+
+    def _drop_hold(self, h: Hold) -> None:
+        self._holds.remove(h)
+        self.allocator.unref(h.pages)
+        h.pages = []
+
+    def rehome(self, page: int) -> bool:
+        """Give every hold of `page` a copy of it on a fresh page (one copy, their references moved to it), so the
+        sequence writing into `page` keeps it. False when no hold has it; KVCacheFull (nothing changed) when no page
+        is free."""
+        holders = [(h, i) for h in self.holds for i, p in enumerate(h.pages) if p == page]
+        if not holders:
+            return False
+        (q,) = self.alloc(1)
+        self.copy_page(page, q)
+        if len(holders) > 1:
+            self.allocator.ref([q] * (len(holders) - 1))
+        for h, i in holders:
+            h.pages[i] = q
+        self.allocator.unref([page] * len(holders))
+        return True
 
     # --- raw page storage (copy-on-write, byte parts) --------------------------------------------
     def storage(self, slot: int) -> dict[str, Any]:
@@ -217,6 +278,13 @@ class PagedKV:
         first = self.length // ps
         shared = [i for i in range(first, min(end, len(self.pages))) if alloc.refcount(self.pages[i]) > 1]
         need = end - len(self.pages)
+        if shared and self.pool.holds:
+            if self.pool.n_free < max(0, need) + len(shared):
+                raise KVCacheFull(f"KV cache full: need {max(0, need) + len(shared)} more pages of {ps} tokens, "
+                                  f"{self.pool.n_free} of {self.pool.n_pages} free")
+            for i in shared:                  # a page a parked conversation holds: it gets the copy, not this table
+                self.pool.rehome(self.pages[i])
+            shared = [i for i in shared if alloc.refcount(self.pages[i]) > 1]
         new = self.pool.alloc(max(0, need) + len(shared))      # KVCacheFull here takes nothing
         for i, p in zip(shared, new[len(new) - len(shared):]):
             self.pool.copy_page(self.pages[i], p)
@@ -249,10 +317,27 @@ class PagedKV:
         self.length += n
 
     def truncate(self, p: int) -> None:
-        """Cut the valid length back to p (0 <= p <= length); pages are kept for reuse."""
+        """Cut the valid length back to p (0 <= p <= length); pages are kept for reuse, but not those past the cut
+        that another holder shares (a parked conversation's: writing there would copy them)."""
         if not 0 <= p <= self.length:
             raise ValueError(f"truncate({p}) outside [0, {self.length}]")
         self.length = int(p)
+        keep = -(-self.length // self.pool.page_size)
+        alloc = self.pool.allocator
+        if any(alloc.refcount(q) > 1 for q in self.pages[keep:]):
+            self.trim()
+
+    def adopt(self, hold: Hold) -> None:
+        """Make the pages of `hold` this table's (one more reference each; the hold keeps its own), valid length
+        the hold's; this table's own pages are given back first."""
+        if hold.pool is not self.pool or hold.released:
+            raise ValueError("the hold is released or of another page pool")
+        pages = list(hold.pages)
+        self.pool.allocator.ref(pages)
+        self.release()
+        self.pages = pages
+        self.length = hold.length
+        self._contig = _is_run(self.pages)
 
     def trim(self) -> None:
         """Return pages past the valid length to the pool."""

@@ -65,6 +65,11 @@ class KVMemory(Memory):
         m = self._pages_for(kvp.length)
         if kvp.is_prefix:
             return
+        if kvp.is_held:
+            h = kvp.hold
+            if h.released or h.pool is not self.pool or h.length != kvp.length or len(h.pages) != m:
+                raise PartMismatch(f"the part's held {self.name} pages were given back or are of another pool")
+            return
         if kvp.is_reference:
             if st is None:
                 return
@@ -97,6 +102,9 @@ class KVMemory(Memory):
         if kvp.is_reference:
             t.truncate(kvp.length)
             return
+        if kvp.is_held:
+            t.adopt(kvp.hold)                    # the held pages become the sequence's too: nothing is copied
+            return
         t.release()
         m = self._pages_for(kvp.length)
         t.reserve(kvp.length)                    # pages for [0, length); checked free above
@@ -110,12 +118,18 @@ class KVMemory(Memory):
                                f"{t.length}")
         out.kv[self.name] = KVPages(length=kvp.length, pages=tuple(t.pages[:self._pages_for(kvp.length)]))
 
+    def _hold(self, part, out):
+        kvp = part.kv[self.name]
+        out.kv[self.name] = KVPages(length=kvp.length, hold=self.pool.hold(kvp.pages, kvp.length))
+
     def _materialize(self, part, out):
         kvp = part.kv[self.name]
         if kvp.is_prefix:
             out.kv[self.name] = KVPages(length=kvp.length)
         elif kvp.is_reference:
             out.kv[self.name] = KVPages(length=kvp.length, arrays=self.pool.export_pages(kvp.pages))
+        elif kvp.is_held:
+            out.kv[self.name] = KVPages(length=kvp.length, arrays=self.pool.export_pages(kvp.hold.pages))
         else:
             out.kv[self.name] = KVPages(length=kvp.length, arrays={k: np.array(a) for k, a in kvp.arrays.items()})
 
@@ -145,6 +159,7 @@ class KVMemory(Memory):
     def _stats(self, out):
         pool = self.pool
         out[self.name] = {"pages_used": pool.n_pages - pool.n_free, "pages_total": pool.n_pages,
+                          "pages_held": pool.held_pages(),
                           "page_size": pool.page_size, "layers": len(pool.layers),
                           "bytes": pool.capacity_tokens * pool.bytes_per_token}
 

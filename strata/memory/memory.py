@@ -154,12 +154,30 @@ class Memory(ABC):
         self._restore(st, part)
         st.pos = part.pos
 
-    def detach(self, part: StatePart) -> StatePart:
+    def detach(self, part: StatePart, to_host: bool = True) -> StatePart:
         """A checkpoint part to keep apart from the engine with its conversation: the running state as host copies
-        and the K/V as a prefix of the conversation's own (KVPages.is_prefix), so it costs no K/V bytes."""
+        (to_host=False: the part's own arrays, left where they are, for a conversation parked on the device) and
+        the K/V as a prefix of the conversation's own (KVPages.is_prefix), so it costs no K/V bytes."""
+        copy = host_copy if to_host else (lambda a: a)
         return StatePart(carve=part.carve, geometry=part.geometry, pos=part.pos,
-                         running={li: {k: host_copy(a) for k, a in d.items()} for li, d in part.running.items()},
+                         running={li: {k: copy(a) for k, a in d.items()} for li, d in part.running.items()},
                          kv={name: KVPages(length=kvp.length) for name, kvp in part.kv.items()})
+
+    def hold(self, part: StatePart) -> StatePart:
+        """The captured part `part` (K/V referencing its sequence's pages) as a *held* part: its pages kept in the
+        pool (KVPages.hold) whatever the sequence does next, its running-state copies as they are (on the device).
+        A conversation parked resident on the device; ``release`` gives the pages back."""
+        if not all(kvp.is_reference for kvp in part.kv.values()):
+            raise PartMismatch("only a captured part (its K/V referencing a sequence's pages) can be held")
+        out = StatePart(carve=part.carve, geometry=part.geometry, pos=part.pos, running=part.running)
+        self._hold(part, out)
+        return out
+
+    def release(self, part: StatePart) -> None:
+        """Give back the pages a held part holds (idempotent; other parts are left as they are)."""
+        for kvp in part.kv.values():
+            if kvp.is_held:
+                kvp.hold.release()
 
     def attach_prefix(self, sid: int, part: StatePart) -> StatePart:
         """The checkpoint part `part` (its K/V a prefix, see detach) as a part of sequence `sid`: its K/V a reference
@@ -182,7 +200,7 @@ class Memory(ABC):
     def write(self, part: StatePart, io: BinaryIO) -> int:
         """Write `part` (materialized first if it references pages) in the byte format; returns bytes written."""
         self.validate(part)
-        if part.is_reference:
+        if part.is_reference or part.is_held:
             part = self.materialize(part)
         lengths = {name: kvp.length for name, kvp in sorted(part.kv.items())}
         prefix = sorted(name for name, kvp in part.kv.items() if kvp.is_prefix)
@@ -282,6 +300,8 @@ class Memory(ABC):
     def _expect(self, pos: int, lengths: dict, out: list, prefix=()) -> None: ...
     @abstractmethod
     def _attach(self, st: SequenceState, part: StatePart, out: StatePart) -> None: ...
+    @abstractmethod
+    def _hold(self, part: StatePart, out: StatePart) -> None: ...
     @abstractmethod
     def _hashes(self, st: SequenceState, out: dict) -> None: ...
     @abstractmethod

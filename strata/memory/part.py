@@ -45,20 +45,27 @@ class KVPages:
     (``arrays``: PagePool.export_pages of those pages, "L{layer}.{k|v|k_scale|v_scale}" -> array with the page axis
     of length ceil(length / page_size)): what parking and session files hold, or neither, a *prefix*: the first
     ``length`` positions of the K/V of the conversation the part travels with (a parked or saved conversation's
-    checkpoints, whose K/V is a prefix of the conversation's own; Memory.attach_prefix makes it a reference again).
+    checkpoints, whose K/V is a prefix of the conversation's own; Memory.attach_prefix makes it a reference again),
+    or *held* (``hold``: a memory.kv.Hold, the pool's pages kept for a conversation parked on its device, valid
+    until released whatever the live sequence does; Memory.hold / Memory.release).
     """
 
     length: int
     pages: tuple[int, ...] | None = None
     arrays: dict[str, np.ndarray] | None = None
+    hold: Any = None
 
     @property
     def is_reference(self) -> bool:
         return self.arrays is None and self.pages is not None
 
     @property
+    def is_held(self) -> bool:
+        return self.hold is not None
+
+    @property
     def is_prefix(self) -> bool:
-        return self.arrays is None and self.pages is None
+        return self.arrays is None and self.pages is None and self.hold is None
 
     def nbytes(self) -> int:
         """Bytes this holds itself (a reference holds none of the K/V)."""
@@ -85,6 +92,11 @@ class StatePart:
     def is_reference(self) -> bool:
         """True when some K/V is referenced in the stage's pool rather than held (see KVPages)."""
         return any(k.is_reference for k in self.kv.values())
+
+    @property
+    def is_held(self) -> bool:
+        """True when some K/V is pages held in the stage's pool for a parked conversation (see KVPages)."""
+        return any(k.is_held for k in self.kv.values())
 
     @property
     def is_prefix(self) -> bool:

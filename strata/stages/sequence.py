@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import Callable
+
 import numpy as np
 
-from strata.memory import PartMismatch, StatePart
+from strata.memory import KVCacheFull, PartMismatch, StatePart
 from strata.memory.host import with_field_hashes
 from strata.token_ids import as_ids, common_prefix, frozen_ids, is_prefix
 
@@ -40,6 +42,9 @@ class Sequence:
         self.sids = [st.new_seq() for st in stages]
         self._buf = np.zeros(256, np.int32)
         self._n = 0
+        # called when a stage's KV pool is short: frees pages (the engine moves a conversation parked on the device
+        # to host RAM) and returns True, or False when nothing more can be freed (KVCacheFull then stands)
+        self.make_room: Callable[[], bool] | None = None
 
     @property
     def pos(self) -> int:
@@ -77,8 +82,7 @@ class Sequence:
         when it is not stage 0 of the model (a worker's). Pages for the new tokens are reserved on every stage
         first, so KVCacheFull changes nothing."""
         toks = np.asarray(tokens, dtype=np.int32).reshape(-1)
-        for st, sid in zip(self.stages, self.sids):
-            st.reserve(sid, int(toks.shape[0]))
+        self.reserve(int(toks.shape[0]))
         x = x_in
         for st, sid in zip(self.stages, self.sids):
             x = st.forward(toks, sid, x_in=x, all_logits=all_logits, on_device=on_device)
@@ -87,6 +91,18 @@ class Sequence:
         self._buf[self._n:self._n + k] = toks
         self._n += k
         return x
+
+    def reserve(self, n: int) -> None:
+        """Pages for n more tokens on every stage; when a pool is short, ``make_room`` frees pages until it fits
+        or nothing more can be freed (KVCacheFull, changing nothing but the extra pages reserved)."""
+        while True:
+            try:
+                for st, sid in zip(self.stages, self.sids):
+                    st.reserve(sid, n)
+                return
+            except KVCacheFull:
+                if self.make_room is None or not self.make_room():
+                    raise
 
     # ---- state -----------------------------------------------------------------------------------
     def settle(self) -> None:
@@ -142,9 +158,32 @@ class Sequence:
         """Host copies of every stage's part of `ckpt` (its K/V pages and running state)."""
         return [st.materialize(p) for st, p in zip(self.stages, ckpt.parts)]
 
-    def detach(self, ckpt: Checkpoint) -> list[StatePart]:
-        """`ckpt`'s parts to keep with their conversation: running state as host copies, K/V as a prefix."""
-        return [st.detach(p) for st, p in zip(self.stages, ckpt.parts)]
+    def detach(self, ckpt: Checkpoint, to_host: bool = True) -> list[StatePart]:
+        """`ckpt`'s parts to keep with their conversation: running state as host copies (to_host=False: left on
+        the device, for a conversation parked there), K/V as a prefix."""
+        return [st.detach(p, to_host) for st, p in zip(self.stages, ckpt.parts)]
+
+    def can_hold(self) -> bool:
+        """Whether every stage can keep a conversation's pages on its device (local stages; not a remote one)."""
+        return all(hasattr(st, "hold") for st in self.stages)
+
+    def hold(self, ckpt: Checkpoint) -> list[StatePart]:
+        """`ckpt` (captured at this sequence's position) as held parts: each stage keeps its pages whatever the
+        sequence does next (Memory.hold); ``release`` gives them back. The running-state copies stay on the
+        devices. All or nothing."""
+        held: list[StatePart] = []
+        try:
+            for st, p in zip(self.stages, ckpt.parts):
+                held.append(st.hold(p))
+        except BaseException:
+            self.release(held)
+            raise
+        return held
+
+    def release(self, parts: list[StatePart]) -> None:
+        """Give back the pages of held parts (see hold)."""
+        for st, p in zip(self.stages, parts):
+            st.release(p)
 
     def validate_detached(self, pos: int, parts: list[StatePart]) -> None:
         """PartMismatch unless `parts` (detached, see detach) fit the stages at position `pos`."""

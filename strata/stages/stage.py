@@ -125,9 +125,16 @@ class Stage:
         self.backend.drain()
         return self.memory.materialize(part)
 
-    def detach(self, part: StatePart) -> StatePart:
+    def detach(self, part: StatePart, to_host: bool = True) -> StatePart:
         self.backend.drain()
-        return self.memory.detach(part)
+        return self.memory.detach(part, to_host)
+
+    def hold(self, part: StatePart) -> StatePart:
+        return self.memory.hold(part)
+
+    def release(self, part: StatePart) -> None:
+        self.backend.drain()                 # nothing may still read the pages when another sequence takes them
+        self.memory.release(part)
 
     def attach_prefix(self, sid: int, part: StatePart) -> StatePart:
         return self.memory.attach_prefix(sid, part)

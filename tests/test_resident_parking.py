@@ -1,0 +1,190 @@
+"""Parking resident on the device (--park-resident): a conversation's K/V pages held in the pool (memory.kv.Hold)
+instead of copied to host RAM. Page tables, holds and refcounts under random operations (hypothesis: every page's
+count is its holders', held K/V never changes, the live table's page ids never change under a write); and on the
+engine: a new chat with the same system prompt shares its pages, the switch back copies no K/V, a short pool moves
+the least recently used resident conversation to host RAM, and every answer equals the conversation played alone."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as hs
+
+from strata import synth
+from strata.backend.cpu import CPUBackend
+from strata.engine import Engine
+from strata.memory import KVCacheFull, PagedKV, PartMismatch
+from tests.test_parking import ask, chat
+
+PS, NKV, HD = 4, 1, 2
+
+
+def _fill(pool, table, n, tag):
+    """Reserve and write n positions whose K is (tag, position), then commit."""
+    table.reserve(n)
+    k = np.zeros((n, NKV, HD), np.float32)
+    k[:, 0, 0] = tag
+    k[:, 0, 1] = np.arange(table.length, table.length + n)
+    pool.write(0, table.pages, table.length, k, k)
+    table.commit(n)
+
+
+def _kv(pool, pages, length):
+    return pool.read(0, list(pages), length)[0].copy()
+
+
+ops = hs.lists(hs.tuples(hs.sampled_from(["write", "truncate", "hold", "release", "adopt", "trim"]),
+                         hs.integers(0, 40)), min_size=1, max_size=40)
+
+
+@settings(max_examples=400, deadline=None)
+@given(ops)
+def test_holds_keep_their_kv_and_refcounts_stay_exact(steps):
+    pool = CPUBackend().new_page_pool([0], 24, NKV, HD, page_size=PS)
+    live = PagedKV(pool)
+    holds = []                                   # (Hold, K/V it must keep)
+    for tag, (op, n) in enumerate(steps, 1):
+        if op == "write":
+            before = list(live.pages[:live.length // PS + 1])
+            free = pool.n_free
+            try:
+                _fill(pool, live, 1 + n % 9, tag)
+            except KVCacheFull:
+                assert pool.n_free == free       # nothing taken
+                continue
+            assert live.pages[:len(before)] == before   # the live table's ids never change under a write
+        elif op == "truncate":
+            live.truncate(n % (live.length + 1))
+        elif op == "hold" and live.length:
+            m = -(-live.length // PS)
+            holds.append((pool.hold(live.pages[:m], live.length), _kv(pool, live.pages, live.length)))
+        elif op == "release" and holds:
+            h, _ = holds.pop(n % len(holds))
+            h.release()
+            h.release()                          # idempotent
+        elif op == "adopt" and holds:
+            h, kv = holds[n % len(holds)]
+            live.adopt(h)
+            np.testing.assert_array_equal(_kv(pool, live.pages, live.length), kv)
+        elif op == "trim":
+            live.trim()
+        for h, kv in holds:                      # a held conversation's K/V is what it was
+            np.testing.assert_array_equal(_kv(pool, h.pages, h.length), kv)
+        want = np.zeros(pool.n_pages, int)
+        for p in live.pages:
+            want[p] += 1
+        for h, _ in holds:
+            for p in h.pages:
+                want[p] += 1
+        assert [pool.allocator.refcount(p) for p in range(pool.n_pages)] == want.tolist()
+        assert pool.n_free == int((want == 0).sum())
+    live.release()
+    for h, _ in holds:
+        h.release()
+    assert pool.n_free == pool.n_pages
+
+
+def test_a_released_hold_is_refused_and_changes_nothing(default_model_path):
+    e = Engine(default_model_path, n_ctx=512, ubatch=32, conversation_cache_mib=64)
+    ask(e, chat("rivers", 0, []))
+    held = e.seq.hold(e.seq.capture())
+    e.seq.release(held)
+    e.seq.release(held)                          # twice: nothing more given back
+    before = e.state_hashes(), e.seq.pos
+    from strata.stages.sequence import Checkpoint
+    with pytest.raises(PartMismatch, match="given back"):
+        e.seq.restore(Checkpoint(pos=held[0].pos, tokens=e.seq.ids[:held[0].pos], parts=held))
+    assert (e.state_hashes(), e.seq.pos) == before
+
+
+@pytest.fixture(scope="module")
+def hybrid_path(tmp_path_factory):
+    return synth.write_synthetic(tmp_path_factory.mktemp("resident") / "qwen35.gguf",
+                                 synth.preset("qwen35", "tiny", n_layer=4, seed=21))
+
+
+def _long_system(topic: str, turn: int, answers: list[str]) -> list[dict]:
+    msgs = chat(topic, turn, answers)
+    msgs[0]["content"] = "You are a careful assistant. " * 150 + msgs[0]["content"].replace(topic, "anything")
+    return msgs
+
+
+def _pages_used(e) -> int:
+    return sum(st.memory.stats()["kv"]["pages_used"] for st in e.stages if "kv" in st.memory.stats())
+
+
+@pytest.mark.parametrize("which", ["default", "hybrid"])
+def test_a_new_chat_shares_the_system_prompt_and_the_switch_back_copies_no_kv(which, default_model_path,
+                                                                             hybrid_path):
+    path = default_model_path if which == "default" else hybrid_path
+    kw = dict(n_ctx=2048, ubatch=256)
+    alone = Engine(path, conversation_cache_mib=0, **kw)
+    ref_a = [t for t, _, _ in _play_long(alone, "rivers", 2)]
+    alone.slot_erase()
+    ref_b = [t for t, _, _ in _play_long(alone, "ships", 1)]
+    e = Engine(path, conversation_cache_mib=256, park_resident=2, **kw)
+    answers: list[str] = []
+    toks, _ = ask(e, _long_system("rivers", 0, answers))
+    answers.append(e.detokenize(toks))
+    assert toks == ref_a[0]
+    toks, final = ask(e, _long_system("ships", 0, []))           # a new chat: rivers stays resident
+    assert toks == ref_b[0]
+    assert final.strata["resume_pos"] > 0                          # from the system prompt's checkpoint
+    assert [p["tier"] for p in e.parked()] == ["device"]
+    # the ships chat shares the system prompt's full pages with the parked rivers chat: only its tail is new
+    ps = e.stages[0].memory.stats()["kv"]["page_size"]
+    a_pos, b_pos, shared = e.parked()[0]["tokens"], e.seq.pos, final.strata["resume_pos"] // ps
+    assert shared >= 2
+    assert _pages_used(e) == -(-a_pos // ps) + -(-b_pos // ps) - shared
+    pool = e.stages[0].memory
+    pool = getattr(pool, "pool", None) or pool.children[0].pool
+    exported = []
+    real_export = pool.export_pages
+    pool.export_pages = lambda pages: exported.append(len(pages)) or real_export(pages)
+    toks, final = ask(e, _long_system("rivers", 1, answers))     # back: nothing copied to or from the host
+    pool.export_pages = real_export
+    assert final.strata["resume_from"] == "resident" and toks == ref_a[1] and exported == []
+    assert [p["tier"] for p in e.parked()] == ["device"]          # ships is resident now
+
+
+def _play_long(engine, topic, turns):
+    answers: list[str] = []
+    out = []
+    for t in range(turns):
+        toks, final = ask(engine, _long_system(topic, t, answers))
+        answers.append(engine.detokenize(toks))
+        out.append((toks, engine.state_hashes(), final.strata["resume_from"]))
+    return out
+
+
+def test_a_short_pool_moves_the_least_recently_used_to_host_ram_bit_exact(hybrid_path):
+    """n_ctx 512: two conversations of ~300 tokens that share only a few tokens do not fit in the pool together,
+    so reading the second moves the first to host RAM (make_room), from where it comes back bit-exact."""
+    kw = dict(n_ctx=512, ubatch=64)
+    alone = Engine(hybrid_path, conversation_cache_mib=0, **kw)
+    long_chat = lambda topic, turn, answers: [dict(m, content=m["content"] * (55 if i == 0 else 1))   # noqa: E731
+                                             for i, m in enumerate(chat(topic, turn, answers))]
+    ref = []
+    a: list[str] = []
+    for t in range(2):
+        toks, _ = ask(alone, long_chat("rivers", t, a))
+        a.append(alone.detokenize(toks))
+        ref.append((toks, alone.state_hashes()))
+    e = Engine(hybrid_path, conversation_cache_mib=256, park_resident=2, **kw)
+    answers: list[str] = []
+    toks, _ = ask(e, long_chat("rivers", 0, answers))
+    answers.append(e.detokenize(toks))
+    ask(e, long_chat("ships", 0, []))                              # rivers resident, then moved to host RAM
+    assert [p["tier"] for p in e.parked()] == ["ram"]
+    assert e.status()["resident_stats"]["evicted"] == 1
+    toks, final = ask(e, long_chat("rivers", 1, answers))
+    assert final.strata["resume_from"] == "park"
+    assert toks == ref[1][0] and e.state_hashes() == ref[1][1]
+
+
+def test_park_resident_zero_parks_in_host_ram_and_negative_is_refused(hybrid_path):
+    e = Engine(hybrid_path, n_ctx=256, ubatch=32, conversation_cache_mib=64, park_resident=0)
+    ask(e, chat("rivers", 0, []))
+    ask(e, chat("ships", 0, []))
+    assert [p["tier"] for p in e.parked()] == ["ram"]
+    with pytest.raises(ValueError, match="--park-resident must be >= 0"):
+        Engine(hybrid_path, n_ctx=256, conversation_cache_mib=64, park_resident=-1)
