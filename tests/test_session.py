@@ -176,7 +176,7 @@ def test_restore_parks_the_conversation_it_replaces(model_path, tmp_path):
     assert len(e.checkpoints()) <= 2                               # this engine's --prompt-cache applies
     follow = BRANCH + [{"role": "assistant", "content": e.detokenize(b)}, {"role": "user", "content": "And?"}]
     _, f = ask(e, follow)
-    assert f.strata["resume_from"] == "park"
+    assert f.strata["resume_from"] == "resident"                   # parked on the device (--park-resident)
 
 
 @settings(max_examples=1000, deadline=None, suppress_health_check=list(HealthCheck), database=None)
