@@ -1,6 +1,7 @@
 """Stages on a GPU: 1 vs 2 (and 3) stages on cuda:0 through the CUDA plans (each stage a carve of the graph decode
 and prefill plans): the same greedy tokens and the same per-layer K/V and running-state hashes, cold and resumed
-through per-stage checkpoints; a stage's part through the byte format on device pages. Skips without a GPU."""
+through per-stage checkpoints; a stage's part through the byte format on device pages; parking resident on the
+device, and moved to pinned host RAM when the pool is short, bit-exact. Skips without a GPU."""
 from __future__ import annotations
 
 import io
@@ -148,3 +149,35 @@ def test_remote_stage_worker_on_the_same_gpu(default_runs):
     finally:
         e.close()
         w.stop()
+
+
+@pytest.mark.parametrize("split", [None, "2"])
+def test_resident_parking_on_one_gpu_bit_exact_and_short_pool_moves_to_ram(hybrid_path, split):
+    """Parking resident on the device (--park-resident): the switch back adopts the held device pages and copies the
+    running state device to device, bit-exact against the conversation played alone; with a pool of one context
+    two long conversations do not fit, so the first moves to pinned host RAM (make_room) and comes back bit-exact
+    from there; the hold's copy of a shared page (PagePool.rehome) runs on the device."""
+    from strata.engine import Engine
+    from tests.test_parking import ask, chat
+    long_chat = lambda topic, turn, answers: [dict(m, content=m["content"] * (55 if i == 0 else 1))   # noqa: E731
+                                             for i, m in enumerate(chat(topic, turn, answers))]
+    dev = "cuda:0" if split is None else "cuda:0,cuda:0"
+    for n_ctx, tier in ((2048, "resident"), (512, "park")):
+        kw = dict(n_ctx=n_ctx, ubatch=64, device=dev, layer_split=split)
+        alone = Engine(hybrid_path, conversation_cache_mib=0, **kw)
+        ref, a = [], []
+        for t in range(2):
+            toks, _ = ask(alone, long_chat("rivers", t, a))
+            a.append(alone.detokenize(toks))
+            ref.append((toks, alone.state_hashes()))
+        e = Engine(hybrid_path, conversation_cache_mib=256, park_resident=2, **kw)
+        answers: list[str] = []
+        toks, _ = ask(e, long_chat("rivers", 0, answers))
+        answers.append(e.detokenize(toks))
+        ask(e, long_chat("ships", 0, []))
+        toks, final = ask(e, long_chat("rivers", 1, answers))
+        assert final.strata["resume_from"] == tier, (n_ctx, final.strata)
+        assert toks == ref[1][0]
+        assert e.state_hashes() == ref[1][1], _differing(e.state_hashes(), ref[1][1])
+        alone.close()
+        e.close()

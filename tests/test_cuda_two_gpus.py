@@ -75,18 +75,20 @@ def test_checkpoints_resume_on_two_gpus(hybrid_path):
     assert bh == ah, _differing(bh, ah)
 
 
+@pytest.mark.parametrize("resident", [0, 2])
 @pytest.mark.parametrize("which", ["default", "hybrid"])
-def test_a_b_a_parking_on_two_gpus_is_bit_exact(which, default_path, hybrid_path):
+def test_a_b_a_parking_on_two_gpus_is_bit_exact(which, resident, default_path, hybrid_path):
+    """In pinned host RAM (park_resident=0) and resident (each card keeps its stage's pages held in its pool)."""
     from tests.test_parking import _play, ask, chat
     path = default_path if which == "default" else hybrid_path
     alone = _engine(path, TWO, "auto", conversation_cache_mib=0)
     ref = _play(alone, "rivers", 2, [])
-    e = _engine(path, TWO, "auto", conversation_cache_mib=512)
+    e = _engine(path, TWO, "auto", conversation_cache_mib=512, park_resident=resident)
     answers: list[str] = []
     _play(e, "rivers", 1, answers)
     _play(e, "mountains", 1, [])                                 # B: A is parked, both stages' parts
     toks, final = ask(e, chat("rivers", 1, answers))             # A again
-    assert final.strata["resume_from"] == "park"
+    assert final.strata["resume_from"] == ("resident" if resident else "park")
     assert toks == ref[1][0] and e.state_hashes() == ref[1][1], _differing(e.state_hashes(), ref[1][1])
     alone.close()
     e.close()
