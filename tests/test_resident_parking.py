@@ -207,3 +207,28 @@ def test_a_larger_kv_pool_keeps_both_conversations_resident(hybrid_path):
     assert e.status()["resident_stats"]["evicted"] == 0 and e.park is not None and len(e.park) == 0
     with pytest.raises(ValueError, match="--kv-pool-ctx 256 is smaller than --n-ctx 512"):
         Engine(hybrid_path, n_ctx=512, kv_pool_ctx=256)
+
+
+@pytest.mark.parametrize("resident", [0, 2])
+def test_a_parked_attention_only_conversation_resumes_at_the_longest_common_prefix(resident, default_model_path):
+    """Raw completions on an attention-only model: X, then an unrelated Y (X parked), then X's first k tokens with
+    another tail: X comes back and is cut back to exactly k tokens (not to a checkpoint before them), and the
+    answer equals a cache_prompt: false answer."""
+    from strata.engine import GenerationRequest, TokenEvent
+    e = Engine(default_model_path, n_ctx=1024, ubatch=64, conversation_cache_mib=64, park_resident=resident)
+    tok = e.tokenizer
+    x = tok.encode("The history of the river Loire, told slowly and with many details about its towns. " * 6)
+    y = tok.encode("An unrelated list of kitchen tools: knives, pans, whisks, ladles and graters. " * 3)
+    k = len(x) - 17
+    x2 = x[:k] + tok.encode(" Meanwhile, in a different valley far away,")
+
+    def run(ids, **kw):
+        evs = list(e.generate(GenerationRequest(prompt_tokens=ids, max_tokens=6, ignore_eos=True, **kw)))
+        return [ev.token_id for ev in evs if isinstance(ev, TokenEvent)], evs[-1]
+    run(x)
+    run(y)
+    toks, final = run(x2)
+    assert final.strata["resume_from"] == ("resident" if resident else "park")
+    assert final.strata["resume_pos"] == k
+    ref, _ = run(x2, cache_prompt=False)
+    assert toks == ref

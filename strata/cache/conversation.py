@@ -41,6 +41,7 @@ class Conversation:
     live_ok: bool = True
     last_use: float = field(default_factory=time.time)
     resident: bool = False
+    cut_anywhere: bool = False          # attention-only: its K/V can be cut back to any prefix
 
     def __post_init__(self):
         self.tokens = frozen_ids(self.tokens)
@@ -55,13 +56,17 @@ class Conversation:
 
     def depth(self, prompt: Sequence[int]) -> int:
         """How many of the prompt's tokens this conversation can skip: its whole length when the prompt extends
-        it (and its end may be continued), else its deepest checkpoint that is a prefix of the prompt; always
-        shorter than the prompt (one token at least is read), 0 when nothing matches."""
+        it (and its end may be continued), the longest common prefix when its K/V can be cut back anywhere (an
+        attention-only model's, as the live sequence's is), else its deepest checkpoint that is a prefix of the
+        prompt; always shorter than the prompt (one token at least is read), 0 when nothing matches."""
         n = len(prompt)
         common = common_prefix(self.tokens, prompt)
         if self.live_ok and common == self.pos < n:
             return self.pos
-        return max((c.pos for c in self.checkpoints if c.pos <= common and c.pos < n), default=0)
+        deepest = max((c.pos for c in self.checkpoints if c.pos <= common and c.pos < n), default=0)
+        if self.live_ok and self.cut_anywhere:
+            return max(deepest, min(common, n - 1))
+        return deepest
 
 
 class ParkStore:
@@ -208,7 +213,8 @@ class DiskTier:
             path.unlink(missing_ok=True)
             return
         stub = Conversation(tokens=conv.tokens, parts=[], live_ok=conv.live_ok, last_use=conv.last_use,
-                            checkpoints=[SavedCheckpoint(c.pos, c.kind, []) for c in conv.checkpoints])
+                            checkpoints=[SavedCheckpoint(c.pos, c.kind, []) for c in conv.checkpoints],
+                            cut_anywhere=conv.cut_anywhere)
         with self._lock:
             for old in [e for e in self._index if same_ids(e[0].tokens, conv.tokens)]:
                 self._index.remove(old)

@@ -94,7 +94,12 @@ class Conversations:
         (running state only; their K/V is the conversation's prefix)."""
         parts = self.seq.materialize(self.seq.capture())
         cps = [SavedCheckpoint(pos, kind, self.seq.detach(snap)) for pos, kind, snap in self.cache.export()]
-        return Conversation(tokens=self.seq.ids, parts=parts, checkpoints=cps, live_ok=self.cache.live_ok)
+        return Conversation(tokens=self.seq.ids, parts=parts, checkpoints=cps, live_ok=self.cache.live_ok,
+                            cut_anywhere=self._cut_anywhere())
+
+    def _cut_anywhere(self) -> bool:
+        """Whether the live conversation's state can be cut back to any prefix (attention-only stages)."""
+        return self.seq.pos > 1 and self.seq.can_truncate(1)
 
     def capture_resident(self) -> Conversation:
         """The live conversation parked where it is: every stage's pages held (nothing copied), its running state
@@ -103,7 +108,7 @@ class Conversations:
         cps = [SavedCheckpoint(pos, kind, self.seq.detach(snap, to_host=False))
                for pos, kind, snap in self.cache.export()]
         return Conversation(tokens=self.seq.ids, parts=parts, checkpoints=cps, live_ok=self.cache.live_ok,
-                            resident=True)
+                            resident=True, cut_anywhere=self._cut_anywhere())
 
     def restore(self, conv: Conversation) -> None:
         """Make `conv` the live conversation with its checkpoints (a resident one's pages become the live
@@ -153,7 +158,7 @@ class Conversations:
             cps = [SavedCheckpoint(c.pos, c.kind, [st.detach(p) for st, p in zip(self.stages, c.parts)])
                    for c in conv.checkpoints]
             self.park.park(Conversation(tokens=conv.tokens, parts=parts, checkpoints=cps, live_ok=conv.live_ok,
-                                        last_use=conv.last_use))
+                                        last_use=conv.last_use, cut_anywhere=conv.cut_anywhere))
             log.debug("resident conversation moved to host RAM", tokens=conv.pos,
                       ms=round((time.perf_counter() - t0) * 1e3, 2))
         finally:
