@@ -144,7 +144,7 @@ def test_status_device_memory(daemon):
     r = ctl(daemon, "status")
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith("device"))
     assert "cpu:" in line and "weights" in line and "KV pool f32" in line and "MiB" in line
-    assert "in pages held" in line and "in valid positions" in line
+    assert "in pages used" in line and "in valid positions" in line
 
 
 def test_chat_goes_on_after_a_server_error(daemon):

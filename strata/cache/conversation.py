@@ -50,6 +50,11 @@ class Conversation:
     def pos(self) -> int:
         return len(self.tokens)
 
+    def held_bytes(self) -> int:
+        """Bytes of K/V its held pages keep in the stages' pools (resident; shared pages counted in full)."""
+        return sum(k.length * k.hold.pool.bytes_per_token for p in self.parts
+                   for k in getattr(p, "kv", {}).values() if getattr(k, "is_held", False))
+
     def nbytes(self) -> int:
         return (sum(p.nbytes() for p in self.parts) + 4 * len(self.tokens) +
                 sum(p.nbytes() for c in self.checkpoints for p in c.parts))
@@ -173,10 +178,12 @@ class ParkStore:
         self._dropped(gone)
 
     def entries(self) -> list[dict]:
-        """For `stratactl cache`: tokens, bytes, tier, checkpoints, last use (Unix seconds), most recent first."""
+        """For `stratactl cache`: tokens, bytes (resident: with the K/V its held pages keep, shared ones too), tier,
+        checkpoints, last use (Unix seconds), most recent first."""
         with self._lock:
-            return [{"tokens": c.pos, "bytes": c.nbytes(), "tier": self.tier, "checkpoints": len(c.checkpoints),
-                     "last_use_time": c.last_use} for c in sorted(self._items, key=lambda c: -c.last_use)]
+            return [{"tokens": c.pos, "bytes": c.nbytes() + c.held_bytes(), "tier": self.tier,
+                     "checkpoints": len(c.checkpoints), "last_use_time": c.last_use}
+                    for c in sorted(self._items, key=lambda c: -c.last_use)]
 
 
 class DiskTier:

@@ -174,7 +174,7 @@ def _device_line(dev: dict) -> str:
                      f"used ({_human_bytes(dev.get('device_free_bytes'))} free), CuPy pool "
                      f"{_human_bytes(dev.get('pool_used_bytes'))} / {_human_bytes(dev.get('pool_total_bytes'))}")
     parts.append(f"weights {_human_bytes(dev.get('weights_bytes'))}")
-    held = f"{_human_bytes(dev.get('kv_used_bytes'))} in pages held"
+    held = f"{_human_bytes(dev.get('kv_used_bytes'))} in pages used"
     if dev.get("kv_valid_bytes") is not None:
         held += f", {_human_bytes(dev.get('kv_valid_bytes'))} in valid positions"
     kv = f" {dev['kv']}" if dev.get("kv") else ""
@@ -208,7 +208,9 @@ def cmd_status(c: Client, args) -> int:
         ("model", d.get("model")), ("arch", e.get("arch")), ("path", e.get("path")), ("n_ctx", e.get("n_ctx")),
         ("stages", stages), ("position", e.get("pos")),
         ("queue", f"{q.get('running', 0)} running, {q.get('waiting', 0)} waiting (max {q.get('max')})"),
-        ("kv pages", f"{kv.get('used')} / {kv.get('total')} used (page size {kv.get('page_size')})"),
+        ("kv pages", f"{kv.get('used')} / {kv.get('total')} used (page size {kv.get('page_size')})" +
+                     (f", {kv.get('held')} held by {len([p for p in e.get('parked') or [] if p.get('tier') == 'device'])}"
+                      f" conversations parked resident" if kv.get("held") else "")),
         ("checkpoints", f"{len(e.get('checkpoints') or [])} kept, {_human_bytes(e.get('checkpoint_bytes'))} "
                         f"(--prompt-cache {e.get('prompt_cache')})"),
         ("device", _device_line(d.get("device") or {})),

@@ -57,12 +57,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--conversation-cache-mib", type=_nonneg_int, default=None,
                    help="host RAM for parked conversations (MiB; default 25%% of RAM; 0 = no parking)")
     c.add_argument("--park-resident", type=_nonneg_int, default=2, metavar="N",
-                   help="parked conversations kept on the device first, their KV pages held in the pool (pages "
-                        "they share with the live one are not copied); moved to host RAM when the pool runs short "
-                        "(default 2; 0 = park straight to host RAM)")
+                   help="up to N parked conversations kept on the device first, their KV pages held in the pool "
+                        "(pages they share with the live one are not copied); the least recently used moves to host "
+                        "RAM when the pool runs short or N are kept (default 2; 0 = park straight to host RAM)")
     c.add_argument("--kv-pool-ctx", type=_nonneg_int, default=None, metavar="TOKENS",
                    help="tokens each stage's KV page pool holds (default --n-ctx): more keeps conversations parked "
-                        "resident beside the live one (GPU memory: allocated at start; CPU: used as it fills)")
+                        "resident beside the live one (GPU memory: allocated at start; CPU: touched as it fills, "
+                        "in huge-page steps)")
     c.add_argument("--conversation-cache-dir", default=None, metavar="DIR",
                    help="disk tier of parking: conversations RAM drops are kept as files here")
     c.add_argument("--conversation-cache-disk-mib", type=_nonneg_int, default=8192,
@@ -83,6 +84,9 @@ def engine_args_error(args) -> str | None:
     devices = parse_devices(getattr(args, "device", "cpu"))
     if getattr(args, "kv", "f16") != "f16" and devices[0] == "cpu":
         return f"--kv {args.kv} needs --device cuda (the CPU backend keeps its KV cache in float32)"
+    pool = getattr(args, "kv_pool_ctx", None)
+    if pool is not None and pool < args.n_ctx:
+        return f"--kv-pool-ctx {pool} is smaller than --n-ctx {args.n_ctx}: the pool holds at least one context"
     split = getattr(args, "layer_split", None)
     if split not in (None, "auto") and len(devices) > 1 and len(devices) != split.count(",") + 2:
         return (f"--layer-split {split} makes {split.count(',') + 2} stages but --device lists {len(devices)} "

@@ -150,6 +150,10 @@ class Engine:
             disk_dir=conversation_cache_dir, disk_bytes=int(conversation_cache_disk_mib) * 1024 * 1024,
             slot_save_path=slot_save_path, remote=bool(remote), resident=int(park_resident))
         self.conversations.prepin()               # host memory for parking, set aside now (/status reports it)
+        if kv_pool_ctx is not None and kv_pool_ctx > self.n_ctx and self.conversations.resident is None:
+            log.warning("--kv-pool-ctx is larger than --n-ctx but nothing is parked resident (parking off, "
+                        "--park-resident 0 or a remote stage): the extra pool is unused", kv_pool_ctx=kv_pool_ctx,
+                        n_ctx=self.n_ctx)
         self.eog_ids = set(int(t) for t in self.tokenizer.eog_ids)
         self.reader = PromptReader(self.seq, self.cache, self.conversations, self.ubatch)
         self.decoder = Decoder(self.seq, self.tokenizer, self.eog_ids, self.n_vocab, self.n_ctx, self.stages[-1],

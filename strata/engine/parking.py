@@ -146,8 +146,7 @@ class Conversations:
         """A resident conversation to host RAM (host copies of its pages and running state), its pages given back;
         dropped when host RAM is short."""
         try:
-            need = conv.nbytes() + sum(k.length * k.hold.pool.bytes_per_token
-                                       for p in conv.parts for k in p.kv.values() if k.is_held)
+            need = conv.nbytes() + conv.held_bytes()
             avail = available_ram()
             if avail is None or need > avail // 2:
                 self.park.stats["refused"] += 1

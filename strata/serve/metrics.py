@@ -32,8 +32,8 @@ class Metrics:
         self.running = Gauge("strata_requests_running", "Requests being generated now (0 or 1 per engine)",
                              registry=r)
         self.cache_hits = Counter("strata_checkpoint_hits",
-                                  "Generations that resumed from earlier work, by how (live / checkpoint / park / "
-                                  "disk / session / choice: an n > 1 request's later choices)",
+                                  "Generations that resumed from earlier work, by how (live / checkpoint / resident / "
+                                  "park / disk / session / choice: an n > 1 request's later choices)",
                                   ["resume_from"], registry=r)
         self.cache_misses = Counter("strata_checkpoint_misses", "Requests that read their prompt from token 0",
                                     registry=r)

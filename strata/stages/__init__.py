@@ -55,17 +55,19 @@ def build_stages(gguf_file, devices: list[str], split, n_ctx: int, kv: str = "f1
             backends[d] = make_backend(d, kv)
     plan = plan_stages(devices, split, n_blocks, lambda d: backends[d].total_memory(), remote=remote)
     hops = [(d, c) for c, d in plan[len(plan) - len(remote):]] if remote else []
-    stages = load_stages(gguf_file, plan[:len(plan) - len(remote)], backends, pool_ctx or n_ctx, progress, load)
+    stages = load_stages(gguf_file, plan[:len(plan) - len(remote)], backends, pool_ctx or n_ctx, progress, load,
+                         ctx_flag="kv-pool-ctx" if pool_ctx else "n-ctx")
     if hops:
         stages.append(make_remote(len(stages), hops, stages[-1].model))
     return stages
 
 
 def load_stages(gguf_file, plan: list[tuple[Carve, str]], backends: dict[str, Any], n_ctx: int, progress=None,
-                load=None, head_here: bool = True) -> list[Stage]:
+                load=None, head_here: bool = True, ctx_flag: str = "n-ctx") -> list[Stage]:
     """The stages of `plan` ((carve, device) in layer order, devices in `backends`): one model per device holding
     the blocks of its carves, one memory per stage. head_here=False: a carve ending at the last block returns
-    hidden states (a worker's: the main keeps the output head)."""
+    hidden states (a worker's: the main keeps the output head). ctx_flag: the option that set n_ctx (named when
+    the KV cache cannot be allocated)."""
     from strata.models.base import load_model, model_class
     load = load or load_model
     n_blocks = n_main_blocks(gguf_file, model_class(gguf_file.arch))
@@ -81,8 +83,8 @@ def load_stages(gguf_file, plan: list[tuple[Carve, str]], backends: dict[str, An
             memory = model.new_memory(n_ctx, carve)
         except MemoryError as e:         # numpy's ArrayMemoryError too; CuPy's OutOfMemoryError is a MemoryError
             which = f" of stage {i} (layers {carve} on {d})" if len(plan) > 1 else ""
-            raise ValueError(f"cannot allocate the KV cache{which} for n_ctx {n_ctx}: "
-                             f"{str(e).splitlines()[0]} (choose a smaller --n-ctx or --kv-pool-ctx)") from None
+            raise ValueError(f"cannot allocate the KV cache{which} for {ctx_flag.replace('-', '_')} {n_ctx}: "
+                             f"{str(e).splitlines()[0]} (choose a smaller --{ctx_flag})") from None
         stages.append(Stage(i, carve, d, be, model, memory, _runner(be, model, carve)))
     return stages
 

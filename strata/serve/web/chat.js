@@ -11,7 +11,8 @@ let running = null;               // {ctrl: AbortController, conv} while an answ
 let keyWaiters = [];              // resolvers of askKey() calls waiting for a key
 
 const RESUME_HELP = "Where the prompt's reading resumed: live (the conversation the engine holds), checkpoint " +
-  "(a saved cut point), park (a conversation parked in host RAM), disk / session (a session file), none (read " +
+  "(a saved cut point), resident (a conversation parked on the device), park (one parked in host RAM), disk " +
+  "(one parked on disk), session (a session file), none (read " +
   "from the start). cached: prompt tokens not read again; read: tokens read for this answer.";
 
 function conversation() {
