@@ -142,8 +142,10 @@ def test_kv_q8_0_on_cpu_is_a_usage_error_before_the_model_loads(cmd):
 @pytest.mark.parametrize("cmd", [["serve", "--socket", "/tmp/strata-test-unused.sock"], ["chat"]])
 def test_kv_pool_smaller_than_the_context_is_a_usage_error_before_the_model_loads(cmd):
     p = strata(*cmd, "--n-ctx", "2048", "--kv-pool-ctx", "100", "--model", "/nonexistent.gguf")
-    assert_one_line_error(p, "--kv-pool-ctx 100 is smaller than --n-ctx 2048")
-    assert p.returncode == 2
+    err = p.stderr.strip()
+    assert p.returncode == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith(f"strata{' serve' if cmd[0] == 'serve' else ''}: error: ") and \
+        "--kv-pool-ctx 100 is smaller than --n-ctx 2048" in err, err
 
 
 def test_bad_sampling_value_is_refused_before_the_model_loads():
