@@ -232,3 +232,54 @@ def test_a_parked_attention_only_conversation_resumes_at_the_longest_common_pref
     assert final.strata["resume_pos"] == k
     ref, _ = run(x2, cache_prompt=False)
     assert toks == ref
+
+
+def test_a_new_chat_that_shares_only_the_system_prompt_leaves_the_parked_one_whole(default_model_path):
+    """rivers, then an unrelated chat (rivers parked), then ships with rivers' system prompt: ships resumes from
+    rivers' prefix but rivers stays parked whole, and its next turn still resumes from all of it."""
+    e = Engine(default_model_path, n_ctx=2048, ubatch=128, conversation_cache_mib=256, park_resident=2)
+    a = [e.detokenize(ask(e, _long_system("rivers", 0, []))[0])]
+    n_rivers = e.seq.pos
+    ask(e, chat("trains", 0, []))
+    _, f = ask(e, _long_system("ships", 0, []))
+    assert f.strata["resume_from"] == "resident" and 0 < f.strata["resume_pos"] < n_rivers
+    assert n_rivers in [p["tokens"] for p in e.parked()]
+    _, f = ask(e, _long_system("rivers", 1, a))
+    assert f.strata["resume_from"] == "resident" and f.strata["resume_pos"] == n_rivers
+
+
+def test_a_restore_failing_midway_puts_the_conversation_back_and_leaks_no_page(default_model_path):
+    e = Engine(default_model_path, n_ctx=512, ubatch=64, conversation_cache_mib=64, park_resident=2)
+    a = [e.detokenize(ask(e, chat("rivers", 0, []))[0])]
+    ask(e, chat("ships", 0, []))                              # rivers parked resident
+    real = e.seq.restore
+
+    def boom(ckpt):
+        raise MemoryError("simulated: a device allocation failing inside the restore")
+    e.seq.restore = boom
+    with pytest.raises(MemoryError):
+        ask(e, chat("rivers", 1, a))
+    e.seq.restore = real
+    assert e.seq.pos == 0                                      # the live sequence started over
+    assert sorted(p["tier"] for p in e.parked()) == ["device", "device"]     # rivers back, ships parked
+    _, f = ask(e, chat("rivers", 1, a))
+    assert f.strata["resume_from"] == "resident"
+    e.slot_erase()
+    e.conversations.resident.clear()
+    assert e.status()["kv_pages"]["used"] == 0 and e.status()["kv_pages"]["held"] == 0
+
+
+def test_the_disk_file_a_switch_picked_is_read_before_parking_can_evict_it(hybrid_path, tmp_path):
+    """RAM and disk hold one conversation each (resident off): parking the live one pushes the RAM one to disk,
+    which evicts the file the switch picked, unless it was read first."""
+    e = Engine(hybrid_path, n_ctx=512, ubatch=32, conversation_cache_mib=256, conversation_cache_dir=tmp_path,
+               conversation_cache_disk_mib=64, park_resident=0)
+    answers = {t: [] for t in ("rivers", "ships", "bread", "stars")}
+    for t in answers:
+        answers[t].append(e.detokenize(ask(e, chat(t, 0, []))[0]))
+        if t == "ships":
+            one = e.parked()[0]["bytes"]
+            e.park.budget = e.disk.budget = one + one // 2
+    assert [p["tier"] for p in e.parked()] == ["ram", "disk"]    # bread in RAM, ships on disk (rivers' file gone)
+    _, f = ask(e, chat("ships", 1, answers["ships"]))           # parking stars pushes bread to disk: ships' file
+    assert f.strata["resume_from"] == "disk"                     # would be evicted had it not been read first

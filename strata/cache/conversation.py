@@ -104,10 +104,11 @@ class ParkStore:
         with self._lock:
             return sum(c.nbytes() for c in self._items)
 
-    def park(self, conv: Conversation) -> list[Conversation]:
-        """Keep `conv` (replacing a parked one with the same tokens); returns the conversations evicted (handed
-        to ``spill``, else ``drop``)."""
-        gone, replaced = self._park(conv)
+    def park(self, conv: Conversation, touch: bool = True) -> list[Conversation]:
+        """Keep `conv` (replacing a parked one with the same tokens; touch: dated now, else it keeps its last use, as
+        a conversation moved here from the tier above does); returns the conversations evicted (handed to
+        ``spill``, else ``drop``)."""
+        gone, replaced = self._park(conv, touch)
         self._dropped(replaced)
         for c in gone:
             if self.spill is not None:
@@ -121,7 +122,7 @@ class ParkStore:
             for c in convs:
                 self.drop(c)
 
-    def _park(self, conv: Conversation) -> tuple[list[Conversation], list[Conversation]]:
+    def _park(self, conv: Conversation, touch: bool = True) -> tuple[list[Conversation], list[Conversation]]:
         size = self.cost(conv)
         with self._lock:
             if size > self.budget:
@@ -129,7 +130,8 @@ class ParkStore:
                 return [conv], []
             replaced = [c for c in self._items if same_ids(c.tokens, conv.tokens)]
             self._items = [c for c in self._items if c not in replaced]
-            conv.last_use = time.time()
+            if touch:
+                conv.last_use = time.time()
             self._items.append(conv)
             self.stats["parked"] += 1
             gone = []

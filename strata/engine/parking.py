@@ -112,9 +112,10 @@ class Conversations:
 
     def restore(self, conv: Conversation) -> None:
         """Make `conv` the live conversation with its checkpoints (a resident one's pages become the live
-        sequence's: nothing is copied but the running state, on the device). Every part is validated against its
-        own stage first (PartMismatch / KVCacheFull, one line, change nothing); a pool short of pages for a host
-        conversation first moves resident ones to RAM (make_room)."""
+        sequence's too: nothing is copied but the running state, on the device; `conv` keeps its own hold until
+        released). Every part is validated against its own stage first (PartMismatch / KVCacheFull, one line,
+        change nothing); a pool short of pages for a host conversation first moves resident ones to RAM
+        (make_room)."""
         whole = Checkpoint(pos=conv.pos, tokens=conv.tokens, parts=conv.parts)
         while True:
             try:
@@ -129,8 +130,6 @@ class Conversations:
             self.seq.validate_detached(c.pos, c.parts)
         self.seq.restore(whole)
         self.cache.adopt([(c.pos, c.kind, self.seq.attach(c.pos, c.parts)) for c in conv.checkpoints], conv.live_ok)
-        if conv.resident:
-            self.seq.release(conv.parts)      # the live sequence holds the pages now
 
     # ---- the resident tier ---------------------------------------------------------------------------
     def make_room(self) -> bool:
@@ -157,7 +156,7 @@ class Conversations:
             cps = [SavedCheckpoint(c.pos, c.kind, [st.detach(p) for st, p in zip(self.stages, c.parts)])
                    for c in conv.checkpoints]
             self.park.park(Conversation(tokens=conv.tokens, parts=parts, checkpoints=cps, live_ok=conv.live_ok,
-                                        last_use=conv.last_use, cut_anywhere=conv.cut_anywhere))
+                                        last_use=conv.last_use, cut_anywhere=conv.cut_anywhere), touch=False)
             log.debug("resident conversation moved to host RAM", tokens=conv.pos,
                       ms=round((time.perf_counter() - t0) * 1e3, 2))
         finally:
@@ -204,20 +203,33 @@ class Conversations:
         source, conv, depth = max(found, key=lambda f: f[2])
         if conv is not None and depth > here:
             store = {"resident": self.resident, "park": self.park, "disk": self.disk}[source]
-            if source != "disk":
-                store.take(conv)              # out of its tier before the live one is parked beside it
-            self.park_live(trace)
             t0 = time.perf_counter()
-            try:
-                if source == "disk":
-                    conv = self.disk.take(conv)
-                self.restore(conv)
-            except (PartMismatch, KVCacheFull, session.SessionError, OSError) as e:
-                # nothing written: the request reads as it would have; a RAM or resident one is dropped
-                log.warning("a parked conversation could not be restored", tier=source, error=str(e))
-                if source == "resident":
-                    self._release(conv)
+            try:                              # out of its tier first: parking the live one cannot evict it
+                conv = self.disk.take(conv) if source == "disk" else conv
+            except (session.SessionError, OSError, ValueError) as e:
+                log.warning("a parked conversation could not be read", tier=source, error=str(e))
                 return None
+            if source != "disk":
+                store.take(conv)
+            self.park_live(trace)
+            try:
+                self.restore(conv)
+            except BaseException as e:
+                # put back intact (restoring only adds references to a resident one's pages); the caller
+                # starts the live sequence over when the error is not one that changed nothing
+                if source != "disk":
+                    store.park(conv)
+                if not isinstance(e, (PartMismatch, KVCacheFull)):
+                    raise
+                log.warning("a parked conversation could not be restored", tier=source, error=str(e))
+                return None
+            if depth < max((c.pos for c in conv.checkpoints), default=conv.pos):
+                # the prompt leaves it before its last checkpoint (a new chat on its system prompt, an earlier
+                # message edited): it stays parked, whole (in RAM, a file's); a next turn, which rewrites only
+                # what follows that checkpoint, takes it over
+                (self.park if source == "disk" else store).park(conv)
+            elif conv.resident:
+                self._release(conv)           # the live sequence holds its pages now
             if trace:
                 log.info("unparked", tier=source, tokens=conv.pos, resume=depth,
                          ms=round((time.perf_counter() - t0) * 1e3, 2))

@@ -56,7 +56,11 @@ class PromptReader:
             self.forget_live()
             self.cache.clear()
         convs = self.conversations
-        unparked = convs.switch(prompt, req.cache_prompt, trace)  # "park" | "disk" | None
+        try:
+            unparked = convs.switch(prompt, req.cache_prompt, trace)  # "resident" | "park" | "disk" | None
+        except BaseException:
+            self.forget_live()     # a restore that failed part-way: the live sequence starts over
+            raise
         plan = self.cache.plan(self.seq, prompt, list(req.cut_points or ()), checkpoint=req.checkpoint,
                                cache_prompt=req.cache_prompt)      # cut points were checked by check_request
         if plan.resume_pos > 0 and (unparked or convs.from_session):

@@ -170,7 +170,11 @@ class Memory(ABC):
         if not all(kvp.is_reference for kvp in part.kv.values()):
             raise PartMismatch("only a captured part (its K/V referencing a sequence's pages) can be held")
         out = StatePart(carve=part.carve, geometry=part.geometry, pos=part.pos, running=part.running)
-        self._hold(part, out)
+        try:
+            self._hold(part, out)
+        except BaseException:
+            self.release(out)                # a field held before another refused: nothing stays held
+            raise
         return out
 
     def release(self, part: StatePart) -> None:

@@ -2,6 +2,7 @@
 that executes a carve through the model's own forward (the CPU's, and any carve no faster plan runs)."""
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -46,12 +47,19 @@ class Stage:
         """Whether this stage's runner can leave the logits on its device (the engine then samples there)."""
         return bool(getattr(self.runner, "device_logits", False))
 
+    def on_device(self):
+        """This stage's device made current (a context manager): the copies its memory makes (a page copied for a
+        parked conversation, running state restored) run on its own card and stream (seed #716); nothing on the
+        CPU."""
+        return getattr(self.backend, "device", None) or contextlib.nullcontext()
+
     # ---- compute ---------------------------------------------------------------------------------
     def reserve(self, sid: int, n: int) -> None:
         """Pages for n more tokens of sequence `sid` (KVCacheFull changes nothing; extra pages are harmless)."""
         st = self.memory.seq(sid)
         if st.kv is not None:
-            st.kv.reserve(n)
+            with self.on_device():
+                st.kv.reserve(n)
 
     def forward(self, tokens: np.ndarray, sid: int, x_in=None, all_logits: bool = False, on_device: bool = False):
         """Read `tokens` of sequence `sid` through this stage. x_in: the previous stage's hidden states (moved to
@@ -92,56 +100,66 @@ class Stage:
 
     def capture(self, sid: int) -> StatePart:
         self.backend.drain()
-        return self.memory.capture(sid)
+        with self.on_device():
+            return self.memory.capture(sid)
 
     def validate(self, part: StatePart, sid: int | None = None) -> None:
         self.memory.validate(part, sid)
 
     def restore(self, sid: int, part: StatePart) -> None:
         self.backend.drain()
-        self.memory.restore(sid, part)
+        with self.on_device():
+            self.memory.restore(sid, part)
 
     def check_truncate(self, sid: int, p: int) -> None:
         self.memory.check_truncate(sid, p)
 
     def truncate(self, sid: int, p: int) -> None:
-        self.memory.truncate(sid, p)
+        with self.on_device():
+            self.memory.truncate(sid, p)
 
     def reset(self, sid: int) -> None:
         self.backend.drain()
-        self.memory.reset(sid)
+        with self.on_device():
+            self.memory.reset(sid)
 
     def trim(self, sid: int) -> None:
         self.memory.trim(sid)
 
     def hashes(self, sid: int) -> dict[str, str]:
         self.backend.drain()
-        return self.memory.hashes(sid)
+        with self.on_device():
+            return self.memory.hashes(sid)
 
     def nbytes(self, sid: int) -> int:
         return self.memory.nbytes(sid)
 
     def materialize(self, part: StatePart) -> StatePart:
         self.backend.drain()
-        return self.memory.materialize(part)
+        with self.on_device():
+            return self.memory.materialize(part)
 
     def detach(self, part: StatePart, to_host: bool = True) -> StatePart:
         self.backend.drain()
-        return self.memory.detach(part, to_host)
+        with self.on_device():
+            return self.memory.detach(part, to_host)
 
     def hold(self, part: StatePart) -> StatePart:
         return self.memory.hold(part)
 
     def release(self, part: StatePart) -> None:
         self.backend.drain()                 # nothing may still read the pages when another sequence takes them
-        self.memory.release(part)
+        with self.on_device():
+            self.memory.release(part)
 
     def attach_prefix(self, sid: int, part: StatePart) -> StatePart:
-        return self.memory.attach_prefix(sid, part)
+        with self.on_device():
+            return self.memory.attach_prefix(sid, part)
 
     def write(self, part: StatePart, io) -> int:
         self.backend.drain()
-        return self.memory.write(part, io)
+        with self.on_device():
+            return self.memory.write(part, io)
 
     def read(self, io) -> StatePart:
         return self.memory.read(io)
