@@ -283,3 +283,20 @@ def test_the_disk_file_a_switch_picked_is_read_before_parking_can_evict_it(hybri
     assert [p["tier"] for p in e.parked()] == ["ram", "disk"]    # bread in RAM, ships on disk (rivers' file gone)
     _, f = ask(e, chat("ships", 1, answers["ships"]))           # parking stars pushes bread to disk: ships' file
     assert f.strata["resume_from"] == "disk"                     # would be evicted had it not been read first
+
+
+def test_a_device_out_of_memory_for_the_resident_copy_parks_in_host_ram(default_model_path):
+    e = Engine(default_model_path, n_ctx=512, ubatch=64, conversation_cache_mib=64, park_resident=2)
+    a = [e.detokenize(ask(e, chat("rivers", 0, []))[0])]
+    ask(e, chat("ships", 0, []))                              # rivers resident
+    real = e.seq.hold
+
+    def oom(ckpt):
+        raise MemoryError("simulated: out of device memory")
+    e.seq.hold = oom
+    ask(e, chat("trains", 0, []))                             # ships cannot stay on the device: RAM, rivers too
+    e.seq.hold = real
+    assert sorted(p["tier"] for p in e.parked()) == ["ram", "ram"]
+    assert e.status()["kv_pages"]["held"] == 0
+    _, f = ask(e, chat("rivers", 1, a))
+    assert f.strata["resume_from"] == "park"

@@ -17,6 +17,9 @@ from strata.memory import StatePart
 from strata.token_ids import common_prefix, frozen_ids, same_ids
 
 
+CUT_MIN = 32          # the shortest common prefix a parked conversation is cut back to (Conversation.depth)
+
+
 @dataclass
 class SavedCheckpoint:
     """One checkpoint of a conversation held apart: position, kind and one part per stage whose K/V is a prefix
@@ -62,14 +65,16 @@ class Conversation:
     def depth(self, prompt: Sequence[int]) -> int:
         """How many of the prompt's tokens this conversation can skip: its whole length when the prompt extends
         it (and its end may be continued), the longest common prefix when its K/V can be cut back anywhere (an
-        attention-only model's, as the live sequence's is), else its deepest checkpoint that is a prefix of the
-        prompt; always shorter than the prompt (one token at least is read), 0 when nothing matches."""
+        attention-only model's, as the live sequence's is) and that prefix is at least CUT_MIN tokens and half the
+        conversation (as llama.cpp's server picks a slot by prompt similarity: a chat template's first tokens are
+        no reason to bring a conversation back), else its deepest checkpoint that is a prefix of the prompt; always
+        shorter than the prompt (one token at least is read), 0 when nothing matches."""
         n = len(prompt)
         common = common_prefix(self.tokens, prompt)
         if self.live_ok and common == self.pos < n:
             return self.pos
         deepest = max((c.pos for c in self.checkpoints if c.pos <= common and c.pos < n), default=0)
-        if self.live_ok and self.cut_anywhere:
+        if self.live_ok and self.cut_anywhere and common >= max(CUT_MIN, self.pos // 2):
             return max(deepest, min(common, n - 1))
         return deepest
 

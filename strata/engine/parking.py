@@ -13,7 +13,7 @@ import structlog
 
 from strata.cache import session
 from strata.cache.checkpoints import CheckpointCache
-from strata.cache.conversation import Conversation, DiskTier, ParkStore, SavedCheckpoint
+from strata.cache.conversation import CUT_MIN, Conversation, DiskTier, ParkStore, SavedCheckpoint
 from strata.hostmem import available_ram
 from strata.memory import KVCacheFull, PartMismatch
 from strata.stages.sequence import Checkpoint, Sequence
@@ -172,11 +172,18 @@ class Conversations:
             return                   # nothing live, or a "strata_checkpoint": false request's (seed #861)
         if self.resident is not None:
             t0 = time.perf_counter()
-            gone = self.resident.park(self.capture_resident())
-            if trace:
-                log.info("parked", tier="device", tokens=self.seq.pos, ms=round((time.perf_counter() - t0) * 1e3, 2),
-                         moved_to_ram=len(gone))
-            return
+            try:
+                conv = self.capture_resident()
+            except MemoryError as e:     # the device cannot copy the running state (CuPy's OutOfMemoryError is one)
+                log.warning("parking in host RAM: the device is out of memory for a resident copy", error=str(e))
+                while self.make_room():  # their running-state copies leave the device too
+                    pass
+            else:
+                gone = self.resident.park(conv)
+                if trace:
+                    log.info("parked", tier="device", tokens=self.seq.pos,
+                             ms=round((time.perf_counter() - t0) * 1e3, 2), moved_to_ram=len(gone))
+                return
         need = self.seq.nbytes()
         avail = available_ram()
         if avail is None or need > avail // 2:
@@ -201,6 +208,9 @@ class Conversations:
         found = [(tier, *store.best(prompt)) for tier, store in (("resident", self.resident), ("park", self.park),
                                                                 ("disk", self.disk)) if store is not None]
         source, conv, depth = max(found, key=lambda f: f[2])
+        if conv is not None and source != "disk" and depth != conv.pos and \
+                all(c.pos != depth for c in conv.checkpoints) and depth < here + CUT_MIN:
+            conv = None      # a cut at the common prefix that skips too few tokens more than the live one does
         if conv is not None and depth > here:
             store = {"resident": self.resident, "park": self.park, "disk": self.disk}[source]
             t0 = time.perf_counter()
