@@ -300,3 +300,25 @@ def test_a_device_out_of_memory_for_the_resident_copy_parks_in_host_ram(default_
     assert e.status()["kv_pages"]["held"] == 0
     _, f = ask(e, chat("rivers", 1, a))
     assert f.strata["resume_from"] == "park"
+
+
+def test_a_failure_to_park_never_fails_the_request_nor_loses_the_target(default_model_path, monkeypatch):
+    """Out of memory on the device for the resident copy and then on the host for the RAM copy: the live
+    conversation is left unparked, the request that leaves it still runs, and the conversation it switches to
+    comes back (its pages not lost)."""
+    e = Engine(default_model_path, n_ctx=1024, ubatch=64, conversation_cache_mib=64, park_resident=2)
+    a = [e.detokenize(ask(e, chat("rivers", 0, []))[0])]
+    ask(e, chat("ships", 0, []))                              # rivers resident
+
+    def oom(*_a, **_k):
+        raise MemoryError("simulated: out of memory")
+    monkeypatch.setattr(e.seq, "hold", oom)
+    monkeypatch.setattr(e.conversations, "capture", oom)
+    _, f = ask(e, chat("rivers", 1, a))                       # ships cannot be parked anywhere
+    assert f.strata["resume_from"] in ("resident", "park")    # rivers came back (moved to RAM by the fallback)
+    assert e.park.stats["refused"] >= 1
+    monkeypatch.undo()
+    ask(e, chat("trains", 0, []))
+    owned = {id(k.hold) for c in e.conversations.resident._items for p in c.parts for k in p.kv.values()}
+    pool = e.stages[0].memory.pool
+    assert all(id(h) in owned for h in pool.holds)           # no hold outlives its conversation

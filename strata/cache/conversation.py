@@ -105,6 +105,10 @@ class ParkStore:
     def __len__(self) -> int:
         return len(self._items)
 
+    def __contains__(self, conv: Conversation) -> bool:
+        with self._lock:
+            return any(c is conv for c in self._items)
+
     def nbytes(self) -> int:
         with self._lock:
             return sum(c.nbytes() for c in self._items)
@@ -227,8 +231,8 @@ class DiskTier:
             path.unlink(missing_ok=True)
             return
         stub = Conversation(tokens=conv.tokens, parts=[], live_ok=conv.live_ok, last_use=conv.last_use,
-                            checkpoints=[SavedCheckpoint(c.pos, c.kind, []) for c in conv.checkpoints],
-                            cut_anywhere=conv.cut_anywhere)
+                            checkpoints=[SavedCheckpoint(c.pos, c.kind, []) for c in conv.checkpoints])
+        # (no common-prefix cut from the index: reading a whole file to cut it back is rarely worth it)
         with self._lock:
             for old in [e for e in self._index if same_ids(e[0].tokens, conv.tokens)]:
                 self._index.remove(old)

@@ -159,6 +159,9 @@ class Conversations:
                                         last_use=conv.last_use, cut_anywhere=conv.cut_anywhere), touch=False)
             log.debug("resident conversation moved to host RAM", tokens=conv.pos,
                       ms=round((time.perf_counter() - t0) * 1e3, 2))
+        except Exception as e:  # noqa: BLE001 -- moving an unrelated conversation down must not fail a request
+            self.park.stats["refused"] += 1
+            log.warning("dropping a resident conversation: it could not be moved to host RAM", error=str(e))
         finally:
             self._release(conv)
 
@@ -167,9 +170,18 @@ class Conversations:
 
     # ---- parking -------------------------------------------------------------------------------------
     def park_live(self, trace: bool) -> None:
-        """Park the live conversation (when it has one worth keeping and host RAM can take it)."""
+        """Park the live conversation (when it has one worth keeping and host RAM can take it). A failure to park
+        (out of memory on the device and then on the host, say) is logged and the conversation left unparked: it
+        never fails the request that leaves it."""
         if self.park is None or self.seq.pos == 0 or not self.cache.live_ok:
             return                   # nothing live, or a "strata_checkpoint": false request's (seed #861)
+        try:
+            self._park_live(trace)
+        except Exception as e:  # noqa: BLE001
+            self.park.stats["refused"] += 1
+            log.warning("not parking the live conversation: it could not be copied", error=str(e))
+
+    def _park_live(self, trace: bool) -> None:
         if self.resident is not None:
             t0 = time.perf_counter()
             try:
@@ -179,7 +191,13 @@ class Conversations:
                 while self.make_room():  # their running-state copies leave the device too
                     pass
             else:
-                gone = self.resident.park(conv)
+                try:
+                    gone = self.resident.park(conv)
+                except BaseException:
+                    if conv in self.resident:
+                        raise            # parked: its holds are the tier's
+                    self._release(conv)
+                    raise
                 if trace:
                     log.info("parked", tier="device", tokens=self.seq.pos,
                              ms=round((time.perf_counter() - t0) * 1e3, 2), moved_to_ram=len(gone))
@@ -233,10 +251,10 @@ class Conversations:
                     raise
                 log.warning("a parked conversation could not be restored", tier=source, error=str(e))
                 return None
-            if depth < max((c.pos for c in conv.checkpoints), default=conv.pos):
+            if depth < max((c.pos for c in conv.checkpoints), default=0):
                 # the prompt leaves it before its last checkpoint (a new chat on its system prompt, an earlier
                 # message edited): it stays parked, whole (in RAM, a file's); a next turn, which rewrites only
-                # what follows that checkpoint, takes it over
+                # what follows that checkpoint, takes it over, as the prompt does with one that has none
                 (self.park if source == "disk" else store).park(conv)
             elif conv.resident:
                 self._release(conv)           # the live sequence holds its pages now
@@ -259,7 +277,10 @@ class Conversations:
 
     def read_session(self, path: Path) -> Conversation:
         with open(path, "rb") as f:
-            return session.read(f, self.file.fingerprint(), self.stages, self.n_ctx)
+            conv = session.read(f, self.file.fingerprint(), self.stages, self.n_ctx)
+        # attention-only stages (no running state): its K/V can be cut back anywhere once it is live again
+        conv.cut_anywhere = conv.pos > 1 and not any(p.running for p in conv.parts)
+        return conv
 
     def session_path(self, filename, *, exists: bool = False) -> Path:
         """The path of session file `filename` (strata.cache.session.check_filename); exists: it must be a file
