@@ -215,10 +215,11 @@ class Conversations:
                      evicted=len(gone))
 
     def switch(self, prompt: np.ndarray, cache_prompt: bool, trace: bool) -> str | None:
-        """Before a request is planned: when a parked conversation (RAM, else disk) skips more of `prompt` than
-        the live one and its checkpoints do, park the live one and restore that one ("park" / "disk"); when the
-        request leaves the live conversation (it resumes before the live one's deepest checkpoint), park the live
-        one (None)."""
+        """Before a request is planned: when a parked conversation (resident, in RAM or on disk) skips more of
+        `prompt` than the live one and its checkpoints do, park the live one and restore that one -> its tier
+        ("resident" / "park" / "disk"); it stays parked, whole, when the prompt leaves it before its last
+        checkpoint. When the request leaves the live conversation (it resumes before the live one's deepest
+        checkpoint), park the live one (None)."""
         if self.park is None or not cache_prompt:
             return None
         here = self.cache.peek(self.seq, prompt)
