@@ -158,18 +158,12 @@ def test_resident_parking_on_one_gpu_bit_exact_and_short_pool_moves_to_ram(hybri
     two long conversations do not fit, so the first moves to pinned host RAM (make_room) and comes back bit-exact
     from there; the hold's copy of a shared page (PagePool.rehome) runs on the device."""
     from strata.engine import Engine
-    from tests.test_parking import ask, chat
-    long_chat = lambda topic, turn, answers: [dict(m, content=m["content"] * (55 if i == 0 else 1))   # noqa: E731
-                                             for i, m in enumerate(chat(topic, turn, answers))]
+    from tests.test_parking import _play, ask, long_chat
     dev = "cuda:0" if split is None else "cuda:0,cuda:0"
     for n_ctx, tier in ((2048, "resident"), (512, "park")):
         kw = dict(n_ctx=n_ctx, ubatch=64, device=dev, layer_split=split)
         alone = Engine(hybrid_path, conversation_cache_mib=0, **kw)
-        ref, a = [], []
-        for t in range(2):
-            toks, _ = ask(alone, long_chat("rivers", t, a))
-            a.append(alone.detokenize(toks))
-            ref.append((toks, alone.state_hashes()))
+        ref = _play(alone, "rivers", 2, [], long_chat)
         e = Engine(hybrid_path, conversation_cache_mib=256, park_resident=2, **kw)
         answers: list[str] = []
         toks, _ = ask(e, long_chat("rivers", 0, answers))

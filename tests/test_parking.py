@@ -32,11 +32,17 @@ def hybrid_path(tmp_path_factory):
                                  synth.preset("qwen35", "tiny", n_layer=4, seed=21, n_mtp=1))
 
 
-def _play(engine, topic, turns, answers):
-    """Turn by turn; returns [(tokens, hashes, resume_from)]."""
+def long_chat(topic: str, turn: int, answers: list[str]) -> list[dict]:
+    """chat() with its system message 55 times over (~300 tokens on the tiny synthetic hybrid)."""
+    return [dict(m, content=m["content"] * 55) if i == 0 else m for i, m in enumerate(chat(topic, turn, answers))]
+
+
+def _play(engine, topic, turns, answers, render=chat):
+    """Turn by turn, each turn's messages rendered by render(topic, turn, answers); returns
+    [(tokens, hashes, resume_from)]."""
     out = []
     for t in range(turns):
-        toks, final = ask(engine, chat(topic, t, answers))
+        toks, final = ask(engine, render(topic, t, answers))
         answers.append(engine.detokenize(toks))
         out.append((toks, engine.state_hashes(), final.strata["resume_from"]))
     return out

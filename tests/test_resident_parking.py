@@ -13,7 +13,7 @@ from strata import synth
 from strata.backend.cpu import CPUBackend
 from strata.engine import Engine
 from strata.memory import KVCacheFull, PagedKV, PartMismatch
-from tests.test_parking import ask, chat
+from tests.test_parking import _play, ask, chat, long_chat
 
 PS, NKV, HD = 4, 1, 2
 
@@ -118,9 +118,9 @@ def test_a_new_chat_shares_the_system_prompt_and_the_switch_back_copies_no_kv(wh
     path = default_model_path if which == "default" else hybrid_path
     kw = dict(n_ctx=2048, ubatch=256)
     alone = Engine(path, conversation_cache_mib=0, **kw)
-    ref_a = [t for t, _, _ in _play_long(alone, "rivers", 2)]
+    ref_a = [t for t, _, _ in _play(alone, "rivers", 2, [], _long_system)]
     alone.slot_erase()
-    ref_b = [t for t, _, _ in _play_long(alone, "ships", 1)]
+    ref_b = [t for t, _, _ in _play(alone, "ships", 1, [], _long_system)]
     e = Engine(path, conversation_cache_mib=256, park_resident=2, **kw)
     answers: list[str] = []
     toks, _ = ask(e, _long_system("rivers", 0, answers))
@@ -146,29 +146,12 @@ def test_a_new_chat_shares_the_system_prompt_and_the_switch_back_copies_no_kv(wh
     assert [p["tier"] for p in e.parked()] == ["device"]          # ships is resident now
 
 
-def _play_long(engine, topic, turns):
-    answers: list[str] = []
-    out = []
-    for t in range(turns):
-        toks, final = ask(engine, _long_system(topic, t, answers))
-        answers.append(engine.detokenize(toks))
-        out.append((toks, engine.state_hashes(), final.strata["resume_from"]))
-    return out
-
-
 def test_a_short_pool_moves_the_least_recently_used_to_host_ram_bit_exact(hybrid_path):
     """n_ctx 512: two conversations of ~300 tokens that share only a few tokens do not fit in the pool together,
     so reading the second moves the first to host RAM (make_room), from where it comes back bit-exact."""
     kw = dict(n_ctx=512, ubatch=64)
     alone = Engine(hybrid_path, conversation_cache_mib=0, **kw)
-    long_chat = lambda topic, turn, answers: [dict(m, content=m["content"] * (55 if i == 0 else 1))   # noqa: E731
-                                             for i, m in enumerate(chat(topic, turn, answers))]
-    ref = []
-    a: list[str] = []
-    for t in range(2):
-        toks, _ = ask(alone, long_chat("rivers", t, a))
-        a.append(alone.detokenize(toks))
-        ref.append((toks, alone.state_hashes()))
+    ref = _play(alone, "rivers", 2, [], long_chat)
     e = Engine(hybrid_path, conversation_cache_mib=256, park_resident=2, **kw)
     answers: list[str] = []
     toks, _ = ask(e, long_chat("rivers", 0, answers))
@@ -193,8 +176,6 @@ def test_park_resident_zero_parks_in_host_ram_and_negative_is_refused(hybrid_pat
 def test_a_larger_kv_pool_keeps_both_conversations_resident(hybrid_path):
     """--kv-pool-ctx: with room for two contexts, the conversations of the short-pool test above both stay on the
     device (no move to RAM) and each comes back from there."""
-    long_chat = lambda topic, turn, answers: [dict(m, content=m["content"] * (55 if i == 0 else 1))   # noqa: E731
-                                             for i, m in enumerate(chat(topic, turn, answers))]
     e = Engine(hybrid_path, n_ctx=512, ubatch=64, conversation_cache_mib=256, park_resident=2, kv_pool_ctx=1024)
     assert e.status()["kv_pages"]["total"] == 4
     answers = {"rivers": [], "ships": []}

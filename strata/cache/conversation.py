@@ -145,9 +145,7 @@ class ParkStore:
             self.stats["parked"] += 1
             gone = []
             while sum(self.cost(c) for c in self._items) > self.budget:
-                victim = min(self._items, key=lambda c: c.last_use)
-                self._items.remove(victim)
-                gone.append(victim)
+                gone.append(self._remove_lru())
             self.stats["evicted"] += len(gone)
             return gone, replaced
 
@@ -171,10 +169,14 @@ class ParkStore:
         with self._lock:
             if not self._items:
                 return None
-            victim = min(self._items, key=lambda c: c.last_use)
-            self._items.remove(victim)
             self.stats["evicted"] += 1
-            return victim
+            return self._remove_lru()
+
+    def _remove_lru(self) -> Conversation:
+        """(under the lock) Remove the least recently used conversation and return it."""
+        victim = min(self._items, key=lambda c: c.last_use)
+        self._items.remove(victim)
+        return victim
 
     def discard(self, tokens) -> None:
         """Drop parked conversations holding exactly these tokens (one that became live by another way)."""

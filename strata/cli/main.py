@@ -80,13 +80,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_args_error(args) -> str | None:
     """A flag combination of add_engine_args' options that no engine can run (a usage error), or None."""
-    from strata.stages import parse_devices
+    from strata.stages import parse_devices, pool_ctx_error
     devices = parse_devices(getattr(args, "device", "cpu"))
     if getattr(args, "kv", "f16") != "f16" and devices[0] == "cpu":
         return f"--kv {args.kv} needs --device cuda (the CPU backend keeps its KV cache in float32)"
-    pool = getattr(args, "kv_pool_ctx", None)
-    if pool is not None and pool < args.n_ctx:
-        return f"--kv-pool-ctx {pool} is smaller than --n-ctx {args.n_ctx}: the pool holds at least one context"
+    why = pool_ctx_error(getattr(args, "kv_pool_ctx", None), args.n_ctx)
+    if why:
+        return why
     split = getattr(args, "layer_split", None)
     if split not in (None, "auto") and len(devices) > 1 and len(devices) != split.count(",") + 2:
         return (f"--layer-split {split} makes {split.count(',') + 2} stages but --device lists {len(devices)} "

@@ -27,7 +27,7 @@ from strata.engine.types import ContextOverflow, FinalEvent, GenerationRequest, 
 from strata.engine.validation import check_request, prompt_ids
 from strata.gguf_file import ModelLoadError, open_gguf
 from strata.sampling import SamplingParams
-from strata.stages import build_stages, parse_devices, parse_split
+from strata.stages import build_stages, parse_devices, parse_split, pool_ctx_error
 from strata.stages.remote import RemoteStage, parse_remote, unsupported_with_remote
 from strata.stages.sequence import Sequence
 from strata.tokenizer import Tokenizer
@@ -74,9 +74,9 @@ class Engine:
             raise ValueError(f"n_ctx must be >= 2, got {n_ctx}")
         if ubatch < 1:
             raise ValueError(f"ubatch must be >= 1, got {ubatch}")
-        if kv_pool_ctx is not None and kv_pool_ctx < n_ctx:
-            raise ValueError(f"--kv-pool-ctx {kv_pool_ctx} is smaller than --n-ctx {n_ctx}: the pool holds at least "
-                             f"one context")
+        why = pool_ctx_error(kv_pool_ctx, n_ctx)
+        if why:
+            raise ValueError(why)
         remote = parse_remote(remote_stage)
         if prompt_cache is None:
             prompt_cache = 0 if remote else 6    # a remote main sends no checkpoint message unless asked (#1887)

@@ -42,6 +42,9 @@ class Conversations:
         if resident < 0:
             raise ValueError(f"--park-resident must be >= 0, got {resident}")
         self.park = ParkStore(park_bytes) if park_bytes is not None else None
+        # attention-only stages (no running state): a conversation's K/V can be cut back to any prefix
+        self.cut_anywhere = all(getattr(st, "memory", None) is not None and "running" not in st.memory.stats()
+                                for st in stages)          # (a remote stage's memory is the worker's)
         self.resident = None
         if self.park is not None and resident > 0 and not remote and seq.can_hold():
             self.resident = ParkStore(resident, spill=self._demote, cost=lambda c: 1, tier="device",
@@ -95,11 +98,7 @@ class Conversations:
         parts = self.seq.materialize(self.seq.capture())
         cps = [SavedCheckpoint(pos, kind, self.seq.detach(snap)) for pos, kind, snap in self.cache.export()]
         return Conversation(tokens=self.seq.ids, parts=parts, checkpoints=cps, live_ok=self.cache.live_ok,
-                            cut_anywhere=self._cut_anywhere())
-
-    def _cut_anywhere(self) -> bool:
-        """Whether the live conversation's state can be cut back to any prefix (attention-only stages)."""
-        return self.seq.pos > 1 and self.seq.can_truncate(1)
+                            cut_anywhere=self.cut_anywhere)
 
     def capture_resident(self) -> Conversation:
         """The live conversation parked where it is: every stage's pages held (nothing copied), its running state
@@ -108,7 +107,7 @@ class Conversations:
         cps = [SavedCheckpoint(pos, kind, self.seq.detach(snap, to_host=False))
                for pos, kind, snap in self.cache.export()]
         return Conversation(tokens=self.seq.ids, parts=parts, checkpoints=cps, live_ok=self.cache.live_ok,
-                            resident=True, cut_anywhere=self._cut_anywhere())
+                            resident=True, cut_anywhere=self.cut_anywhere)
 
     def restore(self, conv: Conversation) -> None:
         """Make `conv` the live conversation with its checkpoints (a resident one's pages become the live
@@ -117,13 +116,7 @@ class Conversations:
         change nothing); a pool short of pages for a host conversation first moves resident ones to RAM
         (make_room)."""
         whole = Checkpoint(pos=conv.pos, tokens=conv.tokens, parts=conv.parts)
-        while True:
-            try:
-                self.seq.validate(whole)
-                break
-            except KVCacheFull:
-                if not self.make_room():
-                    raise
+        self.seq.with_room(lambda: self.seq.validate(whole))
         for c in conv.checkpoints:
             if not 0 < c.pos <= conv.pos:
                 raise PartMismatch(f"a checkpoint at {c.pos} lies outside the conversation's {conv.pos} tokens")
@@ -145,11 +138,7 @@ class Conversations:
         """A resident conversation to host RAM (host copies of its pages and running state), its pages given back;
         dropped when host RAM is short."""
         try:
-            need = conv.nbytes() + conv.held_bytes()
-            avail = available_ram()
-            if avail is None or need > avail // 2:
-                self.park.stats["refused"] += 1
-                log.warning("dropping a resident conversation: host RAM unknown or short", available=avail)
+            if self._ram_short(conv.nbytes() + conv.held_bytes(), "dropping a resident conversation"):
                 return
             t0 = time.perf_counter()
             parts = [st.materialize(p) for st, p in zip(self.stages, conv.parts)]
@@ -167,6 +156,16 @@ class Conversations:
 
     def _release(self, conv: Conversation) -> None:
         self.seq.release(conv.parts)
+
+    def _ram_short(self, need: int, what: str) -> bool:
+        """Whether host RAM cannot take `need` more bytes (unknown, or less than twice that is available): then
+        logged as `what` and counted as refused."""
+        avail = available_ram()
+        if avail is not None and need <= avail // 2:
+            return False
+        self.park.stats["refused"] += 1
+        log.warning(f"{what}: host RAM unknown or short", bytes=need, available=avail)
+        return True
 
     # ---- parking -------------------------------------------------------------------------------------
     def park_live(self, trace: bool) -> None:
@@ -203,10 +202,7 @@ class Conversations:
                              ms=round((time.perf_counter() - t0) * 1e3, 2), moved_to_ram=len(gone))
                 return
         need = self.seq.nbytes()
-        avail = available_ram()
-        if avail is None or need > avail // 2:
-            self.park.stats["refused"] += 1
-            log.warning("not parking the live conversation: host RAM unknown or short", bytes=need, available=avail)
+        if self._ram_short(need, "not parking the live conversation"):
             return
         t0 = time.perf_counter()
         gone = self.park.park(self.capture())
@@ -279,8 +275,7 @@ class Conversations:
     def read_session(self, path: Path) -> Conversation:
         with open(path, "rb") as f:
             conv = session.read(f, self.file.fingerprint(), self.stages, self.n_ctx)
-        # attention-only stages (no running state): its K/V can be cut back anywhere once it is live again
-        conv.cut_anywhere = conv.pos > 1 and not any(p.running for p in conv.parts)
+        conv.cut_anywhere = self.cut_anywhere
         return conv
 
     def session_path(self, filename, *, exists: bool = False) -> Path:

@@ -279,9 +279,7 @@ class PagedKV:
         shared = [i for i in range(first, min(end, len(self.pages))) if alloc.refcount(self.pages[i]) > 1]
         need = end - len(self.pages)
         if shared and self.pool.holds:
-            if self.pool.n_free < max(0, need) + len(shared):
-                raise KVCacheFull(f"KV cache full: need {max(0, need) + len(shared)} more pages of {ps} tokens, "
-                                  f"{self.pool.n_free} of {self.pool.n_pages} free")
+            alloc.require(max(0, need) + len(shared))    # before any copy: KVCacheFull changes nothing
             for i in shared:                  # a page a parked conversation holds: it gets the copy, not this table
                 self.pool.rehome(self.pages[i])
             shared = [i for i in shared if alloc.refcount(self.pages[i]) > 1]

@@ -37,11 +37,15 @@ class PageAllocator:
     def refcount(self, page: int) -> int:
         return self._refs[page]
 
-    def alloc(self, n: int) -> list[int]:
-        """Take n free pages (lowest ids first, count 1). Raises KVCacheFull, taking none, when fewer are free."""
+    def require(self, n: int) -> None:
+        """KVCacheFull (one line, with the counts) unless n pages are free."""
         if n > len(self._free):
             raise KVCacheFull(f"KV cache full: need {n} more pages of {self.page_size} tokens, "
                               f"{len(self._free)} of {self.n_pages} free")
+
+    def alloc(self, n: int) -> list[int]:
+        """Take n free pages (lowest ids first, count 1). Raises KVCacheFull, taking none, when fewer are free."""
+        self.require(n)
         out = [heapq.heappop(self._free) for _ in range(n)]
         for p in out:
             self._refs[p] = 1

@@ -38,6 +38,13 @@ def _runner(backend, model, carve: Carve):
     return ModelRunner(model, carve.lo, carve.hi)
 
 
+def pool_ctx_error(pool_ctx: int | None, n_ctx: int) -> str | None:
+    """Why a KV pool of pool_ctx tokens (--kv-pool-ctx; None: n_ctx) cannot serve a context of n_ctx, or None."""
+    if pool_ctx is not None and pool_ctx < n_ctx:
+        return f"--kv-pool-ctx {pool_ctx} is smaller than --n-ctx {n_ctx}: the pool holds at least one context"
+    return None
+
+
 def build_stages(gguf_file, devices: list[str], split, n_ctx: int, kv: str = "f16", progress=None,
                  load=None, remote: list[str] = (), make_remote=None, pool_ctx: int | None = None) -> list[Stage]:
     """Load the model in `gguf_file` (an opened GGUFModelFile) onto the stages that --device / --layer-split

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -95,11 +95,17 @@ class Sequence:
     def reserve(self, n: int) -> None:
         """Pages for n more tokens on every stage; when a pool is short, ``make_room`` frees pages until it fits
         or nothing more can be freed (KVCacheFull, changing nothing but the extra pages reserved)."""
+        def each():
+            for st, sid in zip(self.stages, self.sids):
+                st.reserve(sid, n)
+        self.with_room(each)
+
+    def with_room(self, fn: Callable[[], Any]) -> Any:
+        """fn(), again after ``make_room`` freed pages each time it raises KVCacheFull (fn must change nothing
+        when it does), until it succeeds or nothing more can be freed (the KVCacheFull stands)."""
         while True:
             try:
-                for st, sid in zip(self.stages, self.sids):
-                    st.reserve(sid, n)
-                return
+                return fn()
             except KVCacheFull:
                 if self.make_room is None or not self.make_room():
                     raise
