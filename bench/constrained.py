@@ -57,8 +57,8 @@ N_QWEN = 151936
 
 
 def tokenizer(n_vocab: int):
-    from strata import synth
-    from strata.tokenizer import Tokenizer
+    from strata.gguf import synth
+    from strata.text.tokenizer import Tokenizer
     fields = {k: v[0] for k, v in synth._tokenizer_fields().items()}
     if n_vocab > len(fields["tokenizer.ggml.tokens"]):
         t, ty, m = synth.synthetic_vocab(n_vocab, 0)
@@ -110,7 +110,7 @@ def install_size(name: str) -> dict:
 # ---- part 1: the libraries ------------------------------------------------------------------------------------
 
 def walk_llguidance(tk, walks: int, seed: int) -> dict:
-    from strata import grammar
+    from strata.sampling import grammar
     t0 = time.perf_counter()
     grammar.vocabulary(tk)
     out = {"vocab_setup_s": round(time.perf_counter() - t0, 3), "schemas": {}}
@@ -177,16 +177,16 @@ def walk_xgrammar(tk, walks: int, seed: int) -> dict | None:
 
 def qwen_vocab_model(dirname: Path) -> Path:
     """A synthetic llama with SmolLM2-135M's shape and the 151936-token vocabulary (Q4_0)."""
-    from strata import synth
+    from strata.gguf import synth
     spec = synth.preset("llama", n_embd=576, n_layer=30, n_head=9, n_head_kv=3, head_dim=64, n_ff=1536,
                         qtype="Q4_0", embd_qtype="Q4_0", n_vocab=N_QWEN, name="qwen-vocab-135m")
     return synth.write_synthetic(dirname / "qwen-vocab-135m.gguf", spec)
 
 
 def engine_costs(model, threads: int | None, tokens: int, seed: int, device: str = "cpu") -> dict:
-    from strata import grammar
+    from strata.sampling import grammar
     from strata.engine import Engine, GenerationRequest
-    from strata.sampling import SamplingParams
+    from strata.sampling.sampler import SamplingParams
     eng = Engine(model, n_ctx=2048, threads=threads, prompt_cache=0, device=device)
     ask = "Write a file with a short poem, as a JSON tool call."
     try:
@@ -272,7 +272,7 @@ def main():
             models = [(m, m) for m in a.model] if a.model else [("49152", "default"), (str(N_QWEN), None)]
             if a.synthetic_1_7b:
                 from bench.gpu_throughput import make_synthetic_llama
-                from strata.default_model import default_model_path
+                from strata.gguf.default_model import default_model_path
                 p17 = str(Path(d) / "llama_1_7b.gguf")
                 # dmin = 7.5 d centres the random weights: the benchmark file's defaults overflow to NaN logits
                 # after a few dozen positions, which sampling cannot take (the decode cost is the same)

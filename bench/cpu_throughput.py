@@ -74,7 +74,7 @@ def strata_prompt(engine, ids: list[int]) -> float:
 def strata_decode(engine, ids: list[int], n_new: int) -> float:
     """Seconds to generate n_new tokens greedily after `ids` (EOG ignored): n_new samples, n_new-1 forwards."""
     from strata.engine import GenerationRequest
-    from strata.sampling import SamplingParams
+    from strata.sampling.sampler import SamplingParams
     engine.state_reset()
     req = GenerationRequest(prompt_tokens=ids, max_tokens=n_new, cache_prompt=False, ignore_eos=True,
                             sampling=SamplingParams(temperature=0.0))

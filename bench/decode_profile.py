@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 def _plan(path: str, max_ctx: int, need_plan: bool = True):
     from strata.backend.cuda import CudaBackend
-    from strata.models.base import load_model
+    from strata.models.registry import load_model
     model = load_model(path, CudaBackend())
     fast = model.backend.fast_path(model)
     if need_plan and not hasattr(fast, "plan"):

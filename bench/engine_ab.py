@@ -29,7 +29,7 @@ PROBE = r"""
 import json, sys, time
 import numpy as np
 from strata.engine import Engine, GenerationRequest
-from strata.sampling import SamplingParams
+from strata.sampling.sampler import SamplingParams
 cfg = json.loads(sys.argv[1])
 kw = dict(n_ctx=cfg["n_ctx"], ubatch=cfg["ubatch"], device=cfg["device"], prompt_cache=0)
 kw.update(cfg["engine"])

@@ -71,7 +71,7 @@ def make_synthetic_hybrid(out_path: str | os.PathLike, tok_src_gguf: str | os.Pa
     size: "1.5b" (n_embd 2048, 24 layers = 18 GDN + 6 attention, 16 heads / 4 KV heads of 128, FFN 6144, GDN
     16 key / 16 value heads of 128; ~1.57e9 parameters, ~1.7 GB at Q8_0) or "tiny" (tests). qtype: "Q8_0" or
     "Q4_0" (2-D matrices incl. token_embd and the untied output); norms, ssm_conv1d, ssm_a, ssm_dt are F32.
-    Tensor names, shapes and metadata are those llama.cpp's converter writes for Qwen3.5 (strata/synth.py
+    Tensor names, shapes and metadata are those llama.cpp's converter writes for Qwen3.5 (strata/gguf/synth.py
     writes the same layout with real float weights). Returns the path. Raises ValueError for an unknown size or
     type.
     """
@@ -180,7 +180,7 @@ def bench_hybrid(path: str, prompts=PROMPTS, depths=DEPTHS, n_gen: int = 128, ub
     """
     import cupy as cp
     from strata.backend.cuda import CudaBackend
-    from strata.models.base import load_model
+    from strata.models.registry import load_model
     rng = np.random.default_rng(0)
     model = load_model(path, CudaBackend())
     fast = model.backend.fast_path(model)
@@ -277,7 +277,7 @@ def main(argv=None) -> int:
     prompts = [int(x) for x in a.prompts.split(",") if x]
     depths = [int(x) for x in a.depths.split(",") if x]
     if not os.path.exists(a.out_gguf):
-        from strata.default_model import default_model_path
+        from strata.gguf.default_model import default_model_path
         t0 = time.time()
         make_synthetic_hybrid(a.out_gguf, a.tokenizer_from or str(default_model_path()), a.size, a.qtype)
         print(f"synthetic hybrid written in {time.time() - t0:.1f}s ({os.path.getsize(a.out_gguf) / 1e9:.2f} GB)")

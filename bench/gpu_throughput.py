@@ -178,7 +178,7 @@ def bench_strata(path: str, prompts, depths, n_gen: int, ubatch: int, bw: float,
     except ImportError:                                            # a tree from before the package split
         from strata.backend.cuda import LlamaCuda
         from strata.backend.cuda import lib as kernel_lib
-    from strata.models.base import load_model
+    from strata.models.registry import load_model
     rng = np.random.default_rng(0)
     max_ctx = max(max(prompts), max(depths) + n_gen + 16) + 256
     model = load_model(path, CudaBackend())
@@ -306,7 +306,7 @@ def main(argv=None) -> int:
                          "kind, same GGUF files); the summary marks them as stored, not measured in this run")
     a = ap.parse_args(argv)
     import cupy as cp
-    from strata.default_model import resolve_model
+    from strata.gguf.default_model import resolve_model
     prompts = [int(x) for x in a.prompts.split(",")]
     depths = [int(x) for x in a.depths.split(",")]
     models = [str(resolve_model(m)) for m in (a.model or ["default"]) if m != "none"]

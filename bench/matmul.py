@@ -1,11 +1,11 @@
-"""Benchmark of the C core's quantized matmul (strata.quant.WeightTensor.matmul) against numpy fp32 BLAS.
+"""Benchmark of the C core's quantized matmul (strata.backend.quant.WeightTensor.matmul) against numpy fp32 BLAS.
 
 For the default model's tensor shapes (Q4_1 576x576, 1536x576, 576x1536 and the Q8_0 49152x576 output
 head) it times decode (n_tokens=1) and prefill (n_tokens=64, 512) and reports GFLOP/s (2*n_out*n_in*n_tokens
 per second), GB/s (packed weight bytes per second) and the ratio to ``x @ W.T`` with numpy's BLAS on the
 weight dequantized to fp32 (measured in the same run, same thread count for the C core; BLAS uses its
 own thread pool). It also sweeps n_tokens to find where the BLAS path (dequantize a tile of rows to fp32,
-then np.matmul) beats the Q8 integer kernels; strata.quant.BLAS_MIN_TOKENS is set from that crossover.
+then np.matmul) beats the Q8 integer kernels; strata.backend.quant.BLAS_MIN_TOKENS is set from that crossover.
 Timings are the minimum over repeated calls (the reproducible figure on a shared machine); BLAS timings
 are very sensitive to other load on the cores.
 
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from strata import quant
-from strata.default_model import default_model_path
+from strata.backend import quant
+from strata.gguf.default_model import default_model_path
 
 
 def timeit(fn, min_time=0.3, min_reps=3):

@@ -74,5 +74,5 @@ def model_seconds(path: str, start: float, end: float) -> tuple[float, int]:
 
 if __name__ == "__main__":
     install(os.environ["STRATA_BENCH_CLOCK"])
-    from strata.serve.cli import main
+    from strata.cli.serve import main
     sys.exit(main(sys.argv[1:]))

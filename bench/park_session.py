@@ -134,12 +134,12 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    from strata import synth
+    from strata.gguf import synth
     tmp = Path(tempfile.mkdtemp())
     models = list(args.model or ["default"])
     if args.hybrid_1_5b:
         from bench.gpu_hybrid_model import make_synthetic_hybrid
-        from strata.default_model import default_model_path
+        from strata.gguf.default_model import default_model_path
         models.append(make_synthetic_hybrid(tmp / "hybrid_1_5b.gguf", default_model_path()))
     elif args.synthetic_hybrid:
         models.append(str(synth.write_synthetic(tmp / "hybrid.gguf", synth.preset("qwen35", args.synthetic_hybrid))))

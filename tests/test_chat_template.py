@@ -6,8 +6,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from strata.chat_template import ChatTemplate
-from strata.tokenizer import Tokenizer
+from strata.text.chat_template import ChatTemplate
+from strata.text.tokenizer import Tokenizer
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -75,7 +75,7 @@ def test_tokens_match_llamacpp_tokenization_of_text(tmpl, tok):
         rp = tmpl.render(msgs)
         assert rp.tokens == tok.encode(rp.text, parse_special=True)
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed")
-    from strata.default_model import default_model_path
+    from strata.gguf.default_model import default_model_path
     llm = llama_cpp.Llama(model_path=str(default_model_path()), vocab_only=True, verbose=False)
     for msgs in CHATS[:3]:
         rp = tmpl.render(msgs)
@@ -217,7 +217,7 @@ def test_long_conversation_renders_in_linear_work(tmpl, monkeypatch):
     """A 1500-message chat: the template is rendered a bounded number of times (message cut points only for the
     last MESSAGE_CUTS messages, the root and the pin), not once per message (which made the work quadratic); the
     cut points kept are the same as a short chat's for those messages."""
-    from strata import chat_template as CT
+    from strata.text import chat_template as CT
     calls = []
     real = CT.ChatTemplate._render
 
@@ -247,8 +247,8 @@ _LONG = st.one_of(_CONTENT, st.tuples(_CONTENT, st.integers(1, 40)).map(lambda t
 def pair(metadata):
     """(template that keeps fragments and message ends, in caches small enough to evict; template that keeps
     neither)."""
-    from strata.chat_prefixes import PrefixEnds
-    from strata.fragment_cache import FragmentCache
+    from strata.text.chat_prefixes import PrefixEnds
+    from strata.text.fragment_cache import FragmentCache
     out = []
     for kw, ends in ((dict(max_tokens=400, min_chars=0), 16), (dict(max_tokens=0), 0)):
         t = Tokenizer.from_gguf(metadata)
@@ -263,8 +263,8 @@ def pair(metadata):
 @given(system=st.one_of(st.none(), _LONG), turns=st.lists(st.tuples(_LONG, _LONG), min_size=1, max_size=4),
        pin=st.booleans())
 def test_later_turns_equal_a_full_tokenization(pair, system, turns, pin):
-    """A conversation played turn by turn, rendered with kept fragments (strata.fragment_cache) and message ends
-    (strata.chat_prefixes), gives the tokens, text and cut points of a template that keeps nothing, at every
+    """A conversation played turn by turn, rendered with kept fragments (strata.text.fragment_cache) and message ends
+    (strata.text.chat_prefixes), gives the tokens, text and cut points of a template that keeps nothing, at every
     turn."""
     cached, plain = pair
     msgs = [] if system is None else [{"role": "system", "content": system}]
@@ -308,7 +308,7 @@ def test_a_later_turn_tokenizes_only_what_is_new(metadata):
 
 
 def _counting_renders(monkeypatch):
-    from strata import chat_template as CT
+    from strata.text import chat_template as CT
     calls = []
     real = CT.ChatTemplate._render
 
@@ -322,7 +322,7 @@ def _counting_renders(monkeypatch):
 def test_a_later_turn_renders_only_its_new_prefixes(tmpl, metadata, monkeypatch):
     """Turn 2 of a 200-message chat renders the template four times (the chat, its sentinel copy, the two new
     messages' prefixes), not once per kept message cut; its cut points equal those of a template that keeps nothing."""
-    from strata.chat_prefixes import PrefixEnds
+    from strata.text.chat_prefixes import PrefixEnds
     msgs = [{"role": "system", "content": "Be brief."}] + [
         {"role": "user" if i % 2 == 0 else "assistant", "content": f"message {i}"} for i in range(199)]
     t = ChatTemplate.from_gguf(metadata, Tokenizer.from_gguf(metadata))
@@ -340,8 +340,8 @@ def test_a_later_turn_renders_only_its_new_prefixes(tmpl, metadata, monkeypatch)
 def test_kept_message_ends_are_checked_against_the_new_text(tok, monkeypatch):
     """A template whose output changes for the same messages (it prints strftime_now): the ends kept from the first
     render no longer match, so the prefixes are rendered again and the cut points are those of a fresh render."""
-    from strata import chat_template as CT
-    from strata.chat_prefixes import PrefixEnds
+    from strata.text import chat_template as CT
+    from strata.text.chat_prefixes import PrefixEnds
     stamp = ["A"]
     monkeypatch.setattr(CT, "_strftime_now", lambda fmt: stamp[0])
     src = ("{% for m in messages %}<|im_start|>{{ m.role }} {{ strftime_now('%d') }}\n{{ m.content }}<|im_end|>\n"
@@ -362,7 +362,7 @@ def test_kept_message_ends_are_checked_against_the_new_text(tok, monkeypatch):
 def test_message_ends_are_keyed_by_the_messages_not_the_text(metadata):
     """Two chats that render to the same text (one message whose content spells the template's markers, and two
     messages): the kept ends of one are not used for the other, whose message cut sits at its own message end."""
-    from strata.chat_prefixes import PrefixEnds
+    from strata.text.chat_prefixes import PrefixEnds
     one = [{"role": "user", "content": "a<|im_end|>\n<|im_start|>assistant\nb"}]
     two = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
     kept = ChatTemplate.from_gguf(metadata, Tokenizer.from_gguf(metadata))

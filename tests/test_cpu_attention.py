@@ -3,7 +3,7 @@ results for a query whatever the call's size, the thread count or the decode spl
 import numpy as np
 import pytest
 
-from strata import quant
+from strata.backend import quant
 from strata.backend import cpu as cpu_backend
 from strata.backend.cpu import CPUBackend
 from strata.memory.kv import PagedKV

@@ -5,7 +5,7 @@ from strata.backend import cuda as C
 
 
 def _default_model():
-    from strata.default_model import DefaultModelMissing, default_model_path
+    from strata.gguf.default_model import DefaultModelMissing, default_model_path
     try:
         default_model_path()
     except DefaultModelMissing as e:

@@ -20,10 +20,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from strata import synth
+from strata.gguf import synth
 from strata.backend import cuda as C
 from strata.backend import gdn, moe
-from strata.models.base import load_model
+from strata.models.registry import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -260,7 +260,7 @@ def test_device_path_control_flow_with_numpy(arch, tmp_path, monkeypatch):
 # ------------------------------------------------------------------ the synthetic benchmark model
 @pytest.fixture(scope="module")
 def tiny_bench_file(tmp_path_factory):
-    from strata.default_model import default_model_path
+    from strata.gguf.default_model import default_model_path
     p = tmp_path_factory.mktemp("hyb") / "tiny_q8.gguf"
     return bench_h.make_synthetic_hybrid(p, default_model_path(), size="tiny", qtype="Q8_0", seed=3)
 
@@ -300,7 +300,7 @@ np.save(sys.argv[3], np.asarray(llm.scores[:len(toks)], np.float32))
 def test_synthetic_hybrid_file_matches_llamacpp(tiny_bench_file, tmp_path):
     """llama.cpp reads the benchmark file and its logits track Strata CPU's (both quantize activations for the
     Q8_0 matmuls: rel L2 < 5e-2, mostly the same argmax). llama.cpp runs in a subprocess: llama-cpp-python 0.3.36
-    segfaults on some machines evaluating quantized qwen35 files (strata.synth's Q8_0 files too); that skips."""
+    segfaults on some machines evaluating quantized qwen35 files (strata.gguf.synth's Q8_0 files too); that skips."""
     import json
     import subprocess
     pytest.importorskip("llama_cpp")

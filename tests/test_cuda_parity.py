@@ -29,7 +29,7 @@ NEAR_TIE_LOGIT = 0.25
 
 @pytest.fixture(scope="module")
 def model_path():
-    from strata.default_model import default_model_path
+    from strata.gguf.default_model import default_model_path
     try:
         p = default_model_path()
     except FileNotFoundError as e:
@@ -69,7 +69,7 @@ def hf_logits(m, ids):
 
 
 def _cuda_model(model_path):
-    from strata.models.base import load_model
+    from strata.models.registry import load_model
     return load_model(model_path, C.CudaBackend())
 
 
@@ -209,7 +209,7 @@ def engine_greedy_vs_reference(e, m, label: str):
     """32 greedy tokens of a fresh chat from engine e and from transformers model m: (prompt tokens, ours, ref)."""
     import torch
     from strata.engine import GenerationRequest
-    from strata.sampling import SamplingParams
+    from strata.sampling.sampler import SamplingParams
     e.clear_checkpoints()
     e.state_reset()
     r = e.render_chat([{"role": "user", "content": "Name three rivers in Europe and one fact about each."}])
@@ -270,7 +270,7 @@ def test_cuda_matches_cpu_backend(model_path, prompt_ids):
     """The CUDA path the engine runs (fast_path: plan prefill + graph decode) against Strata's CPU backend on the same
     GGUF: prompt logits (both round activations to 8-bit blocks, the GPU prefill uses f16 GEMMs: rel. L2 < 2e-2) and
     64 greedy tokens, identical or parting only where the CPU backend's own logits of the two tokens are a near tie."""
-    from strata.models.base import load_model
+    from strata.models.registry import load_model
     cpu = load_model(model_path)
     cst = cpu.new_state(cpu.new_page_pool(1024))
     ref_prompt = _prefill(cpu, cst, prompt_ids, 512)

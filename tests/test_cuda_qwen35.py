@@ -34,13 +34,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from strata import synth
+from strata.gguf import synth
 from strata.backend import cuda as C
 from strata.backend.cuda import settings as S
 from strata.backend.cuda import weights as W
 from strata.backend.cuda import qwen35 as Q
 from strata.memory.kv import PagePool
-from strata.models.base import load_model
+from strata.models.registry import load_model
 from strata.memory import Carve, HybridMemory, KVMemory, RecurrentMemory
 
 ROOT = Path(__file__).resolve().parents[1]

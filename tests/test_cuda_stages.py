@@ -53,7 +53,7 @@ def _differing(h, ref):
 
 @pytest.fixture(scope="module")
 def default_runs():
-    from strata.default_model import default_model_path
+    from strata.gguf.default_model import default_model_path
     engines = _engines(default_model_path(), [None, "15", "8,20"])
     runs = {s: _conversation(e) for s, e in engines.items()}
     return engines, runs
@@ -99,7 +99,7 @@ def test_split_checkpoint_part_round_trip_on_device_pages(default_runs):
 
 @pytest.fixture(scope="module")
 def hybrid_path(tmp_path_factory):
-    from strata import synth
+    from strata.gguf import synth
     return synth.write_synthetic(tmp_path_factory.mktemp("cuda_stages") / "qwen35.gguf",
                                  synth.preset("qwen35", "tiny", n_layer=8, seed=3))
 
@@ -120,7 +120,7 @@ def test_remote_stage_worker_on_the_same_gpu(default_runs):
     greedy tokens as one process wherever the one-process run's top-2 margin is not a near tie (the main's head
     runs as backend ops, not the plan's fused head); the resend cut back across the link (a Commit), checkpoints
     saved on the worker."""
-    from strata.default_model import default_model_path
+    from strata.gguf.default_model import default_model_path
     from strata.engine import Engine
     from tests.test_remote_stage import WorkerProc
     from tests.test_cuda_parity import NEAR_TIE_LOGIT as NEAR_TIE

@@ -32,14 +32,14 @@ def _engine(path, device="cuda:0", split=None, **kw):
 
 @pytest.fixture(scope="module")
 def hybrid_path(tmp_path_factory):
-    from strata import synth
+    from strata.gguf import synth
     return synth.write_synthetic(tmp_path_factory.mktemp("two_gpus") / "qwen35.gguf",
                                  synth.preset("qwen35", "tiny", n_layer=8, seed=3))
 
 
 @pytest.fixture(scope="module")
 def default_path():
-    from strata.default_model import default_model_path
+    from strata.gguf.default_model import default_model_path
     return default_model_path()
 
 

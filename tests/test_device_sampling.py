@@ -1,4 +1,4 @@
-"""DeviceSampler (strata.sampling_device): the chain's distribution against an independent float64 reference of
+"""DeviceSampler (strata.sampling.device): the chain's distribution against an independent float64 reference of
 llama.cpp's sampler chain, empirical draws (chi-square), penalties against Hugging Face's RepetitionPenaltyLogitsProcessor
 and OpenAI's frequency/presence definition, seeds, the engine's forward_device hook on the real default model, and
 (on a GPU) CuPy runs giving the numpy run's tokens."""
@@ -10,8 +10,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from strata.sampling import Sampler, SamplingParams
-from strata.sampling_device import DeviceSampler, uniform
+from strata.sampling.sampler import Sampler, SamplingParams
+from strata.sampling.device import DeviceSampler, uniform
 
 OFF = dict(top_k=0, top_p=1.0, min_p=0.0)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from strata.engine import ContextOverflow, EmptyPrompt, FinalEvent, GenerationRequest, TokenEvent
-from strata.sampling import SamplingParams
+from strata.sampling.sampler import SamplingParams
 
 # SmolLM2-135M answers the bare "What is the capital of France?" with "L'Étoile, ..." under its template's
 # default system prompt (llama.cpp on the same GGUF gives the same text); asking for a sentence gives Paris.

@@ -20,12 +20,12 @@ GPU tests (skipped with strata.backend.cuda.unavailable_reason()); tolerances:
 import numpy as np
 import pytest
 
-from strata import synth
+from strata.gguf import synth
 from strata.backend import cuda as C
 from strata.backend.cuda import gdn_prefill as P
 from strata.backend.cuda import library as KL
 from strata.backend import gdn
-from strata.models.base import load_model
+from strata.models.registry import load_model
 
 _why = C.unavailable_reason()
 gpu = pytest.mark.skipif(_why is not None, reason=f"CUDA backend unavailable: {_why}")
@@ -316,7 +316,7 @@ def test_prep_recurrent_gated_norm_match_numpy_layer(n, tiled, grouped):
 def models(request, tmp_path_factory):
     if _why is not None:
         pytest.skip(f"CUDA backend unavailable: {_why}")
-    from strata.default_model import default_model_path
+    from strata.gguf.default_model import default_model_path
     try:
         default_model_path()
     except Exception as e:  # noqa: BLE001  (the synthetic file copies the default model's tokenizer)

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFWriter
 
-from strata.gguf_file import ModelLoadError, open_gguf
-from strata.models import load_model
+from strata.gguf.file import ModelLoadError, open_gguf
+from strata.models.registry import load_model, supported_archs
 
 E, NH, NKV, HD, FF, V, NL = 8, 2, 1, 4, 16, 32, 2
 
@@ -104,7 +104,7 @@ def test_truncated_file(tmp_path, keep):
 def test_unknown_architecture(tmp_path):
     p = write_tiny(tmp_path / "a.gguf", arch="gpt9000")
     with pytest.raises(ModelLoadError, match=r"unsupported architecture 'gpt9000' \(supported: .*llama") as e:
-        open_gguf(p)
+        open_gguf(p, archs=supported_archs())
     one_line_error(e)
 
 
@@ -171,7 +171,7 @@ def _gguf_py_view(path):
 def test_header_reader_gives_gguf_py_values_for_every_value_type(tmp_path):
     from gguf import GGUFValueType
 
-    from strata.gguf_file import read_header
+    from strata.gguf.file import read_header
     p = tmp_path / "all.gguf"
     w = GGUFWriter(str(p), "llama")
     w.add_uint8("a.u8", 200)
@@ -209,7 +209,7 @@ def test_header_reader_gives_gguf_py_values_for_every_value_type(tmp_path):
     assert {k: repr(v) for k, v in md.items()} == {k: repr(v) for k, v in md_ref.items()}   # types too
     assert md["a.not_utf8"] is None and md["a.strs_not_utf8"] is None and md["a.nested"] == [1, 2, 3]
 
-    from strata.gguf_file import tensor_view
+    from strata.gguf.file import tensor_view
     assert [t.name for t in table] == [t.name for t in tensors_ref]
     for t, ref in zip(table, tensors_ref):
         v = tensor_view(data, t, GGMLQuantizationType(t.raw_type))
@@ -282,5 +282,5 @@ def test_corrupt_header_is_one_line_error(tmp_path, case):
     p = tmp_path / "c.gguf"
     p.write_bytes(raw)
     with pytest.raises(ModelLoadError, match=f"c.gguf is not a valid GGUF file: truncated or corrupt .*{why}") as e:
-        open_gguf(p, check_arch=False)
+        open_gguf(p)
     one_line_error(e)

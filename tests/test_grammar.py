@@ -1,4 +1,4 @@
-"""Constrained decoding (strata.grammar): every walk through a JSON schema's masks gives JSON that jsonschema accepts,
+"""Constrained decoding (strata.sampling.grammar): every walk through a JSON schema's masks gives JSON that jsonschema accepts,
 the mask on the logits, the overlapped mask equal to the synchronous one, bad schemas and grammars named in one line,
 and GBNF / Lark grammars."""
 from __future__ import annotations
@@ -8,8 +8,10 @@ import json
 import numpy as np
 import pytest
 
-from strata import grammar, synth
-from strata.tokenizer import Tokenizer
+from strata.sampling import grammar
+
+from strata.gguf import synth
+from strata.text.tokenizer import Tokenizer
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -198,7 +200,7 @@ FAMILY_TOOLS = [
 def test_forced_calls_parse_back_and_validate(tok, family, choice):
     """Random walks through each family's forced-call grammar are answers its parser reads as calls whose arguments
     validate against the tool's parameters (jsonschema): the grammar and the parser agree."""
-    from strata import tool_calls as tc
+    from strata.structured import tool_calls as tc
     fmt = {"hermes": tc.Hermes(), "qwen_xml": tc.QwenXml(), "llama3": tc.Llama3(), "mistral": tc.Mistral(),
            "mistral_args": tc.Mistral(args_form=True), "generic": tc.Generic()}[family]
     body = fmt.grammar(FAMILY_TOOLS, choice, True, lambda t: None).replace("calls:", "start:", 1)

@@ -1,7 +1,7 @@
 """Hybrid models (qwen3next, qwen35, qwen35moe) on the CPU backend against independent references.
 
 References: Hugging Face transformers (Qwen3NextForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM; torch CPU
-float32, eager attention) loaded with the same weights through ``strata.synth.export_hf`` (the gguf library's
+float32, eager attention) loaded with the same weights through ``strata.gguf.synth.export_hf`` (the gguf library's
 reader + the inverse of llama.cpp's converter transforms), and llama.cpp logits stored in
 tests/data/hybrid_<arch>_llamacpp.json by tools/hybrid_llamacpp_reference.py.
 
@@ -23,9 +23,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from strata import synth  # noqa: E402
-from strata.gguf_file import ModelLoadError, open_gguf  # noqa: E402
-from strata.models.base import load_model  # noqa: E402
+from strata.gguf import synth  # noqa: E402
+from strata.gguf.file import ModelLoadError, open_gguf  # noqa: E402
+from strata.models.registry import load_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))

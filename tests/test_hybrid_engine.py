@@ -4,10 +4,10 @@ running-state hash equals the one captured."""
 import numpy as np
 import pytest
 
-from strata import synth
+from strata.gguf import synth
 from strata.engine import types as T
 from strata.engine.engine import Engine
-from strata.sampling import SamplingParams
+from strata.sampling.sampler import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -32,8 +32,8 @@ def daemon(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tokenizer(default_model_path):
-    from strata.gguf_file import open_gguf
-    from strata.tokenizer import Tokenizer
+    from strata.gguf.file import open_gguf
+    from strata.text.tokenizer import Tokenizer
     return Tokenizer.from_gguf(open_gguf(default_model_path).metadata)
 
 
@@ -74,8 +74,8 @@ def test_detokenize_round_trip(daemon):
 
 
 def test_apply_template(daemon, default_model_path, tokenizer):
-    from strata.chat_template import ChatTemplate
-    from strata.gguf_file import open_gguf
+    from strata.text.chat_template import ChatTemplate
+    from strata.gguf.file import open_gguf
     msgs = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi <|im_end|>"}]
     st, r = curl(daemon, "/apply-template", {"messages": msgs})
     expect = ChatTemplate.from_gguf(open_gguf(default_model_path).metadata, tokenizer).render_text(msgs)
@@ -99,7 +99,7 @@ def test_apply_template(daemon, default_model_path, tokenizer):
 
 
 def test_props(daemon, default_model_path):
-    from strata.gguf_file import open_gguf
+    from strata.gguf.file import open_gguf
     st, r = curl(daemon, "/props")
     assert st == 200
     assert r["total_slots"] == 1 and r["model_path"] == str(default_model_path)
@@ -138,7 +138,7 @@ def test_malformed_json_and_wrong_method(daemon):
 def test_add_special_adds_bos_where_the_model_asks_for_it(tmp_path):
     """The default model's metadata says add_bos_token = false; a tiny synthetic llama that says true gets BOS with
     add_special (and only then, and only before the first element of mixed content)."""
-    from strata import synth
+    from strata.gguf import synth
     path = synth.write_synthetic(tmp_path / "bos.gguf", synth.preset("llama", "tiny"),
                                  overrides={"tokenizer.ggml.add_bos_token": True})
     d = Daemon(tmp_path, "--model", str(path)).start()

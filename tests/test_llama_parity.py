@@ -8,7 +8,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 # transformers dequantizes the GGUF to fp32 with the same block formulas and computes in fp32. Strata's matmul
-# (strata.quant) has two paths: from quant.BLAS_MIN_TOKENS tokens on it dequantizes weight tiles to fp32 and calls
+# (strata.backend.quant) has two paths: from quant.BLAS_MIN_TOKENS tokens on it dequantizes weight tiles to fp32 and calls
 # BLAS, so only the summation order differs; below that it quantizes the activations to 8 bits (Q8 blocks) and
 # uses integer dot products on the packed blocks, as llama.cpp does.
 # fp32 path (BLAS_MIN_TOKENS forced to 1): measured max |diff| 1.3e-2 (mean 5e-4) over 577 positions; the same
@@ -90,7 +90,7 @@ def hf_reference(default_model_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("run", list(RUNS))
 def test_teacher_forced_logits_match_transformers(default_model, hf_reference, run, monkeypatch):
-    from strata import quant
+    from strata.backend import quant
     ids, ref = hf_reference
     fp32, schedule = RUNS[run]
     batches = schedule(len(ids))

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as hs
 
-from strata import synth
+from strata.gguf import synth
 from strata.backend.cpu import CPUBackend
 from strata.memory import (Carve, FormatError, KVCacheFull, PagedKV, PartMismatch, RecurrentMemory, StatePart)
 from strata.memory.pages import PageAllocator
-from strata.models.base import load_model
+from strata.models.registry import load_model
 from tests.mutation import mutate
 
 rng = np.random.default_rng(7)

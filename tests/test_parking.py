@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from strata import synth
+from strata.gguf import synth
 from strata.engine import Engine, GenerationRequest, TokenEvent
 
 

@@ -1,4 +1,4 @@
-"""Tests of the C core (strata._native) through strata.quant: dequantization against gguf's numpy
+"""Tests of the C core (strata._native) through strata.backend.quant: dequantization against gguf's numpy
 dequantizers, quantized matmul against fp32 x @ W.T, both CPU dispatch paths, threads, bad input."""
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from gguf import quants as gguf_quants
 
-from strata import quant
-from strata.quant import WeightTensor
+from strata.backend import quant
+from strata.backend.quant import WeightTensor
 
 pytestmark = pytest.mark.skipif(not quant.native_available(), reason="strata._native is not built")
 
@@ -116,7 +116,7 @@ def test_dequantize_real_model_tensors(model_tensors, name):
 @pytest.fixture(scope="module")
 def model_tensors():
     gguf = pytest.importorskip("gguf")
-    from strata.default_model import DefaultModelMissing, default_model_path
+    from strata.gguf.default_model import DefaultModelMissing, default_model_path
     try:
         path = default_model_path()
     except DefaultModelMissing as e:
@@ -247,7 +247,7 @@ def test_env_var_forces_portable_path():
     root = os.path.dirname(os.path.dirname(os.path.abspath(quant.__file__)))
     env = dict(os.environ, STRATA_CPU_PATH="portable",
                PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    code = "from strata import quant; print(quant.cpu_path())"
+    code = "from strata.backend import quant; print(quant.cpu_path())"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "portable"
 

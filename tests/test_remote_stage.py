@@ -142,7 +142,7 @@ def test_two_and_three_stages_match_one_process_with_checkpoints(workers, refere
 def test_hybrid_checkpoints_across_the_link(workers, tmp_path):
     """A synthetic Qwen3.5-style hybrid (Gated DeltaNet + attention): its running state cannot be cut back, so
     every later turn resumes from a checkpoint, here one whose worker part is kept on the worker."""
-    from strata import synth
+    from strata.gguf import synth
     path = str(synth.write_synthetic(tmp_path / "qwen35.gguf", synth.preset("qwen35", "tiny", seed=11, n_mtp=0)))
     n_blocks = Engine(path, n_ctx=N_CTX, prompt_cache=4).stages[0].carve.hi
     ref = conversation(Engine(path, n_ctx=N_CTX, prompt_cache=4))
@@ -159,7 +159,7 @@ def test_hybrid_checkpoints_across_the_link(workers, tmp_path):
 def test_small_cache_and_n_choices_over_the_link(workers):
     """--prompt-cache 1 over many turns (every save evicts), and n = 3 seeded choices whose later ones restore the
     prompt's state from a checkpoint part on the worker: all as one process answers."""
-    from strata.sampling import SamplingParams
+    from strata.sampling.sampler import SamplingParams
     w = workers()
     ref = Engine("default", n_ctx=N_CTX, prompt_cache=1)
     e = Engine("default", n_ctx=N_CTX, prompt_cache=1, remote_stage=w.address, layer_split="10")
@@ -232,7 +232,7 @@ class InProcessWorker:
 
 
 def test_a_store_emptied_under_the_main_makes_the_request_read_from_zero(tmp_path):
-    from strata import synth
+    from strata.gguf import synth
     # a hybrid: its running state cannot be cut back, so the same request again resumes from a checkpoint
     path = str(synth.write_synthetic(tmp_path / "qwen35.gguf", synth.preset("qwen35", "tiny", seed=11, n_mtp=0)))
     w = InProcessWorker(model=path)
@@ -343,7 +343,7 @@ def test_link_key_is_required_and_checked(workers, tmp_path):
 
 
 def test_worker_refuses_a_second_main_another_model_and_too_many_parts(workers, tmp_path):
-    from strata import synth
+    from strata.gguf import synth
     w = workers()
     e = Engine("default", n_ctx=N_CTX, remote_stage=w.address, layer_split="10")
     try:
@@ -404,8 +404,8 @@ def test_raw_client_against_a_worker_bad_frames_are_refused(workers):
 
 
 def _default_fingerprint() -> str:
-    from strata.default_model import resolve_model
-    from strata.gguf_file import open_gguf
+    from strata.gguf.default_model import resolve_model
+    from strata.gguf.file import open_gguf
     return open_gguf(resolve_model("default")).fingerprint()
 
 

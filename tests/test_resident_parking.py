@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as hs
 
-from strata import synth
+from strata.gguf import synth
 from strata.backend.cpu import CPUBackend
 from strata.engine import Engine
 from strata.memory import KVCacheFull, PagedKV, PartMismatch

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from strata.sampling import Sampler, SamplingParams, StopMatcher
+from strata.sampling.sampler import Sampler, SamplingParams, StopMatcher
 
 
 def _draw(params, logits, n, history=()):

@@ -74,7 +74,7 @@ def test_openai_chat_usage_matches_reference_tokenizer(client, model_id):
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
     # the prompt length against an independent tokenizer + template: transformers reading the same GGUF
     transformers = pytest.importorskip("transformers")
-    from strata.default_model import default_model_path
+    from strata.gguf.default_model import default_model_path
     p = default_model_path()
     tok = transformers.AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
     ref = tok.apply_chat_template(HI, add_generation_prompt=True, tokenize=True)
@@ -93,7 +93,7 @@ def test_raw_completion_reads_special_token_text_as_tokens(client, model_id):
     assert raw.usage.prompt_tokens == chat.usage.prompt_tokens
     assert raw.choices[0].text == chat.choices[0].message.content
     transformers = pytest.importorskip("transformers")
-    from strata.default_model import default_model_path
+    from strata.gguf.default_model import default_model_path
     p = default_model_path()
     tok = transformers.AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
     assert raw.usage.prompt_tokens == len(tok(text, add_special_tokens=False)["input_ids"])

@@ -216,7 +216,7 @@ def test_errors_in_anthropic_shape(client, smol):
 # ---- tools on a synthetic model with a Qwen-style template, reasoning on one that thinks ---------------------------
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
-    from strata import synth
+    from strata.gguf import synth
     tmp = tmp_path_factory.mktemp("qwen")
     path = synth.write_synthetic(tmp / "qwen-style.gguf", synth.preset("qwen35"),
                                  overrides={"tokenizer.chat_template": QWEN_TEMPLATE})
@@ -261,7 +261,7 @@ def test_forced_tool_use_and_its_result(qwen):
 
 @pytest.fixture(scope="module")
 def thinker(tmp_path_factory):
-    from strata import synth
+    from strata.gguf import synth
     tmp = tmp_path_factory.mktemp("think")
     path = synth.write_synthetic(tmp / "thinker.gguf", synth.preset("qwen35", seed=1),
                                  overrides={"tokenizer.chat_template": THINK_TEMPLATE})

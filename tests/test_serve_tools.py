@@ -80,7 +80,7 @@ def _client(daemon):
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
     """A tiny synthetic qwen35 (hybrid) model with QWEN_TEMPLATE, served on TCP."""
-    from strata import synth
+    from strata.gguf import synth
     tmp = tmp_path_factory.mktemp("qwen")
     path = synth.write_synthetic(tmp / "qwen-style.gguf", synth.preset("qwen35"),
                                  overrides={"tokenizer.chat_template": QWEN_TEMPLATE})
@@ -325,7 +325,7 @@ THINK_TEMPLATE = """{%- for m in messages %}<|im_start|>{{ m.role }}
 
 @pytest.fixture(scope="module")
 def thinker(tmp_path_factory):
-    from strata import synth
+    from strata.gguf import synth
     tmp = tmp_path_factory.mktemp("think")
     path = synth.write_synthetic(tmp / "thinker.gguf", synth.preset("qwen35", seed=1),     # seed 1 writes words
                                  overrides={"tokenizer.chat_template": THINK_TEMPLATE})

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as hs
 
-from strata import synth
+from strata.gguf import synth
 from strata.cache import session
 from strata.engine import Engine, GenerationRequest, TokenEvent
 from tests.mutation import mutate

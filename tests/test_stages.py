@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from strata import synth
+from strata.gguf import synth
 from strata.engine import Engine, GenerationRequest, TokenEvent
 from strata.memory import Carve, PartMismatch
 from strata.stages.split import carves_by_weight, plan_stages

@@ -1,4 +1,4 @@
-"""strata.synth: synthetic GGUF files in llama.cpp's layout (names and keys from the gguf library's constants),
+"""strata.gguf.synth: synthetic GGUF files in llama.cpp's layout (names and keys from the gguf library's constants),
 reproducible from a seed, with the default model's tokenizer; the llama export checked against transformers."""
 import hashlib
 
@@ -6,8 +6,8 @@ import gguf
 import numpy as np
 import pytest
 
-from strata import synth
-from strata.default_model import default_model_path
+from strata.gguf import synth
+from strata.gguf.default_model import default_model_path
 
 
 def _sha(p):
@@ -79,8 +79,8 @@ def test_llama_export_matches_strata_llama(tmp_path):
     permutation) gives the same logits (F32 weights; max abs diff < 5e-3)."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from strata.gguf_file import open_gguf
-    from strata.models.base import load_model
+    from strata.gguf.file import open_gguf
+    from strata.models.registry import load_model
     path = synth.write_synthetic(tmp_path / "l.gguf", synth.preset("llama", qtype="F32", embd_qtype="F32", seed=2))
     f = open_gguf(path)
     m = load_model(f)

@@ -46,7 +46,7 @@ def test_env_file_flags_parse():
     import argparse
     import shlex
 
-    from strata.serve.cli import add_arguments, check_args
+    from strata.cli.serve import add_arguments, check_args
     env = {k: v[0] for k, v in settings(UNITS / "strata.env").items()}
     p = argparse.ArgumentParser()
     add_arguments(p)

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from strata.tokenizer import StreamDecoder, Tokenizer
+from strata.text.tokenizer import StreamDecoder, Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data"
@@ -295,7 +295,7 @@ def _invalid_alone(b: bytes) -> bool:
 
 
 # ----------------------------------------------------------------------------- fragments kept across requests
-# Raw text between special tokens is tokenized on its own, so ids kept for a fragment (strata.fragment_cache) are
+# Raw text between special tokens is tokenized on its own, so ids kept for a fragment (strata.text.fragment_cache) are
 # exactly what tokenizing it again gives: texts that grow like a conversation, tokenized with fragments kept (every
 # fragment, in a cache small enough to evict) and with none kept, give the same ids.
 _PIECES = ["hello", " world", "  ", "\n", "\n\n", "x1", "123", "\u65e5", "\U0001f600", "<|im_start|>", "<|im_end|>",
@@ -304,7 +304,7 @@ _GROWING = st.lists(st.lists(st.sampled_from(_PIECES), max_size=10).map("".join)
 
 
 def _with_cache(metadata, **kw) -> Tokenizer:
-    from strata.fragment_cache import FragmentCache
+    from strata.text.fragment_cache import FragmentCache
     t = Tokenizer.from_gguf(metadata)
     t.fragments = FragmentCache(**kw)
     return t
@@ -333,7 +333,7 @@ def test_kept_fragments_give_the_ids_of_a_full_tokenization(request, pair, chunk
 
 
 def test_fragment_cache_bounds():
-    from strata.fragment_cache import FragmentCache
+    from strata.text.fragment_cache import FragmentCache
     c = FragmentCache(max_tokens=5, min_chars=3)
     assert not c.wants("ab") and c.wants("abc") and not FragmentCache(max_tokens=0).wants("abc")
     c.put("a", [1, 2])

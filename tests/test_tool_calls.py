@@ -8,7 +8,7 @@ import json
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from strata import reasoning, tool_calls as tc
+from strata.structured import reasoning, tool_calls as tc
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "Current weather",
@@ -261,7 +261,7 @@ def test_prompt_opening_a_reasoning_block():
 
 # ------------------------------------------------------------------------------------------ the answer as served
 def _answer(fmt, opened=False, thinks=True):
-    from strata.serve.structured import ChatPlan
+    from strata.structured.plan import ChatPlan
     plan = ChatPlan(messages=[], tools=None, template_kwargs={}, pin=None, fmt=fmt, tool_defs=TOOLS if fmt else [],
                     reasoning=thinks, thinks=thinks, think_open=opened)
     return plan.answer()

@@ -160,7 +160,7 @@ def main(argv=None) -> int:
         ap.error("--prompt-cache must be >= 1 (the uncached run is --prompt-cache 0)")
 
     from strata.engine import Engine
-    from strata.sampling import SamplingParams
+    from strata.sampling.sampler import SamplingParams
     sampling = SamplingParams(temperature=args.temperature, seed=args.seed)
     system = SYSTEM * args.system_repeat
     engines = {"cached": Engine(args.model, n_ctx=args.n_ctx, prompt_cache=args.prompt_cache),

@@ -29,9 +29,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from hypothesis import HealthCheck, given, settings, strategies as hs
 
-    from strata import synth
+    from strata.gguf import synth
     from strata.memory import Carve, FormatError, PartMismatch
-    from strata.models.base import load_model
+    from strata.models.registry import load_model
     from tests.mutation import mutate
 
     tmp = Path(tempfile.mkdtemp())

@@ -10,7 +10,7 @@ sys.path.insert(0, ".")
 from strata.backend import cuda as C  # noqa: E402
 from strata.backend.cuda import llama as LL  # noqa: E402
 from strata.backend.cuda import settings as S  # noqa: E402
-from strata.models.base import load_model  # noqa: E402
+from strata.models.registry import load_model  # noqa: E402
 
 path = sys.argv[1]
 steps = int(sys.argv[2]) if len(sys.argv) > 2 else 3

@@ -20,7 +20,7 @@ def model_path(name: str, directory: Path) -> str:
     """A GGUF path for `name` (the synthetic ones written into directory on first use)."""
     root = Path(__file__).resolve().parent.parent
     sys.path.insert(0, str(root / "bench"))
-    from strata.default_model import default_model_path
+    from strata.gguf.default_model import default_model_path
     if name == "syn_llama_1_7b":
         p = directory / "syn_llama_1_7b.gguf"
         if not p.exists():
@@ -45,7 +45,7 @@ def main() -> int:
     a = ap.parse_args()
     os.makedirs(a.dir, exist_ok=True)
     from strata.backend.cuda import CudaBackend
-    from strata.models.base import load_model
+    from strata.models.registry import load_model
     be = CudaBackend()
     for name in a.models:
         model = load_model(model_path(name, Path(a.dir)), be)

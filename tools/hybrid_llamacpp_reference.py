@@ -24,7 +24,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from strata import synth  # noqa: E402
+from strata.gguf import synth  # noqa: E402
 
 ARCHS = ("qwen3next", "qwen35", "qwen35moe")
 POSITIONS = (0, 62, 63, 64, 299)

@@ -165,7 +165,7 @@ def default_tokenizer_metadata() -> dict:
     """The default model's tokenizer.* metadata (key -> Python value) read with gguf.GGUFReader."""
     import gguf
 
-    from strata.default_model import default_model_path
+    from strata.gguf.default_model import default_model_path
 
     r = gguf.GGUFReader(str(default_model_path()))
     return {k: f.contents() for k, f in r.fields.items() if k.startswith("tokenizer.ggml.")}
@@ -234,7 +234,7 @@ def main() -> int:
     sys.path.insert(0, str(ROOT))
     from llama_cpp import Llama
 
-    from strata.default_model import default_model_path
+    from strata.gguf.default_model import default_model_path
 
     DATA.mkdir(parents=True, exist_ok=True)
     llm = Llama(model_path=str(default_model_path()), vocab_only=True, verbose=False)

@@ -36,7 +36,7 @@ def main() -> int:
     args = ap.parse_args()
     import prompt_cache as pc                                  # bench/prompt_cache.py
     from strata.engine import Engine, GenerationRequest
-    from strata.sampling import SamplingParams
+    from strata.sampling.sampler import SamplingParams
     d = Path(tempfile.mkdtemp())
     model = args.model or pc.synthetic_model(args.synthetic, args.size + 2048, d)
     e = Engine(model, n_ctx=args.size + 2048, device=args.device, prompt_cache=args.prompt_cache)

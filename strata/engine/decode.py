@@ -10,10 +10,10 @@ import numpy as np
 import structlog
 
 from strata.engine.types import GenerationRequest, TokenEvent
-from strata.sampling import Sampler, SamplingParams, StopMatcher
-from strata.sampling_device import DeviceSampler
+from strata.sampling.sampler import Sampler, SamplingParams, StopMatcher
+from strata.sampling.device import DeviceSampler
 from strata.stages.sequence import Sequence
-from strata.tokenizer import StreamDecoder, Tokenizer
+from strata.text.tokenizer import StreamDecoder, Tokenizer
 
 log = structlog.get_logger("strata.engine")
 
@@ -50,7 +50,7 @@ class Decoder:
         for t in (prompt[-k:] if k > 0 else prompt if k == -1 else prompt[:0]).tolist():
             sampler.accept(t)            # the penalties see the prompt too (as llama.cpp's server does)
         decoder = StreamDecoder(self.tokenizer, show=req.show_tokens)
-        # strata.grammar: the token mask; computed during the forward on the CPU backend, inline when the logits stay
+        # strata.sampling.grammar: the token mask; computed during the forward on the CPU backend, inline when the logits stay
         # on a GPU (measured there, overlap cost more than it hid: docs/serving.md)
         guide = req.constraint.start(overlap=not on_device) if req.constraint is not None else None
         stopper = StopMatcher(list(req.stop or []))

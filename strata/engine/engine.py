@@ -15,22 +15,23 @@ import structlog
 
 import link
 
-from strata import quant
+from strata.backend import quant
 
 from strata.cache.checkpoints import CheckpointCache
-from strata.default_model import resolve_model
+from strata.gguf.default_model import resolve_model
 from strata.engine import report
 from strata.engine.decode import Decoder, env_flag
 from strata.engine.parking import Conversations
 from strata.engine.prefill import PromptReader
 from strata.engine.types import ContextOverflow, FinalEvent, GenerationRequest, TokenEvent
 from strata.engine.validation import check_request, prompt_ids
-from strata.gguf_file import ModelLoadError, open_gguf
-from strata.sampling import SamplingParams
+from strata.gguf.file import ModelLoadError, open_gguf
+from strata.models.registry import supported_archs
+from strata.sampling.sampler import SamplingParams
 from strata.stages import build_stages, parse_devices, parse_split, pool_ctx_error
 from strata.stages.remote import RemoteStage, parse_remote, unsupported_with_remote
 from strata.stages.sequence import Sequence
-from strata.tokenizer import Tokenizer
+from strata.text.tokenizer import Tokenizer
 
 log = structlog.get_logger("strata.engine")
 
@@ -109,7 +110,7 @@ class Engine:
         self.model_path = str(path)
         self.model_name = path.stem
         t0 = time.perf_counter()
-        self.file = open_gguf(path)
+        self.file = open_gguf(path, archs=supported_archs())
         self.config = self.file.config
         self.arch = self.file.arch
         self.n_vocab = int(self.config.n_vocab)
@@ -437,7 +438,7 @@ def parse_device(device) -> tuple[str, int]:
 
 def _make_template(f, tokenizer):
     """(ChatTemplate, None), or (None, reason) when the GGUF has no usable template (raw text still works)."""
-    from strata.chat_template import ChatTemplate
+    from strata.text.chat_template import ChatTemplate
     try:
         return ChatTemplate.from_gguf(f.metadata, tokenizer), None
     except ValueError as e:

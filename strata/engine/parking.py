@@ -14,7 +14,7 @@ import structlog
 from strata.cache import session
 from strata.cache.checkpoints import CheckpointCache
 from strata.cache.conversation import CUT_MIN, Conversation, DiskTier, ParkStore, SavedCheckpoint
-from strata.hostmem import available_ram
+from strata.memory.hostram import available_ram
 from strata.memory import KVCacheFull, PartMismatch
 from strata.stages.sequence import Checkpoint, Sequence
 

@@ -13,7 +13,7 @@ from strata.engine.parking import Conversations
 from strata.engine.types import GenerationRequest
 from strata.stages.remote import CheckpointGone
 from strata.stages.sequence import Sequence
-from strata.token_ids import is_prefix
+from strata.text.token_ids import is_prefix
 
 log = structlog.get_logger("strata.engine")
 

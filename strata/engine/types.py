@@ -9,8 +9,26 @@ FinishReason = Literal["stop", "length", "cancelled"]
 ResumeFrom = Literal["live", "checkpoint", "park", "disk", "session", "choice", "none"]
 
 
-class ContextOverflow(ValueError):
+class Refused(ValueError):
+    """A request refused for what it asks: the HTTP status it answers (400 unless a subclass says otherwise), the
+    request field at fault (`param`, or None) and a machine-readable `code`."""
+
+    status = 400
+    param: str | None = None
+    code = "invalid_value"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        if param is not None:
+            self.param = param
+        if code is not None:
+            self.code = code
+
+
+class ContextOverflow(Refused):
     """The prompt does not fit in the context (n_ctx). The message names both numbers."""
+
+    param, code = "messages", "context_length_exceeded"
 
     def __init__(self, n_prompt: int, n_ctx: int, at_least: bool = False):
         self.n_prompt = int(n_prompt)
@@ -20,8 +38,10 @@ class ContextOverflow(ValueError):
             f"{self.n_ctx} (at most {self.n_ctx - 1} prompt tokens, leaving room for one generated token)")
 
 
-class MaxTokensTooLarge(ValueError):
+class MaxTokensTooLarge(Refused):
     """max_tokens asks for more tokens than the model's training context (n_ctx_train) holds."""
+
+    param = "max_tokens"
 
     def __init__(self, max_tokens: int, n_ctx_train: int, n_ctx: int | None = None):
         self.max_tokens, self.n_ctx_train = int(max_tokens), int(n_ctx_train)
@@ -31,7 +51,7 @@ class MaxTokensTooLarge(ValueError):
                          f"{self.n_ctx_train} tokens (at most {self.n_ctx_train}{ctx})")
 
 
-class EmptyPrompt(ValueError):
+class EmptyPrompt(Refused):
     """The prompt has no tokens."""
 
     def __init__(self) -> None:
@@ -42,10 +62,10 @@ class EmptyPrompt(ValueError):
 class GenerationRequest:
     """One generation on the engine.
 
-    prompt_tokens: token ids (ints in [0, n_vocab)): a list, or an int32 array (strata.token_ids: then the engine
+    prompt_tokens: token ids (ints in [0, n_vocab)): a list, or an int32 array (strata.text.token_ids: then the engine
     reads it without converting it again); cut_points: the chat template's CutPoint list
     (positions in prompt_tokens where a part may end and a checkpoint may be saved; [] for raw text).
-    sampling: a strata.sampling.SamplingParams (None -> greedy defaults). max_tokens: completion tokens at
+    sampling: a strata.sampling.sampler.SamplingParams (None -> greedy defaults). max_tokens: completion tokens at
     most (None -> until EOG or the context is full). stop: stop strings (matched across tokens, never
     emitted). logprobs: None, or the number of top alternatives (0..20) to report per token.
     cache_prompt=False: do not reuse anything from earlier requests (llama.cpp's meaning).
@@ -55,10 +75,10 @@ class GenerationRequest:
     ignore_eos: keep generating past end-of-generation tokens (benchmarks; llama.cpp's ignore_eos).
     n: choices to generate from the one prompt read (OpenAI's n): choice i samples with seed + i.
     cancel: set it from another thread to stop between tokens (finish_reason "cancelled").
-    constraint: a strata.grammar.Constraint the answer must follow (its token mask is applied to the logits before
+    constraint: a strata.sampling.grammar.Constraint the answer must follow (its token mask is applied to the logits before
     sampling; the answer ends when the grammar is complete), or None.
     show_tokens: ids of control tokens whose text is part of the answer (tool-call markers such as <|python_tag|>
-    or [TOOL_CALLS], which the parsers of strata.tool_calls read); other control tokens stay invisible.
+    or [TOOL_CALLS], which the parsers of strata.structured.tool_calls read); other control tokens stay invisible.
     """
 
     prompt_tokens: list[int]

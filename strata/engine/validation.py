@@ -5,14 +5,14 @@ from __future__ import annotations
 import numpy as np
 
 from strata.engine.types import ContextOverflow, EmptyPrompt, GenerationRequest, MaxTokensTooLarge
-from strata.token_ids import as_ids
+from strata.text.token_ids import as_ids
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
-CUT_KINDS = ("root", "message", "turn", "pin")  # the chat template's cut points (strata.chat_template.CutPoint)
+CUT_KINDS = ("root", "message", "turn", "pin")  # the chat template's cut points (strata.text.chat_template.CutPoint)
 
 
 def prompt_ids(tokens, n_vocab: int) -> np.ndarray:
-    """The request's prompt as int32 token ids (strata.token_ids: read in C, no per-token Python work).
+    """The request's prompt as int32 token ids (strata.text.token_ids: read in C, no per-token Python work).
     ValueError for an id no vocabulary holds."""
     try:
         return as_ids(tokens)

@@ -1,4 +1,1 @@
-"""Model architectures (one file per family) and their registry; `load_model(path, backend)` builds one."""
-from strata.models.base import MODEL_CLASSES, Model, load_model, model_class, register, supported_archs
-
-__all__ = ["MODEL_CLASSES", "Model", "load_model", "model_class", "register", "supported_archs"]
+"""Model architectures: the base class (base), one module per family, and which class reads a file (registry)."""

@@ -1,57 +1,16 @@
-"""The Model base class, the architecture registry (MODEL_CLASSES) and load_model."""
+"""The Model base class: one architecture's forward pass over a stage's layers, written against Backend ops."""
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import os
 from abc import ABC, abstractmethod
 from typing import Any, Callable, ClassVar
 
 import numpy as np
 
-from strata.config import ModelConfig
-from strata.gguf_file import GGUFModelFile, ModelLoadError, open_gguf, progress_bar
+from strata.gguf.config import ModelConfig
+from strata.gguf.file import GGUFModelFile, progress_bar
 from strata.memory import (Carve, DEFAULT_PAGE_SIZE, HybridMemory, KVMemory, Memory, PagePool, RecurrentMemory,
                            SequenceState)
-
-# arch -> class, filled by @register in each architecture's module
-MODEL_CLASSES: dict[str, type["Model"]] = {}
-
-# GGUF architecture name -> the module that defines it (imported on first use; one file per family)
-ARCH_MODULES: dict[str, str] = {
-    "llama": "strata.models.llama",
-    "qwen3next": "strata.models.qwen3next",
-    "qwen35": "strata.models.qwen3next",
-    "qwen35moe": "strata.models.qwen3next",
-}
-
-
-def register(cls: type["Model"]) -> type["Model"]:
-    """Class decorator: MODEL_CLASSES[cls.arch] = cls (and every name in cls.arch_aliases)."""
-    MODEL_CLASSES[cls.arch] = cls
-    for a in getattr(cls, "arch_aliases", ()):
-        MODEL_CLASSES[a] = cls
-    return cls
-
-
-def supported_archs() -> list[str]:
-    """Architecture names whose module is present in this installation."""
-    out = set(MODEL_CLASSES)
-    for arch, mod in ARCH_MODULES.items():
-        if arch not in out and importlib.util.find_spec(mod) is not None:
-            out.add(arch)
-    return sorted(out)
-
-
-def model_class(arch: str) -> type["Model"]:
-    """The Model class for `arch`; ModelLoadError listing the supported ones otherwise."""
-    if arch not in MODEL_CLASSES and arch in ARCH_MODULES and importlib.util.find_spec(ARCH_MODULES[arch]):
-        importlib.import_module(ARCH_MODULES[arch])
-    cls = MODEL_CLASSES.get(arch)
-    if cls is None:
-        raise ModelLoadError(f"unsupported architecture {arch!r} (supported: {', '.join(supported_archs())})")
-    return cls
-
 
 class Model(ABC):
     """One architecture's forward pass, written against Backend ops only (runs on CPU or CUDA).
@@ -64,7 +23,6 @@ class Model(ABC):
     """
 
     arch: ClassVar[str] = ""
-    arch_aliases: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, f: GGUFModelFile, backend, progress: Callable[[int, int], None] | bool | None = None,
                  layers: range | None = None):
@@ -221,18 +179,3 @@ class Model(ABC):
         if kv is not None and kv.length != state.pos:
             raise ValueError(f"KV length {kv.length} != sequence position {state.pos}")
         return tokens
-
-
-def load_model(path_or_file: str | os.PathLike | GGUFModelFile, backend=None,
-               progress: Callable[[int, int], None] | bool | None = None, layers: range | None = None) -> Model:
-    """Open a GGUF (or take an opened one) and build its architecture's Model on `backend` (default: CPU), with
-    blocks `layers` only (default: all).
-
-    Raises ModelLoadError (one line) for any unusable file.
-    """
-    f = path_or_file if isinstance(path_or_file, GGUFModelFile) else open_gguf(path_or_file)
-    if backend is None:
-        from strata.backend.cpu import CPUBackend
-        backend = CPUBackend()
-    cls = model_class(f.arch)
-    return cls(f, backend, progress=progress, layers=layers)

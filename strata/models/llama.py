@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from strata.gguf_file import GGUFModelFile, ModelLoadError
-from strata.models.base import Model, register
-from strata.quant import WeightTensor
+from strata.gguf.file import GGUFModelFile, ModelLoadError
+from strata.models.base import Model
+from strata.backend.quant import WeightTensor
 from strata.memory import SequenceState
 
 
@@ -49,7 +49,6 @@ class _Layer:
     w_down: Any
 
 
-@register
 class LlamaModel(Model):
     """Dense llama-family decoder. Tensors: token_embd, output_norm, output (optional: tied), rope_freqs
     (optional, Llama 3.1 frequency factors), blk.N.{attn_norm, attn_q, attn_k, attn_v, attn_output, ffn_norm,

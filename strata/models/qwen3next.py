@@ -41,11 +41,11 @@ import numpy as np
 
 from strata.backend import gdn
 from strata.backend.moe import expert_slices, moe_ffn
-from strata.gguf_file import GGUFModelFile, ModelLoadError
+from strata.gguf.file import GGUFModelFile, ModelLoadError
 from strata.memory import Carve, KVMemory, Memory, PagedKV, PagePool, SequenceState
 from strata.memory.kv import DEFAULT_PAGE_SIZE
-from strata.models.base import Model, register
-from strata.quant import WeightTensor
+from strata.models.base import Model
+from strata.backend.quant import WeightTensor
 
 
 @dataclass
@@ -92,7 +92,6 @@ def _meta(f: GGUFModelFile, key: str, default: Any = None, required: bool = Fals
     return v
 
 
-@register
 class Qwen3NextModel(Model):
     """Qwen3-Next / Qwen3.5 hybrid decoder (see the module docstring for layouts).
 
@@ -103,7 +102,6 @@ class Qwen3NextModel(Model):
     """
 
     arch = "qwen3next"
-    arch_aliases = ("qwen35", "qwen35moe")
 
     def __init__(self, f: GGUFModelFile, backend, progress=None, layers: range | None = None):
         super().__init__(f, backend, progress, layers)

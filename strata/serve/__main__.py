@@ -1,6 +1,6 @@
 """`python -m strata.serve`: the same as `strata serve`."""
 import sys
 
-from strata.serve.cli import main
+from strata.cli.serve import main
 
 sys.exit(main())

@@ -12,20 +12,21 @@ import structlog
 from aiohttp import web
 
 from strata import __version__
-from strata.engine.types import ContextOverflow, merge_choices
-from strata.serve import schema, structured
+from strata.engine.types import ContextOverflow, Refused, merge_choices
+from strata.serve import schema
 from strata.serve.config import WORKER_KEY
-from strata.serve.errors import ApiError
+from strata.serve.errors import ApiError, refusal
 from strata.serve.handling import (as_api_error, check_model, json_response, next_event, read_body, serving_engine,
                                    submit)
 from strata.serve.logprobs import LogprobsAcc
 from strata.serve.worker import EngineError
+from strata.structured import plan as structured
 
 log = structlog.get_logger("strata.serve")
 
 
 def _sampling(p: schema.ParsedRequest):
-    from strata.sampling import SamplingParams
+    from strata.sampling.sampler import SamplingParams
     try:
         return SamplingParams(**p.sampling)
     except (ValueError, TypeError) as e:
@@ -42,7 +43,7 @@ async def render_chat(request: web.Request, p: schema.ParsedRequest):
     checked first; a refusal of the template or a prompt too long to render is an ApiError naming 'messages'."""
     engine = serving_engine(request)
     check_model(engine, p.model)
-    plan = structured.plan_chat(engine, p)           # tools, reasoning, response_format (strata.serve.structured)
+    plan = structured.plan_chat(engine, p)           # tools, reasoning, response_format (strata.structured.plan)
     loop = asyncio.get_running_loop()
     try:
         rendered = await loop.run_in_executor(
@@ -57,13 +58,20 @@ async def render_chat(request: web.Request, p: schema.ParsedRequest):
     return engine, plan, rendered
 
 
+async def _constraint(compile_it):
+    """The grammar compiled off the event loop; a schema it refuses is a 400 naming its field."""
+    try:
+        return await asyncio.get_running_loop().run_in_executor(None, compile_it)
+    except Refused as e:
+        raise refusal(e) from None
+
+
 async def generate_chat(request: web.Request, p: schema.ParsedRequest, respond=None) -> web.StreamResponse:
     """Answer a parsed chat request: rendered (render_chat), constrained, generated. respond(request, engine, p, job,
     answers) sends the answer (default: the chat completion's JSON or SSE); the Responses and Messages routes pass
     their own."""
     engine, plan, rendered = await render_chat(request, p)
-    constraint = await asyncio.get_running_loop().run_in_executor(
-        None, lambda: structured.chat_constraint(engine, plan, structured.param_of(p)))
+    constraint = await _constraint(lambda: structured.chat_constraint(engine, plan, structured.param_of(p)))
     return await _generate(request, engine, p, list(rendered.tokens), list(rendered.cut_points), plan=plan,
                            constraint=constraint, respond=respond)
 
@@ -88,8 +96,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         if bad is not None:
             raise ApiError(400, f"'prompt' holds token id {bad} outside the vocabulary [0, {n_vocab})",
                            param="prompt", code="invalid_value")
-    constraint = await asyncio.get_running_loop().run_in_executor(
-        None, lambda: structured.completion_constraint(engine, p))
+    constraint = await _constraint(lambda: structured.completion_constraint(engine, p))
     return await _generate(request, engine, p, list(tokens), [], constraint=constraint)
 
 
@@ -105,7 +112,7 @@ async def _generate(request: web.Request, engine, p: schema.ParsedRequest, token
                     cut_points: list, plan: structured.ChatPlan | None = None,
                     constraint=None, respond=None) -> web.StreamResponse:
     from strata.engine.types import GenerationRequest
-    from strata.token_ids import as_ids          # one conversion: validate and generate read it as it is
+    from strata.text.token_ids import as_ids          # one conversion: validate and generate read it as it is
 
     n_ctx = engine.n_ctx
     if len(tokens) >= n_ctx:

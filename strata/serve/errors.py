@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from strata.engine.types import Refused
+
 # HTTP status -> OpenAI error "type" (https://platform.openai.com/docs/guides/error-codes)
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -46,3 +48,8 @@ def renamed(e: ApiError, renames) -> ApiError:
             text = rx.sub(to, text)
         return text
     return ApiError(e.status, sub(e.message), param=sub(e.param) if e.param else None, code=e.code, headers=e.headers)
+
+
+def refusal(e: Refused) -> ApiError:
+    """The ApiError a refused request answers: its status, message, param and code."""
+    return ApiError(e.status, str(e), param=e.param, code=e.code)

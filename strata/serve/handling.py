@@ -9,7 +9,8 @@ from aiohttp import web
 
 from strata.serve import schema
 from strata.serve.config import CONFIG_KEY, WORKER_KEY
-from strata.serve.errors import ApiError
+from strata.engine.types import Refused
+from strata.serve.errors import ApiError, refusal
 from strata.serve.worker import EngineError, EngineWorker, Job, QueueFull, ShuttingDown
 
 
@@ -80,10 +81,8 @@ def as_api_error(err: EngineError) -> ApiError:
     name = type(e).__name__
     if getattr(e, "http_status", None):     # a stage link failure (strata.stages.remote): 503 with its code
         return ApiError(int(e.http_status), str(e), code=getattr(e, "api_code", "engine_error"))
-    if name == "ContextOverflow":
-        return ApiError(400, str(e), param="messages", code="context_length_exceeded")
-    if name == "MaxTokensTooLarge":
-        return ApiError(400, str(e), param="max_tokens", code="invalid_value")
+    if isinstance(e, Refused):
+        return refusal(e)
     if isinstance(e, ValueError):
         return ApiError(400, str(e), code="invalid_value")
     return ApiError(500, f"the engine failed: {name}: {e}", code="engine_error")

@@ -12,10 +12,11 @@ import functools
 from aiohttp import web
 
 from strata import __version__
-from strata.serve import schema, structured
+from strata.serve import schema
 from strata.serve.config import WORKER_KEY
 from strata.serve.errors import ApiError
 from strata.serve.handling import engine_of, json_response, read_body
+from strata.structured import plan as structured
 
 # HTTP status -> llama-server's error type (tools/server: format_error_response)
 LLAMA_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -158,7 +159,7 @@ async def props(request: web.Request) -> web.Response:
     path, chat template, BOS / EOS text)."""
     from dataclasses import fields
 
-    from strata.sampling import SamplingParams
+    from strata.sampling.sampler import SamplingParams
     engine = engine_of(request)
     w = request.app[WORKER_KEY]
     tok = engine.tokenizer

@@ -14,7 +14,8 @@ from aiohttp import web
 
 from strata.serve import chat_page
 from strata.serve.config import CONFIG_KEY, ERROR_SHAPES_KEY, METRICS_KEY
-from strata.serve.errors import ApiError
+from strata.engine.types import Refused
+from strata.serve.errors import ApiError, refusal
 from strata.serve.handling import json_response
 
 log = structlog.get_logger("strata.serve")
@@ -77,6 +78,8 @@ async def middleware(request: web.Request, handler):
         resp = await handler(request)
     except ApiError as e:
         resp = await _err_for(request, e)
+    except Refused as e:
+        resp = await _err_for(request, refusal(e))
     except web.HTTPException as e:
         if e.status == 404:
             msg = f"unknown route: {request.method} {request.path}"

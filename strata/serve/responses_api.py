@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from strata.sampling import SamplingParams
+from strata.sampling.sampler import SamplingParams
 from strata.serve import schema
 from strata.serve.answer_blocks import AnswerBlocks, Block
 from strata.serve.completions_api import generate_chat, strata_of, timings_of

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from strata.serve.errors import ApiError
-from strata.tool_calls import NAME_RE
+from strata.structured.tool_calls import NAME_RE
 
 MAX_STOP = 16
 MAX_STOP_CHARS = 512       # per stop string: matching a held-back prefix costs up to len^2 per generated token

@@ -54,7 +54,7 @@ def build_stages(gguf_file, devices: list[str], split, n_ctx: int, kv: str = "f1
     (default strata.models.base.load_model). `remote`: the --remote-stage chain's addresses, which run the last
     carves; `make_remote(index, hops, model)` makes the one stage standing for them (hops: [(address, carve)],
     model: the last local stage's, which runs the output head). ValueError (one line) for a bad split or device."""
-    from strata.models.base import model_class
+    from strata.models.registry import model_class
     n_blocks = n_main_blocks(gguf_file, model_class(gguf_file.arch))
     backends: dict[str, Any] = {}
     for d in devices:
@@ -75,7 +75,7 @@ def load_stages(gguf_file, plan: list[tuple[Carve, str]], backends: dict[str, An
     the blocks of its carves, one memory per stage. head_here=False: a carve ending at the last block returns
     hidden states (a worker's: the main keeps the output head). ctx_flag: the option that set n_ctx (named when
     the KV cache cannot be allocated)."""
-    from strata.models.base import load_model, model_class
+    from strata.models.registry import load_model, model_class
     load = load or load_model
     n_blocks = n_main_blocks(gguf_file, model_class(gguf_file.arch))
     models: dict[str, Any] = {}

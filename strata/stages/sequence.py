@@ -10,14 +10,14 @@ import numpy as np
 
 from strata.memory import KVCacheFull, PartMismatch, StatePart
 from strata.memory.host import with_field_hashes
-from strata.token_ids import as_ids, common_prefix, frozen_ids, is_prefix
+from strata.text.token_ids import as_ids, common_prefix, frozen_ids, is_prefix
 
 
 @dataclass(eq=False)      # its tokens are an array: equality is identity
 class Checkpoint:
     """The sequence at ``pos``: its token ids and one StatePart per stage, in stage order (each naming its
     carve). What the checkpoint cache keeps; restoring it lets a prompt that shares those tokens start at pos.
-    tokens: any sequence of ids, kept as a read-only int32 array (strata.token_ids)."""
+    tokens: any sequence of ids, kept as a read-only int32 array (strata.text.token_ids)."""
 
     pos: int
     tokens: np.ndarray

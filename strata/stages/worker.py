@@ -18,7 +18,7 @@ import link
 from link import (Ack, Bye, Challenge, CkptRestore, CkptSave, Commit, Error, ErrorCode, Forward, Hello, HelloAck,
                   LinkError, Ping, Pong, Reset, Result)
 from strata.stages.sequence import Checkpoint, Sequence
-from strata.hostmem import available_ram
+from strata.memory.hostram import available_ram
 from strata.memory import Carve, KVCacheFull, PartMismatch
 from strata.stages import load_stages, make_backend, n_main_blocks
 from strata.stages.remote import HANDSHAKE_MAX, LinkClient, LinkDown, WorkerError
@@ -184,13 +184,13 @@ class Worker:
     hello that names it (and kept while later hellos name the same carve and context)."""
 
     def __init__(self, cfg: WorkerConfig):
-        from strata.gguf_file import open_gguf
-        from strata.default_model import resolve_model
+        from strata.gguf.file import open_gguf
+        from strata.gguf.default_model import resolve_model
         self.cfg = cfg
         self.path = resolve_model(cfg.model)
-        self.file = open_gguf(self.path)
+        from strata.models.registry import model_class, supported_archs
+        self.file = open_gguf(self.path, archs=supported_archs())
         self.fingerprint = self.file.fingerprint()
-        from strata.models.base import model_class
         self.n_blocks = n_main_blocks(self.file, model_class(self.file.arch))
         self.backend = make_backend(cfg.device, cfg.kv)
         self.max_ctx = int(cfg.max_ctx or getattr(self.file.config, "n_ctx_train", 0) or 131072)

@@ -59,7 +59,7 @@ class CudaBackend(Backend):
 
     # ---- weights and tensors
     def upload(self, w) -> Any:
-        """WeightTensor (strata.quant) -> DeviceWeight (raw blocks on the device); 1-D tensors -> f32 CuPy arrays."""
+        """WeightTensor (strata.backend.quant) -> DeviceWeight (raw blocks on the device); 1-D tensors -> f32 CuPy arrays."""
         if isinstance(w, DeviceWeight):
             return w
         if len(w.shape) == 1:

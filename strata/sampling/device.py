@@ -1,4 +1,4 @@
-"""Sampling on the device: DeviceSampler (strata.sampling.Sampler's chain on CuPy or numpy logits) and its counter-based RNG."""
+"""Sampling on the device: DeviceSampler (strata.sampling.sampler.Sampler's chain on CuPy or numpy logits) and its counter-based RNG."""
 from __future__ import annotations
 
 import math
@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from strata.sampling import SampleResult, SamplingParams
+from strata.sampling.sampler import SampleResult, SamplingParams
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -76,7 +76,7 @@ def _argsort_desc(xp, v):
 
 
 class DeviceSampler:
-    """strata.sampling.Sampler's sampling on the device the logits live on (CuPy array on a GPU, or numpy).
+    """strata.sampling.sampler.Sampler's sampling on the device the logits live on (CuPy array on a GPU, or numpy).
 
     Same chain and formulas as Sampler (llama.cpp src/llama-sampling.cpp order): penalties (repeat_penalty divides
     positive / multiplies non-positive logits of tokens seen in the last repeat_last_n accepted tokens, then

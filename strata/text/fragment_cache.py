@@ -12,7 +12,7 @@ class FragmentCache:
     """Token ids of raw text fragments (the text between two special tokens), so that a chat client's next turn
     tokenizes only what is new: every earlier message is one or more fragments whose ids are looked up.
 
-    Reuse is exact: llama.cpp's tokenizer (and strata.tokenizer, which matches it) tokenizes each fragment between
+    Reuse is exact: llama.cpp's tokenizer (and strata.text.tokenizer, which matches it) tokenizes each fragment between
     special tokens on its own, so a fragment's ids depend only on its text (and, for SentencePiece models, whether
     a special token or the input's start comes before it: part of the key). BPE merges never cross a special token.
 

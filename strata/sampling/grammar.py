@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from strata.tokenizer import Tokenizer
+from strata.text.tokenizer import Tokenizer
 
 # JSON the grammar writes: no free whitespace (a model with random weights would fill max_tokens with it), the
 # separators json.dumps uses

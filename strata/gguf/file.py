@@ -14,14 +14,14 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, GGUFValueType
 from gguf.quants import quant_shape_to_byte_shape
 
-from strata.config import ConfigError, ModelConfig
-from strata.quant import WeightTensor
+from strata.gguf.config import ConfigError, ModelConfig
+from strata.backend.quant import WeightTensor
 
 # Types the C core dequantizes and multiplies (issue 2, item 1). quant.py may publish its own set.
 _DEFAULT_SUPPORTED = frozenset({
@@ -42,7 +42,7 @@ class ModelLoadError(Exception):
 
 def supported_quant_types() -> frozenset:
     """GGML types that WeightTensor can dequantize and multiply."""
-    from strata import quant
+    from strata.backend import quant
     s = getattr(quant, "SUPPORTED_TYPES", None)
     return frozenset(s) if s else _DEFAULT_SUPPORTED
 
@@ -246,7 +246,7 @@ class GGUFModelFile:
     @property
     def reader(self):
         """gguf-py's GGUFReader of this file, opened on first use (seconds for a large vocabulary): for tools and
-        tests that want the library's own view (strata.synth.export_hf)."""
+        tests that want the library's own view (strata.gguf.synth.export_hf)."""
         r = getattr(self, "_reader", None)
         if r is None:
             from gguf import GGUFReader
@@ -297,11 +297,11 @@ class GGUFModelFile:
         return t
 
 
-def open_gguf(path: str | os.PathLike, *, check_arch: bool = True) -> GGUFModelFile:
+def open_gguf(path: str | os.PathLike, *, archs: Collection[str] | None = None) -> GGUFModelFile:
     """Open a GGUF file memory-mapped and validate it.
 
     Raises ModelLoadError (one line) for: a missing file, a file that is not a GGUF or is truncated, an
-    unknown architecture (listing the supported ones; skipped with check_arch=False), an unsupported quant
+    architecture not in `archs` (listing them; not checked when archs is None), an unsupported quant
     type (naming tensor and type), and metadata that lacks a required key.
     """
     p = Path(path)
@@ -331,9 +331,8 @@ def open_gguf(path: str | os.PathLike, *, check_arch: bool = True) -> GGUFModelF
     arch = metadata.get("general.architecture")
     if not isinstance(arch, str) or not arch:
         raise ModelLoadError(f"{p}: metadata has no general.architecture")
-    if check_arch:
-        from strata.models.base import supported_archs
-        sup = supported_archs()
+    if archs is not None:
+        sup = sorted(archs)
         if arch not in sup:
             raise ModelLoadError(f"{p}: unsupported architecture {arch!r} (supported: {', '.join(sup)})")
 

@@ -6,7 +6,7 @@ import ipaddress
 import os
 import sys
 
-from strata.cli.main import add_engine_args, engine_args_error, engine_kwargs
+from strata.cli.engine_flags import add_engine_args, engine_args_error, engine_kwargs
 from strata.serve.log import LEVELS, configure_logging
 from strata.serve.paths import default_socket_path
 

@@ -5,9 +5,9 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from strata import reasoning, tool_calls
-from strata.grammar import Constraint, GrammarError, gbnf_grammar, lark_grammar, lark_json
-from strata.serve.errors import ApiError
+from strata.structured import reasoning, tool_calls
+from strata.sampling.grammar import Constraint, GrammarError, gbnf_grammar, lark_grammar, lark_json
+from strata.engine.types import Refused
 
 _TOOL_ROLE: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
 
@@ -84,7 +84,7 @@ def after_render(plan: ChatPlan, prompt_text: str) -> None:
 
 def chat_constraint(engine, plan: ChatPlan, param: str) -> Constraint | None:
     """The compiled grammar of a chat answer (a reasoning block first when the template has one), or None. Runs the
-    compile (call it off the event loop); ApiError(400) naming `param` for a schema llguidance refuses."""
+    compile (call it off the event loop); Refused naming `param` for a schema llguidance refuses."""
     if plan.body is None:
         return None
     if plan.think_open:             # the answer starts inside the block: any text up to </think>, then the body
@@ -105,7 +105,7 @@ def completion_constraint(engine, p) -> Constraint | None:
         try:
             g = gbnf_grammar(o["grammar"])
         except GrammarError as e:
-            raise ApiError(400, f"'{o['param']}': {e}", param=o["param"], code="invalid_value") from None
+            raise Refused(f"'{o['param']}': {e}", param=o["param"]) from None
         return _compile(engine, g, o["param"])
     return _compile(engine, lark_grammar("start: body\n" + _output_body(o)), o["param"])
 
@@ -129,7 +129,7 @@ def _compile(engine, grammar: str, param: str) -> Constraint:
     try:
         return Constraint(grammar, engine.tokenizer, getattr(engine, "n_vocab", None))
     except GrammarError as e:
-        raise ApiError(400, f"'{param}': {e}", param=param, code="invalid_value") from None
+        raise Refused(f"'{param}': {e}", param=param) from None
 
 
 def _special_ref(engine):

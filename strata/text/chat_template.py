@@ -16,8 +16,8 @@ import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from strata.chat_prefixes import PrefixEnds, prefix_digests
-from strata.tokenizer import Tokenizer
+from strata.text.chat_prefixes import PrefixEnds, prefix_digests
+from strata.text.tokenizer import Tokenizer
 
 CutKind = Literal["root", "message", "turn", "pin"]
 _KIND_ORDER = {"root": 0, "message": 1, "pin": 2, "turn": 3}
@@ -167,7 +167,7 @@ class ChatTemplate:
         self.eos_token = eos_token if eos_token is not None else (
             tokenizer.tokens[tokenizer.eos_id] if tokenizer.eos_id is not None else "")
         self.special_tokens = dict(special_tokens or {})
-        self.prefix_ends = PrefixEnds()        # message ends rendered by earlier requests (strata.chat_prefixes)
+        self.prefix_ends = PrefixEnds()        # message ends rendered by earlier requests (strata.text.chat_prefixes)
         try:
             self._template = _environment().from_string(template_str)
         except jinja2.TemplateError as e:

@@ -264,7 +264,7 @@ def _tokenizer_fields() -> dict[str, tuple[Any, Any, Any]]:
     """tokenizer.* keys of the default model: name -> (value, GGUFValueType, sub type or None)."""
     global _TOK_CACHE
     if _TOK_CACHE is None:
-        from strata.default_model import default_model_path
+        from strata.gguf.default_model import default_model_path
         r = gguf.GGUFReader(default_model_path())
         out = {}
         for name, f in r.fields.items():

@@ -1,16 +1,213 @@
-"""The tool-call readers, one per call format: <tool_call> blocks with a JSON or an XML body (TagBlock), Llama 3 JSON
-(Llama3Block), Mistral's two forms (MistralBlock), the generic JSON answer (GenericBlock); the XML format's values."""
+"""Reading tool calls out of an answer as it streams: the parser (CallParser), the reader of each call format
+(<tool_call> blocks with a JSON or an XML body: TagBlock; Llama 3 JSON: Llama3Block; Mistral's two forms:
+MistralBlock; the generic JSON answer: GenericBlock), the JSON call object they read (JsonCall) and the steps they
+share.
+
+The readers decide from the text alone, never from how it was cut into pieces, so a whole answer fed in one piece
+and the same answer streamed give the same events. A call is named as soon as its name and the start of its
+arguments are read, and its arguments stream as they arrive; text that turns out not to be a call before that comes
+back as content, unchanged.
+"""
 from __future__ import annotations
 
 import json
 import re
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
-from strata.json_stream import MORE, NO, OK, StringChars, ValueEnd, expect, skip_ws
-from strata.tool_json import DONE, JsonCall, call_like, closing, next_call, skip_rest
+from strata.structured.json_stream import MORE, NO, OK, StringChars, ValueEnd, expect, skip_ws, string_at
 
-if TYPE_CHECKING:
-    from strata.tool_parse import CallParser
+
+DONE = "done"
+
+
+class JsonCall:
+    """One JSON call object at the front of the parser's buffer, {"name": N, "arguments" | "parameters": A}: named
+    once "name" and the arguments' key are read (in that order), its arguments streamed as raw JSON text as they
+    arrive (a JSON string of arguments is decoded whole); other key orders wait for the whole object."""
+
+    def __init__(self):
+        self.phase = "head"
+        self.index = -1
+        self.scan: ValueEnd | None = None
+        self.seen = 0
+        self.str_args = False
+
+    def head(self, p: CallParser, j: int, final: bool):
+        """Read the header at p.buf[j:] (the text before j belongs to the block and is consumed with it) -> OK
+        (named, header consumed), MORE or NO."""
+        st, k = expect(p.buf, j, ("{",))
+        if st != OK:
+            return st
+        st, key, k2 = string_at(p.buf, skip_ws(p.buf, k), 64)
+        if st == OK and key == "type":                          # {"type": "function", "name": ...}
+            st, k3 = expect(p.buf, k2, (":", '"function"', ","))
+            if st != OK:
+                return st if st == MORE else self._whole(p, j, final)
+            st, key, k2 = string_at(p.buf, skip_ws(p.buf, k3), 64)
+        if st != OK:
+            return st
+        if key != "name":
+            return self._whole(p, j, final)
+        st, k = expect(p.buf, k2, (":",))
+        if st != OK:
+            return st
+        st, name, k = string_at(p.buf, skip_ws(p.buf, k), 256)
+        if st != OK:
+            return st
+        if not isinstance(name, str) or not name:
+            return NO
+        st, k = expect(p.buf, k, (",",))
+        if st != OK:
+            return st if st == MORE else self._whole(p, j, final)
+        st, key, k = string_at(p.buf, skip_ws(p.buf, k), 64)
+        if st != OK:
+            return st
+        if key not in ("arguments", "parameters"):
+            return self._whole(p, j, final)
+        st, k = expect(p.buf, k, (":",))
+        if st != OK:
+            return st
+        k = skip_ws(p.buf, k)
+        if k >= len(p.buf):
+            return MORE
+        if p.buf[k] not in '{["':
+            return self._whole(p, j, final)
+        p.consume(k)
+        self.index = p.announce(name)
+        self.str_args = p.buf[0] == '"'
+        self.scan = ValueEnd()
+        self.seen = 0
+        self.phase = "args"
+        return OK
+
+    def _whole(self, p: CallParser, j: int, final: bool):
+        """The object read whole (other key orders): named and given its arguments at once, or NO."""
+        if self.scan is None:
+            self.scan = ValueEnd()
+            self.seen = j
+        end = self.scan.feed(p.buf[self.seen:])
+        if self.scan.bad:
+            return NO
+        if end < 0:
+            self.seen = len(p.buf)
+            return MORE
+        end += self.seen
+        try:
+            obj = json.loads(p.buf[j:end])
+        except ValueError:
+            return NO
+        if not call_like(obj):
+            return NO
+        args = obj.get("arguments", obj.get("parameters", {}))
+        if isinstance(args, str):
+            text = args
+        else:
+            text = json.dumps(args, ensure_ascii=False)
+        p.consume(end)
+        i = p.announce(obj["name"])
+        p.args(i, text)
+        self.phase = "done"
+        return OK
+
+    def body(self, p: CallParser, final: bool):
+        """After the header: stream the arguments, then skip to the object's closing brace. -> MORE or DONE."""
+        if self.phase == "args":
+            off = self.seen if self.str_args else 0        # a string of arguments is held whole, then decoded
+            end = self.scan.feed(p.buf[off:])
+            end = end + off if end >= 0 else end
+            if end < 0 and not self.scan.bad:
+                if self.str_args:
+                    self.seen = len(p.buf)
+                    if final:
+                        p.args(self.index, loose_string(p.consume(len(p.buf))))
+                        return DONE
+                    return MORE
+                p.args(self.index, p.consume(len(p.buf)))
+                return DONE if final else MORE
+            if self.scan.bad:                         # broken JSON: the call ends where it broke
+                return DONE
+            text = p.consume(end)
+            p.args(self.index, loose_string(text) if self.str_args else text)
+            self.phase = "tail"
+            self.scan = None
+        if self.phase == "tail":
+            st, k = expect(p.buf, 0, ("}",))
+            if st == OK:
+                p.consume(k)
+                self.phase = "done"
+                return DONE
+            if st == MORE:
+                return DONE if final else MORE
+            st, k = expect(p.buf, 0, (",",))
+            if st != OK:                               # something else: the call ends here
+                return DONE
+            if not skip_rest(self, p):                 # further keys: skip to the closing brace
+                return DONE if final else MORE
+            self.phase = "done"
+        return DONE
+
+
+def closing(p: CallParser, tag: str, final: bool):
+    """An optional closing tag after a call (whitespace before it): consumed when there (or begun at the end)."""
+    st, k = expect(p.buf, 0, (tag,))
+    if st == OK or (st == MORE and final):
+        p.consume(k if st == OK else len(p.buf))
+        return DONE
+    return MORE if st == MORE else DONE
+
+
+def skip_rest(block, p: CallParser) -> bool:
+    """Skip the rest of an object whose opening brace is behind (its closing brace included), scanned by block.scan
+    from block.seen (both set up on the first call) -> True when done (consumed through the brace, or nothing
+    consumed when the JSON broke), False when the object goes on past the buffer (block.seen moved to its end)."""
+    if block.scan is None:
+        block.scan = ValueEnd()
+        block.scan.started, block.scan.stack = True, ["}"]
+        block.seen = 0
+    end = block.scan.feed(p.buf[block.seen:])
+    if end < 0 and not block.scan.bad:
+        block.seen = len(p.buf)
+        return False
+    if end >= 0:
+        p.consume(block.seen + end)
+    return True
+
+
+def next_call(block, p: CallParser, final: bool):
+    """After a call of a JSON array of calls: a ',' and the next call object's header, read by a fresh JsonCall that
+    becomes block.obj -> (OK: named, MORE, or NO: no call follows after all; k: where the ',' ends), or (None, 0)
+    when no ',' follows."""
+    st, k = expect(p.buf, 0, (",",))
+    if st != OK:
+        return None, 0
+    j = skip_ws(p.buf, k)
+    if j >= len(p.buf) and not final:
+        return MORE, k
+    block.obj = JsonCall()
+    r = block.obj.head(p, j, final)
+    if r == MORE and not final:
+        return MORE, k
+    return (OK if r == OK else NO), k
+
+
+def call_like(obj) -> bool:
+    """A JSON call object: a non-empty string "name", and nothing but "arguments" / "parameters" (an object or a
+    JSON string), "type" and "id" beside it."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return False
+    if set(obj) - {"name", "arguments", "parameters", "type", "id"}:
+        return False
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return isinstance(args, (dict, str))
+
+
+def loose_string(text: str) -> str:
+    """A JSON string's value; for one cut short, the characters it has."""
+    try:
+        v = json.loads(text)
+        return v if isinstance(v, str) else text
+    except ValueError:
+        return StringChars().feed(text[1:])[0] if text.startswith('"') else text
 
 
 def is_string(schema: dict) -> bool:
@@ -333,3 +530,129 @@ class GenericBlock:
             return DONE
         return self.seen
 
+
+__all__ = ["Event", "CallParser", "hold_from", "assemble", "GenericBlock", "Llama3Block", "MistralBlock", "TagBlock",
+           "is_string", "xml_value"]
+
+
+@dataclass(frozen=True)
+class Event:
+    """A piece of parsed answer: kind "content" (text), "call" (a new call: index, id, name) or "args" (a fragment of
+    call `index`'s arguments, JSON text)."""
+    kind: str
+    text: str = ""
+    index: int = 0
+    id: str = ""
+    name: str = ""
+
+
+def hold_from(buf: str, markers) -> int:
+    """Where the longest tail of buf that could still become one of the markers starts (len(buf): none)."""
+    hold = len(buf)
+    for m in markers:
+        for k in range(min(len(m) - 1, len(buf)), 0, -1):
+            if buf.endswith(m[:k]):
+                hold = min(hold, len(buf) - k)
+                break
+    return hold
+
+
+# ------------------------------------------------------------------------------------------------- the parser
+
+class CallParser:
+    """Streaming parser of one answer: feed(text) and finish() give Events. Deterministic in the text alone (how it
+    is cut into pieces does not matter). fmt: a strata.structured.tool_calls.ToolFormat (its find() gives the readers of its
+    call blocks, its new_id() the calls' ids); tools: the request's tools (the XML format types values by them)."""
+
+    def __init__(self, fmt, tools: list[dict] | None = None):
+        self.fmt = fmt
+        self.params = {t["function"]["name"]: (t["function"].get("parameters") or {}) for t in (tools or [])
+                       if isinstance(t, dict) and isinstance(t.get("function"), dict) and "name" in t["function"]}
+        self.buf = ""
+        self.block = None
+        self.at_start = True              # no content but whitespace yet
+        self.n_calls = 0
+        self._out: list[Event] = []
+
+    # -- interface
+    def feed(self, text: str) -> list[Event]:
+        self.buf += text
+        self._run(False)
+        return self._take()
+
+    def finish(self) -> list[Event]:
+        self._run(True)
+        if self.buf:
+            self.content(self.buf)
+            self.buf = ""
+        return self._take()
+
+    # -- used by the block readers
+    def content(self, text: str) -> None:
+        if text:
+            if text.strip():
+                self.at_start = False
+            self._out.append(Event("content", text))
+
+    def announce(self, name: str) -> int:
+        i = self.n_calls
+        self.n_calls += 1
+        self._out.append(Event("call", index=i, id=self.fmt.new_id(), name=name))
+        return i
+
+    def args(self, index: int, text: str) -> None:
+        if text:
+            self._out.append(Event("args", text, index=index))
+
+    def consume(self, n: int) -> str:
+        head, self.buf = self.buf[:n], self.buf[n:]
+        return head
+
+    # -- the loop
+    def _take(self) -> list[Event]:
+        out, self._out = _merge(self._out), []
+        return out
+
+    def _run(self, final: bool) -> None:
+        while True:
+            if self.block is None:
+                if not self.buf:
+                    return
+                i, reader = self.fmt.find(self.buf, self.at_start)
+                if reader is None:
+                    n = len(self.buf) if final else i
+                    self.content(self.consume(n))
+                    return
+                self.content(self.consume(i))
+                self.block = reader
+            r = self.block.step(self, final)
+            if r == MORE:
+                return
+            self.block = None
+            if isinstance(r, int):                   # rejected: that much text is content after all
+                self.content(self.consume(max(1, r)))
+
+
+def _merge(events: list[Event]) -> list[Event]:
+    out: list[Event] = []
+    for e in events:
+        if out and e.kind in ("content", "args") and out[-1].kind == e.kind and out[-1].index == e.index:
+            out[-1] = Event(e.kind, out[-1].text + e.text, index=e.index)
+        else:
+            out.append(e)
+    return out
+
+
+def assemble(events: list[Event]) -> tuple[str, list[dict]]:
+    """Events -> (content text, [{"id", "type", "function": {"name", "arguments"}}]) as a non-streamed message has
+    them."""
+    content: list[str] = []
+    calls: list[dict] = []
+    for e in events:
+        if e.kind == "content":
+            content.append(e.text)
+        elif e.kind == "call":
+            calls.append({"id": e.id, "type": "function", "function": {"name": e.name, "arguments": ""}})
+        else:
+            calls[e.index]["function"]["arguments"] += e.text
+    return "".join(content), calls

@@ -10,7 +10,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import models as _models
 from tokenizers import pre_tokenizers as _pre
 
-from strata.fragment_cache import FragmentCache
+from strata.text.fragment_cache import FragmentCache
 
 # GGUF token types (gguf.TokenType / llama.cpp llama_token_type)
 TOKEN_NORMAL = 1
@@ -341,7 +341,7 @@ class Tokenizer:
 
         A raw fragment is tokenized on its own (llama.cpp's rule: nothing merges across a special token), so its
         ids depend only on its text (and, for SPM models, whether a special token or the start precedes it): the
-        ids of fragments seen before come from ``self.fragments`` (strata.fragment_cache), and only new text is
+        ids of fragments seen before come from ``self.fragments`` (strata.text.fragment_cache), and only new text is
         tokenized. The result is the same either way."""
         out: list[list[int]] = []
         prev_special = True

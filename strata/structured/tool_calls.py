@@ -11,7 +11,7 @@ Families (the formats llama.cpp's server and vLLM parse):
               held to that shape by a grammar.
 The <tool_call> reader takes both the JSON and the XML body, whichever the model writes.
 
-The parser that reads calls out of an answer as it streams is strata.tool_parse's CallParser; parse() reads a whole
+The parser that reads calls out of an answer as it streams is strata.structured.tool_parse's CallParser; parse() reads a whole
 answer through it.
 """
 from __future__ import annotations
@@ -21,10 +21,10 @@ import json
 import re
 import secrets
 import string
-from strata.grammar import lark_json
-from strata.json_stream import skip_ws
-from strata.tool_parse import CallParser, Event, assemble, hold_from
-from strata.tool_readers import GenericBlock, Llama3Block, MistralBlock, TagBlock, is_string, xml_value
+from strata.sampling.grammar import lark_json
+from strata.structured.json_stream import skip_ws
+from strata.structured.tool_parse import (CallParser, Event, GenericBlock, Llama3Block, MistralBlock, TagBlock, assemble,
+                                         hold_from, is_string, xml_value)
 
 __all__ = ["NAME_RE", "ToolFormat", "Hermes", "QwenXml", "Llama3", "Mistral", "Generic", "detect", "generic_schema",
            "template_messages", "generic_system_prompt", "parse", "assemble", "xml_value", "Event", "CallParser"]

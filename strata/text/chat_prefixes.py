@@ -40,7 +40,7 @@ def prefix_digests(text: str, ends) -> dict[int, bytes]:
 
 
 class PrefixEnds:
-    """The chat template's message cut points come from rendering each prefix of the chat (strata.chat_template):
+    """The chat template's message cut points come from rendering each prefix of the chat (strata.text.chat_template):
     render(messages[:i+1]) ends where message i ends. A client resends the whole conversation every turn, so all
     but the newest prefixes were rendered by an earlier request: this keeps, per prefix, the length of its rendering
     and a digest of that text, keyed by a hash chain over (the render's other inputs, message 0, ..., message i).
