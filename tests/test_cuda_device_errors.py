@@ -20,13 +20,13 @@ def test_bad_device_index_is_a_clear_error():
             Engine("default", device=bad)
 
 
-def test_parse_device():
-    from strata.engine.engine import parse_device
-    assert parse_device("cpu") == ("cpu", 0) and parse_device("cuda") == ("cuda", 0)
-    assert parse_device("cuda:3") == ("cuda", 3)
+def test_parse_devices():
+    from strata.stages.split import parse_devices
+    assert parse_devices("cpu") == ["cpu"] and parse_devices("cuda") == ["cuda:0"]
+    assert parse_devices("cuda:3") == ["cuda:3"] and parse_devices("cuda:0,cuda:1") == ["cuda:0", "cuda:1"]
     for bad in ("cuda1", "cuda:\u00b2", "cuda:\u0663"):       # unicode digits are not device ordinals
-        with pytest.raises(ValueError, match="use 'cpu' or 'cuda\\[:N\\]'"):
-            parse_device(bad)
+        with pytest.raises(ValueError, match="use 'cpu', 'cuda\\[:N\\]' or a comma list of them"):
+            parse_devices(bad)
 
 
 def _serve_fails(tmp_path, device: str):

@@ -1,7 +1,7 @@
 """The layer split over two GPUs of one host (issue 26): `--device cuda:0,cuda:1` with `--layer-split auto` and an
 explicit split gives the same greedy tokens and per-layer state hashes as one GPU, cold and resumed; A/B/A parking is
 bit-exact; a session saved on two GPUs restores there and is refused on one GPU or another split; capture and
-restore drain each stage on its own device (seed #716). Skips without two GPUs."""
+restore drain each stage on its own device. Skips without two GPUs."""
 from __future__ import annotations
 
 import pytest

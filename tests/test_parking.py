@@ -106,7 +106,7 @@ def test_budget_evicts_least_recently_used_and_opt_out_parks_nothing(hybrid_path
     assert len(parked) == 2 and e.status()["park_stats"]["evicted"] == 1
     _, final = ask(e, chat("rivers", 1, ["x"]))                   # the least recently used one left
     assert final.strata["resume_from"] != "park"
-    ask(e, chat("glass", 0, []), checkpoint=False)                 # a one-shot request (seed #861)
+    ask(e, chat("glass", 0, []), checkpoint=False)                 # a one-shot request
     n = e.status()["park_stats"]["parked"]
     ask(e, chat("maps", 0, []))
     assert e.status()["park_stats"]["parked"] == n                 # the one-shot conversation was not parked

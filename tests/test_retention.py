@@ -1,4 +1,4 @@
-"""Retention policy (strata.cache.retention.choose_victims): the scenarios of seed #62 and property tests."""
+"""Retention policy (strata.cache.retention.choose_victims): the retention scenarios and property tests."""
 from __future__ import annotations
 
 import pytest

@@ -1,7 +1,7 @@
 """Stages and the layer split on the CPU: carve planning, split parity (1, 2 and 3 stages give the same greedy
 tokens and, layer by layer, the same K/V and running-state hashes as the unsplit engine, read cold and resumed
 through checkpoints; the default model and a synthetic hybrid), per-stage checkpoint parts validated before any
-write, the per-device drain before every state read and write (seed #716), and the CLI / stratactl surface."""
+write, the per-device drain before every state read and write, and the CLI / stratactl surface."""
 from __future__ import annotations
 
 import json

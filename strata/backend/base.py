@@ -83,7 +83,7 @@ class Backend(ABC):
 
     def drain(self) -> None:
         """Wait until every operation queued on this backend's own device is done (a stage's state is read or
-        written only after its own device drained: seed #716). Nothing to wait for on the CPU."""
+        written only after its own device drained). Nothing to wait for on the CPU."""
 
     def total_memory(self) -> int:
         """Total memory of this backend's device in bytes (not free memory: a carve chosen from it must be the same

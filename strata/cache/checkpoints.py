@@ -39,7 +39,7 @@ class PrefillPlan:
     reads [resume_pos, part_ends[0]), [part_ends[0], part_ends[1]), ... each in ubatch-sized forward calls.
     save_at: part end -> cut point kind: after the part ending there, save ``state.capture()`` with
     ``cache.save(pos, kind, snapshot)``. keep_live: False when the request opted out of checkpoints
-    (seed #861): the engine leaves no live session (the next request does not continue it).
+   : the engine leaves no live session (the next request does not continue it).
     erased: positions of the checkpoints this plan erased (no longer a prefix of what the arena will hold).
     """
 
@@ -104,7 +104,7 @@ def _state_ids(state) -> np.ndarray:
 
 
 class CheckpointCache:
-    """The engine's conversation checkpoints over its one KV arena (DESIGN.md §2, seeds #62, #861).
+    """The engine's conversation checkpoints over its one KV arena.
 
     cap: ``--prompt-cache N``, checkpoints kept at most (0: none, reads are "live" or from 0 in one part;
     1: no pin, plain first-in-first-out, the old behaviour; >= 2: the root is pinned, the rest LRU).
@@ -170,7 +170,7 @@ class CheckpointCache:
         template's root / message / turn / pin points, periodic points every ``every`` tokens (absolute
         positions k*every) and the near-tail point len(prompt) - tail. Points shallower than the root are
         dropped (the root is the shallowest checkpoint a chat saves, so it is the chain's root).
-        checkpoint=False (seed #861): only the root (when it is at least root_min long) and a client pin
+        checkpoint=False: only the root (when it is at least root_min long) and a client pin
         are kept, so the prompt after the reused prefix is read in one part; keep_live is False. cap 0:
         no cut points at all, one part. A checkpoint is saved at every kept cut point.
 

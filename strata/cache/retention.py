@@ -1,4 +1,4 @@
-"""Checkpoint retention: which conversation checkpoints to evict, as one pure function (seed #62)."""
+"""Checkpoint retention: which conversation checkpoints to evict, as one pure function."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
@@ -64,7 +64,7 @@ def choose_victims(kept: Sequence[Kept], *, cap: int, root_min: int = 0,
                    budget_bytes: int | None = None) -> list[int]:
     """Which kept checkpoints to evict -> their positions, in eviction order (first = evicted first).
 
-    The policy (seed #62, "the conversation cache keeps its shared prefix; the rest rotates LRU"):
+    The policy ("the conversation cache keeps its shared prefix; the rest rotates LRU"):
 
     * cap 0 (``--prompt-cache 0``): keep none; every checkpoint is a victim.
     * cap 1: plain first-in-first-out by save order, no pin — the old behaviour exactly.

@@ -75,7 +75,7 @@ def cmd_generate(args) -> int:
         messages.append({"role": "user", "content": prompt})
         rendered = engine.render_chat(messages)
         tokens, cuts = list(rendered.tokens), list(rendered.cut_points)
-    # one request and done: no turn checkpoint to save (seed #861's opt-out), so the prompt is one part
+    # one request and done: no turn checkpoint to save (the one-shot opt-out), so the prompt is one part
     req = GenerationRequest(prompt_tokens=tokens, cut_points=cuts, sampling=sampling,
                             max_tokens=args.max_tokens, stop=list(args.stop), checkpoint=False)
     final = _stream(engine, req, sys.stdout)

@@ -425,17 +425,6 @@ def default_conversation_cache_mib() -> int:
         return 0
 
 
-def parse_device(device) -> tuple[str, int]:
-    """('cpu', 0) for 'cpu', ('cuda', N) for 'cuda' (N = 0) or 'cuda:N' (N a non-negative integer); ValueError
-    naming the accepted forms for anything else. One device; strata.stages.parse_devices reads a list."""
-    d = str(device)
-    if d in ("cpu", "cuda"):
-        return d, 0
-    if d.startswith("cuda:") and d[5:].isascii() and d[5:].isdigit():
-        return "cuda", int(d[5:])
-    raise ValueError(f"unknown device {device!r}: use 'cpu' or 'cuda[:N]'")
-
-
 def _make_template(f, tokenizer):
     """(ChatTemplate, None), or (None, reason) when the GGUF has no usable template (raw text still works)."""
     from strata.text.chat_template import ChatTemplate

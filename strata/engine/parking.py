@@ -173,7 +173,7 @@ class Conversations:
         (out of memory on the device and then on the host, say) is logged and the conversation left unparked: it
         never fails the request that leaves it."""
         if self.park is None or self.seq.pos == 0 or not self.cache.live_ok:
-            return                   # nothing live, or a "strata_checkpoint": false request's (seed #861)
+            return                   # nothing live, or a "strata_checkpoint": false request's
         try:
             self._park_live(trace)
         except Exception as e:  # noqa: BLE001

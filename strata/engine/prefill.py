@@ -82,7 +82,7 @@ class PromptReader:
                 st.reset()
             elif plan.resume_pos < st.pos:
                 st.truncate(plan.resume_pos)
-            st.settle()                # the worker's Commits land before the prompt is read (seed #1887)
+            st.settle()                # the worker's Commits land before the prompt is read
             resume = plan.resume_pos
             if st.pos != resume or not 0 <= resume < n or not is_prefix(st.ids, prompt):
                 raise RuntimeError(f"internal: plan resumes at {resume} ({plan.resume_from}) but the sequence "

@@ -69,7 +69,7 @@ class GenerationRequest:
     most (None -> until EOG or the context is full). stop: stop strings (matched across tokens, never
     emitted). logprobs: None, or the number of top alternatives (0..20) to report per token.
     cache_prompt=False: do not reuse anything from earlier requests (llama.cpp's meaning).
-    checkpoint=False: the one-shot opt-out of seed #861 (no turn_at / periodic checkpoints, no live
+    checkpoint=False: the one-shot opt-out (no turn_at / periodic checkpoints, no live
     session left; still resumes from a checkpoint and still saves the root). pin_at: a prompt position
     the client asked to keep a checkpoint at (already among cut_points when the template found it).
     ignore_eos: keep generating past end-of-generation tokens (benchmarks; llama.cpp's ignore_eos).

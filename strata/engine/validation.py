@@ -1,11 +1,11 @@
 """What the engine checks of a request before it touches anything: the prompt's token ids, its length, max_tokens, n,
-logprobs and the cut points (each refusal a one-line ValueError or one of its subclasses in strata.engine.types)."""
+logprobs and the cut points (each refusal a one-line Refused, strata.engine.types)."""
 from __future__ import annotations
 
 import numpy as np
 
-from strata.engine.types import ContextOverflow, EmptyPrompt, GenerationRequest, MaxTokensTooLarge
-from strata.text.token_ids import as_ids
+from strata.engine.types import ContextOverflow, EmptyPrompt, GenerationRequest, MaxTokensTooLarge, Refused
+from strata.text.token_ids import as_ids, outside_vocab
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 CUT_KINDS = ("root", "message", "turn", "pin")  # the chat template's cut points (strata.text.chat_template.CutPoint)
@@ -13,38 +13,38 @@ CUT_KINDS = ("root", "message", "turn", "pin")  # the chat template's cut points
 
 def prompt_ids(tokens, n_vocab: int) -> np.ndarray:
     """The request's prompt as int32 token ids (strata.text.token_ids: read in C, no per-token Python work).
-    ValueError for an id no vocabulary holds."""
+    Refused for an id no vocabulary holds."""
     try:
         return as_ids(tokens)
     except ValueError:               # an id past int32: name it as check_request names one past the vocabulary
-        bad = next((int(t) for t in tokens if not 0 <= int(t) < n_vocab), None)
+        bad = outside_vocab([int(t) for t in tokens], n_vocab)
         if bad is None:
             raise
-        raise ValueError(f"token id {bad} is outside the vocabulary [0, {n_vocab})") from None
+        raise Refused(f"token id {bad} is outside the vocabulary [0, {n_vocab})") from None
 
 
 def check_request(req: GenerationRequest, prompt: np.ndarray, *, n_ctx: int, n_vocab: int, n_ctx_train: int,
                   remote: bool, prompt_cache: int) -> None:
-    """Raise EmptyPrompt, ContextOverflow, MaxTokensTooLarge or ValueError (one line) unless the engine (its
+    """Raise EmptyPrompt, ContextOverflow, MaxTokensTooLarge or another Refused (one line) unless the engine (its
     context, vocabulary, training context, remote stage and checkpoint count) can run `req` over `prompt`."""
     if not prompt.shape[0]:
         raise EmptyPrompt()
     if len(prompt) >= n_ctx:
         raise ContextOverflow(len(prompt), n_ctx)
-    out = np.flatnonzero((prompt < 0) | (prompt >= n_vocab))
-    if out.size:
-        raise ValueError(f"token id {int(prompt[out[0]])} is outside the vocabulary [0, {n_vocab})")
+    bad = outside_vocab(prompt, n_vocab)
+    if bad is not None:
+        raise Refused(f"token id {bad} is outside the vocabulary [0, {n_vocab})")
     if req.max_tokens is not None and req.max_tokens < 0:
-        raise ValueError(f"max_tokens must be >= 0, got {req.max_tokens}")
+        raise Refused(f"max_tokens must be >= 0, got {req.max_tokens}")
     if req.max_tokens is not None and n_ctx_train and req.max_tokens > n_ctx_train:
         raise MaxTokensTooLarge(req.max_tokens, n_ctx_train, n_ctx)   # within it, a full context ends the answer ("length")
     if isinstance(req.n, bool) or not isinstance(req.n, int) or req.n < 1:
-        raise ValueError(f"n must be an integer >= 1, got {req.n!r}")
+        raise Refused(f"n must be an integer >= 1, got {req.n!r}")
     if req.n > 1 and remote and prompt_cache == 0:
-        raise ValueError("n > 1 with a remote stage needs --prompt-cache N: the worker keeps the prompt's state "
+        raise Refused("n > 1 with a remote stage needs --prompt-cache N: the worker keeps the prompt's state "
                          "for the later choices as a checkpoint part")
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
-        raise ValueError(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {req.logprobs}")
+        raise Refused(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {req.logprobs}")
     for c in req.cut_points or ():
         if isinstance(c, dict):
             pos, kind = c.get("pos"), c.get("kind")
@@ -53,6 +53,6 @@ def check_request(req: GenerationRequest, prompt: np.ndarray, *, n_ctx: int, n_v
         else:
             pos, kind = c[0], c[1]
         if kind not in CUT_KINDS:
-            raise ValueError(f"unknown cut point kind {kind!r} (expected one of {', '.join(CUT_KINDS)})")
+            raise Refused(f"unknown cut point kind {kind!r} (expected one of {', '.join(CUT_KINDS)})")
         if not 0 <= int(pos) <= len(prompt):
-            raise ValueError(f"cut point {kind} at {pos} is outside the prompt [0, {len(prompt)}]")
+            raise Refused(f"cut point {kind} at {pos} is outside the prompt [0, {len(prompt)}]")

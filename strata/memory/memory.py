@@ -36,7 +36,7 @@ def _diff(a: Any, b: Any, path: str = "") -> str | None:
 
 
 class Memory(ABC):
-    """One stage's per-sequence state (DESIGN.md §2 "memory"): sequences by id, each a SequenceState.
+    """One stage's per-sequence state: sequences by id, each a SequenceState.
 
     Operations: ``new_seq`` / ``drop_seq``; ``truncate`` (attention: to any prefix; a recurrent state refuses
     anything but its own position or 0); ``reset``; ``capture`` -> StatePart (running state copied, K/V referenced);

@@ -14,7 +14,7 @@ class PartMismatch(ValueError):
 
 @dataclass(frozen=True)
 class Carve:
-    """The layers a stage runs: [lo, hi), half-open (DESIGN.md §2)."""
+    """The layers a stage runs: [lo, hi), half-open."""
 
     lo: int
     hi: int
@@ -41,7 +41,7 @@ class KVPages:
     """K/V of positions [0, length) of one page pool.
 
     Either a *reference* (``pages``: the ids in the stage's pool, valid while the sequence that was captured still
-    holds these tokens: the one-arena rule of seed #62, which the checkpoint cache enforces), *host copies*
+    holds these tokens: the one-arena rule, which the checkpoint cache enforces), *host copies*
     (``arrays``: PagePool.export_pages of those pages, "L{layer}.{k|v|k_scale|v_scale}" -> array with the page axis
     of length ceil(length / page_size)): what parking and session files hold, or neither, a *prefix*: the first
     ``length`` positions of the K/V of the conversation the part travels with (a parked or saved conversation's

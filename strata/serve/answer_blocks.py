@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from strata.engine.types import FinalEvent
 from strata.serve.handling import next_event
 
 
@@ -37,7 +38,7 @@ class AnswerBlocks:
     async def events(self, job):
         while True:
             ev = await next_event(job)
-            if hasattr(ev, "finish_reason"):
+            if isinstance(ev, FinalEvent):
                 deltas = self.answer.feed(ev.text or "") + self.answer.finish()
                 out = self._feed(deltas) + self._close()
                 self.final, self.finish_reason = ev, self.answer.finish_reason(ev.finish_reason)

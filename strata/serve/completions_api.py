@@ -12,7 +12,7 @@ import structlog
 from aiohttp import web
 
 from strata import __version__
-from strata.engine.types import ContextOverflow, Refused, merge_choices
+from strata.engine.types import ContextOverflow, FinalEvent, Refused, merge_choices
 from strata.serve import schema
 from strata.serve.config import WORKER_KEY
 from strata.serve.errors import ApiError, refusal
@@ -21,6 +21,7 @@ from strata.serve.handling import (as_api_error, check_model, json_response, nex
 from strata.serve.logprobs import LogprobsAcc
 from strata.serve.worker import EngineError
 from strata.structured import plan as structured
+from strata.text.token_ids import outside_vocab
 
 log = structlog.get_logger("strata.serve")
 
@@ -92,20 +93,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
     else:
         tokens = p.prompt
         n_vocab = getattr(engine, "n_vocab", None)
-        bad = _outside_vocab(tokens, n_vocab)
+        bad = outside_vocab(tokens, n_vocab)
         if bad is not None:
             raise ApiError(400, f"'prompt' holds token id {bad} outside the vocabulary [0, {n_vocab})",
                            param="prompt", code="invalid_value")
     constraint = await _constraint(lambda: structured.completion_constraint(engine, p))
     return await _generate(request, engine, p, list(tokens), [], constraint=constraint)
-
-
-def _outside_vocab(tokens: list[int], n_vocab: int | None) -> int | None:
-    """The first token id below 0 or (when n_vocab is known) not below n_vocab, or None. min / max run in C: only
-    a prompt that holds such an id is looked through token by token."""
-    if min(tokens) >= 0 and (n_vocab is None or max(tokens) < n_vocab):
-        return None
-    return next(t for t in tokens if t < 0 or (n_vocab is not None and t >= n_vocab))
 
 
 async def _generate(request: web.Request, engine, p: schema.ParsedRequest, tokens: list[int],
@@ -180,7 +173,7 @@ async def _collect(request, engine, p, job, answers: list | None = None) -> web.
     finals = []
     while len(finals) < p.n:
         ev = await next_event(job)
-        if hasattr(ev, "finish_reason"):
+        if isinstance(ev, FinalEvent):
             finals.append(ev)
             pieces[ev.index].append(ev.text or "")
             accs[ev.index].finish(ev.text or "")
@@ -272,7 +265,7 @@ async def _stream(request, engine, p, job, answers: list | None = None) -> web.S
             if chat and i not in started:
                 started.add(i)
                 await resp.write(chunk([choice(i, "", None, role=True)]))
-            if hasattr(ev, "finish_reason"):
+            if isinstance(ev, FinalEvent):
                 finals.append(ev)
                 tail = ev.text or ""
                 lp = accs[i].finish(tail) if p.logprobs else None

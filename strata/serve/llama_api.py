@@ -17,6 +17,7 @@ from strata.serve.config import WORKER_KEY
 from strata.serve.errors import ApiError
 from strata.serve.handling import engine_of, json_response, read_body
 from strata.structured import plan as structured
+from strata.text.token_ids import outside_vocab
 
 # HTTP status -> llama-server's error type (tools/server: format_error_response)
 LLAMA_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -61,7 +62,7 @@ def _flag(body: dict, key: str, default: bool) -> bool:
 def _token_ids(v, key: str, n_vocab: int) -> list[int]:
     if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
         raise _bad(f"'{key}' must be an array of token ids")
-    bad = next((t for t in v if not 0 <= t < n_vocab), None)
+    bad = outside_vocab(v, n_vocab)
     if bad is not None:
         raise _bad(f"'{key}' holds token id {bad} outside the vocabulary [0, {n_vocab})")
     return list(v)

@@ -17,6 +17,8 @@ from typing import Any, Callable
 
 import structlog
 
+from strata.engine.types import FinalEvent
+
 log = structlog.get_logger("strata.serve.worker")
 
 
@@ -186,7 +188,7 @@ class EngineWorker:
         try:
             for ev in self.engine.generate(job.request):
                 now = time.perf_counter()
-                if hasattr(ev, "finish_reason"):
+                if isinstance(ev, FinalEvent):
                     self.metrics.observe_final(dict(ev.usage or {}), dict(ev.timings or {}),
                                                dict(getattr(ev, "strata", None) or {}), ev.finish_reason)
                     log.info("generation finished", finish_reason=ev.finish_reason,

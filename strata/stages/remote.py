@@ -81,7 +81,7 @@ def parse_remote(spec: str | None) -> list[str]:
 
 def unsupported_with_remote(*, conversation_cache_mib=None, conversation_cache_dir=None, slot_save_path=None,
                             prompt_cache_every: int = 0, prompt_cache_tail: int = 0) -> str | None:
-    """What a remote stage does not support yet (seed #1887), as one line (the CLI's usage error, the Engine's
+    """What a remote stage does not support yet, as one line (the CLI's usage error, the Engine's
     ValueError), or None."""
     if conversation_cache_mib or conversation_cache_dir:
         return ("parking (--conversation-cache-mib / --conversation-cache-dir) is not supported with a remote stage "
@@ -89,8 +89,8 @@ def unsupported_with_remote(*, conversation_cache_mib=None, conversation_cache_d
     if slot_save_path:
         return "session files (--slot-save-path) are not supported with a remote stage (--remote-stage) yet"
     if prompt_cache_every or prompt_cache_tail:
-        return ("mid-prompt checkpoints (--prompt-cache-every / --prompt-cache-tail) are not supported with a "
-                "remote stage (--remote-stage)")
+        what = "--prompt-cache-every" if prompt_cache_every else "the near-tail cut point, prompt_cache_tail"
+        return f"mid-prompt checkpoints ({what}) are not supported with a remote stage (--remote-stage)"
     return None
 
 

@@ -32,7 +32,7 @@ class Checkpoint:
 
 
 class Sequence:
-    """One live conversation on the engine (DESIGN.md §2): the token ids read so far (the main process decides
+    """One live conversation on the engine: the token ids read so far (the main process decides
     positions) and, per stage, its sequence id there. Every operation runs over all stages; restore validates
     every stage's part before any stage is written. The ids live in one int32 buffer (``ids``, a read-only view),
     so reading n tokens costs O(n) and comparing the sequence with a prompt is one numpy comparison."""
@@ -113,7 +113,7 @@ class Sequence:
     # ---- state -----------------------------------------------------------------------------------
     def settle(self) -> None:
         """Wait until nothing sent ahead is in flight on any stage (a remote stage's Commits): before a prompt
-        is read, as a restore and a reset do (seed #1887)."""
+        is read, as a restore and a reset do."""
         for st in self.stages:
             st.settle()
 

@@ -27,13 +27,13 @@ class ModelRunner:
 
 
 class Stage:
-    """Layers ``carve`` of the model on ``device`` (DESIGN.md §2): stage 0 embeds the tokens, the last stage ends
+    """Layers ``carve`` of the model on ``device``: stage 0 embeds the tokens, the last stage ends
     with the output head; the others take and return hidden states.
 
     The stage owns its ``memory`` (every sequence's KV pages / running state / drafter K/V for its layers) and
     its ``runner`` (ModelRunner, or the backend's CUDA plan of the carve). Everything the engine does to a
     stage goes through the methods below; state is read (capture, hashes, write) or written (restore) only after
-    the stage's own device drained (``backend.drain``: seed #716).
+    the stage's own device drained (``backend.drain``).
     """
 
     def __init__(self, index: int, carve: Carve, device: str, backend, model, memory: Memory, runner):
@@ -49,7 +49,7 @@ class Stage:
 
     def on_device(self):
         """This stage's device made current (a context manager): the copies its memory makes (a page copied for a
-        parked conversation, running state restored) run on its own card and stream (seed #716); nothing on the
+        parked conversation, running state restored) run on its own card and stream; nothing on the
         CPU."""
         return getattr(self.backend, "device", None) or contextlib.nullcontext()
 

@@ -25,7 +25,7 @@ from strata.stages.remote import HANDSHAKE_MAX, LinkClient, LinkDown, WorkerErro
 
 log = structlog.get_logger("strata.worker")
 
-CKPT_MAX = 64               # checkpoint parts a worker keeps at most (seed #1887)
+CKPT_MAX = 64               # checkpoint parts a worker keeps at most
 HELLO_TIMEOUT = 10.0        # seconds a connected main has to send its Hello
 IDLE_TIMEOUT = 15.0         # seconds without a frame from the main (it pings an idle link every second)
 MAX_BATCH = 8192            # tokens a Forward may carry at most (bounds the frames a main can make the worker read)

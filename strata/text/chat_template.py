@@ -27,7 +27,7 @@ MESSAGE_CUTS = 64   # messages at the end of a chat that get a "message" cut poi
 
 @dataclass(frozen=True)
 class CutPoint:
-    """A token position where the prompt may be split and a checkpoint saved (DESIGN.md "cut points").
+    """A token position where the prompt may be split and a checkpoint saved.
 
     pos: number of prompt tokens before the cut. kind: "root" (end of the leading system message(s)),
     "message" (end of message `index`), "turn" (start of the final generation prompt, index None),

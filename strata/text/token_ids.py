@@ -60,3 +60,17 @@ def same_ids(a, b) -> bool:
     """Whether two token id sequences are equal."""
     a, b = as_ids(a), as_ids(b)
     return a.shape == b.shape and bool(np.array_equal(a, b))
+
+
+def outside_vocab(tokens, n_vocab: int | None) -> int | None:
+    """The first token id below 0 or (when n_vocab is known) not below n_vocab, or None. A list or an integer array;
+    min / max run in C, so only a prompt that holds such an id is looked through token by token."""
+    if len(tokens) == 0:
+        return None
+    if isinstance(tokens, np.ndarray):
+        lo, hi = int(tokens.min()), int(tokens.max())
+    else:
+        lo, hi = min(tokens), max(tokens)
+    if lo >= 0 and (n_vocab is None or hi < n_vocab):
+        return None
+    return int(next(t for t in tokens if t < 0 or (n_vocab is not None and t >= n_vocab)))

@@ -190,7 +190,7 @@ class CudaBackend(Backend):
 
     def drain(self) -> None:
         """Wait for everything queued on this backend's device (cudaDeviceSynchronize on this device, not the
-        current one: seed #716)."""
+        current one)."""
         with self.device:
             self.cp.cuda.Device(self.device_id).synchronize()
 
