@@ -244,7 +244,7 @@ def test_threads_give_identical_results(monkeypatch):
 
 
 def test_env_var_forces_portable_path():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(quant.__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(quant.__file__))))
     env = dict(os.environ, STRATA_CPU_PATH="portable",
                PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     code = "from strata.backend import quant; print(quant.cpu_path())"

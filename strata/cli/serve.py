@@ -6,7 +6,7 @@ import ipaddress
 import os
 import sys
 
-from strata.cli.engine_flags import add_engine_args, engine_args_error, engine_kwargs
+from strata.cli.engine_flags import CliError, add_engine_args, engine_config
 from strata.serve.log import LEVELS, configure_logging
 from strata.serve.paths import default_socket_path
 
@@ -100,7 +100,11 @@ def check_args(args) -> str | None:
         return "--no-socket needs --port (or --host): the daemon would listen nowhere"
     if args.drain_timeout < 0:
         return f"--drain-timeout must be >= 0, got {args.drain_timeout}"
-    return engine_args_error(args)
+    try:
+        engine_config(args)
+    except CliError as e:
+        return str(e)
+    return None
 
 
 def _cuda_unusable(device: str) -> str | None:
@@ -147,7 +151,7 @@ def run(args) -> int:
 
     def factory():
         from strata.engine.engine import Engine
-        return Engine(args.model, **engine_kwargs(args))
+        return Engine(engine_config(args))
 
     try:
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:

@@ -50,8 +50,8 @@ class Decoder:
         for t in (prompt[-k:] if k > 0 else prompt if k == -1 else prompt[:0]).tolist():
             sampler.accept(t)            # the penalties see the prompt too (as llama.cpp's server does)
         decoder = StreamDecoder(self.tokenizer, show=req.show_tokens)
-        # strata.sampling.grammar: the token mask; computed during the forward on the CPU backend, inline when the logits stay
-        # on a GPU (measured there, overlap cost more than it hid: docs/serving.md)
+        # strata.sampling.grammar: the token mask, computed during the forward on the CPU backend and inline when the
+        # logits stay on a GPU (docs/serving.md)
         guide = req.constraint.start(overlap=not on_device) if req.constraint is not None else None
         stopper = StopMatcher(list(req.stop or []))
         max_new = req.max_tokens if req.max_tokens is not None else self.n_ctx

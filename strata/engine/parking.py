@@ -66,8 +66,7 @@ class Conversations:
         ones): two full conversations of the local stages (a switch parks the live one while the other is still
         parked), each a full context's K/V plus its running state and the checkpoints' copies of it; capped by the
         park budget and PREPIN_MAX and kept up to the park budget, so a park copies at the bus's (or memcpy's)
-        bandwidth instead of getting fresh memory first (cudaHostAlloc: 0.3 s for 846 MiB on the H200 host against
-        16 ms for the copy; fresh CPU memory pages in at ~0.6-1.3 GB/s). Returns the bytes asked for."""
+        bandwidth instead of getting fresh memory first (docs/checkpoints.md). Returns the bytes asked for."""
         if self.park is None:
             return 0
         full: dict[str, int] = {}

@@ -5,24 +5,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from strata.errors import Refused
+
 FinishReason = Literal["stop", "length", "cancelled"]
 ResumeFrom = Literal["live", "checkpoint", "park", "disk", "session", "choice", "none"]
-
-
-class Refused(ValueError):
-    """A request refused for what it asks: the HTTP status it answers (400 unless a subclass says otherwise), the
-    request field at fault (`param`, or None) and a machine-readable `code`."""
-
-    status = 400
-    param: str | None = None
-    code = "invalid_value"
-
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        if param is not None:
-            self.param = param
-        if code is not None:
-            self.code = code
 
 
 class ContextOverflow(Refused):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from strata.engine.types import ContextOverflow, EmptyPrompt, GenerationRequest, MaxTokensTooLarge, Refused
+from strata.engine.types import ContextOverflow, EmptyPrompt, GenerationRequest, MaxTokensTooLarge
+from strata.errors import Refused
 from strata.text.token_ids import as_ids, outside_vocab
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs

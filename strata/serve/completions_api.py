@@ -12,7 +12,8 @@ import structlog
 from aiohttp import web
 
 from strata import __version__
-from strata.engine.types import ContextOverflow, FinalEvent, Refused, merge_choices
+from strata.engine.types import ContextOverflow, FinalEvent, merge_choices
+from strata.errors import Refused
 from strata.serve import schema
 from strata.serve.config import WORKER_KEY
 from strata.serve.errors import ApiError, refusal

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from strata.engine.types import Refused
+from strata.errors import Refused
 
 # HTTP status -> OpenAI error "type" (https://platform.openai.com/docs/guides/error-codes)
 ERROR_TYPES = {

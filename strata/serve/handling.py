@@ -9,7 +9,7 @@ from aiohttp import web
 
 from strata.serve import schema
 from strata.serve.config import CONFIG_KEY, WORKER_KEY
-from strata.engine.types import Refused
+from strata.errors import Refused, Unavailable
 from strata.serve.errors import ApiError, refusal
 from strata.serve.worker import EngineError, EngineWorker, Job, QueueFull, ShuttingDown
 
@@ -79,8 +79,8 @@ def as_api_error(err: EngineError) -> ApiError:
     if isinstance(e, ShuttingDown):
         return ApiError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "5"})
     name = type(e).__name__
-    if getattr(e, "http_status", None):     # a stage link failure (strata.stages.remote): 503 with its code
-        return ApiError(int(e.http_status), str(e), code=getattr(e, "api_code", "engine_error"))
+    if isinstance(e, Unavailable):          # e.g. a stage link failure (strata.stages.remote): 503 with its code
+        return ApiError(e.status, str(e), code=e.code)
     if isinstance(e, Refused):
         return refusal(e)
     if isinstance(e, ValueError):

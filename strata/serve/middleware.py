@@ -14,7 +14,7 @@ from aiohttp import web
 
 from strata.serve import chat_page
 from strata.serve.config import CONFIG_KEY, ERROR_SHAPES_KEY, METRICS_KEY
-from strata.engine.types import Refused
+from strata.errors import Refused
 from strata.serve.errors import ApiError, refusal
 from strata.serve.handling import json_response
 

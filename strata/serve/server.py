@@ -15,6 +15,7 @@ from aiohttp import web
 
 from strata.serve.app import make_app
 from strata.serve.config import ServeConfig, format_hostport
+from strata.errors import Unavailable
 from strata.serve.errors import ApiError
 from strata.serve.metrics import Metrics
 from strata.serve.notify import sd_notify
@@ -105,7 +106,7 @@ async def serve(cfg: ServeConfig, engine_factory: Callable[[], Any]) -> int:
         if worker.loaded in done:
             exc = worker.loaded.exception()
             if exc is not None:
-                what = "the stage link failed" if getattr(exc, "api_code", "") == "worker_unavailable" else \
+                what = "the stage link failed" if isinstance(exc, Unavailable) and exc.code == "worker_unavailable" else \
                     "the model failed to load"
                 raise StartupError(f"{what}: {exc}")
             eng = worker.engine

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import structlog
 
 from strata.engine.types import FinalEvent
+from strata.errors import Unavailable
 
 log = structlog.get_logger("strata.serve.worker")
 
@@ -206,7 +207,7 @@ class EngineWorker:
                     last = now
                 self._post(job, ev)
         except BaseException as e:  # noqa: BLE001 - the engine must stay up for the next request
-            if getattr(e, "http_status", None) == 503:     # a stage link down: expected, said in one line
+            if isinstance(e, Unavailable):     # e.g. a stage link down: expected, said in one line
                 log.warning("generation failed: a remote stage is unavailable", error=str(e))
             else:
                 log.error("generation failed", error=f"{type(e).__name__}: {e}",

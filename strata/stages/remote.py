@@ -19,6 +19,7 @@ import structlog
 import link
 from link import (Ack, Challenge, CkptRestore, CkptSave, Commit, Error, ErrorCode, Forward, FLAG_ASYNC, Hello,
                   HelloAck, Hop, LinkError, Ping, Pong, Reset, Result)
+from strata.errors import Unavailable
 from strata.memory import Carve, PartMismatch
 
 log = structlog.get_logger("strata.stages.remote")
@@ -30,12 +31,10 @@ HANDSHAKE_MAX = 64 * 1024  # payload bytes a Challenge / Hello / HelloAck may ha
 BACKOFF = (0.1, 0.2, 0.5, 1.0, 2.0)   # seconds between reconnection attempts (the last one repeats)
 
 
-class LinkDown(RuntimeError):
-    """The link to a worker failed (closed, silent, a bad frame, a refused hello); one line naming the worker.
-    A request that meets it fails with HTTP 503 (code worker_unavailable)."""
+class LinkDown(Unavailable):
+    """The link to a worker failed (closed, silent, a bad frame, a refused hello); one line naming the worker."""
 
-    http_status = 503
-    api_code = "worker_unavailable"
+    code = "worker_unavailable"
 
 
 class WorkerRefused(LinkDown):
@@ -43,15 +42,14 @@ class WorkerRefused(LinkDown):
     version), or did not answer it."""
 
 
-class WorkerError(RuntimeError):
-    """The worker answered a request with an Error (code, one-line message)."""
+class WorkerError(Unavailable):
+    """The worker answered a request with an Error (its link error code, a one-line message)."""
 
-    http_status = 503
-    api_code = "worker_error"
+    code = "worker_error"
 
-    def __init__(self, code: int, message: str):
+    def __init__(self, link_code: int, message: str):
         super().__init__(message)
-        self.code = int(code)
+        self.link_code = int(link_code)
 
 
 class CheckpointGone(PartMismatch):
@@ -497,7 +495,7 @@ class RemoteStage:
         try:
             ack = self._call(CkptRestore(ckpt_id=part.ckpt_id, pos=part.pos, keep=self._keep(also=part.ckpt_id)))
         except WorkerError as e:
-            if e.code == ErrorCode.CKPT_MISSING:
+            if e.link_code == ErrorCode.CKPT_MISSING:
                 raise CheckpointGone(str(e)) from None
             raise
         self._acked(ack)

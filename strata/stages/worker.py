@@ -78,7 +78,7 @@ class Carrier:
             if isinstance(msg, Commit):
                 return self.commit(msg)
         except WorkerError as e:            # the next worker's refusal, passed back with its code
-            raise Refuse(e.code, str(e)) from None
+            raise Refuse(e.link_code, str(e)) from None
         except LinkDown as e:
             raise Refuse(ErrorCode.NEXT_HOP, str(e), fatal=True) from None
         except KVCacheFull as e:

@@ -7,7 +7,7 @@ from typing import Any
 
 from strata.structured import reasoning, tool_calls
 from strata.sampling.grammar import Constraint, GrammarError, gbnf_grammar, lark_grammar, lark_json
-from strata.engine.types import Refused
+from strata.errors import Refused
 
 _TOOL_ROLE: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
 

