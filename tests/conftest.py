@@ -1,9 +1,14 @@
 """Shared pytest fixtures: the default model's path and a session-scoped Strata model on the CPU backend."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# the CLI's --device default is 'auto' (the GPU where there is one): the suite's commands and daemons run on the CPU
+# unless a test names a device
+os.environ.setdefault("STRATA_DEVICE", "cpu")
 
 
 @pytest.fixture(scope="session")

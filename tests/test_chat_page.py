@@ -435,3 +435,18 @@ def test_api_key_prompt(driver, keyed):
     driver.find_element(By.ID, "key-input").send_keys(KEY + "\n")
     wait(driver, lambda x: len(articles(x, "assistant")) == n + 1 and state(x) == "idle")
     assert meta(articles(driver, "assistant")[-1])["finish"]
+
+
+@browser_only
+def test_a_finished_answer_stays_scrolled_to_the_end_and_the_empty_state_names_the_model(driver, daemon):
+    open_page(driver, daemon, settings={"max_tokens": 160})
+    wait(driver, lambda x: "SmolLM2-135M-Instruct.Q4_1" in x.find_element(By.CSS_SELECTOR, "#messages .empty").text)
+    driver.set_window_size(900, 420)                 # a short window: every answer runs past the fold
+    try:
+        for text in ("Tell me a story about a cat.", "Tell me another story, about a dog."):
+            send(driver, text)
+            gap = driver.execute_script("const b = document.getElementById('messages');"
+                                        "return b.scrollHeight - b.scrollTop - b.clientHeight;")
+            assert gap < 40, gap
+    finally:
+        driver.set_window_size(1280, 860)

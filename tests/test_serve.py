@@ -5,12 +5,14 @@ import asyncio
 import json
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 
-from tests.test_serve_daemon import Daemon, free_port
+from tests.test_serve_daemon import Daemon, env_for_daemon, free_port
 from tests.test_tokenizer import _invalid_alone
 
 pytestmark = pytest.mark.slow
@@ -23,7 +25,8 @@ HI = [{"role": "user", "content": "What is the capital of France?"}]
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
-    d = Daemon(tmp, "--api-key", API_KEY, "--queue-max", "1", "--max-body", "65536", port=free_port()).start()
+    d = Daemon(tmp, "--api-key", API_KEY, "--queue-max", "1", "--max-body", "65536", "--alias", "smol,tiny",
+               port=free_port()).start()
     yield d
     rc = d.stop()
     assert rc == 0, d.log_tail()
@@ -60,6 +63,10 @@ def test_health_and_models_over_unix_socket(daemon, model_id):
     assert st == 200 and d["id"] == model_id and d["meta"]["n_ctx"] == 512
     st, d = daemon.json("GET", "/v1/models/gpt-4")
     assert st == 404 and d["error"]["code"] == "model_not_found"
+    st, d = daemon.json("GET", "/v1/models")
+    assert [m["id"] for m in d["data"]] == [model_id, "smol", "tiny"]
+    st, d = daemon.json("GET", "/v1/models/tiny")
+    assert st == 200 and d["id"] == "tiny" and d["meta"]["n_ctx"] == 512
     import os
     import stat
     assert stat.S_IMODE(os.stat(daemon.sock).st_mode) == 0o660
@@ -97,6 +104,11 @@ def test_raw_completion_reads_special_token_text_as_tokens(client, model_id):
     p = default_model_path()
     tok = transformers.AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
     assert raw.usage.prompt_tokens == len(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def test_openai_client_with_any_model_name_is_served(client, model_id):
+    r = client.chat.completions.create(model="gpt-4", messages=HI, max_tokens=4, temperature=0)
+    assert r.choices[0].message.content and r.model == model_id
 
 
 def test_openai_stream_equals_non_stream(client, model_id):
@@ -349,8 +361,9 @@ def test_huge_prompt_is_refused_before_tokenizing(daemon, path):
 def test_routes_models_and_sizes(daemon):
     st, d = daemon.json("GET", "/v1/nothing-here")
     assert st == 404 and "unknown route" in d["error"]["message"]
-    st, d = daemon.json("POST", "/v1/chat/completions", {"model": "gpt-4o", "messages": HI, "max_tokens": 1})
-    assert st == 404 and d["error"]["param"] == "model"
+    for name in ("gpt-4o", "", "claude-3-5-sonnet", "SmolLM2-135M-Instruct.Q4_1.gguf"):   # one model: any name
+        st, d = daemon.json("POST", "/v1/chat/completions", {"model": name, "messages": HI, "max_tokens": 1})
+        assert st == 200 and d["model"] == "SmolLM2-135M-Instruct.Q4_1", (name, d)
     st, h, b = daemon.request("POST", "/v1/chat/completions",
                               raw=json.dumps({"messages": HI, "pad": "x" * 70000}).encode())
     assert st == 413 and "--max-body" in json.loads(b)["error"]["message"]
@@ -710,3 +723,21 @@ def test_max_tokens_past_the_training_context_is_refused(daemon, client, model_i
                                                      "cache_prompt": False})
     assert st == 200 and d["choices"][0]["finish_reason"] == "length"
     assert d["usage"]["total_tokens"] == 512
+
+
+def test_a_request_without_max_tokens_ends_at_n_predict(tmp_path):
+    d = Daemon(tmp_path, "--n-predict", "5").start()
+    try:
+        for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "Count to 50."}],
+                                                     "temperature": 0}),
+                           ("/v1/completions", {"prompt": "1, 2, 3, 4, 5, 6,", "temperature": 0})):
+            st, r = d.json("POST", path, body)
+            assert st == 200, r
+            assert r["usage"]["completion_tokens"] == 5 and r["choices"][0]["finish_reason"] == "length", r
+        st, r = d.json("POST", "/v1/completions", {"prompt": "1, 2, 3,", "max_tokens": 7, "temperature": 0})
+        assert st == 200 and r["usage"]["completion_tokens"] == 7       # the request's own length wins
+    finally:
+        assert d.stop() == 0, d.log_tail()
+    r = subprocess.run([sys.executable, "-m", "strata.cli.main", "serve", "--n-predict", "-2"], capture_output=True,
+                       text=True, env=env_for_daemon(), timeout=120)
+    assert r.returncode == 2 and "--n-predict" in r.stderr and "must be >= -1" in r.stderr

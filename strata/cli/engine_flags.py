@@ -30,8 +30,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--ubatch", "-ub", type=_pos_int, default=D.ubatch,
                    help="tokens per forward call while reading a prompt (default %(default)s)")
     m.add_argument("--threads", "-t", type=_pos_int, default=None, help="CPU threads (default: all cores)")
-    m.add_argument("--device", type=_device, default=D.stages.device,
-                   help="'cpu' (default), 'cuda[:N]', or a comma list: one device per stage (cuda:0,cuda:1)")
+    m.add_argument("--device", type=_device, default=os.environ.get("STRATA_DEVICE", "auto"),
+                   help="'auto' (default: the GPU where CuPy, a GPU and the kernels are there, else the CPU), 'cpu', "
+                        "'cuda[:N]', or a comma list: one device per stage (cuda:0,cuda:1); env STRATA_DEVICE")
     m.add_argument("--layer-split", type=_layer_split, default=None, metavar="auto|L1,L2,...",
                    help="split the layers into stages: 'auto' (one stage per --device, layers in proportion to each "
                         "device's total memory) or the first layer of each later stage; the same device may run "
@@ -80,6 +81,7 @@ def engine_config(args, **overrides):
     cfg = EngineConfig.from_args(args)
     if overrides:
         cfg = cfg.replace(**overrides)
+    cfg = cfg.resolved()
     why = cfg.problem()
     if why:
         raise CliError(why, EXIT_USAGE)
@@ -100,9 +102,11 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _device(s: str) -> str:
-    """--device: 'cpu', 'cuda', 'cuda:N' or a comma list of them, refused by argparse (exit 2, before anything
-    starts) otherwise."""
+    """--device: 'auto', 'cpu', 'cuda', 'cuda:N' or a comma list of them, refused by argparse (exit 2, before
+    anything starts) otherwise."""
     from strata.stages import parse_devices
+    if s.strip() == "auto":
+        return "auto"
     try:
         parse_devices(s)
     except ValueError as e:

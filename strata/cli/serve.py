@@ -37,6 +37,16 @@ def _nonneg(text: str) -> int:
     return v
 
 
+def _n_predict(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < -1:
+        raise argparse.ArgumentTypeError(f"must be >= -1, got {v}")
+    return v
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
     n = p.add_argument_group("listening")
@@ -55,6 +65,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     n.add_argument("--responses-store", type=_nonneg, default=256, metavar="N",
                    help="/v1/responses kept for previous_response_id, least recently used dropped first (default "
                         "256; 0 keeps none)")
+    n.add_argument("--n-predict", type=_n_predict, default=1024, metavar="N",
+                   help="tokens an answer may have when a request sets no max_tokens / max_output_tokens (default "
+                        "1024; -1: until the model stops or the context is full)")
+    n.add_argument("--alias", action="append", default=[], metavar="NAME",
+                   help="another name of the model in /v1/models (repeatable, or comma-separated); requests may "
+                        "name any model: the loaded one answers")
     n.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let the running request finish before cancelling it")
     lg = p.add_argument_group("logging")
@@ -129,6 +145,8 @@ def run(args) -> int:
     if err:
         print(f"strata serve: error: {err}", file=sys.stderr)
         return 2
+    from strata.stages import resolve_device
+    args.device = resolve_device(args.device)
     if str(args.device).startswith("cuda"):   # no GPU / CuPy / kernels / such a GPU: say so before any socket
         why = _cuda_unusable(args.device)
         if why:
@@ -147,7 +165,8 @@ def run(args) -> int:
     cfg = ServeConfig(socket_path=None if args.no_socket else str(args.socket or default_socket_path()),
                       host=args.host, port=args.port, api_key=args.api_key, queue_max=args.queue_max,
                       max_body=args.max_body, drain_timeout=args.drain_timeout,
-                      responses_store=args.responses_store)
+                      responses_store=args.responses_store,
+                      n_predict=args.n_predict, aliases=tuple(a.strip() for v in args.alias for a in v.split(",") if a.strip()))
 
     def factory():
         from strata.engine.engine import Engine

@@ -26,7 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"address to listen on (default 127.0.0.1:{DEFAULT_PORT}; port 0 picks a free one)")
     p.add_argument("--model", "-m", default=os.environ.get("STRATA_MODEL", "default"),
                    help="the same GGUF the main runs (checked by fingerprint at the hello), or 'default'")
-    p.add_argument("--device", default="cpu", help="'cpu' (default) or 'cuda[:N]'")
+    p.add_argument("--device", default=os.environ.get("STRATA_DEVICE", "auto"),
+                   help="'auto' (default: the GPU where the CUDA backend runs, else the CPU), 'cpu' or 'cuda[:N]'; "
+                        "env STRATA_DEVICE")
     p.add_argument("--kv", default="f16", choices=("f16", "q8_0"), help="KV cache type on CUDA")
     p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--max-ctx", type=int, default=None, metavar="N",
@@ -64,9 +66,9 @@ def run(args) -> int:
     except ValueError as e:
         print(f"strata worker: error: --listen {e}", file=sys.stderr)
         return 2
-    from strata.stages import parse_devices
+    from strata.stages import parse_devices, resolve_device
     try:
-        devices = parse_devices(args.device)
+        devices = parse_devices(resolve_device(args.device))
     except ValueError as e:
         print(f"strata worker: error: --device {e}", file=sys.stderr)
         return 2

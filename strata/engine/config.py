@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class StageConfig:
-    """Where the layers run. device: 'cpu', 'cuda[:N]' or a comma list (one device per stage, or one for all);
+    """Where the layers run. device: 'cpu', 'cuda[:N]', a comma list (one device per stage, or one for all) or
+    'auto' (the GPU where the CUDA backend runs, else the CPU);
     layer_split: None, 'auto' or 'L1,L2,...' (the first layer of each later stage); kv: the CUDA KV cache type
     ('f16' or 'q8_0'; the CPU keeps float32); kv_pool_ctx: tokens each stage's KV page pool holds (None: n_ctx),
     the room conversations parked resident share with the live one."""
@@ -114,6 +115,13 @@ class EngineConfig:
             flat[k] = getattr(getattr(self, sub), name)
         return EngineConfig.build(**{**flat, **options})
 
+    def resolved(self) -> "EngineConfig":
+        """This config with device 'auto' made concrete (strata.stages.resolve_device)."""
+        if str(self.stages.device).strip() != "auto":
+            return self
+        from strata.stages import resolve_device
+        return self.replace(device=resolve_device("auto"))
+
     @property
     def remote(self) -> bool:
         return bool(self.link.remote_stage)
@@ -129,6 +137,8 @@ class EngineConfig:
         and the engine's ValueError."""
         from strata.stages import parse_devices, parse_split, pool_ctx_error
         from strata.stages.remote import parse_remote, unsupported_with_remote
+        if str(self.stages.device).strip() == "auto":
+            return self.resolved().problem()
         if self.n_ctx < 2:
             return f"n_ctx must be >= 2, got {self.n_ctx}"
         if self.ubatch < 1:

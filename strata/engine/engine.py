@@ -56,6 +56,7 @@ class Engine:
             cfg = model
         else:
             cfg = EngineConfig.build(model=model, **options)
+        cfg = cfg.resolved()
         why = cfg.problem()
         if why:
             raise ValueError(why)

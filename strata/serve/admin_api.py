@@ -9,7 +9,8 @@ from aiohttp import web
 from strata import __version__
 from strata.serve.config import CONFIG_KEY, METRICS_KEY, STARTED_KEY, WORKER_KEY
 from strata.serve.errors import ApiError
-from strata.serve.handling import as_api_error, check_model, engine_of, json_response, read_body, submit
+from strata.serve.handling import (as_api_error, check_model, engine_of, json_response, read_body, served_names,
+                                   submit)
 from strata.serve.metrics import CONTENT_TYPE
 from strata.serve.worker import EngineError
 
@@ -30,11 +31,12 @@ async def health(request: web.Request) -> web.Response:
 
 async def models(request: web.Request) -> web.Response:
     engine = engine_of(request)
-    return json_response({"object": "list", "data": [_model_obj(request, engine)]})
+    return json_response({"object": "list", "data": [_model_obj(request, engine, name)
+                                                     for name in served_names(request, engine)]})
 
 
-def _model_obj(request, engine) -> dict:
-    return {"id": engine.model_name, "object": "model", "created": int(request.app[STARTED_KEY]),
+def _model_obj(request, engine, name: str) -> dict:
+    return {"id": name, "object": "model", "created": int(request.app[STARTED_KEY]),
             "owned_by": "strata", "meta": {"n_ctx": engine.n_ctx, "arch": getattr(engine, "arch", None),
                                            "n_vocab": getattr(engine, "n_vocab", None),
                                            "path": getattr(engine, "model_path", None)}}
@@ -42,8 +44,9 @@ def _model_obj(request, engine) -> dict:
 
 async def model_one(request: web.Request) -> web.Response:
     engine = engine_of(request)
-    check_model(engine, request.match_info["model"])
-    return json_response(_model_obj(request, engine))
+    name = request.match_info["model"]
+    check_model(request, engine, name)
+    return json_response(_model_obj(request, engine, engine.model_name if name == "default" else name))
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -12,12 +12,12 @@ import structlog
 from aiohttp import web
 
 from strata import __version__
-from strata.engine.types import ContextOverflow, FinalEvent, merge_choices
+from strata.engine.types import ContextOverflow, EmptyPrompt, FinalEvent, merge_choices
 from strata.errors import Refused
 from strata.serve import schema
-from strata.serve.config import WORKER_KEY
+from strata.serve.config import CONFIG_KEY, WORKER_KEY
 from strata.serve.errors import ApiError, refusal
-from strata.serve.handling import (as_api_error, check_model, json_response, next_event, read_body, serving_engine,
+from strata.serve.handling import (as_api_error, json_response, next_event, read_body, serving_engine,
                                    submit)
 from strata.serve.logprobs import LogprobsAcc
 from strata.serve.worker import EngineError
@@ -44,7 +44,6 @@ async def render_chat(request: web.Request, p: schema.ParsedRequest):
     """A parsed chat request on the serving engine, rendered by its template: (engine, plan, rendered). The model is
     checked first; a refusal of the template or a prompt too long to render is an ApiError naming 'messages'."""
     engine = serving_engine(request)
-    check_model(engine, p.model)
     plan = structured.plan_chat(engine, p)           # tools, reasoning, response_format (strata.structured.plan)
     loop = asyncio.get_running_loop()
     try:
@@ -82,7 +81,6 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body = await read_body(request)
     p = schema.parse_completion(body)
     engine = serving_engine(request)
-    check_model(engine, p.model)
     if isinstance(p.prompt, str):
         text = p.prompt
         try:
@@ -108,24 +106,26 @@ async def _generate(request: web.Request, engine, p: schema.ParsedRequest, token
     from strata.engine.types import GenerationRequest
     from strata.text.token_ids import as_ids          # one conversion: validate and generate read it as it is
 
-    n_ctx = engine.n_ctx
-    if len(tokens) >= n_ctx:
-        raise ApiError(400, f"the prompt has {len(tokens)} tokens but the context holds {n_ctx} (at most "
-                            f"{n_ctx - 1} prompt tokens, leaving room for one generated token)",
-                       param="messages" if p.kind == "chat" else "prompt", code="context_length_exceeded")
-    if not tokens:
-        raise ApiError(400, "the prompt is empty: at least one token is needed", param="prompt",
-                       code="invalid_value")
+    max_tokens = p.max_tokens
+    if max_tokens is None:                # the server's default length (--n-predict; -1: until the context is full)
+        n_predict = request.app[CONFIG_KEY].n_predict
+        n_train = int(getattr(getattr(engine, "config", None), "n_ctx_train", 0) or 0)
+        max_tokens = None if n_predict < 0 else min(n_predict, n_train) if n_train else n_predict
     try:
         greq = GenerationRequest(prompt_tokens=as_ids(tokens), cut_points=cut_points, sampling=_sampling(p),
-                                 max_tokens=p.max_tokens, stop=p.stop,
+                                 max_tokens=max_tokens, stop=p.stop,
                                  logprobs=p.top_logprobs if p.logprobs else None,
                                  cache_prompt=p.cache_prompt, checkpoint=p.checkpoint, n=p.n,
                                  cancel=threading.Event(),
                                  constraint=constraint, show_tokens=plan.show_tokens if plan else frozenset())
         engine.validate(greq)              # refused now rather than after the queue (max_tokens past n_ctx_train, ...)
     except ValueError as e:
-        raise as_api_error(EngineError(e)) from None
+        err = as_api_error(EngineError(e))
+        if isinstance(e, ContextOverflow):
+            err.param = "messages" if p.kind == "chat" else "prompt"
+        elif isinstance(e, EmptyPrompt):
+            err.param = "prompt"
+        raise err from None
     w = request.app[WORKER_KEY]
     job = submit(w, greq, rid=request["rid"])
     log.debug("queued", prompt_tokens=len(tokens), waiting=w.waiting, stream=p.stream)

@@ -22,6 +22,8 @@ class ServeConfig:
     retry_after: int = 1
     drain_timeout: float = 30.0
     responses_store: int = 256        # /v1/responses kept for previous_response_id (strata.serve.responses_api)
+    aliases: tuple[str, ...] = ()     # --alias: more names of the loaded model in /v1/models
+    n_predict: int = 1024             # --n-predict: an answer's length when a request gives none (-1: no limit)
     tcp_bound: str | None = None      # the TCP address actually bound ("[::1]:8090"; --port 0 gives the real port)
 
     def tcp_address(self) -> str | None:

@@ -39,13 +39,15 @@ def serving_engine(request: web.Request):
     return engine
 
 
-def _model_ids(engine) -> list[str]:
-    return [engine.model_name]
+def served_names(request: web.Request, engine) -> list[str]:
+    """The names the loaded model answers to in /v1/models: its file's stem, then every --alias. A generation
+    request may name any model (one is loaded, as with llama-server): its `model` field is not checked."""
+    return [engine.model_name, *(a for a in request.app[CONFIG_KEY].aliases if a != engine.model_name)]
 
 
-def check_model(engine, model: str | None) -> None:
-    """404 (model_not_found) for a model name the daemon does not serve (None and "default" are its own)."""
-    if model is None or model in _model_ids(engine) or model == "default":
+def check_model(request: web.Request, engine, model: str) -> None:
+    """404 (model_not_found) when GET /v1/models/{model} names none of served_names ("default" is one too)."""
+    if model in served_names(request, engine) or model == "default":
         return
     raise ApiError(404, f"the model {model!r} does not exist: this daemon serves {engine.model_name!r}",
                    param="model", code="model_not_found")

@@ -9,7 +9,19 @@ from strata.stages.split import parse_devices, parse_split, plan_stages
 from strata.stages.stage import ModelRunner, Stage
 
 __all__ = ["ModelRunner", "Stage", "build_stages", "load_stages", "make_backend", "n_main_blocks", "parse_devices",
-           "parse_split", "plan_stages"]
+           "parse_split", "plan_stages", "resolve_device"]
+
+
+def resolve_device(spec: str) -> str:
+    """`spec` itself, or for 'auto': 'cuda:0' where the CUDA backend can run (CuPy, a GPU, the kernel library),
+    else 'cpu'."""
+    if str(spec).strip() != "auto":
+        return spec
+    try:
+        from strata.backend.cuda.library import unavailable_reason
+    except ImportError:
+        return "cpu"
+    return "cpu" if unavailable_reason() else "cuda:0"
 
 
 def make_backend(device: str, kv: str = "f16"):

@@ -7,6 +7,7 @@ const $ = id => document.getElementById(id);
 const state = store.loadState();
 const settings = store.loadSettings();
 let model = "default";
+let modelKnown = false;      // model is the server's name for it (not the placeholder sent before it is known)
 let running = null;               // {ctrl: AbortController, conv} while an answer streams
 let keyWaiters = [];              // resolvers of askKey() calls waiting for a key
 
@@ -102,7 +103,8 @@ function renderConversation() {
   box.replaceChildren();
   const conv = conversation();
   if (!conv.messages.length) {
-    box.append(el("p", "empty", `Ask ${model} something. Each answer shows its time to first token, its speed ` +
+    const who = modelKnown ? model : "the model";
+    box.append(el("p", "empty", `Ask ${who} something. Each answer shows its time to first token, its speed ` +
       "and where the prompt resumed from: a follow-up reads only what is new."));
   }
   for (const m of conv.messages) box.append(messageView(m));
@@ -156,8 +158,11 @@ function authMessage() {
 async function loadModel() {
   for (;;) {
     try {
-      model = (await modelIds())[0] || "default";
+      const ids = await modelIds();
+      model = ids[0] || "default";
+      modelKnown = ids.length > 0;
       $("model").textContent = model;
+      if (!conversation().messages.length) renderConversation();   // the empty state names the model
       return;
     } catch (e) {
       if (!(e instanceof AuthError)) {
@@ -189,8 +194,10 @@ async function answer(conv) {
   const view = messageView(msg);
   const shown = () => conv.id === state.current;
   if (shown()) {
-    $("messages").querySelector(".empty")?.remove();
-    $("messages").append(view);
+    const box = $("messages");
+    box.querySelector(".empty")?.remove();
+    box.append(view);
+    box.scrollTop = box.scrollHeight;      // the question was just sent: the answer starts in view
   }
   const ctrl = new AbortController();
   running = {ctrl, conv};
@@ -248,8 +255,11 @@ async function answer(conv) {
   }
   conv.messages.push(msg);
   store.saveState(state);
+  const box = $("messages");          // the last chunks were not drawn yet: stay at the end if the reader was there
+  const atEnd = box.scrollHeight - box.scrollTop - box.clientHeight < 40;
   view.update();
   renderButtons();
+  if (atEnd && shown()) box.scrollTop = box.scrollHeight;
 }
 
 function send(e) {
