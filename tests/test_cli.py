@@ -244,3 +244,17 @@ def test_stratactl_unknown_flag_prints_the_subcommands_usage_line():
                        env=e, cwd=str(ROOT), timeout=60)
     assert p.returncode == 2 and p.stderr.startswith("usage: stratactl status ")
     assert p.stderr.strip().splitlines()[-1] == "stratactl status: error: unrecognized arguments: --bogus"
+
+
+@pytest.mark.parametrize("cmd", ["generate", "chat", "serve"])
+def test_a_bad_flag_value_is_two_lines_not_the_whole_usage(cmd):
+    p = strata(cmd, "--n-ctx", "abc")
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and p.stdout == "" and "Traceback" not in p.stderr
+    assert lines == [f"usage: strata {cmd} [options] ('strata {cmd} --help' lists them)",
+                     f"strata {cmd}: error: argument --n-ctx/-c: invalid context length value: 'abc'"]
+
+
+def test_an_empty_model_path_is_named_as_such():
+    p = strata("generate", "--model", "", "--prompt", "hi")
+    assert_one_line_error(p, "the model path is empty")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -163,3 +164,46 @@ def test_chat_is_greedy_by_default_like_strata_chat(daemon):
     b = ctl(daemon, "chat", "--max-tokens", "12", "Name a colour.")
     assert a.returncode == 0 and b.returncode == 0
     assert a.stdout == b.stdout and a.stdout.strip()
+
+
+def test_status_before_the_first_ping_says_so(tmp_path):
+    """A remote stage whose link has no round trip measured yet: said in words, not 'None ms'."""
+    import http.server
+    import socketserver
+
+    status = {"model": "m", "engine": {"arch": "llama", "n_ctx": 8},
+              "stages": [{"stage": 0, "device": "cpu", "layers": [0, 4], "memory": {}},
+                         {"stage": 1, "device": "remote", "layers": [4, 8], "memory": {},
+                          "link": {"up": True, "rtt_ms": None, "checkpoints_held": 0}}],
+              "queue": {"running": 0, "waiting": 0, "max": 1}}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps(status).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    class UnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+        daemon_threads = True
+
+        def get_request(self):
+            sock, _ = super().get_request()
+            return sock, ("local", 0)
+
+    sock = str(tmp_path / "s.sock")
+    srv = UnixServer(sock, Handler)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        p = ctl(None, "status", socket=sock)
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert p.returncode == 0, p.stderr
+    assert "no round trip measured yet" in p.stdout and "None ms" not in p.stdout

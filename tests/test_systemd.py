@@ -41,7 +41,7 @@ def test_service_settings():
     assert env["STRATA_MODEL"] == ["default"] and "STRATA_ARGS" in env
 
 
-def test_env_file_flags_parse():
+def test_env_file_flags_parse(tmp_path):
     """The flags shipped in strata.env are accepted by `strata serve`'s parser."""
     import argparse
     import shlex
@@ -50,8 +50,9 @@ def test_env_file_flags_parse():
     env = {k: v[0] for k, v in settings(UNITS / "strata.env").items()}
     p = argparse.ArgumentParser()
     add_arguments(p)
-    args = p.parse_args(["--model", env["STRATA_MODEL"], *shlex.split(env["STRATA_ARGS"])])
-    assert check_args(args) is None and args.prompt_cache == 6
+    flags = env["STRATA_ARGS"].replace("/var/lib/strata", str(tmp_path))   # the unit's StateDirectory, made by systemd
+    args = p.parse_args(["--model", env["STRATA_MODEL"], *shlex.split(flags)])
+    assert check_args(args) is None and args.prompt_cache == 6 and args.slot_save_path == str(tmp_path)
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed "
@@ -75,3 +76,12 @@ def test_systemd_analyze_verify(tmp_path):
     problems = [ln for ln in (r.stdout + r.stderr).splitlines()
                 if re.search(r"strata", ln) and not re.search(r"Failed to (connect|create)|bus", ln, re.I)]
     assert r.returncode == 0 and not problems, r.stdout + r.stderr
+
+
+def test_units_point_at_no_missing_documentation_and_the_worker_example_has_a_key():
+    for name in ("strata.service", "strata-worker@.service"):
+        assert "Documentation=" not in (UNITS / name).read_text()     # nothing installs a doc file for them
+    env = (UNITS / "strata.env").read_text()
+    example = [ln for ln in env.splitlines() if ln.startswith("#STRATA_WORKER_ARGS=")]
+    assert example and "--link-key-file" in example[0] and "0.0.0.0" in example[0]
+    assert "chown strata:strata" in env

@@ -1,7 +1,16 @@
-"""Command-line parsing shared by `strata` and `stratactl`: an unknown flag is reported with its subcommand's usage line."""
+"""Command-line parsing shared by `strata` and `stratactl`: a bad or unknown flag is reported in two lines, a short
+usage line naming the subcommand and the error (the full list is its --help)."""
 from __future__ import annotations
 
 import argparse
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors print `usage: PROG [options] ...` and `PROG: error: ...` (exit 2) instead of
+    the whole usage text; its subcommands' parsers are Parsers too."""
+
+    def error(self, message: str):
+        self.exit(2, f"usage: {self.prog} [options] ('{self.prog} --help' lists them)\n{self.prog}: error: {message}\n")
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:

@@ -16,7 +16,7 @@ import time
 import urllib.parse
 from typing import Any
 
-from strata.cli.argv import parse_args
+from strata.cli.argv import Parser, parse_args
 from strata.cli.chat_input import parse_chat_line
 from strata.serve.paths import client_socket_path
 
@@ -200,8 +200,10 @@ def cmd_status(c: Client, args) -> int:
             extra += f", {m['running'].get('layers')} recurrent layers"
         lk = s.get("link")
         if lk:
-            extra += (f", link up (round trip {lk.get('rtt_ms')} ms, {lk.get('checkpoints_held')} checkpoint parts "
-                      f"held)" if lk.get("up") else f", link DOWN: {lk.get('down_reason')}")
+            rtt = lk.get("rtt_ms")
+            rtt = f"round trip {rtt} ms" if rtt is not None else "no round trip measured yet"
+            extra += (f", link up ({rtt}, {lk.get('checkpoints_held')} checkpoint parts held)" if lk.get("up")
+                      else f", link DOWN: {lk.get('down_reason')}")
         return f"{s.get('stage')}: {s.get('device')} {_layers(s.get('layers'))}{extra}"
     stages = "; ".join(_stage(s) for s in d.get("stages", []))
     _out(args, d, _kv([
@@ -426,7 +428,7 @@ def _seconds(v: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="stratactl", description="Control a running Strata daemon.")
+    p = Parser(prog="stratactl", description="Control a running Strata daemon.")
     p.add_argument("--socket", "-s", default=None,
                    help="daemon's Unix socket (default $STRATA_SOCKET, $XDG_RUNTIME_DIR/strata/strata.sock "
                         "or /run/strata/strata.sock)")

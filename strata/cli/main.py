@@ -5,7 +5,7 @@ import argparse
 import os
 import sys
 
-from strata.cli.argv import parse_args
+from strata.cli.argv import Parser, parse_args
 from strata.cli.chat_input import parse_chat_line
 from strata.cli.engine_flags import (EXIT_ERROR, EXIT_USAGE, CliError, add_engine_args, add_sampling_args,
                                      engine_config, sampling_params)
@@ -155,7 +155,7 @@ def cmd_chat(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="strata", description="Strata: LLM inference with conversation checkpoints")
+    parser = Parser(prog="strata", description="Strata: LLM inference with conversation checkpoints")
     from strata import __version__
     parser.add_argument("--version", action="version", version=f"strata {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

@@ -184,7 +184,8 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="strata serve", description="Run Strata's daemon.")
+    from strata.cli.argv import Parser
+    p = Parser(prog="strata serve", description="Run Strata's daemon.")
     add_arguments(p)
     return run(p.parse_args(argv))
 

@@ -36,4 +36,6 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
     """'default' or None -> the default model's path; anything else is taken as a path."""
     if model is None or str(model) == "default":
         return default_model_path()
+    if not str(model).strip():
+        raise ValueError("the model path is empty: give a GGUF file, or 'default'")
     return Path(model)
