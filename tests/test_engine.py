@@ -289,3 +289,21 @@ def test_max_tokens_past_the_training_context_is_refused_at_once(engine):
     if engine.n_ctx < 8192:                       # the refusal says what happens within it on this server
         with pytest.raises(MaxTokensTooLarge, match=f"fills this server's context of {engine.n_ctx} tokens"):
             engine.validate(GenerationRequest(prompt_tokens=r.tokens, max_tokens=8193))
+
+
+def test_warm_up_leaves_nothing_behind_and_changes_no_answer(default_model_path):
+    from strata.engine import Engine
+    from strata.engine.types import GenerationRequest
+    cold = Engine(default_model_path, n_ctx=512, conversation_cache_mib=64)
+    warm = Engine(default_model_path, n_ctx=512, conversation_cache_mib=64)
+    w = warm.warm_up()
+    assert w["reads"] == [8, 507]                 # a short read and a whole ubatch (capped by the context)
+    assert warm.seq.pos == 0 and warm.checkpoints() == [] and warm.parked() == [] and warm.requests == 0
+    assert warm.status()["warmup"] == w
+    msgs = [{"role": "user", "content": "Name three colours."}]
+    answers = []
+    for e in (cold, warm):
+        r = e.render_chat(msgs)
+        evs = list(e.generate(GenerationRequest(prompt_tokens=r.tokens, cut_points=r.cut_points, max_tokens=12)))
+        answers.append(([ev.token_id for ev in evs if hasattr(ev, "token_id")], evs[-1].strata["resume_from"]))
+    assert answers[0] == answers[1] and answers[1][1] == "none"

@@ -569,6 +569,12 @@ def test_sigterm_drains_and_notifies(tmp_path):
         while not any("READY=1" in m for m in got) and time.monotonic() < deadline:
             time.sleep(0.02)
         assert any("READY=1" in m for m in got), got
+        order = [m for m in got if "STATUS=warming up" in m or "READY=1" in m]
+        assert "STATUS=warming up" in order[0] and "READY=1" in order[-1], got   # the warm-up ran before READY
+        st, s = d.json("GET", "/status")
+        w = s["engine"]["warmup"]
+        assert w["ms"] > 0 and w["reads"] and w["device_bytes"] is None        # the CPU: no device pools
+        assert s["engine"]["pos"] == 0 and s["engine"]["checkpoints"] == [] and s["engine"]["parked"] == []
         result = {}
 
         def on_first():

@@ -8,6 +8,7 @@ import sys
 
 from strata.cli.engine_flags import CliError, add_engine_args, engine_config
 from strata.serve.log import LEVELS, configure_logging
+from strata.serve.notify import sd_notify
 from strata.serve.paths import default_socket_path
 
 DEFAULT_PORT = 8080
@@ -68,6 +69,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     n.add_argument("--n-predict", type=_n_predict, default=1024, metavar="N",
                    help="tokens an answer may have when a request sets no max_tokens / max_output_tokens (default "
                         "1024; -1: until the model stops or the context is full)")
+    n.add_argument("--no-warmup", action="store_true",
+                   help="serve at once after the model loads, without first running the shapes a request uses "
+                        "(the first request then pays for them)")
     n.add_argument("--alias", action="append", default=[], metavar="NAME",
                    help="another name of the model in /v1/models (repeatable, or comma-separated); requests may "
                         "name any model: the loaded one answers")
@@ -170,7 +174,11 @@ def run(args) -> int:
 
     def factory():
         from strata.engine.engine import Engine
-        return Engine(engine_config(args))
+        engine = Engine(engine_config(args))
+        if not args.no_warmup:
+            sd_notify("STATUS=warming up")
+            engine.warm_up()           # before the worker reports the engine loaded: READY=1 and /health wait
+        return engine
 
     try:
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:

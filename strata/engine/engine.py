@@ -131,6 +131,14 @@ class Engine:
         self._lock = threading.Lock()
         self.requests = 0
         self.last_final: FinalEvent | None = None
+        self.warmup: dict | None = None           # what warm_up() ran and took (None: not run)
+
+    def warm_up(self) -> dict:
+        """Run the shapes a request will use once, leaving no state behind (strata.engine.warmup); kept for
+        /status."""
+        from strata.engine.warmup import warm_up
+        self.warmup = warm_up(self)
+        return self.warmup
 
     @property
     def park(self):

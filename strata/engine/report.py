@@ -22,6 +22,7 @@ def engine_status(engine, busy: bool) -> dict[str, Any]:
         "kv": engine.kv, "n_ctx": engine.n_ctx, "ubatch": engine.ubatch, "threads": engine.threads,
         "n_vocab": engine.n_vocab,
         "n_layer": engine.config.n_layer,
+        "warmup": engine.warmup,
         "stages": stages,
         "pos": engine.seq.pos,
         "kv_pages": {"used": sum(m["pages_used"] for m in main_kv), "total": sum(m["pages_total"] for m in main_kv),
