@@ -62,6 +62,7 @@ setup(
             "hypothesis>=6.100",
             "openai>=1.66",              # the Responses API (tests/test_serve_responses.py)
             "anthropic>=0.41",           # the Messages API's client (tests/test_serve_messages.py)
+            "ollama>=0.4",               # Ollama's API's client (tests/test_serve_ollama.py)
             "jsonschema>=4.20",
             "torch==2.13.0",
             "transformers>=4.46",

@@ -14,7 +14,7 @@ import time
 
 from aiohttp import web
 
-from strata.serve import admin_api, chat_page, completions_api, llama_api, messages_api, responses_api
+from strata.serve import admin_api, chat_page, completions_api, llama_api, messages_api, ollama_api, responses_api
 from strata.serve.config import (CONFIG_KEY, ERROR_SHAPES_KEY, METRICS_KEY, STARTED_KEY, WORKER_KEY, ServeConfig,
                                  format_hostport)
 from strata.serve.metrics import Metrics
@@ -56,4 +56,5 @@ def make_app(cfg: ServeConfig, worker: EngineWorker, metrics_: Metrics) -> web.A
     chat_page.add_routes(app)
     responses_api.add_routes(app)               # OpenAI's /v1/responses
     messages_api.add_routes(app)                # Anthropic's /v1/messages
+    ollama_api.add_routes(app)                  # Ollama's /api/chat, /api/generate, /api/tags, ...
     return app

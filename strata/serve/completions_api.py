@@ -79,7 +79,12 @@ async def generate_chat(request: web.Request, p: schema.ParsedRequest, respond=N
 
 async def completions(request: web.Request) -> web.StreamResponse:
     body = await read_body(request)
-    p = schema.parse_completion(body)
+    return await generate_completion(request, schema.parse_completion(body))
+
+
+async def generate_completion(request: web.Request, p: schema.ParsedRequest, respond=None) -> web.StreamResponse:
+    """Answer a parsed raw completion: the prompt tokenized (or its token ids checked), constrained, generated;
+    respond as for generate_chat (answers: [None], the events carry the text)."""
     engine = serving_engine(request)
     if isinstance(p.prompt, str):
         text = p.prompt
@@ -97,7 +102,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             raise ApiError(400, f"'prompt' holds token id {bad} outside the vocabulary [0, {n_vocab})",
                            param="prompt", code="invalid_value")
     constraint = await _constraint(lambda: structured.completion_constraint(engine, p))
-    return await _generate(request, engine, p, list(tokens), [], constraint=constraint)
+    return await _generate(request, engine, p, list(tokens), [], constraint=constraint, respond=respond)
 
 
 async def _generate(request: web.Request, engine, p: schema.ParsedRequest, tokens: list[int],
