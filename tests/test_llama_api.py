@@ -120,6 +120,11 @@ def test_props(daemon, default_model_path):
     ("/detokenize", {"tokens": "hi"}, "'tokens' must be an array of token ids"),
     ("/apply-template", {}, "'messages' is required"),
     ("/apply-template", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ("/completion", {}, "'prompt' is required"),
+    ("/completion", {"prompt": "x", "n_predict": "ten"}, "'n_predict' must be an integer >= -1"),
+    ("/completion", {"prompt": "x", "n_probs": 3}, "'n_probs' is not supported"),
+    ("/completion", {"prompt": "x", "id_slot": 3}, "'id_slot' must be 0 or -1"),
+    ("/completion", {"prompt": [1, 10 ** 9]}, "outside the vocabulary"),
 ])
 def test_errors_in_llama_server_shape(daemon, path, body, needle):
     st, r = curl(daemon, path, body)
@@ -150,3 +155,20 @@ def test_add_special_adds_bos_where_the_model_asks_for_it(tmp_path):
         assert mixed["tokens"] == [1] + plain["tokens"] * 2
     finally:
         d.stop()
+
+
+def test_completion_with_curl_whole_and_streamed(daemon):
+    body = {"prompt": "1, 2, 3, 4,", "n_predict": 6, "temperature": 0}
+    st, r = curl(daemon, "/completion", body)
+    assert st == 200 and r["stop"] is True and r["tokens_predicted"] == 6 and r["stop_type"] == "limit"
+    assert r["stopped_limit"] and r["content"].strip().startswith("5") and r["tokens_evaluated"] > 0
+    assert r["generation_settings"]["n_predict"] == 6 and r["timings"]["predicted_n"] == 6
+    cmd = ["curl", "-sS", "-N", "--unix-socket", daemon.sock, "http://strata/completion", "-H",
+           "Content-Type: application/json", "--data-binary", json.dumps({**body, "stream": True})]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True).stdout
+    events = [json.loads(ln[6:]) for ln in out.splitlines() if ln.startswith("data: ")]
+    assert [e["stop"] for e in events] == [False] * (len(events) - 1) + [True]
+    assert "".join(e["content"] for e in events) == r["content"] and events[-1]["tokens_predicted"] == 6
+    st, w = curl(daemon, "/completion", {"prompt": "The capital of France is", "n_predict": 30, "temperature": 0,
+                                         "stop": [" Paris"]})
+    assert st == 200 and w["stop_type"] == "word" and w["stopping_word"] == " Paris" and w["stopped_word"]

@@ -1,4 +1,5 @@
-"""llama-server's utility routes with its request and response shapes: /tokenize, /detokenize, /apply-template, /props.
+"""llama-server's own routes with its request and response shapes: /completion (its fields, its JSON and SSE
+shapes, on the completion route's path), /tokenize, /detokenize, /apply-template, /props.
 
 Shapes follow llama.cpp's tools/server/README.md. Errors on these routes are llama-server's error objects,
 {"error": {"code", "message", "type"}} (types invalid_request_error, not_found_error, server_error,
@@ -8,14 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 
 from aiohttp import web
 
 from strata import __version__
+from strata.engine.types import FinalEvent
 from strata.serve import schema
+from strata.serve.completions_api import generate_completion
 from strata.serve.config import WORKER_KEY
 from strata.serve.errors import ApiError
-from strata.serve.handling import engine_of, json_response, read_body
+from strata.serve.handling import engine_of, json_response, next_event, read_body
 from strata.structured import plan as structured
 from strata.text.token_ids import outside_vocab
 
@@ -184,9 +188,94 @@ async def props(request: web.Request) -> web.Response:
     })
 
 
+# ---------------------------------------------------------------------------------------------- /completion
+#: /completion's fields -> the completion route's (llama-server's names where they differ)
+_COMPLETION_FIELDS = ("prompt", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "stream", "cache_prompt",
+                      "repeat_penalty", "repeat_last_n", "presence_penalty", "frequency_penalty", "json_schema",
+                      "grammar", "strata_checkpoint")
+
+
+def _completion_request(body: dict, engine) -> schema.ParsedRequest:
+    fields = {k: body[k] for k in _COMPLETION_FIELDS if k in body and body[k] is not None}
+    n = body.get("n_predict", body.get("max_tokens"))
+    if n is not None:
+        if isinstance(n, bool) or not isinstance(n, int) or n < -1:
+            raise _bad("'n_predict' must be an integer >= -1 (-1: until the model stops or the context is full)")
+        if n >= 0:
+            fields["max_tokens"] = n
+        else:
+            n_train = int(getattr(getattr(engine, "config", None), "n_ctx_train", 0) or 0)
+            fields["max_tokens"] = min(engine.n_ctx, n_train) if n_train else engine.n_ctx
+    if body.get("n_probs"):
+        raise LlamaApiError(400, "'n_probs' is not supported on /completion: /v1/completions gives logprobs",
+                            code="unsupported_value")
+    slot = body.get("id_slot", -1)
+    if slot not in (-1, 0) or isinstance(slot, bool):
+        raise _bad(f"'id_slot' must be 0 or -1 (this server has one slot), got {slot!r}")
+    return schema.parse_completion(fields)
+
+
+def _completion_obj(final, content: str, p: schema.ParsedRequest, engine, prompt) -> dict:
+    t = final.timings or {}
+    by = (final.strata or {}).get("stopped_by")
+    kind = "word" if by is not None else "limit" if final.finish_reason == "length" else \
+        "none" if final.finish_reason == "cancelled" else "eos"
+    return {"content": content, "id_slot": 0, "stop": True, "model": engine.model_name,
+            "tokens_predicted": int(final.usage["completion_tokens"]), "tokens_evaluated": int(t.get("prompt_n", 0)),
+            "tokens_cached": int(t.get("cache_n", 0)), "prompt": prompt if isinstance(prompt, str) else "",
+            "has_new_line": "\n" in content, "truncated": False, "stop_type": kind,
+            "stopping_word": by or "", "stopped_eos": kind == "eos", "stopped_limit": kind == "limit",
+            "stopped_word": kind == "word",
+            "generation_settings": {"n_predict": p.max_tokens if p.max_tokens is not None else -1,
+                                    **p.sampling, "stop": p.stop},
+            "timings": {k: t.get(k) for k in ("prompt_n", "prompt_ms", "prompt_per_second", "predicted_n",
+                                              "predicted_ms", "predicted_per_second", "cache_n")}}
+
+
+async def _completion_respond(request, engine, p, job, answers):
+    """llama-server's answer: one object, or SSE `data:` lines of {"content", "stop": false} then the whole object
+    with "stop": true (no [DONE] line)."""
+    if not p.stream:
+        text = []
+        while True:
+            ev = await next_event(job)
+            text.append(ev.text or "")
+            if isinstance(ev, FinalEvent):
+                return json_response(_completion_obj(ev, "".join(text), p, engine, p.prompt))
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
+                                       "Cache-Control": "no-cache", "X-Request-Id": request["rid"]})
+    await resp.prepare(request)
+    n = 0
+    try:
+        while True:
+            ev = await next_event(job)
+            if isinstance(ev, FinalEvent):
+                obj = _completion_obj(ev, ev.text or "", p, engine, p.prompt)
+                await resp.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
+                break
+            n += 1
+            chunk = {"content": ev.text, "stop": False, "id_slot": 0, "tokens_predicted": n}
+            await resp.write(b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n")
+    except ApiError as e:
+        err = e if isinstance(e, LlamaApiError) else LlamaApiError(e.status, e.message, code=e.code)
+        await resp.write(b"error: " + json.dumps(err.body(), ensure_ascii=False).encode() + b"\n\n")
+    await resp.write_eof()
+    return resp
+
+
+@_llama_errors
+async def completion(request: web.Request) -> web.StreamResponse:
+    """POST /completion: llama-server's raw completion (prompt a string or token ids; n_predict; its answer
+    shape)."""
+    body = await read_body(request)
+    engine = engine_of(request)
+    return await generate_completion(request, _completion_request(body, engine), respond=_completion_respond)
+
+
 def add_routes(app: web.Application) -> None:
     """Register the routes on `app` (make_app calls this)."""
     r = app.router
+    r.add_post("/completion", completion)
     r.add_post("/tokenize", tokenize)
     r.add_post("/detokenize", detokenize)
     r.add_post("/apply-template", apply_template)
