@@ -38,6 +38,40 @@ def _nonneg(text: str) -> int:
     return v
 
 
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if v != v or v in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return v
+
+
+def _seconds(text: str) -> float:
+    v = _float(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {v:g}")
+    return v
+
+
+def _nonneg_float(text: str) -> float:
+    v = _float(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v:g}")
+    return v
+
+
 def _n_predict(text: str) -> int:
     try:
         v = int(text)
@@ -69,6 +103,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     n.add_argument("--n-predict", type=_n_predict, default=1024, metavar="N",
                    help="tokens an answer may have when a request sets no max_tokens / max_output_tokens (default "
                         "1024; -1: until the model stops or the context is full)")
+    lim = p.add_argument_group("limits (what one client may hold)")
+    lim.add_argument("--max-connections", type=_positive, default=256, metavar="N",
+                     help="open connections per listener (Unix socket, TCP); one more is answered 503 and closed "
+                          "(default 256, lowered to what the descriptor limit holds)")
+    lim.add_argument("--header-timeout", type=_seconds, default=15.0, metavar="S",
+                     help="seconds from a request's first byte until its whole header is in (default 15)")
+    lim.add_argument("--body-timeout", type=_seconds, default=60.0, metavar="S",
+                     help="seconds for a request's whole body; later: 408 (default 60)")
+    lim.add_argument("--idle-timeout", type=_seconds, default=60.0, metavar="S",
+                     help="seconds a connection may stay open without a request (default 60)")
+    lim.add_argument("--max-request-seconds", type=_nonneg_float, default=0.0, metavar="S",
+                     help="wall time a generation may take; at its end it stops with finish_reason 'length' "
+                          "(default 0: no limit)")
+    lim.add_argument("--max-request-tokens", type=_positive, default=65536, metavar="N",
+                     help="tokens a request may ask to generate over all its choices, n x max_tokens (default 65536)")
     n.add_argument("--no-warmup", action="store_true",
                    help="serve at once after the model loads, without first running the shapes a request uses "
                         "(the first request then pays for them)")
@@ -170,7 +219,10 @@ def run(args) -> int:
                       host=args.host, port=args.port, api_key=args.api_key, queue_max=args.queue_max,
                       max_body=args.max_body, drain_timeout=args.drain_timeout,
                       responses_store=args.responses_store,
-                      n_predict=args.n_predict, aliases=tuple(a.strip() for v in args.alias for a in v.split(",") if a.strip()))
+                      n_predict=args.n_predict, max_connections=args.max_connections,
+                      header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+                      idle_timeout=args.idle_timeout, max_request_seconds=args.max_request_seconds,
+                      max_request_tokens=args.max_request_tokens, aliases=tuple(a.strip() for v in args.alias for a in v.split(",") if a.strip()))
 
     def factory():
         from strata.engine.engine import Engine

@@ -2,6 +2,7 @@
 the grammar's mask, stop strings, end-of-generation tokens, max_tokens, a full context and cancels."""
 from __future__ import annotations
 
+import time
 import dataclasses
 import os
 from typing import Callable
@@ -93,8 +94,9 @@ class Decoder:
                     finish = "stop"
                     stopped_by = stopper.matched
                     break
-                if len(toks) >= max_new or n + len(toks) >= self.n_ctx:
-                    finish = "length"      # max_tokens, or the context is full (total tokens = n_ctx)
+                if len(toks) >= max_new or n + len(toks) >= self.n_ctx or (
+                        req.deadline is not None and time.monotonic() >= req.deadline):
+                    finish = "length"      # max_tokens, the context is full (total tokens = n_ctx), or the time
                     break
                 if req.cancel.is_set():
                     finish = "cancelled"

@@ -61,6 +61,7 @@ class GenerationRequest:
     ignore_eos: keep generating past end-of-generation tokens (benchmarks; llama.cpp's ignore_eos).
     n: choices to generate from the one prompt read (OpenAI's n): choice i samples with seed + i.
     cancel: set it from another thread to stop between tokens (finish_reason "cancelled").
+    deadline: a time.monotonic() past which no more tokens are generated (finish_reason "length"), or None.
     constraint: a strata.sampling.grammar.Constraint the answer must follow (its token mask is applied to the logits before
     sampling; the answer ends when the grammar is complete), or None.
     show_tokens: ids of control tokens whose text is part of the answer (tool-call markers such as <|python_tag|>
@@ -79,6 +80,7 @@ class GenerationRequest:
     ignore_eos: bool = False
     n: int = 1
     cancel: threading.Event = field(default_factory=threading.Event)
+    deadline: float | None = None
     constraint: Any = None
     show_tokens: frozenset[int] = frozenset()
 

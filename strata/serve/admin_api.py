@@ -7,7 +7,7 @@ import time
 from aiohttp import web
 
 from strata import __version__
-from strata.serve.config import CONFIG_KEY, METRICS_KEY, STARTED_KEY, WORKER_KEY
+from strata.serve.config import CONFIG_KEY, GUARD_KEY, METRICS_KEY, STARTED_KEY, WORKER_KEY
 from strata.serve.errors import ApiError
 from strata.serve.handling import (as_api_error, check_model, engine_of, json_response, read_body, served_names,
                                    submit)
@@ -74,6 +74,7 @@ async def status(request: web.Request) -> web.Response:
                     **({"link": s["link"]} if "link" in s else {})} for s in st.get("stages", [])],
         "queue": {"running": int(w.running is not None), "waiting": w.waiting, "max": w.queue_max},
         "listen": {"socket": cfg.socket_path, "tcp": cfg.tcp_address()},
+        "connections": request.app[GUARD_KEY].status() if GUARD_KEY in request.app else None,
         "device": engine.device_info(),
         "engine": st,
     })

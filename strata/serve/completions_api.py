@@ -116,12 +116,22 @@ async def _generate(request: web.Request, engine, p: schema.ParsedRequest, token
         n_predict = request.app[CONFIG_KEY].n_predict
         n_train = int(getattr(getattr(engine, "config", None), "n_ctx_train", 0) or 0)
         max_tokens = None if n_predict < 0 else min(n_predict, n_train) if n_train else n_predict
+    cfg = request.app[CONFIG_KEY]
+    asked = p.n * (max_tokens if max_tokens is not None else engine.n_ctx)
+    if asked > cfg.max_request_tokens:
+        raise ApiError(400, f"the request asks for up to {asked} tokens (n = {p.n} choices of "
+                            f"{max_tokens if max_tokens is not None else f'up to n_ctx = {engine.n_ctx}'}), more "
+                            f"than --max-request-tokens ({cfg.max_request_tokens}): ask for fewer choices or "
+                            f"tokens", param="max_tokens" if max_tokens is not None else "n",
+                       code="invalid_value")
     try:
         greq = GenerationRequest(prompt_tokens=as_ids(tokens), cut_points=cut_points, sampling=_sampling(p),
                                  max_tokens=max_tokens, stop=p.stop,
                                  logprobs=p.top_logprobs if p.logprobs else None,
                                  cache_prompt=p.cache_prompt, checkpoint=p.checkpoint, n=p.n,
                                  cancel=threading.Event(),
+                                 deadline=time.monotonic() + cfg.max_request_seconds if cfg.max_request_seconds
+                                 else None,
                                  constraint=constraint, show_tokens=plan.show_tokens if plan else frozenset())
         engine.validate(greq)              # refused now rather than after the queue (max_tokens past n_ctx_train, ...)
     except ValueError as e:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from strata.serve.connections import ConnectionGuard
 from strata.serve.metrics import Metrics
 from strata.serve.worker import EngineWorker
 
@@ -24,6 +25,12 @@ class ServeConfig:
     responses_store: int = 256        # /v1/responses kept for previous_response_id (strata.serve.responses_api)
     aliases: tuple[str, ...] = ()     # --alias: more names of the loaded model in /v1/models
     n_predict: int = 1024             # --n-predict: an answer's length when a request gives none (-1: no limit)
+    max_connections: int = 256        # --max-connections: open connections per listener (strata.serve.connections)
+    header_timeout: float = 15.0      # --header-timeout: seconds from a request's first byte to its whole header
+    body_timeout: float = 60.0        # --body-timeout: seconds for a request's whole body
+    idle_timeout: float = 60.0        # --idle-timeout: seconds a connection may wait between requests
+    max_request_seconds: float = 0.0  # --max-request-seconds: a generation's wall-time budget (0: none)
+    max_request_tokens: int = 65536   # --max-request-tokens: n x max_tokens a request may ask for
     tcp_bound: str | None = None      # the TCP address actually bound ("[::1]:8090"; --port 0 gives the real port)
 
     def tcp_address(self) -> str | None:
@@ -44,5 +51,6 @@ CONFIG_KEY = web.AppKey("config", ServeConfig)
 WORKER_KEY = web.AppKey("worker", EngineWorker)
 METRICS_KEY = web.AppKey("metrics", Metrics)
 STARTED_KEY = web.AppKey("started", float)
+GUARD_KEY = web.AppKey("connections", ConnectionGuard)
 # route template -> the error body of that route's API (ApiError -> dict); routes not in it answer OpenAI's shape
 ERROR_SHAPES_KEY = web.AppKey("error_shapes", dict)

@@ -2,6 +2,7 @@
 a remote stage is down), the model check, jobs submitted to the worker and their events, engine errors as ApiErrors."""
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -60,7 +61,10 @@ async def read_body(request: web.Request) -> dict:
         raise ApiError(413, f"the request body is {request.content_length} bytes, more than --max-body "
                             f"({cfg.max_body} bytes)", code="request_too_large")
     try:
-        raw = await request.read()
+        raw = await asyncio.wait_for(request.read(), cfg.body_timeout)
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within --body-timeout ({cfg.body_timeout:g} s)",
+                       code="request_timeout", headers={"Connection": "close"}) from None
     except web.HTTPRequestEntityTooLarge:
         raise ApiError(413, f"the request body is larger than --max-body ({cfg.max_body} bytes)",
                        code="request_too_large") from None
@@ -101,6 +105,20 @@ def submit(w: EngineWorker, what, *, call: bool = False, rid: str = "") -> Job:
     except ShuttingDown:
         raise ApiError(503, "the server is shutting down", code="shutting_down",
                        headers={"Retry-After": "5"}) from None
+
+
+async def engine_call(request: web.Request, fn):
+    """fn(engine) run on the engine thread behind the requests before it (bounded by --queue-max: 503 when full);
+    its result, or its exception as an ApiError."""
+    job = submit(request.app[WORKER_KEY], fn, call=True, rid=request.get("rid", ""))
+    try:
+        item = await job.events.get()
+    except BaseException:
+        request.app[WORKER_KEY].drop(job)
+        raise
+    if isinstance(item, EngineError):
+        raise as_api_error(item)
+    return item[1]
 
 
 async def next_event(job: Job):

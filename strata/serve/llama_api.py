@@ -19,7 +19,7 @@ from strata.serve import schema
 from strata.serve.completions_api import generate_completion
 from strata.serve.config import WORKER_KEY
 from strata.serve.errors import ApiError
-from strata.serve.handling import engine_of, json_response, next_event, read_body
+from strata.serve.handling import engine_call, engine_of, json_response, next_event, read_body
 from strata.structured import plan as structured
 from strata.text.token_ids import outside_vocab
 
@@ -115,10 +115,12 @@ async def tokenize(request: web.Request) -> web.Response:
                 ids.extend(tok.encode(p, parse_special=parse_special, **kw))
         return ids
 
-    try:
-        ids = await asyncio.get_running_loop().run_in_executor(None, run)
-    except ValueError as e:              # a lone surrogate: no UTF-8, so no tokens
-        raise _bad(f"'content': {e}") from None
+    try:                                 # queued with the model's work: text tokenizes on the engine thread
+        ids = await engine_call(request, lambda _engine: run())
+    except ApiError as e:
+        if e.status == 400:              # a lone surrogate: no UTF-8, so no tokens
+            raise _bad(f"'content': {e.message}") from None
+        raise
     if with_pieces:
         return json_response({"tokens": [{"id": i, "piece": _piece(tok, i)} for i in ids]})
     return json_response({"tokens": ids})

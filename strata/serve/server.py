@@ -15,6 +15,7 @@ from aiohttp import web
 
 from strata.serve.app import make_app
 from strata.serve.config import ServeConfig, format_hostport
+from strata.serve.connections import ConnectionGuard, connection_cap
 from strata.errors import Unavailable
 from strata.serve.errors import ApiError
 from strata.serve.metrics import Metrics
@@ -59,14 +60,30 @@ def _prepare_socket(path: Path) -> None:
             s.close()
 
 
+class _GuardedRunner(web.AppRunner):
+    """aiohttp's AppRunner whose sites accept connections through the ConnectionGuard."""
+
+    def __init__(self, app: web.Application, guard: ConnectionGuard, **kwargs):
+        super().__init__(app, **kwargs)
+        self._guard = guard
+
+    async def _make_server(self):
+        return self._guard.wrap(await super()._make_server())
+
+
 async def serve(cfg: ServeConfig, engine_factory: Callable[[], Any]) -> int:
     """Serve until SIGTERM/SIGINT; returns the process exit status (0 after a clean drain)."""
     loop = asyncio.get_running_loop()
     metrics = Metrics()
     worker = EngineWorker(engine_factory, queue_max=cfg.queue_max, metrics=metrics, loop=loop)
-    app = make_app(cfg, worker, metrics)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    listeners = int(cfg.socket_path is not None) + int(cfg.port is not None)
+    guard = ConnectionGuard(max_connections=connection_cap(cfg.max_connections, listeners),
+                            header_timeout=cfg.header_timeout, idle_timeout=cfg.idle_timeout)
+    app = make_app(cfg, worker, metrics, guard)
+    runner = _GuardedRunner(app, guard, handler_cancellation=True, access_log=None, shutdown_timeout=5.0,
+                            keepalive_timeout=cfg.idle_timeout)
     await runner.setup()
+    watchdog = asyncio.ensure_future(guard.watch())
     sock_path = Path(cfg.socket_path) if cfg.socket_path else None
     sock_made = False
     try:
@@ -87,13 +104,14 @@ async def serve(cfg: ServeConfig, engine_factory: Callable[[], Any]) -> int:
             if bound:
                 cfg.tcp_bound = ", ".join(format_hostport(str(a[0]), int(a[1])) for a in bound)
     except BaseException:
+        watchdog.cancel()
         await runner.cleanup()
         if sock_made:                       # leave no socket file behind that nobody listens on
             with contextlib.suppress(OSError):
                 sock_path.unlink()
         raise
     log.info("listening", socket=str(sock_path) if sock_path else None,
-             tcp=cfg.tcp_address(), pid=os.getpid())
+             tcp=cfg.tcp_address(), pid=os.getpid(), max_connections=guard.max_connections)
 
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -123,6 +141,7 @@ async def serve(cfg: ServeConfig, engine_factory: Callable[[], Any]) -> int:
         return 0
     finally:
         stop_task.cancel()
+        watchdog.cancel()
         await runner.cleanup()
         worker.stop(timeout=5.0)
         if sock_path is not None:
