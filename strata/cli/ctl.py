@@ -198,6 +198,8 @@ def cmd_status(c: Client, args) -> int:
         extra = f", KV {kvm.get('pages_used')} / {kvm.get('pages_total')} pages" if kvm else ""
         if m.get("running"):
             extra += f", {m['running'].get('layers')} recurrent layers"
+        if s.get("moe"):
+            extra += f", MoE {s['moe'].get('decode')} decode / {s['moe'].get('prefill')} prefill"
         lk = s.get("link")
         if lk:
             extra += (f", link up (round trip {lk.get('rtt_ms')} ms, {lk.get('checkpoints_held')} checkpoint parts "

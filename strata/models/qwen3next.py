@@ -261,6 +261,12 @@ class Qwen3NextModel(Model):
     def n_blocks(self) -> int:
         return self.n_layer
 
+    @property
+    def moe_path(self) -> dict[str, str] | None:
+        """How this model's MoE layers run when the model itself is the runner: the per-expert loop of
+        strata/backend/moe.py for decode and prefill (None for a dense model)."""
+        return {"decode": "generic", "prefill": "generic"} if self.moe else None
+
     def new_running_state(self, carve: Carve | None = None) -> dict[int, dict[str, Any]]:
         """Zeroed running state of the carve's GDN layers (all by default): {"conv": (d_conv-1, conv_dim), "ssm":
         (n_v, d_k, d_v)} float32 each, numpy on the CPU backend, CuPy (on the device) on the CUDA backend."""
