@@ -176,7 +176,8 @@ def bench_hybrid(path: str, prompts=PROMPTS, depths=DEPTHS, n_gen: int = 128, ub
     greedily (the plan's decode_greedy, device argmax, when there is a plan; else one-token forward calls and the
     host argmax); decode_generic: the same at the first depth through the model's own forward (no plan: the
     feature's reference). The device is synchronized before each clock read. Returns {"prompt": {n: tok/s},
-    "prompt_chunked": {...}, "decode": {d: tok/s}, "decode_generic": {...}, "plan": bool} (keys are ints).
+    "prompt_chunked": {...}, "decode": {d: tok/s}, "decode_generic": {...}, "plan": bool, "moe_path": the
+    MoE layers' path ({"decode": ..., "prefill": ...}) or None} (keys are ints).
     """
     import cupy as cp
     from strata.backend.cuda import CudaBackend
@@ -214,7 +215,9 @@ def bench_hybrid(path: str, prompts=PROMPTS, depths=DEPTHS, n_gen: int = 128, ub
         fast.forward(np.asarray([t], np.int32), st)                  # the plan (graph capture)
         model.forward(np.asarray([t], np.int32), st)                 # the generic one-token path (decode_generic)
     res: dict = {"prompt": {}, "prompt_generic": {}, "prompt_chunked": {}, "decode": {}, "decode_generic": {},
-                 "plan": plan is not None}
+                 "plan": plan is not None, "moe_path": getattr(fast, "moe_path", None)}
+    if res["moe_path"]:
+        print(f"  MoE layers: {res['moe_path']}", flush=True)
     for n in prompts:
         res["prompt"][n] = timed_prompt(n)
         print(f"  strata hybrid pp{n}: {res['prompt'][n]:.1f} tok/s", flush=True)

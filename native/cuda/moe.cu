@@ -48,9 +48,10 @@ __device__ inline float moe_block_max(float v, float *sh) {
   return t;
 }
 
-// Routing of token blockIdx.x: logits f32 (n_expert) -> p = softmax in dynamic shared memory, k rounds of a block
-// argmax (largest p, lower id on ties; the chosen p set to -1), the chosen weights renormalised when asked; with
-// `shared`, slot k gets id n_expert and the shared expert's gate sigmoid(x . sg) (1 without sg).
+// Routing of token blockIdx.x: logits f32 (n_expert) -> p = softmax in dynamic shared memory (block reductions),
+// then warp 0 alone takes k rounds of a warp argmax (largest p, lower id on ties; lane e % 32 owns the p[e] it scans
+// and sets the chosen one to -1), lane j keeping slot j; the chosen weights renormalised (their sum in round order)
+// when asked; with `shared`, slot k gets id n_expert and the shared expert's gate sigmoid(x . sg) (1 without sg).
 __global__ void __launch_bounds__(MOE_ROUTE_THREADS) k_moe_route(const float *__restrict__ logits, int n_expert, int k,
                                                                  int renorm, const float *__restrict__ x,
                                                                  const float *__restrict__ sg, int E, int shared,
@@ -58,12 +59,14 @@ __global__ void __launch_bounds__(MOE_ROUTE_THREADS) k_moe_route(const float *__
   griddep_launch();
   griddep_wait();
   extern __shared__ float p[];
-  __shared__ float red[32], rv[32];
-  __shared__ int ri[32];
-  __shared__ float cw[STRATA_MOE_MAX_SLOTS];
-  __shared__ int ci[STRATA_MOE_MAX_SLOTS];
-  const int t = blockIdx.x, lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  __shared__ float red[32];
+  const int t = blockIdx.x, lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+  const int ks = k + (shared ? 1 : 0);
   const float *l = logits + (long long)t * n_expert;
+  float dot = 0.f;
+  if (shared && sg)
+    for (int c = threadIdx.x; c < E; c += blockDim.x) dot += x[(long long)t * E + c] * sg[c];
+  if (shared && sg) dot = block_sum(dot, red);      // a uniform branch: every thread takes it or none
   float mx = -INFINITY;
   for (int e = threadIdx.x; e < n_expert; e += blockDim.x) {
     const float v = l[e];
@@ -80,48 +83,36 @@ __global__ void __launch_bounds__(MOE_ROUTE_THREADS) k_moe_route(const float *__
   s = block_sum(s, red);
   for (int e = threadIdx.x; e < n_expert; e += blockDim.x) p[e] = __fdiv_rn(p[e], s);
   __syncthreads();
+  if (wid != 0) return;
+  int my_id = 0;
+  float my_w = 0.f, sum = 0.f;
   for (int j = 0; j < k; j++) {
     float bv = -1.f;
     int bi = INT_MAX;
-    for (int e = threadIdx.x; e < n_expert; e += blockDim.x)
-      if (moe_better(p[e], e, bv, bi)) { bv = p[e]; bi = e; }
+    for (int e = lane; e < n_expert; e += 32)    // ascending: the first of equal values is the lower id
+      if (p[e] > bv) { bv = p[e]; bi = e; }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
       const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
       const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
       if (moe_better(ov, oi, bv, bi)) { bv = ov; bi = oi; }
     }
-    if (lane == 0) { rv[wid] = bv; ri[wid] = bi; }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      for (int w = 1; w < nw; w++)
-        if (moe_better(rv[w], ri[w], bv, bi)) { bv = rv[w]; bi = ri[w]; }
-      if (bi < 0 || bi >= n_expert) {   // NaN logits: nothing compared larger; keep the id in the table
-        bi = 0;
-        bv = p[0];
-      }
-      ci[j] = bi;
-      cw[j] = bv;
-      p[bi] = -1.f;
+    if (bi < 0 || bi >= n_expert) {   // NaN logits: nothing compared larger; keep the id inside the table
+      bi = 0;
+      bv = 0.f;
+    } else if (lane == (bi & 31)) {
+      p[bi] = -1.f;                   // read again only by this lane
     }
-    __syncthreads();
+    if (lane == j) { my_id = bi; my_w = bv; }
+    sum += bv;
   }
-  float dot = 0.f;
-  if (shared && sg)
-    for (int c = threadIdx.x; c < E; c += blockDim.x) dot += x[(long long)t * E + c] * sg[c];
-  if (shared && sg) dot = block_sum(dot, red);      // uniform branch: every thread takes it or none
-  if (threadIdx.x == 0) {
-    const int ks = k + (shared ? 1 : 0);
-    float sum = 0.f;
-    for (int j = 0; j < k; j++) sum += cw[j];
-    for (int j = 0; j < k; j++) {
-      ids[(long long)t * ks + j] = ci[j];
-      wts[(long long)t * ks + j] = renorm ? __fdiv_rn(cw[j], sum) : cw[j];
-    }
-    if (shared) {
-      ids[(long long)t * ks + k] = n_expert;
-      wts[(long long)t * ks + k] = sg ? 1.f / (1.f + expf(-dot)) : 1.f;
-    }
+  if (lane < k) {
+    ids[(long long)t * ks + lane] = my_id;
+    wts[(long long)t * ks + lane] = renorm ? __fdiv_rn(my_w, sum) : my_w;
+  }
+  if (shared && lane == 0) {
+    ids[(long long)t * ks + k] = n_expert;
+    wts[(long long)t * ks + k] = sg ? 1.f / (1.f + expf(-dot)) : 1.f;
   }
 }
 
