@@ -251,6 +251,19 @@ def test_q8_row_layout():
         assert b % 16 == 0 and n + n // 4 <= b < n + n // 4 + 16 and n % 8 == 0
 
 
+def test_python_limits_match_the_kernels():
+    """moe.py's limits and int8 types are the header's enum and matvec.cuh's DISPATCH_Q8_TYPE."""
+    import re
+    h = (ROOT / "native" / "cuda" / "strata_cuda.h").read_text()
+    enum = dict((k, int(v)) for k, v in re.findall(r"(STRATA_MOE_\w+) = (\d+)", h))
+    assert enum == {"STRATA_MOE_MAX_SLOTS": CM.MAX_SLOTS, "STRATA_MOE_MAX_EXPERTS": CM.MAX_EXPERTS,
+                    "STRATA_MOE_TILE": TILE}
+    cuh = (ROOT / "native" / "cuda" / "matvec.cuh").read_text()
+    q8 = cuh[cuh.index("#define DISPATCH_Q8_TYPE"):].split("default:")[0]
+    names = {"T_Q4_0": 2, "T_Q4_1": 3, "T_Q8_0": 8, "T_Q4_K": 12, "T_Q5_K": 13, "T_Q6_K": 14}
+    assert sorted({names[n] for n in re.findall(r"case (T_\w+):", q8)}) == sorted(CM.Q8_TYPES)
+
+
 def _fake_moe_model(**kw):
     w = SimpleNamespace(ggml_type=8, shape=(64, 128))
     dev = CM.DeviceWeight("w", 8, (64, 128), None)
@@ -286,11 +299,147 @@ def test_cpu_moe_model_reports_the_generic_path(tmp_path):
     assert Q.unsupported(m).endswith("weights are not on the CUDA backend")
     e = Engine(path, n_ctx=256)
     assert e.stages[0].status()["moe"] == {"decode": "generic", "prefill": "generic"}
+    assert e.device_info()["moe"] == {"decode": "generic", "prefill": "generic"}
     dense = Engine(synth.write_synthetic(tmp_path / "dense.gguf", synth.preset("qwen35", "tiny", n_mtp=0)), n_ctx=256)
-    assert "moe" not in dense.stages[0].status()
+    assert "moe" not in dense.stages[0].status() and "moe" not in dense.device_info()
 
 
 # ------------------------------------------------------------------ GPU
+@gpu
+@pytest.mark.parametrize("ne,k,shared", [(16, 4, True), (64, 8, True), (512, 10, False), (7, 7, True)])
+def test_route_kernel_matches_route(ne, k, shared):
+    """strata_moe_route on random logits (with exact ties) == strata.backend.moe.route: the same ids in the same
+    order, weights within 1e-5 (fast-math expf); the shared slot's id and gate."""
+    import cupy as cp
+    from strata.backend.cuda.library import lib, ptr, stream_ptr
+    rng = np.random.default_rng(ne)
+    n, E = 50, 96
+    logits = rng.standard_normal((n, ne)).astype(np.float32) * 2
+    logits[1, : min(ne, 5)] = 3.0                                # ties at the top
+    logits[2] = -1.5                                             # all equal
+    x, sg = rng.standard_normal((n, E)).astype(np.float32), rng.standard_normal(E).astype(np.float32) * 0.1
+    for renorm in (True, False):
+        ks = k + int(shared)
+        ids, wts = cp.full((n, ks), -7, cp.int32), cp.zeros((n, ks), cp.float32)
+        rc = lib().strata_moe_route(stream_ptr(), ptr(cp.asarray(logits)), n, ne, k, int(renorm), ptr(cp.asarray(x)),
+                                    ptr(cp.asarray(sg)) if shared else ptr(None), E, int(shared), ptr(ids), ptr(wts))
+        assert rc == 0
+        ref_ids, ref_w = M.route(logits, k, renorm)
+        assert (_host(ids)[:, :k] == ref_ids).all()
+        assert np.abs(_host(wts)[:, :k] - ref_w).max() < 1e-5
+        if shared:
+            assert (_host(ids)[:, k] == ne).all()
+            np.testing.assert_allclose(_host(wts)[:, k], 1 / (1 + np.exp(-(x @ sg))), rtol=1e-5)
+    assert lib().strata_moe_route(stream_ptr(), ptr(cp.asarray(logits)), n, ne, ne + 1, 1, ptr(None), ptr(None), E,
+                                  0, ptr(ids), ptr(wts)) != 0               # k > n_expert: refused
+
+
+def _q8_rows_host(raw, n_rows, n_cols):
+    """The f32 values q * d of q8_1 rows in moe.cu's row layout (uint8 buffer)."""
+    rb = CM.q8_row_bytes(n_cols)
+    rows = raw[:n_rows * rb].reshape(n_rows, rb)
+    q = rows[:, :n_cols].view(np.int8).astype(np.float64)
+    ds = rows[:, n_cols:n_cols + n_cols // 4].copy().view(np.float32).reshape(n_rows, n_cols // 32, 2)
+    return (q.reshape(n_rows, n_cols // 32, 32) * ds[:, :, :1]).reshape(n_rows, n_cols), ds
+
+
+@gpu
+@pytest.mark.parametrize("glu", [False, True])
+def test_q8_rows_kernel_matches_numpy(glu):
+    """strata_moe_q8_rows: llama.cpp's quantize_q8_1 per 32 values (d = amax / 127, round half to even, the sum of
+    q), of x or of silu(gate) * up."""
+    import cupy as cp
+    from strata.backend.cuda.library import lib, ptr, stream_ptr
+    rng = np.random.default_rng(4)
+    n, F = 9, 96
+    x = rng.standard_normal((n, 2 * F if glu else F)).astype(np.float32)
+    x[3, :32] = 0.0                                              # an all-zero block: d = 0, q = 0
+    out = cp.zeros(n * CM.q8_row_bytes(F), cp.uint8)
+    assert lib().strata_moe_q8_rows(stream_ptr(), ptr(cp.asarray(x)), x.shape[1], int(glu), n, F, ptr(out)) == 0
+    v = (x[:, :F] / (np.float32(1) + np.exp(-x[:, :F])) * x[:, F:]).astype(np.float32) if glu else x
+    vb = v.reshape(n, F // 32, 32)
+    d = (np.abs(vb).max(-1) / np.float32(127)).astype(np.float32)
+    q = np.where(d[..., None] == 0, 0, np.rint(vb / np.where(d == 0, 1, d)[..., None])).astype(np.int64)
+    got, ds = _q8_rows_host(_host(out), n, F)
+    rb = CM.q8_row_bytes(F)
+    gq8 = _host(out).reshape(n, rb)[:, :F].view(np.int8).reshape(n, F // 32, 32)
+    assert np.abs(gq8 - q).max() <= (1 if glu else 0)            # glu: expf vs numpy exp may flip a rounding
+    np.testing.assert_allclose(ds[:, :, 0], d, rtol=1e-6 if glu else 0)
+    np.testing.assert_allclose(ds[:, :, 1], d * gq8.sum(-1), rtol=1e-6)
+
+
+@gpu
+@pytest.mark.parametrize("ggml_type", [2, 3, 8, 12, 13, 14])
+def test_grouped_matvec_matches_dequantized_weights(ggml_type):
+    """strata_moe_mm on random blocks of every int8 type (3 experts, 2 per token, 11 tokens, 44 rows: a partial row
+    block; gate | up stacked from two tables) == float64 numpy of gguf-py's dequantized weights times the q8_1 rows,
+    rel < 1e-5, for both row maps (by token -> sorted, sorted -> by assignment)."""
+    import cupy as cp
+    from strata.backend.cuda import weights as CW
+    from strata.backend.cuda.library import lib, ptr, stream_ptr
+    from tests.test_cuda_kernels import random_blocks, ref_dequant
+    rng = np.random.default_rng(ggml_type)
+    ne, k, n, n_in, half = 3, 2, 11, 512, 22
+    raw0 = [random_blocks(ggml_type, half, n_in, rng) for _ in range(ne)]
+    raw1 = [random_blocks(ggml_type, half, n_in, rng) for _ in range(ne)]
+    w0 = [CW.DeviceWeight("g", ggml_type, (half, n_in), cp.asarray(r)) for r in raw0]
+    w1 = [CW.DeviceWeight("u", ggml_type, (half, n_in), cp.asarray(r)) for r in raw1]
+    t0, t1 = CM.ExpertTable("g", w0), CM.ExpertTable("u", w1)
+    W = [np.concatenate([ref_dequant(raw0[e], ggml_type, half, n_in), ref_dequant(raw1[e], ggml_type, half, n_in)])
+         for e in range(ne)]
+    ids = np.stack([rng.choice(ne, k, replace=False) for _ in range(n)]).astype(np.int32)
+    x = rng.standard_normal((n, n_in)).astype(np.float32)
+    s = stream_ptr()
+    xq = cp.zeros(n * CM.q8_row_bytes(n_in), cp.uint8)
+    assert lib().strata_moe_q8_rows(s, ptr(cp.asarray(x)), n_in, 0, n, n_in, ptr(xq)) == 0
+    xh, _ = _q8_rows_host(_host(xq), n, n_in)
+    mt = int(lib().strata_moe_max_tiles(n, k, ne))
+    order, tiles = cp.zeros(n * k, cp.int32), cp.zeros((mt, 3), cp.int32)
+    assert lib().strata_moe_group(s, ptr(cp.asarray(ids)), n, k, k, ne, ptr(order), ptr(tiles), mt) == 0
+    for by_token in (1, 0):
+        # by token: input row = the assignment's token, output in sorted order; else input row p (a sorted copy of
+        # the token rows), output by assignment
+        o = _host(order)
+        xin = xq if by_token else cp.asarray(_host(xq).reshape(n, -1)[o // k].reshape(-1))
+        y = cp.full((n * k, 2 * half), np.nan, cp.float32)
+        assert lib().strata_moe_mm(s, ggml_type, ptr(t0.table), ptr(t1.table), half, ne, ptr(tiles), mt, ptr(order),
+                                   k, by_token, ptr(xin), n_in, ptr(y), 2 * half, 1 - by_token) == 0
+        got = _host(y)
+        want = np.zeros_like(got, dtype=np.float64)
+        for p, a in enumerate(o):
+            row = p if by_token else a
+            want[row] = W[ids[a // k, a % k]] @ xh[a // k]
+        e = np.abs(got - want).max() / np.abs(want).max()
+        assert e < 1e-5, f"type {ggml_type} by_token {by_token}: rel {e:.2e}"
+
+
+@gpu
+@pytest.mark.parametrize("n,k,ne", [(1, 4, 16), (37, 4, 16), (300, 8, 64), (513, 2, 3)])
+def test_group_kernel_matches_mirror(n, k, ne):
+    """strata_moe_group == the numpy mirror: the same tiles (expert, first position, count; unused rows count 0)
+    and, in each tile's range of `sorted`, the same set of assignments."""
+    import cupy as cp
+    from strata.backend.cuda.library import lib, ptr, stream_ptr
+    rng = np.random.default_rng(n)
+    ks = k + 1
+    ids = np.stack([rng.choice(ne, k, replace=False) for _ in range(n)]).astype(np.int32)
+    if n >= 300:
+        ids[: n // 2] = ids[0]                                    # skew: long runs of one expert
+    ids_dev = cp.asarray(np.concatenate([ids, np.full((n, 1), ne, np.int32)], axis=1))   # the shared slot is skipped
+    mt = int(lib().strata_moe_max_tiles(n, k, ne))
+    order, tiles = cp.full(n * k, -1, cp.int32), cp.full((mt, 3), -1, cp.int32)
+    assert lib().strata_moe_group(stream_ptr(), ptr(ids_dev), n, k, ks, ne, ptr(order), ptr(tiles), mt) == 0
+    want_order, want_tiles = _mirror_group(ids, k, ne, rng)
+    got_tiles, got_order = _host(tiles), _host(order)
+    assert (got_tiles == want_tiles).all()
+    live = want_tiles[want_tiles[:, 2] > 0]
+    for e in np.unique(live[:, 0]):                              # an expert's run: the same assignments, any order
+        p0, p1 = live[live[:, 0] == e, 1].min(), (live[live[:, 0] == e, 1] + live[live[:, 0] == e, 2]).max()
+        assert sorted(got_order[p0:p1]) == sorted(want_order[p0:p1])
+    assert sorted(got_order.tolist()) == list(range(n * k))
+    assert lib().strata_moe_group(stream_ptr(), ptr(ids_dev), n, k, ks, ne, ptr(order), ptr(tiles), mt - 1) != 0
+
+
 class Setup:
     def __init__(self, arch, qtype, tmp, **kw):
         self.path = synth.write_synthetic(tmp / f"{arch}_{qtype}.gguf", _spec(arch, qtype, **kw))
@@ -453,6 +602,7 @@ def test_one_and_two_stages_on_one_gpu_same_tokens(moe_path):
         e = Engine(moe_path, n_ctx=1024, ubatch=128, device=dev, layer_split=split)
         for st in e.stages:
             assert st.status()["moe"] == {"decode": "graph", "prefill": "grouped"}, st.status()
+        assert e.device_info()["moe"] == {"decode": "graph", "prefill": "grouped"}
         evs = list(e.generate(GenerationRequest(prompt_tokens=toks, max_tokens=24, ignore_eos=True)))
         got[split] = [ev.token_id for ev in evs if isinstance(ev, TokenEvent)]
     print(f"1 stage {got[None][:10]} 2 stages {got['4'][:10]}")

@@ -23,7 +23,7 @@ namespace {
 constexpr int MOE_ROUTE_THREADS = 256;
 constexpr int MOE_GU_WARPS = 8;              // decode gate/up: 8 warps x 4 activations = one q8_1 block per block
 constexpr int MOE_GU_ROWS = 32 / MOE_GU_WARPS;
-constexpr int MOE_MM_R = 2;                  // grouped matvec: rows per warp
+constexpr int MOE_MM_R = 4;                  // grouped matvec: rows per warp
 constexpr int MOE_MM_T = STRATA_MOE_TILE;    // grouped matvec: tokens per tile
 constexpr int MOE_GROUP_THREADS = 1024;
 
@@ -258,10 +258,99 @@ __global__ void __launch_bounds__(MOE_GROUP_THREADS) k_moe_group(const int *__re
   }
 }
 
+// One 32-element weight sub-block u of a row unpacked for several activation blocks (the grouped matvec reuses it
+// for every token of a tile): q the 8 ints of 4 packed int8 weight values each, such that dot_q8x<T>(row, u, x,
+// xds) == xds.x * (a0 * dp4a(q[0..3], x[0..3]) + a1 * dp4a(q[4..7], x[4..7])) + b * xds.y (unpacked_dot), the same
+// terms as quant.cuh's dot_q8x (llama.cpp vec_dot_*_q8_1) grouped per half.
+struct Unpacked {
+  int q[8];
+  float a0, a1, b;
+};
+
+template <int T>
+__device__ static inline void unpack_q8x(const uint8_t *__restrict__ row, int u, Unpacked &w) {
+  if (T == T_Q4_0 || T == T_Q4_1) {
+    const uint8_t *bl = row + u * (T == T_Q4_0 ? 18 : 20);
+    int q[4];
+    if (T == T_Q4_1) {
+      const int *p = reinterpret_cast<const int *>(bl + 4);
+#pragma unroll
+      for (int i = 0; i < 4; i++) q[i] = p[i];
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; i++) q[i] = ld32a2(bl + 2 + 4 * i);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      w.q[i] = q[i] & 0x0F0F0F0F;
+      w.q[4 + i] = (q[i] >> 4) & 0x0F0F0F0F;
+    }
+    const float d = ldh(bl);
+    w.a0 = w.a1 = d;
+    w.b = T == T_Q4_0 ? -8.0f * d : ldh(bl + 2);
+  } else if (T == T_Q8_0) {
+    const uint8_t *bl = row + u * 34;
+#pragma unroll
+    for (int i = 0; i < 8; i++) w.q[i] = ld32a2(bl + 2 + 4 * i);
+    w.a0 = w.a1 = ldh(bl);
+    w.b = 0.f;
+  } else if (T == T_Q4_K || T == T_Q5_K) {
+    const int bs = T == T_Q4_K ? 144 : 176;
+    const uint8_t *bl = row + (u >> 3) * bs;
+    const int j = u & 7, p = j >> 1, sh = 4 * (j & 1);
+    const int4 *qp = reinterpret_cast<const int4 *>(bl + (T == T_Q4_K ? 16 : 48) + 32 * p);
+    const int4 q0 = qp[0], q1 = qp[1];
+    w.q[0] = q0.x; w.q[1] = q0.y; w.q[2] = q0.z; w.q[3] = q0.w;
+    w.q[4] = q1.x; w.q[5] = q1.y; w.q[6] = q1.z; w.q[7] = q1.w;
+#pragma unroll
+    for (int i = 0; i < 8; i++) w.q[i] = (w.q[i] >> sh) & 0x0F0F0F0F;
+    if (T == T_Q5_K) {
+      const int4 *hp = reinterpret_cast<const int4 *>(bl + 16);
+      const int4 h0 = hp[0], h1 = hp[1];
+      const int h[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
+#pragma unroll
+      for (int i = 0; i < 8; i++) w.q[i] |= ((h[i] >> j) & 0x01010101) << 4;
+    }
+    float sc, mn;
+    scale_min_k4(j, bl + 4, sc, mn);
+    w.a0 = w.a1 = ldh(bl) * sc;
+    w.b = -ldh(bl + 2) * mn;
+  } else {  // T_Q6_K
+    const uint8_t *bl = row + (u >> 3) * 210;
+    const int j = u & 7, n = j >> 2, g = j & 3;
+    const uint8_t *ql = bl + 64 * n + 32 * (g & 1);
+    const uint8_t *qh = bl + 128 + 32 * n;
+    const int sl = g >= 2 ? 4 : 0, shh = 2 * g;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+      const int lo = (ld32a2(ql + 4 * i) >> sl) & 0x0F0F0F0F;
+      const int hi = ((ld32a2(qh + 4 * i) >> shh) & 0x03030303) << 4;
+      w.q[i] = __vsubss4(lo | hi, 0x20202020);
+    }
+    const int8_t *sc = reinterpret_cast<const int8_t *>(bl + 192) + 8 * n + 2 * g;
+    const float d = ldh(bl + 208);
+    w.a0 = d * (float)sc[0];
+    w.a1 = d * (float)sc[1];
+    w.b = 0.f;
+  }
+}
+
+__device__ static inline float unpacked_dot(const Unpacked &w, const int x[8], float2 xds) {
+  int s0 = 0, s1 = 0;
+#pragma unroll
+  for (int i = 0; i < 4; i++) {
+    s0 = __dp4a(w.q[i], x[i], s0);
+    s1 = __dp4a(w.q[4 + i], x[4 + i], s1);
+  }
+  return xds.x * (w.a0 * (float)s0 + w.a1 * (float)s1) + w.b * xds.y;
+}
+
 // Grouped matvec tile: block (tile, row block) computes y[orow(p), r] = W_e[r] . x[irow(p)] for the <= MOE_MM_T
 // sorted positions p of the tile (expert e) and the block's 4 * MOE_MM_R rows r: W_e[r] = tab0[e] row r for
 // r < n_split, else tab1[e] row r - n_split; irow(p) = sorted[p] / k (in_by_token: the token of the assignment)
-// else p; orow(p) = sorted[p] (out_by_assign) else p. x: q8_1 rows (q8_row_stride(n_in) bytes each).
+// else p; orow(p) = sorted[p] (out_by_assign) else p. x: q8_1 rows (q8_row_stride(n_in) bytes each). Each lane
+// strides over the 32-element sub-blocks: the tile's x blocks loaded once for the warp's rows, each weight sub-block
+// unpacked once for the tile's tokens.
 template <int T>
 __global__ void __launch_bounds__(128) k_moe_mm(const uint8_t *const *__restrict__ tab0,
                                                 const uint8_t *const *__restrict__ tab1, int n_split, int n_table,
@@ -300,13 +389,16 @@ __global__ void __launch_bounds__(128) k_moe_mm(const uint8_t *const *__restrict
     for (int i = 0; i < MOE_MM_T; i++) acc[r][i] = 0.f;
   const int n_units = n_in / 32;
   for (int b = lane; b < n_units; b += 32) {
+    Unpacked w[MOE_MM_R];
+#pragma unroll
+    for (int r = 0; r < MOE_MM_R; r++) unpack_q8x<T>(rows[r], b, w[r]);
 #pragma unroll
     for (int i = 0; i < MOE_MM_T; i++) {
       int xv[8];
       load_xq(reinterpret_cast<const int *>(xr[i]), b, xv);
       const float2 ds = __ldg(reinterpret_cast<const float2 *>(xr[i] + n_in) + b);
 #pragma unroll
-      for (int r = 0; r < MOE_MM_R; r++) acc[r][i] += dot_q8x<T>(rows[r], b, xv, ds);
+      for (int r = 0; r < MOE_MM_R; r++) acc[r][i] += unpacked_dot(w[r], xv, ds);
     }
   }
 #pragma unroll

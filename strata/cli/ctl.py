@@ -179,6 +179,8 @@ def _device_line(dev: dict) -> str:
         held += f", {_human_bytes(dev.get('kv_valid_bytes'))} in valid positions"
     kv = f" {dev['kv']}" if dev.get("kv") else ""
     parts.append(f"KV pool{kv} {_human_bytes(dev.get('kv_pool_bytes'))} ({held})")
+    if dev.get("moe"):
+        parts.append(f"MoE layers: {dev['moe'].get('decode')} decode, {dev['moe'].get('prefill')} prefill")
     if dev.get("error"):
         parts.append(f"memory info failed: {dev['error']}")
     return f"{dev.get('name', '?')}: " + ", ".join(parts)
