@@ -235,6 +235,51 @@ def test_grouped_prefill_mirror_matches_moe_ffn(n):
     assert rel_l2(out, ref) < 1e-5
 
 
+@pytest.mark.parametrize("F,F_last,n_slots", [(64, 64, 4), (64, 96, 5), (512, 1024, 9), (96, 32, 3), (32, 32, 1)])
+def test_decode_slot_offsets_cover_every_sub_block_once(F, F_last, n_slots):
+    """k_moe_down's flattened index t -> (slot j, sub-block b) over (n_slots - 1) * F / 32 + F_last / 32 values
+    covers each slot's sub-blocks exactly once; k_moe_gate_up's blocks (bx, slot) with 32 bx < F_j write disjoint
+    act / q8_1 ranges (slot j at j * F and j * q8_row_bytes(F), F_j long) inside the buffers decode_buffers makes
+    (k * F + max(F, F_last) floats, k * q8_row_bytes(F) + q8_row_bytes(max(F, F_last)) bytes)."""
+    nu, last = F // 32, n_slots - 1
+    n_routed = last * nu
+    seen = set()
+    for t in range(n_routed + F_last // 32):
+        j = t // nu if t < n_routed else last
+        b = t - j * nu
+        assert 0 <= b < (F_last if j == last else F) // 32
+        seen.add((j, b))
+    assert len(seen) == n_routed + F_last // 32
+    k = n_slots - 1
+    acts, q8s = set(), []
+    for j in range(n_slots):
+        Fj = F_last if j == last else F
+        for bx in range(max(F, F_last) // 32):
+            if 32 * bx >= Fj:
+                continue
+            idx = {j * F + 32 * bx + lane for lane in range(32)}
+            assert not idx & acts
+            acts |= idx
+        q8s.append((j * CM.q8_row_bytes(F), j * CM.q8_row_bytes(F) + Fj + Fj // 4))
+    assert max(acts) < k * F + max(F, F_last)
+    assert all(a1 <= b0 for (_, a1), (b0, _) in zip(q8s, q8s[1:]))
+    assert q8s[-1][1] <= k * CM.q8_row_bytes(F) + CM.q8_row_bytes(max(F, F_last))
+
+
+def test_shared_expert_rides_along_only_with_the_experts_types():
+    def dw(t, shape):
+        return CM.DeviceWeight("w", t, shape, None)
+    ffn = SimpleNamespace(gate=[dw(8, (64, 128))], up=[dw(8, (64, 128))], down=[dw(8, (128, 64))],
+                          shared=(dw(8, (96, 128)), dw(8, (96, 128)), dw(8, (128, 96))))
+    assert CM.shared_rides_along(ffn)
+    ffn.shared = (dw(8, (96, 128)), dw(8, (96, 128)), dw(14, (128, 96)))      # Q6_K down, Q8_0 experts
+    assert not CM.shared_rides_along(ffn)
+    ffn.down, ffn.shared = [dw(12, (128, 256))], (dw(8, (96, 128)), dw(8, (96, 128)), dw(12, (128, 96)))
+    assert not CM.shared_rides_along(ffn)                                       # 96 is not whole Q4_K blocks
+    ffn.shared = None
+    assert not CM.shared_rides_along(ffn)
+
+
 def test_tile_bound_holds_for_skewed_counts():
     """strata_moe_max_tiles = n k / TILE + n_expert bounds the tiles of any assignment."""
     rng = np.random.default_rng(3)
@@ -481,8 +526,8 @@ def _cpu_ffn(setup, li, x):
 
 @gpu
 def test_moe_layer_matches_cpu_reference(setup):
-    """One MoE layer: the decode launches on one row and the grouped prefill on 1 / 3 / 37 rows vs moe_ffn on the
-    CPU backend; the device's routing ids equal the CPU's where its k-th and (k+1)-th probabilities are apart."""
+    """One MoE layer: the decode launches on one row (the shared expert as the last slot, and on its own) and the
+    grouped prefill on 1 / 3 / 37 rows vs moe_ffn on the CPU backend; the device's routing ids equal the CPU's where its k-th and (k+1)-th probabilities are apart."""
     import cupy as cp
     from strata.backend.cuda.library import stream_ptr
     plan = setup.plan()
@@ -490,14 +535,19 @@ def test_moe_layer_matches_cpu_reference(setup):
     rng = np.random.default_rng(7)
     for li in (0, 3):                                      # a GDN layer's and an attention layer's FFN
         lm = plan.moe[li]
+        assert lm.ride                                     # one type throughout: the shared expert rides along
         x = rng.standard_normal((1, E)).astype(np.float32)
+        want = _cpu_ffn(setup, li, x)[0]
         plan.d["hn"][...] = cp.asarray(x)
         m.backend.quantize_q8(plan.d["hn"], out=plan.d["hq"])
-        CM.decode(plan, stream_ptr(), lm)
-        got = _host(plan.d["o"])[0]
-        e = rel_l2(got, _cpu_ffn(setup, li, x)[0])
-        print(f"layer {li} decode vs CPU rel L2 {e:.2e}")
-        assert e < LAYER_REL_L2
+        alone = CM.MoeLayer(li, m.layers[li].ffn, m)
+        alone.ride = False                                 # the shared expert's own launches (other types)
+        for layer in (lm, alone):
+            CM.decode(plan, stream_ptr(), layer)
+            got = _host(plan.d["o"])[0]
+            e = rel_l2(got, want)
+            print(f"layer {li} decode (shared riding along: {layer.ride}) vs CPU rel L2 {e:.2e}")
+            assert e < LAYER_REL_L2
         for n in (1, 3, 37):
             xr = (rng.standard_normal((n, E)) * 3).astype(np.float32)
             xd = cp.asarray(xr)

@@ -117,21 +117,24 @@ __global__ void __launch_bounds__(MOE_ROUTE_THREADS) k_moe_route(const float *__
 }
 
 // Decode gate/up of the routed slots: block (blockIdx.x, slot) makes the 32 activations 32 bx .. 32 bx + 31 of slot
-// `slot` (expert ids[slot] through the tables): each warp MOE_GU_ROWS gate and up rows over the q8_1 x, lanes
-// striding over the 32-element sub-blocks; silu(g) * u (k_swiglu_gu's arithmetic) into act f32 (n_slots, F) and
-// its q8_1 row (q8_row_stride(F) bytes per slot) in act_q8.
+// `slot` (expert ids[slot] through the tables; the last slot has F_last activations, the others F: a shared expert
+// of another width rides along as the last slot): each warp MOE_GU_ROWS gate and up rows over the q8_1 x, lanes
+// striding over the 32-element sub-blocks; silu(g) * u (k_swiglu_gu's arithmetic) into act f32 (slot j at j * F)
+// and its q8_1 row (slot j at j * q8_row_stride(F) bytes of act_q8, F_j values).
 template <int T>
 __global__ void __launch_bounds__(32 * MOE_GU_WARPS) k_moe_gate_up(const uint8_t *const *__restrict__ gate_tab,
                                                                   const uint8_t *const *__restrict__ up_tab,
                                                                   int n_table, const int *__restrict__ ids,
-                                                                  const int8_t *__restrict__ xq,
+                                                                  int n_slots, const int8_t *__restrict__ xq,
                                                                   const float2 *__restrict__ xds, float *__restrict__ act,
-                                                                  int8_t *__restrict__ act_q8, int F, int n_units,
-                                                                  long long rb) {
+                                                                  int8_t *__restrict__ act_q8, int F, int F_last,
+                                                                  int n_units, long long rb) {
   griddep_launch();
+  const int slot = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int Fj = slot == n_slots - 1 ? F_last : F;
+  if (blockIdx.x * 32 >= Fj) return;             // the whole block: past this slot's activations
   griddep_wait();
   __shared__ float sv[32];
-  const int slot = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int e = clamp_id(ids[slot], n_table);
   const int i0 = blockIdx.x * 32 + warp * MOE_GU_ROWS;
   const uint8_t *g = gate_tab[e] + (long long)i0 * rb;
@@ -168,18 +171,19 @@ __global__ void __launch_bounds__(32 * MOE_GU_WARPS) k_moe_gate_up(const uint8_t
     const float v = sv[lane];
     act[(long long)slot * F + i] = v;
     int8_t *q = act_q8 + (long long)slot * q8_row_stride(F);
-    q8_store(v, i, q, reinterpret_cast<float2 *>(q + F));
+    q8_store(v, i, q, reinterpret_cast<float2 *>(q + Fj));
   }
 }
 
-// Decode down projection of the routed slots with their weighted sum: warp `row` computes y[row] = sum_j wts[j] *
-// (down_{ids[j]} row . act_j) + shared_w * shared_y[row] (when shared_y), its lanes striding over all n_slots x
-// n_units sub-blocks (each slot's q8_1 activation row in act_q8).
+// Decode down projection of the slots with their weighted sum: warp `row` computes y[row] = sum_j wts[j] *
+// (down_{ids[j]} row . act_j) + shared_w * shared_y[row] (when shared_y), its lanes striding over all the slots'
+// sub-blocks ((n_slots - 1) * F / 32 + F_last / 32 of them; slot j's q8_1 row at j * q8_row_stride(F) of act_q8,
+// its down rows rb bytes, the last slot's rb_last).
 template <int T>
 __global__ void __launch_bounds__(128) k_moe_down(const uint8_t *const *__restrict__ tab, int n_table,
                                                   const int *__restrict__ ids, const float *__restrict__ wts,
-                                                  int n_slots, const int8_t *__restrict__ act_q8, int F, int n_units,
-                                                  long long rb, float *__restrict__ y, int E,
+                                                  int n_slots, const int8_t *__restrict__ act_q8, int F, int F_last,
+                                                  long long rb, long long rb_last, float *__restrict__ y, int E,
                                                   const float *__restrict__ shared_y,
                                                   const float *__restrict__ shared_w) {
   griddep_launch();
@@ -195,15 +199,16 @@ __global__ void __launch_bounds__(128) k_moe_down(const uint8_t *const *__restri
   const int row = blockIdx.x * 4 + warp;
   if (row >= E) return;
   const long long qs = q8_row_stride(F);
-  const int total = n_slots * n_units;
+  const int nu = F / 32, last = n_slots - 1, n_routed = last * nu;
+  const int total = n_routed + F_last / 32;
   float acc = 0.f;
   for (int t = lane; t < total; t += 32) {
-    const int j = t / n_units, b = t - j * n_units;
+    const int j = t < n_routed ? t / nu : last, b = t - j * nu;
     const int8_t *q = act_q8 + j * qs;
     int xv[8];
     load_xq(reinterpret_cast<const int *>(q), b, xv);
-    const float2 ds = __ldg(reinterpret_cast<const float2 *>(q + F) + b);
-    acc += w[j] * dot_q8x<T>(base[j] + (long long)row * rb, b, xv, ds);
+    const float2 ds = __ldg(reinterpret_cast<const float2 *>(q + (j == last ? F_last : F)) + b);
+    acc += w[j] * dot_q8x<T>(base[j] + (long long)row * (j == last ? rb_last : rb), b, xv, ds);
   }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
@@ -461,35 +466,36 @@ extern "C" int strata_moe_route(void *stream, const float *logits, int n_tok, in
 
 extern "C" int strata_moe_gate_up(void *stream, int t, const void *const *gate_tab, const void *const *up_tab,
                                   int n_table, const int *ids, int n_slots, const void *xq, float *act, void *act_q8,
-                                  int n_ff, int n_embd) {
+                                  int n_ff, int n_ff_last, int n_embd) {
   if (const int e = q8_matvec_check(t, gate_tab, xq, n_ff, n_embd)) return e;
   if (!up_tab || !ids || !act || !act_q8 || n_table <= 0 || n_slots <= 0 || n_slots > STRATA_MOE_MAX_SLOTS ||
-      n_ff % 32)
+      n_ff % 32 || n_ff_last <= 0 || n_ff_last % 32)
     return (int)cudaErrorInvalidValue;
   if (!aligned16(act_q8)) return (int)cudaErrorMisalignedAddress;
   const long long rb = row_bytes_of(t, n_embd);
   const int8_t *q = (const int8_t *)xq;
-  const dim3 grid((unsigned)(n_ff / 32), (unsigned)n_slots);
+  const dim3 grid((unsigned)((n_ff > n_ff_last ? n_ff : n_ff_last) / 32), (unsigned)n_slots);
   cudaStream_t s = (cudaStream_t)stream;
 #define GU(TT) st_launch(k_moe_gate_up<TT>, grid, 32 * MOE_GU_WARPS, 0, s, (const uint8_t *const *)gate_tab, \
-                         (const uint8_t *const *)up_tab, n_table, ids, q, (const float2 *)(q + n_embd), act, \
-                         (int8_t *)act_q8, n_ff, n_embd / 32, rb)
+                         (const uint8_t *const *)up_tab, n_table, ids, n_slots, q, (const float2 *)(q + n_embd), act, \
+                         (int8_t *)act_q8, n_ff, n_ff_last, n_embd / 32, rb)
   DISPATCH_Q8_TYPE(t, GU)
 #undef GU
   return (int)cudaGetLastError();
 }
 
 extern "C" int strata_moe_down(void *stream, int t, const void *const *down_tab, int n_table, const int *ids,
-                               const float *wts, int n_slots, const void *act_q8, int n_ff, float *y, int n_embd,
-                               const float *shared_y, const float *shared_w) {
+                               const float *wts, int n_slots, const void *act_q8, int n_ff, int n_ff_last, float *y,
+                               int n_embd, const float *shared_y, const float *shared_w) {
   if (const int e = q8_matvec_check(t, down_tab, act_q8, n_embd, n_ff)) return e;
+  if (const int e = q8_matvec_check(t, down_tab, act_q8, n_embd, n_ff_last)) return e;
   if (!ids || !wts || !y || n_table <= 0 || n_slots <= 0 || n_slots > STRATA_MOE_MAX_SLOTS)
     return (int)cudaErrorInvalidValue;
-  const long long rb = row_bytes_of(t, n_ff);
+  const long long rb = row_bytes_of(t, n_ff), rb_last = row_bytes_of(t, n_ff_last);
   cudaStream_t s = (cudaStream_t)stream;
   const unsigned blocks = (unsigned)((n_embd + 3) / 4);
 #define DN(TT) st_launch(k_moe_down<TT>, blocks, 128, 0, s, (const uint8_t *const *)down_tab, n_table, ids, wts, \
-                         n_slots, (const int8_t *)act_q8, n_ff, n_ff / 32, rb, y, n_embd, shared_y, shared_w)
+                         n_slots, (const int8_t *)act_q8, n_ff, n_ff_last, rb, rb_last, y, n_embd, shared_y, shared_w)
   DISPATCH_Q8_TYPE(t, DN)
 #undef DN
   return (int)cudaGetLastError();

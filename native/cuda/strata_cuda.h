@@ -318,21 +318,22 @@ enum { STRATA_MOE_MAX_SLOTS = 32, STRATA_MOE_MAX_EXPERTS = 2048, STRATA_MOE_TILE
 int strata_moe_route(void *stream, const float *logits, int n_tok, int n_expert, int k, int renorm, const float *x,
                      const float *shared_gate, int n_embd, int shared, int *ids, float *wts);
 
-/* Decode gate/up of one token's n_slots routed experts in one launch: slot j reads expert e = ids[j] (clamped to
- * [0, n_table)) through the device tables gate_tab / up_tab (n_table addresses of (n_ff, n_embd) matrices of
- * ggml_type, 16-byte aligned) on the q8_1 activations xq (strata_matvec_q8w's layout) -> act f32 (n_slots, n_ff) =
- * silu(gate x) * (up x) and its q8_1 rows act_q8 (row j at j * q8 row bytes: n_ff int8, n_ff / 32 float2, padded to
- * 16 bytes; 16-byte aligned). n_ff % 32 == 0. */
+/* Decode gate/up of one token's n_slots experts in one launch: slot j reads expert e = ids[j] (clamped to [0,
+ * n_table)) through the device tables gate_tab / up_tab (n_table addresses of (F_j, n_embd) matrices of ggml_type,
+ * 16-byte aligned; F_j = n_ff, the last slot's n_ff_last: a shared expert of another width as the last slot) on
+ * the q8_1 activations xq (strata_matvec_q8w's layout) -> act f32 (slot j at j * n_ff) = silu(gate x) * (up x)
+ * and its q8_1 rows act_q8 (slot j at j * q8 row bytes of n_ff: F_j int8, F_j / 32 float2; a q8 row padded to 16
+ * bytes; 16-byte aligned). n_ff, n_ff_last % 32 == 0. */
 int strata_moe_gate_up(void *stream, int ggml_type, const void *const *gate_tab, const void *const *up_tab,
                        int n_table, const int *ids, int n_slots, const void *xq, float *act, void *act_q8, int n_ff,
-                       int n_embd);
+                       int n_ff_last, int n_embd);
 
 /* Decode down projection with the weighted sum in one launch: y f32 (n_embd) = sum_j wts[j] * down_{ids[j]} act_j
- * (act_q8: strata_moe_gate_up's rows; down_tab: n_table addresses of (n_embd, n_ff) matrices) + shared_w[0] *
+ * (act_q8: strata_moe_gate_up's rows; down_tab: n_table addresses of (n_embd, F_j) matrices) + shared_w[0] *
  * shared_y (when shared_y is not NULL; shared_w NULL: weight 1). */
 int strata_moe_down(void *stream, int ggml_type, const void *const *down_tab, int n_table, const int *ids,
-                    const float *wts, int n_slots, const void *act_q8, int n_ff, float *y, int n_embd,
-                    const float *shared_y, const float *shared_w);
+                    const float *wts, int n_slots, const void *act_q8, int n_ff, int n_ff_last, float *y,
+                    int n_embd, const float *shared_y, const float *shared_w);
 
 /* The tiles strata_moe_group may write for n_tok tokens of k experts each: n_tok * k / STRATA_MOE_TILE + n_expert. */
 int strata_moe_max_tiles(int n_tok, int k, int n_expert);

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from strata.backend.cuda.library import check, ffi, lib, ptr
-from strata.backend.cuda.weights import DeviceWeight, fuse_groups
+from strata.backend.cuda.weights import BLOCK, DeviceWeight, fuse_groups
 
 MAX_SLOTS = 32          # strata_cuda.h STRATA_MOE_MAX_SLOTS: k routed experts + the shared one
 MAX_EXPERTS = 2048      # STRATA_MOE_MAX_EXPERTS
@@ -53,24 +53,30 @@ def unsupported(model, dp4a: bool = True) -> str | None:
                 return f"{name} of GGML type {t} has no int8-activation kernel"
         if f.gate[0].ggml_type != f.up[0].ggml_type:
             return "ffn_gate_exps and ffn_up_exps differ in type (the gate/up launch reads one type)"
+        if model.config.n_embd % BLOCK[f.gate[0].ggml_type][0] or F % BLOCK[f.down[0].ggml_type][0]:
+            return f"n_embd / expert_feed_forward_length {model.config.n_embd} / {F} are not whole blocks of the " \
+                   f"experts' types"
     return None
 
 
 class ExpertTable:
     """One stack of expert matrices as the kernels read it: GGML type, per-expert shape (n_out, n_in), and ``table``,
-    a device uint64 array of n_table row-block addresses (entry e: expert e). ``weights`` keeps the matrices the
-    entries point at alive."""
+    a device uint64 array of n_table row-block addresses (entry e: expert e; with ``extra``, the shared expert's
+    matrix of the same type as entry n_expert, which the decode launches take as their last slot). ``weights`` keeps
+    the matrices the entries point at alive."""
 
-    def __init__(self, name: str, weights: list[DeviceWeight]):
+    def __init__(self, name: str, weights: list[DeviceWeight], extra: DeviceWeight | None = None):
         import cupy
         w0 = weights[0]
         if any(w.ggml_type != w0.ggml_type or tuple(w.shape) != tuple(w0.shape) for w in weights):
             raise ValueError(f"{name}: experts of one stack must share type and shape")
-        addrs = [int(w.data.data.ptr) for w in weights]
+        if extra is not None and extra.ggml_type != w0.ggml_type:
+            raise ValueError(f"{name}: the shared expert's matrix has another type than the experts'")
+        addrs = [int(w.data.data.ptr) for w in weights + ([extra] if extra is not None else [])]
         if any(a % 16 for a in addrs):
             raise ValueError(f"{name}: expert storage is not 16-byte aligned")
         self.name, self.ggml_type, self.shape = name, int(w0.ggml_type), tuple(w0.shape)
-        self.weights = list(weights)
+        self.weights = list(weights) + ([extra] if extra is not None else [])
         self.table = cupy.asarray(np.asarray(addrs, dtype=np.uint64))
 
     @property
@@ -87,20 +93,36 @@ class ExpertTable:
         self.table[e:e + 1] = cupy.asarray(np.asarray([address], dtype=np.uint64))
 
 
+def shared_rides_along(ffn) -> bool:
+    """Whether the shared expert can be the decode launches' last slot: its gate, up and down matrices on the device
+    with the routed experts' types, its width whole blocks of the down type and a multiple of 32."""
+    if ffn.shared is None:
+        return False
+    g, u, d = ffn.shared
+    if not all(isinstance(w, DeviceWeight) for w in (g, u, d)):
+        return False
+    tg, td, fs = ffn.gate[0].ggml_type, ffn.down[0].ggml_type, int(g.shape[0])
+    return g.ggml_type == u.ggml_type == tg and d.ggml_type == td and fs % 32 == 0 and fs % BLOCK[td][0] == 0
+
+
 class MoeLayer:
     """A MoE FFN layer's device data: the router (n_expert, n_embd), ExpertTables of the routed gate / up (n_ff_exp,
     n_embd) and down (n_embd, n_ff_exp) matrices, and the shared expert (its fused [gate | up] groups, down, gate
-    vector) or None."""
+    vector) or None. ``ride``: the shared expert is also entry n_expert of the tables (shared_rides_along), so the
+    decode step runs it as the last slot of the routed launches."""
 
     def __init__(self, li: int, ffn, model):
         self.router = ffn.router
-        self.gate = ExpertTable(f"blk.{li}.ffn_gate_exps", ffn.gate)
-        self.up = ExpertTable(f"blk.{li}.ffn_up_exps", ffn.up)
-        self.down = ExpertTable(f"blk.{li}.ffn_down_exps", ffn.down)
+        self.ride = shared_rides_along(ffn)
+        sh = ffn.shared if self.ride else (None, None, None)
+        self.gate = ExpertTable(f"blk.{li}.ffn_gate_exps", ffn.gate, sh[0])
+        self.up = ExpertTable(f"blk.{li}.ffn_up_exps", ffn.up, sh[1])
+        self.down = ExpertTable(f"blk.{li}.ffn_down_exps", ffn.down, sh[2])
         self.n_expert, self.k, self.n_ff = model.n_expert, model.n_expert_used, model.n_ff_exp
         self.renorm = bool(model.norm_topk)
         self.shared = ffn.shared is not None
         self.slots = self.k + int(self.shared)      # ids / wts per token: k routed, then the shared expert's gate
+        self.n_ff_sh = 0
         if self.shared:
             g, u, d = ffn.shared
             self.sh_gu = fuse_groups(f"blk.{li}.ffn_gate_up_shexp", [g, u])
@@ -114,16 +136,18 @@ def decode_buffers(cp, model, q8_buffer) -> dict[str, Any]:
     E, ne, k, F = model.config.n_embd, model.n_expert, model.n_expert_used, model.n_ff_exp
     Fs = max(32, int(model.n_ff_shexp or 0))
     return {"rl": cp.zeros(ne, cp.float32), "ids": cp.zeros(MAX_SLOTS, cp.int32), "wts": cp.zeros(MAX_SLOTS, cp.float32),
-            "eact": cp.zeros((k, F), cp.float32), "eq": cp.zeros(k * q8_row_bytes(F), cp.uint8),
+            "eact": cp.zeros(k * F + max(F, Fs), cp.float32),             # slot j at j * F, the last one longer
+            "eq": cp.zeros(k * q8_row_bytes(F) + q8_row_bytes(max(F, Fs)), cp.uint8),
             "sgu": cp.zeros((1, 2 * Fs), cp.float32), "sact": cp.zeros((1, Fs), cp.float32),
             "sfq": q8_buffer(cp, Fs), "sy": cp.zeros((1, E), cp.float32)}
 
 
 def decode(plan, s, m: MoeLayer) -> None:
     """Enqueue the MoE FFN of the normed row plan.d['hn'] / ['hq'] into plan.d['o'] (one token, fixed buffers, no
-    host sync): router matvec, strata_moe_route (top-k ids and weights, the shared gate), the shared expert (gate|up
-    matvec, SwiGLU, down matvec), strata_moe_gate_up (k experts, SwiGLU, q8_1 rows), strata_moe_down (k experts,
-    the weighted sum plus the gated shared expert)."""
+    host sync): router matvec, strata_moe_route (top-k ids and weights, the shared gate), strata_moe_gate_up (the k
+    experts and the shared one riding along as slot k: gate / up, SwiGLU, q8_1 rows), strata_moe_down (their down
+    rows, the weighted sum with the shared expert's gate as slot k's weight); a shared expert that cannot ride
+    along runs its own gate|up matvec, SwiGLU and down matvec, added by strata_moe_down."""
     lb, d, E = lib(), plan.d, plan.n_embd
     NULL = ffi().NULL
     ne, k, F = m.n_expert, m.k, m.n_ff
@@ -132,17 +156,18 @@ def decode(plan, s, m: MoeLayer) -> None:
     check(lb.strata_moe_route(s, ptr(d["rl"]), 1, ne, k, int(m.renorm), ptr(d["hn"]), ptr(sg), E, int(m.shared),
                               ptr(d["ids"]), ptr(d["wts"])), "strata_moe_route")
     sy = shw = NULL
-    if m.shared:
+    n_slots, F_last = (k + 1, m.n_ff_sh) if m.ride else (k, F)
+    if m.shared and not m.ride:
         Fs = m.n_ff_sh
         plan._mv(s, m.sh_gu, d["sgu"], d["hn"], d["hq"], E)
         check(lb.strata_swiglu_gu(s, ptr(d["sgu"]), 1, Fs, ptr(d["sact"]), NULL, ptr(d["sfq"])), "swiglu_gu")
         plan._mv(s, [(m.sh_down, 0, E)], d["sy"], d["sact"], d["sfq"], Fs)
         sy, shw = ptr(d["sy"]), ptr(d["wts"], k)
     check(lb.strata_moe_gate_up(s, m.gate.ggml_type, ptr(m.gate.table), ptr(m.up.table), m.gate.n_table,
-                                ptr(d["ids"]), k, ptr(d["hq"]), ptr(d["eact"]), ptr(d["eq"]), F, E),
+                                ptr(d["ids"]), n_slots, ptr(d["hq"]), ptr(d["eact"]), ptr(d["eq"]), F, F_last, E),
           "strata_moe_gate_up")
-    check(lb.strata_moe_down(s, m.down.ggml_type, ptr(m.down.table), m.down.n_table, ptr(d["ids"]), ptr(d["wts"]), k,
-                             ptr(d["eq"]), F, ptr(d["o"]), E, sy, shw), "strata_moe_down")
+    check(lb.strata_moe_down(s, m.down.ggml_type, ptr(m.down.table), m.down.n_table, ptr(d["ids"]), ptr(d["wts"]),
+                             n_slots, ptr(d["eq"]), F, F_last, ptr(d["o"]), E, sy, shw), "strata_moe_down")
 
 
 def prefill(plan, s, m: MoeLayer, x, norm, h16) -> None:
