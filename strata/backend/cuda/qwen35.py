@@ -16,8 +16,9 @@ Per layer (native/cuda/qwen35.cu for the ``strata_q35_*`` kernels, the rest shar
 * The residual add fused into the next RMSNorm and the dense SwiGLU FFN: DecodePlan's blocks (``_layer_end``,
   ``_ffn``; SwiGLU inside the gate/up matvec only with STRATA_CUDA_GLU=1: it measured slower in this graph).
 * MoE FFN (qwen35moe, qwen3next): strata/backend/cuda/moe.py's launches (router matvec, ``strata_moe_route`` top-k
-  and shared gate, the shared expert's matvecs, ``strata_moe_gate_up`` / ``strata_moe_down`` for the k routed experts
-  through the layer's device expert tables); prefill grouped by expert on the device (``moe.prefill``).
+  and shared gate, ``strata_moe_gate_up`` / ``strata_moe_down`` for the k routed experts through the layer's device
+  expert tables, the shared expert riding along as their last slot where it has the experts' types, else its own
+  matvecs); prefill grouped by expert on the device (``moe.prefill``).
 * Final RMSNorm, output matvec, device argmax into ``inp[0]``, position / length + 1 (``DecodePlan._head``).
 
 Running state: a captured graph has fixed addresses, so the plan owns one conv / ssm buffer per GDN layer and
