@@ -363,11 +363,13 @@ def test_route_kernel_matches_route(ne, k, shared):
     logits[1, : min(ne, 5)] = 3.0                                # ties at the top
     logits[2] = -1.5                                             # all equal
     x, sg = rng.standard_normal((n, E)).astype(np.float32), rng.standard_normal(E).astype(np.float32) * 0.1
+    # device copies held in names: a temporary's memory could be reused by the pool before the kernel reads it
+    logits_d, x_d, sg_d = cp.asarray(logits), cp.asarray(x), cp.asarray(sg)
     for renorm in (True, False):
         ks = k + int(shared)
         ids, wts = cp.full((n, ks), -7, cp.int32), cp.zeros((n, ks), cp.float32)
-        rc = lib().strata_moe_route(stream_ptr(), ptr(cp.asarray(logits)), n, ne, k, int(renorm), ptr(cp.asarray(x)),
-                                    ptr(cp.asarray(sg)) if shared else ptr(None), E, int(shared), ptr(ids), ptr(wts))
+        rc = lib().strata_moe_route(stream_ptr(), ptr(logits_d), n, ne, k, int(renorm), ptr(x_d),
+                                    ptr(sg_d) if shared else ptr(None), E, int(shared), ptr(ids), ptr(wts))
         assert rc == 0
         ref_ids, ref_w = M.route(logits, k, renorm)
         assert (_host(ids)[:, :k] == ref_ids).all()
@@ -375,7 +377,7 @@ def test_route_kernel_matches_route(ne, k, shared):
         if shared:
             assert (_host(ids)[:, k] == ne).all()
             np.testing.assert_allclose(_host(wts)[:, k], 1 / (1 + np.exp(-(x @ sg))), rtol=1e-5)
-    assert lib().strata_moe_route(stream_ptr(), ptr(cp.asarray(logits)), n, ne, ne + 1, 1, ptr(None), ptr(None), E,
+    assert lib().strata_moe_route(stream_ptr(), ptr(logits_d), n, ne, ne + 1, 1, ptr(None), ptr(None), E,
                                   0, ptr(ids), ptr(wts)) != 0               # k > n_expert: refused
 
 
@@ -400,7 +402,8 @@ def test_q8_rows_kernel_matches_numpy(glu):
     x = rng.standard_normal((n, 2 * F if glu else F)).astype(np.float32)
     x[3, :32] = 0.0                                              # an all-zero block: d = 0, q = 0
     out = cp.zeros(n * CM.q8_row_bytes(F), cp.uint8)
-    assert lib().strata_moe_q8_rows(stream_ptr(), ptr(cp.asarray(x)), x.shape[1], int(glu), n, F, ptr(out)) == 0
+    x_d = cp.asarray(x)
+    assert lib().strata_moe_q8_rows(stream_ptr(), ptr(x_d), x.shape[1], int(glu), n, F, ptr(out)) == 0
     v = (x[:, :F] / (np.float32(1) + np.exp(-x[:, :F])) * x[:, F:]).astype(np.float32) if glu else x
     vb = v.reshape(n, F // 32, 32)
     d = (np.abs(vb).max(-1) / np.float32(127)).astype(np.float32)
@@ -436,11 +439,12 @@ def test_grouped_matvec_matches_dequantized_weights(ggml_type):
     x = rng.standard_normal((n, n_in)).astype(np.float32)
     s = stream_ptr()
     xq = cp.zeros(n * CM.q8_row_bytes(n_in), cp.uint8)
-    assert lib().strata_moe_q8_rows(s, ptr(cp.asarray(x)), n_in, 0, n, n_in, ptr(xq)) == 0
+    x_d, ids_d = cp.asarray(x), cp.asarray(ids)
+    assert lib().strata_moe_q8_rows(s, ptr(x_d), n_in, 0, n, n_in, ptr(xq)) == 0
     xh, _ = _q8_rows_host(_host(xq), n, n_in)
     mt = int(lib().strata_moe_max_tiles(n, k, ne))
     order, tiles = cp.zeros(n * k, cp.int32), cp.zeros((mt, 3), cp.int32)
-    assert lib().strata_moe_group(s, ptr(cp.asarray(ids)), n, k, k, ne, ptr(order), ptr(tiles), mt) == 0
+    assert lib().strata_moe_group(s, ptr(ids_d), n, k, k, ne, ptr(order), ptr(tiles), mt) == 0
     for by_token in (1, 0):
         # by token: input row = the assignment's token, output in sorted order; else input row p (a sorted copy of
         # the token rows), output by assignment
