@@ -8,7 +8,8 @@
 #   3. one bench row on the medium file: prompt 512, decode at depth 0 (64 tokens), beside llama-bench on the same file
 #      when $LLAMA_BENCH (default /tmp/lb/bin/llama-bench) exists.
 # FULL=1: the whole bench/gpu_throughput.py MoE row instead (prompt 512 / 4096 / 16384, decode at 0 / 4096 / 16384;
-# longer than 5 minutes).
+# longer than 5 minutes: run it in its own device call, after this one wrote the file; MOE_SIZE=large with
+# MOE_GGUF=<another path> for the larger synthetic).
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 PY=${PY:-python3}
@@ -16,7 +17,7 @@ MOE=${MOE_GGUF:-/tmp/moe_medium_q4_0.gguf}
 LB=${LLAMA_BENCH:-/tmp/lb/bin/llama-bench}
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/moe_gpu.txt" 2>&1
 if [ ! -f "$MOE" ]; then
-  ($PY tools/synth_gguf.py qwen35moe "$MOE.tmp" --size medium --qtype Q4_0 --seed 1 > "$OUT/moe_synth.log" 2>&1 \
+  ($PY tools/synth_gguf.py qwen35moe "$MOE.tmp" --size "${MOE_SIZE:-medium}" --qtype Q4_0 --seed 1 > "$OUT/moe_synth.log" 2>&1 \
     && mv "$MOE.tmp" "$MOE") &
   synth=$!
 fi
@@ -26,11 +27,12 @@ t() {   # t LOG TIMEOUT PYTEST-ARGS...: the whole output in $OUT/LOG, its summar
   echo "$log: rc=$?"
   grep -E "passed|failed|FAILED|rel L2|plan |stage|part at|^E |SKIPPED" "$OUT/$log" | tail -n 40
 }
-t moe_tests.log 170 tests/test_cuda_moe.py
-t moe_qwen35_tests.log 110 tests/test_cuda_qwen35.py tests/test_cuda_declarations.py
+t moe_tests.log 150 tests/test_cuda_moe.py
+t moe_qwen35_tests.log 90 tests/test_cuda_qwen35.py tests/test_cuda_declarations.py
 [ -n "$synth" ] && { wait $synth; echo "synthetic MoE written rc=$?"; tail -n 2 "$OUT/moe_synth.log"; }
 [ -f "$MOE" ] || { echo "no synthetic MoE file at $MOE"; exit 3; }
-args=(--model none --synthetic-moe "$MOE" --out "$OUT/gpu_moe.json")
+args=(--model none --synthetic-moe "$MOE" --moe-size "${MOE_SIZE:-medium}" --out "$OUT/gpu_moe.json")
 [ -x "$LB" ] && args+=(--llama-bench "$LB") || echo "no llama-bench at $LB: Strata's numbers only"
 if [ -z "$FULL" ]; then args+=(--prompts 512 --depths 0 --n-gen 64); fi
-timeout "${BENCH_TIMEOUT:-150}" $PY bench/gpu_throughput.py "${args[@]}" 2>&1 | tee "$OUT/moe_bench.log" | tail -n 30
+[ -n "$FULL" ] && to=${BENCH_TIMEOUT:-580} || to=${BENCH_TIMEOUT:-150}
+timeout "$to" $PY bench/gpu_throughput.py "${args[@]}" 2>&1 | tee "$OUT/moe_bench.log" | tail -n 30
