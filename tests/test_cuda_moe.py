@@ -48,9 +48,13 @@ TILE = 8                 # strata_cuda.h STRATA_MOE_TILE
 # One MoE layer, device vs the CPU backend's moe_ffn: int8 (q8_1) activations into the expert matvecs on the device
 # (and the f16 GEMMs of the router and the shared expert in the prefill) against the CPU's products.
 LAYER_REL_L2 = 3e-2
+# A token whose k-th and (k+1)-th routing probabilities (CPU) are closer than this may take the other expert on the
+# device (the logits' rounding differs): its layer output is not compared.
+TIE_GAP = 3e-3
 # Plan vs the generic forward on the same backend: both on q8_1 activations, quantized at different points; a
-# router's near tie may pick another expert in one of them.
-STEP_REL_L2 = 5e-2
+# router's near tie may swap an expert for one token in one layer of one of them, which moves the logits by more
+# than the rounding (a wrong layout or index moves them by ~1).
+STEP_REL_L2 = 1e-1
 N_GREEDY = 32
 NEAR_TIE_LOGIT = 0.25
 
@@ -521,6 +525,16 @@ def _prompt(n, n_vocab, seed):
     return np.random.default_rng(seed).integers(0, n_vocab, n).astype(np.int32)
 
 
+def _route_gap(setup, li, hn):
+    """Per row of the normed hn: the CPU's k-th minus (k+1)-th routing probability."""
+    be, k = setup.cpu.backend, setup.cpu.n_expert_used
+    logits = be.to_host(be.matmul(hn, setup.cpu.layers[li].ffn.router))
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    srt = np.sort(p, 1)[:, ::-1]
+    return srt[:, k - 1] - srt[:, k]
+
+
 def _cpu_ffn(setup, li, x):
     m = setup.cpu
     f = m.layers[li].ffn
@@ -546,12 +560,14 @@ def test_moe_layer_matches_cpu_reference(setup):
         m.backend.quantize_q8(plan.d["hn"], out=plan.d["hq"])
         alone = CM.MoeLayer(li, m.layers[li].ffn, m)
         alone.ride = False                                 # the shared expert's own launches (other types)
+        tie = _route_gap(setup, li, x)[0] < TIE_GAP
         for layer in (lm, alone):
             CM.decode(plan, stream_ptr(), layer)
             got = _host(plan.d["o"])[0]
             e = rel_l2(got, want)
-            print(f"layer {li} decode (shared riding along: {layer.ride}) vs CPU rel L2 {e:.2e}")
-            assert e < LAYER_REL_L2
+            print(f"layer {li} decode (shared riding along: {layer.ride}) vs CPU rel L2 {e:.2e}"
+                  f"{' (routing near tie: not compared)' if tie else ''}")
+            assert np.isfinite(got).all() and (tie or e < LAYER_REL_L2)
         for n in (1, 3, 37):
             xr = (rng.standard_normal((n, E)) * 3).astype(np.float32)
             xd = cp.asarray(xr)
@@ -560,8 +576,10 @@ def test_moe_layer_matches_cpu_reference(setup):
             got = _host(xd) - xr
             hn = setup.cpu.backend.rms_norm(xr, setup.cpu.layers[li].post_norm, setup.cpu.eps)
             want = _cpu_ffn(setup, li, hn)
-            e = rel_l2(got, want)
-            print(f"layer {li} grouped prefill n={n} vs CPU rel L2 {e:.2e}")
+            keep = _route_gap(setup, li, hn) >= TIE_GAP
+            assert np.isfinite(got).all() and (n < 37 or keep.sum() >= n // 2)
+            e = rel_l2(got[keep], want[keep]) if keep.any() else 0.0
+            print(f"layer {li} grouped prefill n={n} vs CPU rel L2 {e:.2e} ({n - keep.sum()} rows at a routing tie)")
             assert e < LAYER_REL_L2
             ids = _host(plan.pf.buf("moe_ids", (n, lm.slots), cp.int32))
             logits = setup.cpu.backend.to_host(setup.cpu.backend.matmul(hn, setup.cpu.layers[li].ffn.router))
