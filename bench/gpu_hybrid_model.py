@@ -164,6 +164,43 @@ def make_synthetic_hybrid(out_path: str | os.PathLike, tok_src_gguf: str | os.Pa
     return str(out_path)
 
 
+def moe_layer_profile(plan, n: int, reps: int = 5) -> dict:
+    """Microseconds of one MoE layer on the plan's kernels (its first MoE layer, random rows, CUDA events, best of
+    reps): ``decode`` (strata/backend/cuda/moe.decode's launches for one normed row, eager launches, not the graph)
+    and ``prefill_<n>`` (the grouped moe.prefill over n rows, with a 4 n E-byte copy of its input). A diagnostic
+    of where the MoE time goes (no reference: the model has no dense FFN to compare with)."""
+    import cupy as cp
+    from strata.backend.cuda import moe
+    from strata.backend.cuda.library import stream_ptr
+    li = min(plan.moe)
+    m = plan.moe[li]
+    E = plan.n_embd
+    rng = np.random.default_rng(0)
+    norm = plan.model.layers[li].post_norm
+
+    def timed(fn) -> float:
+        best = math.inf
+        for _ in range(reps):
+            a, b = cp.cuda.Event(), cp.cuda.Event()
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            best = min(best, cp.cuda.get_elapsed_time(a, b) * 1e3)
+        return best
+    plan.d["hn"][...] = cp.asarray(rng.standard_normal((1, E)).astype(np.float32))
+    plan.model.backend.quantize_q8(plan.d["hn"], out=plan.d["hq"])
+    out = {"layer": li, "decode": timed(lambda: moe.decode(plan, stream_ptr(), m))}
+    x0 = cp.asarray(rng.standard_normal((n, E)).astype(np.float32))
+    x, h16 = cp.empty_like(x0), cp.empty((n, E), cp.float16)
+
+    def run():
+        x[...] = x0
+        moe.prefill(plan, stream_ptr(), m, x, norm, h16)
+    out[f"prefill_{n}"] = timed(run)
+    return out
+
+
 def bench_hybrid(path: str, prompts=PROMPTS, depths=DEPTHS, n_gen: int = 128, ubatch: int = 512) -> dict:
     """Time strata.models.base.load_model(path, CudaBackend()) on random tokens, as the engine runs it
     (CudaBackend.fast_path: the CUDA-graph decode plan when it supports the model).
@@ -176,7 +213,8 @@ def bench_hybrid(path: str, prompts=PROMPTS, depths=DEPTHS, n_gen: int = 128, ub
     greedily (the plan's decode_greedy, device argmax, when there is a plan; else one-token forward calls and the
     host argmax); decode_generic: the same at the first depth through the model's own forward (no plan: the
     feature's reference). The device is synchronized before each clock read. Returns {"prompt": {n: tok/s},
-    "prompt_chunked": {...}, "decode": {d: tok/s}, "decode_generic": {...}, "plan": bool} (keys are ints).
+    "prompt_chunked": {...}, "decode": {d: tok/s}, "decode_generic": {...}, "plan": bool, "moe_path": the
+    MoE layers' path ({"decode": ..., "prefill": ...}) or None} (keys are ints).
     """
     import cupy as cp
     from strata.backend.cuda import CudaBackend
@@ -214,7 +252,9 @@ def bench_hybrid(path: str, prompts=PROMPTS, depths=DEPTHS, n_gen: int = 128, ub
         fast.forward(np.asarray([t], np.int32), st)                  # the plan (graph capture)
         model.forward(np.asarray([t], np.int32), st)                 # the generic one-token path (decode_generic)
     res: dict = {"prompt": {}, "prompt_generic": {}, "prompt_chunked": {}, "decode": {}, "decode_generic": {},
-                 "plan": plan is not None}
+                 "plan": plan is not None, "moe_path": getattr(fast, "moe_path", None)}
+    if res["moe_path"]:
+        print(f"  MoE layers: {res['moe_path']}", flush=True)
     for n in prompts:
         res["prompt"][n] = timed_prompt(n)
         print(f"  strata hybrid pp{n}: {res['prompt'][n]:.1f} tok/s", flush=True)
@@ -255,6 +295,9 @@ def bench_hybrid(path: str, prompts=PROMPTS, depths=DEPTHS, n_gen: int = 128, ub
             sync()
             res[kind][d] = n_gen / (time.perf_counter() - t0)
             print(f"  strata hybrid {kind} tg{n_gen}@d{d}: {res[kind][d]:.1f} tok/s", flush=True)
+    if plan is not None and getattr(plan, "moe", None):
+        res["moe_layer_us"] = moe_layer_profile(plan, ubatch)
+        print(f"  one MoE layer (us): {res['moe_layer_us']}", flush=True)
     del st, pool, model, plan, fast
     cp.get_default_memory_pool().free_all_blocks()
     return res

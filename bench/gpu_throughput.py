@@ -3,7 +3,10 @@
 Prompt tokens/s at 512 / 4096 / 16384 tokens and decode tokens/s at context 0 / 4096 / 16384, plus decode as a
 fraction of the memory-bandwidth limit (weight bytes read per token / measured device copy bandwidth).
 Usage: python bench/gpu_throughput.py --model PATH [--model PATH2] [--llama-bench BIN] [--synthetic OUT.gguf]
-       [--synthetic-hybrid OUT2.gguf]
+       [--synthetic-hybrid OUT2.gguf] [--synthetic-moe OUT3.gguf [--moe-size medium|large]]
+--synthetic-moe writes a hybrid MoE (strata.synth qwen35moe, random Q4_0, seed 1; medium: 16 layers, n_embd 1536, 64
+experts of which 8 per token, 1.77 GiB; large: 36 layers, 2048, 128 experts) and benches it like the hybrid
+(bench/gpu_hybrid_model.bench_hybrid: the plan's graph decode and grouped prefill; its "moe_path" says which ran).
 Writes bench/results/gpu_<gpu>_<commit>.json (or --out).
 """
 from __future__ import annotations
@@ -286,6 +289,13 @@ def bench_llama(bin_path: str, path: str, prompts, depths, n_gen: int, ubatch: i
     return res
 
 
+def make_synthetic_moe(out: str, size: str = "medium") -> str:
+    """Write strata.synth's qwen35moe of `size` (random Q4_0 matrices, seed 1; the tokenizer of the default model),
+    the file of ``tools/synth_gguf.py qwen35moe OUT --size SIZE --qtype Q4_0 --seed 1``."""
+    from strata import synth
+    return str(synth.write_synthetic(out, synth.preset("qwen35moe", size, qtype="Q4_0", seed=1), progress=True))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", action="append", default=[], help="GGUF path ('default' = the default model)")
@@ -294,6 +304,9 @@ def main(argv=None) -> int:
     ap.add_argument("--synthetic-hybrid", default=None,
                     help="write a ~1.5B qwen35 hybrid (Gated DeltaNet + attention, random Q8_0; "
                          "bench/gpu_hybrid_model.py) here and bench it too")
+    ap.add_argument("--synthetic-moe", default=None,
+                    help="write a synthetic qwen35moe (make_synthetic_moe) here and bench it too")
+    ap.add_argument("--moe-size", default="medium", choices=("small", "medium", "large"))
     ap.add_argument("--llama-bench", default=None, help="llama-bench binary built with CUDA")
     ap.add_argument("--n-gen", type=int, default=128)
     ap.add_argument("--ubatch", type=int, default=512)
@@ -326,6 +339,9 @@ def main(argv=None) -> int:
         from bench.gpu_hybrid_model import make_synthetic_hybrid
         synthetic(a.synthetic_hybrid, make_synthetic_hybrid, "hybrid")
         hybrids.append(a.synthetic_hybrid)
+    if a.synthetic_moe:
+        synthetic(a.synthetic_moe, lambda path, _tok: make_synthetic_moe(path, a.moe_size), f"MoE ({a.moe_size})")
+        hybrids.append(a.synthetic_moe)
     props = cp.cuda.runtime.getDeviceProperties(0)
     gpu = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     bw = copy_bandwidth(cp)

@@ -306,6 +306,61 @@ int strata_gdn_prep(void *stream, const float *y, int y_stride, const float *b, 
  * token back to back, tokens z_stride floats apart; z_stride >= z_group * d). */
 int strata_gdn_gated_norm_rows(void *stream, const float *o, const float *z, int z_stride, int z_group,
                                const float *w, float *out, void *out16, int n_rows, int d, float eps);
+/* ---------------- moe.cu: mixture-of-experts FFN (routing, routed experts through a device expert table, grouping) */
+/* Limits: slots per token (the k routed experts plus the shared one), experts per layer, tokens per grouped tile. */
+enum { STRATA_MOE_MAX_SLOTS = 32, STRATA_MOE_MAX_EXPERTS = 2048, STRATA_MOE_TILE = 8 };
+
+/* Softmax top-k routing of n_tok tokens (strata/backend/moe.py route): logits f32 (n_tok, n_expert) -> ids int32 and
+ * wts f32 (n_tok, ks), ks = k + (shared != 0): the k largest softmax probabilities in descending order (ties: lower
+ * id), divided by their sum when renorm; with shared, slot k holds id n_expert and the shared expert's gate
+ * sigmoid(x[t] . shared_gate) (x f32 (n_tok, n_embd); 1 when shared_gate is NULL). n_expert <= STRATA_MOE_MAX_EXPERTS,
+ * ks <= STRATA_MOE_MAX_SLOTS. */
+int strata_moe_route(void *stream, const float *logits, int n_tok, int n_expert, int k, int renorm, const float *x,
+                     const float *shared_gate, int n_embd, int shared, int *ids, float *wts);
+
+/* Decode gate/up of one token's n_slots experts in one launch: slot j reads expert e = ids[j] (clamped to [0,
+ * n_table)) through the device tables gate_tab / up_tab (n_table addresses of (F_j, n_embd) matrices of ggml_type,
+ * 16-byte aligned; F_j = n_ff, the last slot's n_ff_last: a shared expert of another width as the last slot) on
+ * the q8_1 activations xq (strata_matvec_q8w's layout) -> act f32 (slot j at j * n_ff) = silu(gate x) * (up x)
+ * and its q8_1 rows act_q8 (slot j at j * q8 row bytes of n_ff: F_j int8, F_j / 32 float2; a q8 row padded to 16
+ * bytes; 16-byte aligned). n_ff, n_ff_last % 32 == 0. */
+int strata_moe_gate_up(void *stream, int ggml_type, const void *const *gate_tab, const void *const *up_tab,
+                       int n_table, const int *ids, int n_slots, const void *xq, float *act, void *act_q8, int n_ff,
+                       int n_ff_last, int n_embd);
+
+/* Decode down projection with the weighted sum in one launch: y f32 (n_embd) = sum_j wts[j] * down_{ids[j]} act_j
+ * (act_q8: strata_moe_gate_up's rows; down_tab: n_table addresses of (n_embd, F_j) matrices) + shared_w[0] *
+ * shared_y (when shared_y is not NULL; shared_w NULL: weight 1). */
+int strata_moe_down(void *stream, int ggml_type, const void *const *down_tab, int n_table, const int *ids,
+                    const float *wts, int n_slots, const void *act_q8, int n_ff, int n_ff_last, float *y,
+                    int n_embd, const float *shared_y, const float *shared_w);
+
+/* The tiles strata_moe_group may write for n_tok tokens of k experts each: n_tok * k / STRATA_MOE_TILE + n_expert. */
+int strata_moe_max_tiles(int n_tok, int k, int n_expert);
+
+/* Group the n_tok * k assignments a = t * k + j (expert ids[t * ks + j]) by expert, one launch: sorted int32 (n_tok *
+ * k) holds each expert's assignments back to back in expert order (arbitrary order within one), tiles int32
+ * (max_tiles, 3) the runs of up to STRATA_MOE_TILE of them (expert, first position in sorted, count), the rest of
+ * the rows count 0. max_tiles >= strata_moe_max_tiles(n_tok, k, n_expert). */
+int strata_moe_group(void *stream, const int *ids, int n_tok, int k, int ks, int n_expert, int *sorted, int *tiles,
+                     int max_tiles);
+
+/* Grouped matvecs of the tiles (strata_moe_group) in one launch: for each tile position p of expert e, y[orow, r] =
+ * W_e[r] . x[irow] for r < n_out, W_e row r from tab0[e] (r < n_split) else tab1[e] row r - n_split (two matrices
+ * stacked: gate | up); irow = sorted[p] / k with in_by_token (the assignment's token) else p; orow = sorted[p] with
+ * out_by_assign else p. xq: q8_1 rows of n_in values (strata_moe_q8_rows' layout); y f32 (rows, n_out). */
+int strata_moe_mm(void *stream, int ggml_type, const void *const *tab0, const void *const *tab1, int n_split,
+                  int n_table, const int *tiles, int max_tiles, const int *sorted, int k, int in_by_token,
+                  const void *xq, int n_in, float *y, int n_out, int out_by_assign);
+
+/* q8_1 rows of x f32 (n_rows, n_cols; rows x_stride floats apart), or with glu of silu(x[r, c]) * x[r, n_cols + c]
+ * (a gate | up row): row r at r * q8 row bytes of out (16-byte aligned). n_cols % 32 == 0. */
+int strata_moe_q8_rows(void *stream, const float *x, long long x_stride, int glu, int n_rows, int n_cols, void *out);
+
+/* x[t] += sum_{j < k} wts[t, j] * yd[t * k + j] (+ wts[t, k] * shared_y[t] when shared_y): x, shared_y f32 (n_tok,
+ * n_embd), yd f32 (n_tok * k, n_embd), wts f32 (n_tok, ks). */
+int strata_moe_combine(void *stream, const float *yd, const float *wts, int n_tok, int k, int ks, int n_embd,
+                       const float *shared_y, float *x);
 #ifdef __cplusplus
 }
 #endif

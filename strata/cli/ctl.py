@@ -179,6 +179,8 @@ def _device_line(dev: dict) -> str:
         held += f", {_human_bytes(dev.get('kv_valid_bytes'))} in valid positions"
     kv = f" {dev['kv']}" if dev.get("kv") else ""
     parts.append(f"KV pool{kv} {_human_bytes(dev.get('kv_pool_bytes'))} ({held})")
+    if dev.get("moe"):
+        parts.append(f"MoE layers: {dev['moe'].get('decode')} decode, {dev['moe'].get('prefill')} prefill")
     if dev.get("error"):
         parts.append(f"memory info failed: {dev['error']}")
     return f"{dev.get('name', '?')}: " + ", ".join(parts)
@@ -198,6 +200,8 @@ def cmd_status(c: Client, args) -> int:
         extra = f", KV {kvm.get('pages_used')} / {kvm.get('pages_total')} pages" if kvm else ""
         if m.get("running"):
             extra += f", {m['running'].get('layers')} recurrent layers"
+        if s.get("moe"):
+            extra += f", MoE {s['moe'].get('decode')} decode / {s['moe'].get('prefill')} prefill"
         lk = s.get("link")
         if lk:
             rtt = lk.get("rtt_ms")

@@ -53,11 +53,16 @@ def device_info(engine) -> dict[str, Any]:
     (allocated; in pages held) and the live sequence's state bytes (its valid K/V positions and, for hybrid
     models, its running state: kv_valid_bytes), over all stages; on CUDA also each
     device's total / free / used bytes (cudaMemGetInfo) and CuPy's memory pool used / total bytes, summed over
-    the distinct devices."""
+    the distinct devices; for an MoE model ``moe``: the paths its stages' MoE layers take ({"decode": "graph" |
+    "generic", "prefill": "grouped" | "generic"}, comma-joined where stages differ)."""
     names = list(dict.fromkeys(st.device for st in engine.stages))
     d: dict[str, Any] = {"name": ",".join(names), "kind": "cuda" if names[0].startswith("cuda") else names[0],
                          "weights_bytes": int(engine.file.nbytes), "kv": engine.kv}
-    mems = [st.status()["memory"] for st in engine.stages]
+    sts = [st.status() for st in engine.stages]
+    moes = [s["moe"] for s in sts if "moe" in s]
+    if moes:
+        d["moe"] = {k: ",".join(dict.fromkeys(m[k] for m in moes)) for k in ("decode", "prefill")}
+    mems = [s["memory"] for s in sts]
     kvs = [m[k] for m in mems for k in ("kv", "draft") if k in m]
     d["kv_pool_bytes"] = int(sum(k["bytes"] for k in kvs))
     d["kv_used_bytes"] = int(sum(k["bytes"] * k["pages_used"] // max(1, k["pages_total"]) for k in kvs))

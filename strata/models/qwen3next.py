@@ -27,9 +27,10 @@ On the CUDA backend (``backend.xp`` is CuPy) activations and the running state s
 four kernel launches besides its GEMMs, for any number of tokens: the causal conv and the delta rule (recurrent, the
 state in registers; strata/backend/cuda/gdn.py, native/cuda/gdn.cu), and the fused q/k L2 norm + gates and gated
 RMSNorm (strata/backend/cuda/gdn_prefill.py, native/cuda/gdn_prefill.cu). ``gdn_mode="chunked"`` keeps the chunked
-delta rule as CuPy batched matmuls and solves (with CuPy elementwise ops). MoE routing runs on the device (only the
-(n_tokens, k) expert ids come to the host to drive the expert loop). The one-token decode of dense models has its own
-CUDA-graph plan (strata/backend/cuda/qwen35.py), which the engine uses through CudaBackend.fast_path.
+delta rule as CuPy batched matmuls and solves (with CuPy elementwise ops). In this forward MoE routing runs on the device
+(only the (n_tokens, k) expert ids come to the host to drive the expert loop). The engine runs these models through
+their CUDA plan (strata/backend/cuda/qwen35.py, via CudaBackend.fast_path): one CUDA graph per decode step, MoE layers
+included (strata/backend/cuda/moe.py), and a prefill with the tokens grouped by expert on the device.
 """
 from __future__ import annotations
 
@@ -258,6 +259,12 @@ class Qwen3NextModel(Model):
     @property
     def n_blocks(self) -> int:
         return self.n_layer
+
+    @property
+    def moe_path(self) -> dict[str, str] | None:
+        """How this model's MoE layers run when the model itself is the runner: the per-expert loop of
+        strata/backend/moe.py for decode and prefill (None for a dense model)."""
+        return {"decode": "generic", "prefill": "generic"} if self.moe else None
 
     def new_running_state(self, carve: Carve | None = None) -> dict[int, dict[str, Any]]:
         """Zeroed running state of the carve's GDN layers (all by default): {"conv": (d_conv-1, conv_dim), "ssm":

@@ -71,7 +71,8 @@ async def status(request: web.Request) -> web.Response:
         "version": __version__, "model": engine.model_name, "uptime_s": round(time.time() - request.app[STARTED_KEY], 1),
         "stages": [{"stage": s["index"], "device": s["device"], "layers": [s["layer_lo"], s["layer_hi"]],
                     "remote": "link" in s, "runner": s["runner"], "memory": s["memory"],
-                    **({"link": s["link"]} if "link" in s else {})} for s in st.get("stages", [])],
+                    **({"link": s["link"]} if "link" in s else {}), **({"moe": s["moe"]} if "moe" in s else {})}
+                   for s in st.get("stages", [])],
         "queue": {"running": int(w.running is not None), "waiting": w.waiting, "max": w.queue_max},
         "listen": {"socket": cfg.socket_path, "tcp": cfg.tcp_address()},
         "connections": request.app[GUARD_KEY].status() if GUARD_KEY in request.app else None,

@@ -25,6 +25,11 @@ class ModelRunner:
         out = self.forward(tokens, state, x_in=x_in)
         return self.model.backend.asarray(out) if self.model.ends_with_head(self.hi) else out
 
+    @property
+    def moe_path(self):
+        """The model's own MoE path (its forward runs the layers), or None for a model without MoE layers."""
+        return getattr(self.model, "moe_path", None)
+
 
 class Stage:
     """Layers ``carve`` of the model on ``device``: stage 0 embeds the tokens, the last stage ends
@@ -174,6 +179,11 @@ class Stage:
             return dict(info())
 
     def status(self) -> dict[str, Any]:
-        """JSON-ready: index, carve, device, runner, and the memory's numbers."""
-        return {"index": self.index, "layer_lo": self.carve.lo, "layer_hi": self.carve.hi, "device": self.device,
-                "runner": type(self.runner).__name__, "memory": self.memory.stats()}
+        """JSON-ready: index, carve, device, runner, the memory's numbers and, for an MoE model, the MoE path its
+        runner takes (``moe``: {"decode": "graph" | "generic", "prefill": "grouped" | "generic"})."""
+        out = {"index": self.index, "layer_lo": self.carve.lo, "layer_hi": self.carve.hi, "device": self.device,
+               "runner": type(self.runner).__name__, "memory": self.memory.stats()}
+        moe = getattr(self.runner, "moe_path", None)
+        if moe is not None:
+            out["moe"] = dict(moe)
+        return out

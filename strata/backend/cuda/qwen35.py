@@ -1,5 +1,5 @@
 """How strata/models/qwen3next.py's layers execute on a GPU: Qwen35Cuda, the hybrid qwen35 / qwen3next family's
-DecodePlan (dense FFN): GDN and gated-attention layers as fused launches in one captured graph per context-size class,
+DecodePlan (dense or MoE FFN): GDN and gated-attention layers as fused launches in one captured graph per context-size class,
 and their prefill through cuBLAS, the delta-rule kernels and FlashAttention-2.
 
 Per layer (native/cuda/qwen35.cu for the ``strata_q35_*`` kernels, the rest shared with the llama plan):
@@ -15,6 +15,10 @@ Per layer (native/cuda/qwen35.cu for the ``strata_q35_*`` kernels, the rest shar
   matvec.
 * The residual add fused into the next RMSNorm and the dense SwiGLU FFN: DecodePlan's blocks (``_layer_end``,
   ``_ffn``; SwiGLU inside the gate/up matvec only with STRATA_CUDA_GLU=1: it measured slower in this graph).
+* MoE FFN (qwen35moe, qwen3next): strata/backend/cuda/moe.py's launches (router matvec, ``strata_moe_route`` top-k
+  and shared gate, ``strata_moe_gate_up`` / ``strata_moe_down`` for the k routed experts through the layer's device
+  expert tables, the shared expert riding along as their last slot where it has the experts' types, else its own
+  matvecs); prefill grouped by expert on the device (``moe.prefill``).
 * Final RMSNorm, output matvec, device argmax into ``inp[0]``, position / length + 1 (``DecodePlan._head``).
 
 Running state: a captured graph has fixed addresses, so the plan owns one conv / ssm buffer per GDN layer and
@@ -30,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from strata.backend.cuda import settings
+from strata.backend.cuda import moe, settings
 from strata.backend.cuda.attention import prefill_attention
 from strata.backend.cuda.gdn import VARIANTS
 from strata.backend.cuda.library import check, ffi, lib, ptr, stream_ptr
@@ -47,9 +51,11 @@ def unsupported(model, lo: int = 0, hi: int | None = None) -> str | None:
     can."""
     if getattr(model, "arch", None) != "qwen3next" or not hasattr(model, "recurrent"):
         return f"architecture {getattr(model, 'arch', None)!r} is not a qwen3next / qwen35 hybrid"
-    if getattr(model, "moe", False):
-        return (f"MoE FFN layers ({getattr(model, 'variant', '?')}, {model.n_expert} experts): the plan runs dense "
-                f"FFNs only")
+    moe_layers = bool(getattr(model, "moe", False))
+    if moe_layers:
+        why = moe.unsupported(model, settings.DP4A)
+        if why:
+            return f"MoE FFN layers ({getattr(model, 'variant', '?')}, {model.n_expert} experts): {why}"
     c = model.config
     E, H, KV, hd = c.n_embd, c.n_head, c.n_head_kv, c.head_dim
     hi = model.n_layer if hi is None else hi
@@ -70,7 +76,7 @@ def unsupported(model, lo: int = 0, hi: int | None = None) -> str | None:
             return f"GDN value head dim d_v {model.dv} is not a multiple of 32 (q8_1 blocks per head)"
         if not 2 <= model.d_conv <= 8:
             return f"GDN conv kernel {model.d_conv} outside [2, 8]"
-    if c.n_ff % 32:
+    if not moe_layers and c.n_ff % 32:
         return f"n_ff {c.n_ff} is not a multiple of 32 (q8_1 activation blocks)"
     # the embeddings only in the first stage, the output head only in the last
     if not getattr(model, "on_device", False) or lo == 0 and not isinstance(model.tok_embd, DeviceWeight) \
@@ -144,7 +150,7 @@ class ResidentState:
 
 
 class Qwen35Cuda(DecodePlan):
-    """The CUDA decode plan of Qwen3NextModel (qwen35 dense FFN; see the module docstring for the launches).
+    """The CUDA decode plan of Qwen3NextModel (dense or MoE FFN; see the module docstring for the launches).
 
     It reads the model's uploaded tensors (matrices of one GGML type fused at init: GDN [attn_qkv | attn_gate |
     ssm_beta | ssm_alpha] or [.. | ssm_ba], attention [attn_q | attn_k | attn_v], FFN [gate | up]; a fused copy
@@ -191,6 +197,9 @@ class Qwen35Cuda(DecodePlan):
         # fused weights per layer: lists of (weight, row offset, n_out) into the layer's output buffer
         self.w_in: dict[int, list] = {}
         self.w_gu: dict[int, list] = {}
+        self.moe: dict[int, moe.MoeLayer] = {}            # MoE FFN layers: expert tables, shared expert
+        if model.moe:
+            self.d.update(moe.decode_buffers(cp, model, q8_buffer))
         for li in range(self.lo, self.hi):
             L = model.layers[li]
             if L.recurrent:
@@ -198,6 +207,9 @@ class Qwen35Cuda(DecodePlan):
                 self.w_in[li] = fuse_groups(f"blk.{li}.gdn_in", [L.wqkv, L.wz] + tail)
             else:
                 self.w_in[li] = fuse_groups(f"blk.{li}.attn_qkv", [L.wq, L.wk, L.wv])
+            if L.ffn.dense is None:
+                self.moe[li] = moe.MoeLayer(li, L.ffn, model)
+                continue
             g, u, _ = L.ffn.dense
             self.w_gu[li] = fuse_groups(f"blk.{li}.ffn_gate_up", [g, u])
         # the running state of the carve's GDN layers (a stage's state.running holds those only)
@@ -243,8 +255,11 @@ class Qwen35Cuda(DecodePlan):
             else:
                 self._attn(s, li, L, pos_p, len_p, n_split)
             self._norm(s, d["o"], L.post_norm, residual=d["x"])
-            glu = glu_pointers([w for w, _, _ in self.w_gu[li]], self.n_ff, self.n_embd) if glu_on else None
-            self._ffn(s, self.w_gu[li], L.ffn.dense[2], glu)
+            if li in self.moe:
+                moe.decode(self, s, self.moe[li])
+            else:
+                glu = glu_pointers([w for w, _, _ in self.w_gu[li]], self.n_ff, self.n_embd) if glu_on else None
+                self._ffn(s, self.w_gu[li], L.ffn.dense[2], glu)
             self._layer_end(s, li, L.post_norm)
         self._head(s, tok_p, pos_p)
 
@@ -325,7 +340,7 @@ class Qwen35Cuda(DecodePlan):
         pos0 = int(state.pos)
         hE = pf.buf("hE", (n, self.n_embd), cp.float16)
         pt = self.pool.table(state.kv.pages) if not all(m.recurrent[self.lo:self.hi]) else None
-        gu, act16 = self._prefill_ffn_buffers(n)
+        gu, act16 = self._prefill_ffn_buffers(n) if self.w_gu else (None, None)   # dense FFN layers only
         for li in range(self.lo, self.hi):
             L = m.layers[li]
             self._prefill_norm(s, x, L.attn_norm, hE)
@@ -333,7 +348,10 @@ class Qwen35Cuda(DecodePlan):
                 self._gdn_prefill(s, li, L, hE, x, n, state.running[li])
             else:
                 self._attn_prefill(s, li, L, hE, x, n, pos0, pt)
-            self._prefill_ffn(s, x, L.post_norm, self.w_gu[li], L.ffn.dense[2], hE, gu, act16)
+            if li in self.moe:
+                moe.prefill(self, s, self.moe[li], x, L.post_norm, hE)
+            else:
+                self._prefill_ffn(s, x, L.post_norm, self.w_gu[li], L.ffn.dense[2], hE, gu, act16)
         return self._prefill_end(x, toks, state, all_logits)
 
     def _gdn_prefill(self, s, li: int, L, hE, x, n: int, run) -> None:
@@ -412,3 +430,12 @@ class Qwen35GraphModel(PlanModel):
     @staticmethod
     def prefill_enabled() -> bool:
         return settings.hybrid_prefill_enabled()
+
+    @property
+    def moe_path(self) -> dict[str, str] | None:
+        """The MoE layers' path (None for a dense model): the decode graph's launches (strata/backend/cuda/moe.py),
+        and the grouped prefill unless the plan's prefill is off (STRATA_CUDA_HYBRID_PREFILL=0: the model's
+        per-expert loop)."""
+        if not self.model.moe:
+            return None
+        return {"decode": "graph", "prefill": "grouped" if self.prefill else "generic"}
