@@ -4,7 +4,7 @@ Prompt tokens/s at 512 / 4096 / 16384 tokens and decode tokens/s at context 0 / 
 fraction of the memory-bandwidth limit (weight bytes read per token / measured device copy bandwidth).
 Usage: python bench/gpu_throughput.py --model PATH [--model PATH2] [--llama-bench BIN] [--synthetic OUT.gguf]
        [--synthetic-hybrid OUT2.gguf] [--synthetic-moe OUT3.gguf [--moe-size medium|large]]
---synthetic-moe writes a hybrid MoE (strata.synth qwen35moe, random Q4_0, seed 1; medium: 16 layers, n_embd 1536, 64
+--synthetic-moe writes a hybrid MoE (strata.gguf.synth qwen35moe, random Q4_0, seed 1; medium: 16 layers, n_embd 1536, 64
 experts of which 8 per token, 1.77 GiB; large: 36 layers, 2048, 128 experts) and benches it like the hybrid
 (bench/gpu_hybrid_model.bench_hybrid: the plan's graph decode and grouped prefill; its "moe_path" says which ran).
 Writes bench/results/gpu_<gpu>_<commit>.json (or --out).
@@ -290,9 +290,9 @@ def bench_llama(bin_path: str, path: str, prompts, depths, n_gen: int, ubatch: i
 
 
 def make_synthetic_moe(out: str, size: str = "medium") -> str:
-    """Write strata.synth's qwen35moe of `size` (random Q4_0 matrices, seed 1; the tokenizer of the default model),
+    """Write strata.gguf.synth's qwen35moe of `size` (random Q4_0 matrices, seed 1; the tokenizer of the default model),
     the file of ``tools/synth_gguf.py qwen35moe OUT --size SIZE --qtype Q4_0 --seed 1``."""
-    from strata import synth
+    from strata.gguf import synth
     return str(synth.write_synthetic(out, synth.preset("qwen35moe", size, qtype="Q4_0", seed=1), progress=True))
 
 

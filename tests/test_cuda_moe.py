@@ -26,12 +26,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from strata import synth
+from strata.gguf import synth
 from strata.backend import cuda as C
 from strata.backend import moe as M
 from strata.backend.cuda import moe as CM
 from strata.backend.cuda import qwen35 as Q
-from strata.models.base import load_model
+from strata.models.registry import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
