@@ -103,6 +103,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     n.add_argument("--n-predict", type=_n_predict, default=1024, metavar="N",
                    help="tokens an answer may have when a request sets no max_tokens / max_output_tokens (default "
                         "1024; -1: until the model stops or the context is full)")
+    n.add_argument("--allowed-hosts", action="append", default=[], metavar="NAMES",
+                   help="Host header names the TCP listener answers besides loopback names and its --host address "
+                        "(comma-separated or repeated; '*' any): other names are refused (DNS rebinding)")
+    n.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="an origin (https://app.example) whose web pages may call the API across origins, with CORS "
+                        "headers ('*': any); other origins may read nothing and change nothing")
     lim = p.add_argument_group("limits (what one client may hold)")
     lim.add_argument("--max-connections", type=_positive, default=256, metavar="N",
                      help="open connections per listener (Unix socket, TCP); one more is answered 503 and closed "
@@ -222,7 +228,9 @@ def run(args) -> int:
                       n_predict=args.n_predict, max_connections=args.max_connections,
                       header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                       idle_timeout=args.idle_timeout, max_request_seconds=args.max_request_seconds,
-                      max_request_tokens=args.max_request_tokens, aliases=tuple(a.strip() for v in args.alias for a in v.split(",") if a.strip()))
+                      max_request_tokens=args.max_request_tokens,
+                      allowed_hosts=tuple(h.strip() for v in args.allowed_hosts for h in v.split(",") if h.strip()),
+                      cors_origins=tuple(args.cors_origin), aliases=tuple(a.strip() for v in args.alias for a in v.split(",") if a.strip()))
 
     def factory():
         from strata.engine.engine import Engine

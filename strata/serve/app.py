@@ -17,6 +17,7 @@ from aiohttp import web
 from strata.serve import admin_api, chat_page, completions_api, llama_api, messages_api, ollama_api, responses_api
 from strata.serve.config import (CONFIG_KEY, ERROR_SHAPES_KEY, GUARD_KEY, METRICS_KEY, STARTED_KEY, WORKER_KEY,
                                  ServeConfig, format_hostport)
+from strata.serve.browser import BrowserPolicy
 from strata.serve.connections import ConnectionGuard
 from strata.serve.metrics import Metrics
 from strata.serve.middleware import middleware
@@ -47,8 +48,10 @@ def make_app(cfg: ServeConfig, worker: EngineWorker, metrics_: Metrics,
              guard: ConnectionGuard | None = None) -> web.Application:
     """Build the application; `worker` owns the engine thread (started by the caller); `guard` (the server's
     connection limits) learns which connections have a request in hand."""
-    app = web.Application(middlewares=([guard.middleware()] if guard else []) + [middleware],
+    policy = BrowserPolicy(cfg.host, cfg.allowed_hosts, cfg.cors_origins)
+    app = web.Application(middlewares=([guard.middleware()] if guard else []) + [middleware, policy.middleware()],
                           client_max_size=cfg.max_body)
+    app.on_response_prepare.append(policy.on_prepare)
     if guard is not None:
         app[GUARD_KEY] = guard
     app[CONFIG_KEY] = cfg

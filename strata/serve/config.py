@@ -31,6 +31,8 @@ class ServeConfig:
     idle_timeout: float = 60.0        # --idle-timeout: seconds a connection may wait between requests
     max_request_seconds: float = 0.0  # --max-request-seconds: a generation's wall-time budget (0: none)
     max_request_tokens: int = 65536   # --max-request-tokens: n x max_tokens a request may ask for
+    allowed_hosts: tuple[str, ...] = ()   # --allowed-hosts: Host names the TCP listener answers besides loopback
+    cors_origins: tuple[str, ...] = ()    # --cors-origin: origins whose pages may call the API across origins
     tcp_bound: str | None = None      # the TCP address actually bound ("[::1]:8090"; --port 0 gives the real port)
 
     def tcp_address(self) -> str | None:

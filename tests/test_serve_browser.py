@@ -1,0 +1,85 @@
+"""A web page against the keyless TCP daemon (strata/serve/browser.py): a foreign Host (DNS rebinding) is refused, a
+foreign Origin changes nothing, text/plain and form bodies are not read as JSON from a page, --cors-origin and
+--allowed-hosts open what they name; the Unix socket is exempt."""
+from __future__ import annotations
+
+import http.client
+import json
+
+import pytest
+
+from tests.test_serve_daemon import Daemon, free_port
+
+HI = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    d = Daemon(tmp_path_factory.mktemp("browser"), "--cors-origin", "https://app.example",
+               "--allowed-hosts", "strata.lan", port=free_port()).start()
+    yield d
+    assert d.stop() == 0, d.log_tail()
+
+
+def tcp(d: Daemon, method: str, path: str, body=None, headers: dict | None = None):
+    c = http.client.HTTPConnection("127.0.0.1", d.port, timeout=120)
+    data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
+    h = {"Content-Type": "application/json"} if data is not None else {}
+    h.update(headers or {})
+    c.request(method, path, body=data, headers=h)
+    r = c.getresponse()
+    raw = r.read()
+    c.close()
+    return r.status, dict(r.getheaders()), (json.loads(raw) if raw and raw[:1] in b"{[" else raw)
+
+
+def test_a_foreign_host_is_refused_on_tcp_and_the_socket_is_exempt(daemon):
+    st, _, d = tcp(daemon, "GET", "/v1/models", headers={"Host": "evil.example"})
+    assert st == 403 and d["error"]["code"] == "host_not_allowed"
+    for host in (f"127.0.0.1:{daemon.port}", f"localhost:{daemon.port}", "strata.lan", f"[::1]:{daemon.port}"):
+        st, _, _ = tcp(daemon, "GET", "/v1/models", headers={"Host": host})
+        assert st == 200, host
+    st, _ = daemon.json("GET", "/v1/models", headers={"Host": "evil.example"})
+    assert st == 200
+
+
+def test_a_foreign_origin_changes_nothing(daemon):
+    st, _ = daemon.json("POST", "/v1/chat/completions", HI)
+    assert st == 200
+    st, _, d = tcp(daemon, "POST", "/slots/0?action=erase", {}, headers={"Origin": "http://evil.example"})
+    assert st == 403 and d["error"]["code"] == "origin_not_allowed"
+    assert daemon.json("GET", "/status")[1]["engine"]["pos"] > 0            # the conversation is still there
+    st, _, _ = tcp(daemon, "POST", "/v1/chat/completions", HI, headers={"Origin": f"http://127.0.0.1:{daemon.port}"})
+    assert st == 200                                                       # the chat page's own origin
+    st, h, _ = tcp(daemon, "GET", "/v1/models", headers={"Origin": "http://evil.example"})
+    assert st == 200 and "Access-Control-Allow-Origin" not in h           # a page can send it, never read it
+
+
+def test_only_json_bodies_are_read(daemon):
+    raw = json.dumps(HI).encode()
+    st, _, d = tcp(daemon, "POST", "/v1/chat/completions", raw, headers={"Content-Type": "text/plain"})
+    assert st == 415 and "application/json" in d["error"]["message"]
+    st, _, _ = tcp(daemon, "POST", "/v1/chat/completions", raw,
+                   headers={"Content-Type": "application/x-www-form-urlencoded"})    # curl -d '{...}'
+    assert st == 200
+    st, _, d = tcp(daemon, "POST", "/v1/chat/completions", raw,
+                   headers={"Content-Type": "application/x-www-form-urlencoded", "Origin": "http://evil.example"})
+    assert st == 403
+    c = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=120)
+    c.putrequest("POST", "/v1/chat/completions")                          # no Content-Type at all
+    c.putheader("Content-Length", str(len(raw)))
+    c.endheaders(raw)
+    assert c.getresponse().status == 200
+    c.close()
+
+
+def test_cors_origin_gets_preflight_and_headers_streamed_too(daemon):
+    origin = "https://app.example"
+    st, h, _ = tcp(daemon, "OPTIONS", "/v1/chat/completions", headers={
+        "Origin": origin, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "content-type, authorization"})
+    assert st == 204 and h["Access-Control-Allow-Origin"] == origin and "POST" in h["Access-Control-Allow-Methods"]
+    st, h, _ = tcp(daemon, "POST", "/v1/chat/completions", HI, headers={"Origin": origin})
+    assert st == 200 and h["Access-Control-Allow-Origin"] == origin
+    st, h, body = tcp(daemon, "POST", "/v1/chat/completions", {**HI, "stream": True}, headers={"Origin": origin})
+    assert st == 200 and h["Access-Control-Allow-Origin"] == origin and b"[DONE]" in body
