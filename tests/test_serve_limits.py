@@ -68,7 +68,7 @@ def test_idle_and_dribbled_headers_are_closed(daemon):
     assert _closed_within(idle, 15) is not None          # sent nothing: closed after --idle-timeout (by aiohttp's
     n1 = closed_slow()                                   # keep-alive timer or the guard, whichever looks first)
     slow = _tcp(daemon)
-    slow.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")   # the header never ends
+    slow.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")   # the header never ends
     assert _closed_within(slow, 15) is not None
     assert closed_slow() == n1 + 1, (n0, n1)            # the guard: its header was not in after --header-timeout
 
@@ -76,7 +76,7 @@ def test_idle_and_dribbled_headers_are_closed(daemon):
 def test_a_body_that_never_arrives_gets_408(daemon):
     s = _tcp(daemon)
     body = json.dumps({"messages": HI, "max_tokens": 2}).encode()
-    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
               b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body[:5])
     got = _closed_within(s, 15)
     assert got is not None and got.startswith(b"HTTP/1.1 408") and b"--body-timeout" in got

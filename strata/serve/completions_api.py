@@ -111,19 +111,12 @@ async def _generate(request: web.Request, engine, p: schema.ParsedRequest, token
     from strata.engine.types import GenerationRequest
     from strata.text.token_ids import as_ids          # one conversion: validate and generate read it as it is
 
+    cfg = request.app[CONFIG_KEY]
     max_tokens = p.max_tokens
     if max_tokens is None:                # the server's default length (--n-predict; -1: until the context is full)
-        n_predict = request.app[CONFIG_KEY].n_predict
+        n_predict = cfg.n_predict
         n_train = int(getattr(getattr(engine, "config", None), "n_ctx_train", 0) or 0)
         max_tokens = None if n_predict < 0 else min(n_predict, n_train) if n_train else n_predict
-    cfg = request.app[CONFIG_KEY]
-    asked = p.n * (max_tokens if max_tokens is not None else engine.n_ctx)
-    if asked > cfg.max_request_tokens:
-        raise ApiError(400, f"the request asks for up to {asked} tokens (n = {p.n} choices of "
-                            f"{max_tokens if max_tokens is not None else f'up to n_ctx = {engine.n_ctx}'}), more "
-                            f"than --max-request-tokens ({cfg.max_request_tokens}): ask for fewer choices or "
-                            f"tokens", param="max_tokens" if max_tokens is not None else "n",
-                       code="invalid_value")
     try:
         greq = GenerationRequest(prompt_tokens=as_ids(tokens), cut_points=cut_points, sampling=_sampling(p),
                                  max_tokens=max_tokens, stop=p.stop,
@@ -141,6 +134,14 @@ async def _generate(request: web.Request, engine, p: schema.ParsedRequest, token
         elif isinstance(e, EmptyPrompt):
             err.param = "prompt"
         raise err from None
+    asked = p.n * (max_tokens if max_tokens is not None else engine.n_ctx)
+    cap = max(cfg.max_request_tokens, engine.n_ctx)      # one choice may always fill the context
+    if asked > cap:
+        raise ApiError(400, f"the request asks for up to {asked} tokens (n = {p.n} choices of "
+                            f"{max_tokens if max_tokens is not None else f'up to n_ctx = {engine.n_ctx}'}), more "
+                            f"than --max-request-tokens ({cap}): ask for fewer choices or "
+                            f"tokens", param="max_tokens" if max_tokens is not None else "n",
+                       code="invalid_value")
     w = request.app[WORKER_KEY]
     job = submit(w, greq, rid=request["rid"])
     log.debug("queued", prompt_tokens=len(tokens), waiting=w.waiting, stream=p.stream)
