@@ -281,3 +281,36 @@ def test_store_is_lru_and_size_zero_keeps_nothing():
     none = ResponseStore(0)
     none.put("a", {}, [])
     assert none.get("a") is None and len(none) == 0
+
+
+def test_store_holds_its_byte_budget_and_counts_a_shared_conversation_once():
+    from strata.serve.responses_api import ResponseStore
+    s = ResponseStore(100, budget=10_000)
+    talk = [{"role": "user", "content": "x" * 2000}]
+    s.put("a", {"id": "a"}, talk)
+    one = s.nbytes
+    s.put("b", {"id": "b"}, talk + [{"role": "assistant", "content": "y"}])     # a chain: the user turn shared
+    assert s.nbytes < 2 * one and len(s) == 2
+    for k in "cdefgh":
+        s.put(k, {"id": k}, [{"role": "user", "content": k * 2500}])
+    assert s.nbytes <= 10_000 and s.get("a") is None and s.get("h") is not None
+    for k in list("bcdefgh"):
+        s.delete(k)
+    assert s.nbytes == 0 and len(s) == 0
+    s.put("big", {"id": "big"}, [{"role": "user", "content": "z" * 20_000}])  # alone over the budget: not kept
+    assert s.get("big") is None and s.nbytes == 0
+
+
+def test_metadata_is_held_to_openais_limits(smol):
+    ok = {"input": "Hi", "max_output_tokens": 2, "metadata": {"k": "v" * 512}}
+    st, d = smol.json("POST", "/v1/responses", ok)
+    assert st == 200 and d["metadata"] == ok["metadata"]
+    for md, needle in (({f"k{i}": "v" for i in range(17)}, "has 17 keys, at most 16"),
+                       ({"k" * 65: "v"}, "a key of 65 characters"),
+                       ({"k": "v" * 513}, "'metadata.k' has 513 characters"),
+                       ({"k": [1, 2]}, "'metadata.k' must be a string"),
+                       ({"k": "\ud800"}, "not valid Unicode")):
+        st, d = smol.json("POST", "/v1/responses", {**ok, "metadata": md})
+        assert st == 400 and needle in d["error"]["message"], (md, d)
+    st, s = smol.json("GET", "/status")
+    assert s["responses_store"]["bytes"] > 0 and s["responses_store"]["budget"] == 256 << 20

@@ -130,6 +130,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     n.add_argument("--alias", action="append", default=[], metavar="NAME",
                    help="another name of the model in /v1/models (repeatable, or comma-separated); requests may "
                         "name any model: the loaded one answers")
+    n.add_argument("--responses-store-mib", type=_nonneg, default=256, metavar="MIB",
+                   help="bytes the kept /v1/responses may hold (their JSON, a shared conversation counted once; "
+                        "default 256); the least recently used go first")
     n.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let the running request finish before cancelling it")
     lg = p.add_argument_group("logging")
@@ -224,7 +227,7 @@ def run(args) -> int:
     cfg = ServeConfig(socket_path=None if args.no_socket else str(args.socket or default_socket_path()),
                       host=args.host, port=args.port, api_key=args.api_key, queue_max=args.queue_max,
                       max_body=args.max_body, drain_timeout=args.drain_timeout,
-                      responses_store=args.responses_store,
+                      responses_store=args.responses_store, responses_store_mib=args.responses_store_mib,
                       n_predict=args.n_predict, max_connections=args.max_connections,
                       header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                       idle_timeout=args.idle_timeout, max_request_seconds=args.max_request_seconds,

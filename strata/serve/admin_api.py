@@ -8,6 +8,7 @@ from aiohttp import web
 
 from strata import __version__
 from strata.serve.config import CONFIG_KEY, GUARD_KEY, METRICS_KEY, STARTED_KEY, WORKER_KEY
+from strata.serve.responses_api import STORE_KEY
 from strata.serve.errors import ApiError
 from strata.serve.handling import (as_api_error, check_model, engine_of, json_response, read_body, served_names,
                                    submit)
@@ -76,6 +77,7 @@ async def status(request: web.Request) -> web.Response:
         "queue": {"running": int(w.running is not None), "waiting": w.waiting, "max": w.queue_max},
         "listen": {"socket": cfg.socket_path, "tcp": cfg.tcp_address()},
         "connections": request.app[GUARD_KEY].status() if GUARD_KEY in request.app else None,
+        "responses_store": request.app[STORE_KEY].stats() if STORE_KEY in request.app else None,
         "device": engine.device_info(),
         "engine": st,
     })

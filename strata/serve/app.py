@@ -53,6 +53,10 @@ def make_app(cfg: ServeConfig, worker: EngineWorker, metrics_: Metrics,
                           client_max_size=cfg.max_body)
     app.on_response_prepare.append(policy.on_prepare)
     if guard is not None:
+        for listener in ("unix", "tcp"):
+            metrics_.connections.labels(listener=listener).set_function(
+                lambda listener=listener: guard.counts().get(listener, 0))
+    if guard is not None:
         app[GUARD_KEY] = guard
     app[CONFIG_KEY] = cfg
     app[WORKER_KEY] = worker

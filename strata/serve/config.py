@@ -23,6 +23,7 @@ class ServeConfig:
     retry_after: int = 1
     drain_timeout: float = 30.0
     responses_store: int = 256        # /v1/responses kept for previous_response_id (strata.serve.responses_api)
+    responses_store_mib: int = 256    # --responses-store-mib: their bytes at most
     aliases: tuple[str, ...] = ()     # --alias: more names of the loaded model in /v1/models
     n_predict: int = 1024             # --n-predict: an answer's length when a request gives none (-1: no limit)
     max_connections: int = 256        # --max-connections: open connections per listener (strata.serve.connections)

@@ -29,6 +29,10 @@ class Metrics:
                                        "Time between consecutive generated tokens", buckets=TOKEN_BUCKETS,
                                        registry=r)
         self.queue_depth = Gauge("strata_queue_depth", "Requests waiting for the engine", registry=r)
+        self.responses_store_bytes = Gauge("strata_responses_store_bytes",
+                                           "Bytes of the kept /v1/responses (--responses-store-mib)", registry=r)
+        self.connections = Gauge("strata_connections_open", "Open connections, by listener", ["listener"],
+                                 registry=r)
         self.running = Gauge("strata_requests_running", "Requests being generated now (0 or 1 per engine)",
                              registry=r)
         self.cache_hits = Counter("strata_checkpoint_hits",

@@ -10,6 +10,7 @@ objects, with the Responses API's field names.
 from __future__ import annotations
 
 import functools
+import json
 import re
 import time
 import uuid
@@ -22,7 +23,7 @@ from strata.sampling.sampler import SamplingParams
 from strata.serve import schema
 from strata.serve.answer_blocks import AnswerBlocks, Block
 from strata.serve.completions_api import generate_chat, strata_of, timings_of
-from strata.serve.config import CONFIG_KEY
+from strata.serve.config import CONFIG_KEY, METRICS_KEY
 from strata.serve.errors import ApiError, renamed
 from strata.serve.fields import bad_field as _bad, each_object, text_of, unsupported_field as _unsupported
 from strata.serve.handling import json_response, read_body
@@ -35,37 +36,93 @@ ITEM_PREFIX = {"reasoning": "rs", "text": "msg", "call": "fc"}
 
 class ResponseStore:
     """Responses kept for previous_response_id and GET: id -> (the response object, the conversation after it as
-    chat messages). At most `size` (0: none), the least recently used (created, read, or continued through
-    previous_response_id) dropped first. A chain of responses shares its messages' objects, so a long
-    conversation's text is held once."""
+    chat messages). At most `size` of them (0: none) and `budget` bytes of their JSON, the least recently used
+    (created, read, or continued through previous_response_id) dropped first. A chain of responses shares its
+    messages' objects, so a long conversation's text is held, and counted, once."""
 
-    def __init__(self, size: int):
-        self.size = size
-        self._d: OrderedDict[str, tuple[dict, list[dict]]] = OrderedDict()
+    def __init__(self, size: int, budget: int = 256 << 20):
+        self.size, self.budget = size, budget
+        self._d: OrderedDict[str, tuple[dict, list[dict], int]] = OrderedDict()
+        self._held: dict[int, list] = {}          # id(message) -> [references, bytes, message]
+        self.nbytes = 0
+
+    @staticmethod
+    def _size(obj) -> int:
+        return len(json.dumps(obj))
 
     def put(self, rid: str, response: dict, messages: list[dict]) -> None:
         if self.size <= 0:
             return
-        self._d[rid] = (response, messages)
-        self._d.move_to_end(rid)
-        while len(self._d) > self.size:
-            self._d.popitem(last=False)
+        self.delete(rid)
+        cost = self._size(response)
+        self.nbytes += cost
+        for m in messages:
+            h = self._held.get(id(m))
+            if h is None:
+                h = self._held[id(m)] = [0, self._size(m), m]
+                self.nbytes += h[1]
+            h[0] += 1
+        self._d[rid] = (response, messages, cost)
+        while self._d and (len(self._d) > self.size or self.nbytes > self.budget):
+            self._drop(next(iter(self._d)))
+
+    def _drop(self, rid: str) -> None:
+        _response, messages, cost = self._d.pop(rid)
+        self.nbytes -= cost
+        for m in messages:
+            h = self._held[id(m)]
+            h[0] -= 1
+            if h[0] == 0:
+                del self._held[id(m)]
+                self.nbytes -= h[1]
+
+    def stats(self) -> dict:
+        return {"entries": len(self._d), "bytes": self.nbytes, "budget": self.budget, "max_entries": self.size}
 
     def get(self, rid: str, touch: bool = True) -> tuple[dict, list[dict]] | None:
         """The entry of rid, or None; touch: count this as a use (a request that fails validation does not)."""
         entry = self._d.get(rid)
         if entry is not None and touch:
             self._d.move_to_end(rid)
-        return entry
+        return entry[:2] if entry is not None else None
 
     def delete(self, rid: str) -> bool:
-        return self._d.pop(rid, None) is not None
+        if rid not in self._d:
+            return False
+        self._drop(rid)
+        return True
 
     def __len__(self) -> int:
         return len(self._d)
 
 
 STORE_KEY = web.AppKey("responses_store", ResponseStore)
+METADATA_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512     # OpenAI's limits
+
+
+def _metadata(md) -> dict | None:
+    """`metadata` as OpenAI takes it: at most 16 string keys of 64 characters, string values of 512, all valid
+    Unicode."""
+    if md is None:
+        return None
+    if not isinstance(md, dict):
+        raise _bad("metadata", f"must be an object, got {schema._tname(md)}")
+    if len(md) > METADATA_KEYS:
+        raise _bad("metadata", f"has {len(md)} keys, at most {METADATA_KEYS} are allowed")
+    for k, v in md.items():
+        if len(k) > METADATA_KEY_CHARS:
+            raise _bad("metadata", f"has a key of {len(k)} characters, at most {METADATA_KEY_CHARS} are allowed")
+        if not isinstance(v, str):
+            raise _bad(f"metadata.{k[:METADATA_KEY_CHARS]}", f"must be a string, got {schema._tname(v)}")
+        if len(v) > METADATA_VALUE_CHARS:
+            raise _bad(f"metadata.{k}", f"has {len(v)} characters, at most {METADATA_VALUE_CHARS} are allowed")
+        for s, what in ((k, "a key"), (v, f"the value of {k!r}")):
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise _bad("metadata", f"holds {what} that is not valid Unicode (a lone surrogate at character "
+                                       f"{e.start})") from None
+    return dict(md)
 
 
 def _not_found(rid: str, param: str | None = None) -> ApiError:
@@ -201,9 +258,7 @@ def parse(body: dict, store: ResponseStore) -> ResponsesRequest:
     if body.get("truncation") not in (None, "disabled"):
         raise _unsupported("truncation", f"is {body['truncation']!r}: Strata does not drop input to fit the context "
                                          "(\"disabled\" only)")
-    metadata = body.get("metadata")
-    if metadata is not None and not isinstance(metadata, dict):
-        raise _bad("metadata", f"must be an object, got {schema._tname(metadata)}")
+    metadata = _metadata(body.get("metadata"))
     chat = {"model": body.get("model"), "stream": body.get("stream"), "max_tokens": max_out,
             "messages": ([{"role": "system", "content": instructions}] if instructions is not None else []) + history,
             "tools": _tools(body.get("tools")), "tool_choice": _tool_choice(body.get("tool_choice")),
@@ -397,8 +452,10 @@ async def delete_response(request: web.Request) -> web.Response:
 
 
 def add_routes(app: web.Application) -> None:
-    """Register the routes and the store (its size from --responses-store) on `app` (make_app calls this)."""
-    app[STORE_KEY] = ResponseStore(app[CONFIG_KEY].responses_store)
+    """Register the routes and the store (its size from --responses-store and --responses-store-mib) on `app`
+    (make_app calls this)."""
+    store = app[STORE_KEY] = ResponseStore(app[CONFIG_KEY].responses_store, app[CONFIG_KEY].responses_store_mib << 20)
+    app[METRICS_KEY].responses_store_bytes.set_function(lambda: store.nbytes)
     r = app.router
     r.add_post("/v1/responses", create_response)
     r.add_get("/v1/responses/{id}", get_response)
