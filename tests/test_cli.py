@@ -258,3 +258,12 @@ def test_a_bad_flag_value_is_two_lines_not_the_whole_usage(cmd):
 def test_an_empty_model_path_is_named_as_such():
     p = strata("generate", "--model", "", "--prompt", "hi")
     assert_one_line_error(p, "the model path is empty")
+
+
+def test_a_link_key_open_to_others_is_a_usage_error_before_the_model_loads(tmp_path):
+    key = tmp_path / "link.key"
+    key.write_bytes(b"k" * 32)
+    key.chmod(0o644)
+    p = strata("serve", "--link-key-file", str(key), "--remote-stage", "127.0.0.1:9", "--layer-split", "10")
+    assert p.returncode == 2 and "Traceback" not in p.stderr and "failed to load" not in p.stderr
+    assert "--link-key-file: the link key file" in p.stderr and "chmod 600" in p.stderr

@@ -511,3 +511,22 @@ def test_three_hosts_over_veth_with_delay_and_loss_and_a_relay(tmp_path):
         for p in procs:
             p.stop()
         hosts.close()
+
+
+def test_a_worker_stopped_with_a_main_connected_logs_no_error():
+    """SIGTERM while the main holds the link: the worker says Bye, exits 0, and logs no error-level line (before,
+    asyncio logged the cancelled connection task with a traceback)."""
+    import json
+    w = WorkerProc().start()
+    e = Engine("default", n_ctx=256, ubatch=128, remote_stage=w.address, layer_split="15", threads=1)
+    try:
+        r = e.render_chat([{"role": "user", "content": "hi"}])
+        list(e.generate(GenerationRequest(prompt_tokens=r.tokens, cut_points=r.cut_points, max_tokens=3)))
+        w.stop()
+        assert w.proc.returncode == 0
+        time.sleep(0.3)
+        records = [json.loads(ln) for ln in w.lines if ln.startswith("{")]
+        assert records and not [r for r in records if r.get("level") in ("error", "critical")], records
+        assert not any("Traceback" in ln for ln in w.lines)
+    finally:
+        e.close()

@@ -186,9 +186,11 @@ def test_bad_split_flags_are_usage_errors(args, msg):
     assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr
 
 
-def test_split_past_the_model_is_one_line():
-    r = _strata("generate", "--prompt", "hi", "-n", "1", "--n-ctx", "128", "--layer-split", "40")
-    assert r.returncode != 0 and "Traceback" not in r.stderr
+@pytest.mark.parametrize("cmd", ["generate", "serve"])
+def test_split_past_the_model_is_a_usage_error_before_the_model_loads(cmd):
+    extra = ["--prompt", "hi", "-n", "1"] if cmd == "generate" else ["--no-socket", "--port", "0"]
+    r = _strata(cmd, *extra, "--n-ctx", "128", "--layer-split", "40")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "failed to load" not in r.stderr
     assert "--layer-split 40: each stage's first layer must be above the previous one and below the model's 30 " \
            "blocks" in r.stderr
 

@@ -82,10 +82,33 @@ def engine_config(args, **overrides):
     if overrides:
         cfg = cfg.replace(**overrides)
     cfg = cfg.resolved()
-    why = cfg.problem()
+    why = cfg.problem() or _split_problem(cfg)
     if why:
         raise CliError(why, EXIT_USAGE)
     return cfg
+
+
+def _split_problem(cfg) -> str | None:
+    """Why an explicit --layer-split cannot cut this model's blocks (read from the file's header), or None; a file
+    that cannot be read is left to the model load to report."""
+    from strata.stages.split import carves_from_firsts, parse_split
+    split = parse_split(cfg.stages.layer_split)
+    if not isinstance(split, list):
+        return None
+    from strata.gguf.default_model import resolve_model
+    from strata.gguf.file import ModelLoadError, open_gguf
+    from strata.models.registry import model_class
+    from strata.stages import n_main_blocks
+    try:
+        f = open_gguf(resolve_model(cfg.model))
+        n_blocks = n_main_blocks(f, model_class(f.arch))
+    except (ModelLoadError, ValueError, OSError):
+        return None
+    try:
+        carves_from_firsts(split, n_blocks)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

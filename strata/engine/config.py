@@ -176,6 +176,12 @@ class EngineConfig:
                                           prompt_cache_tail=ck.tail)
             if why:
                 return why
+        if self.link.key_file is not None:
+            import link
+            try:
+                link.read_key_file(self.link.key_file)
+            except (link.LinkError, OSError) as e:
+                return f"--link-key-file: {e}"
         for flag, d in (("slot-save-path", self.parking.slot_save_path),
                         ("conversation-cache-dir", self.parking.disk_dir)):
             if d is not None and not os.path.isdir(d):

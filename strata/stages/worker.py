@@ -305,6 +305,14 @@ class Worker:
         return int(self.server.sockets[0].getsockname()[1])
 
     async def _on_main(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One connection, served until it closes; the worker stopping (SIGTERM) with a main connected ends it
+        without an error."""
+        try:
+            await self._connection(reader, writer)
+        except asyncio.CancelledError:
+            log.info("connection closed: the worker is stopping")
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One connection: the Challenge, an authenticated Hello (only then is the worker taken: a connection that
         says nothing or holds no key cannot lock a main out), the carve set up, then _serve until it closes."""
         peer = writer.get_extra_info("peername")
