@@ -1,0 +1,25 @@
+"""tools/soak.py's short run: mixed clients against a real daemon for about a minute, every answer equal to its
+reference, no 5xx, RSS and descriptors flat (the long run is the script's, its numbers in the closing notes)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_short_soak_passes(tmp_path, default_model_path):
+    out = tmp_path / "soak.json"
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "soak.py"), "--model", str(default_model_path),
+                        "--duration", "60", "--clients", "3", "--out", str(out)],
+                       capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert out.exists(), r.stderr[-3000:]
+    d = json.loads(out.read_text())
+    assert r.returncode == 0 and d["ok"], d["problems"]
+    assert d["compared"] >= 20 and d["mismatches"] == 0 and set(d["statuses"]) <= {"200", "503"}
