@@ -3,6 +3,7 @@ usage line naming the subcommand and the error (the full list is its --help)."""
 from __future__ import annotations
 
 import argparse
+import math
 
 
 class Parser(argparse.ArgumentParser):
@@ -23,3 +24,27 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
         parser_of = sub.choices.get(getattr(args, sub.dest, None), parser)
         parser_of.error(f"unrecognized arguments: {' '.join(extra)}")
     return args
+
+
+def int_at_least(lo: int, name: str):
+    """An argparse type: an integer >= lo; argparse names it `name` in its "invalid ... value" error."""
+    def conv(s: str) -> int:
+        v = int(s)
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+        return v
+    conv.__name__ = name
+    return conv
+
+
+def number_above(lo: float, name: str, *, inclusive: bool = False):
+    """An argparse type: a finite number > lo (>= lo when inclusive)."""
+    def conv(s: str) -> float:
+        v = float(s)
+        if not math.isfinite(v):
+            raise ValueError(s)
+        if v < lo or (v == lo and not inclusive):
+            raise argparse.ArgumentTypeError(f"must be {'>=' if inclusive else '>'} {lo:g}, got {v:g}")
+        return v
+    conv.__name__ = name
+    return conv

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from strata.cli.argv import int_at_least
+
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -150,20 +152,9 @@ def _layer_split(s: str) -> str:
     return s
 
 
-def _int_at_least(lo: int, name: str):
-    """An argparse type: an integer >= lo; argparse names it `name` in its "invalid ... value" error."""
-    def conv(s: str) -> int:
-        v = int(s)
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
-        return v
-    conv.__name__ = name
-    return conv
-
-
-_pos_int = _int_at_least(1, "positive integer")
-_nonneg_int = _int_at_least(0, "non-negative integer")
-_ctx_int = _int_at_least(2, "context length")
+_pos_int = int_at_least(1, "positive integer")
+_nonneg_int = int_at_least(0, "non-negative integer")
+_ctx_int = int_at_least(2, "context length")
 
 
 def sampling_params(args):

@@ -6,6 +6,7 @@ import ipaddress
 import os
 import sys
 
+from strata.cli.argv import int_at_least, number_above
 from strata.cli.engine_flags import CliError, add_engine_args, engine_config
 from strata.serve.log import LEVELS, configure_logging
 from strata.serve.notify import sd_notify
@@ -28,58 +29,11 @@ def _size(text: str) -> int:
     return v
 
 
-def _nonneg(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return v
-
-
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
-
-
-def _float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if v != v or v in (float("inf"), float("-inf")):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
-    return v
-
-
-def _seconds(text: str) -> float:
-    v = _float(text)
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {v:g}")
-    return v
-
-
-def _nonneg_float(text: str) -> float:
-    v = _float(text)
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v:g}")
-    return v
-
-
-def _n_predict(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < -1:
-        raise argparse.ArgumentTypeError(f"must be >= -1, got {v}")
-    return v
+_nonneg = int_at_least(0, "non-negative integer")
+_positive = int_at_least(1, "positive integer")
+_n_predict = int_at_least(-1, "token count")
+_seconds = number_above(0.0, "number of seconds")
+_nonneg_float = number_above(0.0, "number of seconds", inclusive=True)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
