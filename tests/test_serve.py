@@ -475,6 +475,58 @@ def test_queue_full_gives_503(daemon):
     assert daemon.metric("strata_requests_total", {"status": "503"}) >= 1
 
 
+def test_a_client_leaving_the_queue_frees_its_place(tmp_path):
+    """A client that disconnects while its request waits gives its place back at once: /health's `waiting` drops,
+    and a later request is queued rather than refused queue_full (jobs are matched by identity, not by comparing
+    their token arrays)."""
+    import aiohttp
+    d = Daemon(tmp_path, "--queue-max", "2", n_ctx=4096).start()
+    short = {"prompt": "The quick brown fox jumps over", "max_tokens": 2, "temperature": 0}
+
+    async def run():
+        conn = aiohttp.UnixConnector(path=d.sock)
+        async with aiohttp.ClientSession(connector=conn) as s:
+            async def queue() -> dict:
+                async with s.get("http://strata/health") as r:
+                    return (await r.json())["queue"]
+
+            async def until(pred, what):
+                deadline = asyncio.get_running_loop().time() + 60
+                while not pred(q := await queue()):
+                    assert asyncio.get_running_loop().time() < deadline, f"{what}: /health says {q}"
+                    await asyncio.sleep(0.05)
+
+            async def post(body):
+                async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=d.sock)) as c:
+                    async with c.post("http://strata/v1/completions", json=body) as r:
+                        return r.status, await r.json()
+
+            long = asyncio.create_task(_stream_unix(d.sock, {"prompt": COUNT_PROMPT, "max_tokens": 3000,
+                                                              "temperature": 0}))
+            await until(lambda q: q["running"] == 1, "the long request did not start")
+            b = asyncio.create_task(post(short))
+            await until(lambda q: q["waiting"] == 1, "the first waiting request is not queued")
+            c = asyncio.create_task(post(short))          # behind b: removing it compares it with b
+            await until(lambda q: q["waiting"] == 2, "the second waiting request is not queued")
+            c.cancel()                                     # the client goes away while queued
+            await until(lambda q: q["waiting"] == 1 or long.done(), "the request whose client left stays queued")
+            assert not long.done(), "the request whose client left held its place until the running one ended"
+            e = asyncio.create_task(post(short))           # the freed place takes a new request
+            await until(lambda q: q["waiting"] == 2 or e.done(), "the new request is neither queued nor answered")
+            assert not e.done(), e.result()                # not refused queue_full: it waits behind b
+            long.cancel()
+            res_b, res_e = await asyncio.wait_for(asyncio.gather(b, e), 120)
+            await until(lambda q: q["waiting"] == 0 and q["running"] == 0, "the queue did not empty")
+            return res_b, res_e
+    try:
+        res_b, res_e = asyncio.run(run())
+        assert res_b[0] == 200 and res_e[0] == 200, (res_b, res_e)
+        assert res_b[1]["choices"][0]["text"] == res_e[1]["choices"][0]["text"]
+        assert d.metric("strata_requests_total", {"route": "/v1/completions", "status": "503"}) == 0
+    finally:
+        assert d.stop() == 0, d.log_tail()
+
+
 def test_disconnect_mid_stream_cancels_and_engine_stays_usable(daemon):
     probe = {"prompt": "The quick brown fox", "max_tokens": 6, "temperature": 0}
     before = asyncio.run(_stream_unix(daemon.sock, probe))[0]

@@ -34,8 +34,9 @@ class EngineError:
     exc: BaseException
 
 
-@dataclass
+@dataclass(eq=False)
 class Job:
+    """One queued unit of work; jobs are equal only to themselves (the queue removes a dropped one by identity)."""
     request: Any                          # strata.engine GenerationRequest (has .cancel: threading.Event)
     events: asyncio.Queue
     request_id: str = ""
@@ -112,10 +113,7 @@ class EngineWorker:
         job.cancel()
         with self._cv:
             if job.state == "waiting":
-                try:
-                    self._waiting.remove(job)
-                except ValueError:
-                    pass
+                self._waiting.remove(job)
                 job.state = "dropped"
                 self.metrics.queue_depth.set(len(self._waiting))
 
