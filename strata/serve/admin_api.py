@@ -97,10 +97,13 @@ async def slots(request: web.Request) -> web.Response:
 async def slot_action(request: web.Request) -> web.Response:
     engine = engine_of(request)
     sid = request.match_info["slot"]
-    if not sid.isdigit():
-        raise ApiError(400, f"slot id must be a non-negative integer, got {sid!r}", param="id", code="invalid_value")
-    if int(sid) != 0:
-        raise ApiError(404, f"slot {int(sid)} does not exist: this daemon has one slot (0)", code="not_found")
+    if not (sid.isascii() and sid.isdigit()):      # str.isdigit alone takes '²' and other scripts' digits
+        shown = repr(sid) if len(sid) <= 40 else repr(sid[:40])[:-1] + f"...' ({len(sid)} characters)"
+        raise ApiError(400, f"slot id must be a non-negative integer, got {shown}", param="id", code="invalid_value")
+    n = sid.lstrip("0") or "0"                    # int() of 4,301+ digits raises: compare the digits instead
+    if n != "0":
+        shown = n if len(n) <= 20 else f"{n[:20]}... ({len(n)} digits)"
+        raise ApiError(404, f"slot {shown} does not exist: this daemon has one slot (0)", code="not_found")
     action = request.query.get("action")
     if action not in SLOT_ACTIONS:
         raise ApiError(400, f"'action' must be one of {', '.join(SLOT_ACTIONS)}, got {action!r}", param="action",

@@ -204,6 +204,8 @@ def parse(body: dict, store: ResponseStore) -> ResponsesRequest:
     metadata = body.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
         raise _bad("metadata", f"must be an object, got {schema._tname(metadata)}")
+    for key in ("metadata", "tools", "tool_choice", "text"):       # echoed in the response as they came
+        schema.unicode_json(body.get(key), key)
     chat = {"model": body.get("model"), "stream": body.get("stream"), "max_tokens": max_out,
             "messages": ([{"role": "system", "content": instructions}] if instructions is not None else []) + history,
             "tools": _tools(body.get("tools")), "tool_choice": _tool_choice(body.get("tool_choice")),
