@@ -5,6 +5,7 @@ worker dies mid-stream and comes back."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -15,6 +16,7 @@ import threading
 import time
 import zlib
 
+import numpy as np
 import pytest
 
 import link
@@ -250,6 +252,64 @@ def test_a_store_emptied_under_the_main_makes_the_request_read_from_zero(tmp_pat
         assert c == a and h.strata["resume_from"] == "checkpoint"
     finally:
         e.close()
+        w.close()
+
+
+BAD_RESULTS = [   # (what the worker does to its Result's hidden states, what the 502 says)
+    ("nan", lambda h: _set(h, (0, 0), np.nan), "non-finite hidden states (1 NaN, 0 infinite values)"),
+    ("inf", lambda h: _set(h, (-1, 3), -np.inf), "non-finite hidden states (0 NaN, 1 infinite values)"),
+    ("narrow", lambda h: h[:, :-1], "hidden states of shape (1, 575) where (1, 576) were asked for"),
+    ("extra rows", lambda h: np.concatenate([h, h]), "hidden states of shape (2, 576) where (1, 576) were asked for"),
+    ("f16", lambda h: h.astype(np.float16), "hidden states of dtype float16 (the hello agreed on f32)"),
+]
+
+
+def _set(h, at, v):
+    h = h.copy()
+    h[at] = v
+    return h
+
+
+def test_a_workers_bad_result_is_a_502_engine_error_and_the_link_recovers(tmp_path, monkeypatch):
+    """A worker whose Result breaks what the hello agreed (NaN / Inf rows, a wrong width, extra rows, another dtype)
+    fails the request with 502 worker_bad_result naming the worker and the fault, never a 400 or an answer; the
+    link is reset and the next request is answered as before."""
+    import dataclasses
+    from strata.stages import worker as wmod
+    fault = {"now": None}
+    forward = wmod.Carrier.forward
+
+    def bad_forward(self, m):
+        res = forward(self, m)
+        return res if fault["now"] is None else dataclasses.replace(res, hidden=fault["now"](res.hidden))
+    monkeypatch.setattr(wmod.Carrier, "forward", bad_forward)
+    w = InProcessWorker()
+    d = Daemon(tmp_path, "--remote-stage", w.address, "--layer-split", "10", n_ctx=N_CTX).start()
+    body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0, "cache_prompt": False}
+    try:
+        st, ok = d.json("POST", "/v1/completions", body)
+        assert st == 200
+        for name, corrupt, says in BAD_RESULTS:
+            fault["now"] = corrupt
+            for stream in (False, True):
+                st, h, b = d.request("POST", "/v1/completions", dict(body, stream=stream))
+                if stream and st == 200:                    # the error arrives as the stream's last event
+                    err = [json.loads(x[6:]) for x in b.decode().split("\n\n") if x.startswith("data: {")][-1]
+                else:
+                    err = json.loads(b)
+                msg = err["error"]["message"]
+                assert (st, err["error"]["code"], err["error"]["type"]) == \
+                    (502 if not stream else st, "worker_bad_result", "server_error"), (name, st, err)
+                assert says in msg and w.address in msg and "\n" not in msg, (name, msg)
+                deadline = time.monotonic() + 30          # the link is reset: it comes back by itself
+                while d.request("GET", "/health")[0] != 200:
+                    assert time.monotonic() < deadline, d.log_tail()
+                    time.sleep(0.1)
+            fault["now"] = None
+            st, again = d.json("POST", "/v1/completions", body)
+            assert st == 200 and again["choices"][0]["text"] == ok["choices"][0]["text"], name
+    finally:
+        d.stop()
         w.close()
 
 

@@ -71,14 +71,15 @@ async def read_body(request: web.Request) -> dict:
 
 def as_api_error(err: EngineError) -> ApiError:
     """What an exception of the engine (or the worker) answers the client: 400 for a refused request, 503 while
-    shutting down or for a stage link failure, else 500."""
+    shutting down, the status an engine fault carries (a stage link down 503, a worker's bad result 502, NaN logits
+    500), else 500."""
     e = err.exc
     if isinstance(e, ApiError):
         return e
     if isinstance(e, ShuttingDown):
         return ApiError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "5"})
     name = type(e).__name__
-    if getattr(e, "http_status", None):     # a stage link failure (strata.stages.remote): 503 with its code
+    if getattr(e, "http_status", None):     # strata.stages.remote's link faults, strata.sampling.NonFiniteLogits
         return ApiError(int(e.http_status), str(e), code=getattr(e, "api_code", "engine_error"))
     if name == "ContextOverflow":
         return ApiError(400, str(e), param="messages", code="context_length_exceeded")

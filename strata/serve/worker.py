@@ -205,7 +205,7 @@ class EngineWorker:
             if getattr(e, "http_status", None) == 503:     # a stage link down: expected, said in one line
                 log.warning("generation failed: a remote stage is unavailable", error=str(e))
             else:
-                log.error("generation failed", error=f"{type(e).__name__}: {e}",
-                          exc_info=not isinstance(e, ValueError))
+                log.error("generation failed", error=f"{type(e).__name__}: {e}",     # a fault with its own status
+                          exc_info=not isinstance(e, ValueError) and not getattr(e, "http_status", None))
             self.metrics.finished.labels(finish_reason="error").inc()
             self._post(job, EngineError(e))
