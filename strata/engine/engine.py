@@ -148,7 +148,7 @@ class Engine:
             self.seq, self.cache, self.stages, self.file, self.n_ctx,
             park_bytes=int(conversation_cache_mib) * 1024 * 1024 if conversation_cache_mib else None,
             disk_dir=conversation_cache_dir, disk_bytes=int(conversation_cache_disk_mib) * 1024 * 1024,
-            slot_save_path=slot_save_path, remote=bool(remote), resident=int(park_resident))
+            slot_save_path=slot_save_path, remote=bool(remote), resident=int(park_resident), n_vocab=self.n_vocab)
         self.conversations.prepin()               # host memory for parking, set aside now (/status reports it)
         if kv_pool_ctx is not None and kv_pool_ctx > self.n_ctx and self.conversations.resident is None:
             log.warning("--kv-pool-ctx is larger than --n-ctx but nothing is parked resident (parking off, "
