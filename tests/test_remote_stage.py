@@ -313,6 +313,64 @@ def test_a_workers_bad_result_is_a_502_engine_error_and_the_link_recovers(tmp_pa
         w.close()
 
 
+def test_health_reports_an_engine_thread_stuck_on_a_frozen_worker(tmp_path, monkeypatch):
+    """A worker whose compute freezes while its event loop still answers Pings holds the main's engine thread in a
+    Forward: /health turns 503 (status stuck, the reason in one line) once no forward call has returned for
+    --stall-seconds while the request runs and another waits, and 200 again when the worker goes on."""
+    import threading as th
+    from strata.stages import worker as wmod
+    frozen, entered = th.Event(), th.Event()
+    forward = wmod.Carrier.forward
+
+    def freezing_forward(self, m):
+        if frozen.is_set():
+            entered.set()
+            while frozen.is_set():
+                time.sleep(0.02)
+        return forward(self, m)
+    monkeypatch.setattr(wmod.Carrier, "forward", freezing_forward)
+    w = InProcessWorker()
+    d = Daemon(tmp_path, "--remote-stage", w.address, "--layer-split", "10", "--stall-seconds", "1",
+               n_ctx=N_CTX).start()
+    body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
+    answers: list = []
+    try:
+        st, ok = d.json("POST", "/v1/completions", body)
+        assert st == 200 and d.json("GET", "/health")[0] == 200
+        frozen.set()
+        threads = [th.Thread(target=lambda: answers.append(d.json("POST", "/v1/completions", body)))
+                   for _ in range(2)]
+        for t in threads:
+            t.start()
+        assert entered.wait(60)
+        deadline = time.monotonic() + 60
+        while (h := d.json("GET", "/health"))[0] == 200:
+            assert time.monotonic() < deadline, "/health never noticed the stuck engine thread"
+            time.sleep(0.1)
+        st, health = h
+        assert st == 503 and health["status"] == "stuck", health
+        assert "no forward call has returned for" in health["error"] and "--stall-seconds 1" in health["error"]
+        assert health["queue"]["running"] == 1
+        frozen.clear()
+        for t in threads:
+            t.join(120)
+        assert [a[0] for a in answers] == [200, 200] and all(a[1]["choices"][0]["text"] == ok["choices"][0]["text"]
+                                                           for a in answers)
+        assert d.json("GET", "/health")[0] == 200
+    finally:
+        frozen.clear()
+        d.stop()
+        w.close()
+
+
+def test_stall_seconds_must_be_a_number_of_seconds(tmp_path):
+    for v in ("-1", "nan", "inf"):
+        r = subprocess.run([sys.executable, "-m", "strata.cli.main", "serve", "--socket", str(tmp_path / "s"),
+                            "--stall-seconds", v], env=env_for_daemon(), cwd=ROOT, capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 2 and "--stall-seconds must be a number of seconds >= 0" in r.stderr, (v, r.stderr)
+
+
 def test_settle_a_late_commit_is_waited_for(workers):
     """The worker applies Commits late (the test hook); a live continuation that cuts the sequence back must wait
     for the Commit's Ack before it sends the prompt, or the worker would read it at the wrong position."""

@@ -375,6 +375,10 @@ class Engine:
         return self.conversations.parked()
 
     # ---- visibility ------------------------------------------------------------------------------
+    def forward_returned_at(self) -> float:
+        """time.monotonic() when the live sequence's last forward call returned (or raised)."""
+        return self.seq.forward_returned
+
     def unavailable(self) -> str | None:
         """Why no request can run now (a remote stage's link is down and reconnecting), or None."""
         return self.seq.unavailable()

@@ -23,9 +23,12 @@ async def health(request: web.Request) -> web.Response:
     why = w.engine.unavailable() if hasattr(w.engine, "unavailable") else None
     if why:
         return json_response({"status": "unavailable", "error": why}, 503)
+    queue = {"running": int(w.running is not None), "waiting": w.waiting, "max": w.queue_max}
+    stuck = w.stuck(request.app[CONFIG_KEY].stall_seconds)
+    if stuck:
+        return json_response({"status": "stuck", "error": stuck, "model": w.engine.model_name, "queue": queue}, 503)
     return json_response({"status": "ok" if not w.closing else "stopping", "model": w.engine.model_name,
-                          "queue": {"running": int(w.running is not None), "waiting": w.waiting, "max": w.queue_max}},
-                         200 if not w.closing else 503)
+                          "queue": queue}, 200 if not w.closing else 503)
 
 
 async def models(request: web.Request) -> web.Response:

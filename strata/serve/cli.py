@@ -57,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "256; 0 keeps none)")
     n.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let the running request finish before cancelling it")
+    n.add_argument("--stall-seconds", type=float, default=600.0, metavar="S",
+                   help="/health answers 503 (status stuck) when work is running or waiting and no forward call has "
+                        "returned for S seconds (default 600; 0: never)")
     lg = p.add_argument_group("logging")
     lg.add_argument("--log-level", default=os.environ.get("STRATA_LOG_LEVEL", "info"), choices=LEVELS)
     lg.add_argument("--log-format", default="auto", choices=("auto", "json", "console"),
@@ -100,6 +103,8 @@ def check_args(args) -> str | None:
         return "--no-socket needs --port (or --host): the daemon would listen nowhere"
     if args.drain_timeout < 0:
         return f"--drain-timeout must be >= 0, got {args.drain_timeout}"
+    if not 0 <= args.stall_seconds < float("inf"):
+        return f"--stall-seconds must be a number of seconds >= 0 (0: never), got {args.stall_seconds}"
     return engine_args_error(args)
 
 
@@ -143,7 +148,7 @@ def run(args) -> int:
     cfg = ServeConfig(socket_path=None if args.no_socket else str(args.socket or default_socket_path()),
                       host=args.host, port=args.port, api_key=args.api_key, queue_max=args.queue_max,
                       max_body=args.max_body, drain_timeout=args.drain_timeout,
-                      responses_store=args.responses_store)
+                      responses_store=args.responses_store, stall_seconds=args.stall_seconds)
 
     def factory():
         from strata.engine.engine import Engine

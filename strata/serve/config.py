@@ -22,6 +22,7 @@ class ServeConfig:
     retry_after: int = 1
     drain_timeout: float = 30.0
     responses_store: int = 256        # /v1/responses kept for previous_response_id (strata.serve.responses_api)
+    stall_seconds: float = 600.0      # /health: 503 when no forward call returned for longer while work waits
     tcp_bound: str | None = None      # the TCP address actually bound ("[::1]:8090"; --port 0 gives the real port)
 
     def tcp_address(self) -> str | None:
