@@ -376,11 +376,40 @@ def test_reader_fuzz(fuzz_engine, saved, mut, trunc):
     _, data = saved
     try:
         conv = session.read(io.BytesIO(mutate(data, mut, trunc)), fuzz_engine.file.fingerprint(), fuzz_engine.stages,
-                            fuzz_engine.n_ctx)
+                            fuzz_engine.n_ctx, fuzz_engine.n_vocab)
     except ValueError as e:
         assert "\n" not in str(e)
         return
-    assert conv.pos > 0
+    assert conv.pos > 0 and 0 <= int(conv.tokens.min()) and int(conv.tokens.max()) < fuzz_engine.n_vocab
+    assert type(conv.live_ok) is bool
+
+
+_JUNK = hs.recursive(hs.none() | hs.booleans() | hs.integers(-2 ** 40, 2 ** 40) | hs.floats() | hs.text(max_size=8),
+                     lambda kids: hs.lists(kids, max_size=3) | hs.dictionaries(hs.text(max_size=4), kids, max_size=3),
+                     max_leaves=8)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(fields=hs.dictionaries(hs.sampled_from(["fingerprint", "n_tokens", "live_ok", "checkpoints", "carves", "x"]),
+                              _JUNK, min_size=1, max_size=3),
+       tokens=hs.lists(hs.tuples(hs.integers(0, 10 ** 6), hs.integers(-2 ** 31, 2 ** 31 - 1)), max_size=3))
+def test_crafted_files_with_valid_checksums(fuzz_engine, saved, fields, tokens):
+    """Header fields of any JSON value and token ids of any int32, every checksum recomputed: each file is refused
+    with a one-line SessionError, or read with the types and ranges the engine relies on."""
+    _, data = saved
+    hlen = int.from_bytes(data[12:16], "little")
+    n = json.loads(data[20:20 + hlen])["n_tokens"]
+    for i, v in tokens:
+        data = _with_token(data, i % n, v)
+    data = _with_header(data, **fields)
+    try:
+        conv = session.read(io.BytesIO(data), fuzz_engine.file.fingerprint(), fuzz_engine.stages, fuzz_engine.n_ctx,
+                            fuzz_engine.n_vocab)
+    except session.SessionError as e:
+        assert "\n" not in str(e)
+        return
+    assert type(conv.live_ok) is bool and 0 < conv.pos < fuzz_engine.n_ctx
+    assert 0 <= int(conv.tokens.min()) and int(conv.tokens.max()) < fuzz_engine.n_vocab
 
 
 @pytest.fixture(scope="module")
