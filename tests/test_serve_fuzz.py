@@ -341,7 +341,8 @@ BIG_SCHEMA = {"type": "string", "enum": [f"v{i}" for i in range(150_000)]}     #
                                                                                          "schema": BIG_SCHEMA}}},
      "response_format"),
     ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}],
-                      "output_config": {"format": {"type": "json_schema", "schema": BIG_SCHEMA}}}, "output_config.format"),
+                      "output_config": {"format": {"type": "json_schema", "schema": BIG_SCHEMA}}},
+     "output_config.format"),
 ])
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_schema_past_the_grammar_limit_gets_400(daemon, route, body, param, stream):

@@ -185,7 +185,8 @@ def _fake_server(path: str, behaviour):
                     return
                 head += chunk
             head, _, body = head.partition(b"\r\n\r\n")
-            n = next((int(ln.split(b":")[1]) for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length:")), 0)
+            n = next((int(ln.split(b":")[1]) for ln in head.split(b"\r\n")
+                      if ln.lower().startswith(b"content-length:")), 0)
             while len(body) < n:
                 body += conn.recv(4096)
             behaviour(conn, stop)

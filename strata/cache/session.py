@@ -107,7 +107,11 @@ def open_session(path: Path) -> BinaryIO:
     blocking (O_NONBLOCK: a FIFO), and only when fstat says it is a regular file, before a byte is read.
     SessionError naming the file's name otherwise."""
     name = path.name
-    dfd = os.open(path.parent, _OPEN_DIR)
+    try:
+        dfd = os.open(path.parent, _OPEN_DIR)
+    except OSError as e:
+        raise SessionError(f"cannot open session file {name!r}: its directory: {e.strerror or type(e).__name__}") \
+            from None
     try:
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0), dir_fd=dfd)
     except FileNotFoundError:
@@ -238,7 +242,11 @@ def save_atomic(path: Path, writer) -> int:
     with O_EXCL | O_NOFOLLOW relative to the directory, mode 0600), fsync it, rename it over `path` (a symbolic link
     there is replaced, not followed) and fsync the directory: a crash leaves the old file or the new one, never a
     torn one."""
-    dfd = os.open(path.parent, _OPEN_DIR)
+    try:
+        dfd = os.open(path.parent, _OPEN_DIR)
+    except OSError as e:
+        why = e.strerror or type(e).__name__
+        raise SessionError(f"cannot write session file {path.name!r}: its directory: {why}") from None
     tmp = f".{path.name}.tmp-{secrets.token_hex(8)}"
     made = False
     try:

@@ -32,8 +32,8 @@ class Conversations:
     - `park` (a ParkStore of park_bytes; None: no parking at all): host copies in RAM, spilling to
     - `disk` (a DiskTier in disk_dir under disk_bytes, None: none).
     Session files live in `slot_save_path` (None: refused). `file` (its fingerprint), `stages`, `n_ctx` and
-    `n_vocab` are what a session file must match. Raises ValueError for a disk tier without parking or a slot_save_path that is not a
-    directory. The engine calls these under its lock."""
+    `n_vocab` are what a session file must match. Raises ValueError for a disk tier without parking or a
+    slot_save_path that is not a directory. The engine calls these under its lock."""
 
     def __init__(self, seq: Sequence, cache: CheckpointCache, stages: list, file, n_ctx: int, *, park_bytes: int | None,
                  disk_dir: str | os.PathLike | None, disk_bytes: int, slot_save_path: str | os.PathLike | None,
