@@ -1,5 +1,6 @@
-"""The two ways a request fails that are not a bug: Refused (for what it asks: 4xx) and Unavailable (now, whatever
-it asks: 503); every layer raises them, serve maps them to HTTP by type."""
+"""How a request fails when it is not a bug: Refused (for what it asks: 4xx), Unavailable (now, whatever it asks:
+503) and EngineFault (the engine or a worker produced something unusable: 5xx, the server's fault); every layer
+raises them, serve maps them to HTTP by type."""
 from __future__ import annotations
 
 
@@ -25,3 +26,11 @@ class Unavailable(RuntimeError):
 
     status = 503
     code = "unavailable"
+
+
+class EngineFault(RuntimeError):
+    """The engine, or a worker it relies on, produced something unusable (non-finite logits, a malformed result):
+    the HTTP status it answers (500 unless a subclass says otherwise) and a code; never the client's fault."""
+
+    status = 500
+    code = "engine_error"

@@ -10,7 +10,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from strata.sampling.sampler import Sampler, SamplingParams
+from strata.sampling.sampler import NonFiniteLogits, Sampler, SamplingParams
 from strata.sampling.device import DeviceSampler, uniform
 
 OFF = dict(top_k=0, top_p=1.0, min_p=0.0)
@@ -169,7 +169,7 @@ def test_bad_input():
         s.sample(np.zeros(8, np.float32))
     for t in (0, 0.8):
         s = DeviceSampler(SamplingParams(temperature=t, seed=1), 7)
-        with pytest.raises(ValueError, match="NaN"):
+        with pytest.raises(NonFiniteLogits, match="NaN"):
             s.sample(np.array([0, 1, np.nan, 2, 0, 0, 0], np.float32))
         assert s.step == 0
     with pytest.raises(ValueError, match="n_vocab"):

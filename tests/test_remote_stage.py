@@ -5,6 +5,7 @@ worker dies mid-stream and comes back."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -15,6 +16,7 @@ import threading
 import time
 import zlib
 
+import numpy as np
 import pytest
 
 import link
@@ -251,6 +253,122 @@ def test_a_store_emptied_under_the_main_makes_the_request_read_from_zero(tmp_pat
     finally:
         e.close()
         w.close()
+
+
+BAD_RESULTS = [   # (what the worker does to its Result's hidden states, what the 502 says)
+    ("nan", lambda h: _set(h, (0, 0), np.nan), "non-finite hidden states (1 NaN, 0 infinite values)"),
+    ("inf", lambda h: _set(h, (-1, 3), -np.inf), "non-finite hidden states (0 NaN, 1 infinite values)"),
+    ("narrow", lambda h: h[:, :-1], "hidden states of shape (1, 575) where (1, 576) were asked for"),
+    ("extra rows", lambda h: np.concatenate([h, h]), "hidden states of shape (2, 576) where (1, 576) were asked for"),
+    ("f16", lambda h: h.astype(np.float16), "hidden states of dtype float16 (the hello agreed on f32)"),
+]
+
+
+def _set(h, at, v):
+    h = h.copy()
+    h[at] = v
+    return h
+
+
+def test_a_workers_bad_result_is_a_502_engine_error_and_the_link_recovers(tmp_path, monkeypatch):
+    """A worker whose Result breaks what the hello agreed (NaN / Inf rows, a wrong width, extra rows, another dtype)
+    fails the request with 502 worker_bad_result naming the worker and the fault, never a 400 or an answer; the
+    link is reset and the next request is answered as before."""
+    import dataclasses
+    from strata.stages import worker as wmod
+    fault = {"now": None}
+    forward = wmod.Carrier.forward
+
+    def bad_forward(self, m):
+        res = forward(self, m)
+        return res if fault["now"] is None else dataclasses.replace(res, hidden=fault["now"](res.hidden))
+    monkeypatch.setattr(wmod.Carrier, "forward", bad_forward)
+    w = InProcessWorker()
+    d = Daemon(tmp_path, "--remote-stage", w.address, "--layer-split", "10", n_ctx=N_CTX).start()
+    body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0, "cache_prompt": False}
+    try:
+        st, ok = d.json("POST", "/v1/completions", body)
+        assert st == 200
+        for name, corrupt, says in BAD_RESULTS:
+            fault["now"] = corrupt
+            for stream in (False, True):
+                st, h, b = d.request("POST", "/v1/completions", dict(body, stream=stream))
+                if stream and st == 200:                    # the error arrives as the stream's last event
+                    err = [json.loads(x[6:]) for x in b.decode().split("\n\n") if x.startswith("data: {")][-1]
+                else:
+                    err = json.loads(b)
+                msg = err["error"]["message"]
+                assert (st, err["error"]["code"], err["error"]["type"]) == \
+                    (502 if not stream else st, "worker_bad_result", "server_error"), (name, st, err)
+                assert says in msg and w.address in msg and "\n" not in msg, (name, msg)
+                deadline = time.monotonic() + 30          # the link is reset: it comes back by itself
+                while d.request("GET", "/health")[0] != 200:
+                    assert time.monotonic() < deadline, d.log_tail()
+                    time.sleep(0.1)
+            fault["now"] = None
+            st, again = d.json("POST", "/v1/completions", body)
+            assert st == 200 and again["choices"][0]["text"] == ok["choices"][0]["text"], name
+    finally:
+        d.stop()
+        w.close()
+
+
+def test_health_reports_an_engine_thread_stuck_on_a_frozen_worker(tmp_path, monkeypatch):
+    """A worker whose compute freezes while its event loop still answers Pings holds the main's engine thread in a
+    Forward: /health turns 503 (status stuck, the reason in one line) once no forward call has returned for
+    --stall-seconds while the request runs and another waits, and 200 again when the worker goes on."""
+    import threading as th
+    from strata.stages import worker as wmod
+    frozen, entered = th.Event(), th.Event()
+    forward = wmod.Carrier.forward
+
+    def freezing_forward(self, m):
+        if frozen.is_set():
+            entered.set()
+            while frozen.is_set():
+                time.sleep(0.02)
+        return forward(self, m)
+    monkeypatch.setattr(wmod.Carrier, "forward", freezing_forward)
+    w = InProcessWorker()
+    d = Daemon(tmp_path, "--remote-stage", w.address, "--layer-split", "10", "--stall-seconds", "1",
+               n_ctx=N_CTX).start()
+    body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
+    answers: list = []
+    try:
+        st, ok = d.json("POST", "/v1/completions", body)
+        assert st == 200 and d.json("GET", "/health")[0] == 200
+        frozen.set()
+        threads = [th.Thread(target=lambda: answers.append(d.json("POST", "/v1/completions", body)))
+                   for _ in range(2)]
+        for t in threads:
+            t.start()
+        assert entered.wait(60)
+        deadline = time.monotonic() + 60
+        while (h := d.json("GET", "/health"))[0] == 200:
+            assert time.monotonic() < deadline, "/health never noticed the stuck engine thread"
+            time.sleep(0.1)
+        st, health = h
+        assert st == 503 and health["status"] == "stuck", health
+        assert "no forward call has returned for" in health["error"] and "--stall-seconds 1" in health["error"]
+        assert health["queue"]["running"] == 1
+        frozen.clear()
+        for t in threads:
+            t.join(120)
+        assert [a[0] for a in answers] == [200, 200] and all(a[1]["choices"][0]["text"] == ok["choices"][0]["text"]
+                                                           for a in answers)
+        assert d.json("GET", "/health")[0] == 200
+    finally:
+        frozen.clear()
+        d.stop()
+        w.close()
+
+
+def test_stall_seconds_must_be_a_number_of_seconds(tmp_path):
+    for v in ("-1", "nan", "inf"):
+        r = subprocess.run([sys.executable, "-m", "strata.cli.main", "serve", "--socket", str(tmp_path / "s"),
+                            "--stall-seconds", v], env=env_for_daemon(), cwd=ROOT, capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 2 and "--stall-seconds must be a number of seconds >= 0" in r.stderr, (v, r.stderr)
 
 
 def test_settle_a_late_commit_is_waited_for(workers):

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from strata.sampling.sampler import Sampler, SamplingParams, StopMatcher
+from strata.sampling.sampler import NonFiniteLogits, Sampler, SamplingParams, StopMatcher
 
 
 def _draw(params, logits, n, history=()):
@@ -49,8 +49,20 @@ def test_bad_logits_shape():
     s = Sampler(SamplingParams(), 7)
     with pytest.raises(ValueError, match=r"shape \(7,\)"):
         s.sample(np.zeros(8, np.float32))
-    with pytest.raises(ValueError, match="NaN"):
+    with pytest.raises(NonFiniteLogits, match="NaN") as e:      # the model's fault: an engine error, not a 400
         s.sample(np.full(7, np.nan, np.float32))
+    assert not isinstance(e.value, ValueError) and e.value.status == 500
+
+
+def test_nan_logits_answer_an_engine_error_not_a_client_error():
+    """NaN logits are the model's fault: the daemon answers 500 (engine_error) naming it, never a 400."""
+    from strata.serve.handling import as_api_error
+    from strata.serve.worker import EngineError
+    with pytest.raises(NonFiniteLogits) as e:
+        Sampler(SamplingParams(temperature=0.7, seed=3), 5).sample(np.array([0, np.nan, 1, 2, 3], np.float32))
+    err = as_api_error(EngineError(e.value))
+    assert err.status == 500 and err.code == "engine_error" and err.body()["error"]["type"] == "server_error"
+    assert "the model's logits contain NaN" in err.message and "not of the request" in err.message
 
 
 # ----------------------------------------------------------------------------- greedy & seeds

@@ -336,6 +336,79 @@ def test_completion_prompt_with_a_lone_surrogate_gets_400(daemon):
     assert daemon.json("GET", "/health")[0] == 200
 
 
+SUR = '"\\ud800"'        # JSON text of a lone surrogate
+SCHEMA_SUR = '{"type": "string", "enum": [%s]}' % SUR
+
+
+@pytest.mark.parametrize("route,body,param", [
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "response_format": '
+     '{"type": "json_schema", "json_schema": {"name": "x", "schema": %s}}}' % SCHEMA_SUR,
+     "'response_format.json_schema.schema.enum[0]' is not valid Unicode: lone surrogate U+D800"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "response_format": '
+     '{"type": "json_object", "schema": {"type": "object", "properties": {%s: {"type": "string"}}}}}' % SUR,
+     "'response_format.schema.properties' has a key that is not valid Unicode: lone surrogate U+D800"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tools": [{"type": '
+     '"function", "function": {"name": "f", "parameters": {"type": "object", "description": %s}}}]}' % SUR,
+     "'tools[0].function.parameters.description' is not valid Unicode"),
+    ("/v1/completions", '{"prompt": "hi", "max_tokens": 2, "json_schema": %s}' % SCHEMA_SUR,
+     "'json_schema.enum[0]' is not valid Unicode: lone surrogate U+D800 at code point 0"),
+    ("/v1/completions", '{"prompt": "hi", "max_tokens": 2, "grammar": "root ::= \\"a%s\\""}' % SUR[1:-1],
+     "'grammar' is not valid Unicode: lone surrogate U+D800 at code point 11"),
+    ("/v1/messages", '{"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], "output_config": '
+     '{"format": {"type": "json_schema", "schema": %s}}}' % SCHEMA_SUR,
+     "'output_config.format.schema.enum[0]' is not valid Unicode: lone surrogate U+D800"),
+    ("/v1/responses", '{"input": "hi", "max_output_tokens": 2, "metadata": {"a": %s}}' % SUR,
+     "'metadata.a' is not valid Unicode: lone surrogate U+D800"),
+    ("/v1/responses", '{"input": "hi", "max_output_tokens": 2, "metadata": {%s: "a"}}' % SUR,
+     "'metadata' has a key that is not valid Unicode: lone surrogate U+D800 at code point 0 of the key"),
+    ("/v1/responses", '{"input": "hi", "max_output_tokens": 2, "text": {"format": {"type": "json_schema", "name": "x", '
+     '"schema": %s}}}' % SCHEMA_SUR, "'text.format.schema.enum[0]' is not valid Unicode"),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_lone_surrogates_in_schemas_and_echoed_fields_get_400(daemon, route, body, param, stream):
+    """A lone surrogate in a JSON schema, a grammar, a tool or metadata has no UTF-8 encoding: a one-line 400 naming
+    the field before anything runs (streamed or not), not a 500 or an empty stream."""
+    raw = json.dumps(dict(json.loads(body), stream=stream)).encode()
+    gen0 = daemon.metric("strata_generations_total")
+    st, h, b = daemon.request("POST", route, raw=raw)
+    assert st == 400, b
+    d = json.loads(b)
+    msg = d["error"]["message"]
+    assert param in msg and "\n" not in msg, msg
+    assert daemon.metric("strata_generations_total") == gen0          # refused before the engine ran
+
+
+@pytest.mark.parametrize("sid,status,needle", [
+    ("%C2%B2", 400, "slot id must be a non-negative integer, got '\u00b2'"),     # '²': str.isdigit() says yes
+    ("%D9%A3", 400, "slot id must be a non-negative integer"),                  # Arabic-Indic three
+    ("1" * 4301, 404, "slot 11111111111111111111... (4301 digits) does not exist"),   # past int()'s 4,300 digits
+    ("0" * 5000, 200, None),                                                   # slot 0 with leading zeros
+    ("x" * 100, 400, "xxx...' (100 characters)"),
+])
+def test_odd_slot_ids(daemon, sid, status, needle):
+    st, h, b = daemon.request("POST", f"/slots/{sid}?action=erase")
+    assert st == status, b
+    if needle is not None:
+        msg = json.loads(b)["error"]["message"]
+        assert needle in msg and len(msg) < 200, msg
+
+
+@pytest.mark.parametrize("header", [b"Authorization: Bearer \xff\xfe", b"Authorization: \xc3\x28",
+                                    b"x-api-key: \xff" + API_KEY.encode(), b"x-api-key: " + API_KEY.encode() + b"\x80"])
+def test_a_key_header_that_is_not_utf8_gets_401(daemon, header):
+    """Key header bytes that are not UTF-8 are a wrong key: 401, with no traceback in the log."""
+    with socket.create_connection(("127.0.0.1", daemon.port), timeout=30) as s:
+        s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n" + header + b"\r\nConnection: close\r\n\r\n")
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.split(b" ", 2)[1] == b"401", data[:300]
+    assert json.loads(body)["error"]["code"] == "invalid_api_key"
+    time.sleep(0.2)
+    assert not [ln for ln in daemon.log_lines() if ln.get("event") == "request failed"]
+
+
 def test_prompt_too_long_names_the_numbers(daemon):
     st, d = daemon.json("POST", "/v1/completions", {"prompt": "word " * 700, "max_tokens": 1})
     assert st == 400 and d["error"]["code"] == "context_length_exceeded"
@@ -486,6 +559,58 @@ def test_queue_full_gives_503(daemon):
     busy = b if b[0] == 503 else c
     assert busy[1]["error"]["code"] == "queue_full" and int(busy[2]["Retry-After"]) >= 1
     assert daemon.metric("strata_requests_total", {"status": "503"}) >= 1
+
+
+def test_a_client_leaving_the_queue_frees_its_place(tmp_path):
+    """A client that disconnects while its request waits gives its place back at once: /health's `waiting` drops,
+    and a later request is queued rather than refused queue_full (jobs are matched by identity, not by comparing
+    their token arrays)."""
+    import aiohttp
+    d = Daemon(tmp_path, "--queue-max", "2", n_ctx=4096).start()
+    short = {"prompt": "The quick brown fox jumps over", "max_tokens": 2, "temperature": 0}
+
+    async def run():
+        conn = aiohttp.UnixConnector(path=d.sock)
+        async with aiohttp.ClientSession(connector=conn) as s:
+            async def queue() -> dict:
+                async with s.get("http://strata/health") as r:
+                    return (await r.json())["queue"]
+
+            async def until(pred, what):
+                deadline = asyncio.get_running_loop().time() + 60
+                while not pred(q := await queue()):
+                    assert asyncio.get_running_loop().time() < deadline, f"{what}: /health says {q}"
+                    await asyncio.sleep(0.05)
+
+            async def post(body):
+                async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=d.sock)) as c:
+                    async with c.post("http://strata/v1/completions", json=body) as r:
+                        return r.status, await r.json()
+
+            long = asyncio.create_task(_stream_unix(d.sock, {"prompt": COUNT_PROMPT, "max_tokens": 3000,
+                                                              "temperature": 0}))
+            await until(lambda q: q["running"] == 1, "the long request did not start")
+            b = asyncio.create_task(post(short))
+            await until(lambda q: q["waiting"] == 1, "the first waiting request is not queued")
+            c = asyncio.create_task(post(short))          # behind b: removing it compares it with b
+            await until(lambda q: q["waiting"] == 2, "the second waiting request is not queued")
+            c.cancel()                                     # the client goes away while queued
+            await until(lambda q: q["waiting"] == 1 or long.done(), "the request whose client left stays queued")
+            assert not long.done(), "the request whose client left held its place until the running one ended"
+            e = asyncio.create_task(post(short))           # the freed place takes a new request
+            await until(lambda q: q["waiting"] == 2 or e.done(), "the new request is neither queued nor answered")
+            assert not e.done(), e.result()                # not refused queue_full: it waits behind b
+            long.cancel()
+            res_b, res_e = await asyncio.wait_for(asyncio.gather(b, e), 120)
+            await until(lambda q: q["waiting"] == 0 and q["running"] == 0, "the queue did not empty")
+            return res_b, res_e
+    try:
+        res_b, res_e = asyncio.run(run())
+        assert res_b[0] == 200 and res_e[0] == 200, (res_b, res_e)
+        assert res_b[1]["choices"][0]["text"] == res_e[1]["choices"][0]["text"]
+        assert d.metric("strata_requests_total", {"route": "/v1/completions", "status": "503"}) == 0
+    finally:
+        assert d.stop() == 0, d.log_tail()
 
 
 def test_disconnect_mid_stream_cancels_and_engine_stays_usable(daemon):

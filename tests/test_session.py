@@ -165,6 +165,196 @@ def test_bad_names_and_empty_slot(model_path, tmp_path):
     assert e.status()["kv_pages"]["used"] == 0                     # erase gives the pages back
 
 
+def _with_header(data: bytes, **changes) -> bytes:
+    """A session file with header fields changed and its checksum recomputed."""
+    import zlib
+    hlen = int.from_bytes(data[12:16], "little")
+    h = dict(json.loads(data[20:20 + hlen]), **changes)
+    head = json.dumps(h, sort_keys=True, separators=(",", ":")).encode()
+    return data[:12] + len(head).to_bytes(4, "little") + zlib.crc32(head).to_bytes(4, "little") + head \
+        + data[20 + hlen:]
+
+
+def _with_token(data: bytes, i: int, value: int) -> bytes:
+    """A session file whose i-th token id is `value`, its checksum recomputed."""
+    import zlib
+    hlen = int.from_bytes(data[12:16], "little")
+    n = json.loads(data[20:20 + hlen])["n_tokens"]
+    toks = bytearray(data[20 + hlen:20 + hlen + 4 * n])
+    toks[4 * i:4 * i + 4] = value.to_bytes(4, "little", signed=True)
+    return data[:20 + hlen] + bytes(toks) + zlib.crc32(toks).to_bytes(4, "little") + data[20 + hlen + 4 * n + 4:]
+
+
+def test_valid_checksums_with_bad_fields_are_refused(model_path, tmp_path, saved):
+    """A file whose checksums are right but whose fields are not: each header field of the wrong type, a token id
+    outside the vocabulary — refused in one line, the live conversation unchanged."""
+    _, data = saved
+    n_vocab = _engine(model_path, tmp_path).n_vocab
+    hlen = int.from_bytes(data[12:16], "little")
+    cps = json.loads(data[20:20 + hlen])["checkpoints"]
+    for change, match in [({"live_ok": "no"}, "bad live_ok 'no'"), ({"live_ok": 1}, "bad live_ok 1"),
+                          ({"live_ok": None}, "bad live_ok None"), ({"fingerprint": 7}, "from another model"),
+                          ({"n_tokens": True}, "bad token count"), ({"n_tokens": 3.0}, "bad token count"),
+                          ({"carves": "0..4"}, "bad stage carves"),
+                          ({"checkpoints": [[c[0], "bogus"] for c in cps] or [[1, "bogus"]]}, "bad checkpoint list"),
+                          ({"checkpoints": [[c[0], 7] for c in cps] or [[1, 7]]}, "bad checkpoint list")]:
+        _refused(model_path, tmp_path, _with_header(data, **change), match)
+    for at, value in ((0, n_vocab), (3, -1), (-1, 2 ** 31 - 1)):
+        n = json.loads(data[20:20 + hlen])["n_tokens"]
+        _refused(model_path, tmp_path, _with_token(data, at % n, value),
+                 f"holds token id {value}, outside this model's vocabulary \\[0, {n_vocab}\\)")
+    _ENGINES.clear()
+
+
+def test_save_names_keep_to_the_portable_set_and_old_names_still_restore(model_path, tmp_path, saved):
+    """New session files are named with ASCII letters, digits, '.', '_', '-' (no leading dot, no device name); a
+    file already there under another name restores by its exact name."""
+    _, data = saved
+    e = _engine(model_path, tmp_path, "2")
+    ask(e, CHAT)
+    for bad in ("a~b", "$HOME", "CON", "con.bin", "Lpt1", "a b.bin", "caf\u00e9.bin", "x\u202eniB.exe",
+                "x\u0085y", "x\u200by", "\uff46\uff0f\uff47", "a\u2215b", "-\u00a0", "x\u2028y", "\u202a"):
+        with pytest.raises(ValueError, match="ASCII letters, digits") as exc:
+            e.slot_save(0, filename=bad)
+        assert "\n" not in str(exc.value)
+    assert sorted(os.listdir(tmp_path)) == []
+    for good in ("ok-name_1.bin", "A.B.c", "0", "-x"):
+        assert e.slot_save(0, filename=good)["n_saved"] > 0
+    (tmp_path / "caf\u00e9 \u00bd.bin").write_bytes(data)           # written by an older build, or by hand
+    assert e.slot_restore(0, filename="caf\u00e9 \u00bd.bin")["n_restored"] > 0
+
+
+def test_a_save_writes_through_no_planted_temporary(model_path, tmp_path):
+    """The temporary a save writes is named unpredictably and created exclusively without following a link: a
+    link planted under the old predictable name writes nothing outside; the file is private (0600), nothing
+    is left beside it."""
+    d = tmp_path / "slots"
+    d.mkdir()
+    outside = tmp_path / "outside.txt"
+    outside.write_bytes(b"keep me")
+    (d / f".x.bin.tmp-{os.getpid()}").symlink_to(outside)
+    e = _engine(model_path, d)
+    ask(e, CHAT)
+    assert e.slot_save(0, filename="x.bin")["n_saved"] > 0
+    assert outside.read_bytes() == b"keep me"
+    assert sorted(os.listdir(d)) == sorted([".x.bin.tmp-%d" % os.getpid(), "x.bin"])
+    assert (d / "x.bin").stat().st_mode & 0o777 == 0o600 and not (d / "x.bin").is_symlink()
+    (d / "y.bin").symlink_to(outside)                 # a link at the target is replaced by the rename, not followed
+    with pytest.raises(ValueError, match="symbolic link"):
+        e.slot_save(0, filename="y.bin")               # (refused by the name check before that)
+    assert outside.read_bytes() == b"keep me"
+
+
+def test_open_session_reads_only_regular_files(tmp_path):
+    """open_session opens relative to the directory without following a link and without blocking: a link, a FIFO
+    (no writer: an open that blocks would hang the engine thread) and a directory are refused before a byte is
+    read."""
+    (tmp_path / "real.bin").write_bytes(b"SECRET")
+    (tmp_path / "link.bin").symlink_to(tmp_path / "real.bin")
+    os.mkfifo(tmp_path / "fifo.bin")
+    (tmp_path / "dir.bin").mkdir()
+    for name, match in (("link.bin", "is a symbolic link"), ("fifo.bin", "not a regular file"),
+                        ("dir.bin", "not a regular file"), ("none.bin", "does not exist")):
+        with pytest.raises(session.SessionError, match=match) as exc:
+            session.open_session(tmp_path / name)
+        assert "SECRET" not in str(exc.value) and str(tmp_path) not in str(exc.value)
+    with session.open_session(tmp_path / "real.bin") as f:
+        assert f.read() == b"SECRET"
+
+
+_SWAPPER = """
+import os, sys, time
+d, secret = sys.argv[1], sys.argv[2]
+i = 0
+while not os.path.exists(os.path.join(d, "stop")):
+    tmp = os.path.join(d, f"swap-{i % 3}")
+    if i % 3 == 0:
+        os.link(os.path.join(d, "good.bin"), tmp)
+    elif i % 3 == 1:
+        os.symlink(secret, tmp)
+    else:
+        os.link(os.path.join(d, "fifo-src"), tmp)
+    os.replace(tmp, os.path.join(d, "victim.bin"))
+    if i == 0:
+        open(os.path.join(d, "started"), "w").close()
+    i += 1
+"""
+
+
+def test_a_file_swapped_under_restores_is_never_read_through_a_link_nor_blocks_on_a_fifo(model_path, tmp_path):
+    """While restores run, another process swaps the file for a link to a file outside the directory, for a FIFO
+    and back: no restore reads the outside file (its bytes never show in an error), none blocks, each one either
+    restores the saved conversation or is refused in one line naming no path."""
+    import subprocess
+    import sys
+    import threading
+    import time
+    d = tmp_path / "slots"
+    d.mkdir()
+    secret = tmp_path / "secret.txt"
+    secret.write_bytes(b"SECRETXX" * 64)
+    e = _engine(model_path, d)
+    ask(e, CHAT)
+    n_saved = e.slot_save(0, filename="good.bin")["n_saved"]
+    os.mkfifo(d / "fifo-src")
+    outcomes: list = []
+
+    def restores():
+        for _ in range(3000):
+            try:
+                outcomes.append(e.slot_restore(0, filename="victim.bin")["n_restored"])
+            except ValueError as err:
+                outcomes.append(str(err))
+
+    swapper = subprocess.Popen([sys.executable, "-c", _SWAPPER, str(d), str(secret)])
+    try:
+        deadline = time.monotonic() + 60
+        while not (d / "started").exists():
+            assert swapper.poll() is None and time.monotonic() < deadline, "the swapper did not start"
+            time.sleep(0.01)
+        r = threading.Thread(target=restores, daemon=True)
+        r.start()
+        r.join(120)
+        hung = r.is_alive()
+    finally:
+        (d / "stop").touch()
+        swapper.wait(30)
+    if hung:                                         # release a reader blocked on the FIFO, then fail
+        os.close(os.open(d / "fifo-src", os.O_WRONLY | os.O_NONBLOCK))
+    assert not hung, "a restore blocked on a FIFO"
+    assert swapper.returncode == 0
+    errors = [o for o in outcomes if isinstance(o, str)]
+    assert len(outcomes) == 3000
+    assert all(o == n_saved for o in outcomes if not isinstance(o, str))
+    assert not [m for m in errors if "SECRET" in m or "\n" in m or str(tmp_path) in m], \
+        [m for m in errors if "SECRET" in m or "\n" in m or str(tmp_path) in m][:5]
+    assert secret.read_bytes() == b"SECRETXX" * 64
+
+
+def test_the_disk_tier_reads_its_files_under_the_same_rules(model_path, tmp_path):
+    """A parked conversation's file on disk (--conversation-cache-dir) swapped for a link or a FIFO: refused in
+    one line when it is taken back, nothing of the outside file read."""
+    d = tmp_path / "park"
+    d.mkdir()
+    secret = tmp_path / "secret.txt"
+    secret.write_bytes(b"SECRETXX" * 64)
+    e = Engine(model_path, n_ctx=512, ubatch=32, conversation_cache_mib=64, conversation_cache_dir=d,
+               conversation_cache_disk_mib=64)
+    ask(e, CHAT)
+    disk = e.conversations.disk
+    for swap, match in ((lambda p: p.symlink_to(secret), "symbolic link"), (lambda p: os.mkfifo(p),
+                                                                             "not a regular file")):
+        disk.add(e.conversations.capture())
+        path = disk.best(e.seq.tokens)[0]
+        assert path is not None and path.is_file()
+        path.unlink()
+        swap(path)
+        with pytest.raises(session.SessionError, match=match) as exc:
+            disk.take(path)
+        assert "SECRET" not in str(exc.value)
+    assert secret.read_bytes() == b"SECRETXX" * 64
+
+
 def test_restore_parks_the_conversation_it_replaces(model_path, tmp_path):
     e = Engine(model_path, n_ctx=512, ubatch=32, slot_save_path=tmp_path, conversation_cache_mib=256,
                prompt_cache=2)
@@ -186,11 +376,40 @@ def test_reader_fuzz(fuzz_engine, saved, mut, trunc):
     _, data = saved
     try:
         conv = session.read(io.BytesIO(mutate(data, mut, trunc)), fuzz_engine.file.fingerprint(), fuzz_engine.stages,
-                            fuzz_engine.n_ctx)
+                            fuzz_engine.n_ctx, fuzz_engine.n_vocab)
     except ValueError as e:
         assert "\n" not in str(e)
         return
-    assert conv.pos > 0
+    assert conv.pos > 0 and 0 <= int(conv.tokens.min()) and int(conv.tokens.max()) < fuzz_engine.n_vocab
+    assert type(conv.live_ok) is bool
+
+
+_JUNK = hs.recursive(hs.none() | hs.booleans() | hs.integers(-2 ** 40, 2 ** 40) | hs.floats() | hs.text(max_size=8),
+                     lambda kids: hs.lists(kids, max_size=3) | hs.dictionaries(hs.text(max_size=4), kids, max_size=3),
+                     max_leaves=8)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(fields=hs.dictionaries(hs.sampled_from(["fingerprint", "n_tokens", "live_ok", "checkpoints", "carves", "x"]),
+                              _JUNK, min_size=1, max_size=3),
+       tokens=hs.lists(hs.tuples(hs.integers(0, 10 ** 6), hs.integers(-2 ** 31, 2 ** 31 - 1)), max_size=3))
+def test_crafted_files_with_valid_checksums(fuzz_engine, saved, fields, tokens):
+    """Header fields of any JSON value and token ids of any int32, every checksum recomputed: each file is refused
+    with a one-line SessionError, or read with the types and ranges the engine relies on."""
+    _, data = saved
+    hlen = int.from_bytes(data[12:16], "little")
+    n = json.loads(data[20:20 + hlen])["n_tokens"]
+    for i, v in tokens:
+        data = _with_token(data, i % n, v)
+    data = _with_header(data, **fields)
+    try:
+        conv = session.read(io.BytesIO(data), fuzz_engine.file.fingerprint(), fuzz_engine.stages, fuzz_engine.n_ctx,
+                            fuzz_engine.n_vocab)
+    except session.SessionError as e:
+        assert "\n" not in str(e)
+        return
+    assert type(conv.live_ok) is bool and 0 < conv.pos < fuzz_engine.n_ctx
+    assert 0 <= int(conv.tokens.min()) and int(conv.tokens.max()) < fuzz_engine.n_vocab
 
 
 @pytest.fixture(scope="module")

@@ -207,3 +207,124 @@ def test_status_before_the_first_ping_says_so(tmp_path):
         srv.server_close()
     assert p.returncode == 0, p.stderr
     assert "no round trip measured yet" in p.stdout and "None ms" not in p.stdout
+
+
+# ---- a hostile or broken server: stratactl stays bounded and prints nothing raw -----------------------------------
+def _fake_server(path: str, behaviour):
+    """A Unix socket at `path` whose every connection reads the request, then runs behaviour(conn, stop)."""
+    import socket as socketlib
+    import threading
+    srv = socketlib.socket(socketlib.AF_UNIX)
+    srv.bind(path)
+    srv.listen(8)
+    stop = threading.Event()
+
+    def one(conn):
+        try:
+            conn.settimeout(30)
+            head = b""
+            while b"\r\n\r\n" not in head:
+                chunk = conn.recv(4096)
+                if not chunk:
+                    return
+                head += chunk
+            head, _, body = head.partition(b"\r\n\r\n")
+            n = next((int(ln.split(b":")[1]) for ln in head.split(b"\r\n")
+                      if ln.lower().startswith(b"content-length:")), 0)
+            while len(body) < n:
+                body += conn.recv(4096)
+            behaviour(conn, stop)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def serve():
+        srv.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                continue
+            threading.Thread(target=one, args=(c,), daemon=True).start()
+        srv.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return stop
+
+
+def _answer(status: int, body: bytes, ctype: bytes = b"application/json"):
+    def behaviour(conn, stop):
+        conn.sendall(b"HTTP/1.1 %d X\r\nContent-Type: %s\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+                     % (status, ctype, len(body)) + body)
+    return behaviour
+
+
+def _silent(conn, stop):
+    stop.wait(60)
+
+
+def _dripping(conn, stop):                  # one byte of a header every 0.2 s, forever: no per-read timeout fires
+    conn.sendall(b"HTTP/1.1 200 OK\r\nX-Drip: ")
+    while not stop.wait(0.2):
+        conn.sendall(b"a")
+
+
+@pytest.mark.parametrize("behaviour", [_silent, _dripping], ids=["silent", "dripping"])
+def test_timeout_is_a_deadline_for_the_whole_exchange(tmp_path, behaviour):
+    """--timeout bounds the whole exchange: a server that never answers, or drips a byte at a time, gets one line
+    and exit 3 after --timeout, for a plain call and for a streamed chat."""
+    sock = str(tmp_path / "fake.sock")
+    stop = _fake_server(sock, behaviour)
+    try:
+        for cmd in (["status"], ["health"], ["chat", "hi"]):
+            r = ctl(None, "--timeout", "1.5", *cmd, socket=sock)
+            assert r.returncode == 3, (cmd, r.stderr)
+            assert "no complete answer from socket" in r.stderr and "within --timeout 1.5 s" in r.stderr, r.stderr
+            assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+    finally:
+        stop.set()
+
+
+GARBAGE = b"\x1b]0;owned\x07\x1b[2J\x9b31m\xe2\x80\xae\xff\xfe\x00 garbage"
+
+
+@pytest.mark.parametrize("status,body,cmds,needle", [
+    (500, GARBAGE, (["status"], ["health"], ["models"], ["save", "0", "-f", "x"]), "server error 500"),
+    (200, GARBAGE, (["status"], ["health"], ["slots"]), "not"),
+    (500, json.dumps({"error": {"message": "bad \x1b[2J\u202e\x9b thing"}}).encode(), (["status"], ["chat", "hi"]),
+     "bad \\u001b[2J\\u202e\\u009b thing"),
+    (200, b"[" * 100000 + b"]" * 100000, (["status"], ["health"], ["cache"]), "not"),
+    (500, b"[" * 100000 + b"]" * 100000, (["status"], ["--json", "status"]), "server error 500"),
+    (200, b"data: " + b"[" * 100000 + b"\n\n", (["chat", "hi"],), "not a JSON object"),
+])
+def test_a_garbage_answer_is_one_escaped_line(tmp_path, status, body, cmds, needle):
+    """Control bytes, escape sequences, bidirectional overrides, bytes that are not UTF-8, JSON nested 100,000 deep:
+    one line on stderr (exit 1) with nothing raw in it, no traceback; stdout gets nothing raw either."""
+    sock = str(tmp_path / "fake.sock")
+    ctype = b"text/event-stream" if body.startswith(b"data: ") else b"application/json"
+    stop = _fake_server(sock, _answer(status, body, ctype))
+    try:
+        for cmd in cmds:
+            r = subprocess.run([sys.executable, "-m", "strata.cli.ctl", "--socket", sock, *cmd], capture_output=True,
+                               env=env_for_daemon(), cwd=ROOT, timeout=120)
+            err, out = r.stderr.decode("utf-8", "replace"), r.stdout.decode("utf-8", "replace")
+            assert r.returncode == 1, (cmd, err)
+            assert needle in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, (cmd, err)
+            for raw in (b"\x1b", b"\x07", b"\x9b", b"\xc2\x9b", "\u202e".encode(), b"\x00"):
+                assert raw not in r.stderr and raw not in r.stdout, (cmd, raw, err, out)
+    finally:
+        stop.set()
+
+
+def test_metrics_text_is_printed_escaped(tmp_path):
+    sock = str(tmp_path / "fake.sock")
+    stop = _fake_server(sock, _answer(200, b"strata_x 1\n# \x1b[2J\xc2\x9b\x07 help\n", b"text/plain"))
+    try:
+        r = subprocess.run([sys.executable, "-m", "strata.cli.ctl", "--socket", sock, "metrics"], capture_output=True,
+                           env=env_for_daemon(), cwd=ROOT, timeout=120)
+        assert r.returncode == 0 and r.stdout.startswith(b"strata_x 1\n")
+        assert b"\x1b" not in r.stdout and b"\x07" not in r.stdout and b"\xc2\x9b" not in r.stdout
+        assert b"\\u001b[2J\\u009b\\u0007 help" in r.stdout
+    finally:
+        stop.set()

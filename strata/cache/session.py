@@ -22,11 +22,19 @@ Layout (little-endian):
     per checkpoint in header order (their K/V a prefix of the conversation's: running state only).
 
 Nothing may follow the last block. Every refusal is a SessionError (a ValueError) with a one-line message.
+
+Files are opened relative to their directory without following a symbolic link and without blocking (a FIFO),
+and read only when they are regular files; a save writes an unpredictable temporary beside the file, created
+exclusively, then renames it over the file.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
+import secrets
+import stat
 import struct
 import zlib
 from pathlib import Path
@@ -34,6 +42,7 @@ from typing import BinaryIO
 
 import numpy as np
 
+from strata.cache.checkpoints import KINDS
 from strata.cache.conversation import Conversation, SavedCheckpoint
 from strata.memory import FormatError, PartMismatch, codec
 
@@ -52,10 +61,20 @@ class SessionError(ValueError):
     """A session file that cannot be saved or restored here (one-line message naming why)."""
 
 
-def check_filename(directory: str | os.PathLike, name) -> Path:
+# new session files: llama.cpp's fs_validate_filename intent, the portable subset (no '~', '$', spaces, look-alike
+# separators, bidirectional or format characters; Windows device names refused too)
+_SAVE_NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]*$")
+_DEVICE_NAME = re.compile(r"^(con|prn|aux|nul|com[0-9]|lpt[0-9])(\..*)?$", re.IGNORECASE)
+_OPEN_DIR = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def check_filename(directory: str | os.PathLike, name, *, new: bool = False) -> Path:
     """The path of session file `name` inside `directory`: a plain file name (no separators, no '..', no control
     characters, valid UTF-8, at most 200 bytes, not starting with '.') that is not a symbolic link or a directory
-    and resolves inside the directory. SessionError otherwise (its message names the name, never the path)."""
+    and resolves inside the directory. new (a save): the name also keeps to ASCII letters, digits, '.', '_' and '-'
+    and is not a device name; an existing file of another name is still restored by its exact name. SessionError
+    otherwise (its message names the name, never the path). The opens (open_session, save_atomic) hold the same
+    rules against a file swapped after this check."""
     if not isinstance(name, str) or not name:
         raise SessionError(f"'filename' must be a non-empty string, got {name!r}")
     if any(ord(c) < 32 or ord(c) == 127 for c in name) or "/" in name or "\\" in name or ".." in name \
@@ -68,6 +87,9 @@ def check_filename(directory: str | os.PathLike, name) -> Path:
         raise SessionError(f"invalid session file name {name!r}: not valid UTF-8 text") from None
     if size > _NAME_MAX:
         raise SessionError(f"session file name is {size} bytes long (at most {_NAME_MAX})")
+    if new and (not _SAVE_NAME.match(name) or _DEVICE_NAME.match(name)):
+        raise SessionError(f"invalid session file name {name!r} for a save: use ASCII letters, digits, '.', '_' "
+                           "and '-' (not starting with '.', not a device name such as CON)")
     root = Path(directory).resolve()
     p = root / name
     if p.is_symlink():
@@ -78,6 +100,37 @@ def check_filename(directory: str | os.PathLike, name) -> Path:
     if p.resolve().parent != root:
         raise SessionError(f"session file {name!r} resolves outside the session directory")
     return p
+
+
+def open_session(path: Path) -> BinaryIO:
+    """`path` opened for reading relative to its directory: never through a symbolic link (O_NOFOLLOW), never
+    blocking (O_NONBLOCK: a FIFO), and only when fstat says it is a regular file, before a byte is read.
+    SessionError naming the file's name otherwise."""
+    name = path.name
+    try:
+        dfd = os.open(path.parent, _OPEN_DIR)
+    except OSError as e:
+        raise SessionError(f"cannot open session file {name!r}: its directory: {e.strerror or type(e).__name__}") \
+            from None
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0), dir_fd=dfd)
+    except FileNotFoundError:
+        raise SessionError(f"session file {name!r} does not exist") from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise SessionError(f"session file {name!r} is a symbolic link: refused (it could point outside the "
+                               "session directory)") from None
+        raise SessionError(f"cannot open session file {name!r}: {e.strerror or type(e).__name__}") from None
+    finally:
+        os.close(dfd)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise SessionError(f"session file {name!r} is not a regular file (a directory, a FIFO, a device?)")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def write(io: BinaryIO, conv: Conversation, fingerprint: str, stages: list) -> int:
@@ -107,18 +160,23 @@ def _exact(io: BinaryIO, n: int, what: str) -> bytes:
     return codec.read_exact(io, n, what, SessionError, "session file")
 
 
-def read(io: BinaryIO, fingerprint: str, stages: list, n_ctx: int) -> Conversation:
-    """Read a session file for the live engine: its model `fingerprint`, its `stages` and its context `n_ctx` are
-    the limits, checked before anything is allocated. SessionError (one line) for anything else."""
+def read(io: BinaryIO, fingerprint: str, stages: list, n_ctx: int, n_vocab: int | None = None) -> Conversation:
+    """Read a session file for the live engine: its model `fingerprint`, its `stages`, its context `n_ctx` and its
+    vocabulary `n_vocab` (the token ids) are the limits, checked before anything is allocated; every header field
+    has its type. SessionError (one line) for anything else; no byte of a file that is not a session file is
+    quoted."""
     magic, version, hlen, hcrc = _FIXED.unpack(_exact(io, _FIXED.size, "fixed header"))
     if magic != MAGIC:
-        raise SessionError(f"not a Strata session file (magic {magic!r})")
+        raise SessionError("not a Strata session file (it does not start with the session file magic)")
     if version in RESERVED:
         raise SessionError(f"session file format {RESERVED[version]}")
     if version not in (VERSION_ONE_STAGE, VERSION_STAGES):
         raise SessionError(f"session file format version {version} is not supported (this build reads 1 and 3)")
     h = codec.read_json_header(io, hlen, hcrc, max_header=MAX_HEADER, name="session file", thing="session file",
                                error=SessionError, why=False)
+    live_ok = h.get("live_ok", True)
+    if type(live_ok) is not bool:
+        raise SessionError(f"bad live_ok {live_ok!r} in the session file header (a boolean is needed)")
     if h.get("fingerprint") != fingerprint:
         raise SessionError("the session file is from another model (its fingerprint differs from the loaded "
                            "model's)")
@@ -136,7 +194,7 @@ def read(io: BinaryIO, fingerprint: str, stages: list, n_ctx: int) -> Conversati
         raise SessionError(f"the session was saved with stages {_carves(carves)}, this engine runs {_carves(mine)} "
                            f"(another --layer-split)")
     if not isinstance(cps, list) or len(cps) > MAX_CHECKPOINTS or not all(
-            isinstance(c, list) and len(c) == 2 and type(c[0]) is int and 0 < c[0] <= n and isinstance(c[1], str)
+            isinstance(c, list) and len(c) == 2 and type(c[0]) is int and 0 < c[0] <= n and c[1] in KINDS
             for c in cps):
         raise SessionError("bad checkpoint list in the session file header")
     raw = _exact(io, 4 * n, "token ids")
@@ -144,6 +202,9 @@ def read(io: BinaryIO, fingerprint: str, stages: list, n_ctx: int) -> Conversati
     if zlib.crc32(raw) != tcrc:
         raise SessionError("session file token checksum mismatch (the token ids are corrupt)")
     tokens = np.frombuffer(raw, dtype="<i4")
+    if n_vocab is not None and (int(tokens.min()) < 0 or int(tokens.max()) >= n_vocab):
+        bad = int(tokens[(tokens < 0) | (tokens >= n_vocab)][0])
+        raise SessionError(f"the session file holds token id {bad}, outside this model's vocabulary [0, {n_vocab})")
     parts: list = []
     cparts: list[list] = [[] for _ in cps]
     for i, st in enumerate(stages):
@@ -168,7 +229,7 @@ def read(io: BinaryIO, fingerprint: str, stages: list, n_ctx: int) -> Conversati
             raise SessionError(f"stage {i} (layers {st.carve}): {e}") from None
     if io.read(1):
         raise SessionError("the session file has bytes after its last stage block")
-    return Conversation(tokens=tokens, parts=parts, live_ok=bool(h.get("live_ok", True)),
+    return Conversation(tokens=tokens, parts=parts, live_ok=live_ok,
                         checkpoints=[SavedCheckpoint(pos, str(kind), cp) for (pos, kind), cp in zip(cps, cparts)])
 
 
@@ -177,24 +238,38 @@ def _carves(cs) -> str:
 
 
 def save_atomic(path: Path, writer) -> int:
-    """Write a file through `writer(io) -> bytes` into a temporary file beside `path`, fsync it, rename it over
-    `path` and fsync the directory: a crash leaves the old file or the new one, never a torn one."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    """Write a file through `writer(io) -> bytes` into a temporary beside `path` (an unpredictable name, created
+    with O_EXCL | O_NOFOLLOW relative to the directory, mode 0600), fsync it, rename it over `path` (a symbolic link
+    there is replaced, not followed) and fsync the directory: a crash leaves the old file or the new one, never a
+    torn one."""
     try:
-        with open(tmp, "wb") as f:
-            n = writer(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        dfd = os.open(path.parent, _OPEN_DIR)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise SessionError(f"cannot write session file {path.name!r}: {e.strerror or type(e).__name__}") from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fd = os.open(path.parent, os.O_RDONLY)
+        why = e.strerror or type(e).__name__
+        raise SessionError(f"cannot write session file {path.name!r}: its directory: {why}") from None
+    tmp = f".{path.name}.tmp-{secrets.token_hex(8)}"
+    made = False
     try:
-        os.fsync(fd)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
+                         0o600, dir_fd=dfd)
+            made = True
+            with os.fdopen(fd, "wb") as f:
+                n = writer(f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path.name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            made = False
+        except OSError as e:
+            raise SessionError(f"cannot write session file {path.name!r}: {e.strerror or type(e).__name__}") \
+                from None
+        finally:
+            if made:
+                try:
+                    os.unlink(tmp, dir_fd=dfd)
+                except OSError:
+                    pass
+        os.fsync(dfd)
     finally:
-        os.close(fd)
+        os.close(dfd)
     return n

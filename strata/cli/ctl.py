@@ -1,7 +1,8 @@
 """`stratactl`: the admin command line of a running daemon, over its Unix socket (or --url).
 
-Exit codes: 0 ok, 1 the server answered with an error, 2 usage, 3 cannot connect (the message names
-the socket path or URL).
+Exit codes: 0 ok, 1 the server answered with an error (or with something that is not a usable answer), 2 usage,
+3 cannot connect, or no complete answer within --timeout (the message names the socket path or URL).
+Text from the server reaches the terminal with its control characters escaped.
 """
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import os
 import socket
 import stat
 import sys
+import threading
 import time
+import unicodedata
 import urllib.parse
 from typing import Any
 
@@ -29,6 +32,48 @@ class CtlError(Exception):
     def __init__(self, message: str, code: int, payload: bytes | None = None):
         super().__init__(message)
         self.code, self.payload = code, payload
+
+
+_BIDI = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+
+
+def printable(text: str, keep: str = "") -> str:
+    """text with its control characters (C0, DEL, C1: escape sequences), bidirectional controls and lone surrogates
+    written as \\uXXXX, except those in `keep`: server text is safe to print, and JSON text stays valid JSON."""
+    return "".join(f"\\u{ord(c):04x}" if c not in keep and (unicodedata.category(c) in ("Cc", "Cs") or c in _BIDI)
+                   else c for c in text)
+
+
+def loads(payload: bytes | str):
+    """json.loads; ValueError also for JSON nested past the parser's depth (RecursionError)."""
+    try:
+        return json.loads(payload)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
+class _Deadline:
+    """One exchange's overall limit: `seconds` after start the connection's socket is shut down, so a silent or
+    dripping server cannot hold stratactl past --timeout (a socket timeout bounds each read only)."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.expired = seconds, False
+        self._timer: threading.Timer | None = None
+
+    def watch(self, sock) -> None:
+        def fire():
+            self.expired = True
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._timer = threading.Timer(self.seconds, fire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
 
 
 class UnixHTTPConnection(http.client.HTTPConnection):
@@ -60,6 +105,19 @@ class Client:
                 raise CtlError(f"--url must look like http://HOST:PORT, got {url!r}", EXIT_USAGE)
             self._u = u
         self.where = url if url else f"socket {socket_path}"
+        self._deadline: _Deadline | None = None
+
+    def timed_out(self, e: BaseException | None = None) -> CtlError | None:
+        """The error of an exchange that ran past --timeout (its socket was shut down, or `e` is its socket's own
+        timeout), or None."""
+        if isinstance(e, TimeoutError) or self._deadline is not None and self._deadline.expired:
+            return CtlError(f"no complete answer from {self.where} within --timeout {self.timeout:g} s", EXIT_CONNECT)
+        return None
+
+    def done(self) -> None:
+        """The exchange is over: stop its deadline."""
+        if self._deadline is not None:
+            self._deadline.cancel()
 
     def _conn(self):
         if self.url:
@@ -79,11 +137,18 @@ class Client:
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
         conn = self._conn()
+        self.done()
+        self._deadline = _Deadline(self.timeout)
         try:
+            conn.connect()
+            self._deadline.watch(conn.sock)
             conn.request(method, path, body=data, headers=headers)
             resp = conn.getresponse()
         except (OSError, http.client.HTTPException) as e:
             conn.close()
+            late = self.timed_out(e)
+            if late is not None:
+                raise late from None
             hint = " (is `strata serve` running?)" if isinstance(e, (FileNotFoundError, ConnectionRefusedError)) else ""
             try:
                 mode = None if self.url else os.stat(self.socket_path).st_mode
@@ -108,29 +173,50 @@ class Client:
             pass
         finally:
             resp.close()
+            self.done()
 
-    def call(self, method: str, path: str, body: Any = None, *, raw: bool = False):
-        resp = self.request(method, path, body)
+    def read(self, resp) -> bytes:
+        """The whole body of `resp`, within the exchange's deadline."""
         try:
             payload = resp.read()
         except (OSError, http.client.HTTPException) as e:
-            raise CtlError(f"lost the connection to {self.where}: {e}", EXIT_CONNECT) from None
+            raise self.timed_out(e) or CtlError(f"lost the connection to {self.where}: {e}", EXIT_CONNECT) from None
+        finally:
+            resp.close()
+            self.done()
+        late = self.timed_out()
+        if late is not None:
+            raise late
+        return payload
+
+    def call(self, method: str, path: str, body: Any = None, *, raw: bool = False):
+        resp = self.request(method, path, body)
+        payload = self.read(resp)
         if resp.status >= 400:
             raise CtlError(f"server error {resp.status}: {_error_message(payload)}", EXIT_SERVER, payload)
         if raw:
             return payload.decode("utf-8", "replace")
         try:
-            return json.loads(payload)
+            return loads(payload)
         except ValueError:
-            raise CtlError(f"the server answered {resp.status} with something that is not JSON", EXIT_SERVER) from None
+            raise CtlError(f"the server answered {resp.status} with {_summary(payload)} that is not JSON",
+                           EXIT_SERVER) from None
+
+
+def _summary(payload: bytes) -> str:
+    return f"{len(payload)} bytes" if payload else "an empty body"
 
 
 def _error_message(payload: bytes) -> str:
+    """The message of an error body, one line, its control characters escaped."""
     try:
-        d = json.loads(payload)
-        return d["error"]["message"] if isinstance(d.get("error"), dict) else json.dumps(d)
+        d = loads(payload)
+        msg = d["error"]["message"] if isinstance(d.get("error"), dict) else json.dumps(d)
+        if not isinstance(msg, str):
+            msg = json.dumps(msg)
     except (ValueError, KeyError, TypeError, AttributeError):
-        return payload.decode("utf-8", "replace").strip()[:500]
+        msg = payload.decode("utf-8", "replace").strip()
+    return printable(msg[:500])
 
 
 # ------------------------------------------------------------------------------------------------ output
@@ -159,7 +245,7 @@ def _kv(pairs: list[tuple[str, Any]]) -> str:
 
 
 def _out(args, data, human: str) -> None:
-    print(json.dumps(data, indent=2, ensure_ascii=False) if args.json else human)
+    print(printable(json.dumps(data, indent=2, ensure_ascii=False) if args.json else human, keep="\n"))
 
 
 # ------------------------------------------------------------------------------------------------ commands
@@ -229,11 +315,14 @@ def cmd_status(c: Client, args) -> int:
 
 def cmd_health(c: Client, args) -> int:
     resp = c.request("GET", "/health")
-    payload = resp.read()
+    payload = c.read(resp)
     try:
-        d = json.loads(payload)
+        d = loads(payload)
+        if not isinstance(d, dict):
+            raise ValueError("not an object")
     except ValueError:
-        raise CtlError(f"server error {resp.status}: {payload[:200]!r}", EXIT_SERVER) from None
+        raise CtlError(f"server error {resp.status}: {_summary(payload)} that are not a JSON object",
+                       EXIT_SERVER) from None
     _out(args, d, d.get("status", "?") + (f" ({d['model']})" if d.get("model") else ""))
     return EXIT_OK if resp.status == 200 else EXIT_SERVER
 
@@ -256,13 +345,13 @@ def cmd_slots(c: Client, args) -> int:
 def cmd_metrics(c: Client, args) -> int:
     text = c.call("GET", "/metrics", raw=True)
     if not args.json:
-        print(text, end="")
+        print(printable(text, keep="\n\t"), end="")
         return EXIT_OK
     from prometheus_client.parser import text_string_to_metric_families
     out: dict[str, list] = {}
     for fam in text_string_to_metric_families(text):
         out[fam.name] = [{"name": s.name, "labels": s.labels, "value": s.value} for s in fam.samples]
-    print(json.dumps(out, indent=2))
+    print(printable(json.dumps(out, indent=2), keep="\n"))
     return EXIT_OK
 
 
@@ -316,7 +405,7 @@ def _stream_chat(c: Client, args, messages: list[dict]) -> tuple[str, dict]:
     """Stream one answer to stdout; -> (text, the final chunk's usage/timings/strata)."""
     resp = c.request("POST", "/v1/chat/completions", _chat_body(args, messages, True))
     if resp.status >= 400:
-        raise CtlError(f"server error {resp.status}: {_error_message(resp.read())}", EXIT_SERVER)
+        raise CtlError(f"server error {resp.status}: {_error_message(c.read(resp))}", EXIT_SERVER)
     text, info = [], {}
     done = False
     try:
@@ -328,22 +417,32 @@ def _stream_chat(c: Client, args, messages: list[dict]) -> tuple[str, dict]:
             if data == b"[DONE]":
                 done = True
                 break
-            d = json.loads(data)
+            try:
+                d = loads(data)
+                if not isinstance(d, dict):
+                    raise ValueError("not an object")
+            except ValueError:
+                raise CtlError(f"the server's answer stream holds an event of {len(data)} bytes that is not a "
+                               "JSON object", EXIT_SERVER) from None
             if "error" in d:
                 raise CtlError(f"server error: {_error_message(data)}", EXIT_SERVER)
             for ch in d.get("choices", []):
                 piece = (ch.get("delta") or {}).get("content") or ""
                 if piece:
                     text.append(piece)
-                    sys.stdout.write(piece)
+                    sys.stdout.write(printable(piece, keep="\n\t"))
                     sys.stdout.flush()
             for k in ("usage", "timings", "strata"):
                 if d.get(k):
                     info[k] = d[k]
     except (OSError, http.client.HTTPException) as e:
-        raise CtlError(f"lost the connection to {c.where}: {e}", EXIT_CONNECT) from None
+        raise c.timed_out(e) or CtlError(f"lost the connection to {c.where}: {e}", EXIT_CONNECT) from None
     finally:
         resp.close()
+        c.done()
+    late = c.timed_out()
+    if late is not None:
+        raise late
     sys.stdout.write("\n")
     sys.stdout.flush()
     if not done:
@@ -361,8 +460,8 @@ def cmd_chat(c: Client, args) -> int:
     if args.message is not None:
         messages.append({"role": "user", "content": args.message})
         if args.json:
-            print(json.dumps(c.call("POST", "/v1/chat/completions", _chat_body(args, messages, False)),
-                             indent=2, ensure_ascii=False))
+            print(printable(json.dumps(c.call("POST", "/v1/chat/completions", _chat_body(args, messages, False)),
+                                       indent=2, ensure_ascii=False), keep="\n"))
             return EXIT_OK
         _text, info = _stream_chat(c, args, messages)
         _print_stats(args, info)
@@ -439,7 +538,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url", default=os.environ.get("STRATA_URL") or None,
                    help="talk HTTP to this URL instead of the socket, e.g. http://127.0.0.1:8080")
     p.add_argument("--api-key", default=os.environ.get("STRATA_API_KEY") or None, help="Bearer token for --url")
-    p.add_argument("--timeout", type=_seconds, default=600.0, help="seconds to wait for an answer (> 0)")
+    p.add_argument("--timeout", type=_seconds, default=600.0,
+                   help="seconds an exchange with the daemon may take in all, a streamed answer included (> 0)")
     p.add_argument("--json", action="store_true", help="print the server's JSON instead of a table")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
@@ -483,8 +583,8 @@ def main(argv: list[str] | None = None) -> int:
     except CtlError as e:
         if getattr(args, "json", False) and e.payload:   # --json: the server's own error object on stdout too
             try:
-                print(json.dumps(json.loads(e.payload), indent=2, ensure_ascii=False))
-            except (ValueError, RecursionError):
+                print(printable(json.dumps(loads(e.payload), indent=2, ensure_ascii=False), keep="\n"))
+            except ValueError:
                 pass
         print(f"stratactl: {e}", file=sys.stderr)
         return e.code

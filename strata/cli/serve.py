@@ -89,6 +89,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "default 256); the least recently used go first")
     n.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let the running request finish before cancelling it")
+    n.add_argument("--stall-seconds", type=float, default=600.0, metavar="S",
+                   help="/health answers 503 (status stuck) when work is running or waiting and no forward call has "
+                        "returned for S seconds (default 600; 0: never)")
     lg = p.add_argument_group("logging")
     lg.add_argument("--log-level", default=os.environ.get("STRATA_LOG_LEVEL", "info"), choices=LEVELS)
     lg.add_argument("--log-format", default="auto", choices=("auto", "json", "console"),
@@ -132,6 +135,8 @@ def check_args(args) -> str | None:
         return "--no-socket needs --port (or --host): the daemon would listen nowhere"
     if args.drain_timeout < 0:
         return f"--drain-timeout must be >= 0, got {args.drain_timeout}"
+    if not 0 <= args.stall_seconds < float("inf"):
+        return f"--stall-seconds must be a number of seconds >= 0 (0: never), got {args.stall_seconds}"
     try:
         engine_config(args)
     except CliError as e:
@@ -187,7 +192,8 @@ def run(args) -> int:
                       idle_timeout=args.idle_timeout, max_request_seconds=args.max_request_seconds,
                       max_request_tokens=args.max_request_tokens,
                       allowed_hosts=tuple(h.strip() for v in args.allowed_hosts for h in v.split(",") if h.strip()),
-                      cors_origins=tuple(args.cors_origin), aliases=tuple(a.strip() for v in args.alias for a in v.split(",") if a.strip()))
+                      cors_origins=tuple(args.cors_origin), aliases=tuple(a.strip() for v in args.alias for a in v.split(",") if a.strip()),
+                      stall_seconds=args.stall_seconds)
 
     def factory():
         from strata.engine.engine import Engine

@@ -118,7 +118,7 @@ class Engine:
             self.seq, self.cache, self.stages, self.file, self.n_ctx,
             park_bytes=int(ram_mib) * 1024 * 1024 if ram_mib else None,
             disk_dir=pk.disk_dir, disk_bytes=int(pk.disk_mib) * 1024 * 1024,
-            slot_save_path=pk.slot_save_path, remote=bool(remote), resident=int(pk.resident))
+            slot_save_path=pk.slot_save_path, remote=bool(remote), resident=int(pk.resident), n_vocab=self.n_vocab)
         self.conversations.prepin()               # host memory for parking, set aside now (/status reports it)
         if st.kv_pool_ctx is not None and st.kv_pool_ctx > self.n_ctx and self.conversations.resident is None:
             log.warning("--kv-pool-ctx is larger than --n-ctx but nothing is parked resident (parking off, "
@@ -353,6 +353,10 @@ class Engine:
         return self.conversations.parked()
 
     # ---- visibility ------------------------------------------------------------------------------
+    def forward_returned_at(self) -> float:
+        """time.monotonic() when the live sequence's last forward call returned (or raised)."""
+        return self.seq.forward_returned
+
     def unavailable(self) -> str | None:
         """Why no request can run now (a remote stage's link is down and reconnecting), or None."""
         return self.seq.unavailable()

@@ -31,14 +31,15 @@ class Conversations:
       copied there; when a pool runs short (``make_room``), or more are parked, the least recently used moves to
     - `park` (a ParkStore of park_bytes; None: no parking at all): host copies in RAM, spilling to
     - `disk` (a DiskTier in disk_dir under disk_bytes, None: none).
-    Session files live in `slot_save_path` (None: refused). `file` (its fingerprint), `stages` and `n_ctx` are what
-    a session file must match. Raises ValueError for a disk tier without parking or a slot_save_path that is not a
-    directory. The engine calls these under its lock."""
+    Session files live in `slot_save_path` (None: refused). `file` (its fingerprint), `stages`, `n_ctx` and
+    `n_vocab` are what a session file must match. Raises ValueError for a disk tier without parking or a
+    slot_save_path that is not a directory. The engine calls these under its lock."""
 
     def __init__(self, seq: Sequence, cache: CheckpointCache, stages: list, file, n_ctx: int, *, park_bytes: int | None,
                  disk_dir: str | os.PathLike | None, disk_bytes: int, slot_save_path: str | os.PathLike | None,
-                 remote: bool, resident: int = 0):
+                 remote: bool, resident: int = 0, n_vocab: int | None = None):
         self.seq, self.cache, self.stages, self.file, self.n_ctx, self.remote = seq, cache, stages, file, n_ctx, remote
+        self.n_vocab = n_vocab
         if resident < 0:
             raise ValueError(f"--park-resident must be >= 0, got {resident}")
         self.park = ParkStore(park_bytes) if park_bytes is not None else None
@@ -272,8 +273,8 @@ class Conversations:
         return session.save_atomic(path, lambda f: session.write(f, conv, self.file.fingerprint(), self.stages))
 
     def read_session(self, path: Path) -> Conversation:
-        with open(path, "rb") as f:
-            conv = session.read(f, self.file.fingerprint(), self.stages, self.n_ctx)
+        with session.open_session(path) as f:
+            conv = session.read(f, self.file.fingerprint(), self.stages, self.n_ctx, self.n_vocab)
         conv.cut_anywhere = self.cut_anywhere
         return conv
 
@@ -284,8 +285,8 @@ class Conversations:
             raise session.SessionError("session files are not supported with a remote stage (--remote-stage) yet")
         if self.slot_save_path is None:
             raise session.SessionError("session files need --slot-save-path DIR (the directory they are kept in)")
-        path = session.check_filename(self.slot_save_path, filename)
-        if exists and not path.is_file():
+        path = session.check_filename(self.slot_save_path, filename, new=not exists)
+        if exists and not (path.exists() or path.is_symlink()):     # what it is, open_session checks
             raise session.SessionError(f"session file {filename!r} does not exist in {self.slot_save_path}")
         return path
 
@@ -305,8 +306,8 @@ class Conversations:
         file is read under the live engine's limits and every part validated before anything is written; on any
         error the live conversation is exactly as it was; the one it replaces is parked."""
         t0 = time.perf_counter()
-        with open(path, "rb") as f:
-            conv = session.read(f, self.file.fingerprint(), self.stages, self.n_ctx)
+        with session.open_session(path) as f:
+            conv = session.read(f, self.file.fingerprint(), self.stages, self.n_ctx, self.n_vocab)
             n_read = f.tell()
         self.park_live(False)               # the conversation the restore replaces is parked, not lost
         try:

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from strata.sampling.sampler import SampleResult, SamplingParams
+from strata.sampling.sampler import NonFiniteLogits, SampleResult, SamplingParams
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -99,7 +99,8 @@ class DeviceSampler:
     passed to each sample() (numpy for the prompt's host logits, CuPy afterwards); the penalty counts (float32
     (n_vocab,)) live in that module and are rebuilt from the host-side history once when it changes.
 
-    Raises ValueError for bad params / n_vocab, logits of the wrong shape, or NaN logits (nothing changes then).
+    Raises ValueError for bad params / n_vocab or logits of the wrong shape, NonFiniteLogits for NaN logits
+    (nothing changes then).
     """
 
     def __init__(self, params: SamplingParams, n_vocab: int):
@@ -175,7 +176,7 @@ class DeviceSampler:
 
     def _kernel_sample(self, xp, x0) -> int | None:
         """One strata_sample launch on the current stream -> token id, or None when the kernel is unavailable or
-        its candidate buffer cannot hold the chain (the array path then samples). Raises ValueError for NaN."""
+        its candidate buffer cannot hold the chain (the array path then samples). Raises NonFiniteLogits for NaN."""
         k = sample_kernel()
         if k is None:
             return None
@@ -195,7 +196,7 @@ class DeviceSampler:
             raise RuntimeError(f"strata_sample failed: CUDA error {rc}")
         tok, status = self._out.get().tolist()                     # the one device -> host copy (8 bytes)
         if status == 1:
-            raise ValueError("logits contain NaN")
+            raise NonFiniteLogits()
         if status != 0:
             self.fallbacks += 1
             return None
@@ -230,7 +231,7 @@ class DeviceSampler:
                 vals.extend([top.astype(xp.float64), x64[top] - lse])
         host = xp.concatenate([xp.reshape(v, (-1,)) for v in vals]).tolist()      # the one device -> host copy
         if host[1] != 0:
-            raise ValueError("logits contain NaN")
+            raise NonFiniteLogits()
         if p.temperature != 0:
             self.step += 1
         tok = int(host[0])

@@ -8,6 +8,17 @@ from numbers import Integral, Real
 
 import numpy as np
 
+from strata.errors import EngineFault
+
+
+class NonFiniteLogits(EngineFault):
+    """The model's logits hold NaN: a numerical fault of the engine (HTTP 500, code engine_error), not of the
+    request."""
+
+    def __init__(self):
+        super().__init__("the model's logits contain NaN (a numerical fault of the model or its weights, not of "
+                         "the request)")
+
 
 def _real(name, v):
     if isinstance(v, bool) or not isinstance(v, Real) or not math.isfinite(float(v)):
@@ -195,13 +206,13 @@ class Sampler:
     def sample(self, logits: np.ndarray) -> SampleResult:
         """Pick the next token from logits float32 (n_vocab,). Does not call accept().
 
-        Raises ValueError for logits of the wrong shape or with NaN.
+        Raises ValueError for logits of the wrong shape, NonFiniteLogits for logits with NaN.
         """
         logits = np.asarray(logits)
         if logits.ndim != 1 or logits.shape[0] != self.n_vocab:
             raise ValueError(f"logits must have shape ({self.n_vocab},), got {logits.shape}")
         if np.isnan(logits).any():
-            raise ValueError("logits contain NaN")
+            raise NonFiniteLogits()
         ids, lg = self.candidates(logits)
         if ids.shape[0] == 1:
             tok = int(ids[0])

@@ -25,9 +25,12 @@ async def health(request: web.Request) -> web.Response:
     why = w.engine.unavailable() if hasattr(w.engine, "unavailable") else None
     if why:
         return json_response({"status": "unavailable", "error": why}, 503)
+    queue = {"running": int(w.running is not None), "waiting": w.waiting, "max": w.queue_max}
+    stuck = w.stuck(request.app[CONFIG_KEY].stall_seconds)
+    if stuck:
+        return json_response({"status": "stuck", "error": stuck, "model": w.engine.model_name, "queue": queue}, 503)
     return json_response({"status": "ok" if not w.closing else "stopping", "model": w.engine.model_name,
-                          "queue": {"running": int(w.running is not None), "waiting": w.waiting, "max": w.queue_max}},
-                         200 if not w.closing else 503)
+                          "queue": queue}, 200 if not w.closing else 503)
 
 
 async def models(request: web.Request) -> web.Response:
@@ -104,10 +107,13 @@ async def slots(request: web.Request) -> web.Response:
 async def slot_action(request: web.Request) -> web.Response:
     engine = engine_of(request)
     sid = request.match_info["slot"]
-    if not sid.isdigit():
-        raise ApiError(400, f"slot id must be a non-negative integer, got {sid!r}", param="id", code="invalid_value")
-    if int(sid) != 0:
-        raise ApiError(404, f"slot {int(sid)} does not exist: this daemon has one slot (0)", code="not_found")
+    if not (sid.isascii() and sid.isdigit()):      # str.isdigit alone takes '²' and other scripts' digits
+        shown = repr(sid) if len(sid) <= 40 else repr(sid[:40])[:-1] + f"...' ({len(sid)} characters)"
+        raise ApiError(400, f"slot id must be a non-negative integer, got {shown}", param="id", code="invalid_value")
+    n = sid.lstrip("0") or "0"                    # int() of 4,301+ digits raises: compare the digits instead
+    if n != "0":
+        shown = n if len(n) <= 20 else f"{n[:20]}... ({len(n)} digits)"
+        raise ApiError(404, f"slot {shown} does not exist: this daemon has one slot (0)", code="not_found")
     action = request.query.get("action")
     if action not in SLOT_ACTIONS:
         raise ApiError(400, f"'action' must be one of {', '.join(SLOT_ACTIONS)}, got {action!r}", param="action",

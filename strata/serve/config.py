@@ -34,6 +34,7 @@ class ServeConfig:
     max_request_tokens: int = 65536   # --max-request-tokens: n x max_tokens a request may ask for
     allowed_hosts: tuple[str, ...] = ()   # --allowed-hosts: Host names the TCP listener answers besides loopback
     cors_origins: tuple[str, ...] = ()    # --cors-origin: origins whose pages may call the API across origins
+    stall_seconds: float = 600.0      # /health: 503 when no forward call returned for longer while work waits
     tcp_bound: str | None = None      # the TCP address actually bound ("[::1]:8090"; --port 0 gives the real port)
 
     def tcp_address(self) -> str | None:

@@ -14,6 +14,7 @@ ERROR_TYPES = {
     413: "invalid_request_error",
     500: "server_error",
     501: "not_implemented_error",
+    502: "server_error",
     503: "server_error",
 }
 

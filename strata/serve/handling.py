@@ -10,7 +10,7 @@ from aiohttp import web
 
 from strata.serve import schema
 from strata.serve.config import CONFIG_KEY, WORKER_KEY
-from strata.errors import Refused, Unavailable
+from strata.errors import EngineFault, Refused, Unavailable
 from strata.serve.errors import ApiError, refusal
 from strata.serve.worker import EngineError, EngineWorker, Job, QueueFull, ShuttingDown
 
@@ -78,14 +78,15 @@ async def read_body(request: web.Request) -> dict:
 
 def as_api_error(err: EngineError) -> ApiError:
     """What an exception of the engine (or the worker) answers the client: 400 for a refused request, 503 while
-    shutting down or for a stage link failure, else 500."""
+    shutting down, the status an engine fault carries (a stage link down 503, a worker's bad result 502, NaN logits
+    500), else 500."""
     e = err.exc
     if isinstance(e, ApiError):
         return e
     if isinstance(e, ShuttingDown):
         return ApiError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "5"})
     name = type(e).__name__
-    if isinstance(e, Unavailable):          # e.g. a stage link failure (strata.stages.remote): 503 with its code
+    if isinstance(e, (Unavailable, EngineFault)):   # a stage link failure, a worker's bad result, NaN logits
         return ApiError(e.status, str(e), code=e.code)
     if isinstance(e, Refused):
         return refusal(e)

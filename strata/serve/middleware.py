@@ -47,12 +47,13 @@ async def _route_name(request: web.Request) -> str:
     return "unmatched"
 
 
-def _api_key_of(request: web.Request) -> str:
-    """The key a client sent: 'Authorization: Bearer <key>' (OpenAI's clients) or 'x-api-key: <key>' (Anthropic's)."""
+def _api_key_of(request: web.Request) -> bytes:
+    """The key a client sent, as the bytes it sent: 'Authorization: Bearer <key>' (OpenAI's clients) or
+    'x-api-key: <key>' (Anthropic's). Header bytes that are not UTF-8 reach here as surrogates: they are
+    compared as bytes, so such a key is simply wrong."""
     got = request.headers.get("Authorization", "")
-    if got[:7].lower() == "bearer ":
-        return got[7:]
-    return request.headers.get("x-api-key", "")
+    key = got[7:] if got[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
+    return key.encode("utf-8", "surrogatepass")
 
 
 @web.middleware
@@ -71,7 +72,7 @@ async def middleware(request: web.Request, handler):
     try:
         if cfg.api_key and request.path != "/health" and not chat_page.is_public(request.path) \
                 and not _is_unix(request):
-            if not hmac.compare_digest(_api_key_of(request).encode(), cfg.api_key.encode()):
+            if not hmac.compare_digest(_api_key_of(request), cfg.api_key.encode()):
                 raise ApiError(401, "invalid or missing API key: send 'Authorization: Bearer <key>' or "
                                     "'x-api-key: <key>'", code="invalid_api_key",
                                headers={"WWW-Authenticate": "Bearer"})

@@ -259,6 +259,8 @@ def parse(body: dict, store: ResponseStore) -> ResponsesRequest:
         raise _unsupported("truncation", f"is {body['truncation']!r}: Strata does not drop input to fit the context "
                                          "(\"disabled\" only)")
     metadata = _metadata(body.get("metadata"))
+    for key in ("tools", "tool_choice", "text"):                    # echoed in the response as they came
+        schema.unicode_json(body.get(key), key)
     chat = {"model": body.get("model"), "stream": body.get("stream"), "max_tokens": max_out,
             "messages": ([{"role": "system", "content": instructions}] if instructions is not None else []) + history,
             "tools": _tools(body.get("tools")), "tool_choice": _tool_choice(body.get("tool_choice")),

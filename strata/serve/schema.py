@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,6 +78,9 @@ def parse_json(raw: bytes) -> dict:
 def _tname(v) -> str:
     return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "an integer",
             float: "a number", type(None): "null"}.get(type(v), type(v).__name__)
+
+
+_PLAIN_KEY = re.compile(r"^[A-Za-z_$][A-Za-z0-9_$-]{0,63}$")
 
 
 def _bad(param: str, msg: str) -> ApiError:
@@ -188,6 +192,31 @@ def _unicode_text(text: str, where: str) -> str:
     return text
 
 
+def _json_key_path(path: str, key: str) -> str:
+    return f"{path}.{key}" if _PLAIN_KEY.match(key) else f"{path}[{json.dumps(key)}]"
+
+
+def unicode_json(value, where: str):
+    """value (a decoded JSON value), or ApiError(400) naming the path of the first string or object key in it that
+    holds a lone surrogate (no UTF-8 encoding: it could reach neither a grammar nor a JSON answer)."""
+    stack = [(where, value)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, str):
+            _unicode_text(v, path)
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                try:
+                    k.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    raise _bad(path, f"has a key that is not valid Unicode: lone surrogate U+{ord(k[e.start]):04X} "
+                                     f"at code point {e.start} of the key") from None
+                stack.append((_json_key_path(path, k), item))
+        elif isinstance(v, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(v))
+    return value
+
+
 def _content_text(content, i: int, role: str) -> str | None:
     where = f"messages[{i}].content"
     if content is None:
@@ -295,10 +324,12 @@ def parse_completion(body: dict) -> ParsedRequest:
     if js is not None:
         if not isinstance(js, dict):
             raise _bad("json_schema", f"must be a JSON schema object, got {_tname(js)}")
-        r.output = {"type": "json_schema", "schema": js, "strict": True, "param": "json_schema"}
+        r.output = {"type": "json_schema", "schema": unicode_json(js, "json_schema"), "strict": True,
+                    "param": "json_schema"}
     elif gr is not None:
         if not isinstance(gr, str) or not gr.strip():
             raise _bad("grammar", "must be a non-empty string (a GBNF grammar, or Lark after %llguidance)")
+        _unicode_text(gr, "grammar")
         r.output = {"type": "grammar", "grammar": gr, "param": "grammar"}
     return r
 
@@ -340,6 +371,7 @@ def _tools(tools) -> list[dict] | None:
             raise _bad(f"{where}.function.description", "must be a string")
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
             raise _bad(f"{where}.function.parameters", f"must be a JSON schema object, got {_tname(fn['parameters'])}")
+        unicode_json(fn, f"{where}.function")
         if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
             raise _bad(f"{where}.function.strict", "must be a boolean")
     return tools or None
@@ -414,7 +446,8 @@ def _response_format(rf) -> dict | None:
         schema = rf.get("schema", {"type": "object"})
         if not isinstance(schema, dict):
             raise _bad("response_format.schema", f"must be a JSON schema object, got {_tname(schema)}")
-        return {"type": "json_schema", "schema": schema, "strict": True, "param": "response_format"}
+        return {"type": "json_schema", "schema": unicode_json(schema, "response_format.schema"), "strict": True,
+                "param": "response_format"}
     if t == "json_schema":
         js = rf.get("json_schema")
         if not isinstance(js, dict):
@@ -425,6 +458,7 @@ def _response_format(rf) -> dict | None:
         strict = js.get("strict")
         if strict is not None and not isinstance(strict, bool):
             raise _bad("response_format.json_schema.strict", "must be a boolean")
-        return {"type": "json_schema", "schema": schema, "strict": bool(strict), "param": "response_format"}
+        return {"type": "json_schema", "schema": unicode_json(schema, "response_format.json_schema.schema"),
+                "strict": bool(strict), "param": "response_format"}
     raise ApiError(400, f"'response_format' type {t!r} is not supported (text, json_object, json_schema)",
                    param="response_format", code="unsupported_value")

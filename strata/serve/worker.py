@@ -18,7 +18,7 @@ from typing import Any, Callable
 import structlog
 
 from strata.engine.types import FinalEvent
-from strata.errors import Unavailable
+from strata.errors import EngineFault, Unavailable
 
 log = structlog.get_logger("strata.serve.worker")
 
@@ -37,8 +37,9 @@ class EngineError:
     exc: BaseException
 
 
-@dataclass
+@dataclass(eq=False)
 class Job:
+    """One queued unit of work; jobs are equal only to themselves (the queue removes a dropped one by identity)."""
     request: Any                          # strata.engine GenerationRequest (has .cancel: threading.Event)
     events: asyncio.Queue
     request_id: str = ""
@@ -70,6 +71,7 @@ class EngineWorker:
         self._cv = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
         self._running: Job | None = None
+        self._progress = time.monotonic()     # the latest job start, or the moment work arrived at an idle engine
         self._stop = False
         self.closing = False
         self._thread = threading.Thread(target=self._main, name="strata-engine", daemon=True)
@@ -105,20 +107,38 @@ class EngineWorker:
             if n_wait + n_run > self.queue_max:
                 raise QueueFull(f"{n_run} running, {n_wait} waiting (--queue-max {self.queue_max}: at most "
                                 f"{self.queue_max} waiting)")
+            if not self._waiting and self._running is None:
+                self._progress = time.monotonic()
             self._waiting.append(job)
             self.metrics.queue_depth.set(len(self._waiting))
             self._cv.notify()
         return job
+
+    def stuck(self, bound: float) -> str | None:
+        """Why the engine thread counts as stuck, or None: work is running or waiting, and for more than `bound`
+        seconds no forward call has returned, no job has started and no work has arrived at an idle engine (bound
+        <= 0: never stuck)."""
+        if bound <= 0 or self.engine is None:
+            return None
+        with self._cv:
+            n_run, n_wait, last = int(self._running is not None), len(self._waiting), self._progress
+        if not n_run and not n_wait:
+            return None
+        returned = getattr(self.engine, "forward_returned_at", None)
+        if returned is not None:
+            last = max(last, returned())
+        idle = time.monotonic() - last
+        if idle <= bound:
+            return None
+        return (f"the engine thread is stuck: no forward call has returned for {idle:.0f} s (--stall-seconds "
+                f"{bound:g}) with {n_run} request running and {n_wait} waiting")
 
     def drop(self, job: Job) -> None:
         """Cancel a job: drop it if waiting, else ask the engine to stop it between tokens."""
         job.cancel()
         with self._cv:
             if job.state == "waiting":
-                try:
-                    self._waiting.remove(job)
-                except ValueError:
-                    pass
+                self._waiting.remove(job)
                 job.state = "dropped"
                 self.metrics.queue_depth.set(len(self._waiting))
 
@@ -163,6 +183,7 @@ class EngineWorker:
                 job = self._waiting.popleft()
                 job.state = "running"
                 self._running = job
+                self._progress = time.monotonic()
                 self.metrics.queue_depth.set(len(self._waiting))
                 self.metrics.running.set(1)
             try:
@@ -210,7 +231,7 @@ class EngineWorker:
             if isinstance(e, Unavailable):     # e.g. a stage link down: expected, said in one line
                 log.warning("generation failed: a remote stage is unavailable", error=str(e))
             else:
-                log.error("generation failed", error=f"{type(e).__name__}: {e}",
-                          exc_info=not isinstance(e, ValueError))
+                log.error("generation failed", error=f"{type(e).__name__}: {e}",     # a fault with its own status
+                          exc_info=not isinstance(e, (ValueError, EngineFault)))
             self.metrics.finished.labels(finish_reason="error").inc()
             self._post(job, EngineError(e))

@@ -19,7 +19,7 @@ import structlog
 import link
 from link import (Ack, Challenge, CkptRestore, CkptSave, Commit, Error, ErrorCode, Forward, FLAG_ASYNC, Hello,
                   HelloAck, Hop, LinkError, Ping, Pong, Reset, Result)
-from strata.errors import Unavailable
+from strata.errors import EngineFault, Unavailable
 from strata.memory import Carve, PartMismatch
 
 log = structlog.get_logger("strata.stages.remote")
@@ -50,6 +50,30 @@ class WorkerError(Unavailable):
     def __init__(self, link_code: int, message: str):
         super().__init__(message)
         self.link_code = int(link_code)
+
+
+class WorkerBadResult(EngineFault):
+    """A worker's Result broke what the hello agreed (float32 rows of n_embd, one per token asked for, finite values):
+    the link is reset and the request fails with HTTP 502 (code worker_bad_result), an engine error, not the
+    client's."""
+
+    status = 502
+    code = "worker_bad_result"
+
+
+def result_fault(h, rows: int, n_embd: int) -> str | None:
+    """What is wrong with a Result's hidden states for `rows` rows of width n_embd, or None."""
+    if not isinstance(h, np.ndarray):
+        return f"a {type(h).__name__} in place of hidden states"
+    if h.dtype != np.float32:
+        return f"hidden states of dtype {h.dtype} (the hello agreed on f32)"
+    if h.shape != (rows, n_embd):
+        return f"hidden states of shape {tuple(h.shape)} where ({rows}, {n_embd}) were asked for"
+    finite = np.isfinite(h)
+    if not finite.all():
+        n_nan = int(np.isnan(h).sum())
+        return f"non-finite hidden states ({n_nan} NaN, {int(h.size - finite.sum()) - n_nan} infinite values)"
+    return None
 
 
 class CheckpointGone(PartMismatch):
@@ -457,9 +481,14 @@ class RemoteStage:
             self._mark_down(f"answered a Forward at {self._pos} of {n} tokens with "
                             f"{type(res).__name__} at {getattr(res, 'pos', '?')}")
             raise LinkDown(f"stage {self.index} ({self.device}): the worker lost step with the main")
+        h = res.hidden
+        fault = result_fault(h, n if all_logits else 1, int(self.model.config.n_embd))
+        if fault is not None:        # the worker's state is not to be trusted: a fresh link, the sequence read again
+            self._mark_down(f"returned {fault}")
+            raise WorkerBadResult(f"stage {self.index} ({self.device}): the worker returned {fault} for a Forward "
+                                  f"of {n} tokens at {self._pos}; the link is reset")
         self._pos = int(res.pos)
         self.worker_us += int(res.compute_us)
-        h = res.hidden
         if getattr(be, "xp", np) is not np:
             with be.device:
                 return self.model.head(be.xp.asarray(h), all_logits, on_device=on_device)

@@ -3,6 +3,7 @@ Checkpoint (the sequence at a position: one state part per stage)."""
 from __future__ import annotations
 
 import hashlib
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -45,6 +46,7 @@ class Sequence:
         # called when a stage's KV pool is short: frees pages (the engine moves a conversation parked on the device
         # to host RAM) and returns True, or False when nothing more can be freed (KVCacheFull then stands)
         self.make_room: Callable[[], bool] | None = None
+        self.forward_returned = time.monotonic()       # when the last forward call returned (or raised)
 
     @property
     def pos(self) -> int:
@@ -84,8 +86,11 @@ class Sequence:
         toks = np.asarray(tokens, dtype=np.int32).reshape(-1)
         self.reserve(int(toks.shape[0]))
         x = x_in
-        for st, sid in zip(self.stages, self.sids):
-            x = st.forward(toks, sid, x_in=x, all_logits=all_logits, on_device=on_device)
+        try:
+            for st, sid in zip(self.stages, self.sids):
+                x = st.forward(toks, sid, x_in=x, all_logits=all_logits, on_device=on_device)
+        finally:
+            self.forward_returned = time.monotonic()     # what /health's stall check reads
         k = int(toks.shape[0])
         self._reserve_ids(self._n + k)
         self._buf[self._n:self._n + k] = toks

@@ -93,7 +93,7 @@ def chat_constraint(engine, plan: ChatPlan, param: str) -> Constraint | None:
         start = "start: (think WS?)? body\nthink[lazy]: /<think>(?s:.*)<\\/think>/\nWS: /[ \\t\\r\\n]+/\n"
     else:
         start = "start: body\n"
-    return _compile(engine, lark_grammar(start + plan.body), param)
+    return _compile(engine, lambda: lark_grammar(start + plan.body), param)
 
 
 def completion_constraint(engine, p) -> Constraint | None:
@@ -102,12 +102,8 @@ def completion_constraint(engine, p) -> Constraint | None:
         return None
     o = p.output
     if o["type"] == "grammar":
-        try:
-            g = gbnf_grammar(o["grammar"])
-        except GrammarError as e:
-            raise Refused(f"'{o['param']}': {e}", param=o["param"]) from None
-        return _compile(engine, g, o["param"])
-    return _compile(engine, lark_grammar("start: body\n" + _output_body(o)), o["param"])
+        return _compile(engine, lambda: gbnf_grammar(o["grammar"]), o["param"])
+    return _compile(engine, lambda: lark_grammar("start: body\n" + _output_body(o)), o["param"])
 
 
 def param_of(p) -> str:
@@ -125,9 +121,11 @@ def _output_body(o: dict) -> str:
     return f"body: {lark_json(schema)}\n"
 
 
-def _compile(engine, grammar: str, param: str) -> Constraint:
+def _compile(engine, make_grammar, param: str) -> Constraint:
+    """The Constraint of the grammar make_grammar() writes; Refused naming `param` when llguidance refuses it or it
+    is over the size limit (strata.sampling.grammar.MAX_GRAMMAR_CHARS)."""
     try:
-        return Constraint(grammar, engine.tokenizer, getattr(engine, "n_vocab", None))
+        return Constraint(make_grammar(), engine.tokenizer, getattr(engine, "n_vocab", None))
     except GrammarError as e:
         raise Refused(f"'{param}': {e}", param=param) from None
 
