@@ -92,13 +92,17 @@ def check_filename(directory: str | os.PathLike, name, *, new: bool = False) -> 
                            "and '-' (not starting with '.', not a device name such as CON)")
     root = Path(directory).resolve()
     p = root / name
-    if p.is_symlink():
-        raise SessionError(f"session file {name!r} is a symbolic link: refused (it could point outside the "
-                           "session directory)")
-    if p.exists() and not p.is_file():
-        raise SessionError(f"session file {name!r} is not a regular file (a directory?)")
-    if p.resolve().parent != root:
-        raise SessionError(f"session file {name!r} resolves outside the session directory")
+    try:                        # a file swapped while it is looked at can fail a lookup (readlink: EINVAL)
+        if p.is_symlink():
+            raise SessionError(f"session file {name!r} is a symbolic link: refused (it could point outside the "
+                               "session directory)")
+        if p.exists() and not p.is_file():
+            raise SessionError(f"session file {name!r} is not a regular file (a directory?)")
+        if p.resolve().parent != root:
+            raise SessionError(f"session file {name!r} resolves outside the session directory")
+    except OSError as e:
+        raise SessionError(f"cannot check session file {name!r}: {e.strerror or type(e).__name__} (it changed "
+                           "while it was looked at)") from None
     return p
 
 

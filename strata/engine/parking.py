@@ -286,8 +286,13 @@ class Conversations:
         if self.slot_save_path is None:
             raise session.SessionError("session files need --slot-save-path DIR (the directory they are kept in)")
         path = session.check_filename(self.slot_save_path, filename, new=not exists)
-        if exists and not (path.exists() or path.is_symlink()):     # what it is, open_session checks
-            raise session.SessionError(f"session file {filename!r} does not exist in {self.slot_save_path}")
+        try:
+            there = path.exists() or path.is_symlink()               # what it is, open_session checks
+        except OSError:                                              # swapped while looked at: open_session decides
+            there = True
+        if exists and not there:
+            raise session.SessionError(f"session file {filename!r} does not exist in the session directory "
+                                       "(--slot-save-path)")
         return path
 
     def save(self, path: Path, filename) -> dict[str, Any]:
