@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from tests.test_serve_daemon import Daemon, free_port
-from tests.test_serve_tools import QWEN_TEMPLATE, THINK_TEMPLATE
+from tests.daemon import Daemon, free_port
+from tests.templates import QWEN_TEMPLATE, THINK_TEMPLATE
 
 pytestmark = pytest.mark.slow
 anthropic = pytest.importorskip("anthropic")
@@ -215,12 +215,9 @@ def test_errors_in_anthropic_shape(client, smol):
 
 # ---- tools on a synthetic model with a Qwen-style template, reasoning on one that thinks ---------------------------
 @pytest.fixture(scope="module")
-def qwen(tmp_path_factory):
-    from strata.gguf import synth
-    tmp = tmp_path_factory.mktemp("qwen")
-    path = synth.write_synthetic(tmp / "qwen-style.gguf", synth.preset("qwen35"),
-                                 overrides={"tokenizer.chat_template": QWEN_TEMPLATE})
-    d = Daemon(tmp, "--model", str(path), port=free_port(), n_ctx=2048).start()
+def qwen(tmp_path_factory, synthetic):
+    path = synthetic("qwen35", name="qwen-style", overrides={"tokenizer.chat_template": QWEN_TEMPLATE})
+    d = Daemon(tmp_path_factory.mktemp("qwen"), "--model", str(path), port=free_port(), n_ctx=2048).start()
     yield d
     assert d.stop() == 0, d.log_tail()
 
@@ -260,12 +257,10 @@ def test_forced_tool_use_and_its_result(qwen):
 
 
 @pytest.fixture(scope="module")
-def thinker(tmp_path_factory):
-    from strata.gguf import synth
-    tmp = tmp_path_factory.mktemp("think")
-    path = synth.write_synthetic(tmp / "thinker.gguf", synth.preset("qwen35", seed=1),
-                                 overrides={"tokenizer.chat_template": THINK_TEMPLATE})
-    d = Daemon(tmp, "--model", str(path), port=free_port(), n_ctx=1024).start()
+def thinker(tmp_path_factory, synthetic):
+    path = synthetic("qwen35", name="thinker", seed=1,
+                     overrides={"tokenizer.chat_template": THINK_TEMPLATE})
+    d = Daemon(tmp_path_factory.mktemp("think"), "--model", str(path), port=free_port(), n_ctx=1024).start()
     yield d
     assert d.stop() == 0, d.log_tail()
 
