@@ -421,8 +421,8 @@ def test_chunked_on_cupy_matches_numpy():
 
 # ------------------------------------------------------------------ GPU: models
 class Pair:
-    def __init__(self, arch, tmp):
-        self.path = synth.write_synthetic(tmp / f"{arch}.gguf", synth.preset(arch, "tiny", seed=21))
+    def __init__(self, path):
+        self.path = path
         self.cpu = load_model(self.path)
         self.cuda = load_model(self.path, C.CudaBackend())
         self.pool_cpu = self.cpu.new_page_pool(512, n_seq=2)
@@ -431,10 +431,10 @@ class Pair:
 
 
 @pytest.fixture(scope="module", params=["qwen35", "qwen35moe", "qwen3next"])
-def pair(request, tmp_path_factory):
+def pair(request, synthetic):
     if _why is not None:
         pytest.skip(f"CUDA backend unavailable: {_why}")
-    return Pair(request.param, tmp_path_factory.mktemp(request.param))
+    return Pair(synthetic(request.param, seed=21))
 
 
 def _prefill(model, st, toks, ubatch, all_logits=False):

@@ -87,11 +87,10 @@ def test_two_and_three_stages_match_one_process_with_checkpoints(workers, refere
         assert st["checkpoints_held"] > 0 and st["up"]
 
 
-def test_hybrid_checkpoints_across_the_link(workers, tmp_path):
+def test_hybrid_checkpoints_across_the_link(workers, synthetic):
     """A synthetic Qwen3.5-style hybrid (Gated DeltaNet + attention): its running state cannot be cut back, so
     every later turn resumes from a checkpoint, here one whose worker part is kept on the worker."""
-    from strata.gguf import synth
-    path = str(synth.write_synthetic(tmp_path / "qwen35.gguf", synth.preset("qwen35", "tiny", seed=11, n_mtp=0)))
+    path = str(synthetic("qwen35", seed=11, n_mtp=0))
     n_blocks = Engine(path, n_ctx=N_CTX, prompt_cache=4).stages[0].carve.hi
     ref = conversation(Engine(path, n_ctx=N_CTX, prompt_cache=4))
     w = workers("--model", path)
@@ -179,10 +178,9 @@ class InProcessWorker:
         self.thread.join(10)
 
 
-def test_a_store_emptied_under_the_main_makes_the_request_read_from_zero(tmp_path):
-    from strata.gguf import synth
+def test_a_store_emptied_under_the_main_makes_the_request_read_from_zero(synthetic):
     # a hybrid: its running state cannot be cut back, so the same request again resumes from a checkpoint
-    path = str(synth.write_synthetic(tmp_path / "qwen35.gguf", synth.preset("qwen35", "tiny", seed=11, n_mtp=0)))
+    path = str(synthetic("qwen35", seed=11, n_mtp=0))
     w = InProcessWorker(model=path)
     e = Engine(path, n_ctx=N_CTX, prompt_cache=4, remote_stage=w.address, layer_split="2")
     try:
