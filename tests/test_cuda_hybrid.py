@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench import gpu_hybrid_model as bench_h  # noqa: E402
 from tests.cuda_marks import CUDA_WHY as _why  # noqa: E402
-from tests.cuda_marks import assert_parts_at_near_tie, default_model_missing, gpu, rel_l2
+from tests.cuda_marks import NEAR_TIE_LOGIT, assert_parts_at_near_tie, default_model_missing, gpu, rel_l2
 from tests.cuda_marks import host as _host
 
 _no_model = default_model_missing()
@@ -40,7 +40,6 @@ LOGITS_REL_L2 = 2e-2
 STATE_REL_L2 = 2e-2
 KERNEL_REL_L2 = 1e-5
 N_GREEDY = 64
-NEAR_TIE_LOGIT = 0.25
 
 
 # ------------------------------------------------------------------ the numpy implementation before it became xp-generic

@@ -26,15 +26,10 @@ N_GREEDY = 64
 
 
 @pytest.fixture(scope="module")
-def model_path():
-    from strata.gguf.default_model import default_model_path
-    try:
-        p = default_model_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    if not p.is_file():
-        pytest.skip(f"default model not at {p}")
-    return p
+def model_path(default_model_path):
+    if not default_model_path.is_file():
+        pytest.skip(f"default model not at {default_model_path}")
+    return default_model_path
 
 
 @pytest.fixture(scope="module")
