@@ -1,5 +1,6 @@
-"""Shared pytest fixtures, each made once for the whole run: the default model's path and the model loaded on the CPU
-backend, and synthetic GGUF files (strata.gguf.synth) by their parameters."""
+"""Shared pytest fixtures: made once for the whole run, the default model's path and the model loaded on the CPU
+backend, and synthetic GGUF files (strata.gguf.synth) by their parameters; once per test module that asks, the daemon
+on a synthetic model with a Qwen-style template (tools) and on one whose template opens a reasoning block."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -44,3 +45,26 @@ def synthetic(tmp_path_factory):
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory, synthetic):
+    """`strata serve` on TCP with a tiny synthetic qwen35 (hybrid) model and tests/templates.py's QWEN_TEMPLATE."""
+    from tests.daemon import Daemon, free_port
+    from tests.templates import QWEN_TEMPLATE
+    path = synthetic("qwen35", name="qwen-style", overrides={"tokenizer.chat_template": QWEN_TEMPLATE})
+    d = Daemon(tmp_path_factory.mktemp("qwen"), "--model", str(path), port=free_port(), n_ctx=2048).start()
+    yield d
+    assert d.stop() == 0, d.log_tail()
+
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory, synthetic):
+    """`strata serve` on TCP with a tiny synthetic qwen35 model and tests/templates.py's THINK_TEMPLATE."""
+    from tests.daemon import Daemon, free_port
+    from tests.templates import THINK_TEMPLATE
+    path = synthetic("qwen35", name="thinker", seed=1,  # seed 1 writes words
+                     overrides={"tokenizer.chat_template": THINK_TEMPLATE})
+    d = Daemon(tmp_path_factory.mktemp("think"), "--model", str(path), port=free_port(), n_ctx=1024).start()
+    yield d
+    assert d.stop() == 0, d.log_tail()

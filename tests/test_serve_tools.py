@@ -9,7 +9,6 @@ import json
 import pytest
 
 from tests.daemon import Daemon, free_port
-from tests.templates import QWEN_TEMPLATE, THINK_TEMPLATE
 
 pytestmark = pytest.mark.slow
 jsonschema = pytest.importorskip("jsonschema")
@@ -35,15 +34,7 @@ def _client(daemon):
                          timeout=300)
 
 
-@pytest.fixture(scope="module")
-def qwen(tmp_path_factory, synthetic):
-    """A tiny synthetic qwen35 (hybrid) model with QWEN_TEMPLATE, served on TCP."""
-    path = synthetic("qwen35", name="qwen-style", overrides={"tokenizer.chat_template": QWEN_TEMPLATE})
-    d = Daemon(tmp_path_factory.mktemp("qwen"), "--model", str(path), port=free_port(), n_ctx=2048).start()
-    yield d
-    assert d.stop() == 0, d.log_tail()
-
-
+# `qwen` and `thinker`: tests/conftest.py's daemons on synthetic models with tests/templates.py's templates
 @pytest.fixture(scope="module")
 def smol(tmp_path_factory):
     """The default model (its template knows no tools: the generic JSON format), served on TCP."""
@@ -262,15 +253,6 @@ def test_json_object_and_completion_fields(smol):
                          ({"json_schema": {}, "grammar": "root ::= \"a\""}, "send one")):
         st, d = smol.json("POST", "/v1/completions", {"prompt": "x", "max_tokens": 4, **body})
         assert st == 400 and needle in d["error"]["message"], d
-
-
-@pytest.fixture(scope="module")
-def thinker(tmp_path_factory, synthetic):
-    path = synthetic("qwen35", name="thinker", seed=1,  # seed 1 writes words
-                     overrides={"tokenizer.chat_template": THINK_TEMPLATE})
-    d = Daemon(tmp_path_factory.mktemp("think"), "--model", str(path), port=free_port(), n_ctx=1024).start()
-    yield d
-    assert d.stop() == 0, d.log_tail()
 
 
 def test_reasoning_content_and_template_kwargs(thinker):
