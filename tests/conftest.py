@@ -1,4 +1,6 @@
-"""Shared pytest fixtures: the default model's path and a session-scoped Strata model on the CPU backend."""
+"""Shared pytest fixtures: made once for the whole run, the default model's path and the model loaded on the CPU
+backend, and synthetic GGUF files (strata.gguf.synth) by their parameters; once per test module that asks, the daemon
+on a synthetic model with a Qwen-style template (tools) and on one whose template opens a reasoning block."""
 from __future__ import annotations
 
 import os
@@ -27,3 +29,47 @@ def default_model(default_model_path):
     from strata.backend.cpu import CPUBackend
     from strata.models.registry import load_model
     return load_model(default_model_path, CPUBackend())
+
+
+@pytest.fixture(scope="session")
+def synthetic(tmp_path_factory):
+    """synthetic(arch, size="tiny", *, name=None, overrides=None, **fields) -> the path of the GGUF
+    strata.gguf.synth.write_synthetic writes for synth.preset(arch, size, **fields) with metadata `overrides`, as
+    `<name or arch>.gguf` in a folder of its own. Written once per run for each set of arguments: a test must not
+    change the file or write beside it."""
+    made: dict[tuple, Path] = {}
+
+    def make(arch: str, size: str = "tiny", *, name: str | None = None, overrides: dict | None = None,
+             **fields) -> Path:
+        key = (arch, size, name, repr(sorted((overrides or {}).items())), repr(sorted(fields.items())))
+        if key not in made:
+            from strata.gguf import synth
+            folder = tmp_path_factory.mktemp(f"synth-{name or arch}")
+            made[key] = synth.write_synthetic(folder / f"{name or arch}.gguf", synth.preset(arch, size, **fields),
+                                              overrides=overrides)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory, synthetic):
+    """`strata serve` on TCP with a tiny synthetic qwen35 (hybrid) model and tests/templates.py's QWEN_TEMPLATE."""
+    from tests.daemon import Daemon, free_port
+    from tests.templates import QWEN_TEMPLATE
+    path = synthetic("qwen35", name="qwen-style", overrides={"tokenizer.chat_template": QWEN_TEMPLATE})
+    d = Daemon(tmp_path_factory.mktemp("qwen"), "--model", str(path), port=free_port(), n_ctx=2048).start()
+    yield d
+    assert d.stop() == 0, d.log_tail()
+
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory, synthetic):
+    """`strata serve` on TCP with a tiny synthetic qwen35 model and tests/templates.py's THINK_TEMPLATE."""
+    from tests.daemon import Daemon, free_port
+    from tests.templates import THINK_TEMPLATE
+    path = synthetic("qwen35", name="thinker", seed=1,  # seed 1 writes words
+                     overrides={"tokenizer.chat_template": THINK_TEMPLATE})
+    d = Daemon(tmp_path_factory.mktemp("think"), "--model", str(path), port=free_port(), n_ctx=1024).start()
+    yield d
+    assert d.stop() == 0, d.log_tail()

@@ -1,14 +1,22 @@
 """Shared by the CUDA test files: the skip marks (`gpu`: CuPy, a GPU and the kernel library; the default model),
-rel_l2, host() and the near-tie rule for greedy runs against the CPU backend."""
+rel_l2, host(), the near-tie rule for greedy runs against a reference, and the conversation the stage tests compare
+(one GPU against a split, one GPU against two)."""
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import pytest
 
 from strata.backend import cuda as C
+from tests.helpers import ask
 
 CUDA_WHY = C.unavailable_reason()
 gpu = pytest.mark.skipif(CUDA_WHY is not None, reason=f"CUDA backend unavailable: {CUDA_WHY}")
+
+# Decode matvecs round the activations to int8 blocks (as llama.cpp's q8_1): a greedy run may leave the
+# reference's only at a near tie, where the reference's own logits of the two tokens differ by less than this.
+NEAR_TIE_LOGIT = 0.25
 
 
 def default_model_missing() -> str | None:
@@ -43,3 +51,22 @@ def assert_parts_at_near_tie(got: list[int], ref: list[int], ref_logits_after, n
     gap = float(lr[ref[i]] - lr[got[i]])
     print(f"greedy runs part at token {i}: {got[i]} vs CPU {ref[i]}, CPU logit gap {gap:.3f}")
     assert gap < near_tie, f"token {i}: {got[i]} vs {ref[i]} is not a near tie (gap {gap:.3f})"
+
+
+CHAT = [{"role": "system", "content": "You are a terse assistant who answers in one line."},
+        {"role": "user", "content": "Name a river in France and say where it flows."}]
+greedy = functools.partial(ask, n=24)
+
+
+def conversation(engine):
+    """CHAT read cold, then sent again (resumed: cut back on an attention-only model, else from a checkpoint):
+    [(tokens, state hashes)] per request."""
+    engine.clear_checkpoints()
+    engine.state_reset()
+    t1, f1 = greedy(engine, CHAT)
+    h1 = engine.state_hashes()
+    t2, f2 = greedy(engine, CHAT)
+    h2 = engine.state_hashes()
+    again = "live" if engine.arch == "llama" else "checkpoint"     # attention-only: cut back to the common prefix
+    assert (f1.strata["resume_from"], f2.strata["resume_from"]) == ("none", again)
+    return [(t1, h1), (t2, h2)]

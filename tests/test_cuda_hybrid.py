@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench import gpu_hybrid_model as bench_h  # noqa: E402
 from tests.cuda_marks import CUDA_WHY as _why  # noqa: E402
-from tests.cuda_marks import assert_parts_at_near_tie, default_model_missing, gpu, rel_l2
+from tests.cuda_marks import NEAR_TIE_LOGIT, assert_parts_at_near_tie, default_model_missing, gpu, rel_l2
 from tests.cuda_marks import host as _host
 
 _no_model = default_model_missing()
@@ -40,7 +40,6 @@ LOGITS_REL_L2 = 2e-2
 STATE_REL_L2 = 2e-2
 KERNEL_REL_L2 = 1e-5
 N_GREEDY = 64
-NEAR_TIE_LOGIT = 0.25
 
 
 # ------------------------------------------------------------------ the numpy implementation before it became xp-generic
@@ -421,8 +420,8 @@ def test_chunked_on_cupy_matches_numpy():
 
 # ------------------------------------------------------------------ GPU: models
 class Pair:
-    def __init__(self, arch, tmp):
-        self.path = synth.write_synthetic(tmp / f"{arch}.gguf", synth.preset(arch, "tiny", seed=21))
+    def __init__(self, path):
+        self.path = path
         self.cpu = load_model(self.path)
         self.cuda = load_model(self.path, C.CudaBackend())
         self.pool_cpu = self.cpu.new_page_pool(512, n_seq=2)
@@ -431,10 +430,10 @@ class Pair:
 
 
 @pytest.fixture(scope="module", params=["qwen35", "qwen35moe", "qwen3next"])
-def pair(request, tmp_path_factory):
+def pair(request, synthetic):
     if _why is not None:
         pytest.skip(f"CUDA backend unavailable: {_why}")
-    return Pair(request.param, tmp_path_factory.mktemp(request.param))
+    return Pair(synthetic(request.param, seed=21))
 
 
 def _prefill(model, st, toks, ubatch, all_logits=False):

@@ -15,24 +15,7 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 from gguf import quants as gq  # noqa: E402
 
-# offsets of the f16 scale fields inside one block, per type (ggml-common.h)
-SCALE_OFFS = {Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q8_0: [0], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208]}
-
-
-def random_blocks(t, n_out, n_in, rng):
-    """Random packed blocks of type t: every quant bit pattern, finite f16 scales (±[1e-3, 1e-1])."""
-    qk, bs = gguf.GGML_QUANT_SIZES[t]
-    nb = n_in // qk
-    raw = rng.integers(0, 256, size=(n_out, nb, bs), dtype=np.uint8)
-    for off in SCALE_OFFS[t]:
-        sc = (rng.uniform(1e-3, 1e-1, size=(n_out, nb)) * rng.choice([-1, 1], size=(n_out, nb))).astype(np.float16)
-        raw[:, :, off:off + 2] = sc.view(np.uint8).reshape(n_out, nb, 2)
-    return raw.reshape(n_out, nb * bs)
-
-
-def ref_dequant(raw, t, n_out, n_in):
-    return np.asarray(gq.dequantize(raw, t), dtype=np.float64).reshape(n_out, n_in)
-
+from tests.helpers import random_blocks, ref_dequant  # noqa: E402
 
 @pytest.fixture(scope="module")
 def cp():

@@ -429,7 +429,7 @@ def test_grouped_matvec_matches_dequantized_weights(ggml_type):
     import cupy as cp
     from strata.backend.cuda import weights as CW
     from strata.backend.cuda.library import lib, ptr, stream_ptr
-    from tests.test_cuda_kernels import random_blocks, ref_dequant
+    from tests.helpers import random_blocks, ref_dequant
     rng = np.random.default_rng(ggml_type)
     ne, k, n, n_in, half = 3, 2, 11, 512, 22
     raw0 = [random_blocks(ggml_type, half, n_in, rng) for _ in range(ne)]

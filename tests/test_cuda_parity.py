@@ -1,6 +1,6 @@
 """Parity of strata/models/llama.py on the CUDA backend (eager prefill, CUDA-graph decode plan LlamaCuda) and of the
 engine with device cuda, on the default model, against an independent float32 reference: Hugging Face transformers
-loading the same GGUF (weights dequantized by gguf-py); plus the checkpoint tests of tests/test_checkpoints.py run on
+loading the same GGUF (weights dequantized by gguf-py); plus the checkpoint checks of tests/checkpoint_checks.py run on
 a cuda engine. Skipped without a GPU."""
 
 import numpy as np
@@ -10,6 +10,7 @@ from strata.backend import cuda as C
 from strata.backend.cuda import library as K
 from strata.backend.cuda import llama as LL
 from strata.backend.cuda import settings as S
+from tests.cuda_marks import NEAR_TIE_LOGIT
 
 _why = C.unavailable_reason()
 pytestmark = pytest.mark.skipif(_why is not None, reason=f"CUDA backend unavailable: {_why}")
@@ -22,21 +23,13 @@ LOGITS_REL_L2 = 2e-2          # ||ours - ref|| / ||ref|| over all positions
 # < 2e-2 with f32 activations (STRATA_CUDA_DP4A=0), all with the same 64 tokens as transformers.
 DECODE_LOGITS_REL_L2 = 4e-2 if S.DP4A else LOGITS_REL_L2
 N_GREEDY = 64
-# Decode matvecs round the activations to int8 blocks (as llama.cpp's q8_1): a greedy run may leave the
-# reference's only at a near tie, where the reference's own logits of the two tokens differ by less than this.
-NEAR_TIE_LOGIT = 0.25
 
 
 @pytest.fixture(scope="module")
-def model_path():
-    from strata.gguf.default_model import default_model_path
-    try:
-        p = default_model_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    if not p.is_file():
-        pytest.skip(f"default model not at {p}")
-    return p
+def model_path(default_model_path):
+    if not default_model_path.is_file():
+        pytest.skip(f"default model not at {default_model_path}")
+    return default_model_path
 
 
 @pytest.fixture(scope="module")
@@ -208,17 +201,17 @@ def cuda_engine_nocache(model_path):
 def engine_greedy_vs_reference(e, m, label: str):
     """32 greedy tokens of a fresh chat from engine e and from transformers model m: (prompt tokens, ours, ref)."""
     import torch
-    from strata.engine import GenerationRequest
     from strata.sampling.sampler import SamplingParams
+    from tests.helpers import answer
     e.clear_checkpoints()
     e.state_reset()
-    r = e.render_chat([{"role": "user", "content": "Name three rivers in Europe and one fact about each."}])
-    evs = list(e.generate(GenerationRequest(r.tokens, r.cut_points, SamplingParams(temperature=0.0), max_tokens=32)))
-    got = [x.token_id for x in evs[:-1]]
+    a = answer(e, [{"role": "user", "content": "Name three rivers in Europe and one fact about each."}], 32,
+               ignore_eos=False, sampling=SamplingParams(temperature=0.0))
+    r, got = a.prompt, a.ids
     with torch.no_grad():
         out = m.generate(torch.tensor([list(r.tokens)]), max_new_tokens=32, do_sample=False)
     ref = [int(t) for t in out[0, len(r.tokens):]]
-    print(f"{label}:", got[:16], "ref:", ref[:16], evs[-1].timings)
+    print(f"{label}:", got[:16], "ref:", ref[:16], a.final.timings)
     return r.tokens, got, ref
 
 
@@ -235,15 +228,15 @@ def test_engine_cuda_greedy_matches_reference(cuda_engine, hf):
 
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])
 def test_engine_cuda_checkpoint_exactness(cuda_engine, sampling):
-    """tests/test_checkpoints.py's exactness test on the GPU: same request twice, the second resumes from the
+    """The exactness check of tests/checkpoint_checks.py on the GPU: same request twice, the second resumes from the
     turn checkpoint; same tokens, same text, same state hashes (tokens, f16 K/V of every layer)."""
-    from tests import test_checkpoints as TC
-    TC.test_exactness_same_request_twice(cuda_engine, sampling)
+    from tests import checkpoint_checks as CC
+    CC.exactness_same_request_twice(cuda_engine, sampling)
 
 
 def test_engine_cuda_replay_matches_prompt_cache_0(cuda_engine, cuda_engine_nocache):
-    from tests import test_checkpoints as TC
-    TC.test_replay_two_chats_share_the_root_and_match_prompt_cache_0(cuda_engine, cuda_engine_nocache)
+    from tests import checkpoint_checks as CC
+    CC.replay_two_chats_share_the_root_and_match_prompt_cache_0(cuda_engine, cuda_engine_nocache)
 
 
 def test_engine_cuda_state_truncate_and_restore(cuda_engine):
@@ -324,8 +317,8 @@ def test_engine_cuda_kv_q8_0_greedy_and_memory(cuda_engine_q8, cuda_engine, hf):
 
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])
 def test_engine_cuda_kv_q8_0_checkpoint_exactness(cuda_engine_q8, sampling):
-    from tests import test_checkpoints as TC
-    TC.test_exactness_same_request_twice(cuda_engine_q8, sampling)
+    from tests import checkpoint_checks as CC
+    CC.exactness_same_request_twice(cuda_engine_q8, sampling)
 
 
 def test_pdl_changes_no_token(model_path, prompt_ids):

@@ -9,33 +9,10 @@ import io
 import numpy as np
 import pytest
 
-from tests.cuda_marks import default_model_missing, gpu
+from tests.cuda_marks import CHAT, conversation, default_model_missing, gpu, greedy
+from tests.helpers import ask, differing, long_chat, play
 
 pytestmark = [gpu, pytest.mark.skipif(default_model_missing() is not None, reason=f"{default_model_missing()}")]
-
-CHAT = [{"role": "system", "content": "You are a terse assistant who answers in one line."},
-        {"role": "user", "content": "Name a river in France and say where it flows."}]
-
-
-def _greedy(engine, msgs, n=24):
-    from strata.engine import GenerationRequest, TokenEvent
-    r = engine.render_chat(msgs)
-    evs = list(engine.generate(GenerationRequest(prompt_tokens=r.tokens, cut_points=r.cut_points, max_tokens=n,
-                                                 ignore_eos=True)))
-    return [e.token_id for e in evs if isinstance(e, TokenEvent)], evs[-1]
-
-
-def _conversation(engine):
-    engine.clear_checkpoints()
-    engine.state_reset()
-    t1, f1 = _greedy(engine, CHAT)
-    h1 = engine.state_hashes()
-    t2, f2 = _greedy(engine, CHAT)
-    h2 = engine.state_hashes()
-    again = "live" if engine.arch == "llama" else "checkpoint"     # attention-only: cut back to the common prefix
-    assert (f1.strata["resume_from"], f2.strata["resume_from"]) == ("none", again)
-    return [(t1, h1), (t2, h2)]
-
 
 def _engines(path, splits, **kw):
     from strata.engine import Engine
@@ -46,16 +23,11 @@ def _engines(path, splits, **kw):
     return out
 
 
-def _differing(h, ref):
-    return sorted((k for k in ref if h.get(k) != ref[k]), key=lambda k: (k.split(".L")[0], int(k.split(".L")[1]))
-                  if ".L" in k else (k, -1))
-
-
 @pytest.fixture(scope="module")
 def default_runs():
     from strata.gguf.default_model import default_model_path
     engines = _engines(default_model_path(), [None, "15", "8,20"])
-    runs = {s: _conversation(e) for s, e in engines.items()}
+    runs = {s: conversation(e) for s, e in engines.items()}
     return engines, runs
 
 
@@ -71,9 +43,9 @@ def test_default_model_split_on_one_gpu_same_tokens_and_hashes(default_runs):
     # stage on both requests)
     for s in ("15", "8,20"):
         for (t, h), (tb, hb) in zip(runs[s], base):
-            print(f"split {s}: tokens {t[:10]} differing hashes {_differing(h, hb)[:8]}")
+            print(f"split {s}: tokens {t[:10]} differing hashes {differing(h, hb)[:8]}")
             assert t == tb, s
-            assert h == hb, f"split {s}: {_differing(h, hb)}"
+            assert h == hb, f"split {s}: {differing(h, hb)}"
 
 
 def test_split_checkpoint_part_round_trip_on_device_pages(default_runs):
@@ -98,21 +70,19 @@ def test_split_checkpoint_part_round_trip_on_device_pages(default_runs):
 
 
 @pytest.fixture(scope="module")
-def hybrid_path(tmp_path_factory):
-    from strata.gguf import synth
-    return synth.write_synthetic(tmp_path_factory.mktemp("cuda_stages") / "qwen35.gguf",
-                                 synth.preset("qwen35", "tiny", n_layer=8, seed=3))
+def hybrid_path(synthetic):
+    return synthetic("qwen35", n_layer=8, seed=3)
 
 
 def test_hybrid_split_on_one_gpu_same_tokens_and_hashes(hybrid_path):
     engines = _engines(hybrid_path, [None, "4", "2,5"])
-    runs = {s: _conversation(e) for s, e in engines.items()}
+    runs = {s: conversation(e) for s, e in engines.items()}
     base = runs[None]
     for s in ("4", "2,5"):
         for (t, h), (tb, hb) in zip(runs[s], base):
-            print(f"hybrid split {s}: tokens {t[:10]} differing hashes {_differing(h, hb)[:8]}")
+            print(f"hybrid split {s}: tokens {t[:10]} differing hashes {differing(h, hb)[:8]}")
             assert t == tb, s
-            assert h == hb, f"split {s}: {_differing(h, hb)}"
+            assert h == hb, f"split {s}: {differing(h, hb)}"
 
 
 def test_remote_stage_worker_on_the_same_gpu(default_runs):
@@ -122,16 +92,16 @@ def test_remote_stage_worker_on_the_same_gpu(default_runs):
     saved on the worker."""
     from strata.gguf.default_model import default_model_path
     from strata.engine import Engine
-    from tests.test_remote_stage import WorkerProc
-    from tests.test_cuda_parity import NEAR_TIE_LOGIT as NEAR_TIE
+    from tests.daemon import WorkerProc
+    from tests.cuda_marks import NEAR_TIE_LOGIT as NEAR_TIE
     engines, runs = default_runs
     w = WorkerProc("--device", "cuda:0").start()
     e = Engine(default_model_path(), n_ctx=1024, ubatch=128, device="cuda:0", layer_split="15", prompt_cache=6,
                remote_stage=w.address)
     try:
         e.clear_checkpoints()
-        t1, f1 = _greedy(e, CHAT)
-        t2, f2 = _greedy(e, CHAT)
+        t1, f1 = greedy(e, CHAT)
+        t2, f2 = greedy(e, CHAT)
         # attention-only: the resend cuts the K/V back (a Commit over the link) and reads the last prompt token
         assert (f1.strata["resume_from"], f2.strata["resume_from"]) == ("none", "live")
         ref = runs[None][0][0]
@@ -158,12 +128,11 @@ def test_resident_parking_on_one_gpu_bit_exact_and_short_pool_moves_to_ram(hybri
     two long conversations do not fit, so the first moves to pinned host RAM (make_room) and comes back bit-exact
     from there; the hold's copy of a shared page (PagePool.rehome) runs on the device."""
     from strata.engine import Engine
-    from tests.test_parking import _play, ask, long_chat
     dev = "cuda:0" if split is None else "cuda:0,cuda:0"
     for n_ctx, tier in ((2048, "resident"), (512, "park")):
         kw = dict(n_ctx=n_ctx, ubatch=64, device=dev, layer_split=split)
         alone = Engine(hybrid_path, conversation_cache_mib=0, **kw)
-        ref = _play(alone, "rivers", 2, [], long_chat)
+        ref = play(alone, "rivers", 2, [], long_chat)
         e = Engine(hybrid_path, conversation_cache_mib=256, park_resident=2, **kw)
         answers: list[str] = []
         toks, _ = ask(e, long_chat("rivers", 0, answers))
@@ -172,6 +141,6 @@ def test_resident_parking_on_one_gpu_bit_exact_and_short_pool_moves_to_ram(hybri
         toks, final = ask(e, long_chat("rivers", 1, answers))
         assert final.strata["resume_from"] == tier, (n_ctx, final.strata)
         assert toks == ref[1][0]
-        assert e.state_hashes() == ref[1][1], _differing(e.state_hashes(), ref[1][1])
+        assert e.state_hashes() == ref[1][1], differing(e.state_hashes(), ref[1][1])
         alone.close()
         e.close()

@@ -254,11 +254,9 @@ def engine(default_model_path):
 def _tokens(engine, sampling, n=12, logprobs=2):
     """The answer to one fixed prompt, read from 0 every time (cache_prompt False: the same logits for every
     sampling path, whatever the previous request left)."""
-    from strata.engine import GenerationRequest, TokenEvent
-    r = engine.render_chat([{"role": "user", "content": "Name three colours."}])
-    ev = list(engine.generate(GenerationRequest(prompt_tokens=r.tokens, cut_points=r.cut_points, sampling=sampling,
-                                                max_tokens=n, logprobs=logprobs, cache_prompt=False)))
-    return [(e.token_id, e.logprob) for e in ev if isinstance(e, TokenEvent)]
+    from tests.helpers import answer
+    return answer(engine, [{"role": "user", "content": "Name three colours."}], n, ignore_eos=False,
+                  sampling=sampling, logprobs=logprobs, cache_prompt=False).logprobs
 
 
 def test_engine_forward_device_hook(engine):

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from strata.engine import ContextOverflow, EmptyPrompt, FinalEvent, GenerationRequest, TokenEvent
+from strata.engine import ContextOverflow, EmptyPrompt, FinalEvent, GenerationRequest
 from strata.sampling.sampler import SamplingParams
+from tests.helpers import answer
 
 # SmolLM2-135M answers the bare "What is the capital of France?" with "L'Étoile, ..." under its template's
 # default system prompt (llama.cpp on the same GGUF gives the same text); asking for a sentence gives Paris.
@@ -21,15 +22,9 @@ def engine(default_model_path):
 
 def run(engine, messages=FRANCE, **kw):
     """(text, token events, final event) of one request on a chat."""
-    r = engine.render_chat(messages)
     kw.setdefault("sampling", GREEDY)
-    kw.setdefault("max_tokens", 40)
-    req = GenerationRequest(prompt_tokens=r.tokens, cut_points=r.cut_points, **kw)
-    events = list(engine.generate(req))
-    toks = [e for e in events if isinstance(e, TokenEvent)]
-    final = events[-1]
-    assert isinstance(final, FinalEvent) and sum(isinstance(e, FinalEvent) for e in events) == 1
-    return "".join(e.text for e in toks) + final.text, toks, final
+    a = answer(engine, messages, kw.pop("max_tokens", 40), ignore_eos=kw.pop("ignore_eos", False), **kw)
+    return a.text, a.tokens, a.final
 
 
 def test_greedy_answers_paris(engine):

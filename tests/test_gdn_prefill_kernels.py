@@ -20,7 +20,6 @@ GPU tests (skipped with strata.backend.cuda.unavailable_reason()); tolerances:
 import numpy as np
 import pytest
 
-from strata.gguf import synth
 from strata.backend import cuda as C
 from strata.backend.cuda import gdn_prefill as P
 from strata.backend.cuda import library as KL
@@ -313,7 +312,7 @@ def test_prep_recurrent_gated_norm_match_numpy_layer(n, tiled, grouped):
 
 # ------------------------------------------------------------------ GPU: the model's fused path
 @pytest.fixture(scope="module", params=["qwen35", "qwen3next"])
-def models(request, tmp_path_factory):
+def models(request, synthetic):
     if _why is not None:
         pytest.skip(f"CUDA backend unavailable: {_why}")
     from strata.gguf.default_model import default_model_path
@@ -321,8 +320,7 @@ def models(request, tmp_path_factory):
         default_model_path()
     except Exception as e:  # noqa: BLE001  (the synthetic file copies the default model's tokenizer)
         pytest.skip(f"synthetic models need the default model's tokenizer: {e}")
-    path = synth.write_synthetic(tmp_path_factory.mktemp(request.param) / "m.gguf",
-                                 synth.preset(request.param, "tiny", seed=23, n_mtp=0))
+    path = synthetic(request.param, seed=23, n_mtp=0)
     return load_model(path), load_model(path, C.CudaBackend())
 
 

@@ -4,24 +4,21 @@ running-state hash equals the one captured."""
 import numpy as np
 import pytest
 
-from strata.gguf import synth
 from strata.engine import types as T
 from strata.engine.engine import Engine
 from strata.sampling.sampler import SamplingParams
+from tests.helpers import answer
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    path = synth.write_synthetic(tmp_path_factory.mktemp("h") / "h.gguf", synth.preset("qwen35moe", seed=21))
-    return Engine(str(path), n_ctx=512, ubatch=64)
+def engine(synthetic):
+    return Engine(str(synthetic("qwen35moe", seed=21)), n_ctx=512, ubatch=64)
 
 
 def _run(e, rendered, **kw):
-    req = T.GenerationRequest(prompt_tokens=rendered.tokens, cut_points=rendered.cut_points,
-                              sampling=SamplingParams(temperature=0), max_tokens=8, stop=[], logprobs=1, **kw)
-    evs = list(e.generate(req))
-    toks = [(ev.token_id, ev.logprob) for ev in evs if hasattr(ev, "token_id")]
-    return toks, evs[-1]
+    """Greedy, 8 tokens at most -> ([(token id, logprob)], FinalEvent)."""
+    a = answer(e, rendered, 8, ignore_eos=False, sampling=SamplingParams(temperature=0), stop=[], logprobs=1, **kw)
+    return a.logprobs, a.final
 
 
 def test_repeat_resumes_from_checkpoint_exactly(engine):

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from tests.test_serve_daemon import Daemon
+from tests.daemon import Daemon
 
 pytestmark = pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
 

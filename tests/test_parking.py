@@ -6,46 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from strata.gguf import synth
-from strata.engine import Engine, GenerationRequest, TokenEvent
-
-
-def ask(engine, msgs, n=8, **kw):
-    r = engine.render_chat(msgs)
-    evs = list(engine.generate(GenerationRequest(prompt_tokens=r.tokens, cut_points=r.cut_points, max_tokens=n,
-                                                 ignore_eos=True, **kw)))
-    return [e.token_id for e in evs if isinstance(e, TokenEvent)], evs[-1]
-
-
-def chat(topic: str, turn: int, answers: list[str]):
-    msgs = [{"role": "system", "content": f"You talk about {topic} only."}]
-    for i in range(turn + 1):
-        msgs.append({"role": "user", "content": f"Tell me fact {i + 1} about {topic}."})
-        if i < turn:
-            msgs.append({"role": "assistant", "content": answers[i]})
-    return msgs
+from strata.engine import Engine
+from tests.helpers import ask, chat, play
 
 
 @pytest.fixture(scope="module")
-def hybrid_path(tmp_path_factory):
-    return synth.write_synthetic(tmp_path_factory.mktemp("park") / "qwen35.gguf",
-                                 synth.preset("qwen35", "tiny", n_layer=4, seed=21, n_mtp=1))
-
-
-def long_chat(topic: str, turn: int, answers: list[str]) -> list[dict]:
-    """chat() with its system message 55 times over (~300 tokens on the tiny synthetic hybrid)."""
-    return [dict(m, content=m["content"] * 55) if i == 0 else m for i, m in enumerate(chat(topic, turn, answers))]
-
-
-def _play(engine, topic, turns, answers, render=chat):
-    """Turn by turn, each turn's messages rendered by render(topic, turn, answers); returns
-    [(tokens, hashes, resume_from)]."""
-    out = []
-    for t in range(turns):
-        toks, final = ask(engine, render(topic, t, answers))
-        answers.append(engine.detokenize(toks))
-        out.append((toks, engine.state_hashes(), final.strata["resume_from"]))
-    return out
+def hybrid_path(synthetic):
+    return synthetic("qwen35", n_layer=4, seed=21, n_mtp=1)
 
 
 @pytest.mark.parametrize("resident", [0, 2])
@@ -55,11 +22,11 @@ def test_a_b_a_restores_a_from_the_park_bit_exact(which, split, resident, defaul
     sharing the system prompt's pages with it)."""
     path = default_model_path if which == "default" else hybrid_path
     alone = Engine(path, n_ctx=1024, ubatch=32, layer_split=split, conversation_cache_mib=0)
-    ref = _play(alone, "rivers", 2, [])
+    ref = play(alone, "rivers", 2, [])
     e = Engine(path, n_ctx=1024, ubatch=32, layer_split=split, conversation_cache_mib=256, park_resident=resident)
     answers: list[str] = []
-    first = _play(e, "rivers", 1, answers)
-    _play(e, "mountains", 1, [])                                  # B: A is parked
+    first = play(e, "rivers", 1, answers)
+    play(e, "mountains", 1, [])                                   # B: A is parked
     assert len(e.parked()) == 1 and e.parked()[0]["tokens"] > 0
     assert e.parked()[0]["tier"] == ("device" if resident else "ram")
     toks, final = ask(e, chat("rivers", 1, answers))              # A again
@@ -122,14 +89,14 @@ def test_parking_off_reads_again(hybrid_path):
 
 def test_disk_tier_takes_what_ram_drops_and_gives_it_back_bit_exact(hybrid_path, tmp_path):
     alone = Engine(hybrid_path, n_ctx=512, ubatch=32, conversation_cache_mib=0)
-    ref = _play(alone, "rivers", 2, [])
+    ref = play(alone, "rivers", 2, [])
     e = Engine(hybrid_path, n_ctx=512, ubatch=32, conversation_cache_mib=256, conversation_cache_dir=tmp_path,
                conversation_cache_disk_mib=64, park_resident=0)
     answers: list[str] = []
-    _play(e, "rivers", 1, answers)
-    _play(e, "ships", 1, [])                                        # rivers parked in RAM
+    play(e, "rivers", 1, answers)
+    play(e, "ships", 1, [])                                         # rivers parked in RAM
     e.park.budget = e.parked()[0]["bytes"] + 1                       # RAM now holds one conversation
-    _play(e, "bread", 1, [])                                        # ships parked: rivers goes to disk
+    play(e, "bread", 1, [])                                         # ships parked: rivers goes to disk
     tiers = sorted(p["tier"] for p in e.parked())
     assert tiers == ["disk", "ram"] and len(list(tmp_path.glob("park-*.bin"))) == 1
     toks, final = ask(e, chat("rivers", 1, answers))
@@ -153,7 +120,7 @@ def test_host_memory_is_set_aside_for_two_conversations_at_start(hybrid_path):
     assert a.keep_bytes >= 300 << 20                       # kept up to the park budget
     assert e.status()["memory"]["park_host_bytes"] == host_bytes() > 0
     pins = a.pins
-    _play(e, "rivers", 2, [])
+    play(e, "rivers", 2, [])
     ask(e, chat("mountains", 0, []))                       # parks the rivers chat into the arena
     assert len(e.park) == 1 and a.pins == pins             # nothing more allocated for it
     e.close()

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -244,7 +245,7 @@ def test_threads_give_identical_results(monkeypatch):
 
 
 def test_env_var_forces_portable_path():
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(quant.__file__))))
+    root = str(Path(quant.__file__).resolve().parents[2])         # the checkout holding strata/
     env = dict(os.environ, STRATA_CPU_PATH="portable",
                PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     code = "from strata.backend import quant; print(quant.cpu_path())"

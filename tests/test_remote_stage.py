@@ -23,56 +23,11 @@ import link
 from strata.engine.engine import Engine
 from strata.engine.types import GenerationRequest
 from strata.stages.remote import LinkClient, WorkerRefused
-from tests.test_serve_daemon import ROOT, Daemon, env_for_daemon, free_port
+from tests.daemon import ROOT, Daemon, WorkerProc, env_for_daemon, free_port
+from tests.helpers import ask
 
 N_CTX = 1024
 SYSTEM = "You are a helpful assistant who answers briefly. " * 12
-
-
-class WorkerProc:
-    """`python -m strata.cli.main worker` on 127.0.0.1 (port 0: a free one); stderr collected in `lines`."""
-
-    def __init__(self, *args: str, port: int = 0, env: dict | None = None, host: str = "127.0.0.1",
-                 wrap=None):
-        self.cmd = [sys.executable, "-m", "strata.cli.main", "worker", "--listen", f"{host}:{port}",
-                    "--threads", "1", "--log-format", "json", *args]
-        self.cmd = wrap(self.cmd) if wrap else self.cmd
-        self.host = host
-        self.env = env_for_daemon(env)
-        self.lines: list[str] = []
-        self.port = port
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, timeout: float = 120.0) -> "WorkerProc":
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                     env=self.env, cwd=ROOT)
-        ready = threading.Event()
-
-        def drain():
-            for line in self.proc.stderr:
-                self.lines.append(line.rstrip("\n"))
-                if line.startswith("strata worker listening on"):
-                    self.port = int(line.strip().rpartition(":")[2])
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=drain, daemon=True).start()
-        if not ready.wait(timeout) or self.proc.poll() is not None:
-            raise RuntimeError("strata worker did not start:\n" + "\n".join(self.lines[-20:]))
-        return self
-
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
-
-    def stop(self, sig=signal.SIGTERM) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 @pytest.fixture
@@ -90,15 +45,8 @@ def workers():
 
 
 def run(engine, rendered, n: int = 12):
-    req = GenerationRequest(prompt_tokens=list(rendered.tokens), cut_points=list(rendered.cut_points), max_tokens=n,
-                            cancel=threading.Event())
-    toks, final = [], None
-    for ev in engine.generate(req):
-        if hasattr(ev, "finish_reason"):
-            final = ev
-        else:
-            toks.append(ev.token_id)
-    return toks, final
+    """At most n tokens, stopping at an end of generation -> (token ids, FinalEvent)."""
+    return ask(engine, rendered, n, ignore_eos=False)
 
 
 def conversation(engine) -> list:
@@ -141,11 +89,10 @@ def test_two_and_three_stages_match_one_process_with_checkpoints(workers, refere
         assert st["checkpoints_held"] > 0 and st["up"]
 
 
-def test_hybrid_checkpoints_across_the_link(workers, tmp_path):
+def test_hybrid_checkpoints_across_the_link(workers, synthetic):
     """A synthetic Qwen3.5-style hybrid (Gated DeltaNet + attention): its running state cannot be cut back, so
     every later turn resumes from a checkpoint, here one whose worker part is kept on the worker."""
-    from strata.gguf import synth
-    path = str(synth.write_synthetic(tmp_path / "qwen35.gguf", synth.preset("qwen35", "tiny", seed=11, n_mtp=0)))
+    path = str(synthetic("qwen35", seed=11, n_mtp=0))
     n_blocks = Engine(path, n_ctx=N_CTX, prompt_cache=4).stages[0].carve.hi
     ref = conversation(Engine(path, n_ctx=N_CTX, prompt_cache=4))
     w = workers("--model", path)
@@ -233,10 +180,9 @@ class InProcessWorker:
         self.thread.join(10)
 
 
-def test_a_store_emptied_under_the_main_makes_the_request_read_from_zero(tmp_path):
-    from strata.gguf import synth
+def test_a_store_emptied_under_the_main_makes_the_request_read_from_zero(synthetic):
     # a hybrid: its running state cannot be cut back, so the same request again resumes from a checkpoint
-    path = str(synth.write_synthetic(tmp_path / "qwen35.gguf", synth.preset("qwen35", "tiny", seed=11, n_mtp=0)))
+    path = str(synthetic("qwen35", seed=11, n_mtp=0))
     w = InProcessWorker(model=path)
     e = Engine(path, n_ctx=N_CTX, prompt_cache=4, remote_stage=w.address, layer_split="2")
     try:

@@ -9,11 +9,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as hs
 
-from strata.gguf import synth
 from strata.backend.cpu import CPUBackend
 from strata.engine import Engine
 from strata.memory import KVCacheFull, PagedKV, PartMismatch
-from tests.test_parking import _play, ask, chat, long_chat
+from tests.helpers import ask, chat, long_chat, play
 
 PS, NKV, HD = 4, 1, 2
 
@@ -97,9 +96,8 @@ def test_a_released_hold_is_refused_and_changes_nothing(default_model_path):
 
 
 @pytest.fixture(scope="module")
-def hybrid_path(tmp_path_factory):
-    return synth.write_synthetic(tmp_path_factory.mktemp("resident") / "qwen35.gguf",
-                                 synth.preset("qwen35", "tiny", n_layer=4, seed=21))
+def hybrid_path(synthetic):
+    return synthetic("qwen35", n_layer=4, seed=21)
 
 
 def _long_system(topic: str, turn: int, answers: list[str]) -> list[dict]:
@@ -118,9 +116,9 @@ def test_a_new_chat_shares_the_system_prompt_and_the_switch_back_copies_no_kv(wh
     path = default_model_path if which == "default" else hybrid_path
     kw = dict(n_ctx=2048, ubatch=256)
     alone = Engine(path, conversation_cache_mib=0, **kw)
-    ref_a = [t for t, _, _ in _play(alone, "rivers", 2, [], _long_system)]
+    ref_a = [t for t, _, _ in play(alone, "rivers", 2, [], _long_system)]
     alone.slot_erase()
-    ref_b = [t for t, _, _ in _play(alone, "ships", 1, [], _long_system)]
+    ref_b = [t for t, _, _ in play(alone, "ships", 1, [], _long_system)]
     e = Engine(path, conversation_cache_mib=256, park_resident=2, **kw)
     answers: list[str] = []
     toks, _ = ask(e, _long_system("rivers", 0, answers))
@@ -151,7 +149,7 @@ def test_a_short_pool_moves_the_least_recently_used_to_host_ram_bit_exact(hybrid
     so reading the second moves the first to host RAM (make_room), from where it comes back bit-exact."""
     kw = dict(n_ctx=512, ubatch=64)
     alone = Engine(hybrid_path, conversation_cache_mib=0, **kw)
-    ref = _play(alone, "rivers", 2, [], long_chat)
+    ref = play(alone, "rivers", 2, [], long_chat)
     e = Engine(hybrid_path, conversation_cache_mib=256, park_resident=2, **kw)
     answers: list[str] = []
     toks, _ = ask(e, long_chat("rivers", 0, answers))

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from tests.test_serve_daemon import Daemon, env_for_daemon, free_port
-from tests.test_tokenizer import _invalid_alone
+from tests.daemon import Daemon, env_for_daemon, free_port
+from tests.helpers import invalid_alone
 
 pytestmark = pytest.mark.slow
 
@@ -196,7 +196,7 @@ def test_logprobs_bytes_are_the_tokens_bytes(client, model_id):
     content = r.choices[0].logprobs.content
     joined = b"".join(bytes(e.bytes) for e in content)
     assert joined.decode("utf-8", "ignore") == r.choices[0].message.content
-    partial = [e for e in content if _invalid_alone(bytes(e.bytes))]
+    partial = [e for e in content if invalid_alone(bytes(e.bytes))]
     assert partial, "the greedy answer was expected to hold a character split over byte tokens"
     assert all(e.top_logprobs[0].bytes == e.bytes for e in content)
 
@@ -463,7 +463,7 @@ def test_api_key_on_tcp(daemon):
 def test_non_loopback_needs_api_key(tmp_path):
     import subprocess
     import sys
-    from tests.test_serve_daemon import ROOT, env_for_daemon
+    from tests.daemon import ROOT, env_for_daemon
     r = subprocess.run([sys.executable, "-m", "strata.cli.main", "serve", "--socket", str(tmp_path / "s"),
                         "--host", "0.0.0.0", "--port", "1"], capture_output=True, text=True, env=env_for_daemon(),
                        cwd=ROOT, timeout=60)
@@ -476,7 +476,7 @@ def test_api_key_with_spaces_is_refused(tmp_path, key):
     error before anything starts, also through STRATA_API_KEY."""
     import subprocess
     import sys
-    from tests.test_serve_daemon import ROOT, env_for_daemon
+    from tests.daemon import ROOT, env_for_daemon
     r = subprocess.run([sys.executable, "-m", "strata.cli.main", "serve", "--socket", str(tmp_path / "s"),
                         "--host", "0.0.0.0", "--port", "1"], capture_output=True, text=True,
                        env=env_for_daemon({"STRATA_API_KEY": key}), cwd=ROOT, timeout=60)
@@ -802,7 +802,7 @@ def test_unusable_socket_path_names_it(tmp_path):
     import sys
     from pathlib import Path
 
-    from tests.test_serve_daemon import ROOT, env_for_daemon
+    from tests.daemon import ROOT, env_for_daemon
     (tmp_path / "file").write_text("x")
     for sock, needle in ((tmp_path / "file" / "s.sock", f"cannot create the socket directory {tmp_path / 'file'}"),
                          (Path("/proc/strata-test.sock"), "cannot listen on /proc/strata-test.sock")):

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tests.test_serve_daemon import Daemon, free_port
+from tests.daemon import Daemon, free_port
 
 HI = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
 

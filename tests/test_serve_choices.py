@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_serve_daemon import Daemon, free_port
+from tests.daemon import Daemon, free_port
 
 pytestmark = pytest.mark.slow
 openai = pytest.importorskip("openai")

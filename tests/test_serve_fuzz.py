@@ -11,7 +11,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from tests.test_serve_daemon import Daemon, free_port  # noqa: E402
+from tests.daemon import Daemon, free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

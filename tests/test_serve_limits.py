@@ -9,7 +9,7 @@ import time
 import pytest
 
 from strata.serve.connections import ConnectionGuard, connection_cap
-from tests.test_serve_daemon import Daemon, free_port
+from tests.daemon import Daemon, free_port
 
 HI = [{"role": "user", "content": "Hi"}]
 

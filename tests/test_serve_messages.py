@@ -10,8 +10,7 @@ import json
 
 import pytest
 
-from tests.test_serve_daemon import Daemon, free_port
-from tests.test_serve_tools import QWEN_TEMPLATE, THINK_TEMPLATE
+from tests.daemon import Daemon, free_port
 
 pytestmark = pytest.mark.slow
 anthropic = pytest.importorskip("anthropic")
@@ -213,17 +212,7 @@ def test_errors_in_anthropic_shape(client, smol):
 
 
 # ---- tools on a synthetic model with a Qwen-style template, reasoning on one that thinks ---------------------------
-@pytest.fixture(scope="module")
-def qwen(tmp_path_factory):
-    from strata.gguf import synth
-    tmp = tmp_path_factory.mktemp("qwen")
-    path = synth.write_synthetic(tmp / "qwen-style.gguf", synth.preset("qwen35"),
-                                 overrides={"tokenizer.chat_template": QWEN_TEMPLATE})
-    d = Daemon(tmp, "--model", str(path), port=free_port(), n_ctx=2048).start()
-    yield d
-    assert d.stop() == 0, d.log_tail()
-
-
+# (`qwen` and `thinker`: tests/conftest.py's daemons on synthetic models with tests/templates.py's templates)
 def _tool_uses(message) -> list:
     return [b for b in message.content if b.type == "tool_use"]
 
@@ -256,17 +245,6 @@ def test_forced_tool_use_and_its_result(qwen):
     assert any_.stop_reason == "tool_use" and len(_tool_uses(any_)) == 1
     name = _tool_uses(any_)[0].name
     jsonschema.validate(_tool_uses(any_)[0].input, {"get_weather": WEATHER, "get_time": CLOCK}[name]["input_schema"])
-
-
-@pytest.fixture(scope="module")
-def thinker(tmp_path_factory):
-    from strata.gguf import synth
-    tmp = tmp_path_factory.mktemp("think")
-    path = synth.write_synthetic(tmp / "thinker.gguf", synth.preset("qwen35", seed=1),
-                                 overrides={"tokenizer.chat_template": THINK_TEMPLATE})
-    d = Daemon(tmp, "--model", str(path), port=free_port(), n_ctx=1024).start()
-    yield d
-    assert d.stop() == 0, d.log_tail()
 
 
 def test_reasoning_is_a_thinking_block(thinker):

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.test_serve_daemon import Daemon, free_port
+from tests.daemon import Daemon, free_port
 
 ollama = pytest.importorskip("ollama")
 

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tests.test_serve_daemon import Daemon, free_port
+from tests.daemon import Daemon, free_port
 
 pytestmark = pytest.mark.slow
 openai = pytest.importorskip("openai")

@@ -8,54 +8,11 @@ import json
 
 import pytest
 
-from tests.test_serve_daemon import Daemon, free_port
+from tests.daemon import Daemon, free_port
 
 pytestmark = pytest.mark.slow
 jsonschema = pytest.importorskip("jsonschema")
 openai = pytest.importorskip("openai")
-
-# A Qwen-style chat template written from the documented prompt format of Qwen2.5 / Qwen3-Next-Instruct (ChatML;
-# tools in the system turn inside <tools></tools>; calls as <tool_call> JSON; results as <tool_response> in a user
-# turn).
-QWEN_TEMPLATE = """{%- if tools %}<|im_start|>system
-{% if messages[0].role == 'system' %}{{ messages[0].content }}
-
-{% endif %}# Tools
-
-You may call one or more functions to assist with the user query.
-
-You are provided with function signatures within <tools></tools> XML tags:
-<tools>
-{% for tool in tools %}{{ tool | tojson }}
-{% endfor %}</tools>
-
-For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
-<tool_call>
-{"name": <function-name>, "arguments": <args-json-object>}
-</tool_call><|im_end|>
-{% elif messages[0].role == 'system' %}<|im_start|>system
-{{ messages[0].content }}<|im_end|>
-{% endif %}
-{%- for m in messages %}
-{%- if m.role == 'user' or (m.role == 'system' and not loop.first) %}<|im_start|>{{ m.role }}
-{{ m.content }}<|im_end|>
-{% elif m.role == 'assistant' %}<|im_start|>assistant
-{% if m.content %}{{ m.content }}{% endif %}
-{%- for tc in (m.tool_calls or []) %}{% set f = tc.function %}{% if m.content or not loop.first %}
-{% endif %}<tool_call>
-{"name": "{{ f.name }}", "arguments": {{ f.arguments | tojson }}}
-</tool_call>{% endfor %}<|im_end|>
-{% elif m.role == 'tool' %}
-{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{{ '\n' }}{% endif %}
-<tool_response>
-{{ m.content }}
-</tool_response>
-{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>
-{% endif %}
-{%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city over the next days",
@@ -77,18 +34,7 @@ def _client(daemon):
                          timeout=300)
 
 
-@pytest.fixture(scope="module")
-def qwen(tmp_path_factory):
-    """A tiny synthetic qwen35 (hybrid) model with QWEN_TEMPLATE, served on TCP."""
-    from strata.gguf import synth
-    tmp = tmp_path_factory.mktemp("qwen")
-    path = synth.write_synthetic(tmp / "qwen-style.gguf", synth.preset("qwen35"),
-                                 overrides={"tokenizer.chat_template": QWEN_TEMPLATE})
-    d = Daemon(tmp, "--model", str(path), port=free_port(), n_ctx=2048).start()
-    yield d
-    assert d.stop() == 0, d.log_tail()
-
-
+# `qwen` and `thinker`: tests/conftest.py's daemons on synthetic models with tests/templates.py's templates
 @pytest.fixture(scope="module")
 def smol(tmp_path_factory):
     """The default model (its template knows no tools: the generic JSON format), served on TCP."""
@@ -307,31 +253,6 @@ def test_json_object_and_completion_fields(smol):
                          ({"json_schema": {}, "grammar": "root ::= \"a\""}, "send one")):
         st, d = smol.json("POST", "/v1/completions", {"prompt": "x", "max_tokens": 4, **body})
         assert st == 400 and needle in d["error"]["message"], d
-
-
-# A reasoning template in the manner of Qwen3.5's: the generation prompt opens a <think> block, or (enable_thinking
-# false) writes an empty one.
-THINK_TEMPLATE = """{%- for m in messages %}<|im_start|>{{ m.role }}
-{{ m.content }}<|im_end|>
-{% endfor %}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% if enable_thinking is defined and enable_thinking is false %}<think>
-
-</think>
-
-{% else %}<think>
-{% endif %}{% endif %}"""
-
-
-@pytest.fixture(scope="module")
-def thinker(tmp_path_factory):
-    from strata.gguf import synth
-    tmp = tmp_path_factory.mktemp("think")
-    path = synth.write_synthetic(tmp / "thinker.gguf", synth.preset("qwen35", seed=1),     # seed 1 writes words
-                                 overrides={"tokenizer.chat_template": THINK_TEMPLATE})
-    d = Daemon(tmp, "--model", str(path), port=free_port(), n_ctx=1024).start()
-    yield d
-    assert d.stop() == 0, d.log_tail()
 
 
 def test_reasoning_content_and_template_kwargs(thinker):

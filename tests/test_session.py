@@ -4,6 +4,7 @@ every bad file or name refused with one line, the live conversation untouched, n
 directory; the reader fuzzed (hypothesis)."""
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
@@ -15,19 +16,13 @@ from hypothesis import HealthCheck, given, settings, strategies as hs
 
 from strata.gguf import synth
 from strata.cache import session
-from strata.engine import Engine, GenerationRequest, TokenEvent
+from strata.engine import Engine
+from tests import helpers
 from tests.mutation import mutate
 
 DATA = Path(__file__).resolve().parent / "data"
 GOLDEN_SPEC = dict(arch="qwen35", size="tiny", n_layer=4, seed=31)
-
-
-def ask(engine, msgs, n=6):
-    r = engine.render_chat(msgs)
-    evs = list(engine.generate(GenerationRequest(prompt_tokens=r.tokens, cut_points=r.cut_points, max_tokens=n,
-                                                 ignore_eos=True)))
-    return [e.token_id for e in evs if isinstance(e, TokenEvent)], evs[-1]
-
+ask = functools.partial(helpers.ask, n=6)
 
 CHAT = [{"role": "system", "content": "You are a helpful assistant."},
         {"role": "user", "content": "Tell me about rivers."}]
@@ -42,8 +37,8 @@ def golden_model(tmp) -> Path:
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return golden_model(tmp_path_factory.mktemp("session"))
+def model_path(synthetic):
+    return synthetic(name="golden", **GOLDEN_SPEC)          # the file golden_model writes
 
 
 def _engine(path, slot_dir, split=None, n_ctx=512):
@@ -438,7 +433,7 @@ def test_daemon_save_restart_restore_with_stratactl(tmp_path):
     resumes (cache_n > 0) with the answer an uninterrupted daemon gives; `stratactl cache` lists what is parked."""
     import subprocess
     import sys
-    from tests.test_serve_daemon import ROOT, Daemon, env_for_daemon
+    from tests.daemon import ROOT, Daemon, env_for_daemon
     slots = tmp_path / "slots"
     slots.mkdir()
 

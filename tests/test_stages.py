@@ -4,6 +4,7 @@ through checkpoints; the default model and a synthetic hybrid), per-stage checkp
 write, the per-device drain before every state read and write, and the CLI / stratactl surface."""
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -11,10 +12,10 @@ import sys
 import numpy as np
 import pytest
 
-from strata.gguf import synth
-from strata.engine import Engine, GenerationRequest, TokenEvent
+from strata.engine import Engine
 from strata.memory import Carve, PartMismatch
 from strata.stages.split import carves_by_weight, plan_stages
+from tests.helpers import ask
 
 GB = 1 << 30
 
@@ -43,11 +44,7 @@ def test_plan_stages_explicit_auto_and_errors():
 
 # ---- split parity on the CPU ---------------------------------------------------------------------------------
 
-def _greedy(engine, msgs, n=12):
-    r = engine.render_chat(msgs)
-    evs = list(engine.generate(GenerationRequest(prompt_tokens=r.tokens, cut_points=r.cut_points, max_tokens=n,
-                                                 ignore_eos=True)))
-    return [e.token_id for e in evs if isinstance(e, TokenEvent)], evs[-1]
+_greedy = functools.partial(ask, n=12)
 
 
 CHAT = [{"role": "system", "content": "You are a terse assistant who answers in one line."},
@@ -71,9 +68,8 @@ def _conversation(engine):
 
 
 @pytest.fixture(scope="module")
-def hybrid_path(tmp_path_factory):
-    return synth.write_synthetic(tmp_path_factory.mktemp("split") / "qwen35.gguf",
-                                 synth.preset("qwen35", "tiny", n_layer=6, seed=11, n_mtp=1))
+def hybrid_path(synthetic):
+    return synthetic("qwen35", n_layer=6, seed=11, n_mtp=1)
 
 
 @pytest.mark.parametrize("which", ["default", "hybrid"])
@@ -197,7 +193,7 @@ def test_split_past_the_model_is_a_usage_error_before_the_model_loads(cmd):
 
 @pytest.mark.slow
 def test_stratactl_status_shows_each_stage(tmp_path):
-    from tests.test_serve_daemon import ROOT, Daemon, env_for_daemon
+    from tests.daemon import ROOT, Daemon, env_for_daemon
     d = Daemon(tmp_path, "--layer-split", "12").start()
     try:
         run = lambda *a: subprocess.run([sys.executable, "-m", "strata.cli.ctl", "--socket", d.sock, *a],  # noqa: E731

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from tests.test_serve_daemon import ROOT, Daemon, env_for_daemon, free_port
+from tests.daemon import ROOT, Daemon, env_for_daemon, free_port
 
 pytestmark = pytest.mark.slow
 

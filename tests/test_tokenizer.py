@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from strata.text.tokenizer import StreamDecoder, Tokenizer
+from tests.helpers import invalid_alone
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data"
@@ -268,7 +269,7 @@ def test_lone_surrogates_are_a_one_line_error(tok, text):
 @pytest.fixture(scope="module")
 def partial_ids(tok):
     """Tokens whose bytes are not valid UTF-8 alone (pieces of multi-byte characters)."""
-    ids = [i for i in range(tok.n_vocab) if _invalid_alone(tok.token_bytes(i))]
+    ids = [i for i in range(tok.n_vocab) if invalid_alone(tok.token_bytes(i))]
     assert len(ids) > 50
     return ids
 
@@ -284,14 +285,6 @@ def test_stream_decoder_arbitrary_tokens(tok, partial_ids, data):
     for p in pieces:
         p.encode("utf-8")
     assert "".join(pieces) == tok.decode_bytes(ids).decode("utf-8", errors="replace")
-
-
-def _invalid_alone(b: bytes) -> bool:
-    try:
-        b.decode("utf-8")
-        return False
-    except UnicodeDecodeError:
-        return True
 
 
 # ----------------------------------------------------------------------------- fragments kept across requests

@@ -1,4 +1,5 @@
-"""Test support (no tests here): start the real `strata serve` daemon in a subprocess and talk HTTP to its Unix socket."""
+"""Test support: the real `strata serve` daemon in a subprocess, talked to over HTTP on its Unix socket, and a
+`strata worker` process on loopback."""
 from __future__ import annotations
 
 import json
@@ -7,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -117,3 +119,49 @@ class Daemon:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+class WorkerProc:
+    """`python -m strata.cli.main worker` on 127.0.0.1 (port 0: a free one); stderr collected in `lines`."""
+
+    def __init__(self, *args: str, port: int = 0, env: dict | None = None, host: str = "127.0.0.1",
+                 wrap=None):
+        self.cmd = [sys.executable, "-m", "strata.cli.main", "worker", "--listen", f"{host}:{port}",
+                    "--threads", "1", "--log-format", "json", *args]
+        self.cmd = wrap(self.cmd) if wrap else self.cmd
+        self.host = host
+        self.env = env_for_daemon(env)
+        self.lines: list[str] = []
+        self.port = port
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 120.0) -> "WorkerProc":
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                     env=self.env, cwd=ROOT)
+        ready = threading.Event()
+
+        def drain():
+            for line in self.proc.stderr:
+                self.lines.append(line.rstrip("\n"))
+                if line.startswith("strata worker listening on"):
+                    self.port = int(line.strip().rpartition(":")[2])
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=drain, daemon=True).start()
+        if not ready.wait(timeout) or self.proc.poll() is not None:
+            raise RuntimeError("strata worker did not start:\n" + "\n".join(self.lines[-20:]))
+        return self
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def stop(self, sig=signal.SIGTERM) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
