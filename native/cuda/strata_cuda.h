@@ -113,6 +113,39 @@ int strata_matvec_q8w_rope(void *stream, int ggml_type, const void *w, const voi
                            const float *norm_delta, const float *norm_w, float *norm_x_out, float eps, int pre_wait,
                            const float *norm_ss);
 
+/* ---------------- matvec_cols.cu: the short read's matvecs over n_cols columns (1..16), each column bit-identical to
+ * the decode matvec named on the same vector. Column c of a q8_1 vector of n values (input xq, or an output: x_q8,
+ * act_q8) starts at byte c * strata_q8_col_bytes(n), 16-byte aligned (n int8, then n / 32 float2 (d, d * sum q));
+ * of an f32 vector of n values (y, x, qkv, act) at element c * n; of the sums of squares (x_ss, norm_ss) at c * (n /
+ * 32). Errors: those of the decode launcher mirrored, and cudaErrorInvalidValue for n_cols outside 1..16. */
+/* Bytes of one column of a q8_1 vector of n values (n % 32 == 0), else -1. */
+int strata_q8_col_bytes(int n);
+
+/* strata_matvec_q8w per column: y[c] = W xq[c], column c of y at element c * y_stride (>= n_out). */
+int strata_mvc_q8w(void *stream, int ggml_type, const void *w, const void *xq, float *y, int y_stride, int n_out,
+                   int n_in, int n_cols);
+
+/* strata_matvec_q8b per column: y[c] = W xq[c], one block per row, column c of y at element c * y_stride. */
+int strata_mvc_q8b(void *stream, int ggml_type, const void *w, const void *xq, float *y, int y_stride, int n_out,
+                   int n_in, int n_cols);
+
+/* strata_matvec_q8_resid per column (block: the q8b form): x[c] += W xq[c] and, with norm_w, each column's handoff
+ * (x_q8[c], x_ss[c]); counters (n_out / 32 uint32, zero, left zero) are shared by the columns. */
+int strata_mvc_q8_resid(void *stream, int ggml_type, const void *w, const void *xq, int n_out, int n_in, int n_cols,
+                        int block, float *x, const float *norm_w, void *x_q8, float *x_ss, unsigned *counters);
+
+/* strata_matvec_q8w_rope per column without a fused norm: column c at position pos[c] (n_cols positions on the
+ * device), its K / V into the paged cache; norm_ss (may be NULL): the handed-off input norm of each column. */
+int strata_mvc_q8w_rope(void *stream, int ggml_type, const void *w, const void *xq, float *qkv, int n_head, int n_kv,
+                        int hd, int n_in, int n_cols, const int *pos, void *k_cache, void *v_cache,
+                        const int *page_table, int n_rot, float base, int page_size, float eps,
+                        const float *norm_ss);
+
+/* strata_matvec_q8w_glu_norm per column without a fused norm: act[c] (may be NULL) and act_q8[c] (may be NULL, not
+ * both) from xq[c]; norm_ss (may be NULL): the handed-off input norm of each column. */
+int strata_mvc_q8w_glu(void *stream, int ggml_type, const void *w_gate, const void *w_up, const void *xq, float *act,
+                       void *act_q8, int F, int n_in, int n_cols, float eps, const float *norm_ss);
+
 /* ---------------- norm.cu: RMSNorm with the residual add */
 /* RMSNorm fused with the residual add: s = x + residual (residual may be NULL: s = x);
  * sum_out (may be NULL) = s; out = s / sqrt(mean(s^2) + eps) * weight. All f32, (n_rows, dim). */

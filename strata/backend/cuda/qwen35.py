@@ -33,7 +33,7 @@ import numpy as np
 from strata.backend.cuda import settings
 from strata.backend.cuda.attention import prefill_attention
 from strata.backend.cuda.gdn import VARIANTS
-from strata.backend.cuda.library import check, ffi, lib, ptr, stream_ptr
+from strata.backend.cuda.library import addr, check, ffi, fptr, lib, ptr, stream_ptr
 from strata.backend.cuda.runner import DecodePlan, PlanModel, q8_buffer
 from strata.backend.cuda.settings import ATTN_HEAD_DIMS, FLASH_HEAD_DIMS, fa2_splits, gqa_resident, n_split_class
 from strata.backend.cuda.weights import DeviceWeight, fuse_groups, glu_pointers
@@ -297,6 +297,89 @@ class Qwen35Cuda(DecodePlan):
         check(lb.strata_q35_out_gate(s, ptr(d["att"]), ptr(d["gate"]), ptr(d["an"]), NULL, self._qp("aq"), nq),
               "strata_q35_out_gate")
         self._mv(s, [(L.wo, 0, E)], d["o"], d["an"], d["aq"], nq)
+
+    # ---- the short read
+    def short_form(self) -> str | None:
+        """'decode': the hybrid step has one form, mirrored column by column (DecodePlan.short_read)."""
+        return "decode"
+
+    def _enqueue_short(self, form: str, n: int, rows: tuple, all_logits: bool, graph: bool = False) -> None:
+        """The decode step (_enqueue_step) over n columns: the matvecs through the column launchers, the per-token
+        kernels (norms, conv, the GDN step, gates, RoPE, attention, SwiGLU) once per row in row order (the conv
+        window and the ssm state advance one token at a time)."""
+        m = self.model
+        s = stream_ptr()
+        self._cols_embed(s, n)
+        self._cols_norm(s, n, "x", m.layers[self.lo].attn_norm)
+        glu_on = self.dp4a and settings.GLU_HYBRID
+        for li in range(self.lo, self.hi):
+            L = m.layers[li]
+            if L.recurrent:
+                self._cols_gdn(s, n, li, L)
+            else:
+                self._cols_attn(s, n, li, L, rows)
+            self._cols_norm(s, n, "o", L.post_norm, residual="x")
+            glu = glu_pointers([w for w, _, _ in self.w_gu[li]], self.n_ff, self.n_embd) if glu_on else None
+            self._cols_ffn(s, n, self.w_gu[li], L.ffn.dense[2], glu)
+            self._cols_layer_end(s, n, li, L.post_norm)
+        self._cols_head(s, n, all_logits)
+
+    def _cols_gdn(self, s, n: int, li: int, L) -> None:
+        """_gdn over n columns."""
+        lb, m = lib(), self.model
+        E = self.n_embd
+        conv_dim, vdim, nv, nk, dk, dv = m.conv_dim, m.value_dim, m.nv, m.nk, m.dk, m.dv
+        buf = self.resident.buf[li]
+        self._cols_mv(s, self.w_in[li], "proj", "hn", "hq", E, n)
+        b_off = conv_dim + vdim
+        for i in range(n):
+            check(lb.strata_q35_conv(s, self._col("proj", i), ptr(L.conv), ptr(buf["conv"]), self._col("y", i),
+                                     conv_dim, m.d_conv), "strata_q35_conv")
+        for i in range(n):
+            check(lb.strata_q35_gdn_step(s, self._col("y", i), self._col("proj", i), ptr(L.a), ptr(L.dt),
+                                         ptr(buf["ssm"]), self._col("ov", i), nv, nk, dk, dv, int(bool(m.tiled)),
+                                         b_off, b_off + nv, int(L.w_ba is not None), float(1.0 / dk ** 0.5), L2_EPS),
+                  "strata_q35_gdn_step")
+        for i in range(n):
+            check(lb.strata_q35_gated_norm(s, self._col("ov", i), addr(self.c["proj"].data.ptr + i *
+                                                                       self.cstride["proj"] + 4 * conv_dim),
+                                           ptr(L.ssm_norm), self._col("vn", i), self._col_q("vq", i), nv, dv,
+                                           self.eps), "strata_q35_gated_norm")
+        self._cols_mv(s, [(L.ssm_out, 0, E)], "o", "vn", "vq", vdim, n)
+
+    def _cols_attn(self, s, n: int, li: int, L, rows: tuple) -> None:
+        """_attn over n columns, row i's attention with the split of its own decode step (rows[i])."""
+        lb, c, pool = lib(), self.c, self.pool
+        E, H, KV, hd = self.n_embd, self.n_head, self.n_kv, self.hd
+        nq, kvd = H * hd, KV * hd
+        W = nq + 2 * kvd
+        NULL = ffi().NULL
+        slot = pool.slot(li)
+        kc, vc = pool.k[slot], pool.v[slot]
+        ks, vs = pool.scales(slot)
+        pt = pool._pt
+        self._cols_mv(s, self.w_in[li], "qg", "hn", "hq", E, n)
+        ctr = ffi().cast("unsigned *", c["counters"].data.ptr)
+        for i in range(n):
+            _, pos_p, len_p = self._rows_inp(i)
+            q = self._col("qkv", i)
+            check(lb.strata_q35_attn_prep(s, self._col("qg", i), ptr(L.q_norm), ptr(L.k_norm), q,
+                                          self._col("gate", i), 1, H, KV, hd, self.eps), "strata_q35_attn_prep")
+            if ks is None:
+                check(lb.strata_rope_kv_decode(s, q, pos_p, ptr(kc), ptr(vc), ptr(pt), H, KV, hd, self.n_rot,
+                                               self.theta, 1, pool.page_size), "strata_rope_kv_decode")
+            else:
+                check(lb.strata_rope_kv_decode(s, q, pos_p, NULL, NULL, ptr(pt), H, KV, hd, self.n_rot, self.theta, 1,
+                                               pool.page_size), "strata_rope_kv_decode")
+                check(lb.strata_kv_write_q8(s, fptr(c["qkv"], i * W + nq), W, fptr(c["qkv"], i * W + nq + kvd), W,
+                                            ptr(kc), ptr(vc), ptr(ks), ptr(vs), ptr(pt), pos_p, 0, 1, KV, hd,
+                                            pool.page_size), "strata_kv_write_q8")
+            check(lb.strata_attn_decode_gqa(s, q, ptr(kc), ptr(vc), ptr(pt), len_p, 0, ptr(c["partial"]), ctr,
+                                            self._col("att", i), NULL, H, KV, hd, pool.page_size, rows[i][0],
+                                            self.scale, ptr(ks), ptr(vs)), "strata_attn_decode_gqa")
+            check(lb.strata_q35_out_gate(s, self._col("att", i), self._col("gate", i), self._col("an", i), NULL,
+                                         self._col_q("aq", i), nq), "strata_q35_out_gate")
+        self._cols_mv(s, [(L.wo, 0, E)], "o", "an", "aq", nq, n)
 
     def prefill(self, tokens, state, all_logits: bool = False, x_in=None):
         """Qwen3NextModel.forward(tokens, state, all_logits) for n >= 1 tokens on the current stream -> host f32

@@ -132,6 +132,21 @@ def n_split_class(size_class: int, n_kv: int, n_sm: int, resident: int = 0) -> i
     return n_split_gqa(max(1, size_class // 2), n_kv, n_sm, resident=resident)
 
 
+# The short read (DecodePlan.short_read): a forward of 2..SHORT_READ_MAX new tokens of one sequence runs the decode
+# step's kernels over that many columns (each weight row read once; row i bit-identical to decoding token i after rows
+# 0..i-1); longer ones the cuBLAS prefill. 16 is the exactness contract's bound (matvec_cols.cu takes at most 16
+# columns) and where the issue's measurements put the GEMM prefill's fixed cost (f16 weight copies, ~40 decode steps
+# for 32 tokens) above 16 column passes; STRATA_CUDA_SHORT_READ_MAX (0..16) lowers it (0: off).
+SHORT_READ_COLS = 16
+SHORT_READ_MAX = max(0, min(SHORT_READ_COLS, int(os.environ.get("STRATA_CUDA_SHORT_READ_MAX", SHORT_READ_COLS))))
+
+
+def short_read(n: int) -> bool:
+    """Whether a forward of n new tokens of one sequence goes through the plan's short read (2 <= n <=
+    SHORT_READ_MAX) rather than its prefill: the one place the two paths are chosen between."""
+    return 2 <= int(n) <= SHORT_READ_MAX
+
+
 def size_class(length: int) -> int:
     """Context-size class of a decode step attending over `length` positions (one captured graph per class): the
     power of two >= max(256, length)."""
