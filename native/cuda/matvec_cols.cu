@@ -72,8 +72,8 @@ __device__ static inline void resid_handoff_cols(const ResidOut &ro, int r0, int
     const int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
     const int i = (r0 & ~31) + lane;
     for (int c = threadIdx.x >> 5; c < n_cols; c += nw)
-      handoff_store(__ldcg(ro.x + (long long)c * ro.n + i), i, ro.w, ro.xq + c * q8s, ro.ss + (long long)c * (ro.n / 32),
-                    ro.n);
+      handoff_store(__ldcg(ro.x + (long long)c * ro.n + i), i, ro.w, ro.xq + c * q8s,
+                    ro.ss + (long long)c * (ro.n / 32), ro.n);
   }
 }
 
@@ -326,8 +326,8 @@ extern "C" int strata_mvc_q8b(void *stream, int t, const void *w, const void *xq
   cudaStream_t s = (cudaStream_t)stream;
   const uint8_t *W = (const uint8_t *)w;
   const int8_t *q = (const int8_t *)xq;
-#define CB(TT) st_launch(k_mvc_q8b<TT>, (unsigned)n_out, 128, 0, s, W, q, xs, y, (long long)y_stride, n_out, n_in / 32, \
-                         rb, n_cols, ResidOut{}, 0LL)
+#define CB(TT) st_launch(k_mvc_q8b<TT>, (unsigned)n_out, 128, 0, s, W, q, xs, y, (long long)y_stride, n_out, \
+                         n_in / 32, rb, n_cols, ResidOut{}, 0LL)
   DISPATCH_Q8_TYPE(t, CB)
 #undef CB
   return (int)cudaGetLastError();

@@ -444,13 +444,13 @@ class DecodePlan:
         return tuple(self._step_args(settings.size_class(p0 + i + 1)) for i in range(n))
 
     def _launch_short(self, form: str, n: int, p0: int, all_logits: bool) -> None:
-        """The short read of n columns at positions p0.. on self.stream (graph per (n, rows, all_logits), captured
-        on first use, or eager launches)."""
+        """The short read of n columns at positions p0.. on self.stream (a graph per (form, n, rows, all_logits),
+        captured on first use, or eager launches)."""
         rows = self._short_rows(p0, n)
         if not self.use_graphs:
             self._enqueue_short(form, n, rows, all_logits)
             return
-        key = ("short", n, rows, bool(all_logits))
+        key = ("short", form, n, rows, bool(all_logits))
         g = self.graphs.get(key)
         if g is None:
             self.stream.begin_capture()
