@@ -5,7 +5,7 @@ The reference is the decode step itself (plan.decode, one token at a time), an i
 checked against numpy, transformers and the CPU backend by tests/test_cuda_kernels.py, test_cuda_parity.py and
 test_cuda_qwen35.py. Kernel level: every column launcher against the decode launcher it mirrors, column by column,
 for every dp4a weight type (bit for bit: y, residual stream, handed-off q8_1 blocks and sums, K/V cache, SwiGLU
-output and its q8_1 blocks). Model level: the default model (SmolLM2, llama: the handoff form, the separate-launch
+output and its q8_1 blocks), and the rows attention launchers against the decode attention kernels row by row. Model level: the default model (SmolLM2, llama: the handoff form, the separate-launch
 form, the fused-norm form's stepping fallback, a q8_0 KV cache) and a synthetic qwen35 hybrid (Q8_0 and F16
 weights, f16 and q8_0 caches), chains of short reads n = 2..16 from depths 0, 200 and 2000 (crossing the 256 and
 2048 context-size classes inside a read, where the rows' attention splits and kernels differ): every row's logits,
@@ -199,6 +199,64 @@ def test_cols_glu_equals_decode_glu(t, handoff):
                                                        KL.ptr(ssv[c]) if handoff else N), "glu")
                 np.testing.assert_array_equal(cp.asnumpy(act[c]), cp.asnumpy(a1), err_msg=f"{t} n={n} col {c}")
                 np.testing.assert_array_equal(cp.asnumpy(aq[c, :F + F // 4]), cp.asnumpy(q1))
+
+
+@gpu
+@pytest.mark.parametrize("kind,kv", [("v1", "f16"), ("v2", "f16"), ("v2", "q8_0")])
+@pytest.mark.parametrize("hd,H,KV", [(64, 9, 3), (128, 16, 2)])
+def test_attn_rows_equal_decode_attention(kind, kv, hd, H, KV):
+    """strata_attn_rows / _rows_gqa row r == strata_attn_decode_ex (with counters) / strata_attn_decode_gqa on row r
+    alone with the same split: f32 output and q8_1 blocks, lengths p0 + r + 1 across a page boundary, 1 to 16 rows,
+    one and several splits; the counters are left zero."""
+    cp = _setup_kernels()[0]
+    rng = np.random.default_rng(hd + H + (kind == "v2") + (kv == "q8_0"))
+    ps, n_pages = 16, 40
+    q8 = kv == "q8_0"
+    if q8:
+        kc, vc = (cp.asarray(rng.integers(-127, 128, (n_pages, ps, KV, hd)).astype(np.int8)) for _ in range(2))
+        ks, vs = (cp.asarray(rng.uniform(1e-3, 2e-2, n_pages * ps * KV * hd // 32).astype(np.float16))
+                  for _ in range(2))
+    else:
+        kc, vc = (cp.asarray(rng.standard_normal((n_pages, ps, KV, hd)).astype(np.float16)) for _ in range(2))
+        ks = vs = None
+    table = cp.asarray(rng.permutation(n_pages).astype(np.int32))
+    lb, s, N = KL.lib(), KL.stream_ptr(), KL.ffi().NULL
+    nq = H * hd
+    W = nq + 2 * KV * hd
+    nb = int(lb.strata_q8_col_bytes(nq))
+    ws = H * 64 * (hd + 2)
+    cs = max(64, H)
+    u32 = lambda a, off=0: KL.ffi().cast("unsigned *", a.data.ptr + 4 * off)  # noqa: E731
+    for n, p0, n_split in ((1, 40, 1), (5, 200, 4), (16, 500, 17), (16, 0, 1)):
+        qkv = cp.asarray(rng.standard_normal((n, W)).astype(np.float32))
+        lens = cp.asarray((p0 + 1 + np.arange(n)).astype(np.int32))
+        part, ctr = cp.zeros((n, ws), cp.float32), cp.zeros((n, cs), cp.uint32)
+        out, oq = cp.full((n, nq), cp.nan, cp.float32), cp.zeros((n, nb), cp.uint8)
+        if kind == "v1":
+            KL.check(lb.strata_attn_rows(s, KL.ptr(qkv), W, KL.ptr(kc), KL.ptr(vc), KL.ptr(table), KL.ptr(lens),
+                                         KL.ptr(part), ws, KL.ptr(out), nq, _vp(oq), nb, u32(ctr), cs, n, H, KV, hd,
+                                         ps, n_split, 0.125), "attn_rows")
+        else:
+            KL.check(lb.strata_attn_rows_gqa(s, KL.ptr(qkv), W, KL.ptr(kc), KL.ptr(vc), KL.ptr(table), KL.ptr(lens),
+                                             KL.ptr(part), ws, u32(ctr), cs, KL.ptr(out), nq, _vp(oq), nb, n, H, KV,
+                                             hd, ps, n_split, 0.125, KL.ptr(ks) if q8 else N,
+                                             KL.ptr(vs) if q8 else N), "attn_rows_gqa")
+        assert int(ctr.sum()) == 0
+        for r in range(n):
+            p1, c1 = cp.zeros(ws, cp.float32), cp.zeros(cs, cp.uint32)
+            o1, q1 = cp.full(nq, cp.nan, cp.float32), cp.zeros(nq + nq // 4, cp.uint8)
+            if kind == "v1":
+                KL.check(lb.strata_attn_decode_ex(s, KL.ptr(qkv[r]), KL.ptr(kc), KL.ptr(vc), KL.ptr(table),
+                                                  KL.ptr(lens[r:r + 1]), 0, KL.ptr(p1), KL.ptr(o1), KL.ptr(q1), u32(c1),
+                                                  0, H, KV, hd, ps, n_split, 0.125), "attn")
+            else:
+                KL.check(lb.strata_attn_decode_gqa(s, KL.ptr(qkv[r]), KL.ptr(kc), KL.ptr(vc), KL.ptr(table),
+                                                   KL.ptr(lens[r:r + 1]), 0, KL.ptr(p1), u32(c1), KL.ptr(o1),
+                                                   KL.ptr(q1), H, KV, hd, ps, n_split, 0.125,
+                                                   KL.ptr(ks) if q8 else N, KL.ptr(vs) if q8 else N), "attn")
+            np.testing.assert_array_equal(cp.asnumpy(out[r]), cp.asnumpy(o1), err_msg=f"n={n} row {r}")
+            np.testing.assert_array_equal(cp.asnumpy(oq[r, :nq + nq // 4]), cp.asnumpy(q1))
+            assert np.isfinite(cp.asnumpy(o1)).all()
 
 
 @gpu

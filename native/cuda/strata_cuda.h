@@ -235,6 +235,22 @@ int strata_attn_decode_gqa(void *stream, const float *q, const void *k_cache, co
                            void *out_q8, int n_head, int n_kv, int hd, int page_size, int n_split, float scale,
                            const void *k_scales, const void *v_scales);
 
+/* The short read's rows: n_rows query tokens of one sequence (or of sequences sharing the page table), row r with q at
+ * q + r * q_stride, its length d_len[r] (device), its split partials at ws / partial + r * ws_stride (>= n_head *
+ * n_split * (hd + 2) floats), its merge counters at counters + r * cnt_stride (zero, left zero; >= n_head for
+ * strata_attn_rows, >= n_kv for _gqa), its output at out + r * out_stride and q8_1 blocks at out_q8 + r * q8_stride
+ * bytes (out_q8 may be NULL): every row bit-identical to strata_attn_decode_ex (with counters) / strata_attn_decode_gqa
+ * on that row alone with the same n_split. strata_attn_rows: hd 32, 64, 128 or 256, f16 cache. */
+int strata_attn_rows(void *stream, const float *q, long long q_stride, const void *k_cache, const void *v_cache,
+                     const int *page_table, const int *d_len, float *partial, long long ws_stride, float *out,
+                     long long out_stride, void *out_q8, long long q8_stride, unsigned *counters, int cnt_stride,
+                     int n_rows, int n_head, int n_kv, int hd, int page_size, int n_split, float scale);
+int strata_attn_rows_gqa(void *stream, const float *q, long long q_stride, const void *k_cache, const void *v_cache,
+                         const int *page_table, const int *d_len, float *ws, long long ws_stride, unsigned *counters,
+                         int cnt_stride, float *out, long long out_stride, void *out_q8, long long q8_stride,
+                         int n_rows, int n_head, int n_kv, int hd, int page_size, int n_split, float scale,
+                         const void *k_scales, const void *v_scales);
+
 /* Blocks of strata_attn_decode_gqa's kernel resident per multiprocessor for head size hd, g query heads per KV head,
  * an f16 (q8 = 0) or q8_0 cache and the current STRATA_CUDA_ATTN_DB variant; a negative cudaError_t for an
  * unsupported shape. */

@@ -262,24 +262,9 @@ class LlamaCuda(DecodePlan):
             return "handoff"
         return None if self.fused_norm_rows() else "separate"
 
-    def _cols_attn(self, s, i: int, li: int, rows: tuple) -> None:
-        """Row i's decode attention over the layer's pages, with the kernel and split of its own decode step."""
-        lb, c, pool = lib(), self.c, self.pool
-        H, KV, hd = self.n_head, self.n_kv, self.hd
-        n_split, v2 = rows[i]
-        slot = pool.slot(li)
-        kc, vc = pool.k[slot], pool.v[slot]
-        ks, vs = pool.scales(slot)
-        len_p = self._rows_inp(i)[2]
-        ctr = ffi().cast("unsigned *", c["counters"].data.ptr)
-        q, att, aq = self._col("qkv", i), self._col("att", i), self._col_q("aq", i)
-        if v2:
-            check(lb.strata_attn_decode_gqa(s, q, ptr(kc), ptr(vc), ptr(pool._pt), len_p, 0, ptr(c["partial"]), ctr,
-                                            att, aq, H, KV, hd, pool.page_size, n_split, self.scale, ptr(ks),
-                                            ptr(vs)), "attn")
-        else:
-            check(lb.strata_attn_decode_ex(s, q, ptr(kc), ptr(vc), ptr(pool._pt), len_p, 0, ptr(c["partial"]), att,
-                                           aq, ctr, 1, H, KV, hd, pool.page_size, n_split, self.scale), "attn")
+    @staticmethod
+    def _row_v2(args: tuple) -> bool:
+        return bool(args[1])
 
     def _enqueue_short(self, form: str, n: int, rows: tuple, all_logits: bool, graph: bool = False) -> None:
         """The decode step (_enqueue_step) of `form` over n columns: the matvecs through the column launchers,
@@ -328,8 +313,7 @@ class LlamaCuda(DecodePlan):
                                                     fptr(c["qkv"], i * (nq + 2 * kvd) + nq + kvd), nq + 2 * kvd,
                                                     ptr(kc), ptr(vc), ptr(ks), ptr(vs), ptr(pt), p_i, 0, 1, KV, hd,
                                                     pool.page_size), "kv_write_q8")
-            for i in range(n):
-                self._cols_attn(s, i, li, rows)
+            self._cols_attn_rows(s, li, rows, "qkv", "att", "aq")
             glu = self._glu_weights(L)
             if handoff:
                 check(lb.strata_mvc_q8_resid(s, L.wo.ggml_type, ptr(L.wo), self._col("aq", 0), E, nq, n, 0,

@@ -348,7 +348,9 @@ class Qwen35Cuda(DecodePlan):
         self._cols_mv(s, [(L.ssm_out, 0, E)], "o", "vn", "vq", vdim, n)
 
     def _cols_attn(self, s, n: int, li: int, L, rows: tuple) -> None:
-        """_attn over n columns, row i's attention with the split of its own decode step (rows[i])."""
+        """_attn over n columns, row i's attention with the split of its own decode step (rows[i]): the per-token
+        prologue (norms, RoPE, K/V write) of every row, the attention of all rows (_cols_attn_rows), the output
+        gates."""
         lb, c, pool = lib(), self.c, self.pool
         E, H, KV, hd = self.n_embd, self.n_head, self.n_kv, self.hd
         nq, kvd = H * hd, KV * hd
@@ -359,9 +361,8 @@ class Qwen35Cuda(DecodePlan):
         ks, vs = pool.scales(slot)
         pt = pool._pt
         self._cols_mv(s, self.w_in[li], "qg", "hn", "hq", E, n)
-        ctr = ffi().cast("unsigned *", c["counters"].data.ptr)
-        for i in range(n):
-            _, pos_p, len_p = self._rows_inp(i)
+        for i in range(n):             # every row's K / V written before any row attends
+            pos_p = self._rows_inp(i)[1]
             q = self._col("qkv", i)
             check(lb.strata_q35_attn_prep(s, self._col("qg", i), ptr(L.q_norm), ptr(L.k_norm), q,
                                           self._col("gate", i), 1, H, KV, hd, self.eps), "strata_q35_attn_prep")
@@ -374,9 +375,8 @@ class Qwen35Cuda(DecodePlan):
                 check(lb.strata_kv_write_q8(s, fptr(c["qkv"], i * W + nq), W, fptr(c["qkv"], i * W + nq + kvd), W,
                                             ptr(kc), ptr(vc), ptr(ks), ptr(vs), ptr(pt), pos_p, 0, 1, KV, hd,
                                             pool.page_size), "strata_kv_write_q8")
-            check(lb.strata_attn_decode_gqa(s, q, ptr(kc), ptr(vc), ptr(pt), len_p, 0, ptr(c["partial"]), ctr,
-                                            self._col("att", i), NULL, H, KV, hd, pool.page_size, rows[i][0],
-                                            self.scale, ptr(ks), ptr(vs)), "strata_attn_decode_gqa")
+        self._cols_attn_rows(s, li, rows, "qkv", "att", None)
+        for i in range(n):
             check(lb.strata_q35_out_gate(s, self._col("att", i), self._col("gate", i), self._col("an", i), NULL,
                                          self._col_q("aq", i), nq), "strata_q35_out_gate")
         self._cols_mv(s, [(L.wo, 0, E)], "o", "an", "aq", nq, n)

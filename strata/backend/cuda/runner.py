@@ -334,7 +334,8 @@ class DecodePlan:
     def _short_buffers(self) -> dict:
         """The short read's buffers at fixed addresses for SHORT_READ_COLS columns (made on first use; graphs read
         them): ``inp`` = [tokens | positions | lengths] (int32, SHORT_READ_COLS each) and, per name of ``self.d``,
-        the same buffer with one row per column (q8_1 ones in strata_q8_col_bytes columns)."""
+        the same buffer with one row per column (q8_1 ones in strata_q8_col_bytes columns; the attention's split
+        partials and counters a row each)."""
         c = getattr(self, "c", None)
         if c is not None:
             return c
@@ -342,17 +343,18 @@ class DecodePlan:
         self.c = c = {"inp": cp.zeros(3 * C, cp.int32)}
         self.cstride: dict[str, int] = {}
         for name, a in self.d.items():
-            if name in ("inp", "partial", "counters", "hcnt"):
+            if name in ("inp", "hcnt"):
                 continue
             if a.dtype == cp.uint8:            # a q8_1 buffer of n values: n + n / 4 bytes
                 nb = int(lib().strata_q8_col_bytes(a.size * 4 // 5))
                 c[name] = cp.zeros((C, nb), cp.uint8)
+            elif name in ("partial", "counters"):   # attention: each row's split partials and merge counters
+                c[name] = cp.zeros((C, a.size), a.dtype)
             else:
                 c[name] = cp.zeros((C,) + tuple(a.shape[1:] if a.ndim > 1 else a.shape), a.dtype)
             self.cstride[name] = c[name].strides[0]
-        for name in ("partial", "counters", "hcnt"):   # shared by the columns (launches in stream order)
-            if name in self.d:
-                c[name] = self.d[name]
+        if "hcnt" in self.d:        # the norm handoff's counters: shared by the columns (one block does them all)
+            c["hcnt"] = self.d["hcnt"]
         return c
 
     def _col(self, name: str, i: int) -> Any:
@@ -438,6 +440,43 @@ class DecodePlan:
         if self.last:
             self._cols_mv(s, [(self.model.output, 0, self.n_vocab)], "logits", "hn", "hq", self.n_embd, n,
                           first=0 if all_logits else n - 1)
+
+    def _cols_attn_rows(self, s, li: int, rows: tuple, q: str, out: str, out_q8: str | None) -> None:
+        """Decode attention of every row over layer li's pages (c[q] the rows' query rows, c[out] / c[out_q8] their
+        outputs), one launch per run of rows with the same step arguments: each row with the kernel (v2: the GQA
+        one) and split of its own decode step, its own length, partials and counters (strata_attn_rows(_gqa))."""
+        lb, c, pool = lib(), self.c, self.pool
+        H, KV, hd = self.n_head, self.n_kv, self.hd
+        slot = pool.slot(li)
+        kc, vc = pool.k[slot], pool.v[slot]
+        ks, vs = pool.scales(slot)
+        qs, os_ = c[q].shape[1], c[out].shape[1]
+        q8s = self.cstride[out_q8] if out_q8 else 0
+        ws, cs = c["partial"].shape[1], c["counters"].shape[1]
+        i0 = 0
+        while i0 < len(rows):
+            i1 = i0 + 1
+            while i1 < len(rows) and rows[i1] == rows[i0]:
+                i1 += 1
+            n_split, v2 = rows[i0][0], self._row_v2(rows[i0])
+            ctr = ffi().cast("unsigned *", c["counters"].data.ptr + i0 * self.cstride["counters"])
+            oq = self._col_q(out_q8, i0) if out_q8 else ffi().NULL
+            args = (self._col(q, i0), qs, ptr(kc), ptr(vc), ptr(pool._pt), self._rows_inp(i0)[2])
+            if v2:
+                check(lb.strata_attn_rows_gqa(s, *args, self._col("partial", i0), ws, ctr, cs, self._col(out, i0), os_,
+                                              oq, q8s, i1 - i0, H, KV, hd, pool.page_size, n_split, self.scale,
+                                              ptr(ks), ptr(vs)), "attn_rows_gqa")
+            else:
+                check(lb.strata_attn_rows(s, *args, self._col("partial", i0), ws, self._col(out, i0), os_, oq, q8s,
+                                          ctr, cs, i1 - i0, H, KV, hd, pool.page_size, n_split, self.scale),
+                      "attn_rows")
+            i0 = i1
+
+    @staticmethod
+    def _row_v2(args: tuple) -> bool:
+        """Whether a row's step arguments (``_step_args``) take the GQA decode attention kernel (a family's
+        override: llama's second element; the hybrid always)."""
+        return True
 
     def _short_rows(self, p0: int, n: int) -> tuple:
         """rows of _enqueue_short: each row's decode step arguments (its context-size class's attention split)."""
