@@ -260,6 +260,45 @@ def test_attn_rows_equal_decode_attention(kind, kv, hd, H, KV):
 
 
 @gpu
+@pytest.mark.parametrize("dim", [576, 2048, 5120])
+def test_rows_norm_and_swiglu_equal_one_row(dim):
+    """strata_rms_norm_rows (with a residual and sum_out, and without) and strata_swiglu_gu_rows == the one-row
+    launchers on each row: f32 outputs, sums and q8_1 blocks, bit for bit."""
+    cp = _setup_kernels()[0]
+    rng = np.random.default_rng(dim)
+    lb, s, N = KL.lib(), KL.stream_ptr(), KL.ffi().NULL
+    nb = int(lb.strata_q8_col_bytes(dim))
+    w = cp.asarray(rng.uniform(0.5, 1.5, dim).astype(np.float32))
+    for n in (1, 3, 16):
+        X, R = (rng.standard_normal((n, dim)).astype(np.float32) for _ in range(2))
+        for with_res in (True, False):
+            x, res = cp.asarray(X), cp.asarray(R)
+            out, q = cp.full((n, dim), cp.nan, cp.float32), cp.zeros((n, nb), cp.uint8)
+            KL.check(lb.strata_rms_norm_rows(s, KL.ptr(x), KL.ptr(res) if with_res else N, KL.ptr(w), KL.ptr(out),
+                                             KL.ptr(res) if with_res else N, _vp(q), nb, n, dim, 1e-5), "norm_rows")
+            for r in range(n):
+                x1, r1 = cp.asarray(X[r]), cp.asarray(R[r])
+                o1, q1 = cp.full(dim, cp.nan, cp.float32), cp.zeros(dim + dim // 4, cp.uint8)
+                KL.check(lb.strata_rms_norm_ex(s, KL.ptr(x1), KL.ptr(r1) if with_res else N, KL.ptr(w), KL.ptr(o1),
+                                               KL.ptr(r1) if with_res else N, N, KL.ptr(q1), 1, dim, 1e-5), "norm")
+                np.testing.assert_array_equal(cp.asnumpy(out[r]), cp.asnumpy(o1))
+                np.testing.assert_array_equal(cp.asnumpy(q[r, :dim + dim // 4]), cp.asnumpy(q1))
+                np.testing.assert_array_equal(cp.asnumpy(res[r]), cp.asnumpy(r1))
+        G = rng.standard_normal((n, 2 * dim)).astype(np.float32)
+        gu = cp.asarray(G)
+        act, aq = cp.full((n, dim), cp.nan, cp.float32), cp.zeros((n, nb), cp.uint8)
+        KL.check(lb.strata_swiglu_gu_rows(s, KL.ptr(gu), n, dim, KL.ptr(act), _vp(aq), nb), "swiglu_rows")
+        for r in range(n):
+            a1, q1 = cp.full(dim, cp.nan, cp.float32), cp.zeros(dim + dim // 4, cp.uint8)
+            KL.check(lb.strata_swiglu_gu(s, KL.ptr(cp.asarray(G[r])), 1, dim, KL.ptr(a1), N, KL.ptr(q1)), "swiglu")
+            np.testing.assert_array_equal(cp.asnumpy(act[r]), cp.asnumpy(a1))
+            np.testing.assert_array_equal(cp.asnumpy(aq[r, :dim + dim // 4]), cp.asnumpy(q1))
+    bad = cp.zeros((2, nb), cp.uint8)
+    assert lb.strata_rms_norm_rows(s, KL.ptr(w), N, KL.ptr(w), N, N, _vp(bad), dim, 2, dim, 1e-5) != 0   # stride
+    assert lb.strata_rms_norm_ex(s, KL.ptr(w), N, KL.ptr(w), N, N, N, _vp(bad), 2, dim, 1e-5) != 0       # one row
+
+
+@gpu
 def test_cols_launchers_refuse_bad_input():
     """Column counts outside 1..16, a type without a dp4a kernel, a y stride below n_out, misaligned columns: an
     error code and nothing written."""

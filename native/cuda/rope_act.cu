@@ -57,30 +57,44 @@ extern "C" int strata_swiglu(void *stream, const float *g, const float *u, float
 }
 
 // SwiGLU of a fused gate|up buffer gu f32 (n, 2F) (gate = gu[t, :F], up = gu[t, F:]) into any of: f32 out (n, F),
-// f16 out16 (n, F), q8_1 blocks out_q8 (n == 1, F % 32 == 0).
+// f16 out16 (n, F), q8_1 blocks out_q8 (F % 32 == 0; row t's at out_q8 + t * q8_stride bytes).
 __global__ void k_swiglu_gu(const float *__restrict__ gu, int F, long long total, float *__restrict__ out,
-                            __half *__restrict__ out16, int8_t *__restrict__ out_q8) {
+                            __half *__restrict__ out16, int8_t *__restrict__ out_q8, long long q8_stride) {
   griddep_launch();
   griddep_wait();
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const long long t = i / F, j = i % F;
   float v = 0.f;
   if (i < total) {
-    const long long t = i / F, j = i % F;
     const float a = gu[t * 2 * F + j];
     v = a / (1.f + expf(-a)) * gu[t * 2 * F + F + j];
     if (out) out[i] = v;
     if (out16) out16[i] = __float2half(v);
   }
-  if (out_q8 && i - (threadIdx.x & 31) < total) q8_store(v, (int)i, out_q8, reinterpret_cast<float2 *>(out_q8 + total));
+  // F % 32 == 0: a warp's 32 elements are one block of one row
+  if (out_q8 && i - (threadIdx.x & 31) < total) {
+    int8_t *oq = out_q8 + t * q8_stride;
+    q8_store(v, (int)j, oq, reinterpret_cast<float2 *>(oq + F));
+  }
+}
+
+static int swiglu_gu(void *stream, const float *gu, int n, int F, float *out, void *out16, void *out_q8,
+                     long long q8_stride) {
+  const long long total = (long long)n * F;
+  if (total <= 0) return 0;
+  if (out_q8 && ((n != 1 && q8_stride < F + F / 4) || F % 32)) return (int)cudaErrorInvalidValue;
+  st_launch(k_swiglu_gu, (unsigned)((total + 255) / 256), 256, 0, (cudaStream_t)stream, gu, F, total, out,
+            (__half *)out16, (int8_t *)out_q8, q8_stride);
+  return (int)cudaGetLastError();
 }
 
 extern "C" int strata_swiglu_gu(void *stream, const float *gu, int n, int F, float *out, void *out16, void *out_q8) {
-  const long long total = (long long)n * F;
-  if (total <= 0) return 0;
-  if (out_q8 && (n != 1 || F % 32)) return (int)cudaErrorInvalidValue;
-  st_launch(k_swiglu_gu, (unsigned)((total + 255) / 256), 256, 0, (cudaStream_t)stream, gu, F, total, out, (__half *)out16,
-                                                                                 (int8_t *)out_q8);
-  return (int)cudaGetLastError();
+  return swiglu_gu(stream, gu, n, F, out, out16, out_q8, 0);
+}
+
+extern "C" int strata_swiglu_gu_rows(void *stream, const float *gu, int n, int F, float *out, void *out_q8,
+                                     long long q8_stride) {
+  return swiglu_gu(stream, gu, n, F, out, nullptr, out_q8, q8_stride);
 }
 
 // ---------------------------------------------------------------- decode: RoPE on q and k + K/V cache write, fused

@@ -159,6 +159,11 @@ int strata_rms_norm(void *stream, const float *x, const float *residual, const f
 int strata_rms_norm_ex(void *stream, const float *x, const float *residual, const float *weight, float *out,
                        float *sum_out, void *out16, void *out_q8, int n_rows, int dim, float eps);
 
+/* strata_rms_norm_ex over n_rows rows with q8_1 blocks per row (the short read's columns): row r's at out_q8 + r *
+ * q8_stride bytes (>= dim + dim / 4; dim % 32 == 0, <= 8192); every row bit-identical to strata_rms_norm_ex on it alone. */
+int strata_rms_norm_rows(void *stream, const float *x, const float *residual, const float *weight, float *out,
+                         float *sum_out, void *out_q8, long long q8_stride, int n_rows, int dim, float eps);
+
 /* ---------------- rope_act.cu: RoPE (alone and with the K/V cache write), SwiGLU */
 /* RoPE in place on x f32 (n_tokens, n_heads, head_dim): position positions[t] (int32, device);
  * rotates the first n_rot dims; neox != 0 pairs (i, i + n_rot/2), else (2i, 2i+1). theta_i = pos * base^(-2i/n_rot). */
@@ -171,6 +176,10 @@ int strata_swiglu(void *stream, const float *gate, const float *up, float *out, 
 /* SwiGLU of a fused gate|up buffer gu f32 (n, 2F): silu(gu[t, :F]) * gu[t, F:] into any of out f32 (n, F),
  * out16 f16 (n, F), out_q8 q8_1 blocks (n == 1, F % 32 == 0). */
 int strata_swiglu_gu(void *stream, const float *gu, int n, int F, float *out, void *out16, void *out_q8);
+
+/* strata_swiglu_gu over n rows with q8_1 blocks per row: row t's at out_q8 + t * q8_stride bytes (>= F + F / 4;
+ * F % 32 == 0); every row bit-identical to strata_swiglu_gu on it alone. */
+int strata_swiglu_gu_rows(void *stream, const float *gu, int n, int F, float *out, void *out_q8, long long q8_stride);
 
 /* Decode step, fused: RoPE on q and k of qkv f32 [q (n_head*hd) | k (n_kv*hd) | v (n_kv*hd)] of one token at
  * position *pos (in place), then k (rotated) and v written to the paged f16 cache at *pos. */

@@ -393,19 +393,18 @@ class DecodePlan:
 
     def _cols_norm(self, s, n: int, src: str, weight, residual: str | None = None, out: str | None = "hn",
                    sum_out: str | None = None) -> None:
-        """_norm per column (strata_rms_norm_ex one row at a time: its q8_1 output takes one row)."""
+        """_norm over the n columns in one launch (strata_rms_norm_rows: each row as strata_rms_norm_ex on it)."""
         NULL = ffi().NULL
         sum_out = residual if sum_out is None else sum_out
-        lb = lib()
-        for i in range(n):
-            check(lb.strata_rms_norm_ex(s, self._col(src, i), self._col(residual, i) if residual else NULL,
-                                        ptr(weight), self._col(out, i) if out else NULL,
-                                        self._col(sum_out, i) if sum_out else NULL, NULL,
-                                        self._col_q("hq", i) if out else NULL, 1, self.n_embd, self.eps), "rms_norm")
+        check(lib().strata_rms_norm_rows(s, self._col(src, 0), self._col(residual, 0) if residual else NULL,
+                                         ptr(weight), self._col(out, 0) if out else NULL,
+                                         self._col(sum_out, 0) if sum_out else NULL,
+                                         self._col_q("hq", 0) if out else NULL, self.cstride["hq"], n, self.n_embd,
+                                         self.eps), "rms_norm_rows")
 
     def _cols_ffn(self, s, n: int, gu_groups: list, w_down, glu, long_rows: bool = False) -> None:
         """_ffn over the columns: SwiGLU in the gate/up column launcher, or the gate/up matvecs and
-        strata_swiglu_gu per column; then the down matvec into c['o']."""
+        strata_swiglu_gu_rows; then the down matvec into c['o']."""
         lb, E, F = lib(), self.n_embd, self.n_ff
         if glu is not None:
             check(lb.strata_mvc_q8w_glu(s, glu[0], addr(glu[1]), addr(glu[2]), self._col("hq", 0),
@@ -413,9 +412,8 @@ class DecodePlan:
                   "mvc_glu")
         else:
             self._cols_mv(s, gu_groups, "gu", "hn", "hq", E, n)
-            for i in range(n):
-                check(lb.strata_swiglu_gu(s, self._col("gu", i), 1, F, self._col("act", i), ffi().NULL,
-                                          self._col_q("fq", i)), "swiglu_gu")
+            check(lb.strata_swiglu_gu_rows(s, self._col("gu", 0), n, F, self._col("act", 0), self._col_q("fq", 0),
+                                           self.cstride["fq"]), "swiglu_gu_rows")
         self._cols_mv(s, [(w_down, 0, E)], "o", "act", "fq", F, n, long_rows=long_rows)
 
     def _cols_layer_end(self, s, n: int, li: int, own_norm) -> None:
