@@ -361,11 +361,12 @@ class Qwen35Cuda(DecodePlan):
         ks, vs = pool.scales(slot)
         pt = pool._pt
         self._cols_mv(s, self.w_in[li], "qg", "hn", "hq", E, n)
+        # the q / k norms and the gate split of every row (a block per head and row, rows back to back)
+        check(lb.strata_q35_attn_prep(s, self._col("qg", 0), ptr(L.q_norm), ptr(L.k_norm), self._col("qkv", 0),
+                                      self._col("gate", 0), n, H, KV, hd, self.eps), "strata_q35_attn_prep")
         for i in range(n):             # every row's K / V written before any row attends
             pos_p = self._rows_inp(i)[1]
             q = self._col("qkv", i)
-            check(lb.strata_q35_attn_prep(s, self._col("qg", i), ptr(L.q_norm), ptr(L.k_norm), q,
-                                          self._col("gate", i), 1, H, KV, hd, self.eps), "strata_q35_attn_prep")
             if ks is None:
                 check(lb.strata_rope_kv_decode(s, q, pos_p, ptr(kc), ptr(vc), ptr(pt), H, KV, hd, self.n_rot,
                                                self.theta, 1, pool.page_size), "strata_rope_kv_decode")
