@@ -15,7 +15,7 @@ python3 -c "from strata.backend import cuda as C; print('CUDA:', C.unavailable_r
 echo "== short-read tests" | tee "$OUT/sr_tests.log"
 t 170 tests/test_cuda_short_read.py | tee -a "$OUT/sr_tests.log"
 echo "== decode kernels and plans (shared header, routing)" | tee -a "$OUT/sr_tests.log"
-t 100 tests/test_cuda_declarations.py tests/test_cuda_kernels.py -k "q8w or q8b or handoff or glu or fused_norm or decode" \
+t 100 tests/test_cuda_declarations.py tests/test_cuda_kernels.py -k "q8w or q8b or handoff or glu or fused_norm or decode or rms_norm or swiglu or attention" \
   | tee -a "$OUT/sr_tests.log"
 t 60 tests/test_cuda_qwen35.py -k "plan_logits_match_generic or graphs_vs_eager or bad_token" | tee -a "$OUT/sr_tests.log"
 echo "== bench" | tee "$OUT/sr_bench.log"
