@@ -1,15 +1,15 @@
-"""The CUDA short read (DecodePlan.short_read, native/cuda/matvec_cols.cu): n = 2..16 new tokens of one sequence as
-the decode step over n columns, row i bit-identical to decoding token i alone after rows 0..i-1.
-
-The reference is the decode step itself (plan.decode, one token at a time), an independent path: its kernels were
-checked against numpy, transformers and the CPU backend by tests/test_cuda_kernels.py, test_cuda_parity.py and
-test_cuda_qwen35.py. Kernel level: every column launcher against the decode launcher it mirrors, column by column,
-for every dp4a weight type (bit for bit: y, residual stream, handed-off q8_1 blocks and sums, K/V cache, SwiGLU
-output and its q8_1 blocks), and the rows attention launchers against the decode attention kernels row by row. Model level: the default model (SmolLM2, llama: the handoff form, the separate-launch
-form, the fused-norm form's stepping fallback, a q8_0 KV cache) and a synthetic qwen35 hybrid (Q8_0 and F16
-weights, f16 and q8_0 caches), chains of short reads n = 2..16 from depths 0, 200 and 2000 (crossing the 256 and
-2048 context-size classes inside a read, where the rows' attention splits and kernels differ): every row's logits,
-every layer's K/V pages and the GDN running state equal. Skipped without a GPU."""
+"""The CUDA short read (DecodePlan.short_read, native/cuda/matvec_cols.cu): n = 2..16 new tokens of one sequence as the
+decode step over n columns, row i bit-identical to decoding token i alone after rows 0..i-1. The reference is the
+decode step itself (plan.decode, one token at a time), an independent path: its kernels were checked against numpy,
+transformers and the CPU backend by tests/test_cuda_kernels.py, test_cuda_parity.py and test_cuda_qwen35.py. Kernel
+level: every column launcher against the decode launcher it mirrors, column by column, for every dp4a weight type
+(bit for bit: y, residual stream, handed-off q8_1 blocks and sums, K/V cache, SwiGLU output and its q8_1 blocks),
+and the rows attention launchers against the decode attention kernels row by row. Model level: the default model
+(SmolLM2, llama: the handoff form, the separate-launch form, the fused-norm form's stepping fallback, a q8_0 KV
+cache) and a synthetic qwen35 hybrid (Q8_0 and F16 weights, f16 and q8_0 caches), chains of short reads n = 2..16
+from depths 0, 200 and 2000 (crossing the 256 and 2048 context-size classes inside a read, where the rows' attention
+splits and kernels differ): every row's logits, every layer's K/V pages and the GDN running state equal. Skipped
+without a GPU."""
 import sys
 from pathlib import Path
 
@@ -156,7 +156,7 @@ def test_cols_rope_equals_decode_rope(t, handoff, n_rot):
         qkv = cp.full((n, n_out), cp.nan, cp.float32)
         kc, vc = (cp.zeros((n_pages, ps, KV, hd), cp.float16) for _ in range(2))
         KL.check(lb.strata_mvc_q8w_rope(s, int(qt), KL.ptr(w.data), _vp(_q8_cols(cp, X)), KL.ptr(qkv), H, KV, hd,
-                                        n_in, n, KL.ptr(pos), KL.ptr(kc), KL.ptr(vc), KL.ptr(table), n_rot, 10000.0,
+                                        n_in, n, KL.ptr(pos), KL.ptr(kc), KL.ptr(vc), KL.ptr(table), 0, n_rot, 10000.0,
                                         ps, eps, KL.ptr(ssv) if handoff else N), "mvc_rope")
         kr, vr = (cp.zeros((n_pages, ps, KV, hd), cp.float16) for _ in range(2))
         for c in range(n):
@@ -233,11 +233,11 @@ def test_attn_rows_equal_decode_attention(kind, kv, hd, H, KV):
         part, ctr = cp.zeros((n, ws), cp.float32), cp.zeros((n, cs), cp.uint32)
         out, oq = cp.full((n, nq), cp.nan, cp.float32), cp.zeros((n, nb), cp.uint8)
         if kind == "v1":
-            KL.check(lb.strata_attn_rows(s, KL.ptr(qkv), W, KL.ptr(kc), KL.ptr(vc), KL.ptr(table), KL.ptr(lens),
+            KL.check(lb.strata_attn_rows(s, KL.ptr(qkv), W, KL.ptr(kc), KL.ptr(vc), KL.ptr(table), 0, KL.ptr(lens),
                                          KL.ptr(part), ws, KL.ptr(out), nq, _vp(oq), nb, u32(ctr), cs, n, H, KV, hd,
                                          ps, n_split, 0.125), "attn_rows")
         else:
-            KL.check(lb.strata_attn_rows_gqa(s, KL.ptr(qkv), W, KL.ptr(kc), KL.ptr(vc), KL.ptr(table), KL.ptr(lens),
+            KL.check(lb.strata_attn_rows_gqa(s, KL.ptr(qkv), W, KL.ptr(kc), KL.ptr(vc), KL.ptr(table), 0, KL.ptr(lens),
                                              KL.ptr(part), ws, u32(ctr), cs, KL.ptr(out), nq, _vp(oq), nb, n, H, KV,
                                              hd, ps, n_split, 0.125, KL.ptr(ks) if q8 else N,
                                              KL.ptr(vs) if q8 else N), "attn_rows_gqa")
@@ -449,6 +449,18 @@ def test_llama_graphs_vs_eager_and_routing(smol, monkeypatch):
     finally:
         for st in (a, b, c):
             st.release()
+
+
+@gpu
+def test_short_read_graphs_bounded(smol, monkeypatch):
+    """At most settings.SHORT_READ_GRAPHS short-read graphs stay captured (the least recently used dropped); a read
+    whose graph was dropped captures it again, with the same bits as decoding."""
+    pm, pool = smol
+    from strata.backend.cuda import llama as LL
+    plan = LL.LlamaCuda(pm.model, pool)
+    monkeypatch.setattr(S, "SHORT_READ_GRAPHS", 2)
+    _chain(pm, plan, pool, 20, (2, 3, 4, 2, 3), seed=31)
+    assert sum(1 for k in plan.graphs if isinstance(k, tuple) and k[0] == "short") == 2
 
 
 @gpu

@@ -251,10 +251,10 @@ __global__ void k_attn_decode_v(const float *__restrict__ q, const __half *__res
 }
 
 // Per-row strides of the rows forms (the short read: one query token per row, each with its own length, output,
-// partials and merge counters; the same K/V cache and page table): q and out in floats, out_q8 in bytes, the
-// split partials in floats, the counters in counters.
+// partials, merge counters and page table, over one layer's K/V cache): q and out in floats, out_q8 in bytes, the
+// split partials in floats, the page tables in ints, the counters in counters.
 struct AttnRows {
-  long long q, out, q8, ws;
+  long long q, out, q8, ws, pt;   // pt: page-table stride in ints (0: the rows share one sequence's table)
   int cnt;
 };
 
@@ -267,8 +267,8 @@ __global__ void k_attn_rows_v(const float *__restrict__ q, const __half *__restr
                               unsigned *counters, float *out, int8_t *out_q8, AttnRows rs) {
   griddep_launch();
   const int r = blockIdx.z;
-  attn_v_block<LP>(blockIdx.x, blockIdx.y, q + r * rs.q, kc, vc, pt, d_len + r, 0, partial + r * rs.ws, n_head, n_kv,
-                   ps, n_split, scale, counters + (long long)r * rs.cnt, out + r * rs.out,
+  attn_v_block<LP>(blockIdx.x, blockIdx.y, q + r * rs.q, kc, vc, pt + r * rs.pt, d_len + r, 0, partial + r * rs.ws,
+                   n_head, n_kv, ps, n_split, scale, counters + (long long)r * rs.cnt, out + r * rs.out,
                    out_q8 ? out_q8 + r * rs.q8 : nullptr, 1);
 }
 
@@ -307,18 +307,19 @@ extern "C" int strata_attn_decode_ex(void *stream, const float *q, const void *k
 
 // The short read's rows (one query token each; see AttnRows): k_attn_rows_v, self-merging (counters required).
 extern "C" int strata_attn_rows(void *stream, const float *q, long long q_stride, const void *kc, const void *vc,
-                                const int *pt, const int *d_len, float *partial, long long ws_stride, float *out,
-                                long long out_stride, void *out_q8, long long q8_stride, unsigned *counters,
-                                int cnt_stride, int n_rows, int n_head, int n_kv, int hd, int ps, int n_split,
-                                float scale) {
+                                const int *pt, long long pt_stride, const int *d_len, float *partial,
+                                long long ws_stride, float *out, long long out_stride, void *out_q8,
+                                long long q8_stride, unsigned *counters, int cnt_stride, int n_rows, int n_head,
+                                int n_kv, int hd, int ps, int n_split, float scale) {
   if (n_kv <= 0 || n_head % n_kv || n_split < 1 || n_rows < 1 || !d_len || !counters || cnt_stride < n_head ||
+      pt_stride < 0 ||
       ws_stride < (long long)n_head * n_split * (hd + 2))
     return (int)cudaErrorInvalidValue;
   cudaStream_t s = (cudaStream_t)stream;
   dim3 grid(n_head, n_split, n_rows);
   const __half *K = (const __half *)kc, *V = (const __half *)vc;
   int8_t *oq = (int8_t *)out_q8;
-  const AttnRows rs{q_stride, out_stride, q8_stride, ws_stride, cnt_stride};
+  const AttnRows rs{q_stride, out_stride, q8_stride, ws_stride, pt_stride, cnt_stride};
 #define AR(LP) st_launch(k_attn_rows_v<LP>, grid, 32 * ATT_WARPS, 0, s, q, K, V, pt, d_len, partial, n_head, n_kv, ps, \
                          n_split, scale, counters, out, oq, rs)
   switch (hd) {
@@ -596,7 +597,8 @@ __global__ void __launch_bounds__(32 * DA_WARPS) k_attn_rows_gqa(
   griddep_launch();
   griddep_wait();
   const int r = blockIdx.z;
-  attn_gqa_block<LP, G, Q8, DB>(blockIdx.x, blockIdx.y, q + r * rs.q, kc, vc, ks, vs, pt, d_len[r], ws + r * rs.ws,
+  attn_gqa_block<LP, G, Q8, DB>(blockIdx.x, blockIdx.y, q + r * rs.q, kc, vc, ks, vs, pt + r * rs.pt, d_len[r],
+                                ws + r * rs.ws,
                                 counters + (long long)r * rs.cnt, out + r * rs.out,
                                 out_q8 ? out_q8 + r * rs.q8 : nullptr, n_head, n_kv, ps, n_split, scale);
 }
@@ -645,12 +647,13 @@ extern "C" int strata_attn_decode_gqa(void *stream, const float *q, const void *
 // The short read's rows (AttnRows) through k_attn_rows_gqa; the checks of strata_attn_decode_gqa, d_len and counters
 // required.
 extern "C" int strata_attn_rows_gqa(void *stream, const float *q, long long q_stride, const void *kc, const void *vc,
-                                    const int *pt, const int *d_len, float *ws, long long ws_stride, unsigned *counters,
-                                    int cnt_stride, float *out, long long out_stride, void *out_q8,
-                                    long long q8_stride, int n_rows, int n_head, int n_kv, int hd, int ps,
-                                    int n_split, float scale, const void *k_scales, const void *v_scales) {
+                                    const int *pt, long long pt_stride, const int *d_len, float *ws,
+                                    long long ws_stride, unsigned *counters, int cnt_stride, float *out,
+                                    long long out_stride, void *out_q8, long long q8_stride, int n_rows, int n_head,
+                                    int n_kv, int hd, int ps, int n_split, float scale, const void *k_scales,
+                                    const void *v_scales) {
   if (n_kv <= 0 || n_head % n_kv || n_split < 1 || n_split > DA_MAX_SPLIT || n_rows < 1 || !d_len || !counters ||
-      cnt_stride < n_kv || ws_stride < (long long)n_head * n_split * (hd + 2))
+      cnt_stride < n_kv || pt_stride < 0 || ws_stride < (long long)n_head * n_split * (hd + 2))
     return (int)cudaErrorInvalidValue;
   const int g = n_head / n_kv;
   if (g > 8 || (!k_scales) != (!v_scales)) return (int)cudaErrorInvalidValue;
@@ -659,7 +662,7 @@ extern "C" int strata_attn_rows_gqa(void *stream, const float *q, long long q_st
   const __half *KS = (const __half *)k_scales, *VS = (const __half *)v_scales;
   int8_t *oq = (int8_t *)out_q8;
   const bool db = attn_db();
-  const AttnRows rs{q_stride, out_stride, q8_stride, ws_stride, cnt_stride};
+  const AttnRows rs{q_stride, out_stride, q8_stride, ws_stride, pt_stride, cnt_stride};
 #define RG(LP, GG, Q) { if (db) RGD(LP, GG, Q, true); else RGD(LP, GG, Q, false); }
 #define RGD(LP, GG, Q, D) st_launch(k_attn_rows_gqa<LP, GG, Q, D>, grid, 32 * DA_WARPS, 0, s, q, kc, vc, KS, VS, pt, \
                                     d_len, ws, counters, out, oq, n_head, n_kv, ps, n_split, scale, rs)

@@ -78,12 +78,13 @@ __device__ static inline void resid_handoff_cols(const ResidOut &ro, int r0, int
 }
 
 // Warp per row over n_cols columns (4 warps per block); ROPE: y is qkv and the epilogue writes RoPE'd q / k and k / v
-// into the cache at position rope.pos[c] for column c; ro.x: the residual form (ro.w: with the norm handoff).
+// into the cache at position rope.pos[c] for column c, through page table rope.pt + c * pts; ro.x: the residual
+// form (ro.w: with the norm handoff).
 template <int T, bool ROPE>
 __global__ void __launch_bounds__(128) k_mvc_q8w(const uint8_t *__restrict__ w, const int8_t *__restrict__ xq,
                                                  long long xs, float *__restrict__ y, long long ys, int n_out,
-                                                 int n_units, long long row_bytes, int n_cols, RopeKV rope, NormIn fn,
-                                                 ResidOut ro, long long ro_q8s) {
+                                                 int n_units, long long row_bytes, int n_cols, RopeKV rope, int pts,
+                                                 NormIn fn, ResidOut ro, long long ro_q8s) {
   griddep_launch();
   const int wid = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int row = blockIdx.x * 4 + wid;
@@ -136,6 +137,7 @@ __global__ void __launch_bounds__(128) k_mvc_q8w(const uint8_t *__restrict__ w, 
     if (c < n_cols && a < n_out) {
       RopeKV rk = rope;
       rk.pos = rope.pos + c;
+      rk.pt = rope.pt + (long long)c * pts;
       const RopePair pp = rope_pair_prepare(rk, a);
       rope_pair_store(rk, pp, y + (long long)c * ys, a, sv[2 * p][c], sv[2 * p + 1][c]);
     }
@@ -280,11 +282,12 @@ static int cols_norm(const float *ss, float eps, int n_in, NormIn *fn) {
 
 template <bool ROPE>
 static int launch_cols_q8w(cudaStream_t s, int t, const uint8_t *W, const int8_t *q, float *y, long long ys, int n_out,
-                           int n_in, int n_cols, const RopeKV &rk, const NormIn &fn, const ResidOut &ro) {
+                           int n_in, int n_cols, const RopeKV &rk, int pts, const NormIn &fn,
+                           const ResidOut &ro) {
   const long long rb = row_bytes_of(t, n_in), xs = q8_col_bytes(n_in), oq = ro.w ? q8_col_bytes(ro.n) : 0;
   const unsigned blocks = (unsigned)((n_out + 3) / 4);
 #define CW(TT) st_launch(k_mvc_q8w<TT, ROPE>, blocks, 128, 0, s, W, q, xs, y, ys, n_out, n_in / 32, rb, n_cols, rk, \
-                         fn, ro, oq)
+                         pts, fn, ro, oq)
   DISPATCH_Q8_TYPE(t, CW)
 #undef CW
   return (int)cudaGetLastError();
@@ -295,7 +298,7 @@ extern "C" int strata_mvc_q8w(void *stream, int t, const void *w, const void *xq
   if (const int e = cols_check(t, w, xq, n_out, n_in, n_cols)) return e;
   if (!y || y_stride < n_out) return (int)cudaErrorInvalidValue;
   return launch_cols_q8w<false>((cudaStream_t)stream, t, (const uint8_t *)w, (const int8_t *)xq, y, y_stride, n_out,
-                                n_in, n_cols, RopeKV{}, NormIn{}, ResidOut{});
+                                n_in, n_cols, RopeKV{}, 0, NormIn{}, ResidOut{});
 }
 
 extern "C" int strata_mvc_q8_resid(void *stream, int t, const void *w, const void *xq, int n_out, int n_in, int n_cols,
@@ -309,7 +312,7 @@ extern "C" int strata_mvc_q8_resid(void *stream, int t, const void *w, const voi
   const uint8_t *W = (const uint8_t *)w;
   const int8_t *q = (const int8_t *)xq;
   if (!block)
-    return launch_cols_q8w<false>(s, t, W, q, nullptr, 0, n_out, n_in, n_cols, RopeKV{}, NormIn{}, ro);
+    return launch_cols_q8w<false>(s, t, W, q, nullptr, 0, n_out, n_in, n_cols, RopeKV{}, 0, NormIn{}, ro);
   const long long rb = row_bytes_of(t, n_in), xs = q8_col_bytes(n_in), oq = norm_w ? q8_col_bytes(n_out) : 0;
 #define CB(TT) st_launch(k_mvc_q8b<TT>, (unsigned)n_out, 128, 0, s, W, q, xs, (float *)nullptr, 0LL, n_out, n_in / 32, \
                          rb, n_cols, ro, oq)
@@ -335,10 +338,11 @@ extern "C" int strata_mvc_q8b(void *stream, int t, const void *w, const void *xq
 
 extern "C" int strata_mvc_q8w_rope(void *stream, int t, const void *w, const void *xq, float *qkv, int n_head,
                                    int n_kv, int hd, int n_in, int n_cols, const int *pos, void *k_cache,
-                                   void *v_cache, const int *page_table, int n_rot, float base, int page_size,
-                                   float eps, const float *norm_ss) {
+                                   void *v_cache, const int *page_table, int pt_stride, int n_rot, float base,
+                                   int page_size, float eps, const float *norm_ss) {
   const int n_out = (n_head + 2 * n_kv) * hd;
   if (n_head <= 0 || n_kv <= 0 || hd <= 0 || hd % 2 || n_rot > hd || n_rot % 2 || n_rot < 0 || page_size <= 0 ||
+      pt_stride < 0 ||
       !pos || !k_cache || !v_cache || !page_table || !qkv)
     return (int)cudaErrorInvalidValue;
   if (const int e = cols_check(t, w, xq, n_out, n_in, n_cols)) return e;
@@ -346,7 +350,7 @@ extern "C" int strata_mvc_q8w_rope(void *stream, int t, const void *w, const voi
   if (const int e = cols_norm(norm_ss, eps, n_in, &fn)) return e;
   const RopeKV rk{pos, page_table, (__half *)k_cache, (__half *)v_cache, n_head, n_kv, hd, n_rot, page_size, base, 0};
   return launch_cols_q8w<true>((cudaStream_t)stream, t, (const uint8_t *)w, (const int8_t *)xq, qkv, n_out, n_out, n_in,
-                               n_cols, rk, fn, ResidOut{});
+                               n_cols, rk, pt_stride, fn, ResidOut{});
 }
 
 extern "C" int strata_mvc_q8w_glu(void *stream, int t, const void *w_gate, const void *w_up, const void *xq,

@@ -135,10 +135,11 @@ int strata_mvc_q8_resid(void *stream, int ggml_type, const void *w, const void *
                         int block, float *x, const float *norm_w, void *x_q8, float *x_ss, unsigned *counters);
 
 /* strata_matvec_q8w_rope per column without a fused norm: column c at position pos[c] (n_cols positions on the
- * device), its K / V into the paged cache; norm_ss (may be NULL): the handed-off input norm of each column. */
+ * device), its K / V into the paged cache through page_table + c * pt_stride (0: one sequence's columns); norm_ss
+ * (may be NULL): the handed-off input norm of each column. */
 int strata_mvc_q8w_rope(void *stream, int ggml_type, const void *w, const void *xq, float *qkv, int n_head, int n_kv,
                         int hd, int n_in, int n_cols, const int *pos, void *k_cache, void *v_cache,
-                        const int *page_table, int n_rot, float base, int page_size, float eps,
+                        const int *page_table, int pt_stride, int n_rot, float base, int page_size, float eps,
                         const float *norm_ss);
 
 /* strata_matvec_q8w_glu_norm per column without a fused norm: act[c] (may be NULL) and act_q8[c] (may be NULL, not
@@ -160,7 +161,8 @@ int strata_rms_norm_ex(void *stream, const float *x, const float *residual, cons
                        float *sum_out, void *out16, void *out_q8, int n_rows, int dim, float eps);
 
 /* strata_rms_norm_ex over n_rows rows with q8_1 blocks per row (the short read's columns): row r's at out_q8 + r *
- * q8_stride bytes (>= dim + dim / 4; dim % 32 == 0, <= 8192); every row bit-identical to strata_rms_norm_ex on it alone. */
+ * q8_stride bytes (>= dim + dim / 4; dim % 32 == 0, <= 8192); every row bit-identical to strata_rms_norm_ex on it
+ * alone. */
 int strata_rms_norm_rows(void *stream, const float *x, const float *residual, const float *weight, float *out,
                          float *sum_out, void *out_q8, long long q8_stride, int n_rows, int dim, float eps);
 
@@ -245,20 +247,22 @@ int strata_attn_decode_gqa(void *stream, const float *q, const void *k_cache, co
                            const void *k_scales, const void *v_scales);
 
 /* The short read's rows: n_rows query tokens of one sequence (or of sequences sharing the page table), row r with q at
- * q + r * q_stride, its length d_len[r] (device), its split partials at ws / partial + r * ws_stride (>= n_head *
+ * q + r * q_stride, its page table at page_table + r * pt_stride (0: one sequence's rows), its length d_len[r]
+ * (device), its split partials at ws / partial + r * ws_stride (>= n_head *
  * n_split * (hd + 2) floats), its merge counters at counters + r * cnt_stride (zero, left zero; >= n_head for
  * strata_attn_rows, >= n_kv for _gqa), its output at out + r * out_stride and q8_1 blocks at out_q8 + r * q8_stride
  * bytes (out_q8 may be NULL): every row bit-identical to strata_attn_decode_ex (with counters) / strata_attn_decode_gqa
  * on that row alone with the same n_split. strata_attn_rows: hd 32, 64, 128 or 256, f16 cache. */
 int strata_attn_rows(void *stream, const float *q, long long q_stride, const void *k_cache, const void *v_cache,
-                     const int *page_table, const int *d_len, float *partial, long long ws_stride, float *out,
-                     long long out_stride, void *out_q8, long long q8_stride, unsigned *counters, int cnt_stride,
-                     int n_rows, int n_head, int n_kv, int hd, int page_size, int n_split, float scale);
+                     const int *page_table, long long pt_stride, const int *d_len, float *partial,
+                     long long ws_stride, float *out, long long out_stride, void *out_q8, long long q8_stride,
+                     unsigned *counters, int cnt_stride, int n_rows, int n_head, int n_kv, int hd, int page_size,
+                     int n_split, float scale);
 int strata_attn_rows_gqa(void *stream, const float *q, long long q_stride, const void *k_cache, const void *v_cache,
-                         const int *page_table, const int *d_len, float *ws, long long ws_stride, unsigned *counters,
-                         int cnt_stride, float *out, long long out_stride, void *out_q8, long long q8_stride,
-                         int n_rows, int n_head, int n_kv, int hd, int page_size, int n_split, float scale,
-                         const void *k_scales, const void *v_scales);
+                         const int *page_table, long long pt_stride, const int *d_len, float *ws, long long ws_stride,
+                         unsigned *counters, int cnt_stride, float *out, long long out_stride, void *out_q8,
+                         long long q8_stride, int n_rows, int n_head, int n_kv, int hd, int page_size, int n_split,
+                         float scale, const void *k_scales, const void *v_scales);
 
 /* Blocks of strata_attn_decode_gqa's kernel resident per multiprocessor for head size hd, g query heads per KV head,
  * an f16 (q8 = 0) or q8_0 cache and the current STRATA_CUDA_ATTN_DB variant; a negative cudaError_t for an

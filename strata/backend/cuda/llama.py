@@ -295,8 +295,9 @@ class LlamaCuda(DecodePlan):
             ks, vs = pool.scales(slot)
             if ks is None and self._qkv_rope(L):
                 check(lb.strata_mvc_q8w_rope(s, L.wqkv.ggml_type, ptr(L.wqkv), self._col("hq", 0), self._col("qkv", 0),
-                                             H, KV, hd, E, n, pos_p, ptr(kc), ptr(vc), ptr(pt), self.n_rot, self.theta,
-                                             pool.page_size, self.eps, ss if handoff else NULL), "mvc_rope")
+                                             H, KV, hd, E, n, pos_p, ptr(kc), ptr(vc), ptr(pt), 0, self.n_rot,
+                                             self.theta, pool.page_size, self.eps, ss if handoff else NULL),
+                      "mvc_rope")
             else:
                 groups = [(L.wqkv, 0, nq + 2 * kvd)] if L.wqkv is not None else \
                     [(L.wq, 0, nq), (L.wk, nq, kvd), (L.wv, nq + kvd, kvd)]

@@ -459,7 +459,7 @@ class DecodePlan:
             n_split, v2 = rows[i0][0], self._row_v2(rows[i0])
             ctr = ffi().cast("unsigned *", c["counters"].data.ptr + i0 * self.cstride["counters"])
             oq = self._col_q(out_q8, i0) if out_q8 else ffi().NULL
-            args = (self._col(q, i0), qs, ptr(kc), ptr(vc), ptr(pool._pt), self._rows_inp(i0)[2])
+            args = (self._col(q, i0), qs, ptr(kc), ptr(vc), ptr(pool._pt), 0, self._rows_inp(i0)[2])
             if v2:
                 check(lb.strata_attn_rows_gqa(s, *args, self._col("partial", i0), ws, ctr, cs, self._col(out, i0), os_,
                                               oq, q8s, i1 - i0, H, KV, hd, pool.page_size, n_split, self.scale,
@@ -482,20 +482,23 @@ class DecodePlan:
 
     def _launch_short(self, form: str, n: int, p0: int, all_logits: bool) -> None:
         """The short read of n columns at positions p0.. on self.stream (a graph per (form, n, rows, all_logits),
-        captured on first use, or eager launches)."""
+        captured on first use, at most settings.SHORT_READ_GRAPHS of them kept, or eager launches)."""
         rows = self._short_rows(p0, n)
         if not self.use_graphs:
             self._enqueue_short(form, n, rows, all_logits)
             return
         key = ("short", form, n, rows, bool(all_logits))
-        g = self.graphs.get(key)
+        g = self.graphs.pop(key, None)
         if g is None:
             self.stream.begin_capture()
             try:
                 self._enqueue_short(form, n, rows, all_logits, graph=True)
             finally:
                 g = self.stream.end_capture()
-            self.graphs[key] = g
+            short = [k for k in self.graphs if isinstance(k, tuple) and k[0] == "short"]
+            for k in short[:max(0, len(short) + 1 - settings.SHORT_READ_GRAPHS)]:
+                del self.graphs[k]        # the least recently used short-read graphs beyond the bound
+        self.graphs[key] = g              # (re)inserted last: the dict's order is the use order
         g.launch(self.stream)
 
     def short_read(self, tokens, state, all_logits: bool = False, x_in=None):

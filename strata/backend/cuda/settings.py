@@ -138,6 +138,8 @@ def n_split_class(size_class: int, n_kv: int, n_sm: int, resident: int = 0) -> i
 # columns) and where the measurements put the GEMM prefill's fixed cost (f16 weight copies, ~40 decode steps
 # for 32 tokens) above 16 column passes; STRATA_CUDA_SHORT_READ_MAX (0..16) lowers it (0: off).
 SHORT_READ_COLS = 16
+SHORT_READ_GRAPHS = 96   # captured short-read graphs kept per plan (least recently used dropped): 15 sizes x 2 x a few
+#                          context-size classes; a graph of a 30-layer model at n = 16 holds ~1000 nodes
 SHORT_READ_MAX = max(0, min(SHORT_READ_COLS, int(os.environ.get("STRATA_CUDA_SHORT_READ_MAX", SHORT_READ_COLS))))
 
 
