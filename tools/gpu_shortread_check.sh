@@ -9,19 +9,22 @@
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 GM=${GM:-/tmp/gm}
+M=/tmp/model/SmolLM2-135M-Instruct.Q4_1.gguf     # where gpu_stages.sh joins the default model
+[ -z "$STRATA_DEFAULT_MODEL" ] && [ -f $M ] && export STRATA_DEFAULT_MODEL=$M
+[ -f strata/_cuda_kernels.so ] || cp /tmp/built/* strata/ 2>/dev/null   # gpu_stages.sh stage A's build
 t() { timeout "$1" python3 -m pytest -q -rs -x "${@:2}" 2>&1 | grep -vE "it/s\]" \
         | grep -E "passed|failed|FAILED|Error|assert|skipped|SKIP|^E " | tail -30; }
 python3 -c "from strata.backend import cuda as C; print('CUDA:', C.unavailable_reason() or 'ok')" | tee "$OUT/sr_env.log"
 echo "== short-read tests" | tee "$OUT/sr_tests.log"
-t 170 tests/test_cuda_short_read.py | tee -a "$OUT/sr_tests.log"
+t 240 tests/test_cuda_short_read.py | tee -a "$OUT/sr_tests.log"
 echo "== decode kernels and plans (shared header, routing)" | tee -a "$OUT/sr_tests.log"
-t 100 tests/test_cuda_declarations.py tests/test_cuda_kernels.py -k "q8w or q8b or handoff or glu or fused_norm or decode or rms_norm or swiglu or attention" \
+t 90 tests/test_cuda_declarations.py tests/test_cuda_kernels.py -k "q8w or q8b or handoff or glu or fused_norm or decode or rms_norm or swiglu or attention" \
   | tee -a "$OUT/sr_tests.log"
 t 60 tests/test_cuda_qwen35.py -k "plan_logits_match_generic or graphs_vs_eager or bad_token" | tee -a "$OUT/sr_tests.log"
 echo "== bench" | tee "$OUT/sr_bench.log"
 MODELS=${MODELS:-default}
 for m in syn_llama_1_7b syn_hybrid_1_5b; do [ -f "$GM/$m.gguf" ] && MODELS="$MODELS,$m"; done
 LB=""; [ -x /tmp/lb/bin/llama-bench ] && LB="--llama-bench /tmp/lb/bin/llama-bench"
-timeout 150 python3 bench/short_read.py --device cuda --dir "$GM" --models "$MODELS" $LB --reps 2 \
+timeout 120 python3 bench/short_read.py --device cuda --dir "$GM" --models "$MODELS" $LB --reps 2 \
   --depths ${SR_DEPTHS:-0,4096} --out "$OUT/short_read_cuda.json" 2>&1 | grep -vE "it/s" | tail -60 \
   | tee -a "$OUT/sr_bench.log"
