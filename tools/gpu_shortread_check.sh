@@ -12,7 +12,7 @@ GM=${GM:-/tmp/gm}
 M=/tmp/model/SmolLM2-135M-Instruct.Q4_1.gguf     # where gpu_stages.sh joins the default model
 [ -z "$STRATA_DEFAULT_MODEL" ] && [ -f $M ] && export STRATA_DEFAULT_MODEL=$M
 [ -f strata/_cuda_kernels.so ] || cp /tmp/built/* strata/ 2>/dev/null   # gpu_stages.sh stage A's build
-t() { timeout "$1" python3 -m pytest -q -rs -x "${@:2}" 2>&1 | grep -vE "it/s\]" \
+t() { timeout "$1" python3 -m pytest -q -rs "${@:2}" 2>&1 | grep -vE "it/s\]" \
         | grep -E "passed|failed|FAILED|Error|assert|skipped|SKIP|^E " | tail -30; }
 python3 -c "from strata.backend import cuda as C; print('CUDA:', C.unavailable_reason() or 'ok')" | tee "$OUT/sr_env.log"
 echo "== short-read tests" | tee "$OUT/sr_tests.log"
