@@ -347,7 +347,7 @@ class DecodePlan:
                 continue
             if a.dtype == cp.uint8:            # a q8_1 buffer of n values: n + n / 4 bytes
                 nb = int(lib().strata_q8_col_bytes(a.size * 4 // 5))
-                c[name] = cp.zeros((C, nb), cp.uint8)
+                c[name] = cp.zeros((C, nb if nb > 0 else -(-a.size // 16) * 16), cp.uint8)   # n % 32: unused
             elif name in ("partial", "counters"):   # attention: each row's split partials and merge counters
                 c[name] = cp.zeros((C, a.size), a.dtype)
             else:
@@ -393,9 +393,17 @@ class DecodePlan:
 
     def _cols_norm(self, s, n: int, src: str, weight, residual: str | None = None, out: str | None = "hn",
                    sum_out: str | None = None) -> None:
-        """_norm over the n columns in one launch (strata_rms_norm_rows: each row as strata_rms_norm_ex on it)."""
+        """_norm over the n columns in one launch (strata_rms_norm_rows: each row as strata_rms_norm_ex on it; rows
+        wider than 8192 with q8_1 blocks: strata_rms_norm_ex one row at a time)."""
         NULL = ffi().NULL
         sum_out = residual if sum_out is None else sum_out
+        if self.n_embd > 8192 and out and self.dp4a:
+            for i in range(n):
+                check(lib().strata_rms_norm_ex(s, self._col(src, i), self._col(residual, i) if residual else NULL,
+                                               ptr(weight), self._col(out, i), self._col(sum_out, i) if sum_out else
+                                               NULL, NULL, self._col_q("hq", i), 1, self.n_embd, self.eps),
+                      "rms_norm")
+            return
         check(lib().strata_rms_norm_rows(s, self._col(src, 0), self._col(residual, 0) if residual else NULL,
                                          ptr(weight), self._col(out, 0) if out else NULL,
                                          self._col(sum_out, 0) if sum_out else NULL,
