@@ -299,6 +299,59 @@ def test_rows_norm_and_swiglu_equal_one_row(dim):
 
 
 @gpu
+@pytest.mark.parametrize("nk,nv,dk,dv,tiled,grouped", [(2, 4, 64, 64, 1, 0), (1, 2, 128, 128, 0, 1),
+                                                       (4, 4, 32, 96, 0, 0)])
+def test_gdn_rows_equal_token_by_token(nk, nv, dk, dv, tiled, grouped):
+    """strata_q35_conv_rows, strata_q35_gdn_steps and strata_q35_gated_norm_rows over n tokens == strata_q35_conv /
+    _gdn_step / _gated_norm one token at a time: outputs, q8_1 blocks, the conv window and the ssm state after every
+    token count, bit for bit."""
+    cp = _setup_kernels()[0]
+    rng = np.random.default_rng(nk * 100 + dv)
+    lb, s = KL.lib(), KL.stream_ptr()
+    conv_dim, vdim, K = 2 * nk * dk + nv * dv, nv * dv, 4
+    P = conv_dim + vdim + 2 * nv
+    b_off, a_off = conv_dim + vdim, conv_dim + vdim + nv
+    w = cp.asarray(rng.standard_normal((conv_dim, K)).astype(np.float32) * 0.5)
+    A = cp.asarray(-rng.uniform(0.1, 1.0, nv).astype(np.float32))
+    dt = cp.asarray(rng.standard_normal(nv).astype(np.float32))
+    nw = cp.asarray(rng.uniform(0.5, 1.5, dv).astype(np.float32))
+    scale = float(1.0 / dk ** 0.5)
+    nb = int(lb.strata_q8_col_bytes(vdim))
+    for n in (1, 2, 7, 16):
+        proj = cp.asarray(rng.standard_normal((n, P)).astype(np.float32))
+        win0 = rng.standard_normal((K - 1, conv_dim)).astype(np.float32)
+        st0 = (rng.standard_normal((nv, dk, dv)) * 0.1).astype(np.float32)
+        outs = []
+        for rows in (True, False):
+            win, st = cp.asarray(win0), cp.asarray(st0)
+            y, ov = cp.zeros((n, conv_dim), cp.float32), cp.zeros((n, vdim), cp.float32)
+            vn, vq = cp.zeros((n, vdim), cp.float32), cp.zeros((n, nb), cp.uint8)
+            zp = KL.addr(proj.data.ptr + 4 * conv_dim)
+            if rows:
+                KL.check(lb.strata_q35_conv_rows(s, KL.ptr(proj), P, KL.ptr(w), KL.ptr(win), KL.ptr(y), conv_dim, n,
+                                                 conv_dim, K), "conv_rows")
+                KL.check(lb.strata_q35_gdn_steps(s, KL.ptr(y), conv_dim, KL.ptr(proj), P, KL.ptr(A), KL.ptr(dt),
+                                                 KL.ptr(st), KL.ptr(ov), vdim, n, nv, nk, dk, dv, tiled, b_off,
+                                                 a_off, grouped, scale, 1e-6), "gdn_steps")
+                KL.check(lb.strata_q35_gated_norm_rows(s, KL.ptr(ov), vdim, zp, P, KL.ptr(nw), KL.ptr(vn), vdim,
+                                                       _vp(vq), nb, n, nv, dv, 1e-5), "gated_norm_rows")
+            else:
+                for t in range(n):
+                    KL.check(lb.strata_q35_conv(s, KL.ptr(proj[t]), KL.ptr(w), KL.ptr(win), KL.ptr(y[t]), conv_dim,
+                                                K), "conv")
+                    KL.check(lb.strata_q35_gdn_step(s, KL.ptr(y[t]), KL.ptr(proj[t]), KL.ptr(A), KL.ptr(dt),
+                                                    KL.ptr(st), KL.ptr(ov[t]), nv, nk, dk, dv, tiled, b_off, a_off,
+                                                    grouped, scale, 1e-6), "gdn_step")
+                    KL.check(lb.strata_q35_gated_norm(s, KL.ptr(ov[t]), KL.addr(proj.data.ptr + 4 * (t * P + conv_dim)),
+                                                      KL.ptr(nw), KL.ptr(vn[t]), _vp(vq, t * nb), nv, dv, 1e-5),
+                             "gated_norm")
+            outs.append([cp.asnumpy(a) for a in (y, ov, vn, vq, win, st)])
+        for name, a, b in zip(("y", "o", "vn", "vq", "window", "state"), *outs):
+            np.testing.assert_array_equal(a, b, err_msg=f"{name} n={n}")
+        assert np.isfinite(outs[0][1]).all()
+
+
+@gpu
 def test_cols_launchers_refuse_bad_input():
     """Column counts outside 1..16, a type without a dp4a kernel, a y stride below n_out, misaligned columns: an
     error code and nothing written."""

@@ -307,6 +307,11 @@ int strata_apply_mask(void *stream, const float *logits, const unsigned int *wor
  * kernel 2..8. */
 int strata_q35_conv(void *stream, const float *x, const float *w, float *window, float *y, int channels, int kernel);
 
+/* strata_q35_conv for n tokens one after the other (the short read's rows): token t's x at x + t * x_stride, its y
+ * at y + t * y_stride; every token bit-identical to strata_q35_conv on it after the tokens before. */
+int strata_q35_conv_rows(void *stream, const float *x, long long x_stride, const float *w, float *window, float *y,
+                         long long y_stride, int n, int channels, int kernel);
+
 /* One-token gated delta rule with its prologue: y = conv output [q (n_k*dk) | k (n_k*dk) | v (n_v*dv)]; q, k
  * L2-normalised (l2_eps; q times scale); beta = sigmoid(b), g = A * softplus(a + dt) with b, a read from proj
  * (ba_grouped: qwen3next ssm_ba per key head [b x r, a x r] at b_off; else b at b_off + h, a at a_off + h);
@@ -316,10 +321,24 @@ int strata_q35_gdn_step(void *stream, const float *y, const float *proj, const f
                         float *out, int n_v, int n_k, int dk, int dv, int tiled, int b_off, int a_off, int ba_grouped,
                         float scale, float l2_eps);
 
+/* strata_q35_gdn_step for n tokens one after the other, the state held in registers between them: token t's y at
+ * y + t * y_stride, its proj at proj + t * proj_stride, its out at out + t * out_stride; every token bit-identical to
+ * strata_q35_gdn_step on it after the tokens before. */
+int strata_q35_gdn_steps(void *stream, const float *y, long long y_stride, const float *proj, long long proj_stride,
+                         const float *A, const float *dt, float *state, float *out, long long out_stride, int n,
+                         int n_v, int n_k, int dk, int dv, int tiled, int b_off, int a_off, int ba_grouped,
+                         float scale, float l2_eps);
+
 /* Gated RMSNorm per value head (gdn.gated_rms_norm): o, z f32 (n_v, dv), w f32 (dv) -> out f32 (may be NULL) and
  * q8_1 blocks out_q8 (may be NULL; dv % 32 == 0) of the (n_v * dv) row. */
 int strata_q35_gated_norm(void *stream, const float *o, const float *z, const float *w, float *out, void *out_q8,
                           int n_v, int dv, float eps);
+
+/* strata_q35_gated_norm over n <= 65535 rows: row t's o, z, out at t * o_stride / z_stride / out_stride floats, its
+ * q8_1 blocks at out_q8 + t * q8_stride bytes; every row bit-identical to strata_q35_gated_norm on it. */
+int strata_q35_gated_norm_rows(void *stream, const float *o, long long o_stride, const float *z, long long z_stride,
+                               const float *w, float *out, long long out_stride, void *out_q8, long long q8_stride,
+                               int n, int n_v, int dv, float eps);
 
 /* Gated attention prologue for n tokens (rows back to back): qg f32 [per head (q hd | gate hd)] ++ k (n_kv*hd) ++ v
  * (n_kv*hd) -> qkv f32 [q | k | v] (strata_rope_kv_decode's layout) with per-head RMSNorm of q (q_norm) and k

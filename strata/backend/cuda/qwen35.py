@@ -325,26 +325,26 @@ class Qwen35Cuda(DecodePlan):
         self._cols_head(s, n, all_logits)
 
     def _cols_gdn(self, s, n: int, li: int, L) -> None:
-        """_gdn over n columns."""
+        """_gdn over n columns: the fused in-projection over the columns, the conv, the GDN step and the gated norm
+        of every row (each launch runs the rows in order), ssm_out over the columns."""
         lb, m = lib(), self.model
         E = self.n_embd
         conv_dim, vdim, nv, nk, dk, dv = m.conv_dim, m.value_dim, m.nv, m.nk, m.dk, m.dv
         buf = self.resident.buf[li]
         self._cols_mv(s, self.w_in[li], "proj", "hn", "hq", E, n)
+        c = self.c
+        P = c["proj"].shape[1]
         b_off = conv_dim + vdim
-        for i in range(n):
-            check(lb.strata_q35_conv(s, self._col("proj", i), ptr(L.conv), ptr(buf["conv"]), self._col("y", i),
-                                     conv_dim, m.d_conv), "strata_q35_conv")
-        for i in range(n):
-            check(lb.strata_q35_gdn_step(s, self._col("y", i), self._col("proj", i), ptr(L.a), ptr(L.dt),
-                                         ptr(buf["ssm"]), self._col("ov", i), nv, nk, dk, dv, int(bool(m.tiled)),
-                                         b_off, b_off + nv, int(L.w_ba is not None), float(1.0 / dk ** 0.5), L2_EPS),
-                  "strata_q35_gdn_step")
-        for i in range(n):
-            check(lb.strata_q35_gated_norm(s, self._col("ov", i), addr(self.c["proj"].data.ptr + i *
-                                                                       self.cstride["proj"] + 4 * conv_dim),
-                                           ptr(L.ssm_norm), self._col("vn", i), self._col_q("vq", i), nv, dv,
-                                           self.eps), "strata_q35_gated_norm")
+        # the rows one after the other inside each launch (the conv window and the ssm state advance per token)
+        check(lb.strata_q35_conv_rows(s, self._col("proj", 0), P, ptr(L.conv), ptr(buf["conv"]), self._col("y", 0),
+                                      conv_dim, n, conv_dim, m.d_conv), "strata_q35_conv_rows")
+        check(lb.strata_q35_gdn_steps(s, self._col("y", 0), conv_dim, self._col("proj", 0), P, ptr(L.a), ptr(L.dt),
+                                      ptr(buf["ssm"]), self._col("ov", 0), vdim, n, nv, nk, dk, dv, int(bool(m.tiled)),
+                                      b_off, b_off + nv, int(L.w_ba is not None), float(1.0 / dk ** 0.5), L2_EPS),
+              "strata_q35_gdn_steps")
+        check(lb.strata_q35_gated_norm_rows(s, self._col("ov", 0), vdim, addr(c["proj"].data.ptr + 4 * conv_dim), P,
+                                            ptr(L.ssm_norm), self._col("vn", 0), vdim, self._col_q("vq", 0),
+                                            self.cstride["vq"], n, nv, dv, self.eps), "strata_q35_gated_norm_rows")
         self._cols_mv(s, [(L.ssm_out, 0, E)], "o", "vn", "vq", vdim, n)
 
     def _cols_attn(self, s, n: int, li: int, L, rows: tuple) -> None:
