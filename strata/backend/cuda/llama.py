@@ -267,8 +267,9 @@ class LlamaCuda(DecodePlan):
         return bool(args[1])
 
     def _enqueue_short(self, form: str, n: int, rows: tuple, all_logits: bool, graph: bool = False) -> None:
-        """The decode step (_enqueue_step) of `form` over n columns: the matvecs through the column launchers,
-        the per-token kernels (norms, RoPE, attention, SwiGLU) once per row."""
+        """The decode step (_enqueue_step) of `form` over n columns: the matvecs through the column launchers, the
+        norms, SwiGLU and attention through their rows launchers, the first norm handoff and (separate form) RoPE +
+        K/V write once per row."""
         lb, c, m, pool = lib(), self.c, self.model, self.pool
         f = ffi()
         s = stream_ptr()
