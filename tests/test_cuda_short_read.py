@@ -352,6 +352,58 @@ def test_gdn_rows_equal_token_by_token(nk, nv, dk, dv, tiled, grouped):
 
 
 @gpu
+@pytest.mark.parametrize("neox,n_rot", [(0, 64), (1, 16)])
+def test_rope_rows_out_gate_rows_and_norm_handoff_cols(neox, n_rot):
+    """strata_rope_kv_rows == strata_rope_kv_decode row by row (q|k|v and the f16 cache, positions across a page
+    boundary); strata_q35_out_gate_rows == strata_q35_out_gate per row (f32 and q8_1); strata_mvc_norm_q8 ==
+    strata_norm_q8 per column (q8_1 blocks and group sums)."""
+    cp = _setup_kernels()[0]
+    rng = np.random.default_rng(41 + neox)
+    lb, s = KL.lib(), KL.stream_ptr()
+    H, KV, hd, ps, n_pages = 4, 2, 64, 16, 8
+    W = (H + 2 * KV) * hd
+    table = cp.asarray(rng.permutation(n_pages).astype(np.int32))
+    for n in (1, 5, 16):
+        Q = rng.standard_normal((n, W)).astype(np.float32)
+        pos = cp.asarray((9 + np.arange(n)).astype(np.int32))
+        outs = []
+        for rows in (True, False):
+            qkv = cp.asarray(Q)
+            kc, vc = (cp.zeros((n_pages, ps, KV, hd), cp.float16) for _ in range(2))
+            if rows:
+                KL.check(lb.strata_rope_kv_rows(s, KL.ptr(qkv), W, KL.ptr(pos), KL.ptr(kc), KL.ptr(vc), KL.ptr(table),
+                                                n, H, KV, hd, n_rot, 1e4, neox, ps), "rope_rows")
+            else:
+                for r in range(n):
+                    KL.check(lb.strata_rope_kv_decode(s, KL.ptr(qkv[r]), KL.ptr(pos[r:r + 1]), KL.ptr(kc), KL.ptr(vc),
+                                                      KL.ptr(table), H, KV, hd, n_rot, 1e4, neox, ps), "rope")
+            outs.append([cp.asnumpy(a) for a in (qkv, kc, vc)])
+        for a, b in zip(*outs):
+            np.testing.assert_array_equal(a, b)
+        nq = H * hd
+        nb = int(lb.strata_q8_col_bytes(nq))
+        att, gate = (cp.asarray(rng.standard_normal((n, nq)).astype(np.float32)) for _ in range(2))
+        an, aq = cp.full((n, nq), cp.nan, cp.float32), cp.zeros((n, nb), cp.uint8)
+        KL.check(lb.strata_q35_out_gate_rows(s, KL.ptr(att), KL.ptr(gate), KL.ptr(an), _vp(aq), nb, n, nq), "gate")
+        E = 576
+        X = cp.asarray(rng.standard_normal((n, E)).astype(np.float32))
+        nw = cp.asarray(rng.uniform(0.5, 1.5, E).astype(np.float32))
+        eb = int(lb.strata_q8_col_bytes(E))
+        xq, ss = cp.zeros((n, eb), cp.uint8), cp.zeros((n, E // 32), cp.float32)
+        KL.check(lb.strata_mvc_norm_q8(s, KL.ptr(X), KL.ptr(nw), _vp(xq), KL.ptr(ss), E, n), "norm_q8 cols")
+        for r in range(n):
+            a1, q1 = cp.full(nq, cp.nan, cp.float32), cp.zeros(nq + nq // 4, cp.uint8)
+            KL.check(lb.strata_q35_out_gate(s, KL.ptr(att[r]), KL.ptr(gate[r]), KL.ptr(a1), KL.ffi().NULL, KL.ptr(q1),
+                                            nq), "gate")
+            np.testing.assert_array_equal(cp.asnumpy(an[r]), cp.asnumpy(a1))
+            np.testing.assert_array_equal(cp.asnumpy(aq[r, :nq + nq // 4]), cp.asnumpy(q1))
+            x1, s1 = cp.zeros(E + E // 4, cp.uint8), cp.zeros(E // 32, cp.float32)
+            KL.check(lb.strata_norm_q8(s, KL.ptr(X[r]), KL.ptr(nw), KL.ptr(x1), KL.ptr(s1), E), "norm_q8")
+            np.testing.assert_array_equal(cp.asnumpy(xq[r, :E + E // 4]), cp.asnumpy(x1))
+            np.testing.assert_array_equal(cp.asnumpy(ss[r]), cp.asnumpy(s1))
+
+
+@gpu
 def test_cols_launchers_refuse_bad_input():
     """Column counts outside 1..16, a type without a dp4a kernel, a y stride below n_out, misaligned columns: an
     error code and nothing written."""

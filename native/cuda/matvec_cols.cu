@@ -263,6 +263,26 @@ __global__ void __launch_bounds__(256) k_mvc_glu(const uint8_t *__restrict__ wg,
   }
 }
 
+// strata_norm_q8's handoff over columns: grid (n / 32, n_cols), one warp per 32-row group of one column.
+__global__ void k_mvc_norm_q8(const float *__restrict__ x, const float *__restrict__ w, int8_t *__restrict__ xq,
+                              long long q8s, float *__restrict__ ss, int n) {
+  griddep_launch();
+  griddep_wait();
+  const long long c = blockIdx.y;
+  const int i = blockIdx.x * 32 + threadIdx.x;
+  handoff_store(x[c * n + i], i, w, xq + c * q8s, ss + c * (n / 32), n);
+}
+
+extern "C" int strata_mvc_norm_q8(void *stream, const float *x, const float *w, void *x_q8, float *x_ss, int n,
+                                  int n_cols) {
+  if (!x || !w || !x_q8 || !x_ss || n <= 0 || n % 32 || n_cols < 1 || n_cols > COLS_MAX)
+    return (int)cudaErrorInvalidValue;
+  if ((uintptr_t)x_q8 & 15) return (int)cudaErrorMisalignedAddress;
+  st_launch(k_mvc_norm_q8, dim3(n / 32, n_cols), 32, 0, (cudaStream_t)stream, x, w, (int8_t *)x_q8,
+            q8_col_bytes(n), x_ss, n);
+  return (int)cudaGetLastError();
+}
+
 // The checks every column launcher makes: a dp4a type, n_in whole blocks, 1..COLS_MAX columns, 16-byte aligned
 // weights and inputs.
 static int cols_check(int t, const void *w, const void *xq, int n_out, int n_in, int n_cols) {

@@ -272,8 +272,11 @@ __global__ void k_q35_attn_prep(const float *__restrict__ qg, const float *__res
 
 // Attention output gate: v = att * sigmoid(gate) over n elements -> out f32, out16 f16 and q8_1 blocks out_q8 (each
 // may be NULL; out_q8 needs n % 32 == 0). Grid ceil(n / 256), block 256.
+// Rows (the short read): the n elements are rows of `width` (% 32 == 0 with out_q8), row t's q8_1 blocks at
+// out_q8 + t * q8s bytes; one row: width = n.
 __global__ void k_q35_out_gate(const float *__restrict__ att, const float *__restrict__ gate, float *__restrict__ out,
-                               __half *__restrict__ out16, int8_t *__restrict__ out_q8, int n) {
+                               __half *__restrict__ out16, int8_t *__restrict__ out_q8, int n, int width,
+                               long long q8s) {
   griddep_launch();
   griddep_wait();
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -283,7 +286,11 @@ __global__ void k_q35_out_gate(const float *__restrict__ att, const float *__res
     if (out) out[i] = v;
     if (out16) out16[i] = __float2half_rn(v);
   }
-  if (out_q8 && i - (int)(threadIdx.x & 31) < n) q8_store(v, i, out_q8, reinterpret_cast<float2 *>(out_q8 + n));
+  if (out_q8 && i - (int)(threadIdx.x & 31) < n) {
+    const int t = i / width, j = i - t * width;
+    int8_t *oq = out_q8 + t * q8s;
+    q8_store(v, j, oq, reinterpret_cast<float2 *>(oq + width));
+  }
 }
 
 template <int M>
@@ -380,6 +387,16 @@ extern "C" int strata_q35_out_gate(void *stream, const float *att, const float *
                                    void *out_q8, int n) {
   if (n <= 0 || (out_q8 && n % 32)) return (int)cudaErrorInvalidValue;
   st_launch(k_q35_out_gate, dim3((n + 255) / 256), dim3(256), 0, (cudaStream_t)stream, att, gate, out,
-            (__half *)out16, (int8_t *)out_q8, n);
+            (__half *)out16, (int8_t *)out_q8, n, n, 0LL);
+  return (int)cudaGetLastError();
+}
+
+extern "C" int strata_q35_out_gate_rows(void *stream, const float *att, const float *gate, float *out, void *out_q8,
+                                        long long q8_stride, int n, int width) {
+  if (n <= 0 || width <= 0 || (out_q8 && (width % 32 || q8_stride < width + width / 4)))
+    return (int)cudaErrorInvalidValue;
+  const int total = n * width;
+  st_launch(k_q35_out_gate, dim3((total + 255) / 256), dim3(256), 0, (cudaStream_t)stream, att, gate, out,
+            (__half *)nullptr, (int8_t *)out_q8, total, width, q8_stride);
   return (int)cudaGetLastError();
 }

@@ -98,15 +98,17 @@ extern "C" int strata_swiglu_gu_rows(void *stream, const float *gu, int n, int F
 }
 
 // ---------------------------------------------------------------- decode: RoPE on q and k + K/V cache write, fused
-// qkv f32 (1, (H + 2*KV) * hd) = [q | k | v] of one token at position *pos.
+// qkv f32 (1, (H + 2*KV) * hd) = [q | k | v] of one token at position *pos; with rows (grid.y, the short read),
+// row r's at qkv + r * qs, position pos[r].
 __global__ void k_rope_kv_decode(float *qkv, const int *pos, __half *kc, __half *vc, const int *pt, int H, int KV,
-                                 int hd, int n_rot, float base, int neox, int ps) {
+                                 int hd, int n_rot, float base, int neox, int ps, long long qs) {
   griddep_launch();
   griddep_wait();
   const int half = n_rot / 2;
   const int n_pairs = (H + KV) * half;
   const int idx = blockIdx.x * blockDim.x + threadIdx.x;
-  const int p = pos[0];
+  qkv += blockIdx.y * qs;
+  const int p = pos[blockIdx.y];
   if (idx < n_pairs) {
     const int h = idx / half, i = idx % half;
     float *x = qkv + h * hd;
@@ -134,7 +136,17 @@ extern "C" int strata_rope_kv_decode(void *stream, float *qkv, const int *pos, v
   if (n_rot > hd || n_rot % 2) return (int)cudaErrorInvalidValue;
   const int total = (n_head + n_kv) * (n_rot / 2) + n_kv * hd;
   st_launch(k_rope_kv_decode, (total + 127) / 128, 128, 0, (cudaStream_t)stream, qkv, pos, (__half *)kc, (__half *)vc, pt,
-                                                                          n_head, n_kv, hd, n_rot, base, neox, ps);
+                                                                          n_head, n_kv, hd, n_rot, base, neox, ps, 0LL);
+  return (int)cudaGetLastError();
+}
+
+extern "C" int strata_rope_kv_rows(void *stream, float *qkv, long long q_stride, const int *pos, void *kc, void *vc,
+                                   const int *pt, int n, int n_head, int n_kv, int hd, int n_rot, float base, int neox,
+                                   int ps) {
+  if (n_rot > hd || n_rot % 2 || n <= 0 || n > 65535) return (int)cudaErrorInvalidValue;
+  const int total = (n_head + n_kv) * (n_rot / 2) + n_kv * hd;
+  st_launch(k_rope_kv_decode, dim3((total + 127) / 128, n), 128, 0, (cudaStream_t)stream, qkv, pos, (__half *)kc,
+            (__half *)vc, pt, n_head, n_kv, hd, n_rot, base, neox, ps, q_stride);
   return (int)cudaGetLastError();
 }
 

@@ -121,6 +121,9 @@ int strata_matvec_q8w_rope(void *stream, int ggml_type, const void *w, const voi
 /* Bytes of one column of a q8_1 vector of n values (n % 32 == 0), else -1. */
 int strata_q8_col_bytes(int n);
 
+/* strata_norm_q8 per column: x (n_cols, n) f32 -> x_q8[c], x_ss[c]. */
+int strata_mvc_norm_q8(void *stream, const float *x, const float *w, void *x_q8, float *x_ss, int n, int n_cols);
+
 /* strata_matvec_q8w per column: y[c] = W xq[c], column c of y at element c * y_stride (>= n_out). */
 int strata_mvc_q8w(void *stream, int ggml_type, const void *w, const void *xq, float *y, int y_stride, int n_out,
                    int n_in, int n_cols);
@@ -187,6 +190,12 @@ int strata_swiglu_gu_rows(void *stream, const float *gu, int n, int F, float *ou
  * position *pos (in place), then k (rotated) and v written to the paged f16 cache at *pos. */
 int strata_rope_kv_decode(void *stream, float *qkv, const int *pos, void *k_cache, void *v_cache, const int *page_table,
                           int n_head, int n_kv, int hd, int n_rot, float base, int neox, int page_size);
+
+/* strata_rope_kv_decode over n rows (the short read): row r's qkv at qkv + r * q_stride, its position pos[r]; every
+ * row bit-identical to strata_rope_kv_decode on it. n <= 65535. */
+int strata_rope_kv_rows(void *stream, float *qkv, long long q_stride, const int *pos, void *k_cache, void *v_cache,
+                        const int *page_table, int n, int n_head, int n_kv, int hd, int n_rot, float base, int neox,
+                        int page_size);
 
 /* Prefill, fused: RoPE in place on q and k of n tokens' rows of qkv f32 (row stride `stride` floats, layout of
  * strata_rope_kv_decode), token t at position pos0 + t, and k (rotated) / v written to the f16 cache (k_cache
@@ -350,6 +359,11 @@ int strata_q35_attn_prep(void *stream, const float *qg, const float *q_norm, con
  * n % 32 == 0). */
 int strata_q35_out_gate(void *stream, const float *att, const float *gate, float *out, void *out16, void *out_q8,
                         int n);
+
+/* strata_q35_out_gate over n rows of width values (att, gate, out rows back to back), row t's q8_1 blocks at
+ * out_q8 + t * q8_stride bytes (width % 32 == 0); every row bit-identical to strata_q35_out_gate on it. */
+int strata_q35_out_gate_rows(void *stream, const float *att, const float *gate, float *out, void *out_q8,
+                             long long q8_stride, int n, int width);
 
 /* ---------------- gdn.cu: Gated DeltaNet: the delta rule over n tokens and the causal conv */
 /* Gated delta rule over n tokens (S <- exp(g) S; u = (v - S^T k) beta; S <- S + k u^T; o = S^T q scale): q, k f32

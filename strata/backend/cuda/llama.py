@@ -268,8 +268,8 @@ class LlamaCuda(DecodePlan):
 
     def _enqueue_short(self, form: str, n: int, rows: tuple, all_logits: bool, graph: bool = False) -> None:
         """The decode step (_enqueue_step) of `form` over n columns: the matvecs through the column launchers, the
-        norms, SwiGLU and attention through their rows launchers, the first norm handoff and (separate form) RoPE +
-        K/V write once per row."""
+        norms, SwiGLU, attention, the first norm handoff and (separate form) RoPE + K/V write through their rows
+        launchers."""
         lb, c, m, pool = lib(), self.c, self.model, self.pool
         f = ffi()
         s = stream_ptr()
@@ -283,9 +283,8 @@ class LlamaCuda(DecodePlan):
         self._cols_embed(s, n)
         first_norm = m.layers[self.lo].attn_norm
         if handoff:
-            for i in range(n):
-                check(lb.strata_norm_q8(s, self._col("x", i), ptr(first_norm), self._col("hq", i), self._col("ss", i),
-                                        E), "norm_q8")
+            check(lb.strata_mvc_norm_q8(s, self._col("x", 0), ptr(first_norm), self._col("hq", 0), ss, E, n),
+                  "mvc_norm_q8")
         else:
             self._cols_norm(s, n, "x", first_norm)
         for li in range(self.lo, self.hi):
@@ -303,18 +302,7 @@ class LlamaCuda(DecodePlan):
                 groups = [(L.wqkv, 0, nq + 2 * kvd)] if L.wqkv is not None else \
                     [(L.wq, 0, nq), (L.wk, nq, kvd), (L.wv, nq + kvd, kvd)]
                 self._cols_mv(s, groups, "qkv", "hn", "hq", E, n)
-                for i in range(n):
-                    q, p_i = self._col("qkv", i), self._rows_inp(i)[1]
-                    if ks is None:
-                        check(lb.strata_rope_kv_decode(s, q, p_i, ptr(kc), ptr(vc), ptr(pt), H, KV, hd, self.n_rot,
-                                                       self.theta, self.neox, pool.page_size), "rope_kv")
-                    else:
-                        check(lb.strata_rope_kv_decode(s, q, p_i, NULL, NULL, ptr(pt), H, KV, hd, self.n_rot,
-                                                       self.theta, self.neox, pool.page_size), "rope")
-                        check(lb.strata_kv_write_q8(s, fptr(c["qkv"], i * (nq + 2 * kvd) + nq), nq + 2 * kvd,
-                                                    fptr(c["qkv"], i * (nq + 2 * kvd) + nq + kvd), nq + 2 * kvd,
-                                                    ptr(kc), ptr(vc), ptr(ks), ptr(vs), ptr(pt), p_i, 0, 1, KV, hd,
-                                                    pool.page_size), "kv_write_q8")
+                self._cols_rope_kv(s, n, "qkv", kc, vc, ks, vs, self.neox)
             self._cols_attn_rows(s, li, rows, "qkv", "att", "aq")
             glu = self._glu_weights(L)
             if handoff:

@@ -33,7 +33,7 @@ import numpy as np
 from strata.backend.cuda import settings
 from strata.backend.cuda.attention import prefill_attention
 from strata.backend.cuda.gdn import VARIANTS
-from strata.backend.cuda.library import addr, check, ffi, fptr, lib, ptr, stream_ptr
+from strata.backend.cuda.library import addr, check, ffi, lib, ptr, stream_ptr
 from strata.backend.cuda.runner import DecodePlan, PlanModel, q8_buffer
 from strata.backend.cuda.settings import ATTN_HEAD_DIMS, FLASH_HEAD_DIMS, fa2_splits, gqa_resident, n_split_class
 from strata.backend.cuda.weights import DeviceWeight, fuse_groups, glu_pointers
@@ -348,38 +348,23 @@ class Qwen35Cuda(DecodePlan):
         self._cols_mv(s, [(L.ssm_out, 0, E)], "o", "vn", "vq", vdim, n)
 
     def _cols_attn(self, s, n: int, li: int, L, rows: tuple) -> None:
-        """_attn over n columns, row i's attention with the split of its own decode step (rows[i]): the per-token
-        prologue (norms, RoPE, K/V write) of every row, the attention of all rows (_cols_attn_rows), the output
-        gates."""
-        lb, c, pool = lib(), self.c, self.pool
+        """_attn over n columns, row i's attention with the split of its own decode step (rows[i]): the prologue
+        (norms, RoPE, K/V write) of every row, the attention of all rows (_cols_attn_rows), the output gates."""
+        lb, pool = lib(), self.pool
         E, H, KV, hd = self.n_embd, self.n_head, self.n_kv, self.hd
-        nq, kvd = H * hd, KV * hd
-        W = nq + 2 * kvd
-        NULL = ffi().NULL
+        nq = H * hd
         slot = pool.slot(li)
         kc, vc = pool.k[slot], pool.v[slot]
         ks, vs = pool.scales(slot)
-        pt = pool._pt
         self._cols_mv(s, self.w_in[li], "qg", "hn", "hq", E, n)
         # the q / k norms and the gate split of every row (a block per head and row, rows back to back)
         check(lb.strata_q35_attn_prep(s, self._col("qg", 0), ptr(L.q_norm), ptr(L.k_norm), self._col("qkv", 0),
                                       self._col("gate", 0), n, H, KV, hd, self.eps), "strata_q35_attn_prep")
-        for i in range(n):             # every row's K / V written before any row attends
-            pos_p = self._rows_inp(i)[1]
-            q = self._col("qkv", i)
-            if ks is None:
-                check(lb.strata_rope_kv_decode(s, q, pos_p, ptr(kc), ptr(vc), ptr(pt), H, KV, hd, self.n_rot,
-                                               self.theta, 1, pool.page_size), "strata_rope_kv_decode")
-            else:
-                check(lb.strata_rope_kv_decode(s, q, pos_p, NULL, NULL, ptr(pt), H, KV, hd, self.n_rot, self.theta, 1,
-                                               pool.page_size), "strata_rope_kv_decode")
-                check(lb.strata_kv_write_q8(s, fptr(c["qkv"], i * W + nq), W, fptr(c["qkv"], i * W + nq + kvd), W,
-                                            ptr(kc), ptr(vc), ptr(ks), ptr(vs), ptr(pt), pos_p, 0, 1, KV, hd,
-                                            pool.page_size), "strata_kv_write_q8")
+        self._cols_rope_kv(s, n, "qkv", kc, vc, ks, vs, 1)   # every row's K / V written before any row attends
         self._cols_attn_rows(s, li, rows, "qkv", "att", None)
-        for i in range(n):
-            check(lb.strata_q35_out_gate(s, self._col("att", i), self._col("gate", i), self._col("an", i), NULL,
-                                         self._col_q("aq", i), nq), "strata_q35_out_gate")
+        check(lb.strata_q35_out_gate_rows(s, self._col("att", 0), self._col("gate", 0), self._col("an", 0),
+                                          self._col_q("aq", 0), self.cstride["aq"], n, nq),
+              "strata_q35_out_gate_rows")
         self._cols_mv(s, [(L.wo, 0, E)], "o", "an", "aq", nq, n)
 
     def prefill(self, tokens, state, all_logits: bool = False, x_in=None):

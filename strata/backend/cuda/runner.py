@@ -478,6 +478,22 @@ class DecodePlan:
                       "attn_rows")
             i0 = i1
 
+    def _cols_rope_kv(self, s, n: int, q: str, kc, vc, ks, vs, neox: int) -> None:
+        """RoPE of every row of c[q] at its position and its K / V into the pages (strata_rope_kv_rows; a q8_0
+        cache: RoPE only, then strata_kv_write_q8 of the rows, which sit at consecutive positions)."""
+        lb, c, pool = lib(), self.c, self.pool
+        H, KV, hd = self.n_head, self.n_kv, self.hd
+        W, NULL = c[q].shape[1], ffi().NULL
+        q8 = ks is not None
+        check(lb.strata_rope_kv_rows(s, self._col(q, 0), W, self._rows_inp(0)[1], NULL if q8 else ptr(kc),
+                                     NULL if q8 else ptr(vc), ptr(pool._pt), n, H, KV, hd, self.n_rot, self.theta,
+                                     neox, pool.page_size), "rope_kv_rows")
+        if q8:
+            base = c[q].data.ptr + 4 * H * hd
+            check(lb.strata_kv_write_q8(s, addr(base), W, addr(base + 4 * KV * hd), W, ptr(kc), ptr(vc), ptr(ks),
+                                        ptr(vs), ptr(pool._pt), self._rows_inp(0)[1], 0, n, KV, hd, pool.page_size),
+                  "kv_write_q8")
+
     @staticmethod
     def _row_v2(args: tuple) -> bool:
         """Whether a row's step arguments (``_step_args``) take the GQA decode attention kernel (a family's
