@@ -4,12 +4,13 @@ decode step itself (plan.decode, one token at a time), an independent path: its 
 transformers and the CPU backend by tests/test_cuda_kernels.py, test_cuda_parity.py and test_cuda_qwen35.py. Kernel
 level: every column launcher against the decode launcher it mirrors, column by column, for every dp4a weight type
 (bit for bit: y, residual stream, handed-off q8_1 blocks and sums, K/V cache, SwiGLU output and its q8_1 blocks),
-and the rows attention launchers against the decode attention kernels row by row. Model level: the default model
-(SmolLM2, llama: the handoff form, the separate-launch form, the fused-norm form's stepping fallback, a q8_0 KV
-cache) and a synthetic qwen35 hybrid (Q8_0 and F16 weights, f16 and q8_0 caches), chains of short reads n = 2..16
-from depths 0, 200 and 2000 (crossing the 256 and 2048 context-size classes inside a read, where the rows' attention
-splits and kernels differ): every row's logits, every layer's K/V pages and the GDN running state equal. Skipped
-without a GPU."""
+and every rows launcher (attention, RMSNorm, SwiGLU, RoPE + K/V write, the norm handoff, the hybrid's conv, GDN
+step, gated norm and output gate) against the one-row decode launcher row by row, token by token where the rows run
+in order. Model level: the default model (SmolLM2, llama: the handoff form, the separate-launch form, the fused-norm
+form's stepping fallback, a q8_0 KV cache) and a synthetic qwen35 hybrid (Q8_0 and F16 weights, f16 and q8_0
+caches), chains of short reads n = 2..16 from depths 0, 200 and 2000 (crossing the 256 and 2048 context-size classes
+inside a read, where the rows' attention splits and kernels differ): every row's logits, every layer's K/V pages and
+the GDN running state equal. Skipped without a GPU."""
 import sys
 from pathlib import Path
 
