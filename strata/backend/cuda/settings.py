@@ -140,7 +140,15 @@ def n_split_class(size_class: int, n_kv: int, n_sm: int, resident: int = 0) -> i
 SHORT_READ_COLS = 16
 SHORT_READ_GRAPHS = 96   # captured short-read graphs kept per plan (least recently used dropped): 15 sizes x 2 x a few
 #                          context-size classes; a graph of a 30-layer model at n = 16 holds ~1000 nodes
-SHORT_READ_MAX = max(0, min(SHORT_READ_COLS, int(os.environ.get("STRATA_CUDA_SHORT_READ_MAX", SHORT_READ_COLS))))
+def _short_read_max(env: str | None) -> int:
+    """STRATA_CUDA_SHORT_READ_MAX's value clamped to 0..SHORT_READ_COLS (unset or not an integer: SHORT_READ_COLS)."""
+    try:
+        return max(0, min(SHORT_READ_COLS, int(env))) if env is not None else SHORT_READ_COLS
+    except ValueError:
+        return SHORT_READ_COLS
+
+
+SHORT_READ_MAX = _short_read_max(os.environ.get("STRATA_CUDA_SHORT_READ_MAX"))
 
 
 def short_read(n: int) -> bool:
