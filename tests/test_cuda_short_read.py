@@ -145,7 +145,7 @@ def test_cols_rope_equals_decode_rope(t, handoff, n_rot):
     cp, Q, CW, random_blocks = _setup_kernels()
     qt = getattr(Q, t)
     rng = np.random.default_rng(13 + int(qt) + n_rot)
-    H, KV, hd, n_in, ps, n_pages, p0, eps = 9, 3, 64, 576, 16, 6, 9, 1e-5
+    H, KV, hd, n_in, ps, n_pages, p0, eps = 9, 3, 64, 1024, 16, 6, 9, 1e-5
     n_out = (H + 2 * KV) * hd
     w = CW.upload_raw("w", int(qt), (n_out, n_in), random_blocks(qt, n_out, n_in, rng))
     table = cp.asarray(rng.permutation(n_pages).astype(np.int32))
