@@ -149,15 +149,14 @@ __global__ void k_attn_combine(const float *partial, float *out, int8_t *out_q8,
 // each group unrolls 2 positions (loads issued before the dot products). Each group keeps its own online softmax
 // (m, l, o); groups and warps are merged in shared memory into the same (M, L, O) partial as k_attn_decode (or,
 // with counters and one split, straight into the output).
+// The body of k_attn_decode_v (and of its rows form, k_attn_rows_v) for head h and split sp, from the PDL wait on.
 template <int LP>
-__global__ void k_attn_decode_v(const float *__restrict__ q, const __half *__restrict__ kc,
-                                const __half *__restrict__ vc, const int *__restrict__ pt, const int *d_len,
-                                int len_arg, float *__restrict__ partial, int n_head, int n_kv, int ps, int n_split,
-                                float scale, unsigned *counters, float *out, int8_t *out_q8, int pre_wait) {
-  griddep_launch();
-  KT(KT_ATTN, KT_START);
+__device__ __forceinline__ void attn_v_block(int h, int sp, const float *__restrict__ q, const __half *__restrict__ kc,
+                                             const __half *__restrict__ vc, const int *__restrict__ pt,
+                                             const int *d_len, int len_arg, float *__restrict__ partial, int n_head,
+                                             int n_kv, int ps, int n_split, float scale, unsigned *counters,
+                                             float *out, int8_t *out_q8, int pre_wait) {
   constexpr int hd = 8 * LP, PPW = 32 / LP, NG = ATT_WARPS * PPW, STEP = 2 * NG;
-  const int h = blockIdx.x, sp = blockIdx.y;
   const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, grp = lane / LP, gl = lane % LP;
   const int kvh = h / (n_head / n_kv);
   const int g_id = wid * PPW + grp;
@@ -237,7 +236,40 @@ __global__ void k_attn_decode_v(const float *__restrict__ q, const __half *__res
   for (int i = 0; i < 8; i++) so[g_id][8 * gl + i] = o[i];
   __syncthreads();
   attn_block_finish(sm, sl, so, partial, counters, h, sp, n_split, n_head, out, out_q8);
+}
+
+template <int LP>
+__global__ void k_attn_decode_v(const float *__restrict__ q, const __half *__restrict__ kc,
+                                const __half *__restrict__ vc, const int *__restrict__ pt, const int *d_len,
+                                int len_arg, float *__restrict__ partial, int n_head, int n_kv, int ps, int n_split,
+                                float scale, unsigned *counters, float *out, int8_t *out_q8, int pre_wait) {
+  griddep_launch();
+  KT(KT_ATTN, KT_START);
+  attn_v_block<LP>(blockIdx.x, blockIdx.y, q, kc, vc, pt, d_len, len_arg, partial, n_head, n_kv, ps, n_split, scale,
+                   counters, out, out_q8, pre_wait);
   KT(KT_ATTN, KT_END);
+}
+
+// Per-row strides of the rows forms (the short read: one query token per row, each with its own length, output,
+// partials, merge counters and page table, over one layer's K/V cache): q and out in floats, out_q8 in bytes, the
+// split partials in floats, the page tables in ints, the counters in counters.
+struct AttnRows {
+  long long q, out, q8, ws, pt;   // pt: page-table stride in ints (0: the rows share one sequence's table)
+  int cnt;
+};
+
+// k_attn_decode_v over rows: grid (n_head, n_split, rows), row blockIdx.z attends over d_len[row] positions; every
+// row's blocks compute exactly what k_attn_decode_v computes for that row alone.
+template <int LP>
+__global__ void k_attn_rows_v(const float *__restrict__ q, const __half *__restrict__ kc,
+                              const __half *__restrict__ vc, const int *__restrict__ pt, const int *d_len,
+                              float *__restrict__ partial, int n_head, int n_kv, int ps, int n_split, float scale,
+                              unsigned *counters, float *out, int8_t *out_q8, AttnRows rs) {
+  griddep_launch();
+  const int r = blockIdx.z;
+  attn_v_block<LP>(blockIdx.x, blockIdx.y, q + r * rs.q, kc, vc, pt + r * rs.pt, d_len + r, 0, partial + r * rs.ws,
+                   n_head, n_kv, ps, n_split, scale, counters + (long long)r * rs.cnt, out + r * rs.out,
+                   out_q8 ? out_q8 + r * rs.q8 : nullptr, 1);
 }
 
 extern "C" int strata_attn_decode(void *stream, const float *q, const void *kc, const void *vc, const int *pt,
@@ -270,6 +302,31 @@ extern "C" int strata_attn_decode_ex(void *stream, const float *q, const void *k
 #undef AD
   // without counters the merge is a second launch (one block of hd threads per head)
   if (!counters) st_launch(k_attn_combine, n_head, hd, 0, s, partial, out, oq, n_split, hd);
+  return (int)cudaGetLastError();
+}
+
+// The short read's rows (one query token each; see AttnRows): k_attn_rows_v, self-merging (counters required).
+extern "C" int strata_attn_rows(void *stream, const float *q, long long q_stride, const void *kc, const void *vc,
+                                const int *pt, long long pt_stride, const int *d_len, float *partial,
+                                long long ws_stride, float *out, long long out_stride, void *out_q8,
+                                long long q8_stride, unsigned *counters, int cnt_stride, int n_rows, int n_head,
+                                int n_kv, int hd, int ps, int n_split, float scale) {
+  if (n_kv <= 0 || n_head % n_kv || n_split < 1 || n_rows < 1 || !d_len || !counters || cnt_stride < n_head ||
+      pt_stride < 0 ||
+      ws_stride < (long long)n_head * n_split * (hd + 2))
+    return (int)cudaErrorInvalidValue;
+  cudaStream_t s = (cudaStream_t)stream;
+  dim3 grid(n_head, n_split, n_rows);
+  const __half *K = (const __half *)kc, *V = (const __half *)vc;
+  int8_t *oq = (int8_t *)out_q8;
+  const AttnRows rs{q_stride, out_stride, q8_stride, ws_stride, pt_stride, cnt_stride};
+#define AR(LP) st_launch(k_attn_rows_v<LP>, grid, 32 * ATT_WARPS, 0, s, q, K, V, pt, d_len, partial, n_head, n_kv, ps, \
+                         n_split, scale, counters, out, oq, rs)
+  switch (hd) {
+    case 32: AR(4); break; case 64: AR(8); break; case 128: AR(16); break; case 256: AR(32); break;
+    default: return (int)cudaErrorInvalidValue;
+  }
+#undef AR
   return (int)cudaGetLastError();
 }
 
@@ -529,6 +586,23 @@ __global__ void __launch_bounds__(32 * DA_WARPS) k_attn_decode_gqa(
                                        counters, out, out_q8, n_head, n_kv, ps, n_split, scale);
 }
 
+// k_attn_decode_gqa over rows: grid (n_kv, n_split, rows), row blockIdx.z attends over d_len[row] positions with its
+// own partials, counters and output (AttnRows); every row computes exactly what k_attn_decode_gqa computes for it.
+template <int LP, int G, bool Q8, bool DB>
+__global__ void __launch_bounds__(32 * DA_WARPS) k_attn_rows_gqa(
+    const float *__restrict__ q, const void *__restrict__ kc, const void *__restrict__ vc,
+    const __half *__restrict__ ks, const __half *__restrict__ vs, const int *__restrict__ pt,
+    const int *__restrict__ d_len, float *__restrict__ ws, unsigned *__restrict__ counters, float *__restrict__ out,
+    int8_t *__restrict__ out_q8, int n_head, int n_kv, int ps, int n_split, float scale, AttnRows rs) {
+  griddep_launch();
+  griddep_wait();
+  const int r = blockIdx.z;
+  attn_gqa_block<LP, G, Q8, DB>(blockIdx.x, blockIdx.y, q + r * rs.q, kc, vc, ks, vs, pt + r * rs.pt, d_len[r],
+                                ws + r * rs.ws,
+                                counters + (long long)r * rs.cnt, out + r * rs.out,
+                                out_q8 ? out_q8 + r * rs.q8 : nullptr, n_head, n_kv, ps, n_split, scale);
+}
+
 // Whether the GQA decode kernel issues the next iteration's K/V loads before this one's arithmetic (double
 // buffering): yes unless STRATA_CUDA_ATTN_DB=0/false/no/off (read per launch). The two variants hold different
 // registers (hd 128, 2 query heads per KV head: 157 vs 150; 1 head: 128 vs 71), so the occupancy query below asks
@@ -567,6 +641,45 @@ extern "C" int strata_attn_decode_gqa(void *stream, const float *q, const void *
 #undef DGQ
 #undef DG
 #undef DGD
+  return (int)cudaGetLastError();
+}
+
+// The short read's rows (AttnRows) through k_attn_rows_gqa; the checks of strata_attn_decode_gqa, d_len and counters
+// required.
+extern "C" int strata_attn_rows_gqa(void *stream, const float *q, long long q_stride, const void *kc, const void *vc,
+                                    const int *pt, long long pt_stride, const int *d_len, float *ws,
+                                    long long ws_stride, unsigned *counters, int cnt_stride, float *out,
+                                    long long out_stride, void *out_q8, long long q8_stride, int n_rows, int n_head,
+                                    int n_kv, int hd, int ps, int n_split, float scale, const void *k_scales,
+                                    const void *v_scales) {
+  if (n_kv <= 0 || n_head % n_kv || n_split < 1 || n_split > DA_MAX_SPLIT || n_rows < 1 || !d_len || !counters ||
+      cnt_stride < n_kv || pt_stride < 0 || ws_stride < (long long)n_head * n_split * (hd + 2))
+    return (int)cudaErrorInvalidValue;
+  const int g = n_head / n_kv;
+  if (g > 8 || (!k_scales) != (!v_scales)) return (int)cudaErrorInvalidValue;
+  cudaStream_t s = (cudaStream_t)stream;
+  dim3 grid(n_kv, n_split, n_rows);
+  const __half *KS = (const __half *)k_scales, *VS = (const __half *)v_scales;
+  int8_t *oq = (int8_t *)out_q8;
+  const bool db = attn_db();
+  const AttnRows rs{q_stride, out_stride, q8_stride, ws_stride, pt_stride, cnt_stride};
+#define RG(LP, GG, Q) { if (db) RGD(LP, GG, Q, true); else RGD(LP, GG, Q, false); }
+#define RGD(LP, GG, Q, D) st_launch(k_attn_rows_gqa<LP, GG, Q, D>, grid, 32 * DA_WARPS, 0, s, q, kc, vc, KS, VS, pt, \
+                                    d_len, ws, counters, out, oq, n_head, n_kv, ps, n_split, scale, rs)
+#define RGQ(LP, GG) { if (KS) RG(LP, GG, true) else RG(LP, GG, false) }
+#define RGG(LP) \
+  if (g == 1) { RGQ(LP, 1) } else if (g == 2) { RGQ(LP, 2) } else if (g <= 4) { RGQ(LP, 4) } else { RGQ(LP, 8) }
+  switch (hd) {
+    case 32: RGG(4); break;
+    case 64: RGG(8); break;
+    case 128: RGG(16); break;
+    case 256: RGG(32); break;
+    default: return (int)cudaErrorInvalidValue;
+  }
+#undef RGG
+#undef RGQ
+#undef RG
+#undef RGD
   return (int)cudaGetLastError();
 }
 

@@ -86,10 +86,11 @@ __global__ void __launch_bounds__(256) k_rms_norm_r(const float *x, const float 
 // log2(32 / EPT) shuffles after a per-thread pass (k_rms_norm_r's lane-per-element q8_store takes 10 shuffles per
 // element group, EPT times over); same q8_1 arithmetic per element as q8_store (llama.cpp quantize_q8_1). The sum
 // of squares runs in another order than k_rms_norm_r (f32 rounding differs in the last bits).
+// out_q8: row r's q8_1 blocks at out_q8 + r * q8_stride bytes (the short read's columns; one row: any stride).
 template <int EPT>
 __global__ void __launch_bounds__(256) k_rms_norm_c(const float *x, const float *res, const float *__restrict__ wt,
                                                     float *out, float *sum_out, __half *out16, int8_t *out_q8, int dim,
-                                                    float eps) {
+                                                    float eps, long long q8_stride) {
   griddep_launch();
   KT(KT_NORM, KT_START);
   const int e0 = EPT * threadIdx.x;
@@ -124,14 +125,15 @@ __global__ void __launch_bounds__(256) k_rms_norm_c(const float *x, const float 
       for (int k = 0; k < EPT; k++) out16[base + k] = __float2half(y[k]);
     }
   }
-  if (out_q8) {   // n_rows == 1, dim % 32 == 0: a group's lanes are all live or all not (warp-uniform shuffles)
+  if (out_q8) {   // dim % 32 == 0: a group's lanes are all live or all not (warp-uniform shuffles)
     float d;
     int q[EPT], sum;
     q8_chunk(y, q, d, sum);
     if (live) {
+      int8_t *oq = out_q8 + blockIdx.x * q8_stride;
 #pragma unroll
-      for (int k = 0; k < EPT; k++) out_q8[e0 + k] = (int8_t)q[k];
-      if ((e0 & 31) == 0) reinterpret_cast<float2 *>(out_q8 + dim)[e0 >> 5] = make_float2(d, d * (float)sum);
+      for (int k = 0; k < EPT; k++) oq[e0 + k] = (int8_t)q[k];
+      if ((e0 & 31) == 0) reinterpret_cast<float2 *>(oq + dim)[e0 >> 5] = make_float2(d, d * (float)sum);
     }
   }
   KT(KT_NORM, KT_END);
@@ -142,17 +144,19 @@ extern "C" int strata_rms_norm(void *stream, const float *x, const float *res, c
   return strata_rms_norm_ex(stream, x, res, w, out, sum_out, nullptr, nullptr, n_rows, dim, eps);
 }
 
-extern "C" int strata_rms_norm_ex(void *stream, const float *x, const float *res, const float *w, float *out,
-                                  float *sum_out, void *out16, void *out_q8, int n_rows, int dim, float eps) {
+// strata_rms_norm_ex, and with rows of q8_1 blocks q8_stride bytes apart (strata_rms_norm_rows).
+static int rms_norm(void *stream, const float *x, const float *res, const float *w, float *out, float *sum_out,
+                    void *out16, void *out_q8, long long q8_stride, int n_rows, int dim, float eps) {
   if (n_rows <= 0) return 0;
-  if (out_q8 && (n_rows != 1 || dim % 32)) return (int)cudaErrorInvalidValue;
+  if (out_q8 && ((n_rows != 1 && (q8_stride < dim + dim / 4 || dim > 8192)) || dim % 32))
+    return (int)cudaErrorInvalidValue;   // rows of q8_1 blocks: the register kernel k_rms_norm_c only
   // out may alias x or sum_out: each element is read (both passes) before it is written only by its own thread.
   cudaStream_t st = (cudaStream_t)stream;
   __half *o16 = (__half *)out16;
   int8_t *oq = (int8_t *)out_q8;
   if (dim % 32 == 0 && dim <= 8192) {   // EPT = dim / 256 rounded up to a power of two, at most 32
     const int ept = dim <= 256 ? 1 : dim <= 512 ? 2 : dim <= 1024 ? 4 : dim <= 2048 ? 8 : dim <= 4096 ? 16 : 32;
-#define RC(E) st_launch(k_rms_norm_c<E>, n_rows, 256, 0, st, x, res, w, out, sum_out, o16, oq, dim, eps)
+#define RC(E) st_launch(k_rms_norm_c<E>, n_rows, 256, 0, st, x, res, w, out, sum_out, o16, oq, dim, eps, q8_stride)
     if (ept == 1) RC(1); else if (ept == 2) RC(2); else if (ept == 4) RC(4);
     else if (ept == 8) RC(8); else if (ept == 16) RC(16); else RC(32);
 #undef RC
@@ -171,3 +175,13 @@ extern "C" int strata_rms_norm_ex(void *stream, const float *x, const float *res
   return (int)cudaGetLastError();
 }
 
+extern "C" int strata_rms_norm_ex(void *stream, const float *x, const float *res, const float *w, float *out,
+                                  float *sum_out, void *out16, void *out_q8, int n_rows, int dim, float eps) {
+  return rms_norm(stream, x, res, w, out, sum_out, out16, out_q8, 0, n_rows, dim, eps);
+}
+
+extern "C" int strata_rms_norm_rows(void *stream, const float *x, const float *res, const float *w, float *out,
+                                    float *sum_out, void *out_q8, long long q8_stride, int n_rows, int dim,
+                                    float eps) {
+  return rms_norm(stream, x, res, w, out, sum_out, nullptr, out_q8, q8_stride, n_rows, dim, eps);
+}

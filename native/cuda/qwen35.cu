@@ -36,11 +36,13 @@ __device__ __forceinline__ float q35_block_sum(float v, float *sh) {
   return t;
 }
 
-// Causal depthwise conv + SiLU of one token (gdn.causal_conv1d with n = 1): one thread per channel c,
-// xx = window[:, c] ++ x[c]; y[c] = silu(sum_j w[c, j] xx[j]); window[:, c] <- xx[1:].
+// Causal depthwise conv + SiLU of n_tok tokens, one after the other (gdn.causal_conv1d; the decode step: n_tok = 1):
+// one thread per channel c, token t's input at x + t * xs and output at y + t * ys; per token
+// xx = window[:, c] ++ x[c]; y[c] = silu(sum_j w[c, j] xx[j]); window[:, c] <- xx[1:] (kept in registers between
+// tokens, stored after the last).
 template <int K>
 __global__ void k_q35_conv(const float *__restrict__ x, const float *__restrict__ w, float *__restrict__ window,
-                           float *__restrict__ y, int channels) {
+                           float *__restrict__ y, int channels, int n_tok, long long xs, long long ys) {
   griddep_launch();
   griddep_wait();
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
@@ -48,35 +50,32 @@ __global__ void k_q35_conv(const float *__restrict__ x, const float *__restrict_
   float xx[K];
 #pragma unroll
   for (int j = 0; j < K - 1; j++) xx[j] = window[(long long)j * channels + c];
-  xx[K - 1] = x[c];
-  float acc = 0.f;
+  for (int t = 0; t < n_tok; t++) {
+    xx[K - 1] = x[t * xs + c];
+    float acc = 0.f;
 #pragma unroll
-  for (int j = 0; j < K; j++) acc += xx[j] * w[(long long)c * K + j];
-  y[c] = acc / (1.0f + expf(-acc));
+    for (int j = 0; j < K; j++) acc += xx[j] * w[(long long)c * K + j];
+    y[t * ys + c] = acc / (1.0f + expf(-acc));
 #pragma unroll
-  for (int j = 0; j < K - 1; j++) window[(long long)j * channels + c] = xx[j + 1];
+    for (int j = 0; j < K - 1; j++) xx[j] = xx[j + 1];
+  }
+#pragma unroll
+  for (int j = 0; j < K - 1; j++) window[(long long)j * channels + c] = xx[j];
 }
 
-// One-token gated delta rule with its prologue (qwen3next._gdn after the conv), grid (ceil(dv / 32), n_v),
-// block (32, 8). Block (tile, h): value head h reads key head hk = tiled ? h % n_k : h / (n_v / n_k);
-//   q = y[hk*dk:] / sqrt(|.|^2 + l2_eps) * scale, k = y[n_k*dk + hk*dk:] / sqrt(|.|^2 + l2_eps),
-//   v = y[2*n_k*dk + h*dv:], beta = sigmoid(b_h), g = A_h * softplus(a_h + dt_h),
-//   S <- exp(g) S; u = (v - S^T k) * beta; S <- S + k u^T; o = S^T q   (S = state[h] (dk, dv), in place).
-// b_h, a_h from proj: ba_grouped (qwen3next ssm_ba, per key head [b x r, a x r]): b = proj[b_off + (h/r)*2r + h%r],
-// a = b's index + r; else (qwen35 ssm_beta / ssm_alpha) b = proj[b_off + h], a = proj[a_off + h].
+// One token of the gated delta rule on the block's state slice s (registers: rows ty, ty + 8, ... of column j of
+// value head h), token inputs y (the conv output) and proj (b, a), output out; the shared arrays of the caller.
+// Every thread of the block calls it (barriers).
 template <int M>
-__global__ void __launch_bounds__(Q35_COLS *Q35_ROWS)
-    k_q35_gdn_step(const float *__restrict__ y, const float *__restrict__ proj, const float *__restrict__ A,
-                   const float *__restrict__ dt, float *__restrict__ state, float *__restrict__ out, int n_v, int n_k,
-                   int dk, int dv, int tiled, int b_off, int a_off, int ba_grouped, float scale, float l2_eps) {
-  griddep_launch();
-  griddep_wait();
-  __shared__ float q_s[Q35_MAX_DK], k_s[Q35_MAX_DK];
-  __shared__ float red1[Q35_ROWS][Q35_COLS + 1], red2[Q35_ROWS][Q35_COLS + 1];
-  __shared__ float nrm[2][Q35_ROWS];
+__device__ __forceinline__ void q35_gdn_token(float (&s)[M], const float *__restrict__ y,
+                                              const float *__restrict__ proj, const float *__restrict__ A,
+                                              const float *__restrict__ dt,
+                                              float *__restrict__ out, int h, int j, int n_v, int n_k, int dk, int dv,
+                                              int tiled, int b_off, int a_off, int ba_grouped, float scale,
+                                              float l2_eps, float *q_s, float *k_s,
+                                              float (*red1)[Q35_COLS + 1], float (*red2)[Q35_COLS + 1],
+                                              float (*nrm)[Q35_ROWS]) {
   const int tx = threadIdx.x, ty = threadIdx.y, tid = ty * Q35_COLS + tx;
-  const int h = blockIdx.y;
-  const int j = blockIdx.x * Q35_COLS + tx;
   const bool col = j < dv;
   const int r = n_v / n_k;
   const int hk = tiled ? h % n_k : h / r;
@@ -95,13 +94,6 @@ __global__ void __launch_bounds__(Q35_COLS *Q35_ROWS)
   if (tx == 0) {
     nrm[0][ty] = sq;
     nrm[1][ty] = sk;
-  }
-  float *S = state + (long long)h * dk * dv;
-  float s[M];
-#pragma unroll
-  for (int m = 0; m < M; m++) {
-    const int i = ty + Q35_ROWS * m;
-    s[m] = (col && i < dk) ? S[(long long)i * dv + j] : 0.0f;
   }
   __syncthreads();
   float tq = 0.f, tk = 0.f;
@@ -160,6 +152,45 @@ __global__ void __launch_bounds__(Q35_COLS *Q35_ROWS)
     for (int w = 0; w < Q35_ROWS; w++) acc += red2[w][tx];
     out[(long long)h * dv + j] = acc;
   }
+}
+
+// The gated delta rule with its prologue (qwen3next._gdn after the conv) for n_tok tokens one after the other (the
+// decode step: n_tok = 1), token t's conv output at y + t * ys, its projection (b, a) at proj + t * ps and its output
+// at out + t * os; grid (ceil(dv / 32), n_v), block (32, 8). Block (tile, h): value head h reads key head hk = tiled ?
+// h % n_k : h / (n_v / n_k);
+//   q = y[hk*dk:] / sqrt(|.|^2 + l2_eps) * scale, k = y[n_k*dk + hk*dk:] / sqrt(|.|^2 + l2_eps),
+//   v = y[2*n_k*dk + h*dv:], beta = sigmoid(b_h), g = A_h * softplus(a_h + dt_h),
+//   S <- exp(g) S; u = (v - S^T k) * beta; S <- S + k u^T; o = S^T q   (S = state[h] (dk, dv), in place; held in
+//   registers from the first token to the last).
+// b_h, a_h from proj: ba_grouped (qwen3next ssm_ba, per key head [b x r, a x r]): b = proj[b_off + (h/r)*2r + h%r],
+// a = b's index + r; else (qwen35 ssm_beta / ssm_alpha) b = proj[b_off + h], a = proj[a_off + h].
+template <int M>
+__global__ void __launch_bounds__(Q35_COLS *Q35_ROWS)
+    k_q35_gdn_step(const float *__restrict__ y, const float *__restrict__ proj, const float *__restrict__ A,
+                   const float *__restrict__ dt, float *__restrict__ state, float *__restrict__ out, int n_v, int n_k,
+                   int dk, int dv, int tiled, int b_off, int a_off, int ba_grouped, float scale, float l2_eps,
+                   int n_tok, long long ys, long long ps, long long os) {
+  griddep_launch();
+  griddep_wait();
+  __shared__ float q_s[Q35_MAX_DK], k_s[Q35_MAX_DK];
+  __shared__ float red1[Q35_ROWS][Q35_COLS + 1], red2[Q35_ROWS][Q35_COLS + 1];
+  __shared__ float nrm[2][Q35_ROWS];
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  const int h = blockIdx.y;
+  const int j = blockIdx.x * Q35_COLS + tx;
+  const bool col = j < dv;
+  float *S = state + (long long)h * dk * dv;
+  float s[M];
+#pragma unroll
+  for (int m = 0; m < M; m++) {
+    const int i = ty + Q35_ROWS * m;
+    s[m] = (col && i < dk) ? S[(long long)i * dv + j] : 0.0f;
+  }
+  for (int t = 0; t < n_tok; t++) {
+    if (t) __syncthreads();                   // the previous token's shared arrays read by every warp
+    q35_gdn_token<M>(s, y + t * ys, proj + t * ps, A, dt, out + t * os, h, j, n_v, n_k, dk, dv, tiled, b_off, a_off,
+                     ba_grouped, scale, l2_eps, q_s, k_s, red1, red2, nrm);
+  }
 #pragma unroll
   for (int m = 0; m < M; m++) {
     const int i = ty + Q35_ROWS * m;
@@ -167,13 +198,23 @@ __global__ void __launch_bounds__(Q35_COLS *Q35_ROWS)
   }
 }
 
-// Gated RMSNorm per value head (gdn.gated_rms_norm): grid n_v, block min(256, dv rounded up to 32).
+// Gated RMSNorm per value head (gdn.gated_rms_norm): grid (n_v, tokens), block min(256, dv rounded up to 32).
 // v = o / sqrt(mean(o_h^2) + eps) * w * silu(z) -> out f32 (may be NULL) and q8_1 blocks out_q8 (may be NULL;
-// dv % 32 == 0) of the whole (n_v * dv) row.
+// dv % 32 == 0) of the whole (n_v * dv) row; token t's rows at o + t * rs.x, z + t * rs.y, out + t * rs.z (floats)
+// and out_q8 + t * rs.w (bytes).
+struct Q35Rows {
+  long long x, y, z, w;
+};
 __global__ void k_q35_gated_norm(const float *__restrict__ o, const float *__restrict__ z, const float *__restrict__ w,
-                                 float *__restrict__ out, int8_t *__restrict__ out_q8, int n_v, int dv, float eps) {
+                                 float *__restrict__ out, int8_t *__restrict__ out_q8, int n_v, int dv, float eps,
+                                 Q35Rows rs) {
   griddep_launch();
   griddep_wait();
+  const long long t = blockIdx.y;
+  o += t * rs.x;
+  z += t * rs.y;
+  if (out) out += t * rs.z;
+  if (out_q8) out_q8 += t * rs.w;
   __shared__ float sh[32];
   const long long base = (long long)blockIdx.x * dv;
   float ss = 0.f;
@@ -231,8 +272,11 @@ __global__ void k_q35_attn_prep(const float *__restrict__ qg, const float *__res
 
 // Attention output gate: v = att * sigmoid(gate) over n elements -> out f32, out16 f16 and q8_1 blocks out_q8 (each
 // may be NULL; out_q8 needs n % 32 == 0). Grid ceil(n / 256), block 256.
+// Rows (the short read): the n elements are rows of `width` (% 32 == 0 with out_q8), row t's q8_1 blocks at
+// out_q8 + t * q8s bytes; one row: width = n.
 __global__ void k_q35_out_gate(const float *__restrict__ att, const float *__restrict__ gate, float *__restrict__ out,
-                               __half *__restrict__ out16, int8_t *__restrict__ out_q8, int n) {
+                               __half *__restrict__ out16, int8_t *__restrict__ out_q8, int n, int width,
+                               long long q8s) {
   griddep_launch();
   griddep_wait();
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -242,45 +286,55 @@ __global__ void k_q35_out_gate(const float *__restrict__ att, const float *__res
     if (out) out[i] = v;
     if (out16) out16[i] = __float2half_rn(v);
   }
-  if (out_q8 && i - (int)(threadIdx.x & 31) < n) q8_store(v, i, out_q8, reinterpret_cast<float2 *>(out_q8 + n));
+  if (out_q8 && i - (int)(threadIdx.x & 31) < n) {
+    const int t = i / width, j = i - t * width;
+    int8_t *oq = out_q8 + t * q8s;
+    q8_store(v, j, oq, reinterpret_cast<float2 *>(oq + width));
+  }
 }
 
 template <int M>
 cudaError_t launch_step(cudaStream_t st, const float *y, const float *proj, const float *A, const float *dt,
                         float *state, float *out, int n_v, int n_k, int dk, int dv, int tiled, int b_off, int a_off,
-                        int ba_grouped, float scale, float l2_eps) {
+                        int ba_grouped, float scale, float l2_eps, int n_tok, long long ys, long long ps,
+                        long long os) {
   dim3 grid((dv + Q35_COLS - 1) / Q35_COLS, n_v), block(Q35_COLS, Q35_ROWS);
   return st_launch(k_q35_gdn_step<M>, grid, block, 0, st, y, proj, A, dt, state, out, n_v, n_k, dk, dv, tiled, b_off,
-                   a_off, ba_grouped, scale, l2_eps);
+                   a_off, ba_grouped, scale, l2_eps, n_tok, ys, ps, os);
 }
 
 }  // namespace
 
-extern "C" int strata_q35_conv(void *stream, const float *x, const float *w, float *window, float *y, int channels,
-                               int kernel) {
-  if (channels <= 0 || kernel < 2 || kernel > 8) return (int)cudaErrorInvalidValue;
+extern "C" int strata_q35_conv_rows(void *stream, const float *x, long long x_stride, const float *w, float *window,
+                                    float *y, long long y_stride, int n, int channels, int kernel) {
+  if (channels <= 0 || kernel < 2 || kernel > 8 || n <= 0) return (int)cudaErrorInvalidValue;
   cudaStream_t st = (cudaStream_t)stream;
   const dim3 nb((channels + 127) / 128), bs(128);
+#define CV(K) st_launch(k_q35_conv<K>, nb, bs, 0, st, x, w, window, y, channels, n, x_stride, y_stride)
   switch (kernel) {
-    case 2: st_launch(k_q35_conv<2>, nb, bs, 0, st, x, w, window, y, channels); break;
-    case 3: st_launch(k_q35_conv<3>, nb, bs, 0, st, x, w, window, y, channels); break;
-    case 4: st_launch(k_q35_conv<4>, nb, bs, 0, st, x, w, window, y, channels); break;
-    case 5: st_launch(k_q35_conv<5>, nb, bs, 0, st, x, w, window, y, channels); break;
-    case 6: st_launch(k_q35_conv<6>, nb, bs, 0, st, x, w, window, y, channels); break;
-    case 7: st_launch(k_q35_conv<7>, nb, bs, 0, st, x, w, window, y, channels); break;
-    default: st_launch(k_q35_conv<8>, nb, bs, 0, st, x, w, window, y, channels); break;
+    case 2: CV(2); break; case 3: CV(3); break; case 4: CV(4); break; case 5: CV(5); break;
+    case 6: CV(6); break; case 7: CV(7); break; default: CV(8); break;
   }
+#undef CV
   return (int)cudaGetLastError();
 }
 
-extern "C" int strata_q35_gdn_step(void *stream, const float *y, const float *proj, const float *A, const float *dt,
-                                   float *state, float *out, int n_v, int n_k, int dk, int dv, int tiled, int b_off,
-                                   int a_off, int ba_grouped, float scale, float l2_eps) {
-  if (n_v <= 0 || n_k <= 0 || n_v % n_k || dk <= 0 || dk > Q35_MAX_DK || dv <= 0) return (int)cudaErrorInvalidValue;
+extern "C" int strata_q35_conv(void *stream, const float *x, const float *w, float *window, float *y, int channels,
+                               int kernel) {
+  return strata_q35_conv_rows(stream, x, 0, w, window, y, 0, 1, channels, kernel);
+}
+
+extern "C" int strata_q35_gdn_steps(void *stream, const float *y, long long y_stride, const float *proj,
+                                    long long proj_stride, const float *A, const float *dt, float *state, float *out,
+                                    long long out_stride, int n, int n_v, int n_k, int dk, int dv, int tiled,
+                                    int b_off, int a_off, int ba_grouped, float scale, float l2_eps) {
+  if (n <= 0 || n_v <= 0 || n_k <= 0 || n_v % n_k || dk <= 0 || dk > Q35_MAX_DK || dv <= 0)
+    return (int)cudaErrorInvalidValue;
   cudaStream_t st = (cudaStream_t)stream;
   const int m = (dk + Q35_ROWS - 1) / Q35_ROWS;
 #define Q35_STEP(MM) \
-  launch_step<MM>(st, y, proj, A, dt, state, out, n_v, n_k, dk, dv, tiled, b_off, a_off, ba_grouped, scale, l2_eps)
+  launch_step<MM>(st, y, proj, A, dt, state, out, n_v, n_k, dk, dv, tiled, b_off, a_off, ba_grouped, scale, l2_eps, \
+                  n, y_stride, proj_stride, out_stride)
   if (m <= 2) Q35_STEP(2);
   else if (m <= 4) Q35_STEP(4);
   else if (m <= 8) Q35_STEP(8);
@@ -290,12 +344,29 @@ extern "C" int strata_q35_gdn_step(void *stream, const float *y, const float *pr
   return (int)cudaGetLastError();
 }
 
+extern "C" int strata_q35_gdn_step(void *stream, const float *y, const float *proj, const float *A, const float *dt,
+                                   float *state, float *out, int n_v, int n_k, int dk, int dv, int tiled, int b_off,
+                                   int a_off, int ba_grouped, float scale, float l2_eps) {
+  return strata_q35_gdn_steps(stream, y, 0, proj, 0, A, dt, state, out, 0, 1, n_v, n_k, dk, dv, tiled, b_off, a_off,
+                              ba_grouped, scale, l2_eps);
+}
+
 extern "C" int strata_q35_gated_norm(void *stream, const float *o, const float *z, const float *w, float *out,
                                      void *out_q8, int n_v, int dv, float eps) {
   if (n_v <= 0 || dv <= 0 || (out_q8 && dv % 32)) return (int)cudaErrorInvalidValue;
   const int bs = dv >= 256 ? 256 : (dv + 31) / 32 * 32;
   st_launch(k_q35_gated_norm, dim3(n_v), dim3(bs), 0, (cudaStream_t)stream, o, z, w, out, (int8_t *)out_q8, n_v, dv,
-            eps);
+            eps, Q35Rows{0, 0, 0, 0});
+  return (int)cudaGetLastError();
+}
+
+extern "C" int strata_q35_gated_norm_rows(void *stream, const float *o, long long o_stride, const float *z,
+                                          long long z_stride, const float *w, float *out, long long out_stride,
+                                          void *out_q8, long long q8_stride, int n, int n_v, int dv, float eps) {
+  if (n <= 0 || n > 65535 || n_v <= 0 || dv <= 0 || (out_q8 && dv % 32)) return (int)cudaErrorInvalidValue;
+  const int bs = dv >= 256 ? 256 : (dv + 31) / 32 * 32;
+  st_launch(k_q35_gated_norm, dim3(n_v, n), dim3(bs), 0, (cudaStream_t)stream, o, z, w, out, (int8_t *)out_q8, n_v,
+            dv, eps, Q35Rows{o_stride, z_stride, out_stride, q8_stride});
   return (int)cudaGetLastError();
 }
 
@@ -316,6 +387,16 @@ extern "C" int strata_q35_out_gate(void *stream, const float *att, const float *
                                    void *out_q8, int n) {
   if (n <= 0 || (out_q8 && n % 32)) return (int)cudaErrorInvalidValue;
   st_launch(k_q35_out_gate, dim3((n + 255) / 256), dim3(256), 0, (cudaStream_t)stream, att, gate, out,
-            (__half *)out16, (int8_t *)out_q8, n);
+            (__half *)out16, (int8_t *)out_q8, n, n, 0LL);
+  return (int)cudaGetLastError();
+}
+
+extern "C" int strata_q35_out_gate_rows(void *stream, const float *att, const float *gate, float *out, void *out_q8,
+                                        long long q8_stride, int n, int width) {
+  if (n <= 0 || width <= 0 || (out_q8 && (width % 32 || q8_stride < width + width / 4)))
+    return (int)cudaErrorInvalidValue;
+  const int total = n * width;
+  st_launch(k_q35_out_gate, dim3((total + 255) / 256), dim3(256), 0, (cudaStream_t)stream, att, gate, out,
+            (__half *)nullptr, (int8_t *)out_q8, total, width, q8_stride);
   return (int)cudaGetLastError();
 }

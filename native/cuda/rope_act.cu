@@ -57,42 +57,58 @@ extern "C" int strata_swiglu(void *stream, const float *g, const float *u, float
 }
 
 // SwiGLU of a fused gate|up buffer gu f32 (n, 2F) (gate = gu[t, :F], up = gu[t, F:]) into any of: f32 out (n, F),
-// f16 out16 (n, F), q8_1 blocks out_q8 (n == 1, F % 32 == 0).
+// f16 out16 (n, F), q8_1 blocks out_q8 (F % 32 == 0; row t's at out_q8 + t * q8_stride bytes).
 __global__ void k_swiglu_gu(const float *__restrict__ gu, int F, long long total, float *__restrict__ out,
-                            __half *__restrict__ out16, int8_t *__restrict__ out_q8) {
+                            __half *__restrict__ out16, int8_t *__restrict__ out_q8, long long q8_stride) {
   griddep_launch();
   griddep_wait();
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const long long t = i / F, j = i % F;
   float v = 0.f;
   if (i < total) {
-    const long long t = i / F, j = i % F;
     const float a = gu[t * 2 * F + j];
     v = a / (1.f + expf(-a)) * gu[t * 2 * F + F + j];
     if (out) out[i] = v;
     if (out16) out16[i] = __float2half(v);
   }
-  if (out_q8 && i - (threadIdx.x & 31) < total) q8_store(v, (int)i, out_q8, reinterpret_cast<float2 *>(out_q8 + total));
+  // F % 32 == 0: a warp's 32 elements are one block of one row
+  if (out_q8 && i - (threadIdx.x & 31) < total) {
+    int8_t *oq = out_q8 + t * q8_stride;
+    q8_store(v, (int)j, oq, reinterpret_cast<float2 *>(oq + F));
+  }
 }
 
-extern "C" int strata_swiglu_gu(void *stream, const float *gu, int n, int F, float *out, void *out16, void *out_q8) {
+static int swiglu_gu(void *stream, const float *gu, int n, int F, float *out, void *out16, void *out_q8,
+                     long long q8_stride) {
   const long long total = (long long)n * F;
   if (total <= 0) return 0;
-  if (out_q8 && (n != 1 || F % 32)) return (int)cudaErrorInvalidValue;
-  st_launch(k_swiglu_gu, (unsigned)((total + 255) / 256), 256, 0, (cudaStream_t)stream, gu, F, total, out, (__half *)out16,
-                                                                                 (int8_t *)out_q8);
+  if (out_q8 && ((n != 1 && q8_stride < F + F / 4) || F % 32)) return (int)cudaErrorInvalidValue;
+  st_launch(k_swiglu_gu, (unsigned)((total + 255) / 256), 256, 0, (cudaStream_t)stream, gu, F, total, out,
+            (__half *)out16, (int8_t *)out_q8, q8_stride);
   return (int)cudaGetLastError();
 }
 
+extern "C" int strata_swiglu_gu(void *stream, const float *gu, int n, int F, float *out, void *out16, void *out_q8) {
+  return swiglu_gu(stream, gu, n, F, out, out16, out_q8, 0);
+}
+
+extern "C" int strata_swiglu_gu_rows(void *stream, const float *gu, int n, int F, float *out, void *out_q8,
+                                     long long q8_stride) {
+  return swiglu_gu(stream, gu, n, F, out, nullptr, out_q8, q8_stride);
+}
+
 // ---------------------------------------------------------------- decode: RoPE on q and k + K/V cache write, fused
-// qkv f32 (1, (H + 2*KV) * hd) = [q | k | v] of one token at position *pos.
+// qkv f32 (1, (H + 2*KV) * hd) = [q | k | v] of one token at position *pos; with rows (grid.y, the short read),
+// row r's at qkv + r * qs, position pos[r].
 __global__ void k_rope_kv_decode(float *qkv, const int *pos, __half *kc, __half *vc, const int *pt, int H, int KV,
-                                 int hd, int n_rot, float base, int neox, int ps) {
+                                 int hd, int n_rot, float base, int neox, int ps, long long qs) {
   griddep_launch();
   griddep_wait();
   const int half = n_rot / 2;
   const int n_pairs = (H + KV) * half;
   const int idx = blockIdx.x * blockDim.x + threadIdx.x;
-  const int p = pos[0];
+  qkv += blockIdx.y * qs;
+  const int p = pos[blockIdx.y];
   if (idx < n_pairs) {
     const int h = idx / half, i = idx % half;
     float *x = qkv + h * hd;
@@ -120,7 +136,17 @@ extern "C" int strata_rope_kv_decode(void *stream, float *qkv, const int *pos, v
   if (n_rot > hd || n_rot % 2) return (int)cudaErrorInvalidValue;
   const int total = (n_head + n_kv) * (n_rot / 2) + n_kv * hd;
   st_launch(k_rope_kv_decode, (total + 127) / 128, 128, 0, (cudaStream_t)stream, qkv, pos, (__half *)kc, (__half *)vc, pt,
-                                                                          n_head, n_kv, hd, n_rot, base, neox, ps);
+                                                                          n_head, n_kv, hd, n_rot, base, neox, ps, 0LL);
+  return (int)cudaGetLastError();
+}
+
+extern "C" int strata_rope_kv_rows(void *stream, float *qkv, long long q_stride, const int *pos, void *kc, void *vc,
+                                   const int *pt, int n, int n_head, int n_kv, int hd, int n_rot, float base, int neox,
+                                   int ps) {
+  if (n_rot > hd || n_rot % 2 || n <= 0 || n > 65535) return (int)cudaErrorInvalidValue;
+  const int total = (n_head + n_kv) * (n_rot / 2) + n_kv * hd;
+  st_launch(k_rope_kv_decode, dim3((total + 127) / 128, n), 128, 0, (cudaStream_t)stream, qkv, pos, (__half *)kc,
+            (__half *)vc, pt, n_head, n_kv, hd, n_rot, base, neox, ps, q_stride);
   return (int)cudaGetLastError();
 }
 

@@ -113,6 +113,43 @@ int strata_matvec_q8w_rope(void *stream, int ggml_type, const void *w, const voi
                            const float *norm_delta, const float *norm_w, float *norm_x_out, float eps, int pre_wait,
                            const float *norm_ss);
 
+/* ---------------- matvec_cols.cu: the short read's matvecs over n_cols columns (1..16), each column bit-identical to
+ * the decode matvec named on the same vector. Column c of a q8_1 vector of n values (input xq, or an output: x_q8,
+ * act_q8) starts at byte c * strata_q8_col_bytes(n), 16-byte aligned (n int8, then n / 32 float2 (d, d * sum q));
+ * of an f32 vector of n values (y, x, qkv, act) at element c * n; of the sums of squares (x_ss, norm_ss) at c * (n /
+ * 32). Errors: those of the decode launcher mirrored, and cudaErrorInvalidValue for n_cols outside 1..16. */
+/* Bytes of one column of a q8_1 vector of n values (n % 32 == 0), else -1. */
+int strata_q8_col_bytes(int n);
+
+/* strata_norm_q8 per column: x (n_cols, n) f32 -> x_q8[c], x_ss[c]. */
+int strata_mvc_norm_q8(void *stream, const float *x, const float *w, void *x_q8, float *x_ss, int n, int n_cols);
+
+/* strata_matvec_q8w per column: y[c] = W xq[c], column c of y at element c * y_stride (>= n_out). */
+int strata_mvc_q8w(void *stream, int ggml_type, const void *w, const void *xq, float *y, int y_stride, int n_out,
+                   int n_in, int n_cols);
+
+/* strata_matvec_q8b per column: y[c] = W xq[c], one block per row, column c of y at element c * y_stride. */
+int strata_mvc_q8b(void *stream, int ggml_type, const void *w, const void *xq, float *y, int y_stride, int n_out,
+                   int n_in, int n_cols);
+
+/* strata_matvec_q8_resid per column (block: the q8b form): x[c] += W xq[c] and, with norm_w, each column's handoff
+ * (x_q8[c], x_ss[c]); counters (n_out / 32 uint32, zero, left zero) are shared by the columns. */
+int strata_mvc_q8_resid(void *stream, int ggml_type, const void *w, const void *xq, int n_out, int n_in, int n_cols,
+                        int block, float *x, const float *norm_w, void *x_q8, float *x_ss, unsigned *counters);
+
+/* strata_matvec_q8w_rope per column without a fused norm: column c at position pos[c] (n_cols positions on the
+ * device), its K / V into the paged cache through page_table + c * pt_stride (0: one sequence's columns); norm_ss
+ * (may be NULL): the handed-off input norm of each column. */
+int strata_mvc_q8w_rope(void *stream, int ggml_type, const void *w, const void *xq, float *qkv, int n_head, int n_kv,
+                        int hd, int n_in, int n_cols, const int *pos, void *k_cache, void *v_cache,
+                        const int *page_table, int pt_stride, int n_rot, float base, int page_size, float eps,
+                        const float *norm_ss);
+
+/* strata_matvec_q8w_glu_norm per column without a fused norm: act[c] (may be NULL) and act_q8[c] (may be NULL, not
+ * both) from xq[c]; norm_ss (may be NULL): the handed-off input norm of each column. */
+int strata_mvc_q8w_glu(void *stream, int ggml_type, const void *w_gate, const void *w_up, const void *xq, float *act,
+                       void *act_q8, int F, int n_in, int n_cols, float eps, const float *norm_ss);
+
 /* ---------------- norm.cu: RMSNorm with the residual add */
 /* RMSNorm fused with the residual add: s = x + residual (residual may be NULL: s = x);
  * sum_out (may be NULL) = s; out = s / sqrt(mean(s^2) + eps) * weight. All f32, (n_rows, dim). */
@@ -125,6 +162,12 @@ int strata_rms_norm(void *stream, const float *x, const float *residual, const f
  * the kernel launched just before on the stream (model norm weights are constants). */
 int strata_rms_norm_ex(void *stream, const float *x, const float *residual, const float *weight, float *out,
                        float *sum_out, void *out16, void *out_q8, int n_rows, int dim, float eps);
+
+/* strata_rms_norm_ex over n_rows rows with q8_1 blocks per row (the short read's columns): row r's at out_q8 + r *
+ * q8_stride bytes (>= dim + dim / 4; dim % 32 == 0, <= 8192); every row bit-identical to strata_rms_norm_ex on it
+ * alone. */
+int strata_rms_norm_rows(void *stream, const float *x, const float *residual, const float *weight, float *out,
+                         float *sum_out, void *out_q8, long long q8_stride, int n_rows, int dim, float eps);
 
 /* ---------------- rope_act.cu: RoPE (alone and with the K/V cache write), SwiGLU */
 /* RoPE in place on x f32 (n_tokens, n_heads, head_dim): position positions[t] (int32, device);
@@ -139,10 +182,20 @@ int strata_swiglu(void *stream, const float *gate, const float *up, float *out, 
  * out16 f16 (n, F), out_q8 q8_1 blocks (n == 1, F % 32 == 0). */
 int strata_swiglu_gu(void *stream, const float *gu, int n, int F, float *out, void *out16, void *out_q8);
 
+/* strata_swiglu_gu over n rows with q8_1 blocks per row: row t's at out_q8 + t * q8_stride bytes (>= F + F / 4;
+ * F % 32 == 0); every row bit-identical to strata_swiglu_gu on it alone. */
+int strata_swiglu_gu_rows(void *stream, const float *gu, int n, int F, float *out, void *out_q8, long long q8_stride);
+
 /* Decode step, fused: RoPE on q and k of qkv f32 [q (n_head*hd) | k (n_kv*hd) | v (n_kv*hd)] of one token at
  * position *pos (in place), then k (rotated) and v written to the paged f16 cache at *pos. */
 int strata_rope_kv_decode(void *stream, float *qkv, const int *pos, void *k_cache, void *v_cache, const int *page_table,
                           int n_head, int n_kv, int hd, int n_rot, float base, int neox, int page_size);
+
+/* strata_rope_kv_decode over n rows (the short read): row r's qkv at qkv + r * q_stride, its position pos[r]; every
+ * row bit-identical to strata_rope_kv_decode on it. n <= 65535. */
+int strata_rope_kv_rows(void *stream, float *qkv, long long q_stride, const int *pos, void *k_cache, void *v_cache,
+                        const int *page_table, int n, int n_head, int n_kv, int hd, int n_rot, float base, int neox,
+                        int page_size);
 
 /* Prefill, fused: RoPE in place on q and k of n tokens' rows of qkv f32 (row stride `stride` floats, layout of
  * strata_rope_kv_decode), token t at position pos0 + t, and k (rotated) / v written to the f16 cache (k_cache
@@ -202,6 +255,24 @@ int strata_attn_decode_gqa(void *stream, const float *q, const void *k_cache, co
                            void *out_q8, int n_head, int n_kv, int hd, int page_size, int n_split, float scale,
                            const void *k_scales, const void *v_scales);
 
+/* The short read's rows: n_rows query tokens of one sequence (or of sequences sharing the page table), row r with q at
+ * q + r * q_stride, its page table at page_table + r * pt_stride (0: one sequence's rows), its length d_len[r]
+ * (device), its split partials at ws / partial + r * ws_stride (>= n_head *
+ * n_split * (hd + 2) floats), its merge counters at counters + r * cnt_stride (zero, left zero; >= n_head for
+ * strata_attn_rows, >= n_kv for _gqa), its output at out + r * out_stride and q8_1 blocks at out_q8 + r * q8_stride
+ * bytes (out_q8 may be NULL): every row bit-identical to strata_attn_decode_ex (with counters) / strata_attn_decode_gqa
+ * on that row alone with the same n_split. strata_attn_rows: hd 32, 64, 128 or 256, f16 cache. */
+int strata_attn_rows(void *stream, const float *q, long long q_stride, const void *k_cache, const void *v_cache,
+                     const int *page_table, long long pt_stride, const int *d_len, float *partial,
+                     long long ws_stride, float *out, long long out_stride, void *out_q8, long long q8_stride,
+                     unsigned *counters, int cnt_stride, int n_rows, int n_head, int n_kv, int hd, int page_size,
+                     int n_split, float scale);
+int strata_attn_rows_gqa(void *stream, const float *q, long long q_stride, const void *k_cache, const void *v_cache,
+                         const int *page_table, long long pt_stride, const int *d_len, float *ws, long long ws_stride,
+                         unsigned *counters, int cnt_stride, float *out, long long out_stride, void *out_q8,
+                         long long q8_stride, int n_rows, int n_head, int n_kv, int hd, int page_size, int n_split,
+                         float scale, const void *k_scales, const void *v_scales);
+
 /* Blocks of strata_attn_decode_gqa's kernel resident per multiprocessor for head size hd, g query heads per KV head,
  * an f16 (q8 = 0) or q8_0 cache and the current STRATA_CUDA_ATTN_DB variant; a negative cudaError_t for an
  * unsupported shape. */
@@ -245,6 +316,11 @@ int strata_apply_mask(void *stream, const float *logits, const unsigned int *wor
  * kernel 2..8. */
 int strata_q35_conv(void *stream, const float *x, const float *w, float *window, float *y, int channels, int kernel);
 
+/* strata_q35_conv for n tokens one after the other (the short read's rows): token t's x at x + t * x_stride, its y
+ * at y + t * y_stride; every token bit-identical to strata_q35_conv on it after the tokens before. */
+int strata_q35_conv_rows(void *stream, const float *x, long long x_stride, const float *w, float *window, float *y,
+                         long long y_stride, int n, int channels, int kernel);
+
 /* One-token gated delta rule with its prologue: y = conv output [q (n_k*dk) | k (n_k*dk) | v (n_v*dv)]; q, k
  * L2-normalised (l2_eps; q times scale); beta = sigmoid(b), g = A * softplus(a + dt) with b, a read from proj
  * (ba_grouped: qwen3next ssm_ba per key head [b x r, a x r] at b_off; else b at b_off + h, a at a_off + h);
@@ -254,10 +330,24 @@ int strata_q35_gdn_step(void *stream, const float *y, const float *proj, const f
                         float *out, int n_v, int n_k, int dk, int dv, int tiled, int b_off, int a_off, int ba_grouped,
                         float scale, float l2_eps);
 
+/* strata_q35_gdn_step for n tokens one after the other, the state held in registers between them: token t's y at
+ * y + t * y_stride, its proj at proj + t * proj_stride, its out at out + t * out_stride; every token bit-identical to
+ * strata_q35_gdn_step on it after the tokens before. */
+int strata_q35_gdn_steps(void *stream, const float *y, long long y_stride, const float *proj, long long proj_stride,
+                         const float *A, const float *dt, float *state, float *out, long long out_stride, int n,
+                         int n_v, int n_k, int dk, int dv, int tiled, int b_off, int a_off, int ba_grouped,
+                         float scale, float l2_eps);
+
 /* Gated RMSNorm per value head (gdn.gated_rms_norm): o, z f32 (n_v, dv), w f32 (dv) -> out f32 (may be NULL) and
  * q8_1 blocks out_q8 (may be NULL; dv % 32 == 0) of the (n_v * dv) row. */
 int strata_q35_gated_norm(void *stream, const float *o, const float *z, const float *w, float *out, void *out_q8,
                           int n_v, int dv, float eps);
+
+/* strata_q35_gated_norm over n <= 65535 rows: row t's o, z, out at t * o_stride / z_stride / out_stride floats, its
+ * q8_1 blocks at out_q8 + t * q8_stride bytes; every row bit-identical to strata_q35_gated_norm on it. */
+int strata_q35_gated_norm_rows(void *stream, const float *o, long long o_stride, const float *z, long long z_stride,
+                               const float *w, float *out, long long out_stride, void *out_q8, long long q8_stride,
+                               int n, int n_v, int dv, float eps);
 
 /* Gated attention prologue for n tokens (rows back to back): qg f32 [per head (q hd | gate hd)] ++ k (n_kv*hd) ++ v
  * (n_kv*hd) -> qkv f32 [q | k | v] (strata_rope_kv_decode's layout) with per-head RMSNorm of q (q_norm) and k
@@ -269,6 +359,11 @@ int strata_q35_attn_prep(void *stream, const float *qg, const float *q_norm, con
  * n % 32 == 0). */
 int strata_q35_out_gate(void *stream, const float *att, const float *gate, float *out, void *out16, void *out_q8,
                         int n);
+
+/* strata_q35_out_gate over n rows of width values (att, gate, out rows back to back), row t's q8_1 blocks at
+ * out_q8 + t * q8_stride bytes (width % 32 == 0); every row bit-identical to strata_q35_out_gate on it. */
+int strata_q35_out_gate_rows(void *stream, const float *att, const float *gate, float *out, void *out_q8,
+                             long long q8_stride, int n, int width);
 
 /* ---------------- gdn.cu: Gated DeltaNet: the delta rule over n tokens and the causal conv */
 /* Gated delta rule over n tokens (S <- exp(g) S; u = (v - S^T k) beta; S <- S + k u^T; o = S^T q scale): q, k f32

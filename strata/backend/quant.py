@@ -33,6 +33,10 @@ SUPPORTED_TYPES = frozenset({
 #: while the Q8 kernels degrade gracefully. Set the environment variable STRATA_BLAS_MIN_TOKENS (e.g. 128)
 #: to use BLAS for large batches on a dedicated machine.
 BLAS_MIN_TOKENS = int(os.environ.get("STRATA_BLAS_MIN_TOKENS", str(1 << 30)))
+#: Up to this many tokens a BLAS product (F32 / F16 / BF16 weights) runs one token row at a time, so that row i is
+#: bit-identical to the product of that row alone (the short read's exactness contract: BLAS blocks a reduction by
+#: the batch's shape; the integer kernels of the C core already reduce each token as they reduce one).
+ROWWISE_MAX_TOKENS = 16
 #: Rows per dequantized tile on the BLAS path: at most about this many fp32 bytes at a time.
 _BLAS_TILE_BYTES = 4 << 20
 
@@ -215,7 +219,8 @@ class WeightTensor:
         integer dot products on the packed blocks (llama.cpp's ggml_vec_dot_*_q8_* scheme), so the result
         carries the Q8 activation rounding (relative error ~1e-2 of |x||w|, see tests/test_quant.py). From
         BLAS_MIN_TOKENS on, tiles of rows are dequantized to fp32 and multiplied by numpy's BLAS.
-        F32 weights go to BLAS directly. Raises ValueError for a wrong dtype, rank or row length.
+        F32 weights go to BLAS directly. Either way, up to ROWWISE_MAX_TOKENS tokens, row i of the result is
+        bit-identical to the product of x[i] alone. Raises ValueError for a wrong dtype, rank or row length.
         """
         fast = self._fast_cache
         if (fast is not None and type(x) is np.ndarray and x.dtype == np.float32 and x.ndim == 2
@@ -238,7 +243,13 @@ class WeightTensor:
         n_tok = x2.shape[0]
         t = self.ggml_type
         if t == T.F32:
-            y = x2 @ np.asarray(self.data, dtype=np.float32).reshape(n_out, n_in).T
+            wt = np.asarray(self.data, dtype=np.float32).reshape(n_out, n_in).T
+            if 1 < n_tok <= ROWWISE_MAX_TOKENS:
+                y = np.empty((n_tok, n_out), dtype=np.float32)
+                for i in range(n_tok):
+                    y[i:i + 1] = x2[i:i + 1] @ wt
+            else:
+                y = x2 @ wt
         elif _lib is None:
             _fallback_warning()
             y = x2 @ _np_dequantize(self).reshape(n_out, n_in).T
@@ -267,7 +278,11 @@ class WeightTensor:
                                           n_in, _ffi.from_buffer("float[]", tile), _THREADS),
                    f"matmul with {self.name}")
             _lib.strata_park_workers()  # idle C-core workers sleep instead of spinning against BLAS's threads
-            np.matmul(x2, tile.T, out=y[:, r0:r1])
+            if 1 < x2.shape[0] <= ROWWISE_MAX_TOKENS:
+                for i in range(x2.shape[0]):
+                    np.matmul(x2[i:i + 1], tile.T, out=y[i:i + 1, r0:r1])
+            else:
+                np.matmul(x2, tile.T, out=y[:, r0:r1])
         return y
 
 

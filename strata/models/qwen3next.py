@@ -46,7 +46,7 @@ from strata.gguf.file import GGUFModelFile, ModelLoadError
 from strata.memory import Carve, KVMemory, Memory, PagedKV, PagePool, SequenceState
 from strata.memory.kv import DEFAULT_PAGE_SIZE
 from strata.models.base import Model
-from strata.backend.quant import WeightTensor
+from strata.backend.quant import ROWWISE_MAX_TOKENS, WeightTensor
 
 
 @dataclass
@@ -96,7 +96,8 @@ def _meta(f: GGUFModelFile, key: str, default: Any = None, required: bool = Fals
 class Qwen3NextModel(Model):
     """Qwen3-Next / Qwen3.5 hybrid decoder (see the module docstring for layouts).
 
-    ``gdn_mode``: "auto" (on the CPU the chunked delta rule for n_tokens > 1 and the recurrent step for one token; on
+    ``gdn_mode``: "auto" (on the CPU the chunked delta rule for n_tokens > ROWWISE_MAX_TOKENS (16) and the recurrent
+    step, token by token, up to that, so that a short read's row i is bit-identical to decoding token i alone; on
     CUDA the recurrent kernel for every n, one launch per layer with the state in registers, which beats the chunked
     form's many small array operations: bench/gpu_throughput.py hybrid prompt vs prompt_chunked), "chunked" or
     "recurrent" (forces one path, for tests and benchmarks).
@@ -293,7 +294,8 @@ class Qwen3NextModel(Model):
         nk, nv, dk, dv, r = self.nk, self.nv, self.dk, self.dv, self.r
         dev = self.on_device
         mode = self.gdn_mode
-        step = mode == "recurrent" or (mode == "auto" and (n == 1 or dev))   # device: one recurrent kernel launch
+        # the device: one recurrent kernel launch; the CPU: the step up to ROWWISE_MAX_TOKENS (exact per row)
+        step = mode == "recurrent" or (mode == "auto" and (n <= ROWWISE_MAX_TOKENS or dev))
         if dev and step:      # fused: conv, prep (norms, gates), delta rule, gated norm: one kernel launch each
             from strata.backend.cuda import gdn as cuda_gdn, gdn_prefill as cuda_gdn_prefill
             y, _ = cuda_gdn.conv(be.matmul(x, L.wqkv), L.conv, run["conv"])     # window updated in place

@@ -254,6 +254,77 @@ class LlamaCuda(DecodePlan):
             self._layer_end(s, li, L.ffn_norm, x=xa)
         self._head(s, tok_p, pos_p)
 
+    # ---- the short read
+    def short_form(self) -> str | None:
+        """'handoff' when the decode step hands its norms off, 'separate' when it runs them as their own launches
+        (both mirrored column by column); None when it fuses them into the matvecs (the short read then steps)."""
+        if self.handoff_ok():
+            return "handoff"
+        return None if self.fused_norm_rows() else "separate"
+
+    @staticmethod
+    def _row_v2(args: tuple) -> bool:
+        return bool(args[1])
+
+    def _enqueue_short(self, form: str, n: int, rows: tuple, all_logits: bool, graph: bool = False) -> None:
+        """The decode step (_enqueue_step) of `form` over n columns: the matvecs through the column launchers, the
+        norms, SwiGLU, attention, the first norm handoff and (separate form) RoPE + K/V write through their rows
+        launchers."""
+        lb, c, m, pool = lib(), self.c, self.model, self.pool
+        f = ffi()
+        s = stream_ptr()
+        E, H, KV, hd, F = self.n_embd, self.n_head, self.n_kv, self.hd, self.n_ff
+        nq, kvd = H * hd, KV * hd
+        NULL = f.NULL
+        pos_p = self._rows_inp(0)[1]
+        pt = pool._pt
+        handoff = form == "handoff"
+        ss, hcnt = self._col("ss", 0), f.cast("unsigned *", c["hcnt"].data.ptr)
+        self._cols_embed(s, n)
+        first_norm = m.layers[self.lo].attn_norm
+        if handoff:
+            check(lb.strata_mvc_norm_q8(s, self._col("x", 0), ptr(first_norm), self._col("hq", 0), ss, E, n),
+                  "mvc_norm_q8")
+        else:
+            self._cols_norm(s, n, "x", first_norm)
+        for li in range(self.lo, self.hi):
+            L = m.layers[li]
+            end = li + 1 == self.hi
+            slot = pool.slot(li)
+            kc, vc = pool.k[slot], pool.v[slot]
+            ks, vs = pool.scales(slot)
+            if ks is None and self._qkv_rope(L):
+                check(lb.strata_mvc_q8w_rope(s, L.wqkv.ggml_type, ptr(L.wqkv), self._col("hq", 0), self._col("qkv", 0),
+                                             H, KV, hd, E, n, pos_p, ptr(kc), ptr(vc), ptr(pt), 0, self.n_rot,
+                                             self.theta, pool.page_size, self.eps, ss if handoff else NULL),
+                      "mvc_rope")
+            else:
+                groups = [(L.wqkv, 0, nq + 2 * kvd)] if L.wqkv is not None else \
+                    [(L.wq, 0, nq), (L.wk, nq, kvd), (L.wv, nq + kvd, kvd)]
+                self._cols_mv(s, groups, "qkv", "hn", "hq", E, n)
+                self._cols_rope_kv(s, n, "qkv", kc, vc, ks, vs, self.neox)
+            self._cols_attn_rows(s, li, rows, "qkv", "att", "aq")
+            glu = self._glu_weights(L)
+            if handoff:
+                check(lb.strata_mvc_q8_resid(s, L.wo.ggml_type, ptr(L.wo), self._col("aq", 0), E, nq, n, 0,
+                                             ptr(c["x"]), ptr(L.ffn_norm), self._col("hq", 0), ss, hcnt),
+                      "mvc_resid")
+                check(lb.strata_mvc_q8w_glu(s, glu[0], addr(glu[1]), addr(glu[2]), self._col("hq", 0),
+                                            self._col("act", 0), self._col("fq", 0), F, E, n, self.eps, ss),
+                      "mvc_glu")
+                check(lb.strata_mvc_q8_resid(s, L.w_down.ggml_type, ptr(L.w_down), self._col("fq", 0), E, F, n,
+                                             int(self._block_rows(F)), ptr(c["x"]),
+                                             NULL if end else ptr(m.layers[li + 1].attn_norm), self._col("hq", 0), ss,
+                                             hcnt), "mvc_resid")
+                if end and self.last:
+                    self._cols_norm(s, n, "x", m.out_norm)
+                continue
+            self._cols_mv(s, [(L.wo, 0, E)], "o", "att", "aq", nq, n)
+            self._cols_norm(s, n, "o", L.ffn_norm, residual="x")
+            self._cols_ffn(s, n, self._gu_groups(L), L.w_down, glu, long_rows=True)
+            self._cols_layer_end(s, n, li, L.ffn_norm)
+        self._cols_head(s, n, all_logits)
+
     # ---- prefill
     def prefill(self, tokens, state, all_logits: bool = False, x_in=None):
         """LlamaModel.forward(tokens, state, all_logits) for n >= 1 tokens on the current stream -> host f32 logits

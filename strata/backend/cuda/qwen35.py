@@ -37,7 +37,7 @@ import numpy as np
 from strata.backend.cuda import moe, settings
 from strata.backend.cuda.attention import prefill_attention
 from strata.backend.cuda.gdn import VARIANTS
-from strata.backend.cuda.library import check, ffi, lib, ptr, stream_ptr
+from strata.backend.cuda.library import addr, check, ffi, lib, ptr, stream_ptr
 from strata.backend.cuda.runner import DecodePlan, PlanModel, q8_buffer
 from strata.backend.cuda.settings import ATTN_HEAD_DIMS, FLASH_HEAD_DIMS, fa2_splits, gqa_resident, n_split_class
 from strata.backend.cuda.weights import DeviceWeight, fuse_groups, glu_pointers
@@ -312,6 +312,75 @@ class Qwen35Cuda(DecodePlan):
         check(lb.strata_q35_out_gate(s, ptr(d["att"]), ptr(d["gate"]), ptr(d["an"]), NULL, self._qp("aq"), nq),
               "strata_q35_out_gate")
         self._mv(s, [(L.wo, 0, E)], d["o"], d["an"], d["aq"], nq)
+
+    # ---- the short read
+    def short_form(self) -> str | None:
+        """'decode': the hybrid step has one form, mirrored column by column (DecodePlan.short_read)."""
+        return "decode"
+
+    def _enqueue_short(self, form: str, n: int, rows: tuple, all_logits: bool, graph: bool = False) -> None:
+        """The decode step (_enqueue_step) over n columns: the matvecs through the column launchers, the per-token
+        kernels (norms, conv, the GDN step, gates, RoPE, attention, SwiGLU) once per row in row order (the conv
+        window and the ssm state advance one token at a time)."""
+        m = self.model
+        s = stream_ptr()
+        self._cols_embed(s, n)
+        self._cols_norm(s, n, "x", m.layers[self.lo].attn_norm)
+        glu_on = self.dp4a and settings.GLU_HYBRID
+        for li in range(self.lo, self.hi):
+            L = m.layers[li]
+            if L.recurrent:
+                self._cols_gdn(s, n, li, L)
+            else:
+                self._cols_attn(s, n, li, L, rows)
+            self._cols_norm(s, n, "o", L.post_norm, residual="x")
+            glu = glu_pointers([w for w, _, _ in self.w_gu[li]], self.n_ff, self.n_embd) if glu_on else None
+            self._cols_ffn(s, n, self.w_gu[li], L.ffn.dense[2], glu)
+            self._cols_layer_end(s, n, li, L.post_norm)
+        self._cols_head(s, n, all_logits)
+
+    def _cols_gdn(self, s, n: int, li: int, L) -> None:
+        """_gdn over n columns: the fused in-projection over the columns, the conv, the GDN step and the gated norm
+        of every row (each launch runs the rows in order), ssm_out over the columns."""
+        lb, m = lib(), self.model
+        E = self.n_embd
+        conv_dim, vdim, nv, nk, dk, dv = m.conv_dim, m.value_dim, m.nv, m.nk, m.dk, m.dv
+        buf = self.resident.buf[li]
+        self._cols_mv(s, self.w_in[li], "proj", "hn", "hq", E, n)
+        c = self.c
+        P = c["proj"].shape[1]
+        b_off = conv_dim + vdim
+        # the rows one after the other inside each launch (the conv window and the ssm state advance per token)
+        check(lb.strata_q35_conv_rows(s, self._col("proj", 0), P, ptr(L.conv), ptr(buf["conv"]), self._col("y", 0),
+                                      conv_dim, n, conv_dim, m.d_conv), "strata_q35_conv_rows")
+        check(lb.strata_q35_gdn_steps(s, self._col("y", 0), conv_dim, self._col("proj", 0), P, ptr(L.a), ptr(L.dt),
+                                      ptr(buf["ssm"]), self._col("ov", 0), vdim, n, nv, nk, dk, dv, int(bool(m.tiled)),
+                                      b_off, b_off + nv, int(L.w_ba is not None), float(1.0 / dk ** 0.5), L2_EPS),
+              "strata_q35_gdn_steps")
+        check(lb.strata_q35_gated_norm_rows(s, self._col("ov", 0), vdim, addr(c["proj"].data.ptr + 4 * conv_dim), P,
+                                            ptr(L.ssm_norm), self._col("vn", 0), vdim, self._col_q("vq", 0),
+                                            self.cstride["vq"], n, nv, dv, self.eps), "strata_q35_gated_norm_rows")
+        self._cols_mv(s, [(L.ssm_out, 0, E)], "o", "vn", "vq", vdim, n)
+
+    def _cols_attn(self, s, n: int, li: int, L, rows: tuple) -> None:
+        """_attn over n columns, row i's attention with the split of its own decode step (rows[i]): the prologue
+        (norms, RoPE, K/V write) of every row, the attention of all rows (_cols_attn_rows), the output gates."""
+        lb, pool = lib(), self.pool
+        E, H, KV, hd = self.n_embd, self.n_head, self.n_kv, self.hd
+        nq = H * hd
+        slot = pool.slot(li)
+        kc, vc = pool.k[slot], pool.v[slot]
+        ks, vs = pool.scales(slot)
+        self._cols_mv(s, self.w_in[li], "qg", "hn", "hq", E, n)
+        # the q / k norms and the gate split of every row (a block per head and row, rows back to back)
+        check(lb.strata_q35_attn_prep(s, self._col("qg", 0), ptr(L.q_norm), ptr(L.k_norm), self._col("qkv", 0),
+                                      self._col("gate", 0), n, H, KV, hd, self.eps), "strata_q35_attn_prep")
+        self._cols_rope_kv(s, n, "qkv", kc, vc, ks, vs, 1)   # every row's K / V written before any row attends
+        self._cols_attn_rows(s, li, rows, "qkv", "att", None)
+        check(lb.strata_q35_out_gate_rows(s, self._col("att", 0), self._col("gate", 0), self._col("an", 0),
+                                          self._col_q("aq", 0), self.cstride["aq"], n, nq),
+              "strata_q35_out_gate_rows")
+        self._cols_mv(s, [(L.wo, 0, E)], "o", "an", "aq", nq, n)
 
     def prefill(self, tokens, state, all_logits: bool = False, x_in=None):
         """Qwen3NextModel.forward(tokens, state, all_logits) for n >= 1 tokens on the current stream -> host f32

@@ -318,6 +318,272 @@ class DecodePlan:
         """Logits of the last step (host f32 (n_vocab,))."""
         return self.cp.asnumpy(self.d["logits"][0], stream=self.stream)
 
+    # ---- the short read: n <= SHORT_READ_COLS new tokens of one sequence as the decode step over n columns
+    def short_form(self) -> str | None:
+        """The decode form the short read mirrors over columns (a family's name for it), or None: the plan's decode
+        step has kernels the column launchers do not mirror, and a short read runs decode steps one token at a
+        time (the same bits, the weights read once per token)."""
+        return None
+
+    def _enqueue_short(self, form: str, n: int, rows: tuple, all_logits: bool, graph: bool = False) -> None:
+        """Enqueue the short read of n columns in `form` on the current stream: only the buffers of ``self.c``,
+        tokens / positions / lengths read from c['inp']; rows[i] the ``_step_args`` of row i's context-size class
+        (its attention split, as the decode step of that row has it)."""
+        raise NotImplementedError
+
+    def _short_buffers(self) -> dict:
+        """The short read's buffers at fixed addresses for SHORT_READ_COLS columns (made on first use; graphs read
+        them): ``inp`` = [tokens | positions | lengths] (int32, SHORT_READ_COLS each) and, per name of ``self.d``,
+        the same buffer with one row per column (q8_1 ones in strata_q8_col_bytes columns; the attention's split
+        partials and counters a row each)."""
+        c = getattr(self, "c", None)
+        if c is not None:
+            return c
+        cp, C = self.cp, settings.SHORT_READ_COLS
+        self.c = c = {"inp": cp.zeros(3 * C, cp.int32)}
+        self.cstride: dict[str, int] = {}
+        for name, a in self.d.items():
+            if name in ("inp", "hcnt"):
+                continue
+            if a.dtype == cp.uint8:            # a q8_1 buffer of n values: n + n / 4 bytes
+                nb = int(lib().strata_q8_col_bytes(a.size * 4 // 5))
+                c[name] = cp.zeros((C, nb if nb > 0 else -(-a.size // 16) * 16), cp.uint8)   # n % 32: unused
+            elif name in ("partial", "counters"):   # attention: each row's split partials and merge counters
+                c[name] = cp.zeros((C, a.size), a.dtype)
+            else:
+                c[name] = cp.zeros((C,) + tuple(a.shape[1:] if a.ndim > 1 else a.shape), a.dtype)
+            self.cstride[name] = c[name].strides[0]
+        if "hcnt" in self.d:        # the norm handoff's counters: shared by the columns (one block does them all)
+            c["hcnt"] = self.d["hcnt"]
+        return c
+
+    def _col(self, name: str, i: int) -> Any:
+        """void * to column i of the short read's buffer `name`."""
+        return addr(self.c[name].data.ptr + i * self.cstride[name])
+
+    def _col_q(self, name: str, i: int) -> Any:
+        """Column i of the q8_1 buffer `name` when the plan runs on int8 activations, else NULL (_qp's rule)."""
+        return self._col(name, i) if self.dp4a else ffi().NULL
+
+    def _rows_inp(self, i: int) -> tuple[Any, Any, Any]:
+        """int * to row i's token, position and length in c['inp']."""
+        base, C = self.c["inp"].data.ptr, settings.SHORT_READ_COLS
+        return tuple(ffi().cast("int *", base + 4 * (k * C + i)) for k in range(3))
+
+    def _cols_mv(self, s, groups, y: str, x: str, xq: str, n_in: int, n: int, first: int = 0,
+                 long_rows: bool = False) -> None:
+        """_mv over columns first .. n - 1 of the short read's buffers (y, x, xq: names in self.c): the column
+        launchers where _mv runs strata_matvec_q8w / _q8b, else _mv's strata_matvec one column at a time."""
+        lb, c = lib(), self.c
+        ys = c[y].shape[1]
+        nc = n - first
+        for w, off, n_out in groups:
+            if self.dp4a and lb.strata_matvec_q8_supported(w.ggml_type):
+                yp = addr(c[y].data.ptr + first * self.cstride[y] + 4 * off)
+                xp = self._col(xq, first)
+                if long_rows and self._block_rows(n_in):
+                    check(lb.strata_mvc_q8b(s, w.ggml_type, ptr(w), xp, yp, ys, n_out, n_in, nc), "strata_mvc_q8b")
+                else:
+                    check(lb.strata_mvc_q8w(s, w.ggml_type, ptr(w), xp, yp, ys, n_out, n_in, nc), "strata_mvc_q8w")
+            else:
+                for i in range(first, n):
+                    check(lb.strata_matvec(s, w.ggml_type, ptr(w), self._col(x, i),
+                                           addr(c[y].data.ptr + i * self.cstride[y] + 4 * off), n_out, n_in, 1),
+                          "strata_matvec")
+
+    def _cols_norm(self, s, n: int, src: str, weight, residual: str | None = None, out: str | None = "hn",
+                   sum_out: str | None = None) -> None:
+        """_norm over the n columns in one launch (strata_rms_norm_rows: each row as strata_rms_norm_ex on it; rows
+        wider than 8192 with q8_1 blocks: strata_rms_norm_ex one row at a time)."""
+        NULL = ffi().NULL
+        sum_out = residual if sum_out is None else sum_out
+        if self.n_embd > 8192 and out and self.dp4a:
+            for i in range(n):
+                check(lib().strata_rms_norm_ex(s, self._col(src, i), self._col(residual, i) if residual else NULL,
+                                               ptr(weight), self._col(out, i), self._col(sum_out, i) if sum_out else
+                                               NULL, NULL, self._col_q("hq", i), 1, self.n_embd, self.eps),
+                      "rms_norm")
+            return
+        check(lib().strata_rms_norm_rows(s, self._col(src, 0), self._col(residual, 0) if residual else NULL,
+                                         ptr(weight), self._col(out, 0) if out else NULL,
+                                         self._col(sum_out, 0) if sum_out else NULL,
+                                         self._col_q("hq", 0) if out else NULL, self.cstride["hq"], n, self.n_embd,
+                                         self.eps), "rms_norm_rows")
+
+    def _cols_ffn(self, s, n: int, gu_groups: list, w_down, glu, long_rows: bool = False) -> None:
+        """_ffn over the columns: SwiGLU in the gate/up column launcher, or the gate/up matvecs and
+        strata_swiglu_gu_rows; then the down matvec into c['o']."""
+        lb, E, F = lib(), self.n_embd, self.n_ff
+        if glu is not None:
+            check(lb.strata_mvc_q8w_glu(s, glu[0], addr(glu[1]), addr(glu[2]), self._col("hq", 0),
+                                        self._col("act", 0), self._col("fq", 0), F, E, n, self.eps, ffi().NULL),
+                  "mvc_glu")
+        else:
+            self._cols_mv(s, gu_groups, "gu", "hn", "hq", E, n)
+            check(lb.strata_swiglu_gu_rows(s, self._col("gu", 0), n, F, self._col("act", 0), self._col_q("fq", 0),
+                                           self.cstride["fq"]), "swiglu_gu_rows")
+        self._cols_mv(s, [(w_down, 0, E)], "o", "act", "fq", F, n, long_rows=long_rows)
+
+    def _cols_layer_end(self, s, n: int, li: int, own_norm) -> None:
+        """_layer_end per column: x += o and the next (or final) norm; a middle stage's last layer only the sum."""
+        m = self.model
+        end = li + 1 == self.hi
+        if not end or self.last:
+            self._cols_norm(s, n, "o", m.out_norm if end else m.layers[li + 1].attn_norm, residual="x")
+        else:
+            self._cols_norm(s, n, "o", own_norm, residual="x", out=None, sum_out="x")
+
+    def _cols_embed(self, s, n: int) -> None:
+        """The first stage's input: the n tokens' embedding rows into c['x']."""
+        if self.first:
+            m = self.model
+            check(lib().strata_get_rows(s, m.tok_embd.ggml_type, ptr(m.tok_embd), self._rows_inp(0)[0],
+                                        ptr(self.c["x"]), n, self.n_embd), "get_rows")
+
+    def _cols_head(self, s, n: int, all_logits: bool) -> None:
+        """The last stage's output matvec of c['hn'] / c['hq'] into c['logits']: every column with all_logits,
+        else only the last."""
+        if self.last:
+            self._cols_mv(s, [(self.model.output, 0, self.n_vocab)], "logits", "hn", "hq", self.n_embd, n,
+                          first=0 if all_logits else n - 1)
+
+    def _cols_attn_rows(self, s, li: int, rows: tuple, q: str, out: str, out_q8: str | None) -> None:
+        """Decode attention of every row over layer li's pages (c[q] the rows' query rows, c[out] / c[out_q8] their
+        outputs), one launch per run of rows with the same step arguments: each row with the kernel (v2: the GQA
+        one) and split of its own decode step, its own length, partials and counters (strata_attn_rows(_gqa))."""
+        lb, c, pool = lib(), self.c, self.pool
+        H, KV, hd = self.n_head, self.n_kv, self.hd
+        slot = pool.slot(li)
+        kc, vc = pool.k[slot], pool.v[slot]
+        ks, vs = pool.scales(slot)
+        qs, os_ = c[q].shape[1], c[out].shape[1]
+        q8s = self.cstride[out_q8] if out_q8 else 0
+        ws, cs = c["partial"].shape[1], c["counters"].shape[1]
+        i0 = 0
+        while i0 < len(rows):
+            i1 = i0 + 1
+            while i1 < len(rows) and rows[i1] == rows[i0]:
+                i1 += 1
+            n_split, v2 = rows[i0][0], self._row_v2(rows[i0])
+            ctr = ffi().cast("unsigned *", c["counters"].data.ptr + i0 * self.cstride["counters"])
+            oq = self._col_q(out_q8, i0) if out_q8 else ffi().NULL
+            args = (self._col(q, i0), qs, ptr(kc), ptr(vc), ptr(pool._pt), 0, self._rows_inp(i0)[2])
+            if v2:
+                check(lb.strata_attn_rows_gqa(s, *args, self._col("partial", i0), ws, ctr, cs, self._col(out, i0), os_,
+                                              oq, q8s, i1 - i0, H, KV, hd, pool.page_size, n_split, self.scale,
+                                              ptr(ks), ptr(vs)), "attn_rows_gqa")
+            else:
+                check(lb.strata_attn_rows(s, *args, self._col("partial", i0), ws, self._col(out, i0), os_, oq, q8s,
+                                          ctr, cs, i1 - i0, H, KV, hd, pool.page_size, n_split, self.scale),
+                      "attn_rows")
+            i0 = i1
+
+    def _cols_rope_kv(self, s, n: int, q: str, kc, vc, ks, vs, neox: int) -> None:
+        """RoPE of every row of c[q] at its position and its K / V into the pages (strata_rope_kv_rows; a q8_0
+        cache: RoPE only, then strata_kv_write_q8 of the rows, which sit at consecutive positions)."""
+        lb, c, pool = lib(), self.c, self.pool
+        H, KV, hd = self.n_head, self.n_kv, self.hd
+        W, NULL = c[q].shape[1], ffi().NULL
+        q8 = ks is not None
+        check(lb.strata_rope_kv_rows(s, self._col(q, 0), W, self._rows_inp(0)[1], NULL if q8 else ptr(kc),
+                                     NULL if q8 else ptr(vc), ptr(pool._pt), n, H, KV, hd, self.n_rot, self.theta,
+                                     neox, pool.page_size), "rope_kv_rows")
+        if q8:
+            base = c[q].data.ptr + 4 * H * hd
+            check(lb.strata_kv_write_q8(s, addr(base), W, addr(base + 4 * KV * hd), W, ptr(kc), ptr(vc), ptr(ks),
+                                        ptr(vs), ptr(pool._pt), self._rows_inp(0)[1], 0, n, KV, hd, pool.page_size),
+                  "kv_write_q8")
+
+    @staticmethod
+    def _row_v2(args: tuple) -> bool:
+        """Whether a row's step arguments (``_step_args``) take the GQA decode attention kernel (a family's
+        override: llama's second element; the hybrid always)."""
+        return True
+
+    def _short_rows(self, p0: int, n: int) -> tuple:
+        """rows of _enqueue_short: each row's decode step arguments (its context-size class's attention split)."""
+        return tuple(self._step_args(settings.size_class(p0 + i + 1)) for i in range(n))
+
+    def _launch_short(self, form: str, n: int, p0: int, all_logits: bool) -> None:
+        """The short read of n columns at positions p0.. on self.stream (a graph per (form, n, rows, all_logits),
+        captured on first use, at most settings.SHORT_READ_GRAPHS of them kept, or eager launches)."""
+        rows = self._short_rows(p0, n)
+        if not self.use_graphs:
+            self._enqueue_short(form, n, rows, all_logits)
+            return
+        key = ("short", form, n, rows, bool(all_logits))
+        g = self.graphs.pop(key, None)
+        if g is None:
+            self.stream.begin_capture()
+            try:
+                self._enqueue_short(form, n, rows, all_logits, graph=True)
+            finally:
+                g = self.stream.end_capture()
+            short = [k for k in self.graphs if isinstance(k, tuple) and k[0] == "short"]
+            for k in short[:max(0, len(short) + 1 - settings.SHORT_READ_GRAPHS)]:
+                del self.graphs[k]        # the least recently used short-read graphs beyond the bound
+        self.graphs[key] = g              # (re)inserted last: the dict's order is the use order
+        g.launch(self.stream)
+
+    def short_read(self, tokens, state, all_logits: bool = False, x_in=None):
+        """model.forward(tokens, state, all_logits) for 1..SHORT_READ_COLS tokens as the decode step over that many
+        columns (``short_form``; None: decode steps one token at a time): row i's logits, K/V and running state
+        are bit for bit those of decoding token i after rows 0..i-1. Same errors as the prefill (ValueError for an
+        empty or too long batch, a bad token, a foreign pool, a KV length mismatch, the family's own; KVCacheFull
+        from kv.reserve; each changing nothing) and bookkeeping. Returns host f32 logits (n_vocab,) of the last
+        token or (n, n_vocab) with all_logits; a stage before the last its hidden states, a CuPy f32 (n, n_embd)
+        array of its own. A stage after the first starts from x_in (CuPy f32 (n, n_embd))."""
+        cp = self.cp
+        toks = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        n = int(toks.shape[0])
+        if not 1 <= n <= settings.SHORT_READ_COLS:
+            raise ValueError(f"a short read takes 1 to {settings.SHORT_READ_COLS} tokens (got {n})")
+        if int(toks.min()) < 0 or int(toks.max()) >= self.n_vocab:
+            raise ValueError(f"token id out of range [0, {self.n_vocab})")
+        x = hidden_input(x_in, n, self.n_embd, self.first, self.model.backend.device_id)
+        check_sequence(self.pool, state)
+        self._check_state(state)
+        kv = state.kv
+        kv.reserve(n)                                         # KVCacheFull here changes nothing
+        form = self.short_form()
+        if form is None:
+            return self._short_by_steps(toks, state, all_logits, x)
+        self._attach(state)
+        c = self._short_buffers()
+        C, p0 = settings.SHORT_READ_COLS, int(state.pos)
+        inp = np.zeros(3 * C, np.int32)
+        inp[:n] = toks
+        inp[C:C + n] = p0 + np.arange(n)
+        inp[2 * C:2 * C + n] = p0 + 1 + np.arange(n)
+        self.stream.wait_event(cp.cuda.get_current_stream().record())
+        with self.stream:
+            self.pool.table(kv.pages)
+            c["inp"].set(inp, stream=self.stream)
+            if x is not None:
+                c["x"][:n] = x
+            self._launch_short(form, n, p0, all_logits)
+            if self.last:
+                out = c["logits"][:n] if all_logits else c["logits"][n - 1]
+                res = cp.asnumpy(out, stream=self.stream)
+            else:
+                res = c["x"][:n].copy()
+        cp.cuda.get_current_stream().wait_event(self.stream.record())
+        kv.commit(n)
+        state.advance(toks)
+        return res
+
+    def _short_by_steps(self, toks, state, all_logits: bool, x):
+        """short_read without a column form: one decode step per token (the pages already reserved)."""
+        cp, n = self.cp, int(toks.shape[0])
+        outs = []
+        for i in range(n):
+            out = self.decode_device(int(toks[i]), state, None if x is None else x[i:i + 1])
+            if not self.last or all_logits or i == n - 1:
+                outs.append(out.copy())
+        if not self.last:
+            return cp.concatenate(outs)
+        return cp.asnumpy(cp.stack(outs)) if all_logits else cp.asnumpy(outs[-1])
+
     # ---- prefill
     def takes_prefill(self, n: int) -> bool:
         """Whether ``prefill`` runs a forward of n > 1 tokens (else the model's own forward does)."""
@@ -435,14 +701,17 @@ class PlanModel:
 
     def forward(self, tokens, state, all_logits: bool = False, x_in=None):
         """The model's forward (same arguments, result and errors), on the backend's device in any thread: one token
-        (without all_logits) through the plan's decode step, a long forward through its prefill where the plan
-        takes it, everything else the model's own forward (generic_forward)."""
+        (without all_logits) through the plan's decode step, 2..settings.SHORT_READ_MAX tokens through its short
+        read (settings.short_read), a longer forward through its prefill where the plan takes it, everything else
+        the model's own forward (generic_forward)."""
         toks = np.asarray(tokens).reshape(-1)
         with self.model.backend.device:
             if self._on_plan(state):
                 plan = self.plan(state.kv.pool)
                 if toks.shape[0] == 1 and not all_logits:
                     return plan.decode(token_id(toks[0], self.model.config.n_vocab), state, x_in)
+                if settings.short_read(int(toks.shape[0])):
+                    return plan.short_read(tokens, state, all_logits, x_in)
                 if toks.shape[0] > 1 and self.prefill and plan.takes_prefill(int(toks.shape[0])):
                     return plan.prefill(tokens, state, all_logits, x_in)
             return self.generic_forward(tokens, state, all_logits, x_in)
