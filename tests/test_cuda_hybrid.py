@@ -561,7 +561,7 @@ def test_cuda_mtp_head_matches_cpu(pair):
 @gpu
 def test_bench_hybrid_runs_tiny(tiny_bench_file):
     r = bench_h.bench_hybrid(tiny_bench_file, prompts=(64,), depths=(0, 40), n_gen=4, ubatch=32)
-    assert set(r) == {"prompt", "prompt_generic", "prompt_chunked", "decode", "decode_generic", "plan"}
+    assert set(r) == {"prompt", "prompt_generic", "prompt_chunked", "decode", "decode_generic", "plan", "moe_path"}
     assert set(r["prompt_generic"]) == ({64} if r["plan"] else set())
     assert set(r["prompt"]) == {64} and set(r["prompt_chunked"]) == {64} and set(r["decode"]) == {0, 40}
     assert set(r["decode_generic"]) == ({0} if r["plan"] else set())

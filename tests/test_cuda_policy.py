@@ -103,5 +103,5 @@ def test_short_read_crossover_is_one_function():
     """settings.short_read: 2..SHORT_READ_MAX tokens take the short read; STRATA_CUDA_SHORT_READ_MAX is clamped to
     0..16 and a bad value keeps the default."""
     assert [n for n in range(0, 20) if S.short_read(n)] == list(range(2, S.SHORT_READ_MAX + 1))
-    assert S._short_read_max(None) == S.SHORT_READ_COLS == 16
-    assert [S._short_read_max(v) for v in ("4", "99", "-3", "x", "")] == [4, 16, 0, 16, 16]
+    assert S._short_read_max(None) == S.SHORT_READ_DEFAULT == 8 and S.SHORT_READ_COLS == 16
+    assert [S._short_read_max(v) for v in ("4", "99", "-3", "x", "")] == [4, 16, 0, 8, 8]

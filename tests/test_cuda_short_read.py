@@ -531,11 +531,13 @@ def test_llama_q8_0_kv_cache_bit_identical():
 
 @gpu
 def test_llama_graphs_vs_eager_and_routing(smol, monkeypatch):
-    """The captured graphs and eager launches give the same bits; PlanModel.forward routes 2..16 tokens through the
-    short read (settings.short_read) and 17 through the prefill; the last row's logits without all_logits."""
+    """The captured graphs and eager launches give the same bits; PlanModel.forward routes 2..SHORT_READ_MAX tokens
+    through the short read (settings.short_read) and more through the prefill; the last row's logits without
+    all_logits."""
     pm, pool = smol
     m = pm.model
-    assert not S.short_read(1) and S.short_read(2) and S.short_read(16) and not S.short_read(17)
+    assert not S.short_read(1) and S.short_read(2) and S.short_read(S.SHORT_READ_MAX)
+    assert not S.short_read(S.SHORT_READ_MAX + 1) and not S.short_read(17)
     from strata.backend.cuda import llama as LL
     eager = LL.LlamaCuda(m, pool, use_graphs=False)
     plan = pm.plan(pool)
@@ -584,12 +586,13 @@ def test_short_read_bad_input_changes_nothing(smol):
             assert st.pos == pos and st.kv.length == length
         small = pm.new_page_pool(32)
         s2 = m.new_state(small)
-        pm.forward(_prompt(30, m.config.n_vocab, 3), s2)
+        cap = small.capacity_tokens                          # whole pages: room for more than the 32 asked
+        pm.forward(_prompt(cap - 4, m.config.n_vocab, 3), s2)
         from strata.memory.pages import KVCacheFull
         with pytest.raises(KVCacheFull):
             plan2 = pm.plan(small)
             plan2.short_read(_prompt(8, m.config.n_vocab, 4), s2)
-        assert s2.pos == 30 and s2.kv.length == 30
+        assert s2.pos == cap - 4 and s2.kv.length == cap - 4
         s2.release()
     finally:
         st.release()

@@ -132,20 +132,23 @@ def n_split_class(size_class: int, n_kv: int, n_sm: int, resident: int = 0) -> i
     return n_split_gqa(max(1, size_class // 2), n_kv, n_sm, resident=resident)
 
 
-# The short read (DecodePlan.short_read): a forward of 2..SHORT_READ_MAX new tokens of one sequence runs the decode
+# The short read (DecodePlan.short_read): a forward of 2..SHORT_READ_COLS new tokens of one sequence through the decode
 # step's kernels over that many columns (each weight row read once; row i bit-identical to decoding token i after rows
-# 0..i-1); longer ones the cuBLAS prefill. 16 is the exactness contract's bound (matvec_cols.cu takes at most 16
-# columns) and where the issue's measurements put the GEMM prefill's fixed cost (f16 weight copies, ~40 decode steps
-# for 32 tokens) above 16 column passes; STRATA_CUDA_SHORT_READ_MAX (0..16) lowers it (0: off).
+# 0..i-1); 16 is the exactness contract's bound (matvec_cols.cu takes at most 16 columns). A prompt read takes it up to
+# SHORT_READ_MAX tokens and the cuBLAS prefill above: 8, where the H200 measurements cross (docs/cuda.md, "The short
+# read": at 16 tokens the prefill is faster on the 1.5-1.7 B models); STRATA_CUDA_SHORT_READ_MAX (0..16) moves it
+# (0: off).
 SHORT_READ_COLS = 16
+SHORT_READ_DEFAULT = 8
 SHORT_READ_GRAPHS = 96   # captured short-read graphs kept per plan (least recently used dropped): 15 sizes x 2 x a few
 #                          context-size classes; a graph of a 30-layer model at n = 16 holds ~1000 nodes
 def _short_read_max(env: str | None) -> int:
-    """STRATA_CUDA_SHORT_READ_MAX's value clamped to 0..SHORT_READ_COLS (unset or not an integer: SHORT_READ_COLS)."""
+    """STRATA_CUDA_SHORT_READ_MAX's value clamped to 0..SHORT_READ_COLS (unset or not an integer:
+    SHORT_READ_DEFAULT)."""
     try:
-        return max(0, min(SHORT_READ_COLS, int(env))) if env is not None else SHORT_READ_COLS
+        return max(0, min(SHORT_READ_COLS, int(env))) if env is not None else SHORT_READ_DEFAULT
     except ValueError:
-        return SHORT_READ_COLS
+        return SHORT_READ_DEFAULT
 
 
 SHORT_READ_MAX = _short_read_max(os.environ.get("STRATA_CUDA_SHORT_READ_MAX"))
