@@ -363,3 +363,27 @@ def test_flag_usage_errors():
         Engine("default", n_ctx=N_CTX, remote_stage="127.0.0.1:1", link_encrypt=True)
     with pytest.raises(ValueError, match="needs the link key"):
         LinkClient("127.0.0.1:1", None, encrypt=True)
+
+
+def test_a_keyed_relay_chain_protects_both_hops(workers, tmp_path):
+    """main -> A -> B with one key: both hops authenticated, and with --link-encrypt on the main both encrypted
+    (the relay encrypts its next hop when its own link is); the answer is one process's."""
+    import json
+    key = tmp_path / "link.key"
+    link.write_key_file(key)
+    ref = Engine("default", n_ctx=N_CTX)
+    r = ref.render_chat([{"role": "user", "content": "Name a colour."}])
+    want, _ = run(ref, r, 6)
+    b = workers("--link-key-file", str(key))
+    a = workers("--link-key-file", str(key))
+    for encrypt, frames in ((False, "mac"), (True, "aead")):
+        e = Engine("default", n_ctx=N_CTX, remote_stage=f"{a.address},{b.address}", layer_split="8,19",
+                   link_key_file=str(key), link_encrypt=encrypt)
+        try:
+            assert e.stages[-1].status()["link"]["frames"] == frames
+            assert run(e, r, 6)[0] == want
+        finally:
+            e.close()
+        connected = [json.loads(ln) for ln in b.lines if '"main connected"' in ln]
+        assert connected and connected[-1]["frames"] == frames, connected[-1:]
+        time.sleep(0.5)
