@@ -165,9 +165,10 @@ def threading_drain(proc) -> None:
     threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
 
 
-def worker_steps(address: str, key: bytes | None, encrypt: bool, steps: int) -> tuple[list[float], str]:
-    """Link seconds of each decode step against a real worker (the Forward's round trip less the compute time its
-    Result reports), and the protection negotiated."""
+def worker_steps(address: str, key: bytes, frames: str, steps: int) -> tuple[list[float], str]:
+    """Link seconds of each decode step against a real keyed worker started with --insecure-link (the Forward's
+    round trip less the compute time its Result reports) with the main choosing `frames`, and the protection
+    negotiated."""
     from strata.gguf.default_model import resolve_model
     from strata.gguf.file import open_gguf
     from strata.stages.remote import LinkClient
@@ -175,10 +176,16 @@ def worker_steps(address: str, key: bytes | None, encrypt: bool, steps: int) -> 
     from strata.stages import n_main_blocks
     f = open_gguf(resolve_model("default"), archs=supported_archs())
     n_embd, n_blocks = int(f.config.n_embd), n_main_blocks(f, model_class(f.arch))
-    c = LinkClient(address, key, encrypt=encrypt)
-    c.connect(link.Hello(protocol=5, fingerprint=f.fingerprint(), lo=n_blocks // 3, hi=n_blocks, n_blocks=n_blocks,
+    c = LinkClient(address, key, encrypt=frames == FRAMES_AEAD, insecure=frames == "plain")
+    if frames == "plain":        # the A/B arm: this main acts as one from before frame protection
+        c_main_frames, link.main_frames = link.main_frames, lambda caps, **kw: "plain"
+    try:
+        c.connect(link.Hello(protocol=5, fingerprint=f.fingerprint(), lo=n_blocks // 3, hi=n_blocks, n_blocks=n_blocks,
                          n_embd=n_embd, act_dtype="f32", n_ctx=steps + 8, max_batch=8, ckpt_max=0, next_hops=[],
                          nonce=b"", mac=b""))
+    finally:
+        if frames == "plain":
+            link.main_frames = c_main_frames
     rng = np.random.default_rng(0)
     out = []
     try:
@@ -285,21 +292,20 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as tmp:
             kp = Path(tmp) / "link.key"
             key = link.write_key_file(kp)
-            keyed, kaddr = _start_worker("--link-key-file", str(kp))
-            plain, paddr = _start_worker()
+            worker, addr = _start_worker("--link-key-file", str(kp), "--insecure-link")
             try:
                 times: dict[str, list] = {}
-                for _ in range(2):
-                    for arm, addr, k, enc in (("plain", paddr, None, False), (FRAMES_MAC, kaddr, key, False),
-                                              (FRAMES_AEAD, kaddr, key, True)):
-                        got, frames = worker_steps(addr, k, enc, args.worker_steps // 2)
+                rounds: dict[str, list] = {}
+                for _ in range(4):                # interleaved arms on one worker process
+                    for arm in ("plain", FRAMES_MAC, FRAMES_AEAD):
+                        got, frames = worker_steps(addr, key, arm, args.worker_steps // 4)
                         assert frames == arm, (frames, arm)
                         times.setdefault(arm, []).extend(got)
+                        rounds.setdefault(arm, []).append(round(statistics.median(got) * 1e6, 1))
                         time.sleep(0.3)
             finally:
-                for p in (keyed, plain):
-                    p.terminate()
-                    p.wait(30)
+                worker.terminate()
+                worker.wait(30)
         med = {k: statistics.median(v) for k, v in times.items()}
         for frames in (FRAMES_MAC, FRAMES_AEAD):
             added = step[frames] - step["plain"]
@@ -307,6 +313,7 @@ def main() -> int:
                             "link_delta_us": round((med[frames] - med["plain"]) * 1e6, 1),
                             "codec_added_pct_of_link_time": round(100 * added / med["plain"], 2)}
         real["plain"] = {"link_us_median": round(med["plain"] * 1e6, 1), "steps": len(times["plain"])}
+        real["round_medians_us"] = rounds
         print(f"real worker decode steps (link time = round trip - the worker's compute): {real}")
 
     mac_gbps = min(sealed[FRAMES_MAC]["seal_GBps"], sealed[FRAMES_MAC]["open_GBps"])
@@ -327,7 +334,9 @@ def main() -> int:
                  "receive (which already copies into the receive buffer and checksums); the decode step's added "
                  "time is the codec's (min of repeats, in process) over the median plain round trip of the same "
                  "pair over loopback TCP to another process; rtt_delta_us is the measured A/B of those round trips "
-                 "(noisy on a shared machine).",
+                 "(noisy on a shared machine). worker_decode_steps: decode steps of a real `strata worker` (CPU, default "
+                 "model, one process, --insecure-link so that the plain arm runs on the same process), link time = "
+                 "the Forward's round trip less the compute the Result reports; round_medians_us shows the spread.",
     }
     if real:
         got = real[FRAMES_MAC]["codec_added_pct_of_link_time"]
