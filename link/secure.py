@@ -42,7 +42,8 @@ def derive_keys(key: bytes, challenge_nonce: bytes, hello_nonce: bytes, frames: 
 class Channel:
     """One side's protection of one connection: the sending and receiving keys, each with its sequence number
     (the count of frames sealed / opened so far in that direction, never sent). Frames are sealed and opened in
-    the order they go on the wire; after a refused frame the channel refuses everything (close the link)."""
+    the order they go on the wire; after a refused frame the channel refuses every later received one (it can still
+    seal the Error that tells the peer why, then the link is closed)."""
 
     def __init__(self, frames: str, send_key: bytes, recv_key: bytes):
         from cryptography.exceptions import InvalidTag
@@ -56,15 +57,9 @@ class Channel:
         self.send_seq = self.recv_seq = 0
         self.broken: str | None = None
 
-    def _check(self) -> None:
-        if self.broken is not None:
-            raise FrameAuthError(f"the link already refused a frame ({self.broken}); it must be closed")
-
     def seal(self, parts: list) -> list:
         """The buffers to send for a protocol-5 frame given as `parts` (its 32 header bytes first, then the payload
         pieces and the 4-byte payload checksum, as encode_frame makes them): with a tag, or encrypted."""
-        if self.broken is not None:
-            self._check()
         if self.send_seq >= _SEQ_END:
             raise LinkError("2^64 frames sent on one connection: reconnect", ErrorCode.LIMIT)
         nonce = _NONCE.pack(self.send_seq)
@@ -89,7 +84,7 @@ class Channel:
         verify under this direction's key and sequence number. The payload is a writable view (of `frame`, or of
         the decrypted copy)."""
         if self.broken is not None:
-            self._check()
+            raise FrameAuthError(f"the link already refused a frame ({self.broken}); it must be closed")
         mv = memoryview(frame)
         end = len(mv) - TAG_SIZE
         nonce = _NONCE.pack(self.recv_seq)

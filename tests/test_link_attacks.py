@@ -150,6 +150,16 @@ def _healthy(d: Daemon, timeout: float = 30.0) -> None:
     raise AssertionError("the daemon did not reconnect:\n" + d.log_tail())
 
 
+def _worker_refused(line: str) -> bool:
+    """A worker's log line saying it refused the main's frame (its event, not a traceback)."""
+    import json
+    try:
+        ev = json.loads(line)
+    except ValueError:
+        return False
+    return ev.get("event") == "bad frame from the main" and "failed authentication" in ev.get("error", "")
+
+
 def test_attacked_frames_are_refused_and_the_daemon_answers_503_then_recovers(workers, tmp_path):
     key = tmp_path / "link.key"
     link.write_key_file(key)
@@ -167,7 +177,7 @@ def test_attacked_frames_are_refused_and_the_daemon_answers_503_then_recovers(wo
         attacks = [("w2m", link.MsgType.RESULT, k) for k in ("header", "payload", "replay", "drop", "foreign")]
         attacks += [("m2w", link.MsgType.FORWARD, k) for k in ("header", "payload", "replay", "drop", "foreign")]
         for direction, mtype, kind in attacks:
-            refused_before = sum("failed authentication" in line for line in w.lines)
+            refused_before = sum(_worker_refused(line) for line in w.lines)
             proxy.arm(direction, mtype, kind)
             st, body = _chat(d)
             assert st == 503, (direction, kind, st, body)
@@ -178,12 +188,13 @@ def test_attacked_frames_are_refused_and_the_daemon_answers_503_then_recovers(wo
                 assert "failed authentication" in downs[-1], (direction, kind, downs[-1])
             else:                               # the worker refused the main's, and closed the link
                 deadline = time.monotonic() + 5
-                while sum("failed authentication" in line for line in w.lines) == refused_before:
+                while sum(_worker_refused(line) for line in w.lines) == refused_before:
                     assert time.monotonic() < deadline, (direction, kind, w.lines[-5:])
                     time.sleep(0.05)
             _healthy(d)
             st, body = _chat(d)                                  # reconnected: the same answer
             assert st == 200 and body["choices"][0]["message"]["content"] == want, (direction, kind, body)
+        assert not [ln for ln in w.lines if "Traceback" in ln], w.lines[-20:]
     finally:
         d.stop()
         proxy.close()

@@ -160,6 +160,10 @@ def test_replay_drop_reorder_reflection_and_another_connection_are_refused(frame
             recv_frame(s, channel=rx)
         with pytest.raises(FrameAuthError, match="already refused"):
             recv_frame(TrickleSocket(f[ok]), channel=rx)                        # the channel stays refused
+        sent = TrickleSocket(step=1 << 20)                                      # but can still say why
+        send_frame(sent, link.Error(link.ErrorCode.AUTH, "refused"), 0, channel=rx)
+        _, err = recv_frame(TrickleSocket(bytes(sent.sent)), channel=pair(frames)[0])
+        assert isinstance(err, link.Error)
     # reflected back to its sender: the directions have their own keys
     with pytest.raises(FrameAuthError):
         _reads(f[0], pair(frames)[0], 1)
