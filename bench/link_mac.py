@@ -229,6 +229,7 @@ def main() -> int:
     ap.add_argument("--pairs", type=int, default=3000, help="decode-step round trips per arm")
     ap.add_argument("--worker-steps", type=int, default=400,
                     help="decode steps per arm against a real strata worker (0: skip)")
+    ap.add_argument("--worker-device", default="cpu", help="the real worker's --device (cpu, cuda:0)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -285,14 +286,14 @@ def main() -> int:
                        "rtt_median_us": round(rtt_med["plain"] * 1e6, 1)}
     print(f"decode step (Forward of 1 token + Result of 1 row, width {args.n_embd}): {decode}")
 
-    # the link time of real decode steps: a `strata worker` (CPU, the default model, layers n/3..n)
+    # the link time of real decode steps: a `strata worker` (--worker-device, the default model, layers n/3..n)
     import tempfile
     real = {}
     if args.worker_steps:
         with tempfile.TemporaryDirectory() as tmp:
             kp = Path(tmp) / "link.key"
             key = link.write_key_file(kp)
-            worker, addr = _start_worker("--link-key-file", str(kp), "--insecure-link")
+            worker, addr = _start_worker("--link-key-file", str(kp), "--insecure-link", "--device", args.worker_device)
             try:
                 times: dict[str, list] = {}
                 rounds: dict[str, list] = {}
@@ -325,17 +326,18 @@ def main() -> int:
         "large_forward": {"tokens": args.tokens, "n_embd": args.big_embd, "frame_bytes": payload.nbytes},
         "candidates_GBps": prim, "sealed_frames": sealed,
         "decode_step": {"n_embd": args.n_embd, "pairs": len(rtt["plain"]), **decode},
-        "worker_decode_steps": real,
+        "worker_decode_steps": {"device": args.worker_device, **real} if real else real,
         "targets": {"mac_GBps_large_forward": {"target": 2.0, "got": mac_gbps, "met": mac_gbps >= 2.0},
                     "decode_added_pct_of_bare_round_trip": {
                         "target": 2.0, "got": decode[FRAMES_MAC]["added_pct_of_link_time"],
                         "met": decode[FRAMES_MAC]["added_pct_of_link_time"] <= 2.0}},
-        "notes": "GB/s of the MAC alone is the payload over the time sealing / opening adds to the plain codec's send / "
-                 "receive (which already copies into the receive buffer and checksums); the decode step's added "
+        "notes": "GB/s of the MAC alone: the large Forward's frame bytes over the time of link.Channel.seal / .open "
+                 "on them (plain_codec: the whole unprotected send / receive, for scale); the decode step's added "
                  "time is the codec's (min of repeats, in process) over the median plain round trip of the same "
                  "pair over loopback TCP to another process; rtt_delta_us is the measured A/B of those round trips "
-                 "(noisy on a shared machine). worker_decode_steps: decode steps of a real `strata worker` (CPU, default "
-                 "model, one process, --insecure-link so that the plain arm runs on the same process), link time = "
+                 "(noisy on a shared machine). worker_decode_steps: decode steps of a real `strata worker` (default "
+                 "model, one process on --worker-device, --insecure-link so that the plain arm runs on the same "
+                 "process), link time = "
                  "the Forward's round trip less the compute the Result reports; round_medians_us shows the spread.",
     }
     if real:

@@ -5,7 +5,6 @@ same greedy answer; --insecure-link talks to a peer that speaks the plain frames
 link/PROTOCOL.md, as a strata without frame protection does)."""
 from __future__ import annotations
 
-import asyncio
 import socket
 import struct
 import threading
@@ -18,7 +17,7 @@ import pytest
 import link
 from strata.engine.engine import Engine
 from strata.stages.remote import LinkClient, WorkerRefused
-from tests.test_remote_stage import N_CTX, WorkerProc, run, workers  # noqa: F401 -- the fixture
+from tests.test_remote_stage import N_CTX, run, workers  # noqa: F401 -- the fixture
 from tests.test_serve_daemon import Daemon
 
 _HEAD = struct.Struct("<4sHHHHQQ")
