@@ -287,18 +287,26 @@ def _sealed_one(channel, msg, rid, flags) -> bytes:
     return bytes(s.sent)
 
 
-@pytest.mark.parametrize("frames", MODES)
-def test_fuzz_sealed_reader(frames):
-    from hypothesis import HealthCheck, given, settings
+def sealed_fuzz_strategies() -> dict:
+    """name -> (hypothesis strategy of one case, check(case) -> "accepted" | "refused") for tools/fuzz_link.py and
+    the CI fuzz: streams of sealed golden frames, mutated and cut, read in small pieces."""
     from hypothesis import strategies as hs
     names = sorted(GOLDEN_FRAMES)
     changes = hs.lists(hs.tuples(hs.integers(0, 10 ** 6), hs.integers(0, 255)), min_size=0, max_size=4)
     trunc = hs.one_of(hs.none(), hs.integers(0, 10 ** 6))
+    case = hs.tuples(hs.lists(hs.sampled_from(names), max_size=4), changes, trunc, hs.integers(1, 64))
+    return {f"sealed_{frames}": (case, lambda c, frames=frames: fuzz_sealed(frames, *c)) for frames in MODES}
+
+
+@pytest.mark.parametrize("frames", MODES)
+def test_fuzz_sealed_reader(frames):
+    from hypothesis import HealthCheck, given, settings
+    strategy, check = sealed_fuzz_strategies()[f"sealed_{frames}"]
 
     @settings(max_examples=1500, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-    @given(hs.lists(hs.sampled_from(names), max_size=4), changes, trunc, hs.integers(1, 64))
-    def run(picks, ch, tr, step):
-        fuzz_sealed(frames, picks, ch, tr, step)
+    @given(strategy)
+    def run(case):
+        check(case)
     run()
 
 
