@@ -1,8 +1,8 @@
 """The protected stage link between real processes on loopback: a man-in-the-middle proxy between the daemon and a
 `strata worker` changes a header or payload byte, replays, drops or swaps in another connection's frame, each way;
 the daemon answers 503 worker_unavailable (never a 400), reconnects, and answers as before. Encryption gives the
-same greedy answer; --insecure-link talks to a peer that speaks the plain frames of protocol 5 (one written here from
-link/PROTOCOL.md, as a strata without frame protection does)."""
+same greedy answer; --insecure-link talks to peers that speak the plain frames of protocol 5: this repository's own
+code from before frame protection (its worker and its main), and peers written here from link/PROTOCOL.md."""
 from __future__ import annotations
 
 import socket
@@ -397,3 +397,80 @@ def test_a_keyed_relay_chain_protects_both_hops(workers, tmp_path):
         connected = [json.loads(ln) for ln in b.lines if '"main connected"' in ln]
         assert connected and connected[-1]["frames"] == frames, connected[-1:]
         time.sleep(0.5)
+
+
+# ---- the strata of before frame protection, from this repository's history --------------------------------------
+def _old_tree(tmp_path):
+    """This repository at the parent of the commit that added link/secure.py, extracted with the C core beside it;
+    None (skip) outside a full git checkout."""
+    import shutil
+    import subprocess
+    from tests.test_serve_daemon import ROOT
+    try:
+        added = subprocess.run(["git", "log", "--diff-filter=A", "--format=%H", "--", "link/secure.py"], cwd=ROOT,
+                               capture_output=True, text=True, check=True).stdout.split()
+        if not added:
+            return None
+        old = tmp_path / "old"
+        old.mkdir()
+        archive = subprocess.run(["git", "archive", f"{added[-1]}^"], cwd=ROOT, capture_output=True, check=True)
+        subprocess.run(["tar", "-x", "-C", str(old)], input=archive.stdout, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    shutil.copy(ROOT / "strata" / "_native.abi3.so", old / "strata" / "_native.abi3.so")
+    return old
+
+
+def test_insecure_link_with_a_strata_from_before_frame_protection(workers, tmp_path):
+    """The real older code both ways: its worker with a new main, its main with a new worker; refused with one
+    line without --insecure-link, the one-process answer with it."""
+    import subprocess
+    import sys
+    from tests.test_serve_daemon import env_for_daemon
+    old = _old_tree(tmp_path)
+    if old is None:
+        pytest.skip("not a git checkout with the history of link/secure.py")
+    assert not (old / "link" / "secure.py").exists()
+    key_path = tmp_path / "link.key"
+    link.write_key_file(key_path)
+    ref = Engine("default", n_ctx=N_CTX)
+    r = ref.render_chat([{"role": "user", "content": "Hi"}])
+    want, _ = run(ref, r, 6)
+    in_old = lambda c: ["sh", "-c", f'cd "{old}" && exec "$@"', "sh", *c]          # noqa: E731
+    w_old = workers("--link-key-file", str(key_path), wrap=in_old, env={"PYTHONPATH": str(old)})
+    with pytest.raises(WorkerRefused, match="does not authenticate frames after the hello") as ei:
+        Engine("default", n_ctx=N_CTX, remote_stage=w_old.address, layer_split="10", link_key_file=str(key_path))
+    assert "\n" not in str(ei.value)
+    e = Engine("default", n_ctx=N_CTX, remote_stage=w_old.address, layer_split="10", link_key_file=str(key_path),
+               insecure_link=True)
+    try:
+        assert e.stages[-1].status()["link"]["frames"] == "plain"
+        assert run(e, r, 6)[0] == want
+    finally:
+        e.close()
+    code = ("import sys, threading\n"
+            "from strata.engine.engine import Engine\n"
+            "from strata.engine.types import GenerationRequest\n"
+            "try:\n"
+            f"    e = Engine('default', n_ctx={N_CTX}, remote_stage=sys.argv[1], layer_split='10', "
+            "link_key_file=sys.argv[2])\n"
+            "except Exception as x:\n"
+            "    print('REFUSED', str(x)); sys.exit(0)\n"
+            f"req = GenerationRequest(prompt_tokens={list(r.tokens)!r}, cut_points=[], max_tokens=6, "
+            "cancel=threading.Event())\n"
+            "print('TOKENS', [ev.token_id for ev in e.generate(req) if not hasattr(ev, 'finish_reason')])\n"
+            "e.close()\n")
+    for args, expect in ((("--link-key-file", str(key_path)), "REFUSED"),
+                         (("--link-key-file", str(key_path), "--insecure-link"), "TOKENS")):
+        w_new = workers(*args)
+        out = subprocess.run([sys.executable, "-c", code, w_new.address, str(key_path)], cwd=old,
+                             env=env_for_daemon({"PYTHONPATH": str(old)}), capture_output=True, text=True,
+                             timeout=300)
+        line = [ln for ln in out.stdout.splitlines() if ln.startswith(("REFUSED", "TOKENS"))]
+        assert line and line[-1].startswith(expect), (out.stdout[-800:], out.stderr[-1500:])
+        if expect == "REFUSED":
+            assert "does not authenticate frames" in line[-1] and "--insecure-link" in line[-1]
+        else:
+            assert line[-1] == f"TOKENS {want}"
+        w_new.stop()
+        time.sleep(0.3)
