@@ -54,6 +54,7 @@ setup(
         "prometheus-client>=0.20",
         "tqdm>=4.60",
         "llguidance>=1.9",
+        "cryptography>=42",
     ],
     extras_require={
         "test": [

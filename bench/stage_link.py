@@ -1,6 +1,8 @@
 """Stage link benchmark: decode tokens/s and time to first token for one process, a 2-stage in-process split, a
 2-stage link over loopback and over a network-namespace link with netem delay; bytes on the wire per token and the
-link's added latency per decoded token next to the link's round trip, measured in the same run.
+link's added latency per decoded token next to the link's round trip, measured in the same run; and the loopback
+link again with a key, its frames authenticated (mac) and encrypted (aead), for what frame protection adds per
+token.
 
     python bench/stage_link.py                         # CPU, the default model
     python bench/stage_link.py --device cuda           # main and worker as two processes on the one GPU
@@ -82,7 +84,7 @@ def run_arm(args) -> dict:
         e = Engine(args.model, layer_split=str(args.split), **{**kw, "device": ",".join([args.device] * 2)})
     else:
         e = Engine(args.model, layer_split=str(args.split), remote_stage=args.remote,
-                   link_key_file=args.link_key_file, **kw)
+                   link_key_file=args.link_key_file, link_encrypt=args.link_encrypt, **kw)
     try:
         return measure(e, args.prompt, args.new, args.decode, args.rounds)
     finally:
@@ -125,6 +127,7 @@ def main() -> int:
     ap.add_argument("--arm", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--remote", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--link-key-file", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--link-encrypt", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     args.n_ctx = args.n_ctx or 2 * args.prompt + args.new + args.decode + 64
@@ -148,13 +151,27 @@ def main() -> int:
     finally:
         w.terminate()
         w.wait()
+    import tempfile
+    import link
+    key = Path(tempfile.mkdtemp()) / "link.key"
+    link.write_key_file(key)
+    args.link_key_file = str(key)
+    w, addr = start_worker(args, "127.0.0.1:0")        # the same loopback link, keyed: protected frames
+    try:
+        for arm, encrypt in (("link_loopback_mac", False), ("link_loopback_aead", True)):
+            args.arm, args.remote, args.link_encrypt = "link", addr, encrypt
+            rows[arm] = run_arm(args)
+            print(arm, json.dumps(rows[arm]), flush=True)
+            time.sleep(0.5)
+    finally:
+        w.terminate()
+        w.wait()
+        args.link_key_file, args.link_encrypt = None, False
     from tests import netns
     why = netns.available()
     if why:
         rows["link_netns"] = {"skipped": why}
     else:
-        import tempfile
-        import link
         hosts = netns.Hosts("m", "w")
         try:
             _, waddr = hosts.link("m", "w", 63, delay_ms=args.delay_ms / 2)
@@ -203,6 +220,14 @@ def main() -> int:
               f"vs round trip {r['link_rtt_ms'] * 1e3:.0f} us (target {summary[arm]['target_ms_per_token'] * 1e3:.0f}"
               f" us), resumed TTFT x{summary[arm]['ttft_resumed_vs_one']:.2f}, "
               f"{r['wire_bytes_per_token']:.0f} B/token")
+    plain = rows["link_loopback"]
+    link_ms = plain["decode_ms_per_token"] - split["decode_ms_per_token"]     # what the link adds per token
+    for arm in ("link_loopback_mac", "link_loopback_aead"):
+        added = rows[arm]["decode_ms_per_token"] - plain["decode_ms_per_token"]
+        summary[arm] = {"protection_added_ms_per_token": added, "link_added_ms_per_token": link_ms,
+                        "protection_pct_of_link_time": 100 * added / link_ms if link_ms > 0 else None}
+        print(f"{arm}: {added * 1e3:+.1f} us/token beside the unprotected loopback link (which adds "
+              f"{link_ms * 1e3:.0f} us/token to the in-process split)")
     res = {"bench": "stage_link", "model": args.model, "device": args.device, "prompt": args.prompt,
            "new": args.new, "decode": args.decode, "rounds": args.rounds, "split": args.split,
            "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "rows": rows, "summary": summary}

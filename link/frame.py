@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from .errors import ErrorCode, FrameError, LinkError, VersionMismatch
 from .messages import TENSOR_TYPES, MsgType, decode_message, encode_payload, msg_type
+from .secure import TAG_SIZE
 
 __all__ = [
     "MAGIC", "VERSION", "HEADER_SIZE", "TRAILER_SIZE", "DEFAULT_MAX_PAYLOAD", "MAX_CONTROL_PAYLOAD", "FLAG_ASYNC",
@@ -148,10 +149,16 @@ def decode_frame(data, max_payload: int = DEFAULT_MAX_PAYLOAD):
 
 # ---------------------------------------------------------------- blocking sockets
 
-def send_frame(sock, msg, request_id: int, flags: int = 0, *, max_payload: int = DEFAULT_MAX_PAYLOAD) -> int:
-    """Send one frame on a blocking socket with sendmsg (no copy of the tensors), looping on partial sends.
-    Returns the bytes sent."""
-    bufs = [memoryview(b).cast("B") for b in encode_frame(msg, request_id, flags, max_payload=max_payload)]
+def _sealed(parts: list, channel) -> list:
+    return parts if channel is None else channel.seal(parts)
+
+
+def send_frame(sock, msg, request_id: int, flags: int = 0, *, max_payload: int = DEFAULT_MAX_PAYLOAD,
+               channel=None) -> int:
+    """Send one frame on a blocking socket with sendmsg (no copy of the tensors unless `channel`, a
+    link.secure.Channel, seals it), looping on partial sends. Returns the bytes sent."""
+    parts = _sealed(encode_frame(msg, request_id, flags, max_payload=max_payload), channel)
+    bufs = [memoryview(b).cast("B") for b in parts]
     bufs = [b for b in bufs if b.nbytes]
     total = sum(b.nbytes for b in bufs)
     if not hasattr(sock, "sendmsg"):
@@ -182,14 +189,25 @@ def _recv_into(sock, buf: memoryview, what: str, at_boundary: bool) -> None:
         got += k
 
 
-def recv_frame(sock, max_payload: int = DEFAULT_MAX_PAYLOAD):
+def _opened(header: Header, frame: bytearray, channel):
+    payload, crc = channel.open(frame)
+    return header, decode_payload(header, payload, _CRC.unpack(crc)[0])
+
+
+def recv_frame(sock, max_payload: int = DEFAULT_MAX_PAYLOAD, channel=None):
     """(Header, message) of the next frame on a blocking socket, read with recv_into into preallocated buffers (the
-    payload is a bytearray: tensors are writable views of it). ConnectionError when the peer closed at a frame
-    boundary, FrameError when inside one; a socket timeout propagates as TimeoutError (the link is then out of step
-    and must be closed)."""
+    payload is a bytearray: tensors are writable views of it). With `channel` (link.secure.Channel) the frame's tag
+    is verified (FrameAuthError) before its checksum or any field is looked at. ConnectionError when the peer
+    closed at a frame boundary, FrameError when inside one; a socket timeout propagates as TimeoutError (the link
+    is then out of step and must be closed)."""
     head = bytearray(HEADER_SIZE)
     _recv_into(sock, memoryview(head), "header", True)
     header = parse_header(head, max_payload)
+    if channel is not None:
+        frame = bytearray(HEADER_SIZE + header.payload_len + TRAILER_SIZE + TAG_SIZE)
+        frame[:HEADER_SIZE] = head
+        _recv_into(sock, memoryview(frame)[HEADER_SIZE:], "payload, checksum and tag", False)
+        return _opened(header, frame, channel)
     payload = bytearray(header.payload_len)
     if header.payload_len:
         _recv_into(sock, memoryview(payload), "payload", False)
@@ -211,11 +229,22 @@ async def _read_exactly(reader: asyncio.StreamReader, n: int, what: str, at_boun
         raise FrameError(f"the link closed inside a frame's {what} ({got} of {total or n} bytes)") from None
 
 
-async def read_frame(reader: asyncio.StreamReader, max_payload: int = DEFAULT_MAX_PAYLOAD):
+async def read_frame(reader: asyncio.StreamReader, max_payload: int = DEFAULT_MAX_PAYLOAD, channel=None):
     """(Header, message) of the next frame on an asyncio stream; the same checks and errors as recv_frame. The
     payload is copied into one bytearray in pieces (RECV_CHUNK), so the stream never buffers a whole large payload."""
     head = await _read_exactly(reader, HEADER_SIZE, "header", True)
     header = parse_header(head, max_payload)
+    if channel is not None:
+        n = header.payload_len + TRAILER_SIZE + TAG_SIZE
+        frame = bytearray(HEADER_SIZE + n)
+        frame[:HEADER_SIZE] = head
+        got = 0
+        while got < n:
+            k = min(n - got, RECV_CHUNK)
+            frame[HEADER_SIZE + got:HEADER_SIZE + got + k] = await _read_exactly(
+                reader, k, "payload, checksum and tag", False, got, n)
+            got += k
+        return _opened(header, frame, channel)
     n = header.payload_len
     payload = bytearray(n)
     got = 0
@@ -228,7 +257,7 @@ async def read_frame(reader: asyncio.StreamReader, max_payload: int = DEFAULT_MA
 
 
 def write_frame(writer: asyncio.StreamWriter, msg, request_id: int, flags: int = 0, *,
-                max_payload: int = DEFAULT_MAX_PAYLOAD) -> None:
-    """Queue one frame on an asyncio stream with writelines; the caller awaits writer.drain() (and keeps the arrays
-    unchanged until then)."""
-    writer.writelines(encode_frame(msg, request_id, flags, max_payload=max_payload))
+                max_payload: int = DEFAULT_MAX_PAYLOAD, channel=None) -> None:
+    """Queue one frame on an asyncio stream with writelines, sealed by `channel` when given (frames are sealed in
+    the order of these calls); the caller awaits writer.drain() (and keeps the arrays unchanged until then)."""
+    writer.writelines(_sealed(encode_frame(msg, request_id, flags, max_payload=max_payload), channel))

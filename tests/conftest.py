@@ -73,3 +73,20 @@ def thinker(tmp_path_factory, synthetic):
     d = Daemon(tmp_path_factory.mktemp("think"), "--model", str(path), port=free_port(), n_ctx=1024).start()
     yield d
     assert d.stop() == 0, d.log_tail()
+
+
+@pytest.fixture
+def workers():
+    """Start `strata worker` processes (tests.daemon.WorkerProc): workers(*flags, **kw) -> a started one; all are
+    stopped after the test."""
+    from tests.daemon import WorkerProc
+    made: list = []
+
+    def make(*args, **kw):
+        w = WorkerProc(*args, **kw).start()
+        made.append(w)
+        return w
+
+    yield make
+    for w in made:
+        w.stop()

@@ -119,3 +119,10 @@ def random_blocks(t, n_out, n_in, rng):
 
 def ref_dequant(raw, t, n_out, n_in):
     return np.asarray(gq.dequantize(raw, t), dtype=np.float64).reshape(n_out, n_in)
+
+
+def default_fingerprint() -> str:
+    """The default model's fingerprint (what a worker's hello must name)."""
+    from strata.gguf.default_model import resolve_model
+    from strata.gguf.file import open_gguf
+    return open_gguf(resolve_model("default")).fingerprint()

@@ -24,24 +24,10 @@ from strata.engine.engine import Engine
 from strata.engine.types import GenerationRequest
 from strata.stages.remote import LinkClient, WorkerRefused
 from tests.daemon import ROOT, Daemon, WorkerProc, env_for_daemon, free_port
-from tests.helpers import ask
+from tests.helpers import ask, default_fingerprint
 
 N_CTX = 1024
 SYSTEM = "You are a helpful assistant who answers briefly. " * 12
-
-
-@pytest.fixture
-def workers():
-    made: list[WorkerProc] = []
-
-    def make(*args, **kw) -> WorkerProc:
-        w = WorkerProc(*args, **kw).start()
-        made.append(w)
-        return w
-
-    yield make
-    for w in made:
-        w.stop()
 
 
 def run(engine, rendered, n: int = 12):
@@ -421,7 +407,7 @@ def test_worker_refuses_a_second_main_another_model_and_too_many_parts(workers, 
         Engine(str(other), n_ctx=256, remote_stage=w.address, layer_split="1")
     c = LinkClient(w.address)
     with pytest.raises(WorkerRefused, match="at most 64"):
-        c.connect(link.Hello(protocol=5, fingerprint=_default_fingerprint(), lo=10, hi=30, n_blocks=30, n_embd=576,
+        c.connect(link.Hello(protocol=5, fingerprint=default_fingerprint(), lo=10, hi=30, n_blocks=30, n_embd=576,
                              act_dtype="f32", n_ctx=512, max_batch=64, ckpt_max=65, next_hops=[], nonce=b"", mac=b""))
 
 
@@ -463,14 +449,8 @@ def test_raw_client_against_a_worker_bad_frames_are_refused(workers):
     time.sleep(0.3)
     c = LinkClient(w.address)
     with pytest.raises(WorkerRefused, match="not a worker's carve"):
-        c.connect(link.Hello(protocol=5, fingerprint=_default_fingerprint(), lo=0, hi=30, n_blocks=30, n_embd=576,
+        c.connect(link.Hello(protocol=5, fingerprint=default_fingerprint(), lo=0, hi=30, n_blocks=30, n_embd=576,
                              act_dtype="f32", n_ctx=512, max_batch=64, ckpt_max=0, next_hops=[], nonce=b"", mac=b""))
-
-
-def _default_fingerprint() -> str:
-    from strata.gguf.default_model import resolve_model
-    from strata.gguf.file import open_gguf
-    return open_gguf(resolve_model("default")).fingerprint()
 
 
 # ---- the daemon: a worker dies mid-stream and comes back -----------------------------------------------------

@@ -11,7 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.test_link_codec import GOLDEN_PATH, golden_cases, make_golden  # noqa: E402
+from tests.link_cases import GOLDEN_PATH, golden_cases, make_golden  # noqa: E402
 
 if __name__ == "__main__":
     make_golden(GOLDEN_PATH)

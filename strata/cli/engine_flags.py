@@ -73,7 +73,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="workers (strata worker) that run the last layers, in chain order: the first relays to "
                         "the next; the main keeps the embeddings, the output head and sampling")
     r.add_argument("--link-key-file", default=None, metavar="FILE",
-                   help="the stage link's shared key (strata worker --gen-key FILE writes one)")
+                   help="the stage link's shared key (strata worker --gen-key FILE writes one); with it every frame "
+                        "after the hello is authenticated")
+    r.add_argument("--link-encrypt", action="store_true",
+                   help="also encrypt the stage link's frames (AES-256-GCM; needs --link-key-file)")
+    r.add_argument("--insecure-link", action="store_true",
+                   help="accept a keyed worker that does not authenticate frames after the hello (an older strata); "
+                        "its frames are then protected by checksums only")
 
 
 def engine_config(args, **overrides):

@@ -38,6 +38,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "second)")
     p.add_argument("--link-key-file", default=None, metavar="FILE",
                    help="the shared link key (at least 32 bytes, mode 0600): mains must prove they hold it")
+    p.add_argument("--link-encrypt", action="store_true",
+                   help="require every main to encrypt the link's frames (AES-256-GCM; needs --link-key-file)")
+    p.add_argument("--insecure-link", action="store_true",
+                   help="accept a keyed main that does not authenticate frames after the hello (an older strata)")
     p.add_argument("--insecure-listen", action="store_true",
                    help="listen on a non-loopback address without a link key (anyone who reaches it can drive it)")
     p.add_argument("--gen-key", default=None, metavar="FILE",
@@ -77,6 +81,14 @@ def run(args) -> int:
         return 2
     args.device = devices[0]
     key = None
+    if args.link_encrypt and not args.link_key_file:
+        print("strata worker: error: --link-encrypt needs --link-key-file (the frame keys derive from the shared key)",
+              file=sys.stderr)
+        return 2
+    if args.link_encrypt and args.insecure_link:
+        print("strata worker: error: --link-encrypt and --insecure-link contradict each other: give one",
+              file=sys.stderr)
+        return 2
     if args.link_key_file:
         try:
             key = link.read_key_file(args.link_key_file)
@@ -102,7 +114,8 @@ def run(args) -> int:
     if key is None:
         log.warning("no link key: any process that reaches this address can drive the worker", listen=args.listen)
     cfg = WorkerConfig(host=host, port=port, model=args.model, device=args.device, kv=args.kv, key=key,
-                       max_ctx=args.max_ctx, idle_timeout=args.idle_timeout, commit_delay_s=commit_delay_from_env())
+                       max_ctx=args.max_ctx, idle_timeout=args.idle_timeout, commit_delay_s=commit_delay_from_env(),
+                       encrypt=args.link_encrypt, insecure_link=args.insecure_link)
     try:
         worker = Worker(cfg)
     except (ModelLoadError, ValueError, OSError) as e:

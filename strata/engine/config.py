@@ -49,10 +49,13 @@ class ParkingConfig:
 @dataclass(frozen=True)
 class LinkConfig:
     """Remote stages. remote_stage: 'HOST:PORT[,HOST:PORT...]', workers running the last carves in chain order;
-    key_file: the stage link's shared key."""
+    key_file: the stage link's shared key (with it every frame after the hello is authenticated); encrypt: encrypt
+    the frames too (needs key_file); insecure: accept a keyed worker that does not protect frames."""
 
     remote_stage: str | None = None
     key_file: str | None = None
+    encrypt: bool = False
+    insecure: bool = False
 
 
 #: the engine's keyword arguments (and the CLI's flag names, dashes for underscores) -> (sub-config, field)
@@ -66,6 +69,7 @@ FLAT = {
     "conversation_cache_disk_mib": ("parking", "disk_mib"), "park_resident": ("parking", "resident"),
     "slot_save_path": ("parking", "slot_save_path"),
     "remote_stage": ("link", "remote_stage"), "link_key_file": ("link", "key_file"),
+    "link_encrypt": ("link", "encrypt"), "insecure_link": ("link", "insecure"),
 }
 TOP = ("model", "n_ctx", "ubatch", "threads")
 
@@ -176,6 +180,10 @@ class EngineConfig:
                                           prompt_cache_tail=ck.tail)
             if why:
                 return why
+        if self.link.encrypt and not self.link.key_file:
+            return "--link-encrypt needs --link-key-file (the frame keys derive from the shared key)"
+        if self.link.encrypt and self.link.insecure:
+            return "--link-encrypt and --insecure-link contradict each other: give one"
         if self.link.key_file is not None:
             import link
             try:

@@ -95,7 +95,8 @@ class Engine:
             # restores and the prompt's state of n > 1 choices: room for 2N + 2 (at most the worker's 64)
             parts = min(64, 2 * self.prompt_cache + 2) if self.prompt_cache else 0
             return RemoteStage(index, hops, model, fingerprint=self.file.fingerprint(), n_ctx=self.n_ctx,
-                               max_batch=self.ubatch, ckpt_max=parts, key=key)
+                               max_batch=self.ubatch, ckpt_max=parts, key=key, encrypt=cfg.link.encrypt,
+                               insecure=cfg.link.insecure)
 
         self.remote = remote
         self.stages = build_stages(self.file, devices, split, self.n_ctx, kv, progress, remote=remote,

@@ -124,13 +124,21 @@ class LinkClient:
     ASYNC flag and returns at once; ``settle`` waits for every posted reply. While waiting the client pings a quiet
     worker every PING_EVERY seconds and gives up (LinkDown) after SILENT_AFTER seconds without a frame: a worker
     that computes answers Pings from its event loop, a dead or frozen one does not.
+
+    With a key every frame after the hello is authenticated (encrypted with ``encrypt``, or when the worker
+    requires it); ``insecure`` accepts a worker that does not protect frames (plain frames, as without a key).
     """
 
     def __init__(self, address: str, key: bytes | None = None, *, silent_after: float = SILENT_AFTER,
-                 connect_timeout: float = CONNECT_TIMEOUT):
+                 connect_timeout: float = CONNECT_TIMEOUT, encrypt: bool = False, insecure: bool = False):
         self.address = address
         self.host, self.port = parse_address(address)
+        if encrypt and key is None:
+            raise ValueError("--link-encrypt needs the link key (--link-key-file): the frame keys derive from it")
         self.key = key
+        self.encrypt, self.insecure = bool(encrypt), bool(insecure)
+        self.frames = link.FRAMES_PLAIN           # the protection negotiated at the hello
+        self.channel: link.Channel | None = None
         self.silent_after, self.connect_timeout = float(silent_after), float(connect_timeout)
         self.sock: socket.socket | None = None
         self.max_payload = link.DEFAULT_MAX_PAYLOAD
@@ -160,16 +168,23 @@ class LinkClient:
                 raise WorkerRefused(f"{who} requires the link key: give --link-key-file")
             if self.key is not None and not ch.keyed:
                 raise WorkerRefused(f"{who} has no link key while this side has one: start it with --link-key-file")
+            frames = link.FRAMES_PLAIN
+            if self.key is not None:
+                try:
+                    frames = link.main_frames(link.split_challenge_name(ch.worker)[1], encrypt=self.encrypt,
+                                              insecure=self.insecure)
+                except LinkError as e:
+                    raise WorkerRefused(f"{who} {e}") from None
             hello.nonce, hello.mac = secrets.token_bytes(32), b""
             if self.key is not None:
-                hello.mac = link.hello_mac(self.key, ch.nonce, hello)
+                hello.mac = link.hello_mac(self.key, ch.nonce, hello, frames)
             link.send_frame(sock, hello, 1)
             _, ack = link.recv_frame(sock, HANDSHAKE_MAX)
             if isinstance(ack, Error):
                 raise WorkerRefused(f"{who} refused the hello: {ack.message}")
             if not isinstance(ack, HelloAck):
                 raise WorkerRefused(f"{who} answered the hello with {type(ack).__name__}")
-            if self.key is not None and not link.verify(link.ack_mac(self.key, hello.nonce, ack), ack.mac):
+            if self.key is not None and not link.verify(link.ack_mac(self.key, hello.nonce, ack, frames), ack.mac):
                 raise WorkerRefused(f"{who} could not prove it holds the link key")
             if (ack.lo, ack.hi) != (hello.lo, hello.hi) or ack.fingerprint != hello.fingerprint:
                 raise WorkerRefused(f"{who} acknowledged layers [{ack.lo}, {ack.hi}) of model {ack.fingerprint[:12]}, "
@@ -191,6 +206,10 @@ class LinkClient:
             raise WorkerRefused(f"{who} closed the link at the hello ({e.strerror or e or type(e).__name__})") \
                 from None
         sock.settimeout(self.silent_after)      # inside a frame: silence past this is a failure
+        self.frames = frames
+        self.channel = None if self.key is None else link.channel_for("main", self.key, ch.nonce, hello.nonce, frames)
+        if self.key is not None and frames == link.FRAMES_PLAIN:
+            log.warning("stage link frames are not authenticated (--insecure-link)", worker=self.address)
         self.sock, self.ack, self.heard = sock, ack, time.monotonic()
         return ack
 
@@ -241,7 +260,7 @@ class LinkClient:
             raise LinkDown(f"worker {self.address}: the link is down")
         rid = next(self._rid)
         try:
-            self.sent_bytes += link.send_frame(self.sock, msg, rid, flags)
+            self.sent_bytes += link.send_frame(self.sock, msg, rid, flags, channel=self.channel)
         except OSError as e:
             self._down(f"sending failed ({e.strerror or e or type(e).__name__})")
         return rid
@@ -258,12 +277,12 @@ class LinkClient:
                 if quiet > self.silent_after:
                     self._down(f"sent nothing for {quiet:.1f} s")
                 try:
-                    link.send_frame(self.sock, Ping(nonce=0), 0)
+                    link.send_frame(self.sock, Ping(nonce=0), 0, channel=self.channel)
                 except OSError as e:
                     self._down(f"sending failed ({e.strerror or e or type(e).__name__})")
                 continue
             try:
-                hdr, msg = link.recv_frame(self.sock, self.max_payload)
+                hdr, msg = link.recv_frame(self.sock, self.max_payload, self.channel)
             except (TimeoutError, socket.timeout):
                 self._down(f"went silent inside a frame for {self.silent_after:g} s")
             except LinkError as e:
@@ -271,14 +290,15 @@ class LinkClient:
             except OSError as e:        # ConnectionError: it closed the link
                 self._down(f"closed the link ({e.strerror or e or type(e).__name__})")
             self.heard = time.monotonic()
-            self.received_bytes += link.HEADER_SIZE + hdr.payload_len + link.TRAILER_SIZE
+            self.received_bytes += link.HEADER_SIZE + hdr.payload_len + link.TRAILER_SIZE + \
+                (0 if self.channel is None else link.TAG_SIZE)
             if hdr.request_id == rid:
                 self._posted.pop(rid, None)
                 return self._checked(msg)
             if isinstance(msg, Pong):
                 continue
             if isinstance(msg, Ping):
-                link.send_frame(self.sock, Pong(nonce=msg.nonce), hdr.request_id)
+                link.send_frame(self.sock, Pong(nonce=msg.nonce), hdr.request_id, channel=self.channel)
                 continue
             if hdr.request_id in self._posted:
                 self._posted[hdr.request_id] = msg
@@ -326,7 +346,8 @@ class RemoteStage:
     runner_name = "LinkClient"
 
     def __init__(self, index: int, hops: list[tuple[str, Carve]], model, *, fingerprint: str, n_ctx: int,
-                 max_batch: int, ckpt_max: int, key: bytes | None = None, silent_after: float = SILENT_AFTER):
+                 max_batch: int, ckpt_max: int, key: bytes | None = None, silent_after: float = SILENT_AFTER,
+                 encrypt: bool = False, insecure: bool = False):
         self.index = index
         self.hops = [(a, Carve(c.lo, c.hi)) for a, c in hops]
         self.carve = Carve(self.hops[0][1].lo, self.hops[-1][1].hi)
@@ -337,6 +358,7 @@ class RemoteStage:
         self.fingerprint, self.n_ctx, self.max_batch, self.ckpt_max = fingerprint, int(n_ctx), int(max_batch), \
             int(ckpt_max)
         self.key, self.silent_after = key, silent_after
+        self.encrypt, self.insecure = bool(encrypt), bool(insecure)
         self.recurrent = bool(model.new_running_state(self.carve))   # can the worker's state be cut back?
         self.client: LinkClient | None = None
         self.epoch = 0                       # connections made; a RemotePart of another epoch is gone
@@ -366,7 +388,8 @@ class RemoteStage:
                      nonce=b"", mac=b"")
 
     def _connect(self) -> None:
-        client = LinkClient(self.hops[0][0], self.key, silent_after=self.silent_after)
+        client = LinkClient(self.hops[0][0], self.key, silent_after=self.silent_after, encrypt=self.encrypt,
+                            insecure=self.insecure)
         ack = client.connect(self._hello())
         n_embd = int(self.model.config.n_embd)
         client.max_payload = max(1 << 20, self.max_batch * (n_embd * 4 + 8) + 4096)
@@ -374,7 +397,8 @@ class RemoteStage:
             self.client, self.epoch, self._pos = client, self.epoch + 1, 0
             self.down_reason, self.held, self.store_bytes = None, 0, 0
         log.info("stage link up", stage=self.index, workers=[a for a, _ in self.hops], epoch=self.epoch,
-                 ckpt_max=ack.ckpt_max, part_bytes=ack.part_bytes, worker=ack.worker, device=ack.device)
+                 ckpt_max=ack.ckpt_max, part_bytes=ack.part_bytes, worker=ack.worker, device=ack.device,
+                 frames=client.frames)
 
     def _mark_down(self, why: str) -> None:
         with self._io:
@@ -581,6 +605,7 @@ class RemoteStage:
         return {"index": self.index, "layer_lo": self.carve.lo, "layer_hi": self.carve.hi, "device": self.device,
                 "runner": self.runner_name, "memory": {},
                 "link": {"up": c is not None, "epoch": self.epoch, "down_reason": self.down_reason,
+                         "frames": c.frames if c else None,
                          "workers": [{"address": a, "layer_lo": cc.lo, "layer_hi": cc.hi} for a, cc in self.hops],
                          "rtt_ms": None if self.rtt_s is None else round(self.rtt_s * 1e3, 3),
                          "checkpoints_held": self.held, "store_bytes": self.store_bytes,

@@ -51,6 +51,8 @@ class WorkerConfig:
     max_ctx: int | None = None       # the largest n_ctx a main may ask for (None: the model's training context)
     idle_timeout: float = IDLE_TIMEOUT  # seconds without a frame before a main's link is dropped
     commit_delay_s: float = 0.0      # test hook (STRATA_TEST_COMMIT_DELAY_MS): Commits applied late, in the background
+    encrypt: bool = False            # require encrypted frames from every main (and encrypt the next hop)
+    insecure_link: bool = False      # accept a keyed main that does not protect frames after the hello
 
 
 class Carrier:
@@ -199,6 +201,7 @@ class Worker:
         self.busy = False
         self.carrier: Carrier | None = None       # the connected main's
         self.writer = None                          # and its connection (for a Bye at shutdown)
+        self.channel: link.Channel | None = None    # and that connection's frame protection
         self.server: asyncio.base_events.Server | None = None
         self.connections = 0
 
@@ -243,9 +246,16 @@ class Worker:
             log.info("carve loaded", layers=f"[{h.lo}, {h.hi})", n_ctx=h.n_ctx, device=self.cfg.device)
         return self._stages[1]
 
-    def setup(self, h: Hello) -> tuple[Carrier, HelloAck]:
+    def caps(self) -> list[str]:
+        """The capabilities this worker announces in its Challenge (none without a key: frames stay plain)."""
+        if self.cfg.key is None:
+            return []
+        return [link.CAP_MAC, link.CAP_AEAD] + ([link.CAP_ENCRYPT] if self.cfg.encrypt else [])
+
+    def setup(self, h: Hello, frames: str = link.FRAMES_PLAIN) -> tuple[Carrier, HelloAck]:
         """Check the hello, load the carve, link the next worker (a relay does it again for every main, so the
-        next one checks the real limits) -> the Carrier and the HelloAck (mac not yet set)."""
+        next one checks the real limits; encrypted when its own main's link is) -> the Carrier and the HelloAck
+        (mac not yet set)."""
         self._check_hello(h)
         stages = self._stages_for(h)
         part_bytes = sum(int(a.nbytes) for st in stages
@@ -257,7 +267,8 @@ class Worker:
                 raise Refuse(ErrorCode.MODEL, f"the next worker's carve starts at {nh.lo}, this one ends at {h.hi}",
                              fatal=True)
             addr = f"[{nh.host}]:{nh.port}" if ":" in nh.host else f"{nh.host}:{nh.port}"
-            next_hop = LinkClient(addr, self.cfg.key)
+            next_hop = LinkClient(addr, self.cfg.key, encrypt=self.cfg.encrypt or frames == link.FRAMES_AEAD,
+                                  insecure=self.cfg.insecure_link)
             try:
                 ack = next_hop.connect(Hello(protocol=link.VERSION, fingerprint=h.fingerprint, lo=nh.lo, hi=nh.hi,
                                              n_blocks=h.n_blocks, n_embd=h.n_embd, act_dtype=h.act_dtype,
@@ -298,7 +309,7 @@ class Worker:
         self.server = await asyncio.start_server(self._on_main, self.cfg.host, self.cfg.port)
         bound = [s.getsockname() for s in self.server.sockets]
         log.info("worker listening", address=[f"{a[0]}:{a[1]}" for a in bound], model=self.path.name,
-                 device=self.cfg.device, keyed=self.cfg.key is not None)
+                 device=self.cfg.device, keyed=self.cfg.key is not None, caps=self.caps())
 
     @property
     def port(self) -> int:
@@ -324,7 +335,8 @@ class Worker:
         loop = asyncio.get_running_loop()
         try:
             nonce = link.new_nonce()
-            await self._send(writer, Challenge(nonce=nonce, keyed=self.cfg.key is not None, worker=self.cfg.name), 0)
+            await self._send(writer, Challenge(nonce=nonce, keyed=self.cfg.key is not None,
+                                               worker=link.challenge_name(self.cfg.name, self.caps())), 0)
             try:
                 hdr, hello = await asyncio.wait_for(link.read_frame(reader, HANDSHAKE_MAX), HELLO_TIMEOUT)
             except LinkError as e:
@@ -337,11 +349,21 @@ class Worker:
                 await self._send(writer, Error(code=ErrorCode.BAD_FRAME,
                                                message=f"expected a Hello, got {type(hello).__name__}"), rid)
                 return
-            if self.cfg.key is not None and not link.verify(link.hello_mac(self.cfg.key, nonce, hello), hello.mac):
-                why = "the main sent no link key" if not hello.mac else "the main's link key does not match this one"
-                await self._send(writer, Error(code=ErrorCode.AUTH, message=f"{why} (--link-key-file)"), rid)
-                log.warning("refused a main: link key", peer=who, error=why)
-                return
+            frames = link.FRAMES_PLAIN
+            if self.cfg.key is not None:
+                frames = link.hello_frames(self.cfg.key, nonce, hello)
+                if frames is None:
+                    why = "the main sent no link key" if not hello.mac else \
+                        "the main's link key does not match this one"
+                    await self._send(writer, Error(code=ErrorCode.AUTH, message=f"{why} (--link-key-file)"), rid)
+                    log.warning("refused a main: link key", peer=who, error=why)
+                    return
+                try:
+                    link.worker_accepts(frames, encrypt=self.cfg.encrypt, insecure=self.cfg.insecure_link)
+                except LinkError as e:
+                    await self._send(writer, Error(code=e.code, message=str(e)), rid)
+                    log.warning("refused a main: frame protection", peer=who, error=str(e))
+                    return
             if self.busy:
                 log.warning("refusing a second main", peer=who)
                 await self._send(writer, Error(code=ErrorCode.BUSY, message="another main is connected to this "
@@ -350,19 +372,24 @@ class Worker:
             self.busy, taken = True, True
             self.connections += 1
             try:
-                carrier, ack = await loop.run_in_executor(self.pool, self.setup, hello)
+                carrier, ack = await loop.run_in_executor(self.pool, self.setup, hello, frames)
             except Refuse as e:
                 await self._send(writer, Error(code=e.code, message=str(e)), rid)
                 log.warning("refused a main at the hello", peer=who, error=str(e))
                 return
+            chan = None
             if self.cfg.key is not None:
-                ack.mac = link.ack_mac(self.cfg.key, hello.nonce, ack)
+                ack.mac = link.ack_mac(self.cfg.key, hello.nonce, ack, frames)
+                chan = link.channel_for("worker", self.cfg.key, nonce, hello.nonce, frames)
+                if frames == link.FRAMES_PLAIN:
+                    log.warning("stage link frames are not authenticated (--insecure-link)", peer=who)
             self.carrier, self.writer = carrier, writer
             await self._send(writer, ack, rid)
+            self.channel = chan
             log.info("main connected", peer=who, layers=f"[{hello.lo}, {hello.hi})", ckpt_max=ack.ckpt_max,
-                     relay=len(hello.next_hops))
+                     relay=len(hello.next_hops), frames=frames)
             await self._serve(reader, writer, carrier, max(1 << 20, int(hello.max_batch) * (int(hello.n_embd) * 4 + 8)
-                                                         + 4096), who)
+                                                         + 4096), who, chan)
         except asyncio.TimeoutError:
             log.info("main gone", peer=who, error=f"no frame for {self.cfg.idle_timeout:g} s (or no Hello in "
                                                  f"{HELLO_TIMEOUT:g} s)")
@@ -370,7 +397,7 @@ class Worker:
             log.info("main gone", peer=who, error=str(e) or type(e).__name__)
         finally:
             if carrier is not None:
-                self.carrier = self.writer = None
+                self.carrier = self.writer = self.channel = None
                 await loop.run_in_executor(self.pool, carrier.close)
             if taken:
                 self.busy = False
@@ -382,13 +409,14 @@ class Worker:
         w = self.writer
         if w is not None:
             try:
-                await self._send(w, Bye(reason=reason), 0)
+                await self._send(w, Bye(reason=reason), 0, self.channel)
             except (ConnectionError, OSError):
                 pass
 
-    async def _serve(self, reader, writer, carrier: Carrier, max_payload: int, who: str) -> None:
-        """Read the main's frames: Pings answered at once (also while a request computes), requests run one after
-        the other on the compute thread and answered in order (a Commit late, with the test hook)."""
+    async def _serve(self, reader, writer, carrier: Carrier, max_payload: int, who: str, chan=None) -> None:
+        """Read the main's frames (through `chan`, the connection's link.Channel, when they are protected): Pings
+        answered at once (also while a request computes), requests run one after the other on the compute thread
+        and answered in order (a Commit late, with the test hook). A refused frame closes the link."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         late: set[asyncio.Task] = set()
@@ -398,15 +426,15 @@ class Worker:
             try:
                 reply = await loop.run_in_executor(self.pool, carrier.handle, msg)
             except Refuse as e:
-                await self._send(writer, Error(code=e.code, message=str(e)), hdr.request_id)
+                await self._send(writer, Error(code=e.code, message=str(e)), hdr.request_id, chan)
                 log.warning("request refused", peer=who, request=type(msg).__name__, error=str(e))
                 return not e.fatal
             except Exception as e:  # noqa: BLE001 -- the main gets the one line; the worker stays up
                 log.exception("request failed", peer=who, request=type(msg).__name__)
                 await self._send(writer, Error(code=ErrorCode.INTERNAL, message=f"{type(e).__name__}: {e}"),
-                                 hdr.request_id)
+                                 hdr.request_id, chan)
                 return True
-            await self._send(writer, reply, hdr.request_id)
+            await self._send(writer, reply, hdr.request_id, chan)
             return True
 
         async def keep_next() -> None:
@@ -437,7 +465,7 @@ class Worker:
         worker_task = asyncio.ensure_future(compute())
         try:
             while not worker_task.done():
-                read = asyncio.ensure_future(asyncio.wait_for(link.read_frame(reader, max_payload),
+                read = asyncio.ensure_future(asyncio.wait_for(link.read_frame(reader, max_payload, chan),
                                                               self.cfg.idle_timeout))
                 done, _ = await asyncio.wait({read, worker_task}, return_when=asyncio.FIRST_COMPLETED)
                 if read not in done:
@@ -446,11 +474,12 @@ class Worker:
                 try:
                     hdr, msg = read.result()
                 except LinkError as e:
-                    await self._send(writer, Error(code=ErrorCode.BAD_FRAME, message=str(e)), 0)
+                    code = ErrorCode.AUTH if isinstance(e, link.FrameAuthError) else ErrorCode.BAD_FRAME
+                    await self._send(writer, Error(code=code, message=str(e)), 0, chan)
                     log.warning("bad frame from the main", peer=who, error=str(e))
                     return
                 if isinstance(msg, Ping):
-                    await self._send(writer, Pong(nonce=msg.nonce), hdr.request_id)
+                    await self._send(writer, Pong(nonce=msg.nonce), hdr.request_id, chan)
                     if carrier.next is not None and queue.empty() and not pinging:
                         pinging.add(asyncio.ensure_future(keep_next()))
                 elif isinstance(msg, Pong):
@@ -465,8 +494,8 @@ class Worker:
                 t.cancel()
 
     @staticmethod
-    async def _send(writer, msg, rid: int) -> None:
-        link.write_frame(writer, msg, rid)
+    async def _send(writer, msg, rid: int, chan=None) -> None:
+        link.write_frame(writer, msg, rid, channel=chan)
         await writer.drain()
 
     async def serve_forever(self, stop: asyncio.Event) -> None:
