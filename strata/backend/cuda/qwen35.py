@@ -315,8 +315,10 @@ class Qwen35Cuda(DecodePlan):
 
     # ---- the short read
     def short_form(self) -> str | None:
-        """'decode': the hybrid step has one form, mirrored column by column (DecodePlan.short_read)."""
-        return "decode"
+        """'decode': the hybrid step has one form, mirrored column by column (DecodePlan.short_read); None for a
+        model with MoE layers, whose launches have no column form yet (a short read there is decode steps one token
+        at a time: the same bits; a prompt read takes the grouped prefill)."""
+        return None if self.moe else "decode"
 
     def _enqueue_short(self, form: str, n: int, rows: tuple, all_logits: bool, graph: bool = False) -> None:
         """The decode step (_enqueue_step) over n columns: the matvecs through the column launchers, the per-token

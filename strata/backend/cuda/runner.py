@@ -702,7 +702,7 @@ class PlanModel:
     def forward(self, tokens, state, all_logits: bool = False, x_in=None):
         """The model's forward (same arguments, result and errors), on the backend's device in any thread: one token
         (without all_logits) through the plan's decode step, 2..settings.SHORT_READ_MAX tokens through its short
-        read (settings.short_read), a longer forward through its prefill where the plan takes it, everything else
+        read (settings.short_read) where the plan mirrors its step over columns (short_form), a longer forward through its prefill where the plan takes it, everything else
         the model's own forward (generic_forward)."""
         toks = np.asarray(tokens).reshape(-1)
         with self.model.backend.device:
@@ -710,7 +710,7 @@ class PlanModel:
                 plan = self.plan(state.kv.pool)
                 if toks.shape[0] == 1 and not all_logits:
                     return plan.decode(token_id(toks[0], self.model.config.n_vocab), state, x_in)
-                if settings.short_read(int(toks.shape[0])):
+                if settings.short_read(int(toks.shape[0])) and plan.short_form() is not None:
                     return plan.short_read(tokens, state, all_logits, x_in)
                 if toks.shape[0] > 1 and self.prefill and plan.takes_prefill(int(toks.shape[0])):
                     return plan.prefill(tokens, state, all_logits, x_in)
