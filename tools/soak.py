@@ -309,10 +309,14 @@ def main(argv=None) -> int:
     ap.add_argument("--sample-every", type=float, default=1.0)
     ap.add_argument("--rss-slack", type=float, default=0.05)
     ap.add_argument("--fd-slack", type=float, default=8.0)
+    ap.add_argument("--park-mib", type=int, default=64, help="the daemon's --conversation-cache-mib")
     ap.add_argument("--daemon-arg", action="append", default=[], help="more `strata serve` flags (repeatable)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    extra = ["--n-ctx", "1024", "--threads", "2", "--device", "cpu", "--no-warmup", *a.daemon_arg]
+    # parking held to a small budget, so that it is full early and the RSS it holds stops growing (what the leak
+    # check then sees is everything else)
+    extra = ["--n-ctx", "1024", "--threads", "2", "--device", "cpu", "--no-warmup",
+             "--conversation-cache-mib", str(a.park_mib), *a.daemon_arg]
     specs = scripts(a.seed, a.convs, a.turns)
     with tempfile.TemporaryDirectory(prefix="strata-soak-") as tmp:
         ref = asyncio.run(reference(a.model, Path(tmp), extra, specs, a.request_timeout))

@@ -116,12 +116,7 @@ def _metadata(md) -> dict | None:
             raise _bad(f"metadata.{k[:METADATA_KEY_CHARS]}", f"must be a string, got {schema._tname(v)}")
         if len(v) > METADATA_VALUE_CHARS:
             raise _bad(f"metadata.{k}", f"has {len(v)} characters, at most {METADATA_VALUE_CHARS} are allowed")
-        for s, what in ((k, "a key"), (v, f"the value of {k!r}")):
-            try:
-                s.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise _bad("metadata", f"holds {what} that is not valid Unicode (a lone surrogate at character "
-                                       f"{e.start})") from None
+    schema.unicode_json(md, "metadata")
     return dict(md)
 
 
