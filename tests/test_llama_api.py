@@ -172,3 +172,12 @@ def test_completion_with_curl_whole_and_streamed(daemon):
     st, w = curl(daemon, "/completion", {"prompt": "The capital of France is", "n_predict": 30, "temperature": 0,
                                          "stop": [" Paris"]})
     assert st == 200 and w["stop_type"] == "word" and w["stopping_word"] == " Paris" and w["stopped_word"]
+
+
+def test_completion_reports_an_end_of_generation_and_the_default_length(daemon):
+    st, r = curl(daemon, "/completion", {"prompt": "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n",
+                                         "temperature": 0})
+    assert st == 200 and r["stop_type"] == "eos" and r["stopped_eos"] and not r["stopped_word"]
+    assert r["stopping_word"] == "" and r["generation_settings"]["n_predict"] == 1024
+    st, p = curl(daemon, "/props")
+    assert p["default_generation_settings"]["params"]["n_predict"] == 1024

@@ -83,3 +83,23 @@ def test_cors_origin_gets_preflight_and_headers_streamed_too(daemon):
     assert st == 200 and h["Access-Control-Allow-Origin"] == origin
     st, h, body = tcp(daemon, "POST", "/v1/chat/completions", {**HI, "stream": True}, headers={"Origin": origin})
     assert st == 200 and h["Access-Control-Allow-Origin"] == origin and b"[DONE]" in body
+
+
+def test_a_keyed_wildcard_listener_answers_its_own_addresses_and_cors_preflights(tmp_path):
+    """With --api-key a page cannot authenticate without the key: any Host is served (a --host 0.0.0.0 daemon is
+    reached by its real address), and a CORS preflight from a --cors-origin origin is answered without the key, as
+    browsers send it; its 401s carry the CORS headers so the page can read them."""
+    d = Daemon(tmp_path, "--api-key", "k", "--cors-origin", "https://app.example", port=free_port()).start()
+    try:
+        st, _, _ = tcp(d, "GET", "/v1/models", headers={"Host": "192.0.2.7:8080", "Authorization": "Bearer k"})
+        assert st == 200
+        st, h, _ = tcp(d, "OPTIONS", "/v1/chat/completions", headers={
+            "Origin": "https://app.example", "Access-Control-Request-Method": "POST"})
+        assert st == 204 and h["Access-Control-Allow-Origin"] == "https://app.example"
+        st, h, _ = tcp(d, "POST", "/v1/chat/completions", HI, headers={"Origin": "https://app.example"})
+        assert st == 401 and h["Access-Control-Allow-Origin"] == "https://app.example"
+        st, h, _ = tcp(d, "POST", "/v1/chat/completions", HI, headers={"Origin": "https://app.example",
+                                                                       "Authorization": "Bearer k"})
+        assert st == 200 and h["Access-Control-Allow-Origin"] == "https://app.example"
+    finally:
+        assert d.stop() == 0, d.log_tail()

@@ -55,6 +55,8 @@ def test_generate_templated_and_raw(client):
     assert "".join(p.response for p in parts) == raw.response
     loaded = client.generate(model="m", prompt="")          # Ollama's way to load a model: nothing generated
     assert loaded.done and loaded.done_reason == "load" and loaded.response == ""
+    loaded = client.chat(model="m", messages=[])             # the same through /api/chat
+    assert loaded.done and loaded.done_reason == "load" and loaded.message.content == ""
 
 
 def test_json_format(client):

@@ -48,7 +48,7 @@ def make_app(cfg: ServeConfig, worker: EngineWorker, metrics_: Metrics,
              guard: ConnectionGuard | None = None) -> web.Application:
     """Build the application; `worker` owns the engine thread (started by the caller); `guard` (the server's
     connection limits) learns which connections have a request in hand."""
-    policy = BrowserPolicy(cfg.host, cfg.allowed_hosts, cfg.cors_origins)
+    policy = BrowserPolicy(cfg.host, cfg.allowed_hosts, cfg.cors_origins, keyed=bool(cfg.api_key))
     app = web.Application(middlewares=([guard.middleware()] if guard else []) + [middleware, policy.middleware()],
                           client_max_size=cfg.max_body)
     app.on_response_prepare.append(policy.on_prepare)

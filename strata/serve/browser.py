@@ -1,7 +1,9 @@
-"""What a web page may ask of the TCP listener: requests whose Host is not this server's are refused (DNS
-rebinding), a cross-origin Origin may not change state unless --cors-origin names it (with CORS headers and
-preflights for the origins it names), and a body is read as JSON only when it says so, or says nothing, or is
-curl's default form type with no foreign Origin. The Unix socket is exempt: its file mode is the boundary."""
+"""What a web page may ask of the TCP listener. Keyless (no --api-key, where any page the browser shows can reach a
+loopback daemon): requests whose Host is not this server's are refused (DNS rebinding), a cross-origin Origin may
+not change state unless --cors-origin names it, and a body is read as JSON only when it says so, says nothing, or
+is curl's default form type with no foreign Origin. With a key, a page cannot authenticate without it, so only the
+CORS answers apply: preflights and headers for the origins --cors-origin names. The Unix socket is exempt: its file
+mode is the boundary."""
 from __future__ import annotations
 
 import ipaddress
@@ -47,7 +49,8 @@ class BrowserPolicy:
     """The checks above, for a TCP listener on `listen_host` with the extra host names `allowed_hosts` and the
     cross-origin origins `cors_origins` ("*": any)."""
 
-    def __init__(self, listen_host: str | None, allowed_hosts=(), cors_origins=()):
+    def __init__(self, listen_host: str | None, allowed_hosts=(), cors_origins=(), keyed: bool = False):
+        self.keyed = keyed
         self.hosts = {_host_only(h) for h in allowed_hosts if h.strip()}
         if listen_host and not ipaddress_unspecified(listen_host):
             self.hosts.add(_host_only(listen_host))
@@ -81,14 +84,16 @@ class BrowserPolicy:
         async def browser(request: web.Request, handler):
             if _is_unix(request):
                 return await handler(request)
-            if not self.host_ok(request.headers.get("Host")):
-                raise ApiError(403, f"the Host header {request.headers.get('Host')!r} is not this server's: use a "
-                                    "loopback name, the --host address or a name given with --allowed-hosts",
-                               code="host_not_allowed")
             foreign = self.cross_origin(request)
             allowed = foreign is not None and self.cors_allowed(foreign)
             if request.method == "OPTIONS" and allowed:        # a CORS preflight from an origin --cors-origin names
                 return web.Response(status=204, headers=_cors_headers(request, preflight=True))
+            if self.keyed:
+                return await handler(request)
+            if not self.host_ok(request.headers.get("Host")):
+                raise ApiError(403, f"the Host header {request.headers.get('Host')!r} is not this server's: use a "
+                                    "loopback name, the --host address or a name given with --allowed-hosts",
+                               code="host_not_allowed")
             if foreign is not None and not allowed and request.method not in SAFE_METHODS:
                 raise ApiError(403, f"cross-origin requests from {foreign!r} may not change anything here "
                                     "(--cors-origin allows an origin)", code="origin_not_allowed")
@@ -97,16 +102,16 @@ class BrowserPolicy:
                 if ctype not in JSON_TYPES and not (ctype == CURL_FORM and foreign is None):
                     raise ApiError(415, f"the body's Content-Type is {ctype!r}: send application/json",
                                    code="unsupported_media_type")
-            if allowed:
-                request["cors"] = True           # on_prepare adds the headers, streamed answers included
             return await handler(request)
         return browser
 
-    @staticmethod
-    async def on_prepare(request: web.Request, response: web.StreamResponse) -> None:
-        """aiohttp's on_response_prepare: CORS headers on the answers to an origin --cors-origin names."""
-        if request.get("cors"):
-            response.headers.update(_cors_headers(request, preflight=False))
+    async def on_prepare(self, request: web.Request, response: web.StreamResponse) -> None:
+        """aiohttp's on_response_prepare: CORS headers on every answer to an origin --cors-origin names (streamed
+        ones and errors, a 401 included, so the page can read them)."""
+        if self.origins and not _is_unix(request):
+            foreign = self.cross_origin(request)
+            if foreign is not None and self.cors_allowed(foreign):
+                response.headers.update(_cors_headers(request, preflight=False))
 
 
 def ipaddress_unspecified(host: str) -> bool:

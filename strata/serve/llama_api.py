@@ -17,7 +17,7 @@ from strata import __version__
 from strata.engine.types import FinalEvent
 from strata.serve import schema
 from strata.serve.completions_api import generate_completion
-from strata.serve.config import WORKER_KEY
+from strata.serve.config import CONFIG_KEY, WORKER_KEY
 from strata.serve.errors import ApiError
 from strata.serve.handling import engine_call, engine_of, json_response, next_event, read_body
 from strata.structured import plan as structured
@@ -171,7 +171,7 @@ async def props(request: web.Request) -> web.Response:
     w = request.app[WORKER_KEY]
     tok = engine.tokenizer
     d = {f.name: f.default for f in fields(SamplingParams)}
-    params = {"n_predict": -1, "seed": 4294967295, "temperature": d["temperature"], "top_k": d["top_k"],
+    params = {"n_predict": request.app[CONFIG_KEY].n_predict, "seed": 4294967295, "temperature": d["temperature"], "top_k": d["top_k"],
               "top_p": d["top_p"], "min_p": d["min_p"], "repeat_last_n": d["repeat_last_n"],
               "repeat_penalty": d["repeat_penalty"], "presence_penalty": d["presence_penalty"],
               "frequency_penalty": d["frequency_penalty"], "stop": [], "max_tokens": -1, "n_probs": 0,
@@ -217,9 +217,10 @@ def _completion_request(body: dict, engine) -> schema.ParsedRequest:
     return schema.parse_completion(fields)
 
 
-def _completion_obj(final, content: str, p: schema.ParsedRequest, engine, prompt) -> dict:
+def _completion_obj(final, content: str, p: schema.ParsedRequest, engine, prompt, n_predict: int = -1) -> dict:
     t = final.timings or {}
     by = (final.strata or {}).get("stopped_by")
+    by = by if by is not None and by in p.stop else None     # an end-of-generation token is no stop word
     kind = "word" if by is not None else "limit" if final.finish_reason == "length" else \
         "none" if final.finish_reason == "cancelled" else "eos"
     return {"content": content, "id_slot": 0, "stop": True, "model": engine.model_name,
@@ -228,7 +229,7 @@ def _completion_obj(final, content: str, p: schema.ParsedRequest, engine, prompt
             "has_new_line": "\n" in content, "truncated": False, "stop_type": kind,
             "stopping_word": by or "", "stopped_eos": kind == "eos", "stopped_limit": kind == "limit",
             "stopped_word": kind == "word",
-            "generation_settings": {"n_predict": p.max_tokens if p.max_tokens is not None else -1,
+            "generation_settings": {"n_predict": p.max_tokens if p.max_tokens is not None else n_predict,
                                     **p.sampling, "stop": p.stop},
             "timings": {k: t.get(k) for k in ("prompt_n", "prompt_ms", "prompt_per_second", "predicted_n",
                                               "predicted_ms", "predicted_per_second", "cache_n")}}
@@ -243,7 +244,8 @@ async def _completion_respond(request, engine, p, job, answers):
             ev = await next_event(job)
             text.append(ev.text or "")
             if isinstance(ev, FinalEvent):
-                return json_response(_completion_obj(ev, "".join(text), p, engine, p.prompt))
+                return json_response(_completion_obj(ev, "".join(text), p, engine, p.prompt,
+                                                     request.app[CONFIG_KEY].n_predict))
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                        "Cache-Control": "no-cache", "X-Request-Id": request["rid"]})
     await resp.prepare(request)
@@ -252,7 +254,7 @@ async def _completion_respond(request, engine, p, job, answers):
         while True:
             ev = await next_event(job)
             if isinstance(ev, FinalEvent):
-                obj = _completion_obj(ev, ev.text or "", p, engine, p.prompt)
+                obj = _completion_obj(ev, ev.text or "", p, engine, p.prompt, request.app[CONFIG_KEY].n_predict)
                 await resp.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
                 break
             n += 1

@@ -29,6 +29,12 @@ def _is_unix(request: web.Request) -> bool:
     return sock is not None and sock.family == socket.AF_UNIX
 
 
+def _is_preflight(request: web.Request) -> bool:
+    """A CORS preflight: browsers send it without credentials (strata.serve.browser answers it)."""
+    return request.method == "OPTIONS" and "Origin" in request.headers \
+        and "Access-Control-Request-Method" in request.headers
+
+
 async def _route_name(request: web.Request) -> str:
     """The matched route's template for the metrics label; for a method the route does not take (405), the
     template of the route whose path matched (asked of each resource as the router asks it); "unmatched" when no
@@ -71,7 +77,7 @@ async def middleware(request: web.Request, handler):
     status = 500
     try:
         if cfg.api_key and request.path != "/health" and not chat_page.is_public(request.path) \
-                and not _is_unix(request):
+                and not _is_unix(request) and not _is_preflight(request):
             if not hmac.compare_digest(_api_key_of(request), cfg.api_key.encode()):
                 raise ApiError(401, "invalid or missing API key: send 'Authorization: Bearer <key>' or "
                                     "'x-api-key: <key>'", code="invalid_api_key",

@@ -252,6 +252,9 @@ async def chat(request: web.Request) -> web.StreamResponse:
     """POST /api/chat."""
     t0 = time.perf_counter()
     body = await read_body(request)
+    if body.get("messages") in (None, []):             # Ollama's way to load a model: nothing is generated
+        return json_response({"model": _name(body), "created_at": _now(),
+                              "message": {"role": "assistant", "content": ""}, "done": True, "done_reason": "load"})
     p = parse_chat(body, engine_of(request))
     return await generate_chat(request, p, respond=_responder(t0, chat=True))
 

@@ -77,8 +77,11 @@ async def serve(cfg: ServeConfig, engine_factory: Callable[[], Any]) -> int:
     metrics = Metrics()
     worker = EngineWorker(engine_factory, queue_max=cfg.queue_max, metrics=metrics, loop=loop)
     listeners = int(cfg.socket_path is not None) + int(cfg.port is not None)
-    guard = ConnectionGuard(max_connections=connection_cap(cfg.max_connections, listeners),
-                            header_timeout=cfg.header_timeout, idle_timeout=cfg.idle_timeout)
+    cap = connection_cap(cfg.max_connections, listeners)
+    if cap < cfg.max_connections:
+        log.warning("--max-connections lowered to what the descriptor limit holds (raise LimitNOFILE / ulimit -n)",
+                    asked=cfg.max_connections, per_listener=cap)
+    guard = ConnectionGuard(max_connections=cap, header_timeout=cfg.header_timeout, idle_timeout=cfg.idle_timeout)
     app = make_app(cfg, worker, metrics, guard)
     runner = _GuardedRunner(app, guard, handler_cancellation=True, access_log=None, shutdown_timeout=5.0,
                             keepalive_timeout=cfg.idle_timeout)
