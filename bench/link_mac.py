@@ -29,6 +29,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+from cpu_throughput import cpu_name  # noqa: E402  -- the CPU's name in the result's file name
 
 import link  # noqa: E402
 from link import FRAMES_AEAD, FRAMES_MAC, Forward, Result, channel_for, encode_frame  # noqa: E402
@@ -209,16 +211,6 @@ def commit() -> str:
                               check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "cpu"
 
 
 def main() -> int:
