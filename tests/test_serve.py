@@ -872,3 +872,8 @@ def test_a_request_without_max_tokens_ends_at_n_predict(tmp_path):
     r = subprocess.run([sys.executable, "-m", "strata.cli.main", "serve", "--n-predict", "-2"], capture_output=True,
                        text=True, env=env_for_daemon(), timeout=120)
     assert r.returncode == 2 and "--n-predict" in r.stderr and "must be >= -1" in r.stderr
+
+
+def test_an_integer_of_thousands_of_digits_is_named_plainly(daemon):
+    st, d = daemon.json("POST", "/v1/chat/completions", raw=b'{"max_tokens": ' + b"9" * 5001 + b', "messages": []}')
+    assert st == 400 and "more than 4300 digits" in d["error"]["message"] and "sys." not in d["error"]["message"]

@@ -69,6 +69,8 @@ def parse_json(raw: bytes) -> dict:
     except RecursionError:
         raise ApiError(400, "the request body is not valid JSON: nested too deeply") from None
     except ValueError as e:
+        if "int_max_str_digits" in str(e) or "integer string conversion" in str(e):
+            raise ApiError(400, "the request body holds an integer of more than 4300 digits") from None
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {_tname(body)}")
