@@ -7,12 +7,12 @@ mode is the boundary."""
 from __future__ import annotations
 
 import ipaddress
-import socket
 from urllib.parse import urlsplit
 
 from aiohttp import web
 
 from strata.serve.errors import ApiError
+from strata.serve.handling import is_unix
 
 LOOPBACK_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback")
 SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
@@ -37,12 +37,6 @@ def _is_loopback(name: str) -> bool:
         return ipaddress.ip_address(name).is_loopback
     except ValueError:
         return False
-
-
-def _is_unix(request: web.Request) -> bool:
-    tr = request.transport
-    sock = tr.get_extra_info("socket") if tr is not None else None
-    return sock is not None and sock.family == socket.AF_UNIX
 
 
 class BrowserPolicy:
@@ -82,7 +76,7 @@ class BrowserPolicy:
     def middleware(self):
         @web.middleware
         async def browser(request: web.Request, handler):
-            if _is_unix(request):
+            if is_unix(request):
                 return await handler(request)
             foreign = self.cross_origin(request)
             allowed = foreign is not None and self.cors_allowed(foreign)
@@ -108,7 +102,7 @@ class BrowserPolicy:
     async def on_prepare(self, request: web.Request, response: web.StreamResponse) -> None:
         """aiohttp's on_response_prepare: CORS headers on every answer to an origin --cors-origin names (streamed
         ones and errors, a 401 included, so the page can read them)."""
-        if self.origins and not _is_unix(request):
+        if self.origins and not is_unix(request):
             foreign = self.cross_origin(request)
             if foreign is not None and self.cors_allowed(foreign):
                 response.headers.update(_cors_headers(request, preflight=False))

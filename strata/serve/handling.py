@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from typing import Any
 
 from aiohttp import web
@@ -13,6 +14,13 @@ from strata.serve.config import CONFIG_KEY, WORKER_KEY
 from strata.errors import EngineFault, Refused, Unavailable
 from strata.serve.errors import ApiError, refusal
 from strata.serve.worker import EngineError, EngineWorker, Job, QueueFull, ShuttingDown
+
+
+def is_unix(request: web.Request) -> bool:
+    """Whether the request came over the Unix socket (whose file mode is its boundary: no key, no browser checks)."""
+    tr = request.transport
+    sock = tr.get_extra_info("socket") if tr is not None else None
+    return sock is not None and sock.family == socket.AF_UNIX
 
 
 def json_response(data: Any, status: int = 200, headers: dict | None = None) -> web.Response:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import re
-import socket
 import time
 import uuid
 
@@ -16,17 +15,11 @@ from strata.serve import chat_page
 from strata.serve.config import CONFIG_KEY, ERROR_SHAPES_KEY, METRICS_KEY
 from strata.errors import Refused
 from strata.serve.errors import ApiError, refusal
-from strata.serve.handling import json_response
+from strata.serve.handling import is_unix, json_response
 
 log = structlog.get_logger("strata.serve")
 
 _RID_OK = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
-
-
-def _is_unix(request: web.Request) -> bool:
-    tr = request.transport
-    sock = tr.get_extra_info("socket") if tr is not None else None
-    return sock is not None and sock.family == socket.AF_UNIX
 
 
 def _is_preflight(request: web.Request) -> bool:
@@ -77,7 +70,7 @@ async def middleware(request: web.Request, handler):
     status = 500
     try:
         if cfg.api_key and request.path != "/health" and not chat_page.is_public(request.path) \
-                and not _is_unix(request) and not _is_preflight(request):
+                and not is_unix(request) and not _is_preflight(request):
             if not hmac.compare_digest(_api_key_of(request), cfg.api_key.encode()):
                 raise ApiError(401, "invalid or missing API key: send 'Authorization: Bearer <key>' or "
                                     "'x-api-key: <key>'", code="invalid_api_key",
