@@ -309,7 +309,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sample-every", type=float, default=1.0)
     ap.add_argument("--rss-slack", type=float, default=0.05)
     ap.add_argument("--fd-slack", type=float, default=8.0)
-    ap.add_argument("--park-mib", type=int, default=64, help="the daemon's --conversation-cache-mib")
+    ap.add_argument("--park-mib", type=int, default=24, help="the daemon's --conversation-cache-mib (two short chats)")
     ap.add_argument("--daemon-arg", action="append", default=[], help="more `strata serve` flags (repeatable)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
