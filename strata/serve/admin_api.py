@@ -8,12 +8,10 @@ from aiohttp import web
 
 from strata import __version__
 from strata.serve.config import CONFIG_KEY, GUARD_KEY, METRICS_KEY, STARTED_KEY, WORKER_KEY
-from strata.serve.responses_api import STORE_KEY
 from strata.serve.errors import ApiError
-from strata.serve.handling import (as_api_error, check_model, engine_of, json_response, read_body, served_names,
-                                   submit)
+from strata.serve.handling import check_model, engine_call, engine_of, json_response, read_body, served_names
 from strata.serve.metrics import CONTENT_TYPE
-from strata.serve.worker import EngineError
+from strata.serve.responses_api import STORE_KEY
 
 SLOT_ACTIONS = ("save", "restore", "erase")
 
@@ -127,9 +125,5 @@ async def slot_action(request: web.Request) -> web.Response:
     if action != "erase" and not kw:
         raise ApiError(400, f"slot {action} needs a JSON body with \"filename\"", param="filename",
                        code="invalid_value")
-    w = request.app[WORKER_KEY]
-    job = submit(w, lambda eng: fn(0, **kw), call=True, rid=request["rid"])
-    item = await job.events.get()
-    if isinstance(item, EngineError):
-        raise as_api_error(item)
-    return json_response(item[1] if isinstance(item[1], dict) else {"id": 0, "action": action, "result": item[1]})
+    result = await engine_call(request, lambda eng: fn(0, **kw))
+    return json_response(result if isinstance(result, dict) else {"id": 0, "action": action, "result": result})

@@ -17,8 +17,8 @@ from strata.errors import Refused
 from strata.serve import schema
 from strata.serve.config import CONFIG_KEY, WORKER_KEY
 from strata.serve.errors import ApiError, refusal
-from strata.serve.handling import (as_api_error, json_response, next_event, read_body, serving_engine,
-                                   submit)
+from strata.serve.handling import (as_api_error, json_response, n_ctx_train, next_event, read_body,
+                                   serving_engine, submit)
 from strata.serve.logprobs import LogprobsAcc
 from strata.serve.worker import EngineError
 from strata.structured import plan as structured
@@ -115,7 +115,7 @@ async def _generate(request: web.Request, engine, p: schema.ParsedRequest, token
     max_tokens = p.max_tokens
     if max_tokens is None:                # the server's default length (--n-predict; -1: until the context is full)
         n_predict = cfg.n_predict
-        n_train = int(getattr(getattr(engine, "config", None), "n_ctx_train", 0) or 0)
+        n_train = n_ctx_train(engine)
         max_tokens = None if n_predict < 0 else min(n_predict, n_train) if n_train else n_predict
     try:
         greq = GenerationRequest(prompt_tokens=as_ids(tokens), cut_points=cut_points, sampling=_sampling(p),

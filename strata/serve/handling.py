@@ -62,6 +62,17 @@ def check_model(request: web.Request, engine, model: str) -> None:
                    param="model", code="model_not_found")
 
 
+def n_ctx_train(engine) -> int:
+    """The model's training context (GGUF metadata; 0 when it does not say)."""
+    return int(getattr(getattr(engine, "config", None), "n_ctx_train", 0) or 0)
+
+
+def whole_context(engine) -> int:
+    """The max_tokens of "until the model stops or the context is full" (Ollama's num_predict -1, llama-server's
+    n_predict -1): n_ctx, within the training context that max_tokens may not pass."""
+    return min(engine.n_ctx, n_ctx_train(engine) or engine.n_ctx)
+
+
 async def read_body(request: web.Request) -> dict:
     """The request's JSON body, read under --max-body (413 past it; 400 for a body that cannot be read or parsed)."""
     cfg = request.app[CONFIG_KEY]

@@ -19,7 +19,7 @@ from strata.serve import schema
 from strata.serve.completions_api import generate_completion
 from strata.serve.config import CONFIG_KEY, WORKER_KEY
 from strata.serve.errors import ApiError
-from strata.serve.handling import engine_call, engine_of, json_response, next_event, read_body
+from strata.serve.handling import engine_call, engine_of, json_response, next_event, read_body, whole_context
 from strata.structured import plan as structured
 from strata.text.token_ids import outside_vocab
 
@@ -206,8 +206,7 @@ def _completion_request(body: dict, engine) -> schema.ParsedRequest:
         if n >= 0:
             fields["max_tokens"] = n
         else:
-            n_train = int(getattr(getattr(engine, "config", None), "n_ctx_train", 0) or 0)
-            fields["max_tokens"] = min(engine.n_ctx, n_train) if n_train else engine.n_ctx
+            fields["max_tokens"] = whole_context(engine)
     if body.get("n_probs"):
         raise LlamaApiError(400, "'n_probs' is not supported on /completion: /v1/completions gives logprobs",
                             code="unsupported_value")
