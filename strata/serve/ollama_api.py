@@ -10,6 +10,7 @@ served by it.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from datetime import datetime, timezone
@@ -24,7 +25,7 @@ from strata.serve.completions_api import generate_chat, generate_completion
 from strata.serve.config import ERROR_SHAPES_KEY
 from strata.serve.errors import ApiError
 from strata.serve.fields import bad_field as _bad, unsupported_field as _unsupported
-from strata.serve.handling import engine_of, json_response, next_event, read_body, served_names
+from strata.serve.handling import engine_of, json_response, next_event, read_body, served_names, whole_context
 
 #: Ollama's options -> the chat route's fields (the same meaning)
 OPTIONS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed",
@@ -60,10 +61,7 @@ def _max_tokens(num_predict, engine) -> int | None:
         return None
     if isinstance(num_predict, bool) or not isinstance(num_predict, int) or num_predict < -2:
         raise _bad("options.num_predict", "must be an integer: a count, -1 (no limit) or -2 (fill the context)")
-    if num_predict < 0:
-        n_train = int(getattr(getattr(engine, "config", None), "n_ctx_train", 0) or 0)
-        return min(engine.n_ctx, n_train) if n_train else engine.n_ctx
-    return max(1, num_predict) if num_predict else 1
+    return whole_context(engine) if num_predict < 0 else max(1, num_predict)
 
 
 def _fields(body: dict, engine) -> dict:
@@ -280,19 +278,9 @@ def _details(engine) -> dict:
         quant = gguf.LlamaFileType(int(ft)).name.removeprefix("MOSTLY_") if ft is not None else ""
     except (ValueError, TypeError):
         quant = ""
-    n_params = _n_params(f)
+    n_params = sum(math.prod(int(d) for d in t.shape) for t in f.tensors.values())
     return {"parent_model": "", "format": "gguf", "family": engine.arch, "families": [engine.arch],
             "parameter_size": _size_text(n_params), "quantization_level": quant}
-
-
-def _n_params(f) -> int:
-    total = 0
-    for t in f.tensors.values():
-        n = 1
-        for d in t.shape:
-            n *= int(d)
-        total += n
-    return total
 
 
 def _size_text(n: int) -> str:
@@ -329,12 +317,12 @@ async def show(request: web.Request) -> web.Response:
     f = engine.file
     info = {k: v for k, v in f.metadata.items()
             if not k.startswith("tokenizer.") and isinstance(v, (str, int, float, bool))}
-    caps = ["completion"] + (["tools"] if engine.template is not None and "tool" in
-                             (f.metadata.get("tokenizer.chat_template") or "") else [])
-    return json_response({"modelfile": f"FROM {engine.model_path}\n", "parameters": "",
-                          "template": f.metadata.get("tokenizer.chat_template") or "", "details": _details(engine),
-                          "model_info": info, "capabilities": caps,
-                          "modified_at": _model_entry(engine, engine.model_name)["modified_at"]})
+    template = f.metadata.get("tokenizer.chat_template") or ""
+    caps = ["completion"] + (["tools"] if engine.template is not None and "tool" in template else [])
+    entry = _model_entry(engine, engine.model_name)
+    return json_response({"modelfile": f"FROM {engine.model_path}\n", "parameters": "", "template": template,
+                          "details": entry["details"], "model_info": info, "capabilities": caps,
+                          "modified_at": entry["modified_at"]})
 
 
 async def version(request: web.Request) -> web.Response:
