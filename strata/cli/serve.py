@@ -119,6 +119,18 @@ def is_loopback(host: str) -> bool:
 
 def check_args(args) -> str | None:
     """The one-line usage error for an inconsistent flag set, or None."""
+    why = _serve_args_error(args)
+    if why:
+        return why
+    try:
+        engine_config(args)
+    except CliError as e:
+        return str(e)
+    return None
+
+
+def _serve_args_error(args) -> str | None:
+    """check_args for the daemon's own flags (listening, limits), not the engine's."""
     key = args.api_key
     if key is not None and (not key or any(c.isspace() for c in key)):
         return ("--api-key (or STRATA_API_KEY) must be a non-empty token without spaces: clients send it as "
@@ -137,11 +149,12 @@ def check_args(args) -> str | None:
         return f"--drain-timeout must be >= 0, got {args.drain_timeout}"
     if not 0 <= args.stall_seconds < float("inf"):
         return f"--stall-seconds must be a number of seconds >= 0 (0: never), got {args.stall_seconds}"
-    try:
-        engine_config(args)
-    except CliError as e:
-        return str(e)
     return None
+
+
+def _names(values: list[str]) -> tuple[str, ...]:
+    """A repeatable flag's values, each also comma-separated, as one tuple of names."""
+    return tuple(n.strip() for v in values for n in v.split(",") if n.strip())
 
 
 def _cuda_unusable(device: str) -> str | None:
@@ -162,16 +175,19 @@ def _cuda_unusable(device: str) -> str | None:
 
 def run(args) -> int:
     """Start the daemon with parsed flags; returns the exit status (2 usage, 1 startup failure, 0 clean stop)."""
-    err = check_args(args)
+    try:
+        err = _serve_args_error(args)
+        ecfg = None if err else engine_config(args)      # 'auto' made concrete, checked once
+    except CliError as e:
+        err = str(e)
     if err:
         print(f"strata serve: error: {err}", file=sys.stderr)
         return 2
-    from strata.stages import resolve_device
-    args.device = resolve_device(args.device)
-    if str(args.device).startswith("cuda"):   # no GPU / CuPy / kernels / such a GPU: say so before any socket
-        why = _cuda_unusable(args.device)
+    device = ecfg.stages.device
+    if str(device).startswith("cuda"):   # no GPU / CuPy / kernels / such a GPU: say so before any socket
+        why = _cuda_unusable(device)
         if why:
-            print(f"strata serve: error: device {args.device!r}: {why}", file=sys.stderr)
+            print(f"strata serve: error: device {device!r}: {why}", file=sys.stderr)
             return 1
     configure_logging(args.log_level, json={"auto": None, "json": True, "console": False}[args.log_format])
     import asyncio                  # here, not at the top: `strata generate` / `chat` import this module too
@@ -191,13 +207,12 @@ def run(args) -> int:
                       header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                       idle_timeout=args.idle_timeout, max_request_seconds=args.max_request_seconds,
                       max_request_tokens=args.max_request_tokens,
-                      allowed_hosts=tuple(h.strip() for v in args.allowed_hosts for h in v.split(",") if h.strip()),
-                      cors_origins=tuple(args.cors_origin), aliases=tuple(a.strip() for v in args.alias for a in v.split(",") if a.strip()),
-                      stall_seconds=args.stall_seconds)
+                      allowed_hosts=_names(args.allowed_hosts), cors_origins=tuple(args.cors_origin),
+                      aliases=_names(args.alias), stall_seconds=args.stall_seconds)
 
     def factory():
         from strata.engine.engine import Engine
-        engine = Engine(engine_config(args))
+        engine = Engine(ecfg)
         if not args.no_warmup:
             sd_notify("STATUS=warming up")
             engine.warm_up()           # before the worker reports the engine loaded: READY=1 and /health wait

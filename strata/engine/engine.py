@@ -60,7 +60,6 @@ class Engine:
         why = cfg.problem()
         if why:
             raise ValueError(why)
-        self.options = cfg
         st, ck, pk = cfg.stages, cfg.checkpoints, cfg.parking
         remote = parse_remote(cfg.link.remote_stage)
         devices = parse_devices(st.device)
