@@ -7,6 +7,7 @@ Text from the server reaches the terminal with its control characters escaped.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import os
@@ -175,10 +176,12 @@ class Client:
             resp.close()
             self.done()
 
-    def read(self, resp) -> bytes:
-        """The whole body of `resp`, within the exchange's deadline."""
+    @contextlib.contextmanager
+    def reading(self, resp):
+        """Read `resp`'s body in the block, within the exchange's deadline: a lost connection or a passed deadline
+        is one CtlError (exit 3); resp is closed after it."""
         try:
-            payload = resp.read()
+            yield
         except (OSError, http.client.HTTPException) as e:
             raise self.timed_out(e) or CtlError(f"lost the connection to {self.where}: {e}", EXIT_CONNECT) from None
         finally:
@@ -187,6 +190,11 @@ class Client:
         late = self.timed_out()
         if late is not None:
             raise late
+
+    def read(self, resp) -> bytes:
+        """The whole body of `resp`, within the exchange's deadline."""
+        with self.reading(resp):
+            payload = resp.read()
         return payload
 
     def call(self, method: str, path: str, body: Any = None, *, raw: bool = False):
@@ -408,7 +416,7 @@ def _stream_chat(c: Client, args, messages: list[dict]) -> tuple[str, dict]:
         raise CtlError(f"server error {resp.status}: {_error_message(c.read(resp))}", EXIT_SERVER)
     text, info = [], {}
     done = False
-    try:
+    with c.reading(resp):
         for line in resp:
             line = line.strip()
             if not line.startswith(b"data: "):
@@ -435,14 +443,6 @@ def _stream_chat(c: Client, args, messages: list[dict]) -> tuple[str, dict]:
             for k in ("usage", "timings", "strata"):
                 if d.get(k):
                     info[k] = d[k]
-    except (OSError, http.client.HTTPException) as e:
-        raise c.timed_out(e) or CtlError(f"lost the connection to {c.where}: {e}", EXIT_CONNECT) from None
-    finally:
-        resp.close()
-        c.done()
-    late = c.timed_out()
-    if late is not None:
-        raise late
     sys.stdout.write("\n")
     sys.stdout.flush()
     if not done:
