@@ -309,7 +309,8 @@ def test_metadata_is_held_to_openais_limits(smol):
                        ({"k" * 65: "v"}, "a key of 65 characters"),
                        ({"k": "v" * 513}, "'metadata.k' has 513 characters"),
                        ({"k": [1, 2]}, "'metadata.k' must be a string"),
-                       ({"k": "\ud800"}, "not valid Unicode")):
+                       ({"k": "\ud800"}, "not valid Unicode"),
+                       ({"\ud800": None}, "has a key that is not valid Unicode")):
         st, d = smol.json("POST", "/v1/responses", {**ok, "metadata": md})
         assert st == 400 and needle in d["error"]["message"], (md, d)
     st, s = smol.json("GET", "/status")

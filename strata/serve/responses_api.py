@@ -107,6 +107,7 @@ def _metadata(md) -> dict | None:
         return None
     if not isinstance(md, dict):
         raise _bad("metadata", f"must be an object, got {schema._tname(md)}")
+    schema.unicode_json(md, "metadata")                # first: the messages below quote the keys
     if len(md) > METADATA_KEYS:
         raise _bad("metadata", f"has {len(md)} keys, at most {METADATA_KEYS} are allowed")
     for k, v in md.items():
@@ -116,7 +117,6 @@ def _metadata(md) -> dict | None:
             raise _bad(f"metadata.{k[:METADATA_KEY_CHARS]}", f"must be a string, got {schema._tname(v)}")
         if len(v) > METADATA_VALUE_CHARS:
             raise _bad(f"metadata.{k}", f"has {len(v)} characters, at most {METADATA_VALUE_CHARS} are allowed")
-    schema.unicode_json(md, "metadata")
     return dict(md)
 
 
