@@ -32,7 +32,8 @@ def test_policy_invariants(case):
     usage, resident, dwell, budget, pol, cap = case
     swaps = plan_swaps(usage, resident, dwell, budget, pol, cap)
     assert swaps == plan_swaps(usage.copy(), resident.copy(), dwell.copy(), budget, pol, cap)
-    assert len(swaps) <= min(pol.swaps, pol.swaps if cap is None else cap)
+    assert sum(s.out is not None for s in swaps) <= pol.swaps
+    assert cap is None or len(swaps) <= cap
     ins = [s.into for s in swaps]
     outs = [s.out for s in swaps if s.out is not None]
     assert len(set(ins)) == len(ins) and len(set(outs)) == len(outs)
@@ -79,6 +80,8 @@ def test_policy_converges_to_the_hottest(case):
 def test_hot_newcomer_replaces_the_coldest_after_its_dwell():
     pol = Policy(every=8, swaps=2, min_dwell=10, margin=0.5)
     usage = np.array([5.0, 1.0, 9.0, 0.0, 30.0])
+    assert plan_swaps(np.array([5.0, 1.0, 9.0, 3.0, 30.0]), np.array([True, True, False, False, False]),
+                      np.array([50, 50, 0, 0, 0]), 2, pol) == [Swap(4, 1), Swap(2, 0)]     # --adapt-swaps 2
     resident = np.array([True, True, False, False, False])
     dwell = np.array([50, 50, 0, 0, 0])
     assert plan_swaps(usage, resident, dwell, 2, pol) == [Swap(4, 1), Swap(2, 0)]
@@ -86,8 +89,9 @@ def test_hot_newcomer_replaces_the_coldest_after_its_dwell():
     assert plan_swaps(usage, resident, np.array([50, 3, 0, 0, 0]), 2, pol) == [Swap(4, 0)]
     # the margin holds a near tie back
     assert plan_swaps(np.array([5.0, 1.0, 1.4, 0.0, 0.0]), resident, dwell, 2, pol) == []
-    # free slots first, hottest first, capped
-    assert plan_swaps(usage, np.zeros(5, bool), np.zeros(5, int), 3, pol) == [Swap(4, None), Swap(2, None)]
+    # free slots first, hottest first, more than --adapt-swaps of them, capped by the copy rate only
+    assert plan_swaps(usage, np.zeros(5, bool), np.zeros(5, int), 3, pol) == [Swap(4, None), Swap(2, None),
+                                                                               Swap(0, None)]
     assert plan_swaps(usage, np.zeros(5, bool), np.zeros(5, int), 3, pol, max_swaps=1) == [Swap(4, None)]
 
 

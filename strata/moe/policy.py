@@ -15,7 +15,7 @@ import numpy as np
 @dataclass(frozen=True)
 class Policy:
     """The tier's adaptation settings. every: decoded tokens between two rounds (--adapt-every); swaps: at most that
-    many experts brought in per round (--adapt-swaps); min_dwell: decoded tokens an expert stays resident after it
+    many resident experts replaced per round (--adapt-swaps; filling a free slot replaces none); min_dwell: decoded tokens an expert stays resident after it
     came in before it may leave; margin: an expert comes in in place of a resident one only when its usage exceeds
     the resident one's by this fraction (and by at least one count: decayed counts of rarely used experts are
     noise); half_life: decoded tokens over which a usage count halves."""
@@ -66,13 +66,13 @@ def plan_swaps(usage: np.ndarray, resident: np.ndarray, dwell: np.ndarray, budge
 
     usage float (n,): decayed routing counts; resident bool (n,): experts in a slot (swaps in flight count as
     resident); dwell int (n,): decoded tokens since each resident expert came in; budget: the slots (resident
-    experts never exceed it); max_swaps: a tighter cap than policy.swaps this round (the copy-rate cap), or None.
+    experts never exceed it); max_swaps: the copies this round may make in all (the copy-rate cap), or None.
 
     Candidates in: non-resident experts with usage > 0, hottest first (ties: lower index). While free slots remain
-    they fill them; then each takes the coldest resident expert that has dwelt at least policy.min_dwell (ties:
-    lower index) as long as usage[in] > usage[out] * (1 + margin) and usage[in] >= usage[out] + 1, stopping at the
-    first pair that fails (the later ones are colder in, hotter out). Returns at most min(policy.swaps, max_swaps)
-    swaps; no expert appears twice; deterministic in its inputs."""
+    they fill them (bounded by max_swaps only: filling evicts nothing); then each takes the coldest resident expert
+    that has dwelt at least policy.min_dwell (ties: lower index) as long as usage[in] > usage[out] * (1 + margin) and
+    usage[in] >= usage[out] + 1, stopping at the first pair that fails (the later ones are colder in, hotter out), at
+    most policy.swaps of these. No expert appears twice; deterministic in its inputs."""
     usage = np.asarray(usage, dtype=np.float64)
     resident = np.asarray(resident, dtype=bool)
     dwell = np.asarray(dwell)
@@ -80,7 +80,7 @@ def plan_swaps(usage: np.ndarray, resident: np.ndarray, dwell: np.ndarray, budge
     if resident.shape != (n,) or dwell.shape != (n,):
         raise ValueError(f"usage, resident and dwell must have one shape, got {usage.shape}, {resident.shape}, "
                          f"{dwell.shape}")
-    cap = policy.swaps if max_swaps is None else min(policy.swaps, int(max_swaps))
+    cap = n if max_swaps is None else int(max_swaps)
     n_res = int(resident.sum())
     if cap <= 0 or budget <= 0:
         return []
@@ -99,7 +99,7 @@ def plan_swaps(usage: np.ndarray, resident: np.ndarray, dwell: np.ndarray, budge
             swaps.append(Swap(int(e), None))
             free -= 1
             continue
-        if j >= len(outs):
+        if j >= len(outs) or j >= policy.swaps:
             break
         o = int(outs[j])
         if not (usage[e] > usage[o] * (1.0 + policy.margin) and usage[e] >= usage[o] + 1.0):

@@ -170,7 +170,9 @@ class ExpertStore:
         if self.rate is not None:
             now = self.clock()
             per_round = self.policy.swaps * self.expert_bytes
-            self.allowance = min(self.allowance + (now - self._last) * self.rate, max(per_round, self.expert_bytes))
+            # unused allowance is kept up to one round's swaps or one second of copying, whichever is more
+            self.allowance = min(self.allowance + (now - self._last) * self.rate,
+                                 max(per_round, self.rate, self.expert_bytes))
             self._last = now
             cap = int(self.allowance // self.expert_bytes)
         busy = self.state != FREE
