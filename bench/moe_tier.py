@@ -8,7 +8,9 @@ Arms (the same file, prompts and VRAM for experts: 25 % and 50 % of all experts'
   * host: no slots (every expert read from pinned host RAM over PCIe).
 Workload: the warm-up reads one 128-token prompt per topic; then per topic in turn (the hot set moves with it) a
 512-token prompt (prefill) and 64 greedy tokens decoded one forward at a time (host logits, as the engine does).
-Reported per arm: prefill and decode tokens/s, hit rate and bytes moved per decoded token over the measured part.
+Reported per arm over the measured part: prefill and decode tokens/s (and their ratio to resident), the decode steps'
+hit rate, bytes copied to the device per token (swaps, prefill staging, loans given back) and bytes the decode steps
+read from host RAM per decoded token (misses times an expert's bytes), and whether the greedy tokens equal resident's.
 With --llama-bench, llama.cpp on the same file: all on the GPU, --n-cpu-moe N at the same budgets, -ot exps=CPU
 (its own random prompt of 512 and 64 generated tokens). The vendored llama.cpp has no --moe-cache-mib.
 
@@ -72,7 +74,7 @@ def run_arm(path: str, settings, place: str | None, a) -> dict:
             n_layers = s.n_slots // s.n_expert
             s.place(list(range(n_layers * s.n_expert)))
         s.settle()
-        s.observe(s.dev.read_counts(), 0)
+        s.observe(s.dev.read_counts())
         before = tier.status()
     cp.cuda.Device().synchronize()
     pf_s = dec_s = 0.0
@@ -92,15 +94,14 @@ def run_arm(path: str, settings, place: str | None, a) -> dict:
            "load_s": round(load_s, 2), "tokens": toks}
     if tier is not None:
         tier.store.settle()
-        tier.store.observe(tier.dev.read_counts(), 0)
+        tier.store.observe(tier.dev.read_counts())
         after = tier.status()
-        hits = sum(L["hits"] for L in after["layers"]) - sum(L["hits"] for L in before["layers"])
-        seen = sum(L["hits"] + L["misses"] for L in after["layers"]) - \
-            sum(L["hits"] + L["misses"] for L in before["layers"])
-        moved = after["bytes_moved"] - before["bytes_moved"]
+        d = {k: after[k] - before[k] for k in ("hits", "misses", "swaps", "staged", "bytes_moved", "bytes_read_host")}
+        seen = d["hits"] + d["misses"]
         out.update({"slots": after["slots"], "vram_mib": round(after["vram_bytes"] / 2 ** 20, 1),
-                    "hit_rate": round(hits / seen, 4) if seen else None, "swaps": after["swaps"] - before["swaps"],
-                    "bytes_moved_per_token": round(moved / (TOPICS * (PROMPT + GEN))),
+                    "decode_hit_rate": round(d["hits"] / seen, 4) if seen else None, "swaps": d["swaps"],
+                    "staged": d["staged"], "copied_bytes_per_token": round(d["bytes_moved"] / (TOPICS * (PROMPT + GEN))),
+                    "host_read_bytes_per_decoded_token": round(d["bytes_read_host"] / (TOPICS * GEN)),
                     "h2d_gb_s": round(after["h2d_bytes_per_s"] / 1e9, 1), "expert_bytes": after["expert_bytes"]})
     st.release()
     del g, m, st, pool, tier
@@ -170,7 +171,8 @@ def main(argv=None) -> int:
             r["tokens_equal_resident"] = r["tokens"] == ref["tokens"]
         res["arms"][name] = r
         print(f"{name:18s} prefill {r['prefill_tok_s']:8.1f} tok/s  decode {r['decode_tok_s']:7.2f} tok/s  "
-              f"hit {r.get('hit_rate')}  bytes/token {r.get('bytes_moved_per_token')}  "
+              f"decode hits {r.get('decode_hit_rate')}  copied B/token {r.get('copied_bytes_per_token')}  "
+              f"host-read B/decoded token {r.get('host_read_bytes_per_decoded_token')}  "
               f"x resident {r.get('decode_vs_resident')} / {r.get('prefill_vs_resident')}  "
               f"same tokens {r.get('tokens_equal_resident')}", flush=True)
     for r in res["arms"].values():

@@ -133,3 +133,35 @@ def test_engine_with_the_tier_on_one_and_two_stages(moe_file):
             assert "tier" not in moe
     print({k: v[:8] for k, v in got.items()})
     assert got["tier"] == got["resident"] == got["tier 2 stages"]
+
+
+@gpu
+def test_daemon_reports_the_tier_in_status_metrics_and_stratactl(moe_file, tmp_path):
+    """`strata serve --moe-vram-mib 1` on the GPU: after a chat, /status shows per stage and layer the resident
+    experts, hit rate, swaps and bytes moved, /metrics the same counters, `stratactl status` a line per layer; a bad
+    flag value is a one-line usage error."""
+    import subprocess
+    from tests.daemon import Daemon, env_for_daemon
+    bad = subprocess.run([sys.executable, "-m", "strata.cli.main", "serve", "--model", str(moe_file), "--device",
+                          "cuda:0", "--moe-vram-mib", "lots"], capture_output=True, text=True, env=env_for_daemon(),
+                         cwd=ROOT, timeout=120)
+    assert bad.returncode == 2 and "--moe-vram-mib must be 'auto' or a whole number" in bad.stderr
+    d = Daemon(tmp_path, "--model", str(moe_file), "--device", "cuda:0", "--moe-vram-mib", "1", "--adapt-every", "2",
+               "--adapt-swaps", "8").start()
+    try:
+        st, body = d.json("POST", "/v1/completions", {"prompt": "the expert tier " * 30, "max_tokens": 32,
+                                                      "temperature": 0})
+        assert st == 200, body
+        st, s = d.json("GET", "/status")
+        tier = s["stages"][0]["moe"]["tier"]
+        assert tier["slots"] > 0 and tier["swaps"] > 0 and len(tier["layers"]) == 8
+        assert all({"resident", "hit_rate", "swaps", "bytes_moved"} <= set(L) for L in tier["layers"])
+        assert d.metric("strata_moe_expert_swaps_total") >= tier["swaps"] > 0
+        assert d.metric("strata_moe_expert_hits_total") + d.metric("strata_moe_expert_misses_total") > 0
+        assert d.metric("strata_moe_resident_experts") > 0
+        out = subprocess.run([sys.executable, "-m", "strata.cli.ctl", "--socket", d.sock, "status"],
+                             capture_output=True, text=True, env=env_for_daemon(), cwd=ROOT, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert "expert tier:" in out.stdout and "stage 0 layer 7" in out.stdout, out.stdout
+    finally:
+        d.stop()

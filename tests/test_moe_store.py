@@ -148,7 +148,7 @@ def test_random_decode_prefill_and_copies_read_the_right_bytes(plan, seed, n_slo
     _check_books(store, dev)
     assert not store.pending
     store.adapt()
-    total = sum(s.hits + s.misses for s in store.stats)
+    total = sum(s.hits + s.misses + s.prefill_hits + s.prefill_misses for s in store.stats)
     assert total == routed
 
 
@@ -213,6 +213,30 @@ def test_rounds_follow_the_hot_set_and_respect_the_copy_cap():
     t[0] = 3.0
     store2.dev.counts[:] = 5
     assert len(store2.adapt()) == 2          # two seconds at one expert a second
+
+
+def test_a_loan_gives_its_slots_back_to_the_experts_they_held():
+    """A long prefill borrows resident slots; afterwards (once the copies land) the same experts are resident in
+    the same slots, and a static placement survives prefills."""
+    store, dev = _store(n_layers=2, ne=8, n_slots=6, every=1, dwell=0, lend_rows=4)
+    store.place([0, 1, 2, 8, 9, 10])
+    store.static = True
+    before = store.owner.copy()
+    for _ in range(3):
+        assert store.begin_prefill(32)
+        assert store.status()["lent"] == 6 and not store.resident().any()
+        for r, li in enumerate(store.layers):
+            store.before_layer(li)
+            dev.compute(range(r * 8, r * 8 + 8))
+            store.after_layer(li)
+        store.end_prefill()
+        store.settle()
+        assert (store.owner == before).all() and store.resident().sum() == 6
+    dev.compute([0, 1, 2, 3, 8, 9])
+    store.step(1)
+    st = store.status()
+    assert (st["hits"], st["misses"]) == (5, 1) and st["bytes_read_host"] == B
+    assert sum(L["prefill_misses"] for L in st["layers"]) == 3 * 16
 
 
 def test_static_placement_fills_the_hottest_and_never_swaps():

@@ -62,11 +62,15 @@ class SlotDevice(Protocol):
 
 @dataclass
 class LayerStats:
-    """Counters of one MoE layer: routings whose expert was resident (hits) or not (misses, read from the home copy
-    or from a prefill's lent slots), experts swapped in, bytes copied to its slots (swaps and prefill staging)."""
+    """Counters of one MoE layer: decoded tokens' routings whose expert was resident (hits) or not (misses: read
+    from the home copy over PCIe), the same for prompt tokens (prefill_hits / prefill_misses; a miss there is read
+    from the home copy or from the prompt's lent slots), experts copied into slots (swaps, loans given back),
+    experts staged for prefills, bytes copied to the device (swaps and staging)."""
 
     hits: int = 0
     misses: int = 0
+    prefill_hits: int = 0
+    prefill_misses: int = 0
     swaps: int = 0
     staged: int = 0
     bytes_moved: int = 0
@@ -78,6 +82,7 @@ class _Loan:
     marks: list[Any] = field(default_factory=lambda: [None, None])
     turn: int = 0
     staged: list[int] = field(default_factory=list)     # keys pointed at lent slots for the current layer
+    held: dict[int, int] = field(default_factory=dict)  # lent slot -> the expert it held (refilled at the end)
 
 
 class ExpertStore:
@@ -106,6 +111,7 @@ class ExpertStore:
         self.dwell = np.zeros(self.n, dtype=np.int64)
         self.stats = [LayerStats() for _ in self.layers]
         self.tokens = 0                                             # decoded tokens since the last round
+        self.undecayed = 0                                          # decoded tokens since the usage last decayed
         self.rounds = 0
         self.allowance = 0.0                                        # bytes the copy-rate cap allows now
         self._last = clock()
@@ -129,6 +135,7 @@ class ExpertStore:
         self.poll()
         self.dwell += int(n_tokens)
         self.tokens += int(n_tokens)
+        self.undecayed += int(n_tokens)
         if self.tokens >= self.policy.every:
             self.adapt()
 
@@ -147,21 +154,27 @@ class ExpertStore:
             self.state[s], self.owner[s], self.slot_of[k] = RESIDENT, k, s
             self.dwell[k] = 0
 
-    def observe(self, counts: np.ndarray, tokens: int) -> None:
-        """Fold routings counted over `tokens` decoded tokens into the usage and the per-layer hit counters."""
+    def observe(self, counts: np.ndarray, prefill: bool = False) -> None:
+        """Fold routings counted since the last call into the usage (decayed over the tokens decoded meanwhile) and
+        the per-layer hit counters (of decode, or of prefill)."""
         counts = np.asarray(counts).reshape(-1)
         res = self.resident()
         by_row = counts.reshape(len(self.layers), self.n_expert)
         hit = (by_row * res.reshape(by_row.shape)).sum(axis=1)
         for r, st in enumerate(self.stats):
-            st.hits += int(hit[r])
-            st.misses += int(by_row[r].sum() - hit[r])
-        self.usage = decayed(self.usage, counts, self.policy.decay(tokens))
+            miss = int(by_row[r].sum() - hit[r])
+            if prefill:
+                st.prefill_hits += int(hit[r])
+                st.prefill_misses += miss
+            else:
+                st.hits += int(hit[r])
+                st.misses += miss
+        self.usage = decayed(self.usage, counts, self.policy.decay(self.undecayed))
+        self.undecayed = 0
 
     def adapt(self) -> list[Swap]:
         """One round: read the counts, decay the usage, start the policy's swaps within the copy-rate cap."""
-        counts = self.dev.read_counts()
-        self.observe(counts, self.tokens)
+        self.observe(self.dev.read_counts())
         self.tokens = 0
         self.rounds += 1
         if self.static or self.n_slots == 0:
@@ -198,11 +211,11 @@ class ExpertStore:
             slot = int(np.flatnonzero(self.state == FREE)[0])
         self._fill(slot, sw.into)
 
-    def _fill(self, slot: int, key: int) -> None:
+    def _fill(self, slot: int, key: int, dwell: int = 0) -> None:
         ev = self.dev.copy_in(slot, key, self.dev.compute_mark())
         self.pending[slot] = (key, ev)
         self.state[slot], self.owner[slot], self.slot_of[key] = FILLING, key, slot
-        self.dwell[key] = 0
+        self.dwell[key] = dwell
         st = self.stats[key // self.n_expert]
         st.swaps += 1
         st.bytes_moved += self.expert_bytes
@@ -224,8 +237,7 @@ class ExpertStore:
 
     def place_hottest(self) -> None:
         """A static placement from the usage seen so far (read from the device first)."""
-        self.observe(self.dev.read_counts(), self.tokens)
-        self.tokens = 0
+        self.observe(self.dev.read_counts())
         self.place(hottest(self.usage, self.n_slots).tolist())
 
     # ---- the settle and prefill's loan
@@ -238,9 +250,11 @@ class ExpertStore:
         self._finish(list(self.pending))
 
     def begin_prefill(self, n_rows: int) -> bool:
-        """Before a prefill's first MoE layer: settle; with at least lend_rows rows, lend slots (two halves).
-        Returns whether slots were lent."""
+        """Before a prefill's first MoE layer: settle, fold the decode steps' routings in; with at least lend_rows
+        rows, lend slots (two halves, each as many as the most non-resident experts of a layer; free slots first,
+        then the coldest resident ones). Returns whether slots were lent."""
         self.settle()
+        self.observe(self.dev.read_counts())
         if self.lend_rows <= 0 or n_rows < self.lend_rows or self.n_slots < 2:
             return False
         res = self.resident().reshape(len(self.layers), self.n_expert)
@@ -255,6 +269,7 @@ class ExpertStore:
             cand = cand[np.lexsort((cand, self.usage[self.owner[cand]]))]      # the coldest owners first
             taken += cand[:want - len(taken)].tolist()
         evicted = [int(self.owner[s]) for s in taken if self.state[s] == RESIDENT]
+        held = {int(s): int(self.owner[s]) for s in taken if self.state[s] == RESIDENT}
         if evicted:
             self.dev.point(evicted, [None] * len(evicted))
         for s in taken:
@@ -263,7 +278,7 @@ class ExpertStore:
             self.owner[s] = -1
             self.state[s] = LENT
         half = want // 2
-        self.loan = _Loan((taken[:half], taken[half:]))
+        self.loan = _Loan((taken[:half], taken[half:]), held=held)
         return True
 
     def before_layer(self, layer: int) -> None:
@@ -302,34 +317,45 @@ class ExpertStore:
         ln.turn += 1
 
     def end_prefill(self) -> None:
-        """The lent slots come back free (after their last reader)."""
+        """After a prefill's last MoE layer: its routings folded in (as prefill's), the lent slots given back."""
         self._end_loan()
+        self.observe(self.dev.read_counts(), prefill=True)
 
     def _end_loan(self) -> None:
+        """The lent slots come back: each refilled with the expert it held before the loan (its copy starts after
+        the prefill's last reader: _fill's compute mark), the others free."""
         ln = self.loan
         if ln is None:
             return
         if ln.staged:
             self.dev.point(ln.staged, [None] * len(ln.staged))
         self.loan = None
-        # the next copy into a returned slot starts after the compute mark _fill records, so after the prefill
         self.state[self.state == LENT] = FREE
+        for slot, key in ln.held.items():
+            if self.slot_of[key] < 0 and self.state[slot] == FREE:
+                self._fill(slot, key, int(self.dwell[key]))
 
     # ---- numbers
     def status(self) -> dict[str, Any]:
-        """JSON-ready numbers: slots (total, resident, filling, lent), rounds, and per layer its resident experts,
-        hit rate, swaps, prefill staging and bytes moved."""
+        """JSON-ready numbers: slots (total, resident, filling, lent), rounds, decode hits / misses / hit rate,
+        swaps, staged experts, bytes copied to the device (bytes_moved) and bytes decode steps read from host RAM
+        (bytes_read_host: misses times an expert's bytes), and the same per layer with its resident experts and the
+        prefill's hits / misses."""
         res = self.resident().reshape(len(self.layers), self.n_expert)
         per = []
         for r, (li, st) in enumerate(zip(self.layers, self.stats)):
             seen = st.hits + st.misses
             per.append({"layer": li, "resident": np.flatnonzero(res[r]).tolist(), "hits": st.hits,
                         "misses": st.misses, "hit_rate": round(st.hits / seen, 4) if seen else None,
-                        "swaps": st.swaps, "staged": st.staged, "bytes_moved": st.bytes_moved})
+                        "prefill_hits": st.prefill_hits, "prefill_misses": st.prefill_misses,
+                        "swaps": st.swaps, "staged": st.staged, "bytes_moved": st.bytes_moved,
+                        "bytes_read_host": st.misses * self.expert_bytes})
         hits, seen = sum(s.hits for s in self.stats), sum(s.hits + s.misses for s in self.stats)
         return {"slots": self.n_slots, "resident": int((self.state == RESIDENT).sum()),
                 "filling": int((self.state == FILLING).sum()), "lent": int((self.state == LENT).sum()),
                 "expert_bytes": self.expert_bytes, "rounds": self.rounds, "static": self.static,
-                "hit_rate": round(hits / seen, 4) if seen else None,
-                "swaps": sum(s.swaps for s in self.stats), "bytes_moved": sum(s.bytes_moved for s in self.stats),
+                "hit_rate": round(hits / seen, 4) if seen else None, "hits": hits, "misses": seen - hits,
+                "swaps": sum(s.swaps for s in self.stats), "staged": sum(s.staged for s in self.stats),
+                "bytes_moved": sum(s.bytes_moved for s in self.stats),
+                "bytes_read_host": (seen - hits) * self.expert_bytes,
                 "layers": per}
