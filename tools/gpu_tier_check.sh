@@ -5,7 +5,7 @@
 # _cuda_kernels.so / .h / .stamp), so that no model parts and no nvcc run are needed:
 #   1. the MoE GPU tests of issue 34 (tests/test_cuda_moe.py), the hybrid plan's (tests/test_cuda_qwen35.py, whose
 #      decode step the tier ticks) and the kernel declarations; the tier's (tests/test_cuda_moe_tier.py);
-#   2. bench/moe_tier.py (its synthetic file is written first; SKIP_BENCH=1 skips it).
+#   2. bench/moe_tier.py (its synthetic file is written first; SKIP_BENCH=1 skips it). ONLY_TIER=1: the tier's tests only.
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 STRATA_NO_CUDA=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 C=${CARRY:-.carry}
@@ -22,8 +22,8 @@ t() {   # t LOG TIMEOUT PYTEST-ARGS...: the whole output in $OUT/LOG, its summar
   echo "$log: rc=$?"
   grep -E "passed|failed|FAILED|--moe-vram|^E |SKIPPED|Error" "$OUT/$log" | tail -n 30
 }
-t moe_tests.log ${MOE_TO:-150} tests/test_cuda_moe.py
-t qwen35_tests.log ${Q35_TO:-100} tests/test_cuda_qwen35.py tests/test_cuda_declarations.py
+[ -n "$ONLY_TIER" ] || t moe_tests.log ${MOE_TO:-150} tests/test_cuda_moe.py
+[ -n "$ONLY_TIER" ] || t qwen35_tests.log ${Q35_TO:-100} tests/test_cuda_qwen35.py tests/test_cuda_declarations.py
 t tier_tests.log ${TIER_TO:-150} tests/test_cuda_moe_tier.py
 [ -n "$SKIP_BENCH" ] && exit 0
 timeout ${BENCH_TO:-240} $PY bench/moe_tier.py --out "$OUT/moe_tier.json" ${BENCH_ARGS} 2>&1 | tee "$OUT/bench.log" | tail -n 20
