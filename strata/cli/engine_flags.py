@@ -97,8 +97,8 @@ def add_tier_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--adapt-swaps", type=_nonneg_int, default=D.adapt_swaps, metavar="N",
                    help="resident experts replaced per round at most (default %(default)s)")
     t.add_argument("--pcie-frac", type=float, default=D.pcie_frac, metavar="F",
-                   help="share of the host->device bandwidth measured at start that swaps may use (default "
-                        "%(default)s)")
+                   help="share of the host->device bandwidth measured at start that the rounds' swaps may use "
+                        "(default %(default)s)")
 
 
 def engine_config(args, **overrides):

@@ -64,7 +64,7 @@ class MoeTierConfig:
     in VRAM), 'auto' (the free VRAM after the model and its KV cache, less 1 GiB) or a number of MiB of VRAM slots for
     experts, the rest read from pinned host RAM; adapt_every: decoded tokens between two rounds of swaps; adapt_swaps:
     resident experts replaced per round at most; pcie_frac: the share of the host->device bandwidth measured at start
-    that swaps may use."""
+    that the rounds' swaps may use."""
 
     vram_mib: str | None = None
     adapt_every: int = 32
