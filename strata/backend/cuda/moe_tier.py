@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from strata.backend.cuda.weights import DeviceWeight, row_bytes
+from strata.backend.cuda.weights import BLOCK, DeviceWeight, row_bytes
 from strata.memory.hostram import available_ram
 from strata.moe.policy import Policy
 from strata.moe.store import RESIDENT, ExpertStore
@@ -83,6 +83,9 @@ class HomeLayer:
 def home_experts(name: str, gate, up, down, device_id: int) -> HomeLayer:
     """The stacked GGUF expert tensors gate / up (n_expert, F, E) and down (n_expert, E, F) of one layer copied into
     pinned host RAM (HomeLayer); ValueError (one line) when the host cannot hold them."""
+    for t in (gate, up, down):
+        if int(t.ggml_type) not in BLOCK:
+            raise ValueError(f"{t.name}: GGML type {int(t.ggml_type)} is not one the CUDA kernels read")
     need = int(gate.nbytes + up.nbytes + down.nbytes)
     avail = available_ram()
     if avail is not None and need > avail:
@@ -219,8 +222,6 @@ class Tier:
         self.store.static = settings.static
         self.pinned_bytes = sum(h.nbytes for h in homes)
         self.host = host_limits()
-        self._prefill_first = layers[0]
-        self._prefill_last = layers[-1]
 
     def attach(self, layer: int, gate, up, down) -> None:
         """A plan's ExpertTables of `layer` read through the tier: registered, and its resident experts pointed at
@@ -239,6 +240,7 @@ class Tier:
         self.store.before_layer(m.li)
 
     def after_prefill_layer(self, m) -> None:
+        """After a prefill's MoE layer m: its staged experts pointed home; at the carve's last one the loan ends."""
         self.store.after_layer(m.li)
         if m.last:
             self.store.end_prefill()
@@ -248,6 +250,8 @@ class Tier:
         return int(self.dev.counts.data.ptr) + row * self.dev.ne * 4
 
     def status(self) -> dict[str, Any]:
+        """The store's numbers (ExpertStore.status) with the VRAM and pinned bytes, the measured bandwidth, the
+        flags, RLIMIT_MEMLOCK and MemAvailable."""
         out = self.store.status()
         out.update({"vram_bytes": self.store.n_slots * self.store.expert_bytes, "pinned_bytes": self.pinned_bytes,
                     "h2d_bytes_per_s": round(self.bandwidth), "pcie_frac": self.settings.pcie_frac,
