@@ -2,7 +2,8 @@
 
 Arms (the same file, prompts and VRAM for experts: 25 % and 50 % of all experts' bytes):
   * resident: every expert in VRAM (the tier off): the reference every ratio is taken against;
-  * adaptive: the tier (--moe-vram-mib B, rounds every --adapt-every tokens), also with --pcie-frac 0.02 (a slow link);
+  * adaptive: the tier (--moe-vram-mib B, rounds every --adapt-every tokens), also with --pcie-frac 0.02 (a slow link)
+    and with prompt routings counted at --prefill-weight (adaptive_pw; not yet run on a GPU);
   * static: the same slots filled once with the experts most used over the warm-up prompts, never swapped;
   * layers: as many layers' experts wholly in the slots as the budget holds, the other layers' read from host RAM;
   * host: no slots (every expert read from pinned host RAM over PCIe).
@@ -129,6 +130,8 @@ def main(argv=None) -> int:
     ap.add_argument("--every", type=int, default=16)
     ap.add_argument("--swaps", type=int, default=16)
     ap.add_argument("--slow-frac", type=float, default=0.02, help="--pcie-frac of the slow-link arm")
+    ap.add_argument("--prefill-weight", type=float, default=0.1,
+                    help="the prefill_weight of the adaptive_pw arm (prompt routings counted at this weight)")
     ap.add_argument("--llama-bench", default=None)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
@@ -148,7 +151,8 @@ def main(argv=None) -> int:
     for f in (float(x) for x in a.fracs.split(",")):
         mib = None          # filled from the expert bytes the first tier arm reports
         arms += [(f"adaptive@{f:g}", f, ("adaptive", 1.0)), (f"static@{f:g}", f, ("hottest", 1.0)),
-                 (f"layers@{f:g}", f, ("layers", 1.0)), (f"adaptive_slow@{f:g}", f, ("adaptive", a.slow_frac))]
+                 (f"layers@{f:g}", f, ("layers", 1.0)), (f"adaptive_slow@{f:g}", f, ("adaptive", a.slow_frac)),
+                 (f"adaptive_pw@{f:g}", f, ("adaptive_pw", 1.0))]
     arms.append(("host", 0.0, ("adaptive", 1.0)))
     total = None
     for name, frac, how in arms:
@@ -159,10 +163,11 @@ def main(argv=None) -> int:
                 from strata.gguf.file import open_gguf
                 fh = open_gguf(a.gguf)
                 total = sum(t.nbytes for k, t in fh.tensors.items() if "_exps" in k)
-            place = None if how[0] == "adaptive" else how[0]
+            place = None if how[0].startswith("adaptive") else how[0]
             mib = int(frac * total / 2 ** 20)
             s = TierSettings(vram_mib=str(mib), every=a.every, swaps=a.swaps, pcie_frac=how[1],
-                             static=place is not None)
+                             static=place is not None,
+                             prefill_weight=a.prefill_weight if how[0] == "adaptive_pw" else 1.0)
         r = run_arm(a.gguf, s, place, a)
         ref = res["arms"].get("resident")
         if ref:

@@ -253,3 +253,16 @@ def test_static_placement_fills_the_hottest_and_never_swaps():
 def test_bad_policy_is_refused():
     with pytest.raises(ValueError, match="--adapt-every"):
         ExpertStore([0], 4, 2, B, HostSlots(4, 2), Policy(every=0))
+
+
+def test_prefill_weight_scales_prompt_routings_in_the_usage():
+    """prefill_weight 0.25: a prompt's routings count a quarter of a decoded token's in the usage."""
+    dev = HostSlots(8, 2)
+    store = ExpertStore([0], 8, 2, B, dev, Policy(every=100, swaps=2, min_dwell=0, half_life=1e9,
+                                                  prefill_weight=0.25))
+    store.begin_prefill(1)
+    dev.compute([3] * 8)
+    store.end_prefill()
+    dev.compute([5] * 4)
+    store.adapt()
+    assert store.usage[3] == pytest.approx(2.0) and store.usage[5] == pytest.approx(4.0)

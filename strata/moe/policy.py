@@ -18,13 +18,15 @@ class Policy:
     many resident experts replaced per round (--adapt-swaps; filling a free slot replaces none); min_dwell: decoded tokens an expert stays resident after it
     came in before it may leave; margin: an expert comes in in place of a resident one only when its usage exceeds
     the resident one's by this fraction (and by at least one count: decayed counts of rarely used experts are
-    noise); half_life: decoded tokens over which a usage count halves."""
+    noise); half_life: decoded tokens over which a usage count halves; prefill_weight: what a prompt token's routing
+    counts in the usage beside a decoded token's 1 (the slots serve the decode steps)."""
 
     every: int = 32
     swaps: int = 4
     min_dwell: int = 64
     margin: float = 0.25
     half_life: float = 256.0
+    prefill_weight: float = 1.0
 
     def problem(self) -> str | None:
         """The one-line reason these settings are unusable (naming the flag), or None."""
@@ -38,6 +40,8 @@ class Policy:
             return f"margin must be >= 0, got {self.margin}"
         if not self.half_life > 0:
             return f"half_life must be > 0, got {self.half_life}"
+        if not self.prefill_weight >= 0:
+            return f"prefill_weight must be >= 0, got {self.prefill_weight}"
         return None
 
     def decay(self, tokens: int) -> float:

@@ -169,7 +169,8 @@ class ExpertStore:
             else:
                 st.hits += int(hit[r])
                 st.misses += miss
-        self.usage = decayed(self.usage, counts, self.policy.decay(self.undecayed))
+        w = self.policy.prefill_weight if prefill else 1.0
+        self.usage = decayed(self.usage, counts * w, self.policy.decay(self.undecayed))
         self.undecayed = 0
 
     def adapt(self) -> list[Swap]:

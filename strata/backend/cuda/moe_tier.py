@@ -34,7 +34,7 @@ class TierSettings:
     """The tier's flags as the CUDA backend takes them. vram_mib: 'auto' or a number of MiB of slots; every, swaps:
     --adapt-every / --adapt-swaps; pcie_frac: the share of the measured host->device bandwidth swaps may use;
     static: fill the slots once (from the usage seen when ``place_hottest`` is called) and never swap;
-    lend_rows: a prefill of at least that many tokens borrows slots (0: never)."""
+    lend_rows: a prefill of at least that many tokens borrows slots (0: never); prefill_weight: Policy's."""
 
     vram_mib: str = "auto"
     every: int = 32
@@ -42,6 +42,7 @@ class TierSettings:
     pcie_frac: float = 1.0
     static: bool = False
     lend_rows: int = 64
+    prefill_weight: float = 1.0
 
 
 class HomeLayer:
@@ -217,7 +218,8 @@ class Tier:
         rate = settings.pcie_frac * self.bandwidth if self.bandwidth > 0 else None
         self.dev = CudaSlots(cp, homes, n_slots)
         self.store = ExpertStore(layers, homes[0].n_expert, n_slots, stride, self.dev,
-                                 Policy(every=settings.every, swaps=settings.swaps), rate=rate,
+                                 Policy(every=settings.every, swaps=settings.swaps,
+                                        prefill_weight=settings.prefill_weight), rate=rate,
                                  lend_rows=settings.lend_rows)
         self.store.static = settings.static
         self.pinned_bytes = sum(h.nbytes for h in homes)
