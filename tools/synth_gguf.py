@@ -4,6 +4,8 @@ Examples:
     PYTHONPATH=. python tools/synth_gguf.py qwen3next /tmp/tiny.gguf                       # tiny, < 5 MB
     PYTHONPATH=. python tools/synth_gguf.py qwen35moe /tmp/big.gguf --size large --qtype Q8_0
     PYTHONPATH=. python tools/synth_gguf.py qwen35 /tmp/m.gguf --set n_layer=8 --set n_embd=256 --hf-out /tmp/m_hf
+    PYTHONPATH=. python tools/synth_gguf.py qwen35moe /tmp/skew.gguf --set n_expert=128 --set n_expert_used=8 \
+        --set router_zipf=1.2 --set router_topics=4          # skewed routers whose hot set follows the topic
 --hf-out also writes the same weights for transformers (config.json + model.safetensors-like torch file).
 """
 from __future__ import annotations

@@ -449,6 +449,16 @@ __global__ void k_moe_combine(const float *__restrict__ yd, const float *__restr
   x[i] += s;
 }
 
+__global__ void k_moe_count(const int *__restrict__ ids, int total, int k, int ks, int n_expert,
+                            unsigned *__restrict__ counts) {
+  griddep_launch();
+  griddep_wait();
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= total) return;
+  const int e = ids[(i / k) * ks + i % k];
+  if (e >= 0 && e < n_expert) atomicAdd(counts + e, 1u);
+}
+
 bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
 
 }  // namespace
@@ -555,5 +565,14 @@ extern "C" int strata_moe_combine(void *stream, const float *yd, const float *wt
   const long long total = (long long)n_tok * n_embd;
   st_launch(k_moe_combine, (unsigned)((total + 255) / 256), 256, 0, (cudaStream_t)stream, yd, wts, total, k, ks,
             n_embd, shared_y, x);
+  return (int)cudaGetLastError();
+}
+
+extern "C" int strata_moe_count(void *stream, const int *ids, int n_tok, int k, int ks, int n_expert,
+                                unsigned *counts) {
+  if (!ids || !counts || n_tok <= 0 || k <= 0 || ks < k || n_expert <= 0) return (int)cudaErrorInvalidValue;
+  const int total = n_tok * k;
+  st_launch(k_moe_count, (unsigned)((total + 255) / 256), 256, 0, (cudaStream_t)stream, ids, total, k, ks, n_expert,
+            counts);
   return (int)cudaGetLastError();
 }

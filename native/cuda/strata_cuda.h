@@ -456,6 +456,10 @@ int strata_moe_q8_rows(void *stream, const float *x, long long x_stride, int glu
  * n_embd), yd f32 (n_tok * k, n_embd), wts f32 (n_tok, ks). */
 int strata_moe_combine(void *stream, const float *yd, const float *wts, int n_tok, int k, int ks, int n_embd,
                        const float *shared_y, float *x);
+
+/* The expert tier's usage counts: counts[ids[t * ks + j]] += 1 for t < n_tok, j < k (the routed experts only; an id
+ * outside [0, n_expert) is not counted). counts uint32 (n_expert), accumulated until the host reads and clears it. */
+int strata_moe_count(void *stream, const int *ids, int n_tok, int k, int ks, int n_expert, unsigned *counts);
 #ifdef __cplusplus
 }
 #endif

@@ -296,6 +296,9 @@ def cmd_status(c: Client, args) -> int:
             extra += f", {m['running'].get('layers')} recurrent layers"
         if s.get("moe"):
             extra += f", MoE {s['moe'].get('decode')} decode / {s['moe'].get('prefill')} prefill"
+            t = s["moe"].get("tier")
+            if isinstance(t, dict):
+                extra += f", expert tier: {_tier_line(t)}"
         lk = s.get("link")
         if lk:
             rtt = lk.get("rtt_ms")
@@ -304,6 +307,10 @@ def cmd_status(c: Client, args) -> int:
                       else f", link DOWN: {lk.get('down_reason')}")
         return f"{s.get('stage')}: {s.get('device')} {_layers(s.get('layers'))}{extra}"
     stages = "; ".join(_stage(s) for s in d.get("stages", []))
+    tier_rows = [(f"  stage {s.get('stage')} layer {L.get('layer')}", _tier_layer(L))
+                 for s in _list(d.get("stages")) if isinstance(s, dict) and isinstance(s.get("moe"), dict)
+                 and isinstance(s["moe"].get("tier"), dict)
+                 for L in _list(s["moe"]["tier"].get("layers")) if isinstance(L, dict)]
     _out(args, d, _kv([
         ("model", d.get("model")), ("arch", e.get("arch")), ("path", e.get("path")), ("n_ctx", e.get("n_ctx")),
         ("stages", stages), ("position", e.get("pos")),
@@ -317,8 +324,32 @@ def cmd_status(c: Client, args) -> int:
         ("memory", f"weights {_human_bytes(mem.get('weights_bytes'))}, KV pool {_human_bytes(mem.get('kv_pool_bytes'))}, "
                    f"RSS {_human_bytes(mem.get('rss_bytes'))}"),
         ("requests", e.get("requests")), ("uptime", f"{d.get('uptime_s')} s"), ("version", d.get("version")),
-    ]))
+    ] + ([("expert tier", "per layer: resident experts, decode hit rate, swaps, bytes copied")] + tier_rows
+         if tier_rows else [])))
     return EXIT_OK
+
+
+def _rate(x) -> str:
+    return f"{100 * x:.1f} %" if isinstance(x, (int, float)) and not isinstance(x, bool) else "-"
+
+
+def _tier_line(t: dict) -> str:
+    """One line for a stage's expert tier: slots, decode hit rate, swaps, bytes copied and read from host RAM."""
+    return (f"{t.get('resident')} / {t.get('slots')} slots of {_human_bytes(t.get('expert_bytes'))}, decode hits "
+            f"{_rate(t.get('hit_rate'))}, {t.get('swaps')} swaps, {_human_bytes(t.get('bytes_moved'))} copied, "
+            f"{_human_bytes(t.get('bytes_read_host'))} read from host RAM, pinned "
+            f"{_human_bytes(t.get('pinned_bytes'))}")
+
+
+def _list(x) -> list:
+    return x if isinstance(x, list) else []
+
+
+def _tier_layer(L: dict) -> str:
+    res = _list(L.get("resident"))
+    shown = ",".join(str(e) for e in res[:16]) + (f",... ({len(res)})" if len(res) > 16 else "")
+    return (f"[{shown}] hits {_rate(L.get('hit_rate'))}, {L.get('swaps')} swaps, "
+            f"{_human_bytes(L.get('bytes_moved'))} copied")
 
 
 def cmd_health(c: Client, args) -> int:

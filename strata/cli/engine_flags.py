@@ -42,6 +42,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--kv", default=D.stages.kv, choices=("f16", "q8_0"),
                    help="KV cache type on CUDA: f16 (default) or q8_0 (int8 + a scale per 32 values, ~half the "
                         "memory); the CPU backend keeps float32")
+    add_tier_args(p)
     c = p.add_argument_group("conversation checkpoints")
     c.add_argument("--prompt-cache", type=_nonneg_int, default=None,
                    help="checkpoints kept (default 6, or 0 with --remote-stage; 0 turns them off; 1 is plain FIFO "
@@ -80,6 +81,24 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--insecure-link", action="store_true",
                    help="accept a keyed worker that does not authenticate frames after the hello (an older strata); "
                         "its frames are then protected by checksums only")
+
+
+def add_tier_args(p: argparse.ArgumentParser) -> None:
+    """The MoE expert tier's flags (strata serve / generate / chat, and strata worker for its own carve); their
+    defaults are EngineConfig.moe's, MoeTierConfig.problem() checks them."""
+    from strata.engine.config import MoeTierConfig
+    D = MoeTierConfig()
+    t = p.add_argument_group("MoE expert tier (CUDA)")
+    t.add_argument("--moe-vram-mib", default=None, metavar="N|auto",
+                   help="keep the hot MoE experts in N MiB of VRAM slots ('auto': the free VRAM after the model and "
+                        "its KV cache, less 1 GiB) and every expert in pinned host RAM (default: all in VRAM)")
+    t.add_argument("--adapt-every", type=_pos_int, default=D.adapt_every, metavar="TOKENS",
+                   help="decoded tokens between two rounds of expert swaps (default %(default)s)")
+    t.add_argument("--adapt-swaps", type=_nonneg_int, default=D.adapt_swaps, metavar="N",
+                   help="resident experts replaced per round at most (default %(default)s)")
+    t.add_argument("--pcie-frac", type=float, default=D.pcie_frac, metavar="F",
+                   help="share of the host->device bandwidth measured at start that the rounds' swaps may use "
+                        "(default %(default)s)")
 
 
 def engine_config(args, **overrides):

@@ -46,6 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="listen on a non-loopback address without a link key (anyone who reaches it can drive it)")
     p.add_argument("--gen-key", default=None, metavar="FILE",
                    help="write a new random link key to FILE (mode 0600) and exit")
+    from strata.cli.engine_flags import add_tier_args
+    add_tier_args(p)          # the worker's own expert tier for its carve
     p.add_argument("--log-level", default=os.environ.get("STRATA_LOG_LEVEL", "info"))
     p.add_argument("--log-format", default="auto", choices=("auto", "json", "console"))
 
@@ -80,6 +82,14 @@ def run(args) -> int:
         print(f"strata worker: error: --device {args.device}: a worker runs its carve on one device", file=sys.stderr)
         return 2
     args.device = devices[0]
+    from strata.engine.config import MoeTierConfig
+    tier = MoeTierConfig(vram_mib=args.moe_vram_mib, adapt_every=args.adapt_every, adapt_swaps=args.adapt_swaps,
+                         pcie_frac=args.pcie_frac)
+    why = tier.problem() or (None if tier.vram_mib is None or args.device != "cpu" else
+                             "--moe-vram-mib needs --device cuda (the expert tier keeps hot experts in VRAM slots)")
+    if why:
+        print(f"strata worker: error: {why}", file=sys.stderr)
+        return 2
     key = None
     if args.link_encrypt and not args.link_key_file:
         print("strata worker: error: --link-encrypt needs --link-key-file (the frame keys derive from the shared key)",
@@ -115,7 +125,7 @@ def run(args) -> int:
         log.warning("no link key: any process that reaches this address can drive the worker", listen=args.listen)
     cfg = WorkerConfig(host=host, port=port, model=args.model, device=args.device, kv=args.kv, key=key,
                        max_ctx=args.max_ctx, idle_timeout=args.idle_timeout, commit_delay_s=commit_delay_from_env(),
-                       encrypt=args.link_encrypt, insecure_link=args.insecure_link)
+                       encrypt=args.link_encrypt, insecure_link=args.insecure_link, moe_tier=tier.settings())
     try:
         worker = Worker(cfg)
     except (ModelLoadError, ValueError, OSError) as e:

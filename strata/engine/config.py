@@ -58,6 +58,40 @@ class LinkConfig:
     insecure: bool = False
 
 
+@dataclass(frozen=True)
+class MoeTierConfig:
+    """The adaptive MoE expert tier (strata/moe/, strata/backend/cuda/moe_tier.py). vram_mib: None (off: every expert
+    in VRAM), 'auto' (the free VRAM after the model and its KV cache, less 1 GiB) or a number of MiB of VRAM slots for
+    experts, the rest read from pinned host RAM; adapt_every: decoded tokens between two rounds of swaps; adapt_swaps:
+    resident experts replaced per round at most; pcie_frac: the share of the host->device bandwidth measured at start
+    that the rounds' swaps may use."""
+
+    vram_mib: str | None = None
+    adapt_every: int = 32
+    adapt_swaps: int = 4
+    pcie_frac: float = 1.0
+
+    def problem(self) -> str | None:
+        v = self.vram_mib
+        if v is not None and str(v).strip() != "auto" and not (str(v).strip().isdigit()):
+            return f"--moe-vram-mib must be 'auto' or a whole number of MiB, got {v!r}"
+        if self.adapt_every < 1:
+            return f"--adapt-every must be >= 1, got {self.adapt_every}"
+        if self.adapt_swaps < 0:
+            return f"--adapt-swaps must be >= 0, got {self.adapt_swaps}"
+        if not 0 < self.pcie_frac <= 1:
+            return f"--pcie-frac must be in (0, 1], got {self.pcie_frac}"
+        return None
+
+    def settings(self):
+        """The CUDA backend's TierSettings, or None when the tier is off."""
+        if self.vram_mib is None:
+            return None
+        from strata.backend.cuda.moe_tier import TierSettings
+        return TierSettings(vram_mib=str(self.vram_mib).strip(), every=int(self.adapt_every),
+                            swaps=int(self.adapt_swaps), pcie_frac=float(self.pcie_frac))
+
+
 #: the engine's keyword arguments (and the CLI's flag names, dashes for underscores) -> (sub-config, field)
 FLAT = {
     "device": ("stages", "device"), "layer_split": ("stages", "layer_split"), "kv": ("stages", "kv"),
@@ -70,6 +104,8 @@ FLAT = {
     "slot_save_path": ("parking", "slot_save_path"),
     "remote_stage": ("link", "remote_stage"), "link_key_file": ("link", "key_file"),
     "link_encrypt": ("link", "encrypt"), "insecure_link": ("link", "insecure"),
+    "moe_vram_mib": ("moe", "vram_mib"), "adapt_every": ("moe", "adapt_every"), "adapt_swaps": ("moe", "adapt_swaps"),
+    "pcie_frac": ("moe", "pcie_frac"),
 }
 TOP = ("model", "n_ctx", "ubatch", "threads")
 
@@ -88,12 +124,13 @@ class EngineConfig:
     checkpoints: CheckpointConfig = field(default_factory=CheckpointConfig)
     parking: ParkingConfig = field(default_factory=ParkingConfig)
     link: LinkConfig = field(default_factory=LinkConfig)
+    moe: MoeTierConfig = field(default_factory=MoeTierConfig)
 
     @classmethod
     def build(cls, **options) -> "EngineConfig":
         """From the flat option names (FLAT's keys and TOP); TypeError naming an unknown one, as a call would."""
         top: dict = {}
-        subs: dict[str, dict] = {"stages": {}, "checkpoints": {}, "parking": {}, "link": {}}
+        subs: dict[str, dict] = {"stages": {}, "checkpoints": {}, "parking": {}, "link": {}, "moe": {}}
         for k, v in options.items():
             if k in TOP:
                 top[k] = str(v) if k == "model" and isinstance(v, os.PathLike) else v
@@ -103,7 +140,8 @@ class EngineConfig:
             else:
                 raise TypeError(f"unexpected engine option {k!r}")
         return cls(**top, stages=StageConfig(**subs["stages"]), checkpoints=CheckpointConfig(**subs["checkpoints"]),
-                   parking=ParkingConfig(**subs["parking"]), link=LinkConfig(**subs["link"]))
+                   parking=ParkingConfig(**subs["parking"]), link=LinkConfig(**subs["link"]),
+                   moe=MoeTierConfig(**subs["moe"]))
 
     @classmethod
     def from_args(cls, args) -> "EngineConfig":
@@ -180,6 +218,11 @@ class EngineConfig:
                                           prompt_cache_tail=ck.tail)
             if why:
                 return why
+        why = self.moe.problem()
+        if why:
+            return why
+        if self.moe.vram_mib is not None and devices[0] == "cpu":
+            return "--moe-vram-mib needs --device cuda (the expert tier keeps hot experts in VRAM slots)"
         if self.link.encrypt and not self.link.key_file:
             return "--link-encrypt needs --link-key-file (the frame keys derive from the shared key)"
         if self.link.encrypt and self.link.insecure:

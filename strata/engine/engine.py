@@ -99,7 +99,7 @@ class Engine:
 
         self.remote = remote
         self.stages = build_stages(self.file, devices, split, self.n_ctx, kv, progress, remote=remote,
-                                   make_remote=make_remote, pool_ctx=st.kv_pool_ctx)
+                                   make_remote=make_remote, pool_ctx=st.kv_pool_ctx, moe_tier=cfg.moe.settings())
         try:
             self.tokenizer = Tokenizer.from_gguf(self.file.metadata)
         except ValueError as e:

@@ -75,6 +75,14 @@ class SynthSpec:
     n_ff_exp: int = 32                  # moe_intermediate_size
     n_ff_shexp: int = 64                # shared_expert_intermediate_size
     norm_topk: bool = True              # norm_topk_prob
+    # skewed routers (MoE): "" = plain random routers; else the Zipf exponent of the expert popularity, one value
+    # or a comma list cycled over the layers. Token ids fall into router_topics topics (id % router_topics); each
+    # topic has a direction in the embedding, and in each layer a ranking of the experts (a base ranking with a
+    # router_shift fraction of its places shuffled per topic), so the hot set moves with a prompt's topic.
+    router_zipf: str = ""
+    router_topics: int = 4
+    router_shift: float = 0.5
+    topic_strength: float = 1.0
     n_mtp: int = 1                      # MTP blocks (0 or 1)
     tie_embeddings: bool = True
     qtype: str = "F16"                  # type of 2-D/3-D weight matrices
@@ -222,8 +230,69 @@ def _qtype_for(s: SynthSpec, t: _T) -> QT:
     return q if t.shape[-1] % bs == 0 else QT.F16 if q not in (QT.F32,) else QT.F32
 
 
+def zipf_exponents(s: SynthSpec) -> list[float]:
+    """The routers' Zipf exponent per layer (empty: plain random routers)."""
+    if not s.router_zipf.strip():
+        return []
+    vals = [float(v) for v in s.router_zipf.split(",")]
+    return [vals[i % len(vals)] for i in range(s.n_layer)]
+
+
+def topic_directions(s: SynthSpec) -> np.ndarray:
+    """(router_topics, n_embd) orthonormal directions, one per topic."""
+    rng = np.random.default_rng([s.seed, 0x70])
+    q, _ = np.linalg.qr(rng.standard_normal((s.n_embd, s.router_topics)))
+    return q.T.astype(np.float32)
+
+
+def topic_rankings(s: SynthSpec, layer: int) -> np.ndarray:
+    """int (router_topics, n_expert): per topic, the experts from the most to the least popular in this layer."""
+    rng = np.random.default_rng([s.seed, 0x71, layer])
+    base = rng.permutation(s.n_expert)
+    out = []
+    for _ in range(s.router_topics):
+        r = base.copy()
+        k = int(round(s.router_shift * s.n_expert))
+        if k > 1:
+            pos = rng.choice(s.n_expert, k, replace=False)
+            r[pos] = r[rng.permutation(pos)]
+        out.append(r)
+    return np.stack(out)
+
+
+def _skew(s: SynthSpec, t: _T, x: np.ndarray) -> np.ndarray:
+    """The topic parts of the embedding rows and of the routers (x: the plain random values, reshaped)."""
+    zs = zipf_exponents(s)
+    if not zs or s.router_topics < 1:
+        return x
+    dirs = topic_directions(s)
+    scale = np.float32(s.topic_strength * math.sqrt(s.n_embd))
+    if t.name == "token_embd.weight":
+        ids = np.arange(t.shape[0])
+        return x + scale * dirs[ids % s.router_topics]
+    if t.name.endswith(".ffn_gate_inp.weight") and t.name.startswith("blk."):
+        li = int(t.name.split(".")[1])
+        if li >= s.n_layer:
+            return x
+        logp = np.zeros((s.router_topics, s.n_expert), np.float32)
+        rank = np.arange(1, s.n_expert + 1, dtype=np.float64)
+        lp = -zs[li] * np.log(rank)
+        lp -= lp.mean()
+        for ti, order in enumerate(topic_rankings(s, li)):
+            logp[ti, order] = lp
+        # expert e's logit gains (x . dir_t) / sqrt(n_embd) * logp[t, e]: about logp when a token's topic part
+        # survives the layers below at full strength
+        return x + (logp.T @ dirs) / np.float32(math.sqrt(s.n_embd))
+    return x
+
+
 def _values(s: SynthSpec, t: _T) -> np.ndarray:
     """The tensor's fp32 values as stored in the GGUF (converter transforms already applied)."""
+    x = _plain_values(s, t).reshape(t.shape)
+    return _skew(s, t, x).astype(np.float32)
+
+
+def _plain_values(s: SynthSpec, t: _T) -> np.ndarray:
     rng = np.random.default_rng([s.seed, zlib.crc32(t.name.encode())])
     n = int(np.prod(t.shape))
     if t.kind == "embd":

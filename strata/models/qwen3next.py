@@ -58,6 +58,7 @@ class _FFN:
     down: list | None = None
     shared: tuple[Any, Any, Any] | None = None
     shared_gate: np.ndarray | None = None
+    home: Any = None            # the experts' home copies when the backend keeps them in host RAM (expert tier)
 
 
 @dataclass
@@ -193,10 +194,16 @@ class Qwen3NextModel(Model):
             gate = f.tensor(p + "ffn_gate_exps.weight", (ne, ff, E))
             up = f.tensor(p + "ffn_up_exps.weight", (ne, ff, E))
             down = f.tensor(p + "ffn_down_exps.weight", (ne, E, ff))
-            out = _FFN(router=self.weight(p + "ffn_gate_inp.weight", (ne, E)),
-                       gate=[self.upload_tensor(t) for t in expert_slices(gate)],
-                       up=[self.upload_tensor(t) for t in expert_slices(up)],
-                       down=[self.upload_tensor(t) for t in expert_slices(down)])
+            home = getattr(self.backend, "expert_home", None)
+            h = home(p + "ffn_exps", gate, up, down) if home is not None else None
+            if h is not None:           # the expert tier: every expert in pinned host RAM, hot ones in VRAM slots
+                out = _FFN(router=self.weight(p + "ffn_gate_inp.weight", (ne, E)), gate=h.gate, up=h.up, down=h.down,
+                           home=h)
+            else:
+                out = _FFN(router=self.weight(p + "ffn_gate_inp.weight", (ne, E)),
+                           gate=[self.upload_tensor(t) for t in expert_slices(gate)],
+                           up=[self.upload_tensor(t) for t in expert_slices(up)],
+                           down=[self.upload_tensor(t) for t in expert_slices(down)])
             if self.file.has(p + "ffn_up_shexp.weight"):
                 out.shared = (self.weight(p + "ffn_gate_shexp.weight", (sh, E)),
                               self.weight(p + "ffn_up_shexp.weight", (sh, E)),

@@ -52,7 +52,20 @@ async def model_one(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    return web.Response(body=request.app[METRICS_KEY].render(), headers={"Content-Type": CONTENT_TYPE})
+    m = request.app[METRICS_KEY]
+    engine = request.app[WORKER_KEY].engine
+    m.moe_tiers = moe_tiers(engine) if engine is not None else []
+    return web.Response(body=m.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+def moe_tiers(engine) -> list[tuple[int, dict]]:
+    """(stage index, its expert tier's status) for each stage whose MoE layers run through the tier."""
+    out = []
+    for st in engine.stages:
+        moe = getattr(getattr(st, "runner", None), "moe_path", None)
+        if moe and "tier" in moe:
+            out.append((st.index, moe["tier"]))
+    return out
 
 
 def _engine_status(engine) -> dict:

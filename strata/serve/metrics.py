@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -45,6 +46,9 @@ class Metrics:
                                     "Prompt tokens not read because they were resumed (timings.cache_n)",
                                     registry=r)
 
+        self.moe_tiers: list[tuple[int, dict]] = []      # (stage, its expert tier's status), set before a scrape
+        r.register(_MoeTierCollector(self))
+
     def observe_final(self, usage: dict, timings: dict, strata: dict, finish_reason: str) -> None:
         """Count one finished generation from its FinalEvent fields."""
         self.finished.labels(finish_reason=finish_reason).inc()
@@ -60,3 +64,36 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+#: the expert tier's per-layer counters: (metric suffix, status key, help)
+MOE_COUNTERS = (("expert_hits", "hits", "Decoded tokens' routings to an expert resident in a VRAM slot"),
+                ("expert_misses", "misses", "Decoded tokens' routings to an expert read from host RAM"),
+                ("expert_prefill_hits", "prefill_hits", "Prompt tokens' routings to a resident expert"),
+                ("expert_prefill_misses", "prefill_misses",
+                 "Prompt tokens' routings to an expert not resident (host RAM or a prompt's lent slots)"),
+                ("expert_swaps", "swaps", "Experts copied into VRAM slots (swaps, slots given back after a loan)"),
+                ("expert_staged", "staged", "Experts staged into lent slots for prefills"),
+                ("expert_bytes_moved", "bytes_moved", "Bytes copied from host RAM to the expert slots"))
+
+
+class _MoeTierCollector:
+    """The expert tier's numbers per stage and layer (``Metrics.moe_tiers``, refreshed by the /metrics route)."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+
+    def collect(self):
+        fams = [(CounterMetricFamily(f"strata_moe_{name}", text, labels=["stage", "layer"]), key)
+                for name, key, text in MOE_COUNTERS]
+        res = GaugeMetricFamily("strata_moe_resident_experts", "Experts resident in VRAM slots",
+                                labels=["stage", "layer"])
+        for stage, tier in self.metrics.moe_tiers:
+            for L in tier.get("layers", []):
+                labels = [str(stage), str(L["layer"])]
+                for fam, key in fams:
+                    fam.add_metric(labels, float(L.get(key, 0)))
+                res.add_metric(labels, float(len(L.get("resident", []))))
+        for fam, _ in fams:
+            yield fam
+        yield res

@@ -24,8 +24,9 @@ def resolve_device(spec: str) -> str:
     return "cpu" if unavailable_reason() else "cuda:0"
 
 
-def make_backend(device: str, kv: str = "f16"):
-    """The backend of one device name ('cpu' or 'cuda:N'); ValueError (one line) when it cannot be made."""
+def make_backend(device: str, kv: str = "f16", moe_tier=None):
+    """The backend of one device name ('cpu' or 'cuda:N'); ValueError (one line) when it cannot be made. moe_tier:
+    the expert tier's TierSettings (a CUDA backend keeps MoE experts in host RAM and VRAM slots), or None."""
     if device == "cpu":
         from strata.backend.cpu import CPUBackend
         return CPUBackend()
@@ -34,7 +35,9 @@ def make_backend(device: str, kv: str = "f16"):
     except ImportError as e:
         raise ValueError(f"device {device!r} needs the CUDA backend, which is not available: {e}") from None
     try:
-        return CUDABackend(int(device.split(":")[1]), kv_dtype=kv)
+        be = CUDABackend(int(device.split(":")[1]), kv_dtype=kv)
+        be.moe_tier = moe_tier
+        return be
     except CudaUnavailable as e:
         raise ValueError(f"device {device!r}: {e}") from None
 
@@ -58,20 +61,22 @@ def pool_ctx_error(pool_ctx: int | None, n_ctx: int) -> str | None:
 
 
 def build_stages(gguf_file, devices: list[str], split, n_ctx: int, kv: str = "f16", progress=None,
-                 load=None, remote: list[str] = (), make_remote=None, pool_ctx: int | None = None) -> list[Stage]:
+                 load=None, remote: list[str] = (), make_remote=None, pool_ctx: int | None = None,
+                 moe_tier=None) -> list[Stage]:
     """Load the model in `gguf_file` (an opened GGUFModelFile) onto the stages that --device / --layer-split
     describe: one backend and one model per distinct device (holding the blocks of that device's carves), one
     memory per stage, its KV pool sized for pool_ctx tokens (default n_ctx: one context; more keeps conversations
     parked resident beside the live one, --kv-pool-ctx). `load(file, backend, progress, layers)` builds a model
     (default strata.models.base.load_model). `remote`: the --remote-stage chain's addresses, which run the last
     carves; `make_remote(index, hops, model)` makes the one stage standing for them (hops: [(address, carve)],
-    model: the last local stage's, which runs the output head). ValueError (one line) for a bad split or device."""
+    model: the last local stage's, which runs the output head); moe_tier: make_backend's. ValueError (one line) for
+    a bad split or device."""
     from strata.models.registry import model_class
     n_blocks = n_main_blocks(gguf_file, model_class(gguf_file.arch))
     backends: dict[str, Any] = {}
     for d in devices:
         if d not in backends:
-            backends[d] = make_backend(d, kv)
+            backends[d] = make_backend(d, kv, moe_tier)
     plan = plan_stages(devices, split, n_blocks, lambda d: backends[d].total_memory(), remote=remote)
     hops = [(d, c) for c, d in plan[len(plan) - len(remote):]] if remote else []
     stages = load_stages(gguf_file, plan[:len(plan) - len(remote)], backends, pool_ctx or n_ctx, progress, load,

@@ -53,6 +53,7 @@ class WorkerConfig:
     commit_delay_s: float = 0.0      # test hook (STRATA_TEST_COMMIT_DELAY_MS): Commits applied late, in the background
     encrypt: bool = False            # require encrypted frames from every main (and encrypt the next hop)
     insecure_link: bool = False      # accept a keyed main that does not protect frames after the hello
+    moe_tier: Any = None             # the expert tier's TierSettings for this worker's carve (None: experts in VRAM)
 
 
 class Carrier:
@@ -194,7 +195,7 @@ class Worker:
         self.file = open_gguf(self.path, archs=supported_archs())
         self.fingerprint = self.file.fingerprint()
         self.n_blocks = n_main_blocks(self.file, model_class(self.file.arch))
-        self.backend = make_backend(cfg.device, cfg.kv)
+        self.backend = make_backend(cfg.device, cfg.kv, cfg.moe_tier)
         self.max_ctx = int(cfg.max_ctx or getattr(self.file.config, "n_ctx_train", 0) or 131072)
         self._stages: tuple[tuple[int, int, int], list] | None = None
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="strata-worker")

@@ -58,6 +58,17 @@ class CudaBackend(Backend):
         self._rope_cache: dict[tuple, tuple[Any, Any]] = {}
 
     # ---- weights and tensors
+    moe_tier = None             # TierSettings (strata/backend/cuda/moe_tier.py) when MoE experts live in host RAM
+
+    def expert_home(self, name: str, gate, up, down):
+        """With the expert tier on (``moe_tier``): one MoE layer's stacked expert tensors in pinned host RAM
+        (moe_tier.home_experts), else None."""
+        if self.moe_tier is None:
+            return None
+        from strata.backend.cuda.moe_tier import home_experts
+        with self.device:
+            return home_experts(name, gate, up, down, self.device_id)
+
     def upload(self, w) -> Any:
         """WeightTensor (strata.backend.quant) -> DeviceWeight (raw blocks on the device); 1-D tensors -> f32 CuPy arrays."""
         if isinstance(w, DeviceWeight):

@@ -5,7 +5,10 @@ expert) and the grouped prefill (assignments sorted by expert on the device, one
 The routed experts are read through ``ExpertTable``s: per matrix stack a device array of row-block addresses, one
 per expert, which the kernels index by the ids the router chose on the device (no host round trip inside a step).
 An entry can be repointed (``ExpertTable.set``) to a copy of that expert anywhere on the device: a captured graph
-reads the table at every replay. Formulas: strata/backend/moe.py (route, moe_ffn), the CPU reference.
+reads the table at every replay. With the expert tier on, the entries point at the experts' pinned host copies or
+their VRAM slots (strata/backend/cuda/moe_tier.py), the routings are counted on the device (strata_moe_count), and
+a prefill settles and borrows slots around each layer's launches (``Tier.before_prefill_layer`` /
+``after_prefill_layer``: the one call site). Formulas: strata/backend/moe.py (route, moe_ffn), the CPU reference.
 """
 from __future__ import annotations
 
@@ -123,6 +126,15 @@ class MoeLayer:
         self.shared = ffn.shared is not None
         self.slots = self.k + int(self.shared)      # ids / wts per token: k routed, then the shared expert's gate
         self.n_ff_sh = 0
+        # the expert tier (strata/backend/cuda/moe_tier.py): these tables read through it, routings counted
+        self.tier, self.counts = None, None
+        self.first = self.last = True       # the first / last MoE layer of the plan's carve (set by the plan)
+        if ffn.home is not None:
+            from strata.backend.cuda.moe_tier import tier_of
+            self.tier = tier_of(model)
+            self.tier.attach(li, self.gate, self.up, self.down)
+            self.counts = ffi().cast("unsigned *", self.tier.counts_ptr(li))
+        self.li = li
         if self.shared:
             g, u, d = ffn.shared
             self.sh_gu = fuse_groups(f"blk.{li}.ffn_gate_up_shexp", [g, u])
@@ -155,6 +167,8 @@ def decode(plan, s, m: MoeLayer) -> None:
     sg = m.sh_gate if m.shared else None
     check(lb.strata_moe_route(s, ptr(d["rl"]), 1, ne, k, int(m.renorm), ptr(d["hn"]), ptr(sg), E, int(m.shared),
                               ptr(d["ids"]), ptr(d["wts"])), "strata_moe_route")
+    if m.counts is not None:
+        check(lb.strata_moe_count(s, ptr(d["ids"]), 1, k, m.slots, ne, m.counts), "strata_moe_count")
     sy = shw = NULL
     n_slots, F_last = (k + 1, m.n_ff_sh) if m.ride else (k, F)
     if m.shared and not m.ride:
@@ -180,6 +194,8 @@ def prefill(plan, s, m: MoeLayer, x, norm, h16) -> None:
     NULL = ffi().NULL
     n, E = int(x.shape[0]), plan.n_embd
     ne, k, F, ks = m.n_expert, m.k, m.n_ff, m.slots
+    if m.tier is not None:
+        m.tier.before_prefill_layer(m, n)
     hn = pf.buf("moe_hn", (n, E), cp.float32)
     check(lb.strata_rms_norm_ex(s, ptr(x), NULL, ptr(norm), ptr(hn), NULL, ptr(h16), NULL, n, E, plan.eps), "rms_norm")
     rl = pf.buf("moe_rl", (n, ne), cp.float32)
@@ -188,6 +204,8 @@ def prefill(plan, s, m: MoeLayer, x, norm, h16) -> None:
     sg = m.sh_gate if m.shared else None
     check(lb.strata_moe_route(s, ptr(rl), n, ne, k, int(m.renorm), ptr(hn), ptr(sg), E, int(m.shared), ptr(ids),
                               ptr(wts)), "strata_moe_route")
+    if m.counts is not None:
+        check(lb.strata_moe_count(s, ptr(ids), n, k, ks, ne, m.counts), "strata_moe_count")
     xq = pf.buf("moe_xq", (n * q8_row_bytes(E),), cp.uint8)
     check(lb.strata_moe_q8_rows(s, ptr(hn), E, 0, n, E, ptr(xq)), "strata_moe_q8_rows")
     mt = int(lb.strata_moe_max_tiles(n, k, ne))
@@ -212,3 +230,5 @@ def prefill(plan, s, m: MoeLayer, x, norm, h16) -> None:
         sy = pf.buf("moe_sy", (n, E), cp.float32)
         pf.gemm(s16, m.sh_down, sy, False)
     check(lb.strata_moe_combine(s, ptr(yd), ptr(wts), n, k, ks, E, ptr(sy), ptr(x)), "strata_moe_combine")
+    if m.tier is not None:
+        m.tier.after_prefill_layer(m)

@@ -212,6 +212,13 @@ class Qwen35Cuda(DecodePlan):
                 continue
             g, u, _ = L.ffn.dense
             self.w_gu[li] = fuse_groups(f"blk.{li}.ffn_gate_up", [g, u])
+        if self.moe:
+            lis = sorted(self.moe)
+            for li, m in self.moe.items():
+                m.first, m.last = li == lis[0], li == lis[-1]
+        # the expert tier's rounds tick with the decode steps of the plan holding its first layer
+        tier = next((m.tier for m in self.moe.values() if m.tier is not None), None)
+        self.tier = tier if tier is not None and tier.store.layers[0] in self.moe else None
         # the running state of the carve's GDN layers (a stage's state.running holds those only)
         self.resident = ResidentState(model.new_running_state(Carve(self.lo, self.hi)))
 
@@ -228,6 +235,13 @@ class Qwen35Cuda(DecodePlan):
         model's own forward (f32-activation matvecs, dozens of launches per layer) made a live continuation with
         checkpoints 3-4x slower than without on the H200 (docs/checkpoints.md)."""
         return n > 1
+
+    def _launch(self, length: int) -> None:
+        """One decode step (DecodePlan._launch), then the expert tier's step (finished swaps take effect; a round
+        every --adapt-every tokens), between graph replays."""
+        super()._launch(length)
+        if self.tier is not None:
+            self.tier.store.step(1)
 
     def _check_state(self, state) -> None:
         self.resident.check(state)
@@ -509,4 +523,8 @@ class Qwen35GraphModel(PlanModel):
         per-expert loop)."""
         if not self.model.moe:
             return None
-        return {"decode": "graph", "prefill": "grouped" if self.prefill else "generic"}
+        out = {"decode": "graph", "prefill": "grouped" if self.prefill else "generic"}
+        tier = getattr(self.model, "_expert_tier", None)
+        if tier is not None:
+            out["tier"] = tier.status()
+        return out

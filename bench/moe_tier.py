@@ -1,0 +1,201 @@
+"""The MoE expert tier's arms on one GPU, one synthetic GGUF with skewed, topic-following routers, one workload.
+
+Arms (the same file, prompts and VRAM for experts: 25 % and 50 % of all experts' bytes):
+  * resident: every expert in VRAM (the tier off): the reference every ratio is taken against;
+  * adaptive: the tier (--moe-vram-mib B, rounds every --adapt-every tokens), also with --pcie-frac 0.02 (a slow link)
+    and with prompt routings counted at --prefill-weight (adaptive_pw; not yet run on a GPU);
+  * static: the same slots filled once with the experts most used over the warm-up prompts, never swapped;
+  * layers: as many layers' experts wholly in the slots as the budget holds, the other layers' read from host RAM;
+  * host: no slots (every expert read from pinned host RAM over PCIe).
+Workload: the warm-up reads one 128-token prompt per topic; then per topic in turn (the hot set moves with it) a
+512-token prompt (prefill) and 64 greedy tokens decoded one forward at a time (host logits, as the engine does).
+Reported per arm over the measured part: prefill and decode tokens/s (and their ratio to resident), the decode steps'
+hit rate, bytes copied to the device per token (swaps, prefill staging, loans given back) and bytes the decode steps
+read from host RAM per decoded token (misses times an expert's bytes), and whether the greedy tokens equal resident's.
+With --llama-bench, llama.cpp on the same file: all on the GPU, --n-cpu-moe N at the same budgets, -ot exps=CPU
+(its own random prompt of 512 and 64 generated tokens). The vendored llama.cpp has no --moe-cache-mib.
+
+Writes bench/results/moe_tier_<gpu>_<commit>.json (or --out).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+# the workload, fixed so that every arm sees the same one
+SPEC = dict(n_embd=1024, n_layer=8, n_head=8, n_head_kv=2, head_dim=128, n_ff=2048, head_k_dim=128,
+            head_v_dim=128, n_k_heads=4, n_v_heads=8, n_expert=128, n_expert_used=8, n_ff_exp=256,
+            n_ff_shexp=512, n_mtp=0, qtype="Q4_0", embd_qtype="Q4_0", seed=7, router_zipf="1.1,1.3,0.9",
+            router_topics=4, router_shift=0.5)
+TOPICS = 4
+WARM, PROMPT, GEN = 128, 512, 64
+
+
+def topic_prompt(topic: int, n: int, seed: int) -> np.ndarray:
+    """n token ids of one topic (the synthetic routers' topic of a token is its id mod TOPICS)."""
+    rng = np.random.default_rng([seed, topic])
+    return (rng.integers(0, 49152 // TOPICS, n) * TOPICS + topic).astype(np.int32)
+
+
+def run_arm(path: str, settings, place: str | None, a) -> dict:
+    import cupy as cp
+    from strata.backend import cuda as C
+    from strata.backend.cuda import moe_tier as T
+    from strata.backend.cuda import qwen35 as Q
+    from strata.models.registry import load_model
+    be = C.CudaBackend()
+    be.moe_tier = settings
+    t0 = time.perf_counter()
+    m = load_model(path, be)
+    g = Q.Qwen35GraphModel(m)
+    pool = m.new_page_pool(WARM * TOPICS + (PROMPT + GEN) * TOPICS + 64, n_seq=1)
+    load_s = time.perf_counter() - t0
+    tier = T.tier_of(m)
+    st = m.new_state(pool)
+    for topic in range(TOPICS):                                     # warm-up: one prompt per topic, 8 tokens each
+        t = int(np.argmax(g.forward(topic_prompt(topic, WARM, 1), st)))
+        for _ in range(8):
+            t = int(np.argmax(g.forward(np.array([t], np.int32), st)))
+    if tier is not None:
+        s = tier.store
+        if place == "hottest":
+            s.place_hottest()
+        elif place == "layers":
+            n_layers = s.n_slots // s.n_expert
+            s.place(list(range(n_layers * s.n_expert)))
+        s.settle()
+        s.observe(s.dev.read_counts())
+        before = tier.status()
+    cp.cuda.Device().synchronize()
+    pf_s = dec_s = 0.0
+    toks = []
+    for topic in range(TOPICS):
+        p = topic_prompt(topic, PROMPT, 2)
+        cp.cuda.Device().synchronize()
+        t0 = time.perf_counter()
+        t = int(np.argmax(g.forward(p, st)))
+        pf_s += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for _ in range(GEN):
+            toks.append(t)
+            t = int(np.argmax(g.forward(np.array([t], np.int32), st)))
+        dec_s += time.perf_counter() - t0
+    out = {"prefill_tok_s": round(TOPICS * PROMPT / pf_s, 1), "decode_tok_s": round(TOPICS * GEN / dec_s, 2),
+           "load_s": round(load_s, 2), "tokens": toks}
+    if tier is not None:
+        tier.store.settle()
+        tier.store.observe(tier.dev.read_counts())
+        after = tier.status()
+        d = {k: after[k] - before[k] for k in ("hits", "misses", "swaps", "staged", "bytes_moved", "bytes_read_host")}
+        seen = d["hits"] + d["misses"]
+        out.update({"slots": after["slots"], "vram_mib": round(after["vram_bytes"] / 2 ** 20, 1),
+                    "decode_hit_rate": round(d["hits"] / seen, 4) if seen else None, "swaps": d["swaps"],
+                    "staged": d["staged"], "copied_bytes_per_token": round(d["bytes_moved"] / (TOPICS * (PROMPT + GEN))),
+                    "host_read_bytes_per_decoded_token": round(d["bytes_read_host"] / (TOPICS * GEN)),
+                    "h2d_gb_s": round(after["h2d_bytes_per_s"] / 1e9, 1), "expert_bytes": after["expert_bytes"]})
+    st.release()
+    del g, m, st, pool, tier
+    gc.collect()
+    cp.get_default_memory_pool().free_all_blocks()
+    cp.get_default_pinned_memory_pool().free_all_blocks()
+    return out
+
+
+def llama(bin_path: str, path: str, extra: list[str]) -> dict:
+    cmd = [bin_path, "-m", path, "-ngl", "99", "-p", str(PROMPT), "-n", str(GEN), "-r", "2", "-o", "json", *extra]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0:
+        return {"cmd": " ".join(cmd), "error": p.stderr[-1500:]}
+    res = {"cmd": " ".join(cmd)}
+    for row in json.loads(p.stdout):
+        res["decode_tok_s" if row["n_gen"] else "prefill_tok_s"] = round(row["avg_ts"], 2)
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gguf", default="/tmp/moe_tier.gguf", help="the synthetic file (written when missing)")
+    ap.add_argument("--fracs", default="0.25,0.5", help="budgets as fractions of all experts' bytes")
+    ap.add_argument("--every", type=int, default=16)
+    ap.add_argument("--swaps", type=int, default=16)
+    ap.add_argument("--slow-frac", type=float, default=0.02, help="--pcie-frac of the slow-link arm")
+    ap.add_argument("--prefill-weight", type=float, default=0.1,
+                    help="the prefill_weight of the adaptive_pw arm (prompt routings counted at this weight)")
+    ap.add_argument("--llama-bench", default=None)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    import cupy as cp
+    from bench.gpu_throughput import commit
+    from strata.backend.cuda.moe_tier import TierSettings
+    from strata.gguf import synth
+    if not os.path.exists(a.gguf):
+        t0 = time.perf_counter()
+        synth.write_synthetic(a.gguf + ".tmp", synth.preset("qwen35moe", "tiny", **SPEC))
+        os.replace(a.gguf + ".tmp", a.gguf)
+        print(f"wrote {a.gguf} in {time.perf_counter() - t0:.0f} s", flush=True)
+    gpu = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    res = {"gpu": gpu, "commit": commit(), "spec": SPEC, "workload": {"topics": TOPICS, "warm": WARM,
+           "prompt": PROMPT, "gen": GEN}, "arms": {}}
+    arms = [("resident", None, None)]
+    for f in (float(x) for x in a.fracs.split(",")):
+        mib = None          # filled from the expert bytes the first tier arm reports
+        arms += [(f"adaptive@{f:g}", f, ("adaptive", 1.0)), (f"static@{f:g}", f, ("hottest", 1.0)),
+                 (f"layers@{f:g}", f, ("layers", 1.0)), (f"adaptive_slow@{f:g}", f, ("adaptive", a.slow_frac)),
+                 (f"adaptive_pw@{f:g}", f, ("adaptive_pw", 1.0))]
+    arms.append(("host", 0.0, ("adaptive", 1.0)))
+    total = None
+    for name, frac, how in arms:
+        if how is None:
+            s, place = None, None
+        else:
+            if total is None:
+                from strata.gguf.file import open_gguf
+                fh = open_gguf(a.gguf)
+                total = sum(t.nbytes for k, t in fh.tensors.items() if "_exps" in k)
+            place = None if how[0].startswith("adaptive") else how[0]
+            mib = int(frac * total / 2 ** 20)
+            s = TierSettings(vram_mib=str(mib), every=a.every, swaps=a.swaps, pcie_frac=how[1],
+                             static=place is not None,
+                             prefill_weight=a.prefill_weight if how[0] == "adaptive_pw" else 1.0)
+        r = run_arm(a.gguf, s, place, a)
+        ref = res["arms"].get("resident")
+        if ref:
+            r["decode_vs_resident"] = round(r["decode_tok_s"] / ref["decode_tok_s"], 3)
+            r["prefill_vs_resident"] = round(r["prefill_tok_s"] / ref["prefill_tok_s"], 3)
+            r["tokens_equal_resident"] = r["tokens"] == ref["tokens"]
+        res["arms"][name] = r
+        print(f"{name:18s} prefill {r['prefill_tok_s']:8.1f} tok/s  decode {r['decode_tok_s']:7.2f} tok/s  "
+              f"decode hits {r.get('decode_hit_rate')}  copied B/token {r.get('copied_bytes_per_token')}  "
+              f"host-read B/decoded token {r.get('host_read_bytes_per_decoded_token')}  "
+              f"x resident {r.get('decode_vs_resident')} / {r.get('prefill_vs_resident')}  "
+              f"same tokens {r.get('tokens_equal_resident')}", flush=True)
+    for r in res["arms"].values():
+        r.pop("tokens", None)
+    if a.llama_bench and os.path.exists(a.llama_bench):
+        n_layer = SPEC["n_layer"]
+        lc = {"all_gpu": llama(a.llama_bench, a.gguf, []), "exps_cpu": llama(a.llama_bench, a.gguf,
+                                                                               ["-ot", "exps=CPU"])}
+        for f in (float(x) for x in a.fracs.split(",")):
+            lc[f"n_cpu_moe@{f:g}"] = llama(a.llama_bench, a.gguf, ["-ncmoe", str(n_layer - int(f * n_layer))])
+        res["llama.cpp"] = lc
+        for k, v in lc.items():
+            print(f"llama.cpp {k:14s} {v}", flush=True)
+    out = a.out or str(ROOT / "bench" / "results" / f"moe_tier_{gpu.replace(' ', '_')}_{res['commit']}.json")
+    Path(out).write_text(json.dumps(res, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
