@@ -59,10 +59,10 @@ def test_split_checkpoint_part_round_trip_on_device_pages(default_runs):
     blobs = []
     for st, part in zip(e.stages, seq.capture().parts):
         buf = io.BytesIO()
-        st.write(part, buf)
+        st.memory.write(part, buf)
         blobs.append(buf.getvalue())
     seq.forward(np.arange(5, 40, dtype=np.int32))
-    parts = [st.read(io.BytesIO(b)) for st, b in zip(e.stages, blobs)]
+    parts = [st.memory.read(io.BytesIO(b)) for st, b in zip(e.stages, blobs)]
     assert all(isinstance(p, StatePart) and not p.is_reference for p in parts)
     from strata.stages.sequence import Checkpoint
     seq.restore(Checkpoint(pos=300, tokens=tuple(range(1, 301)), parts=parts))

@@ -124,7 +124,7 @@ def test_without_prompt_cache_the_remote_path_sends_no_checkpoint_message(worker
         r = e.render_chat(msgs)
         a, f = run(e, r)
         b, g = run(e, r)
-        assert a == b and e.stages[-1].held == 0 and f.strata["checkpoints"] == 0
+        assert a == b and e.stages[-1].memory.held == 0 and f.strata["checkpoints"] == 0
     finally:
         e.close()
 
@@ -175,7 +175,7 @@ def test_a_store_emptied_under_the_main_makes_the_request_read_from_zero(synthet
         msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name three primes."}]
         r = e.render_chat(msgs)
         a, _ = run(e, r)
-        assert e.stages[-1].held > 0
+        assert e.stages[-1].memory.held > 0
         w.worker.carrier.store.clear()             # the worker forgot every checkpoint part
         b, g = run(e, r)
         assert b == a

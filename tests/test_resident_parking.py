@@ -82,6 +82,33 @@ def test_holds_keep_their_kv_and_refcounts_stay_exact(steps):
     assert pool.n_free == pool.n_pages
 
 
+def test_a_write_past_what_a_hold_covers_copies_no_page_and_one_before_it_copies_one():
+    pool = CPUBackend().new_page_pool([0], 8, NKV, HD, page_size=PS)
+    copies: list = []
+    real = pool.copy_page
+    pool.copy_page = lambda a, b: copies.append((a, b)) or real(a, b)
+    live = PagedKV(pool)
+    _fill(pool, live, 6, 1)                          # positions 0..5: page 1 half full
+    held = pool.hold(live.pages[:2], 6)
+    kept = _kv(pool, held.pages, 6)
+    pages = list(live.pages)
+    _fill(pool, live, 5, 2)                          # 6..10: page 1 shared, but the hold covers only 4..5 of it
+    assert copies == [] and live.pages[:2] == pages
+    np.testing.assert_array_equal(_kv(pool, held.pages, 6), kept)
+    other = PagedKV(pool)
+    other.adopt(held)                                # a sequence resumes the held conversation at 6
+    _fill(pool, other, 2, 3)                         # the live table wrote page 1 past 6: the resumed one copies it
+    assert len(copies) == 1 and other.pages[0] == pages[0] and other.pages[1] != pages[1]
+    live.truncate(5)
+    _fill(pool, live, 1, 4)                          # position 5 is the hold's: it gets its own copy first
+    assert len(copies) == 2 and live.pages[:2] == pages and held.pages[1] != pages[1]
+    np.testing.assert_array_equal(_kv(pool, held.pages, 6), kept)
+    for t in (live, other):
+        t.release()
+    held.release()
+    assert pool.n_free == pool.n_pages
+
+
 def test_a_released_hold_is_refused_and_changes_nothing(default_model_path):
     e = Engine(default_model_path, n_ctx=512, ubatch=32, conversation_cache_mib=64)
     ask(e, chat("rivers", 0, []))

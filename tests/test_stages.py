@@ -122,7 +122,7 @@ def test_checkpoint_has_one_part_per_stage_and_refuses_a_foreign_part(split_engi
 
 
 class _Drains:
-    """Wraps a stage's backend so that its drains are logged under the stage's own name: the stages share one
+    """Wraps a stage memory's backend so that its drains are logged under the stage's own name: the stages share one
     CPU backend here, so without the wrapper a drain of stage 0 could not be told from one of stage 2."""
 
     def __init__(self, backend, name, log):
@@ -139,21 +139,25 @@ def test_each_stage_drains_its_own_device_before_its_state_is_read_or_written(sp
     e = split_engine
     log: list = []
     for st in e.stages:
-        monkeypatch.setattr(st, "backend", _Drains(st.backend, st.index, log))
-        for op in ("capture", "restore", "hashes", "reset"):
-            real = getattr(st.memory, op)
-            monkeypatch.setattr(st.memory, op, (lambda real, i, op: lambda *a, **k: (log.append((op, i)),
-                                                                                    real(*a, **k))[1])(real, st.index, op))
+        monkeypatch.setattr(st.memory, "backend", _Drains(st.memory.backend, st.index, log))
+        for f in st.memory.fields:          # the hooks that read or write the state itself, inside each verb
+            for op in ("_capture", "_restore", "_hashes", "_reset"):
+                real = getattr(f, op)
+                monkeypatch.setattr(f, op, (lambda real, i, op: lambda *a, **k: (log.append((op, i)),
+                                                                                real(*a, **k))[1])(real, st.index, op))
     e.state_reset()
     e.seq.forward(np.arange(1, 21, dtype=np.int32))
     ck = e.seq.capture()
     e.seq.hashes()
     e.seq.restore(ck)
     ops = [x for x in log if x[0] != "drain"]
-    assert {op for op, _ in ops} == {"capture", "restore", "hashes", "reset"}
+    assert {op for op, _ in ops} == {"_capture", "_restore", "_hashes", "_reset"}
+    assert {i for _, i in ops} == {st.index for st in e.stages}
     for k, (op, i) in enumerate(log):
-        if op != "drain":        # every read or write of stage i's state right after stage i's own drain
-            assert k > 0 and log[k - 1] == ("drain", i), f"{op} of stage {i} after {log[k - 1:k]}, not its drain"
+        if op != "drain":        # every read or write of stage i's state after stage i's own drain, nothing between
+            last = max(j for j in range(k) if log[j][0] == "drain") if any(x[0] == "drain" for x in log[:k]) else -1
+            assert last >= 0 and log[last] == ("drain", i) and all(x[1] == i for x in log[last:k]), \
+                f"{op} of stage {i} after {log[max(last, 0):k]}, not its drain"
 
 
 # ---- the command line and stratactl ---------------------------------------------------------------------------

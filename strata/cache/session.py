@@ -154,9 +154,9 @@ def write(io: BinaryIO, conv: Conversation, fingerprint: str, stages: list) -> i
         if i == 1:
             n += io.write(_U32.pack(len(stages) - 1))
         n += io.write(_U32.pack(1 + len(conv.checkpoints)))
-        n += st.write(conv.parts[i], io)
+        n += st.memory.write(conv.parts[i], io)
         for c in conv.checkpoints:
-            n += st.write(c.parts[i], io)
+            n += st.memory.write(c.parts[i], io)
     return n
 
 
@@ -220,12 +220,12 @@ def read(io: BinaryIO, fingerprint: str, stages: list, n_ctx: int, n_vocab: int 
         if k != 1 + len(cps):
             raise SessionError(f"stage {i}'s block holds {k} parts, the header names {1 + len(cps)}")
         try:
-            part = st.read(io)
+            part = st.memory.read(io)
             if part.pos != n or part.is_prefix:
                 raise SessionError(f"stage {i}'s part is at position {part.pos}, the session at {n}")
             parts.append(part)
             for j, (pos, _) in enumerate(cps):
-                cp = st.read(io)
+                cp = st.memory.read(io)
                 if cp.pos != pos or not cp.is_prefix and cp.kv:
                     raise SessionError(f"stage {i}'s checkpoint part {j} is at position {cp.pos}, expected {pos}")
                 cparts[j].append(cp)

@@ -118,7 +118,7 @@ class Engine:
             self.seq, self.cache, self.stages, self.file, self.n_ctx,
             park_bytes=int(ram_mib) * 1024 * 1024 if ram_mib else None,
             disk_dir=pk.disk_dir, disk_bytes=int(pk.disk_mib) * 1024 * 1024,
-            slot_save_path=pk.slot_save_path, remote=bool(remote), resident=int(pk.resident), n_vocab=self.n_vocab)
+            slot_save_path=pk.slot_save_path, resident=int(pk.resident), n_vocab=self.n_vocab)
         self.conversations.prepin()               # host memory for parking, set aside now (/status reports it)
         if st.kv_pool_ctx is not None and st.kv_pool_ctx > self.n_ctx and self.conversations.resident is None:
             log.warning("--kv-pool-ctx is larger than --n-ctx but nothing is parked resident (parking off, "
@@ -364,8 +364,7 @@ class Engine:
     def close(self) -> None:
         """Stop the stage links' threads and close their connections."""
         for st in self.stages:
-            if hasattr(st, "close"):
-                st.close()
+            st.close()
 
     def checkpoints(self) -> list[dict]:
         """The kept checkpoints, for `stratactl cache`: dicts with pos, kind, bytes, last_use (see strata.cache)."""

@@ -37,17 +37,18 @@ class Conversations:
 
     def __init__(self, seq: Sequence, cache: CheckpointCache, stages: list, file, n_ctx: int, *, park_bytes: int | None,
                  disk_dir: str | os.PathLike | None, disk_bytes: int, slot_save_path: str | os.PathLike | None,
-                 remote: bool, resident: int = 0, n_vocab: int | None = None):
-        self.seq, self.cache, self.stages, self.file, self.n_ctx, self.remote = seq, cache, stages, file, n_ctx, remote
+                 resident: int = 0, n_vocab: int | None = None):
+        self.seq, self.cache, self.stages, self.file, self.n_ctx = seq, cache, stages, file, n_ctx
+        # whether every stage's parts can be copied to the host and written (not over a remote stage's link)
+        self.host_parts = all(st.memory.host_parts for st in stages)
         self.n_vocab = n_vocab
         if resident < 0:
             raise ValueError(f"--park-resident must be >= 0, got {resident}")
         self.park = ParkStore(park_bytes) if park_bytes is not None else None
         # attention-only stages (no running state): a conversation's K/V can be cut back to any prefix
-        self.cut_anywhere = all(getattr(st, "memory", None) is not None and "running" not in st.memory.stats()
-                                for st in stages)          # (a remote stage's memory is the worker's)
+        self.cut_anywhere = all(st.memory.cuts_anywhere for st in stages)
         self.resident = None
-        if self.park is not None and resident > 0 and not remote and seq.can_hold():
+        if self.park is not None and resident > 0 and seq.can_hold():
             self.resident = ParkStore(resident, spill=self._demote, cost=lambda c: 1, tier="device",
                                       drop=self._release)
             seq.make_room = self.make_room
@@ -141,8 +142,8 @@ class Conversations:
             if self._ram_short(conv.nbytes() + conv.held_bytes(), "dropping a resident conversation"):
                 return
             t0 = time.perf_counter()
-            parts = [st.materialize(p) for st, p in zip(self.stages, conv.parts)]
-            cps = [SavedCheckpoint(c.pos, c.kind, [st.detach(p) for st, p in zip(self.stages, c.parts)])
+            parts = [st.memory.materialize(p) for st, p in zip(self.stages, conv.parts)]
+            cps = [SavedCheckpoint(c.pos, c.kind, [st.memory.detach(p) for st, p in zip(self.stages, c.parts)])
                    for c in conv.checkpoints]
             self.park.park(Conversation(tokens=conv.tokens, parts=parts, checkpoints=cps, live_ok=conv.live_ok,
                                         last_use=conv.last_use, cut_anywhere=conv.cut_anywhere), touch=False)
@@ -281,7 +282,7 @@ class Conversations:
     def session_path(self, filename, *, exists: bool = False) -> Path:
         """The path of session file `filename` (strata.cache.session.check_filename); exists: it must be a file
         there. SessionError (one line) otherwise."""
-        if self.remote:
+        if not self.host_parts:
             raise session.SessionError("session files are not supported with a remote stage (--remote-stage) yet")
         if self.slot_save_path is None:
             raise session.SessionError("session files need --slot-save-path DIR (the directory they are kept in)")

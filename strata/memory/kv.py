@@ -117,6 +117,18 @@ class PagePool:
         self.allocator.unref(h.pages)
         h.pages = []
 
+    def holds_below(self, page: int, offset: int) -> int:
+        """How many of the references to `page` are holds whose positions on it all lie before `offset` (a write
+        from `offset` on leaves what they hold as it is)."""
+        if offset <= 0 or not self._holds:
+            return 0
+        ps = self.page_size
+        return sum(1 for h in self._holds for j, p in enumerate(h.pages) if p == page and h.length - j * ps <= offset)
+
+    def holds_of(self, page: int) -> int:
+        """How many of the references to `page` are holds."""
+        return sum(1 for h in self._holds for p in h.pages if p == page) if self._holds else 0
+
     def rehome(self, page: int) -> bool:
         """Give every hold of `page` a copy of it on a fresh page (one copy, their references moved to it), so the
         sequence writing into `page` keeps it. False when no hold has it; KVCacheFull (nothing changed) when no page
@@ -276,13 +288,19 @@ class PagedKV:
         alloc = self.pool.allocator
         end = -(-(self.length + n) // ps)
         first = self.length // ps
-        shared = [i for i in range(first, min(end, len(self.pages))) if alloc.refcount(self.pages[i]) > 1]
+        # a page another holder shares is copied before a write into it, unless every other holder is a hold whose
+        # positions on that page all lie before the write's first one (it never reads what this table writes there)
+        def must_copy(i: int) -> bool:
+            return alloc.refcount(self.pages[i]) - 1 > self.pool.holds_below(self.pages[i], self.length - i * ps)
+        shared = [i for i in range(first, min(end, len(self.pages))) if must_copy(i)]
         need = end - len(self.pages)
-        if shared and self.pool.holds:
+        rehome = [i for i in shared if self.pool.holds_below(self.pages[i], self.length - i * ps)
+                  < self.pool.holds_of(self.pages[i])]
+        if rehome:
             alloc.require(max(0, need) + len(shared))    # before any copy: KVCacheFull changes nothing
-            for i in shared:                  # a page a parked conversation holds: it gets the copy, not this table
+            for i in rehome:                  # a page a hold reads past the write's start: it gets the copy
                 self.pool.rehome(self.pages[i])
-            shared = [i for i in shared if alloc.refcount(self.pages[i]) > 1]
+            shared = [i for i in shared if must_copy(i)]          # other sequences share it: this table copies
         new = self.pool.alloc(max(0, need) + len(shared))      # KVCacheFull here takes nothing
         for i, p in zip(shared, new[len(new) - len(shared):]):
             self.pool.copy_page(self.pages[i], p)

@@ -5,17 +5,18 @@ import numpy as np
 
 from strata.memory.host import sha_arrays
 from strata.memory.kv import KVCacheFull, PagedKV, PagePool
-from strata.memory.memory import Memory
+from strata.memory.memory import Field, Memory
 from strata.memory.part import Carve, KVPages, PartMismatch
 from strata.memory.sequence_state import SequenceState
 
 
-class KVMemory(Memory):
+class KVMemory(Memory, Field):
     """Attention K/V in pages of `pool` (the carve's attention layers). `name` is the field: "kv" (the sequence's
-    page table, length == pos) or "draft" (the MTP drafter's, length <= pos)."""
+    page table, length == pos) or "draft" (the MTP drafter's, length <= pos). backend: see Memory."""
 
-    def __init__(self, carve: Carve, pool: PagePool, name: str = "kv", identity: dict | None = None):
-        super().__init__(carve, identity)
+    def __init__(self, carve: Carve, pool: PagePool, name: str = "kv", identity: dict | None = None,
+                 backend=None):
+        super().__init__(carve, identity, backend)
         bad = [li for li in pool.layers if li not in carve and name == "kv"]
         if bad:
             raise ValueError(f"KV layers {bad} are outside the carve {carve}")
@@ -24,6 +25,9 @@ class KVMemory(Memory):
 
     def table(self, st: SequenceState) -> PagedKV:
         return getattr(st, self.name)
+
+    def _cuts_anywhere(self):
+        return True
 
     def _open(self, st):
         setattr(st, self.name, PagedKV(self.pool))

@@ -1,7 +1,10 @@
 """Memory: the interface of what one stage keeps for its sequences (KV pages, running state, the drafter's K/V), in
-the spirit of llama.cpp's llama-memory.h; its fields are KVMemory, RecurrentMemory and HybridMemory."""
+the spirit of llama.cpp's llama-memory.h, every verb run in the stage's own device scope; Field, the hooks one kind
+of state implements (KVMemory, RecurrentMemory; HybridMemory holds several)."""
 from __future__ import annotations
 
+import contextlib
+import functools
 from abc import ABC, abstractmethod
 from typing import Any, BinaryIO
 
@@ -35,7 +38,20 @@ def _diff(a: Any, b: Any, path: str = "") -> str | None:
     return None if a == b else f"{path}: part {a!r}, stage {b!r}"
 
 
-class Memory(ABC):
+def on_device(drain: bool = True):
+    """A Memory verb run in the memory's device scope (Memory.scope): the device drained first (drain=True: nothing
+    in flight still reads or writes the state) and made current, so the copies the verb makes run on the stage's
+    own card and stream."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def run(self, *args, **kw):
+            with self.scope(drain):
+                return fn(self, *args, **kw)
+        return run
+    return wrap
+
+
+class Memory:
     """One stage's per-sequence state: sequences by id, each a SequenceState.
 
     Operations: ``new_seq`` / ``drop_seq``; ``truncate`` (attention: to any prefix; a recurrent state refuses
@@ -43,23 +59,56 @@ class Memory(ABC):
     ``validate`` then ``restore`` (nothing is written unless every check passed); ``materialize`` (a part's K/V as
     host copies); ``write(part, io)`` / ``read(io)`` (the byte codec, memory/codec.py); ``hashes`` (per layer and
     field); ``nbytes``; ``geometry`` (what a part must match). Subclasses implement the ``_`` hooks for their own
-    field; HybridMemory runs its children's hooks in order.
+    field (Field); a verb runs the hooks of every field in ``fields`` in order (one: the memory itself; several: a
+    HybridMemory's), every check of every field before any field writes.
+
+    backend: the stage's backend (None: the host's numpy arrays); every verb that reads or writes the state runs in
+    its device scope (``scope``). Capabilities, which callers read instead of probing for methods: ``holds_pages``
+    (a part's pages can be held on the device, a conversation parked resident), ``host_parts`` (parts can be
+    copied to the host and written as bytes: parking in RAM, session files), ``cuts_anywhere`` (no running state:
+    a sequence can be cut back to any prefix).
     """
 
-    def __init__(self, carve: Carve, identity: dict[str, Any] | None = None):
+    holds_pages = True
+    host_parts = True
+
+    def __init__(self, carve: Carve, identity: dict[str, Any] | None = None, backend: Any = None,
+                 fields: "list[Field] | None" = None):
         self.carve = carve
         self.identity = dict(identity or {})      # e.g. arch, n_embd: part of the geometry a part must match
+        self.backend = backend
+        self.fields: list[Field] = list(fields) if fields is not None else [self]   # type: ignore[list-item]
         self._seqs: dict[int, SequenceState] = {}
         self._next = 0
         self._geometry_cache: dict[str, Any] | None = None
 
+    def scope(self, drain: bool = True) -> contextlib.AbstractContextManager:
+        """This memory's device drained (drain=True) and made current, for as long as the context lasts (the
+        host's: nothing to do)."""
+        be = self.backend
+        if be is None:
+            return contextlib.nullcontext()
+        if drain:
+            be.drain()
+        return getattr(be, "device", None) or contextlib.nullcontext()
+
+    def _each(self, hook: str, *args) -> None:
+        for f in self.fields:
+            getattr(f, hook)(*args)
+
+    @property
+    def cuts_anywhere(self) -> bool:
+        """True when no field keeps a running state (a sequence can be cut back to any prefix)."""
+        return all(f._cuts_anywhere() for f in self.fields)
+
     # ---- sequences -------------------------------------------------------------------------------
+    @on_device(drain=False)
     def new_seq(self) -> int:
         """A new empty sequence's id."""
         sid = self._next
         self._next += 1
         st = SequenceState(self, sid)
-        self._open(st)
+        self._each("_open", st)
         self._seqs[sid] = st
         return sid
 
@@ -69,14 +118,26 @@ class Memory(ABC):
         except KeyError:
             raise KeyError(f"sequence {sid} does not exist on stage {self.carve}") from None
 
+    @on_device(drain=True)
     def drop_seq(self, sid: int) -> None:
         """Give the sequence's pages back and forget it."""
-        self._close(self.seq(sid))
+        self._each("_close", self.seq(sid))
         del self._seqs[sid]
 
     @property
     def sequences(self) -> list[int]:
         return sorted(self._seqs)
+
+    def pos(self, sid: int) -> int:
+        """Tokens sequence `sid` has read."""
+        return self.seq(sid).pos
+
+    @on_device(drain=False)
+    def reserve(self, sid: int, n: int) -> None:
+        """Pages for n more tokens of sequence `sid` (KVCacheFull changes nothing; extra pages are harmless)."""
+        st = self.seq(sid)
+        if st.kv is not None:
+            st.kv.reserve(n)
 
     # ---- position --------------------------------------------------------------------------------
     def check_truncate(self, sid: int, p: int) -> None:
@@ -85,8 +146,9 @@ class Memory(ABC):
         if not 0 <= p <= st.pos:
             raise ValueError(f"truncate({p}) outside [0, {st.pos}]")
         if 0 < p < st.pos:
-            self._check_truncate(st, p)
+            self._each("_check_truncate", st, p)
 
+    @on_device(drain=False)
     def truncate(self, sid: int, p: int) -> None:
         """Cut the sequence back to p tokens (pages kept). ValueError, changing nothing, for p outside [0, pos] or
         a cut a running state cannot make (restore a checkpoint instead). p == 0 is reset."""
@@ -97,13 +159,14 @@ class Memory(ABC):
         if p == 0:
             self.reset(sid)
             return
-        self._truncate(st, p)
+        self._each("_truncate", st, p)
         st.pos = p
 
+    @on_device(drain=True)
     def reset(self, sid: int) -> None:
         """Back to position 0 (pages kept, running state zeroed)."""
         st = self.seq(sid)
-        self._reset(st)
+        self._each("_reset", st)
         st.pos = 0
 
     def trim(self, sid: int) -> None:
@@ -119,15 +182,16 @@ class Memory(ABC):
         do not modify it)."""
         if self._geometry_cache is None:
             g: dict[str, Any] = {"carve": [self.carve.lo, self.carve.hi], "identity": self.identity}
-            self._geometry(g)
+            self._each("_geometry", g)
             self._geometry_cache = g
         return self._geometry_cache
 
+    @on_device(drain=True)
     def capture(self, sid: int) -> StatePart:
         """The sequence at its position: running state copied, K/V referenced (KVPages)."""
         st = self.seq(sid)
         part = StatePart(carve=self.carve, geometry=self.geometry(), pos=st.pos)
-        self._capture(st, part)
+        self._each("_capture", st, part)
         return part
 
     def validate(self, part: StatePart, sid: int | None = None) -> None:
@@ -142,8 +206,9 @@ class Memory(ABC):
             raise PartMismatch(f"the part's geometry differs from stage {self.carve}: {d}")
         if part.pos < 0:
             raise PartMismatch(f"the part's position {part.pos} is negative")
-        self._check(part, self.seq(sid) if sid is not None else None)
+        self._each("_check", part, self.seq(sid) if sid is not None else None)
 
+    @on_device(drain=True)
     def restore(self, sid: int, part: StatePart) -> None:
         """Validate, then make the sequence what `part` captured. PartMismatch changes nothing."""
         st = self.seq(sid)
@@ -151,9 +216,10 @@ class Memory(ABC):
             raise PartMismatch("a checkpoint part whose K/V is its conversation's prefix cannot be restored alone: "
                                "restore the conversation, then attach_prefix")
         self.validate(part, sid)
-        self._restore(st, part)
+        self._each("_restore", st, part)
         st.pos = part.pos
 
+    @on_device(drain=True)
     def detach(self, part: StatePart, to_host: bool = True) -> StatePart:
         """A checkpoint part to keep apart from the engine with its conversation: the running state as host copies
         (to_host=False: the part's own arrays, left where they are, for a conversation parked on the device) and
@@ -171,18 +237,20 @@ class Memory(ABC):
             raise PartMismatch("only a captured part (its K/V referencing a sequence's pages) can be held")
         out = StatePart(carve=part.carve, geometry=part.geometry, pos=part.pos, running=part.running)
         try:
-            self._hold(part, out)
+            self._each("_hold", part, out)
         except BaseException:
             self.release(out)                # a field held before another refused: nothing stays held
             raise
         return out
 
+    @on_device(drain=True)
     def release(self, part: StatePart) -> None:
         """Give back the pages a held part holds (idempotent; other parts are left as they are)."""
         for kvp in part.kv.values():
             if kvp.is_held:
                 kvp.hold.release()
 
+    @on_device(drain=False)
     def attach_prefix(self, sid: int, part: StatePart) -> StatePart:
         """The checkpoint part `part` (its K/V a prefix, see detach) as a part of sequence `sid`: its K/V a reference
         to the sequence's first pages, its running state copied to this stage's arrays. PartMismatch unless the
@@ -190,17 +258,19 @@ class Memory(ABC):
         self.validate(part)
         st = self.seq(sid)
         out = StatePart(carve=part.carve, geometry=part.geometry, pos=part.pos)
-        self._attach(st, part, out)
+        self._each("_attach", st, part, out)
         return out
 
+    @on_device(drain=True)
     def materialize(self, part: StatePart) -> StatePart:
         """The same part holding its K/V and running state as host copies (parking, session files). A part that
         references pages must be materialized while its sequence still holds them."""
         out = StatePart(carve=part.carve, geometry=part.geometry, pos=part.pos,
                         running={li: {k: host_copy(a) for k, a in d.items()} for li, d in part.running.items()})
-        self._materialize(part, out)
+        self._each("_materialize", part, out)
         return out
 
+    @on_device(drain=True)
     def write(self, part: StatePart, io: BinaryIO) -> int:
         """Write `part` (materialized first if it references pages) in the byte format; returns bytes written."""
         self.validate(part)
@@ -209,7 +279,7 @@ class Memory(ABC):
         lengths = {name: kvp.length for name, kvp in sorted(part.kv.items())}
         prefix = sorted(name for name, kvp in part.kv.items() if kvp.is_prefix)
         expected: list = []
-        self._expect(part.pos, lengths, expected, prefix)
+        self._each("_expect", part.pos, lengths, expected, prefix)
 
         def array(name: str) -> np.ndarray:
             field_, rest = name.split(".", 1)
@@ -240,7 +310,7 @@ class Memory(ABC):
                     not all(isinstance(x, str) and x in lengths for x in prefix):
                 raise codec.FormatError("bad position, K/V lengths or K/V prefix list in the part header")
             out: list[tuple[str, tuple[int, ...], np.dtype]] = []
-            self._expect(pos, lengths, out, prefix)
+            self._each("_expect", pos, lengths, out, prefix)
             return out
 
         header, arrays = codec.read(io, expect)
@@ -262,24 +332,33 @@ class Memory(ABC):
         return part
 
     # ---- introspection ---------------------------------------------------------------------------
+    @on_device(drain=True)
     def hashes(self, sid: int) -> dict[str, str]:
         """sha256 per field and layer: "kv.L{i}" (K then V over [0, pos), independent of which pages hold them),
         "running.L{i}" (the layer's arrays by name), "draft.L{i}"; and per field over its layers (with_field_hashes)."""
         out: dict[str, str] = {}
-        self._hashes(self.seq(sid), out)
+        self._each("_hashes", self.seq(sid), out)
         return with_field_hashes(out)
 
     def nbytes(self, sid: int) -> int:
         """Bytes of the sequence's state: valid K/V + running state."""
-        return self._nbytes(self.seq(sid))
+        st = self.seq(sid)
+        return sum(f._nbytes(st) for f in self.fields)
 
     def stats(self) -> dict[str, Any]:
         """JSON-ready: carve, sequences, and the fields' own numbers (KV pages used / total)."""
         out: dict[str, Any] = {"carve": [self.carve.lo, self.carve.hi], "sequences": len(self._seqs)}
-        self._stats(out)
+        self._each("_stats", out)
         return out
 
-    # ---- hooks (one field each; HybridMemory runs its children's) ----------------------------------
+
+
+class Field(ABC):
+    """The hooks of one kind of state a Memory keeps (KVMemory: K/V pages; RecurrentMemory: running state): the
+    Memory verbs call them on each of their fields in order."""
+
+    @abstractmethod
+    def _cuts_anywhere(self) -> bool: ...
     @abstractmethod
     def _open(self, st: SequenceState) -> None: ...
     @abstractmethod

@@ -7,22 +7,26 @@ from typing import Any
 import numpy as np
 
 from strata.memory.host import sha_arrays
-from strata.memory.memory import Memory
+from strata.memory.memory import Field, Memory
 from strata.memory.part import Carve, PartMismatch
 
 
-class RecurrentMemory(Memory):
+class RecurrentMemory(Memory, Field):
     """Running state of the carve's recurrent layers: `init` is layer -> {name: zeroed array} (float32, numpy or
     CuPy), the state every sequence starts from. A running state only moves forward: truncate refuses any
-    position but its own and 0 (restore a checkpoint instead)."""
+    position but its own and 0 (restore a checkpoint instead). backend: see Memory."""
 
-    def __init__(self, carve: Carve, init: dict[int, dict[str, Any]], xp: Any = np, identity: dict | None = None):
-        super().__init__(carve, identity)
+    def __init__(self, carve: Carve, init: dict[int, dict[str, Any]], xp: Any = np, identity: dict | None = None,
+                 backend: Any = None):
+        super().__init__(carve, identity, backend)
         bad = [li for li in init if li not in carve]
         if bad:
             raise ValueError(f"recurrent layers {bad} are outside the carve {carve}")
         self.init = init
         self.xp = xp            # the arrays' module (numpy, or CuPy on a GPU stage)
+
+    def _cuts_anywhere(self):
+        return not self.init
 
     def _open(self, st):
         st.running = {li: {k: a.copy() for k, a in d.items()} for li, d in self.init.items()}

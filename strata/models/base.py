@@ -125,11 +125,12 @@ class Model(ABC):
         ident = self.identity()
         running = self.new_running_state(carve)
         if pool.layers or not running:
-            fields.append(KVMemory(carve, pool, identity=ident))
+            fields.append(KVMemory(carve, pool, identity=ident, backend=self.backend))
         if running:
-            fields.append(RecurrentMemory(carve, running, xp=getattr(self.backend, "xp", np), identity=ident))
+            fields.append(RecurrentMemory(carve, running, xp=getattr(self.backend, "xp", np), identity=ident,
+                                          backend=self.backend))
         fields += self._drafter_memory(n_ctx, carve, n_seq, page_size)
-        return fields[0] if len(fields) == 1 else HybridMemory(carve, fields, identity=ident)
+        return fields[0] if len(fields) == 1 else HybridMemory(carve, fields, identity=ident, backend=self.backend)
 
     def _drafter_memory(self, n_ctx: int, carve: Carve, n_seq: int, page_size: int) -> list[Memory]:
         """The drafter's K/V field on the last stage of a model with an MTP head (none here)."""

@@ -21,6 +21,7 @@ from link import (Ack, Challenge, CkptRestore, CkptSave, Commit, Error, ErrorCod
                   HelloAck, Hop, LinkError, Ping, Pong, Reset, Result)
 from strata.errors import EngineFault, Unavailable
 from strata.memory import Carve, PartMismatch
+from strata.stages.stage import StageBase
 
 log = structlog.get_logger("strata.stages.remote")
 
@@ -332,15 +333,131 @@ class RemotePart:
         return 0
 
 
-class RemoteStage:
+class RemoteMemory:
+    """A remote stage's memory: the state verbs spoken over the link (the worker chain keeps the sequence's K/V and
+    running state; a checkpoint part is a RemotePart, an id in the worker's store kept alive by the main's
+    references: the ids of the parts the main still holds travel as the keep list of every checkpoint message, and
+    the worker prunes to them when an operation succeeds).
+
+    Capabilities (strata.memory.Memory's): no part's pages can be held on a device here and no part copied to the
+    host (``holds_pages`` / ``host_parts`` False: the engine neither parks nor saves with a remote stage);
+    ``cuts_anywhere`` unless the carve has recurrent layers (a Commit cuts the worker's K/V back)."""
+
+    holds_pages = False
+    host_parts = False
+
+    def __init__(self, link: "RemoteStage", recurrent: bool):
+        self.link, self.carve, self.recurrent = link, link.carve, bool(recurrent)
+        self.at = 0                          # the live sequence's position on the worker
+        self.seq_epoch = 0                   # the link epoch the live sequence's worker state belongs to
+        self._ids = itertools.count(1)
+        self._parts: dict[int, weakref.ref] = {}
+        self.held, self.store_bytes = 0, 0   # what the worker's store reported at the last Ack
+
+    @property
+    def cuts_anywhere(self) -> bool:
+        return not self.recurrent
+
+    def _keep(self, also: int | None = None) -> list[int]:
+        """The ids of the RemoteParts the main still holds (and `also`): the worker keeps exactly these."""
+        for i in [i for i, r in self._parts.items() if r() is None]:
+            del self._parts[i]
+        ids = sorted(self._parts)
+        return ids + [also] if also is not None and also not in self._parts else ids
+
+    def _acked(self, ack) -> None:
+        if isinstance(ack, Ack):
+            self.held, self.store_bytes = int(ack.held), int(ack.store_bytes)
+
+    def new_seq(self) -> int:
+        return 0
+
+    def drop_seq(self, sid: int) -> None:
+        """Nothing on the main; the worker drops its state at a Reset or when the link closes."""
+
+    def pos(self, sid: int) -> int:
+        return self.at
+
+    def reserve(self, sid: int, n: int) -> None:
+        """Nothing here: the worker reserves its pages for the tokens a Forward carries (its pool holds n_ctx
+        tokens of its carve, as the main's does)."""
+
+    def capture(self, sid: int) -> RemotePart:
+        """CkptSave: the worker chain keeps its part of the sequence at the current position under a new id."""
+        cid = next(self._ids)
+        ack = self.link.call(CkptSave(ckpt_id=cid, pos=self.at, keep=self._keep(also=cid)))
+        self._acked(ack)
+        part = RemotePart(carve=self.carve, pos=self.at, ckpt_id=cid, epoch=self.link.epoch)
+        self._parts[cid] = weakref.ref(part)
+        return part
+
+    def validate(self, part, sid: int | None = None) -> None:
+        if not isinstance(part, RemotePart):
+            raise PartMismatch(f"a {type(part).__name__} is not a part of a remote stage")
+        if part.carve != self.carve:
+            raise PartMismatch(f"the part is of layers {part.carve}, this remote stage runs {self.carve}")
+        if part.epoch != self.link.epoch:
+            raise CheckpointGone(f"the worker no longer holds checkpoint {part.ckpt_id} (the link reconnected)")
+
+    def restore(self, sid: int, part: RemotePart) -> None:
+        """CkptRestore (settling first). CheckpointGone when the worker does not hold the part."""
+        self.validate(part)
+        self.link.settle()
+        try:
+            ack = self.link.call(CkptRestore(ckpt_id=part.ckpt_id, pos=part.pos, keep=self._keep(also=part.ckpt_id)))
+        except WorkerError as e:
+            if e.link_code == ErrorCode.CKPT_MISSING:
+                raise CheckpointGone(str(e)) from None
+            raise
+        self._acked(ack)
+        self.at = part.pos
+
+    def check_truncate(self, sid: int, p: int) -> None:
+        if not 0 <= p <= self.at:
+            raise ValueError(f"truncate({p}) outside [0, {self.at}]")
+        if self.recurrent and 0 < p < self.at:
+            raise ValueError(f"cannot cut a recurrent running state back from {self.at} to {p}; "
+                             "restore a checkpoint instead")
+
+    def truncate(self, sid: int, p: int) -> None:
+        """Commit(p), sent ahead: the worker keeps [0, p); the next prompt settles before it is read."""
+        self.check_truncate(sid, p)
+        self.link.post(Commit(pos=int(p)))
+        self.at = int(p)
+
+    def reset(self, sid: int) -> None:
+        """Reset (a settle point). With the link down there is nothing to reset: the worker dropped the state."""
+        self.at = 0
+        if self.link.client is None:
+            return
+        self.link.settle()
+        self._acked(self.link.call(Reset(keep=self._keep())))
+        self.seq_epoch = self.link.epoch
+
+    def trim(self, sid: int) -> None:
+        """Nothing to give back on the main; a Reset gives the worker's pages back."""
+
+    def hashes(self, sid: int) -> dict[str, str]:
+        """No per-layer hashes: the worker's state is not read back over the link."""
+        return {}
+
+    def nbytes(self, sid: int) -> int:
+        return 0
+
+    def stats(self) -> dict[str, Any]:
+        return {"carve": [self.carve.lo, self.carve.hi], "checkpoints_held": self.held,
+                "store_bytes": self.store_bytes}
+
+
+class RemoteStage(StageBase):
     """Stage of the layers `hops` run on a worker chain (--remote-stage A,B: A runs the first carve and relays to
     B). The main keeps the embeddings (on its local stages) and the output head: this stage sends the hidden
-    states on, takes the last carve's back, and runs the final norm and the head on `model`'s backend.
+    states on, takes the last carve's back, and runs the final norm and the head on `model`'s backend. Its
+    ``memory`` is a RemoteMemory: the state verbs spoken over this stage's link.
 
-    The main decides: positions, which checkpoints exist (the ids of the RemoteParts the main still holds travel as
-    the keep list of every checkpoint message, and the worker prunes to them when an operation succeeds). A link
-    failure fails the request in flight (LinkDown); a background thread then reconnects with backoff, and the
-    fresh worker state makes the engine start its live sequence and its checkpoints over (``lost``).
+    The main decides positions and which checkpoints exist. A link failure fails the request in flight
+    (LinkDown); a background thread then reconnects with backoff, and the fresh worker state makes the engine
+    start its live sequence and its checkpoints over (``lost``).
     """
 
     runner_name = "LinkClient"
@@ -353,27 +470,22 @@ class RemoteStage:
         self.carve = Carve(self.hops[0][1].lo, self.hops[-1][1].hi)
         self.device = "remote:" + ",".join(a for a, _ in self.hops)
         self.model, self.backend = model, model.backend
-        self.memory = None
         self.first, self.last = False, True
         self.fingerprint, self.n_ctx, self.max_batch, self.ckpt_max = fingerprint, int(n_ctx), int(max_batch), \
             int(ckpt_max)
         self.key, self.silent_after = key, silent_after
         self.encrypt, self.insecure = bool(encrypt), bool(insecure)
-        self.recurrent = bool(model.new_running_state(self.carve))   # can the worker's state be cut back?
         self.client: LinkClient | None = None
         self.epoch = 0                       # connections made; a RemotePart of another epoch is gone
-        self._seq_epoch = 0                  # the epoch the live sequence's worker state belongs to
-        self._pos = 0
-        self._ids = itertools.count(1)
-        self._parts: dict[int, weakref.ref] = {}
+        self.memory = RemoteMemory(self, recurrent=bool(model.new_running_state(self.carve)))
         self._io = threading.RLock()         # the engine thread and the heartbeat / reconnect thread
         self.down_reason: str | None = None
-        self.held, self.store_bytes, self.rtt_s = 0, 0, None
+        self.rtt_s = None
         self.commits = 0                     # Commits sent ahead (settled before the next prompt is read)
         self.worker_us = 0                   # the worker chain's own compute time over all Forwards (Result)
         self._stop = threading.Event()
         self._connect()                      # WorkerRefused at start: `strata serve` exits naming the worker
-        self._seq_epoch = self.epoch
+        self.memory.seq_epoch = self.epoch
         self._thread = threading.Thread(target=self._keepalive, name="strata-link", daemon=True)
         self._thread.start()
 
@@ -394,8 +506,8 @@ class RemoteStage:
         n_embd = int(self.model.config.n_embd)
         client.max_payload = max(1 << 20, self.max_batch * (n_embd * 4 + 8) + 4096)
         with self._io:
-            self.client, self.epoch, self._pos = client, self.epoch + 1, 0
-            self.down_reason, self.held, self.store_bytes = None, 0, 0
+            self.client, self.epoch, self.memory.at = client, self.epoch + 1, 0
+            self.down_reason, self.memory.held, self.memory.store_bytes = None, 0, 0
         log.info("stage link up", stage=self.index, workers=[a for a, _ in self.hops], epoch=self.epoch,
                  ckpt_max=ack.ckpt_max, part_bytes=ack.part_bytes, worker=ack.worker, device=ack.device,
                  frames=client.frames)
@@ -446,7 +558,8 @@ class RemoteStage:
             raise LinkDown(f"stage {self.index} ({self.device}) is unreachable: {self.down_reason}; reconnecting")
         return self.client
 
-    def _call(self, msg):
+    def call(self, msg):
+        """Send `msg` and wait for the worker's answer (LinkDown marks the link down)."""
         with self._io:
             try:
                 return self._live().call(msg)
@@ -454,16 +567,15 @@ class RemoteStage:
                 self._mark_down(str(e))
                 raise
 
-    def _keep(self, also: int | None = None) -> list[int]:
-        """The ids of the RemoteParts the main still holds (and `also`): the worker keeps exactly these."""
-        for i in [i for i, r in self._parts.items() if r() is None]:
-            del self._parts[i]
-        ids = sorted(self._parts)
-        return ids + [also] if also is not None and also not in self._parts else ids
-
-    def _acked(self, ack) -> None:
-        if isinstance(ack, Ack):
-            self.held, self.store_bytes = int(ack.held), int(ack.store_bytes)
+    def post(self, msg) -> None:
+        """Send `msg` ahead (a Commit): its answer is settled before the next prompt is read."""
+        with self._io:
+            try:
+                self._live().post(msg)
+                self.commits += 1
+            except LinkDown as e:
+                self._mark_down(str(e))
+                raise
 
     # ---- what the engine asks of every stage ------------------------------------------------------------------
     @property
@@ -477,7 +589,7 @@ class RemoteStage:
 
     def lost(self) -> bool:
         """Whether the worker's part of the live sequence is gone (the link reconnected since)."""
-        return self._seq_epoch != self.epoch
+        return self.memory.seq_epoch != self.epoch
 
     def settle(self) -> None:
         """Wait for the worker's replies to every Commit sent ahead (before a prompt is read)."""
@@ -489,10 +601,6 @@ class RemoteStage:
                 self._mark_down(str(e))
                 raise
 
-    def reserve(self, sid: int, n: int) -> None:
-        """Nothing here: the worker reserves its pages for the tokens a Forward carries (its pool holds n_ctx
-        tokens of its carve, as the main's does)."""
-
     def forward(self, tokens: np.ndarray, sid: int, x_in=None, all_logits: bool = False, on_device: bool = False):
         """Send the previous stage's hidden states through the worker chain; run the head on what comes back ->
         logits as Stage.forward gives them."""
@@ -500,9 +608,10 @@ class RemoteStage:
         be = self.backend
         x = np.ascontiguousarray(x_in if isinstance(x_in, np.ndarray) else be.to_host(x_in), dtype=np.float32)
         n = int(toks.shape[0])
-        res = self._call(Forward(pos=self._pos, want_all=bool(all_logits), tokens=toks, hidden=x))
-        if not isinstance(res, Result) or res.pos != self._pos + n:
-            self._mark_down(f"answered a Forward at {self._pos} of {n} tokens with "
+        at = self.memory.at
+        res = self.call(Forward(pos=at, want_all=bool(all_logits), tokens=toks, hidden=x))
+        if not isinstance(res, Result) or res.pos != at + n:
+            self._mark_down(f"answered a Forward at {at} of {n} tokens with "
                             f"{type(res).__name__} at {getattr(res, 'pos', '?')}")
             raise LinkDown(f"stage {self.index} ({self.device}): the worker lost step with the main")
         h = res.hidden
@@ -510,92 +619,13 @@ class RemoteStage:
         if fault is not None:        # the worker's state is not to be trusted: a fresh link, the sequence read again
             self._mark_down(f"returned {fault}")
             raise WorkerBadResult(f"stage {self.index} ({self.device}): the worker returned {fault} for a Forward "
-                                  f"of {n} tokens at {self._pos}; the link is reset")
-        self._pos = int(res.pos)
+                                  f"of {n} tokens at {at}; the link is reset")
+        self.memory.at = int(res.pos)
         self.worker_us += int(res.compute_us)
         if getattr(be, "xp", np) is not np:
             with be.device:
                 return self.model.head(be.xp.asarray(h), all_logits, on_device=on_device)
         return self.model.head(h, all_logits)
-
-    def new_seq(self) -> int:
-        return 0
-
-    def pos(self, sid: int) -> int:
-        return self._pos
-
-    def capture(self, sid: int) -> RemotePart:
-        """CkptSave: the worker chain keeps its part of the sequence at the current position under a new id."""
-        cid = next(self._ids)
-        ack = self._call(CkptSave(ckpt_id=cid, pos=self._pos, keep=self._keep(also=cid)))
-        self._acked(ack)
-        part = RemotePart(carve=self.carve, pos=self._pos, ckpt_id=cid, epoch=self.epoch)
-        self._parts[cid] = weakref.ref(part)
-        return part
-
-    def validate(self, part, sid: int | None = None) -> None:
-        if not isinstance(part, RemotePart):
-            raise PartMismatch(f"a {type(part).__name__} is not a part of a remote stage")
-        if part.carve != self.carve:
-            raise PartMismatch(f"the part is of layers {part.carve}, this remote stage runs {self.carve}")
-        if part.epoch != self.epoch:
-            raise CheckpointGone(f"the worker no longer holds checkpoint {part.ckpt_id} (the link reconnected)")
-
-    def restore(self, sid: int, part: RemotePart) -> None:
-        """CkptRestore (settling first). CheckpointGone when the worker does not hold the part."""
-        self.validate(part)
-        self.settle()
-        try:
-            ack = self._call(CkptRestore(ckpt_id=part.ckpt_id, pos=part.pos, keep=self._keep(also=part.ckpt_id)))
-        except WorkerError as e:
-            if e.link_code == ErrorCode.CKPT_MISSING:
-                raise CheckpointGone(str(e)) from None
-            raise
-        self._acked(ack)
-        self._pos = part.pos
-
-    def check_truncate(self, sid: int, p: int) -> None:
-        if not 0 <= p <= self._pos:
-            raise ValueError(f"truncate({p}) outside [0, {self._pos}]")
-        if self.recurrent and 0 < p < self._pos:
-            raise ValueError(f"cannot cut a recurrent running state back from {self._pos} to {p}; "
-                             "restore a checkpoint instead")
-
-    def truncate(self, sid: int, p: int) -> None:
-        """Commit(p), sent ahead: the worker keeps [0, p); the next prompt settles before it is read."""
-        self.check_truncate(sid, p)
-        with self._io:
-            try:
-                self._live().post(Commit(pos=int(p)))
-                self.commits += 1
-            except LinkDown as e:
-                self._mark_down(str(e))
-                raise
-        self._pos = int(p)
-
-    def reset(self, sid: int) -> None:
-        """Reset (a settle point). With the link down there is nothing to reset: the worker dropped the state."""
-        self._pos = 0
-        if self.client is None:
-            return
-        self.settle()
-        self._acked(self._call(Reset(keep=self._keep())))
-        self._seq_epoch = self.epoch
-
-    def trim(self, sid: int) -> None:
-        """Nothing to give back on the main; a Reset gives the worker's pages back."""
-
-    def hashes(self, sid: int) -> dict[str, str]:
-        """No per-layer hashes: the worker's state is not read back over the link."""
-        return {}
-
-    def nbytes(self, sid: int) -> int:
-        return 0
-
-    def _refuse(self, *_a, **_k):
-        raise RuntimeError("parking and session files are not supported with a remote stage (--remote-stage) yet")
-
-    materialize = detach = attach_prefix = write = read = _refuse
 
     def memory_info(self) -> dict[str, int]:
         return {}
@@ -608,5 +638,5 @@ class RemoteStage:
                          "frames": c.frames if c else None,
                          "workers": [{"address": a, "layer_lo": cc.lo, "layer_hi": cc.hi} for a, cc in self.hops],
                          "rtt_ms": None if self.rtt_s is None else round(self.rtt_s * 1e3, 3),
-                         "checkpoints_held": self.held, "store_bytes": self.store_bytes,
+                         "checkpoints_held": self.memory.held, "store_bytes": self.memory.store_bytes,
                          "bytes_sent": c.sent_bytes if c else 0, "bytes_received": c.received_bytes if c else 0}}

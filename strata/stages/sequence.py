@@ -40,7 +40,7 @@ class Sequence:
 
     def __init__(self, stages: list):
         self.stages = stages
-        self.sids = [st.new_seq() for st in stages]
+        self.sids = [st.memory.new_seq() for st in stages]
         self._buf = np.zeros(256, np.int32)
         self._n = 0
         # called when a stage's KV pool is short: frees pages (the engine moves a conversation parked on the device
@@ -102,7 +102,7 @@ class Sequence:
         or nothing more can be freed (KVCacheFull, changing nothing but the extra pages reserved)."""
         def each():
             for st, sid in zip(self.stages, self.sids):
-                st.reserve(sid, n)
+                st.memory.reserve(sid, n)
         self.with_room(each)
 
     def with_room(self, fn: Callable[[], Any]) -> Any:
@@ -133,7 +133,7 @@ class Sequence:
     def capture(self) -> Checkpoint:
         """A checkpoint at the current position (each stage drained on its own device first)."""
         return Checkpoint(pos=self.pos, tokens=frozen_ids(self.ids),
-                          parts=[st.capture(sid) for st, sid in zip(self.stages, self.sids)])
+                          parts=[st.memory.capture(sid) for st, sid in zip(self.stages, self.sids)])
 
     def validate(self, ckpt: Checkpoint) -> None:
         """PartMismatch (one line, naming the stage) unless every part fits its own stage and this sequence."""
@@ -153,7 +153,7 @@ class Sequence:
             if part.pos != ckpt.pos:
                 raise PartMismatch(f"stage {st.index}'s part is at position {part.pos}, the checkpoint at {ckpt.pos}")
             try:
-                st.validate(part, sid)
+                st.memory.validate(part, sid)
             except PartMismatch as e:
                 raise PartMismatch(f"stage {st.index} ({st.carve} on {st.device}): {e}") from None
 
@@ -161,22 +161,22 @@ class Sequence:
         """Validate every part, then restore each stage (drained on its own device) and the tokens."""
         self.validate(ckpt)
         for st, sid, part in zip(self.stages, self.sids, ckpt.parts):
-            st.restore(sid, part)
+            st.memory.restore(sid, part)
         self._set(ckpt.tokens)
 
     # ---- conversations held apart (parking, session files) -----------------------------------------
     def materialize(self, ckpt: Checkpoint) -> list[StatePart]:
         """Host copies of every stage's part of `ckpt` (its K/V pages and running state)."""
-        return [st.materialize(p) for st, p in zip(self.stages, ckpt.parts)]
+        return [st.memory.materialize(p) for st, p in zip(self.stages, ckpt.parts)]
 
     def detach(self, ckpt: Checkpoint, to_host: bool = True) -> list[StatePart]:
         """`ckpt`'s parts to keep with their conversation: running state as host copies (to_host=False: left on
         the device, for a conversation parked there), K/V as a prefix."""
-        return [st.detach(p, to_host) for st, p in zip(self.stages, ckpt.parts)]
+        return [st.memory.detach(p, to_host) for st, p in zip(self.stages, ckpt.parts)]
 
     def can_hold(self) -> bool:
         """Whether every stage can keep a conversation's pages on its device (local stages; not a remote one)."""
-        return all(hasattr(st, "hold") for st in self.stages)
+        return all(st.memory.holds_pages for st in self.stages)
 
     def hold(self, ckpt: Checkpoint) -> list[StatePart]:
         """`ckpt` (captured at this sequence's position) as held parts: each stage keeps its pages whatever the
@@ -185,7 +185,7 @@ class Sequence:
         held: list[StatePart] = []
         try:
             for st, p in zip(self.stages, ckpt.parts):
-                held.append(st.hold(p))
+                held.append(st.memory.hold(p))
         except BaseException:
             self.release(held)
             raise
@@ -194,7 +194,7 @@ class Sequence:
     def release(self, parts: list[StatePart]) -> None:
         """Give back the pages of held parts (see hold)."""
         for st, p in zip(self.stages, parts):
-            st.release(p)
+            st.memory.release(p)
 
     def validate_detached(self, pos: int, parts: list[StatePart]) -> None:
         """PartMismatch unless `parts` (detached, see detach) fit the stages at position `pos`."""
@@ -205,7 +205,7 @@ class Sequence:
             if part.pos != pos:
                 raise PartMismatch(f"stage {st.index}'s checkpoint part is at {part.pos}, expected {pos}")
             try:
-                st.validate(part)
+                st.memory.validate(part)
             except PartMismatch as e:
                 raise PartMismatch(f"stage {st.index} ({st.carve} on {st.device}): {e}") from None
 
@@ -213,7 +213,7 @@ class Sequence:
         """A checkpoint of this sequence at `pos` from detached parts: K/V referencing its pages, running state
         copied to each stage."""
         return Checkpoint(pos=pos, tokens=frozen_ids(self.ids[:pos]),
-                          parts=[st.attach_prefix(sid, p) for st, sid, p in zip(self.stages, self.sids, parts)])
+                          parts=[st.memory.attach_prefix(sid, p) for st, sid, p in zip(self.stages, self.sids, parts)])
 
     def truncate(self, p: int) -> None:
         """Cut back to p tokens on every stage (ValueError, changing nothing, where a running state refuses)."""
@@ -225,15 +225,15 @@ class Sequence:
             self.reset()
             return
         for st, sid in zip(self.stages, self.sids):          # every stage's check before any cut
-            st.check_truncate(sid, p)
+            st.memory.check_truncate(sid, p)
         for st, sid in zip(self.stages, self.sids):
-            st.truncate(sid, p)
+            st.memory.truncate(sid, p)
         self._n = p
 
     def drop(self) -> None:
         """Give every stage's pages of this sequence back and forget it there (the sequence is unusable after)."""
         for st, sid in zip(self.stages, self.sids):
-            st.drop_seq(sid)
+            st.memory.drop_seq(sid)
         self.sids, self._n = [], 0
 
     def can_truncate(self, p: int) -> bool:
@@ -243,7 +243,7 @@ class Sequence:
             return False
         try:
             for st, sid in zip(self.stages, self.sids):
-                st.check_truncate(sid, p)
+                st.memory.check_truncate(sid, p)
         except ValueError:
             return False
         return True
@@ -251,28 +251,28 @@ class Sequence:
     def reset(self) -> None:
         """Back to position 0 on every stage (pages kept, running state zeroed)."""
         for st, sid in zip(self.stages, self.sids):
-            st.reset(sid)
+            st.memory.reset(sid)
         self._n = 0
 
     def trim(self) -> None:
         """Give back every stage's pages past the valid positions."""
         for st, sid in zip(self.stages, self.sids):
-            st.trim(sid)
+            st.memory.trim(sid)
 
     def hashes(self) -> dict[str, str]:
         """sha256 per field: "tokens", and every stage's per-layer hashes (layer indices are global, so a split
         and an unsplit engine give the same keys), plus "kv" / "running" over all layers in order."""
         per: dict[str, str] = {}
         for st, sid in zip(self.stages, self.sids):
-            per.update({k: v for k, v in st.hashes(sid).items() if ".L" in k})
+            per.update({k: v for k, v in st.memory.hashes(sid).items() if ".L" in k})
         out = with_field_hashes(per)
         out["tokens"] = hashlib.sha256(self.ids.tobytes()).hexdigest()
         return out
 
     def nbytes(self) -> int:
         """Bytes of the sequence's state on every stage + token ids (int32)."""
-        return sum(st.nbytes(sid) for st, sid in zip(self.stages, self.sids)) + 4 * self._n
+        return sum(st.memory.nbytes(sid) for st, sid in zip(self.stages, self.sids)) + 4 * self._n
 
     def positions(self) -> list[int]:
         """Each stage's position (all equal to pos between forward calls)."""
-        return [st.pos(sid) for st, sid in zip(self.stages, self.sids)]
+        return [st.memory.pos(sid) for st, sid in zip(self.stages, self.sids)]

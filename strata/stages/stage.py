@@ -1,8 +1,9 @@
-"""Stage: a carve of the model's layers on one device, with its memory and its runner; ModelRunner, the runner
-that executes a carve through the model's own forward (the CPU's, and any carve no faster plan runs)."""
+"""StageBase (what the engine holds of a stage, local or remote: carve, device, memory, runner, capabilities read
+from the memory); Stage, a carve of the model's layers on one device; ModelRunner, the runner that executes a carve
+through the model's own forward (the CPU's, and any carve no faster plan runs)."""
 from __future__ import annotations
 
-import contextlib
+from abc import ABC, abstractmethod
 from typing import Any
 
 import numpy as np
@@ -31,14 +32,65 @@ class ModelRunner:
         return getattr(self.model, "moe_path", None)
 
 
-class Stage:
+class StageBase(ABC):
+    """What the engine holds of a stage, local or remote: ``index``, ``carve``, ``device``, ``first`` / ``last``,
+    its ``memory`` and its runner.
+
+    The state verbs (new_seq, reserve, capture, validate, restore, truncate, reset, hashes, materialize, hold,
+    write, read, ...) are the memory's (strata.memory.Memory on a local stage, each verb in the stage's own device
+    scope; the link's on a remote one): callers call ``stage.memory.<verb>`` and read its capabilities
+    (``holds_pages``, ``host_parts``, ``cuts_anywhere``) instead of probing for methods. A stage itself runs the
+    carve (``forward``) and answers for its device or link (settle, lost, unavailable, close, memory_info,
+    status).
+    """
+
+    index: int
+    carve: Carve
+    device: str
+    memory: Any
+    first: bool
+    last: bool
+
+    @abstractmethod
+    def forward(self, tokens: np.ndarray, sid: int, x_in=None, all_logits: bool = False, on_device: bool = False):
+        """Read `tokens` of sequence `sid` through this stage -> hidden states for the next stage, or, on the last
+        stage, the logits (host float32; with on_device, the last token's logits as a device array)."""
+
+    @property
+    @abstractmethod
+    def device_logits(self) -> bool:
+        """Whether this stage can leave the logits on its device (the engine then samples there)."""
+
+    def settle(self) -> None:
+        """Wait until nothing sent ahead is in flight (a remote stage's Commits); nothing on a local stage."""
+
+    def lost(self) -> bool:
+        """Whether this stage lost the live sequence's state behind the engine's back (never, locally)."""
+        return False
+
+    def unavailable(self) -> str | None:
+        """Why the stage cannot run requests now (a remote stage's link is down), or None."""
+        return None
+
+    def close(self) -> None:
+        """Let go of what the stage holds outside this process (a remote stage's link); nothing locally."""
+
+    @abstractmethod
+    def memory_info(self) -> dict[str, int]:
+        """The device's memory numbers (empty where there are none)."""
+
+    @abstractmethod
+    def status(self) -> dict[str, Any]:
+        """JSON-ready: index, carve, device, runner and the memory's numbers."""
+
+
+class Stage(StageBase):
     """Layers ``carve`` of the model on ``device``: stage 0 embeds the tokens, the last stage ends
     with the output head; the others take and return hidden states.
 
-    The stage owns its ``memory`` (every sequence's KV pages / running state / drafter K/V for its layers) and
-    its ``runner`` (ModelRunner, or the backend's CUDA plan of the carve). Everything the engine does to a
-    stage goes through the methods below; state is read (capture, hashes, write) or written (restore) only after
-    the stage's own device drained (``backend.drain``).
+    The stage owns its ``memory`` (every sequence's KV pages / running state / drafter K/V for its layers, each
+    verb drained and run on this stage's device) and its ``runner`` (ModelRunner, or the backend's CUDA plan of the
+    carve).
     """
 
     def __init__(self, index: int, carve: Carve, device: str, backend, model, memory: Memory, runner):
@@ -51,20 +103,6 @@ class Stage:
     def device_logits(self) -> bool:
         """Whether this stage's runner can leave the logits on its device (the engine then samples there)."""
         return bool(getattr(self.runner, "device_logits", False))
-
-    def on_device(self):
-        """This stage's device made current (a context manager): the copies its memory makes (a page copied for a
-        parked conversation, running state restored) run on its own card and stream; nothing on the
-        CPU."""
-        return getattr(self.backend, "device", None) or contextlib.nullcontext()
-
-    # ---- compute ---------------------------------------------------------------------------------
-    def reserve(self, sid: int, n: int) -> None:
-        """Pages for n more tokens of sequence `sid` (KVCacheFull changes nothing; extra pages are harmless)."""
-        st = self.memory.seq(sid)
-        if st.kv is not None:
-            with self.on_device():
-                st.kv.reserve(n)
 
     def forward(self, tokens: np.ndarray, sid: int, x_in=None, all_logits: bool = False, on_device: bool = False):
         """Read `tokens` of sequence `sid` through this stage. x_in: the previous stage's hidden states (moved to
@@ -79,95 +117,6 @@ class Stage:
         if on_device and self.last:
             return self.runner.forward_device(tokens, st, x_in=x_in)
         return self.runner.forward(tokens, st, all_logits=all_logits, x_in=x_in)
-
-    # ---- state -----------------------------------------------------------------------------------
-    def settle(self) -> None:
-        """Nothing is ever in flight on a local stage (a remote one waits for its Commits here)."""
-
-    def lost(self) -> bool:
-        """Whether this stage lost the live sequence's state behind the engine's back (never, locally)."""
-        return False
-
-    def unavailable(self) -> str | None:
-        """Why the stage cannot run requests now (a remote stage's link is down), or None."""
-        return None
-
-    def new_seq(self) -> int:
-        return self.memory.new_seq()
-
-    def drop_seq(self, sid: int) -> None:
-        """Give sequence `sid`'s pages back and forget it (drained first)."""
-        self.backend.drain()
-        self.memory.drop_seq(sid)
-
-    def pos(self, sid: int) -> int:
-        return self.memory.seq(sid).pos
-
-    def capture(self, sid: int) -> StatePart:
-        self.backend.drain()
-        with self.on_device():
-            return self.memory.capture(sid)
-
-    def validate(self, part: StatePart, sid: int | None = None) -> None:
-        self.memory.validate(part, sid)
-
-    def restore(self, sid: int, part: StatePart) -> None:
-        self.backend.drain()
-        with self.on_device():
-            self.memory.restore(sid, part)
-
-    def check_truncate(self, sid: int, p: int) -> None:
-        self.memory.check_truncate(sid, p)
-
-    def truncate(self, sid: int, p: int) -> None:
-        with self.on_device():
-            self.memory.truncate(sid, p)
-
-    def reset(self, sid: int) -> None:
-        self.backend.drain()
-        with self.on_device():
-            self.memory.reset(sid)
-
-    def trim(self, sid: int) -> None:
-        self.memory.trim(sid)
-
-    def hashes(self, sid: int) -> dict[str, str]:
-        self.backend.drain()
-        with self.on_device():
-            return self.memory.hashes(sid)
-
-    def nbytes(self, sid: int) -> int:
-        return self.memory.nbytes(sid)
-
-    def materialize(self, part: StatePart) -> StatePart:
-        self.backend.drain()
-        with self.on_device():
-            return self.memory.materialize(part)
-
-    def detach(self, part: StatePart, to_host: bool = True) -> StatePart:
-        self.backend.drain()
-        with self.on_device():
-            return self.memory.detach(part, to_host)
-
-    def hold(self, part: StatePart) -> StatePart:
-        return self.memory.hold(part)
-
-    def release(self, part: StatePart) -> None:
-        self.backend.drain()                 # nothing may still read the pages when another sequence takes them
-        with self.on_device():
-            self.memory.release(part)
-
-    def attach_prefix(self, sid: int, part: StatePart) -> StatePart:
-        with self.on_device():
-            return self.memory.attach_prefix(sid, part)
-
-    def write(self, part: StatePart, io) -> int:
-        self.backend.drain()
-        with self.on_device():
-            return self.memory.write(part, io)
-
-    def read(self, io) -> StatePart:
-        return self.memory.read(io)
 
     def memory_info(self) -> dict[str, int]:
         """The device's memory numbers (CUDA: total / free bytes and CuPy's pool, read on this stage's device);

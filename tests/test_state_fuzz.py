@@ -1,0 +1,189 @@
+"""A differential fuzz of conversation state (hypothesis state machine): random new chats on a shared system prompt,
+continued turns, regenerations, earlier turns edited, branches, switches between chats, session files saved and
+loaded, forgets and restarts, on an engine with checkpoints, parking (resident and in host RAM) and session files.
+The reference is an engine with none of them that reads every prompt cold (the CPU kernels give the same bits for
+any split of a prompt into reads): after every request the greedy tokens and the live sequence's state hashes are
+equal; after every step every KV page's reference count equals its holders (the live page tables and the holds of
+parked conversations); after a forget no page is held but by a parked conversation; a loaded session file's state
+hashes are those it was saved with. STATE_FUZZ_STEPS sets the steps of one run (tools/state_fuzz.py runs 10,000+)."""
+from __future__ import annotations
+
+import collections
+import itertools
+import json
+import os
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings, strategies as hs
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, \
+    run_state_machine_as_test
+
+from strata.engine import Engine
+from tests.helpers import ask
+
+STEPS = int(os.environ.get("STATE_FUZZ_STEPS", "0") or 0)     # steps per architecture (0: CI's)
+REPORT = os.environ.get("STATE_FUZZ_REPORT")                    # a JSON file the counts are added to
+N_ANSWER = 3
+SYSTEMS = ["You are a careful assistant. " * 6, "You answer in one short line. " * 4]
+WORDS = ["rivers", "ships", "stars", "salt", "maps", "clocks", "bees", "glass"]
+_names = itertools.count()
+
+
+def _pages_ok(engine) -> None:
+    """Every page's count is its holders' (the live page tables, the holds): nothing leaked, nothing freed early."""
+    seen = set()
+    for st in engine.stages:
+        for f in st.memory.fields:
+            pool = getattr(f, "pool", None)
+            if pool is None or id(pool) in seen:
+                continue
+            seen.add(id(pool))
+            want = np.zeros(pool.n_pages, int)
+            for table in (getattr(s, f.name) for s in (st.memory.seq(i) for i in st.memory.sequences)):
+                for p in table.pages:
+                    want[p] += 1
+            for h in pool.holds:
+                for p in h.pages:
+                    want[p] += 1
+            got = [pool.allocator.refcount(p) for p in range(pool.n_pages)]
+            assert got == want.tolist(), f"stage {st.index} {f.name}: refcounts {got}, holders {want.tolist()}"
+            assert pool.n_free == int((want == 0).sum())
+
+
+def _machine(path, tmp_path, counts: collections.Counter):
+    kw = dict(n_ctx=1024, ubatch=16)
+
+    def engine() -> Engine:
+        return Engine(path, conversation_cache_mib=64, park_resident=1, slot_save_path=str(tmp_path),
+                      prompt_cache_every=24, **kw)
+
+    ref = Engine(path, prompt_cache=0, conversation_cache_mib=0, **kw)
+
+    class StateFuzz(RuleBasedStateMachine):
+        """chats: name -> messages (the last a user message, not yet answered, or answered: `answered`)."""
+
+        @initialize()
+        def start(self):
+            self.e = engine()                             # each run from a fresh engine: its steps decide its state
+            self.chats: dict[str, list[dict]] = {}
+            self.saved: list[tuple[str, dict]] = []       # (file name, state hashes at the save)
+
+        def _ask(self, name: str) -> None:
+            msgs = self.chats[name]
+            toks, final = ask(self.e, msgs, N_ANSWER)
+            counts["requests"] += 1
+            counts["resume_" + str(final.strata["resume_from"])] += 1
+            ref.slot_erase()                              # cold: the reference reads the whole prompt
+            want, _ = ask(ref, msgs, N_ANSWER)
+            assert toks == want, f"{final.strata} tokens {toks}, cold {want}"
+            h, r = self.e.state_hashes(), ref.state_hashes()
+            assert h == r, f"{final.strata}: state differs from the cold read: " \
+                           f"{sorted(k for k in r if h.get(k) != r[k])[:6]}"
+            msgs.append({"role": "assistant", "content": self.e.detokenize(toks)})
+
+        def _fits(self, name: str) -> bool:
+            return len(self.chats[name]) < 12
+
+        @rule(system=hs.integers(0, len(SYSTEMS) - 1), word=hs.sampled_from(WORDS))
+        def new_chat(self, system, word):
+            name = f"c{next(_names)}"
+            self.chats[name] = [{"role": "system", "content": SYSTEMS[system]},
+                                {"role": "user", "content": f"Tell me about {word}."}]
+            self._ask(name)
+
+        @precondition(lambda self: self.chats)
+        @rule(data=hs.data(), word=hs.sampled_from(WORDS))
+        def continue_chat(self, data, word):          # the live one, or a switch to another
+            name = data.draw(hs.sampled_from(sorted(self.chats)))
+            if not self._fits(name):
+                return
+            self.chats[name].append({"role": "user", "content": f"And {word}?"})
+            self._ask(name)
+
+        @precondition(lambda self: self.chats)
+        @rule(data=hs.data())
+        def regenerate(self, data):
+            name = data.draw(hs.sampled_from(sorted(self.chats)))
+            self.chats[name].pop()                        # its last answer
+            self._ask(name)
+
+        @precondition(lambda self: self.chats)
+        @rule(data=hs.data(), word=hs.sampled_from(WORDS))
+        def edit_turn(self, data, word):
+            name = data.draw(hs.sampled_from(sorted(self.chats)))
+            users = [i for i, m in enumerate(self.chats[name]) if m["role"] == "user"]
+            i = data.draw(hs.sampled_from(users))
+            self.chats[name] = self.chats[name][:i] + [{"role": "user", "content": f"Rather, {word}."}]
+            self._ask(name)
+
+        @precondition(lambda self: self.chats)
+        @rule(data=hs.data(), word=hs.sampled_from(WORDS))
+        def branch(self, data, word):
+            name = data.draw(hs.sampled_from(sorted(self.chats)))
+            if not self._fits(name):
+                return
+            new = f"c{next(_names)}"
+            self.chats[new] = [dict(m) for m in self.chats[name]] + [{"role": "user", "content": f"Now {word}."}]
+            self._ask(new)
+
+        @precondition(lambda self: self.e.seq.pos > 0)
+        @rule()
+        def save(self):
+            name = f"s{next(_names)}.bin"
+            self.e.slot_save(0, name)
+            self.saved.append((name, self.e.state_hashes()))
+
+        @precondition(lambda self: self.saved)
+        @rule(data=hs.data())
+        def load(self, data):
+            name, hashes = data.draw(hs.sampled_from(self.saved))
+            self.e.slot_restore(0, name)
+            assert self.e.state_hashes() == hashes
+
+        @rule()
+        def forget(self):
+            self.e.slot_erase()
+            _pages_ok(self.e)
+            held = sum(len(h.pages) for st in self.e.stages for f in st.memory.fields
+                       if getattr(f, "pool", None) is not None for h in f.pool.holds)
+            used = sum(f.pool.n_pages - f.pool.n_free for st in self.e.stages for f in st.memory.fields
+                       if getattr(f, "pool", None) is not None)
+            assert used <= held, f"{used} pages in use after a forget, {held} held by parked conversations"
+
+        @precondition(lambda self: self.saved)
+        @rule()
+        def restart(self):
+            self.e.close()
+            self.e = engine()                             # parking is gone; the session files stay
+
+        @invariant()
+        def pages(self):
+            if hasattr(self, "e"):
+                counts["steps"] += 1
+                _pages_ok(self.e)
+
+        def teardown(self):
+            if hasattr(self, "e"):
+                self.e.close()
+
+    return StateFuzz
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen35"])
+def test_conversation_state_matches_cold_reads(arch, synthetic, tmp_path):
+    # ubatch 16 (in _machine): every read is of at most 16 tokens, so the hybrid's reads split the same way cold
+    path = synthetic(arch, n_layer=4, seed=33)
+    counts: collections.Counter = collections.Counter()
+    machine = _machine(path, tmp_path, counts)
+    want = STEPS or 100
+    while counts["steps"] < want:          # hypothesis chooses each run's length: runs until `want` steps are done
+        run_state_machine_as_test(machine, settings=settings(
+            max_examples=max(1, (want - counts["steps"]) // 8), stateful_step_count=25, deadline=None,
+            suppress_health_check=list(HealthCheck), database=None))
+    if REPORT:
+        old = json.loads(open(REPORT).read()) if os.path.exists(REPORT) else {}
+        old[arch] = dict(counts)
+        with open(REPORT, "w") as f:
+            json.dump(old, f, indent=1, sort_keys=True)
+    assert counts["requests"] > 0 and counts["steps"] >= want

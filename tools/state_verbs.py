@@ -1,0 +1,49 @@
+"""Counts, per state verb, the classes of the state modules that define it (as `verb` or its hook `_verb`, a def or
+an assignment; an abstract declaration is not counted): how many places a change to one verb touches. Usage: python tools/state_verbs.py [--json]."""
+from __future__ import annotations
+
+import ast
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+VERBS = ("new_seq", "drop_seq", "reserve", "capture", "validate", "restore", "check_truncate", "truncate", "reset",
+         "trim", "hashes", "nbytes", "materialize", "detach", "hold", "release", "attach_prefix", "write", "read")
+#: the modules that own a sequence's state (the byte codec, the page pool's K/V access and the worker's message
+#: handlers are not state verbs)
+FILES = ("strata/memory/*.py", "strata/stages/*.py")
+SKIP = {"kv.py", "pages.py", "codec.py", "pinned.py", "host.py", "hostram.py", "worker.py", "split.py", "part.py"}
+
+
+def definers(paths) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {v: [] for v in VERBS}
+    for path in paths:
+        tree = ast.parse(path.read_text())
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            names = set()
+            for node in cls.body:
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    if not any(getattr(d, "id", getattr(d, "attr", None)) == "abstractmethod"
+                               for d in node.decorator_list):      # a declaration, not a definition
+                        names.add(node.name)
+                elif isinstance(node, ast.Assign):
+                    names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+            for v in VERBS:
+                if v in names or "_" + v in names:
+                    out[v].append(f"{path.relative_to(ROOT)}:{cls.name}")
+    return out
+
+
+def main() -> None:
+    paths = sorted(p for g in FILES for p in ROOT.glob(g) if p.name not in SKIP)
+    d = definers(paths)
+    if "--json" in sys.argv:
+        print(json.dumps({v: len(c) for v, c in d.items()}))
+        return
+    for v, c in d.items():
+        print(f"{v:15s} {len(c):2d}  {', '.join(x.split(':')[1] for x in c)}")
+
+
+if __name__ == "__main__":
+    main()
