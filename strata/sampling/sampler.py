@@ -218,10 +218,28 @@ class Sampler:
             tok = int(ids[0])
         else:
             e = np.exp((lg - lg.max()).astype(np.float64))
-            cum = np.cumsum(e)
-            u = self._rng.random() * cum[-1]
-            j = min(int(np.searchsorted(cum, u, side="right")), ids.shape[0] - 1)
-            tok = int(ids[j])
+            tok = self.draw(ids, e)
+        return self.result(logits, tok)
+
+    def draw(self, ids: np.ndarray, weights: np.ndarray) -> int:
+        """One id of `ids` drawn in proportion to `weights` (float64, not all 0) from this sampler's RNG stream."""
+        cum = np.cumsum(weights)
+        u = self._rng.random() * cum[-1]
+        j = min(int(np.searchsorted(cum, u, side="right")), ids.shape[0] - 1)
+        return int(ids[j])
+
+    def uniform(self) -> float:
+        """A uniform draw in [0, 1) from this sampler's RNG stream."""
+        return float(self._rng.random())
+
+    def distribution(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """What sample() draws from: (candidate ids, their float64 probabilities), best first."""
+        ids, lg = self.candidates(logits)
+        e = np.exp((lg - lg.max()).astype(np.float64))
+        return ids, e / e.sum()
+
+    def result(self, logits: np.ndarray, tok: int) -> SampleResult:
+        """The SampleResult of choosing `tok` at logits (its log-probability and the asked top log-probabilities)."""
         ls = log_softmax(logits)
         top = None
         if self.params.logprobs is not None:
