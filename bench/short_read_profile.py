@@ -10,8 +10,10 @@ Without torch's profiler (no torch, or no kernel records) the launches run eager
 on a stream held busy beforehand (so the launches queue and run back to back): the kernel times without the graph's
 overlap.
 
+With --host, the host side of n = 1 and 2 at the first depth is profiled too (cProfile, the top functions by own
+time): where a forward spends its time outside the device.
 Usage: PYTHONPATH=. python bench/short_read_profile.py [--models default,syn_hybrid_1_5b] [--ns 1,2,4,8,16]
-       [--depths 0] [--reps 3] [--dir DIR] [--out PATH]
+       [--depths 0] [--reps 3] [--dir DIR] [--host] [--out PATH]
 Writes bench/results/short_read_profile_<device>_<commit>.json (or --out).
 """
 from __future__ import annotations
@@ -128,11 +130,28 @@ def summary(ks: list[tuple[str, float, float]]) -> dict:
         e = by.setdefault(short_name(name), [0, 0.0])
         e[0] += 1
         e[1] += d
+    order = sorted(by.items(), key=lambda kv: -kv[1][1])
     return {"span_us": t1 - t0, "busy_us": sum(d for _, _, d in ks), "launches": len(ks),
-            "kernels": {k: {"count": c, "us": round(u, 2)} for k, (c, u) in sorted(by.items(), key=lambda kv: -kv[1][1])}}
+            "kernels": {k: {"count": c, "us": round(u, 2)} for k, (c, u) in order}}
 
 
-def profile_model(path: str, ns, depths, reps: int) -> dict:
+def host_profile(run, restore, count: int = 40, top: int = 14) -> list[str]:
+    """cProfile of `count` runs (each after restore()): the `top` functions by own time, as text lines."""
+    import cProfile
+    import io
+    import pstats
+    pr = cProfile.Profile()
+    for _ in range(count):
+        restore()
+        pr.enable()
+        run()
+        pr.disable()
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(top)
+    return [ln for ln in buf.getvalue().splitlines() if ln.strip()][-top - 1:]
+
+
+def profile_model(path: str, ns, depths, reps: int, host: bool = False) -> dict:
     import cupy as cp
     from strata.backend.cuda import CudaBackend
     from strata.models.registry import load_model
@@ -182,6 +201,9 @@ def profile_model(path: str, ns, depths, reps: int) -> dict:
                 if prof is None or s["span_us"] < prof["span_us"]:
                     prof = s
             e.update(prof)
+            if host and d == depths[0] and n <= 2:
+                e["host_profile"] = host_profile(run, lambda: (st.restore(snap), sync()))
+                print("\n".join(e["host_profile"]), flush=True)
             top = ", ".join(f"{k} {v['us']:.0f}us/{v['count']}" for k, v in list(prof["kernels"].items())[:8])
             print(f"  d{d} n{n}: host {e['host_ms']:.3f} ms, span {prof['span_us']:.0f} us, busy "
                   f"{prof['busy_us']:.0f} us, {prof['launches']} launches: {top}", flush=True)
@@ -195,6 +217,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ns", default="1,2,4,8,16")
     ap.add_argument("--depths", default="0")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--host", action="store_true", help="cProfile the host side of n = 1 and 2 (the first depth)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     import cupy as cp
@@ -210,7 +233,7 @@ def main(argv=None) -> int:
     for m in (x for x in a.models.split(",") if x):
         path = str(default_model_path()) if m == "default" else model_path(m, Path(a.dir))
         print(f"model {m} ({path})", flush=True)
-        out["models"][m] = profile_model(path, ns, depths, a.reps)
+        out["models"][m] = profile_model(path, ns, depths, a.reps, a.host)
         cp.get_default_memory_pool().free_all_blocks()
     dest = Path(a.out) if a.out else \
         ROOT / "bench" / "results" / f"short_read_profile_{dev.replace(' ', '_')}_{out['commit']}.json"

@@ -569,8 +569,8 @@ static void launch_cols_glu_t(cudaStream_t s, const uint8_t *G, const uint8_t *U
   const long long rb = row_bytes_of(T, n_in), xs = q8_col_bytes(n_in), aqs = q8_col_bytes(F);
   const long long slot = staged_size(4 * rb);
 #define CG(NC) LAUNCH_STAGED((k_mvc_glu<T, NC, GLU_P(NC), true>), (k_mvc_glu<T, NC, GLU_P(NC), false>), \
-                             16 * slot, (unsigned)(F / 32), 256, G, U, q, xs, act, aq, aqs, F, n_in / 32, rb, n_cols, fn, \
-                             (int)slot)
+                             16 * slot, (unsigned)(F / 32), 256, G, U, q, xs, act, aq, aqs, F, n_in / 32, rb, n_cols, \
+                             fn, (int)slot)
   DISPATCH_NC(n_cols, CG)
 #undef CG
 }
