@@ -1,29 +1,32 @@
 // matvec_cols.cu: the short read's matvecs over n columns (n new tokens of one sequence; the same kernels serve one
-// token of each of several sequences): each weight sub-block is read from memory once, into registers, and dotted
-// there with every column's activation block, and each column is reduced exactly as the decode matvec it mirrors
-// (matvec_fused.cu) reduces its one vector, so column c is bit-identical to that decode launch on column c alone.
+// token of each of several sequences): each weight row is read from memory once for all columns, and each column is
+// reduced exactly as the decode matvec it mirrors (matvec_fused.cu) reduces its one vector, so column c is
+// bit-identical to that decode launch on column c alone.
 //
-// What "exactly" means, kernel by kernel (the decode kernel's own structure: its rows per warp / block only share an
-// x block between rows, which changes nothing per row):
-// * k_mvc_q8w mirrors k_matvec_q8w: per row, lane l sums the sub-blocks u = l, l + 32, ... in that order into one
-//   float per column, then the xor butterfly (16, 8, 4, 2, 1); a handed-off input norm scales the sum after the
-//   butterfly; the RoPE + K/V epilogue is rope_pair_prepare / rope_pair_store on the pair's two sums; the residual
-//   form stores x + v and hands off the next norm (handoff_store) from the block completing a 32-row group.
-// * k_mvc_q8b mirrors k_matvec_q8b: one block of 4 warps per row, thread t sums u = t, t + 128, ..., each warp's
-//   butterfly, then (w0 + w1) + (w2 + w3).
-// * k_mvc_glu mirrors k_matvec_q8w_glu: per (gate, up) pair one warp as in k_mvc_q8w, the handed-off scale on each
-//   lane's partial sums before the butterfly, silu(a) * b as a / (1 + expf(-a)) * b, the q8_1 block of 32
+// Two kernel families:
+// * The plain products (strata_mvc_q8w, strata_mvc_q8b, strata_mvc_q8w_glu without an input norm): register tiles.
+//   Each weight sub-block is loaded once, into registers, and dotted there with every column's activation block
+//   (wb_load / wb_dot: dot_q8x of quant.cuh split in two, the same integer dot and floating-point expression), a
+//   thread holding NR rows x NC columns of partial sums; the NC butterflies are interleaved (independent shuffles in
+//   flight together). NC, a compile-time column count in {2, 4, 8, 16}, is the smallest that holds n_cols: columns
+//   past n_cols re-read the last column and are not stored. The weights are staged into shared memory before the PDL
+//   wait, as the decode matvecs do, where they fit.
+// * The fused forms (strata_mvc_q8w_rope, strata_mvc_q8_resid, strata_mvc_q8w_glu with a handed-off norm): one warp
+//   (block) per row summing up to COLS1_CHUNK columns per pass, each column's x block and the weight sub-block
+//   loaded per column, the handed-off input scales computed first.
+//
+// What "exactly" means, kernel by kernel (the decode kernel's own structure, with its rows-per-warp R = 1, which
+// changes nothing per row: R only shares an x block between rows):
+// * k_mvc_q8w / k_mvc1_q8w mirror k_matvec_q8w: per row, lane l sums dot_q8x over sub-blocks u = l, l + 32, ... in
+//   that order into one float per column, then the xor butterfly (16, 8, 4, 2, 1); a handed-off input norm scales
+//   the sum after the butterfly; the RoPE + K/V epilogue is rope_pair_prepare / rope_pair_store on the pair's two
+//   sums; the residual form stores x + v and hands off the next norm (handoff_store) from the block completing a
+//   32-row group.
+// * k_mvc_q8b / k_mvc1_q8b mirror k_matvec_q8b: one block of 4 warps per row, thread t sums u = t, t + 128, ...,
+//   each warp's butterfly, then (w0 + w1) + (w2 + w3).
+// * k_mvc_glu / k_mvc1_glu mirror k_matvec_q8w_glu: per (gate, up) pair one warp as above, the handed-off scale on
+//   each lane's partial sums before the butterfly, silu(a) * b as a / (1 + expf(-a)) * b, the q8_1 block of 32
 //   activations by q8_store.
-// The per-sub-block product is dot_q8x's (quant.cuh) split in two: wb_load reads the weight sub-block once (its
-// quants and scale factors into registers), wb_dot does dot_q8x's integer dot and its floating-point expression,
-// operation for operation, with one column's x block.
-//
-// The work per launch: a warp holds R rows' sub-blocks and NC columns' sums (acc[R][NC]: a register tile), so per
-// sub-block the weights are loaded once for all columns and each column's x block once for R rows; the NC
-// butterflies are interleaved (independent shuffles in flight together). NC, a compile-time column count in
-// {2, 4, 8, 16}, is the smallest that holds n_cols: columns past n_cols re-read the last column and are not stored.
-// The weights are staged into shared memory before the PDL wait, as the decode matvecs do, where they fit.
-//
 // Column layout: column c of a q8_1 input or output of n values starts at c * strata_q8_col_bytes(n) (n int8, then
 // n / 32 float2 (d, d * sum q), rounded up to 16 bytes), of an f32 vector of n values at c * n, of a sums-of-squares
 // vector at c * (n / 32).
@@ -182,33 +185,6 @@ __device__ static inline void tile_butterfly(float (&acc)[NR][NC]) {
       for (int c = 0; c < NC; c++) acc[r][c] += __shfl_xor_sync(0xffffffffu, acc[r][c], o);
 }
 
-// The handed-off input norm's scale (handoff_load / handoff_scale, the decode consumers' arithmetic) of columns
-// c = w0, w0 + WS, ... (WS warps, this warp w0): the group sums loaded by cols_scale_load (before the dots, so the
-// loads are in flight during them) and the scales written to sc[c] by cols_scale_store; the caller's barrier then
-// publishes them.
-template <int NC, int WS>
-struct ColsSS {
-  HandoffSS h[(NC + WS - 1) / WS];
-};
-template <int NC, int WS>
-__device__ static inline void cols_scale_load(const NormIn &fn, int n_cols, int w0, ColsSS<NC, WS> &s) {
-#pragma unroll
-  for (int j = 0; j < (NC + WS - 1) / WS; j++) {
-    NormIn f = fn;
-    f.ss = fn.ss + (long long)min(w0 + j * WS, n_cols - 1) * (fn.dim / 32);
-    s.h[j] = handoff_load(f);
-  }
-}
-template <int NC, int WS>
-__device__ static inline void cols_scale_store(const NormIn &fn, int w0, const ColsSS<NC, WS> &s, float *sc) {
-#pragma unroll
-  for (int j = 0; j < (NC + WS - 1) / WS; j++) {
-    const int c = w0 + j * WS;
-    const float r = handoff_scale(fn, s.h[j]);
-    if (c < NC && (threadIdx.x & 31) == 0) sc[c] = r;
-  }
-}
-
 // resid_handoff over columns: after this block stored rows [r0, r0 + nr) of every column of ro.x (column c at
 // c * ro.n), count them into their group; the block completing it writes each column's handoff (warp w: columns w,
 // w + warps, ...) and resets the counter. Every thread of the block calls it.
@@ -230,16 +206,225 @@ __device__ static inline void resid_handoff_cols(const ResidOut &ro, int r0, int
   }
 }
 
-// 4 warps per block, R rows per warp over n_cols columns; ROPE: y is qkv and the epilogue writes RoPE'd q / k and
-// k / v into the cache at position rope.pos[c] for column c, through page table rope.pt + c * pts; ro.x: the
-// residual form (ro.w: with the norm handoff). STAGE: each warp copies its rows into shared memory (`slot` bytes per
-// warp, dynamic) before the PDL wait and reads them there (launch.cuh, "weight staging"); else it prefetches them
-// into L2.
-template <int T, int NC, int R, bool ROPE, bool STAGE>
-__global__ void __launch_bounds__(128) k_mvc_q8w(const uint8_t *__restrict__ w, const int8_t *__restrict__ xq,
+// ---------------------------------------------------------------- the fused forms: one warp (block) per row
+// The QKV product with its RoPE + K/V epilogue, the residual form (with or without the norm handoff) and SwiGLU with a
+// handed-off input norm run these kernels: a row's warp sums COLS1_CHUNK columns per pass over its sub-blocks, each
+// column's q8_1 block and the weight sub-block loaded per column (dot_q8x), the handed-off scales computed first.
+// Register-tile versions of them (k_mvc_q8w / k_mvc_glu with these epilogues) matched the decode kernels launch by
+// launch in the kernel tests but not in the default model's short read (docs/cuda.md, "The short read").
+#define COLS1_CHUNK 8   // columns summed per pass over a row's sub-blocks (registers); later passes hit L1
+
+// The handed-off input norm's scale of each column (handoff_load / handoff_scale of that column's sums, the decode
+// consumers' arithmetic) into sc[c]; warp 0 computes, then the block's barrier (every thread calls it).
+__device__ static inline void cols1_input_scales(const NormIn &fn, int n_cols, float *sc) {
+  if (fn.ss) {
+    if (threadIdx.x < 32) {
+      for (int c = 0; c < n_cols; c++) {
+        NormIn f = fn;
+        f.ss = fn.ss + (long long)c * (fn.dim / 32);
+        const HandoffSS h = handoff_load(f);
+        const float r = handoff_scale(f, h);
+        if (threadIdx.x == 0) sc[c] = r;
+      }
+    }
+    __syncthreads();
+  }
+}
+
+// Warp per row over n_cols columns (4 warps per block); ROPE: y is qkv and the epilogue writes RoPE'd q / k and k / v
+// into the cache at position rope.pos[c] for column c, through page table rope.pt + c * pts; ro.x: the residual
+// form (ro.w: with the norm handoff).
+template <int T, bool ROPE>
+__global__ void __launch_bounds__(128) k_mvc1_q8w(const uint8_t *__restrict__ w, const int8_t *__restrict__ xq,
                                                  long long xs, float *__restrict__ y, long long ys, int n_out,
                                                  int n_units, long long row_bytes, int n_cols, RopeKV rope, int pts,
-                                                 NormIn fn, ResidOut ro, long long ro_q8s, int slot) {
+                                                 NormIn fn, ResidOut ro, long long ro_q8s) {
+  griddep_launch();
+  const int wid = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int row = blockIdx.x * 4 + wid;
+  const uint8_t *wrow = w + (long long)min(row, n_out - 1) * row_bytes;   // past the end: re-read the last row
+  if (row < n_out)
+    for (long long o = 128LL * lane; o < row_bytes; o += 32 * 128) prefetch_l2(wrow + o);
+  griddep_wait();
+  __shared__ float isc[COLS_MAX];
+  __shared__ float sv[ROPE ? 4 : 1][ROPE ? COLS_MAX : 1];
+  cols1_input_scales(fn, n_cols, isc);
+  for (int c0 = 0; c0 < n_cols; c0 += COLS1_CHUNK) {
+    float acc[COLS1_CHUNK];
+#pragma unroll
+    for (int k = 0; k < COLS1_CHUNK; k++) acc[k] = 0.f;
+    for (int u = lane; u < n_units; u += 32) {
+#pragma unroll
+      for (int k = 0; k < COLS1_CHUNK; k++) {
+        if (c0 + k < n_cols) {
+          int xv[8];
+          float2 ds;
+          load_x<false>(col_x(xq, xs, c0 + k), col_ds(xq, xs, c0 + k, 32 * n_units), u, xv, ds);
+          acc[k] += dot_q8x<T>(wrow, u, xv, ds);
+        }
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < COLS1_CHUNK; k++) {
+      const int c = c0 + k;
+      if (c >= n_cols) break;
+      float v = acc[k];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      if (fn.ss) v *= isc[c];
+      if (ROPE) {
+        if (lane == 0) sv[wid][c] = v;
+      } else if (lane == 0 && row < n_out) {
+        if (ro.x) {
+          float *xr = ro.x + (long long)c * n_out + row;
+          *xr = *xr + v;
+        } else {
+          y[(long long)c * ys + row] = v;
+        }
+      }
+    }
+  }
+  if (ROPE) {
+    __syncthreads();
+    const int t = threadIdx.x;   // (pair p = t & 1 of the block's two, column t >> 1)
+    const int p = t & 1, c = t >> 1, a = blockIdx.x * 4 + 2 * p;
+    if (c < n_cols && a < n_out) {
+      RopeKV rk = rope;
+      rk.pos = rope.pos + c;
+      rk.pt = rope.pt + (long long)c * pts;
+      const RopePair pp = rope_pair_prepare(rk, a);
+      rope_pair_store(rk, pp, y + (long long)c * ys, a, sv[2 * p][c], sv[2 * p + 1][c]);
+    }
+  } else if (ro.w) {
+    resid_handoff_cols(ro, blockIdx.x * 4, 4, n_cols, ro_q8s);
+  }
+}
+
+// Block of 4 warps per row over n_cols columns (the long-row down projection), plain store or the residual form.
+template <int T>
+__global__ void __launch_bounds__(128) k_mvc1_q8b(const uint8_t *__restrict__ w, const int8_t *__restrict__ xq,
+                                                 long long xs, float *__restrict__ y, long long ys, int n_out,
+                                                 int n_units, long long row_bytes, int n_cols, ResidOut ro,
+                                                 long long ro_q8s) {
+  griddep_launch();
+  const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
+  const int row = blockIdx.x;
+  const uint8_t *wrow = w + (long long)row * row_bytes;
+  for (long long o = 128LL * tid; o < row_bytes; o += 128 * 128) prefetch_l2(wrow + o);
+  griddep_wait();
+  __shared__ float part[4][COLS1_CHUNK];
+  for (int c0 = 0; c0 < n_cols; c0 += COLS1_CHUNK) {
+    float acc[COLS1_CHUNK];
+#pragma unroll
+    for (int k = 0; k < COLS1_CHUNK; k++) acc[k] = 0.f;
+    for (int u = tid; u < n_units; u += 128) {
+#pragma unroll
+      for (int k = 0; k < COLS1_CHUNK; k++) {
+        if (c0 + k < n_cols) {
+          int xv[8];
+          float2 ds;
+          load_x<false>(col_x(xq, xs, c0 + k), col_ds(xq, xs, c0 + k, 32 * n_units), u, xv, ds);
+          acc[k] += dot_q8x<T>(wrow, u, xv, ds);
+        }
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < COLS1_CHUNK; k++) {
+      float v = acc[k];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      if (lane == 0) part[wid][k] = v;
+    }
+    __syncthreads();
+    if (tid < COLS1_CHUNK && c0 + tid < n_cols) {
+      const int c = c0 + tid;
+      const float v = (part[0][tid] + part[1][tid]) + (part[2][tid] + part[3][tid]);
+      if (ro.x) {
+        float *xr = ro.x + (long long)c * n_out + row;
+        *xr = *xr + v;
+      } else {
+        y[(long long)c * ys + row] = v;
+      }
+    }
+    __syncthreads();   // part is reused by the next pass
+  }
+  if (ro.w) resid_handoff_cols(ro, row, 1, n_cols, ro_q8s);
+}
+
+// SwiGLU in the gate / up product over n_cols columns: a block of 8 warps makes 32 consecutive activations of every
+// column, each warp 4 of them one after the other (gate row i at wg + i * row_bytes, up row i at wu + ...).
+template <int T>
+__global__ void __launch_bounds__(256) k_mvc1_glu(const uint8_t *__restrict__ wg, const uint8_t *__restrict__ wu,
+                                                 const int8_t *__restrict__ xq, long long xs, float *__restrict__ act,
+                                                 int8_t *__restrict__ act_q8, long long aqs, int F, int n_units,
+                                                 long long row_bytes, int n_cols, NormIn fn) {
+  griddep_launch();
+  const int wid = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int i0 = blockIdx.x * 32 + wid * 4;
+#pragma unroll
+  for (int r = 0; r < 4; r++)
+    for (long long o = 128LL * lane; o < row_bytes; o += 32 * 128) {
+      prefetch_l2(wg + (long long)(i0 + r) * row_bytes + o);
+      prefetch_l2(wu + (long long)(i0 + r) * row_bytes + o);
+    }
+  griddep_wait();
+  __shared__ float isc[COLS_MAX];
+  __shared__ float sv[COLS_MAX][32];
+  cols1_input_scales(fn, n_cols, isc);
+  for (int r = 0; r < 4; r++) {
+    const int i = i0 + r;
+    const uint8_t *g = wg + (long long)i * row_bytes, *up = wu + (long long)i * row_bytes;
+    for (int c0 = 0; c0 < n_cols; c0 += COLS1_CHUNK) {
+      float ag[COLS1_CHUNK], au[COLS1_CHUNK];
+#pragma unroll
+      for (int k = 0; k < COLS1_CHUNK; k++) ag[k] = au[k] = 0.f;
+      for (int u = lane; u < n_units; u += 32) {
+#pragma unroll
+        for (int k = 0; k < COLS1_CHUNK; k++) {
+          if (c0 + k < n_cols) {
+            int xv[8];
+            float2 ds;
+            load_x<false>(col_x(xq, xs, c0 + k), col_ds(xq, xs, c0 + k, 32 * n_units), u, xv, ds);
+            ag[k] += dot_q8x<T>(g, u, xv, ds);
+            au[k] += dot_q8x<T>(up, u, xv, ds);
+          }
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < COLS1_CHUNK; k++) {
+        const int c = c0 + k;
+        if (c >= n_cols) break;
+        float a = ag[k], b = au[k];
+        if (fn.ss) {   // handed-off norm: on each lane's partial products, as the decode kernel
+          a *= isc[c];
+          b *= isc[c];
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+          a += __shfl_xor_sync(0xffffffffu, a, o);
+          b += __shfl_xor_sync(0xffffffffu, b, o);
+        }
+        if (lane == 0) sv[c][wid * 4 + r] = a / (1.f + expf(-a)) * b;
+      }
+    }
+  }
+  __syncthreads();
+  const int i = blockIdx.x * 32 + lane;
+  for (int c = wid; c < n_cols; c += 8) {
+    const float v = sv[c][lane];
+    if (act) act[(long long)c * F + i] = v;
+    if (act_q8) q8_store(v, i, act_q8 + c * aqs, reinterpret_cast<float2 *>(act_q8 + c * aqs + F));
+  }
+}
+
+// ---------------------------------------------------------------- the plain products: register tiles
+// 4 warps per block, R rows per warp over n_cols columns, y[c] = W xq[c] (k_matvec_q8w without an epilogue). STAGE:
+// each warp copies its rows into shared memory (`slot` bytes per warp, dynamic) before the PDL wait and reads them
+// there (launch.cuh, "weight staging"); else it prefetches them into L2.
+template <int T, int NC, int R, bool STAGE>
+__global__ void __launch_bounds__(128) k_mvc_q8w(const uint8_t *__restrict__ w, const int8_t *__restrict__ xq,
+                                                 long long xs, float *__restrict__ y, long long ys, int n_out,
+                                                 int n_units, long long row_bytes, int n_cols, int slot) {
   griddep_launch();
   extern __shared__ __align__(16) uint8_t staged[];
   const int wid = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -259,9 +444,6 @@ __global__ void __launch_bounds__(128) k_mvc_q8w(const uint8_t *__restrict__ w, 
 #pragma unroll
   for (int r = 0; r < R; r++) rows[r] = base + (long long)(min(row0 + r, n_out - 1) - first) * row_bytes;
   griddep_wait();
-  __shared__ float isc[NC];
-  ColsSS<NC, 4> css;
-  if (fn.ss) cols_scale_load(fn, n_cols, wid, css);
   if (STAGE) {
     stage_wait();
     __syncwarp();
@@ -269,53 +451,19 @@ __global__ void __launch_bounds__(128) k_mvc_q8w(const uint8_t *__restrict__ w, 
   float acc[R][NC];
   tile_dot<T, R, NC, 32>(rows, xq, xs, n_units, n_cols, lane, acc);
   tile_butterfly(acc);
-  if (fn.ss) {
-    cols_scale_store(fn, wid, css, isc);
-    __syncthreads();
-  }
-  __shared__ float sv[ROPE ? 4 * R : 1][ROPE ? NC : 1];
 #pragma unroll
-  for (int r = 0; r < R; r++) {
-    const int row = row0 + r;
+  for (int r = 0; r < R; r++)
 #pragma unroll
-    for (int c = 0; c < NC; c++) {
-      float v = acc[r][c];
-      if (fn.ss) v *= isc[c];
-      if (ROPE) {
-        if (lane == c) sv[wid * R + r][c] = v;
-      } else if (lane == c && c < n_cols && row < n_out) {
-        if (ro.x) {
-          float *xr = ro.x + (long long)c * n_out + row;
-          *xr = *xr + v;
-        } else {
-          y[(long long)c * ys + row] = v;
-        }
-      }
-    }
-  }
-  if (ROPE) {
-    __syncthreads();
-    const int t = threadIdx.x;   // (pair p = t % 2R of the block's 2R pairs, column t / 2R)
-    const int p = t % (2 * R), c = t / (2 * R), a = blockIdx.x * 4 * R + 2 * p;
-    if (c < n_cols && a < n_out) {
-      RopeKV rk = rope;
-      rk.pos = rope.pos + c;
-      rk.pt = rope.pt + (long long)c * pts;
-      const RopePair pp = rope_pair_prepare(rk, a);
-      rope_pair_store(rk, pp, y + (long long)c * ys, a, sv[2 * p][c], sv[2 * p + 1][c]);
-    }
-  } else if (ro.w) {
-    resid_handoff_cols(ro, blockIdx.x * 4 * R, 4 * R, n_cols, ro_q8s);
-  }
+    for (int c = 0; c < NC; c++)
+      if (lane == c && c < n_cols && row0 + r < n_out) y[(long long)c * ys + row0 + r] = acc[r][c];
 }
 
-// Block of 4 warps per row over n_cols columns (the long-row down projection), plain store or the residual form;
-// STAGE: the block copies its row into shared memory before the PDL wait (else it prefetches it into L2).
+// Block of 4 warps per row over n_cols columns (the long-row down projection), y[c] = W xq[c] (k_matvec_q8b without
+// the residual form); STAGE: the block copies its row into shared memory before the PDL wait.
 template <int T, int NC, bool STAGE>
 __global__ void __launch_bounds__(128) k_mvc_q8b(const uint8_t *__restrict__ w, const int8_t *__restrict__ xq,
                                                  long long xs, float *__restrict__ y, long long ys, int n_out,
-                                                 int n_units, long long row_bytes, int n_cols, ResidOut ro,
-                                                 long long ro_q8s) {
+                                                 int n_units, long long row_bytes, int n_cols) {
   griddep_launch();
   extern __shared__ __align__(16) uint8_t staged[];
   const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
@@ -339,28 +487,18 @@ __global__ void __launch_bounds__(128) k_mvc_q8b(const uint8_t *__restrict__ w, 
     for (int c = 0; c < NC; c++) part[wid][c] = acc[0][c];
   }
   __syncthreads();
-  if (tid < n_cols) {
-    const int c = tid;
-    const float v = (part[0][c] + part[1][c]) + (part[2][c] + part[3][c]);
-    if (ro.x) {
-      float *xr = ro.x + (long long)c * n_out + row;
-      *xr = *xr + v;
-    } else {
-      y[(long long)c * ys + row] = v;
-    }
-  }
-  if (ro.w) resid_handoff_cols(ro, row, 1, n_cols, ro_q8s);
+  if (tid < n_cols) y[(long long)tid * ys + row] = (part[0][tid] + part[1][tid]) + (part[2][tid] + part[3][tid]);
 }
 
-// SwiGLU in the gate / up product over n_cols columns: a block of 8 warps makes 32 consecutive activations of every
-// column, each warp 4 of them (gate row i at wg + i * row_bytes, up row i at wu + ...), P pairs at a time. STAGE:
-// each warp copies its 4 gate and 4 up rows into shared memory (2 slots of `slot` bytes per warp) before the PDL
-// wait.
+// SwiGLU in the gate / up product over n_cols columns without an input norm (k_matvec_q8w_glu): a block of 8 warps
+// makes 32 consecutive activations of every column, each warp 4 of them (gate row i at wg + i * row_bytes, up row i
+// at wu + ...), P pairs at a time. STAGE: each warp copies its 4 gate and 4 up rows into shared memory (2 slots of
+// `slot` bytes per warp) before the PDL wait.
 template <int T, int NC, int P, bool STAGE>
 __global__ void __launch_bounds__(256) k_mvc_glu(const uint8_t *__restrict__ wg, const uint8_t *__restrict__ wu,
                                                  const int8_t *__restrict__ xq, long long xs, float *__restrict__ act,
                                                  int8_t *__restrict__ act_q8, long long aqs, int F, int n_units,
-                                                 long long row_bytes, int n_cols, NormIn fn, int slot) {
+                                                 long long row_bytes, int n_cols, int slot) {
   griddep_launch();
   extern __shared__ __align__(16) uint8_t staged[];
   const int wid = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -376,10 +514,7 @@ __global__ void __launch_bounds__(256) k_mvc_glu(const uint8_t *__restrict__ wg,
     }
   }
   griddep_wait();
-  __shared__ float isc[NC];
   __shared__ float sv[NC][32];
-  ColsSS<NC, 8> css;
-  if (fn.ss) cols_scale_load(fn, n_cols, wid, css);
   if (STAGE) {
     stage_wait();
     __syncwarp();
@@ -394,16 +529,6 @@ __global__ void __launch_bounds__(256) k_mvc_glu(const uint8_t *__restrict__ wg,
     }
     float acc[2 * P][NC];
     tile_dot<T, 2 * P, NC, 32>(rows, xq, xs, n_units, n_cols, lane, acc);
-    if (fn.ss) {   // handed-off norm: on each lane's partial products, as the decode kernel
-      if (r0 == 0) {
-        cols_scale_store(fn, wid, css, isc);
-        __syncthreads();
-      }
-#pragma unroll
-      for (int k = 0; k < 2 * P; k++)
-#pragma unroll
-        for (int c = 0; c < NC; c++) acc[k][c] *= isc[c];
-    }
     tile_butterfly(acc);
 #pragma unroll
     for (int p = 0; p < P; p++)
@@ -472,43 +597,55 @@ static int cols_norm(const float *ss, float eps, int n_in, NormIn *fn) {
     else \
       st_launch(kp, grid, threads, 0, s, __VA_ARGS__); } while (0)
 
-template <int T, bool ROPE>
+// The plain products (register tiles).
+template <int T>
 static void launch_cols_q8w_t(cudaStream_t s, const uint8_t *W, const int8_t *q, float *y, long long ys, int n_out,
-                              int n_in, int n_cols, const RopeKV &rk, int pts, const NormIn &fn, const ResidOut &ro) {
-  const long long rb = row_bytes_of(T, n_in), xs = q8_col_bytes(n_in), oq = ro.w ? q8_col_bytes(ro.n) : 0;
+                              int n_in, int n_cols) {
+  const long long rb = row_bytes_of(T, n_in), xs = q8_col_bytes(n_in);
   const unsigned blocks = (unsigned)((n_out + 3) / 4);
   const long long slot = staged_size(rb);
-#define CW(NC) LAUNCH_STAGED((k_mvc_q8w<T, NC, 1, ROPE, true>), (k_mvc_q8w<T, NC, 1, ROPE, false>), 4 * slot, blocks, \
-                             128, W, q, xs, y, ys, n_out, n_in / 32, rb, n_cols, rk, pts, fn, ro, oq, (int)slot)
+#define CW(NC) LAUNCH_STAGED((k_mvc_q8w<T, NC, 1, true>), (k_mvc_q8w<T, NC, 1, false>), 4 * slot, blocks, 128, W, q, \
+                             xs, y, ys, n_out, n_in / 32, rb, n_cols, (int)slot)
   DISPATCH_NC(n_cols, CW)
 #undef CW
 }
 
-template <bool ROPE>
-static int launch_cols_q8w(cudaStream_t s, int t, const uint8_t *W, const int8_t *q, float *y, long long ys, int n_out,
-                           int n_in, int n_cols, const RopeKV &rk, int pts, const NormIn &fn,
-                           const ResidOut &ro) {
-#define CT(TT) launch_cols_q8w_t<TT, ROPE>(s, W, q, y, ys, n_out, n_in, n_cols, rk, pts, fn, ro)
-  DISPATCH_Q8_TYPE(t, CT)
-#undef CT
-  return (int)cudaGetLastError();
-}
-
 template <int T>
 static void launch_cols_q8b_t(cudaStream_t s, const uint8_t *W, const int8_t *q, float *y, long long ys, int n_out,
-                              int n_in, int n_cols, const ResidOut &ro) {
-  const long long rb = row_bytes_of(T, n_in), xs = q8_col_bytes(n_in), oq = ro.w ? q8_col_bytes(ro.n) : 0;
+                              int n_in, int n_cols) {
+  const long long rb = row_bytes_of(T, n_in), xs = q8_col_bytes(n_in);
 #define CB(NC) LAUNCH_STAGED((k_mvc_q8b<T, NC, true>), (k_mvc_q8b<T, NC, false>), staged_size(rb), (unsigned)n_out, \
-                             128, W, q, xs, y, ys, n_out, n_in / 32, rb, n_cols, ro, oq)
+                             128, W, q, xs, y, ys, n_out, n_in / 32, rb, n_cols)
   DISPATCH_NC(n_cols, CB)
 #undef CB
 }
 
-static int launch_cols_q8b(cudaStream_t s, int t, const uint8_t *W, const int8_t *q, float *y, long long ys,
-                           int n_out, int n_in, int n_cols, const ResidOut &ro) {
-#define CT(TT) launch_cols_q8b_t<TT>(s, W, q, y, ys, n_out, n_in, n_cols, ro)
-  DISPATCH_Q8_TYPE(t, CT)
-#undef CT
+// Pairs per pass of k_mvc_glu for NC columns: 2 * P * NC partial sums in registers.
+#define GLU_P(NC) ((NC) <= 4 ? 4 : (NC) <= 8 ? 2 : 1)
+
+template <int T>
+static void launch_cols_glu_t(cudaStream_t s, const uint8_t *G, const uint8_t *U, const int8_t *q, float *act,
+                              int8_t *aq, int F, int n_in, int n_cols) {
+  const long long rb = row_bytes_of(T, n_in), xs = q8_col_bytes(n_in), aqs = q8_col_bytes(F);
+  const long long slot = staged_size(4 * rb);
+#define CG(NC) LAUNCH_STAGED((k_mvc_glu<T, NC, GLU_P(NC), true>), (k_mvc_glu<T, NC, GLU_P(NC), false>), \
+                             16 * slot, (unsigned)(F / 32), 256, G, U, q, xs, act, aq, aqs, F, n_in / 32, rb, n_cols, \
+                             (int)slot)
+  DISPATCH_NC(n_cols, CG)
+#undef CG
+}
+
+// The fused forms (one warp / block per row): the QKV product with its RoPE epilogue and the residual form.
+template <bool ROPE>
+static int launch_cols1_q8w(cudaStream_t s, int t, const uint8_t *W, const int8_t *q, float *y, long long ys,
+                            int n_out, int n_in, int n_cols, const RopeKV &rk, int pts, const NormIn &fn,
+                            const ResidOut &ro) {
+  const long long rb = row_bytes_of(t, n_in), xs = q8_col_bytes(n_in), oq = ro.w ? q8_col_bytes(ro.n) : 0;
+  const unsigned blocks = (unsigned)((n_out + 3) / 4);
+#define CW(TT) st_launch(k_mvc1_q8w<TT, ROPE>, blocks, 128, 0, s, W, q, xs, y, ys, n_out, n_in / 32, rb, n_cols, rk, \
+                         pts, fn, ro, oq)
+  DISPATCH_Q8_TYPE(t, CW)
+#undef CW
   return (int)cudaGetLastError();
 }
 
@@ -516,8 +653,13 @@ extern "C" int strata_mvc_q8w(void *stream, int t, const void *w, const void *xq
                               int n_in, int n_cols) {
   if (const int e = cols_check(t, w, xq, n_out, n_in, n_cols)) return e;
   if (!y || y_stride < n_out) return (int)cudaErrorInvalidValue;
-  return launch_cols_q8w<false>((cudaStream_t)stream, t, (const uint8_t *)w, (const int8_t *)xq, y, y_stride, n_out,
-                                n_in, n_cols, RopeKV{}, 0, NormIn{}, ResidOut{});
+  cudaStream_t s = (cudaStream_t)stream;
+  const uint8_t *W = (const uint8_t *)w;
+  const int8_t *q = (const int8_t *)xq;
+#define CT(TT) launch_cols_q8w_t<TT>(s, W, q, y, (long long)y_stride, n_out, n_in, n_cols)
+  DISPATCH_Q8_TYPE(t, CT)
+#undef CT
+  return (int)cudaGetLastError();
 }
 
 extern "C" int strata_mvc_q8_resid(void *stream, int t, const void *w, const void *xq, int n_out, int n_in, int n_cols,
@@ -531,16 +673,26 @@ extern "C" int strata_mvc_q8_resid(void *stream, int t, const void *w, const voi
   const uint8_t *W = (const uint8_t *)w;
   const int8_t *q = (const int8_t *)xq;
   if (!block)
-    return launch_cols_q8w<false>(s, t, W, q, nullptr, 0, n_out, n_in, n_cols, RopeKV{}, 0, NormIn{}, ro);
-  return launch_cols_q8b(s, t, W, q, nullptr, 0, n_out, n_in, n_cols, ro);
+    return launch_cols1_q8w<false>(s, t, W, q, nullptr, 0, n_out, n_in, n_cols, RopeKV{}, 0, NormIn{}, ro);
+  const long long rb = row_bytes_of(t, n_in), xs = q8_col_bytes(n_in), oq = norm_w ? q8_col_bytes(n_out) : 0;
+#define CB(TT) st_launch(k_mvc1_q8b<TT>, (unsigned)n_out, 128, 0, s, W, q, xs, (float *)nullptr, 0LL, n_out, \
+                         n_in / 32, rb, n_cols, ro, oq)
+  DISPATCH_Q8_TYPE(t, CB)
+#undef CB
+  return (int)cudaGetLastError();
 }
 
 extern "C" int strata_mvc_q8b(void *stream, int t, const void *w, const void *xq, float *y, int y_stride, int n_out,
                               int n_in, int n_cols) {
   if (const int e = cols_check(t, w, xq, n_out, n_in, n_cols)) return e;
   if (!y || y_stride < n_out) return (int)cudaErrorInvalidValue;
-  return launch_cols_q8b((cudaStream_t)stream, t, (const uint8_t *)w, (const int8_t *)xq, y, y_stride, n_out, n_in,
-                         n_cols, ResidOut{});
+  cudaStream_t s = (cudaStream_t)stream;
+  const uint8_t *W = (const uint8_t *)w;
+  const int8_t *q = (const int8_t *)xq;
+#define CT(TT) launch_cols_q8b_t<TT>(s, W, q, y, (long long)y_stride, n_out, n_in, n_cols)
+  DISPATCH_Q8_TYPE(t, CT)
+#undef CT
+  return (int)cudaGetLastError();
 }
 
 extern "C" int strata_mvc_q8w_rope(void *stream, int t, const void *w, const void *xq, float *qkv, int n_head,
@@ -556,23 +708,8 @@ extern "C" int strata_mvc_q8w_rope(void *stream, int t, const void *w, const voi
   NormIn fn;
   if (const int e = cols_norm(norm_ss, eps, n_in, &fn)) return e;
   const RopeKV rk{pos, page_table, (__half *)k_cache, (__half *)v_cache, n_head, n_kv, hd, n_rot, page_size, base, 0};
-  return launch_cols_q8w<true>((cudaStream_t)stream, t, (const uint8_t *)w, (const int8_t *)xq, qkv, n_out, n_out, n_in,
-                               n_cols, rk, pt_stride, fn, ResidOut{});
-}
-
-// Pairs per pass of k_mvc_glu for NC columns: 2 * P * NC partial sums in registers.
-#define GLU_P(NC) ((NC) <= 4 ? 4 : (NC) <= 8 ? 2 : 1)
-
-template <int T>
-static void launch_cols_glu_t(cudaStream_t s, const uint8_t *G, const uint8_t *U, const int8_t *q, float *act,
-                              int8_t *aq, int F, int n_in, int n_cols, const NormIn &fn) {
-  const long long rb = row_bytes_of(T, n_in), xs = q8_col_bytes(n_in), aqs = q8_col_bytes(F);
-  const long long slot = staged_size(4 * rb);
-#define CG(NC) LAUNCH_STAGED((k_mvc_glu<T, NC, GLU_P(NC), true>), (k_mvc_glu<T, NC, GLU_P(NC), false>), \
-                             16 * slot, (unsigned)(F / 32), 256, G, U, q, xs, act, aq, aqs, F, n_in / 32, rb, n_cols, \
-                             fn, (int)slot)
-  DISPATCH_NC(n_cols, CG)
-#undef CG
+  return launch_cols1_q8w<true>((cudaStream_t)stream, t, (const uint8_t *)w, (const int8_t *)xq, qkv, n_out, n_out,
+                                n_in, n_cols, rk, pt_stride, fn, ResidOut{});
 }
 
 extern "C" int strata_mvc_q8w_glu(void *stream, int t, const void *w_gate, const void *w_up, const void *xq,
@@ -587,8 +724,16 @@ extern "C" int strata_mvc_q8w_glu(void *stream, int t, const void *w_gate, const
   const uint8_t *G = (const uint8_t *)w_gate, *U = (const uint8_t *)w_up;
   const int8_t *q = (const int8_t *)xq;
   int8_t *aq = (int8_t *)act_q8;
-#define CT(TT) launch_cols_glu_t<TT>(s, G, U, q, act, aq, F, n_in, n_cols, fn)
-  DISPATCH_Q8_TYPE(t, CT)
+  if (!fn.ss) {   // no input norm: the register tiles
+#define CT(TT) launch_cols_glu_t<TT>(s, G, U, q, act, aq, F, n_in, n_cols)
+    DISPATCH_Q8_TYPE(t, CT)
 #undef CT
+    return (int)cudaGetLastError();
+  }
+  const long long rb = row_bytes_of(t, n_in), xs = q8_col_bytes(n_in), aqs = q8_col_bytes(F);
+#define CG(TT) st_launch(k_mvc1_glu<TT>, (unsigned)(F / 32), 256, 0, s, G, U, q, xs, act, aq, aqs, F, n_in / 32, rb, \
+                         n_cols, fn)
+  DISPATCH_Q8_TYPE(t, CG)
+#undef CG
   return (int)cudaGetLastError();
 }
