@@ -33,7 +33,7 @@ pytestmark = pytest.mark.skipif(_why is not None, reason=f"CUDA backend unavaila
 _no_model = default_model_missing()
 
 TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
-COLS = (1, 2, 7, 8, 9, 16)
+COLS = (1, 2, 3, 7, 8, 9, 16)   # every compiled column count of the register tiles (2, 4, 8, 16) and past it
 
 
 # ------------------------------------------------------------------ kernels
