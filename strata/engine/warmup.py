@@ -42,8 +42,7 @@ def _short_read_crossovers(engine) -> dict:
             measure = getattr(getattr(st, "runner", None), "measure_short_read", None)
             if measure is None:          # the CPU's runner, a remote stage
                 continue
-            with st.on_device():
-                n = measure(st.memory.seq(sid))
+            n = measure(st.memory.seq(sid))   # on the plan's own device (PlanModel.measure_short_read)
             if n is not None:
                 out[i] = n
     return out
