@@ -3,9 +3,11 @@ weight-pass bound, on CUDA or the CPU.
 
 For each model, depth d (a random d-token context, captured once and restored before every read) and n in --ns: the
 best of --reps times of one forward of n random tokens as the engine calls it (CudaBackend.fast_path's PlanModel on
-CUDA: the short read for 2..settings.SHORT_READ_MAX tokens, the cuBLAS prefill above; the model on the CPU), the
-host logits of the last token included; n = 1 is a decode step. On CUDA, for the short-read sizes, the plan's cuBLAS
-prefill is timed too ("gemm_ms": the other side of the crossover settings.short_read draws). Beside them:
+CUDA: the short read up to the plan's crossover, measured first as the engine's warm-up measures it
+(DecodePlan.measure_short_read, "crossover"), the cuBLAS prefill above; the model on the CPU), the host logits of
+the last token included; n = 1 is a decode step. On CUDA, for n = 2..16, the other side of the crossover is timed
+too: the plan's cuBLAS prefill ("gemm_ms") where the short read was taken, the short read ("short_ms") where
+not. Beside them:
 llama-bench -p n -d d on the same file (--llama-bench; n / its tokens per second) and the weight-pass bound (the
 bytes of every weight matrix a token's forward reads, the head and one embedding row / the copy bandwidth measured
 in the same run: a 2 GiB device-to-device copy, or a 1 GiB host copy on the CPU).
@@ -75,9 +77,9 @@ def host_bandwidth() -> float:
 
 
 def bench_model(path: str, device: str, ns, depths, reps: int, bw: float, threads: int) -> dict:
-    """{"weight_bytes", "weight_pass_ms", "rows": {depth: {n: {"ms", "gemm_ms"?}}}} for one model (see the module
-    docstring); on the CPU, a hybrid's reads of 2..16 tokens are timed with the chunked delta rule too
-    ("chunked_ms": what the exactness contract's token-by-token step replaces)."""
+    """{"weight_bytes", "weight_pass_ms", "crossover"?, "rows": {depth: {n: {"ms", "gemm_ms"?, "short_ms"?}}}} for
+    one model (see the module docstring); on the CPU, a hybrid's reads of 2..16 tokens are timed with the chunked
+    delta rule too ("chunked_ms": what the exactness contract's token-by-token step replaces)."""
     from strata.backend import quant
     from strata.models.registry import load_model
     if device == "cuda":
@@ -117,6 +119,10 @@ def bench_model(path: str, device: str, ns, depths, reps: int, bw: float, thread
         return best
 
     read(rng.integers(0, vocab, 600))                    # warm-up
+    if plan is not None:                                 # the crossover as the engine's warm-up measures it
+        st.reset()
+        res["crossover"] = fast.measure_short_read(st)
+        print(f"  crossover (measured at position 0): {res['crossover']}", flush=True)
     for d in depths:
         st.reset()
         if d:
@@ -126,14 +132,18 @@ def bench_model(path: str, device: str, ns, depths, reps: int, bw: float, thread
         for n in ns:
             toks = rng.integers(0, vocab, n).astype(np.int32)
             e = row[str(n)] = {"ms": 1e3 * timed(lambda: fast.forward(toks, st), snap)}
-            if plan is not None and S is not None and S.short_read(n) and plan.takes_prefill(n):
-                e["gemm_ms"] = 1e3 * timed(lambda: plan.prefill(toks, st), snap)
+            if plan is not None and 1 < n <= S.SHORT_READ_COLS and plan.short_form() is not None:
+                if not plan.takes_short_read(n):
+                    e["short_ms"] = 1e3 * timed(lambda: plan.short_read(toks, st), snap)
+                elif plan.takes_prefill(n):
+                    e["gemm_ms"] = 1e3 * timed(lambda: plan.prefill(toks, st), snap)
             if device == "cpu" and hasattr(model, "gdn_mode") and 1 < n <= quant.ROWWISE_MAX_TOKENS:
                 mode0, model.gdn_mode = model.gdn_mode, "chunked"     # the contract's cost: the batched rule
                 e["chunked_ms"] = 1e3 * timed(lambda: fast.forward(toks, st), snap)
                 model.gdn_mode = mode0
             print(f"  d{d} n{n}: {e['ms']:.3f} ms" + (f" (cuBLAS prefill {e['gemm_ms']:.3f} ms)" if "gemm_ms" in e
-                                                      else ""), flush=True)
+                                                      else "") +
+                  (f" (short read {e['short_ms']:.3f} ms)" if "short_ms" in e else ""), flush=True)
     return res                 # the model's device memory goes with this frame (main frees CuPy's pool after)
 
 
@@ -244,12 +254,14 @@ def main(argv=None) -> int:
         s = e["strata"]
         bound = s["weight_pass_ms"]
         ref = e.get("llama.cpp", {}).get("rows", {})
-        print(f"{name}: weight pass {bound:.3f} ms ({s['weight_bytes'] / 1e6:.0f} MB)")
+        print(f"{name}: weight pass {bound:.3f} ms ({s['weight_bytes'] / 1e6:.0f} MB), crossover "
+              f"{s.get('crossover')}")
         for d, row in s["rows"].items():
             step = row.get("1", {}).get("ms")
             for n, r in row.items():
                 lc = ref.get(d, {}).get(n)
                 g = f"  cuBLAS {r['gemm_ms']:8.3f}" if "gemm_ms" in r else \
+                    f"  short read {r['short_ms']:8.3f}" if "short_ms" in r else \
                     f"  chunked GDN {r['chunked_ms']:8.3f}" if "chunked_ms" in r else ""
                 print(f"  d{d:>6} n{n:>4}: {r['ms']:8.3f} ms  x step {r['ms'] / step if step else float('nan'):6.2f}"
                       f"  x bound {r['ms'] / bound:6.2f}  llama {lc or float('nan'):8.3f}"

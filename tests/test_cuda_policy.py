@@ -99,9 +99,17 @@ def test_glu_settings(env, want):
     assert S.glu_settings(env) == want
 
 
-def test_short_read_crossover_is_one_function():
-    """settings.short_read: 2..SHORT_READ_MAX tokens take the short read; STRATA_CUDA_SHORT_READ_MAX is clamped to
-    0..16 and a bad value keeps the default."""
-    assert [n for n in range(0, 20) if S.short_read(n)] == list(range(2, S.SHORT_READ_MAX + 1))
-    assert S._short_read_max(None) == S.SHORT_READ_DEFAULT == 8 and S.SHORT_READ_COLS == 16
-    assert [S._short_read_max(v) for v in ("4", "99", "-3", "x", "")] == [4, 16, 0, 8, 8]
+def test_short_read_crossover_is_one_function(monkeypatch):
+    """settings.short_read: 2..the limit take the short read, the limit a plan's measured crossover (None: not
+    measured, SHORT_READ_DEFAULT); STRATA_CUDA_SHORT_READ_MAX overrides it, clamped to 0..16, a bad value unset."""
+    monkeypatch.setattr(S, "SHORT_READ_ENV", None)
+    assert [n for n in range(0, 20) if S.short_read(n)] == list(range(2, S.SHORT_READ_DEFAULT + 1))
+    assert [n for n in range(0, 20) if S.short_read(n, 12)] == list(range(2, 13))
+    assert [n for n in range(0, 20) if S.short_read(n, 1)] == [] and S.short_read_limit(40) == 16
+    assert S.SHORT_READ_DEFAULT == 8 and S.SHORT_READ_COLS == 16
+    assert [S._short_read_env(v) for v in ("4", "99", "-3", "x", "", None)] == [4, 16, 0, None, None, None]
+    monkeypatch.setattr(S, "SHORT_READ_ENV", 5)
+    assert [n for n in range(0, 20) if S.short_read(n, 12)] == list(range(2, 6)) == \
+        [n for n in range(0, 20) if S.short_read(n)]
+
+

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.skipif(_why is not None, reason=f"CUDA backend unavaila
 _no_model = default_model_missing()
 
 TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
-COLS = (1, 2, 7, 8, 9, 16)
+COLS = (1, 2, 3, 7, 8, 9, 16)   # every compiled column count of the register tiles (2, 4, 8, 16) and past it
 
 
 # ------------------------------------------------------------------ kernels
@@ -531,16 +531,18 @@ def test_llama_q8_0_kv_cache_bit_identical():
 
 @gpu
 def test_llama_graphs_vs_eager_and_routing(smol, monkeypatch):
-    """The captured graphs and eager launches give the same bits; PlanModel.forward routes 2..SHORT_READ_MAX tokens
-    through the short read (settings.short_read) and more through the prefill; the last row's logits without
-    all_logits."""
+    """The captured graphs and eager launches give the same bits; PlanModel.forward routes 2 tokens up to the
+    plan's limit through the short read (DecodePlan.takes_short_read, settings.short_read) and more through the
+    prefill; the last row's logits without all_logits."""
     pm, pool = smol
     m = pm.model
-    assert not S.short_read(1) and S.short_read(2) and S.short_read(S.SHORT_READ_MAX)
-    assert not S.short_read(S.SHORT_READ_MAX + 1) and not S.short_read(17)
+    plan = pm.plan(pool)
+    lim = S.short_read_limit(plan.short_crossover)
+    assert [n for n in range(0, 18) if plan.takes_short_read(n)] == list(range(2, lim + 1))
     from strata.backend.cuda import llama as LL
     eager = LL.LlamaCuda(m, pool, use_graphs=False)
-    plan = pm.plan(pool)
+    monkeypatch.setattr(plan, "short_crossover", 6)
+    monkeypatch.setattr(S, "SHORT_READ_ENV", None)
     a, b, c = m.new_state(pool), m.new_state(pool), m.new_state(pool)
     try:
         prompt = _prompt(50, m.config.n_vocab, 21)
@@ -556,6 +558,43 @@ def test_llama_graphs_vs_eager_and_routing(smol, monkeypatch):
         _same_state(a, c, False)
     finally:
         for st in (a, b, c):
+            st.release()
+
+
+@gpu
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_measured_crossover_routes_and_leaves_the_state(smol, hybrid, tmp_path, monkeypatch):
+    """DecodePlan.measure_short_read (what the warm-up runs) keeps a crossover in 1..16 on the plan, which then
+    routes PlanModel.forward (takes_short_read); the measured sequence is left as it was: the next token's logits
+    and every layer's state equal those of an unmeasured twin."""
+    monkeypatch.setattr(S, "SHORT_READ_ENV", None)
+    if hybrid:
+        if _no_model is not None:
+            pytest.skip(_no_model)
+        from strata.backend.cuda import qwen35 as Q
+        from strata.models.registry import load_model
+        m = load_model(synth.write_synthetic(tmp_path / "q35.gguf", _hybrid_spec("Q8_0")), C.CudaBackend())
+        pm = Q.Qwen35GraphModel(m)
+        pool = pm.new_page_pool(512, n_seq=2)
+    else:
+        pm, pool = smol
+        m = pm.model
+    plan = pm.plan(pool)
+    monkeypatch.setattr(plan, "short_crossover", plan.short_crossover)   # the module's plan as it was after
+    a, b = m.new_state(pool), m.new_state(pool)
+    try:
+        prompt = _prompt(40, m.config.n_vocab, 41)
+        for st in (a, b):
+            pm.forward(prompt, st)
+        n = pm.measure_short_read(a)
+        assert n == plan.short_crossover and 1 <= n <= S.SHORT_READ_COLS
+        assert [k for k in range(0, 18) if plan.takes_short_read(k)] == list(range(2, n + 1))
+        assert a.pos == b.pos == 40
+        tok = _prompt(1, m.config.n_vocab, 42)
+        np.testing.assert_array_equal(pm.forward(tok, a), pm.forward(tok, b))
+        _same_state(a, b, hybrid)
+    finally:
+        for st in (a, b):
             st.release()
 
 

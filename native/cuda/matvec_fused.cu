@@ -224,34 +224,6 @@ __global__ void __launch_bounds__(128) k_matvec_q8w(const uint8_t *__restrict__ 
   KT(KT_MATVEC, KT_END);
 }
 
-// Dynamic shared memory a staged decode matvec takes without the opt-in attribute: 48 KB less 1 KB for the kernels'
-// static shared memory (at most 256 bytes: sv / red arrays).
-static const long long SMEM_PLAIN = 47 * 1024;
-
-// The most dynamic shared memory kernel k may take on the current device (the opt-in limit less k's static shared
-// memory), with the attribute set on k for that device; cached per kernel (cache) and device (up to 16; a benign
-// race: every thread stores the same value); 0 if refused.
-template <typename K>
-static int smem_optin(K k, int (&cache)[16]) {
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 16) {
-    cudaGetLastError();
-    return 0;
-  }
-  if (cache[dev] == 0) {   // 0: not asked yet; else the limit + 1
-    int v = 0;
-    cudaFuncAttributes fa;
-    if (cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) == cudaSuccess &&
-        cudaFuncGetAttributes(&fa, k) == cudaSuccess && (v -= (int)fa.sharedSizeBytes) > 0 &&
-        cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, v) == cudaSuccess)
-      cache[dev] = v + 1;
-    else
-      cache[dev] = 1;
-    cudaGetLastError();
-  }
-  return cache[dev] - 1;
-}
-
 // Dynamic shared memory of the fused-norm decode matvecs: the staged rows (4 warps x R rows; 32 / RP warps x RP gate
 // and RP up rows) and then x's q8_1 blocks (n_in int8 + n_in / 32 float2). One formula for the launchers and for
 // strata_fused_norm_supported.

@@ -1,5 +1,6 @@
 // The decode matvecs' shared device pieces (matvec_fused.cu and the short read's matvec_cols.cu): the q8_1 x block
-// load, the fused / handed-off RMSNorm inputs and the residual handoff, and the QKV epilogue's RoPE + K/V pair.
+// load, the staged weights' shared memory limits (host), the fused / handed-off RMSNorm inputs and the residual
+// handoff, and the QKV epilogue's RoPE + K/V pair.
 #pragma once
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -22,6 +23,35 @@ __device__ static inline void load_x(const int *x, const float2 *xds, int u, int
     load_xq(x, u, xv);
     ds = __ldg(xds + u);
   }
+}
+
+// ---------------------------------------------------------------- staged weights: shared memory per block (host)
+// Dynamic shared memory a staged decode matvec takes without the opt-in attribute: 48 KB less 1 KB for the kernels'
+// static shared memory (at most 256 bytes: sv / red arrays).
+static const long long SMEM_PLAIN = 47 * 1024;
+
+// The most dynamic shared memory kernel k may take on the current device (the opt-in limit less k's static shared
+// memory), with the attribute set on k for that device; cached per kernel (cache) and device (up to 16; a benign
+// race: every thread stores the same value); 0 if refused.
+template <typename K>
+static int smem_optin(K k, int (&cache)[16]) {
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 16) {
+    cudaGetLastError();
+    return 0;
+  }
+  if (cache[dev] == 0) {   // 0: not asked yet; else the limit + 1
+    int v = 0;
+    cudaFuncAttributes fa;
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) == cudaSuccess &&
+        cudaFuncGetAttributes(&fa, k) == cudaSuccess && (v -= (int)fa.sharedSizeBytes) > 0 &&
+        cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, v) == cudaSuccess)
+      cache[dev] = v + 1;
+    else
+      cache[dev] = 1;
+    cudaGetLastError();
+  }
+  return cache[dev] - 1;
 }
 
 // ---------------------------------------------------------------- RMSNorm fused into a decode matvec's prologue

@@ -44,47 +44,81 @@ template <int K>
 __global__ void k_q35_conv(const float *__restrict__ x, const float *__restrict__ w, float *__restrict__ window,
                            float *__restrict__ y, int channels, int n_tok, long long xs, long long ys) {
   griddep_launch();
-  griddep_wait();
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= channels) return;
-  float xx[K];
+  float xx[K], wc[K];
+#pragma unroll
+  for (int j = 0; j < K; j++) wc[j] = w[(long long)c * K + j];   // constants: before the PDL wait
+  griddep_wait();
 #pragma unroll
   for (int j = 0; j < K - 1; j++) xx[j] = window[(long long)j * channels + c];
-  for (int t = 0; t < n_tok; t++) {
-    xx[K - 1] = x[t * xs + c];
-    float acc = 0.f;
+  // the tokens' inputs CONV_TOKENS at a time into registers first (their loads in flight together), then the
+  // tokens in order
+  constexpr int CONV_TOKENS = 8;
+  for (int t0 = 0; t0 < n_tok; t0 += CONV_TOKENS) {
+    float xt[CONV_TOKENS];
 #pragma unroll
-    for (int j = 0; j < K; j++) acc += xx[j] * w[(long long)c * K + j];
-    y[t * ys + c] = acc / (1.0f + expf(-acc));
+    for (int i = 0; i < CONV_TOKENS; i++) xt[i] = t0 + i < n_tok ? x[(t0 + i) * xs + c] : 0.f;
 #pragma unroll
-    for (int j = 0; j < K - 1; j++) xx[j] = xx[j + 1];
+    for (int i = 0; i < CONV_TOKENS; i++) {
+      if (t0 + i >= n_tok) break;
+      xx[K - 1] = xt[i];
+      float acc = 0.f;
+#pragma unroll
+      for (int j = 0; j < K; j++) acc += xx[j] * wc[j];
+      y[(t0 + i) * ys + c] = acc / (1.0f + expf(-acc));
+#pragma unroll
+      for (int j = 0; j < K - 1; j++) xx[j] = xx[j + 1];
+    }
   }
 #pragma unroll
   for (int j = 0; j < K - 1; j++) window[(long long)j * channels + c] = xx[j];
 }
 
+// One token's inputs of the gated delta rule as thread (tx, ty) of block (tile, h) reads them: q, k elements tid of
+// key head hk (tid < dk), v element j of value head h, the head's b and a (see k_q35_gdn_step).
+struct GdnIn {
+  float qv, kv, vv, b, a;
+};
+__device__ __forceinline__ GdnIn q35_gdn_load(const float *__restrict__ y, const float *__restrict__ proj, int h,
+                                              int j, int n_v, int n_k, int dk, int dv, int tiled, int b_off,
+                                              int a_off, int ba_grouped) {
+  const int tid = threadIdx.y * Q35_COLS + threadIdx.x;
+  const int r = n_v / n_k;
+  const int hk = tiled ? h % n_k : h / r;
+  GdnIn in{0.f, 0.f, 0.f, 0.f, 0.f};
+  if (tid < dk) {
+    in.qv = y[(long long)hk * dk + tid];
+    in.kv = y[(long long)n_k * dk + (long long)hk * dk + tid];
+  }
+  int bi, ai;
+  if (ba_grouped) {
+    bi = b_off + (h / r) * 2 * r + h % r;
+    ai = bi + r;
+  } else {
+    bi = b_off + h;
+    ai = a_off + h;
+  }
+  in.b = proj[bi];
+  in.a = proj[ai];
+  if (j < dv) in.vv = y[2LL * n_k * dk + (long long)h * dv + j];
+  return in;
+}
+
 // One token of the gated delta rule on the block's state slice s (registers: rows ty, ty + 8, ... of column j of
-// value head h), token inputs y (the conv output) and proj (b, a), output out; the shared arrays of the caller.
-// Every thread of the block calls it (barriers).
+// value head h) from its inputs `in` (q35_gdn_load), output out; the shared arrays of the caller. Every thread of
+// the block calls it (barriers).
 template <int M>
-__device__ __forceinline__ void q35_gdn_token(float (&s)[M], const float *__restrict__ y,
-                                              const float *__restrict__ proj, const float *__restrict__ A,
+__device__ __forceinline__ void q35_gdn_token(float (&s)[M], const GdnIn &in, const float *__restrict__ A,
                                               const float *__restrict__ dt,
-                                              float *__restrict__ out, int h, int j, int n_v, int n_k, int dk, int dv,
-                                              int tiled, int b_off, int a_off, int ba_grouped, float scale,
+                                              float *__restrict__ out, int h, int j, int dk, int dv, float scale,
                                               float l2_eps, float *q_s, float *k_s,
                                               float (*red1)[Q35_COLS + 1], float (*red2)[Q35_COLS + 1],
                                               float (*nrm)[Q35_ROWS]) {
   const int tx = threadIdx.x, ty = threadIdx.y, tid = ty * Q35_COLS + tx;
   const bool col = j < dv;
-  const int r = n_v / n_k;
-  const int hk = tiled ? h % n_k : h / r;
   // q, k of key head hk and their squared norms (warp ty reduces its 32 elements, then the 8 warps' partials)
-  float qv = 0.f, kv = 0.f;
-  if (tid < dk) {
-    qv = y[(long long)hk * dk + tid];
-    kv = y[(long long)n_k * dk + (long long)hk * dk + tid];
-  }
+  const float qv = in.qv, kv = in.kv;
   float sq = qv * qv, sk = kv * kv;
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
@@ -106,20 +140,12 @@ __device__ __forceinline__ void q35_gdn_token(float (&s)[M], const float *__rest
     q_s[tid] = qv / sqrtf(tq + l2_eps) * scale;
     k_s[tid] = kv / sqrtf(tk + l2_eps);
   }
-  int bi, ai;
-  if (ba_grouped) {
-    bi = b_off + (h / r) * 2 * r + h % r;
-    ai = bi + r;
-  } else {
-    bi = b_off + h;
-    ai = a_off + h;
-  }
-  const float b = 1.0f / (1.0f + expf(-proj[bi]));
-  const float sp_in = proj[ai] + dt[h];
+  const float b = 1.0f / (1.0f + expf(-in.b));
+  const float sp_in = in.a + dt[h];
   const float sp = sp_in > 20.0f ? sp_in : log1pf(expf(sp_in));
   const float eg = expf(A[h] * sp);
   __syncthreads();                            // q_s, k_s complete
-  const float vv = col ? y[2LL * n_k * dk + (long long)h * dv + j] : 0.0f;
+  const float vv = in.vv;
   float kvm = 0.0f;
 #pragma unroll
   for (int m = 0; m < M; m++) {
@@ -186,10 +212,14 @@ __global__ void __launch_bounds__(Q35_COLS *Q35_ROWS)
     const int i = ty + Q35_ROWS * m;
     s[m] = (col && i < dk) ? S[(long long)i * dv + j] : 0.0f;
   }
+  // token t + 1's inputs are loaded while token t runs (its loads in flight during the reductions)
+  GdnIn in = q35_gdn_load(y, proj, h, j, n_v, n_k, dk, dv, tiled, b_off, a_off, ba_grouped);
   for (int t = 0; t < n_tok; t++) {
     if (t) __syncthreads();                   // the previous token's shared arrays read by every warp
-    q35_gdn_token<M>(s, y + t * ys, proj + t * ps, A, dt, out + t * os, h, j, n_v, n_k, dk, dv, tiled, b_off, a_off,
-                     ba_grouped, scale, l2_eps, q_s, k_s, red1, red2, nrm);
+    const GdnIn next = t + 1 < n_tok ? q35_gdn_load(y + (t + 1) * ys, proj + (t + 1) * ps, h, j, n_v, n_k, dk, dv,
+                                                    tiled, b_off, a_off, ba_grouped) : in;
+    q35_gdn_token<M>(s, in, A, dt, out + t * os, h, j, dk, dv, scale, l2_eps, q_s, k_s, red1, red2, nrm);
+    in = next;
   }
 #pragma unroll
   for (int m = 0; m < M; m++) {

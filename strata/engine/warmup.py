@@ -1,5 +1,6 @@
 """Warm-up: the shapes a request will use (prompt reads of each length class, decode steps, greedy and sampled
-choices) run once before the engine serves, and forgotten, so the first request costs what a later one does."""
+choices) run once before the engine serves, and forgotten, so the first request costs what a later one does; on a
+GPU it also measures each plan's crossover between the short read and the prefill (the plans keep it)."""
 from __future__ import annotations
 
 import time
@@ -31,11 +32,27 @@ def _device_bytes(engine) -> int | None:
     return total
 
 
+def _short_read_crossovers(engine) -> dict:
+    """{stage index: n}: the crossover each stage's runner measured on the live sequence (at position 0, left
+    there), the largest prompt read that takes its short read rather than its prefill; stages whose runner has no
+    such choice are left out."""
+    out = {}
+    with engine._lock:
+        for i, (st, sid) in enumerate(zip(engine.stages, engine.seq.sids)):
+            measure = getattr(getattr(st, "runner", None), "measure_short_read", None)
+            if measure is None:          # the CPU's runner, a remote stage
+                continue
+            n = measure(st.memory.seq(sid))   # on the plan's own device (PlanModel.measure_short_read)
+            if n is not None:
+                out[i] = n
+    return out
+
+
 def warm_up(engine) -> dict:
     """Run the warm-up on `engine` (under its lock, as a request would) and leave nothing of it behind: the live
     sequence at position 0, no checkpoint, nothing parked, the request count as it was. Returns what /status
     reports: {"ms", "reads" (the prompt lengths read), "device_bytes" (what the GPU memory pools grew by, None on
-    the CPU)}."""
+    the CPU), "short_read" ({stage index: the crossover its plan measured}, empty on the CPU)}."""
     t0 = time.perf_counter()
     on_gpu = any(str(st.device).startswith("cuda") for st in engine.stages)
     cap = engine.n_ctx - DECODE_TOKENS - 1
@@ -43,7 +60,7 @@ def warm_up(engine) -> dict:
     ids = list(engine.tokenizer.encode("Strata reads this text once before it serves, so that no request pays "
                                        "for the first use of a shape. " * 8))
     if not ids or not lengths:
-        return {"ms": 0.0, "reads": [], "device_bytes": None}
+        return {"ms": 0.0, "reads": [], "device_bytes": None, "short_read": {}}
     before = _device_bytes(engine)
     requests, last_final = engine.requests, engine.last_final
     greedy = SamplingParams()
@@ -58,6 +75,7 @@ def warm_up(engine) -> dict:
                 pass
             with engine._lock:
                 engine._forget_live()
+        crossovers = _short_read_crossovers(engine) if on_gpu else {}
     finally:
         with engine._lock:
             engine._forget_live()
@@ -66,6 +84,6 @@ def warm_up(engine) -> dict:
         engine.requests, engine.last_final = requests, last_final
     after = _device_bytes(engine)
     out = {"ms": round((time.perf_counter() - t0) * 1000.0, 1), "reads": lengths,
-           "device_bytes": None if before is None else max(0, after - before)}
+           "device_bytes": None if before is None else max(0, after - before), "short_read": crossovers}
     log.info("warm-up done", **out)
     return out

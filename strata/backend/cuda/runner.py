@@ -4,6 +4,7 @@ built of, and the prefill's start and end) and PlanModel (what the engine runs: 
 long forwards routed to the plan of the sequence's page pool)."""
 from __future__ import annotations
 
+import time
 from typing import Any, ClassVar
 
 import numpy as np
@@ -117,6 +118,7 @@ class DecodePlan:
                   "act": cp.zeros((1, F), cp.float32), "fq": q8_buffer(cp, F),
                   "logits": cp.zeros((1, self.n_vocab), cp.float32)}
         self.pf = PrefillScratch()                  # prefill buffers and the f16 weight scratch for cuBLAS
+        self.short_crossover: int | None = None     # measure_short_read's result (settings.short_read's limit)
 
     def _attention_buffers(self) -> None:
         """The decode attention's buffers: Q|K|V, the attention output and its q8_1 blocks, the split-K partials
@@ -545,7 +547,7 @@ class DecodePlan:
         self._check_state(state)
         kv = state.kv
         kv.reserve(n)                                         # KVCacheFull here changes nothing
-        form = self.short_form()
+        form = self._form()
         if form is None:
             return self._short_by_steps(toks, state, all_logits, x)
         self._attach(state)
@@ -571,6 +573,53 @@ class DecodePlan:
         kv.commit(n)
         state.advance(toks)
         return res
+
+    def _form(self) -> str | None:
+        """short_form(), asked once per plan: the form follows from the model's weights, the cache type and the
+        settings, none of which change under a plan (asking walks every layer: ~0.3 ms a read on a 30-layer model)."""
+        if not hasattr(self, "_short_form"):
+            self._short_form = self.short_form()
+        return self._short_form
+
+    def takes_short_read(self, n: int) -> bool:
+        """Whether a forward of n new tokens goes through ``short_read`` rather than the prefill: a column form and
+        settings.short_read with this plan's crossover."""
+        return self._form() is not None and settings.short_read(n, self.short_crossover)
+
+    def measure_short_read(self, state, reps: int = 2) -> int | None:
+        """Measure this plan's crossover (model, carve, GPU) and keep it as ``short_crossover``: the largest n in
+        2..SHORT_READ_COLS up to which a short read of n tokens at state's position took less time than the prefill
+        of the same tokens (1: none; sizes from 2 up, until the prefill is as fast), each the best of `reps`
+        host-timed reads after a first one (which captures the short read's graph of that size). The state is
+        captured first and restored after every read (it is left as it was). Returns the crossover, or None where
+        there is nothing to choose (no column form, no prefill, a carve that is not the whole model)."""
+        if self._form() is None or not self.takes_prefill(2) or not (self.first and self.last):
+            return None
+        rng = np.random.default_rng(0)
+        snap = state.capture()
+        sync = self.cp.cuda.Device().synchronize
+
+        def best(run) -> float:
+            t = float("inf")
+            for _ in range(reps + 1):
+                state.restore(snap)
+                sync()
+                t0 = time.perf_counter()
+                run()
+                sync()
+                t = min(t, time.perf_counter() - t0)
+            return t
+        cross = 1
+        try:
+            for n in range(2, settings.SHORT_READ_COLS + 1):
+                toks = rng.integers(0, self.n_vocab, n).astype(np.int32)
+                if best(lambda: self.short_read(toks, state)) >= best(lambda: self.prefill(toks, state)):
+                    break
+                cross = n
+        finally:
+            state.restore(snap)
+        self.short_crossover = cross
+        return cross
 
     def _short_by_steps(self, toks, state, all_logits: bool, x):
         """short_read without a column form: one decode step per token (the pages already reserved)."""
@@ -701,20 +750,29 @@ class PlanModel:
 
     def forward(self, tokens, state, all_logits: bool = False, x_in=None):
         """The model's forward (same arguments, result and errors), on the backend's device in any thread: one token
-        (without all_logits) through the plan's decode step, 2..settings.SHORT_READ_MAX tokens through its short
-        read (settings.short_read) where the plan mirrors its step over columns (short_form), a longer forward through its prefill where the plan takes it, everything else
-        the model's own forward (generic_forward)."""
+        (without all_logits) through the plan's decode step, 2 tokens up to the plan's crossover through its short
+        read (DecodePlan.takes_short_read) where the plan mirrors its step over columns (short_form), a longer
+        forward through its prefill where the plan takes it, everything else the model's own forward
+        (generic_forward)."""
         toks = np.asarray(tokens).reshape(-1)
         with self.model.backend.device:
             if self._on_plan(state):
                 plan = self.plan(state.kv.pool)
                 if toks.shape[0] == 1 and not all_logits:
                     return plan.decode(token_id(toks[0], self.model.config.n_vocab), state, x_in)
-                if settings.short_read(int(toks.shape[0])) and plan.short_form() is not None:
+                if plan.takes_short_read(int(toks.shape[0])):
                     return plan.short_read(tokens, state, all_logits, x_in)
                 if toks.shape[0] > 1 and self.prefill and plan.takes_prefill(int(toks.shape[0])):
                     return plan.prefill(tokens, state, all_logits, x_in)
             return self.generic_forward(tokens, state, all_logits, x_in)
+
+    def measure_short_read(self, state) -> int | None:
+        """The plan's crossover between the short read and the prefill, measured on `state` (left as it was) and
+        kept by the plan (DecodePlan.measure_short_read); None for a sequence not on a plan or nothing to choose."""
+        if not self._on_plan(state):
+            return None
+        with self.model.backend.device:
+            return self.plan(state.kv.pool).measure_short_read(state)
 
     def forward_device(self, tokens, state, x_in=None):
         """forward(tokens, state, x_in=x_in) with the last token's logits left on the device: CuPy f32 (n_vocab,),

@@ -133,31 +133,40 @@ def n_split_class(size_class: int, n_kv: int, n_sm: int, resident: int = 0) -> i
 
 
 # The short read (DecodePlan.short_read): a forward of 2..SHORT_READ_COLS new tokens of one sequence through the decode
-# step's kernels over that many columns (each weight row read once; row i bit-identical to decoding token i after rows
-# 0..i-1); 16 is the exactness contract's bound (matvec_cols.cu takes at most 16 columns). A prompt read takes it up to
-# SHORT_READ_MAX tokens and the cuBLAS prefill above: 8, where the H200 measurements cross (docs/cuda.md, "The short
-# read": at 16 tokens the prefill is faster on the 1.5-1.7 B models); STRATA_CUDA_SHORT_READ_MAX (0..16) moves it
-# (0: off).
+# step's kernels over that many columns (each weight sub-block read once; row i bit-identical to decoding token i after
+# rows 0..i-1); 16 is the exactness contract's bound (matvec_cols.cu takes at most 16 columns). A prompt read takes it
+# up to the plan's crossover and the cuBLAS prefill above. The crossover is measured per plan (model, carve, GPU) by
+# DecodePlan.measure_short_read, which the engine's warm-up runs before the daemon reports ready; a plan not measured
+# uses SHORT_READ_DEFAULT; STRATA_CUDA_SHORT_READ_MAX (0..16; 0 or 1: no short read) overrides both.
 SHORT_READ_COLS = 16
 SHORT_READ_DEFAULT = 8
 SHORT_READ_GRAPHS = 96   # captured short-read graphs kept per plan (least recently used dropped): 15 sizes x 2 x a few
 #                          context-size classes; a graph of a 30-layer model at n = 16 holds ~1000 nodes
-def _short_read_max(env: str | None) -> int:
-    """STRATA_CUDA_SHORT_READ_MAX's value clamped to 0..SHORT_READ_COLS (unset or not an integer:
-    SHORT_READ_DEFAULT)."""
+
+
+def _short_read_env(env: str | None) -> int | None:
+    """STRATA_CUDA_SHORT_READ_MAX's value clamped to 0..SHORT_READ_COLS; None when unset or not an integer."""
     try:
-        return max(0, min(SHORT_READ_COLS, int(env))) if env is not None else SHORT_READ_DEFAULT
+        return max(0, min(SHORT_READ_COLS, int(env))) if env is not None else None
     except ValueError:
-        return SHORT_READ_DEFAULT
+        return None
 
 
-SHORT_READ_MAX = _short_read_max(os.environ.get("STRATA_CUDA_SHORT_READ_MAX"))
+SHORT_READ_ENV = _short_read_env(os.environ.get("STRATA_CUDA_SHORT_READ_MAX"))
 
 
-def short_read(n: int) -> bool:
+def short_read_limit(crossover: int | None = None) -> int:
+    """The largest forward that takes the short read: STRATA_CUDA_SHORT_READ_MAX when set, else a plan's measured
+    crossover (None: not measured), else SHORT_READ_DEFAULT."""
+    if SHORT_READ_ENV is not None:
+        return SHORT_READ_ENV
+    return SHORT_READ_DEFAULT if crossover is None else max(0, min(SHORT_READ_COLS, int(crossover)))
+
+
+def short_read(n: int, crossover: int | None = None) -> bool:
     """Whether a forward of n new tokens of one sequence goes through the plan's short read (2 <= n <=
-    SHORT_READ_MAX) rather than its prefill: the one place the two paths are chosen between."""
-    return 2 <= int(n) <= SHORT_READ_MAX
+    short_read_limit(crossover)) rather than its prefill: the one place the two paths are chosen between."""
+    return 2 <= int(n) <= short_read_limit(crossover)
 
 
 def size_class(length: int) -> int:
