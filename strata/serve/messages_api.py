@@ -328,3 +328,4 @@ def add_routes(app: web.Application) -> None:
     r = app.router
     for route in (r.add_post("/v1/messages", create_message), r.add_post("/v1/messages/count_tokens", count_tokens)):
         app[ERROR_SHAPES_KEY][route.resource.canonical] = anthropic_error
+    app[ERROR_SHAPES_KEY]["/v1/messages/"] = anthropic_error   # unknown routes under /v1/messages/ too
