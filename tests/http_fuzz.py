@@ -88,7 +88,7 @@ VALID = {
 valid_chat = st.fixed_dictionaries(
     {"messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
                                                  "content": text}), min_size=1, max_size=3),
-     "max_tokens": st.integers(0, 3)},
+     "max_tokens": st.integers(1, 3)},
     optional=dict(VALID, logprobs=st.booleans()))
 valid_completion = st.fixed_dictionaries(
     {"prompt": text.filter(bool) | st.lists(st.integers(0, 49151), min_size=1, max_size=8),
