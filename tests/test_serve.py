@@ -324,12 +324,15 @@ def test_body_that_does_not_decode_gets_400(daemon):
     traceback logged (aiohttp reads the rest of the body after the answer, and fails again there), and the daemon
     answers the next request."""
     n_before = len(daemon.log_lines())
-    for enc in ("gzip", "deflate", "br"):
+    for enc in ("gzip", "deflate"):
         st, h, b = daemon.request("POST", "/v1/chat/completions", raw=b"not" + enc.encode(),
                                   headers={"Content-Encoding": enc})
         err = json.loads(b)["error"]
         assert st == 400 and err["type"] == "invalid_request_error", b
         assert f"could not be read (Content-Encoding {enc})" in err["message"] and "\n" not in err["message"]
+    # br: aiohttp refuses it at the header where Brotli is not installed, as malformed HTTP (a JSON 400 all the same)
+    st, h, b = daemon.request("POST", "/v1/chat/completions", raw=b"notbr", headers={"Content-Encoding": "br"})
+    assert st == 400 and "br" in json.loads(b)["error"]["message"], b
     assert daemon.json("GET", "/health")[0] == 200
     lines = daemon.log_lines()[n_before:]
     assert not [ln for ln in lines if ln.get("level") in ("error", "critical") or "exception" in ln], lines
