@@ -47,6 +47,7 @@ class ParsedRequest:
     tool_choice: str | dict = "auto"            # chat: "none" | "auto" | "required" | {"type": "function", ...}
     parallel_tool_calls: bool = True            # chat
     template_kwargs: dict = field(default_factory=dict)   # chat: chat_template_kwargs (e.g. enable_thinking)
+    continue_final: bool = False      # chat: the last (assistant) message is left open and the answer continues it
     reasoning: bool = True                      # chat: reasoning_format other than "none"
     output: dict | None = None                  # {"type": "json_schema", "schema", "strict"} | {"type": "grammar",
                                                 # "grammar"}: the answer constrained (response_format, json_schema,
