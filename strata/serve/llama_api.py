@@ -176,7 +176,7 @@ _COMPLETION_FIELDS = ("prompt", "temperature", "top_k", "top_p", "min_p", "seed"
                       "grammar", "strata_checkpoint")
 
 
-def _completion_request(body: dict, engine) -> schema.ParsedRequest:
+def completion_request(body: dict, engine) -> schema.ParsedRequest:
     fields = {k: body[k] for k in _COMPLETION_FIELDS if k in body and body[k] is not None}
     n = body.get("n_predict", body.get("max_tokens"))
     if n is not None:
@@ -213,7 +213,7 @@ def _completion_obj(final, content: str, p: schema.ParsedRequest, engine, prompt
                                               "predicted_ms", "predicted_per_second", "cache_n")}}
 
 
-async def _completion_respond(request, engine, p, job, answers):
+async def completion_respond(request, engine, p, job, answers):
     """llama-server's answer: one object, or SSE `data:` lines of {"content", "stop": false} then the whole object
     with "stop": true (no [DONE] line)."""
     if not p.stream:
@@ -249,7 +249,7 @@ async def completion(request: web.Request) -> web.StreamResponse:
     shape)."""
     body = await read_body(request)
     engine = engine_of(request)
-    return await generate_completion(request, _completion_request(body, engine), respond=_completion_respond)
+    return await generate_completion(request, completion_request(body, engine), respond=completion_respond)
 
 
 def add_routes(app: web.Application) -> None:
