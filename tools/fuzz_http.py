@@ -6,7 +6,7 @@ Ollama's documented 501s), an error body in its API's JSON shape, and a refused 
 unchanged; the daemon must stay alive, and a reference conversation must answer as it did before, checked every
 --reference-every cases and at the end. Problems are counted and the run goes on.
 
-Usage: python tools/fuzz_http.py [--cases 100000] [--seed 0] [--out bench/results/fuzz_http.json]
+Usage: python tools/fuzz_http.py [--cases 100000] [--seed 0] [--out bench/results/fuzz_http_<commit>.json]
 """
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--reference-every", type=int, default=5000, help="cases between checks of the reference "
                                                                       "conversation")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "fuzz_http.json"),
-                    help="where to write the JSON summary ('' for nowhere)")
+    ap.add_argument("--out", default=None, help="where to write the JSON summary (default: "
+                                                 "bench/results/fuzz_http_<commit>.json; '' for nowhere)")
     args = ap.parse_args(argv)
     from hypothesis import HealthCheck, given, seed, settings
 
@@ -85,7 +85,9 @@ def main(argv=None) -> int:
                 res["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                                                text=True).stdout.strip()
             except OSError:
-                pass
+                res["commit"] = "unknown"
+            if args.out is None:
+                args.out = str(ROOT / "bench" / "results" / f"fuzz_http_{res['commit'] or 'unknown'}.json")
             print(json.dumps({k: v for k, v in res.items() if k not in ("routes", "first_problems",
                                                                         "first_log_errors")}))
             if args.out:
