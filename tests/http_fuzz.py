@@ -495,8 +495,8 @@ def answer_problem(case: Case, r: Reply | None) -> str | None:
             d = json.loads(r.body)
         except ValueError:
             return f"{r.status} with a body that is not JSON ({ctype}): {r.body[:200]!r}"
-        if r.status == 400 and d.get("error", {}).get("code") == "bad_http" if isinstance(d, dict) and \
-                isinstance(d.get("error"), dict) else False:
+        err = d.get("error") if isinstance(d, dict) else None
+        if r.status == 400 and isinstance(err, dict) and err.get("code") == "bad_http":
             fam = "openai"                   # malformed HTTP: no route was read, OpenAI's shape
         return error_shape_problem(fam, d)
     try:
