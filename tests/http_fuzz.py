@@ -458,8 +458,8 @@ def family(path: str) -> str:
 
 
 LLAMA_PATHS = {"/completion", "/infill", "/tokenize", "/detokenize", "/apply-template", "/props"}
-# documented 5xx: Ollama's model management and embeddings are not served
-NOT_IMPLEMENTED = re.compile(r"^/api/(pull|push|create|copy|delete|blobs/.*|embed|embeddings)$")
+# documented 5xx: Ollama's model management and embeddings are not served, nor /infill on a model without FIM tokens
+NOT_IMPLEMENTED = re.compile(r"^(/api/(pull|push|create|copy|delete|blobs/.*|embed|embeddings)|/infill)$")
 
 
 def error_shape_problem(fam: str, d) -> str | None:

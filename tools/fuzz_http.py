@@ -61,6 +61,8 @@ def main(argv=None) -> int:
                     run.problems.append({"problem": why, "case": f"after case {res['cases']}"})
                 print(json.dumps({"cases": res["cases"], "s": round(time.time() - t0), "statuses": run.counts,
                                   "problems": len(run.problems)}), flush=True)
+                if run.problems:
+                    print(json.dumps(run.problems[-3:], default=str), flush=True)
             if d.proc.poll() is not None:
                 raise SystemExit(f"the daemon exited with {d.proc.returncode} after {res['cases']} cases")
 
