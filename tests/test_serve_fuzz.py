@@ -234,7 +234,7 @@ def test_the_route_table_is_the_routers():
     assert len(table) >= 50
 
 
-@settings(max_examples=2000, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=3000, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(case=http_fuzz.cases(ROUTE_TABLE))
 def test_fuzz_every_route(router_fuzz, case):
     """Any method, path, query, headers (odd encodings, huge values) and body (shaped by the route's schema, valid
