@@ -1,8 +1,7 @@
 """The daemon's connections: at most --max-connections open per listener (one more is answered 503 and closed), none
 kept open by a client that sends nothing, dribbles a request's header, or stays idle between requests past its
-timeout, and HTTP that aiohttp cannot parse answered with a JSON error (OpenAI's shape: no route was read) and a
-one-line log entry instead of aiohttp's plain text and error-level traceback. Request bodies have their own deadline
-(handling.read_body)."""
+timeout, and HTTP that aiohttp cannot parse answered with a JSON error (OpenAI's shape: no route was read) rather
+than aiohttp's plain text. Request bodies have their own deadline (handling.read_body)."""
 from __future__ import annotations
 
 import asyncio
@@ -13,8 +12,9 @@ from dataclasses import dataclass, field
 
 import structlog
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
-from aiohttp.web_protocol import RequestHandler, RequestPayloadError
+from aiohttp.web_protocol import RequestHandler
+
+from strata.serve.log import malformed
 
 log = structlog.get_logger("strata.serve")
 
@@ -163,36 +163,22 @@ class _GuardedServer:
         return getattr(self._server, name)
 
 
-def _one_line(text: str, limit: int = 200) -> str:
-    text = " ".join(str(text).split())
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
 class _JsonErrorsHandler(RequestHandler):
-    """aiohttp's RequestHandler that answers the requests its parser refuses (a request line or header it cannot
-    read, a body whose framing or Content-Encoding does not decode) with a JSON error, and logs a client's bad bytes
-    as one info line, not an error-level traceback."""
+    """aiohttp's RequestHandler whose answer to a request its parser refuses (a request line or header it cannot read,
+    broken chunked framing, a Content-Encoding it cannot decode) is a JSON error in OpenAI's shape (no route was
+    read), code bad_http. aiohttp still logs it (strata.serve.log keeps one warning line without the raw bytes) and
+    closes the connection."""
 
     def handle_error(self, request, status: int = 500, exc: BaseException | None = None, message: str | None = None):
-        if status >= 500:                     # not a client's fault: aiohttp's own answer, logged with its traceback
-            return super().handle_error(request, status, exc, message)
-        if request.writer.output_size > 0:    # as aiohttp: the answer has begun, the connection is broken
-            raise ConnectionError("Response is sent already, cannot send another response with the error message")
-        why = _one_line(message or getattr(exc, "message", "") or exc or "bad request")
-        log.info("malformed request", status=status, error=why)
+        resp = super().handle_error(request, status, exc, message)      # aiohttp's log line and its checks
+        if status >= 500:                     # not a client's fault: aiohttp's own answer
+            return resp
+        why = (malformed(exc) if exc is not None else None) or " ".join(str(message or "bad request").split())[:200]
         body = json.dumps({"error": {"message": f"malformed HTTP request: {why}", "type": "invalid_request_error",
                                      "param": None, "code": "bad_http"}}, ensure_ascii=False)
         resp = web.Response(status=status, text=body, content_type="application/json")
         resp.force_close()
         return resp
-
-    def log_exception(self, *args, exc_info=None, **kw) -> None:
-        # aiohttp reads what a handler left of a body after answering; a body that does not decode raises there
-        # (the handler has already answered 400)
-        if isinstance(exc_info, (RequestPayloadError, HttpProcessingError)):
-            log.info("request body left unread: it does not decode", error=_one_line(exc_info))
-            return
-        super().log_exception(*args, exc_info=exc_info, **kw)
 
 
 def _request_handler(server) -> RequestHandler:
