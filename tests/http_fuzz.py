@@ -329,7 +329,7 @@ class Case:
 
     @property
     def path(self) -> str:
-        return urllib.parse.unquote(self.target.partition("?")[0], errors="surrogateescape")
+        return urllib.parse.unquote(self.target.partition("#")[0].partition("?")[0], errors="surrogateescape")
 
     def wire(self) -> bytes:
         head = [f"{self.method} {self.target} HTTP/1.1".encode("utf-8", "surrogateescape"), b"Host: localhost"]
