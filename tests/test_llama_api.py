@@ -223,6 +223,11 @@ def test_infill_prompt_follows_llama_servers_documented_layout(tmp_path, synthet
         assert r["tokens_evaluated"] == len(ids), (r["tokens_evaluated"], len(ids))
         st, same = curl(d, "/completion", {"prompt": ids, "n_predict": 4, "temperature": 0, "cache_prompt": False})
         assert st == 200 and same["content"] == r["content"]
+        cmd = ["curl", "-sS", "-N", "--unix-socket", d.sock, "http://strata/infill", "-H",
+               "Content-Type: application/json", "--data-binary", json.dumps({**body, "stream": True})]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True).stdout
+        events = [json.loads(ln[6:]) for ln in out.splitlines() if ln.startswith("data: ")]
+        assert events[-1]["stop"] is True and "".join(e["content"] for e in events[:-1]) == r["content"]
         for bad, field in (({"input_suffix": ""}, "'input_prefix' is required"),
                            ({"input_prefix": "", "input_suffix": 3}, "'input_suffix' must be a string"),
                            ({"input_prefix": "", "input_suffix": "", "input_extra": [{"filename": "x"}]},
