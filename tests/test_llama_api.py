@@ -237,3 +237,22 @@ def test_infill_prompt_follows_llama_servers_documented_layout(tmp_path, synthet
             assert st == 400 and field in e["error"]["message"] and e["error"]["code"] == 400, (bad, e)
     finally:
         d.stop()
+
+
+def test_fim_tokens_found_by_metadata_or_by_their_text(synthetic, default_model_path):
+    """The FIM ids the GGUF names, and the same ids found by their token texts where the metadata names none (as
+    llama.cpp finds them); the default model has none of prefix, suffix, middle."""
+    from types import SimpleNamespace
+
+    from strata.gguf.file import open_gguf
+    from strata.serve.infill_api import fim_tokens
+    from strata.text.tokenizer import Tokenizer
+    meta = dict(open_gguf(synthetic("llama", name="fim", fim=True)).metadata)
+    tok = Tokenizer.from_gguf(meta)
+    named = fim_tokens(SimpleNamespace(file=SimpleNamespace(metadata=meta), tokenizer=tok))
+    assert named == {r: meta[f"tokenizer.ggml.fim_{r}_token_id"] for r in ("pre", "suf", "mid", "rep", "sep")}
+    bare = {k: v for k, v in meta.items() if "fim_" not in k}
+    assert fim_tokens(SimpleNamespace(file=SimpleNamespace(metadata=bare), tokenizer=tok)) == named
+    dmeta = open_gguf(default_model_path).metadata
+    got = fim_tokens(SimpleNamespace(file=SimpleNamespace(metadata=dmeta), tokenizer=Tokenizer.from_gguf(dmeta)))
+    assert got["pre"] is got["suf"] is got["mid"] is None and got["rep"] == 4 and got["sep"] == 5  # <reponame>, <file_sep>

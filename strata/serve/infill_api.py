@@ -48,14 +48,16 @@ def fim_tokens(engine) -> dict[str, int | None]:
     """The model's FIM token ids by role (pre, suf, mid, rep, sep): from the GGUF metadata, else by their text."""
     meta = engine.file.metadata
     tok = engine.tokenizer
-    ids = {t: i for i, t in enumerate(tok.tokens) if tok.is_special(i)}
+
+    def by_text(t: str) -> int | None:
+        i = tok.token_to_id(t)
+        return i if i is not None and tok.is_special(i) else None
+
     out: dict[str, int | None] = {}
     for role, (keys, texts) in FIM.items():
         found = next((int(meta[k]) for k in keys if meta.get(k) is not None and 0 <= int(meta[k]) < tok.n_vocab),
                      None)
-        if found is None:
-            found = next((ids[t] for t in texts if t in ids), None)
-        out[role] = found
+        out[role] = found if found is not None else next((i for t in texts if (i := by_text(t)) is not None), None)
     return out
 
 
