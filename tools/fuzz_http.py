@@ -78,11 +78,17 @@ def main(argv=None) -> int:
             res["first_problems"] = run.problems[:50]
             res["seconds"] = round(time.time() - t0, 1)
             res["daemon_alive"] = d.proc.poll() is None
-            lines = d.log_lines() if d.log_path.exists() else []
-            res["log_errors"] = sum(1 for ln in lines if ln.get("level") in ("error", "critical") or "exception" in ln)
-            res["first_log_errors"] = [ln for ln in lines if ln.get("level") in ("error", "critical")
-                                       or "exception" in ln][:5]
             d.stop()
+            lines, raw = [], []
+            for ln in (d.log_path.read_text(errors="replace").splitlines() if d.log_path.exists() else []):
+                try:
+                    lines.append(json.loads(ln))
+                except ValueError:              # not the daemon's JSON: a Python warning or a traceback on stderr
+                    if ln.strip():
+                        raw.append(ln)
+            bad = [ln for ln in lines if ln.get("level") in ("error", "critical") or "exception" in ln]
+            res["log_errors"] = len(bad) + len(raw)
+            res["first_log_errors"] = bad[:5] + raw[:10]
             try:
                 res["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                                                text=True).stdout.strip()
