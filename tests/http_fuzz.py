@@ -502,12 +502,12 @@ def answer_problem(case: Case, r: Reply | None) -> str | None:
     try:
         if ctype.startswith("application/json"):
             json.loads(r.body)
-        elif ctype.startswith("text/event-stream"):
-            for line in r.body.decode().splitlines():
+        elif ctype.startswith("text/event-stream"):        # lines end at CR / LF only (not str.splitlines's U+0085)
+            for line in re.split(r"\r\n|\r|\n", r.body.decode()):
                 if line.startswith("data: ") and line != "data: [DONE]":
                     json.loads(line[6:])
         elif ctype.startswith("application/x-ndjson"):
-            for line in r.body.decode().splitlines():
+            for line in r.body.decode().split("\n"):
                 if line:
                     json.loads(line)
     except ValueError as e:
@@ -543,6 +543,14 @@ class FuzzRun:
         return [a1, a2]
 
     def engine_state(self) -> dict:
+        """/cache once the engine has nothing running or waiting (a job keeps its checkpoints after its answer is
+        sent: a snapshot taken before that would differ from the next one)."""
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            st_, h = self.daemon.json("GET", "/health")
+            if st_ == 200 and h["queue"]["running"] == 0 and h["queue"]["waiting"] == 0:
+                break
+            time.sleep(0.005)
         st_, d = self.daemon.json("GET", "/cache")
         assert st_ == 200, d
         return d
