@@ -165,3 +165,45 @@ class WorkerProc:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+class NotifyListener:
+    """A $NOTIFY_SOCKET as systemd has it (sd_notify(3)): the datagrams a daemon sends, collected by a thread with the
+    monotonic time each arrived."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.got: list[tuple[float, str]] = []
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.bind(path)
+        self._sock.settimeout(0.1)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._listen, daemon=True)
+        self._thread.start()
+
+    def _listen(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.got.append((time.monotonic(), self._sock.recv(4096).decode()))
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+
+    def times(self, message: str, since: float = 0.0) -> list[float]:
+        """When each datagram with a line starting with `message` (such as "WATCHDOG=1") arrived, at or after
+        `since`."""
+        return [t for t, m in list(self.got) if t >= since and any(ln.startswith(message) for ln in m.split("\n"))]
+
+    def wait_for(self, message: str, since: float = 0.0, timeout: float = 30.0) -> float | None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if ts := self.times(message, since):
+                return ts[0]
+            time.sleep(0.02)
+        return None
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._sock.close()

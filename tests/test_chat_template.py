@@ -372,3 +372,17 @@ def test_message_ends_are_keyed_by_the_messages_not_the_text(metadata):
     kept.render(one)
     got, ref = kept.render(two), plain.render(two)
     assert got.cut_points == ref.cut_points and [c.index for c in got.cut_points if c.kind == "message"] == [0, 1]
+
+
+@pytest.mark.parametrize("final", ["The answer is", "Sure: 1, 2,", "", "ends with a space "])
+def test_continue_final_message_matches_transformers(tmpl, hf_tok, final):
+    """continue_final_message: the last (assistant) message left open, text and tokens as transformers renders them
+    (its tag method, a trailing space included), and no cut point past the prompt's end."""
+    msgs = CHATS[0] + [{"role": "assistant", "content": final}]
+    ref = hf_tok.apply_chat_template(msgs, tokenize=False, continue_final_message=True)
+    rp = tmpl.render(msgs, add_generation_prompt=False, continue_final_message=True)
+    assert rp.text == ref and ref.rstrip().endswith(final.rstrip())
+    assert rp.tokens == hf_tok(ref, add_special_tokens=False)["input_ids"]
+    assert all(c.pos <= len(rp.tokens) for c in rp.cut_points)
+    with pytest.raises(ValueError, match="add_generation_prompt"):
+        tmpl.render(msgs, add_generation_prompt=True, continue_final_message=True)

@@ -181,3 +181,78 @@ def test_completion_reports_an_end_of_generation_and_the_default_length(daemon):
     assert r["stopping_word"] == "" and r["generation_settings"]["n_predict"] == 1024
     st, p = curl(daemon, "/props")
     assert p["default_generation_settings"]["params"]["n_predict"] == 1024
+
+
+# ---- /infill -------------------------------------------------------------------------------------------------------
+def test_infill_without_fim_tokens_is_refused(daemon):
+    """The default model has no FIM prefix / suffix / middle tokens: 501 in llama-server's shape, naming them."""
+    st, r = curl(daemon, "/infill", {"input_prefix": "def f():\n", "input_suffix": "\n", "n_predict": 2})
+    assert st == 501 and r["error"]["type"] == "not_supported_error", r
+    assert "no FIM prefix, suffix, middle tokens" in r["error"]["message"], r
+
+
+def _documented_layout(extra: list[tuple[str, str]], prefix: str, suffix: str, prompt: str) -> str:
+    """llama.cpp's tools/server/README.md, POST /infill, the repo-level pattern (the model has FIM_REP and FIM_SEP):
+    <FIM_REP>myproject / <FIM_SEP>{filename} / {text} ... <FIM_SEP>filename / <FIM_PRE>prefix<FIM_SUF>suffix<FIM_MID>prompt
+    with Qwen2.5-Coder's token names (the synthetic writer's FIM tokens)."""
+    out = "<|repo_name|>myproject\n"
+    for name, text in extra:
+        out += f"<|file_sep|>{name}\n{text}"
+    return out + f"<|file_sep|>filename\n<|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>{prompt}"
+
+
+def test_infill_prompt_follows_llama_servers_documented_layout(tmp_path, synthetic):
+    """A synthetic llama with FIM tokens: /infill's prompt is the documented layout's text tokenized with its special
+    tokens read as such (checked through /tokenize of the same daemon, and by a greedy /completion of those ids
+    answering what /infill answered), and errors name the field."""
+    path = synthetic("llama", name="fim", fim=True)
+    # n_ctx past a batch (2048) leaves room for the extra context, as llama-server's budget has it
+    d = Daemon(tmp_path, "--model", str(path), n_ctx=4096).start()
+    try:
+        extra = [("util.py", "def add(a, b):\n    return a + b\n"), ("b.txt", "hello\n")]
+        prefix, suffix, prompt = "def main():\n    x = ", "\n    print(x)\n", "add("
+        body = {"input_prefix": prefix, "input_suffix": suffix, "prompt": prompt, "n_predict": 4,
+                "temperature": 0, "cache_prompt": False,
+                "input_extra": [{"filename": n, "text": t} for n, t in extra]}
+        st, r = curl(d, "/infill", body)
+        assert st == 200 and r["stop"] is True and r["tokens_predicted"] <= 4, r
+        _, ref = curl(d, "/tokenize", {"content": _documented_layout(extra, prefix, suffix, prompt),
+                                       "parse_special": True})
+        ids = ref["tokens"]
+        assert sum(1 for t in ids if t >= 49152) == 7        # rep, three file separators, pre, suf, mid
+        assert r["tokens_evaluated"] == len(ids), (r["tokens_evaluated"], len(ids))
+        st, same = curl(d, "/completion", {"prompt": ids, "n_predict": 4, "temperature": 0, "cache_prompt": False})
+        assert st == 200 and same["content"] == r["content"]
+        cmd = ["curl", "-sS", "-N", "--unix-socket", d.sock, "http://strata/infill", "-H",
+               "Content-Type: application/json", "--data-binary", json.dumps({**body, "stream": True})]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True).stdout
+        events = [json.loads(ln[6:]) for ln in out.splitlines() if ln.startswith("data: ")]
+        assert events[-1]["stop"] is True and "".join(e["content"] for e in events[:-1]) == r["content"]
+        for bad, field in (({"input_suffix": ""}, "'input_prefix' is required"),
+                           ({"input_prefix": "", "input_suffix": 3}, "'input_suffix' must be a string"),
+                           ({"input_prefix": "", "input_suffix": "", "input_extra": [{"filename": "x"}]},
+                            "'input_extra[0].text' must be a string"),
+                           ({"input_prefix": "", "input_suffix": "", "prompt": ["x"]}, "'prompt' must be a string")):
+            st, e = curl(d, "/infill", bad)
+            assert st == 400 and field in e["error"]["message"] and e["error"]["code"] == 400, (bad, e)
+    finally:
+        d.stop()
+
+
+def test_fim_tokens_found_by_metadata_or_by_their_text(synthetic, default_model_path):
+    """The FIM ids the GGUF names, and the same ids found by their token texts where the metadata names none (as
+    llama.cpp finds them); the default model has none of prefix, suffix, middle."""
+    from types import SimpleNamespace
+
+    from strata.gguf.file import open_gguf
+    from strata.serve.infill_api import fim_tokens
+    from strata.text.tokenizer import Tokenizer
+    meta = dict(open_gguf(synthetic("llama", name="fim", fim=True)).metadata)
+    tok = Tokenizer.from_gguf(meta)
+    named = fim_tokens(SimpleNamespace(file=SimpleNamespace(metadata=meta), tokenizer=tok))
+    assert named == {r: meta[f"tokenizer.ggml.fim_{r}_token_id"] for r in ("pre", "suf", "mid", "rep", "sep")}
+    bare = {k: v for k, v in meta.items() if "fim_" not in k}
+    assert fim_tokens(SimpleNamespace(file=SimpleNamespace(metadata=bare), tokenizer=tok)) == named
+    dmeta = open_gguf(default_model_path).metadata
+    got = fim_tokens(SimpleNamespace(file=SimpleNamespace(metadata=dmeta), tokenizer=Tokenizer.from_gguf(dmeta)))
+    assert got["pre"] is got["suf"] is got["mid"] is None and got["rep"] == 4 and got["sep"] == 5  # <reponame>, <file_sep>

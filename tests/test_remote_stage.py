@@ -23,7 +23,7 @@ import link
 from strata.engine.engine import Engine
 from strata.engine.types import GenerationRequest
 from strata.stages.remote import LinkClient, WorkerRefused
-from tests.daemon import ROOT, Daemon, WorkerProc, env_for_daemon, free_port
+from tests.daemon import ROOT, Daemon, NotifyListener, WorkerProc, env_for_daemon, free_port
 from tests.helpers import ask, default_fingerprint
 
 N_CTX = 1024
@@ -248,7 +248,9 @@ def test_a_workers_bad_result_is_a_502_engine_error_and_the_link_recovers(tmp_pa
 def test_health_reports_an_engine_thread_stuck_on_a_frozen_worker(tmp_path, monkeypatch):
     """A worker whose compute freezes while its event loop still answers Pings holds the main's engine thread in a
     Forward: /health turns 503 (status stuck, the reason in one line) once no forward call has returned for
-    --stall-seconds while the request runs and another waits, and 200 again when the worker goes on."""
+    --stall-seconds while the request runs and another waits, and 200 again when the worker goes on. systemd's
+    watchdog sees the same: WATCHDOG=1 every half of $WATCHDOG_USEC on the notify socket, none while stuck (with the
+    reason in STATUS=), again once the worker goes on."""
     import threading as th
     from strata.stages import worker as wmod
     frozen, entered = th.Event(), th.Event()
@@ -262,13 +264,18 @@ def test_health_reports_an_engine_thread_stuck_on_a_frozen_worker(tmp_path, monk
         return forward(self, m)
     monkeypatch.setattr(wmod.Carrier, "forward", freezing_forward)
     w = InProcessWorker()
+    notify = NotifyListener(str(tmp_path / "notify.sock"))
     d = Daemon(tmp_path, "--remote-stage", w.address, "--layer-split", "10", "--stall-seconds", "1",
-               n_ctx=N_CTX).start()
+               n_ctx=N_CTX, env={"NOTIFY_SOCKET": notify.path, "WATCHDOG_USEC": "200000"}).start()
     body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
     answers: list = []
     try:
         st, ok = d.json("POST", "/v1/completions", body)
         assert st == 200 and d.json("GET", "/health")[0] == 200
+        t_ready = notify.wait_for("READY=1")
+        assert t_ready is not None, notify.got
+        time.sleep(1.0)
+        assert len(notify.times("WATCHDOG=1", t_ready)) >= 3, notify.got      # every 0.1 s: half of 200 ms
         frozen.set()
         threads = [th.Thread(target=lambda: answers.append(d.json("POST", "/v1/completions", body)))
                    for _ in range(2)]
@@ -283,7 +290,12 @@ def test_health_reports_an_engine_thread_stuck_on_a_frozen_worker(tmp_path, monk
         assert st == 503 and health["status"] == "stuck", health
         assert "no forward call has returned for" in health["error"] and "--stall-seconds 1" in health["error"]
         assert health["queue"]["running"] == 1
+        t_stuck = notify.wait_for("STATUS=" + health["error"].split(":")[0], t_ready)   # the pings stopped, said why
+        assert t_stuck is not None, notify.got[-5:]
+        time.sleep(1.0)
+        assert notify.times("WATCHDOG=1", t_stuck) == [], notify.got[-5:]
         frozen.clear()
+        assert notify.wait_for("WATCHDOG=1", time.monotonic(), timeout=60) is not None   # resumed
         for t in threads:
             t.join(120)
         assert [a[0] for a in answers] == [200, 200] and all(a[1]["choices"][0]["text"] == ok["choices"][0]["text"]
@@ -293,6 +305,7 @@ def test_health_reports_an_engine_thread_stuck_on_a_frozen_worker(tmp_path, monk
         frozen.clear()
         d.stop()
         w.close()
+        notify.close()
 
 
 def test_stall_seconds_must_be_a_number_of_seconds(tmp_path):
@@ -574,3 +587,18 @@ def test_a_worker_stopped_with_a_main_connected_logs_no_error():
         assert not any("Traceback" in ln for ln in w.lines)
     finally:
         e.close()
+
+
+def test_worker_pings_systemds_watchdog(tmp_path):
+    """`strata worker` under a unit with WatchdogSec=: READY=1, then WATCHDOG=1 every half of $WATCHDOG_USEC from its
+    event loop."""
+    notify = NotifyListener(str(tmp_path / "notify.sock"))
+    w = WorkerProc(env={"NOTIFY_SOCKET": notify.path, "WATCHDOG_USEC": "200000"}).start()
+    try:
+        t_ready = notify.wait_for("READY=1")
+        assert t_ready is not None, notify.got
+        time.sleep(1.0)
+        assert len(notify.times("WATCHDOG=1", t_ready)) >= 3, notify.got
+    finally:
+        w.stop()
+        notify.close()

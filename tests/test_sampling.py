@@ -251,3 +251,19 @@ def test_candidates_match_naive_chain(scale, top_k, top_p, min_p):
     s = Sampler(SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p, min_p=min_p, seed=0), 6000)
     ids, _ = s.candidates(x)
     assert list(ids) == _reference_support(x, top_k, top_p, min_p)
+
+
+@pytest.mark.parametrize("t", [2.2025518251195869e-293, 5e-324, 1e-40, 1e-31])
+def test_a_temperature_too_small_for_float32_is_greedy(t):
+    """A temperature whose logit / T overflows float32 (the HTTP fuzz sent 2.2e-293: divide-by-zero and NaN warnings
+    in the daemon's log) samples as its limit, greedy: the argmax, with no floating-point warning."""
+    import warnings
+    rng = np.random.default_rng(3)
+    x = rng.normal(0, 5, 4096).astype(np.float32)
+    p = SamplingParams(temperature=t, top_k=0, top_p=1.0, min_p=0.0, seed=1)
+    assert p.greedy and p.temperature == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with np.errstate(all="raise"):
+            assert Sampler(p, 4096).sample(x).token_id == int(np.argmax(x))
+    assert not SamplingParams(temperature=1e-30).greedy         # the smallest sampling temperature stays one

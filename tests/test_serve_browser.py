@@ -1,10 +1,12 @@
 """A web page against the keyless TCP daemon (strata/serve/browser.py): a foreign Host (DNS rebinding) is refused, a
 foreign Origin changes nothing, text/plain and form bodies are not read as JSON from a page, --cors-origin and
---allowed-hosts open what they name; the Unix socket is exempt."""
+--allowed-hosts open what they name; the Unix socket is exempt. And what a client that reaches the wrong route, method
+or content type gets: one JSON error shape per API family (aiohttp's own 400 for malformed HTTP included)."""
 from __future__ import annotations
 
 import http.client
 import json
+import socket
 
 import pytest
 
@@ -103,3 +105,69 @@ def test_a_keyed_wildcard_listener_answers_its_own_addresses_and_cors_preflights
         assert st == 200 and h["Access-Control-Allow-Origin"] == "https://app.example"
     finally:
         assert d.stop() == 0, d.log_tail()
+
+
+# ---- error shapes: one per API family on every route ----------------------------------------------------------------
+def _is_llama(d, status):
+    return set(d["error"]) == {"code", "message", "type"} and d["error"]["code"] == status
+
+
+def _is_openai(d):
+    return set(d["error"]) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("method,path,ctype,status,shape", [
+    ("GET", "/completion", "application/json", 405, "llama"),          # a method the route does not take
+    ("POST", "/completion", "text/plain", 415, "llama"),               # a content type that is not JSON
+    ("POST", "/tokenize", "text/plain", 415, "llama"),
+    ("PUT", "/props", "application/json", 405, "llama"),
+    ("GET", "/api/nope", "application/json", 404, "ollama"),           # an unknown route under /api/
+    ("POST", "/api/chat/x", "application/json", 404, "ollama"),
+    ("POST", "/api/chat", "text/plain", 415, "ollama"),
+    ("GET", "/v1/messages", "application/json", 405, "anthropic"),
+    ("POST", "/v1/messages/nope", "application/json", 404, "anthropic"),
+    ("GET", "/v1/chat/completions", "application/json", 405, "openai"),
+    ("POST", "/v1/nope", "application/json", 404, "openai"),
+])
+def test_each_api_family_answers_errors_in_its_shape(daemon, method, path, ctype, status, shape):
+    st, h, d = tcp(daemon, method, path, b"{}", headers={"Content-Type": ctype})
+    assert st == status and h["Content-Type"].startswith("application/json"), (st, d)
+    if shape == "llama":
+        assert _is_llama(d, status), d
+    elif shape == "ollama":
+        assert set(d) == {"error"} and isinstance(d["error"], str) and d["error"], d
+    elif shape == "anthropic":
+        assert d["type"] == "error" and set(d["error"]) == {"type", "message"}, d
+    else:
+        assert _is_openai(d), d
+
+
+def _raw_tcp(port: int, data: bytes) -> tuple[int, dict, bytes]:
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        s.sendall(data)
+        r = http.client.HTTPResponse(s)
+        r.begin()
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+
+
+@pytest.mark.parametrize("data,why", [
+    (b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Bad: a\x01b\r\n\r\n", "Invalid header value char"),
+    (b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"x" * 20000 + b"\r\n\r\n", "8190 bytes"),
+    (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n", "HTTPS traffic"),   # a TLS hello
+    (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+     "chunk"),
+])
+def test_malformed_http_gets_a_json_400_and_one_log_line(daemon, data, why):
+    """aiohttp's own answer to HTTP it cannot parse, as JSON in OpenAI's shape (no route was read), logged as one
+    warning line rather than an error-level traceback."""
+    n_before = len(daemon.log_lines())
+    st, h, b = _raw_tcp(daemon.port, data)
+    assert st == 400 and h["content-type"].startswith("application/json"), (st, b[:200])
+    err = json.loads(b)["error"]
+    assert _is_openai({"error": err}) and err["code"] == "bad_http" and "\n" not in err["message"], err
+    assert why.lower() in err["message"].lower(), err
+    lines = daemon.log_lines()[n_before:]
+    assert not [ln for ln in lines if ln.get("level") in ("error", "critical") or "exception" in ln], lines
+    assert any(ln.get("event", "").startswith("malformed HTTP request") and ln["level"] == "warning"
+               for ln in lines), lines
+    assert daemon.json("GET", "/health")[0] == 200

@@ -1,4 +1,6 @@
-"""Hypothesis fuzz of request bodies against the real daemon: every input gets well-formed JSON, /health survives."""
+"""Hypothesis fuzz of the real daemon: request bodies of the generation routes, slot ids, key headers, and every route
+and method the router registers (tests/http_fuzz.py): every input gets a well-formed answer in its API's shape, no
+5xx, the engine's state unchanged by refused requests, the daemon alive."""
 from __future__ import annotations
 
 import json
@@ -11,7 +13,10 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from tests import http_fuzz  # noqa: E402
 from tests.daemon import Daemon, free_port  # noqa: E402
+from tests.http_fuzz import (FIELDS, MESSAGES_FIELDS, RESPONSES_FIELDS, anytext, junk, mutated, not_null,  # noqa: E402
+                             bodies, schemas, valid_chat, valid_completion, valid_messages, valid_responses)
 
 pytestmark = pytest.mark.slow
 
@@ -23,107 +28,13 @@ API_KEY = "fuzz-key"
 def daemon(tmp_path_factory):
     # the Unix socket needs no key (the fuzz of bodies); TCP does (the fuzz of the key headers). The body limit is
     # above the 1 MiB grammar limit, so that a schema can reach it.
+    # --n-predict keeps the answers of bodies that give no length short.
     d = Daemon(tmp_path_factory.mktemp("fuzz"), "--queue-max", "4", "--max-body", "3000000", "--api-key", API_KEY,
+               "--n-predict", "4", "--slot-save-path", str(tmp_path_factory.mktemp("fuzz-slots")),
                port=free_port(), n_ctx=256).start()
     yield d
     assert d.stop() == 0, d.log_tail()
 
-
-# text, and text with lone surrogates among its characters (JSON's "\ud800" decodes to one; st.text never draws them)
-anytext = st.text(max_size=20) | st.lists(st.characters(codec="utf-8") | st.characters(categories=["Cs"]),
-                                          max_size=20).map("".join)
-junk = st.recursive(
-    st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) | st.floats(allow_nan=False) | anytext,
-    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(anytext.filter(lambda k: len(k) <= 8), kids,
-                                                              max_size=4),
-    max_leaves=12)
-# JSON schemas: small ones of any content, and ones whose grammar is past the 1 MiB limit
-schemas = st.fixed_dictionaries(
-    {"type": st.sampled_from(["string", "object", "integer", "array"]) | junk},
-    optional={"enum": st.lists(anytext | junk, max_size=3), "properties": st.dictionaries(anytext, junk, max_size=3),
-              "items": junk, "required": st.lists(anytext, max_size=2)}) \
-    | st.integers(80_000, 120_000).map(lambda n: {"type": "string", "enum": [f"v{i}" for i in range(n)]}) | junk
-tools = st.lists(st.fixed_dictionaries({"type": st.just("function"),
-                                        "function": st.fixed_dictionaries(
-                                            {"name": st.sampled_from(["f", "g"]) | anytext},
-                                            optional={"description": anytext, "parameters": schemas})}),
-                 max_size=2) | junk
-
-message = st.fixed_dictionaries(
-    {"role": st.sampled_from(["system", "user", "assistant", "tool", "developer", "wizard"]) | junk,
-     "content": st.text(max_size=40) | st.lists(st.fixed_dictionaries({"type": st.just("text"),
-                                                                         "text": st.text(max_size=10)}), max_size=2)
-     | junk})
-
-FIELDS = {
-    "messages": st.lists(message, min_size=0, max_size=4) | junk,
-    "prompt": st.text(max_size=60) | st.lists(st.integers(-5, 60000), max_size=8) | junk,
-    "temperature": st.floats(-1, 3, allow_nan=False) | junk,
-    "top_p": st.floats(-0.5, 1.5, allow_nan=False) | junk,
-    "top_k": st.integers(-3, 100) | junk,
-    "min_p": st.floats(-0.5, 1.5, allow_nan=False) | junk,
-    "seed": st.integers(-3, 2 ** 65) | junk,
-    "stop": st.text(max_size=5) | st.lists(st.text(max_size=5), max_size=20) | junk,
-    "presence_penalty": st.floats(-3, 3, allow_nan=False) | junk,
-    "frequency_penalty": st.floats(-3, 3, allow_nan=False) | junk,
-    "repeat_last_n": st.integers(-3, 100) | junk,
-    "logprobs": st.booleans() | st.integers(-2, 25) | junk,
-    "top_logprobs": st.integers(-2, 25) | junk,
-    "n": st.integers(0, 3) | junk,
-    "stream": st.booleans() | junk,
-    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}) | junk,
-    "model": st.sampled_from(["SmolLM2-135M-Instruct.Q4_1", "default", "gpt-4"]) | junk,
-    "cache_prompt": st.booleans() | junk,
-    "strata_checkpoint": st.booleans() | junk,
-    "strata_pin": st.integers(-2, 6) | junk,
-    "response_format": st.fixed_dictionaries({"type": st.just("json_schema"),
-                                              "json_schema": st.fixed_dictionaries({"name": st.just("x"),
-                                                                                    "schema": schemas})})
-    | st.fixed_dictionaries({"type": st.sampled_from(["json_object", "text"]) | junk}, optional={"schema": schemas})
-    | junk,
-    "json_schema": schemas,
-    "grammar": st.sampled_from(['root ::= "yes" | "no"', "root ::= [0-9]+"]) | anytext | junk,
-    "tools": tools,
-    "tool_choice": st.sampled_from(["auto", "none", "required"]) | junk,
-}
-
-not_null = junk.filter(lambda v: v is not None)                  # max_tokens: null would mean "no limit"
-text = st.text(st.characters(codec="utf-8"), max_size=40)
-VALID = {
-    "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1), "top_k": st.integers(0, 100),
-    "min_p": st.floats(0, 1), "seed": st.integers(0, 2 ** 32), "presence_penalty": st.floats(-2, 2),
-    "frequency_penalty": st.floats(-2, 2), "stop": text.filter(bool) | st.lists(text.filter(bool), max_size=3),
-    "stream": st.booleans(), "cache_prompt": st.booleans(), "strata_checkpoint": st.booleans(),
-    "model": st.sampled_from(["SmolLM2-135M-Instruct.Q4_1", "default"]), "n": st.just(1),
-}
-valid_chat = st.fixed_dictionaries(
-    {"messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
-                                                 "content": text}), min_size=1, max_size=3),
-     "max_tokens": st.integers(0, 3)},
-    optional=dict(VALID, logprobs=st.booleans()))
-valid_completion = st.fixed_dictionaries(
-    {"prompt": text.filter(bool) | st.lists(st.integers(0, 49151), min_size=1, max_size=8),
-     "max_tokens": st.integers(0, 3)},
-    optional=dict(VALID, logprobs=st.integers(0, 5)))
-
-
-@st.composite
-def mutated(draw, base, fields=FIELDS, limit="max_tokens"):
-    """A valid body with up to two fields replaced by anything (or removed); `limit` (the length field) is only
-    replaced, never removed or null."""
-    body = dict(draw(base))
-    for _ in range(draw(st.integers(0, 2))):
-        key = draw(st.sampled_from(sorted(set(fields) | set(body))))
-        if key == limit or draw(st.booleans()):
-            body[key] = draw(fields.get(key, junk) if key != limit else st.integers(-2, 3) | not_null)
-        else:
-            body.pop(key, None)
-    return body
-
-
-bodies = st.fixed_dictionaries(
-    {"max_tokens": st.integers(-2, 3) | not_null},               # always present: generations stay short
-    optional=FIELDS)
 
 
 def _check_answer(status: int, headers: dict, body: bytes, streamed: bool) -> None:
@@ -218,43 +129,6 @@ def test_health_after_fuzz(daemon):
     assert daemon.metric("strata_requests_total", {"status": "200"}) >= 1
 
 
-# ---- the Responses and Messages routes: every body answers 200 or an error in the route's API's shape -------------
-input_item = st.fixed_dictionaries(
-    {"role": st.sampled_from(["system", "developer", "user", "assistant", "tool"]) | junk,
-     "content": text | st.lists(st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text",
-                                                                                 "input_image"]),
-                                                        "text": text}), max_size=2) | junk},
-    optional={"type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning"]) | junk,
-              "call_id": text | junk, "name": text | junk, "arguments": text | junk, "output": text | junk})
-RESPONSES_FIELDS = {
-    "input": text | st.lists(input_item, max_size=3) | junk, "instructions": text | junk,
-    "previous_response_id": text | junk, "store": st.booleans() | junk, "stream": st.booleans() | junk,
-    "temperature": st.floats(-1, 3, allow_nan=False) | junk, "top_p": st.floats(-0.5, 1.5, allow_nan=False) | junk,
-    "tools": st.lists(st.fixed_dictionaries({"type": st.sampled_from(["function", "web_search"]) | junk,
-                                             "name": st.sampled_from(["f", "bad name"]) | junk}), max_size=2) | junk,
-    "tool_choice": st.sampled_from(["auto", "none", "required"]) | junk, "truncation": junk,
-    "text": st.fixed_dictionaries({"format": st.fixed_dictionaries({"type": st.just("json_schema"),
-                                                                    "name": st.just("x"), "schema": schemas})})
-    | junk,
-    "metadata": st.dictionaries(anytext, anytext, max_size=3) | junk,
-}
-block = st.fixed_dictionaries({"type": st.sampled_from(["text", "tool_use", "tool_result", "thinking", "image"]) | junk},
-                              optional={"text": text | junk, "id": text | junk, "name": text | junk,
-                                        "input": junk, "tool_use_id": text | junk, "content": text | junk})
-MESSAGES_FIELDS = {
-    "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system"]) | junk,
-                                                "content": text | st.lists(block, max_size=3) | junk}),
-                         max_size=3) | junk,
-    "system": text | st.lists(block, max_size=2) | junk, "stop_sequences": st.lists(text, max_size=3) | junk,
-    "stream": st.booleans() | junk, "temperature": st.floats(-1, 3, allow_nan=False) | junk,
-    "tools": st.lists(st.fixed_dictionaries({"name": st.sampled_from(["f", "bad name"]) | junk,
-                                             "input_schema": schemas}), max_size=2) | junk,
-    "tool_choice": st.fixed_dictionaries({"type": st.sampled_from(["auto", "any", "tool", "none"]) | junk},
-                                         optional={"name": text | junk}) | junk,
-    "output_config": st.fixed_dictionaries({"format": st.fixed_dictionaries({"type": st.just("json_schema"),
-                                                                             "schema": schemas})}) | junk,
-}
-
 
 def _check_api_answer(route: str, status: int, headers: dict, body: bytes) -> None:
     assert status in (200, 400, 404, 413, 503), (status, body[:300])
@@ -273,18 +147,6 @@ def _check_api_answer(route: str, status: int, headers: dict, body: bytes) -> No
         assert d["type"] == "error" and set(d["error"]) == {"type", "message"} and d["error"]["message"]
     else:
         assert set(d["error"]) == {"message", "type", "param", "code"} and d["error"]["message"]
-
-
-valid_responses = st.fixed_dictionaries(
-    {"input": text.filter(str.strip) | st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "developer"]),
-                                                                       "content": text}), min_size=1, max_size=2),
-     "max_output_tokens": st.integers(1, 3)},
-    optional={"instructions": text, "stream": st.booleans(), "store": st.booleans(), "temperature": st.floats(0, 2)})
-valid_messages = st.fixed_dictionaries(
-    {"messages": st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": text}), min_size=1, max_size=2),
-     "max_tokens": st.integers(1, 3)},
-    optional={"system": text, "stream": st.booleans(), "stop_sequences": st.lists(text.filter(bool), max_size=2),
-              "temperature": st.floats(0, 1)})
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
@@ -355,8 +217,44 @@ def test_a_schema_past_the_grammar_limit_gets_400(daemon, route, body, param, st
     assert msg.startswith(f"'{param}': the grammar has ") and "at most 1048576 are allowed" in msg, msg
 
 
+# ---- every route and method the router registers (tests/http_fuzz.py) ---------------------------------------------
+ROUTE_TABLE = http_fuzz.route_table()
+
+
+@pytest.fixture(scope="module")
+def router_fuzz(daemon):
+    return http_fuzz.FuzzRun(daemon).start()
+
+
+def test_the_route_table_is_the_routers():
+    """The fuzz reads the routes from the application (make_app), so that a route added later is fuzzed too."""
+    table = set(ROUTE_TABLE)
+    assert {("POST", "/v1/chat/completions"), ("GET", "/v1/models/{model}"), ("POST", "/slots/{slot}"),
+            ("POST", "/api/chat"), ("*", "/api/pull"), ("HEAD", "/health")} <= table
+    assert len(table) >= 50
+
+
+@settings(max_examples=3000, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(case=http_fuzz.cases(ROUTE_TABLE))
+def test_fuzz_every_route(router_fuzz, case):
+    """Any method, path, query, headers (odd encodings, huge values) and body (shaped by the route's schema, valid
+    or broken): below 500 but Ollama's documented 501s, errors as JSON in the API's shape (aiohttp's own 400 for
+    malformed HTTP included), a refused request leaves the engine's state as it was, the daemon lives."""
+    problem = router_fuzz.check(case)
+    assert problem is None, (problem, case.short())
+
+
+def test_reference_conversation_unchanged_by_the_router_fuzz(router_fuzz, daemon):
+    assert router_fuzz.reference_problem() is None
+    assert daemon.proc.poll() is None
+
+
 def test_no_request_failed_after_fuzz(daemon):
-    """No fuzzed request reached the middleware's catch-all (a 500 with a traceback in the log)."""
+    """No fuzzed request reached the middleware's catch-all (a 500 with a traceback in the log), and nothing but the
+    daemon's JSON lines reached its stderr (a Python warning, such as numpy's divide-by-zero for a temperature too
+    small for float32, is written raw)."""
+    raw = [ln for ln in daemon.log_path.read_text().splitlines() if ln.strip() and not ln.startswith("{")]
+    assert not raw, raw[:6]
     lines = [json.loads(ln) for ln in daemon.log_path.read_text().splitlines() if ln.startswith("{")]
     failed = [ln for ln in lines if ln.get("event") == "request failed" or "exception" in ln]
     assert not failed, failed[:3]

@@ -291,3 +291,35 @@ async def test_an_error_mid_stream_ends_it_with_an_error_event():
     assert [f[0] for f in frames] == ["event: message_start", "event: error"]
     assert json.loads(frames[1][1][6:]) == {"type": "error", "error": {"type": "overloaded_error",
                                                                        "message": "the worker went away"}}
+
+
+def test_a_final_assistant_message_is_continued(client, chat, default_model_path):
+    """Anthropic's prefill: a conversation that ends with an assistant message is rendered with that turn open (the
+    prompt is transformers' apply_chat_template(..., continue_final_message=True) of the same messages, token for
+    token) and the answer continues it (greedy: what a raw completion of that prompt text answers)."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(str(default_model_path.parent), gguf_file=default_model_path.name)
+    system = "You answer tersely."
+    msgs = [{"role": "user", "content": "Name three fruits, separated by commas."},
+            {"role": "assistant", "content": "Sure: apple, banana,"}]
+    ref = hf.apply_chat_template([{"role": "system", "content": system}] + msgs, tokenize=False,
+                                 continue_final_message=True)
+    assert ref.endswith("Sure: apple, banana,") and ref.count("<|im_end|>") == 2
+    n = client.messages.count_tokens(model="claude-sonnet-4-5", system=system, messages=msgs).input_tokens
+    assert n == len(hf(ref, add_special_tokens=False)["input_ids"])
+    got = client.messages.create(model="claude-sonnet-4-5", system=system, messages=msgs, max_tokens=8,
+                                 extra_body=GREEDY)
+    want = chat.completions.create(model="x", prompt=ref, max_tokens=8, temperature=0).choices[0].text
+    assert got.content[0].text == want and want
+    assert got.stop_reason in ("max_tokens", "end_turn")
+
+
+@pytest.mark.parametrize("last,why", [
+    ({"role": "assistant", "content": "Sure: "}, "final assistant content cannot end with trailing whitespace"),
+    ({"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get_weather",
+                                        "input": {"city": "Paris", "days": 1}}]}, "only text can be continued"),
+])
+def test_a_final_assistant_message_that_cannot_be_continued_gets_400(client, last, why):
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model="x", messages=ASK + [last], max_tokens=4, tools=[WEATHER])
+    assert why in str(e.value) and "messages[1].content" in str(e.value)

@@ -85,3 +85,15 @@ def test_units_point_at_no_missing_documentation_and_the_worker_example_has_a_ke
     example = [ln for ln in env.splitlines() if ln.startswith("#STRATA_WORKER_ARGS=")]
     assert example and "--link-key-file" in example[0] and "0.0.0.0" in example[0]
     assert "chown strata:strata" in env
+
+
+def test_units_set_a_watchdog():
+    """Both units ask for systemd's watchdog (the daemons ping it: tests/test_remote_stage.py sees the pings stop for
+    a stuck engine), long enough for two pings to be missed before systemd stops the service."""
+    from strata.serve.notify import watchdog_interval
+    for name in ("strata.service", "strata-worker@.service"):
+        s = settings(UNITS / name)
+        assert s["WatchdogSec"] == ["60s"] and "on-failure" in s["Restart"], name
+    assert watchdog_interval({"WATCHDOG_USEC": "60000000"}) == 30.0
+    assert watchdog_interval({"WATCHDOG_USEC": "60000000", "WATCHDOG_PID": "1"}) is None     # another process's
+    assert watchdog_interval({}) is None and watchdog_interval({"WATCHDOG_USEC": "x"}) is None

@@ -9,8 +9,15 @@ cut at random, session save and restore) and checks that
 - the daemon's RSS and open descriptors do not trend up: the mean of the last fifth of the samples is within
   --rss-slack (5 % by default, plus 24 MiB) and --fd-slack of the mean of the second fifth.
 
+With --worker-kills N both passes run the daemon with its layers from --layer-split on served by a real `strata
+worker` process over TCP loopback (--remote-stage), and the soak pass kills that worker (SIGKILL) N times at even
+intervals and starts it again on the same port after --worker-down seconds: requests in flight or sent while it is
+down get the documented 503 (worker_unavailable) and are retried, the daemon reconnects, and every answer must still
+equal its reference (parking and session files are not offered with a remote stage: that mode runs without
+them). The summary adds the kills, the restarts and how long the daemon took to report healthy again.
+
 Prints one JSON summary (also --out) and exits 1 when a check fails. Usage:
-  python tools/soak.py --duration 120 --clients 4 [--model PATH] [--out bench/results/soak_<commit>.json]
+  python tools/soak.py --duration 120 --clients 4 [--model PATH] [--worker-kills 6] [--out bench/results/soak_<commit>.json]
 """
 from __future__ import annotations
 
@@ -22,7 +29,9 @@ import random
 import signal
 import subprocess
 import sys
+import socket
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -62,12 +71,13 @@ class Daemon:
         self.sock = str(tmp / "soak.sock")
         self.slots = tmp / "slots"
         self.slots.mkdir(exist_ok=True)
+        slots = [] if "--remote-stage" in extra else ["--slot-save-path", str(self.slots)]   # no session files there
         self.log = open(tmp / "daemon.log", "wb")
         env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         env.pop("NOTIFY_SOCKET", None)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "strata.cli.main", "serve", "--model", model, "--socket", self.sock,
-             "--slot-save-path", str(self.slots), "--queue-max", "64", "--log-level", "warning", *extra],
+             *slots, "--queue-max", "64", "--log-level", "warning", *extra],
             stdout=subprocess.DEVNULL, stderr=self.log, env=env, cwd=ROOT)
 
     async def wait_ready(self, session: aiohttp.ClientSession, timeout: float = 300) -> None:
@@ -102,6 +112,55 @@ class Daemon:
             return -9
 
 
+class WorkerProc:
+    """`strata worker` on 127.0.0.1:port, a real process (the remote stage the daemon's link reaches)."""
+
+    def __init__(self, model: str, port: int, log: Path):
+        self.model, self.port, self.log = model, port, log
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 120) -> "WorkerProc":
+        env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        env.pop("NOTIFY_SOCKET", None)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "strata.cli.main", "worker", "--listen", f"127.0.0.1:{self.port}", "--model",
+             self.model, "--threads", "1", "--device", "cpu", "--log-format", "json", "--log-level", "warning"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+        ready = threading.Event()
+
+        def drain(proc=self.proc) -> None:
+            with open(self.log, "a") as f:
+                for line in proc.stderr:
+                    f.write(line)
+                    if line.startswith("strata worker listening on"):
+                        ready.set()
+            ready.set()
+
+        threading.Thread(target=drain, daemon=True).start()
+        if not ready.wait(timeout) or self.proc.poll() is not None:
+            raise RuntimeError(f"strata worker did not start on port {self.port} (see {self.log})")
+        return self
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class Run:
     """One pass: the requests it sent, their answers, and what went wrong."""
 
@@ -123,7 +182,7 @@ class Run:
                 self.errors.append(f"{path}: no answer within {self.timeout} s")
                 return None
             self.latencies.append(time.monotonic() - t0)
-            if r.status == 503:                       # queue full: documented, retried as Retry-After says
+            if r.status == 503:                       # queue full, worker down: documented, retried as Retry-After says
                 await asyncio.sleep(float(r.headers.get("Retry-After", "1")))
                 continue
             if r.status >= 500:
@@ -230,7 +289,8 @@ async def reference(model: str, tmp: Path, extra: list[str], specs: dict, timeou
     return answers
 
 
-async def soak(model: str, tmp: Path, extra: list[str], specs: dict, ref: dict[str, str], a) -> dict:
+async def soak(model: str, tmp: Path, extra: list[str], specs: dict, ref: dict[str, str], a,
+               worker: WorkerProc | None = None) -> dict:
     (tmp / "soak").mkdir()
     d = Daemon(model, tmp / "soak", extra)
     conn = aiohttp.UnixConnector(path=d.sock, limit=0)
@@ -256,7 +316,7 @@ async def soak(model: str, tmp: Path, extra: list[str], specs: dict, ref: dict[s
                 r = rng.random()
                 if r < 0.15:
                     await run.cut_stream(rng)
-                elif r < 0.25:
+                elif r < 0.25 and worker is None:            # session files: not offered with a remote stage
                     k = rng.choice(chats)
                     await run.session_round(k, specs[k], check)
                 else:
@@ -269,7 +329,34 @@ async def soak(model: str, tmp: Path, extra: list[str], specs: dict, ref: dict[s
                 samples.append((time.monotonic(), rss, fds))
                 await asyncio.sleep(a.sample_every)
 
-        await asyncio.gather(sampler(), *(client(i) for i in range(a.clients)))
+        kills: list[dict] = []
+
+        async def killer() -> None:
+            """Kill the worker at even intervals and start it again on its port; time the daemon's way back."""
+            t0 = time.monotonic()
+            for i in range(a.worker_kills):
+                await asyncio.sleep(max(0.0, t0 + a.duration * (i + 1) / (a.worker_kills + 1) - time.monotonic()))
+                worker.kill()
+                t_kill = time.monotonic()
+                await asyncio.sleep(a.worker_down)
+                await asyncio.to_thread(worker.start)
+                t_up = time.monotonic()
+                healthy = None
+                while time.monotonic() < t_up + 120:
+                    async with s.get("http://strata/health") as r:
+                        if r.status == 200:
+                            healthy = time.monotonic()
+                            break
+                    await asyncio.sleep(0.05)
+                kills.append({"at_s": round(t_kill - t0, 1), "down_s": round(t_up - t_kill, 2),
+                              "healthy_after_restart_s": None if healthy is None else round(healthy - t_up, 2)})
+                if healthy is None:
+                    run.errors.append(f"the daemon did not report healthy within 120 s of worker restart {i + 1}")
+
+        tasks = [sampler(), *(client(i) for i in range(a.clients))]
+        if worker is not None and a.worker_kills:
+            tasks.append(killer())
+        await asyncio.gather(*tasks)
         async with s.get("http://strata/status") as r:
             status = await r.json()
     rc = d.stop()
@@ -293,7 +380,8 @@ async def soak(model: str, tmp: Path, extra: list[str], specs: dict, ref: dict[s
             "mismatches": len(mismatches), "rss_mib": [round(rss0 / 2**20, 1), round(rss1 / 2**20, 1)],
             "fds": [round(fd0, 1), round(fd1, 1)], "samples": len(samples),
             "latency_s": {"p50": lat[len(lat) // 2] if lat else None, "p99": lat[int(len(lat) * .99)] if lat else None},
-            "parked": len(status.get("engine", {}).get("parked", [])), "problems": problems[:50],
+            "parked": len(status.get("engine", {}).get("parked", [])),
+            **({"worker_kills": kills} if worker is not None else {}), "problems": problems[:50],
             "ok": not problems}
 
 
@@ -311,16 +399,30 @@ def main(argv=None) -> int:
     ap.add_argument("--fd-slack", type=float, default=8.0)
     ap.add_argument("--park-mib", type=int, default=24, help="the daemon's --conversation-cache-mib (two short chats)")
     ap.add_argument("--daemon-arg", action="append", default=[], help="more `strata serve` flags (repeatable)")
+    ap.add_argument("--worker-kills", type=int, default=0, help="serve the layers from --layer-split on with a "
+                    "`strata worker` on loopback and kill it this many times in the soak pass (0: no worker)")
+    ap.add_argument("--layer-split", type=int, default=10, help="the first layer the worker serves")
+    ap.add_argument("--worker-down", type=float, default=1.0, help="seconds the killed worker stays down")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     # parking held to a small budget, so that it is full early and the RSS it holds stops growing (what the leak
     # check then sees is everything else)
+    # (parking and session files are not offered with a remote stage: the worker mode runs without them)
     extra = ["--n-ctx", "1024", "--threads", "2", "--device", "cpu", "--no-warmup",
-             "--conversation-cache-mib", str(a.park_mib), *a.daemon_arg]
+             *([] if a.worker_kills else ["--conversation-cache-mib", str(a.park_mib)]), *a.daemon_arg]
     specs = scripts(a.seed, a.convs, a.turns)
     with tempfile.TemporaryDirectory(prefix="strata-soak-") as tmp:
-        ref = asyncio.run(reference(a.model, Path(tmp), extra, specs, a.request_timeout))
-        out = asyncio.run(soak(a.model, Path(tmp), extra, specs, ref, a))
+        worker = None
+        if a.worker_kills:
+            from strata.gguf.default_model import resolve_model
+            worker = WorkerProc(str(resolve_model(a.model)), free_port(), Path(tmp) / "worker.log").start()
+            extra += ["--remote-stage", f"127.0.0.1:{worker.port}", "--layer-split", str(a.layer_split)]
+        try:
+            ref = asyncio.run(reference(a.model, Path(tmp), extra, specs, a.request_timeout))
+            out = asyncio.run(soak(a.model, Path(tmp), extra, specs, ref, a, worker))
+        finally:
+            if worker is not None:
+                worker.stop()
     out["references"] = len(ref)
     print(json.dumps(out, indent=1))
     if a.out:

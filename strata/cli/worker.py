@@ -116,7 +116,7 @@ def run(args) -> int:
 
     from strata.backend import quant
     from strata.gguf.file import ModelLoadError
-    from strata.serve.notify import sd_notify
+    from strata.serve.notify import sd_notify, watchdog, watchdog_interval
     from strata.stages.worker import Worker, WorkerConfig, commit_delay_from_env
     log = structlog.get_logger("strata.worker")
     if args.threads:
@@ -144,7 +144,11 @@ def run(args) -> int:
             return 1
         print(f"strata worker listening on {host}:{worker.port}", file=sys.stderr, flush=True)
         sd_notify(f"READY=1\nSTATUS=listening on {host}:{worker.port}")
+        every = watchdog_interval()          # systemd's WatchdogSec=: pings while the event loop runs
+        pinger = asyncio.ensure_future(watchdog(every)) if every else None
         await stop.wait()
+        if pinger is not None:
+            pinger.cancel()
         sd_notify("STOPPING=1")
         await worker.bye("the worker is shutting down")
         worker.server.close()

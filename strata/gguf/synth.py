@@ -90,6 +90,7 @@ class SynthSpec:
     seed: int = 0
     name: str = "strata-synthetic"
     n_vocab: int = 0                    # vocabulary size: 0 = the default model's (49152); more = synthetic_vocab
+    fim: bool = False                   # FIM control tokens (FIM_TOKENS) appended to the vocabulary, with their ids
 
     @property
     def n_rot(self) -> int:
@@ -323,7 +324,13 @@ def _encode(x: np.ndarray, q: QT) -> np.ndarray:
 
 
 def _vocab_size(s: SynthSpec | None = None) -> int:
-    return s.n_vocab if s is not None and s.n_vocab else len(_tokenizer_fields()["tokenizer.ggml.tokens"][0])
+    n = s.n_vocab if s is not None and s.n_vocab else len(_tokenizer_fields()["tokenizer.ggml.tokens"][0])
+    return n + (len(FIM_TOKENS) if s is not None and s.fim else 0)
+
+
+# fill-in-the-middle tokens as Qwen2.5-Coder names them: GGUF key suffix (tokenizer.ggml.fim_<x>_token_id) -> text
+FIM_TOKENS = {"pre": "<|fim_prefix|>", "suf": "<|fim_suffix|>", "mid": "<|fim_middle|>", "pad": "<|fim_pad|>",
+              "rep": "<|repo_name|>", "sep": "<|file_sep|>"}
 
 
 _TOK_CACHE: dict[str, tuple[Any, Any, Any]] | None = None
@@ -390,6 +397,14 @@ def _write_metadata(w: gguf.GGUFWriter, s: SynthSpec) -> None:
         for key, val in (("tokens", tokens), ("token_type", types), ("merges", merges)):
             _, vt, sub = fields[f"tokenizer.ggml.{key}"]
             fields[f"tokenizer.ggml.{key}"] = (val, vt, sub)
+    if s.fim:                  # control tokens after the vocabulary, and the keys that name them
+        fields = dict(fields)
+        base = len(fields["tokenizer.ggml.tokens"][0])
+        for key, more in (("tokens", list(FIM_TOKENS.values())), ("token_type", [3] * len(FIM_TOKENS))):
+            val, vt, sub = fields[f"tokenizer.ggml.{key}"]
+            fields[f"tokenizer.ggml.{key}"] = (list(val) + more, vt, sub)
+        for i, role in enumerate(FIM_TOKENS):
+            fields[f"tokenizer.ggml.fim_{role}_token_id"] = (base + i, gguf.GGUFValueType.UINT32, None)
     for name, (val, vt, sub) in fields.items():
         w.add_key_value(name, val, vt, sub_type=sub)
 

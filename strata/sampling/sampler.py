@@ -32,11 +32,16 @@ def _int(name, v):
     return int(v)
 
 
+#: the smallest temperature that is not greedy: logits (|x| < 1e8) divided by it stay finite in float32
+MIN_TEMPERATURE = 1e-30
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Sampling settings (llama.cpp's names and defaults; OpenAI's presence/frequency penalties).
 
-    temperature: >= 0; 0 = greedy (argmax after penalties).      top_k: >= 0; 0 = off.
+    temperature: >= 0; 0 = greedy (argmax after penalties), and so is one below MIN_TEMPERATURE, its limit (logit / T
+    would overflow float32 to inf and the softmax to NaN).    top_k: >= 0; 0 = off.
     top_p: in (0, 1]; 1 = off.                                     min_p: in [0, 1]; 0 = off.
     repeat_penalty: > 0; 1 = off.  presence_penalty, frequency_penalty: in [-2, 2]; 0 = off.
     repeat_last_n: tokens of history the penalties look at; 0 = none, -1 = all.
@@ -59,6 +64,8 @@ class SamplingParams:
         t = _real("temperature", self.temperature)
         if t < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if 0 < t < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)
         if _int("top_k", self.top_k) < 0:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k!r}")
         p = _real("top_p", self.top_p)

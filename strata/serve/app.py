@@ -2,9 +2,10 @@
 
 Routes: POST /v1/chat/completions, POST /v1/completions (JSON or SSE) from completions_api.py; GET /v1/models[/{id}],
 GET /health, GET /metrics, GET /slots, POST /slots/{id}?action=save|restore|erase, GET /status, GET /cache from
-admin_api.py; llama-server's /tokenize, /detokenize, /apply-template, /props from llama_api.py, OpenAI's
-/v1/responses from responses_api.py, Anthropic's /v1/messages from messages_api.py (both through
-completions_api.generate_chat, the chat route's path), the web chat page (GET /, /web/...) from chat_page.py.
+admin_api.py; llama-server's /completion, /tokenize, /detokenize, /apply-template, /props from llama_api.py and
+/infill from infill_api.py, OpenAI's /v1/responses from responses_api.py, Anthropic's /v1/messages from
+messages_api.py (both through completions_api.generate_chat, the chat route's path), the web chat page (GET /,
+/web/...) from chat_page.py.
 Every error is an OpenAI error object ({"error": {"message", "type", "param", "code"}}), except on routes that
 register their API's own shape in ERROR_SHAPES_KEY.
 """
@@ -14,7 +15,8 @@ import time
 
 from aiohttp import web
 
-from strata.serve import admin_api, chat_page, completions_api, llama_api, messages_api, ollama_api, responses_api
+from strata.serve import (admin_api, chat_page, completions_api, infill_api, llama_api, messages_api, ollama_api,
+                          responses_api)
 from strata.serve.config import (CONFIG_KEY, ERROR_SHAPES_KEY, GUARD_KEY, METRICS_KEY, STARTED_KEY, WORKER_KEY,
                                  ServeConfig, format_hostport)
 from strata.serve.browser import BrowserPolicy
@@ -66,6 +68,7 @@ def make_app(cfg: ServeConfig, worker: EngineWorker, metrics_: Metrics,
     for method, path, handler in ROUTES:
         (app.router.add_get if method == "GET" else app.router.add_post)(path, handler)
     llama_api.add_routes(app)                   # llama-server's /tokenize, /detokenize, /apply-template, /props
+    infill_api.add_routes(app)                  # llama-server's /infill
     chat_page.add_routes(app)
     responses_api.add_routes(app)               # OpenAI's /v1/responses
     messages_api.add_routes(app)                # Anthropic's /v1/messages

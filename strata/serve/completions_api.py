@@ -49,7 +49,8 @@ async def render_chat(request: web.Request, p: schema.ParsedRequest):
     try:
         rendered = await loop.run_in_executor(
             None, lambda: engine.render_chat(plan.messages, tools=plan.tools, pin_message=plan.pin,
-                                             **plan.template_kwargs))
+                                             **({"add_generation_prompt": False, "continue_final_message": True}
+                                                if p.continue_final else {}), **plan.template_kwargs))
     except ContextOverflow as e:         # too long to be worth rendering and tokenizing
         raise ApiError(400, str(e), param="messages", code="context_length_exceeded") from None
     except ValueError as e:

@@ -56,5 +56,6 @@ WORKER_KEY = web.AppKey("worker", EngineWorker)
 METRICS_KEY = web.AppKey("metrics", Metrics)
 STARTED_KEY = web.AppKey("started", float)
 GUARD_KEY = web.AppKey("connections", ConnectionGuard)
-# route template -> the error body of that route's API (ApiError -> dict); routes not in it answer OpenAI's shape
+# route template -> the error body of that route's API (ApiError -> dict); a key ending in '/' is a prefix: the shape of
+# paths under it that no route matches; routes not in it answer OpenAI's shape
 ERROR_SHAPES_KEY = web.AppKey("error_shapes", dict)

@@ -1,6 +1,7 @@
-"""The daemon's connections: at most --max-connections open per listener (one more is answered 503 and closed), and
-none kept open by a client that sends nothing, dribbles a request's header, or stays idle between requests past
-its timeout. Request bodies have their own deadline (handling.read_body)."""
+"""The daemon's connections: at most --max-connections open per listener (one more is answered 503 and closed), none
+kept open by a client that sends nothing, dribbles a request's header, or stays idle between requests past its
+timeout, and HTTP that aiohttp cannot parse answered with a JSON error (OpenAI's shape: no route was read) rather
+than aiohttp's plain text. Request bodies have their own deadline (handling.read_body)."""
 from __future__ import annotations
 
 import asyncio
@@ -11,6 +12,9 @@ from dataclasses import dataclass, field
 
 import structlog
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+
+from strata.serve.log import malformed
 
 log = structlog.get_logger("strata.serve")
 
@@ -153,10 +157,36 @@ class _GuardedServer:
         self._server, self._guard = server, guard
 
     def __call__(self):
-        return _GuardedProtocol(self._server(), self._guard)
+        return _GuardedProtocol(_request_handler(self._server), self._guard)
 
     def __getattr__(self, name):
         return getattr(self._server, name)
+
+
+class _JsonErrorsHandler(RequestHandler):
+    """aiohttp's RequestHandler whose answer to a request its parser refuses (a request line or header it cannot read,
+    broken chunked framing, a Content-Encoding it cannot decode) is a JSON error in OpenAI's shape (no route was
+    read), code bad_http. aiohttp still logs it (strata.serve.log keeps one warning line without the raw bytes) and
+    closes the connection."""
+
+    def handle_error(self, request, status: int = 500, exc: BaseException | None = None, message: str | None = None):
+        resp = super().handle_error(request, status, exc, message)      # aiohttp's log line and its checks
+        if status >= 500:                     # not a client's fault: aiohttp's own answer
+            return resp
+        why = (malformed(exc) if exc is not None else None) or " ".join(str(message or "bad request").split())[:200]
+        body = json.dumps({"error": {"message": f"malformed HTTP request: {why}", "type": "invalid_request_error",
+                                     "param": None, "code": "bad_http"}}, ensure_ascii=False)
+        resp = web.Response(status=status, text=body, content_type="application/json")
+        resp.force_close()
+        return resp
+
+
+def _request_handler(server) -> RequestHandler:
+    """A _JsonErrorsHandler made as aiohttp's Server makes its RequestHandler (server() where it cannot be)."""
+    try:
+        return _JsonErrorsHandler(server, loop=server._loop, **server._kwargs)
+    except (AttributeError, TypeError):
+        return server()
 
 
 class _GuardedProtocol(asyncio.Protocol):

@@ -8,7 +8,6 @@ not_supported_error, unavailable_error, exceed_context_size_error), not OpenAI's
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 
 from aiohttp import web
@@ -17,7 +16,7 @@ from strata import __version__
 from strata.engine.types import FinalEvent
 from strata.serve import schema
 from strata.serve.completions_api import generate_completion
-from strata.serve.config import CONFIG_KEY, WORKER_KEY
+from strata.serve.config import CONFIG_KEY, ERROR_SHAPES_KEY, WORKER_KEY
 from strata.serve.errors import ApiError
 from strata.serve.handling import engine_call, engine_of, json_response, next_event, read_body, whole_context
 from strata.structured import plan as structured
@@ -29,31 +28,15 @@ LLAMA_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 
                      503: "unavailable_error"}
 
 
-class LlamaApiError(ApiError):
-    """An ApiError rendered in llama-server's shape."""
-
-    def body(self) -> dict:
-        kind = "exceed_context_size_error" if self.code == "context_length_exceeded" else \
-            LLAMA_ERROR_TYPES.get(self.status, "invalid_request_error")
-        return {"error": {"code": self.status, "message": self.message, "type": kind}}
+def llama_error(e: ApiError) -> dict:
+    """An ApiError in llama-server's shape (the error shape make_app registers for these routes)."""
+    kind = "exceed_context_size_error" if e.code == "context_length_exceeded" else \
+        LLAMA_ERROR_TYPES.get(e.status, "invalid_request_error")
+    return {"error": {"code": e.status, "message": e.message, "type": kind}}
 
 
-def _llama_errors(handler):
-    """Render every ApiError the handler raises (its own, and the shared body / engine checks') in llama-server's
-    shape."""
-    @functools.wraps(handler)
-    async def wrapped(request: web.Request):
-        try:
-            return await handler(request)
-        except LlamaApiError:
-            raise
-        except ApiError as e:
-            raise LlamaApiError(e.status, e.message, param=e.param, code=e.code, headers=e.headers) from None
-    return wrapped
-
-
-def _bad(msg: str) -> LlamaApiError:
-    return LlamaApiError(400, msg)
+def _bad(msg: str) -> ApiError:
+    return ApiError(400, msg)
 
 
 def _flag(body: dict, key: str, default: bool) -> bool:
@@ -82,7 +65,6 @@ def _piece(tok, token_id: int):
         return list(b)
 
 
-@_llama_errors
 async def tokenize(request: web.Request) -> web.Response:
     """POST /tokenize {content: str | [str | id, ...], add_special=false, parse_special=true, with_pieces=false}
     -> {"tokens": [id, ...]} or {"tokens": [{"id", "piece"}, ...]}. In an array, ids pass through and only the first
@@ -126,7 +108,6 @@ async def tokenize(request: web.Request) -> web.Response:
     return json_response({"tokens": ids})
 
 
-@_llama_errors
 async def detokenize(request: web.Request) -> web.Response:
     """POST /detokenize {tokens: [id, ...]} -> {"content": text}: the tokens' pieces joined, special tokens as their
     text (llama-server's tokens_to_str); bytes that are not UTF-8 become U+FFFD."""
@@ -137,7 +118,6 @@ async def detokenize(request: web.Request) -> web.Response:
     return json_response({"content": tok.decode(ids, special=True)})
 
 
-@_llama_errors
 async def apply_template(request: web.Request) -> web.Response:
     """POST /apply-template {messages, tools?, add_generation_prompt?} (as /v1/chat/completions takes them) ->
     {"prompt": text}: the prompt the chat route would read (tools as it gives them to the model, the generic
@@ -160,7 +140,6 @@ async def apply_template(request: web.Request) -> web.Response:
     return json_response({"prompt": text})
 
 
-@_llama_errors
 async def props(request: web.Request) -> web.Response:
     """GET /props: llama-server's global properties, those Strata has (one slot, the sampling defaults, the model's
     path, chat template, BOS / EOS text)."""
@@ -197,7 +176,7 @@ _COMPLETION_FIELDS = ("prompt", "temperature", "top_k", "top_p", "min_p", "seed"
                       "grammar", "strata_checkpoint")
 
 
-def _completion_request(body: dict, engine) -> schema.ParsedRequest:
+def completion_request(body: dict, engine) -> schema.ParsedRequest:
     fields = {k: body[k] for k in _COMPLETION_FIELDS if k in body and body[k] is not None}
     n = body.get("n_predict", body.get("max_tokens"))
     if n is not None:
@@ -208,7 +187,7 @@ def _completion_request(body: dict, engine) -> schema.ParsedRequest:
         else:
             fields["max_tokens"] = whole_context(engine)
     if body.get("n_probs"):
-        raise LlamaApiError(400, "'n_probs' is not supported on /completion: /v1/completions gives logprobs",
+        raise ApiError(400, "'n_probs' is not supported on /completion: /v1/completions gives logprobs",
                             code="unsupported_value")
     slot = body.get("id_slot", -1)
     if slot not in (-1, 0) or isinstance(slot, bool):
@@ -234,7 +213,7 @@ def _completion_obj(final, content: str, p: schema.ParsedRequest, engine, prompt
                                               "predicted_ms", "predicted_per_second", "cache_n")}}
 
 
-async def _completion_respond(request, engine, p, job, answers):
+async def completion_respond(request, engine, p, job, answers):
     """llama-server's answer: one object, or SSE `data:` lines of {"content", "stop": false} then the whole object
     with "stop": true (no [DONE] line)."""
     if not p.stream:
@@ -260,29 +239,27 @@ async def _completion_respond(request, engine, p, job, answers):
             chunk = {"content": ev.text, "stop": False, "id_slot": 0, "tokens_predicted": n}
             await resp.write(b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n")
     except ApiError as e:
-        err = e if isinstance(e, LlamaApiError) else LlamaApiError(e.status, e.message, code=e.code)
-        await resp.write(b"error: " + json.dumps(err.body(), ensure_ascii=False).encode() + b"\n\n")
+        await resp.write(b"error: " + json.dumps(llama_error(e), ensure_ascii=False).encode() + b"\n\n")
     await resp.write_eof()
     return resp
 
 
-@_llama_errors
 async def completion(request: web.Request) -> web.StreamResponse:
     """POST /completion: llama-server's raw completion (prompt a string or token ids; n_predict; its answer
     shape)."""
     body = await read_body(request)
     engine = engine_of(request)
-    return await generate_completion(request, _completion_request(body, engine), respond=_completion_respond)
+    return await generate_completion(request, completion_request(body, engine), respond=completion_respond)
 
 
 def add_routes(app: web.Application) -> None:
-    """Register the routes on `app` (make_app calls this)."""
+    """Register the routes and their error shape on `app` (make_app calls this)."""
     r = app.router
-    r.add_post("/completion", completion)
-    r.add_post("/tokenize", tokenize)
-    r.add_post("/detokenize", detokenize)
-    r.add_post("/apply-template", apply_template)
-    r.add_get("/props", props)
+    routes = [r.add_post("/completion", completion), r.add_post("/tokenize", tokenize),
+              r.add_post("/detokenize", detokenize), r.add_post("/apply-template", apply_template),
+              r.add_get("/props", props)]
+    for route in routes:
+        app[ERROR_SHAPES_KEY][route.resource.canonical] = llama_error
 
 
-__all__ = ["add_routes", "LlamaApiError"]
+__all__ = ["add_routes", "llama_error"]

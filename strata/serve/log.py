@@ -10,17 +10,31 @@ import structlog
 LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
+def malformed(exc: BaseException) -> str | None:
+    """What a client's malformed HTTP comes to in one line: "<error type>: <aiohttp's text>" without the raw bytes
+    aiohttp quotes (a prompt must not end up in the journal) and cut to 200 characters; None for an exception that is
+    not about the request's bytes. Covers a request line or header aiohttp cannot parse, broken chunked framing, and
+    a body whose Content-Encoding does not decode (aiohttp meets that again when it reads the rest of the body after
+    the handler's 400)."""
+    from aiohttp.http_exceptions import HttpProcessingError
+    from aiohttp.web_protocol import RequestPayloadError
+    if isinstance(exc, RequestPayloadError) and isinstance(exc.__cause__, HttpProcessingError):
+        exc = exc.__cause__
+    if not isinstance(exc, HttpProcessingError):
+        return None
+    text = re.split(r"\s+b['\"]", " ".join(str(exc).split()), maxsplit=1)[0]   # not the quoted bytes
+    return f"{type(exc).__name__}: {text[:200]}"
+
+
 class _MalformedRequestFilter(logging.Filter):
-    """aiohttp logs a malformed HTTP message (bad chunked framing, a header it cannot parse) at ERROR with a traceback
-    whose exception text quotes the raw bytes, so one bad request can put a whole prompt into the journal; keep one
-    WARNING line naming the error, without the quoted bytes and cut to 200 characters."""
+    """aiohttp logs a malformed HTTP message (bad chunked framing, a header it cannot parse, a body that does not
+    decode) at ERROR with a traceback whose exception text quotes the raw bytes, so one bad request can put a whole
+    prompt into the journal; keep one WARNING line naming the error (malformed())."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from aiohttp.http_exceptions import HttpProcessingError
-        exc = record.exc_info[1] if record.exc_info else None
-        if isinstance(exc, HttpProcessingError):
-            text = re.split(r"\s+b['\"]", " ".join(str(exc).split()), maxsplit=1)[0]   # not the quoted bytes
-            record.msg, record.args = f"malformed HTTP request: {type(exc).__name__}: {text[:200]}", ()
+        why = malformed(record.exc_info[1]) if record.exc_info else None
+        if why is not None:
+            record.msg, record.args = f"malformed HTTP request: {why}", ()
             record.exc_info, record.exc_text = None, None
             record.levelno, record.levelname = logging.WARNING, "WARNING"
         return True

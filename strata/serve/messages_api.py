@@ -188,7 +188,23 @@ def parse(body: dict, *, count_only: bool = False) -> schema.ParsedRequest:
             "response_format": _output_format(body.get("output_config")),
             "temperature": body.get("temperature"), "top_p": body.get("top_p")}
     chat.update({k: body[k] for k in schema.EXTENSION_FIELDS if k in body})
-    return schema.parse_chat({k: v for k, v in chat.items() if v is not None})
+    p = schema.parse_chat({k: v for k, v in chat.items() if v is not None})
+    p.continue_final = _prefill(msgs[-1], len(body["messages"]) - 1)
+    return p
+
+
+def _prefill(last: dict, i: int) -> bool:
+    """Whether the conversation ends with an assistant message (Anthropic's prefill: the answer continues its text).
+    Its text may not end in whitespace, as Anthropic's API requires, and it may hold no tool call."""
+    if last["role"] != "assistant":
+        return False
+    if last.get("tool_calls"):
+        raise _bad(f"messages[{i}].content", "is a final assistant message with tool_use blocks: only text can be "
+                                             "continued")
+    text = last.get("content") or ""
+    if text != text.rstrip():
+        raise _bad(f"messages[{i}].content", "final assistant content cannot end with trailing whitespace")
+    return True
 
 
 # chat-route field names in errors -> the Messages API's
@@ -328,3 +344,4 @@ def add_routes(app: web.Application) -> None:
     r = app.router
     for route in (r.add_post("/v1/messages", create_message), r.add_post("/v1/messages/count_tokens", count_tokens)):
         app[ERROR_SHAPES_KEY][route.resource.canonical] = anthropic_error
+    app[ERROR_SHAPES_KEY]["/v1/messages/"] = anthropic_error   # unknown routes under /v1/messages/ too

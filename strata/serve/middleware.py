@@ -108,7 +108,16 @@ async def middleware(request: web.Request, handler):
     return resp
 
 
+def _shape_for(shapes: dict, route: str, path: str):
+    """The error shape of a route template, or for a path no route matched the shape of the longest prefix key
+    (ending in '/') it starts with; None: OpenAI's."""
+    if route != "unmatched":
+        return shapes.get(route)
+    prefixes = [p for p in shapes if p.endswith("/") and path.startswith(p)]
+    return shapes[max(prefixes, key=len)] if prefixes else None
+
+
 async def _err_for(request: web.Request, e: ApiError) -> web.Response:
     """The error response in the shape of the API the route belongs to (ERROR_SHAPES_KEY), else e's own."""
-    shape = request.app[ERROR_SHAPES_KEY].get(await _route_name(request))
+    shape = _shape_for(request.app[ERROR_SHAPES_KEY], await _route_name(request), request.path)
     return json_response(shape(e) if shape is not None else e.body(), e.status, e.headers)

@@ -351,3 +351,4 @@ def add_routes(app: web.Application) -> None:
     routes += [r.add_route("*", "/api/blobs/{digest}", management)]
     for route in routes:
         app[ERROR_SHAPES_KEY][route.resource.canonical] = ollama_error
+    app[ERROR_SHAPES_KEY]["/api/"] = ollama_error          # unknown routes under /api/ too

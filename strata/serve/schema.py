@@ -47,6 +47,7 @@ class ParsedRequest:
     tool_choice: str | dict = "auto"            # chat: "none" | "auto" | "required" | {"type": "function", ...}
     parallel_tool_calls: bool = True            # chat
     template_kwargs: dict = field(default_factory=dict)   # chat: chat_template_kwargs (e.g. enable_thinking)
+    continue_final: bool = False      # chat: the last (assistant) message is left open and the answer continues it
     reasoning: bool = True                      # chat: reasoning_format other than "none"
     output: dict | None = None                  # {"type": "json_schema", "schema", "strict"} | {"type": "grammar",
                                                 # "grammar"}: the answer constrained (response_format, json_schema,
@@ -139,8 +140,11 @@ def _common(body: dict, kind: str) -> ParsedRequest:
         if not r.stream:
             raise _bad("stream_options", "is only allowed when 'stream' is true")
         r.include_usage = _opt_bool(so, "include_usage", False)
-    mt = _opt_int(body, "max_completion_tokens", 0)
-    mt2 = _opt_int(body, "max_tokens", 0)
+    # a chat answer has at least one token, as OpenAI's chat API, Anthropic's and the Responses API require; a raw
+    # completion may ask for none (OpenAI's legacy completions score a prompt with max_tokens 0)
+    least = 1 if kind == "chat" else 0
+    mt = _opt_int(body, "max_completion_tokens", least)
+    mt2 = _opt_int(body, "max_tokens", least)
     if mt is not None and mt2 is not None and mt != mt2:
         raise _bad("max_tokens", f"and 'max_completion_tokens' disagree ({mt2} vs {mt}): send one")
     r.max_tokens = mt if mt is not None else mt2

@@ -19,7 +19,7 @@ from strata.serve.connections import ConnectionGuard, connection_cap
 from strata.errors import Unavailable
 from strata.serve.errors import ApiError
 from strata.serve.metrics import Metrics
-from strata.serve.notify import sd_notify
+from strata.serve.notify import sd_notify, watchdog, watchdog_interval
 from strata.serve.worker import EngineError, EngineWorker, ShuttingDown
 
 log = structlog.get_logger("strata.serve")
@@ -86,7 +86,7 @@ async def serve(cfg: ServeConfig, engine_factory: Callable[[], Any]) -> int:
     runner = _GuardedRunner(app, guard, handler_cancellation=True, access_log=None, shutdown_timeout=5.0,
                             keepalive_timeout=cfg.idle_timeout)
     await runner.setup()
-    watchdog = asyncio.ensure_future(guard.watch())
+    sweeper = asyncio.ensure_future(guard.watch())
     sock_path = Path(cfg.socket_path) if cfg.socket_path else None
     sock_made = False
     try:
@@ -107,7 +107,7 @@ async def serve(cfg: ServeConfig, engine_factory: Callable[[], Any]) -> int:
             if bound:
                 cfg.tcp_bound = ", ".join(format_hostport(str(a[0]), int(a[1])) for a in bound)
     except BaseException:
-        watchdog.cancel()
+        sweeper.cancel()
         await runner.cleanup()
         if sock_made:                       # leave no socket file behind that nobody listens on
             with contextlib.suppress(OSError):
@@ -121,6 +121,8 @@ async def serve(cfg: ServeConfig, engine_factory: Callable[[], Any]) -> int:
         loop.add_signal_handler(sig, stop.set)
     worker.start()
     sd_notify("STATUS=loading the model")
+    every = watchdog_interval()            # systemd's WatchdogSec=: pings stop while the engine thread is stuck
+    pinger = asyncio.ensure_future(watchdog(every, lambda: worker.stuck(cfg.stall_seconds))) if every else None
     stop_task = asyncio.ensure_future(stop.wait())
     try:
         done, _ = await asyncio.wait({worker.loaded, stop_task}, return_when=asyncio.FIRST_COMPLETED)
@@ -144,7 +146,9 @@ async def serve(cfg: ServeConfig, engine_factory: Callable[[], Any]) -> int:
         return 0
     finally:
         stop_task.cancel()
-        watchdog.cancel()
+        if pinger is not None:
+            pinger.cancel()
+        sweeper.cancel()
         await runner.cleanup()
         worker.stop(timeout=5.0)
         if sock_path is not None:

@@ -137,6 +137,17 @@ def _prepare_messages(messages) -> list[dict]:
     return out
 
 
+def _cut_pieces(pieces: list[tuple[str, bool]], n: int) -> list[tuple[str, bool]]:
+    """The [(text, parse_special)] pieces covering the first n characters of what they covered."""
+    out, pos = [], 0
+    for t, special in pieces:
+        if pos >= n:
+            break
+        out.append((t[:n - pos], special))
+        pos += len(t)
+    return [(t, special) for t, special in out if t]
+
+
 class ChatTemplate:
     """Renders chats with a model's Jinja chat template and tokenizes them safely.
 
@@ -201,7 +212,8 @@ class ChatTemplate:
 
     # ----------------------------------------------------------------- tokens + cut points
     def render(self, messages, add_generation_prompt: bool = True, tools=None, documents=None,
-               pin_message: int | None = None, text_check=None, **kw) -> RenderedPrompt:
+               pin_message: int | None = None, text_check=None, continue_final_message: bool = False,
+               **kw) -> RenderedPrompt:
         """Render and tokenize a chat, finding its cut points.
 
         Cut points are found by rendering prefixes of the conversation (for the last MESSAGE_CUTS messages, the
@@ -213,7 +225,9 @@ class ChatTemplate:
         message_at(pin_message). Prefix lengths rendered by earlier requests are reused (self.prefix_ends, keyed
         by the messages, checked against the new text), so a later turn renders only its new prefixes.
         text_check, if given, is called with the rendered text before anything is tokenized (the engine refuses
-        text that cannot fit its context there). Raises ValueError for bad messages, a bad pin_message, or
+        text that cannot fit its context there). continue_final_message (with add_generation_prompt false) leaves
+        the last message open, its text the end of the prompt, as transformers' apply_chat_template does (an
+        answer continues it: Anthropic's prefill). Raises ValueError for bad messages, a bad pin_message, or
         template errors (and whatever text_check raises).
         """
         msgs = _prepare_messages(messages)
@@ -228,6 +242,11 @@ class ChatTemplate:
         if text_check is not None:
             text_check(text)
         pieces, safe = self._pieces(msgs, text, add_generation_prompt, tools, documents, kw)
+        if continue_final_message:
+            if add_generation_prompt:
+                raise ValueError("continue_final_message needs add_generation_prompt false")
+            text = self._open_final(msgs, text, tools, documents, kw)
+            pieces = _cut_pieces(pieces, len(text))
         tk = self.tokenizer
         joined, frags = tk.split_special(pieces)
         if joined != text:  # pieces always cover the text; guard against a logic error
@@ -280,7 +299,7 @@ class ChatTemplate:
         msg_pos: dict[int, int] = {}
         # each message cut costs a render of the prefix: only the last MESSAGE_CUTS messages, the leading system
         # messages' end (root) and the pinned message get one, so a long conversation renders in linear time
-        wanted = set(range(max(0, len(msgs) - MESSAGE_CUTS), len(msgs)))
+        wanted = set(range(max(0, len(msgs) - MESSAGE_CUTS), len(msgs) - int(continue_final_message)))
         if n_sys:
             wanted.add(n_sys - 1)
         if pin_message is not None:
@@ -306,6 +325,34 @@ class ChatTemplate:
                 cuts.append(CutPoint(p, "turn", None))
         cuts.sort(key=lambda cp: (cp.pos, _KIND_ORDER[cp.kind], -1 if cp.index is None else cp.index))
         return RenderedPrompt(tokens=tokens, text=text, cut_points=cuts, content_safe=safe)
+
+    def _open_final(self, msgs, text, tools, documents, kw) -> str:
+        """`text` (msgs rendered without a generation prompt) cut right after the last message's text, as
+        transformers' continue_final_message cuts it: a tag appended to that text (the last text block of a
+        list), the render cut before the tag (and its trailing space trimmed where the template trimmed the
+        tag's). ValueError when the template does not keep that text or the cut text does not begin `text`."""
+        if not msgs:
+            raise ValueError("continue_final_message needs a message to continue")
+        tag = f"zqx{secrets.token_hex(4)}cont "
+        tagged = [dict(m) for m in msgs]
+        last = tagged[-1]
+        c = last.get("content")
+        if isinstance(c, str):
+            last["content"] = c + tag
+        elif isinstance(c, list) and any(isinstance(b, dict) and isinstance(b.get("text"), str) for b in c):
+            c = last["content"] = [dict(b) if isinstance(b, dict) else b for b in c]
+            i = max(j for j, b in enumerate(c) if isinstance(b, dict) and isinstance(b.get("text"), str))
+            c[i]["text"] += tag
+        else:
+            raise ValueError("continue_final_message needs text in the last message to continue")
+        r = self._render(tagged, False, tools, documents, kw)
+        loc = r.rfind(tag.strip())
+        if loc < 0:
+            raise ValueError("the chat template drops the last message's text: it cannot be continued")
+        cut = r[:loc] if r[loc:loc + len(tag)] == tag else r[:loc].rstrip()
+        if not text.startswith(cut):
+            raise ValueError("the chat template renders the last message's text differently when it is continued")
+        return cut
 
     def _message_ends(self, msgs, wanted, text, add_generation_prompt, tools, documents, kw) -> dict[int, int]:
         """{i: len(render(msgs[:i+1], add_generation_prompt=False))} for each i in `wanted` whose prefix renders
