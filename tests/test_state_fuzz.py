@@ -4,7 +4,8 @@ loaded, forgets and restarts, on an engine with checkpoints, parking (resident a
 The reference is an engine with none of them that reads every prompt cold (the CPU kernels give the same bits for
 any split of a prompt into reads): after every request the greedy tokens and the live sequence's state hashes are
 equal; after every step every KV page's reference count equals its holders (the live page tables and the holds of
-parked conversations); after a forget no page is held but by a parked conversation; a loaded session file's state
+kept checkpoints and resident conversations) and every hold is owned by one of those; after a forget no page is
+held but by a parked conversation; a loaded session file's state
 hashes are those it was saved with. STATE_FUZZ_STEPS sets the steps of one run (tools/state_fuzz.py runs 10,000+)."""
 from __future__ import annotations
 
@@ -30,8 +31,24 @@ WORDS = ["rivers", "ships", "stars", "salt", "maps", "clocks", "bees", "glass"]
 _names = itertools.count()
 
 
+def _holders(engine) -> set[int]:
+    """ids of the holds something still owns: the kept checkpoints' parts and the resident conversations' parts."""
+    snaps = [e.snapshot for e in engine.cache._entries.values()]
+    res = engine.conversations.resident
+    parts = [p for c in snaps for p in c.parts] + [p for c in (res._items if res is not None else ()) for p in c.parts]
+    return {id(k.hold) for p in parts for k in p.kv.values() if k.is_held}
+
+
 def _pages_ok(engine) -> None:
-    """Every page's count is its holders' (the live page tables, the holds): nothing leaked, nothing freed early."""
+    """Every page's count is its holders' (the live page tables, the holds), and every hold is owned by a kept
+    checkpoint or a resident conversation: nothing leaked, nothing freed early."""
+    owned = _holders(engine)
+    for st in engine.stages:
+        for f in st.memory.fields:
+            pool = getattr(f, "pool", None)
+            if pool is not None:
+                stray = [h for h in pool.holds if id(h) not in owned]
+                assert not stray, f"stage {st.index} {f.name}: {len(stray)} holds no checkpoint or conversation owns"
     seen = set()
     for st in engine.stages:
         for f in st.memory.fields:

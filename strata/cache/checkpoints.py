@@ -93,6 +93,13 @@ def _snapshot_bytes(snap) -> int:
     return sum(int(a.nbytes) for parts in running.values() for a in parts.values())
 
 
+def _release(snap) -> None:
+    """Give back the pages a snapshot holds (a strata.stages.sequence.Checkpoint; other objects hold none)."""
+    release = getattr(snap, "release", None)
+    if callable(release):
+        release()
+
+
 def _state_ids(state) -> np.ndarray:
     """The token ids a sequence holds, as int32 (a strata.stages.sequence.Sequence's ``ids`` view, no copy)."""
     ids = getattr(state, "ids", None)
@@ -208,7 +215,7 @@ class CheckpointCache:
                 ok = (source != "none" and pos <= resume and is_prefix(e.tokens, prompt)
                       and is_prefix(e.tokens, state_tokens))
                 if not ok:
-                    del self._entries[pos]
+                    self._drop(pos)
                     erased.append(pos)
             self._stats["erased"] += len(erased)
             if source == "none":
@@ -265,20 +272,25 @@ class CheckpointCache:
 
     def adopt(self, entries: list[tuple[int, str, Any]], live_ok: bool) -> None:
         """Replace every kept checkpoint by `entries` ((pos, kind, snapshot), as ``export`` gives them, of the
-        conversation the engine now holds) and set whether its end may be continued live."""
+        conversation the engine now holds; the cache owns their snapshots from here, see ``save``) and set whether
+        its end may be continued live. The checkpoints replaced give their pages back."""
         with self._lock:
-            self._entries.clear()
+            for p in list(self._entries):
+                self._drop(p)
             self._live_ok = bool(live_ok)
             for pos, kind, snap in sorted(entries, key=lambda x: x[0]):
+                if pos in self._entries:
+                    self._drop(pos)
                 self._clock += 1
                 self._entries[pos] = _Entry(pos=pos, kind=kind, snapshot=snap, tokens=frozen_ids(snap.tokens),
                                             bytes=_snapshot_bytes(snap), saved=self._clock, last_use=self._clock,
                                             last_use_time=time.time())
             if self.cap == 0:
-                self._entries.clear()
+                for p in list(self._entries):
+                    self._drop(p)
             for p in choose_victims(self._kept(), cap=self.cap, root_min=self.root_min,
                                     budget_bytes=self.budget_bytes) if self._entries else ():
-                del self._entries[p]            # this engine's --prompt-cache / --prompt-cache-mib apply
+                self._drop(p)                   # this engine's --prompt-cache / --prompt-cache-mib apply
 
     def _kept_points(self, n: int, cuts: list[tuple[int, str]], resume: int, checkpoint: bool) -> dict[int, str]:
         """Cut points after `resume` at which to end a part and save a checkpoint -> {pos: kind}."""
@@ -319,28 +331,34 @@ class CheckpointCache:
         Checkpoints that the snapshot's tokens contradict (no longer a prefix of what the arena holds) are
         erased; an existing one at ``pos`` is replaced; then retention (strata.cache.retention) evicts.
         Returns the positions evicted or erased. With cap 0 nothing is kept. Raises ValueError (one line),
-        keeping nothing, for an unknown kind, pos <= 0, or a snapshot taken at another position.
+        keeping nothing, for an unknown kind, pos <= 0, or a snapshot taken at another position. The cache owns
+        the snapshot from here: its pages are given back (Checkpoint.release) when it is dropped (erased,
+        evicted, replaced, cleared, adopted over, make_room) or refused.
         """
-        if kind not in _RANK:
-            raise ValueError(f"unknown checkpoint kind {kind!r} (expected one of {', '.join(KINDS)})")
-        if isinstance(pos, bool) or not isinstance(pos, int) or pos <= 0:
-            raise ValueError(f"a checkpoint position must be an integer > 0, got {pos!r}")
         spos = getattr(snapshot, "pos", None)
         tokens = frozen_ids(getattr(snapshot, "tokens", ()))
-        if spos != pos or len(tokens) != pos:
-            raise ValueError(f"the snapshot was taken at position {spos} with {len(tokens)} tokens, "
-                             f"not at {pos}")
+        why = None
+        if kind not in _RANK:
+            why = f"unknown checkpoint kind {kind!r} (expected one of {', '.join(KINDS)})"
+        elif isinstance(pos, bool) or not isinstance(pos, int) or pos <= 0:
+            why = f"a checkpoint position must be an integer > 0, got {pos!r}"
+        elif spos != pos or len(tokens) != pos:
+            why = f"the snapshot was taken at position {spos} with {len(tokens)} tokens, not at {pos}"
+        if why is not None:
+            _release(snapshot)
+            raise ValueError(why)
         nbytes = _snapshot_bytes(snapshot)
         with self._lock:
             gone: list[int] = []
             for p, e in list(self._entries.items()):
                 lo, hi = (e.tokens, tokens) if p <= pos else (tokens, e.tokens)
                 if p == pos or not is_prefix(lo, hi):
-                    del self._entries[p]
+                    self._drop(p)
                     if p != pos:
                         gone.append(p)
             self._stats["erased"] += len(gone)
             if self.cap == 0:
+                _release(snapshot)
                 return gone
             self._clock += 1
             self._entries[pos] = _Entry(pos=pos, kind=kind, snapshot=snapshot, tokens=tokens, bytes=nbytes,
@@ -349,9 +367,26 @@ class CheckpointCache:
             victims = choose_victims(self._kept(), cap=self.cap, root_min=self.root_min,
                                      budget_bytes=self.budget_bytes)
             for p in victims:
-                del self._entries[p]
+                self._drop(p)
             self._stats["evictions"] += len(victims)
             return gone + victims
+
+    def make_room(self, live_ids) -> bool:
+        """Drop one checkpoint to give its pages back when a KV pool is short: the least recently used of those that
+        are not a prefix of ``live_ids`` (the live sequence's tokens: their pages are the sequence's too), then of
+        the rest -> False when none is kept."""
+        live = as_ids(live_ids)
+        with self._lock:
+            if not self._entries:
+                return False
+            e = min(self._entries.values(), key=lambda e: (is_prefix(e.tokens, live), e.last_use))
+            self._drop(e.pos)
+            self._stats["evictions"] += 1
+            return True
+
+    def _drop(self, pos: int) -> None:
+        """Forget the checkpoint at `pos` and give back the pages it holds (under the lock)."""
+        _release(self._entries.pop(pos).snapshot)
 
     # ---- visibility ------------------------------------------------------------------------------
     def _kept(self) -> list[Kept]:
@@ -386,9 +421,10 @@ class CheckpointCache:
             self._live_ok = False
 
     def clear(self) -> None:
-        """Drop every checkpoint (counters stay)."""
+        """Drop every checkpoint, its pages given back (counters stay)."""
         with self._lock:
-            self._entries.clear()
+            for p in list(self._entries):
+                self._drop(p)
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -16,8 +16,9 @@ __all__ = ["DEFAULT_PAGE_SIZE", "Hold", "KVCacheFull", "PagePool", "PagedKV"]
 
 
 class Hold:
-    """Pages of a pool held by something other than a sequence (a conversation parked resident on its device):
-    one reference on each page, so the K/V of [0, length) stays while the live sequence reads on over other pages.
+    """Pages of a pool held by something other than a sequence's page table (a checkpoint, a conversation parked
+    resident on its device): one reference on each page, so the K/V of [0, length) stays while the live sequence
+    reads on over other pages.
     A sequence that writes into a page it shares with a hold keeps the page and the hold gets a copy
     (PagePool.rehome): the live page table never changes under the checkpoints that reference it. ``release``
     gives the references back (idempotent)."""

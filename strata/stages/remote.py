@@ -320,17 +320,22 @@ class LinkClient:
 @dataclass(eq=False)
 class RemotePart:
     """A remote stage's part of a checkpoint: the id the worker chain keeps it under (in that link's `epoch`),
-    its position and carve. The main holds no bytes of it (nbytes 0; the worker's store has its own limits)."""
+    its position and carve. The main holds no bytes of it (nbytes 0; the worker's store has its own limits).
+    ``release``: the main no longer keeps it (the next checkpoint message's keep list leaves it out, and the worker
+    gives its pages back)."""
 
     carve: Carve
     pos: int
     ckpt_id: int
     epoch: int
-    is_reference: bool = False
     is_prefix: bool = False
+    released: bool = False
 
     def nbytes(self) -> int:
         return 0
+
+    def release(self) -> None:
+        self.released = True
 
 
 class RemoteMemory:
@@ -360,7 +365,7 @@ class RemoteMemory:
 
     def _keep(self, also: int | None = None) -> list[int]:
         """The ids of the RemoteParts the main still holds (and `also`): the worker keeps exactly these."""
-        for i in [i for i, r in self._parts.items() if r() is None]:
+        for i in [i for i, r in self._parts.items() if r() is None or r().released]:
             del self._parts[i]
         ids = sorted(self._parts)
         return ids + [also] if also is not None and also not in self._parts else ids
@@ -396,8 +401,12 @@ class RemoteMemory:
             raise PartMismatch(f"a {type(part).__name__} is not a part of a remote stage")
         if part.carve != self.carve:
             raise PartMismatch(f"the part is of layers {part.carve}, this remote stage runs {self.carve}")
-        if part.epoch != self.link.epoch:
+        if part.released or part.epoch != self.link.epoch:
             raise CheckpointGone(f"the worker no longer holds checkpoint {part.ckpt_id} (the link reconnected)")
+
+    def release(self, part: RemotePart) -> None:
+        """The main no longer keeps `part` (idempotent): the worker drops it at the next checkpoint message."""
+        part.release()
 
     def restore(self, sid: int, part: RemotePart) -> None:
         """CkptRestore (settling first). CheckpointGone when the worker does not hold the part."""

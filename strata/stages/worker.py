@@ -58,10 +58,12 @@ class WorkerConfig:
 
 class Carrier:
     """What the worker holds for the connected main (used from the worker's one compute thread): the stages of
-    its carve, the live sequence, the checkpoint store (id -> Checkpoint) and the link to the next worker."""
+    its carve, the live sequence, the checkpoint store (id -> Checkpoint, each holding its pages in the worker's
+    pools until the main's keep list leaves it out; the oldest is dropped when a pool runs short, and the main
+    reads from 0 when it asks for it) and the link to the next worker."""
 
     def __init__(self, stages, hello: Hello, ckpt_max: int, next_hop: LinkClient | None):
-        self.stages, self.seq = stages, Sequence(stages)
+        self.stages, self.seq = stages, Sequence(stages, make_room=self._make_room)
         self.n_embd, self.n_ctx, self.max_batch = int(hello.n_embd), int(hello.n_ctx), int(hello.max_batch)
         self.ckpt_max = ckpt_max
         self.store: dict[int, Checkpoint] = {}
@@ -116,7 +118,14 @@ class Carrier:
 
     def _prune(self, keep) -> None:
         for k in [k for k in self.store if k not in set(keep)]:
-            del self.store[k]
+            self.store.pop(k).release()
+
+    def _make_room(self) -> bool:
+        """Drop the oldest checkpoint part (its pages given back) -> False when none is kept."""
+        if not self.store:
+            return False
+        self.store.pop(min(self.store)).release()
+        return True
 
     def _ack(self) -> Ack:
         return Ack(pos=self.seq.pos, held=len(self.store), store_bytes=sum(c.nbytes() for c in self.store.values()))
@@ -128,8 +137,15 @@ class Carrier:
             raise Refuse(ErrorCode.LIMIT, f"keeping {len(kept | {m.ckpt_id})} checkpoint parts exceeds the "
                                           f"{self.ckpt_max} granted at the hello")
         cp = self.seq.capture()
-        if self.next is not None:
-            self.next.call(CkptSave(ckpt_id=m.ckpt_id, pos=m.pos, keep=list(m.keep)))
+        try:
+            if self.next is not None:
+                self.next.call(CkptSave(ckpt_id=m.ckpt_id, pos=m.pos, keep=list(m.keep)))
+        except BaseException:
+            cp.release()
+            raise
+        old = self.store.pop(m.ckpt_id, None)
+        if old is not None:
+            old.release()
         self.store[m.ckpt_id] = cp
         self._prune(list(m.keep) + [m.ckpt_id])
         return self._ack()
@@ -173,6 +189,8 @@ class Carrier:
 
     def close(self) -> None:
         """Disconnect: the store is cleared, the sequence's pages given back, the next worker's link closed."""
+        for cp in self.store.values():
+            cp.release()
         self.store.clear()
         try:
             self.seq.drop()
