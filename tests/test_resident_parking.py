@@ -146,7 +146,7 @@ def test_a_new_chat_shares_the_system_prompt_and_the_switch_back_copies_no_kv(wh
     ref_a = [t for t, _, _ in play(alone, "rivers", 2, [], _long_system)]
     alone.slot_erase()
     ref_b = [t for t, _, _ in play(alone, "ships", 1, [], _long_system)]
-    e = Engine(path, conversation_cache_mib=256, park_resident=2, **kw)
+    e = Engine(path, conversation_cache_mib=256, park_resident=2, prompt_cache=2, **kw)   # the tree keeps no turn of A
     answers: list[str] = []
     toks, _ = ask(e, _long_system("rivers", 0, answers))
     answers.append(e.detokenize(toks))
@@ -201,7 +201,8 @@ def test_park_resident_zero_parks_in_host_ram_and_negative_is_refused(hybrid_pat
 def test_a_larger_kv_pool_keeps_both_conversations_resident(hybrid_path):
     """--kv-pool-ctx: with room for two contexts, the conversations of the short-pool test above both stay on the
     device (no move to RAM) and each comes back from there."""
-    e = Engine(hybrid_path, n_ctx=512, ubatch=64, conversation_cache_mib=256, park_resident=2, kv_pool_ctx=1024)
+    e = Engine(hybrid_path, n_ctx=512, ubatch=64, conversation_cache_mib=256, park_resident=2, kv_pool_ctx=1024,
+               prompt_cache=2)                                  # the checkpoint tree keeps no turn of the other chat
     assert e.status()["kv_pages"]["total"] == 4
     answers = {"rivers": [], "ships": []}
     for turn in range(2):
@@ -243,7 +244,8 @@ def test_a_parked_attention_only_conversation_resumes_at_the_longest_common_pref
 def test_a_new_chat_that_shares_only_the_system_prompt_leaves_the_parked_one_whole(default_model_path):
     """rivers, then an unrelated chat (rivers parked), then ships with rivers' system prompt: ships resumes from
     rivers' prefix but rivers stays parked whole, and its next turn still resumes from all of it."""
-    e = Engine(default_model_path, n_ctx=2048, ubatch=128, conversation_cache_mib=256, park_resident=2)
+    e = Engine(default_model_path, n_ctx=2048, ubatch=128, conversation_cache_mib=256, park_resident=2,
+               prompt_cache=2)                                  # the checkpoint tree keeps no turn of the other chat
     a = [e.detokenize(ask(e, _long_system("rivers", 0, []))[0])]
     n_rivers = e.seq.pos
     ask(e, chat("trains", 0, []))

@@ -105,7 +105,7 @@ class Engine:
         except ValueError as e:
             raise ModelLoadError(f"{path}: {e}") from None
         self.template, self._template_error = _make_template(self.file, self.tokenizer)
-        # the live sequence; a KV pool short of pages moves a resident conversation to RAM, then drops checkpoints
+        # the live sequence; a KV pool short of pages drops checkpoints and moves resident conversations to RAM
         self.seq = Sequence(self.stages, make_room=self._make_room)
         self.load_ms = (time.perf_counter() - t0) * 1000.0
         self.cache = CheckpointCache(cap=self.prompt_cache, every=int(ck.every), root_min=int(ck.root),
@@ -121,10 +121,11 @@ class Engine:
             disk_dir=pk.disk_dir, disk_bytes=int(pk.disk_mib) * 1024 * 1024,
             slot_save_path=pk.slot_save_path, resident=int(pk.resident), n_vocab=self.n_vocab)
         self.conversations.prepin()               # host memory for parking, set aside now (/status reports it)
-        if st.kv_pool_ctx is not None and st.kv_pool_ctx > self.n_ctx and self.conversations.resident is None:
-            log.warning("--kv-pool-ctx is larger than --n-ctx but nothing is parked resident (parking off, "
-                        "--park-resident 0 or a remote stage): the extra pool is unused", kv_pool_ctx=st.kv_pool_ctx,
-                        n_ctx=self.n_ctx)
+        if st.kv_pool_ctx is not None and st.kv_pool_ctx > self.n_ctx and self.conversations.resident is None \
+                and self.prompt_cache == 0:
+            log.warning("--kv-pool-ctx is larger than --n-ctx but nothing holds pages beside the live sequence (no "
+                        "checkpoints: --prompt-cache 0, and nothing parked resident): the extra pool is unused",
+                        kv_pool_ctx=st.kv_pool_ctx, n_ctx=self.n_ctx)
         self.eog_ids = set(int(t) for t in self.tokenizer.eog_ids)
         self.reader = PromptReader(self.seq, self.cache, self.conversations, self.ubatch)
         self.decoder = Decoder(self.seq, self.tokenizer, self.eog_ids, self.n_vocab, self.n_ctx, self.stages[-1],
@@ -247,9 +248,11 @@ class Engine:
             return self.seq.hashes()
 
     def _make_room(self) -> bool:
-        """Free KV pages for the live sequence: the least recently used resident conversation to host RAM, else a
-        checkpoint dropped (CheckpointCache.make_room) -> False when nothing more can be freed."""
-        return self.conversations.make_room() or self.cache.make_room(self.seq.ids)
+        """Free KV pages for the live sequence: a checkpoint off the live sequence's path dropped (its pages are its
+        own), else the least recently used resident conversation moved to host RAM, else a checkpoint on the path
+        dropped (CheckpointCache.make_room) -> False when nothing more can be freed."""
+        ids = self.seq.ids
+        return self.cache.make_room(ids, off_path=True) or self.conversations.make_room() or self.cache.make_room(ids)
 
     def _forget_live(self) -> None:
         """state_reset, and the checkpoint cache told not to continue the live sequence: the next request starts

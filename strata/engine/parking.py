@@ -100,7 +100,7 @@ class Conversations:
             parts = self.seq.materialize(here)
         finally:
             here.release()
-        cps = [SavedCheckpoint(pos, kind, self.seq.detach(snap)) for pos, kind, snap in self.cache.export()]
+        cps = [SavedCheckpoint(pos, kind, self.seq.detach(snap)) for pos, kind, snap in self.cache.export(self.seq.ids)]
         return Conversation(tokens=self.seq.ids, parts=parts, checkpoints=cps, live_ok=self.cache.live_ok,
                             cut_anywhere=self.cut_anywhere)
 
@@ -110,7 +110,7 @@ class Conversations:
         here = self.seq.capture()                # its pages held: nothing is copied
         try:
             cps = [SavedCheckpoint(pos, kind, self.seq.detach(snap, to_host=False))
-                   for pos, kind, snap in self.cache.export()]
+                   for pos, kind, snap in self.cache.export(self.seq.ids)]
         except BaseException:
             here.release()
             raise
@@ -268,7 +268,7 @@ class Conversations:
                 log.info("unparked", tier=source, tokens=conv.pos, resume=depth,
                          ms=round((time.perf_counter() - t0) * 1e3, 2))
             return source
-        deepest = self.cache.deepest()
+        deepest = self.cache.deepest(self.seq.ids)
         if self.seq.pos > 0 and (here < deepest or (deepest == 0 and here == 0)):
             self.park_live(trace)
         return None

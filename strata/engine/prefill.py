@@ -88,7 +88,7 @@ class PromptReader:
                 raise RuntimeError(f"internal: plan resumes at {resume} ({plan.resume_from}) but the sequence "
                                    f"holds {st.pos} tokens that are not that prefix of the {n}-token prompt")
             if trace:
-                log.info("prefill_plan", plan=plan.describe(), erased=list(getattr(plan, "erased", [])))
+                log.info("prefill_plan", plan=plan.describe(), checkpoints=len(self.cache))
             logits = None
             start = resume
             ends = [e for e in plan.part_ends if resume < e <= n]

@@ -130,11 +130,14 @@ class PagePool:
         """How many of the references to `page` are holds."""
         return sum(1 for h in self._holds for p in h.pages if p == page) if self._holds else 0
 
-    def rehome(self, page: int) -> bool:
-        """Give every hold of `page` a copy of it on a fresh page (one copy, their references moved to it), so the
-        sequence writing into `page` keeps it. False when no hold has it; KVCacheFull (nothing changed) when no page
-        is free."""
-        holders = [(h, i) for h in self.holds for i, p in enumerate(h.pages) if p == page]
+    def rehome(self, page: int, offset: int = 0) -> bool:
+        """Give the holds of `page` that read at or past `offset` on it a copy of it on a fresh page (one copy,
+        their references moved to it), so the sequence writing into `page` from `offset` on keeps it, and so do the
+        holds whose positions on it all lie before `offset`. False when no hold reads there; KVCacheFull (nothing
+        changed) when no page is free."""
+        ps = self.page_size
+        holders = [(h, i) for h in self.holds for i, p in enumerate(h.pages)
+                   if p == page and h.length - i * ps > offset]
         if not holders:
             return False
         (q,) = self.alloc(1)
@@ -300,7 +303,7 @@ class PagedKV:
         if rehome:
             alloc.require(max(0, need) + len(shared))    # before any copy: KVCacheFull changes nothing
             for i in rehome:                  # a page a hold reads past the write's start: it gets the copy
-                self.pool.rehome(self.pages[i])
+                self.pool.rehome(self.pages[i], self.length - i * ps)
             shared = [i for i in shared if must_copy(i)]          # other sequences share it: this table copies
         new = self.pool.alloc(max(0, need) + len(shared))      # KVCacheFull here takes nothing
         for i, p in zip(shared, new[len(new) - len(shared):]):
