@@ -37,7 +37,8 @@ class PrefillPlan:
     reads [resume_pos, part_ends[0]), [part_ends[0], part_ends[1]), ... each in ubatch-sized forward calls.
     save_at: part end -> cut point kind: after the part ending there, save ``state.capture()`` with
     ``cache.save(pos, kind, snapshot)``. keep_live: False when the request opted out of checkpoints
-   : the engine leaves no live session (the next request does not continue it).
+   : the engine leaves no live session (the next request does not continue it). key: the kept checkpoint's key
+    when resume_from == "checkpoint" (``CheckpointCache.begin`` re-dates it).
     """
 
     resume_pos: int
@@ -46,6 +47,7 @@ class PrefillPlan:
     part_ends: list[int]
     save_at: dict[int, str]
     keep_live: bool = True
+    key: int | None = None
 
     @property
     def reset(self) -> bool:
@@ -155,6 +157,7 @@ class CheckpointCache:
     def plan(self, state, prompt_tokens, cut_points, *, checkpoint: bool = True,
              cache_prompt: bool = True) -> PrefillPlan:
         """Decide how to read ``prompt_tokens`` on ``state`` (a strata.stages.sequence.Sequence: its token ids).
+        Pure: nothing changes until ``begin(plan)``, which the reader calls once it applied the plan.
 
         Resume rules, first that applies:
 
@@ -206,28 +209,28 @@ class CheckpointCache:
         state_tokens = _state_ids(state)
 
         with self._lock:
-            resume, source, snap = 0, "none", None
-            if cache_prompt:
-                resume, source, best = self._choose(prompt, state_tokens, state)
-                if best is not None:
-                    snap = best.snapshot
-                    self._clock += 1
-                    best.last_use = self._clock
-                    best.last_use_time = time.time()
-                    best.mounts += 1
-            if source == "none":
+            resume, source, best = self._choose(prompt, state_tokens, state) if cache_prompt else (0, "none", None)
+            points = self._kept_points(prompt, cuts, resume, checkpoint)
+        return PrefillPlan(resume_pos=resume, resume_from=source, snapshot=best.snapshot if best else None,
+                           part_ends=sorted(p for p in points if p < n) + [n], save_at=dict(sorted(points.items())),
+                           keep_live=checkpoint, key=best.key if best else None)
+
+    def begin(self, plan: PrefillPlan) -> None:
+        """The reader applied `plan` (restored, cut or reset the sequence): the checkpoint it mounted is re-dated
+        for retention, the hit or miss counted, and whether the read may be continued live set (keep_live)."""
+        with self._lock:
+            e = self._entries.get(plan.key) if plan.key is not None else None
+            if e is not None:
+                self._clock += 1
+                e.last_use, e.last_use_time = self._clock, time.time()
+                e.mounts += 1
+            if plan.resume_from == "none":
                 self._stats["misses"] += 1
             else:
                 self._stats["hits"] += 1
-                self._stats["hits_" + source] += 1
-                self._stats["tokens_saved"] += resume
-
-            points = self._kept_points(prompt, cuts, resume, checkpoint)
-            part_ends = sorted(p for p in points if p < n) + [n]
-            save_at = dict(sorted(points.items()))
-            self._live_ok = checkpoint
-        return PrefillPlan(resume_pos=resume, resume_from=source, snapshot=snap, part_ends=part_ends,
-                           save_at=save_at, keep_live=checkpoint)
+                self._stats["hits_" + plan.resume_from] += 1
+                self._stats["tokens_saved"] += plan.resume_pos
+            self._live_ok = bool(plan.keep_live)
 
     def _choose(self, prompt: np.ndarray, state_tokens: np.ndarray, state=None) -> tuple[int, str, Any]:
         """Rules 2-4 of ``plan``: (resume position, "live" | "checkpoint" | "none", the checkpoint entry or None).

@@ -239,8 +239,9 @@ class Engine:
         return prompt
 
     def state_reset(self) -> None:
-        """Drop the live sequence back to position 0 (pages kept, running state zeroed)."""
-        self.seq.reset()
+        """Forget the live sequence (PromptReader.forget_live: back to position 0, not to be continued live; its
+        checkpoints stay)."""
+        self.reader.forget_live()
 
     def state_hashes(self) -> dict[str, str]:
         """The live sequence's state hashes (Sequence.hashes: tokens, per-layer K/V and running state)."""
@@ -253,11 +254,6 @@ class Engine:
         dropped (CheckpointCache.make_room) -> False when nothing more can be freed."""
         ids = self.seq.ids
         return self.cache.make_room(ids, off_path=True) or self.conversations.make_room() or self.cache.make_room(ids)
-
-    def _forget_live(self) -> None:
-        """state_reset, and the checkpoint cache told not to continue the live sequence: the next request starts
-        from a checkpoint or from 0."""
-        self.reader.forget_live()
 
     def _prefill(self, req: GenerationRequest, prompt: np.ndarray, trace: bool):
         """Read the prompt (PromptReader.prefill) -> (plan, parts, logits); bench/model_clock.py times it here."""
@@ -394,7 +390,7 @@ class Engine:
         self._check_slot(slot_id)
         with self._lock:
             n = int(self.seq.pos)
-            self._forget_live()
+            self.reader.forget_live()
             self.clear_checkpoints()
             self.seq.trim()                      # its KV pages go back to the pool
         return {"id_slot": 0, "n_erased": n}
