@@ -22,7 +22,7 @@ import pytest
 import link
 from strata.engine.engine import Engine
 from strata.engine.types import GenerationRequest
-from strata.stages.remote import LinkClient, WorkerRefused
+from strata.stages.link_client import LinkClient, WorkerRefused
 from tests.daemon import ROOT, Daemon, WorkerProc, env_for_daemon, free_port
 from tests.helpers import ask, default_fingerprint
 

@@ -235,11 +235,6 @@ class Memory:
                          running={li: {k: copy(a) for k, a in d.items()} for li, d in part.running.items()},
                          kv={name: KVPages(length=kvp.length) for name, kvp in part.kv.items()})
 
-    @on_device(drain=True)
-    def release(self, part: StatePart) -> None:
-        """Give back the pages a held part holds (idempotent; other parts are left as they are)."""
-        part.release()
-
     @on_device(drain=False)
     def attach_prefix(self, sid: int, part: StatePart) -> StatePart:
         """The checkpoint part `part` (its K/V a prefix, see detach) as a part of sequence `sid`: its K/V the

@@ -187,8 +187,8 @@ class Sequence:
 
     def release(self, parts: list[StatePart]) -> None:
         """Give back the pages of held parts (see hold)."""
-        for st, p in zip(self.stages, parts):
-            st.memory.release(p)
+        for p in parts:
+            p.release()             # references only: nothing on a device is read or written
 
     def validate_detached(self, pos: int, parts: list[StatePart]) -> None:
         """PartMismatch unless `parts` (detached, see detach) fit the stages at position `pos`."""
