@@ -173,7 +173,7 @@ def worker_steps(address: str, key: bytes, frames: str, steps: int) -> tuple[lis
     negotiated."""
     from strata.gguf.default_model import resolve_model
     from strata.gguf.file import open_gguf
-    from strata.stages.remote import LinkClient
+    from strata.stages.link_client import LinkClient
     from strata.models.registry import model_class, supported_archs
     from strata.stages import n_main_blocks
     f = open_gguf(resolve_model("default"), archs=supported_archs())

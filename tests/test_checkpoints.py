@@ -75,6 +75,7 @@ def run(cache: CheckpointCache, state: Sequence, prompt, cuts, answer=(), **kw):
         state.reset()
     elif state.pos > plan.resume_pos:      # live at a common prefix: the engine cuts the K/V back there
         state.truncate(plan.resume_pos)
+    cache.begin(plan)                      # applied: the mount re-dated, the hit counted
     assert state.pos == plan.resume_pos and state.tokens == list(prompt[:plan.resume_pos])
     parts, start = [], plan.resume_pos
     for end in plan.part_ends:
@@ -175,19 +176,38 @@ def test_live_continuation_reads_only_new_tokens():
     assert st.hashes() == ref.hashes()
 
 
-def test_new_chat_resumes_from_the_root_and_erases_the_other_branch():
+def test_new_chat_resumes_from_the_root_and_keeps_the_other_branch():
     cache, st = CheckpointCache(cap=6), new_state(hybrid=True)
     pa, ca = chat(U1)
     run(cache, st, pa, ca, answer=A1)
     pb, cb = chat(U3)
     plan, parts = run(cache, st, pb, cb)
     assert (plan.resume_from, plan.resume_pos) == ("checkpoint", 40)
-    assert plan.erased == [52]                           # chat A's turn is not a prefix of chat B
     assert parts == [(40, 55), (55, 58)]
-    assert [e["pos"] for e in cache.entries()] == [40, 55]
+    assert [e["pos"] for e in cache.entries()] == [40, 52, 55]   # chat A's turn stays: it holds its own pages
+    assert cache.branches() == 2
     ref = new_state(hybrid=True)
     read(ref, pb)
     assert st.hashes() == ref.hashes()
+    plan, parts = run(cache, st, pa, ca)                  # back to chat A: its turn, though chat B is live
+    assert (plan.resume_from, plan.resume_pos, parts) == ("checkpoint", 52, [(52, 55)])
+    ref = new_state(hybrid=True)
+    read(ref, pa)
+    assert st.hashes() == ref.hashes()
+
+
+def test_plan_is_pure_and_begin_dates_and_counts():
+    cache, st = CheckpointCache(cap=6), new_state(hybrid=True)
+    pa, ca = chat(U1)
+    run(cache, st, pa, ca, answer=A1)
+    before = cache.entries(), cache.stats(), cache.live_ok
+    plans = [cache.plan(st, pa, ca, checkpoint=False) for _ in range(2)]
+    assert (cache.entries(), cache.stats(), cache.live_ok) == before          # planning changed nothing
+    assert plans[0].resume_pos == plans[1].resume_pos == 52 and plans[0].key is not None
+    cache.begin(plans[0])
+    mounted = [e for e in cache.entries() if e["pos"] == 52]
+    assert mounted[0]["mounts"] == 1 and mounted[0]["last_use"] > max(e["last_use"] for e in before[0])
+    assert cache.stats()["hits_checkpoint"] == before[1]["hits_checkpoint"] + 1 and not cache.live_ok
 
 
 def test_never_resumes_at_the_full_prompt():
@@ -239,8 +259,8 @@ def test_cache_prompt_false_reuses_nothing():
     run(cache, st, p, c)
     plan, parts = run(cache, st, p, c, cache_prompt=False)
     assert (plan.resume_from, plan.resume_pos) == ("none", 0)
-    assert plan.erased == [40, 52]
     assert parts == [(0, 40), (40, 52), (52, 55)]          # still saves fresh checkpoints
+    assert [e["pos"] for e in cache.entries()] == [40, 52] and cache.stats()["replaced"] == 2
 
 
 def test_prompt_cache_0_one_part_live_or_zero():
@@ -341,14 +361,23 @@ def test_bad_input_changes_nothing():
     assert cache.entries() == before
 
 
-def test_checkpoints_not_in_the_arena_are_never_restored():
-    # the sequence was reset behind the cache's back: its checkpoints no longer match the arena
+def test_checkpoints_survive_what_the_live_sequence_does():
+    # the sequence was reset and read other tokens behind the cache's back: the checkpoints hold their own pages
     cache, st = CheckpointCache(cap=6), new_state()
     p, c = chat(U1)
     run(cache, st, p, c)
     st.reset()
-    plan, _ = run(cache, st, p, c)
-    assert plan.resume_from == "none" and plan.erased == [40, 52]
+    read(st, list(range(2000, 2100)))                   # overwrites the pages the checkpoints share with it
+    plan, parts = run(cache, st, p, c)
+    assert (plan.resume_from, plan.resume_pos, parts) == ("checkpoint", 52, [(52, 55)])
+    ref = new_state()
+    read(ref, p)
+    assert st.hashes() == ref.hashes()
+    cache.clear()
+    st.reset()
+    st.trim()
+    assert all(f.pool.n_free == f.pool.n_pages for s in st.stages for f in s.memory.fields
+               if getattr(f, "pool", None) is not None)        # every checkpoint gave its pages back
 
 
 def test_token_ids_are_arrays_of_their_own():
@@ -378,13 +407,13 @@ def test_plan_and_save_take_lists_or_int32_arrays(as_array):
     for users in ((U1,), (U1, U2), (U3,), (U1, U2, U3)):
         p, c = chat(*users, answers=(A1, A2)[:len(users) - 1])
         plan, parts = run(cache, st, np.asarray(p, np.int32) if as_array else p, c, answer=[77])
-        seen.append((plan.resume_pos, plan.resume_from, plan.part_ends, plan.save_at, plan.erased, parts,
+        seen.append((plan.resume_pos, plan.resume_from, plan.part_ends, plan.save_at, parts,
                      [(e["pos"], e["kind"]) for e in cache.entries()]))
     ref_cache, ref_st = CheckpointCache(cap=6), new_state()
     for users, got in zip(((U1,), (U1, U2), (U3,), (U1, U2, U3)), seen):
         p, c = chat(*users, answers=(A1, A2)[:len(users) - 1])
         plan, parts = run(ref_cache, ref_st, p, c, answer=[77])
-        assert got == (plan.resume_pos, plan.resume_from, plan.part_ends, plan.save_at, plan.erased, parts,
+        assert got == (plan.resume_pos, plan.resume_from, plan.part_ends, plan.save_at, parts,
                        [(e["pos"], e["kind"]) for e in ref_cache.entries()])
 
 
@@ -407,7 +436,7 @@ def test_property_chain_cap_root_and_exact_resume(cap, every, steps):
         ents = cache.entries()
         assert len(ents) <= cap
         for a, b in zip(ents, ents[1:]):
-            assert a["pos"] < b["pos"]
+            assert a["pos"] <= b["pos"]
         if cap >= 2 and any(e["pos"] == 40 for e in ents):
             root_seen = True
         if root_seen and cap >= 2:

@@ -16,7 +16,7 @@ import pytest
 
 import link
 from strata.engine.engine import Engine
-from strata.stages.remote import LinkClient, WorkerRefused
+from strata.stages.link_client import LinkClient, WorkerRefused
 from tests.daemon import ROOT, Daemon, env_for_daemon
 from tests.helpers import ask, default_fingerprint
 

@@ -117,6 +117,7 @@ def test_capture_restore_continue_is_exact(default_model, memory, reference):
     np.testing.assert_array_equal(lb, lb_ref)
     assert st.hashes() == h_ref  # hashes do not depend on which pages hold the K/V
     assert not st.kv.contiguous
+    part.release()
     other.release()
     st.release()
 
@@ -135,17 +136,27 @@ def test_truncate_then_continue_is_exact(default_model, memory, reference):
     st.release()
 
 
-def test_reference_part_refused_when_the_sequence_no_longer_holds_its_pages(default_model, memory):
+def test_captured_part_holds_its_pages_whatever_the_sequence_does(default_model, memory, reference):
+    lb_ref, h_ref = reference
+    free = memory.pool.n_free
     st = memory.seq(memory.new_seq())
     default_model.forward(A, st)
+    h_a = st.hashes()
     part = st.capture()
     st.reset()
-    default_model.forward(C[:10], st)
+    default_model.forward(C[:40], st)                # overwrites the pages the part shares with it: they are copied
+    st.restore(part)
+    assert st.hashes() == h_a
+    np.testing.assert_array_equal(default_model.forward(B, st, all_logits=True), lb_ref)
+    assert st.hashes() == h_ref
+    part.release()
+    part.release()                                   # idempotent
     before = st.hashes(), st.pos
-    with pytest.raises(PartMismatch, match="no longer holds"):
+    with pytest.raises(PartMismatch, match="given back"):
         st.restore(part)
     assert (st.hashes(), st.pos) == before
     st.release()
+    assert memory.pool.n_free == free
 
 
 def test_materialized_part_restores_into_any_sequence(default_model, memory, reference):
@@ -154,7 +165,7 @@ def test_materialized_part_restores_into_any_sequence(default_model, memory, ref
     default_model.forward(A, st)
     h_a = st.hashes()
     host = memory.materialize(st.capture())
-    assert not host.is_reference and host.nbytes() >= len(A) * default_model.config.n_layer * 2 * NKV
+    assert not host.is_held and host.nbytes() >= len(A) * default_model.config.n_layer * 2 * NKV
     st.release()
     fresh = memory.seq(memory.new_seq())
     default_model.forward(C[:30], fresh)
@@ -169,7 +180,9 @@ def test_nbytes_counts_kv_of_valid_positions(default_model, memory):
     st = memory.seq(memory.new_seq())
     default_model.forward(A, st)
     assert st.nbytes() == len(A) * c.n_layer * 2 * c.n_head_kv * c.head_dim * 4
-    assert st.capture().nbytes() == 0  # attention-only: a reference part holds no bytes itself
+    part = st.capture()
+    assert part.nbytes() == 0          # attention-only: a held part's pages are the pool's, not its own bytes
+    part.release()
     st.release()
 
 

@@ -23,7 +23,10 @@ def test_a_b_a_restores_a_from_the_park_bit_exact(which, split, resident, defaul
     path = default_model_path if which == "default" else hybrid_path
     alone = Engine(path, n_ctx=1024, ubatch=32, layer_split=split, conversation_cache_mib=0)
     ref = play(alone, "rivers", 2, [])
-    e = Engine(path, n_ctx=1024, ubatch=32, layer_split=split, conversation_cache_mib=256, park_resident=resident)
+    # one checkpoint beside the root (--prompt-cache 2): B's turn evicts A's from the checkpoint tree, so A comes back
+    # from its park (with more, the tree resumes A from its own turn: tests/test_checkpoints.py, the state fuzz)
+    e = Engine(path, n_ctx=1024, ubatch=32, layer_split=split, conversation_cache_mib=256, park_resident=resident,
+               prompt_cache=2)
     answers: list[str] = []
     first = play(e, "rivers", 1, answers)
     play(e, "mountains", 1, [])                                   # B: A is parked

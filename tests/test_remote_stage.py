@@ -22,7 +22,7 @@ import pytest
 import link
 from strata.engine.engine import Engine
 from strata.engine.types import GenerationRequest
-from strata.stages.remote import LinkClient, WorkerRefused
+from strata.stages.link_client import LinkClient, WorkerRefused
 from tests.daemon import ROOT, Daemon, NotifyListener, WorkerProc, env_for_daemon, free_port
 from tests.helpers import ask, default_fingerprint
 
@@ -89,6 +89,40 @@ def test_hybrid_checkpoints_across_the_link(workers, synthetic):
         e.close()
     assert got == ref
     assert sum(src == "checkpoint" for _, src, _ in got) >= 4
+
+
+def interleaved(engine) -> list:
+    """A parent chat and a sub-agent on its system prompt, turns interleaved (parent, sub-agent, parent, sub-agent):
+    (tokens, resume_from, resume_pos) per request."""
+    chats = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": first}]
+             for first in ("Name three primes.", "What is the capital of France?")]
+    out = []
+    for _turn in range(2):
+        for msgs in chats:
+            a, f = run(engine, engine.render_chat(msgs))
+            out.append((a, f.strata["resume_from"], f.strata["resume_pos"]))
+            msgs += [{"role": "assistant", "content": engine.detokenize(a)}, {"role": "user", "content": "And then?"}]
+    return out
+
+
+def test_a_sub_agents_checkpoint_survives_its_parents_turn_over_the_link(workers, synthetic):
+    """The hybrid (no cut back: only checkpoints resume it): each chat's second turn resumes from its own first
+    turn's checkpoint although the other chat ran in between, on the worker's part too (its store holds the pages of
+    both branches), as one process does."""
+    path = str(synthetic("qwen35", seed=11, n_mtp=0))
+    one = Engine(path, n_ctx=N_CTX, prompt_cache=6)
+    n_blocks = one.stages[0].carve.hi
+    ref = interleaved(one)
+    root = len(one.render_chat([{"role": "system", "content": SYSTEM}]).tokens)
+    w = workers("--model", path)
+    e = Engine(path, n_ctx=N_CTX, prompt_cache=6, remote_stage=w.address, layer_split=str(n_blocks // 2))
+    try:
+        got = interleaved(e)
+    finally:
+        e.close()
+    assert got == ref
+    assert [src for _, src, _ in got[2:]] == ["checkpoint", "checkpoint"]
+    assert all(pos > root for _, _, pos in got[2:]), (got, root)      # past the shared system prompt
 
 
 def test_small_cache_and_n_choices_over_the_link(workers):

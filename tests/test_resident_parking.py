@@ -112,7 +112,7 @@ def test_a_write_past_what_a_hold_covers_copies_no_page_and_one_before_it_copies
 def test_a_released_hold_is_refused_and_changes_nothing(default_model_path):
     e = Engine(default_model_path, n_ctx=512, ubatch=32, conversation_cache_mib=64)
     ask(e, chat("rivers", 0, []))
-    held = e.seq.hold(e.seq.capture())
+    held = e.seq.capture().parts
     e.seq.release(held)
     e.seq.release(held)                          # twice: nothing more given back
     before = e.state_hashes(), e.seq.pos
@@ -146,7 +146,7 @@ def test_a_new_chat_shares_the_system_prompt_and_the_switch_back_copies_no_kv(wh
     ref_a = [t for t, _, _ in play(alone, "rivers", 2, [], _long_system)]
     alone.slot_erase()
     ref_b = [t for t, _, _ in play(alone, "ships", 1, [], _long_system)]
-    e = Engine(path, conversation_cache_mib=256, park_resident=2, **kw)
+    e = Engine(path, conversation_cache_mib=256, park_resident=2, prompt_cache=2, **kw)   # the tree keeps no turn of A
     answers: list[str] = []
     toks, _ = ask(e, _long_system("rivers", 0, answers))
     answers.append(e.detokenize(toks))
@@ -201,7 +201,8 @@ def test_park_resident_zero_parks_in_host_ram_and_negative_is_refused(hybrid_pat
 def test_a_larger_kv_pool_keeps_both_conversations_resident(hybrid_path):
     """--kv-pool-ctx: with room for two contexts, the conversations of the short-pool test above both stay on the
     device (no move to RAM) and each comes back from there."""
-    e = Engine(hybrid_path, n_ctx=512, ubatch=64, conversation_cache_mib=256, park_resident=2, kv_pool_ctx=1024)
+    e = Engine(hybrid_path, n_ctx=512, ubatch=64, conversation_cache_mib=256, park_resident=2, kv_pool_ctx=1024,
+               prompt_cache=2)                                  # the checkpoint tree keeps no turn of the other chat
     assert e.status()["kv_pages"]["total"] == 4
     answers = {"rivers": [], "ships": []}
     for turn in range(2):
@@ -243,7 +244,8 @@ def test_a_parked_attention_only_conversation_resumes_at_the_longest_common_pref
 def test_a_new_chat_that_shares_only_the_system_prompt_leaves_the_parked_one_whole(default_model_path):
     """rivers, then an unrelated chat (rivers parked), then ships with rivers' system prompt: ships resumes from
     rivers' prefix but rivers stays parked whole, and its next turn still resumes from all of it."""
-    e = Engine(default_model_path, n_ctx=2048, ubatch=128, conversation_cache_mib=256, park_resident=2)
+    e = Engine(default_model_path, n_ctx=2048, ubatch=128, conversation_cache_mib=256, park_resident=2,
+               prompt_cache=2)                                  # the checkpoint tree keeps no turn of the other chat
     a = [e.detokenize(ask(e, _long_system("rivers", 0, []))[0])]
     n_rivers = e.seq.pos
     ask(e, chat("trains", 0, []))
@@ -295,15 +297,15 @@ def test_a_device_out_of_memory_for_the_resident_copy_parks_in_host_ram(default_
     e = Engine(default_model_path, n_ctx=512, ubatch=64, conversation_cache_mib=64, park_resident=2)
     a = [e.detokenize(ask(e, chat("rivers", 0, []))[0])]
     ask(e, chat("ships", 0, []))                              # rivers resident
-    real = e.seq.hold
+    real = e.conversations.capture_resident
 
-    def oom(ckpt):
+    def oom():
         raise MemoryError("simulated: out of device memory")
-    e.seq.hold = oom
+    e.conversations.capture_resident = oom
     ask(e, chat("trains", 0, []))                             # ships cannot stay on the device: RAM, rivers too
-    e.seq.hold = real
+    e.conversations.capture_resident = real
     assert sorted(p["tier"] for p in e.parked()) == ["ram", "ram"]
-    assert e.status()["kv_pages"]["held"] == 0
+    assert len(e.conversations.resident) == 0                 # no conversation holds pages (checkpoints may)
     _, f = ask(e, chat("rivers", 1, a))
     assert f.strata["resume_from"] == "park"
 
@@ -318,7 +320,7 @@ def test_a_failure_to_park_never_fails_the_request_nor_loses_the_target(default_
 
     def oom(*_a, **_k):
         raise MemoryError("simulated: out of memory")
-    monkeypatch.setattr(e.seq, "hold", oom)
+    monkeypatch.setattr(e.conversations, "capture_resident", oom)
     monkeypatch.setattr(e.conversations, "capture", oom)
     _, f = ask(e, chat("rivers", 1, a))                       # ships cannot be parked anywhere
     assert f.strata["resume_from"] in ("resident", "park")    # rivers came back (moved to RAM by the fallback)
@@ -326,5 +328,6 @@ def test_a_failure_to_park_never_fails_the_request_nor_loses_the_target(default_
     monkeypatch.undo()
     ask(e, chat("trains", 0, []))
     owned = {id(k.hold) for c in e.conversations.resident._items for p in c.parts for k in p.kv.values()}
+    owned |= {id(k.hold) for x in e.cache._entries.values() for p in x.snapshot.parts for k in p.kv.values()}
     pool = e.stages[0].memory.pool
-    assert all(id(h) in owned for h in pool.holds)           # no hold outlives its conversation
+    assert all(id(h) in owned for h in pool.holds)           # no hold outlives its conversation or checkpoint

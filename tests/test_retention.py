@@ -156,3 +156,14 @@ def test_properties(kept, cap, root_min, budget):
         unpinned_gone = [k for k in kept if k.pos in set(victims) and k is not pin]
         if unpinned_left and unpinned_gone:
             assert max(k.last_use for k in unpinned_gone) < min(k.last_use for k in unpinned_left)
+
+
+def test_branches_at_one_position_are_told_apart_by_their_keys():
+    # two sub-agents' turns at the same position on one root: the LRU one goes, named by its key
+    kept = [Kept(pos=40, kind="root", last_use=1, bytes=0, saved=1, key=7),
+            Kept(pos=52, kind="turn", last_use=2, bytes=0, saved=2, key=8),
+            Kept(pos=52, kind="turn", last_use=3, bytes=0, saved=3, key=9)]
+    assert pinned_root(kept, cap=2, root_min=0).key == 7
+    assert choose_victims(kept, cap=2) == [8]
+    with pytest.raises(ValueError, match="unique"):
+        choose_victims(kept + [Kept(pos=60, kind="turn", last_use=4, bytes=0, saved=4, key=9)], cap=2)

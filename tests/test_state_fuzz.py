@@ -4,7 +4,8 @@ loaded, forgets and restarts, on an engine with checkpoints, parking (resident a
 The reference is an engine with none of them that reads every prompt cold (the CPU kernels give the same bits for
 any split of a prompt into reads): after every request the greedy tokens and the live sequence's state hashes are
 equal; after every step every KV page's reference count equals its holders (the live page tables and the holds of
-parked conversations); after a forget no page is held but by a parked conversation; a loaded session file's state
+kept checkpoints and resident conversations) and every hold is owned by one of those; after a forget no page is
+held but by a parked conversation; a loaded session file's state
 hashes are those it was saved with. STATE_FUZZ_STEPS sets the steps of one run (tools/state_fuzz.py runs 10,000+)."""
 from __future__ import annotations
 
@@ -30,8 +31,24 @@ WORDS = ["rivers", "ships", "stars", "salt", "maps", "clocks", "bees", "glass"]
 _names = itertools.count()
 
 
+def _holders(engine) -> set[int]:
+    """ids of the holds something still owns: the kept checkpoints' parts and the resident conversations' parts."""
+    snaps = [e.snapshot for e in engine.cache._entries.values()]
+    res = engine.conversations.resident
+    parts = [p for c in snaps for p in c.parts] + [p for c in (res._items if res is not None else ()) for p in c.parts]
+    return {id(k.hold) for p in parts for k in p.kv.values() if k.is_held}
+
+
 def _pages_ok(engine) -> None:
-    """Every page's count is its holders' (the live page tables, the holds): nothing leaked, nothing freed early."""
+    """Every page's count is its holders' (the live page tables, the holds), and every hold is owned by a kept
+    checkpoint or a resident conversation: nothing leaked, nothing freed early."""
+    owned = _holders(engine)
+    for st in engine.stages:
+        for f in st.memory.fields:
+            pool = getattr(f, "pool", None)
+            if pool is not None:
+                stray = [h for h in pool.holds if id(h) not in owned]
+                assert not stray, f"stage {st.index} {f.name}: {len(stray)} holds no checkpoint or conversation owns"
     seen = set()
     for st in engine.stages:
         for f in st.memory.fields:
@@ -51,10 +68,13 @@ def _pages_ok(engine) -> None:
             assert pool.n_free == int((want == 0).sum())
 
 
-def _machine(path, tmp_path, counts: collections.Counter):
+def _machine(path, tmp_path, counts: collections.Counter, parking: bool = True):
     kw = dict(n_ctx=1024, ubatch=16)
 
     def engine() -> Engine:
+        if not parking:         # the checkpoint tree alone keeps the branches (a larger pool holds their pages)
+            return Engine(path, conversation_cache_mib=0, slot_save_path=str(tmp_path), prompt_cache=16,
+                          prompt_cache_every=24, kv_pool_ctx=8192, **kw)
         return Engine(path, conversation_cache_mib=64, park_resident=1, slot_save_path=str(tmp_path),
                       prompt_cache_every=24, **kw)
 
@@ -69,7 +89,7 @@ def _machine(path, tmp_path, counts: collections.Counter):
             self.chats: dict[str, list[dict]] = {}
             self.saved: list[tuple[str, dict]] = []       # (file name, state hashes at the save)
 
-        def _ask(self, name: str) -> None:
+        def _ask(self, name: str):
             msgs = self.chats[name]
             toks, final = ask(self.e, msgs, N_ANSWER)
             counts["requests"] += 1
@@ -81,6 +101,7 @@ def _machine(path, tmp_path, counts: collections.Counter):
             assert h == r, f"{final.strata}: state differs from the cold read: " \
                            f"{sorted(k for k in r if h.get(k) != r[k])[:6]}"
             msgs.append({"role": "assistant", "content": self.e.detokenize(toks)})
+            return final
 
         def _fits(self, name: str) -> bool:
             return len(self.chats[name]) < 12
@@ -127,6 +148,30 @@ def _machine(path, tmp_path, counts: collections.Counter):
             self.chats[new] = [dict(m) for m in self.chats[name]] + [{"role": "user", "content": f"Now {word}."}]
             self._ask(new)
 
+        @precondition(lambda self: self.chats)
+        @rule(data=hs.data(), word=hs.sampled_from(WORDS))
+        def subagent(self, data, word):
+            """A sub-agent on its parent's system prompt answers, the parent takes its next turn, the sub-agent its
+            next: the sub-agent resumes at least as deep as its own checkpoints reached before the parent's turn
+            (unless a checkpoint was evicted in between), then the parent resumes too."""
+            parent = data.draw(hs.sampled_from(sorted(self.chats)))
+            if not self._fits(parent):
+                return
+            sub = f"c{next(_names)}"
+            self.chats[sub] = [dict(self.chats[parent][0]), {"role": "user", "content": f"Look up {word}."}]
+            self._ask(sub)
+            self.chats[sub].append({"role": "user", "content": "Go on."})
+            deep = self.e.cache.deepest(self.e.render_chat(self.chats[sub]).tokens)
+            evictions = self.e.cache.stats()["evictions"]
+            self.chats[parent].append({"role": "user", "content": f"Meanwhile, {word}?"})
+            self._ask(parent)
+            final = self._ask(sub)
+            if self.e.cache.stats()["evictions"] != evictions:
+                counts["subagent_evicted"] += 1
+            elif not parking:                             # the tree alone kept the sub-agent's branch
+                assert final.strata["resume_pos"] >= deep > 0, (final.strata, deep)
+                counts["subagent_kept"] += 1
+
         @precondition(lambda self: self.e.seq.pos > 0)
         @rule()
         def save(self):
@@ -170,20 +215,21 @@ def _machine(path, tmp_path, counts: collections.Counter):
     return StateFuzz
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen35"])
-def test_conversation_state_matches_cold_reads(arch, synthetic, tmp_path):
-    # ubatch 16 (in _machine): every read is of at most 16 tokens, so the hybrid's reads split the same way cold
+@pytest.mark.parametrize("arch,parking", [("llama", True), ("qwen35", True), ("llama", False), ("qwen35", False)])
+def test_conversation_state_matches_cold_reads(arch, parking, synthetic, tmp_path):
+    # ubatch 16 (in _machine): every read is of at most 16 tokens, so the hybrid's reads split the same way cold.
+    # parking False: no parking at all, the checkpoint tree alone keeps the branches (sub-agents checked deep)
     path = synthetic(arch, n_layer=4, seed=33)
     counts: collections.Counter = collections.Counter()
-    machine = _machine(path, tmp_path, counts)
-    want = STEPS or 100
+    machine = _machine(path, tmp_path, counts, parking)
+    want = STEPS or (100 if parking else 50)
     while counts["steps"] < want:          # hypothesis chooses each run's length: runs until `want` steps are done
         run_state_machine_as_test(machine, settings=settings(
             max_examples=max(1, (want - counts["steps"]) // 8), stateful_step_count=25, deadline=None,
             suppress_health_check=list(HealthCheck), database=None))
     if REPORT:
         old = json.loads(open(REPORT).read()) if os.path.exists(REPORT) else {}
-        old[arch] = dict(counts)
+        old[arch + ("" if parking else "-tree")] = dict(counts)
         with open(REPORT, "w") as f:
             json.dump(old, f, indent=1, sort_keys=True)
     assert counts["requests"] > 0 and counts["steps"] >= want

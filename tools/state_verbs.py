@@ -13,7 +13,8 @@ VERBS = ("new_seq", "drop_seq", "reserve", "capture", "validate", "restore", "ch
 #: the modules that own a sequence's state (the byte codec, the page pool's K/V access and the worker's message
 #: handlers are not state verbs)
 FILES = ("strata/memory/*.py", "strata/stages/*.py")
-SKIP = {"kv.py", "pages.py", "codec.py", "pinned.py", "host.py", "hostram.py", "worker.py", "split.py", "part.py"}
+SKIP = {"kv.py", "pages.py", "codec.py", "pinned.py", "host.py", "hostram.py", "worker.py", "carrier.py", "link_client.py",
+        "split.py", "part.py"}
 
 
 def definers(paths) -> dict[str, list[str]]:

@@ -1,14 +1,16 @@
-"""Conversation checkpoints: where to resume a prompt, which parts to read, which checkpoints to save and keep."""
+"""Conversation checkpoints: where to resume a prompt, which parts to read, which checkpoints to save and keep (a
+prefix tree of them, many branches at once)."""
 from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from strata.cache.retention import Kept, choose_victims, pinned_root
+from strata.cache.tree import CheckpointTree, Node
 from strata.text.token_ids import as_ids, common_prefix, frozen_ids, is_prefix
 
 __all__ = ["CheckpointCache", "PrefillPlan", "KINDS", "common_prefix"]
@@ -35,8 +37,8 @@ class PrefillPlan:
     reads [resume_pos, part_ends[0]), [part_ends[0], part_ends[1]), ... each in ubatch-sized forward calls.
     save_at: part end -> cut point kind: after the part ending there, save ``state.capture()`` with
     ``cache.save(pos, kind, snapshot)``. keep_live: False when the request opted out of checkpoints
-   : the engine leaves no live session (the next request does not continue it).
-    erased: positions of the checkpoints this plan erased (no longer a prefix of what the arena will hold).
+   : the engine leaves no live session (the next request does not continue it). key: the kept checkpoint's key
+    when resume_from == "checkpoint" (``CheckpointCache.begin`` re-dates it).
     """
 
     resume_pos: int
@@ -45,7 +47,7 @@ class PrefillPlan:
     part_ends: list[int]
     save_at: dict[int, str]
     keep_live: bool = True
-    erased: list[int] = field(default_factory=list)
+    key: int | None = None
 
     @property
     def reset(self) -> bool:
@@ -71,6 +73,8 @@ class _Entry:
     saved: int
     last_use: int
     last_use_time: float
+    key: int = 0
+    node: Node | None = None
     mounts: int = 0
 
 
@@ -93,6 +97,13 @@ def _snapshot_bytes(snap) -> int:
     return sum(int(a.nbytes) for parts in running.values() for a in parts.values())
 
 
+def _release(snap) -> None:
+    """Give back the pages a snapshot holds (a strata.stages.sequence.Checkpoint; other objects hold none)."""
+    release = getattr(snap, "release", None)
+    if callable(release):
+        release()
+
+
 def _state_ids(state) -> np.ndarray:
     """The token ids a sequence holds, as int32 (a strata.stages.sequence.Sequence's ``ids`` view, no copy)."""
     ids = getattr(state, "ids", None)
@@ -100,7 +111,7 @@ def _state_ids(state) -> np.ndarray:
 
 
 class CheckpointCache:
-    """The engine's conversation checkpoints over its one KV arena.
+    """The engine's conversation checkpoints: a prefix tree of them (strata.cache.tree), many branches at once.
 
     cap: ``--prompt-cache N``, checkpoints kept at most (0: none, reads are "live" or from 0 in one part;
     1: no pin, plain first-in-first-out, the old behaviour; >= 2: the root is pinned, the rest LRU).
@@ -110,11 +121,13 @@ class CheckpointCache:
     distance (tokens) of the near-tail cut point from the prompt's end (0: none). min_part: see MIN_PART (0: every
     cut point ends a part).
 
-    The kept checkpoints always form a prefix chain of what the arena holds: :meth:`plan` erases every
-    checkpoint that is not a prefix of the new prompt (and of the live sequence), and every one past the
-    resume point (the read overwrites the arena there). Thread-safe (one lock); the engine calls plan/save
-    from its thread, ``entries``/``stats`` may be called from any. Raises ValueError (one line) for bad
-    numbers; nothing changes then.
+    Each checkpoint holds its own KV pages (reference-counted in the stages' pools), so it stays valid whatever
+    the live sequence does: a checkpoint that is not a prefix of the next prompt is kept for a later one (a
+    sub-agent's turn survives its parent's next one). The cache owns every snapshot it keeps and gives its pages
+    back (Checkpoint.release) whenever it drops one: retention's victims, one replaced at the same tokens,
+    ``clear``, ``adopt`` over it, ``make_room`` when a pool is short. Thread-safe (one lock); the engine calls
+    plan/save from its thread, ``entries``/``stats`` may be called from any. Raises ValueError (one line) for
+    bad numbers; nothing changes then.
     """
 
     def __init__(self, cap: int = 6, every: int = 0, root_min: int = 0, budget_bytes: int = 1024 << 20,
@@ -131,21 +144,24 @@ class CheckpointCache:
         self.budget_bytes = budget_bytes
         self.tail = tail
         self.min_part = min_part
-        self._entries: dict[int, _Entry] = {}
+        self._tree = CheckpointTree()
+        self._entries: dict[int, _Entry] = {}          # key -> entry (each at its node of the tree)
         self._clock = 0
+        self._keys = 0
         self._lock = threading.Lock()
         self._live_ok = True
         self._stats = dict(hits=0, hits_live=0, hits_checkpoint=0, misses=0, tokens_saved=0, saves=0,
-                           evictions=0, erased=0)
+                           evictions=0, replaced=0)
 
     # ---- the request loop ------------------------------------------------------------------------
     def plan(self, state, prompt_tokens, cut_points, *, checkpoint: bool = True,
              cache_prompt: bool = True) -> PrefillPlan:
         """Decide how to read ``prompt_tokens`` on ``state`` (a strata.stages.sequence.Sequence: its token ids).
+        Pure: nothing changes until ``begin(plan)``, which the reader calls once it applied the plan.
 
         Resume rules, first that applies:
 
-        1. cache_prompt=False (llama.cpp's meaning): reuse nothing, read from 0; every checkpoint is erased.
+        1. cache_prompt=False (llama.cpp's meaning): reuse nothing, read from 0 (the kept checkpoints stay).
         2. live: the previous request left a live session (its checkpoint flag was not False) and
            ``state.tokens`` is a non-empty, strictly shorter prefix of the prompt: read only the new tokens.
            Or, on a sequence that can be cut back (attention-only: ``state.can_truncate``), the longest common
@@ -153,8 +169,9 @@ class CheckpointCache:
            engine cuts the K/V back there and reads the rest (llama.cpp's server does the same), for chat and
            raw prompts alike.
         3. checkpoint: the deepest kept checkpoint, shorter than the prompt, whose tokens are a prefix of the
-           prompt and of ``state.tokens``. Never the full prompt: one token at least is read so there are
-           logits; a checkpoint at len(prompt) steps back to the next shallower one. Mounting re-dates it.
+           prompt, on whichever branch of the tree (its pages are its own). Never the full prompt: one token at
+           least is read so there are logits; a checkpoint at len(prompt) steps back to the next shallower one.
+           Mounting re-dates it.
         4. none: read from 0 (the engine resets the sequence).
 
         A resume point that is not a saved cut point splits the read where the first read did not. The CPU
@@ -162,10 +179,10 @@ class CheckpointCache:
         the same; on a GPU the same greedy tokens wherever the top-2 margin is not a near tie.
 
         Parts: the kept cut points after the resume point (a message end, periodic or tail point only at least
-        min_part tokens after the previous checkpoint), de-duplicated, plus len(prompt). Kept: the
-        template's root / message / turn / pin points, periodic points every ``every`` tokens (absolute
-        positions k*every) and the near-tail point len(prompt) - tail. Points shallower than the root are
-        dropped (the root is the shallowest checkpoint a chat saves, so it is the chain's root).
+        min_part tokens after the previous checkpoint on the prompt's path), de-duplicated, plus len(prompt).
+        Kept: the template's root / message / turn / pin points, periodic points every ``every`` tokens
+        (absolute positions k*every) and the near-tail point len(prompt) - tail. Points shallower than the root
+        are dropped (the root is the shallowest checkpoint a chat saves, so it is the tree's root).
         checkpoint=False: only the root (when it is at least root_min long) and a client pin
         are kept, so the prompt after the reused prefix is read in one part; keep_live is False. cap 0:
         no cut points at all, one part. A checkpoint is saved at every kept cut point.
@@ -192,38 +209,28 @@ class CheckpointCache:
         state_tokens = _state_ids(state)
 
         with self._lock:
-            erased: list[int] = []
-            resume, source, snap = 0, "none", None
-            if cache_prompt:
-                resume, source, best = self._choose(prompt, state_tokens, state)
-                if best is not None:
-                    snap = best.snapshot
-                    self._clock += 1
-                    best.last_use = self._clock
-                    best.last_use_time = time.time()
-                    best.mounts += 1
-            # erase what the arena will no longer hold: not a prefix of the prompt (or of the live sequence),
-            # or past the resume point (the read overwrites [resume, n))
-            for pos, e in list(self._entries.items()):
-                ok = (source != "none" and pos <= resume and is_prefix(e.tokens, prompt)
-                      and is_prefix(e.tokens, state_tokens))
-                if not ok:
-                    del self._entries[pos]
-                    erased.append(pos)
-            self._stats["erased"] += len(erased)
-            if source == "none":
+            resume, source, best = self._choose(prompt, state_tokens, state) if cache_prompt else (0, "none", None)
+            points = self._kept_points(prompt, cuts, resume, checkpoint)
+        return PrefillPlan(resume_pos=resume, resume_from=source, snapshot=best.snapshot if best else None,
+                           part_ends=sorted(p for p in points if p < n) + [n], save_at=dict(sorted(points.items())),
+                           keep_live=checkpoint, key=best.key if best else None)
+
+    def begin(self, plan: PrefillPlan) -> None:
+        """The reader applied `plan` (restored, cut or reset the sequence): the checkpoint it mounted is re-dated
+        for retention, the hit or miss counted, and whether the read may be continued live set (keep_live)."""
+        with self._lock:
+            e = self._entries.get(plan.key) if plan.key is not None else None
+            if e is not None:
+                self._clock += 1
+                e.last_use, e.last_use_time = self._clock, time.time()
+                e.mounts += 1
+            if plan.resume_from == "none":
                 self._stats["misses"] += 1
             else:
                 self._stats["hits"] += 1
-                self._stats["hits_" + source] += 1
-                self._stats["tokens_saved"] += resume
-
-            points = self._kept_points(n, cuts, resume, checkpoint)
-            part_ends = sorted(p for p in points if p < n) + [n]
-            save_at = dict(sorted(points.items()))
-            self._live_ok = checkpoint
-        return PrefillPlan(resume_pos=resume, resume_from=source, snapshot=snap, part_ends=part_ends,
-                           save_at=save_at, keep_live=checkpoint, erased=sorted(erased))
+                self._stats["hits_" + plan.resume_from] += 1
+                self._stats["tokens_saved"] += plan.resume_pos
+            self._live_ok = bool(plan.keep_live)
 
     def _choose(self, prompt: np.ndarray, state_tokens: np.ndarray, state=None) -> tuple[int, str, Any]:
         """Rules 2-4 of ``plan``: (resume position, "live" | "checkpoint" | "none", the checkpoint entry or None).
@@ -232,10 +239,8 @@ class CheckpointCache:
         if self._live_ok and 0 < L < n and is_prefix(state_tokens, prompt):
             return L, "live", None
         best = None
-        for e in self._entries.values():
-            if e.pos < n and e.pos <= L and is_prefix(e.tokens, prompt) and is_prefix(e.tokens, state_tokens):
-                if best is None or e.pos > best.pos:
-                    best = e
+        for nd in self._tree.path(prompt[:n - 1]):          # never the full prompt: one token is read for logits
+            best = nd.value
         # an attention-only sequence cuts its K/V back to the longest common prefix (at most n - 1: one token is
         # read for the logits) when that skips more than any checkpoint does
         can_cut = getattr(state, "can_truncate", None)
@@ -252,38 +257,33 @@ class CheckpointCache:
         with self._lock:
             return self._choose(as_ids(prompt_tokens), _state_ids(state), state)[0]
 
-    def deepest(self) -> int:
-        """The deepest kept checkpoint's position (0 when none is kept)."""
+    def deepest(self, tokens) -> int:
+        """The deepest kept checkpoint on the path of `tokens` (a conversation's ids; 0 when none is kept)."""
         with self._lock:
-            return max(self._entries, default=0)
+            return max((nd.pos for nd in self._tree.path(tokens)), default=0)
 
-    def export(self) -> list[tuple[int, str, Any]]:
-        """The kept checkpoints as (pos, kind, snapshot), by position (to park or save them with their
-        conversation)."""
+    def export(self, tokens) -> list[tuple[int, str, Any]]:
+        """The kept checkpoints on the path of `tokens` (the conversation's ids) as (pos, kind, snapshot), by
+        position (to park or save them with their conversation; the cache keeps them)."""
         with self._lock:
-            return [(e.pos, e.kind, e.snapshot) for e in sorted(self._entries.values(), key=lambda e: e.pos)]
+            return [(nd.pos, nd.value.kind, nd.value.snapshot) for nd in self._tree.path(tokens)]
 
     def adopt(self, entries: list[tuple[int, str, Any]], live_ok: bool) -> None:
-        """Replace every kept checkpoint by `entries` ((pos, kind, snapshot), as ``export`` gives them, of the
-        conversation the engine now holds) and set whether its end may be continued live."""
+        """Keep `entries` ((pos, kind, snapshot) of the conversation the engine now holds, as ``export`` gives
+        them; the cache owns their snapshots from here, see ``save``) beside the other branches, each replacing
+        one kept at the same tokens, and set whether the conversation's end may be continued live."""
         with self._lock:
-            self._entries.clear()
             self._live_ok = bool(live_ok)
             for pos, kind, snap in sorted(entries, key=lambda x: x[0]):
-                self._clock += 1
-                self._entries[pos] = _Entry(pos=pos, kind=kind, snapshot=snap, tokens=frozen_ids(snap.tokens),
-                                            bytes=_snapshot_bytes(snap), saved=self._clock, last_use=self._clock,
-                                            last_use_time=time.time())
-            if self.cap == 0:
-                self._entries.clear()
-            for p in choose_victims(self._kept(), cap=self.cap, root_min=self.root_min,
-                                    budget_bytes=self.budget_bytes) if self._entries else ():
-                del self._entries[p]            # this engine's --prompt-cache / --prompt-cache-mib apply
+                self._put(kind, snap, frozen_ids(snap.tokens))
+            self._retain()                      # this engine's --prompt-cache / --prompt-cache-mib apply
 
-    def _kept_points(self, n: int, cuts: list[tuple[int, str]], resume: int, checkpoint: bool) -> dict[int, str]:
+    def _kept_points(self, prompt: np.ndarray, cuts: list[tuple[int, str]], resume: int,
+                     checkpoint: bool) -> dict[int, str]:
         """Cut points after `resume` at which to end a part and save a checkpoint -> {pos: kind}."""
         if self.cap == 0:
             return {}
+        n = int(prompt.shape[0])
         roots = [p for p, k in cuts if k == "root"]
         root = max(roots) if roots else 0
         cand: list[tuple[int, str]] = []
@@ -306,8 +306,10 @@ class CheckpointCache:
                 held.add(p)
             if p not in out or _RANK[k] < _RANK[out[p]]:
                 out[p] = k
-        # a checkpoint saves the tokens since the previous one (kept before this read, or kept by it)
-        prev, kept = max(self._entries, default=0), {}
+        # a checkpoint saves the tokens since the previous one (kept before this read on the prompt's path, or
+        # kept by it)
+        prev = max((nd.pos for nd in self._tree.path(prompt[:resume])), default=0)
+        kept: dict[int, str] = {}
         for p in sorted(out):
             if p in held or p - prev >= self.min_part:
                 kept[p], prev = out[p], p
@@ -316,62 +318,101 @@ class CheckpointCache:
     def save(self, pos: int, kind: str, snapshot) -> list[int]:
         """Keep ``snapshot`` (a strata.stages.sequence.Checkpoint taken at ``pos``) as a checkpoint of kind ``kind``.
 
-        Checkpoints that the snapshot's tokens contradict (no longer a prefix of what the arena holds) are
-        erased; an existing one at ``pos`` is replaced; then retention (strata.cache.retention) evicts.
-        Returns the positions evicted or erased. With cap 0 nothing is kept. Raises ValueError (one line),
-        keeping nothing, for an unknown kind, pos <= 0, or a snapshot taken at another position.
+        One kept at the same tokens is replaced; then retention (strata.cache.retention) evicts. Returns the
+        positions evicted. With cap 0 nothing is kept. Raises ValueError (one line),
+        keeping nothing, for an unknown kind, pos <= 0, or a snapshot taken at another position. The cache owns
+        the snapshot from here: its pages are given back (Checkpoint.release) when it is dropped (evicted,
+        replaced, cleared, make_room) or refused.
         """
-        if kind not in _RANK:
-            raise ValueError(f"unknown checkpoint kind {kind!r} (expected one of {', '.join(KINDS)})")
-        if isinstance(pos, bool) or not isinstance(pos, int) or pos <= 0:
-            raise ValueError(f"a checkpoint position must be an integer > 0, got {pos!r}")
         spos = getattr(snapshot, "pos", None)
         tokens = frozen_ids(getattr(snapshot, "tokens", ()))
-        if spos != pos or len(tokens) != pos:
-            raise ValueError(f"the snapshot was taken at position {spos} with {len(tokens)} tokens, "
-                             f"not at {pos}")
-        nbytes = _snapshot_bytes(snapshot)
+        why = None
+        if kind not in _RANK:
+            why = f"unknown checkpoint kind {kind!r} (expected one of {', '.join(KINDS)})"
+        elif isinstance(pos, bool) or not isinstance(pos, int) or pos <= 0:
+            why = f"a checkpoint position must be an integer > 0, got {pos!r}"
+        elif spos != pos or len(tokens) != pos:
+            why = f"the snapshot was taken at position {spos} with {len(tokens)} tokens, not at {pos}"
+        if why is not None:
+            _release(snapshot)
+            raise ValueError(why)
         with self._lock:
-            gone: list[int] = []
-            for p, e in list(self._entries.items()):
-                lo, hi = (e.tokens, tokens) if p <= pos else (tokens, e.tokens)
-                if p == pos or not is_prefix(lo, hi):
-                    del self._entries[p]
-                    if p != pos:
-                        gone.append(p)
-            self._stats["erased"] += len(gone)
             if self.cap == 0:
-                return gone
-            self._clock += 1
-            self._entries[pos] = _Entry(pos=pos, kind=kind, snapshot=snapshot, tokens=tokens, bytes=nbytes,
-                                        saved=self._clock, last_use=self._clock, last_use_time=time.time())
+                _release(snapshot)
+                return []
+            self._put(kind, snapshot, tokens)
             self._stats["saves"] += 1
-            victims = choose_victims(self._kept(), cap=self.cap, root_min=self.root_min,
-                                     budget_bytes=self.budget_bytes)
-            for p in victims:
-                del self._entries[p]
-            self._stats["evictions"] += len(victims)
-            return gone + victims
+            return self._retain()
+
+    def _put(self, kind: str, snapshot, tokens: np.ndarray) -> None:
+        """Keep `snapshot` at `tokens` (under the lock), releasing one it replaces there."""
+        self._clock += 1
+        self._keys += 1
+        e = _Entry(pos=len(tokens), kind=kind, snapshot=snapshot, tokens=tokens, bytes=_snapshot_bytes(snapshot),
+                   saved=self._clock, last_use=self._clock, last_use_time=time.time(), key=self._keys)
+        e.node, old = self._tree.put(tokens, e)
+        self._entries[e.key] = e
+        if old is not None:
+            del self._entries[old.key]
+            _release(old.snapshot)
+            self._stats["replaced"] += 1
+
+    def _retain(self) -> list[int]:
+        """Evict retention's victims (under the lock) -> their positions."""
+        if not self._entries:
+            return []
+        victims = choose_victims(self._kept(), cap=self.cap, root_min=self.root_min, budget_bytes=self.budget_bytes)
+        gone = [self._entries[k].pos for k in victims]
+        for k in victims:
+            self._drop(k)
+        self._stats["evictions"] += len(victims)
+        return gone
+
+    def make_room(self, live_ids, off_path: bool = False) -> bool:
+        """Drop one checkpoint to give its pages back when a KV pool is short: the least recently used of those that
+        are not a prefix of ``live_ids`` (the live sequence's tokens: their pages are the sequence's too), then
+        (unless off_path) of the rest -> False when none is left to drop."""
+        live = as_ids(live_ids)
+        with self._lock:
+            cand = [(is_prefix(e.tokens, live), e.last_use, e.key) for e in self._entries.values()]
+            cand = [c for c in cand if not (off_path and c[0])]
+            if not cand:
+                return False
+            self._drop(min(cand)[2])
+            self._stats["evictions"] += 1
+            return True
+
+    def _drop(self, key: int) -> None:
+        """Forget the checkpoint `key` and give back the pages it holds (under the lock)."""
+        e = self._entries.pop(key)
+        self._tree.remove(e.node)
+        _release(e.snapshot)
 
     # ---- visibility ------------------------------------------------------------------------------
     def _kept(self) -> list[Kept]:
-        return [Kept(pos=e.pos, kind=e.kind, last_use=e.last_use, bytes=e.bytes, saved=e.saved)
+        return [Kept(pos=e.pos, kind=e.kind, last_use=e.last_use, bytes=e.bytes, saved=e.saved, key=e.key)
                 for e in self._entries.values()]
 
     def entries(self) -> list[dict]:
-        """The kept checkpoints by position: dicts with pos (tokens), kind, bytes, last_use (logical clock,
-        larger = more recent), last_use_time (Unix seconds), mounts (times restored), pinned (bool)."""
+        """The kept checkpoints by position (then save order): dicts with pos (tokens), kind, bytes, last_use
+        (logical clock, larger = more recent), last_use_time (Unix seconds), mounts (times restored), pinned
+        (bool)."""
         with self._lock:
             pin = pinned_root(self._kept(), self.cap, self.root_min)
             return [dict(pos=e.pos, kind=e.kind, bytes=e.bytes, last_use=e.last_use,
                          last_use_time=e.last_use_time, mounts=e.mounts,
-                         pinned=pin is not None and pin.pos == e.pos)
-                    for e in sorted(self._entries.values(), key=lambda e: e.pos)]
+                         pinned=pin is not None and pin.key == e.key)
+                    for e in sorted(self._entries.values(), key=lambda e: (e.pos, e.saved))]
+
+    def branches(self) -> int:
+        """How many branches of history the kept checkpoints span (the tree's leaves)."""
+        with self._lock:
+            return self._tree.branches()
 
     def stats(self) -> dict:
         """Counters since start: hits (plans that reused a prefix; hits_live + hits_checkpoint), misses,
-        tokens_saved (prompt tokens not read thanks to a hit), saves, evictions (retention), erased
-        (no longer a prefix of the arena)."""
+        tokens_saved (prompt tokens not read thanks to a hit), saves, evictions (retention and make_room),
+        replaced (a checkpoint saved again at the same tokens)."""
         with self._lock:
             return dict(self._stats)
 
@@ -386,9 +427,10 @@ class CheckpointCache:
             self._live_ok = False
 
     def clear(self) -> None:
-        """Drop every checkpoint (counters stay)."""
+        """Drop every checkpoint, its pages given back (counters stay)."""
         with self._lock:
-            self._entries.clear()
+            for p in list(self._entries):
+                self._drop(p)
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -11,13 +11,15 @@ __all__ = ["Kept", "pinned_root", "choose_victims"]
 class Kept:
     """What retention knows of one kept checkpoint.
 
-    pos: prompt position (tokens) the checkpoint resumes at, > 0, unique among the kept ones.
+    pos: prompt position (tokens) the checkpoint resumes at, > 0.
     kind: the cut point kind it was saved at ("root", "message", "turn", "pin", "periodic", "tail");
     informational only, retention decides by position, use and size.
     last_use: logical time of the last save or mount (larger is more recent; re-dated on every mount).
-    bytes: memory the checkpoint holds of its own (running state copy; attention KV pages are shared with
-    the arena and not counted), >= 0.
+    bytes: memory the checkpoint holds of its own (running state copy; attention KV pages are the pool's, held
+    by reference count, and not counted: a short pool evicts apart, CheckpointCache.make_room), >= 0.
     saved: logical time of the save (insertion order), used by the first-in-first-out mode (cap 1).
+    key: what names it among the kept ones (unique; None: its pos, which must then be unique). Several branches
+    of a prefix tree can keep a checkpoint at one position: their keys tell them apart.
     """
 
     pos: int
@@ -25,6 +27,11 @@ class Kept:
     last_use: int
     bytes: int
     saved: int = 0
+    key: int | None = None
+
+    @property
+    def id(self) -> int:
+        return self.pos if self.key is None else self.key
 
 
 def _check(kept: Sequence[Kept], cap: int, root_min: int, budget_bytes: int | None) -> None:
@@ -40,29 +47,30 @@ def _check(kept: Sequence[Kept], cap: int, root_min: int, budget_bytes: int | No
             raise ValueError(f"a checkpoint position must be > 0, got {k.pos}")
         if k.bytes < 0:
             raise ValueError(f"checkpoint at {k.pos} has a negative size {k.bytes}")
-        if k.pos in seen:
-            raise ValueError(f"two kept checkpoints at position {k.pos}: positions must be unique")
-        seen.add(k.pos)
+        if k.id in seen:
+            raise ValueError(f"two kept checkpoints named {k.id}: positions (or keys) must be unique")
+        seen.add(k.id)
 
 
 def pinned_root(kept: Iterable[Kept], cap: int, root_min: int) -> Kept | None:
     """The checkpoint retention pins, or None.
 
-    The kept checkpoints are always a prefix chain (the request loop erases every checkpoint that is not a
-    prefix of what the KV arena holds: one arena, one branch of history), so the deepest point every kept
-    checkpoint shares is the shallowest one — the chain's root. It is pinned when cap >= 2 (cap 1 is the
-    old first-in-first-out behaviour, with no pin) and its length is at least root_min tokens.
+    The kept checkpoints form a prefix tree (branches of one system prompt: sub-agents, regenerations, edited
+    turns); the shallowest one is the root the branches share (a system prompt's end), the most recently used
+    of them when several are equally shallow. It is pinned when cap >= 2 (cap 1 is the old first-in-first-out
+    behaviour, with no pin) and its length is at least root_min tokens.
     """
     kept = list(kept)
     if cap < 2 or not kept:
         return None
-    root = min(kept, key=lambda k: k.pos)
+    root = min(kept, key=lambda k: (k.pos, -k.last_use))
     return root if root.pos >= root_min else None
 
 
 def choose_victims(kept: Sequence[Kept], *, cap: int, root_min: int = 0,
                    budget_bytes: int | None = None) -> list[int]:
-    """Which kept checkpoints to evict -> their positions, in eviction order (first = evicted first).
+    """Which kept checkpoints to evict -> their ids (Kept.id: the key, else the position), in eviction order (first
+    = evicted first).
 
     The policy ("the conversation cache keeps its shared prefix; the rest rotates LRU"):
 
@@ -71,19 +79,18 @@ def choose_victims(kept: Sequence[Kept], *, cap: int, root_min: int = 0,
     * cap >= 2: the root (see :func:`pinned_root`: the shallowest checkpoint of the prefix chain, when it
       is at least ``root_min`` tokens long) is pinned and never a victim of the count limit; the others are
       evicted least-recently-used first (``last_use``, ties broken by save order then position) until at
-      most ``cap`` remain. Why not a radix tree: the chain has exactly one branch, so the only question is
-      what to drop.
+      most ``cap`` remain, whichever branch of the tree they are on.
     * ``budget_bytes`` (``--prompt-cache-mib``): after the count limit, unpinned checkpoints keep going in
       the same order while the kept bytes exceed the budget; if the pinned root alone still exceeds it, the
       root goes too (the budget is a hard cap on memory). None means no byte limit.
 
     Pure: reads its arguments only, changes nothing. Raises ValueError (one line) for a negative cap,
-    root_min or budget, a position <= 0, a negative size or duplicate positions.
+    root_min or budget, a position <= 0, a negative size or duplicate ids.
     """
     kept = list(kept)
     _check(kept, cap, root_min, budget_bytes)
     if cap == 0:
-        return [k.pos for k in sorted(kept, key=lambda k: (k.saved, k.pos))]
+        return [k.id for k in sorted(kept, key=lambda k: (k.saved, k.pos))]
     pin = pinned_root(kept, cap, root_min)
     if cap == 1:
         order = sorted(kept, key=lambda k: (k.saved, k.pos))
@@ -97,9 +104,9 @@ def choose_victims(kept: Sequence[Kept], *, cap: int, root_min: int = 0,
         over_bytes = budget_bytes is not None and total > budget_bytes
         if not (over_count or over_bytes):
             break
-        victims.append(k.pos)
+        victims.append(k.id)
         n -= 1
         total -= k.bytes
     if pin is not None and budget_bytes is not None and total > budget_bytes:
-        victims.append(pin.pos)
+        victims.append(pin.id)
     return victims

@@ -56,7 +56,7 @@ def run(args) -> int:
     """Start the worker; returns the exit status (2 usage, 1 start-up failure, 0 clean stop)."""
     import link
     from strata.cli.serve import is_loopback
-    from strata.stages.remote import parse_address
+    from strata.stages.link_client import parse_address
     if args.gen_key:
         try:
             link.write_key_file(args.gen_key)

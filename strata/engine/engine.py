@@ -105,7 +105,8 @@ class Engine:
         except ValueError as e:
             raise ModelLoadError(f"{path}: {e}") from None
         self.template, self._template_error = _make_template(self.file, self.tokenizer)
-        self.seq = Sequence(self.stages)          # the live sequence
+        # the live sequence; a KV pool short of pages drops checkpoints and moves resident conversations to RAM
+        self.seq = Sequence(self.stages, make_room=self._make_room)
         self.load_ms = (time.perf_counter() - t0) * 1000.0
         self.cache = CheckpointCache(cap=self.prompt_cache, every=int(ck.every), root_min=int(ck.root),
                                      budget_bytes=int(ck.mib) * 1024 * 1024, tail=int(ck.tail))
@@ -120,10 +121,11 @@ class Engine:
             disk_dir=pk.disk_dir, disk_bytes=int(pk.disk_mib) * 1024 * 1024,
             slot_save_path=pk.slot_save_path, resident=int(pk.resident), n_vocab=self.n_vocab)
         self.conversations.prepin()               # host memory for parking, set aside now (/status reports it)
-        if st.kv_pool_ctx is not None and st.kv_pool_ctx > self.n_ctx and self.conversations.resident is None:
-            log.warning("--kv-pool-ctx is larger than --n-ctx but nothing is parked resident (parking off, "
-                        "--park-resident 0 or a remote stage): the extra pool is unused", kv_pool_ctx=st.kv_pool_ctx,
-                        n_ctx=self.n_ctx)
+        if st.kv_pool_ctx is not None and st.kv_pool_ctx > self.n_ctx and self.conversations.resident is None \
+                and self.prompt_cache == 0:
+            log.warning("--kv-pool-ctx is larger than --n-ctx but nothing holds pages beside the live sequence (no "
+                        "checkpoints: --prompt-cache 0, and nothing parked resident): the extra pool is unused",
+                        kv_pool_ctx=st.kv_pool_ctx, n_ctx=self.n_ctx)
         self.eog_ids = set(int(t) for t in self.tokenizer.eog_ids)
         self.reader = PromptReader(self.seq, self.cache, self.conversations, self.ubatch)
         self.decoder = Decoder(self.seq, self.tokenizer, self.eog_ids, self.n_vocab, self.n_ctx, self.stages[-1],
@@ -237,18 +239,21 @@ class Engine:
         return prompt
 
     def state_reset(self) -> None:
-        """Drop the live sequence back to position 0 (pages kept, running state zeroed)."""
-        self.seq.reset()
+        """Forget the live sequence (PromptReader.forget_live: back to position 0, not to be continued live; its
+        checkpoints stay)."""
+        self.reader.forget_live()
 
     def state_hashes(self) -> dict[str, str]:
         """The live sequence's state hashes (Sequence.hashes: tokens, per-layer K/V and running state)."""
         with self._lock:
             return self.seq.hashes()
 
-    def _forget_live(self) -> None:
-        """state_reset, and the checkpoint cache told not to continue the live sequence: the next request starts
-        from a checkpoint or from 0."""
-        self.reader.forget_live()
+    def _make_room(self) -> bool:
+        """Free KV pages for the live sequence: a checkpoint off the live sequence's path dropped (its pages are its
+        own), else the least recently used resident conversation moved to host RAM, else a checkpoint on the path
+        dropped (CheckpointCache.make_room) -> False when nothing more can be freed."""
+        ids = self.seq.ids
+        return self.cache.make_room(ids, off_path=True) or self.conversations.make_room() or self.cache.make_room(ids)
 
     def _prefill(self, req: GenerationRequest, prompt: np.ndarray, trace: bool):
         """Read the prompt (PromptReader.prefill) -> (plan, parts, logits); bench/model_clock.py times it here."""
@@ -275,55 +280,59 @@ class Engine:
         first_logits = logits.copy() if at_prompt is not None else logits
         greedy = params.temperature <= 0
         replay = None                 # greedy: (choice 0's events, its outcome), which every other choice repeats
-        for i in range(n_choices):
-            t0 = time.perf_counter()
-            if i > 0 and (req.cancel.is_set() or first_logits is None):     # cancelled before this choice started
-                finish, toks, trailing, stopped_by, n_run = "cancelled", [], "", None, 0
-            elif i > 0 and replay is not None:
-                events, (finish, toks, trailing, stopped_by) = replay
-                for ev in events:
-                    yield dataclasses.replace(ev, index=i)
-                n_run = 0
-            else:
-                if i > 0:
-                    self.seq.restore(at_prompt)
-                out = self.decoder.choice(req, prompt, first_logits if i == 0 else first_logits.copy(), params, i)
-                events = []
-                try:
-                    while True:
-                        ev = next(out)
-                        if greedy and n_choices > 1:
-                            events.append(ev)
-                        yield ev
-                except StopIteration as stop:
-                    finish, toks, trailing, stopped_by = stop.value
-                finally:
-                    out.close()           # the consumer went away mid-choice: the decode's own cleanup runs now
-                    self.requests += i == 0
-                n_run = len(toks)
-                if greedy and n_choices > 1:
-                    replay = (events, (finish, toks, trailing, stopped_by))
-            n_gen = len(toks)
-            predicted_ms = (time.perf_counter() - t0) * 1000.0 if n_run else 0.0
-            first = i == 0
-            final = FinalEvent(
-                finish_reason=finish,
-                usage={"prompt_tokens": n, "completion_tokens": n_gen, "total_tokens": n + n_gen},
-                timings={"prompt_n": prompt_n if first else 0, "prompt_ms": prompt_ms if first else 0.0,
-                         "prompt_per_second": prompt_n / (prompt_ms / 1000.0) if first and prompt_ms > 0 else 0.0,
-                         "predicted_n": n_run, "predicted_ms": predicted_ms,
-                         "predicted_per_second": n_run / (predicted_ms / 1000.0) if predicted_ms > 0 else 0.0,
-                         "cache_n": plan.resume_pos if first else n},
-                strata={"resume_pos": plan.resume_pos if first else n,
-                        "resume_from": plan.resume_from if first else "choice", "parts": parts if first else [],
-                        "checkpoints": len(self.cache), "stopped_by": stopped_by},
-                text=trailing, index=i)
-            if trace:
-                log.info("request_done", choice=i, finish=finish, prompt_n=final.timings["prompt_n"],
-                         cache_n=final.timings["cache_n"], predicted_n=n_run, prompt_ms=round(prompt_ms, 2),
-                         predicted_ms=round(predicted_ms, 2), checkpoints=len(self.cache))
-            self.last_final = final
-            yield final
+        try:
+            for i in range(n_choices):
+                t0 = time.perf_counter()
+                if i > 0 and (req.cancel.is_set() or first_logits is None):     # cancelled before this choice started
+                    finish, toks, trailing, stopped_by, n_run = "cancelled", [], "", None, 0
+                elif i > 0 and replay is not None:
+                    events, (finish, toks, trailing, stopped_by) = replay
+                    for ev in events:
+                        yield dataclasses.replace(ev, index=i)
+                    n_run = 0
+                else:
+                    if i > 0:
+                        self.seq.restore(at_prompt)
+                    out = self.decoder.choice(req, prompt, first_logits if i == 0 else first_logits.copy(), params, i)
+                    events = []
+                    try:
+                        while True:
+                            ev = next(out)
+                            if greedy and n_choices > 1:
+                                events.append(ev)
+                            yield ev
+                    except StopIteration as stop:
+                        finish, toks, trailing, stopped_by = stop.value
+                    finally:
+                        out.close()           # the consumer went away mid-choice: the decode's own cleanup runs now
+                        self.requests += i == 0
+                    n_run = len(toks)
+                    if greedy and n_choices > 1:
+                        replay = (events, (finish, toks, trailing, stopped_by))
+                n_gen = len(toks)
+                predicted_ms = (time.perf_counter() - t0) * 1000.0 if n_run else 0.0
+                first = i == 0
+                final = FinalEvent(
+                    finish_reason=finish,
+                    usage={"prompt_tokens": n, "completion_tokens": n_gen, "total_tokens": n + n_gen},
+                    timings={"prompt_n": prompt_n if first else 0, "prompt_ms": prompt_ms if first else 0.0,
+                             "prompt_per_second": prompt_n / (prompt_ms / 1000.0) if first and prompt_ms > 0 else 0.0,
+                             "predicted_n": n_run, "predicted_ms": predicted_ms,
+                             "predicted_per_second": n_run / (predicted_ms / 1000.0) if predicted_ms > 0 else 0.0,
+                             "cache_n": plan.resume_pos if first else n},
+                    strata={"resume_pos": plan.resume_pos if first else n,
+                            "resume_from": plan.resume_from if first else "choice", "parts": parts if first else [],
+                            "checkpoints": len(self.cache), "stopped_by": stopped_by},
+                    text=trailing, index=i)
+                if trace:
+                    log.info("request_done", choice=i, finish=finish, prompt_n=final.timings["prompt_n"],
+                             cache_n=final.timings["cache_n"], predicted_n=n_run, prompt_ms=round(prompt_ms, 2),
+                             predicted_ms=round(predicted_ms, 2), checkpoints=len(self.cache))
+                self.last_final = final
+                yield final
+        finally:
+            if at_prompt is not None:
+                at_prompt.release()          # its pages go back to the pool
 
     # ---- conversations held apart: parking and session files (strata.engine.parking) ------------------
     def slot_save(self, slot_id: int = 0, filename=None, **_ignored) -> dict[str, Any]:
@@ -381,7 +390,7 @@ class Engine:
         self._check_slot(slot_id)
         with self._lock:
             n = int(self.seq.pos)
-            self._forget_live()
+            self.reader.forget_live()
             self.clear_checkpoints()
             self.seq.trim()                      # its KV pages go back to the pool
         return {"id_slot": 0, "n_erased": n}

@@ -51,7 +51,6 @@ class Conversations:
         if self.park is not None and resident > 0 and seq.can_hold():
             self.resident = ParkStore(resident, spill=self._demote, cost=lambda c: 1, tier="device",
                                       drop=self._release)
-            seq.make_room = self.make_room
         self.disk = None
         if disk_dir:
             if self.park is None:
@@ -96,17 +95,26 @@ class Conversations:
     def capture(self) -> Conversation:
         """The live conversation as host copies: every stage's used K/V and running state, its checkpoints
         (running state only; their K/V is the conversation's prefix)."""
-        parts = self.seq.materialize(self.seq.capture())
-        cps = [SavedCheckpoint(pos, kind, self.seq.detach(snap)) for pos, kind, snap in self.cache.export()]
+        here = self.seq.capture()
+        try:
+            parts = self.seq.materialize(here)
+        finally:
+            here.release()
+        cps = [SavedCheckpoint(pos, kind, self.seq.detach(snap)) for pos, kind, snap in self.cache.export(self.seq.ids)]
         return Conversation(tokens=self.seq.ids, parts=parts, checkpoints=cps, live_ok=self.cache.live_ok,
                             cut_anywhere=self.cut_anywhere)
 
     def capture_resident(self) -> Conversation:
         """The live conversation parked where it is: every stage's pages held (nothing copied), its running state
         and its checkpoints' copied on the device."""
-        parts = self.seq.hold(self.seq.capture())
-        cps = [SavedCheckpoint(pos, kind, self.seq.detach(snap, to_host=False))
-               for pos, kind, snap in self.cache.export()]
+        here = self.seq.capture()                # its pages held: nothing is copied
+        try:
+            cps = [SavedCheckpoint(pos, kind, self.seq.detach(snap, to_host=False))
+                   for pos, kind, snap in self.cache.export(self.seq.ids)]
+        except BaseException:
+            here.release()
+            raise
+        parts = here.parts
         return Conversation(tokens=self.seq.ids, parts=parts, checkpoints=cps, live_ok=self.cache.live_ok,
                             resident=True, cut_anywhere=self.cut_anywhere)
 
@@ -128,7 +136,7 @@ class Conversations:
     # ---- the resident tier ---------------------------------------------------------------------------
     def make_room(self) -> bool:
         """Move the least recently used resident conversation to host RAM (its pages given back); False when none
-        is resident. The live sequence calls this when a pool is short of pages (Sequence.make_room)."""
+        is resident. The engine calls this when a pool is short of pages (Sequence.make_room)."""
         conv = self.resident.pop_lru() if self.resident is not None else None
         if conv is None:
             return False
@@ -260,7 +268,7 @@ class Conversations:
                 log.info("unparked", tier=source, tokens=conv.pos, resume=depth,
                          ms=round((time.perf_counter() - t0) * 1e3, 2))
             return source
-        deepest = self.cache.deepest()
+        deepest = self.cache.deepest(self.seq.ids)
         if self.seq.pos > 0 and (here < deepest or (deepest == 0 and here == 0)):
             self.park_live(trace)
         return None

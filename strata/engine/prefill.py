@@ -44,6 +44,32 @@ class PromptReader:
             p = q
         return logits
 
+    def apply(self, req: GenerationRequest, prompt: np.ndarray):
+        """Plan the read (CheckpointCache.plan, pure), then the one step that puts the live sequence at the plan's
+        resume point: its checkpoint restored, or the sequence cut back or reset, and settled (a remote stage's
+        Commits landed); the cache then told (begin). A checkpoint gone from a worker: the cache cleared and the
+        prompt planned again, from 0. -> the plan applied."""
+        def plan():
+            return self.cache.plan(self.seq, prompt, list(req.cut_points or ()), checkpoint=req.checkpoint,
+                                   cache_prompt=req.cache_prompt)      # cut points were checked by check_request
+        p, st = plan(), self.seq
+        if p.snapshot is not None:
+            try:
+                st.restore(p.snapshot)
+            except CheckpointGone as e:      # the worker restarted or reconnected: read from token 0
+                log.warning("a checkpoint is gone from the worker: reading from 0", error=str(e))
+                self.forget_live()
+                self.cache.clear()
+                p = plan()
+        if p.snapshot is None:
+            if p.resume_from == "none" or p.resume_pos == 0:
+                st.reset()
+            elif p.resume_pos < st.pos:
+                st.truncate(p.resume_pos)
+        st.settle()                # the worker's Commits land before the prompt is read
+        self.cache.begin(p)
+        return p
+
     def prefill(self, req: GenerationRequest, prompt: np.ndarray, trace: bool):
         """Plan, restore / cut back / continue, read the parts, save checkpoints -> (plan, parts, logits).
 
@@ -61,34 +87,19 @@ class PromptReader:
         except BaseException:
             self.forget_live()     # a restore that failed part-way: the live sequence starts over
             raise
-        plan = self.cache.plan(self.seq, prompt, list(req.cut_points or ()), checkpoint=req.checkpoint,
-                               cache_prompt=req.cache_prompt)      # cut points were checked by check_request
-        if plan.resume_pos > 0 and (unparked or convs.from_session):
-            plan.resume_from = unparked or "session"
-        convs.from_session = False
         parts: list[tuple[int, int]] = []
         try:
             st = self.seq
-            if plan.snapshot is not None:
-                try:
-                    st.restore(plan.snapshot)
-                except CheckpointGone as e:      # the worker restarted or reconnected: read from token 0
-                    log.warning("a checkpoint is gone from the worker: reading from 0", error=str(e))
-                    self.forget_live()
-                    self.cache.clear()
-                    plan = self.cache.plan(self.seq, prompt, list(req.cut_points or ()), checkpoint=req.checkpoint,
-                                           cache_prompt=req.cache_prompt)
-            elif plan.resume_from == "none" or plan.resume_pos == 0:
-                st.reset()
-            elif plan.resume_pos < st.pos:
-                st.truncate(plan.resume_pos)
-            st.settle()                # the worker's Commits land before the prompt is read
+            plan = self.apply(req, prompt)
+            if plan.resume_pos > 0 and (unparked or convs.from_session):
+                plan.resume_from = unparked or "session"
+            convs.from_session = False
             resume = plan.resume_pos
             if st.pos != resume or not 0 <= resume < n or not is_prefix(st.ids, prompt):
                 raise RuntimeError(f"internal: plan resumes at {resume} ({plan.resume_from}) but the sequence "
                                    f"holds {st.pos} tokens that are not that prefix of the {n}-token prompt")
             if trace:
-                log.info("prefill_plan", plan=plan.describe(), erased=list(getattr(plan, "erased", [])))
+                log.info("prefill_plan", plan=plan.describe(), checkpoints=len(self.cache))
             logits = None
             start = resume
             ends = [e for e in plan.part_ends if resume < e <= n]

@@ -74,11 +74,11 @@ def warm_up(engine) -> dict:
             for _ in engine.generate(req):
                 pass
             with engine._lock:
-                engine._forget_live()
+                engine.state_reset()
         crossovers = _short_read_crossovers(engine) if on_gpu else {}
     finally:
         with engine._lock:
-            engine._forget_live()
+            engine.state_reset()
             engine.clear_checkpoints()
             engine.seq.trim()
         engine.requests, engine.last_final = requests, last_final

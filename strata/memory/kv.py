@@ -16,8 +16,9 @@ __all__ = ["DEFAULT_PAGE_SIZE", "Hold", "KVCacheFull", "PagePool", "PagedKV"]
 
 
 class Hold:
-    """Pages of a pool held by something other than a sequence (a conversation parked resident on its device):
-    one reference on each page, so the K/V of [0, length) stays while the live sequence reads on over other pages.
+    """Pages of a pool held by something other than a sequence's page table (a checkpoint, a conversation parked
+    resident on its device): one reference on each page, so the K/V of [0, length) stays while the live sequence
+    reads on over other pages.
     A sequence that writes into a page it shares with a hold keeps the page and the hold gets a copy
     (PagePool.rehome): the live page table never changes under the checkpoints that reference it. ``release``
     gives the references back (idempotent)."""
@@ -129,11 +130,14 @@ class PagePool:
         """How many of the references to `page` are holds."""
         return sum(1 for h in self._holds for p in h.pages if p == page) if self._holds else 0
 
-    def rehome(self, page: int) -> bool:
-        """Give every hold of `page` a copy of it on a fresh page (one copy, their references moved to it), so the
-        sequence writing into `page` keeps it. False when no hold has it; KVCacheFull (nothing changed) when no page
-        is free."""
-        holders = [(h, i) for h in self.holds for i, p in enumerate(h.pages) if p == page]
+    def rehome(self, page: int, offset: int = 0) -> bool:
+        """Give the holds of `page` that read at or past `offset` on it a copy of it on a fresh page (one copy,
+        their references moved to it), so the sequence writing into `page` from `offset` on keeps it, and so do the
+        holds whose positions on it all lie before `offset`. False when no hold reads there; KVCacheFull (nothing
+        changed) when no page is free."""
+        ps = self.page_size
+        holders = [(h, i) for h in self.holds for i, p in enumerate(h.pages)
+                   if p == page and h.length - i * ps > offset]
         if not holders:
             return False
         (q,) = self.alloc(1)
@@ -299,7 +303,7 @@ class PagedKV:
         if rehome:
             alloc.require(max(0, need) + len(shared))    # before any copy: KVCacheFull changes nothing
             for i in rehome:                  # a page a hold reads past the write's start: it gets the copy
-                self.pool.rehome(self.pages[i])
+                self.pool.rehome(self.pages[i], self.length - i * ps)
             shared = [i for i in shared if must_copy(i)]          # other sequences share it: this table copies
         new = self.pool.alloc(max(0, need) + len(shared))      # KVCacheFull here takes nothing
         for i, p in zip(shared, new[len(new) - len(shared):]):

@@ -55,7 +55,8 @@ class KVMemory(Memory, Field):
 
     def _capture(self, st, part):
         t = self.table(st)
-        part.kv[self.name] = KVPages(length=t.length, pages=tuple(t.pages[:self._pages_for(t.length)]))
+        part.kv[self.name] = KVPages(length=t.length, hold=self.pool.hold(t.pages[:self._pages_for(t.length)],
+                                                                          t.length))
 
     def _check(self, part, st):
         kvp = part.kv.get(self.name)
@@ -73,14 +74,6 @@ class KVMemory(Memory, Field):
             h = kvp.hold
             if h.released or h.pool is not self.pool or h.length != kvp.length or len(h.pages) != m:
                 raise PartMismatch(f"the part's held {self.name} pages were given back or are of another pool")
-            return
-        if kvp.is_reference:
-            if st is None:
-                return
-            t = self.table(st)
-            if tuple(t.pages[:m]) != tuple(kvp.pages or ()) or t.length < kvp.length:
-                raise PartMismatch(f"the part references {self.name} pages this sequence no longer holds "
-                                   f"(it holds {t.length} positions)")
             return
         want = {n: (tuple(s), d) for n, (s, d) in self.pool.page_arrays().items()}
         if set(kvp.arrays) != set(want):
@@ -103,9 +96,6 @@ class KVMemory(Memory, Field):
     def _restore(self, st, part):
         kvp = part.kv[self.name]
         t = self.table(st)
-        if kvp.is_reference:
-            t.truncate(kvp.length)
-            return
         if kvp.is_held:
             t.adopt(kvp.hold)                    # the held pages become the sequence's too: nothing is copied
             return
@@ -120,18 +110,13 @@ class KVMemory(Memory, Field):
         if t.length < kvp.length:
             raise PartMismatch(f"the checkpoint's {self.name} K/V covers {kvp.length} positions, the sequence holds "
                                f"{t.length}")
-        out.kv[self.name] = KVPages(length=kvp.length, pages=tuple(t.pages[:self._pages_for(kvp.length)]))
-
-    def _hold(self, part, out):
-        kvp = part.kv[self.name]
-        out.kv[self.name] = KVPages(length=kvp.length, hold=self.pool.hold(kvp.pages, kvp.length))
+        out.kv[self.name] = KVPages(length=kvp.length, hold=self.pool.hold(t.pages[:self._pages_for(kvp.length)],
+                                                                            kvp.length))
 
     def _materialize(self, part, out):
         kvp = part.kv[self.name]
         if kvp.is_prefix:
             out.kv[self.name] = KVPages(length=kvp.length)
-        elif kvp.is_reference:
-            out.kv[self.name] = KVPages(length=kvp.length, arrays=self.pool.export_pages(kvp.pages))
         elif kvp.is_held:
             out.kv[self.name] = KVPages(length=kvp.length, arrays=self.pool.export_pages(kvp.hold.pages))
         else:

@@ -55,7 +55,8 @@ class Memory:
     """One stage's per-sequence state: sequences by id, each a SequenceState.
 
     Operations: ``new_seq`` / ``drop_seq``; ``truncate`` (attention: to any prefix; a recurrent state refuses
-    anything but its own position or 0); ``reset``; ``capture`` -> StatePart (running state copied, K/V referenced);
+    anything but its own position or 0); ``reset``; ``capture`` -> StatePart (running state copied, K/V pages held: valid whatever the sequence does next, until
+    ``release``);
     ``validate`` then ``restore`` (nothing is written unless every check passed); ``materialize`` (a part's K/V as
     host copies); ``write(part, io)`` / ``read(io)`` (the byte codec, memory/codec.py); ``hashes`` (per layer and
     field); ``nbytes``; ``geometry`` (what a part must match). Subclasses implement the ``_`` hooks for their own
@@ -64,7 +65,7 @@ class Memory:
 
     backend: the stage's backend (None: the host's numpy arrays); every verb that reads or writes the state runs in
     its device scope (``scope``). Capabilities, which callers read instead of probing for methods: ``holds_pages``
-    (a part's pages can be held on the device, a conversation parked resident), ``host_parts`` (parts can be
+    (a captured part holds its pages on the device: a conversation can be parked resident), ``host_parts`` (parts can be
     copied to the host and written as bytes: parking in RAM, session files), ``cuts_anywhere`` (no running state:
     a sequence can be cut back to any prefix).
     """
@@ -188,15 +189,20 @@ class Memory:
 
     @on_device(drain=True)
     def capture(self, sid: int) -> StatePart:
-        """The sequence at its position: running state copied, K/V referenced (KVPages)."""
+        """The sequence at its position: running state copied, K/V pages held (KVPages.hold: one more reference
+        each, so the part stays valid whatever the sequence does next; ``release`` gives them back)."""
         st = self.seq(sid)
         part = StatePart(carve=self.carve, geometry=self.geometry(), pos=st.pos)
-        self._each("_capture", st, part)
+        try:
+            self._each("_capture", st, part)
+        except BaseException:
+            part.release()                  # a field held its pages before another failed: nothing stays held
+            raise
         return part
 
     def validate(self, part: StatePart, sid: int | None = None) -> None:
         """Raise PartMismatch (one line naming the mismatch) unless `part` can be restored here (into sequence
-        `sid` when given: a part that references pages must reference that sequence's)."""
+        `sid` when given: host copies must find free pages there)."""
         if not isinstance(part, StatePart):
             raise PartMismatch(f"not a state part: {type(part).__name__}")
         if part.carve != self.carve:
@@ -229,42 +235,25 @@ class Memory:
                          running={li: {k: copy(a) for k, a in d.items()} for li, d in part.running.items()},
                          kv={name: KVPages(length=kvp.length) for name, kvp in part.kv.items()})
 
-    def hold(self, part: StatePart) -> StatePart:
-        """The captured part `part` (K/V referencing its sequence's pages) as a *held* part: its pages kept in the
-        pool (KVPages.hold) whatever the sequence does next, its running-state copies as they are (on the device).
-        A conversation parked resident on the device; ``release`` gives the pages back."""
-        if not all(kvp.is_reference for kvp in part.kv.values()):
-            raise PartMismatch("only a captured part (its K/V referencing a sequence's pages) can be held")
-        out = StatePart(carve=part.carve, geometry=part.geometry, pos=part.pos, running=part.running)
-        try:
-            self._each("_hold", part, out)
-        except BaseException:
-            self.release(out)                # a field held before another refused: nothing stays held
-            raise
-        return out
-
-    @on_device(drain=True)
-    def release(self, part: StatePart) -> None:
-        """Give back the pages a held part holds (idempotent; other parts are left as they are)."""
-        for kvp in part.kv.values():
-            if kvp.is_held:
-                kvp.hold.release()
-
     @on_device(drain=False)
     def attach_prefix(self, sid: int, part: StatePart) -> StatePart:
-        """The checkpoint part `part` (its K/V a prefix, see detach) as a part of sequence `sid`: its K/V a reference
-        to the sequence's first pages, its running state copied to this stage's arrays. PartMismatch unless the
+        """The checkpoint part `part` (its K/V a prefix, see detach) as a part of sequence `sid`: its K/V the
+        sequence's first pages, held (``release`` gives them back), its running state copied to this stage's arrays. PartMismatch unless the
         part fits this stage and the sequence holds at least its positions."""
         self.validate(part)
         st = self.seq(sid)
         out = StatePart(carve=part.carve, geometry=part.geometry, pos=part.pos)
-        self._each("_attach", st, part, out)
+        try:
+            self._each("_attach", st, part, out)
+        except BaseException:
+            out.release()
+            raise
         return out
 
     @on_device(drain=True)
     def materialize(self, part: StatePart) -> StatePart:
-        """The same part holding its K/V and running state as host copies (parking, session files). A part that
-        references pages must be materialized while its sequence still holds them."""
+        """The same part holding its K/V and running state as host copies (parking, session files); a held part
+        keeps its pages (release it apart)."""
         out = StatePart(carve=part.carve, geometry=part.geometry, pos=part.pos,
                         running={li: {k: host_copy(a) for k, a in d.items()} for li, d in part.running.items()})
         self._each("_materialize", part, out)
@@ -272,9 +261,9 @@ class Memory:
 
     @on_device(drain=True)
     def write(self, part: StatePart, io: BinaryIO) -> int:
-        """Write `part` (materialized first if it references pages) in the byte format; returns bytes written."""
+        """Write `part` (materialized first if it holds pages) in the byte format; returns bytes written."""
         self.validate(part)
-        if part.is_reference or part.is_held:
+        if part.is_held:
             part = self.materialize(part)
         lengths = {name: kvp.length for name, kvp in sorted(part.kv.items())}
         prefix = sorted(name for name, kvp in part.kv.items() if kvp.is_prefix)
@@ -383,8 +372,6 @@ class Field(ABC):
     def _expect(self, pos: int, lengths: dict, out: list, prefix=()) -> None: ...
     @abstractmethod
     def _attach(self, st: SequenceState, part: StatePart, out: StatePart) -> None: ...
-    @abstractmethod
-    def _hold(self, part: StatePart, out: StatePart) -> None: ...
     @abstractmethod
     def _hashes(self, st: SequenceState, out: dict) -> None: ...
     @abstractmethod

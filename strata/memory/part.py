@@ -38,26 +38,20 @@ class Carve:
 
 @dataclass
 class KVPages:
-    """K/V of positions [0, length) of one page pool.
+    """K/V of positions [0, length) of one page pool, in one of three forms.
 
-    Either a *reference* (``pages``: the ids in the stage's pool, valid while the sequence that was captured still
-    holds these tokens: the one-arena rule, which the checkpoint cache enforces), *host copies*
-    (``arrays``: PagePool.export_pages of those pages, "L{layer}.{k|v|k_scale|v_scale}" -> array with the page axis
-    of length ceil(length / page_size)): what parking and session files hold, or neither, a *prefix*: the first
-    ``length`` positions of the K/V of the conversation the part travels with (a parked or saved conversation's
-    checkpoints, whose K/V is a prefix of the conversation's own; Memory.attach_prefix makes it a reference again),
-    or *held* (``hold``: a memory.kv.Hold, the pool's pages kept for a conversation parked on its device, valid
-    until released whatever the live sequence does; Memory.hold / Memory.release).
+    *held* (``hold``: a memory.kv.Hold: the pool's pages, one reference each, kept whatever the sequence that was
+    captured does next: a write into a shared page copies it for whichever side reads past the write; ``release``
+    gives them back), *host copies* (``arrays``: PagePool.export_pages of those pages, "L{layer}.{k|v|k_scale|
+    v_scale}" -> array with the page axis of length ceil(length / page_size)): what parking in RAM and session
+    files hold, or neither, a *prefix*: the first ``length`` positions of the K/V of the conversation the part
+    travels with (a parked or saved conversation's checkpoints, whose K/V is a prefix of the conversation's own;
+    Memory.attach_prefix makes it held again).
     """
 
     length: int
-    pages: tuple[int, ...] | None = None
     arrays: dict[str, np.ndarray] | None = None
     hold: Any = None
-
-    @property
-    def is_reference(self) -> bool:
-        return self.arrays is None and self.pages is not None
 
     @property
     def is_held(self) -> bool:
@@ -65,10 +59,15 @@ class KVPages:
 
     @property
     def is_prefix(self) -> bool:
-        return self.arrays is None and self.pages is None and self.hold is None
+        return self.arrays is None and self.hold is None
+
+    def release(self) -> None:
+        """Give the held pages back (idempotent; host copies and prefixes hold no pages)."""
+        if self.hold is not None:
+            self.hold.release()
 
     def nbytes(self) -> int:
-        """Bytes this holds itself (a reference holds none of the K/V)."""
+        """Bytes this holds itself (held pages are the pool's: none)."""
         return 0 if self.arrays is None else sum(int(a.nbytes) for a in self.arrays.values())
 
 
@@ -89,14 +88,14 @@ class StatePart:
     kv: dict[str, KVPages] = field(default_factory=dict)
 
     @property
-    def is_reference(self) -> bool:
-        """True when some K/V is referenced in the stage's pool rather than held (see KVPages)."""
-        return any(k.is_reference for k in self.kv.values())
-
-    @property
     def is_held(self) -> bool:
-        """True when some K/V is pages held in the stage's pool for a parked conversation (see KVPages)."""
+        """True when some K/V is pages held in the stage's pool (see KVPages)."""
         return any(k.is_held for k in self.kv.values())
+
+    def release(self) -> None:
+        """Give back the pages the part holds (idempotent)."""
+        for k in self.kv.values():
+            k.release()
 
     @property
     def is_prefix(self) -> bool:

@@ -80,9 +80,6 @@ class RecurrentMemory(Memory, Field):
     def _attach(self, st, part, out):
         out.running = {li: {k: self.xp.array(a) for k, a in d.items()} for li, d in part.running.items()}
 
-    def _hold(self, part, out):
-        pass                                        # Memory.hold keeps the captured running-state copies
-
     def _expect(self, pos, lengths, out, prefix=()):
         for li, d in sorted(self.init.items()):
             for k, a in sorted(d.items()):

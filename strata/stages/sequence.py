@@ -11,13 +11,14 @@ import numpy as np
 
 from strata.memory import KVCacheFull, PartMismatch, StatePart
 from strata.memory.host import with_field_hashes
-from strata.text.token_ids import as_ids, common_prefix, frozen_ids, is_prefix
+from strata.text.token_ids import as_ids, frozen_ids
 
 
 @dataclass(eq=False)      # its tokens are an array: equality is identity
 class Checkpoint:
     """The sequence at ``pos``: its token ids and one StatePart per stage, in stage order (each naming its
-    carve). What the checkpoint cache keeps; restoring it lets a prompt that shares those tokens start at pos.
+    carve). What the checkpoint cache keeps; restoring it lets a prompt that shares those tokens start at pos,
+    whatever the sequence did since (its parts hold their pages until ``release``).
     tokens: any sequence of ids, kept as a read-only int32 array (strata.text.token_ids)."""
 
     pos: int
@@ -31,6 +32,11 @@ class Checkpoint:
         """Bytes held: every part's own bytes + token ids (int32)."""
         return sum(p.nbytes() for p in self.parts) + 4 * len(self.tokens)
 
+    def release(self) -> None:
+        """Give back the pages every part holds (idempotent); the checkpoint cannot be restored after."""
+        for p in self.parts:
+            p.release()
+
 
 class Sequence:
     """One live conversation on the engine: the token ids read so far (the main process decides
@@ -38,14 +44,15 @@ class Sequence:
     every stage's part before any stage is written. The ids live in one int32 buffer (``ids``, a read-only view),
     so reading n tokens costs O(n) and comparing the sequence with a prompt is one numpy comparison."""
 
-    def __init__(self, stages: list):
+    def __init__(self, stages: list, make_room: Callable[[], bool] | None = None):
         self.stages = stages
         self.sids = [st.memory.new_seq() for st in stages]
         self._buf = np.zeros(256, np.int32)
         self._n = 0
         # called when a stage's KV pool is short: frees pages (the engine moves a conversation parked on the device
-        # to host RAM) and returns True, or False when nothing more can be freed (KVCacheFull then stands)
-        self.make_room: Callable[[], bool] | None = None
+        # to host RAM or drops a checkpoint) and returns True, or False when nothing more can be freed (KVCacheFull
+        # then stands)
+        self.make_room = make_room
         self.forward_returned = time.monotonic()       # when the last forward call returned (or raised)
 
     @property
@@ -131,9 +138,16 @@ class Sequence:
         return next((r for r in (st.unavailable() for st in self.stages) if r), None)
 
     def capture(self) -> Checkpoint:
-        """A checkpoint at the current position (each stage drained on its own device first)."""
-        return Checkpoint(pos=self.pos, tokens=frozen_ids(self.ids),
-                          parts=[st.memory.capture(sid) for st, sid in zip(self.stages, self.sids)])
+        """A checkpoint at the current position (each stage drained on its own device first), its pages held on
+        every stage until ``Checkpoint.release``. All or nothing."""
+        parts: list = []
+        try:
+            for st, sid in zip(self.stages, self.sids):
+                parts.append(st.memory.capture(sid))
+        except BaseException:
+            self.release(parts)
+            raise
+        return Checkpoint(pos=self.pos, tokens=frozen_ids(self.ids), parts=parts)
 
     def validate(self, ckpt: Checkpoint) -> None:
         """PartMismatch (one line, naming the stage) unless every part fits its own stage and this sequence."""
@@ -142,13 +156,6 @@ class Sequence:
                                f"{len(self.stages)} stages")
         if len(ckpt.tokens) != ckpt.pos:
             raise PartMismatch(f"the checkpoint at {ckpt.pos} holds {len(ckpt.tokens)} tokens")
-        if any(p.is_reference for p in ckpt.parts):     # its K/V is this sequence's pages: they must hold its tokens
-            if ckpt.pos > self.pos:
-                raise PartMismatch(f"cannot restore position {ckpt.pos}: the sequence holds only {self.pos} tokens")
-            if not is_prefix(ckpt.tokens, self.ids):
-                first = common_prefix(self.ids, ckpt.tokens)
-                raise PartMismatch(f"cannot restore position {ckpt.pos}: the sequence diverged from the checkpoint "
-                                   f"at position {first}")
         for st, sid, part in zip(self.stages, self.sids, ckpt.parts):
             if part.pos != ckpt.pos:
                 raise PartMismatch(f"stage {st.index}'s part is at position {part.pos}, the checkpoint at {ckpt.pos}")
@@ -175,26 +182,13 @@ class Sequence:
         return [st.memory.detach(p, to_host) for st, p in zip(self.stages, ckpt.parts)]
 
     def can_hold(self) -> bool:
-        """Whether every stage can keep a conversation's pages on its device (local stages; not a remote one)."""
+        """Whether every stage's captured parts hold their pages on its device (local stages; not a remote one)."""
         return all(st.memory.holds_pages for st in self.stages)
-
-    def hold(self, ckpt: Checkpoint) -> list[StatePart]:
-        """`ckpt` (captured at this sequence's position) as held parts: each stage keeps its pages whatever the
-        sequence does next (Memory.hold); ``release`` gives them back. The running-state copies stay on the
-        devices. All or nothing."""
-        held: list[StatePart] = []
-        try:
-            for st, p in zip(self.stages, ckpt.parts):
-                held.append(st.memory.hold(p))
-        except BaseException:
-            self.release(held)
-            raise
-        return held
 
     def release(self, parts: list[StatePart]) -> None:
         """Give back the pages of held parts (see hold)."""
-        for st, p in zip(self.stages, parts):
-            st.memory.release(p)
+        for p in parts:
+            p.release()             # references only: nothing on a device is read or written
 
     def validate_detached(self, pos: int, parts: list[StatePart]) -> None:
         """PartMismatch unless `parts` (detached, see detach) fit the stages at position `pos`."""
@@ -210,10 +204,16 @@ class Sequence:
                 raise PartMismatch(f"stage {st.index} ({st.carve} on {st.device}): {e}") from None
 
     def attach(self, pos: int, parts: list[StatePart]) -> Checkpoint:
-        """A checkpoint of this sequence at `pos` from detached parts: K/V referencing its pages, running state
-        copied to each stage."""
-        return Checkpoint(pos=pos, tokens=frozen_ids(self.ids[:pos]),
-                          parts=[st.memory.attach_prefix(sid, p) for st, sid, p in zip(self.stages, self.sids, parts)])
+        """A checkpoint of this sequence at `pos` from detached parts: its first pages held, running state copied to
+        each stage. All or nothing."""
+        out: list = []
+        try:
+            for st, sid, p in zip(self.stages, self.sids, parts):
+                out.append(st.memory.attach_prefix(sid, p))
+        except BaseException:
+            self.release(out)
+            raise
+        return Checkpoint(pos=pos, tokens=frozen_ids(self.ids[:pos]), parts=out)
 
     def truncate(self, p: int) -> None:
         """Cut back to p tokens on every stage (ValueError, changing nothing, where a running state refuses)."""

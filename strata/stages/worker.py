@@ -7,21 +7,18 @@ import asyncio
 import concurrent.futures
 import os
 import socket
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import structlog
 
 import link
-from link import (Ack, Bye, Challenge, CkptRestore, CkptSave, Commit, Error, ErrorCode, Forward, Hello, HelloAck,
-                  LinkError, Ping, Pong, Reset, Result)
-from strata.stages.sequence import Checkpoint, Sequence
+from link import Bye, Challenge, Commit, Error, ErrorCode, Hello, HelloAck, LinkError, Ping, Pong
 from strata.memory.hostram import available_ram
-from strata.memory import Carve, KVCacheFull, PartMismatch
+from strata.memory import Carve
 from strata.stages import load_stages, make_backend, n_main_blocks
-from strata.stages.remote import HANDSHAKE_MAX, LinkClient, LinkDown, WorkerError
+from strata.stages.carrier import Carrier, Refuse
+from strata.stages.link_client import HANDSHAKE_MAX, LinkClient, LinkDown
 
 log = structlog.get_logger("strata.worker")
 
@@ -29,14 +26,6 @@ CKPT_MAX = 64               # checkpoint parts a worker keeps at most
 HELLO_TIMEOUT = 10.0        # seconds a connected main has to send its Hello
 IDLE_TIMEOUT = 15.0         # seconds without a frame from the main (it pings an idle link every second)
 MAX_BATCH = 8192            # tokens a Forward may carry at most (bounds the frames a main can make the worker read)
-
-
-class Refuse(Exception):
-    """An operation the worker refuses: answered with Error(code, message); `fatal` also closes the link."""
-
-    def __init__(self, code: int, message: str, fatal: bool = False):
-        super().__init__(message)
-        self.code, self.fatal = int(code), fatal
 
 
 @dataclass
@@ -54,132 +43,6 @@ class WorkerConfig:
     encrypt: bool = False            # require encrypted frames from every main (and encrypt the next hop)
     insecure_link: bool = False      # accept a keyed main that does not protect frames after the hello
     moe_tier: Any = None             # the expert tier's TierSettings for this worker's carve (None: experts in VRAM)
-
-
-class Carrier:
-    """What the worker holds for the connected main (used from the worker's one compute thread): the stages of
-    its carve, the live sequence, the checkpoint store (id -> Checkpoint) and the link to the next worker."""
-
-    def __init__(self, stages, hello: Hello, ckpt_max: int, next_hop: LinkClient | None):
-        self.stages, self.seq = stages, Sequence(stages)
-        self.n_embd, self.n_ctx, self.max_batch = int(hello.n_embd), int(hello.n_ctx), int(hello.max_batch)
-        self.ckpt_max = ckpt_max
-        self.store: dict[int, Checkpoint] = {}
-        self.next = next_hop
-
-    # ---- operations (each either succeeds whole or raises Refuse) ------------------------------------------
-    def handle(self, msg) -> Any:
-        try:
-            if isinstance(msg, Forward):
-                return self.forward(msg)
-            if isinstance(msg, CkptSave):
-                return self.ckpt_save(msg)
-            if isinstance(msg, CkptRestore):
-                return self.ckpt_restore(msg)
-            if isinstance(msg, Reset):
-                return self.reset(msg)
-            if isinstance(msg, Commit):
-                return self.commit(msg)
-        except WorkerError as e:            # the next worker's refusal, passed back with its code
-            raise Refuse(e.link_code, str(e)) from None
-        except LinkDown as e:
-            raise Refuse(ErrorCode.NEXT_HOP, str(e), fatal=True) from None
-        except KVCacheFull as e:
-            raise Refuse(ErrorCode.LIMIT, str(e)) from None
-        except (PartMismatch, ValueError) as e:
-            raise Refuse(ErrorCode.DESYNC, str(e)) from None
-        raise Refuse(ErrorCode.BAD_FRAME, f"a {type(msg).__name__} is not a request a worker serves", fatal=True)
-
-    def _at(self, pos: int, what: str) -> None:
-        if pos != self.seq.pos:
-            raise Refuse(ErrorCode.DESYNC, f"{what} at position {pos}, but this worker's sequence is at {self.seq.pos}")
-
-    def forward(self, m: Forward) -> Result:
-        self._at(m.pos, "Forward")
-        n = int(m.tokens.shape[0])
-        if n < 1 or n > self.max_batch or m.pos + n > self.n_ctx:
-            raise Refuse(ErrorCode.LIMIT, f"a Forward of {n} tokens at {m.pos} exceeds the hello's limits "
-                                          f"(max_batch {self.max_batch}, n_ctx {self.n_ctx})")
-        if tuple(m.hidden.shape) != (n, self.n_embd):
-            raise Refuse(ErrorCode.BAD_FRAME, f"hidden states {tuple(m.hidden.shape)} for {n} tokens of width "
-                                              f"{self.n_embd}", fatal=True)
-        t0 = time.perf_counter()
-        x = self.seq.forward(m.tokens, x_in=np.asarray(m.hidden, dtype=np.float32))
-        be = self.stages[-1].backend
-        if self.next is not None:
-            h = np.ascontiguousarray(be.to_host(x), dtype=np.float32)
-            res = self.next.call(Forward(pos=m.pos, want_all=m.want_all, tokens=m.tokens, hidden=h))
-            hidden = res.hidden
-        else:
-            hidden = np.ascontiguousarray(be.to_host(x if m.want_all else x[-1:]), dtype=np.float32)
-        return Result(pos=self.seq.pos, compute_us=int((time.perf_counter() - t0) * 1e6), hidden=hidden)
-
-    def _prune(self, keep) -> None:
-        for k in [k for k in self.store if k not in set(keep)]:
-            del self.store[k]
-
-    def _ack(self) -> Ack:
-        return Ack(pos=self.seq.pos, held=len(self.store), store_bytes=sum(c.nbytes() for c in self.store.values()))
-
-    def ckpt_save(self, m: CkptSave) -> Ack:
-        self._at(m.pos, "CkptSave")
-        kept = set(m.keep) & (set(self.store) | {m.ckpt_id})
-        if len(kept | {m.ckpt_id}) > self.ckpt_max:
-            raise Refuse(ErrorCode.LIMIT, f"keeping {len(kept | {m.ckpt_id})} checkpoint parts exceeds the "
-                                          f"{self.ckpt_max} granted at the hello")
-        cp = self.seq.capture()
-        if self.next is not None:
-            self.next.call(CkptSave(ckpt_id=m.ckpt_id, pos=m.pos, keep=list(m.keep)))
-        self.store[m.ckpt_id] = cp
-        self._prune(list(m.keep) + [m.ckpt_id])
-        return self._ack()
-
-    def ckpt_restore(self, m: CkptRestore) -> Ack:
-        cp = self.store.get(m.ckpt_id)
-        if cp is None:
-            raise Refuse(ErrorCode.CKPT_MISSING, f"checkpoint {m.ckpt_id} is not held here "
-                                                 f"({len(self.store)} held)")
-        if cp.pos != m.pos:
-            raise Refuse(ErrorCode.DESYNC, f"checkpoint {m.ckpt_id} is at {cp.pos}, not {m.pos}")
-        self.seq.restore(cp)
-        if self.next is not None:
-            self.next.call(CkptRestore(ckpt_id=m.ckpt_id, pos=m.pos, keep=list(m.keep)))
-        self._prune(list(m.keep) + [m.ckpt_id])
-        return self._ack()
-
-    def reset(self, m: Reset) -> Ack:
-        self.seq.reset()
-        if self.next is not None:
-            self.next.call(Reset(keep=list(m.keep)))
-        self._prune(m.keep)
-        return self._ack()
-
-    def commit(self, m: Commit) -> Ack:
-        self.seq.truncate(int(m.pos))
-        if self.next is not None:
-            self.next.call(Commit(pos=m.pos))
-        return self._ack()
-
-    def ping_next(self) -> bool:
-        """Ping the next worker when its link has been quiet for a second -> False when it is gone."""
-        if self.next is None or time.monotonic() - self.next.heard < 1.0:
-            return True
-        try:
-            self.next.ping()
-        except (LinkDown, WorkerError) as e:
-            log.warning("the next worker is gone", error=str(e))
-            return False
-        return True
-
-    def close(self) -> None:
-        """Disconnect: the store is cleared, the sequence's pages given back, the next worker's link closed."""
-        self.store.clear()
-        try:
-            self.seq.drop()
-        finally:
-            if self.next is not None:
-                self.next.close()
-                self.next = None
 
 
 class Worker:
