@@ -92,6 +92,22 @@ class MoeTierConfig:
                             swaps=int(self.adapt_swaps), pcie_frac=float(self.pcie_frac))
 
 
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding with the model's MTP head (strata/engine/speculate.py). n: drafts per verify (0: off);
+    min_p: drafting stops at a draft whose draft probability is below this."""
+
+    n: int = 0
+    min_p: float = 0.0
+
+    def problem(self) -> str | None:
+        if not 0 <= self.n <= 15:
+            return f"--spec must be in [0, 15] (drafts per verify; a verify reads at most 16 tokens), got {self.n}"
+        if not 0.0 <= self.min_p < 1.0:
+            return f"--spec-min-p must be in [0, 1), got {self.min_p}"
+        return None
+
+
 #: the engine's keyword arguments (and the CLI's flag names, dashes for underscores) -> (sub-config, field)
 FLAT = {
     "device": ("stages", "device"), "layer_split": ("stages", "layer_split"), "kv": ("stages", "kv"),
@@ -106,6 +122,7 @@ FLAT = {
     "link_encrypt": ("link", "encrypt"), "insecure_link": ("link", "insecure"),
     "moe_vram_mib": ("moe", "vram_mib"), "adapt_every": ("moe", "adapt_every"), "adapt_swaps": ("moe", "adapt_swaps"),
     "pcie_frac": ("moe", "pcie_frac"),
+    "spec": ("spec", "n"), "spec_min_p": ("spec", "min_p"),
 }
 TOP = ("model", "n_ctx", "ubatch", "threads")
 
@@ -125,12 +142,13 @@ class EngineConfig:
     parking: ParkingConfig = field(default_factory=ParkingConfig)
     link: LinkConfig = field(default_factory=LinkConfig)
     moe: MoeTierConfig = field(default_factory=MoeTierConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
 
     @classmethod
     def build(cls, **options) -> "EngineConfig":
         """From the flat option names (FLAT's keys and TOP); TypeError naming an unknown one, as a call would."""
         top: dict = {}
-        subs: dict[str, dict] = {"stages": {}, "checkpoints": {}, "parking": {}, "link": {}, "moe": {}}
+        subs: dict[str, dict] = {"stages": {}, "checkpoints": {}, "parking": {}, "link": {}, "moe": {}, "spec": {}}
         for k, v in options.items():
             if k in TOP:
                 top[k] = str(v) if k == "model" and isinstance(v, os.PathLike) else v
@@ -141,7 +159,7 @@ class EngineConfig:
                 raise TypeError(f"unexpected engine option {k!r}")
         return cls(**top, stages=StageConfig(**subs["stages"]), checkpoints=CheckpointConfig(**subs["checkpoints"]),
                    parking=ParkingConfig(**subs["parking"]), link=LinkConfig(**subs["link"]),
-                   moe=MoeTierConfig(**subs["moe"]))
+                   moe=MoeTierConfig(**subs["moe"]), spec=SpecConfig(**subs["spec"]))
 
     @classmethod
     def from_args(cls, args) -> "EngineConfig":
@@ -218,7 +236,7 @@ class EngineConfig:
                                           prompt_cache_tail=ck.tail)
             if why:
                 return why
-        why = self.moe.problem()
+        why = self.moe.problem() or self.spec.problem()
         if why:
             return why
         if self.moe.vram_mib is not None and devices[0] == "cpu":

@@ -66,6 +66,7 @@ class GenerationRequest:
     sampling; the answer ends when the grammar is complete), or None.
     show_tokens: ids of control tokens whose text is part of the answer (tool-call markers such as <|python_tag|>
     or [TOOL_CALLS], which the parsers of strata.structured.tool_calls read); other control tokens stay invisible.
+    spec: False turns speculative decoding off for this request (None: the engine's --spec).
     """
 
     prompt_tokens: list[int]
@@ -83,6 +84,7 @@ class GenerationRequest:
     deadline: float | None = None
     constraint: Any = None
     show_tokens: frozenset[int] = frozenset()
+    spec: bool | None = None
 
 
 @dataclass

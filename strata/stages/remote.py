@@ -601,9 +601,12 @@ class RemoteStage(StageBase):
                 self._mark_down(str(e))
                 raise
 
-    def forward(self, tokens: np.ndarray, sid: int, x_in=None, all_logits: bool = False, on_device: bool = False):
+    def forward(self, tokens: np.ndarray, sid: int, x_in=None, all_logits: bool = False, on_device: bool = False,
+                hidden: bool = False):
         """Send the previous stage's hidden states through the worker chain; run the head on what comes back ->
-        logits as Stage.forward gives them."""
+        logits as Stage.forward gives them (not ``hidden``: a remote stage does not speculate yet)."""
+        if hidden:
+            raise ValueError(f"stage {self.index} is remote: it does not return the drafter's hidden states")
         toks = np.ascontiguousarray(np.asarray(tokens, dtype=np.int32).reshape(-1))
         be = self.backend
         x = np.ascontiguousarray(x_in if isinstance(x_in, np.ndarray) else be.to_host(x_in), dtype=np.float32)
