@@ -25,7 +25,7 @@ from strata.engine.decode import Decoder, env_flag
 from strata.engine.parking import Conversations
 from strata.engine.prefill import PromptReader
 from strata.engine.speculate import MTPDrafter, SpecCounts, spec_refusal
-from strata.engine.types import ContextOverflow, FinalEvent, GenerationRequest, TokenEvent
+from strata.engine.types import ContextOverflow, FinalEvent, GenerationRequest, TokenEvent, spec_timings
 from strata.engine.validation import check_request, prompt_ids
 from strata.gguf.file import ModelLoadError, open_gguf
 from strata.models.registry import supported_archs
@@ -331,8 +331,7 @@ class Engine:
                          "predicted_n": n_run, "predicted_ms": predicted_ms,
                          "predicted_per_second": n_run / (predicted_ms / 1000.0) if predicted_ms > 0 else 0.0,
                          "cache_n": plan.resume_pos if first else n,
-                         "draft_n": counts.drafted, "draft_n_accepted": counts.accepted,
-                         "draft_verifies": counts.verifies},
+                         **spec_timings(counts.drafted, counts.accepted, counts.verifies)},
                 strata={"resume_pos": plan.resume_pos if first else n,
                         "resume_from": plan.resume_from if first else "choice", "parts": parts if first else [],
                         "checkpoints": len(self.cache), "stopped_by": stopped_by},
