@@ -253,3 +253,42 @@ def test_min_p_stops_drafting(model):
     e = Engine(model, n_ctx=256, spec=3, spec_min_p=0.99)
     got, fin = _run(e, prompt, max_tokens=8)
     assert got == ref and fin[0].timings["draft_n"] == 0
+
+
+def test_penalties_logprobs_and_cancel(model):
+    """Greedy with repetition penalties and logprobs: the same tokens, logprobs and alternatives as --spec 0; a
+    cancel set after the k-th token ends both at the same token and state."""
+    prompt = _prompt(19, 13)
+    pen = SamplingParams(temperature=0.0, repeat_penalty=1.3, presence_penalty=0.5, repeat_last_n=64)
+
+    def events(e, **kw):
+        out = []
+        for ev in e.generate(GenerationRequest(prompt_tokens=list(prompt), sampling=pen, max_tokens=20,
+                                               ignore_eos=True, logprobs=3, cache_prompt=False, **kw)):
+            if not isinstance(ev, FinalEvent):
+                out.append((ev.token_id, ev.text, ev.logprob, ev.top_logprobs))
+        return out
+
+    base = Engine(model, n_ctx=256)
+    want = events(base)
+    e = Engine(model, n_ctx=256, spec=3)
+    oracle = Oracle(e, 0.8)
+    oracle.learn(prompt, [t for t, *_ in want])
+    e.drafter.oracle = oracle
+    assert events(e) == want
+
+    def cancelled(eng, k):
+        import threading
+        cancel = threading.Event()
+        got = []
+        for ev in eng.generate(GenerationRequest(prompt_tokens=list(prompt), sampling=pen, max_tokens=20,
+                                                 ignore_eos=True, cache_prompt=False, cancel=cancel)):
+            if isinstance(ev, FinalEvent):
+                return got, ev.finish_reason, _state(eng)
+            got.append(ev.token_id)
+            if len(got) == k:
+                cancel.set()
+    for k in (3, 8):
+        e.drafter.oracle = Oracle(e, 1.0)
+        e.drafter.oracle.learn(prompt, [t for t, *_ in want])
+        assert cancelled(e, k) == cancelled(base, k)

@@ -146,15 +146,21 @@ class Decoder:
                     counts.verifies += 1
                     counts.drafted += len(drafts)
                     counts.accepted += verdict.accepted
+                    # the position decoding one at a time reaches: t and the tokens emitted before the last are
+                    # read; a cancel seen between two tokens comes after the last emitted one was read
                     j = 0
                     for r in verdict.tokens:
+                        if req.cancel.is_set():
+                            finish = "cancelled"
+                            j += 1
+                            break
                         j += 1
                         ev, finish = emit(r)
                         if ev is not None:
                             yield ev
                         if finish is not None:
                             break
-                    st.commit(base + j)      # the token sampled and the emitted ones before the last: read
+                    st.commit(base + j)
                     self.drafter.observe(base, h[:j])
                     tok = int(verdict.tokens[j - 1].token_id)
                 if finish is not None:
