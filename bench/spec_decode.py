@@ -82,7 +82,8 @@ def micro(engine, prompt, ns, reps):
     seq = engine.seq
     rng = np.random.default_rng(0)
     seq.reset()
-    seq.forward(np.asarray(prompt, np.int32))
+    _, h = seq.forward(np.asarray(prompt, np.int32), hidden=True)
+    engine.drafter.observe(0, h)                  # the MTP K/V follows the prompt, as in the engine
     ck = seq.capture()
     out = {}
 
