@@ -246,6 +246,14 @@ def test_refusals(model, no_mtp):
         Engine(model, n_ctx=64, spec=1, spec_min_p=1.5)
 
 
+def test_remote_stage_refused(model, workers):
+    """A remote stage (a real worker process on loopback) refuses --spec in one line, before any request."""
+    w = workers("--model", str(model))
+    with pytest.raises(ValueError, match="stage 1 is remote") as e:
+        Engine(model, n_ctx=64, remote_stage=w.address, layer_split="2", spec=2)
+    assert "\n" not in str(e.value)
+
+
 def test_min_p_stops_drafting(model):
     """--spec-min-p above any draft probability the random head gives drafts nothing; the output is unchanged."""
     prompt = _prompt(14, 12)

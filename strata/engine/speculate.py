@@ -42,12 +42,12 @@ class SpecCounts:
 
 def spec_refusal(stages, model) -> str | None:
     """Why --spec > 0 cannot run on these stages and this model (one line), or None."""
-    if getattr(model, "mtp", None) is None:
-        return "--spec needs a model with an MTP head (nextn_predict_layers > 0); this model has none: use --spec 0"
     for st in stages:
         why = st.speculates
         if why:
-            return f"--spec: {why}"
+            return f"--spec: {why}; use --spec 0"
+    if getattr(model, "mtp", None) is None:
+        return "--spec needs a model with an MTP head (nextn_predict_layers > 0); this model has none: use --spec 0"
     return None
 
 

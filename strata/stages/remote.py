@@ -601,6 +601,10 @@ class RemoteStage(StageBase):
                 self._mark_down(str(e))
                 raise
 
+    @property
+    def speculates(self) -> str | None:
+        return f"stage {self.index} is remote: speculative decoding over the stage link is not supported yet"
+
     def forward(self, tokens: np.ndarray, sid: int, x_in=None, all_logits: bool = False, on_device: bool = False,
                 hidden: bool = False):
         """Send the previous stage's hidden states through the worker chain; run the head on what comes back ->
