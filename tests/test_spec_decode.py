@@ -250,7 +250,7 @@ def test_remote_stage_refused(model, workers):
     """A remote stage (a real worker process on loopback) refuses --spec in one line, before any request."""
     w = workers("--model", str(model))
     with pytest.raises(ValueError, match="stage 1 is remote") as e:
-        Engine(model, n_ctx=64, remote_stage=w.address, layer_split="2", spec=2)
+        Engine(model, n_ctx=64, ubatch=32, remote_stage=w.address, layer_split="2", spec=2)
     assert "\n" not in str(e.value)
 
 
