@@ -246,12 +246,38 @@ def test_refusals(model, no_mtp):
         Engine(model, n_ctx=64, spec=1, spec_min_p=1.5)
 
 
-def test_remote_stage_refused(model, workers):
-    """A remote stage (a real worker process on loopback) refuses --spec in one line, before any request."""
-    w = workers("--model", str(model))
-    with pytest.raises(ValueError, match="stage 1 is remote") as e:
-        Engine(model, n_ctx=64, ubatch=32, remote_stage=w.address, layer_split="2", spec=2)
-    assert "\n" not in str(e.value)
+@pytest.mark.parametrize("delay_ms", [0, 40], ids=["commit_in_order", "commit_late"])
+def test_remote_stage_over_loopback(model, workers, delay_ms):
+    """The last layers on a real worker process (loopback): the main drafts beside the head, the verify is a
+    Forward with want_all, the worker rolls its running state back at the Commit (+spec). A second turn restores
+    a checkpoint kept on the worker, then another conversation; a worker that applies Commits late (the link's test
+    hook) gives the same answers (the settle before the next Forward and before a prompt)."""
+    env = {"STRATA_TEST_COMMIT_DELAY_MS": str(delay_ms)} if delay_ms else None
+    w = workers("--model", str(model), env=env)
+    a1, b1 = _prompt(24, 14), _prompt(21, 15)
+
+    def script(e):
+        ra, _ = _run(e, a1, cut_points=[(10, "message"), (24, "turn")], max_tokens=12)
+        a2 = a1 + _prompt(6, 16)           # the answer edited away: the turn's checkpoint at 24 is restored
+        r2, f2 = _run(e, a2, cut_points=[(10, "message"), (24, "message"), (len(a2), "turn")], max_tokens=14)
+        rb, _ = _run(e, b1, cut_points=[(8, "message")], max_tokens=9)
+        return [_ids(ra), _ids(r2), _ids(rb)], f2[0].strata["resume_from"]
+
+    want, _ = script(Engine(model, n_ctx=256, prompt_cache=4))
+    for split in ("2", "3"):           # the worker's carve with a GDN layer, and attention only
+        e = Engine(model, n_ctx=256, ubatch=32, prompt_cache=4, remote_stage=w.address, layer_split=split, spec=3)
+        try:
+            oracle = Oracle(e, 0.7, seed=3)
+            oracle.learn(a1, want[0])
+            oracle.learn(a1 + _prompt(6, 16), want[1])
+            oracle.learn(b1, want[2])
+            e.drafter.oracle = oracle
+            got, got_how = script(e)
+            assert got == want, split
+            assert got_how == "checkpoint"
+            assert e.spec_totals.accepted > 0 and e.spec_totals.drafted > e.spec_totals.accepted
+        finally:
+            e.close()
 
 
 def test_min_p_stops_drafting(model):

@@ -130,11 +130,14 @@ class Engine:
         self.drafter = None
         if self.spec > 0:
             last = self.stages[-1]
-            why = spec_refusal(self.stages, getattr(last, "model", None))
+            model = getattr(last, "model", None)
+            if model is not None and hasattr(model, "load_mtp"):
+                model.load_mtp()            # the main runs the drafter beside the head when a worker runs the tail
+            why = spec_refusal(self.stages, model)
             if why:
                 self.close()
                 raise ValueError(why)
-            self.drafter = MTPDrafter(self.seq, last, last.model)
+            self.drafter = MTPDrafter(self.seq, last, model, self.n_ctx)
         self.spec_totals = SpecCounts()          # every choice's, since the start (/metrics)
         self.reader = PromptReader(self.seq, self.cache, self.conversations, self.ubatch, drafter=self.drafter)
         self.decoder = Decoder(self.seq, self.tokenizer, self.eog_ids, self.n_vocab, self.n_ctx, self.stages[-1],

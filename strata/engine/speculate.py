@@ -10,8 +10,9 @@ token just sampled (that position is certain: the token will be read), and past 
 until n tokens or a draft probability below ``min_p``; the positions past P - 1 are cut back before the verify.
 
 A position whose hidden state was never observed (the tail of a checkpoint restored, a sequence cut back) enters
-the MTP block with a zero hidden state: it can lower what the drafts agree with, never what is emitted (a verify
-decides that).
+the MTP block with a zero hidden state, and with a remote last stage (the drafter's K/V then a table of the
+drafter's own, which checkpoints do not carry) a restored conversation's earlier MTP positions may be another's:
+either can lower what the drafts agree with, never what is emitted (a verify decides that).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from typing import Callable
 
 import numpy as np
 
+from strata.memory import Memory
 from strata.sampling.speculative import Draft
 
 
@@ -56,14 +58,19 @@ class MTPDrafter:
     drafter's K/V). ``oracle``: None, or a function (position of the drafted token, the MTP head's token) -> the
     token to draft instead (tests and benchmarks: the MTP head still runs on the drafts it is given)."""
 
-    def __init__(self, seq, stage, model):
+    def __init__(self, seq, stage, model, n_ctx: int):
         self.seq, self.stage, self.model = seq, stage, model
         self.oracle: Callable[[int, int], int] | None = None
+        # the drafter's K/V: the last stage's "draft" field, or (the last stage remote: the main runs the head and
+        # the drafter) a page table of its own, which checkpoints do not carry
+        self._own = None if isinstance(stage.memory, Memory) else model.new_mtp_kv(n_ctx)
         self._held: dict[int, np.ndarray] = {}          # position -> the main model's hidden state there
         self._epoch = seq.epoch
         self._zero = np.zeros(model.config.n_embd, np.float32)
 
     def _table(self):
+        if self._own is not None:
+            return self._own
         return self.stage.memory.seq(self.seq.sids[-1]).draft
 
     def _sync(self) -> None:

@@ -171,7 +171,16 @@ class Qwen3NextModel(Model):
         self.out_norm = self.weight("output_norm.weight", (E,))
         self.output = self.tok_embd if c.tie_embeddings else self.weight("output.weight", (c.n_vocab, E))
         self.mtp = None
+        self.n_mtp = n_mtp
         if n_mtp and self.loads(self.n_layer - 1):         # the drafter lives on the last stage
+            self.load_mtp()
+        self._done_loading()
+
+    def load_mtp(self) -> None:
+        """Load the MTP block (where the drafter runs: the last stage, or the main beside the head when the last
+        layers run on a worker); nothing when loaded or absent."""
+        if self.mtp is None and self.n_mtp:
+            c, E = self.config, self.config.n_embd
             i = self.n_layer
             p = f"blk.{i}.nextn."
             self.mtp = {
@@ -183,7 +192,6 @@ class Qwen3NextModel(Model):
                 "head_norm": self.weight(p + "shared_head_norm.weight", (E,), optional=True),
                 "head": self.weight(p + "shared_head_head.weight", (c.n_vocab, E), optional=True),
             }
-        self._done_loading()
 
     # --- loading -----------------------------------------------------------------------------------
     def _load_ffn(self, p: str) -> _FFN:

@@ -110,8 +110,7 @@ class Sequence:
         toks = np.asarray(tokens, dtype=np.int32).reshape(-1)
         n = int(toks.shape[0])
         self.reserve(n)
-        for st, sid in zip(self.stages, self.sids):
-            st.memory.keep(sid, n)
+        self.keep(n)
         x = None
         try:
             for st, sid in zip(self.stages, self.sids):
@@ -123,10 +122,17 @@ class Sequence:
         self._n += n
         return x
 
+    def keep(self, n: int) -> None:
+        """Arm every stage to keep each token's state through the next forward of at most n tokens (Memory.keep)."""
+        for st, sid in zip(self.stages, self.sids):
+            st.memory.keep(sid, n)
+
     def commit(self, p: int) -> None:
         """The Commit after a verify: every stage at position p (one the verify read; its K/V cut back, its running
         state taken from the state kept after token p - 1), the token ids too. Every stage's check runs before any
         stage changes (ValueError)."""
+        if not 0 <= p <= self.pos:
+            raise ValueError(f"commit({p}) outside [0, {self.pos}]")
         for st, sid in zip(self.stages, self.sids):
             st.memory.check_commit(sid, p)
         for st, sid in zip(self.stages, self.sids):

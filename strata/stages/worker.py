@@ -28,6 +28,7 @@ log = structlog.get_logger("strata.worker")
 CKPT_MAX = 64               # checkpoint parts a worker keeps at most
 HELLO_TIMEOUT = 10.0        # seconds a connected main has to send its Hello
 IDLE_TIMEOUT = 15.0         # seconds without a frame from the main (it pings an idle link every second)
+SPEC_MAX_TOKENS = 16        # the longest Forward with want_all whose per-token states are kept (a verify's)
 MAX_BATCH = 8192            # tokens a Forward may carry at most (bounds the frames a main can make the worker read)
 
 
@@ -104,6 +105,8 @@ class Carrier:
             raise Refuse(ErrorCode.BAD_FRAME, f"hidden states {tuple(m.hidden.shape)} for {n} tokens of width "
                                               f"{self.n_embd}", fatal=True)
         t0 = time.perf_counter()
+        if m.want_all and n <= SPEC_MAX_TOKENS:    # a verify (+spec): each token's state kept for the Commit
+            self.seq.keep(n)
         x = self.seq.forward(m.tokens, x_in=np.asarray(m.hidden, dtype=np.float32))
         be = self.stages[-1].backend
         if self.next is not None:
@@ -155,7 +158,9 @@ class Carrier:
         return self._ack()
 
     def commit(self, m: Commit) -> Ack:
-        self.seq.truncate(int(m.pos))
+        """Keep positions [0, pos): after a verify (a Forward with want_all) any position it read, the running state
+        taken from the state kept there; otherwise a cut-back (attention K/V only)."""
+        self.seq.commit(int(m.pos))
         if self.next is not None:
             self.next.call(Commit(pos=m.pos))
         return self._ack()
@@ -248,10 +253,11 @@ class Worker:
         return self._stages[1]
 
     def caps(self) -> list[str]:
-        """The capabilities this worker announces in its Challenge (none without a key: frames stay plain)."""
+        """The capabilities this worker announces in its Challenge: frame protection with a key (none without one:
+        frames stay plain), and ``+spec`` (speculative decoding's verify and Commit, Carrier.forward / commit)."""
         if self.cfg.key is None:
-            return []
-        return [link.CAP_MAC, link.CAP_AEAD] + ([link.CAP_ENCRYPT] if self.cfg.encrypt else [])
+            return [link.CAP_SPEC]
+        return [link.CAP_MAC, link.CAP_AEAD] + ([link.CAP_ENCRYPT] if self.cfg.encrypt else []) + [link.CAP_SPEC]
 
     def setup(self, h: Hello, frames: str = link.FRAMES_PLAIN) -> tuple[Carrier, HelloAck]:
         """Check the hello, load the carve, link the next worker (a relay does it again for every main, so the
