@@ -9,6 +9,7 @@ checkpoints restored mid-conversation; n > 1; a session file saved and restored 
 """
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as hs
 
 from strata.engine.engine import Engine
 from strata.engine.types import FinalEvent, GenerationRequest
@@ -326,3 +327,40 @@ def test_penalties_logprobs_and_cancel(model):
         e.drafter.oracle = Oracle(e, 1.0)
         e.drafter.oracle.learn(prompt, [t for t, *_ in want])
         assert cancelled(e, k) == cancelled(base, k)
+
+
+# ---- the verbs themselves: verify + Commit against reading the same tokens one forward at a time (hypothesis) ------
+
+@pytest.fixture(scope="module")
+def pair(model):
+    """Two engines' live sequences over the same model: one verifies and commits, the other reads plainly."""
+    return Engine(model, n_ctx=256, layer_split="2", prompt_cache=0), Engine(model, n_ctx=256, prompt_cache=0)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=hs.data())
+def test_verify_commit_equals_reading(pair, data):
+    """Random rounds of (verify k tokens, Commit to a position it read) on two stages leave the sequence in the
+    state a plain read of the committed tokens gives on one (every layer's K/V and running state, the token ids);
+    a Commit outside the kept positions is refused and changes nothing."""
+    spec_e, ref_e = pair
+    a, b = spec_e.seq, ref_e.seq
+    a.reset()
+    b.reset()
+    prompt = data.draw(hs.lists(hs.integers(0, 999), min_size=1, max_size=20))
+    a.forward(prompt)
+    b.forward(prompt)
+    for _ in range(data.draw(hs.integers(1, 5))):
+        k = data.draw(hs.integers(1, 16))
+        toks = data.draw(hs.lists(hs.integers(0, 999), min_size=k, max_size=k))
+        base = a.pos
+        a.verify(toks)
+        keep = data.draw(hs.integers(1, k))
+        bad = data.draw(hs.sampled_from([None, base, base + k + 1]))
+        if bad is not None:
+            with pytest.raises(ValueError):
+                a.commit(bad)
+            assert a.pos == base + k
+        a.commit(base + keep)
+        b.forward(toks[:keep])
+        assert _state(spec_e) == _state(ref_e)
