@@ -109,24 +109,32 @@ def test_greedy_equals_spec0(model, split):
 
 
 def test_stop_string_and_eog_inside_a_verify(model):
-    """A stop string met inside a verify's tokens ends the choice there, with the text and the state that
-    decoding without drafts gives."""
-    prompt = _prompt(17, 2)
+    """A stop string and an end-of-generation token met inside a verify's tokens end the choice there, with the
+    text and the state that decoding without drafts gives."""
+    prompt = _prompt(17, 35)                # a continuation that changes token a few times
     base = Engine(model, n_ctx=256)
     ref, _ = _run(base, prompt, max_tokens=24)
-    text = "".join(t for _, _, t in ref)
-    stop = text[len(text) // 2:len(text) // 2 + 2]
-    if not stop.strip():
-        pytest.skip("the synthetic continuation has no usable stop string")
-    want, fin0 = _run(base, prompt, max_tokens=24, stop=[stop])
+    ids = _ids(ref)
+    # the first token that is new after the 4th: its text starts the stop string, its id is made an EOG after
+    i = next(j for j in range(4, len(ids)) if ids[j] not in ids[:j])
+    stop = ref[i][2][:4]
+    assert stop.strip() and stop not in "".join(t for _, _, t in ref[:i])
+    want, fin0 = _run(base, prompt, max_tokens=24, stop=[stop], cache_prompt=False)
     want_state = _state(base)
     e = Engine(model, n_ctx=256, spec=4)
     oracle = Oracle(e, 1.0)
-    oracle.learn(prompt, _ids(ref))
+    oracle.learn(prompt, ids)
     e.drafter.oracle = oracle
     got, fin = _run(e, prompt, max_tokens=24, stop=[stop], cache_prompt=False)
     assert got == want and fin[0].finish_reason == fin0[0].finish_reason == "stop"
-    assert fin[0].text == fin0[0].text and _state(e) == want_state
+    assert fin[0].text == fin0[0].text and _state(e) == want_state and fin[0].timings["draft_verifies"] >= 1
+    for eng in (base, e):
+        eng.decoder.eog_ids = set(eng.eog_ids) | {ids[i]}
+    want, fin0 = _run(base, prompt, max_tokens=24, ignore_eos=False, cache_prompt=False)
+    want_state = _state(base)
+    got, fin = _run(e, prompt, max_tokens=24, ignore_eos=False, cache_prompt=False)
+    assert got == want and len(got) == i and fin[0].finish_reason == fin0[0].finish_reason == "stop"
+    assert fin[0].timings["predicted_n"] == fin0[0].timings["predicted_n"] == i + 1 and _state(e) == want_state
 
 
 def test_checkpoints_resumed_mid_conversation(model):
