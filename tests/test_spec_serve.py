@@ -28,6 +28,8 @@ def test_opt_out_metrics_and_status(daemon):
     assert d.metric("strata_spec_drafted_tokens_total") == 0 and d.metric("strata_spec_verifies_total") == 0
     on = _complete(d, cache_prompt=False)
     assert on["choices"][0]["text"] == off["choices"][0]["text"]
+    assert off["timings"]["draft_n"] == 0 and on["timings"]["draft_n"] > 0
+    assert on["timings"]["draft_mean_accepted"] >= 1.0
     drafted = d.metric("strata_spec_drafted_tokens_total")
     assert drafted > 0 and d.metric("strata_spec_verifies_total") > 0
     assert 0 <= d.metric("strata_spec_accepted_tokens_total") <= drafted
