@@ -101,8 +101,10 @@ class SpecConfig:
     min_p: float = 0.0
 
     def problem(self) -> str | None:
-        if not 0 <= self.n <= 15:
-            return f"--spec must be in [0, 15] (drafts per verify; a verify reads at most 16 tokens), got {self.n}"
+        from strata.engine.speculate import MAX_DRAFTS
+        if not 0 <= self.n <= MAX_DRAFTS:
+            return (f"--spec must be in [0, {MAX_DRAFTS}] (drafts per verify; a verify reads at most "
+                    f"{MAX_DRAFTS + 1} tokens), got {self.n}")
         if not 0.0 <= self.min_p < 1.0:
             return f"--spec-min-p must be in [0, 1), got {self.min_p}"
         return None

@@ -11,7 +11,7 @@ from typing import Callable
 import numpy as np
 import structlog
 
-from strata.engine.speculate import MTPDrafter, SpecCounts
+from strata.engine.speculate import MAX_DRAFTS, MTPDrafter, SpecCounts
 from strata.engine.types import GenerationRequest, TokenEvent
 from strata.sampling.sampler import Sampler, SamplingParams, StopMatcher
 from strata.sampling.device import DeviceSampler
@@ -137,7 +137,7 @@ class Decoder:
                 while finish is None and spec:
                     base = st.pos
                     # drafts that could be emitted: max_tokens and the context bound them (and a short read's rows)
-                    room = min(spec, max_new - len(toks) - 1, self.n_ctx - n - len(toks) - 1, 15)
+                    room = min(spec, max_new - len(toks) - 1, self.n_ctx - n - len(toks) - 1, MAX_DRAFTS)
                     drafts = self.drafter.draft(tok, room, self.spec_min_p) if room > 0 else []
                     if not drafts:
                         break

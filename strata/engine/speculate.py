@@ -21,8 +21,12 @@ from typing import Callable
 
 import numpy as np
 
+from strata.backend.quant import ROWWISE_MAX_TOKENS
 from strata.memory import Memory
 from strata.sampling.speculative import Draft
+
+#: drafts per verify at most: a verify reads the sampled token and its drafts in one short read
+MAX_DRAFTS = ROWWISE_MAX_TOKENS - 1
 
 
 @dataclass

@@ -17,6 +17,7 @@ import structlog
 import link
 from link import (Ack, Bye, Challenge, CkptRestore, CkptSave, Commit, Error, ErrorCode, Forward, Hello, HelloAck,
                   LinkError, Ping, Pong, Reset, Result)
+from strata.backend.quant import ROWWISE_MAX_TOKENS
 from strata.stages.sequence import Checkpoint, Sequence
 from strata.memory.hostram import available_ram
 from strata.memory import Carve, KVCacheFull, PartMismatch
@@ -28,7 +29,6 @@ log = structlog.get_logger("strata.worker")
 CKPT_MAX = 64               # checkpoint parts a worker keeps at most
 HELLO_TIMEOUT = 10.0        # seconds a connected main has to send its Hello
 IDLE_TIMEOUT = 15.0         # seconds without a frame from the main (it pings an idle link every second)
-SPEC_MAX_TOKENS = 16        # the longest Forward with want_all whose per-token states are kept (a verify's)
 MAX_BATCH = 8192            # tokens a Forward may carry at most (bounds the frames a main can make the worker read)
 
 
@@ -105,7 +105,7 @@ class Carrier:
             raise Refuse(ErrorCode.BAD_FRAME, f"hidden states {tuple(m.hidden.shape)} for {n} tokens of width "
                                               f"{self.n_embd}", fatal=True)
         t0 = time.perf_counter()
-        if m.want_all and n <= SPEC_MAX_TOKENS:    # a verify (+spec): each token's state kept for the Commit
+        if m.want_all and n <= ROWWISE_MAX_TOKENS:    # a verify (+spec): each token's state kept for the Commit
             self.seq.keep(n)
         x = self.seq.forward(m.tokens, x_in=np.asarray(m.hidden, dtype=np.float32))
         be = self.stages[-1].backend
