@@ -372,3 +372,27 @@ def test_verify_commit_equals_reading(pair, data):
         a.commit(base + keep)
         b.forward(toks[:keep])
         assert _state(spec_e) == _state(ref_e)
+
+
+def test_consumer_closing_inside_a_verify(model):
+    """A consumer that goes away inside a verify's tokens (the iterator closed) leaves the sequence committed where
+    decoding one at a time leaves it, and the next request runs."""
+    prompt = _prompt(16, 21)
+    base = Engine(model, n_ctx=256)
+    ref, _ = _run(base, prompt, max_tokens=20)
+    e = Engine(model, n_ctx=256, spec=4)
+
+    def close_after(eng, k):
+        it = eng.generate(GenerationRequest(prompt_tokens=list(prompt), max_tokens=20, ignore_eos=True,
+                                            cache_prompt=False))
+        for _ in range(k):
+            next(it)
+        it.close()
+        return _state(eng)
+
+    for k in (2, 5):
+        e.drafter.oracle = Oracle(e, 1.0)
+        e.drafter.oracle.learn(prompt, _ids(ref))
+        assert close_after(e, k) == close_after(base, k)
+        got, _ = _run(e, prompt, max_tokens=20, cache_prompt=False)
+        assert got == ref

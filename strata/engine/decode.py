@@ -149,18 +149,20 @@ class Decoder:
                     # the position decoding one at a time reaches: t and the tokens emitted before the last are
                     # read; a cancel seen between two tokens comes after the last emitted one was read
                     j = 0
-                    for r in verdict.tokens:
-                        if req.cancel.is_set():
-                            finish = "cancelled"
+                    try:
+                        for r in verdict.tokens:
+                            if req.cancel.is_set():
+                                finish = "cancelled"
+                                j += 1
+                                break
                             j += 1
-                            break
-                        j += 1
-                        ev, finish = emit(r)
-                        if ev is not None:
-                            yield ev
-                        if finish is not None:
-                            break
-                    st.commit(base + j)
+                            ev, finish = emit(r)
+                            if ev is not None:
+                                yield ev
+                            if finish is not None:
+                                break
+                    finally:             # the consumer may close the choice at a yield: the Commit lands anyway
+                        st.commit(base + max(j, 1))
                     self.drafter.observe(base, h[:j])
                     tok = int(verdict.tokens[j - 1].token_id)
                 if finish is not None:
