@@ -10,6 +10,8 @@ output is checked equal to the first pass on every run.
 Model: a synthetic qwen35 hybrid with an MTP block (synth preset 'small' by default, Q8_0), written into --dir.
 Usage: PYTHONPATH=. python bench/spec_decode.py [--device cpu] [--size small] [--ns 1,2,3,4]
        [--acceptance 0.3,0.5,0.7,0.8,0.9] [--tokens 64] [--prompt 64] [--reps 2] [--threads N] [--out PATH]
+Besides N = --ns, an "adaptive" arm: --spec max(ns) --spec-adaptive (each verify takes 0..N drafts as the measured
+acceptance and costs make fastest; its acceptance estimate carries over from one rate's runs to the next).
 Writes bench/results/spec_decode_<device>_<commit>.json (or --out). --device cuda is refused until the device
 verify lands (the engine refuses --spec on a CUDA stage).
 """
@@ -177,14 +179,15 @@ def main() -> int:
     res = {"device": "cpu", "model": path.name, "commit": commit_id(), "tokens": args.tokens, "prompt": args.prompt,
            "threads": base.threads, "reps": args.reps, "spec0_tok_s": baseline(), "runs": []}
     engines = {n: Engine(path, spec=n, **kw) for n in ns}
+    engines["adaptive"] = Engine(path, spec=max(ns), spec_adaptive=True, **kw)
     for rate in rates:
-        for n in ns:
+        for n in ns + ["adaptive"]:
             e = engines[n]
             pairs, acc = [], None
             for r in range(args.reps):            # --spec 0 and --spec N back to back: the machine is shared
                 toks0, t0 = run(base, prompt, args.tokens)
                 assert toks0 == ref
-                e.drafter.oracle = Oracle(by_pos, rate, base.n_vocab, seed=100 * n + r)
+                e.drafter.oracle = Oracle(by_pos, rate, base.n_vocab, seed=100 * len(str(n)) + r)
                 toks, t = run(e, prompt, args.tokens)
                 assert toks == ref, f"--spec {n} at acceptance {rate} changed the greedy output"
                 pairs.append((t["predicted_per_second"], t0["predicted_per_second"]))

@@ -396,3 +396,33 @@ def test_consumer_closing_inside_a_verify(model):
         assert close_after(e, k) == close_after(base, k)
         got, _ = _run(e, prompt, max_tokens=20, cache_prompt=False)
         assert got == ref
+
+
+def test_adaptive_n_policy():
+    """AdaptiveN with given costs: many drafts at high acceptance, none (a one-draft probe every probe_every
+    steps) at low acceptance; the acceptance follows the verdicts."""
+    from strata.engine.speculate import AdaptiveN
+    a = AdaptiveN(4, prior=0.9, probe_every=4)
+    a.t_step, a.t_draft, a.t_verify = 10.0, 1.0, {1: 12.0, 2: 13.0, 3: 14.0, 4: 15.0}
+    assert a.choose() == 4
+    for _ in range(60):                          # every draft rejected: the acceptance falls
+        a.verified(4, 0, 4.0, 15.0)
+    low = a.a
+    assert low < 0.1 and a.choose() == 0
+    for i in range(3):
+        a.plain_step(10.0)
+        assert a.choose() == (1 if i == 2 else 0)        # the probe after probe_every plain steps
+    a.verified(1, 1, 1.0, 12.0)
+    assert a.choose() == 0 and a.a > low
+
+
+def test_adaptive_greedy_equals_spec0(model):
+    prompt = _prompt(23, 1)
+    ref, _ = _run(Engine(model, n_ctx=256), prompt)
+    e = Engine(model, n_ctx=256, spec=4, spec_adaptive=True)
+    for rate in (1.0, 0.0):
+        oracle = Oracle(e, rate)
+        oracle.learn(prompt, _ids(ref))
+        e.drafter.oracle = oracle
+        got, fin = _run(e, prompt, cache_prompt=False)
+        assert got == ref and fin[0].timings["draft_verifies"] > 0

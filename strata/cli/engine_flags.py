@@ -50,6 +50,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "a request's \"strata_spec\": false turns it off for that request")
     s.add_argument("--spec-min-p", type=float, default=D.spec.min_p, metavar="P",
                    help="stop drafting at a draft whose draft probability is below P (default %(default)s)")
+    s.add_argument("--spec-adaptive", action="store_true",
+                   help="let each verify take 0..N drafts, as the measured acceptance and costs make fastest (0: a "
+                        "plain decode step, with a one-draft probe now and then)")
     c = p.add_argument_group("conversation checkpoints")
     c.add_argument("--prompt-cache", type=_nonneg_int, default=None,
                    help="checkpoints kept (default 6, or 0 with --remote-stage; 0 turns them off; 1 is plain FIFO "

@@ -95,10 +95,12 @@ class MoeTierConfig:
 @dataclass(frozen=True)
 class SpecConfig:
     """Speculative decoding with the model's MTP head (strata/engine/speculate.py). n: drafts per verify (0: off);
-    min_p: drafting stops at a draft whose draft probability is below this."""
+    min_p: drafting stops at a draft whose draft probability is below this; adaptive: each verify takes 0..n drafts,
+    as the measured acceptance and costs make fastest (speculate.AdaptiveN)."""
 
     n: int = 0
     min_p: float = 0.0
+    adaptive: bool = False
 
     def problem(self) -> str | None:
         from strata.engine.speculate import MAX_DRAFTS
@@ -124,7 +126,7 @@ FLAT = {
     "link_encrypt": ("link", "encrypt"), "insecure_link": ("link", "insecure"),
     "moe_vram_mib": ("moe", "vram_mib"), "adapt_every": ("moe", "adapt_every"), "adapt_swaps": ("moe", "adapt_swaps"),
     "pcie_frac": ("moe", "pcie_frac"),
-    "spec": ("spec", "n"), "spec_min_p": ("spec", "min_p"),
+    "spec": ("spec", "n"), "spec_min_p": ("spec", "min_p"), "spec_adaptive": ("spec", "adaptive"),
 }
 TOP = ("model", "n_ctx", "ubatch", "threads")
 

@@ -11,7 +11,7 @@ from typing import Callable
 import numpy as np
 import structlog
 
-from strata.engine.speculate import MAX_DRAFTS, MTPDrafter, SpecCounts
+from strata.engine.speculate import MAX_DRAFTS, AdaptiveN, MTPDrafter, SpecCounts
 from strata.engine.types import GenerationRequest, TokenEvent
 from strata.sampling.sampler import Sampler, SamplingParams, StopMatcher
 from strata.sampling.device import DeviceSampler
@@ -36,17 +36,21 @@ class Decoder:
 
     def __init__(self, seq: Sequence, tokenizer: Tokenizer, eog_ids: set[int], n_vocab: int, n_ctx: int, last_stage,
                  forget_live: Callable[[], None], drafter: MTPDrafter | None = None, spec: int = 0,
-                 spec_min_p: float = 0.0):
+                 spec_min_p: float = 0.0, adaptive: AdaptiveN | None = None):
         self.seq, self.tokenizer, self.eog_ids = seq, tokenizer, eog_ids
         self.n_vocab, self.n_ctx, self.last_stage, self.forget_live = n_vocab, n_ctx, last_stage, forget_live
         self.drafter, self.spec, self.spec_min_p = drafter, int(spec), float(spec_min_p)
+        self.adaptive = adaptive        # picks the drafts of each verify (0 .. spec) when set
 
     def _read(self, tok: int, on_device: bool):
         """Read one token -> its logits (the drafter sees its hidden state)."""
         if self.drafter is None:
             return self.seq.forward(np.asarray([tok], dtype=np.int32), on_device=on_device)
         pos = self.seq.pos
+        t0 = time.perf_counter()
         logits, h = self.seq.forward(np.asarray([tok], dtype=np.int32), hidden=True)
+        if self.adaptive is not None:
+            self.adaptive.plain_step(time.perf_counter() - t0)
         self.drafter.observe(pos, h)
         return logits
 
@@ -137,12 +141,18 @@ class Decoder:
                 while finish is None and spec:
                     base = st.pos
                     # drafts that could be emitted: max_tokens and the context bound them (and a short read's rows)
-                    room = min(spec, max_new - len(toks) - 1, self.n_ctx - n - len(toks) - 1, MAX_DRAFTS)
+                    want = self.adaptive.choose() if self.adaptive is not None else spec
+                    room = min(want, max_new - len(toks) - 1, self.n_ctx - n - len(toks) - 1, MAX_DRAFTS)
+                    t0 = time.perf_counter()
                     drafts = self.drafter.draft(tok, room, self.spec_min_p) if room > 0 else []
                     if not drafts:
                         break
+                    t1 = time.perf_counter()
                     rows, h = st.verify([tok] + [d.token for d in drafts])
+                    t2 = time.perf_counter()
                     verdict = judge(sampler, rows, drafts)
+                    if self.adaptive is not None:
+                        self.adaptive.verified(len(drafts), verdict.accepted, t1 - t0, t2 - t1)
                     counts.verifies += 1
                     counts.drafted += len(drafts)
                     counts.accepted += verdict.accepted

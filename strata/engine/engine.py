@@ -24,7 +24,7 @@ from strata.engine.config import EngineConfig
 from strata.engine.decode import Decoder, env_flag
 from strata.engine.parking import Conversations
 from strata.engine.prefill import PromptReader
-from strata.engine.speculate import MTPDrafter, SpecCounts, spec_refusal
+from strata.engine.speculate import AdaptiveN, MTPDrafter, SpecCounts, spec_refusal
 from strata.engine.types import ContextOverflow, FinalEvent, GenerationRequest, TokenEvent, spec_timings
 from strata.engine.validation import check_request, prompt_ids
 from strata.gguf.file import ModelLoadError, open_gguf
@@ -142,7 +142,9 @@ class Engine:
         self.reader = PromptReader(self.seq, self.cache, self.conversations, self.ubatch, drafter=self.drafter)
         self.decoder = Decoder(self.seq, self.tokenizer, self.eog_ids, self.n_vocab, self.n_ctx, self.stages[-1],
                                self.reader.forget_live, drafter=self.drafter, spec=self.spec,
-                               spec_min_p=float(cfg.spec.min_p))
+                               spec_min_p=float(cfg.spec.min_p),
+                               adaptive=AdaptiveN(self.spec) if self.drafter is not None and cfg.spec.adaptive
+                               else None)
         self._lock = threading.Lock()
         self.requests = 0
         self.last_final: FinalEvent | None = None

@@ -136,3 +136,60 @@ class MTPDrafter:
                 x = self.model.mtp_hidden(x, np.asarray([t], np.int32), table)
         table.truncate(P)
         return out
+
+
+class AdaptiveN:
+    """How many drafts the next verify takes (0 .. n_max: 0 is a plain decode step), chosen to maximise the expected
+    tokens per second from what was measured so far: the per-position acceptance (each draft tried after the ones
+    before it were kept: a running average over those trials) and the times of a decode step, of one draft and of a
+    verify of k drafts (running averages). With acceptance a per position, a verify of n drafts emits
+    (1 - a^(n + 1)) / (1 - a) tokens on average. While n = 0 wins, every ``probe_every`` steps a verify of one draft
+    keeps the acceptance measured. Costs not measured yet are estimated from the decode step (a draft at a fifth
+    of it, a verify of k drafts at 1 + k / 4 of it); the acceptance starts at ``prior``."""
+
+    def __init__(self, n_max: int, alpha: float = 0.05, prior: float = 0.5, probe_every: int = 16):
+        self.n_max, self.alpha, self.probe_every = int(n_max), float(alpha), int(probe_every)
+        self.a = float(prior)
+        self.t_step: float | None = None
+        self.t_draft: float | None = None
+        self.t_verify: dict[int, float] = {}
+        self._plain = 0                               # plain steps since the last verify
+
+    def _avg(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.alpha * (new - old)
+
+    def expected(self, n: int) -> float:
+        """Tokens one step emits on average with n drafts."""
+        a = min(self.a, 1.0 - 1e-9)
+        return (1.0 - a ** (n + 1)) / (1.0 - a)
+
+    def cost(self, n: int) -> float:
+        """Seconds of a step with n drafts (measured, or estimated from the decode step)."""
+        step = self.t_step if self.t_step is not None else 1.0
+        if n == 0:
+            return step
+        draft = self.t_draft if self.t_draft is not None else step / 5
+        verify = self.t_verify.get(n)
+        if verify is None:
+            verify = step * (1.0 + n / 4)
+        return n * draft + verify
+
+    def choose(self) -> int:
+        best = max(range(self.n_max + 1), key=lambda n: self.expected(n) / self.cost(n))
+        if best == 0 and self._plain + 1 >= self.probe_every:
+            return 1
+        return best
+
+    def plain_step(self, seconds: float) -> None:
+        self.t_step = self._avg(self.t_step, seconds)
+        self._plain += 1
+
+    def verified(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
+        """One verify: its drafts, how many were kept, and the times of drafting and of the verify."""
+        self._plain = 0
+        if drafted <= 0:
+            return
+        for ok in [1.0] * accepted + ([0.0] if accepted < drafted else []):
+            self.a += self.alpha * (ok - self.a)
+        self.t_draft = self._avg(self.t_draft, draft_s / drafted)
+        self.t_verify[drafted] = self._avg(self.t_verify.get(drafted), verify_s)
