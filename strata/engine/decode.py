@@ -193,6 +193,8 @@ class Decoder:
         finally:
             if guide is not None:
                 guide.close()
+            if self.drafter is not None and finish is not None:
+                self.drafter.flush()     # parked or saved between requests: the drafter's K/V goes along
             if env_flag("STRATA_STATE_HASH"):
                 h = st.hashes()
                 log.info("state_hash", pos=st.pos, **{k: v for k, v in h.items() if ".L" not in k})

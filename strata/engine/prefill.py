@@ -48,6 +48,8 @@ class PromptReader:
                 logits, h = self.seq.forward(tokens[p:q], hidden=True)
                 self.drafter.observe(p, h)
             p = q
+        if self.drafter is not None:
+            self.drafter.flush()          # a checkpoint at the part's end carries the drafter's K/V
         return logits
 
     def prefill(self, req: GenerationRequest, prompt: np.ndarray, trace: bool):

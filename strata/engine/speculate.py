@@ -3,11 +3,13 @@ K/V kept in step with the main model) and the per-choice counts of what was draf
 
 The drafter's K/V (the last stage's "draft" field) holds, at MTP position p, the MTP block's K/V over the main
 model's final-normed hidden state h_p and the token at p + 1. Between two reads of the live sequence at position
-P it holds positions [0, P - 1): position P - 1 needs the token at P, which is only known once it is sampled. Every
-read of the live sequence with the drafter on hands the drafter its rows' hidden states (``observe``), which it
-feeds to the MTP block as soon as the following token is known. ``draft`` then runs the MTP block at P - 1 with the
-token just sampled (that position is certain: the token will be read), and past it on its own output, drafting
-until n tokens or a draft probability below ``min_p``; the positions past P - 1 are cut back before the verify.
+P it holds positions [0, P - 1) once fed: position P - 1 needs the token at P, which is only known once it is sampled.
+Every read of the live sequence with the drafter on hands the drafter its rows' hidden states (``observe``), which
+it feeds to the MTP block in batches: at the next draft, once FEED_BATCH rows wait, and at ``flush`` (the end of a
+prompt part and of a choice, so that a checkpoint, a parked conversation or a session file carries them). ``draft``
+then runs the MTP block at P - 1 with the token just sampled (that position is certain: the token will be read),
+and past it on its own output, drafting until n tokens or a draft probability below ``min_p``; the positions past
+P - 1 are cut back before the verify.
 
 A position whose hidden state was never observed (the tail of a checkpoint restored, a sequence cut back) enters
 the MTP block with a zero hidden state, and with a remote last stage (the drafter's K/V then a table of the
@@ -27,6 +29,9 @@ from strata.sampling.speculative import Draft
 
 #: drafts per verify at most: a verify reads the sampled token and its drafts in one short read
 MAX_DRAFTS = ROWWISE_MAX_TOKENS - 1
+#: hidden rows the drafter holds before it feeds them to the MTP block without waiting for a draft (plain steps
+#: between drafts, --spec-adaptive's, are then fed in one batch)
+FEED_BATCH = 64
 
 
 @dataclass
@@ -84,12 +89,20 @@ class MTPDrafter:
 
     def observe(self, start: int, hidden) -> None:
         """The hidden states of the rows the live sequence read at positions start.. (its position now at or past
-        their end); feeds the MTP block every position whose next token is known."""
+        their end); the MTP block is fed every position whose next token is known once more than FEED_BATCH
+        rows wait (or at the next draft)."""
         self._sync()
         h = np.asarray(hidden, dtype=np.float32)
         for i in range(h.shape[0]):
             self._held[start + i] = h[i]
-        self._feed(self.seq.pos - 1, None)
+        if len(self._held) > FEED_BATCH:      # else they wait for the next draft, which feeds them in one batch
+            self._feed(self.seq.pos - 1, None)
+
+    def flush(self) -> None:
+        """Feed the MTP block every position whose hidden state and next token are known."""
+        self._sync()
+        if self._held:
+            self._feed(self.seq.pos - 1, None)
 
     def _feed(self, upto: int, last_token: int | None):
         """Feed MTP positions [length, upto) with their known next tokens, and position `upto` too when
