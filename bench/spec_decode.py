@@ -86,6 +86,7 @@ def micro(engine, prompt, ns, reps):
     seq.reset()
     _, h = seq.forward(np.asarray(prompt, np.int32), hidden=True)
     engine.drafter.observe(0, h)                  # the MTP K/V follows the prompt, as in the engine
+    engine.drafter.flush()
     ck = seq.capture()
     out = {}
 
@@ -187,7 +188,7 @@ def main() -> int:
             for r in range(args.reps):            # --spec 0 and --spec N back to back: the machine is shared
                 toks0, t0 = run(base, prompt, args.tokens)
                 assert toks0 == ref
-                e.drafter.oracle = Oracle(by_pos, rate, base.n_vocab, seed=100 * len(str(n)) + r)
+                e.drafter.oracle = Oracle(by_pos, rate, base.n_vocab, seed=1000 * ns.index(n) + r if n in ns else r)
                 toks, t = run(e, prompt, args.tokens)
                 assert toks == ref, f"--spec {n} at acceptance {rate} changed the greedy output"
                 pairs.append((t["predicted_per_second"], t0["predicted_per_second"]))
