@@ -86,11 +86,12 @@ def causal_conv1d(x: np.ndarray, weight: np.ndarray, window: np.ndarray) -> tupl
     return silu(y), xp.ascontiguousarray(xx[n:n + k - 1] if k > 1 else xx[:0])
 
 
-def delta_rule_recurrent(q, k, v, g, beta, state):
+def delta_rule_recurrent(q, k, v, g, beta, state, keep=None):
     """Gated delta rule, one token at a time (the decode path).
 
     q, k: float32 (n_tokens, n_heads, d_k) (L2-normalised; q scaled by 1/sqrt(d_k) here); v: (n_tokens, n_heads, d_v);
-    g, beta: (n_tokens, n_heads); state: (n_heads, d_k, d_v), updated in place and returned.
+    g, beta: (n_tokens, n_heads); state: (n_heads, d_k, d_v), updated in place and returned; keep: None, or an
+    array (>= n_tokens, n_heads, d_k, d_v) that receives the state after each token (keep[t]: after token t).
     Returns (o of shape (n_tokens, n_heads, d_v), state).
     """
     xp = array_module(state)
@@ -104,6 +105,8 @@ def delta_rule_recurrent(q, k, v, g, beta, state):
         u = (v[t] - kv_mem) * beta[t][:, None]
         state += kt[:, :, None] * u[:, None, :]
         out[t] = xp.einsum("hk,hkv->hv", q[t] * scale, state)
+        if keep is not None:
+            keep[t] = state
     return out, state
 
 

@@ -42,9 +42,11 @@ def _stream(engine, req, out) -> object:
 
 def _speed_line(final) -> str:
     t = final.timings
+    d, a = int(t.get("draft_n", 0) or 0), int(t.get("draft_n_accepted", 0) or 0)
+    spec = f" | drafted: {d}, accepted: {a} ({a / d:.0%})" if d else ""
     return (f"[prompt: {t['prompt_n']} tokens in {t['prompt_ms']:.0f} ms, {t['prompt_per_second']:.1f} tokens/s"
             f" (reused {t['cache_n']}) | generation: {t['predicted_n']} tokens, "
-            f"{t['predicted_per_second']:.1f} tokens/s | finish: {final.finish_reason}]")
+            f"{t['predicted_per_second']:.1f} tokens/s{spec} | finish: {final.finish_reason}]")
 
 
 def cmd_generate(args) -> int:

@@ -92,6 +92,26 @@ class MoeTierConfig:
                             swaps=int(self.adapt_swaps), pcie_frac=float(self.pcie_frac))
 
 
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding with the model's MTP head (strata/engine/speculate.py). n: drafts per verify (0: off);
+    min_p: drafting stops at a draft whose draft probability is below this; adaptive: each verify takes 0..n drafts,
+    as the measured acceptance and costs make fastest (speculate.AdaptiveN)."""
+
+    n: int = 0
+    min_p: float = 0.0
+    adaptive: bool = False
+
+    def problem(self) -> str | None:
+        from strata.engine.speculate import MAX_DRAFTS
+        if not 0 <= self.n <= MAX_DRAFTS:
+            return (f"--spec must be in [0, {MAX_DRAFTS}] (drafts per verify; a verify reads at most "
+                    f"{MAX_DRAFTS + 1} tokens), got {self.n}")
+        if not 0.0 <= self.min_p < 1.0:
+            return f"--spec-min-p must be in [0, 1), got {self.min_p}"
+        return None
+
+
 #: the engine's keyword arguments (and the CLI's flag names, dashes for underscores) -> (sub-config, field)
 FLAT = {
     "device": ("stages", "device"), "layer_split": ("stages", "layer_split"), "kv": ("stages", "kv"),
@@ -106,6 +126,7 @@ FLAT = {
     "link_encrypt": ("link", "encrypt"), "insecure_link": ("link", "insecure"),
     "moe_vram_mib": ("moe", "vram_mib"), "adapt_every": ("moe", "adapt_every"), "adapt_swaps": ("moe", "adapt_swaps"),
     "pcie_frac": ("moe", "pcie_frac"),
+    "spec": ("spec", "n"), "spec_min_p": ("spec", "min_p"), "spec_adaptive": ("spec", "adaptive"),
 }
 TOP = ("model", "n_ctx", "ubatch", "threads")
 
@@ -125,12 +146,13 @@ class EngineConfig:
     parking: ParkingConfig = field(default_factory=ParkingConfig)
     link: LinkConfig = field(default_factory=LinkConfig)
     moe: MoeTierConfig = field(default_factory=MoeTierConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
 
     @classmethod
     def build(cls, **options) -> "EngineConfig":
         """From the flat option names (FLAT's keys and TOP); TypeError naming an unknown one, as a call would."""
         top: dict = {}
-        subs: dict[str, dict] = {"stages": {}, "checkpoints": {}, "parking": {}, "link": {}, "moe": {}}
+        subs: dict[str, dict] = {"stages": {}, "checkpoints": {}, "parking": {}, "link": {}, "moe": {}, "spec": {}}
         for k, v in options.items():
             if k in TOP:
                 top[k] = str(v) if k == "model" and isinstance(v, os.PathLike) else v
@@ -141,7 +163,7 @@ class EngineConfig:
                 raise TypeError(f"unexpected engine option {k!r}")
         return cls(**top, stages=StageConfig(**subs["stages"]), checkpoints=CheckpointConfig(**subs["checkpoints"]),
                    parking=ParkingConfig(**subs["parking"]), link=LinkConfig(**subs["link"]),
-                   moe=MoeTierConfig(**subs["moe"]))
+                   moe=MoeTierConfig(**subs["moe"]), spec=SpecConfig(**subs["spec"]))
 
     @classmethod
     def from_args(cls, args) -> "EngineConfig":
@@ -218,7 +240,7 @@ class EngineConfig:
                                           prompt_cache_tail=ck.tail)
             if why:
                 return why
-        why = self.moe.problem()
+        why = self.moe.problem() or self.spec.problem()
         if why:
             return why
         if self.moe.vram_mib is not None and devices[0] == "cpu":

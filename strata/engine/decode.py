@@ -1,5 +1,6 @@
 """One choice of a generation: sampling token by token from the prompt's last logits (on the device or the host),
-the grammar's mask, stop strings, end-of-generation tokens, max_tokens, a full context and cancels."""
+or speculatively (a verify of the drafts, judged and committed), the grammar's mask, stop strings,
+end-of-generation tokens, max_tokens, a full context and cancels."""
 from __future__ import annotations
 
 import time
@@ -10,9 +11,11 @@ from typing import Callable
 import numpy as np
 import structlog
 
+from strata.engine.speculate import MAX_DRAFTS, AdaptiveN, MTPDrafter, SpecCounts
 from strata.engine.types import GenerationRequest, TokenEvent
 from strata.sampling.sampler import Sampler, SamplingParams, StopMatcher
 from strata.sampling.device import DeviceSampler
+from strata.sampling.speculative import judge
 from strata.stages.sequence import Sequence
 from strata.text.tokenizer import StreamDecoder, Tokenizer
 
@@ -25,19 +28,43 @@ def env_flag(name: str) -> bool:
 
 
 class Decoder:
-    """Decodes choices on the live sequence `seq` (forward calls of one token) with the model's `tokenizer`,
-    its end-of-generation ids `eog_ids`, `n_vocab` and the context `n_ctx`; `last_stage` decides where the logits are
-    sampled; `forget_live` is called when a forward call fails (the sequence may be half written)."""
+    """Decodes choices on the live sequence `seq` (forward calls of one token, or with `drafter` and ``spec`` > 0 a
+    verify of the sampled token and its drafts) with the model's `tokenizer`, its end-of-generation ids `eog_ids`,
+    `n_vocab` and the context `n_ctx`; `last_stage` decides where the logits are sampled; `forget_live` is called
+    when a forward call fails (the sequence may be half written). spec: drafts per verify (0: off); spec_min_p:
+    drafting stops below this draft probability."""
 
     def __init__(self, seq: Sequence, tokenizer: Tokenizer, eog_ids: set[int], n_vocab: int, n_ctx: int, last_stage,
-                 forget_live: Callable[[], None]):
+                 forget_live: Callable[[], None], drafter: MTPDrafter | None = None, spec: int = 0,
+                 spec_min_p: float = 0.0, adaptive: AdaptiveN | None = None):
         self.seq, self.tokenizer, self.eog_ids = seq, tokenizer, eog_ids
         self.n_vocab, self.n_ctx, self.last_stage, self.forget_live = n_vocab, n_ctx, last_stage, forget_live
+        self.drafter, self.spec, self.spec_min_p = drafter, int(spec), float(spec_min_p)
+        self.adaptive = adaptive        # picks the drafts of each verify (0 .. spec) when set
 
-    def choice(self, req: GenerationRequest, prompt: np.ndarray, logits, params: SamplingParams, index: int):
+    def _read(self, tok: int, on_device: bool):
+        """Read one token -> its logits (the drafter sees its hidden state)."""
+        if self.drafter is None:
+            return self.seq.forward(np.asarray([tok], dtype=np.int32), on_device=on_device)
+        pos = self.seq.pos
+        t0 = time.perf_counter()
+        logits, h = self.seq.forward(np.asarray([tok], dtype=np.int32), hidden=True)
+        if self.adaptive is not None:
+            self.adaptive.plain_step(time.perf_counter() - t0)
+        self.drafter.observe(pos, h)
+        return logits
+
+    def choice(self, req: GenerationRequest, prompt: np.ndarray, logits, params: SamplingParams, index: int,
+               counts: SpecCounts | None = None):
         """Generate one choice from the sequence as it stands (the prompt read) and the prompt's last logits: yields
         TokenEvents, returns (finish_reason, token ids, trailing text, stopped_by). Choice `index` samples with
-        seed + index (a fresh draw when the seed is unset)."""
+        seed + index (a fresh draw when the seed is unset). counts: what speculative decoding did, added up here.
+
+        With drafts (``spec`` > 0, the request's ``spec`` not False, no grammar): each sampled token is read
+        together with up to ``spec`` drafts in one verify; ``judge`` keeps a prefix of the drafts and samples the
+        token after it; the tokens are emitted one by one with the same checks as without drafts, and the
+        sequence is committed at the position decoding them one at a time would have reached (the last token
+        emitted is sampled, not read)."""
         if index and params.seed is not None and params.seed != -1:
             params = dataclasses.replace(params, seed=(params.seed + index) % 2 ** 64)
         n = len(prompt)
@@ -54,6 +81,9 @@ class Decoder:
         # strata.sampling.grammar: the token mask, computed during the forward on the CPU backend and inline when the
         # logits stay on a GPU (docs/serving.md)
         guide = req.constraint.start(overlap=not on_device) if req.constraint is not None else None
+        # drafting: off under a grammar (a draft would need the grammar's state rolled back when rejected)
+        spec = self.spec if (self.drafter is not None and guide is None and req.spec is not False) else 0
+        counts = counts if counts is not None else SpecCounts()
         stopper = StopMatcher(list(req.stop or []))
         max_new = req.max_tokens if req.max_tokens is not None else self.n_ctx
         st = self.seq
@@ -61,6 +91,31 @@ class Decoder:
         stopped_by: str | None = None
         toks: list[int] = []
         trailing = ""
+
+        def emit(res):
+            """Take one sampled token -> (its TokenEvent or None, why the choice ends or None)."""
+            nonlocal stopped_by
+            tok = int(res.token_id)
+            toks.append(tok)
+            if tok in self.eog_ids and not req.ignore_eos:
+                stopped_by = self.tokenizer.decode([tok], special=True)
+                return None, "stop"
+            lp = top = None
+            if want_lp:
+                lp = res.logprob
+                top = [(i, self.tokenizer.decode([i], special=True), v) for i, v in (res.top_logprobs or [])]
+            text, hit = stopper.feed(decoder.feed(tok))
+            ev = TokenEvent(tok, text, lp, top, index=index)
+            if hit:
+                stopped_by = stopper.matched
+                return ev, "stop"
+            if len(toks) >= max_new or n + len(toks) >= self.n_ctx or (
+                    req.deadline is not None and time.monotonic() >= req.deadline):
+                return ev, "length"       # max_tokens, the context is full (total tokens = n_ctx), or the time
+            if req.cancel.is_set():
+                return ev, "cancelled"
+            return ev, None
+
         try:
             while True:
                 if logits is None:            # cancelled while reading the prompt
@@ -79,29 +134,50 @@ class Decoder:
                 sampler.accept(tok)
                 if guide is not None:
                     guide.accept(tok)
-                toks.append(tok)
-                if tok in self.eog_ids and not req.ignore_eos:
-                    finish = "stop"
-                    stopped_by = self.tokenizer.decode([tok], special=True)
+                ev, finish = emit(res)
+                if ev is not None:
+                    yield ev
+                # read the token sampled: with drafts, a verify, whose last token is sampled in turn
+                while finish is None and spec:
+                    base = st.pos
+                    # drafts that could be emitted: max_tokens and the context bound them (and a short read's rows)
+                    want = self.adaptive.choose() if self.adaptive is not None else spec
+                    room = min(want, max_new - len(toks) - 1, self.n_ctx - n - len(toks) - 1, MAX_DRAFTS)
+                    t0 = time.perf_counter()
+                    drafts = self.drafter.draft(tok, room, self.spec_min_p) if room > 0 else []
+                    if not drafts:
+                        break
+                    t1 = time.perf_counter()
+                    rows, h = st.verify([tok] + [d.token for d in drafts])
+                    t2 = time.perf_counter()
+                    verdict = judge(sampler, rows, drafts)
+                    if self.adaptive is not None:
+                        self.adaptive.verified(len(drafts), verdict.accepted, t1 - t0, t2 - t1)
+                    counts.verifies += 1
+                    counts.drafted += len(drafts)
+                    counts.accepted += verdict.accepted
+                    # the position decoding one at a time reaches: t and the tokens emitted before the last are
+                    # read; a cancel seen between two tokens comes after the last emitted one was read
+                    j = 0
+                    try:
+                        for r in verdict.tokens:
+                            if req.cancel.is_set():
+                                finish = "cancelled"
+                                j += 1
+                                break
+                            j += 1
+                            ev, finish = emit(r)
+                            if ev is not None:
+                                yield ev
+                            if finish is not None:
+                                break
+                    finally:             # the consumer may close the choice at a yield: the Commit lands anyway
+                        st.commit(base + max(j, 1))
+                    self.drafter.observe(base, h[:j])
+                    tok = int(verdict.tokens[j - 1].token_id)
+                if finish is not None:
                     break
-                lp = top = None
-                if want_lp:
-                    lp = res.logprob
-                    top = [(i, self.tokenizer.decode([i], special=True), v) for i, v in (res.top_logprobs or [])]
-                text, hit = stopper.feed(decoder.feed(tok))
-                yield TokenEvent(tok, text, lp, top, index=index)
-                if hit:
-                    finish = "stop"
-                    stopped_by = stopper.matched
-                    break
-                if len(toks) >= max_new or n + len(toks) >= self.n_ctx or (
-                        req.deadline is not None and time.monotonic() >= req.deadline):
-                    finish = "length"      # max_tokens, the context is full (total tokens = n_ctx), or the time
-                    break
-                if req.cancel.is_set():
-                    finish = "cancelled"
-                    break
-                logits = st.forward(np.asarray([tok], dtype=np.int32), on_device=on_device)
+                logits = self._read(tok, on_device)
             if not stopper.stopped:         # a stop string's tail and what follows it are dropped
                 # a character the last token left incomplete (max_tokens, cancel) is dropped, never sent as U+FFFD
                 tail, _ = stopper.feed(decoder.flush(drop_incomplete=True))
@@ -117,6 +193,8 @@ class Decoder:
         finally:
             if guide is not None:
                 guide.close()
+            if self.drafter is not None and finish is not None:
+                self.drafter.flush()     # parked or saved between requests: the drafter's K/V goes along
             if env_flag("STRATA_STATE_HASH"):
                 h = st.hashes()
                 log.info("state_hash", pos=st.pos, **{k: v for k, v in h.items() if ".L" not in k})

@@ -24,7 +24,8 @@ from strata.engine.config import EngineConfig
 from strata.engine.decode import Decoder, env_flag
 from strata.engine.parking import Conversations
 from strata.engine.prefill import PromptReader
-from strata.engine.types import ContextOverflow, FinalEvent, GenerationRequest, TokenEvent
+from strata.engine.speculate import AdaptiveN, MTPDrafter, SpecCounts, spec_refusal
+from strata.engine.types import ContextOverflow, FinalEvent, GenerationRequest, TokenEvent, spec_timings
 from strata.engine.validation import check_request, prompt_ids
 from strata.gguf.file import ModelLoadError, open_gguf
 from strata.models.registry import supported_archs
@@ -127,9 +128,25 @@ class Engine:
                         "checkpoints: --prompt-cache 0, and nothing parked resident): the extra pool is unused",
                         kv_pool_ctx=st.kv_pool_ctx, n_ctx=self.n_ctx)
         self.eog_ids = set(int(t) for t in self.tokenizer.eog_ids)
-        self.reader = PromptReader(self.seq, self.cache, self.conversations, self.ubatch)
+        self.spec = int(cfg.spec.n)
+        self.drafter = None
+        if self.spec > 0:
+            last = self.stages[-1]
+            model = getattr(last, "model", None)
+            if model is not None and hasattr(model, "load_mtp"):
+                model.load_mtp()            # the main runs the drafter beside the head when a worker runs the tail
+            why = spec_refusal(self.stages, model)
+            if why:
+                self.close()
+                raise ValueError(why)
+            self.drafter = MTPDrafter(self.seq, last, model, self.n_ctx)
+        self.spec_totals = SpecCounts()          # every choice's, since the start (/metrics)
+        self.reader = PromptReader(self.seq, self.cache, self.conversations, self.ubatch, drafter=self.drafter)
         self.decoder = Decoder(self.seq, self.tokenizer, self.eog_ids, self.n_vocab, self.n_ctx, self.stages[-1],
-                               self.reader.forget_live)
+                               self.reader.forget_live, drafter=self.drafter, spec=self.spec,
+                               spec_min_p=float(cfg.spec.min_p),
+                               adaptive=AdaptiveN(self.spec) if self.drafter is not None and cfg.spec.adaptive
+                               else None)
         self._lock = threading.Lock()
         self.requests = 0
         self.last_final: FinalEvent | None = None
@@ -283,6 +300,7 @@ class Engine:
         try:
             for i in range(n_choices):
                 t0 = time.perf_counter()
+                counts = SpecCounts()
                 if i > 0 and (req.cancel.is_set() or first_logits is None):     # cancelled before this choice started
                     finish, toks, trailing, stopped_by, n_run = "cancelled", [], "", None, 0
                 elif i > 0 and replay is not None:
@@ -293,7 +311,8 @@ class Engine:
                 else:
                     if i > 0:
                         self.seq.restore(at_prompt)
-                    out = self.decoder.choice(req, prompt, first_logits if i == 0 else first_logits.copy(), params, i)
+                    out = self.decoder.choice(req, prompt, first_logits if i == 0 else first_logits.copy(), params,
+                                              i, counts)
                     events = []
                     try:
                         while True:
@@ -306,6 +325,9 @@ class Engine:
                     finally:
                         out.close()           # the consumer went away mid-choice: the decode's own cleanup runs now
                         self.requests += i == 0
+                        t = self.spec_totals
+                        t.verifies, t.drafted, t.accepted = (t.verifies + counts.verifies, t.drafted + counts.drafted,
+                                                             t.accepted + counts.accepted)
                     n_run = len(toks)
                     if greedy and n_choices > 1:
                         replay = (events, (finish, toks, trailing, stopped_by))
@@ -319,7 +341,8 @@ class Engine:
                              "prompt_per_second": prompt_n / (prompt_ms / 1000.0) if first and prompt_ms > 0 else 0.0,
                              "predicted_n": n_run, "predicted_ms": predicted_ms,
                              "predicted_per_second": n_run / (predicted_ms / 1000.0) if predicted_ms > 0 else 0.0,
-                             "cache_n": plan.resume_pos if first else n},
+                             "cache_n": plan.resume_pos if first else n,
+                             **spec_timings(counts.drafted, counts.accepted, counts.verifies)},
                     strata={"resume_pos": plan.resume_pos if first else n,
                             "resume_from": plan.resume_from if first else "choice", "parts": parts if first else [],
                             "checkpoints": len(self.cache), "stopped_by": stopped_by},

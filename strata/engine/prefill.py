@@ -22,8 +22,10 @@ class PromptReader:
     """Reads prompts into `seq` (the engine's live sequence) with its checkpoint cache `cache`, switching parked
     `conversations` in first, `ubatch` tokens per forward call. The engine calls it under its lock."""
 
-    def __init__(self, seq: Sequence, cache: CheckpointCache, conversations: Conversations, ubatch: int):
+    def __init__(self, seq: Sequence, cache: CheckpointCache, conversations: Conversations, ubatch: int,
+                 drafter=None):
         self.seq, self.cache, self.conversations, self.ubatch = seq, cache, conversations, ubatch
+        self.drafter = drafter      # an MTPDrafter sees the hidden states of every prompt token read (or None)
 
     def forget_live(self) -> None:
         """The live sequence back to position 0, and the checkpoint cache told not to continue it: the next request
@@ -40,8 +42,14 @@ class PromptReader:
             if cancel is not None and cancel.is_set():
                 return None
             q = min(end, p + self.ubatch)
-            logits = self.seq.forward(tokens[p:q])
+            if self.drafter is None:
+                logits = self.seq.forward(tokens[p:q])
+            else:
+                logits, h = self.seq.forward(tokens[p:q], hidden=True)
+                self.drafter.observe(p, h)
             p = q
+        if self.drafter is not None:
+            self.drafter.flush()          # a checkpoint at the part's end carries the drafter's K/V
         return logits
 
     def apply(self, req: GenerationRequest, prompt: np.ndarray):

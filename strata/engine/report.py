@@ -42,9 +42,17 @@ def engine_status(engine, busy: bool) -> dict[str, Any]:
                    "rss_bytes": _rss_bytes(), "pinned_host_bytes": pinned_bytes(),
                    "park_host_bytes": host_bytes()},
         "requests": engine.requests,
+        "spec": dict(n=engine.spec, **spec_totals(engine.spec_totals)),
         "busy": busy,
         "load_ms": round(engine.load_ms, 1),
     }
+
+
+def spec_totals(c) -> dict[str, Any]:
+    """Speculative decoding since the start (a SpecCounts): drafted, accepted, verifies, acceptance rate, mean
+    tokens per verify."""
+    return {"drafted": c.drafted, "accepted": c.accepted, "verifies": c.verifies,
+            "acceptance_rate": round(c.acceptance, 4), "mean_accepted": round(c.mean_accepted, 4)}
 
 
 def device_info(engine) -> dict[str, Any]:

@@ -66,6 +66,7 @@ class GenerationRequest:
     sampling; the answer ends when the grammar is complete), or None.
     show_tokens: ids of control tokens whose text is part of the answer (tool-call markers such as <|python_tag|>
     or [TOOL_CALLS], which the parsers of strata.structured.tool_calls read); other control tokens stay invisible.
+    spec: False turns speculative decoding off for this request (None: the engine's --spec).
     """
 
     prompt_tokens: list[int]
@@ -83,6 +84,7 @@ class GenerationRequest:
     deadline: float | None = None
     constraint: Any = None
     show_tokens: frozenset[int] = frozenset()
+    spec: bool | None = None
 
 
 @dataclass
@@ -107,7 +109,9 @@ class FinalEvent:
     stop-string prefix) that no TokenEvent carried; consumers append it (usually "").
     usage: prompt_tokens, completion_tokens, total_tokens.
     timings (llama.cpp's names): prompt_n (tokens read), prompt_ms, prompt_per_second, predicted_n,
-    predicted_ms, predicted_per_second, cache_n (prompt tokens reused).
+    predicted_ms, predicted_per_second, cache_n (prompt tokens reused); speculative decoding: draft_n (tokens
+    drafted), draft_n_accepted (drafts kept), draft_verifies, draft_acceptance_rate, draft_mean_accepted (tokens per
+    verify).
     strata: resume_pos, resume_from ("live" | "checkpoint" | "park" | "disk" | "session" | "none"; "choice" for a
     choice after the first: the prompt's state its first choice read), parts [(start, end), ...] read,
     checkpoints (number kept after the request), stop (the stop string or EOG token text that ended it).
@@ -119,6 +123,13 @@ class FinalEvent:
     strata: dict
     text: str = ""
     index: int = 0                        # the choice it ends (one FinalEvent per choice)
+
+
+def spec_timings(drafted: int, accepted: int, verifies: int) -> dict:
+    """The speculative-decoding timings of a choice (or a request's choices together)."""
+    return {"draft_n": drafted, "draft_n_accepted": accepted, "draft_verifies": verifies,
+            "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
+            "draft_mean_accepted": (accepted + verifies) / verifies if verifies else 0.0}
 
 
 def merge_choices(finals: list[FinalEvent]) -> FinalEvent:
@@ -133,5 +144,7 @@ def merge_choices(finals: list[FinalEvent]) -> FinalEvent:
     n_dec = sum(int(f.timings.get("predicted_n", 0)) for f in finals)
     ms = sum(float(f.timings.get("predicted_ms", 0.0)) for f in finals)
     timings = dict(first.timings, predicted_n=n_dec, predicted_ms=ms,
-                   predicted_per_second=n_dec / (ms / 1000.0) if ms > 0 else 0.0)
+                   predicted_per_second=n_dec / (ms / 1000.0) if ms > 0 else 0.0,
+                   **spec_timings(*(sum(int(f.timings.get(k, 0) or 0) for f in finals)
+                                    for k in ("draft_n", "draft_n_accepted", "draft_verifies"))))
     return FinalEvent(first.finish_reason, usage, timings, dict(first.strata), first.text, first.index)

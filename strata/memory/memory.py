@@ -170,6 +170,42 @@ class Memory:
         self._each("_reset", st)
         st.pos = 0
 
+    # ---- a verify's Commit ------------------------------------------------------------------------
+    @on_device(drain=False)
+    def keep(self, sid: int, n: int) -> None:
+        """Arm the sequence's next forward (of at most n tokens, at its current position) to keep the state after
+        each token it reads, so that ``commit`` can cut back to any of those positions (a running state too)."""
+        if n < 1:
+            raise ValueError(f"keep({n}): a verify reads at least one token")
+        st = self.seq(sid)
+        self._each("_keep", st, n)
+
+    def check_commit(self, sid: int, p: int) -> None:
+        """ValueError unless ``commit(sid, p)`` would succeed."""
+        st = self.seq(sid)
+        steps = st.steps
+        if p == st.pos:
+            return
+        if steps is None:
+            self.check_truncate(sid, p)
+        elif not steps.base < p <= st.pos:
+            raise ValueError(f"commit({p}) outside the kept positions ({steps.base}, {st.pos}]")
+
+    @on_device(drain=True)
+    def commit(self, sid: int, p: int) -> None:
+        """After a forward armed by ``keep``: the sequence at position p (a position that forward read): attention
+        K/V cut back, the running state taken from the state kept after token p - 1. Disarms the keep. Without a
+        keep it is ``truncate``. ValueError, changing nothing, for a position outside those kept."""
+        self.check_commit(sid, p)
+        st = self.seq(sid)
+        if st.steps is None:
+            self.truncate(sid, p)
+            return
+        if p < st.pos:
+            self._each("_commit", st, p)
+            st.pos = p
+        self._each("_unkeep", st)
+
     def trim(self, sid: int) -> None:
         """Give back the pages past the sequence's valid positions (its page tables keep only what they hold)."""
         st = self.seq(sid)
@@ -378,3 +414,13 @@ class Field(ABC):
     def _nbytes(self, st: SequenceState) -> int: ...
     @abstractmethod
     def _stats(self, out: dict) -> None: ...
+
+    # a verify's Commit (Memory.keep / commit); a field with no running state keeps nothing and cuts back
+    def _keep(self, st: SequenceState, n: int) -> None:
+        pass
+
+    def _unkeep(self, st: SequenceState) -> None:
+        pass
+
+    def _commit(self, st: SequenceState, p: int) -> None:
+        self._truncate(st, p)

@@ -23,6 +23,7 @@ class RecurrentMemory(Memory, Field):
         if bad:
             raise ValueError(f"recurrent layers {bad} are outside the carve {carve}")
         self.init = init
+        self._kept: dict[int, dict] = {}     # sid -> the buffers of its last keep (reused by the next verify)
         self.xp = xp            # the arrays' module (numpy, or CuPy on a GPU stage)
 
     def _cuts_anywhere(self):
@@ -33,6 +34,8 @@ class RecurrentMemory(Memory, Field):
 
     def _close(self, st):
         st.running = {}
+        st.steps = None
+        self._kept.pop(st.sid, None)
 
     def _check_truncate(self, st, p):
         if self.init:
@@ -42,7 +45,28 @@ class RecurrentMemory(Memory, Field):
     def _truncate(self, st, p):
         pass
 
+    def _keep(self, st, n):
+        from strata.memory.sequence_state import Steps
+        if not self.init:
+            return
+        bufs = self._kept.get(st.sid)
+        if bufs is None or next(iter(next(iter(bufs.values())).values())).shape[0] < n:
+            bufs = {li: {k: self.xp.empty((n,) + tuple(a.shape), a.dtype) for k, a in d.items()}
+                    for li, d in self.init.items()}
+            self._kept[st.sid] = bufs
+        st.steps = Steps(st.pos, n, bufs)
+
+    def _unkeep(self, st):
+        st.steps = None
+
+    def _commit(self, st, p):
+        i = p - st.steps.base - 1                   # the state after token p - 1
+        for li, d in st.running.items():
+            for k, a in d.items():
+                a[...] = st.steps.layers[li][k][i]
+
     def _reset(self, st):
+        st.steps = None
         for li, d in self.init.items():
             for k, a in d.items():
                 st.running[li][k][...] = a
@@ -69,6 +93,7 @@ class RecurrentMemory(Memory, Field):
                                        f"expected {tuple(a.shape)} {np.dtype(a.dtype)}")
 
     def _restore(self, st, part):
+        st.steps = None
         for li, d in part.running.items():
             for k, a in d.items():
                 dst = st.running[li][k]

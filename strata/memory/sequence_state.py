@@ -11,20 +11,32 @@ if TYPE_CHECKING:
     from strata.memory.memory import Memory
 
 
+class Steps:
+    """Where a forward of up to ``n`` tokens read at position ``base`` keeps the running state after each token:
+    ``layers`` maps a recurrent layer to {"conv": (n, ...), "ssm": (n, ...)} (row t: after token base + t)."""
+
+    __slots__ = ("base", "n", "layers")
+
+    def __init__(self, base: int, n: int, layers: dict[int, dict[str, Any]]):
+        self.base, self.n, self.layers = base, n, layers
+
+
 class SequenceState:
     """One sequence as a stage's runner sees it: ``pos`` (tokens read), ``kv`` (the page table of the stage's
     attention layers, or None), ``running`` (recurrent layer -> {"conv", "ssm"} float32 arrays, updated in place),
-    ``draft`` (the MTP drafter's page table on the stage that carries it, or None). The runner reserves / commits
-    K/V around a forward pass and calls ``advance``; everything else goes through the Memory that owns it
+    ``draft`` (the MTP drafter's page table on the stage that carries it, or None), ``steps`` (Steps while a verify's
+    per-position running states are kept, else None). The runner reserves / commits K/V around a forward pass and
+    calls ``advance``; everything else goes through the Memory that owns it
     (``memory``, under id ``sid``; the methods below are that Memory's operations on this sequence)."""
 
-    __slots__ = ("pos", "kv", "running", "draft", "memory", "sid", "__weakref__")
+    __slots__ = ("pos", "kv", "running", "draft", "steps", "memory", "sid", "__weakref__")
 
     def __init__(self, memory: "Memory", sid: int):
         self.pos = 0
         self.kv: PagedKV | None = None
         self.running: dict[int, dict[str, Any]] = {}
         self.draft: PagedKV | None = None
+        self.steps: Steps | None = None
         self.memory = memory
         self.sid = sid
 

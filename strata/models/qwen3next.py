@@ -171,7 +171,16 @@ class Qwen3NextModel(Model):
         self.out_norm = self.weight("output_norm.weight", (E,))
         self.output = self.tok_embd if c.tie_embeddings else self.weight("output.weight", (c.n_vocab, E))
         self.mtp = None
+        self.n_mtp = n_mtp
         if n_mtp and self.loads(self.n_layer - 1):         # the drafter lives on the last stage
+            self.load_mtp()
+        self._done_loading()
+
+    def load_mtp(self) -> None:
+        """Load the MTP block (where the drafter runs: the last stage, or the main beside the head when the last
+        layers run on a worker); nothing when loaded or absent."""
+        if self.mtp is None and self.n_mtp:
+            c, E = self.config, self.config.n_embd
             i = self.n_layer
             p = f"blk.{i}.nextn."
             self.mtp = {
@@ -183,7 +192,6 @@ class Qwen3NextModel(Model):
                 "head_norm": self.weight(p + "shared_head_norm.weight", (E,), optional=True),
                 "head": self.weight(p + "shared_head_head.weight", (c.n_vocab, E), optional=True),
             }
-        self._done_loading()
 
     # --- loading -----------------------------------------------------------------------------------
     def _load_ffn(self, p: str) -> _FFN:
@@ -295,14 +303,19 @@ class Qwen3NextModel(Model):
         return [KVMemory(carve, self.new_mtp_pool(n_ctx, n_seq, page_size), name="draft", identity=self.identity())]
 
     # --- layers --------------------------------------------------------------------------------------
-    def _gdn(self, L: _Layer, x: np.ndarray, run: dict[str, np.ndarray]) -> np.ndarray:
+    def _gdn(self, L: _Layer, x: np.ndarray, run: dict[str, np.ndarray], keep: dict | None = None) -> np.ndarray:
+        """One GDN layer over x (n, n_embd), its running state `run` updated in place. keep: None, or
+        {"conv": (>= n, d_conv-1, conv_dim), "ssm": (>= n, n_v, d_k, d_v)} receiving the running state after each
+        token (a verify's per-position states; the step path, host arrays only)."""
         be = self.backend
         n = x.shape[0]
         nk, nv, dk, dv, r = self.nk, self.nv, self.dk, self.dv, self.r
         dev = self.on_device
         mode = self.gdn_mode
+        if keep is not None and dev:
+            raise NotImplementedError("keeping per-position running states runs on the CPU backend only")
         # the device: one recurrent kernel launch; the CPU: the step up to ROWWISE_MAX_TOKENS (exact per row)
-        step = mode == "recurrent" or (mode == "auto" and (n <= ROWWISE_MAX_TOKENS or dev))
+        step = keep is not None or mode == "recurrent" or (mode == "auto" and (n <= ROWWISE_MAX_TOKENS or dev))
         if dev and step:      # fused: conv, prep (norms, gates), delta rule, gated norm: one kernel launch each
             from strata.backend.cuda import gdn as cuda_gdn, gdn_prefill as cuda_gdn_prefill
             y, _ = cuda_gdn.conv(be.matmul(x, L.wqkv), L.conv, run["conv"])     # window updated in place
@@ -326,6 +339,11 @@ class Qwen3NextModel(Model):
             from strata.backend.cuda import gdn as cuda_gdn
             y, _ = cuda_gdn.conv(qkv, L.conv, run["conv"])          # window updated in place
         else:
+            if keep is not None:       # the window after token t: the last d_conv-1 inputs up to t
+                xx = np.concatenate([run["conv"], qkv], axis=0)
+                w = self.d_conv - 1
+                for t in range(n):
+                    keep["conv"][t] = xx[t + 1:t + 1 + w]
             y, window = gdn.causal_conv1d(qkv, L.conv, run["conv"])
             run["conv"][...] = window
         q = gdn.l2_norm(y[:, :self.key_dim].reshape(n, nk, dk))
@@ -335,7 +353,7 @@ class Qwen3NextModel(Model):
         g = (L.a * gdn.softplus(a + L.dt)).astype(np.float32)
         q, k = q[:, self.kmap_x], k[:, self.kmap_x]
         if step:
-            o, _ = gdn.delta_rule_recurrent(q, k, v, g, beta, run["ssm"])
+            o, _ = gdn.delta_rule_recurrent(q, k, v, g, beta, run["ssm"], keep=None if keep is None else keep["ssm"])
         else:
             o, _ = gdn.delta_rule_chunked(q, k, v, g, beta, run["ssm"])
         o = gdn.gated_rms_norm(o, L.ssm_norm, z, self.eps)
@@ -365,11 +383,11 @@ class Qwen3NextModel(Model):
         return moe_ffn(be, x, F.router, F.gate, F.up, F.down, self.n_expert_used, self.norm_topk,
                        F.shared, F.shared_gate)
 
-    def _block(self, L: _Layer, il: int, x: np.ndarray, positions, state_kv: PagedKV, run) -> np.ndarray:
+    def _block(self, L: _Layer, il: int, x: np.ndarray, positions, state_kv: PagedKV, run, keep=None) -> np.ndarray:
         be = self.backend
         h = be.rms_norm(x, L.attn_norm, self.eps)
         if L.recurrent:
-            x = x + self._gdn(L, h, run)
+            x = x + self._gdn(L, h, run, keep)
         else:
             x = x + self._attn(L, h, positions, state_kv, il)
         h = be.rms_norm(x, L.post_norm, self.eps)
@@ -394,8 +412,12 @@ class Qwen3NextModel(Model):
             kv.reserve(n)
         positions = np.arange(state.pos, state.pos + n, dtype=np.int64)
         x = be.embed(self.tok_embd, tokens) if lo == 0 else x_in
+        steps = state.steps.layers if state.steps is not None else {}
+        if state.steps is not None and (state.steps.base != state.pos or state.steps.n < n):
+            raise ValueError(f"the kept states are armed for {state.steps.n} tokens at {state.steps.base}, "
+                             f"the forward reads {n} at {state.pos}")
         for il in range(lo, hi):
-            x = self._block(self.layers[il], il, x, positions, kv, state.running.get(il))
+            x = self._block(self.layers[il], il, x, positions, kv, state.running.get(il), steps.get(il))
         if kv is not None:
             kv.commit(n)
         state.advance(tokens)
@@ -407,12 +429,21 @@ class Qwen3NextModel(Model):
         tokens = self._check_carve(tokens, state, 0, self.n_layer, None)
         return self.backend.rms_norm(self._blocks(tokens, state, 0, self.n_layer, None), self.out_norm, self.eps)
 
-    def forward_carve(self, tokens, state: SequenceState, lo: int, hi: int, x_in=None, all_logits: bool = False):
-        """See Model.forward_carve. Raises ValueError (changing nothing) for an empty batch, an out-of-vocab id or
-        a bad carve, and KVCacheFull when the page pool cannot hold the new tokens."""
+    def forward_carve(self, tokens, state: SequenceState, lo: int, hi: int, x_in=None, all_logits: bool = False,
+                      hidden: bool = False):
+        """See Model.forward_carve. hidden (a carve ending with the head): return (logits, the final-normed hidden
+        states of every row, the MTP head's ``h``). Raises ValueError (changing nothing) for an empty batch, an
+        out-of-vocab id or a bad carve, and KVCacheFull when the page pool cannot hold the new tokens."""
         tokens = self._check_carve(tokens, state, lo, hi, x_in)
         x = self._blocks(tokens, state, lo, hi, x_in)
-        return self.head(x, all_logits) if self.ends_with_head(hi) else x
+        if not self.ends_with_head(hi):
+            return x
+        if hidden:
+            h = self.backend.rms_norm(x, self.out_norm, self.eps)
+            logits = self.backend.matmul(h if all_logits else h[-1:], self.output)
+            logits = self.backend.to_host(logits)
+            return (logits if all_logits else logits[0]), h
+        return self.head(x, all_logits)
 
     # --- MTP drafter -------------------------------------------------------------------------------
     def new_mtp_pool(self, n_ctx: int, n_seq: int = 1, page_size: int = DEFAULT_PAGE_SIZE) -> PagePool:
@@ -436,6 +467,13 @@ class Qwen3NextModel(Model):
         Formula (llama.cpp graph_mtp; vLLM Qwen3NextMultiTokenPredictor):
         x = eh_proj([enorm(embed(t_{p+1})), hnorm(h_p)]); x = block(x); logits = head(shared_head_norm(x)).
         """
+        x = self.mtp_hidden(hidden, next_tokens, mtp_kv)
+        return self.mtp_head(x)
+
+    def mtp_hidden(self, hidden: np.ndarray, next_tokens: np.ndarray, mtp_kv: PagedKV) -> np.ndarray:
+        """The MTP block's half of ``mtp_logits``: appends the positions' K/V to mtp_kv and returns the block's
+        output after ``shared_head_norm`` (n, n_embd), which ``mtp_head`` turns into draft logits (and which a
+        drafter feeds back as the next position's ``h`` when it drafts past the main model's hidden states)."""
         if self.mtp is None:
             raise ValueError("this model has no MTP layer (nextn_predict_layers = 0)")
         be, m = self.backend, self.mtp
@@ -453,7 +491,12 @@ class Qwen3NextModel(Model):
         x = self._block(m["block"], self.n_layer, x, positions, mtp_kv, None)
         x = be.rms_norm(x, m["head_norm"] if m["head_norm"] is not None else self.out_norm, self.eps)
         mtp_kv.commit(n)
-        return be.to_host(be.matmul(x, m["head"] if m["head"] is not None else self.output))
+        return x
+
+    def mtp_head(self, x: np.ndarray) -> np.ndarray:
+        """Draft logits (host float32 (n, n_vocab)) from ``mtp_hidden``'s rows."""
+        m = self.mtp
+        return self.backend.to_host(self.backend.matmul(x, m["head"] if m["head"] is not None else self.output))
 
 
 def _f32(name: str, a: np.ndarray) -> WeightTensor:

@@ -122,7 +122,7 @@ async def _generate(request: web.Request, engine, p: schema.ParsedRequest, token
         greq = GenerationRequest(prompt_tokens=as_ids(tokens), cut_points=cut_points, sampling=_sampling(p),
                                  max_tokens=max_tokens, stop=p.stop,
                                  logprobs=p.top_logprobs if p.logprobs else None,
-                                 cache_prompt=p.cache_prompt, checkpoint=p.checkpoint, n=p.n,
+                                 cache_prompt=p.cache_prompt, checkpoint=p.checkpoint, n=p.n, spec=p.spec,
                                  cancel=threading.Event(),
                                  deadline=time.monotonic() + cfg.max_request_seconds if cfg.max_request_seconds
                                  else None,

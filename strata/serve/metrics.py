@@ -46,6 +46,17 @@ class Metrics:
                                     "Prompt tokens not read because they were resumed (timings.cache_n)",
                                     registry=r)
 
+        self.spec_drafted = Counter("strata_spec_drafted_tokens", "Tokens drafted by the MTP head (--spec)",
+                                    registry=r)
+        self.spec_accepted = Counter("strata_spec_accepted_tokens", "Drafted tokens a verify kept", registry=r)
+        self.spec_verifies = Counter("strata_spec_verifies", "Verifies of drafted tokens run", registry=r)
+        self.spec_rate = Gauge("strata_spec_acceptance_rate", "Drafted tokens kept / drafted, since the start",
+                               registry=r)
+        self.spec_mean = Gauge("strata_spec_mean_accepted_length",
+                               "Tokens emitted per verify (the drafts kept and the one each verify adds), since the "
+                               "start", registry=r)
+        self._spec = [0, 0, 0]         # drafted, accepted, verifies
+
         self.moe_tiers: list[tuple[int, dict]] = []      # (stage, its expert tier's status), set before a scrape
         r.register(_MoeTierCollector(self))
 
@@ -54,6 +65,15 @@ class Metrics:
         self.finished.labels(finish_reason=finish_reason).inc()
         self.prompt_tokens.inc(max(0, int(timings.get("prompt_n", 0) or 0)))
         self.generated_tokens.inc(max(0, int(timings.get("predicted_n", usage.get("completion_tokens", 0)) or 0)))
+        d, a, v = (max(0, int(timings.get(k, 0) or 0)) for k in ("draft_n", "draft_n_accepted", "draft_verifies"))
+        if v:
+            self.spec_drafted.inc(d)
+            self.spec_accepted.inc(a)
+            self.spec_verifies.inc(v)
+            t = self._spec
+            t[0], t[1], t[2] = t[0] + d, t[1] + a, t[2] + v
+            self.spec_rate.set(t[1] / t[0] if t[0] else 0.0)
+            self.spec_mean.set((t[1] + t[2]) / t[2])
         cache_n = int(timings.get("cache_n", 0) or 0)
         how = (strata or {}).get("resume_from") or ("checkpoint" if cache_n else "none")
         if cache_n > 0 and how != "none":

@@ -2,7 +2,8 @@
 
 Field names and ranges follow the OpenAI API reference (https://platform.openai.com/docs/api-reference/chat)
 with llama.cpp's server extensions (top_k, min_p, repeat_penalty, cache_prompt, chat_template_kwargs,
-reasoning_format, json_schema, grammar) and Strata's own (strata_checkpoint, strata_pin). Every refusal is an
+reasoning_format, json_schema, grammar) and Strata's own (strata_checkpoint, strata_spec, strata_pin). Every refusal is
+an
 ApiError(400, one line naming the field). Unknown fields are ignored (clients send many optional ones), except those
 that would change the answer in a way Strata cannot honour (best_of > 1, echo, suffix, logit_bias, image parts).
 """
@@ -24,7 +25,8 @@ MAX_N = 16                 # choices per request (each one a full decode after t
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 # llama.cpp's and Strata's request fields that the Responses and Messages routes pass on to the chat request as they are
 EXTENSION_FIELDS = ("top_k", "min_p", "seed", "repeat_penalty", "repeat_last_n", "presence_penalty",
-                    "frequency_penalty", "cache_prompt", "strata_checkpoint", "chat_template_kwargs", "reasoning_format")
+                    "frequency_penalty", "cache_prompt", "strata_checkpoint", "strata_spec", "chat_template_kwargs",
+                    "reasoning_format")
 
 
 @dataclass
@@ -41,6 +43,7 @@ class ParsedRequest:
     top_logprobs: int = 0
     cache_prompt: bool = True
     checkpoint: bool = True
+    spec: bool | None = None                    # strata_spec: False turns speculative decoding off
     pin: int | None = None
     messages: list[dict] | None = None          # chat
     tools: list | None = None                   # chat: [{"type": "function", "function": {"name", ...}}]
@@ -184,6 +187,7 @@ def _common(body: dict, kind: str) -> ParsedRequest:
     r.output = _response_format(body.get("response_format"))
     r.cache_prompt = _opt_bool(body, "cache_prompt", True)
     r.checkpoint = _opt_bool(body, "strata_checkpoint", True)
+    r.spec = None if body.get("strata_spec") is None else _opt_bool(body, "strata_spec", True)
     return r
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import structlog
 
 from link import Ack, CkptRestore, CkptSave, Commit, ErrorCode, Forward, Hello, Reset, Result
+from strata.backend.quant import ROWWISE_MAX_TOKENS
 from strata.memory import KVCacheFull, PartMismatch
 from strata.stages.link_client import LinkClient, LinkDown, WorkerError
 from strata.stages.sequence import Checkpoint, Sequence
@@ -77,6 +78,8 @@ class Carrier:
             raise Refuse(ErrorCode.BAD_FRAME, f"hidden states {tuple(m.hidden.shape)} for {n} tokens of width "
                                               f"{self.n_embd}", fatal=True)
         t0 = time.perf_counter()
+        if m.want_all and n <= ROWWISE_MAX_TOKENS:    # a verify (+spec): each token's state kept for the Commit
+            self.seq.keep(n)
         x = self.seq.forward(m.tokens, x_in=np.asarray(m.hidden, dtype=np.float32))
         be = self.stages[-1].backend
         if self.next is not None:
@@ -142,7 +145,9 @@ class Carrier:
         return self._ack()
 
     def commit(self, m: Commit) -> Ack:
-        self.seq.truncate(int(m.pos))
+        """Keep positions [0, pos): after a verify (a Forward with want_all) any position it read, the running state
+        taken from the state kept there; otherwise a cut-back (attention K/V only)."""
+        self.seq.commit(int(m.pos))
         if self.next is not None:
             self.next.call(Commit(pos=m.pos))
         return self._ack()

@@ -113,6 +113,7 @@ class LinkClient:
         self.heard = time.monotonic()
         self.sent_bytes = self.received_bytes = 0
         self.ack: HelloAck | None = None
+        self.caps: set[str] = set()              # the capabilities the worker's Challenge announced
 
     # ---- the hello -----------------------------------------------------------------------------------------
     def connect(self, hello: Hello) -> HelloAck:
@@ -177,6 +178,7 @@ class LinkClient:
         if self.key is not None and frames == link.FRAMES_PLAIN:
             log.warning("stage link frames are not authenticated (--insecure-link)", worker=self.address)
         self.sock, self.ack, self.heard = sock, ack, time.monotonic()
+        self.caps = link.split_challenge_name(ch.worker)[1]
         return ack
 
     def close(self) -> None:

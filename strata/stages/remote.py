@@ -90,6 +90,7 @@ class RemoteMemory:
     def __init__(self, link: "RemoteStage", recurrent: bool):
         self.link, self.carve, self.recurrent = link, link.carve, bool(recurrent)
         self.at = 0                          # the live sequence's position on the worker
+        self.kept_from: int | None = None    # where the verify awaiting its Commit started (keep), else None
         self.seq_epoch = 0                   # the link epoch the live sequence's worker state belongs to
         self._ids = itertools.count(1)
         self._parts: dict[int, weakref.ref] = {}
@@ -151,7 +152,7 @@ class RemoteMemory:
                 raise CheckpointGone(str(e)) from None
             raise
         self._acked(ack)
-        self.at = part.pos
+        self.at, self.kept_from = part.pos, None
 
     def check_truncate(self, sid: int, p: int) -> None:
         if not 0 <= p <= self.at:
@@ -159,6 +160,25 @@ class RemoteMemory:
         if self.recurrent and 0 < p < self.at:
             raise ValueError(f"cannot cut a recurrent running state back from {self.at} to {p}; "
                              "restore a checkpoint instead")
+
+    def keep(self, sid: int, n: int) -> None:
+        """The next Forward is a verify (want_all): the worker keeps each token's state (+spec) for the Commit."""
+        self.kept_from = self.at
+
+    def check_commit(self, sid: int, p: int) -> None:
+        if self.kept_from is not None and p != self.at:
+            if not self.kept_from < p <= self.at:
+                raise ValueError(f"commit({p}) outside the kept positions ({self.kept_from}, {self.at}]")
+            return
+        if p != self.at:
+            self.check_truncate(sid, p)
+
+    def commit(self, sid: int, p: int) -> None:
+        """Commit(p) after a verify, sent ahead: the worker keeps [0, p), its running state taken from the state
+        it kept after token p - 1 (always sent: it also ends the worker's keep)."""
+        self.check_commit(sid, p)
+        self.link.post(Commit(pos=int(p)))
+        self.at, self.kept_from = int(p), None
 
     def truncate(self, sid: int, p: int) -> None:
         """Commit(p), sent ahead: the worker keeps [0, p); the next prompt settles before it is read."""
@@ -168,7 +188,7 @@ class RemoteMemory:
 
     def reset(self, sid: int) -> None:
         """Reset (a settle point). With the link down there is nothing to reset: the worker dropped the state."""
-        self.at = 0
+        self.at, self.kept_from = 0, None
         if self.link.client is None:
             return
         self.link.settle()
@@ -248,6 +268,7 @@ class RemoteStage(StageBase):
         client.max_payload = max(1 << 20, self.max_batch * (n_embd * 4 + 8) + 4096)
         with self._io:
             self.client, self.epoch, self.memory.at = client, self.epoch + 1, 0
+            self.memory.kept_from = None
             self.down_reason, self.memory.held, self.memory.store_bytes = None, 0, 0
         log.info("stage link up", stage=self.index, workers=[a for a, _ in self.hops], epoch=self.epoch,
                  ckpt_max=ack.ckpt_max, part_bytes=ack.part_bytes, worker=ack.worker, device=ack.device,
@@ -342,14 +363,31 @@ class RemoteStage(StageBase):
                 self._mark_down(str(e))
                 raise
 
-    def forward(self, tokens: np.ndarray, sid: int, x_in=None, all_logits: bool = False, on_device: bool = False):
+    @property
+    def speculates(self) -> str | None:
+        """None when the worker announced ``+spec`` (it keeps a verify's per-token states and Commits into them);
+        the reason otherwise."""
+        c = self.client
+        if c is None:
+            return f"stage {self.index} is remote and its link is down"
+        if link.CAP_SPEC not in c.caps:
+            return (f"stage {self.index}'s worker {c.address} does not announce +spec (an older strata worker): "
+                    f"upgrade it")
+        return None
+
+    def forward(self, tokens: np.ndarray, sid: int, x_in=None, all_logits: bool = False, on_device: bool = False,
+                hidden: bool = False):
         """Send the previous stage's hidden states through the worker chain; run the head on what comes back ->
-        logits as Stage.forward gives them."""
+        logits as Stage.forward gives them (with hidden, and the final-normed hidden rows: see StageBase.forward)."""
         toks = np.ascontiguousarray(np.asarray(tokens, dtype=np.int32).reshape(-1))
         be = self.backend
         x = np.ascontiguousarray(x_in if isinstance(x_in, np.ndarray) else be.to_host(x_in), dtype=np.float32)
         n = int(toks.shape[0])
         at = self.memory.at
+        if self.client is not None and self.client.unsettled:
+            # a verify's Commit is in flight: a worker may apply it late (while expert swaps finish), so it lands
+            # before the next Forward is sent
+            self.settle()
         res = self.call(Forward(pos=at, want_all=bool(all_logits), tokens=toks, hidden=x))
         if not isinstance(res, Result) or res.pos != at + n:
             self._mark_down(f"answered a Forward at {at} of {n} tokens with "
@@ -366,6 +404,8 @@ class RemoteStage(StageBase):
         if getattr(be, "xp", np) is not np:
             with be.device:
                 return self.model.head(be.xp.asarray(h), all_logits, on_device=on_device)
+        if hidden:           # the drafter's: the final-normed rows, beside the logits the head gives as always
+            return self.model.head(h, all_logits), be.rms_norm(h, self.model.out_norm, self.model.config.rms_eps)
         return self.model.head(h, all_logits)
 
     def memory_info(self) -> dict[str, int]:

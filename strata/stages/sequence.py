@@ -54,6 +54,8 @@ class Sequence:
         # then stands)
         self.make_room = make_room
         self.forward_returned = time.monotonic()       # when the last forward call returned (or raised)
+        self.epoch = 0          # counts the changes that are not reads (restore, cut back, reset): what the
+        #                         hidden states a drafter holds for this sequence's positions are checked against
 
     @property
     def pos(self) -> int:
@@ -85,9 +87,10 @@ class Sequence:
             self._buf = buf
 
     # ---- reading ---------------------------------------------------------------------------------
-    def forward(self, tokens, all_logits: bool = False, on_device: bool = False, x_in=None):
+    def forward(self, tokens, all_logits: bool = False, on_device: bool = False, x_in=None, hidden: bool = False):
         """Read `tokens` through every stage, hidden states handed from one to the next -> the last stage's logits
-        (a worker's stages: its last carve's hidden states). x_in: the hidden states the first stage starts from
+        (a worker's stages: its last carve's hidden states; with hidden, (logits, the last stage's final-normed
+        hidden states of every row), for the drafter). x_in: the hidden states the first stage starts from
         when it is not stage 0 of the model (a worker's). Pages for the new tokens are reserved on every stage
         first, so KVCacheFull changes nothing."""
         toks = np.asarray(tokens, dtype=np.int32).reshape(-1)
@@ -95,7 +98,10 @@ class Sequence:
         x = x_in
         try:
             for st, sid in zip(self.stages, self.sids):
-                x = st.forward(toks, sid, x_in=x, all_logits=all_logits, on_device=on_device)
+                if hidden and st.last:
+                    x = st.forward(toks, sid, x_in=x, all_logits=all_logits, hidden=True)
+                else:
+                    x = st.forward(toks, sid, x_in=x, all_logits=all_logits, on_device=on_device)
         finally:
             self.forward_returned = time.monotonic()     # what /health's stall check reads
         k = int(toks.shape[0])
@@ -103,6 +109,42 @@ class Sequence:
         self._buf[self._n:self._n + k] = toks
         self._n += k
         return x
+
+    def verify(self, tokens) -> tuple[np.ndarray, object]:
+        """A speculative verify: read `tokens` (the pending token and the drafts) through every stage in one
+        forward, each stage keeping the state after every token (Memory.keep) -> (logits of every row, the last
+        stage's final-normed hidden states of every row). ``commit`` then settles the accepted count."""
+        toks = np.asarray(tokens, dtype=np.int32).reshape(-1)
+        n = int(toks.shape[0])
+        self.reserve(n)
+        self.keep(n)
+        x = None
+        try:
+            for st, sid in zip(self.stages, self.sids):
+                x = st.forward(toks, sid, x_in=x, all_logits=True, hidden=st.last)
+        finally:
+            self.forward_returned = time.monotonic()
+        self._reserve_ids(self._n + n)
+        self._buf[self._n:self._n + n] = toks
+        self._n += n
+        return x
+
+    def keep(self, n: int) -> None:
+        """Arm every stage to keep each token's state through the next forward of at most n tokens (Memory.keep)."""
+        for st, sid in zip(self.stages, self.sids):
+            st.memory.keep(sid, n)
+
+    def commit(self, p: int) -> None:
+        """The Commit after a verify: every stage at position p (one the verify read; its K/V cut back, its running
+        state taken from the state kept after token p - 1), the token ids too. Every stage's check runs before any
+        stage changes (ValueError)."""
+        if not 0 <= p <= self.pos:
+            raise ValueError(f"commit({p}) outside [0, {self.pos}]")
+        for st, sid in zip(self.stages, self.sids):
+            st.memory.check_commit(sid, p)
+        for st, sid in zip(self.stages, self.sids):
+            st.memory.commit(sid, p)
+        self._n = p
 
     def reserve(self, n: int) -> None:
         """Pages for n more tokens on every stage; when a pool is short, ``make_room`` frees pages until it fits
@@ -167,6 +209,7 @@ class Sequence:
     def restore(self, ckpt: Checkpoint) -> None:
         """Validate every part, then restore each stage (drained on its own device) and the tokens."""
         self.validate(ckpt)
+        self.epoch += 1
         for st, sid, part in zip(self.stages, self.sids, ckpt.parts):
             st.memory.restore(sid, part)
         self._set(ckpt.tokens)
@@ -226,6 +269,7 @@ class Sequence:
             return
         for st, sid in zip(self.stages, self.sids):          # every stage's check before any cut
             st.memory.check_truncate(sid, p)
+        self.epoch += 1
         for st, sid in zip(self.stages, self.sids):
             st.memory.truncate(sid, p)
         self._n = p
@@ -234,6 +278,7 @@ class Sequence:
         """Give every stage's pages of this sequence back and forget it there (the sequence is unusable after)."""
         for st, sid in zip(self.stages, self.sids):
             st.memory.drop_seq(sid)
+        self.epoch += 1
         self.sids, self._n = [], 0
 
     def can_truncate(self, p: int) -> bool:
@@ -250,6 +295,7 @@ class Sequence:
 
     def reset(self) -> None:
         """Back to position 0 on every stage (pages kept, running state zeroed)."""
+        self.epoch += 1
         for st, sid in zip(self.stages, self.sids):
             st.memory.reset(sid)
         self._n = 0

@@ -19,7 +19,10 @@ class ModelRunner:
         self.model, self.lo, self.hi = model, lo, hi
         self.device_logits = getattr(model.backend, "xp", np) is not np    # forward_device's logits stay on a GPU
 
-    def forward(self, tokens, state, all_logits: bool = False, x_in=None):
+    def forward(self, tokens, state, all_logits: bool = False, x_in=None, hidden: bool = False):
+        if hidden:
+            return self.model.forward_carve(tokens, state, self.lo, self.hi, x_in=x_in, all_logits=all_logits,
+                                            hidden=True)
         return self.model.forward_carve(tokens, state, self.lo, self.hi, x_in=x_in, all_logits=all_logits)
 
     def forward_device(self, tokens, state, x_in=None):
@@ -52,9 +55,17 @@ class StageBase(ABC):
     last: bool
 
     @abstractmethod
-    def forward(self, tokens: np.ndarray, sid: int, x_in=None, all_logits: bool = False, on_device: bool = False):
+    def forward(self, tokens: np.ndarray, sid: int, x_in=None, all_logits: bool = False, on_device: bool = False,
+                hidden: bool = False):
         """Read `tokens` of sequence `sid` through this stage -> hidden states for the next stage, or, on the last
-        stage, the logits (host float32; with on_device, the last token's logits as a device array)."""
+        stage, the logits (host float32; with on_device, the last token's logits as a device array; with hidden,
+        (logits, the final-normed hidden states of every row), where ``speculates``)."""
+
+    @property
+    def speculates(self) -> str | None:
+        """Why this stage cannot take part in speculative decoding (a verify keeping per-position states, its
+        Commit, and on the last stage the drafter's hidden states), or None when it can."""
+        return "this stage does not run speculative decoding"
 
     @property
     @abstractmethod
@@ -104,10 +115,20 @@ class Stage(StageBase):
         """Whether this stage's runner can leave the logits on its device (the engine then samples there)."""
         return bool(getattr(self.runner, "device_logits", False))
 
-    def forward(self, tokens: np.ndarray, sid: int, x_in=None, all_logits: bool = False, on_device: bool = False):
+    @property
+    def speculates(self) -> str | None:
+        """None on a CPU stage run by the model's own forward; the reason otherwise (the device's verify keeps
+        no per-position states yet)."""
+        if self.backend.xp is not np or not isinstance(self.runner, ModelRunner):
+            return f"stage {self.index} runs on {self.device}: speculative decoding runs on CPU stages only for now"
+        return None
+
+    def forward(self, tokens: np.ndarray, sid: int, x_in=None, all_logits: bool = False, on_device: bool = False,
+                hidden: bool = False):
         """Read `tokens` of sequence `sid` through this stage. x_in: the previous stage's hidden states (moved to
         this stage's device here). Returns the hidden states for the next stage, or, on the last stage, the logits
-        (host float32; with on_device, the last token's logits as a device array)."""
+        (host float32; with on_device, the last token's logits as a device array; with hidden, (logits, the
+        final-normed hidden states of every row))."""
         if x_in is not None and not isinstance(x_in, np.ndarray) and self.backend.xp is np:
             x_in = self.backend.to_host(x_in)
         elif x_in is not None and self.backend.xp is not np:
@@ -116,6 +137,8 @@ class Stage(StageBase):
         st = self.memory.seq(sid)
         if on_device and self.last:
             return self.runner.forward_device(tokens, st, x_in=x_in)
+        if hidden and self.last:
+            return self.runner.forward(tokens, st, all_logits=all_logits, x_in=x_in, hidden=True)
         return self.runner.forward(tokens, st, all_logits=all_logits, x_in=x_in)
 
     def memory_info(self) -> dict[str, int]:

@@ -111,10 +111,11 @@ class Worker:
         return self._stages[1]
 
     def caps(self) -> list[str]:
-        """The capabilities this worker announces in its Challenge (none without a key: frames stay plain)."""
+        """The capabilities this worker announces in its Challenge: frame protection with a key (none without one:
+        frames stay plain), and ``+spec`` (speculative decoding's verify and Commit, Carrier.forward / commit)."""
         if self.cfg.key is None:
-            return []
-        return [link.CAP_MAC, link.CAP_AEAD] + ([link.CAP_ENCRYPT] if self.cfg.encrypt else [])
+            return [link.CAP_SPEC]
+        return [link.CAP_MAC, link.CAP_AEAD] + ([link.CAP_ENCRYPT] if self.cfg.encrypt else []) + [link.CAP_SPEC]
 
     def setup(self, h: Hello, frames: str = link.FRAMES_PLAIN) -> tuple[Carrier, HelloAck]:
         """Check the hello, load the carve, link the next worker (a relay does it again for every main, so the

@@ -1,0 +1,208 @@
+"""The MTP drafter of speculative decoding (the live sequence's drafts from the model's own MTP head, the drafter's
+K/V kept in step with the main model) and the per-choice counts of what was drafted and accepted.
+
+The drafter's K/V (the last stage's "draft" field) holds, at MTP position p, the MTP block's K/V over the main
+model's final-normed hidden state h_p and the token at p + 1. Between two reads of the live sequence at position
+P it holds positions [0, P - 1) once fed: position P - 1 needs the token at P, which is only known once it is sampled.
+Every read of the live sequence with the drafter on hands the drafter its rows' hidden states (``observe``), which
+it feeds to the MTP block in batches: at the next draft, once FEED_BATCH rows wait, and at ``flush`` (the end of a
+prompt part and of a choice, so that a checkpoint, a parked conversation or a session file carries them). ``draft``
+then runs the MTP block at P - 1 with the token just sampled (that position is certain: the token will be read),
+and past it on its own output, drafting until n tokens or a draft probability below ``min_p``; the positions past
+P - 1 are cut back before the verify.
+
+A position whose hidden state was never observed (the tail of a checkpoint restored, a sequence cut back) enters
+the MTP block with a zero hidden state, and with a remote last stage (the drafter's K/V then a table of the
+drafter's own, which checkpoints do not carry) a restored conversation's earlier MTP positions may be another's:
+either can lower what the drafts agree with, never what is emitted (a verify decides that).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from strata.backend.quant import ROWWISE_MAX_TOKENS
+from strata.memory import Memory
+from strata.sampling.speculative import Draft
+
+#: drafts per verify at most: a verify reads the sampled token and its drafts in one short read
+MAX_DRAFTS = ROWWISE_MAX_TOKENS - 1
+#: hidden rows the drafter holds before it feeds them to the MTP block without waiting for a draft (plain steps
+#: between drafts, --spec-adaptive's, are then fed in one batch)
+FEED_BATCH = 64
+
+
+@dataclass
+class SpecCounts:
+    """What one choice's speculative decoding did: verifies run, tokens drafted and drafts accepted."""
+    verifies: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        """Tokens emitted per verify (the accepted drafts and the token each verify adds)."""
+        return (self.accepted + self.verifies) / self.verifies if self.verifies else 0.0
+
+
+def spec_refusal(stages, model) -> str | None:
+    """Why --spec > 0 cannot run on these stages and this model (one line), or None."""
+    for st in stages:
+        why = st.speculates
+        if why:
+            return f"--spec: {why}; use --spec 0"
+    if getattr(model, "mtp", None) is None:
+        return "--spec needs a model with an MTP head (nextn_predict_layers > 0); this model has none: use --spec 0"
+    return None
+
+
+class MTPDrafter:
+    """Drafts for the live sequence `seq` with the MTP head of `model` (the last stage's, whose memory holds the
+    drafter's K/V). ``oracle``: None, or a function (position of the drafted token, the MTP head's token) -> the
+    token to draft instead (tests and benchmarks: the MTP head still runs on the drafts it is given)."""
+
+    def __init__(self, seq, stage, model, n_ctx: int):
+        self.seq, self.stage, self.model = seq, stage, model
+        self.oracle: Callable[[int, int], int] | None = None
+        # the drafter's K/V: the last stage's "draft" field, or (the last stage remote: the main runs the head and
+        # the drafter) a page table of its own, which checkpoints do not carry
+        self._own = None if isinstance(stage.memory, Memory) else model.new_mtp_kv(n_ctx)
+        self._held: dict[int, np.ndarray] = {}          # position -> the main model's hidden state there
+        self._epoch = seq.epoch
+        self._zero = np.zeros(model.config.n_embd, np.float32)
+
+    def _table(self):
+        if self._own is not None:
+            return self._own
+        return self.stage.memory.seq(self.seq.sids[-1]).draft
+
+    def _sync(self) -> None:
+        if self.seq.epoch != self._epoch:              # restored, cut back or reset: the rows held are of another
+            self._held.clear()
+            self._epoch = self.seq.epoch
+
+    def observe(self, start: int, hidden) -> None:
+        """The hidden states of the rows the live sequence read at positions start.. (its position now at or past
+        their end); the MTP block is fed every position whose next token is known once more than FEED_BATCH
+        rows wait (or at the next draft)."""
+        self._sync()
+        h = np.asarray(hidden, dtype=np.float32)
+        for i in range(h.shape[0]):
+            self._held[start + i] = h[i]
+        if len(self._held) > FEED_BATCH:      # else they wait for the next draft, which feeds them in one batch
+            self._feed(self.seq.pos - 1, None)
+
+    def flush(self) -> None:
+        """Feed the MTP block every position whose hidden state and next token are known."""
+        self._sync()
+        if self._held:
+            self._feed(self.seq.pos - 1, None)
+
+    def _feed(self, upto: int, last_token: int | None):
+        """Feed MTP positions [length, upto) with their known next tokens, and position `upto` too when
+        `last_token` is given (the token at upto + 1) -> the MTP block's output of the last row fed, or None."""
+        table = self._table()
+        ids = self.seq.ids
+        lo = table.length
+        if lo > upto:
+            table.truncate(upto)
+            lo = upto
+        hi = upto + (last_token is not None)
+        if hi <= lo:
+            return None
+        toks = np.empty(hi - lo, np.int32)
+        toks[:upto - lo] = ids[lo + 1:upto + 1]
+        if last_token is not None:
+            toks[-1] = last_token
+        rows = np.stack([self._held.get(p, self._zero) for p in range(lo, hi)])
+        out = self.model.mtp_hidden(rows, toks, table)
+        for p in [p for p in self._held if p < hi]:
+            del self._held[p]
+        return out[-1:]
+
+    def draft(self, token: int, n: int, min_p: float) -> list[Draft]:
+        """Up to n drafts following `token` (sampled, about to be read at the sequence's position P), stopping at
+        the first whose draft probability is below min_p. The MTP K/V ends at P (position P - 1 certain)."""
+        self._sync()
+        P = self.seq.pos
+        x = self._feed(P - 1, token)
+        out: list[Draft] = []
+        table = self._table()
+        for k in range(n):
+            logits = self.model.mtp_head(x)[0]
+            t = int(np.argmax(logits))
+            if min_p > 0:
+                z = logits - logits[t]
+                p = 1.0 / float(np.exp(z.astype(np.float64)).sum())
+                if p < min_p:
+                    break
+            if self.oracle is not None:
+                t = int(self.oracle(P + 1 + k, t))
+            out.append(Draft(t))
+            if k + 1 < n:       # the MTP block past the main model's hidden states: its own output as h
+                x = self.model.mtp_hidden(x, np.asarray([t], np.int32), table)
+        table.truncate(P)
+        return out
+
+
+class AdaptiveN:
+    """How many drafts the next verify takes (0 .. n_max: 0 is a plain decode step), chosen to maximise the expected
+    tokens per second from what was measured so far: the per-position acceptance (each draft tried after the ones
+    before it were kept: a running average over those trials) and the times of a decode step, of one draft and of a
+    verify of k drafts (running averages). With acceptance a per position, a verify of n drafts emits
+    (1 - a^(n + 1)) / (1 - a) tokens on average. While n = 0 wins, every ``probe_every`` steps a verify of one draft
+    keeps the acceptance measured. Costs not measured yet are estimated from the decode step (a draft at a fifth
+    of it, a verify of k drafts at 1 + k / 4 of it); the acceptance starts at ``prior``."""
+
+    def __init__(self, n_max: int, alpha: float = 0.05, prior: float = 0.5, probe_every: int = 16):
+        self.n_max, self.alpha, self.probe_every = int(n_max), float(alpha), int(probe_every)
+        self.a = float(prior)
+        self.t_step: float | None = None
+        self.t_draft: float | None = None
+        self.t_verify: dict[int, float] = {}
+        self._plain = 0                               # plain steps since the last verify
+
+    def _avg(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.alpha * (new - old)
+
+    def expected(self, n: int) -> float:
+        """Tokens one step emits on average with n drafts."""
+        a = min(self.a, 1.0 - 1e-9)
+        return (1.0 - a ** (n + 1)) / (1.0 - a)
+
+    def cost(self, n: int) -> float:
+        """Seconds of a step with n drafts (measured, or estimated from the decode step)."""
+        step = self.t_step if self.t_step is not None else 1.0
+        if n == 0:
+            return step
+        draft = self.t_draft if self.t_draft is not None else step / 5
+        verify = self.t_verify.get(n)
+        if verify is None:
+            verify = step * (1.0 + n / 4)
+        return n * draft + verify
+
+    def choose(self) -> int:
+        best = max(range(self.n_max + 1), key=lambda n: self.expected(n) / self.cost(n))
+        if best == 0 and self._plain + 1 >= self.probe_every:
+            return 1
+        return best
+
+    def plain_step(self, seconds: float) -> None:
+        self.t_step = self._avg(self.t_step, seconds)
+        self._plain += 1
+
+    def verified(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
+        """One verify: its drafts, how many were kept, and the times of drafting and of the verify."""
+        self._plain = 0
+        if drafted <= 0:
+            return
+        for ok in [1.0] * accepted + ([0.0] if accepted < drafted else []):
+            self.a += self.alpha * (ok - self.a)
+        self.t_draft = self._avg(self.t_draft, draft_s / drafted)
+        self.t_verify[drafted] = self._avg(self.t_verify.get(drafted), verify_s)

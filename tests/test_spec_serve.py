@@ -1,0 +1,44 @@
+"""--spec on a real daemon: a request's "strata_spec": false decodes without drafts (the same greedy answer),
+a bad value is refused naming the field, /metrics and the status count what was drafted and accepted."""
+import pytest
+
+from strata.gguf import synth
+from tests.daemon import Daemon
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("spec_serve")
+    path = synth.write_synthetic(tmp / "hybrid.gguf", synth.preset("qwen35", "tiny", seed=3, n_mtp=1))
+    d = Daemon(tmp, "--model", str(path), "--device", "cpu", "--spec", "3").start()
+    yield d
+    d.stop()
+
+
+def _complete(d, **extra):
+    body = {"prompt": "the quick brown fox", "max_tokens": 10, "temperature": 0, **extra}
+    st, out = d.json("POST", "/v1/completions", body)
+    assert st == 200, out
+    return out
+
+
+def test_opt_out_metrics_and_status(daemon):
+    d = daemon
+    off = _complete(d, strata_spec=False)
+    assert d.metric("strata_spec_drafted_tokens_total") == 0 and d.metric("strata_spec_verifies_total") == 0
+    on = _complete(d, cache_prompt=False)
+    assert on["choices"][0]["text"] == off["choices"][0]["text"]
+    assert off["timings"]["draft_n"] == 0 and on["timings"]["draft_n"] > 0
+    assert on["timings"]["draft_mean_accepted"] >= 1.0
+    drafted = d.metric("strata_spec_drafted_tokens_total")
+    assert drafted > 0 and d.metric("strata_spec_verifies_total") > 0
+    assert 0 <= d.metric("strata_spec_accepted_tokens_total") <= drafted
+    assert d.metric("strata_spec_mean_accepted_length") >= 1.0
+    _, status = d.json("GET", "/status")
+    spec = status.get("spec") or status.get("engine", {}).get("spec")
+    assert spec["n"] == 3 and spec["drafted"] >= drafted        # the status counts the warm-up's drafts too
+
+
+def test_bad_field_refused(daemon):
+    st, out = daemon.json("POST", "/v1/completions", {"prompt": "x", "max_tokens": 2, "strata_spec": "yes"})
+    assert st == 400 and "strata_spec" in out["error"]["message"]
