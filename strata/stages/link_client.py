@@ -19,7 +19,7 @@ from strata.errors import EngineFault, Unavailable
 log = structlog.get_logger("strata.stages.remote")
 
 PING_EVERY = 1.0          # seconds without a frame before the waiting side pings
-SILENT_AFTER = 3.0        # seconds without any frame (a Pong included) before the link counts as down
+SILENT_AFTER = 10.0       # seconds without any frame (a Pong included) before the link counts as down
 CONNECT_TIMEOUT = 5.0     # connecting and the hello
 HANDSHAKE_MAX = 64 * 1024  # payload bytes a Challenge / Hello / HelloAck may have
 BACKOFF = (0.1, 0.2, 0.5, 1.0, 2.0)   # seconds between reconnection attempts (the last one repeats)
