@@ -57,13 +57,15 @@ def test_split_checkpoint_part_round_trip_on_device_pages(default_runs):
     seq.forward(np.arange(1, 301, dtype=np.int32))
     h = seq.hashes()
     blobs = []
-    for st, part in zip(e.stages, seq.capture().parts):
+    here = seq.capture()
+    for st, part in zip(e.stages, here.parts):
         buf = io.BytesIO()
         st.memory.write(part, buf)
         blobs.append(buf.getvalue())
+    here.release()                               # a capture holds its pages until released
     seq.forward(np.arange(5, 40, dtype=np.int32))
     parts = [st.memory.read(io.BytesIO(b)) for st, b in zip(e.stages, blobs)]
-    assert all(isinstance(p, StatePart) and not p.is_reference for p in parts)
+    assert all(isinstance(p, StatePart) and not p.is_held for p in parts)
     from strata.stages.sequence import Checkpoint
     seq.restore(Checkpoint(pos=300, tokens=tuple(range(1, 301)), parts=parts))
     assert seq.hashes() == h
