@@ -223,12 +223,16 @@ def test_session_file_keeps_the_drafter_kv(model, tmp_path):
     def script(e):
         a, _ = _run(e, p1, max_tokens=10)
         e.slot_save(0, "conv.bin")
-        part = e.seq.capture().parts[-1]
+        cap = e.seq.capture()              # a capture holds its pages: released once read
+        part = cap.parts[-1]
         draft_len = part.kv["draft"].length if "draft" in part.kv else None
+        cap.release()
         _run(e, p2, max_tokens=5)
         e.slot_restore(0, "conv.bin")
-        after = e.seq.capture().parts[-1]
+        cap = e.seq.capture()
+        after = cap.parts[-1]
         restored_len = after.kv["draft"].length if "draft" in after.kv else None
+        cap.release()
         b, fb = _run(e, p1 + _ids(a) + _prompt(5, 11), max_tokens=10)
         return _ids(a), _ids(b), fb[0].strata["resume_from"], draft_len, restored_len
 
