@@ -325,9 +325,7 @@ class Engine:
                     finally:
                         out.close()           # the consumer went away mid-choice: the decode's own cleanup runs now
                         self.requests += i == 0
-                        t = self.spec_totals
-                        t.verifies, t.drafted, t.accepted = (t.verifies + counts.verifies, t.drafted + counts.drafted,
-                                                             t.accepted + counts.accepted)
+                        self.spec_totals.add(counts)
                     n_run = len(toks)
                     if greedy and n_choices > 1:
                         replay = (events, (finish, toks, trailing, stopped_by))

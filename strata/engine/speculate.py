@@ -41,6 +41,12 @@ class SpecCounts:
     drafted: int = 0
     accepted: int = 0
 
+    def add(self, other: "SpecCounts") -> None:
+        """Count `other`'s verifies, drafts and accepted drafts in this one too."""
+        self.verifies += other.verifies
+        self.drafted += other.drafted
+        self.accepted += other.accepted
+
     @property
     def acceptance(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
