@@ -316,8 +316,9 @@ def cmd_status(c: Client, args) -> int:
         ("stages", stages), ("position", e.get("pos")),
         ("queue", f"{q.get('running', 0)} running, {q.get('waiting', 0)} waiting (max {q.get('max')})"),
         ("kv pages", f"{kv.get('used')} / {kv.get('total')} used (page size {kv.get('page_size')})" +
-                     (f", {kv.get('held')} held by {len([p for p in e.get('parked') or [] if p.get('tier') == 'device'])}"
-                      f" conversations parked resident" if kv.get("held") else "")),
+                     (f", {kv.get('held')} held by checkpoints and "
+                      f"{len([p for p in e.get('parked') or [] if p.get('tier') == 'device'])} parked resident"
+                      if kv.get("held") else "")),
         ("checkpoints", f"{len(e.get('checkpoints') or [])} kept, {_human_bytes(e.get('checkpoint_bytes'))} "
                         f"(--prompt-cache {e.get('prompt_cache')})"),
         ("device", _device_line(d.get("device") or {})),

@@ -10,7 +10,7 @@ from strata.memory.pinned import host_bytes, pinned_bytes
 
 def engine_status(engine, busy: bool) -> dict[str, Any]:
     """Engine status for `stratactl status` (JSON-ready): model, arch, n_ctx, the stages (carve, device, runner,
-    memory), KV pages used/total over all stages (and held by conversations parked resident), the live sequence's
+    memory), KV pages used/total over all stages (and held by checkpoints and conversations parked resident), the live sequence's
     position and state bytes, checkpoints, cache counters, memory in bytes; busy: whether a request runs now."""
     cps = engine.checkpoints()
     stages = [st.status() for st in engine.stages]
