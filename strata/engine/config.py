@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from strata.moe.policy import Policy
+
 
 @dataclass(frozen=True)
 class StageConfig:
@@ -75,10 +77,9 @@ class MoeTierConfig:
         v = self.vram_mib
         if v is not None and str(v).strip() != "auto" and not (str(v).strip().isdigit()):
             return f"--moe-vram-mib must be 'auto' or a whole number of MiB, got {v!r}"
-        if self.adapt_every < 1:
-            return f"--adapt-every must be >= 1, got {self.adapt_every}"
-        if self.adapt_swaps < 0:
-            return f"--adapt-swaps must be >= 0, got {self.adapt_swaps}"
+        why = Policy(every=self.adapt_every, swaps=self.adapt_swaps).problem()     # the policy's own flag checks
+        if why:
+            return why
         if not 0 < self.pcie_frac <= 1:
             return f"--pcie-frac must be in (0, 1], got {self.pcie_frac}"
         return None
