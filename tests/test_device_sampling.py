@@ -387,11 +387,11 @@ def test_kernel_matches_array_path(monkeypatch, n, cfg):
 
 
 @pytest.mark.skipif(_cuda_why() is not None, reason=f"CUDA backend unavailable: {_cuda_why()}")
-def test_cuda_engine_samples_on_device(monkeypatch):
+def test_cuda_engine_samples_on_device(monkeypatch, default_model_path):
     """The engine on CUDA with forward_device: greedy tokens equal the host path's (forward + Sampler); a seed
     repeats."""
     from strata.engine import Engine
-    e = Engine("default", n_ctx=512, device="cuda", prompt_cache=0)
+    e = Engine(default_model_path, n_ctx=512, device="cuda", prompt_cache=0)
     assert e.stages[-1].device_logits            # the CUDA plan leaves the logits on the device
     greedy = SamplingParams(temperature=0, repeat_penalty=1.3, repeat_last_n=16)
     dev = _tokens(e, greedy, 32)
