@@ -297,6 +297,7 @@ def bench_hybrid(path: str, prompts=PROMPTS, depths=DEPTHS, n_gen: int = 128, ub
             sync()
             res[kind][d] = n_gen / (time.perf_counter() - t0)
             print(f"  strata hybrid {kind} tg{n_gen}@d{d}: {res[kind][d]:.1f} tok/s", flush=True)
+        snap.release()                              # a capture holds its KV pages
     if plan is not None and getattr(plan, "moe", None):
         res["moe_layer_us"] = moe_layer_profile(plan, ubatch)
         print(f"  one MoE layer (us): {res['moe_layer_us']}", flush=True)
