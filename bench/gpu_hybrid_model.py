@@ -274,7 +274,7 @@ def bench_hybrid(path: str, prompts=PROMPTS, depths=DEPTHS, n_gen: int = 128, ub
             fast.prefill = True
         print(f"  strata hybrid pp{n} (chunked delta rule): {res['prompt_chunked'][n]:.1f} tok/s", flush=True)
 
-    def generic(tok):
+    def generic_decode(tok):
         for _ in range(n_gen):
             tok = int(np.argmax(model.forward(np.asarray([tok], np.int32), st)))
 
@@ -283,9 +283,9 @@ def bench_hybrid(path: str, prompts=PROMPTS, depths=DEPTHS, n_gen: int = 128, ub
         tok = int(np.argmax(logits)) if logits is not None else 1
         snap = st.capture()
         runs = [("decode", (lambda: plan.decode_greedy(tok, n_gen, st)) if plan is not None else
-                 (lambda: generic(tok)))]
+                 (lambda: generic_decode(tok)))]
         if i == 0 and plan is not None and generic:
-            runs.append(("decode_generic", lambda: generic(tok)))
+            runs.append(("decode_generic", lambda: generic_decode(tok)))
         for kind, run in runs:
             st.restore(snap)
             if kind == "decode" and plan is not None:
