@@ -2,13 +2,14 @@
 # Issue 34's MoE prefill check on the device, two calls on one warm machine; logs and JSON in $OUT.
 # Run from the root of this tree (copied to the device, strata/_cuda_kernels.so not built there) with
 #   WHL=<wheels folder>  NEWK=<this tree's kernels: _cuda_kernels.so.xz + .h (tools/prebuild_cuda.sh, xz)>
-#   OLDK=<main's kernels, the same two files>  TOK=<a GGUF with the default model's tokenizer (the synthetic files
-#   copy it)>  LCTAR=<llama.cpp source tar.gz>
+#   OLDK=<main's kernels, the same two files>  TOK=<a GGUF with the default model's tokenizer (tools/tokenizer_gguf.py;
+#   the synthetic files copy it)>  LCTAR=<llama.cpp source tar.gz>
 # 1: the llama.cpp CUDA build (llama-bench) in the background; wheels, kernels, the C core; the medium and large
 #    synthetic qwen35moe (bench/gpu_throughput.make_synthetic_moe) written in the background; tests/test_cuda_moe.py;
 #    bench/moe_prefill_profile.py on the medium file with this tree's kernels (lanes 32 / 16 / 8) and main's;
 #    bench/gpu_throughput.py's Strata rows on both files (prompt 512 / 4096 / 16384, decode at 0 / 4096 / 16384).
-# 2 (same machine): llama-bench on both files (gpu_throughput --strata-from stage 1's rows), and where nsys exists,
+# 2 (same warm machine, the same carry; a carried tree arrives without stage 1's builds, which it copies back from
+#    /tmp/moe_built): llama-bench on both files (gpu_throughput --strata-from stage 1's rows), and where nsys exists,
 #    llama-bench pp4096 on the medium file under nsys (its kernels' time: MUL_MAT_ID and the rest).
 stage=${1:?1 or 2}
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
@@ -27,6 +28,7 @@ if [ "$stage" = 1 ]; then
   mkdir -p /tmp/oldK && xz -dc "$OLDK/_cuda_kernels.so.xz" > /tmp/oldK/_cuda_kernels.so \
     && cp "$OLDK/_cuda_kernels.h" /tmp/oldK/
   python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1; echo "build rc=$?"
+  mkdir -p /tmp/moe_built && cp strata/_cuda_kernels.so strata/_cuda_kernels.h strata/_native*.so /tmp/moe_built/
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
   (for f in "$MED:medium" "$LARGE:large"; do
      p=${f%:*}; s=${f#*:}; t0=$(date +%s)
@@ -48,6 +50,7 @@ if [ "$stage" = 1 ]; then
   tail -n 2 /tmp/lc_build.log
   exit 0
 fi
+[ -f strata/_cuda_kernels.so ] || cp /tmp/moe_built/* strata/
 for i in $(seq 1 ${LLAMA_WAIT:-240}); do grep -q '^done' /tmp/lc_build.log 2>/dev/null && break; sleep 1; done
 tail -n 2 /tmp/lc_build.log
 [ -x $LB ] || { echo "no llama-bench"; exit 3; }
