@@ -201,7 +201,8 @@ def moe_layer_profile(plan, n: int, reps: int = 5) -> dict:
     return out
 
 
-def bench_hybrid(path: str, prompts=PROMPTS, depths=DEPTHS, n_gen: int = 128, ubatch: int = 512) -> dict:
+def bench_hybrid(path: str, prompts=PROMPTS, depths=DEPTHS, n_gen: int = 128, ubatch: int = 512,
+                 generic: bool = True) -> dict:
     """Time strata.models.base.load_model(path, CudaBackend()) on random tokens, as the engine runs it
     (CudaBackend.fast_path: the CUDA-graph decode plan when it supports the model).
 
@@ -214,7 +215,8 @@ def bench_hybrid(path: str, prompts=PROMPTS, depths=DEPTHS, n_gen: int = 128, ub
     host argmax); decode_generic: the same at the first depth through the model's own forward (no plan: the
     feature's reference). The device is synchronized before each clock read. Returns {"prompt": {n: tok/s},
     "prompt_chunked": {...}, "decode": {d: tok/s}, "decode_generic": {...}, "plan": bool, "moe_path": the
-    MoE layers' path ({"decode": ..., "prefill": ...}) or None} (keys are ints).
+    MoE layers' path ({"decode": ..., "prefill": ...}) or None} (keys are ints). generic=False: without the
+    prompt_generic / prompt_chunked / decode_generic rows (the plan's rows only).
     """
     import cupy as cp
     from strata.backend.cuda import CudaBackend
@@ -258,7 +260,7 @@ def bench_hybrid(path: str, prompts=PROMPTS, depths=DEPTHS, n_gen: int = 128, ub
     for n in prompts:
         res["prompt"][n] = timed_prompt(n)
         print(f"  strata hybrid pp{n}: {res['prompt'][n]:.1f} tok/s", flush=True)
-    if prompts:
+    if prompts and generic:
         n = min(prompts)
         routed = getattr(fast, "prefill", None)
         if routed:                                  # the model's own forward (the prefill plan off)
@@ -272,7 +274,7 @@ def bench_hybrid(path: str, prompts=PROMPTS, depths=DEPTHS, n_gen: int = 128, ub
             fast.prefill = True
         print(f"  strata hybrid pp{n} (chunked delta rule): {res['prompt_chunked'][n]:.1f} tok/s", flush=True)
 
-    def generic(tok):
+    def generic_decode(tok):
         for _ in range(n_gen):
             tok = int(np.argmax(model.forward(np.asarray([tok], np.int32), st)))
 
@@ -281,9 +283,9 @@ def bench_hybrid(path: str, prompts=PROMPTS, depths=DEPTHS, n_gen: int = 128, ub
         tok = int(np.argmax(logits)) if logits is not None else 1
         snap = st.capture()
         runs = [("decode", (lambda: plan.decode_greedy(tok, n_gen, st)) if plan is not None else
-                 (lambda: generic(tok)))]
-        if i == 0 and plan is not None:
-            runs.append(("decode_generic", lambda: generic(tok)))
+                 (lambda: generic_decode(tok)))]
+        if i == 0 and plan is not None and generic:
+            runs.append(("decode_generic", lambda: generic_decode(tok)))
         for kind, run in runs:
             st.restore(snap)
             if kind == "decode" and plan is not None:
@@ -295,6 +297,7 @@ def bench_hybrid(path: str, prompts=PROMPTS, depths=DEPTHS, n_gen: int = 128, ub
             sync()
             res[kind][d] = n_gen / (time.perf_counter() - t0)
             print(f"  strata hybrid {kind} tg{n_gen}@d{d}: {res[kind][d]:.1f} tok/s", flush=True)
+        snap.release()                              # a capture holds its KV pages
     if plan is not None and getattr(plan, "moe", None):
         res["moe_layer_us"] = moe_layer_profile(plan, ubatch)
         print(f"  one MoE layer (us): {res['moe_layer_us']}", flush=True)

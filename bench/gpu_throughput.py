@@ -3,10 +3,15 @@
 Prompt tokens/s at 512 / 4096 / 16384 tokens and decode tokens/s at context 0 / 4096 / 16384, plus decode as a
 fraction of the memory-bandwidth limit (weight bytes read per token / measured device copy bandwidth).
 Usage: python bench/gpu_throughput.py --model PATH [--model PATH2] [--llama-bench BIN] [--synthetic OUT.gguf]
-       [--synthetic-hybrid OUT2.gguf] [--synthetic-moe OUT3.gguf [--moe-size medium|large]]
---synthetic-moe writes a hybrid MoE (strata.gguf.synth qwen35moe, random Q4_0, seed 1; medium: 16 layers, n_embd 1536, 64
-experts of which 8 per token, 1.77 GiB; large: 36 layers, 2048, 128 experts) and benches it like the hybrid
-(bench/gpu_hybrid_model.bench_hybrid: the plan's graph decode and grouped prefill; its "moe_path" says which ran).
+       [--synthetic-hybrid OUT2.gguf] [--synthetic-moe OUT3.gguf[:SIZE] ...] [--moe-size medium|large]
+       [--skip-generic] [--strata-from EARLIER.json]
+--synthetic-moe (repeatable) writes a hybrid MoE (strata.gguf.synth qwen35moe, random Q4_0, seed 1, SIZE or
+--moe-size: medium: 16 layers, n_embd 1536, 64 experts of which 8 per token, 1.78 GiB; large: 36 layers, 2048, 128
+experts of which 8, 7.9 GiB) and benches it like the hybrid (bench/gpu_hybrid_model.bench_hybrid: the plan's graph
+decode and grouped prefill; its "moe_path" says which ran); the entry's "moe_spec" names the file's shape.
+--skip-generic: the hybrid / MoE rows of the plan only (no generic-forward rows: the large MoE decodes a few tokens a
+second that way). --strata-from: Strata's rows from an earlier run's JSON on the same machine and files, llama-bench
+run now (the two halves of one comparison in two device calls).
 Writes bench/results/gpu_<gpu>_<commit>.json (or --out).
 """
 from __future__ import annotations
@@ -289,11 +294,17 @@ def bench_llama(bin_path: str, path: str, prompts, depths, n_gen: int, ubatch: i
     return res
 
 
-def make_synthetic_moe(out: str, size: str = "medium") -> str:
-    """Write strata.gguf.synth's qwen35moe of `size` (random Q4_0 matrices, seed 1; the tokenizer of the default model),
-    the file of ``tools/synth_gguf.py qwen35moe OUT --size SIZE --qtype Q4_0 --seed 1``."""
+def moe_spec(size: str):
+    """strata.gguf.synth's qwen35moe spec of `size` as the bench writes it (random Q4_0 matrices, seed 1)."""
     from strata.gguf import synth
-    return str(synth.write_synthetic(out, synth.preset("qwen35moe", size, qtype="Q4_0", seed=1), progress=True))
+    return synth.preset("qwen35moe", size, qtype="Q4_0", seed=1)
+
+
+def make_synthetic_moe(out: str, size: str = "medium") -> str:
+    """Write moe_spec(size) (the tokenizer of the default model; the tensors computed on half the cores), the file of
+    ``tools/synth_gguf.py qwen35moe OUT --size SIZE --qtype Q4_0 --seed 1``."""
+    from strata.gguf import synth
+    return str(synth.write_synthetic(out, moe_spec(size), progress=False, workers=max(1, (os.cpu_count() or 2) // 2)))
 
 
 def main(argv=None) -> int:
@@ -304,9 +315,15 @@ def main(argv=None) -> int:
     ap.add_argument("--synthetic-hybrid", default=None,
                     help="write a ~1.5B qwen35 hybrid (Gated DeltaNet + attention, random Q8_0; "
                          "bench/gpu_hybrid_model.py) here and bench it too")
-    ap.add_argument("--synthetic-moe", default=None,
-                    help="write a synthetic qwen35moe (make_synthetic_moe) here and bench it too")
+    ap.add_argument("--synthetic-moe", action="append", default=[], metavar="PATH[:SIZE]",
+                    help="write a synthetic qwen35moe (make_synthetic_moe) of SIZE (else --moe-size) here and bench it "
+                         "too (repeatable)")
     ap.add_argument("--moe-size", default="medium", choices=("small", "medium", "large"))
+    ap.add_argument("--skip-generic", action="store_true",
+                    help="hybrid / MoE models: the plan's rows only (no generic-forward rows)")
+    ap.add_argument("--strata-from", default=None,
+                    help="take Strata's rows from this earlier results JSON (same machine and files) and run only "
+                         "llama-bench now")
     ap.add_argument("--llama-bench", default=None, help="llama-bench binary built with CUDA")
     ap.add_argument("--n-gen", type=int, default=128)
     ap.add_argument("--ubatch", type=int, default=512)
@@ -320,8 +337,10 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     import cupy as cp
     from strata.gguf.default_model import resolve_model
-    prompts = [int(x) for x in a.prompts.split(",")]
-    depths = [int(x) for x in a.depths.split(",")]
+    prompts = [int(x) for x in a.prompts.split(",") if x]
+    depths = [int(x) for x in a.depths.split(",") if x]
+    stored = json.loads(Path(a.strata_from).read_text())["models"] if a.strata_from else None
+    moe_sizes = {}
     models = [str(resolve_model(m)) for m in (a.model or ["default"]) if m != "none"]
     tok_src = a.tokenizer_from or (models[0] if models else None)
 
@@ -339,9 +358,14 @@ def main(argv=None) -> int:
         from bench.gpu_hybrid_model import make_synthetic_hybrid
         synthetic(a.synthetic_hybrid, make_synthetic_hybrid, "hybrid")
         hybrids.append(a.synthetic_hybrid)
-    if a.synthetic_moe:
-        synthetic(a.synthetic_moe, lambda path, _tok: make_synthetic_moe(path, a.moe_size), f"MoE ({a.moe_size})")
-        hybrids.append(a.synthetic_moe)
+    for arg in a.synthetic_moe:
+        path, _, size = arg.partition(":")
+        size = size or a.moe_size
+        if size not in ("small", "medium", "large"):
+            ap.error(f"--synthetic-moe {arg!r}: size {size!r} is not small, medium or large")
+        synthetic(path, lambda p, _tok, size=size: make_synthetic_moe(p, size), f"MoE ({size})")
+        hybrids.append(path)
+        moe_sizes[path] = size
     props = cp.cuda.runtime.getDeviceProperties(0)
     gpu = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     bw = copy_bandwidth(cp)
@@ -355,9 +379,18 @@ def main(argv=None) -> int:
     for m in models:
         print(f"model {m} ({os.path.getsize(m) / 1e6:.0f} MB)", flush=True)
         entry = {"file_bytes": os.path.getsize(m)}
-        if m in hybrids:
+        if m in moe_sizes:
+            sp = moe_spec(moe_sizes[m])
+            entry["moe_spec"] = {"size": moe_sizes[m], "qtype": sp.qtype, **{
+                f: getattr(sp, f) for f in ("n_layer", "n_embd", "n_expert", "n_expert_used", "n_ff_exp", "n_ff_shexp")}}
+        if stored is not None:
+            if os.path.basename(m) not in stored:
+                ap.error(f"--strata-from {a.strata_from} has no row for {os.path.basename(m)}")
+            entry["strata"] = stored[os.path.basename(m)]["strata"]
+            entry["strata_from"] = a.strata_from
+        elif m in hybrids:
             from bench.gpu_hybrid_model import bench_hybrid
-            h = bench_hybrid(m, prompts, depths, a.n_gen, a.ubatch)
+            h = bench_hybrid(m, prompts, depths, a.n_gen, a.ubatch, generic=not a.skip_generic)
             entry["strata"] = {k: ({str(n): v for n, v in h[k].items()} if isinstance(h[k], dict) else h[k])
                                for k in h}
         else:

@@ -422,12 +422,15 @@ def test_q8_rows_kernel_matches_numpy(glu):
 
 
 @gpu
+@pytest.mark.parametrize("lanes", ["", "16", "32"])
 @pytest.mark.parametrize("ggml_type", [2, 3, 8, 12, 13, 14])
-def test_grouped_matvec_matches_dequantized_weights(ggml_type):
+def test_grouped_matvec_matches_dequantized_weights(ggml_type, lanes, monkeypatch):
     """strata_moe_mm on random blocks of every int8 type (3 experts, 2 per token, 11 tokens, 44 rows: a partial row
     block; gate | up stacked from two tables) == float64 numpy of gguf-py's dequantized weights times the q8_1 rows,
-    rel < 1e-5, for both row maps (by token -> sorted, sorted -> by assignment)."""
+    rel < 1e-5, for both row maps (by token -> sorted, sorted -> by assignment), with the kernel's lanes per row
+    group at its default and at 16 and 32 (STRATA_CUDA_MOE_LANES, read per launch)."""
     import cupy as cp
+    monkeypatch.setenv("STRATA_CUDA_MOE_LANES", lanes)
     from strata.backend.cuda import weights as CW
     from strata.backend.cuda.library import lib, ptr, stream_ptr
     from tests.helpers import random_blocks, ref_dequant

@@ -10,6 +10,7 @@
 // decode matvecs. Every kernel is launched by st_launch and waits (griddep_wait) before it reads anything.
 #include <cuda_runtime.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <limits.h>
 #include <math.h>
 #include "strata_cuda.h"
@@ -351,26 +352,31 @@ __device__ static inline float unpacked_dot(const Unpacked &w, const int x[8], f
 }
 
 // Grouped matvec tile: block (tile, row block) computes y[orow(p), r] = W_e[r] . x[irow(p)] for the <= MOE_MM_T
-// sorted positions p of the tile (expert e) and the block's 4 * MOE_MM_R rows r: W_e[r] = tab0[e] row r for
+// sorted positions p of the tile (expert e) and the block's 4 * (32 / L) * MOE_MM_R rows r: W_e[r] = tab0[e] row r for
 // r < n_split, else tab1[e] row r - n_split; irow(p) = sorted[p] / k (in_by_token: the token of the assignment)
-// else p; orow(p) = sorted[p] (out_by_assign) else p. x: q8_1 rows (q8_row_stride(n_in) bytes each). Each lane
-// strides over the 32-element sub-blocks: the tile's x blocks loaded once for the warp's rows, each weight sub-block
-// unpacked once for the tile's tokens.
-template <int T>
+// else p; orow(p) = sorted[p] (out_by_assign) else p. x: q8_1 rows (q8_row_stride(n_in) bytes each). A warp is
+// 32 / L groups of L lanes, group g owning MOE_MM_R rows; a group's lanes stride over the 32-element sub-blocks and
+// sum their partial dots in log2(L) shuffles (L = 32: one group, five shuffles per output; rows of n_in = 512 have
+// 16 sub-blocks, which leave half of a 32-lane warp idle). The tile's x blocks are loaded once for the group's rows,
+// each weight sub-block unpacked once for the tile's tokens.
+template <int T, int L>
 __global__ void __launch_bounds__(128) k_moe_mm(const uint8_t *const *__restrict__ tab0,
                                                 const uint8_t *const *__restrict__ tab1, int n_split, int n_table,
                                                 const int *__restrict__ tiles, const int *__restrict__ sorted, int k,
                                                 int in_by_token, const int8_t *__restrict__ xq, int n_in,
                                                 float *__restrict__ y, int n_out, int out_by_assign, long long rb) {
+  static_assert(L == 8 || L == 16 || L == 32, "lanes per row group");
+  constexpr int G = 32 / L;
   griddep_launch();
   griddep_wait();
   const int ti = blockIdx.x;
   const int cnt = tiles[3 * ti + 2];
   if (cnt <= 0) return;
   const int e = clamp_id(tiles[3 * ti], n_table), p0 = tiles[3 * ti + 1];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int r0 = (blockIdx.y * 4 + warp) * MOE_MM_R;
-  if (r0 >= n_out) return;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, sl = lane % L;
+  const int w0 = (blockIdx.y * 4 + warp) * G * MOE_MM_R;     // the warp's first row (whole warps leave together)
+  if (w0 >= n_out) return;
+  const int r0 = w0 + (lane / L) * MOE_MM_R;
   const uint8_t *rows[MOE_MM_R];
 #pragma unroll
   for (int r = 0; r < MOE_MM_R; r++) {
@@ -393,7 +399,7 @@ __global__ void __launch_bounds__(128) k_moe_mm(const uint8_t *const *__restrict
 #pragma unroll
     for (int i = 0; i < MOE_MM_T; i++) acc[r][i] = 0.f;
   const int n_units = n_in / 32;
-  for (int b = lane; b < n_units; b += 32) {
+  for (int b = sl; b < n_units; b += L) {
     Unpacked w[MOE_MM_R];
 #pragma unroll
     for (int r = 0; r < MOE_MM_R; r++) unpack_q8x<T>(rows[r], b, w[r]);
@@ -412,8 +418,8 @@ __global__ void __launch_bounds__(128) k_moe_mm(const uint8_t *const *__restrict
     for (int i = 0; i < MOE_MM_T; i++) {
       float v = acc[r][i];
 #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-      if (lane == 0 && i < cnt && r0 + r < n_out) y[orow[i] * n_out + r0 + r] = v;
+      for (int o = L / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      if (sl == 0 && i < cnt && r0 + r < n_out) y[orow[i] * n_out + r0 + r] = v;
     }
 }
 
@@ -526,6 +532,15 @@ extern "C" int strata_moe_group(void *stream, const int *ids, int n_tok, int k, 
   return (int)cudaGetLastError();
 }
 
+// Lanes per row group of k_moe_mm for rows of n_units 32-element sub-blocks: STRATA_CUDA_MOE_LANES (8, 16 or 32;
+// read per launch, a diagnostic) else 8 (every lane busy down to 8 sub-blocks, three shuffles per output).
+static int moe_mm_lanes(int n_units) {
+  const char *e = getenv("STRATA_CUDA_MOE_LANES");
+  const int v = e && e[0] ? atoi(e) : 0;
+  if (v == 8 || v == 16 || v == 32) return v;
+  return n_units >= 8 ? 8 : 32;
+}
+
 extern "C" int strata_moe_mm(void *stream, int t, const void *const *tab0, const void *const *tab1, int n_split,
                              int n_table, const int *tiles, int max_tiles, const int *sorted, int k, int in_by_token,
                              const void *xq, int n_in, float *y, int n_out, int out_by_assign) {
@@ -534,15 +549,18 @@ extern "C" int strata_moe_mm(void *stream, int t, const void *const *tab0, const
       (n_split < n_out && !tab1))
     return (int)cudaErrorInvalidValue;
   const long long rb = row_bytes_of(t, n_in);
-  const int rows_per_block = 4 * MOE_MM_R;
+  const int lanes = moe_mm_lanes(n_in / 32);
+  const int rows_per_block = 4 * (32 / lanes) * MOE_MM_R;
   const long long row_blocks = (n_out + rows_per_block - 1) / rows_per_block;
   if (row_blocks > 65535) return (int)cudaErrorInvalidValue;
   const dim3 grid((unsigned)max_tiles, (unsigned)row_blocks);
   cudaStream_t s = (cudaStream_t)stream;
-#define MM(TT) st_launch(k_moe_mm<TT>, grid, 128, 0, s, (const uint8_t *const *)tab0, (const uint8_t *const *)tab1, \
-                         n_split, n_table, tiles, sorted, k, in_by_token, (const int8_t *)xq, n_in, y, n_out, \
-                         out_by_assign, rb)
+#define MM(TT) (lanes == 8 ? MML(TT, 8) : lanes == 16 ? MML(TT, 16) : MML(TT, 32))
+#define MML(TT, LL) st_launch(k_moe_mm<TT, LL>, grid, 128, 0, s, (const uint8_t *const *)tab0, \
+                              (const uint8_t *const *)tab1, n_split, n_table, tiles, sorted, k, in_by_token, \
+                              (const int8_t *)xq, n_in, y, n_out, out_by_assign, rb)
   DISPATCH_Q8_TYPE(t, MM)
+#undef MML
 #undef MM
   return (int)cudaGetLastError();
 }

@@ -437,9 +437,39 @@ def synthetic_vocab(n_vocab: int, seed: int = 0) -> tuple[list[str], list[int], 
     return tokens, types, merges
 
 
+def _encoded(args: tuple[SynthSpec, _T, QT]) -> np.ndarray:
+    spec, t, q = args
+    return _encode(_values(spec, t), q)
+
+
+def _encode_all(jobs: list, workers: int) -> Iterator[np.ndarray]:
+    """The encoded tensors of jobs in order; with workers > 1 from a process pool, at most 2 * workers in flight."""
+    if workers <= 1:
+        yield from map(_encoded, jobs)
+        return
+    import multiprocessing
+    from collections import deque
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        window: deque = deque()
+        it = iter(jobs)
+        for job in it:
+            window.append(pool.apply_async(_encoded, (job,)))
+            if len(window) >= 2 * workers:
+                break
+        while window:
+            arr = window.popleft().get()
+            nxt = next(it, None)
+            if nxt is not None:
+                window.append(pool.apply_async(_encoded, (nxt,)))
+            yield arr
+
+
 def write_synthetic(path: str | Path, spec: SynthSpec, progress: bool = False,
-                    overrides: dict[str, Any] | None = None) -> Path:
+                    overrides: dict[str, Any] | None = None, workers: int = 1) -> Path:
     """Write ``spec`` as a GGUF at ``path`` (streamed: one tensor in memory at a time). Returns the path.
+
+    ``workers`` > 1 computes the tensors in that many processes (in file order, a few ahead of the writer: each
+    tensor's values come from its own seeded generator, so the file is the same bytes).
 
     ``overrides`` replaces metadata values by full key (e.g. {"qwen35.ssm.state_size": 8}), to make files whose
     metadata disagrees with their tensors. Raises ValueError for an unknown arch or a quant type the gguf
@@ -465,9 +495,11 @@ def write_synthetic(path: str | Path, spec: SynthSpec, progress: bool = False,
     w.write_header_to_file(path)
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
-    for i, (t, q) in enumerate(zip(plan, types)):
-        w.write_tensor_data(_encode(_values(spec, t), q))
+    jobs = [(spec, t, q) for t, q in zip(plan, types)]
+    for i, arr in enumerate(_encode_all(jobs, workers)):
+        w.write_tensor_data(arr)
         if progress:
+            _, t, q = jobs[i]
             print(f"[{i + 1}/{len(plan)}] {t.name} {q.name} {t.shape}", flush=True)
     w.close()
     return path
