@@ -156,7 +156,7 @@ def test_engine_refusals_name_the_field(engine):
 # ---- over HTTP ---------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
-    d = Daemon(tmp_path_factory.mktemp("embed"), port=free_port()).start()
+    d = Daemon(tmp_path_factory.mktemp("embed"), "--pooling", "mean", port=free_port()).start()   # --pooling plumbed
     yield d
     assert d.stop() == 0, d.log_tail()
 
@@ -168,7 +168,7 @@ def test_openai_sdk_float_and_base64(daemon, engine):
     assert r.model == "text-embedding-3-small" and [d.index for d in r.data] == [0, 1]
     n = [len(engine.tokenize_prompt(t)) for t in TEXTS[:2]]
     assert r.usage.prompt_tokens == r.usage.total_tokens == sum(n)
-    want = [e.vectors[0] for e in engine.embed([engine.tokenize_prompt(t) for t in TEXTS[:2]])]
+    want = [e.vectors[0] for e in engine.embed([engine.tokenize_prompt(t) for t in TEXTS[:2]], pooling="mean")]
     for d, w in zip(r.data, want):
         assert len(d.embedding) == 576 and np.allclose(d.embedding, w, atol=1e-6)
     b = client.embeddings.create(model="gpt-4", input=TEXTS[0])       # the SDK asks for base64 and decodes it
@@ -217,7 +217,7 @@ def test_llama_server_routes(daemon, engine):
     ids = engine.tokenize_prompt(TEXTS[0])
     st, d = daemon.json("POST", "/embedding", {"content": TEXTS[0]})
     assert st == 200 and d[0]["index"] == 0 and len(d[0]["embedding"]) == 1
-    want = engine.embed([ids])[0].vectors[0]
+    want = engine.embed([ids], pooling="mean")[0].vectors[0]
     assert np.allclose(d[0]["embedding"][0], want, atol=1e-6)
     st, d = daemon.json("POST", "/embeddings", {"input": [TEXTS[0], ids], "pooling": "none"})
     assert st == 200 and [len(x["embedding"]) for x in d] == [len(ids), len(ids)]
@@ -235,12 +235,12 @@ def test_ollama_client_embed_and_embeddings(daemon, engine):
     ollama = pytest.importorskip("ollama")
     client = ollama.Client(host=f"http://127.0.0.1:{daemon.port}", timeout=120)
     r = client.embed(model="nomic-embed-text", input=TEXTS[:2])
-    want = [e.vectors[0] for e in engine.embed([engine.tokenize_prompt(t) for t in TEXTS[:2]])]
+    want = [e.vectors[0] for e in engine.embed([engine.tokenize_prompt(t) for t in TEXTS[:2]], pooling="mean")]
     assert r.model == "nomic-embed-text" and len(r.embeddings) == 2
     assert all(np.allclose(a, b, atol=1e-6) for a, b in zip(r.embeddings, want))
     assert r.prompt_eval_count == sum(len(engine.tokenize_prompt(t)) for t in TEXTS[:2])
     old = client.embeddings(model="m", prompt=TEXTS[0])                  # not normalised, as Ollama's
-    raw = engine.embed([engine.tokenize_prompt(TEXTS[0])], normalize=-1)[0].vectors[0]
+    raw = engine.embed([engine.tokenize_prompt(TEXTS[0])], pooling="mean", normalize=-1)[0].vectors[0]
     assert np.allclose(old.embedding, raw, atol=1e-5)
     long = client.embed(model="m", input="word " * 2000)                 # truncate (default): the first n_ctx
     assert long.prompt_eval_count == 512
@@ -282,6 +282,15 @@ def test_a_remote_stage_refuses_embeddings_with_a_clear_501(tmp_path):
     finally:
         d.stop()
         w.stop()
+
+
+def test_pooling_flag_is_checked():
+    import subprocess
+    import sys
+    from tests.daemon import ROOT, env_for_daemon
+    r = subprocess.run([sys.executable, "-m", "strata.cli.main", "serve", "--pooling", "max"], capture_output=True,
+                       text=True, env=env_for_daemon(), cwd=ROOT, timeout=120)
+    assert r.returncode == 2 and "--pooling" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_remote_refusal_in_the_engine():
