@@ -126,7 +126,7 @@ def test_an_embedding_read_leaves_the_live_conversation_as_it_was(split):
         assert st.memory.stats()["sequences"] == 1               # the scratch sequences are gone
 
 
-def test_a_pool_too_full_for_the_read_reads_in_a_memory_of_its_own(hf_hidden):
+def test_a_pool_too_full_for_the_read_reads_in_a_memory_of_its_own(hf_hidden, monkeypatch):
     """A live conversation holding every page of the pool: the read still runs (in a memory made for it), gives the
     same vectors, and frees no page the live sequence or its checkpoints hold."""
     e = Engine("default", n_ctx=256, prompt_cache=4)              # one 256-token page
@@ -139,6 +139,16 @@ def test_a_pool_too_full_for_the_read_reads_in_a_memory_of_its_own(hf_hidden):
     assert snapshot(e) == before and e.stages[0].memory.stats()["kv"] == kv
     ref = hf_hidden(ids)[-1]
     assert cos(got, ref) > POOLED_COS
+    # and where no memory can be had for it either: a 503 (NoRoom), the live conversation as it was
+    from strata.engine.embed import NoRoom
+
+    def no_memory(*a, **kw):
+        raise MemoryError("Unable to allocate 9.0 GiB for an array")
+    monkeypatch.setattr(e.stages[0].model, "new_memory", no_memory)
+    with pytest.raises(NoRoom, match="no memory for a read of") as exc:
+        e.embed([ids])
+    assert exc.value.status == 503 and snapshot(e) == before
+    assert e.stages[0].memory.stats()["sequences"] == 1
 
 
 def test_engine_refusals_name_the_field(engine):
@@ -206,11 +216,11 @@ def test_openai_sdk_float_and_base64(daemon, engine):
     ({"input": "a", "model": 5}, 400, "'model' must be a string"),
 ])
 def test_openai_refusals_are_one_line_and_change_nothing(daemon, body, status, needle):
-    before = daemon.json("GET", "/status")[1]["engine"]
+    before = daemon.json("GET", "/cache")[1]
     st, d = daemon.json("POST", "/v1/embeddings", body)
     assert st == status and needle in d["error"]["message"] and "\n" not in d["error"]["message"], d
     assert set(d["error"]) == {"message", "type", "param", "code"}
-    assert daemon.json("GET", "/status")[1]["engine"].get("checkpoints") == before.get("checkpoints")
+    assert daemon.json("GET", "/cache")[1] == before
 
 
 def test_llama_server_routes(daemon, engine):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from strata.errors import EngineFault, Refused
+from strata.errors import EngineFault, Refused, Unavailable
 from strata.memory import KVCacheFull, Memory
 
 #: the poolings a request may ask for (llama.cpp's --pooling, less rank): none = every token's vector
@@ -35,6 +35,13 @@ class NotServed(EmbedRefused):
 
     status = 501
     code = "not_implemented"
+
+
+class NoRoom(Unavailable):
+    """The read's K/V finds no memory now (the stage's pool is held by the live conversation and the device or host
+    has no room for a memory of its own): 503."""
+
+    code = "no_memory"
 
 
 @dataclass
@@ -118,7 +125,11 @@ def _memory_for(st, n: int):
         return mem, sid, False
     except KVCacheFull:
         mem.drop_seq(sid)
-    mem = st.model.new_memory(n, st.carve)
+    try:
+        mem = st.model.new_memory(n, st.carve)
+    except MemoryError as e:         # numpy's and CuPy's out-of-memory errors alike
+        raise NoRoom(f"no memory for a read of {n} tokens beside the live conversation on stage {st.index} "
+                     f"({st.device}): {str(e).splitlines()[0][:200]}") from None
     sid = mem.new_seq()
     mem.reserve(sid, n)
     return mem, sid, True
