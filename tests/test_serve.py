@@ -894,3 +894,47 @@ def test_a_request_without_max_tokens_ends_at_n_predict(tmp_path):
 def test_an_integer_of_thousands_of_digits_is_named_plainly(daemon):
     st, d = daemon.json("POST", "/v1/chat/completions", raw=b'{"max_tokens": ' + b"9" * 5001 + b', "messages": []}')
     assert st == 400 and "more than 4300 digits" in d["error"]["message"] and "sys." not in d["error"]["message"]
+
+
+@pytest.mark.parametrize("raw", [b"GET / HTTP/1.1\r\nHost: x\r\nX: a\x01b\r\n\r\n", b"G\x00T / HTTP/1.1\r\n\r\n",
+                                 b"GET / HTTP/1.1\r\nBad Header: x\r\n\r\n", b"GET / HTTP/9.9\r\n\r\n",
+                                 b"GET / HTTP/1.1\r\nContent-Length: x\r\n\r\n"])
+def test_malformed_http_message_is_one_clean_line(raw):
+    """aiohttp's parser errors (C and pure-Python parsers) come to "<type>: <what>": no "400, message:" prefix, no
+    quoted bytes, no colon left dangling where the bytes were."""
+    from aiohttp.http_parser import HttpRequestParser, HttpRequestParserPy
+    from strata.serve.log import malformed
+    loop = asyncio.new_event_loop()
+    try:
+        seen = 0
+        for cls in (HttpRequestParser, HttpRequestParserPy):   # the pure-Python parser lets some of them through
+            try:
+                cls(object(), loop, 2 ** 16).feed_data(raw)
+                continue
+            except Exception as e:  # noqa: BLE001 -- whatever aiohttp raises is what malformed() reads
+                why = malformed(e)
+            seen += 1
+            assert why and "\n" not in why and not why.endswith(":") and "message:" not in why, (cls, why)
+            assert "\\x01" not in why and "b'" not in why
+        assert seen
+    finally:
+        loop.close()
+
+
+def test_malformed_http_answer_has_no_dangling_colon(daemon):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.settimeout(30)
+        s.connect(daemon.sock)
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: strata\r\nX-Bad: a\x01b\r\n\r\n")
+        data = b""
+        while b"}}" not in data:
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        s.close()
+    err = json.loads(data.split(b"\r\n\r\n", 1)[1])["error"]
+    assert err["code"] == "bad_http" and err["message"] == "malformed HTTP request: BadHttpMessage: Invalid header " \
+                                                          "value char", err

@@ -84,8 +84,8 @@ def test_refusals_are_one_line_ollama_errors(client, daemon):
         client.pull("llama3")
     assert e.value.status_code == 501 and "--model" in e.value.error
     with pytest.raises(ollama.ResponseError) as e:
-        client.embed(model="m", input="hi")
-    assert e.value.status_code == 501
+        client.embed(model="m", input="")                   # embeddings are served (tests/test_embeddings.py)
+    assert e.value.status_code == 400 and "'input'" in e.value.error
     with pytest.raises(ollama.ResponseError) as e:
         client.chat(model="m", messages=HI, options={"warp_speed": 9})
     assert e.value.status_code == 400 and "options.warp_speed" in e.value.error

@@ -209,7 +209,7 @@ def test_stratactl_status_shows_each_stage(tmp_path):
                                                                                  (1, "cpu", [12, 30])]
         assert s["stages"][1]["memory"]["kv"]["layers"] == 18
         r = run("status")
-        assert r.returncode == 0 and "0: cpu layers 0-11, KV 0 / 2 pages; 1: cpu layers 12-29" in r.stdout
+        assert r.returncode == 0 and "0: cpu layers [0, 12), KV 0 / 2 pages; 1: cpu layers [12, 30)" in r.stdout
     finally:
         assert d.stop() == 0, d.log_tail()
 

@@ -287,7 +287,8 @@ def cmd_status(c: Client, args) -> int:
     mem = e.get("memory") or {}
     q = d.get("queue", {})
     def _layers(r):
-        return f"layers {r[0]}-{r[1] - 1}" if isinstance(r, list) and len(r) == 2 else f"layers {r}"
+        # half-open, as /status gives them ([lo, hi]: layers lo .. hi - 1) and a carve is everywhere
+        return f"layers [{r[0]}, {r[1]})" if isinstance(r, list) and len(r) == 2 else f"layers {r}"
     def _stage(s):
         m = s.get("memory") or {}
         kvm = m.get("kv") or {}

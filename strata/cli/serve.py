@@ -57,6 +57,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     n.add_argument("--n-predict", type=_n_predict, default=1024, metavar="N",
                    help="tokens an answer may have when a request sets no max_tokens / max_output_tokens (default "
                         "1024; -1: until the model stops or the context is full)")
+    n.add_argument("--pooling", choices=("none", "mean", "cls", "last"), default=None,
+                   help="how the embedding routes pool a text's final-normed hidden states: mean over its tokens, "
+                        "cls (the first token), last (the last token), none (every token's vector, /embeddings only); "
+                        "default: the model file's pooling_type, else last (a causal LM); a request's 'pooling' "
+                        "field overrides it")
     n.add_argument("--allowed-hosts", action="append", default=[], metavar="NAMES",
                    help="Host header names the TCP listener answers besides loopback names and its --host address "
                         "(comma-separated or repeated; '*' any): other names are refused (DNS rebinding)")
@@ -203,7 +208,7 @@ def run(args) -> int:
                       host=args.host, port=args.port, api_key=args.api_key, queue_max=args.queue_max,
                       max_body=args.max_body, drain_timeout=args.drain_timeout,
                       responses_store=args.responses_store, responses_store_mib=args.responses_store_mib,
-                      n_predict=args.n_predict, max_connections=args.max_connections,
+                      n_predict=args.n_predict, pooling=args.pooling, max_connections=args.max_connections,
                       header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                       idle_timeout=args.idle_timeout, max_request_seconds=args.max_request_seconds,
                       max_request_tokens=args.max_request_tokens,

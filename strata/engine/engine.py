@@ -19,7 +19,7 @@ from strata.backend import quant
 
 from strata.cache.checkpoints import CheckpointCache
 from strata.gguf.default_model import resolve_model
-from strata.engine import report
+from strata.engine import embed as embeddings, report
 from strata.engine.config import EngineConfig
 from strata.engine.decode import Decoder, env_flag
 from strata.engine.parking import Conversations
@@ -354,6 +354,21 @@ class Engine:
         finally:
             if at_prompt is not None:
                 at_prompt.release()          # its pages go back to the pool
+
+    # ---- embeddings (strata.engine.embed) -------------------------------------------------------------
+    def embed(self, inputs: list, *, pooling: str | None = None, normalize: int = 2) -> list:
+        """Embeddings of each input (token ids), read in scratch sequences beside the live conversation (its tokens,
+        state and checkpoints untouched) -> [embed.Embedding]. pooling: none / mean / cls / last (None: the
+        model's, embed.default_pooling); normalize: llama.cpp's embd_normalize (pooled vectors only). Raises
+        embed.EmbedRefused (one line naming the field; NotServed with a remote stage) before reading anything."""
+        embeddings.check_inputs(inputs, self.n_ctx, self.n_vocab)
+        pooling = pooling or embeddings.default_pooling(self.file.metadata, self.arch)
+        with self._lock:
+            return embeddings.embed(self.stages, inputs, pooling=pooling, norm=int(normalize), ubatch=self.ubatch,
+                                    progress=self._embed_progress)
+
+    def _embed_progress(self) -> None:
+        self.seq.forward_returned = time.monotonic()     # the stall clock /health reads: a forward call returned
 
     # ---- conversations held apart: parking and session files (strata.engine.parking) ------------------
     def slot_save(self, slot_id: int = 0, filename=None, **_ignored) -> dict[str, Any]:

@@ -110,9 +110,11 @@ class LlamaModel(Model):
             self.output = self.weight("output.weight", (c.n_vocab, E))
         self._done_loading()
 
-    def forward_carve(self, tokens, state: SequenceState, lo: int, hi: int, x_in=None, all_logits: bool = False):
-        """See Model.forward_carve. Raises ValueError (changing nothing) for an empty batch, an out-of-vocab id or
-        a bad carve, and KVCacheFull when the page pool cannot hold the new tokens."""
+    def forward_carve(self, tokens, state: SequenceState, lo: int, hi: int, x_in=None, all_logits: bool = False,
+                      hidden: bool = False):
+        """See Model.forward_carve. hidden (a carve ending with the head): return (logits, the final-normed hidden
+        states of every row). Raises ValueError (changing nothing) for an empty batch, an out-of-vocab id or a bad
+        carve, and KVCacheFull when the page pool cannot hold the new tokens."""
         be, c = self.backend, self.config
         tokens = self._check_carve(tokens, state, lo, hi, x_in)
         n = int(tokens.shape[0])
@@ -163,7 +165,12 @@ class LlamaModel(Model):
             else:
                 act = be.swiglu(be.matmul(h, L.w_gate), be.matmul(h, L.w_up))
             x = x + be.matmul(act, L.w_down)
-        out = self.head(x, all_logits) if self.ends_with_head(hi) else x
+        if hidden and self.ends_with_head(hi):
+            h = be.rms_norm(x, self.out_norm, self.config.rms_eps)
+            logits = be.to_host(be.matmul(h if all_logits else h[-1:], self.output))
+            out = (logits if all_logits else logits[0]), h
+        else:
+            out = self.head(x, all_logits) if self.ends_with_head(hi) else x
         kv.commit(n)
         state.advance(tokens)
         return out

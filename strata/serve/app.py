@@ -3,7 +3,8 @@
 Routes: POST /v1/chat/completions, POST /v1/completions (JSON or SSE) from completions_api.py; GET /v1/models[/{id}],
 GET /health, GET /metrics, GET /slots, POST /slots/{id}?action=save|restore|erase, GET /status, GET /cache from
 admin_api.py; llama-server's /completion, /tokenize, /detokenize, /apply-template, /props from llama_api.py and
-/infill from infill_api.py, OpenAI's /v1/responses from responses_api.py, Anthropic's /v1/messages from
+/infill from infill_api.py, the embedding routes of OpenAI, llama-server and Ollama (/v1/embeddings, /embedding,
+/embeddings, /api/embed, /api/embeddings) from embeddings_api.py, OpenAI's /v1/responses from responses_api.py, Anthropic's /v1/messages from
 messages_api.py (both through completions_api.generate_chat, the chat route's path), the web chat page (GET /,
 /web/...) from chat_page.py.
 Every error is an OpenAI error object ({"error": {"message", "type", "param", "code"}}), except on routes that
@@ -15,8 +16,8 @@ import time
 
 from aiohttp import web
 
-from strata.serve import (admin_api, chat_page, completions_api, infill_api, llama_api, messages_api, ollama_api,
-                          responses_api)
+from strata.serve import (admin_api, chat_page, completions_api, embeddings_api, infill_api, llama_api, messages_api,
+                          ollama_api, responses_api)
 from strata.serve.config import (CONFIG_KEY, ERROR_SHAPES_KEY, GUARD_KEY, METRICS_KEY, STARTED_KEY, WORKER_KEY,
                                  ServeConfig, format_hostport)
 from strata.serve.browser import BrowserPolicy
@@ -73,4 +74,5 @@ def make_app(cfg: ServeConfig, worker: EngineWorker, metrics_: Metrics,
     responses_api.add_routes(app)               # OpenAI's /v1/responses
     messages_api.add_routes(app)                # Anthropic's /v1/messages
     ollama_api.add_routes(app)                  # Ollama's /api/chat, /api/generate, /api/tags, ...
+    embeddings_api.add_routes(app)              # /v1/embeddings, llama-server's /embedding(s), Ollama's /api/embed
     return app

@@ -11,8 +11,8 @@ LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 def malformed(exc: BaseException) -> str | None:
-    """What a client's malformed HTTP comes to in one line: "<error type>: <aiohttp's text>" without the raw bytes
-    aiohttp quotes (a prompt must not end up in the journal) and cut to 200 characters; None for an exception that is
+    """What a client's malformed HTTP comes to in one line: "<error type>: <aiohttp's text>" without aiohttp's status
+    prefix and the raw bytes it quotes (a prompt must not end up in the journal) and cut to 200 characters; None for an exception that is
     not about the request's bytes. Covers a request line or header aiohttp cannot parse, broken chunked framing, and
     a body whose Content-Encoding does not decode (aiohttp meets that again when it reads the rest of the body after
     the handler's 400)."""
@@ -23,6 +23,8 @@ def malformed(exc: BaseException) -> str | None:
     if not isinstance(exc, HttpProcessingError):
         return None
     text = re.split(r"\s+b['\"]", " ".join(str(exc).split()), maxsplit=1)[0]   # not the quoted bytes
+    # aiohttp's "400, message: <what>:" -> "<what>": its status prefix and the colon that introduced the bytes go too
+    text = re.sub(r"^\d{3}, message: ", "", text).rstrip(" :") or "malformed request"
     return f"{type(exc).__name__}: {text[:200]}"
 
 

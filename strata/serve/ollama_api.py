@@ -1,6 +1,6 @@
 """Ollama's API on the chat and completion routes' path: POST /api/chat and /api/generate (NDJSON streams, or one
 JSON object with "stream": false), GET /api/tags, POST /api/show, GET /api/ps, GET /api/version; model management
-(pull, push, create, copy, delete, blobs) and embeddings refused in one line. Errors are Ollama's: {"error": "..."}.
+(pull, push, create, copy, delete, blobs) refused in one line (/api/embed and /api/embeddings: embeddings_api.py). Errors are Ollama's: {"error": "..."}.
 
 A request is translated into a chat request (options -> sampling fields, num_predict -> max_tokens, format ->
 response_format, tool calls with object arguments -> the chat route's) and answered by completions_api, so
@@ -336,17 +336,12 @@ async def management(request: web.Request) -> web.Response:
                         f"(--model); restart it with another to change models", code="not_implemented")
 
 
-async def embeddings(request: web.Request) -> web.Response:
-    raise ApiError(501, f"{request.path} is not supported: this daemon serves no embeddings",
-                   code="not_implemented")
-
-
 def add_routes(app: web.Application) -> None:
     """Register the routes and their error shape on `app` (make_app calls this)."""
     r = app.router
     routes = [r.add_post("/api/chat", chat), r.add_post("/api/generate", generate), r.add_get("/api/tags", tags),
               r.add_get("/api/ps", ps), r.add_post("/api/show", show), r.add_get("/api/version", version),
-              r.add_post("/api/embed", embeddings), r.add_post("/api/embeddings", embeddings)]
+              ]
     routes += [r.add_route("*", path, management) for path in MANAGEMENT]
     routes += [r.add_route("*", "/api/blobs/{digest}", management)]
     for route in routes:
