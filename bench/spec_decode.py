@@ -125,7 +125,7 @@ def micro(engine, prompt, ns, reps):
     out["decode_ms"] = min(decode() for _ in range(reps * 3)) * 1e3
     for n in ns:
         toks = rng.integers(0, 1000, n + 1).astype(np.int32)
-        v, c, cap, rest, replay, dr = [], [], [], [], [], []
+        v, c, cap, rest, replay, dr, ra = [], [], [], [], [], [], []
         for _ in range(reps * 3):
             seq.restore(ck)
             sync()
@@ -142,6 +142,13 @@ def micro(engine, prompt, ns, reps):
             seq.commit(base + 1)                    # every draft rejected: the deepest cut-back
             sync()
             c.append(time.perf_counter() - t0)
+            # the same read without the kept states (every row's logits): what keeping them costs
+            seq.restore(ck)
+            sync()
+            t0 = time.perf_counter()
+            seq.forward(toks, all_logits=True)
+            sync()
+            ra.append(time.perf_counter() - t0)
             # the alternative: a checkpoint before the verify, restored after it, the accepted token read again
             seq.restore(ck)
             sync()
@@ -160,7 +167,7 @@ def micro(engine, prompt, ns, reps):
             sync()
             replay.append(time.perf_counter() - t0)
             k2.release()
-        out[f"n{n}"] = {"draft_ms": min(dr) * 1e3, "verify_ms": min(v) * 1e3,
+        out[f"n{n}"] = {"draft_ms": min(dr) * 1e3, "verify_ms": min(v) * 1e3, "read_all_ms": min(ra) * 1e3,
                         # all n drafts rejected: the round yields one token, as a decode step does
                         "rejected_draft_ms": (min(dr) + min(v)) * 1e3 / n - out["decode_ms"] / n, "verify_over_decode": min(v) * 1e3 / out["decode_ms"],
                         "commit_ms": min(c) * 1e3, "checkpoint_ms": min(cap) * 1e3, "restore_ms": min(rest) * 1e3,

@@ -24,10 +24,13 @@ pytestmark = [gpu, pytest.mark.skipif(default_model_missing() is not None, reaso
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from bench.gpu_hybrid_model import make_synthetic_hybrid
-    from strata.gguf.default_model import default_model_path
-    return make_synthetic_hybrid(tmp_path_factory.mktemp("cuda_spec") / "tiny_mtp.gguf", default_model_path(),
-                                 size="tiny", seed=5, n_mtp=1)
+    """A qwen35 with an MTP block that the CUDA plan runs: 6 GDN + 2 attention layers (3 and 7), head_dim 64,
+    d_k = d_v = 64, 4 value heads over 2 key heads, Q8_0."""
+    from strata.gguf import synth
+    spec = synth.preset("qwen35", "tiny", n_embd=128, n_layer=8, n_head=4, n_head_kv=2, head_dim=64, n_ff=256,
+                        head_k_dim=64, head_v_dim=64, n_k_heads=2, n_v_heads=4, n_mtp=1, qtype="Q8_0",
+                        embd_qtype="Q8_0", seed=11)
+    return synth.write_synthetic(tmp_path_factory.mktemp("cuda_spec") / "q35_mtp.gguf", spec)
 
 
 def _prompt(n, seed):
@@ -149,8 +152,10 @@ def test_verify_rows_and_commit_equal_decode_steps(model, split):
     """A verify of 5 tokens: each row's logits equal the one-token decode steps' bit for bit; commit(base + p) leaves
     the K/V and running state of p decode steps (p = 1..5), and the next decode step's logits are those of
     decoding on from there."""
+    from strata.backend.cuda.qwen35 import Qwen35GraphModel
     e = _engine(model, split, spec=4)
-    assert all(st.speculates is None for st in e.stages)
+    assert all(st.speculates is None and isinstance(st.runner, Qwen35GraphModel) for st in e.stages)
+    assert e.drafter._graph is not None
     seq = e.seq
     seq.reset()
     seq.forward(np.asarray(_prompt(21, 1), np.int32))
@@ -174,7 +179,7 @@ def test_verify_rows_and_commit_equal_decode_steps(model, split):
     ck.release()
 
 
-@pytest.mark.parametrize("split", [None, "2", "3"], ids=["1stage", "2stages", "2stages_attn_tail"])
+@pytest.mark.parametrize("split", [None, "2", "7"], ids=["1stage", "2stages", "2stages_attn_tail"])
 def test_greedy_spec_equals_spec0(model, split):
     """--spec N (N = 1..4) at acceptance 1, 0.6 and 0 emits what --spec 0 does and leaves the same K/V and running
     state; a max_tokens inside a verify too."""
@@ -228,8 +233,15 @@ def test_mtp_graph_step_matches_the_model(model):
     ref = md.mtp_logits(hs, toks, md.new_mtp_kv(64))
     table = md.new_mtp_kv(64)
     for i in range(3):
-        tok, logits, x = d._graph.step(hs[i], int(toks[i]), table)
+        tok, logits = d._graph.step(int(toks[i]), table, hs[i])
         got = host(logits)
         assert rel_l2(got, ref[i]) < 2e-2, i
-        assert tok == int(np.argmax(got)) and x.shape == (1, E)
-        assert table.length == i + 1
+        assert tok == int(np.argmax(got)) and table.length == i + 1
+    # drafting on: the step from its own output equals mtp_logits fed that output as h
+    t2 = md.new_mtp_kv(64)
+    x = md.mtp_hidden(hs[:1], toks[:1], t2)
+    ref2 = md.mtp_logits(x, toks[1:2], t2)[0]
+    t3 = md.new_mtp_kv(64)
+    d._graph.step(int(toks[0]), t3, hs[0])
+    _, logits = d._graph.step(int(toks[1]), t3)
+    assert rel_l2(host(logits), ref2) < 2e-2

@@ -169,7 +169,7 @@ class MTPDrafter:
         self._feed(P - 1, None)
         table = self._table()
         h = self._held.pop(P - 1, self._zero)
-        t, logits, x = self._graph.step(h, token, table)
+        t, logits = self._graph.step(token, table, h)
         out: list[Draft] = []
         for k in range(n):
             if min_p > 0:
@@ -180,8 +180,8 @@ class MTPDrafter:
             if self.oracle is not None:
                 t = int(self.oracle(P + 1 + k, t))
             out.append(Draft(t))
-            if k + 1 < n:
-                t, logits, x = self._graph.step(x, t, table)
+            if k + 1 < n:            # the block's own output as h (kept in the step's buffer)
+                t, logits = self._graph.step(t, table)
         table.truncate(P)
         return out
 
