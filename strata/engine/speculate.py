@@ -57,6 +57,9 @@ class SpecCounts:
         return (self.accepted + self.verifies) / self.verifies if self.verifies else 0.0
 
 
+NO_MTP = "--spec needs a model with an MTP head (nextn_predict_layers > 0); this model has none: use --spec 0"
+
+
 def spec_refusal(stages, model) -> str | None:
     """Why --spec > 0 cannot run on these stages and this model (one line), or None."""
     for st in stages:
@@ -64,8 +67,22 @@ def spec_refusal(stages, model) -> str | None:
         if why:
             return f"--spec: {why}; use --spec 0"
     if getattr(model, "mtp", None) is None:
-        return "--spec needs a model with an MTP head (nextn_predict_layers > 0); this model has none: use --spec 0"
+        return NO_MTP
     return None
+
+
+def file_refusal(model: str) -> str | None:
+    """Why --spec > 0 cannot run on the GGUF `model` (a path or 'default'), read from its metadata alone (no
+    weights loaded: the daemon asks before it listens), or None; a file that does not open is left to the engine's
+    own error."""
+    from strata.gguf.default_model import resolve_model
+    from strata.gguf.file import ModelLoadError, open_gguf
+    try:
+        f = open_gguf(resolve_model(model))
+    except (ModelLoadError, OSError, ValueError):
+        return None
+    n = f.config.extra.get("nextn_predict_layers", f.metadata.get(f"{f.arch}.nextn_predict_layers", 0))
+    return None if int(n or 0) > 0 else NO_MTP
 
 
 class MTPDrafter:
