@@ -430,3 +430,28 @@ def test_adaptive_greedy_equals_spec0(model):
         e.drafter.oracle = oracle
         got, fin = _run(e, prompt, cache_prompt=False)
         assert got == ref and fin[0].timings["draft_verifies"] > 0
+
+
+def test_spec_max_ctx_turns_drafting_off_past_a_context_length(model):
+    """--spec-max-ctx: no verify starts once the sequence holds that many tokens (plain decode steps from there, the
+    same answer); below the prompt's length nothing is drafted; a negative value is refused."""
+    prompt = _prompt(23, 1)
+    base = Engine(model, n_ctx=256)
+    ref, _ = _run(base, prompt)
+    e_all = Engine(model, n_ctx=256, spec=2)
+    e_cut = Engine(model, n_ctx=256, spec=2, spec_max_ctx=33)
+    e_none = Engine(model, n_ctx=256, spec=2, spec_max_ctx=10)
+    fins = {}
+    for name, e in (("all", e_all), ("cut", e_cut), ("none", e_none)):
+        oracle = Oracle(e, 1.0)
+        oracle.learn(prompt, _ids(ref))
+        e.drafter.oracle = oracle
+        got, fin = _run(e, prompt, cache_prompt=False)
+        assert got == ref, name
+        fins[name] = fin[0].timings
+    assert fins["none"]["draft_n"] == 0
+    # a verify starts at positions 23, 26, ... while below 33: 4 verifies of 2 drafts, then plain steps
+    assert 0 < fins["cut"]["draft_n"] < fins["all"]["draft_n"]
+    assert fins["cut"]["draft_verifies"] == 4
+    with pytest.raises(ValueError, match="--spec-max-ctx"):
+        Engine(model, n_ctx=64, spec=1, spec_max_ctx=-1)

@@ -32,15 +32,17 @@ class Decoder:
     verify of the sampled token and its drafts) with the model's `tokenizer`, its end-of-generation ids `eog_ids`,
     `n_vocab` and the context `n_ctx`; `last_stage` decides where the logits are sampled; `forget_live` is called
     when a forward call fails (the sequence may be half written). spec: drafts per verify (0: off); spec_min_p:
-    drafting stops below this draft probability."""
+    drafting stops below this draft probability; spec_max_ctx: no drafts once the sequence holds that many tokens
+    (0: no limit)."""
 
     def __init__(self, seq: Sequence, tokenizer: Tokenizer, eog_ids: set[int], n_vocab: int, n_ctx: int, last_stage,
                  forget_live: Callable[[], None], drafter: MTPDrafter | None = None, spec: int = 0,
-                 spec_min_p: float = 0.0, adaptive: AdaptiveN | None = None):
+                 spec_min_p: float = 0.0, adaptive: AdaptiveN | None = None, spec_max_ctx: int = 0):
         self.seq, self.tokenizer, self.eog_ids = seq, tokenizer, eog_ids
         self.n_vocab, self.n_ctx, self.last_stage, self.forget_live = n_vocab, n_ctx, last_stage, forget_live
         self.drafter, self.spec, self.spec_min_p = drafter, int(spec), float(spec_min_p)
         self.adaptive = adaptive        # picks the drafts of each verify (0 .. spec) when set
+        self.spec_max_ctx = int(spec_max_ctx)   # no drafts once the sequence holds this many tokens (0: no limit)
 
     def _read(self, tok: int, on_device: bool):
         """Read one token -> its logits (the drafter sees its hidden state)."""
@@ -143,6 +145,8 @@ class Decoder:
                     # drafts that could be emitted: max_tokens and the context bound them (and a short read's rows)
                     want = self.adaptive.choose() if self.adaptive is not None else spec
                     room = min(want, max_new - len(toks) - 1, self.n_ctx - n - len(toks) - 1, MAX_DRAFTS)
+                    if self.spec_max_ctx and base >= self.spec_max_ctx:
+                        room = 0                  # past --spec-max-ctx: plain decode steps
                     t0 = time.perf_counter()
                     drafts = self.drafter.draft(tok, room, self.spec_min_p) if room > 0 else []
                     if not drafts:
