@@ -83,8 +83,9 @@ class Decoder:
         # strata.sampling.grammar: the token mask, computed during the forward on the CPU backend and inline when the
         # logits stay on a GPU (docs/serving.md)
         guide = req.constraint.start(overlap=not on_device) if req.constraint is not None else None
-        # drafting: off under a grammar (a draft would need the grammar's state rolled back when rejected)
-        spec = self.spec if (self.drafter is not None and guide is None and req.spec is not False) else 0
+        # drafting: under a grammar too (each verified row masked by the grammar's state after the drafts before
+        # it; the rejected drafts rolled back)
+        spec = self.spec if (self.drafter is not None and req.spec is not False) else 0
         counts = counts if counts is not None else SpecCounts()
         stopper = StopMatcher(list(req.stop or []))
         max_new = req.max_tokens if req.max_tokens is not None else self.n_ctx
@@ -149,12 +150,21 @@ class Decoder:
                         room = 0                  # past --spec-max-ctx: plain decode steps
                     t0 = time.perf_counter()
                     drafts = self.drafter.draft(tok, room, self.spec_min_p) if room > 0 else []
+                    masks = None
+                    if guide is not None and drafts:     # drafts the grammar allows, each consumed in turn
+                        masks = guide.draft_masks([d.token for d in drafts])
+                        drafts = drafts[:len(masks) - 1]
                     if not drafts:
                         break
                     t1 = time.perf_counter()
                     rows, h = st.verify([tok] + [d.token for d in drafts])
                     t2 = time.perf_counter()
+                    if masks is not None:
+                        rows = [guide.apply_mask(rows[i], masks[i]) for i in range(len(masks))]
                     verdict = judge(sampler, rows, drafts)
+                    if guide is not None:                # the state after the kept drafts and the token after them
+                        guide.rollback(len(drafts) - verdict.accepted)
+                        guide.accept(int(verdict.tokens[-1].token_id))
                     if self.adaptive is not None:
                         self.adaptive.verified(len(drafts), verdict.accepted, t1 - t0, t2 - t1)
                     counts.verifies += 1
