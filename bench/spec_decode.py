@@ -167,7 +167,18 @@ def micro(engine, prompt, ns, reps):
             sync()
             replay.append(time.perf_counter() - t0)
             k2.release()
-        out[f"n{n}"] = {"draft_ms": min(dr) * 1e3, "verify_ms": min(v) * 1e3, "read_all_ms": min(ra) * 1e3,
+        graph, gen = getattr(engine.drafter, "_graph", None), []
+        if graph is not None:            # the reference: the model's own MTP block and head on the same device
+            engine.drafter._graph = None
+            for _ in range(reps * 3):
+                seq.restore(ck)
+                sync()
+                t0 = time.perf_counter()
+                engine.drafter.draft(5, n, 0.0)
+                sync()
+                gen.append(time.perf_counter() - t0)
+            engine.drafter._graph = graph
+        out[f"n{n}"] = {"draft_ms": min(dr) * 1e3, "draft_generic_ms": min(gen) * 1e3 if gen else None, "verify_ms": min(v) * 1e3, "read_all_ms": min(ra) * 1e3,
                         # all n drafts rejected: the round yields one token, as a decode step does
                         "rejected_draft_ms": (min(dr) + min(v)) * 1e3 / n - out["decode_ms"] / n, "verify_over_decode": min(v) * 1e3 / out["decode_ms"],
                         "commit_ms": min(c) * 1e3, "checkpoint_ms": min(cap) * 1e3, "restore_ms": min(rest) * 1e3,

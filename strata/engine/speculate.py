@@ -208,8 +208,8 @@ def graph_step(model):
     backend that the hybrid's decode plan runs; None elsewhere (the model's own mtp_hidden / mtp_head draft)."""
     if getattr(model, "mtp", None) is None or getattr(model, "xp", np) is np or not getattr(model, "on_device", False):
         return None
-    from strata.backend.cuda import mtp
-    if mtp.unsupported(model) is not None:
+    from strata.backend.cuda import mtp, settings
+    if not settings.mtp_graph_enabled() or mtp.unsupported(model) is not None:
         return None
     return mtp.MTPStep(model)
 
