@@ -65,12 +65,15 @@ def _quant_blocks(rng: np.random.Generator, rows: int, cols: int, qtype: str, fa
 
 
 def make_synthetic_hybrid(out_path: str | os.PathLike, tok_src_gguf: str | os.PathLike, size: str = "1.5b",
-                          qtype: str = "Q8_0", seed: int = 0, full_attention_interval: int = 4) -> str:
+                          qtype: str = "Q8_0", seed: int = 0, full_attention_interval: int = 4,
+                          n_mtp: int = 0) -> str:
     """Write a qwen35 (dense) hybrid GGUF with random `qtype` matrices and the tokenizer of tok_src_gguf.
 
     size: "1.5b" (n_embd 2048, 24 layers = 18 GDN + 6 attention, 16 heads / 4 KV heads of 128, FFN 6144, GDN
     16 key / 16 value heads of 128; ~1.57e9 parameters, ~1.7 GB at Q8_0) or "tiny" (tests). qtype: "Q8_0" or
     "Q4_0" (2-D matrices incl. token_embd and the untied output); norms, ssm_conv1d, ssm_a, ssm_dt are F32.
+    n_mtp 1: an MTP block appended as block n_layer (nextn_predict_layers = 1: a full-attention block with its FFN
+    and nextn.eh_proj / enorm / hnorm / shared_head_norm, as strata/gguf/synth.py writes it), quantized the same.
     Tensor names, shapes and metadata are those llama.cpp's converter writes for Qwen3.5 (strata/gguf/synth.py
     writes the same layout with real float weights). Returns the path. Raises ValueError for an unknown size or
     type.
@@ -94,10 +97,12 @@ def make_synthetic_hybrid(out_path: str | os.PathLike, tok_src_gguf: str | os.Pa
     plan: list[tuple[str, tuple[int, ...], str, int]] = [   # name, numpy shape, kind, fan_in
         ("token_embd.weight", (n_vocab, E), "mat", E), ("output_norm.weight", (E,), "norm", 0),
         ("output.weight", (n_vocab, E), "mat", E)]
-    for il in range(n_layer):
+    if n_mtp not in (0, 1):
+        raise ValueError(f"n_mtp {n_mtp}: 0 or 1")
+    for il in range(n_layer + n_mtp):
         p = f"blk.{il}."
         plan += [(p + "attn_norm.weight", (E,), "norm", 0), (p + "post_attention_norm.weight", (E,), "norm", 0)]
-        if (il + 1) % full_attention_interval != 0:
+        if il < n_layer and (il + 1) % full_attention_interval != 0:
             plan += [(p + "attn_qkv.weight", (conv_dim, E), "mat", E),
                      (p + "attn_gate.weight", (value_dim, E), "mat", E),
                      (p + "ssm_conv1d.weight", (conv_dim, conv_k), "conv", conv_k), (p + "ssm_dt.bias", (nv,), "dt", 0),
@@ -111,12 +116,16 @@ def make_synthetic_hybrid(out_path: str | os.PathLike, tok_src_gguf: str | os.Pa
                      (p + "attn_q_norm.weight", (hd,), "norm", 0), (p + "attn_k_norm.weight", (hd,), "norm", 0)]
         plan += [(p + "ffn_gate.weight", (F, E), "mat", E), (p + "ffn_up.weight", (F, E), "mat", E),
                  (p + "ffn_down.weight", (E, F), "mat", F)]
+        if il >= n_layer:                            # the MTP block's own tensors
+            plan += [(p + "nextn.eh_proj.weight", (E, 2 * E), "mat", 2 * E), (p + "nextn.enorm.weight", (E,), "norm", 0),
+                     (p + "nextn.hnorm.weight", (E,), "norm", 0),
+                     (p + "nextn.shared_head_norm.weight", (E,), "norm", 0)]
 
     w = gguf.GGUFWriter(str(out_path), "qwen35")
     w.add_name(f"strata-synthetic-qwen35-{size}-{qtype}")
     w.add_context_length(131072)
     w.add_embedding_length(E)
-    w.add_block_count(n_layer)
+    w.add_block_count(n_layer + n_mtp)
     w.add_head_count(nh)
     w.add_head_count_kv(nkv)
     w.add_key_length(hd)
@@ -135,6 +144,8 @@ def make_synthetic_hybrid(out_path: str | os.PathLike, tok_src_gguf: str | os.Pa
     w.add_ssm_time_step_rank(nv)
     w.add_ssm_inner_size(value_dim)
     w.add_full_attention_interval(full_attention_interval)
+    if n_mtp:
+        w.add_nextn_predict_layers(n_mtp)
     for name, (val, vt, sub) in tok.items():
         w.add_key_value(name, val, vt, sub_type=sub)
     bs, ts = gguf.GGML_QUANT_SIZES[q]

@@ -7,18 +7,22 @@ first pass with --spec 0, each drafted position kept with probability `acceptanc
 token, independently per position. The MTP head still runs on every draft (its K/V and its cost are real). Greedy
 output is checked equal to the first pass on every run.
 
-Model: a synthetic qwen35 hybrid with an MTP block (synth preset 'small' by default, Q8_0), written into --dir.
-Usage: PYTHONPATH=. python bench/spec_decode.py [--device cpu] [--size small] [--ns 1,2,3,4]
+Model: a synthetic qwen35 hybrid with an MTP block, Q8_0, written into --dir: synth preset 'small' by default on
+the CPU; on a GPU (--device cuda) the ~1.5B hybrid of bench/gpu_hybrid_model.py ('1.5b': 24 layers, n_embd 2048)
+with an MTP block. --size picks either family's size ('small' / 'medium' / 'large': synth presets; '1.5b' / 'tiny':
+the GPU bench's writer).
+Usage: PYTHONPATH=. python bench/spec_decode.py [--device cpu|cuda] [--size small] [--ns 1,2,3,4]
        [--acceptance 0.3,0.5,0.7,0.8,0.9] [--tokens 64] [--prompt 64] [--reps 2] [--threads N] [--out PATH]
 Besides N = --ns, an "adaptive" arm: --spec max(ns) --spec-adaptive (each verify takes 0..N drafts as the measured
-acceptance and costs make fastest; its acceptance estimate carries over from one rate's runs to the next).
-Writes bench/results/spec_decode_<device>_<commit>.json (or --out). --device cuda is refused until the device
-verify lands (the engine refuses --spec on a CUDA stage).
+acceptance and costs make fastest; its acceptance estimate carries over from one rate's runs to the next). The
+--spec arms share one engine (its decoder's N set per arm); --spec 0 is an engine of its own.
+Writes bench/results/spec_decode_<device>_<commit>.json (or --out).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import time
@@ -30,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from strata.engine.engine import Engine                      # noqa: E402
+from strata.engine.speculate import AdaptiveN                # noqa: E402
 from strata.engine.types import FinalEvent, GenerationRequest  # noqa: E402
 from strata.gguf import synth                                # noqa: E402
 
@@ -55,6 +60,16 @@ class Oracle:
         return want if self.rng.random() < self.rate else (want + 1) % self.n_vocab
 
 
+def device_name(engine, device: str) -> str:
+    """'cpu', or the GPU's name (e.g. 'NVIDIA H100 80GB HBM3')."""
+    if device == "cpu":
+        return "cpu"
+    import cupy
+    props = cupy.cuda.runtime.getDeviceProperties(int(device.split(":")[1]))
+    name = props["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
 def run(engine, prompt, tokens):
     req = GenerationRequest(prompt_tokens=list(prompt), max_tokens=tokens, ignore_eos=True, cache_prompt=False,
                             checkpoint=False)
@@ -77,6 +92,14 @@ def best(fn, reps):
     return out
 
 
+def device_sync(engine):
+    """A function that waits for the engine's last stage's device (nothing on the CPU)."""
+    be = getattr(engine.stages[-1], "backend", None)
+    if be is None or getattr(be, "xp", np) is np:
+        return lambda: None
+    return be.xp.cuda.Device(be.device_id).synchronize
+
+
 def micro(engine, prompt, ns, reps):
     """Model times on the live sequence after the prompt (`engine` runs --spec): a decode step, drafting n tokens
     with the MTP head, a verify of n + 1 tokens (kept states), the Commit back to one token, and the alternative:
@@ -89,55 +112,103 @@ def micro(engine, prompt, ns, reps):
     engine.drafter.flush()
     ck = seq.capture()
     out = {}
+    sync = device_sync(engine)
 
     def decode():
         seq.restore(ck)
+        sync()
         t0 = time.perf_counter()
         seq.forward(np.asarray([5], np.int32))
+        sync()
         return time.perf_counter() - t0
 
     out["decode_ms"] = min(decode() for _ in range(reps * 3)) * 1e3
     for n in ns:
         toks = rng.integers(0, 1000, n + 1).astype(np.int32)
-        v, c, cap, rest, replay, dr = [], [], [], [], [], []
+        v, c, cap, rest, replay, dr, ra = [], [], [], [], [], [], []
         for _ in range(reps * 3):
             seq.restore(ck)
+            sync()
             t0 = time.perf_counter()
             engine.drafter.draft(5, n, 0.0)
+            sync()
             dr.append(time.perf_counter() - t0)
             base = seq.pos
             t0 = time.perf_counter()
             seq.verify(toks)
+            sync()
             v.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             seq.commit(base + 1)                    # every draft rejected: the deepest cut-back
+            sync()
             c.append(time.perf_counter() - t0)
+            # the same read without the kept states (every row's logits): what keeping them costs
+            seq.restore(ck)
+            sync()
+            t0 = time.perf_counter()
+            seq.forward(toks, all_logits=True)
+            sync()
+            ra.append(time.perf_counter() - t0)
             # the alternative: a checkpoint before the verify, restored after it, the accepted token read again
             seq.restore(ck)
+            sync()
             t0 = time.perf_counter()
             k2 = seq.capture()
+            sync()
             cap.append(time.perf_counter() - t0)
             seq.forward(toks)
+            sync()
             t0 = time.perf_counter()
             seq.restore(k2)
+            sync()
             rest.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             seq.forward(toks[:1])
+            sync()
             replay.append(time.perf_counter() - t0)
-        out[f"n{n}"] = {"draft_ms": min(dr) * 1e3, "verify_ms": min(v) * 1e3,
+            k2.release()
+        graph, gen = getattr(engine.drafter, "_graph", None), []
+        if graph is not None:            # the reference: the model's own MTP block and head on the same device
+            engine.drafter._graph = None
+            for _ in range(reps * 3):
+                seq.restore(ck)
+                sync()
+                t0 = time.perf_counter()
+                engine.drafter.draft(5, n, 0.0)
+                sync()
+                gen.append(time.perf_counter() - t0)
+            engine.drafter._graph = graph
+        out[f"n{n}"] = {"draft_ms": min(dr) * 1e3, "draft_generic_ms": min(gen) * 1e3 if gen else None, "verify_ms": min(v) * 1e3, "read_all_ms": min(ra) * 1e3,
                         # all n drafts rejected: the round yields one token, as a decode step does
                         "rejected_draft_ms": (min(dr) + min(v)) * 1e3 / n - out["decode_ms"] / n, "verify_over_decode": min(v) * 1e3 / out["decode_ms"],
                         "commit_ms": min(c) * 1e3, "checkpoint_ms": min(cap) * 1e3, "restore_ms": min(rest) * 1e3,
                         "replay_one_ms": min(replay) * 1e3,
                         "checkpoint_replay_over_commit": (min(cap) + min(rest) + min(replay)) / max(min(c), 1e-9)}
+    ck.release()
     seq.reset()
     return out
+
+
+def write_model(d: Path, device: str, size: str | None) -> Path:
+    """The bench's synthetic hybrid with an MTP block (Q8_0), written once into d."""
+    from bench import gpu_hybrid_model as gh
+    size = size or ("small" if device == "cpu" else "1.5b")
+    if size in gh.SIZES:
+        from strata.gguf.default_model import default_model_path
+        path = d / f"syn_qwen35_{size}_mtp_q8_gh.gguf"
+        if not path.exists():
+            gh.make_synthetic_hybrid(path, default_model_path(), size=size, qtype="Q8_0", seed=1, n_mtp=1)
+        return path
+    path = d / f"syn_qwen35_{size}_mtp_q8.gguf"
+    if not path.exists():
+        synth.write_synthetic(path, synth.preset("qwen35", size, seed=1, n_mtp=1, qtype="Q8_0", embd_qtype="Q8_0"))
+    return path
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--size", default="small")
+    ap.add_argument("--size", default=None)
     ap.add_argument("--ns", default="1,2,3,4")
     ap.add_argument("--acceptance", default="0.3,0.5,0.7,0.8,0.9")
     ap.add_argument("--tokens", type=int, default=64)
@@ -147,19 +218,13 @@ def main() -> int:
     ap.add_argument("--dir", default="/tmp/spec_models", help="where the synthetic model is written")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    if args.device != "cpu":
-        print("bench/spec_decode.py: --spec runs on CPU stages only for now (the device verify is a later step)",
-              file=sys.stderr)
-        return 2
+    device = "cuda:0" if args.device == "cuda" else args.device
     ns = [int(x) for x in args.ns.split(",")]
     rates = [float(x) for x in args.acceptance.split(",")]
     d = Path(args.dir)
     d.mkdir(parents=True, exist_ok=True)
-    spec = synth.preset("qwen35", args.size, seed=1, n_mtp=1, qtype="Q8_0", embd_qtype="Q8_0")
-    path = d / f"syn_qwen35_{args.size}_mtp_q8.gguf"
-    if not path.exists():
-        synth.write_synthetic(path, spec)
-    kw = dict(n_ctx=args.prompt + args.tokens + 32, device="cpu", conversation_cache_mib=0, prompt_cache=0)
+    path = write_model(d, device, args.size)
+    kw = dict(n_ctx=args.prompt + args.tokens + 32, device=device, conversation_cache_mib=0, prompt_cache=0)
     if args.threads:
         kw["threads"] = args.threads
     prompt = [int(t) for t in np.random.default_rng(3).integers(0, 1000, args.prompt)]
@@ -177,13 +242,14 @@ def main() -> int:
         return max(tps)
 
     baseline()                                    # warm: the first runs after a load are slower
-    res = {"device": "cpu", "model": path.name, "commit": commit_id(), "tokens": args.tokens, "prompt": args.prompt,
+    res = {"device": device_name(base, device), "model": path.name, "commit": commit_id(), "tokens": args.tokens, "prompt": args.prompt,
            "threads": base.threads, "reps": args.reps, "spec0_tok_s": baseline(), "runs": []}
-    engines = {n: Engine(path, spec=n, **kw) for n in ns}
-    engines["adaptive"] = Engine(path, spec=max(ns), spec_adaptive=True, **kw)
+    e = Engine(path, spec=max(ns), **kw)           # one engine for every arm: its decoder's N set per arm
+    adaptive = AdaptiveN(max(ns))                  # its estimates carry over from one rate's runs to the next
     for rate in rates:
         for n in ns + ["adaptive"]:
-            e = engines[n]
+            e.decoder.spec = max(ns) if n == "adaptive" else n
+            e.decoder.adaptive = adaptive if n == "adaptive" else None
             pairs, acc = [], None
             for r in range(args.reps):            # --spec 0 and --spec N back to back: the machine is shared
                 toks0, t0 = run(base, prompt, args.tokens)
@@ -203,11 +269,13 @@ def main() -> int:
                   f"measured {row['measured_acceptance']:.2f}, {row['mean_accepted']:.2f} tokens per verify)",
                   flush=True)
     res["spec0_tok_s_end"] = baseline()           # the reference again: how much the machine drifted
-    e = engines[max(ns)]
+    e.decoder.spec, e.decoder.adaptive = max(ns), None
     e.drafter.oracle = None
     res["micro"] = micro(e, prompt, ns, args.reps)
     print(json.dumps({k: v for k, v in res.items() if k != "runs"}, indent=1))
-    out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"spec_decode_cpu_{res['commit']}.json"
+    gpu = re.search(r"\b([A-Z]\d{2,3})\b", res["device"])
+    tag = "cpu" if device == "cpu" else gpu.group(1).lower() if gpu else "cuda"
+    out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"spec_decode_{tag}_{res['commit']}.json"
     out.write_text(json.dumps(res, indent=1) + "\n")
     print(f"wrote {out}")
     return 0

@@ -267,3 +267,18 @@ def test_a_link_key_open_to_others_is_a_usage_error_before_the_model_loads(tmp_p
     p = strata("serve", "--link-key-file", str(key), "--remote-stage", "127.0.0.1:9", "--layer-split", "10")
     assert p.returncode == 2 and "Traceback" not in p.stderr and "failed to load" not in p.stderr
     assert "--link-key-file: the link key file" in p.stderr and "chmod 600" in p.stderr
+
+
+def test_serve_spec_on_a_model_without_an_mtp_head_refuses_before_listening(tmp_path):
+    """--spec 2 with a model that has no MTP head: one usage line before any socket opens (nothing 'listening',
+    the socket path never made); the same flags on a model with one get past that check."""
+    from strata.gguf import synth
+    plain = synth.write_synthetic(tmp_path / "plain.gguf", synth.preset("qwen35", "tiny", seed=3, n_mtp=0))
+    sock = tmp_path / "s.sock"
+    p = strata("serve", "--model", str(plain), "--spec", "2", "--socket", str(sock), "--no-warmup", timeout=120)
+    assert p.returncode == 2 and "listening" not in p.stderr + p.stdout and not sock.exists()
+    err = p.stderr.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("strata serve: error: --spec needs a model with an MTP head")
+    from strata.engine.speculate import file_refusal
+    mtp = synth.write_synthetic(tmp_path / "mtp.gguf", synth.preset("qwen35", "tiny", seed=3, n_mtp=1))
+    assert file_refusal(str(mtp)) is None and file_refusal(str(plain)) is not None

@@ -194,8 +194,10 @@ def test_n_choices_and_sampling_seeded(model):
     assert runs[0][0] == runs[1][0] and runs[0][1][0].timings["draft_n"] > 0
 
 
-def test_request_opt_out_and_grammar_turn_drafting_off(model):
-    """A request's spec=False and a grammar decode without drafts (the same answer as --spec 0)."""
+def test_request_opt_out_and_drafts_under_a_grammar(model):
+    """A request's spec=False decodes without drafts; under a grammar the drafts are checked and consumed by the
+    grammar, each verified row masked by the state after the drafts before it and the rejected ones rolled back:
+    the constrained answer with drafts (acceptance 1, 0.5, 0) is the one without, token for token."""
     from strata.sampling import grammar
     prompt = _prompt(12, 8)
     e = Engine(model, n_ctx=256, spec=2)
@@ -205,13 +207,38 @@ def test_request_opt_out_and_grammar_turn_drafting_off(model):
     assert fin[0].timings["draft_n"] > 0
     base = Engine(model, n_ctx=256)
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    # three-digit numbers between commas: a wrong digit drafted is consumed by the grammar (it allows any digit)
+    # and moves it on, so a verify that rejects it must roll it back or the commas land elsewhere
+    lark = 'start: NUM ("," NUM)*\nNUM: /[0-9][0-9][0-9]/'
+    for g in (grammar.json_schema_grammar(schema), grammar.lark_grammar(lark)):
+        _drafts_under(g, model, base, prompt)
+
+
+def _drafts_under(g, model, base, prompt):
+    """--spec 2 and 4 at acceptance 1, 0.5, 0 and the real head under the grammar g equal `base` (--spec 0)."""
+    from strata.sampling import grammar
 
     def constrained(eng):
-        c = grammar.Constraint(grammar.json_schema_grammar(schema), eng.tokenizer, eng.n_vocab)
-        return _run(eng, prompt, constraint=c, max_tokens=20, ignore_eos=False, cache_prompt=False)
-    want, _ = constrained(base)
-    got, fin = constrained(e)
-    assert got == want and fin[0].timings["draft_n"] == 0
+        c = grammar.Constraint(g, eng.tokenizer, eng.n_vocab)
+        return _run(eng, prompt, constraint=c, max_tokens=24, ignore_eos=False, cache_prompt=False)
+    want, fin0 = constrained(base)
+    assert fin0[0].timings["predicted_n"] >= 4
+    for n in (2, 4):
+        e = Engine(model, n_ctx=256, spec=n)
+        for rate in (1.0, 0.5, 0.0):
+            oracle = Oracle(e, rate, seed=n)
+            oracle.learn(prompt, _ids(want))
+            e.drafter.oracle = oracle
+            got, fin = constrained(e)
+            assert got == want, (n, rate)
+            t = fin[0].timings
+            assert t["draft_n"] > 0, (n, rate)
+            if rate == 1.0:
+                assert t["draft_n_accepted"] == t["draft_n"] and t["draft_verifies"] < len(want)
+    # the real head's drafts (mostly outside the grammar: cut at the first one it does not allow)
+    e = Engine(model, n_ctx=256, spec=3)
+    got, _ = constrained(e)
+    assert got == want
 
 
 def test_session_file_keeps_the_drafter_kv(model, tmp_path):
@@ -430,3 +457,28 @@ def test_adaptive_greedy_equals_spec0(model):
         e.drafter.oracle = oracle
         got, fin = _run(e, prompt, cache_prompt=False)
         assert got == ref and fin[0].timings["draft_verifies"] > 0
+
+
+def test_spec_max_ctx_turns_drafting_off_past_a_context_length(model):
+    """--spec-max-ctx: no verify starts once the sequence holds that many tokens (plain decode steps from there, the
+    same answer); below the prompt's length nothing is drafted; a negative value is refused."""
+    prompt = _prompt(23, 1)
+    base = Engine(model, n_ctx=256)
+    ref, _ = _run(base, prompt)
+    e_all = Engine(model, n_ctx=256, spec=2)
+    e_cut = Engine(model, n_ctx=256, spec=2, spec_max_ctx=33)
+    e_none = Engine(model, n_ctx=256, spec=2, spec_max_ctx=10)
+    fins = {}
+    for name, e in (("all", e_all), ("cut", e_cut), ("none", e_none)):
+        oracle = Oracle(e, 1.0)
+        oracle.learn(prompt, _ids(ref))
+        e.drafter.oracle = oracle
+        got, fin = _run(e, prompt, cache_prompt=False)
+        assert got == ref, name
+        fins[name] = fin[0].timings
+    assert fins["none"]["draft_n"] == 0
+    # a verify starts at positions 23, 26, ... while below 33: 4 verifies of 2 drafts, then plain steps
+    assert 0 < fins["cut"]["draft_n"] < fins["all"]["draft_n"]
+    assert fins["cut"]["draft_verifies"] == 4
+    with pytest.raises(ValueError, match="--spec-max-ctx"):
+        Engine(model, n_ctx=64, spec=1, spec_max_ctx=-1)

@@ -42,7 +42,8 @@ __device__ __forceinline__ float q35_block_sum(float v, float *sh) {
 // tokens, stored after the last).
 template <int K>
 __global__ void k_q35_conv(const float *__restrict__ x, const float *__restrict__ w, float *__restrict__ window,
-                           float *__restrict__ y, int channels, int n_tok, long long xs, long long ys) {
+                           float *__restrict__ y, int channels, int n_tok, long long xs, long long ys,
+                           float *const *keep, long long ks) {
   griddep_launch();
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= channels) return;
@@ -52,6 +53,7 @@ __global__ void k_q35_conv(const float *__restrict__ x, const float *__restrict_
   griddep_wait();
 #pragma unroll
   for (int j = 0; j < K - 1; j++) xx[j] = window[(long long)j * channels + c];
+  float *kp = keep ? *keep : nullptr;          // the kept windows' base (read after the wait: set before the launch)
   // the tokens' inputs CONV_TOKENS at a time into registers first (their loads in flight together), then the
   // tokens in order
   constexpr int CONV_TOKENS = 8;
@@ -69,6 +71,10 @@ __global__ void k_q35_conv(const float *__restrict__ x, const float *__restrict_
       y[(t0 + i) * ys + c] = acc / (1.0f + expf(-acc));
 #pragma unroll
       for (int j = 0; j < K - 1; j++) xx[j] = xx[j + 1];
+      if (kp) {
+#pragma unroll
+        for (int j = 0; j < K - 1; j++) kp[(t0 + i) * ks + (long long)j * channels + c] = xx[j];
+      }
     }
   }
 #pragma unroll
@@ -195,9 +201,10 @@ __global__ void __launch_bounds__(Q35_COLS *Q35_ROWS)
     k_q35_gdn_step(const float *__restrict__ y, const float *__restrict__ proj, const float *__restrict__ A,
                    const float *__restrict__ dt, float *__restrict__ state, float *__restrict__ out, int n_v, int n_k,
                    int dk, int dv, int tiled, int b_off, int a_off, int ba_grouped, float scale, float l2_eps,
-                   int n_tok, long long ys, long long ps, long long os) {
+                   int n_tok, long long ys, long long ps, long long os, float *const *keep, long long ks) {
   griddep_launch();
   griddep_wait();
+  float *kp = keep ? *keep : nullptr;          // the kept states' base (set before the launch), or none
   __shared__ float q_s[Q35_MAX_DK], k_s[Q35_MAX_DK];
   __shared__ float red1[Q35_ROWS][Q35_COLS + 1], red2[Q35_ROWS][Q35_COLS + 1];
   __shared__ float nrm[2][Q35_ROWS];
@@ -219,6 +226,14 @@ __global__ void __launch_bounds__(Q35_COLS *Q35_ROWS)
     const GdnIn next = t + 1 < n_tok ? q35_gdn_load(y + (t + 1) * ys, proj + (t + 1) * ps, h, j, n_v, n_k, dk, dv,
                                                     tiled, b_off, a_off, ba_grouped) : in;
     q35_gdn_token<M>(s, in, A, dt, out + t * os, h, j, dk, dv, scale, l2_eps, q_s, k_s, red1, red2, nrm);
+    if (kp) {                                  // the state after token t, at its kept slot
+      float *K = kp + t * ks + (long long)h * dk * dv;
+#pragma unroll
+      for (int m = 0; m < M; m++) {
+        const int i = ty + Q35_ROWS * m;
+        if (col && i < dk) K[(long long)i * dv + j] = s[m];
+      }
+    }
     in = next;
   }
 #pragma unroll
@@ -327,20 +342,23 @@ template <int M>
 cudaError_t launch_step(cudaStream_t st, const float *y, const float *proj, const float *A, const float *dt,
                         float *state, float *out, int n_v, int n_k, int dk, int dv, int tiled, int b_off, int a_off,
                         int ba_grouped, float scale, float l2_eps, int n_tok, long long ys, long long ps,
-                        long long os) {
+                        long long os, float *const *keep, long long ks) {
   dim3 grid((dv + Q35_COLS - 1) / Q35_COLS, n_v), block(Q35_COLS, Q35_ROWS);
   return st_launch(k_q35_gdn_step<M>, grid, block, 0, st, y, proj, A, dt, state, out, n_v, n_k, dk, dv, tiled, b_off,
-                   a_off, ba_grouped, scale, l2_eps, n_tok, ys, ps, os);
+                   a_off, ba_grouped, scale, l2_eps, n_tok, ys, ps, os, keep, ks);
 }
 
 }  // namespace
 
-extern "C" int strata_q35_conv_rows(void *stream, const float *x, long long x_stride, const float *w, float *window,
-                                    float *y, long long y_stride, int n, int channels, int kernel) {
-  if (channels <= 0 || kernel < 2 || kernel > 8 || n <= 0) return (int)cudaErrorInvalidValue;
+extern "C" int strata_q35_conv_rows_keep(void *stream, const float *x, long long x_stride, const float *w,
+                                         float *window, float *y, long long y_stride, int n, int channels, int kernel,
+                                         float *const *keep, long long keep_stride) {
+  if (channels <= 0 || kernel < 2 || kernel > 8 || n <= 0 || (keep && keep_stride < (long long)(kernel - 1) * channels))
+    return (int)cudaErrorInvalidValue;
   cudaStream_t st = (cudaStream_t)stream;
   const dim3 nb((channels + 127) / 128), bs(128);
-#define CV(K) st_launch(k_q35_conv<K>, nb, bs, 0, st, x, w, window, y, channels, n, x_stride, y_stride)
+#define CV(K) st_launch(k_q35_conv<K>, nb, bs, 0, st, x, w, window, y, channels, n, x_stride, y_stride, keep, \
+                        keep_stride)
   switch (kernel) {
     case 2: CV(2); break; case 3: CV(3); break; case 4: CV(4); break; case 5: CV(5); break;
     case 6: CV(6); break; case 7: CV(7); break; default: CV(8); break;
@@ -349,22 +367,29 @@ extern "C" int strata_q35_conv_rows(void *stream, const float *x, long long x_st
   return (int)cudaGetLastError();
 }
 
+extern "C" int strata_q35_conv_rows(void *stream, const float *x, long long x_stride, const float *w, float *window,
+                                    float *y, long long y_stride, int n, int channels, int kernel) {
+  return strata_q35_conv_rows_keep(stream, x, x_stride, w, window, y, y_stride, n, channels, kernel, nullptr, 0);
+}
+
 extern "C" int strata_q35_conv(void *stream, const float *x, const float *w, float *window, float *y, int channels,
                                int kernel) {
   return strata_q35_conv_rows(stream, x, 0, w, window, y, 0, 1, channels, kernel);
 }
 
-extern "C" int strata_q35_gdn_steps(void *stream, const float *y, long long y_stride, const float *proj,
-                                    long long proj_stride, const float *A, const float *dt, float *state, float *out,
-                                    long long out_stride, int n, int n_v, int n_k, int dk, int dv, int tiled,
-                                    int b_off, int a_off, int ba_grouped, float scale, float l2_eps) {
-  if (n <= 0 || n_v <= 0 || n_k <= 0 || n_v % n_k || dk <= 0 || dk > Q35_MAX_DK || dv <= 0)
+extern "C" int strata_q35_gdn_steps_keep(void *stream, const float *y, long long y_stride, const float *proj,
+                                         long long proj_stride, const float *A, const float *dt, float *state,
+                                         float *out, long long out_stride, int n, int n_v, int n_k, int dk, int dv,
+                                         int tiled, int b_off, int a_off, int ba_grouped, float scale, float l2_eps,
+                                         float *const *keep, long long keep_stride) {
+  if (n <= 0 || n_v <= 0 || n_k <= 0 || n_v % n_k || dk <= 0 || dk > Q35_MAX_DK || dv <= 0 ||
+      (keep && keep_stride < (long long)n_v * dk * dv))
     return (int)cudaErrorInvalidValue;
   cudaStream_t st = (cudaStream_t)stream;
   const int m = (dk + Q35_ROWS - 1) / Q35_ROWS;
 #define Q35_STEP(MM) \
   launch_step<MM>(st, y, proj, A, dt, state, out, n_v, n_k, dk, dv, tiled, b_off, a_off, ba_grouped, scale, l2_eps, \
-                  n, y_stride, proj_stride, out_stride)
+                  n, y_stride, proj_stride, out_stride, keep, keep_stride)
   if (m <= 2) Q35_STEP(2);
   else if (m <= 4) Q35_STEP(4);
   else if (m <= 8) Q35_STEP(8);
@@ -372,6 +397,14 @@ extern "C" int strata_q35_gdn_steps(void *stream, const float *y, long long y_st
   else Q35_STEP(32);
 #undef Q35_STEP
   return (int)cudaGetLastError();
+}
+
+extern "C" int strata_q35_gdn_steps(void *stream, const float *y, long long y_stride, const float *proj,
+                                    long long proj_stride, const float *A, const float *dt, float *state, float *out,
+                                    long long out_stride, int n, int n_v, int n_k, int dk, int dv, int tiled,
+                                    int b_off, int a_off, int ba_grouped, float scale, float l2_eps) {
+  return strata_q35_gdn_steps_keep(stream, y, y_stride, proj, proj_stride, A, dt, state, out, out_stride, n, n_v, n_k,
+                                   dk, dv, tiled, b_off, a_off, ba_grouped, scale, l2_eps, nullptr, 0);
 }
 
 extern "C" int strata_q35_gdn_step(void *stream, const float *y, const float *proj, const float *A, const float *dt,

@@ -321,6 +321,14 @@ int strata_q35_conv(void *stream, const float *x, const float *w, float *window,
 int strata_q35_conv_rows(void *stream, const float *x, long long x_stride, const float *w, float *window, float *y,
                          long long y_stride, int n, int channels, int kernel);
 
+/* strata_q35_conv_rows keeping the window after every token (a speculative verify's per-position running state):
+ * when keep is not NULL and *keep (a device pointer read by the kernel, so a captured graph serves any buffer) is
+ * not NULL, the window after token t is written to *keep + t * keep_stride (kernel - 1, channels). The tokens' y and
+ * the final window are those of strata_q35_conv_rows. keep_stride >= (kernel - 1) * channels. */
+int strata_q35_conv_rows_keep(void *stream, const float *x, long long x_stride, const float *w, float *window,
+                              float *y, long long y_stride, int n, int channels, int kernel, float *const *keep,
+                              long long keep_stride);
+
 /* One-token gated delta rule with its prologue: y = conv output [q (n_k*dk) | k (n_k*dk) | v (n_v*dv)]; q, k
  * L2-normalised (l2_eps; q times scale); beta = sigmoid(b), g = A * softplus(a + dt) with b, a read from proj
  * (ba_grouped: qwen3next ssm_ba per key head [b x r, a x r] at b_off; else b at b_off + h, a at a_off + h);
@@ -337,6 +345,15 @@ int strata_q35_gdn_steps(void *stream, const float *y, long long y_stride, const
                          const float *A, const float *dt, float *state, float *out, long long out_stride, int n,
                          int n_v, int n_k, int dk, int dv, int tiled, int b_off, int a_off, int ba_grouped,
                          float scale, float l2_eps);
+
+/* strata_q35_gdn_steps keeping the state after every token: when keep is not NULL and *keep (a device pointer read
+ * by the kernel) is not NULL, the state after token t is written to *keep + t * keep_stride (n_v, dk, dv). Outputs
+ * and the final state are those of strata_q35_gdn_steps. keep_stride >= n_v * dk * dv. */
+int strata_q35_gdn_steps_keep(void *stream, const float *y, long long y_stride, const float *proj,
+                              long long proj_stride, const float *A, const float *dt, float *state, float *out,
+                              long long out_stride, int n, int n_v, int n_k, int dk, int dv, int tiled, int b_off,
+                              int a_off, int ba_grouped, float scale, float l2_eps, float *const *keep,
+                              long long keep_stride);
 
 /* Gated RMSNorm per value head (gdn.gated_rms_norm): o, z f32 (n_v, dv), w f32 (dv) -> out f32 (may be NULL) and
  * q8_1 blocks out_q8 (may be NULL; dv % 32 == 0) of the (n_v * dv) row. */

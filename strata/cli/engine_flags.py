@@ -46,13 +46,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--spec", type=_nonneg_int, default=D.spec.n, metavar="N",
                    help="draft N tokens per step with the model's MTP head and verify them in one forward "
-                        "(0 = off, default %(default)s; CPU stages; a model without an MTP head refuses N > 0); "
+                        "(0 = off, default %(default)s; CPU stages and the hybrid's CUDA plan; a model without an MTP head "
+                        "refuses N > 0); "
                         "a request's \"strata_spec\": false turns it off for that request")
     s.add_argument("--spec-min-p", type=float, default=D.spec.min_p, metavar="P",
                    help="stop drafting at a draft whose draft probability is below P (default %(default)s)")
     s.add_argument("--spec-adaptive", action="store_true",
                    help="let each verify take 0..N drafts, as the measured acceptance and costs make fastest (0: a "
                         "plain decode step, with a one-draft probe now and then)")
+    s.add_argument("--spec-max-ctx", type=_nonneg_int, default=D.spec.max_ctx, metavar="TOKENS",
+                   help="no drafts once the conversation holds TOKENS tokens: plain decode steps from there "
+                        "(0 = no limit, the default; acceptance falls with the context length)")
     c = p.add_argument_group("conversation checkpoints")
     c.add_argument("--prompt-cache", type=_nonneg_int, default=None,
                    help="checkpoints kept (default 6, or 0 with --remote-stage; 0 turns them off; 1 is plain FIFO "

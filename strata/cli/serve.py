@@ -188,6 +188,12 @@ def run(args) -> int:
     if err:
         print(f"strata serve: error: {err}", file=sys.stderr)
         return 2
+    if ecfg.spec.n > 0:                 # a model without an MTP head: said before any socket opens
+        from strata.engine.speculate import file_refusal
+        why = file_refusal(ecfg.model)
+        if why:
+            print(f"strata serve: error: {why}", file=sys.stderr)
+            return 2
     device = ecfg.stages.device
     if str(device).startswith("cuda"):   # no GPU / CuPy / kernels / such a GPU: say so before any socket
         why = _cuda_unusable(device)

@@ -97,11 +97,13 @@ class MoeTierConfig:
 class SpecConfig:
     """Speculative decoding with the model's MTP head (strata/engine/speculate.py). n: drafts per verify (0: off);
     min_p: drafting stops at a draft whose draft probability is below this; adaptive: each verify takes 0..n drafts,
-    as the measured acceptance and costs make fastest (speculate.AdaptiveN)."""
+    as the measured acceptance and costs make fastest (speculate.AdaptiveN); max_ctx: no drafts once the sequence
+    holds this many tokens (0: no limit; acceptance falls with the context length)."""
 
     n: int = 0
     min_p: float = 0.0
     adaptive: bool = False
+    max_ctx: int = 0
 
     def problem(self) -> str | None:
         from strata.engine.speculate import MAX_DRAFTS
@@ -110,6 +112,8 @@ class SpecConfig:
                     f"{MAX_DRAFTS + 1} tokens), got {self.n}")
         if not 0.0 <= self.min_p < 1.0:
             return f"--spec-min-p must be in [0, 1), got {self.min_p}"
+        if self.max_ctx < 0:
+            return f"--spec-max-ctx must be 0 (no limit) or a token count, got {self.max_ctx}"
         return None
 
 
@@ -128,6 +132,7 @@ FLAT = {
     "moe_vram_mib": ("moe", "vram_mib"), "adapt_every": ("moe", "adapt_every"), "adapt_swaps": ("moe", "adapt_swaps"),
     "pcie_frac": ("moe", "pcie_frac"),
     "spec": ("spec", "n"), "spec_min_p": ("spec", "min_p"), "spec_adaptive": ("spec", "adaptive"),
+    "spec_max_ctx": ("spec", "max_ctx"),
 }
 TOP = ("model", "n_ctx", "ubatch", "threads")
 

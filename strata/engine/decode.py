@@ -32,15 +32,17 @@ class Decoder:
     verify of the sampled token and its drafts) with the model's `tokenizer`, its end-of-generation ids `eog_ids`,
     `n_vocab` and the context `n_ctx`; `last_stage` decides where the logits are sampled; `forget_live` is called
     when a forward call fails (the sequence may be half written). spec: drafts per verify (0: off); spec_min_p:
-    drafting stops below this draft probability."""
+    drafting stops below this draft probability; spec_max_ctx: no drafts once the sequence holds that many tokens
+    (0: no limit)."""
 
     def __init__(self, seq: Sequence, tokenizer: Tokenizer, eog_ids: set[int], n_vocab: int, n_ctx: int, last_stage,
                  forget_live: Callable[[], None], drafter: MTPDrafter | None = None, spec: int = 0,
-                 spec_min_p: float = 0.0, adaptive: AdaptiveN | None = None):
+                 spec_min_p: float = 0.0, adaptive: AdaptiveN | None = None, spec_max_ctx: int = 0):
         self.seq, self.tokenizer, self.eog_ids = seq, tokenizer, eog_ids
         self.n_vocab, self.n_ctx, self.last_stage, self.forget_live = n_vocab, n_ctx, last_stage, forget_live
         self.drafter, self.spec, self.spec_min_p = drafter, int(spec), float(spec_min_p)
         self.adaptive = adaptive        # picks the drafts of each verify (0 .. spec) when set
+        self.spec_max_ctx = int(spec_max_ctx)   # no drafts once the sequence holds this many tokens (0: no limit)
 
     def _read(self, tok: int, on_device: bool):
         """Read one token -> its logits (the drafter sees its hidden state)."""
@@ -81,8 +83,9 @@ class Decoder:
         # strata.sampling.grammar: the token mask, computed during the forward on the CPU backend and inline when the
         # logits stay on a GPU (docs/serving.md)
         guide = req.constraint.start(overlap=not on_device) if req.constraint is not None else None
-        # drafting: off under a grammar (a draft would need the grammar's state rolled back when rejected)
-        spec = self.spec if (self.drafter is not None and guide is None and req.spec is not False) else 0
+        # drafting: under a grammar too (each verified row masked by the grammar's state after the drafts before
+        # it; the rejected drafts rolled back)
+        spec = self.spec if (self.drafter is not None and req.spec is not False) else 0
         counts = counts if counts is not None else SpecCounts()
         stopper = StopMatcher(list(req.stop or []))
         max_new = req.max_tokens if req.max_tokens is not None else self.n_ctx
@@ -143,14 +146,25 @@ class Decoder:
                     # drafts that could be emitted: max_tokens and the context bound them (and a short read's rows)
                     want = self.adaptive.choose() if self.adaptive is not None else spec
                     room = min(want, max_new - len(toks) - 1, self.n_ctx - n - len(toks) - 1, MAX_DRAFTS)
+                    if self.spec_max_ctx and base >= self.spec_max_ctx:
+                        room = 0                  # past --spec-max-ctx: plain decode steps
                     t0 = time.perf_counter()
                     drafts = self.drafter.draft(tok, room, self.spec_min_p) if room > 0 else []
+                    masks = None
+                    if guide is not None and drafts:     # drafts the grammar allows, each consumed in turn
+                        masks = guide.draft_masks([d.token for d in drafts])
+                        drafts = drafts[:len(masks) - 1]
                     if not drafts:
                         break
                     t1 = time.perf_counter()
                     rows, h = st.verify([tok] + [d.token for d in drafts])
                     t2 = time.perf_counter()
+                    if masks is not None:
+                        rows = [guide.apply_mask(rows[i], masks[i]) for i in range(len(masks))]
                     verdict = judge(sampler, rows, drafts)
+                    if guide is not None:                # the state after the kept drafts and the token after them
+                        guide.rollback(len(drafts) - verdict.accepted)
+                        guide.accept(int(verdict.tokens[-1].token_id))
                     if self.adaptive is not None:
                         self.adaptive.verified(len(drafts), verdict.accepted, t1 - t0, t2 - t1)
                     counts.verifies += 1

@@ -144,7 +144,7 @@ class Engine:
         self.reader = PromptReader(self.seq, self.cache, self.conversations, self.ubatch, drafter=self.drafter)
         self.decoder = Decoder(self.seq, self.tokenizer, self.eog_ids, self.n_vocab, self.n_ctx, self.stages[-1],
                                self.reader.forget_live, drafter=self.drafter, spec=self.spec,
-                               spec_min_p=float(cfg.spec.min_p),
+                               spec_min_p=float(cfg.spec.min_p), spec_max_ctx=int(cfg.spec.max_ctx),
                                adaptive=AdaptiveN(self.spec) if self.drafter is not None and cfg.spec.adaptive
                                else None)
         self._lock = threading.Lock()

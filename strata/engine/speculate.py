@@ -57,6 +57,9 @@ class SpecCounts:
         return (self.accepted + self.verifies) / self.verifies if self.verifies else 0.0
 
 
+NO_MTP = "--spec needs a model with an MTP head (nextn_predict_layers > 0); this model has none: use --spec 0"
+
+
 def spec_refusal(stages, model) -> str | None:
     """Why --spec > 0 cannot run on these stages and this model (one line), or None."""
     for st in stages:
@@ -64,8 +67,22 @@ def spec_refusal(stages, model) -> str | None:
         if why:
             return f"--spec: {why}; use --spec 0"
     if getattr(model, "mtp", None) is None:
-        return "--spec needs a model with an MTP head (nextn_predict_layers > 0); this model has none: use --spec 0"
+        return NO_MTP
     return None
+
+
+def file_refusal(model: str) -> str | None:
+    """Why --spec > 0 cannot run on the GGUF `model` (a path or 'default'), read from its metadata alone (no
+    weights loaded: the daemon asks before it listens), or None; a file that does not open is left to the engine's
+    own error."""
+    from strata.gguf.default_model import resolve_model
+    from strata.gguf.file import ModelLoadError, open_gguf
+    try:
+        f = open_gguf(resolve_model(model))
+    except (ModelLoadError, OSError, ValueError):
+        return None
+    n = f.config.extra.get("nextn_predict_layers", f.metadata.get(f"{f.arch}.nextn_predict_layers", 0))
+    return None if int(n or 0) > 0 else NO_MTP
 
 
 class MTPDrafter:
@@ -79,9 +96,11 @@ class MTPDrafter:
         # the drafter's K/V: the last stage's "draft" field, or (the last stage remote: the main runs the head and
         # the drafter) a page table of its own, which checkpoints do not carry
         self._own = None if isinstance(stage.memory, Memory) else model.new_mtp_kv(n_ctx)
-        self._held: dict[int, np.ndarray] = {}          # position -> the main model's hidden state there
+        self._held: dict[int, object] = {}              # position -> the main model's hidden state there
         self._epoch = seq.epoch
-        self._zero = np.zeros(model.config.n_embd, np.float32)
+        self.xp = getattr(model, "xp", np)               # the model's array module: CuPy on a GPU (rows stay there)
+        self._zero = self.xp.zeros(model.config.n_embd, np.float32)
+        self._graph = graph_step(model)                   # the one-row MTP step in a CUDA graph, or None
 
     def _table(self):
         if self._own is not None:
@@ -98,7 +117,7 @@ class MTPDrafter:
         their end); the MTP block is fed every position whose next token is known once more than FEED_BATCH
         rows wait (or at the next draft)."""
         self._sync()
-        h = np.asarray(hidden, dtype=np.float32)
+        h = self.xp.asarray(hidden, dtype=np.float32)
         for i in range(h.shape[0]):
             self._held[start + i] = h[i]
         if len(self._held) > FEED_BATCH:      # else they wait for the next draft, which feeds them in one batch
@@ -126,7 +145,7 @@ class MTPDrafter:
         toks[:upto - lo] = ids[lo + 1:upto + 1]
         if last_token is not None:
             toks[-1] = last_token
-        rows = np.stack([self._held.get(p, self._zero) for p in range(lo, hi)])
+        rows = self.xp.stack([self._held.get(p, self._zero) for p in range(lo, hi)])
         out = self.model.mtp_hidden(rows, toks, table)
         for p in [p for p in self._held if p < hi]:
             del self._held[p]
@@ -136,16 +155,19 @@ class MTPDrafter:
         """Up to n drafts following `token` (sampled, about to be read at the sequence's position P), stopping at
         the first whose draft probability is below min_p. The MTP K/V ends at P (position P - 1 certain)."""
         self._sync()
+        if self._graph is not None:
+            return self._draft_graph(token, n, min_p)
         P = self.seq.pos
         x = self._feed(P - 1, token)
         out: list[Draft] = []
         table = self._table()
+        xp = self.xp
         for k in range(n):
-            logits = self.model.mtp_head(x)[0]
-            t = int(np.argmax(logits))
+            logits = self.model.mtp_head(x, on_device=True)[0]    # the argmax and its probability on the device
+            t = int(xp.argmax(logits))
             if min_p > 0:
                 z = logits - logits[t]
-                p = 1.0 / float(np.exp(z.astype(np.float64)).sum())
+                p = 1.0 / float(xp.exp(z.astype(np.float64)).sum())
                 if p < min_p:
                     break
             if self.oracle is not None:
@@ -155,6 +177,41 @@ class MTPDrafter:
                 x = self.model.mtp_hidden(x, np.asarray([t], np.int32), table)
         table.truncate(P)
         return out
+
+
+    def _draft_graph(self, token: int, n: int, min_p: float) -> list[Draft]:
+        """draft() with the one-row MTP steps in the graph step (the held rows before P - 1 fed in one batch by
+        the model's own MTP block first)."""
+        P = self.seq.pos
+        self._feed(P - 1, None)
+        table = self._table()
+        h = self._held.pop(P - 1, self._zero)
+        t, logits, x = self._graph.step(h, token, table)
+        out: list[Draft] = []
+        for k in range(n):
+            if min_p > 0:
+                z = logits - logits[t]
+                p = 1.0 / float(self.xp.exp(z.astype(np.float64)).sum())
+                if p < min_p:
+                    break
+            if self.oracle is not None:
+                t = int(self.oracle(P + 1 + k, t))
+            out.append(Draft(t))
+            if k + 1 < n:            # the block's own output as h
+                t, logits, x = self._graph.step(x, t, table)
+        table.truncate(P)
+        return out
+
+
+def graph_step(model):
+    """The MTP block's graph step (strata.backend.cuda.mtp.MTPStep) for a model with its MTP block on a CUDA
+    backend that the hybrid's decode plan runs; None elsewhere (the model's own mtp_hidden / mtp_head draft)."""
+    if getattr(model, "mtp", None) is None or getattr(model, "xp", np) is np or not getattr(model, "on_device", False):
+        return None
+    from strata.backend.cuda import mtp
+    if mtp.unsupported(model) is not None:
+        return None
+    return mtp.MTPStep(model)
 
 
 class AdaptiveN:

@@ -493,10 +493,12 @@ class Qwen3NextModel(Model):
         mtp_kv.commit(n)
         return x
 
-    def mtp_head(self, x: np.ndarray) -> np.ndarray:
-        """Draft logits (host float32 (n, n_vocab)) from ``mtp_hidden``'s rows."""
+    def mtp_head(self, x: np.ndarray, on_device: bool = False) -> np.ndarray:
+        """Draft logits (host float32 (n, n_vocab); on_device: in the backend's array module) from ``mtp_hidden``'s
+        rows."""
         m = self.mtp
-        return self.backend.to_host(self.backend.matmul(x, m["head"] if m["head"] is not None else self.output))
+        logits = self.backend.matmul(x, m["head"] if m["head"] is not None else self.output)
+        return logits if on_device else self.backend.to_host(logits)
 
 
 def _f32(name: str, a: np.ndarray) -> WeightTensor:

@@ -222,7 +222,10 @@ class TokenGuide:
 
     def apply(self, logits):
         """A copy of logits (numpy, or CuPy on the logits' device) with the disallowed tokens at -inf."""
-        mask = self.mask()
+        return self.apply_mask(logits, self.mask())
+
+    def apply_mask(self, logits, mask: np.ndarray):
+        """apply() with a given packed mask (one of ``draft_masks``)."""
         t0 = time.perf_counter()
         self.steps += 1
         if isinstance(logits, np.ndarray):
@@ -239,6 +242,27 @@ class TokenGuide:
         self.m.consume_token(int(token_id))
         if self.overlap and not self.m.is_stopped():
             self._next = _pool().submit(self._compute)
+
+    def draft_masks(self, drafts) -> list[np.ndarray]:
+        """The masks of a speculative verify's rows: the next token's (the state now), then for each draft in
+        turn that the grammar allows, the mask after it (the draft consumed); stops at the first draft it does
+        not allow (or once it is complete). Returns the masks: one more than the drafts consumed, which
+        ``rollback`` undoes (the drafts a verify rejects)."""
+        masks = [self.mask()]
+        for d in drafts:
+            d = int(d)
+            words = masks[-1].view(np.uint32)
+            if self.m.is_stopped() or self.m.is_error() or not 0 <= d < self.n_vocab \
+                    or not (int(words[d >> 5]) >> (d & 31)) & 1:
+                break
+            self.m.consume_token(d)
+            masks.append(self._compute())
+        return masks
+
+    def rollback(self, n: int) -> None:
+        """Undo the last n tokens consumed (rejected drafts)."""
+        if n > 0:
+            self.m.rollback(int(n))
 
     @property
     def done(self) -> bool:

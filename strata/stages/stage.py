@@ -117,11 +117,14 @@ class Stage(StageBase):
 
     @property
     def speculates(self) -> str | None:
-        """None on a CPU stage run by the model's own forward; the reason otherwise (the device's verify keeps
-        no per-position states yet)."""
-        if self.backend.xp is not np or not isinstance(self.runner, ModelRunner):
-            return f"stage {self.index} runs on {self.device}: speculative decoding runs on CPU stages only for now"
-        return None
+        """None on a CPU stage run by the model's own forward and on a GPU stage whose plan keeps a verify's
+        per-position states on the device (``keeps_states``: the hybrid's CUDA plan); the reason otherwise."""
+        if self.backend.xp is np and isinstance(self.runner, ModelRunner):
+            return None
+        if getattr(self.runner, "keeps_states", False):
+            return None
+        return (f"stage {self.index} runs on {self.device} through {type(self.runner).__name__}, whose verify "
+                "keeps no per-position states")
 
     def forward(self, tokens: np.ndarray, sid: int, x_in=None, all_logits: bool = False, on_device: bool = False,
                 hidden: bool = False):

@@ -221,6 +221,11 @@ class Qwen35Cuda(DecodePlan):
         self.tier = tier if tier is not None and tier.store.layers[0] in self.moe else None
         # the running state of the carve's GDN layers (a stage's state.running holds those only)
         self.resident = ResidentState(model.new_running_state(Carve(self.lo, self.hi)))
+        # a verify's kept states: per GDN layer two device pointers (conv, ssm) that the short read's keep launches
+        # read: the armed sequence's kept slots (state.steps, owned by its memory), or 0 (nothing kept)
+        self.keep_index = {li: k for k, li in enumerate(sorted(self.resident.buf))}
+        self.d["keep"] = cp.zeros(max(1, 2 * len(self.keep_index)), cp.uint64)
+        self._keep_set: tuple = ()                         # what d['keep'] holds now
 
     @staticmethod
     def unsupported(model, lo: int = 0, hi: int | None = None) -> str | None:
@@ -366,17 +371,68 @@ class Qwen35Cuda(DecodePlan):
         c = self.c
         P = c["proj"].shape[1]
         b_off = conv_dim + vdim
+        # where a verify keeps each row's window and state: the pointers at d['keep'] (0: nothing kept)
+        kt = self.d["keep"].data.ptr + 16 * self.keep_index[li]
+        keep_conv, keep_ssm = (ffi().cast("float *const *", kt + 8 * i) for i in range(2))
         # the rows one after the other inside each launch (the conv window and the ssm state advance per token)
-        check(lb.strata_q35_conv_rows(s, self._col("proj", 0), P, ptr(L.conv), ptr(buf["conv"]), self._col("y", 0),
-                                      conv_dim, n, conv_dim, m.d_conv), "strata_q35_conv_rows")
-        check(lb.strata_q35_gdn_steps(s, self._col("y", 0), conv_dim, self._col("proj", 0), P, ptr(L.a), ptr(L.dt),
-                                      ptr(buf["ssm"]), self._col("ov", 0), vdim, n, nv, nk, dk, dv, int(bool(m.tiled)),
-                                      b_off, b_off + nv, int(L.w_ba is not None), float(1.0 / dk ** 0.5), L2_EPS),
-              "strata_q35_gdn_steps")
+        check(lb.strata_q35_conv_rows_keep(s, self._col("proj", 0), P, ptr(L.conv), ptr(buf["conv"]),
+                                           self._col("y", 0), conv_dim, n, conv_dim, m.d_conv, keep_conv,
+                                           int(buf["conv"].size)), "strata_q35_conv_rows_keep")
+        check(lb.strata_q35_gdn_steps_keep(s, self._col("y", 0), conv_dim, self._col("proj", 0), P, ptr(L.a),
+                                           ptr(L.dt), ptr(buf["ssm"]), self._col("ov", 0), vdim, n, nv, nk, dk, dv,
+                                           int(bool(m.tiled)), b_off, b_off + nv, int(L.w_ba is not None),
+                                           float(1.0 / dk ** 0.5), L2_EPS, keep_ssm, int(buf["ssm"].size)),
+              "strata_q35_gdn_steps_keep")
         check(lb.strata_q35_gated_norm_rows(s, self._col("ov", 0), vdim, addr(c["proj"].data.ptr + 4 * conv_dim), P,
                                             ptr(L.ssm_norm), self._col("vn", 0), vdim, self._col_q("vq", 0),
                                             self.cstride["vq"], n, nv, dv, self.eps), "strata_q35_gated_norm_rows")
         self._cols_mv(s, [(L.ssm_out, 0, E)], "o", "vn", "vq", vdim, n)
+
+    def _kept_slots(self, state) -> dict | None:
+        """`state`'s kept slots (state.steps.layers: layer -> {"conv", "ssm"} CuPy f32 (k, ...) of this device),
+        checked against the plan's running-state buffers; None when it keeps nothing. ValueError for slots the
+        launches cannot write."""
+        steps = state.steps
+        if steps is None or not self.keep_index:
+            return None
+        cp = self.cp
+        dev = self.model.backend.device_id
+        for li, parts in self.resident.buf.items():
+            for k, b in parts.items():
+                a = steps.layers.get(li, {}).get(k)
+                if not isinstance(a, cp.ndarray) or a.dtype != np.float32 or tuple(a.shape[1:]) != tuple(b.shape) \
+                        or a.shape[0] < steps.n or not a.flags.c_contiguous or a.device.id != dev:
+                    have = "missing" if a is None else f"{type(a).__name__} {getattr(a, 'dtype', '?')} " \
+                                                       f"{tuple(getattr(a, 'shape', ()))}"
+                    raise ValueError(f"kept state {li}/{k} is {have}; the plan writes CuPy float32 "
+                                     f"({steps.n},) + {tuple(b.shape)} on device {dev}")
+        return steps.layers
+
+    def _check_keep(self, state, n: int) -> None:
+        super()._check_keep(state, n)
+        self._kept_slots(state)
+
+    def _keep_table(self, state) -> None:
+        """d['keep'] = the kept slots' addresses of an armed sequence (conv, ssm per GDN layer), else zeros; copied
+        only when they change (on the current stream, before the launches read them)."""
+        slots = self._kept_slots(state)
+        want = () if slots is None else tuple(slots[li][k].data.ptr for li in sorted(self.keep_index)
+                                              for k in ("conv", "ssm"))
+        if want == self._keep_set:
+            return
+        tab = np.zeros(self.d["keep"].size, np.uint64)
+        tab[:len(want)] = want
+        self.d["keep"].set(tab, stream=self.cp.cuda.get_current_stream())
+        self._keep_set = want
+
+    def _keep_steps(self, state, i: int) -> None:
+        """The running state after a short read's step i into its kept slot (device copies)."""
+        slots = self._kept_slots(state)
+        if slots is None:
+            return
+        for li, parts in self.resident.buf.items():
+            for k in parts:
+                slots[li][k][i] = state.running[li][k]
 
     def _cols_attn(self, s, n: int, li: int, L, rows: tuple) -> None:
         """_attn over n columns, row i's attention with the split of its own decode step (rows[i]): the prologue
@@ -398,7 +454,7 @@ class Qwen35Cuda(DecodePlan):
               "strata_q35_out_gate_rows")
         self._cols_mv(s, [(L.wo, 0, E)], "o", "an", "aq", nq, n)
 
-    def prefill(self, tokens, state, all_logits: bool = False, x_in=None):
+    def prefill(self, tokens, state, all_logits: bool = False, x_in=None, hidden: bool = False):
         """Qwen3NextModel.forward(tokens, state, all_logits) for n >= 1 tokens on the current stream -> host f32
         logits (n_vocab,) of the last token, or (n, n_vocab) with all_logits. Same errors (ValueError for an empty
         batch, a bad token, a foreign pool, a KV length mismatch or a running-state layout the plan cannot use;
@@ -417,7 +473,8 @@ class Qwen35Cuda(DecodePlan):
 
         A carve: a stage after the first starts from x_in (CuPy f32 (n, n_embd) on the plan's device) instead of the
         embedding rows (the tokens are counted and recorded all the same); a stage before the last returns its hidden
-        states, a CuPy f32 (n, n_embd) array of its own (all_logits unused)."""
+        states, a CuPy f32 (n, n_embd) array of its own (all_logits unused). hidden (the last stage): (logits, the
+        final-normed rows, CuPy f32 (n, n_embd)), for the MTP drafter."""
         cp, m, pf = self.cp, self.model, self.pf
         toks, x = self._prefill_begin(tokens, state, x_in)
         n = int(toks.shape[0])
@@ -437,7 +494,7 @@ class Qwen35Cuda(DecodePlan):
                 moe.prefill(self, s, self.moe[li], x, L.post_norm, hE)
             else:
                 self._prefill_ffn(s, x, L.post_norm, self.w_gu[li], L.ffn.dense[2], hE, gu, act16)
-        return self._prefill_end(x, toks, state, all_logits)
+        return self._prefill_end(x, toks, state, all_logits, hidden)
 
     def _gdn_prefill(self, s, li: int, L, hE, x, n: int, run) -> None:
         """GDN layer li over n rows: x += ssm_out(gated_norm(delta_rule(prep(conv(W_in hE))), z))."""
@@ -511,6 +568,7 @@ class Qwen35GraphModel(PlanModel):
     not take run on the model itself."""
 
     plan_class = Qwen35Cuda
+    keeps_states = True     # a verify (short read) keeps each row's running state on the device (Memory.keep)
 
     @staticmethod
     def prefill_enabled() -> bool:

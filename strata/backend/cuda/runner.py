@@ -43,18 +43,20 @@ def hidden_input(x_in, n: int, n_embd: int, first: bool, device_id: int):
     return x_in.reshape(n, n_embd)
 
 
-def prefill_logits(model, x, all_logits: bool, eps: float) -> np.ndarray:
+def prefill_logits(model, x, all_logits: bool, eps: float, hidden: bool = False):
     """A prefill plan's last step: the final RMSNorm (model.out_norm) of the last row of x, or of every row with
     all_logits, and the output projection (model.output, through the backend's matmul) -> host f32 (n_vocab,) or
-    (n, n_vocab). x: CuPy f32 (n, n_embd), the residual stream after the last layer."""
+    (n, n_vocab); with hidden, (those logits, the final-normed rows of every row, CuPy f32 (n, n_embd)). x: CuPy
+    f32 (n, n_embd), the residual stream after the last layer."""
     import cupy as cp
-    rows = x if all_logits else x[x.shape[0] - 1:]
+    rows = x if all_logits or hidden else x[x.shape[0] - 1:]
     hn = cp.empty(rows.shape, cp.float32)
     NULL = ffi().NULL
     check(lib().strata_rms_norm_ex(stream_ptr(), ptr(rows), NULL, ptr(model.out_norm), ptr(hn), NULL, NULL, NULL,
                                    rows.shape[0], rows.shape[1], float(eps)), "rms_norm")
-    out = cp.asnumpy(model.backend.matmul(hn, model.output))
-    return out if all_logits else out[0]
+    out = cp.asnumpy(model.backend.matmul(hn if all_logits else hn[hn.shape[0] - 1:], model.output))
+    out = out if all_logits else out[0]
+    return (out, hn) if hidden else out
 
 
 def token_id(t, n_vocab: int) -> int:
@@ -345,7 +347,7 @@ class DecodePlan:
         self.c = c = {"inp": cp.zeros(3 * C, cp.int32)}
         self.cstride: dict[str, int] = {}
         for name, a in self.d.items():
-            if name in ("inp", "hcnt"):
+            if name in ("inp", "hcnt", "keep"):
                 continue
             if a.dtype == cp.uint8:            # a q8_1 buffer of n values: n + n / 4 bytes
                 nb = int(lib().strata_q8_col_bytes(a.size * 4 // 5))
@@ -527,14 +529,18 @@ class DecodePlan:
         self.graphs[key] = g              # (re)inserted last: the dict's order is the use order
         g.launch(self.stream)
 
-    def short_read(self, tokens, state, all_logits: bool = False, x_in=None):
+    def short_read(self, tokens, state, all_logits: bool = False, x_in=None, hidden: bool = False):
         """model.forward(tokens, state, all_logits) for 1..SHORT_READ_COLS tokens as the decode step over that many
         columns (``short_form``; None: decode steps one token at a time): row i's logits, K/V and running state
         are bit for bit those of decoding token i after rows 0..i-1. Same errors as the prefill (ValueError for an
         empty or too long batch, a bad token, a foreign pool, a KV length mismatch, the family's own; KVCacheFull
         from kv.reserve; each changing nothing) and bookkeeping. Returns host f32 logits (n_vocab,) of the last
         token or (n, n_vocab) with all_logits; a stage before the last its hidden states, a CuPy f32 (n, n_embd)
-        array of its own. A stage after the first starts from x_in (CuPy f32 (n, n_embd))."""
+        array of its own. A stage after the first starts from x_in (CuPy f32 (n, n_embd)). hidden (the last
+        stage): (those logits, the final-normed rows, CuPy f32 (n, n_embd) of its own).
+
+        A sequence armed by Memory.keep (``state.steps``: a speculative verify) also gets the running state after
+        each row written into its kept slots (``_keep_table``), on the device, in the same launches."""
         cp = self.cp
         toks = np.asarray(tokens, dtype=np.int64).reshape(-1)
         n = int(toks.shape[0])
@@ -546,10 +552,11 @@ class DecodePlan:
         check_sequence(self.pool, state)
         self._check_state(state)
         kv = state.kv
+        self._check_keep(state, n)
         kv.reserve(n)                                         # KVCacheFull here changes nothing
         form = self._form()
         if form is None:
-            return self._short_by_steps(toks, state, all_logits, x)
+            return self._short_by_steps(toks, state, all_logits, x, hidden)
         self._attach(state)
         c = self._short_buffers()
         C, p0 = settings.SHORT_READ_COLS, int(state.pos)
@@ -563,16 +570,36 @@ class DecodePlan:
             c["inp"].set(inp, stream=self.stream)
             if x is not None:
                 c["x"][:n] = x
+            self._keep_table(state)
             self._launch_short(form, n, p0, all_logits)
             if self.last:
                 out = c["logits"][:n] if all_logits else c["logits"][n - 1]
                 res = cp.asnumpy(out, stream=self.stream)
+                if hidden:
+                    res = (res, c["hn"][:n].copy())
             else:
                 res = c["x"][:n].copy()
         cp.cuda.get_current_stream().wait_event(self.stream.record())
         kv.commit(n)
         state.advance(toks)
         return res
+
+    # ---- a speculative verify's kept states (Memory.keep arms state.steps)
+    def _check_keep(self, state, n: int) -> None:
+        """ValueError (changing nothing) when `state` is armed to keep its states (``state.steps``) at another
+        position or for fewer than n tokens."""
+        steps = state.steps
+        if steps is not None and (steps.base != state.pos or steps.n < n):
+            raise ValueError(f"the kept states are armed for {steps.n} tokens at {steps.base}, the read takes {n} "
+                             f"at {state.pos}")
+
+    def _keep_table(self, state) -> None:
+        """Point the short read's keep launches at `state`'s kept slots (state.steps), or at none (enqueued on the
+        current stream, before the launches that read it). A family with running state overrides it."""
+
+    def _keep_steps(self, state, i: int) -> None:
+        """After decode step i of a short read by steps: the running state into `state`'s kept slot i (a family with
+        running state overrides it)."""
 
     def _form(self) -> str | None:
         """short_form(), asked once per plan: the form follows from the model's weights, the cache type and the
@@ -621,17 +648,23 @@ class DecodePlan:
         self.short_crossover = cross
         return cross
 
-    def _short_by_steps(self, toks, state, all_logits: bool, x):
-        """short_read without a column form: one decode step per token (the pages already reserved)."""
+    def _short_by_steps(self, toks, state, all_logits: bool, x, hidden: bool = False):
+        """short_read without a column form: one decode step per token (the pages already reserved; an armed
+        sequence's running state copied into its kept slot after each)."""
         cp, n = self.cp, int(toks.shape[0])
-        outs = []
+        outs, hs = [], []
         for i in range(n):
             out = self.decode_device(int(toks[i]), state, None if x is None else x[i:i + 1])
             if not self.last or all_logits or i == n - 1:
                 outs.append(out.copy())
+            if hidden and self.last:
+                hs.append(self.d["hn"][0].copy())
+            if state.steps is not None:
+                self._keep_steps(state, i)
         if not self.last:
             return cp.concatenate(outs)
-        return cp.asnumpy(cp.stack(outs)) if all_logits else cp.asnumpy(outs[-1])
+        res = cp.asnumpy(cp.stack(outs)) if all_logits else cp.asnumpy(outs[-1])
+        return (res, cp.stack(hs)) if hidden else res
 
     # ---- prefill
     def takes_prefill(self, n: int) -> bool:
@@ -687,10 +720,11 @@ class DecodePlan:
         check(lib().strata_swiglu_gu(s, ptr(gu), n, F, NULL, ptr(act16), NULL), "swiglu")
         pf.gemm(act16, w_down, x, True)
 
-    def _prefill_end(self, x, toks, state, all_logits: bool):
-        """The prefill's result (host logits on the last stage, else a copy of the hidden states: x is scratch) and
-        the sequence's bookkeeping (pages committed, tokens recorded)."""
-        out = prefill_logits(self.model, x, all_logits, self.eps) if self.last else x.copy()
+    def _prefill_end(self, x, toks, state, all_logits: bool, hidden: bool = False):
+        """The prefill's result (host logits on the last stage, with hidden (logits, the final-normed rows); else a
+        copy of the hidden states: x is scratch) and the sequence's bookkeeping (pages committed, tokens
+        recorded)."""
+        out = prefill_logits(self.model, x, all_logits, self.eps, hidden) if self.last else x.copy()
         state.kv.commit(int(toks.shape[0]))
         state.advance(toks)
         return out
@@ -748,22 +782,37 @@ class PlanModel:
     def _on_plan(self, state) -> bool:
         return state.kv is not None and isinstance(state.kv.pool, CudaPagePool)
 
-    def forward(self, tokens, state, all_logits: bool = False, x_in=None):
+    def forward(self, tokens, state, all_logits: bool = False, x_in=None, hidden: bool = False):
         """The model's forward (same arguments, result and errors), on the backend's device in any thread: one token
         (without all_logits) through the plan's decode step, 2 tokens up to the plan's crossover through its short
         read (DecodePlan.takes_short_read) where the plan mirrors its step over columns (short_form), a longer
         forward through its prefill where the plan takes it, everything else the model's own forward
-        (generic_forward)."""
+        (generic_forward).
+
+        A read that wants every row's logits or keeps every row's state (a speculative verify: all_logits, or
+        ``state.steps`` armed by Memory.keep) of at most SHORT_READ_COLS tokens always takes the short read, whose
+        rows are bit for bit decode steps (so ``--spec N`` emits what ``--spec 0`` does). hidden (the last stage):
+        (logits, the final-normed hidden states of every row, CuPy f32 (n, n_embd)), for the MTP drafter."""
         toks = np.asarray(tokens).reshape(-1)
+        n = int(toks.shape[0])
         with self.model.backend.device:
             if self._on_plan(state):
                 plan = self.plan(state.kv.pool)
-                if toks.shape[0] == 1 and not all_logits:
+                verify = (all_logits or state.steps is not None) and n <= settings.SHORT_READ_COLS
+                if n == 1 and not verify:
+                    if hidden and plan.last:
+                        logits = plan.decode(token_id(toks[0], self.model.config.n_vocab), state, x_in)
+                        return logits, plan.d["hn"][:1].copy()
                     return plan.decode(token_id(toks[0], self.model.config.n_vocab), state, x_in)
-                if plan.takes_short_read(int(toks.shape[0])):
-                    return plan.short_read(tokens, state, all_logits, x_in)
-                if toks.shape[0] > 1 and self.prefill and plan.takes_prefill(int(toks.shape[0])):
+                if verify or plan.takes_short_read(n):
+                    return plan.short_read(tokens, state, all_logits, x_in, hidden=hidden and plan.last)
+                if n > 1 and self.prefill and plan.takes_prefill(n):
+                    if hidden and plan.last:
+                        return plan.prefill(tokens, state, all_logits, x_in, hidden=True)
                     return plan.prefill(tokens, state, all_logits, x_in)
+            if hidden and self.model.ends_with_head(self.hi):
+                return self.model.forward_carve(tokens, state, self.lo, self.hi, x_in=x_in, all_logits=all_logits,
+                                                hidden=True)
             return self.generic_forward(tokens, state, all_logits, x_in)
 
     def measure_short_read(self, state) -> int | None:
