@@ -4,14 +4,19 @@ column bit-identical to the decode step it mirrors), one page table per column, 
 column of the hybrid; one CUDA graph per batch size and rows' context-size classes (``BatchStep``)."""
 from __future__ import annotations
 
+import inspect
 from typing import Any, Sequence
 
 import numpy as np
 
+from strata.backend import gdn
 from strata.backend.cuda import settings
 from strata.backend.cuda.library import addr, check, lib, ptr, stream_ptr
 from strata.backend.cuda.pages import check_sequence
-from strata.backend.cuda.runner import hidden_input
+from strata.backend.cuda.weights import glu_pointers
+
+#: the q/k L2 norm's eps of the hybrid's GDN step (gdn.l2_norm's, as the decode step passes it)
+L2_EPS = float(inspect.signature(gdn.l2_norm).parameters["eps"].default)
 
 #: captured batched-step graphs kept per plan (least recently used dropped): a few batch sizes x the rows' classes
 BATCH_GRAPHS = 64
@@ -69,11 +74,10 @@ class BatchStep:
         homes = [next((k for k, r in enumerate(self.sets) if r.is_resident(st)), None) for st in states]
         busy = [r.owner() is not None and r.is_resident(r.owner()) for r in self.sets]
         which = assign_sets(homes, busy)
-        from strata.backend.cuda.qwen35 import ResidentState
         from strata.memory import Carve
         plan = self.plan
-        while len(self.sets) <= max(which):
-            self.sets.append(ResidentState(plan.model.new_running_state(Carve(plan.lo, plan.hi))))
+        while len(self.sets) <= max(which):      # another set like the plan's own (ResidentState)
+            self.sets.append(type(plan.resident)(plan.model.new_running_state(Carve(plan.lo, plan.hi))))
         for k, st in zip(which, states):
             self.sets[k].attach(st)
         return tuple(which)
@@ -139,9 +143,8 @@ class BatchStep:
         g.launch(plan.stream)
 
     def _enqueue(self, form: str, n: int, rows: tuple, sets: tuple) -> None:
-        from strata.backend.cuda.qwen35 import Qwen35Cuda
         tables = (self.tables.data.ptr, self.pts)
-        if isinstance(self.plan, Qwen35Cuda):
+        if getattr(self.plan, "resident", None) is not None:       # the hybrid (Qwen35Cuda)
             enqueue_hybrid(self.plan, n, rows, tables, [self.sets[k] for k in sets])
         else:
             self.plan._enqueue_short(form, n, rows, True, tables=tables)
@@ -152,7 +155,6 @@ def enqueue_hybrid(plan, n: int, rows: tuple, tables: tuple[int, int], sets: lis
     and attention through the column / rows launchers as the short read runs them (Qwen35Cuda._enqueue_short), but
     the conv and the delta-rule step of each column launched on its own set's running state with the decode step's
     own kernels, and RoPE, the K/V write and attention through each column's page table."""
-    from strata.backend.cuda.weights import glu_pointers
     m = plan.model
     s = stream_ptr()
     plan._cols_embed(s, n)
@@ -175,7 +177,6 @@ def _cols_gdn(plan, s, n: int, li: int, L, sets: list) -> None:
     """A GDN layer over n columns of n sequences: the fused in-projection over the columns, strata_q35_conv and
     strata_q35_gdn_step per column on its set's buffers (the decode step's launches), the gated norm over the
     columns, ssm_out over the columns."""
-    from strata.backend.cuda.qwen35 import L2_EPS
     lb, m, c = lib(), plan.model, plan.c
     E = plan.n_embd
     conv_dim, vdim, nv, nk, dk, dv = m.conv_dim, m.value_dim, m.nv, m.nk, m.dk, m.dv
@@ -214,12 +215,13 @@ def _cols_attn(plan, s, n: int, li: int, L, rows: tuple, tables: tuple[int, int]
     plan._cols_mv(s, [(L.wo, 0, E)], "o", "an", "aq", nq, n)
 
 
-def forward_batch(pm, tokens, states, x_in=None):
+def forward_batch(pm, tokens, states, x=None):
     """PlanModel.forward_batch: Model.forward_batch's contract (one token per distinct sequence -> host f32 logits
-    (N, n_vocab), or a stage's hidden states, CuPy f32 (N, n_embd)). Sequences on the plan's pool whose plan has a
-    column form go through BatchStep, SHORT_READ_COLS rows at a time; otherwise each sequence takes its lone decode
-    step (PlanModel.forward). ValueError, changing nothing, for a count mismatch, a repeated sequence, a bad token
-    or what a lone step refuses."""
+    (N, n_vocab), or a stage's hidden states, CuPy f32 (N, n_embd)); x: a later stage's input, already checked
+    (runner.hidden_input). Sequences on the plan's pool whose plan has a column form go through BatchStep,
+    SHORT_READ_COLS rows at a time; otherwise each sequence takes its lone decode step (PlanModel.forward).
+    ValueError, changing nothing, for a count mismatch, a repeated sequence, a bad token or what a lone step
+    refuses."""
     m = pm.model
     toks = np.asarray(tokens, dtype=np.int64).reshape(-1)
     n = int(toks.shape[0])
@@ -234,8 +236,6 @@ def forward_batch(pm, tokens, states, x_in=None):
     toks = toks.astype(np.int32)
     cp = m.backend.cp
     with m.backend.device:
-        first = pm.lo == 0
-        x = hidden_input(x_in, n, m.config.n_embd, first, m.backend.device_id)
         pools = {id(st.kv.pool) for st in states if st.kv is not None}
         plan = pm.plan(states[0].kv.pool) if len(pools) == 1 and all(pm._on_plan(st) for st in states) else None
         if plan is not None and plan._form() is not None:

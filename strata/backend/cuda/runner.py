@@ -789,7 +789,10 @@ class PlanModel:
         """One decode step of several sequences (Model.forward_batch's contract) through the plan's decode step over
         columns (strata/backend/cuda/batch.py), lone decode steps where the plan has no column form."""
         from strata.backend.cuda.batch import forward_batch
-        return forward_batch(self, tokens, states, x_in)
+        m = self.model
+        with m.backend.device:
+            x = hidden_input(x_in, len(states), m.config.n_embd, self.lo == 0, m.backend.device_id)
+        return forward_batch(self, tokens, states, x)
 
     def measure_short_read(self, state) -> int | None:
         """The plan's crossover between the short read and the prefill, measured on `state` (left as it was) and
