@@ -219,7 +219,8 @@ def forward_batch(pm, tokens, states, x=None):
     """PlanModel.forward_batch: Model.forward_batch's contract (one token per distinct sequence -> host f32 logits
     (N, n_vocab), or a stage's hidden states, CuPy f32 (N, n_embd)); x: a later stage's input, already checked
     (runner.hidden_input). Sequences on the plan's pool whose plan has a column form go through BatchStep,
-    SHORT_READ_COLS rows at a time; otherwise each sequence takes its lone decode step (PlanModel.forward).
+    SHORT_READ_COLS rows at a time; a lone row, or every row where the plan has no column form, takes its lone
+    decode step (PlanModel.forward).
     ValueError, changing nothing, for a count mismatch, a repeated sequence, a bad token or what a lone step
     refuses."""
     m = pm.model
@@ -238,13 +239,14 @@ def forward_batch(pm, tokens, states, x=None):
     with m.backend.device:
         pools = {id(st.kv.pool) for st in states if st.kv is not None}
         plan = pm.plan(states[0].kv.pool) if len(pools) == 1 and all(pm._on_plan(st) for st in states) else None
-        if plan is not None and plan._form() is not None:
-            step, C = BatchStep.of(plan), settings.SHORT_READ_COLS
-            outs = [step.run(toks[i:i + C], states[i:i + C], None if x is None else x[i:i + C])
-                    for i in range(0, n, C)]
-        else:
-            outs = [pm.forward(toks[i:i + 1], st, x_in=None if x is None else x[i:i + 1]) for i, st in enumerate(states)]
-            outs = [o.reshape(1, -1) for o in outs]
+        C = settings.SHORT_READ_COLS if plan is not None and plan._form() is not None else 1
+        outs = []
+        for i in range(0, n, C):
+            xi = None if x is None else x[i:i + C]
+            if min(C, n - i) > 1:
+                outs.append(BatchStep.of(plan).run(toks[i:i + C], states[i:i + C], xi))
+            else:                   # one row: the lone decode step itself (its fused graph is the faster form)
+                outs.append(pm.forward(toks[i:i + 1], states[i], x_in=xi).reshape(1, -1))
         if not pm.model.ends_with_head(pm.hi):
             return cp.concatenate([cp.asarray(o) for o in outs], axis=0)
         return np.concatenate([np.asarray(o) for o in outs], axis=0)
