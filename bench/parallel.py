@@ -4,9 +4,9 @@ reference, measured in the same run on the same sequences), on CUDA or the CPU.
 
 For each model and N in --ns: N sequences over one stage, each first reads a prompt of its own length (--depth +
 16 i tokens: every row at its own position; the default depth keeps every row inside one context-size class, 513 ..
-1024 positions, for the whole run, so the timed rounds replay graphs and never capture one), then --steps rounds of a) the batched step of all N (random tokens) and
-b) the N lone steps, alternating, best of --reps each; aggregate tok/s = N * steps / seconds, host logits of every
-row included. "ratio" = batched tok/s over lone tok/s. Compute level: no sampling, no scheduling.
+1024 positions, for the whole run, so the timed rounds replay graphs and never capture one), then --steps rounds of
+a) the batched step of all N (random tokens) and b) the N lone steps, alternating, best of --reps each; aggregate
+tok/s = N * steps / seconds, host logits of every row included. "ratio" = batched tok/s over lone tok/s. Compute level: no sampling, no scheduling.
 
 Models: 'default' (the default model), 'syn_smol' (a synthetic llama of the default model's shape, Q4_1: the default
 model's compute where its file is not at hand), 'syn_llama_1_7b' and 'syn_hybrid_1_5b' (bench/gpu_throughput.py's

@@ -90,3 +90,9 @@ def test_batch_refusals_change_nothing(default_model_path):
         with pytest.raises(ValueError, match=what):
             decode_batch(seqs, toks)
     assert a.pos == 3 and a.positions() == [3] and a.hashes() == h
+
+
+@pytest.mark.parametrize("arch", ["qwen35moe", "qwen3next"])
+def test_moe_hybrid_batch_rows_bit_identical(synthetic, arch):
+    """MoE FFN layers (routed experts, shared expert): the FFN row by row, the rest batched."""
+    _check(_stages(synthetic(arch, seed=21), None), 4, seed=90)

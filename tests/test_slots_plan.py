@@ -131,3 +131,26 @@ def test_plan_step_refuses():
         plan_step([SlotWork(0)], 0)
     with pytest.raises(ValueError, match="repeat"):
         plan_step([SlotWork(0), SlotWork(0)], 8)
+
+
+@settings(max_examples=2000, deadline=None)
+@given(hs.data())
+def test_assign_sets_keeps_homes_and_never_shares(data):
+    """The CUDA batched step's running-state sets (strata/backend/cuda/batch.assign_sets, pure): a row resident in
+    a set keeps it, rows get distinct sets, a new row takes an idle set before a busy one and new sets last."""
+    from strata.backend.cuda.batch import assign_sets
+    busy = data.draw(hs.lists(hs.booleans(), max_size=8))
+    n = data.draw(hs.integers(1, 10))
+    homes_pool = data.draw(hs.permutations(list(range(len(busy))))) if busy else []
+    homes = [homes_pool[i] if i < len(homes_pool) and data.draw(hs.booleans()) else None for i in range(n)]
+    got = assign_sets(homes, busy)
+    assert len(got) == n and len(set(got)) == n
+    assert all(g == h for g, h in zip(got, homes) if h is not None)
+    taken = {h for h in homes if h is not None}
+    free = [k for k in range(len(busy)) if k not in taken]
+    new = [g for g, h in zip(got, homes) if h is None]
+    used_old = [g for g in new if g < len(busy)]
+    assert all(g in free for g in used_old)
+    order = sorted(free, key=lambda k: (busy[k], k))            # idle first, then by index
+    assert used_old == order[:len(used_old)]
+    assert [g for g in new if g >= len(busy)] == list(range(len(busy), len(busy) + len(new) - len(used_old)))
