@@ -96,3 +96,17 @@ def test_batch_refusals_change_nothing(default_model_path):
 def test_moe_hybrid_batch_rows_bit_identical(synthetic, arch):
     """MoE FFN layers (routed experts, shared expert): the FFN row by row, the rest batched."""
     _check(_stages(synthetic(arch, seed=21), None), 4, seed=90)
+
+
+def test_batch_pool_full_changes_nothing(default_model_path):
+    """A pool that cannot hold one more token for every sequence: KVCacheFull, every position and state as before."""
+    from strata.memory import KVCacheFull
+    stages = build_stages(open_gguf(default_model_path), ["cpu"], None, n_ctx=256, pool_ctx=512)
+    a, b = Sequence(stages), Sequence(stages)
+    a.forward(np.arange(256, dtype=np.int32))
+    b.forward(np.arange(200, dtype=np.int32))
+    h = (a.hashes(), b.hashes())
+    with pytest.raises(KVCacheFull):
+        decode_batch([b, a], [1, 2])
+    assert (a.pos, b.pos) == (256, 200) and (a.positions(), b.positions()) == ([256], [200])
+    assert (a.hashes(), b.hashes()) == h
