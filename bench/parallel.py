@@ -130,17 +130,17 @@ def main(argv=None) -> int:
     else:
         from strata.backend import quant
         out["threads"], out["cpu_path"] = quant.get_threads(), quant.cpu_path()
+    tag = "cpu" if device == "cpu" else out["gpu"].replace(" ", "_")
+    dest = Path(a.out) if a.out else ROOT / "bench" / "results" / f"parallel_step_{tag}_{out['commit']}.json"
+    dest.parent.mkdir(parents=True, exist_ok=True)
     for name in a.models.split(","):
         path = model_path(name, Path(a.dir))
         print(f"{name} ({path}) on {device}", flush=True)
         out["models"][name] = bench_model(path, device, ns, a.steps, a.reps, a.depth)
+        dest.write_text(json.dumps(out, indent=1))          # after each model: a run cut short keeps what it measured
         if device != "cpu":
             import cupy
             cupy.get_default_memory_pool().free_all_blocks()
-    tag = "cpu" if device == "cpu" else out["gpu"].replace(" ", "_")
-    dest = Path(a.out) if a.out else ROOT / "bench" / "results" / f"parallel_step_{tag}_{out['commit']}.json"
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    dest.write_text(json.dumps(out, indent=1))
     print(f"wrote {dest}")
     return 0
 
