@@ -164,9 +164,9 @@ class Stage(StageBase):
 
     def forward_batch(self, tokens: np.ndarray, sids: list[int], x_in=None):
         """StageBase.forward_batch through the runner's ``forward_batch`` (every weight read once for the N rows;
-        the CUDA plans: the decode step over N columns), the lone forwards where the runner has none."""
+        the CUDA plans: the decode step over N columns), the lone forwards where the runner has none or N is 1."""
         run = getattr(self.runner, "forward_batch", None)
-        if run is None:
+        if run is None or len(sids) == 1:         # one row: the lone forward itself
             return super().forward_batch(tokens, sids, x_in)
         if len(set(sids)) != len(sids):
             raise ValueError(f"a batched step reads each sequence at most once (got sequences {list(sids)})")
