@@ -160,6 +160,43 @@ class Model(ABC):
         (the residual stream, before the final norm; a backend array). Reserves, commits and advances `state`
         (this stage's sequence); ValueError / KVCacheFull change nothing."""
 
+    def forward_batch(self, tokens, states: list[SequenceState], lo: int, hi: int, x_in: Any = None) -> Any:
+        """One decode step of several sequences: token i read by ``states[i]`` (distinct sequences of this stage's
+        memory, each at its own position) through blocks [lo, hi) -> host float32 logits (N, n_vocab) when hi ends
+        with the head, else the hidden states (N, n_embd) (a backend array). Row i is bit-identical to
+        ``forward_carve([tokens[i]], states[i], lo, hi, x_in[i:i + 1])`` whatever the other rows are and whichever
+        row it sits in (batch-invariant). x_in: the previous stage's hidden states (N, n_embd) when lo > 0.
+
+        This default runs those lone steps one after the other; a family whose ops are exact per row (the CPU
+        backend's C core) overrides it to read every weight once for all rows. ValueError (changing nothing) for
+        what ``forward_carve`` refuses, a repeated sequence or a count mismatch; KVCacheFull from a reserve (pages
+        reserved for other rows stay reserved, which is harmless)."""
+        tokens = self._check_batch(tokens, states, lo, hi, x_in)
+        outs = [self.forward_carve(tokens[i:i + 1], st, lo, hi, None if x_in is None else x_in[i:i + 1])
+                for i, st in enumerate(states)]
+        if self.ends_with_head(hi):
+            return np.stack(outs)
+        return self.backend.xp.concatenate(outs, axis=0)
+
+    def _check_batch(self, tokens, states, lo: int, hi: int, x_in) -> np.ndarray:
+        """The checks of a batched step before anything is touched -> the token ids (int32 (N,)): one token per
+        sequence, distinct sequences, each as ``_check_carve`` checks it, none with kept states armed (a verify)."""
+        tokens = np.asarray(tokens, dtype=np.int32).reshape(-1)
+        n = int(tokens.shape[0])
+        if n == 0 or n != len(states):
+            raise ValueError(f"a batched step takes one token per sequence (got {n} tokens for {len(states)} "
+                             "sequences)")
+        if len({id(st) for st in states}) != n:
+            raise ValueError("a batched step reads each sequence at most once")
+        if lo > 0 and (x_in is None or tuple(x_in.shape) != (n, self.config.n_embd)):
+            raise ValueError(f"blocks {lo}..{hi} need the previous stage's hidden states ({n}, "
+                             f"{self.config.n_embd}), got {None if x_in is None else tuple(x_in.shape)}")
+        for i, st in enumerate(states):
+            if getattr(st, "steps", None) is not None:
+                raise ValueError("a batched step cannot read a sequence armed to keep per-token states (a verify)")
+            self._check_carve(tokens[i:i + 1], st, lo, hi, None if x_in is None else x_in[i:i + 1])
+        return tokens
+
     def _check_carve(self, tokens, state: SequenceState, lo: int, hi: int, x_in) -> np.ndarray:
         """The checks every forward_carve makes before touching anything -> the token ids (int32 (n,))."""
         tokens = np.asarray(tokens, dtype=np.int32).reshape(-1)

@@ -115,20 +115,60 @@ class LlamaModel(Model):
         """See Model.forward_carve. hidden (a carve ending with the head): return (logits, the final-normed hidden
         states of every row). Raises ValueError (changing nothing) for an empty batch, an out-of-vocab id or a bad
         carve, and KVCacheFull when the page pool cannot hold the new tokens."""
-        be, c = self.backend, self.config
+        be = self.backend
         tokens = self._check_carve(tokens, state, lo, hi, x_in)
         n = int(tokens.shape[0])
         kv = state.kv
         kv.reserve(n)
-        nh, nkv, hd = c.n_head, c.n_head_kv, c.head_dim
         positions = np.arange(state.pos, state.pos + n, dtype=np.int64)
+        x = be.embed(self.tok_embd, tokens) if lo == 0 else x_in
+        x = self._layers(x, positions, lo, hi, lambda q, k, v, il: be.attention(q, k, v, kv, il, self.scale))
+        if hidden and self.ends_with_head(hi):
+            h = be.rms_norm(x, self.out_norm, self.config.rms_eps)
+            logits = be.to_host(be.matmul(h if all_logits else h[-1:], self.output))
+            out = (logits if all_logits else logits[0]), h
+        else:
+            out = self.head(x, all_logits) if self.ends_with_head(hi) else x
+        kv.commit(n)
+        state.advance(tokens)
+        return out
+
+    def forward_batch(self, tokens, states: list[SequenceState], lo: int, hi: int, x_in=None):
+        """See Model.forward_batch. On the CPU backend every weight product runs over the N rows at once (the C
+        core's integer kernels reduce each row as they reduce one; F32 / F16 weights go row by row up to
+        quant.ROWWISE_MAX_TOKENS), RMSNorm, RoPE (each row at its own position) and SwiGLU per row, attention per
+        row over its own sequence's pages; other backends take the lone steps (Model.forward_batch)."""
+        be = self.backend
+        if be.xp is not np:
+            return super().forward_batch(tokens, states, lo, hi, x_in)
+        tokens = self._check_batch(tokens, states, lo, hi, x_in)
+        for st in states:
+            st.kv.reserve(1)
+        positions = np.asarray([st.pos for st in states], dtype=np.int64)
+
+        def attend(q, k, v, il):
+            return np.concatenate([be.attention(q[i:i + 1], k[i:i + 1], v[i:i + 1], st.kv, il, self.scale)
+                                   for i, st in enumerate(states)], axis=0)
+        x = be.embed(self.tok_embd, tokens) if lo == 0 else x_in
+        x = self._layers(x, positions, lo, hi, attend)
+        out = self.head(x, all_logits=True) if self.ends_with_head(hi) else x
+        for i, st in enumerate(states):
+            st.kv.commit(1)
+            st.advance(tokens[i:i + 1])
+        return out
+
+    def _layers(self, x, positions: np.ndarray, lo: int, hi: int, attend):
+        """Blocks [lo, hi) over the rows of x (n, n_embd), row r at positions[r]; attend(q, k, v, layer) writes the
+        rows' K/V and returns their attention (n, n_head, head_dim) -> the residual stream after block hi - 1."""
+        be, c = self.backend, self.config
+        n = int(x.shape[0])
+        nh, nkv, hd = c.n_head, c.n_head_kv, c.head_dim
         rope_kw = {}
         if self.rope_freqs is not None:
             rope_kw["freq_factors"] = self.rope_freqs
         if self.freq_scale != 1.0:
             rope_kw["freq_scale"] = self.freq_scale
         nq, nk = nh * hd, nkv * hd
-        x = be.embed(self.tok_embd, tokens) if lo == 0 else x_in
         fuse_rope = be.name == "cpu"
         for il in range(lo, hi):
             L = self.layers[il]
@@ -156,7 +196,7 @@ class LlamaModel(Model):
                     v = v + L.bv
                 q = be.rope(q.reshape(n, nh, hd), positions, self.n_rot, c.rope_theta, c.rope_neox, **rope_kw)
                 k = be.rope(k.reshape(n, nkv, hd), positions, self.n_rot, c.rope_theta, c.rope_neox, **rope_kw)
-            a = be.attention(q, k, v.reshape(n, nkv, hd), kv, il, self.scale)
+            a = attend(q, k, v.reshape(n, nkv, hd), il)
             x = x + be.matmul(a.reshape(n, nh * hd), L.wo)
             h = be.rms_norm(x, L.ffn_norm, self.eps)
             if L.w_gate_up is not None:
@@ -165,12 +205,4 @@ class LlamaModel(Model):
             else:
                 act = be.swiglu(be.matmul(h, L.w_gate), be.matmul(h, L.w_up))
             x = x + be.matmul(act, L.w_down)
-        if hidden and self.ends_with_head(hi):
-            h = be.rms_norm(x, self.out_norm, self.config.rms_eps)
-            logits = be.to_host(be.matmul(h if all_logits else h[-1:], self.output))
-            out = (logits if all_logits else logits[0]), h
-        else:
-            out = self.head(x, all_logits) if self.ends_with_head(hi) else x
-        kv.commit(n)
-        state.advance(tokens)
-        return out
+        return x

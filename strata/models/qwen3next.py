@@ -328,6 +328,16 @@ class Qwen3NextModel(Model):
             o = cuda_gdn_prefill.gated_norm(o, be.matmul(x, L.wz), L.ssm_norm, self.eps)
             return be.matmul(o.reshape(n, nv * dv), L.ssm_out)
         host = (lambda a: a) if dev else be.to_host
+        qkv, z, b, a = self._gdn_in(L, x, host)
+        o = self._gdn_mix(L, qkv, z, b, a, run, keep, step)
+        return be.matmul(o.reshape(n, nv * dv), L.ssm_out)
+
+    def _gdn_in(self, L: _Layer, x, host) -> tuple:
+        """A GDN layer's input products over the rows of x -> (qkv (n, conv_dim), z (n, n_v, d_v), beta logits
+        (n, n_v), alpha (n, n_v)), each through `host`."""
+        be = self.backend
+        n = x.shape[0]
+        nk, nv, dv, r = self.nk, self.nv, self.dv, self.r
         qkv = host(be.matmul(x, L.wqkv))
         z = host(be.matmul(x, L.wz)).reshape(n, nv, dv)
         if L.w_ba is not None:
@@ -335,7 +345,15 @@ class Qwen3NextModel(Model):
             b, a = ba[:, :, :r].reshape(n, nv), ba[:, :, r:].reshape(n, nv)
         else:
             b, a = host(be.matmul(x, L.w_beta)), host(be.matmul(x, L.w_alpha))
-        if dev:                                                          # gdn_mode "chunked" on the device
+        return qkv, z, b, a
+
+    def _gdn_mix(self, L: _Layer, qkv, z, b, a, run: dict, keep: dict | None, step: bool):
+        """A GDN layer past its input products, for the rows of one sequence: the causal conv (window in place), the
+        q/k L2 norms and gates, the delta rule on run["ssm"] (in place; keep: _gdn's), the gated RMSNorm -> o
+        (n, n_v, d_v), the ssm_out product's input."""
+        n = qkv.shape[0]
+        nk, nv, dk, dv = self.nk, self.nv, self.dk, self.dv
+        if self.on_device:                                               # gdn_mode "chunked" on the device
             from strata.backend.cuda import gdn as cuda_gdn
             y, _ = cuda_gdn.conv(qkv, L.conv, run["conv"])          # window updated in place
         else:
@@ -356,10 +374,23 @@ class Qwen3NextModel(Model):
             o, _ = gdn.delta_rule_recurrent(q, k, v, g, beta, run["ssm"], keep=None if keep is None else keep["ssm"])
         else:
             o, _ = gdn.delta_rule_chunked(q, k, v, g, beta, run["ssm"])
-        o = gdn.gated_rms_norm(o, L.ssm_norm, z, self.eps)
-        return be.matmul(o.reshape(n, nv * dv), L.ssm_out)
+        return gdn.gated_rms_norm(o, L.ssm_norm, z, self.eps)
 
-    def _attn(self, L: _Layer, x: np.ndarray, positions: np.ndarray, kv: PagedKV, layer: int) -> np.ndarray:
+    def _gdn_batch(self, L: _Layer, x: np.ndarray, runs: list[dict]) -> np.ndarray:
+        """One GDN layer for a batched step (CPU): row i is one token of the sequence whose running state is
+        runs[i]. The input and output products run over all rows; the rest (_gdn_mix) row by row on each row's own
+        state, with the shapes of a lone step, so row i's bits are those of that step."""
+        n = x.shape[0]
+        step = self.gdn_mode != "chunked"           # what a lone step of one token takes
+        qkv, z, b, a = self._gdn_in(L, x, self.backend.to_host)
+        o = np.concatenate([self._gdn_mix(L, qkv[i:i + 1], z[i:i + 1], b[i:i + 1], a[i:i + 1], run, None, True)
+                            .reshape(1, self.nv * self.dv) for i, run in enumerate(runs)], axis=0)
+        return self.backend.matmul(o.reshape(n, self.nv * self.dv), L.ssm_out)
+
+    def _attn(self, L: _Layer, x: np.ndarray, positions: np.ndarray, kv: PagedKV | None, layer: int,
+              attend=None) -> np.ndarray:
+        """A gated attention layer over the rows of x at `positions`; attend(q, k, v, layer) (default: attention
+        over kv) writes the rows' K/V and returns their attention (n, n_head, head_dim)."""
         be, c = self.backend, self.config
         n = x.shape[0]
         nh, nkv, hd = c.n_head, c.n_head_kv, c.head_dim
@@ -371,7 +402,10 @@ class Qwen3NextModel(Model):
         k = be.rms_norm(k, L.k_norm, self.eps)
         q = be.rope(q, positions, self.n_rot, c.rope_theta, True)
         k = be.rope(k, positions, self.n_rot, c.rope_theta, True)
-        o = be.attention(q, k, v, kv, layer, self.scale).reshape(n, nh * hd)
+        if attend is None:
+            o = be.attention(q, k, v, kv, layer, self.scale).reshape(n, nh * hd)
+        else:
+            o = attend(q, k, v, layer).reshape(n, nh * hd)
         o = o * gdn.sigmoid(gate.reshape(n, nh * hd))
         return be.matmul(o, L.wo)
 
@@ -422,6 +456,43 @@ class Qwen3NextModel(Model):
             kv.commit(n)
         state.advance(tokens)
         return x
+
+    def forward_batch(self, tokens, states: list[SequenceState], lo: int, hi: int, x_in=None):
+        """See Model.forward_batch. On the CPU backend the weight products run over the N rows at once (exact per
+        row, see LlamaModel.forward_batch); each row's attention reads its own sequence's pages, and each GDN layer
+        runs the conv and the delta rule of each row on its own sequence's running state (_gdn_batch); a MoE FFN
+        runs row by row. Other backends take the lone steps (Model.forward_batch)."""
+        be = self.backend
+        if self.on_device:
+            return super().forward_batch(tokens, states, lo, hi, x_in)
+        tokens = self._check_batch(tokens, states, lo, hi, x_in)
+        for st in states:
+            if st.kv is not None:
+                st.kv.reserve(1)
+        positions = np.asarray([st.pos for st in states], dtype=np.int64)
+
+        def attend(q, k, v, il):
+            return np.concatenate([be.attention(q[i:i + 1], k[i:i + 1], v[i:i + 1], st.kv, il, self.scale)
+                                   for i, st in enumerate(states)], axis=0)
+        x = be.embed(self.tok_embd, tokens) if lo == 0 else x_in
+        for il in range(lo, hi):
+            L = self.layers[il]
+            h = be.rms_norm(x, L.attn_norm, self.eps)
+            if L.recurrent:
+                x = x + self._gdn_batch(L, h, [st.running[il] for st in states])
+            else:
+                x = x + self._attn(L, h, positions, None, il, attend)
+            h = be.rms_norm(x, L.post_norm, self.eps)
+            if L.ffn.dense is not None:
+                x = x + self._ffn(L.ffn, h)
+            else:
+                x = x + np.concatenate([self._ffn(L.ffn, h[i:i + 1]) for i in range(h.shape[0])], axis=0)
+        out = self.head(x, all_logits=True) if self.ends_with_head(hi) else x
+        for i, st in enumerate(states):
+            if st.kv is not None:
+                st.kv.commit(1)
+            st.advance(tokens[i:i + 1])
+        return out
 
     def forward_hidden(self, tokens: np.ndarray, state: SequenceState) -> np.ndarray:
         """Read tokens at state.pos and return the final-normed hidden states float32 (n_tokens, n_embd) (the

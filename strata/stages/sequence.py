@@ -164,6 +164,15 @@ class Sequence:
                 if self.make_room is None or not self.make_room():
                     raise
 
+    def record(self, tokens) -> None:
+        """Add `tokens` to the ids read, after a forward that read them on every stage outside ``forward`` (a
+        batched decode step, strata/stages/batch.py)."""
+        toks = np.asarray(tokens, dtype=np.int32).reshape(-1)
+        k = int(toks.shape[0])
+        self._reserve_ids(self._n + k)
+        self._buf[self._n:self._n + k] = toks
+        self._n += k
+
     # ---- state -----------------------------------------------------------------------------------
     def settle(self) -> None:
         """Wait until nothing sent ahead is in flight on any stage (a remote stage's Commits): before a prompt

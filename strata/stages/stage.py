@@ -25,6 +25,10 @@ class ModelRunner:
                                             hidden=True)
         return self.model.forward_carve(tokens, state, self.lo, self.hi, x_in=x_in, all_logits=all_logits)
 
+    def forward_batch(self, tokens, states, x_in=None):
+        """One decode step of several sequences (``model.forward_batch`` of this carve)."""
+        return self.model.forward_batch(tokens, states, self.lo, self.hi, x_in=x_in)
+
     def forward_device(self, tokens, state, x_in=None):
         out = self.forward(tokens, state, x_in=x_in)
         return self.model.backend.asarray(out) if self.model.ends_with_head(self.hi) else out
@@ -60,6 +64,23 @@ class StageBase(ABC):
         """Read `tokens` of sequence `sid` through this stage -> hidden states for the next stage, or, on the last
         stage, the logits (host float32; with on_device, the last token's logits as a device array; with hidden,
         (logits, the final-normed hidden states of every row), where ``speculates``)."""
+
+    def forward_batch(self, tokens: np.ndarray, sids: list[int], x_in=None):
+        """One decode step of several sequences: token i read by sequence ``sids[i]`` (distinct) at its own position
+        -> the last stage's logits, host float32 (N, n_vocab), else the hidden states (N, n_embd) for the next
+        stage (x_in: the previous stage's, one row per sequence). Row i is bit-identical to ``forward([tokens[i]],
+        sids[i])`` whatever the other rows are and whichever row it sits in. This default runs those lone forwards
+        one after the other; a local stage's runner reads each weight once for all rows."""
+        toks = np.asarray(tokens, dtype=np.int32).reshape(-1)
+        if toks.shape[0] != len(sids) or len(set(sids)) != len(sids):
+            raise ValueError(f"a batched step takes one token per distinct sequence (got {toks.shape[0]} tokens for "
+                             f"sequences {list(sids)})")
+        outs = [self.forward(toks[i:i + 1], sid, x_in=None if x_in is None else x_in[i:i + 1])
+                for i, sid in enumerate(sids)]
+        if self.last:
+            return np.stack([np.asarray(o).reshape(-1) for o in outs])
+        xp = np if isinstance(outs[0], np.ndarray) else __import__("cupy")
+        return xp.concatenate(outs, axis=0)
 
     @property
     def speculates(self) -> str | None:
@@ -143,6 +164,21 @@ class Stage(StageBase):
         if hidden and self.last:
             return self.runner.forward(tokens, st, all_logits=all_logits, x_in=x_in, hidden=True)
         return self.runner.forward(tokens, st, all_logits=all_logits, x_in=x_in)
+
+    def forward_batch(self, tokens: np.ndarray, sids: list[int], x_in=None):
+        """StageBase.forward_batch through the runner's ``forward_batch`` (every weight read once for the N rows;
+        the CUDA plans: the decode step over N columns), the lone forwards where the runner has none or N is 1."""
+        run = getattr(self.runner, "forward_batch", None)
+        if run is None or len(sids) == 1:         # one row: the lone forward itself
+            return super().forward_batch(tokens, sids, x_in)
+        if len(set(sids)) != len(sids):
+            raise ValueError(f"a batched step reads each sequence at most once (got sequences {list(sids)})")
+        if x_in is not None and not isinstance(x_in, np.ndarray) and self.backend.xp is np:
+            x_in = self.backend.to_host(x_in)
+        elif x_in is not None and self.backend.xp is not np:
+            with self.backend.device:
+                x_in = self.backend.xp.asarray(x_in)
+        return run(tokens, [self.memory.seq(sid) for sid in sids], x_in=x_in)
 
     def memory_info(self) -> dict[str, int]:
         """The device's memory numbers (CUDA: total / free bytes and CuPy's pool, read on this stage's device);

@@ -266,10 +266,12 @@ class LlamaCuda(DecodePlan):
     def _row_v2(args: tuple) -> bool:
         return bool(args[1])
 
-    def _enqueue_short(self, form: str, n: int, rows: tuple, all_logits: bool, graph: bool = False) -> None:
+    def _enqueue_short(self, form: str, n: int, rows: tuple, all_logits: bool, graph: bool = False,
+                       tables: tuple[int, int] | None = None) -> None:
         """The decode step (_enqueue_step) of `form` over n columns: the matvecs through the column launchers, the
         norms, SwiGLU, attention, the first norm handoff and (separate form) RoPE + K/V write through their rows
-        launchers."""
+        launchers. tables: (device address, stride) of one page table per column, each column a sequence of its own
+        (a batched step, strata/backend/cuda/batch.py); None: the columns are one sequence's tokens."""
         lb, c, m, pool = lib(), self.c, self.model, self.pool
         f = ffi()
         s = stream_ptr()
@@ -294,16 +296,17 @@ class LlamaCuda(DecodePlan):
             kc, vc = pool.k[slot], pool.v[slot]
             ks, vs = pool.scales(slot)
             if ks is None and self._qkv_rope(L):
+                tab = (ptr(pt), 0) if tables is None else (addr(tables[0]), tables[1])
                 check(lb.strata_mvc_q8w_rope(s, L.wqkv.ggml_type, ptr(L.wqkv), self._col("hq", 0), self._col("qkv", 0),
-                                             H, KV, hd, E, n, pos_p, ptr(kc), ptr(vc), ptr(pt), 0, self.n_rot,
+                                             H, KV, hd, E, n, pos_p, ptr(kc), ptr(vc), *tab, self.n_rot,
                                              self.theta, pool.page_size, self.eps, ss if handoff else NULL),
                       "mvc_rope")
             else:
                 groups = [(L.wqkv, 0, nq + 2 * kvd)] if L.wqkv is not None else \
                     [(L.wq, 0, nq), (L.wk, nq, kvd), (L.wv, nq + kvd, kvd)]
                 self._cols_mv(s, groups, "qkv", "hn", "hq", E, n)
-                self._cols_rope_kv(s, n, "qkv", kc, vc, ks, vs, self.neox)
-            self._cols_attn_rows(s, li, rows, "qkv", "att", "aq")
+                self._cols_rope_kv(s, n, "qkv", kc, vc, ks, vs, self.neox, tables)
+            self._cols_attn_rows(s, li, rows, "qkv", "att", "aq", tables)
             glu = self._glu_weights(L)
             if handoff:
                 check(lb.strata_mvc_q8_resid(s, L.wo.ggml_type, ptr(L.wo), self._col("aq", 0), E, nq, n, 0,

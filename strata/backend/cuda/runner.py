@@ -451,10 +451,13 @@ class DecodePlan:
             self._cols_mv(s, [(self.model.output, 0, self.n_vocab)], "logits", "hn", "hq", self.n_embd, n,
                           first=0 if all_logits else n - 1)
 
-    def _cols_attn_rows(self, s, li: int, rows: tuple, q: str, out: str, out_q8: str | None) -> None:
+    def _cols_attn_rows(self, s, li: int, rows: tuple, q: str, out: str, out_q8: str | None,
+                        tables: tuple[int, int] | None = None) -> None:
         """Decode attention of every row over layer li's pages (c[q] the rows' query rows, c[out] / c[out_q8] their
         outputs), one launch per run of rows with the same step arguments: each row with the kernel (v2: the GQA
-        one) and split of its own decode step, its own length, partials and counters (strata_attn_rows(_gqa))."""
+        one) and split of its own decode step, its own length, partials and counters (strata_attn_rows(_gqa)).
+        tables: (device address, stride in entries) of one page table per row (a batched step's sequences); None:
+        the pool's one table (one sequence's rows)."""
         lb, c, pool = lib(), self.c, self.pool
         H, KV, hd = self.n_head, self.n_kv, self.hd
         slot = pool.slot(li)
@@ -471,7 +474,8 @@ class DecodePlan:
             n_split, v2 = rows[i0][0], self._row_v2(rows[i0])
             ctr = ffi().cast("unsigned *", c["counters"].data.ptr + i0 * self.cstride["counters"])
             oq = self._col_q(out_q8, i0) if out_q8 else ffi().NULL
-            args = (self._col(q, i0), qs, ptr(kc), ptr(vc), ptr(pool._pt), 0, self._rows_inp(i0)[2])
+            pt = (ptr(pool._pt), 0) if tables is None else (addr(tables[0] + 4 * i0 * tables[1]), tables[1])
+            args = (self._col(q, i0), qs, ptr(kc), ptr(vc), *pt, self._rows_inp(i0)[2])
             if v2:
                 check(lb.strata_attn_rows_gqa(s, *args, self._col("partial", i0), ws, ctr, cs, self._col(out, i0), os_,
                                               oq, q8s, i1 - i0, H, KV, hd, pool.page_size, n_split, self.scale,
@@ -482,13 +486,28 @@ class DecodePlan:
                       "attn_rows")
             i0 = i1
 
-    def _cols_rope_kv(self, s, n: int, q: str, kc, vc, ks, vs, neox: int) -> None:
+    def _cols_rope_kv(self, s, n: int, q: str, kc, vc, ks, vs, neox: int,
+                      tables: tuple[int, int] | None = None) -> None:
         """RoPE of every row of c[q] at its position and its K / V into the pages (strata_rope_kv_rows; a q8_0
-        cache: RoPE only, then strata_kv_write_q8 of the rows, which sit at consecutive positions)."""
+        cache: RoPE only, then strata_kv_write_q8 of the rows, which sit at consecutive positions). tables: one page
+        table per row (_cols_attn_rows'; a batched step's sequences): each row through the decode step's own
+        launches (strata_rope_kv_decode, and strata_kv_write_q8 of its one row)."""
         lb, c, pool = lib(), self.c, self.pool
         H, KV, hd = self.n_head, self.n_kv, self.hd
         W, NULL = c[q].shape[1], ffi().NULL
         q8 = ks is not None
+        if tables is not None:
+            for i in range(n):
+                pt, pos = addr(tables[0] + 4 * i * tables[1]), self._rows_inp(i)[1]
+                check(lb.strata_rope_kv_decode(s, self._col(q, i), pos, NULL if q8 else ptr(kc),
+                                               NULL if q8 else ptr(vc), pt, H, KV, hd, self.n_rot, self.theta, neox,
+                                               pool.page_size), "rope_kv_decode")
+                if q8:
+                    base = c[q].data.ptr + i * self.cstride[q] + 4 * H * hd
+                    check(lb.strata_kv_write_q8(s, addr(base), W, addr(base + 4 * KV * hd), W, ptr(kc), ptr(vc),
+                                                ptr(ks), ptr(vs), pt, pos, 0, 1, KV, hd, pool.page_size),
+                          "kv_write_q8")
+            return
         check(lb.strata_rope_kv_rows(s, self._col(q, 0), W, self._rows_inp(0)[1], NULL if q8 else ptr(kc),
                                      NULL if q8 else ptr(vc), ptr(pool._pt), n, H, KV, hd, self.n_rot, self.theta,
                                      neox, pool.page_size), "rope_kv_rows")
@@ -814,6 +833,15 @@ class PlanModel:
                 return self.model.forward_carve(tokens, state, self.lo, self.hi, x_in=x_in, all_logits=all_logits,
                                                 hidden=True)
             return self.generic_forward(tokens, state, all_logits, x_in)
+
+    def forward_batch(self, tokens, states, x_in=None):
+        """One decode step of several sequences (Model.forward_batch's contract) through the plan's decode step over
+        columns (strata/backend/cuda/batch.py), lone decode steps where the plan has no column form."""
+        from strata.backend.cuda.batch import forward_batch
+        m = self.model
+        with m.backend.device:
+            x = hidden_input(x_in, len(states), m.config.n_embd, self.lo == 0, m.backend.device_id)
+        return forward_batch(self, tokens, states, x)
 
     def measure_short_read(self, state) -> int | None:
         """The plan's crossover between the short read and the prefill, measured on `state` (left as it was) and
