@@ -149,7 +149,6 @@ class CheckpointCache:
         self._clock = 0
         self._keys = 0
         self._lock = threading.Lock()
-        self._live_ok = True
         self._stats = dict(hits=0, hits_live=0, hits_checkpoint=0, misses=0, tokens_saved=0, saves=0,
                            evictions=0, replaced=0)
 
@@ -159,6 +158,7 @@ class CheckpointCache:
         """Decide how to read ``prompt_tokens`` on ``state`` (a strata.stages.sequence.Sequence: its token ids).
         Pure: nothing changes until ``begin(plan)``, which the reader calls once it applied the plan.
 
+        Whether ``state``'s end may be continued is its own ``live_ok`` (a Sequence's; True when it has none).
         Resume rules, first that applies:
 
         1. cache_prompt=False (llama.cpp's meaning): reuse nothing, read from 0 (the kept checkpoints stay).
@@ -215,9 +215,12 @@ class CheckpointCache:
                            part_ends=sorted(p for p in points if p < n) + [n], save_at=dict(sorted(points.items())),
                            keep_live=checkpoint, key=best.key if best else None)
 
-    def begin(self, plan: PrefillPlan) -> None:
-        """The reader applied `plan` (restored, cut or reset the sequence): the checkpoint it mounted is re-dated
-        for retention, the hit or miss counted, and whether the read may be continued live set (keep_live)."""
+    def begin(self, plan: PrefillPlan, state=None) -> None:
+        """The reader applied `plan` to `state` (restored, cut or reset the sequence): the checkpoint it mounted is
+        re-dated for retention, the hit or miss counted, and whether the sequence's read may be continued live set
+        on it (``state.live_ok = plan.keep_live``)."""
+        if state is not None:
+            state.live_ok = bool(plan.keep_live)
         with self._lock:
             e = self._entries.get(plan.key) if plan.key is not None else None
             if e is not None:
@@ -230,13 +233,13 @@ class CheckpointCache:
                 self._stats["hits"] += 1
                 self._stats["hits_" + plan.resume_from] += 1
                 self._stats["tokens_saved"] += plan.resume_pos
-            self._live_ok = bool(plan.keep_live)
 
     def _choose(self, prompt: np.ndarray, state_tokens: np.ndarray, state=None) -> tuple[int, str, Any]:
         """Rules 2-4 of ``plan``: (resume position, "live" | "checkpoint" | "none", the checkpoint entry or None).
         prompt, state_tokens: int32 arrays."""
         n, L = int(prompt.shape[0]), int(state_tokens.shape[0])
-        if self._live_ok and 0 < L < n and is_prefix(state_tokens, prompt):
+        live_ok = bool(getattr(state, "live_ok", True))
+        if live_ok and 0 < L < n and is_prefix(state_tokens, prompt):
             return L, "live", None
         best = None
         for nd in self._tree.path(prompt[:n - 1]):          # never the full prompt: one token is read for logits
@@ -244,7 +247,7 @@ class CheckpointCache:
         # an attention-only sequence cuts its K/V back to the longest common prefix (at most n - 1: one token is
         # read for the logits) when that skips more than any checkpoint does
         can_cut = getattr(state, "can_truncate", None)
-        if self._live_ok and can_cut is not None and L > 0:
+        if live_ok and can_cut is not None and L > 0:
             k = min(common_prefix(prompt, state_tokens), n - 1)
             if k > (best.pos if best is not None else 0) and can_cut(k):
                 return k, "live", None
@@ -268,12 +271,11 @@ class CheckpointCache:
         with self._lock:
             return [(nd.pos, nd.value.kind, nd.value.snapshot) for nd in self._tree.path(tokens)]
 
-    def adopt(self, entries: list[tuple[int, str, Any]], live_ok: bool) -> None:
-        """Keep `entries` ((pos, kind, snapshot) of the conversation the engine now holds, as ``export`` gives
+    def adopt(self, entries: list[tuple[int, str, Any]]) -> None:
+        """Keep `entries` ((pos, kind, snapshot) of a conversation a sequence now holds, as ``export`` gives
         them; the cache owns their snapshots from here, see ``save``) beside the other branches, each replacing
-        one kept at the same tokens, and set whether the conversation's end may be continued live."""
+        one kept at the same tokens."""
         with self._lock:
-            self._live_ok = bool(live_ok)
             for pos, kind, snap in sorted(entries, key=lambda x: x[0]):
                 self._put(kind, snap, frozen_ids(snap.tokens))
             self._retain()                      # this engine's --prompt-cache / --prompt-cache-mib apply
@@ -415,16 +417,6 @@ class CheckpointCache:
         replaced (a checkpoint saved again at the same tokens)."""
         with self._lock:
             return dict(self._stats)
-
-    @property
-    def live_ok(self) -> bool:
-        """Whether the live sequence may be continued by the next request (False after checkpoint=False)."""
-        return self._live_ok
-
-    def drop_live(self) -> None:
-        """Forbid continuing the live sequence (the engine calls it when the sequence is not continuable)."""
-        with self._lock:
-            self._live_ok = False
 
     def clear(self) -> None:
         """Drop every checkpoint, its pages given back (counters stay)."""

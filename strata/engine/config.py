@@ -235,10 +235,8 @@ class EngineConfig:
                 parse_remote(self.link.remote_stage)
             except ValueError as e:
                 return f"--remote-stage: {e}"
-            pk, ck = self.parking, self.checkpoints
-            why = unsupported_with_remote(conversation_cache_mib=pk.ram_mib, conversation_cache_dir=pk.disk_dir,
-                                          slot_save_path=pk.slot_save_path, prompt_cache_every=ck.every,
-                                          prompt_cache_tail=ck.tail)
+            ck = self.checkpoints
+            why = unsupported_with_remote(prompt_cache_every=ck.every, prompt_cache_tail=ck.tail)
             if why:
                 return why
         why = self.moe.problem() or self.spec.problem()
