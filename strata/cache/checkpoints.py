@@ -370,19 +370,28 @@ class CheckpointCache:
         self._stats["evictions"] += len(victims)
         return gone
 
-    def make_room(self, live_ids, off_path: bool = False) -> bool:
+    def make_room(self, live_ids, off_path: bool = False, spare=None) -> bool:
         """Drop one checkpoint to give its pages back when a KV pool is short: the least recently used of those that
         are not a prefix of ``live_ids`` (the live sequence's tokens: their pages are the sequence's too), then
-        (unless off_path) of the rest -> False when none is left to drop."""
+        (unless off_path) of the rest, never the one whose snapshot is `spare` (being restored) -> False when none
+        is left to drop."""
         live = as_ids(live_ids)
         with self._lock:
-            cand = [(is_prefix(e.tokens, live), e.last_use, e.key) for e in self._entries.values()]
+            cand = [(is_prefix(e.tokens, live), e.last_use, e.key) for e in self._entries.values()
+                    if spare is None or e.snapshot is not spare]
             cand = [c for c in cand if not (off_path and c[0])]
             if not cand:
                 return False
             self._drop(min(cand)[2])
             self._stats["evictions"] += 1
             return True
+
+    def discard(self, snapshot) -> None:
+        """Drop the checkpoint whose snapshot is `snapshot` (one a worker no longer holds), its pages given back."""
+        with self._lock:
+            for key in [k for k, e in self._entries.items() if e.snapshot is snapshot]:
+                self._drop(key)
+                self._stats["evictions"] += 1
 
     def _drop(self, key: int) -> None:
         """Forget the checkpoint `key` and give back the pages it holds (under the lock)."""

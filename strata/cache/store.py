@@ -53,6 +53,7 @@ class ConversationStore:
         if self.slot_save_path is not None and not self.slot_save_path.is_dir():
             raise ValueError(f"--slot-save-path {self.slot_save_path}: not a directory")
         self._from_session: weakref.WeakSet = weakref.WeakSet()   # loaded from a file, not yet resumed
+        self._restoring = None      # the checkpoint a restore is mounting (make_room does not drop it meanwhile)
 
     # ---- the tiers, for the engine's views -------------------------------------------------------------
     @property
@@ -80,7 +81,12 @@ class ConversationStore:
             parts = seq.materialize(here)
         finally:
             here.release()
-        cps = [SavedCheckpoint(pos, kind, seq.detach(snap)) for pos, kind, snap in self.checkpoints.export(seq.ids)]
+        cps = []
+        for pos, kind, snap in self.checkpoints.export(seq.ids):
+            try:
+                cps.append(SavedCheckpoint(pos, kind, seq.detach(snap)))
+            except CheckpointGone:              # a worker dropped its part (its pool ran short): not kept either
+                self.checkpoints.discard(snap)
         return Conversation(tokens=seq.ids, parts=parts, checkpoints=cps, live_ok=seq.live_ok,
                             cut_anywhere=self.tiers.cut_anywhere)
 
@@ -108,7 +114,7 @@ class ConversationStore:
             if not 0 < c.pos <= conv.pos:
                 raise PartMismatch(f"a checkpoint at {c.pos} lies outside the conversation's {conv.pos} tokens")
             seq.validate_detached(c.pos, c.parts)
-        seq.restore(whole)
+        seq.with_room(lambda: seq.restore(whole))   # a worker's pool short of pages: parts freed, then again
         seq.live_ok = conv.live_ok
         attached = []
         try:
@@ -157,13 +163,16 @@ class ConversationStore:
                                          cache_prompt=cache_prompt)
         p = plan()
         if p.snapshot is not None:
+            self._restoring = p.snapshot
             try:
-                seq.restore(p.snapshot)
+                seq.with_room(lambda: seq.restore(p.snapshot))
             except CheckpointGone as e:      # the worker restarted or reconnected: read from token 0
                 log.warning("a checkpoint is gone from the worker: reading from 0", error=str(e))
                 self.forget(seq)
                 self.checkpoints.clear()
                 p = plan()
+            finally:
+                self._restoring = None
         if p.snapshot is None:
             if p.resume_from == "none" or p.resume_pos == 0:
                 seq.reset()
@@ -197,9 +206,9 @@ class ConversationStore:
         """Free pages for `seq` (what a Sequence calls when a pool is short for it): a checkpoint off its path
         dropped (its pages are its own), else the least recently used resident conversation moved to host RAM,
         else a checkpoint on its path dropped -> False when nothing more can be freed."""
-        ids = seq.ids
-        return self.checkpoints.make_room(ids, off_path=True) or self.tiers.make_room() or \
-            self.checkpoints.make_room(ids)
+        ids, spare = seq.ids, self._restoring
+        return self.checkpoints.make_room(ids, off_path=True, spare=spare) or self.tiers.make_room() or \
+            self.checkpoints.make_room(ids, spare=spare)
 
     # ---- parking ----------------------------------------------------------------------------------------
     def park(self, seq: Sequence, trace: bool = False) -> None:

@@ -115,8 +115,13 @@ class Tiers:
                 return
             t0 = time.perf_counter()
             parts = [st.memory.materialize(p) for st, p in zip(self.stages, conv.parts)]
-            cps = [SavedCheckpoint(c.pos, c.kind, [st.memory.detach(p) for st, p in zip(self.stages, c.parts)])
-                   for c in conv.checkpoints]
+            cps = []
+            for c in conv.checkpoints:
+                try:
+                    cps.append(SavedCheckpoint(c.pos, c.kind, [st.memory.detach(p)
+                                                               for st, p in zip(self.stages, c.parts)]))
+                except PartMismatch:          # a worker dropped that part (its pool ran short): the others move
+                    pass
             self.park.park(Conversation(tokens=conv.tokens, parts=parts, checkpoints=cps, live_ok=conv.live_ok,
                                         last_use=conv.last_use, cut_anywhere=conv.cut_anywhere), touch=False)
             log.debug("resident conversation moved to host RAM", tokens=conv.pos,

@@ -125,6 +125,7 @@ class Carrier:
         if len(kept | {m.ckpt_id}) > self.ckpt_max:
             raise Refuse(ErrorCode.LIMIT, f"keeping {len(kept | {m.ckpt_id})} checkpoint parts exceeds the "
                                           f"{self.ckpt_max} granted at the hello")
+        self._prune(list(m.keep) + [m.ckpt_id])      # what the main no longer holds gives its pages back first
         cp = self.seq.capture()
         try:
             if self.next is not None:
@@ -146,6 +147,7 @@ class Carrier:
                                                  f"({len(self.store)} held)")
         if cp.pos != m.pos:
             raise Refuse(ErrorCode.DESYNC, f"checkpoint {m.ckpt_id} is at {cp.pos}, not {m.pos}")
+        self._prune(list(m.keep) + [m.ckpt_id])      # what the main no longer holds gives its pages back first
         self.seq.restore(cp)
         if self.next is not None:
             self.next.call(CkptRestore(ckpt_id=m.ckpt_id, pos=m.pos, keep=list(m.keep)))
@@ -197,6 +199,7 @@ class Carrier:
         if len(kept | {m.ckpt_id}) > self.ckpt_max:
             raise Refuse(ErrorCode.LIMIT, f"keeping {len(kept | {m.ckpt_id})} parts exceeds the {self.ckpt_max} "
                                           f"granted at the hello")
+        self._prune(list(m.keep) + [m.ckpt_id])
         src = io.BytesIO(bytes(got[3]))
         parts = []
         for st in self.stages:
@@ -217,6 +220,7 @@ class Carrier:
         return self._ack()
 
     def reset(self, m: Reset) -> Ack:
+        self._prune(m.keep)
         self.seq.reset()
         if self.next is not None:
             self.next.call(Reset(keep=list(m.keep)))

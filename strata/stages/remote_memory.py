@@ -125,11 +125,15 @@ class RemoteMemory:
             self.held, self.store_bytes = int(ack.held), int(ack.store_bytes)
 
     def _call(self, msg):
+        """A store request: CKPT_MISSING -> CheckpointGone; LIMIT (the worker's pool or part budget is short) ->
+        KVCacheFull, so the main frees parts (its next keep list gives their pages back there) and retries."""
         try:
             return self.link.call(msg)
         except WorkerError as e:
             if e.link_code == ErrorCode.CKPT_MISSING:
                 raise CheckpointGone(str(e)) from None
+            if e.link_code == ErrorCode.LIMIT:
+                raise KVCacheFull(str(e)) from None
             raise
 
     # ---- the sequence ---------------------------------------------------------------------------------
@@ -150,7 +154,7 @@ class RemoteMemory:
         """CkptSave: the worker chain keeps its part of the sequence at the current position under a new id."""
         self._room()
         cid = next(self._ids)
-        self._acked(self.link.call(CkptSave(ckpt_id=cid, pos=self.at, keep=self._keep(also=cid))))
+        self._acked(self._call(CkptSave(ckpt_id=cid, pos=self.at, keep=self._keep(also=cid))))
         return self._handle(cid, self.at, self.link.epoch)
 
     def validate(self, part, sid: int | None = None) -> None:
@@ -202,7 +206,9 @@ class RemoteMemory:
         try:
             ack = put_part(self._call, cid, part.pos, part.blob, self._keep(also=cid))
         except WorkerError as e:
-            raise PartMismatch(f"the worker refused the part: {e}") from None
+            if e.link_code == ErrorCode.DESYNC:
+                raise PartMismatch(f"the worker refused the part: {e}") from None
+            raise
         self._acked(ack)
         return self._handle(cid, part.pos, self.link.epoch)
 
