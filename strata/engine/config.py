@@ -37,7 +37,7 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class ParkingConfig:
-    """Parking and session files (strata.engine.parking). ram_mib: host RAM for parked conversations (None: 25 %
+    """Parking and session files (strata.cache.store). ram_mib: host RAM for parked conversations (None: 25 %
     of RAM; 0: no parking); disk_dir / disk_mib: the disk tier; resident: conversations kept parked on the device
     before host RAM (0: none); slot_save_path: the directory of session files (None: refused)."""
 
