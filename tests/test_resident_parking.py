@@ -331,3 +331,24 @@ def test_a_failure_to_park_never_fails_the_request_nor_loses_the_target(default_
     owned |= {id(k.hold) for x in e.cache._entries.values() for p in x.snapshot.parts for k in p.kv.values()}
     pool = e.stages[0].memory.pool
     assert all(id(h) in owned for h in pool.holds)           # no hold outlives its conversation or checkpoint
+
+
+def test_without_parking_a_short_pool_moves_checkpoints_to_host_ram_and_a_hit_brings_them_back(hybrid_path):
+    """Parking off, n_ctx 512: the second long conversation does not fit beside the first one's checkpoints, so they
+    move to host RAM (their tier "ram", no longer holding pages) instead of being dropped, and the first
+    conversation's next turn resumes from one of them, bit-exact with the conversation played alone."""
+    kw = dict(n_ctx=512, ubatch=64)
+    alone = Engine(hybrid_path, conversation_cache_mib=0, **kw)
+    ref = play(alone, "rivers", 2, [], long_chat)
+    e = Engine(hybrid_path, conversation_cache_mib=0, prompt_cache=8, **kw)
+    answers: list[str] = []
+    toks, _ = ask(e, long_chat("rivers", 0, answers))
+    answers.append(e.detokenize(toks))
+    ask(e, long_chat("ships", 0, []))
+    demoted = e.cache.stats()["demoted"]
+    assert demoted >= 1 and any(c["tier"] == "ram" for c in e.checkpoints())
+    toks, final = ask(e, long_chat("rivers", 1, answers))
+    assert final.strata["resume_from"] == "checkpoint" and final.strata["resume_pos"] > 300
+    assert any(c["tier"] == "ram" and c["mounts"] == 1 and c["pos"] == final.strata["resume_pos"]
+               for c in e.checkpoints())                          # the hit was on a checkpoint in host RAM
+    assert toks == ref[1][0] and e.state_hashes() == ref[1][1]

@@ -76,6 +76,7 @@ class _Entry:
     key: int = 0
     node: Node | None = None
     mounts: int = 0
+    tier: str = "device"        # "device": its pages held in the pools; "ram": host copies (demoted by make_room)
 
 
 def _cut(cp) -> tuple[int, str]:
@@ -95,6 +96,12 @@ def _snapshot_bytes(snap) -> int:
         return int(nb)
     running = getattr(snap, "running", None) or {}
     return sum(int(a.nbytes) for parts in running.values() for a in parts.values())
+
+
+def _holds_pages(snap) -> bool:
+    """Whether a snapshot holds pages in a pool (giving it back frees them): a Checkpoint with held parts."""
+    return any(getattr(p, "is_held", False) or (hasattr(p, "ckpt_id") and not p.released)
+               for p in getattr(snap, "parts", ()))
 
 
 def _release(snap) -> None:
@@ -150,7 +157,7 @@ class CheckpointCache:
         self._keys = 0
         self._lock = threading.Lock()
         self._stats = dict(hits=0, hits_live=0, hits_checkpoint=0, misses=0, tokens_saved=0, saves=0,
-                           evictions=0, replaced=0)
+                           evictions=0, replaced=0, demoted=0)
 
     # ---- the request loop ------------------------------------------------------------------------
     def plan(self, state, prompt_tokens, cut_points, *, checkpoint: bool = True,
@@ -370,20 +377,35 @@ class CheckpointCache:
         self._stats["evictions"] += len(victims)
         return gone
 
-    def make_room(self, live_ids, off_path: bool = False, spare=None) -> bool:
-        """Drop one checkpoint to give its pages back when a KV pool is short: the least recently used of those that
+    def make_room(self, live_ids, off_path: bool = False, spare=None, demote=None) -> bool:
+        """Give back one checkpoint's pages when a pool is short: the least recently used of those holding pages that
         are not a prefix of ``live_ids`` (the live sequence's tokens: their pages are the sequence's too), then
-        (unless off_path) of the rest, never the one whose snapshot is `spare` (being restored) -> False when none
-        is left to drop."""
+        (unless off_path) of the rest, never the one whose snapshot is `spare` (being restored). With `demote`
+        (snapshot -> the same checkpoint as host copies, or None), it moves to host RAM (its tier "ram": restored
+        from there on a hit, its bytes counted against the byte budget) instead of being dropped. -> False when
+        none holds pages any more."""
         live = as_ids(live_ids)
         with self._lock:
             cand = [(is_prefix(e.tokens, live), e.last_use, e.key) for e in self._entries.values()
-                    if spare is None or e.snapshot is not spare]
+                    if (spare is None or e.snapshot is not spare) and _holds_pages(e.snapshot)]
             cand = [c for c in cand if not (off_path and c[0])]
             if not cand:
                 return False
-            self._drop(min(cand)[2])
-            self._stats["evictions"] += 1
+            e = self._entries[min(cand)[2]]
+            copy = None
+            if demote is not None:
+                try:
+                    copy = demote(e.snapshot)
+                except Exception:  # noqa: BLE001 -- a copy that fails leaves the drop
+                    copy = None
+            if copy is None:
+                self._drop(e.key)
+                self._stats["evictions"] += 1
+                return True
+            _release(e.snapshot)
+            e.snapshot, e.bytes, e.tier = copy, _snapshot_bytes(copy), "ram"
+            self._stats["demoted"] += 1
+            self._retain()                     # host copies count against the byte budget
             return True
 
     def discard(self, snapshot) -> None:
@@ -411,7 +433,7 @@ class CheckpointCache:
         with self._lock:
             pin = pinned_root(self._kept(), self.cap, self.root_min)
             return [dict(pos=e.pos, kind=e.kind, bytes=e.bytes, last_use=e.last_use,
-                         last_use_time=e.last_use_time, mounts=e.mounts,
+                         last_use_time=e.last_use_time, mounts=e.mounts, tier=e.tier,
                          pinned=pin is not None and pin.key == e.key)
                     for e in sorted(self._entries.values(), key=lambda e: (e.pos, e.saved))]
 
@@ -423,7 +445,7 @@ class CheckpointCache:
     def stats(self) -> dict:
         """Counters since start: hits (plans that reused a prefix; hits_live + hits_checkpoint), misses,
         tokens_saved (prompt tokens not read thanks to a hit), saves, evictions (retention and make_room),
-        replaced (a checkpoint saved again at the same tokens)."""
+        replaced (a checkpoint saved again at the same tokens), demoted (moved to host RAM by make_room)."""
         with self._lock:
             return dict(self._stats)
 

@@ -18,6 +18,7 @@ from strata.cache.checkpoints import CheckpointCache, PrefillPlan
 from strata.cache.conversation import CUT_MIN, Conversation, DiskTier, ParkStore, SavedCheckpoint
 from strata.cache.tiers import Tiers
 from strata.memory import KVCacheFull, PartMismatch
+from strata.memory.hostram import available_ram
 from strata.stages.remote import CheckpointGone
 from strata.stages.sequence import Checkpoint, Sequence
 from strata.text.token_ids import is_prefix
@@ -207,8 +208,22 @@ class ConversationStore:
         dropped (its pages are its own), else the least recently used resident conversation moved to host RAM,
         else a checkpoint on its path dropped -> False when nothing more can be freed."""
         ids, spare = seq.ids, self._restoring
-        return self.checkpoints.make_room(ids, off_path=True, spare=spare) or self.tiers.make_room() or \
-            self.checkpoints.make_room(ids, spare=spare)
+        # with parking off the tree is the only keeper of other branches: their checkpoints move to host RAM
+        # (parking keeps the conversations they belong to, with their K/V, itself)
+        demote = self._demote if self.tiers.park is None and self.tiers.host_parts_refusal() is None else None
+        return self.checkpoints.make_room(ids, off_path=True, spare=spare, demote=demote) or \
+            self.tiers.make_room() or self.checkpoints.make_room(ids, spare=spare, demote=demote)
+
+    def _demote(self, snap: Checkpoint) -> Checkpoint | None:
+        """A checkpoint moved down a tier: its parts as host copies (a remote stage's streamed from its worker), or
+        None when host RAM is short (then it is dropped)."""
+        need = snap.nbytes() + sum(k.length * k.hold.pool.bytes_per_token for p in snap.parts
+                                   for k in getattr(p, "kv", {}).values() if k.is_held)
+        avail = available_ram()
+        if avail is None or need > avail // 2:
+            return None
+        return Checkpoint(pos=snap.pos, tokens=snap.tokens,
+                          parts=[st.memory.materialize(p) for st, p in zip(self.stages, snap.parts)])
 
     # ---- parking ----------------------------------------------------------------------------------------
     def park(self, seq: Sequence, trace: bool = False) -> None:
