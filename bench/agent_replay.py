@@ -47,9 +47,9 @@ def system_prompt(engine: Engine, tokens: int) -> str:
     return text
 
 
-def start_worker(model: str, threads: int | None):
+def start_worker(model: str, threads: int | None, pool_ctx: int):
     cmd = [sys.executable, "-m", "strata.cli.main", "worker", "--listen", "127.0.0.1:0", "--model", model,
-           "--log-level", "warning"] + (["--threads", str(threads)] if threads else [])
+           "--log-level", "warning", "--kv-pool-ctx", str(pool_ctx)] + (["--threads", str(threads)] if threads else [])
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")})
     for line in p.stderr:
@@ -169,6 +169,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--n-ctx", type=int, default=4096)
+    ap.add_argument("--kv-pool-ctx", type=int, default=8192, help="each stage's KV pool, the main's and the worker's")
     ap.add_argument("--split", default="15", help="--layer-split of the remote arm (the worker runs what follows)")
     ap.add_argument("--arms", default="local,remote")
     ap.add_argument("--out", default=None)
@@ -177,7 +178,8 @@ def main(argv=None) -> int:
                             text=True).stdout.strip() or "unknown"
     out = Path(args.out or ROOT / "bench" / "results" / f"agent_replay_cpu_{commit}.json")
     results = dict(bench="agent_replay", commit=commit, model=args.model, system_tokens=args.system_tokens,
-                   rounds=args.rounds, threads=args.threads, n_ctx=args.n_ctx, answer_tokens=N_ANSWER, arms={})
+                   rounds=args.rounds, threads=args.threads, n_ctx=args.n_ctx, kv_pool_ctx=args.kv_pool_ctx,
+                   answer_tokens=N_ANSWER, arms={})
     tmp = Path(tempfile.mkdtemp(prefix="agent_replay_"))
     worker = None
     try:
@@ -185,7 +187,7 @@ def main(argv=None) -> int:
             d = tmp / arm
             d.mkdir()
             kw = dict(n_ctx=args.n_ctx, threads=args.threads, slot_save_path=str(d), prompt_cache=8,
-                      conversation_cache_mib=1024)
+                      conversation_cache_mib=1024, kv_pool_ctx=args.kv_pool_ctx)
             if arm == "local":
                 def make(kw=kw):
                     return Engine(args.model, **kw)
@@ -196,7 +198,7 @@ def main(argv=None) -> int:
                     if state.get("w") is not None:            # a restart restarts the worker too
                         state["w"].terminate()
                         state["w"].wait(30)
-                    state["w"], addr = start_worker(args.model, args.threads)
+                    state["w"], addr = start_worker(args.model, args.threads, args.kv_pool_ctx)
                     return Engine(args.model, remote_stage=addr, layer_split=args.split, **kw)
             print(f"arm {arm}: cold read of the main's first prompt", flush=True)
             cold = cold_ttft(make, args.system_tokens)

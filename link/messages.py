@@ -179,9 +179,11 @@ class CkptRestore(_Message):
 @dataclass(eq=False)
 class PartGet(_Message):
     """Main -> worker (``+park``): the bytes of checkpoint part `ckpt_id` from `offset` on (the worker chain's
-    state-part blocks in layer order, each in the state-part byte format)."""
+    state-part blocks in layer order, each in the state-part byte format); prefix: its K/V as a prefix of the
+    conversation it travels with (running state only)."""
     ckpt_id: int
     offset: int
+    prefix: bool = False
 
 
 @dataclass(eq=False)
@@ -272,7 +274,7 @@ _LAYOUT: dict[type, tuple[MsgType, tuple[tuple[str, str], ...]]] = {
     Bye: (MsgType.BYE, (("reason", "str"),)),
     Challenge: (MsgType.CHALLENGE, (("nonce", "nonce"), ("keyed", "bool"), ("worker", "str"))),
     Ack: (MsgType.ACK, (("pos", "u32"), ("held", "u32"), ("store_bytes", "u64"))),
-    PartGet: (MsgType.PART_GET, (("ckpt_id", "u64"), ("offset", "u64"))),
+    PartGet: (MsgType.PART_GET, (("ckpt_id", "u64"), ("offset", "u64"), ("prefix", "bool"))),
     PartData: (MsgType.PART_DATA, (("total", "u64"), ("offset", "u64"), ("data", "bytes"))),
     PartPut: (MsgType.PART_PUT, (("ckpt_id", "u64"), ("pos", "u32"), ("total", "u64"), ("offset", "u64"),
                                  ("data", "bytes"), ("keep", "ids"))),

@@ -39,7 +39,7 @@ def golden_cases() -> dict:
         "reset": (Reset([1, 3]), 4, 0),
         "ckpt_save": (CkptSave(9, 17, [1, 3, 9]), 5, 0),
         "ckpt_restore": (CkptRestore(3, 12, [1, 3]), 6, 0),
-        "part_get": (PartGet(3, 4096), 8, 0),
+        "part_get": (PartGet(3, 4096, True), 8, 0),
         "part_data": (PartData(10, 4, np.frombuffer(b"STRP\x01\x00", np.uint8)), 8, 0),
         "part_put": (PartPut(11, 12, 10, 4, np.frombuffer(b"STRP\x01\x00", np.uint8), [1, 3, 11]), 9, 0),
         "error": (Error(ErrorCode.CKPT_MISSING, "checkpoint 3 is not held"), 6, 0),

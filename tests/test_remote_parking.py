@@ -131,6 +131,13 @@ def test_save_restart_load_over_a_remote_stage(which, split, workers, tmp_path, 
                 0, "rivers.bin")
     finally:
         e2.close()
+    # a worker of one stage writes its part in the state-part format, checkpoints as prefixes: the same file loads
+    # into one process of the same split and answers the same
+    local = Engine(path, n_ctx=N_CTX, ubatch=32, layer_split=split, prompt_cache=4, slot_save_path=str(tmp_path))
+    local.slot_restore(0, "rivers.bin")
+    toks, final = ask(local, chat("rivers", 1, answers))
+    assert final.strata["resume_from"] == "session" and toks == ref[1][0]
+    assert local.state_hashes() == ref[1][1]
 
 
 # ---- the readers of a remote part's bytes, fuzzed ----------------------------------------------------------

@@ -42,7 +42,7 @@ class Carrier:
         self.ckpt_max = ckpt_max
         self.store: dict[int, Checkpoint] = {}
         self.next = next_hop
-        self._out: tuple[int, bytes] | None = None                 # the part PartGet is streaming (id, bytes)
+        self._out: tuple[tuple, bytes] | None = None               # the part PartGet streams ((id, prefix), bytes)
         self._in: tuple[int, int, int, bytearray] | None = None    # the part PartPut is receiving (id, pos, total)
         # the most bytes a part sent back may take: this worker's K/V pools and running state, twice over for
         # every worker of the chain after it
@@ -157,7 +157,8 @@ class Carrier:
     def part_get(self, m: PartGet) -> PartData:
         """A chunk of kept part `ckpt_id`'s bytes: this worker's stages' parts in the state-part format, then the
         next worker's (fetched whole from it); the bytes are made at offset 0 and kept until the last chunk."""
-        if m.offset == 0 or self._out is None or self._out[0] != m.ckpt_id:
+        key = (m.ckpt_id, bool(m.prefix))
+        if m.offset == 0 or self._out is None or self._out[0] != key:
             cp = self.store.get(m.ckpt_id)
             if cp is None:
                 raise Refuse(ErrorCode.CKPT_MISSING, f"part {m.ckpt_id} is not held here ({len(self.store)} held)")
@@ -165,10 +166,10 @@ class Carrier:
                 raise Refuse(ErrorCode.DESYNC, f"PartGet({m.ckpt_id}) at {m.offset} before its start")
             buf = io.BytesIO()
             for st, part in zip(self.stages, cp.parts):
-                st.memory.write(part, buf)
+                st.memory.write(st.memory.detach(part) if m.prefix else part, buf)
             if self.next is not None:
-                buf.write(get_part(self.next.call, m.ckpt_id, self.part_limit))
-            self._out = (m.ckpt_id, buf.getvalue())
+                buf.write(get_part(self.next.call, m.ckpt_id, self.part_limit, m.prefix))
+            self._out = (key, buf.getvalue())
         blob = self._out[1]
         if not 0 <= m.offset <= len(blob):
             raise Refuse(ErrorCode.DESYNC, f"PartGet({m.ckpt_id}) at {m.offset} past its {len(blob)} bytes")
@@ -204,18 +205,36 @@ class Carrier:
         parts = []
         for st in self.stages:
             part = st.memory.read(src)
-            if part.pos != m.pos or part.is_prefix:
+            if part.pos != m.pos:
                 raise Refuse(ErrorCode.DESYNC, f"a part block at position {part.pos}, not {m.pos}")
             parts.append(part)
         rest = src.read()
-        if self.next is not None:
-            put_part(self.next.call, m.ckpt_id, m.pos, rest, list(m.keep))
-        elif rest:
+        if not self.next and rest:
             raise Refuse(ErrorCode.DESYNC, f"{len(rest)} bytes after the last part block of this worker's layers")
+        if any(p.is_prefix for p in parts):     # a checkpoint of the conversation the sequence holds: its first pages
+            if m.pos > self.seq.pos:
+                raise Refuse(ErrorCode.DESYNC, f"a prefix part at {m.pos} past the sequence's {self.seq.pos} tokens")
+            held: list = []
+            try:
+                for st, sid, p in zip(self.stages, self.seq.sids, parts):
+                    held.append(st.memory.attach_prefix(sid, p))
+            except BaseException:
+                for h in held:
+                    h.release()
+                raise
+            cp = Checkpoint(pos=m.pos, tokens=self.seq.ids[:m.pos], parts=held)
+        else:
+            cp = Checkpoint(pos=m.pos, tokens=np.zeros(m.pos, np.int32), parts=parts)
+        if self.next is not None:
+            try:
+                put_part(self.next.call, m.ckpt_id, m.pos, rest, list(m.keep))
+            except BaseException:
+                cp.release()
+                raise
         old = self.store.pop(m.ckpt_id, None)
         if old is not None:
             old.release()
-        self.store[m.ckpt_id] = Checkpoint(pos=m.pos, tokens=np.zeros(m.pos, np.int32), parts=parts)
+        self.store[m.ckpt_id] = cp
         self._prune(list(m.keep) + [m.ckpt_id])
         return self._ack()
 

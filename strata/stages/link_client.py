@@ -287,14 +287,15 @@ class LinkClient:
 
 
 
-def get_part(call, ckpt_id: int, limit: int) -> bytes:
-    """The bytes of the kept part `ckpt_id` (PartGet chunk by chunk through `call`, a LinkClient's or a stage's):
+def get_part(call, ckpt_id: int, limit: int, prefix: bool = False) -> bytes:
+    """The bytes of the kept part `ckpt_id` (PartGet chunk by chunk through `call`, a LinkClient's or a stage's;
+    prefix: its K/V as a prefix, running state only):
     LinkDown-like errors propagate; a worker answer that is not the next chunk, or a part over `limit` bytes, is a
     WorkerBadResult."""
     buf = bytearray()
     total = None
     while total is None or len(buf) < total:
-        res = call(PartGet(ckpt_id=int(ckpt_id), offset=len(buf)))
+        res = call(PartGet(ckpt_id=int(ckpt_id), offset=len(buf), prefix=bool(prefix)))
         if not isinstance(res, PartData) or res.offset != len(buf) or (total is not None and res.total != total) \
                 or res.total > limit or len(buf) + int(res.data.shape[0]) > res.total \
                 or (res.data.shape[0] == 0 and len(buf) < res.total):

@@ -189,15 +189,20 @@ class RemoteMemory:
 
     # ---- parts kept apart (parking, session files: +park) ------------------------------------------------
     def detach(self, part, to_host: bool = True):
-        """A checkpoint's part to keep with its conversation: its bytes (to_host), else another handle on the same
-        id (the worker keeps its whole part: nothing is a prefix over the link)."""
-        if to_host:
-            return self.materialize(part)
-        return self.attach_prefix(0, part)
+        """A checkpoint's part to keep with its conversation: its bytes with the K/V as a prefix of the
+        conversation's (to_host: running state only, PartGet with prefix), else another handle on the same id."""
+        if not to_host:
+            return self.attach_prefix(0, part)
+        self.validate(part)
+        if isinstance(part, RemoteBlob):
+            return part
+        return RemoteBlob(carve=self.carve, pos=part.pos, is_prefix=True,
+                          blob=get_part(self._call, part.ckpt_id, self.part_limit, prefix=True))
 
     def attach_prefix(self, sid: int, part):
         """A held part from `part`: another handle on a RemotePart's id, or a RemoteBlob sent to the worker and
-        kept under a new id (PartPut: the worker checks it against its stages). PartMismatch / CheckpointGone."""
+        kept under a new id (PartPut: the worker checks it against its stages; a prefix blob takes the first pages
+        of the worker's sequence, which holds the conversation). PartMismatch / CheckpointGone."""
         self.validate(part)
         if isinstance(part, RemotePart):
             return self._handle(part.ckpt_id, part.pos, part.epoch)
@@ -229,7 +234,7 @@ class RemoteMemory:
         """A part written by ``write``: the state-part blocks whose carves tile this stage's, each header checked
         (carve, position, its declared size under part_limit) before its bytes are read; the worker checks the
         rest when the part is sent back. codec.FormatError / PartMismatch (one line)."""
-        out, lo, pos = bytearray(), self.carve.lo, None
+        out, lo, pos, prefix = bytearray(), self.carve.lo, None, False
         fixed = struct.Struct("<4sHHII")
         while lo < self.carve.hi:
             head = codec.read_exact(io, fixed.size, "fixed header")
@@ -250,11 +255,12 @@ class RemoteMemory:
                 raise PartMismatch(f"a part block at position {p!r} (expected {pos if pos is not None else 'any'})")
             if type(size) is not int or not 0 <= size <= self.part_limit - len(out):
                 raise codec.FormatError(f"a part block declares {size!r} payload bytes, over the limit")
+            prefix = prefix or bool(header.get("kv_prefix"))
             out += head
             out += raw
             out += codec.read_exact(io, size + 4, "payload")
             lo, pos = carve[1], p
-        return RemoteBlob(carve=self.carve, pos=int(pos), blob=bytes(out))
+        return RemoteBlob(carve=self.carve, pos=int(pos), blob=bytes(out), is_prefix=prefix)
 
     # ---- cutting back and speculation ------------------------------------------------------------------
     def check_truncate(self, sid: int, p: int) -> None:
