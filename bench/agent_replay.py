@@ -5,10 +5,13 @@ restart). Run in one process and over a remote stage (a `strata worker` process 
 the split). Per step: prompt tokens, the tokens the engine had not seen (the prompt past the longest common prefix
 with every prompt + answer it read before, an answer's last token never being read back: the reference), the tokens it read, the re-read beyond the new ones (target
 zero unless a budget forced an eviction) and time to first token (from generate() to the first token event, a
-session load included where there is one). Greedy answers of both arms are compared with each other.
+session load included where there is one). Greedy answers of both arms are compared with each other. With
+--llama-server BIN the same agent runs against llama.cpp's llama-server on the same GGUF and token ids (one slot, its
+RAM prompt cache with --cache-ram, its slot files across the restart; TTFT at its streaming client).
 
 Usage: python bench/agent_replay.py [--model default] [--system-tokens 1200] [--rounds 3] [--threads 2]
-       [--split 15] [--arms local,remote] [--out bench/results/agent_replay_cpu_<commit>.json]
+       [--split 15] [--arms local,remote] [--llama-server BIN]
+       [--out bench/results/agent_replay_cpu_<commit>.json]
 """
 from __future__ import annotations
 
@@ -146,6 +149,113 @@ def run_arm(name: str, make_engine, system_tokens: int, rounds: int, session_dir
             "ttft_ms_after_restart_median": float(np.median([s["ttft_ms"] for s in steps_out if s["phase"] == 1]))}
 
 
+class LlamaServer:
+    """llama.cpp's llama-server on the same GGUF (one slot, its prompt cache in RAM with --cache-ram, session files
+    with --slot-save-path), driven with the same token ids through /completion, streaming."""
+
+    def __init__(self, binary: str, model_path: str, n_ctx: int, threads: int, save_dir: Path):
+        import socket
+        with socket.socket() as sk:
+            sk.bind(("127.0.0.1", 0))
+            self.port = sk.getsockname()[1]
+        help_text = subprocess.run([binary, "--help"], capture_output=True, text=True).stdout
+        self.cmd = [binary, "-m", model_path, "--host", "127.0.0.1", "--port", str(self.port), "-c", str(n_ctx),
+                    "-np", "1", "-t", str(threads), "--slot-save-path", str(save_dir)]
+        if "--cache-ram" in help_text:
+            self.cmd += ["--cache-ram", "1024"]
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        t0 = time.time()
+        while time.time() - t0 < 300:
+            try:
+                if self._get("/health").get("status") == "ok":
+                    return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError("llama-server did not become healthy")
+
+    def _get(self, path: str) -> dict:
+        import urllib.request
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=10) as r:
+            return json.loads(r.read())
+
+    def _post(self, path: str, body: dict):
+        import urllib.request
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        return urllib.request.urlopen(req, timeout=3600)
+
+    def generate(self, prompt: np.ndarray, n: int) -> tuple[float, list[int], dict]:
+        """(TTFT s at the client, answer token ids, the server's timings)."""
+        t0 = time.perf_counter()
+        ttft, toks, timings = None, [], {}
+        with self._post("/completion", {"prompt": [int(x) for x in prompt], "n_predict": n, "cache_prompt": True,
+                                        "temperature": 0.0, "stream": True, "id_slot": 0, "return_tokens": True}) as r:
+            for line in r:
+                if not line.startswith(b"data: "):
+                    continue
+                ev = json.loads(line[6:])
+                if ev.get("tokens") or ev.get("content"):
+                    ttft = ttft or time.perf_counter() - t0
+                toks += [int(t) for t in ev.get("tokens") or []]
+                timings = ev.get("timings") or timings
+        return (ttft or time.perf_counter() - t0), toks, timings
+
+    def save(self, name: str) -> None:
+        self._post("/slots/0?action=save", {"filename": name}).read()
+
+    def restore(self, name: str) -> float:
+        t0 = time.perf_counter()
+        self._post("/slots/0?action=restore", {"filename": name}).read()
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+def run_llama_server(binary: str, model: str, args, session_dir: Path, render: Engine) -> dict:
+    """The same agent against llama-server (prompts rendered by Strata's template: the same token ids)."""
+    from strata.gguf.default_model import resolve_model
+    path = str(resolve_model(model))
+    steps_out = []
+    srv = LlamaServer(binary, path, args.n_ctx, args.threads, session_dir)
+    cmd = " ".join(srv.cmd)
+    try:
+        agent = Agent(system_prompt(render, args.system_tokens))
+        for phase in (0, 1):
+            if phase == 1:
+                srv.close()
+                srv = LlamaServer(binary, path, args.n_ctx, args.threads, session_dir)
+                loaded: set[str] = set()
+            for chat, text in agent.schedule(args.rounds, phase):
+                msgs = agent.chats.setdefault(chat, [{"role": "system", "content": agent.system}])
+                msgs.append({"role": "user", "content": text})
+                load_ms = 0.0
+                if phase == 1 and chat not in loaded:
+                    loaded.add(chat)
+                    load_ms = 1e3 * srv.restore(f"{chat}.bin")
+                prompt = as_ids(render.render_chat(msgs).tokens)
+                new = agent.new_tokens(prompt)
+                ttft, toks, tm = srv.generate(prompt, N_ANSWER)
+                read = int(tm.get("prompt_n", 0))
+                steps_out.append(dict(phase=phase, chat=chat, prompt=len(prompt), new=new, read=read,
+                                      reread=read - new, cache_n=int(tm.get("cache_n", 0)), load_ms=round(load_ms, 2),
+                                      ttft_ms=round(1e3 * ttft + load_ms, 2), answer=toks))
+                agent.sent.append(np.concatenate([prompt, np.asarray(toks[:-1], np.int32)]))
+                msgs.append({"role": "assistant", "content": render.detokenize(toks)})
+                srv.save(f"{chat}.bin")
+                st = steps_out[-1]
+                print(f"  llama-server phase {phase} {chat:5s} prompt {st['prompt']:5d} new {st['new']:4d} read "
+                      f"{st['read']:4d} re-read {st['reread']:4d} ttft {st['ttft_ms']:8.1f} ms", flush=True)
+    finally:
+        srv.close()
+    return {"cmd": cmd, "steps": steps_out, "reread_total": sum(max(0, x["reread"]) for x in steps_out),
+            "new_total": sum(x["new"] for x in steps_out), "read_total": sum(x["read"] for x in steps_out),
+            "ttft_ms_median": float(np.median([x["ttft_ms"] for x in steps_out])),
+            "ttft_ms_after_restart_median": float(np.median([x["ttft_ms"] for x in steps_out if x["phase"] == 1]))}
+
+
 def cold_ttft(make_engine, system_tokens: int) -> float:
     """TTFT (ms) of the main's first prompt read cold, the reference a resumed step is measured against."""
     e = make_engine()
@@ -172,6 +282,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-pool-ctx", type=int, default=8192, help="each stage's KV pool, the main's and the worker's")
     ap.add_argument("--split", default="15", help="--layer-split of the remote arm (the worker runs what follows)")
     ap.add_argument("--arms", default="local,remote")
+    ap.add_argument("--llama-server", default=None, metavar="BIN", help="adds llama.cpp's llama-server as an arm")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -212,6 +323,14 @@ def main(argv=None) -> int:
             print(f"arm {arm}: re-read beyond the new tokens {res['reread_total']} of {res['read_total']} read "
                   f"({res['new_total']} new); TTFT median {res['ttft_ms_median']:.1f} ms, "
                   f"{res['ttft_median_over_cold']:.3f} of a cold read ({cold:.0f} ms)", flush=True)
+        if args.llama_server:
+            d = tmp / "llama_server"
+            d.mkdir()
+            render = Engine(args.model, n_ctx=args.n_ctx, prompt_cache=0, conversation_cache_mib=0)
+            res = run_llama_server(args.llama_server, args.model, args, d, render)
+            results["llama_server"] = res
+            print(f"llama-server: re-read beyond the new tokens {res['reread_total']} of {res['read_total']} read "
+                  f"({res['new_total']} new); TTFT median {res['ttft_ms_median']:.1f} ms", flush=True)
         arms = list(results["arms"].values())
         if len(arms) == 2:
             same = [a["answer"] == b["answer"] for a, b in zip(arms[0]["steps"], arms[1]["steps"])]
