@@ -294,7 +294,7 @@ def main(argv=None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="agent_replay_"))
     worker = None
     try:
-        for arm in args.arms.split(","):
+        for arm in [a for a in args.arms.split(",") if a]:
             d = tmp / arm
             d.mkdir()
             kw = dict(n_ctx=args.n_ctx, threads=args.threads, slot_save_path=str(d), prompt_cache=8,
