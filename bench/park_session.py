@@ -86,11 +86,11 @@ def bench_model(path, n_tokens: int, device: str, tmp: Path) -> dict:
     park_s, restore_s = [], []
     for _ in range(3):
         t0 = time.perf_counter()
-        conv = e.conversations.capture()
+        conv = e.store.capture(e.seq)
         park_s.append(time.perf_counter() - t0)
         conv_bytes = conv.nbytes()
         t0 = time.perf_counter()
-        e.conversations.restore(conv)
+        e.store.restore(e.seq, conv)
         for st in e.stages:
             st.backend.drain()
         restore_s.append(time.perf_counter() - t0)

@@ -13,7 +13,7 @@ from .errors import ErrorCode, FrameError, LinkError
 
 __all__ = [
     "MsgType", "ErrorCode", "Hop", "Challenge", "Hello", "HelloAck", "Forward", "Result", "Commit", "Reset",
-    "CkptSave", "CkptRestore", "Ack", "Error", "Ping", "Pong", "Bye", "Message", "REPLY", "TENSOR_TYPES",
+    "CkptSave", "CkptRestore", "PartGet", "PartData", "PartPut", "Ack", "Error", "Ping", "Pong", "Bye", "Message", "REPLY", "TENSOR_TYPES",
     "MAX_STR", "NONCE_SIZE", "MAC_SIZE", "MAX_NDIM", "MAX_ELEMENTS", "TENSOR_ALIGN", "DTYPE_CODES",
     "encode_payload", "decode_message", "msg_type", "same",
 ]
@@ -35,14 +35,17 @@ class MsgType(IntEnum):
     BYE = 12
     CHALLENGE = 13
     ACK = 14
+    PART_GET = 15
+    PART_DATA = 16
+    PART_PUT = 17
 
 
 # The reply each request gets (or an Error instead), in the order the requests were sent.
 REPLY = {MsgType.HELLO: MsgType.HELLO_ACK, MsgType.FORWARD: MsgType.RESULT, MsgType.COMMIT: MsgType.ACK,
          MsgType.RESET: MsgType.ACK, MsgType.CKPT_SAVE: MsgType.ACK, MsgType.CKPT_RESTORE: MsgType.ACK,
-         MsgType.PING: MsgType.PONG}
+         MsgType.PING: MsgType.PONG, MsgType.PART_GET: MsgType.PART_DATA, MsgType.PART_PUT: MsgType.ACK}
 # The only messages that carry tensors: their payloads may use the whole frame limit, the others a small one.
-TENSOR_TYPES = frozenset({MsgType.FORWARD, MsgType.RESULT})
+TENSOR_TYPES = frozenset({MsgType.FORWARD, MsgType.RESULT, MsgType.PART_DATA, MsgType.PART_PUT})
 
 MAX_STR = 4096               # bytes of UTF-8 in one string field
 NONCE_SIZE = 32              # a nonce is 32 raw bytes, no length prefix
@@ -174,6 +177,37 @@ class CkptRestore(_Message):
 
 
 @dataclass(eq=False)
+class PartGet(_Message):
+    """Main -> worker (``+park``): the bytes of checkpoint part `ckpt_id` from `offset` on (the worker chain's
+    state-part blocks in layer order, each in the state-part byte format); prefix: its K/V as a prefix of the
+    conversation it travels with (running state only)."""
+    ckpt_id: int
+    offset: int
+    prefix: bool = False
+
+
+@dataclass(eq=False)
+class PartData(_Message):
+    """Worker -> main, the reply to PartGet: `total` bytes in the part, `offset` of this chunk, the chunk."""
+    total: int
+    offset: int
+    data: np.ndarray
+
+
+@dataclass(eq=False)
+class PartPut(_Message):
+    """Main -> worker (``+park``): a chunk of a part's bytes (as PartData gives them) for checkpoint `ckpt_id` at
+    `pos`; the chunk that reaches `total` makes the worker read and keep it under that id, then keep only the ids
+    listed (Ack); the earlier chunks are acknowledged as they arrive."""
+    ckpt_id: int
+    pos: int
+    total: int
+    offset: int
+    data: np.ndarray
+    keep: list = field(default_factory=list)
+
+
+@dataclass(eq=False)
 class Ack(_Message):
     """Worker -> main, the reply to Commit / Reset / CkptSave / CkptRestore: position now, parts held, their bytes."""
     pos: int
@@ -215,8 +249,8 @@ class Bye(_Message):
     reason: str = ""
 
 
-Message = Union[Challenge, Hello, HelloAck, Forward, Result, Commit, Reset, CkptSave, CkptRestore, Ack, Error, Ping,
-                Pong, Bye]
+Message = Union[Challenge, Hello, HelloAck, Forward, Result, Commit, Reset, CkptSave, CkptRestore, PartGet, PartData,
+                PartPut, Ack, Error, Ping, Pong, Bye]
 
 # Field kinds: bool (u8 0/1), u16, u32, u64, str (u16 length + UTF-8), nonce (32 raw bytes), mac (u16 length + 0 or
 # 32 raw bytes), ids (u32 count + u64 each), hops (u32 count + Hop each), tokens / hidden (a tensor; see PROTOCOL.md).
@@ -240,6 +274,10 @@ _LAYOUT: dict[type, tuple[MsgType, tuple[tuple[str, str], ...]]] = {
     Bye: (MsgType.BYE, (("reason", "str"),)),
     Challenge: (MsgType.CHALLENGE, (("nonce", "nonce"), ("keyed", "bool"), ("worker", "str"))),
     Ack: (MsgType.ACK, (("pos", "u32"), ("held", "u32"), ("store_bytes", "u64"))),
+    PartGet: (MsgType.PART_GET, (("ckpt_id", "u64"), ("offset", "u64"), ("prefix", "bool"))),
+    PartData: (MsgType.PART_DATA, (("total", "u64"), ("offset", "u64"), ("data", "bytes"))),
+    PartPut: (MsgType.PART_PUT, (("ckpt_id", "u64"), ("pos", "u32"), ("total", "u64"), ("offset", "u64"),
+                                 ("data", "bytes"), ("keep", "ids"))),
 }
 _CLASS_OF = {t: cls for cls, (t, _) in _LAYOUT.items()}
 _INTS = {"u16": struct.Struct("<H"), "u32": struct.Struct("<I"), "u64": struct.Struct("<Q")}
@@ -250,7 +288,8 @@ _TENSOR_HEAD = struct.Struct("<BBH")     # dtype code, ndim, pad (0)
 _CARVE = struct.Struct("<II")            # a hop's lo, hi
 _HOP_MIN = 2 + 2 + 4 + 4                 # an empty host, port, lo, hi
 # tensor kinds: (allowed dtypes, ndim)
-_TENSOR_RULES = {"tokens": ((np.dtype("<i4"),), 1), "hidden": ((np.dtype("<f4"), np.dtype("<f2")), 2)}
+_TENSOR_RULES = {"tokens": ((np.dtype("<i4"),), 1), "hidden": ((np.dtype("<f4"), np.dtype("<f2")), 2),
+                 "bytes": ((np.dtype("|u1"),), 1)}
 _ZEROS = bytes(TENSOR_ALIGN)
 
 

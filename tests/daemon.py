@@ -2,6 +2,7 @@
 `strata worker` process on loopback."""
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -207,3 +208,42 @@ class NotifyListener:
         self._stop.set()
         self._thread.join(5)
         self._sock.close()
+
+
+class InProcessWorker:
+    """A `strata worker` (strata.stages.worker.Worker) served from a thread of this process, to reach its store;
+    caps: the capabilities it announces (None: its own)."""
+
+    def __init__(self, caps=None, **kw):
+        from strata.stages.worker import Worker, WorkerConfig
+        self.worker = Worker(WorkerConfig(host="127.0.0.1", port=0, **kw))
+        if caps is not None:
+            self.worker.caps = lambda: list(caps)
+        self.loop = asyncio.new_event_loop()
+        started = threading.Event()
+
+        def main():
+            asyncio.set_event_loop(self.loop)
+            self.loop.run_until_complete(self.worker.start())
+            started.set()
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=main, daemon=True)
+        self.thread.start()
+        started.wait(60)
+        self.address = f"127.0.0.1:{self.worker.port}"
+
+    def close(self):
+        """Stop serving: the listening socket closed, every connection's tasks cancelled and finished, the loop
+        stopped."""
+        async def stop():
+            self.worker.server.close()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        try:
+            asyncio.run_coroutine_threadsafe(stop(), self.loop).result(30)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)

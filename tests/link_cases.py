@@ -10,7 +10,7 @@ import numpy as np
 
 import link
 from link import (FLAG_ASYNC, Ack, Bye, Challenge, CkptRestore, CkptSave, Commit, Error, ErrorCode, Forward, Hello,
-                  HelloAck, Hop, Ping, Pong, Reset, Result, frame_bytes)
+                  HelloAck, Hop, PartData, PartGet, PartPut, Ping, Pong, Reset, Result, frame_bytes)
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN_PATH = ROOT / "tests" / "data" / "link_golden.json"
@@ -39,6 +39,9 @@ def golden_cases() -> dict:
         "reset": (Reset([1, 3]), 4, 0),
         "ckpt_save": (CkptSave(9, 17, [1, 3, 9]), 5, 0),
         "ckpt_restore": (CkptRestore(3, 12, [1, 3]), 6, 0),
+        "part_get": (PartGet(3, 4096, True), 8, 0),
+        "part_data": (PartData(10, 4, np.frombuffer(b"STRP\x01\x00", np.uint8)), 8, 0),
+        "part_put": (PartPut(11, 12, 10, 4, np.frombuffer(b"STRP\x01\x00", np.uint8), [1, 3, 11]), 9, 0),
         "error": (Error(ErrorCode.CKPT_MISSING, "checkpoint 3 is not held"), 6, 0),
         "ping": (Ping(0x0123456789ABCDEF), 7, 0),
         "pong": (Pong(0x0123456789ABCDEF), 7, 0),

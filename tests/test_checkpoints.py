@@ -75,7 +75,7 @@ def run(cache: CheckpointCache, state: Sequence, prompt, cuts, answer=(), **kw):
         state.reset()
     elif state.pos > plan.resume_pos:      # live at a common prefix: the engine cuts the K/V back there
         state.truncate(plan.resume_pos)
-    cache.begin(plan)                      # applied: the mount re-dated, the hit counted
+    cache.begin(plan, state)               # applied: the mount re-dated, the hit counted
     assert state.pos == plan.resume_pos and state.tokens == list(prompt[:plan.resume_pos])
     parts, start = [], plan.resume_pos
     for end in plan.part_ends:
@@ -200,14 +200,14 @@ def test_plan_is_pure_and_begin_dates_and_counts():
     cache, st = CheckpointCache(cap=6), new_state(hybrid=True)
     pa, ca = chat(U1)
     run(cache, st, pa, ca, answer=A1)
-    before = cache.entries(), cache.stats(), cache.live_ok
+    before = cache.entries(), cache.stats(), st.live_ok
     plans = [cache.plan(st, pa, ca, checkpoint=False) for _ in range(2)]
-    assert (cache.entries(), cache.stats(), cache.live_ok) == before          # planning changed nothing
+    assert (cache.entries(), cache.stats(), st.live_ok) == before          # planning changed nothing
     assert plans[0].resume_pos == plans[1].resume_pos == 52 and plans[0].key is not None
-    cache.begin(plans[0])
+    cache.begin(plans[0], st)
     mounted = [e for e in cache.entries() if e["pos"] == 52]
     assert mounted[0]["mounts"] == 1 and mounted[0]["last_use"] > max(e["last_use"] for e in before[0])
-    assert cache.stats()["hits_checkpoint"] == before[1]["hits_checkpoint"] + 1 and not cache.live_ok
+    assert cache.stats()["hits_checkpoint"] == before[1]["hits_checkpoint"] + 1 and not st.live_ok
 
 
 def test_never_resumes_at_the_full_prompt():

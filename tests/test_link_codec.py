@@ -168,10 +168,10 @@ def test_refuses_payload_checksum():
 
 
 def test_refuses_unknown_type():
-    for t in (0, 15, 99, 0xFFFF):
+    for t in (0, 18, 99, 0xFFFF):
         refused(raw_frame(t, b""), f"unknown message type {t}$")
-    with pytest.raises(FrameError, match="unknown message type 15"):
-        decode_message(15, b"")
+    with pytest.raises(FrameError, match="unknown message type 18"):
+        decode_message(18, b"")
 
 
 def test_refuses_unknown_flag_bits():
@@ -365,7 +365,7 @@ def test_errors_are_value_errors_with_codes_and_pickle():
         assert isinstance(e, ValueError) and type(back) is type(e) and str(back) == str(e) and back.code == e.code
     assert FrameError("y").code == ErrorCode.BAD_FRAME and LinkError("x").code == ErrorCode.INTERNAL
     assert [c.value for c in ErrorCode] == list(range(1, 11))
-    assert [t.value for t in MsgType] == list(range(1, 15))
+    assert [t.value for t in MsgType] == list(range(1, 18))
 
 
 def test_error_of_an_exception_is_one_clipped_line():

@@ -23,7 +23,7 @@ import link
 from strata.engine.engine import Engine
 from strata.engine.types import GenerationRequest
 from strata.stages.link_client import LinkClient, WorkerRefused
-from tests.daemon import ROOT, Daemon, NotifyListener, WorkerProc, env_for_daemon, free_port
+from tests.daemon import ROOT, Daemon, InProcessWorker, NotifyListener, WorkerProc, env_for_daemon, free_port
 from tests.helpers import ask, default_fingerprint
 
 N_CTX = 1024
@@ -163,41 +163,25 @@ def test_without_prompt_cache_the_remote_path_sends_no_checkpoint_message(worker
         e.close()
 
 
-def test_parking_and_session_files_are_refused_with_a_remote_stage(workers, tmp_path):
-    w = workers()
-    with pytest.raises(ValueError, match="parking .* not supported with a remote stage"):
-        Engine("default", n_ctx=N_CTX, remote_stage=w.address, conversation_cache_mib=64)
-    e = Engine("default", n_ctx=N_CTX, remote_stage=w.address, layer_split="15")
+def test_parking_and_session_files_are_refused_with_a_worker_without_park(tmp_path):
+    """A worker that does not announce +park (an older one) cannot stream its parts: parking asked for is refused
+    at start, a session file at the save, each in one line naming +park; by default parking is just off."""
+    w = InProcessWorker(caps=[link.CAP_SPEC])
     try:
-        with pytest.raises(Exception, match="session files are not supported with a remote stage"):
-            e.slot_save(0, "x.bin")
+        with pytest.raises(ValueError, match=r"announce \+park"):
+            Engine("default", n_ctx=N_CTX, remote_stage=w.address, conversation_cache_mib=64, layer_split="15")
+        e = Engine("default", n_ctx=N_CTX, remote_stage=w.address, layer_split="15", slot_save_path=str(tmp_path))
+        try:
+            assert e.park is None
+            r = e.render_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}])
+            run(e, r)
+            with pytest.raises(Exception, match=r"session files: .*\+park"):
+                e.slot_save(0, "x.bin")
+            assert list(tmp_path.iterdir()) == []
+        finally:
+            e.close()
     finally:
-        e.close()
-
-
-# ---- a worker in this process, to reach its store ------------------------------------------------------------
-class InProcessWorker:
-    def __init__(self, **kw):
-        from strata.stages.worker import Worker, WorkerConfig
-        self.worker = Worker(WorkerConfig(host="127.0.0.1", port=0, **kw))
-        self.loop = asyncio.new_event_loop()
-        started = threading.Event()
-
-        def main():
-            asyncio.set_event_loop(self.loop)
-            self.loop.run_until_complete(self.worker.start())
-            started.set()
-            self.loop.run_forever()
-
-        self.thread = threading.Thread(target=main, daemon=True)
-        self.thread.start()
-        started.wait(60)
-        self.address = f"127.0.0.1:{self.worker.port}"
-
-    def close(self):
-        self.loop.call_soon_threadsafe(self.worker.server.close)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
+        w.close()
 
 
 def test_a_store_emptied_under_the_main_makes_the_request_read_from_zero(synthetic):

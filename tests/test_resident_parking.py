@@ -273,7 +273,7 @@ def test_a_restore_failing_midway_puts_the_conversation_back_and_leaks_no_page(d
     _, f = ask(e, chat("rivers", 1, a))
     assert f.strata["resume_from"] == "resident"
     e.slot_erase()
-    e.conversations.resident.clear()
+    e.store.resident.clear()
     assert e.status()["kv_pages"]["used"] == 0 and e.status()["kv_pages"]["held"] == 0
 
 
@@ -297,15 +297,15 @@ def test_a_device_out_of_memory_for_the_resident_copy_parks_in_host_ram(default_
     e = Engine(default_model_path, n_ctx=512, ubatch=64, conversation_cache_mib=64, park_resident=2)
     a = [e.detokenize(ask(e, chat("rivers", 0, []))[0])]
     ask(e, chat("ships", 0, []))                              # rivers resident
-    real = e.conversations.capture_resident
+    real = e.store.capture_resident
 
-    def oom():
+    def oom(seq):
         raise MemoryError("simulated: out of device memory")
-    e.conversations.capture_resident = oom
+    e.store.capture_resident = oom
     ask(e, chat("trains", 0, []))                             # ships cannot stay on the device: RAM, rivers too
-    e.conversations.capture_resident = real
+    e.store.capture_resident = real
     assert sorted(p["tier"] for p in e.parked()) == ["ram", "ram"]
-    assert len(e.conversations.resident) == 0                 # no conversation holds pages (checkpoints may)
+    assert len(e.store.resident) == 0                 # no conversation holds pages (checkpoints may)
     _, f = ask(e, chat("rivers", 1, a))
     assert f.strata["resume_from"] == "park"
 
@@ -320,14 +320,35 @@ def test_a_failure_to_park_never_fails_the_request_nor_loses_the_target(default_
 
     def oom(*_a, **_k):
         raise MemoryError("simulated: out of memory")
-    monkeypatch.setattr(e.conversations, "capture_resident", oom)
-    monkeypatch.setattr(e.conversations, "capture", oom)
+    monkeypatch.setattr(e.store, "capture_resident", oom)
+    monkeypatch.setattr(e.store, "capture", oom)
     _, f = ask(e, chat("rivers", 1, a))                       # ships cannot be parked anywhere
     assert f.strata["resume_from"] in ("resident", "park")    # rivers came back (moved to RAM by the fallback)
     assert e.park.stats["refused"] >= 1
     monkeypatch.undo()
     ask(e, chat("trains", 0, []))
-    owned = {id(k.hold) for c in e.conversations.resident._items for p in c.parts for k in p.kv.values()}
+    owned = {id(k.hold) for c in e.store.resident._items for p in c.parts for k in p.kv.values()}
     owned |= {id(k.hold) for x in e.cache._entries.values() for p in x.snapshot.parts for k in p.kv.values()}
     pool = e.stages[0].memory.pool
     assert all(id(h) in owned for h in pool.holds)           # no hold outlives its conversation or checkpoint
+
+
+def test_without_parking_a_short_pool_moves_checkpoints_to_host_ram_and_a_hit_brings_them_back(hybrid_path):
+    """Parking off, n_ctx 512: the second long conversation does not fit beside the first one's checkpoints, so they
+    move to host RAM (their tier "ram", no longer holding pages) instead of being dropped, and the first
+    conversation's next turn resumes from one of them, bit-exact with the conversation played alone."""
+    kw = dict(n_ctx=512, ubatch=64)
+    alone = Engine(hybrid_path, conversation_cache_mib=0, **kw)
+    ref = play(alone, "rivers", 2, [], long_chat)
+    e = Engine(hybrid_path, conversation_cache_mib=0, prompt_cache=8, **kw)
+    answers: list[str] = []
+    toks, _ = ask(e, long_chat("rivers", 0, answers))
+    answers.append(e.detokenize(toks))
+    ask(e, long_chat("ships", 0, []))
+    demoted = e.cache.stats()["demoted"]
+    assert demoted >= 1 and any(c["tier"] == "ram" for c in e.checkpoints())
+    toks, final = ask(e, long_chat("rivers", 1, answers))
+    assert final.strata["resume_from"] == "checkpoint" and final.strata["resume_pos"] > 300
+    assert any(c["tier"] == "ram" and c["mounts"] == 1 and c["pos"] == final.strata["resume_pos"]
+               for c in e.checkpoints())                          # the hit was on a checkpoint in host RAM
+    assert toks == ref[1][0] and e.state_hashes() == ref[1][1]

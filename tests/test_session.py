@@ -336,10 +336,10 @@ def test_the_disk_tier_reads_its_files_under_the_same_rules(model_path, tmp_path
     e = Engine(model_path, n_ctx=512, ubatch=32, conversation_cache_mib=64, conversation_cache_dir=d,
                conversation_cache_disk_mib=64)
     ask(e, CHAT)
-    disk = e.conversations.disk
+    disk = e.store.disk
     for swap, match in ((lambda p: p.symlink_to(secret), "symbolic link"), (lambda p: os.mkfifo(p),
                                                                              "not a regular file")):
-        disk.add(e.conversations.capture())
+        disk.add(e.store.capture(e.seq))
         path = disk.best(e.seq.tokens)[0]
         assert path is not None and path.is_file()
         path.unlink()

@@ -6,7 +6,10 @@ any split of a prompt into reads): after every request the greedy tokens and the
 equal; after every step every KV page's reference count equals its holders (the live page tables and the holds of
 kept checkpoints and resident conversations) and every hold is owned by one of those; after a forget no page is
 held but by a parked conversation; a loaded session file's state
-hashes are those it was saved with. STATE_FUZZ_STEPS sets the steps of one run (tools/state_fuzz.py runs 10,000+)."""
+hashes are those it was saved with. A third configuration runs the layers after the first stage on a worker (a
+remote stage, parking and session files over the link): every layer's hash is compared there too (the worker runs in
+this process), and the worker's pages are counted against its part store. STATE_FUZZ_STEPS sets the steps of one run
+(tools/state_fuzz.py runs 10,000+)."""
 from __future__ import annotations
 
 import collections
@@ -21,6 +24,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
     run_state_machine_as_test
 
 from strata.engine import Engine
+from tests.daemon import InProcessWorker
 from tests.helpers import ask
 
 STEPS = int(os.environ.get("STATE_FUZZ_STEPS", "0") or 0)     # steps per architecture (0: CI's)
@@ -34,24 +38,28 @@ _names = itertools.count()
 def _holders(engine) -> set[int]:
     """ids of the holds something still owns: the kept checkpoints' parts and the resident conversations' parts."""
     snaps = [e.snapshot for e in engine.cache._entries.values()]
-    res = engine.conversations.resident
+    res = engine.store.resident
     parts = [p for c in snaps for p in c.parts] + [p for c in (res._items if res is not None else ()) for p in c.parts]
     return {id(k.hold) for p in parts for k in p.kv.values() if k.is_held}
 
 
-def _pages_ok(engine) -> None:
+def _pages_ok(engine, stages=None, owned=None) -> None:
     """Every page's count is its holders' (the live page tables, the holds), and every hold is owned by a kept
-    checkpoint or a resident conversation: nothing leaked, nothing freed early."""
-    owned = _holders(engine)
-    for st in engine.stages:
+    checkpoint or a resident conversation (`owned`: ids of the holds someone owns; a worker's: its store's):
+    nothing leaked, nothing freed early."""
+    owned = _holders(engine) if owned is None else owned
+    for st in (engine.stages if stages is None else stages):
+        if not hasattr(st.memory, "fields"):
+            continue                     # a remote stage: its worker's pages are counted apart
+
         for f in st.memory.fields:
             pool = getattr(f, "pool", None)
             if pool is not None:
                 stray = [h for h in pool.holds if id(h) not in owned]
                 assert not stray, f"stage {st.index} {f.name}: {len(stray)} holds no checkpoint or conversation owns"
     seen = set()
-    for st in engine.stages:
-        for f in st.memory.fields:
+    for st in (engine.stages if stages is None else stages):
+        for f in getattr(st.memory, "fields", ()):
             pool = getattr(f, "pool", None)
             if pool is None or id(pool) in seen:
                 continue
@@ -68,10 +76,24 @@ def _pages_ok(engine) -> None:
             assert pool.n_free == int((want == 0).sum())
 
 
-def _machine(path, tmp_path, counts: collections.Counter, parking: bool = True):
+def _worker_pages_ok(worker) -> None:
+    """A worker's pages: its part store owns every hold, each page's count is its holders', the store within the
+    part budget its hello granted."""
+    carrier = worker.worker.carrier
+    if carrier is None:
+        return
+    owned = {id(k.hold) for cp in carrier.store.values() for p in cp.parts for k in p.kv.values() if k.is_held}
+    _pages_ok(None, carrier.stages, owned)
+    assert len(carrier.store) <= carrier.ckpt_max
+
+
+def _machine(path, tmp_path, counts: collections.Counter, parking: bool = True, worker=None):
     kw = dict(n_ctx=1024, ubatch=16)
 
     def engine() -> Engine:
+        if worker is not None:   # the layers after the first stage on a worker: parking and session files over it
+            return Engine(path, remote_stage=worker.address, layer_split="2", conversation_cache_mib=64,
+                          park_resident=1, slot_save_path=str(tmp_path), prompt_cache=6, **kw)
         if not parking:         # the checkpoint tree alone keeps the branches (a larger pool holds their pages)
             return Engine(path, conversation_cache_mib=0, slot_save_path=str(tmp_path), prompt_cache=16,
                           prompt_cache_every=24, kv_pool_ctx=8192, **kw)
@@ -79,6 +101,22 @@ def _machine(path, tmp_path, counts: collections.Counter, parking: bool = True):
                       prompt_cache_every=24, **kw)
 
     ref = Engine(path, prompt_cache=0, conversation_cache_mib=0, **kw)
+
+    def kept(k: str) -> bool:      # over a link: per-layer K/V and running state, the tokens (no drafter runs)
+        return (".L" in k and not k.startswith("draft.")) or k == "tokens"
+
+    def hashes(e: Engine) -> dict:
+        """The live sequence's state hashes: every layer's (a worker's too) and its tokens."""
+        h = e.state_hashes()
+        if worker is None:
+            return h
+        h = {k: v for k, v in h.items() if kept(k)}
+        h.update({k: v for k, v in worker.worker.carrier.seq.hashes().items() if kept(k) and k != "tokens"})
+        return h
+
+    def ref_hashes() -> dict:
+        h = ref.state_hashes()
+        return h if worker is None else {k: v for k, v in h.items() if kept(k)}
 
     class StateFuzz(RuleBasedStateMachine):
         """chats: name -> messages (the last a user message, not yet answered, or answered: `answered`)."""
@@ -97,7 +135,7 @@ def _machine(path, tmp_path, counts: collections.Counter, parking: bool = True):
             ref.slot_erase()                              # cold: the reference reads the whole prompt
             want, _ = ask(ref, msgs, N_ANSWER)
             assert toks == want, f"{final.strata} tokens {toks}, cold {want}"
-            h, r = self.e.state_hashes(), ref.state_hashes()
+            h, r = hashes(self.e), ref_hashes()
             assert h == r, f"{final.strata}: state differs from the cold read: " \
                            f"{sorted(k for k in r if h.get(k) != r[k])[:6]}"
             msgs.append({"role": "assistant", "content": self.e.detokenize(toks)})
@@ -177,22 +215,22 @@ def _machine(path, tmp_path, counts: collections.Counter, parking: bool = True):
         def save(self):
             name = f"s{next(_names)}.bin"
             self.e.slot_save(0, name)
-            self.saved.append((name, self.e.state_hashes()))
+            self.saved.append((name, hashes(self.e)))
 
         @precondition(lambda self: self.saved)
         @rule(data=hs.data())
         def load(self, data):
-            name, hashes = data.draw(hs.sampled_from(self.saved))
+            name, want = data.draw(hs.sampled_from(self.saved))
             self.e.slot_restore(0, name)
-            assert self.e.state_hashes() == hashes
+            assert hashes(self.e) == want
 
         @rule()
         def forget(self):
             self.e.slot_erase()
             _pages_ok(self.e)
-            held = sum(len(h.pages) for st in self.e.stages for f in st.memory.fields
+            held = sum(len(h.pages) for st in self.e.stages for f in getattr(st.memory, "fields", ())
                        if getattr(f, "pool", None) is not None for h in f.pool.holds)
-            used = sum(f.pool.n_pages - f.pool.n_free for st in self.e.stages for f in st.memory.fields
+            used = sum(f.pool.n_pages - f.pool.n_free for st in self.e.stages for f in getattr(st.memory, "fields", ())
                        if getattr(f, "pool", None) is not None)
             assert used <= held, f"{used} pages in use after a forget, {held} held by parked conversations"
 
@@ -207,6 +245,8 @@ def _machine(path, tmp_path, counts: collections.Counter, parking: bool = True):
             if hasattr(self, "e"):
                 counts["steps"] += 1
                 _pages_ok(self.e)
+                if worker is not None:
+                    _worker_pages_ok(worker)
 
         def teardown(self):
             if hasattr(self, "e"):
@@ -215,21 +255,28 @@ def _machine(path, tmp_path, counts: collections.Counter, parking: bool = True):
     return StateFuzz
 
 
-@pytest.mark.parametrize("arch,parking", [("llama", True), ("qwen35", True), ("llama", False), ("qwen35", False)])
+@pytest.mark.parametrize("arch,parking", [("llama", True), ("qwen35", True), ("llama", False), ("qwen35", False),
+                                         ("llama", "remote"), ("qwen35", "remote")])
 def test_conversation_state_matches_cold_reads(arch, parking, synthetic, tmp_path):
     # ubatch 16 (in _machine): every read is of at most 16 tokens, so the hybrid's reads split the same way cold.
-    # parking False: no parking at all, the checkpoint tree alone keeps the branches (sub-agents checked deep)
+    # parking False: no parking at all, the checkpoint tree alone keeps the branches (sub-agents checked deep);
+    # "remote": layers 2.. on a worker, parking (resident and in RAM) and session files over the link
     path = synthetic(arch, n_layer=4, seed=33)
     counts: collections.Counter = collections.Counter()
-    machine = _machine(path, tmp_path, counts, parking)
-    want = STEPS or (100 if parking else 50)
-    while counts["steps"] < want:          # hypothesis chooses each run's length: runs until `want` steps are done
-        run_state_machine_as_test(machine, settings=settings(
-            max_examples=max(1, (want - counts["steps"]) // 8), stateful_step_count=25, deadline=None,
-            suppress_health_check=list(HealthCheck), database=None))
+    worker = InProcessWorker(model=str(path)) if parking == "remote" else None
+    try:
+        machine = _machine(path, tmp_path, counts, bool(parking), worker)
+        want = STEPS or (100 if parking is True else 50)
+        while counts["steps"] < want:      # hypothesis chooses each run's length: runs until `want` steps are done
+            run_state_machine_as_test(machine, settings=settings(
+                max_examples=max(1, (want - counts["steps"]) // 8), stateful_step_count=25, deadline=None,
+                suppress_health_check=list(HealthCheck), database=None))
+    finally:
+        if worker is not None:
+            worker.close()
     if REPORT:
         old = json.loads(open(REPORT).read()) if os.path.exists(REPORT) else {}
-        old[arch + ("" if parking else "-tree")] = dict(counts)
+        old[arch + {True: "", False: "-tree", "remote": "-remote"}[parking]] = dict(counts)
         with open(REPORT, "w") as f:
             json.dump(old, f, indent=1, sort_keys=True)
     assert counts["requests"] > 0 and counts["steps"] >= want

@@ -1,5 +1,9 @@
 """Counts, per state verb, the classes of the state modules that define it (as `verb` or its hook `_verb`, a def or
-an assignment; an abstract declaration is not counted): how many places a change to one verb touches. Usage: python tools/state_verbs.py [--json]."""
+an assignment; an abstract declaration is not counted): how many places a change to one verb touches. The memory
+and stage verbs are counted over strata/memory and strata/stages; the conversation verbs (what the conversation
+store owns: resume, note, forget, park, save, load, make room) over those and strata/cache, strata/engine, with the
+names they had before the store (park_live, forget_live, drop_live, slot_save...) counted as theirs.
+Usage: python tools/state_verbs.py [--json]."""
 from __future__ import annotations
 
 import ast
@@ -13,6 +17,11 @@ VERBS = ("new_seq", "drop_seq", "reserve", "capture", "validate", "restore", "ch
 #: the modules that own a sequence's state (the byte codec, the page pool's K/V access and the worker's message
 #: handlers are not state verbs)
 FILES = ("strata/memory/*.py", "strata/stages/*.py")
+#: the conversation verbs and the other names each went by
+STORE_VERBS = {"resume": ("resume", "apply", "switch"), "note": ("note",), "forget": ("forget", "forget_live",
+               "drop_live", "state_reset"), "erase": ("erase", "slot_erase"), "park": ("park", "park_live"),
+               "save": ("save",), "load": ("load",), "make_room": ("make_room",)}
+STORE_FILES = FILES + ("strata/cache/*.py", "strata/engine/*.py")
 SKIP = {"kv.py", "pages.py", "codec.py", "pinned.py", "host.py", "hostram.py", "worker.py", "carrier.py", "link_client.py",
         "split.py", "part.py"}
 
@@ -36,13 +45,30 @@ def definers(paths) -> dict[str, list[str]]:
     return out
 
 
+def store_definers(paths) -> dict[str, list[str]]:
+    """Per conversation verb, the classes that define it under any of its names (def only)."""
+    out: dict[str, list[str]] = {v: [] for v in STORE_VERBS}
+    for path in paths:
+        tree = ast.parse(path.read_text())
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            names = {n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+            for v, aka in STORE_VERBS.items():
+                if names & set(aka):
+                    out[v].append(f"{path.relative_to(ROOT)}:{cls.name}")
+    return out
+
+
 def main() -> None:
     paths = sorted(p for g in FILES for p in ROOT.glob(g) if p.name not in SKIP)
     d = definers(paths)
+    s = store_definers(sorted(p for g in STORE_FILES for p in ROOT.glob(g) if p.name not in SKIP))
     if "--json" in sys.argv:
-        print(json.dumps({v: len(c) for v, c in d.items()}))
+        print(json.dumps({**{v: len(c) for v, c in d.items()}, **{"store." + v: len(c) for v, c in s.items()}}))
         return
     for v, c in d.items():
+        print(f"{v:15s} {len(c):2d}  {', '.join(x.split(':')[1] for x in c)}")
+    print("conversation verbs")
+    for v, c in s.items():
         print(f"{v:15s} {len(c):2d}  {', '.join(x.split(':')[1] for x in c)}")
 
 

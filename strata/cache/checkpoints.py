@@ -76,6 +76,7 @@ class _Entry:
     key: int = 0
     node: Node | None = None
     mounts: int = 0
+    tier: str = "device"        # "device": its pages held in the pools; "ram": host copies (demoted by make_room)
 
 
 def _cut(cp) -> tuple[int, str]:
@@ -95,6 +96,12 @@ def _snapshot_bytes(snap) -> int:
         return int(nb)
     running = getattr(snap, "running", None) or {}
     return sum(int(a.nbytes) for parts in running.values() for a in parts.values())
+
+
+def _holds_pages(snap) -> bool:
+    """Whether a snapshot holds pages in a pool (giving it back frees them): a Checkpoint with held parts."""
+    return any(getattr(p, "is_held", False) or (hasattr(p, "ckpt_id") and not p.released)
+               for p in getattr(snap, "parts", ()))
 
 
 def _release(snap) -> None:
@@ -149,9 +156,8 @@ class CheckpointCache:
         self._clock = 0
         self._keys = 0
         self._lock = threading.Lock()
-        self._live_ok = True
         self._stats = dict(hits=0, hits_live=0, hits_checkpoint=0, misses=0, tokens_saved=0, saves=0,
-                           evictions=0, replaced=0)
+                           evictions=0, replaced=0, demoted=0)
 
     # ---- the request loop ------------------------------------------------------------------------
     def plan(self, state, prompt_tokens, cut_points, *, checkpoint: bool = True,
@@ -159,6 +165,7 @@ class CheckpointCache:
         """Decide how to read ``prompt_tokens`` on ``state`` (a strata.stages.sequence.Sequence: its token ids).
         Pure: nothing changes until ``begin(plan)``, which the reader calls once it applied the plan.
 
+        Whether ``state``'s end may be continued is its own ``live_ok`` (a Sequence's; True when it has none).
         Resume rules, first that applies:
 
         1. cache_prompt=False (llama.cpp's meaning): reuse nothing, read from 0 (the kept checkpoints stay).
@@ -215,9 +222,12 @@ class CheckpointCache:
                            part_ends=sorted(p for p in points if p < n) + [n], save_at=dict(sorted(points.items())),
                            keep_live=checkpoint, key=best.key if best else None)
 
-    def begin(self, plan: PrefillPlan) -> None:
-        """The reader applied `plan` (restored, cut or reset the sequence): the checkpoint it mounted is re-dated
-        for retention, the hit or miss counted, and whether the read may be continued live set (keep_live)."""
+    def begin(self, plan: PrefillPlan, state=None) -> None:
+        """The reader applied `plan` to `state` (restored, cut or reset the sequence): the checkpoint it mounted is
+        re-dated for retention, the hit or miss counted, and whether the sequence's read may be continued live set
+        on it (``state.live_ok = plan.keep_live``)."""
+        if state is not None:
+            state.live_ok = bool(plan.keep_live)
         with self._lock:
             e = self._entries.get(plan.key) if plan.key is not None else None
             if e is not None:
@@ -230,13 +240,13 @@ class CheckpointCache:
                 self._stats["hits"] += 1
                 self._stats["hits_" + plan.resume_from] += 1
                 self._stats["tokens_saved"] += plan.resume_pos
-            self._live_ok = bool(plan.keep_live)
 
     def _choose(self, prompt: np.ndarray, state_tokens: np.ndarray, state=None) -> tuple[int, str, Any]:
         """Rules 2-4 of ``plan``: (resume position, "live" | "checkpoint" | "none", the checkpoint entry or None).
         prompt, state_tokens: int32 arrays."""
         n, L = int(prompt.shape[0]), int(state_tokens.shape[0])
-        if self._live_ok and 0 < L < n and is_prefix(state_tokens, prompt):
+        live_ok = bool(getattr(state, "live_ok", True))
+        if live_ok and 0 < L < n and is_prefix(state_tokens, prompt):
             return L, "live", None
         best = None
         for nd in self._tree.path(prompt[:n - 1]):          # never the full prompt: one token is read for logits
@@ -244,7 +254,7 @@ class CheckpointCache:
         # an attention-only sequence cuts its K/V back to the longest common prefix (at most n - 1: one token is
         # read for the logits) when that skips more than any checkpoint does
         can_cut = getattr(state, "can_truncate", None)
-        if self._live_ok and can_cut is not None and L > 0:
+        if live_ok and can_cut is not None and L > 0:
             k = min(common_prefix(prompt, state_tokens), n - 1)
             if k > (best.pos if best is not None else 0) and can_cut(k):
                 return k, "live", None
@@ -268,12 +278,11 @@ class CheckpointCache:
         with self._lock:
             return [(nd.pos, nd.value.kind, nd.value.snapshot) for nd in self._tree.path(tokens)]
 
-    def adopt(self, entries: list[tuple[int, str, Any]], live_ok: bool) -> None:
-        """Keep `entries` ((pos, kind, snapshot) of the conversation the engine now holds, as ``export`` gives
+    def adopt(self, entries: list[tuple[int, str, Any]]) -> None:
+        """Keep `entries` ((pos, kind, snapshot) of a conversation a sequence now holds, as ``export`` gives
         them; the cache owns their snapshots from here, see ``save``) beside the other branches, each replacing
-        one kept at the same tokens, and set whether the conversation's end may be continued live."""
+        one kept at the same tokens."""
         with self._lock:
-            self._live_ok = bool(live_ok)
             for pos, kind, snap in sorted(entries, key=lambda x: x[0]):
                 self._put(kind, snap, frozen_ids(snap.tokens))
             self._retain()                      # this engine's --prompt-cache / --prompt-cache-mib apply
@@ -368,19 +377,43 @@ class CheckpointCache:
         self._stats["evictions"] += len(victims)
         return gone
 
-    def make_room(self, live_ids, off_path: bool = False) -> bool:
-        """Drop one checkpoint to give its pages back when a KV pool is short: the least recently used of those that
+    def make_room(self, live_ids, off_path: bool = False, spare=None, demote=None) -> bool:
+        """Give back one checkpoint's pages when a pool is short: the least recently used of those holding pages that
         are not a prefix of ``live_ids`` (the live sequence's tokens: their pages are the sequence's too), then
-        (unless off_path) of the rest -> False when none is left to drop."""
+        (unless off_path) of the rest, never the one whose snapshot is `spare` (being restored). With `demote`
+        (snapshot -> the same checkpoint as host copies, or None), it moves to host RAM (its tier "ram": restored
+        from there on a hit, its bytes counted against the byte budget) instead of being dropped. -> False when
+        none holds pages any more."""
         live = as_ids(live_ids)
         with self._lock:
-            cand = [(is_prefix(e.tokens, live), e.last_use, e.key) for e in self._entries.values()]
+            cand = [(is_prefix(e.tokens, live), e.last_use, e.key) for e in self._entries.values()
+                    if (spare is None or e.snapshot is not spare) and _holds_pages(e.snapshot)]
             cand = [c for c in cand if not (off_path and c[0])]
             if not cand:
                 return False
-            self._drop(min(cand)[2])
-            self._stats["evictions"] += 1
+            e = self._entries[min(cand)[2]]
+            copy = None
+            if demote is not None:
+                try:
+                    copy = demote(e.snapshot)
+                except Exception:  # noqa: BLE001 -- a copy that fails leaves the drop
+                    copy = None
+            if copy is None:
+                self._drop(e.key)
+                self._stats["evictions"] += 1
+                return True
+            _release(e.snapshot)
+            e.snapshot, e.bytes, e.tier = copy, _snapshot_bytes(copy), "ram"
+            self._stats["demoted"] += 1
+            self._retain()                     # host copies count against the byte budget
             return True
+
+    def discard(self, snapshot) -> None:
+        """Drop the checkpoint whose snapshot is `snapshot` (one a worker no longer holds), its pages given back."""
+        with self._lock:
+            for key in [k for k, e in self._entries.items() if e.snapshot is snapshot]:
+                self._drop(key)
+                self._stats["evictions"] += 1
 
     def _drop(self, key: int) -> None:
         """Forget the checkpoint `key` and give back the pages it holds (under the lock)."""
@@ -400,7 +433,7 @@ class CheckpointCache:
         with self._lock:
             pin = pinned_root(self._kept(), self.cap, self.root_min)
             return [dict(pos=e.pos, kind=e.kind, bytes=e.bytes, last_use=e.last_use,
-                         last_use_time=e.last_use_time, mounts=e.mounts,
+                         last_use_time=e.last_use_time, mounts=e.mounts, tier=e.tier,
                          pinned=pin is not None and pin.key == e.key)
                     for e in sorted(self._entries.values(), key=lambda e: (e.pos, e.saved))]
 
@@ -412,19 +445,9 @@ class CheckpointCache:
     def stats(self) -> dict:
         """Counters since start: hits (plans that reused a prefix; hits_live + hits_checkpoint), misses,
         tokens_saved (prompt tokens not read thanks to a hit), saves, evictions (retention and make_room),
-        replaced (a checkpoint saved again at the same tokens)."""
+        replaced (a checkpoint saved again at the same tokens), demoted (moved to host RAM by make_room)."""
         with self._lock:
             return dict(self._stats)
-
-    @property
-    def live_ok(self) -> bool:
-        """Whether the live sequence may be continued by the next request (False after checkpoint=False)."""
-        return self._live_ok
-
-    def drop_live(self) -> None:
-        """Forbid continuing the live sequence (the engine calls it when the sequence is not continuable)."""
-        with self._lock:
-            self._live_ok = False
 
     def clear(self) -> None:
         """Drop every checkpoint, its pages given back (counters stay)."""

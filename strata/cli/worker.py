@@ -33,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--max-ctx", type=int, default=None, metavar="N",
                    help="the largest context a main may ask this worker for (default: the model's training context)")
+    p.add_argument("--kv-pool-ctx", type=int, default=None, metavar="TOKENS",
+                   help="tokens each stage's KV page pool holds (default: the main's --n-ctx): more keeps the parts a "
+                        "main parks here (checkpoints, conversations parked resident) beside its live sequence")
     p.add_argument("--idle-timeout", type=float, default=15.0, metavar="S",
                    help="drop a main's link after S seconds without a frame (default 15; mains ping idle links every "
                         "second)")
@@ -125,7 +128,8 @@ def run(args) -> int:
         log.warning("no link key: any process that reaches this address can drive the worker", listen=args.listen)
     cfg = WorkerConfig(host=host, port=port, model=args.model, device=args.device, kv=args.kv, key=key,
                        max_ctx=args.max_ctx, idle_timeout=args.idle_timeout, commit_delay_s=commit_delay_from_env(),
-                       encrypt=args.link_encrypt, insecure_link=args.insecure_link, moe_tier=tier.settings())
+                       encrypt=args.link_encrypt, insecure_link=args.insecure_link, moe_tier=tier.settings(),
+                       kv_pool_ctx=args.kv_pool_ctx)
     try:
         worker = Worker(cfg)
     except (ModelLoadError, ValueError, OSError) as e:

@@ -37,7 +37,7 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class ParkingConfig:
-    """Parking and session files (strata.engine.parking). ram_mib: host RAM for parked conversations (None: 25 %
+    """Parking and session files (strata.cache.store). ram_mib: host RAM for parked conversations (None: 25 %
     of RAM; 0: no parking); disk_dir / disk_mib: the disk tier; resident: conversations kept parked on the device
     before host RAM (0: none); slot_save_path: the directory of session files (None: refused)."""
 
@@ -240,10 +240,8 @@ class EngineConfig:
                 parse_remote(self.link.remote_stage)
             except ValueError as e:
                 return f"--remote-stage: {e}"
-            pk, ck = self.parking, self.checkpoints
-            why = unsupported_with_remote(conversation_cache_mib=pk.ram_mib, conversation_cache_dir=pk.disk_dir,
-                                          slot_save_path=pk.slot_save_path, prompt_cache_every=ck.every,
-                                          prompt_cache_tail=ck.tail)
+            ck = self.checkpoints
+            why = unsupported_with_remote(prompt_cache_every=ck.every, prompt_cache_tail=ck.tail)
             if why:
                 return why
         why = self.moe.problem() or self.spec.problem()

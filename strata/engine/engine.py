@@ -1,6 +1,7 @@
 """Engine: loads a model over its stages and runs one request at a time on its live sequence: prompts rendered and
-tokenized, requests checked (validation.py), prompts read in parts with checkpoints (prefill.py), conversations parked
-and saved (parking.py), choices decoded (decode.py), status reported."""
+tokenized, requests checked (validation.py), prompts read in parts with checkpoints (prefill.py) through the
+conversation store (strata.cache.store: checkpoints, parking, session files), choices decoded (decode.py), status
+reported."""
 from __future__ import annotations
 
 import dataclasses
@@ -18,11 +19,11 @@ import link
 from strata.backend import quant
 
 from strata.cache.checkpoints import CheckpointCache
+from strata.cache.store import ConversationStore
 from strata.gguf.default_model import resolve_model
 from strata.engine import embed as embeddings, report
 from strata.engine.config import EngineConfig
 from strata.engine.decode import Decoder, env_flag
-from strata.engine.parking import Conversations
 from strata.engine.prefill import PromptReader
 from strata.engine.speculate import AdaptiveN, MTPDrafter, SpecCounts, spec_refusal
 from strata.engine.types import ContextOverflow, FinalEvent, GenerationRequest, TokenEvent, spec_timings
@@ -93,7 +94,11 @@ class Engine:
         def make_remote(index, hops, model):
             # the worker may hold, besides the cache's N, the one being saved before an eviction, the one a plan
             # restores and the prompt's state of n > 1 choices: room for 2N + 2 (at most the worker's 64)
-            parts = min(64, 2 * self.prompt_cache + 2) if self.prompt_cache else 0
+            # and, parking, the conversations parked resident with their checkpoints (the worker holds them too)
+            parts = 2 * self.prompt_cache + 2 if self.prompt_cache else 0
+            if pk.ram_mib != 0:
+                parts += int(pk.resident) * (1 + self.prompt_cache) + 1
+            parts = min(64, parts)
             return RemoteStage(index, hops, model, fingerprint=self.file.fingerprint(), n_ctx=self.n_ctx,
                                max_batch=self.ubatch, ckpt_max=parts, key=key, encrypt=cfg.link.encrypt,
                                insecure=cfg.link.insecure)
@@ -106,23 +111,32 @@ class Engine:
         except ValueError as e:
             raise ModelLoadError(f"{path}: {e}") from None
         self.template, self._template_error = _make_template(self.file, self.tokenizer)
-        # the live sequence; a KV pool short of pages drops checkpoints and moves resident conversations to RAM
-        self.seq = Sequence(self.stages, make_room=self._make_room)
         self.load_ms = (time.perf_counter() - t0) * 1000.0
-        self.cache = CheckpointCache(cap=self.prompt_cache, every=int(ck.every), root_min=int(ck.root),
-                                     budget_bytes=int(ck.mib) * 1024 * 1024, tail=int(ck.tail))
-        ram_mib = 0 if remote else pk.ram_mib
+        ram_mib = pk.ram_mib
         if ram_mib is None:
             ram_mib = default_conversation_cache_mib()
-        # parking and session files (strata.engine.parking); ValueError for a disk tier without parking or a
-        # --slot-save-path that is not a directory
-        self.conversations = Conversations(
-            self.seq, self.cache, self.stages, self.file, self.n_ctx,
+        no_host = next((x for x in self.stages if not x.memory.host_parts), None)
+        if ram_mib and no_host is not None:      # a worker that cannot stream its parts (no +park)
+            if pk.ram_mib is not None or pk.disk_dir:
+                self.close()
+                raise ValueError(f"parking (--conversation-cache-mib) needs every worker to announce +park; stage "
+                                 f"{no_host.index}'s ({no_host.device}) does not (an older strata worker): upgrade it")
+            ram_mib = 0
+        # the conversation store: the checkpoint tree, parked conversations, session files; ValueError for a disk
+        # tier without parking or a --slot-save-path that is not a directory
+        self.store = ConversationStore(
+            self.stages, self.file, self.n_ctx,
+            checkpoints=CheckpointCache(cap=self.prompt_cache, every=int(ck.every), root_min=int(ck.root),
+                                        budget_bytes=int(ck.mib) * 1024 * 1024, tail=int(ck.tail)),
             park_bytes=int(ram_mib) * 1024 * 1024 if ram_mib else None,
             disk_dir=pk.disk_dir, disk_bytes=int(pk.disk_mib) * 1024 * 1024,
             slot_save_path=pk.slot_save_path, resident=int(pk.resident), n_vocab=self.n_vocab)
-        self.conversations.prepin()               # host memory for parking, set aside now (/status reports it)
-        if st.kv_pool_ctx is not None and st.kv_pool_ctx > self.n_ctx and self.conversations.resident is None \
+        self.cache = self.store.checkpoints
+        # the live sequence; a KV pool short of pages for it drops checkpoints and moves resident conversations
+        # to RAM (ConversationStore.make_room)
+        self.seq = Sequence(self.stages, make_room=self.store.make_room)
+        self.store.prepin()                       # host memory for parking, set aside now (/status reports it)
+        if st.kv_pool_ctx is not None and st.kv_pool_ctx > self.n_ctx and self.store.resident is None \
                 and self.prompt_cache == 0:
             log.warning("--kv-pool-ctx is larger than --n-ctx but nothing holds pages beside the live sequence (no "
                         "checkpoints: --prompt-cache 0, and nothing parked resident): the extra pool is unused",
@@ -141,9 +155,9 @@ class Engine:
                 raise ValueError(why)
             self.drafter = MTPDrafter(self.seq, last, model, self.n_ctx)
         self.spec_totals = SpecCounts()          # every choice's, since the start (/metrics)
-        self.reader = PromptReader(self.seq, self.cache, self.conversations, self.ubatch, drafter=self.drafter)
+        self.reader = PromptReader(self.seq, self.store, self.ubatch, drafter=self.drafter)
         self.decoder = Decoder(self.seq, self.tokenizer, self.eog_ids, self.n_vocab, self.n_ctx, self.stages[-1],
-                               self.reader.forget_live, drafter=self.drafter, spec=self.spec,
+                               self.state_reset, drafter=self.drafter, spec=self.spec,
                                spec_min_p=float(cfg.spec.min_p), spec_max_ctx=int(cfg.spec.max_ctx),
                                adaptive=AdaptiveN(self.spec) if self.drafter is not None and cfg.spec.adaptive
                                else None)
@@ -162,17 +176,17 @@ class Engine:
     @property
     def park(self):
         """The parked conversations in host RAM (strata.cache.conversation.ParkStore), or None (no parking)."""
-        return self.conversations.park
+        return self.store.park_store
 
     @property
     def disk(self):
         """The disk tier of parking (strata.cache.conversation.DiskTier), or None."""
-        return self.conversations.disk
+        return self.store.disk
 
     @property
     def slot_save_path(self):
         """The directory of session files (a Path), or None."""
-        return self.conversations.slot_save_path
+        return self.store.slot_save_path
 
     # ---- prompts ---------------------------------------------------------------------------------
     def render_chat(self, messages: list[dict], *, tools=None, add_generation_prompt: bool = True,
@@ -256,21 +270,14 @@ class Engine:
         return prompt
 
     def state_reset(self) -> None:
-        """Forget the live sequence (PromptReader.forget_live: back to position 0, not to be continued live; its
-        checkpoints stay)."""
-        self.reader.forget_live()
+        """Forget the live sequence (ConversationStore.forget: back to position 0, not to be continued live; the
+        checkpoints and parked conversations stay)."""
+        self.store.forget(self.seq)
 
     def state_hashes(self) -> dict[str, str]:
         """The live sequence's state hashes (Sequence.hashes: tokens, per-layer K/V and running state)."""
         with self._lock:
             return self.seq.hashes()
-
-    def _make_room(self) -> bool:
-        """Free KV pages for the live sequence: a checkpoint off the live sequence's path dropped (its pages are its
-        own), else the least recently used resident conversation moved to host RAM, else a checkpoint on the path
-        dropped (CheckpointCache.make_room) -> False when nothing more can be freed."""
-        ids = self.seq.ids
-        return self.cache.make_room(ids, off_path=True) or self.conversations.make_room() or self.cache.make_room(ids)
 
     def _prefill(self, req: GenerationRequest, prompt: np.ndarray, trace: bool):
         """Read the prompt (PromptReader.prefill) -> (plan, parts, logits); bench/model_clock.py times it here."""
@@ -370,23 +377,23 @@ class Engine:
     def _embed_progress(self) -> None:
         self.seq.forward_returned = time.monotonic()     # the stall clock /health reads: a forward call returned
 
-    # ---- conversations held apart: parking and session files (strata.engine.parking) ------------------
+    # ---- conversations held apart: parking and session files (strata.cache.store) --------------------
     def slot_save(self, slot_id: int = 0, filename=None, **_ignored) -> dict[str, Any]:
         """Save the slot's conversation (with its checkpoints) to --slot-save-path/filename, atomically
         (llama-server's POST /slots/{id}?action=save). SessionError / ValueError (one line), nothing written."""
         self._check_slot(slot_id)
-        path = self.conversations.session_path(filename)
+        path = self.store.session_path(filename)
         with self._lock:
-            return self.conversations.save(path, filename)
+            return self.store.save(self.seq, path, filename)
 
     def slot_restore(self, slot_id: int = 0, filename=None, **_ignored) -> dict[str, Any]:
         """Restore the slot's conversation from --slot-save-path/filename (llama-server's POST
         /slots/{id}?action=restore): the file is read under the live engine's limits and every part validated
         before anything is written; on any error the live conversation is exactly as it was."""
         self._check_slot(slot_id)
-        path = self.conversations.session_path(filename, exists=True)
+        path = self.store.session_path(filename, exists=True)
         with self._lock:
-            return self.conversations.load(path, filename)
+            return self.store.load(self.seq, path, filename)
 
     @staticmethod
     def _check_slot(slot_id) -> None:
@@ -395,7 +402,7 @@ class Engine:
 
     def parked(self) -> list[dict]:
         """The parked conversations for `stratactl cache` (tokens, bytes, tier, checkpoints, last use)."""
-        return self.conversations.parked()
+        return self.store.parked()
 
     # ---- visibility ------------------------------------------------------------------------------
     def forward_returned_at(self) -> float:
@@ -425,10 +432,7 @@ class Engine:
         ValueError for a slot other than 0."""
         self._check_slot(slot_id)
         with self._lock:
-            n = int(self.seq.pos)
-            self.reader.forget_live()
-            self.clear_checkpoints()
-            self.seq.trim()                      # its KV pages go back to the pool
+            n = self.store.erase(self.seq)       # its KV pages go back to the pool, every checkpoint dropped
         return {"id_slot": 0, "n_erased": n}
 
     def status(self) -> dict[str, Any]:

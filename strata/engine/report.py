@@ -16,7 +16,7 @@ def engine_status(engine, busy: bool) -> dict[str, Any]:
     stages = [st.status() for st in engine.stages]
     kvs = [m for s in stages for k, m in s["memory"].items() if k in ("kv", "draft")]
     main_kv = [s["memory"]["kv"] for s in stages if "kv" in s["memory"]]
-    res = engine.conversations.resident
+    res = engine.store.resident
     return {
         "model": engine.model_name, "path": engine.model_path, "arch": engine.arch, "device": engine.device,
         "kv": engine.kv, "n_ctx": engine.n_ctx, "ubatch": engine.ubatch, "threads": engine.threads,

@@ -1,18 +1,20 @@
-"""Carrier: what a worker holds for its connected main (the stages of its carve, the live sequence, the checkpoint
-store under the main's ids, the link to the next worker) and executes each link request on, whole or refused
-(Refuse)."""
+"""Carrier: what a worker holds for its connected main (the stages of its carve, the live sequence, the part store
+under the main's ids: checkpoints and parked conversations, the link to the next worker) and executes each link
+request on, whole or refused (Refuse); a kept part's bytes streamed to the main and back (+park)."""
 from __future__ import annotations
 
+import io
 import time
 from typing import Any
 
 import numpy as np
 import structlog
 
-from link import Ack, CkptRestore, CkptSave, Commit, ErrorCode, Forward, Hello, Reset, Result
+from link import (Ack, CkptRestore, CkptSave, Commit, ErrorCode, Forward, Hello, PartData, PartGet, PartPut, Reset,
+                  Result)
 from strata.backend.quant import ROWWISE_MAX_TOKENS
-from strata.memory import KVCacheFull, PartMismatch
-from strata.stages.link_client import LinkClient, LinkDown, WorkerError
+from strata.memory import FormatError, KVCacheFull, PartMismatch
+from strata.stages.link_client import PART_CHUNK, LinkClient, LinkDown, WorkerError, get_part, put_part
 from strata.stages.sequence import Checkpoint, Sequence
 
 log = structlog.get_logger("strata.worker")
@@ -40,6 +42,13 @@ class Carrier:
         self.ckpt_max = ckpt_max
         self.store: dict[int, Checkpoint] = {}
         self.next = next_hop
+        self._out: tuple[tuple, bytes] | None = None               # the part PartGet streams ((id, prefix), bytes)
+        self._in: tuple[int, int, int, bytearray] | None = None    # the part PartPut is receiving (id, pos, total)
+        # the most bytes a part sent back may take: this worker's K/V pools and running state, twice over for
+        # every worker of the chain after it
+        own = sum(int(st.memory.stats().get("kv", {}).get("bytes", 0)) + int(st.memory.stats().get(
+            "running", {}).get("bytes_per_sequence", 0)) + (1 << 20) for st in stages)
+        self.part_limit = own * 2 * (1 + len(hello.next_hops))
 
     # ---- operations (each either succeeds whole or raises Refuse) ------------------------------------------
     def handle(self, msg) -> Any:
@@ -54,13 +63,19 @@ class Carrier:
                 return self.reset(msg)
             if isinstance(msg, Commit):
                 return self.commit(msg)
+            if isinstance(msg, PartGet):
+                return self.part_get(msg)
+            if isinstance(msg, PartPut):
+                return self.part_put(msg)
         except WorkerError as e:            # the next worker's refusal, passed back with its code
             raise Refuse(e.link_code, str(e)) from None
         except LinkDown as e:
             raise Refuse(ErrorCode.NEXT_HOP, str(e), fatal=True) from None
         except KVCacheFull as e:
             raise Refuse(ErrorCode.LIMIT, str(e)) from None
-        except (PartMismatch, ValueError) as e:
+        except (PartMismatch, FormatError) as e:
+            raise Refuse(ErrorCode.DESYNC, str(e)) from None
+        except ValueError as e:
             raise Refuse(ErrorCode.DESYNC, str(e)) from None
         raise Refuse(ErrorCode.BAD_FRAME, f"a {type(msg).__name__} is not a request a worker serves", fatal=True)
 
@@ -98,7 +113,7 @@ class Carrier:
         for k in [k for k in self.store if k not in set(keep)]:
             self.store.pop(k).release()
 
-    def _make_room(self) -> bool:
+    def _make_room(self, seq: Sequence) -> bool:
         """Drop the oldest checkpoint part (its pages given back) -> False when none is kept."""
         if not self.store:
             return False
@@ -114,6 +129,7 @@ class Carrier:
         if len(kept | {m.ckpt_id}) > self.ckpt_max:
             raise Refuse(ErrorCode.LIMIT, f"keeping {len(kept | {m.ckpt_id})} checkpoint parts exceeds the "
                                           f"{self.ckpt_max} granted at the hello")
+        self._prune(list(m.keep) + [m.ckpt_id])      # what the main no longer holds gives its pages back first
         cp = self.seq.capture()
         try:
             if self.next is not None:
@@ -135,13 +151,99 @@ class Carrier:
                                                  f"({len(self.store)} held)")
         if cp.pos != m.pos:
             raise Refuse(ErrorCode.DESYNC, f"checkpoint {m.ckpt_id} is at {cp.pos}, not {m.pos}")
+        self._prune(list(m.keep) + [m.ckpt_id])      # what the main no longer holds gives its pages back first
         self.seq.restore(cp)
         if self.next is not None:
             self.next.call(CkptRestore(ckpt_id=m.ckpt_id, pos=m.pos, keep=list(m.keep)))
         self._prune(list(m.keep) + [m.ckpt_id])
         return self._ack()
 
+    def part_get(self, m: PartGet) -> PartData:
+        """A chunk of kept part `ckpt_id`'s bytes: this worker's stages' parts in the state-part format, then the
+        next worker's (fetched whole from it); the bytes are made at offset 0 and kept until the last chunk."""
+        key = (m.ckpt_id, bool(m.prefix))
+        if m.offset == 0 or self._out is None or self._out[0] != key:
+            cp = self.store.get(m.ckpt_id)
+            if cp is None:
+                raise Refuse(ErrorCode.CKPT_MISSING, f"part {m.ckpt_id} is not held here ({len(self.store)} held)")
+            if m.offset != 0:
+                raise Refuse(ErrorCode.DESYNC, f"PartGet({m.ckpt_id}) at {m.offset} before its start")
+            buf = io.BytesIO()
+            for st, part in zip(self.stages, cp.parts):
+                st.memory.write(st.memory.detach(part) if m.prefix else part, buf)
+            if self.next is not None:
+                buf.write(get_part(self.next.call, m.ckpt_id, self.part_limit, m.prefix))
+            self._out = (key, buf.getvalue())
+        blob = self._out[1]
+        if not 0 <= m.offset <= len(blob):
+            raise Refuse(ErrorCode.DESYNC, f"PartGet({m.ckpt_id}) at {m.offset} past its {len(blob)} bytes")
+        chunk = blob[m.offset:m.offset + PART_CHUNK]
+        if m.offset + len(chunk) >= len(blob):
+            self._out = None
+        return PartData(total=len(blob), offset=m.offset, data=np.frombuffer(chunk, np.uint8))
+
+    def part_put(self, m: PartPut) -> Ack:
+        """A chunk of a part's bytes for `ckpt_id`; the last one reads this worker's stages' parts (each header and
+        its arrays checked against the stage before anything is allocated), sends the rest to the next worker,
+        keeps the part under the id and prunes the store to the keep list."""
+        n = int(m.data.shape[0])
+        if m.offset == 0:
+            if not 0 < m.total <= self.part_limit:
+                raise Refuse(ErrorCode.LIMIT, f"a part of {m.total} bytes exceeds this worker's {self.part_limit}")
+            self._in = (m.ckpt_id, m.pos, m.total, bytearray())
+        got = self._in
+        if got is None or got[:3] != (m.ckpt_id, m.pos, m.total) or len(got[3]) != m.offset or \
+                m.offset + n > m.total or (n == 0 and m.offset < m.total):
+            self._in = None
+            raise Refuse(ErrorCode.DESYNC, f"PartPut({m.ckpt_id}) chunk at {m.offset} of {m.total} out of order")
+        got[3].extend(m.data.tobytes())
+        if len(got[3]) < m.total:
+            return self._ack()
+        self._in = None
+        kept = set(m.keep) & (set(self.store) | {m.ckpt_id})
+        if len(kept | {m.ckpt_id}) > self.ckpt_max:
+            raise Refuse(ErrorCode.LIMIT, f"keeping {len(kept | {m.ckpt_id})} parts exceeds the {self.ckpt_max} "
+                                          f"granted at the hello")
+        self._prune(list(m.keep) + [m.ckpt_id])
+        src = io.BytesIO(bytes(got[3]))
+        parts = []
+        for st in self.stages:
+            part = st.memory.read(src)
+            if part.pos != m.pos:
+                raise Refuse(ErrorCode.DESYNC, f"a part block at position {part.pos}, not {m.pos}")
+            parts.append(part)
+        rest = src.read()
+        if not self.next and rest:
+            raise Refuse(ErrorCode.DESYNC, f"{len(rest)} bytes after the last part block of this worker's layers")
+        if any(p.is_prefix for p in parts):     # a checkpoint of the conversation the sequence holds: its first pages
+            if m.pos > self.seq.pos:
+                raise Refuse(ErrorCode.DESYNC, f"a prefix part at {m.pos} past the sequence's {self.seq.pos} tokens")
+            held: list = []
+            try:
+                for st, sid, p in zip(self.stages, self.seq.sids, parts):
+                    held.append(st.memory.attach_prefix(sid, p))
+            except BaseException:
+                for h in held:
+                    h.release()
+                raise
+            cp = Checkpoint(pos=m.pos, tokens=self.seq.ids[:m.pos], parts=held)
+        else:
+            cp = Checkpoint(pos=m.pos, tokens=np.zeros(m.pos, np.int32), parts=parts)
+        if self.next is not None:
+            try:
+                put_part(self.next.call, m.ckpt_id, m.pos, rest, list(m.keep))
+            except BaseException:
+                cp.release()
+                raise
+        old = self.store.pop(m.ckpt_id, None)
+        if old is not None:
+            old.release()
+        self.store[m.ckpt_id] = cp
+        self._prune(list(m.keep) + [m.ckpt_id])
+        return self._ack()
+
     def reset(self, m: Reset) -> Ack:
+        self._prune(m.keep)
         self.seq.reset()
         if self.next is not None:
             self.next.call(Reset(keep=list(m.keep)))

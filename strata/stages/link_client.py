@@ -1,5 +1,6 @@
 """The main side of one stage link: LinkClient (one TCP connection to a worker: the hello, calls answered in order,
-Commits sent ahead and settled later, pings while waiting), the link's errors and the worker's address."""
+Commits sent ahead and settled later, pings while waiting), a kept part's bytes streamed in chunks (get_part /
+put_part, ``+park``), the link's errors and the worker's address."""
 from __future__ import annotations
 
 import itertools
@@ -13,7 +14,7 @@ import numpy as np
 import structlog
 
 import link
-from link import (Challenge, Error, Hello, HelloAck, LinkError, Ping, Pong, FLAG_ASYNC)
+from link import (Challenge, Error, Hello, HelloAck, LinkError, PartData, PartGet, PartPut, Ping, Pong, FLAG_ASYNC)
 from strata.errors import EngineFault, Unavailable
 
 log = structlog.get_logger("strata.stages.remote")
@@ -23,6 +24,7 @@ SILENT_AFTER = 10.0       # seconds without any frame (a Pong included) before t
 CONNECT_TIMEOUT = 5.0     # connecting and the hello
 HANDSHAKE_MAX = 64 * 1024  # payload bytes a Challenge / Hello / HelloAck may have
 BACKOFF = (0.1, 0.2, 0.5, 1.0, 2.0)   # seconds between reconnection attempts (the last one repeats)
+PART_CHUNK = 512 * 1024   # bytes of a part in one PartData / PartPut frame (under every side's 1 MiB payload floor)
 
 
 class LinkDown(Unavailable):
@@ -283,3 +285,35 @@ class LinkClient:
         return msg
 
 
+
+
+def get_part(call, ckpt_id: int, limit: int, prefix: bool = False) -> bytes:
+    """The bytes of the kept part `ckpt_id` (PartGet chunk by chunk through `call`, a LinkClient's or a stage's;
+    prefix: its K/V as a prefix, running state only):
+    LinkDown-like errors propagate; a worker answer that is not the next chunk, or a part over `limit` bytes, is a
+    WorkerBadResult."""
+    buf = bytearray()
+    total = None
+    while total is None or len(buf) < total:
+        res = call(PartGet(ckpt_id=int(ckpt_id), offset=len(buf), prefix=bool(prefix)))
+        if not isinstance(res, PartData) or res.offset != len(buf) or (total is not None and res.total != total) \
+                or res.total > limit or len(buf) + int(res.data.shape[0]) > res.total \
+                or (res.data.shape[0] == 0 and len(buf) < res.total):
+            raise WorkerBadResult(f"the worker answered PartGet({ckpt_id}) at {len(buf)} with "
+                                  f"{type(res).__name__} {getattr(res, 'offset', '?')}/{getattr(res, 'total', '?')}")
+        total = int(res.total)
+        buf += res.data.tobytes()
+    return bytes(buf)
+
+
+def put_part(call, ckpt_id: int, pos: int, blob: bytes, keep: list[int]):
+    """Send `blob` (a part's bytes as get_part gives them) to be kept under `ckpt_id` at `pos` (PartPut chunk by
+    chunk through `call`) -> the last chunk's Ack (the worker read and kept the part)."""
+    data = np.frombuffer(blob, np.uint8)
+    total, off, ack = len(blob), 0, None
+    while True:
+        chunk = data[off:off + PART_CHUNK]
+        ack = call(PartPut(ckpt_id=int(ckpt_id), pos=int(pos), total=total, offset=off, data=chunk, keep=list(keep)))
+        off += int(chunk.shape[0])
+        if off >= total:
+            return ack

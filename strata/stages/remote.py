@@ -1,30 +1,25 @@
-"""RemoteStage (a Stage whose layers run on a worker chain while the main keeps the output head; its checkpoint parts
-are ids in the worker's store) and RemoteMemory (its state verbs spoken over the link, strata.stages.link_client)."""
+"""RemoteStage (a Stage whose layers run on a worker chain while the main keeps the output head; its memory is a
+RemoteMemory, strata.stages.remote_memory: the state verbs spoken over the link) and what a remote stage refuses."""
 from __future__ import annotations
 
-import itertools
 import threading
 import time
-import weakref
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import structlog
 
 import link
-from link import Ack, CkptRestore, CkptSave, Commit, ErrorCode, Forward, Hello, Hop, Reset, Result
-from strata.memory import Carve, PartMismatch
+from link import Forward, Hello, Hop, Result
+from strata.memory import Carve
 from strata.stages.link_client import (BACKOFF, PING_EVERY, SILENT_AFTER, LinkClient, LinkDown, WorkerBadResult,
                                        WorkerError, parse_address, result_fault)
+from strata.stages.remote_memory import CheckpointGone, RemoteMemory
 from strata.stages.stage import StageBase
 
+__all__ = ["RemoteStage", "RemoteMemory", "CheckpointGone", "parse_remote", "unsupported_with_remote"]
+
 log = structlog.get_logger("strata.stages.remote")
-
-class CheckpointGone(PartMismatch):
-    """The worker does not hold the checkpoint part (it restarted or the link reconnected since): the request
-    reads from token 0."""
-
 
 def parse_remote(spec: str | None) -> list[str]:
     """--remote-stage 'HOST:PORT[,HOST:PORT...]' -> the addresses in chain order (checked); [] for None / ''."""
@@ -36,178 +31,13 @@ def parse_remote(spec: str | None) -> list[str]:
     return out
 
 
-def unsupported_with_remote(*, conversation_cache_mib=None, conversation_cache_dir=None, slot_save_path=None,
-                            prompt_cache_every: int = 0, prompt_cache_tail: int = 0) -> str | None:
-    """What a remote stage does not support yet, as one line (the CLI's usage error, the Engine's
-    ValueError), or None."""
-    if conversation_cache_mib or conversation_cache_dir:
-        return ("parking (--conversation-cache-mib / --conversation-cache-dir) is not supported with a remote stage "
-                "(--remote-stage) yet")
-    if slot_save_path:
-        return "session files (--slot-save-path) are not supported with a remote stage (--remote-stage) yet"
+def unsupported_with_remote(*, prompt_cache_every: int = 0, prompt_cache_tail: int = 0) -> str | None:
+    """What a remote stage does not support, as one line (the CLI's usage error, the Engine's ValueError), or None.
+    (Parking and session files need a worker that announces +park: checked when the link is up.)"""
     if prompt_cache_every or prompt_cache_tail:
         what = "--prompt-cache-every" if prompt_cache_every else "the near-tail cut point, prompt_cache_tail"
         return f"mid-prompt checkpoints ({what}) are not supported with a remote stage (--remote-stage)"
     return None
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# ---------------------------------------------------------------------------------------------------------------
-@dataclass(eq=False)
-class RemotePart:
-    """A remote stage's part of a checkpoint: the id the worker chain keeps it under (in that link's `epoch`),
-    its position and carve. The main holds no bytes of it (nbytes 0; the worker's store has its own limits).
-    ``release``: the main no longer keeps it (the next checkpoint message's keep list leaves it out, and the worker
-    gives its pages back)."""
-
-    carve: Carve
-    pos: int
-    ckpt_id: int
-    epoch: int
-    is_prefix: bool = False
-    released: bool = False
-
-    def nbytes(self) -> int:
-        return 0
-
-    def release(self) -> None:
-        self.released = True
-
-
-class RemoteMemory:
-    """A remote stage's memory: the state verbs spoken over the link (the worker chain keeps the sequence's K/V and
-    running state; a checkpoint part is a RemotePart, an id in the worker's store kept alive by the main's
-    references: the ids of the parts the main still holds travel as the keep list of every checkpoint message, and
-    the worker prunes to them when an operation succeeds).
-
-    Capabilities (strata.memory.Memory's): no part's pages can be held on a device here and no part copied to the
-    host (``holds_pages`` / ``host_parts`` False: the engine neither parks nor saves with a remote stage);
-    ``cuts_anywhere`` unless the carve has recurrent layers (a Commit cuts the worker's K/V back)."""
-
-    holds_pages = False
-    host_parts = False
-
-    def __init__(self, link: "RemoteStage", recurrent: bool):
-        self.link, self.carve, self.recurrent = link, link.carve, bool(recurrent)
-        self.at = 0                          # the live sequence's position on the worker
-        self.kept_from: int | None = None    # where the verify awaiting its Commit started (keep), else None
-        self.seq_epoch = 0                   # the link epoch the live sequence's worker state belongs to
-        self._ids = itertools.count(1)
-        self._parts: dict[int, weakref.ref] = {}
-        self.held, self.store_bytes = 0, 0   # what the worker's store reported at the last Ack
-
-    @property
-    def cuts_anywhere(self) -> bool:
-        return not self.recurrent
-
-    def _keep(self, also: int | None = None) -> list[int]:
-        """The ids of the RemoteParts the main still holds (and `also`): the worker keeps exactly these."""
-        for i in [i for i, r in self._parts.items() if r() is None or r().released]:
-            del self._parts[i]
-        ids = sorted(self._parts)
-        return ids + [also] if also is not None and also not in self._parts else ids
-
-    def _acked(self, ack) -> None:
-        if isinstance(ack, Ack):
-            self.held, self.store_bytes = int(ack.held), int(ack.store_bytes)
-
-    def new_seq(self) -> int:
-        return 0
-
-    def drop_seq(self, sid: int) -> None:
-        """Nothing on the main; the worker drops its state at a Reset or when the link closes."""
-
-    def pos(self, sid: int) -> int:
-        return self.at
-
-    def reserve(self, sid: int, n: int) -> None:
-        """Nothing here: the worker reserves its pages for the tokens a Forward carries (its pool holds n_ctx
-        tokens of its carve, as the main's does)."""
-
-    def capture(self, sid: int) -> RemotePart:
-        """CkptSave: the worker chain keeps its part of the sequence at the current position under a new id."""
-        cid = next(self._ids)
-        ack = self.link.call(CkptSave(ckpt_id=cid, pos=self.at, keep=self._keep(also=cid)))
-        self._acked(ack)
-        part = RemotePart(carve=self.carve, pos=self.at, ckpt_id=cid, epoch=self.link.epoch)
-        self._parts[cid] = weakref.ref(part)
-        return part
-
-    def validate(self, part, sid: int | None = None) -> None:
-        if not isinstance(part, RemotePart):
-            raise PartMismatch(f"a {type(part).__name__} is not a part of a remote stage")
-        if part.carve != self.carve:
-            raise PartMismatch(f"the part is of layers {part.carve}, this remote stage runs {self.carve}")
-        if part.released or part.epoch != self.link.epoch:
-            raise CheckpointGone(f"the worker no longer holds checkpoint {part.ckpt_id} (the link reconnected)")
-
-    def restore(self, sid: int, part: RemotePart) -> None:
-        """CkptRestore (settling first). CheckpointGone when the worker does not hold the part."""
-        self.validate(part)
-        self.link.settle()
-        try:
-            ack = self.link.call(CkptRestore(ckpt_id=part.ckpt_id, pos=part.pos, keep=self._keep(also=part.ckpt_id)))
-        except WorkerError as e:
-            if e.link_code == ErrorCode.CKPT_MISSING:
-                raise CheckpointGone(str(e)) from None
-            raise
-        self._acked(ack)
-        self.at, self.kept_from = part.pos, None
-
-    def check_truncate(self, sid: int, p: int) -> None:
-        if not 0 <= p <= self.at:
-            raise ValueError(f"truncate({p}) outside [0, {self.at}]")
-        if self.recurrent and 0 < p < self.at:
-            raise ValueError(f"cannot cut a recurrent running state back from {self.at} to {p}; "
-                             "restore a checkpoint instead")
-
-    def keep(self, sid: int, n: int) -> None:
-        """The next Forward is a verify (want_all): the worker keeps each token's state (+spec) for the Commit."""
-        self.kept_from = self.at
-
-    def check_commit(self, sid: int, p: int) -> None:
-        if self.kept_from is not None and p != self.at:
-            if not self.kept_from < p <= self.at:
-                raise ValueError(f"commit({p}) outside the kept positions ({self.kept_from}, {self.at}]")
-            return
-        if p != self.at:
-            self.check_truncate(sid, p)
-
-    def commit(self, sid: int, p: int) -> None:
-        """Commit(p) after a verify, sent ahead: the worker keeps [0, p), its running state taken from the state
-        it kept after token p - 1 (always sent: it also ends the worker's keep)."""
-        self.check_commit(sid, p)
-        self.link.post(Commit(pos=int(p)))
-        self.at, self.kept_from = int(p), None
-
-    def truncate(self, sid: int, p: int) -> None:
-        """Commit(p), sent ahead: the worker keeps [0, p); the next prompt settles before it is read."""
-        self.check_truncate(sid, p)
-        self.link.post(Commit(pos=int(p)))
-        self.at = int(p)
-
-    def reset(self, sid: int) -> None:
-        """Reset (a settle point). With the link down there is nothing to reset: the worker dropped the state."""
-        self.at, self.kept_from = 0, None
-        if self.link.client is None:
-            return
-        self.link.settle()
-        self._acked(self.link.call(Reset(keep=self._keep())))
-        self.seq_epoch = self.link.epoch
-
-    def trim(self, sid: int) -> None:
-        """Nothing to give back on the main; a Reset gives the worker's pages back."""
-
-    def hashes(self, sid: int) -> dict[str, str]:
-        """No per-layer hashes: the worker's state is not read back over the link."""
-        return {}
-
-    def nbytes(self, sid: int) -> int:
-        return 0
-
-    def stats(self) -> dict[str, Any]:
-        return {"carve": [self.carve.lo, self.carve.hi], "checkpoints_held": self.held,
-                "store_bytes": self.store_bytes}
 
 
 class RemoteStage(StageBase):
@@ -238,7 +68,8 @@ class RemoteStage(StageBase):
         self.encrypt, self.insecure = bool(encrypt), bool(insecure)
         self.client: LinkClient | None = None
         self.epoch = 0                       # connections made; a RemotePart of another epoch is gone
-        self.memory = RemoteMemory(self, recurrent=bool(model.new_running_state(self.carve)))
+        self.memory = RemoteMemory(self, recurrent=bool(model.new_running_state(self.carve)),
+                                   n_embd=int(model.config.n_embd))
         self._io = threading.RLock()         # the engine thread and the heartbeat / reconnect thread
         self.down_reason: str | None = None
         self.rtt_s = None
@@ -270,6 +101,7 @@ class RemoteStage(StageBase):
             self.client, self.epoch, self.memory.at = client, self.epoch + 1, 0
             self.memory.kept_from = None
             self.down_reason, self.memory.held, self.memory.store_bytes = None, 0, 0
+            self.memory.granted = int(ack.ckpt_max)
         log.info("stage link up", stage=self.index, workers=[a for a, _ in self.hops], epoch=self.epoch,
                  ckpt_max=ack.ckpt_max, part_bytes=ack.part_bytes, worker=ack.worker, device=ack.device,
                  frames=client.frames)

@@ -44,15 +44,18 @@ class Sequence:
     every stage's part before any stage is written. The ids live in one int32 buffer (``ids``, a read-only view),
     so reading n tokens costs O(n) and comparing the sequence with a prompt is one numpy comparison."""
 
-    def __init__(self, stages: list, make_room: Callable[[], bool] | None = None):
+    def __init__(self, stages: list, make_room: Callable[["Sequence"], bool] | None = None):
         self.stages = stages
         self.sids = [st.memory.new_seq() for st in stages]
         self._buf = np.zeros(256, np.int32)
         self._n = 0
-        # called when a stage's KV pool is short: frees pages (the engine moves a conversation parked on the device
-        # to host RAM or drops a checkpoint) and returns True, or False when nothing more can be freed (KVCacheFull
-        # then stands)
+        # make_room(sequence), called when a stage's KV pool is short for this sequence: frees pages (the
+        # conversation store moves a conversation parked on the device to host RAM or drops a checkpoint) and returns
+        # True, or False when nothing more can be freed (KVCacheFull then stands)
         self.make_room = make_room
+        # whether the next prompt may continue this sequence live (False after a "strata_checkpoint": false
+        # request, a cancelled read or a forget: it then resumes from a checkpoint or from 0)
+        self.live_ok = True
         self.forward_returned = time.monotonic()       # when the last forward call returned (or raised)
         self.epoch = 0          # counts the changes that are not reads (restore, cut back, reset): what the
         #                         hidden states a drafter holds for this sequence's positions are checked against
@@ -161,7 +164,7 @@ class Sequence:
             try:
                 return fn()
             except KVCacheFull:
-                if self.make_room is None or not self.make_room():
+                if self.make_room is None or not self.make_room(self):
                     raise
 
     def record(self, tokens) -> None:

@@ -43,6 +43,8 @@ class WorkerConfig:
     encrypt: bool = False            # require encrypted frames from every main (and encrypt the next hop)
     insecure_link: bool = False      # accept a keyed main that does not protect frames after the hello
     moe_tier: Any = None             # the expert tier's TierSettings for this worker's carve (None: experts in VRAM)
+    kv_pool_ctx: int | None = None   # tokens each stage's KV pool holds (None: the main's n_ctx): room for the parts
+    #                                  a main keeps here (checkpoints, conversations parked resident) beside its sequence
 
 
 class Worker:
@@ -101,7 +103,8 @@ class Worker:
             self._stages = None                               # the old carve's memory goes first
             plan = [(Carve(h.lo, h.hi), self.cfg.device)]
             try:
-                stages = load_stages(self.file, plan, {self.cfg.device: self.backend}, int(h.n_ctx), progress=False,
+                pool = max(int(h.n_ctx), int(self.cfg.kv_pool_ctx or 0))
+                stages = load_stages(self.file, plan, {self.cfg.device: self.backend}, pool, progress=False,
                                      head_here=False)
             except (ValueError, MemoryError) as e:
                 raise Refuse(ErrorCode.LIMIT, f"cannot hold layers [{h.lo}, {h.hi}) for n_ctx {h.n_ctx}: "
@@ -112,10 +115,12 @@ class Worker:
 
     def caps(self) -> list[str]:
         """The capabilities this worker announces in its Challenge: frame protection with a key (none without one:
-        frames stay plain), and ``+spec`` (speculative decoding's verify and Commit, Carrier.forward / commit)."""
+        frames stay plain), ``+spec`` (speculative decoding's verify and Commit, Carrier.forward / commit) and ``+park``
+        (a kept part's bytes streamed to the main and back, Carrier.part_get / part_put)."""
         if self.cfg.key is None:
-            return [link.CAP_SPEC]
-        return [link.CAP_MAC, link.CAP_AEAD] + ([link.CAP_ENCRYPT] if self.cfg.encrypt else []) + [link.CAP_SPEC]
+            return [link.CAP_SPEC, link.CAP_PARK]
+        return [link.CAP_MAC, link.CAP_AEAD] + ([link.CAP_ENCRYPT] if self.cfg.encrypt else []) + \
+            [link.CAP_SPEC, link.CAP_PARK]
 
     def setup(self, h: Hello, frames: str = link.FRAMES_PLAIN) -> tuple[Carrier, HelloAck]:
         """Check the hello, load the carve, link the next worker (a relay does it again for every main, so the

@@ -1,0 +1,348 @@
+"""An agent replayed against the engine: a main conversation with a long system prompt spawns four sub-agents that
+share it, each running several tool-call turns, all interleaved; then both processes restart and the same agent goes
+on from session files (each conversation saved after its last step, loaded before its first step after the
+restart). Run in one process and over a remote stage (a `strata worker` process on loopback running the layers after
+the split). Per step: prompt tokens, the tokens the engine had not seen (the prompt past the longest common prefix
+with every prompt + answer it read before, an answer's last token never being read back: the reference), the tokens it read, the re-read beyond the new ones (target
+zero unless a budget forced an eviction) and time to first token (from generate() to the first token event, a
+session load included where there is one). Greedy answers of both arms are compared with each other. With
+--llama-server BIN the same agent runs against llama.cpp's llama-server on the same GGUF and token ids (one slot, its
+RAM prompt cache with --cache-ram, its slot files across the restart; TTFT at its streaming client).
+
+Usage: python bench/agent_replay.py [--model default] [--system-tokens 1200] [--rounds 3] [--threads 2]
+       [--split 15] [--arms local,remote] [--llama-server BIN]
+       [--out bench/results/agent_replay_cpu_<commit>.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from strata.engine import Engine                                  # noqa: E402
+from strata.engine.types import GenerationRequest, TokenEvent    # noqa: E402
+from strata.text.token_ids import as_ids, common_prefix           # noqa: E402
+
+TOOLS = ["grep", "read_file", "run_tests", "list_dir"]
+N_ANSWER = 12
+
+
+def system_prompt(engine: Engine, tokens: int) -> str:
+    """A coding agent's instructions, repeated up to about `tokens` tokens."""
+    base = ("You are the lead agent of a coding team. Split the task, hand each part to a sub-agent, read their "
+            "reports and decide. Tools: grep(pattern), read_file(path), run_tests(target), list_dir(path). Answer "
+            "with one tool call per turn, as JSON, until the part is done. ")
+    text = base
+    while len(engine.tokenize_prompt(text + base, add_bos=False)) < tokens:
+        text += base
+    return text
+
+
+def start_worker(model: str, threads: int | None, pool_ctx: int):
+    cmd = [sys.executable, "-m", "strata.cli.main", "worker", "--listen", "127.0.0.1:0", "--model", model,
+           "--log-level", "warning", "--kv-pool-ctx", str(pool_ctx)] + (["--threads", str(threads)] if threads else [])
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    for line in p.stderr:
+        if line.startswith("strata worker listening on"):
+            threading.Thread(target=lambda: [None for _ in p.stderr], daemon=True).start()
+            return p, line.strip().rpartition(" ")[2]
+    raise RuntimeError(f"the worker did not start (exit {p.wait()}): {p.stderr.read()[-2000:]}")
+
+
+class Agent:
+    """The conversations (name -> messages) and what the engine has been sent (every prompt + answer)."""
+
+    def __init__(self, system: str):
+        self.chats: dict[str, list[dict]] = {}
+        self.system = system
+        self.sent: list[np.ndarray] = []
+
+    def new_tokens(self, prompt: np.ndarray) -> int:
+        """The prompt's tokens past its longest common prefix with everything sent before."""
+        seen = max((common_prefix(prompt, s) for s in self.sent), default=0)
+        return len(prompt) - seen
+
+    def schedule(self, rounds: int, phase: int) -> list[tuple[str, str]]:
+        """(conversation, the message its step appends) in interleaved order: the main's task, then per round each
+        sub-agent's tool turn and the main reading their reports."""
+        steps = []
+        if phase == 0:
+            steps.append(("main", "Task: the login page times out under load. Plan the work."))
+            for i in range(4):
+                steps.append((f"sub{i}", f"Sub-task {i}: investigate part {i} of the timeout with "
+                                         f"{TOOLS[i]}. Start."))
+        for r in range(rounds):
+            for i in range(4):
+                steps.append((f"sub{i}", f"Tool {TOOLS[(i + r) % 4]} returned: {'line %d ok; ' % (r * 7 + i) * 6}"
+                                         f"(phase {phase}, round {r}). Next call?"))
+            steps.append(("main", f"Reports of round {r} (phase {phase}) are in. Decide the next step."))
+        return steps
+
+
+def run_arm(name: str, make_engine, system_tokens: int, rounds: int, session_dir: Path) -> dict:
+    """The agent's two phases on engines from make_engine() (a restart between them) -> the arm's steps."""
+    steps_out = []
+    engine = make_engine()
+    try:
+        agent = Agent(system_prompt(engine, system_tokens))
+        for phase in (0, 1):
+            if phase == 1:
+                engine.close()
+                engine = make_engine()                 # a restart: nothing kept but the session files
+                loaded: set[str] = set()
+            for chat, text in agent.schedule(rounds, phase):
+                msgs = agent.chats.setdefault(chat, [{"role": "system", "content": agent.system}])
+                msgs.append({"role": "user", "content": text})
+                t0 = time.perf_counter()
+                load_ms = 0.0
+                if phase == 1 and chat not in loaded:
+                    loaded.add(chat)
+                    r = engine.slot_restore(0, f"{chat}.bin")
+                    load_ms = float(r["timings"]["restore_ms"])
+                rendered = engine.render_chat(msgs)
+                prompt = as_ids(rendered.tokens)
+                new = agent.new_tokens(prompt)
+                req = GenerationRequest(prompt_tokens=prompt, cut_points=rendered.cut_points, max_tokens=N_ANSWER)
+                ttft, toks, final = None, [], None
+                for ev in engine.generate(req):
+                    if isinstance(ev, TokenEvent):
+                        if ttft is None:
+                            ttft = time.perf_counter() - t0
+                        toks.append(int(ev.token_id))
+                    else:
+                        final = ev
+                read = int(final.timings["prompt_n"])
+                steps_out.append(dict(phase=phase, chat=chat, prompt=len(prompt), new=new, read=read,
+                                      reread=read - new, resume_from=final.strata["resume_from"],
+                                      resume_pos=final.strata["resume_pos"], load_ms=round(load_ms, 2),
+                                      ttft_ms=round(1e3 * (ttft if ttft is not None else
+                                                           time.perf_counter() - t0), 2),
+                                      answer=toks))
+                # what the engine read: the prompt and the answer but its last token (sampled, never read back)
+                agent.sent.append(np.concatenate([prompt, np.asarray(toks[:-1], np.int32)]))
+                msgs.append({"role": "assistant", "content": engine.detokenize(toks)})
+                engine.slot_save(0, f"{chat}.bin")      # its latest state, for the restart
+                s = steps_out[-1]
+                print(f"  {name} phase {phase} {chat:5s} prompt {s['prompt']:5d} new {s['new']:4d} read "
+                      f"{s['read']:4d} re-read {s['reread']:4d} from {s['resume_from']:10s} ttft {s['ttft_ms']:8.1f}"
+                      f" ms" + (f" (load {load_ms:.1f} ms)" if load_ms else ""), flush=True)
+    finally:
+        engine.close()
+    return {"steps": steps_out,
+            "reread_total": sum(max(0, s["reread"]) for s in steps_out),
+            "new_total": sum(s["new"] for s in steps_out),
+            "read_total": sum(s["read"] for s in steps_out),
+            "ttft_ms_median": float(np.median([s["ttft_ms"] for s in steps_out])),
+            "ttft_ms_after_restart_median": float(np.median([s["ttft_ms"] for s in steps_out if s["phase"] == 1]))}
+
+
+class LlamaServer:
+    """llama.cpp's llama-server on the same GGUF (one slot, its prompt cache in RAM with --cache-ram, session files
+    with --slot-save-path), driven with the same token ids through /completion, streaming."""
+
+    def __init__(self, binary: str, model_path: str, n_ctx: int, threads: int, save_dir: Path):
+        import socket
+        with socket.socket() as sk:
+            sk.bind(("127.0.0.1", 0))
+            self.port = sk.getsockname()[1]
+        help_text = subprocess.run([binary, "--help"], capture_output=True, text=True).stdout
+        self.cmd = [binary, "-m", model_path, "--host", "127.0.0.1", "--port", str(self.port), "-c", str(n_ctx),
+                    "-np", "1", "-t", str(threads), "--slot-save-path", str(save_dir)]
+        if "--cache-ram" in help_text:
+            self.cmd += ["--cache-ram", "1024"]
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        t0 = time.time()
+        while time.time() - t0 < 300:
+            try:
+                if self._get("/health").get("status") == "ok":
+                    return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError("llama-server did not become healthy")
+
+    def _get(self, path: str) -> dict:
+        import urllib.request
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=10) as r:
+            return json.loads(r.read())
+
+    def _post(self, path: str, body: dict):
+        import urllib.request
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        return urllib.request.urlopen(req, timeout=3600)
+
+    def generate(self, prompt: np.ndarray, n: int) -> tuple[float, list[int], dict]:
+        """(TTFT s at the client, answer token ids, the server's timings)."""
+        t0 = time.perf_counter()
+        ttft, toks, timings = None, [], {}
+        with self._post("/completion", {"prompt": [int(x) for x in prompt], "n_predict": n, "cache_prompt": True,
+                                        "temperature": 0.0, "stream": True, "id_slot": 0, "return_tokens": True}) as r:
+            for line in r:
+                if not line.startswith(b"data: "):
+                    continue
+                ev = json.loads(line[6:])
+                if ev.get("tokens") or ev.get("content"):
+                    ttft = ttft or time.perf_counter() - t0
+                toks += [int(t) for t in ev.get("tokens") or []]
+                timings = ev.get("timings") or timings
+        return (ttft or time.perf_counter() - t0), toks, timings
+
+    def save(self, name: str) -> None:
+        self._post("/slots/0?action=save", {"filename": name}).read()
+
+    def restore(self, name: str) -> float:
+        t0 = time.perf_counter()
+        self._post("/slots/0?action=restore", {"filename": name}).read()
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+def run_llama_server(binary: str, model: str, args, session_dir: Path, render: Engine) -> dict:
+    """The same agent against llama-server (prompts rendered by Strata's template: the same token ids)."""
+    from strata.gguf.default_model import resolve_model
+    path = str(resolve_model(model))
+    steps_out = []
+    srv = LlamaServer(binary, path, args.n_ctx, args.threads, session_dir)
+    cmd = " ".join(srv.cmd)
+    try:
+        agent = Agent(system_prompt(render, args.system_tokens))
+        for phase in (0, 1):
+            if phase == 1:
+                srv.close()
+                srv = LlamaServer(binary, path, args.n_ctx, args.threads, session_dir)
+                loaded: set[str] = set()
+            for chat, text in agent.schedule(args.rounds, phase):
+                msgs = agent.chats.setdefault(chat, [{"role": "system", "content": agent.system}])
+                msgs.append({"role": "user", "content": text})
+                load_ms = 0.0
+                if phase == 1 and chat not in loaded:
+                    loaded.add(chat)
+                    load_ms = 1e3 * srv.restore(f"{chat}.bin")
+                prompt = as_ids(render.render_chat(msgs).tokens)
+                new = agent.new_tokens(prompt)
+                ttft, toks, tm = srv.generate(prompt, N_ANSWER)
+                read = int(tm.get("prompt_n", 0))
+                steps_out.append(dict(phase=phase, chat=chat, prompt=len(prompt), new=new, read=read,
+                                      reread=read - new, cache_n=int(tm.get("cache_n", 0)), load_ms=round(load_ms, 2),
+                                      ttft_ms=round(1e3 * ttft + load_ms, 2), answer=toks))
+                agent.sent.append(np.concatenate([prompt, np.asarray(toks[:-1], np.int32)]))
+                msgs.append({"role": "assistant", "content": render.detokenize(toks)})
+                srv.save(f"{chat}.bin")
+                st = steps_out[-1]
+                print(f"  llama-server phase {phase} {chat:5s} prompt {st['prompt']:5d} new {st['new']:4d} read "
+                      f"{st['read']:4d} re-read {st['reread']:4d} ttft {st['ttft_ms']:8.1f} ms", flush=True)
+    finally:
+        srv.close()
+    return {"cmd": cmd, "steps": steps_out, "reread_total": sum(max(0, x["reread"]) for x in steps_out),
+            "new_total": sum(x["new"] for x in steps_out), "read_total": sum(x["read"] for x in steps_out),
+            "ttft_ms_median": float(np.median([x["ttft_ms"] for x in steps_out])),
+            "ttft_ms_after_restart_median": float(np.median([x["ttft_ms"] for x in steps_out if x["phase"] == 1]))}
+
+
+def cold_ttft(make_engine, system_tokens: int) -> float:
+    """TTFT (ms) of the main's first prompt read cold, the reference a resumed step is measured against."""
+    e = make_engine()
+    try:
+        msgs = [{"role": "system", "content": system_prompt(e, system_tokens)},
+                {"role": "user", "content": "Task: the login page times out under load. Plan the work."}]
+        r = e.render_chat(msgs)
+        t0 = time.perf_counter()
+        for ev in e.generate(GenerationRequest(prompt_tokens=r.tokens, cut_points=r.cut_points, max_tokens=1,
+                                               cache_prompt=False)):
+            return 1e3 * (time.perf_counter() - t0)
+    finally:
+        e.close()
+    return float("nan")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--system-tokens", type=int, default=1200)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--n-ctx", type=int, default=4096)
+    ap.add_argument("--kv-pool-ctx", type=int, default=8192, help="each stage's KV pool, the main's and the worker's")
+    ap.add_argument("--split", default="15", help="--layer-split of the remote arm (the worker runs what follows)")
+    ap.add_argument("--arms", default="local,remote")
+    ap.add_argument("--llama-server", default=None, metavar="BIN", help="adds llama.cpp's llama-server as an arm")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip() or "unknown"
+    out = Path(args.out or ROOT / "bench" / "results" / f"agent_replay_cpu_{commit}.json")
+    results = dict(bench="agent_replay", commit=commit, model=args.model, system_tokens=args.system_tokens,
+                   rounds=args.rounds, threads=args.threads, n_ctx=args.n_ctx, kv_pool_ctx=args.kv_pool_ctx,
+                   answer_tokens=N_ANSWER, arms={})
+    tmp = Path(tempfile.mkdtemp(prefix="agent_replay_"))
+    worker = None
+    try:
+        for arm in [a for a in args.arms.split(",") if a]:
+            d = tmp / arm
+            d.mkdir()
+            kw = dict(n_ctx=args.n_ctx, threads=args.threads, slot_save_path=str(d), prompt_cache=8,
+                      conversation_cache_mib=1024, kv_pool_ctx=args.kv_pool_ctx)
+            if arm == "local":
+                def make(kw=kw):
+                    return Engine(args.model, **kw)
+            else:
+                state = {}
+
+                def make(kw=kw, state=state):
+                    if state.get("w") is not None:            # a restart restarts the worker too
+                        state["w"].terminate()
+                        state["w"].wait(30)
+                    state["w"], addr = start_worker(args.model, args.threads, args.kv_pool_ctx)
+                    return Engine(args.model, remote_stage=addr, layer_split=args.split, **kw)
+            print(f"arm {arm}: cold read of the main's first prompt", flush=True)
+            cold = cold_ttft(make, args.system_tokens)
+            res = run_arm(arm, make, args.system_tokens, args.rounds, d)
+            res["cold_ttft_ms"] = round(cold, 2)
+            res["ttft_median_over_cold"] = round(res["ttft_ms_median"] / cold, 4)
+            if arm != "local":
+                state["w"].terminate()
+                state["w"].wait(30)
+            results["arms"][arm] = res
+            print(f"arm {arm}: re-read beyond the new tokens {res['reread_total']} of {res['read_total']} read "
+                  f"({res['new_total']} new); TTFT median {res['ttft_ms_median']:.1f} ms, "
+                  f"{res['ttft_median_over_cold']:.3f} of a cold read ({cold:.0f} ms)", flush=True)
+        if args.llama_server:
+            d = tmp / "llama_server"
+            d.mkdir()
+            render = Engine(args.model, n_ctx=args.n_ctx, prompt_cache=0, conversation_cache_mib=0)
+            res = run_llama_server(args.llama_server, args.model, args, d, render)
+            results["llama_server"] = res
+            print(f"llama-server: re-read beyond the new tokens {res['reread_total']} of {res['read_total']} read "
+                  f"({res['new_total']} new); TTFT median {res['ttft_ms_median']:.1f} ms", flush=True)
+        arms = list(results["arms"].values())
+        if len(arms) == 2:
+            same = [a["answer"] == b["answer"] for a, b in zip(arms[0]["steps"], arms[1]["steps"])]
+            results["answers_equal_across_arms"] = f"{sum(same)}/{len(same)}"
+            print(f"greedy answers equal across arms: {sum(same)}/{len(same)} steps")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,379 @@
+"""ConversationStore: the one owner of the conversation state the engine keeps beside its live sequences: the prefix
+tree of checkpoints (CheckpointCache), the parked conversations in three tiers (resident on the stages' devices,
+host RAM, disk) and session files; its verbs take the Sequence they act on (resume, note, forget, erase, park,
+save, load, make_room)."""
+from __future__ import annotations
+
+import os
+import time
+import weakref
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import structlog
+
+from strata.cache import session
+from strata.cache.checkpoints import CheckpointCache, PrefillPlan
+from strata.cache.conversation import CUT_MIN, Conversation, DiskTier, ParkStore, SavedCheckpoint
+from strata.cache.tiers import Tiers
+from strata.memory import KVCacheFull, PartMismatch
+from strata.memory.hostram import available_ram
+from strata.stages.remote import CheckpointGone
+from strata.stages.sequence import Checkpoint, Sequence
+from strata.text.token_ids import is_prefix
+
+log = structlog.get_logger("strata.engine")
+
+
+class ConversationStore:
+    """What the engine keeps of conversations beside the sequences it runs, shared by all of them:
+
+    - ``checkpoints`` (a CheckpointCache): the prefix tree of checkpoints, each holding its pages by reference;
+    - the parked conversations (``tiers``, strata.cache.tiers.Tiers): ``resident`` on the stages' devices (their
+      pages held: a count, ``--park-resident``), ``park`` in host RAM (bytes, ``--conversation-cache-mib``),
+      ``disk`` (files, ``--conversation-cache-dir``), each tier spilling its least recently used to the next;
+    - session files in ``slot_save_path``.
+
+    Every verb takes the Sequence it acts on (nothing about one live sequence is kept here but a weak mark of a
+    sequence loaded from a session file): ``resume`` (plan a prompt, then the one step that restores a parked
+    conversation or a checkpoint, or cuts the sequence back, and settles), ``note`` (a checkpoint at the
+    sequence's position), ``forget`` / ``erase``, ``park``, ``save`` / ``load`` (session files), ``make_room`` (what
+    a Sequence calls when a pool is short for it). `file` (its fingerprint), `stages`, `n_ctx` and `n_vocab` are what
+    a session file must match. Raises ValueError for a disk tier without parking or a slot_save_path that is not a
+    directory. The engine calls the verbs under its lock; the views (``parked``, ``entries``) from any thread."""
+
+    def __init__(self, stages: list, file, n_ctx: int, *, checkpoints: CheckpointCache, park_bytes: int | None,
+                 disk_dir: str | os.PathLike | None, disk_bytes: int, slot_save_path: str | os.PathLike | None,
+                 resident: int = 0, n_vocab: int | None = None):
+        self.stages, self.file, self.n_ctx, self.n_vocab = stages, file, n_ctx, n_vocab
+        self.checkpoints = checkpoints
+        self.tiers = Tiers(stages, park_bytes=park_bytes, disk_dir=disk_dir, disk_bytes=disk_bytes,
+                           resident=resident, write=self._write_file, read=self._read_file)
+        self.slot_save_path = Path(slot_save_path) if slot_save_path else None
+        if self.slot_save_path is not None and not self.slot_save_path.is_dir():
+            raise ValueError(f"--slot-save-path {self.slot_save_path}: not a directory")
+        self._from_session: weakref.WeakSet = weakref.WeakSet()   # loaded from a file, not yet resumed
+        self._restoring = None      # the checkpoint a restore is mounting (make_room does not drop it meanwhile)
+
+    # ---- the tiers, for the engine's views -------------------------------------------------------------
+    @property
+    def resident(self) -> ParkStore | None:
+        return self.tiers.resident
+
+    @property
+    def park_store(self) -> ParkStore | None:
+        return self.tiers.park
+
+    @property
+    def disk(self) -> DiskTier | None:
+        return self.tiers.disk
+
+    def prepin(self) -> int:
+        """Host memory set aside for parking now (Tiers.prepin) -> the bytes asked for."""
+        return self.tiers.prepin(self.n_ctx, self.checkpoints.cap)
+
+    # ---- a sequence as a Conversation ------------------------------------------------------------------
+    def capture(self, seq: Sequence) -> Conversation:
+        """`seq`'s conversation as host copies: every stage's used K/V and running state, its checkpoints (running
+        state only where the stage can make the K/V a prefix of the conversation's)."""
+        here = seq.capture()
+        try:
+            parts = seq.materialize(here)
+        finally:
+            here.release()
+        cps = []
+        for pos, kind, snap in self.checkpoints.export(seq.ids):
+            try:
+                cps.append(SavedCheckpoint(pos, kind, seq.detach(snap)))
+            except CheckpointGone:              # a worker dropped its part (its pool ran short): not kept either
+                self.checkpoints.discard(snap)
+        return Conversation(tokens=seq.ids, parts=parts, checkpoints=cps, live_ok=seq.live_ok,
+                            cut_anywhere=self.tiers.cut_anywhere)
+
+    def capture_resident(self, seq: Sequence) -> Conversation:
+        """`seq`'s conversation parked where it is: every stage's pages held (nothing copied), its running state
+        and its checkpoints' copied on the device (a remote stage: more references to the worker's parts)."""
+        here = seq.with_room(seq.capture)        # its pages held: nothing is copied
+        try:
+            cps = [SavedCheckpoint(pos, kind, seq.detach(snap, to_host=False))
+                   for pos, kind, snap in self.checkpoints.export(seq.ids)]
+        except BaseException:
+            here.release()
+            raise
+        return Conversation(tokens=seq.ids, parts=here.parts, checkpoints=cps, live_ok=seq.live_ok, resident=True,
+                            cut_anywhere=self.tiers.cut_anywhere)
+
+    def restore(self, seq: Sequence, conv: Conversation) -> None:
+        """Make `conv` `seq`'s conversation, its checkpoints kept in the tree (a resident one's pages become the
+        sequence's too: nothing is copied but the running state, on the device; `conv` keeps its own hold until
+        released). Every part is validated against its own stage first (PartMismatch / KVCacheFull, one line,
+        change nothing); a pool short of pages first moves resident conversations to RAM (make_room)."""
+        whole = Checkpoint(pos=conv.pos, tokens=conv.tokens, parts=conv.parts)
+        seq.with_room(lambda: seq.validate(whole))
+        for c in conv.checkpoints:
+            if not 0 < c.pos <= conv.pos:
+                raise PartMismatch(f"a checkpoint at {c.pos} lies outside the conversation's {conv.pos} tokens")
+            seq.validate_detached(c.pos, c.parts)
+        seq.with_room(lambda: seq.restore(whole))   # a worker's pool short of pages: parts freed, then again
+        seq.live_ok = conv.live_ok
+        attached = []
+        try:
+            for c in conv.checkpoints:
+                attached.append((c.pos, c.kind, seq.with_room(lambda c=c: seq.attach(c.pos, c.parts))))
+        except BaseException:
+            for _, _, snap in attached:
+                snap.release()
+            raise
+        self.checkpoints.adopt(attached)
+
+    # ---- the verbs ---------------------------------------------------------------------------------------
+    def resume(self, seq: Sequence, prompt: np.ndarray, cut_points=(), *, checkpoint: bool = True,
+               cache_prompt: bool = True, trace: bool = False) -> PrefillPlan:
+        """Put `seq` where `prompt` is read from: a parked conversation switched in when it skips more of the prompt
+        than `seq` and the tree do (the one `seq` held parked when the prompt leaves it), then the tree's plan
+        (CheckpointCache.plan, pure) and the one step that applies it: its checkpoint restored, or the sequence cut
+        back or reset, and settled (a remote stage's Commits landed); the tree then told (begin). A checkpoint gone
+        from a worker (its link reconnected): the tree cleared, the prompt planned again from 0. -> the plan
+        applied (resume_from "resident" / "park" / "disk" / "session" when it came from there). Any failure
+        forgets `seq` (it starts over) and propagates."""
+        try:
+            if seq.lost():         # a remote stage reconnected: the worker holds none of it any more
+                log.warning("a remote stage lost the live sequence and its checkpoints: reading from 0")
+                self.forget(seq)
+                self.checkpoints.clear()
+                self.tiers.drop_gone()
+            unparked = self.switch(seq, prompt, cache_prompt, trace)
+            plan = self._apply(seq, prompt, cut_points, checkpoint, cache_prompt)
+        except BaseException:
+            self.forget(seq)       # a restore that failed part-way: the sequence starts over
+            raise
+        if plan.resume_pos > 0 and (unparked or seq in self._from_session):
+            plan.resume_from = unparked or "session"
+        self._from_session.discard(seq)
+        n, resume = len(prompt), plan.resume_pos
+        if seq.pos != resume or not 0 <= resume < n or not is_prefix(seq.ids, prompt):
+            self.forget(seq)
+            raise RuntimeError(f"internal: plan resumes at {resume} ({plan.resume_from}) but the sequence holds "
+                               f"{seq.pos} tokens that are not that prefix of the {n}-token prompt")
+        return plan
+
+    def _apply(self, seq: Sequence, prompt, cut_points, checkpoint: bool, cache_prompt: bool) -> PrefillPlan:
+        def plan():
+            return self.checkpoints.plan(seq, prompt, list(cut_points or ()), checkpoint=checkpoint,
+                                         cache_prompt=cache_prompt)
+        p = plan()
+        if p.snapshot is not None:
+            self._restoring = p.snapshot
+            try:
+                seq.with_room(lambda: seq.restore(p.snapshot))
+            except CheckpointGone as e:      # the worker restarted or reconnected: read from token 0
+                log.warning("a checkpoint is gone from the worker: reading from 0", error=str(e))
+                self.forget(seq)
+                self.checkpoints.clear()
+                p = plan()
+            finally:
+                self._restoring = None
+        if p.snapshot is None:
+            if p.resume_from == "none" or p.resume_pos == 0:
+                seq.reset()
+            elif p.resume_pos < seq.pos:
+                seq.truncate(p.resume_pos)
+        seq.settle()                # the worker's Commits land before the prompt is read
+        self.checkpoints.begin(p, seq)
+        return p
+
+    def note(self, seq: Sequence, kind: str) -> list[int]:
+        """Keep a checkpoint of `seq` at its position, of cut point kind `kind` (a pool or a worker store short of
+        room first frees some, make_room) -> the positions retention evicted."""
+        return self.checkpoints.save(seq.pos, kind, seq.with_room(seq.capture))
+
+    def forget(self, seq: Sequence) -> None:
+        """`seq` back to position 0, not to be continued live: the next prompt resumes from a checkpoint or from 0
+        (the tree and the parked conversations stay)."""
+        seq.reset()
+        seq.live_ok = False
+
+    def erase(self, seq: Sequence) -> int:
+        """Forget `seq` and every checkpoint, its pages given back (parked conversations stay) -> the tokens it
+        held."""
+        n = int(seq.pos)
+        self.forget(seq)
+        self.checkpoints.clear()
+        seq.trim()
+        return n
+
+    def make_room(self, seq: Sequence) -> bool:
+        """Free pages for `seq` (what a Sequence calls when a pool is short for it): a checkpoint off its path
+        dropped (its pages are its own), else the least recently used resident conversation moved to host RAM,
+        else a checkpoint on its path dropped -> False when nothing more can be freed."""
+        ids, spare = seq.ids, self._restoring
+        # with parking off the tree is the only keeper of other branches: their checkpoints move to host RAM
+        # (parking keeps the conversations they belong to, with their K/V, itself)
+        demote = self._demote if self.tiers.park is None and self.tiers.host_parts_refusal() is None else None
+        return self.checkpoints.make_room(ids, off_path=True, spare=spare, demote=demote) or \
+            self.tiers.make_room() or self.checkpoints.make_room(ids, spare=spare, demote=demote)
+
+    def _demote(self, snap: Checkpoint) -> Checkpoint | None:
+        """A checkpoint moved down a tier: its parts as host copies (a remote stage's streamed from its worker), or
+        None when host RAM is short (then it is dropped)."""
+        need = snap.nbytes() + sum(k.length * k.hold.pool.bytes_per_token for p in snap.parts
+                                   for k in getattr(p, "kv", {}).values() if k.is_held)
+        avail = available_ram()
+        if avail is None or need > avail // 2:
+            return None
+        return Checkpoint(pos=snap.pos, tokens=snap.tokens,
+                          parts=[st.memory.materialize(p) for st, p in zip(self.stages, snap.parts)])
+
+    # ---- parking ----------------------------------------------------------------------------------------
+    def park(self, seq: Sequence, trace: bool = False) -> None:
+        """Park `seq`'s conversation (when it has one worth keeping and the tiers can take it): resident when that
+        tier is on, else host copies in RAM. A failure to park is logged and counted (park_stats.refused); it
+        never fails the request that leaves the conversation."""
+        t = self.tiers
+        if t.park is None or seq.pos == 0 or not seq.live_ok:
+            return                   # nothing live, or a "strata_checkpoint": false request's
+        try:
+            t0 = time.perf_counter()
+            if t.resident is not None:
+                try:
+                    conv = self.capture_resident(seq)
+                except (MemoryError, KVCacheFull) as e:  # the device (or a worker's store) has no room for it
+                    log.warning("parking in host RAM: no room for a resident copy", error=str(e))
+                    while t.make_room():                 # their running-state copies leave the device too
+                        pass
+                else:
+                    gone = t.park_resident(conv)
+                    if trace:
+                        log.info("parked", tier="device", tokens=seq.pos,
+                                 ms=round((time.perf_counter() - t0) * 1e3, 2), moved_to_ram=len(gone))
+                    return
+            need = seq.nbytes()
+            if t.ram_short(need, "not parking the live conversation"):
+                return
+            gone = t.park.park(self.capture(seq))
+            if trace:
+                log.info("parked", tokens=seq.pos, bytes=need, ms=round((time.perf_counter() - t0) * 1e3, 2),
+                         evicted=len(gone))
+        except Exception as e:  # noqa: BLE001
+            t.park.stats["refused"] += 1
+            log.warning("not parking the live conversation: it could not be copied", error=str(e))
+
+    def switch(self, seq: Sequence, prompt: np.ndarray, cache_prompt: bool, trace: bool) -> str | None:
+        """Before a prompt is planned: when a parked conversation (resident, in RAM or on disk) skips more of
+        `prompt` than `seq` and the tree do, park `seq`'s and restore that one -> its tier ("resident" / "park" /
+        "disk"); it stays parked, whole, when the prompt leaves it before its last checkpoint. When the prompt
+        leaves `seq` (it resumes before the deepest checkpoint on `seq`'s path), park `seq`'s (None)."""
+        t = self.tiers
+        if t.park is None or not cache_prompt:
+            return None
+        here = self.checkpoints.peek(seq, prompt)
+        source, conv, depth = t.best(prompt)
+        if conv is not None and source != "disk" and depth != conv.pos and \
+                all(c.pos != depth for c in conv.checkpoints) and depth < here + CUT_MIN:
+            conv = None      # a cut at the common prefix that skips too few tokens more than the sequence does
+        if conv is not None and depth > here:
+            t0 = time.perf_counter()
+            try:                              # out of its tier first: parking `seq`'s cannot evict it
+                conv = t.take(source, conv)
+            except (session.SessionError, OSError, ValueError) as e:
+                log.warning("a parked conversation could not be read", tier=source, error=str(e))
+                return None
+            self.park(seq, trace)
+            epoch = seq.epoch
+            try:
+                self.restore(seq, conv)
+            except BaseException as e:
+                if seq.epoch != epoch:
+                    self.forget(seq)          # a worker refused its part after a local stage was written
+                if isinstance(e, CheckpointGone):
+                    t.release(conv)           # its worker parts are gone with the link: nothing to put back
+                    log.warning("a parked conversation is gone from the worker", tier=source, error=str(e))
+                    return None
+                # put back intact (restoring only adds references to a resident one's pages); the caller
+                # starts the sequence over when the error is not one that changed nothing
+                t.put_back(source, conv)
+                if not isinstance(e, (PartMismatch, KVCacheFull)):
+                    raise
+                log.warning("a parked conversation could not be restored", tier=source, error=str(e))
+                return None
+            if depth < max((c.pos for c in conv.checkpoints), default=0):
+                # the prompt leaves it before its last checkpoint (a new chat on its system prompt, an earlier
+                # message edited): it stays parked, whole (in RAM, a file's); a next turn, which rewrites only
+                # what follows that checkpoint, takes it over, as the prompt does with one that has none
+                t.put_back("park" if source == "disk" else source, conv)
+            elif conv.resident:
+                t.release(conv)               # the sequence holds its pages now
+            if trace:
+                log.info("unparked", tier=source, tokens=conv.pos, resume=depth,
+                         ms=round((time.perf_counter() - t0) * 1e3, 2))
+            return source
+        deepest = self.checkpoints.deepest(seq.ids)
+        if seq.pos > 0 and (here < deepest or (deepest == 0 and here == 0)):
+            self.park(seq, trace)
+        return None
+
+    def parked(self) -> list[dict]:
+        """The parked conversations for `stratactl cache` (tokens, bytes, tier, checkpoints, last use)."""
+        return self.tiers.entries()
+
+    # ---- session files -----------------------------------------------------------------------------------
+    def _write_file(self, path: Path, conv: Conversation) -> int:
+        return session.save_atomic(path, lambda f: session.write(f, conv, self.file.fingerprint(), self.stages))
+
+    def _read_file(self, path: Path) -> Conversation:
+        with session.open_session(path) as f:
+            conv = session.read(f, self.file.fingerprint(), self.stages, self.n_ctx, self.n_vocab)
+        conv.cut_anywhere = self.tiers.cut_anywhere
+        return conv
+
+    def session_path(self, filename, *, exists: bool = False) -> Path:
+        """The path of session file `filename` (strata.cache.session.check_filename); exists: it must be a file
+        there. SessionError (one line) otherwise."""
+        why = self.tiers.host_parts_refusal()
+        if why:
+            raise session.SessionError(f"session files: {why}")
+        if self.slot_save_path is None:
+            raise session.SessionError("session files need --slot-save-path DIR (the directory they are kept in)")
+        path = session.check_filename(self.slot_save_path, filename, new=not exists)
+        try:
+            there = path.exists() or path.is_symlink()               # what it is, open_session checks
+        except OSError:                                              # swapped while looked at: open_session decides
+            there = True
+        if exists and not there:
+            raise session.SessionError(f"session file {filename!r} does not exist in the session directory "
+                                       "(--slot-save-path)")
+        return path
+
+    def save(self, seq: Sequence, path: Path, filename) -> dict[str, Any]:
+        """Save `seq`'s conversation (with its checkpoints) to `path`, atomically -> llama-server's answer of a
+        slot save. SessionError (one line), nothing written."""
+        if seq.pos == 0:
+            raise session.SessionError("slot 0 holds no conversation (0 tokens): nothing to save")
+        t0 = time.perf_counter()
+        conv = self.capture(seq)
+        n = self._write_file(path, conv)
+        return {"id_slot": 0, "filename": filename, "n_saved": conv.pos, "n_written": n,
+                "timings": {"save_ms": round((time.perf_counter() - t0) * 1e3, 3)}}
+
+    def load(self, seq: Sequence, path: Path, filename) -> dict[str, Any]:
+        """Make the session file at `path` `seq`'s conversation -> llama-server's answer of a slot restore. The
+        file is read under the live engine's limits and every part validated before anything is written; on any
+        error `seq` is exactly as it was; the conversation it replaces is parked."""
+        t0 = time.perf_counter()
+        with session.open_session(path) as f:
+            conv = session.read(f, self.file.fingerprint(), self.stages, self.n_ctx, self.n_vocab)
+            n_read = f.tell()
+        conv.cut_anywhere = self.tiers.cut_anywhere
+        self.park(seq)                      # the conversation the restore replaces is parked, not lost
+        epoch = seq.epoch
+        try:
+            self.restore(seq, conv)
+        except (PartMismatch, KVCacheFull) as e:
+            if seq.epoch != epoch:
+                self.forget(seq)            # a worker refused its part after a local stage was written
+            raise session.SessionError(f"session file {filename!r}: {e}") from None
+        self._from_session.add(seq)
+        self.tiers.discard(conv.tokens)     # now live: a parked copy of the same conversation is dropped
+        return {"id_slot": 0, "filename": filename, "n_restored": conv.pos, "n_read": n_read,
+                "timings": {"restore_ms": round((time.perf_counter() - t0) * 1e3, 3)}}
