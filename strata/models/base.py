@@ -178,6 +178,16 @@ class Model(ABC):
             return np.stack(outs)
         return self.backend.xp.concatenate(outs, axis=0)
 
+    def _attend_rows(self, states: list[SequenceState], scale: float):
+        """attend(q, k, v, layer) for a batched step: row i's K/V written to and attended over ``states[i]``'s own
+        pages (each row as its lone step attends, softmax scale ``scale``) -> the rows' attention, stacked."""
+        be = self.backend
+
+        def attend(q, k, v, il):
+            return np.concatenate([be.attention(q[i:i + 1], k[i:i + 1], v[i:i + 1], st.kv, il, scale)
+                                   for i, st in enumerate(states)], axis=0)
+        return attend
+
     def _check_batch(self, tokens, states, lo: int, hi: int, x_in) -> np.ndarray:
         """The checks of a batched step before anything is touched -> the token ids (int32 (N,)): one token per
         sequence, distinct sequences, each as ``_check_carve`` checks it, none with kept states armed (a verify)."""

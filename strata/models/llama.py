@@ -145,10 +145,7 @@ class LlamaModel(Model):
         for st in states:
             st.kv.reserve(1)
         positions = np.asarray([st.pos for st in states], dtype=np.int64)
-
-        def attend(q, k, v, il):
-            return np.concatenate([be.attention(q[i:i + 1], k[i:i + 1], v[i:i + 1], st.kv, il, self.scale)
-                                   for i, st in enumerate(states)], axis=0)
+        attend = self._attend_rows(states, self.scale)
         x = be.embed(self.tok_embd, tokens) if lo == 0 else x_in
         x = self._layers(x, positions, lo, hi, attend)
         out = self.head(x, all_logits=True) if self.ends_with_head(hi) else x

@@ -470,10 +470,7 @@ class Qwen3NextModel(Model):
             if st.kv is not None:
                 st.kv.reserve(1)
         positions = np.asarray([st.pos for st in states], dtype=np.int64)
-
-        def attend(q, k, v, il):
-            return np.concatenate([be.attention(q[i:i + 1], k[i:i + 1], v[i:i + 1], st.kv, il, self.scale)
-                                   for i, st in enumerate(states)], axis=0)
+        attend = self._attend_rows(states, self.scale)
         x = be.embed(self.tok_embd, tokens) if lo == 0 else x_in
         for il in range(lo, hi):
             L = self.layers[il]

@@ -137,11 +137,16 @@ class Carrier:
         except BaseException:
             cp.release()
             raise
-        old = self.store.pop(m.ckpt_id, None)
+        return self._keep(m.ckpt_id, cp, m.keep)
+
+    def _keep(self, ckpt_id: int, cp: Checkpoint, keep) -> Ack:
+        """Store cp under ckpt_id (a part kept there before gives its pages back), then drop what the keep list
+        leaves out."""
+        old = self.store.pop(ckpt_id, None)
         if old is not None:
             old.release()
-        self.store[m.ckpt_id] = cp
-        self._prune(list(m.keep) + [m.ckpt_id])
+        self.store[ckpt_id] = cp
+        self._prune(list(keep) + [ckpt_id])
         return self._ack()
 
     def ckpt_restore(self, m: CkptRestore) -> Ack:
@@ -235,12 +240,7 @@ class Carrier:
             except BaseException:
                 cp.release()
                 raise
-        old = self.store.pop(m.ckpt_id, None)
-        if old is not None:
-            old.release()
-        self.store[m.ckpt_id] = cp
-        self._prune(list(m.keep) + [m.ckpt_id])
-        return self._ack()
+        return self._keep(m.ckpt_id, cp, m.keep)
 
     def reset(self, m: Reset) -> Ack:
         self._prune(m.keep)
