@@ -166,7 +166,7 @@ def test_engine_refusals_name_the_field(engine):
 # ---- over HTTP ---------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
-    d = Daemon(tmp_path_factory.mktemp("embed"), "--pooling", "mean", port=free_port()).start()   # --pooling plumbed
+    d = Daemon(tmp_path_factory.mktemp("embed"), "--embeddings", "--pooling", "mean", port=free_port()).start()  # flags plumbed
     yield d
     assert d.stop() == 0, d.log_tail()
 
@@ -280,7 +280,7 @@ def test_a_remote_stage_refuses_embeddings_with_a_clear_501(tmp_path):
     """A real `strata worker` runs the upper layers: its link carries one sequence, so the read has no scratch
     sequence there; every embedding route answers 501 saying so, and the chat goes on."""
     w = WorkerProc().start()
-    d = Daemon(tmp_path, "--remote-stage", w.address, "--layer-split", "10").start()
+    d = Daemon(tmp_path, "--embeddings", "--remote-stage", w.address, "--layer-split", "10").start()
     try:
         for path, body in (("/v1/embeddings", {"input": "hi"}), ("/embedding", {"content": "hi"}),
                            ("/api/embed", {"model": "m", "input": "hi"})):

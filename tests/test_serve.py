@@ -938,3 +938,18 @@ def test_malformed_http_answer_has_no_dangling_colon(daemon):
     err = json.loads(data.split(b"\r\n\r\n", 1)[1])["error"]
     assert err["code"] == "bad_http" and err["message"] == "malformed HTTP request: BadHttpMessage: Invalid header " \
                                                           "value char", err
+
+
+def test_embedding_routes_answer_501_naming_the_flag_without_embeddings(daemon):
+    """A daemon started without --embeddings: every embedding route answers 501 in its API's error shape, naming the
+    flag (llama-server's behaviour), before reading the body; the daemon goes on serving."""
+    for path, body in (("/v1/embeddings", {"input": "hi", "model": "gpt-4"}), ("/embedding", {"content": "hi"}),
+                       ("/embeddings", {"content": "hi"}), ("/api/embed", {"model": "m", "input": "hi"}),
+                       ("/api/embeddings", {"model": "m", "prompt": "hi"}), ("/v1/embeddings", "not json")):
+        st, r = daemon.json("POST", path, body)
+        msg = r["error"] if isinstance(r["error"], str) else r["error"]["message"]
+        assert st == 501 and "--embeddings" in msg and "\n" not in msg, (path, r)
+        if path.startswith("/embedding"):
+            assert r["error"]["type"] == "not_supported_error", r
+    st, _ = daemon.json("GET", "/health")
+    assert st == 200

@@ -30,7 +30,7 @@ def daemon(tmp_path_factory):
     # above the 1 MiB grammar limit, so that a schema can reach it.
     # --n-predict keeps the answers of bodies that give no length short.
     d = Daemon(tmp_path_factory.mktemp("fuzz"), "--queue-max", "4", "--max-body", "3000000", "--api-key", API_KEY,
-               "--n-predict", "4", "--slot-save-path", str(tmp_path_factory.mktemp("fuzz-slots")),
+               "--n-predict", "4", "--embeddings", "--slot-save-path", str(tmp_path_factory.mktemp("fuzz-slots")),
                port=free_port(), n_ctx=256).start()
     yield d
     assert d.stop() == 0, d.log_tail()

@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="strata-fuzz-http-") as tmp:
         slots = Path(tmp) / "slots"
         slots.mkdir()
-        d = Daemon(Path(tmp), "--queue-max", "4", "--max-body", "3000000", "--n-predict", "4",
+        d = Daemon(Path(tmp), "--queue-max", "4", "--max-body", "3000000", "--n-predict", "4", "--embeddings",
                    "--slot-save-path", str(slots), "--log-level", "info", n_ctx=256).start()
         run = http_fuzz.FuzzRun(d).start()
         res: dict = {"cases": 0, "routes": [f"{m} {t}" for m, t in table], "statuses": run.counts,

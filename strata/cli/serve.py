@@ -57,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     n.add_argument("--n-predict", type=_n_predict, default=1024, metavar="N",
                    help="tokens an answer may have when a request sets no max_tokens / max_output_tokens (default "
                         "1024; -1: until the model stops or the context is full)")
+    n.add_argument("--embeddings", action="store_true",
+                   help="serve the embedding routes (/v1/embeddings, /embedding, /embeddings, /api/embed, "
+                        "/api/embeddings; llama-server's flag): without it they answer 501 naming this flag")
     n.add_argument("--pooling", choices=("none", "mean", "cls", "last"), default=None,
                    help="how the embedding routes pool a text's final-normed hidden states: mean over its tokens, "
                         "cls (the first token), last (the last token), none (every token's vector, /embeddings only); "
@@ -214,7 +217,7 @@ def run(args) -> int:
                       host=args.host, port=args.port, api_key=args.api_key, queue_max=args.queue_max,
                       max_body=args.max_body, drain_timeout=args.drain_timeout,
                       responses_store=args.responses_store, responses_store_mib=args.responses_store_mib,
-                      n_predict=args.n_predict, pooling=args.pooling, max_connections=args.max_connections,
+                      n_predict=args.n_predict, embeddings=args.embeddings, pooling=args.pooling, max_connections=args.max_connections,
                       header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                       idle_timeout=args.idle_timeout, max_request_seconds=args.max_request_seconds,
                       max_request_tokens=args.max_request_tokens,

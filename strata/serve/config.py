@@ -25,6 +25,7 @@ class ServeConfig:
     responses_store: int = 256        # /v1/responses kept for previous_response_id (strata.serve.responses_api)
     responses_store_mib: int = 256    # --responses-store-mib: their bytes at most
     aliases: tuple[str, ...] = ()     # --alias: more names of the loaded model in /v1/models
+    embeddings: bool = False          # --embeddings: the embedding routes answer (else 501 naming the flag)
     pooling: str | None = None        # --pooling: the embedding routes' pooling (None: the model's, strata.engine.embed)
     n_predict: int = 1024             # --n-predict: an answer's length when a request gives none (-1: no limit)
     max_connections: int = 256        # --max-connections: open connections per listener (strata.serve.connections)

@@ -1,7 +1,8 @@
 """The embedding routes of three APIs over Engine.embed: OpenAI's POST /v1/embeddings, llama-server's POST /embedding
 and /embeddings (its non-OpenAI shape, every pooling including none), Ollama's POST /api/embed and the older
 /api/embeddings. Inputs are read beside the live conversation (strata.engine.embed): a chat in progress keeps its
-state and checkpoints. Errors take each API's own shape (registered by the llama and Ollama modules' shapes)."""
+state and checkpoints. Errors take each API's own shape (registered by the llama and Ollama modules' shapes). The routes answer only on a
+daemon started with --embeddings (llama-server's flag); without it, 501 naming the flag, before the body is read."""
 from __future__ import annotations
 
 import base64
@@ -118,6 +119,13 @@ def _dimensions(body: dict, engine) -> None:
                         "unsupported_value")
 
 
+def _served(request: web.Request) -> None:
+    """ApiError 501 unless the daemon was started with --embeddings."""
+    if not request.app[CONFIG_KEY].embeddings:
+        raise ApiError(501, "this server does not serve embeddings: start strata serve with --embeddings",
+                       code="not_supported")
+
+
 async def _embed(request: web.Request, inputs: list, field: str, pooling: str | None, norm: int,
                  truncate: bool = False):
     """Tokenize and embed on the engine thread -> (engine, [Embedding])."""
@@ -137,6 +145,7 @@ def _model_pooling(engine, pooling: str | None) -> str:
 async def openai_embeddings(request: web.Request) -> web.Response:
     """POST /v1/embeddings {input, model, encoding_format=float|base64, dimensions, user; Strata's pooling,
     embd_normalize} -> {"object": "list", "data": [{"object": "embedding", "index", "embedding"}], "model", "usage"}."""
+    _served(request)
     body = await read_body(request)
     engine = serving_engine(request)
     if "input" not in body:
@@ -171,6 +180,7 @@ async def openai_embeddings(request: web.Request) -> web.Response:
 async def llama_embeddings(request: web.Request) -> web.Response:
     """llama-server's POST /embedding and /embeddings {input | content, embd_normalize; Strata's pooling} ->
     [{"index", "embedding": [[...]]}]: the pooled vector, or with pooling none every token's (unnormalised)."""
+    _served(request)
     body = await read_body(request)
     serving_engine(request)
     field = "input" if "input" in body else "content"
@@ -201,6 +211,7 @@ async def ollama_embed(request: web.Request) -> web.Response:
     {"model", "embeddings": [[...]], "total_duration", "load_duration", "prompt_eval_count"} (L2-normalised, as
     Ollama gives them; truncate: an input past the context is cut to its first n_ctx tokens, false refuses it)."""
     t0 = time.perf_counter_ns()
+    _served(request)
     body = await read_body(request)
     engine = serving_engine(request)
     _ollama_fields(body, engine)
@@ -223,6 +234,7 @@ async def ollama_embed(request: web.Request) -> web.Response:
 async def ollama_embeddings(request: web.Request) -> web.Response:
     """Ollama's older POST /api/embeddings {model, prompt, options, keep_alive} -> {"embedding": [...]} (not
     normalised, as Ollama gives it)."""
+    _served(request)
     body = await read_body(request)
     engine = serving_engine(request)
     _ollama_fields(body, engine)
