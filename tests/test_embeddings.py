@@ -310,3 +310,45 @@ def test_remote_refusal_in_the_engine():
         index, device, memory = 1, "remote:127.0.0.1:1", object()
     assert "remote stage" in scratch_refusal([Remote()])
     assert NotServed.status == 501
+
+
+def test_a_cancelled_read_stops_after_one_forward_call_and_keeps_nothing(engine):
+    """cancel set: EmbedCancelled after the first forward call (of many inputs), every scratch sequence dropped,
+    the live conversation as it was; the same engine embeds again after."""
+    import threading
+    from strata.engine.embed import EmbedCancelled
+    chat_state(engine)
+    before, seqs = snapshot(engine), [list(st.memory.sequences) for st in engine.stages]
+    calls = []
+    real = engine._embed_progress
+    engine._embed_progress = lambda cancel: (calls.append(1), real(cancel))
+    try:
+        stop = threading.Event()
+        stop.set()
+        with pytest.raises(EmbedCancelled, match="cancelled"):
+            engine.embed([[1, 2, 3]] * 50, cancel=stop)
+    finally:
+        del engine._embed_progress
+    assert len(calls) == 1
+    assert snapshot(engine) == before and [list(st.memory.sequences) for st in engine.stages] == seqs
+    assert len(engine.embed([[1, 2, 3]], cancel=threading.Event())) == 1
+
+
+def test_the_engine_worker_sets_a_calls_stop_event_when_it_is_dropped():
+    """A call job dropped (its handler cancelled: the client went away) sets the stop event fn watches."""
+    import threading
+    from strata.serve.worker import Job
+    stop = threading.Event()
+    job = Job(request=None, events=None, fn=lambda e: None, stop=stop)
+    job.cancel()
+    assert stop.is_set()
+
+
+def test_more_inputs_than_one_request_may_embed_is_a_400_naming_input(daemon):
+    from strata.engine.embed import MAX_INPUTS
+    for path, body in (("/v1/embeddings", {"input": ["a"] * (MAX_INPUTS + 1)}),
+                       ("/embedding", {"content": ["a"] * (MAX_INPUTS + 1)}),
+                       ("/api/embed", {"model": "m", "input": ["a"] * (MAX_INPUTS + 1)})):
+        st, r = daemon.json("POST", path, body)
+        msg = r["error"] if isinstance(r["error"], str) else r["error"]["message"]
+        assert st == 400 and "input" in msg and str(MAX_INPUTS) in msg, (path, r)

@@ -37,6 +37,14 @@ class NotServed(EmbedRefused):
     code = "not_implemented"
 
 
+#: inputs one request may embed (OpenAI's limit per request)
+MAX_INPUTS = 2048
+
+
+class EmbedCancelled(RuntimeError):
+    """The request's client went away: the read stopped after its current forward call, nothing kept."""
+
+
 class NoRoom(Unavailable):
     """The read's K/V finds no memory now (the stage's pool is held by the live conversation and the device or host
     has no room for a memory of its own): 503."""
@@ -103,6 +111,9 @@ def check_inputs(inputs: list, n_ctx: int, n_vocab: int) -> None:
     the context."""
     if not inputs:
         raise EmbedRefused("'input' must not be empty", param="input")
+    if len(inputs) > MAX_INPUTS:
+        raise EmbedRefused(f"'input' has {len(inputs)} inputs, more than the {MAX_INPUTS} one request may embed",
+                           param="input")
     for i, ids in enumerate(inputs):
         at = "input" if len(inputs) == 1 else f"input[{i}]"
         if len(ids) == 0:

@@ -363,19 +363,22 @@ class Engine:
                 at_prompt.release()          # its pages go back to the pool
 
     # ---- embeddings (strata.engine.embed) -------------------------------------------------------------
-    def embed(self, inputs: list, *, pooling: str | None = None, normalize: int = 2) -> list:
+    def embed(self, inputs: list, *, pooling: str | None = None, normalize: int = 2, cancel=None) -> list:
         """Embeddings of each input (token ids), read in scratch sequences beside the live conversation (its tokens,
         state and checkpoints untouched) -> [embed.Embedding]. pooling: none / mean / cls / last (None: the
         model's, embed.default_pooling); normalize: llama.cpp's embd_normalize (pooled vectors only). Raises
-        embed.EmbedRefused (one line naming the field; NotServed with a remote stage) before reading anything."""
+        embed.EmbedRefused (one line naming the field; NotServed with a remote stage) before reading anything;
+        embed.EmbedCancelled after the forward call during which cancel (a threading.Event) was set."""
         embeddings.check_inputs(inputs, self.n_ctx, self.n_vocab)
         pooling = pooling or embeddings.default_pooling(self.file.metadata, self.arch)
         with self._lock:
             return embeddings.embed(self.stages, inputs, pooling=pooling, norm=int(normalize), ubatch=self.ubatch,
-                                    progress=self._embed_progress)
+                                    progress=lambda: self._embed_progress(cancel))
 
-    def _embed_progress(self) -> None:
+    def _embed_progress(self, cancel) -> None:
         self.seq.forward_returned = time.monotonic()     # the stall clock /health reads: a forward call returned
+        if cancel is not None and cancel.is_set():
+            raise embeddings.EmbedCancelled("the embedding request was cancelled (its client went away)")
 
     # ---- conversations held apart: parking and session files (strata.cache.store) --------------------
     def slot_save(self, slot_id: int = 0, filename=None, **_ignored) -> dict[str, Any]:

@@ -6,12 +6,13 @@ daemon started with --embeddings (llama-server's flag); without it, 501 naming t
 from __future__ import annotations
 
 import base64
+import threading
 import time
 
 import numpy as np
 from aiohttp import web
 
-from strata.engine.embed import POOLINGS, EmbedRefused, check_inputs, default_pooling
+from strata.engine.embed import MAX_INPUTS, POOLINGS, EmbedRefused, check_inputs, default_pooling
 from strata.engine.types import ContextOverflow
 from strata.serve import schema
 from strata.serve.config import CONFIG_KEY, ERROR_SHAPES_KEY
@@ -39,6 +40,8 @@ def read_inputs(v, field: str) -> list:
         raise bad_field(field, "must not be empty: there is nothing to embed")
     if all(_is_id(t) for t in v):
         return [list(v)]
+    if len(v) > MAX_INPUTS:
+        raise bad_field(field, f"has {len(v)} inputs, more than the {MAX_INPUTS} one request may embed")
     out = []
     for i, item in enumerate(v):
         if isinstance(item, str) or (isinstance(item, list) and all(_is_id(t) for t in item)):
@@ -128,14 +131,16 @@ def _served(request: web.Request) -> None:
 
 async def _embed(request: web.Request, inputs: list, field: str, pooling: str | None, norm: int,
                  truncate: bool = False):
-    """Tokenize and embed on the engine thread -> (engine, [Embedding])."""
+    """Tokenize and embed on the engine thread -> (engine, [Embedding]); a client that goes away stops the read
+    after its current forward call."""
     engine = serving_engine(request)
+    stop = threading.Event()
 
     def run(eng):
         ids = _tokens(eng, inputs, field, truncate)
         _checked(eng, ids, field)
-        return eng.embed(ids, pooling=pooling, normalize=norm)
-    return engine, await engine_call(request, run)
+        return eng.embed(ids, pooling=pooling, normalize=norm, cancel=stop)
+    return engine, await engine_call(request, run, stop=stop)
 
 
 def _model_pooling(engine, pooling: str | None) -> str:

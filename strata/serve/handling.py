@@ -114,11 +114,11 @@ def as_api_error(err: EngineError) -> ApiError:
     return ApiError(500, f"the engine failed: {name}: {e}", code="engine_error")
 
 
-def submit(w: EngineWorker, what, *, call: bool = False, rid: str = "") -> Job:
+def submit(w: EngineWorker, what, *, call: bool = False, rid: str = "", stop=None) -> Job:
     """Queue a GenerationRequest (or, call=True, a function of the engine) on the worker; 503 when it is full or
     shutting down."""
     try:
-        return w.call(what, rid) if call else w.submit(what, rid)
+        return w.call(what, rid, stop=stop) if call else w.submit(what, rid)
     except QueueFull as e:
         raise ApiError(503, f"the server is busy: {e}; retry later", code="queue_full",
                        headers={"Retry-After": str(1)}) from None
@@ -127,10 +127,11 @@ def submit(w: EngineWorker, what, *, call: bool = False, rid: str = "") -> Job:
                        headers={"Retry-After": "5"}) from None
 
 
-async def engine_call(request: web.Request, fn):
+async def engine_call(request: web.Request, fn, stop=None):
     """fn(engine) run on the engine thread behind the requests before it (bounded by --queue-max: 503 when full);
-    its result, or its exception as an ApiError."""
-    job = submit(request.app[WORKER_KEY], fn, call=True, rid=request.get("rid", ""))
+    its result, or its exception as an ApiError. stop (a threading.Event fn watches): set when the handler is
+    cancelled (the client went away)."""
+    job = submit(request.app[WORKER_KEY], fn, call=True, rid=request.get("rid", ""), stop=stop)
     try:
         item = await job.events.get()
     except BaseException:

@@ -48,11 +48,12 @@ class Job:
     first_token_at: float | None = None
     state: str = "waiting"                # waiting -> running -> done | dropped
     fn: Callable[[Any], Any] | None = None  # a call to run on the engine thread instead of a generation
+    stop: threading.Event | None = None   # a call's own cancel event (fn watches it)
 
     def cancel(self) -> None:
-        c = getattr(self.request, "cancel", None)
-        if c is not None:
-            c.set()
+        for c in (getattr(self.request, "cancel", None), self.stop):
+            if c is not None:
+                c.set()
 
 
 class EngineWorker:
@@ -94,9 +95,10 @@ class EngineWorker:
         job = Job(request=request, events=asyncio.Queue(), request_id=request_id)
         return self._enqueue(job)
 
-    def call(self, fn: Callable[[Any], Any], request_id: str = "") -> Job:
-        """Queue fn(engine) to run on the engine thread in turn; its result arrives as the only event."""
-        job = Job(request=None, events=asyncio.Queue(), request_id=request_id, fn=fn)
+    def call(self, fn: Callable[[Any], Any], request_id: str = "", stop: threading.Event | None = None) -> Job:
+        """Queue fn(engine) to run on the engine thread in turn; its result arrives as the only event. stop: set
+        when the job is cancelled (fn may watch it to end early)."""
+        job = Job(request=None, events=asyncio.Queue(), request_id=request_id, fn=fn, stop=stop)
         return self._enqueue(job)
 
     def _enqueue(self, job: Job) -> Job:
