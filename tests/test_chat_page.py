@@ -385,7 +385,12 @@ def test_xss_attempts_stay_inert(driver, daemon):
     assert user.text == XSS_USER and user.find_elements(By.CSS_SELECTOR, "*") == []
     assert driver.execute_script("return window.__xss") is None
     assert_no_alert(driver)
-    assert console_violations(driver) == []          # nothing was even attempted against the CSP
+    # nothing was attempted against the CSP, except the one report Chromium makes while DOMPurify parses the injected
+    # answer's style attribute into its inert document (blocked; the attribute never reaches the page: [style] above).
+    # That report arrives at a time that varies, before or after open_page drops the load's log, so it is set apart
+    # by its source instead of by timing.
+    assert [m for m in console_violations(driver)
+            if not ("purify.min.js" in m and "Applying inline style" in m and "blocked" in m)] == []
     # Trusted Types are enforced: a plain string reaches no HTML sink, whatever a future bug might try
     assert driver.execute_script(
         "try { document.body.innerHTML = '<b>x</b>'; return 'allowed' } catch (e) { return e.name }") == "TypeError"

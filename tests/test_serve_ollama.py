@@ -16,7 +16,7 @@ GREEDY = {"temperature": 0, "num_predict": 12}
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
-    d = Daemon(tmp_path_factory.mktemp("ollama"), "--alias", "smollm2:135m", port=free_port()).start()
+    d = Daemon(tmp_path_factory.mktemp("ollama"), "--alias", "smollm2:135m", "--embeddings", port=free_port()).start()
     yield d
     assert d.stop() == 0, d.log_tail()
 
