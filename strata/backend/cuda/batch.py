@@ -165,7 +165,7 @@ def enqueue_hybrid(plan, n: int, rows: tuple, tables: tuple[int, int], sets: lis
         if L.recurrent:
             _cols_gdn(plan, s, n, li, L, sets)
         else:
-            _cols_attn(plan, s, n, li, L, rows, tables)
+            plan._cols_attn(s, n, li, L, rows, tables)
         plan._cols_norm(s, n, "o", L.post_norm, residual="x")
         glu = glu_pointers([w for w, _, _ in plan.w_gu[li]], plan.n_ff, plan.n_embd) if glu_on else None
         plan._cols_ffn(s, n, plan.w_gu[li], L.ffn.dense[2], glu)
@@ -195,24 +195,6 @@ def _cols_gdn(plan, s, n: int, li: int, L, sets: list) -> None:
                                         ptr(L.ssm_norm), plan._col("vn", 0), vdim, plan._col_q("vq", 0),
                                         plan.cstride["vq"], n, nv, dv, plan.eps), "strata_q35_gated_norm_rows")
     plan._cols_mv(s, [(L.ssm_out, 0, E)], "o", "vn", "vq", vdim, n)
-
-
-def _cols_attn(plan, s, n: int, li: int, L, rows: tuple, tables: tuple[int, int]) -> None:
-    """A gated attention layer over n columns of n sequences (Qwen35Cuda._cols_attn with one page table per column)."""
-    lb, pool = lib(), plan.pool
-    E, H, KV, hd = plan.n_embd, plan.n_head, plan.n_kv, plan.hd
-    nq = H * hd
-    slot = pool.slot(li)
-    kc, vc = pool.k[slot], pool.v[slot]
-    ks, vs = pool.scales(slot)
-    plan._cols_mv(s, plan.w_in[li], "qg", "hn", "hq", E, n)
-    check(lb.strata_q35_attn_prep(s, plan._col("qg", 0), ptr(L.q_norm), ptr(L.k_norm), plan._col("qkv", 0),
-                                  plan._col("gate", 0), n, H, KV, hd, plan.eps), "strata_q35_attn_prep")
-    plan._cols_rope_kv(s, n, "qkv", kc, vc, ks, vs, 1, tables)
-    plan._cols_attn_rows(s, li, rows, "qkv", "att", None, tables)
-    check(lb.strata_q35_out_gate_rows(s, plan._col("att", 0), plan._col("gate", 0), plan._col("an", 0),
-                                      plan._col_q("aq", 0), plan.cstride["aq"], n, nq), "strata_q35_out_gate_rows")
-    plan._cols_mv(s, [(L.wo, 0, E)], "o", "an", "aq", nq, n)
 
 
 def forward_batch(pm, tokens, states, x=None):

@@ -434,9 +434,10 @@ class Qwen35Cuda(DecodePlan):
             for k in parts:
                 slots[li][k][i] = state.running[li][k]
 
-    def _cols_attn(self, s, n: int, li: int, L, rows: tuple) -> None:
+    def _cols_attn(self, s, n: int, li: int, L, rows: tuple, tables: tuple[int, int] | None = None) -> None:
         """_attn over n columns, row i's attention with the split of its own decode step (rows[i]): the prologue
-        (norms, RoPE, K/V write) of every row, the attention of all rows (_cols_attn_rows), the output gates."""
+        (norms, RoPE, K/V write) of every row, the attention of all rows (_cols_attn_rows), the output gates.
+        tables: one page table per column (a batched step of n sequences; None: the plan's one sequence)."""
         lb, pool = lib(), self.pool
         E, H, KV, hd = self.n_embd, self.n_head, self.n_kv, self.hd
         nq = H * hd
@@ -447,8 +448,8 @@ class Qwen35Cuda(DecodePlan):
         # the q / k norms and the gate split of every row (a block per head and row, rows back to back)
         check(lb.strata_q35_attn_prep(s, self._col("qg", 0), ptr(L.q_norm), ptr(L.k_norm), self._col("qkv", 0),
                                       self._col("gate", 0), n, H, KV, hd, self.eps), "strata_q35_attn_prep")
-        self._cols_rope_kv(s, n, "qkv", kc, vc, ks, vs, 1)   # every row's K / V written before any row attends
-        self._cols_attn_rows(s, li, rows, "qkv", "att", None)
+        self._cols_rope_kv(s, n, "qkv", kc, vc, ks, vs, 1, tables)   # every row's K / V before any row attends
+        self._cols_attn_rows(s, li, rows, "qkv", "att", None, tables)
         check(lb.strata_q35_out_gate_rows(s, self._col("att", 0), self._col("gate", 0), self._col("an", 0),
                                           self._col_q("aq", 0), self.cstride["aq"], n, nq),
               "strata_q35_out_gate_rows")
