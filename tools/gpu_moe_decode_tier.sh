@@ -57,15 +57,15 @@ for out, spec, w in (('$TIER', synth.preset('qwen35moe', 'tiny', **SPEC), 6), ('
 synth=$!
 for i in $(seq 1 120); do [ -f "$TIER" ] && break; sleep 1; done
 ts "tier file: $(head -n 1 "$OUT/synth.log")"
-timeout 150 python3 bench/moe_tier.py --gguf "$TIER" --out "$RES/tier_strata.json" > "$OUT/moe_tier_strata.log" 2>&1
+timeout 110 python3 bench/moe_tier.py --gguf "$TIER" --out "$RES/tier_strata.json" > "$OUT/moe_tier_strata.log" 2>&1
 echo "moe_tier rc=$?"; grep -v "^wrote" "$OUT/moe_tier_strata.log" | cut -c1-250 | tail -n 14
 cp "$RES/tier_strata.json" "$OUT/" 2>/dev/null
 ts "tier arms done"
 wait $synth; cat "$OUT/synth.log"
-timeout 150 python3 bench/moe_decode_profile.py "$LARGE" --out "$RES/decode_strata.json" > "$OUT/decode_profile.log" 2>&1
+timeout 90 python3 bench/moe_decode_profile.py "$LARGE" --out "$RES/decode_strata.json" > "$OUT/decode_profile.log" 2>&1
 echo "decode_profile rc=$?"; cut -c1-700 "$OUT/decode_profile.log" | tail -n 8
 cp "$RES"/decode_strata.json* "$OUT/" 2>/dev/null
 ts "decode profile done"
 for i in $(seq 1 400); do grep -q '^done' /tmp/lc_build.log 2>/dev/null && break
-  [ $(( $(date +%s) - T0 )) -ge ${LLAMA_DEADLINE:-265} ] && break; sleep 1; done
+  [ $(( $(date +%s) - T0 )) -ge ${LLAMA_DEADLINE:-225} ] && break; sleep 1; done
 if grep -q '^done' /tmp/lc_build.log; then llama_part; else ts "llama.cpp build not done: $(tail -n 1 /tmp/lc_build.log | cut -c1-200)"; fi
