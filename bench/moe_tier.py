@@ -172,9 +172,14 @@ def strata_arms(a, fracs: list[float]) -> dict:
             s = TierSettings(vram_mib=str(mib), every=a.every, swaps=a.swaps, pcie_frac=how[1],
                              static=place is not None,
                              prefill_weight=a.prefill_weight if how[0] == "adaptive_pw" else 1.0)
-        r = run_arm(a.gguf, s, place)
+        try:
+            r = run_arm(a.gguf, s, place)
+        except Exception as e:                          # noqa: BLE001 - the other arms still run
+            res["arms"][name] = {"error": f"{type(e).__name__}: {e}"[:400]}
+            print(f"{name:18s} failed: {res['arms'][name]['error']}", flush=True)
+            continue
         ref = res["arms"].get("resident")
-        if ref:
+        if ref and "tokens" in ref:
             r["decode_vs_resident"] = round(r["decode_tok_s"] / ref["decode_tok_s"], 3)
             r["prefill_vs_resident"] = round(r["prefill_tok_s"] / ref["prefill_tok_s"], 3)
             r["tokens_equal_resident"] = r["tokens"] == ref["tokens"]
@@ -208,7 +213,7 @@ def llama_arms(res: dict, bin_path: str, gguf: str, fracs: list[float]) -> None:
                 v[k.replace("_tok_s", "_vs_all_gpu")] = round(v[k] / ref[k], 3)
     res["llama.cpp"] = lc
     strata = res.get("arms", {}).get("resident")
-    if strata and "decode_tok_s" in ref:
+    if strata and "decode_tok_s" in strata and "decode_tok_s" in ref and "prefill_tok_s" in ref:
         res["strata_resident_over_llamacpp_all_gpu"] = {
             "decode": round(strata["decode_tok_s"] / ref["decode_tok_s"], 3),
             "prefill": round(strata["prefill_tok_s"] / ref["prefill_tok_s"], 3)}
