@@ -4,16 +4,19 @@
 #   ONE=<folder with whl/ (wheels), K/ (main's prebuilt sm_90 kernels: _cuda_kernels.so.xz, .h, .stamp), tok.gguf
 #   (a tokenizer-only GGUF, tools/tokenizer_gguf.py)>  LCTAR=<llama.cpp source tar.gz>
 # Order: the llama.cpp CUDA build (llama-bench only, sm_90, -j16) in the background first; wheels, kernels, the C
-# core; the tier bench's file then the large MoE file written in the background (niced: the build comes first);
-# bench/moe_tier.py's Strata arms; bench/moe_decode_profile.py on the large file; then, if the build is done by
-# LLAMA_DEADLINE seconds after the start, llama-bench tg at the same depths on the large file and the tier bench's
-# llama.cpp arms (--strata-from). Stage 2 (`... 2`, same warm machine) runs only the llama.cpp part, for a build that
-# finished late.
+# core; the tier bench's file then the profile's file written in the background; bench/moe_tier.py's Strata arms;
+# bench/moe_decode_profile.py; then, if the build is done by LLAMA_DEADLINE seconds after the start, llama-bench tg
+# at the same depths on the profile's file and the tier bench's llama.cpp arms (--strata-from). Stage 2 (`... 2`,
+# same warm machine) runs only the llama.cpp part, for a build that finished late.
+# The profile's file is the large synthetic MoE's shapes with LARGE_LAYERS layers (12 by default: 3.5 GB, written in
+# about 26 s on 16 cores). In the first lease the 36-layer file (9.3 GB), written niced beside the build, was not done
+# after 220 s, and the tier bench's file took 56 s niced; the build had finished by the next call, 9 minutes after it
+# started (its time alone was not measured).
 stage=${1:-1}
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 OUT=${OUT:-/tmp/out}; RES=/tmp/moe3res; mkdir -p "$OUT" "$RES"
 ONE=$(cd "${ONE:?}" && pwd); LCTAR=${LCTAR:?}
-TIER=/tmp/moe_tier.gguf; LARGE=/tmp/moe_large_q4_0.gguf; LB=/tmp/lb/bin/llama-bench
+TIER=/tmp/moe_tier.gguf; LARGE=/tmp/moe_large${LARGE_LAYERS:=12}.gguf; LB=/tmp/lb/bin/llama-bench
 export PYTHONPATH=/tmp/site:$PWD STRATA_DEFAULT_MODEL=$ONE/tok.gguf
 T0=${T0:-$(date +%s)}; ts() { echo "[t=$(( $(date +%s) - T0 ))s] $*"; }
 
@@ -43,12 +46,13 @@ xz -T4 -dc "$ONE/K/_cuda_kernels.so.xz" > strata/_cuda_kernels.so && cp "$ONE"/K
 python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1; echo "build rc=$?"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 ts "set up"
-(nice -n 10 python3 -c "
-import os, sys, time
+(python3 -c "
+import dataclasses, os, time
 from bench.moe_tier import SPEC
 from bench.gpu_throughput import moe_spec
 from strata.gguf import synth
-for out, spec, w in (('$TIER', synth.preset('qwen35moe', 'tiny', **SPEC), 6), ('$LARGE', moe_spec('large'), 8)):
+large = dataclasses.replace(moe_spec('large'), n_layer=$LARGE_LAYERS)
+for out, spec, w in (('$TIER', synth.preset('qwen35moe', 'tiny', **SPEC), 8), ('$LARGE', large, 8)):
     t0 = time.perf_counter()
     synth.write_synthetic(out + '.tmp', spec, progress=False, workers=w)
     os.replace(out + '.tmp', out)
