@@ -299,7 +299,8 @@ def graph_profile(plan, restore, run_step) -> dict:
 
 
 def part_bytes(path: str, plan, depth: int) -> dict[str, float]:
-    """Bytes a decode step must read per part (weights; k / n_expert of the routed experts; K/V at `depth`)."""
+    """Bytes a decode step must read per part (the plan's layers' weights; k / n_expert of the routed experts; K/V at
+    `depth`)."""
     from strata.gguf.file import open_gguf
     f = open_gguf(path)
     m = plan.model
@@ -307,6 +308,9 @@ def part_bytes(path: str, plan, depth: int) -> dict[str, float]:
     k, ne = m.n_expert_used, m.n_expert
     for name, t in f.tensors.items():
         nb = float(t.nbytes)
+        blk = re.match(r"blk\.(\d+)\.", name)
+        if blk and not plan.lo <= int(blk.group(1)) < plan.hi:       # the MTP block and other carves' layers
+            continue
         if name == "token_embd.weight":
             out["embed"] += nb / t.shape[0]
         elif name == "output.weight":
