@@ -78,9 +78,13 @@ class Carrier:
             raise Refuse(ErrorCode.BAD_FRAME, f"hidden states {tuple(m.hidden.shape)} for {n} tokens of width "
                                               f"{self.n_embd}", fatal=True)
         t0 = time.perf_counter()
-        if m.want_all and n <= ROWWISE_MAX_TOKENS:    # a verify (+spec): each token's state kept for the Commit
+        verify = m.want_all and n <= ROWWISE_MAX_TOKENS
+        if verify:                                     # a verify (+spec): each token's state kept for the Commit
             self.seq.keep(n)
-        x = self.seq.forward(m.tokens, x_in=np.asarray(m.hidden, dtype=np.float32))
+        # every row wanted: a GPU plan reads a verify as decode steps over columns (never its prefill), on a carve of
+        # attention layers only too, so that its rows are the decode steps' (the worker's carve has no head: hidden
+        # states come back either way)
+        x = self.seq.forward(m.tokens, x_in=np.asarray(m.hidden, dtype=np.float32), all_logits=verify)
         be = self.stages[-1].backend
         if self.next is not None:
             h = np.ascontiguousarray(be.to_host(x), dtype=np.float32)
