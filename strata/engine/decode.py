@@ -50,7 +50,7 @@ class Decoder:
             return self.seq.forward(np.asarray([tok], dtype=np.int32), on_device=on_device)
         pos = self.seq.pos
         t0 = time.perf_counter()
-        logits, h = self.seq.forward(np.asarray([tok], dtype=np.int32), hidden=True)
+        logits, h = self.seq.forward(np.asarray([tok], dtype=np.int32), on_device=on_device, hidden=True)
         if self.adaptive is not None:
             self.adaptive.plain_step(time.perf_counter() - t0)
         self.drafter.observe(pos, h)

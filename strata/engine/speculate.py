@@ -186,7 +186,7 @@ class MTPDrafter:
         self._feed(P - 1, None)
         table = self._table()
         h = self._held.pop(P - 1, self._zero)
-        t, logits, x = self._graph.step(h, token, table)
+        t, logits = self._graph.step(token, table, h)
         out: list[Draft] = []
         for k in range(n):
             if min_p > 0:
@@ -197,8 +197,8 @@ class MTPDrafter:
             if self.oracle is not None:
                 t = int(self.oracle(P + 1 + k, t))
             out.append(Draft(t))
-            if k + 1 < n:            # the block's own output as h
-                t, logits, x = self._graph.step(x, t, table)
+            if k + 1 < n:            # the block's own output as h (kept in the step's buffer)
+                t, logits = self._graph.step(t, table)
         table.truncate(P)
         return out
 
@@ -208,8 +208,8 @@ def graph_step(model):
     backend that the hybrid's decode plan runs; None elsewhere (the model's own mtp_hidden / mtp_head draft)."""
     if getattr(model, "mtp", None) is None or getattr(model, "xp", np) is np or not getattr(model, "on_device", False):
         return None
-    from strata.backend.cuda import mtp
-    if mtp.unsupported(model) is not None:
+    from strata.backend.cuda import mtp, settings
+    if not settings.mtp_graph_enabled() or mtp.unsupported(model) is not None:
         return None
     return mtp.MTPStep(model)
 

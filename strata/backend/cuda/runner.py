@@ -851,13 +851,19 @@ class PlanModel:
         with self.model.backend.device:
             return self.plan(state.kv.pool).measure_short_read(state)
 
-    def forward_device(self, tokens, state, x_in=None):
+    def forward_device(self, tokens, state, x_in=None, hidden: bool = False):
         """forward(tokens, state, x_in=x_in) with the last token's logits left on the device: CuPy f32 (n_vocab,),
         ordered on the current stream (valid until the next call); a stage before the last: its hidden states, CuPy
-        f32 (n, n_embd)."""
+        f32 (n, n_embd). hidden (the last stage): (those logits, the final-normed rows, CuPy f32 (n, n_embd) of
+        its own), for the MTP drafter."""
         toks = np.asarray(tokens).reshape(-1)
+        cp = self.model.backend.cp
         with self.model.backend.device:
-            if toks.shape[0] == 1 and self._on_plan(state):
-                return self.plan(state.kv.pool).decode_device(token_id(toks[0], self.model.config.n_vocab), state,
-                                                              x_in)
-            return self.model.backend.cp.asarray(self.forward(tokens, state, x_in=x_in))   # hidden: as it is
+            if toks.shape[0] == 1 and self._on_plan(state) and state.steps is None:
+                plan = self.plan(state.kv.pool)
+                out = plan.decode_device(token_id(toks[0], self.model.config.n_vocab), state, x_in)
+                return (out, plan.d["hn"][:1].copy()) if hidden and plan.last else out
+            if hidden and self.model.ends_with_head(self.hi):
+                logits, h = self.forward(tokens, state, x_in=x_in, hidden=True)
+                return cp.asarray(logits), h
+            return cp.asarray(self.forward(tokens, state, x_in=x_in))   # hidden: as it is
