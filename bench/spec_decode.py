@@ -14,7 +14,8 @@ the GPU bench's writer).
 Usage: PYTHONPATH=. python bench/spec_decode.py [--device cpu|cuda] [--size small] [--ns 1,2,3,4]
        [--acceptance 0.3,0.5,0.7,0.8,0.9] [--tokens 64] [--prompt 64] [--reps 2] [--threads N] [--out PATH]
 Besides N = --ns, an "adaptive" arm: --spec max(ns) --spec-adaptive (each verify takes 0..N drafts as the measured
-acceptance and costs make fastest; its acceptance estimate carries over from one rate's runs to the next). The
+acceptance and costs make fastest; its acceptance estimate carries over from one rate's runs to the next), and once
+an "off" arm: the adaptive policy pinned to plain steps (what a plain step with the drafter on costs). The
 --spec arms share one engine (its decoder's N set per arm); --spec 0 is an engine of its own.
 Writes bench/results/spec_decode_<device>_<commit>.json (or --out).
 """
@@ -247,9 +248,10 @@ def main() -> int:
     e = Engine(path, spec=max(ns), **kw)           # one engine for every arm: its decoder's N set per arm
     adaptive = AdaptiveN(max(ns))                  # its estimates carry over from one rate's runs to the next
     for rate in rates:
-        for n in ns + ["adaptive"]:
-            e.decoder.spec = max(ns) if n == "adaptive" else n
-            e.decoder.adaptive = adaptive if n == "adaptive" else None
+        for n in ns + ["adaptive"] + (["off"] if rate == rates[0] else []):
+            e.decoder.spec = n if n in ns else max(ns)
+            # "off": the adaptive policy pinned to plain steps (no drafts, no probes), the drafter fed as always
+            e.decoder.adaptive = adaptive if n == "adaptive" else AdaptiveN(0) if n == "off" else None
             pairs, acc = [], None
             for r in range(args.reps):            # --spec 0 and --spec N back to back: the machine is shared
                 toks0, t0 = run(base, prompt, args.tokens)

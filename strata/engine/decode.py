@@ -148,6 +148,8 @@ class Decoder:
                     room = min(want, max_new - len(toks) - 1, self.n_ctx - n - len(toks) - 1, MAX_DRAFTS)
                     if self.spec_max_ctx and base >= self.spec_max_ctx:
                         room = 0                  # past --spec-max-ctx: plain decode steps
+                    if room > 0 and self.adaptive is not None:
+                        self.drafter.flush()      # the rows held, fed whatever is chosen: not timed as drafting
                     t0 = time.perf_counter()
                     drafts = self.drafter.draft(tok, room, self.spec_min_p) if room > 0 else []
                     masks = None
@@ -165,8 +167,7 @@ class Decoder:
                     if guide is not None:                # the state after the kept drafts and the token after them
                         guide.rollback(len(drafts) - verdict.accepted)
                         guide.accept(int(verdict.tokens[-1].token_id))
-                    if self.adaptive is not None:
-                        self.adaptive.verified(len(drafts), verdict.accepted, t1 - t0, t2 - t1)
+                    t3 = time.perf_counter()
                     counts.verifies += 1
                     counts.drafted += len(drafts)
                     counts.accepted += verdict.accepted
@@ -186,8 +187,13 @@ class Decoder:
                             if finish is not None:
                                 break
                     finally:             # the consumer may close the choice at a yield: the Commit lands anyway
+                        t4 = time.perf_counter()
                         st.commit(base + max(j, 1))
+                        t5 = time.perf_counter()
                     self.drafter.observe(base, h[:j])
+                    if self.adaptive is not None:       # the round besides drafting and the verify: judge, Commit
+                        self.adaptive.verified(len(drafts), verdict.accepted, t1 - t0, t2 - t1,
+                                               (t3 - t2) + (t5 - t4) + (time.perf_counter() - t5))
                     tok = int(verdict.tokens[j - 1].token_id)
                 if finish is not None:
                     break

@@ -217,19 +217,28 @@ def graph_step(model):
 class AdaptiveN:
     """How many drafts the next verify takes (0 .. n_max: 0 is a plain decode step), chosen to maximise the expected
     tokens per second from what was measured so far: the per-position acceptance (each draft tried after the ones
-    before it were kept: a running average over those trials) and the times of a decode step, of one draft and of a
-    verify of k drafts (running averages). With acceptance a per position, a verify of n drafts emits
-    (1 - a^(n + 1)) / (1 - a) tokens on average. While n = 0 wins, every ``probe_every`` steps a verify of one draft
-    keeps the acceptance measured. Costs not measured yet are estimated from the decode step (a draft at a fifth
-    of it, a verify of k drafts at 1 + k / 4 of it); the acceptance starts at ``prior``."""
+    before it were kept: a running average over those trials) and the times of a decode step, of one draft, of a
+    verify of k drafts and of what a verify adds besides them (judging the rows, the Commit, handing the drafter its
+    rows): running averages. With acceptance a per position, a verify of n drafts emits (1 - a^(n + 1)) / (1 - a)
+    tokens on average. While n = 0 wins, a verify of one draft (a probe) keeps the acceptance measured: after
+    ``probe_every`` plain steps, the gap doubling after each probe that leaves n = 0 the best (up to ``probe_max``)
+    and back to ``probe_every`` once drafting pays. Costs not measured yet are estimated from the decode step (a
+    draft at a fifth of it, a verify of k drafts at 1 + k / 4 of it); the acceptance starts at ``prior``.
 
-    def __init__(self, n_max: int, alpha: float = 0.05, prior: float = 0.5, probe_every: int = 16):
-        self.n_max, self.alpha, self.probe_every = int(n_max), float(alpha), int(probe_every)
+    The times given are the caller's to make comparable: a plain step's is the read alone, a verify's drafting
+    excludes feeding the drafter the rows it holds (``MTPDrafter.catch_up``: paid whatever is chosen)."""
+
+    def __init__(self, n_max: int, alpha: float = 0.1, prior: float = 0.5, probe_every: int = 16,
+                 probe_max: int = 64):
+        self.n_max, self.alpha = int(n_max), float(alpha)
+        self.probe_every, self.probe_max = int(probe_every), max(int(probe_every), int(probe_max))
         self.a = float(prior)
         self.t_step: float | None = None
         self.t_draft: float | None = None
         self.t_verify: dict[int, float] = {}
+        self.t_round: float | None = None             # a verify's time besides drafting and the forward
         self._plain = 0                               # plain steps since the last verify
+        self._gap = self.probe_every                  # plain steps before the next probe
 
     def _avg(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.alpha * (new - old)
@@ -247,12 +256,26 @@ class AdaptiveN:
         draft = self.t_draft if self.t_draft is not None else step / 5
         verify = self.t_verify.get(n)
         if verify is None:
-            verify = step * (1.0 + n / 4)
-        return n * draft + verify
+            verify = self._verify_estimate(n, step)
+        return n * draft + verify + (self.t_round or 0.0)
+
+    def _verify_estimate(self, n: int, step: float) -> float:
+        """A verify of n drafts not measured yet: from the nearest measured size, a column costing what the
+        measured ones cost per column over a decode step (a quarter of a step when nothing is measured)."""
+        if not self.t_verify:
+            return step * (1.0 + n / 4)
+        per = [(v - step) / k for k, v in self.t_verify.items() if v > step]
+        col = max(sum(per) / len(per), 0.0) if per else step / 4
+        k = min(self.t_verify, key=lambda k: abs(k - n))
+        return self.t_verify[k] + (n - k) * col
+
+    def best(self) -> int:
+        """The n maximising expected tokens per second (no probe)."""
+        return max(range(self.n_max + 1), key=lambda n: self.expected(n) / self.cost(n))
 
     def choose(self) -> int:
-        best = max(range(self.n_max + 1), key=lambda n: self.expected(n) / self.cost(n))
-        if best == 0 and self._plain + 1 >= self.probe_every:
+        best = self.best()
+        if best == 0 and self.n_max > 0 and self._plain + 1 >= self._gap:
             return 1
         return best
 
@@ -260,8 +283,9 @@ class AdaptiveN:
         self.t_step = self._avg(self.t_step, seconds)
         self._plain += 1
 
-    def verified(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
-        """One verify: its drafts, how many were kept, and the times of drafting and of the verify."""
+    def verified(self, drafted: int, accepted: int, draft_s: float, verify_s: float, round_s: float = 0.0) -> None:
+        """One verify: its drafts, how many were kept, and the times of drafting, of the verify and of the rest of
+        the round (judging, the Commit, the drafter handed its rows)."""
         self._plain = 0
         if drafted <= 0:
             return
@@ -269,3 +293,5 @@ class AdaptiveN:
             self.a += self.alpha * (ok - self.a)
         self.t_draft = self._avg(self.t_draft, draft_s / drafted)
         self.t_verify[drafted] = self._avg(self.t_verify.get(drafted), verify_s)
+        self.t_round = self._avg(self.t_round, round_s)
+        self._gap = min(2 * self._gap, self.probe_max) if self.best() == 0 else self.probe_every
