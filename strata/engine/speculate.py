@@ -130,8 +130,9 @@ class MTPDrafter:
             self._feed(self.seq.pos - 1, None)
 
     def _feed(self, upto: int, last_token: int | None):
-        """Feed MTP positions [length, upto) with their known next tokens, and position `upto` too when
-        `last_token` is given (the token at upto + 1) -> the MTP block's output of the last row fed, or None."""
+        """Feed MTP positions [length, upto) with their known next tokens (their K/V alone: ``mtp_kv``), and
+        position `upto` too when `last_token` is given (the token at upto + 1) -> the MTP block's output of that
+        row (``mtp_hidden``), or None."""
         table = self._table()
         ids = self.seq.ids
         lo = table.length
@@ -146,10 +147,14 @@ class MTPDrafter:
         if last_token is not None:
             toks[-1] = last_token
         rows = self.xp.stack([self._held.get(p, self._zero) for p in range(lo, hi)])
-        out = self.model.mtp_hidden(rows, toks, table)
+        # only the row drafted from needs the block's output: the rows before it need their K/V alone
+        k = hi - lo - (last_token is not None)
+        if k:
+            self.model.mtp_kv(rows[:k], toks[:k], table)
+        out = self.model.mtp_hidden(rows[k:], toks[k:], table) if last_token is not None else None
         for p in [p for p in self._held if p < hi]:
             del self._held[p]
-        return out[-1:]
+        return out
 
     def draft(self, token: int, n: int, min_p: float) -> list[Draft]:
         """Up to n drafts following `token` (sampled, about to be read at the sequence's position P), stopping at
