@@ -1,6 +1,7 @@
 """Speculative decoding with the MTP head at known acceptance: decode tokens per second with --spec N against --spec 0
 (each run paired with a --spec 0 run just before it; the median ratio), the mean accepted length, the verify of N + 1 tokens against a decode step, the cost of one
-rejected draft and of one Commit (against one checkpoint + restore + replaying the accepted tokens).
+rejected draft and of one Commit (against one checkpoint + restore + replaying the accepted tokens), and what a plain
+decode step costs with the drafter on (its hidden row observed, the MTP block fed) against one without.
 
 Random weights give meaningless acceptance, so the drafts are an oracle's: the greedy continuation recorded by a
 first pass with --spec 0, each drafted position kept with probability `acceptance` and otherwise replaced by a wrong
@@ -124,6 +125,32 @@ def micro(engine, prompt, ns, reps):
         return time.perf_counter() - t0
 
     out["decode_ms"] = min(decode() for _ in range(reps * 3)) * 1e3
+
+    on_device = bool(getattr(engine.stages[-1], "device_logits", False))
+
+    def plain(drafter_on: bool, k: int = min(65, engine.n_ctx - len(prompt) - 8)):
+        """k plain decode steps as the decoder reads them (with the drafter on: the hidden rows observed, fed to
+        the MTP block once FEED_BATCH wait) -> seconds a step."""
+        seq.restore(ck)
+        engine.drafter.flush()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(k):
+            pos = seq.pos
+            if drafter_on:
+                _, h = seq.forward(np.asarray([5], np.int32), on_device=on_device, hidden=True)
+                engine.drafter.observe(pos, h)
+            else:
+                seq.forward(np.asarray([5], np.int32), on_device=on_device)
+        sync()
+        return (time.perf_counter() - t0) / k
+
+    off, on = [], []
+    for _ in range(reps * 2):                      # interleaved: the machine's drift hits both alike
+        off.append(plain(False))
+        on.append(plain(True))
+    out["plain_step_ms"], out["plain_step_drafter_on_ms"] = min(off) * 1e3, min(on) * 1e3
+    out["plain_drafter_on_over_off"] = min(on) / min(off)
     for n in ns:
         toks = rng.integers(0, 1000, n + 1).astype(np.int32)
         v, c, cap, rest, replay, dr, ra = [], [], [], [], [], [], []

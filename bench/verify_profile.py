@@ -38,9 +38,14 @@ from strata.engine.engine import Engine                              # noqa: E40
 NOT_LAUNCHES = ("_supported", "_bytes", "_version")
 
 SPIN_SRC = r'''
-extern "C" __global__ void strata_bench_spin(long long cycles) {
-  long long t0 = clock64();
-  while (clock64() - t0 < cycles) { }
+__device__ static unsigned long long now_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+extern "C" __global__ void strata_bench_spin(unsigned long long ns) {
+  const unsigned long long t0 = now_ns();
+  while (now_ns() - t0 < ns) { }
 }
 '''
 
@@ -112,21 +117,21 @@ def main() -> int:
     dev = cp.cuda.Device(0)
     rng = np.random.default_rng(0)
 
-    # graph time: events on the plan's stream around each replay (or eager enqueue)
+    # graph time: events on the launches' stream around each replay (or eager enqueue)
     gtimes: list[tuple[object, object]] = []
     spin_k = cp.RawKernel(SPIN_SRC, "strata_bench_spin")
     spin = {"on": False}
-    clock_hz = cp.cuda.runtime.getDeviceProperties(0)["clockRate"] * 1e3
 
     def wrap(fn):
         def launch(*a, **k):
+            s = cp.cuda.get_current_stream()          # the stream the launches go to (the plan's)
             if spin["on"]:            # hold the stream while the eager launches are enqueued
-                spin_k((1,), (1,), (np.int64(0.2 * clock_hz),), stream=plan.stream)
+                spin_k((1,), (1,), (np.uint64(200_000_000),), stream=s)   # 0.2 s
             e0 = cp.cuda.Event()
-            e0.record(plan.stream)
+            e0.record(s)
             r = fn(*a, **k)
             e1 = cp.cuda.Event()
-            e1.record(plan.stream)
+            e1.record(s)
             gtimes.append((e0, e1))
             return r
         return launch
