@@ -113,7 +113,8 @@ def main() -> int:
     _, hs = seq.forward(prompt, hidden=True)
     ck = seq.capture()
     state = stage.memory.seq(seq.sids[-1])
-    plan = stage.runner.model.plan(state.kv.pool)
+    pm = stage.runner if hasattr(stage.runner, "plan") else stage.runner.model
+    plan = pm.plan(state.kv.pool)
     dev = cp.cuda.Device(0)
     rng = np.random.default_rng(0)
 
