@@ -293,10 +293,15 @@ def main() -> int:
                    "ratio_median": ratios[len(ratios) // 2], "ratios": ratios,
                    "measured_acceptance": acc["draft_acceptance_rate"], "mean_accepted": acc["draft_mean_accepted"],
                    "verifies": acc["draft_verifies"]}
+            if n == "adaptive":                   # what the policy believes after the arm
+                ms = lambda v: None if v is None else v * 1e3     # noqa: E731
+                row["policy"] = {"a": adaptive.a, "best": adaptive.best(), "t_step_ms": ms(adaptive.t_step),
+                                 "t_draft_ms": ms(adaptive.t_draft), "t_round_ms": ms(adaptive.t_round),
+                                 "t_verify_ms": {k: ms(v) for k, v in sorted(adaptive.t_verify.items())}}
             res["runs"].append(row)
             print(f"N={n} acceptance {rate}: {row['ratio_median']:.2f}x --spec 0 (median of {len(ratios)} pairs; "
-                  f"measured {row['measured_acceptance']:.2f}, {row['mean_accepted']:.2f} tokens per verify)",
-                  flush=True)
+                  f"measured {row['measured_acceptance']:.2f}, {row['mean_accepted']:.2f} tokens per verify)"
+                  + (f"; policy {row['policy']}" if "policy" in row else ""), flush=True)
     res["spec0_tok_s_end"] = baseline()           # the reference again: how much the machine drifted
     e.decoder.spec, e.decoder.adaptive = max(ns), None
     e.drafter.oracle = None

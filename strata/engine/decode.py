@@ -43,6 +43,7 @@ class Decoder:
         self.drafter, self.spec, self.spec_min_p = drafter, int(spec), float(spec_min_p)
         self.adaptive = adaptive        # picks the drafts of each verify (0 .. spec) when set
         self.spec_max_ctx = int(spec_max_ctx)   # no drafts once the sequence holds this many tokens (0: no limit)
+        self._step: tuple[float, float] | None = None   # a plain step read, its token not yet sampled (_sampled)
 
     def _read(self, tok: int, on_device: bool):
         """Read one token -> its logits (the drafter sees its hidden state)."""
@@ -51,10 +52,19 @@ class Decoder:
         pos = self.seq.pos
         t0 = time.perf_counter()
         logits, h = self.seq.forward(np.asarray([tok], dtype=np.int32), on_device=on_device, hidden=True)
-        if self.adaptive is not None:
-            self.adaptive.plain_step(time.perf_counter() - t0)
+        t1 = time.perf_counter()
         self.drafter.observe(pos, h)
+        if self.adaptive is not None:     # the step's time ends once its token is sampled (_sampled)
+            self._step = (t1 - t0, time.perf_counter())
         return logits
+
+    def _sampled(self) -> None:
+        """A plain step's token sampled: its time (the read and the sampling, which waits for a device's read;
+        not the drafter's feed between them) to the adaptive policy."""
+        if self._step is not None:
+            read_s, t = self._step
+            self._step = None
+            self.adaptive.plain_step(read_s + time.perf_counter() - t)
 
     def choice(self, req: GenerationRequest, prompt: np.ndarray, logits, params: SamplingParams, index: int,
                counts: SpecCounts | None = None):
@@ -67,6 +77,7 @@ class Decoder:
         token after it; the tokens are emitted one by one with the same checks as without drafts, and the
         sequence is committed at the position decoding them one at a time would have reached (the last token
         emitted is sampled, not read)."""
+        self._step = None
         if index and params.seed is not None and params.seed != -1:
             params = dataclasses.replace(params, seed=(params.seed + index) % 2 ** 64)
         n = len(prompt)
@@ -134,6 +145,8 @@ class Decoder:
                     logits = guide.apply(logits)
                 res = sampler.sample(logits)
                 tok = int(res.token_id)
+                if self.adaptive is not None:
+                    self._sampled()
                 sampler.accept(tok)
                 if guide is not None:
                     guide.accept(tok)
