@@ -430,7 +430,7 @@ def test_consumer_closing_inside_a_verify(model):
 
 
 def test_adaptive_n_policy():
-    """AdaptiveN with given costs: many drafts at high acceptance, none at low acceptance with a one-draft probe
+    """AdaptiveN with given costs: many drafts at high acceptance, none at low acceptance with a two-draft probe
     after probe_every plain steps, the gap doubling while probes leave n = 0 the best (up to probe_max) and back once
     drafting pays; the acceptance follows the verdicts; a round's own cost (judge, Commit) counts against drafting;
     an unmeasured verify size is estimated from the measured ones."""
@@ -443,6 +443,7 @@ def test_adaptive_n_policy():
     assert a.a < 0.1 and a.choose() == 0
 
     a = AdaptiveN(4, prior=0.05, probe_every=4, probe_max=16)
+    assert a.choose() == 0                       # nothing measured: a plain step first
     a.t_step, a.t_draft, a.t_verify = 10.0, 1.0, {1: 12.0, 2: 13.0, 3: 14.0, 4: 15.0}
     gaps = []
     for _ in range(4):
@@ -450,9 +451,9 @@ def test_adaptive_n_policy():
         while a.choose() == 0:
             a.plain_step(10.0)
             k += 1
-        assert a.choose() == 1                   # the probe
+        assert a.choose() == 2                   # the probe: two drafts
         gaps.append(k)
-        a.verified(1, 0, 1.0, 12.0, 0.0)
+        a.verified(2, 0, 2.0, 13.0, 0.0)
     assert gaps == [4, 8, 16, 16]
     low = a.a
     for _ in range(40):                          # the drafts kept: the acceptance rises, drafting pays again

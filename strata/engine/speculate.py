@@ -225,16 +225,17 @@ class AdaptiveN:
     before it were kept: a running average over those trials) and the times of a decode step, of one draft, of a
     verify of k drafts and of what a verify adds besides them (judging the rows, the Commit, handing the drafter its
     rows): running averages. With acceptance a per position, a verify of n drafts emits (1 - a^(n + 1)) / (1 - a)
-    tokens on average. While n = 0 wins, a verify of one draft (a probe) keeps the acceptance measured: after
+    tokens on average. While n = 0 wins, a verify of two drafts (a probe) keeps the acceptance measured: after
     ``probe_every`` plain steps, the gap doubling after each probe that leaves n = 0 the best (up to ``probe_max``)
-    and back to ``probe_every`` once drafting pays. Costs not measured yet are estimated from the decode step (a
-    draft at a fifth of it, a verify of k drafts at 1 + k / 4 of it); the acceptance starts at ``prior``.
+    and back to ``probe_every`` once drafting pays. The first step is a plain one (the decode step measured); costs
+    not measured yet are estimated from it (a draft at a fifth of it, a verify of k drafts at 1 + k / 4 of it); the
+    acceptance starts at ``prior``.
 
     The times given are the caller's to make comparable: a plain step's is the read alone, a verify's drafting
     excludes feeding the drafter the rows it holds (``MTPDrafter.catch_up``: paid whatever is chosen)."""
 
-    def __init__(self, n_max: int, alpha: float = 0.1, prior: float = 0.5, probe_every: int = 16,
-                 probe_max: int = 64):
+    def __init__(self, n_max: int, alpha: float = 0.15, prior: float = 0.5, probe_every: int = 16,
+                 probe_max: int = 32):
         self.n_max, self.alpha = int(n_max), float(alpha)
         self.probe_every, self.probe_max = int(probe_every), max(int(probe_every), int(probe_max))
         self.a = float(prior)
@@ -279,9 +280,11 @@ class AdaptiveN:
         return max(range(self.n_max + 1), key=lambda n: self.expected(n) / self.cost(n))
 
     def choose(self) -> int:
+        if self.t_step is None:
+            return 0                  # a plain step first: what every choice is measured against
         best = self.best()
         if best == 0 and self.n_max > 0 and self._plain + 1 >= self._gap:
-            return 1
+            return min(2, self.n_max)    # a probe: two drafts (the second tried when the first is kept)
         return best
 
     def plain_step(self, seconds: float) -> None:
