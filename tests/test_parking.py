@@ -4,6 +4,9 @@ conversations round-robin each resume from their own park; the budget evicts lea
 "strata_checkpoint": false request leaves nothing to park; with parking off a switch reads again."""
 from __future__ import annotations
 
+import os
+from types import SimpleNamespace
+
 import pytest
 
 from strata.engine import Engine
@@ -127,3 +130,40 @@ def test_host_memory_is_set_aside_for_two_conversations_at_start(hybrid_path):
     ask(e, chat("mountains", 0, []))                       # parks the rivers chat into the arena
     assert len(e.park) == 1 and a.pins == pins             # nothing more allocated for it
     e.close()
+
+
+@pytest.mark.parametrize("which", ["default", "hybrid"])
+def test_a_parked_one_liner_holds_its_rows_not_whole_pages(which, default_model_path, hybrid_path, tmp_path):
+    """A short conversation parked in host RAM (and written to a session file) keeps the K/V of its own tokens, not
+    a whole page per layer: its bytes are its tokens times the pools' bytes per token plus its running state and its
+    checkpoints' (prefixes of its K/V: running state only), and it comes back bit-exact."""
+    path = default_model_path if which == "default" else hybrid_path
+    kw = dict(n_ctx=1024, ubatch=32)
+    one = [{"role": "user", "content": "Say hi."}]
+    alone = Engine(path, conversation_cache_mib=0, **kw)
+    ref = ask(alone, one, n=4)[0]
+    r = alone.render_chat(one)           # the answer continued token by token: the parked one-liner is its prefix
+    two = SimpleNamespace(tokens=list(r.tokens) + ref + list(alone.render_chat(one).tokens[-6:]),
+                          cut_points=r.cut_points)
+    ref += ask(alone, two, n=4)[0]
+    ref_hashes = alone.state_hashes()
+    e = Engine(path, conversation_cache_mib=256, park_resident=0, prompt_cache=2, slot_save_path=str(tmp_path), **kw)
+    first = ask(e, one, n=4)[0]
+    e.slot_save(0, filename="one.bin")
+    ask(e, [{"role": "user", "content": "Something else entirely, please."}], n=4)      # parks the one-liner in RAM
+    (parked,) = [p for p in e.parked() if p["tier"] == "ram"]
+    per_token, running, page = 0, 0, None
+    for st in e.stages:
+        mem = st.memory.stats()
+        running += int(mem.get("running", {}).get("bytes_per_sequence", 0))
+        for f in getattr(st.memory, "fields", [st.memory]):
+            if getattr(f, "name", None) == "kv":
+                per_token += f.pool.bytes_per_token
+                page = f.pool.page_size
+    assert parked["tokens"] < page                        # a one-liner: less than a page
+    exact = parked["tokens"] * per_token + running * (1 + parked["checkpoints"]) + 4 * parked["tokens"]
+    assert parked["bytes"] == exact, (parked, exact)      # whole pages would be page / tokens times the K/V
+    assert os.path.getsize(tmp_path / "one.bin") < page * per_token
+    again = ask(e, two, n=4)
+    assert again[1].strata["resume_from"] == "park"
+    assert first + again[0] == ref and e.state_hashes() == ref_hashes

@@ -100,8 +100,13 @@ def _snapshot_bytes(snap) -> int:
 
 def _holds_pages(snap) -> bool:
     """Whether a snapshot holds pages in a pool (giving it back frees them): a Checkpoint with held parts."""
-    return any(getattr(p, "is_held", False) or (hasattr(p, "ckpt_id") and not p.released)
+    return any(getattr(p, "is_held", False) or (hasattr(p, "ckpt_id") and not p.released and not p.gone)
                for p in getattr(snap, "parts", ()))
+
+
+def _gone(snap) -> bool:
+    """Whether a worker dropped a part of the snapshot on its own (a remote stage's RemotePart.gone)."""
+    return any(getattr(p, "gone", False) for p in getattr(snap, "parts", ()))
 
 
 def _release(snap) -> None:
@@ -407,6 +412,15 @@ class CheckpointCache:
             self._stats["demoted"] += 1
             self._retain()                     # host copies count against the byte budget
             return True
+
+    def drop_gone(self) -> int:
+        """Drop the checkpoints a worker dropped a part of (their other parts' pages given back) -> how many."""
+        with self._lock:
+            gone = [k for k, e in self._entries.items() if _gone(e.snapshot)]
+            for key in gone:
+                self._drop(key)
+            self._stats["evictions"] += len(gone)
+            return len(gone)
 
     def discard(self, snapshot) -> None:
         """Drop the checkpoint whose snapshot is `snapshot` (one a worker no longer holds), its pages given back."""

@@ -55,6 +55,19 @@ class ConversationStore:
             raise ValueError(f"--slot-save-path {self.slot_save_path}: not a directory")
         self._from_session: weakref.WeakSet = weakref.WeakSet()   # loaded from a file, not yet resumed
         self._restoring = None      # the checkpoint a restore is mounting (make_room does not drop it meanwhile)
+        self._drops_seen = 0        # the stages' drop counts (Memory.drops) already acted on
+
+    def forget_dropped(self) -> None:
+        """Forget what a worker dropped on its own to make room for a Forward (its Result named the ids,
+        ``+drops``): the checkpoints and resident conversations holding such a part leave the tree and the tiers
+        (their other parts given back). Cheap when nothing was dropped; every verb calls it first."""
+        n = sum(int(st.memory.drops) for st in self.stages)
+        if n == self._drops_seen:
+            return
+        self._drops_seen = n
+        gone = self.checkpoints.drop_gone()
+        log.info("a worker dropped parts to make room: forgotten", checkpoints=gone,
+                 resident=self.tiers.drop_gone())
 
     # ---- the tiers, for the engine's views -------------------------------------------------------------
     @property
@@ -137,6 +150,7 @@ class ConversationStore:
         from a worker (its link reconnected): the tree cleared, the prompt planned again from 0. -> the plan
         applied (resume_from "resident" / "park" / "disk" / "session" when it came from there). Any failure
         forgets `seq` (it starts over) and propagates."""
+        self.forget_dropped()
         try:
             if seq.lost():         # a remote stage reconnected: the worker holds none of it any more
                 log.warning("a remote stage lost the live sequence and its checkpoints: reading from 0")
@@ -186,6 +200,7 @@ class ConversationStore:
     def note(self, seq: Sequence, kind: str) -> list[int]:
         """Keep a checkpoint of `seq` at its position, of cut point kind `kind` (a pool or a worker store short of
         room first frees some, make_room) -> the positions retention evicted."""
+        self.forget_dropped()
         return self.checkpoints.save(seq.pos, kind, seq.with_room(seq.capture))
 
     def forget(self, seq: Sequence) -> None:
@@ -207,6 +222,7 @@ class ConversationStore:
         """Free pages for `seq` (what a Sequence calls when a pool is short for it): a checkpoint off its path
         dropped (its pages are its own), else the least recently used resident conversation moved to host RAM,
         else a checkpoint on its path dropped -> False when nothing more can be freed."""
+        self.forget_dropped()
         ids, spare = seq.ids, self._restoring
         # with parking off the tree is the only keeper of other branches: their checkpoints move to host RAM
         # (parking keeps the conversations they belong to, with their K/V, itself)
@@ -230,6 +246,7 @@ class ConversationStore:
         """Park `seq`'s conversation (when it has one worth keeping and the tiers can take it): resident when that
         tier is on, else host copies in RAM. A failure to park is logged and counted (park_stats.refused); it
         never fails the request that leaves the conversation."""
+        self.forget_dropped()
         t = self.tiers
         if t.park is None or seq.pos == 0 or not seq.live_ok:
             return                   # nothing live, or a "strata_checkpoint": false request's

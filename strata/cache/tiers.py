@@ -178,17 +178,27 @@ class Tiers:
             if store is not None:
                 store.discard(tokens)
 
-    def drop_gone(self) -> None:
+    def drop_gone(self) -> int:
         """Drop the resident conversations whose parts a stage no longer holds (a remote stage's worker after its
-        link reconnected); those in RAM and on disk stay (their bytes are the main's)."""
+        link reconnected, or one that dropped a part to make room), and the checkpoints of the others that lost a
+        part; those in RAM and on disk stay (their bytes are the main's) -> how many conversations were dropped."""
         if self.resident is None:
-            return
+            return 0
+        n = 0
         for conv in list(self.resident._items):
             try:
                 for st, p in zip(self.stages, conv.parts):
                     st.memory.validate(p)
             except PartMismatch:
                 self.resident.discard(conv.tokens)
+                n += 1
+                continue
+            lost = [c for c in conv.checkpoints if any(getattr(p, "gone", False) for p in c.parts)]
+            for c in lost:
+                for p in c.parts:
+                    p.release()
+            conv.checkpoints = [c for c in conv.checkpoints if all(c is not x for x in lost)]
+        return n
 
     def entries(self) -> list[dict]:
         """The parked conversations for `stratactl cache` (tokens, bytes, tier, checkpoints, last use)."""
