@@ -189,7 +189,10 @@ def test_checkpoints_spill_to_the_disk_tier_and_come_back_bit_exact(which, defau
         return toks, final.strata, e.state_hashes()
 
     ref = run(Engine(path, prompt_cache_mib=1024, **kw))
-    e = Engine(path, prompt_cache_mib=0, conversation_cache_dir=tmp_path, conversation_cache_disk_mib=64, **kw)
+    slots = tmp_path / "slots"
+    slots.mkdir()
+    e = Engine(path, prompt_cache_mib=0, conversation_cache_dir=tmp_path, conversation_cache_disk_mib=64,
+               slot_save_path=slots, **kw)
     got = run(e)
     assert got[1]["resume_from"] == "checkpoint" and got[1]["resume_pos"] == ref[1]["resume_pos"] > 0
     assert got[0] == ref[0] and got[2] == ref[2]
@@ -198,6 +201,14 @@ def test_checkpoints_spill_to_the_disk_tier_and_come_back_bit_exact(which, defau
         f.stat().st_size for f in tmp_path.glob("node-*.bin"))
     assert {c["tier"] for c in e.cache.entries()} >= {"disk"}
     assert e.cache.stats()["spilled"] >= 1
+    # a session file carries the conversation's checkpoints on disk too (read back, left where they are)
+    e.slot_save(0, filename="chat.bin")
+    on_path = e.cache.export(e.seq.ids, on_disk=True)
+    assert any(type(snap).__name__ == "DiskNode" for _, _, snap in on_path)
+    fresh = Engine(path, prompt_cache_mib=1024, slot_save_path=slots, **kw)
+    fresh.slot_restore(0, filename="chat.bin")
+    assert sorted(c["pos"] for c in fresh.cache.entries()) == [pos for pos, _, _ in on_path]
+    assert fresh.state_hashes() == got[2]
 
 
 def test_the_disk_tier_budget_drops_spilled_checkpoints_and_the_tree_forgets_them(hybrid_path, tmp_path):

@@ -279,12 +279,13 @@ class CheckpointCache:
         with self._lock:
             return max((nd.pos for nd in self._tree.path(tokens)), default=0)
 
-    def export(self, tokens) -> list[tuple[int, str, Any]]:
-        """The kept checkpoints in memory (not those on disk) on the path of `tokens` (the conversation's ids) as
-        (pos, kind, snapshot), by position (to park or save them with their conversation; the cache keeps them)."""
+    def export(self, tokens, on_disk: bool = False) -> list[tuple[int, str, Any]]:
+        """The kept checkpoints in memory (on_disk: and on disk, DiskNodes) on the path of `tokens` (the
+        conversation's ids) as (pos, kind, snapshot), by position (to park or save them with their conversation;
+        the cache keeps them)."""
         with self._lock:
             return [(nd.pos, nd.value.kind, nd.value.snapshot) for nd in self._tree.path(tokens)
-                    if nd.value.tier != "disk"]
+                    if on_disk or nd.value.tier != "disk"]
 
     def adopt(self, entries: list[tuple[int, str, Any]], spill=None) -> None:
         """Keep `entries` ((pos, kind, snapshot) of a conversation a sequence now holds, as ``export`` gives

@@ -312,6 +312,10 @@ class DiskTier:
             self.remove(node)
             self.stats["restored"] += 1
 
+    def peek_node(self, node: DiskNode) -> Conversation:
+        """The tree node's conversation read, its file kept (the read's errors propagate)."""
+        return self._read(node.path)
+
     def remove(self, node: DiskNode) -> None:
         """Forget a tree node's file (the tree dropped the node, or read it back)."""
         with self._lock:

@@ -88,20 +88,28 @@ class ConversationStore:
         return self.tiers.prepin(self.n_ctx, self.checkpoints.cap)
 
     # ---- a sequence as a Conversation ------------------------------------------------------------------
-    def capture(self, seq: Sequence) -> Conversation:
+    def capture(self, seq: Sequence, on_disk: bool = False) -> Conversation:
         """`seq`'s conversation as host copies: every stage's used K/V and running state, its checkpoints (running
-        state only where the stage can make the K/V a prefix of the conversation's)."""
+        state only where the stage can make the K/V a prefix of the conversation's); on_disk: those the tree keeps
+        on disk too, read back (a session file: the tree keeps them where they are, parking leaves them there)."""
+        self.forget_dropped()
         here = seq.capture()
         try:
             parts = seq.materialize(here)
         finally:
             here.release()
         cps = []
-        for pos, kind, snap in self.checkpoints.export(seq.ids):
+        for pos, kind, snap in self.checkpoints.export(seq.ids, on_disk=on_disk):
             try:
-                cps.append(SavedCheckpoint(pos, kind, seq.detach(snap)))
+                if isinstance(snap, DiskNode):
+                    read = self.tiers.disk.peek_node(snap).parts
+                    cps.append(SavedCheckpoint(pos, kind, [st.memory.detach(p) for st, p in zip(self.stages, read)]))
+                else:
+                    cps.append(SavedCheckpoint(pos, kind, seq.detach(snap)))
             except CheckpointGone:              # a worker dropped its part (its pool ran short): not kept either
                 self.checkpoints.discard(snap)
+            except (session.SessionError, OSError, ValueError) as e:   # its file unreadable: saved without it
+                log.warning("a checkpoint on disk could not be read: not saved", error=str(e))
         return Conversation(tokens=seq.ids, parts=parts, checkpoints=cps, live_ok=seq.live_ok,
                             cut_anywhere=self.tiers.cut_anywhere)
 
@@ -392,7 +400,7 @@ class ConversationStore:
         if seq.pos == 0:
             raise session.SessionError("slot 0 holds no conversation (0 tokens): nothing to save")
         t0 = time.perf_counter()
-        conv = self.capture(seq)
+        conv = self.capture(seq, on_disk=True)
         n = self._write_file(path, conv)
         return {"id_slot": 0, "filename": filename, "n_saved": conv.pos, "n_written": n,
                 "timings": {"save_ms": round((time.perf_counter() - t0) * 1e3, 3)}}
