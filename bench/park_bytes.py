@@ -3,7 +3,8 @@ parks the one before in RAM, --park-resident 0), then the parked conversations' 
 reports) and the process's RSS growth, beside the reference of the same run: the bytes of the state each one
 actually holds (its tokens' K/V, tokens x the pools' bytes per token, plus its running state).
 
-Usage: python bench/park_bytes.py [--model default] [--synthetic-hybrid] [--n 64] [--out bench/results/park_bytes_<model>_<commit>.json]
+Usage: python bench/park_bytes.py [--model default] [--synthetic-hybrid] [--n 64] [--out
+bench/results/park_bytes_<model>_<commit>.json]
 """
 from __future__ import annotations
 

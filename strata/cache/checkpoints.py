@@ -338,7 +338,8 @@ class CheckpointCache:
 
         One kept at the same tokens is replaced; then retention (strata.cache.retention) evicts: the count's
         victims are dropped, the byte budget's are handed to `spill` (snapshot -> the same checkpoint in a lower
-        tier, a DiskNode, or None: dropped) when given. Returns the positions evicted (spilled ones stay kept). With cap 0 nothing is kept. Raises ValueError (one line),
+        tier, a DiskNode, or None: dropped) when given. Returns the positions evicted (spilled ones stay kept).
+        With cap 0 nothing is kept. Raises ValueError (one line),
         keeping nothing, for an unknown kind, pos <= 0, or a snapshot taken at another position. The cache owns
         the snapshot from here: its pages are given back (Checkpoint.release) when it is dropped (evicted,
         replaced, cleared, make_room) or refused.

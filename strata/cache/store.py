@@ -42,7 +42,8 @@ class ConversationStore:
     conversation or a checkpoint, or cuts the sequence back, and settles), ``note`` (a checkpoint at the
     sequence's position), ``forget`` / ``erase``, ``park``, ``save`` / ``load`` (session files), ``make_room`` (what
     a Sequence calls when a pool is short for it). `file` (its fingerprint), `stages`, `n_ctx` and `n_vocab` are what
-    a session file must match. Raises ValueError for a slot_save_path or disk directory that is not a directory. The engine calls the verbs under its lock; the views (``parked``, ``entries``) from any thread."""
+    a session file must match. Raises ValueError for a slot_save_path or disk directory that is not a directory. The
+    engine calls the verbs under its lock; the views (``parked``, ``entries``) from any thread."""
 
     def __init__(self, stages: list, file, n_ctx: int, *, checkpoints: CheckpointCache, park_bytes: int | None,
                  disk_dir: str | os.PathLike | None, disk_bytes: int, slot_save_path: str | os.PathLike | None,
