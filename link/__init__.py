@@ -1,5 +1,5 @@
 """The stage link (protocol 5, hand-framed over TCP) between the main process and remote stage workers: the codec."""
-from .auth import (ACK_LABEL, CAP_AEAD, CAP_ENCRYPT, CAP_MAC, CAP_PARK, CAP_SPEC, HELLO_LABEL, KEY_SIZE, ack_label,
+from .auth import (ACK_LABEL, CAP_AEAD, CAP_ENCRYPT, CAP_DROPS, CAP_MAC, CAP_PARK, CAP_SPEC, HELLO_LABEL, KEY_SIZE, ack_label,
                    ack_mac, challenge_name, hello_frames, hello_label, hello_mac, main_frames, new_nonce, read_key_file,
                    split_challenge_name, verify, worker_accepts, write_key_file)
 from .errors import ErrorCode, FrameError, LinkError, VersionMismatch
@@ -13,7 +13,7 @@ from .messages import (MAX_STR, NONCE_SIZE, REPLY, Ack, Bye, Challenge, CkptRest
                        Result, decode_message, encode_payload, msg_type)
 
 __all__ = [
-    "ACK_LABEL", "CAP_AEAD", "CAP_ENCRYPT", "CAP_MAC", "CAP_PARK", "CAP_SPEC", "HELLO_LABEL", "KEY_SIZE", "ack_label",
+    "ACK_LABEL", "CAP_AEAD", "CAP_ENCRYPT", "CAP_DROPS", "CAP_MAC", "CAP_PARK", "CAP_SPEC", "HELLO_LABEL", "KEY_SIZE", "ack_label",
     "ack_mac",
     "challenge_name", "hello_frames", "hello_label", "hello_mac", "main_frames", "new_nonce", "read_key_file",
     "split_challenge_name", "verify", "worker_accepts", "write_key_file",

@@ -142,10 +142,13 @@ class Forward(_Message):
 
 @dataclass(eq=False)
 class Result(_Message):
-    """Worker -> main: the hidden rows out of the chain's last layer, the position after the forward, compute time."""
+    """Worker -> main: the hidden rows out of the chain's last layer, the position after the forward, compute time;
+    dropped (``+drops``): the ids of kept parts the chain dropped to make room for this Forward (an optional last
+    field, present only when not empty: a Result that drops nothing is the same bytes as before)."""
     pos: int
     compute_us: int
     hidden: np.ndarray
+    dropped: list = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -253,7 +256,8 @@ Message = Union[Challenge, Hello, HelloAck, Forward, Result, Commit, Reset, Ckpt
                 PartPut, Ack, Error, Ping, Pong, Bye]
 
 # Field kinds: bool (u8 0/1), u16, u32, u64, str (u16 length + UTF-8), nonce (32 raw bytes), mac (u16 length + 0 or
-# 32 raw bytes), ids (u32 count + u64 each), hops (u32 count + Hop each), tokens / hidden (a tensor; see PROTOCOL.md).
+# 32 raw bytes), ids (u32 count + u64 each; more_ids: the same as an optional last field, absent when empty), hops
+# (u32 count + Hop each), tokens / hidden (a tensor; see PROTOCOL.md).
 _LAYOUT: dict[type, tuple[MsgType, tuple[tuple[str, str], ...]]] = {
     Hello: (MsgType.HELLO, (("protocol", "u16"), ("fingerprint", "str"), ("lo", "u32"), ("hi", "u32"),
                             ("n_blocks", "u32"), ("n_embd", "u32"), ("act_dtype", "str"), ("n_ctx", "u32"),
@@ -263,7 +267,7 @@ _LAYOUT: dict[type, tuple[MsgType, tuple[tuple[str, str], ...]]] = {
                                    ("ckpt_max", "u32"), ("part_bytes", "u64"), ("worker", "str"), ("device", "str"),
                                    ("mac", "mac"))),
     Forward: (MsgType.FORWARD, (("pos", "u32"), ("want_all", "bool"), ("tokens", "tokens"), ("hidden", "hidden"))),
-    Result: (MsgType.RESULT, (("pos", "u32"), ("compute_us", "u64"), ("hidden", "hidden"))),
+    Result: (MsgType.RESULT, (("pos", "u32"), ("compute_us", "u64"), ("hidden", "hidden"), ("dropped", "more_ids"))),
     Commit: (MsgType.COMMIT, (("pos", "u32"),)),
     Reset: (MsgType.RESET, (("keep", "ids"),)),
     CkptSave: (MsgType.CKPT_SAVE, (("ckpt_id", "u64"), ("pos", "u32"), ("keep", "ids"))),
@@ -388,7 +392,9 @@ def _put(out: _Out, what: str, kind: str, v) -> None:
         if not isinstance(v, (bytes, bytearray, memoryview)) or len(bytes(v)) not in (0, MAC_SIZE):
             raise FrameError(f"{what} must be empty or {MAC_SIZE} bytes")
         out.buf += _LEN.pack(len(bytes(v))) + bytes(v)
-    elif kind == "ids":
+    elif kind == "more_ids" and isinstance(v, (list, tuple)) and not v:
+        return                                   # an optional last field: absent when empty
+    elif kind in ("ids", "more_ids"):
         if not isinstance(v, (list, tuple)):
             raise FrameError(f"{what} must be a list of ids, not {type(v).__name__}")
         out.buf += _COUNT.pack(_int(f"{what} count", len(v), 32))
@@ -515,8 +521,12 @@ def _get(inp: _In, what: str, kind: str):
         if n not in (0, MAC_SIZE):
             inp.refuse(f"{what} is {n} bytes, expected 0 or {MAC_SIZE}")
         return bytes(inp.take(n, what))
-    if kind == "ids":
+    if kind == "more_ids" and not inp.left:
+        return []                                # an optional last field, absent
+    if kind in ("ids", "more_ids"):
         (n,) = inp.unpack(_COUNT, f"{what} count")
+        if n == 0 and kind == "more_ids":
+            inp.refuse(f"{what} is present but empty (an empty list is sent as no field)")
         if 8 * n > inp.left:
             inp.refuse(f"{what} count {n} needs {8 * n} bytes, {inp.left} are left")
         return np.frombuffer(inp.take(8 * n, what), dtype="<u8").tolist()

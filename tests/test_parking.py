@@ -4,10 +4,13 @@ conversations round-robin each resume from their own park; the budget evicts lea
 "strata_checkpoint": false request leaves nothing to park; with parking off a switch reads again."""
 from __future__ import annotations
 
+import os
+from types import SimpleNamespace
+
 import pytest
 
 from strata.engine import Engine
-from tests.helpers import ask, chat, play
+from tests.helpers import ask, chat, long_chat, play
 
 
 @pytest.fixture(scope="module")
@@ -90,10 +93,13 @@ def test_parking_off_reads_again(hybrid_path):
     assert final.strata["resume_from"] not in ("park", "resident") and e.parked() == []
 
 
-def test_disk_tier_takes_what_ram_drops_and_gives_it_back_bit_exact(hybrid_path, tmp_path):
-    alone = Engine(hybrid_path, n_ctx=512, ubatch=32, conversation_cache_mib=0)
+@pytest.mark.parametrize("which", ["default", "hybrid"])
+def test_disk_tier_takes_what_ram_drops_and_gives_it_back_bit_exact(which, default_model_path, hybrid_path,
+                                                                     tmp_path):
+    path = default_model_path if which == "default" else hybrid_path
+    alone = Engine(path, n_ctx=512, ubatch=32, conversation_cache_mib=0)
     ref = play(alone, "rivers", 2, [])
-    e = Engine(hybrid_path, n_ctx=512, ubatch=32, conversation_cache_mib=256, conversation_cache_dir=tmp_path,
+    e = Engine(path, n_ctx=512, ubatch=32, conversation_cache_mib=256, conversation_cache_dir=tmp_path,
                conversation_cache_disk_mib=64, park_resident=0)
     answers: list[str] = []
     play(e, "rivers", 1, answers)
@@ -106,8 +112,6 @@ def test_disk_tier_takes_what_ram_drops_and_gives_it_back_bit_exact(hybrid_path,
     assert final.strata["resume_from"] == "disk" and toks == ref[1][0] and e.state_hashes() == ref[1][1]
     # rivers' file is gone (bread, parked now, pushed ships to disk): one file per disk entry
     assert len(list(tmp_path.glob("park-*.bin"))) == sum(p["tier"] == "disk" for p in e.parked()) == 1
-    with pytest.raises(ValueError, match="needs parking"):
-        Engine(hybrid_path, n_ctx=256, conversation_cache_mib=0, conversation_cache_dir=tmp_path)
 
 
 def test_host_memory_is_set_aside_for_two_conversations_at_start(hybrid_path):
@@ -127,3 +131,99 @@ def test_host_memory_is_set_aside_for_two_conversations_at_start(hybrid_path):
     ask(e, chat("mountains", 0, []))                       # parks the rivers chat into the arena
     assert len(e.park) == 1 and a.pins == pins             # nothing more allocated for it
     e.close()
+
+
+@pytest.mark.parametrize("which", ["default", "hybrid"])
+def test_a_parked_one_liner_holds_its_rows_not_whole_pages(which, default_model_path, hybrid_path, tmp_path):
+    """A short conversation parked in host RAM (and written to a session file) keeps the K/V of its own tokens, not
+    a whole page per layer: its bytes are its tokens times the pools' bytes per token plus its running state and its
+    checkpoints' (prefixes of its K/V: running state only), and it comes back bit-exact."""
+    path = default_model_path if which == "default" else hybrid_path
+    kw = dict(n_ctx=1024, ubatch=32)
+    one = [{"role": "user", "content": "Say hi."}]
+    alone = Engine(path, conversation_cache_mib=0, **kw)
+    ref = ask(alone, one, n=4)[0]
+    r = alone.render_chat(one)           # the answer continued token by token: the parked one-liner is its prefix
+    two = SimpleNamespace(tokens=list(r.tokens) + ref + list(alone.render_chat(one).tokens[-6:]),
+                          cut_points=r.cut_points)
+    ref += ask(alone, two, n=4)[0]
+    ref_hashes = alone.state_hashes()
+    e = Engine(path, conversation_cache_mib=256, park_resident=0, prompt_cache=2, slot_save_path=str(tmp_path), **kw)
+    first = ask(e, one, n=4)[0]
+    e.slot_save(0, filename="one.bin")
+    ask(e, [{"role": "user", "content": "Something else entirely, please."}], n=4)      # parks the one-liner in RAM
+    (parked,) = [p for p in e.parked() if p["tier"] == "ram"]
+    per_token, running, page = 0, 0, None
+    for st in e.stages:
+        mem = st.memory.stats()
+        running += int(mem.get("running", {}).get("bytes_per_sequence", 0))
+        for f in getattr(st.memory, "fields", [st.memory]):
+            if getattr(f, "name", None) == "kv":
+                per_token += f.pool.bytes_per_token
+                page = f.pool.page_size
+    assert parked["tokens"] < page                        # a one-liner: less than a page
+    exact = parked["tokens"] * per_token + running * (1 + parked["checkpoints"]) + 4 * parked["tokens"]
+    assert parked["bytes"] == exact, (parked, exact)      # whole pages would be page / tokens times the K/V
+    assert os.path.getsize(tmp_path / "one.bin") < page * per_token
+    again = ask(e, two, n=4)
+    assert again[1].strata["resume_from"] == "park"
+    assert first + again[0] == ref and e.state_hashes() == ref_hashes
+
+
+@pytest.mark.parametrize("which", ["default", "hybrid"])
+def test_checkpoints_spill_to_the_disk_tier_and_come_back_bit_exact(which, default_model_path, hybrid_path,
+                                                                      tmp_path):
+    """Parking off, the tree alone keeps the branches: a pool of one context moves the first chat's checkpoints to
+    host RAM when the second needs its pages (make_room), and a byte budget of 0 (--prompt-cache-mib) moves them
+    on to the disk tier (files of the session format) instead of dropping them; the first chat then resumes from
+    its own checkpoint read back from disk, with the tokens and state hashes of the same read plan with the
+    checkpoints kept in RAM (the reference: --prompt-cache-mib large)."""
+    path = default_model_path if which == "default" else hybrid_path
+    kw = dict(n_ctx=512, ubatch=32, conversation_cache_mib=0, prompt_cache=8)
+
+    def run(e):
+        a: list[str] = []
+        play(e, "rivers", 1, a, render=long_chat)
+        play(e, "ships", 1, [], render=long_chat)          # rivers' checkpoints leave the pool
+        toks, final = ask(e, long_chat("rivers", 1, a))
+        return toks, final.strata, e.state_hashes()
+
+    ref = run(Engine(path, prompt_cache_mib=1024, **kw))
+    slots = tmp_path / "slots"
+    slots.mkdir()
+    e = Engine(path, prompt_cache_mib=0, conversation_cache_dir=tmp_path, conversation_cache_disk_mib=64,
+               slot_save_path=slots, **kw)
+    got = run(e)
+    assert got[1]["resume_from"] == "checkpoint" and got[1]["resume_pos"] == ref[1]["resume_pos"] > 0
+    assert got[0] == ref[0] and got[2] == ref[2]
+    st = e.disk.status()
+    assert st["nodes"] >= 1 and st["restored"] >= 1 and st["bytes"] == sum(
+        f.stat().st_size for f in tmp_path.glob("node-*.bin"))
+    assert {c["tier"] for c in e.cache.entries()} >= {"disk"}
+    assert e.cache.stats()["spilled"] >= 1
+    # a session file carries the conversation's checkpoints on disk too (read back, left where they are)
+    e.slot_save(0, filename="chat.bin")
+    on_path = e.cache.export(e.seq.ids, on_disk=True)
+    assert any(type(snap).__name__ == "DiskNode" for _, _, snap in on_path)
+    fresh = Engine(path, prompt_cache_mib=1024, slot_save_path=slots, **kw)
+    fresh.slot_restore(0, filename="chat.bin")
+    assert sorted(c["pos"] for c in fresh.cache.entries()) == [pos for pos, _, _ in on_path]
+    assert fresh.state_hashes() == got[2]
+
+
+def test_the_disk_tier_budget_drops_spilled_checkpoints_and_the_tree_forgets_them(hybrid_path, tmp_path):
+    """A disk budget of one file: each checkpoint spilled pushes the one before out (its file removed), and the
+    tree forgets the checkpoints whose files are gone before it plans; the answers stay those of a cold read."""
+    cold = Engine(hybrid_path, n_ctx=512, ubatch=16, conversation_cache_mib=0, prompt_cache=0)
+    e = Engine(hybrid_path, n_ctx=512, ubatch=16, conversation_cache_mib=0, prompt_cache=8, prompt_cache_mib=0,
+               conversation_cache_dir=tmp_path, conversation_cache_disk_mib=1)
+    e.disk.budget = 1                                     # smaller than any file: each write evicts the previous
+    answers: list[str] = []
+    for turn in range(3):
+        toks, final = ask(e, chat("rivers", turn, answers), n=4)
+        assert toks == ask(cold, chat("rivers", turn, answers), n=4, cache_prompt=False)[0]
+        answers.append(e.detokenize(toks))
+    st = e.disk.status()
+    assert st["nodes_dropped"] >= 1 and st["nodes"] == 0 and not list(tmp_path.glob("node-*.bin"))
+    e.store.forget_dropped()
+    assert all(c["tier"] != "disk" for c in e.cache.entries())

@@ -5,6 +5,7 @@ both processes restarted and the session loaded, and the part readers fuzzed."""
 from __future__ import annotations
 
 import io
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -200,3 +201,38 @@ def test_mutated_part_bytes_are_refused_in_one_line_by_the_main_and_the_worker(b
         old = carrier.store.pop(10 ** 6, None)
         if old is not None:
             old.release()
+
+
+@pytest.mark.parametrize("chain", [False, True])
+def test_a_worker_that_drops_parts_mid_forward_says_so_and_the_main_forgets_them(chain, default_model_path):
+    """The worker's pool (n_ctx: 4 pages) is smaller than the main's (--kv-pool-ctx 4 contexts): each of five
+    unrelated prompts keeps a page held by its checkpoints, so the fifth makes the worker drop its oldest kept parts
+    (the first prompt's checkpoints) inside a Forward. Its Result names them (+drops) and the main's tree forgets them
+    at once: the first prompt then reads from 0 without meeting a missing part (which would clear every checkpoint),
+    and the third still resumes from its own. Every answer equals the same prompt read alone. chain: two workers,
+    the first relaying the second's drops with its own."""
+    rng = np.random.default_rng(5)
+    prompts = [SimpleNamespace(tokens=[int(x) for x in rng.integers(1000, 5000, 200)],
+                               cut_points=[(64, "root"), (128, "message")]) for _ in range(5)]
+    split = "10,20" if chain else "15"
+    alone = Engine(default_model_path, n_ctx=N_CTX, ubatch=64, layer_split=split, conversation_cache_mib=0,
+                   prompt_cache=0)
+    ref = [ask(alone, p, n=4, cache_prompt=False)[0] for p in prompts]
+    ws = [InProcessWorker(model=str(default_model_path)) for _ in range(2 if chain else 1)]
+    e = Engine(default_model_path, n_ctx=N_CTX, ubatch=64, layer_split=split,
+               remote_stage=",".join(w.address for w in ws), prompt_cache=16, conversation_cache_mib=0,
+               kv_pool_ctx=4 * N_CTX)
+    try:
+        for p, r in zip(prompts, ref):
+            assert ask(e, p, n=4)[0] == r
+        drops = lambda: sum(st.memory.drops for st in e.stages)          # noqa: E731
+        assert drops() >= 1                               # the worker dropped the first prompt's parts and said so
+        toks, final = ask(e, prompts[0], n=4)             # its checkpoints are forgotten: from 0, nothing else lost
+        assert toks == ref[0] and final.strata["resume_from"] == "none"
+        toks, final = ask(e, prompts[2], n=4)
+        assert toks == ref[2] and final.strata["resume_from"] == "checkpoint" and final.strata["resume_pos"] == 128
+        assert not any(getattr(p, "gone", False) for c in e.cache._entries.values() for p in c.snapshot.parts)
+    finally:
+        e.close()
+        for w in ws:
+            w.close()

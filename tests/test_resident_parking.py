@@ -163,10 +163,10 @@ def test_a_new_chat_shares_the_system_prompt_and_the_switch_back_copies_no_kv(wh
     pool = e.stages[0].memory
     pool = getattr(pool, "pool", None) or pool.children[0].pool
     exported = []
-    real_export = pool.export_pages
-    pool.export_pages = lambda pages: exported.append(len(pages)) or real_export(pages)
+    real_export = pool.export_rows
+    pool.export_rows = lambda pages, length: exported.append(len(pages)) or real_export(pages, length)
     toks, final = ask(e, _long_system("rivers", 1, answers))     # back: nothing copied to or from the host
-    pool.export_pages = real_export
+    pool.export_rows = real_export
     assert final.strata["resume_from"] == "resident" and toks == ref_a[1] and exported == []
     assert [p["tier"] for p in e.parked()] == ["device"]          # ships is resident now
 

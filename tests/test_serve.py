@@ -953,3 +953,27 @@ def test_embedding_routes_answer_501_naming_the_flag_without_embeddings(daemon):
             assert r["error"]["type"] == "not_supported_error", r
     st, _ = daemon.json("GET", "/health")
     assert st == 200
+
+
+def test_the_disk_tier_budget_and_bytes_in_status_and_metrics(tmp_path):
+    """--conversation-cache-dir with --conversation-cache-disk-mib: /status reports the disk tier's files' bytes and
+    its budget (engine.disk_stats), /metrics the same as strata_disk_tier_bytes / strata_disk_tier_budget_bytes: a
+    parked conversation larger than the RAM budget (1 MiB) is kept on disk, its file's bytes counted."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    d = Daemon(tmp_path, "--conversation-cache-dir", str(disk), "--conversation-cache-disk-mib", "3",
+               "--conversation-cache-mib", "1", "--park-resident", "0").start()
+    try:
+        st, s = d.json("GET", "/status")
+        assert st == 200 and s["engine"]["disk_stats"]["budget_bytes"] == 3 << 20
+        assert d.metric("strata_disk_tier_budget_bytes") == 3 << 20
+        for text in ("Name a river.", "Name a mountain."):
+            st, _ = d.json("POST", "/v1/chat/completions",
+                           {"messages": [{"role": "user", "content": text}], "max_tokens": 2})
+            assert st == 200
+        st, s = d.json("GET", "/status")
+        files = sum(f.stat().st_size for f in disk.iterdir())
+        assert files > 0 and s["engine"]["disk_stats"]["bytes"] == files
+        assert d.metric("strata_disk_tier_bytes") == files
+    finally:
+        assert d.stop() == 0, d.log_tail()

@@ -1,6 +1,7 @@
 """A differential fuzz of conversation state (hypothesis state machine): random new chats on a shared system prompt,
 continued turns, regenerations, earlier turns edited, branches, switches between chats, session files saved and
-loaded, forgets and restarts, on an engine with checkpoints, parking (resident and in host RAM) and session files.
+loaded, forgets and restarts, on an engine with checkpoints, parking (resident, in host RAM and, with small budgets,
+on disk, where the tree's checkpoints spill too) and session files.
 The reference is an engine with none of them that reads every prompt cold (the CPU kernels give the same bits for
 any split of a prompt into reads): after every request the greedy tokens and the live sequence's state hashes are
 equal; after every step every KV page's reference count equals its holders (the live page tables and the holds of
@@ -97,6 +98,14 @@ def _machine(path, tmp_path, counts: collections.Counter, parking: bool = True, 
         if not parking:         # the checkpoint tree alone keeps the branches (a larger pool holds their pages)
             return Engine(path, conversation_cache_mib=0, slot_save_path=str(tmp_path), prompt_cache=16,
                           prompt_cache_every=24, kv_pool_ctx=8192, **kw)
+        if parking == "disk":   # small budgets: parked conversations and the tree's checkpoints spill to files
+            disk = tmp_path / "disk"
+            disk.mkdir(exist_ok=True)
+            e = Engine(path, conversation_cache_mib=1, park_resident=1, slot_save_path=str(tmp_path),
+                       prompt_cache_every=24, prompt_cache_mib=0, conversation_cache_dir=str(disk),
+                       conversation_cache_disk_mib=64, **kw)
+            e.park.budget = 120_000           # RAM keeps two or three short parked conversations
+            return e
         return Engine(path, conversation_cache_mib=64, park_resident=1, slot_save_path=str(tmp_path),
                       prompt_cache_every=24, **kw)
 
@@ -129,9 +138,12 @@ def _machine(path, tmp_path, counts: collections.Counter, parking: bool = True, 
 
         def _ask(self, name: str):
             msgs = self.chats[name]
+            disk = self.e.disk.status()["restored"] if self.e.disk is not None else 0
             toks, final = ask(self.e, msgs, N_ANSWER)
             counts["requests"] += 1
             counts["resume_" + str(final.strata["resume_from"])] += 1
+            if self.e.disk is not None:     # requests that read a file of the disk tier back (a checkpoint or a chat)
+                counts["disk_reads"] += self.e.disk.status()["restored"] > disk
             ref.slot_erase()                              # cold: the reference reads the whole prompt
             want, _ = ask(ref, msgs, N_ANSWER)
             assert toks == want, f"{final.strata} tokens {toks}, cold {want}"
@@ -256,16 +268,18 @@ def _machine(path, tmp_path, counts: collections.Counter, parking: bool = True, 
 
 
 @pytest.mark.parametrize("arch,parking", [("llama", True), ("qwen35", True), ("llama", False), ("qwen35", False),
-                                         ("llama", "remote"), ("qwen35", "remote")])
+                                         ("llama", "remote"), ("qwen35", "remote"), ("llama", "disk"),
+                                         ("qwen35", "disk")])
 def test_conversation_state_matches_cold_reads(arch, parking, synthetic, tmp_path):
     # ubatch 16 (in _machine): every read is of at most 16 tokens, so the hybrid's reads split the same way cold.
     # parking False: no parking at all, the checkpoint tree alone keeps the branches (sub-agents checked deep);
-    # "remote": layers 2.. on a worker, parking (resident and in RAM) and session files over the link
+    # "remote": layers 2.. on a worker, parking (resident and in RAM) and session files over the link; "disk": RAM
+    # and checkpoint byte budgets so small that parked conversations and the tree's checkpoints go to disk files
     path = synthetic(arch, n_layer=4, seed=33)
     counts: collections.Counter = collections.Counter()
     worker = InProcessWorker(model=str(path)) if parking == "remote" else None
     try:
-        machine = _machine(path, tmp_path, counts, bool(parking), worker)
+        machine = _machine(path, tmp_path, counts, parking if parking == "disk" else bool(parking), worker)
         want = STEPS or (100 if parking is True else 50)
         while counts["steps"] < want:      # hypothesis chooses each run's length: runs until `want` steps are done
             run_state_machine_as_test(machine, settings=settings(
@@ -276,7 +290,7 @@ def test_conversation_state_matches_cold_reads(arch, parking, synthetic, tmp_pat
             worker.close()
     if REPORT:
         old = json.loads(open(REPORT).read()) if os.path.exists(REPORT) else {}
-        old[arch + {True: "", False: "-tree", "remote": "-remote"}[parking]] = dict(counts)
+        old[arch + {True: "", False: "-tree", "remote": "-remote", "disk": "-disk"}[parking]] = dict(counts)
         with open(REPORT, "w") as f:
             json.dump(old, f, indent=1, sort_keys=True)
     assert counts["requests"] > 0 and counts["steps"] >= want

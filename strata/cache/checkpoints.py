@@ -76,7 +76,8 @@ class _Entry:
     key: int = 0
     node: Node | None = None
     mounts: int = 0
-    tier: str = "device"        # "device": its pages held in the pools; "ram": host copies (demoted by make_room)
+    tier: str = "device"        # "device": its pages held in the pools; "ram": host copies (demoted by make_room);
+    #                             "disk": a file of the disk tier (a DiskNode: spilled by the byte budget)
 
 
 def _cut(cp) -> tuple[int, str]:
@@ -100,8 +101,14 @@ def _snapshot_bytes(snap) -> int:
 
 def _holds_pages(snap) -> bool:
     """Whether a snapshot holds pages in a pool (giving it back frees them): a Checkpoint with held parts."""
-    return any(getattr(p, "is_held", False) or (hasattr(p, "ckpt_id") and not p.released)
+    return any(getattr(p, "is_held", False) or (hasattr(p, "ckpt_id") and not p.released and not p.gone)
                for p in getattr(snap, "parts", ()))
+
+
+def _gone(snap) -> bool:
+    """Whether the snapshot's keeper dropped it on its own: a worker a part of it (a remote stage's RemotePart.gone),
+    the disk tier its file (DiskNode.gone)."""
+    return getattr(snap, "gone", False) or any(getattr(p, "gone", False) for p in getattr(snap, "parts", ()))
 
 
 def _release(snap) -> None:
@@ -157,7 +164,7 @@ class CheckpointCache:
         self._keys = 0
         self._lock = threading.Lock()
         self._stats = dict(hits=0, hits_live=0, hits_checkpoint=0, misses=0, tokens_saved=0, saves=0,
-                           evictions=0, replaced=0, demoted=0)
+                           evictions=0, replaced=0, demoted=0, spilled=0)
 
     # ---- the request loop ------------------------------------------------------------------------
     def plan(self, state, prompt_tokens, cut_points, *, checkpoint: bool = True,
@@ -272,20 +279,22 @@ class CheckpointCache:
         with self._lock:
             return max((nd.pos for nd in self._tree.path(tokens)), default=0)
 
-    def export(self, tokens) -> list[tuple[int, str, Any]]:
-        """The kept checkpoints on the path of `tokens` (the conversation's ids) as (pos, kind, snapshot), by
-        position (to park or save them with their conversation; the cache keeps them)."""
+    def export(self, tokens, on_disk: bool = False) -> list[tuple[int, str, Any]]:
+        """The kept checkpoints in memory (on_disk: and on disk, DiskNodes) on the path of `tokens` (the
+        conversation's ids) as (pos, kind, snapshot), by position (to park or save them with their conversation;
+        the cache keeps them)."""
         with self._lock:
-            return [(nd.pos, nd.value.kind, nd.value.snapshot) for nd in self._tree.path(tokens)]
+            return [(nd.pos, nd.value.kind, nd.value.snapshot) for nd in self._tree.path(tokens)
+                    if on_disk or nd.value.tier != "disk"]
 
-    def adopt(self, entries: list[tuple[int, str, Any]]) -> None:
+    def adopt(self, entries: list[tuple[int, str, Any]], spill=None) -> None:
         """Keep `entries` ((pos, kind, snapshot) of a conversation a sequence now holds, as ``export`` gives
         them; the cache owns their snapshots from here, see ``save``) beside the other branches, each replacing
         one kept at the same tokens."""
         with self._lock:
             for pos, kind, snap in sorted(entries, key=lambda x: x[0]):
                 self._put(kind, snap, frozen_ids(snap.tokens))
-            self._retain()                      # this engine's --prompt-cache / --prompt-cache-mib apply
+            self._retain(spill)                 # this engine's --prompt-cache / --prompt-cache-mib apply
 
     def _kept_points(self, prompt: np.ndarray, cuts: list[tuple[int, str]], resume: int,
                      checkpoint: bool) -> dict[int, str]:
@@ -324,11 +333,13 @@ class CheckpointCache:
                 kept[p], prev = out[p], p
         return kept
 
-    def save(self, pos: int, kind: str, snapshot) -> list[int]:
+    def save(self, pos: int, kind: str, snapshot, spill=None) -> list[int]:
         """Keep ``snapshot`` (a strata.stages.sequence.Checkpoint taken at ``pos``) as a checkpoint of kind ``kind``.
 
-        One kept at the same tokens is replaced; then retention (strata.cache.retention) evicts. Returns the
-        positions evicted. With cap 0 nothing is kept. Raises ValueError (one line),
+        One kept at the same tokens is replaced; then retention (strata.cache.retention) evicts: the count's
+        victims are dropped, the byte budget's are handed to `spill` (snapshot -> the same checkpoint in a lower
+        tier, a DiskNode, or None: dropped) when given. Returns the positions evicted (spilled ones stay kept).
+        With cap 0 nothing is kept. Raises ValueError (one line),
         keeping nothing, for an unknown kind, pos <= 0, or a snapshot taken at another position. The cache owns
         the snapshot from here: its pages are given back (Checkpoint.release) when it is dropped (evicted,
         replaced, cleared, make_room) or refused.
@@ -351,7 +362,7 @@ class CheckpointCache:
                 return []
             self._put(kind, snapshot, tokens)
             self._stats["saves"] += 1
-            return self._retain()
+            return self._retain(spill)
 
     def _put(self, kind: str, snapshot, tokens: np.ndarray) -> None:
         """Keep `snapshot` at `tokens` (under the lock), releasing one it replaces there."""
@@ -366,18 +377,45 @@ class CheckpointCache:
             _release(old.snapshot)
             self._stats["replaced"] += 1
 
-    def _retain(self) -> list[int]:
-        """Evict retention's victims (under the lock) -> their positions."""
+    def _retain(self, spill=None) -> list[int]:
+        """Evict retention's victims (under the lock) -> the positions dropped. The count (--prompt-cache) first:
+        its victims are dropped, whatever their tier; then the byte budget (--prompt-cache-mib) over what the
+        checkpoints hold in memory: its victims move to the disk tier through `spill` when it takes them, else
+        are dropped (the same order and victims as one pass of choose_victims when nothing spills)."""
         if not self._entries:
             return []
-        victims = choose_victims(self._kept(), cap=self.cap, root_min=self.root_min, budget_bytes=self.budget_bytes)
+        victims = choose_victims(self._kept(), cap=self.cap, root_min=self.root_min, budget_bytes=None)
         gone = [self._entries[k].pos for k in victims]
         for k in victims:
             self._drop(k)
-        self._stats["evictions"] += len(victims)
+        in_memory = [k for k in self._kept() if self._entries[k.id].tier != "disk"]
+        for k in choose_victims(in_memory, cap=self.cap, root_min=self.root_min, budget_bytes=self.budget_bytes):
+            e = self._entries[k]
+            node = None
+            if spill is not None:
+                try:
+                    node = spill(e.snapshot, e.last_use_time)
+                except Exception:  # noqa: BLE001 -- a spill that fails leaves the drop
+                    node = None
+            if node is None:
+                gone.append(e.pos)
+                self._drop(k)
+                continue
+            _release(e.snapshot)
+            e.snapshot, e.bytes, e.tier = node, 0, "disk"
+            self._stats["spilled"] += 1
+        self._stats["evictions"] += len(gone)
         return gone
 
-    def make_room(self, live_ids, off_path: bool = False, spare=None, demote=None) -> bool:
+    def promote(self, snapshot, copy) -> None:
+        """The checkpoint whose snapshot is `snapshot` (a DiskNode read back) keeps `copy` (its host copies) in its
+        place, tier "ram" (its bytes counted against the byte budget again at the next retention)."""
+        with self._lock:
+            for e in self._entries.values():
+                if e.snapshot is snapshot:
+                    e.snapshot, e.bytes, e.tier = copy, _snapshot_bytes(copy), "ram"
+
+    def make_room(self, live_ids, off_path: bool = False, spare=None, demote=None, spill=None) -> bool:
         """Give back one checkpoint's pages when a pool is short: the least recently used of those holding pages that
         are not a prefix of ``live_ids`` (the live sequence's tokens: their pages are the sequence's too), then
         (unless off_path) of the rest, never the one whose snapshot is `spare` (being restored). With `demote`
@@ -405,8 +443,17 @@ class CheckpointCache:
             _release(e.snapshot)
             e.snapshot, e.bytes, e.tier = copy, _snapshot_bytes(copy), "ram"
             self._stats["demoted"] += 1
-            self._retain()                     # host copies count against the byte budget
+            self._retain(spill)                # host copies count against the byte budget
             return True
+
+    def drop_gone(self) -> int:
+        """Drop the checkpoints a worker dropped a part of (their other parts' pages given back) -> how many."""
+        with self._lock:
+            gone = [k for k, e in self._entries.items() if _gone(e.snapshot)]
+            for key in gone:
+                self._drop(key)
+            self._stats["evictions"] += len(gone)
+            return len(gone)
 
     def discard(self, snapshot) -> None:
         """Drop the checkpoint whose snapshot is `snapshot` (one a worker no longer holds), its pages given back."""
@@ -445,7 +492,8 @@ class CheckpointCache:
     def stats(self) -> dict:
         """Counters since start: hits (plans that reused a prefix; hits_live + hits_checkpoint), misses,
         tokens_saved (prompt tokens not read thanks to a hit), saves, evictions (retention and make_room),
-        replaced (a checkpoint saved again at the same tokens), demoted (moved to host RAM by make_room)."""
+        replaced (a checkpoint saved again at the same tokens), demoted (moved to host RAM by make_room), spilled
+        (moved to the disk tier by the byte budget)."""
         with self._lock:
             return dict(self._stats)
 

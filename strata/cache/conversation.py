@@ -1,6 +1,7 @@
 """Conversation (a whole conversation held apart from the engine: tokens, one part per stage, its checkpoints) and
 how deep it can resume a prompt; ParkStore, parked conversations under a budget, LRU (on the devices, a count; in
-host RAM, bytes); DiskTier, the conversations RAM drops, kept as files under a budget of their own."""
+host RAM, bytes); DiskTier, what leaves memory (the conversations RAM drops, the checkpoint tree's nodes its byte
+budget spills: DiskNode), kept as files under a budget of their own."""
 from __future__ import annotations
 
 import itertools
@@ -199,12 +200,38 @@ class ParkStore:
                     for c in sorted(self._items, key=lambda c: -c.last_use)]
 
 
+@dataclass(eq=False)
+class DiskNode:
+    """A checkpoint of the tree kept as a file of the disk tier (its snapshot there: CheckpointCache's tier "disk"):
+    its position and tokens, the file and its size. Holds no pages and no memory (``parts`` empty, nbytes 0);
+    ``gone`` once the disk tier removed the file to stay under its budget (the tree then forgets it);
+    ``release`` (the tree dropped it) removes the file."""
+
+    pos: int
+    tokens: np.ndarray
+    path: Path
+    size: int
+    tier: "DiskTier"
+    last_use: float = 0.0
+    gone: bool = False
+    parts: tuple = ()
+
+    def nbytes(self) -> int:
+        return 0
+
+    def release(self) -> None:
+        self.tier.remove(self)
+
+
 class DiskTier:
-    """The conversations RAM drops (``--conversation-cache-dir``, ``--conversation-cache-disk-mib``), one file
-    each, written and read by the engine's session-file functions (``write(path, conv) -> bytes`` and
-    ``read(path) -> Conversation``, under the live engine's limits). An index in memory (tokens, checkpoint
-    positions, file size) answers ``best(prompt)`` without reading files; least recently used files leave to stay
-    under the budget. Files of an earlier run (``park-*.bin``) are removed at start: this is a cache."""
+    """What leaves memory, one file each, written and read by the engine's session-file functions (``write(path,
+    conv) -> bytes`` and ``read(path) -> Conversation``, under the live engine's limits; atomic, checksummed,
+    opened without following links): the conversations RAM drops (``add``: an index in memory of their tokens and
+    checkpoint positions answers ``best(prompt)`` without reading files) and the checkpoint tree's nodes its byte
+    budget spills (``add_node`` -> a DiskNode the tree keeps; ``read_node`` brings one back). One budget
+    (``--conversation-cache-disk-mib``) over both: the least recently used files leave to stay under it (a node's
+    DiskNode marked ``gone``, counted in ``node_drops``). Files of an earlier run (``park-*.bin``, ``node-*.bin``)
+    are removed at start: this is a cache (a session file is what survives a restart)."""
 
     def __init__(self, directory: str | os.PathLike, budget_bytes: int,
                  write: Callable[[Path, Conversation], int], read: Callable[[Path], Conversation]):
@@ -216,42 +243,100 @@ class DiskTier:
                              f"{budget_bytes // (1 << 20)}")
         self.budget = int(budget_bytes)
         self._write, self._read = write, read
-        self._index: list[tuple[Conversation, Path, int]] = []     # (stub: tokens + checkpoint positions, file, bytes)
+        # (stub: tokens + checkpoint positions, or the DiskNode of a tree node; file; bytes)
+        self._index: list[tuple[Conversation | DiskNode, Path, int]] = []
         self._names = itertools.count()
         self._lock = threading.Lock()
         self.stats = {"written": 0, "restored": 0, "evicted": 0, "failed": 0}
-        for old in self.dir.glob("park-*.bin"):
-            old.unlink(missing_ok=True)
+        self.node_drops = 0
+        for pattern in ("park-*.bin", "node-*.bin"):
+            for old in self.dir.glob(pattern):
+                old.unlink(missing_ok=True)
 
-    def add(self, conv: Conversation) -> None:
-        """Write `conv` to a file of its own and index it; the least recently used files leave over the budget."""
-        path = self.dir / f"park-{os.getpid()}-{next(self._names)}.bin"
+    def _file(self, kind: str, conv: Conversation) -> tuple[Path, int] | None:
+        path = self.dir / f"{kind}-{os.getpid()}-{next(self._names)}.bin"
         try:
-            size = self._write(path, conv)
+            return path, self._write(path, conv)
         except (OSError, ValueError):
             self.stats["failed"] += 1
             path.unlink(missing_ok=True)
+            return None
+
+    def _keep(self, entry: tuple) -> None:
+        """(under the lock) Index `entry`, then remove the least recently used files over the budget."""
+        self._index.append(entry)
+        self.stats["written"] += 1
+        while sum(e[2] for e in self._index) > self.budget:
+            victim = min(self._index, key=lambda e: _last_use(e[0]))
+            self._index.remove(victim)
+            victim[1].unlink(missing_ok=True)
+            self.stats["evicted"] += 1
+            if isinstance(victim[0], DiskNode):
+                victim[0].gone = True
+                self.node_drops += 1
+
+    def add(self, conv: Conversation) -> None:
+        """Write `conv` to a file of its own and index it; the least recently used files leave over the budget."""
+        made = self._file("park", conv)
+        if made is None:
             return
+        path, size = made
         stub = Conversation(tokens=conv.tokens, parts=[], live_ok=conv.live_ok, last_use=conv.last_use,
                             checkpoints=[SavedCheckpoint(c.pos, c.kind, []) for c in conv.checkpoints])
         # (no common-prefix cut from the index: reading a whole file to cut it back is rarely worth it)
         with self._lock:
-            for old in [e for e in self._index if same_ids(e[0].tokens, conv.tokens)]:
+            for old in [e for e in self._index if isinstance(e[0], Conversation) and
+                        same_ids(e[0].tokens, conv.tokens)]:
                 self._index.remove(old)
                 old[1].unlink(missing_ok=True)
-            self._index.append((stub, path, size))
-            self.stats["written"] += 1
-            while sum(e[2] for e in self._index) > self.budget:
-                victim = min(self._index, key=lambda e: e[0].last_use)
-                self._index.remove(victim)
-                victim[1].unlink(missing_ok=True)
-                self.stats["evicted"] += 1
+            self._keep((stub, path, size))
+
+    def add_node(self, conv: Conversation, last_use: float | None = None) -> DiskNode | None:
+        """Write a tree node (`conv`: its tokens and parts) to a file -> the DiskNode the tree keeps in its place,
+        or None when it could not be written (then the tree drops it)."""
+        made = self._file("node", conv)
+        if made is None:
+            return None
+        path, size = made
+        node = DiskNode(pos=conv.pos, tokens=conv.tokens, path=path, size=size, tier=self,
+                        last_use=time.time() if last_use is None else last_use)
+        with self._lock:
+            self._keep((node, path, size))
+        return node
+
+    def read_node(self, node: DiskNode) -> Conversation:
+        """The tree node's conversation read back (the read's errors propagate); its file removed either way."""
+        try:
+            return self._read(node.path)
+        finally:
+            self.remove(node)
+            self.stats["restored"] += 1
+
+    def peek_node(self, node: DiskNode) -> Conversation:
+        """The tree node's conversation read, its file kept (the read's errors propagate)."""
+        return self._read(node.path)
+
+    def remove(self, node: DiskNode) -> None:
+        """Forget a tree node's file (the tree dropped the node, or read it back)."""
+        with self._lock:
+            entry = next((e for e in self._index if e[0] is node), None)
+            if entry is not None:
+                self._index.remove(entry)
+        if entry is not None:
+            node.path.unlink(missing_ok=True)
+
+    def nbytes(self) -> int:
+        """Bytes of the files kept."""
+        with self._lock:
+            return sum(e[2] for e in self._index)
 
     def best(self, prompt: Sequence[int]) -> tuple[Path | None, int]:
-        """(the file that skips most of `prompt`, how many tokens), or (None, 0)."""
+        """(the conversation file that skips most of `prompt`, how many tokens), or (None, 0)."""
         with self._lock:
             best, depth, when = None, 0, -1.0
             for stub, path, _ in self._index:
+                if isinstance(stub, DiskNode):
+                    continue                    # a tree node: the tree finds it
                 d = stub.depth(prompt)
                 if d > depth or (d == depth and d > 0 and stub.last_use > when):
                     best, depth, when = path, d, stub.last_use
@@ -270,7 +355,20 @@ class DiskTier:
         return conv
 
     def entries(self) -> list[dict]:
+        """The conversation files for `stratactl cache` (tree nodes are listed with the checkpoints)."""
         with self._lock:
             return [{"tokens": stub.pos, "bytes": size, "tier": "disk", "checkpoints": len(stub.checkpoints),
                      "last_use_time": stub.last_use} for stub, _, size in sorted(self._index,
-                                                                                 key=lambda e: -e[0].last_use)]
+                                                                                 key=lambda e: -_last_use(e[0]))
+                    if isinstance(stub, Conversation)]
+
+    def status(self) -> dict:
+        """For /status and /metrics: the counters, the files' bytes and the budget, conversations and nodes kept."""
+        with self._lock:
+            nodes = sum(isinstance(e[0], DiskNode) for e in self._index)
+            return dict(self.stats, bytes=sum(e[2] for e in self._index), budget_bytes=self.budget,
+                        conversations=len(self._index) - nodes, nodes=nodes, nodes_dropped=self.node_drops)
+
+
+def _last_use(stub) -> float:
+    return float(getattr(stub, "last_use", 0.0))

@@ -15,7 +15,7 @@ import structlog
 
 from strata.cache import session
 from strata.cache.checkpoints import CheckpointCache, PrefillPlan
-from strata.cache.conversation import CUT_MIN, Conversation, DiskTier, ParkStore, SavedCheckpoint
+from strata.cache.conversation import CUT_MIN, Conversation, DiskNode, DiskTier, ParkStore, SavedCheckpoint
 from strata.cache.tiers import Tiers
 from strata.memory import KVCacheFull, PartMismatch
 from strata.memory.hostram import available_ram
@@ -29,7 +29,9 @@ log = structlog.get_logger("strata.engine")
 class ConversationStore:
     """What the engine keeps of conversations beside the sequences it runs, shared by all of them:
 
-    - ``checkpoints`` (a CheckpointCache): the prefix tree of checkpoints, each holding its pages by reference;
+    - ``checkpoints`` (a CheckpointCache): the prefix tree of checkpoints, each holding its pages by reference, in
+      host RAM when a short pool moved it there (parking off), or a file of the disk tier when the tree's byte
+      budget spilled it there (read back into RAM on a hit);
     - the parked conversations (``tiers``, strata.cache.tiers.Tiers): ``resident`` on the stages' devices (their
       pages held: a count, ``--park-resident``), ``park`` in host RAM (bytes, ``--conversation-cache-mib``),
       ``disk`` (files, ``--conversation-cache-dir``), each tier spilling its least recently used to the next;
@@ -40,8 +42,8 @@ class ConversationStore:
     conversation or a checkpoint, or cuts the sequence back, and settles), ``note`` (a checkpoint at the
     sequence's position), ``forget`` / ``erase``, ``park``, ``save`` / ``load`` (session files), ``make_room`` (what
     a Sequence calls when a pool is short for it). `file` (its fingerprint), `stages`, `n_ctx` and `n_vocab` are what
-    a session file must match. Raises ValueError for a disk tier without parking or a slot_save_path that is not a
-    directory. The engine calls the verbs under its lock; the views (``parked``, ``entries``) from any thread."""
+    a session file must match. Raises ValueError for a slot_save_path or disk directory that is not a directory. The
+    engine calls the verbs under its lock; the views (``parked``, ``entries``) from any thread."""
 
     def __init__(self, stages: list, file, n_ctx: int, *, checkpoints: CheckpointCache, park_bytes: int | None,
                  disk_dir: str | os.PathLike | None, disk_bytes: int, slot_save_path: str | os.PathLike | None,
@@ -55,6 +57,19 @@ class ConversationStore:
             raise ValueError(f"--slot-save-path {self.slot_save_path}: not a directory")
         self._from_session: weakref.WeakSet = weakref.WeakSet()   # loaded from a file, not yet resumed
         self._restoring = None      # the checkpoint a restore is mounting (make_room does not drop it meanwhile)
+        self._drops_seen = 0        # the stages' drop counts (Memory.drops) already acted on
+
+    def forget_dropped(self) -> None:
+        """Forget what a worker dropped on its own to make room for a Forward (its Result named the ids,
+        ``+drops``): the checkpoints and resident conversations holding such a part leave the tree and the tiers
+        (their other parts given back). Cheap when nothing was dropped; every verb calls it first."""
+        n = sum(int(st.memory.drops) for st in self.stages) + (self.tiers.disk.node_drops if self.tiers.disk else 0)
+        if n == self._drops_seen:
+            return
+        self._drops_seen = n
+        gone = self.checkpoints.drop_gone()
+        log.info("parts dropped by their keeper (a worker short of pages, the disk tier over its budget): "
+                 "forgotten", checkpoints=gone, resident=self.tiers.drop_gone())
 
     # ---- the tiers, for the engine's views -------------------------------------------------------------
     @property
@@ -74,20 +89,28 @@ class ConversationStore:
         return self.tiers.prepin(self.n_ctx, self.checkpoints.cap)
 
     # ---- a sequence as a Conversation ------------------------------------------------------------------
-    def capture(self, seq: Sequence) -> Conversation:
+    def capture(self, seq: Sequence, on_disk: bool = False) -> Conversation:
         """`seq`'s conversation as host copies: every stage's used K/V and running state, its checkpoints (running
-        state only where the stage can make the K/V a prefix of the conversation's)."""
+        state only where the stage can make the K/V a prefix of the conversation's); on_disk: those the tree keeps
+        on disk too, read back (a session file: the tree keeps them where they are, parking leaves them there)."""
+        self.forget_dropped()
         here = seq.capture()
         try:
             parts = seq.materialize(here)
         finally:
             here.release()
         cps = []
-        for pos, kind, snap in self.checkpoints.export(seq.ids):
+        for pos, kind, snap in self.checkpoints.export(seq.ids, on_disk=on_disk):
             try:
-                cps.append(SavedCheckpoint(pos, kind, seq.detach(snap)))
+                if isinstance(snap, DiskNode):
+                    read = self.tiers.disk.peek_node(snap).parts
+                    cps.append(SavedCheckpoint(pos, kind, [st.memory.detach(p) for st, p in zip(self.stages, read)]))
+                else:
+                    cps.append(SavedCheckpoint(pos, kind, seq.detach(snap)))
             except CheckpointGone:              # a worker dropped its part (its pool ran short): not kept either
                 self.checkpoints.discard(snap)
+            except (session.SessionError, OSError, ValueError) as e:   # its file unreadable: saved without it
+                log.warning("a checkpoint on disk could not be read: not saved", error=str(e))
         return Conversation(tokens=seq.ids, parts=parts, checkpoints=cps, live_ok=seq.live_ok,
                             cut_anywhere=self.tiers.cut_anywhere)
 
@@ -125,7 +148,7 @@ class ConversationStore:
             for _, _, snap in attached:
                 snap.release()
             raise
-        self.checkpoints.adopt(attached)
+        self.checkpoints.adopt(attached, spill=self._spill)
 
     # ---- the verbs ---------------------------------------------------------------------------------------
     def resume(self, seq: Sequence, prompt: np.ndarray, cut_points=(), *, checkpoint: bool = True,
@@ -137,6 +160,7 @@ class ConversationStore:
         from a worker (its link reconnected): the tree cleared, the prompt planned again from 0. -> the plan
         applied (resume_from "resident" / "park" / "disk" / "session" when it came from there). Any failure
         forgets `seq` (it starts over) and propagates."""
+        self.forget_dropped()
         try:
             if seq.lost():         # a remote stage reconnected: the worker holds none of it any more
                 log.warning("a remote stage lost the live sequence and its checkpoints: reading from 0")
@@ -163,6 +187,17 @@ class ConversationStore:
             return self.checkpoints.plan(seq, prompt, list(cut_points or ()), checkpoint=checkpoint,
                                          cache_prompt=cache_prompt)
         p = plan()
+        while isinstance(p.snapshot, DiskNode):         # a checkpoint on disk: read back into host RAM first
+            node = p.snapshot
+            try:
+                conv = self.tiers.disk.read_node(node)
+            except (session.SessionError, OSError, ValueError) as e:
+                log.warning("a checkpoint on disk could not be read: dropped", error=str(e))
+                self.checkpoints.discard(node)
+                p = plan()
+                continue
+            p.snapshot = Checkpoint(pos=conv.pos, tokens=conv.tokens, parts=conv.parts)
+            self.checkpoints.promote(node, p.snapshot)
         if p.snapshot is not None:
             self._restoring = p.snapshot
             try:
@@ -186,7 +221,8 @@ class ConversationStore:
     def note(self, seq: Sequence, kind: str) -> list[int]:
         """Keep a checkpoint of `seq` at its position, of cut point kind `kind` (a pool or a worker store short of
         room first frees some, make_room) -> the positions retention evicted."""
-        return self.checkpoints.save(seq.pos, kind, seq.with_room(seq.capture))
+        self.forget_dropped()
+        return self.checkpoints.save(seq.pos, kind, seq.with_room(seq.capture), spill=self._spill)
 
     def forget(self, seq: Sequence) -> None:
         """`seq` back to position 0, not to be continued live: the next prompt resumes from a checkpoint or from 0
@@ -207,12 +243,25 @@ class ConversationStore:
         """Free pages for `seq` (what a Sequence calls when a pool is short for it): a checkpoint off its path
         dropped (its pages are its own), else the least recently used resident conversation moved to host RAM,
         else a checkpoint on its path dropped -> False when nothing more can be freed."""
+        self.forget_dropped()
         ids, spare = seq.ids, self._restoring
         # with parking off the tree is the only keeper of other branches: their checkpoints move to host RAM
         # (parking keeps the conversations they belong to, with their K/V, itself)
         demote = self._demote if self.tiers.park is None and self.tiers.host_parts_refusal() is None else None
-        return self.checkpoints.make_room(ids, off_path=True, spare=spare, demote=demote) or \
-            self.tiers.make_room() or self.checkpoints.make_room(ids, spare=spare, demote=demote)
+        return self.checkpoints.make_room(ids, off_path=True, spare=spare, demote=demote, spill=self._spill) or \
+            self.tiers.make_room() or \
+            self.checkpoints.make_room(ids, spare=spare, demote=demote, spill=self._spill)
+
+    def _spill(self, snap: Checkpoint, last_use: float) -> DiskNode | None:
+        """A checkpoint the tree's byte budget evicts, written to the disk tier as a file of the session format
+        (its parts as host copies; a remote stage's streamed from its worker) -> the DiskNode the tree keeps in
+        its place, or None (no disk tier, a stage that cannot copy its state to the host, the write failed):
+        then it is dropped."""
+        disk = self.tiers.disk
+        if disk is None or isinstance(snap, DiskNode) or self.tiers.host_parts_refusal() is not None:
+            return None
+        parts = [st.memory.materialize(p) for st, p in zip(self.stages, snap.parts)]
+        return disk.add_node(Conversation(tokens=snap.tokens, parts=parts, live_ok=False), last_use)
 
     def _demote(self, snap: Checkpoint) -> Checkpoint | None:
         """A checkpoint moved down a tier: its parts as host copies (a remote stage's streamed from its worker), or
@@ -230,6 +279,7 @@ class ConversationStore:
         """Park `seq`'s conversation (when it has one worth keeping and the tiers can take it): resident when that
         tier is on, else host copies in RAM. A failure to park is logged and counted (park_stats.refused); it
         never fails the request that leaves the conversation."""
+        self.forget_dropped()
         t = self.tiers
         if t.park is None or seq.pos == 0 or not seq.live_ok:
             return                   # nothing live, or a "strata_checkpoint": false request's
@@ -351,7 +401,7 @@ class ConversationStore:
         if seq.pos == 0:
             raise session.SessionError("slot 0 holds no conversation (0 tokens): nothing to save")
         t0 = time.perf_counter()
-        conv = self.capture(seq)
+        conv = self.capture(seq, on_disk=True)
         n = self._write_file(path, conv)
         return {"id_slot": 0, "filename": filename, "n_saved": conv.pos, "n_written": n,
                 "timings": {"save_ms": round((time.perf_counter() - t0) * 1e3, 3)}}

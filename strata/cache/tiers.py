@@ -28,8 +28,9 @@ class Tiers:
     - `park` (a ParkStore of park_bytes; None: no parking at all): host copies in RAM (a remote stage's part
       streamed from its worker), spilling to
     - `disk` (a DiskTier in disk_dir under disk_bytes, None: none), whose files `write` / `read` (the store's
-      session-file functions).
-    ValueError for a disk tier without parking or a negative count."""
+      session-file functions); it also keeps the checkpoint tree's nodes its byte budget spills (parking on or
+      off).
+    ValueError for a negative count."""
 
     def __init__(self, stages: list, *, park_bytes: int | None, disk_dir: str | os.PathLike | None, disk_bytes: int,
                  resident: int, write: Callable[[Path, Conversation], int], read: Callable[[Path], Conversation]):
@@ -44,11 +45,10 @@ class Tiers:
             self.resident = ParkStore(resident, spill=self._demote, cost=lambda c: 1, tier="device",
                                       drop=self.release)
         self.disk = None
-        if disk_dir:
-            if self.park is None:
-                raise ValueError("--conversation-cache-dir needs parking (--conversation-cache-mib > 0)")
+        if disk_dir:            # with parking off, the tree's checkpoints alone spill there
             self.disk = DiskTier(disk_dir, disk_bytes, write=write, read=read)
-            self.park.spill = self.disk.add
+            if self.park is not None:
+                self.park.spill = self.disk.add
 
     def host_parts_refusal(self) -> str | None:
         """Why some stage's parts cannot be copied to the host and written (a worker without ``+park``), or None."""
@@ -178,17 +178,27 @@ class Tiers:
             if store is not None:
                 store.discard(tokens)
 
-    def drop_gone(self) -> None:
+    def drop_gone(self) -> int:
         """Drop the resident conversations whose parts a stage no longer holds (a remote stage's worker after its
-        link reconnected); those in RAM and on disk stay (their bytes are the main's)."""
+        link reconnected, or one that dropped a part to make room), and the checkpoints of the others that lost a
+        part; those in RAM and on disk stay (their bytes are the main's) -> how many conversations were dropped."""
         if self.resident is None:
-            return
+            return 0
+        n = 0
         for conv in list(self.resident._items):
             try:
                 for st, p in zip(self.stages, conv.parts):
                     st.memory.validate(p)
             except PartMismatch:
                 self.resident.discard(conv.tokens)
+                n += 1
+                continue
+            lost = [c for c in conv.checkpoints if any(getattr(p, "gone", False) for p in c.parts)]
+            for c in lost:
+                for p in c.parts:
+                    p.release()
+            conv.checkpoints = [c for c in conv.checkpoints if all(c is not x for x in lost)]
+        return n
 
     def entries(self) -> list[dict]:
         """The parked conversations for `stratactl cache` (tokens, bytes, tier, checkpoints, last use)."""

@@ -122,8 +122,8 @@ class Engine:
                 raise ValueError(f"parking (--conversation-cache-mib) needs every worker to announce +park; stage "
                                  f"{no_host.index}'s ({no_host.device}) does not (an older strata worker): upgrade it")
             ram_mib = 0
-        # the conversation store: the checkpoint tree, parked conversations, session files; ValueError for a disk
-        # tier without parking or a --slot-save-path that is not a directory
+        # the conversation store: the checkpoint tree, parked conversations, session files; ValueError for a
+        # --slot-save-path or --conversation-cache-dir that is not a directory
         self.store = ConversationStore(
             self.stages, self.file, self.n_ctx,
             checkpoints=CheckpointCache(cap=self.prompt_cache, every=int(ck.every), root_min=int(ck.root),

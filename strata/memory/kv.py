@@ -172,24 +172,59 @@ class PagePool:
             for a in self.storage(slot).values():
                 a[self._at(dst)] = a[self._at(src)]
 
-    def export_pages(self, pages: Sequence[int]) -> dict[str, np.ndarray]:
-        """Host copies of `pages` in every layer: "L{layer}.{name}" -> the array's slice along the page axis,
-        pages in the order given."""
+    @property
+    def row_axis(self) -> int:
+        """The axis of a storage array that indexes positions within a page (the one after ``page_axis``)."""
+        return self.page_axis + 1
+
+    def row_shape(self, page_shape: Sequence[int], length: int) -> tuple[int, ...]:
+        """The shape of ``length`` positions of an array whose one-page slice is `page_shape` (page_arrays): the
+        page and row axes merged into one axis of ``length`` positions (the row form export_rows gives)."""
+        ax = self.page_axis
+        return tuple(page_shape[:ax]) + (int(length),) + tuple(page_shape[ax + 2:])
+
+    def pages_to_rows(self, arrays: dict[str, Any], length: int) -> dict[str, Any]:
+        """Arrays of whole pages (the page axis, then a page's rows) as the row form of [0, length): views where
+        the layout allows (the page and row axes merged, then cut at ``length``)."""
+        ax = self.page_axis
+        out = {}
+        for key, a in arrays.items():
+            shape = tuple(a.shape)
+            merged = a.reshape(shape[:ax] + (shape[ax] * shape[ax + 1],) + shape[ax + 2:])
+            out[key] = merged[(slice(None),) * ax + (slice(0, int(length)),)]
+        return out
+
+    def export_rows(self, pages: Sequence[int], length: int) -> dict[str, np.ndarray]:
+        """Host copies of positions [0, length) held in `pages` (ceil(length / page_size) of them, in order), in
+        every layer: "L{layer}.{name}" -> an array whose page and row axes are merged into one axis of ``length``
+        positions (row_shape): the used rows only, so a short conversation costs its tokens, not whole pages."""
         idx = [int(p) for p in pages]
+        length = int(length)
+        ps, ax = self.page_size, self.page_axis
+        if len(idx) != -(-length // ps):
+            raise ValueError(f"{length} positions are held in {-(-length // ps)} pages, got {len(idx)}")
         out = {}
         for slot, layer in enumerate(self.layers):
             for name, a in self.storage(slot).items():
                 at = self._at(idx)
                 key = f"L{layer}.{name}"
-                if not isinstance(a, np.ndarray):  # a device array: to_host copies (pinned host memory on CUDA)
-                    out[key] = self.to_host(a[at])
-                elif isinstance(at[self.page_axis], slice):
-                    out[key] = host_copy(a[at])    # one run of pages: one copy into the host arena
-                else:                              # a gather straight into the host arena ("raise" would buffer)
+                if not idx:
                     shape = list(a.shape)
-                    shape[self.page_axis] = len(idx)
-                    out[key] = host_arena("cpu").empty(tuple(shape), a.dtype)
-                    np.take(a, idx, axis=self.page_axis, out=out[key], mode="clip")
+                    out[key] = np.zeros(self.row_shape(shape[:ax] + [1] + shape[ax + 1:], 0), np.dtype(a.dtype))
+                elif not isinstance(a, np.ndarray) or isinstance(at[ax], slice):
+                    # a device array (to_host copies only the rows: pinned host memory on CUDA), or one run of
+                    # pages: the page and row axes merge into a view, cut at length, one copy into the host arena
+                    view = self.pages_to_rows({key: a[at]}, length)[key]
+                    out[key] = self.to_host(view) if not isinstance(a, np.ndarray) else host_copy(view)
+                else:                              # scattered pages: each page's used rows into the host arena
+                    shape = list(a.shape)
+                    rows = host_arena("cpu").empty(self.row_shape(shape[:ax] + [1] + shape[ax + 1:], length),
+                                                   a.dtype)
+                    for j, p in enumerate(idx):
+                        n = min(ps, length - j * ps)
+                        rows[(slice(None),) * ax + (slice(j * ps, j * ps + n),)] = \
+                            a[(slice(None),) * ax + (p, slice(0, n))]
+                    out[key] = rows
         return out
 
     def page_arrays(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
@@ -202,16 +237,27 @@ class PagePool:
                 out[f"L{layer}.{name}"] = (tuple(shape), np.dtype(a.dtype))
         return out
 
-    def import_pages(self, pages: Sequence[int], arrays: dict[str, Any]) -> None:
-        """Write `arrays` (as export_pages returns them, same pages count) into `pages`."""
+    def import_rows(self, pages: Sequence[int], length: int, arrays: dict[str, Any]) -> None:
+        """Write `arrays` (the row form export_rows gives, of [0, length)) into `pages` (ceil(length / page_size)
+        of them): whole pages at once, the last one's used rows apart (its rows past ``length`` are left as they
+        are: nothing reads past a sequence's length)."""
         idx = [int(p) for p in pages]
+        length = int(length)
+        ps, ax = self.page_size, self.page_axis
+        full, r = divmod(length, ps)
+        lead = (slice(None),) * ax
         for slot, layer in enumerate(self.layers):
             for name, a in self.storage(slot).items():
                 src = arrays[f"L{layer}.{name}"]
                 if not isinstance(a, np.ndarray):          # device storage: one host-to-device copy
                     import cupy
                     src = cupy.asarray(src)
-                a[self._at(idx)] = src
+                if full:
+                    body = src[lead + (slice(0, full * ps),)]
+                    shape = tuple(body.shape)
+                    a[self._at(idx[:full])] = body.reshape(shape[:ax] + (full, ps) + shape[ax + 1:])
+                if r:
+                    a[lead + (idx[full], slice(0, r))] = src[lead + (slice(full * ps, length),)]
 
     # --- K/V access used by backends -------------------------------------------------------------
     def write(self, slot: int, pages: Sequence[int], start: int, k: Any, v: Any) -> None:

@@ -78,10 +78,9 @@ class KVMemory(Memory, Field):
         want = {n: (tuple(s), d) for n, (s, d) in self.pool.page_arrays().items()}
         if set(kvp.arrays) != set(want):
             raise PartMismatch(f"the part's {self.name} arrays {sorted(kvp.arrays)} differ from the stage's")
-        ax = self.pool.page_axis
         for n, (shape, dt) in want.items():
             a = kvp.arrays[n]
-            exp = shape[:ax] + (m,) + shape[ax + 1:]
+            exp = self.pool.row_shape(shape, kvp.length)
             if tuple(a.shape) != exp or np.dtype(a.dtype) != dt:
                 raise PartMismatch(f"the part's {self.name} array {n} is {tuple(a.shape)} {np.dtype(a.dtype)}, "
                                    f"expected {exp} {dt}")
@@ -102,7 +101,7 @@ class KVMemory(Memory, Field):
         t.release()
         m = self._pages_for(kvp.length)
         t.reserve(kvp.length)                    # pages for [0, length); checked free above
-        self.pool.import_pages(t.pages[:m], kvp.arrays)
+        self.pool.import_rows(t.pages[:m], kvp.length, kvp.arrays)
         t.commit(kvp.length)
 
     def _attach(self, st, part, out):
@@ -118,11 +117,11 @@ class KVMemory(Memory, Field):
         if kvp.is_prefix:
             out.kv[self.name] = KVPages(length=kvp.length)
         elif kvp.is_held:
-            out.kv[self.name] = KVPages(length=kvp.length, arrays=self.pool.export_pages(kvp.hold.pages))
+            out.kv[self.name] = KVPages(length=kvp.length, arrays=self.pool.export_rows(kvp.hold.pages, kvp.length))
         else:
             out.kv[self.name] = KVPages(length=kvp.length, arrays={k: np.array(a) for k, a in kvp.arrays.items()})
 
-    def _expect(self, pos, lengths, out, prefix=()):
+    def _expect(self, pos, lengths, out, prefix=(), rows=None):
         length = lengths.get(self.name)
         if length is None:
             raise PartMismatch(f"the part has no {self.name!r} K/V, stage {self.carve} keeps it")
@@ -134,7 +133,15 @@ class KVMemory(Memory, Field):
         m = self._pages_for(length)
         ax = self.pool.page_axis
         for n, (shape, dt) in sorted(self.pool.page_arrays().items()):
-            out.append((f"{self.name}.{n}", shape[:ax] + (m,) + shape[ax + 1:], dt))
+            if rows is None or self.name in rows:        # the used rows only (row_shape)
+                out.append((f"{self.name}.{n}", self.pool.row_shape(shape, length), dt))
+            else:                                        # an older writer's whole pages
+                out.append((f"{self.name}.{n}", shape[:ax] + (m,) + shape[ax + 1:], dt))
+
+    def _upgrade(self, part, rows):
+        kvp = part.kv.get(self.name)
+        if kvp is not None and kvp.arrays is not None and self.name not in rows:
+            kvp.arrays = self.pool.pages_to_rows(kvp.arrays, kvp.length)
 
     def _hashes(self, st, out):
         t = self.table(st)

@@ -67,11 +67,13 @@ class Memory:
     its device scope (``scope``). Capabilities, which callers read instead of probing for methods: ``holds_pages``
     (a captured part holds its pages on the device: a conversation can be parked resident), ``host_parts`` (parts can be
     copied to the host and written as bytes: parking in RAM, session files), ``cuts_anywhere`` (no running state:
-    a sequence can be cut back to any prefix).
+    a sequence can be cut back to any prefix); ``drops``, a count of parts the keeper dropped on its own (0 here:
+    a local stage drops only what its owner releases).
     """
 
     holds_pages = True
     host_parts = True
+    drops = 0        # parts dropped by the keeper on its own (a remote stage's worker short of pages): none here
 
     def __init__(self, carve: Carve, identity: dict[str, Any] | None = None, backend: Any = None,
                  fields: "list[Field] | None" = None):
@@ -303,8 +305,9 @@ class Memory:
             part = self.materialize(part)
         lengths = {name: kvp.length for name, kvp in sorted(part.kv.items())}
         prefix = sorted(name for name, kvp in part.kv.items() if kvp.is_prefix)
+        rows = sorted(name for name in part.kv if name not in prefix)
         expected: list = []
-        self._each("_expect", part.pos, lengths, expected, prefix)
+        self._each("_expect", part.pos, lengths, expected, prefix, rows)
 
         def array(name: str) -> np.ndarray:
             field_, rest = name.split(".", 1)
@@ -314,7 +317,7 @@ class Memory:
             return part.kv[field_].arrays[rest]
         arrays = [(name, array(name)) for name, _, _ in expected]
         header = {"carve": [part.carve.lo, part.carve.hi], "pos": part.pos, "geometry": part.geometry,
-                  "kv_lengths": lengths, "kv_prefix": prefix}
+                  "kv_lengths": lengths, "kv_prefix": prefix, "kv_rows": rows}
         return codec.write(io, header, arrays)
 
     def read(self, io: BinaryIO) -> StatePart:
@@ -330,12 +333,14 @@ class Memory:
             if d:
                 raise PartMismatch(f"the part's geometry differs from stage {self.carve}: {d}")
             pos, lengths, prefix = header.get("pos"), header.get("kv_lengths"), header.get("kv_prefix", [])
+            rows = header.get("kv_rows", [])     # absent in an older writer's parts: whole pages
             if type(pos) is not int or not isinstance(lengths, dict) or \
-                    not all(type(v) is int for v in lengths.values()) or not isinstance(prefix, list) or \
-                    not all(isinstance(x, str) and x in lengths for x in prefix):
-                raise codec.FormatError("bad position, K/V lengths or K/V prefix list in the part header")
+                    not all(type(v) is int for v in lengths.values()) or \
+                    not all(isinstance(x, list) and all(isinstance(n, str) and n in lengths for n in x)
+                            for x in (prefix, rows)):
+                raise codec.FormatError("bad position, K/V lengths or K/V prefix / rows list in the part header")
             out: list[tuple[str, tuple[int, ...], np.dtype]] = []
-            self._each("_expect", pos, lengths, out, prefix)
+            self._each("_expect", pos, lengths, out, prefix, rows)
             return out
 
         header, arrays = codec.read(io, expect)
@@ -353,6 +358,7 @@ class Memory:
                 part.kv[name] = KVPages(length=length)
             else:
                 part.kv.setdefault(name, KVPages(length=length, arrays={}))
+        self._each("_upgrade", part, header.get("kv_rows", []))
         self.validate(part)
         return part
 
@@ -405,7 +411,9 @@ class Field(ABC):
     @abstractmethod
     def _materialize(self, part: StatePart, out: StatePart) -> None: ...
     @abstractmethod
-    def _expect(self, pos: int, lengths: dict, out: list, prefix=()) -> None: ...
+    def _expect(self, pos: int, lengths: dict, out: list, prefix=(), rows=None) -> None: ...
+    # rows: the K/V names whose arrays are the used rows (KVPages), None: all of them; an older writer's whole
+    # pages otherwise, which _upgrade turns into rows once read
     @abstractmethod
     def _attach(self, st: SequenceState, part: StatePart, out: StatePart) -> None: ...
     @abstractmethod
@@ -414,6 +422,9 @@ class Field(ABC):
     def _nbytes(self, st: SequenceState) -> int: ...
     @abstractmethod
     def _stats(self, out: dict) -> None: ...
+
+    def _upgrade(self, part: StatePart, rows) -> None:
+        """A part read from bytes: K/V arrays of whole pages (an older writer's, names not in `rows`) as rows."""
 
     # a verify's Commit (Memory.keep / commit); a field with no running state keeps nothing and cuts back
     def _keep(self, st: SequenceState, n: int) -> None:

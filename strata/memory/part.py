@@ -42,9 +42,10 @@ class KVPages:
 
     *held* (``hold``: a memory.kv.Hold: the pool's pages, one reference each, kept whatever the sequence that was
     captured does next: a write into a shared page copies it for whichever side reads past the write; ``release``
-    gives them back), *host copies* (``arrays``: PagePool.export_pages of those pages, "L{layer}.{k|v|k_scale|
-    v_scale}" -> array with the page axis of length ceil(length / page_size)): what parking in RAM and session
-    files hold, or neither, a *prefix*: the first ``length`` positions of the K/V of the conversation the part
+    gives them back), *host copies* (``arrays``: PagePool.export_rows, "L{layer}.{k|v|k_scale|v_scale}" -> array
+    whose page and row axes are merged into one axis of ``length`` positions: the used rows only, never a whole
+    last page): what parking in RAM and session files hold, or neither, a *prefix*: the first ``length`` positions
+    of the K/V of the conversation the part
     travels with (a parked or saved conversation's checkpoints, whose K/V is a prefix of the conversation's own;
     Memory.attach_prefix makes it held again).
     """

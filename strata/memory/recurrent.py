@@ -109,7 +109,7 @@ class RecurrentMemory(Memory, Field):
     def _attach(self, st, part, out):
         out.running = {li: {k: self.xp.array(a) for k, a in d.items()} for li, d in part.running.items()}
 
-    def _expect(self, pos, lengths, out, prefix=()):
+    def _expect(self, pos, lengths, out, prefix=(), rows=None):
         for li, d in sorted(self.init.items()):
             for k, a in sorted(d.items()):
                 out.append((f"running.L{li}.{k}", tuple(a.shape), np.dtype(a.dtype)))

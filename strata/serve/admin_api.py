@@ -55,6 +55,9 @@ async def metrics(request: web.Request) -> web.Response:
     m = request.app[METRICS_KEY]
     engine = request.app[WORKER_KEY].engine
     m.moe_tiers = moe_tiers(engine) if engine is not None else []
+    disk = engine.disk.status() if engine is not None and engine.disk is not None else {}
+    m.disk_tier_bytes.set(disk.get("bytes", 0))
+    m.disk_tier_budget.set(disk.get("budget_bytes", 0))
     return web.Response(body=m.render(), headers={"Content-Type": CONTENT_TYPE})
 
 

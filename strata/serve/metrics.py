@@ -30,6 +30,11 @@ class Metrics:
                                        "Time between consecutive generated tokens", buckets=TOKEN_BUCKETS,
                                        registry=r)
         self.queue_depth = Gauge("strata_queue_depth", "Requests waiting for the engine", registry=r)
+        self.disk_tier_bytes = Gauge("strata_disk_tier_bytes", "Bytes of the disk tier's files: parked conversations "
+                                     "and spilled checkpoints (--conversation-cache-dir)", registry=r)
+        self.disk_tier_budget = Gauge("strata_disk_tier_budget_bytes",
+                                      "The disk tier's byte budget (--conversation-cache-disk-mib; 0: no disk tier)",
+                                      registry=r)
         self.responses_store_bytes = Gauge("strata_responses_store_bytes",
                                            "Bytes of the kept /v1/responses (--responses-store-mib)", registry=r)
         self.connections = Gauge("strata_connections_open", "Open connections, by listener", ["listener"],

@@ -33,14 +33,15 @@ class Refuse(Exception):
 class Carrier:
     """What the worker holds for the connected main (used from the worker's one compute thread): the stages of
     its carve, the live sequence, the checkpoint store (id -> Checkpoint, each holding its pages in the worker's
-    pools until the main's keep list leaves it out; the oldest is dropped when a pool runs short, and the main
-    reads from 0 when it asks for it) and the link to the next worker."""
+    pools until the main's keep list leaves it out; the oldest is dropped when a pool runs short, and the Result of
+    the Forward that dropped it names it, so the main forgets it at once) and the link to the next worker."""
 
     def __init__(self, stages, hello: Hello, ckpt_max: int, next_hop: LinkClient | None):
         self.stages, self.seq = stages, Sequence(stages, make_room=self._make_room)
         self.n_embd, self.n_ctx, self.max_batch = int(hello.n_embd), int(hello.n_ctx), int(hello.max_batch)
         self.ckpt_max = ckpt_max
         self.store: dict[int, Checkpoint] = {}
+        self.dropped: list[int] = []       # ids _make_room dropped during the operation under way
         self.next = next_hop
         self._out: tuple[tuple, bytes] | None = None               # the part PartGet streams ((id, prefix), bytes)
         self._in: tuple[int, int, int, bytearray] | None = None    # the part PartPut is receiving (id, pos, total)
@@ -93,6 +94,7 @@ class Carrier:
             raise Refuse(ErrorCode.BAD_FRAME, f"hidden states {tuple(m.hidden.shape)} for {n} tokens of width "
                                               f"{self.n_embd}", fatal=True)
         t0 = time.perf_counter()
+        self.dropped = []
         verify = m.want_all and n <= ROWWISE_MAX_TOKENS
         if verify:                                     # a verify (+spec): each token's state kept for the Commit
             self.seq.keep(n)
@@ -105,19 +107,24 @@ class Carrier:
             h = np.ascontiguousarray(be.to_host(x), dtype=np.float32)
             res = self.next.call(Forward(pos=m.pos, want_all=m.want_all, tokens=m.tokens, hidden=h))
             hidden = res.hidden
+            self.dropped += [i for i in res.dropped if i not in self.dropped]   # the chain's drops, one list
         else:
             hidden = np.ascontiguousarray(be.to_host(x if m.want_all else x[-1:]), dtype=np.float32)
-        return Result(pos=self.seq.pos, compute_us=int((time.perf_counter() - t0) * 1e6), hidden=hidden)
+        return Result(pos=self.seq.pos, compute_us=int((time.perf_counter() - t0) * 1e6), hidden=hidden,
+                      dropped=sorted(self.dropped))
 
     def _prune(self, keep) -> None:
         for k in [k for k in self.store if k not in set(keep)]:
             self.store.pop(k).release()
 
     def _make_room(self, seq: Sequence) -> bool:
-        """Drop the oldest checkpoint part (its pages given back) -> False when none is kept."""
+        """Drop the oldest checkpoint part (its pages given back; its id noted in ``dropped``) -> False when none
+        is kept."""
         if not self.store:
             return False
-        self.store.pop(min(self.store)).release()
+        oldest = min(self.store)
+        self.store.pop(oldest).release()
+        self.dropped.append(oldest)
         return True
 
     def _ack(self) -> Ack:

@@ -233,6 +233,8 @@ class RemoteStage(StageBase):
                                   f"of {n} tokens at {at}; the link is reset")
         self.memory.at = int(res.pos)
         self.worker_us += int(res.compute_us)
+        if res.dropped:                   # parts the worker dropped to fit this Forward: forgotten at once
+            self.memory.dropped(res.dropped)
         if getattr(be, "xp", np) is not np:
             with be.device:
                 hd = be.xp.asarray(h)

@@ -35,6 +35,7 @@ class RemotePart:
     epoch: int
     is_prefix: bool = False
     released: bool = False
+    gone: bool = False          # the worker dropped its id to make room for a Forward (its Result said so)
     kv: dict = field(default_factory=dict)
     running: dict = field(default_factory=dict)
 
@@ -87,6 +88,7 @@ class RemoteMemory:
         self._ids = itertools.count(1)
         self._parts: dict[int, weakref.WeakSet] = {}
         self.held, self.store_bytes = 0, 0   # what the worker's store reported at the last Ack
+        self.drops = 0                       # parts the worker dropped on its own (Result.dropped), counted
         self.granted = 0                     # the part budget the worker's HelloAck granted
         # the most bytes one part's blocks may declare: a context's K/V in f32 at most n_embd wide per K and V
         # (GQA keeps it narrower) per layer, page slack, running state, headers
@@ -119,6 +121,15 @@ class RemoteMemory:
         part = RemotePart(carve=self.carve, pos=pos, ckpt_id=cid, epoch=epoch)
         self._parts.setdefault(cid, weakref.WeakSet()).add(part)
         return part
+
+    def dropped(self, ids) -> None:
+        """The worker dropped these ids to make room for a Forward (``+drops``): every handle on them is gone (it
+        validates as CheckpointGone, holds nothing) and ``drops`` counts them, which the conversation store reads
+        to forget what held them."""
+        for cid in ids:
+            for h in self._parts.pop(int(cid), ()):
+                h.gone = True
+            self.drops += 1
 
     def _acked(self, ack) -> None:
         if isinstance(ack, Ack):
@@ -168,6 +179,8 @@ class RemoteMemory:
             raise PartMismatch(f"a {type(part).__name__} is not a part of a remote stage")
         if part.carve != self.carve:
             raise PartMismatch(f"the part is of layers {part.carve}, this remote stage runs {self.carve}")
+        if part.gone:
+            raise CheckpointGone(f"the worker dropped checkpoint {part.ckpt_id} (its pool ran short)")
         if part.released or part.epoch != self.link.epoch:
             raise CheckpointGone(f"the worker no longer holds checkpoint {part.ckpt_id} (the link reconnected)")
 

@@ -116,11 +116,12 @@ class Worker:
     def caps(self) -> list[str]:
         """The capabilities this worker announces in its Challenge: frame protection with a key (none without one:
         frames stay plain), ``+spec`` (speculative decoding's verify and Commit, Carrier.forward / commit) and ``+park``
-        (a kept part's bytes streamed to the main and back, Carrier.part_get / part_put)."""
+        (a kept part's bytes streamed to the main and back, Carrier.part_get / part_put), ``+drops`` (a Result names
+        the kept parts dropped to make room for its Forward, Carrier.forward)."""
         if self.cfg.key is None:
-            return [link.CAP_SPEC, link.CAP_PARK]
+            return [link.CAP_SPEC, link.CAP_PARK, link.CAP_DROPS]
         return [link.CAP_MAC, link.CAP_AEAD] + ([link.CAP_ENCRYPT] if self.cfg.encrypt else []) + \
-            [link.CAP_SPEC, link.CAP_PARK]
+            [link.CAP_SPEC, link.CAP_PARK, link.CAP_DROPS]
 
     def setup(self, h: Hello, frames: str = link.FRAMES_PLAIN) -> tuple[Carrier, HelloAck]:
         """Check the hello, load the carve, link the next worker (a relay does it again for every main, so the
