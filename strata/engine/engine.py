@@ -27,6 +27,7 @@ from strata.engine.config import EngineConfig
 from strata.engine.decode import Decoder, env_flag
 from strata.engine.prefill import PromptReader
 from strata.engine.scheduler import Scheduler, Slot
+from strata.engine.slots import slot_error
 from strata.engine.speculate import AdaptiveN, MTPDrafter, SpecCounts, spec_refusal
 from strata.engine.types import ContextOverflow, FinalEvent, GenerationRequest, TokenEvent, spec_timings
 from strata.engine.validation import check_request, prompt_ids
@@ -278,6 +279,9 @@ class Engine:
 
     def _checked_prompt(self, req: GenerationRequest) -> np.ndarray:
         """The request's prompt as int32 token ids, the request checked against this engine (validation.py)."""
+        if req.id_slot is not None and (isinstance(req.id_slot, bool) or not isinstance(req.id_slot, int)
+                                        or not 0 <= req.id_slot < self.parallel):
+            raise Refused(slot_error(req.id_slot, self.parallel), param="id_slot")
         prompt = prompt_ids(req.prompt_tokens, self.n_vocab)
         check_request(req, prompt, n_ctx=self.n_ctx, n_vocab=self.n_vocab,
                       n_ctx_train=int(getattr(self.config, "n_ctx_train", 0) or 0), remote=bool(self.remote),

@@ -179,8 +179,8 @@ class Scheduler:
             req = run.request if run is not None else None
             max_tokens = getattr(req, "max_tokens", None)
             out.append({"id": s.id, "id_task": s.task, "is_processing": run is not None,
-                        "state": "idle" if run is None else
-                        ("prompt" if isinstance(run.pending, ReadPart) else "generating"),
+                        "phase": None if run is None else
+                        ("prompt" if isinstance(run.pending, ReadPart) else "decode"),
                         "pos": int(s.seq.pos),
                         "n_prompt_tokens": len(getattr(req, "prompt_tokens", ()) or ()) if req is not None else 0,
                         "next_token": {"has_next_token": run is not None, "n_decoded": run.n_decoded if run else 0,
