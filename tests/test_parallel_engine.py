@@ -1,0 +1,140 @@
+"""Request slots in the engine (--parallel N, strata/engine/scheduler.py): several requests admitted to slots and run
+in engine steps together (their decodes in one batched step, prompt parts under the step's budget, a prompt arriving
+while others decode) give each request the very tokens it gives run alone on a one-slot engine; the engine's own step
+counters show the rows were batched; the options that cannot run with several slots are refused in one line."""
+import numpy as np
+import pytest
+
+from strata.engine import Engine, FinalEvent, GenerationRequest, TokenEvent
+from strata.sampling.sampler import SamplingParams
+
+N_CTX = 640
+
+
+def _requests(engine):
+    """Mixed requests: short and long prompts, greedy and seeded sampling, two choices, a stop string."""
+    words = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge the boxing match".split()
+    rng = np.random.default_rng(5)
+    long_text = " ".join(rng.choice(words, 300))
+    return [
+        dict(prompt="The capital of France is", max_tokens=24),
+        dict(prompt="Once upon a time, in a land far away,", max_tokens=30,
+             sampling=SamplingParams(temperature=0.9, top_k=40, seed=7)),
+        dict(prompt=long_text, max_tokens=12),                     # several ubatch parts (ubatch 128 below)
+        dict(prompt="1, 2, 3, 4, 5,", max_tokens=20, stop=["9"]),
+        dict(prompt="def fibonacci(n):", max_tokens=16, n=2, sampling=SamplingParams(temperature=0.7, seed=3)),
+        dict(prompt="Secret word: PLUM. Repeat the secret word:", max_tokens=10),
+    ]
+
+
+def _req(engine, spec, **kw):
+    spec = dict(spec)
+    toks = engine.tokenize_prompt(spec.pop("prompt"))
+    return GenerationRequest(toks, **spec, **kw)
+
+
+def _key(events):
+    """What a request answered: every choice's token ids and texts, finish reasons and stop causes."""
+    out = []
+    for ev in events:
+        if isinstance(ev, TokenEvent):
+            out.append(("tok", ev.index, ev.token_id, ev.text))
+        elif isinstance(ev, FinalEvent):
+            out.append(("end", ev.index, ev.finish_reason, ev.text, ev.usage["completion_tokens"],
+                        ev.strata.get("stopped_by")))
+    return out
+
+
+def _alone(path):
+    e = Engine(path, n_ctx=N_CTX, device="cpu", ubatch=128)
+    try:
+        return [_key(e.generate(_req(e, spec))) for spec in _requests(e)]
+    finally:
+        e.close()
+
+
+def _together(path, n_slots):
+    """The requests through an engine with n_slots slots: three admitted at once, the rest one per engine step as
+    slots free up (the long prompt arrives while the first ones decode)."""
+    e = Engine(path, n_ctx=N_CTX, device="cpu", ubatch=128, parallel=n_slots)
+    try:
+        specs = _requests(e)
+        got = {i: [] for i in range(len(specs))}
+        done = {}
+        waiting = list(range(len(specs)))
+
+        def admit(i):
+            return e.admit(_req(e, specs[i]), got[i].append, lambda err, i=i: done.__setitem__(i, err)) is not None
+
+        for i in waiting[:2]:
+            assert admit(i)
+        waiting = waiting[2:]
+        for _ in range(3):               # the first two decode a few tokens before the next one arrives
+            e.step()
+        while waiting or len(done) < len(specs):
+            if waiting and admit(waiting[0]):
+                waiting.pop(0)
+            if not e.step() and waiting and not admit(waiting[0]):
+                raise AssertionError("no slot busy, yet the next request found none")
+        assert all(err is None for err in done.values()), done
+        return [_key(got[i]) for i in range(len(specs))], dict(e.scheduler.stats)
+    finally:
+        e.close()
+
+
+@pytest.fixture(scope="module")
+def hybrid_path(synthetic):
+    return synthetic("qwen35", seed=1)
+
+
+@pytest.mark.parametrize("n_slots", [2, 4])
+def test_default_model_slots_answer_as_alone(default_model_path, n_slots):
+    want = _alone(default_model_path)
+    got, stats = _together(default_model_path, n_slots)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g == w, f"request {i}: its answer beside others differs from its answer alone"
+    assert stats["batched_steps"] > 0 and stats["max_rows"] == n_slots, stats      # rows were read together
+    assert stats["prefill_parts"] >= 3 + 5                      # the long prompt in ubatch parts, one per step
+
+
+def test_hybrid_slots_answer_as_alone(hybrid_path):
+    want = _alone(hybrid_path)
+    got, stats = _together(hybrid_path, 4)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g == w, f"request {i}: its answer beside others differs from its answer alone"
+    assert stats["batched_steps"] > 0 and stats["max_rows"] >= 2, stats
+
+
+def test_slot_choice_id_slot_prefix_and_lru(default_model_path):
+    e = Engine(default_model_path, n_ctx=256, device="cpu", parallel=3)
+    try:
+        ends = {}
+
+        def run(prompt, **kw):
+            events = []
+            sid = e.admit(GenerationRequest(e.tokenize_prompt(prompt), max_tokens=4, **kw), events.append,
+                          lambda err: ends.__setitem__(len(ends), err))
+            while e.step():
+                pass
+            return sid, events[-1]
+
+        assert run("Alpha beta gamma", id_slot=2)[0] == 2
+        first = run("Delta epsilon zeta")[0]
+        assert first == 0                                      # least recently used (never used: the lowest id)
+        sid, final = run("Alpha beta gamma delta")
+        assert sid == 2 and final.strata["resume_from"] == "live"   # the slot sharing the longest prefix
+        assert final.strata["id_slot"] == 2
+        with pytest.raises(ValueError, match="id_slot"):
+            e.validate(GenerationRequest([1, 2], id_slot=3))
+        assert all(err is None for err in ends.values())
+    finally:
+        e.close()
+
+
+def test_options_refused_with_several_slots(default_model_path, tmp_path):
+    with pytest.raises(ValueError, match=r"--parallel 4 needs a KV pool of 4 contexts: --kv-pool-ctx 1000"):
+        Engine(default_model_path, n_ctx=512, device="cpu", parallel=4, kv_pool_ctx=1000)
+    with pytest.raises(ValueError, match=r"--parallel 2 needs every stage local"):
+        Engine(default_model_path, n_ctx=512, device="cpu", parallel=2, remote_stage="127.0.0.1:9")
+    with pytest.raises(ValueError, match=r"--parallel must be an integer >= 1"):
+        Engine(default_model_path, n_ctx=512, device="cpu", parallel=0)
