@@ -1,4 +1,5 @@
-"""Engine: loads a model over its stages and runs one request at a time on its live sequence: prompts rendered and
+"""Engine: loads a model over its stages and runs requests on its live sequences, one per request slot (a request
+alone with one slot; with several, in engine steps that batch their decodes, scheduler.py): prompts rendered and
 tokenized, requests checked (validation.py), prompts read in parts with checkpoints (prefill.py) through the
 conversation store (strata.cache.store: checkpoints, parking, session files), choices decoded (decode.py), status
 reported."""
@@ -44,7 +45,8 @@ log = structlog.get_logger("strata.engine")
 
 
 class Engine:
-    """One model over a list of stages, one live sequence, a checkpoint cache; generate() runs one request at a time.
+    """One model over a list of stages, a live sequence per request slot (``parallel``; one by default), one
+    conversation store; generate() runs a request (alone with one slot), admit() / step() run several together.
 
     Engine(config) takes an EngineConfig (strata.engine.config: every option and its default); Engine(model,
     **options) builds one from the model and the flat option names (n_ctx=..., device=..., prompt_cache=...).
@@ -174,8 +176,8 @@ class Engine:
             slots.append(Slot(i, seq, reader, decoder))
         self.reader, self.decoder = slots[0].reader, slots[0].decoder
         # the request slots and continuous batching over them (--parallel); one slot runs a request alone (generate)
-        self.scheduler = Scheduler(slots, lambda slot, req: self._request(slot, req, self._checked_prompt(req),
-                                                                          alone=False), budget=self.ubatch)
+        self.scheduler = Scheduler(slots, lambda slot, req, prompt: self._request(slot, req, prompt, alone=False),
+                                   budget=self.ubatch)
         self.slots = slots
         self._lock = threading.Lock()
         self.requests = 0
@@ -256,9 +258,11 @@ class Engine:
         choice's tokens then its FinalEvent, `index` 0, 1, ...; the last event is the last choice's FinalEvent).
 
         Raises at once (before any reading, nothing changed) EmptyPrompt / ContextOverflow (ValueError
-        subclasses) and ValueError for a token id outside the vocabulary or bad numbers. Only one request runs
-        at a time: the iterator takes the engine's lock on its first step and releases it when it ends or is
-        closed (closing it early counts as a cancel; the live sequence stays consistent either way).
+        subclasses) and ValueError for a token id outside the vocabulary or bad numbers. With one slot only one
+        request runs at a time: the iterator takes the engine's lock on its first step and releases it when it ends
+        or is closed (closing it early counts as a cancel; the live sequence stays consistent either way). With
+        several slots the request is admitted to one (req.id_slot, else choose_slot's) and engine steps run, the
+        lock taken per step, until it ends: requests admitted meanwhile (``admit``) run along.
 
         Order of work: ask the checkpoint cache for a PrefillPlan; restore its snapshot, or cut the sequence
         back, or continue it live; read the prompt in the plan's parts (each part in ubatch-sized forward

@@ -56,12 +56,12 @@ class Slot:
 
 class Scheduler:
     """The engine's request slots and its step. ``admit`` puts a request in a slot (the one choose_slot picks);
-    ``step`` runs one engine step over every busy slot. `start(slot, request)` makes a request's generator (the
+    ``step`` runs one engine step over every busy slot. `start(slot, request, prompt)` makes a request's generator (the
     engine's), which yields events and ReadToken / ReadPart reads; `budget`: tokens one step reads at most
     (decodes first, then prompt parts; one part always runs). Runs on the engine thread only; ``slots`` and
     ``stats`` may be read from any."""
 
-    def __init__(self, slots: list[Slot], start: Callable[[Slot, Any], Any], budget: int):
+    def __init__(self, slots: list[Slot], start: Callable[[Slot, Any, Any], Any], budget: int):
         self.slots = slots
         self.start = start
         self.budget = int(budget)
@@ -86,7 +86,7 @@ class Scheduler:
         slot = self.slots[i]
         self.tasks += 1
         slot.task = self.tasks
-        slot.run = Run(self.start(slot, request), on_event, on_done, request=request, task=self.tasks)
+        slot.run = Run(self.start(slot, request, prompt), on_event, on_done, request=request, task=self.tasks)
         self.stats["admitted"] += 1
         self._advance(slot, None, None)       # to its first read: the resume (restore, cut back, park) runs here
         return slot

@@ -1,4 +1,5 @@
-"""The engine's request and event types: GenerationRequest in, TokenEvent / FinalEvent out, ContextOverflow."""
+"""The engine's request and event types: GenerationRequest in, TokenEvent / FinalEvent out, ContextOverflow; the reads
+a request's generators ask for (ReadToken, ReadPart) and run_reads, which serves them at once."""
 from __future__ import annotations
 
 import threading
