@@ -138,3 +138,18 @@ def test_options_refused_with_several_slots(default_model_path, tmp_path):
         Engine(default_model_path, n_ctx=512, device="cpu", parallel=2, remote_stage="127.0.0.1:9")
     with pytest.raises(ValueError, match=r"--parallel must be an integer >= 1"):
         Engine(default_model_path, n_ctx=512, device="cpu", parallel=0)
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--parallel", "4", "--n-ctx", "512", "--kv-pool-ctx", "1000"], "--parallel 4 needs a KV pool of 4 contexts"),
+    (["-np", "2", "--remote-stage", "127.0.0.1:9"], "--parallel 2 needs every stage local"),
+    (["--parallel", "0"], "argument --parallel/-np: must be >= 1, got 0"),
+])
+def test_serve_refuses_slots_it_cannot_run_before_the_model_loads(flags, needle):
+    """A usage error (exit 2) naming the flag, before any model loads (the model path does not exist): one line,
+    or argparse's usage line and its error."""
+    from tests.test_cli import strata
+    p = strata("serve", "--socket", "/tmp/strata-test-unused.sock", "--model", "/nonexistent.gguf", *flags)
+    err = p.stderr.strip()
+    assert p.returncode == 2 and "Traceback" not in err and err.splitlines()[-1].startswith("strata serve: error: ")
+    assert needle in err.splitlines()[-1], err
