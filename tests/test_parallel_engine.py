@@ -12,7 +12,7 @@ N_CTX = 640
 
 
 def _requests(engine):
-    """Mixed requests: short and long prompts, greedy and seeded sampling, two choices, a stop string."""
+    """Mixed requests: short and long prompts, greedy and seeded sampling, two choices, a stop string, a grammar."""
     words = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge the boxing match".split()
     rng = np.random.default_rng(5)
     long_text = " ".join(rng.choice(words, 300))
@@ -24,12 +24,18 @@ def _requests(engine):
         dict(prompt="1, 2, 3, 4, 5,", max_tokens=20, stop=["9"]),
         dict(prompt="def fibonacci(n):", max_tokens=16, n=2, sampling=SamplingParams(temperature=0.7, seed=3)),
         dict(prompt="Secret word: PLUM. Repeat the secret word:", max_tokens=10),
+        dict(prompt="Three-digit numbers:", max_tokens=16, grammar='start: NUM ("," NUM)*\nNUM: /[0-9][0-9][0-9]/',
+             sampling=SamplingParams(temperature=0.8, seed=5)),     # a grammar's mask per slot
     ]
 
 
 def _req(engine, spec, **kw):
     spec = dict(spec)
     toks = engine.tokenize_prompt(spec.pop("prompt"))
+    if "grammar" in spec:
+        from strata.sampling import grammar
+        spec["constraint"] = grammar.Constraint(grammar.lark_grammar(spec.pop("grammar")), engine.tokenizer,
+                                                engine.n_vocab)
     return GenerationRequest(toks, **spec, **kw)
 
 
