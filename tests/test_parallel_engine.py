@@ -159,3 +159,65 @@ def test_serve_refuses_slots_it_cannot_run_before_the_model_loads(flags, needle)
     err = p.stderr.strip()
     assert p.returncode == 2 and "Traceback" not in err and err.splitlines()[-1].startswith("strata serve: error: ")
     assert needle in err.splitlines()[-1], err
+
+
+@pytest.fixture(scope="module")
+def hybrid_pair(hybrid_path):
+    """(a one-slot engine, a three-slot engine) on the synthetic hybrid, kept for every example below."""
+    alone = Engine(hybrid_path, n_ctx=384, device="cpu", ubatch=64)
+    slots = Engine(hybrid_path, n_ctx=384, device="cpu", ubatch=64, parallel=3)
+    yield alone, slots
+    alone.close()
+    slots.close()
+
+
+def _arrivals():
+    from hypothesis import strategies as st
+    req = st.fixed_dictionaries({"length": st.integers(1, 200), "max_tokens": st.integers(1, 10),
+                                 "seed": st.integers(0, 3), "sampled": st.booleans(),
+                                 "id_slot": st.none() | st.integers(0, 2), "wait": st.integers(0, 6)})
+    return st.lists(req, min_size=1, max_size=6)
+
+
+def test_any_arrival_pattern_answers_as_alone(hybrid_pair):
+    """Hypothesis: requests of any prompt length, length of answer, sampling and slot arriving after any number of
+    engine steps (busy slots in every pattern, named slots that are busy): each answer equals the same request on the
+    one-slot engine."""
+    from hypothesis import HealthCheck, given, settings
+
+    alone, eng = hybrid_pair
+    V = eng.n_vocab
+
+    def make(r, i):
+        rng = np.random.default_rng(1000 * r["seed"] + r["length"])
+        sp = SamplingParams(temperature=0.9, seed=r["seed"]) if r["sampled"] else SamplingParams(temperature=0.0)
+        return GenerationRequest(rng.integers(0, V, r["length"]).astype(np.int32).tolist(), sampling=sp,
+                                 max_tokens=r["max_tokens"], cache_prompt=False, ignore_eos=True,
+                                 id_slot=r["id_slot"])
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(_arrivals())
+    def check(reqs):
+        want = [_key(alone.generate(dataclasses_replace(make(r, i), id_slot=None))) for i, r in enumerate(reqs)]
+        got = {i: [] for i in range(len(reqs))}
+        done = {}
+        pending = list(range(len(reqs)))
+        clock = 0
+        while pending or len(done) < len(reqs):
+            while pending and reqs[pending[0]]["wait"] <= clock:
+                i = pending[0]
+                if eng.admit(make(reqs[i], i), got[i].append, lambda err, i=i: done.__setitem__(i, err)) is None:
+                    break                     # its slot (or every slot) is busy: it waits, as a queue would
+                pending.pop(0)
+            clock += 1
+            eng.step()
+        assert all(err is None for err in done.values()), done
+        for i in range(len(reqs)):
+            assert _key(got[i]) == want[i], f"request {i} of {reqs}"
+
+    check()
+
+
+def dataclasses_replace(req, **kw):
+    import dataclasses
+    return dataclasses.replace(req, **kw)
