@@ -221,3 +221,34 @@ def test_any_arrival_pattern_answers_as_alone(hybrid_pair):
 def dataclasses_replace(req, **kw):
     import dataclasses
     return dataclasses.replace(req, **kw)
+
+
+def test_a_failed_batched_step_fails_its_requests_and_frees_the_slots(default_model_path, monkeypatch):
+    """A batched step that raises ends each request in it with that error (their sequences forgotten: they were half
+    written); the slots are free and the next requests answer as alone."""
+    import strata.engine.scheduler as scheduler
+    e = Engine(default_model_path, n_ctx=256, device="cpu", parallel=2)
+    try:
+        want = _key(e.generate(GenerationRequest(e.tokenize_prompt("Hello there"), max_tokens=6)))
+        real = scheduler.decode_batch
+        calls = []
+
+        def broken(seqs, toks):
+            calls.append(len(seqs))
+            if len(calls) == 2:
+                raise RuntimeError("device lost")
+            return real(seqs, toks)
+        monkeypatch.setattr(scheduler, "decode_batch", broken)
+        ends, got = {}, {0: [], 1: []}
+        for i, text in enumerate(["Hello there", "General Kenobi"]):
+            e.admit(GenerationRequest(e.tokenize_prompt(text), max_tokens=6), got[i].append,
+                    lambda err, i=i: ends.__setitem__(i, err))
+        while e.step():
+            pass
+        assert calls[:2] == [2, 2] and set(ends) == {0, 1}
+        assert all(isinstance(err, RuntimeError) and "device lost" in str(err) for err in ends.values())
+        assert not any(s.busy for s in e.slots) and all(s.seq.pos == 0 for s in e.slots)
+        monkeypatch.setattr(scheduler, "decode_batch", real)
+        assert _key(e.generate(GenerationRequest(e.tokenize_prompt("Hello there"), max_tokens=6))) == want
+    finally:
+        e.close()

@@ -161,15 +161,16 @@ class Scheduler:
         slot.last_used = time.monotonic()
         run.on_done(error)
 
-    def cancel_all(self) -> None:
-        """Close every running request (its generator's cleanup runs; on_done(None) for each)."""
+    def cancel_all(self, error: BaseException) -> None:
+        """End every running request with `error` (its generator closed, its cleanup run; on_done(error) for each)."""
         for s in self.slots:
             if s.run is not None:
                 run = s.run
                 try:
                     run.gen.close()
-                finally:
-                    self._finish(s, None)
+                except BaseException:  # noqa: BLE001 - its cleanup failed too: the error stands
+                    pass
+                self._finish(s, error)
 
     def status(self) -> list[dict]:
         """Each slot as /slots shows it (llama-server's fields where Strata has them)."""

@@ -253,7 +253,13 @@ class EngineWorker:
                     job.state = "waiting"
                     self._waiting.appendleft(job)
                 self.metrics.queue_depth.set(len(self._waiting))
-            if eng.step() == 0 and back and not calls:
+            try:
+                ran = eng.step()
+            except BaseException as e:  # noqa: BLE001 - a fault outside any one request's reads: theirs all end
+                log.error("engine step failed", error=f"{type(e).__name__}: {e}", exc_info=True)
+                eng.scheduler.cancel_all(e)
+                ran = 0
+            if ran == 0 and back and not calls:
                 with self._cv:                   # every slot they name is busy but none is running: wait for work
                     if not self._active:
                         self._cv.wait(0.05)
