@@ -51,18 +51,18 @@ def _key(events):
     return out
 
 
-def _alone(path):
-    e = Engine(path, n_ctx=N_CTX, device="cpu", ubatch=128)
+def _alone(path, **kw):
+    e = Engine(path, n_ctx=N_CTX, device="cpu", ubatch=128, **kw)
     try:
         return [_key(e.generate(_req(e, spec))) for spec in _requests(e)]
     finally:
         e.close()
 
 
-def _together(path, n_slots):
+def _together(path, n_slots, **kw):
     """The requests through an engine with n_slots slots: three admitted at once, the rest one per engine step as
     slots free up (the long prompt arrives while the first ones decode)."""
-    e = Engine(path, n_ctx=N_CTX, device="cpu", ubatch=128, parallel=n_slots)
+    e = Engine(path, n_ctx=N_CTX, device="cpu", ubatch=128, parallel=n_slots, **kw)
     try:
         specs = _requests(e)
         got = {i: [] for i in range(len(specs))}
@@ -103,9 +103,10 @@ def test_default_model_slots_answer_as_alone(default_model_path, n_slots):
     assert stats["prefill_parts"] >= 3 + 5                      # the long prompt in ubatch parts, one per step
 
 
-def test_hybrid_slots_answer_as_alone(hybrid_path):
-    want = _alone(hybrid_path)
-    got, stats = _together(hybrid_path, 4)
+@pytest.mark.parametrize("split", [None, "2"], ids=["1stage", "2stages"])
+def test_hybrid_slots_answer_as_alone(hybrid_path, split):
+    want = _alone(hybrid_path, layer_split=split)
+    got, stats = _together(hybrid_path, 4, layer_split=split)
     for i, (g, w) in enumerate(zip(got, want)):
         assert g == w, f"request {i}: its answer beside others differs from its answer alone"
     assert stats["batched_steps"] > 0 and stats["max_rows"] >= 2, stats
