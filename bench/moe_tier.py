@@ -3,7 +3,7 @@
 Arms (the same file, prompts and VRAM for experts: 25 % and 50 % of all experts' bytes):
   * resident: every expert in VRAM (the tier off): the reference every ratio is taken against;
   * adaptive: the tier (--moe-vram-mib B, rounds every --adapt-every tokens), also with --pcie-frac 0.02 (a slow link)
-    and with prompt routings counted at --prefill-weight (adaptive_pw; not yet run on a GPU);
+    and with prompt routings counted at --prefill-weight (adaptive_pw, 0.1 by default: bench/moe_policy_sim.py);
   * static: the same slots filled once with the experts most used over the warm-up prompts, never swapped;
   * layers: as many layers' experts wholly in the slots as the budget holds, the other layers' read from host RAM;
   * host: no slots (every expert read from pinned host RAM over PCIe).
@@ -11,9 +11,13 @@ Workload: the warm-up reads one 128-token prompt per topic; then per topic in tu
 512-token prompt (prefill) and 64 greedy tokens decoded one forward at a time (host logits, as the engine does).
 Reported per arm over the measured part: prefill and decode tokens/s (and their ratio to resident), the decode steps'
 hit rate, bytes copied to the device per token (swaps, prefill staging, loans given back) and bytes the decode steps
-read from host RAM per decoded token (misses times an expert's bytes), and whether the greedy tokens equal resident's.
-With --llama-bench, llama.cpp on the same file: all on the GPU, --n-cpu-moe N at the same budgets, -ot exps=CPU
-(its own random prompt of 512 and 64 generated tokens). The vendored llama.cpp has no --moe-cache-mib.
+read from host RAM per decoded token (misses times an expert's bytes), the same per layer, the distinct decoded
+tokens, and whether the greedy tokens equal resident's.
+With --llama-bench, llama.cpp on the same file (-fa 1, its own random prompt of 512 and 64 generated tokens): all on
+the GPU, every expert on the host (-ot exps=CPU), and at each budget's VRAM as whole layers' experts on the GPU:
+--n-cpu-moe N (the first N layers' experts on the host) and -ot with the last layers' experts on the host. The
+vendored llama.cpp has no --moe-cache-mib (its adaptive expert cache), so that arm is missing. --strata-from adds
+the llama.cpp arms to a JSON written earlier (the build may finish after Strata's arms ran).
 
 Writes bench/results/moe_tier_<gpu>_<commit>.json (or --out).
 """
@@ -48,7 +52,7 @@ def topic_prompt(topic: int, n: int, seed: int) -> np.ndarray:
     return (rng.integers(0, 49152 // TOPICS, n) * TOPICS + topic).astype(np.int32)
 
 
-def run_arm(path: str, settings, place: str | None, a) -> dict:
+def run_arm(path: str, settings, place: str | None) -> dict:
     import cupy as cp
     from strata.backend import cuda as C
     from strata.backend.cuda import moe_tier as T
@@ -92,13 +96,22 @@ def run_arm(path: str, settings, place: str | None, a) -> dict:
             t = int(np.argmax(g.forward(np.array([t], np.int32), st)))
         dec_s += time.perf_counter() - t0
     out = {"prefill_tok_s": round(TOPICS * PROMPT / pf_s, 1), "decode_tok_s": round(TOPICS * GEN / dec_s, 2),
-           "load_s": round(load_s, 2), "tokens": toks}
+           "load_s": round(load_s, 2), "tokens": toks, "distinct_decoded_tokens": len(set(toks))}
     if tier is not None:
         tier.store.settle()
         tier.store.observe(tier.dev.read_counts())
         after = tier.status()
         d = {k: after[k] - before[k] for k in ("hits", "misses", "swaps", "staged", "bytes_moved", "bytes_read_host")}
         seen = d["hits"] + d["misses"]
+        layers = []
+        for lb, la in zip(before["layers"], after["layers"]):
+            dl = {k: la[k] - lb[k] for k in ("hits", "misses", "swaps", "staged", "bytes_moved")}
+            seen_l = dl["hits"] + dl["misses"]
+            layers.append({"layer": la["layer"], "decode_hit_rate": round(dl["hits"] / seen_l, 4) if seen_l else None,
+                           "swaps": dl["swaps"], "staged": dl["staged"],
+                           "copied_bytes_per_token": round(dl["bytes_moved"] / (TOPICS * (PROMPT + GEN))),
+                           "resident_at_end": len(la["resident"])})
+        out["layers"] = layers
         out.update({"slots": after["slots"], "vram_mib": round(after["vram_bytes"] / 2 ** 20, 1),
                     "decode_hit_rate": round(d["hits"] / seen, 4) if seen else None, "swaps": d["swaps"],
                     "staged": d["staged"], "copied_bytes_per_token": round(d["bytes_moved"] / (TOPICS * (PROMPT + GEN))),
@@ -113,7 +126,8 @@ def run_arm(path: str, settings, place: str | None, a) -> dict:
 
 
 def llama(bin_path: str, path: str, extra: list[str]) -> dict:
-    cmd = [bin_path, "-m", path, "-ngl", "99", "-p", str(PROMPT), "-n", str(GEN), "-r", "2", "-o", "json", *extra]
+    cmd = [bin_path, "-m", path, "-ngl", "99", "-fa", "1", "-p", str(PROMPT), "-n", str(GEN), "-r", "2", "-o", "json",
+           *extra]
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
         return {"cmd": " ".join(cmd), "error": p.stderr[-1500:]}
@@ -123,33 +137,23 @@ def llama(bin_path: str, path: str, extra: list[str]) -> dict:
     return res
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--gguf", default="/tmp/moe_tier.gguf", help="the synthetic file (written when missing)")
-    ap.add_argument("--fracs", default="0.25,0.5", help="budgets as fractions of all experts' bytes")
-    ap.add_argument("--every", type=int, default=16)
-    ap.add_argument("--swaps", type=int, default=16)
-    ap.add_argument("--slow-frac", type=float, default=0.02, help="--pcie-frac of the slow-link arm")
-    ap.add_argument("--prefill-weight", type=float, default=0.1,
-                    help="the prefill_weight of the adaptive_pw arm (prompt routings counted at this weight)")
-    ap.add_argument("--llama-bench", default=None)
-    ap.add_argument("--out", default=None)
-    a = ap.parse_args(argv)
+def strata_arms(a, fracs: list[float]) -> dict:
+    """Strata's arms (module doc) on a.gguf (written when missing): the result dict without llama.cpp."""
     import cupy as cp
     from bench.gpu_throughput import commit
     from strata.backend.cuda.moe_tier import TierSettings
     from strata.gguf import synth
     if not os.path.exists(a.gguf):
         t0 = time.perf_counter()
-        synth.write_synthetic(a.gguf + ".tmp", synth.preset("qwen35moe", "tiny", **SPEC))
+        synth.write_synthetic(a.gguf + ".tmp", synth.preset("qwen35moe", "tiny", **SPEC),
+                              workers=max(1, (os.cpu_count() or 2) // 2))
         os.replace(a.gguf + ".tmp", a.gguf)
         print(f"wrote {a.gguf} in {time.perf_counter() - t0:.0f} s", flush=True)
     gpu = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     res = {"gpu": gpu, "commit": commit(), "spec": SPEC, "workload": {"topics": TOPICS, "warm": WARM,
            "prompt": PROMPT, "gen": GEN}, "arms": {}}
     arms = [("resident", None, None)]
-    for f in (float(x) for x in a.fracs.split(",")):
-        mib = None          # filled from the expert bytes the first tier arm reports
+    for f in fracs:
         arms += [(f"adaptive@{f:g}", f, ("adaptive", 1.0)), (f"static@{f:g}", f, ("hottest", 1.0)),
                  (f"layers@{f:g}", f, ("layers", 1.0)), (f"adaptive_slow@{f:g}", f, ("adaptive", a.slow_frac)),
                  (f"adaptive_pw@{f:g}", f, ("adaptive_pw", 1.0))]
@@ -168,9 +172,14 @@ def main(argv=None) -> int:
             s = TierSettings(vram_mib=str(mib), every=a.every, swaps=a.swaps, pcie_frac=how[1],
                              static=place is not None,
                              prefill_weight=a.prefill_weight if how[0] == "adaptive_pw" else 1.0)
-        r = run_arm(a.gguf, s, place, a)
+        try:
+            r = run_arm(a.gguf, s, place)
+        except Exception as e:                          # noqa: BLE001 - the other arms still run
+            res["arms"][name] = {"error": f"{type(e).__name__}: {e}"[:400]}
+            print(f"{name:18s} failed: {res['arms'][name]['error']}", flush=True)
+            continue
         ref = res["arms"].get("resident")
-        if ref:
+        if ref and "tokens" in ref:
             r["decode_vs_resident"] = round(r["decode_tok_s"] / ref["decode_tok_s"], 3)
             r["prefill_vs_resident"] = round(r["prefill_tok_s"] / ref["prefill_tok_s"], 3)
             r["tokens_equal_resident"] = r["tokens"] == ref["tokens"]
@@ -182,16 +191,61 @@ def main(argv=None) -> int:
               f"same tokens {r.get('tokens_equal_resident')}", flush=True)
     for r in res["arms"].values():
         r.pop("tokens", None)
+    return res
+
+
+def llama_arms(res: dict, bin_path: str, gguf: str, fracs: list[float]) -> None:
+    """llama.cpp on the same file (module doc): res["llama.cpp"], each arm's rates and its ratios to llama.cpp all
+    on the GPU and to Strata's resident arm."""
+    n_layer = SPEC["n_layer"]
+    lc = {"all_gpu": llama(bin_path, gguf, []), "exps_cpu": llama(bin_path, gguf, ["-ot", "exps=CPU"])}
+    for f in fracs:
+        on_gpu = int(f * n_layer)              # whole layers' experts: the budget's share of the layers
+        # --n-cpu-moe N: the experts of the first N layers on the host
+        lc[f"n_cpu_moe@{f:g}"] = llama(bin_path, gguf, ["-ncmoe", str(n_layer - on_gpu)])
+        # -ot: the same VRAM with the last layers' experts on the host instead
+        host = "|".join(str(i) for i in range(on_gpu, n_layer))
+        lc[f"ot_last_layers_cpu@{f:g}"] = llama(bin_path, gguf, ["-ot", f"blk\\.({host})\\.ffn_.*_exps=CPU"])
+    ref = lc["all_gpu"]
+    for v in lc.values():
+        for k in ("decode_tok_s", "prefill_tok_s"):
+            if k in v and k in ref:
+                v[k.replace("_tok_s", "_vs_all_gpu")] = round(v[k] / ref[k], 3)
+    res["llama.cpp"] = lc
+    strata = res.get("arms", {}).get("resident")
+    if strata and "decode_tok_s" in strata and "decode_tok_s" in ref and "prefill_tok_s" in ref:
+        res["strata_resident_over_llamacpp_all_gpu"] = {
+            "decode": round(strata["decode_tok_s"] / ref["decode_tok_s"], 3),
+            "prefill": round(strata["prefill_tok_s"] / ref["prefill_tok_s"], 3)}
+    for k, v in lc.items():
+        print(f"llama.cpp {k:24s} prefill {v.get('prefill_tok_s')}  decode {v.get('decode_tok_s')}  "
+              f"x all_gpu {v.get('decode_vs_all_gpu')} / {v.get('prefill_vs_all_gpu')}  {v.get('error', '')[-300:]}",
+              flush=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gguf", default="/tmp/moe_tier.gguf", help="the synthetic file (written when missing)")
+    ap.add_argument("--fracs", default="0.25,0.5", help="budgets as fractions of all experts' bytes")
+    ap.add_argument("--every", type=int, default=16)
+    ap.add_argument("--swaps", type=int, default=16)
+    ap.add_argument("--slow-frac", type=float, default=0.02, help="--pcie-frac of the slow-link arm")
+    ap.add_argument("--prefill-weight", type=float, default=0.1,
+                    help="the prefill_weight of the adaptive_pw arm (prompt routings counted at this weight)")
+    ap.add_argument("--llama-bench", default=None)
+    ap.add_argument("--strata-from", default=None, help="a JSON this bench wrote: add the llama.cpp arms to it")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    fracs = [float(x) for x in a.fracs.split(",")]
+    if a.strata_from:
+        res = json.loads(Path(a.strata_from).read_text())
+    else:
+        res = strata_arms(a, fracs)
     if a.llama_bench and os.path.exists(a.llama_bench):
-        n_layer = SPEC["n_layer"]
-        lc = {"all_gpu": llama(a.llama_bench, a.gguf, []), "exps_cpu": llama(a.llama_bench, a.gguf,
-                                                                               ["-ot", "exps=CPU"])}
-        for f in (float(x) for x in a.fracs.split(",")):
-            lc[f"n_cpu_moe@{f:g}"] = llama(a.llama_bench, a.gguf, ["-ncmoe", str(n_layer - int(f * n_layer))])
-        res["llama.cpp"] = lc
-        for k, v in lc.items():
-            print(f"llama.cpp {k:14s} {v}", flush=True)
-    out = a.out or str(ROOT / "bench" / "results" / f"moe_tier_{gpu.replace(' ', '_')}_{res['commit']}.json")
+        llama_arms(res, a.llama_bench, a.gguf, fracs)
+    elif a.llama_bench:
+        res["llama.cpp"] = {"error": f"no llama-bench at {a.llama_bench}"}
+    out = a.out or str(ROOT / "bench" / "results" / f"moe_tier_{res['gpu'].replace(' ', '_')}_{res['commit']}.json")
     Path(out).write_text(json.dumps(res, indent=1) + "\n")
     print(f"wrote {out}")
     return 0

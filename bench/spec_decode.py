@@ -1,6 +1,7 @@
 """Speculative decoding with the MTP head at known acceptance: decode tokens per second with --spec N against --spec 0
 (each run paired with a --spec 0 run just before it; the median ratio), the mean accepted length, the verify of N + 1 tokens against a decode step, the cost of one
-rejected draft and of one Commit (against one checkpoint + restore + replaying the accepted tokens).
+rejected draft and of one Commit (against one checkpoint + restore + replaying the accepted tokens), and what a plain
+decode step costs with the drafter on (its hidden row observed, the MTP block fed) against one without.
 
 Random weights give meaningless acceptance, so the drafts are an oracle's: the greedy continuation recorded by a
 first pass with --spec 0, each drafted position kept with probability `acceptance` and otherwise replaced by a wrong
@@ -14,7 +15,8 @@ the GPU bench's writer).
 Usage: PYTHONPATH=. python bench/spec_decode.py [--device cpu|cuda] [--size small] [--ns 1,2,3,4]
        [--acceptance 0.3,0.5,0.7,0.8,0.9] [--tokens 64] [--prompt 64] [--reps 2] [--threads N] [--out PATH]
 Besides N = --ns, an "adaptive" arm: --spec max(ns) --spec-adaptive (each verify takes 0..N drafts as the measured
-acceptance and costs make fastest; its acceptance estimate carries over from one rate's runs to the next). The
+acceptance and costs make fastest; its acceptance estimate carries over from one rate's runs to the next), and once
+an "off" arm: the adaptive policy pinned to plain steps (what a plain step with the drafter on costs). The
 --spec arms share one engine (its decoder's N set per arm); --spec 0 is an engine of its own.
 Writes bench/results/spec_decode_<device>_<commit>.json (or --out).
 """
@@ -123,6 +125,32 @@ def micro(engine, prompt, ns, reps):
         return time.perf_counter() - t0
 
     out["decode_ms"] = min(decode() for _ in range(reps * 3)) * 1e3
+
+    on_device = bool(getattr(engine.stages[-1], "device_logits", False))
+
+    def plain(drafter_on: bool, k: int = min(65, engine.n_ctx - len(prompt) - 8)):
+        """k plain decode steps as the decoder reads them (with the drafter on: the hidden rows observed, fed to
+        the MTP block once FEED_BATCH wait) -> seconds a step."""
+        seq.restore(ck)
+        engine.drafter.flush()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(k):
+            pos = seq.pos
+            if drafter_on:
+                _, h = seq.forward(np.asarray([5], np.int32), on_device=on_device, hidden=True)
+                engine.drafter.observe(pos, h)
+            else:
+                seq.forward(np.asarray([5], np.int32), on_device=on_device)
+        sync()
+        return (time.perf_counter() - t0) / k
+
+    off, on = [], []
+    for _ in range(reps * 2):                      # interleaved: the machine's drift hits both alike
+        off.append(plain(False))
+        on.append(plain(True))
+    out["plain_step_ms"], out["plain_step_drafter_on_ms"] = min(off) * 1e3, min(on) * 1e3
+    out["plain_drafter_on_over_off"] = min(on) / min(off)
     for n in ns:
         toks = rng.integers(0, 1000, n + 1).astype(np.int32)
         v, c, cap, rest, replay, dr, ra = [], [], [], [], [], [], []
@@ -247,9 +275,10 @@ def main() -> int:
     e = Engine(path, spec=max(ns), **kw)           # one engine for every arm: its decoder's N set per arm
     adaptive = AdaptiveN(max(ns))                  # its estimates carry over from one rate's runs to the next
     for rate in rates:
-        for n in ns + ["adaptive"]:
-            e.decoder.spec = max(ns) if n == "adaptive" else n
-            e.decoder.adaptive = adaptive if n == "adaptive" else None
+        for n in ns + ["adaptive"] + (["off"] if rate == rates[0] else []):
+            e.decoder.spec = n if n in ns else max(ns)
+            # "off": the adaptive policy pinned to plain steps (no drafts, no probes), the drafter fed as always
+            e.decoder.adaptive = adaptive if n == "adaptive" else AdaptiveN(0) if n == "off" else None
             pairs, acc = [], None
             for r in range(args.reps):            # --spec 0 and --spec N back to back: the machine is shared
                 toks0, t0 = run(base, prompt, args.tokens)
@@ -264,10 +293,15 @@ def main() -> int:
                    "ratio_median": ratios[len(ratios) // 2], "ratios": ratios,
                    "measured_acceptance": acc["draft_acceptance_rate"], "mean_accepted": acc["draft_mean_accepted"],
                    "verifies": acc["draft_verifies"]}
+            if n == "adaptive":                   # what the policy believes after the arm
+                ms = lambda v: None if v is None else v * 1e3     # noqa: E731
+                row["policy"] = {"a": adaptive.a, "best": adaptive.best(), "t_step_ms": ms(adaptive.t_step),
+                                 "t_draft_ms": ms(adaptive.t_draft), "t_round_ms": ms(adaptive.t_round),
+                                 "t_verify_ms": {k: ms(v) for k, v in sorted(adaptive.t_verify.items())}}
             res["runs"].append(row)
             print(f"N={n} acceptance {rate}: {row['ratio_median']:.2f}x --spec 0 (median of {len(ratios)} pairs; "
-                  f"measured {row['measured_acceptance']:.2f}, {row['mean_accepted']:.2f} tokens per verify)",
-                  flush=True)
+                  f"measured {row['measured_acceptance']:.2f}, {row['mean_accepted']:.2f} tokens per verify)"
+                  + (f"; policy {row['policy']}" if "policy" in row else ""), flush=True)
     res["spec0_tok_s_end"] = baseline()           # the reference again: how much the machine drifted
     e.decoder.spec, e.decoder.adaptive = max(ns), None
     e.drafter.oracle = None

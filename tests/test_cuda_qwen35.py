@@ -258,6 +258,7 @@ def test_kernel_index_arithmetic_matches_model_gdn(arch, tmp_path):
 # ------------------------------------------------------------------ GPU
 class Setup:
     def __init__(self, qtype, tmp):
+        self.qtype = qtype
         self.path = synth.write_synthetic(tmp / f"q35_{qtype}.gguf", _spec(qtype))
         self.cpu = load_model(self.path)
         self.cuda = load_model(self.path, C.CudaBackend())
@@ -324,10 +325,13 @@ def test_plan_logits_match_generic_forward(setup):
     lr = steps(8, lr, 3 * STEP_REL_L2)
     print(f"plan vs generic: worst logits rel L2 {worst:.2e}")
     assert st.pos == ref.pos == 40 + 16 + 5 + 8 and st.kv.length == st.pos
+    # the running state integrates the same int8 rounding flips the logits above show (an H100 run: logits 5.0e-2,
+    # layer 1's GDN state 1.5e-2 with Q8_0 weights); F16 weights keep the plan's own bound
+    state_bound = PLAN_REL_L2 if setup.qtype == "F16" else 3 * STEP_REL_L2
     for layer in ref.running:
         for name in ("conv", "ssm"):
             e = rel_l2(_host(st.running[layer][name]), _host(ref.running[layer][name]))
-            assert e < PLAN_REL_L2, f"running state {layer}/{name} rel L2 {e:.2e}"
+            assert e < state_bound, f"running state {layer}/{name} rel L2 {e:.2e}"
     ref.release()
     st.release()
 

@@ -233,8 +233,37 @@ def test_mtp_graph_step_matches_the_model(model):
     ref = md.mtp_logits(hs, toks, md.new_mtp_kv(64))
     table = md.new_mtp_kv(64)
     for i in range(3):
-        tok, logits, x = d._graph.step(hs[i], int(toks[i]), table)
+        tok, logits = d._graph.step(int(toks[i]), table, hs[i])
         got = host(logits)
         assert rel_l2(got, ref[i]) < 2e-2, i
-        assert tok == int(np.argmax(got)) and x.shape == (1, E) and table.length == i + 1
+        assert tok == int(np.argmax(got)) and table.length == i + 1
+    # drafting on: the step from its own output equals mtp_logits fed that output as h
+    t2 = md.new_mtp_kv(64)
+    x = md.mtp_hidden(hs[:1], toks[:1], t2)
+    ref2 = md.mtp_logits(x, toks[1:2], t2)[0]
+    t3 = md.new_mtp_kv(64)
+    d._graph.step(int(toks[0]), t3, hs[0])
+    _, logits = d._graph.step(int(toks[1]), t3)
+    assert rel_l2(host(logits), ref2) < 2e-2
 
+
+def test_copy_many_copies_every_pair():
+    """CudaBackend.copy_many: every pair copied in one launch (16-byte aligned and odd sizes), nothing else written;
+    unequal sizes refused."""
+    import cupy as cp
+    from strata.backend.cuda import CudaBackend
+    be = CudaBackend(0)
+    rng = np.random.default_rng(1)
+    srcs = [cp.asarray(rng.standard_normal(k).astype(np.float32)) for k in (3, 64, 4096 * 33 + 5, 1)]
+    dsts = [cp.zeros(a.size + 2, cp.float32) for a in srcs]
+    be.copy_many([(d[1:1 + s.size], s) for d, s in zip(dsts, srcs)])
+    for d, s in zip(dsts, srcs):
+        got = cp.asnumpy(d)
+        np.testing.assert_array_equal(got[1:-1], cp.asnumpy(s))
+        assert got[0] == 0 and got[-1] == 0
+    big = cp.asarray(rng.standard_normal((5, 16, 64)).astype(np.float32))
+    out = cp.zeros_like(big[0])
+    be.copy_many([(out, big[3])])
+    np.testing.assert_array_equal(cp.asnumpy(out), cp.asnumpy(big[3]))
+    with pytest.raises(ValueError, match="pair 0"):
+        be.copy_many([(out, big[:2])])

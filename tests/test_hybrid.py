@@ -191,6 +191,18 @@ def test_mtp_drafter_matches_transformers_modules(loaded):
     diff = float(np.abs(got - want).max())
     assert diff < HF_TOL, f"{loaded.arch}: MTP max abs logit diff {diff}"
     assert (got.argmax(-1) == want.argmax(-1)).all()
+    # a drafter's catch-up: the positions before the last fed as K/V alone (mtp_kv), then the last row's logits
+    kv2 = m.new_mtp_kv(256)
+    m.mtp_kv(hid[:17], nxt[:17], kv2)
+    m.mtp_kv(hid[17:39], nxt[17:39], kv2)
+    last = m.mtp_logits(hid[39:], nxt[39:], kv2)[0]
+    assert float(np.abs(last - want[39]).max()) < HF_TOL and last.argmax() == want[39].argmax()
+    kv3 = m.new_mtp_kv(256)                              # mtp_hidden over the same batches: the same K/V bits
+    for a, b in ((0, 17), (17, 39), (39, 40)):
+        m.mtp_hidden(hid[a:b], nxt[a:b], kv3)
+    slot = kv.pool.slot(m.n_layer)
+    for a, b in zip(kv3.read(slot), kv2.read(slot)):
+        assert a.shape == b.shape and np.array_equal(np.asarray(a), np.asarray(b))
     st.release()
 
 

@@ -239,6 +239,30 @@ def test_a_loan_gives_its_slots_back_to_the_experts_they_held():
     assert sum(L["prefill_misses"] for L in st["layers"]) == 3 * 16
 
 
+def test_a_loan_refill_keeps_the_dwell_so_rounds_go_on_after_a_prefill():
+    """An expert given back its slot after a prefill keeps the dwell it had: a long-resident cold expert can leave at
+    the next round. (Restarting the dwell at the refill froze every lent slot for min_dwell decoded tokens after each
+    prompt, so with a prompt every min_dwell tokens the rounds never swapped.)"""
+    store, dev = _store(n_layers=1, ne=8, n_slots=4, every=4, swaps=4, dwell=8, lend_rows=4)
+    store.place([0, 1, 2, 3])
+    for _ in range(8):                       # the placement dwells 8 tokens on routings to 0 and 1 only
+        dev.compute([0, 1])
+        store.step(1)
+    assert store.begin_prefill(16)
+    store.before_layer(store.layers[0])
+    dev.compute(range(8), count=False)
+    store.after_layer(store.layers[0])
+    store.end_prefill()
+    store.settle()
+    assert sorted(np.flatnonzero(store.resident()).tolist()) == [0, 1, 2, 3]
+    assert (store.dwell[[0, 1, 2, 3]] >= 8).all()
+    for _ in range(4):                       # 6 and 7 turn hot: they replace the cold 2 and 3 at the next round
+        dev.compute([0, 6, 7])
+        store.step(1)
+    store.settle()
+    assert sorted(np.flatnonzero(store.resident()).tolist()) == [0, 1, 6, 7]
+
+
 def test_static_placement_fills_the_hottest_and_never_swaps():
     store, dev = _store(n_layers=1, ne=8, n_slots=3, every=1, dwell=0)
     dev.counts[[6, 2, 7]] = [9, 5, 7]

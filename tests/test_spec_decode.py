@@ -430,21 +430,45 @@ def test_consumer_closing_inside_a_verify(model):
 
 
 def test_adaptive_n_policy():
-    """AdaptiveN with given costs: many drafts at high acceptance, none (a one-draft probe every probe_every
-    steps) at low acceptance; the acceptance follows the verdicts."""
+    """AdaptiveN with given costs: many drafts at high acceptance, none at low acceptance with a two-draft probe
+    after probe_every plain steps, the gap doubling while probes leave n = 0 the best (up to probe_max) and back once
+    drafting pays; the acceptance follows the verdicts; a round's own cost (judge, Commit) counts against drafting;
+    an unmeasured verify size is estimated from the measured ones."""
     from strata.engine.speculate import AdaptiveN
     a = AdaptiveN(4, prior=0.9, probe_every=4)
     a.t_step, a.t_draft, a.t_verify = 10.0, 1.0, {1: 12.0, 2: 13.0, 3: 14.0, 4: 15.0}
     assert a.choose() == 4
     for _ in range(60):                          # every draft rejected: the acceptance falls
         a.verified(4, 0, 4.0, 15.0)
+    assert a.a < 0.1 and a.choose() == 0
+
+    a = AdaptiveN(4, prior=0.05, probe_every=4, probe_max=16)
+    assert a.choose() == 0                       # nothing measured: a plain step first
+    a.t_step, a.t_draft, a.t_verify = 10.0, 1.0, {1: 12.0, 2: 13.0, 3: 14.0, 4: 15.0}
+    gaps = []
+    for _ in range(4):
+        k = 1
+        while a.choose() == 0:
+            a.plain_step(10.0)
+            k += 1
+        assert a.choose() == 2                   # the probe: two drafts
+        gaps.append(k)
+        a.verified(2, 0, 2.0, 13.0, 0.0)
+    assert gaps == [4, 8, 16, 16]
     low = a.a
-    assert low < 0.1 and a.choose() == 0
-    for i in range(3):
-        a.plain_step(10.0)
-        assert a.choose() == (1 if i == 2 else 0)        # the probe after probe_every plain steps
-    a.verified(1, 1, 1.0, 12.0)
-    assert a.choose() == 0 and a.a > low
+    for _ in range(40):                          # the drafts kept: the acceptance rises, drafting pays again
+        a.verified(4, 4, 4.0, 15.0, 0.0)
+    assert a.a > 0.9 > low and a.choose() == 4 and a._gap == 4
+
+    b = AdaptiveN(4, prior=0.6)
+    b.t_step, b.t_draft, b.t_verify, b.t_round = 10.0, 1.0, {1: 12.0, 2: 13.0, 3: 14.0, 4: 15.0}, 0.0
+    assert b.choose() > 0
+    b.t_round = 20.0                             # a Commit costing two steps: drafting no longer pays
+    assert b.choose() == 0
+
+    c = AdaptiveN(4)
+    c.t_step, c.t_verify = 10.0, {1: 12.0}
+    assert c.cost(3) == 3 * 2.0 + 12.0 + 2 * 2.0     # a column at (12 - 10) / 1, drafts at a fifth of a step
 
 
 def test_adaptive_greedy_equals_spec0(model):

@@ -8,7 +8,7 @@
 //   Each weight sub-block is loaded once, into registers, and dotted there with every column's activation block
 //   (wb_load / wb_dot: dot_q8x of quant.cuh split in two, the same integer dot and floating-point expression), a
 //   thread holding NR rows x NC columns of partial sums; the NC butterflies are interleaved (independent shuffles in
-//   flight together). NC, a compile-time column count in {2, 4, 8, 16}, is the smallest that holds n_cols: columns
+//   flight together). NC, a compile-time column count in {2, 3, 4, 5, 8, 16}, is the smallest that holds n_cols: columns
 //   past n_cols re-read the last column and are not stored. The weights are staged into shared memory before the PDL
 //   wait, as the decode matvecs do, where they fit.
 // * The fused forms (strata_mvc_q8w_rope, strata_mvc_q8_resid, strata_mvc_q8w_glu with a handed-off norm): one warp
@@ -584,9 +584,11 @@ static int cols_norm(const float *ss, float eps, int n_in, NormIn *fn) {
   return 0;
 }
 
-// A switch over the compiled column counts: F(NC) with NC the smallest of 2, 4, 8, 16 holding n.
+// A switch over the compiled column counts: F(NC) with NC the smallest of 2, 3, 4, 5, 8, 16 holding n (3 and 5: a
+// speculative verify of 2 or 4 drafts computes no column it does not store).
 #define DISPATCH_NC(n, F) \
-  if ((n) <= 2) F(2); else if ((n) <= 4) F(4); else if ((n) <= 8) F(8); else F(16);
+  if ((n) <= 2) F(2); else if ((n) == 3) F(3); else if ((n) == 4) F(4); else if ((n) == 5) F(5); \
+  else if ((n) <= 8) F(8); else F(16);
 
 // Launch kernel k (its staged variant ks, or without room for `smem` bytes of staged rows on this device, the
 // L2-prefetching kernel kp) with the kernel's arguments.

@@ -204,6 +204,11 @@ int strata_rope_kv_prefill(void *stream, float *qkv, int stride, int pos0, void 
                            const int *page_table, int n, int n_head, int n_kv, int hd, int n_rot, float base, int neox,
                            int page_size);
 
+/* ---------------- copy.cu: batched device copies */
+/* n device-to-device copies in one launch: table (device, uint64) holds per copy (dst, src, bytes); max_bytes is
+ * the largest bytes (sizes the grid). The copies must not overlap. n <= 65535. */
+int strata_copy_many(void *stream, const void *table, int n, long long max_bytes);
+
 /* ---------------- kv_cache.cu: paged KV cache writes and gathers (f16, q8_0) */
 /* Write K/V rows of n new tokens into the paged f16 cache.
  * k, v f32 (n, n_kv, hd); cache (n_pages, page_size, n_kv, hd) f16; page_table int32; start at *d_start + start_off

@@ -44,6 +44,7 @@ class Decoder:
         self.adaptive = adaptive        # picks the drafts of each verify (0 .. spec) when set
         self.spec_max_ctx = int(spec_max_ctx)   # no drafts once the sequence holds this many tokens (0: no limit)
         self.host_logits = False        # sample on the host whatever the last stage keeps (a batched step's rows)
+        self._step: tuple[float, float] | None = None   # a plain step read, its token not yet sampled (_sampled)
 
     def _read(self, tok: int, on_device: bool):
         """Read one token -> its logits (the drafter sees its hidden state)."""
@@ -51,11 +52,20 @@ class Decoder:
             return self.seq.forward(np.asarray([tok], dtype=np.int32), on_device=on_device)
         pos = self.seq.pos
         t0 = time.perf_counter()
-        logits, h = self.seq.forward(np.asarray([tok], dtype=np.int32), hidden=True)
-        if self.adaptive is not None:
-            self.adaptive.plain_step(time.perf_counter() - t0)
+        logits, h = self.seq.forward(np.asarray([tok], dtype=np.int32), on_device=on_device, hidden=True)
+        t1 = time.perf_counter()
         self.drafter.observe(pos, h)
+        if self.adaptive is not None:     # the step's time ends once its token is sampled (_sampled)
+            self._step = (t1 - t0, time.perf_counter())
         return logits
+
+    def _sampled(self) -> None:
+        """A plain step's token sampled: its time (the read and the sampling, which waits for a device's read;
+        not the drafter's feed between them) to the adaptive policy."""
+        if self._step is not None:
+            read_s, t = self._step
+            self._step = None
+            self.adaptive.plain_step(read_s + time.perf_counter() - t)
 
     def choice(self, req: GenerationRequest, prompt: np.ndarray, logits, params: SamplingParams, index: int,
                counts: SpecCounts | None = None, record: list | None = None):
@@ -77,6 +87,7 @@ class Decoder:
         token after it; the tokens are emitted one by one with the same checks as without drafts, and the
         sequence is committed at the position decoding them one at a time would have reached (the last token
         emitted is sampled, not read)."""
+        self._step = None
         if index and params.seed is not None and params.seed != -1:
             params = dataclasses.replace(params, seed=(params.seed + index) % 2 ** 64)
         n = len(prompt)
@@ -144,6 +155,8 @@ class Decoder:
                     logits = guide.apply(logits)
                 res = sampler.sample(logits)
                 tok = int(res.token_id)
+                if self.adaptive is not None:
+                    self._sampled()
                 sampler.accept(tok)
                 if guide is not None:
                     guide.accept(tok)
@@ -160,6 +173,8 @@ class Decoder:
                     room = min(want, max_new - len(toks) - 1, self.n_ctx - n - len(toks) - 1, MAX_DRAFTS)
                     if self.spec_max_ctx and base >= self.spec_max_ctx:
                         room = 0                  # past --spec-max-ctx: plain decode steps
+                    if room > 0 and self.adaptive is not None:
+                        self.drafter.flush()      # the rows held, fed whatever is chosen: not timed as drafting
                     t0 = time.perf_counter()
                     drafts = self.drafter.draft(tok, room, self.spec_min_p) if room > 0 else []
                     masks = None
@@ -177,8 +192,7 @@ class Decoder:
                     if guide is not None:                # the state after the kept drafts and the token after them
                         guide.rollback(len(drafts) - verdict.accepted)
                         guide.accept(int(verdict.tokens[-1].token_id))
-                    if self.adaptive is not None:
-                        self.adaptive.verified(len(drafts), verdict.accepted, t1 - t0, t2 - t1)
+                    t3 = time.perf_counter()
                     counts.verifies += 1
                     counts.drafted += len(drafts)
                     counts.accepted += verdict.accepted
@@ -200,8 +214,13 @@ class Decoder:
                             if finish is not None:
                                 break
                     finally:             # the consumer may close the choice at a yield: the Commit lands anyway
+                        t4 = time.perf_counter()
                         st.commit(base + max(j, 1))
+                        t5 = time.perf_counter()
                     self.drafter.observe(base, h[:j])
+                    if self.adaptive is not None:       # the round besides drafting and the verify: judge, Commit
+                        self.adaptive.verified(len(drafts), verdict.accepted, t1 - t0, t2 - t1,
+                                               (t3 - t2) + (t5 - t4) + (time.perf_counter() - t5))
                     tok = int(verdict.tokens[j - 1].token_id)
                 if finish is not None:
                     break

@@ -130,8 +130,9 @@ class MTPDrafter:
             self._feed(self.seq.pos - 1, None)
 
     def _feed(self, upto: int, last_token: int | None):
-        """Feed MTP positions [length, upto) with their known next tokens, and position `upto` too when
-        `last_token` is given (the token at upto + 1) -> the MTP block's output of the last row fed, or None."""
+        """Feed MTP positions [length, upto) with their known next tokens (their K/V alone: ``mtp_kv``), and
+        position `upto` too when `last_token` is given (the token at upto + 1) -> the MTP block's output of that
+        row (``mtp_hidden``), or None."""
         table = self._table()
         ids = self.seq.ids
         lo = table.length
@@ -146,10 +147,14 @@ class MTPDrafter:
         if last_token is not None:
             toks[-1] = last_token
         rows = self.xp.stack([self._held.get(p, self._zero) for p in range(lo, hi)])
-        out = self.model.mtp_hidden(rows, toks, table)
+        # only the row drafted from needs the block's output: the rows before it need their K/V alone
+        k = hi - lo - (last_token is not None)
+        if k:
+            self.model.mtp_kv(rows[:k], toks[:k], table)
+        out = self.model.mtp_hidden(rows[k:], toks[k:], table) if last_token is not None else None
         for p in [p for p in self._held if p < hi]:
             del self._held[p]
-        return out[-1:]
+        return out
 
     def draft(self, token: int, n: int, min_p: float) -> list[Draft]:
         """Up to n drafts following `token` (sampled, about to be read at the sequence's position P), stopping at
@@ -186,7 +191,7 @@ class MTPDrafter:
         self._feed(P - 1, None)
         table = self._table()
         h = self._held.pop(P - 1, self._zero)
-        t, logits, x = self._graph.step(h, token, table)
+        t, logits = self._graph.step(token, table, h)
         out: list[Draft] = []
         for k in range(n):
             if min_p > 0:
@@ -197,8 +202,8 @@ class MTPDrafter:
             if self.oracle is not None:
                 t = int(self.oracle(P + 1 + k, t))
             out.append(Draft(t))
-            if k + 1 < n:            # the block's own output as h
-                t, logits, x = self._graph.step(x, t, table)
+            if k + 1 < n:            # the block's own output as h (kept in the step's buffer)
+                t, logits = self._graph.step(t, table)
         table.truncate(P)
         return out
 
@@ -208,8 +213,8 @@ def graph_step(model):
     backend that the hybrid's decode plan runs; None elsewhere (the model's own mtp_hidden / mtp_head draft)."""
     if getattr(model, "mtp", None) is None or getattr(model, "xp", np) is np or not getattr(model, "on_device", False):
         return None
-    from strata.backend.cuda import mtp
-    if mtp.unsupported(model) is not None:
+    from strata.backend.cuda import mtp, settings
+    if not settings.mtp_graph_enabled() or mtp.unsupported(model) is not None:
         return None
     return mtp.MTPStep(model)
 
@@ -217,19 +222,29 @@ def graph_step(model):
 class AdaptiveN:
     """How many drafts the next verify takes (0 .. n_max: 0 is a plain decode step), chosen to maximise the expected
     tokens per second from what was measured so far: the per-position acceptance (each draft tried after the ones
-    before it were kept: a running average over those trials) and the times of a decode step, of one draft and of a
-    verify of k drafts (running averages). With acceptance a per position, a verify of n drafts emits
-    (1 - a^(n + 1)) / (1 - a) tokens on average. While n = 0 wins, every ``probe_every`` steps a verify of one draft
-    keeps the acceptance measured. Costs not measured yet are estimated from the decode step (a draft at a fifth
-    of it, a verify of k drafts at 1 + k / 4 of it); the acceptance starts at ``prior``."""
+    before it were kept: a running average over those trials) and the times of a decode step, of one draft, of a
+    verify of k drafts and of what a verify adds besides them (judging the rows, the Commit, handing the drafter its
+    rows): running averages. With acceptance a per position, a verify of n drafts emits (1 - a^(n + 1)) / (1 - a)
+    tokens on average. While n = 0 wins, a verify of two drafts (a probe) keeps the acceptance measured: after
+    ``probe_every`` plain steps, the gap doubling after each probe that leaves n = 0 the best (up to ``probe_max``)
+    and back to ``probe_every`` once drafting pays. The first step is a plain one (the decode step measured); costs
+    not measured yet are estimated from it (a draft at a fifth of it, a verify of k drafts at 1 + k / 4 of it); the
+    acceptance starts at ``prior``.
 
-    def __init__(self, n_max: int, alpha: float = 0.05, prior: float = 0.5, probe_every: int = 16):
-        self.n_max, self.alpha, self.probe_every = int(n_max), float(alpha), int(probe_every)
+    The times given are the caller's to make comparable: a plain step's is the read alone, a verify's drafting
+    excludes feeding the drafter the rows it holds (``MTPDrafter.catch_up``: paid whatever is chosen)."""
+
+    def __init__(self, n_max: int, alpha: float = 0.15, prior: float = 0.5, probe_every: int = 16,
+                 probe_max: int = 32):
+        self.n_max, self.alpha = int(n_max), float(alpha)
+        self.probe_every, self.probe_max = int(probe_every), max(int(probe_every), int(probe_max))
         self.a = float(prior)
         self.t_step: float | None = None
         self.t_draft: float | None = None
         self.t_verify: dict[int, float] = {}
+        self.t_round: float | None = None             # a verify's time besides drafting and the forward
         self._plain = 0                               # plain steps since the last verify
+        self._gap = self.probe_every                  # plain steps before the next probe
 
     def _avg(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.alpha * (new - old)
@@ -247,21 +262,38 @@ class AdaptiveN:
         draft = self.t_draft if self.t_draft is not None else step / 5
         verify = self.t_verify.get(n)
         if verify is None:
-            verify = step * (1.0 + n / 4)
-        return n * draft + verify
+            verify = self._verify_estimate(n, step)
+        return n * draft + verify + (self.t_round or 0.0)
+
+    def _verify_estimate(self, n: int, step: float) -> float:
+        """A verify of n drafts not measured yet: from the nearest measured size, a column costing what the
+        measured ones cost per column over a decode step (a quarter of a step when nothing is measured)."""
+        if not self.t_verify:
+            return step * (1.0 + n / 4)
+        per = [(v - step) / k for k, v in self.t_verify.items() if v > step]
+        col = max(sum(per) / len(per), 0.0) if per else step / 4
+        k = min(self.t_verify, key=lambda k: abs(k - n))
+        return self.t_verify[k] + (n - k) * col
+
+    def best(self) -> int:
+        """The n maximising expected tokens per second (no probe)."""
+        return max(range(self.n_max + 1), key=lambda n: self.expected(n) / self.cost(n))
 
     def choose(self) -> int:
-        best = max(range(self.n_max + 1), key=lambda n: self.expected(n) / self.cost(n))
-        if best == 0 and self._plain + 1 >= self.probe_every:
-            return 1
+        if self.t_step is None:
+            return 0                  # a plain step first: what every choice is measured against
+        best = self.best()
+        if best == 0 and self.n_max > 0 and self._plain + 1 >= self._gap:
+            return min(2, self.n_max)    # a probe: two drafts (the second tried when the first is kept)
         return best
 
     def plain_step(self, seconds: float) -> None:
         self.t_step = self._avg(self.t_step, seconds)
         self._plain += 1
 
-    def verified(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
-        """One verify: its drafts, how many were kept, and the times of drafting and of the verify."""
+    def verified(self, drafted: int, accepted: int, draft_s: float, verify_s: float, round_s: float = 0.0) -> None:
+        """One verify: its drafts, how many were kept, and the times of drafting, of the verify and of the rest of
+        the round (judging, the Commit, the drafter handed its rows)."""
         self._plain = 0
         if drafted <= 0:
             return
@@ -269,3 +301,5 @@ class AdaptiveN:
             self.a += self.alpha * (ok - self.a)
         self.t_draft = self._avg(self.t_draft, draft_s / drafted)
         self.t_verify[drafted] = self._avg(self.t_verify.get(drafted), verify_s)
+        self.t_round = self._avg(self.t_round, round_s)
+        self._gap = min(2 * self._gap, self.probe_max) if self.best() == 0 else self.probe_every

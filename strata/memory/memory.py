@@ -191,7 +191,7 @@ class Memory:
         elif not steps.base < p <= st.pos:
             raise ValueError(f"commit({p}) outside the kept positions ({steps.base}, {st.pos}]")
 
-    @on_device(drain=True)
+    @on_device(drain=False)         # its device copies are ordered on the current stream, after the verify
     def commit(self, sid: int, p: int) -> None:
         """After a forward armed by ``keep``: the sequence at position p (a position that forward read): attention
         K/V cut back, the running state taken from the state kept after token p - 1. Disarms the keep. Without a

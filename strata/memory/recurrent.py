@@ -61,9 +61,13 @@ class RecurrentMemory(Memory, Field):
 
     def _commit(self, st, p):
         i = p - st.steps.base - 1                   # the state after token p - 1
-        for li, d in st.running.items():
-            for k, a in d.items():
-                a[...] = st.steps.layers[li][k][i]
+        pairs = [(a, st.steps.layers[li][k][i]) for li, d in st.running.items() for k, a in d.items()]
+        many = getattr(self.backend, "copy_many", None) if self.xp is not np else None
+        if many is not None:
+            many(pairs)                             # one launch on a GPU
+            return
+        for a, b in pairs:
+            a[...] = b
 
     def _reset(self, st):
         st.steps = None

@@ -538,10 +538,9 @@ class Qwen3NextModel(Model):
         x = self.mtp_hidden(hidden, next_tokens, mtp_kv)
         return self.mtp_head(x)
 
-    def mtp_hidden(self, hidden: np.ndarray, next_tokens: np.ndarray, mtp_kv: PagedKV) -> np.ndarray:
-        """The MTP block's half of ``mtp_logits``: appends the positions' K/V to mtp_kv and returns the block's
-        output after ``shared_head_norm`` (n, n_embd), which ``mtp_head`` turns into draft logits (and which a
-        drafter feeds back as the next position's ``h`` when it drafts past the main model's hidden states)."""
+    def _mtp_input(self, hidden, next_tokens, mtp_kv: PagedKV):
+        """The MTP block's input rows eh_proj([enorm(embed(t_{p+1})), hnorm(h_p)]) and their positions (from
+        mtp_kv.length, pages reserved for them)."""
         if self.mtp is None:
             raise ValueError("this model has no MTP layer (nextn_predict_layers = 0)")
         be, m = self.backend, self.mtp
@@ -555,11 +554,33 @@ class Qwen3NextModel(Model):
         e = be.embed(m["embed"] if m["embed"] is not None else self.tok_embd, toks)
         x = self.xp.concatenate([be.rms_norm(e, m["enorm"], self.eps), be.rms_norm(hidden, m["hnorm"], self.eps)],
                                 axis=1)
-        x = be.matmul(self.xp.ascontiguousarray(x), m["eh_proj"])
+        return be.matmul(self.xp.ascontiguousarray(x), m["eh_proj"]), positions
+
+    def mtp_hidden(self, hidden: np.ndarray, next_tokens: np.ndarray, mtp_kv: PagedKV) -> np.ndarray:
+        """The MTP block's half of ``mtp_logits``: appends the positions' K/V to mtp_kv and returns the block's
+        output after ``shared_head_norm`` (n, n_embd), which ``mtp_head`` turns into draft logits (and which a
+        drafter feeds back as the next position's ``h`` when it drafts past the main model's hidden states)."""
+        m = self.mtp
+        x, positions = self._mtp_input(hidden, next_tokens, mtp_kv)
         x = self._block(m["block"], self.n_layer, x, positions, mtp_kv, None)
-        x = be.rms_norm(x, m["head_norm"] if m["head_norm"] is not None else self.out_norm, self.eps)
-        mtp_kv.commit(n)
+        x = self.backend.rms_norm(x, m["head_norm"] if m["head_norm"] is not None else self.out_norm, self.eps)
+        mtp_kv.commit(x.shape[0])
         return x
+
+    def mtp_kv(self, hidden: np.ndarray, next_tokens: np.ndarray, mtp_kv: PagedKV) -> None:
+        """``mtp_hidden``'s K/V alone: the positions' K/V appended to mtp_kv, the same values (the block's K/V at a
+        position depends on its own input row only), without the rows' attention output, FFN and head norm, which
+        only a row drafted from needs (a drafter catching up the positions before the one it drafts from). The
+        attention still runs, with zero queries (the backends write K/V inside their attention op)."""
+        be, c, L = self.backend, self.config, self.mtp["block"]
+        x, positions = self._mtp_input(hidden, next_tokens, mtp_kv)
+        n = x.shape[0]
+        h = be.rms_norm(x, L.attn_norm, self.eps)
+        k = be.rms_norm(be.matmul(h, L.wk).reshape(n, c.n_head_kv, c.head_dim), L.k_norm, self.eps)
+        v = be.matmul(h, L.wv).reshape(n, c.n_head_kv, c.head_dim)
+        k = be.rope(k, positions, self.n_rot, c.rope_theta, True)
+        be.attention(self.xp.zeros((n, c.n_head, c.head_dim), np.float32), k, v, mtp_kv, self.n_layer, self.scale)
+        mtp_kv.commit(n)
 
     def mtp_head(self, x: np.ndarray, on_device: bool = False) -> np.ndarray:
         """Draft logits (host float32 (n, n_vocab); on_device: in the backend's array module) from ``mtp_hidden``'s

@@ -150,9 +150,8 @@ class ExpertStore:
             return
         keys = [self.pending.pop(s)[0] for s in slots]
         self.dev.point(keys, list(slots))
-        for s, k in zip(slots, keys):
+        for s, k in zip(slots, keys):           # the dwell runs from _fill (a loan's refill keeps the one it had)
             self.state[s], self.owner[s], self.slot_of[k] = RESIDENT, k, s
-            self.dwell[k] = 0
 
     def observe(self, counts: np.ndarray, prefill: bool = False) -> None:
         """Fold routings counted since the last call into the usage (decayed over the tokens decoded meanwhile) and

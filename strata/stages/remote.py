@@ -235,7 +235,9 @@ class RemoteStage(StageBase):
         self.worker_us += int(res.compute_us)
         if getattr(be, "xp", np) is not np:
             with be.device:
-                return self.model.head(be.xp.asarray(h), all_logits, on_device=on_device)
+                hd = be.xp.asarray(h)
+                out = self.model.head(hd, all_logits, on_device=on_device)
+                return (out, be.rms_norm(hd, self.model.out_norm, self.model.config.rms_eps)) if hidden else out
         if hidden:           # the drafter's: the final-normed rows, beside the logits the head gives as always
             return self.model.head(h, all_logits), be.rms_norm(h, self.model.out_norm, self.model.config.rms_eps)
         return self.model.head(h, all_logits)

@@ -102,7 +102,7 @@ class Sequence:
         try:
             for st, sid in zip(self.stages, self.sids):
                 if hidden and st.last:
-                    x = st.forward(toks, sid, x_in=x, all_logits=all_logits, hidden=True)
+                    x = st.forward(toks, sid, x_in=x, all_logits=all_logits, on_device=on_device, hidden=True)
                 else:
                     x = st.forward(toks, sid, x_in=x, all_logits=all_logits, on_device=on_device)
         finally:

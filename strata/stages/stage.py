@@ -29,9 +29,14 @@ class ModelRunner:
         """One decode step of several sequences (``model.forward_batch`` of this carve)."""
         return self.model.forward_batch(tokens, states, self.lo, self.hi, x_in=x_in)
 
-    def forward_device(self, tokens, state, x_in=None):
-        out = self.forward(tokens, state, x_in=x_in)
-        return self.model.backend.asarray(out) if self.model.ends_with_head(self.hi) else out
+    def forward_device(self, tokens, state, x_in=None, hidden: bool = False):
+        """forward() with the last token's logits as the backend's array (hidden: (those, the final-normed rows))."""
+        out = self.forward(tokens, state, x_in=x_in, hidden=hidden)
+        if not self.model.ends_with_head(self.hi):
+            return out
+        if hidden:
+            return self.model.backend.asarray(out[0]), out[1]
+        return self.model.backend.asarray(out)
 
     @property
     def moe_path(self):
@@ -160,6 +165,8 @@ class Stage(StageBase):
                 x_in = self.backend.xp.asarray(x_in)         # a peer copy when it is on another GPU
         st = self.memory.seq(sid)
         if on_device and self.last:
+            if hidden:
+                return self.runner.forward_device(tokens, st, x_in=x_in, hidden=True)
             return self.runner.forward_device(tokens, st, x_in=x_in)
         if hidden and self.last:
             return self.runner.forward(tokens, st, all_logits=all_logits, x_in=x_in, hidden=True)

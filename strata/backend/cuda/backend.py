@@ -199,6 +199,25 @@ class CudaBackend(Backend):
         from strata.backend.cuda.plans import plan_model
         return plan_model(model, lo, hi) or model
 
+    def copy_many(self, pairs) -> None:
+        """dst[...] = src for each (dst, src) of `pairs` (C-contiguous CuPy arrays of equal byte sizes on this
+        device, not overlapping) in one launch (strata_copy_many) on the current stream; ValueError for a pair
+        that is not."""
+        if not pairs:
+            return
+        tab = np.empty((len(pairs), 3), np.uint64)
+        for i, (d, s) in enumerate(pairs):
+            if d.nbytes != s.nbytes or not (d.flags.c_contiguous and s.flags.c_contiguous):
+                raise ValueError(f"copy_many: pair {i} is {d.nbytes} <- {s.nbytes} bytes (equal C-contiguous "
+                                 "arrays needed)")
+            tab[i] = (d.data.ptr, s.data.ptr, d.nbytes)
+        buf = getattr(self, "_copy_table", None)
+        if buf is None or buf.size < tab.size:
+            buf = self._copy_table = self.cp.empty(max(3 * 64, tab.size), self.cp.uint64)
+        stream = self.cp.cuda.get_current_stream()
+        buf[:tab.size].set(tab.reshape(-1), stream=stream)
+        check(lib().strata_copy_many(stream_ptr(), ptr(buf), len(pairs), int(tab[:, 2].max())), "copy_many")
+
     def drain(self) -> None:
         """Wait for everything queued on this backend's device (cudaDeviceSynchronize on this device, not the
         current one)."""

@@ -225,7 +225,8 @@ class Qwen35Cuda(DecodePlan):
         # read: the armed sequence's kept slots (state.steps, owned by its memory), or 0 (nothing kept)
         self.keep_index = {li: k for k, li in enumerate(sorted(self.resident.buf))}
         self.d["keep"] = cp.zeros(max(1, 2 * len(self.keep_index)), cp.uint64)
-        self._keep_set: tuple = ()                         # what d['keep'] holds now
+        self._keep_src: Any = None                         # the kept slots d['keep'] points at now (None: none)
+        self._kept_ok: tuple = (None, 0)                   # kept slots checked last, and how many rows they hold
 
     @staticmethod
     def unsupported(model, lo: int = 0, hi: int | None = None) -> str | None:
@@ -395,6 +396,8 @@ class Qwen35Cuda(DecodePlan):
         steps = state.steps
         if steps is None or not self.keep_index:
             return None
+        if self._kept_ok[0] is steps.layers and self._kept_ok[1] >= steps.n:
+            return steps.layers                           # the memory reuses a sequence's slots: checked before
         cp = self.cp
         dev = self.model.backend.device_id
         for li, parts in self.resident.buf.items():
@@ -406,6 +409,7 @@ class Qwen35Cuda(DecodePlan):
                                                        f"{tuple(getattr(a, 'shape', ()))}"
                     raise ValueError(f"kept state {li}/{k} is {have}; the plan writes CuPy float32 "
                                      f"({steps.n},) + {tuple(b.shape)} on device {dev}")
+        self._kept_ok = (steps.layers, min(int(a.shape[0]) for parts in steps.layers.values() for a in parts.values()))
         return steps.layers
 
     def _check_keep(self, state, n: int) -> None:
@@ -416,14 +420,13 @@ class Qwen35Cuda(DecodePlan):
         """d['keep'] = the kept slots' addresses of an armed sequence (conv, ssm per GDN layer), else zeros; copied
         only when they change (on the current stream, before the launches read them)."""
         slots = self._kept_slots(state)
-        want = () if slots is None else tuple(slots[li][k].data.ptr for li in sorted(self.keep_index)
-                                              for k in ("conv", "ssm"))
-        if want == self._keep_set:
+        if slots is self._keep_src:
             return
         tab = np.zeros(self.d["keep"].size, np.uint64)
-        tab[:len(want)] = want
+        if slots is not None:
+            tab[:] = [slots[li][k].data.ptr for li in sorted(self.keep_index) for k in ("conv", "ssm")]
         self.d["keep"].set(tab, stream=self.cp.cuda.get_current_stream())
-        self._keep_set = want
+        self._keep_src = slots
 
     def _keep_steps(self, state, i: int) -> None:
         """The running state after a short read's step i into its kept slot (device copies)."""

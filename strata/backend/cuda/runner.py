@@ -829,10 +829,43 @@ class PlanModel:
                     if hidden and plan.last:
                         return plan.prefill(tokens, state, all_logits, x_in, hidden=True)
                     return plan.prefill(tokens, state, all_logits, x_in)
+            if state.steps is not None:
+                return self._verify_by_steps(toks, state, all_logits, x_in, hidden)
             if hidden and self.model.ends_with_head(self.hi):
                 return self.model.forward_carve(tokens, state, self.lo, self.hi, x_in=x_in, all_logits=all_logits,
                                                 hidden=True)
             return self.generic_forward(tokens, state, all_logits, x_in)
+
+    def _verify_by_steps(self, toks, state, all_logits: bool, x_in, hidden: bool):
+        """forward() of a sequence armed by Memory.keep that is not on the plan (a carve without attention layers
+        has no pages, so no plan): the tokens read one at a time through the model's own forward (each row the
+        bits of that forward's one-token read), the running state after each copied into its kept slot on the
+        device. Same result as forward()."""
+        steps, cp = state.steps, self.model.backend.cp
+        head = self.model.ends_with_head(self.hi)
+        outs, hs = [], []
+        state.steps = None
+        try:
+            for i in range(toks.shape[0]):
+                xi = None if x_in is None else x_in[i:i + 1]
+                if hidden and head:
+                    o, h = self.model.forward_carve(toks[i:i + 1], state, self.lo, self.hi, x_in=xi,
+                                                    all_logits=all_logits, hidden=True)
+                    hs.append(h)
+                else:
+                    o = self.generic_forward(toks[i:i + 1], state, all_logits, xi)
+                outs.append(o)
+                for li, d in steps.layers.items():
+                    for k, a in d.items():
+                        a[i][...] = state.running[li][k]
+        finally:
+            state.steps = steps
+        if head and not all_logits:
+            out = outs[-1]
+        else:
+            xp = np if isinstance(outs[0], np.ndarray) else cp
+            out = xp.concatenate([xp.asarray(o).reshape(1, -1) for o in outs])
+        return (out, cp.concatenate([cp.asarray(h).reshape(1, -1) for h in hs])) if hidden and head else out
 
     def forward_batch(self, tokens, states, x_in=None):
         """One decode step of several sequences (Model.forward_batch's contract) through the plan's decode step over
@@ -851,13 +884,19 @@ class PlanModel:
         with self.model.backend.device:
             return self.plan(state.kv.pool).measure_short_read(state)
 
-    def forward_device(self, tokens, state, x_in=None):
+    def forward_device(self, tokens, state, x_in=None, hidden: bool = False):
         """forward(tokens, state, x_in=x_in) with the last token's logits left on the device: CuPy f32 (n_vocab,),
         ordered on the current stream (valid until the next call); a stage before the last: its hidden states, CuPy
-        f32 (n, n_embd)."""
+        f32 (n, n_embd). hidden (the last stage): (those logits, the final-normed rows, CuPy f32 (n, n_embd) of
+        its own), for the MTP drafter."""
         toks = np.asarray(tokens).reshape(-1)
+        cp = self.model.backend.cp
         with self.model.backend.device:
-            if toks.shape[0] == 1 and self._on_plan(state):
-                return self.plan(state.kv.pool).decode_device(token_id(toks[0], self.model.config.n_vocab), state,
-                                                              x_in)
-            return self.model.backend.cp.asarray(self.forward(tokens, state, x_in=x_in))   # hidden: as it is
+            if toks.shape[0] == 1 and self._on_plan(state) and state.steps is None:
+                plan = self.plan(state.kv.pool)
+                out = plan.decode_device(token_id(toks[0], self.model.config.n_vocab), state, x_in)
+                return (out, plan.d["hn"][:1].copy()) if hidden and plan.last else out
+            if hidden and self.model.ends_with_head(self.hi):
+                logits, h = self.forward(tokens, state, x_in=x_in, hidden=True)
+                return cp.asarray(logits), h
+            return cp.asarray(self.forward(tokens, state, x_in=x_in))   # hidden: as it is

@@ -60,6 +60,12 @@ def hybrid_prefill_enabled() -> bool:
     return env_on("STRATA_CUDA_HYBRID_PREFILL")
 
 
+def mtp_graph_enabled() -> bool:
+    """STRATA_CUDA_MTP_GRAPH (default on): off drafts through the model's own mtp_hidden / mtp_head on the device
+    (the reference bench/spec_decode.py compares the graph step with)."""
+    return env_on("STRATA_CUDA_MTP_GRAPH")
+
+
 KV_DTYPES = ("f16", "q8_0")   # KV cache types of CudaPagePool (--kv)
 
 MAX_SPLIT = 256          # split-K partitions of the v1 decode attention (about 64 positions each)
