@@ -155,8 +155,12 @@ def test_options_refused_with_several_slots(default_model_path, tmp_path):
 def test_serve_refuses_slots_it_cannot_run_before_the_model_loads(flags, needle):
     """A usage error (exit 2) naming the flag, before any model loads (the model path does not exist): one line,
     or argparse's usage line and its error."""
-    from tests.test_cli import strata
-    p = strata("serve", "--socket", "/tmp/strata-test-unused.sock", "--model", "/nonexistent.gguf", *flags)
+    import subprocess
+    import sys
+    from tests.daemon import env_for_daemon
+    p = subprocess.run([sys.executable, "-m", "strata.cli.main", "serve", "--socket", "/tmp/strata-test-unused.sock",
+                        "--model", "/nonexistent.gguf", *flags], capture_output=True, text=True, timeout=300,
+                       env=env_for_daemon())
     err = p.stderr.strip()
     assert p.returncode == 2 and "Traceback" not in err and err.splitlines()[-1].startswith("strata serve: error: ")
     assert needle in err.splitlines()[-1], err
