@@ -13,7 +13,15 @@ model's compute where its file is not at hand), 'syn_llama_1_7b' and 'syn_hybrid
 and bench/gpu_hybrid_model.py's synthetic models, written into --dir on first use), or GGUF paths.
 Usage: PYTHONPATH=. python bench/parallel.py [--device cuda|cpu] [--models default,syn_llama_1_7b,syn_hybrid_1_5b]
        [--ns 1,2,4,8,16] [--steps 16] [--reps 3] [--depth 600] [--threads N] [--out PATH]
+       PYTHONPATH=. python bench/parallel.py --e2e 1,2,4 [--models default] [--llama-server PATH] [--e2e-tokens 48]
 Writes bench/results/parallel_step_<device>_<commit>.json (or --out).
+
+--e2e K1,K2,...: the end-to-end arm instead, on the CPU: for each K, K concurrent clients stream a completion each
+(llama-server's POST /completion, a distinct prompt of about --e2e-prompt tokens, --e2e-tokens tokens) from
+`strata serve --parallel K` and, the reference measured in the same run, from `strata serve --parallel 1` (the same K
+clients, queued) and from `llama-server --parallel K` on the same GGUF where --llama-server names its binary:
+aggregate tok/s (every token of every answer over the burst's wall time), per-request latency, time to first token
+and inter-token latency (p50 / p99). Writes bench/results/parallel_e2e_cpu_<commit>.json (or --out).
 """
 from __future__ import annotations
 
@@ -104,6 +112,163 @@ def bench_model(path: str, device: str, ns, steps: int, reps: int, depth: int) -
     return res
 
 
+# ---- the end-to-end arm: K concurrent clients through a daemon -----------------------------------------------------
+
+def _stream_completion(port: int, prompt: str, n_predict: int) -> dict:
+    """One streamed POST /completion (llama-server's route, both servers speak it) -> {"start", "times" (each
+    token chunk's arrival, time.perf_counter), "end", "n"}."""
+    import http.client
+    body = json.dumps({"prompt": prompt, "n_predict": n_predict, "stream": True, "temperature": 0,
+                       "cache_prompt": False})
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    t0 = time.perf_counter()
+    c.request("POST", "/completion", body, {"Content-Type": "application/json"})
+    r = c.getresponse()
+    times, n = [], 0
+    for raw in r:
+        line = raw.strip()
+        if not line.startswith(b"data: "):
+            continue
+        d = json.loads(line[6:])
+        if d.get("stop"):
+            n = int(d.get("tokens_predicted", len(times)))
+            break
+        times.append(time.perf_counter())
+    c.close()
+    return {"start": t0, "times": times, "end": time.perf_counter(), "n": n or len(times)}
+
+
+def _pct(xs, q) -> float | None:
+    return float(np.percentile(xs, q)) * 1e3 if len(xs) else None
+
+
+def _burst(port: int, prompts: list[str], n_predict: int) -> dict:
+    """The K prompts sent at once (one thread each) -> the arm's numbers."""
+    import threading
+    res: list = [None] * len(prompts)
+
+    def run(i):
+        res[i] = _stream_completion(port, prompts[i], n_predict)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    ttft = [r["times"][0] - r["start"] for r in res if r["times"]]
+    itl = [b - a for r in res for a, b in zip(r["times"], r["times"][1:])]
+    lat = [r["end"] - r["start"] for r in res]
+    tokens = sum(r["n"] for r in res)
+    return {"tokens": tokens, "wall_s": wall, "aggregate_tok_s": tokens / wall, "latency_ms_p50": _pct(lat, 50),
+            "latency_ms_max": max(lat) * 1e3, "ttft_ms_p50": _pct(ttft, 50), "ttft_ms_p99": _pct(ttft, 99),
+            "itl_ms_p50": _pct(itl, 50), "itl_ms_p99": _pct(itl, 99)}
+
+
+def _wait_port(port: int, proc, timeout: float = 300.0) -> None:
+    import http.client
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited ({proc.returncode}) before it answered /health")
+        try:
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            c.request("GET", "/health")
+            if c.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError("the server did not answer /health in time")
+
+
+def _server(cmd: list[str], port: int, log: Path):
+    import subprocess
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), STRATA_DEVICE="cpu")
+    f = open(log, "wb")
+    proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    try:
+        _wait_port(port, proc)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc
+
+
+def e2e(model: str, ks: list[int], n_predict: int, prompt_tokens: int, threads: int, llama: str | None,
+        folder: Path) -> dict:
+    """The end-to-end arms for each K -> {K: {"strata_parallel_K", "strata_parallel_1", "llama_server"?, ratios}}."""
+    import socket
+    import tempfile
+    words = ("river stone garden lamp winter orange music paper engine cloud silver forest window market "
+             "letter bridge candle harbor meadow tower").split()
+    rng = np.random.default_rng(1)
+    n_ctx = 1024
+
+    def free_port():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    out = {}
+    tmp = Path(tempfile.mkdtemp(prefix="strata-e2e-"))
+    for k in ks:
+        prompts = [f"Story {i}: " + " ".join(rng.choice(words, prompt_tokens)) for i in range(k)]
+        row = {}
+        arms = [(f"strata_parallel_{k}", k), ("strata_parallel_1", 1)] if k > 1 else [("strata_parallel_1", 1)]
+        for name, n in arms:
+            port = free_port()
+            cmd = [sys.executable, "-m", "strata.cli.main", "serve", "--model", model, "--socket", str(tmp / "s.sock"),
+                   "--port", str(port), "--n-ctx", str(n_ctx), "--threads", str(threads), "--parallel", str(n),
+                   "--queue-max", "64", "--log-level", "warning"]
+            proc = _server(cmd, port, tmp / f"{name}.log")
+            try:
+                _burst(port, prompts[:1], 4)                 # one request first: what a first request costs
+                row[name] = _burst(port, prompts, n_predict)
+            finally:
+                proc.terminate()
+                proc.wait()
+            print(f"  K={k} {name}: {row[name]['aggregate_tok_s']:.1f} tok/s, latency p50 "
+                  f"{row[name]['latency_ms_p50']:.0f} ms, itl p50 {row[name]['itl_ms_p50'] or 0:.1f} ms", flush=True)
+        if llama:
+            port = free_port()
+            cmd = [llama, "-m", model, "-c", str(n_ctx * k), "-np", str(k), "-t", str(threads), "--port", str(port),
+                   "--host", "127.0.0.1", "--log-disable"]
+            proc = _server(cmd, port, tmp / "llama.log")
+            try:
+                _burst(port, prompts[:1], 4)
+                row["llama_server"] = _burst(port, prompts, n_predict)
+            finally:
+                proc.terminate()
+                proc.wait()
+            print(f"  K={k} llama-server -np {k}: {row['llama_server']['aggregate_tok_s']:.1f} tok/s, latency p50 "
+                  f"{row['llama_server']['latency_ms_p50']:.0f} ms", flush=True)
+        mine = row.get(f"strata_parallel_{k}", row["strata_parallel_1"])
+        row["ratio_vs_parallel_1"] = mine["aggregate_tok_s"] / row["strata_parallel_1"]["aggregate_tok_s"]
+        if "llama_server" in row:
+            row["ratio_vs_llama_server"] = mine["aggregate_tok_s"] / row["llama_server"]["aggregate_tok_s"]
+        out[str(k)] = row
+    return out
+
+
+def main_e2e(a) -> int:
+    from gpu_throughput import commit, host_load
+    ks = [int(x) for x in a.e2e.split(",")]
+    model = model_path(a.models.split(",")[0], Path(a.dir))
+    llama = a.llama_server if a.llama_server and os.path.exists(a.llama_server) else None
+    out = {"what": "bench/parallel.py --e2e", "device": "cpu", "commit": commit(), "model": os.path.basename(model),
+           "ks": ks, "n_predict": a.e2e_tokens, "prompt_words": a.e2e_prompt, "threads": a.threads or 2,
+           "llama_server": llama, "host_load": host_load()}
+    dest = Path(a.out) if a.out else ROOT / "bench" / "results" / f"parallel_e2e_cpu_{out['commit']}.json"
+    out["rows"] = e2e(model, ks, a.e2e_tokens, a.e2e_prompt, a.threads or 2, llama, Path(a.dir))
+    out["host_load_after"] = host_load()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text(json.dumps(out, indent=1))
+    print(f"wrote {dest}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda:0")
@@ -115,7 +280,15 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--dir", default=os.environ.get("TMPDIR", "/tmp") + "/strata-bench")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--e2e", default=None, metavar="K1,K2,...",
+                    help="the end-to-end arm: K concurrent clients through the daemon (CPU)")
+    ap.add_argument("--e2e-tokens", type=int, default=48)
+    ap.add_argument("--e2e-prompt", type=int, default=48, help="words per prompt")
+    ap.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"),
+                    help="llama-server's binary (a CPU build): its --parallel K arm beside Strata's")
     a = ap.parse_args(argv)
+    if a.e2e:
+        return main_e2e(a)
     from gpu_throughput import commit, host_load
     device = "cpu" if a.device == "cpu" else a.device if ":" in a.device else f"{a.device}:0"
     if device == "cpu" and a.threads:

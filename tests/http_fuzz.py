@@ -65,6 +65,7 @@ FIELDS = {
     "cache_prompt": st.booleans() | junk,
     "strata_checkpoint": st.booleans() | junk,
     "strata_pin": st.integers(-2, 6) | junk,
+    "id_slot": st.integers(-2, 3) | junk,
     "response_format": st.fixed_dictionaries({"type": st.just("json_schema"),
                                               "json_schema": st.fixed_dictionaries({"name": st.just("x"),
                                                                                     "schema": schemas})})

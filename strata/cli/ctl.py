@@ -316,6 +316,7 @@ def cmd_status(c: Client, args) -> int:
         ("model", d.get("model")), ("arch", e.get("arch")), ("path", e.get("path")), ("n_ctx", e.get("n_ctx")),
         ("stages", stages), ("position", e.get("pos")),
         ("queue", f"{q.get('running', 0)} running, {q.get('waiting', 0)} waiting (max {q.get('max')})"),
+        ("slots", _slots_line(_list(d.get("slots")))),
         ("kv pages", f"{kv.get('used')} / {kv.get('total')} used (page size {kv.get('page_size')})" +
                      (f", {kv.get('held')} held by checkpoints and "
                       f"{len([p for p in e.get('parked') or [] if p.get('tier') == 'device'])} parked resident"
@@ -329,6 +330,15 @@ def cmd_status(c: Client, args) -> int:
     ] + ([("expert tier", "per layer: resident experts, decode hit rate, swaps, bytes copied")] + tier_rows
          if tier_rows else [])))
     return EXIT_OK
+
+
+def _slots_line(slots: list) -> str:
+    """One line for the request slots: how many are busy, then each busy one's phase, position and tokens decoded."""
+    slots = [s for s in slots if isinstance(s, dict)]
+    busy = [s for s in slots if s.get("is_processing")]
+    each = ", ".join(f"{s.get('id')}: {s.get('phase') or 'processing'} at {s.get('pos')}"
+                     f" ({(s.get('next_token') or {}).get('n_decoded', 0)} decoded)" for s in busy)
+    return f"{len(busy)} / {len(slots)} busy" + (f" ({each})" if each else "")
 
 
 def _rate(x) -> str:
@@ -378,8 +388,9 @@ def cmd_models(c: Client, args) -> int:
 
 def cmd_slots(c: Client, args) -> int:
     d = c.call("GET", "/slots")
-    rows = [[s.get("id"), s.get("state"), s.get("pos"), s.get("n_ctx"), s.get("checkpoints")] for s in d]
-    _out(args, d, table(rows, ["ID", "STATE", "POS", "N_CTX", "CHECKPOINTS"]))
+    rows = [[s.get("id"), s.get("state"), s.get("pos"), s.get("n_ctx"), s.get("id_task"),
+             (s.get("next_token") or {}).get("n_decoded", 0), s.get("checkpoints")] for s in d]
+    _out(args, d, table(rows, ["ID", "STATE", "POS", "N_CTX", "TASK", "DECODED", "CHECKPOINTS"]))
     return EXIT_OK
 
 

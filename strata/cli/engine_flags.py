@@ -31,6 +31,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--n-ctx", "-c", type=_ctx_int, default=D.n_ctx, help="context length in tokens (default %(default)s)")
     m.add_argument("--ubatch", "-ub", type=_pos_int, default=D.ubatch,
                    help="tokens per forward call while reading a prompt (default %(default)s)")
+    m.add_argument("--parallel", "-np", type=_pos_int, default=D.parallel, metavar="N",
+                   help="request slots: up to N conversations decode together, each in its own slot, a new request "
+                        "joining between decode steps (continuous batching; default %(default)s: one request at a "
+                        "time); the KV pool holds N contexts (--kv-pool-ctx, default N x --n-ctx)")
     m.add_argument("--threads", "-t", type=_pos_int, default=None, help="CPU threads (default: all cores)")
     m.add_argument("--device", type=_device, default=os.environ.get("STRATA_DEVICE", "auto"),
                    help="'auto' (default: the GPU where CuPy, a GPU and the kernels are there, else the CPU), 'cpu', "

@@ -1,4 +1,5 @@
-"""The engine: one model, one live sequence, prompts read in parts with checkpoints, decode and streaming."""
+"""The engine: one model, a live sequence per request slot, prompts read in parts with checkpoints, decode (batched
+across slots) and streaming."""
 from strata.engine.types import (ContextOverflow, EmptyPrompt, FinalEvent, GenerationRequest, MaxTokensTooLarge,
                                  TokenEvent, merge_choices)
 

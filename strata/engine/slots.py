@@ -109,3 +109,11 @@ def plan_step(work: Sequence[SlotWork], budget: int, cursor: int = 0) -> StepPla
             break
     return StepPlan(decode=decode, prefill=tuple(parts), cursor=nxt if parts else cursor,
                     tokens=len(decode) + sum(b - a for _, a, b in parts))
+
+
+def slot_error(slot, n_slots: int) -> str:
+    """The one line refusing an id_slot that names none of n_slots request slots (-1: any slot)."""
+    if n_slots == 1:
+        return f"'id_slot' must be 0 or -1 (this server has one slot), got {slot!r}"
+    return (f"'id_slot' must be -1 (any slot) or a slot id in 0..{n_slots - 1} (this server has {n_slots} slots), "
+            f"got {slot!r}")

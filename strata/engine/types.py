@@ -1,4 +1,5 @@
-"""The engine's request and event types: GenerationRequest in, TokenEvent / FinalEvent out, ContextOverflow."""
+"""The engine's request and event types: GenerationRequest in, TokenEvent / FinalEvent out, ContextOverflow; the reads
+a request's generators ask for (ReadToken, ReadPart) and run_reads, which serves them at once."""
 from __future__ import annotations
 
 import threading
@@ -67,6 +68,7 @@ class GenerationRequest:
     show_tokens: ids of control tokens whose text is part of the answer (tool-call markers such as <|python_tag|>
     or [TOOL_CALLS], which the parsers of strata.structured.tool_calls read); other control tokens stay invisible.
     spec: False turns speculative decoding off for this request (None: the engine's --spec).
+    id_slot: the request slot to run in (llama-server's field; None: the engine picks, strata.engine.slots).
     """
 
     prompt_tokens: list[int]
@@ -85,6 +87,7 @@ class GenerationRequest:
     constraint: Any = None
     show_tokens: frozenset[int] = frozenset()
     spec: bool | None = None
+    id_slot: int | None = None
 
 
 @dataclass
@@ -148,3 +151,46 @@ def merge_choices(finals: list[FinalEvent]) -> FinalEvent:
                    **spec_timings(*(sum(int(f.timings.get(k, 0) or 0) for f in finals)
                                     for k in ("draft_n", "draft_n_accepted", "draft_verifies"))))
     return FinalEvent(first.finish_reason, usage, timings, dict(first.strata), first.text, first.index)
+
+
+@dataclass(frozen=True)
+class ReadToken:
+    """What a decoding choice asks its driver for: read `token` as the next token of its sequence and send back the
+    logits (on the device when on_device and the last stage keeps them there; a batched step sends host rows)."""
+
+    token: int
+    on_device: bool = False
+
+
+@dataclass(frozen=True)
+class ReadPart:
+    """What a prompt read asks its driver for: read tokens[a:b] (one forward call's worth, at most ubatch) as the
+    next tokens of its sequence and send back the last token's logits."""
+
+    tokens: Any
+    a: int
+    b: int
+
+
+def run_reads(gen, read):
+    """Drive `gen`, a generator that yields ReadToken / ReadPart requests among its events: each request is served
+    at once by read(request) and its result sent back (an exception read raises is thrown into gen at the request),
+    every other item is yielded; returns what gen returns. Closing this generator closes gen. What a request
+    alone runs on (Engine.generate with one slot); the scheduler serves the same requests in batched steps."""
+    value, error = None, None
+    try:
+        while True:
+            try:
+                item = gen.throw(error) if error is not None else gen.send(value)
+            except StopIteration as stop:
+                return stop.value
+            value = error = None
+            if isinstance(item, (ReadToken, ReadPart)):
+                try:
+                    value = read(item)
+                except BaseException as e:  # noqa: BLE001 - thrown into gen, whose cleanup decides
+                    error = e
+                continue
+            yield item
+    finally:
+        gen.close()

@@ -62,7 +62,7 @@ def warm_up(engine) -> dict:
     if not ids or not lengths:
         return {"ms": 0.0, "reads": [], "device_bytes": None, "short_read": {}}
     before = _device_bytes(engine)
-    requests, last_final = engine.requests, engine.last_final
+    requests, last_final, steps = engine.requests, engine.last_final, dict(engine.scheduler.stats)
     greedy = SamplingParams()
     sampled = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=0)
     try:
@@ -70,7 +70,7 @@ def warm_up(engine) -> dict:
             prompt = (ids * (n // len(ids) + 1))[:n]
             req = GenerationRequest(prompt_tokens=prompt, cut_points=[], max_tokens=DECODE_TOKENS,
                                     sampling=sampled if k == len(lengths) - 1 else greedy, cache_prompt=False,
-                                    checkpoint=False, ignore_eos=True)
+                                    checkpoint=False, ignore_eos=True, id_slot=0)
             for _ in engine.generate(req):
                 pass
             with engine._lock:
@@ -82,6 +82,7 @@ def warm_up(engine) -> dict:
             engine.clear_checkpoints()
             engine.seq.trim()
         engine.requests, engine.last_final = requests, last_final
+        engine.scheduler.stats.update(steps)
     after = _device_bytes(engine)
     out = {"ms": round((time.perf_counter() - t0) * 1000.0, 1), "reads": lengths,
            "device_bytes": None if before is None else max(0, after - before), "short_read": crossovers}

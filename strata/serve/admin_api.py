@@ -23,12 +23,14 @@ async def health(request: web.Request) -> web.Response:
     why = w.engine.unavailable() if hasattr(w.engine, "unavailable") else None
     if why:
         return json_response({"status": "unavailable", "error": why}, 503)
-    queue = {"running": int(w.running is not None), "waiting": w.waiting, "max": w.queue_max}
+    queue = {"running": w.n_running, "waiting": w.waiting, "max": w.queue_max}
+    slots = {"slots_idle": w.slots - w.n_running, "slots_processing": w.n_running}     # llama-server's names
     stuck = w.stuck(request.app[CONFIG_KEY].stall_seconds)
     if stuck:
-        return json_response({"status": "stuck", "error": stuck, "model": w.engine.model_name, "queue": queue}, 503)
+        return json_response({"status": "stuck", "error": stuck, "model": w.engine.model_name, "queue": queue,
+                              **slots}, 503)
     return json_response({"status": "ok" if not w.closing else "stopping", "model": w.engine.model_name,
-                          "queue": queue}, 200 if not w.closing else 503)
+                          "queue": queue, **slots}, 200 if not w.closing else 503)
 
 
 async def models(request: web.Request) -> web.Response:
@@ -58,6 +60,8 @@ async def metrics(request: web.Request) -> web.Response:
     disk = engine.disk.status() if engine is not None and engine.disk is not None else {}
     m.disk_tier_bytes.set(disk.get("bytes", 0))
     m.disk_tier_budget.set(disk.get("budget_bytes", 0))
+    w = request.app[WORKER_KEY]
+    m.slots = (w.slots, w.n_running, w.waiting, dict(engine.scheduler.stats)) if engine is not None else None
     return web.Response(body=m.render(), headers={"Content-Type": CONTENT_TYPE})
 
 
@@ -91,7 +95,8 @@ async def status(request: web.Request) -> web.Response:
                     "remote": "link" in s, "runner": s["runner"], "memory": s["memory"],
                     **({"link": s["link"]} if "link" in s else {}), **({"moe": s["moe"]} if "moe" in s else {})}
                    for s in st.get("stages", [])],
-        "queue": {"running": int(w.running is not None), "waiting": w.waiting, "max": w.queue_max},
+        "queue": {"running": w.n_running, "waiting": w.waiting, "max": w.queue_max, "slots": w.slots},
+        "slots": _slots(engine, w),
         "listen": {"socket": cfg.socket_path, "tcp": cfg.tcp_address()},
         "connections": request.app[GUARD_KEY].status() if GUARD_KEY in request.app else None,
         "responses_store": request.app[STORE_KEY].stats() if STORE_KEY in request.app else None,
@@ -109,13 +114,26 @@ async def cache(request: web.Request) -> web.Response:
                           "conversation_cache_bytes": st.get("conversation_cache_bytes", 0)})
 
 
+def _slots(engine, w) -> list[dict]:
+    """Every request slot as /slots shows it: llama-server's fields (id, id_task, n_ctx, is_processing,
+    n_prompt_tokens, next_token) and Strata's (state, phase, pos, model, checkpoints kept)."""
+    views = engine.scheduler.status()
+    n_ckpt = len(engine.cache) if engine.prompt_cache > 0 else 0
+    out = []
+    for v in views:
+        if w.slots == 1:         # a request alone runs outside the scheduler: the worker knows whether it runs
+            job = w.running
+            v = dict(v, is_processing=job is not None, id_task=v["id_task"],
+                     n_prompt_tokens=len(getattr(job.request, "prompt_tokens", ()) or ()) if job and job.request
+                     else 0)
+        out.append({**v, "n_ctx": engine.n_ctx, "state": "processing" if v["is_processing"] else "idle",
+                    "model": engine.model_name, "checkpoints": n_ckpt})
+    return out
+
+
 async def slots(request: web.Request) -> web.Response:
     engine = engine_of(request)
-    w = request.app[WORKER_KEY]
-    st = _engine_status(engine)
-    return json_response([{"id": 0, "n_ctx": engine.n_ctx, "is_processing": w.running is not None,
-                           "state": "processing" if w.running is not None else "idle", "pos": st.get("pos"),
-                           "model": engine.model_name, "checkpoints": len(st.get("checkpoints", []))}])
+    return json_response(_slots(engine, request.app[WORKER_KEY]))
 
 
 async def slot_action(request: web.Request) -> web.Response:
@@ -125,9 +143,12 @@ async def slot_action(request: web.Request) -> web.Response:
         shown = repr(sid) if len(sid) <= 40 else repr(sid[:40])[:-1] + f"...' ({len(sid)} characters)"
         raise ApiError(400, f"slot id must be a non-negative integer, got {shown}", param="id", code="invalid_value")
     n = sid.lstrip("0") or "0"                    # int() of 4,301+ digits raises: compare the digits instead
-    if n != "0":
+    n_slots = int(getattr(engine, "parallel", 1))
+    if len(n) > 6 or int(n) >= n_slots:
         shown = n if len(n) <= 20 else f"{n[:20]}... ({len(n)} digits)"
-        raise ApiError(404, f"slot {shown} does not exist: this daemon has one slot (0)", code="not_found")
+        has = "one slot (0)" if n_slots == 1 else f"{n_slots} slots (0..{n_slots - 1})"
+        raise ApiError(404, f"slot {shown} does not exist: this daemon has {has}", code="not_found")
+    slot = int(n)
     action = request.query.get("action")
     if action not in SLOT_ACTIONS:
         raise ApiError(400, f"'action' must be one of {', '.join(SLOT_ACTIONS)}, got {action!r}", param="action",
@@ -141,5 +162,5 @@ async def slot_action(request: web.Request) -> web.Response:
     if action != "erase" and not kw:
         raise ApiError(400, f"slot {action} needs a JSON body with \"filename\"", param="filename",
                        code="invalid_value")
-    result = await engine_call(request, lambda eng: fn(0, **kw))
-    return json_response(result if isinstance(result, dict) else {"id": 0, "action": action, "result": result})
+    result = await engine_call(request, lambda eng: fn(slot, **kw))
+    return json_response(result if isinstance(result, dict) else {"id": slot, "action": action, "result": result})

@@ -123,6 +123,7 @@ async def _generate(request: web.Request, engine, p: schema.ParsedRequest, token
                                  max_tokens=max_tokens, stop=p.stop,
                                  logprobs=p.top_logprobs if p.logprobs else None,
                                  cache_prompt=p.cache_prompt, checkpoint=p.checkpoint, n=p.n, spec=p.spec,
+                                 id_slot=p.id_slot,
                                  cancel=threading.Event(),
                                  deadline=time.monotonic() + cfg.max_request_seconds if cfg.max_request_seconds
                                  else None,

@@ -141,7 +141,7 @@ async def apply_template(request: web.Request) -> web.Response:
 
 
 async def props(request: web.Request) -> web.Response:
-    """GET /props: llama-server's global properties, those Strata has (one slot, the sampling defaults, the model's
+    """GET /props: llama-server's global properties, those Strata has (its slots, the sampling defaults, the model's
     path, chat template, BOS / EOS text)."""
     from dataclasses import fields
 
@@ -159,7 +159,7 @@ async def props(request: web.Request) -> web.Response:
     return json_response({
         "default_generation_settings": {"id": 0, "id_task": -1, "n_ctx": engine.n_ctx, "speculative": False,
                                         "is_processing": w.running is not None, "params": params},
-        "total_slots": 1,
+        "total_slots": int(getattr(engine, "parallel", 1)),
         "model_path": engine.model_path,
         "chat_template": tmpl.source if tmpl is not None else "",
         "bos_token": tok.tokens[tok.bos_id] if tok.bos_id is not None else "",
@@ -189,9 +189,12 @@ def completion_request(body: dict, engine) -> schema.ParsedRequest:
     if body.get("n_probs"):
         raise ApiError(400, "'n_probs' is not supported on /completion: /v1/completions gives logprobs",
                             code="unsupported_value")
+    from strata.engine.slots import slot_error
     slot = body.get("id_slot", -1)
-    if slot not in (-1, 0) or isinstance(slot, bool):
-        raise _bad(f"'id_slot' must be 0 or -1 (this server has one slot), got {slot!r}")
+    n_slots = int(getattr(engine, "parallel", 1))
+    if isinstance(slot, bool) or not isinstance(slot, int) or not -1 <= slot < n_slots:
+        raise _bad(slot_error(slot, n_slots))
+    fields["id_slot"] = slot
     return schema.parse_completion(fields)
 
 
@@ -201,7 +204,8 @@ def _completion_obj(final, content: str, p: schema.ParsedRequest, engine, prompt
     by = by if by is not None and by in p.stop else None     # an end-of-generation token is no stop word
     kind = "word" if by is not None else "limit" if final.finish_reason == "length" else \
         "none" if final.finish_reason == "cancelled" else "eos"
-    return {"content": content, "id_slot": 0, "stop": True, "model": engine.model_name,
+    return {"content": content, "id_slot": (final.strata or {}).get("id_slot", 0), "stop": True,
+            "model": engine.model_name,
             "tokens_predicted": int(final.usage["completion_tokens"]), "tokens_evaluated": int(t.get("prompt_n", 0)),
             "tokens_cached": int(t.get("cache_n", 0)), "prompt": prompt if isinstance(prompt, str) else "",
             "has_new_line": "\n" in content, "truncated": False, "stop_type": kind,
@@ -236,7 +240,7 @@ async def completion_respond(request, engine, p, job, answers):
                 await resp.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
                 break
             n += 1
-            chunk = {"content": ev.text, "stop": False, "id_slot": 0, "tokens_predicted": n}
+            chunk = {"content": ev.text, "stop": False, "id_slot": job.slot or 0, "tokens_predicted": n}
             await resp.write(b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n")
     except ApiError as e:
         await resp.write(b"error: " + json.dumps(llama_error(e), ensure_ascii=False).encode() + b"\n\n")

@@ -39,8 +39,8 @@ class Metrics:
                                            "Bytes of the kept /v1/responses (--responses-store-mib)", registry=r)
         self.connections = Gauge("strata_connections_open", "Open connections, by listener", ["listener"],
                                  registry=r)
-        self.running = Gauge("strata_requests_running", "Requests being generated now (0 or 1 per engine)",
-                             registry=r)
+        self.running = Gauge("strata_requests_running", "Requests being generated now (at most one per request "
+                             "slot, --parallel)", registry=r)
         self.cache_hits = Counter("strata_checkpoint_hits",
                                   "Generations that resumed from earlier work, by how (live / checkpoint / resident / "
                                   "park / disk / session / choice: an n > 1 request's later choices)",
@@ -64,6 +64,9 @@ class Metrics:
 
         self.moe_tiers: list[tuple[int, dict]] = []      # (stage, its expert tier's status), set before a scrape
         r.register(_MoeTierCollector(self))
+        # the request slots: (slots, busy, waiting, Scheduler.stats), set before a scrape
+        self.slots: tuple[int, int, int, dict] | None = None
+        r.register(_SlotCollector(self))
 
     def observe_final(self, usage: dict, timings: dict, strata: dict, finish_reason: str) -> None:
         """Count one finished generation from its FinalEvent fields."""
@@ -122,3 +125,39 @@ class _MoeTierCollector:
         for fam, _ in fams:
             yield fam
         yield res
+
+
+#: the engine step's counters (Scheduler.stats key, metric suffix, help)
+STEP_COUNTERS = (("steps", "engine_steps", "Engine steps run over the request slots (--parallel > 1)"),
+                 ("batched_steps", "batched_steps", "Engine steps whose decode read several slots' tokens in one "
+                                                    "batched step"),
+                 ("batched_rows", "batched_rows", "Rows (one slot's token each) of the batched decode steps"),
+                 ("prefill_parts", "prefill_parts", "Prompt parts read in engine steps"))
+
+
+class _SlotCollector:
+    """The request slots (``Metrics.slots``, refreshed by the /metrics route): slots, busy and idle, requests
+    processing and deferred (llama-server's names), the engine step's counters."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+
+    def collect(self):
+        if self.metrics.slots is None:
+            return
+        n, busy, waiting, stats = self.metrics.slots
+        for name, v, text in (("slots", n, "Request slots (--parallel)"),
+                              ("slots_processing", busy, "Request slots running a request"),
+                              ("slots_idle", n - busy, "Request slots without a request"),
+                              ("requests_processing", busy, "Requests running in a slot"),
+                              ("requests_deferred", waiting, "Requests waiting for a slot")):
+            g = GaugeMetricFamily(f"strata_{name}", text)
+            g.add_metric([], float(v))
+            yield g
+        for key, name, text in STEP_COUNTERS:
+            c = CounterMetricFamily(f"strata_{name}", text)
+            c.add_metric([], float(stats.get(key, 0)))
+            yield c
+        g = GaugeMetricFamily("strata_batched_rows_max", "The most rows one batched decode step read")
+        g.add_metric([], float(stats.get("max_rows", 0)))
+        yield g

@@ -26,7 +26,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 # llama.cpp's and Strata's request fields that the Responses and Messages routes pass on to the chat request as they are
 EXTENSION_FIELDS = ("top_k", "min_p", "seed", "repeat_penalty", "repeat_last_n", "presence_penalty",
                     "frequency_penalty", "cache_prompt", "strata_checkpoint", "strata_spec", "chat_template_kwargs",
-                    "reasoning_format")
+                    "reasoning_format", "id_slot")
 
 
 @dataclass
@@ -44,6 +44,7 @@ class ParsedRequest:
     cache_prompt: bool = True
     checkpoint: bool = True
     spec: bool | None = None                    # strata_spec: False turns speculative decoding off
+    id_slot: int | None = None                  # llama-server's id_slot: the request slot to run in (None: any)
     pin: int | None = None
     messages: list[dict] | None = None          # chat
     tools: list | None = None                   # chat: [{"type": "function", "function": {"name", ...}}]
@@ -188,6 +189,8 @@ def _common(body: dict, kind: str) -> ParsedRequest:
     r.cache_prompt = _opt_bool(body, "cache_prompt", True)
     r.checkpoint = _opt_bool(body, "strata_checkpoint", True)
     r.spec = None if body.get("strata_spec") is None else _opt_bool(body, "strata_spec", True)
+    slot = _opt_int(body, "id_slot", -1)         # llama-server's: -1 (any) or a slot; the engine checks the range
+    r.id_slot = None if slot is None or slot == -1 else slot
     return r
 
 

@@ -137,7 +137,7 @@ async def serve(cfg: ServeConfig, engine_factory: Callable[[], Any]) -> int:
                      load_ms=round(getattr(eng, "load_ms", 0.0), 1))
             sd_notify(f"READY=1\nSTATUS=serving {eng.model_name}\nMAINPID={os.getpid()}")
             await stop_task
-        log.info("shutting down", running=worker.running is not None, waiting=worker.waiting)
+        log.info("shutting down", running=worker.n_running, waiting=worker.waiting)
         sd_notify("STOPPING=1\nSTATUS=draining")
         force = asyncio.Event()                     # a second SIGTERM / SIGINT: stop the running request now
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -172,7 +172,8 @@ async def _drain(worker: EngineWorker, timeout: float, force: asyncio.Event | No
                 log.warning("second signal: cancelling the running request")
             else:
                 log.warning("drain timeout: cancelling the running request", timeout_s=timeout)
-            worker.running.cancel()
+            for job in worker.active:
+                job.cancel()
             cancelled = True
         await asyncio.sleep(0.02)
     await asyncio.sleep(0)  # let handlers write their last events

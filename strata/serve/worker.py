@@ -1,10 +1,12 @@
-"""The engine thread: loads the Engine, runs one generation at a time from a bounded FIFO, streams events to asyncio.
+"""The engine thread: loads the Engine, runs generations from a bounded FIFO (one at a time, or with --parallel N up to N
+in the engine's request slots, stepped together), streams events to asyncio.
 
 The event loop never calls into the model. A request is a Job: the loop submits it (QueueFull beyond
---queue-max waiting jobs), the engine thread runs `engine.generate(job.request)` and hands each
-TokenEvent / FinalEvent to the job's asyncio.Queue with loop.call_soon_threadsafe. Setting the
-request's cancel event stops generation between two tokens (the engine checks it); a job cancelled
-while still waiting is dropped without touching the engine.
+--queue-max waiting jobs), the engine thread runs it (`engine.generate(job.request)`, or with several slots
+`engine.admit` and `engine.step` until it ends) and hands each TokenEvent / FinalEvent to the job's asyncio.Queue
+with loop.call_soon_threadsafe. Setting the request's cancel event stops generation between two tokens (the engine
+checks it); a job cancelled while still waiting is dropped without touching the engine. Calls (fn(engine)) run in
+turn between engine steps.
 """
 from __future__ import annotations
 
@@ -49,6 +51,8 @@ class Job:
     state: str = "waiting"                # waiting -> running -> done | dropped
     fn: Callable[[Any], Any] | None = None  # a call to run on the engine thread instead of a generation
     stop: threading.Event | None = None   # a call's own cancel event (fn watches it)
+    slot: int | None = None               # the request slot it runs in (several slots)
+    last_token_at: float | None = None
 
     def cancel(self) -> None:
         for c in (getattr(self.request, "cancel", None), self.stop):
@@ -57,7 +61,8 @@ class Job:
 
 
 class EngineWorker:
-    """One engine, one thread, one FIFO of at most `queue_max` waiting jobs (plus the one running)."""
+    """One engine, one thread, one FIFO of at most `queue_max` waiting jobs (plus those running: one, or one per
+    request slot)."""
 
     def __init__(self, engine_factory: Callable[[], Any], *, queue_max: int, metrics, loop: asyncio.AbstractEventLoop):
         if queue_max < 0:
@@ -71,7 +76,7 @@ class EngineWorker:
         self.loaded = loop.create_future()
         self._cv = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
-        self._running: Job | None = None
+        self._active: list[Job] = []          # the jobs running (one per busy request slot)
         self._progress = time.monotonic()     # the latest job start, or the moment work arrived at an idle engine
         self._stop = False
         self.closing = False
@@ -88,7 +93,23 @@ class EngineWorker:
 
     @property
     def running(self) -> Job | None:
-        return self._running
+        """The first job running, or None."""
+        active = self._active
+        return active[0] if active else None
+
+    @property
+    def active(self) -> list[Job]:
+        """The jobs running now (a copy)."""
+        return list(self._active)
+
+    @property
+    def n_running(self) -> int:
+        return len(self._active)
+
+    @property
+    def slots(self) -> int:
+        """Requests that run at once: the engine's request slots (1 until it is loaded)."""
+        return int(getattr(self.engine, "parallel", 1) or 1)
 
     def submit(self, request, request_id: str = "") -> Job:
         """Queue a generation; raises QueueFull or ShuttingDown. Call from the event loop."""
@@ -105,11 +126,11 @@ class EngineWorker:
         with self._cv:
             if self.closing:
                 raise ShuttingDown("the server is shutting down")
-            n_wait, n_run = len(self._waiting), int(self._running is not None)
-            if n_wait + n_run > self.queue_max:
+            n_wait, n_run = len(self._waiting), len(self._active)
+            if n_wait + n_run > self.queue_max + self.slots - 1:
                 raise QueueFull(f"{n_run} running, {n_wait} waiting (--queue-max {self.queue_max}: at most "
                                 f"{self.queue_max} waiting)")
-            if not self._waiting and self._running is None:
+            if not self._waiting and not self._active:
                 self._progress = time.monotonic()
             self._waiting.append(job)
             self.metrics.queue_depth.set(len(self._waiting))
@@ -123,7 +144,7 @@ class EngineWorker:
         if bound <= 0 or self.engine is None:
             return None
         with self._cv:
-            n_run, n_wait, last = int(self._running is not None), len(self._waiting), self._progress
+            n_run, n_wait, last = len(self._active), len(self._waiting), self._progress
         if not n_run and not n_wait:
             return None
         returned = getattr(self.engine, "forward_returned_at", None)
@@ -133,7 +154,7 @@ class EngineWorker:
         if idle <= bound:
             return None
         return (f"the engine thread is stuck: no forward call has returned for {idle:.0f} s (--stall-seconds "
-                f"{bound:g}) with {n_run} request running and {n_wait} waiting")
+                f"{bound:g}) with {n_run} request{'s' if n_run != 1 else ''} running and {n_wait} waiting")
 
     def drop(self, job: Job) -> None:
         """Cancel a job: drop it if waiting, else ask the engine to stop it between tokens."""
@@ -176,6 +197,9 @@ class EngineWorker:
             self.loop.call_soon_threadsafe(lambda: self.loaded.done() or self.loaded.set_exception(err))
             return
         self.loop.call_soon_threadsafe(lambda: self.loaded.done() or self.loaded.set_result(self.engine))
+        if self.slots > 1:
+            self._serve_slots()
+            return
         while True:
             with self._cv:
                 while not self._waiting and not self._stop:
@@ -184,7 +208,7 @@ class EngineWorker:
                     return
                 job = self._waiting.popleft()
                 job.state = "running"
-                self._running = job
+                self._active.append(job)
                 self._progress = time.monotonic()
                 self.metrics.queue_depth.set(len(self._waiting))
                 self.metrics.running.set(1)
@@ -197,8 +221,114 @@ class EngineWorker:
             finally:
                 with self._cv:
                     job.state = "done"
-                    self._running = None
+                    self._active.remove(job)
                     self.metrics.running.set(0)
+
+    def _serve_slots(self) -> None:
+        """The engine thread with several request slots: between engine steps, the calls waiting run in turn and
+        waiting generations are admitted to slots (Engine.admit; one whose slot is busy waits on, in its place in
+        the FIFO); then one step (Engine.step) over every busy slot, each job's events posted as they come."""
+        eng = self.engine
+        while True:
+            with self._cv:
+                while not self._waiting and not self._active and not self._stop:
+                    self._cv.wait()
+                if self._stop and not self._waiting and not self._active:
+                    return
+                calls = [j for j in self._waiting if j.fn is not None]
+                free = eng.scheduler.busy < self.slots
+                gens = [j for j in self._waiting if j.fn is None] if free else []
+                for j in calls + gens:
+                    self._waiting.remove(j)
+                    j.state = "admitting"
+                self.metrics.queue_depth.set(len(self._waiting))
+            for job in calls:
+                with structlog.contextvars.bound_contextvars(request_id=job.request_id):
+                    self._run_call(job)
+                with self._cv:
+                    job.state = "done"
+            back = [job for job in gens if not self._admit(job)]
+            with self._cv:
+                for job in reversed(back):          # still waiting, in their places at the front
+                    job.state = "waiting"
+                    self._waiting.appendleft(job)
+                self.metrics.queue_depth.set(len(self._waiting))
+            try:
+                ran = eng.step()
+            except BaseException as e:  # noqa: BLE001 - a fault outside any one request's reads: theirs all end
+                log.error("engine step failed", error=f"{type(e).__name__}: {e}", exc_info=True)
+                eng.scheduler.cancel_all(e)
+                ran = 0
+            if ran == 0 and back and not calls:
+                with self._cv:                   # every slot they name is busy but none is running: wait for work
+                    if not self._active:
+                        self._cv.wait(0.05)
+
+    def _admit(self, job: Job) -> bool:
+        """Put a waiting generation in a request slot -> False when its slot is busy (it waits on)."""
+        job.started_at = time.perf_counter()
+        with self._cv:
+            job.state = "running"
+            self._active.append(job)
+            self.metrics.running.set(len(self._active))
+        try:
+            with structlog.contextvars.bound_contextvars(request_id=job.request_id):
+                slot = self.engine.admit(job.request, lambda ev: self._deliver(job, ev),
+                                         lambda err: self._done(job, err))
+        except BaseException as e:  # noqa: BLE001 - refused before it started (a slot that does not exist)
+            slot = -1
+            self._done(job, e)
+        if slot is None:
+            with self._cv:
+                self._active.remove(job)
+                self.metrics.running.set(len(self._active))
+            return False
+        if slot >= 0:
+            job.slot = slot
+            self._progress = time.monotonic()
+        return True
+
+    def _done(self, job: Job, err: BaseException | None) -> None:
+        """A job running in a slot ended (err: what it raised, delivered in place of events)."""
+        if err is not None:
+            self._failed(job, err)
+        with self._cv:
+            job.state = "done"
+            if job in self._active:
+                self._active.remove(job)
+            self.metrics.running.set(len(self._active))
+
+    def _deliver(self, job: Job, ev) -> None:
+        """One event of a running generation to its job (metrics counted: finals, first token, token gaps)."""
+        now = time.perf_counter()
+        if isinstance(ev, FinalEvent):
+            self.metrics.observe_final(dict(ev.usage or {}), dict(ev.timings or {}),
+                                       dict(getattr(ev, "strata", None) or {}), ev.finish_reason)
+            log.info("generation finished", finish_reason=ev.finish_reason,
+                     prompt_n=(ev.timings or {}).get("prompt_n"),
+                     cache_n=(ev.timings or {}).get("cache_n"),
+                     predicted_n=(ev.timings or {}).get("predicted_n"),
+                     queue_ms=round((job.started_at - job.accepted_at) * 1e3, 2),
+                     resume_from=(getattr(ev, "strata", None) or {}).get("resume_from"),
+                     id_slot=(getattr(ev, "strata", None) or {}).get("id_slot"))
+        else:
+            if job.last_token_at is None:
+                job.first_token_at = now
+                self.metrics.ttft.observe(now - job.accepted_at)
+            else:
+                self.metrics.token_latency.observe(now - job.last_token_at)
+            job.last_token_at = now
+        self._post(job, ev)
+
+    def _failed(self, job: Job, e: BaseException) -> None:
+        """A generation that raised: logged, counted, its error delivered in place of events."""
+        if isinstance(e, Unavailable):     # e.g. a stage link down: expected, said in one line
+            log.warning("generation failed: a remote stage is unavailable", error=str(e))
+        else:
+            log.error("generation failed", error=f"{type(e).__name__}: {e}",     # a fault with its own status
+                      exc_info=not isinstance(e, (ValueError, EngineFault)))
+        self.metrics.finished.labels(finish_reason="error").inc()
+        self._post(job, EngineError(e))
 
     def _run_call(self, job: Job) -> None:
         try:
@@ -208,32 +338,8 @@ class EngineWorker:
 
     def _run_generation(self, job: Job) -> None:
         job.started_at = time.perf_counter()
-        last = None
         try:
             for ev in self.engine.generate(job.request):
-                now = time.perf_counter()
-                if isinstance(ev, FinalEvent):
-                    self.metrics.observe_final(dict(ev.usage or {}), dict(ev.timings or {}),
-                                               dict(getattr(ev, "strata", None) or {}), ev.finish_reason)
-                    log.info("generation finished", finish_reason=ev.finish_reason,
-                             prompt_n=(ev.timings or {}).get("prompt_n"),
-                             cache_n=(ev.timings or {}).get("cache_n"),
-                             predicted_n=(ev.timings or {}).get("predicted_n"),
-                             queue_ms=round((job.started_at - job.accepted_at) * 1e3, 2),
-                             resume_from=(getattr(ev, "strata", None) or {}).get("resume_from"))
-                else:
-                    if last is None:
-                        job.first_token_at = now
-                        self.metrics.ttft.observe(now - job.accepted_at)
-                    else:
-                        self.metrics.token_latency.observe(now - last)
-                    last = now
-                self._post(job, ev)
+                self._deliver(job, ev)
         except BaseException as e:  # noqa: BLE001 - the engine must stay up for the next request
-            if isinstance(e, Unavailable):     # e.g. a stage link down: expected, said in one line
-                log.warning("generation failed: a remote stage is unavailable", error=str(e))
-            else:
-                log.error("generation failed", error=f"{type(e).__name__}: {e}",     # a fault with its own status
-                          exc_info=not isinstance(e, (ValueError, EngineFault)))
-            self.metrics.finished.labels(finish_reason="error").inc()
-            self._post(job, EngineError(e))
+            self._failed(job, e)

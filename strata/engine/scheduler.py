@@ -1,0 +1,198 @@
+"""The request slots and continuous batching over them: which slot a request runs in (strata.engine.slots.choose_slot)
+and the engine step (slots.plan_step's plan, then applied: one batched decode step for every decoding slot, whole
+prompt parts under the step's token budget), each request a generator advanced from one read to the next."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import structlog
+
+from strata.engine.slots import SlotView, SlotWork, choose_slot, plan_step
+from strata.engine.types import ReadPart, ReadToken
+from strata.stages.batch import decode_batch
+
+log = structlog.get_logger("strata.engine")
+
+
+@dataclass(eq=False)
+class Run:
+    """One request running in a slot: its generator (events, and the reads it waits on), where its events go
+    (``on_event(item)``; ``on_done(None | exception)`` once at the end), the read it waits on (``pending``)."""
+
+    gen: Any
+    on_event: Callable[[Any], None]
+    on_done: Callable[[BaseException | None], None]
+    request: Any = None
+    task: int = 0
+    pending: ReadToken | ReadPart | None = None
+    n_decoded: int = 0
+    started_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass(eq=False)
+class Slot:
+    """One request slot: its live sequence (``seq``) with the reader and decoder over it, the request running in it
+    (``run``, or None when idle), when it last finished one (``last_used``, a time.monotonic reading) and the id of
+    the last request it took (``task``: llama-server's id_task)."""
+
+    id: int
+    seq: Any
+    reader: Any
+    decoder: Any
+    run: Run | None = None
+    last_used: float = 0.0
+    task: int = -1
+
+    @property
+    def busy(self) -> bool:
+        return self.run is not None
+
+    def view(self) -> SlotView:
+        return SlotView(self.id, self.seq.ids, self.last_used, self.busy)
+
+
+class Scheduler:
+    """The engine's request slots and its step. ``admit`` puts a request in a slot (the one choose_slot picks);
+    ``step`` runs one engine step over every busy slot. `start(slot, request, prompt)` makes a request's generator (the
+    engine's), which yields events and ReadToken / ReadPart reads; `budget`: tokens one step reads at most
+    (decodes first, then prompt parts; one part always runs). Runs on the engine thread only; ``slots`` and
+    ``stats`` may be read from any."""
+
+    def __init__(self, slots: list[Slot], start: Callable[[Slot, Any, Any], Any], budget: int):
+        self.slots = slots
+        self.start = start
+        self.budget = int(budget)
+        self.cursor = 0
+        self.tasks = 0
+        # steps run, steps whose decode read several slots' tokens in one batched step, the rows of those, the
+        # most rows one step decoded, prompt parts read, requests admitted
+        self.stats = dict(steps=0, batched_steps=0, batched_rows=0, max_rows=0, prefill_parts=0, admitted=0)
+
+    @property
+    def busy(self) -> int:
+        return sum(s.busy for s in self.slots)
+
+    def admit(self, request, prompt, on_event, on_done) -> Slot | None:
+        """Put `request` (its prompt token ids `prompt`) in a slot: its id_slot when it names one, else the idle slot
+        sharing the longest prefix with the prompt, else the least recently used idle one -> the slot, or None
+        when that slot is busy (the request waits; nothing changes). ValueError naming id_slot for a slot that
+        does not exist."""
+        i = choose_slot([s.view() for s in self.slots], prompt, getattr(request, "id_slot", None))
+        if i is None or self.slots[i].busy:
+            return None
+        slot = self.slots[i]
+        self.tasks += 1
+        slot.task = self.tasks
+        slot.run = Run(self.start(slot, request, prompt), on_event, on_done, request=request, task=self.tasks)
+        self.stats["admitted"] += 1
+        self._advance(slot, None, None)       # to its first read: the resume (restore, cut back, park) runs here
+        return slot
+
+    def step(self) -> int:
+        """One engine step: the plan (every decoding slot's token; prompt parts round-robin under the budget), then
+        its reads (the decodes in one batched step), then each slot served advanced to its next read -> tokens
+        read (0: no slot was busy)."""
+        work = [SlotWork(s.id, ((s.run.pending.a, s.run.pending.b),) if isinstance(s.run.pending, ReadPart) else ())
+                for s in self.slots if s.busy]
+        if not work:
+            return 0
+        plan = plan_step(work, self.budget, self.cursor)
+        self.cursor = plan.cursor
+        results = self._decode([self.slots[i] for i in plan.decode])
+        for i, _, _ in plan.prefill:
+            slot = self.slots[i]
+            results[i] = _call(lambda: slot.reader.read_part(slot.run.pending))
+        self.stats["steps"] += 1
+        self.stats["prefill_parts"] += len(plan.prefill)
+        for i in sorted(results):
+            self._advance(self.slots[i], *results[i])
+        return plan.tokens
+
+    def _decode(self, slots: list[Slot]) -> dict[int, tuple]:
+        """Each slot's pending token read: one slot's in its own forward call, several in one batched step ->
+        {slot id: (logits, None) or (None, the exception)}; a slot whose pool has no room for its token fails
+        alone."""
+        if len(slots) == 1:
+            s = slots[0]
+            return {s.id: _call(lambda: s.seq.forward(np.asarray([s.run.pending.token], np.int32)))}
+        out: dict[int, tuple] = {}
+        ok = []
+        for s in slots:
+            res = _call(lambda: s.seq.reserve(1))
+            if res[1] is not None:
+                out[s.id] = res
+            else:
+                ok.append(s)
+        if len(ok) == 1:
+            return {**out, **self._decode(ok)}
+        if ok:
+            rows = _call(lambda: decode_batch([s.seq for s in ok], [s.run.pending.token for s in ok]))
+            for r, s in enumerate(ok):
+                out[s.id] = (rows[0][r], None) if rows[1] is None else rows
+            if rows[1] is None:
+                self.stats["batched_steps"] += 1
+                self.stats["batched_rows"] += len(ok)
+                self.stats["max_rows"] = max(self.stats["max_rows"], len(ok))
+        return out
+
+    def _advance(self, slot: Slot, value, error: BaseException | None) -> None:
+        """Send `value` (or throw `error`) into the slot's request and take its events until it asks for its next read
+        (kept as pending) or ends (the slot is free again)."""
+        run = slot.run
+        if isinstance(run.pending, ReadToken) and error is None:
+            run.n_decoded += 1
+        run.pending = None
+        try:
+            item = run.gen.throw(error) if error is not None else run.gen.send(value)
+            while not isinstance(item, (ReadToken, ReadPart)):
+                run.on_event(item)
+                item = next(run.gen)
+            run.pending = item
+        except StopIteration:
+            self._finish(slot, None)
+        except BaseException as e:  # noqa: BLE001 - the request's error, delivered to its client
+            self._finish(slot, e)
+
+    def _finish(self, slot: Slot, error: BaseException | None) -> None:
+        run, slot.run = slot.run, None
+        slot.last_used = time.monotonic()
+        run.on_done(error)
+
+    def cancel_all(self, error: BaseException) -> None:
+        """End every running request with `error` (its generator closed, its cleanup run; on_done(error) for each)."""
+        for s in self.slots:
+            if s.run is not None:
+                run = s.run
+                try:
+                    run.gen.close()
+                except BaseException:  # noqa: BLE001 - its cleanup failed too: the error stands
+                    pass
+                self._finish(s, error)
+
+    def status(self) -> list[dict]:
+        """Each slot as /slots shows it (llama-server's fields where Strata has them)."""
+        out = []
+        for s in self.slots:
+            run = s.run
+            req = run.request if run is not None else None
+            max_tokens = getattr(req, "max_tokens", None)
+            out.append({"id": s.id, "id_task": s.task, "is_processing": run is not None,
+                        "phase": None if run is None else
+                        ("prompt" if isinstance(run.pending, ReadPart) else "decode"),
+                        "pos": int(s.seq.pos),
+                        "n_prompt_tokens": len(getattr(req, "prompt_tokens", ()) or ()) if req is not None else 0,
+                        "next_token": {"has_next_token": run is not None, "n_decoded": run.n_decoded if run else 0,
+                                       "n_remain": (max_tokens - run.n_decoded) if run is not None and
+                                       max_tokens is not None else -1}})
+        return out
+
+
+def _call(fn) -> tuple:
+    """(fn(), None), or (None, the exception fn raised)."""
+    try:
+        return fn(), None
+    except BaseException as e:  # noqa: BLE001 - handed to the request whose read it was
+        return None, e

@@ -1,0 +1,259 @@
+"""Request slots in the engine (--parallel N, strata/engine/scheduler.py): several requests admitted to slots and run
+in engine steps together (their decodes in one batched step, prompt parts under the step's budget, a prompt arriving
+while others decode) give each request the very tokens it gives run alone on a one-slot engine; the engine's own step
+counters show the rows were batched; the options that cannot run with several slots are refused in one line."""
+import numpy as np
+import pytest
+
+from strata.engine import Engine, FinalEvent, GenerationRequest, TokenEvent
+from strata.sampling.sampler import SamplingParams
+
+N_CTX = 640
+
+
+def _requests(engine):
+    """Mixed requests: short and long prompts, greedy and seeded sampling, two choices, a stop string, a grammar."""
+    words = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge the boxing match".split()
+    rng = np.random.default_rng(5)
+    long_text = " ".join(rng.choice(words, 300))
+    return [
+        dict(prompt="The capital of France is", max_tokens=24),
+        dict(prompt="Once upon a time, in a land far away,", max_tokens=30,
+             sampling=SamplingParams(temperature=0.9, top_k=40, seed=7)),
+        dict(prompt=long_text, max_tokens=12),                     # several ubatch parts (ubatch 128 below)
+        dict(prompt="1, 2, 3, 4, 5,", max_tokens=20, stop=["9"]),
+        dict(prompt="def fibonacci(n):", max_tokens=16, n=2, sampling=SamplingParams(temperature=0.7, seed=3)),
+        dict(prompt="Secret word: PLUM. Repeat the secret word:", max_tokens=10),
+        dict(prompt="Three-digit numbers:", max_tokens=16, grammar='start: NUM ("," NUM)*\nNUM: /[0-9][0-9][0-9]/',
+             sampling=SamplingParams(temperature=0.8, seed=5)),     # a grammar's mask per slot
+    ]
+
+
+def _req(engine, spec, **kw):
+    spec = dict(spec)
+    toks = engine.tokenize_prompt(spec.pop("prompt"))
+    if "grammar" in spec:
+        from strata.sampling import grammar
+        spec["constraint"] = grammar.Constraint(grammar.lark_grammar(spec.pop("grammar")), engine.tokenizer,
+                                                engine.n_vocab)
+    return GenerationRequest(toks, **spec, **kw)
+
+
+def _key(events):
+    """What a request answered: every choice's token ids and texts, finish reasons and stop causes."""
+    out = []
+    for ev in events:
+        if isinstance(ev, TokenEvent):
+            out.append(("tok", ev.index, ev.token_id, ev.text))
+        elif isinstance(ev, FinalEvent):
+            out.append(("end", ev.index, ev.finish_reason, ev.text, ev.usage["completion_tokens"],
+                        ev.strata.get("stopped_by")))
+    return out
+
+
+def _alone(path, **kw):
+    e = Engine(path, n_ctx=N_CTX, device="cpu", ubatch=128, **kw)
+    try:
+        return [_key(e.generate(_req(e, spec))) for spec in _requests(e)]
+    finally:
+        e.close()
+
+
+def _together(path, n_slots, **kw):
+    """The requests through an engine with n_slots slots: three admitted at once, the rest one per engine step as
+    slots free up (the long prompt arrives while the first ones decode)."""
+    e = Engine(path, n_ctx=N_CTX, device="cpu", ubatch=128, parallel=n_slots, **kw)
+    try:
+        specs = _requests(e)
+        got = {i: [] for i in range(len(specs))}
+        done = {}
+        waiting = list(range(len(specs)))
+
+        def admit(i):
+            return e.admit(_req(e, specs[i]), got[i].append, lambda err, i=i: done.__setitem__(i, err)) is not None
+
+        for i in waiting[:2]:
+            assert admit(i)
+        waiting = waiting[2:]
+        for _ in range(3):               # the first two decode a few tokens before the next one arrives
+            e.step()
+        while waiting or len(done) < len(specs):
+            if waiting and admit(waiting[0]):
+                waiting.pop(0)
+            if not e.step() and waiting and not admit(waiting[0]):
+                raise AssertionError("no slot busy, yet the next request found none")
+        assert all(err is None for err in done.values()), done
+        return [_key(got[i]) for i in range(len(specs))], dict(e.scheduler.stats)
+    finally:
+        e.close()
+
+
+@pytest.fixture(scope="module")
+def hybrid_path(synthetic):
+    return synthetic("qwen35", seed=1)
+
+
+@pytest.mark.parametrize("n_slots", [2, 4])
+def test_default_model_slots_answer_as_alone(default_model_path, n_slots):
+    want = _alone(default_model_path)
+    got, stats = _together(default_model_path, n_slots)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g == w, f"request {i}: its answer beside others differs from its answer alone"
+    assert stats["batched_steps"] > 0 and stats["max_rows"] == n_slots, stats      # rows were read together
+    assert stats["prefill_parts"] >= 3 + 5                      # the long prompt in ubatch parts, one per step
+
+
+@pytest.mark.parametrize("split", [None, "2"], ids=["1stage", "2stages"])
+def test_hybrid_slots_answer_as_alone(hybrid_path, split):
+    want = _alone(hybrid_path, layer_split=split)
+    got, stats = _together(hybrid_path, 4, layer_split=split)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g == w, f"request {i}: its answer beside others differs from its answer alone"
+    assert stats["batched_steps"] > 0 and stats["max_rows"] >= 2, stats
+
+
+def test_slot_choice_id_slot_prefix_and_lru(default_model_path):
+    e = Engine(default_model_path, n_ctx=256, device="cpu", parallel=3)
+    try:
+        ends = {}
+
+        def run(prompt, **kw):
+            events = []
+            sid = e.admit(GenerationRequest(e.tokenize_prompt(prompt), max_tokens=4, **kw), events.append,
+                          lambda err: ends.__setitem__(len(ends), err))
+            while e.step():
+                pass
+            return sid, events[-1]
+
+        assert run("Alpha beta gamma", id_slot=2)[0] == 2
+        first = run("Delta epsilon zeta")[0]
+        assert first == 0                                      # least recently used (never used: the lowest id)
+        sid, final = run("Alpha beta gamma delta")
+        assert sid == 2 and final.strata["resume_from"] == "live"   # the slot sharing the longest prefix
+        assert final.strata["id_slot"] == 2
+        with pytest.raises(ValueError, match="id_slot"):
+            e.validate(GenerationRequest([1, 2], id_slot=3))
+        assert all(err is None for err in ends.values())
+    finally:
+        e.close()
+
+
+def test_options_refused_with_several_slots(default_model_path, tmp_path):
+    with pytest.raises(ValueError, match=r"--parallel 4 needs a KV pool of 4 contexts: --kv-pool-ctx 1000"):
+        Engine(default_model_path, n_ctx=512, device="cpu", parallel=4, kv_pool_ctx=1000)
+    with pytest.raises(ValueError, match=r"--parallel 2 needs every stage local"):
+        Engine(default_model_path, n_ctx=512, device="cpu", parallel=2, remote_stage="127.0.0.1:9")
+    with pytest.raises(ValueError, match=r"--parallel must be an integer >= 1"):
+        Engine(default_model_path, n_ctx=512, device="cpu", parallel=0)
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--parallel", "4", "--n-ctx", "512", "--kv-pool-ctx", "1000"], "--parallel 4 needs a KV pool of 4 contexts"),
+    (["-np", "2", "--remote-stage", "127.0.0.1:9"], "--parallel 2 needs every stage local"),
+    (["--parallel", "0"], "argument --parallel/-np: must be >= 1, got 0"),
+])
+def test_serve_refuses_slots_it_cannot_run_before_the_model_loads(flags, needle):
+    """A usage error (exit 2) naming the flag, before any model loads (the model path does not exist): one line,
+    or argparse's usage line and its error."""
+    import subprocess
+    import sys
+    from tests.daemon import env_for_daemon
+    p = subprocess.run([sys.executable, "-m", "strata.cli.main", "serve", "--socket", "/tmp/strata-test-unused.sock",
+                        "--model", "/nonexistent.gguf", *flags], capture_output=True, text=True, timeout=300,
+                       env=env_for_daemon())
+    err = p.stderr.strip()
+    assert p.returncode == 2 and "Traceback" not in err and err.splitlines()[-1].startswith("strata serve: error: ")
+    assert needle in err.splitlines()[-1], err
+
+
+@pytest.fixture(scope="module")
+def hybrid_pair(hybrid_path):
+    """(a one-slot engine, a three-slot engine) on the synthetic hybrid, kept for every example below."""
+    alone = Engine(hybrid_path, n_ctx=384, device="cpu", ubatch=64)
+    slots = Engine(hybrid_path, n_ctx=384, device="cpu", ubatch=64, parallel=3)
+    yield alone, slots
+    alone.close()
+    slots.close()
+
+
+def _arrivals():
+    from hypothesis import strategies as st
+    req = st.fixed_dictionaries({"length": st.integers(1, 200), "max_tokens": st.integers(1, 10),
+                                 "seed": st.integers(0, 3), "sampled": st.booleans(),
+                                 "id_slot": st.none() | st.integers(0, 2), "wait": st.integers(0, 6)})
+    return st.lists(req, min_size=1, max_size=6)
+
+
+def test_any_arrival_pattern_answers_as_alone(hybrid_pair):
+    """Hypothesis: requests of any prompt length, length of answer, sampling and slot arriving after any number of
+    engine steps (busy slots in every pattern, named slots that are busy): each answer equals the same request on the
+    one-slot engine."""
+    from hypothesis import HealthCheck, given, settings
+
+    alone, eng = hybrid_pair
+    V = eng.n_vocab
+
+    def make(r, i):
+        rng = np.random.default_rng(1000 * r["seed"] + r["length"])
+        sp = SamplingParams(temperature=0.9, seed=r["seed"]) if r["sampled"] else SamplingParams(temperature=0.0)
+        return GenerationRequest(rng.integers(0, V, r["length"]).astype(np.int32).tolist(), sampling=sp,
+                                 max_tokens=r["max_tokens"], cache_prompt=False, ignore_eos=True,
+                                 id_slot=r["id_slot"])
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(_arrivals())
+    def check(reqs):
+        want = [_key(alone.generate(dataclasses_replace(make(r, i), id_slot=None))) for i, r in enumerate(reqs)]
+        got = {i: [] for i in range(len(reqs))}
+        done = {}
+        pending = list(range(len(reqs)))
+        clock = 0
+        while pending or len(done) < len(reqs):
+            while pending and reqs[pending[0]]["wait"] <= clock:
+                i = pending[0]
+                if eng.admit(make(reqs[i], i), got[i].append, lambda err, i=i: done.__setitem__(i, err)) is None:
+                    break                     # its slot (or every slot) is busy: it waits, as a queue would
+                pending.pop(0)
+            clock += 1
+            eng.step()
+        assert all(err is None for err in done.values()), done
+        for i in range(len(reqs)):
+            assert _key(got[i]) == want[i], f"request {i} of {reqs}"
+
+    check()
+
+
+def dataclasses_replace(req, **kw):
+    import dataclasses
+    return dataclasses.replace(req, **kw)
+
+
+def test_a_failed_batched_step_fails_its_requests_and_frees_the_slots(default_model_path, monkeypatch):
+    """A batched step that raises ends each request in it with that error (their sequences forgotten: they were half
+    written); the slots are free and the next requests answer as alone."""
+    import strata.engine.scheduler as scheduler
+    e = Engine(default_model_path, n_ctx=256, device="cpu", parallel=2)
+    try:
+        want = _key(e.generate(GenerationRequest(e.tokenize_prompt("Hello there"), max_tokens=6)))
+        real = scheduler.decode_batch
+        calls = []
+
+        def broken(seqs, toks):
+            calls.append(len(seqs))
+            if len(calls) == 2:
+                raise RuntimeError("device lost")
+            return real(seqs, toks)
+        monkeypatch.setattr(scheduler, "decode_batch", broken)
+        ends, got = {}, {0: [], 1: []}
+        for i, text in enumerate(["Hello there", "General Kenobi"]):
+            e.admit(GenerationRequest(e.tokenize_prompt(text), max_tokens=6), got[i].append,
+                    lambda err, i=i: ends.__setitem__(i, err))
+        while e.step():
+            pass
+        assert calls[:2] == [2, 2] and set(ends) == {0, 1}
+        assert all(isinstance(err, RuntimeError) and "device lost" in str(err) for err in ends.values())
+        assert not any(s.busy for s in e.slots) and all(s.seq.pos == 0 for s in e.slots)
+        monkeypatch.setattr(scheduler, "decode_batch", real)
+        assert _key(e.generate(GenerationRequest(e.tokenize_prompt("Hello there"), max_tokens=6))) == want
+    finally:
+        e.close()
