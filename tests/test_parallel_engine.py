@@ -52,7 +52,7 @@ def _key(events):
 
 
 def _alone(path, **kw):
-    e = Engine(path, n_ctx=N_CTX, device="cpu", ubatch=128, **kw)
+    e = Engine(path, n_ctx=N_CTX, ubatch=128, **{"device": "cpu", **kw})
     try:
         return [_key(e.generate(_req(e, spec))) for spec in _requests(e)]
     finally:
@@ -62,7 +62,7 @@ def _alone(path, **kw):
 def _together(path, n_slots, **kw):
     """The requests through an engine with n_slots slots: three admitted at once, the rest one per engine step as
     slots free up (the long prompt arrives while the first ones decode)."""
-    e = Engine(path, n_ctx=N_CTX, device="cpu", ubatch=128, parallel=n_slots, **kw)
+    e = Engine(path, n_ctx=N_CTX, ubatch=128, parallel=n_slots, **{"device": "cpu", **kw})
     try:
         specs = _requests(e)
         got = {i: [] for i in range(len(specs))}
