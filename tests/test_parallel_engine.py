@@ -51,20 +51,20 @@ def _key(events):
     return out
 
 
-def _alone(path, **kw):
+def _alone(path, pick=None, **kw):
     e = Engine(path, n_ctx=N_CTX, ubatch=128, **{"device": "cpu", **kw})
     try:
-        return [_key(e.generate(_req(e, spec))) for spec in _requests(e)]
+        return [_key(e.generate(_req(e, spec))) for spec in _requests(e) if pick is None or pick(spec)]
     finally:
         e.close()
 
 
-def _together(path, n_slots, **kw):
+def _together(path, n_slots, pick=None, **kw):
     """The requests through an engine with n_slots slots: three admitted at once, the rest one per engine step as
     slots free up (the long prompt arrives while the first ones decode)."""
     e = Engine(path, n_ctx=N_CTX, ubatch=128, parallel=n_slots, **{"device": "cpu", **kw})
     try:
-        specs = _requests(e)
+        specs = [spec for spec in _requests(e) if pick is None or pick(spec)]
         got = {i: [] for i in range(len(specs))}
         done = {}
         waiting = list(range(len(specs)))
