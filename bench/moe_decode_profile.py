@@ -30,7 +30,6 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -38,23 +37,12 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from cupti_trace import short_name, trace_events  # noqa: E402
 
 NOT_LAUNCHES = ("strata_get_pdl", "strata_set_pdl")
 PARTS = ("gdn", "attn_proj", "attn_kv", "router", "experts", "shared", "norms", "head", "embed")
-
-
-def short_name(name: str) -> str:
-    """A kernel's name without its template arguments and parameter list."""
-    name = re.sub(r"^void ", "", name)
-    depth, out = 0, []
-    for ch in name:
-        if ch in "<(":
-            depth += 1
-        elif ch in ">)":
-            depth -= 1
-        elif depth == 0:
-            out.append(ch)
-    return "".join(out).strip() or name
 
 
 class Labeller:
@@ -184,20 +172,9 @@ def events_profile(plan, restore, run_step) -> dict:
 def cupti_kernels(run) -> tuple[list, list] | None:
     """(kernels [(name, start us, dur us, correlation)], runtime launches [(start us, correlation)]) of run(), from
     torch.profiler's CUPTI records; None without torch or kernel records."""
-    try:
-        import torch
-        from torch.profiler import ProfilerActivity, profile
-    except Exception:                                     # noqa: BLE001 - no torch
+    ev = trace_events(run, cpu=True)
+    if ev is None:
         return None
-    torch.cuda.init()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        run()
-        torch.cuda.synchronize()
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        path = f.name
-    prof.export_chrome_trace(path)
-    ev = json.load(open(path)).get("traceEvents", [])
-    os.unlink(path)
     ks = [(e["name"], float(e["ts"]), float(e.get("dur", 0)), (e.get("args") or {}).get("correlation"))
           for e in ev if e.get("cat") == "kernel" and e.get("ph") == "X"]
     rt = [(float(e["ts"]), (e.get("args") or {}).get("correlation"), e["name"])

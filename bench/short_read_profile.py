@@ -21,9 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -33,38 +31,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-
-def short_name(name: str) -> str:
-    """A kernel's name without its template arguments and parameter list (k_mvc_q8w<3, true> -> k_mvc_q8w)."""
-    name = re.sub(r"^void ", "", name)
-    depth, out = 0, []
-    for ch in name:
-        if ch in "<(":
-            depth += 1
-        elif ch in ">)":
-            depth -= 1
-        elif depth == 0:
-            out.append(ch)
-    return "".join(out).strip() or name
+from cupti_trace import short_name, trace_events  # noqa: E402
 
 
 def torch_kernels(run) -> list[tuple[str, float, float]] | None:
     """[(name, start us, duration us)] of the kernels run() launched, from torch.profiler's CUPTI records; None
     without torch or without kernel records."""
-    try:
-        import torch
-        from torch.profiler import ProfilerActivity, profile
-    except Exception:                                     # noqa: BLE001 - no torch: the fallback
+    ev = trace_events(run)
+    if ev is None:
         return None
-    torch.cuda.init()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run()
-        torch.cuda.synchronize()
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        path = f.name
-    prof.export_chrome_trace(path)
-    ev = json.load(open(path)).get("traceEvents", [])
-    os.unlink(path)
     ks = [(e["name"], float(e["ts"]), float(e.get("dur", 0))) for e in ev
           if e.get("cat") == "kernel" and e.get("ph") == "X"]
     return ks or None

@@ -5,7 +5,7 @@ counters show the rows were batched."""
 import pytest
 
 from tests.cuda_marks import gpu
-from tests.test_parallel_engine import _alone, _together
+from tests.parallel_checks import alone as _alone, together as _together
 
 pytestmark = [gpu]
 

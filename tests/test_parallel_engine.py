@@ -5,87 +5,10 @@ counters show the rows were batched; the options that cannot run with several sl
 import numpy as np
 import pytest
 
-from strata.engine import Engine, FinalEvent, GenerationRequest, TokenEvent
+from strata.engine import Engine, GenerationRequest
 from strata.sampling.sampler import SamplingParams
 
-N_CTX = 640
-
-
-def _requests(engine):
-    """Mixed requests: short and long prompts, greedy and seeded sampling, two choices, a stop string, a grammar."""
-    words = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge the boxing match".split()
-    rng = np.random.default_rng(5)
-    long_text = " ".join(rng.choice(words, 300))
-    return [
-        dict(prompt="The capital of France is", max_tokens=24),
-        dict(prompt="Once upon a time, in a land far away,", max_tokens=30,
-             sampling=SamplingParams(temperature=0.9, top_k=40, seed=7)),
-        dict(prompt=long_text, max_tokens=12),                     # several ubatch parts (ubatch 128 below)
-        dict(prompt="1, 2, 3, 4, 5,", max_tokens=20, stop=["9"]),
-        dict(prompt="def fibonacci(n):", max_tokens=16, n=2, sampling=SamplingParams(temperature=0.7, seed=3)),
-        dict(prompt="Secret word: PLUM. Repeat the secret word:", max_tokens=10),
-        dict(prompt="Three-digit numbers:", max_tokens=16, grammar='start: NUM ("," NUM)*\nNUM: /[0-9][0-9][0-9]/',
-             sampling=SamplingParams(temperature=0.8, seed=5)),     # a grammar's mask per slot
-    ]
-
-
-def _req(engine, spec, **kw):
-    spec = dict(spec)
-    toks = engine.tokenize_prompt(spec.pop("prompt"))
-    if "grammar" in spec:
-        from strata.sampling import grammar
-        spec["constraint"] = grammar.Constraint(grammar.lark_grammar(spec.pop("grammar")), engine.tokenizer,
-                                                engine.n_vocab)
-    return GenerationRequest(toks, **spec, **kw)
-
-
-def _key(events):
-    """What a request answered: every choice's token ids and texts, finish reasons and stop causes."""
-    out = []
-    for ev in events:
-        if isinstance(ev, TokenEvent):
-            out.append(("tok", ev.index, ev.token_id, ev.text))
-        elif isinstance(ev, FinalEvent):
-            out.append(("end", ev.index, ev.finish_reason, ev.text, ev.usage["completion_tokens"],
-                        ev.strata.get("stopped_by")))
-    return out
-
-
-def _alone(path, pick=None, **kw):
-    e = Engine(path, n_ctx=N_CTX, ubatch=128, **{"device": "cpu", **kw})
-    try:
-        return [_key(e.generate(_req(e, spec))) for spec in _requests(e) if pick is None or pick(spec)]
-    finally:
-        e.close()
-
-
-def _together(path, n_slots, pick=None, **kw):
-    """The requests through an engine with n_slots slots: three admitted at once, the rest one per engine step as
-    slots free up (the long prompt arrives while the first ones decode)."""
-    e = Engine(path, n_ctx=N_CTX, ubatch=128, parallel=n_slots, **{"device": "cpu", **kw})
-    try:
-        specs = [spec for spec in _requests(e) if pick is None or pick(spec)]
-        got = {i: [] for i in range(len(specs))}
-        done = {}
-        waiting = list(range(len(specs)))
-
-        def admit(i):
-            return e.admit(_req(e, specs[i]), got[i].append, lambda err, i=i: done.__setitem__(i, err)) is not None
-
-        for i in waiting[:2]:
-            assert admit(i)
-        waiting = waiting[2:]
-        for _ in range(3):               # the first two decode a few tokens before the next one arrives
-            e.step()
-        while waiting or len(done) < len(specs):
-            if waiting and admit(waiting[0]):
-                waiting.pop(0)
-            if not e.step() and waiting and not admit(waiting[0]):
-                raise AssertionError("no slot busy, yet the next request found none")
-        assert all(err is None for err in done.values()), done
-        return [_key(got[i]) for i in range(len(specs))], dict(e.scheduler.stats)
-    finally:
-        e.close()
+from tests.parallel_checks import alone as _alone, key as _key, together as _together
 
 
 @pytest.fixture(scope="module")
