@@ -55,6 +55,8 @@ async def metrics(request: web.Request) -> web.Response:
     m = request.app[METRICS_KEY]
     engine = request.app[WORKER_KEY].engine
     m.moe_tiers = moe_tiers(engine) if engine is not None else []
+    if engine is not None:
+        m.observe_session_files(engine.store.session_files())
     return web.Response(body=m.render(), headers={"Content-Type": CONTENT_TYPE})
 
 
