@@ -290,6 +290,8 @@ def test_ollama_routes_take_pooling_and_check_options(daemon, engine):
                               ({"pooling": "max"}, "'pooling' must be one of")):
             st, d = daemon.json("POST", path, dict(body, model="m", **extra))
             assert st == 400 and needle in d["error"] and "\n" not in d["error"], (path, extra, d)
+    st, _, raw = daemon.request("POST", "/api/embed", raw=b'{"input": "a", "options": {"num_ctx": 1e400}}')
+    assert st == 400 and "'options.num_ctx' must be a positive integer" in raw.decode()     # inf, not a 500
     st, d = daemon.json("POST", "/api/embed", {"model": "m", "input": TEXTS[1], "options": {"num_ctx": 16}})
     cut = engine.embed([engine.tokenizer.encode(TEXTS[1], parse_special=True)[:16]], pooling="mean")[0].vectors[0]
     assert st == 200 and d["prompt_eval_count"] == 16 and np.allclose(d["embeddings"][0], cut, atol=1e-6)

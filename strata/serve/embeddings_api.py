@@ -6,6 +6,7 @@ daemon started with --embeddings (llama-server's flag); without it, 501 naming t
 from __future__ import annotations
 
 import base64
+import math
 import threading
 import time
 
@@ -217,7 +218,8 @@ def _ollama_fields(request: web.Request, body: dict, engine, route: str) -> tupl
     if m is not None and not isinstance(m, str):
         raise bad_field("model", "must be a string")
     num_ctx = check_options(body).get("num_ctx")
-    if num_ctx is not None and (num_ctx != int(num_ctx) or num_ctx < 1):
+    if num_ctx is not None and not (num_ctx >= 1 and (isinstance(num_ctx, int) or math.isfinite(num_ctx)
+                                                       and float(num_ctx).is_integer())):
         raise bad_field("options.num_ctx", f"must be a positive integer, got {num_ctx!r}")
     _dimensions(body, engine)
     pooling = _pooling(request, body)
