@@ -227,7 +227,7 @@ def engine_steps(address: str, key_file: str, frames: str, device: str, n_first:
     if frames == "plain":
         link.main_frames = lambda caps, **kw: "plain"
     try:
-        e = Engine("default", n_ctx=tokens + 96, device=device, layer_split=str(n_first), remote_stage=address,
+        e = Engine("default", n_ctx=tokens + 96, ubatch=64, device=device, layer_split=str(n_first), remote_stage=address,
                    link_key_file=key_file, link_encrypt=frames == FRAMES_AEAD, insecure_link=frames == "plain",
                    prompt_cache=0, conversation_cache_mib=0)
     finally:
