@@ -171,6 +171,7 @@ class Run:
         self.statuses: dict[int, int] = {}
         self.errors: list[str] = []
         self.latencies: list[float] = []
+        self.refusals: list[str] = []
 
     async def post(self, path: str, body: dict) -> dict | None:
         for _attempt in range(200):
@@ -189,6 +190,8 @@ class Run:
                 continue
             if r.status >= 500:
                 self.errors.append(f"{path}: {r.status} {json.dumps(data)[:300]}")
+            elif r.status != 200 and len(self.refusals) < 20:    # kept for the summary: what a 4xx said
+                self.refusals.append(f"{path} {json.dumps(body)[:120]}: {r.status} {json.dumps(data)[:300]}")
             if r.status != 200:
                 return None
             return data
@@ -412,7 +415,7 @@ async def soak(model: str, tmp: Path, extra: list[str], specs: dict, ref: dict[s
             "mismatches": len(mismatches), "rss_mib": [round(rss0 / 2**20, 1), round(rss1 / 2**20, 1)],
             "fds": [round(fd0, 1), round(fd1, 1)], "samples": len(samples),
             "latency_s": {"p50": lat[len(lat) // 2] if lat else None, "p99": lat[int(len(lat) * .99)] if lat else None},
-            "parked": len(status.get("engine", {}).get("parked", [])),
+            "parked": len(status.get("engine", {}).get("parked", [])), "refusals": run.refusals,
             **({"worker_kills": kills} if worker is not None else {}), "problems": problems[:50],
             "ok": not problems}
 
