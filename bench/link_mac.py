@@ -3,9 +3,17 @@
 link's own sealed frames (link.Channel, mac and aead) against the plain codec, and the time the protection adds to
 one decode step's Forward/Result pair beside that pair's round trip over loopback TCP to another process.
 
+Last, the cost per generated token end to end: a real main (strata.engine.Engine on --device) and a real `strata
+worker` (--worker-device, default the same) on this machine, the worker serving the last two thirds of the default
+model's layers, decoding greedy tokens with each protection in turn on the one keyed worker (started with
+--insecure-link, so the unprotected arm runs on the same process): plain (unauthenticated, as --insecure-link or no
+key), mac (authenticated, the default with a key) and aead (--link-encrypt); interleaved rounds, a fresh main per
+round and arm, ratios to plain printed.
+
 Targets (issue 35): the MAC at >= 2 GB/s on large Forwards, and <= 2 % added to a decode step's link time.
 
     python bench/link_mac.py [--n-embd 576] [--tokens 512] [--pairs 3000]
+    python bench/link_mac.py --device cuda              # main and worker on cuda:0
 
 Writes bench/results/link_mac_<cpu>_<commit>.json.
 """
@@ -22,6 +30,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -205,6 +214,46 @@ def worker_steps(address: str, key: bytes, frames: str, steps: int) -> tuple[lis
     return out, frames
 
 
+def engine_steps(address: str, key_file: str, frames: str, device: str, n_first: int, tokens: int) -> float:
+    """Milliseconds per decoded token of a real main (Engine on `device`, the layers before `n_first` and the head)
+    over the link to the worker at `address`, with protection `frames` ("plain": the main acts as one from before
+    frame protection, which the worker's --insecure-link accepts): a 32-token prompt, then `tokens` greedy tokens
+    (end of text ignored), timed from the first token to the last."""
+    import threading
+    from strata.engine.engine import Engine
+    from strata.engine.types import GenerationRequest
+    from strata.sampling.sampler import SamplingParams
+    saved = link.main_frames
+    if frames == "plain":
+        link.main_frames = lambda caps, **kw: "plain"
+    try:
+        e = Engine("default", n_ctx=tokens + 96, ubatch=64, device=device, layer_split=str(n_first), remote_stage=address,
+                   link_key_file=key_file, link_encrypt=frames == FRAMES_AEAD, insecure_link=frames == "plain",
+                   prompt_cache=0, conversation_cache_mib=0)
+    finally:
+        link.main_frames = saved
+    try:
+        got = next(st for st in e.stages if hasattr(st, "client")).client.frames
+        assert got == frames, (got, frames)
+        prompt = e.tokenize_prompt("The keeper of the lighthouse wrote in his log every night. " * 8)[:32]
+
+        def run(n):
+            req = GenerationRequest(prompt_tokens=list(prompt), max_tokens=n, cancel=threading.Event(),
+                                    sampling=SamplingParams(temperature=0.0), ignore_eos=True, cache_prompt=False)
+            first, count = None, 0
+            for ev in e.generate(req):
+                if hasattr(ev, "finish_reason"):
+                    break
+                count += 1
+                if first is None:
+                    first = time.perf_counter()
+            return (time.perf_counter() - first) * 1e3 / max(1, count - 1)
+        run(4)                                          # warm-up: the shapes of a step run once
+        return run(tokens)
+    finally:
+        e.close()
+
+
 def commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
@@ -221,9 +270,13 @@ def main() -> int:
     ap.add_argument("--pairs", type=int, default=3000, help="decode-step round trips per arm")
     ap.add_argument("--worker-steps", type=int, default=400,
                     help="decode steps per arm against a real strata worker (0: skip)")
-    ap.add_argument("--worker-device", default="cpu", help="the real worker's --device (cpu, cuda:0)")
+    ap.add_argument("--device", default="cpu", help="the main's device in the end-to-end arm (cpu, cuda, cuda:0)")
+    ap.add_argument("--worker-device", default=None, help="the real worker's --device (default: --device)")
+    ap.add_argument("--engine-tokens", type=int, default=48, help="decoded tokens per end-to-end round (0: skip)")
+    ap.add_argument("--engine-rounds", type=int, default=3, help="interleaved rounds of the three end-to-end arms")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    args.worker_device = args.worker_device or ("cuda:0" if args.device == "cuda" else args.device)
 
     rng = np.random.default_rng(0)
     big = Forward(pos=0, want_all=True, tokens=rng.integers(0, 50000, args.tokens, dtype=np.int32),
@@ -279,7 +332,6 @@ def main() -> int:
     print(f"decode step (Forward of 1 token + Result of 1 row, width {args.n_embd}): {decode}")
 
     # the link time of real decode steps: a `strata worker` (--worker-device, the default model, layers n/3..n)
-    import tempfile
     real = {}
     if args.worker_steps:
         with tempfile.TemporaryDirectory() as tmp:
@@ -309,6 +361,41 @@ def main() -> int:
         real["round_medians_us"] = rounds
         print(f"real worker decode steps (link time = round trip - the worker's compute): {real}")
 
+    # end to end: a real main and a real worker on this machine, ms per decoded token with each protection
+    e2e = {}
+    if args.engine_tokens:
+        from strata.gguf.default_model import resolve_model
+        from strata.gguf.file import open_gguf
+        from strata.models.registry import model_class, supported_archs
+        from strata.stages import n_main_blocks
+        f = open_gguf(resolve_model("default"), archs=supported_archs())
+        n_first = n_main_blocks(f, model_class(f.arch)) // 3
+        with tempfile.TemporaryDirectory() as tmp:
+            kp = Path(tmp) / "link.key"
+            link.write_key_file(kp)
+            worker, addr = _start_worker("--model", "default", "--link-key-file", str(kp), "--insecure-link",
+                                         "--device", args.worker_device)
+            ms: dict[str, list] = {}
+            try:
+                for _ in range(args.engine_rounds):      # interleaved: drift and load hit every arm alike
+                    for arm in ("plain", FRAMES_MAC, FRAMES_AEAD):
+                        ms.setdefault(arm, []).append(engine_steps(addr, str(kp), arm, args.device, n_first,
+                                                                   args.engine_tokens))
+            finally:
+                worker.terminate()
+                worker.wait(30)
+        med = {k: statistics.median(v) for k, v in ms.items()}
+        e2e = {"device": args.device, "worker_device": args.worker_device, "tokens_per_round": args.engine_tokens,
+               "rounds_ms_per_token": {k: [round(x, 3) for x in v] for k, v in ms.items()},
+               **{arm: {"ms_per_token_median": round(med[arm], 3),
+                        "ratio_to_plain": round(med[arm] / med["plain"], 4),
+                        "added_us_per_token": round((med[arm] - med["plain"]) * 1e3, 1)}
+                  for arm in ("plain", FRAMES_MAC, FRAMES_AEAD)}}
+        print(f"end to end on {args.device} (main) + {args.worker_device} (worker), ms per decoded token, medians of "
+              f"{args.engine_rounds} interleaved rounds: " + ", ".join(
+                  f"{arm} {med[arm]:.3f} (x{med[arm] / med['plain']:.4f} of plain, "
+                  f"{(med[arm] - med['plain']) * 1e3:+.1f} us)" for arm in ("plain", FRAMES_MAC, FRAMES_AEAD)))
+
     mac_gbps = min(sealed[FRAMES_MAC]["seal_GBps"], sealed[FRAMES_MAC]["open_GBps"])
     result = {
         "what": "stage-link frame protection cost on the CPU (link.Channel: AES-256-GCM; mac = GMAC of the frame, "
@@ -319,6 +406,7 @@ def main() -> int:
         "candidates_GBps": prim, "sealed_frames": sealed,
         "decode_step": {"n_embd": args.n_embd, "pairs": len(rtt["plain"]), **decode},
         "worker_decode_steps": {"device": args.worker_device, **real} if real else real,
+        "end_to_end": e2e,
         "targets": {"mac_GBps_large_forward": {"target": 2.0, "got": mac_gbps, "met": mac_gbps >= 2.0},
                     "decode_added_pct_of_bare_round_trip": {
                         "target": 2.0, "got": decode[FRAMES_MAC]["added_pct_of_link_time"],
@@ -330,7 +418,11 @@ def main() -> int:
                  "(noisy on a shared machine). worker_decode_steps: decode steps of a real `strata worker` (default "
                  "model, one process on --worker-device, --insecure-link so that the plain arm runs on the same "
                  "process), link time = "
-                 "the Forward's round trip less the compute the Result reports; round_medians_us shows the spread.",
+                 "the Forward's round trip less the compute the Result reports; round_medians_us shows the spread. "
+                 "end_to_end: ms per decoded token of a real main (Engine on --device, layers before n/3 and the "
+                 "head) and that worker, a fresh main per interleaved round and arm; ratio_to_plain is the cost of "
+                 "the protection per token (the compute dominates a token: a ratio within the rounds' spread is "
+                 "no measurable cost).",
     }
     if real:
         got = real[FRAMES_MAC]["codec_added_pct_of_link_time"]
@@ -339,6 +431,15 @@ def main() -> int:
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"link_mac_{tag}_{result['commit']}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
+    ratios = {"mac_seal_GBps": sealed[FRAMES_MAC]["seal_GBps"],
+              "mac_added_pct_of_bare_round_trip": decode[FRAMES_MAC]["added_pct_of_link_time"],
+              "aead_added_pct_of_bare_round_trip": decode[FRAMES_AEAD]["added_pct_of_link_time"]}
+    if real:
+        ratios.update({f"{k}_added_pct_of_worker_link_time": real[k]["codec_added_pct_of_link_time"]
+                       for k in (FRAMES_MAC, FRAMES_AEAD)})
+    if e2e:
+        ratios.update({f"{k}_ms_per_token_ratio_to_plain": e2e[k]["ratio_to_plain"] for k in (FRAMES_MAC, FRAMES_AEAD)})
+    print(f"ratios (each against the unprotected link measured in this run): {ratios}")
     print(f"targets: {result['targets']}\nwrote {out}")
     return 0
 

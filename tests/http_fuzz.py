@@ -486,7 +486,7 @@ LLAMA_PATHS = {"/completion", "/infill", "/tokenize", "/detokenize", "/apply-tem
                "/embeddings"}
 EMBED_PATHS = {"/v1/embeddings", "/embedding", "/embeddings", "/api/embed", "/api/embeddings"}
 # documented 5xx: Ollama's model management is not served, nor /infill on a model without FIM tokens
-NOT_IMPLEMENTED = re.compile(r"^(/api/(pull|push|create|copy|delete|blobs/.*)|/infill)$")
+NOT_IMPLEMENTED = re.compile(r"^(/api/(pull|push|create|copy|delete|blobs/.*)|/infill)$", re.DOTALL)   # a digest may hold a newline
 
 
 def error_shape_problem(fam: str, d) -> str | None:

@@ -262,6 +262,44 @@ def test_ollama_client_embed_and_embeddings(daemon, engine):
     assert e.value.status_code == 400 and "'input' must not be empty" in e.value.error
 
 
+def test_ollama_routes_take_pooling_and_check_options(daemon, engine):
+    """/api/embed and /api/embeddings read Strata's `pooling` as the other embedding routes do, and check `options`
+    as /api/chat does: a misspelt option or one of the wrong type is a 400 naming options.KEY, an option Ollama has
+    that does not change an embedding is accepted, num_ctx cuts (or, with truncate false, refuses) a longer input."""
+    ids = engine.tokenize_prompt(TEXTS[1])
+    cls = engine.embed([ids], pooling="cls")[0].vectors[0]
+    mean = engine.embed([ids], pooling="mean")[0].vectors[0]
+    assert cos(cls, mean) < 0.99                                         # the test can tell them apart
+    st, d = daemon.json("POST", "/api/embed", {"model": "m", "input": TEXTS[1], "pooling": "cls"})
+    assert st == 200 and np.allclose(d["embeddings"][0], cls, atol=1e-6), st
+    st, d = daemon.json("POST", "/api/embeddings", {"model": "m", "prompt": TEXTS[1], "pooling": "cls"})
+    raw = engine.embed([ids], pooling="cls", normalize=-1)[0].vectors[0]
+    assert st == 200 and np.allclose(d["embedding"], raw, atol=1e-5)
+    st, d = daemon.json("POST", "/api/embed", {"model": "m", "input": "a", "options": {"temperature": 0.5,
+                                                                                       "num_thread": 4, "seed": 3}})
+    plain = daemon.json("POST", "/api/embed", {"model": "m", "input": "a"})[1]
+    assert st == 200 and d["embeddings"] == plain["embeddings"]
+    for path, body in (("/api/embed", {"input": "a"}), ("/api/embeddings", {"prompt": "a"})):
+        for extra, needle in (({"options": {"temprature": 1}}, "'options.temprature' is not an option"),
+                              ({"options": {"seed": "x"}}, "'options.seed' must be an integer"),
+                              ({"options": {"use_mmap": 1}}, "'options.use_mmap' must be a boolean"),
+                              ({"options": {"num_ctx": 0}}, "'options.num_ctx' must be a positive integer"),
+                              ({"options": {"num_ctx": 2.5}}, "'options.num_ctx' must be a positive integer"),
+                              ({"options": []}, "'options' must be an object"),
+                              ({"pooling": "none"}, "'pooling' is none"),
+                              ({"pooling": "max"}, "'pooling' must be one of")):
+            st, d = daemon.json("POST", path, dict(body, model="m", **extra))
+            assert st == 400 and needle in d["error"] and "\n" not in d["error"], (path, extra, d)
+    st, _, raw = daemon.request("POST", "/api/embed", raw=b'{"input": "a", "options": {"num_ctx": 1e400}}')
+    assert st == 400 and "'options.num_ctx' must be a positive integer" in raw.decode()     # inf, not a 500
+    st, d = daemon.json("POST", "/api/embed", {"model": "m", "input": TEXTS[1], "options": {"num_ctx": 16}})
+    cut = engine.embed([engine.tokenizer.encode(TEXTS[1], parse_special=True)[:16]], pooling="mean")[0].vectors[0]
+    assert st == 200 and d["prompt_eval_count"] == 16 and np.allclose(d["embeddings"][0], cut, atol=1e-6)
+    st, d = daemon.json("POST", "/api/embed", {"model": "m", "input": TEXTS[1], "truncate": False,
+                                               "options": {"num_ctx": 16}})
+    assert st == 400 and "more than the context of 16 (options.num_ctx)" in d["error"], d
+
+
 def test_embeddings_beside_a_chat_leave_it_live(daemon):
     """Over HTTP: a chat turn, embeddings, the next turn: it continues the live sequence (nothing re-read)."""
     msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name three primes."}]

@@ -240,6 +240,63 @@ def test_a_save_writes_through_no_planted_temporary(model_path, tmp_path):
     assert outside.read_bytes() == b"keep me"
 
 
+def test_a_save_past_the_quota_is_refused_and_writes_nothing(model_path, tmp_path):
+    """--slot-quota-mib bounds the regular files in the session directory: a save that would pass it is refused
+    (QuotaExceeded: a Refused naming the quota, no field at fault) with no file or temporary left and the files
+    there untouched; the file a save replaces does not count against it; a stale temporary of an interrupted save
+    is removed when the engine starts; /status reports the directory's use."""
+    free = tmp_path / "free"
+    free.mkdir()
+    e = _engine(model_path, free)
+    ask(e, CHAT)
+    size = e.slot_save(0, filename="probe.bin")["n_written"]
+    assert size == os.path.getsize(free / "probe.bin") and size < (1 << 20)
+    d = tmp_path / "slots"
+    d.mkdir()
+    (d / ".old.bin.tmp-0123456789abcdef").write_bytes(b"torn")       # an interrupted save's temporary
+    (d / "notes.txt").write_bytes(b"n" * ((1 << 20) - size + 1))      # one byte too many for a save to fit
+    e = Engine(model_path, n_ctx=512, ubatch=32, slot_save_path=d, conversation_cache_mib=0, slot_quota_mib=1)
+    assert sorted(os.listdir(d)) == ["notes.txt"]
+    ask(e, CHAT)
+    before = e.state_hashes()
+    with pytest.raises(session.QuotaExceeded, match=r"quota of 1.0 MiB \(--slot-quota-mib\)") as exc:
+        e.slot_save(0, filename="x.bin")
+    assert "\n" not in str(exc.value) and exc.value.status == 400 and exc.value.param is None
+    assert exc.value.code == "slot_quota_exceeded" and "nothing was written" in str(exc.value)
+    assert sorted(os.listdir(d)) == ["notes.txt"] and e.state_hashes() == before
+    assert e.status()["session_files"] == {"bytes": (1 << 20) - size + 1, "files": 1, "quota_bytes": 1 << 20}
+    (d / "notes.txt").write_bytes(b"n" * ((1 << 20) - size))          # now it fits exactly
+    assert e.slot_save(0, filename="x.bin")["n_written"] == size
+    assert e.slot_save(0, filename="x.bin")["n_written"] == size     # replacing itself: its own bytes are room
+    with pytest.raises(session.QuotaExceeded):
+        e.slot_save(0, filename="y.bin")
+    assert sorted(os.listdir(d)) == ["notes.txt", "x.bin"]
+    assert e.status()["session_files"] == {"bytes": 1 << 20, "files": 2, "quota_bytes": 1 << 20}
+    e2 = _engine(model_path, d)
+    assert e2.slot_restore(0, filename="x.bin")["n_restored"] > 0 and e2.state_hashes() == before
+    assert e2.status()["session_files"]["quota_bytes"] is None
+
+
+def test_session_refusals_name_the_filename_field(model_path, tmp_path):
+    """A refusal about the file a request names carries param "filename" (what serve answers as the error's param);
+    the quota and a missing --slot-save-path name no field."""
+    from strata.errors import Refused
+    e = _engine(model_path, tmp_path)
+    ask(e, CHAT)
+    for call, name in ((e.slot_save, "../x.bin"), (e.slot_save, 7), (e.slot_save, "a b.bin"),
+                       (e.slot_restore, "missing.bin"), (e.slot_restore, "")):
+        with pytest.raises(Refused) as exc:
+            call(0, filename=name)
+        assert exc.value.param == "filename" and exc.value.status == 400, (name, exc.value)
+    (tmp_path / "junk.bin").write_bytes(b"not a session")
+    with pytest.raises(Refused) as exc:
+        e.slot_restore(0, filename="junk.bin")
+    assert exc.value.param == "filename"
+    with pytest.raises(Refused) as exc:
+        Engine(model_path, n_ctx=256, conversation_cache_mib=0).slot_save(0, filename="x.bin")
+    assert exc.value.param is None and "--slot-save-path" in str(exc.value)
+
+
 def test_open_session_reads_only_regular_files(tmp_path):
     """open_session opens relative to the directory without following a link and without blocking: a link, a FIFO
     (no writer: an open that blocks would hang the engine thread) and a directory are refused before a byte is

@@ -171,10 +171,12 @@ def test_status_before_the_first_ping_says_so(tmp_path):
     import http.server
     import socketserver
 
-    status = {"model": "m", "engine": {"arch": "llama", "n_ctx": 8},
+    status = {"model": "m", "engine": {"arch": "llama", "n_ctx": 8, "prompt_cache": 8,
+                                       "checkpoints": [{"pos": 4 * i, "kind": "turn"} for i in range(1, 7)],
+                                       "parked": [{"tier": "ram", "bytes": 3 << 20, "tokens": 40, "checkpoints": 5}]},
               "stages": [{"stage": 0, "device": "cpu", "layers": [0, 4], "memory": {}},
                          {"stage": 1, "device": "remote", "layers": [4, 8], "memory": {},
-                          "link": {"up": True, "rtt_ms": None, "checkpoints_held": 0}}],
+                          "link": {"up": True, "rtt_ms": None, "checkpoints_held": 12, "store_bytes": 5 << 20}}],
               "queue": {"running": 0, "waiting": 0, "max": 1}}
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -207,6 +209,49 @@ def test_status_before_the_first_ping_says_so(tmp_path):
         srv.server_close()
     assert p.returncode == 0, p.stderr
     assert "no round trip measured yet" in p.stdout and "None ms" not in p.stdout
+    # what each count counts: the tree's checkpoints; the parked conversations' own; the parts the worker keeps
+    # (12 = its layers of the 6 checkpoints, the parked conversation and that one's 5 checkpoints)
+    assert "6 kept in the prefix tree" in p.stdout and "1 conversations (5 checkpoints of their own)" in p.stdout
+    assert "the worker keeps 12 parts for this daemon, 5.0 MiB" in p.stdout and "checkpoint parts held" not in p.stdout
+
+
+def test_status_lists_parked_conversations_and_the_session_quota(tmp_path):
+    """`stratactl status` lists the conversations parked in RAM (not only `stratactl cache`) and the session
+    directory's use against --slot-quota-mib; a save past the quota is a 400 naming the quota, nothing written; a
+    bad session file name is a 400 whose param is "filename"; /status and /metrics report the directory."""
+    slots = tmp_path / "slots"
+    slots.mkdir()
+    d = Daemon(tmp_path, "--park-resident", "0", "--slot-save-path", str(slots), "--slot-quota-mib", "32").start()
+    try:
+        chat = {"messages": [{"role": "user", "content": "Name a river."}], "max_tokens": 4, "temperature": 0}
+        assert d.json("POST", "/v1/chat/completions", chat)[0] == 200
+        st, saved = d.json("POST", "/slots/0?action=save", {"filename": "a.bin"})
+        assert st == 200, saved
+        size = saved["n_written"]
+        assert d.json("POST", "/v1/chat/completions", dict(chat, messages=[{"role": "user", "content": "Hi"}]))[0] \
+            == 200                                           # the first conversation is parked, in RAM
+        r = ctl(d, "status")
+        assert r.returncode == 0, r.stderr
+        line = next(ln for ln in r.stdout.splitlines() if ln.startswith("parked"))
+        assert "1 conversations" in line and "1 in RAM" in line and "--conversation-cache-mib" in line, r.stdout
+        assert "1 files" in r.stdout and "of 32.0 MiB (--slot-quota-mib)" in r.stdout
+        (slots / "other.dat").write_bytes(b"o" * ((32 << 20) - size - size // 2))   # room: half a save
+        st, e = d.json("POST", "/slots/0?action=save", {"filename": "b.bin"})
+        assert st == 400 and e["error"]["code"] == "slot_quota_exceeded" and e["error"]["param"] is None, e
+        assert "--slot-quota-mib" in e["error"]["message"] and "\n" not in e["error"]["message"]
+        assert sorted(p.name for p in slots.iterdir()) == ["a.bin", "other.dat"]       # no temporary left
+        assert d.json("POST", "/slots/0?action=save", {"filename": "a.bin"})[0] == 200   # replacing its own file
+        for body in ({"filename": "../x.bin"}, {"filename": 7}, {"filename": "a b.bin"}):
+            st, e = d.json("POST", "/slots/0?action=save", body)
+            assert st == 400 and e["error"]["param"] == "filename", (body, e)
+        st, e = d.json("POST", "/slots/0?action=restore", {"filename": "missing.bin"})
+        assert st == 400 and e["error"]["param"] == "filename", e
+        sf = d.json("GET", "/status")[1]["engine"]["session_files"]
+        used = sum(p.stat().st_size for p in slots.iterdir())
+        assert sf == {"bytes": used, "files": 2, "quota_bytes": 32 << 20}
+        assert d.metric("strata_session_files_bytes") == used and d.metric("strata_session_files_quota_bytes") == 32 << 20
+    finally:
+        assert d.stop() == 0, d.log_tail()
 
 
 # ---- a hostile or broken server: stratactl stays bounded and prints nothing raw -----------------------------------

@@ -13,8 +13,10 @@ With --worker-kills N both passes run the daemon with its layers from --layer-sp
 worker` process over TCP loopback (--remote-stage), and the soak pass kills that worker (SIGKILL) N times at even
 intervals and starts it again on the same port after --worker-down seconds: requests in flight or sent while it is
 down get the documented 503 (worker_unavailable) and are retried, the daemon reconnects, and every answer must still
-equal its reference (parking and session files are not offered with a remote stage: that mode runs without
-them). The summary adds the kills, the restarts and how long the daemon took to report healthy again.
+equal its reference; parking and session files run over the link as well (the worker announces +park: its part of a
+parked conversation or a session file is streamed to the main). The summary adds the kills, the restarts and how
+long the daemon took to report healthy again, and the RSS and descriptor curves (start, after the warm-up, end, the
+trend per hour, per-minute means).
 
 Prints one JSON summary (also --out) and exits 1 when a check fails. Usage:
   python tools/soak.py --duration 120 --clients 4 [--model PATH] [--worker-kills 6] [--out bench/results/soak_<commit>.json]
@@ -71,7 +73,7 @@ class Daemon:
         self.sock = str(tmp / "soak.sock")
         self.slots = tmp / "slots"
         self.slots.mkdir(exist_ok=True)
-        slots = [] if "--remote-stage" in extra else ["--slot-save-path", str(self.slots)]   # no session files there
+        slots = ["--slot-save-path", str(self.slots)]
         self.log = open(tmp / "daemon.log", "wb")
         env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         env.pop("NOTIFY_SOCKET", None)
@@ -169,6 +171,7 @@ class Run:
         self.statuses: dict[int, int] = {}
         self.errors: list[str] = []
         self.latencies: list[float] = []
+        self.refusals: list[str] = []
 
     async def post(self, path: str, body: dict) -> dict | None:
         for _attempt in range(200):
@@ -187,6 +190,8 @@ class Run:
                 continue
             if r.status >= 500:
                 self.errors.append(f"{path}: {r.status} {json.dumps(data)[:300]}")
+            elif r.status != 200 and len(self.refusals) < 20:    # kept for the summary: what a 4xx said
+                self.refusals.append(f"{path} {json.dumps(body)[:120]}: {r.status} {json.dumps(data)[:300]}")
             if r.status != 200:
                 return None
             return data
@@ -272,6 +277,35 @@ class Run:
                 check(f"{key}.1", d["choices"][0]["message"]["content"])
 
 
+def curves(samples: list[tuple[float, int, int]], fifth: int) -> dict:
+    """The RSS and descriptor curves for the summary: "rss_curve_mib" / "fds_curve" at the start (first sample),
+    after the warm-up (the mean of the second fifth, what the leak check compares with) and at the end (the mean of
+    the last fifth); "trend": the least-squares slopes after the first fifth (MiB and descriptors per hour); "curve":
+    per-minute means [minute, RSS MiB, descriptors] for plotting."""
+    if not samples:
+        return {}
+    t0 = samples[0][0]
+    warm, late, rest = samples[fifth:2 * fifth] or samples[:fifth], samples[-fifth:], samples[fifth:] or samples
+
+    def mean(xs, i):
+        return sum(x[i] for x in xs) / len(xs)
+
+    def slope(i, scale):
+        ts = [(x[0] - t0) / 3600 for x in rest]
+        ys = [x[i] / scale for x in rest]
+        mt, my = sum(ts) / len(ts), sum(ys) / len(ys)
+        var = sum((t - mt) ** 2 for t in ts)
+        return round(sum((t - mt) * (y - my) for t, y in zip(ts, ys)) / var, 3) if var else 0.0
+    minutes: dict[int, list] = {}
+    for t, rss, fds in samples:
+        minutes.setdefault(int((t - t0) // 60), []).append((t, rss, fds))
+    return {"rss_curve_mib": {"start": round(samples[0][1] / 2**20, 1), "after_warmup": round(mean(warm, 1) / 2**20, 1),
+                              "end": round(mean(late, 1) / 2**20, 1)},
+            "fds_curve": {"start": samples[0][2], "after_warmup": round(mean(warm, 2), 1), "end": round(mean(late, 2), 1)},
+            "trend": {"rss_mib_per_hour": slope(1, 2**20), "fds_per_hour": slope(2, 1)},
+            "curve": [[m, round(mean(xs, 1) / 2**20, 1), round(mean(xs, 2), 1)] for m, xs in sorted(minutes.items())]}
+
+
 async def reference(model: str, tmp: Path, extra: list[str], specs: dict, timeout: float) -> dict[str, str]:
     (tmp / "ref").mkdir()
     d = Daemon(model, tmp / "ref", extra)
@@ -316,7 +350,7 @@ async def soak(model: str, tmp: Path, extra: list[str], specs: dict, ref: dict[s
                 r = rng.random()
                 if r < 0.15:
                     await run.cut_stream(rng)
-                elif r < 0.25 and worker is None:            # session files: not offered with a remote stage
+                elif r < 0.25:
                     k = rng.choice(chats)
                     await run.session_round(k, specs[k], check)
                 else:
@@ -375,12 +409,13 @@ async def soak(model: str, tmp: Path, extra: list[str], specs: dict, ref: dict[s
     if rc != 0:
         problems.append(f"the daemon exited with {rc} on SIGTERM")
     lat = sorted(run.latencies)
-    return {"duration_s": a.duration, "clients": a.clients, "requests": sum(run.statuses.values()),
+    curve = curves(samples, fifth)
+    return {**curve, "duration_s": a.duration, "clients": a.clients, "requests": sum(run.statuses.values()),
             "statuses": {str(k): v for k, v in sorted(run.statuses.items())}, "compared": compared[0],
             "mismatches": len(mismatches), "rss_mib": [round(rss0 / 2**20, 1), round(rss1 / 2**20, 1)],
             "fds": [round(fd0, 1), round(fd1, 1)], "samples": len(samples),
             "latency_s": {"p50": lat[len(lat) // 2] if lat else None, "p99": lat[int(len(lat) * .99)] if lat else None},
-            "parked": len(status.get("engine", {}).get("parked", [])),
+            "parked": len(status.get("engine", {}).get("parked", [])), "refusals": run.refusals,
             **({"worker_kills": kills} if worker is not None else {}), "problems": problems[:50],
             "ok": not problems}
 
@@ -407,9 +442,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     # parking held to a small budget, so that it is full early and the RSS it holds stops growing (what the leak
     # check then sees is everything else)
-    # (parking and session files are not offered with a remote stage: the worker mode runs without them)
     extra = ["--n-ctx", "1024", "--threads", "2", "--device", "cpu", "--no-warmup",
-             *([] if a.worker_kills else ["--conversation-cache-mib", str(a.park_mib)]), *a.daemon_arg]
+             "--conversation-cache-mib", str(a.park_mib), *a.daemon_arg]
     specs = scripts(a.seed, a.convs, a.turns)
     with tempfile.TemporaryDirectory(prefix="strata-soak-") as tmp:
         worker = None

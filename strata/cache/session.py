@@ -21,11 +21,14 @@ Layout (little-endian):
     (strata/memory/codec.py, each with its own checked header and checksum): the conversation's part, then one
     per checkpoint in header order (their K/V a prefix of the conversation's: running state only).
 
-Nothing may follow the last block. Every refusal is a SessionError (a ValueError) with a one-line message.
+Nothing may follow the last block. Every refusal is a SessionError (a Refused naming the request's `filename`) with
+a one-line message.
 
 Files are opened relative to their directory without following a symbolic link and without blocking (a FIFO),
 and read only when they are regular files; a save writes an unpredictable temporary beside the file, created
-exclusively, then renames it over the file.
+exclusively, then renames it over the file. A directory quota (--slot-quota-mib) bounds the bytes of the regular files
+directly in the directory: a save that would pass it is refused (QuotaExceeded) once its temporary would, and the
+temporary removed.
 """
 from __future__ import annotations
 
@@ -38,12 +41,13 @@ import stat
 import struct
 import zlib
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
 
 from strata.cache.checkpoints import KINDS
 from strata.cache.conversation import Conversation, SavedCheckpoint
+from strata.errors import Refused
 from strata.memory import FormatError, PartMismatch, codec
 
 MAGIC = b"STRATASF"
@@ -57,8 +61,20 @@ _U32 = struct.Struct("<I")
 _NAME_MAX = 200          # the temporary file beside it adds a dot and a suffix (file names: 255 bytes)
 
 
-class SessionError(ValueError):
-    """A session file that cannot be saved or restored here (one-line message naming why)."""
+class SessionError(Refused):
+    """A session file that cannot be saved or restored here (one-line message naming why): a 400 whose field at
+    fault is the request's `filename`."""
+
+    param = "filename"
+
+
+class QuotaExceeded(SessionError):
+    """A save that would take the session directory past its quota (--slot-quota-mib): nothing was written. A 400
+    (not 507: no request field is at fault and a retry cannot succeed until files are removed), code
+    slot_quota_exceeded, its message naming the quota and the directory's use."""
+
+    param = None
+    code = "slot_quota_exceeded"
 
 
 # new session files: llama.cpp's fs_validate_filename intent, the portable subset (no '~', '$', spaces, look-alike
@@ -241,11 +257,68 @@ def _carves(cs) -> str:
     return ", ".join(f"{lo}..{hi}" for lo, hi in cs) or "none"
 
 
-def save_atomic(path: Path, writer) -> int:
+def directory_usage(directory: str | os.PathLike) -> tuple[int, int]:
+    """(bytes, files) of the regular files directly in `directory` -- what --slot-quota-mib bounds (apparent sizes;
+    symbolic links and subdirectories are neither followed nor counted; a file gone while listed is skipped)."""
+    total = files = 0
+    with os.scandir(directory) as it:
+        for e in it:
+            try:
+                if e.is_file(follow_symlinks=False):
+                    total += e.stat(follow_symlinks=False).st_size
+                    files += 1
+            except OSError:
+                continue
+    return total, files
+
+
+_TEMPORARY = re.compile(r"^\..+\.tmp-[0-9a-f]{16}$")
+
+
+def remove_stale_temporaries(directory: str | os.PathLike) -> int:
+    """Remove the temporaries an interrupted save left in `directory` (save_atomic's names, regular files only) ->
+    how many; called before the daemon saves there."""
+    n = 0
+    try:
+        dfd = os.open(directory, _OPEN_DIR)
+    except OSError:
+        return 0
+    try:
+        for name in os.listdir(dfd):
+            if _TEMPORARY.match(name):
+                try:
+                    if stat.S_ISREG(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode):
+                        os.unlink(name, dir_fd=dfd)
+                        n += 1
+                except OSError:
+                    continue
+    finally:
+        os.close(dfd)
+    return n
+
+
+class _Bounded:
+    """A binary file's write side that refuses (QuotaExceeded from `refuse()`) a write that would take it past
+    `limit` bytes, before any of that write reaches the file."""
+
+    def __init__(self, f: BinaryIO, limit: int, refuse):
+        self.f, self.limit, self.refuse, self.n = f, limit, refuse, 0
+
+    def write(self, b) -> int:
+        n = memoryview(b).nbytes
+        if self.n + n > self.limit:
+            raise self.refuse()
+        self.n += n
+        return self.f.write(b)
+
+
+def save_atomic(path: Path, writer, quota: int | None = None) -> int:
     """Write a file through `writer(io) -> bytes` into a temporary beside `path` (an unpredictable name, created
     with O_EXCL | O_NOFOLLOW relative to the directory, mode 0600), fsync it, rename it over `path` (a symbolic link
     there is replaced, not followed) and fsync the directory: a crash leaves the old file or the new one, never a
-    torn one."""
+    torn one. quota: the bytes the directory's regular files may hold (directory_usage) once the file replaces the
+    one at `path`; a write past it raises QuotaExceeded and the temporary is removed. Any failure leaves no
+    temporary behind."""
     try:
         dfd = os.open(path.parent, _OPEN_DIR)
     except OSError as e:
@@ -255,11 +328,12 @@ def save_atomic(path: Path, writer) -> int:
     made = False
     try:
         try:
+            limit = None if quota is None else _room(path, dfd, quota)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
                          0o600, dir_fd=dfd)
             made = True
             with os.fdopen(fd, "wb") as f:
-                n = writer(f)
+                n = writer(f if limit is None else _Bounded(f, limit[0], limit[1]))
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path.name, src_dir_fd=dfd, dst_dir_fd=dfd)
@@ -277,3 +351,26 @@ def save_atomic(path: Path, writer) -> int:
     finally:
         os.close(dfd)
     return n
+
+
+def _room(path: Path, dfd: int, quota: int) -> tuple[int, Any]:
+    """(the bytes a new file at `path` may take under `quota`, the QuotaExceeded it raises past them): the quota less
+    the directory's use, the file it replaces not counted."""
+    used, _ = directory_usage(path.parent)
+    try:
+        st = os.stat(path.name, dir_fd=dfd, follow_symlinks=False)
+        if stat.S_ISREG(st.st_mode):
+            used -= st.st_size
+    except OSError:
+        pass
+    room = max(0, quota - used)
+
+    def refuse() -> QuotaExceeded:
+        return QuotaExceeded(f"saving session file {path.name!r} would pass the session directory's quota of "
+                             f"{_mib(quota)} (--slot-quota-mib): its files hold {_mib(used)}, {_mib(room)} is left; "
+                             "nothing was written (remove session files from --slot-save-path, or raise the quota)")
+    return room, refuse
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"

@@ -17,6 +17,7 @@ from strata.cache import session
 from strata.cache.checkpoints import CheckpointCache, PrefillPlan
 from strata.cache.conversation import CUT_MIN, Conversation, DiskNode, DiskTier, ParkStore, SavedCheckpoint
 from strata.cache.tiers import Tiers
+from strata.errors import Refused
 from strata.memory import KVCacheFull, PartMismatch
 from strata.memory.hostram import available_ram
 from strata.stages.remote import CheckpointGone
@@ -35,7 +36,8 @@ class ConversationStore:
     - the parked conversations (``tiers``, strata.cache.tiers.Tiers): ``resident`` on the stages' devices (their
       pages held: a count, ``--park-resident``), ``park`` in host RAM (bytes, ``--conversation-cache-mib``),
       ``disk`` (files, ``--conversation-cache-dir``), each tier spilling its least recently used to the next;
-    - session files in ``slot_save_path``.
+    - session files in ``slot_save_path``, the regular files there bounded by ``slot_quota_bytes`` (None: no
+      quota).
 
     Every verb takes the Sequence it acts on (nothing about one live sequence is kept here but a weak mark of a
     sequence loaded from a session file): ``resume`` (plan a prompt, then the one step that restores a parked
@@ -47,7 +49,7 @@ class ConversationStore:
 
     def __init__(self, stages: list, file, n_ctx: int, *, checkpoints: CheckpointCache, park_bytes: int | None,
                  disk_dir: str | os.PathLike | None, disk_bytes: int, slot_save_path: str | os.PathLike | None,
-                 resident: int = 0, n_vocab: int | None = None):
+                 resident: int = 0, n_vocab: int | None = None, slot_quota_bytes: int | None = None):
         self.stages, self.file, self.n_ctx, self.n_vocab = stages, file, n_ctx, n_vocab
         self.checkpoints = checkpoints
         self.tiers = Tiers(stages, park_bytes=park_bytes, disk_dir=disk_dir, disk_bytes=disk_bytes,
@@ -55,6 +57,9 @@ class ConversationStore:
         self.slot_save_path = Path(slot_save_path) if slot_save_path else None
         if self.slot_save_path is not None and not self.slot_save_path.is_dir():
             raise ValueError(f"--slot-save-path {self.slot_save_path}: not a directory")
+        self.slot_quota_bytes = slot_quota_bytes
+        if self.slot_save_path is not None:
+            session.remove_stale_temporaries(self.slot_save_path)
         self._from_session: weakref.WeakSet = weakref.WeakSet()   # loaded from a file, not yet resumed
         self._restoring = None      # the checkpoint a restore is mounting (make_room does not drop it meanwhile)
         self._drops_seen = 0        # the stages' drop counts (Memory.drops) already acted on
@@ -368,8 +373,9 @@ class ConversationStore:
         return self.tiers.entries()
 
     # ---- session files -----------------------------------------------------------------------------------
-    def _write_file(self, path: Path, conv: Conversation) -> int:
-        return session.save_atomic(path, lambda f: session.write(f, conv, self.file.fingerprint(), self.stages))
+    def _write_file(self, path: Path, conv: Conversation, quota: int | None = None) -> int:
+        return session.save_atomic(path, lambda f: session.write(f, conv, self.file.fingerprint(), self.stages),
+                                   quota)
 
     def _read_file(self, path: Path) -> Conversation:
         with session.open_session(path) as f:
@@ -382,9 +388,10 @@ class ConversationStore:
         there. SessionError (one line) otherwise."""
         why = self.tiers.host_parts_refusal()
         if why:
-            raise session.SessionError(f"session files: {why}")
+            raise Refused(f"session files: {why}", code="unsupported_value")
         if self.slot_save_path is None:
-            raise session.SessionError("session files need --slot-save-path DIR (the directory they are kept in)")
+            raise Refused("session files need --slot-save-path DIR (the directory they are kept in)",
+                          code="unsupported_value")
         path = session.check_filename(self.slot_save_path, filename, new=not exists)
         try:
             there = path.exists() or path.is_symlink()               # what it is, open_session checks
@@ -395,14 +402,26 @@ class ConversationStore:
                                        "(--slot-save-path)")
         return path
 
+    def session_files(self) -> dict[str, Any] | None:
+        """The session directory's use for /status and /metrics: {"bytes", "files" (its regular files), "quota_bytes"
+        (None: no quota)}; None without --slot-save-path; "error" when it cannot be listed."""
+        if self.slot_save_path is None:
+            return None
+        try:
+            used, files = session.directory_usage(self.slot_save_path)
+        except OSError as e:
+            return {"bytes": None, "files": None, "quota_bytes": self.slot_quota_bytes,
+                    "error": e.strerror or type(e).__name__}
+        return {"bytes": used, "files": files, "quota_bytes": self.slot_quota_bytes}
+
     def save(self, seq: Sequence, path: Path, filename) -> dict[str, Any]:
         """Save `seq`'s conversation (with its checkpoints) to `path`, atomically -> llama-server's answer of a
         slot save. SessionError (one line), nothing written."""
         if seq.pos == 0:
-            raise session.SessionError("slot 0 holds no conversation (0 tokens): nothing to save")
+            raise Refused("slot 0 holds no conversation (0 tokens): nothing to save", code="empty_slot")
         t0 = time.perf_counter()
         conv = self.capture(seq, on_disk=True)
-        n = self._write_file(path, conv)
+        n = self._write_file(path, conv, self.slot_quota_bytes)
         return {"id_slot": 0, "filename": filename, "n_saved": conv.pos, "n_written": n,
                 "timings": {"save_ms": round((time.perf_counter() - t0) * 1e3, 3)}}
 

@@ -304,8 +304,9 @@ def cmd_status(c: Client, args) -> int:
         if lk:
             rtt = lk.get("rtt_ms")
             rtt = f"round trip {rtt} ms" if rtt is not None else "no round trip measured yet"
-            extra += (f", link up ({rtt}, {lk.get('checkpoints_held')} checkpoint parts held)" if lk.get("up")
-                      else f", link DOWN: {lk.get('down_reason')}")
+            extra += (f", link up ({rtt}; the worker keeps {lk.get('checkpoints_held')} parts for this daemon, "
+                      f"{_human_bytes(lk.get('store_bytes'))}: its layers of each checkpoint and parked conversation)"
+                      if lk.get("up") else f", link DOWN: {lk.get('down_reason')}")
         return f"{s.get('stage')}: {s.get('device')} {_layers(s.get('layers'))}{extra}"
     stages = "; ".join(_stage(s) for s in d.get("stages", []))
     tier_rows = [(f"  stage {s.get('stage')} layer {L.get('layer')}", _tier_layer(L))
@@ -321,8 +322,11 @@ def cmd_status(c: Client, args) -> int:
                      (f", {kv.get('held')} held by checkpoints and "
                       f"{len([p for p in e.get('parked') or [] if p.get('tier') == 'device'])} parked resident"
                       if kv.get("held") else "")),
-        ("checkpoints", f"{len(e.get('checkpoints') or [])} kept, {_human_bytes(e.get('checkpoint_bytes'))} "
-                        f"(--prompt-cache {e.get('prompt_cache')})"),
+        ("checkpoints", f"{len(e.get('checkpoints') or [])} kept in the prefix tree, "
+                        f"{_human_bytes(e.get('checkpoint_bytes'))} (--prompt-cache {e.get('prompt_cache')}; parked "
+                        "conversations' own are counted below)"),
+        ("parked", _parked_line(e)),
+        ("session files", _session_line(e.get("session_files"))),
         ("device", _device_line(d.get("device") or {})),
         ("memory", f"weights {_human_bytes(mem.get('weights_bytes'))}, KV pool {_human_bytes(mem.get('kv_pool_bytes'))}, "
                    f"RSS {_human_bytes(mem.get('rss_bytes'))}"),
@@ -339,6 +343,36 @@ def _slots_line(slots: list) -> str:
     each = ", ".join(f"{s.get('id')}: {s.get('phase') or 'processing'} at {s.get('pos')}"
                      f" ({(s.get('next_token') or {}).get('n_decoded', 0)} decoded)" for s in busy)
     return f"{len(busy)} / {len(slots)} busy" + (f" ({each})" if each else "")
+
+
+def _parked_line(e: dict) -> str:
+    """/status's parked conversations in one line: how many in each tier, RAM's use against its budget."""
+    parked = [p for p in _list(e.get("parked")) if isinstance(p, dict)]
+    if not parked:
+        return "none"
+    tiers = {t: [p for p in parked if p.get("tier") == t] for t in ("device", "ram", "disk")}
+    used = {t: sum(int(p.get("bytes") or 0) for p in ps) for t, ps in tiers.items()}
+    cps = sum(int(p.get("checkpoints") or 0) for p in parked)
+    out = [f"{len(parked)} conversations ({cps} checkpoints of their own)"]
+    if tiers["device"]:
+        out.append(f"{len(tiers['device'])} resident on the device (--park-resident)")
+    if tiers["ram"]:
+        out.append(f"{len(tiers['ram'])} in RAM, {_human_bytes(used['ram'])} of "
+                   f"{_human_bytes(e.get('conversation_cache_bytes'))} (--conversation-cache-mib)")
+    if tiers["disk"]:
+        out.append(f"{len(tiers['disk'])} on disk, {_human_bytes(used['disk'])}")
+    return ": ".join([out[0], ", ".join(out[1:])]) if len(out) > 1 else out[0]
+
+
+def _session_line(sf) -> str:
+    """/status's session_files: the directory's use against its quota."""
+    if not isinstance(sf, dict):
+        return "off (no --slot-save-path)"
+    if sf.get("error"):
+        return f"cannot list the directory: {sf['error']}"
+    q = sf.get("quota_bytes")
+    return (f"{sf.get('files')} files, {_human_bytes(sf.get('bytes'))}"
+            + (f" of {_human_bytes(q)} (--slot-quota-mib)" if q else " (no quota)"))
 
 
 def _rate(x) -> str:

@@ -89,6 +89,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="disk budget of --conversation-cache-dir (MiB, default %(default)s)")
     c.add_argument("--slot-save-path", default=None, metavar="DIR",
                    help="directory of session files (POST /slots/0?action=save|restore; stratactl save|restore)")
+    c.add_argument("--slot-quota-mib", type=_nonneg_int, default=D.parking.slot_quota_mib, metavar="MIB",
+                   help="the MiB the regular files in --slot-save-path may hold: a save that would pass it is refused "
+                        "(400, nothing written; default %(default)s = no quota)")
     r = p.add_argument_group("remote stages (the stage link)")
     r.add_argument("--remote-stage", default=None, metavar="HOST:PORT[,HOST:PORT...]",
                    help="workers (strata worker) that run the last layers, in chain order: the first relays to "

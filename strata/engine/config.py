@@ -39,13 +39,15 @@ class CheckpointConfig:
 class ParkingConfig:
     """Parking and session files (strata.cache.store). ram_mib: host RAM for parked conversations (None: 25 %
     of RAM; 0: no parking); disk_dir / disk_mib: the disk tier; resident: conversations kept parked on the device
-    before host RAM (0: none); slot_save_path: the directory of session files (None: refused)."""
+    before host RAM (0: none); slot_save_path: the directory of session files (None: refused); slot_quota_mib: the
+    MiB its regular files may hold, a save past it refused (0: no quota)."""
 
     ram_mib: int | None = None
     disk_dir: str | None = None
     disk_mib: int = 8192
     resident: int = 2
     slot_save_path: str | None = None
+    slot_quota_mib: int = 0
 
 
 @dataclass(frozen=True)
@@ -126,7 +128,7 @@ FLAT = {
     "prompt_cache_tail": ("checkpoints", "tail"),
     "conversation_cache_mib": ("parking", "ram_mib"), "conversation_cache_dir": ("parking", "disk_dir"),
     "conversation_cache_disk_mib": ("parking", "disk_mib"), "park_resident": ("parking", "resident"),
-    "slot_save_path": ("parking", "slot_save_path"),
+    "slot_save_path": ("parking", "slot_save_path"), "slot_quota_mib": ("parking", "slot_quota_mib"),
     "remote_stage": ("link", "remote_stage"), "link_key_file": ("link", "key_file"),
     "link_encrypt": ("link", "encrypt"), "insecure_link": ("link", "insecure"),
     "moe_vram_mib": ("moe", "vram_mib"), "adapt_every": ("moe", "adapt_every"), "adapt_swaps": ("moe", "adapt_swaps"),
@@ -289,6 +291,10 @@ class EngineConfig:
                 link.read_key_file(self.link.key_file)
             except (link.LinkError, OSError) as e:
                 return f"--link-key-file: {e}"
+        if self.parking.slot_quota_mib < 0:
+            return f"--slot-quota-mib must be 0 (no quota) or a number of MiB, got {self.parking.slot_quota_mib}"
+        if self.parking.slot_quota_mib and not self.parking.slot_save_path:
+            return "--slot-quota-mib needs --slot-save-path DIR (the directory of session files it bounds)"
         for flag, d in (("slot-save-path", self.parking.slot_save_path),
                         ("conversation-cache-dir", self.parking.disk_dir)):
             if d is not None and not os.path.isdir(d):

@@ -137,7 +137,8 @@ class Engine:
                                         budget_bytes=int(ck.mib) * 1024 * 1024, tail=int(ck.tail)),
             park_bytes=int(ram_mib) * 1024 * 1024 if ram_mib else None,
             disk_dir=pk.disk_dir, disk_bytes=int(pk.disk_mib) * 1024 * 1024,
-            slot_save_path=pk.slot_save_path, resident=int(pk.resident), n_vocab=self.n_vocab)
+            slot_save_path=pk.slot_save_path, resident=int(pk.resident), n_vocab=self.n_vocab,
+            slot_quota_bytes=int(pk.slot_quota_mib) << 20 if pk.slot_quota_mib else None)
         self.cache = self.store.checkpoints
         # the live sequences, one per request slot; a KV pool short of pages for one drops checkpoints and moves
         # resident conversations to RAM (ConversationStore.make_room), then (several slots) forgets an idle slot's

@@ -62,6 +62,8 @@ async def metrics(request: web.Request) -> web.Response:
     m.disk_tier_budget.set(disk.get("budget_bytes", 0))
     w = request.app[WORKER_KEY]
     m.slots = (w.slots, w.n_running, w.waiting, dict(engine.scheduler.stats)) if engine is not None else None
+    if engine is not None:
+        m.observe_session_files(engine.store.session_files())
     return web.Response(body=m.render(), headers={"Content-Type": CONTENT_TYPE})
 
 

@@ -6,6 +6,7 @@ daemon started with --embeddings (llama-server's flag); without it, 501 naming t
 from __future__ import annotations
 
 import base64
+import math
 import threading
 import time
 
@@ -20,7 +21,7 @@ from strata.serve.errors import ApiError
 from strata.serve.fields import bad_field
 from strata.serve.handling import engine_call, json_response, read_body, serving_engine
 from strata.serve.llama_api import llama_error
-from strata.serve.ollama_api import ollama_error
+from strata.serve.ollama_api import check_options, ollama_error
 from strata.text.tokenizer import check_text
 
 
@@ -51,10 +52,13 @@ def read_inputs(v, field: str) -> list:
     return out
 
 
-def _tokens(engine, inputs: list, field: str, truncate: bool = False) -> list[list[int]]:
+def _tokens(engine, inputs: list, field: str, truncate: bool = False, num_ctx: int | None = None) -> list[list[int]]:
     """Each input as token ids: a string tokenized as llama-server's embeddings tokenize it (BOS / EOS per the
     model, special-token text read as those tokens), ids as they are; with truncate (Ollama's), only the first n_ctx
-    tokens of a longer input. 400 naming input[i] for an empty or too long input."""
+    tokens of a longer input. num_ctx (Ollama's option): a context shorter than --n-ctx for this request, inputs cut
+    to it (truncate) or refused past it. 400 naming input[i] for an empty or too long input."""
+    n_ctx = min(engine.n_ctx, num_ctx or engine.n_ctx)
+    whose = "options.num_ctx" if n_ctx < engine.n_ctx else "--n-ctx"
     out = []
     for i, v in enumerate(inputs):
         at = field if len(inputs) == 1 else f"{field}[{i}]"
@@ -67,13 +71,16 @@ def _tokens(engine, inputs: list, field: str, truncate: bool = False) -> list[li
                     engine.tokenize_prompt(v)
             except ContextOverflow as e:
                 raise bad_field(at, f"is too long: at least {e.n_prompt} tokens, more than the context of "
-                                    f"{engine.n_ctx} (--n-ctx)", "context_length_exceeded") from None
+                                    f"{n_ctx} ({whose})", "context_length_exceeded") from None
             except ValueError as e:
                 raise bad_field(at, f"is not valid text: {str(e).splitlines()[0][:200]}") from None
         else:
             ids = v
         if truncate:
-            ids = ids[:engine.n_ctx]
+            ids = ids[:n_ctx]
+        elif n_ctx < engine.n_ctx and len(ids) > n_ctx:      # past --n-ctx: _checked's refusal
+            raise bad_field(at, f"is too long: {len(ids)} tokens, more than the context of {n_ctx} ({whose})",
+                            "context_length_exceeded")
         out.append(ids)
     return out
 
@@ -130,14 +137,14 @@ def _served(request: web.Request) -> None:
 
 
 async def _embed(request: web.Request, inputs: list, field: str, pooling: str | None, norm: int,
-                 truncate: bool = False):
+                 truncate: bool = False, num_ctx: int | None = None):
     """Tokenize and embed on the engine thread -> (engine, [Embedding]); a client that goes away stops the read
     after its current forward call."""
     engine = serving_engine(request)
     stop = threading.Event()
 
     def run(eng):
-        ids = _tokens(eng, inputs, field, truncate)
+        ids = _tokens(eng, inputs, field, truncate, num_ctx)
         _checked(eng, ids, field)
         return eng.embed(ids, pooling=pooling, normalize=norm, cancel=stop)
     return engine, await engine_call(request, run, stop=stop)
@@ -201,35 +208,44 @@ async def llama_embeddings(request: web.Request) -> web.Response:
     return json_response([{"index": i, "embedding": e.vectors.tolist()} for i, e in enumerate(out)])
 
 
-def _ollama_fields(body: dict, engine) -> None:
-    """Ollama's other fields: model a string, options an object, keep_alive accepted (one model stays loaded)."""
+def _ollama_fields(request: web.Request, body: dict, engine, route: str) -> tuple[str | None, int | None]:
+    """Ollama's other fields -> (pooling, num_ctx): model a string; options checked as /api/chat checks them
+    (ollama_api.check_options: unknown or mistyped ones refused, naming options.KEY), num_ctx a context for this
+    request (a positive integer; at most --n-ctx is read), the rest without effect on an embedding (as in Ollama);
+    Strata's `pooling` as on the other embedding routes, never none (one vector per token); keep_alive accepted
+    (one model stays loaded)."""
     m = body.get("model")
     if m is not None and not isinstance(m, str):
         raise bad_field("model", "must be a string")
-    if body.get("options") is not None and not isinstance(body["options"], dict):
-        raise bad_field("options", "must be an object")
+    num_ctx = check_options(body).get("num_ctx")
+    if num_ctx is not None and not (num_ctx >= 1 and (isinstance(num_ctx, int) or math.isfinite(num_ctx)
+                                                       and float(num_ctx).is_integer())):
+        raise bad_field("options.num_ctx", f"must be a positive integer, got {num_ctx!r}")
     _dimensions(body, engine)
+    pooling = _pooling(request, body)
+    if _model_pooling(engine, pooling) == "none":
+        why = "'pooling' is none" if body.get("pooling") else "--pooling is none"
+        raise bad_field("pooling", f"{why} (one vector per token): {route} needs mean, cls or last")
+    return pooling, None if num_ctx is None else int(num_ctx)
 
 
 async def ollama_embed(request: web.Request) -> web.Response:
-    """Ollama's POST /api/embed {model, input: str | [str], truncate=true, dimensions, options, keep_alive} ->
+    """Ollama's POST /api/embed {model, input: str | [str], truncate=true, dimensions, options, keep_alive; Strata's
+    pooling} ->
     {"model", "embeddings": [[...]], "total_duration", "load_duration", "prompt_eval_count"} (L2-normalised, as
     Ollama gives them; truncate: an input past the context is cut to its first n_ctx tokens, false refuses it)."""
     t0 = time.perf_counter_ns()
     _served(request)
     body = await read_body(request)
     engine = serving_engine(request)
-    _ollama_fields(body, engine)
+    pooling, num_ctx = _ollama_fields(request, body, engine, "/api/embed")
     if "input" not in body:
         raise bad_field("input", "is required: the text to embed", "missing_required_parameter")
     inputs = read_inputs(body["input"], "input")
     truncate = body.get("truncate", True)
     if not isinstance(truncate, bool):
         raise bad_field("truncate", "must be a boolean")
-    pooling = _pooling(request, {})
-    if _model_pooling(engine, pooling) == "none":
-        raise ApiError(400, "--pooling is none (one vector per token): /api/embed needs mean, cls or last")
-    engine, out = await _embed(request, inputs, "input", pooling, 2, truncate=truncate)
+    engine, out = await _embed(request, inputs, "input", pooling, 2, truncate=truncate, num_ctx=num_ctx)
     return json_response({"model": body.get("model") or engine.model_name,
                           "embeddings": [e.vectors[0].tolist() for e in out],
                           "total_duration": time.perf_counter_ns() - t0, "load_duration": 0,
@@ -237,19 +253,17 @@ async def ollama_embed(request: web.Request) -> web.Response:
 
 
 async def ollama_embeddings(request: web.Request) -> web.Response:
-    """Ollama's older POST /api/embeddings {model, prompt, options, keep_alive} -> {"embedding": [...]} (not
+    """Ollama's older POST /api/embeddings {model, prompt, options, keep_alive; Strata's pooling} -> {"embedding":
+    [...]} (not
     normalised, as Ollama gives it)."""
     _served(request)
     body = await read_body(request)
     engine = serving_engine(request)
-    _ollama_fields(body, engine)
+    pooling, num_ctx = _ollama_fields(request, body, engine, "/api/embeddings")
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
         raise bad_field("prompt", "is required: the text to embed, a string")
-    pooling = _pooling(request, {})
-    if _model_pooling(engine, pooling) == "none":
-        raise ApiError(400, "--pooling is none (one vector per token): /api/embeddings needs mean, cls or last")
-    engine, out = await _embed(request, [prompt], "prompt", pooling, -1, truncate=True)
+    engine, out = await _embed(request, [prompt], "prompt", pooling, -1, truncate=True, num_ctx=num_ctx)
     return json_response({"embedding": out[0].vectors[0].tolist()})
 
 

@@ -37,6 +37,10 @@ class Metrics:
                                       registry=r)
         self.responses_store_bytes = Gauge("strata_responses_store_bytes",
                                            "Bytes of the kept /v1/responses (--responses-store-mib)", registry=r)
+        self.session_files_bytes = Gauge("strata_session_files_bytes",
+                                         "Bytes of the regular files in --slot-save-path (session files)", registry=r)
+        self.session_quota_bytes = Gauge("strata_session_files_quota_bytes",
+                                         "The session directory's quota (--slot-quota-mib; 0: none)", registry=r)
         self.connections = Gauge("strata_connections_open", "Open connections, by listener", ["listener"],
                                  registry=r)
         self.running = Gauge("strata_requests_running", "Requests being generated now (at most one per request "
@@ -89,6 +93,12 @@ class Metrics:
             self.tokens_saved.inc(cache_n)
         else:
             self.cache_misses.inc()
+
+    def observe_session_files(self, usage: dict | None) -> None:
+        """The session directory's use (ConversationStore.session_files), set before a scrape."""
+        if usage and usage.get("bytes") is not None:
+            self.session_files_bytes.set(usage["bytes"])
+        self.session_quota_bytes.set((usage or {}).get("quota_bytes") or 0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

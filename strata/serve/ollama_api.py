@@ -35,6 +35,15 @@ OPTIONS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "mi
 IGNORED_OPTIONS = frozenset({"num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "num_keep", "use_mmap",
                              "use_mlock", "numa", "low_vram", "f16_kv", "vocab_only", "logits_all", "embedding_only",
                              "typical_p", "tfs_z", "mirostat", "mirostat_tau", "mirostat_eta", "penalize_newline"})
+#: the JSON type of each option above, as Ollama's api.Options declares it ("int" and "float" take any JSON number,
+#: as Ollama's decoder does; "stop" a string or an array of strings)
+OPTION_TYPES = {**{k: "int" for k in ("seed", "top_k", "repeat_last_n", "num_predict", "num_ctx", "num_batch",
+                                      "num_gpu", "main_gpu", "num_thread", "num_keep", "mirostat")},
+                **{k: "float" for k in ("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty",
+                                        "frequency_penalty", "typical_p", "tfs_z", "mirostat_tau", "mirostat_eta")},
+                **{k: "bool" for k in ("use_mmap", "use_mlock", "numa", "low_vram", "f16_kv", "vocab_only",
+                                       "logits_all", "embedding_only", "penalize_newline")},
+                "stop": "stop"}
 MANAGEMENT = ("/api/pull", "/api/push", "/api/create", "/api/copy", "/api/delete")
 
 
@@ -64,17 +73,39 @@ def _max_tokens(num_predict, engine) -> int | None:
     return whole_context(engine) if num_predict < 0 else max(1, num_predict)
 
 
-def _fields(body: dict, engine) -> dict:
-    """The chat route's fields of an Ollama body's options, format and stream."""
-    opts = body.get("options") or {}
+def check_options(body: dict) -> dict:
+    """An Ollama body's `options` (absent or null: {}): an object of options Ollama has and Strata knows (OPTIONS,
+    num_predict, IGNORED_OPTIONS), each of Ollama's JSON type (OPTION_TYPES; null: unset, as in Ollama); 400 naming
+    options.KEY otherwise (Ollama only logs an option it does not know; a misspelt one here is refused rather than
+    silently ignored)."""
+    opts = body.get("options")
+    if opts is None:
+        return {}
     if not isinstance(opts, dict):
         raise _bad("options", "must be an object")
+    for k, v in opts.items():
+        kind = OPTION_TYPES.get(k)
+        if kind is None:
+            raise _unsupported(f"options.{k}", "is not an option Strata knows")
+        if v is None:
+            continue
+        number = isinstance(v, (int, float)) and not isinstance(v, bool)
+        if kind in ("int", "float") and not number or kind == "bool" and not isinstance(v, bool) or \
+                kind == "stop" and not (isinstance(v, str) or isinstance(v, list) and all(isinstance(x, str)
+                                                                                       for x in v)):
+            want = {"int": "an integer", "float": "a number", "bool": "a boolean",
+                    "stop": "a string or an array of strings"}[kind]
+            raise _bad(f"options.{k}", f"must be {want}, got {schema._tname(v)}")
+    return {k: v for k, v in opts.items() if v is not None}
+
+
+def _fields(body: dict, engine) -> dict:
+    """The chat route's fields of an Ollama body's options, format and stream."""
+    opts = check_options(body)
     out: dict = {}
     for k, v in opts.items():
         if k in OPTIONS:
             out[OPTIONS[k]] = [v] if k == "stop" and isinstance(v, str) else v
-        elif k != "num_predict" and k not in IGNORED_OPTIONS:
-            raise _unsupported(f"options.{k}", "is not an option Strata knows")
     mt = _max_tokens(opts.get("num_predict"), engine)
     if mt is not None:
         out["max_tokens"] = mt
