@@ -180,3 +180,22 @@ def test_a_failed_batched_step_fails_its_requests_and_frees_the_slots(default_mo
         assert _key(e.generate(GenerationRequest(e.tokenize_prompt("Hello there"), max_tokens=6))) == want
     finally:
         e.close()
+
+
+def test_slot_status_while_a_request_runs(default_model_path):
+    """/slots reads Scheduler.status while requests run; the daemon hands prompts over as int32 arrays."""
+    from strata.text.token_ids import as_ids
+    e = Engine(default_model_path, n_ctx=256, device="cpu", parallel=2)
+    try:
+        toks = as_ids(e.tokenize_prompt("The capital of France is"))
+        assert isinstance(toks, np.ndarray)
+        ends = []
+        sid = e.admit(GenerationRequest(toks, max_tokens=8), lambda ev: None, ends.append)
+        e.step()
+        busy = [s for s in e.scheduler.status() if s["is_processing"]]
+        assert [s["id"] for s in busy] == [sid] and busy[0]["n_prompt_tokens"] == len(toks)
+        while e.step():
+            pass
+        assert ends == [None] and not any(s["is_processing"] for s in e.scheduler.status())
+    finally:
+        e.close()

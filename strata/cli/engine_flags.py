@@ -79,7 +79,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(pages they share with the live one are not copied); the least recently used moves to host "
                         "RAM when the pool runs short or N are kept (default %(default)s; 0 = park straight to host RAM)")
     c.add_argument("--kv-pool-ctx", type=_nonneg_int, default=None, metavar="TOKENS",
-                   help="tokens each stage's KV page pool holds (default --n-ctx): more keeps conversations parked "
+                   help="tokens each stage's KV page pool holds (default --parallel x --n-ctx): more keeps conversations parked "
                         "resident beside the live one (GPU memory: allocated at start; CPU: touched as it fills, "
                         "in huge-page steps)")
     c.add_argument("--conversation-cache-dir", default=None, metavar="DIR",

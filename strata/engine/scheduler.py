@@ -183,7 +183,7 @@ class Scheduler:
                         "phase": None if run is None else
                         ("prompt" if isinstance(run.pending, ReadPart) else "decode"),
                         "pos": int(s.seq.pos),
-                        "n_prompt_tokens": len(getattr(req, "prompt_tokens", ()) or ()) if req is not None else 0,
+                        "n_prompt_tokens": len(req.prompt_tokens) if req is not None else 0,
                         "next_token": {"has_next_token": run is not None, "n_decoded": run.n_decoded if run else 0,
                                        "n_remain": (max_tokens - run.n_decoded) if run is not None and
                                        max_tokens is not None else -1}})
