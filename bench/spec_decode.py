@@ -116,6 +116,14 @@ def micro(engine, prompt, ns, reps):
     out = {}
     sync = device_sync(engine)
 
+    def clock(into: list, fn, *args, **kw):
+        """fn(*args, **kw) run to the device's end, its seconds appended to `into` -> what fn returned."""
+        t0 = time.perf_counter()
+        got = fn(*args, **kw)
+        sync()
+        into.append(time.perf_counter() - t0)
+        return got
+
     def decode():
         seq.restore(ck)
         sync()
@@ -157,43 +165,22 @@ def micro(engine, prompt, ns, reps):
         for _ in range(reps * 3):
             seq.restore(ck)
             sync()
-            t0 = time.perf_counter()
-            engine.drafter.draft(5, n, 0.0)
-            sync()
-            dr.append(time.perf_counter() - t0)
+            clock(dr, engine.drafter.draft, 5, n, 0.0)
             base = seq.pos
-            t0 = time.perf_counter()
-            seq.verify(toks)
-            sync()
-            v.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            seq.commit(base + 1)                    # every draft rejected: the deepest cut-back
-            sync()
-            c.append(time.perf_counter() - t0)
+            clock(v, seq.verify, toks)
+            clock(c, seq.commit, base + 1)          # every draft rejected: the deepest cut-back
             # the same read without the kept states (every row's logits): what keeping them costs
             seq.restore(ck)
             sync()
-            t0 = time.perf_counter()
-            seq.forward(toks, all_logits=True)
-            sync()
-            ra.append(time.perf_counter() - t0)
+            clock(ra, seq.forward, toks, all_logits=True)
             # the alternative: a checkpoint before the verify, restored after it, the accepted token read again
             seq.restore(ck)
             sync()
-            t0 = time.perf_counter()
-            k2 = seq.capture()
-            sync()
-            cap.append(time.perf_counter() - t0)
+            k2 = clock(cap, seq.capture)
             seq.forward(toks)
             sync()
-            t0 = time.perf_counter()
-            seq.restore(k2)
-            sync()
-            rest.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            seq.forward(toks[:1])
-            sync()
-            replay.append(time.perf_counter() - t0)
+            clock(rest, seq.restore, k2)
+            clock(replay, seq.forward, toks[:1])
             k2.release()
         graph, gen = getattr(engine.drafter, "_graph", None), []
         if graph is not None:            # the reference: the model's own MTP block and head on the same device
@@ -201,10 +188,7 @@ def micro(engine, prompt, ns, reps):
             for _ in range(reps * 3):
                 seq.restore(ck)
                 sync()
-                t0 = time.perf_counter()
-                engine.drafter.draft(5, n, 0.0)
-                sync()
-                gen.append(time.perf_counter() - t0)
+                clock(gen, engine.drafter.draft, 5, n, 0.0)
             engine.drafter._graph = graph
         out[f"n{n}"] = {"draft_ms": min(dr) * 1e3, "draft_generic_ms": min(gen) * 1e3 if gen else None, "verify_ms": min(v) * 1e3, "read_all_ms": min(ra) * 1e3,
                         # all n drafts rejected: the round yields one token, as a decode step does
