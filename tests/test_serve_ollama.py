@@ -94,6 +94,9 @@ def test_refusals_are_one_line_ollama_errors(client, daemon):
     assert e.value.status_code == 400 and "messages[0].images" in e.value.error
     for body, needle in (({"model": "m", "messages": "hi"}, "'messages'"),
                          ({"model": "m", "messages": HI, "options": {"num_predict": "lots"}}, "options.num_predict"),
+                         ({"model": "m", "messages": HI, "options": {"temperature": -1}}, "'options.temperature'"),
+                         ({"model": "m", "messages": HI, "options": {"top_p": 3}}, "'options.top_p'"),
+                         ({"model": "m", "messages": HI, "format": {"type": "nope"}}, "'format"),
                          ({"model": "m", "messages": HI, "format": 7}, "'format'"),
                          ({"model": "m", "messages": HI, "stream": "yes"}, "'stream'")):
         st, d = daemon.json("POST", "/api/chat", body)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
 from datetime import datetime, timezone
 
@@ -23,7 +24,7 @@ from strata.serve import schema
 from strata.serve.answer_blocks import AnswerBlocks
 from strata.serve.completions_api import generate_chat, generate_completion
 from strata.serve.config import ERROR_SHAPES_KEY
-from strata.serve.errors import ApiError
+from strata.serve.errors import ApiError, renamed
 from strata.serve.fields import bad_field as _bad, unsupported_field as _unsupported
 from strata.serve.handling import engine_of, json_response, next_event, read_body, served_names, whole_context
 
@@ -157,6 +158,11 @@ def _messages(msgs) -> list[dict]:
     return out
 
 
+#: the chat route's field names -> Ollama's: a refusal of a translated body names the field as the body has it
+_RENAMES = [(re.compile(r"\bresponse_format(\.json_schema(\.schema)?)?"), "format"),
+            *((re.compile(rf"^{k}$|(?<='){k}(?=')"), f"options.{k}") for k in OPTIONS)]
+
+
 def parse_chat(body: dict, engine) -> schema.ParsedRequest:
     """A /api/chat body as a chat request."""
     chat = {**_fields(body, engine), "messages": _messages(body.get("messages"))}
@@ -284,21 +290,27 @@ async def chat(request: web.Request) -> web.StreamResponse:
     if body.get("messages") in (None, []):             # Ollama's way to load a model: nothing is generated
         return json_response({"model": _name(body), "created_at": _now(),
                               "message": {"role": "assistant", "content": ""}, "done": True, "done_reason": "load"})
-    p = parse_chat(body, engine_of(request))
-    return await generate_chat(request, p, respond=_responder(t0, chat=True))
+    try:
+        p = parse_chat(body, engine_of(request))
+        return await generate_chat(request, p, respond=_responder(t0, chat=True))
+    except ApiError as e:
+        raise renamed(e, _RENAMES) from None
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
     """POST /api/generate."""
     t0 = time.perf_counter()
     body = await read_body(request)
-    p = parse_generate(body, engine_of(request))
-    if p is None:
-        return json_response({"model": _name(body), "created_at": _now(), "response": "", "done": True,
-                              "done_reason": "load"})
-    if p.kind == "completion":
-        return await generate_completion(request, p, respond=_responder(t0, chat=False))
-    return await generate_chat(request, p, respond=_responder(t0, chat=False))
+    try:
+        p = parse_generate(body, engine_of(request))
+        if p is None:
+            return json_response({"model": _name(body), "created_at": _now(), "response": "", "done": True,
+                                  "done_reason": "load"})
+        if p.kind == "completion":
+            return await generate_completion(request, p, respond=_responder(t0, chat=False))
+        return await generate_chat(request, p, respond=_responder(t0, chat=False))
+    except ApiError as e:
+        raise renamed(e, _RENAMES) from None
 
 
 def _details(engine) -> dict:
