@@ -71,7 +71,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="minimum root length worth pinning (tokens)")
     c.add_argument("--prompt-cache-mib", type=_nonneg_int, default=D.checkpoints.mib,
                    help="memory budget of the checkpoints' own copies (MiB): running state, and with parking off the "
-                        "K/V of checkpoints a short pool moved to host RAM")
+                        "K/V of checkpoints a short pool moved to host RAM (default %(default)s)")
     c.add_argument("--conversation-cache-mib", type=_nonneg_int, default=None,
                    help="host RAM for parked conversations (MiB; default 25%% of RAM; 0 = no parking)")
     c.add_argument("--park-resident", type=_nonneg_int, default=D.parking.resident, metavar="N",

@@ -49,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="key required on TCP, as 'Authorization: Bearer <key>' or 'x-api-key: <key>' (needed for a "
                         "non-loopback --host); env STRATA_API_KEY")
     n.add_argument("--queue-max", type=_nonneg, default=16,
-                   help="requests allowed to wait behind the running one; beyond it 503 + Retry-After")
+                   help="requests allowed to wait behind the running ones; beyond it 503 + Retry-After (default %(default)s)")
     n.add_argument("--max-body", type=_size, default=8 * 1024 * 1024, help="largest request body (default 8M)")
     n.add_argument("--responses-store", type=_nonneg, default=256, metavar="N",
                    help="/v1/responses kept for previous_response_id, least recently used dropped first (default "
@@ -96,7 +96,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="bytes the kept /v1/responses may hold (their JSON, a shared conversation counted once; "
                         "default 256); the least recently used go first")
     n.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="on SIGTERM, seconds to let the running request finish before cancelling it")
+                   help="on SIGTERM, seconds to let the running requests finish before cancelling them (default %(default)s)")
     n.add_argument("--stall-seconds", type=float, default=600.0, metavar="S",
                    help="/health answers 503 (status stuck) when work is running or waiting and no forward call has "
                         "returned for S seconds (default 600; 0: never)")
