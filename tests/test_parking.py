@@ -212,18 +212,24 @@ def test_checkpoints_spill_to_the_disk_tier_and_come_back_bit_exact(which, defau
 
 
 def test_the_disk_tier_budget_drops_spilled_checkpoints_and_the_tree_forgets_them(hybrid_path, tmp_path):
-    """A disk budget of one file: each checkpoint spilled pushes the one before out (its file removed), and the
-    tree forgets the checkpoints whose files are gone before it plans; the answers stay those of a cold read."""
+    """A disk budget of about one file: each checkpoint spilled pushes the one before out (its file removed), and the
+    tree forgets the checkpoints whose files are gone before it plans; a checkpoint bigger than the whole budget is
+    not written at all; the answers stay those of a cold read throughout."""
     cold = Engine(hybrid_path, n_ctx=512, ubatch=16, conversation_cache_mib=0, prompt_cache=0)
     e = Engine(hybrid_path, n_ctx=512, ubatch=16, conversation_cache_mib=0, prompt_cache=8, prompt_cache_mib=0,
                conversation_cache_dir=tmp_path, conversation_cache_disk_mib=1)
-    e.disk.budget = 1                                     # smaller than any file: each write evicts the previous
     answers: list[str] = []
-    for turn in range(3):
+    for turn in range(4):
+        if turn == 1:                                     # room for the largest file so far and a half
+            e.disk.budget = max(f.stat().st_size for f in tmp_path.glob("node-*.bin")) * 3 // 2
+        if turn == 3:                                     # smaller than any file: nothing more is written
+            e.disk.budget, written = 1, e.disk.status()["written"]
         toks, final = ask(e, chat("rivers", turn, answers), n=4)
         assert toks == ask(cold, chat("rivers", turn, answers), n=4, cache_prompt=False)[0]
         answers.append(e.detokenize(toks))
+        if turn:
+            assert sum(f.stat().st_size for f in tmp_path.glob("node-*.bin")) <= e.disk.budget
     st = e.disk.status()
-    assert st["nodes_dropped"] >= 1 and st["nodes"] == 0 and not list(tmp_path.glob("node-*.bin"))
+    assert st["nodes_dropped"] >= 1 and st["too_big"] >= 1 and st["written"] == written
     e.store.forget_dropped()
     assert all(c["tier"] != "disk" for c in e.cache.entries())

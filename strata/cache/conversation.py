@@ -247,13 +247,18 @@ class DiskTier:
         self._index: list[tuple[Conversation | DiskNode, Path, int]] = []
         self._names = itertools.count()
         self._lock = threading.Lock()
-        self.stats = {"written": 0, "restored": 0, "evicted": 0, "failed": 0}
+        self.stats = {"written": 0, "restored": 0, "evicted": 0, "failed": 0, "too_big": 0}
         self.node_drops = 0
         for pattern in ("park-*.bin", "node-*.bin"):
             for old in self.dir.glob(pattern):
                 old.unlink(missing_ok=True)
 
     def _file(self, kind: str, conv: Conversation) -> tuple[Path, int] | None:
+        """Write `conv` to a new file -> (path, bytes); None when it failed or its parts alone pass the whole budget
+        (not written: it would only push every other file out and then itself)."""
+        if conv.nbytes() > self.budget:
+            self.stats["too_big"] += 1
+            return None
         path = self.dir / f"{kind}-{os.getpid()}-{next(self._names)}.bin"
         try:
             return path, self._write(path, conv)
