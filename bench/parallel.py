@@ -16,12 +16,12 @@ Usage: PYTHONPATH=. python bench/parallel.py [--device cuda|cpu] [--models defau
        PYTHONPATH=. python bench/parallel.py --e2e 1,2,4 [--models default] [--llama-server PATH] [--e2e-tokens 48]
 Writes bench/results/parallel_step_<device>_<commit>.json (or --out).
 
---e2e K1,K2,...: the end-to-end arm instead, on the CPU: for each K, K concurrent clients stream a completion each
+--e2e K1,K2,...: the end-to-end arm instead, on --device (the CPU unless it names a GPU): for each K, K concurrent clients stream a completion each
 (llama-server's POST /completion, a distinct prompt of about --e2e-prompt tokens, --e2e-tokens tokens) from
 `strata serve --parallel K` and, the reference measured in the same run, from `strata serve --parallel 1` (the same K
 clients, queued) and from `llama-server --parallel K` on the same GGUF where --llama-server names its binary:
 aggregate tok/s (every token of every answer over the burst's wall time), per-request latency, time to first token
-and inter-token latency (p50 / p99). Writes bench/results/parallel_e2e_cpu_<commit>.json (or --out).
+and inter-token latency (p50 / p99). Writes bench/results/parallel_e2e_<cpu|cuda>_<commit>.json (or --out).
 """
 from __future__ import annotations
 
@@ -197,7 +197,7 @@ def _server(cmd: list[str], port: int, log: Path):
 
 
 def e2e(model: str, ks: list[int], n_predict: int, prompt_tokens: int, threads: int, llama: str | None,
-        folder: Path) -> dict:
+        folder: Path, device: str = "cpu") -> dict:
     """The end-to-end arms for each K -> {K: {"strata_parallel_K", "strata_parallel_1", "llama_server"?, ratios}}."""
     import socket
     import tempfile
@@ -221,7 +221,7 @@ def e2e(model: str, ks: list[int], n_predict: int, prompt_tokens: int, threads: 
             port = free_port()
             cmd = [sys.executable, "-m", "strata.cli.main", "serve", "--model", model, "--socket", str(tmp / "s.sock"),
                    "--port", str(port), "--n-ctx", str(n_ctx), "--threads", str(threads), "--parallel", str(n),
-                   "--queue-max", "64", "--log-level", "warning"]
+                   "--queue-max", "64", "--log-level", "warning", "--device", device]
             proc = _server(cmd, port, tmp / f"{name}.log")
             try:
                 _burst(port, prompts[:1], 4)                 # one request first: what a first request costs
@@ -234,7 +234,7 @@ def e2e(model: str, ks: list[int], n_predict: int, prompt_tokens: int, threads: 
         if llama:
             port = free_port()
             cmd = [llama, "-m", model, "-c", str(n_ctx * k), "-np", str(k), "-t", str(threads), "--port", str(port),
-                   "--host", "127.0.0.1", "--log-disable"]
+                   "--host", "127.0.0.1", "--log-disable", "-ngl", "0" if device == "cpu" else "99"]
             proc = _server(cmd, port, tmp / "llama.log")
             try:
                 _burst(port, prompts[:1], 4)
@@ -257,11 +257,13 @@ def main_e2e(a) -> int:
     ks = [int(x) for x in a.e2e.split(",")]
     model = model_path(a.models.split(",")[0], Path(a.dir))
     llama = a.llama_server if a.llama_server and os.path.exists(a.llama_server) else None
-    out = {"what": "bench/parallel.py --e2e", "device": "cpu", "commit": commit(), "model": os.path.basename(model),
+    device = a.device or "cpu"
+    out = {"what": "bench/parallel.py --e2e", "device": device, "commit": commit(), "model": os.path.basename(model),
            "ks": ks, "n_predict": a.e2e_tokens, "prompt_words": a.e2e_prompt, "threads": a.threads or 2,
            "llama_server": llama, "host_load": host_load()}
-    dest = Path(a.out) if a.out else ROOT / "bench" / "results" / f"parallel_e2e_cpu_{out['commit']}.json"
-    out["rows"] = e2e(model, ks, a.e2e_tokens, a.e2e_prompt, a.threads or 2, llama, Path(a.dir))
+    dest = Path(a.out) if a.out else ROOT / "bench" / "results" / \
+        f"parallel_e2e_{'cpu' if device == 'cpu' else 'cuda'}_{out['commit']}.json"
+    out["rows"] = e2e(model, ks, a.e2e_tokens, a.e2e_prompt, a.threads or 2, llama, Path(a.dir), device)
     out["host_load_after"] = host_load()
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(json.dumps(out, indent=1))
@@ -271,7 +273,7 @@ def main_e2e(a) -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--device", default=None, help="cuda (default) or cpu; with --e2e the CPU unless it names a GPU")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--ns", default=",".join(map(str, NS)))
     ap.add_argument("--steps", type=int, default=16)
@@ -281,15 +283,16 @@ def main(argv=None) -> int:
     ap.add_argument("--dir", default=os.environ.get("TMPDIR", "/tmp") + "/strata-bench")
     ap.add_argument("--out", default=None)
     ap.add_argument("--e2e", default=None, metavar="K1,K2,...",
-                    help="the end-to-end arm: K concurrent clients through the daemon (CPU)")
+                    help="the end-to-end arm: K concurrent clients through the daemon (on --device)")
     ap.add_argument("--e2e-tokens", type=int, default=48)
     ap.add_argument("--e2e-prompt", type=int, default=48, help="words per prompt")
     ap.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"),
-                    help="llama-server's binary (a CPU build): its --parallel K arm beside Strata's")
+                    help="llama-server's binary: its --parallel K arm beside Strata's (-ngl 99 on a GPU)")
     a = ap.parse_args(argv)
     if a.e2e:
         return main_e2e(a)
     from gpu_throughput import commit, host_load
+    a.device = a.device or "cuda:0"
     device = "cpu" if a.device == "cpu" else a.device if ":" in a.device else f"{a.device}:0"
     if device == "cpu" and a.threads:
         from strata.backend import quant
