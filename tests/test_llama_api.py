@@ -174,6 +174,27 @@ def test_completion_with_curl_whole_and_streamed(daemon):
     assert st == 200 and w["stop_type"] == "word" and w["stopping_word"] == " Paris" and w["stopped_word"]
 
 
+def test_completion_return_tokens_gives_the_generated_ids(daemon, tokenizer):
+    """return_tokens: the ids generated (whole, and chunk by chunk when streamed), which decode to the content and,
+    read back after the prompt, continue the same greedy answer; without it "tokens" is empty."""
+    body = {"prompt": "1, 2, 3, 4,", "n_predict": 6, "temperature": 0, "return_tokens": True}
+    st, r = curl(daemon, "/completion", body)
+    assert st == 200 and len(r["tokens"]) == 6 and tokenizer.decode(r["tokens"]) == r["content"]
+    cmd = ["curl", "-sS", "-N", "--unix-socket", daemon.sock, "http://strata/completion", "-H",
+           "Content-Type: application/json", "--data-binary", json.dumps({**body, "stream": True})]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True).stdout
+    events = [json.loads(ln[6:]) for ln in out.splitlines() if ln.startswith("data: ")]
+    assert [t for e in events for t in e["tokens"]] == r["tokens"]
+    _, head = curl(daemon, "/tokenize", {"content": body["prompt"], "add_special": True})
+    st, tail = curl(daemon, "/completion", {"prompt": head["tokens"] + r["tokens"][:3], "n_predict": 3,
+                                            "temperature": 0, "return_tokens": True, "cache_prompt": False})
+    assert st == 200 and tail["tokens"] == r["tokens"][3:]
+    st, plain = curl(daemon, "/completion", {**body, "return_tokens": False})
+    assert plain["tokens"] == [] and plain["content"] == r["content"]
+    st, bad = curl(daemon, "/completion", {**body, "return_tokens": "yes"})
+    assert st == 400 and "return_tokens" in bad["error"]["message"]
+
+
 def test_completion_reports_an_end_of_generation_and_the_default_length(daemon):
     st, r = curl(daemon, "/completion", {"prompt": "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n",
                                          "temperature": 0})

@@ -8,6 +8,7 @@ not_supported_error, unavailable_error, exceed_context_size_error), not OpenAI's
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 
 from aiohttp import web
@@ -217,17 +218,19 @@ def _completion_obj(final, content: str, p: schema.ParsedRequest, engine, prompt
                                               "predicted_ms", "predicted_per_second", "cache_n")}}
 
 
-async def completion_respond(request, engine, p, job, answers):
-    """llama-server's answer: one object, or SSE `data:` lines of {"content", "stop": false} then the whole object
-    with "stop": true (no [DONE] line)."""
+async def completion_respond(request, engine, p, job, answers, return_tokens: bool = False):
+    """llama-server's answer: one object, or SSE `data:` lines of {"content", "tokens", "stop": false} then the
+    whole object with "stop": true (no [DONE] line). "tokens" holds the generated token ids (each chunk's, or all of
+    them in the one object) when return_tokens, else [] (llama-server's return_tokens)."""
     if not p.stream:
-        text = []
+        text, ids = [], []
         while True:
             ev = await next_event(job)
             text.append(ev.text or "")
             if isinstance(ev, FinalEvent):
-                return json_response(_completion_obj(ev, "".join(text), p, engine, p.prompt,
-                                                     request.app[CONFIG_KEY].n_predict))
+                obj = _completion_obj(ev, "".join(text), p, engine, p.prompt, request.app[CONFIG_KEY].n_predict)
+                return json_response({**obj, "tokens": ids if return_tokens else []})
+            ids.append(int(ev.token_id))
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                        "Cache-Control": "no-cache", "X-Request-Id": request["rid"]})
     await resp.prepare(request)
@@ -237,10 +240,11 @@ async def completion_respond(request, engine, p, job, answers):
             ev = await next_event(job)
             if isinstance(ev, FinalEvent):
                 obj = _completion_obj(ev, ev.text or "", p, engine, p.prompt, request.app[CONFIG_KEY].n_predict)
-                await resp.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
+                await resp.write(b"data: " + json.dumps({**obj, "tokens": []}, ensure_ascii=False).encode() + b"\n\n")
                 break
             n += 1
-            chunk = {"content": ev.text, "stop": False, "id_slot": job.slot or 0, "tokens_predicted": n}
+            chunk = {"content": ev.text, "tokens": [int(ev.token_id)] if return_tokens else [], "stop": False,
+                     "id_slot": job.slot or 0, "tokens_predicted": n}
             await resp.write(b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n")
     except ApiError as e:
         await resp.write(b"error: " + json.dumps(llama_error(e), ensure_ascii=False).encode() + b"\n\n")
@@ -249,11 +253,13 @@ async def completion_respond(request, engine, p, job, answers):
 
 
 async def completion(request: web.Request) -> web.StreamResponse:
-    """POST /completion: llama-server's raw completion (prompt a string or token ids; n_predict; its answer
-    shape)."""
+    """POST /completion: llama-server's raw completion (prompt a string or token ids; n_predict; return_tokens;
+    its answer shape)."""
     body = await read_body(request)
     engine = engine_of(request)
-    return await generate_completion(request, completion_request(body, engine), respond=completion_respond)
+    p = completion_request(body, engine)
+    return await generate_completion(request, p, respond=functools.partial(
+        completion_respond, return_tokens=_flag(body, "return_tokens", False)))
 
 
 def add_routes(app: web.Application) -> None:
