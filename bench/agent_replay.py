@@ -9,9 +9,16 @@ session load included where there is one). Greedy answers of both arms are compa
 --llama-server BIN the same agent runs against llama.cpp's llama-server on the same GGUF and token ids (one slot, its
 RAM prompt cache with --cache-ram, its slot files across the restart; TTFT at its streaming client).
 
+With --concurrent N the sub-agents run at once instead: each round's four sub-agent steps are sent together to
+`strata serve --parallel N`, to `strata serve --parallel 1` (queued behind each other: the reference) and to
+`llama-server -np N` (--llama-server), through each server's chat route as an agent calls it (the same messages; the
+GGUF's template); re-reads, TTFT per step and each round's wall time.
+
 Usage: python bench/agent_replay.py [--model default] [--system-tokens 1200] [--rounds 3] [--threads 2]
        [--split 15] [--arms local,remote] [--llama-server BIN]
        [--out bench/results/agent_replay_cpu_<commit>.json]
+       python bench/agent_replay.py --concurrent 4 [--device cpu|cuda] [--llama-server BIN] ...
+       [--out bench/results/agent_replay_concurrent_<cpu|cuda>_<commit>.json]
 """
 from __future__ import annotations
 
@@ -149,30 +156,31 @@ def run_arm(name: str, make_engine, system_tokens: int, rounds: int, session_dir
             "ttft_ms_after_restart_median": float(np.median([s["ttft_ms"] for s in steps_out if s["phase"] == 1]))}
 
 
-class LlamaServer:
-    """llama.cpp's llama-server on the same GGUF (one slot, its prompt cache in RAM with --cache-ram, session files
-    with --slot-save-path), driven with the same token ids through /completion, streaming."""
+def _free_port() -> int:
+    import socket
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        return sk.getsockname()[1]
 
-    def __init__(self, binary: str, model_path: str, n_ctx: int, threads: int, save_dir: Path):
-        import socket
-        with socket.socket() as sk:
-            sk.bind(("127.0.0.1", 0))
-            self.port = sk.getsockname()[1]
-        help_text = subprocess.run([binary, "--help"], capture_output=True, text=True).stdout
-        self.cmd = [binary, "-m", model_path, "--host", "127.0.0.1", "--port", str(self.port), "-c", str(n_ctx),
-                    "-np", "1", "-t", str(threads), "--slot-save-path", str(save_dir)]
-        if "--cache-ram" in help_text:
-            self.cmd += ["--cache-ram", "1024"]
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+class CompletionServer:
+    """A server process speaking llama-server's /completion on 127.0.0.1:port (llama-server, or `strata serve`),
+    driven with token ids, streaming: started by the constructor (cmd), healthy before it returns."""
+
+    def __init__(self, cmd: list[str], port: int, env: dict | None = None):
+        self.cmd, self.port = cmd, port
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
         t0 = time.time()
         while time.time() - t0 < 300:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{cmd[0]} exited ({self.proc.returncode}): {' '.join(cmd)}")
             try:
                 if self._get("/health").get("status") == "ok":
                     return
             except OSError:
                 pass
             time.sleep(0.5)
-        raise RuntimeError("llama-server did not become healthy")
+        raise RuntimeError(f"{' '.join(cmd)} did not become healthy")
 
     def _get(self, path: str) -> dict:
         import urllib.request
@@ -185,12 +193,13 @@ class LlamaServer:
                                      headers={"Content-Type": "application/json"})
         return urllib.request.urlopen(req, timeout=3600)
 
-    def generate(self, prompt: np.ndarray, n: int) -> tuple[float, list[int], dict]:
-        """(TTFT s at the client, answer token ids, the server's timings)."""
+    def generate(self, prompt: np.ndarray, n: int, slot: int = 0) -> tuple[float, list[int], dict]:
+        """(TTFT s at the client, answer token ids, the server's timings); slot: id_slot (-1: the server picks)."""
         t0 = time.perf_counter()
         ttft, toks, timings = None, [], {}
         with self._post("/completion", {"prompt": [int(x) for x in prompt], "n_predict": n, "cache_prompt": True,
-                                        "temperature": 0.0, "stream": True, "id_slot": 0, "return_tokens": True}) as r:
+                                        "temperature": 0.0, "stream": True, "id_slot": slot,
+                                        "return_tokens": True}) as r:
             for line in r:
                 if not line.startswith(b"data: "):
                     continue
@@ -200,6 +209,30 @@ class LlamaServer:
                 toks += [int(t) for t in ev.get("tokens") or []]
                 timings = ev.get("timings") or timings
         return (ttft or time.perf_counter() - t0), toks, timings
+
+    def chat(self, messages: list[dict], n: int) -> tuple[float, str, dict]:
+        """(TTFT s at the client, the answer's text, {"prompt_tokens", "read"}) of a streamed greedy chat completion
+        (/v1/chat/completions, the server's own chat template); read: the prompt tokens it read (llama-server's
+        timings.prompt_n, else prompt_tokens less usage's cached_tokens)."""
+        t0 = time.perf_counter()
+        ttft, text, usage, timings = None, [], {}, {}
+        with self._post("/v1/chat/completions", {"messages": messages, "max_tokens": n, "temperature": 0.0,
+                                                 "stream": True, "stream_options": {"include_usage": True}}) as r:
+            for line in r:
+                if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                    continue
+                ev = json.loads(line[6:])
+                for c in ev.get("choices") or []:
+                    piece = (c.get("delta") or {}).get("content")
+                    if piece:
+                        ttft = ttft or time.perf_counter() - t0
+                        text.append(piece)
+                usage = ev.get("usage") or usage
+                timings = ev.get("timings") or timings
+        cached = int(((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0)
+        read = int(timings["prompt_n"]) if "prompt_n" in timings else int(usage.get("prompt_tokens", 0)) - cached
+        return (ttft or time.perf_counter() - t0), "".join(text), {"prompt_tokens": usage.get("prompt_tokens"),
+                                                                    "read": read}
 
     def save(self, name: str) -> None:
         self._post("/slots/0?action=save", {"filename": name}).read()
@@ -212,6 +245,33 @@ class LlamaServer:
     def close(self) -> None:
         self.proc.terminate()
         self.proc.wait(30)
+
+
+class LlamaServer(CompletionServer):
+    """llama.cpp's llama-server on the same GGUF (`slots` slots, its prompt cache in RAM with --cache-ram, session
+    files with --slot-save-path), each slot n_ctx tokens."""
+
+    def __init__(self, binary: str, model_path: str, n_ctx: int, threads: int, save_dir: Path, slots: int = 1,
+                 extra: list[str] | None = None):
+        port = _free_port()
+        help_text = subprocess.run([binary, "--help"], capture_output=True, text=True).stdout
+        cmd = [binary, "-m", model_path, "--host", "127.0.0.1", "--port", str(port), "-c", str(n_ctx * slots),
+               "-np", str(slots), "-t", str(threads), "--slot-save-path", str(save_dir)] + (extra or [])
+        if "--cache-ram" in help_text:
+            cmd += ["--cache-ram", "1024"]
+        super().__init__(cmd, port)
+
+
+class StrataServer(CompletionServer):
+    """`strata serve` on the same GGUF with `slots` request slots (its defaults otherwise: checkpoints, parking)."""
+
+    def __init__(self, model: str, n_ctx: int, threads: int, folder: Path, slots: int, extra: list[str] | None = None):
+        port = _free_port()
+        cmd = [sys.executable, "-m", "strata.cli.main", "serve", "--model", model, "--socket", str(folder / "s.sock"),
+               "--port", str(port), "--n-ctx", str(n_ctx), "--threads", str(threads), "--parallel", str(slots),
+               "--queue-max", "64", "--log-level", "warning"] + (extra or [])
+        env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        super().__init__(cmd, port, env)
 
 
 def run_llama_server(binary: str, model: str, args, session_dir: Path, render: Engine) -> dict:
@@ -256,6 +316,57 @@ def run_llama_server(binary: str, model: str, args, session_dir: Path, render: E
             "ttft_ms_after_restart_median": float(np.median([x["ttft_ms"] for x in steps_out if x["phase"] == 1]))}
 
 
+def run_concurrent(name: str, srv: CompletionServer, render: Engine, args) -> dict:
+    """The agent's first phase against a server with slots through its chat route (as an agent calls it: its own
+    template, so its checkpoints at the template's cut points), the four sub-agents' steps of each round sent at
+    once (one thread each; the server picks the slot) and the main's steps alone between them -> the arm's steps
+    (as run_arm's, plus each group's wall time). `render` counts the new tokens of each prompt (the same template)."""
+    agent = Agent(system_prompt(render, args.system_tokens))
+    lock = threading.Lock()
+    steps_out: list[dict] = []
+
+    def step(chat: str, text: str) -> None:
+        with lock:                                   # the renderer and the agent's records are not shared safely
+            msgs = agent.chats.setdefault(chat, [{"role": "system", "content": agent.system}])
+            msgs.append({"role": "user", "content": text})
+            sent_msgs = [dict(m) for m in msgs]
+            prompt = as_ids(render.render_chat(msgs).tokens)
+            new = agent.new_tokens(prompt)
+        ttft, answer, u = srv.chat(sent_msgs, N_ANSWER)
+        with lock:
+            read = u["read"]
+            steps_out.append(dict(phase=0, chat=chat, prompt=len(prompt), server_prompt=u["prompt_tokens"], new=new,
+                                  read=read, reread=read - new, ttft_ms=round(1e3 * ttft, 2), answer=answer))
+            msgs.append({"role": "assistant", "content": answer})
+            done = as_ids(render.render_chat(msgs).tokens)
+            agent.sent.append(done[:-1])             # what the server read: the prompt and the answer
+            print(f"  {name} {chat:5s} prompt {len(prompt):5d} new {new:4d} read {read:4d} re-read {read - new:4d} "
+                  f"ttft {1e3 * ttft:8.1f} ms", flush=True)
+
+    groups: list[list[tuple[str, str]]] = []
+    for chat, text in agent.schedule(args.rounds, 0):       # consecutive steps of distinct sub-agents run at once
+        if chat != "main" and groups and groups[-1][0][0] != "main" and chat not in {c for c, _ in groups[-1]}:
+            groups[-1].append((chat, text))
+        else:
+            groups.append([(chat, text)])
+    walls = []
+    for g in groups:
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=step, args=st) for st in g]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        walls.append(dict(chats=[c for c, _ in g], wall_ms=round(1e3 * (time.perf_counter() - t0), 2)))
+    sub = [x["ttft_ms"] for x in steps_out if x["chat"] != "main"]
+    return {"cmd": " ".join(srv.cmd), "steps": steps_out, "groups": walls,
+            "reread_total": sum(max(0, x["reread"]) for x in steps_out),
+            "new_total": sum(x["new"] for x in steps_out), "read_total": sum(x["read"] for x in steps_out),
+            "ttft_ms_median": float(np.median([x["ttft_ms"] for x in steps_out])),
+            "subagent_ttft_ms_median": float(np.median(sub)), "subagent_ttft_ms_max": float(max(sub)),
+            "wall_ms_total": round(sum(w["wall_ms"] for w in walls), 2)}
+
+
 def cold_ttft(make_engine, system_tokens: int) -> float:
     """TTFT (ms) of the main's first prompt read cold, the reference a resumed step is measured against."""
     e = make_engine()
@@ -272,6 +383,54 @@ def cold_ttft(make_engine, system_tokens: int) -> float:
     return float("nan")
 
 
+def main_concurrent(args, commit: str) -> int:
+    """--concurrent N: the concurrent arms, each server in turn on the same GGUF and token ids."""
+    from strata.gguf.default_model import resolve_model
+    tag = "cpu" if args.device == "cpu" else "cuda"
+    out = Path(args.out or ROOT / "bench" / "results" / f"agent_replay_concurrent_{tag}_{commit}.json")
+    results = dict(bench="agent_replay --concurrent", commit=commit, model=args.model, device=args.device,
+                   system_tokens=args.system_tokens, rounds=args.rounds, threads=args.threads, n_ctx=args.n_ctx,
+                   slots=args.concurrent, answer_tokens=N_ANSWER, arms={})
+    render = Engine(args.model, n_ctx=args.n_ctx, prompt_cache=0, conversation_cache_mib=0)
+    path = str(resolve_model(args.model))
+    tmp = Path(tempfile.mkdtemp(prefix="agent_replay_"))
+    dev = ["--device", args.device]
+    arms = [(f"strata_parallel_{args.concurrent}",
+             lambda: StrataServer(path, args.n_ctx, args.threads, tmp, args.concurrent, dev)),
+            ("strata_parallel_1", lambda: StrataServer(path, args.n_ctx, args.threads, tmp, 1, dev))]
+    if args.llama_server:
+        ngl = ["-ngl", "0" if args.device == "cpu" else "99"]
+        arms.append((f"llama_server_np_{args.concurrent}",
+                     lambda: LlamaServer(args.llama_server, path, args.n_ctx, args.threads, tmp, args.concurrent, ngl)))
+    try:
+        for name, start in arms:
+            srv = start()
+            try:
+                res = run_concurrent(name, srv, render, args)
+            finally:
+                srv.close()
+            results["arms"][name] = res
+            print(f"{name}: re-read beyond the new tokens {res['reread_total']} of {res['read_total']} read "
+                  f"({res['new_total']} new); sub-agent TTFT median {res['subagent_ttft_ms_median']:.1f} ms, max "
+                  f"{res['subagent_ttft_ms_max']:.1f} ms; wall {res['wall_ms_total'] / 1e3:.2f} s", flush=True)
+        names = list(results["arms"])
+        ref = results["arms"][names[0]]
+        for other in names[1:]:
+            o = results["arms"][other]
+            results[f"wall_{names[0]}_over_{other}"] = round(ref["wall_ms_total"] / o["wall_ms_total"], 4)
+            results[f"subagent_ttft_{names[0]}_over_{other}"] = round(
+                ref["subagent_ttft_ms_median"] / o["subagent_ttft_ms_median"], 4)
+            print(f"{names[0]} / {other}: wall {results[f'wall_{names[0]}_over_{other}']:.3f}x, sub-agent TTFT "
+                  f"median {results[f'subagent_ttft_{names[0]}_over_{other}']:.3f}x", flush=True)
+    finally:
+        render.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="default")
@@ -283,10 +442,18 @@ def main(argv=None) -> int:
     ap.add_argument("--split", default="15", help="--layer-split of the remote arm (the worker runs what follows)")
     ap.add_argument("--arms", default="local,remote")
     ap.add_argument("--llama-server", default=None, metavar="BIN", help="adds llama.cpp's llama-server as an arm")
+    ap.add_argument("--concurrent", type=int, default=0, metavar="N",
+                    help="instead of the arms above: the four sub-agents' steps sent at once to `strata serve "
+                         "--parallel N`, to `strata serve --parallel 1` (queued: the reference) and, with "
+                         "--llama-server, to `llama-server -np N`, through the chat route (first phase only)")
+    ap.add_argument("--device", default="cpu", help="the daemons' --device in the --concurrent arms (llama-server: "
+                                                    "-ngl 99 unless cpu)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip() or "unknown"
+    if args.concurrent:
+        return main_concurrent(args, commit)
     out = Path(args.out or ROOT / "bench" / "results" / f"agent_replay_cpu_{commit}.json")
     results = dict(bench="agent_replay", commit=commit, model=args.model, system_tokens=args.system_tokens,
                    rounds=args.rounds, threads=args.threads, n_ctx=args.n_ctx, kv_pool_ctx=args.kv_pool_ctx,
