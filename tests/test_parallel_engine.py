@@ -5,7 +5,7 @@ counters show the rows were batched; the options that cannot run with several sl
 import numpy as np
 import pytest
 
-from strata.engine import Engine, GenerationRequest
+from strata.engine import Engine, GenerationRequest, TokenEvent
 from strata.sampling.sampler import SamplingParams
 
 from tests.parallel_checks import alone as _alone, key as _key, together as _together
@@ -59,6 +59,44 @@ def test_slot_choice_id_slot_prefix_and_lru(default_model_path):
         assert all(err is None for err in ends.values())
     finally:
         e.close()
+
+
+def test_a_fresh_slot_takes_the_prefix_another_slot_holds(default_model_path):
+    """Raw prompts (no template cut points, so no checkpoint at their shared start): a request admitted to a fresh
+    slot while another slot holds a long common prefix shares that slot's pages instead of reading them, and both
+    answers (the one continuing in the other slot too: a write into a shared page copies it) equal a cold read."""
+    words = "river stone garden lamp winter orange music paper engine cloud silver forest window market".split()
+    base = " ".join(np.random.default_rng(3).choice(words, 160))
+    e = Engine(default_model_path, n_ctx=512, device="cpu", parallel=2)
+    cold = Engine(default_model_path, n_ctx=512, device="cpu")
+    try:
+        def first(prompt):
+            events, ends = [], []
+            assert e.admit(GenerationRequest(e.tokenize_prompt(prompt), max_tokens=6), events.append,
+                           ends.append) == 0
+            while e.step():
+                pass
+            return e.detokenize([ev.token_id for ev in events if isinstance(ev, TokenEvent)])
+
+        a = base + " Question one:"
+        a2 = a + first(a) + " And then?"
+        b = base + " Question two:"
+        got = {0: [], 1: []}
+        assert e.admit(GenerationRequest(e.tokenize_prompt(a2), max_tokens=8), got[0].append, lambda err: None) == 0
+        assert e.admit(GenerationRequest(e.tokenize_prompt(b), max_tokens=8), got[1].append, lambda err: None) == 1
+        while e.step():
+            pass
+        fb = got[1][-1]
+        assert fb.strata["resume_from"] == "slot" and fb.strata["resume_pos"] >= len(e.tokenize_prompt(base)) - 2
+        assert fb.timings["prompt_n"] < 16
+        for prompt, events in ((a2, got[0]), (b, got[1])):
+            want = list(cold.generate(GenerationRequest(cold.tokenize_prompt(prompt), max_tokens=8,
+                                                        cache_prompt=False)))
+            assert [ev.token_id for ev in events if isinstance(ev, TokenEvent)] == \
+                [ev.token_id for ev in want if isinstance(ev, TokenEvent)]
+    finally:
+        e.close()
+        cold.close()
 
 
 def test_options_refused_with_several_slots(default_model_path, tmp_path):

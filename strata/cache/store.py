@@ -22,7 +22,7 @@ from strata.memory import KVCacheFull, PartMismatch
 from strata.memory.hostram import available_ram
 from strata.stages.remote import CheckpointGone
 from strata.stages.sequence import Checkpoint, Sequence
-from strata.text.token_ids import is_prefix
+from strata.text.token_ids import common_prefix, is_prefix
 
 log = structlog.get_logger("strata.engine")
 
@@ -157,13 +157,15 @@ class ConversationStore:
 
     # ---- the verbs ---------------------------------------------------------------------------------------
     def resume(self, seq: Sequence, prompt: np.ndarray, cut_points=(), *, checkpoint: bool = True,
-               cache_prompt: bool = True, trace: bool = False) -> PrefillPlan:
+               cache_prompt: bool = True, trace: bool = False, peers=()) -> PrefillPlan:
         """Put `seq` where `prompt` is read from: a parked conversation switched in when it skips more of the prompt
-        than `seq` and the tree do (the one `seq` held parked when the prompt leaves it), then the tree's plan
+        than `seq` and the tree do (the one `seq` held parked when the prompt leaves it), else the longest prefix of
+        the prompt another live sequence holds (`peers`: the other request slots'; see ``share_prefix``), then the
+        tree's plan
         (CheckpointCache.plan, pure) and the one step that applies it: its checkpoint restored, or the sequence cut
         back or reset, and settled (a remote stage's Commits landed); the tree then told (begin). A checkpoint gone
         from a worker (its link reconnected): the tree cleared, the prompt planned again from 0. -> the plan
-        applied (resume_from "resident" / "park" / "disk" / "session" when it came from there). Any failure
+        applied (resume_from "resident" / "park" / "disk" / "session" / "slot" when it came from there). Any failure
         forgets `seq` (it starts over) and propagates."""
         self.forget_dropped()
         try:
@@ -173,6 +175,8 @@ class ConversationStore:
                 self.checkpoints.clear()
                 self.tiers.drop_gone()
             unparked = self.switch(seq, prompt, cache_prompt, trace)
+            if unparked is None and self.share_prefix(seq, prompt, peers, cache_prompt):
+                unparked = "slot"
             plan = self._apply(seq, prompt, cut_points, checkpoint, cache_prompt)
         except BaseException:
             self.forget(seq)       # a restore that failed part-way: the sequence starts over
@@ -186,6 +190,31 @@ class ConversationStore:
             raise RuntimeError(f"internal: plan resumes at {resume} ({plan.resume_from}) but the sequence holds "
                                f"{seq.pos} tokens that are not that prefix of the {n}-token prompt")
         return plan
+
+    def share_prefix(self, seq: Sequence, prompt: np.ndarray, peers, cache_prompt: bool = True) -> int:
+        """When a peer (another live sequence over the same stages) holds a prefix of `prompt` at least CUT_MIN
+        tokens longer than what `seq` would resume from (its own tokens or the tree's checkpoints), `seq` takes it:
+        the peer's pages shared up to there (reference-counted, copied on the next write into a shared page),
+        nothing read. Only where the sequences can be cut back (attention-only stages) and hold their pages here
+        (no remote stage) -> the position taken, 0 when none."""
+        if not cache_prompt or not peers or not seq.can_hold():
+            return 0
+        n = len(prompt)
+        best, k = None, self.checkpoints.peek(seq, prompt) + CUT_MIN
+        for peer in peers:
+            c = min(common_prefix(peer.ids, prompt), n - 1) if peer.pos else 0
+            if c >= k and peer.can_truncate(c):
+                best, k = peer, c
+        if best is None:
+            return 0
+        snap = best.capture()
+        try:
+            seq.restore(snap)
+        finally:
+            snap.release()
+        seq.truncate(k)
+        seq.live_ok = True
+        return k
 
     def _apply(self, seq: Sequence, prompt, cut_points, checkpoint: bool, cache_prompt: bool) -> PrefillPlan:
         def plan():

@@ -167,7 +167,8 @@ class Engine:
         self.spec_totals = SpecCounts()          # every choice's, since the start (/metrics)
         slots = []
         for i, seq in enumerate(seqs):
-            reader = PromptReader(seq, self.store, self.ubatch, drafter=self.drafter)
+            reader = PromptReader(seq, self.store, self.ubatch, drafter=self.drafter,
+                                  peers=(lambda seq=seq: [s for s in seqs if s is not seq]) if len(seqs) > 1 else None)
             decoder = Decoder(seq, self.tokenizer, self.eog_ids, self.n_vocab, self.n_ctx, self.stages[-1],
                               lambda seq=seq: self.store.forget(seq), drafter=self.drafter, spec=self.spec,
                               spec_min_p=float(cfg.spec.min_p), spec_max_ctx=int(cfg.spec.max_ctx),

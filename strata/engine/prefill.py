@@ -20,8 +20,9 @@ class PromptReader:
     """Reads prompts into `seq` (the engine's live sequence) through the conversation `store`, `ubatch` tokens per
     forward call. The engine calls it under its lock."""
 
-    def __init__(self, seq: Sequence, store: ConversationStore, ubatch: int, drafter=None):
+    def __init__(self, seq: Sequence, store: ConversationStore, ubatch: int, drafter=None, peers=None):
         self.seq, self.store, self.ubatch = seq, store, ubatch
+        self.peers = peers          # () -> the other request slots' live sequences (a prefix may come from one)
         self.drafter = drafter      # an MTPDrafter sees the hidden states of every prompt token read (or None)
 
     def read(self, tokens: np.ndarray, start: int, end: int, cancel=None):
@@ -65,8 +66,9 @@ class PromptReader:
         split it the same way as the first); checkpoints of the parts completed stay."""
         n = len(prompt)
         st, store = self.seq, self.store
-        plan = store.resume(st, prompt, req.cut_points or (), checkpoint=req.checkpoint,
-                            cache_prompt=req.cache_prompt, trace=trace)   # cut points were checked by check_request
+        plan = store.resume(st, prompt, req.cut_points or (), checkpoint=req.checkpoint,    # cut points were
+                            cache_prompt=req.cache_prompt, trace=trace,                   # checked already
+                            peers=self.peers() if self.peers is not None else ())
         parts: list[tuple[int, int]] = []
         try:
             if trace:

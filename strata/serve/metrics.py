@@ -46,7 +46,7 @@ class Metrics:
         self.running = Gauge("strata_requests_running", "Requests being generated now (at most one per request "
                              "slot, --parallel)", registry=r)
         self.cache_hits = Counter("strata_checkpoint_hits",
-                                  "Generations that resumed from earlier work, by how (live / checkpoint / resident / "
+                                  "Generations that resumed from earlier work, by how (live / checkpoint / resident / slot / "
                                   "park / disk / session / choice: an n > 1 request's later choices)",
                                   ["resume_from"], registry=r)
         self.cache_misses = Counter("strata_checkpoint_misses", "Requests that read their prompt from token 0",
