@@ -2,7 +2,8 @@
 processes on loopback hold one sequence per slot; mixed requests (a long prompt arriving mid-decode, seeded sampling,
 two choices, a grammar) answer exactly as each request alone on one local process, over one worker (a hybrid: its
 running state only resumes from checkpoints) and over a relay of two; every batched decode step is one BatchForward
-round trip; a daemon's concurrent streams keep each conversation's secret to itself; a worker killed mid-batch ends
+round trip; a daemon's concurrent streams keep each conversation's secret to itself, a slot's conversation saves and
+restores into another slot over the link; a worker killed mid-batch ends
 every slot's stream with an error, 503 while it is gone, the same answers once it is back; a worker without +slots is
 refused at start naming --parallel, and still serves one slot; the worker refuses bad batched rows."""
 import signal
@@ -156,8 +157,10 @@ def test_daemon_slots_over_a_worker_secrets_and_a_worker_killed_mid_batch(worker
     path, n_blocks = hybrid
     w = workers("--model", path)
     wport = w.port
+    save = tmp_path / "slots"
+    save.mkdir()
     d = Daemon(tmp_path, "--model", path, "--parallel", "3", "--remote-stage", w.address, "--layer-split",
-               str(n_blocks // 2), port=free_port(), n_ctx=512).start()
+               str(n_blocks // 2), "--slot-save-path", str(save), port=free_port(), n_ctx=512).start()
     back = None
     try:
         alone = [_stream(_client(d), i, 20)[0] for i in range(3)]      # one at a time: each request alone
@@ -169,6 +172,17 @@ def test_daemon_slots_over_a_worker_secrets_and_a_worker_killed_mid_batch(worker
                 if j != i:
                     assert SECRETS[j] not in text
         assert d.metric("strata_batched_rows_total") > rows
+        # a slot's conversation saved (its worker part streamed from that slot's sequence) and restored into another
+        st, slots = d.json("GET", "/slots")
+        pos = {s["id"]: s["pos"] for s in slots}
+        busy = max(pos, key=pos.get)
+        other = next(i for i in pos if i != busy)
+        st, saved = d.json("POST", f"/slots/{busy}?action=save", {"filename": "a.bin"})
+        assert st == 200 and saved["n_saved"] == pos[busy] > 0, saved
+        st, back = d.json("POST", f"/slots/{other}?action=restore", {"filename": "a.bin"})
+        assert st == 200 and back["n_restored"] == pos[busy], back
+        st, slots = d.json("GET", "/slots")
+        assert {s["id"]: s["pos"] for s in slots}[other] == pos[busy]
         # the worker is killed while all three slots decode: every stream ends with an error, soon
         started = threading.Barrier(3)
         killed = threading.Event()
