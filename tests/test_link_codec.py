@@ -796,8 +796,8 @@ def _tensor_at(at: int, a: np.ndarray) -> bytes:
     return head + bytes((-(at + len(head))) % 16) + a.tobytes()
 
 
-CI_FUZZ = {"batch_payload": 1000, "random_bytes": 600, "golden_mutated": 1000, "payload_mutated": 1200, "random_payload": 800,
-           "header_fields": 400, "stream": 400}
+CI_FUZZ = {"batch_payload": 1000, "random_bytes": 600, "golden_mutated": 1000, "payload_mutated": 1200,
+           "random_payload": 800, "header_fields": 400, "stream": 400}
 
 
 @pytest.mark.parametrize("name", sorted(CI_FUZZ))

@@ -35,9 +35,10 @@ class Refuse(Exception):
 class Carrier:
     """What the worker holds for the connected main (used from the worker's one compute thread): the stages of
     its carve, the live sequences (one per slot the hello asked for, made at the first request that names its id;
-    every state verb addresses one by its ``seq`` field), the checkpoint store (shared by the sequences) (id -> Checkpoint, each holding its pages in the worker's
-    pools until the main's keep list leaves it out; the oldest is dropped when a pool runs short, and the Result of
-    the Forward that dropped it names it, so the main forgets it at once) and the link to the next worker."""
+    every state verb addresses one by its ``seq`` field), the checkpoint store shared by them (id -> Checkpoint,
+    each holding its pages in the worker's pools until the main's keep list leaves it out; the oldest is dropped
+    when a pool runs short, and the Result of the Forward that dropped it names it, so the main forgets it at once)
+    and the link to the next worker."""
 
     def __init__(self, stages, hello: Hello, ckpt_max: int, next_hop: LinkClient | None):
         self.stages = stages

@@ -79,9 +79,9 @@ class RemoteSeq:
 class RemoteMemory:
     """A remote stage's memory: the state verbs spoken over the link, each naming a sequence id (``new_seq``: one per
     request slot, ids 0..slots-1, sent as the messages' ``seq`` field; 0 is the bytes a main of one slot always sent;
-    the worker chain keeps each sequence's K/V and running state; a checkpoint part is a RemotePart, an id in the worker's store kept alive by the main's handles:
-    the ids the main still holds travel as the keep list of every checkpoint message, and the worker prunes to
-    them when an operation succeeds).
+    the worker chain keeps each sequence's K/V and running state; a checkpoint part is a RemotePart, an id in the
+    worker's store kept alive by the main's handles: the ids the main still holds travel as the keep list of every
+    checkpoint message, and the worker prunes to them when an operation succeeds).
 
     Capabilities (strata.memory.Memory's): ``holds_pages`` (a captured part stays valid on the worker whatever the
     sequence does next, until released: conversations can be parked resident, as ids); ``host_parts`` when the
