@@ -14,6 +14,7 @@ and bench/gpu_hybrid_model.py's synthetic models, written into --dir on first us
 Usage: PYTHONPATH=. python bench/parallel.py [--device cuda|cpu] [--models default,syn_llama_1_7b,syn_hybrid_1_5b]
        [--ns 1,2,4,8,16] [--steps 16] [--reps 3] [--depth 600] [--threads N] [--out PATH]
        PYTHONPATH=. python bench/parallel.py --e2e 1,2,4 [--models default] [--llama-server PATH] [--e2e-tokens 48]
+           [--e2e-remote SPLIT]
 Writes bench/results/parallel_step_<device>_<commit>.json (or --out).
 
 --e2e K1,K2,...: the end-to-end arm instead, on --device (the CPU unless it names a GPU): for each K, K concurrent clients stream a completion each
@@ -22,6 +23,10 @@ Writes bench/results/parallel_step_<device>_<commit>.json (or --out).
 clients, queued) and from `llama-server --parallel K` on the same GGUF where --llama-server names its binary:
 aggregate tok/s (every token of every answer over the burst's wall time), per-request latency, time to first token
 and inter-token latency (p50 / p99). Writes bench/results/parallel_e2e_<cpu|cuda>_<commit>.json (or --out).
+--e2e-remote SPLIT: the remote-stage arms too: the same K clients through `strata serve --parallel K --remote-stage`
+and `--parallel 1 --remote-stage` over a `strata worker` on loopback that runs layers SPLIT.. (the main keeps
+0..SPLIT and the head; a fresh worker per arm on --device, --threads as the daemon's), beside the local arms of the
+same run. Writes bench/results/parallel_e2e_remote_<cpu|cuda>_<commit>.json (or --out).
 """
 from __future__ import annotations
 
@@ -196,9 +201,31 @@ def _server(cmd: list[str], port: int, log: Path):
     return proc
 
 
+def _worker(model: str, threads: int, log: Path, device: str = "cpu"):
+    """A `strata worker` on `device` and a free loopback port -> (process, "127.0.0.1:PORT"), once it listens."""
+    import subprocess
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), STRATA_DEVICE="cpu")
+    f = open(log, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "strata.cli.main", "worker", "--listen", "127.0.0.1:0", "--model",
+                             model, "--threads", str(threads), "--device", device, "--log-level", "warning"],
+                            stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    for line in proc.stderr:
+        f.write(line)
+        if line.startswith("strata worker listening on"):
+            addr = line.strip().rpartition(" ")[2]
+            import threading
+            threading.Thread(target=lambda: [f.write(x) for x in proc.stderr], daemon=True).start()
+            return proc, addr
+    proc.wait()
+    raise RuntimeError(f"strata worker exited ({proc.returncode}) before it listened; see {log}")
+
+
 def e2e(model: str, ks: list[int], n_predict: int, prompt_tokens: int, threads: int, llama: str | None,
-        folder: Path, device: str = "cpu") -> dict:
-    """The end-to-end arms for each K -> {K: {"strata_parallel_K", "strata_parallel_1", "llama_server"?, ratios}}."""
+        folder: Path, device: str = "cpu", remote_split: int | None = None) -> dict:
+    """The end-to-end arms for each K -> {K: {"strata_parallel_K", "strata_parallel_1", "llama_server"?, ratios}};
+    with remote_split, also "strata_parallel_K_remote" and "strata_parallel_1_remote" (over a worker running layers
+    remote_split..) and their ratios."""
     import socket
     import tempfile
     words = ("river stone garden lamp winter orange music paper engine cloud silver forest window market "
@@ -217,18 +244,29 @@ def e2e(model: str, ks: list[int], n_predict: int, prompt_tokens: int, threads: 
         prompts = [f"Story {i}: " + " ".join(rng.choice(words, prompt_tokens)) for i in range(k)]
         row = {}
         arms = [(f"strata_parallel_{k}", k), ("strata_parallel_1", 1)] if k > 1 else [("strata_parallel_1", 1)]
+        if remote_split:
+            arms += [(f"{name}_remote", n) for name, n in arms]
         for name, n in arms:
             port = free_port()
             cmd = [sys.executable, "-m", "strata.cli.main", "serve", "--model", model, "--socket", str(tmp / "s.sock"),
                    "--port", str(port), "--n-ctx", str(n_ctx), "--threads", str(threads), "--parallel", str(n),
                    "--queue-max", "64", "--log-level", "warning", "--device", device]
-            proc = _server(cmd, port, tmp / f"{name}.log")
+            worker = None
+            if name.endswith("_remote"):
+                worker, addr = _worker(model, threads, tmp / f"{name}.worker.log", device)
+                cmd += ["--remote-stage", addr, "--layer-split", str(remote_split)]
             try:
-                _burst(port, prompts[:1], 4)                 # one request first: what a first request costs
-                row[name] = _burst(port, prompts, n_predict)
+                proc = _server(cmd, port, tmp / f"{name}.log")
+                try:
+                    _burst(port, prompts[:1], 4)                 # one request first: what a first request costs
+                    row[name] = _burst(port, prompts, n_predict)
+                finally:
+                    proc.terminate()
+                    proc.wait()
             finally:
-                proc.terminate()
-                proc.wait()
+                if worker is not None:
+                    worker.terminate()
+                    worker.wait()
             print(f"  K={k} {name}: {row[name]['aggregate_tok_s']:.1f} tok/s, latency p50 "
                   f"{row[name]['latency_ms_p50']:.0f} ms, itl p50 {row[name]['itl_ms_p50'] or 0:.1f} ms", flush=True)
         if llama:
@@ -248,6 +286,10 @@ def e2e(model: str, ks: list[int], n_predict: int, prompt_tokens: int, threads: 
         row["ratio_vs_parallel_1"] = mine["aggregate_tok_s"] / row["strata_parallel_1"]["aggregate_tok_s"]
         if "llama_server" in row:
             row["ratio_vs_llama_server"] = mine["aggregate_tok_s"] / row["llama_server"]["aggregate_tok_s"]
+        if remote_split:
+            rk = row.get(f"strata_parallel_{k}_remote", row["strata_parallel_1_remote"])["aggregate_tok_s"]
+            row["remote_ratio_vs_remote_parallel_1"] = rk / row["strata_parallel_1_remote"]["aggregate_tok_s"]
+            row["remote_ratio_vs_local_parallel_k"] = rk / mine["aggregate_tok_s"]
         out[str(k)] = row
     return out
 
@@ -260,10 +302,12 @@ def main_e2e(a) -> int:
     device = a.device or "cpu"
     out = {"what": "bench/parallel.py --e2e", "device": device, "commit": commit(), "model": os.path.basename(model),
            "ks": ks, "n_predict": a.e2e_tokens, "prompt_words": a.e2e_prompt, "threads": a.threads or 2,
-           "llama_server": llama, "host_load": host_load()}
+           "llama_server": llama, "remote_split": a.e2e_remote, "host_load": host_load()}
+    what = "parallel_e2e_remote" if a.e2e_remote else "parallel_e2e"
     dest = Path(a.out) if a.out else ROOT / "bench" / "results" / \
-        f"parallel_e2e_{'cpu' if device == 'cpu' else 'cuda'}_{out['commit']}.json"
-    out["rows"] = e2e(model, ks, a.e2e_tokens, a.e2e_prompt, a.threads or 2, llama, Path(a.dir), device)
+        f"{what}_{'cpu' if device == 'cpu' else 'cuda'}_{out['commit']}.json"
+    out["rows"] = e2e(model, ks, a.e2e_tokens, a.e2e_prompt, a.threads or 2, llama, Path(a.dir), device,
+                      a.e2e_remote)
     out["host_load_after"] = host_load()
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(json.dumps(out, indent=1))
@@ -286,6 +330,8 @@ def main(argv=None) -> int:
                     help="the end-to-end arm: K concurrent clients through the daemon (on --device)")
     ap.add_argument("--e2e-tokens", type=int, default=48)
     ap.add_argument("--e2e-prompt", type=int, default=48, help="words per prompt")
+    ap.add_argument("--e2e-remote", type=int, default=None, metavar="SPLIT",
+                    help="also the arms over a local strata worker running layers SPLIT.. (--remote-stage)")
     ap.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"),
                     help="llama-server's binary: its --parallel K arm beside Strata's (-ngl 99 on a GPU)")
     a = ap.parse_args(argv)

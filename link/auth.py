@@ -15,8 +15,8 @@ from .secure import FRAMES, FRAMES_AEAD, FRAMES_MAC, FRAMES_PLAIN
 
 __all__ = ["KEY_SIZE", "MAX_KEY_FILE", "HELLO_LABEL", "ACK_LABEL", "CAP_MAC", "CAP_AEAD", "CAP_ENCRYPT",
            "hello_label", "ack_label", "hello_mac", "ack_mac", "hello_frames", "verify", "new_nonce",
-           "CAP_SPEC", "CAP_PARK", "CAP_DROPS", "challenge_name", "split_challenge_name", "main_frames", "worker_accepts", "read_key_file",
-           "write_key_file"]
+           "CAP_SPEC", "CAP_PARK", "CAP_DROPS", "CAP_SLOTS", "challenge_name", "split_challenge_name", "main_frames",
+           "worker_accepts", "read_key_file", "write_key_file"]
 
 KEY_SIZE = 32                   # write_key_file writes this many random bytes; read_key_file wants at least this
 MAX_KEY_FILE = 4096             # a key file longer than this is not a key file
@@ -28,7 +28,8 @@ CAP_ENCRYPT = "+encrypt"    # ... and requires encryption (strata worker --link-
 CAP_SPEC = "+spec"          # a Forward with want_all keeps each token's state; a Commit inside it rolls back to it
 CAP_PARK = "+park"          # PartGet / PartPut: a kept part's bytes streamed to the main and back (parking, session files)
 CAP_DROPS = "+drops"        # a Result names the kept parts the worker dropped to make room for its Forward
-_CAPS = (CAP_MAC, CAP_AEAD, CAP_ENCRYPT, CAP_SPEC, CAP_PARK, CAP_DROPS)
+CAP_SLOTS = "+slots"        # one sequence per request slot (seq fields, Hello.slots) and BatchForward / BatchResult
+_CAPS = (CAP_MAC, CAP_AEAD, CAP_ENCRYPT, CAP_SPEC, CAP_PARK, CAP_DROPS, CAP_SLOTS)
 
 
 def hello_label(frames: str = FRAMES_PLAIN) -> bytes:

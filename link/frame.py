@@ -23,7 +23,7 @@ VERSION = 5
 HEADER_SIZE = 32
 TRAILER_SIZE = 4
 DEFAULT_MAX_PAYLOAD = 256 * 1024 * 1024
-MAX_CONTROL_PAYLOAD = 1 << 20        # the limit for every message without tensors (all but Forward and Result)
+MAX_CONTROL_PAYLOAD = 1 << 20        # the limit for every message without tensors (all but the tensor messages)
 FLAG_ASYNC = 0x1                     # the sender does not wait for this request's reply now; it settles later
 KNOWN_FLAGS = FLAG_ASYNC
 RECV_CHUNK = 1 << 20                 # the asyncio reader copies a payload in pieces of at most this many bytes
@@ -46,8 +46,8 @@ class Header:
 
 
 def payload_limit(type: int, max_payload: int = DEFAULT_MAX_PAYLOAD) -> int:
-    """The largest payload a frame of message type `type` may declare: max_payload for Forward and Result,
-    min(max_payload, MAX_CONTROL_PAYLOAD) for the others."""
+    """The largest payload a frame of message type `type` may declare: max_payload for the messages that carry
+    tensors (TENSOR_TYPES), min(max_payload, MAX_CONTROL_PAYLOAD) for the others."""
     return max_payload if type in TENSOR_TYPES else min(max_payload, MAX_CONTROL_PAYLOAD)
 
 

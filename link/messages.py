@@ -13,7 +13,8 @@ from .errors import ErrorCode, FrameError, LinkError
 
 __all__ = [
     "MsgType", "ErrorCode", "Hop", "Challenge", "Hello", "HelloAck", "Forward", "Result", "Commit", "Reset",
-    "CkptSave", "CkptRestore", "PartGet", "PartData", "PartPut", "Ack", "Error", "Ping", "Pong", "Bye", "Message", "REPLY", "TENSOR_TYPES",
+    "CkptSave", "CkptRestore", "PartGet", "PartData", "PartPut", "Ack", "Error", "Ping", "Pong", "Bye", "BatchForward",
+    "BatchResult", "Message", "REPLY", "TENSOR_TYPES", "MAX_ROWS",
     "MAX_STR", "NONCE_SIZE", "MAC_SIZE", "MAX_NDIM", "MAX_ELEMENTS", "TENSOR_ALIGN", "DTYPE_CODES",
     "encode_payload", "decode_message", "msg_type", "same",
 ]
@@ -38,14 +39,18 @@ class MsgType(IntEnum):
     PART_GET = 15
     PART_DATA = 16
     PART_PUT = 17
+    BATCH_FORWARD = 18
+    BATCH_RESULT = 19
 
 
 # The reply each request gets (or an Error instead), in the order the requests were sent.
 REPLY = {MsgType.HELLO: MsgType.HELLO_ACK, MsgType.FORWARD: MsgType.RESULT, MsgType.COMMIT: MsgType.ACK,
          MsgType.RESET: MsgType.ACK, MsgType.CKPT_SAVE: MsgType.ACK, MsgType.CKPT_RESTORE: MsgType.ACK,
-         MsgType.PING: MsgType.PONG, MsgType.PART_GET: MsgType.PART_DATA, MsgType.PART_PUT: MsgType.ACK}
+         MsgType.PING: MsgType.PONG, MsgType.PART_GET: MsgType.PART_DATA, MsgType.PART_PUT: MsgType.ACK,
+         MsgType.BATCH_FORWARD: MsgType.BATCH_RESULT}
 # The only messages that carry tensors: their payloads may use the whole frame limit, the others a small one.
-TENSOR_TYPES = frozenset({MsgType.FORWARD, MsgType.RESULT, MsgType.PART_DATA, MsgType.PART_PUT})
+TENSOR_TYPES = frozenset({MsgType.FORWARD, MsgType.RESULT, MsgType.PART_DATA, MsgType.PART_PUT, MsgType.BATCH_FORWARD,
+                          MsgType.BATCH_RESULT})
 
 MAX_STR = 4096               # bytes of UTF-8 in one string field
 NONCE_SIZE = 32              # a nonce is 32 raw bytes, no length prefix
@@ -56,6 +61,7 @@ TENSOR_ALIGN = 16            # tensor data starts at a multiple of this from the
 DTYPE_CODES = {0: np.dtype("<f4"), 1: np.dtype("<f2"), 2: np.dtype("<i4"), 3: np.dtype("<i8"), 4: np.dtype("|u1")}
 _CODE_OF = {dt.str: code for code, dt in DTYPE_CODES.items()}
 _RESERVED_DTYPES = {5: "bfloat16"}
+MAX_ROWS = 256               # rows (sequences) one BatchForward carries at most
 
 
 def same(a, b) -> bool:
@@ -114,6 +120,7 @@ class Hello(_Message):
     next_hops: list
     nonce: bytes
     mac: bytes = b""
+    slots: int = 1          # (+slots) sequences the worker holds for this main, ids 0..slots-1; an optional last field
 
 
 @dataclass(eq=False)
@@ -132,12 +139,13 @@ class HelloAck(_Message):
 
 @dataclass(eq=False)
 class Forward(_Message):
-    """Main -> worker: run n tokens at `pos` through the worker's layers; want_all asks for every row, else the
-    last one."""
+    """Main -> worker: run n tokens of sequence `seq` at `pos` through the worker's layers; want_all asks for every
+    row, else the last one."""
     pos: int
     want_all: bool
     tokens: np.ndarray
     hidden: np.ndarray
+    seq: int = 0            # (+slots) the sequence addressed; an optional last field, absent for sequence 0
 
 
 @dataclass(eq=False)
@@ -153,30 +161,36 @@ class Result(_Message):
 
 @dataclass(eq=False)
 class Commit(_Message):
-    """Main -> worker: keep positions [0, pos), drop the rest (after speculative decoding). Usually ASYNC."""
+    """Main -> worker: keep positions [0, pos) of sequence `seq`, drop the rest. Usually ASYNC."""
     pos: int
+    seq: int = 0
 
 
 @dataclass(eq=False)
 class Reset(_Message):
-    """Main -> worker: start a new sequence at position 0; keep only the checkpoint ids listed."""
+    """Main -> worker: start sequence `seq` again at position 0; keep only the checkpoint ids listed."""
     keep: list = field(default_factory=list)
+    seq: int = 0
 
 
 @dataclass(eq=False)
 class CkptSave(_Message):
-    """Main -> worker: save the worker's part of checkpoint `ckpt_id` at `pos`, then keep only the ids listed."""
+    """Main -> worker: save the worker's part of sequence `seq` as checkpoint `ckpt_id` at `pos`, then keep only
+    the ids listed."""
     ckpt_id: int
     pos: int
     keep: list = field(default_factory=list)
+    seq: int = 0
 
 
 @dataclass(eq=False)
 class CkptRestore(_Message):
-    """Main -> worker: restore checkpoint `ckpt_id` (taken at `pos`), then keep only the ids listed."""
+    """Main -> worker: restore checkpoint `ckpt_id` (taken at `pos`) into sequence `seq`, then keep only the ids
+    listed."""
     ckpt_id: int
     pos: int
     keep: list = field(default_factory=list)
+    seq: int = 0
 
 
 @dataclass(eq=False)
@@ -201,13 +215,15 @@ class PartData(_Message):
 class PartPut(_Message):
     """Main -> worker (``+park``): a chunk of a part's bytes (as PartData gives them) for checkpoint `ckpt_id` at
     `pos`; the chunk that reaches `total` makes the worker read and keep it under that id, then keep only the ids
-    listed (Ack); the earlier chunks are acknowledged as they arrive."""
+    listed (Ack); the earlier chunks are acknowledged as they arrive. A prefix part takes the first pages of
+    sequence `seq`."""
     ckpt_id: int
     pos: int
     total: int
     offset: int
     data: np.ndarray
     keep: list = field(default_factory=list)
+    seq: int = 0
 
 
 @dataclass(eq=False)
@@ -252,26 +268,48 @@ class Bye(_Message):
     reason: str = ""
 
 
+@dataclass(eq=False)
+class BatchForward(_Message):
+    """Main -> worker (``+slots``): one decode step of several sequences: row i is token ``tokens[i]`` of sequence
+    ``seqs[i]`` at position ``positions[i]`` with its hidden row ``hidden[i]`` (distinct sequences)."""
+    seqs: list
+    positions: list
+    tokens: np.ndarray
+    hidden: np.ndarray
+
+
+@dataclass(eq=False)
+class BatchResult(_Message):
+    """Worker -> main, the reply to BatchForward: each row's hidden state out of the chain's last layer (row i
+    bit-identical to that sequence's lone one-token Forward), compute time, and (``+drops``) the kept parts
+    dropped to make room."""
+    compute_us: int
+    hidden: np.ndarray
+    dropped: list = field(default_factory=list)
+
+
 Message = Union[Challenge, Hello, HelloAck, Forward, Result, Commit, Reset, CkptSave, CkptRestore, PartGet, PartData,
-                PartPut, Ack, Error, Ping, Pong, Bye]
+                PartPut, Ack, Error, Ping, Pong, Bye, BatchForward, BatchResult]
 
 # Field kinds: bool (u8 0/1), u16, u32, u64, str (u16 length + UTF-8), nonce (32 raw bytes), mac (u16 length + 0 or
 # 32 raw bytes), ids (u32 count + u64 each; more_ids: the same as an optional last field, absent when empty), hops
-# (u32 count + Hop each), tokens / hidden (a tensor; see PROTOCOL.md).
+# (u32 count + Hop each), tokens / hidden (a tensor; see PROTOCOL.md); seq / slots (an optional last u32, absent
+# when it is its default, 0 / 1); rows (u32 count + (u32 seq, u32 pos) each, read into two lists).
 _LAYOUT: dict[type, tuple[MsgType, tuple[tuple[str, str], ...]]] = {
     Hello: (MsgType.HELLO, (("protocol", "u16"), ("fingerprint", "str"), ("lo", "u32"), ("hi", "u32"),
                             ("n_blocks", "u32"), ("n_embd", "u32"), ("act_dtype", "str"), ("n_ctx", "u32"),
                             ("max_batch", "u32"), ("ckpt_max", "u32"), ("next_hops", "hops"), ("nonce", "nonce"),
-                            ("mac", "mac"))),
+                            ("mac", "mac"), ("slots", "slots"))),
     HelloAck: (MsgType.HELLO_ACK, (("protocol", "u16"), ("fingerprint", "str"), ("lo", "u32"), ("hi", "u32"),
                                    ("ckpt_max", "u32"), ("part_bytes", "u64"), ("worker", "str"), ("device", "str"),
                                    ("mac", "mac"))),
-    Forward: (MsgType.FORWARD, (("pos", "u32"), ("want_all", "bool"), ("tokens", "tokens"), ("hidden", "hidden"))),
+    Forward: (MsgType.FORWARD, (("pos", "u32"), ("want_all", "bool"), ("tokens", "tokens"), ("hidden", "hidden"),
+                                ("seq", "seq"))),
     Result: (MsgType.RESULT, (("pos", "u32"), ("compute_us", "u64"), ("hidden", "hidden"), ("dropped", "more_ids"))),
-    Commit: (MsgType.COMMIT, (("pos", "u32"),)),
-    Reset: (MsgType.RESET, (("keep", "ids"),)),
-    CkptSave: (MsgType.CKPT_SAVE, (("ckpt_id", "u64"), ("pos", "u32"), ("keep", "ids"))),
-    CkptRestore: (MsgType.CKPT_RESTORE, (("ckpt_id", "u64"), ("pos", "u32"), ("keep", "ids"))),
+    Commit: (MsgType.COMMIT, (("pos", "u32"), ("seq", "seq"))),
+    Reset: (MsgType.RESET, (("keep", "ids"), ("seq", "seq"))),
+    CkptSave: (MsgType.CKPT_SAVE, (("ckpt_id", "u64"), ("pos", "u32"), ("keep", "ids"), ("seq", "seq"))),
+    CkptRestore: (MsgType.CKPT_RESTORE, (("ckpt_id", "u64"), ("pos", "u32"), ("keep", "ids"), ("seq", "seq"))),
     Error: (MsgType.ERROR, (("code", "u16"), ("message", "str"))),
     Ping: (MsgType.PING, (("nonce", "u64"),)),
     Pong: (MsgType.PONG, (("nonce", "u64"),)),
@@ -281,8 +319,13 @@ _LAYOUT: dict[type, tuple[MsgType, tuple[tuple[str, str], ...]]] = {
     PartGet: (MsgType.PART_GET, (("ckpt_id", "u64"), ("offset", "u64"), ("prefix", "bool"))),
     PartData: (MsgType.PART_DATA, (("total", "u64"), ("offset", "u64"), ("data", "bytes"))),
     PartPut: (MsgType.PART_PUT, (("ckpt_id", "u64"), ("pos", "u32"), ("total", "u64"), ("offset", "u64"),
-                                 ("data", "bytes"), ("keep", "ids"))),
+                                 ("data", "bytes"), ("keep", "ids"), ("seq", "seq"))),
+    BatchForward: (MsgType.BATCH_FORWARD, (("seqs", "rows"), ("tokens", "tokens"), ("hidden", "hidden"))),
+    BatchResult: (MsgType.BATCH_RESULT, (("compute_us", "u64"), ("hidden", "hidden"), ("dropped", "more_ids"))),
 }
+# optional last u32 fields: absent when the value is the default (then the message is the bytes it was before the
+# field existed); present, never the default
+_OPTIONAL_U32 = {"seq": 0, "slots": 1}
 _CLASS_OF = {t: cls for cls, (t, _) in _LAYOUT.items()}
 _INTS = {"u16": struct.Struct("<H"), "u32": struct.Struct("<I"), "u64": struct.Struct("<Q")}
 _U8 = struct.Struct("<B")
@@ -291,6 +334,7 @@ _COUNT = struct.Struct("<I")
 _TENSOR_HEAD = struct.Struct("<BBH")     # dtype code, ndim, pad (0)
 _CARVE = struct.Struct("<II")            # a hop's lo, hi
 _HOP_MIN = 2 + 2 + 4 + 4                 # an empty host, port, lo, hi
+_ROW = struct.Struct("<II")              # a BatchForward row: seq, pos
 # tensor kinds: (allowed dtypes, ndim)
 _TENSOR_RULES = {"tokens": ((np.dtype("<i4"),), 1), "hidden": ((np.dtype("<f4"), np.dtype("<f2")), 2),
                  "bytes": ((np.dtype("|u1"),), 1)}
@@ -376,6 +420,21 @@ def _put_tensor(out: _Out, what: str, a, kind: str) -> None:
 
 
 def _put(out: _Out, what: str, kind: str, v) -> None:
+    if kind in _OPTIONAL_U32:
+        v = _int(what, v, 32)
+        if v != _OPTIONAL_U32[kind]:
+            out.buf += _INTS["u32"].pack(v)
+        return
+    if kind == "rows":
+        seqs, positions = v
+        if not isinstance(seqs, (list, tuple)) or not isinstance(positions, (list, tuple)):
+            raise FrameError(f"{what} must be lists of sequence ids and positions")
+        if len(seqs) != len(positions):
+            raise FrameError(f"{what}: {len(seqs)} sequence ids but {len(positions)} positions")
+        out.buf += _COUNT.pack(_int(f"{what} count", len(seqs), 32))
+        for i, (q, p) in enumerate(zip(seqs, positions)):
+            out.buf += _ROW.pack(_int(f"{what}[{i}].seq", q, 32), _int(f"{what}[{i}].pos", p, 32))
+        return
     if kind in _INTS:
         out.buf += _INTS[kind].pack(_int(what, v, 8 * _INTS[kind].size))
     elif kind == "bool":
@@ -417,8 +476,16 @@ def _put(out: _Out, what: str, kind: str, v) -> None:
 
 def _check(msg, name: str) -> None:
     """Rules across fields (the same on both sides)."""
-    if isinstance(msg, Forward) and msg.tokens.shape[0] != msg.hidden.shape[0]:
+    if isinstance(msg, (Forward, BatchForward)) and msg.tokens.shape[0] != msg.hidden.shape[0]:
         raise FrameError(f"{name} carries {msg.tokens.shape[0]} tokens but {msg.hidden.shape[0]} hidden rows")
+    if isinstance(msg, BatchForward):
+        n = len(msg.seqs)
+        if not 1 <= n <= MAX_ROWS:
+            raise FrameError(f"{name} carries {n} rows, outside 1..{MAX_ROWS}")
+        if msg.tokens.shape[0] != n:
+            raise FrameError(f"{name} carries {n} rows but {msg.tokens.shape[0]} tokens")
+        if len(set(msg.seqs)) != n:
+            raise FrameError(f"{name} names a sequence twice (a batched step reads each sequence once)")
 
 
 def encode_payload(msg) -> list:
@@ -429,7 +496,8 @@ def encode_payload(msg) -> list:
         raise TypeError(f"{name} is not a stage-link message")
     out = _Out()
     for fname, kind in layout:
-        _put(out, f"{name}.{fname}", kind, getattr(msg, fname))
+        v = (msg.seqs, msg.positions) if kind == "rows" else getattr(msg, fname)
+        _put(out, f"{name}.{fname}", kind, v)
     _check(msg, name)
     return out.done()
 
@@ -521,6 +589,21 @@ def _get(inp: _In, what: str, kind: str):
         if n not in (0, MAC_SIZE):
             inp.refuse(f"{what} is {n} bytes, expected 0 or {MAC_SIZE}")
         return bytes(inp.take(n, what))
+    if kind in _OPTIONAL_U32:
+        if not inp.left:
+            return _OPTIONAL_U32[kind]           # an optional last field, absent
+        (v,) = inp.unpack(_INTS["u32"], what)
+        if v == _OPTIONAL_U32[kind]:
+            inp.refuse(f"{what} is present with its default {v} (a default is sent as no field)")
+        return v
+    if kind == "rows":
+        (n,) = inp.unpack(_COUNT, f"{what} count")
+        if not 1 <= n <= MAX_ROWS:
+            inp.refuse(f"{what} count {n} is outside 1..{MAX_ROWS}")
+        if _ROW.size * n > inp.left:
+            inp.refuse(f"{what} count {n} needs {_ROW.size * n} bytes, {inp.left} are left")
+        rows = np.frombuffer(inp.take(_ROW.size * n, what), dtype="<u4").reshape(n, 2)
+        return rows[:, 0].tolist(), rows[:, 1].tolist()
     if kind == "more_ids" and not inp.left:
         return []                                # an optional last field, absent
     if kind in ("ids", "more_ids"):
@@ -555,7 +638,10 @@ def decode_message(type: int, payload):
     if mv.format != "B" or mv.ndim != 1:
         mv = mv.cast("B")
     inp = _In(mv, name)
-    values = [_get(inp, fname, kind) for fname, kind in _LAYOUT[cls][1]]
+    values = []
+    for fname, kind in _LAYOUT[cls][1]:
+        v = _get(inp, fname, kind)
+        values += list(v) if kind == "rows" else [v]
     if inp.left:
         raise FrameError(f"the {name} payload has {inp.left} trailing bytes after its last field")
     msg = cls(*values)

@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 
 import link
-from link import (FLAG_ASYNC, Ack, Bye, Challenge, CkptRestore, CkptSave, Commit, Error, ErrorCode, Forward, Hello,
-                  HelloAck, Hop, PartData, PartGet, PartPut, Ping, Pong, Reset, Result, frame_bytes)
+from link import (FLAG_ASYNC, Ack, BatchForward, BatchResult, Bye, Challenge, CkptRestore, CkptSave, Commit, Error,
+                  ErrorCode, Forward, Hello, HelloAck, Hop, PartData, PartGet, PartPut, Ping, Pong, Reset, Result,
+                  frame_bytes)
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN_PATH = ROOT / "tests" / "data" / "link_golden.json"
@@ -46,6 +47,9 @@ def golden_cases() -> dict:
         "ping": (Ping(0x0123456789ABCDEF), 7, 0),
         "pong": (Pong(0x0123456789ABCDEF), 7, 0),
         "bye": (Bye("main process shutting down"), 0, 0),
+        "commit_seq": (Commit(19, seq=2), 10, FLAG_ASYNC),
+        "batch_forward": (BatchForward([2, 0, 1], [17, 5, 9], tokens, hidden), 11, 0),
+        "batch_result": (BatchResult(1500, hidden, [4]), 11, 0),
     }
 
 

@@ -58,7 +58,8 @@ def alone(path, pick=None, **kw):
 
 def together(path, n_slots, pick=None, **kw):
     """The requests through an engine with n_slots slots: three admitted at once, the rest one per engine step as
-    slots free up (the long prompt arrives while the first ones decode)."""
+    slots free up (the long prompt arrives while the first ones decode) -> (answers, the scheduler's stats and, with
+    a remote stage, its link's status under "link")."""
     e = Engine(path, n_ctx=N_CTX, ubatch=128, parallel=n_slots, **{"device": "cpu", **kw})
     try:
         specs = [spec for spec in requests(e) if pick is None or pick(spec)]
@@ -80,6 +81,9 @@ def together(path, n_slots, pick=None, **kw):
             if not e.step() and waiting and not admit(waiting[0]):
                 raise AssertionError("no slot busy, yet the next request found none")
         assert all(err is None for err in done.values()), done
-        return [key(got[i]) for i in range(len(specs))], dict(e.scheduler.stats)
+        stats = dict(e.scheduler.stats)
+        if "link" in e.stages[-1].status():
+            stats["link"] = e.stages[-1].status()["link"]
+        return [key(got[i]) for i in range(len(specs))], stats
     finally:
         e.close()

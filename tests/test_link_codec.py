@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import os
 import socket
 import stat
@@ -16,11 +17,11 @@ import numpy as np
 import pytest
 
 import link
-from link import (DEFAULT_MAX_PAYLOAD, FLAG_ASYNC, HEADER_SIZE, MAGIC, MAX_CONTROL_PAYLOAD, VERSION, Ack, Bye,
-                  Challenge, CkptRestore, CkptSave, Commit, Error, ErrorCode, Forward, FrameError, Header, Hello,
-                  HelloAck, Hop, LinkError, MsgType, Ping, Pong, Reset, Result, VersionMismatch, decode_frame,
-                  decode_message, encode_frame, encode_payload, frame_bytes, parse_header, read_frame, recv_frame,
-                  send_frame, write_frame)
+from link import (DEFAULT_MAX_PAYLOAD, FLAG_ASYNC, HEADER_SIZE, MAGIC, MAX_CONTROL_PAYLOAD, VERSION, Ack, BatchForward,
+                  BatchResult, Bye, Challenge, CkptRestore, CkptSave, Commit, Error, ErrorCode, Forward, FrameError,
+                  Header, Hello, HelloAck, Hop, LinkError, MsgType, PartPut, Ping, Pong, Reset, Result, VersionMismatch,
+                  decode_frame, decode_message, encode_frame, encode_payload, frame_bytes, parse_header, read_frame,
+                  recv_frame, send_frame, write_frame)
 from tests.link_cases import (CHALLENGE_NONCE, GOLDEN, GOLDEN_FRAMES, HELLO_NONCE, KEY, TrickleSocket,
                                golden_cases)
 from tests.mutation import mutate
@@ -118,6 +119,52 @@ def test_a_result_names_dropped_parts_in_an_optional_last_field():
         decode_message(MsgType.RESULT, body + struct.pack("<I", 2) + bytes(8))
 
 
+def test_sequence_ids_are_optional_last_fields():
+    """+slots: a state verb names its sequence in an optional last u32, absent for sequence 0 (so a main of one slot
+    sends the bytes it always sent), present never 0; Hello.slots likewise, absent for 1."""
+    cases = [(Forward(3, False, np.ones(1, np.int32), np.ones((1, 4), np.float32)), MsgType.FORWARD),
+             (Commit(19), MsgType.COMMIT), (Reset([1, 3]), MsgType.RESET), (CkptSave(9, 17, [1]), MsgType.CKPT_SAVE),
+             (CkptRestore(3, 12, [3]), MsgType.CKPT_RESTORE),
+             (PartPut(11, 12, 10, 4, np.frombuffer(b"STRP", np.uint8), [11]), MsgType.PART_PUT)]
+    for msg, t in cases:
+        body = b"".join(bytes(b) for b in encode_payload(msg))
+        msg.seq = 0
+        assert b"".join(bytes(b) for b in encode_payload(msg)) == body
+        msg.seq = 7
+        with_seq = b"".join(bytes(b) for b in encode_payload(msg))
+        assert with_seq == body + struct.pack("<I", 7) and decode_message(t, with_seq).seq == 7
+        assert decode_message(t, body).seq == 0
+        with pytest.raises(FrameError, match="seq is present with its default 0"):
+            decode_message(t, body + struct.pack("<I", 0))
+        with pytest.raises(FrameError, match="ends inside its seq"):
+            decode_message(t, body + b"\x07\x00")
+    hello = golden_cases()["hello"][0]
+    body = b"".join(bytes(b) for b in encode_payload(hello))
+    with pytest.raises(FrameError, match="slots is present with its default 1"):
+        decode_message(MsgType.HELLO, body + struct.pack("<I", 1))
+    assert decode_message(MsgType.HELLO, body + struct.pack("<I", 4)).slots == 4
+
+
+def test_batch_forward_rows_are_checked_before_anything_is_read():
+    tok, hid = np.array([1, 2], np.int32), np.ones((2, 4), np.float32)
+    ok = BatchForward([0, 3], [5, 9], tok, hid)
+    assert decode_frame(frame_bytes(ok, 1))[1] == ok
+    body = b"".join(bytes(b) for b in encode_payload(ok))
+    for count, match in [(0, "seqs count 0 is outside 1..256"), (257, "count 257 is outside"),
+                         (1 << 30, "outside 1..256"), (3, "seqs count 3 needs 24 bytes")]:
+        with pytest.raises(FrameError, match=match):
+            decode_message(MsgType.BATCH_FORWARD, struct.pack("<I", count) + (body[4:20] if count == 3 else b""))
+    for bad, match in [(BatchForward([1, 1], [5, 9], tok, hid), "names a sequence twice"),
+                       (BatchForward([0], [5], tok, hid), "1 rows but 2 tokens"),
+                       (BatchForward([0, 1], [5], tok, hid), "2 sequence ids but 1 positions"),
+                       (BatchForward([0, 1], [5, 2 ** 32], tok, hid), "pos = 4294967296 is outside")]:
+        with pytest.raises(FrameError, match=match):
+            encode_payload(bad)
+    twice = body[:4] + body[4:12] + body[4:12] + body[20:]      # both rows name sequence 0: refused on decode too
+    with pytest.raises(FrameError, match="names a sequence twice"):
+        decode_message(MsgType.BATCH_FORWARD, twice)
+
+
 def test_tensors_not_copied_on_encode():
     hidden = np.ones((5, 8), np.float32)
     tokens = np.arange(5, dtype=np.int32)
@@ -183,10 +230,10 @@ def test_refuses_payload_checksum():
 
 
 def test_refuses_unknown_type():
-    for t in (0, 18, 99, 0xFFFF):
+    for t in (0, 20, 99, 0xFFFF):
         refused(raw_frame(t, b""), f"unknown message type {t}$")
-    with pytest.raises(FrameError, match="unknown message type 18"):
-        decode_message(18, b"")
+    with pytest.raises(FrameError, match="unknown message type 20"):
+        decode_message(20, b"")
 
 
 def test_refuses_unknown_flag_bits():
@@ -269,8 +316,11 @@ def test_parse_header_wants_exactly_32_bytes():
 def test_refuses_trailing_bytes_inside_a_payload(name):
     msg, _, _ = golden_cases()[name]
     p = payload_of(GOLDEN_FRAMES[name])
-    # a Result's optional last field (+drops) reads what follows the hidden rows: one byte is a count cut short
-    why = "ends inside its dropped count" if name == "result" else "payload has 1 trailing bytes after its last field"
+    # an optional last field (a Result's dropped ids, +drops; a sequence id or Hello.slots, +slots) reads what
+    # follows the fields before it: one byte is that field cut short
+    seq = getattr(msg, "seq", 0) == 0 and hasattr(msg, "seq")
+    why = ("ends inside its dropped count" if name == "result" else "ends inside its seq" if seq
+           else "ends inside its slots" if name == "hello" else "payload has 1 trailing bytes after its last field")
     refused(raw_frame(link.msg_type(msg), p + b"\0"), why)
 
 
@@ -280,7 +330,16 @@ def test_refuses_payload_cut_short_at_every_byte(name):
     does not fit is refused from its count or shape, before anything is read)."""
     msg, _, _ = golden_cases()[name]
     p = payload_of(GOLDEN_FRAMES[name])
+    # cut just before an optional last field that is present: the message without it (a message of its own)
+    bare = copy.copy(msg)
+    for f, default in (("seq", 0), ("dropped", [])):
+        if hasattr(bare, f):
+            setattr(bare, f, default)
+    whole = len(b"".join(bytes(b) for b in encode_payload(bare)))
     for cut in range(len(p)):
+        if cut == whole:
+            assert decode_message(link.msg_type(msg), p[:cut]) == bare
+            continue
         refused(raw_frame(link.msg_type(msg), p[:cut]), r"payload ends inside its |payload's .* needs .* \d+ are left")
 
 
@@ -382,7 +441,7 @@ def test_errors_are_value_errors_with_codes_and_pickle():
         assert isinstance(e, ValueError) and type(back) is type(e) and str(back) == str(e) and back.code == e.code
     assert FrameError("y").code == ErrorCode.BAD_FRAME and LinkError("x").code == ErrorCode.INTERNAL
     assert [c.value for c in ErrorCode] == list(range(1, 11))
-    assert [t.value for t in MsgType] == list(range(1, 18))
+    assert [t.value for t in MsgType] == list(range(1, 20))
 
 
 def test_error_of_an_exception_is_one_clipped_line():
@@ -684,7 +743,34 @@ def fuzz_strategies():
         blob = b"".join(GOLDEN_FRAMES[n] for n in picks)
         return fuzz_stream(mutate(blob, ch, tr) if blob and (ch or tr is not None) else blob, step)
 
+    @hs.composite
+    def batch_payload(draw):
+        """A BatchForward or BatchResult payload built field by field from drawn values (row counts near and past
+        the limits, repeated sequences, tensors of other shapes and dtypes, an optional tail), then mutated."""
+        n = draw(hs.sampled_from([0, 1, 2, 3, 255, 256, 257, 2 ** 32 - 1]) | hs.integers(0, 6))
+        rows = draw(hs.lists(hs.tuples(hs.integers(0, 4), hs.integers(0, 2 ** 32 - 1)), max_size=6))
+        k, e = draw(hs.integers(0, 4)), draw(hs.integers(0, 4))
+        dt = draw(hs.sampled_from(["<f4", "<f2", "<i4"]))
+        if draw(hs.booleans()):                    # a well-formed one, to be mutated (or not)
+            rows = draw(hs.lists(hs.tuples(hs.integers(0, 9), hs.integers(0, 2 ** 32 - 1)), min_size=1, max_size=5,
+                                 unique_by=lambda r: r[0]))
+            n = k = len(rows)
+
+        tok = np.arange(k, dtype="<i4") if draw(hs.booleans()) else np.zeros((k, 1), "<i4")
+        hid = np.ones((k, e), dt)
+        if draw(hs.booleans()):
+            payload = struct.pack("<I", n) + b"".join(struct.pack("<II", q, p) for q, p in rows)
+            payload += _tensor_at(len(payload), tok)
+            t, payload = MsgType.BATCH_FORWARD, payload + _tensor_at(len(payload), hid)
+        else:
+            payload = struct.pack("<Q", draw(hs.integers(0, 2 ** 64 - 1)))
+            t, payload = MsgType.BATCH_RESULT, payload + _tensor_at(len(payload), hid)
+        payload += draw(hs.sampled_from([b"", b"", b"", struct.pack("<I", 0), struct.pack("<IQ", 1, 9), b"\x01"]))
+        ch, tr = draw(changes), draw(trunc)
+        return t, (mutate(payload, ch, tr) if payload and (ch or tr is not None) else payload)
+
     return {
+        "batch_payload": (batch_payload(), lambda c: fuzz_decode(raw_frame(c[0], c[1]))),
         "random_bytes": (hs.binary(max_size=512), fuzz_decode),
         "golden_mutated": (hs.tuples(hs.sampled_from(names), changes, trunc),
                            lambda c: fuzz_decode(mutate(GOLDEN_FRAMES[c[0]], c[1], c[2]))),
@@ -702,8 +788,16 @@ def fuzz_strategies():
     }
 
 
-CI_FUZZ = {"random_bytes": 600, "golden_mutated": 1000, "payload_mutated": 1200, "random_payload": 800,
-           "header_fields": 400, "stream": 400}
+def _tensor_at(at: int, a: np.ndarray) -> bytes:
+    """A tensor field as PROTOCOL.md section 2 spells it, starting at payload offset `at` (written here, apart
+    from the codec)."""
+    code = {"<f4": 0, "<f2": 1, "<i4": 2}[a.dtype.str]
+    head = struct.pack("<BBH", code, a.ndim, 0) + b"".join(struct.pack("<Q", d) for d in a.shape)
+    return head + bytes((-(at + len(head))) % 16) + a.tobytes()
+
+
+CI_FUZZ = {"batch_payload": 1000, "random_bytes": 600, "golden_mutated": 1000, "payload_mutated": 1200,
+           "random_payload": 800, "header_fields": 400, "stream": 400}
 
 
 @pytest.mark.parametrize("name", sorted(CI_FUZZ))
@@ -735,7 +829,17 @@ def _message_strategy():
         tok = np.frombuffer(draw(hs.binary(min_size=4 * n, max_size=4 * n)), "<i4")
         hid = np.frombuffer(draw(hs.binary(min_size=n * e * np.dtype(dt).itemsize,
                                            max_size=n * e * np.dtype(dt).itemsize)), dt).reshape(n, e)
-        return Forward(draw(u32), draw(hs.booleans()), tok, hid)
+        return Forward(draw(u32), draw(hs.booleans()), tok, hid, draw(u32))
+
+    @hs.composite
+    def batch(draw):
+        n, e = draw(hs.integers(1, 5)), draw(hs.integers(0, 6))
+        seqs = draw(hs.lists(u32, min_size=n, max_size=n, unique=True))
+        tok = np.frombuffer(draw(hs.binary(min_size=4 * n, max_size=4 * n)), "<i4")
+        hid = np.frombuffer(draw(hs.binary(min_size=4 * n * e, max_size=4 * n * e)), "<f4").reshape(n, e)
+        if draw(hs.booleans()):
+            return BatchForward(seqs, draw(hs.lists(u32, min_size=n, max_size=n)), tok, hid)
+        return BatchResult(draw(u64), hid, draw(hs.lists(u64, max_size=3)))
 
     @hs.composite
     def result(draw):
@@ -748,10 +852,12 @@ def _message_strategy():
 
     return hs.one_of(
         hs.builds(Challenge, nonce, hs.booleans(), text),
-        hs.builds(Hello, u16, text, u32, u32, u32, u32, text, u32, u32, u32, hs.lists(hop, max_size=3), nonce, mac),
+        hs.builds(Hello, u16, text, u32, u32, u32, u32, text, u32, u32, u32, hs.lists(hop, max_size=3), nonce, mac,
+                  hs.integers(1, 2 ** 32 - 1)),
         hs.builds(HelloAck, u16, text, u32, u32, u32, u64, text, text, mac),
-        forward(), result(), hs.builds(Commit, u32), hs.builds(Reset, ids), hs.builds(CkptSave, u64, u32, ids),
-        hs.builds(CkptRestore, u64, u32, ids), hs.builds(Ack, u32, u32, u64),
+        forward(), result(), batch(), hs.builds(Commit, u32, u32), hs.builds(Reset, ids, u32),
+        hs.builds(CkptSave, u64, u32, ids, u32), hs.builds(CkptRestore, u64, u32, ids, u32),
+        hs.builds(Ack, u32, u32, u64),
         hs.builds(Error, hs.sampled_from(list(ErrorCode)) | u16, text), hs.builds(Ping, u64),
         hs.builds(Pong, u64), hs.builds(Bye, text))
 

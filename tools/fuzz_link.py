@@ -1,6 +1,7 @@
 """Large fuzz run of the stage-link decoder (link/, protocol 5): the fuzz of tests/test_link_codec.py (random bytes,
 mutated and truncated golden frames, mutated payloads and header fields behind correct checksums, concatenated frames
-read through recv_frame in small pieces) and of tests/test_link_secure.py (streams of sealed frames, mac and aead,
+read through recv_frame in small pieces, BatchForward / BatchResult payloads built field by field and mutated)
+and of tests/test_link_secure.py (streams of sealed frames, mac and aead,
 mutated and cut: a frame read must be the one sealed there) for N cases. Every input must decode to a message that encodes back to the
 same bytes, or be refused with a one-line LinkError; anything else is counted as a crash.
 
@@ -19,8 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 # the share of the cases each kind gets (the same kinds as the CI fuzz)
-SHARES = {"random_bytes": 0.15, "golden_mutated": 0.2, "payload_mutated": 0.2, "random_payload": 0.15,
-          "header_fields": 0.1, "stream": 0.1, "sealed_mac": 0.05, "sealed_aead": 0.05}
+SHARES = {"batch_payload": 0.1, "random_bytes": 0.1, "golden_mutated": 0.2, "payload_mutated": 0.2,
+          "random_payload": 0.1, "header_fields": 0.1, "stream": 0.1, "sealed_mac": 0.05, "sealed_aead": 0.05}
 
 
 def main(argv=None) -> int:

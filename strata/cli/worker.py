@@ -34,8 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-ctx", type=int, default=None, metavar="N",
                    help="the largest context a main may ask this worker for (default: the model's training context)")
     p.add_argument("--kv-pool-ctx", type=int, default=None, metavar="TOKENS",
-                   help="tokens each stage's KV page pool holds (default: the main's --n-ctx): more keeps the parts a "
-                        "main parks here (checkpoints, conversations parked resident) beside its live sequence")
+                   help="tokens each stage's KV page pool holds (default: the main's --n-ctx for each of its request "
+                        "slots, --parallel): more keeps the parts a main parks here (checkpoints, conversations "
+                        "parked resident) beside its live sequences")
     p.add_argument("--idle-timeout", type=float, default=15.0, metavar="S",
                    help="drop a main's link after S seconds without a frame (default 15; mains ping idle links every "
                         "second)")

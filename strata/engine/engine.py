@@ -107,7 +107,7 @@ class Engine:
             parts = min(64, parts)
             return RemoteStage(index, hops, model, fingerprint=self.file.fingerprint(), n_ctx=self.n_ctx,
                                max_batch=self.ubatch, ckpt_max=parts, key=key, encrypt=cfg.link.encrypt,
-                               insecure=cfg.link.insecure)
+                               insecure=cfg.link.insecure, slots=int(cfg.parallel))
 
         self.remote = remote
         self.parallel = int(cfg.parallel)

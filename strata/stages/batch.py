@@ -10,9 +10,10 @@ import numpy as np
 from strata.stages.sequence import Sequence
 
 
-def decode_batch(seqs: Seq[Sequence], tokens) -> np.ndarray:
+def decode_batch(seqs: Seq[Sequence], tokens, x_in=None) -> np.ndarray:
     """Read tokens[i] as the next token of seqs[i] (distinct live sequences over the same stages) -> the last
-    stage's logits, host float32 (N, n_vocab), row i bit-identical to ``seqs[i].forward([tokens[i]])``.
+    stage's logits, host float32 (N, n_vocab), row i bit-identical to ``seqs[i].forward([tokens[i]])`` (a worker's
+    stages: the hidden states (N, n_embd) of its last carve; x_in: the rows its first stage starts from).
 
     Pages for one more token are reserved for every sequence on every stage first (each sequence's ``make_room``
     when a pool is short; KVCacheFull, changing nothing but the extra pages reserved, when nothing more can be
@@ -30,7 +31,7 @@ def decode_batch(seqs: Seq[Sequence], tokens) -> np.ndarray:
         raise ValueError("the sequences of a batched step run over the same stages")
     for s in seqs:
         s.reserve(1)
-    x = None
+    x = x_in
     try:
         for k, st in enumerate(stages):
             x = st.forward_batch(toks, [s.sids[k] for s in seqs], x_in=x)

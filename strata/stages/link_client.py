@@ -144,6 +144,11 @@ class LinkClient:
                                               insecure=self.insecure)
                 except LinkError as e:
                     raise WorkerRefused(f"{who} {e}") from None
+            caps = link.split_challenge_name(ch.worker)[1]
+            if int(getattr(hello, "slots", 1)) > 1 and link.CAP_SLOTS not in caps:
+                raise WorkerRefused(f"{who} does not announce +slots (an older strata worker holds one sequence): "
+                                    f"--parallel {hello.slots} needs a worker that holds one per slot; upgrade it or "
+                                    f"use --parallel 1")
             hello.nonce, hello.mac = secrets.token_bytes(32), b""
             if self.key is not None:
                 hello.mac = link.hello_mac(self.key, ch.nonce, hello, frames)
@@ -306,14 +311,16 @@ def get_part(call, ckpt_id: int, limit: int, prefix: bool = False) -> bytes:
     return bytes(buf)
 
 
-def put_part(call, ckpt_id: int, pos: int, blob: bytes, keep: list[int]):
+def put_part(call, ckpt_id: int, pos: int, blob: bytes, keep: list[int], seq: int = 0):
     """Send `blob` (a part's bytes as get_part gives them) to be kept under `ckpt_id` at `pos` (PartPut chunk by
-    chunk through `call`) -> the last chunk's Ack (the worker read and kept the part)."""
+    chunk through `call`; a prefix part takes the first pages of sequence `seq`) -> the last chunk's Ack (the worker
+    read and kept the part)."""
     data = np.frombuffer(blob, np.uint8)
     total, off, ack = len(blob), 0, None
     while True:
         chunk = data[off:off + PART_CHUNK]
-        ack = call(PartPut(ckpt_id=int(ckpt_id), pos=int(pos), total=total, offset=off, data=chunk, keep=list(keep)))
+        ack = call(PartPut(ckpt_id=int(ckpt_id), pos=int(pos), total=total, offset=off, data=chunk, keep=list(keep),
+                           seq=int(seq)))
         off += int(chunk.shape[0])
         if off >= total:
             return ack

@@ -10,7 +10,7 @@ import numpy as np
 import structlog
 
 import link
-from link import Forward, Hello, Hop, Result
+from link import BatchForward, BatchResult, Forward, Hello, Hop, Result
 from strata.memory import Carve
 from strata.stages.link_client import (BACKOFF, PING_EVERY, SILENT_AFTER, LinkClient, LinkDown, WorkerBadResult,
                                        WorkerError, parse_address, result_fault)
@@ -46,16 +46,18 @@ class RemoteStage(StageBase):
     states on, takes the last carve's back, and runs the final norm and the head on `model`'s backend. Its
     ``memory`` is a RemoteMemory: the state verbs spoken over this stage's link.
 
-    The main decides positions and which checkpoints exist. A link failure fails the request in flight
-    (LinkDown); a background thread then reconnects with backoff, and the fresh worker state makes the engine
-    start its live sequence and its checkpoints over (``lost``).
+    The main decides positions and which checkpoints exist. With ``slots`` > 1 (--parallel) the worker holds one
+    sequence per request slot (``+slots``), each addressed by its id, and a batched decode step of several slots is
+    one BatchForward round trip (``forward_batch``). A link failure fails the requests in flight (LinkDown); a
+    background thread then reconnects with backoff, and the fresh worker state makes the engine start every live
+    sequence and its checkpoints over (``lost``).
     """
 
     runner_name = "LinkClient"
 
     def __init__(self, index: int, hops: list[tuple[str, Carve]], model, *, fingerprint: str, n_ctx: int,
                  max_batch: int, ckpt_max: int, key: bytes | None = None, silent_after: float = SILENT_AFTER,
-                 encrypt: bool = False, insecure: bool = False):
+                 encrypt: bool = False, insecure: bool = False, slots: int = 1):
         self.index = index
         self.hops = [(a, Carve(c.lo, c.hi)) for a, c in hops]
         self.carve = Carve(self.hops[0][1].lo, self.hops[-1][1].hi)
@@ -65,6 +67,7 @@ class RemoteStage(StageBase):
         self.fingerprint, self.n_ctx, self.max_batch, self.ckpt_max = fingerprint, int(n_ctx), int(max_batch), \
             int(ckpt_max)
         self.key, self.silent_after = key, silent_after
+        self.slots = max(1, int(slots))
         self.encrypt, self.insecure = bool(encrypt), bool(insecure)
         self.client: LinkClient | None = None
         self.epoch = 0                       # connections made; a RemotePart of another epoch is gone
@@ -75,9 +78,9 @@ class RemoteStage(StageBase):
         self.rtt_s = None
         self.commits = 0                     # Commits sent ahead (settled before the next prompt is read)
         self.worker_us = 0                   # the worker chain's own compute time over all Forwards (Result)
+        self.batched_steps = self.batched_rows = 0   # BatchForward round trips, and the rows they carried
         self._stop = threading.Event()
         self._connect()                      # WorkerRefused at start: `strata serve` exits naming the worker
-        self.memory.seq_epoch = self.epoch
         self._thread = threading.Thread(target=self._keepalive, name="strata-link", daemon=True)
         self._thread.start()
 
@@ -89,17 +92,17 @@ class RemoteStage(StageBase):
                      n_ctx=self.n_ctx, max_batch=self.max_batch, ckpt_max=self.ckpt_max,
                      next_hops=[Hop(host=host, port=port, lo=cc.lo, hi=cc.hi)
                                 for (host, port), cc in ((parse_address(a), cc) for a, cc in self.hops[1:])],
-                     nonce=b"", mac=b"")
+                     nonce=b"", mac=b"", slots=self.slots)
 
     def _connect(self) -> None:
         client = LinkClient(self.hops[0][0], self.key, silent_after=self.silent_after, encrypt=self.encrypt,
                             insecure=self.insecure)
         ack = client.connect(self._hello())
         n_embd = int(self.model.config.n_embd)
-        client.max_payload = max(1 << 20, self.max_batch * (n_embd * 4 + 8) + 4096)
+        client.max_payload = max(1 << 20, max(self.max_batch, self.slots) * (n_embd * 4 + 16) + 4096)
         with self._io:
-            self.client, self.epoch, self.memory.at = client, self.epoch + 1, 0
-            self.memory.kept_from = None
+            self.client, self.epoch = client, self.epoch + 1
+            self.memory.lost_all()
             self.down_reason, self.memory.held, self.memory.store_bytes = None, 0, 0
             self.memory.granted = int(ack.ckpt_max)
         log.info("stage link up", stage=self.index, workers=[a for a, _ in self.hops], epoch=self.epoch,
@@ -181,9 +184,9 @@ class RemoteStage(StageBase):
         r = self.down_reason
         return None if r is None else f"stage {self.index} ({self.device}) is unreachable: {r}; reconnecting"
 
-    def lost(self) -> bool:
-        """Whether the worker's part of the live sequence is gone (the link reconnected since)."""
-        return self.memory.seq_epoch != self.epoch
+    def lost(self, sid: int = 0) -> bool:
+        """Whether the worker's part of live sequence `sid` is gone (the link reconnected since)."""
+        return self.memory.seqs[sid].epoch != self.epoch
 
     def settle(self) -> None:
         """Wait for the worker's replies to every Commit sent ahead (before a prompt is read)."""
@@ -215,12 +218,12 @@ class RemoteStage(StageBase):
         be = self.backend
         x = np.ascontiguousarray(x_in if isinstance(x_in, np.ndarray) else be.to_host(x_in), dtype=np.float32)
         n = int(toks.shape[0])
-        at = self.memory.at
+        at = self.memory.seqs[sid].at
         if self.client is not None and self.client.unsettled:
             # a verify's Commit is in flight: a worker may apply it late (while expert swaps finish), so it lands
             # before the next Forward is sent
             self.settle()
-        res = self.call(Forward(pos=at, want_all=bool(all_logits), tokens=toks, hidden=x))
+        res = self.call(Forward(pos=at, want_all=bool(all_logits), tokens=toks, hidden=x, seq=sid))
         if not isinstance(res, Result) or res.pos != at + n:
             self._mark_down(f"answered a Forward at {at} of {n} tokens with "
                             f"{type(res).__name__} at {getattr(res, 'pos', '?')}")
@@ -231,7 +234,7 @@ class RemoteStage(StageBase):
             self._mark_down(f"returned {fault}")
             raise WorkerBadResult(f"stage {self.index} ({self.device}): the worker returned {fault} for a Forward "
                                   f"of {n} tokens at {at}; the link is reset")
-        self.memory.at = int(res.pos)
+        self.memory.seqs[sid].at = int(res.pos)
         self.worker_us += int(res.compute_us)
         if res.dropped:                   # parts the worker dropped to fit this Forward: forgotten at once
             self.memory.dropped(res.dropped)
@@ -243,6 +246,47 @@ class RemoteStage(StageBase):
         if hidden:           # the drafter's: the final-normed rows, beside the logits the head gives as always
             return self.model.head(h, all_logits), be.rms_norm(h, self.model.out_norm, self.model.config.rms_eps)
         return self.model.head(h, all_logits)
+
+    def forward_batch(self, tokens: np.ndarray, sids: list[int], x_in=None):
+        """One decode step of several sequences in one round trip (``+slots``): a BatchForward of every row (its
+        sequence id, position, token and hidden row), the worker chain's rows back in one BatchResult, then the head
+        over them -> host float32 logits (N, n_vocab), row i bit-identical to ``forward([tokens[i]], sids[i])`` (the
+        worker's batched step keeps that per row, and so does the head). One row, or a worker without ``+slots``:
+        StageBase's lone forwards."""
+        toks = np.ascontiguousarray(np.asarray(tokens, dtype=np.int32).reshape(-1))
+        sids = [int(q) for q in sids]
+        c = self.client
+        if len(sids) == 1 or c is None or link.CAP_SLOTS not in c.caps:
+            return super().forward_batch(toks, sids, x_in)
+        n = len(sids)
+        if toks.shape[0] != n or len(set(sids)) != n:
+            raise ValueError(f"a batched step takes one token per distinct sequence (got {toks.shape[0]} tokens for "
+                             f"sequences {sids})")
+        be = self.backend
+        x = np.ascontiguousarray(x_in if isinstance(x_in, np.ndarray) else be.to_host(x_in), dtype=np.float32)
+        at = [self.memory.seqs[q].at for q in sids]
+        if c.unsettled:
+            self.settle()
+        res = self.call(BatchForward(seqs=sids, positions=at, tokens=toks, hidden=x))
+        n_embd = int(self.model.config.n_embd)
+        fault = (f"a {type(res).__name__} to a BatchForward" if not isinstance(res, BatchResult)
+                 else result_fault(res.hidden, n, n_embd))
+        if fault is not None:
+            self._mark_down(f"returned {fault}")
+            raise WorkerBadResult(f"stage {self.index} ({self.device}): the worker returned {fault} for a batched "
+                                  f"step of {n} sequences; the link is reset")
+        for q, p in zip(sids, at):
+            self.memory.seqs[q].at = p + 1
+        self.worker_us += int(res.compute_us)
+        self.batched_steps += 1
+        self.batched_rows += n
+        if res.dropped:
+            self.memory.dropped(res.dropped)
+        h = res.hidden
+        if getattr(be, "xp", np) is not np:
+            with be.device:
+                return self.model.head(be.xp.asarray(h), True)     # host logits of every row
+        return self.model.head(h, True)
 
     def memory_info(self) -> dict[str, int]:
         return {}
@@ -256,4 +300,6 @@ class RemoteStage(StageBase):
                          "workers": [{"address": a, "layer_lo": cc.lo, "layer_hi": cc.hi} for a, cc in self.hops],
                          "rtt_ms": None if self.rtt_s is None else round(self.rtt_s * 1e3, 3),
                          "checkpoints_held": self.memory.held, "store_bytes": self.memory.store_bytes,
+                         "slots": self.slots, "batched_steps": self.batched_steps,
+                         "batched_rows": self.batched_rows,
                          "bytes_sent": c.sent_bytes if c else 0, "bytes_received": c.received_bytes if c else 0}}

@@ -1,4 +1,5 @@
-"""RemoteMemory (a remote stage's memory: the state verbs spoken over its link), its parts (RemotePart: an id in the
+"""RemoteMemory (a remote stage's memory: the state verbs spoken over its link, each addressing one of the worker's
+sequences by its id), its parts (RemotePart: an id in the
 worker chain's store, held by the main's references; RemoteBlob: such a part's bytes streamed to the main) and
 CheckpointGone."""
 from __future__ import annotations
@@ -66,11 +67,21 @@ class RemoteBlob:
         """Nothing held."""
 
 
+@dataclass
+class RemoteSeq:
+    """What the main knows of one of the worker's sequences: its position there, where the verify awaiting its
+    Commit started (None: no verify), and the link epoch its worker state belongs to."""
+    at: int = 0
+    kept_from: int | None = None
+    epoch: int = 0
+
+
 class RemoteMemory:
-    """A remote stage's memory: the state verbs spoken over the link (the worker chain keeps the sequence's K/V and
-    running state; a checkpoint part is a RemotePart, an id in the worker's store kept alive by the main's handles:
-    the ids the main still holds travel as the keep list of every checkpoint message, and the worker prunes to
-    them when an operation succeeds).
+    """A remote stage's memory: the state verbs spoken over the link, each naming a sequence id (``new_seq``: one per
+    request slot, ids 0..slots-1, sent as the messages' ``seq`` field; 0 is the bytes a main of one slot always sent;
+    the worker chain keeps each sequence's K/V and running state; a checkpoint part is a RemotePart, an id in the
+    worker's store kept alive by the main's handles: the ids the main still holds travel as the keep list of every
+    checkpoint message, and the worker prunes to them when an operation succeeds).
 
     Capabilities (strata.memory.Memory's): ``holds_pages`` (a captured part stays valid on the worker whatever the
     sequence does next, until released: conversations can be parked resident, as ids); ``host_parts`` when the
@@ -82,9 +93,7 @@ class RemoteMemory:
 
     def __init__(self, link_: Any, recurrent: bool, n_embd: int):
         self.link, self.carve, self.recurrent = link_, link_.carve, bool(recurrent)
-        self.at = 0                          # the live sequence's position on the worker
-        self.kept_from: int | None = None    # where the verify awaiting its Commit started (keep), else None
-        self.seq_epoch = 0                   # the link epoch the live sequence's worker state belongs to
+        self.seqs: dict[int, RemoteSeq] = {}     # sequence id -> its state on the worker
         self._ids = itertools.count(1)
         self._parts: dict[int, weakref.WeakSet] = {}
         self.held, self.store_bytes = 0, 0   # what the worker's store reported at the last Ack
@@ -147,15 +156,25 @@ class RemoteMemory:
                 raise KVCacheFull(str(e)) from None
             raise
 
-    # ---- the sequence ---------------------------------------------------------------------------------
+    # ---- the sequences --------------------------------------------------------------------------------
     def new_seq(self) -> int:
-        return 0
+        """The next sequence id (0, 1, ...: at most the slots the hello asked for). ValueError past them."""
+        sid = len(self.seqs)
+        if sid >= self.link.slots:
+            raise ValueError(f"stage {self.link.index}'s worker holds {self.link.slots} sequence(s) for this main")
+        self.seqs[sid] = RemoteSeq(epoch=self.link.epoch)
+        return sid
 
     def drop_seq(self, sid: int) -> None:
         """Nothing on the main; the worker drops its state at a Reset or when the link closes."""
 
+    def lost_all(self) -> None:
+        """The link reconnected: every sequence is at 0 on the fresh worker state, none armed for a Commit."""
+        for s in self.seqs.values():
+            s.at, s.kept_from = 0, None
+
     def pos(self, sid: int) -> int:
-        return self.at
+        return self.seqs[sid].at
 
     def reserve(self, sid: int, n: int) -> None:
         """Nothing here: the worker reserves its pages for the tokens a Forward carries (its pool holds n_ctx
@@ -164,9 +183,9 @@ class RemoteMemory:
     def capture(self, sid: int) -> RemotePart:
         """CkptSave: the worker chain keeps its part of the sequence at the current position under a new id."""
         self._room()
-        cid = next(self._ids)
-        self._acked(self._call(CkptSave(ckpt_id=cid, pos=self.at, keep=self._keep(also=cid))))
-        return self._handle(cid, self.at, self.link.epoch)
+        cid, at = next(self._ids), self.seqs[sid].at
+        self._acked(self._call(CkptSave(ckpt_id=cid, pos=at, keep=self._keep(also=cid), seq=sid)))
+        return self._handle(cid, at, self.link.epoch)
 
     def validate(self, part, sid: int | None = None) -> None:
         if isinstance(part, RemoteBlob):
@@ -197,15 +216,15 @@ class RemoteMemory:
             return
         self.link.settle()
         self._acked(self._call(CkptRestore(ckpt_id=part.ckpt_id, pos=part.pos,
-                                           keep=self._keep(also=part.ckpt_id))))
-        self.at, self.kept_from = part.pos, None
+                                           keep=self._keep(also=part.ckpt_id), seq=sid)))
+        self.seqs[sid].at, self.seqs[sid].kept_from = part.pos, None
 
     # ---- parts kept apart (parking, session files: +park) ------------------------------------------------
     def detach(self, part, to_host: bool = True):
         """A checkpoint's part to keep with its conversation: its bytes with the K/V as a prefix of the
         conversation's (to_host: running state only, PartGet with prefix), else another handle on the same id."""
         if not to_host:
-            return self.attach_prefix(0, part)
+            return self.attach_prefix(0, part)       # a RemotePart: another handle, no sequence touched
         self.validate(part)
         if isinstance(part, RemoteBlob):
             return part
@@ -222,7 +241,7 @@ class RemoteMemory:
         self._room()
         cid = next(self._ids)
         try:
-            ack = put_part(self._call, cid, part.pos, part.blob, self._keep(also=cid))
+            ack = put_part(self._call, cid, part.pos, part.blob, self._keep(also=cid), seq=sid)
         except WorkerError as e:
             if e.link_code == ErrorCode.DESYNC:
                 raise PartMismatch(f"the worker refused the part: {e}") from None
@@ -277,45 +296,48 @@ class RemoteMemory:
 
     # ---- cutting back and speculation ------------------------------------------------------------------
     def check_truncate(self, sid: int, p: int) -> None:
-        if not 0 <= p <= self.at:
-            raise ValueError(f"truncate({p}) outside [0, {self.at}]")
-        if self.recurrent and 0 < p < self.at:
-            raise ValueError(f"cannot cut a recurrent running state back from {self.at} to {p}; "
+        at = self.seqs[sid].at
+        if not 0 <= p <= at:
+            raise ValueError(f"truncate({p}) outside [0, {at}]")
+        if self.recurrent and 0 < p < at:
+            raise ValueError(f"cannot cut a recurrent running state back from {at} to {p}; "
                              "restore a checkpoint instead")
 
     def keep(self, sid: int, n: int) -> None:
         """The next Forward is a verify (want_all): the worker keeps each token's state (+spec) for the Commit."""
-        self.kept_from = self.at
+        self.seqs[sid].kept_from = self.seqs[sid].at
 
     def check_commit(self, sid: int, p: int) -> None:
-        if self.kept_from is not None and p != self.at:
-            if not self.kept_from < p <= self.at:
-                raise ValueError(f"commit({p}) outside the kept positions ({self.kept_from}, {self.at}]")
+        s = self.seqs[sid]
+        if s.kept_from is not None and p != s.at:
+            if not s.kept_from < p <= s.at:
+                raise ValueError(f"commit({p}) outside the kept positions ({s.kept_from}, {s.at}]")
             return
-        if p != self.at:
+        if p != s.at:
             self.check_truncate(sid, p)
 
     def commit(self, sid: int, p: int) -> None:
         """Commit(p) after a verify, sent ahead: the worker keeps [0, p), its running state taken from the state
         it kept after token p - 1 (always sent: it also ends the worker's keep)."""
         self.check_commit(sid, p)
-        self.link.post(Commit(pos=int(p)))
-        self.at, self.kept_from = int(p), None
+        self.link.post(Commit(pos=int(p), seq=sid))
+        self.seqs[sid].at, self.seqs[sid].kept_from = int(p), None
 
     def truncate(self, sid: int, p: int) -> None:
         """Commit(p), sent ahead: the worker keeps [0, p); the next prompt settles before it is read."""
         self.check_truncate(sid, p)
-        self.link.post(Commit(pos=int(p)))
-        self.at = int(p)
+        self.link.post(Commit(pos=int(p), seq=sid))
+        self.seqs[sid].at = int(p)
 
     def reset(self, sid: int) -> None:
         """Reset (a settle point). With the link down there is nothing to reset: the worker dropped the state."""
-        self.at, self.kept_from = 0, None
+        s = self.seqs[sid]
+        s.at, s.kept_from = 0, None
         if self.link.client is None:
             return
         self.link.settle()
-        self._acked(self.link.call(Reset(keep=self._keep())))
-        self.seq_epoch = self.link.epoch
+        self._acked(self.link.call(Reset(keep=self._keep(), seq=sid)))
+        s.epoch = self.link.epoch
 
     def trim(self, sid: int) -> None:
         """Nothing to give back on the main; a Reset gives the worker's pages back."""

@@ -185,7 +185,7 @@ class Sequence:
 
     def lost(self) -> bool:
         """Whether some stage lost its part of this sequence (a remote stage's link reconnected since)."""
-        return any(st.lost() for st in self.stages)
+        return any(st.lost(sid) for st, sid in zip(self.stages, self.sids))
 
     def unavailable(self) -> str | None:
         """Why the stages cannot run requests now, or None."""

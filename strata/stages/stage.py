@@ -101,8 +101,8 @@ class StageBase(ABC):
     def settle(self) -> None:
         """Wait until nothing sent ahead is in flight (a remote stage's Commits); nothing on a local stage."""
 
-    def lost(self) -> bool:
-        """Whether this stage lost the live sequence's state behind the engine's back (never, locally)."""
+    def lost(self, sid: int = 0) -> bool:
+        """Whether this stage lost live sequence `sid`'s state behind the engine's back (never, locally)."""
         return False
 
     def unavailable(self) -> str | None:

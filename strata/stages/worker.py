@@ -26,6 +26,7 @@ CKPT_MAX = 64               # checkpoint parts a worker keeps at most
 HELLO_TIMEOUT = 10.0        # seconds a connected main has to send its Hello
 IDLE_TIMEOUT = 15.0         # seconds without a frame from the main (it pings an idle link every second)
 MAX_BATCH = 8192            # tokens a Forward may carry at most (bounds the frames a main can make the worker read)
+MAX_SLOTS = 64              # sequences (request slots) one main may ask a worker to hold
 
 
 @dataclass
@@ -93,17 +94,20 @@ class Worker:
         if not 1 <= h.max_batch <= min(h.n_ctx, MAX_BATCH):
             raise Refuse(ErrorCode.LIMIT, f"max_batch {h.max_batch} outside [1, {min(h.n_ctx, MAX_BATCH)}]",
                          fatal=True)
+        if not 1 <= h.slots <= MAX_SLOTS:
+            raise Refuse(ErrorCode.LIMIT, f"the main asks for {h.slots} sequences (--parallel); a worker holds at "
+                                          f"most {MAX_SLOTS}", fatal=True)
         if h.ckpt_max > CKPT_MAX:
             raise Refuse(ErrorCode.LIMIT, f"the main asks for {h.ckpt_max} checkpoint parts; a worker keeps at "
                                           f"most {CKPT_MAX}", fatal=True)
 
     def _stages_for(self, h: Hello) -> list:
-        key = (int(h.lo), int(h.hi), int(h.n_ctx))
+        key = (int(h.lo), int(h.hi), int(h.n_ctx), int(h.slots))
         if self._stages is None or self._stages[0] != key:
             self._stages = None                               # the old carve's memory goes first
             plan = [(Carve(h.lo, h.hi), self.cfg.device)]
             try:
-                pool = max(int(h.n_ctx), int(self.cfg.kv_pool_ctx or 0))
+                pool = max(int(h.n_ctx) * int(h.slots), int(self.cfg.kv_pool_ctx or 0))   # a context per slot
                 stages = load_stages(self.file, plan, {self.cfg.device: self.backend}, pool, progress=False,
                                      head_here=False)
             except (ValueError, MemoryError) as e:
@@ -117,11 +121,12 @@ class Worker:
         """The capabilities this worker announces in its Challenge: frame protection with a key (none without one:
         frames stay plain), ``+spec`` (speculative decoding's verify and Commit, Carrier.forward / commit) and ``+park``
         (a kept part's bytes streamed to the main and back, Carrier.part_get / part_put), ``+drops`` (a Result names
-        the kept parts dropped to make room for its Forward, Carrier.forward)."""
+        the kept parts dropped to make room for its Forward, Carrier.forward), ``+slots`` (a sequence per request
+        slot, addressed by the seq fields, and the batched decode step, Carrier.batch_forward)."""
+        own = [link.CAP_SPEC, link.CAP_PARK, link.CAP_DROPS, link.CAP_SLOTS]
         if self.cfg.key is None:
-            return [link.CAP_SPEC, link.CAP_PARK, link.CAP_DROPS]
-        return [link.CAP_MAC, link.CAP_AEAD] + ([link.CAP_ENCRYPT] if self.cfg.encrypt else []) + \
-            [link.CAP_SPEC, link.CAP_PARK, link.CAP_DROPS]
+            return own
+        return [link.CAP_MAC, link.CAP_AEAD] + ([link.CAP_ENCRYPT] if self.cfg.encrypt else []) + own
 
     def setup(self, h: Hello, frames: str = link.FRAMES_PLAIN) -> tuple[Carrier, HelloAck]:
         """Check the hello, load the carve, link the next worker (a relay does it again for every main, so the
@@ -144,10 +149,10 @@ class Worker:
                 ack = next_hop.connect(Hello(protocol=link.VERSION, fingerprint=h.fingerprint, lo=nh.lo, hi=nh.hi,
                                              n_blocks=h.n_blocks, n_embd=h.n_embd, act_dtype=h.act_dtype,
                                              n_ctx=h.n_ctx, max_batch=h.max_batch, ckpt_max=h.ckpt_max,
-                                             next_hops=list(rest), nonce=b"", mac=b""))
+                                             next_hops=list(rest), nonce=b"", mac=b"", slots=h.slots))
             except LinkDown as e:
                 raise Refuse(ErrorCode.NEXT_HOP, f"relay: {e}", fatal=True) from None
-            next_hop.max_payload = max(1 << 20, int(h.max_batch) * (int(h.n_embd) * 4 + 8) + 4096)
+            next_hop.max_payload = max(1 << 20, max(int(h.max_batch), int(h.slots)) * (int(h.n_embd) * 4 + 16) + 4096)
             part_bytes += int(ack.part_bytes)
             granted = min(granted, int(ack.ckpt_max))
         try:
@@ -259,8 +264,8 @@ class Worker:
             self.channel = chan
             log.info("main connected", peer=who, layers=f"[{hello.lo}, {hello.hi})", ckpt_max=ack.ckpt_max,
                      relay=len(hello.next_hops), frames=frames)
-            await self._serve(reader, writer, carrier, max(1 << 20, int(hello.max_batch) * (int(hello.n_embd) * 4 + 8)
-                                                         + 4096), who, chan)
+            await self._serve(reader, writer, carrier, max(1 << 20, max(int(hello.max_batch), int(hello.slots)) *
+                                                         (int(hello.n_embd) * 4 + 16) + 4096), who, chan)
         except asyncio.TimeoutError:
             log.info("main gone", peer=who, error=f"no frame for {self.cfg.idle_timeout:g} s (or no Hello in "
                                                  f"{HELLO_TIMEOUT:g} s)")

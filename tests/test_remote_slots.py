@@ -1,0 +1,215 @@
+"""Request slots over the stage link (--parallel N with --remote-stage, the worker's +slots): real `strata worker`
+processes on loopback hold one sequence per slot; mixed requests (a long prompt arriving mid-decode, seeded sampling,
+two choices, a grammar) answer exactly as each request alone on one local process, over one worker (a hybrid: its
+running state only resumes from checkpoints) and over a relay of two; every batched decode step is one BatchForward
+round trip; a daemon's concurrent streams keep each conversation's secret to itself, a slot's conversation saves and
+restores into another slot over the link; a worker killed mid-batch ends
+every slot's stream with an error, 503 while it is gone, the same answers once it is back; a worker without +slots is
+refused at start naming --parallel, and still serves one slot; the worker refuses bad batched rows."""
+import signal
+import threading
+import time
+
+import numpy as np
+import openai
+import pytest
+
+import link
+from link import BatchForward, BatchResult, ErrorCode, Forward, Hello, Reset
+from strata.engine import Engine
+from strata.stages.link_client import LinkClient, WorkerError, WorkerRefused
+from tests.daemon import Daemon, InProcessWorker, WorkerProc, free_port
+from tests.parallel_checks import N_CTX, alone as _alone, key, req, requests, together as _together
+
+SECRETS = ["PLUM", "OSLO", "KIWI"]
+
+
+@pytest.fixture(scope="module")
+def hybrid(synthetic):
+    """A tiny synthetic Qwen3.5-style hybrid with a chat template, and its block count."""
+    from tests.templates import QWEN_TEMPLATE
+    path = synthetic("qwen35", name="qwen-style", overrides={"tokenizer.chat_template": QWEN_TEMPLATE})
+    return str(path), 4
+
+
+@pytest.fixture(scope="module")
+def llama(synthetic):
+    return str(synthetic("llama")), 4
+
+
+def _same(got, want):
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g == w, f"request {i}: its answer over the link beside others differs from its answer alone"
+    assert len(got) == len(want)
+
+
+def test_hybrid_slots_over_a_worker_answer_as_alone(workers, hybrid):
+    path, n_blocks = hybrid
+    want = _alone(path)
+    w = workers("--model", path)
+    got, stats = _together(path, 4, remote_stage=w.address, layer_split=str(n_blocks // 2), prompt_cache=4)
+    _same(got, want)
+    assert stats["max_rows"] == 4 and stats["batched_steps"] > 0, stats
+    # every batched decode step of the engine was one BatchForward round trip carrying all its rows
+    assert (stats["link"]["batched_steps"], stats["link"]["batched_rows"]) == \
+        (stats["batched_steps"], stats["batched_rows"]), stats
+    assert stats["prefill_parts"] >= 3 + 5                 # the long prompt in ubatch parts, among the decodes
+
+
+def test_llama_slots_over_a_relay_of_two_workers_answer_as_alone(workers, llama):
+    path, _ = llama
+    want = _alone(path)
+    a, b = workers("--model", path), workers("--model", path)
+    got, stats = _together(path, 3, remote_stage=f"{a.address},{b.address}", layer_split="1,3", prompt_cache=4)
+    _same(got, want)
+    assert stats["link"]["batched_steps"] == stats["batched_steps"] > 0 and stats["max_rows"] == 3, stats
+
+
+def test_a_worker_without_slots_is_refused_for_several_and_serves_one(llama):
+    path, _ = llama
+    old = InProcessWorker(caps=[link.CAP_SPEC, link.CAP_PARK, link.CAP_DROPS], model=path)
+    try:
+        with pytest.raises(WorkerRefused) as e:
+            Engine(path, n_ctx=256, device="cpu", parallel=2, remote_stage=old.address, layer_split="2")
+        msg = str(e.value)
+        assert "--parallel 2" in msg and "+slots" in msg and "\n" not in msg
+        one = lambda s: s.get("n", 1) == 1          # noqa: E731 -- n > 1 over a link needs checkpoints
+        want = _alone(path, pick=one)
+        e = Engine(path, n_ctx=N_CTX, ubatch=128, device="cpu", remote_stage=old.address, layer_split="2")
+        try:
+            _same([key(e.generate(req(e, spec))) for spec in requests(e) if one(spec)], want)
+            assert set(old.worker.carrier.seqs) == {0}    # one slot: only sequence 0, the frames it always had
+        finally:
+            e.close()
+    finally:
+        old.close()
+
+
+def test_the_worker_refuses_bad_batched_rows(llama):
+    path, _ = llama
+    w = InProcessWorker(model=path)
+    e = Engine(path, n_ctx=64, device="cpu")
+    try:
+        c = LinkClient(w.address)
+        c.connect(Hello(protocol=link.VERSION, fingerprint=e.file.fingerprint(), lo=2, hi=4, n_blocks=4,
+                        n_embd=int(e.config.n_embd), act_dtype="f32", n_ctx=512, max_batch=16, ckpt_max=0,
+                        next_hops=[], nonce=b"", slots=2))
+        d = int(e.config.n_embd)
+        h1, h2 = np.ones((1, d), np.float32), np.ones((2, d), np.float32)
+        t1, t2 = np.array([5], np.int32), np.array([5, 6], np.int32)
+        for msg, code, needle in [
+            (Forward(pos=0, want_all=False, tokens=t1, hidden=h1, seq=2), ErrorCode.LIMIT, "outside the 2 slot"),
+            (BatchForward(seqs=[0, 1], positions=[0, 3], tokens=t2, hidden=h2), ErrorCode.DESYNC, "sequence 1"),
+            (BatchForward(seqs=[0, 5], positions=[0, 0], tokens=t2, hidden=h2), ErrorCode.LIMIT, "sequence 5"),
+        ]:
+            with pytest.raises(WorkerError) as err:
+                c.call(msg)
+            assert err.value.link_code == code and needle in str(err.value), str(err.value)
+        # nothing was read by the refused rows: both sequences still at 0, a batched step reads them there
+        res = c.call(BatchForward(seqs=[1, 0], positions=[0, 0], tokens=t2, hidden=h2))
+        assert isinstance(res, BatchResult) and res.hidden.shape == (2, d)
+        # row 1 (sequence 0, token 6) is that sequence's lone one-token Forward, bit for bit
+        assert c.call(Reset(keep=[], seq=0)).pos == 0
+        lone = c.call(Forward(pos=0, want_all=False, tokens=t2[1:], hidden=h2[1:], seq=0))
+        assert lone.pos == 1 and lone.hidden.tobytes() == res.hidden[1:].tobytes()
+        assert c.call(Forward(pos=1, want_all=False, tokens=t1, hidden=h1, seq=1)).pos == 2   # sequence 1 read on
+        c.close()
+    finally:
+        e.close()
+        w.close()
+
+
+def _client(d):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{d.port}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _messages(i):
+    return [{"role": "user", "content": f"The secret word is {SECRETS[i]}. Story {i}: once upon a time"}]
+
+
+def _stream(client, i, max_tokens, kill_at=None):
+    """Stream request i -> (its text, the exception that ended it or None); kill_at(k) after each chunk k."""
+    out = []
+    try:
+        with client.chat.completions.create(model="default", messages=_messages(i), max_tokens=max_tokens,
+                                            temperature=0, stream=True) as s:
+            for k, chunk in enumerate(s):
+                if chunk.choices and chunk.choices[0].delta.content:
+                    out.append(chunk.choices[0].delta.content)
+                if kill_at is not None:
+                    kill_at(k)
+    except Exception as e:  # noqa: BLE001 -- the SSE error event surfaces as an APIError
+        return "".join(out), e
+    return "".join(out), None
+
+
+def _concurrently(fn, n):
+    got = {}
+    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, fn(i))) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return [got[i] for i in range(n)]
+
+
+def test_daemon_slots_over_a_worker_secrets_and_a_worker_killed_mid_batch(workers, hybrid, tmp_path):
+    path, n_blocks = hybrid
+    w = workers("--model", path)
+    wport = w.port
+    save = tmp_path / "slots"
+    save.mkdir()
+    d = Daemon(tmp_path, "--model", path, "--parallel", "3", "--remote-stage", w.address, "--layer-split",
+               str(n_blocks // 2), "--slot-save-path", str(save), port=free_port(), n_ctx=512).start()
+    back = None
+    try:
+        alone = [_stream(_client(d), i, 20)[0] for i in range(3)]      # one at a time: each request alone
+        rows = d.metric("strata_batched_rows_total")
+        together = _concurrently(lambda i: _stream(_client(d), i, 20), 3)
+        for i, (text, err) in enumerate(together):
+            assert err is None and text == alone[i], (i, err)
+            for j in range(3):
+                if j != i:
+                    assert SECRETS[j] not in text
+        assert d.metric("strata_batched_rows_total") > rows
+        # a slot's conversation saved (its worker part streamed from that slot's sequence) and restored into another
+        st, slots = d.json("GET", "/slots")
+        pos = {s["id"]: s["pos"] for s in slots}
+        busy = max(pos, key=pos.get)
+        other = next(i for i in pos if i != busy)
+        st, saved = d.json("POST", f"/slots/{busy}?action=save", {"filename": "a.bin"})
+        assert st == 200 and saved["n_saved"] == pos[busy] > 0, saved
+        st, back = d.json("POST", f"/slots/{other}?action=restore", {"filename": "a.bin"})
+        assert st == 200 and back["n_restored"] == pos[busy], back
+        st, slots = d.json("GET", "/slots")
+        assert {s["id"]: s["pos"] for s in slots}[other] == pos[busy]
+        # the worker is killed while all three slots decode: every stream ends with an error, soon
+        started = threading.Barrier(3)
+        killed = threading.Event()
+
+        def run(i):
+            def kill_at(k):
+                if k == 3:
+                    started.wait(60)
+                    if i == 0 and not killed.is_set():
+                        w.stop(signal.SIGKILL)
+                        killed.set()
+            return _stream(_client(d), i, 400, kill_at)
+
+        t0 = time.monotonic()
+        ends = _concurrently(run, 3)
+        assert killed.is_set() and all(err is not None for _, err in ends), ends
+        assert time.monotonic() - t0 < 60
+        st, body = d.json("POST", "/v1/chat/completions", {"messages": _messages(0), "max_tokens": 4})
+        assert st == 503 and body["error"]["code"] == "worker_unavailable"
+        # the worker comes back on its port: the daemon reconnects, every slot reads from 0 and answers as before
+        back = WorkerProc("--model", path, port=wport).start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and d.request("GET", "/health")[0] != 200:
+            time.sleep(0.1)
+        again = _concurrently(lambda i: _stream(_client(d), i, 20), 3)
+        assert [t for t, _ in again] == alone and all(err is None for _, err in again)
+    finally:
+        assert d.stop() == 0, d.log_tail()
+        if back is not None:
+            back.stop()
