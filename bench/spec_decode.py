@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from strata.engine.engine import Engine                      # noqa: E402
-from strata.engine.speculate import AdaptiveN                # noqa: E402
+from strata.engine.spec_policy import AdaptiveN              # noqa: E402
 from strata.engine.types import FinalEvent, GenerationRequest  # noqa: E402
 from strata.gguf import synth                                # noqa: E402
 
@@ -278,10 +278,7 @@ def main() -> int:
                    "measured_acceptance": acc["draft_acceptance_rate"], "mean_accepted": acc["draft_mean_accepted"],
                    "verifies": acc["draft_verifies"]}
             if n == "adaptive":                   # what the policy believes after the arm
-                ms = lambda v: None if v is None else v * 1e3     # noqa: E731
-                row["policy"] = {"a": adaptive.a, "best": adaptive.best(), "t_step_ms": ms(adaptive.t_step),
-                                 "t_draft_ms": ms(adaptive.t_draft), "t_round_ms": ms(adaptive.t_round),
-                                 "t_verify_ms": {k: ms(v) for k, v in sorted(adaptive.t_verify.items())}}
+                row["policy"] = adaptive.snapshot()
             res["runs"].append(row)
             print(f"N={n} acceptance {rate}: {row['ratio_median']:.2f}x --spec 0 (median of {len(ratios)} pairs; "
                   f"measured {row['measured_acceptance']:.2f}, {row['mean_accepted']:.2f} tokens per verify)"

@@ -11,7 +11,8 @@ from typing import Callable
 import numpy as np
 import structlog
 
-from strata.engine.speculate import MAX_DRAFTS, AdaptiveN, MTPDrafter, SpecCounts
+from strata.engine.spec_policy import AdaptiveN
+from strata.engine.speculate import MAX_DRAFTS, MTPDrafter, SpecCounts
 from strata.engine.types import GenerationRequest, ReadToken, TokenEvent, run_reads
 from strata.sampling.sampler import Sampler, SamplingParams, StopMatcher
 from strata.sampling.device import DeviceSampler
