@@ -15,7 +15,7 @@ rejected one is never tried); one sequence per seed, shared by every arm. Scenar
 starts fresh for each answer (as after a start; in the daemon it carries over from one request to the next).
 
 Usage: PYTHONPATH=. python bench/spec_policy_sim.py [--costs bench/results/spec_decode_h100_3f52f2b.json]
-       [--rates 0.2,0.3,...] [--tokens 512] [--seeds 16] [--nmax 4] [--out PATH]
+       [--rates 0.2,0.3,...] [--tokens 512] [--seeds 16] [--nmax 4] [--picks] [--out PATH]
 Writes bench/results/spec_policy_sim_<costs' device>_<commit>.json (or --out).
 """
 from __future__ import annotations
@@ -77,13 +77,17 @@ def _fill(d: dict[int, float], nmax: int) -> dict[int, float]:
     return out
 
 
-def load_costs(path: Path, nmax: int) -> Costs:
+def load_costs(path: Path, nmax: int, picks: bool = False) -> Costs:
+    """The costs of a bench/spec_decode.py result; picks: the verify judged on the device (verify_picks_ms, where
+    the result has it)."""
     res = json.loads(path.read_text())
     m = res["micro"]
     step = 1.0 / res["spec0_tok_s"]
     on = step * m.get("plain_drafter_on_over_off", 1.0)
     draft = {int(k[1:]): v["draft_ms"] * 1e-3 for k, v in m.items() if k.startswith("n") and k[1:].isdigit()}
-    verify = {int(k[1:]): v["verify_ms"] * 1e-3 for k, v in m.items() if k.startswith("n") and k[1:].isdigit()}
+    key = "verify_picks_ms" if picks else "verify_ms"
+    verify = {int(k[1:]): (v.get(key) or v["verify_ms"]) * 1e-3 for k, v in m.items()
+              if k.startswith("n") and k[1:].isdigit()}
     commit = float(np.median([v["commit_ms"] for k, v in m.items() if k.startswith("n") and k[1:].isdigit()])) * 1e-3
     return Costs(step, on, _fill(draft, nmax), _fill(verify, nmax), commit,
                  source={"file": path.name, "device": res.get("device"), "commit": res.get("commit")})
@@ -175,11 +179,12 @@ def main() -> int:
     ap.add_argument("--jitter", type=float, default=0.05)
     ap.add_argument("--cold-ms", type=float, default=5.0)
     ap.add_argument("--policy", default="{}", help="AdaptiveN keyword arguments, JSON")
+    ap.add_argument("--picks", action="store_true", help="verifies judged on the device (verify_picks_ms)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     path = Path(args.costs)
-    costs = load_costs(path, args.nmax)
-    fit, check = fit_round(costs, path)
+    costs = load_costs(path, args.nmax, args.picks)
+    fit, check = fit_round(load_costs(path, args.nmax), path)      # the arms measured: host rows
     costs.round = fit if args.round_ms is None else args.round_ms * 1e-3
     kw = json.loads(args.policy)
     print(f"costs from {path.name} ({costs.source['device']}): step {costs.step * 1e3:.3f} ms "
@@ -232,7 +237,7 @@ def main() -> int:
                                                "commit_ms": costs.commit * 1e3, "rest_ms": costs.round * 1e3,
                                                "rest_fitted": args.round_ms is None, "fit_check": check},
                "tokens": args.tokens, "seeds": args.seeds, "nmax": args.nmax, "jitter": args.jitter,
-               "cold_ms": args.cold_ms, "policy_kwargs": kw, "rows": rows, "worst_policy_over_best": worst,
+               "cold_ms": args.cold_ms, "picks": args.picks, "policy_kwargs": kw, "rows": rows, "worst_policy_over_best": worst,
                "min_policy_over_n0_where_n0_best": min(low) if low else None}
     dev = "cuda" if not costs.source.get("device") else costs.source["device"].split()[1].lower() \
         if costs.source["device"].startswith("NVIDIA") else costs.source["device"]
