@@ -429,6 +429,47 @@ def test_consumer_closing_inside_a_verify(model):
         assert got == ref
 
 
+@pytest.mark.parametrize("split", [None, "2"], ids=["1stage", "2stages"])
+def test_greedy_verify_judged_from_picks(model, split, monkeypatch):
+    """The decoder's device path driven on the CPU (its last stage's runner made to leave logits "on the device",
+    numpy here): a greedy request judges each verify from its rows' greedy picks (DeviceSampler.greedy_rows,
+    counted) and emits what --spec 0 emits, at acceptance 1, 0.6 and 0; with logprobs it judges host rows (no
+    picks) and emits the same tokens as --spec 0."""
+    from strata.sampling.device import DeviceSampler
+    calls = []
+    real = DeviceSampler.greedy_rows
+
+    def counted(self, rows):
+        calls.append(rows.shape[0])
+        return real(self, rows)
+    monkeypatch.setattr(DeviceSampler, "greedy_rows", counted)
+    prompt = _prompt(21, 7)
+    base = Engine(model, n_ctx=256, layer_split=split)
+    e = Engine(model, n_ctx=256, spec=3, layer_split=split)
+    for eng in (base, e):            # a "device" that is the host: its arrays numpy's
+        eng.stages[-1].runner.device_logits = True
+        monkeypatch.setattr(type(eng.stages[-1].runner.model.backend), "asarray", staticmethod(np.asarray),
+                            raising=False)
+    ref, _ = _run(base, prompt, cache_prompt=False)
+    ref_host, _ = _run(Engine(model, n_ctx=256, layer_split=split), prompt, cache_prompt=False)
+    assert _ids(ref) == _ids(ref_host)                  # the device sampler's greedy picks: the host's
+    for rate in (1.0, 0.6, 0.0):
+        oracle = Oracle(e, rate, seed=5)
+        oracle.learn(prompt, _ids(ref))
+        e.drafter.oracle = oracle
+        calls.clear()
+        got, fin = _run(e, prompt, cache_prompt=False)
+        assert _ids(got) == _ids(ref), rate
+        assert len(calls) == fin[0].timings["draft_verifies"] > 0, rate
+    lp = SamplingParams(temperature=0, logprobs=2)
+    ref_lp, _ = _run(base, prompt, cache_prompt=False, sampling=lp)
+    calls.clear()
+    e.drafter.oracle = Oracle(e, 0.6, seed=5)
+    e.drafter.oracle.learn(prompt, _ids(ref))
+    got_lp, fin = _run(e, prompt, cache_prompt=False, sampling=lp)
+    assert _ids(got_lp) == _ids(ref_lp) and not calls and fin[0].timings["draft_verifies"] > 0
+
+
 def _drive(policy, ok, step=10.0, rounds=None, tokens=None):
     """Run `policy` over the acceptance sequence ok (ok[p]: the draft of position p would be kept) with fixed
     costs: a plain step `step`, a verify round of k drafts rounds[k] (default 15 + 2k) -> the choices made."""
