@@ -177,6 +177,7 @@ def micro(engine, prompt, ns, reps):
                 seq.restore(ck)
                 sync()
                 clock(vp, lambda: greedy.greedy_rows(seq.verify(toks, on_device=True)[0]))
+                seq.commit(base + 1)
             # the same read without the kept states (every row's logits): what keeping them costs
             seq.restore(ck)
             sync()
