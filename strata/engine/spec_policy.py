@@ -49,9 +49,12 @@ class AdaptiveN:
         self._cold: set[int] = set()                 # plain steps while their only time is the first one
         self._plain = 0                              # plain steps since the last verify
         self._gap = self.probe_first                 # plain steps before the next probe
+        self._rounds_fit: tuple | None = None        # _measured() until the next round is timed
+        self._best: tuple[int, int] | None = None    # (lo, best(lo)) until the next step is handed in
 
     # ---- what was measured
     def _fade(self, tokens: int) -> None:
+        self._best = None
         f = self.fade ** tokens
         self.succ = [s * f for s in self.succ]
         self.trials = [t * f for t in self.trials]
@@ -59,6 +62,9 @@ class AdaptiveN:
     def _time(self, size: int, seconds: float, into: deque) -> None:
         """A time of `size` (0: a plain step): the first of each size is cold; a plain step's is kept until a warm
         one comes (every choice is priced against it), a round's is dropped."""
+        self._best = None
+        if size:
+            self._rounds_fit = None
         if size in self._cold:
             into.clear()
             self._cold.discard(size)
@@ -105,41 +111,63 @@ class AdaptiveN:
         """The estimated acceptance of a first draft."""
         return self.acceptance()[1] if self.n_max else self.prior
 
+    def expected_all(self) -> list[float]:
+        """E(n) for n = 0..n_max: tokens a round with n drafts emits on average."""
+        acc, run, out = self.acceptance(), 1.0, [1.0]
+        for k in range(1, self.n_max + 1):
+            run *= acc[k]
+            out.append(out[-1] + run)
+        return out
+
     def expected(self, n: int) -> float:
         """Tokens a round with n drafts emits on average."""
-        acc, e, run = self.acceptance(), 1.0, 1.0
-        for k in range(1, n + 1):
-            run *= acc[k]
-            e += run
-        return e
+        return self.expected_all()[n]
 
     @property
     def t_step(self) -> float | None:
         return median(self.steps) if self.steps else None
 
+    def _measured(self) -> tuple[dict[int, float], float | None]:
+        """The round sizes timed -> their median times, and the slope of the line through them (None with fewer
+        than two), kept until the next round is timed."""
+        if self._rounds_fit is None:
+            have = {k: median(v) for k, v in self.rounds.items() if v}
+            line = None
+            if len(have) >= 2:
+                mk = sum(have) / len(have)
+                mc = sum(have.values()) / len(have)
+                line = max(sum((k - mk) * (c - mc) for k, c in have.items()) / sum((k - mk) ** 2 for k in have), 0.0)
+            self._rounds_fit = (have, line)
+        return self._rounds_fit
+
+    def costs(self) -> list[float]:
+        """C(n) for n = 0..n_max, seconds: measured, or priced from the measured sizes and the plain step."""
+        step = median(self.steps) if self.steps else 1.0
+        have, line = self._measured()
+        out = [step]
+        for n in range(1, self.n_max + 1):
+            c = have.get(n)
+            if c is None:
+                if not have:
+                    c = step * (self.base + self.slope * n)
+                else:
+                    near = min(have, key=lambda k: (abs(k - n), -k))
+                    c = max(have[near] + (n - near) * (self.slope * step if line is None else line), 1e-9)
+            out.append(c)
+        return out
+
     def cost(self, n: int) -> float:
-        """Seconds of a step with n drafts: measured, or priced from the measured sizes and the plain step."""
-        step = self.t_step if self.t_step is not None else 1.0
-        if n == 0:
-            return step
-        have = {k: median(v) for k, v in self.rounds.items() if v}
-        if n in have:
-            return have[n]
-        if not have:
-            return step * (self.base + self.slope * n)
-        if len(have) == 1:
-            (k, c), = have.items()
-            return max(c + (n - k) * self.slope * step, 1e-9)
-        ks = sorted(have)
-        mk = sum(ks) / len(ks)
-        mc = sum(have[k] for k in ks) / len(ks)
-        sl = sum((k - mk) * (have[k] - mc) for k in ks) / sum((k - mk) ** 2 for k in ks)
-        near = min(ks, key=lambda k: (abs(k - n), -k))
-        return max(have[near] + (n - near) * max(sl, 0.0), 1e-9)
+        """Seconds of a step with n drafts (see ``costs``)."""
+        return self.costs()[n]
 
     def best(self, lo: int = 0) -> int:
         """The n in lo..n_max maximising expected tokens per second (no probe)."""
-        return max(range(lo, self.n_max + 1), key=lambda n: self.expected(n) / self.cost(n))
+        if self._best is not None and self._best[0] == lo:
+            return self._best[1]
+        e, c = self.expected_all(), self.costs()
+        n = max(range(lo, self.n_max + 1), key=lambda n: e[n] / c[n])
+        self._best = (lo, n)
+        return n
 
     def choose(self) -> int:
         """The drafts of the next step (0: a plain decode step)."""
