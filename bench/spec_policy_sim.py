@@ -12,10 +12,11 @@ which a process does once: not counted in the tokens per second).
 Acceptance: each position's draft is kept with its rate, independently (the bench's oracle: a draft after a
 rejected one is never tried); one sequence per seed, shared by every arm. Scenarios: every rate of --rates for
 --tokens tokens, and rates that change mid-answer ("0.9>0.3": the first half at 0.9, the second at 0.3). The policy
-starts fresh for each answer (as after a start; in the daemon it carries over from one request to the next).
+starts fresh for each answer (as after a start), or with --carry goes on from one answer to the next (as in the
+daemon, from one request to the next).
 
 Usage: PYTHONPATH=. python bench/spec_policy_sim.py [--costs bench/results/spec_decode_h100_3f52f2b.json]
-       [--rates 0.2,0.3,...] [--tokens 512] [--seeds 16] [--nmax 4] [--picks] [--out PATH]
+       [--rates 0.2,0.3,...] [--tokens 512] [--seeds 16] [--nmax 4] [--picks] [--carry] [--out PATH]
 Writes bench/results/spec_policy_sim_<costs' device>_<commit>.json (or --out).
 """
 from __future__ import annotations
@@ -180,6 +181,8 @@ def main() -> int:
     ap.add_argument("--cold-ms", type=float, default=5.0)
     ap.add_argument("--policy", default="{}", help="AdaptiveN keyword arguments, JSON")
     ap.add_argument("--picks", action="store_true", help="verifies judged on the device (verify_picks_ms)")
+    ap.add_argument("--carry", action="store_true",
+                    help="one policy for a scenario's answers, one after the other (as in the daemon)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     path = Path(args.costs)
@@ -210,8 +213,9 @@ def main() -> int:
             for a in arms:
                 r = simulate(a, costs, ok, np.random.default_rng(10_000 + seed), args.jitter, args.cold_ms * 1e-3)
                 tps[a].append(r["tokens"] / r["seconds"])
-            r = simulate(AdaptiveN(args.nmax, **kw), costs, ok, np.random.default_rng(10_000 + seed), args.jitter,
-                         args.cold_ms * 1e-3)
+            if not args.carry or seed == 0:
+                policy = AdaptiveN(args.nmax, **kw)
+            r = simulate(policy, costs, ok, np.random.default_rng(10_000 + seed), args.jitter, args.cold_ms * 1e-3)
             tps["policy"].append(r["tokens"] / r["seconds"])
             pol_stats.append(r)
         mean = {a: float(np.mean(v)) for a, v in tps.items()}
@@ -237,7 +241,7 @@ def main() -> int:
                                                "commit_ms": costs.commit * 1e3, "rest_ms": costs.round * 1e3,
                                                "rest_fitted": args.round_ms is None, "fit_check": check},
                "tokens": args.tokens, "seeds": args.seeds, "nmax": args.nmax, "jitter": args.jitter,
-               "cold_ms": args.cold_ms, "picks": args.picks, "policy_kwargs": kw, "rows": rows, "worst_policy_over_best": worst,
+               "cold_ms": args.cold_ms, "picks": args.picks, "carry": args.carry, "policy_kwargs": kw, "rows": rows, "worst_policy_over_best": worst,
                "min_policy_over_n0_where_n0_best": min(low) if low else None}
     dev = "cuda" if not costs.source.get("device") else costs.source["device"].split()[1].lower() \
         if costs.source["device"].startswith("NVIDIA") else costs.source["device"]
