@@ -592,3 +592,20 @@ def test_spec_max_ctx_turns_drafting_off_past_a_context_length(model):
     assert fins["cut"]["draft_verifies"] == 4
     with pytest.raises(ValueError, match="--spec-max-ctx"):
         Engine(model, n_ctx=64, spec=1, spec_max_ctx=-1)
+
+
+def test_policy_replay_accounts_rounds_and_steps():
+    """bench/spec_policy_sim.py's replay, without jitter, against hand arithmetic: N = 0 spends a plain step a
+    token; N = 2 with every draft kept over 10 tokens spends three rounds of two drafts and one plain step (the last
+    token: no room for drafts), and a round where the first draft is rejected emits one token."""
+    from bench.spec_policy_sim import Costs, simulate
+    c = Costs(step=1.0, step_drafter_on=1.1, draft={1: 0.1, 2: 0.2}, verify={1: 1.2, 2: 1.4}, commit=0.05, round=0.25)
+    rng = np.random.default_rng(0)
+    r = simulate(0, c, np.ones(10, bool), rng, 0.0, 0.0)
+    assert r["seconds"] == pytest.approx(10.0) and r["verifies"] == 0
+    r = simulate(2, c, np.ones(10, bool), rng, 0.0, 0.0)
+    assert r["verifies"] == 3 and r["accepted"] == 6 and r["plain"] == 1
+    assert r["seconds"] == pytest.approx(3 * (0.2 + 1.4 + 0.05 + 0.25) + 1.1)
+    r = simulate(1, c, np.zeros(4, bool), rng, 0.0, 0.0)
+    assert r["verifies"] == 3 and r["accepted"] == 0 and r["plain"] == 1
+    assert r["seconds"] == pytest.approx(3 * (0.1 + 1.2 + 0.05 + 0.25) + 1.1)
