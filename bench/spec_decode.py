@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from strata.engine.engine import Engine                      # noqa: E402
-from strata.engine.speculate import AdaptiveN                # noqa: E402
+from strata.engine.spec_policy import AdaptiveN              # noqa: E402
 from strata.engine.types import FinalEvent, GenerationRequest  # noqa: E402
 from strata.gguf import synth                                # noqa: E402
 
@@ -104,8 +104,9 @@ def device_sync(engine):
 
 def micro(engine, prompt, ns, reps):
     """Model times on the live sequence after the prompt (`engine` runs --spec): a decode step, drafting n tokens
-    with the MTP head, a verify of n + 1 tokens (kept states), the Commit back to one token, and the alternative:
-    a checkpoint, its restore and a forward of the accepted token."""
+    with the MTP head, a verify of n + 1 tokens (kept states; on a GPU also judged greedily on the device: its
+    rows' picks alone copied to the host), the Commit back to one token, and the alternative: a checkpoint, its
+    restore and a forward of the accepted token."""
     seq = engine.seq
     rng = np.random.default_rng(0)
     seq.reset()
@@ -159,9 +160,12 @@ def micro(engine, prompt, ns, reps):
         on.append(plain(True))
     out["plain_step_ms"], out["plain_step_drafter_on_ms"] = min(off) * 1e3, min(on) * 1e3
     out["plain_drafter_on_over_off"] = min(on) / min(off)
+    from strata.sampling.device import DeviceSampler
+    from strata.sampling.sampler import SamplingParams
+    greedy = DeviceSampler(SamplingParams(temperature=0), engine.n_vocab)
     for n in ns:
         toks = rng.integers(0, 1000, n + 1).astype(np.int32)
-        v, c, cap, rest, replay, dr, ra = [], [], [], [], [], [], []
+        v, c, cap, rest, replay, dr, ra, vp = [], [], [], [], [], [], [], []
         for _ in range(reps * 3):
             seq.restore(ck)
             sync()
@@ -169,6 +173,11 @@ def micro(engine, prompt, ns, reps):
             base = seq.pos
             clock(v, seq.verify, toks)
             clock(c, seq.commit, base + 1)          # every draft rejected: the deepest cut-back
+            if on_device:         # a greedy verify judged on the device: the rows' picks alone come to the host
+                seq.restore(ck)
+                sync()
+                clock(vp, lambda: greedy.greedy_rows(seq.verify(toks, on_device=True)[0]))
+                seq.commit(base + 1)
             # the same read without the kept states (every row's logits): what keeping them costs
             seq.restore(ck)
             sync()
@@ -190,7 +199,8 @@ def micro(engine, prompt, ns, reps):
                 sync()
                 clock(gen, engine.drafter.draft, 5, n, 0.0)
             engine.drafter._graph = graph
-        out[f"n{n}"] = {"draft_ms": min(dr) * 1e3, "draft_generic_ms": min(gen) * 1e3 if gen else None, "verify_ms": min(v) * 1e3, "read_all_ms": min(ra) * 1e3,
+        out[f"n{n}"] = {"draft_ms": min(dr) * 1e3, "draft_generic_ms": min(gen) * 1e3 if gen else None, "verify_ms": min(v) * 1e3,
+                        "verify_picks_ms": min(vp) * 1e3 if vp else None, "read_all_ms": min(ra) * 1e3,
                         # all n drafts rejected: the round yields one token, as a decode step does
                         "rejected_draft_ms": (min(dr) + min(v)) * 1e3 / n - out["decode_ms"] / n, "verify_over_decode": min(v) * 1e3 / out["decode_ms"],
                         "commit_ms": min(c) * 1e3, "checkpoint_ms": min(cap) * 1e3, "restore_ms": min(rest) * 1e3,
@@ -278,10 +288,7 @@ def main() -> int:
                    "measured_acceptance": acc["draft_acceptance_rate"], "mean_accepted": acc["draft_mean_accepted"],
                    "verifies": acc["draft_verifies"]}
             if n == "adaptive":                   # what the policy believes after the arm
-                ms = lambda v: None if v is None else v * 1e3     # noqa: E731
-                row["policy"] = {"a": adaptive.a, "best": adaptive.best(), "t_step_ms": ms(adaptive.t_step),
-                                 "t_draft_ms": ms(adaptive.t_draft), "t_round_ms": ms(adaptive.t_round),
-                                 "t_verify_ms": {k: ms(v) for k, v in sorted(adaptive.t_verify.items())}}
+                row["policy"] = adaptive.snapshot()
             res["runs"].append(row)
             print(f"N={n} acceptance {rate}: {row['ratio_median']:.2f}x --spec 0 (median of {len(ratios)} pairs; "
                   f"measured {row['measured_acceptance']:.2f}, {row['mean_accepted']:.2f} tokens per verify)"

@@ -9,7 +9,9 @@ running state kept in the sequence's kept slots on the device, and the Commit ta
   kept slot index or the Commit's copy is off);
 * greedy --spec 1..4 at acceptance 1, 0.6 and 0 (an oracle drafter: the recorded --spec 0 continuation, each
   drafted position kept with that probability) emits --spec 0's tokens and leaves the same K/V and running state,
-  on one stage, two stages (each with a GDN layer) and two stages whose second holds only attention.
+  on one stage, two stages (each with a GDN layer) and two stages whose second holds only attention;
+* a greedy verify without penalties or logprobs is judged from each row's greedy pick taken on the device (the rows
+  left there are the host rows' bits), any other from host rows, both emitting --spec 0's tokens.
 Skips without a GPU.
 """
 from __future__ import annotations
@@ -172,6 +174,16 @@ def test_verify_rows_and_commit_equal_decode_steps(model, split):
         assert h.shape[0] == 5
         for i in range(5):
             np.testing.assert_array_equal(np.asarray(rows[i]), ref_logits[i], err_msg=f"row {i}")
+        if p == 1:      # the rows left on the device (a greedy verify judged there): the same bits, the same picks
+            from strata.sampling.device import DeviceSampler
+            from strata.sampling.sampler import SamplingParams
+            seq.restore(ck)
+            rows_d, h = seq.verify(toks[:5], on_device=True)
+            assert not isinstance(rows_d, np.ndarray) and rows_d.shape == (5, e.n_vocab)
+            for i in range(5):
+                np.testing.assert_array_equal(rows_d[i].get(), ref_logits[i], err_msg=f"device row {i}")
+            picks = DeviceSampler(SamplingParams(temperature=0), e.n_vocab).greedy_rows(rows_d)
+            assert picks == [int(np.argmax(r)) for r in ref_logits[:5]]
         seq.commit(base + p)
         assert _state(seq) == ref_state[p - 1], f"commit({base} + {p})"
         np.testing.assert_array_equal(np.asarray(seq.forward(toks[p:p + 1])), ref_logits[p],
@@ -207,6 +219,36 @@ def test_greedy_spec_equals_spec0(model, split):
                 assert t["draft_n_accepted"] == 0
             got, _ = _run(e, prompt, cache_prompt=False, max_tokens=7)
             assert got == short and _state(e.seq) == short_state, (split, n, rate)
+
+
+@pytest.mark.parametrize("split", [None, "7"], ids=["1stage", "2stages_attn_tail"])
+def test_greedy_verify_judged_on_the_device_or_the_host(model, split, monkeypatch):
+    """A greedy request without penalties or logprobs judges its verifies from the rows' greedy picks taken on the
+    device (DeviceSampler.greedy_rows, counted here); one with logprobs or a repeat penalty from host rows (no
+    picks taken); each emits what --spec 0 emits with the same sampling settings."""
+    from strata.sampling.device import DeviceSampler
+    from strata.sampling.sampler import SamplingParams
+    calls = []
+    real = DeviceSampler.greedy_rows
+
+    def counted(self, rows):
+        calls.append(rows.shape[0])
+        return real(self, rows)
+    monkeypatch.setattr(DeviceSampler, "greedy_rows", counted)
+    prompt = _prompt(17, 5)
+    base = _engine(model, split)
+    e = _engine(model, split, spec=3)
+    for params, on_device in ((SamplingParams(temperature=0), True),
+                              (SamplingParams(temperature=0, logprobs=2), False),
+                              (SamplingParams(temperature=0, repeat_penalty=1.3, repeat_last_n=-1), False)):
+        ref, _ = _run(base, prompt, sampling=params, cache_prompt=False)
+        by_pos = {len(prompt) + i: t for i, t in enumerate(ref)}
+        e.drafter.oracle = Oracle(by_pos, 0.7, e.n_vocab, seed=3)
+        calls.clear()
+        got, fin = _run(e, prompt, sampling=params, cache_prompt=False)
+        assert got == ref, params
+        assert fin[0].timings["draft_verifies"] > 0
+        assert (len(calls) == fin[0].timings["draft_verifies"]) if on_device else not calls, (params, calls)
 
 
 def test_real_drafter_runs_on_the_device(model):

@@ -429,46 +429,132 @@ def test_consumer_closing_inside_a_verify(model):
         assert got == ref
 
 
-def test_adaptive_n_policy():
-    """AdaptiveN with given costs: many drafts at high acceptance, none at low acceptance with a two-draft probe
-    after probe_every plain steps, the gap doubling while probes leave n = 0 the best (up to probe_max) and back once
-    drafting pays; the acceptance follows the verdicts; a round's own cost (judge, Commit) counts against drafting;
-    an unmeasured verify size is estimated from the measured ones."""
-    from strata.engine.speculate import AdaptiveN
-    a = AdaptiveN(4, prior=0.9, probe_every=4)
-    a.t_step, a.t_draft, a.t_verify = 10.0, 1.0, {1: 12.0, 2: 13.0, 3: 14.0, 4: 15.0}
-    assert a.choose() == 4
-    for _ in range(60):                          # every draft rejected: the acceptance falls
-        a.verified(4, 0, 4.0, 15.0)
-    assert a.a < 0.1 and a.choose() == 0
+@pytest.mark.parametrize("split", [None, "2"], ids=["1stage", "2stages"])
+def test_greedy_verify_judged_from_picks(model, split, monkeypatch):
+    """The decoder's device path driven on the CPU (its last stage's runner made to leave logits "on the device",
+    numpy here): a greedy request judges each verify from its rows' greedy picks (DeviceSampler.greedy_rows,
+    counted) and emits what --spec 0 emits, at acceptance 1, 0.6 and 0; with logprobs it judges host rows (no
+    picks) and emits the same tokens as --spec 0."""
+    from strata.sampling.device import DeviceSampler
+    calls = []
+    real = DeviceSampler.greedy_rows
 
-    a = AdaptiveN(4, prior=0.05, probe_every=4, probe_max=16)
-    assert a.choose() == 0                       # nothing measured: a plain step first
-    a.t_step, a.t_draft, a.t_verify = 10.0, 1.0, {1: 12.0, 2: 13.0, 3: 14.0, 4: 15.0}
-    gaps = []
-    for _ in range(4):
-        k = 1
-        while a.choose() == 0:
-            a.plain_step(10.0)
+    def counted(self, rows):
+        calls.append(rows.shape[0])
+        return real(self, rows)
+    monkeypatch.setattr(DeviceSampler, "greedy_rows", counted)
+    prompt = _prompt(21, 7)
+    base = Engine(model, n_ctx=256, layer_split=split)
+    e = Engine(model, n_ctx=256, spec=3, layer_split=split)
+    for eng in (base, e):            # a "device" that is the host: its arrays numpy's
+        eng.stages[-1].runner.device_logits = True
+        monkeypatch.setattr(type(eng.stages[-1].runner.model.backend), "asarray", staticmethod(np.asarray),
+                            raising=False)
+    ref, _ = _run(base, prompt, cache_prompt=False)
+    ref_host, _ = _run(Engine(model, n_ctx=256, layer_split=split), prompt, cache_prompt=False)
+    assert _ids(ref) == _ids(ref_host)                  # the device sampler's greedy picks: the host's
+    for rate in (1.0, 0.6, 0.0):
+        oracle = Oracle(e, rate, seed=5)
+        oracle.learn(prompt, _ids(ref))
+        e.drafter.oracle = oracle
+        calls.clear()
+        got, fin = _run(e, prompt, cache_prompt=False)
+        assert _ids(got) == _ids(ref), rate
+        assert len(calls) == fin[0].timings["draft_verifies"] > 0, rate
+    lp = SamplingParams(temperature=0, logprobs=2)
+    ref_lp, _ = _run(base, prompt, cache_prompt=False, sampling=lp)
+    calls.clear()
+    e.drafter.oracle = Oracle(e, 0.6, seed=5)
+    e.drafter.oracle.learn(prompt, _ids(ref))
+    got_lp, fin = _run(e, prompt, cache_prompt=False, sampling=lp)
+    assert _ids(got_lp) == _ids(ref_lp) and not calls and fin[0].timings["draft_verifies"] > 0
+
+
+def _drive(policy, ok, step=10.0, rounds=None, tokens=None):
+    """Run `policy` over the acceptance sequence ok (ok[p]: the draft of position p would be kept) with fixed
+    costs: a plain step `step`, a verify round of k drafts rounds[k] (default 15 + 2k) -> the choices made."""
+    rounds = rounds or {k: 15.0 + 2 * k for k in range(1, 9)}
+    pos, choices = 0, []
+    end = len(ok) if tokens is None else tokens
+    while pos < end - 1:
+        n = min(policy.choose(), end - pos - 1)
+        choices.append(n)
+        if n == 0:
+            policy.plain_step(step)
+            pos += 1
+            continue
+        k = 0
+        while k < n and ok[pos + 1 + k]:
             k += 1
-        assert a.choose() == 2                   # the probe: two drafts
-        gaps.append(k)
-        a.verified(2, 0, 2.0, 13.0, 0.0)
-    assert gaps == [4, 8, 16, 16]
-    low = a.a
-    for _ in range(40):                          # the drafts kept: the acceptance rises, drafting pays again
-        a.verified(4, 4, 4.0, 15.0, 0.0)
-    assert a.a > 0.9 > low and a.choose() == 4 and a._gap == 4
+        policy.verified(n, k, 0.2 * rounds[n], 0.7 * rounds[n], 0.1 * rounds[n])
+        pos += k + 1
+    return choices
 
-    b = AdaptiveN(4, prior=0.6)
-    b.t_step, b.t_draft, b.t_verify, b.t_round = 10.0, 1.0, {1: 12.0, 2: 13.0, 3: 14.0, 4: 15.0}, 0.0
-    assert b.choose() > 0
-    b.t_round = 20.0                             # a Commit costing two steps: drafting no longer pays
-    assert b.choose() == 0
 
-    c = AdaptiveN(4)
-    c.t_step, c.t_verify = 10.0, {1: 12.0}
-    assert c.cost(3) == 3 * 2.0 + 12.0 + 2 * 2.0     # a column at (12 - 10) / 1, drafts at a fifth of a step
+def _seq(rates, n, seed=0):
+    """Acceptance per position: rates[i] over the i-th equal part of n positions (a fixed RNG)."""
+    rng = np.random.default_rng(seed)
+    return [bool(rng.random() < rates[min(len(rates) - 1, p * len(rates) // n)]) for p in range(n)]
+
+
+def test_adaptive_n_policy():
+    """AdaptiveN with fixed costs, on deterministic acceptance sequences (no clock): plain steps until a warm one is
+    timed; at acceptance 0.95 nearly every step drafts, mostly the most drafts; at 0.1 nearly none, probes spaced
+    out (the gap doubling up to probe_max); a change from 0.1 to 0.95 mid-answer found by the probes and one from
+    0.95 to 0.1 by the verdicts; the acceptance counted per depth (a draft after a rejection not counted)."""
+    from strata.engine.spec_policy import AdaptiveN
+    a = AdaptiveN(4)
+    assert a.choose() == 0
+    a.plain_step(30.0)                              # the first plain step: cold, not priced against
+    assert a.choose() == 0
+    a.plain_step(10.0)
+    assert a.t_step == 10.0 and a.choose() > 0
+
+    high = _drive(AdaptiveN(4), _seq([0.95], 600))
+    assert sum(c == 0 for c in high) <= 6 and sum(c == 4 for c in high) >= 0.8 * len(high)
+
+    low_policy = AdaptiveN(4, probe_max=32)
+    low = _drive(low_policy, _seq([0.1], 600))
+    probes = [i for i, c in enumerate(low) if c > 0]
+    assert 4 <= len(probes) <= 30 and low_policy.a < 0.3
+    assert max(b - a for a, b in zip(probes, probes[1:])) == 32          # the gap grew to probe_max, not past
+
+    up = _drive(AdaptiveN(4), _seq([0.1, 0.95], 800))
+    half = len(up) // 2
+    assert sum(c > 0 for c in up[:half]) < 0.2 * half                   # mostly plain steps at 0.1
+    assert up[-40:].count(4) >= 30                                      # drafting found again at 0.95
+    down = _drive(AdaptiveN(4), _seq([0.95, 0.1], 800))
+    tail = down[-150:]
+    assert sum(c > 0 for c in tail) < 0.2 * len(tail)
+
+    d = AdaptiveN(3)
+    d.plain_step(10.0)
+    d.plain_step(10.0)
+    d.verified(3, 1, 1.0, 1.0)        # depth 1 kept, depth 2 rejected, depth 3 never tried
+    assert d.trials[1:] == [1.0, 1.0, 0.0] and d.succ[1:] == [1.0, 0.0, 0.0]
+    acc = d.acceptance()
+    assert acc[1] > d.prior > acc[2] and acc[3] == acc[2]              # an untried depth leans on the one before
+
+
+def test_adaptive_n_prices_what_it_timed():
+    """Costs: the median of the warm times of each size (the first of each dropped), an untimed size on the line
+    through the timed ones, and drafting stops paying when a round costs too much beside a plain step."""
+    from strata.engine.spec_policy import AdaptiveN
+    a = AdaptiveN(4)
+    for t in (50.0, 10.0, 11.0, 9.0):
+        a.plain_step(t)
+    assert a.t_step == 10.0
+    for k, t in ((2, 99.0), (2, 14.0), (2, 16.0), (4, 99.0), (4, 20.0)):
+        a.verified(k, k, 0.0, t)
+    assert a.cost(2) == 15.0 and a.cost(4) == 20.0
+    assert a.cost(3) == 17.5 and a.cost(1) == 12.5                     # slope (20 - 15) / 2
+    for _ in range(40):
+        a.verified(4, 4, 0.0, 20.0)
+    assert a.best() == 4
+    for _ in range(9):                                                  # rounds now cost five plain steps
+        a.verified(4, 4, 0.0, 50.0)
+        a.verified(2, 2, 0.0, 50.0)
+    assert a.best() == 0
 
 
 def test_adaptive_greedy_equals_spec0(model):
@@ -506,3 +592,20 @@ def test_spec_max_ctx_turns_drafting_off_past_a_context_length(model):
     assert fins["cut"]["draft_verifies"] == 4
     with pytest.raises(ValueError, match="--spec-max-ctx"):
         Engine(model, n_ctx=64, spec=1, spec_max_ctx=-1)
+
+
+def test_policy_replay_accounts_rounds_and_steps():
+    """bench/spec_policy_sim.py's replay, without jitter, against hand arithmetic: N = 0 spends a plain step a
+    token; N = 2 with every draft kept over 10 tokens spends three rounds of two drafts and one plain step (the last
+    token: no room for drafts), and a round where the first draft is rejected emits one token."""
+    from bench.spec_policy_sim import Costs, simulate
+    c = Costs(step=1.0, step_drafter_on=1.1, draft={1: 0.1, 2: 0.2}, verify={1: 1.2, 2: 1.4}, commit=0.05, round=0.25)
+    rng = np.random.default_rng(0)
+    r = simulate(0, c, np.ones(10, bool), rng, 0.0, 0.0)
+    assert r["seconds"] == pytest.approx(10.0) and r["verifies"] == 0
+    r = simulate(2, c, np.ones(10, bool), rng, 0.0, 0.0)
+    assert r["verifies"] == 3 and r["accepted"] == 6 and r["plain"] == 1
+    assert r["seconds"] == pytest.approx(3 * (0.2 + 1.4 + 0.05 + 0.25) + 1.1)
+    r = simulate(1, c, np.zeros(4, bool), rng, 0.0, 0.0)
+    assert r["verifies"] == 3 and r["accepted"] == 0 and r["plain"] == 1
+    assert r["seconds"] == pytest.approx(3 * (0.1 + 1.2 + 0.05 + 0.25) + 1.1)

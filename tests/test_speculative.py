@@ -107,3 +107,46 @@ def test_rows_must_match_the_drafts():
     rows[1, 3] = np.nan
     with pytest.raises(NonFiniteLogits):
         judge(s, rows, [Draft(1)])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_picks_judged_on_the_device_equal_the_host_verdict(seed):
+    """A greedy verify judged from its rows' greedy picks (DeviceSampler.greedy_rows, here on numpy rows, then
+    judge_picks) gives the host Sampler's verdict over the same rows: rows rounded to halves (ties, -0.0), every
+    place of the first wrong draft."""
+    from strata.sampling.device import DeviceSampler
+    rng = np.random.default_rng(seed)
+    rows = (np.round(rng.normal(size=(5, V)) * 2) / 2).astype(np.float32)
+    rows[1, :] = -0.0                                 # a row of ties: the lowest id
+    params = SamplingParams(temperature=0)
+    ref = [int(np.argmax(r)) for r in rows]
+    for wrong_at in range(5):
+        drafts = [Draft(t) for t in ref[:4]]
+        if wrong_at < 4:
+            drafts[wrong_at] = Draft((ref[wrong_at] + 1) % V)
+        host = judge(Sampler(params, V), rows, drafts)
+        dev = DeviceSampler(params, V)
+        got = speculative.judge_picks(dev, dev.greedy_rows(rows), drafts)
+        assert got.accepted == host.accepted == wrong_at
+        assert [r.token_id for r in got.tokens] == [r.token_id for r in host.tokens]
+        assert list(dev._history) == [r.token_id for r in host.tokens]     # the emitted tokens accepted
+
+
+def test_greedy_rows_only_where_a_row_alone_decides():
+    from strata.sampling.device import DeviceSampler
+    assert DeviceSampler(SamplingParams(temperature=0), V).greedy_rows_ok
+    for p in (SamplingParams(temperature=0.7), SamplingParams(temperature=0, repeat_penalty=1.2),
+              SamplingParams(temperature=0, presence_penalty=0.5), SamplingParams(temperature=0, logprobs=2)):
+        s = DeviceSampler(p, V)
+        assert not s.greedy_rows_ok
+        with pytest.raises(ValueError, match="greedy_rows needs"):
+            s.greedy_rows(np.zeros((2, V), np.float32))
+    s = DeviceSampler(SamplingParams(temperature=0), V)
+    with pytest.raises(ValueError, match="rows must have shape"):
+        s.greedy_rows(np.zeros((2, V + 1), np.float32))
+    rows = np.zeros((3, V), np.float32)
+    rows[2, 5] = np.nan
+    with pytest.raises(NonFiniteLogits):
+        s.greedy_rows(rows)
+    with pytest.raises(ValueError, match="2 drafts has 3 rows"):
+        speculative.judge_picks(s, [1, 2], [Draft(1), Draft(2)])

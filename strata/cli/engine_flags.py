@@ -57,7 +57,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="stop drafting at a draft whose draft probability is below P (default %(default)s)")
     s.add_argument("--spec-adaptive", action="store_true",
                    help="let each verify take 0..N drafts, as the measured acceptance and costs make fastest (0: a "
-                        "plain decode step, with a one-draft probe now and then)")
+                        "plain decode step, with a probe verify now and then to keep the acceptance measured)")
     s.add_argument("--spec-max-ctx", type=_nonneg_int, default=D.spec.max_ctx, metavar="TOKENS",
                    help="no drafts once the conversation holds TOKENS tokens: plain decode steps from there "
                         "(0 = no limit, the default; acceptance falls with the context length)")

@@ -99,7 +99,7 @@ class MoeTierConfig:
 class SpecConfig:
     """Speculative decoding with the model's MTP head (strata/engine/speculate.py). n: drafts per verify (0: off);
     min_p: drafting stops at a draft whose draft probability is below this; adaptive: each verify takes 0..n drafts,
-    as the measured acceptance and costs make fastest (speculate.AdaptiveN); max_ctx: no drafts once the sequence
+    as the measured acceptance and costs make fastest (spec_policy.AdaptiveN); max_ctx: no drafts once the sequence
     holds this many tokens (0: no limit; acceptance falls with the context length)."""
 
     n: int = 0

@@ -11,11 +11,12 @@ from typing import Callable
 import numpy as np
 import structlog
 
-from strata.engine.speculate import MAX_DRAFTS, AdaptiveN, MTPDrafter, SpecCounts
+from strata.engine.spec_policy import AdaptiveN
+from strata.engine.speculate import MAX_DRAFTS, MTPDrafter, SpecCounts
 from strata.engine.types import GenerationRequest, ReadToken, TokenEvent, run_reads
 from strata.sampling.sampler import Sampler, SamplingParams, StopMatcher
 from strata.sampling.device import DeviceSampler
-from strata.sampling.speculative import judge
+from strata.sampling.speculative import judge, judge_picks
 from strata.stages.sequence import Sequence
 from strata.text.tokenizer import StreamDecoder, Tokenizer
 
@@ -107,6 +108,9 @@ class Decoder:
         # drafting: under a grammar too (each verified row masked by the grammar's state after the drafts before
         # it; the rejected drafts rolled back)
         spec = self.spec if (self.drafter is not None and req.spec is not False) else 0
+        # a greedy verify without a grammar, penalties or logprobs is judged on the device: each row's greedy pick
+        # taken there, only the picks copied to the host (every row's logits otherwise)
+        picks_on_device = on_device and guide is None and sampler.greedy_rows_ok
         counts = counts if counts is not None else SpecCounts()
         stopper = StopMatcher(list(req.stop or []))
         max_new = req.max_tokens if req.max_tokens is not None else self.n_ctx
@@ -184,11 +188,15 @@ class Decoder:
                     if not drafts:
                         break
                     t1 = time.perf_counter()
-                    rows, h = st.verify([tok] + [d.token for d in drafts])
+                    rows, h = st.verify([tok] + [d.token for d in drafts], on_device=picks_on_device)
+                    picks = sampler.greedy_rows(rows) if picks_on_device else None    # waits for the device
                     t2 = time.perf_counter()
                     if masks is not None:
                         rows = [guide.apply_mask(rows[i], masks[i]) for i in range(len(masks))]
-                    verdict = judge(sampler, rows, drafts)
+                    if picks is not None:
+                        verdict = judge_picks(sampler, picks, drafts)
+                    else:
+                        verdict = judge(sampler, rows, drafts)
                     if guide is not None:                # the state after the kept drafts and the token after them
                         guide.rollback(len(drafts) - verdict.accepted)
                         guide.accept(int(verdict.tokens[-1].token_id))

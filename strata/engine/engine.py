@@ -29,7 +29,8 @@ from strata.engine.decode import Decoder, env_flag
 from strata.engine.prefill import PromptReader
 from strata.engine.scheduler import Scheduler, Slot
 from strata.engine.slots import slot_error
-from strata.engine.speculate import AdaptiveN, MTPDrafter, SpecCounts, spec_refusal
+from strata.engine.spec_policy import AdaptiveN
+from strata.engine.speculate import MTPDrafter, SpecCounts, spec_refusal
 from strata.engine.types import ContextOverflow, FinalEvent, GenerationRequest, TokenEvent, spec_timings
 from strata.engine.validation import check_request, prompt_ids
 from strata.errors import Refused

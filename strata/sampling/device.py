@@ -215,7 +215,7 @@ class DeviceSampler:
         x = self.apply_penalties(x0)
         n = self.n_vocab
         if p.temperature == 0:
-            tok_d = xp.argmax(x)
+            tok_d = _greedy_pick(xp, x)
             bad_d = xp.isnan(x0).any()
         else:
             tok_d, bad_d = self._draw(xp, x, n)
@@ -240,6 +240,36 @@ class DeviceSampler:
         k = (len(host) - 3) // 2
         top = [(int(i), float(v)) for i, v in zip(host[3:3 + k], host[3 + k:])] if want > 0 else []
         return SampleResult(tok, float(host[2]), top)
+
+    @property
+    def greedy_rows_ok(self) -> bool:
+        """Whether ``greedy_rows`` picks what ``sample`` would for each row on its own: greedy, no penalties (a
+        row's penalties would depend on the tokens picked before it), no logprobs."""
+        return self.params.greedy and not self.penalize and self.params.logprobs is None
+
+    def greedy_rows(self, rows) -> list[int]:
+        """The greedy pick of every row of rows float32 (n, n_vocab) (numpy or CuPy): sample()'s argmax (ties ->
+        lowest id), taken on the rows' device, n token ids and one NaN flag copied to the host. For a sampler with
+        ``greedy_rows_ok`` (ValueError otherwise, or for rows of the wrong shape); NonFiniteLogits when any row
+        holds a NaN. Does not call accept()."""
+        if not self.greedy_rows_ok:
+            raise ValueError("greedy_rows needs a greedy sampler without penalties or logprobs")
+        if getattr(rows, "ndim", None) != 2 or rows.shape[1] != self.n_vocab or rows.shape[0] < 1:
+            raise ValueError(f"rows must have shape (n, {self.n_vocab}), got {getattr(rows, 'shape', None)}")
+        xp = array_module(rows)
+        if xp is np:
+            return self._greedy_rows(np, rows)
+        with xp.cuda.Device(rows.device.id):
+            return self._greedy_rows(xp, rows)
+
+    def _greedy_rows(self, xp, rows) -> list[int]:
+        x = xp.asarray(rows, dtype=xp.float32)
+        picks = _greedy_pick(xp, x).astype(xp.int64)
+        bad = xp.isnan(x).any().astype(xp.int64)
+        host = xp.concatenate([picks, xp.reshape(bad, (1,))]).tolist()          # the one device -> host copy
+        if host[-1]:
+            raise NonFiniteLogits()
+        return [int(t) for t in host[:-1]]
 
     def candidates(self, logits):
         """The candidate set after the chain, on the host: (ids int64 best first, probabilities float64 summing
@@ -303,6 +333,12 @@ class DeviceSampler:
             keep &= (lg >= thr) | (idx == 0)
         lt = (lg / np.float32(p.temperature)).astype(xp.float32)
         return ids, xp.where(keep, xp.exp((lt - lt[0]).astype(xp.float64)), 0.0), keep.sum(), bad
+
+
+def _greedy_pick(xp, x):
+    """The greedy pick of the last axis of x (a row, or rows): argmax, ties -> the lowest id (numpy's and CuPy's
+    argmax both return the first maximum), as device arrays."""
+    return xp.argmax(x, axis=-1)
 
 
 def _host(a) -> np.ndarray:

@@ -100,3 +100,22 @@ def judge(sampler: Sampler, rows: np.ndarray, drafts: list[Draft]) -> Verdict:
     sampler.accept(r.token_id)
     out.tokens.append(r)
     return out
+
+
+def judge_picks(sampler, picks: list[int], drafts: list[Draft]) -> Verdict:
+    """``judge`` of a greedy verify whose rows were already reduced to their greedy picks (``picks``: the token
+    each of the len(drafts) + 1 rows gives, e.g. DeviceSampler.greedy_rows on the device): a draft is kept iff it
+    is its row's pick; the same Verdict as judge() over those rows for a greedy sampler without penalties (logprob
+    NaN, as the device's greedy samples give it). Calls sampler.accept() for every emitted token. Raises
+    ValueError when the picks do not match the drafts."""
+    if len(picks) != len(drafts) + 1:
+        raise ValueError(f"a verify of {len(drafts)} drafts has {len(drafts) + 1} rows, got {len(picks)} picks")
+    out = Verdict()
+    for i in range(len(picks)):
+        tok = int(picks[i])
+        sampler.accept(tok)
+        out.tokens.append(SampleResult(tok, float("nan"), None))
+        if i == len(drafts) or tok != drafts[i].token:
+            return out
+        out.accepted += 1
+    return out

@@ -113,10 +113,12 @@ class Sequence:
         self._n += k
         return x
 
-    def verify(self, tokens) -> tuple[np.ndarray, object]:
+    def verify(self, tokens, on_device: bool = False) -> tuple[np.ndarray, object]:
         """A speculative verify: read `tokens` (the pending token and the drafts) through every stage in one
         forward, each stage keeping the state after every token (Memory.keep) -> (logits of every row, the last
-        stage's final-normed hidden states of every row). ``commit`` then settles the accepted count."""
+        stage's final-normed hidden states of every row). ``commit`` then settles the accepted count. on_device
+        (a last stage with ``device_logits``): the rows stay on the last stage's device, (n, n_vocab) in its
+        array module, ordered on the current stream, valid until the next read."""
         toks = np.asarray(tokens, dtype=np.int32).reshape(-1)
         n = int(toks.shape[0])
         self.reserve(n)
@@ -124,7 +126,7 @@ class Sequence:
         x = None
         try:
             for st, sid in zip(self.stages, self.sids):
-                x = st.forward(toks, sid, x_in=x, all_logits=True, hidden=st.last)
+                x = st.forward(toks, sid, x_in=x, all_logits=True, hidden=st.last, on_device=on_device and st.last)
         finally:
             self.forward_returned = time.monotonic()
         self._reserve_ids(self._n + n)

@@ -29,9 +29,10 @@ class ModelRunner:
         """One decode step of several sequences (``model.forward_batch`` of this carve)."""
         return self.model.forward_batch(tokens, states, self.lo, self.hi, x_in=x_in)
 
-    def forward_device(self, tokens, state, x_in=None, hidden: bool = False):
-        """forward() with the last token's logits as the backend's array (hidden: (those, the final-normed rows))."""
-        out = self.forward(tokens, state, x_in=x_in, hidden=hidden)
+    def forward_device(self, tokens, state, x_in=None, hidden: bool = False, all_logits: bool = False):
+        """forward() with the last token's logits (all_logits: every row's) as the backend's array (hidden: (those,
+        the final-normed rows))."""
+        out = self.forward(tokens, state, all_logits=all_logits, x_in=x_in, hidden=hidden)
         if not self.model.ends_with_head(self.hi):
             return out
         if hidden:
@@ -67,8 +68,9 @@ class StageBase(ABC):
     def forward(self, tokens: np.ndarray, sid: int, x_in=None, all_logits: bool = False, on_device: bool = False,
                 hidden: bool = False):
         """Read `tokens` of sequence `sid` through this stage -> hidden states for the next stage, or, on the last
-        stage, the logits (host float32; with on_device, the last token's logits as a device array; with hidden,
-        (logits, the final-normed hidden states of every row), where ``speculates``)."""
+        stage, the logits (host float32; with on_device, the last token's logits as a device array, every row's
+        with all_logits; with hidden, (logits, the final-normed hidden states of every row), where
+        ``speculates``)."""
 
     def forward_batch(self, tokens: np.ndarray, sids: list[int], x_in=None):
         """One decode step of several sequences: token i read by sequence ``sids[i]`` (distinct) at its own position
@@ -156,8 +158,8 @@ class Stage(StageBase):
                 hidden: bool = False):
         """Read `tokens` of sequence `sid` through this stage. x_in: the previous stage's hidden states (moved to
         this stage's device here). Returns the hidden states for the next stage, or, on the last stage, the logits
-        (host float32; with on_device, the last token's logits as a device array; with hidden, (logits, the
-        final-normed hidden states of every row))."""
+        (host float32; with on_device, the last token's logits as a device array, every row's with all_logits;
+        with hidden, (logits, the final-normed hidden states of every row))."""
         if x_in is not None and not isinstance(x_in, np.ndarray) and self.backend.xp is np:
             x_in = self.backend.to_host(x_in)
         elif x_in is not None and self.backend.xp is not np:
@@ -165,9 +167,10 @@ class Stage(StageBase):
                 x_in = self.backend.xp.asarray(x_in)         # a peer copy when it is on another GPU
         st = self.memory.seq(sid)
         if on_device and self.last:
+            kw = {"all_logits": True} if all_logits else {}      # every row's logits left on the device (a verify)
             if hidden:
-                return self.runner.forward_device(tokens, st, x_in=x_in, hidden=True)
-            return self.runner.forward_device(tokens, st, x_in=x_in)
+                return self.runner.forward_device(tokens, st, x_in=x_in, hidden=True, **kw)
+            return self.runner.forward_device(tokens, st, x_in=x_in, **kw)
         if hidden and self.last:
             return self.runner.forward(tokens, st, all_logits=all_logits, x_in=x_in, hidden=True)
         return self.runner.forward(tokens, st, all_logits=all_logits, x_in=x_in)

@@ -548,7 +548,8 @@ class DecodePlan:
         self.graphs[key] = g              # (re)inserted last: the dict's order is the use order
         g.launch(self.stream)
 
-    def short_read(self, tokens, state, all_logits: bool = False, x_in=None, hidden: bool = False):
+    def short_read(self, tokens, state, all_logits: bool = False, x_in=None, hidden: bool = False,
+                   device: bool = False):
         """model.forward(tokens, state, all_logits) for 1..SHORT_READ_COLS tokens as the decode step over that many
         columns (``short_form``; None: decode steps one token at a time): row i's logits, K/V and running state
         are bit for bit those of decoding token i after rows 0..i-1. Same errors as the prefill (ValueError for an
@@ -556,7 +557,9 @@ class DecodePlan:
         from kv.reserve; each changing nothing) and bookkeeping. Returns host f32 logits (n_vocab,) of the last
         token or (n, n_vocab) with all_logits; a stage before the last its hidden states, a CuPy f32 (n, n_embd)
         array of its own. A stage after the first starts from x_in (CuPy f32 (n, n_embd)). hidden (the last
-        stage): (those logits, the final-normed rows, CuPy f32 (n, n_embd) of its own).
+        stage): (those logits, the final-normed rows, CuPy f32 (n, n_embd) of its own). device (the last stage):
+        the logits left on the device, a CuPy f32 view of the plan's logits buffer (valid until the next read),
+        ordered on the current stream, instead of a host copy.
 
         A sequence armed by Memory.keep (``state.steps``: a speculative verify) also gets the running state after
         each row written into its kept slots (``_keep_table``), on the device, in the same launches."""
@@ -575,7 +578,7 @@ class DecodePlan:
         kv.reserve(n)                                         # KVCacheFull here changes nothing
         form = self._form()
         if form is None:
-            return self._short_by_steps(toks, state, all_logits, x, hidden)
+            return self._short_by_steps(toks, state, all_logits, x, hidden, device)
         self._attach(state)
         c = self._short_buffers()
         C, p0 = settings.SHORT_READ_COLS, int(state.pos)
@@ -593,7 +596,7 @@ class DecodePlan:
             self._launch_short(form, n, p0, all_logits)
             if self.last:
                 out = c["logits"][:n] if all_logits else c["logits"][n - 1]
-                res = cp.asnumpy(out, stream=self.stream)
+                res = out if device else cp.asnumpy(out, stream=self.stream)
                 if hidden:
                     res = (res, c["hn"][:n].copy())
             else:
@@ -667,9 +670,9 @@ class DecodePlan:
         self.short_crossover = cross
         return cross
 
-    def _short_by_steps(self, toks, state, all_logits: bool, x, hidden: bool = False):
+    def _short_by_steps(self, toks, state, all_logits: bool, x, hidden: bool = False, device: bool = False):
         """short_read without a column form: one decode step per token (the pages already reserved; an armed
-        sequence's running state copied into its kept slot after each)."""
+        sequence's running state copied into its kept slot after each); device: the logits left on the device."""
         cp, n = self.cp, int(toks.shape[0])
         outs, hs = [], []
         for i in range(n):
@@ -682,7 +685,8 @@ class DecodePlan:
                 self._keep_steps(state, i)
         if not self.last:
             return cp.concatenate(outs)
-        res = cp.asnumpy(cp.stack(outs)) if all_logits else cp.asnumpy(outs[-1])
+        res = cp.stack(outs) if all_logits else outs[-1]
+        res = res if device else cp.asnumpy(res)
         return (res, cp.stack(hs)) if hidden else res
 
     # ---- prefill
@@ -884,14 +888,24 @@ class PlanModel:
         with self.model.backend.device:
             return self.plan(state.kv.pool).measure_short_read(state)
 
-    def forward_device(self, tokens, state, x_in=None, hidden: bool = False):
+    def forward_device(self, tokens, state, x_in=None, hidden: bool = False, all_logits: bool = False):
         """forward(tokens, state, x_in=x_in) with the last token's logits left on the device: CuPy f32 (n_vocab,),
         ordered on the current stream (valid until the next call); a stage before the last: its hidden states, CuPy
         f32 (n, n_embd). hidden (the last stage): (those logits, the final-normed rows, CuPy f32 (n, n_embd) of
-        its own), for the MTP drafter."""
+        its own), for the MTP drafter. all_logits: every row's logits, CuPy f32 (n, n_vocab): a verify whose rows
+        are judged on the device (the short read's rows left where they are; a read the plan does not take as a
+        short read: forward()'s rows, copied to the device)."""
         toks = np.asarray(tokens).reshape(-1)
         cp = self.model.backend.cp
         with self.model.backend.device:
+            if all_logits:
+                if self._on_plan(state) and toks.shape[0] <= settings.SHORT_READ_COLS:
+                    plan = self.plan(state.kv.pool)
+                    return plan.short_read(tokens, state, True, x_in, hidden=hidden and plan.last, device=True)
+                out = self.forward(tokens, state, all_logits=True, x_in=x_in, hidden=hidden)
+                if not self.model.ends_with_head(self.hi):
+                    return out
+                return (cp.asarray(out[0]), out[1]) if hidden else cp.asarray(out)
             if toks.shape[0] == 1 and self._on_plan(state) and state.steps is None:
                 plan = self.plan(state.kv.pool)
                 out = plan.decode_device(token_id(toks[0], self.model.config.n_vocab), state, x_in)
