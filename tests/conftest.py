@@ -90,3 +90,18 @@ def workers():
     yield make
     for w in made:
         w.stop()
+
+
+@pytest.fixture
+def greedy_rows_calls(monkeypatch) -> list[int]:
+    """The rows of each DeviceSampler.greedy_rows call made while the test runs (a verify judged from greedy picks
+    taken on the device), appended as they happen."""
+    from strata.sampling.device import DeviceSampler
+    calls: list[int] = []
+    real = DeviceSampler.greedy_rows
+
+    def counted(self, rows):
+        calls.append(rows.shape[0])
+        return real(self, rows)
+    monkeypatch.setattr(DeviceSampler, "greedy_rows", counted)
+    return calls

@@ -222,19 +222,12 @@ def test_greedy_spec_equals_spec0(model, split):
 
 
 @pytest.mark.parametrize("split", [None, "7"], ids=["1stage", "2stages_attn_tail"])
-def test_greedy_verify_judged_on_the_device_or_the_host(model, split, monkeypatch):
+def test_greedy_verify_judged_on_the_device_or_the_host(model, split, greedy_rows_calls):
     """A greedy request without penalties or logprobs judges its verifies from the rows' greedy picks taken on the
     device (DeviceSampler.greedy_rows, counted here); one with logprobs or a repeat penalty from host rows (no
     picks taken); each emits what --spec 0 emits with the same sampling settings."""
-    from strata.sampling.device import DeviceSampler
     from strata.sampling.sampler import SamplingParams
-    calls = []
-    real = DeviceSampler.greedy_rows
-
-    def counted(self, rows):
-        calls.append(rows.shape[0])
-        return real(self, rows)
-    monkeypatch.setattr(DeviceSampler, "greedy_rows", counted)
+    calls = greedy_rows_calls
     prompt = _prompt(17, 5)
     base = _engine(model, split)
     e = _engine(model, split, spec=3)

@@ -430,19 +430,12 @@ def test_consumer_closing_inside_a_verify(model):
 
 
 @pytest.mark.parametrize("split", [None, "2"], ids=["1stage", "2stages"])
-def test_greedy_verify_judged_from_picks(model, split, monkeypatch):
+def test_greedy_verify_judged_from_picks(model, split, monkeypatch, greedy_rows_calls):
     """The decoder's device path driven on the CPU (its last stage's runner made to leave logits "on the device",
     numpy here): a greedy request judges each verify from its rows' greedy picks (DeviceSampler.greedy_rows,
     counted) and emits what --spec 0 emits, at acceptance 1, 0.6 and 0; with logprobs it judges host rows (no
     picks) and emits the same tokens as --spec 0."""
-    from strata.sampling.device import DeviceSampler
-    calls = []
-    real = DeviceSampler.greedy_rows
-
-    def counted(self, rows):
-        calls.append(rows.shape[0])
-        return real(self, rows)
-    monkeypatch.setattr(DeviceSampler, "greedy_rows", counted)
+    calls = greedy_rows_calls
     prompt = _prompt(21, 7)
     base = Engine(model, n_ctx=256, layer_split=split)
     e = Engine(model, n_ctx=256, spec=3, layer_split=split)
