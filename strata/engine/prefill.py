@@ -9,6 +9,7 @@ import numpy as np
 import structlog
 
 from strata.cache.store import ConversationStore
+from strata.engine import turn_clock
 from strata.engine.slots import chunk_bounds
 from strata.engine.types import GenerationRequest, ReadPart, run_reads
 from strata.stages.sequence import Sequence
@@ -33,8 +34,10 @@ class PromptReader:
         """One forward call: r.tokens[r.a:r.b] read into the sequence -> the last token's logits (the drafter sees
         every token's hidden state)."""
         if self.drafter is None:
-            return self.seq.forward(r.tokens[r.a:r.b])
-        logits, h = self.seq.forward(r.tokens[r.a:r.b], hidden=True)
+            with turn_clock.phase("model"):
+                return self.seq.forward(r.tokens[r.a:r.b])
+        with turn_clock.phase("model"):
+            logits, h = self.seq.forward(r.tokens[r.a:r.b], hidden=True)
         self.drafter.observe(r.a, h)
         return logits
 
@@ -65,8 +68,9 @@ class PromptReader:
         split it the same way as the first); checkpoints of the parts completed stay."""
         n = len(prompt)
         st, store = self.seq, self.store
-        plan = store.resume(st, prompt, req.cut_points or (), checkpoint=req.checkpoint,
-                            cache_prompt=req.cache_prompt, trace=trace)   # cut points were checked by check_request
+        with turn_clock.phase("plan"):
+            plan = store.resume(st, prompt, req.cut_points or (), checkpoint=req.checkpoint,
+                                cache_prompt=req.cache_prompt, trace=trace)   # cut points were checked by check_request
         parts: list[tuple[int, int]] = []
         try:
             if trace:
@@ -87,7 +91,8 @@ class PromptReader:
                 parts.append((start, end))
                 kind = plan.save_at.get(end)
                 if kind is not None:
-                    store.note(st, kind)
+                    with turn_clock.phase("checkpoint"):
+                        store.note(st, kind)
                 if trace:
                     log.info("prefill_part", start=start, end=end, n_tokens=end - start, ubatch=self.ubatch,
                              ms=round((time.perf_counter() - t0) * 1000.0, 2), checkpoint=kind)

@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import structlog
 
+from strata.engine import turn_clock
 from strata.engine.types import FinalEvent
 from strata.errors import EngineFault, Unavailable
 
@@ -267,6 +268,9 @@ class EngineWorker:
     def _admit(self, job: Job) -> bool:
         """Put a waiting generation in a request slot -> False when its slot is busy (it waits on)."""
         job.started_at = time.perf_counter()
+        clock = getattr(job.request, "clock", None)
+        if clock is not None:
+            clock.seconds["queue"] = job.started_at - job.accepted_at     # its latest try counts
         with self._cv:
             job.state = "running"
             self._active.append(job)
@@ -315,6 +319,9 @@ class EngineWorker:
             if job.last_token_at is None:
                 job.first_token_at = now
                 self.metrics.ttft.observe(now - job.accepted_at)
+                clock = getattr(job.request, "clock", None)
+                if clock is not None:
+                    clock.engine_done(now)       # the engine's part of the turn ends here (TurnClock)
             else:
                 self.metrics.token_latency.observe(now - job.last_token_at)
             job.last_token_at = now
@@ -338,8 +345,12 @@ class EngineWorker:
 
     def _run_generation(self, job: Job) -> None:
         job.started_at = time.perf_counter()
+        clock = getattr(job.request, "clock", None)
         try:
-            for ev in self.engine.generate(job.request):
-                self._deliver(job, ev)
+            with turn_clock.active(clock):
+                if clock is not None:
+                    clock.add("queue", job.started_at - job.accepted_at)
+                for ev in self.engine.generate(job.request):
+                    self._deliver(job, ev)
         except BaseException as e:  # noqa: BLE001 - the engine must stay up for the next request
             self._failed(job, e)
