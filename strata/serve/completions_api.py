@@ -220,6 +220,7 @@ async def _collect(request, engine, p, job, answers: list | None = None) -> web.
     while len(finals) < p.n:
         ev = await next_event(job)
         if isinstance(ev, FinalEvent):
+            _first_token(request)             # a choice that ended before any token: its end is what leaves
             finals.append(ev)
             pieces[ev.index].append(ev.text or "")
             accs[ev.index].finish(ev.text or "")
@@ -249,8 +250,8 @@ async def _collect(request, engine, p, job, answers: list | None = None) -> web.
 
 
 def _first_token(request: web.Request) -> None:
-    """A token event handled (streamed: its text written to the socket): the request's TurnClock stops at the
-    first."""
+    """A token event handled (streamed: its text written to the socket), or a choice's end when no token came
+    before it: the request's TurnClock stops at the first."""
     clock = request.get("clock")
     if clock is not None and not clock.done:
         clock.first_token()
@@ -326,6 +327,7 @@ async def _stream(request, engine, p, job, answers: list | None = None) -> web.S
                 lp = accs[i].finish(tail) if p.logprobs else None
                 await pieces(i, tail, lp, end=True)
                 finish = answers[i].finish_reason(ev.finish_reason) if answers[i] is not None else ev.finish_reason
+                _first_token(request)         # a choice that ended before any token: its end is what leaves
                 if len(finals) < p.n:
                     await resp.write(chunk([choice(i, None if chat else "", None, finish)]))
                     continue

@@ -305,6 +305,9 @@ class EngineWorker:
     def _deliver(self, job: Job, ev) -> None:
         """One event of a running generation to its job (metrics counted: finals, first token, token gaps)."""
         now = time.perf_counter()
+        clock = getattr(job.request, "clock", None)
+        if clock is not None:
+            clock.engine_done(now)      # the engine's part of the turn ends at its first event (TurnClock)
         if isinstance(ev, FinalEvent):
             self.metrics.observe_final(dict(ev.usage or {}), dict(ev.timings or {}),
                                        dict(getattr(ev, "strata", None) or {}), ev.finish_reason)
@@ -319,9 +322,6 @@ class EngineWorker:
             if job.last_token_at is None:
                 job.first_token_at = now
                 self.metrics.ttft.observe(now - job.accepted_at)
-                clock = getattr(job.request, "clock", None)
-                if clock is not None:
-                    clock.engine_done(now)       # the engine's part of the turn ends here (TurnClock)
             else:
                 self.metrics.token_latency.observe(now - job.last_token_at)
             job.last_token_at = now
