@@ -225,10 +225,12 @@ class Memory:
             self._geometry_cache = g
         return self._geometry_cache
 
-    @on_device(drain=True)
-    def capture(self, sid: int) -> StatePart:
-        """The sequence at its position: running state copied, K/V pages held (KVPages.hold: one more reference
-        each, so the part stays valid whatever the sequence does next; ``release`` gives them back)."""
+    @on_device(drain=False)     # its device copies are ordered on the current stream, after the forward that wrote
+    def capture(self, sid: int) -> StatePart:  # the state and before the next one: no host wait on the request's path
+        """The sequence at its position: running state copied (on a GPU device to device, queued on the current
+        stream: the copies are done before any later work on that stream reads or writes the state), K/V pages
+        held (KVPages.hold: one more reference each, so the part stays valid whatever the sequence does next;
+        ``release`` gives them back)."""
         st = self.seq(sid)
         part = StatePart(carve=self.carve, geometry=self.geometry(), pos=st.pos)
         try:
