@@ -35,6 +35,7 @@ class RecurrentMemory(Memory, Field):
     def _close(self, st):
         st.running = {}
         st.steps = None
+        st.marks = None
         self._kept.pop(st.sid, None)
 
     def _check_truncate(self, st, p):
@@ -69,8 +70,19 @@ class RecurrentMemory(Memory, Field):
         for a, b in pairs:
             a[...] = b
 
+    def _mark(self, st):
+        for bufs in st.marks.at.values():        # fresh arrays each: a checkpoint takes them over
+            bufs.update({li: {k: self.xp.empty_like(a) for k, a in d.items()} for li, d in self.init.items()})
+
+    def _capture_at(self, st, part, p):
+        if self.init and p not in st.marks.read:
+            raise ValueError(f"capture_at({p}): the forward did not keep the running state there (its runner "
+                             "takes no marks)")
+        part.running = st.marks.at[p]
+
     def _reset(self, st):
         st.steps = None
+        st.marks = None
         for li, d in self.init.items():
             for k, a in d.items():
                 st.running[li][k][...] = a
@@ -117,6 +129,7 @@ class RecurrentMemory(Memory, Field):
 
     def _restore(self, st, part):
         st.steps = None
+        st.marks = None
         for li, d in part.running.items():
             for k, a in d.items():
                 dst = st.running[li][k]
