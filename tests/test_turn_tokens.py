@@ -4,6 +4,7 @@ SentencePiece vocabulary, and chats of growing, edited and branching turns with 
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -143,8 +144,13 @@ def test_chat_turns_tokenize_as_a_fresh_render(bpe, which, sent):
     tools = TOOLS if which == "qwen_tools" else None
     kept = ChatTemplate(source, tk)
     for msgs in sent:
-        got = kept.render(msgs, tools=tools)
         fresh = ChatTemplate(source, tk)
         fresh.turns = TurnTokens(tk, keep=0)        # nothing kept: the full path
-        ref = fresh.render(msgs, tools=tools)
+        try:
+            ref = fresh.render(msgs, tools=tools)
+        except ValueError as e:     # refused (e.g. special text in an argument the template escapes): refused alike
+            with pytest.raises(ValueError, match=str(e)[:40].replace("(", r"\(").replace(")", r"\)")):
+                kept.render(msgs, tools=tools)
+            continue
+        got = kept.render(msgs, tools=tools)
         assert got.tokens == ref.tokens and got.cut_points == ref.cut_points and got.text == ref.text

@@ -25,6 +25,7 @@ from strata.text.turn_tokens import TurnTokens
 CutKind = Literal["root", "message", "turn", "pin"]
 _KIND_ORDER = {"root": 0, "message": 1, "pin": 2, "turn": 3}
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+_IMMUTABLE = (str, int, float, bool)     # values a copy may share (nothing can change them)
 MESSAGE_CUTS = 64   # messages at the end of a chat that get a "message" cut point (each costs a prefix render)
 
 
@@ -149,7 +150,7 @@ def _prepare_messages(messages) -> list[dict]:
             raise ValueError(f"message {i} must be an object, got {type(m).__name__}")
         if "role" not in m:
             raise ValueError(f"message {i} has no role")
-        m = {k: copy.deepcopy(v) for k, v in m.items() if v is not None}
+        m = {k: v if type(v) in _IMMUTABLE else copy.deepcopy(v) for k, v in m.items() if v is not None}
         reasoning = next((m[k] for k in _REASONING_FIELDS if m.get(k) is not None), None)
         if reasoning is not None:
             m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
@@ -439,7 +440,7 @@ class ChatTemplate:
 
         out = []
         for m in msgs:
-            m = copy.deepcopy(m)
+            m = {k: v if type(v) in _IMMUTABLE else copy.deepcopy(v) for k, v in m.items()}
             c = m.get("content")
             if isinstance(c, str) and c:
                 m["content"] = sent(c)
