@@ -9,7 +9,8 @@ synthetic model (so the model costs little and the rest shows; the phases are th
   chat    many messages of ~230 tokens each (a long chat)
 the client sends the conversation (a cold read), then --turns later turns, each adding a fixed assistant answer and a
 short question (max_tokens 1: the live sequence holds exactly the prompt, so every later turn is a live continuation
-in every arm). Measured per later turn:
+in every arm). The arms' daemons run side by side and each turn goes to every arm in turn (the machine's load drifts
+alike over them). Measured per later turn:
   client_outside_ms  TTFT at the client minus the model's forward calls (model_clock), every arm alike
   server_ms / server_outside_ms / phases_ms  the daemon's own clock (the response's strata.turn: from the request's
                      arrival to its first token leaving; arms that have it)
@@ -91,7 +92,10 @@ class Arm:
                "--prompt-cache", str(prompt_cache), "--log-level", "warning"]
         if threads:
             cmd += ["--threads", str(threads)]
-        env = dict(os.environ, STRATA_BENCH_CLOCK=clock, PYTHONPATH=str(tree))
+        keep = [q for q in os.environ.get("PYTHONPATH", "").split(os.pathsep) if q and Path(q).resolve() != ROOT]
+        env = dict(os.environ, STRATA_BENCH_CLOCK=clock, PYTHONPATH=os.pathsep.join([str(tree)] + keep))
+        if device == "cpu":      # one BLAS thread: the arms' daemons share the machine (spinning BLAS threads of idle
+            env.update(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")   # daemons cost the others)
         self.proc = subprocess.Popen(cmd, env=env, cwd=str(tree))
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 600
@@ -141,15 +145,16 @@ class Arm:
             self.proc.wait()
 
 
-def play(arm: Arm, msgs: list[dict], turns: int) -> dict:
-    """The cold read, then `turns` later turns -> {"cold": row, "later": [rows]}."""
+def play(arms: dict[str, Arm], msgs: list[dict], turns: int) -> dict:
+    """The cold read on every arm, then `turns` later turns, each sent to every arm in turn (so the machine's load
+    drifts alike over the arms) -> {arm: {"cold": row, "later": [rows]}}."""
     msgs = [dict(m) for m in msgs]
-    cold = arm.turn(msgs)
-    later = []
+    out = {name: {"cold": arm.turn(msgs), "later": []} for name, arm in arms.items()}
     for t in range(turns):
         msgs += [{"role": "assistant", "content": ANSWER}, {"role": "user", "content": QUESTIONS[(t + 1) % len(QUESTIONS)]}]
-        later.append(arm.turn(msgs))
-    return {"cold": cold, "later": later}
+        for name, arm in arms.items():
+            out[name]["later"].append(arm.turn(msgs))
+    return out
 
 
 def before_tree(ref: str, tmp: Path) -> Path:
@@ -183,11 +188,16 @@ def main(argv=None) -> int:
     ap.add_argument("--synthetic", default="qwen3next", choices=["qwen3next", "llama"])
     ap.add_argument("--model", default=None, help="a GGUF instead of the synthetic model")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=None, help="the daemons' --threads (default: 1 on the CPU, where "
+                    "the arms run side by side)")
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--before", default="main", help="the reference commit ('' : none)")
+    ap.add_argument("--before-tree", default=None, help="a checkout of the reference (its C core built) instead of "
+                    "--before (a machine without the repository's history)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.threads is None and args.device == "cpu":
+        args.threads = 1
     tmp = Path(tempfile.mkdtemp(prefix="strata-thin-turn-"))
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
@@ -203,7 +213,10 @@ def main(argv=None) -> int:
     tok = Tokenizer.from_gguf(open_gguf(model).metadata)
     trees = {"after": ROOT, "after_pc0": ROOT}
     before_commit = None
-    if args.before:
+    if args.before_tree:
+        before_commit = args.before
+        trees["before"] = Path(args.before_tree).resolve()
+    elif args.before:
         before_commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.before],
                                        capture_output=True, text=True, check=True).stdout.strip()
         trees["before"] = before_tree(args.before, tmp)
@@ -214,13 +227,15 @@ def main(argv=None) -> int:
         for size in args.sizes:
             msgs = conversation(tok, shape, size)
             n_ctx = size + 4096
-            row = {}
-            for name, tree in trees.items():
-                clock = str(tmp / f"clock-{shape}-{size}-{name}")
-                arm = Arm(tree, model, n_ctx, 0 if name == "after_pc0" else 6, clock, args.device, args.threads)
-                try:
-                    row[name] = play(arm, msgs, args.turns)
-                finally:
+            arms = {}
+            try:
+                for name, tree in trees.items():
+                    clock = str(tmp / f"clock-{shape}-{size}-{name}")
+                    arms[name] = Arm(tree, model, n_ctx, 0 if name == "after_pc0" else 6, clock, args.device,
+                                     args.threads)
+                row = play(arms, msgs, args.turns)
+            finally:
+                for arm in arms.values():
                     arm.close()
             summary = {}
             for name, r in row.items():
