@@ -88,7 +88,9 @@ async def generate_chat(request: web.Request, p: schema.ParsedRequest, respond=N
     answers) sends the answer (default: the chat completion's JSON or SSE); the Responses and Messages routes pass
     their own."""
     engine, plan, rendered = await render_chat(request, p)
-    constraint = await _constraint(lambda: structured.chat_constraint(engine, plan, structured.param_of(p)))
+    # a grammar is compiled off the event loop; without one no thread hop (each costs a wake-up)
+    constraint = None if plan.body is None else await _constraint(
+        lambda: structured.chat_constraint(engine, plan, structured.param_of(p)))
     return await _generate(request, engine, p, rendered.ids, list(rendered.cut_points), plan=plan,
                            constraint=constraint, respond=respond)
 
@@ -122,7 +124,7 @@ async def generate_completion(request: web.Request, p: schema.ParsedRequest, res
         if bad is not None:
             raise ApiError(400, f"'prompt' holds token id {bad} outside the vocabulary [0, {n_vocab})",
                            param="prompt", code="invalid_value")
-    constraint = await _constraint(lambda: structured.completion_constraint(engine, p))
+    constraint = None if p.output is None else await _constraint(lambda: structured.completion_constraint(engine, p))
     return await _generate(request, engine, p, tokens, [], constraint=constraint, respond=respond)
 
 
