@@ -14,6 +14,7 @@ from typing import Literal
 import jinja2
 import jinja2.ext
 import jinja2.nodes
+import jinja2.runtime
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -124,10 +125,33 @@ class _TemplateNamespace(jinja2.utils.Namespace):
             raise jinja2.exceptions.SecurityError(f"chat templates cannot set underscore attributes ({name!r})")
 
 
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """jinja2's immutable sandbox, its attribute verdicts remembered per (type, attribute) for the plain types a chat
+    template reads (the loop's context, strings, dicts, lists, numbers): jinja2 decides them from the object's type
+    and the attribute's name alone (is_internal_attribute, modifies_known_mutable: isinstance checks, some against
+    ABCs, a few microseconds each), so the verdict is the same; a long chat reads `loop.first` and friends per
+    message."""
+
+    _PLAIN = frozenset({jinja2.runtime.LoopContext, str, dict, list, tuple, int, float, bool, type(None)})
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._verdicts: dict[tuple[type, str], bool] = {}
+
+    def is_safe_attribute(self, obj, attr, value) -> bool:
+        t = type(obj)
+        if t not in self._PLAIN:
+            return super().is_safe_attribute(obj, attr, value)
+        key = (t, attr)
+        v = self._verdicts.get(key)
+        if v is None:
+            v = self._verdicts[key] = super().is_safe_attribute(obj, attr, value)
+        return v
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
     """The jinja2 environment of transformers' _compile_jinja_template (utils/chat_template_utils.py)."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationTracker, jinja2.ext.loopcontrols])
+    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTracker, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
