@@ -15,7 +15,8 @@ alike over them). Measured per later turn:
   server_ms / server_outside_ms / phases_ms  the daemon's own clock (the response's strata.turn: from the request's
                      arrival to its first token leaving; arms that have it)
 Arms: after (this tree, --prompt-cache 6), after_pc0 (this tree, --prompt-cache 0), before (--before REF, built
-from `git archive` in a temporary directory, --prompt-cache 6). Printed: the medians per arm and size, before/after,
+from `git archive` in a temporary directory, --prompt-cache 6) and with --before-pc0 before_pc0 (REF,
+--prompt-cache 0). Printed: the medians per arm and size, before/after,
 and checkpoints / --prompt-cache 0 (TTFT at the client, and the server's time to first token). JSON goes to
 bench/results/thin_turn_<model>_<commit>.json.
 
@@ -194,6 +195,8 @@ def main(argv=None) -> int:
     ap.add_argument("--before", default="main", help="the reference commit ('' : none)")
     ap.add_argument("--before-tree", default=None, help="a checkout of the reference (its C core built) instead of "
                     "--before (a machine without the repository's history)")
+    ap.add_argument("--before-pc0", action="store_true", help="the reference tree with --prompt-cache 0 too (its "
+                    "checkpoints / --prompt-cache 0 ratio in the same run)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.threads is None and args.device == "cpu":
@@ -220,6 +223,8 @@ def main(argv=None) -> int:
         before_commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.before],
                                        capture_output=True, text=True, check=True).stdout.strip()
         trees["before"] = before_tree(args.before, tmp)
+    if "before" in trees and args.before_pc0:
+        trees["before_pc0"] = trees["before"]
     out = Path(args.out or ROOT / "bench" / "results" / f"thin_turn_{model_name}_{commit}.json")
     results = dict(bench="thin_turn", commit=commit, before=before_commit, model=model_name, device=args.device,
                    machine=platform.machine(), cpus=os.cpu_count(), threads=args.threads, turns=args.turns, runs={})
@@ -231,7 +236,7 @@ def main(argv=None) -> int:
             try:
                 for name, tree in trees.items():
                     clock = str(tmp / f"clock-{shape}-{size}-{name}")
-                    arms[name] = Arm(tree, model, n_ctx, 0 if name == "after_pc0" else 6, clock, args.device,
+                    arms[name] = Arm(tree, model, n_ctx, 0 if name.endswith("_pc0") else 6, clock, args.device,
                                      args.threads)
                 row = play(arms, msgs, args.turns)
             finally:
@@ -253,6 +258,8 @@ def main(argv=None) -> int:
                 summary["ckpt_over_pc0_server"] = a["server_ms"] / p0["server_ms"]
             if b:
                 summary["after_over_before_client_outside"] = a["client_outside_ms"] / b["client_outside_ms"]
+            if b and summary.get("before_pc0"):
+                summary["before_ckpt_over_pc0_ttft"] = b["ttft_ms"] / summary["before_pc0"]["ttft_ms"]
             results["runs"][f"{shape}_{size}"] = dict(shape=shape, size=size, arms=row, summary=summary)
             print(f"\n{shape} ~{size} tokens ({a['prompt_tokens']} in the first prompt), later turns, medians of "
                   f"{args.turns} (ms):", flush=True)
@@ -267,6 +274,8 @@ def main(argv=None) -> int:
                 print("  after's phases: " + " ".join(f"{k} {v:.2f}" for k, v in a["phases_ms"].items()))
             print(f"  checkpoints / --prompt-cache 0: TTFT x{summary['ckpt_over_pc0_ttft']:.3f}"
                   + (f", server x{summary['ckpt_over_pc0_server']:.3f}" if "ckpt_over_pc0_server" in summary else "")
+                  + (f" (before: TTFT x{summary['before_ckpt_over_pc0_ttft']:.3f})"
+                     if "before_ckpt_over_pc0_ttft" in summary else "")
                   + (f"; outside the model, after / before x{summary['after_over_before_client_outside']:.3f}"
                      if b else ""), flush=True)
             out.parent.mkdir(parents=True, exist_ok=True)
