@@ -16,9 +16,9 @@ alike over them). Measured per later turn:
                      arrival to its first token leaving; arms that have it)
 Arms: after (this tree, --prompt-cache 6), after_pc0 (this tree, --prompt-cache 0), before (--before REF, built
 from `git archive` in a temporary directory, --prompt-cache 6) and with --before-pc0 before_pc0 (REF,
---prompt-cache 0). Printed: the medians per arm and size, before/after,
-and checkpoints / --prompt-cache 0 (TTFT at the client, and the server's time to first token). JSON goes to
-bench/results/thin_turn_<model>_<commit>.json.
+--prompt-cache 0). Printed: the medians per arm and size, before/after, and checkpoints / --prompt-cache 0 (TTFT at
+the client and the server's time to first token: the median of the ratios of turns sent one after the other). JSON
+goes to bench/results/thin_turn_<model>_<commit>.json.
 
 Usage: PYTHONPATH=. python bench/thin_turn.py [--sizes 4096 16384 65536] [--shapes system chat] [--before main]
        [--synthetic qwen3next] [--device cpu] [--turns 4] [--threads N]
@@ -253,13 +253,19 @@ def main(argv=None) -> int:
                 if ph:
                     summary[name]["phases_ms"] = {k: statistics.median(p[k] for p in ph) for k in ph[0]}
             a, p0, b = summary["after"], summary["after_pc0"], summary.get("before")
-            summary["ckpt_over_pc0_ttft"] = a["ttft_ms"] / p0["ttft_ms"]
-            if a.get("server_ms") and p0.get("server_ms"):
-                summary["ckpt_over_pc0_server"] = a["server_ms"] / p0["server_ms"]
+
+            def paired(x: str, y: str, key: str):
+                """The median over later turns of arm x's / arm y's `key` (each pair sent one after the other: the
+                machine's load drifts less within a pair than over the run)."""
+                rs = [u[key] / v[key] for u, v in zip(row[x]["later"], row[y]["later"]) if u.get(key) and v.get(key)]
+                return statistics.median(rs) if rs else None
+
+            summary["ckpt_over_pc0_ttft"] = paired("after", "after_pc0", "ttft_ms")
+            summary["ckpt_over_pc0_server"] = paired("after", "after_pc0", "server_ms")
+            if "before_pc0" in row:
+                summary["before_ckpt_over_pc0_ttft"] = paired("before", "before_pc0", "ttft_ms")
             if b:
                 summary["after_over_before_client_outside"] = a["client_outside_ms"] / b["client_outside_ms"]
-            if b and summary.get("before_pc0"):
-                summary["before_ckpt_over_pc0_ttft"] = b["ttft_ms"] / summary["before_pc0"]["ttft_ms"]
             results["runs"][f"{shape}_{size}"] = dict(shape=shape, size=size, arms=row, summary=summary)
             print(f"\n{shape} ~{size} tokens ({a['prompt_tokens']} in the first prompt), later turns, medians of "
                   f"{args.turns} (ms):", flush=True)
@@ -273,7 +279,7 @@ def main(argv=None) -> int:
             if a.get("phases_ms"):
                 print("  after's phases: " + " ".join(f"{k} {v:.2f}" for k, v in a["phases_ms"].items()))
             print(f"  checkpoints / --prompt-cache 0: TTFT x{summary['ckpt_over_pc0_ttft']:.3f}"
-                  + (f", server x{summary['ckpt_over_pc0_server']:.3f}" if "ckpt_over_pc0_server" in summary else "")
+                  + (f", server x{summary['ckpt_over_pc0_server']:.3f}" if summary.get("ckpt_over_pc0_server") else "")
                   + (f" (before: TTFT x{summary['before_ckpt_over_pc0_ttft']:.3f})"
                      if "before_ckpt_over_pc0_ttft" in summary else "")
                   + (f"; outside the model, after / before x{summary['after_over_before_client_outside']:.3f}"
