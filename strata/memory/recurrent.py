@@ -71,8 +71,21 @@ class RecurrentMemory(Memory, Field):
             a[...] = b
 
     def _mark(self, st):
-        for bufs in st.marks.at.values():        # fresh arrays each: a checkpoint takes them over
-            bufs.update({li: {k: self.xp.empty_like(a) for k, a in d.items()} for li, d in self.init.items()})
+        for bufs in st.marks.at.values():        # fresh arrays each (a checkpoint takes them over), carved from one
+            bufs.update(self._carve_like(self.init))    # allocation per mark
+
+    def _carve_like(self, like: dict) -> dict:
+        """Arrays shaped as `like`'s (layer -> {name: array}), carved from one allocation (256-byte aligned)."""
+        layout, total = [], 0
+        for li, d in like.items():
+            for k, a in d.items():
+                layout.append((li, k, a, total))
+                total += -(-int(a.nbytes) // 256) * 256
+        flat = self.xp.empty(total, self.xp.uint8)
+        out: dict = {li: {} for li in like}
+        for li, k, a, off in layout:
+            out[li][k] = flat[off:off + int(a.nbytes)].view(a.dtype).reshape(a.shape)
+        return out
 
     def _capture_at(self, st, part, p):
         if self.init and p not in st.marks.read:
@@ -99,19 +112,8 @@ class RecurrentMemory(Memory, Field):
             return
         # on a GPU: one allocation carved into the part's arrays and one copy launch on the current stream, ordered
         # after the forward that wrote the state and before the next one (no drain, no host wait)
-        layout, total = [], 0
-        for li, d in st.running.items():
-            for k, a in d.items():
-                layout.append((li, k, a, total))
-                total += -(-int(a.nbytes) // 256) * 256      # 256-byte aligned: the copy's 16-byte moves apply
-        flat = self.xp.empty(total, self.xp.uint8)
-        part.running = {li: {} for li in st.running}
-        pairs = []
-        for li, k, a, off in layout:
-            dst = flat[off:off + int(a.nbytes)].view(a.dtype).reshape(a.shape)
-            part.running[li][k] = dst
-            pairs.append((dst, a))
-        many(pairs)
+        part.running = self._carve_like(st.running)
+        many([(part.running[li][k], a) for li, d in st.running.items() for k, a in d.items()])
 
     def _check(self, part, st):
         if set(part.running) != set(self.init):
