@@ -46,6 +46,15 @@ class TurnClock:
                 return
             self.seconds[name] += float(seconds)
 
+    def set(self, name: str, seconds: float) -> None:
+        """Phase `name` took `seconds` in all (a wait measured again on each try: the queue of a request that waited
+        for its slot); ignored as ``add`` is."""
+        with self._lock:
+            if name not in self.seconds:
+                raise KeyError(f"unknown phase {name!r} (phases: {', '.join(PHASES)})")
+            if self.first_token_at is None and self.delivered_at is None:
+                self.seconds[name] = float(seconds)
+
     def engine_done(self, t: float | None = None) -> None:
         """The first token's event left the engine (the first call counts)."""
         with self._lock:

@@ -219,7 +219,7 @@ class Memory:
         st = self.seq(sid)
         ps = sorted({int(p) for p in positions})
         if ps and ps[0] <= st.pos:
-            raise ValueError(f"mark({ps[0]}): a mark lies past the sequence's position {st.pos}")
+            raise ValueError(f"mark({ps[0]}): a mark must lie past the sequence's position {st.pos}")
         st.marks = None
         if ps:
             st.marks = Marks(st.pos, {p: {} for p in ps})

@@ -270,7 +270,7 @@ class EngineWorker:
         job.started_at = time.perf_counter()
         clock = getattr(job.request, "clock", None)
         if clock is not None:
-            clock.seconds["queue"] = job.started_at - job.accepted_at     # its latest try counts
+            clock.set("queue", job.started_at - job.accepted_at)      # its latest try counts
         with self._cv:
             job.state = "running"
             self._active.append(job)
