@@ -64,7 +64,7 @@ class PrefixEnds:
         None when something is not a plain value. The keys of the leading messages equal (==) to the last chain's
         are taken from it, so a later turn hashes only its new messages (equal messages that render differently,
         {"a": 1} and {"a": True}, are caught where every kept end is: the new text must start with its text)."""
-        if self.max_entries <= 0 or not _plain(context) or not all(_plain(m) for m in messages):
+        if self.max_entries <= 0 or not _plain(context):
             return None
         h = h0 = _digest(repr(context).encode("utf-8", "surrogatepass"))
         keys: list[bytes] = []
@@ -75,6 +75,8 @@ class PrefixEnds:
             while k < n and type(messages[k]) is dict and messages[k] == old[k]:
                 k += 1
             keys = old_keys[:k]
+        if not all(_plain(m) for m in messages[len(keys):]):
+            return None
         if keys:
             h = keys[-1]
         for m in messages[len(keys):]:
