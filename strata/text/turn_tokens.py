@@ -31,11 +31,20 @@ class Tokenized:
 
 
 def _piece_offsets(pieces) -> list[int]:
-    out, off = [], 0
-    for t, _ in pieces:
-        out.append(off)
-        off += len(t)
-    return out
+    """The character offset where each piece starts."""
+    return list(itertools.accumulate((len(t) for t, _ in pieces[:-1]), initial=0)) if pieces else []
+
+
+def _shared(a: list, b: list) -> int:
+    """How many leading items a and b share (a binary search over slice comparisons: the comparing runs in C)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 class TurnTokens:
@@ -59,9 +68,7 @@ class TurnTokens:
             kept = list(self._kept)
         best, best_j = None, 0
         for e in kept:
-            j, n = 0, min(len(pieces), len(e.pieces))
-            while j < n and pieces[j] == e.pieces[j]:
-                j += 1
+            j = _shared(pieces, e.pieces)
             if j > best_j:
                 best, best_j = e, j
         return best, best_j
