@@ -505,3 +505,47 @@ def test_strata_checkpoint_false_reads_one_part_and_reuses_the_root(engine):
     start = f2.strata["resume_pos"]       # the root, or on an attention-only model the common prefix past it
     assert root <= start < turn and (start == root or engine.arch == "llama")
     assert f2.strata["parts"] == [(start, turn), (turn, len(r2.tokens))]
+
+
+def test_live_continuation_reads_in_one_call_with_its_checkpoints_inside(engine, model_path, monkeypatch):
+    """A live continuation of several parts is read in one forward call, each checkpoint's running state kept inside
+    it at its cut point (Sequence.mark); each checkpoint holds the state of a read split there (the parts path, one
+    call per part) and answers the same. Short enough (<= 16 new tokens) that the CPU kernels give every row the
+    same bits in either split, so the comparison is exact."""
+    from strata.engine import prefill
+    from strata.stages import sequence
+    from tests.helpers import answer
+    calls = []
+    forward = sequence.Sequence.forward
+
+    def counted(self, tokens, *a, **kw):
+        calls.append(len(tokens))
+        return forward(self, tokens, *a, **kw)
+
+    monkeypatch.setattr(sequence.Sequence, "forward", counted)
+    first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Is 9 prime?"}]
+    later = first + [{"role": "assistant", "content": "No."}, {"role": "user", "content": "Why?"}]
+
+    def play(e):
+        fresh(e)
+        answer(e, first, 1)        # one token: the live sequence holds the prompt, so the next turn continues it
+        calls.clear()
+        t, _, f, r = request(e, later)
+        read = calls[:1] if f.strata["resume_from"] == "live" else []
+        snaps = {c.pos: c.snapshot for c in e.cache._entries.values()}
+        hashes = {}
+        for pos in sorted(p for p in snaps if p > f.strata["resume_pos"]):
+            e.seq.restore(snaps[pos])
+            hashes[pos] = e.seq.hashes()
+        return t, f, r, read, calls[:len(f.strata["parts"])], hashes
+
+    t1, f1, r1, _, calls1, h1 = play(engine)
+    assert f1.strata["resume_from"] == "live" and len(f1.strata["parts"]) >= 2
+    n_new = len(r1.tokens) - f1.strata["resume_pos"]
+    assert n_new <= 16 and calls1[0] == n_new          # the prompt's new tokens in one forward call
+    assert any(p < len(r1.tokens) for p in h1)        # checkpoints kept inside that call (the turn point, ...)
+    monkeypatch.setattr(prefill.PromptReader, "one_call", lambda *a: False)
+    t2, f2, r2, _, calls2, h2 = play(engine)
+    assert f2.strata["parts"] == f1.strata["parts"]
+    assert calls2 == [b - a for a, b in f2.strata["parts"]]       # the parts path: a call per part
+    assert h1 == h2 and t1 == t2

@@ -511,6 +511,46 @@ def test_plan_prefill_matches_generic_forward(setup):
 
 
 @gpu
+def test_plan_prefill_keeps_running_states_at_marks(setup):
+    """A read armed by Memory.mark (a live continuation's checkpoints inside one forward call) goes through the plan's
+    prefill, whose conv and delta-rule launches run in segments ending at the marks: the running state kept at each
+    mark (Memory.capture_at), the read's end state and its logits are those of the plan's prefill split into calls
+    there (whose GEMMs run over other row counts: accumulation order only), and the generic forward's with the same
+    marks (Qwen3Next._gdn_cut) agrees too."""
+    m, plan, pool = setup.cuda, setup.plan(), setup.pool
+    head, toks = _prompt(20, setup.n_vocab, 9), _prompt(40, setup.n_vocab, 10)
+    a, b, g = m.new_state(pool), m.new_state(pool), m.new_state(pool)
+    for st in (a, b, g):
+        plan.prefill(head, st)
+    marks = [20 + 7, 20 + 25]
+    a.memory.mark(a.sid, marks)
+    la = setup.graph.forward(toks, a)                    # marked: the plan's prefill
+    kept = [a.memory.capture_at(a.sid, p) for p in marks]
+    a.memory.mark(a.sid, ())
+    g.memory.mark(g.sid, marks)
+    lg = m.forward(toks, g)                                # the model's own forward with the same marks
+    kept_g = [g.memory.capture_at(g.sid, p) for p in marks]
+    g.memory.mark(g.sid, ())
+    ref = []
+    for lo, hi in [(0, 7), (7, 25), (25, 40)]:
+        lb = plan.prefill(toks[lo:hi], b)
+        ref.append({li: {k: _host(v).copy() for k, v in d.items()} for li, d in b.running.items()})
+    assert rel_l2(_host(la), _host(lb)) < 1e-4 and rel_l2(_host(lg), _host(lb)) < PLAN_REL_L2
+    for got, got_g, want in zip(kept + [None], kept_g + [None], ref):
+        for li, d in want.items():
+            for k, v in d.items():
+                mine = _host(got.running[li][k] if got is not None else a.running[li][k])
+                theirs = _host(got_g.running[li][k] if got_g is not None else g.running[li][k])
+                assert rel_l2(mine, v) < 1e-4, (li, k)
+                assert rel_l2(theirs, v) < PLAN_REL_L2, (li, k)
+    for part in kept + kept_g:
+        assert part.kv["kv"].length in marks
+        part.release()
+    for st in (a, b, g):
+        st.release()
+
+
+@gpu
 @pytest.mark.parametrize("hd,kv", [(32, "f16"), (32, "q8_0"), (64, "q8_0")])
 def test_plan_prefill_head_dims_and_kv_types(setup, hd, kv, tmp_path):
     """head_dim 32 (not a flash head size: cuda.prefill_attention) with d_k = d_v = 32 (the warp kernel's R = 1), and

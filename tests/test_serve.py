@@ -228,6 +228,45 @@ def test_timings_strata_and_checkpoint_metrics(daemon):
     assert off["choices"][0]["message"]["content"] == a["choices"][0]["message"]["content"]
 
 
+def test_turn_phases_in_strata_metrics_and_log(daemon, client, model_id):
+    """A generation's time to its first token, split into phases: in the strata block (streamed and not), adding up to
+    the total with `other`, the model's forward calls among them; /metrics' histogram and phase counters and the
+    request's log line carry the same report."""
+    n0 = daemon.metric("strata_turn_outside_model_seconds_count")
+    msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
+    turns = []
+    for stream in (True, False, True):
+        if stream:
+            extra = {}
+            for chunk in client.chat.completions.create(model=model_id, messages=msgs, max_tokens=3, temperature=0,
+                                                        stream=True):
+                extra = chunk.model_extra.get("strata") or extra
+            turn = extra["turn"]
+        else:
+            r = client.chat.completions.create(model=model_id, messages=msgs, max_tokens=3, temperature=0)
+            turn = r.model_extra["strata"]["turn"]
+        turns.append(turn)
+        ph = turn["phases_ms"]
+        assert set(ph) == {"parse", "render", "tokenize", "queue", "plan", "model", "checkpoint", "sample", "write"}
+        assert all(v >= 0 for v in ph.values())
+        assert ph["model"] > 0 and ph["render"] > 0 and ph["tokenize"] > 0 and ph["parse"] > 0
+        assert abs(sum(ph.values()) + turn["other_ms"] - turn["ms"]) < 0.01      # rounding only
+        assert abs(turn["outside_model_ms"] - (turn["ms"] - ph["model"])) < 0.01
+        assert turn["other_ms"] > -0.01 and turn["ms"] >= ph["model"]
+        msgs = msgs + [{"role": "assistant", "content": "Blue."}, {"role": "user", "content": "Another?"}]
+    assert daemon.metric("strata_turn_outside_model_seconds_count") - n0 == 3
+    assert daemon.metric("strata_turn_phase_seconds_total", {"phase": "model"}) > 0
+    assert daemon.metric("strata_turn_phase_seconds_total", {"phase": "other"}) >= 0
+    deadline = time.monotonic() + 10                 # the line is written once the response has ended
+    while True:
+        logged = [x for x in daemon.log_lines() if x.get("event") == "request" and "first_token_ms" in x]
+        if len(logged) >= 3 and logged[-1]["first_token_ms"] == turns[-1]["ms"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert [x["first_token_ms"] for x in logged[-3:]] == [t["ms"] for t in turns]
+    assert logged[-1]["phases_ms"] == turns[-1]["phases_ms"]
+
+
 def test_metrics_label_a_wrong_method_with_its_route(daemon):
     """A 405 (a method the route does not take) counts under the route's template, not as "unmatched"; a path no
     route has stays "unmatched"."""

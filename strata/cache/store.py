@@ -258,6 +258,11 @@ class ConversationStore:
         self.forget_dropped()
         return self.checkpoints.save(seq.pos, kind, seq.with_room(seq.capture), spill=self._spill)
 
+    def note_at(self, seq: Sequence, kind: str, p: int) -> list[int]:
+        """``note`` at position p, which the marked forward just read (Sequence.capture_at: the state it kept there)."""
+        self.forget_dropped()
+        return self.checkpoints.save(p, kind, seq.with_room(lambda: seq.capture_at(p)), spill=self._spill)
+
     def forget(self, seq: Sequence) -> None:
         """`seq` back to position 0, not to be continued live: the next prompt resumes from a checkpoint or from 0
         (the tree and the parked conversations stay)."""

@@ -11,6 +11,7 @@ from typing import Callable
 import numpy as np
 import structlog
 
+from strata.engine import turn_clock
 from strata.engine.spec_policy import AdaptiveN
 from strata.engine.speculate import MAX_DRAFTS, MTPDrafter, SpecCounts
 from strata.engine.types import GenerationRequest, ReadToken, TokenEvent, run_reads
@@ -50,10 +51,12 @@ class Decoder:
     def _read(self, tok: int, on_device: bool):
         """Read one token -> its logits (the drafter sees its hidden state)."""
         if self.drafter is None:
-            return self.seq.forward(np.asarray([tok], dtype=np.int32), on_device=on_device)
+            with turn_clock.phase("model"):
+                return self.seq.forward(np.asarray([tok], dtype=np.int32), on_device=on_device)
         pos = self.seq.pos
         t0 = time.perf_counter()
-        logits, h = self.seq.forward(np.asarray([tok], dtype=np.int32), on_device=on_device, hidden=True)
+        with turn_clock.phase("model"):
+            logits, h = self.seq.forward(np.asarray([tok], dtype=np.int32), on_device=on_device, hidden=True)
         t1 = time.perf_counter()
         self.drafter.observe(pos, h)
         if self.adaptive is not None:     # the step's time ends once its token is sampled (_sampled)
@@ -155,10 +158,11 @@ class Decoder:
                 if req.cancel.is_set():
                     finish = "cancelled"
                     break
-                if guide is not None:
-                    logits = guide.apply(logits)
-                res = sampler.sample(logits)
-                tok = int(res.token_id)
+                with turn_clock.phase("sample"):
+                    if guide is not None:
+                        logits = guide.apply(logits)
+                    res = sampler.sample(logits)
+                    tok = int(res.token_id)
                 if self.adaptive is not None:
                     self._sampled()
                 sampler.accept(tok)

@@ -9,6 +9,7 @@ import numpy as np
 import structlog
 
 from strata.cache.store import ConversationStore
+from strata.engine import turn_clock
 from strata.engine.slots import chunk_bounds
 from strata.engine.types import GenerationRequest, ReadPart, run_reads
 from strata.stages.sequence import Sequence
@@ -34,8 +35,10 @@ class PromptReader:
         """One forward call: r.tokens[r.a:r.b] read into the sequence -> the last token's logits (the drafter sees
         every token's hidden state)."""
         if self.drafter is None:
-            return self.seq.forward(r.tokens[r.a:r.b])
-        logits, h = self.seq.forward(r.tokens[r.a:r.b], hidden=True)
+            with turn_clock.phase("model"):
+                return self.seq.forward(r.tokens[r.a:r.b])
+        with turn_clock.phase("model"):
+            logits, h = self.seq.forward(r.tokens[r.a:r.b], hidden=True)
         self.drafter.observe(r.a, h)
         return logits
 
@@ -52,6 +55,13 @@ class PromptReader:
             self.drafter.flush()          # a checkpoint at the part's end carries the drafter's K/V
         return logits
 
+    def one_call(self, plan, ends: list[int], start: int, n: int) -> bool:
+        """Whether a read of parts `ends` from `start` runs as one forward call with its checkpoints kept inside it
+        (Sequence.mark): a live continuation of several parts that fits one call (ubatch), on stages that keep states
+        at marks, without a drafter (whose K/V follows every read's hidden states)."""
+        return (plan.resume_from == "live" and len(ends) > 1 and n - start <= self.ubatch and self.drafter is None
+                and self.seq.can_mark)
+
     def prefill(self, req: GenerationRequest, prompt: np.ndarray, trace: bool):
         """``steps`` with every part read at once (a request alone) -> (plan, parts, logits)."""
         return _drained(run_reads(self.steps(req, prompt, trace), self.read_part))
@@ -66,9 +76,10 @@ class PromptReader:
         split it the same way as the first); checkpoints of the parts completed stay."""
         n = len(prompt)
         st, store = self.seq, self.store
-        plan = store.resume(st, prompt, req.cut_points or (), checkpoint=req.checkpoint,    # cut points were
-                            cache_prompt=req.cache_prompt, trace=trace,                   # checked already
-                            peers=self.peers() if self.peers is not None else ())
+        with turn_clock.phase("plan"):
+            plan = store.resume(st, prompt, req.cut_points or (), checkpoint=req.checkpoint,    # cut points were
+                                cache_prompt=req.cache_prompt, trace=trace,                   # checked already
+                                peers=self.peers() if self.peers is not None else ())
         parts: list[tuple[int, int]] = []
         try:
             if trace:
@@ -78,6 +89,30 @@ class PromptReader:
             ends = [e for e in plan.part_ends if start < e <= n]
             if not ends or ends[-1] != n:
                 ends.append(n)
+            if self.one_call(plan, ends, start, n):
+                # a live continuation that fits one forward call: read at once, each checkpoint's running state kept
+                # inside the call at its cut point (Memory.mark) instead of a forward call per part
+                t0 = time.perf_counter()
+                st.mark([e for e in ends[:-1] if e in plan.save_at])
+                try:
+                    logits = yield from self.read_steps(prompt, start, n, req.cancel)
+                    if logits is None:
+                        st.live_ok = False
+                    else:
+                        for end in ends:
+                            parts.append((start, end))
+                            kind = plan.save_at.get(end)
+                            if kind is not None:
+                                with turn_clock.phase("checkpoint"):
+                                    store.note_at(st, kind, end)
+                            start = end
+                finally:
+                    st.mark(())                  # disarmed; states kept but not taken are let go
+                if trace:
+                    log.info("prefill_one_call", start=plan.resume_pos, end=n, checkpoints=[
+                        (e, plan.save_at[e]) for e in ends if e in plan.save_at],
+                        ms=round((time.perf_counter() - t0) * 1000.0, 2))
+                ends = []
             for end in ends:
                 t0 = time.perf_counter()
                 logits = yield from self.read_steps(prompt, start, end, req.cancel)
@@ -89,7 +124,8 @@ class PromptReader:
                 parts.append((start, end))
                 kind = plan.save_at.get(end)
                 if kind is not None:
-                    store.note(st, kind)
+                    with turn_clock.phase("checkpoint"):
+                        store.note(st, kind)
                 if trace:
                     log.info("prefill_part", start=start, end=end, n_tokens=end - start, ubatch=self.ubatch,
                              ms=round((time.perf_counter() - t0) * 1000.0, 2), checkpoint=kind)

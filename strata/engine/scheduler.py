@@ -10,6 +10,7 @@ from typing import Any, Callable
 import numpy as np
 import structlog
 
+from strata.engine import turn_clock
 from strata.engine.slots import SlotView, SlotWork, choose_slot, plan_step
 from strata.engine.types import ReadPart, ReadToken
 from strata.stages.batch import decode_batch
@@ -104,7 +105,8 @@ class Scheduler:
         results = self._decode([self.slots[i] for i in plan.decode])
         for i, _, _ in plan.prefill:
             slot = self.slots[i]
-            results[i] = _call(lambda: slot.reader.read_part(slot.run.pending))
+            with turn_clock.active(getattr(slot.run.request, "clock", None)):
+                results[i] = _call(lambda: slot.reader.read_part(slot.run.pending))
         self.stats["steps"] += 1
         self.stats["prefill_parts"] += len(plan.prefill)
         for i in sorted(results):
@@ -146,10 +148,11 @@ class Scheduler:
             run.n_decoded += 1
         run.pending = None
         try:
-            item = run.gen.throw(error) if error is not None else run.gen.send(value)
-            while not isinstance(item, (ReadToken, ReadPart)):
-                run.on_event(item)
-                item = next(run.gen)
+            with turn_clock.active(getattr(run.request, "clock", None)):   # its plan, checkpoints and sampling
+                item = run.gen.throw(error) if error is not None else run.gen.send(value)
+                while not isinstance(item, (ReadToken, ReadPart)):
+                    run.on_event(item)
+                    item = next(run.gen)
             run.pending = item
         except StopIteration:
             self._finish(slot, None)

@@ -69,6 +69,7 @@ class GenerationRequest:
     or [TOOL_CALLS], which the parsers of strata.structured.tool_calls read); other control tokens stay invisible.
     spec: False turns speculative decoding off for this request (None: the engine's --spec).
     id_slot: the request slot to run in (llama-server's field; None: the engine picks, strata.engine.slots).
+    clock: the request's strata.engine.turn_clock.TurnClock (the engine charges its phases to it), or None.
     """
 
     prompt_tokens: list[int]
@@ -88,6 +89,7 @@ class GenerationRequest:
     show_tokens: frozenset[int] = frozenset()
     spec: bool | None = None
     id_slot: int | None = None
+    clock: Any = None
 
 
 @dataclass

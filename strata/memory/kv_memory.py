@@ -58,6 +58,11 @@ class KVMemory(Memory, Field):
         part.kv[self.name] = KVPages(length=t.length, hold=self.pool.hold(t.pages[:self._pages_for(t.length)],
                                                                           t.length))
 
+    def _capture_at(self, st, part, p):
+        t = self.table(st)
+        n = min(int(p), t.length)          # the K/V of [0, p) (a drafter's lags its sequence: what it has of them)
+        part.kv[self.name] = KVPages(length=n, hold=self.pool.hold(t.pages[:self._pages_for(n)], n))
+
     def _check(self, part, st):
         kvp = part.kv.get(self.name)
         if kvp is None:

@@ -208,6 +208,44 @@ class Memory:
             st.pos = p
         self._each("_unkeep", st)
 
+    # ---- states kept inside one read: a read's checkpoints without a forward call each ------------------
+    @on_device(drain=False)
+    def mark(self, sid: int, positions) -> None:
+        """Arm the sequence's next forward (read at its current position) to keep the running state at each of
+        `positions` (each past the current position and inside that forward: the state after its token p - 1), for
+        ``capture_at``; an earlier mark is dropped. No positions: disarm. ValueError for a position not past the
+        current one."""
+        from strata.memory.sequence_state import Marks
+        st = self.seq(sid)
+        ps = sorted({int(p) for p in positions})
+        if ps and ps[0] <= st.pos:
+            raise ValueError(f"mark({ps[0]}): a mark must lie past the sequence's position {st.pos}")
+        st.marks = None
+        if ps:
+            st.marks = Marks(st.pos, {p: {} for p in ps})
+            self._each("_mark", st)
+
+    @on_device(drain=False)         # its device copies were queued on the current stream by the marked forward
+    def capture_at(self, sid: int, p: int) -> StatePart:
+        """The sequence at position p, which the marked forward read (p == its position: ``capture``): the running
+        state the forward kept there (handed over, no copy), K/V pages of [0, p) held. The mark at p is used up.
+        ValueError for a position not marked or not read yet."""
+        st = self.seq(sid)
+        if p == st.pos:
+            return self.capture(sid)
+        marks = st.marks
+        if marks is None or p not in marks.at or not marks.base < p < st.pos:
+            raise ValueError(f"capture_at({p}): no state kept there (position {st.pos}, marks "
+                             f"{sorted(marks.at) if marks else []})")
+        part = StatePart(carve=self.carve, geometry=self.geometry(), pos=p)
+        try:
+            self._each("_capture_at", st, part, p)
+        except BaseException:
+            part.release()
+            raise
+        del marks.at[p]
+        return part
+
     def trim(self, sid: int) -> None:
         """Give back the pages past the sequence's valid positions (its page tables keep only what they hold)."""
         st = self.seq(sid)
@@ -225,10 +263,12 @@ class Memory:
             self._geometry_cache = g
         return self._geometry_cache
 
-    @on_device(drain=True)
-    def capture(self, sid: int) -> StatePart:
-        """The sequence at its position: running state copied, K/V pages held (KVPages.hold: one more reference
-        each, so the part stays valid whatever the sequence does next; ``release`` gives them back)."""
+    @on_device(drain=False)     # its device copies are ordered on the current stream, after the forward that wrote
+    def capture(self, sid: int) -> StatePart:  # the state and before the next one: no host wait on the request's path
+        """The sequence at its position: running state copied (on a GPU device to device, queued on the current
+        stream: the copies are done before any later work on that stream reads or writes the state), K/V pages
+        held (KVPages.hold: one more reference each, so the part stays valid whatever the sequence does next;
+        ``release`` gives them back)."""
         st = self.seq(sid)
         part = StatePart(carve=self.carve, geometry=self.geometry(), pos=st.pos)
         try:
@@ -435,3 +475,10 @@ class Field(ABC):
 
     def _commit(self, st: SequenceState, p: int) -> None:
         self._truncate(st, p)
+
+    # states kept inside one read (Memory.mark / capture_at); a field with no running state keeps nothing
+    def _mark(self, st: SequenceState) -> None:
+        pass
+
+    def _capture_at(self, st: SequenceState, part: StatePart, p: int) -> None:
+        self._capture(st, part)

@@ -35,6 +35,7 @@ class RecurrentMemory(Memory, Field):
     def _close(self, st):
         st.running = {}
         st.steps = None
+        st.marks = None
         self._kept.pop(st.sid, None)
 
     def _check_truncate(self, st, p):
@@ -69,8 +70,32 @@ class RecurrentMemory(Memory, Field):
         for a, b in pairs:
             a[...] = b
 
+    def _mark(self, st):
+        for bufs in st.marks.at.values():        # fresh arrays each (a checkpoint takes them over), carved from one
+            bufs.update(self._carve_like(self.init))    # allocation per mark
+
+    def _carve_like(self, like: dict) -> dict:
+        """Arrays shaped as `like`'s (layer -> {name: array}), carved from one allocation (256-byte aligned)."""
+        layout, total = [], 0
+        for li, d in like.items():
+            for k, a in d.items():
+                layout.append((li, k, a, total))
+                total += -(-int(a.nbytes) // 256) * 256
+        flat = self.xp.empty(total, self.xp.uint8)
+        out: dict = {li: {} for li in like}
+        for li, k, a, off in layout:
+            out[li][k] = flat[off:off + int(a.nbytes)].view(a.dtype).reshape(a.shape)
+        return out
+
+    def _capture_at(self, st, part, p):
+        if self.init and p not in st.marks.read:
+            raise ValueError(f"capture_at({p}): the forward did not keep the running state there (its runner "
+                             "takes no marks)")
+        part.running = st.marks.at[p]
+
     def _reset(self, st):
         st.steps = None
+        st.marks = None
         for li, d in self.init.items():
             for k, a in d.items():
                 st.running[li][k][...] = a
@@ -80,7 +105,15 @@ class RecurrentMemory(Memory, Field):
                         for li, d in sorted(self.init.items())}
 
     def _capture(self, st, part):
-        part.running = {li: {k: a.copy() for k, a in d.items()} for li, d in st.running.items()}
+        many = getattr(self.backend, "copy_many", None) if self.xp is not np else None
+        if many is None or not st.running or not all(a.flags.c_contiguous for d in st.running.values()
+                                                      for a in d.values()):
+            part.running = {li: {k: a.copy() for k, a in d.items()} for li, d in st.running.items()}
+            return
+        # on a GPU: one allocation carved into the part's arrays and one copy launch on the current stream, ordered
+        # after the forward that wrote the state and before the next one (no drain, no host wait)
+        part.running = self._carve_like(st.running)
+        many([(part.running[li][k], a) for li, d in st.running.items() for k, a in d.items()])
 
     def _check(self, part, st):
         if set(part.running) != set(self.init):
@@ -98,6 +131,7 @@ class RecurrentMemory(Memory, Field):
 
     def _restore(self, st, part):
         st.steps = None
+        st.marks = None
         for li, d in part.running.items():
             for k, a in d.items():
                 dst = st.running[li][k]

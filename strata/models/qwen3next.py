@@ -44,6 +44,7 @@ from strata.backend import gdn
 from strata.backend.moe import expert_slices, moe_ffn
 from strata.gguf.file import GGUFModelFile, ModelLoadError
 from strata.memory import Carve, KVMemory, Memory, PagedKV, PagePool, SequenceState
+from strata.memory.sequence_state import marked_rows
 from strata.memory.kv import DEFAULT_PAGE_SIZE
 from strata.models.base import Model
 from strata.backend.quant import ROWWISE_MAX_TOKENS, WeightTensor
@@ -332,6 +333,19 @@ class Qwen3NextModel(Model):
         o = self._gdn_mix(L, qkv, z, b, a, run, keep, step)
         return be.matmul(o.reshape(n, nv * dv), L.ssm_out)
 
+    def _gdn_cut(self, L: _Layer, x, run: dict, cuts: list) -> Any:
+        """_gdn over the rows of x in segments ending at each cut (r, {"conv", "ssm"}): each segment exactly as a
+        forward call of its own rows would run the layer, the running state after row r - 1 copied into the cut's
+        arrays (Memory.mark: a checkpoint inside one read)."""
+        outs, a = [], 0
+        for r, keep_at in cuts:
+            outs.append(self._gdn(L, x[a:r], run))
+            for k, arr in keep_at.items():
+                arr[...] = run[k]
+            a = r
+        outs.append(self._gdn(L, x[a:], run))
+        return self.xp.concatenate(outs, axis=0)
+
     def _gdn_in(self, L: _Layer, x, host) -> tuple:
         """A GDN layer's input products over the rows of x -> (qkv (n, conv_dim), z (n, n_v, d_v), beta logits
         (n, n_v), alpha (n, n_v)), each through `host`."""
@@ -417,11 +431,12 @@ class Qwen3NextModel(Model):
         return moe_ffn(be, x, F.router, F.gate, F.up, F.down, self.n_expert_used, self.norm_topk,
                        F.shared, F.shared_gate)
 
-    def _block(self, L: _Layer, il: int, x: np.ndarray, positions, state_kv: PagedKV, run, keep=None) -> np.ndarray:
+    def _block(self, L: _Layer, il: int, x: np.ndarray, positions, state_kv: PagedKV, run, keep=None,
+               cuts=None) -> np.ndarray:
         be = self.backend
         h = be.rms_norm(x, L.attn_norm, self.eps)
         if L.recurrent:
-            x = x + self._gdn(L, h, run, keep)
+            x = x + (self._gdn_cut(L, h, run, cuts) if cuts else self._gdn(L, h, run, keep))
         else:
             x = x + self._attn(L, h, positions, state_kv, il)
         h = be.rms_norm(x, L.post_norm, self.eps)
@@ -450,8 +465,10 @@ class Qwen3NextModel(Model):
         if state.steps is not None and (state.steps.base != state.pos or state.steps.n < n):
             raise ValueError(f"the kept states are armed for {state.steps.n} tokens at {state.steps.base}, "
                              f"the forward reads {n} at {state.pos}")
+        cuts = marked_rows(state, n)
         for il in range(lo, hi):
-            x = self._block(self.layers[il], il, x, positions, kv, state.running.get(il), steps.get(il))
+            x = self._block(self.layers[il], il, x, positions, kv, state.running.get(il), steps.get(il),
+                            [(r, at[il]) for r, at in cuts] if cuts and il in state.running else None)
         if kv is not None:
             kv.commit(n)
         state.advance(tokens)

@@ -12,6 +12,7 @@ import structlog
 from aiohttp import web
 
 from strata import __version__
+from strata.engine import turn_clock
 from strata.engine.types import ContextOverflow, EmptyPrompt, FinalEvent, merge_choices
 from strata.errors import Refused
 from strata.serve import schema
@@ -36,8 +37,17 @@ def _sampling(p: schema.ParsedRequest):
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    body = await read_body(request)
-    return await generate_chat(request, schema.parse_chat(body))
+    p = schema.parse_chat(await read_body(request))
+    _parsed(request)
+    return await generate_chat(request, p)
+
+
+def _parsed(request: web.Request) -> None:
+    """The body read and parsed: the request's parse phase (TurnClock; from its arrival, the middleware's
+    work included)."""
+    clock = request.get("clock")
+    if clock is not None:
+        clock.add("parse", time.perf_counter() - clock.arrival)
 
 
 async def render_chat(request: web.Request, p: schema.ParsedRequest):
@@ -46,11 +56,16 @@ async def render_chat(request: web.Request, p: schema.ParsedRequest):
     engine = serving_engine(request)
     plan = structured.plan_chat(engine, p)           # tools, reasoning, response_format (strata.structured.plan)
     loop = asyncio.get_running_loop()
+
+    def render():
+        with turn_clock.active(request.get("clock")), turn_clock.phase("render"):
+            r = engine.render_chat(plan.messages, tools=plan.tools, pin_message=plan.pin,
+                                   **({"add_generation_prompt": False, "continue_final_message": True}
+                                      if p.continue_final else {}), **plan.template_kwargs)
+            turn_clock.charge("tokenize", r.tokenize_s)      # out of the render's time
+            return r
     try:
-        rendered = await loop.run_in_executor(
-            None, lambda: engine.render_chat(plan.messages, tools=plan.tools, pin_message=plan.pin,
-                                             **({"add_generation_prompt": False, "continue_final_message": True}
-                                                if p.continue_final else {}), **plan.template_kwargs))
+        rendered = await loop.run_in_executor(None, render)
     except ContextOverflow as e:         # too long to be worth rendering and tokenizing
         raise ApiError(400, str(e), param="messages", code="context_length_exceeded") from None
     except ValueError as e:
@@ -73,14 +88,17 @@ async def generate_chat(request: web.Request, p: schema.ParsedRequest, respond=N
     answers) sends the answer (default: the chat completion's JSON or SSE); the Responses and Messages routes pass
     their own."""
     engine, plan, rendered = await render_chat(request, p)
-    constraint = await _constraint(lambda: structured.chat_constraint(engine, plan, structured.param_of(p)))
-    return await _generate(request, engine, p, list(rendered.tokens), list(rendered.cut_points), plan=plan,
+    # a grammar is compiled off the event loop; without one no thread hop (each costs a wake-up)
+    constraint = None if plan.body is None else await _constraint(
+        lambda: structured.chat_constraint(engine, plan, structured.param_of(p)))
+    return await _generate(request, engine, p, rendered.ids, list(rendered.cut_points), plan=plan,
                            constraint=constraint, respond=respond)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    body = await read_body(request)
-    return await generate_completion(request, schema.parse_completion(body))
+    p = schema.parse_completion(await read_body(request))
+    _parsed(request)
+    return await generate_completion(request, p)
 
 
 async def generate_completion(request: web.Request, p: schema.ParsedRequest, respond=None) -> web.StreamResponse:
@@ -89,8 +107,12 @@ async def generate_completion(request: web.Request, p: schema.ParsedRequest, res
     engine = serving_engine(request)
     if isinstance(p.prompt, str):
         text = p.prompt
+
+        def tokenize():
+            with turn_clock.active(request.get("clock")), turn_clock.phase("tokenize"):
+                return engine.tokenize_prompt(text)
         try:
-            tokens = await asyncio.get_running_loop().run_in_executor(None, lambda: engine.tokenize_prompt(text))
+            tokens = await asyncio.get_running_loop().run_in_executor(None, tokenize)
         except ContextOverflow as e:
             raise ApiError(400, str(e), param="prompt", code="context_length_exceeded") from None
         except ValueError as e:          # e.g. a lone surrogate: no UTF-8 encoding, so no tokens
@@ -102,11 +124,11 @@ async def generate_completion(request: web.Request, p: schema.ParsedRequest, res
         if bad is not None:
             raise ApiError(400, f"'prompt' holds token id {bad} outside the vocabulary [0, {n_vocab})",
                            param="prompt", code="invalid_value")
-    constraint = await _constraint(lambda: structured.completion_constraint(engine, p))
-    return await _generate(request, engine, p, list(tokens), [], constraint=constraint, respond=respond)
+    constraint = None if p.output is None else await _constraint(lambda: structured.completion_constraint(engine, p))
+    return await _generate(request, engine, p, tokens, [], constraint=constraint, respond=respond)
 
 
-async def _generate(request: web.Request, engine, p: schema.ParsedRequest, tokens: list[int],
+async def _generate(request: web.Request, engine, p: schema.ParsedRequest, tokens,
                     cut_points: list, plan: structured.ChatPlan | None = None,
                     constraint=None, respond=None) -> web.StreamResponse:
     from strata.engine.types import GenerationRequest
@@ -127,7 +149,8 @@ async def _generate(request: web.Request, engine, p: schema.ParsedRequest, token
                                  cancel=threading.Event(),
                                  deadline=time.monotonic() + cfg.max_request_seconds if cfg.max_request_seconds
                                  else None,
-                                 constraint=constraint, show_tokens=plan.show_tokens if plan else frozenset())
+                                 constraint=constraint, show_tokens=plan.show_tokens if plan else frozenset(),
+                                 clock=request.get("clock"))
         engine.validate(greq)              # refused now rather than after the queue (max_tokens past n_ctx_train, ...)
     except ValueError as e:
         err = as_api_error(EngineError(e))
@@ -178,10 +201,16 @@ def timings_of(final) -> dict:
     return t
 
 
-def strata_of(final) -> dict:
+def strata_of(final, request: web.Request | None = None) -> dict:
+    """The response's strata block: the FinalEvent's, and `turn` (the request's TurnClock report: where the time to
+    its first token went) once its first token has left."""
     s = dict(final.strata or {})
     if "parts" in s:
         s["parts"] = [list(x) for x in s["parts"]]
+    clock = request.get("clock") if request is not None else None
+    turn = clock.report() if clock is not None else None
+    if turn is not None:
+        s["turn"] = turn
     return s
 
 
@@ -193,12 +222,14 @@ async def _collect(request, engine, p, job, answers: list | None = None) -> web.
     while len(finals) < p.n:
         ev = await next_event(job)
         if isinstance(ev, FinalEvent):
+            _first_token(request)             # a choice that ended before any token: its end is what leaves
             finals.append(ev)
             pieces[ev.index].append(ev.text or "")
             accs[ev.index].finish(ev.text or "")
             continue
         pieces[ev.index].append(ev.text)
         accs[ev.index].add(ev, ev.text)
+        _first_token(request)
     cid, created = _ids(request, p)
     choices = []
     for f in finals:
@@ -217,7 +248,15 @@ async def _collect(request, engine, p, job, answers: list | None = None) -> web.
     return json_response({"id": cid, "object": "chat.completion" if p.kind == "chat" else "text_completion",
                           "created": created, "model": engine.model_name, "system_fingerprint": f"strata-{__version__}",
                           "choices": choices, "usage": usage_of(final), "timings": timings_of(final),
-                          "strata": strata_of(final)})
+                          "strata": strata_of(final, request)})
+
+
+def _first_token(request: web.Request) -> None:
+    """A token event handled (streamed: its text written to the socket), or a choice's end when no token came
+    before it: the request's TurnClock stops at the first."""
+    clock = request.get("clock")
+    if clock is not None and not clock.done:
+        clock.first_token()
 
 
 async def _stream(request, engine, p, job, answers: list | None = None) -> web.StreamResponse:
@@ -290,12 +329,13 @@ async def _stream(request, engine, p, job, answers: list | None = None) -> web.S
                 lp = accs[i].finish(tail) if p.logprobs else None
                 await pieces(i, tail, lp, end=True)
                 finish = answers[i].finish_reason(ev.finish_reason) if answers[i] is not None else ev.finish_reason
+                _first_token(request)         # a choice that ended before any token: its end is what leaves
                 if len(finals) < p.n:
                     await resp.write(chunk([choice(i, None if chat else "", None, finish)]))
                     continue
                 final = merge_choices(finals)
                 await resp.write(chunk([choice(i, None if chat else "", None, finish)],
-                                       timings=timings_of(final), strata=strata_of(final)))
+                                       timings=timings_of(final), strata=strata_of(final, request)))
                 if p.include_usage:
                     await resp.write(chunk([], usage=usage_of(final)))
                 await resp.write(b"data: [DONE]\n\n")
@@ -303,6 +343,7 @@ async def _stream(request, engine, p, job, answers: list | None = None) -> web.S
                 return resp
             lp = accs[i].add(ev, ev.text) if p.logprobs else None
             await pieces(i, ev.text, lp)
+            _first_token(request)
     except (ConnectionResetError, ConnectionError) as e:
         log.info("client disconnected mid-stream", error=str(e) or type(e).__name__)
         request.app[WORKER_KEY].drop(job)

@@ -9,6 +9,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # seconds; a 135M model on CPU answers in ms, a 30B one on a busy GPU in seconds
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+# seconds a request spends outside the model before its first token (parse, render, tokenize, plan, checkpoints, ...)
+TURN_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
 
 
 class Metrics:
@@ -55,6 +57,15 @@ class Metrics:
                                     "Prompt tokens not read because they were resumed (timings.cache_n)",
                                     registry=r)
 
+        self.turn_outside = Histogram("strata_turn_outside_model_seconds",
+                                      "Time from a generation request's arrival to its first token leaving, minus "
+                                      "the model's forward calls (queue wait included)", buckets=TURN_BUCKETS,
+                                      registry=r)
+        self.turn_phase = Counter("strata_turn_phase_seconds",
+                                  "Time of generation requests up to their first token, by phase (parse, render, "
+                                  "tokenize, queue, plan, model, checkpoint, sample, write, other)", ["phase"],
+                                  registry=r)
+
         self.spec_drafted = Counter("strata_spec_drafted_tokens", "Tokens drafted by the MTP head (--spec)",
                                     registry=r)
         self.spec_accepted = Counter("strata_spec_accepted_tokens", "Drafted tokens a verify kept", registry=r)
@@ -71,6 +82,13 @@ class Metrics:
         # the request slots: (slots, busy, waiting, Scheduler.stats), set before a scrape
         self.slots: tuple[int, int, int, dict] | None = None
         r.register(_SlotCollector(self))
+
+    def observe_turn(self, turn: dict) -> None:
+        """Count one request's TurnClock report (strata.engine.turn_clock)."""
+        self.turn_outside.observe(max(0.0, turn["outside_model_ms"]) / 1e3)
+        for name, ms in turn["phases_ms"].items():
+            self.turn_phase.labels(phase=name).inc(max(0.0, ms) / 1e3)
+        self.turn_phase.labels(phase="other").inc(max(0.0, turn["other_ms"]) / 1e3)
 
     def observe_final(self, usage: dict, timings: dict, strata: dict, finish_reason: str) -> None:
         """Count one finished generation from its FinalEvent fields."""

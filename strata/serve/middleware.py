@@ -11,6 +11,7 @@ import uuid
 import structlog
 from aiohttp import web
 
+from strata.engine.turn_clock import TurnClock
 from strata.serve import chat_page
 from strata.serve.config import CONFIG_KEY, ERROR_SHAPES_KEY, METRICS_KEY
 from strata.errors import Refused
@@ -67,6 +68,7 @@ async def middleware(request: web.Request, handler):
     structlog.contextvars.bind_contextvars(request_id=rid)
     cfg = request.app[CONFIG_KEY]
     t0 = time.perf_counter()
+    request["clock"] = clock = TurnClock(t0)     # a generation's phases up to its first token (TurnClock)
     status = 500
     try:
         if cfg.api_key and request.path != "/health" and not chat_page.is_public(request.path) \
@@ -102,9 +104,17 @@ async def middleware(request: web.Request, handler):
     status = resp.status
     if not resp.prepared:
         resp.headers["X-Request-Id"] = rid
-    request.app[METRICS_KEY].requests.labels(route=await _route_name(request), status=str(status)).inc()
-    log.info("request", method=request.method, path=request.path, status=status,
-             ms=round((time.perf_counter() - t0) * 1e3, 2))
+    metrics = request.app[METRICS_KEY]
+    metrics.requests.labels(route=await _route_name(request), status=str(status)).inc()
+    turn = clock.report()                # a generation that reached its first token: where that time went
+    if turn is not None:
+        metrics.observe_turn(turn)
+        log.info("request", method=request.method, path=request.path, status=status,
+                 ms=round((time.perf_counter() - t0) * 1e3, 2), first_token_ms=turn["ms"],
+                 outside_model_ms=turn["outside_model_ms"], phases_ms=turn["phases_ms"], other_ms=turn["other_ms"])
+    else:
+        log.info("request", method=request.method, path=request.path, status=status,
+                 ms=round((time.perf_counter() - t0) * 1e3, 2))
     return resp
 
 

@@ -5,6 +5,7 @@ import asyncio
 import contextlib
 import errno
 import os
+import sys
 import signal
 import socket
 from pathlib import Path
@@ -71,8 +72,14 @@ class _GuardedRunner(web.AppRunner):
         return self._guard.wrap(await super()._make_server())
 
 
+#: how long a thread that wants the GIL waits for the thread holding it (Python's default is 5 ms): the event loop
+#: writes a token the engine thread just handed over while that thread already runs the next decode step's Python
+GIL_SWITCH_S = 0.0005
+
+
 async def serve(cfg: ServeConfig, engine_factory: Callable[[], Any]) -> int:
     """Serve until SIGTERM/SIGINT; returns the process exit status (0 after a clean drain)."""
+    sys.setswitchinterval(GIL_SWITCH_S)
     loop = asyncio.get_running_loop()
     metrics = Metrics()
     worker = EngineWorker(engine_factory, queue_max=cfg.queue_max, metrics=metrics, loop=loop)

@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import structlog
 
+from strata.engine import turn_clock
 from strata.engine.types import FinalEvent
 from strata.errors import EngineFault, Unavailable
 
@@ -267,6 +268,9 @@ class EngineWorker:
     def _admit(self, job: Job) -> bool:
         """Put a waiting generation in a request slot -> False when its slot is busy (it waits on)."""
         job.started_at = time.perf_counter()
+        clock = getattr(job.request, "clock", None)
+        if clock is not None:
+            clock.set("queue", job.started_at - job.accepted_at)      # its latest try counts
         with self._cv:
             job.state = "running"
             self._active.append(job)
@@ -301,6 +305,9 @@ class EngineWorker:
     def _deliver(self, job: Job, ev) -> None:
         """One event of a running generation to its job (metrics counted: finals, first token, token gaps)."""
         now = time.perf_counter()
+        clock = getattr(job.request, "clock", None)
+        if clock is not None:
+            clock.engine_done(now)      # the engine's part of the turn ends at its first event (TurnClock)
         if isinstance(ev, FinalEvent):
             self.metrics.observe_final(dict(ev.usage or {}), dict(ev.timings or {}),
                                        dict(getattr(ev, "strata", None) or {}), ev.finish_reason)
@@ -338,8 +345,12 @@ class EngineWorker:
 
     def _run_generation(self, job: Job) -> None:
         job.started_at = time.perf_counter()
+        clock = getattr(job.request, "clock", None)
         try:
-            for ev in self.engine.generate(job.request):
-                self._deliver(job, ev)
+            with turn_clock.active(clock):
+                if clock is not None:
+                    clock.add("queue", job.started_at - job.accepted_at)
+                for ev in self.engine.generate(job.request):
+                    self._deliver(job, ev)
         except BaseException as e:  # noqa: BLE001 - the engine must stay up for the next request
             self._failed(job, e)

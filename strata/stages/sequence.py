@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from strata.memory import KVCacheFull, PartMismatch, StatePart
+from strata.memory import KVCacheFull, Memory, PartMismatch, StatePart
 from strata.memory.host import with_field_hashes
 from strata.text.token_ids import as_ids, frozen_ids
 
@@ -204,6 +204,34 @@ class Sequence:
             self.release(parts)
             raise
         return Checkpoint(pos=self.pos, tokens=frozen_ids(self.ids), parts=parts)
+
+    # ---- checkpoints inside one read ------------------------------------------------------------------
+    @property
+    def can_mark(self) -> bool:
+        """Whether every stage's memory keeps running states at marked positions inside a read (Memory.mark; a
+        remote stage's does not: its read is split at the checkpoints instead)."""
+        return all(isinstance(st.memory, Memory) for st in self.stages)
+
+    def mark(self, positions) -> None:
+        """Arm the next forward on every stage to keep the state at each of `positions` (Memory.mark; none: disarm),
+        for ``capture_at``."""
+        for st, sid in zip(self.stages, self.sids):
+            st.memory.mark(sid, positions)
+
+    def capture_at(self, p: int) -> Checkpoint:
+        """A checkpoint at position p, which the marked forward just read (p == pos: ``capture``): each stage's
+        state kept there (Memory.capture_at), pages of [0, p) held. All or nothing; ValueError for a position not
+        kept."""
+        if p == self.pos:
+            return self.capture()
+        parts: list = []
+        try:
+            for st, sid in zip(self.stages, self.sids):
+                parts.append(st.memory.capture_at(sid, p))
+        except BaseException:
+            self.release(parts)
+            raise
+        return Checkpoint(pos=p, tokens=frozen_ids(self.ids[:p]), parts=parts)
 
     def validate(self, ckpt: Checkpoint) -> None:
         """PartMismatch (one line, naming the stage) unless every part fits its own stage and this sequence."""

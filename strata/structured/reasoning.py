@@ -9,16 +9,24 @@ def template_thinks(template_source: str | None) -> bool:
     return OPEN in (template_source or "")
 
 
+def _ends_with(text: str, tag: str) -> bool:
+    """text.rstrip().endswith(tag) without copying the text (a prompt may be megabytes; its tail is what counts)."""
+    end = len(text)
+    while end and text[end - 1].isspace():
+        end -= 1
+    return text.endswith(tag, 0, end)
+
+
 def prompt_opens(prompt_text: str) -> bool:
     """Whether the rendered prompt leaves a reasoning block open (the generation prompt ends in <think>, as Qwen3.5's
     and DeepSeek-R1's templates write it): the answer then starts inside it."""
-    return prompt_text.rstrip().endswith(OPEN)
+    return _ends_with(prompt_text, OPEN)
 
 
 def prompt_closes(prompt_text: str) -> bool:
     """Whether the rendered prompt ends with a closed (empty) reasoning block, as Qwen3's template writes it when
     enable_thinking is false: the answer then has none."""
-    return prompt_text.rstrip().endswith(CLOSE)
+    return _ends_with(prompt_text, CLOSE)
 
 
 def _hold(buf: str, tag: str) -> int:

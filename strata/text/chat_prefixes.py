@@ -57,17 +57,32 @@ class PrefixEnds:
         self._items: OrderedDict[bytes, tuple[int, bytes]] = OrderedDict()
         self._lock = threading.Lock()
         self.stats = {"hits": 0, "misses": 0, "stale": 0}
+        self._last: tuple[bytes, list, list[bytes]] | None = None    # the last chain: context key, messages, keys
 
     def chain(self, context, messages) -> list[bytes] | None:
         """Keys of the prefixes messages[:1], messages[:2], ... rendered with `context` (the other inputs), or
-        None when something is not a plain value."""
-        if self.max_entries <= 0 or not _plain(context) or not all(_plain(m) for m in messages):
+        None when something is not a plain value. The keys of the leading messages equal (==) to the last chain's
+        are taken from it, so a later turn hashes only its new messages (equal messages that render differently,
+        {"a": 1} and {"a": True}, are caught where every kept end is: the new text must start with its text)."""
+        if self.max_entries <= 0 or not _plain(context):
             return None
-        h = _digest(repr(context).encode("utf-8", "surrogatepass"))
-        keys = []
-        for m in messages:
+        h = h0 = _digest(repr(context).encode("utf-8", "surrogatepass"))
+        keys: list[bytes] = []
+        last = self._last
+        if last is not None and last[0] == h0:
+            old, old_keys = last[1], last[2]
+            k, n = 0, min(len(old), len(messages))
+            while k < n and type(messages[k]) is dict and messages[k] == old[k]:
+                k += 1
+            keys = old_keys[:k]
+        if not all(_plain(m) for m in messages[len(keys):]):
+            return None
+        if keys:
+            h = keys[-1]
+        for m in messages[len(keys):]:
             h = _digest(h + repr(m).encode("utf-8", "surrogatepass"))
             keys.append(h)
+        self._last = (h0, list(messages), keys)
         return keys
 
     def get(self, key: bytes) -> tuple[int, bytes] | None:

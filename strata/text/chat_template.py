@@ -6,6 +6,7 @@ import copy
 import re
 import json
 import secrets
+import time
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Literal
@@ -13,15 +14,19 @@ from typing import Literal
 import jinja2
 import jinja2.ext
 import jinja2.nodes
+import jinja2.runtime
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from strata.text.chat_prefixes import PrefixEnds, prefix_digests
+from strata.text.token_ids import frozen_ids
 from strata.text.tokenizer import Tokenizer
+from strata.text.turn_tokens import TurnTokens
 
 CutKind = Literal["root", "message", "turn", "pin"]
 _KIND_ORDER = {"root": 0, "message": 1, "pin": 2, "turn": 3}
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+_IMMUTABLE = (str, int, float, bool)     # values a copy may share (nothing can change them)
 MESSAGE_CUTS = 64   # messages at the end of a chat that get a "message" cut point (each costs a prefix render)
 
 
@@ -38,17 +43,34 @@ class CutPoint:
     index: int | None = None
 
 
-@dataclass
 class RenderedPrompt:
-    """Prompt token ids, cut points sorted by pos (several kinds may share a pos), and the rendered text.
+    """Prompt token ids (``ids``: a read-only int32 array; ``tokens``: the same as a list, made on first use), cut
+    points sorted by pos (several kinds may share a pos), and the rendered text.
 
     content_safe: True when message contents were tokenized as plain text by the sentinel method (always
-    the case unless the template transforms contents; see ChatTemplate.render).
+    the case unless the template transforms contents; see ChatTemplate.render). tokenize_s: the seconds spent
+    splitting and tokenizing the text (the rest of a render is the template's). reused: leading ids taken from an
+    earlier render (strata.text.turn_tokens).
     """
-    tokens: list[int]
-    cut_points: list[CutPoint]
-    text: str
-    content_safe: bool = True
+
+    def __init__(self, tokens, cut_points: list[CutPoint], text: str, content_safe: bool = True,
+                 tokenize_s: float = 0.0, reused: int = 0):
+        self.ids = frozen_ids(tokens)
+        self.cut_points = cut_points
+        self.text = text
+        self.content_safe = content_safe
+        self.tokenize_s = tokenize_s
+        self.reused = reused
+        self._tokens: list[int] | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        if self._tokens is None:
+            self._tokens = self.ids.tolist()
+        return self._tokens
+
+    def __repr__(self) -> str:
+        return f"RenderedPrompt({len(self.ids)} tokens, {len(self.cut_points)} cut points)"
 
 
 class _GenerationTracker(jinja2.ext.Extension):
@@ -103,10 +125,33 @@ class _TemplateNamespace(jinja2.utils.Namespace):
             raise jinja2.exceptions.SecurityError(f"chat templates cannot set underscore attributes ({name!r})")
 
 
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """jinja2's immutable sandbox, its attribute verdicts remembered per (type, attribute) for the plain types a chat
+    template reads (the loop's context, strings, dicts, lists, numbers): jinja2 decides them from the object's type
+    and the attribute's name alone (is_internal_attribute, modifies_known_mutable: isinstance checks, some against
+    ABCs, a few microseconds each), so the verdict is the same; a long chat reads `loop.first` and friends per
+    message."""
+
+    _PLAIN = frozenset({jinja2.runtime.LoopContext, str, dict, list, tuple, int, float, bool, type(None)})
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._verdicts: dict[tuple[type, str], bool] = {}
+
+    def is_safe_attribute(self, obj, attr, value) -> bool:
+        t = type(obj)
+        if t not in self._PLAIN:
+            return super().is_safe_attribute(obj, attr, value)
+        key = (t, attr)
+        v = self._verdicts.get(key)
+        if v is None:
+            v = self._verdicts[key] = super().is_safe_attribute(obj, attr, value)
+        return v
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
     """The jinja2 environment of transformers' _compile_jinja_template (utils/chat_template_utils.py)."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationTracker, jinja2.ext.loopcontrols])
+    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTracker, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -129,7 +174,7 @@ def _prepare_messages(messages) -> list[dict]:
             raise ValueError(f"message {i} must be an object, got {type(m).__name__}")
         if "role" not in m:
             raise ValueError(f"message {i} has no role")
-        m = {k: copy.deepcopy(v) for k, v in m.items() if v is not None}
+        m = {k: v if type(v) in _IMMUTABLE else copy.deepcopy(v) for k, v in m.items() if v is not None}
         reasoning = next((m[k] for k in _REASONING_FIELDS if m.get(k) is not None), None)
         if reasoning is not None:
             m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
@@ -179,6 +224,7 @@ class ChatTemplate:
             tokenizer.tokens[tokenizer.eos_id] if tokenizer.eos_id is not None else "")
         self.special_tokens = dict(special_tokens or {})
         self.prefix_ends = PrefixEnds()        # message ends rendered by earlier requests (strata.text.chat_prefixes)
+        self.turns = TurnTokens(tokenizer)     # earlier renders' ids, reused up to what changed (strata.text.turn_tokens)
         try:
             self._template = _environment().from_string(template_str)
         except jinja2.TemplateError as e:
@@ -248,33 +294,29 @@ class ChatTemplate:
             text = self._open_final(msgs, text, tools, documents, kw)
             pieces = _cut_pieces(pieces, len(text))
         tk = self.tokenizer
-        joined, frags = tk.split_special(pieces)
-        if joined != text:  # pieces always cover the text; guard against a logic error
-            raise ValueError("internal error: prompt pieces do not cover the rendered text")
+        t_tok = time.perf_counter()
         if safe is False:
+            joined, frags = tk.split_special(pieces)
             # fallback guard: client text must not add control tokens beyond the template's own
             tmpl_ctrl = self._template_control_count(msgs, add_generation_prompt, tools, documents, kw)
             n_ctrl = sum(1 for f in frags if f.token_id is not None and tk.is_control(f.token_id))
             if tmpl_ctrl is None or n_ctrl > tmpl_ctrl:
                 raise ValueError("message content would become control tokens (the template transforms "
                                  "contents, so they cannot be isolated)")
-        parts = tk.encode_fragments(text, frags)
-        bos = 0
-        tokens: list[int] = []
-        if tk.add_bos and tk.bos_id is not None and not (frags and frags[0].token_id == tk.bos_id):
-            tokens.append(tk.bos_id)
-            bos = 1
-        # token offset of each fragment start
-        starts = []
-        for f, ids in zip(frags, parts):
-            starts.append(len(tokens))
-            tokens.extend(ids)
+        t_tok_more = time.perf_counter()
+        # the pieces tokenized, reusing an earlier render's ids up to what changed (strata.text.turn_tokens)
+        tok = self.turns.tokenize(pieces)
+        joined, frags, parts, starts, bos = tok.text, tok.frags, tok.parts, tok.starts, tok.bos
+        if joined != text:  # pieces always cover the text; guard against a logic error
+            raise ValueError("internal error: prompt pieces do not cover the rendered text")
+        n_tokens = len(tok.ids)
         char_starts = [f.start for f in frags]
+        tokenize_s = time.perf_counter() - t_tok_more + (t_tok_more - t_tok if safe is False else 0.0)
 
         def char_to_pos(c: int) -> int | None:
             """Token position of a cut at character c, if the tokens of text[:c] are a prefix of tokens."""
             if c == len(text):
-                return len(tokens)
+                return n_tokens
             if c == 0:
                 return bos
             k = bisect.bisect_right(char_starts, c) - 1      # the fragment holding character c
@@ -324,7 +366,8 @@ class ChatTemplate:
             if p is not None:
                 cuts.append(CutPoint(p, "turn", None))
         cuts.sort(key=lambda cp: (cp.pos, _KIND_ORDER[cp.kind], -1 if cp.index is None else cp.index))
-        return RenderedPrompt(tokens=tokens, text=text, cut_points=cuts, content_safe=safe)
+        return RenderedPrompt(tok.ids, text=text, cut_points=cuts, content_safe=safe, tokenize_s=tokenize_s,
+                              reused=tok.reused)
 
     def _open_final(self, msgs, text, tools, documents, kw) -> str:
         """`text` (msgs rendered without a generation prompt) cut right after the last message's text, as
@@ -421,7 +464,7 @@ class ChatTemplate:
 
         out = []
         for m in msgs:
-            m = copy.deepcopy(m)
+            m = {k: v if type(v) in _IMMUTABLE else copy.deepcopy(v) for k, v in m.items()}
             c = m.get("content")
             if isinstance(c, str) and c:
                 m["content"] = sent(c)

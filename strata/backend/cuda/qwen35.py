@@ -39,6 +39,7 @@ from strata.backend.cuda.attention import prefill_attention
 from strata.backend.cuda.gdn import VARIANTS
 from strata.backend.cuda.library import addr, check, ffi, lib, ptr, stream_ptr
 from strata.backend.cuda.runner import DecodePlan, PlanModel, q8_buffer
+from strata.memory.sequence_state import marked_rows
 from strata.backend.cuda.settings import ATTN_HEAD_DIMS, FLASH_HEAD_DIMS, fa2_splits, gqa_resident, n_split_class
 from strata.backend.cuda.weights import DeviceWeight, fuse_groups, glu_pointers
 from strata.memory import Carve
@@ -487,11 +488,12 @@ class Qwen35Cuda(DecodePlan):
         hE = pf.buf("hE", (n, self.n_embd), cp.float16)
         pt = self.pool.table(state.kv.pages) if not all(m.recurrent[self.lo:self.hi]) else None
         gu, act16 = self._prefill_ffn_buffers(n) if self.w_gu else (None, None)   # dense FFN layers only
+        cuts = marked_rows(state, n)          # checkpoints inside this read (Memory.mark): states kept at rows
         for li in range(self.lo, self.hi):
             L = m.layers[li]
             self._prefill_norm(s, x, L.attn_norm, hE)
             if L.recurrent:
-                self._gdn_prefill(s, li, L, hE, x, n, state.running[li])
+                self._gdn_prefill(s, li, L, hE, x, n, state.running[li], [(r, at[li]) for r, at in cuts])
             else:
                 self._attn_prefill(s, li, L, hE, x, n, pos0, pt)
             if li in self.moe:
@@ -500,8 +502,12 @@ class Qwen35Cuda(DecodePlan):
                 self._prefill_ffn(s, x, L.post_norm, self.w_gu[li], L.ffn.dense[2], hE, gu, act16)
         return self._prefill_end(x, toks, state, all_logits, hidden)
 
-    def _gdn_prefill(self, s, li: int, L, hE, x, n: int, run) -> None:
-        """GDN layer li over n rows: x += ssm_out(gated_norm(delta_rule(prep(conv(W_in hE))), z))."""
+    def _gdn_prefill(self, s, li: int, L, hE, x, n: int, run, cuts=()) -> None:
+        """GDN layer li over n rows: x += ssm_out(gated_norm(delta_rule(prep(conv(W_in hE))), z)). cuts: [(row r,
+        {"conv", "ssm"} arrays)] (Memory.mark): the two launches that carry the running state (the conv with its window,
+        the delta rule with its state) run over the rows in segments ending at each r, and after each segment the
+        state is copied device to device into the cut's arrays, on the same stream (no host wait); every other launch
+        runs over all n rows."""
         cp, lb, pf, m = self.cp, lib(), self.pf, self.model
         conv_dim, vdim, nv, nk, dk, dv = m.conv_dim, m.value_dim, m.nv, m.nk, m.dk, m.dv
         wp = conv_dim + vdim + 2 * nv
@@ -514,16 +520,24 @@ class Qwen35Cuda(DecodePlan):
         v, o = f32("v", (n, nv, dv)), f32("o", (n, nv, dv))
         g, beta = f32("g", (n, nv)), f32("beta", (n, nv))
         on16 = pf.buf("on16", (n, vdim), cp.float16)
-        check(lb.strata_gdn_conv(s, ptr(proj), wp, ptr(L.conv), ptr(run["conv"]), ptr(y), n, conv_dim, m.d_conv),
-              "strata_gdn_conv")
+        bounds = [0] + [r for r, _ in cuts] + [n]
+        segs = [(bounds[i], bounds[i + 1], cuts[i][1] if i < len(cuts) else None) for i in range(len(bounds) - 1)]
+        for a, b, keep_at in segs:          # the causal conv, its window the state it carries
+            check(lb.strata_gdn_conv(s, ptr(proj[a:b]), wp, ptr(L.conv), ptr(run["conv"]), ptr(y[a:b]), b - a,
+                                     conv_dim, m.d_conv), "strata_gdn_conv")
+            if keep_at is not None:
+                keep_at["conv"][...] = run["conv"]        # CuPy's current stream: the stream `s` launches on
         b_off = conv_dim + vdim
         grouped = L.w_ba is not None
         check(lb.strata_gdn_prep(s, ptr(y), conv_dim, ptr(proj), ptr(proj), wp, b_off, b_off if grouped else b_off + nv,
                                  int(grouped), ptr(L.a), ptr(L.dt), ptr(q), ptr(k), ptr(v), ptr(g), ptr(beta), n, nk,
                                  nv, dk, dv, L2_EPS), "strata_gdn_prep")
-        check(lb.strata_gdn_recurrent_ex(s, ptr(q), ptr(k), ptr(v), ptr(g), ptr(beta), ptr(run["ssm"]), ptr(o), n, nv,
-                                         nk, dk, dv, int(bool(m.tiled)), float(1.0 / dk ** 0.5),
-                                         VARIANTS["auto"]), "strata_gdn_recurrent")
+        for a, b, keep_at in segs:          # the delta rule, its state matrix
+            check(lb.strata_gdn_recurrent_ex(s, ptr(q[a:b]), ptr(k[a:b]), ptr(v[a:b]), ptr(g[a:b]), ptr(beta[a:b]),
+                                             ptr(run["ssm"]), ptr(o[a:b]), b - a, nv, nk, dk, dv, int(bool(m.tiled)),
+                                             float(1.0 / dk ** 0.5), VARIANTS["auto"]), "strata_gdn_recurrent")
+            if keep_at is not None:
+                keep_at["ssm"][...] = run["ssm"]
         check(lb.strata_gdn_gated_norm_rows(s, ptr(o), ptr(proj, conv_dim), wp, nv, ptr(L.ssm_norm), ffi().NULL,
                                             ptr(on16), n * nv, dv, self.eps), "strata_gdn_gated_norm_rows")
         pf.gemm(on16, L.ssm_out, x, True)

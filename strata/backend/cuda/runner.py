@@ -819,7 +819,18 @@ class PlanModel:
         toks = np.asarray(tokens).reshape(-1)
         n = int(toks.shape[0])
         with self.model.backend.device:
-            if self._on_plan(state):
+            # a read keeping running states at its checkpoints' rows (Memory.mark) goes through the plan's prefill,
+            # which splits its state-carrying launches there, else the model's own forward (the decode step and the
+            # short read's graphs keep none)
+            marked = bool(state.running) and state.steps is None and any(0 < p - state.pos < n for p in
+                                                                         (state.marks.at if state.marks else ()))
+            if marked and self._on_plan(state):
+                plan = self.plan(state.kv.pool)
+                if self.prefill and plan.takes_prefill(n):
+                    if hidden and plan.last:
+                        return plan.prefill(tokens, state, all_logits, x_in, hidden=True)
+                    return plan.prefill(tokens, state, all_logits, x_in)
+            elif self._on_plan(state):
                 plan = self.plan(state.kv.pool)
                 verify = (all_logits or state.steps is not None) and n <= settings.SHORT_READ_COLS
                 if n == 1 and not verify:
