@@ -26,7 +26,7 @@ def cdef_from_header(header: Path) -> str:
 
 CDEF = cdef_from_header(CPU / "strata_cpu.h")
 
-SOURCES = ["core.c", "portable.c", "avx2.c", "avxvnni.c", "attention.c", "ops.c"]
+SOURCES = ["core.c", "portable.c", "avx2.c", "avxvnni.c", "avx512.c", "attention.c", "ops.c"]
 
 
 def make_builder(absolute: bool = False) -> FFI:
