@@ -55,10 +55,13 @@ static inline int st_nearest_int(float fval) {
 
 enum { ACT_A8 = 1, ACT_Q8K = 2 };
 
-/* Tokens processed together per weight row in one kernel call (weights unpacked once per block). */
+/* Tokens processed together per weight row in one kernel call (weights unpacked once per block); a kernel set
+ * may take up to ST_NT_MAX for a type (st_kernels.nt). */
 #define ST_NT 4
+#define ST_NT_MAX 8
 
-/* dot_nt: out[t * out_stride] = dot(weight row w (nb blocks), activation row t) for t < nt (nt <= ST_NT).
+/* dot_nt: out[t * out_stride] = dot(weight row w (nb blocks), activation row t) for t < nt (nt <= the type's
+ * st_kernels.nt, ST_NT when 0).
  * act points at the first activation row; rows are act_stride bytes apart. */
 typedef void (*st_dot_fn)(int nb, const void *w, const void *act, size_t act_stride, int nt,
                           float *out, size_t out_stride);
@@ -95,6 +98,7 @@ typedef struct {
     st_quant_act_fn quant_a8;
     st_quant_act_fn quant_q8k;
     st_dot_cols_fn dot_cols[ST_N_TYPES]; /* optional: short reads of 2 or more tokens (st_cols activations) */
+    uint8_t nt[ST_N_TYPES];              /* tokens per dot call, at most ST_NT_MAX (0: ST_NT) */
     const char *name;
 } st_kernels;
 

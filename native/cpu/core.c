@@ -402,6 +402,7 @@ typedef struct {
     const char *act; size_t act_row_bytes;
     float *y; int64_t n_out, n_tok;
     int64_t chunk_rows, n_chunks;
+    int nt_max;
     _Atomic int64_t next;
 } mm_task;
 
@@ -427,8 +428,8 @@ static void mm_worker(void *arg, int ith, int nth) {
             }
             continue;
         }
-        for (int64_t t0 = 0; t0 < m->n_tok; t0 += ST_NT) {
-            const int nt = (int)(m->n_tok - t0 < ST_NT ? m->n_tok - t0 : ST_NT);
+        for (int64_t t0 = 0; t0 < m->n_tok; t0 += m->nt_max) {
+            const int nt = (int)(m->n_tok - t0 < m->nt_max ? m->n_tok - t0 : m->nt_max);
             const char *a = m->act + t0 * m->act_row_bytes;
             float *yy = m->y + t0 * m->n_out;
             int64_t r = r0;
@@ -467,7 +468,7 @@ int strata_matmul(int type, const void *w, int64_t w_row_bytes, int64_t n_out, i
     mm_task m;
     /* The one place a product chooses its kernel by token count: one token (decode) takes the dot kernels, 2 or
      * more take the type's column kernel where the kernel set has one (bit-identical per token), else the dot
-     * kernels over tiles of ST_NT tokens (also bit-identical per token). */
+     * kernels over tiles of the type's tile width (st_kernels.nt; also bit-identical per token). */
     st_cols pk;
     void *pk_mem = NULL;
     m.cols = NULL;
@@ -480,6 +481,7 @@ int strata_matmul(int type, const void *w, int64_t w_row_bytes, int64_t n_out, i
     }
     m.dot = k->dot[type];
     m.dot2 = k->dot2[type];
+    m.nt_max = k->nt[type] ? k->nt[type] : ST_NT;
     m.w = (const char *)w; m.w_row_bytes = (size_t)w_row_bytes; m.nb = nb;
     m.act = act; m.act_row_bytes = act_row_bytes;
     m.y = y; m.n_out = n_out; m.n_tok = n_tokens;
