@@ -157,3 +157,26 @@ def test_hybrid_longer_reads_keep_the_chunked_rule(hybrid, monkeypatch):
     hybrid.forward(_prompt(quant.ROWWISE_MAX_TOKENS + 1, hybrid.config.n_vocab, 2), st)
     assert calls and set(calls) == {quant.ROWWISE_MAX_TOKENS + 1}
     st.release()
+
+
+@pytest.mark.skipif(not (quant.native_available() and quant._lib.strata_cpu_has_avx512()),
+                    reason="CPU without AVX-512")
+def test_default_model_same_bits_on_every_wide_kernel_set(default_model):
+    """The avx512 kernel set (column kernels for products of 2+ tokens, 512-bit attention products) gives the
+    avxvnni set's bits for a prompt, a 40-token short read (every row's logits) and a decode step."""
+    V = default_model.config.n_vocab
+    prompt, toks = _prompt(300, V, 5), _prompt(40, V, 6)
+    got = {}
+    for path in ("avxvnni", "avx512"):
+        quant.set_cpu_path(path)
+        pool = default_model.new_page_pool(512, n_seq=1)
+        st = default_model.new_state(pool)
+        try:
+            default_model.forward(prompt, st)
+            rows = default_model.forward(toks, st, all_logits=True)
+            got[path] = (rows, default_model.forward(toks[:1], st))
+        finally:
+            st.release()
+            quant.set_cpu_path("auto")
+    np.testing.assert_array_equal(got["avxvnni"][0], got["avx512"][0])
+    np.testing.assert_array_equal(got["avxvnni"][1], got["avx512"][1])
