@@ -176,7 +176,8 @@ PV_KERNEL(3)
  * per d, or per key, in the same order), so the scores and partials are bit for bit those of QK_KERNEL / PV_KERNEL
  * and a row's result still depends only on its own query, position and K/V. */
 #if ST_HAVE_AVX512
-#if defined(__clang__)
+#if defined(__clang__)  /* leave the file's avx2 region (target_avx2_begin.inc) while these are compiled */
+#pragma clang attribute pop
 #pragma clang attribute push(__attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512dq"))), apply_to = function)
 #elif defined(__GNUC__)
 #pragma GCC push_options
@@ -239,6 +240,7 @@ static void pv_rows_wide(const float *P, int sw, const float *Vp, int hv, int jn
 
 #if defined(__clang__)
 #pragma clang attribute pop
+#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
 #elif defined(__GNUC__)
 #pragma GCC pop_options
 #endif
