@@ -14,9 +14,16 @@ in the same run: a 2 GiB device-to-device copy, or a 1 GiB host copy on the CPU)
 
 Models: 'default' (the default model), 'syn_llama_1_7b' and 'syn_hybrid_1_5b' (bench/gpu_throughput.py's and
 bench/gpu_hybrid_model.py's synthetic models, written into --dir on first use), or GGUF paths.
+
+--arm NAME=TREE (twice or more): an A/B of source trees instead (e.g. before=/tmp/main after=.), for a shared machine
+whose load swings between minutes: --rounds rounds, each running every arm's own bench/short_read.py once in a fresh
+process (the order rotated by the round, so each arm takes each place equally often), and in the first and the last
+round llama-bench (--llama-bench) on each model; per cell the best of all rounds ("ms"), every round's best ("rounds_ms") for the
+spread, the ratio to the first arm and, per arm, to its own decode step.
 Usage: PYTHONPATH=. python bench/short_read.py [--device cuda|cpu] [--models default,syn_llama_1_7b,syn_hybrid_1_5b]
        [--ns 1,2,4,...,512] [--depths 0,4096,16384] [--llama-bench BIN] [--reps 3] [--threads N] [--out PATH]
-Writes bench/results/short_read_<device>_<commit>.json (or --out).
+       [--arm NAME=TREE --arm NAME=TREE [--rounds 3]]
+Writes bench/results/short_read_<device>_<commit>.json (or --out); with arms short_read_ab_<device>_<commit>.json.
 """
 from __future__ import annotations
 
@@ -200,6 +207,78 @@ def bench_llama(bin_path: str, path: str, device: str, ns, depths, threads: int)
     return out
 
 
+def run_arms(a, paths: dict, dev_name: str) -> int:
+    """The --arm A/B (module docstring): every arm's bench in a fresh process per round, llama-bench per round."""
+    import tempfile
+    from gpu_throughput import commit, host_load
+    arms = []
+    for spec in a.arm:
+        name, _, tree = spec.partition("=")
+        if not name or not tree or not (Path(tree) / "bench" / "short_read.py").exists():
+            raise SystemExit(f"--arm {spec!r}: expected NAME=TREE with TREE/bench/short_read.py")
+        arms.append((name, str(Path(tree).resolve())))
+    ns = [int(x) for x in a.ns.split(",") if x]
+    depths = [int(x) for x in a.depths.split(",") if x]
+    out = {"commit": commit(), "device": dev_name, "arms": dict(arms), "ns": ns, "depths": depths, "reps": a.reps,
+           "rounds": a.rounds, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "host_at_start": host_load(), "runs": {n: [] for n, _ in arms}, "llama.cpp": {}}
+    tmp = Path(tempfile.mkdtemp(prefix="short_read_ab_"))
+    for r in range(a.rounds):
+        order = arms[r % len(arms):] + arms[:r % len(arms)]
+        for name, tree in order:
+            dest = tmp / f"{name}_{r}.json"
+            cmd = [sys.executable, str(Path(tree) / "bench" / "short_read.py"), "--device", a.device,
+                   "--models", ",".join(paths.values()), "--ns", a.ns, "--depths", a.depths, "--reps", str(a.reps),
+                   "--threads", str(a.threads), "--out", str(dest)]
+            print(f"round {r + 1}/{a.rounds}: {name} ({tree})", flush=True)
+            p = subprocess.run(cmd, cwd=tree, env=dict(os.environ, PYTHONPATH=tree), capture_output=True, text=True)
+            if p.returncode != 0:
+                raise SystemExit(f"arm {name} failed:\n{p.stderr[-2000:]}")
+            out["runs"][name].append(json.loads(dest.read_text()))
+        if a.llama_bench and os.path.exists(a.llama_bench) and r in (0, a.rounds - 1):   # first and last round
+            for m, path in paths.items():
+                out["llama.cpp"].setdefault(m, []).append(bench_llama(a.llama_bench, path, a.device, ns, depths,
+                                                                      a.threads))
+    out["host_at_end"] = host_load()
+    # per cell: best over rounds, each round's best, ratio to the first arm
+    table: dict = {}
+    for m, path in paths.items():
+        for name, _ in arms:
+            for d in map(str, depths):
+                for n in map(str, ns):
+                    vals = [run["models"][path]["strata"]["rows"][d][n]["ms"] for run in out["runs"][name]]
+                    table.setdefault(m, {}).setdefault(d, {}).setdefault(n, {})[name] = {
+                        "ms": min(vals), "rounds_ms": vals}
+        for d in map(str, depths):
+            for n in map(str, ns):
+                lc = [e["rows"].get(d, {}).get(n) for e in out["llama.cpp"].get(m, [])]
+                lc = [v for v in lc if v]
+                if lc:
+                    table[m][d][n]["llama.cpp"] = {"ms": min(lc), "rounds_ms": lc}
+    out["table"] = table
+    dest = Path(a.out) if a.out else \
+        ROOT / "bench" / "results" / f"short_read_ab_{dev_name.replace(' ', '_')}_{out['commit']}.json"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text(json.dumps(out, indent=1))
+    first = arms[0][0]
+    print(f"\nsummary: ms per read, best of {a.rounds} rounds [range of the rounds' bests]; x step = over the arm's "
+          f"own decode step (n = 1) at that depth; x {first} = over the first arm; llama = llama-bench")
+    for m, rows in table.items():
+        print(m)
+        for d, row in rows.items():
+            for n, cell in row.items():
+                parts = []
+                for name, _ in arms:
+                    c, step = cell[name], row["1"][name]["ms"]
+                    parts.append(f"{name} {c['ms']:8.2f} [{min(c['rounds_ms']):.1f}-{max(c['rounds_ms']):.1f}] "
+                                 f"x step {c['ms'] / step:5.2f} x {first} {c['ms'] / cell[first]['ms']:4.2f}")
+                lc = cell.get("llama.cpp", {}).get("ms")
+                print(f"  d{d:>6} n{n:>4}: " + " | ".join(parts) +
+                      (f" | llama {lc:8.2f} x llama {cell[arms[-1][0]]['ms'] / lc:5.2f}" if lc else ""))
+    print("wrote", dest)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -211,7 +290,12 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="CPU threads (--device cpu; llama-bench -t)")
     ap.add_argument("--llama-bench", default=None, help="llama-bench binary (a CUDA build for --device cuda)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--arm", action="append", default=[], metavar="NAME=TREE",
+                    help="a source tree to A/B (twice or more; module docstring)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of the --arm A/B")
     a = ap.parse_args(argv)
+    if a.arm and len(a.arm) < 2:
+        ap.error("--arm: name two trees or more")
     from gpu_throughput import commit, copy_bandwidth, host_load
     from strata.gguf.default_model import default_model_path
     from tools.greedy_tokens import model_path
@@ -227,7 +311,11 @@ def main(argv=None) -> int:
         bw = copy_bandwidth(cp)
     else:
         dev_name = f"cpu_{a.threads}_threads"
+        if a.arm:                                        # each arm's process measures its own bandwidth
+            return run_arms(a, paths, dev_name)
         bw = host_bandwidth()
+    if a.arm:
+        return run_arms(a, paths, dev_name)
     print(f"{dev_name}: copy bandwidth {bw / 1e9:.1f} GB/s", flush=True)
     out = {"commit": commit(), "device": dev_name, "copy_bandwidth_Bps": bw, "ns": ns, "depths": depths,
            "reps": a.reps, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host_at_start": host_load(),

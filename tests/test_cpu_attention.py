@@ -1,5 +1,6 @@
 """The C core's paged GQA attention (native/cpu/attention.c): against a float64 dense reference, and bit-identical
-results for a query whatever the call's size, the thread count or the decode split."""
+results for a query whatever the call's size, the thread count, the decode split or the vector width (the avx512
+kernel set's 512-bit products against the 256-bit ones)."""
 import numpy as np
 import pytest
 
@@ -83,3 +84,19 @@ def test_numpy_path_agrees(monkeypatch):
     monkeypatch.setattr(cpu_backend, "_NATIVE_ATTENTION", False)
     ref, *_ = run([40, 1, 9])
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not (quant.native_available() and quant._lib.strata_cpu_has_avx512()),
+                    reason="CPU without AVX-512: only the 256-bit products")
+@pytest.mark.parametrize("HD", [64, 128, 40])
+def test_wide_products_bit_identical_to_256_bit(HD):
+    """The avx512 kernel set's QK / PV products (16 keys or value columns per vector) give the 256-bit kernels'
+    bits: prefill rows, a short read and decode steps past several pages; head size 40 keeps the 256-bit PV."""
+    got = {}
+    for path in ("avxvnni", "avx512"):
+        quant.set_cpu_path(path)
+        try:
+            got[path], *_ = run([300, 1, 17, 1, 33, 1], HD=HD, page_size=32)
+        finally:
+            quant.set_cpu_path("auto")
+    assert np.array_equal(got["avxvnni"], got["avx512"])

@@ -23,6 +23,7 @@ PATHS = ["portable"]
 if quant.native_available():
     PATHS += ["avx2"] if quant._lib.strata_cpu_has_avx2() else []
     PATHS += ["avxvnni"] if quant._lib.strata_cpu_has_avxvnni() else []
+    PATHS += ["avx512"] if quant._lib.strata_cpu_has_avx512() else []
 
 # byte offsets of the fp16 scale fields in each block (ggml-common.h)
 F16_FIELDS = {

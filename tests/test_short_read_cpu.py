@@ -37,19 +37,35 @@ def _weight(t, n_out, n_in, rng) -> WeightTensor:
     return WeightTensor("w", t, shape, raw.reshape(n_out, nb * size))
 
 
+PATHS = ["portable"]
+if quant.native_available():
+    PATHS += ["avx2"] if quant._lib.strata_cpu_has_avx2() else []
+    PATHS += ["avxvnni"] if quant._lib.strata_cpu_has_avxvnni() else []
+    PATHS += ["avx512"] if quant._lib.strata_cpu_has_avx512() else []
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("t", sorted(SUPPORTED_TYPES, key=int), ids=lambda t: t.name)
-def test_matmul_rows_bit_identical_to_one_token(t):
-    """Every row of an n-token product (n = 2..16) equals the product of that row alone, bit for bit."""
+def test_matmul_rows_bit_identical_to_one_token(t, path):
+    """On every kernel set the CPU has, every row of an n-token product equals the product of that row alone, bit
+    for bit: n = 2..17 (the contract's 2..16 and the first past it), odd and even counts around the column kernels'
+    tiles of 16 tokens, up to 65; 97 weight rows (an odd tail row)."""
     rng = np.random.default_rng(int(t))
     n_in = 512
-    w = _weight(t, 96, n_in, rng)
-    for n in range(2, quant.ROWWISE_MAX_TOKENS + 1):
-        x = rng.standard_normal((n, n_in)).astype(np.float32)
-        y = w.matmul(x)
-        assert y.shape == (n, 96) and np.isfinite(y).all()
-        for i in range(n):
-            np.testing.assert_array_equal(y[i], w.matmul(np.ascontiguousarray(x[i:i + 1]))[0],
-                                          err_msg=f"{t.name} n={n} row {i}")
+    w = _weight(t, 97, n_in, rng)
+    quant.set_cpu_path(path)
+    try:
+        for n in [*range(2, quant.ROWWISE_MAX_TOKENS + 2), 31, 32, 33, 48, 64, 65]:
+            x = rng.standard_normal((n, n_in)).astype(np.float32)
+            y = w.matmul(x)
+            assert y.shape == (n, 97) and np.isfinite(y).all()
+            for i in range(n):
+                if n > quant.ROWWISE_MAX_TOKENS and t in (T.F16, T.BF16, T.F32):
+                    break                                  # BLAS blocks the batch from 17 rows on
+                np.testing.assert_array_equal(y[i], w.matmul(np.ascontiguousarray(x[i:i + 1]))[0],
+                                              err_msg=f"{t.name} {path} n={n} row {i}")
+    finally:
+        quant.set_cpu_path("auto")
 
 
 def _prompt(n, n_vocab, seed):
@@ -141,3 +157,26 @@ def test_hybrid_longer_reads_keep_the_chunked_rule(hybrid, monkeypatch):
     hybrid.forward(_prompt(quant.ROWWISE_MAX_TOKENS + 1, hybrid.config.n_vocab, 2), st)
     assert calls and set(calls) == {quant.ROWWISE_MAX_TOKENS + 1}
     st.release()
+
+
+@pytest.mark.skipif(not (quant.native_available() and quant._lib.strata_cpu_has_avx512()),
+                    reason="CPU without AVX-512")
+def test_default_model_same_bits_on_every_wide_kernel_set(default_model):
+    """The avx512 kernel set (column kernels for products of 2+ tokens, 512-bit attention products) gives the
+    avxvnni set's bits for a prompt, a 40-token short read (every row's logits) and a decode step."""
+    V = default_model.config.n_vocab
+    prompt, toks = _prompt(300, V, 5), _prompt(40, V, 6)
+    got = {}
+    for path in ("avxvnni", "avx512"):
+        quant.set_cpu_path(path)
+        pool = default_model.new_page_pool(512, n_seq=1)
+        st = default_model.new_state(pool)
+        try:
+            default_model.forward(prompt, st)
+            rows = default_model.forward(toks, st, all_logits=True)
+            got[path] = (rows, default_model.forward(toks[:1], st))
+        finally:
+            st.release()
+            quant.set_cpu_path("auto")
+    np.testing.assert_array_equal(got["avxvnni"][0], got["avx512"][0])
+    np.testing.assert_array_equal(got["avxvnni"][1], got["avx512"][1])

@@ -43,6 +43,7 @@ typedef struct {
     int qb;                 /* tokens per row block */
     int64_t n_blocks, n_segs;
     int split;
+    int wide;               /* the 512-bit QK / PV kernels (same bits) */
     float *scratch;         /* split: per (h, blk, seg) item: R*(2 + hv) floats */
     int64_t item_floats;
     int64_t n_items;
@@ -170,6 +171,81 @@ PV_KERNEL(1)
 PV_KERNEL(2)
 PV_KERNEL(3)
 
+/* The same two products with 512-bit vectors on CPUs with AVX-512F (the "avx512" kernel set's CPUs): 16 keys (QK)
+ * or 16 value columns (PV) per vector. Each output lane runs the 256-bit kernels' FMA chain (zero, then one FMA
+ * per d, or per key, in the same order), so the scores and partials are bit for bit those of QK_KERNEL / PV_KERNEL
+ * and a row's result still depends only on its own query, position and K/V. */
+#if ST_HAVE_AVX512
+#if defined(__clang__)  /* leave the file's avx2 region (target_avx2_begin.inc) while these are compiled */
+#pragma clang attribute pop
+#pragma clang attribute push(__attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512dq"))), apply_to = function)
+#elif defined(__GNUC__)
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512dq")
+#endif
+#define QK_RB_W 12  /* query rows per 512-bit QK micro-kernel */
+#define PV_RB_W 6   /* query rows per 512-bit PV micro-kernel (hv <= 64 at a time) */
+
+static inline __attribute__((always_inline)) void qk_rows_w(const float *qs, int hd, const float *kt, float *S, int sw,
+                                                            const int RB) {
+    __m512 a[QK_RB_W];
+    for (int r = 0; r < RB; r++) a[r] = _mm512_setzero_ps();
+    for (int d = 0; d < hd; d++) {
+        const __m512 k = _mm512_load_ps(kt + d * KT_W);
+        for (int r = 0; r < RB; r++) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(qs[(size_t)r * hd + d]), k, a[r]);
+    }
+    for (int r = 0; r < RB; r++) _mm512_storeu_ps(S + (size_t)r * sw, a[r]);
+}
+
+#define QK_W(RB)                                                                                          \
+    static void qk_rows_w##RB(const float *qs, int hd, const float *kt, float *S, int sw) {                \
+        qk_rows_w(qs, hd, kt, S, sw, RB);                                                                 \
+    }
+QK_W(1) QK_W(2) QK_W(3) QK_W(4) QK_W(5) QK_W(6) QK_W(7) QK_W(8) QK_W(9) QK_W(10) QK_W(11) QK_W(12)
+typedef void (*qk_w_fn)(const float *, int, const float *, float *, int);
+static const qk_w_fn QK_W_FNS[QK_RB_W + 1] = {NULL, qk_rows_w1, qk_rows_w2, qk_rows_w3, qk_rows_w4, qk_rows_w5,
+                                              qk_rows_w6, qk_rows_w7, qk_rows_w8, qk_rows_w9, qk_rows_w10,
+                                              qk_rows_w11, qk_rows_w12};
+
+/* a[r][c0 .. c0 + 16*nv) = sum_{j < jn} P[r][j] V[j][c0 ..) for RB rows, nv <= 4. */
+static inline __attribute__((always_inline)) void pv_rows_w(const float *P, int sw, const float *Vp, int hv,
+                                                            int jn, float *a, int c0, const int nv, const int RB) {
+    __m512 acc[PV_RB_W][4];
+    for (int r = 0; r < RB; r++)
+        for (int c = 0; c < nv; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int j = 0; j < jn; j++) {
+        const float *vr = Vp + (size_t)j * hv + c0;
+        __m512 v[4];
+        for (int c = 0; c < nv; c++) v[c] = _mm512_loadu_ps(vr + 16 * c);
+        for (int r = 0; r < RB; r++) {
+            const __m512 p = _mm512_set1_ps(P[(size_t)r * sw + j]);
+            for (int c = 0; c < nv; c++) acc[r][c] = _mm512_fmadd_ps(p, v[c], acc[r][c]);
+        }
+    }
+    for (int r = 0; r < RB; r++)
+        for (int c = 0; c < nv; c++) _mm512_storeu_ps(a + (size_t)r * hv + c0 + 16 * c, acc[r][c]);
+}
+
+static void pv_rows_wide(const float *P, int sw, const float *Vp, int hv, int jn, float *a, int c0, int nv, int rb) {
+#define PV_W_CASE(RB)                                                                                     \
+    case RB:                                                                                              \
+        if (nv == 4) pv_rows_w(P, sw, Vp, hv, jn, a, c0, 4, RB);                                          \
+        else if (nv == 3) pv_rows_w(P, sw, Vp, hv, jn, a, c0, 3, RB);                                     \
+        else if (nv == 2) pv_rows_w(P, sw, Vp, hv, jn, a, c0, 2, RB);                                     \
+        else pv_rows_w(P, sw, Vp, hv, jn, a, c0, 1, RB);                                                  \
+        break;
+    switch (rb) { PV_W_CASE(1) PV_W_CASE(2) PV_W_CASE(3) PV_W_CASE(4) PV_W_CASE(5) default: PV_W_CASE(6) }
+#undef PV_W_CASE
+}
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
+#elif defined(__GNUC__)
+#pragma GCC pop_options
+#endif
+#endif /* ST_HAVE_AVX512 */
+
 typedef struct {
     float *qs;   /* R x hd, scaled queries */
     float *S;    /* R x sw scores / probabilities */
@@ -183,7 +259,7 @@ static int buf_alloc(at_buf *b, const at_task *t) {
     const int R = t->qb * t->g;
     b->sw = (t->ps + KT_W - 1) / KT_W * KT_W;
     const size_t n = (size_t)R * t->hd + (size_t)R * b->sw + (size_t)t->hd * KT_W + 2 * ((size_t)R * (2 + t->hv)) + 64;
-    float *m = (float *)aligned_alloc(32, (n * sizeof(float) + 31) / 32 * 32);
+    float *m = (float *)aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64);   /* kt: 64-byte rows */
     if (!m) return 0;
     b->kt = m;
     b->qs = b->kt + (size_t)t->hd * KT_W;
@@ -228,6 +304,15 @@ static void seg_partial(const at_task *t, at_buf *b, int h, int64_t i0, int R, i
     for (int j0 = 0; j0 < nk; j0 += KT_W) {
         const int jn = nk - j0 < KT_W ? nk - j0 : KT_W;
         build_kt(Kp + (size_t)j0 * hd, hd, jn, b->kt);
+#if ST_HAVE_AVX512
+        if (t->wide) {
+            for (int r = 0; r < R; r += QK_RB_W) {
+                const int rb = R - r < QK_RB_W ? R - r : QK_RB_W;
+                QK_W_FNS[rb](b->qs + (size_t)r * hd, hd, b->kt, b->S + (size_t)r * sw + j0, sw);
+            }
+            continue;
+        }
+#endif
         int r = 0;
         for (; r + QK_RB <= R; r += QK_RB) qk_rows_6(b->qs + (size_t)r * hd, hd, b->kt, b->S + (size_t)r * sw + j0, sw);
         switch (R - r) {
@@ -263,6 +348,21 @@ static void seg_partial(const at_task *t, at_buf *b, int h, int64_t i0, int R, i
         b->pl[r] = hsum8(acc);
     }
     /* P V */
+#if ST_HAVE_AVX512
+    if (t->wide) {
+        for (int r = 0; r < R;) {
+            const int rb = R - r >= PV_RB_W ? PV_RB_W : R - r;
+            int jn = 0;
+            for (int i = 0; i < rb; i++) jn = vis[r + i] > jn ? vis[r + i] : jn;
+            for (int c0 = 0; c0 < hv; c0 += 64) {
+                const int nv = (hv - c0) / 16 < 4 ? (hv - c0) / 16 : 4;
+                pv_rows_wide(b->S + (size_t)r * sw, sw, Vp, hv, jn, b->pa + (size_t)r * hv, c0, nv, rb);
+            }
+            r += rb;
+        }
+        return;
+    }
+#endif
     for (int r = 0; r < R;) {
         const int rb = R - r >= PV_RB ? PV_RB : R - r;
         int jn = 0;
@@ -390,6 +490,9 @@ int strata_attention(const float *q, int64_t n, int n_head, int n_kv, int hd, in
     t.q = q; t.n = n; t.n_head = n_head; t.n_kv = n_kv; t.hd = hd; t.hv = hv; t.g = n_head / n_kv;
     t.K = K; t.V = V; t.pool_pages = pool_pages; t.ps = page_size; t.pages = pages; t.start = start;
     t.scale = scale; t.out = out;
+#if ST_HAVE_AVX512
+    t.wide = hv % 16 == 0 && strata_cpu_has_avx512() && !strcmp(strata_cpu_path(), "avx512");
+#endif
     t.qb = 48 / t.g;
     if (t.qb < 1) t.qb = 1;
     if (t.qb * t.g > ROWS_MAX) return ST_ERR_SHAPE;

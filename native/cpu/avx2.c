@@ -13,6 +13,8 @@
 
 #include "kernels.inc"
 
+#include "avx2_kquants.inc"
+
 ST_DEFINE_AVX2_CLASS_TABLE(st_kernels_avx2, "avx2")
 
 #include "target_end.inc"

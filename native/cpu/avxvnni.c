@@ -19,6 +19,8 @@
 
 #include "kernels.inc"
 
+#include "avx2_kquants.inc"
+
 ST_DEFINE_AVX2_CLASS_TABLE(st_kernels_avxvnni, "avxvnni")
 
 #include "target_end.inc"

@@ -2,6 +2,7 @@
 #ifndef STRATA_COMMON_H
 #define STRATA_COMMON_H
 
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -54,10 +55,13 @@ static inline int st_nearest_int(float fval) {
 
 enum { ACT_A8 = 1, ACT_Q8K = 2 };
 
-/* Tokens processed together per weight row in one kernel call (weights unpacked once per block). */
+/* Tokens processed together per weight row in one kernel call (weights unpacked once per block); a kernel set
+ * may take up to ST_NT_MAX for a type (st_kernels.nt). */
 #define ST_NT 4
+#define ST_NT_MAX 8
 
-/* dot_nt: out[t * out_stride] = dot(weight row w (nb blocks), activation row t) for t < nt (nt <= ST_NT).
+/* dot_nt: out[t * out_stride] = dot(weight row w (nb blocks), activation row t) for t < nt (nt <= the type's
+ * st_kernels.nt, ST_NT when 0).
  * act points at the first activation row; rows are act_stride bytes apart. */
 typedef void (*st_dot_fn)(int nb, const void *w, const void *act, size_t act_stride, int nt,
                           float *out, size_t out_stride);
@@ -67,12 +71,34 @@ typedef void (*st_dot2_fn)(int nb, const void *w, size_t w_stride, const void *a
 typedef void (*st_dequant_fn)(const void *src, float *dst, int64_t n);
 typedef void (*st_quant_act_fn)(const float *x, void *dst, int64_t n);
 
+/* A short read's activation rows repacked for the column kernels (AVX-512) of the 32-element types: tokens in
+ * pairs, the pair's block b as 64 bytes with the two tokens' 4-byte groups interleaved (t0 g0, t1 g0, t0 g1, ...,
+ * t1 g7), so that one 512-bit multiply-add gives both tokens' 8 lane sums; per block the tokens' d and s
+ * (block_a8's), 8 floats readable past the last token; for Q8_0, each pair's 16 group sums times -128 (the
+ * unsigned shift of the weight bytes taken back). A padding token of an odd count is all zeros. */
+typedef struct {
+    int nb, n_pairs, d_stride;     /* d_stride: floats per block in d and s (2 * n_pairs rounded up, + 8) */
+    const int8_t *qs;              /* [nb][n_pairs][64] */
+    const int32_t *neg;            /* [nb][n_pairs][16], or NULL when the type needs none */
+    const float *d, *s;            /* [nb][d_stride] */
+} st_cols;
+
+/* Column kernel: rows w .. w + (nr - 1) * w_stride (nr <= ST_COLS_ROWS) against the token pairs [p0, p0 + np)
+ * (np <= ST_COLS_PAIRS) of c: out[t * out_stride + r] for the tokens t < nt of those pairs (t counted from 2 * p0).
+ * Each (row, token) is reduced exactly as the type's dot reduces that token alone. */
+#define ST_COLS_ROWS 2
+#define ST_COLS_PAIRS 8
+typedef void (*st_dot_cols_fn)(const void *w, size_t w_stride, int nr, const st_cols *c, int p0, int np, int nt,
+                                float *out, size_t out_stride);
+
 typedef struct {
     st_dequant_fn dequant[ST_N_TYPES];
     st_dot_fn dot[ST_N_TYPES];
     st_dot2_fn dot2[ST_N_TYPES];
     st_quant_act_fn quant_a8;
     st_quant_act_fn quant_q8k;
+    st_dot_cols_fn dot_cols[ST_N_TYPES]; /* optional: short reads of 2 or more tokens (st_cols activations) */
+    uint8_t nt[ST_N_TYPES];              /* tokens per dot call, at most ST_NT_MAX (0: ST_NT) */
     const char *name;
 } st_kernels;
 
@@ -91,6 +117,11 @@ const st_kernels *st_kernels_avx2(void);
 const st_kernels *st_kernels_avxvnni(void);
 #else
 #define ST_HAVE_AVXVNNI 0
+#endif
+/* AVX-512 (F, BW, VL, DQ, VNNI) with AVX-VNNI: the same compilers */
+#define ST_HAVE_AVX512 ST_HAVE_AVXVNNI
+#if ST_HAVE_AVX512
+const st_kernels *st_kernels_avx512(void);
 #endif
 
 #endif

@@ -57,8 +57,21 @@ int strata_cpu_has_avxvnni(void) {
 #endif
 }
 
+int strata_cpu_has_avx512(void) {
+#if ST_HAVE_AVX512
+    return strata_cpu_has_avxvnni() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx512vnni");
+#else
+    return 0;
+#endif
+}
+
 static const st_kernels *pick(const char *name) {
     if (!name || !*name || !strcmp(name, "auto")) {
+#if ST_HAVE_AVX512
+        if (strata_cpu_has_avx512()) return st_kernels_avx512();
+#endif
 #if ST_HAVE_AVXVNNI
         if (strata_cpu_has_avxvnni()) return st_kernels_avxvnni();
 #endif
@@ -74,6 +87,9 @@ static const st_kernels *pick(const char *name) {
 #if ST_HAVE_AVXVNNI
     if (!strcmp(name, "avxvnni") && strata_cpu_has_avxvnni()) return st_kernels_avxvnni();
 #endif
+#if ST_HAVE_AVX512
+    if (!strcmp(name, "avx512") && strata_cpu_has_avx512()) return st_kernels_avx512();
+#endif
     return NULL;
 }
 
@@ -85,6 +101,9 @@ static void init_once(void) {
 #endif
 #if ST_HAVE_AVXVNNI
     (void)st_kernels_avxvnni();
+#endif
+#if ST_HAVE_AVX512
+    (void)st_kernels_avx512();
 #endif
     const st_kernels *k = pick(getenv("STRATA_CPU_PATH"));
     g_k = k ? k : pick("auto");
@@ -335,13 +354,55 @@ static void qa_worker(void *arg, int ith, int nth) {
     }
 }
 
+/* The activation rows (block_a8) of a short read repacked for a column kernel (st_cols, common.h). */
+static int pack_cols(const char *act, size_t act_row_bytes, int64_t n_tok, int nb, int with_neg, st_cols *c,
+                     void **mem) {
+    const int P = (int)((n_tok + 1) / 2);
+    const int ds = ((2 * P + 7) / 8) * 8 + 8;
+    const size_t qs_bytes = (size_t)nb * P * 64, neg_bytes = with_neg ? (size_t)nb * P * 64 : 0;
+    const size_t f_bytes = (size_t)nb * ds * sizeof(float);
+    char *buf = (char *)aligned_alloc(64, ((qs_bytes + neg_bytes + 2 * f_bytes) + 63) / 64 * 64);
+    if (!buf) return ST_ERR_NOMEM;
+    int8_t *qs = (int8_t *)buf;
+    int32_t *neg = with_neg ? (int32_t *)(buf + qs_bytes) : NULL;
+    float *d = (float *)(buf + qs_bytes + neg_bytes), *sv = d + (size_t)nb * ds;
+    memset(d, 0, 2 * f_bytes);
+    for (int b = 0; b < nb; b++)
+        for (int p = 0; p < P; p++) {
+            int8_t *q = qs + ((size_t)b * P + p) * 64;
+            for (int h = 0; h < 2; h++) {
+                const int64_t t = 2 * (int64_t)p + h;
+                if (t >= n_tok) {
+                    for (int g = 0; g < 8; g++) memset(q + 8 * g + 4 * h, 0, 4);
+                    if (neg) for (int g = 0; g < 8; g++) neg[((size_t)b * P + p) * 16 + 2 * g + h] = 0;
+                    continue;
+                }
+                const block_a8 *a = (const block_a8 *)(act + t * act_row_bytes) + b;
+                for (int g = 0; g < 8; g++) {
+                    memcpy(q + 8 * g + 4 * h, a->qs + 4 * g, 4);
+                    if (neg)
+                        neg[((size_t)b * P + p) * 16 + 2 * g + h] =
+                            -128 * (a->qs[4 * g] + a->qs[4 * g + 1] + a->qs[4 * g + 2] + a->qs[4 * g + 3]);
+                }
+                d[(size_t)b * ds + t] = a->d;
+                sv[(size_t)b * ds + t] = a->s;
+            }
+        }
+    c->nb = nb; c->n_pairs = P; c->d_stride = ds; c->qs = qs; c->neg = neg; c->d = d; c->s = sv;
+    *mem = buf;
+    return ST_OK;
+}
+
 typedef struct {
+    st_dot_cols_fn cols;
+    const st_cols *pk;
     st_dot_fn dot;
     st_dot2_fn dot2;
     const char *w; size_t w_row_bytes; int nb;
     const char *act; size_t act_row_bytes;
     float *y; int64_t n_out, n_tok;
     int64_t chunk_rows, n_chunks;
+    int nt_max;
     _Atomic int64_t next;
 } mm_task;
 
@@ -353,8 +414,22 @@ static void mm_worker(void *arg, int ith, int nth) {
         if (c >= m->n_chunks) break;
         const int64_t r0 = c * m->chunk_rows;
         const int64_t r1 = r0 + m->chunk_rows < m->n_out ? r0 + m->chunk_rows : m->n_out;
-        for (int64_t t0 = 0; t0 < m->n_tok; t0 += ST_NT) {
-            const int nt = (int)(m->n_tok - t0 < ST_NT ? m->n_tok - t0 : ST_NT);
+        if (m->cols) {
+            /* a short read: ST_COLS_ROWS rows at a time against every token pair, ST_COLS_PAIRS per call */
+            const int P = m->pk->n_pairs;
+            for (int64_t r = r0; r < r1; r += ST_COLS_ROWS) {
+                const int nr = (int)(r1 - r < ST_COLS_ROWS ? r1 - r : ST_COLS_ROWS);
+                for (int p0 = 0; p0 < P; p0 += ST_COLS_PAIRS) {
+                    const int np = P - p0 < ST_COLS_PAIRS ? P - p0 : ST_COLS_PAIRS;
+                    m->cols(m->w + r * m->w_row_bytes, m->w_row_bytes, nr, m->pk, p0, np,
+                            (int)(m->n_tok - 2 * (int64_t)p0), m->y + 2 * (int64_t)p0 * m->n_out + r,
+                            (size_t)m->n_out);
+                }
+            }
+            continue;
+        }
+        for (int64_t t0 = 0; t0 < m->n_tok; t0 += m->nt_max) {
+            const int nt = (int)(m->n_tok - t0 < m->nt_max ? m->n_tok - t0 : m->nt_max);
             const char *a = m->act + t0 * m->act_row_bytes;
             float *yy = m->y + t0 * m->n_out;
             int64_t r = r0;
@@ -391,8 +466,22 @@ int strata_matmul(int type, const void *w, int64_t w_row_bytes, int64_t n_out, i
     run_task(qa_worker, &qa, qnth);
 
     mm_task m;
+    /* The one place a product chooses its kernel by token count: one token (decode) takes the dot kernels, 2 or
+     * more take the type's column kernel where the kernel set has one (bit-identical per token), else the dot
+     * kernels over tiles of the type's tile width (st_kernels.nt; also bit-identical per token). */
+    st_cols pk;
+    void *pk_mem = NULL;
+    m.cols = NULL;
+    m.pk = NULL;
+    if (n_tokens >= 2 && k->dot_cols[type]) {
+        const int perr = pack_cols(act, act_row_bytes, n_tokens, nb, type == ST_Q8_0, &pk, &pk_mem);
+        if (perr) { free(act); return perr; }
+        m.cols = k->dot_cols[type];
+        m.pk = &pk;
+    }
     m.dot = k->dot[type];
     m.dot2 = k->dot2[type];
+    m.nt_max = k->nt[type] ? k->nt[type] : ST_NT;
     m.w = (const char *)w; m.w_row_bytes = (size_t)w_row_bytes; m.nb = nb;
     m.act = act; m.act_row_bytes = act_row_bytes;
     m.y = y; m.n_out = n_out; m.n_tok = n_tokens;
@@ -413,6 +502,7 @@ int strata_matmul(int type, const void *w, int64_t w_row_bytes, int64_t n_out, i
     if (nth > 1 && work / nth < (1 << 18)) nth = (int)(work / (1 << 18)) + 1;
     if (nth > m.n_chunks) nth = (int)m.n_chunks;
     run_task(mm_worker, &m, nth);
+    free(pk_mem);
     free(act);
     return ST_OK;
 }

@@ -10,10 +10,11 @@
 #define ST_ERR_INDEX (-3)  /* a row id out of range */
 #define ST_ERR_NOMEM (-4)
 
-const char *strata_cpu_path(void);                 /* "avxvnni", "avx2" or "portable" */
-int strata_cpu_set_path(const char *name);         /* "auto" | "avxvnni" | "avx2" | "portable"; -1 if unsupported */
+const char *strata_cpu_path(void);                 /* "avx512", "avxvnni", "avx2" or "portable" */
+int strata_cpu_set_path(const char *name);         /* "auto" | "avx512" | "avxvnni" | "avx2" | "portable"; -1 if unsupported */
 int strata_cpu_has_avx2(void);
 int strata_cpu_has_avxvnni(void);
+int strata_cpu_has_avx512(void);                   /* AVX-512 F/BW/VL/DQ/VNNI and AVX-VNNI */
 int strata_block_size(int type);                   /* elements per block, 0 if unsupported */
 int strata_type_size(int type);                    /* bytes per block, 0 if unsupported */
 int strata_can_matmul(int type);                   /* 1 if strata_matmul supports the type */

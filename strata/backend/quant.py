@@ -60,7 +60,8 @@ def native_available() -> bool:
 
 
 def cpu_path() -> str:
-    """The active kernel set: "avxvnni" (AVX2+FMA+AVX-VNNI), "avx2" (AVX2+FMA), "portable" (plain C) or
+    """The active kernel set: "avx512" (AVX-VNNI plus AVX-512 VNNI column kernels for products of 2 or more
+    tokens), "avxvnni" (AVX2+FMA+AVX-VNNI), "avx2" (AVX2+FMA), "portable" (plain C) or
     "numpy" (no C core built); the C core picks the best one the CPU supports.
 
     STRATA_CPU_PATH=portable in the environment forces the plain-C path at import.
@@ -71,12 +72,12 @@ def cpu_path() -> str:
 
 
 def set_cpu_path(name: str) -> None:
-    """Select the kernel set: "auto", "avxvnni", "avx2" or "portable". Raises ValueError if unknown or
+    """Select the kernel set: "auto", "avx512", "avxvnni", "avx2" or "portable". Raises ValueError if unknown or
     unsupported by this CPU."""
     if _lib is None:
         raise ValueError("the C core strata._native is not built")
     if _lib.strata_cpu_set_path(str(name).encode()) != 0:
-        raise ValueError(f"CPU path {name!r} is unknown or not supported by this CPU (use auto, avxvnni, avx2 or portable)")
+        raise ValueError(f"CPU path {name!r} is unknown or not supported by this CPU (use auto, avx512, avxvnni, avx2 or portable)")
 
 
 def park_workers() -> None:
