@@ -187,7 +187,12 @@ def test_context_too_large_for_memory_is_one_line(default_model_path):
     # the engine's warning that n_ctx is past the training context (8192) comes first, then the one error line
     assert len(lines) == 2 and "training context" in lines[0] and "warning" in lines[0]
     assert_one_line_error(subprocess.CompletedProcess(p.args, p.returncode, p.stdout, lines[1]),
-                          "cannot allocate the KV cache for n_ctx 10000000000")
+                          "cannot allocate the KV cache for 10000000000 tokens")
+    assert "choose a smaller --n-ctx" in lines[1]
+    # a pool sized by --parallel x --n-ctx names both (not --kv-pool-ctx, which was not given)
+    p = strata("generate", "--prompt", "hi", "-n", "1", "--n-ctx", "8192", "--parallel", str(10 ** 6))
+    assert_one_line_error(p, "cannot allocate the KV cache for 8192000000 tokens")
+    assert "--parallel (1000000) or --n-ctx (8192)" in p.stderr and "--kv-pool-ctx" not in p.stderr
 
 
 def test_parse_chat_line():

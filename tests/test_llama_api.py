@@ -193,6 +193,8 @@ def test_completion_return_tokens_gives_the_generated_ids(daemon, tokenizer):
     assert plain["tokens"] == [] and plain["content"] == r["content"]
     st, bad = curl(daemon, "/completion", {**body, "return_tokens": "yes"})
     assert st == 400 and "return_tokens" in bad["error"]["message"]
+    st, bad = curl(daemon, "/completion", {"prompt": "Hi", "n_predict": 10 ** 23})
+    assert st == 400 and "n_predict" in bad["error"]["message"] and "max_tokens" not in bad["error"]["message"]
 
 
 def test_completion_reports_an_end_of_generation_and_the_default_length(daemon):

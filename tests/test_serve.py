@@ -247,7 +247,7 @@ def test_turn_phases_in_strata_metrics_and_log(daemon, client, model_id):
             turn = r.model_extra["strata"]["turn"]
         turns.append(turn)
         ph = turn["phases_ms"]
-        assert set(ph) == {"parse", "render", "tokenize", "queue", "plan", "model", "checkpoint", "sample", "write"}
+        assert set(ph) == {"parse", "render", "tokenize", "queue", "plan", "model", "slots", "checkpoint", "sample", "write"}
         assert all(v >= 0 for v in ph.values())
         assert ph["model"] > 0 and ph["render"] > 0 and ph["tokenize"] > 0 and ph["parse"] > 0
         assert abs(sum(ph.values()) + turn["other_ms"] - turn["ms"]) < 0.01      # rounding only

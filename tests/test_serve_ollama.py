@@ -96,6 +96,7 @@ def test_refusals_are_one_line_ollama_errors(client, daemon):
                          ({"model": "m", "messages": HI, "options": {"num_predict": "lots"}}, "options.num_predict"),
                          ({"model": "m", "messages": HI, "options": {"temperature": -1}}, "'options.temperature'"),
                          ({"model": "m", "messages": HI, "options": {"top_p": 3}}, "'options.top_p'"),
+                         ({"model": "m", "messages": HI, "options": {"num_predict": 10 ** 23}}, "options.num_predict is"),
                          ({"model": "m", "messages": HI, "format": {"type": "nope"}}, "'format"),
                          ({"model": "m", "messages": HI, "format": 7}, "'format'"),
                          ({"model": "m", "messages": HI, "stream": "yes"}, "'stream'")):

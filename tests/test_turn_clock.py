@@ -65,3 +65,27 @@ def test_no_active_clock_charges_nothing_and_bad_phases_are_refused():
         t.join()
         assert T.current() is clock
     assert seen == [None]
+
+
+def test_a_prompt_read_beside_another_slot_charges_their_reads_to_slots(default_model_path):
+    """With two request slots reading prompts in the same engine steps, each request's clock holds the other's reads
+    as `slots` (the model's time, so not in outside_model_ms), not as `other`."""
+    from strata.engine import Engine, FinalEvent, GenerationRequest
+    e = Engine(default_model_path, n_ctx=256, device="cpu", parallel=2)
+    try:
+        clocks, done = [T.TurnClock(), T.TurnClock()], []
+        for i, text in enumerate(("The capital of France is", "Once upon a time, in a land far away,")):
+            def on_event(ev, c=clocks[i]):
+                c.engine_done()
+                c.first_token()
+            req = GenerationRequest(e.tokenize_prompt(text), max_tokens=2, clock=clocks[i])
+            assert e.admit(req, on_event, done.append) == i
+        while e.step():
+            pass
+        assert done == [None, None]
+        for c in clocks:
+            r = c.report()
+            assert r["phases_ms"]["slots"] > 0 and r["phases_ms"]["model"] > 0
+            assert abs(r["outside_model_ms"] - (r["ms"] - r["phases_ms"]["model"] - r["phases_ms"]["slots"])) < 0.01
+    finally:
+        e.close()

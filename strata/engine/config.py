@@ -228,6 +228,12 @@ class EngineConfig:
             return int(self.stages.kv_pool_ctx)
         return self.parallel * self.n_ctx if self.parallel > 1 else None
 
+    def pool_flags(self) -> str:
+        """The options that sized each stage's KV pool (pool_ctx), as a refusal names them."""
+        if self.stages.kv_pool_ctx is not None:
+            return "--kv-pool-ctx"
+        return f"--parallel ({self.parallel}) or --n-ctx ({self.n_ctx})" if self.parallel > 1 else "--n-ctx"
+
     def problem(self) -> str | None:
         """The one-line reason no engine can run these options together, or None: the CLI's usage error (exit 2)
         and the engine's ValueError."""

@@ -113,7 +113,8 @@ class Engine:
         self.remote = remote
         self.parallel = int(cfg.parallel)
         self.stages = build_stages(self.file, devices, split, self.n_ctx, kv, progress, remote=remote,
-                                   make_remote=make_remote, pool_ctx=cfg.pool_ctx(), moe_tier=cfg.moe.settings())
+                                   make_remote=make_remote, pool_ctx=cfg.pool_ctx(), moe_tier=cfg.moe.settings(),
+                                   ctx_flag=cfg.pool_flags())
         try:
             self.tokenizer = Tokenizer.from_gguf(self.file.metadata)
         except ValueError as e:

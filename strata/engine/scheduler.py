@@ -102,11 +102,20 @@ class Scheduler:
             return 0
         plan = plan_step(work, self.budget, self.cursor)
         self.cursor = plan.cursor
+        t0 = time.perf_counter()
         results = self._decode([self.slots[i] for i in plan.decode])
+        own = dict.fromkeys(plan.decode, time.perf_counter() - t0)       # each row's share: the whole batched step
         for i, _, _ in plan.prefill:
             slot = self.slots[i]
+            t1 = time.perf_counter()
             with turn_clock.active(getattr(slot.run.request, "clock", None)):
                 results[i] = _call(lambda: slot.reader.read_part(slot.run.pending))
+            own[i] = time.perf_counter() - t1
+        spent = time.perf_counter() - t0
+        for s in self.slots:       # the time a request waited on the others' reads of this step (before its first token)
+            clock = getattr(s.run.request, "clock", None) if s.run is not None else None
+            if clock is not None and spent > own.get(s.id, 0.0):
+                clock.add("slots", spent - own.get(s.id, 0.0))
         self.stats["steps"] += 1
         self.stats["prefill_parts"] += len(plan.prefill)
         for i in sorted(results):

@@ -7,14 +7,18 @@ import threading
 import time
 from contextlib import contextmanager
 
-__all__ = ["PHASES", "TurnClock", "active", "phase", "charge", "current"]
+__all__ = ["MODEL_PHASES", "PHASES", "TurnClock", "active", "phase", "charge", "current"]
 
 #: the phases, in the order a request meets them: the body read and parsed (parse), the chat template rendered
 #: (render) and its text tokenized (tokenize), the wait for the engine thread (queue), the conversation store's plan
-#: and its apply step: restore / cut back / settle (plan), the model's forward calls (model), checkpoints saved
-#: (checkpoint), the first token sampled (sample), the first token's event carried to the event loop and written to
-#: the socket (write). What no phase covers (validation, JSON building, the hops between threads) is `other`.
-PHASES = ("parse", "render", "tokenize", "queue", "plan", "model", "checkpoint", "sample", "write")
+#: and its apply step: restore / cut back / settle (plan), the model's forward calls (model), the engine steps' reads
+#: of the other request slots while this request read its prompt beside them (slots, with --parallel N), checkpoints
+#: saved (checkpoint), the first token sampled (sample), the first token's event carried to the event loop and
+#: written to the socket (write). What no phase covers (validation, JSON building, the hops between threads) is
+#: `other`.
+PHASES = ("parse", "render", "tokenize", "queue", "plan", "model", "slots", "checkpoint", "sample", "write")
+#: the phases that are the model's time (this request's forward calls, or the other slots' in the same steps)
+MODEL_PHASES = ("model", "slots")
 
 _local = threading.local()
 
@@ -78,7 +82,8 @@ class TurnClock:
         return self.first_token_at is not None
 
     def report(self) -> dict | None:
-        """{"ms": arrival to first token, "outside_model_ms": that minus the model phase, "phases_ms": {phase: ms},
+        """{"ms": arrival to first token, "outside_model_ms": that minus the model phases (model, slots),
+        "phases_ms": {phase: ms},
         "other_ms": what no phase covers}, milliseconds rounded to 3 decimals; None before the first token."""
         with self._lock:
             if self.first_token_at is None:
@@ -86,7 +91,8 @@ class TurnClock:
             total = max(0.0, self.first_token_at - self.arrival)
             secs = dict(self.seconds)
         ms = {k: round(v * 1e3, 3) for k, v in secs.items()}
-        return {"ms": round(total * 1e3, 3), "outside_model_ms": round((total - secs["model"]) * 1e3, 3),
+        return {"ms": round(total * 1e3, 3),
+                "outside_model_ms": round((total - sum(secs[k] for k in MODEL_PHASES)) * 1e3, 3),
                 "phases_ms": ms, "other_ms": round((total - sum(secs.values())) * 1e3, 3)}
 
 

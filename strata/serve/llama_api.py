@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import re
 
 from aiohttp import web
 
@@ -18,7 +19,7 @@ from strata.engine.types import FinalEvent
 from strata.serve import schema
 from strata.serve.completions_api import generate_completion
 from strata.serve.config import CONFIG_KEY, ERROR_SHAPES_KEY, WORKER_KEY
-from strata.serve.errors import ApiError
+from strata.serve.errors import ApiError, renamed
 from strata.serve.handling import engine_call, engine_of, json_response, next_event, read_body, whole_context
 from strata.structured import plan as structured
 from strata.text.token_ids import outside_vocab
@@ -177,6 +178,10 @@ _COMPLETION_FIELDS = ("prompt", "temperature", "top_k", "top_p", "min_p", "seed"
                       "grammar", "strata_checkpoint")
 
 
+#: the completion route's field names -> /completion's, for its refusals
+_RENAMES = [(re.compile(r"\bmax_tokens\b"), "n_predict")]
+
+
 def completion_request(body: dict, engine) -> schema.ParsedRequest:
     fields = {k: body[k] for k in _COMPLETION_FIELDS if k in body and body[k] is not None}
     n = body.get("n_predict", body.get("max_tokens"))
@@ -257,9 +262,12 @@ async def completion(request: web.Request) -> web.StreamResponse:
     its answer shape)."""
     body = await read_body(request)
     engine = engine_of(request)
-    p = completion_request(body, engine)
-    return await generate_completion(request, p, respond=functools.partial(
-        completion_respond, return_tokens=_flag(body, "return_tokens", False)))
+    try:
+        p = completion_request(body, engine)
+        return await generate_completion(request, p, respond=functools.partial(
+            completion_respond, return_tokens=_flag(body, "return_tokens", False)))
+    except ApiError as e:                   # the completion route's max_tokens is this route's n_predict
+        raise renamed(e, _RENAMES) from None
 
 
 def add_routes(app: web.Application) -> None:

@@ -58,12 +58,15 @@ class Metrics:
                                     registry=r)
 
         self.turn_outside = Histogram("strata_turn_outside_model_seconds",
-                                      "Time from a generation request's arrival to its first token leaving, minus "
-                                      "the model's forward calls (queue wait included)", buckets=TURN_BUCKETS,
+                                      "Time from a chat or completions request's arrival (/v1/chat/completions, "
+                                      "/v1/completions) to its first token leaving, minus the model's forward calls "
+                                      "(its own, and with several slots the others' in the same engine steps; queue "
+                                      "wait included)", buckets=TURN_BUCKETS,
                                       registry=r)
         self.turn_phase = Counter("strata_turn_phase_seconds",
-                                  "Time of generation requests up to their first token, by phase (parse, render, "
-                                  "tokenize, queue, plan, model, checkpoint, sample, write, other)", ["phase"],
+                                  "Time of chat and completions requests up to their first token, by phase "
+                                  "(parse, render, tokenize, queue, plan, model, slots, checkpoint, sample, write, "
+                                  "other)", ["phase"],
                                   registry=r)
 
         self.spec_drafted = Counter("strata_spec_drafted_tokens", "Tokens drafted by the MTP head (--spec)",

@@ -160,6 +160,7 @@ def _messages(msgs) -> list[dict]:
 
 #: the chat route's field names -> Ollama's: a refusal of a translated body names the field as the body has it
 _RENAMES = [(re.compile(r"\bresponse_format(\.json_schema(\.schema)?)?"), "format"),
+            (re.compile(r"\bmax_tokens\b"), "options.num_predict"),
             *((re.compile(rf"^{k}$|(?<='){k}(?=')"), f"options.{k}") for k in OPTIONS)]
 
 

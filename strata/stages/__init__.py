@@ -62,15 +62,16 @@ def pool_ctx_error(pool_ctx: int | None, n_ctx: int) -> str | None:
 
 def build_stages(gguf_file, devices: list[str], split, n_ctx: int, kv: str = "f16", progress=None,
                  load=None, remote: list[str] = (), make_remote=None, pool_ctx: int | None = None,
-                 moe_tier=None) -> list[Stage]:
+                 moe_tier=None, ctx_flag: str | None = None) -> list[Stage]:
     """Load the model in `gguf_file` (an opened GGUFModelFile) onto the stages that --device / --layer-split
     describe: one backend and one model per distinct device (holding the blocks of that device's carves), one
     memory per stage, its KV pool sized for pool_ctx tokens (default n_ctx: one context; more keeps conversations
     parked resident beside the live one, --kv-pool-ctx). `load(file, backend, progress, layers)` builds a model
     (default strata.models.base.load_model). `remote`: the --remote-stage chain's addresses, which run the last
     carves; `make_remote(index, hops, model)` makes the one stage standing for them (hops: [(address, carve)],
-    model: the last local stage's, which runs the output head); moe_tier: make_backend's. ValueError (one line) for
-    a bad split or device."""
+    model: the last local stage's, which runs the output head); moe_tier: make_backend's; ctx_flag: the options
+    that sized the pool, named when it cannot be allocated (default: --kv-pool-ctx with pool_ctx, else --n-ctx).
+    ValueError (one line) for a bad split or device."""
     from strata.models.registry import model_class
     n_blocks = n_main_blocks(gguf_file, model_class(gguf_file.arch))
     backends: dict[str, Any] = {}
@@ -80,14 +81,14 @@ def build_stages(gguf_file, devices: list[str], split, n_ctx: int, kv: str = "f1
     plan = plan_stages(devices, split, n_blocks, lambda d: backends[d].total_memory(), remote=remote)
     hops = [(d, c) for c, d in plan[len(plan) - len(remote):]] if remote else []
     stages = load_stages(gguf_file, plan[:len(plan) - len(remote)], backends, pool_ctx or n_ctx, progress, load,
-                         ctx_flag="kv-pool-ctx" if pool_ctx else "n-ctx")
+                         ctx_flag=ctx_flag or ("--kv-pool-ctx" if pool_ctx else "--n-ctx"))
     if hops:
         stages.append(make_remote(len(stages), hops, stages[-1].model))
     return stages
 
 
 def load_stages(gguf_file, plan: list[tuple[Carve, str]], backends: dict[str, Any], n_ctx: int, progress=None,
-                load=None, head_here: bool = True, ctx_flag: str = "n-ctx") -> list[Stage]:
+                load=None, head_here: bool = True, ctx_flag: str = "--n-ctx") -> list[Stage]:
     """The stages of `plan` ((carve, device) in layer order, devices in `backends`): one model per device holding
     the blocks of its carves, one memory per stage. head_here=False: a carve ending at the last block returns
     hidden states (a worker's: the main keeps the output head). ctx_flag: the option that set n_ctx (named when
@@ -107,8 +108,8 @@ def load_stages(gguf_file, plan: list[tuple[Carve, str]], backends: dict[str, An
             memory = model.new_memory(n_ctx, carve)
         except MemoryError as e:         # numpy's ArrayMemoryError too; CuPy's OutOfMemoryError is a MemoryError
             which = f" of stage {i} (layers {carve} on {d})" if len(plan) > 1 else ""
-            raise ValueError(f"cannot allocate the KV cache{which} for {ctx_flag.replace('-', '_')} {n_ctx}: "
-                             f"{str(e).splitlines()[0]} (choose a smaller --{ctx_flag})") from None
+            raise ValueError(f"cannot allocate the KV cache{which} for {n_ctx} tokens: "
+                             f"{str(e).splitlines()[0]} (choose a smaller {ctx_flag})") from None
         stages.append(Stage(i, carve, d, be, model, memory, _runner(be, model, carve)))
     return stages
 
