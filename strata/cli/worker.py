@@ -155,9 +155,11 @@ def run(args) -> int:
         if pinger is not None:
             pinger.cancel()
         sd_notify("STOPPING=1")
+        log.info("stopping", listen=f"{host}:{worker.port}")
         await worker.bye("the worker is shutting down")
         worker.server.close()
         await worker.server.wait_closed()
+        log.info("stopped")
         return 0
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
