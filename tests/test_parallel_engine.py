@@ -199,11 +199,11 @@ def test_a_failed_batched_step_fails_its_requests_and_frees_the_slots(default_mo
         real = scheduler.decode_batch
         calls = []
 
-        def broken(seqs, toks):
+        def broken(seqs, toks, **kw):
             calls.append(len(seqs))
             if len(calls) == 2:
                 raise RuntimeError("device lost")
-            return real(seqs, toks)
+            return real(seqs, toks, **kw)
         monkeypatch.setattr(scheduler, "decode_batch", broken)
         ends, got = {}, {0: [], 1: []}
         for i, text in enumerate(["Hello there", "General Kenobi"]):

@@ -1,6 +1,7 @@
 """The request slots and continuous batching over them: which slot a request runs in (strata.engine.slots.choose_slot)
-and the engine step (slots.plan_step's plan, then applied: one batched decode step for every decoding slot, whole
-prompt parts under the step's token budget), each request a generator advanced from one read to the next."""
+and the engine step (slots.plan_step's plan, then applied: one batched decode step for every decoding slot, each
+speculating slot's verify, whole prompt parts under the step's token budget), each request a generator advanced
+from one read to the next."""
 from __future__ import annotations
 
 import time
@@ -11,7 +12,7 @@ import numpy as np
 import structlog
 
 from strata.engine.slots import SlotView, SlotWork, choose_slot, plan_step
-from strata.engine.types import ReadPart, ReadToken
+from strata.engine.types import ReadPart, ReadToken, ReadVerify, TokenEvent
 from strata.stages.batch import decode_batch
 
 log = structlog.get_logger("strata.engine")
@@ -27,7 +28,7 @@ class Run:
     on_done: Callable[[BaseException | None], None]
     request: Any = None
     task: int = 0
-    pending: ReadToken | ReadPart | None = None
+    pending: ReadToken | ReadVerify | ReadPart | None = None
     n_decoded: int = 0
     started_at: float = field(default_factory=time.monotonic)
 
@@ -57,7 +58,7 @@ class Slot:
 class Scheduler:
     """The engine's request slots and its step. ``admit`` puts a request in a slot (the one choose_slot picks);
     ``step`` runs one engine step over every busy slot. `start(slot, request, prompt)` makes a request's generator (the
-    engine's), which yields events and ReadToken / ReadPart reads; `budget`: tokens one step reads at most
+    engine's), which yields events and ReadToken / ReadVerify / ReadPart reads; `budget`: tokens one step reads at most
     (decodes first, then prompt parts; one part always runs). Runs on the engine thread only; ``slots`` and
     ``stats`` may be read from any."""
 
@@ -68,8 +69,10 @@ class Scheduler:
         self.cursor = 0
         self.tasks = 0
         # steps run, steps whose decode read several slots' tokens in one batched step, the rows of those, the
-        # most rows one step decoded, prompt parts read, requests admitted
-        self.stats = dict(steps=0, batched_steps=0, batched_rows=0, max_rows=0, prefill_parts=0, admitted=0)
+        # most rows one step decoded, prompt parts read, requests admitted,
+        # speculative verifies run and the tokens they read
+        self.stats = dict(steps=0, batched_steps=0, batched_rows=0, max_rows=0, prefill_parts=0, admitted=0,
+                          verifies=0, verify_tokens=0)
 
     @property
     def busy(self) -> int:
@@ -95,29 +98,34 @@ class Scheduler:
         """One engine step: the plan (every decoding slot's token; prompt parts round-robin under the budget), then
         its reads (the decodes in one batched step), then each slot served advanced to its next read -> tokens
         read (0: no slot was busy)."""
-        work = [SlotWork(s.id, ((s.run.pending.a, s.run.pending.b),) if isinstance(s.run.pending, ReadPart) else ())
-                for s in self.slots if s.busy]
+        work = [_work(s) for s in self.slots if s.busy]
         if not work:
             return 0
         plan = plan_step(work, self.budget, self.cursor)
         self.cursor = plan.cursor
         results = self._decode([self.slots[i] for i in plan.decode])
+        for i, _ in plan.verify:           # each slot's verify: its own short read (its decoder times it)
+            slot = self.slots[i]
+            results[i] = _call(lambda: slot.decoder.read(slot.run.pending))
         for i, _, _ in plan.prefill:
             slot = self.slots[i]
             results[i] = _call(lambda: slot.reader.read_part(slot.run.pending))
         self.stats["steps"] += 1
         self.stats["prefill_parts"] += len(plan.prefill)
+        self.stats["verifies"] += len(plan.verify)
+        self.stats["verify_tokens"] += sum(n for _, n in plan.verify)
         for i in sorted(results):
             self._advance(self.slots[i], *results[i])
         return plan.tokens
 
     def _decode(self, slots: list[Slot]) -> dict[int, tuple]:
         """Each slot's pending token read: one slot's in its own forward call, several in one batched step ->
-        {slot id: (logits, None) or (None, the exception)}; a slot whose pool has no room for its token fails
-        alone."""
+        {slot id: (what its ReadToken is answered with, None) or (None, the exception)}; a slot whose pool has no
+        room for its token fails alone. A ReadToken asking for its hidden row (an MTP drafter's) gets (logits, that
+        row, the seconds of the batched step it was read in)."""
         if len(slots) == 1:
             s = slots[0]
-            return {s.id: _call(lambda: s.seq.forward(np.asarray([s.run.pending.token], np.int32)))}
+            return {s.id: _call(lambda: s.decoder.read(s.run.pending))}
         out: dict[int, tuple] = {}
         ok = []
         for s in slots:
@@ -129,9 +137,18 @@ class Scheduler:
         if len(ok) == 1:
             return {**out, **self._decode(ok)}
         if ok:
-            rows = _call(lambda: decode_batch([s.seq for s in ok], [s.run.pending.token for s in ok]))
+            hidden = any(s.run.pending.hidden for s in ok)
+            t0 = time.perf_counter()
+            rows = _call(lambda: decode_batch([s.seq for s in ok], [s.run.pending.token for s in ok], hidden=hidden))
+            dt = time.perf_counter() - t0
             for r, s in enumerate(ok):
-                out[s.id] = (rows[0][r], None) if rows[1] is None else rows
+                if rows[1] is not None:
+                    out[s.id] = rows
+                elif hidden:
+                    logits, h = rows[0]
+                    out[s.id] = ((logits[r], h[r:r + 1], dt) if s.run.pending.hidden else logits[r], None)
+                else:
+                    out[s.id] = (rows[0][r], None)
             if rows[1] is None:
                 self.stats["batched_steps"] += 1
                 self.stats["batched_rows"] += len(ok)
@@ -142,12 +159,11 @@ class Scheduler:
         """Send `value` (or throw `error`) into the slot's request and take its events until it asks for its next read
         (kept as pending) or ends (the slot is free again)."""
         run = slot.run
-        if isinstance(run.pending, ReadToken) and error is None:
-            run.n_decoded += 1
         run.pending = None
         try:
             item = run.gen.throw(error) if error is not None else run.gen.send(value)
-            while not isinstance(item, (ReadToken, ReadPart)):
+            while not isinstance(item, (ReadToken, ReadVerify, ReadPart)):
+                run.n_decoded += isinstance(item, TokenEvent)
                 run.on_event(item)
                 item = next(run.gen)
             run.pending = item
@@ -188,6 +204,14 @@ class Scheduler:
                                        "n_remain": (max_tokens - run.n_decoded) if run is not None and
                                        max_tokens is not None else -1}})
         return out
+
+
+def _work(slot: Slot) -> SlotWork:
+    """What a busy slot's pending read is, as plan_step sees it."""
+    p = slot.run.pending
+    if isinstance(p, ReadPart):
+        return SlotWork(slot.id, ((p.a, p.b),))
+    return SlotWork(slot.id, verify=len(p.tokens) if isinstance(p, ReadVerify) else 0)
 
 
 def _call(fn) -> tuple:

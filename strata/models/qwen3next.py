@@ -457,14 +457,14 @@ class Qwen3NextModel(Model):
         state.advance(tokens)
         return x
 
-    def forward_batch(self, tokens, states: list[SequenceState], lo: int, hi: int, x_in=None):
+    def forward_batch(self, tokens, states: list[SequenceState], lo: int, hi: int, x_in=None, hidden: bool = False):
         """See Model.forward_batch. On the CPU backend the weight products run over the N rows at once (exact per
         row, see LlamaModel.forward_batch); each row's attention reads its own sequence's pages, and each GDN layer
         runs the conv and the delta rule of each row on its own sequence's running state (_gdn_batch); a MoE FFN
         runs row by row. Other backends take the lone steps (Model.forward_batch)."""
         be = self.backend
         if self.on_device:
-            return super().forward_batch(tokens, states, lo, hi, x_in)
+            return super().forward_batch(tokens, states, lo, hi, x_in, hidden=hidden)
         tokens = self._check_batch(tokens, states, lo, hi, x_in)
         for st in states:
             if st.kv is not None:
@@ -484,7 +484,7 @@ class Qwen3NextModel(Model):
                 x = x + self._ffn(L.ffn, h)
             else:
                 x = x + np.concatenate([self._ffn(L.ffn, h[i:i + 1]) for i in range(h.shape[0])], axis=0)
-        out = self.head(x, all_logits=True) if self.ends_with_head(hi) else x
+        out = self.head_rows(x, hidden) if self.ends_with_head(hi) else x
         for i, st in enumerate(states):
             if st.kv is not None:
                 st.kv.commit(1)
