@@ -208,9 +208,6 @@ class EngineConfig:
             return (f"--parallel {n} needs a KV pool of {n} contexts: --kv-pool-ctx {pool} is less than "
                     f"{n} x --n-ctx {self.n_ctx} = {n * self.n_ctx} (raise --kv-pool-ctx, or lower --parallel or "
                     f"--n-ctx)")
-        if self.spec.n > 0 and self.remote:
-            return (f"--parallel {n} does not run with --spec over a remote stage (--remote-stage): give one of "
-                    f"--parallel, --spec")
         return None
 
     @property
