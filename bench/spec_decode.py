@@ -278,8 +278,9 @@ def run_together(engine, prompts, tokens):
 
 def parallel_arms(path, kw, m: int, ns: list[int], rates: list[float], args) -> dict:
     """M concurrent requests, one per slot: aggregate decode tok/s with --spec N --parallel M against --spec 0
-    --parallel M (each --spec N run paired with a --spec 0 run just before it; the median ratio), greedy answers
-    checked equal to each request's --spec 0 answer alone."""
+    --parallel M (each --spec N run paired with a --spec 0 run just before it; the median ratio), and an adaptive
+    arm (--spec max(ns) --spec-adaptive: each slot's policy its own, carried from one rate to the next), greedy
+    answers checked equal to each request's --spec 0 answer alone."""
     prompts = [[int(t) for t in np.random.default_rng(3 + i).integers(0, 1000, args.prompt)] for i in range(m)]
     alone = Engine(path, **kw)
     refs = [run(alone, p, args.tokens)[0] for p in prompts]
@@ -287,10 +288,12 @@ def parallel_arms(path, kw, m: int, ns: list[int], rates: list[float], args) -> 
     e = Engine(path, parallel=m, spec=max(ns), **kw)
     run_together(base, prompts, args.tokens)           # warm
     res = {"parallel": m, "runs": []}
+    policies = {s.id: AdaptiveN(max(ns)) for s in e.slots}    # the adaptive arm's, carried from rate to rate
     for rate in rates:
-        for n in ns:
+        for n in ns + ["adaptive"]:
             for s in e.slots:
-                s.decoder.spec = n
+                s.decoder.spec = n if n in ns else max(ns)
+                s.decoder.adaptive = policies[s.id] if n == "adaptive" else None
             pairs, meta = [], None
             for r in range(args.reps):
                 toks0, tps0 = run_together(base, prompts, args.tokens)
@@ -307,6 +310,8 @@ def parallel_arms(path, kw, m: int, ns: list[int], rates: list[float], args) -> 
             ratios = sorted(a / b for a, b in pairs)
             row = {"n": n, "acceptance": rate, "tok_s": [a for a, _ in pairs], "spec0_tok_s": [b for _, b in pairs],
                    "ratio_median": ratios[len(ratios) // 2], "ratios": ratios, "last_run": meta}
+            if n == "adaptive":
+                row["policy"] = {i: p.snapshot() for i, p in policies.items()}
             res["runs"].append(row)
             print(f"--parallel {m} N={n} acceptance {rate}: aggregate {row['tok_s'][-1]:.1f} tok/s vs "
                   f"{row['spec0_tok_s'][-1]:.1f} at --spec 0: {row['ratio_median']:.2f}x (median of {len(ratios)} "

@@ -176,7 +176,8 @@ def test_slots_with_drafts_over_a_remote_stage(model, workers, delay_ms):
     alone.close()
     e = Engine(model, n_ctx=N_CTX, ubatch=32, parallel=3, spec=3, remote_stage=w.address, layer_split="2")
     try:
-        _oracles(e, [(_prompt(n, s), ref, rate, np.random.default_rng(s)) for (n, s, _, _, rate), ref in zip(mix, refs)])
+        _oracles(e, [(_prompt(n, s), ref, rate, np.random.default_rng(s))
+                     for (n, s, _, _, rate), ref in zip(mix, refs)])
         got, done = drive(e, [_req(_prompt(n, s), max_tokens=m, spec=sp) for n, s, m, sp, _ in mix], [0, 0, 0, 3])
         assert all(err is None for err in done.values()), done
         for i, (g, x) in enumerate(zip(got, want)):

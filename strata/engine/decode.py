@@ -78,12 +78,13 @@ class Decoder:
               counts: SpecCounts | None = None, record: list | None = None):
         """Generate one choice from the sequence as it stands (the prompt read) and the prompt's last logits: yields
         TokenEvents and, for each token it reads, a ReadToken whose logits its driver sends back (``choice``, or the
-        scheduler's batched step), for each verify a ReadVerify (``choice``, or the scheduler's step); returns (finish_reason, token ids, trailing text, stopped_by). Choice `index`
-        samples with seed + index (a fresh draw when the seed is unset). counts: what speculative decoding did,
+        scheduler's batched step; with a drafter, its hidden row and seconds too), for each verify a ReadVerify
+        (``choice``, or the scheduler's step); returns (finish_reason, token ids, trailing text, stopped_by). Choice
+        `index` samples with seed + index (a fresh draw when the seed is unset). counts: what speculative decoding did,
         added up here. record: a list each TokenEvent is appended to as it is yielded (greedy choices' replay).
 
-        With drafts (``spec`` > 0, the request's ``spec`` not False, no grammar): each sampled token is read
-        together with up to ``spec`` drafts in one verify; ``judge`` keeps a prefix of the drafts and samples the
+        With drafts (``spec`` > 0, the request's ``spec`` not False; under a grammar, the drafts it allows): each
+        sampled token is read together with up to ``spec`` drafts in one verify; ``judge`` keeps a prefix of the drafts and samples the
         token after it; the tokens are emitted one by one with the same checks as without drafts, and the
         sequence is committed at the position decoding them one at a time would have reached (the last token
         emitted is sampled, not read)."""

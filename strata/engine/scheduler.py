@@ -122,7 +122,8 @@ class Scheduler:
         """Each slot's pending token read: one slot's in its own forward call, several in one batched step ->
         {slot id: (what its ReadToken is answered with, None) or (None, the exception)}; a slot whose pool has no
         room for its token fails alone. A ReadToken asking for its hidden row (an MTP drafter's) gets (logits, that
-        row, the seconds of the batched step it was read in)."""
+        row, its share of the batched step's seconds: what its adaptive policy prices a plain step at, against a
+        verify that is a read of its own)."""
         if len(slots) == 1:
             s = slots[0]
             return {s.id: _call(lambda: s.decoder.read(s.run.pending))}
@@ -146,7 +147,7 @@ class Scheduler:
                     out[s.id] = rows
                 elif hidden:
                     logits, h = rows[0]
-                    out[s.id] = ((logits[r], h[r:r + 1], dt) if s.run.pending.hidden else logits[r], None)
+                    out[s.id] = ((logits[r], h[r:r + 1], dt / len(ok)) if s.run.pending.hidden else logits[r], None)
                 else:
                     out[s.id] = (rows[0][r], None)
             if rows[1] is None:

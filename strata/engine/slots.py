@@ -1,6 +1,7 @@
 """Request slots' planning, apart from its apply: which slot a request takes (``choose_slot``), where a prompt's read
 is cut into chunks (``chunk_bounds``), and what one engine step runs (``plan_step``: every decoding slot's token,
-every speculating slot's verify and prefill chunks under a token budget, round-robin). Pure functions over plain values; the engine applies the plans."""
+every speculating slot's verify and prefill chunks under a token budget, round-robin). Pure functions over plain
+values; the engine applies the plans."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -90,7 +90,8 @@ class MTPDrafter:
     drafter's K/V: `seq`'s own "draft" field there, so drafters of several sequences over one model keep apart).
     ``oracle``: None, or a function (position of the drafted token, the MTP head's token) -> the token to draft
     instead (tests and benchmarks: the MTP head still runs on the drafts it is given). graph: the graph step to use
-    (another drafter's ``graph``, shared: it holds no sequence's state from one draft to the next), else one made here."""
+    (another drafter's ``graph``, shared: it holds no sequence's state from one draft to the next), else one made
+    here."""
 
     def __init__(self, seq, stage, model, n_ctx: int, graph=False):
         self.seq, self.stage, self.model = seq, stage, model
@@ -102,7 +103,8 @@ class MTPDrafter:
         self._epoch = seq.epoch
         self.xp = getattr(model, "xp", np)               # the model's array module: CuPy on a GPU (rows stay there)
         self._zero = self.xp.zeros(model.config.n_embd, np.float32)
-        self._graph = graph_step(model) if graph is False else graph   # the one-row MTP step in a CUDA graph, or None
+        # the one-row MTP step in a CUDA graph, or None
+        self._graph = graph_step(model) if graph is False else graph
 
     @property
     def graph(self):

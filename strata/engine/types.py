@@ -187,9 +187,9 @@ class ReadPart:
 
 
 def run_reads(gen, read):
-    """Drive `gen`, a generator that yields ReadToken / ReadVerify / ReadPart requests among its events: each request is served
-    at once by read(request) and its result sent back (an exception read raises is thrown into gen at the request),
-    every other item is yielded; returns what gen returns. Closing this generator closes gen. What a request
+    """Drive `gen`, a generator that yields ReadToken / ReadVerify / ReadPart requests among its events: each one is
+    served at once by read(request) and its result sent back (an exception read raises is thrown into gen at the
+    request), every other item is yielded; returns what gen returns. Closing this generator closes gen. What a request
     alone runs on (Engine.generate with one slot); the scheduler serves the same requests in batched steps."""
     value, error = None, None
     try:
