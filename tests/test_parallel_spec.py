@@ -161,14 +161,12 @@ def test_real_head_drafts_in_slots_are_the_drafts_alone(model):
         e.close()
 
 
-@pytest.mark.parametrize("delay_ms", [0, 40], ids=["commit_in_order", "commit_late"])
-def test_slots_with_drafts_over_a_remote_stage(model, workers, delay_ms):
+def test_slots_with_drafts_over_a_remote_stage(model, workers):
     """The last layers on a real worker process (loopback, one sequence per slot there): each slot's verify is a
     Forward of its own, the spec-false slots' decodes one BatchForward carrying their hidden rows back for their
-    drafters, the Commits per sequence (applied late by the link's test hook too): every greedy answer equals
-    --spec 0 alone."""
-    env = {"STRATA_TEST_COMMIT_DELAY_MS": str(delay_ms)} if delay_ms else None
-    w = workers("--model", str(model), env=env)
+    drafters, the Commits per sequence, applied late by the link's test hook (the settle before the next Forward
+    keeps them in order): every greedy answer equals --spec 0 alone."""
+    w = workers("--model", str(model), env={"STRATA_TEST_COMMIT_DELAY_MS": "40"})
     mix = [(23, 1, 16, None, 0.7), (40, 2, 14, False, 0.0), (9, 3, 12, False, 0.0), (30, 6, 12, None, 1.0)]
     alone = Engine(model, n_ctx=N_CTX, ubatch=32)
     want = [key(alone.generate(_req(_prompt(n, s), max_tokens=m))) for n, s, m, *_ in mix]
@@ -186,3 +184,42 @@ def test_slots_with_drafts_over_a_remote_stage(model, workers, delay_ms):
         assert _final(got[3]).timings["draft_acceptance_rate"] == 1.0
     finally:
         e.close()
+
+
+def test_daemon_with_slots_and_drafts(model, tmp_path):
+    """`strata serve --parallel 2 --spec 3` (a real daemon, concurrent clients; three requests for two slots, so one
+    waits): every greedy answer equals its answer without drafts ("strata_spec": false), each reports its own draft
+    counts, and /metrics counts every verify."""
+    import threading
+    from tests.daemon import Daemon
+    d = Daemon(tmp_path, "--model", str(model), "--device", "cpu", "--parallel", "2", "--spec", "3").start()
+    try:
+        prompts = ["the quick brown fox", "seven wizards quietly judge", "a lazy dog while the boxing match"]
+
+        def complete(p, **extra):
+            st, out = d.json("POST", "/v1/completions", {"prompt": p, "max_tokens": 12, "temperature": 0,
+                                                          "cache_prompt": False, **extra})
+            assert st == 200, out
+            return out
+
+        off = [complete(p, strata_spec=False) for p in prompts]
+        got, errors = {}, []
+
+        def run(i):
+            try:
+                got[i] = complete(prompts[i])
+            except Exception as e:  # noqa: BLE001
+                errors.append((i, e))
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert not errors, errors
+        for i in range(3):
+            assert got[i]["choices"][0]["text"] == off[i]["choices"][0]["text"], i
+            assert got[i]["timings"]["draft_n"] > 0 and off[i]["timings"]["draft_n"] == 0
+        assert d.metric("strata_spec_verifies_total") >= sum(got[i]["timings"]["draft_verifies"] for i in range(3))
+    finally:
+        assert d.stop() == 0, d.log_tail()
