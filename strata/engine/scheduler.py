@@ -103,7 +103,7 @@ class Scheduler:
             return 0
         plan = plan_step(work, self.budget, self.cursor)
         self.cursor = plan.cursor
-        results = self._decode([self.slots[i] for i in plan.decode])
+        results = self._decode([self.slots[i] for i in plan.decode], len(plan.decode) + len(plan.verify))
         for i, _ in plan.verify:           # each slot's verify: its own short read (its decoder times it)
             slot = self.slots[i]
             results[i] = _call(lambda: slot.decoder.read(slot.run.pending))
@@ -118,15 +118,20 @@ class Scheduler:
             self._advance(self.slots[i], *results[i])
         return plan.tokens
 
-    def _decode(self, slots: list[Slot]) -> dict[int, tuple]:
+    def _decode(self, slots: list[Slot], decoding: int) -> dict[int, tuple]:
         """Each slot's pending token read: one slot's in its own forward call, several in one batched step ->
         {slot id: (what its ReadToken is answered with, None) or (None, the exception)}; a slot whose pool has no
         room for its token fails alone. A ReadToken asking for its hidden row (an MTP drafter's) gets (logits, that
-        row, its share of the batched step's seconds: what its adaptive policy prices a plain step at, against a
-        verify that is a read of its own)."""
+        row, the seconds of the forward it was read in over `decoding`, the slots decoding this step, verifies
+        included): its share of the step the decoding slots would share if none drafted, what its adaptive policy
+        prices a plain step at (a verify is priced at its own read)."""
         if len(slots) == 1:
             s = slots[0]
-            return {s.id: _call(lambda: s.decoder.read(s.run.pending))}
+            res = _call(lambda: s.decoder.read(s.run.pending))
+            if s.run.pending.hidden and res[1] is None:
+                logits, h, secs = res[0]
+                res = ((logits, h, secs / max(1, decoding)), None)
+            return {s.id: res}
         out: dict[int, tuple] = {}
         ok = []
         for s in slots:
@@ -136,7 +141,7 @@ class Scheduler:
             else:
                 ok.append(s)
         if len(ok) == 1:
-            return {**out, **self._decode(ok)}
+            return {**out, **self._decode(ok, decoding)}
         if ok:
             hidden = any(s.run.pending.hidden for s in ok)
             t0 = time.perf_counter()
@@ -147,7 +152,8 @@ class Scheduler:
                     out[s.id] = rows
                 elif hidden:
                     logits, h = rows[0]
-                    out[s.id] = ((logits[r], h[r:r + 1], dt / len(ok)) if s.run.pending.hidden else logits[r], None)
+                    share = dt / max(len(ok), decoding)
+                    out[s.id] = ((logits[r], h[r:r + 1], share) if s.run.pending.hidden else logits[r], None)
                 else:
                     out[s.id] = (rows[0][r], None)
             if rows[1] is None:
