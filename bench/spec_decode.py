@@ -279,7 +279,8 @@ def run_together(engine, prompts, tokens):
 def parallel_arms(path, kw, m: int, ns: list[int], rates: list[float], args) -> dict:
     """M concurrent requests, one per slot: aggregate decode tok/s with --spec N --parallel M against --spec 0
     --parallel M (each --spec N run paired with a --spec 0 run just before it; the median ratio), and an adaptive
-    arm (--spec max(ns) --spec-adaptive: each slot's policy its own, carried from one rate to the next), greedy
+    arm (--spec max(ns) --spec-adaptive: each slot's policy its own, carried from one rate to the next), once an
+    "off" arm (every policy pinned to plain steps: what the batched step costs with the drafters on), greedy
     answers checked equal to each request's --spec 0 answer alone."""
     prompts = [[int(t) for t in np.random.default_rng(3 + i).integers(0, 1000, args.prompt)] for i in range(m)]
     alone = Engine(path, **kw)
@@ -290,10 +291,11 @@ def parallel_arms(path, kw, m: int, ns: list[int], rates: list[float], args) -> 
     res = {"parallel": m, "runs": []}
     policies = {s.id: AdaptiveN(max(ns)) for s in e.slots}    # the adaptive arm's, carried from rate to rate
     for rate in rates:
-        for n in ns + ["adaptive"]:
+        for n in ns + ["adaptive"] + (["off"] if rate == rates[0] else []):
             for s in e.slots:
                 s.decoder.spec = n if n in ns else max(ns)
-                s.decoder.adaptive = policies[s.id] if n == "adaptive" else None
+                # "off": each slot's policy pinned to plain steps (the drafters fed, the batched step's hidden rows)
+                s.decoder.adaptive = policies[s.id] if n == "adaptive" else AdaptiveN(0) if n == "off" else None
             pairs, meta = [], None
             for r in range(args.reps):
                 toks0, tps0 = run_together(base, prompts, args.tokens)
