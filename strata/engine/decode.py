@@ -80,14 +80,14 @@ class Decoder:
         TokenEvents and, for each token it reads, a ReadToken whose logits its driver sends back (``choice``, or the
         scheduler's batched step; with a drafter, its hidden row and seconds too), for each verify a ReadVerify
         (``choice``, or the scheduler's step); returns (finish_reason, token ids, trailing text, stopped_by). Choice
-        `index` samples with seed + index (a fresh draw when the seed is unset). counts: what speculative decoding did,
-        added up here. record: a list each TokenEvent is appended to as it is yielded (greedy choices' replay).
+        `index` samples with seed + index (a fresh draw when the seed is unset). counts: what speculative decoding
+        did, added up here. record: a list each TokenEvent is appended to as it is yielded (greedy choices' replay).
 
         With drafts (``spec`` > 0, the request's ``spec`` not False; under a grammar, the drafts it allows): each
-        sampled token is read together with up to ``spec`` drafts in one verify; ``judge`` keeps a prefix of the drafts and samples the
-        token after it; the tokens are emitted one by one with the same checks as without drafts, and the
-        sequence is committed at the position decoding them one at a time would have reached (the last token
-        emitted is sampled, not read)."""
+        sampled token is read together with up to ``spec`` drafts in one verify; ``judge`` keeps a prefix of the
+        drafts and samples the token after it; the tokens are emitted one by one with the same checks as without
+        drafts, and the sequence is committed at the position decoding them one at a time would have reached (the
+        last token emitted is sampled, not read)."""
         self._step = None
         if index and params.seed is not None and params.seed != -1:
             params = dataclasses.replace(params, seed=(params.seed + index) % 2 ** 64)

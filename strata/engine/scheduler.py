@@ -8,7 +8,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import numpy as np
 import structlog
 
 from strata.engine.slots import SlotView, SlotWork, choose_slot, plan_step
@@ -58,9 +57,9 @@ class Slot:
 class Scheduler:
     """The engine's request slots and its step. ``admit`` puts a request in a slot (the one choose_slot picks);
     ``step`` runs one engine step over every busy slot. `start(slot, request, prompt)` makes a request's generator (the
-    engine's), which yields events and ReadToken / ReadVerify / ReadPart reads; `budget`: tokens one step reads at most
-    (decodes first, then prompt parts; one part always runs). Runs on the engine thread only; ``slots`` and
-    ``stats`` may be read from any."""
+    engine's), which yields events and ReadToken / ReadVerify / ReadPart reads; `budget`: tokens one step reads at
+    most (decodes and verifies first, then prompt parts; one part always runs). Runs on the engine thread only;
+    ``slots`` and ``stats`` may be read from any."""
 
     def __init__(self, slots: list[Slot], start: Callable[[Slot, Any, Any], Any], budget: int):
         self.slots = slots
@@ -95,9 +94,10 @@ class Scheduler:
         return slot
 
     def step(self) -> int:
-        """One engine step: the plan (every decoding slot's token; prompt parts round-robin under the budget), then
-        its reads (the decodes in one batched step), then each slot served advanced to its next read -> tokens
-        read (0: no slot was busy)."""
+        """One engine step: the plan (every decoding slot's token, every speculating slot's verify; prompt parts
+        round-robin under what is left of the budget), then its reads (the decodes in one batched step, each verify
+        a read of its own, the parts), then each slot served advanced to its next read -> tokens read (0: no slot
+        was busy)."""
         work = [_work(s) for s in self.slots if s.busy]
         if not work:
             return 0
