@@ -115,6 +115,12 @@ def test_each_slots_acceptance_is_its_own(model):
         assert 0.0 < tb["draft_acceptance_rate"] < 0.8
         assert {k: tb[k] for k in ("draft_n", "draft_n_accepted", "draft_verifies")} == \
             {k: b_alone[k] for k in ("draft_n", "draft_n_accepted", "draft_verifies")}
+        # /slots: each slot's own totals (A took slot 0, B slot 1)
+        views = {v["id"]: v["spec"] for v in e.scheduler.status()}
+        for sid, t in ((0, ta), (1, tb)):
+            assert (views[sid]["drafted"], views[sid]["accepted"], views[sid]["verifies"]) == \
+                (t["draft_n"], t["draft_n_accepted"], t["draft_verifies"])
+        assert views[0]["acceptance_rate"] == 1.0 and views[1]["acceptance_rate"] == tb["draft_acceptance_rate"]
     finally:
         e.close()
 
@@ -189,7 +195,7 @@ def test_slots_with_drafts_over_a_remote_stage(model, workers):
 def test_daemon_with_slots_and_drafts(model, tmp_path):
     """`strata serve --parallel 2 --spec 3` (a real daemon, concurrent clients; three requests for two slots, so one
     waits): every greedy answer equals its answer without drafts ("strata_spec": false), each reports its own draft
-    counts, and /metrics counts every verify."""
+    counts, /metrics counts every verify and /slots each slot's drafts."""
     import threading
     from tests.daemon import Daemon
     d = Daemon(tmp_path, "--model", str(model), "--device", "cpu", "--parallel", "2", "--spec", "3").start()
@@ -221,5 +227,8 @@ def test_daemon_with_slots_and_drafts(model, tmp_path):
             assert got[i]["choices"][0]["text"] == off[i]["choices"][0]["text"], i
             assert got[i]["timings"]["draft_n"] > 0 and off[i]["timings"]["draft_n"] == 0
         assert d.metric("strata_spec_verifies_total") >= sum(got[i]["timings"]["draft_verifies"] for i in range(3))
+        st, slots = d.json("GET", "/slots")
+        assert st == 200 and sum(s["spec"]["drafted"] for s in slots) >= sum(got[i]["timings"]["draft_n"]
+                                                                             for i in range(3))
     finally:
         assert d.stop() == 0, d.log_tail()

@@ -410,6 +410,7 @@ class Engine:
                         out.close()           # the consumer went away mid-choice: the decode's own cleanup runs now
                         self.requests += i == 0
                         self.spec_totals.add(counts)
+                        slot.spec.add(counts)
                     n_run = len(toks)
                     if greedy and n_choices > 1:
                         replay = (events, (finish, toks, trailing, stopped_by))

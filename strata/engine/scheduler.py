@@ -11,6 +11,7 @@ from typing import Any, Callable
 import structlog
 
 from strata.engine.slots import SlotView, SlotWork, choose_slot, plan_step
+from strata.engine.speculate import SpecCounts
 from strata.engine.types import ReadPart, ReadToken, ReadVerify, TokenEvent
 from strata.stages.batch import decode_batch
 
@@ -35,8 +36,9 @@ class Run:
 @dataclass(eq=False)
 class Slot:
     """One request slot: its live sequence (``seq``) with the reader and decoder over it, the request running in it
-    (``run``, or None when idle), when it last finished one (``last_used``, a time.monotonic reading) and the id of
-    the last request it took (``task``: llama-server's id_task)."""
+    (``run``, or None when idle), when it last finished one (``last_used``, a time.monotonic reading), the id of
+    the last request it took (``task``: llama-server's id_task) and what its drafter drafted and the verifies kept
+    since the start (``spec``: SpecCounts, every choice run in this slot)."""
 
     id: int
     seq: Any
@@ -45,6 +47,7 @@ class Slot:
     run: Run | None = None
     last_used: float = 0.0
     task: int = -1
+    spec: SpecCounts = field(default_factory=SpecCounts)
 
     @property
     def busy(self) -> bool:
@@ -210,6 +213,12 @@ class Scheduler:
                         "next_token": {"has_next_token": run is not None, "n_decoded": run.n_decoded if run else 0,
                                        "n_remain": (max_tokens - run.n_decoded) if run is not None and
                                        max_tokens is not None else -1}})
+            if s.decoder.drafter is not None:     # --spec: this slot's own drafts, and what its policy believes
+                adaptive = s.decoder.adaptive
+                out[-1]["spec"] = {"drafted": s.spec.drafted, "accepted": s.spec.accepted,
+                                   "verifies": s.spec.verifies, "acceptance_rate": s.spec.acceptance,
+                                   "mean_accepted": s.spec.mean_accepted,
+                                   "policy": adaptive.snapshot() if adaptive is not None else None}
         return out
 
 
