@@ -126,3 +126,40 @@ def test_batch_pool_full_changes_nothing(default_model_path):
         decode_batch([b, a], [1, 2])
     assert (a.pos, b.pos) == (256, 200) and (a.positions(), b.positions()) == ([256], [200])
     assert (a.hashes(), b.hashes()) == h
+
+
+def _check_verify(stages, seed):
+    """Two rounds of verifies of 3 sequences (lengths summing to at most 16 rows) through verify_batch against
+    each twin's own Sequence.verify: every row's logits and final-normed hidden state bit for bit, then each
+    sequence committed at its own position and its state (K/V, running state) equal to its twin's."""
+    from strata.stages.batch import verify_batch
+    V = stages[0].model.config.n_vocab
+    pairs = _twins(stages, 3, seed)
+    rng = np.random.default_rng(seed + 7)
+    try:
+        for lens, keep in (([4, 2, 5], [1, 2, 5]), ([6, 1, 3], [3, 1, 1])):
+            lists = [rng.integers(0, V, n).astype(np.int32) for n in lens]
+            base = [a.pos for a, _ in pairs]
+            got = verify_batch([a for a, _ in pairs], lists)
+            for i, ((a, b), t) in enumerate(zip(pairs, lists)):
+                rows, h = b.verify(t)
+                np.testing.assert_array_equal(got[i][0], rows, err_msg=f"sequence {i}'s rows")
+                np.testing.assert_array_equal(got[i][1], h, err_msg=f"sequence {i}'s hidden rows")
+                a.commit(base[i] + keep[i])
+                b.commit(base[i] + keep[i])
+                assert a.hashes() == b.hashes(), f"sequence {i}: state after the Commit differs"
+    finally:
+        for a, b in pairs:
+            a.drop()
+            b.drop()
+
+
+@pytest.mark.parametrize("split", [None, [3]], ids=["1stage", "2stages"])
+def test_batched_verify_rows_and_commits_bit_identical(hybrid_path, split):
+    """strata.stages.batch.verify_batch (several slots' speculative verifies, every weight read once for all rows on
+    the CPU): rows, hidden rows and the states Commits leave equal each sequence's own verify."""
+    _check_verify(_stages(hybrid_path, split), seed=80)
+
+
+def test_batched_verify_moe_hybrid(synthetic):
+    _check_verify(_stages(synthetic("qwen35moe", seed=21), None), seed=81)

@@ -11,11 +11,15 @@ from typing import Any, Callable
 import structlog
 
 from strata.engine.slots import SlotView, SlotWork, choose_slot, plan_step
-from strata.engine.speculate import SpecCounts
+from strata.engine.speculate import MAX_DRAFTS, SpecCounts
 from strata.engine.types import ReadPart, ReadToken, ReadVerify, TokenEvent
-from strata.stages.batch import decode_batch
+from strata.stages.batch import decode_batch, verify_batch
 
 log = structlog.get_logger("strata.engine")
+
+#: rows one batched verify reads at most: the verifies of several slots go through each weight together up to
+#: this many rows (where every row's product is that row's alone: the size of one slot's largest verify)
+VERIFY_ROWS = MAX_DRAFTS + 1
 
 
 @dataclass(eq=False)
@@ -72,9 +76,9 @@ class Scheduler:
         self.tasks = 0
         # steps run, steps whose decode read several slots' tokens in one batched step, the rows of those, the
         # most rows one step decoded, prompt parts read, requests admitted,
-        # speculative verifies run and the tokens they read
+        # speculative verifies run, the tokens they read and the batched verifies that read several slots' at once
         self.stats = dict(steps=0, batched_steps=0, batched_rows=0, max_rows=0, prefill_parts=0, admitted=0,
-                          verifies=0, verify_tokens=0)
+                          verifies=0, verify_tokens=0, batched_verifies=0)
 
     @property
     def busy(self) -> int:
@@ -107,9 +111,8 @@ class Scheduler:
         plan = plan_step(work, self.budget, self.cursor)
         self.cursor = plan.cursor
         results = self._decode([self.slots[i] for i in plan.decode], len(plan.decode) + len(plan.verify))
-        for i, _ in plan.verify:           # each slot's verify: its own short read (its decoder times it)
-            slot = self.slots[i]
-            results[i] = _call(lambda: slot.decoder.read(slot.run.pending))
+        for group in _groups(plan.verify, VERIFY_ROWS):     # the slots' verifies, batched up to VERIFY_ROWS rows
+            results.update(self._verify([self.slots[i] for i in group]))
         for i, _, _ in plan.prefill:
             slot = self.slots[i]
             results[i] = _call(lambda: slot.reader.read_part(slot.run.pending))
@@ -163,6 +166,38 @@ class Scheduler:
                 self.stats["batched_steps"] += 1
                 self.stats["batched_rows"] += len(ok)
                 self.stats["max_rows"] = max(self.stats["max_rows"], len(ok))
+        return out
+
+    def _verify(self, slots: list[Slot]) -> dict[int, tuple]:
+        """Each slot's pending verify: one slot's as its own short read (its decoder times it), several in one
+        batched verify -> {slot id: ((rows, final-normed rows, seconds), None) or (None, the exception)}, seconds
+        a batched verify's time shared by its rows; a slot whose pool has no room for its tokens fails alone."""
+        if len(slots) == 1:
+            s = slots[0]
+            return {s.id: _call(lambda: s.decoder.read(s.run.pending))}
+        out: dict[int, tuple] = {}
+        ok = []
+        for s in slots:
+            res = _call(lambda: s.seq.reserve(len(s.run.pending.tokens)))
+            if res[1] is not None:
+                out[s.id] = res
+            else:
+                ok.append(s)
+        if len(ok) == 1:
+            return {**out, **self._verify(ok)}
+        if ok:
+            t0 = time.perf_counter()
+            res = _call(lambda: verify_batch([s.seq for s in ok], [s.run.pending.tokens for s in ok]))
+            dt = time.perf_counter() - t0
+            total = sum(len(s.run.pending.tokens) for s in ok)
+            for r, s in enumerate(ok):
+                if res[1] is not None:
+                    out[s.id] = res
+                else:
+                    rows, h = res[0][r]
+                    out[s.id] = ((rows, h, dt * len(s.run.pending.tokens) / total), None)
+            if res[1] is None:
+                self.stats["batched_verifies"] += 1
         return out
 
     def _advance(self, slot: Slot, value, error: BaseException | None) -> None:
@@ -228,6 +263,19 @@ def _work(slot: Slot) -> SlotWork:
     if isinstance(p, ReadPart):
         return SlotWork(slot.id, ((p.a, p.b),))
     return SlotWork(slot.id, verify=len(p.tokens) if isinstance(p, ReadVerify) else 0)
+
+
+def _groups(verifies, rows: int) -> list[list[int]]:
+    """plan_step's (slot, tokens) verifies in groups of at most `rows` tokens each, in slot order -> [[slot, ...]]."""
+    out: list[list[int]] = []
+    used = rows
+    for i, n in verifies:
+        if used + n > rows:
+            out.append([])
+            used = 0
+        out[-1].append(i)
+        used += n
+    return out
 
 
 def _call(fn) -> tuple:

@@ -185,6 +185,29 @@ class Model(ABC):
             return np.stack(outs)
         return self.backend.xp.concatenate(outs, axis=0)
 
+    def verify_batch(self, token_lists, states: list[SequenceState], lo: int, hi: int, x_in: Any = None) -> Any:
+        """Speculative verifies of several sequences in one call: token_lists[i] read by ``states[i]`` (distinct
+        sequences, each armed to keep its per-token states) through blocks [lo, hi) -> (host float32 logits of every
+        row, the final-normed rows) when hi ends with the head, else the hidden states; rows in order, sequence by
+        sequence, each bit-identical to ``forward_carve(token_lists[i], states[i], lo, hi, x_in rows,
+        all_logits=True, hidden=True)``. x_in: the previous stage's rows (sum of the lengths, n_embd) when lo > 0.
+        This default runs those verifies one after the other; the CPU hybrid reads each weight once for all rows."""
+        head = self.ends_with_head(hi)
+        outs, at = [], 0
+        for toks, st in zip(token_lists, states):
+            n = len(toks)
+            xi = None if x_in is None else x_in[at:at + n]
+            at += n
+            if head:
+                outs.append(self.forward_carve(np.asarray(toks, np.int32), st, lo, hi, xi, all_logits=True,
+                                               hidden=True))
+            else:
+                outs.append(self.forward_carve(np.asarray(toks, np.int32), st, lo, hi, xi))
+        if head:
+            xp = self.backend.xp
+            return np.concatenate([o[0] for o in outs], axis=0), xp.concatenate([o[1] for o in outs], axis=0)
+        return self.backend.xp.concatenate(outs, axis=0)
+
     def head_rows(self, x, hidden: bool = False):
         """The final norm and the output head over every row of x (N, n_embd) -> host float32 logits (N, n_vocab);
         hidden: (those logits, the final-normed rows), the very ops ``forward_carve(..., hidden=True)`` runs."""

@@ -32,6 +32,10 @@ class ModelRunner:
             return self.model.forward_batch(tokens, states, self.lo, self.hi, x_in=x_in, hidden=True)
         return self.model.forward_batch(tokens, states, self.lo, self.hi, x_in=x_in)
 
+    def verify_batch(self, token_lists, states, x_in=None):
+        """Several sequences' speculative verifies (``model.verify_batch`` of this carve)."""
+        return self.model.verify_batch(token_lists, states, self.lo, self.hi, x_in=x_in)
+
     def forward_device(self, tokens, state, x_in=None, hidden: bool = False, all_logits: bool = False):
         """forward() with the last token's logits (all_logits: every row's) as the backend's array (hidden: (those,
         the final-normed rows))."""
@@ -96,6 +100,25 @@ class StageBase(ABC):
             return np.stack([np.asarray(o[0]).reshape(-1) for o in outs]), xp.concatenate(hs, axis=0)
         if self.last:
             return np.stack([np.asarray(o).reshape(-1) for o in outs])
+        xp = np if isinstance(outs[0], np.ndarray) else __import__("cupy")
+        return xp.concatenate(outs, axis=0)
+
+    def verify_batch(self, token_lists, sids: list[int], x_in=None):
+        """Speculative verifies of several sequences (each armed to keep its per-token states): token_lists[i] read
+        by sequence ``sids[i]`` (distinct) -> on the last stage (host float32 logits of every row, the final-normed
+        rows), else the hidden states for the next stage, rows sequence by sequence (x_in: the previous stage's, in
+        that order), each row bit-identical to that sequence's own verify. This default runs those verifies one
+        after the other; a local CPU stage reads each weight once for all rows."""
+        outs, at = [], 0
+        for toks, sid in zip(token_lists, sids):
+            n = len(toks)
+            xi = None if x_in is None else x_in[at:at + n]
+            at += n
+            outs.append(self.forward(np.asarray(toks, np.int32), sid, x_in=xi, all_logits=True, hidden=self.last))
+        if self.last:
+            hs = [o[1] for o in outs]
+            xp = np if isinstance(hs[0], np.ndarray) else __import__("cupy")
+            return np.concatenate([np.asarray(o[0]) for o in outs], axis=0), xp.concatenate(hs, axis=0)
         xp = np if isinstance(outs[0], np.ndarray) else __import__("cupy")
         return xp.concatenate(outs, axis=0)
 
@@ -203,6 +226,15 @@ class Stage(StageBase):
         if hidden:
             return run(tokens, [self.memory.seq(sid) for sid in sids], x_in=x_in, hidden=True)
         return run(tokens, [self.memory.seq(sid) for sid in sids], x_in=x_in)
+
+    def verify_batch(self, token_lists, sids: list[int], x_in=None):
+        """StageBase.verify_batch through the model's own ``verify_batch`` (ModelRunner: every weight read once for
+        all rows on the CPU), the verifies one after the other elsewhere."""
+        if not isinstance(self.runner, ModelRunner) or len(sids) < 2:
+            return super().verify_batch(token_lists, sids, x_in)
+        if x_in is not None and not isinstance(x_in, np.ndarray) and self.backend.xp is np:
+            x_in = self.backend.to_host(x_in)
+        return self.runner.verify_batch(token_lists, [self.memory.seq(sid) for sid in sids], x_in=x_in)
 
     def memory_info(self) -> dict[str, int]:
         """The device's memory numbers (CUDA: total / free bytes and CuPy's pool, read on this stage's device);
