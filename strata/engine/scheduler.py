@@ -130,7 +130,7 @@ class Scheduler:
         room for its token fails alone. A ReadToken asking for its hidden row (an MTP drafter's) gets (logits, that
         row, the seconds of the forward it was read in over `decoding`, the slots decoding this step, verifies
         included): its share of the step the decoding slots would share if none drafted, what its adaptive policy
-        prices a plain step at (a verify is priced at its own read)."""
+        prices a plain step at (a verify at its rows' share of the batched verify it ran in, _verify)."""
         if len(slots) == 1:
             s = slots[0]
             res = _call(lambda: s.decoder.read(s.run.pending))
