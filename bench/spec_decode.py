@@ -18,6 +18,10 @@ Besides N = --ns, an "adaptive" arm: --spec max(ns) --spec-adaptive (each verify
 acceptance and costs make fastest; its acceptance estimate carries over from one rate's runs to the next), and once
 an "off" arm: the adaptive policy pinned to plain steps (what a plain step with the drafter on costs). The
 --spec arms share one engine (its decoder's N set per arm); --spec 0 is an engine of its own.
+--parallel M (M > 1) runs other arms instead: M concurrent requests (distinct prompts, one per slot), aggregate decode
+tok/s with --spec N --parallel M against --spec 0 --parallel M at each acceptance (each slot's drafts its own
+request's oracle's), every greedy answer checked equal to the request alone; writes
+bench/results/spec_decode_parallel<M>_<device>_<commit>.json.
 Writes bench/results/spec_decode_<device>_<commit>.json (or --out).
 """
 from __future__ import annotations
@@ -227,6 +231,98 @@ def write_model(d: Path, device: str, size: str | None) -> Path:
     return path
 
 
+class SlotOracle:
+    """One slot's drafts in the --parallel arms: the recorded continuation of the request its sequence holds (the
+    one of `refs` whose prompt starts it), each drafted position kept with probability `rate`."""
+
+    def __init__(self, seq, refs: list[tuple[list[int], list[int]]], rate: float, n_vocab: int, seed: int):
+        self.seq, self.refs, self.rate, self.n_vocab = seq, refs, rate, n_vocab
+        self.rng = np.random.default_rng(seed)
+
+    def __call__(self, pos: int, token: int) -> int:
+        ids = self.seq.ids
+        for prompt, ref in self.refs:
+            k = pos - len(prompt)
+            if len(ids) >= len(prompt) and np.array_equal(ids[:len(prompt)], prompt) and 0 <= k < len(ref):
+                return ref[k] if self.rng.random() < self.rate else (ref[k] + 1) % self.n_vocab
+        return token
+
+
+def run_together(engine, prompts, tokens):
+    """The prompts as concurrent requests, one per slot, stepped until all end -> (each one's tokens, aggregate
+    decode tok/s: the tokens emitted once every request has its first token, over the time since then)."""
+    got = {i: [] for i in range(len(prompts))}
+    stamps: list[float] = []
+    done: dict = {}
+
+    def on_event(i):
+        def f(ev):
+            if not isinstance(ev, FinalEvent):
+                got[i].append(ev.token_id)
+                stamps.append(time.perf_counter()) if len(got[i]) == 1 else None
+        return f
+
+    for i, p in enumerate(prompts):
+        req = GenerationRequest(prompt_tokens=list(p), max_tokens=tokens, ignore_eos=True, cache_prompt=False,
+                                checkpoint=False, id_slot=i)
+        assert engine.admit(req, on_event(i), lambda err, i=i: done.__setitem__(i, err)) == i
+    while len(stamps) < len(prompts) and engine.step():
+        pass
+    t0, n0 = time.perf_counter(), sum(len(v) for v in got.values())
+    while engine.step():
+        pass
+    dt = time.perf_counter() - t0
+    assert all(err is None for err in done.values()), done
+    return [got[i] for i in range(len(prompts))], (sum(len(v) for v in got.values()) - n0) / dt
+
+
+def parallel_arms(path, kw, m: int, ns: list[int], rates: list[float], args) -> dict:
+    """M concurrent requests, one per slot: aggregate decode tok/s with --spec N --parallel M against --spec 0
+    --parallel M (each --spec N run paired with a --spec 0 run just before it; the median ratio), and an adaptive
+    arm (--spec max(ns) --spec-adaptive: each slot's policy its own, carried from one rate to the next), once an
+    "off" arm (every policy pinned to plain steps: what the batched step costs with the drafters on), greedy
+    answers checked equal to each request's --spec 0 answer alone."""
+    prompts = [[int(t) for t in np.random.default_rng(3 + i).integers(0, 1000, args.prompt)] for i in range(m)]
+    alone = Engine(path, **kw)
+    refs = [run(alone, p, args.tokens)[0] for p in prompts]
+    base = Engine(path, parallel=m, **kw)
+    e = Engine(path, parallel=m, spec=max(ns), **kw)
+    run_together(base, prompts, args.tokens)           # warm
+    res = {"parallel": m, "runs": []}
+    policies = {s.id: AdaptiveN(max(ns)) for s in e.slots}    # the adaptive arm's, carried from rate to rate
+    for rate in rates:
+        for n in ns + ["adaptive"] + (["off"] if rate == rates[0] else []):
+            for s in e.slots:
+                s.decoder.spec = n if n in ns else max(ns)
+                # "off": each slot's policy pinned to plain steps (the drafters fed, the batched step's hidden rows)
+                s.decoder.adaptive = policies[s.id] if n == "adaptive" else AdaptiveN(0) if n == "off" else None
+            pairs, meta = [], None
+            for r in range(args.reps):
+                toks0, tps0 = run_together(base, prompts, args.tokens)
+                assert toks0 == refs
+                for s in e.slots:
+                    s.decoder.drafter.oracle = SlotOracle(s.seq, list(zip(prompts, refs)), rate, base.n_vocab,
+                                                          seed=100 * r + s.id)
+                before = dict(e.scheduler.stats)
+                toks, tps = run_together(e, prompts, args.tokens)
+                assert toks == refs, f"--spec {n} --parallel {m} at acceptance {rate} changed a greedy answer"
+                pairs.append((tps, tps0))
+                meta = {k: e.scheduler.stats[k] - before[k] for k in ("steps", "verifies", "verify_tokens",
+                                                                      "batched_steps")}
+            ratios = sorted(a / b for a, b in pairs)
+            row = {"n": n, "acceptance": rate, "tok_s": [a for a, _ in pairs], "spec0_tok_s": [b for _, b in pairs],
+                   "ratio_median": ratios[len(ratios) // 2], "ratios": ratios, "last_run": meta}
+            if n == "adaptive":
+                row["policy"] = {i: p.snapshot() for i, p in policies.items()}
+            res["runs"].append(row)
+            print(f"--parallel {m} N={n} acceptance {rate}: aggregate {row['tok_s'][-1]:.1f} tok/s vs "
+                  f"{row['spec0_tok_s'][-1]:.1f} at --spec 0: {row['ratio_median']:.2f}x (median of {len(ratios)} "
+                  f"pairs; {meta})", flush=True)
+    for x in (alone, base, e):
+        x.close()
+    return res
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu")
@@ -238,6 +334,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--dir", default="/tmp/spec_models", help="where the synthetic model is written")
+    ap.add_argument("--parallel", type=int, default=0,
+                    help="M > 1: only the arms of M concurrent requests in M slots (aggregate tok/s)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device = "cuda:0" if args.device == "cuda" else args.device
@@ -250,6 +348,16 @@ def main() -> int:
     if args.threads:
         kw["threads"] = args.threads
     prompt = [int(t) for t in np.random.default_rng(3).integers(0, 1000, args.prompt)]
+    if args.parallel > 1:
+        kw["n_ctx"] = max(256, args.prompt + args.tokens + 32)     # a KV page (256 tokens) per slot at least
+        res = {"device": device, "model": path.name, "commit": commit_id(), "tokens": args.tokens,
+               "prompt": args.prompt, "reps": args.reps, **parallel_arms(path, kw, args.parallel, ns, rates, args)}
+        res["threads"] = int(kw.get("threads") or 0) or None
+        out = Path(args.out) if args.out else (ROOT / "bench" / "results" /
+                                               f"spec_decode_parallel{args.parallel}_{device}_{res['commit']}.json")
+        out.write_text(json.dumps(res, indent=1) + "\n")
+        print(f"wrote {out}")
+        return 0
 
     base = Engine(path, **kw)
     ref, _ = run(base, prompt, args.tokens)

@@ -87,3 +87,42 @@ def together(path, n_slots, pick=None, **kw):
         return [key(got[i]) for i in range(len(specs))], stats
     finally:
         e.close()
+
+
+class SlotOracle:
+    """The drafts of one request slot's drafter in the tests (MTPDrafter.oracle): for the request its sequence holds
+    (the first of `known` whose prompt starts the sequence), the greedy continuation recorded alone, each drafted
+    position kept with that request's probability (its own generator: the draws depend on its drafts alone) and
+    otherwise replaced by the next token id; the MTP head's own token elsewhere. known: [(prompt, continuation,
+    rate, rng)], shared by every slot's oracle (a request may land in any slot)."""
+
+    def __init__(self, seq, known, n_vocab):
+        self.seq, self.known, self.n_vocab = seq, known, n_vocab
+
+    def __call__(self, pos, token):
+        ids = self.seq.ids
+        for prompt, ref, rate, rng in self.known:
+            if len(ids) >= len(prompt) and list(ids[:len(prompt)]) == list(prompt):
+                k = pos - len(prompt)
+                if not 0 <= k < len(ref):
+                    return token
+                return ref[k] if rng.random() < rate else (ref[k] + 1) % self.n_vocab
+        return token
+
+
+def drive(engine, reqs, arrive):
+    """Admit reqs[i] once `arrive[i]` engine steps have run (or later, when no slot is free) and step until all end
+    -> ([each request's events], {request: error or None})."""
+    got = {i: [] for i in range(len(reqs))}
+    done: dict = {}
+    waiting = sorted(range(len(reqs)), key=lambda i: arrive[i])
+    clock = 0
+    while waiting or len(done) < len(reqs):
+        while waiting and arrive[waiting[0]] <= clock:
+            i = waiting[0]
+            if engine.admit(reqs[i], got[i].append, lambda err, i=i: done.__setitem__(i, err)) is None:
+                break
+            waiting.pop(0)
+        engine.step()
+        clock += 1
+    return [got[i] for i in range(len(reqs))], done

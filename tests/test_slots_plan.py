@@ -1,7 +1,8 @@
 """The request slots' planning (strata/engine/slots.py), pure functions checked with hypothesis: a request's slot
 (id_slot, else the longest shared prefix, else the least recently used idle slot), the chunks a prompt is read in
 (depending only on its own positions), and the steps of continuous batching (every decoding slot each step, prefill
-parts under the budget round-robin, a prompt's parts the same whatever else runs, no slot starved)."""
+parts under the budget round-robin, a speculative verify counted as its tokens, a prompt's parts the same whatever
+else runs, no slot starved)."""
 import pytest
 from hypothesis import given, settings, strategies as hs
 
@@ -68,8 +69,9 @@ def test_chunk_bounds_refuse():
 
 
 def _run(requests, budget, steps=400):
-    """Simulate steps: requests = {slot: (arrival step, prompt length, chunk, tokens to decode)}; -> per slot the
-    parts it read in order, the step its prompt ended and the steps it decoded."""
+    """Simulate steps: requests = {slot: (arrival step, prompt length, chunk, tokens to decode, verify size)}
+    (verify size 0: one-token decodes, else each decode is a speculative verify of that many tokens); -> per slot
+    the parts it read in order, the step its prompt ended and the steps it decoded."""
     work: dict[int, list] = {}
     left: dict[int, int] = {}
     read = {s: [] for s in requests}
@@ -77,20 +79,24 @@ def _run(requests, budget, steps=400):
     decoded = {s: [] for s in requests}
     cursor = 0
     for t in range(steps):
-        for s, (arr, n, chunk, m) in requests.items():
+        for s, (arr, n, chunk, m, v) in requests.items():
             if arr == t:
                 work[s], left[s] = list(chunk_bounds(0, n, chunk)), m
         if not work:
             if all(arr < t for arr, *_ in requests.values()):
                 break
             continue
-        plan = plan_step([SlotWork(s, tuple(c)) for s, c in sorted(work.items())], budget, cursor)
-        assert plan.tokens == len(plan.decode) + sum(b - a for _, a, b in plan.prefill)
+        plan = plan_step([SlotWork(s, tuple(c), 0 if c else requests[s][4]) for s, c in sorted(work.items())],
+                         budget, cursor)
+        fixed = len(plan.decode) + sum(k for _, k in plan.verify)          # never deferred
+        assert plan.tokens == fixed + sum(b - a for _, a, b in plan.prefill)
         assert len({s for s, _, _ in plan.prefill}) == len(plan.prefill)
-        assert set(plan.decode) == {s for s, c in work.items() if not c}       # every decoding slot, every step
+        # every decoding slot, every step: a one-token read or its verify
+        assert set(plan.decode) == {s for s, c in work.items() if not c and not requests[s][4]}
+        assert dict(plan.verify) == {s: requests[s][4] for s, c in work.items() if not c and requests[s][4]}
         if plan.prefill:
             first = plan.prefill[0]
-            assert plan.tokens <= budget or plan.tokens == len(plan.decode) + first[2] - first[1]
+            assert plan.tokens <= budget or plan.tokens == fixed + first[2] - first[1]
         elif any(work.values()):
             raise AssertionError("a step with prefilling slots read no prompt part")
         cursor = plan.cursor
@@ -99,7 +105,7 @@ def _run(requests, budget, steps=400):
             read[s].append((a, b))
             when[s].append(t)
             work[s].pop(0)
-        for s in plan.decode:
+        for s in plan.decode + tuple(s for s, _ in plan.verify):
             decoded[s].append(t)
             left[s] -= 1
             if left[s] == 0:
@@ -108,14 +114,15 @@ def _run(requests, budget, steps=400):
 
 
 reqs = hs.dictionaries(hs.integers(0, 5), hs.tuples(hs.integers(0, 6), hs.integers(1, 90), hs.integers(1, 32),
-                                                   hs.integers(1, 6)), min_size=1, max_size=5)
+                                                   hs.integers(1, 6), hs.sampled_from([0, 0, 2, 4])),
+                       min_size=1, max_size=5)
 
 
 @settings(max_examples=400, deadline=None)
 @given(reqs, hs.integers(1, 80))
 def test_steps_read_each_prompt_in_its_own_parts_and_starve_none(requests, budget):
     read, decoded, when = _run(requests, budget)
-    for s, (arr, n, chunk, m) in requests.items():
+    for s, (arr, n, chunk, m, _) in requests.items():
         assert read[s] == chunk_bounds(0, n, chunk), "the parts depend on other slots"
         assert len(decoded[s]) == m, f"slot {s} starved"
         assert decoded[s] == list(range(decoded[s][0], decoded[s][0] + m)), "a decoding slot skipped a step"
@@ -131,7 +138,19 @@ def test_plan_step_refuses():
         plan_step([SlotWork(0)], 0)
     with pytest.raises(ValueError, match="repeat"):
         plan_step([SlotWork(0), SlotWork(0)], 8)
+    with pytest.raises(ValueError, match="slot 1: a verify"):
+        plan_step([SlotWork(0), SlotWork(1, ((0, 4),), verify=3)], 8)
+    with pytest.raises(ValueError, match="slot 0: a verify"):
+        plan_step([SlotWork(0, verify=-1)], 8)
 
+
+def test_a_verify_counts_its_tokens_against_the_budget():
+    """Two slots verifying 4 tokens each and one decoding leave 16 - 9 = 7 tokens of the budget: a prompt part of 6
+    runs beside them, one of 8 waits behind the first (which runs whatever is left)."""
+    plan = plan_step([SlotWork(0, verify=4), SlotWork(1), SlotWork(2, verify=4), SlotWork(3, ((0, 6),)),
+                      SlotWork(4, ((0, 8),))], 16)
+    assert plan.decode == (1,) and plan.verify == ((0, 4), (2, 4)) and plan.prefill == ((3, 0, 6),)
+    assert plan.tokens == 15
 
 @settings(max_examples=2000, deadline=None)
 @given(hs.data())

@@ -208,8 +208,6 @@ class EngineConfig:
             return (f"--parallel {n} needs a KV pool of {n} contexts: --kv-pool-ctx {pool} is less than "
                     f"{n} x --n-ctx {self.n_ctx} = {n * self.n_ctx} (raise --kv-pool-ctx, or lower --parallel or "
                     f"--n-ctx)")
-        if self.spec.n > 0:
-            return f"--parallel {n} does not run with --spec (drafts are verified one slot at a time): give one"
         return None
 
     @property

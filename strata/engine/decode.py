@@ -14,7 +14,7 @@ import structlog
 from strata.engine import turn_clock
 from strata.engine.spec_policy import AdaptiveN
 from strata.engine.speculate import MAX_DRAFTS, MTPDrafter, SpecCounts
-from strata.engine.types import GenerationRequest, ReadToken, TokenEvent, run_reads
+from strata.engine.types import GenerationRequest, ReadToken, ReadVerify, TokenEvent, run_reads
 from strata.sampling.sampler import Sampler, SamplingParams, StopMatcher
 from strata.sampling.device import DeviceSampler
 from strata.sampling.speculative import judge, judge_picks
@@ -48,20 +48,19 @@ class Decoder:
         self.host_logits = False        # sample on the host whatever the last stage keeps (a batched step's rows)
         self._step: tuple[float, float] | None = None   # a plain step read, its token not yet sampled (_sampled)
 
-    def _read(self, tok: int, on_device: bool):
-        """Read one token -> its logits (the drafter sees its hidden state)."""
-        if self.drafter is None:
-            with turn_clock.phase("model"):
-                return self.seq.forward(np.asarray([tok], dtype=np.int32), on_device=on_device)
-        pos = self.seq.pos
+    def read(self, r):
+        """Serve one read of a choice on the sequence at once (``choice``): a ReadToken's logits (hidden: (logits,
+        the final-normed row, the read's seconds)), a ReadVerify's (rows, final-normed rows, seconds)."""
         t0 = time.perf_counter()
         with turn_clock.phase("model"):
-            logits, h = self.seq.forward(np.asarray([tok], dtype=np.int32), on_device=on_device, hidden=True)
-        t1 = time.perf_counter()
-        self.drafter.observe(pos, h)
-        if self.adaptive is not None:     # the step's time ends once its token is sampled (_sampled)
-            self._step = (t1 - t0, time.perf_counter())
-        return logits
+            if isinstance(r, ReadVerify):
+                rows, h = self.seq.verify(list(r.tokens), on_device=r.on_device)
+                return rows, h, time.perf_counter() - t0
+            toks = np.asarray([r.token], dtype=np.int32)
+            if not r.hidden:
+                return self.seq.forward(toks, on_device=r.on_device)
+            logits, h = self.seq.forward(toks, on_device=r.on_device, hidden=True)
+            return logits, h, time.perf_counter() - t0
 
     def _sampled(self) -> None:
         """A plain step's token sampled: its time (the read and the sampling, which waits for a device's read;
@@ -75,22 +74,22 @@ class Decoder:
                counts: SpecCounts | None = None, record: list | None = None):
         """``steps`` with every token read at once on the sequence (a request alone): yields TokenEvents, returns
         what ``steps`` returns."""
-        return run_reads(self.steps(req, prompt, logits, params, index, counts, record),
-                         lambda r: self._read(r.token, r.on_device))
+        return run_reads(self.steps(req, prompt, logits, params, index, counts, record), self.read)
 
     def steps(self, req: GenerationRequest, prompt: np.ndarray, logits, params: SamplingParams, index: int,
               counts: SpecCounts | None = None, record: list | None = None):
         """Generate one choice from the sequence as it stands (the prompt read) and the prompt's last logits: yields
         TokenEvents and, for each token it reads, a ReadToken whose logits its driver sends back (``choice``, or the
-        scheduler's batched step); returns (finish_reason, token ids, trailing text, stopped_by). Choice `index`
-        samples with seed + index (a fresh draw when the seed is unset). counts: what speculative decoding did,
-        added up here. record: a list each TokenEvent is appended to as it is yielded (greedy choices' replay).
+        scheduler's batched step; with a drafter, its hidden row and seconds too), for each verify a ReadVerify
+        (``choice``, or the scheduler's step); returns (finish_reason, token ids, trailing text, stopped_by). Choice
+        `index` samples with seed + index (a fresh draw when the seed is unset). counts: what speculative decoding
+        did, added up here. record: a list each TokenEvent is appended to as it is yielded (greedy choices' replay).
 
-        With drafts (``spec`` > 0, the request's ``spec`` not False, no grammar): each sampled token is read
-        together with up to ``spec`` drafts in one verify; ``judge`` keeps a prefix of the drafts and samples the
-        token after it; the tokens are emitted one by one with the same checks as without drafts, and the
-        sequence is committed at the position decoding them one at a time would have reached (the last token
-        emitted is sampled, not read)."""
+        With drafts (``spec`` > 0, the request's ``spec`` not False; under a grammar, the drafts it allows): each
+        sampled token is read together with up to ``spec`` drafts in one verify; ``judge`` keeps a prefix of the
+        drafts and samples the token after it; the tokens are emitted one by one with the same checks as without
+        drafts, and the sequence is committed at the position decoding them one at a time would have reached (the
+        last token emitted is sampled, not read)."""
         self._step = None
         if index and params.seed is not None and params.seed != -1:
             params = dataclasses.replace(params, seed=(params.seed + index) % 2 ** 64)
@@ -192,9 +191,11 @@ class Decoder:
                     if not drafts:
                         break
                     t1 = time.perf_counter()
-                    rows, h = st.verify([tok] + [d.token for d in drafts], on_device=picks_on_device)
+                    rows, h, verify_s = yield ReadVerify((tok, *(d.token for d in drafts)), picks_on_device)
+                    t_in = time.perf_counter()
                     picks = sampler.greedy_rows(rows) if picks_on_device else None    # waits for the device
                     t2 = time.perf_counter()
+                    verify_s += t2 - t_in
                     if masks is not None:
                         rows = [guide.apply_mask(rows[i], masks[i]) for i in range(len(masks))]
                     if picks is not None:
@@ -231,12 +232,19 @@ class Decoder:
                         t5 = time.perf_counter()
                     self.drafter.observe(base, h[:j])
                     if self.adaptive is not None:       # the round besides drafting and the verify: judge, Commit
-                        self.adaptive.verified(len(drafts), verdict.accepted, t1 - t0, t2 - t1,
+                        self.adaptive.verified(len(drafts), verdict.accepted, t1 - t0, verify_s,
                                                (t3 - t2) + (t5 - t4) + (time.perf_counter() - t5))
                     tok = int(verdict.tokens[j - 1].token_id)
                 if finish is not None:
                     break
-                logits = yield ReadToken(tok, on_device)
+                if self.drafter is None:
+                    logits = yield ReadToken(tok, on_device)
+                else:                         # the drafter sees every row's hidden state
+                    pos = st.pos
+                    logits, h, read_s = yield ReadToken(tok, on_device, hidden=True)
+                    self.drafter.observe(pos, h)
+                    if self.adaptive is not None:     # the step's time ends once its token is sampled (_sampled)
+                        self._step = (read_s, time.perf_counter())
             if not stopper.stopped:         # a stop string's tail and what follows it are dropped
                 # a character the last token left incomplete (max_tokens, cancel) is dropped, never sent as U+FFFD
                 tail, _ = stopper.feed(decoder.flush(drop_incomplete=True))

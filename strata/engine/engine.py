@@ -155,7 +155,10 @@ class Engine:
                         kv_pool_ctx=st.kv_pool_ctx, n_ctx=self.n_ctx)
         self.eog_ids = set(int(t) for t in self.tokenizer.eog_ids)
         self.spec = int(cfg.spec.n)
-        self.drafter = None
+        # one MTP drafter per request slot over the one MTP block: each drafts from its own slot's conversation,
+        # its K/V that slot's sequence's "draft" field on the last stage (or a table of its own, the last stage
+        # remote); each slot's decoder has its own adaptive policy
+        drafters: list = [None] * len(seqs)
         if self.spec > 0:
             last = self.stages[-1]
             model = getattr(last, "model", None)
@@ -165,16 +168,18 @@ class Engine:
             if why:
                 self.close()
                 raise ValueError(why)
-            self.drafter = MTPDrafter(self.seq, last, model, self.n_ctx)
+            drafters = [MTPDrafter(seqs[0], last, model, self.n_ctx)]
+            drafters += [MTPDrafter(seq, last, model, self.n_ctx, graph=drafters[0].graph) for seq in seqs[1:]]
+        self.drafter = drafters[0]              # slot 0's (a one-slot engine's only one)
         self.spec_totals = SpecCounts()          # every choice's, since the start (/metrics)
         slots = []
         for i, seq in enumerate(seqs):
-            reader = PromptReader(seq, self.store, self.ubatch, drafter=self.drafter,
+            reader = PromptReader(seq, self.store, self.ubatch, drafter=drafters[i],
                                   peers=(lambda seq=seq: [s for s in seqs if s is not seq]) if len(seqs) > 1 else None)
             decoder = Decoder(seq, self.tokenizer, self.eog_ids, self.n_vocab, self.n_ctx, self.stages[-1],
-                              lambda seq=seq: self.store.forget(seq), drafter=self.drafter, spec=self.spec,
+                              lambda seq=seq: self.store.forget(seq), drafter=drafters[i], spec=self.spec,
                               spec_min_p=float(cfg.spec.min_p), spec_max_ctx=int(cfg.spec.max_ctx),
-                              adaptive=AdaptiveN(self.spec) if self.drafter is not None and cfg.spec.adaptive
+                              adaptive=AdaptiveN(self.spec) if drafters[i] is not None and cfg.spec.adaptive
                               else None)
             decoder.host_logits = self.parallel > 1      # a batched step's rows are host logits
             slots.append(Slot(i, seq, reader, decoder))
@@ -406,6 +411,7 @@ class Engine:
                         out.close()           # the consumer went away mid-choice: the decode's own cleanup runs now
                         self.requests += i == 0
                         self.spec_totals.add(counts)
+                        slot.spec.add(counts)
                     n_run = len(toks)
                     if greedy and n_choices > 1:
                         replay = (events, (finish, toks, trailing, stopped_by))

@@ -1,21 +1,26 @@
 """The request slots and continuous batching over them: which slot a request runs in (strata.engine.slots.choose_slot)
-and the engine step (slots.plan_step's plan, then applied: one batched decode step for every decoding slot, whole
-prompt parts under the step's token budget), each request a generator advanced from one read to the next."""
+and the engine step (slots.plan_step's plan, then applied: one batched decode step for every decoding slot, each
+speculating slot's verify, whole prompt parts under the step's token budget), each request a generator advanced
+from one read to the next."""
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import numpy as np
 import structlog
 
 from strata.engine import turn_clock
 from strata.engine.slots import SlotView, SlotWork, choose_slot, plan_step
-from strata.engine.types import ReadPart, ReadToken
-from strata.stages.batch import decode_batch
+from strata.engine.speculate import MAX_DRAFTS, SpecCounts
+from strata.engine.types import ReadPart, ReadToken, ReadVerify, TokenEvent
+from strata.stages.batch import decode_batch, verify_batch
 
 log = structlog.get_logger("strata.engine")
+
+#: rows one batched verify reads at most: the verifies of several slots go through each weight together up to
+#: this many rows (where every row's product is that row's alone: the size of one slot's largest verify)
+VERIFY_ROWS = MAX_DRAFTS + 1
 
 
 @dataclass(eq=False)
@@ -28,7 +33,7 @@ class Run:
     on_done: Callable[[BaseException | None], None]
     request: Any = None
     task: int = 0
-    pending: ReadToken | ReadPart | None = None
+    pending: ReadToken | ReadVerify | ReadPart | None = None
     n_decoded: int = 0
     started_at: float = field(default_factory=time.monotonic)
 
@@ -36,8 +41,9 @@ class Run:
 @dataclass(eq=False)
 class Slot:
     """One request slot: its live sequence (``seq``) with the reader and decoder over it, the request running in it
-    (``run``, or None when idle), when it last finished one (``last_used``, a time.monotonic reading) and the id of
-    the last request it took (``task``: llama-server's id_task)."""
+    (``run``, or None when idle), when it last finished one (``last_used``, a time.monotonic reading), the id of
+    the last request it took (``task``: llama-server's id_task) and what its drafter drafted and the verifies kept
+    since the start (``spec``: SpecCounts, every choice run in this slot)."""
 
     id: int
     seq: Any
@@ -46,6 +52,7 @@ class Slot:
     run: Run | None = None
     last_used: float = 0.0
     task: int = -1
+    spec: SpecCounts = field(default_factory=SpecCounts)
 
     @property
     def busy(self) -> bool:
@@ -58,9 +65,9 @@ class Slot:
 class Scheduler:
     """The engine's request slots and its step. ``admit`` puts a request in a slot (the one choose_slot picks);
     ``step`` runs one engine step over every busy slot. `start(slot, request, prompt)` makes a request's generator (the
-    engine's), which yields events and ReadToken / ReadPart reads; `budget`: tokens one step reads at most
-    (decodes first, then prompt parts; one part always runs). Runs on the engine thread only; ``slots`` and
-    ``stats`` may be read from any."""
+    engine's), which yields events and ReadToken / ReadVerify / ReadPart reads; `budget`: tokens one step reads at
+    most (decodes and verifies first, then prompt parts; one part always runs). Runs on the engine thread only;
+    ``slots`` and ``stats`` may be read from any."""
 
     def __init__(self, slots: list[Slot], start: Callable[[Slot, Any, Any], Any], budget: int):
         self.slots = slots
@@ -69,8 +76,10 @@ class Scheduler:
         self.cursor = 0
         self.tasks = 0
         # steps run, steps whose decode read several slots' tokens in one batched step, the rows of those, the
-        # most rows one step decoded, prompt parts read, requests admitted
-        self.stats = dict(steps=0, batched_steps=0, batched_rows=0, max_rows=0, prefill_parts=0, admitted=0)
+        # most rows one step decoded, prompt parts read, requests admitted,
+        # speculative verifies run, the tokens they read and the batched verifies that read several slots' at once
+        self.stats = dict(steps=0, batched_steps=0, batched_rows=0, max_rows=0, prefill_parts=0, admitted=0,
+                          verifies=0, verify_tokens=0, batched_verifies=0)
 
     @property
     def busy(self) -> int:
@@ -93,18 +102,22 @@ class Scheduler:
         return slot
 
     def step(self) -> int:
-        """One engine step: the plan (every decoding slot's token; prompt parts round-robin under the budget), then
-        its reads (the decodes in one batched step), then each slot served advanced to its next read -> tokens
-        read (0: no slot was busy)."""
-        work = [SlotWork(s.id, ((s.run.pending.a, s.run.pending.b),) if isinstance(s.run.pending, ReadPart) else ())
-                for s in self.slots if s.busy]
+        """One engine step: the plan (every decoding slot's token, every speculating slot's verify; prompt parts
+        round-robin under what is left of the budget), then its reads (the decodes in one batched step, each verify
+        a read of its own, the parts), then each slot served advanced to its next read -> tokens read (0: no slot
+        was busy)."""
+        work = [_work(s) for s in self.slots if s.busy]
         if not work:
             return 0
         plan = plan_step(work, self.budget, self.cursor)
         self.cursor = plan.cursor
         t0 = time.perf_counter()
-        results = self._decode([self.slots[i] for i in plan.decode])
+        results = self._decode([self.slots[i] for i in plan.decode], len(plan.decode) + len(plan.verify))
         own = dict.fromkeys(plan.decode, time.perf_counter() - t0)       # each row's share: the whole batched step
+        for group in _groups(plan.verify, VERIFY_ROWS):     # the slots' verifies, batched up to VERIFY_ROWS rows
+            t1 = time.perf_counter()
+            results.update(self._verify([self.slots[i] for i in group]))
+            own.update(dict.fromkeys(group, time.perf_counter() - t1))
         for i, _, _ in plan.prefill:
             slot = self.slots[i]
             t1 = time.perf_counter()
@@ -118,17 +131,26 @@ class Scheduler:
                 clock.add("slots", spent - own.get(s.id, 0.0))
         self.stats["steps"] += 1
         self.stats["prefill_parts"] += len(plan.prefill)
+        self.stats["verifies"] += len(plan.verify)
+        self.stats["verify_tokens"] += sum(n for _, n in plan.verify)
         for i in sorted(results):
             self._advance(self.slots[i], *results[i])
         return plan.tokens
 
-    def _decode(self, slots: list[Slot]) -> dict[int, tuple]:
+    def _decode(self, slots: list[Slot], decoding: int) -> dict[int, tuple]:
         """Each slot's pending token read: one slot's in its own forward call, several in one batched step ->
-        {slot id: (logits, None) or (None, the exception)}; a slot whose pool has no room for its token fails
-        alone."""
+        {slot id: (what its ReadToken is answered with, None) or (None, the exception)}; a slot whose pool has no
+        room for its token fails alone. A ReadToken asking for its hidden row (an MTP drafter's) gets (logits, that
+        row, the seconds of the forward it was read in over `decoding`, the slots decoding this step, verifies
+        included): its share of the step the decoding slots would share if none drafted, what its adaptive policy
+        prices a plain step at (a verify at its rows' share of the batched verify it ran in, _verify)."""
         if len(slots) == 1:
             s = slots[0]
-            return {s.id: _call(lambda: s.seq.forward(np.asarray([s.run.pending.token], np.int32)))}
+            res = _call(lambda: s.decoder.read(s.run.pending))
+            if s.run.pending.hidden and res[1] is None:
+                logits, h, secs = res[0]
+                res = ((logits, h, secs / max(1, decoding)), None)
+            return {s.id: res}
         out: dict[int, tuple] = {}
         ok = []
         for s in slots:
@@ -138,28 +160,69 @@ class Scheduler:
             else:
                 ok.append(s)
         if len(ok) == 1:
-            return {**out, **self._decode(ok)}
+            return {**out, **self._decode(ok, decoding)}
         if ok:
-            rows = _call(lambda: decode_batch([s.seq for s in ok], [s.run.pending.token for s in ok]))
+            hidden = any(s.run.pending.hidden for s in ok)
+            t0 = time.perf_counter()
+            rows = _call(lambda: decode_batch([s.seq for s in ok], [s.run.pending.token for s in ok], hidden=hidden))
+            dt = time.perf_counter() - t0
             for r, s in enumerate(ok):
-                out[s.id] = (rows[0][r], None) if rows[1] is None else rows
+                if rows[1] is not None:
+                    out[s.id] = rows
+                elif hidden:
+                    logits, h = rows[0]
+                    share = dt / max(len(ok), decoding)
+                    out[s.id] = ((logits[r], h[r:r + 1], share) if s.run.pending.hidden else logits[r], None)
+                else:
+                    out[s.id] = (rows[0][r], None)
             if rows[1] is None:
                 self.stats["batched_steps"] += 1
                 self.stats["batched_rows"] += len(ok)
                 self.stats["max_rows"] = max(self.stats["max_rows"], len(ok))
         return out
 
+    def _verify(self, slots: list[Slot]) -> dict[int, tuple]:
+        """Each slot's pending verify: one slot's as its own short read (its decoder times it), several in one
+        batched verify -> {slot id: ((rows, final-normed rows, seconds), None) or (None, the exception)}, seconds
+        a batched verify's time shared by its rows; a slot whose pool has no room for its tokens fails alone."""
+        if len(slots) == 1:
+            s = slots[0]
+            return {s.id: _call(lambda: s.decoder.read(s.run.pending))}
+        out: dict[int, tuple] = {}
+        ok = []
+        for s in slots:
+            res = _call(lambda: s.seq.reserve(len(s.run.pending.tokens)))
+            if res[1] is not None:
+                out[s.id] = res
+            else:
+                ok.append(s)
+        if len(ok) == 1:
+            return {**out, **self._verify(ok)}
+        if ok:
+            t0 = time.perf_counter()
+            res = _call(lambda: verify_batch([s.seq for s in ok], [s.run.pending.tokens for s in ok]))
+            dt = time.perf_counter() - t0
+            total = sum(len(s.run.pending.tokens) for s in ok)
+            for r, s in enumerate(ok):
+                if res[1] is not None:
+                    out[s.id] = res
+                else:
+                    rows, h = res[0][r]
+                    out[s.id] = ((rows, h, dt * len(s.run.pending.tokens) / total), None)
+            if res[1] is None:
+                self.stats["batched_verifies"] += 1
+        return out
+
     def _advance(self, slot: Slot, value, error: BaseException | None) -> None:
         """Send `value` (or throw `error`) into the slot's request and take its events until it asks for its next read
         (kept as pending) or ends (the slot is free again)."""
         run = slot.run
-        if isinstance(run.pending, ReadToken) and error is None:
-            run.n_decoded += 1
         run.pending = None
         try:
             with turn_clock.active(getattr(run.request, "clock", None)):   # its plan, checkpoints and sampling
                 item = run.gen.throw(error) if error is not None else run.gen.send(value)
-                while not isinstance(item, (ReadToken, ReadPart)):
+                while not isinstance(item, (ReadToken, ReadVerify, ReadPart)):
+                    run.n_decoded += isinstance(item, TokenEvent)
                     run.on_event(item)
                     item = next(run.gen)
             run.pending = item
@@ -199,7 +262,34 @@ class Scheduler:
                         "next_token": {"has_next_token": run is not None, "n_decoded": run.n_decoded if run else 0,
                                        "n_remain": (max_tokens - run.n_decoded) if run is not None and
                                        max_tokens is not None else -1}})
+            if s.decoder.drafter is not None:     # --spec: this slot's own drafts, and what its policy believes
+                adaptive = s.decoder.adaptive
+                out[-1]["spec"] = {"drafted": s.spec.drafted, "accepted": s.spec.accepted,
+                                   "verifies": s.spec.verifies, "acceptance_rate": s.spec.acceptance,
+                                   "mean_accepted": s.spec.mean_accepted,
+                                   "policy": adaptive.snapshot() if adaptive is not None else None}
         return out
+
+
+def _work(slot: Slot) -> SlotWork:
+    """What a busy slot's pending read is, as plan_step sees it."""
+    p = slot.run.pending
+    if isinstance(p, ReadPart):
+        return SlotWork(slot.id, ((p.a, p.b),))
+    return SlotWork(slot.id, verify=len(p.tokens) if isinstance(p, ReadVerify) else 0)
+
+
+def _groups(verifies, rows: int) -> list[list[int]]:
+    """plan_step's (slot, tokens) verifies in groups of at most `rows` tokens each, in slot order -> [[slot, ...]]."""
+    out: list[list[int]] = []
+    used = rows
+    for i, n in verifies:
+        if used + n > rows:
+            out.append([])
+            used = 0
+        out[-1].append(i)
+        used += n
+    return out
 
 
 def _call(fn) -> tuple:

@@ -1,6 +1,7 @@
 """Request slots' planning, apart from its apply: which slot a request takes (``choose_slot``), where a prompt's read
-is cut into chunks (``chunk_bounds``), and what one engine step runs (``plan_step``: every decoding slot's token and
-prefill chunks under a token budget, round-robin). Pure functions over plain values; the engine applies the plans."""
+is cut into chunks (``chunk_bounds``), and what one engine step runs (``plan_step``: every decoding slot's token,
+every speculating slot's verify and prefill chunks under a token budget, round-robin). Pure functions over plain
+values; the engine applies the plans."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -58,43 +59,52 @@ def chunk_bounds(start: int, end: int, chunk: int, cuts: Sequence[int] = ()) -> 
 @dataclass(frozen=True)
 class SlotWork:
     """One active slot as a step sees it: ``id``; ``chunks`` still to read of its prompt (chunk_bounds' parts, in
-    order; empty once it decodes)."""
+    order; empty once it decodes); ``verify``, the tokens of the speculative verify it waits on (its sampled token
+    and its drafts, one short read; 0: a one-token decode, or a prompt part)."""
 
     id: int
     chunks: tuple[tuple[int, int], ...] = ()
+    verify: int = 0
 
     @property
     def decoding(self) -> bool:
-        return not self.chunks
+        return not self.chunks and not self.verify
 
 
 @dataclass(frozen=True)
 class StepPlan:
     """What one engine step runs: ``decode``, the slots that read one token each (the batched decode step), in slot
-    order; ``prefill``, (slot, a, b) prompt parts read this step, one per slot at most; ``cursor``, where the next
-    step's round-robin over prefilling slots starts."""
+    order; ``verify``, (slot, tokens) speculative verifies, each its own short read, in slot order; ``prefill``,
+    (slot, a, b) prompt parts read this step, one per slot at most; ``cursor``, where the next step's round-robin
+    over prefilling slots starts; ``tokens``, what the step reads in all."""
 
     decode: tuple[int, ...] = ()
     prefill: tuple[tuple[int, int, int], ...] = ()
     cursor: int = 0
     tokens: int = field(default=0)
+    verify: tuple[tuple[int, int], ...] = ()
 
 
 def plan_step(work: Sequence[SlotWork], budget: int, cursor: int = 0) -> StepPlan:
-    """One step of continuous batching: every decoding slot reads its next token (decodes are never deferred, so
-    a long prompt cannot stall the others' answers), then prompt parts (each slot's next chunk, whole) go to the
-    prefilling slots in round-robin order from the first slot id >= cursor, while they fit in what is left of
-    `budget` tokens; at least one part runs when any slot is prefilling (no prompt waits forever behind decodes).
-    The next cursor is one past the last slot served, so every prefilling slot is served within as many steps as
-    there are prefilling slots. ValueError for budget < 1 or repeated slot ids."""
+    """One step of continuous batching: every decoding slot reads its next token and every speculating slot runs
+    its verify (neither is ever deferred, so a long prompt cannot stall the others' answers), then prompt parts
+    (each slot's next chunk, whole) go to the prefilling slots in round-robin order from the first slot id >=
+    cursor, while they fit in what is left of `budget` tokens after the decodes and the verifies; at least one part
+    runs when any slot is prefilling (no prompt waits forever behind decodes). The next cursor is one past the last
+    slot served, so every prefilling slot is served within as many steps as there are prefilling slots. ValueError
+    for budget < 1, repeated slot ids or a slot both verifying and reading its prompt."""
     if budget < 1:
         raise ValueError(f"the step's token budget must be >= 1 (got {budget})")
     ids = [w.id for w in work]
     if len(set(ids)) != len(ids):
         raise ValueError(f"slot ids repeat in {ids}")
+    bad = next((w.id for w in work if w.verify < 0 or (w.verify and w.chunks)), None)
+    if bad is not None:
+        raise ValueError(f"slot {bad}: a verify is a count of tokens >= 1, and a slot reading its prompt has none")
     decode = tuple(sorted(w.id for w in work if w.decoding))
-    left = budget - len(decode)
-    pre = sorted((w for w in work if not w.decoding), key=lambda w: w.id)
+    verify = tuple(sorted((w.id, int(w.verify)) for w in work if w.verify))
+    left = budget - len(decode) - sum(n for _, n in verify)
+    pre = sorted((w for w in work if w.chunks), key=lambda w: w.id)
     order = [w for w in pre if w.id >= cursor] + [w for w in pre if w.id < cursor]
     parts: list[tuple[int, int, int]] = []
     nxt = cursor
@@ -108,7 +118,7 @@ def plan_step(work: Sequence[SlotWork], budget: int, cursor: int = 0) -> StepPla
         if left <= 0:
             break
     return StepPlan(decode=decode, prefill=tuple(parts), cursor=nxt if parts else cursor,
-                    tokens=len(decode) + sum(b - a for _, a, b in parts))
+                    tokens=len(decode) + sum(n for _, n in verify) + sum(b - a for _, a, b in parts), verify=verify)
 
 
 def slot_error(slot, n_slots: int) -> str:

@@ -87,10 +87,13 @@ def file_refusal(model: str) -> str | None:
 
 class MTPDrafter:
     """Drafts for the live sequence `seq` with the MTP head of `model` (the last stage's, whose memory holds the
-    drafter's K/V). ``oracle``: None, or a function (position of the drafted token, the MTP head's token) -> the
-    token to draft instead (tests and benchmarks: the MTP head still runs on the drafts it is given)."""
+    drafter's K/V: `seq`'s own "draft" field there, so drafters of several sequences over one model keep apart).
+    ``oracle``: None, or a function (position of the drafted token, the MTP head's token) -> the token to draft
+    instead (tests and benchmarks: the MTP head still runs on the drafts it is given). graph: the graph step to use
+    (another drafter's ``graph``, shared: it holds no sequence's state from one draft to the next), else one made
+    here."""
 
-    def __init__(self, seq, stage, model, n_ctx: int):
+    def __init__(self, seq, stage, model, n_ctx: int, graph=False):
         self.seq, self.stage, self.model = seq, stage, model
         self.oracle: Callable[[int, int], int] | None = None
         # the drafter's K/V: the last stage's "draft" field, or (the last stage remote: the main runs the head and
@@ -100,7 +103,13 @@ class MTPDrafter:
         self._epoch = seq.epoch
         self.xp = getattr(model, "xp", np)               # the model's array module: CuPy on a GPU (rows stay there)
         self._zero = self.xp.zeros(model.config.n_embd, np.float32)
-        self._graph = graph_step(model)                   # the one-row MTP step in a CUDA graph, or None
+        # the one-row MTP step in a CUDA graph, or None
+        self._graph = graph_step(model) if graph is False else graph
+
+    @property
+    def graph(self):
+        """The one-row MTP step this drafter runs (a CUDA graph step), or None."""
+        return self._graph
 
     def _table(self):
         if self._own is not None:

@@ -158,9 +158,23 @@ def merge_choices(finals: list[FinalEvent]) -> FinalEvent:
 @dataclass(frozen=True)
 class ReadToken:
     """What a decoding choice asks its driver for: read `token` as the next token of its sequence and send back the
-    logits (on the device when on_device and the last stage keeps them there; a batched step sends host rows)."""
+    logits (on the device when on_device and the last stage keeps them there; a batched step sends host rows).
+    hidden (a choice with an MTP drafter): send back (logits, the last stage's final-normed row, seconds the
+    read took) instead."""
 
     token: int
+    on_device: bool = False
+    hidden: bool = False
+
+
+@dataclass(frozen=True)
+class ReadVerify:
+    """What a speculating choice asks its driver for: a verify of `tokens` (the sampled token and its drafts) on
+    its sequence (Sequence.verify, one forward of len(tokens) tokens keeping each token's state), sending back
+    (every row's logits, the last stage's final-normed rows, seconds the verify took). on_device: the rows may stay
+    on the last stage's device (a request alone; a step of several slots sends host rows)."""
+
+    tokens: tuple
     on_device: bool = False
 
 
@@ -175,9 +189,9 @@ class ReadPart:
 
 
 def run_reads(gen, read):
-    """Drive `gen`, a generator that yields ReadToken / ReadPart requests among its events: each request is served
-    at once by read(request) and its result sent back (an exception read raises is thrown into gen at the request),
-    every other item is yielded; returns what gen returns. Closing this generator closes gen. What a request
+    """Drive `gen`, a generator that yields ReadToken / ReadVerify / ReadPart requests among its events: each one is
+    served at once by read(request) and its result sent back (an exception read raises is thrown into gen at the
+    request), every other item is yielded; returns what gen returns. Closing this generator closes gen. What a request
     alone runs on (Engine.generate with one slot); the scheduler serves the same requests in batched steps."""
     value, error = None, None
     try:
@@ -187,7 +201,7 @@ def run_reads(gen, read):
             except StopIteration as stop:
                 return stop.value
             value = error = None
-            if isinstance(item, (ReadToken, ReadPart)):
+            if isinstance(item, (ReadToken, ReadPart, ReadVerify)):
                 try:
                     value = read(item)
                 except BaseException as e:  # noqa: BLE001 - thrown into gen, whose cleanup decides

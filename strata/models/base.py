@@ -160,23 +160,62 @@ class Model(ABC):
         (the residual stream, before the final norm; a backend array). Reserves, commits and advances `state`
         (this stage's sequence); ValueError / KVCacheFull change nothing."""
 
-    def forward_batch(self, tokens, states: list[SequenceState], lo: int, hi: int, x_in: Any = None) -> Any:
+    def forward_batch(self, tokens, states: list[SequenceState], lo: int, hi: int, x_in: Any = None,
+                      hidden: bool = False) -> Any:
         """One decode step of several sequences: token i read by ``states[i]`` (distinct sequences of this stage's
         memory, each at its own position) through blocks [lo, hi) -> host float32 logits (N, n_vocab) when hi ends
         with the head, else the hidden states (N, n_embd) (a backend array). Row i is bit-identical to
         ``forward_carve([tokens[i]], states[i], lo, hi, x_in[i:i + 1])`` whatever the other rows are and whichever
         row it sits in (batch-invariant). x_in: the previous stage's hidden states (N, n_embd) when lo > 0.
+        hidden (a carve ending with the head): (those logits, the final-normed rows (N, n_embd)), each row as
+        ``forward_carve(..., hidden=True)`` gives it (the MTP drafter's ``h``).
 
         This default runs those lone steps one after the other; a family whose ops are exact per row (the CPU
         backend's C core) overrides it to read every weight once for all rows. ValueError (changing nothing) for
         what ``forward_carve`` refuses, a repeated sequence or a count mismatch; KVCacheFull from a reserve (pages
         reserved for other rows stay reserved, which is harmless)."""
         tokens = self._check_batch(tokens, states, lo, hi, x_in)
-        outs = [self.forward_carve(tokens[i:i + 1], st, lo, hi, None if x_in is None else x_in[i:i + 1])
+        head = self.ends_with_head(hi)
+        kw = {"hidden": True} if hidden and head else {}
+        outs = [self.forward_carve(tokens[i:i + 1], st, lo, hi, None if x_in is None else x_in[i:i + 1], **kw)
                 for i, st in enumerate(states)]
-        if self.ends_with_head(hi):
+        if kw:
+            return np.stack([o[0] for o in outs]), self.backend.xp.concatenate([o[1] for o in outs], axis=0)
+        if head:
             return np.stack(outs)
         return self.backend.xp.concatenate(outs, axis=0)
+
+    def verify_batch(self, token_lists, states: list[SequenceState], lo: int, hi: int, x_in: Any = None) -> Any:
+        """Speculative verifies of several sequences in one call: token_lists[i] read by ``states[i]`` (distinct
+        sequences, each armed to keep its per-token states) through blocks [lo, hi) -> (host float32 logits of every
+        row, the final-normed rows) when hi ends with the head, else the hidden states; rows in order, sequence by
+        sequence, each bit-identical to ``forward_carve(token_lists[i], states[i], lo, hi, x_in rows,
+        all_logits=True, hidden=True)``. x_in: the previous stage's rows (sum of the lengths, n_embd) when lo > 0.
+        This default runs those verifies one after the other; the CPU hybrid reads each weight once for all rows."""
+        head = self.ends_with_head(hi)
+        outs, at = [], 0
+        for toks, st in zip(token_lists, states):
+            n = len(toks)
+            xi = None if x_in is None else x_in[at:at + n]
+            at += n
+            if head:
+                outs.append(self.forward_carve(np.asarray(toks, np.int32), st, lo, hi, xi, all_logits=True,
+                                               hidden=True))
+            else:
+                outs.append(self.forward_carve(np.asarray(toks, np.int32), st, lo, hi, xi))
+        if head:
+            xp = self.backend.xp
+            return np.concatenate([o[0] for o in outs], axis=0), xp.concatenate([o[1] for o in outs], axis=0)
+        return self.backend.xp.concatenate(outs, axis=0)
+
+    def head_rows(self, x, hidden: bool = False):
+        """The final norm and the output head over every row of x (N, n_embd) -> host float32 logits (N, n_vocab);
+        hidden: (those logits, the final-normed rows), the very ops ``forward_carve(..., hidden=True)`` runs."""
+        if not hidden:
+            return self.head(x, all_logits=True)
+        be = self.backend
+        h = be.rms_norm(x, self.out_norm, self.config.rms_eps)
+        return be.to_host(be.matmul(h, self.output)), h
 
     def _attend_rows(self, states: list[SequenceState], scale: float):
         """attend(q, k, v, layer) for a batched step: row i's K/V written to and attended over ``states[i]``'s own

@@ -133,14 +133,14 @@ class LlamaModel(Model):
         state.advance(tokens)
         return out
 
-    def forward_batch(self, tokens, states: list[SequenceState], lo: int, hi: int, x_in=None):
+    def forward_batch(self, tokens, states: list[SequenceState], lo: int, hi: int, x_in=None, hidden: bool = False):
         """See Model.forward_batch. On the CPU backend every weight product runs over the N rows at once (the C
         core's integer kernels reduce each row as they reduce one; F32 / F16 weights go row by row up to
         quant.ROWWISE_MAX_TOKENS), RMSNorm, RoPE (each row at its own position) and SwiGLU per row, attention per
         row over its own sequence's pages; other backends take the lone steps (Model.forward_batch)."""
         be = self.backend
         if be.xp is not np:
-            return super().forward_batch(tokens, states, lo, hi, x_in)
+            return super().forward_batch(tokens, states, lo, hi, x_in, hidden=hidden)
         tokens = self._check_batch(tokens, states, lo, hi, x_in)
         for st in states:
             st.kv.reserve(1)
@@ -148,7 +148,7 @@ class LlamaModel(Model):
         attend = self._attend_rows(states, self.scale)
         x = be.embed(self.tok_embd, tokens) if lo == 0 else x_in
         x = self._layers(x, positions, lo, hi, attend)
-        out = self.head(x, all_logits=True) if self.ends_with_head(hi) else x
+        out = self.head_rows(x, hidden) if self.ends_with_head(hi) else x
         for i, st in enumerate(states):
             st.kv.commit(1)
             st.advance(tokens[i:i + 1])

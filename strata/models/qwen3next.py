@@ -474,14 +474,14 @@ class Qwen3NextModel(Model):
         state.advance(tokens)
         return x
 
-    def forward_batch(self, tokens, states: list[SequenceState], lo: int, hi: int, x_in=None):
+    def forward_batch(self, tokens, states: list[SequenceState], lo: int, hi: int, x_in=None, hidden: bool = False):
         """See Model.forward_batch. On the CPU backend the weight products run over the N rows at once (exact per
         row, see LlamaModel.forward_batch); each row's attention reads its own sequence's pages, and each GDN layer
         runs the conv and the delta rule of each row on its own sequence's running state (_gdn_batch); a MoE FFN
         runs row by row. Other backends take the lone steps (Model.forward_batch)."""
         be = self.backend
         if self.on_device:
-            return super().forward_batch(tokens, states, lo, hi, x_in)
+            return super().forward_batch(tokens, states, lo, hi, x_in, hidden=hidden)
         tokens = self._check_batch(tokens, states, lo, hi, x_in)
         for st in states:
             if st.kv is not None:
@@ -501,11 +501,67 @@ class Qwen3NextModel(Model):
                 x = x + self._ffn(L.ffn, h)
             else:
                 x = x + np.concatenate([self._ffn(L.ffn, h[i:i + 1]) for i in range(h.shape[0])], axis=0)
-        out = self.head(x, all_logits=True) if self.ends_with_head(hi) else x
+        out = self.head_rows(x, hidden) if self.ends_with_head(hi) else x
         for i, st in enumerate(states):
             if st.kv is not None:
                 st.kv.commit(1)
             st.advance(tokens[i:i + 1])
+        return out
+
+    def verify_batch(self, token_lists, states: list[SequenceState], lo: int, hi: int, x_in=None):
+        """See Model.verify_batch. On the CPU backend, up to ROWWISE_MAX_TOKENS rows in all, the weight products run
+        over every sequence's rows at once (each row as its own verify's: exact per row), each sequence's attention
+        over its own pages, each GDN layer's conv and delta rule on its own running state keeping its per-token
+        states, a MoE FFN sequence by sequence. Other backends, more rows: the verifies one after the other."""
+        be = self.backend
+        lens = [len(t) for t in token_lists]
+        total = sum(lens)
+        if self.on_device or len(states) < 2 or total > ROWWISE_MAX_TOKENS:
+            return super().verify_batch(token_lists, states, lo, hi, x_in)
+        if len({id(st) for st in states}) != len(states) or len(token_lists) != len(states):
+            raise ValueError("a batched verify reads each sequence at most once, with its own tokens")
+        segs, at = [], 0
+        for n in lens:
+            segs.append(slice(at, at + n))
+            at += n
+        toks = [self._check_carve(t, st, lo, hi, None if x_in is None else x_in[s])
+                for t, st, s in zip(token_lists, states, segs)]
+        for t, st in zip(toks, states):
+            steps = st.steps
+            if steps is None or steps.base != st.pos or steps.n < len(t):
+                raise ValueError("a batched verify reads sequences armed to keep their per-token states (keep)")
+        for st, n in zip(states, lens):
+            if st.kv is not None:
+                st.kv.reserve(n)
+        positions = np.concatenate([np.arange(st.pos, st.pos + n, dtype=np.int64) for st, n in zip(states, lens)])
+        x = be.embed(self.tok_embd, np.concatenate(toks)) if lo == 0 else x_in
+
+        def attend(q, k, v, il):
+            return np.concatenate([be.attention(q[s], k[s], v[s], st.kv, il, self.scale)
+                                   for s, st in zip(segs, states)], axis=0)
+
+        nvd = self.nv * self.dv
+        for il in range(lo, hi):
+            L = self.layers[il]
+            h = be.rms_norm(x, L.attn_norm, self.eps)
+            if L.recurrent:
+                qkv, z, b, a = self._gdn_in(L, h, be.to_host)
+                o = np.concatenate([self._gdn_mix(L, qkv[s], z[s], b[s], a[s], st.running[il],
+                                                  st.steps.layers.get(il), True).reshape(-1, nvd)
+                                    for s, st in zip(segs, states)], axis=0)
+                x = x + be.matmul(o, L.ssm_out)
+            else:
+                x = x + self._attn(L, h, positions, None, il, attend)
+            h = be.rms_norm(x, L.post_norm, self.eps)
+            if L.ffn.dense is not None:
+                x = x + self._ffn(L.ffn, h)
+            else:
+                x = x + np.concatenate([self._ffn(L.ffn, h[s]) for s in segs], axis=0)
+        out = self.head_rows(x, hidden=True) if self.ends_with_head(hi) else x
+        for t, st, n in zip(toks, states, lens):
+            if st.kv is not None:
+                st.kv.commit(n)
+            st.advance(t)
         return out
 
     def forward_hidden(self, tokens: np.ndarray, state: SequenceState) -> np.ndarray:

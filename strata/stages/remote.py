@@ -247,17 +247,17 @@ class RemoteStage(StageBase):
             return self.model.head(h, all_logits), be.rms_norm(h, self.model.out_norm, self.model.config.rms_eps)
         return self.model.head(h, all_logits)
 
-    def forward_batch(self, tokens: np.ndarray, sids: list[int], x_in=None):
+    def forward_batch(self, tokens: np.ndarray, sids: list[int], x_in=None, hidden: bool = False):
         """One decode step of several sequences in one round trip (``+slots``): a BatchForward of every row (its
         sequence id, position, token and hidden row), the worker chain's rows back in one BatchResult, then the head
         over them -> host float32 logits (N, n_vocab), row i bit-identical to ``forward([tokens[i]], sids[i])`` (the
         worker's batched step keeps that per row, and so does the head). One row, or a worker without ``+slots``:
-        StageBase's lone forwards."""
+        StageBase's lone forwards. hidden: (those logits, the final-normed rows), as ``forward`` gives them."""
         toks = np.ascontiguousarray(np.asarray(tokens, dtype=np.int32).reshape(-1))
         sids = [int(q) for q in sids]
         c = self.client
         if len(sids) == 1 or c is None or link.CAP_SLOTS not in c.caps:
-            return super().forward_batch(toks, sids, x_in)
+            return super().forward_batch(toks, sids, x_in, hidden)
         n = len(sids)
         if toks.shape[0] != n or len(set(sids)) != n:
             raise ValueError(f"a batched step takes one token per distinct sequence (got {toks.shape[0]} tokens for "
@@ -283,9 +283,14 @@ class RemoteStage(StageBase):
         if res.dropped:
             self.memory.dropped(res.dropped)
         h = res.hidden
+        eps = self.model.config.rms_eps
         if getattr(be, "xp", np) is not np:
             with be.device:
-                return self.model.head(be.xp.asarray(h), True)     # host logits of every row
+                hd = be.xp.asarray(h)
+                out = self.model.head(hd, True)     # host logits of every row
+                return (out, be.rms_norm(hd, self.model.out_norm, eps)) if hidden else out
+        if hidden:           # the drafters': the final-normed rows, beside the logits the head gives as always
+            return self.model.head(h, True), be.rms_norm(h, self.model.out_norm, eps)
         return self.model.head(h, True)
 
     def memory_info(self) -> dict[str, int]:

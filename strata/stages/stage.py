@@ -25,9 +25,16 @@ class ModelRunner:
                                             hidden=True)
         return self.model.forward_carve(tokens, state, self.lo, self.hi, x_in=x_in, all_logits=all_logits)
 
-    def forward_batch(self, tokens, states, x_in=None):
-        """One decode step of several sequences (``model.forward_batch`` of this carve)."""
+    def forward_batch(self, tokens, states, x_in=None, hidden: bool = False):
+        """One decode step of several sequences (``model.forward_batch`` of this carve; hidden: with the
+        final-normed rows)."""
+        if hidden:
+            return self.model.forward_batch(tokens, states, self.lo, self.hi, x_in=x_in, hidden=True)
         return self.model.forward_batch(tokens, states, self.lo, self.hi, x_in=x_in)
+
+    def verify_batch(self, token_lists, states, x_in=None):
+        """Several sequences' speculative verifies (``model.verify_batch`` of this carve)."""
+        return self.model.verify_batch(token_lists, states, self.lo, self.hi, x_in=x_in)
 
     def forward_device(self, tokens, state, x_in=None, hidden: bool = False, all_logits: bool = False):
         """forward() with the last token's logits (all_logits: every row's) as the backend's array (hidden: (those,
@@ -72,20 +79,46 @@ class StageBase(ABC):
         with all_logits; with hidden, (logits, the final-normed hidden states of every row), where
         ``speculates``)."""
 
-    def forward_batch(self, tokens: np.ndarray, sids: list[int], x_in=None):
+    def forward_batch(self, tokens: np.ndarray, sids: list[int], x_in=None, hidden: bool = False):
         """One decode step of several sequences: token i read by sequence ``sids[i]`` (distinct) at its own position
         -> the last stage's logits, host float32 (N, n_vocab), else the hidden states (N, n_embd) for the next
         stage (x_in: the previous stage's, one row per sequence). Row i is bit-identical to ``forward([tokens[i]],
-        sids[i])`` whatever the other rows are and whichever row it sits in. This default runs those lone forwards
-        one after the other; a local stage's runner reads each weight once for all rows."""
+        sids[i])`` whatever the other rows are and whichever row it sits in. hidden (the last stage): (those
+        logits, the final-normed rows (N, n_embd), each as ``forward(..., hidden=True)`` gives it), for the MTP
+        drafters. This default runs those lone forwards one after the other; a local stage's runner reads each
+        weight once for all rows."""
         toks = np.asarray(tokens, dtype=np.int32).reshape(-1)
         if toks.shape[0] != len(sids) or len(set(sids)) != len(sids):
             raise ValueError(f"a batched step takes one token per distinct sequence (got {toks.shape[0]} tokens for "
                              f"sequences {list(sids)})")
-        outs = [self.forward(toks[i:i + 1], sid, x_in=None if x_in is None else x_in[i:i + 1])
+        kw = {"hidden": True} if hidden and self.last else {}
+        outs = [self.forward(toks[i:i + 1], sid, x_in=None if x_in is None else x_in[i:i + 1], **kw)
                 for i, sid in enumerate(sids)]
+        if kw:
+            hs = [o[1] for o in outs]
+            xp = np if isinstance(hs[0], np.ndarray) else __import__("cupy")
+            return np.stack([np.asarray(o[0]).reshape(-1) for o in outs]), xp.concatenate(hs, axis=0)
         if self.last:
             return np.stack([np.asarray(o).reshape(-1) for o in outs])
+        xp = np if isinstance(outs[0], np.ndarray) else __import__("cupy")
+        return xp.concatenate(outs, axis=0)
+
+    def verify_batch(self, token_lists, sids: list[int], x_in=None):
+        """Speculative verifies of several sequences (each armed to keep its per-token states): token_lists[i] read
+        by sequence ``sids[i]`` (distinct) -> on the last stage (host float32 logits of every row, the final-normed
+        rows), else the hidden states for the next stage, rows sequence by sequence (x_in: the previous stage's, in
+        that order), each row bit-identical to that sequence's own verify. This default runs those verifies one
+        after the other; a local CPU stage reads each weight once for all rows."""
+        outs, at = [], 0
+        for toks, sid in zip(token_lists, sids):
+            n = len(toks)
+            xi = None if x_in is None else x_in[at:at + n]
+            at += n
+            outs.append(self.forward(np.asarray(toks, np.int32), sid, x_in=xi, all_logits=True, hidden=self.last))
+        if self.last:
+            hs = [o[1] for o in outs]
+            xp = np if isinstance(hs[0], np.ndarray) else __import__("cupy")
+            return np.concatenate([np.asarray(o[0]) for o in outs], axis=0), xp.concatenate(hs, axis=0)
         xp = np if isinstance(outs[0], np.ndarray) else __import__("cupy")
         return xp.concatenate(outs, axis=0)
 
@@ -175,12 +208,14 @@ class Stage(StageBase):
             return self.runner.forward(tokens, st, all_logits=all_logits, x_in=x_in, hidden=True)
         return self.runner.forward(tokens, st, all_logits=all_logits, x_in=x_in)
 
-    def forward_batch(self, tokens: np.ndarray, sids: list[int], x_in=None):
+    def forward_batch(self, tokens: np.ndarray, sids: list[int], x_in=None, hidden: bool = False):
         """StageBase.forward_batch through the runner's ``forward_batch`` (every weight read once for the N rows;
-        the CUDA plans: the decode step over N columns), the lone forwards where the runner has none or N is 1."""
+        the CUDA plans: the decode step over N columns), the lone forwards where the runner has none or N is 1, and
+        for the final-normed rows (hidden) where the runner is not the model's own (the CUDA plans give none)."""
         run = getattr(self.runner, "forward_batch", None)
-        if run is None or len(sids) == 1:         # one row: the lone forward itself
-            return super().forward_batch(tokens, sids, x_in)
+        hidden = hidden and self.last
+        if run is None or len(sids) == 1 or (hidden and not isinstance(self.runner, ModelRunner)):
+            return super().forward_batch(tokens, sids, x_in, hidden)   # one row: the lone forward itself
         if len(set(sids)) != len(sids):
             raise ValueError(f"a batched step reads each sequence at most once (got sequences {list(sids)})")
         if x_in is not None and not isinstance(x_in, np.ndarray) and self.backend.xp is np:
@@ -188,7 +223,18 @@ class Stage(StageBase):
         elif x_in is not None and self.backend.xp is not np:
             with self.backend.device:
                 x_in = self.backend.xp.asarray(x_in)
+        if hidden:
+            return run(tokens, [self.memory.seq(sid) for sid in sids], x_in=x_in, hidden=True)
         return run(tokens, [self.memory.seq(sid) for sid in sids], x_in=x_in)
+
+    def verify_batch(self, token_lists, sids: list[int], x_in=None):
+        """StageBase.verify_batch through the model's own ``verify_batch`` (ModelRunner: every weight read once for
+        all rows on the CPU), the verifies one after the other elsewhere."""
+        if not isinstance(self.runner, ModelRunner) or len(sids) < 2:
+            return super().verify_batch(token_lists, sids, x_in)
+        if x_in is not None and not isinstance(x_in, np.ndarray) and self.backend.xp is np:
+            x_in = self.backend.to_host(x_in)
+        return self.runner.verify_batch(token_lists, [self.memory.seq(sid) for sid in sids], x_in=x_in)
 
     def memory_info(self) -> dict[str, int]:
         """The device's memory numbers (CUDA: total / free bytes and CuPy's pool, read on this stage's device);
