@@ -135,8 +135,24 @@ class _Drains:
     def drain(self):
         self._log.append(("drain", self._name))
 
+    @property
+    def device(self):
+        """The stage's device scope, its entry logged as ("scope", stage)."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def scope():
+            self._log.append(("scope", self._name))
+            inner = getattr(self._b, "device", None)
+            with inner if inner is not None else contextlib.nullcontext():
+                yield
+        return scope()
+
 
 def test_each_stage_drains_its_own_device_before_its_state_is_read_or_written(split_engine, monkeypatch):
+    """Every read or write of a stage's state runs in that stage's own device scope, right after that stage's drain;
+    a capture only in its scope (its copies are queued on the stage's stream after the forward that wrote the state:
+    no host wait on the request's path)."""
     e = split_engine
     log: list = []
     for st in e.stages:
@@ -152,14 +168,17 @@ def test_each_stage_drains_its_own_device_before_its_state_is_read_or_written(sp
     e.seq.hashes()
     e.seq.restore(ck)
     ck.release()
-    ops = [x for x in log if x[0] != "drain"]
+    ops = [x for x in log if x[0] not in ("drain", "scope")]
     assert {op for op, _ in ops} == {"_capture", "_restore", "_hashes", "_reset"}
     assert {i for _, i in ops} == {st.index for st in e.stages}
     for k, (op, i) in enumerate(log):
-        if op != "drain":        # every read or write of stage i's state after stage i's own drain, nothing between
-            last = max(j for j in range(k) if log[j][0] == "drain") if any(x[0] == "drain" for x in log[:k]) else -1
-            assert last >= 0 and log[last] == ("drain", i) and all(x[1] == i for x in log[last:k]), \
-                f"{op} of stage {i} after {log[max(last, 0):k]}, not its drain"
+        if op in ("drain", "scope"):
+            continue
+        scope = max((j for j in range(k) if log[j][0] == "scope"), default=-1)
+        assert scope >= 0 and log[scope] == ("scope", i), f"{op} of stage {i} outside its own device scope"
+        if op != "_capture":     # stage i's own drain right before its scope, nothing of another stage between
+            assert scope >= 1 and log[scope - 1] == ("drain", i) and all(x[1] == i for x in log[scope - 1:k]), \
+                f"{op} of stage {i} after {log[max(scope - 1, 0):k]}, not its drain"
 
 
 # ---- the command line and stratactl ---------------------------------------------------------------------------
