@@ -37,10 +37,12 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 from strata.engine import Engine                                  # noqa: E402
 from strata.engine.types import GenerationRequest, TokenEvent    # noqa: E402
 from strata.text.token_ids import as_ids, common_prefix           # noqa: E402
+from daemons import wait_healthy                                  # noqa: E402
 
 TOOLS = ["grep", "read_file", "run_tests", "list_dir"]
 N_ANSWER = 12
@@ -170,17 +172,7 @@ class CompletionServer:
     def __init__(self, cmd: list[str], port: int, env: dict | None = None):
         self.cmd, self.port = cmd, port
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-        t0 = time.time()
-        while time.time() - t0 < 300:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{cmd[0]} exited ({self.proc.returncode}): {' '.join(cmd)}")
-            try:
-                if self._get("/health").get("status") == "ok":
-                    return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"{' '.join(cmd)} did not become healthy")
+        wait_healthy(self.proc, f"http://127.0.0.1:{port}", cmd, cmd[0], self.close)
 
     def _get(self, path: str) -> dict:
         import urllib.request

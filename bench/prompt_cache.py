@@ -38,11 +38,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import model_clock  # noqa: E402  (bench/model_clock.py)
+from daemons import wait_healthy  # noqa: E402
 
 SENTENCES = [
     "Section {i}: the archive keeps records of rivers, mountains and the towns that grew beside them.",
@@ -136,20 +136,7 @@ class DaemonClient:
 
     def wait_healthy(self, base: str, cmd: list, what: str) -> None:
         """Wait (up to 600 s) until the server started as self.proc answers /health with 200."""
-        deadline = time.monotonic() + 600
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{what} exited with {self.proc.returncode}: {' '.join(cmd)}")
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                self.close()
-                raise RuntimeError(f"{what} did not become healthy in 600 s")
-            time.sleep(0.5)
+        wait_healthy(self.proc, base, cmd, what, self.close)
 
     def step(self, msgs, max_tokens: int) -> tuple[str, dict]:
         t0 = time.monotonic()

@@ -36,12 +36,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 import model_clock  # noqa: E402  (bench/model_clock.py)
+from daemons import wait_healthy  # noqa: E402
 
 SENTENCES = [
     "Section {i}: the archive keeps records of rivers, mountains and the towns that grew beside them.",
@@ -99,20 +99,7 @@ class Arm:
             env.update(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")   # daemons cost the others)
         self.proc = subprocess.Popen(cmd, env=env, cwd=str(tree))
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 600
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the daemon exited with {self.proc.returncode}: {' '.join(cmd)}")
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                self.close()
-                raise RuntimeError("the daemon did not become healthy in 600 s")
-            time.sleep(0.3)
+        wait_healthy(self.proc, base, cmd, "the daemon", self.close, poll=0.3)
         self.client = openai.OpenAI(base_url=base + "/v1", api_key="none", timeout=3600, max_retries=0)
         self.model = self.client.models.list().data[0].id
 

@@ -1,0 +1,26 @@
+"""Server processes a bench starts (strata serve, llama-server): waiting until one answers /health."""
+from __future__ import annotations
+
+import time
+import urllib.request
+
+
+def wait_healthy(proc, base: str, cmd: list, what: str, close=None, timeout: float = 600.0,
+                 poll: float = 0.5) -> None:
+    """Wait until the server `proc` (a subprocess.Popen started with `cmd`) answers GET base/health with 200.
+    RuntimeError naming `what` when it exits first, or after `timeout` seconds (close() called first then)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}: {' '.join(map(str, cmd))}")
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            if close is not None:
+                close()
+            raise RuntimeError(f"{what} did not become healthy in {timeout:.0f} s")
+        time.sleep(poll)
