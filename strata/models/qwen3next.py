@@ -496,17 +496,22 @@ class Qwen3NextModel(Model):
                 x = x + self._gdn_batch(L, h, [st.running[il] for st in states])
             else:
                 x = x + self._attn(L, h, positions, None, il, attend)
-            h = be.rms_norm(x, L.post_norm, self.eps)
-            if L.ffn.dense is not None:
-                x = x + self._ffn(L.ffn, h)
-            else:
-                x = x + np.concatenate([self._ffn(L.ffn, h[i:i + 1]) for i in range(h.shape[0])], axis=0)
+            x = self._ffn_segments(L, x, [slice(i, i + 1) for i in range(x.shape[0])])
         out = self.head_rows(x, hidden) if self.ends_with_head(hi) else x
         for i, st in enumerate(states):
             if st.kv is not None:
                 st.kv.commit(1)
             st.advance(tokens[i:i + 1])
         return out
+
+    def _ffn_segments(self, L, x, segs: list[slice]):
+        """x plus layer L's FFN of its post-normed rows, several sequences' rows in one array (segs: each one's
+        rows): a dense FFN over every row at once (exact per row), a MoE FFN sequence by sequence (each routed as its
+        own read routes it)."""
+        h = self.backend.rms_norm(x, L.post_norm, self.eps)
+        if L.ffn.dense is not None:
+            return x + self._ffn(L.ffn, h)
+        return x + np.concatenate([self._ffn(L.ffn, h[s]) for s in segs], axis=0)
 
     def verify_batch(self, token_lists, states: list[SequenceState], lo: int, hi: int, x_in=None):
         """See Model.verify_batch. On the CPU backend, up to ROWWISE_MAX_TOKENS rows in all, the weight products run
@@ -552,11 +557,7 @@ class Qwen3NextModel(Model):
                 x = x + be.matmul(o, L.ssm_out)
             else:
                 x = x + self._attn(L, h, positions, None, il, attend)
-            h = be.rms_norm(x, L.post_norm, self.eps)
-            if L.ffn.dense is not None:
-                x = x + self._ffn(L.ffn, h)
-            else:
-                x = x + np.concatenate([self._ffn(L.ffn, h[s]) for s in segs], axis=0)
+            x = self._ffn_segments(L, x, segs)
         out = self.head_rows(x, hidden=True) if self.ends_with_head(hi) else x
         for t, st, n in zip(toks, states, lens):
             if st.kv is not None:

@@ -27,11 +27,7 @@ def decode_batch(seqs: Seq[Sequence], tokens, x_in=None, hidden: bool = False):
     if not seqs or toks.shape[0] != len(seqs):
         raise ValueError(f"a batched step takes one token per sequence (got {toks.shape[0]} tokens for "
                          f"{len(seqs)} sequences)")
-    if len({id(s) for s in seqs}) != len(seqs):
-        raise ValueError("a batched step reads each sequence at most once")
-    stages = seqs[0].stages
-    if any(s.stages is not stages and list(s.stages) != list(stages) for s in seqs):
-        raise ValueError("the sequences of a batched step run over the same stages")
+    stages = _shared_stages(seqs, "step")
     for s in seqs:
         s.reserve(1)
     x = x_in
@@ -63,11 +59,7 @@ def verify_batch(seqs: Seq[Sequence], token_lists) -> list[tuple]:
     if not seqs or len(lists) != len(seqs) or any(t.shape[0] == 0 for t in lists):
         raise ValueError(f"a batched verify takes some tokens for each sequence (got {len(lists)} token lists for "
                          f"{len(seqs)} sequences)")
-    if len({id(s) for s in seqs}) != len(seqs):
-        raise ValueError("a batched verify reads each sequence at most once")
-    stages = seqs[0].stages
-    if any(s.stages is not stages and list(s.stages) != list(stages) for s in seqs):
-        raise ValueError("the sequences of a batched verify run over the same stages")
+    stages = _shared_stages(seqs, "verify")
     for s, t in zip(seqs, lists):
         s.reserve(int(t.shape[0]))
         s.keep(int(t.shape[0]))
@@ -87,3 +79,14 @@ def verify_batch(seqs: Seq[Sequence], token_lists) -> list[tuple]:
         out.append((logits[at:at + n], h[at:at + n]))
         at += n
     return out
+
+
+def _shared_stages(seqs: list, what: str) -> list:
+    """The stages every one of `seqs` (distinct sequences) runs over; ValueError naming the batched `what` for a
+    repeated sequence or sequences over other stages."""
+    if len({id(s) for s in seqs}) != len(seqs):
+        raise ValueError(f"a batched {what} reads each sequence at most once")
+    stages = seqs[0].stages
+    if any(s.stages is not stages and list(s.stages) != list(stages) for s in seqs):
+        raise ValueError(f"the sequences of a batched {what} run over the same stages")
+    return stages
