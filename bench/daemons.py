@@ -1,6 +1,7 @@
-"""Server processes a bench starts (strata serve, llama-server): waiting until one answers /health."""
+"""Server processes a bench starts (strata serve, llama-server): waiting until one answers /health, stopping one."""
 from __future__ import annotations
 
+import subprocess
 import time
 import urllib.request
 
@@ -24,3 +25,13 @@ def wait_healthy(proc, base: str, cmd: list, what: str, close=None, timeout: flo
                 close()
             raise RuntimeError(f"{what} did not become healthy in {timeout:.0f} s")
         time.sleep(poll)
+
+
+def stop(proc, timeout: float = 60.0) -> None:
+    """Terminate the server `proc` and wait for it; killed when it has not exited after `timeout` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -42,7 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import model_clock  # noqa: E402  (bench/model_clock.py)
-from daemons import wait_healthy  # noqa: E402
+from daemons import stop, wait_healthy  # noqa: E402
 
 SENTENCES = [
     "Section {i}: the archive keeps records of rivers, mountains and the towns that grew beside them.",
@@ -161,12 +161,7 @@ class DaemonClient:
         return "".join(text), row
 
     def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop(self.proc)
 
 
 class LlamaServerClient(DaemonClient):

@@ -41,7 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 import model_clock  # noqa: E402  (bench/model_clock.py)
-from daemons import wait_healthy  # noqa: E402
+from daemons import stop, wait_healthy  # noqa: E402
 
 SENTENCES = [
     "Section {i}: the archive keeps records of rivers, mountains and the towns that grew beside them.",
@@ -125,12 +125,7 @@ class Arm:
         return row
 
     def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop(self.proc)
 
 
 def play(arms: dict[str, Arm], msgs: list[dict], turns: int) -> dict:
