@@ -327,7 +327,7 @@ def test_a_failure_to_park_never_fails_the_request_nor_loses_the_target(default_
     assert e.park.stats["refused"] >= 1
     monkeypatch.undo()
     ask(e, chat("trains", 0, []))
-    owned = {id(k.hold) for c in e.store.resident._items for p in c.parts for k in p.kv.values()}
+    owned = {id(k.hold) for c in e.store.resident.conversations() for p in c.parts for k in p.kv.values()}
     owned |= {id(k.hold) for x in e.cache._entries.values() for p in x.snapshot.parts for k in p.kv.values()}
     pool = e.stages[0].memory.pool
     assert all(id(h) in owned for h in pool.holds)           # no hold outlives its conversation or checkpoint

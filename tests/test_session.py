@@ -396,13 +396,13 @@ def test_the_disk_tier_reads_its_files_under_the_same_rules(model_path, tmp_path
     disk = e.store.disk
     for swap, match in ((lambda p: p.symlink_to(secret), "symbolic link"), (lambda p: os.mkfifo(p),
                                                                              "not a regular file")):
-        disk.add(e.store.capture(e.seq))
-        path = disk.best(e.seq.tokens)[0]
+        node = disk.add(e.store.capture(e.seq), "park")
+        path = node.path
         assert path is not None and path.is_file()
         path.unlink()
         swap(path)
         with pytest.raises(session.SessionError, match=match) as exc:
-            disk.take(path)
+            disk.read(node)
         assert "SECRET" not in str(exc.value)
     assert secret.read_bytes() == b"SECRETXX" * 64
 

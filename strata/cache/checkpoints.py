@@ -2,7 +2,6 @@
 prefix tree of them, many branches at once)."""
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -125,9 +124,15 @@ class CheckpointCache:
         self._entries: dict[int, _Entry] = {}          # key -> entry (each at its node of the tree)
         self._clock = 0
         self._keys = 0
-        self._lock = threading.Lock()
+        self._lock = self._tree.lock        # shared with the tree's other keeper (the parked conversations)
         self._stats = dict(hits=0, hits_live=0, hits_checkpoint=0, misses=0, tokens_saved=0, saves=0,
                            evictions=0, replaced=0, demoted=0, spilled=0)
+
+    @property
+    def tree(self) -> CheckpointTree:
+        """The prefix tree the checkpoints are kept in (its "value" slot); the parked conversations keep its
+        "parked" slot under the same lock."""
+        return self._tree
 
     # ---- the request loop ------------------------------------------------------------------------
     def plan(self, state, prompt_tokens, cut_points, *, checkpoint: bool = True,

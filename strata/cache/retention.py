@@ -68,7 +68,7 @@ def pinned_root(kept: Iterable[Kept], cap: int, root_min: int) -> Kept | None:
 
 
 def choose_victims(kept: Sequence[Kept], *, cap: int, root_min: int = 0,
-                   budget_bytes: int | None = None) -> list[int]:
+                   budget_bytes: int | None = None, pin: bool = True) -> list[int]:
     """Which kept checkpoints to evict -> their ids (Kept.id: the key, else the position), in eviction order (first
     = evicted first).
 
@@ -83,6 +83,7 @@ def choose_victims(kept: Sequence[Kept], *, cap: int, root_min: int = 0,
     * ``budget_bytes`` (``--prompt-cache-mib``): after the count limit, unpinned checkpoints keep going in
       the same order while the kept bytes exceed the budget; if the pinned root alone still exceeds it, the
       root goes too (the budget is a hard cap on memory). None means no byte limit.
+    * pin=False: no root is pinned (the parked conversations of a tier: plain LRU under its count and bytes).
 
     Pure: reads its arguments only, changes nothing. Raises ValueError (one line) for a negative cap,
     root_min or budget, a position <= 0, a negative size or duplicate ids.
@@ -91,7 +92,7 @@ def choose_victims(kept: Sequence[Kept], *, cap: int, root_min: int = 0,
     _check(kept, cap, root_min, budget_bytes)
     if cap == 0:
         return [k.id for k in sorted(kept, key=lambda k: (k.saved, k.pos))]
-    pin = pinned_root(kept, cap, root_min)
+    pin = pinned_root(kept, cap, root_min) if pin else None
     if cap == 1:
         order = sorted(kept, key=lambda k: (k.saved, k.pos))
     else:

@@ -15,8 +15,9 @@ import structlog
 
 from strata.cache import session
 from strata.cache.checkpoints import CheckpointCache, PrefillPlan
-from strata.cache.conversation import CUT_MIN, Conversation, DiskNode, DiskTier, ParkStore, SavedCheckpoint
-from strata.cache.tiers import Tiers
+from strata.cache.conversation import CUT_MIN, Conversation, SavedCheckpoint
+from strata.cache.disk import DiskNode, DiskTier
+from strata.cache.parked import ParkedConversations, Tier
 from strata.errors import Refused
 from strata.memory import KVCacheFull, PartMismatch
 from strata.memory.hostram import available_ram
@@ -33,9 +34,10 @@ class ConversationStore:
     - ``checkpoints`` (a CheckpointCache): the prefix tree of checkpoints, each holding its pages by reference, in
       host RAM when a short pool moved it there (parking off), or a file of the disk tier when the tree's byte
       budget spilled it there (read back into RAM on a hit);
-    - the parked conversations (``tiers``, strata.cache.tiers.Tiers): ``resident`` on the stages' devices (their
-      pages held: a count, ``--park-resident``), ``park`` in host RAM (bytes, ``--conversation-cache-mib``),
-      ``disk`` (files, ``--conversation-cache-dir``), each tier spilling its least recently used to the next;
+    - ``parking`` (strata.cache.parked.ParkedConversations): the parked conversations, nodes of the same tree (its
+      "parked" slot), each in a tier: ``resident`` on the stages' devices (their pages held: a count,
+      ``--park-resident``), ``park_store`` in host RAM (bytes, ``--conversation-cache-mib``), ``disk`` (files,
+      ``--conversation-cache-dir``, the tree's spilled checkpoints too), the least recently used moving down;
     - session files in ``slot_save_path``, the regular files there bounded by ``slot_quota_bytes`` (None: no
       quota).
 
@@ -52,8 +54,10 @@ class ConversationStore:
                  resident: int = 0, n_vocab: int | None = None, slot_quota_bytes: int | None = None):
         self.stages, self.file, self.n_ctx, self.n_vocab = stages, file, n_ctx, n_vocab
         self.checkpoints = checkpoints
-        self.tiers = Tiers(stages, park_bytes=park_bytes, disk_dir=disk_dir, disk_bytes=disk_bytes,
-                           resident=resident, write=self._write_file, read=self._read_file)
+        # with parking off the tree's checkpoints alone spill to the disk tier
+        disk = DiskTier(disk_dir, disk_bytes, write=self._write_file, read=self._read_file) if disk_dir else None
+        self.parking = ParkedConversations(checkpoints.tree, stages, park_bytes=park_bytes, resident=resident,
+                                          disk=disk)
         self.slot_save_path = Path(slot_save_path) if slot_save_path else None
         if self.slot_save_path is not None and not self.slot_save_path.is_dir():
             raise ValueError(f"--slot-save-path {self.slot_save_path}: not a directory")
@@ -68,30 +72,32 @@ class ConversationStore:
         """Forget what a worker dropped on its own to make room for a Forward (its Result named the ids,
         ``+drops``): the checkpoints and resident conversations holding such a part leave the tree and the tiers
         (their other parts given back). Cheap when nothing was dropped; every verb calls it first."""
-        n = sum(int(st.memory.drops) for st in self.stages) + (self.tiers.disk.node_drops if self.tiers.disk else 0)
+        n = sum(int(st.memory.drops) for st in self.stages) + (self.disk.node_drops if self.disk else 0)
         if n == self._drops_seen:
             return
         self._drops_seen = n
         gone = self.checkpoints.drop_gone()
         log.info("parts dropped by their keeper (a worker short of pages, the disk tier over its budget): "
-                 "forgotten", checkpoints=gone, resident=self.tiers.drop_gone())
+                 "forgotten", checkpoints=gone, resident=self.parking.drop_gone())
 
     # ---- the tiers, for the engine's views -------------------------------------------------------------
     @property
-    def resident(self) -> ParkStore | None:
-        return self.tiers.resident
+    def resident(self) -> Tier | None:
+        """The parked conversations' device tier (its budget, counters, conversations), or None."""
+        return self.parking.device
 
     @property
-    def park_store(self) -> ParkStore | None:
-        return self.tiers.park
+    def park_store(self) -> Tier | None:
+        """The parked conversations' host RAM tier, or None (no parking)."""
+        return self.parking.ram
 
     @property
     def disk(self) -> DiskTier | None:
-        return self.tiers.disk
+        return self.parking.disk
 
     def prepin(self) -> int:
-        """Host memory set aside for parking now (Tiers.prepin) -> the bytes asked for."""
-        return self.tiers.prepin(self.n_ctx, self.checkpoints.cap)
+        """Host memory set aside for parking now (ParkedConversations.prepin) -> the bytes asked for."""
+        return self.parking.prepin(self.n_ctx, self.checkpoints.cap)
 
     # ---- a sequence as a Conversation ------------------------------------------------------------------
     def capture(self, seq: Sequence, on_disk: bool = False) -> Conversation:
@@ -108,7 +114,7 @@ class ConversationStore:
         for pos, kind, snap in self.checkpoints.export(seq.ids, on_disk=on_disk):
             try:
                 if isinstance(snap, DiskNode):
-                    read = self.tiers.disk.peek_node(snap).parts
+                    read = self.disk.peek(snap).parts
                     cps.append(SavedCheckpoint(pos, kind, [st.memory.detach(p) for st, p in zip(self.stages, read)]))
                 else:
                     cps.append(SavedCheckpoint(pos, kind, seq.detach(snap)))
@@ -117,7 +123,7 @@ class ConversationStore:
             except (session.SessionError, OSError, ValueError) as e:   # its file unreadable: saved without it
                 log.warning("a checkpoint on disk could not be read: not saved", error=str(e))
         return Conversation(tokens=seq.ids, parts=parts, checkpoints=cps, live_ok=seq.live_ok,
-                            cut_anywhere=self.tiers.cut_anywhere)
+                            cut_anywhere=self.parking.cut_anywhere)
 
     def capture_resident(self, seq: Sequence) -> Conversation:
         """`seq`'s conversation parked where it is: every stage's pages held (nothing copied), its running state
@@ -130,7 +136,7 @@ class ConversationStore:
             here.release()
             raise
         return Conversation(tokens=seq.ids, parts=here.parts, checkpoints=cps, live_ok=seq.live_ok, resident=True,
-                            cut_anywhere=self.tiers.cut_anywhere)
+                            cut_anywhere=self.parking.cut_anywhere)
 
     def restore(self, seq: Sequence, conv: Conversation) -> None:
         """Make `conv` `seq`'s conversation, its checkpoints kept in the tree (a resident one's pages become the
@@ -173,7 +179,7 @@ class ConversationStore:
                 log.warning("a remote stage lost the live sequence and its checkpoints: reading from 0")
                 self.forget(seq)
                 self.checkpoints.clear()
-                self.tiers.drop_gone()
+                self.parking.drop_gone()
             unparked = self.switch(seq, prompt, cache_prompt, trace)
             if unparked is None and self.share_prefix(seq, prompt, peers, cache_prompt):
                 unparked = "slot"
@@ -224,7 +230,7 @@ class ConversationStore:
         while isinstance(p.snapshot, DiskNode):         # a checkpoint on disk: read back into host RAM first
             node = p.snapshot
             try:
-                conv = self.tiers.disk.read_node(node)
+                conv = self.disk.read(node)
             except (session.SessionError, OSError, ValueError) as e:
                 log.warning("a checkpoint on disk could not be read: dropped", error=str(e))
                 self.checkpoints.discard(node)
@@ -286,9 +292,9 @@ class ConversationStore:
         ids, spare = seq.ids, self._restoring
         # with parking off the tree is the only keeper of other branches: their checkpoints move to host RAM
         # (parking keeps the conversations they belong to, with their K/V, itself)
-        demote = self._demote if self.tiers.park is None and self.tiers.host_parts_refusal() is None else None
+        demote = self._demote if self.parking.ram is None and self.parking.host_parts_refusal() is None else None
         return self.checkpoints.make_room(ids, off_path=True, spare=spare, demote=demote, spill=self._spill) or \
-            self.tiers.make_room() or \
+            self.parking.make_room() or \
             self.checkpoints.make_room(ids, spare=spare, demote=demote, spill=self._spill)
 
     def _spill(self, snap: Checkpoint, last_use: float) -> DiskNode | None:
@@ -296,11 +302,11 @@ class ConversationStore:
         (its parts as host copies; a remote stage's streamed from its worker) -> the DiskNode the tree keeps in
         its place, or None (no disk tier, a stage that cannot copy its state to the host, the write failed):
         then it is dropped."""
-        disk = self.tiers.disk
-        if disk is None or isinstance(snap, DiskNode) or self.tiers.host_parts_refusal() is not None:
+        disk = self.disk
+        if disk is None or isinstance(snap, DiskNode) or self.parking.host_parts_refusal() is not None:
             return None
         parts = [st.memory.materialize(p) for st, p in zip(self.stages, snap.parts)]
-        return disk.add_node(Conversation(tokens=snap.tokens, parts=parts, live_ok=False), last_use)
+        return disk.add(Conversation(tokens=snap.tokens, parts=parts, live_ok=False), "node", last_use)
 
     def _demote(self, snap: Checkpoint) -> Checkpoint | None:
         """A checkpoint moved down a tier: its parts as host copies (a remote stage's streamed from its worker), or
@@ -319,12 +325,12 @@ class ConversationStore:
         tier is on, else host copies in RAM. A failure to park is logged and counted (park_stats.refused); it
         never fails the request that leaves the conversation."""
         self.forget_dropped()
-        t = self.tiers
-        if t.park is None or seq.pos == 0 or not seq.live_ok:
+        t = self.parking
+        if t.ram is None or seq.pos == 0 or not seq.live_ok:
             return                   # nothing live, or a "strata_checkpoint": false request's
         try:
             t0 = time.perf_counter()
-            if t.resident is not None:
+            if t.device is not None:
                 try:
                     conv = self.capture_resident(seq)
                 except (MemoryError, KVCacheFull) as e:  # the device (or a worker's store) has no room for it
@@ -332,7 +338,7 @@ class ConversationStore:
                     while t.make_room():                 # their running-state copies leave the device too
                         pass
                 else:
-                    gone = t.park_resident(conv)
+                    gone = t.park(conv)
                     if trace:
                         log.info("parked", tier="device", tokens=seq.pos,
                                  ms=round((time.perf_counter() - t0) * 1e3, 2), moved_to_ram=len(gone))
@@ -340,12 +346,12 @@ class ConversationStore:
             need = seq.nbytes()
             if t.ram_short(need, "not parking the live conversation"):
                 return
-            gone = t.park.park(self.capture(seq))
+            gone = t.park(self.capture(seq))
             if trace:
                 log.info("parked", tokens=seq.pos, bytes=need, ms=round((time.perf_counter() - t0) * 1e3, 2),
                          evicted=len(gone))
         except Exception as e:  # noqa: BLE001
-            t.park.stats["refused"] += 1
+            t.ram.stats["refused"] += 1
             log.warning("not parking the live conversation: it could not be copied", error=str(e))
 
     def switch(self, seq: Sequence, prompt: np.ndarray, cache_prompt: bool, trace: bool) -> str | None:
@@ -353,18 +359,20 @@ class ConversationStore:
         `prompt` than `seq` and the tree do, park `seq`'s and restore that one -> its tier ("resident" / "park" /
         "disk"); it stays parked, whole, when the prompt leaves it before its last checkpoint. When the prompt
         leaves `seq` (it resumes before the deepest checkpoint on `seq`'s path), park `seq`'s (None)."""
-        t = self.tiers
-        if t.park is None or not cache_prompt:
+        t = self.parking
+        if t.ram is None or not cache_prompt:
             return None
         here = self.checkpoints.peek(seq, prompt)
-        source, conv, depth = t.best(prompt)
+        found, depth = t.best(prompt)
+        conv = found.conv if found is not None else None
+        source = {"device": "resident", "ram": "park", "disk": "disk"}[found.tier] if found is not None else None
         if conv is not None and source != "disk" and depth != conv.pos and \
                 all(c.pos != depth for c in conv.checkpoints) and depth < here + CUT_MIN:
             conv = None      # a cut at the common prefix that skips too few tokens more than the sequence does
         if conv is not None and depth > here:
             t0 = time.perf_counter()
-            try:                              # out of its tier first: parking `seq`'s cannot evict it
-                conv = t.take(source, conv)
+            try:                              # out of the tree first: parking `seq`'s cannot evict it
+                conv = t.take(found)
             except (session.SessionError, OSError, ValueError) as e:
                 log.warning("a parked conversation could not be read", tier=source, error=str(e))
                 return None
@@ -381,7 +389,7 @@ class ConversationStore:
                     return None
                 # put back intact (restoring only adds references to a resident one's pages); the caller
                 # starts the sequence over when the error is not one that changed nothing
-                t.put_back(source, conv)
+                t.park(conv)
                 if not isinstance(e, (PartMismatch, KVCacheFull)):
                     raise
                 log.warning("a parked conversation could not be restored", tier=source, error=str(e))
@@ -390,7 +398,7 @@ class ConversationStore:
                 # the prompt leaves it before its last checkpoint (a new chat on its system prompt, an earlier
                 # message edited): it stays parked, whole (in RAM, a file's); a next turn, which rewrites only
                 # what follows that checkpoint, takes it over, as the prompt does with one that has none
-                t.put_back("park" if source == "disk" else source, conv)
+                t.park(conv)
             elif conv.resident:
                 t.release(conv)               # the sequence holds its pages now
             if trace:
@@ -404,7 +412,7 @@ class ConversationStore:
 
     def parked(self) -> list[dict]:
         """The parked conversations for `stratactl cache` (tokens, bytes, tier, checkpoints, last use)."""
-        return self.tiers.entries()
+        return self.parking.entries()
 
     # ---- session files -----------------------------------------------------------------------------------
     def _write_file(self, path: Path, conv: Conversation, quota: int | None = None) -> int:
@@ -414,13 +422,13 @@ class ConversationStore:
     def _read_file(self, path: Path) -> Conversation:
         with session.open_session(path) as f:
             conv = session.read(f, self.file.fingerprint(), self.stages, self.n_ctx, self.n_vocab)
-        conv.cut_anywhere = self.tiers.cut_anywhere
+        conv.cut_anywhere = self.parking.cut_anywhere
         return conv
 
     def session_path(self, filename, *, exists: bool = False) -> Path:
         """The path of session file `filename` (strata.cache.session.check_filename); exists: it must be a file
         there. SessionError (one line) otherwise."""
-        why = self.tiers.host_parts_refusal()
+        why = self.parking.host_parts_refusal()
         if why:
             raise Refused(f"session files: {why}", code="unsupported_value")
         if self.slot_save_path is None:
@@ -467,7 +475,7 @@ class ConversationStore:
         with session.open_session(path) as f:
             conv = session.read(f, self.file.fingerprint(), self.stages, self.n_ctx, self.n_vocab)
             n_read = f.tell()
-        conv.cut_anywhere = self.tiers.cut_anywhere
+        conv.cut_anywhere = self.parking.cut_anywhere
         self.park(seq)                      # the conversation the restore replaces is parked, not lost
         epoch = seq.epoch
         try:
@@ -477,6 +485,6 @@ class ConversationStore:
                 self.forget(seq)            # a worker refused its part after a local stage was written
             raise session.SessionError(f"session file {filename!r}: {e}") from None
         self._from_session.add(seq)
-        self.tiers.discard(conv.tokens)     # now live: a parked copy of the same conversation is dropped
+        self.parking.discard(conv.tokens)     # now live: a parked copy of the same conversation is dropped
         return {"id_slot": 0, "filename": filename, "n_restored": conv.pos, "n_read": n_read,
                 "timings": {"restore_ms": round((time.perf_counter() - t0) * 1e3, 3)}}

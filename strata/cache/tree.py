@@ -1,29 +1,39 @@
-"""CheckpointTree: the kept checkpoints as a prefix tree over token spans, many branches at once (sub-agents on one
-system prompt, regenerations, edited turns)."""
+"""CheckpointTree: the prefix tree over token spans that keeps the engine's conversation state at token prefixes (the
+checkpoints and the parked conversations, a slot each), many branches at once (sub-agents on one system prompt,
+regenerations, edited turns), and the lock its keepers share."""
 from __future__ import annotations
 
+import threading
 from typing import Any, Iterator
 
 import numpy as np
 
 from strata.text.token_ids import as_ids, common_prefix
 
-__all__ = ["CheckpointTree", "Node"]
+__all__ = ["CheckpointTree", "Node", "SLOTS"]
 
 _EMPTY = np.zeros(0, np.int32)
+#: what a node can keep: "value" (a checkpoint entry, strata.cache.checkpoints) and "parked" (a parked
+#: conversation, strata.cache.parked), each slot with its own keeper
+SLOTS = ("value", "parked")
 
 
 class Node:
     """One node: the token ids ``span`` that follow its parent's end (a node ends at ``pos`` = the parent's pos +
-    len(span)), its children by their first token, and ``value``: what is kept there (a checkpoint entry) or None
-    for a branch point only (two branches part there)."""
+    len(span)), its children by their first token, and what is kept at its end, one slot each (SLOTS): ``value`` (a
+    checkpoint entry) and ``parked`` (a parked conversation); a node with neither is a branch point only (two
+    branches part there)."""
 
-    __slots__ = ("parent", "span", "pos", "children", "value")
+    __slots__ = ("parent", "span", "pos", "children", "value", "parked")
 
-    def __init__(self, parent: "Node | None", span: np.ndarray, value: Any = None):
-        self.parent, self.span, self.value = parent, span, value
+    def __init__(self, parent: "Node | None", span: np.ndarray, value: Any = None, slot: str = "value"):
+        self.parent, self.span, self.value, self.parked = parent, span, None, None
+        setattr(self, slot, value)
         self.pos = (parent.pos if parent is not None else 0) + int(span.shape[0])
         self.children: dict[int, Node] = {}
+
+    def empty(self) -> bool:
+        return self.value is None and self.parked is None
 
     def tokens(self) -> np.ndarray:
         """The token ids from position 0 to this node's end (a new array)."""
@@ -34,18 +44,29 @@ class Node:
         return np.concatenate(spans[::-1]) if len(spans) > 1 else _EMPTY.copy()
 
 
+def _check_slot(slot: str) -> None:
+    if slot not in SLOTS:
+        raise ValueError(f"unknown tree slot {slot!r} (expected one of {', '.join(SLOTS)})")
+
+
 class CheckpointTree:
-    """Values (checkpoint entries) kept at token prefixes, in a prefix tree whose edges are token spans: a lookup
-    walks the tokens of a prompt once, comparing whole spans with numpy. ``put`` keeps a value at a prefix
-    (returning the one it replaces), ``remove`` forgets one (a branch point left with one child is merged away),
-    ``path`` gives the nodes with a value along a prompt. Not thread-safe (its owner locks)."""
+    """Values kept at token prefixes, one per slot (SLOTS) and prefix, in a prefix tree whose edges are token spans: a
+    lookup walks the tokens of a prompt once, comparing whole spans with numpy. ``put`` keeps a value at a prefix
+    (returning the one it replaces in that slot), ``remove`` forgets one (a node left with nothing and at most one
+    child is merged away), ``path`` gives the nodes with a value in a slot along a prompt. Not thread-safe by itself:
+    its keepers (the checkpoint cache and the parked conversations) hold ``lock`` (reentrant, shared) around every
+    call."""
 
     def __init__(self):
         self.root = Node(None, _EMPTY)
-        self._n = 0
+        self.lock = threading.RLock()
+        self._n = dict.fromkeys(SLOTS, 0)
 
     def __len__(self) -> int:
-        return self._n
+        return self._n["value"]
+
+    def count(self, slot: str = "value") -> int:
+        return self._n[slot]
 
     def _walk(self, ids: np.ndarray) -> Iterator[Node]:
         """The nodes whose whole prefix is a prefix of `ids`, from the root down (the root first)."""
@@ -58,12 +79,21 @@ class CheckpointTree:
             node = child
             yield node
 
-    def path(self, tokens) -> list[Node]:
-        """The nodes that keep a value and whose prefix is a prefix of `tokens`, shallowest first."""
-        return [n for n in self._walk(as_ids(tokens)) if n.value is not None]
+    def path(self, tokens, slot: str = "value") -> list[Node]:
+        """The nodes that keep a value in `slot` and whose prefix is a prefix of `tokens`, shallowest first."""
+        return [n for n in self._walk(as_ids(tokens)) if getattr(n, slot) is not None]
 
-    def put(self, tokens, value: Any) -> tuple[Node, Any]:
-        """Keep `value` at the prefix `tokens` (non-empty) -> (its node, the value it replaced or None)."""
+    def find(self, tokens) -> Node | None:
+        """The node that ends exactly at the prefix `tokens`, or None."""
+        ids = as_ids(tokens)
+        last = None
+        for last in self._walk(ids):
+            pass
+        return last if last is not None and last.pos == int(ids.shape[0]) else None
+
+    def put(self, tokens, value: Any, slot: str = "value") -> tuple[Node, Any]:
+        """Keep `value` in `slot` at the prefix `tokens` (non-empty) -> (its node, the value it replaced or None)."""
+        _check_slot(slot)
         ids = as_ids(tokens)
         n = int(ids.shape[0])
         if n == 0:
@@ -71,14 +101,15 @@ class CheckpointTree:
         node = self.root
         while True:
             if node.pos == n:
-                old, node.value = node.value, value
-                self._n += old is None
+                old = getattr(node, slot)
+                setattr(node, slot, value)
+                self._n[slot] += old is None
                 return node, old
             child = node.children.get(int(ids[node.pos]))
             if child is None:                                   # a new branch from here
-                leaf = Node(node, ids[node.pos:].copy(), value)
+                leaf = Node(node, ids[node.pos:].copy(), value, slot)
                 node.children[int(ids[node.pos])] = leaf
-                self._n += 1
+                self._n[slot] += 1
                 return leaf, None
             k = common_prefix(child.span, ids[node.pos:min(n, child.pos)])
             if k == child.span.shape[0]:
@@ -90,12 +121,14 @@ class CheckpointTree:
             mid.children[int(child.span[0])] = child
             node = mid
 
-    def remove(self, node: Node) -> Any:
-        """Forget the value kept at `node` -> it; the node goes when nothing is kept below it, and a branch point
-        left with one child is merged into it."""
-        old, node.value = node.value, None
-        self._n -= old is not None
-        while node is not self.root and node.value is None and len(node.children) <= 1:
+    def remove(self, node: Node, slot: str = "value") -> Any:
+        """Forget the value kept in `slot` at `node` -> it; the node goes when nothing is kept at it or below it, and
+        a node left with nothing and one child is merged into it."""
+        _check_slot(slot)
+        old = getattr(node, slot)
+        setattr(node, slot, None)
+        self._n[slot] -= old is not None
+        while node is not self.root and node.empty() and len(node.children) <= 1:
             parent = node.parent
             if not node.children:
                 del parent.children[int(node.span[0])]
@@ -107,16 +140,24 @@ class CheckpointTree:
             node = parent
         return old
 
-    def nodes(self) -> list[Node]:
-        """Every node that keeps a value, by position."""
+    def nodes(self, slot: str = "value") -> list[Node]:
+        """Every node that keeps a value in `slot`, by position."""
         out, stack = [], [self.root]
         while stack:
             n = stack.pop()
-            if n.value is not None:
+            if getattr(n, slot) is not None:
                 out.append(n)
             stack.extend(n.children.values())
         return sorted(out, key=lambda n: n.pos)
 
-    def branches(self) -> int:
-        """Leaves: how many branches of history are kept."""
-        return sum(1 for n in self.nodes() if not n.children)
+    def branches(self, slot: str = "value") -> int:
+        """How many branches of history `slot` keeps: its nodes with none of that slot's below them."""
+        def below(n: Node) -> tuple[int, bool]:         # (branches in n's subtree, whether it keeps any)
+            leaves, keeps = 0, False
+            for c in n.children.values():
+                b, k = below(c)
+                leaves, keeps = leaves + b, keeps or k
+            if getattr(n, slot) is not None:
+                return (leaves if keeps else 1), True
+            return leaves, keeps
+        return below(self.root)[0]

@@ -202,12 +202,12 @@ class Engine:
 
     @property
     def park(self):
-        """The parked conversations in host RAM (strata.cache.conversation.ParkStore), or None (no parking)."""
+        """The parked conversations in host RAM (a strata.cache.parked.Tier: budget, counters, conversations), or None (no parking)."""
         return self.store.park_store
 
     @property
     def disk(self):
-        """The disk tier of parking (strata.cache.conversation.DiskTier), or None."""
+        """The disk tier of parking (strata.cache.disk.DiskTier), or None."""
         return self.store.disk
 
     @property

@@ -9,7 +9,7 @@ arena). On the CPU, fresh memory is paged in at ~0.6-1.3 GB/s while a copy into 
 GB/s (this machine: 0.27 s against 0.046 s for a 7K-token conversation's 171 MB of K). An arena keeps what it
 allocated (up to `keep_bytes`; fully free chunks beyond that go back) and serves every later copy from it, whatever
 its size; `reserve` allocates ahead of the first park (the engine does it at start:
-strata.cache.tiers.Tiers.prepin).
+strata.cache.parked.ParkedConversations.prepin).
 """
 from __future__ import annotations
 
