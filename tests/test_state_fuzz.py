@@ -40,7 +40,8 @@ def _holders(engine) -> set[int]:
     """ids of the holds something still owns: the kept checkpoints' parts and the resident conversations' parts."""
     snaps = [e.snapshot for e in engine.cache._entries.values()]
     res = engine.store.resident
-    parts = [p for c in snaps for p in c.parts] + [p for c in (res.conversations() if res is not None else ()) for p in c.parts]
+    parts = [p for c in snaps for p in c.parts]
+    parts += [p for c in (res.conversations() if res is not None else ()) for p in c.parts]
     return {id(k.hold) for p in parts for k in p.kv.values() if k.is_held}
 
 

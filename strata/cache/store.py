@@ -1,6 +1,6 @@
-"""ConversationStore: the one owner of the conversation state the engine keeps beside its live sequences: the prefix
-tree of checkpoints (CheckpointCache), the parked conversations in three tiers (resident on the stages' devices,
-host RAM, disk) and session files; its verbs take the Sequence they act on (resume, note, forget, erase, park,
+"""ConversationStore: the one owner of the conversation state the engine keeps beside its live sequences: one prefix
+tree holding the checkpoints (CheckpointCache) and the parked conversations (ParkedConversations: resident on the
+stages' devices, host RAM, disk) and session files; its verbs take the Sequence they act on (resume, note, forget, erase, park,
 save, load, make_room)."""
 from __future__ import annotations
 
