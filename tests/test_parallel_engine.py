@@ -235,5 +235,9 @@ def test_slot_status_while_a_request_runs(default_model_path):
         while e.step():
             pass
         assert ends == [None] and not any(s["is_processing"] for s in e.scheduler.status())
+        # idle, the slot shows what its cache holds, as llama-server counts it: the prompt and the answer but its
+        # last token (sampled, never read); the slot that served nothing holds nothing
+        shown = {s["id"]: s["n_prompt_tokens"] for s in e.scheduler.status()}
+        assert shown == {sid: len(toks) + 8 - 1, 1 - sid: 0}
     finally:
         e.close()

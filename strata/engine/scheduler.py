@@ -248,7 +248,9 @@ class Scheduler:
                 self._finish(s, error)
 
     def status(self) -> list[dict]:
-        """Each slot as /slots shows it (llama-server's fields where Strata has them)."""
+        """Each slot as /slots shows it (llama-server's fields where Strata has them; n_prompt_tokens as llama-server
+        counts it: the tokens in the slot's cache, prompt and answer, idle or not, so a slot that served a request
+        shows what it holds)."""
         out = []
         for s in self.slots:
             run = s.run
@@ -258,7 +260,7 @@ class Scheduler:
                         "phase": None if run is None else
                         ("prompt" if isinstance(run.pending, ReadPart) else "decode"),
                         "pos": int(s.seq.pos),
-                        "n_prompt_tokens": len(req.prompt_tokens) if req is not None else 0,
+                        "n_prompt_tokens": int(s.seq.pos),      # llama-server's: the tokens the slot's cache holds
                         "next_token": {"has_next_token": run is not None, "n_decoded": run.n_decoded if run else 0,
                                        "n_remain": (max_tokens - run.n_decoded) if run is not None and
                                        max_tokens is not None else -1}})

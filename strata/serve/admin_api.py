@@ -125,9 +125,7 @@ def _slots(engine, w) -> list[dict]:
     for v in views:
         if w.slots == 1:         # a request alone runs outside the scheduler: the worker knows whether it runs
             job = w.running
-            v = dict(v, is_processing=job is not None, id_task=v["id_task"],
-                     n_prompt_tokens=len(getattr(job.request, "prompt_tokens", ()) or ()) if job and job.request
-                     else 0)
+            v = dict(v, is_processing=job is not None)
         out.append({**v, "n_ctx": engine.n_ctx, "state": "processing" if v["is_processing"] else "idle",
                     "model": engine.model_name, "checkpoints": n_ckpt})
     return out
