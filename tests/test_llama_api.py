@@ -231,6 +231,9 @@ def test_completion_empty_grammar_is_none_and_null_id_slot_is_any(daemon):
     assert st == 200 and r["choices"][0]["text"] == plain["content"]
     st, r = curl(daemon, "/completion", {**body, "grammar": "  "})
     assert st == 400 and "grammar" in r["error"]["message"]
+    # a bias Strata cannot honour is refused here as on /v1/completions (it was dropped: an answer without it)
+    st, r = curl(daemon, "/completion", {**body, "logit_bias": [[15, -100]]})
+    assert st == 400 and "logit_bias" in r["error"]["message"]
 
 
 def test_completion_reports_an_end_of_generation_and_the_default_length(daemon):

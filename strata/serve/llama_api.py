@@ -175,7 +175,7 @@ async def props(request: web.Request) -> web.Response:
 #: /completion's fields -> the completion route's (llama-server's names where they differ)
 _COMPLETION_FIELDS = ("prompt", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "stream", "cache_prompt",
                       "repeat_penalty", "repeat_last_n", "presence_penalty", "frequency_penalty", "json_schema",
-                      "grammar", "strata_checkpoint")
+                      "grammar", "strata_checkpoint", "strata_spec", "logit_bias")
 
 
 #: the completion route's field names -> /completion's, for its refusals
