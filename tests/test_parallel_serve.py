@@ -206,3 +206,36 @@ def test_a_client_gone_mid_stream_leaves_the_others_whole(pair):
     assert four.metric("strata_generated_tokens_total") - generated < 2 * 40 + 200    # far from its 600 tokens
     st, slots = four.json("GET", "/slots")
     assert not any(s["is_processing"] for s in slots)
+
+
+def test_fail_on_no_slot_is_a_503_only_while_every_slot_runs(pair):
+    """llama-server's GET /slots?fail_on_no_slot=1: 503 while no slot is idle (the one slot of --parallel 1 streaming a
+    long answer), the slot list otherwise."""
+    four, one = pair
+    assert four.json("GET", "/slots?fail_on_no_slot=1")[0] == 200
+    started, done = threading.Event(), threading.Event()
+
+    def run():
+        with _client(one).completions.create(model="default", prompt="1, 2, 3, 4, 5, 6, 7, 8,", max_tokens=400,
+                                             temperature=0, stream=True) as s:
+            for _ in s:
+                started.set()
+                if done.is_set():
+                    break
+    t = threading.Thread(target=run)
+    t.start()
+    try:
+        assert started.wait(120)
+        st, r = one.json("GET", "/slots?fail_on_no_slot=1")
+        assert st == 503 and r["error"]["message"] == "no slot available", r
+        st, r = one.json("GET", "/slots")
+        assert st == 200 and r[0]["is_processing"]
+    finally:
+        done.set()
+        t.join(120)
+    for _ in range(200):
+        if one.json("GET", "/slots?fail_on_no_slot=1")[0] == 200:
+            break
+        threading.Event().wait(0.05)
+    assert one.json("GET", "/slots?fail_on_no_slot=1")[0] == 200
+

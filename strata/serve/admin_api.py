@@ -132,8 +132,12 @@ def _slots(engine, w) -> list[dict]:
 
 
 async def slots(request: web.Request) -> web.Response:
+    """GET /slots; with llama-server's `fail_on_no_slot` (any non-empty value) a 503 when no slot is idle."""
     engine = engine_of(request)
-    return json_response(_slots(engine, request.app[WORKER_KEY]))
+    out = _slots(engine, request.app[WORKER_KEY])
+    if request.query.get("fail_on_no_slot") and all(s["is_processing"] for s in out):
+        raise ApiError(503, "no slot available", code="no_slot_available")
+    return json_response(out)
 
 
 async def slot_action(request: web.Request) -> web.Response:
