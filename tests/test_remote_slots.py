@@ -259,6 +259,9 @@ def test_a_workers_bad_batched_result_is_a_502_for_every_slot_and_the_link_recov
     try:
         ok = both()
         assert all(st == 200 for st, _ in ok), ok
+        # n > 1 over a worker without --prompt-cache: a 400 naming n
+        st, body = d.json("POST", "/v1/completions", {"prompt": "x", "max_tokens": 2, "n": 2})
+        assert st == 400 and body["error"]["param"] == "n" and "--prompt-cache" in body["error"]["message"], body
         rows = d.metric("strata_batched_rows_total")
         assert rows > 0
         for name, corrupt, says in BAD_BATCHES:
