@@ -236,6 +236,21 @@ def test_completion_empty_grammar_is_none_and_null_id_slot_is_any(daemon):
     assert st == 400 and "logit_bias" in r["error"]["message"]
 
 
+def test_the_lone_slot_shows_its_last_task_and_what_it_holds(daemon):
+    """/slots on one slot as llama-server shows a slot that has served requests: id_task counts each request (it
+    stayed -1 with one slot), n_prompt_tokens is what its cache holds (the prompt and the answer but its last
+    token; it was 0 once idle)."""
+    _, before = curl(daemon, "/slots")
+    ids = [curl(daemon, "/tokenize", {"content": "Once upon a time"})[1]["tokens"]]
+    for _ in range(2):
+        st, r = curl(daemon, "/completion", {"prompt": ids[0], "n_predict": 5, "temperature": 0,
+                                             "cache_prompt": False})
+        assert st == 200 and r["tokens_predicted"] == 5
+    _, after = curl(daemon, "/slots")
+    assert after[0]["id_task"] == before[0]["id_task"] + 2 and not after[0]["is_processing"]
+    assert after[0]["n_prompt_tokens"] == len(ids[0]) + 5 - 1
+
+
 def test_completion_reports_an_end_of_generation_and_the_default_length(daemon):
     st, r = curl(daemon, "/completion", {"prompt": "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n",
                                          "temperature": 0})

@@ -322,6 +322,7 @@ class Engine:
             yield from self._run_in_slot(req, prompt)
             return
         with self._lock:
+            self.scheduler.new_task(self.slots[0])
             yield from self._request(self.slots[0], req, prompt, alone=True)
 
     def _run_in_slot(self, req: GenerationRequest, prompt: np.ndarray) -> Iterator[TokenEvent | FinalEvent]:

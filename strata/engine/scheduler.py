@@ -85,6 +85,13 @@ class Scheduler:
     def busy(self) -> int:
         return sum(s.busy for s in self.slots)
 
+    def new_task(self, slot: Slot) -> int:
+        """The next task id (llama-server's id_task), now `slot`'s last: every request counts, those a lone slot
+        runs outside the scheduler's steps too."""
+        self.tasks += 1
+        slot.task = self.tasks
+        return self.tasks
+
     def admit(self, request, prompt, on_event, on_done) -> Slot | None:
         """Put `request` (its prompt token ids `prompt`) in a slot: its id_slot when it names one, else the idle slot
         sharing the longest prefix with the prompt, else the least recently used idle one -> the slot, or None
@@ -94,9 +101,8 @@ class Scheduler:
         if i is None or self.slots[i].busy:
             return None
         slot = self.slots[i]
-        self.tasks += 1
-        slot.task = self.tasks
-        slot.run = Run(self.start(slot, request, prompt), on_event, on_done, request=request, task=self.tasks)
+        task = self.new_task(slot)
+        slot.run = Run(self.start(slot, request, prompt), on_event, on_done, request=request, task=task)
         self.stats["admitted"] += 1
         self._advance(slot, None, None)       # to its first read: the resume (restore, cut back, park) runs here
         return slot
