@@ -13,7 +13,7 @@ import structlog
 from strata.engine import turn_clock
 from strata.engine.slots import SlotView, SlotWork, choose_slot, plan_step
 from strata.engine.speculate import MAX_DRAFTS, SpecCounts
-from strata.engine.types import ReadPart, ReadToken, ReadVerify, TokenEvent
+from strata.engine.types import FinalEvent, ReadPart, ReadToken, ReadVerify, TokenEvent
 from strata.stages.batch import decode_batch, verify_batch
 
 log = structlog.get_logger("strata.engine")
@@ -221,25 +221,39 @@ class Scheduler:
 
     def _advance(self, slot: Slot, value, error: BaseException | None) -> None:
         """Send `value` (or throw `error`) into the slot's request and take its events until it asks for its next read
-        (kept as pending) or ends (the slot is free again)."""
+        (kept as pending) or ends (the slot is free again). A FinalEvent is held until the request yields again: the
+        request's last one reaches its client only once the slot is free, so a client that has its answer finds
+        the slot idle (a slot action, /slots)."""
         run = slot.run
         run.pending = None
+        final = None
         try:
             with turn_clock.active(getattr(run.request, "clock", None)):   # its plan, checkpoints and sampling
                 item = run.gen.throw(error) if error is not None else run.gen.send(value)
                 while not isinstance(item, (ReadToken, ReadVerify, ReadPart)):
-                    run.n_decoded += isinstance(item, TokenEvent)
-                    run.on_event(item)
+                    if final is not None:
+                        run.on_event(final)
+                        final = None
+                    if isinstance(item, FinalEvent):
+                        final = item
+                    else:
+                        run.n_decoded += isinstance(item, TokenEvent)
+                        run.on_event(item)
                     item = next(run.gen)
+            if final is not None:
+                run.on_event(final)
             run.pending = item
         except StopIteration:
-            self._finish(slot, None)
+            self._finish(slot, None, final)
         except BaseException as e:  # noqa: BLE001 - the request's error, delivered to its client
-            self._finish(slot, e)
+            self._finish(slot, e, final)
 
-    def _finish(self, slot: Slot, error: BaseException | None) -> None:
+    def _finish(self, slot: Slot, error: BaseException | None, final=None) -> None:
+        """The slot freed, then its request's last FinalEvent (if held) and its end delivered."""
         run, slot.run = slot.run, None
         slot.last_used = time.monotonic()
+        if final is not None:
+            run.on_event(final)
         run.on_done(error)
 
     def cancel_all(self, error: BaseException) -> None:
