@@ -144,7 +144,8 @@ def test_id_slot_of_any_json_value_on_every_route_is_run_or_a_400_naming_it(pair
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
     four, _ = pair
-    value = st.one_of(st.integers(-3, 6), st.integers(), st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=4),
+    value = st.one_of(st.integers(-3, 6), st.integers(), st.floats(allow_nan=False, allow_infinity=False),
+                      st.text(max_size=4),
                       st.booleans(), st.none(), st.lists(st.integers(0, 3), max_size=2),
                       st.dictionaries(st.text(max_size=2), st.integers(0, 3), max_size=1))
     seen = {"ran": 0, "refused": 0}

@@ -108,7 +108,8 @@ class Engine:
             parts = min(64, parts)
             # no forward call reads more than the context holds, whatever --ubatch says (the worker refuses more)
             return RemoteStage(index, hops, model, fingerprint=self.file.fingerprint(), n_ctx=self.n_ctx,
-                               max_batch=min(self.ubatch, self.n_ctx), ckpt_max=parts, key=key, encrypt=cfg.link.encrypt,
+                               max_batch=min(self.ubatch, self.n_ctx), ckpt_max=parts, key=key,
+                               encrypt=cfg.link.encrypt,
                                insecure=cfg.link.insecure, slots=int(cfg.parallel))
 
         self.remote = remote
