@@ -235,5 +235,31 @@ def test_slot_status_while_a_request_runs(default_model_path):
         while e.step():
             pass
         assert ends == [None] and not any(s["is_processing"] for s in e.scheduler.status())
+        # idle, the slot shows what its cache holds, as llama-server counts it: the prompt and the answer but its
+        # last token (sampled, never read); the slot that served nothing holds nothing
+        shown = {s["id"]: s["n_prompt_tokens"] for s in e.scheduler.status()}
+        assert shown == {sid: len(toks) + 8 - 1, 1 - sid: 0}
+    finally:
+        e.close()
+
+
+def test_a_requests_last_event_comes_with_its_slot_free(default_model_path):
+    """A request's last FinalEvent reaches its consumer once its slot is free (what a client does on its answer, a
+    slot save or a look at /slots, finds the slot idle: under load it found it still processing), one per choice,
+    the earlier choices' while the request runs on."""
+    from strata.engine.types import FinalEvent
+    e = Engine(default_model_path, n_ctx=256, device="cpu", parallel=2)
+    try:
+        seen, ends = [], []
+
+        def on_event(ev):
+            if isinstance(ev, FinalEvent):
+                seen.append((ev.index, [s["is_processing"] for s in e.scheduler.status()]))
+        toks = e.tokenize_prompt("The capital of France is")
+        sid = e.admit(GenerationRequest(toks, max_tokens=4, n=2), on_event, ends.append)
+        while e.step():
+            pass
+        assert ends == [None] and [i for i, _ in seen] == [0, 1]
+        assert seen[0][1][sid] and seen[1][1] == [False, False], seen
     finally:
         e.close()

@@ -4,6 +4,7 @@ socket) run at once in the daemon's request slots. Each answer equals the same r
 batched; a secret in each conversation never shows in another's; id_slot picks the slot; /slots lists every slot and
 acts on each (save, erase, restore); a client that goes away mid-stream leaves the others' answers whole; a bad id_slot
 is a 400 naming the field."""
+import json
 import threading
 
 import openai
@@ -126,6 +127,50 @@ def test_bad_id_slot_is_a_400_naming_it(pair, path, body):
         assert r["error"]["param"] == "id_slot"
 
 
+ID_SLOT_ROUTES = {
+    "/v1/chat/completions": lambda v: {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "id_slot": v},
+    "/v1/completions": lambda v: {"prompt": "hi", "max_tokens": 1, "id_slot": v},
+    "/completion": lambda v: {"prompt": "hi", "n_predict": 1, "id_slot": v},
+    "/v1/responses": lambda v: {"input": "hi", "max_output_tokens": 16, "id_slot": v},
+    "/v1/messages": lambda v: {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                               "id_slot": v},
+}
+
+
+def test_id_slot_of_any_json_value_on_every_route_is_run_or_a_400_naming_it(pair):
+    """A hypothesis search over id_slot values (integers of any size, floats, strings, booleans, null, arrays,
+    objects) on every route that takes it: -1, null and 0..3 run (in that slot where named), anything else is a 400
+    naming id_slot; never a 5xx; /health answers throughout and every slot is idle after."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    four, _ = pair
+    value = st.one_of(st.integers(-3, 6), st.integers(), st.floats(allow_nan=False, allow_infinity=False),
+                      st.text(max_size=4),
+                      st.booleans(), st.none(), st.lists(st.integers(0, 3), max_size=2),
+                      st.dictionaries(st.text(max_size=2), st.integers(0, 3), max_size=1))
+    seen = {"ran": 0, "refused": 0}
+
+    @settings(max_examples=120, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(route=st.sampled_from(sorted(ID_SLOT_ROUTES)), v=value)
+    def check(route, v):
+        st_, r = four.json("POST", route, ID_SLOT_ROUTES[route](v))
+        ok = v is None or (type(v) is int and -1 <= v < 4)
+        if ok:
+            assert st_ == 200, (route, v, r)
+            if route == "/completion" and v not in (None, -1):
+                assert r["id_slot"] == v
+            seen["ran"] += 1
+        else:
+            msg = json.dumps(r)
+            assert st_ == 400 and "id_slot" in msg, (route, v, st_, r)
+            seen["refused"] += 1
+    check()
+    assert seen["ran"] and seen["refused"], seen
+    assert four.request("GET", "/health")[0] == 200
+    st_, slots = four.json("GET", "/slots")
+    assert not any(s["is_processing"] for s in slots)
+
+
 def test_a_client_gone_mid_stream_leaves_the_others_whole(pair):
     four, one = pair
     alone = [_stream(_client(one), i, max_tokens=40) for i in (0, 1)]
@@ -162,3 +207,36 @@ def test_a_client_gone_mid_stream_leaves_the_others_whole(pair):
     assert four.metric("strata_generated_tokens_total") - generated < 2 * 40 + 200    # far from its 600 tokens
     st, slots = four.json("GET", "/slots")
     assert not any(s["is_processing"] for s in slots)
+
+
+def test_fail_on_no_slot_is_a_503_only_while_every_slot_runs(pair):
+    """llama-server's GET /slots?fail_on_no_slot=1: 503 while no slot is idle (the one slot of --parallel 1 streaming a
+    long answer), the slot list otherwise."""
+    four, one = pair
+    assert four.json("GET", "/slots?fail_on_no_slot=1")[0] == 200
+    started, done = threading.Event(), threading.Event()
+
+    def run():
+        with _client(one).completions.create(model="default", prompt="1, 2, 3, 4, 5, 6, 7, 8,", max_tokens=400,
+                                             temperature=0, stream=True) as s:
+            for _ in s:
+                started.set()
+                if done.is_set():
+                    break
+    t = threading.Thread(target=run)
+    t.start()
+    try:
+        assert started.wait(120)
+        st, r = one.json("GET", "/slots?fail_on_no_slot=1")
+        assert st == 503 and r["error"]["message"] == "no slot available", r
+        st, r = one.json("GET", "/slots")
+        assert st == 200 and r[0]["is_processing"]
+    finally:
+        done.set()
+        t.join(120)
+    for _ in range(200):
+        if one.json("GET", "/slots?fail_on_no_slot=1")[0] == 200:
+            break
+        threading.Event().wait(0.05)
+    assert one.json("GET", "/slots?fail_on_no_slot=1")[0] == 200
+

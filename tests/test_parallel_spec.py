@@ -232,3 +232,40 @@ def test_daemon_with_slots_and_drafts(model, tmp_path):
                                                                              for i in range(3))
     finally:
         assert d.stop() == 0, d.log_tail()
+
+
+def test_drafters_find_room_in_a_pool_held_by_checkpoints(synthetic):
+    """Chats with checkpoints (the conversation store holds the drafter's K/V with the model's) over three slots of
+    --spec 2 fill the drafter's pool: its writes make room as the model's own do (checkpoints dropped, parked
+    conversations moved to RAM) instead of failing the request with KVCacheFull, and every greedy answer equals the
+    request's answer alone with --spec 0."""
+    from tests.templates import QWEN_TEMPLATE
+    path = synthetic("qwen35", name="qwen-mtp", seed=3, n_mtp=1, overrides={"tokenizer.chat_template": QWEN_TEMPLATE})
+    words = ["alpha", "beta", "gamma", "delta", "omega", "kappa", "sigma", "tau"]
+    rng = np.random.default_rng(0)
+    chats, lengths, arrive = [], [], []
+    for _ in range(12):
+        chats.append([{"role": "system", "content": "You are terse."},
+                      {"role": "user", "content": " ".join(rng.choice(words, int(rng.integers(3, 160))))}])
+        lengths.append(int(rng.integers(10, 40)))
+        arrive.append(int(rng.integers(0, 30)))
+
+    def reqs(e):
+        out = []
+        for msgs, m in zip(chats, lengths):
+            r = e.render_chat(msgs)
+            out.append(GenerationRequest(r.tokens, cut_points=r.cut_points, max_tokens=m, ignore_eos=True))
+        return out
+    alone = Engine(path, n_ctx=512, ubatch=16)
+    try:
+        want = [key(alone.generate(r)) for r in reqs(alone)]
+    finally:
+        alone.close()
+    e = Engine(path, n_ctx=512, ubatch=16, parallel=3, spec=2)
+    try:
+        got, done = drive(e, reqs(e), arrive)
+        assert all(err is None for err in done.values()), {i: repr(err) for i, err in done.items() if err}
+        assert [key(g) for g in got] == want
+        assert e.scheduler.stats["verifies"] > 0
+    finally:
+        e.close()

@@ -213,3 +213,74 @@ def test_daemon_slots_over_a_worker_secrets_and_a_worker_killed_mid_batch(worker
         assert d.stop() == 0, d.log_tail()
         if back is not None:
             back.stop()
+
+
+BAD_BATCHES = [   # (what a worker does to its BatchResult of two rows, what the 502 says)
+    ("nan", lambda r: _hidden(r, lambda h: _put(h, (1, 2), np.nan)), "non-finite hidden states (1 NaN, 0 infinite"),
+    ("extra row", lambda r: _hidden(r, lambda h: np.concatenate([h, h[:1]])), "shape (3, "),
+    ("one row", lambda r: _hidden(r, lambda h: h[:1]), "shape (1, "),
+    ("narrow", lambda r: _hidden(r, lambda h: h[:, :-1]), "where (2, "),
+    ("f16", lambda r: _hidden(r, lambda h: h.astype(np.float16)), "dtype float16"),
+    ("a Result", lambda r: link.Result(pos=0, compute_us=1, hidden=r.hidden), "a Result to a BatchForward"),
+]
+
+
+def _hidden(res, fn):
+    import dataclasses
+    return dataclasses.replace(res, hidden=fn(res.hidden.copy()))
+
+
+def _put(h, at, v):
+    h[at] = v
+    return h
+
+
+def test_a_workers_bad_batched_result_is_a_502_for_every_slot_and_the_link_recovers(llama, tmp_path, monkeypatch):
+    """A worker whose BatchResult breaks what the BatchForward asked (NaN, a row too many or too few, a wrong width or
+    dtype, another message) fails every slot of that step with 502 worker_bad_result naming the fault, never a 400
+    and never an answer; the link comes back and both requests answer as before."""
+    from strata.stages import carrier as cmod
+    path, n_blocks = llama
+    fault = {"now": None}
+    batch_forward = cmod.Carrier.batch_forward
+
+    def bad_batch_forward(self, m):
+        res = batch_forward(self, m)
+        return res if fault["now"] is None else fault["now"](res)
+    monkeypatch.setattr(cmod.Carrier, "batch_forward", bad_batch_forward)
+    w = InProcessWorker(model=path)
+    d = Daemon(tmp_path, "--model", path, "--parallel", "2", "--remote-stage", w.address, "--layer-split",
+               str(n_blocks // 2), n_ctx=256).start()
+
+    def both(max_tokens=8):    # a long answer with a fault on: the two surely meet in a batched step
+        bodies = [{"prompt": f"{i} {i} {i} story", "max_tokens": max_tokens, "temperature": 0,
+                   "cache_prompt": False} for i in range(2)]
+        return _concurrently(lambda i: d.json("POST", "/v1/completions", bodies[i]), 2)
+    try:
+        ok = both()
+        assert all(st == 200 for st, _ in ok), ok
+        # n > 1 over a worker without --prompt-cache: a 400 naming n
+        st, body = d.json("POST", "/v1/completions", {"prompt": "x", "max_tokens": 2, "n": 2})
+        assert st == 400 and body["error"]["param"] == "n" and "--prompt-cache" in body["error"]["message"], body
+        rows = d.metric("strata_batched_rows_total")
+        assert rows > 0
+        for name, corrupt, says in BAD_BATCHES:
+            fault["now"] = corrupt
+            got = both(200)
+            fault["now"] = None
+            for st, body in got:
+                err = body.get("error") or {}
+                assert (st, err.get("code"), err.get("type")) == (502, "worker_bad_result", "server_error"), \
+                    (name, st, body)
+                assert says in err["message"] and w.address in err["message"], (name, err["message"])
+            deadline = time.monotonic() + 30
+            while d.request("GET", "/health")[0] != 200:
+                assert time.monotonic() < deadline, d.log_tail()
+                time.sleep(0.1)
+            again = both()
+            assert [b["choices"][0]["text"] for _, b in again] == [b["choices"][0]["text"] for _, b in ok], name
+        assert d.metric("strata_batched_rows_total") > rows
+    finally:
+        d.stop()
+        w.close()
+

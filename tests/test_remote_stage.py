@@ -149,6 +149,23 @@ def test_small_cache_and_n_choices_over_the_link(workers):
         e.close()
 
 
+def test_a_context_shorter_than_ubatch_starts_over_a_worker(synthetic):
+    """--n-ctx below --ubatch (512 by default) over a worker: the hello asks for batches no longer than the context
+    (the worker refuses a max_batch past n_ctx; the daemon exited at start), and the answers are the local ones."""
+    path = str(synthetic("llama"))
+    w = InProcessWorker(model=path)
+    local = Engine(path, n_ctx=128)
+    e = Engine(path, n_ctx=128, remote_stage=w.address, layer_split="2")
+    try:
+        assert e.ubatch > e.n_ctx
+        r = e.render_chat([{"role": "user", "content": "Count the numbers: one two three four five"}])
+        assert run(e, r)[0] == run(local, r)[0]
+    finally:
+        e.close()
+        local.close()
+        w.close()
+
+
 def test_without_prompt_cache_the_remote_path_sends_no_checkpoint_message(workers):
     w = workers()
     e = Engine("default", n_ctx=N_CTX, remote_stage=w.address, layer_split="15")

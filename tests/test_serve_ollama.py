@@ -104,3 +104,16 @@ def test_refusals_are_one_line_ollama_errors(client, daemon):
         assert st == 400 and set(d) == {"error"} and needle in d["error"], (body, d)
     st, d = daemon.json("DELETE", "/api/delete", {"model": "m"})
     assert st == 501 and set(d) == {"error"}
+
+
+def test_a_message_without_content_is_an_empty_turn_as_in_ollama(daemon):
+    """Ollama decodes a message without `content` to Go's zero value, an empty string, and answers; so does Strata:
+    the answer equals the one to the same message with "content": "". A null content is a 400 naming it."""
+    turns = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}]
+    body = {"model": "m", "stream": False, "options": GREEDY}
+    st, missing = daemon.json("POST", "/api/chat", {**body, "messages": turns + [{"role": "user"}]})
+    st2, empty = daemon.json("POST", "/api/chat", {**body, "messages": turns + [{"role": "user", "content": ""}]})
+    assert st == st2 == 200 and missing["message"] == empty["message"]
+    assert missing["prompt_eval_count"] + missing["eval_count"] > 0
+    st, d = daemon.json("POST", "/api/chat", {**body, "messages": turns + [{"role": "user", "content": None}]})
+    assert st == 400 and "messages[2].content" in d["error"], d

@@ -255,6 +255,35 @@ def test_json_object_and_completion_fields(smol):
         assert st == 400 and needle in d["error"]["message"], d
 
 
+def test_chat_takes_llama_servers_grammar_and_json_schema(smol):
+    """llama-server's `grammar` and `json_schema` hold a chat answer too (they were ignored there): the answers keep
+    to them, streamed alike; an empty grammar is none; a grammar beside tools, or either beside response_format, is a
+    400 naming the field."""
+    client = _client(smol)
+    ask = [{"role": "user", "content": "Say yes."}]
+    r = client.chat.completions.create(model="default", messages=ask, max_tokens=10, temperature=0,
+                                       extra_body={"grammar": 'root ::= "no" | "maybe"'})
+    assert r.choices[0].message.content in ("no", "maybe") and r.choices[0].finish_reason == "stop"
+    chunks = client.chat.completions.create(model="default", messages=ask, max_tokens=10, temperature=0,
+                                            stream=True, extra_body={"grammar": 'root ::= "no" | "maybe"'})
+    assert _assemble(chunks)[0] == r.choices[0].message.content
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["n"], "additionalProperties": False}
+    r = client.chat.completions.create(model="default", messages=ask, max_tokens=40, temperature=0,
+                                       extra_body={"json_schema": schema})
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    plain = client.chat.completions.create(model="default", messages=ask, max_tokens=8, temperature=0)
+    empty = client.chat.completions.create(model="default", messages=ask, max_tokens=8, temperature=0,
+                                           extra_body={"grammar": ""})
+    assert empty.choices[0].message.content == plain.choices[0].message.content
+    for body, param in (({"grammar": 'root ::= "a"', "tools": TOOLS}, "grammar"),
+                        ({"json_schema": schema, "response_format": {"type": "json_object"}}, "json_schema"),
+                        ({"grammar": 'root ::= "a"', "response_format": {"type": "json_object"}}, "grammar"),
+                        ({"grammar": "root ::= nothing"}, "grammar")):
+        st, d = smol.json("POST", "/v1/chat/completions", {"messages": ask, "max_tokens": 4, **body})
+        assert st == 400 and d["error"]["param"] == param and f"'{param}'" in d["error"]["message"], (body, d)
+
+
 def test_reasoning_content_and_template_kwargs(thinker):
     """The prompt opens a reasoning block: a random-weight answer cut by max_tokens is all reasoning_content, streamed
     the same; enable_thinking=false (chat_template_kwargs) closes the block in the prompt and the answer is content;

@@ -42,3 +42,20 @@ def test_opt_out_metrics_and_status(daemon):
 def test_bad_field_refused(daemon):
     st, out = daemon.json("POST", "/v1/completions", {"prompt": "x", "max_tokens": 2, "strata_spec": "yes"})
     assert st == 400 and "strata_spec" in out["error"]["message"]
+
+
+def test_llama_server_completion_route_takes_strata_spec(daemon):
+    """/completion takes strata_spec as /v1/completions does (it was dropped there: drafts ran whatever it said, a bad
+    value answered 200): false decodes without drafts, the same greedy answer; a wrong type is a 400 naming it."""
+    d = daemon
+    body = {"prompt": "the quick brown fox", "n_predict": 10, "temperature": 0, "cache_prompt": False}
+    drafted = d.metric("strata_spec_drafted_tokens_total")
+    st, off = d.json("POST", "/completion", {**body, "strata_spec": False})
+    assert st == 200 and off["timings"].get("draft_n", 0) == 0
+    assert d.metric("strata_spec_drafted_tokens_total") == drafted
+    st, on = d.json("POST", "/completion", body)
+    assert st == 200 and on["content"] == off["content"]
+    assert d.metric("strata_spec_drafted_tokens_total") > drafted
+    for v in ("yes", 1, [], {}):
+        st, out = d.json("POST", "/completion", {**body, "strata_spec": v})
+        assert st == 400 and "strata_spec" in out["error"]["message"], (v, out)

@@ -106,8 +106,10 @@ class Engine:
             if pk.ram_mib != 0:
                 parts += int(pk.resident) * (1 + self.prompt_cache) + 1
             parts = min(64, parts)
+            # no forward call reads more than the context holds, whatever --ubatch says (the worker refuses more)
             return RemoteStage(index, hops, model, fingerprint=self.file.fingerprint(), n_ctx=self.n_ctx,
-                               max_batch=self.ubatch, ckpt_max=parts, key=key, encrypt=cfg.link.encrypt,
+                               max_batch=min(self.ubatch, self.n_ctx), ckpt_max=parts, key=key,
+                               encrypt=cfg.link.encrypt,
                                insecure=cfg.link.insecure, slots=int(cfg.parallel))
 
         self.remote = remote
@@ -321,6 +323,7 @@ class Engine:
             yield from self._run_in_slot(req, prompt)
             return
         with self._lock:
+            self.scheduler.new_task(self.slots[0])
             yield from self._request(self.slots[0], req, prompt, alone=True)
 
     def _run_in_slot(self, req: GenerationRequest, prompt: np.ndarray) -> Iterator[TokenEvent | FinalEvent]:

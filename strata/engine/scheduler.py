@@ -13,7 +13,7 @@ import structlog
 from strata.engine import turn_clock
 from strata.engine.slots import SlotView, SlotWork, choose_slot, plan_step
 from strata.engine.speculate import MAX_DRAFTS, SpecCounts
-from strata.engine.types import ReadPart, ReadToken, ReadVerify, TokenEvent
+from strata.engine.types import FinalEvent, ReadPart, ReadToken, ReadVerify, TokenEvent
 from strata.stages.batch import decode_batch, verify_batch
 
 log = structlog.get_logger("strata.engine")
@@ -85,6 +85,13 @@ class Scheduler:
     def busy(self) -> int:
         return sum(s.busy for s in self.slots)
 
+    def new_task(self, slot: Slot) -> int:
+        """The next task id (llama-server's id_task), now `slot`'s last: every request counts, those a lone slot
+        runs outside the scheduler's steps too."""
+        self.tasks += 1
+        slot.task = self.tasks
+        return self.tasks
+
     def admit(self, request, prompt, on_event, on_done) -> Slot | None:
         """Put `request` (its prompt token ids `prompt`) in a slot: its id_slot when it names one, else the idle slot
         sharing the longest prefix with the prompt, else the least recently used idle one -> the slot, or None
@@ -94,9 +101,8 @@ class Scheduler:
         if i is None or self.slots[i].busy:
             return None
         slot = self.slots[i]
-        self.tasks += 1
-        slot.task = self.tasks
-        slot.run = Run(self.start(slot, request, prompt), on_event, on_done, request=request, task=self.tasks)
+        task = self.new_task(slot)
+        slot.run = Run(self.start(slot, request, prompt), on_event, on_done, request=request, task=task)
         self.stats["admitted"] += 1
         self._advance(slot, None, None)       # to its first read: the resume (restore, cut back, park) runs here
         return slot
@@ -215,25 +221,39 @@ class Scheduler:
 
     def _advance(self, slot: Slot, value, error: BaseException | None) -> None:
         """Send `value` (or throw `error`) into the slot's request and take its events until it asks for its next read
-        (kept as pending) or ends (the slot is free again)."""
+        (kept as pending) or ends (the slot is free again). A FinalEvent is held until the request yields again: the
+        request's last one reaches its client only once the slot is free, so a client that has its answer finds
+        the slot idle (a slot action, /slots)."""
         run = slot.run
         run.pending = None
+        final = None
         try:
             with turn_clock.active(getattr(run.request, "clock", None)):   # its plan, checkpoints and sampling
                 item = run.gen.throw(error) if error is not None else run.gen.send(value)
                 while not isinstance(item, (ReadToken, ReadVerify, ReadPart)):
-                    run.n_decoded += isinstance(item, TokenEvent)
-                    run.on_event(item)
+                    if final is not None:
+                        run.on_event(final)
+                        final = None
+                    if isinstance(item, FinalEvent):
+                        final = item
+                    else:
+                        run.n_decoded += isinstance(item, TokenEvent)
+                        run.on_event(item)
                     item = next(run.gen)
+            if final is not None:
+                run.on_event(final)
             run.pending = item
         except StopIteration:
-            self._finish(slot, None)
+            self._finish(slot, None, final)
         except BaseException as e:  # noqa: BLE001 - the request's error, delivered to its client
-            self._finish(slot, e)
+            self._finish(slot, e, final)
 
-    def _finish(self, slot: Slot, error: BaseException | None) -> None:
+    def _finish(self, slot: Slot, error: BaseException | None, final=None) -> None:
+        """The slot freed, then its request's last FinalEvent (if held) and its end delivered."""
         run, slot.run = slot.run, None
         slot.last_used = time.monotonic()
+        if final is not None:
+            run.on_event(final)
         run.on_done(error)
 
     def cancel_all(self, error: BaseException) -> None:
@@ -248,7 +268,9 @@ class Scheduler:
                 self._finish(s, error)
 
     def status(self) -> list[dict]:
-        """Each slot as /slots shows it (llama-server's fields where Strata has them)."""
+        """Each slot as /slots shows it (llama-server's fields where Strata has them; n_prompt_tokens as llama-server
+        counts it: the tokens in the slot's cache, prompt and answer, idle or not, so a slot that served a request
+        shows what it holds)."""
         out = []
         for s in self.slots:
             run = s.run
@@ -258,7 +280,7 @@ class Scheduler:
                         "phase": None if run is None else
                         ("prompt" if isinstance(run.pending, ReadPart) else "decode"),
                         "pos": int(s.seq.pos),
-                        "n_prompt_tokens": len(req.prompt_tokens) if req is not None else 0,
+                        "n_prompt_tokens": int(s.seq.pos),      # llama-server's: the tokens the slot's cache holds
                         "next_token": {"has_next_token": run is not None, "n_decoded": run.n_decoded if run else 0,
                                        "n_remain": (max_tokens - run.n_decoded) if run is not None and
                                        max_tokens is not None else -1}})

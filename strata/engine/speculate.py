@@ -138,10 +138,12 @@ class MTPDrafter:
         if self._held:
             self._feed(self.seq.pos - 1, None)
 
-    def _feed(self, upto: int, last_token: int | None):
+    def _feed(self, upto: int, last_token: int | None, ahead: int = 0):
         """Feed MTP positions [length, upto) with their known next tokens (their K/V alone: ``mtp_kv``), and
         position `upto` too when `last_token` is given (the token at upto + 1) -> the MTP block's output of that
-        row (``mtp_hidden``), or None."""
+        row (``mtp_hidden``), or None. The pages of those rows and of `ahead` more (the drafts' own rows) are
+        reserved first, the sequence's make_room freeing pages (checkpoints, parked conversations hold the drafter's
+        K/V too) when the pool is short, as for the model's own K/V."""
         table = self._table()
         ids = self.seq.ids
         lo = table.length
@@ -149,6 +151,8 @@ class MTPDrafter:
             table.truncate(upto)
             lo = upto
         hi = upto + (last_token is not None)
+        if hi - lo + ahead > 0:
+            self.seq.with_room(lambda: table.reserve(hi - lo + ahead))
         if hi <= lo:
             return None
         toks = np.empty(hi - lo, np.int32)
@@ -172,7 +176,7 @@ class MTPDrafter:
         if self._graph is not None:
             return self._draft_graph(token, n, min_p)
         P = self.seq.pos
-        x = self._feed(P - 1, token)
+        x = self._feed(P - 1, token, ahead=max(0, n - 1))
         out: list[Draft] = []
         table = self._table()
         xp = self.xp
@@ -197,7 +201,7 @@ class MTPDrafter:
         """draft() with the one-row MTP steps in the graph step (the held rows before P - 1 fed in one batch by
         the model's own MTP block first)."""
         P = self.seq.pos
-        self._feed(P - 1, None)
+        self._feed(P - 1, None, ahead=n)
         table = self._table()
         h = self._held.pop(P - 1, self._zero)
         t, logits = self._graph.step(token, table, h)

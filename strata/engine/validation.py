@@ -36,16 +36,16 @@ def check_request(req: GenerationRequest, prompt: np.ndarray, *, n_ctx: int, n_v
     if bad is not None:
         raise Refused(f"token id {bad} is outside the vocabulary [0, {n_vocab})")
     if req.max_tokens is not None and req.max_tokens < 0:
-        raise Refused(f"max_tokens must be >= 0, got {req.max_tokens}")
+        raise Refused(f"max_tokens must be >= 0, got {req.max_tokens}", param="max_tokens")
     if req.max_tokens is not None and n_ctx_train and req.max_tokens > n_ctx_train:
         raise MaxTokensTooLarge(req.max_tokens, n_ctx_train, n_ctx)   # within it, a full context ends the answer ("length")
     if isinstance(req.n, bool) or not isinstance(req.n, int) or req.n < 1:
-        raise Refused(f"n must be an integer >= 1, got {req.n!r}")
+        raise Refused(f"n must be an integer >= 1, got {req.n!r}", param="n")
     if req.n > 1 and remote and prompt_cache == 0:
         raise Refused("n > 1 with a remote stage needs --prompt-cache N: the worker keeps the prompt's state "
-                         "for the later choices as a checkpoint part")
+                      "for the later choices as a checkpoint part", param="n")
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
-        raise Refused(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {req.logprobs}")
+        raise Refused(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {req.logprobs}", param="logprobs")
     for c in req.cut_points or ():
         if isinstance(c, dict):
             pos, kind = c.get("pos"), c.get("kind")

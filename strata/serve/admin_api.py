@@ -125,17 +125,19 @@ def _slots(engine, w) -> list[dict]:
     for v in views:
         if w.slots == 1:         # a request alone runs outside the scheduler: the worker knows whether it runs
             job = w.running
-            v = dict(v, is_processing=job is not None, id_task=v["id_task"],
-                     n_prompt_tokens=len(getattr(job.request, "prompt_tokens", ()) or ()) if job and job.request
-                     else 0)
+            v = dict(v, is_processing=job is not None)
         out.append({**v, "n_ctx": engine.n_ctx, "state": "processing" if v["is_processing"] else "idle",
                     "model": engine.model_name, "checkpoints": n_ckpt})
     return out
 
 
 async def slots(request: web.Request) -> web.Response:
+    """GET /slots; with llama-server's `fail_on_no_slot` (any non-empty value) a 503 when no slot is idle."""
     engine = engine_of(request)
-    return json_response(_slots(engine, request.app[WORKER_KEY]))
+    out = _slots(engine, request.app[WORKER_KEY])
+    if request.query.get("fail_on_no_slot") and all(s["is_processing"] for s in out):
+        raise ApiError(503, "no slot available", code="no_slot_available")
+    return json_response(out)
 
 
 async def slot_action(request: web.Request) -> web.Response:

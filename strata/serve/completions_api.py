@@ -89,7 +89,7 @@ async def generate_chat(request: web.Request, p: schema.ParsedRequest, respond=N
     their own."""
     engine, plan, rendered = await render_chat(request, p)
     # a grammar is compiled off the event loop; without one no thread hop (each costs a wake-up)
-    constraint = None if plan.body is None else await _constraint(
+    constraint = None if plan.body is None and plan.gbnf is None else await _constraint(
         lambda: structured.chat_constraint(engine, plan, structured.param_of(p)))
     return await _generate(request, engine, p, rendered.ids, list(rendered.cut_points), plan=plan,
                            constraint=constraint, respond=respond)

@@ -175,7 +175,7 @@ async def props(request: web.Request) -> web.Response:
 #: /completion's fields -> the completion route's (llama-server's names where they differ)
 _COMPLETION_FIELDS = ("prompt", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "stream", "cache_prompt",
                       "repeat_penalty", "repeat_last_n", "presence_penalty", "frequency_penalty", "json_schema",
-                      "grammar", "strata_checkpoint")
+                      "grammar", "strata_checkpoint", "strata_spec", "logit_bias")
 
 
 #: the completion route's field names -> /completion's, for its refusals
@@ -196,12 +196,19 @@ def completion_request(body: dict, engine) -> schema.ParsedRequest:
         raise ApiError(400, "'n_probs' is not supported on /completion: /v1/completions gives logprobs",
                             code="unsupported_value")
     from strata.engine.slots import slot_error
-    slot = body.get("id_slot", -1)
+    slot = body.get("id_slot")
+    slot = -1 if slot is None else slot              # null: any slot (llama-server reads null as the default)
     n_slots = int(getattr(engine, "parallel", 1))
     if isinstance(slot, bool) or not isinstance(slot, int) or not -1 <= slot < n_slots:
         raise _bad(slot_error(slot, n_slots))
     fields["id_slot"] = slot
     return schema.parse_completion(fields)
+
+
+def _prompt_text(engine, prompt) -> str:
+    """The answer's "prompt": a text prompt as sent; token ids detokenized, special tokens as their text (what
+    llama-server answers for either: its task's tokens detokenized)."""
+    return prompt if isinstance(prompt, str) else engine.tokenizer.decode(prompt or [], special=True)
 
 
 def _completion_obj(final, content: str, p: schema.ParsedRequest, engine, prompt, n_predict: int = -1) -> dict:
@@ -213,7 +220,7 @@ def _completion_obj(final, content: str, p: schema.ParsedRequest, engine, prompt
     return {"content": content, "id_slot": (final.strata or {}).get("id_slot", 0), "stop": True,
             "model": engine.model_name,
             "tokens_predicted": int(final.usage["completion_tokens"]), "tokens_evaluated": int(t.get("prompt_n", 0)),
-            "tokens_cached": int(t.get("cache_n", 0)), "prompt": prompt if isinstance(prompt, str) else "",
+            "tokens_cached": int(t.get("cache_n", 0)), "prompt": _prompt_text(engine, prompt),
             "has_new_line": "\n" in content, "truncated": False, "stop_type": kind,
             "stopping_word": by or "", "stopped_eos": kind == "eos", "stopped_limit": kind == "limit",
             "stopped_word": kind == "word",

@@ -98,6 +98,15 @@ async def middleware(request: web.Request, handler):
                  ms=round((time.perf_counter() - t0) * 1e3, 2), reason="client disconnected or shutdown")
         request.app[METRICS_KEY].requests.labels(route=await _route_name(request), status="499").inc()
         raise
+    except ConnectionResetError as e:
+        if not _client_gone(request):
+            log.exception("request failed", error=f"{type(e).__name__}: {e}")
+            resp = await _err_for(request, ApiError(500, f"internal error: {type(e).__name__}: {e}"))
+        else:   # the client went away while its request was read or answered: no one to answer, nothing failed
+            log.info("request cancelled", method=request.method, path=request.path,
+                     ms=round((time.perf_counter() - t0) * 1e3, 2), reason=f"client disconnected ({e})")
+            request.app[METRICS_KEY].requests.labels(route=await _route_name(request), status="499").inc()
+            return web.Response(status=499)
     except Exception as e:  # noqa: BLE001 - nothing a client sends may crash the daemon
         log.exception("request failed", error=f"{type(e).__name__}: {e}")
         resp = await _err_for(request, ApiError(500, f"internal error: {type(e).__name__}: {e}"))
@@ -116,6 +125,12 @@ async def middleware(request: web.Request, handler):
         log.info("request", method=request.method, path=request.path, status=status,
                  ms=round((time.perf_counter() - t0) * 1e3, 2))
     return resp
+
+
+def _client_gone(request: web.Request) -> bool:
+    """Whether the request's own connection is closed or closing (its client went away)."""
+    t = request.transport
+    return t is None or t.is_closing()
 
 
 def _shape_for(shapes: dict, route: str, path: str):

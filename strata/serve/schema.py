@@ -286,8 +286,13 @@ def parse_chat(body: dict) -> ParsedRequest:
     r.tools = _tools(body.get("tools"))
     r.tool_choice = _tool_choice(body.get("tool_choice"), r.tools)
     r.parallel_tool_calls = _opt_bool(body, "parallel_tool_calls", True)
+    _grammar_fields(body, r)
     if r.output is not None and (r.tool_choice == "required" or isinstance(r.tool_choice, dict)):
-        raise _bad("response_format", "cannot be combined with a tool_choice that forces a tool call")
+        raise _bad(r.output.get("param", "response_format"), "cannot be combined with a tool_choice that forces a "
+                                                             "tool call")
+    if r.output is not None and r.output["type"] == "grammar" and r.tools and r.tool_choice != "none":
+        raise _bad("grammar", "cannot be combined with tools (the tool calls have their own grammar), as in "
+                              "llama-server")
     r.template_kwargs = _template_kwargs(body.get("chat_template_kwargs"))
     rfmt = body.get("reasoning_format")
     if rfmt is not None and rfmt not in REASONING_FORMATS:
@@ -331,9 +336,20 @@ def parse_completion(body: dict) -> ParsedRequest:
     if lp is not None:
         r.logprobs = True
         r.top_logprobs = lp
+    _grammar_fields(body, r)
+    return r
+
+
+def _grammar_fields(body: dict, r: ParsedRequest) -> None:
+    """llama-server's `json_schema` (a schema) and `grammar` (GBNF, or Lark after %llguidance) into r.output; an
+    empty `grammar` is no grammar, as llama-server reads it. One of them, and not beside response_format."""
     js, gr = body.get("json_schema"), body.get("grammar")
+    gr = None if gr == "" else gr
     if js is not None and gr is not None:
         raise _bad("grammar", "and 'json_schema' are both set: send one")
+    if (js is not None or gr is not None) and r.output is not None:
+        name = "json_schema" if js is not None else "grammar"
+        raise _bad(name, "and 'response_format' are both set: send one")
     if js is not None:
         if not isinstance(js, dict):
             raise _bad("json_schema", f"must be a JSON schema object, got {_tname(js)}")
@@ -341,10 +357,10 @@ def parse_completion(body: dict) -> ParsedRequest:
                     "param": "json_schema"}
     elif gr is not None:
         if not isinstance(gr, str) or not gr.strip():
-            raise _bad("grammar", "must be a non-empty string (a GBNF grammar, or Lark after %llguidance)")
+            raise _bad("grammar", "must be a string holding a GBNF grammar (or Lark after %llguidance); an empty "
+                                  "one is no grammar")
         _unicode_text(gr, "grammar")
         r.output = {"type": "grammar", "grammar": gr, "param": "grammar"}
-    return r
 
 
 # ---- tools and structured output -------------------------------------------------------------------------------

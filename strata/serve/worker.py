@@ -129,8 +129,11 @@ class EngineWorker:
                 raise ShuttingDown("the server is shutting down")
             n_wait, n_run = len(self._waiting), len(self._active)
             if n_wait + n_run > self.queue_max + self.slots - 1:
-                raise QueueFull(f"{n_run} running, {n_wait} waiting (--queue-max {self.queue_max}: at most "
-                                f"{self.queue_max} waiting)")
+                # the count, not the split: requests just accepted wait until the engine thread admits them to a
+                # free slot between steps
+                slots = f"{self.slots} slot{'s' if self.slots != 1 else ''}"
+                raise QueueFull(f"{n_run} running, {n_wait} waiting: at most {self.queue_max + self.slots} at once "
+                                f"({slots} and --queue-max {self.queue_max})")
             if not self._waiting and not self._active:
                 self._progress = time.monotonic()
             self._waiting.append(job)

@@ -273,8 +273,8 @@ class RemoteStage(StageBase):
                  else result_fault(res.hidden, n, n_embd))
         if fault is not None:
             self._mark_down(f"returned {fault}")
-            raise WorkerBadResult(f"stage {self.index} ({self.device}): the worker returned {fault} for a batched "
-                                  f"step of {n} sequences; the link is reset")
+            raise WorkerBadResult(f"stage {self.index} ({self.device}): the worker returned {fault} (a batched "
+                                  f"step of {n} sequences); the link is reset")
         for q, p in zip(sids, at):
             self.memory.seqs[q].at = p + 1
         self.worker_us += int(res.compute_us)

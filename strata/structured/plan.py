@@ -28,6 +28,7 @@ class ChatPlan:
     think_open: bool = False                 # the rendered prompt left one open
     think_closed: bool = False               # the rendered prompt ends with a closed one (thinking switched off)
     body: str | None = None
+    gbnf: str | None = None                  # the request's own grammar (llama-server's `grammar`): the whole answer
     show_tokens: frozenset[int] = frozenset()
 
     def answer(self) -> "Answer":
@@ -47,7 +48,9 @@ def plan_chat(engine, p) -> ChatPlan:
         plan.messages = tool_calls.template_messages(
             p.messages, fmt, renders_tool_role=fmt.native or _renders_tool_role(template))
     if not p.tools or p.tool_choice == "none":
-        if p.output is not None:
+        if p.output is not None and p.output["type"] == "grammar":
+            plan.gbnf = p.output["grammar"]
+        elif p.output is not None:
             plan.body = _output_body(p.output)
         return plan
     plan.fmt, plan.tool_defs = fmt, p.tools
@@ -84,7 +87,10 @@ def after_render(plan: ChatPlan, prompt_text: str) -> None:
 
 def chat_constraint(engine, plan: ChatPlan, param: str) -> Constraint | None:
     """The compiled grammar of a chat answer (a reasoning block first when the template has one), or None. Runs the
-    compile (call it off the event loop); Refused naming `param` for a schema llguidance refuses."""
+    compile (call it off the event loop); Refused naming `param` for a schema llguidance refuses. The request's own
+    grammar holds the whole answer, a reasoning block included, as llama-server applies one."""
+    if plan.gbnf is not None:
+        return _compile(engine, lambda: gbnf_grammar(plan.gbnf), param)
     if plan.body is None:
         return None
     if plan.think_open:             # the answer starts inside the block: any text up to </think>, then the body
