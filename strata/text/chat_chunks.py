@@ -191,6 +191,7 @@ class _Chain:
     ends: list[int]
     tails: list
     offs: list[int]
+    body: str             # the records' outputs (each not last) joined
 
 
 @dataclass
@@ -320,9 +321,10 @@ class MessageChunks:
         prefix ends of the `wanted` message indices (render(messages[:i+1], add_generation_prompt=False), where it
         is a prefix of the text); None where it cannot answer (see the class)."""
         n = len(messages)
-        if n == 0 or not all(type(m) is dict for m in messages):
+        if n == 0 or set(map(type, messages)) != {dict}:
             return None
-        chain, k = self._find(ctx, messages)
+        keys = list(map(tuple, messages))
+        chain, k = self._find(ctx, messages, keys)
         recs: list[_Rec] = chain.recs[:k] if chain is not None else []
         try:
             m0 = recs[0].msg if recs else self._prepare(messages[0], 0)
@@ -345,11 +347,13 @@ class MessageChunks:
         if chain is not None and k > 0 and chain.head == head_p:
             acc = _upto(chain.acc, chain.ends, chain.tails, k)
             ends, tails, offs = chain.ends[:k + 1], chain.tails[:k + 1], chain.offs[:k + 1]
+            body = chain.body[:offs[-1]]
             start = k
         else:
             acc = []
             _extend(acc, head_p)
             ends, tails, offs = [len(acc)], [acc[-1] if acc else None], [0]
+            body = ""
             start = 0
         for i in range(start, n):
             _extend(acc, recs[i].pieces)
@@ -359,9 +363,8 @@ class MessageChunks:
         pieces = _upto(acc, ends, tails, n - 1)
         _extend(pieces, last.last_pieces)
         _extend(pieces, tail_p)
-        bodies = [r.text for r in recs]
-        bodies[-1] = last.last_text
-        text = head + "".join(bodies) + tail
+        body += "".join([r.text for r in recs[start:]])
+        text = head + body[:offs[n - 1]] + last.last_text + tail
         # render(messages[:i+1], add_generation_prompt=False) is bare's head, the outputs before i, i's output as
         # the last, bare's tail: an end where that is a prefix of the text
         ends_out: dict[int, int] = {}
@@ -381,8 +384,9 @@ class MessageChunks:
                     ends_out[i] = pos + len(rec.last_text) + len(btail)
         flat = (chain.flat if chain is not None and k else True) and _all_str(messages[k:])
         sigs = None if flat else [repr(m) for m in messages]
-        self._keep(_Chain(ctx=ctx, head=head_p, recs=recs, raws=list(messages), keys=list(map(tuple, messages)),
-                          flat=flat, sigs=sigs, acc=acc, ends=ends, tails=tails, offs=offs))
+        self._keep(_Chain(ctx=ctx, head=head_p, recs=recs, raws=list(messages), keys=keys, flat=flat, sigs=sigs,
+                          acc=acc, ends=ends, tails=tails, offs=offs, body=body),
+                   chain if chain is not None and k == len(chain.raws) else None)
         with self._lock:
             self.stats["calls"] += 1
             self.stats["rendered"] += n - k
@@ -394,7 +398,7 @@ class MessageChunks:
             self.stats["fallbacks"] += 1
         return None
 
-    def _find(self, ctx: str, messages: list) -> tuple[_Chain | None, int]:
+    def _find(self, ctx: str, messages: list, keys: list) -> tuple[_Chain | None, int]:
         """The kept chain of context `ctx` sharing the most leading messages exactly, and how many."""
         with self._lock:
             chains = list(self._chains)
@@ -418,7 +422,7 @@ class MessageChunks:
             if k <= best_k:
                 continue
             # equal (==) is not enough: 1, 1.0 and True are equal and print differently, key orders may differ
-            if not (c.flat and _all_str(messages[:k]) and list(map(tuple, messages[:k])) == c.keys[:k]):
+            if not (c.flat and keys[:k] == c.keys[:k] and _all_str(messages[:k])):
                 sigs = c.sigs if c.sigs is not None else [repr(m) for m in raws[:k]]
                 j = 0
                 while j < k and repr(messages[j]) == sigs[j]:
@@ -428,12 +432,11 @@ class MessageChunks:
                 best, best_k = c, k
         return best, best_k
 
-    def _keep(self, chain: _Chain) -> None:
-        """Keep `chain`, dropping a kept chain of the same context that it extends or that extends it."""
+    def _keep(self, chain: _Chain, extended: _Chain | None) -> None:
+        """Keep `chain` first, dropping `extended` (the kept chain it continues) and the least recently kept past
+        `keep`."""
         if self.keep <= 0:
             return
-        n = len(chain.raws)
         with self._lock:
-            self._chains = [c for c in self._chains if not (c.ctx == chain.ctx and c.raws[:n] == chain.raws[:len(c.raws)])
-                            ][: self.keep - 1]
+            self._chains = [c for c in self._chains if c is not extended][: self.keep - 1]
             self._chains.insert(0, chain)

@@ -351,7 +351,7 @@ class ChatTemplate:
         if joined != text:  # pieces always cover the text; guard against a logic error
             raise ValueError("internal error: prompt pieces do not cover the rendered text")
         n_tokens = len(tok.ids)
-        char_starts = [f.start for f in frags]
+        char_starts = tok.char_starts
         tokenize_s = time.perf_counter() - t_tok_more + (t_tok_more - t_tok if safe is False else 0.0)
 
         def char_to_pos(c: int) -> int | None:
@@ -406,8 +406,6 @@ class ChatTemplate:
         answer (no split, inputs that are not plain data, a message that renders only within the whole chat). The
         first answer is compared with the whole render's; a difference turns the chunks off for good."""
         if self.chunks is None or not messages or _RESERVED & kw.keys():
-            return None
-        if any(type(m) is not dict for m in messages):
             return None
         context = [tools, documents, sorted(kw.items())]
         if not is_plain([tools, documents, dict(kw)]):
