@@ -179,3 +179,16 @@ def test_a_wrong_split_is_caught_by_the_first_check(bpe):
     got = t.render(msgs)
     assert t.chunks is None
     assert got.tokens == _whole(md["tokenizer.chat_template"], tk).render(msgs).tokens
+
+
+def test_bad_messages_are_refused_as_by_the_whole_render(bpe):
+    tk, md = bpe
+    t = ChatTemplate(md["tokenizer.chat_template"], tk)
+    assert t.chunks is not None
+    for msgs, needle in (([{"role": "user", "content": "hi"}, "hi"], "message 1 must be an object"),
+                         ([{"role": "user", "content": "hi"}, {"content": "x"}], "message 1 has no role"),
+                         ({"role": "user"}, "messages must be a list")):
+        with pytest.raises(ValueError, match=needle):
+            t.render(msgs)
+    with pytest.raises(ValueError, match="pin_message 5 is out of range"):
+        t.render([{"role": "user", "content": "hi"}], pin_message=5)

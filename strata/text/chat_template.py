@@ -405,7 +405,7 @@ class ChatTemplate:
         """(text, pieces, safe, wanted, n_sys, ends) of the chat through self.chunks, or None where it does not
         answer (no split, inputs that are not plain data, a message that renders only within the whole chat). The
         first answer is compared with the whole render's; a difference turns the chunks off for good."""
-        if self.chunks is None or not messages or _RESERVED & kw.keys():
+        if self.chunks is None or not messages or _RESERVED & kw.keys() or set(map(type, messages)) != {dict}:
             return None
         context = [tools, documents, sorted(kw.items())]
         if not is_plain([tools, documents, dict(kw)]):
