@@ -81,6 +81,7 @@ class LoopSplit:
     uses_loop: bool
     uses_last: bool
     reads_messages: bool        # outer or body read messages[0]
+    outer_pure: bool            # the outer output is a function of its inputs (reads nothing that changes by itself)
 
 
 def split_template(env: jinja2.Environment, source: str) -> LoopSplit | None:
@@ -122,7 +123,8 @@ def split_template(env: jinja2.Environment, source: str) -> LoopSplit | None:
     outer_nodes[at] = nodes.Output([nodes.Name(_MARK, "load", lineno=loop.lineno)], lineno=loop.lineno)
     outer_tmpl = env.from_string(nodes.Template(outer_nodes, lineno=1))
     return LoopSplit(outer=outer_tmpl, body=body_tmpl, target=loop.target.name, uses_loop=bool(body.loop_attrs),
-                     uses_last="last" in body.loop_attrs, reads_messages=outer.reads_messages or body.reads_messages)
+                     uses_last="last" in body.loop_attrs, reads_messages=outer.reads_messages or body.reads_messages,
+                     outer_pure=not outer.loads & _UNSTABLE)
 
 
 class _Loop:
@@ -192,6 +194,7 @@ class _Chain:
     tails: list
     offs: list[int]
     body: str             # the records' outputs (each not last) joined
+    outer: dict           # add_generation_prompt -> the outer's _outer result (a pure outer, the same messages[0])
 
 
 @dataclass
@@ -326,10 +329,13 @@ class MessageChunks:
         keys = list(map(tuple, messages))
         chain, k = self._find(ctx, messages, keys)
         recs: list[_Rec] = chain.recs[:k] if chain is not None else []
+        outer = dict(chain.outer) if chain is not None and k and self.split.outer_pure else {}
         try:
             m0 = recs[0].msg if recs else self._prepare(messages[0], 0)
-            full = self._outer(m0, agp, variables)
-            bare = self._outer(m0, False, variables) if agp else full
+            for a in {agp, False}:
+                if a not in outer:
+                    outer[a] = self._outer(m0, a, variables)
+            full, bare = outer[agp], outer[False]
             if full is None or bare is None:
                 return self._fallback()
             head, tail, head_p, tail_p = full
@@ -385,7 +391,7 @@ class MessageChunks:
         flat = (chain.flat if chain is not None and k else True) and _all_str(messages[k:])
         sigs = None if flat else [repr(m) for m in messages]
         self._keep(_Chain(ctx=ctx, head=head_p, recs=recs, raws=list(messages), keys=keys, flat=flat, sigs=sigs,
-                          acc=acc, ends=ends, tails=tails, offs=offs, body=body),
+                          acc=acc, ends=ends, tails=tails, offs=offs, body=body, outer=outer),
                    chain if chain is not None and k == len(chain.raws) else None)
         with self._lock:
             self.stats["calls"] += 1
