@@ -192,3 +192,16 @@ def test_bad_messages_are_refused_as_by_the_whole_render(bpe):
             t.render(msgs)
     with pytest.raises(ValueError, match="pin_message 5 is out of range"):
         t.render([{"role": "user", "content": "hi"}], pin_message=5)
+
+
+def test_renders_quickly_guesses_a_later_turn(bpe):
+    tk, md = bpe
+    t = ChatTemplate(md["tokenizer.chat_template"], tk)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert not t.renders_quickly(msgs)                 # nothing kept yet
+    t.render(msgs)
+    later = msgs + [{"role": "assistant", "content": "Hello"}, {"role": "user", "content": "More?"}]
+    assert t.renders_quickly(later)
+    assert not t.renders_quickly(msgs[:1] + [{"role": "user", "content": "Other"}] + later[2:])   # another chat
+    assert not t.renders_quickly(msgs + [{"role": "user", "content": "x" * 20000}])      # much new text
+    assert not t.renders_quickly(later + [{"role": "user", "content": "y"}] * 9)         # many new messages

@@ -44,10 +44,20 @@ def stats() -> dict:
             "longest_ms": round(_longest[0] * 1e3, 3), "frozen": gc.get_freeze_count()}
 
 
+#: young objects (net allocations of tracked containers) between collections: a request over a long chat holds a
+#: few thousand at once (its JSON body, its messages, the render's lists), which at Python's 700 set off two or three
+#: collections inside every turn; most of them are freed when the request ends, so at this size a collection comes
+#: every few hundred turns and walks what those turns kept
+YOUNG_THRESHOLD = 20000
+
+
 def freeze_heap() -> int:
     """Collect once, then move every object alive now into the permanent generation (gc.freeze): what the start
     built is never traversed again, so a full collection during a request costs what the requests keep, not the
-    whole daemon. Returns the number of objects frozen."""
+    whole daemon; and collect the young generation every YOUNG_THRESHOLD objects instead of 700. Returns the number
+    of objects frozen."""
     gc.collect()
     gc.freeze()
+    _, g1, g2 = gc.get_threshold()
+    gc.set_threshold(YOUNG_THRESHOLD, g1, g2)
     return gc.get_freeze_count()

@@ -399,6 +399,27 @@ class MessageChunks:
             self.stats["kept"] += k
         return Chunked(text=text, pieces=pieces, ends=ends_out, rendered=n - k)
 
+    def quick(self, messages: list, max_new: int = 8, max_chars: int = 16384) -> bool:
+        """Whether a render of `messages` will likely reuse a kept conversation with at most `max_new` new messages of
+        at most `max_chars` characters of content in all (so it costs about a millisecond and may run where a wait
+        would cost more); a guess in O(new messages), never a promise: render decides."""
+        n = len(messages)
+        with self._lock:
+            chains = list(self._chains)
+        for c in chains:
+            k = len(c.raws)
+            if not k <= n <= k + max_new or type(messages[0]) is not dict or type(messages[k - 1]) is not dict:
+                continue
+            if messages[k - 1] != c.raws[-1] or messages[0] != c.raws[0]:
+                continue
+            new = 0
+            for m in messages[k:]:
+                content = m.get("content") if type(m) is dict else None
+                new += len(content) if isinstance(content, str) else max_chars + 1
+            if new <= max_chars:
+                return True
+        return False
+
     def _fallback(self):
         with self._lock:
             self.stats["fallbacks"] += 1

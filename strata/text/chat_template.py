@@ -401,6 +401,12 @@ class ChatTemplate:
         return RenderedPrompt(tok.ids, text=text, cut_points=cuts, content_safe=safe, tokenize_s=tokenize_s,
                               reused=tok.reused)
 
+    def renders_quickly(self, messages) -> bool:
+        """Whether rendering `messages` will likely take about a millisecond: most of them kept from an earlier
+        render (strata.text.chat_chunks.MessageChunks.quick); a guess, never a promise."""
+        return self.chunks is not None and isinstance(messages, list) and bool(messages) and \
+            self.chunks.quick(messages)
+
     def _render_chunks(self, messages, add_generation_prompt, tools, documents, kw, pin_message):
         """(text, pieces, safe, wanted, n_sys, ends) of the chat through self.chunks, or None where it does not
         answer (no split, inputs that are not plain data, a message that renders only within the whole chat). The
