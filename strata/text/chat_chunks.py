@@ -17,7 +17,7 @@ __all__ = ["LoopSplit", "MessageChunks", "Chunked", "split_template"]
 _LOOP_ATTRS = frozenset({"first", "last", "index", "index0"})
 #: globals whose value changes between calls (the time, random text, stateful helpers): a body reading one is not
 #: a function of its message
-_UNSTABLE = frozenset({"strftime_now", "cycler", "joiner", "lipsum", "namespace", "range"})
+_UNSTABLE = frozenset({"strftime_now", "cycler", "joiner", "lipsum", "namespace"})
 _NOT_IN_BODY = (nodes.Macro, nodes.Import, nodes.FromImport, nodes.Include, nodes.Extends, nodes.Block,
                 nodes.ExprStmt, nodes.NSRef)
 _MARK = "strata_loop_output"       # the outer template's stand-in for the loop's output

@@ -16,6 +16,8 @@ from strata.text.tokenizer import Fragment, Tokenizer
 
 __all__ = ["Tokenized", "TurnTokens"]
 
+_NEAR = 8       # a kept render sharing all but this many of the new pieces is taken without looking further
+
 
 @dataclass
 class Tokenized:
@@ -64,10 +66,12 @@ class TurnTokens:
         with self._lock:
             kept = list(self._kept)
         best, best_j = None, 0
-        for e in kept:
+        for e in kept:                  # the latest first: a later turn shares all but its last pieces with it
             j = _shared(pieces, e.pieces)
             if j > best_j:
                 best, best_j = e, j
+            if best_j >= len(pieces) - _NEAR:
+                break
         return best, best_j
 
     def tokenize(self, pieces: list[tuple[str, bool]]) -> Tokenized:
