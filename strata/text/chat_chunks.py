@@ -6,7 +6,7 @@ import itertools
 import re
 import secrets
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import jinja2
 import jinja2.nodes as nodes

@@ -294,8 +294,11 @@ class ChatTemplate:
         its tokens are a prefix of the full tokens (otherwise that cut point is skipped); root_at is
         message_at of the last leading system message; turn_at is the length of the chat rendered without the
         generation prompt (only with add_generation_prompt: the last message's prefix); pin_at is
-        message_at(pin_message). Prefix lengths rendered by earlier requests are reused (self.prefix_ends, keyed
-        by the messages, checked against the new text), so a later turn renders only its new prefixes.
+        message_at(pin_message). A template that renders each message on its own (self.chunks,
+        strata.text.chat_chunks) renders only the messages no kept conversation holds exactly, and finds the message
+        ends from the kept outputs; other templates reuse prefix lengths rendered by earlier requests
+        (self.prefix_ends, keyed by the messages, checked against the new text), so a later turn renders only its new
+        prefixes. Either way the result is that of rendering everything.
         text_check, if given, is called with the rendered text before anything is tokenized (the engine refuses
         text that cannot fit its context there). continue_final_message (with add_generation_prompt false) leaves
         the last message open, its text the end of the prompt, as transformers' apply_chat_template does (an
