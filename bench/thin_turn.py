@@ -121,7 +121,7 @@ class Arm:
         turn = st.get("turn")
         if turn:
             row.update(server_ms=turn["ms"], server_outside_ms=turn["outside_model_ms"], phases_ms=turn["phases_ms"],
-                       other_ms=turn["other_ms"])
+                       other_ms=turn["other_ms"], gc_ms=turn.get("gc_ms"))
         return row
 
     def close(self) -> None:
@@ -228,7 +228,7 @@ def main(argv=None) -> int:
             for name, r in row.items():
                 later = r["later"]
                 summary[name] = {k: med(later, k) for k in ("ttft_ms", "model_ms", "client_outside_ms", "server_ms",
-                                                             "server_outside_ms")}
+                                                             "server_outside_ms", "other_ms", "gc_ms")}
                 summary[name]["resume_from"] = sorted({x["resume_from"] for x in later if x.get("resume_from")})
                 summary[name]["prompt_tokens"] = (r["cold"].get("prompt_n") or 0) + (r["cold"].get("cache_n") or 0)
                 ph = [x["phases_ms"] for x in later if x.get("phases_ms")]
@@ -258,8 +258,12 @@ def main(argv=None) -> int:
                 f = (lambda v: f"{v:8.2f}" if v is not None else f"{'-':>8}")
                 print(f"  {name:10} {f(s['ttft_ms'])} {f(s['model_ms'])} {f(s['client_outside_ms']):>17} "
                       f"{f(s['server_ms'])} {f(s['server_outside_ms']):>17}  {','.join(s['resume_from'])}")
-            if a.get("phases_ms"):
-                print("  after's phases: " + " ".join(f"{k} {v:.2f}" for k, v in a["phases_ms"].items()))
+            for name in ("after", "before"):
+                s = summary.get(name) or {}
+                if s.get("phases_ms"):
+                    print(f"  {name}'s phases: " + " ".join(f"{k} {v:.2f}" for k, v in s["phases_ms"].items())
+                          + f" other {s['other_ms']:.2f}" + (f" (gc {s['gc_ms']:.2f})" if s.get("gc_ms") is not None
+                                                             else ""))
             print(f"  checkpoints / --prompt-cache 0: TTFT x{summary['ckpt_over_pc0_ttft']:.3f}"
                   + (f", server x{summary['ckpt_over_pc0_server']:.3f}" if summary.get("ckpt_over_pc0_server") else "")
                   + (f" (before: TTFT x{summary['before_ckpt_over_pc0_ttft']:.3f})"

@@ -320,12 +320,14 @@ def _counting_renders(monkeypatch):
 
 
 def test_a_later_turn_renders_only_its_new_prefixes(tmpl, metadata, monkeypatch):
-    """Turn 2 of a 200-message chat renders the template four times (the chat, its sentinel copy, the two new
-    messages' prefixes), not once per kept message cut; its cut points equal those of a template that keeps nothing."""
+    """Where the whole chat is rendered (a template not split message by message: strata.text.chat_chunks), turn 2 of
+    a 200-message chat renders the template four times (the chat, its sentinel copy, the two new messages'
+    prefixes), not once per kept message cut; its cut points equal those of a template that keeps nothing."""
     from strata.text.chat_prefixes import PrefixEnds
     msgs = [{"role": "system", "content": "Be brief."}] + [
         {"role": "user" if i % 2 == 0 else "assistant", "content": f"message {i}"} for i in range(199)]
     t = ChatTemplate.from_gguf(metadata, Tokenizer.from_gguf(metadata))
+    t.chunks = None
     t.render(msgs)
     calls = _counting_renders(monkeypatch)
     later = msgs + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]

@@ -348,6 +348,14 @@ def test_slots(daemon):
     (b'{"messages": [{"role": "user", "content": "hi \\ud800"}]}', "not valid Unicode"),
     (b'{"messages": [{"role": "system", "content": "\\ud83d"}, {"role": "user", "content": "x"}]}',
      "'messages[0].content' is not valid Unicode: lone surrogate U+D83D at code point 0"),
+    # the first bad message is named, whichever kind it is (plain role-and-string messages are checked at once)
+    (b'{"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b \\ud800"}, '
+     b'{"role": "wizard", "content": "x"}]}', "'messages[1].content' is not valid Unicode: lone surrogate U+D800 at "
+     "code point 2"),
+    (b'{"messages": [{"role": "user", "content": "a", "name": "n"}, {"role": "user", "content": "\\udc80"}]}',
+     "'messages[1].content' is not valid Unicode: lone surrogate U+DC80 at code point 0"),
+    (b'{"messages": [{"role": "user", "content": "a"}, {"role": "wizard", "content": "\\udc80"}]}',
+     "'messages[1].role' must be one of"),
     (b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "ok \\udc80"}]}]}',
      "'messages[0].content[0].text' is not valid Unicode: lone surrogate U+DC80 at code point 3"),
     (b'{"messages": ' + b"[" * 20000 + b"]" * 20000 + b"}", "not valid JSON: nested too deeply"),

@@ -234,6 +234,12 @@ class Engine:
                                     pin_message=pin_message, text_check=lambda t: self._check_text_fits(len(t)),
                                     **template_kwargs)
 
+    def renders_quickly(self, messages: list) -> bool:
+        """Whether render_chat(messages) will likely take about a millisecond (a later turn of a chat rendered
+        before: ChatTemplate.renders_quickly), so a caller may run it where it is instead of handing it to a
+        thread."""
+        return self.template is not None and self.template.renders_quickly(messages)
+
     def tokenize_prompt(self, text: str, *, add_bos: bool | None = None, parse_special: bool = True) -> list[int]:
         """Tokenize raw completion text (/v1/completions, `strata generate`): BOS per the model's metadata, and the
         text of special tokens (``<|im_start|>``) read as those tokens, as llama.cpp's server and llama-cli do

@@ -7,6 +7,8 @@ import threading
 import time
 from contextlib import contextmanager
 
+from strata.engine import gc_pauses
+
 __all__ = ["MODEL_PHASES", "PHASES", "TurnClock", "active", "phase", "charge", "current"]
 
 #: the phases, in the order a request meets them: the body read and parsed (parse), the chat template rendered
@@ -38,6 +40,8 @@ class TurnClock:
         self.seconds = dict.fromkeys(PHASES, 0.0)
         self.delivered_at: float | None = None
         self.first_token_at: float | None = None
+        self._gc0 = gc_pauses.seconds()
+        self._gc = 0.0
         self._lock = threading.Lock()
 
     def add(self, name: str, seconds: float) -> None:
@@ -76,6 +80,7 @@ class TurnClock:
             else:
                 self.delivered_at = t
             self.first_token_at = t
+            self._gc = gc_pauses.seconds() - self._gc0
 
     @property
     def done(self) -> bool:
@@ -84,7 +89,9 @@ class TurnClock:
     def report(self) -> dict | None:
         """{"ms": arrival to first token, "outside_model_ms": that minus the model phases (model, slots),
         "phases_ms": {phase: ms},
-        "other_ms": what no phase covers}, milliseconds rounded to 3 decimals; None before the first token."""
+        "other_ms": what no phase covers, "gc_ms": the garbage collector's pauses meanwhile (inside whichever
+        phases they fell in; counted where strata.engine.gc_pauses is installed)}, milliseconds rounded to 3
+        decimals; None before the first token."""
         with self._lock:
             if self.first_token_at is None:
                 return None
@@ -93,7 +100,8 @@ class TurnClock:
         ms = {k: round(v * 1e3, 3) for k, v in secs.items()}
         return {"ms": round(total * 1e3, 3),
                 "outside_model_ms": round((total - sum(secs[k] for k in MODEL_PHASES)) * 1e3, 3),
-                "phases_ms": ms, "other_ms": round((total - sum(secs.values())) * 1e3, 3)}
+                "phases_ms": ms, "other_ms": round((total - sum(secs.values())) * 1e3, 3),
+                "gc_ms": round(self._gc * 1e3, 3)}
 
 
 class _Frame:

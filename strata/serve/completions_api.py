@@ -65,7 +65,10 @@ async def render_chat(request: web.Request, p: schema.ParsedRequest):
             turn_clock.charge("tokenize", r.tokenize_s)      # out of the render's time
             return r
     try:
-        rendered = await loop.run_in_executor(None, render)
+        # a later turn of a chat rendered before takes about a millisecond: rendered here, where two thread hops
+        # would cost as much or more on a busy machine; anything else off the event loop
+        quick = getattr(engine, "renders_quickly", None)
+        rendered = render() if quick is not None and quick(plan.messages) else await loop.run_in_executor(None, render)
     except ContextOverflow as e:         # too long to be worth rendering and tokenizing
         raise ApiError(400, str(e), param="messages", code="context_length_exceeded") from None
     except ValueError as e:

@@ -254,6 +254,20 @@ def _content_text(content, i: int, role: str) -> str | None:
     raise _bad(where, f"must be a string or an array of text parts, got {_tname(content)}")
 
 
+_ROLE_SET = frozenset(ROLES)
+
+
+def _plain_unicode(msgs: list, plain: list[str], upto: int) -> None:
+    """The contents of plain messages before message `upto` (`plain`) checked for a lone surrogate in one pass; the
+    error names the first message that holds one, as the check of each message would."""
+    try:
+        "".join(plain).encode("utf-8")
+    except UnicodeEncodeError:
+        for i, m in enumerate(msgs[:upto]):
+            if type(m) is dict and type(m.get("content")) is str:
+                _unicode_text(m["content"], f"messages[{i}].content")
+
+
 def parse_chat(body: dict) -> ParsedRequest:
     """Validate a /v1/chat/completions body."""
     r = _common(body, "chat")
@@ -263,7 +277,16 @@ def parse_chat(body: dict) -> ParsedRequest:
     if not isinstance(msgs, list) or not msgs:
         raise _bad("messages", "must be a non-empty array of message objects")
     out = []
+    plain = []              # contents of the messages that are just a role and a string (checked at once below)
     for i, m in enumerate(msgs):
+        if type(m) is dict and len(m) == 2:           # the common message: {"role": ..., "content": "..."}
+            role, content = m.get("role"), m.get("content")
+            if type(content) is str and role in _ROLE_SET:
+                out.append({"role": "system" if role == "developer" else role, "content": content})
+                plain.append(content)
+                continue
+        _plain_unicode(msgs, plain, i)
+        plain = []
         if not isinstance(m, dict):
             raise _bad(f"messages[{i}]", f"must be an object, got {_tname(m)}")
         role = m.get("role")
@@ -282,6 +305,7 @@ def parse_chat(body: dict) -> ParsedRequest:
         if msg["content"] is None:
             msg["content"] = ""
         out.append(msg)
+    _plain_unicode(msgs, plain, len(msgs))
     r.messages = out
     r.tools = _tools(body.get("tools"))
     r.tool_choice = _tool_choice(body.get("tool_choice"), r.tools)

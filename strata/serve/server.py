@@ -14,6 +14,7 @@ from typing import Any, Callable
 import structlog
 from aiohttp import web
 
+from strata.engine import gc_pauses
 from strata.serve.app import make_app
 from strata.serve.config import ServeConfig, format_hostport
 from strata.serve.connections import ConnectionGuard, connection_cap
@@ -80,6 +81,7 @@ GIL_SWITCH_S = 0.0005
 async def serve(cfg: ServeConfig, engine_factory: Callable[[], Any]) -> int:
     """Serve until SIGTERM/SIGINT; returns the process exit status (0 after a clean drain)."""
     sys.setswitchinterval(GIL_SWITCH_S)
+    gc_pauses.install()
     loop = asyncio.get_running_loop()
     metrics = Metrics()
     worker = EngineWorker(engine_factory, queue_max=cfg.queue_max, metrics=metrics, loop=loop)
@@ -140,8 +142,10 @@ async def serve(cfg: ServeConfig, engine_factory: Callable[[], Any]) -> int:
                     "the model failed to load"
                 raise StartupError(f"{what}: {exc}")
             eng = worker.engine
+            # what the start built is never collected again: a request's collections cost what requests keep
+            frozen = gc_pauses.freeze_heap()
             log.info("model loaded", model=eng.model_name, n_ctx=eng.n_ctx,
-                     load_ms=round(getattr(eng, "load_ms", 0.0), 1))
+                     load_ms=round(getattr(eng, "load_ms", 0.0), 1), gc_frozen=frozen)
             sd_notify(f"READY=1\nSTATUS=serving {eng.model_name}\nMAINPID={os.getpid()}")
             await stop_task
         log.info("shutting down", running=worker.n_running, waiting=worker.waiting)

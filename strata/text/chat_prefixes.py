@@ -5,21 +5,21 @@ import hashlib
 import threading
 from collections import OrderedDict
 
-__all__ = ["PrefixEnds", "prefix_digests"]
+__all__ = ["PrefixEnds", "is_plain", "prefix_digests"]
 
 _SCALARS = (str, int, float, bool, type(None))
 
 
-def _plain(x) -> bool:
+def is_plain(x) -> bool:
     """Whether `x` is built only of dicts with str keys, lists, str, int, float, bool and None: values whose repr
     names them one-to-one (so equal reprs render equally)."""
     t = type(x)
     if t in _SCALARS:
         return True
     if t is list:
-        return all(_plain(v) for v in x)
+        return all(is_plain(v) for v in x)
     if t is dict:
-        return all(type(k) is str and _plain(v) for k, v in x.items())
+        return all(type(k) is str and is_plain(v) for k, v in x.items())
     return False
 
 
@@ -64,7 +64,7 @@ class PrefixEnds:
         None when something is not a plain value. The keys of the leading messages equal (==) to the last chain's
         are taken from it, so a later turn hashes only its new messages (equal messages that render differently,
         {"a": 1} and {"a": True}, are caught where every kept end is: the new text must start with its text)."""
-        if self.max_entries <= 0 or not _plain(context):
+        if self.max_entries <= 0 or not is_plain(context):
             return None
         h = h0 = _digest(repr(context).encode("utf-8", "surrogatepass"))
         keys: list[bytes] = []
@@ -75,7 +75,7 @@ class PrefixEnds:
             while k < n and type(messages[k]) is dict and messages[k] == old[k]:
                 k += 1
             keys = old_keys[:k]
-        if not all(_plain(m) for m in messages[len(keys):]):
+        if not all(is_plain(m) for m in messages[len(keys):]):
             return None
         if keys:
             h = keys[-1]

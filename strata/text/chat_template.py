@@ -18,7 +18,8 @@ import jinja2.runtime
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from strata.text.chat_prefixes import PrefixEnds, prefix_digests
+from strata.text.chat_chunks import MessageChunks, split_template
+from strata.text.chat_prefixes import PrefixEnds, is_plain, prefix_digests
 from strata.text.token_ids import frozen_ids
 from strata.text.tokenizer import Tokenizer
 from strata.text.turn_tokens import TurnTokens
@@ -27,6 +28,7 @@ CutKind = Literal["root", "message", "turn", "pin"]
 _KIND_ORDER = {"root": 0, "message": 1, "pin": 2, "turn": 3}
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _IMMUTABLE = (str, int, float, bool)     # values a copy may share (nothing can change them)
+_RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt"})   # render's own variables
 MESSAGE_CUTS = 64   # messages at the end of a chat that get a "message" cut point (each costs a prefix render)
 
 
@@ -168,18 +170,21 @@ def _prepare_messages(messages) -> list[dict]:
     """A fresh copy: None-valued keys dropped, reasoning fields aliased (as transformers does)."""
     if not isinstance(messages, (list, tuple)):
         raise ValueError(f"messages must be a list, got {type(messages).__name__}")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise ValueError(f"message {i} must be an object, got {type(m).__name__}")
-        if "role" not in m:
-            raise ValueError(f"message {i} has no role")
-        m = {k: v if type(v) in _IMMUTABLE else copy.deepcopy(v) for k, v in m.items() if v is not None}
-        reasoning = next((m[k] for k in _REASONING_FIELDS if m.get(k) is not None), None)
-        if reasoning is not None:
-            m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
-        out.append(m)
-    return out
+    return [_prepare_message(m, i) for i, m in enumerate(messages)]
+
+
+def _prepare_message(m, i: int) -> dict:
+    """Message `i` of a chat as the template reads it (see _prepare_messages); ValueError for one that is not an
+    object with a role."""
+    if not isinstance(m, dict):
+        raise ValueError(f"message {i} must be an object, got {type(m).__name__}")
+    if "role" not in m:
+        raise ValueError(f"message {i} has no role")
+    m = {k: v if type(v) in _IMMUTABLE else copy.deepcopy(v) for k, v in m.items() if v is not None}
+    reasoning = next((m[k] for k in _REASONING_FIELDS if m.get(k) is not None), None)
+    if reasoning is not None:
+        m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+    return m
 
 
 def _cut_pieces(pieces: list[tuple[str, bool]], n: int) -> list[tuple[str, bool]]:
@@ -191,6 +196,21 @@ def _cut_pieces(pieces: list[tuple[str, bool]], n: int) -> list[tuple[str, bool]
         out.append((t[:n - pos], special))
         pos += len(t)
     return [(t, special) for t, special in out if t]
+
+
+def _wanted(msgs, pin_message: int | None, continue_final_message: bool) -> tuple[set[int], int]:
+    """(the messages that get a "message" cut point, the number of leading system messages). Each cut costs a render
+    of its prefix where it is not kept: only the last MESSAGE_CUTS messages, the leading system messages' end (root)
+    and the pinned message get one, so a long conversation renders in linear time."""
+    n_sys = 0
+    while n_sys < len(msgs) and msgs[n_sys].get("role") in ("system", "developer"):
+        n_sys += 1
+    wanted = set(range(max(0, len(msgs) - MESSAGE_CUTS), len(msgs) - int(continue_final_message)))
+    if n_sys:
+        wanted.add(n_sys - 1)
+    if pin_message is not None:
+        wanted.add(pin_message)
+    return wanted, n_sys
 
 
 class ChatTemplate:
@@ -225,10 +245,16 @@ class ChatTemplate:
         self.special_tokens = dict(special_tokens or {})
         self.prefix_ends = PrefixEnds()        # message ends rendered by earlier requests (strata.text.chat_prefixes)
         self.turns = TurnTokens(tokenizer)     # earlier renders' ids, reused up to what changed (strata.text.turn_tokens)
+        env = _environment()
         try:
-            self._template = _environment().from_string(template_str)
+            self._template = env.from_string(template_str)
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template does not compile: {_one_line(e)}") from None
+        # each message's output kept across requests where the template provably renders messages one by one
+        # (strata.text.chat_chunks); checked once against the whole render on the first chat it renders
+        split = split_template(env, template_str)
+        self.chunks = None if split is None else MessageChunks(split, _prepare_message, self._substitute)
+        self._chunks_checked = False
 
     @classmethod
     def from_gguf(cls, metadata: dict, tokenizer: Tokenizer) -> "ChatTemplate":
@@ -268,26 +294,44 @@ class ChatTemplate:
         its tokens are a prefix of the full tokens (otherwise that cut point is skipped); root_at is
         message_at of the last leading system message; turn_at is the length of the chat rendered without the
         generation prompt (only with add_generation_prompt: the last message's prefix); pin_at is
-        message_at(pin_message). Prefix lengths rendered by earlier requests are reused (self.prefix_ends, keyed
-        by the messages, checked against the new text), so a later turn renders only its new prefixes.
+        message_at(pin_message). A template that renders each message on its own (self.chunks,
+        strata.text.chat_chunks) renders only the messages no kept conversation holds exactly, and finds the message
+        ends from the kept outputs; other templates reuse prefix lengths rendered by earlier requests
+        (self.prefix_ends, keyed by the messages, checked against the new text), so a later turn renders only its new
+        prefixes. Either way the result is that of rendering everything.
         text_check, if given, is called with the rendered text before anything is tokenized (the engine refuses
         text that cannot fit its context there). continue_final_message (with add_generation_prompt false) leaves
         the last message open, its text the end of the prompt, as transformers' apply_chat_template does (an
         answer continues it: Anthropic's prefill). Raises ValueError for bad messages, a bad pin_message, or
         template errors (and whatever text_check raises).
         """
-        msgs = _prepare_messages(messages)
+        if not isinstance(messages, (list, tuple)):
+            raise ValueError(f"messages must be a list, got {type(messages).__name__}")
+        n = len(messages)
         if pin_message is not None:
+            if pin_message is not None and not (isinstance(pin_message, int) and not isinstance(pin_message, bool)
+                                                and -n <= pin_message < n):
+                _prepare_messages(messages)           # a bad message is reported first
             if isinstance(pin_message, bool) or not isinstance(pin_message, int):
                 raise ValueError(f"pin_message must be a message index, got {pin_message!r}")
             if pin_message < 0:
-                pin_message += len(msgs)
-            if not 0 <= pin_message < len(msgs):
-                raise ValueError(f"pin_message {pin_message} is out of range for {len(msgs)} messages")
-        text = self._render(msgs, add_generation_prompt, tools, documents, kw)
-        if text_check is not None:
-            text_check(text)
-        pieces, safe = self._pieces(msgs, text, add_generation_prompt, tools, documents, kw)
+                pin_message += n
+            if not 0 <= pin_message < n:
+                raise ValueError(f"pin_message {pin_message} is out of range for {n} messages")
+        chunked = None if continue_final_message else self._render_chunks(
+            messages, add_generation_prompt, tools, documents, kw, pin_message)
+        if chunked is not None:
+            msgs, text, pieces, safe, wanted, n_sys, ends = None, *chunked
+            if text_check is not None:
+                text_check(text)
+        else:
+            msgs = _prepare_messages(messages)
+            text = self._render(msgs, add_generation_prompt, tools, documents, kw)
+            if text_check is not None:
+                text_check(text)
+            pieces, safe = self._pieces(msgs, text, add_generation_prompt, tools, documents, kw)
+            wanted, n_sys = _wanted(msgs, pin_message, continue_final_message)
+            ends = None
         if continue_final_message:
             if add_generation_prompt:
                 raise ValueError("continue_final_message needs add_generation_prompt false")
@@ -310,7 +354,7 @@ class ChatTemplate:
         if joined != text:  # pieces always cover the text; guard against a logic error
             raise ValueError("internal error: prompt pieces do not cover the rendered text")
         n_tokens = len(tok.ids)
-        char_starts = [f.start for f in frags]
+        char_starts = tok.char_starts
         tokenize_s = time.perf_counter() - t_tok_more + (t_tok_more - t_tok if safe is False else 0.0)
 
         def char_to_pos(c: int) -> int | None:
@@ -335,18 +379,9 @@ class ChatTemplate:
             return None
 
         cuts: list[CutPoint] = []
-        n_sys = 0
-        while n_sys < len(msgs) and msgs[n_sys].get("role") in ("system", "developer"):
-            n_sys += 1
         msg_pos: dict[int, int] = {}
-        # each message cut costs a render of the prefix: only the last MESSAGE_CUTS messages, the leading system
-        # messages' end (root) and the pinned message get one, so a long conversation renders in linear time
-        wanted = set(range(max(0, len(msgs) - MESSAGE_CUTS), len(msgs) - int(continue_final_message)))
-        if n_sys:
-            wanted.add(n_sys - 1)
-        if pin_message is not None:
-            wanted.add(pin_message)
-        ends = self._message_ends(msgs, wanted, text, add_generation_prompt, tools, documents, kw)
+        if ends is None:
+            ends = self._message_ends(msgs, wanted, text, add_generation_prompt, tools, documents, kw)
         for i in sorted(wanted):
             c = ends.get(i)
             if c is None:
@@ -360,14 +395,52 @@ class ChatTemplate:
             cuts.append(CutPoint(msg_pos[n_sys - 1], "root", n_sys - 1))
         if pin_message is not None and pin_message in msg_pos:
             cuts.append(CutPoint(msg_pos[pin_message], "pin", pin_message))
-        if add_generation_prompt and msgs:
-            c = ends.get(len(msgs) - 1)      # the chat without the generation prompt: the last message's prefix
+        if add_generation_prompt and n:
+            c = ends.get(n - 1)      # the chat without the generation prompt: the last message's prefix
             p = char_to_pos(c) if c is not None else None
             if p is not None:
                 cuts.append(CutPoint(p, "turn", None))
         cuts.sort(key=lambda cp: (cp.pos, _KIND_ORDER[cp.kind], -1 if cp.index is None else cp.index))
         return RenderedPrompt(tok.ids, text=text, cut_points=cuts, content_safe=safe, tokenize_s=tokenize_s,
                               reused=tok.reused)
+
+    def renders_quickly(self, messages) -> bool:
+        """Whether rendering `messages` will likely take about a millisecond: most of them kept from an earlier
+        render (strata.text.chat_chunks.MessageChunks.quick); a guess, never a promise."""
+        return self.chunks is not None and isinstance(messages, list) and bool(messages) and \
+            self.chunks.quick(messages)
+
+    def _render_chunks(self, messages, add_generation_prompt, tools, documents, kw, pin_message):
+        """(text, pieces, safe, wanted, n_sys, ends) of the chat through self.chunks, or None where it does not
+        answer (no split, inputs that are not plain data, a message that renders only within the whole chat). The
+        first answer is compared with the whole render's; a difference turns the chunks off for good."""
+        if self.chunks is None or not messages or _RESERVED & kw.keys() or set(map(type, messages)) != {dict}:
+            return None
+        context = [tools, documents, sorted(kw.items())]
+        if not is_plain([tools, documents, dict(kw)]):
+            return None
+        variables = dict(self.special_tokens)
+        variables.update(bos_token=self.bos_token, eos_token=self.eos_token)
+        variables.update(kw)
+        variables.update(tools=tools, documents=documents)
+        wanted, n_sys = _wanted(messages, pin_message, False)
+        got = self.chunks.render(messages, add_generation_prompt, variables, repr(context), wanted)
+        if got is None:
+            return None
+        ends = dict(got.ends)
+        if not add_generation_prompt:
+            ends[len(messages) - 1] = len(got.text)
+        out = (got.text, got.pieces, True, wanted, n_sys, ends)
+        if not self._chunks_checked:
+            self._chunks_checked = True
+            msgs = _prepare_messages(messages)
+            text = self._render(msgs, add_generation_prompt, tools, documents, kw)
+            pieces, safe = self._pieces(msgs, text, add_generation_prompt, tools, documents, kw)
+            whole = self._message_ends(msgs, wanted, text, add_generation_prompt, tools, documents, kw)
+            if (text, [(t, bool(f)) for t, f in pieces if t], safe, whole) != (got.text, got.pieces, True, ends):
+                self.chunks = None
+                return None
+        return out
 
     def _open_final(self, msgs, text, tools, documents, kw) -> str:
         """`text` (msgs rendered without a generation prompt) cut right after the last message's text, as

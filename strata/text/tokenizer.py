@@ -56,6 +56,7 @@ _EOT_TEXTS = ["<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endofte
               "<EOT>", "_<EOT>", "<end_of_utterance>"]
 
 _SPM_SPACE = "\u2581"
+_BATCH_CHARS = 16384      # above this many characters of new raw text, tokenize it as one batch (threads)
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -367,7 +368,12 @@ class Tokenizer:
             out.append(ids)
             prev_special = False
         if todo:
-            for (k, _, key), enc in zip(todo, self._tk.encode_batch([t for _, t, _ in todo], add_special_tokens=False)):
+            texts = [t for _, t, _ in todo]
+            # a few short texts (a later turn's new ones) one by one: the batch call wakes the library's thread pool,
+            # which on a busy machine costs more than the tokenizing (the same ids either way)
+            encs = self._tk.encode_batch(texts, add_special_tokens=False) if sum(map(len, texts)) > _BATCH_CHARS \
+                else [self._tk.encode(t, add_special_tokens=False) for t in texts]
+            for (k, _, key), enc in zip(todo, encs):
                 out[k] = enc.ids
                 if key is not None:
                     cache.put(key, enc.ids)

@@ -3,8 +3,11 @@ pieces after what it shares with one of them (the ids of the shared prefix reuse
 tokenization gives)."""
 from __future__ import annotations
 
+import bisect
 import itertools
 import threading
+import operator
+from operator import itemgetter
 from dataclasses import dataclass
 
 import numpy as np
@@ -12,6 +15,8 @@ import numpy as np
 from strata.text.tokenizer import Fragment, Tokenizer
 
 __all__ = ["Tokenized", "TurnTokens"]
+
+_NEAR = 8       # a kept render sharing all but this many of the new pieces is taken without looking further
 
 
 @dataclass
@@ -27,24 +32,18 @@ class Tokenized:
     ids: np.ndarray
     bos: int
     piece_at: list[int]
+    char_starts: list[int]   # the character offset where each fragment starts
     reused: int = 0          # leading token ids taken from an earlier render (0: tokenized in full)
 
 
-def _piece_offsets(pieces) -> list[int]:
-    """The character offset where each piece starts."""
-    return list(itertools.accumulate((len(t) for t, _ in pieces[:-1]), initial=0)) if pieces else []
+def _piece_offsets(pieces, start: int = 0) -> list[int]:
+    """The character offset where each piece starts, the first at `start`."""
+    return list(itertools.accumulate(map(len, map(itemgetter(0), pieces[:-1])), initial=start)) if pieces else []
 
 
 def _shared(a: list, b: list) -> int:
-    """How many leading items a and b share (a binary search over slice comparisons: the comparing runs in C)."""
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    """How many leading items a and b share (one pass in C; items that are the same object compare at once)."""
+    return next(itertools.compress(itertools.count(), map(operator.ne, a, b)), min(len(a), len(b)))
 
 
 class TurnTokens:
@@ -67,10 +66,12 @@ class TurnTokens:
         with self._lock:
             kept = list(self._kept)
         best, best_j = None, 0
-        for e in kept:
+        for e in kept:                  # the latest first: a later turn shares all but its last pieces with it
             j = _shared(pieces, e.pieces)
             if j > best_j:
                 best, best_j = e, j
+            if best_j >= len(pieces) - _NEAR:
+                break
         return best, best_j
 
     def tokenize(self, pieces: list[tuple[str, bool]]) -> Tokenized:
@@ -78,7 +79,7 @@ class TurnTokens:
         Tokenizer.split_special) and tokenized, with the BOS the tokenizer adds unless the text starts with it.
         Raises ValueError for text that is not valid Unicode."""
         tk = self.tokenizer
-        pieces = [(t, bool(s)) for t, s in pieces if t]
+        pieces = list(pieces) if all(map(itemgetter(0), pieces)) else [p for p in pieces if p[0]]
         e, j = self._best(pieces)
         k = 0                    # fragments of e reused
         if e is not None:
@@ -88,6 +89,8 @@ class TurnTokens:
                 k -= 1
         if k == 0:
             text, frags = tk.split_special(pieces)
+            char_starts = [f.start for f in frags]
+            piece_at = _piece_offsets(pieces)
             parts = tk.encode_fragments(text, frags)
             bos = int(tk.add_bos and tk.bos_id is not None and not (frags and frags[0].token_id == tk.bos_id))
             starts, n = [], bos
@@ -102,7 +105,7 @@ class TurnTokens:
             reused = 0
         else:
             b = e.frags[k - 1].end                               # the split point: a special token's end
-            m = next(i for i in range(j) if e.piece_at[i] + len(e.pieces[i][0]) >= b)   # the piece holding it
+            m = bisect.bisect_left(e.piece_at, b, 1) - 1       # the first piece ending at or after it
             rest = [(pieces[m][0][b - e.piece_at[m]:], pieces[m][1])] + pieces[m + 1:]
             tail_text, tail = tk.split_special(rest)
             tail = [Fragment(f.start + b, f.end + b, f.token_id) for f in tail]
@@ -111,6 +114,9 @@ class TurnTokens:
             bos = e.bos
             p0 = e.starts[k - 1] + len(e.parts[k - 1])          # tokens before the split point
             frags = e.frags[:k] + tail
+            char_starts = e.char_starts[:k] + [f.start for f in tail]
+            piece_at = e.piece_at[:j] + _piece_offsets(pieces[j:], e.piece_at[j - 1] + len(pieces[j - 1][0])) \
+                if j < len(pieces) else e.piece_at[:j]
             parts = e.parts[:k] + tail_parts
             starts, n = e.starts[:k], p0
             for p in tail_parts:
@@ -123,7 +129,7 @@ class TurnTokens:
             reused = p0
         ids.flags.writeable = False
         out = Tokenized(pieces=pieces, text=text, frags=frags, parts=parts, starts=starts, ids=ids, bos=bos,
-                        piece_at=_piece_offsets(pieces), reused=reused)
+                        piece_at=piece_at, char_starts=char_starts, reused=reused)
         with self._lock:
             self.stats["calls"] += 1
             self.stats["reused_tokens"] += reused
