@@ -167,6 +167,33 @@ def test_later_turn_renders_only_its_new_messages(bpe):
     assert got.tokens == _whole(md["tokenizer.chat_template"], tk).render(msgs).tokens
 
 
+def test_long_template_runs_stay_linear_and_many_new_messages_render_whole(bpe, monkeypatch):
+    """Messages with empty contents make one run of template text: the kept runs grow by fragments (the run's text
+    at each message was once kept whole, n^2 bytes: 200,000 such messages took the machine's memory). More than
+    MAX_NEW new messages in one request go to the whole render; a later turn of a kept chat is chunked again."""
+    import strata.text.chat_chunks as cc
+    tk, md = bpe
+    src = md["tokenizer.chat_template"]
+    t = ChatTemplate(src, tk)
+    msgs = [{"role": "user", "content": ""}] * 3000
+    got = t.render(msgs)
+    assert got.tokens == _whole(src, tk).render(msgs).tokens
+    chain = t.chunks._chains[0]
+    assert all(isinstance(x, int) for x in chain.tails)
+    assert sum(len(f) for run in chain.acc for f in run[0]) < 2 * len(got.text)   # fragments, not prefixes
+    monkeypatch.setattr(cc, "MAX_NEW", 4)
+    t = ChatTemplate(src, tk)
+    chat = [{"role": "user", "content": f"q{i}"} for i in range(4)]
+    t.render(chat)
+    assert t.chunks.stats["calls"] == 1
+    more = chat + [{"role": "user", "content": f"r{i}"} for i in range(5)]
+    assert t.render(more).tokens == _whole(src, tk).render(more).tokens
+    assert t.chunks.stats["calls"] == 1          # five new messages: the whole render
+    some = chat + [{"role": "user", "content": f"r{i}"} for i in range(4)]
+    assert t.render(some).tokens == _whole(src, tk).render(some).tokens
+    assert t.chunks.stats["calls"] == 2 and t.chunks.stats["kept"] == 4
+
+
 def test_a_wrong_split_is_caught_by_the_first_check(bpe):
     """The first chunked answer is compared with the whole render: a split that does not render this template (here
     one of another template, put in by hand) turns the chunks off and the answer is the whole render's."""

@@ -20,6 +20,7 @@ _LOOP_ATTRS = frozenset({"first", "last", "index", "index0"})
 _UNSTABLE = frozenset({"strftime_now", "cycler", "joiner", "lipsum", "namespace"})
 _NOT_IN_BODY = (nodes.Macro, nodes.Import, nodes.FromImport, nodes.Include, nodes.Extends, nodes.Block,
                 nodes.ExprStmt, nodes.NSRef)
+MAX_NEW = 8192                    # more new messages in one request: the whole render answers
 _MARK = "strata_loop_output"       # the outer template's stand-in for the loop's output
 
 
@@ -154,14 +155,20 @@ def _split_sentinels(stext: str, table: dict[str, str], nonce: str) -> list[tupl
     return pieces
 
 
-def _extend(acc: list[tuple[str, bool]], pieces) -> None:
-    """Append `pieces` to `acc`, template text (True) joined to a template text it follows (as one rendering's
-    split would give it)."""
-    for p in pieces:
-        if p[1] and acc and acc[-1][1]:
-            acc[-1] = (acc[-1][0] + p[0], True)
+def _extend(acc: list, pieces) -> None:
+    """Append `pieces` ((text, is template text) pairs) to `acc`, a list of runs (fragments, is template text): a
+    template text that follows a template text joins its run (as one rendering's split would give them). Only the
+    last run's fragment list grows, never a string, so a long run of template texts stays linear."""
+    for text, tmpl in pieces:
+        if tmpl and acc and acc[-1][1]:
+            acc[-1][0].append(text)
         else:
-            acc.append(p)
+            acc.append(([text], tmpl))
+
+
+def _joined(runs: list) -> list[tuple[str, bool]]:
+    """The pieces of `runs` (each run's fragments joined)."""
+    return [("".join(frags), tmpl) for frags, tmpl in runs]
 
 
 @dataclass
@@ -178,10 +185,10 @@ class _Rec:
 @dataclass
 class _Chain:
     """One conversation's records under one context: the messages as the request gave them (`raws`), their key
-    orders (`keys`) and whether every value was a str (`flat`; else `sigs`: each message's repr); the merged pieces
-    of the head and the records (each not last), and per count j of records: where their pieces end (`ends[j]`),
-    the last piece then (`tails[j]`: a later record's template text is joined to it in `acc`) and where their text
-    ends after the head (`offs[j]`)."""
+    orders (`keys`) and whether every value was a str (`flat`; else `sigs`: each message's repr); the runs of the
+    head's and the records' pieces (each not last; `acc`, see _extend), and per count j of records: how many runs
+    they fill (`ends[j]`), the fragments the last of them had then (`tails[j]`: a later record's template text joins
+    that run) and where their text ends after the head (`offs[j]`)."""
     ctx: str
     head: list
     recs: list[_Rec]
@@ -191,7 +198,7 @@ class _Chain:
     sigs: list | None
     acc: list
     ends: list[int]
-    tails: list
+    tails: list[int]
     offs: list[int]
     body: str             # the records' outputs (each not last) joined
     outer: dict           # add_generation_prompt -> the outer's _outer result (a pure outer, the same messages[0])
@@ -213,11 +220,12 @@ def _all_str(msgs) -> bool:
     return set(map(type, itertools.chain.from_iterable(map(dict.values, msgs)))) <= {str}
 
 
-def _upto(acc: list, ends: list[int], tails: list, j: int) -> list:
-    """A copy of the merged pieces of the head and the first j records."""
+def _upto(acc: list, ends: list[int], tails: list[int], j: int) -> list:
+    """The runs of the head and the first j records: a new list whose last run is a copy cut to the fragments it had
+    then (`tails[j]` of them), so that extending it leaves `acc` as it is."""
     out = acc[:ends[j]]
     if out:
-        out[-1] = tails[j]
+        out[-1] = (out[-1][0][:tails[j]], out[-1][1])
     return out
 
 
@@ -328,6 +336,8 @@ class MessageChunks:
             return None
         keys = list(map(tuple, messages))
         chain, k = self._find(ctx, messages, keys)
+        if n - k > MAX_NEW:       # a message's own render costs ~50x its share of the whole one
+            return None
         recs: list[_Rec] = chain.recs[:k] if chain is not None else []
         outer = dict(chain.outer) if chain is not None and k and self.split.outer_pure else {}
         try:
@@ -358,17 +368,18 @@ class MessageChunks:
         else:
             acc = []
             _extend(acc, head_p)
-            ends, tails, offs = [len(acc)], [acc[-1] if acc else None], [0]
+            ends, tails, offs = [len(acc)], [len(acc[-1][0]) if acc else 0], [0]
             body = ""
             start = 0
         for i in range(start, n):
             _extend(acc, recs[i].pieces)
             ends.append(len(acc))
-            tails.append(acc[-1] if acc else None)
+            tails.append(len(acc[-1][0]) if acc else 0)
             offs.append(offs[-1] + len(recs[i].text))
         pieces = _upto(acc, ends, tails, n - 1)
         _extend(pieces, last.last_pieces)
         _extend(pieces, tail_p)
+        pieces = _joined(pieces)
         body += "".join([r.text for r in recs[start:]])
         text = head + body[:offs[n - 1]] + last.last_text + tail
         # render(messages[:i+1], add_generation_prompt=False) is bare's head, the outputs before i, i's output as
