@@ -154,6 +154,9 @@ async def slot_action(request: web.Request) -> web.Response:
         raise ApiError(404, f"slot {shown} does not exist: this daemon has {has}", code="not_found")
     slot = int(n)
     action = request.query.get("action")
+    if action is None:
+        raise ApiError(400, f"the query parameter 'action' is required: /slots/{slot}?action= one of "
+                       f"{', '.join(SLOT_ACTIONS)}", param="action", code="invalid_value")
     if action not in SLOT_ACTIONS:
         raise ApiError(400, f"'action' must be one of {', '.join(SLOT_ACTIONS)}, got {action!r}", param="action",
                        code="invalid_value")
