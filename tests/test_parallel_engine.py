@@ -281,3 +281,24 @@ def test_warm_up_leaves_the_slots_as_it_found_them(default_model_path):
         assert sid == 0 and [s["id_task"] for s in e.scheduler.status()] == [1, -1, -1]
     finally:
         e.close()
+
+
+def test_each_slot_counts_the_checkpoints_on_its_own_conversation(default_model_path):
+    """/slots' `checkpoints` is per slot: the kept checkpoints on the path of that slot's conversation (it was the
+    whole tree's count, the same on every slot). Two conversations with different system prompts in slots 0 and 1
+    share no checkpoint, so their counts add up to the tree's; the idle slot that served nothing counts none."""
+    e = Engine(default_model_path, n_ctx=512, device="cpu", parallel=3)
+    try:
+        assert e.slot_checkpoints() == [0, 0, 0]
+        for sid, system in ((0, "You are a pirate."), (1, "Answer in French, always.")):
+            msgs = [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}]
+            r = e.render_chat(msgs)
+            list(e.generate(GenerationRequest(r.tokens, cut_points=r.cut_points, max_tokens=3, id_slot=sid)))
+            msgs += [{"role": "assistant", "content": "Ahoy"}, {"role": "user", "content": "More"}]
+            r = e.render_chat(msgs)
+            list(e.generate(GenerationRequest(r.tokens, cut_points=r.cut_points, max_tokens=3, id_slot=sid)))
+        counts = e.slot_checkpoints()
+        assert counts[0] >= 2 and counts[1] >= 2 and counts[2] == 0, counts
+        assert counts[0] + counts[1] == len(e.checkpoints()), (counts, e.checkpoints())
+    finally:
+        e.close()
