@@ -106,6 +106,8 @@ def test_props(daemon, default_model_path):
     assert r["chat_template"] == open_gguf(default_model_path).metadata["tokenizer.chat_template"]
     assert r["default_generation_settings"]["n_ctx"] == 512
     assert r["default_generation_settings"]["params"]["temperature"] == 0.8
+    assert r["default_generation_settings"]["speculative"] is False       # no --spec
+    assert r["default_generation_settings"]["params"]["speculative.n_max"] == 0
     assert r["bos_token"] == "<|im_start|>" and r["eos_token"] == "<|im_end|>"
     assert r["build_info"].startswith("strata-")
 

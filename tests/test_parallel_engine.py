@@ -263,3 +263,42 @@ def test_a_requests_last_event_comes_with_its_slot_free(default_model_path):
         assert seen[0][1][sid] and seen[1][1] == [False, False], seen
     finally:
         e.close()
+
+
+def test_warm_up_leaves_the_slots_as_it_found_them(default_model_path):
+    """The warm-up runs in slot 0 and leaves no trace there: every slot shows no task (id_task -1) and has not been
+    used, so the first request without id_slot takes slot 0, as on llama-server (it took slot 1: the warm-up had
+    made slot 0 the most recently used), and task ids count from 1."""
+    e = Engine(default_model_path, n_ctx=256, device="cpu", parallel=3)
+    try:
+        e.warm_up()
+        assert [(s["id_task"], s["pos"]) for s in e.scheduler.status()] == [(-1, 0)] * 3
+        assert all(s.last_used == 0.0 for s in e.slots)
+        sid = e.admit(GenerationRequest(e.tokenize_prompt("Hello there"), max_tokens=2), lambda ev: None,
+                      lambda err: None)
+        while e.step():
+            pass
+        assert sid == 0 and [s["id_task"] for s in e.scheduler.status()] == [1, -1, -1]
+    finally:
+        e.close()
+
+
+def test_each_slot_counts_the_checkpoints_on_its_own_conversation(default_model_path):
+    """/slots' `checkpoints` is per slot: the kept checkpoints on the path of that slot's conversation (it was the
+    whole tree's count, the same on every slot). Two conversations with different system prompts in slots 0 and 1
+    share no checkpoint, so their counts add up to the tree's; the idle slot that served nothing counts none."""
+    e = Engine(default_model_path, n_ctx=512, device="cpu", parallel=3)
+    try:
+        assert e.slot_checkpoints() == [0, 0, 0]
+        for sid, system in ((0, "You are a pirate."), (1, "Answer in French, always.")):
+            msgs = [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}]
+            r = e.render_chat(msgs)
+            list(e.generate(GenerationRequest(r.tokens, cut_points=r.cut_points, max_tokens=3, id_slot=sid)))
+            msgs += [{"role": "assistant", "content": "Ahoy"}, {"role": "user", "content": "More"}]
+            r = e.render_chat(msgs)
+            list(e.generate(GenerationRequest(r.tokens, cut_points=r.cut_points, max_tokens=3, id_slot=sid)))
+        counts = e.slot_checkpoints()
+        assert counts[0] >= 2 and counts[1] >= 2 and counts[2] == 0, counts
+        assert counts[0] + counts[1] == len(e.checkpoints()), (counts, e.checkpoints())
+    finally:
+        e.close()

@@ -111,6 +111,13 @@ def test_id_slot_and_slot_actions(pair):
     assert st == 200 and r["id_slot"] == 1 and r["tokens_evaluated"] < 5
     st, e = four.json("POST", "/slots/4?action=erase")
     assert st == 404 and "4 slots (0..3)" in e["error"]["message"]
+    # each slot counts the checkpoints on its own conversation's path: a chat in slot 3 keeps some, the erased
+    # slot 2 holds nothing and counts none (it showed the whole tree's count, the same on every slot)
+    chat = {"messages": [{"role": "system", "content": "You count sheep."}, {"role": "user", "content": "Go"}],
+            "max_tokens": 2, "id_slot": 3}
+    assert four.json("POST", "/v1/chat/completions", chat)[0] == 200
+    slots = four.json("GET", "/slots")[1]
+    assert slots[3]["checkpoints"] >= 1 and slots[2]["pos"] == 0 and slots[2]["checkpoints"] == 0, slots
 
 
 @pytest.mark.parametrize("path,body", [

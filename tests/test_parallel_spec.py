@@ -269,3 +269,15 @@ def test_drafters_find_room_in_a_pool_held_by_checkpoints(synthetic):
         assert e.scheduler.stats["verifies"] > 0
     finally:
         e.close()
+
+
+def test_the_warm_up_drafts_count_in_the_engine_total_not_in_a_slot(model):
+    """A slot's draft counts (/slots' spec) are its requests' only: the warm-up drafts in slot 0 and leaves its
+    counts as they were (slot 0 showed the warm-up's drafts), while the engine's totals (/status' spec) count them."""
+    e = Engine(model, n_ctx=N_CTX, parallel=2, spec=3)
+    try:
+        e.warm_up()
+        assert e.status()["spec"]["drafted"] > 0
+        assert [(s["spec"]["drafted"], s["spec"]["verifies"]) for s in e.scheduler.status()] == [(0, 0), (0, 0)]
+    finally:
+        e.close()

@@ -318,6 +318,9 @@ def test_slots(daemon):
     assert st == 404
     st, e = daemon.json("POST", "/slots/0?action=explode")
     assert st == 400 and e["error"]["param"] == "action"
+    st, e = daemon.json("POST", "/slots/0")                 # no action: named as missing, not as "got None"
+    assert st == 400 and e["error"]["param"] == "action" and "required" in e["error"]["message"]
+    assert "None" not in e["error"]["message"]
     st, d = daemon.json("GET", "/status")
     assert st == 200 and d["engine"]["n_ctx"] == 512 and d["queue"]["max"] == 1
     st, d = daemon.json("GET", "/cache")

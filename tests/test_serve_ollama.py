@@ -37,6 +37,23 @@ def test_chat_streamed_equals_whole_and_reports_counts(client):
     assert parts[-1].eval_count == whole.eval_count
 
 
+def test_prompt_eval_count_is_the_whole_prompt_cached_tokens_apart(client, daemon, default_model_path):
+    """prompt_eval_count counts the whole prompt as Ollama's does (cached tokens included; clients track the context
+    by it), prompt_eval_cached_count the tokens the cache gave (it was the tokens read: 1 or 2 on a later turn)."""
+    pytest.importorskip("transformers", reason="transformers not installed")
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(default_model_path.parent), gguf_file=default_model_path.name)
+    msgs = [{"role": "system", "content": "You answer in one word."}, *HI]
+    first = client.chat(model="x", messages=msgs, options=GREEDY, stream=False)
+    msgs += [{"role": "assistant", "content": first.message.content}, {"role": "user", "content": "And Spain?"}]
+    later = client.chat(model="x", messages=msgs, options=GREEDY, stream=False)
+    want = len(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+    assert later.prompt_eval_count == want, (later.prompt_eval_count, want)
+    # the client (0.6) keeps no prompt_eval_cached_count: the same turn again, over HTTP
+    st, again = daemon.json("POST", "/api/chat", {"model": "x", "messages": msgs, "options": GREEDY, "stream": False})
+    assert st == 200 and again["prompt_eval_count"] == want and want // 2 < again["prompt_eval_cached_count"] < want
+
+
 def test_num_predict_bounds_the_answer(client):
     r = client.chat(model="x", messages=[{"role": "user", "content": "Count from 1 to 100."}],
                     options={"temperature": 0, "num_predict": 5})

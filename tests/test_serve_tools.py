@@ -151,6 +151,21 @@ def test_required_tool_choice_calls_a_tool_whatever_the_weights(qwen, seed):
     _check_calls(calls)
 
 
+def test_required_calls_cut_by_max_tokens_leave_no_content(smol):
+    """tool_choice "required" on the generic JSON format, cut off by max_tokens anywhere: no content, whole or
+    streamed (a cut inside a second call's header came back as content: ', {"name": "get_'), the calls named so
+    far and finish_reason "length"."""
+    client = _client(smol)
+    for n in range(4, 48, 3):
+        kw = dict(model="default", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=n, temperature=0)
+        r = client.chat.completions.create(**kw)
+        m = r.choices[0].message
+        assert not m.content and r.choices[0].finish_reason in ("length", "tool_calls"), (n, m)
+        content, _, calls, finish = _assemble(client.chat.completions.create(**kw, stream=True))
+        assert not content and finish == r.choices[0].finish_reason, (n, content)
+        assert [c["name"] for c in calls] == [c.function.name for c in m.tool_calls or []], n
+
+
 def test_tool_choice_none_and_bad_tool_requests(smol):
     client = _client(smol)
     r = client.chat.completions.create(model="default", messages=ASK, tools=TOOLS, tool_choice="none",

@@ -148,6 +148,14 @@ def test_bad_names_and_empty_slot(model_path, tmp_path):
         with pytest.raises(ValueError):
             e.slot_restore(0, filename=bad)
     assert sorted(os.listdir(d)) == ["adir", "inside.bin", "link.bin"] and outside.read_bytes() == b"x"
+    # the refusal stays one short line whatever the request sent: a long name is cut, a non-string named by its
+    # JSON type (both were echoed whole: a 20,000-item array gave a 129 KB message)
+    for bad, needle in (("a/" * 50_000, "(100000 characters)"), ("\ud800" * 10_000, "(10000 characters)"),
+                        (list(range(20_000)), "got an array"), ({"a": "b" * 10_000}, "got an object"),
+                        (None, "got null"), (True, "got a boolean")):
+        with pytest.raises(ValueError) as exc:
+            e.slot_restore(0, filename=bad)
+        assert needle in str(exc.value) and len(str(exc.value)) < 300, str(exc.value)[:300]
     assert e.slot_save(0, filename="c" * 200)["n_saved"] > 0          # the longest name allowed
     with pytest.raises(ValueError, match="does not exist"):
         e.slot_restore(0, filename="missing.bin")

@@ -39,6 +39,14 @@ def test_opt_out_metrics_and_status(daemon):
     assert spec["n"] == 3 and spec["drafted"] >= drafted        # the status counts the warm-up's drafts too
 
 
+def test_props_say_the_server_speculates(daemon):
+    """/props says what llama-server's does of a server with a drafter: the slot settings' `speculative` true and
+    `params["speculative.n_max"]` the drafts per verify (it said false under --spec 3)."""
+    st, props = daemon.json("GET", "/props")
+    g = props["default_generation_settings"]
+    assert st == 200 and g["speculative"] is True and g["params"]["speculative.n_max"] == 3
+
+
 def test_bad_field_refused(daemon):
     st, out = daemon.json("POST", "/v1/completions", {"prompt": "x", "max_tokens": 2, "strata_spec": "yes"})
     assert st == 400 and "strata_spec" in out["error"]["message"]

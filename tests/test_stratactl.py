@@ -93,6 +93,13 @@ def test_erase_forgets_the_conversation(daemon):
     assert r.returncode == 0 and "slot 0: erase done" in r.stdout
     st = json.loads(ctl(daemon, "status", "--json").stdout)["engine"]
     assert st["pos"] == 0 and st["checkpoints"] == []
+    # the slot id defaults to 0, as its help says (it was a required argument)
+    assert ctl(daemon, "chat", "--max-tokens", "2", "--temperature", "0", "Hello").returncode == 0
+    r = ctl(daemon, "erase")
+    assert r.returncode == 0 and "slot 0: erase done" in r.stdout, r.stderr
+    assert json.loads(ctl(daemon, "status", "--json").stdout)["engine"]["pos"] == 0
+    r = ctl(daemon, "save", "--filename", "a.bin")
+    assert r.returncode == 1 and "--slot-save-path" in r.stderr
 
 
 def test_url_over_tcp(daemon):

@@ -125,6 +125,39 @@ def test_a_named_call_stays_a_call_and_what_breaks_after_it_is_text():
     assert content == "" and calls[0]["function"]["arguments"] == '{"location": "Par'
 
 
+@pytest.mark.parametrize("text,content,calls", [
+    ('{"tool_calls": [', "", []),
+    ('{"tool_calls', "", []),
+    ('{"resp', "", []),
+    ('{"tool_calls": [{"name', "", []),
+    ('{"tool_calls": [{"name": "get_weather", "arguments": {"location": "Lima"}}, {"name": "get_', "",
+     [("get_weather", '{"location": "Lima"}')]),
+    ('{"tool_calls": [{"name": "get_weather", "arguments": {"location": "Lima"}}, ', "",
+     [("get_weather", '{"location": "Lima"}')]),
+    ('{"tool_calls": [{"name": "get_weather", "arguments": {"location": "Li', "",
+     [("get_weather", '{"location": "Li')]),
+    ('{"tool_call": {"na', "", []),
+    ('{"response": "It is sun', "It is sun", []),
+    ('{"answer": "Li', '{"answer": "Li', []),                  # not a call list: content, cut or not
+])
+def test_a_generic_answer_cut_off_ends_with_its_last_named_call(text, content, calls):
+    """An answer cut off by max_tokens inside its generic list of calls or its header (finish(cut=True)) ends with
+    the calls it named, the unnamed rest dropped: the rest was content (', {"name": "get_' beside a finished call),
+    the same fed whole or in pieces."""
+    for pieces in ([text], list(text)):
+        p = tc.Generic().parser(TOOLS)
+        events = [e for piece in pieces for e in p.feed(piece)] + p.finish(cut=True)
+        got_content, got_calls = tc.assemble(events)
+        assert got_content == content
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in got_calls] == calls
+
+
+def test_an_answer_not_cut_keeps_what_breaks_the_format_as_content():
+    text = '{"tool_calls": [{"name": "get_weather", "arguments": {"location": "Lima"}}, {"name": "get_'
+    content, calls = tc.parse(text, tc.Generic(), TOOLS)
+    assert content == ', {"name": "get_' and len(calls) == 1
+
+
 def _cut(text: str, cuts: list[int]) -> list[str]:
     points = sorted({c % (len(text) + 1) for c in cuts})
     return [text[a:b] for a, b in zip([0] + points, points + [len(text)])]

@@ -84,6 +84,16 @@ _DEVICE_NAME = re.compile(r"^(con|prn|aux|nul|com[0-9]|lpt[0-9])(\..*)?$", re.IG
 _OPEN_DIR = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
+_JSON_TYPES = {dict: "an object", list: "an array", bool: "a boolean", int: "an integer", float: "a number",
+               type(None): "null"}
+
+
+def _shown(name: str) -> str:
+    """`name` quoted for a one-line message: at most 60 characters of its repr, then its length when longer."""
+    r = repr(name[:61])
+    return r if len(name) <= 60 and len(r) <= 62 else f"{r[:59]}...' ({len(name)} characters)"
+
+
 def check_filename(directory: str | os.PathLike, name, *, new: bool = False) -> Path:
     """The path of session file `name` inside `directory`: a plain file name (no separators, no '..', no control
     characters, valid UTF-8, at most 200 bytes, not starting with '.') that is not a symbolic link or a directory
@@ -92,15 +102,16 @@ def check_filename(directory: str | os.PathLike, name, *, new: bool = False) -> 
     otherwise (its message names the name, never the path). The opens (open_session, save_atomic) hold the same
     rules against a file swapped after this check."""
     if not isinstance(name, str) or not name:
-        raise SessionError(f"'filename' must be a non-empty string, got {name!r}")
+        got = repr(name) if isinstance(name, str) else _JSON_TYPES.get(type(name), type(name).__name__)
+        raise SessionError(f"'filename' must be a non-empty string, got {got}")
     if any(ord(c) < 32 or ord(c) == 127 for c in name) or "/" in name or "\\" in name or ".." in name \
             or name.startswith("."):
-        raise SessionError(f"invalid session file name {name!r}: a plain file name is needed (no path separators, "
-                           "no '..', no control characters, not starting with '.')")
+        raise SessionError(f"invalid session file name {_shown(name)}: a plain file name is needed (no path "
+                           "separators, no '..', no control characters, not starting with '.')")
     try:
         size = len(name.encode("utf-8"))
     except UnicodeEncodeError:
-        raise SessionError(f"invalid session file name {name!r}: not valid UTF-8 text") from None
+        raise SessionError(f"invalid session file name {_shown(name)}: not valid UTF-8 text") from None
     if size > _NAME_MAX:
         raise SessionError(f"session file name is {size} bytes long (at most {_NAME_MAX})")
     if new and (not _SAVE_NAME.match(name) or _DEVICE_NAME.match(name)):

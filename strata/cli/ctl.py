@@ -633,7 +633,7 @@ def build_parser() -> argparse.ArgumentParser:
     for action, hlp in (("save", "save a slot to a session file"), ("restore", "restore a slot from a session file"),
                         ("erase", "erase a slot")):
         sp = sub.add_parser(action, parents=[common], help=hlp)
-        sp.add_argument("slot", type=int, help="slot id (0)")
+        sp.add_argument("slot", type=int, nargs="?", default=0, help="slot id (default 0)")
         if action != "erase":
             sp.add_argument("--filename", "-f", required=True,
                             help="session file name (a plain name inside the daemon's --slot-save-path)")

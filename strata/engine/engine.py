@@ -536,6 +536,20 @@ class Engine:
         """The kept checkpoints, for `stratactl cache`: dicts with pos, kind, bytes, last_use (see strata.cache)."""
         return list(self.cache.entries()) if self.prompt_cache > 0 else []
 
+    def slot_checkpoints(self) -> list[int]:
+        """For each request slot, the kept checkpoints on its live conversation's path (those whose tokens are a
+        prefix of what the slot holds; 0 for an empty slot or with --prompt-cache 0), as /slots shows them. Safe
+        from any thread: the ids are copied, the tree walked under its lock."""
+        if self.prompt_cache <= 0:
+            return [0] * len(self.slots)
+        tree = self.cache.tree
+        out = []
+        for s in self.slots:
+            ids = np.array(s.seq.ids, dtype=np.int32)
+            with tree.lock:
+                out.append(len(tree.path(ids)) if ids.shape[0] else 0)
+        return out
+
     def clear_checkpoints(self) -> None:
         self.cache.clear()
 

@@ -3,6 +3,7 @@ choices) run once before the engine serves, and forgotten, so the first request 
 GPU it also measures each plan's crossover between the short read and the prefill (the plans keep it)."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import structlog
@@ -50,7 +51,9 @@ def _short_read_crossovers(engine) -> dict:
 
 def warm_up(engine) -> dict:
     """Run the warm-up on `engine` (under its lock, as a request would) and leave nothing of it behind: the live
-    sequence at position 0, no checkpoint, nothing parked, the request count as it was. Returns what /status
+    sequence at position 0, no checkpoint, nothing parked, the request count, the task ids and each slot's last use and
+    draft counts as they were (the first request takes the slot it would have taken without a warm-up; the engine's
+    own draft totals, /status' spec, do count the warm-up's). Returns what /status
     reports: {"ms", "reads" (the prompt lengths read), "device_bytes" (what the GPU memory pools grew by, None on
     the CPU), "short_read" ({stage index: the crossover its plan measured}, empty on the CPU)}."""
     t0 = time.perf_counter()
@@ -63,6 +66,8 @@ def warm_up(engine) -> dict:
         return {"ms": 0.0, "reads": [], "device_bytes": None, "short_read": {}}
     before = _device_bytes(engine)
     requests, last_final, steps = engine.requests, engine.last_final, dict(engine.scheduler.stats)
+    tasks = engine.scheduler.tasks
+    slots = [(s.last_used, s.task, dataclasses.replace(s.spec)) for s in engine.scheduler.slots]
     greedy = SamplingParams()
     sampled = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=0)
     try:
@@ -83,6 +88,9 @@ def warm_up(engine) -> dict:
             engine.seq.trim()
         engine.requests, engine.last_final = requests, last_final
         engine.scheduler.stats.update(steps)
+        engine.scheduler.tasks = tasks
+        for s, (last_used, task, spec) in zip(engine.scheduler.slots, slots):
+            s.last_used, s.task, s.spec = last_used, task, spec
     after = _device_bytes(engine)
     out = {"ms": round((time.perf_counter() - t0) * 1000.0, 1), "reads": lengths,
            "device_bytes": None if before is None else max(0, after - before), "short_read": crossovers}

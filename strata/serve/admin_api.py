@@ -118,16 +118,17 @@ async def cache(request: web.Request) -> web.Response:
 
 def _slots(engine, w) -> list[dict]:
     """Every request slot as /slots shows it: llama-server's fields (id, id_task, n_ctx, is_processing,
-    n_prompt_tokens, next_token) and Strata's (state, phase, pos, model, checkpoints kept)."""
+    n_prompt_tokens, next_token) and Strata's (state, phase, pos, model, checkpoints: the kept ones on the path of
+    the slot's conversation)."""
     views = engine.scheduler.status()
-    n_ckpt = len(engine.cache) if engine.prompt_cache > 0 else 0
+    n_ckpt = engine.slot_checkpoints()
     out = []
     for v in views:
         if w.slots == 1:         # a request alone runs outside the scheduler: the worker knows whether it runs
             job = w.running
             v = dict(v, is_processing=job is not None)
         out.append({**v, "n_ctx": engine.n_ctx, "state": "processing" if v["is_processing"] else "idle",
-                    "model": engine.model_name, "checkpoints": n_ckpt})
+                    "model": engine.model_name, "checkpoints": n_ckpt[v["id"]]})
     return out
 
 
@@ -154,6 +155,9 @@ async def slot_action(request: web.Request) -> web.Response:
         raise ApiError(404, f"slot {shown} does not exist: this daemon has {has}", code="not_found")
     slot = int(n)
     action = request.query.get("action")
+    if action is None:
+        raise ApiError(400, f"the query parameter 'action' is required: /slots/{slot}?action= one of "
+                       f"{', '.join(SLOT_ACTIONS)}", param="action", code="invalid_value")
     if action not in SLOT_ACTIONS:
         raise ApiError(400, f"'action' must be one of {', '.join(SLOT_ACTIONS)}, got {action!r}", param="action",
                        code="invalid_value")

@@ -242,7 +242,7 @@ async def _collect(request, engine, p, job, answers: list | None = None) -> web.
             message, finish, answer = {"role": "assistant", "content": text}, f.finish_reason, answers[f.index]
             if answer is not None:
                 answer.feed(text)
-                answer.finish()
+                answer.finish(finish == "length")
                 message, finish = answer.message(), answer.finish_reason(finish)
             choices.append({"index": f.index, "message": message, "logprobs": lp, "finish_reason": finish})
         else:
@@ -292,7 +292,7 @@ async def _stream(request, engine, p, job, answers: list | None = None) -> web.S
             return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
         return {"index": i, "text": text or "", "logprobs": lp, "finish_reason": finish}
 
-    async def pieces(i: int, text: str, lp, end: bool = False) -> None:
+    async def pieces(i: int, text: str, lp, end: bool = False, cut: bool = False) -> None:
         """One event's text of choice i as chunks: a chat answer taken apart (content / reasoning_content /
         tool_calls deltas, the logprobs on the first), else as text."""
         answer = answers[i]
@@ -300,7 +300,7 @@ async def _stream(request, engine, p, job, answers: list | None = None) -> web.S
             if text or lp is not None:
                 await resp.write(chunk([choice(i, text, lp)]))
             return
-        deltas = answer.feed(text) + (answer.finish() if end else [])
+        deltas = answer.feed(text) + (answer.finish(cut) if end else [])
         if not deltas and lp is not None:
             deltas = [{"content": ""}]
         for k, d in enumerate(deltas):
@@ -330,7 +330,7 @@ async def _stream(request, engine, p, job, answers: list | None = None) -> web.S
                 finals.append(ev)
                 tail = ev.text or ""
                 lp = accs[i].finish(tail) if p.logprobs else None
-                await pieces(i, tail, lp, end=True)
+                await pieces(i, tail, lp, end=True, cut=ev.finish_reason == "length")
                 finish = answers[i].finish_reason(ev.finish_reason) if answers[i] is not None else ev.finish_reason
                 _first_token(request)         # a choice that ended before any token: its end is what leaves
                 if len(finals) < p.n:

@@ -156,10 +156,12 @@ async def props(request: web.Request) -> web.Response:
               "top_p": d["top_p"], "min_p": d["min_p"], "repeat_last_n": d["repeat_last_n"],
               "repeat_penalty": d["repeat_penalty"], "presence_penalty": d["presence_penalty"],
               "frequency_penalty": d["frequency_penalty"], "stop": [], "max_tokens": -1, "n_probs": 0,
-              "samplers": ["penalties", "top_k", "top_p", "min_p", "temperature"]}
+              "samplers": ["penalties", "top_k", "top_p", "min_p", "temperature"],
+              "speculative.n_max": int(getattr(engine, "spec", 0))}
     tmpl = engine.template
     return json_response({
-        "default_generation_settings": {"id": 0, "id_task": -1, "n_ctx": engine.n_ctx, "speculative": False,
+        "default_generation_settings": {"id": 0, "id_task": -1, "n_ctx": engine.n_ctx,
+                                        "speculative": int(getattr(engine, "spec", 0)) > 0,
                                         "is_processing": w.running is not None, "params": params},
         "total_slots": int(getattr(engine, "parallel", 1)),
         "model_path": engine.model_path,

@@ -228,7 +228,9 @@ class _Answer:
             t = f.timings if f is not None else {}
             d.update({"done_reason": "length" if (self.finish or f.finish_reason) == "length" else "stop",
                       "total_duration": int((time.perf_counter() - self.t0) * 1e9), "load_duration": 0,
-                      "prompt_eval_count": int(t.get("prompt_n", 0) or 0),
+                      # Ollama's counts: the whole prompt, the cached tokens included, and those apart
+                      "prompt_eval_count": int(f.usage.get("prompt_tokens", 0)) if f is not None else 0,
+                      "prompt_eval_cached_count": int(t.get("cache_n", 0) or 0),
                       "prompt_eval_duration": int(float(t.get("prompt_ms", 0.0) or 0.0) * 1e6),
                       "eval_count": int(f.usage["completion_tokens"]) if f is not None else 0,
                       "eval_duration": int(float(t.get("predicted_ms", 0.0) or 0.0) * 1e6)})

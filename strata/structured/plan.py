@@ -213,12 +213,13 @@ class Answer:
         pieces = self.split.feed(text) if self.split is not None else [("content", text)]
         return self._pieces(pieces)
 
-    def finish(self) -> list[dict]:
+    def finish(self, cut: bool = False) -> list[dict]:
+        """The last deltas; cut: the answer was cut off (finish_reason "length": CallParser.finish)."""
         if self.plain:
             return []
         out = self._pieces(self.split.finish()) if self.split is not None else []
         if self.calls is not None:
-            out += self._events(self.calls.finish())
+            out += self._events(self.calls.finish(cut))
         return out
 
     def _pieces(self, pieces) -> list[dict]:

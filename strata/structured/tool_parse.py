@@ -440,7 +440,7 @@ class GenericBlock:
                 if st1 == OK:
                     j = skip_ws(p.buf, k1)
                     if j >= len(p.buf):
-                        return self._whole(p, final) if final else MORE
+                        return self._cut(p) if final and p.cut else self._whole(p, final) if final else MORE
                     if p.buf[j] == "]":
                         p.consume(j + 1)
                         self.phase = "end"
@@ -449,12 +449,16 @@ class GenericBlock:
                     if r == OK:
                         self.phase = "item"
                         continue
+                    if final and p.cut and r != NO:
+                        return self._cut(p)
                     return self._whole(p, final) if r == NO or final else MORE
                 if st3 == OK:
                     r = self.obj.head(p, skip_ws(p.buf, k3), final)
                     if r == OK:
                         self.phase = "single"
                         continue
+                    if final and p.cut and r != NO:
+                        return self._cut(p)
                     return self._whole(p, final) if r == NO or final else MORE
                 if st2 == OK:
                     p.consume(k2)
@@ -463,6 +467,8 @@ class GenericBlock:
                     continue
                 if MORE in (st1, st2, st3) and not final:
                     return MORE
+                if MORE in (st1, st2, st3) and p.cut:         # cut inside the header of a call list or an answer
+                    return self._cut(p)
                 return self._whole(p, final)
             if self.phase == "response":
                 text, end = self.chars.feed(p.buf)
@@ -486,7 +492,7 @@ class GenericBlock:
                 if r == OK:
                     continue
                 if r == NO:
-                    return DONE
+                    return self._cut(p) if final and p.cut else DONE
                 st, k = expect(p.buf, 0, ("]",))
                 if st == MORE and not final:
                     return MORE
@@ -500,6 +506,13 @@ class GenericBlock:
                     p.consume(len(p.buf))
                     return DONE
                 return MORE
+
+    @staticmethod
+    def _cut(p: CallParser):
+        """The answer was cut off (CallParser.finish(cut=True)) inside its list of calls or the object's header:
+        what is left is a call (or an answer) the cut left unnamed, dropped, not content."""
+        p.consume(len(p.buf))
+        return DONE
 
     def _whole(self, p: CallParser, final: bool):
         """Not the usual layout: the whole object, if it is one, read as a generic answer; else content."""
@@ -572,6 +585,7 @@ class CallParser:
         self.block = None
         self.at_start = True              # no content but whitespace yet
         self.n_calls = 0
+        self.cut = False                  # finish(cut=True): the answer was cut off (max_tokens)
         self._out: list[Event] = []
 
     # -- interface
@@ -580,7 +594,11 @@ class CallParser:
         self._run(False)
         return self._take()
 
-    def finish(self) -> list[Event]:
+    def finish(self, cut: bool = False) -> list[Event]:
+        """The end of the answer. cut: it was cut off (max_tokens, the context's end), so a generic JSON answer's
+        list of calls left unfinished ends with its last named call, its unnamed rest (or a header cut short)
+        dropped; without cut that rest is text that broke the format: content."""
+        self.cut = cut
         self._run(True)
         if self.buf:
             self.content(self.buf)
