@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import structlog
 
 from strata.cache.conversation import Conversation, SavedCheckpoint
@@ -84,7 +83,8 @@ class ParkedConversations:
 
     Over a tier's budget the least recently used move down one tier in place (the device's to host RAM when a pool
     is short too, ``make_room``); what RAM evicts is written to disk, or dropped; a file the disk tier removes is
-    forgotten. ``best(prompt)`` is the one that skips most of a prompt, ``take`` removes it (it becomes live).
+    forgotten. The one that skips most of a prompt is found by the tree's one walk along it (strata.cache.lookup);
+    ``take`` removes it (it becomes live).
     ValueError (one line) for a negative count or budget."""
 
     def __init__(self, tree: CheckpointTree, stages: list, *, park_bytes: int | None, resident: int,
@@ -279,18 +279,6 @@ class ParkedConversations:
             self.device.stats["evicted"] += 1
             self._move_down(min(res, key=lambda p: (p.conv.last_use, p.saved)))
             return True
-
-    def best(self, prompt: np.ndarray) -> tuple[Parked | None, int]:
-        """(the parked conversation that skips most of `prompt`, how many tokens) over every tier, or (None, 0): a
-        tie goes to the nearest tier (device, RAM, disk), then to the most recent."""
-        with self._lock:
-            best, key = None, (0,)
-            for p in self._all():
-                d = p.conv.depth(prompt)
-                k = (d, -TIERS.index(p.tier), p.conv.last_use)
-                if d > 0 and k > key:
-                    best, key = p, k
-            return best, key[0]
 
     def take(self, p: Parked) -> Conversation:
         """Take `p` out of the tree -> its conversation (a file's read back: its errors propagate)."""

@@ -61,6 +61,8 @@ class CheckpointTree:
         self.root = Node(None, _EMPTY)
         self.lock = threading.RLock()
         self._n = dict.fromkeys(SLOTS, 0)
+        #: changes on every put and remove: a lookup made at one version still holds while the version is the same
+        self.version = 0
 
     def __len__(self) -> int:
         return self._n["value"]
@@ -78,6 +80,19 @@ class CheckpointTree:
                 return
             node = child
             yield node
+
+    def along(self, ids: np.ndarray) -> tuple[list[Node], Node | None, int]:
+        """One walk along the int32 ids `ids` -> (the nodes whose prefix is a prefix of `ids`, root first; the
+        child of the last one that `ids` enters and leaves part-way through its span (or ends inside), None when
+        `ids` enters no child; how many tokens of `ids` that child's prefix shares, else 0)."""
+        path = list(self._walk(ids))
+        last, n = path[-1], int(ids.shape[0])
+        if last.pos >= n:
+            return path, None, 0
+        child = last.children.get(int(ids[last.pos]))
+        if child is None:
+            return path, None, 0
+        return path, child, last.pos + common_prefix(child.span, ids[last.pos:min(n, child.pos)])
 
     def path(self, tokens, slot: str = "value") -> list[Node]:
         """The nodes that keep a value in `slot` and whose prefix is a prefix of `tokens`, shallowest first."""
@@ -104,12 +119,14 @@ class CheckpointTree:
                 old = getattr(node, slot)
                 setattr(node, slot, value)
                 self._n[slot] += old is None
+                self.version += 1
                 return node, old
             child = node.children.get(int(ids[node.pos]))
             if child is None:                                   # a new branch from here
                 leaf = Node(node, ids[node.pos:].copy(), value, slot)
                 node.children[int(ids[node.pos])] = leaf
                 self._n[slot] += 1
+                self.version += 1
                 return leaf, None
             k = common_prefix(child.span, ids[node.pos:min(n, child.pos)])
             if k == child.span.shape[0]:
@@ -128,6 +145,7 @@ class CheckpointTree:
         old = getattr(node, slot)
         setattr(node, slot, None)
         self._n[slot] -= old is not None
+        self.version += 1
         while node is not self.root and node.empty() and len(node.children) <= 1:
             parent = node.parent
             if not node.children:
