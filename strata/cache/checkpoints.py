@@ -103,7 +103,8 @@ class CheckpointCache:
     sub-agent's turn survives its parent's next one). The cache owns every snapshot it keeps and gives its pages
     back (Checkpoint.release) whenever it drops one: retention's victims, one replaced at the same tokens,
     ``clear``, ``adopt`` over it, ``make_room`` when a pool is short. Thread-safe (one lock); the engine calls
-    plan/save from its thread, ``entries``/``stats`` may be called from any. Raises ValueError (one line) for
+    plan/save from its thread, ``entries``/``stats`` may be called from any (views: they never wait on a
+    change in progress). Raises ValueError (one line) for
     bad numbers; nothing changes then.
     """
 
@@ -128,6 +129,7 @@ class CheckpointCache:
         self._lock = self._tree.lock        # shared with the tree's other keeper (the parked conversations)
         self._stats = dict(hits=0, hits_live=0, hits_checkpoint=0, misses=0, tokens_saved=0, saves=0,
                            evictions=0, replaced=0, demoted=0, spilled=0)
+        self.entries(), self.stats(), self.branches()     # the views' first values (CheckpointTree.view)
 
     @property
     def tree(self) -> CheckpointTree:
@@ -451,27 +453,27 @@ class CheckpointCache:
 
     def entries(self) -> list[dict]:
         """The kept checkpoints by position (then save order): dicts with pos (tokens), kind, bytes, last_use
-        (logical clock, larger = more recent), last_use_time (Unix seconds), mounts (times restored), pinned
-        (bool)."""
-        with self._lock:
-            pin = pinned_root(self._kept(), self.cap, self.root_min)
-            return [dict(pos=e.pos, kind=e.kind, bytes=e.bytes, last_use=e.last_use,
-                         last_use_time=e.last_use_time, mounts=e.mounts, tier=e.tier,
-                         pinned=pin is not None and pin.key == e.key)
-                    for e in sorted(self._entries.values(), key=lambda e: (e.pos, e.saved))]
+        (logical clock, larger = more recent), last_use_time (Unix seconds), mounts (times restored), tier, pinned
+        (bool). A view (CheckpointTree.view): never waits on a change in progress (then the one before it)."""
+        return [dict(e) for e in self._tree.view("checkpoints", self._entries_now)]
+
+    def _entries_now(self) -> tuple[dict, ...]:
+        pin = pinned_root(self._kept(), self.cap, self.root_min)
+        return tuple(dict(pos=e.pos, kind=e.kind, bytes=e.bytes, last_use=e.last_use,
+                          last_use_time=e.last_use_time, mounts=e.mounts, tier=e.tier,
+                          pinned=pin is not None and pin.key == e.key)
+                     for e in sorted(self._entries.values(), key=lambda e: (e.pos, e.saved)))
 
     def branches(self) -> int:
-        """How many branches of history the kept checkpoints span (the tree's leaves)."""
-        with self._lock:
-            return self._tree.branches()
+        """How many branches of history the kept checkpoints span (the tree's leaves); a view, as ``entries``."""
+        return self._tree.view("branches", self._tree.branches)
 
     def stats(self) -> dict:
         """Counters since start: hits (plans that reused a prefix; hits_live + hits_checkpoint), misses,
         tokens_saved (prompt tokens not read thanks to a hit), saves, evictions (retention and make_room),
         replaced (a checkpoint saved again at the same tokens), demoted (moved to host RAM by make_room), spilled
-        (moved to the disk tier by the byte budget)."""
-        with self._lock:
-            return dict(self._stats)
+        (moved to the disk tier by the byte budget). A view, as ``entries``."""
+        return dict(self._tree.view("checkpoint_stats", lambda: dict(self._stats)))
 
     def clear(self) -> None:
         """Drop every checkpoint, its pages given back (counters stay)."""

@@ -102,6 +102,7 @@ class ParkedConversations:
             self.device = Tier(self, "device", resident)
         self.disk = disk
         self._clock = 0
+        self.entries()                  # the view's first value (CheckpointTree.view)
 
     # ---- views ---------------------------------------------------------------------------------------
     def _all(self) -> list[Parked]:
@@ -121,9 +122,12 @@ class ParkedConversations:
 
     def entries(self) -> list[dict]:
         """The parked conversations for `stratactl cache` (tokens, bytes, tier, checkpoints, last use), the nearest
-        tier first, each tier's most recent first."""
-        with self._lock:
-            return [p.entry() for p in sorted(self._all(), key=lambda p: (TIERS.index(p.tier), -p.conv.last_use))]
+        tier first, each tier's most recent first. A view (CheckpointTree.view): it never waits on a change in
+        progress, such as a resident conversation being copied to host RAM (then the one before it)."""
+        return [dict(e) for e in self.tree.view("parked", self._entries_now)]
+
+    def _entries_now(self) -> tuple[dict, ...]:
+        return tuple(p.entry() for p in sorted(self._all(), key=lambda p: (TIERS.index(p.tier), -p.conv.last_use)))
 
     def tier(self, name: str) -> Tier | None:
         return {"device": self.device, "ram": self.ram}.get(name)

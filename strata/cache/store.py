@@ -48,7 +48,8 @@ class ConversationStore:
     sequence's position), ``forget`` / ``erase``, ``park``, ``save`` / ``load`` (session files), ``make_room`` (what
     a Sequence calls when a pool is short for it). `file` (its fingerprint), `stages`, `n_ctx` and `n_vocab` are what
     a session file must match. Raises ValueError for a slot_save_path or disk directory that is not a directory. The
-    engine calls the verbs under its lock; the views (``parked``, ``entries``) from any thread."""
+    engine calls the verbs under its lock; the views (``parked``, the checkpoints' ``entries`` and ``stats``) from any
+    thread: they never wait on a verb in progress (a device-to-host copy, a file write), showing the state before it."""
 
     def __init__(self, stages: list, file, n_ctx: int, *, checkpoints: CheckpointCache, park_bytes: int | None,
                  disk_dir: str | os.PathLike | None, disk_bytes: int, slot_save_path: str | os.PathLike | None,

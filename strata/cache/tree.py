@@ -4,7 +4,7 @@ regenerations, edited turns), and the lock its keepers share."""
 from __future__ import annotations
 
 import threading
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -55,7 +55,7 @@ class CheckpointTree:
     (returning the one it replaces in that slot), ``remove`` forgets one (a node left with nothing and at most one
     child is merged away), ``path`` gives the nodes with a value in a slot along a prompt. Not thread-safe by itself:
     its keepers (the checkpoint cache and the parked conversations) hold ``lock`` (reentrant, shared) around every
-    call."""
+    call; readers on other threads read the keepers' views (``view``), which never wait on the lock."""
 
     def __init__(self):
         self.root = Node(None, _EMPTY)
@@ -63,9 +63,24 @@ class CheckpointTree:
         self._n = dict.fromkeys(SLOTS, 0)
         #: changes on every put and remove: a lookup made at one version still holds while the version is the same
         self.version = 0
+        self._views: dict[str, Any] = {}
 
     def __len__(self) -> int:
         return self._n["value"]
+
+    def view(self, name: str, compute: Callable[[], Any]) -> Any:
+        """A keeper's view of what it keeps, for readers on any thread (/status, `stratactl cache`), never waiting
+        on a keeper: ``compute()`` run under the lock when the lock is free (or held by this thread) and kept under
+        `name`, else the one kept last: the tree as it was before the change in progress (a keeper may hold the
+        lock across a device-to-host copy or a file write). The first call waits for the lock. A view must not be
+        changed by its readers (keepers hand out copies)."""
+        if not self.lock.acquire(blocking=name not in self._views):
+            return self._views[name]
+        try:
+            value = self._views[name] = compute()
+            return value
+        finally:
+            self.lock.release()
 
     def count(self, slot: str = "value") -> int:
         return self._n[slot]
