@@ -129,7 +129,9 @@ class CheckpointCache:
         self._lock = self._tree.lock        # shared with the tree's other keeper (the parked conversations)
         self._stats = dict(hits=0, hits_live=0, hits_checkpoint=0, misses=0, tokens_saved=0, saves=0,
                            evictions=0, replaced=0, demoted=0, spilled=0)
-        self.entries(), self.stats(), self.branches()     # the views' first values (CheckpointTree.view)
+        self._tree.add_view("checkpoints", self._entries_now)    # for readers on other threads (entries, stats,
+        self._tree.add_view("branches", self._tree.branches)      # branches): CheckpointTree.view
+        self._tree.add_view("checkpoint_stats", lambda: dict(self._stats))
 
     @property
     def tree(self) -> CheckpointTree:
@@ -454,8 +456,8 @@ class CheckpointCache:
     def entries(self) -> list[dict]:
         """The kept checkpoints by position (then save order): dicts with pos (tokens), kind, bytes, last_use
         (logical clock, larger = more recent), last_use_time (Unix seconds), mounts (times restored), tier, pinned
-        (bool). A view (CheckpointTree.view): never waits on a change in progress (then the one before it)."""
-        return [dict(e) for e in self._tree.view("checkpoints", self._entries_now)]
+        (bool). A view (CheckpointTree.view): never held up by slow work under the lock (then the one just before it)."""
+        return [dict(e) for e in self._tree.view("checkpoints")]
 
     def _entries_now(self) -> tuple[dict, ...]:
         pin = pinned_root(self._kept(), self.cap, self.root_min)
@@ -466,14 +468,14 @@ class CheckpointCache:
 
     def branches(self) -> int:
         """How many branches of history the kept checkpoints span (the tree's leaves); a view, as ``entries``."""
-        return self._tree.view("branches", self._tree.branches)
+        return self._tree.view("branches")
 
     def stats(self) -> dict:
         """Counters since start: hits (plans that reused a prefix; hits_live + hits_checkpoint), misses,
         tokens_saved (prompt tokens not read thanks to a hit), saves, evictions (retention and make_room),
         replaced (a checkpoint saved again at the same tokens), demoted (moved to host RAM by make_room), spilled
         (moved to the disk tier by the byte budget). A view, as ``entries``."""
-        return dict(self._tree.view("checkpoint_stats", lambda: dict(self._stats)))
+        return dict(self._tree.view("checkpoint_stats"))
 
     def clear(self) -> None:
         """Drop every checkpoint, its pages given back (counters stay)."""

@@ -102,7 +102,7 @@ class ParkedConversations:
             self.device = Tier(self, "device", resident)
         self.disk = disk
         self._clock = 0
-        self.entries()                  # the view's first value (CheckpointTree.view)
+        tree.add_view("parked", self._entries_now)     # entries, for readers on other threads
 
     # ---- views ---------------------------------------------------------------------------------------
     def _all(self) -> list[Parked]:
@@ -122,12 +122,14 @@ class ParkedConversations:
 
     def entries(self) -> list[dict]:
         """The parked conversations for `stratactl cache` (tokens, bytes, tier, checkpoints, last use), the nearest
-        tier first, each tier's most recent first. A view (CheckpointTree.view): it never waits on a change in
-        progress, such as a resident conversation being copied to host RAM (then the one before it)."""
-        return [dict(e) for e in self.tree.view("parked", self._entries_now)]
+        tier first, each tier's most recent first. A view (CheckpointTree.view): never held up by a conversation
+        moving down a tier (a device-to-host copy, a file write), it then shows the tree just before the move."""
+        return [dict(e) for e in self.tree.view("parked")]
 
     def _entries_now(self) -> tuple[dict, ...]:
-        return tuple(p.entry() for p in sorted(self._all(), key=lambda p: (TIERS.index(p.tier), -p.conv.last_use)))
+        """(under the lock) entries' view; pure: a file the disk tier removed is left out, forgotten by a verb."""
+        kept = [n.parked for n in self.tree.nodes(SLOT) if not (n.parked.tier == "disk" and n.parked.file.gone)]
+        return tuple(p.entry() for p in sorted(kept, key=lambda p: (TIERS.index(p.tier), -p.conv.last_use)))
 
     def tier(self, name: str) -> Tier | None:
         return {"device": self.device, "ram": self.ram}.get(name)
@@ -195,6 +197,7 @@ class ParkedConversations:
         """(under the lock) `p` one tier down (the device's to host RAM, RAM's to a disk file), in place at its node
         (place: put there first, it is not in the tree yet); dropped when the next tier cannot take it -> `p`, or
         None when dropped."""
+        self.tree.publish()                     # readers see the tree as it is before the copy or the write
         if p.tier == "device":
             host = self._host_copy(p.conv)
             self.release(p.conv)                # its pages given back either way

@@ -310,6 +310,7 @@ class ConversationStore:
         disk = self.disk
         if disk is None or isinstance(snap, DiskNode) or self.parking.host_parts_refusal() is not None:
             return None
+        self.checkpoints.tree.publish()         # readers see the tree as it is before the copy and the write
         parts = [st.memory.materialize(p) for st, p in zip(self.stages, snap.parts)]
         return disk.add(Conversation(tokens=snap.tokens, parts=parts, live_ok=False), "node", last_use)
 
@@ -321,6 +322,7 @@ class ConversationStore:
         avail = available_ram()
         if avail is None or need > avail // 2:
             return None
+        self.checkpoints.tree.publish()         # readers see the tree as it is before the copy
         return Checkpoint(pos=snap.pos, tokens=snap.tokens,
                           parts=[st.memory.materialize(p) for st, p in zip(self.stages, snap.parts)])
 

@@ -16,6 +16,8 @@ _EMPTY = np.zeros(0, np.int32)
 #: what a node can keep: "value" (a checkpoint entry, strata.cache.checkpoints) and "parked" (a parked
 #: conversation, strata.cache.parked), each slot with its own keeper
 SLOTS = ("value", "parked")
+#: seconds a reader of a view waits for the lock before it takes the view published last (CheckpointTree.view)
+VIEW_WAIT = 0.02
 
 
 class Node:
@@ -63,24 +65,37 @@ class CheckpointTree:
         self._n = dict.fromkeys(SLOTS, 0)
         #: changes on every put and remove: a lookup made at one version still holds while the version is the same
         self.version = 0
-        self._views: dict[str, Any] = {}
+        self._views: dict[str, list] = {}        # name -> [compute, the value published last]
 
     def __len__(self) -> int:
         return self._n["value"]
 
-    def view(self, name: str, compute: Callable[[], Any]) -> Any:
-        """A keeper's view of what it keeps, for readers on any thread (/status, `stratactl cache`), never waiting
-        on a keeper: ``compute()`` run under the lock when the lock is free (or held by this thread) and kept under
-        `name`, else the one kept last: the tree as it was before the change in progress (a keeper may hold the
-        lock across a device-to-host copy or a file write). The first call waits for the lock. A view must not be
-        changed by its readers (keepers hand out copies)."""
-        if not self.lock.acquire(blocking=name not in self._views):
-            return self._views[name]
+    def add_view(self, name: str, compute: Callable[[], Any]) -> None:
+        """Register a keeper's view `name`: ``compute()`` (pure, run under the lock) gives what readers on other
+        threads see of what it keeps (/status, `stratactl cache`); computed once now."""
+        with self.lock:
+            self._views[name] = [compute, compute()]
+
+    def view(self, name: str) -> Any:
+        """The view `name` for a reader on any thread, never held up by slow work of a keeper: computed now when the
+        lock comes within VIEW_WAIT seconds (at once when this thread holds it), else the one published last,
+        which is the tree just before the work in progress (a keeper holds the lock across a device-to-host copy
+        or a file write, and publishes first). Readers must not change it (keepers hand out copies)."""
+        v = self._views[name]
+        if not self.lock.acquire(timeout=VIEW_WAIT):
+            return v[1]
         try:
-            value = self._views[name] = compute()
-            return value
+            v[1] = v[0]()
+            return v[1]
         finally:
             self.lock.release()
+
+    def publish(self) -> None:
+        """Compute every view now: keepers call it before work that holds the lock long, so that
+        readers meanwhile see the tree as it was just before."""
+        with self.lock:
+            for v in self._views.values():
+                v[1] = v[0]()
 
     def count(self, slot: str = "value") -> int:
         return self._n[slot]
