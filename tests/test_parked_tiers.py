@@ -12,6 +12,7 @@ from hypothesis import given, settings, strategies as hs
 import strata.cache.parked as parked_mod
 from strata.cache.conversation import Conversation, SavedCheckpoint
 from strata.cache.disk import DiskTier
+from strata.cache.lookup import lookup
 from strata.cache.parked import ParkedConversations
 from strata.cache.tree import CheckpointTree
 
@@ -160,7 +161,8 @@ def _play(ops, resident, ram, disk, d):
             p.park(conv)
             ref.park(toks, res, conv.last_use, cp)
         elif op == "take":
-            got, depth = p.best(np.array(toks, np.int32))
+            found = lookup(tree, np.array(toks, np.int32))
+            got, depth = found.parked, found.depth
             want, want_depth = ref.best(toks)
             assert (got is None) == (want is None)
             if got is not None:

@@ -352,3 +352,47 @@ def test_without_parking_a_short_pool_moves_checkpoints_to_host_ram_and_a_hit_br
     assert any(c["tier"] == "ram" and c["mounts"] == 1 and c["pos"] == final.strata["resume_pos"]
                for c in e.checkpoints())                          # the hit was on a checkpoint in host RAM
     assert toks == ref[1][0] and e.state_hashes() == ref[1][1]
+
+
+def test_status_does_not_wait_on_a_resident_conversation_copied_to_host_ram(hybrid_path):
+    """--park-resident 1: parking a third chat moves the first down to host RAM, a device-to-host copy made under
+    the tree's lock. With that copy held (a stand-in that waits on an event), /status's engine view and the parked
+    and checkpoint views still answer, with the tree just before the move; once the copy goes on, the move lands."""
+    import threading
+
+    e = Engine(hybrid_path, n_ctx=512, ubatch=64, conversation_cache_mib=256, park_resident=1)
+    ask(e, chat("rivers", 0, []))
+    ask(e, chat("ships", 0, []))                                   # rivers parked resident
+    before = e.parked()
+    assert [p["tier"] for p in before] == ["device"]
+    mem = e.stages[0].memory
+    copying, go = threading.Event(), threading.Event()
+    real = mem.materialize
+
+    def slow_materialize(part):
+        copying.set()
+        go.wait(120)
+        return real(part)
+
+    mem.materialize = slow_materialize
+    asked = threading.Thread(target=ask, args=(e, chat("cats", 0, [])))   # ships parked: rivers moves to RAM
+    asked.start()
+    try:
+        assert copying.wait(120)
+        seen = {}
+        reader = threading.Thread(target=lambda: seen.update(status=e.status(), parked=e.parked(),
+                                                              checkpoints=e.checkpoints()))
+        reader.start()
+        reader.join(60)
+        assert not reader.is_alive(), "a view waited on the copy"
+        assert seen["checkpoints"] == seen["status"]["checkpoints"]
+    finally:
+        go.set()
+        asked.join(120)
+        mem.materialize = real
+    assert not asked.is_alive()
+    after = e.parked()
+    assert [p["tier"] for p in after] == ["device", "ram"] and after[1]["tokens"] == before[0]["tokens"]
+    assert e.status()["resident_stats"]["evicted"] == 1
+    # what the views showed meanwhile: the tree just before the move (ships parked beside rivers, both resident)
+    assert seen["parked"] == [after[0], before[0]] == seen["status"]["parked"]

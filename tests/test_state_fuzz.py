@@ -33,7 +33,6 @@ REPORT = os.environ.get("STATE_FUZZ_REPORT")                    # a JSON file th
 N_ANSWER = 3
 SYSTEMS = ["You are a careful assistant. " * 6, "You answer in one short line. " * 4]
 WORDS = ["rivers", "ships", "stars", "salt", "maps", "clocks", "bees", "glass"]
-_names = itertools.count()
 
 
 def _holders(engine) -> set[int]:
@@ -134,6 +133,8 @@ def _machine(path, tmp_path, counts: collections.Counter, parking: bool = True, 
         @initialize()
         def start(self):
             self.e = engine()                             # each run from a fresh engine: its steps decide its state
+            # names counted per run: a replayed run names its chats alike, so sorted(self.chats) is the same list
+            self.names = itertools.count()
             self.chats: dict[str, list[dict]] = {}
             self.saved: list[tuple[str, dict]] = []       # (file name, state hashes at the save)
 
@@ -159,7 +160,7 @@ def _machine(path, tmp_path, counts: collections.Counter, parking: bool = True, 
 
         @rule(system=hs.integers(0, len(SYSTEMS) - 1), word=hs.sampled_from(WORDS))
         def new_chat(self, system, word):
-            name = f"c{next(_names)}"
+            name = f"c{next(self.names)}"
             self.chats[name] = [{"role": "system", "content": SYSTEMS[system]},
                                 {"role": "user", "content": f"Tell me about {word}."}]
             self._ask(name)
@@ -195,7 +196,7 @@ def _machine(path, tmp_path, counts: collections.Counter, parking: bool = True, 
             name = data.draw(hs.sampled_from(sorted(self.chats)))
             if not self._fits(name):
                 return
-            new = f"c{next(_names)}"
+            new = f"c{next(self.names)}"
             self.chats[new] = [dict(m) for m in self.chats[name]] + [{"role": "user", "content": f"Now {word}."}]
             self._ask(new)
 
@@ -208,7 +209,7 @@ def _machine(path, tmp_path, counts: collections.Counter, parking: bool = True, 
             parent = data.draw(hs.sampled_from(sorted(self.chats)))
             if not self._fits(parent):
                 return
-            sub = f"c{next(_names)}"
+            sub = f"c{next(self.names)}"
             self.chats[sub] = [dict(self.chats[parent][0]), {"role": "user", "content": f"Look up {word}."}]
             self._ask(sub)
             self.chats[sub].append({"role": "user", "content": "Go on."})
@@ -226,7 +227,7 @@ def _machine(path, tmp_path, counts: collections.Counter, parking: bool = True, 
         @precondition(lambda self: self.e.seq.pos > 0)
         @rule()
         def save(self):
-            name = f"s{next(_names)}.bin"
+            name = f"s{next(self.names)}.bin"
             self.e.slot_save(0, name)
             self.saved.append((name, hashes(self.e)))
 

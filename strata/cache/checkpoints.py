@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from strata.cache.lookup import Found, lookup
 from strata.cache.plan import PrefillPlan
 from strata.cache.retention import Kept, choose_victims, pinned_root
 from strata.cache.tree import CheckpointTree, Node
@@ -102,7 +103,8 @@ class CheckpointCache:
     sub-agent's turn survives its parent's next one). The cache owns every snapshot it keeps and gives its pages
     back (Checkpoint.release) whenever it drops one: retention's victims, one replaced at the same tokens,
     ``clear``, ``adopt`` over it, ``make_room`` when a pool is short. Thread-safe (one lock); the engine calls
-    plan/save from its thread, ``entries``/``stats`` may be called from any. Raises ValueError (one line) for
+    plan/save from its thread, ``entries``/``stats`` may be called from any (views: they never wait on a
+    change in progress). Raises ValueError (one line) for
     bad numbers; nothing changes then.
     """
 
@@ -127,6 +129,9 @@ class CheckpointCache:
         self._lock = self._tree.lock        # shared with the tree's other keeper (the parked conversations)
         self._stats = dict(hits=0, hits_live=0, hits_checkpoint=0, misses=0, tokens_saved=0, saves=0,
                            evictions=0, replaced=0, demoted=0, spilled=0)
+        self._tree.add_view("checkpoints", self._entries_now)    # for readers on other threads (entries, stats,
+        self._tree.add_view("branches", self._tree.branches)      # branches): CheckpointTree.view
+        self._tree.add_view("checkpoint_stats", lambda: dict(self._stats))
 
     @property
     def tree(self) -> CheckpointTree:
@@ -136,7 +141,7 @@ class CheckpointCache:
 
     # ---- the request loop ------------------------------------------------------------------------
     def plan(self, state, prompt_tokens, cut_points, *, checkpoint: bool = True,
-             cache_prompt: bool = True) -> PrefillPlan:
+             cache_prompt: bool = True, found: Found | None = None) -> PrefillPlan:
         """Decide how to read ``prompt_tokens`` on ``state`` (a strata.stages.sequence.Sequence: its token ids).
         Pure: nothing changes until ``begin(plan)``, which the reader calls once it applied the plan.
 
@@ -172,7 +177,8 @@ class CheckpointCache:
         prompt_tokens: token ids (a list, or an int32 array: no per-token work then), non-empty. cut_points:
         CutPoint(pos, kind, index) objects (or (pos, kind) tuples) with 0 <= pos <= len(prompt) and kind in
         root/message/turn/pin. Raises ValueError (one line), changing nothing, for an empty prompt or a bad cut
-        point.
+        point. found: the tree's lookup of this prompt (strata.cache.lookup), used while it is current (the tree
+        walked once), else the tree is walked again.
         """
         prompt = as_ids(prompt_tokens)
         n = int(prompt.shape[0])
@@ -191,8 +197,9 @@ class CheckpointCache:
         state_tokens = _state_ids(state)
 
         with self._lock:
-            resume, source, best = self._choose(prompt, state_tokens, state) if cache_prompt else (0, "none", None)
-            points = self._kept_points(prompt, cuts, resume, checkpoint)
+            found = self._found(prompt, found)
+            resume, source, best = self._choose(found, state_tokens, state) if cache_prompt else (0, "none", None)
+            points = self._kept_points(found, cuts, resume, checkpoint)
         return PrefillPlan(resume_pos=resume, resume_from=source, snapshot=best.snapshot if best else None,
                            part_ends=sorted(p for p in points if p < n) + [n], save_at=dict(sorted(points.items())),
                            keep_live=checkpoint, key=best.key if best else None)
@@ -216,16 +223,19 @@ class CheckpointCache:
                 self._stats["hits_" + plan.resume_from] += 1
                 self._stats["tokens_saved"] += plan.resume_pos
 
-    def _choose(self, prompt: np.ndarray, state_tokens: np.ndarray, state=None) -> tuple[int, str, Any]:
+    def _found(self, prompt: np.ndarray, found: Found | None) -> Found:
+        """(under the lock) `found` while it is the tree's current lookup of `prompt`, else a new one."""
+        return found if found is not None and found.current(prompt) else lookup(self._tree, prompt)
+
+    def _choose(self, found: Found, state_tokens: np.ndarray, state=None) -> tuple[int, str, Any]:
         """Rules 2-4 of ``plan``: (resume position, "live" | "checkpoint" | "none", the checkpoint entry or None).
-        prompt, state_tokens: int32 arrays."""
+        found: the tree's lookup of the prompt; state_tokens: an int32 array."""
+        prompt = found.ids
         n, L = int(prompt.shape[0]), int(state_tokens.shape[0])
         live_ok = bool(getattr(state, "live_ok", True))
         if live_ok and 0 < L < n and is_prefix(state_tokens, prompt):
             return L, "live", None
-        best = None
-        for nd in self._tree.path(prompt[:n - 1]):          # never the full prompt: one token is read for logits
-            best = nd.value
+        best = found.checkpoint.value if found.checkpoint is not None else None  # shorter than the prompt
         # an attention-only sequence cuts its K/V back to the longest common prefix (at most n - 1: one token is
         # read for the logits) when that skips more than any checkpoint does
         can_cut = getattr(state, "can_truncate", None)
@@ -235,12 +245,13 @@ class CheckpointCache:
                 return k, "live", None
         return (best.pos, "checkpoint", best) if best is not None else (0, "none", None)
 
-    def peek(self, state, prompt_tokens, cache_prompt: bool = True) -> int:
-        """The position ``plan`` would resume ``prompt_tokens`` at on ``state`` now (no side effects)."""
+    def peek(self, state, prompt_tokens, cache_prompt: bool = True, found: Found | None = None) -> int:
+        """The position ``plan`` would resume ``prompt_tokens`` at on ``state`` now (no side effects); found: the
+        tree's lookup of the prompt, as ``plan`` takes it."""
         if not cache_prompt:
             return 0
         with self._lock:
-            return self._choose(as_ids(prompt_tokens), _state_ids(state), state)[0]
+            return self._choose(self._found(as_ids(prompt_tokens), found), _state_ids(state), state)[0]
 
     def deepest(self, tokens) -> int:
         """The deepest kept checkpoint on the path of `tokens` (a conversation's ids; 0 when none is kept)."""
@@ -264,12 +275,13 @@ class CheckpointCache:
                 self._put(kind, snap, frozen_ids(snap.tokens))
             self._retain(spill)                 # this engine's --prompt-cache / --prompt-cache-mib apply
 
-    def _kept_points(self, prompt: np.ndarray, cuts: list[tuple[int, str]], resume: int,
+    def _kept_points(self, found: Found, cuts: list[tuple[int, str]], resume: int,
                      checkpoint: bool) -> dict[int, str]:
-        """Cut points after `resume` at which to end a part and save a checkpoint -> {pos: kind}."""
+        """Cut points after `resume` at which to end a part and save a checkpoint -> {pos: kind} (found: the tree's
+        lookup of the prompt)."""
         if self.cap == 0:
             return {}
-        n = int(prompt.shape[0])
+        n = int(found.ids.shape[0])
         roots = [p for p, k in cuts if k == "root"]
         root = max(roots) if roots else 0
         cand: list[tuple[int, str]] = []
@@ -294,7 +306,7 @@ class CheckpointCache:
                 out[p] = k
         # a checkpoint saves the tokens since the previous one (kept before this read on the prompt's path, or
         # kept by it)
-        prev = max((nd.pos for nd in self._tree.path(prompt[:resume])), default=0)
+        prev = found.deepest_checkpoint(resume)
         kept: dict[int, str] = {}
         for p in sorted(out):
             if p in held or p - prev >= self.min_part:
@@ -443,27 +455,27 @@ class CheckpointCache:
 
     def entries(self) -> list[dict]:
         """The kept checkpoints by position (then save order): dicts with pos (tokens), kind, bytes, last_use
-        (logical clock, larger = more recent), last_use_time (Unix seconds), mounts (times restored), pinned
-        (bool)."""
-        with self._lock:
-            pin = pinned_root(self._kept(), self.cap, self.root_min)
-            return [dict(pos=e.pos, kind=e.kind, bytes=e.bytes, last_use=e.last_use,
-                         last_use_time=e.last_use_time, mounts=e.mounts, tier=e.tier,
-                         pinned=pin is not None and pin.key == e.key)
-                    for e in sorted(self._entries.values(), key=lambda e: (e.pos, e.saved))]
+        (logical clock, larger = more recent), last_use_time (Unix seconds), mounts (times restored), tier, pinned
+        (bool). A view (CheckpointTree.view): never held up by slow work under the lock (then the one just before it)."""
+        return [dict(e) for e in self._tree.view("checkpoints")]
+
+    def _entries_now(self) -> tuple[dict, ...]:
+        pin = pinned_root(self._kept(), self.cap, self.root_min)
+        return tuple(dict(pos=e.pos, kind=e.kind, bytes=e.bytes, last_use=e.last_use,
+                          last_use_time=e.last_use_time, mounts=e.mounts, tier=e.tier,
+                          pinned=pin is not None and pin.key == e.key)
+                     for e in sorted(self._entries.values(), key=lambda e: (e.pos, e.saved)))
 
     def branches(self) -> int:
-        """How many branches of history the kept checkpoints span (the tree's leaves)."""
-        with self._lock:
-            return self._tree.branches()
+        """How many branches of history the kept checkpoints span (the tree's leaves); a view, as ``entries``."""
+        return self._tree.view("branches")
 
     def stats(self) -> dict:
         """Counters since start: hits (plans that reused a prefix; hits_live + hits_checkpoint), misses,
         tokens_saved (prompt tokens not read thanks to a hit), saves, evictions (retention and make_room),
         replaced (a checkpoint saved again at the same tokens), demoted (moved to host RAM by make_room), spilled
-        (moved to the disk tier by the byte budget)."""
-        with self._lock:
-            return dict(self._stats)
+        (moved to the disk tier by the byte budget). A view, as ``entries``."""
+        return dict(self._tree.view("checkpoint_stats"))
 
     def clear(self) -> None:
         """Drop every checkpoint, its pages given back (counters stay)."""

@@ -64,8 +64,10 @@ class Conversation:
         conversation (as llama.cpp's server picks a slot by prompt similarity: a chat template's first tokens are
         no reason to bring a conversation back), else its deepest checkpoint that is a prefix of the prompt; always
         shorter than the prompt (one token at least is read), 0 when nothing matches."""
-        n = len(prompt)
-        common = common_prefix(self.tokens, prompt)
+        return self.depth_at(common_prefix(self.tokens, prompt), len(prompt))
+
+    def depth_at(self, common: int, n: int) -> int:
+        """``depth`` of an n-token prompt that shares its first `common` tokens with this conversation (no more)."""
         if self.live_ok and common == self.pos < n:
             return self.pos
         deepest = max((c.pos for c in self.checkpoints if c.pos <= common and c.pos < n), default=0)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import structlog
 
 from strata.cache.conversation import Conversation, SavedCheckpoint
@@ -84,7 +83,8 @@ class ParkedConversations:
 
     Over a tier's budget the least recently used move down one tier in place (the device's to host RAM when a pool
     is short too, ``make_room``); what RAM evicts is written to disk, or dropped; a file the disk tier removes is
-    forgotten. ``best(prompt)`` is the one that skips most of a prompt, ``take`` removes it (it becomes live).
+    forgotten. The one that skips most of a prompt is found by the tree's one walk along it (strata.cache.lookup);
+    ``take`` removes it (it becomes live).
     ValueError (one line) for a negative count or budget."""
 
     def __init__(self, tree: CheckpointTree, stages: list, *, park_bytes: int | None, resident: int,
@@ -102,6 +102,7 @@ class ParkedConversations:
             self.device = Tier(self, "device", resident)
         self.disk = disk
         self._clock = 0
+        tree.add_view("parked", self._entries_now)     # entries, for readers on other threads
 
     # ---- views ---------------------------------------------------------------------------------------
     def _all(self) -> list[Parked]:
@@ -121,9 +122,14 @@ class ParkedConversations:
 
     def entries(self) -> list[dict]:
         """The parked conversations for `stratactl cache` (tokens, bytes, tier, checkpoints, last use), the nearest
-        tier first, each tier's most recent first."""
-        with self._lock:
-            return [p.entry() for p in sorted(self._all(), key=lambda p: (TIERS.index(p.tier), -p.conv.last_use))]
+        tier first, each tier's most recent first. A view (CheckpointTree.view): never held up by a conversation
+        moving down a tier (a device-to-host copy, a file write), it then shows the tree just before the move."""
+        return [dict(e) for e in self.tree.view("parked")]
+
+    def _entries_now(self) -> tuple[dict, ...]:
+        """(under the lock) entries' view; pure: a file the disk tier removed is left out, forgotten by a verb."""
+        kept = [n.parked for n in self.tree.nodes(SLOT) if not (n.parked.tier == "disk" and n.parked.file.gone)]
+        return tuple(p.entry() for p in sorted(kept, key=lambda p: (TIERS.index(p.tier), -p.conv.last_use)))
 
     def tier(self, name: str) -> Tier | None:
         return {"device": self.device, "ram": self.ram}.get(name)
@@ -191,6 +197,7 @@ class ParkedConversations:
         """(under the lock) `p` one tier down (the device's to host RAM, RAM's to a disk file), in place at its node
         (place: put there first, it is not in the tree yet); dropped when the next tier cannot take it -> `p`, or
         None when dropped."""
+        self.tree.publish()                     # readers see the tree as it is before the copy or the write
         if p.tier == "device":
             host = self._host_copy(p.conv)
             self.release(p.conv)                # its pages given back either way
@@ -279,18 +286,6 @@ class ParkedConversations:
             self.device.stats["evicted"] += 1
             self._move_down(min(res, key=lambda p: (p.conv.last_use, p.saved)))
             return True
-
-    def best(self, prompt: np.ndarray) -> tuple[Parked | None, int]:
-        """(the parked conversation that skips most of `prompt`, how many tokens) over every tier, or (None, 0): a
-        tie goes to the nearest tier (device, RAM, disk), then to the most recent."""
-        with self._lock:
-            best, key = None, (0,)
-            for p in self._all():
-                d = p.conv.depth(prompt)
-                k = (d, -TIERS.index(p.tier), p.conv.last_use)
-                if d > 0 and k > key:
-                    best, key = p, k
-            return best, key[0]
 
     def take(self, p: Parked) -> Conversation:
         """Take `p` out of the tree -> its conversation (a file's read back: its errors propagate)."""

@@ -17,6 +17,7 @@ from strata.cache import session
 from strata.cache.checkpoints import CheckpointCache, PrefillPlan
 from strata.cache.conversation import CUT_MIN, Conversation, SavedCheckpoint
 from strata.cache.disk import DiskNode, DiskTier
+from strata.cache.lookup import Found, lookup
 from strata.cache.parked import ParkedConversations, Tier
 from strata.errors import Refused
 from strata.memory import KVCacheFull, PartMismatch
@@ -47,7 +48,8 @@ class ConversationStore:
     sequence's position), ``forget`` / ``erase``, ``park``, ``save`` / ``load`` (session files), ``make_room`` (what
     a Sequence calls when a pool is short for it). `file` (its fingerprint), `stages`, `n_ctx` and `n_vocab` are what
     a session file must match. Raises ValueError for a slot_save_path or disk directory that is not a directory. The
-    engine calls the verbs under its lock; the views (``parked``, ``entries``) from any thread."""
+    engine calls the verbs under its lock; the views (``parked``, the checkpoints' ``entries`` and ``stats``) from any
+    thread: they never wait on a verb in progress (a device-to-host copy, a file write), showing the state before it."""
 
     def __init__(self, stages: list, file, n_ctx: int, *, checkpoints: CheckpointCache, park_bytes: int | None,
                  disk_dir: str | os.PathLike | None, disk_bytes: int, slot_save_path: str | os.PathLike | None,
@@ -180,10 +182,11 @@ class ConversationStore:
                 self.forget(seq)
                 self.checkpoints.clear()
                 self.parking.drop_gone()
-            unparked = self.switch(seq, prompt, cache_prompt, trace)
-            if unparked is None and self.share_prefix(seq, prompt, peers, cache_prompt):
+            found = lookup(self.checkpoints.tree, prompt)      # one walk along the prompt, both slots
+            unparked = self.switch(seq, prompt, cache_prompt, trace, found)
+            if unparked is None and self.share_prefix(seq, prompt, peers, cache_prompt, found):
                 unparked = "slot"
-            plan = self._apply(seq, prompt, cut_points, checkpoint, cache_prompt)
+            plan = self._apply(seq, prompt, cut_points, checkpoint, cache_prompt, found)
         except BaseException:
             self.forget(seq)       # a restore that failed part-way: the sequence starts over
             raise
@@ -197,16 +200,17 @@ class ConversationStore:
                                f"{seq.pos} tokens that are not that prefix of the {n}-token prompt")
         return plan
 
-    def share_prefix(self, seq: Sequence, prompt: np.ndarray, peers, cache_prompt: bool = True) -> int:
+    def share_prefix(self, seq: Sequence, prompt: np.ndarray, peers, cache_prompt: bool = True,
+                     found: Found | None = None) -> int:
         """When a peer (another live sequence over the same stages) holds a prefix of `prompt` at least CUT_MIN
         tokens longer than what `seq` would resume from (its own tokens or the tree's checkpoints), `seq` takes it:
         the peer's pages shared up to there (reference-counted, copied on the next write into a shared page),
         nothing read. Only where the sequences can be cut back (attention-only stages) and hold their pages here
-        (no remote stage) -> the position taken, 0 when none."""
+        (no remote stage) -> the position taken, 0 when none. found: the tree's lookup of `prompt`, if made."""
         if not cache_prompt or not peers or not seq.can_hold():
             return 0
         n = len(prompt)
-        best, k = None, self.checkpoints.peek(seq, prompt) + CUT_MIN
+        best, k = None, self.checkpoints.peek(seq, prompt, found=found) + CUT_MIN
         for peer in peers:
             c = min(common_prefix(peer.ids, prompt), n - 1) if peer.pos else 0
             if c >= k and peer.can_truncate(c):
@@ -222,10 +226,11 @@ class ConversationStore:
         seq.live_ok = True
         return k
 
-    def _apply(self, seq: Sequence, prompt, cut_points, checkpoint: bool, cache_prompt: bool) -> PrefillPlan:
+    def _apply(self, seq: Sequence, prompt, cut_points, checkpoint: bool, cache_prompt: bool,
+               found: Found | None = None) -> PrefillPlan:
         def plan():
             return self.checkpoints.plan(seq, prompt, list(cut_points or ()), checkpoint=checkpoint,
-                                         cache_prompt=cache_prompt)
+                                         cache_prompt=cache_prompt, found=found)
         p = plan()
         while isinstance(p.snapshot, DiskNode):         # a checkpoint on disk: read back into host RAM first
             node = p.snapshot
@@ -305,6 +310,7 @@ class ConversationStore:
         disk = self.disk
         if disk is None or isinstance(snap, DiskNode) or self.parking.host_parts_refusal() is not None:
             return None
+        self.checkpoints.tree.publish()         # readers see the tree as it is before the copy and the write
         parts = [st.memory.materialize(p) for st, p in zip(self.stages, snap.parts)]
         return disk.add(Conversation(tokens=snap.tokens, parts=parts, live_ok=False), "node", last_use)
 
@@ -316,6 +322,7 @@ class ConversationStore:
         avail = available_ram()
         if avail is None or need > avail // 2:
             return None
+        self.checkpoints.tree.publish()         # readers see the tree as it is before the copy
         return Checkpoint(pos=snap.pos, tokens=snap.tokens,
                           parts=[st.memory.materialize(p) for st, p in zip(self.stages, snap.parts)])
 
@@ -354,25 +361,29 @@ class ConversationStore:
             t.ram.stats["refused"] += 1
             log.warning("not parking the live conversation: it could not be copied", error=str(e))
 
-    def switch(self, seq: Sequence, prompt: np.ndarray, cache_prompt: bool, trace: bool) -> str | None:
+    def switch(self, seq: Sequence, prompt: np.ndarray, cache_prompt: bool, trace: bool,
+               found: Found | None = None) -> str | None:
         """Before a prompt is planned: when a parked conversation (resident, in RAM or on disk) skips more of
         `prompt` than `seq` and the tree do, park `seq`'s and restore that one -> its tier ("resident" / "park" /
         "disk"); it stays parked, whole, when the prompt leaves it before its last checkpoint. When the prompt
-        leaves `seq` (it resumes before the deepest checkpoint on `seq`'s path), park `seq`'s (None)."""
+        leaves `seq` (it resumes before the deepest checkpoint on `seq`'s path), park `seq`'s (None). found: the
+        tree's lookup of `prompt` (one walk: the deepest checkpoint and the best parked conversation), if made."""
         t = self.parking
         if t.ram is None or not cache_prompt:
             return None
-        here = self.checkpoints.peek(seq, prompt)
-        found, depth = t.best(prompt)
-        conv = found.conv if found is not None else None
-        source = {"device": "resident", "ram": "park", "disk": "disk"}[found.tier] if found is not None else None
+        if found is None or not found.current(prompt):
+            found = lookup(self.checkpoints.tree, prompt)
+        here = self.checkpoints.peek(seq, prompt, found=found)
+        hit, depth = found.parked, found.depth
+        conv = hit.conv if hit is not None else None
+        source = {"device": "resident", "ram": "park", "disk": "disk"}[hit.tier] if hit is not None else None
         if conv is not None and source != "disk" and depth != conv.pos and \
                 all(c.pos != depth for c in conv.checkpoints) and depth < here + CUT_MIN:
             conv = None      # a cut at the common prefix that skips too few tokens more than the sequence does
         if conv is not None and depth > here:
             t0 = time.perf_counter()
             try:                              # out of the tree first: parking `seq`'s cannot evict it
-                conv = t.take(found)
+                conv = t.take(hit)
             except (session.SessionError, OSError, ValueError) as e:
                 log.warning("a parked conversation could not be read", tier=source, error=str(e))
                 return None

@@ -4,7 +4,7 @@ regenerations, edited turns), and the lock its keepers share."""
 from __future__ import annotations
 
 import threading
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -16,6 +16,8 @@ _EMPTY = np.zeros(0, np.int32)
 #: what a node can keep: "value" (a checkpoint entry, strata.cache.checkpoints) and "parked" (a parked
 #: conversation, strata.cache.parked), each slot with its own keeper
 SLOTS = ("value", "parked")
+#: seconds a reader of a view waits for the lock before it takes the view published last (CheckpointTree.view)
+VIEW_WAIT = 0.02
 
 
 class Node:
@@ -55,15 +57,45 @@ class CheckpointTree:
     (returning the one it replaces in that slot), ``remove`` forgets one (a node left with nothing and at most one
     child is merged away), ``path`` gives the nodes with a value in a slot along a prompt. Not thread-safe by itself:
     its keepers (the checkpoint cache and the parked conversations) hold ``lock`` (reentrant, shared) around every
-    call."""
+    call; readers on other threads read the keepers' views (``view``), which never wait on the lock."""
 
     def __init__(self):
         self.root = Node(None, _EMPTY)
         self.lock = threading.RLock()
         self._n = dict.fromkeys(SLOTS, 0)
+        #: changes on every put and remove: a lookup made at one version still holds while the version is the same
+        self.version = 0
+        self._views: dict[str, list] = {}        # name -> [compute, the value published last]
 
     def __len__(self) -> int:
         return self._n["value"]
+
+    def add_view(self, name: str, compute: Callable[[], Any]) -> None:
+        """Register a keeper's view `name`: ``compute()`` (pure, run under the lock) gives what readers on other
+        threads see of what it keeps (/status, `stratactl cache`); computed once now."""
+        with self.lock:
+            self._views[name] = [compute, compute()]
+
+    def view(self, name: str) -> Any:
+        """The view `name` for a reader on any thread, never held up by slow work of a keeper: computed now when the
+        lock comes within VIEW_WAIT seconds (at once when this thread holds it), else the one published last,
+        which is the tree just before the work in progress (a keeper holds the lock across a device-to-host copy
+        or a file write, and publishes first). Readers must not change it (keepers hand out copies)."""
+        v = self._views[name]
+        if not self.lock.acquire(timeout=VIEW_WAIT):
+            return v[1]
+        try:
+            v[1] = v[0]()
+            return v[1]
+        finally:
+            self.lock.release()
+
+    def publish(self) -> None:
+        """Compute every view now: keepers call it before work that holds the lock long, so that
+        readers meanwhile see the tree as it was just before."""
+        with self.lock:
+            for v in self._views.values():
+                v[1] = v[0]()
 
     def count(self, slot: str = "value") -> int:
         return self._n[slot]
@@ -78,6 +110,19 @@ class CheckpointTree:
                 return
             node = child
             yield node
+
+    def along(self, ids: np.ndarray) -> tuple[list[Node], Node | None, int]:
+        """One walk along the int32 ids `ids` -> (the nodes whose prefix is a prefix of `ids`, root first; the
+        child of the last one that `ids` enters and leaves part-way through its span (or ends inside), None when
+        `ids` enters no child; how many tokens of `ids` that child's prefix shares, else 0)."""
+        path = list(self._walk(ids))
+        last, n = path[-1], int(ids.shape[0])
+        if last.pos >= n:
+            return path, None, 0
+        child = last.children.get(int(ids[last.pos]))
+        if child is None:
+            return path, None, 0
+        return path, child, last.pos + common_prefix(child.span, ids[last.pos:min(n, child.pos)])
 
     def path(self, tokens, slot: str = "value") -> list[Node]:
         """The nodes that keep a value in `slot` and whose prefix is a prefix of `tokens`, shallowest first."""
@@ -104,12 +149,14 @@ class CheckpointTree:
                 old = getattr(node, slot)
                 setattr(node, slot, value)
                 self._n[slot] += old is None
+                self.version += 1
                 return node, old
             child = node.children.get(int(ids[node.pos]))
             if child is None:                                   # a new branch from here
                 leaf = Node(node, ids[node.pos:].copy(), value, slot)
                 node.children[int(ids[node.pos])] = leaf
                 self._n[slot] += 1
+                self.version += 1
                 return leaf, None
             k = common_prefix(child.span, ids[node.pos:min(n, child.pos)])
             if k == child.span.shape[0]:
@@ -128,6 +175,7 @@ class CheckpointTree:
         old = getattr(node, slot)
         setattr(node, slot, None)
         self._n[slot] -= old is not None
+        self.version += 1
         while node is not self.root and node.empty() and len(node.children) <= 1:
             parent = node.parent
             if not node.children:
