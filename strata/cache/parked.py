@@ -220,6 +220,7 @@ class ParkedConversations:
         p.file, p.tier = node, "disk"
         if place or p.node is None:
             self._place(p)
+        self._all()                             # the files the disk tier removed to take this one, forgotten
         return p
 
     def _enter_below(self, p: Parked, tier: Tier, place: bool) -> None:
