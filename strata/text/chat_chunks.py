@@ -138,7 +138,9 @@ class _Loop:
 
 def _split_sentinels(stext: str, table: dict[str, str], nonce: str) -> list[tuple[str, bool]]:
     """[(text, parse_special)] of a sentinel rendering: each sentinel of `table` found becomes its client string
-    (False), the text between them template text (True)."""
+    (False), the text between them template text (True). Every sentinel is zqx{nonce}s{i}qzx: one small pattern
+    whatever the number of client strings (the nonce is hex, so no sentinel starts inside another's text); one the
+    table lacks (a template rewrote it) stays template text."""
     pieces: list[tuple[str, bool]] = []
     pat = re.compile(re.escape(f"zqx{nonce}s") + r"[0-9]+qzx")
     pos = 0

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import bisect
 import copy
-import re
 import json
 import secrets
 import time
@@ -18,7 +17,7 @@ import jinja2.runtime
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from strata.text.chat_chunks import MessageChunks, split_template
+from strata.text.chat_chunks import MessageChunks, _split_sentinels, split_template
 from strata.text.chat_prefixes import PrefixEnds, is_plain, prefix_digests
 from strata.text.token_ids import frozen_ids
 from strata.text.tokenizer import Tokenizer
@@ -574,21 +573,7 @@ class ChatTemplate:
         except ValueError:
             stext = None
         if stext is not None:
-            pieces: list[tuple[str, bool]] = []
-            # every sentinel is zqx{nonce}s{i}qzx: one small pattern, whatever the number of client strings (the
-            # nonce is hex, so no sentinel starts inside another's text)
-            pat = re.compile(re.escape(f"zqx{nonce}s") + r"[0-9]+qzx")
-            pos = 0
-            for m in pat.finditer(stext):
-                string = table.get(m.group(0))
-                if string is None:          # not one of ours (a template that rewrote a sentinel): template text
-                    continue
-                if m.start() > pos:
-                    pieces.append((stext[pos:m.start()], True))
-                pieces.append((string, False))
-                pos = m.end()
-            if pos < len(stext):
-                pieces.append((stext[pos:], True))
+            pieces = _split_sentinels(stext, table, nonce)
             if "".join(t for t, _ in pieces) == text:
                 return pieces, True
         # fallback: mark client strings found verbatim (in order of appearance) as plain text
