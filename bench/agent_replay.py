@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from strata.engine import Engine                                  # noqa: E402
 from strata.engine.types import GenerationRequest, TokenEvent    # noqa: E402
 from strata.text.token_ids import as_ids, common_prefix           # noqa: E402
-from daemons import wait_healthy                                  # noqa: E402
+from daemons import free_port, wait_healthy                       # noqa: E402
 
 TOOLS = ["grep", "read_file", "run_tests", "list_dir"]
 N_ANSWER = 12
@@ -158,13 +158,6 @@ def run_arm(name: str, make_engine, system_tokens: int, rounds: int, session_dir
             "ttft_ms_after_restart_median": float(np.median([s["ttft_ms"] for s in steps_out if s["phase"] == 1]))}
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        return sk.getsockname()[1]
-
-
 class CompletionServer:
     """A server process speaking llama-server's /completion on 127.0.0.1:port (llama-server, or `strata serve`),
     driven with token ids, streaming: started by the constructor (cmd), healthy before it returns."""
@@ -245,7 +238,7 @@ class LlamaServer(CompletionServer):
 
     def __init__(self, binary: str, model_path: str, n_ctx: int, threads: int, save_dir: Path, slots: int = 1,
                  extra: list[str] | None = None):
-        port = _free_port()
+        port = free_port()
         help_text = subprocess.run([binary, "--help"], capture_output=True, text=True).stdout
         cmd = [binary, "-m", model_path, "--host", "127.0.0.1", "--port", str(port), "-c", str(n_ctx * slots),
                "-np", str(slots), "-t", str(threads), "--slot-save-path", str(save_dir)] + (extra or [])
@@ -258,7 +251,7 @@ class StrataServer(CompletionServer):
     """`strata serve` on the same GGUF with `slots` request slots (its defaults otherwise: checkpoints, parking)."""
 
     def __init__(self, model: str, n_ctx: int, threads: int, folder: Path, slots: int, extra: list[str] | None = None):
-        port = _free_port()
+        port = free_port()
         cmd = [sys.executable, "-m", "strata.cli.main", "serve", "--model", model, "--socket", str(folder / "s.sock"),
                "--port", str(port), "--n-ctx", str(n_ctx), "--threads", str(threads), "--parallel", str(slots),
                "--queue-max", "64", "--log-level", "warning"] + (extra or [])

@@ -1,9 +1,18 @@
-"""Server processes a bench starts (strata serve, llama-server): waiting until one answers /health, stopping one."""
+"""Server processes a bench starts (strata serve, llama-server): a free port for one, waiting until it answers
+/health, stopping it."""
 from __future__ import annotations
 
+import socket
 import subprocess
 import time
 import urllib.request
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def wait_healthy(proc, base: str, cmd: list, what: str, close=None, timeout: float = 600.0,

@@ -226,17 +226,13 @@ def e2e(model: str, ks: list[int], n_predict: int, prompt_tokens: int, threads: 
     """The end-to-end arms for each K -> {K: {"strata_parallel_K", "strata_parallel_1", "llama_server"?, ratios}};
     with remote_split, also "strata_parallel_K_remote" and "strata_parallel_1_remote" (over a worker running layers
     remote_split..) and their ratios."""
-    import socket
     import tempfile
+
+    from daemons import free_port
     words = ("river stone garden lamp winter orange music paper engine cloud silver forest window market "
              "letter bridge candle harbor meadow tower").split()
     rng = np.random.default_rng(1)
     n_ctx = 1024
-
-    def free_port():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
 
     out = {}
     tmp = Path(tempfile.mkdtemp(prefix="strata-e2e-"))

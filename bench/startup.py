@@ -26,7 +26,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+from daemons import free_port  # noqa: E402  (bench/daemons.py)
 
 # ~1.1 B parameters: 16 layers of width 2048 (32 heads, 8 KV heads, FFN 8192) and the default model's 49152-token
 # vocabulary, Q4_0 weights (a ~0.6 GiB file, about Llama-3.2-1B's shape)
@@ -124,7 +125,7 @@ def strata_open(model: str) -> dict:
 
 
 def llama_server(model: str, threads: int) -> float:
-    port = _free_port()
+    port = free_port()
     cmd = [shutil.which("llama-server"), "-m", model, "--port", str(port), "-c", "512", "-t", str(threads)]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -157,12 +158,6 @@ def llama_cpp_python(python: str):
                        stderr=subprocess.DEVNULL, check=True)
         return time.perf_counter() - t0
     return run
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def llama_runners(python: str) -> tuple[dict, str | None]:

@@ -30,7 +30,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,15 +40,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 import model_clock  # noqa: E402  (bench/model_clock.py)
-from daemons import stop, wait_healthy  # noqa: E402
+from daemons import free_port, stop, wait_healthy  # noqa: E402
+from prompt_cache import SENTENCES, system_prompt  # noqa: E402  (the same archive text)
 
-SENTENCES = [
-    "Section {i}: the archive keeps records of rivers, mountains and the towns that grew beside them.",
-    "Rule {i}: answer in plain words, cite the record number, and say so when a record is missing.",
-    "Note {i}: the Lune passes Lancaster, the Severn passes Shrewsbury and the Tyne passes Newcastle.",
-    "Entry {i}: a heptagon has seven sides, a nonagon nine, and a dodecagon twelve equal edges.",
-    "Policy {i}: never invent a date; if two records disagree, list both and name their sources.",
-]
 ANSWER = "The Severn passes Shrewsbury, as record 12 says; the Tyne passes Newcastle."
 QUESTIONS = ["Which river passes Shrewsbury?", "How many sides has a nonagon?", "What does rule 3 say?",
              "Summarise the archive in one sentence.", "Thanks. Anything else?", "And the Lune?", "Why?", "Sure?"]
@@ -58,13 +51,7 @@ QUESTIONS = ["Which river passes Shrewsbury?", "How many sides has a nonagon?", 
 def conversation(tok, shape: str, n_tokens: int) -> list[dict]:
     """Messages of about n_tokens tokens (the model's tokenizer, contents only) ending in a user question."""
     if shape == "system":
-        parts, i = [], 0
-        while True:
-            parts.append(SENTENCES[i % len(SENTENCES)].format(i=i))
-            i += 1
-            if i % 20 == 0 and len(tok.encode(" ".join(parts))) >= n_tokens:
-                break
-        return [{"role": "system", "content": " ".join(parts)}, {"role": "user", "content": QUESTIONS[0]}]
+        return [{"role": "system", "content": system_prompt(tok, n_tokens)}, {"role": "user", "content": QUESTIONS[0]}]
     msgs, total, i = [{"role": "system", "content": "You are a careful archivist."}], 0, 0
     while total < n_tokens:
         u = " ".join(SENTENCES[(i + k) % len(SENTENCES)].format(i=i * 7 + k) for k in range(5))
@@ -73,12 +60,6 @@ def conversation(tok, shape: str, n_tokens: int) -> list[dict]:
         i += 1
     msgs.append({"role": "user", "content": QUESTIONS[0]})
     return msgs
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Arm:
