@@ -110,7 +110,7 @@ class Decoder:
         # drafting: under a grammar too (each verified row masked by the grammar's state after the drafts before
         # it; the rejected drafts rolled back)
         spec = self.spec if (self.drafter is not None and req.spec is not False) else 0
-        # a greedy verify without a grammar, penalties or logprobs is judged on the device: each row's greedy pick
+        # a greedy verify without a grammar, penalties, logprobs or logit_bias is judged on the device: each row's greedy pick
         # taken there, only the picks copied to the host (every row's logits otherwise)
         picks_on_device = on_device and guide is None and sampler.greedy_rows_ok
         counts = counts if counts is not None else SpecCounts()
