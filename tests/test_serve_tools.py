@@ -166,6 +166,21 @@ def test_required_calls_cut_by_max_tokens_leave_no_content(smol):
         assert [c["name"] for c in calls] == [c.function.name for c in m.tool_calls or []], n
 
 
+def test_hermes_calls_cut_by_max_tokens_leave_no_content(qwen):
+    """tool_choice "required" on the Hermes format (<tool_call> JSON), cut off by max_tokens at many lengths: no
+    content, whole or streamed (a cut before the call's name came back as '<tool_call>\n{"na'), the calls named so
+    far, the same names streamed."""
+    client = _client(qwen)
+    for n in range(2, 30, 3):
+        kw = dict(model="default", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=n, temperature=0)
+        r = client.chat.completions.create(**kw)
+        m = r.choices[0].message
+        assert not m.content and r.choices[0].finish_reason in ("length", "tool_calls"), (n, m)
+        content, _, calls, finish = _assemble(client.chat.completions.create(**kw, stream=True))
+        assert not content and finish == r.choices[0].finish_reason, (n, content)
+        assert [c["name"] for c in calls] == [c.function.name for c in m.tool_calls or []], n
+
+
 def test_tool_choice_none_and_bad_tool_requests(smol):
     client = _client(smol)
     r = client.chat.completions.create(model="default", messages=ASK, tools=TOOLS, tool_choice="none",
