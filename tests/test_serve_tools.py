@@ -181,6 +181,47 @@ def test_hermes_calls_cut_by_max_tokens_leave_no_content(qwen):
         assert [c["name"] for c in calls] == [c.function.name for c in m.tool_calls or []], n
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_allowed_tools_limit_the_calls_to_the_named_tools(qwen, seed):
+    """tool_choice allowed_tools (OpenAI's chat form, and the Responses API's flat form): in mode "required" random
+    weights at temperature 1 still call, and only the allowed tool (get_time), never get_weather; a name not among
+    the tools, a bad mode and an empty list are 400s naming the field."""
+    client = _client(qwen)
+    choice = {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [
+        {"type": "function", "function": {"name": "get_time"}}]}}
+    r = client.chat.completions.create(model="default", messages=ASK, tools=TOOLS, temperature=1.0, seed=seed,
+                                       max_tokens=120, extra_body={"tool_choice": choice})
+    names = [c.function.name for c in r.choices[0].message.tool_calls or []]
+    assert names and set(names) == {"get_time"}, r.choices[0].message
+    r = client.responses.create(model="default", input=ASK[0]["content"], tools=[
+        {"type": "function", **WEATHER["function"]}, {"type": "function", **CLOCK["function"]}], temperature=1.0,
+        max_output_tokens=120, extra_body={"seed": seed, "tool_choice": {
+            "type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "get_time"}]}})
+    calls = [o.name for o in r.output if o.type == "function_call"]
+    assert calls and set(calls) == {"get_time"}, r.output
+    for spec, needle in (({"mode": "required", "tools": [{"type": "function", "function": {"name": "nope"}}]},
+                          "tool_choice.allowed_tools.tools[0]' names the function 'nope'"),
+                         ({"mode": "sometimes", "tools": []}, "tool_choice.allowed_tools.mode"),
+                         ({"mode": "auto", "tools": []}, "tool_choice.allowed_tools.tools")):
+        st, d = qwen.json("POST", "/v1/chat/completions", {"messages": ASK, "max_tokens": 4, "tools": TOOLS,
+                                                           "tool_choice": {"type": "allowed_tools",
+                                                                           "allowed_tools": spec}})
+        assert st == 400 and needle in d["error"]["message"], (spec, d)
+
+
+def test_advisory_fields_coding_agents_send_change_nothing(smol):
+    """user, store, metadata, service_tier, modalities, prediction, verbosity and reasoning_effort (sent by the
+    openai client as Codex, aider and OpenCode do): accepted, the greedy answer the same as without them."""
+    client = _client(smol)
+    kw = dict(model="default", messages=ASK, max_tokens=8, temperature=0)
+    plain = client.chat.completions.create(**kw).choices[0].message.content
+    r = client.chat.completions.create(**kw, user="u-1", store=False, metadata={"a": "b"}, service_tier="auto",
+                                       modalities=["text"], reasoning_effort="low",
+                                       extra_body={"prediction": {"type": "content", "content": "x"},
+                                                   "verbosity": "low"})
+    assert r.choices[0].message.content == plain
+
+
 def test_tool_choice_none_and_bad_tool_requests(smol):
     client = _client(smol)
     r = client.chat.completions.create(model="default", messages=ASK, tools=TOOLS, tool_choice="none",

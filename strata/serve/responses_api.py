@@ -209,7 +209,13 @@ def _tool_choice(tc):
         return tc                                  # "none" | "auto" | "required" (anything else: parse_chat's 400)
     if isinstance(tc, dict) and tc.get("type") == "function":
         return {"type": "function", "function": {"name": tc.get("name")}}
-    raise _unsupported("tool_choice", 'must be "none", "auto", "required" or {"type": "function", "name": ...}')
+    if isinstance(tc, dict) and tc.get("type") == "allowed_tools":      # {"type", "mode", "tools": [{"type", "name"}]}
+        tools = tc.get("tools")
+        return {"type": "allowed_tools", "allowed_tools": {"mode": tc.get("mode"), "tools": [
+            {"type": t.get("type"), "function": {"name": t.get("name")}} if isinstance(t, dict) else t
+            for t in tools] if isinstance(tools, list) else tools}}
+    raise _unsupported("tool_choice", 'must be "none", "auto", "required", {"type": "function", "name": ...} or '
+                                      '{"type": "allowed_tools", ...}')
 
 
 def _text_format(text):
