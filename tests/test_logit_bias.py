@@ -8,6 +8,7 @@ import threading
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from strata.sampling.device import DeviceSampler
 from strata.sampling.sampler import Sampler, SamplingParams
@@ -216,3 +217,29 @@ def test_bad_logit_bias_is_a_400_naming_the_field(llama, path, bias, param, need
     assert needle in msg and "logit_bias" in msg, msg
     if isinstance(r["error"], dict) and "param" in r["error"]:
         assert r["error"]["param"] == param, r
+
+
+_json = st.recursive(st.none() | st.booleans() | st.integers(-2 ** 40, 2 ** 40) | st.floats(allow_nan=False)
+                     | st.text(max_size=8), lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=6), c,
+                                                                                               max_size=4), max_leaves=12)
+_entry = st.tuples(st.integers(-3, 70000) | st.text("0123456789x", min_size=1, max_size=6),
+                   st.floats(-150, 150) | st.booleans() | st.integers(-120, 120))
+
+
+@settings(max_examples=1500, deadline=None)
+@given(st.one_of(_json, st.lists(_entry.map(list), max_size=6),
+                 st.dictionaries(st.text("0123456789x-", min_size=1, max_size=6), _entry.map(lambda e: e[1]),
+                                 max_size=6)))
+def test_the_logit_bias_reader_takes_a_valid_bias_or_names_the_field(value):
+    """Any JSON value as logit_bias: pairs SamplingParams takes (ids >= 0 ascending and distinct, biases in
+    [-100, 100] or -inf), or a 400 naming logit_bias; nothing else escapes."""
+    from strata.serve import schema
+    from strata.serve.errors import ApiError
+    try:
+        r = schema.parse_completion({"prompt": "x", "logit_bias": value})
+    except ApiError as e:
+        assert e.status == 400 and "logit_bias" in str(e) and "\n" not in str(e)
+        return
+    pairs = r.sampling.get("logit_bias", ())
+    assert SamplingParams(logit_bias=pairs).logit_bias == pairs
+    assert all(-100 <= b <= 100 or b == -math.inf for _, b in pairs)

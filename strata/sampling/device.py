@@ -96,7 +96,9 @@ class DeviceSampler:
     unmodified logits, best first, ties by lower id).
 
     A request with logit_bias is sampled by the array path (the strata_sample kernel knows no bias) and its greedy
-    verify rows are judged on the host (``greedy_rows_ok`` is False). Only a few bytes cross to the host per call: the token id (and its logprob / top-n when asked). Work runs on
+    verify rows are judged on the host (``greedy_rows_ok`` is False).
+
+    Only a few bytes cross to the host per call: the token id (and its logprob / top-n when asked). Work runs on
     CuPy's current stream of the calling thread, on the logits' device. The array module follows the logits
     passed to each sample() (numpy for the prompt's host logits, CuPy afterwards); the penalty counts (float32
     (n_vocab,)) live in that module and are rebuilt from the host-side history once when it changes.

@@ -1,4 +1,4 @@
-"""Token sampling (SamplingParams, Sampler: greedy, penalties, top-k, top-p, min-p, temperature, seed) and StopMatcher."""
+"""Token sampling (SamplingParams; Sampler: logit bias, greedy, penalties, top-k/p, min-p, temperature, seed), StopMatcher."""
 from __future__ import annotations
 
 import math

@@ -2,10 +2,10 @@
 
 Field names and ranges follow the OpenAI API reference (https://platform.openai.com/docs/api-reference/chat)
 with llama.cpp's server extensions (top_k, min_p, repeat_penalty, cache_prompt, chat_template_kwargs,
-reasoning_format, json_schema, grammar, logit_bias's array form) and Strata's own (strata_checkpoint, strata_spec, strata_pin). Every refusal is
-an
-ApiError(400, one line naming the field). Unknown fields are ignored (clients send many optional ones), except those
-that would change the answer in a way Strata cannot honour (best_of > 1, echo, suffix, image parts).
+reasoning_format, json_schema, grammar, logit_bias's array form) and Strata's own (strata_checkpoint, strata_spec,
+strata_pin). Every refusal is an ApiError(400, one line naming the field). Unknown fields are ignored (clients send
+many optional ones), except those that would change the answer in a way Strata cannot honour (best_of > 1, echo,
+suffix, image parts).
 """
 from __future__ import annotations
 
