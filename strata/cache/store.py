@@ -58,6 +58,9 @@ class ConversationStore:
         self.checkpoints = checkpoints
         # with parking off the tree's checkpoints alone spill to the disk tier
         disk = DiskTier(disk_dir, disk_bytes, write=self._write_file, read=self._read_file) if disk_dir else None
+        if disk is not None and disk.cleared:
+            log.info("conversation cache: files of an earlier run removed (parked conversations do not outlive the "
+                     "process; a session file does)", directory=str(disk.dir), files=disk.cleared)
         self.parking = ParkedConversations(checkpoints.tree, stages, park_bytes=park_bytes, resident=resident,
                                           disk=disk)
         self.slot_save_path = Path(slot_save_path) if slot_save_path else None
@@ -69,6 +72,11 @@ class ConversationStore:
         self._from_session: weakref.WeakSet = weakref.WeakSet()   # loaded from a file, not yet resumed
         self._restoring = None      # the checkpoint a restore is mounting (make_room does not drop it meanwhile)
         self._drops_seen = 0        # the stages' drop counts (Memory.drops) already acted on
+
+    def close(self) -> None:
+        """Give up the disk tier's directory (another process may use it from now on)."""
+        if self.disk is not None:
+            self.disk.close()
 
     def forget_dropped(self) -> None:
         """Forget what a worker dropped on its own to make room for a Forward (its Result named the ids,

@@ -1,0 +1,143 @@
+"""What conversation state survives a crash, a shared directory and a file replaced behind the engine's back: a
+write to the disk tier or a session file killed part-way (SIGKILL, a real process) leaves nothing the next start
+keeps or reads; one process holds a --conversation-cache-dir at a time (the second is refused in one line, the
+first keeps its parked conversations); a save in flight in another daemon's shared --slot-save-path survives this
+one's start; a disk tier file that holds another conversation is refused, the prompt read cold, never restored
+wrong."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from strata.engine import Engine
+from tests.daemon import ROOT, env_for_daemon
+from tests.helpers import ask, chat, play
+
+# a process that writes one file the way the engine does (save_atomic: a temporary, then a rename), says "ready"
+# once part of it is written, then waits for its stdin to close before it finishes; with `tier`, the write goes
+# through a DiskTier holding the directory (its lock), as a daemon's parking does
+WRITER = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    import numpy as np
+    from strata.cache import session
+    from strata.cache.conversation import Conversation
+    from strata.cache.disk import DiskTier
+    directory, name, tier = Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "tier"
+    def body(f):
+        f.write(b"x" * 4096)
+        print("ready", flush=True)
+        sys.stdin.read()
+        return f.write(b"y" * 4096) + 4096
+    if tier:
+        t = DiskTier(directory, 1 << 20, write=lambda p, c: session.save_atomic(p, body), read=None)
+        t.add(Conversation(tokens=np.arange(3, dtype=np.int32), parts=[]), "park")
+    else:
+        session.save_atomic(directory / name, body)
+    print("done", flush=True)
+""")
+
+
+@pytest.fixture(scope="module")
+def model_path(synthetic):
+    return synthetic("llama")
+
+
+def _writer(directory, name: str = "", tier: bool = False) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-c", WRITER, str(directory), name, "tier" if tier else "file"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env_for_daemon(), cwd=ROOT)
+    assert p.stdout.readline().strip() == "ready"        # its temporary holds the first bytes now
+    return p
+
+
+def _files(directory) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+def test_a_disk_tier_write_killed_part_way_leaves_nothing_the_next_start_keeps(model_path, tmp_path):
+    """SIGKILL while a parked conversation is written to the disk tier: the temporary stays behind the dead process;
+    the next engine on the directory (the dead one's lock gone with it) removes it and the earlier run's files."""
+    w = _writer(tmp_path, tier=True)
+    (tmp_path / "park-1-0.bin").write_bytes(b"an earlier run's file")
+    w.send_signal(signal.SIGKILL)
+    w.wait()
+    assert any(n.startswith(".park-") and ".tmp-" in n for n in _files(tmp_path))
+    e = Engine(model_path, n_ctx=256, ubatch=32, conversation_cache_mib=64, conversation_cache_dir=tmp_path,
+               conversation_cache_disk_mib=64)
+    try:
+        assert [n for n in _files(tmp_path) if n.endswith(".bin") or ".tmp-" in n] == []
+        assert e.store.disk.cleared == 2
+    finally:
+        e.close()
+
+
+def test_one_process_holds_a_conversation_cache_dir(default_model_path, tmp_path):
+    """A second engine (in this process or a `strata serve` started beside it) on a directory a live engine's disk
+    tier holds is refused in one line naming the holder, before its model loads; the first keeps its parked
+    conversation on disk and resumes it bit-exact; once it closes, the directory is free."""
+    alone = Engine(default_model_path, n_ctx=512, ubatch=32, conversation_cache_mib=0)
+    ref = play(alone, "rivers", 2, [])
+    e = Engine(default_model_path, n_ctx=512, ubatch=32, conversation_cache_mib=256, conversation_cache_dir=tmp_path,
+               conversation_cache_disk_mib=64, park_resident=0)
+    try:
+        answers: list[str] = []
+        play(e, "rivers", 1, answers)
+        e.park.budget = 1                                        # what is parked goes to disk
+        play(e, "ships", 1, [])
+        assert [p["tier"] for p in e.parked()] == ["disk"]
+        with pytest.raises(ValueError, match=rf"in use by another strata process \(pid {os.getpid()}\)"):
+            Engine(default_model_path, n_ctx=512, conversation_cache_dir=tmp_path)
+        r = subprocess.run([sys.executable, "-m", "strata.cli.main", "serve", "--socket", str(tmp_path / "s.sock"),
+                            "--conversation-cache-dir", str(tmp_path)], capture_output=True, text=True,
+                           env=env_for_daemon(), cwd=ROOT, timeout=120)
+        assert r.returncode != 0 and "in use by another strata process" in r.stderr, r.stderr[-2000:]
+        toks, final = ask(e, chat("rivers", 1, answers))
+        assert final.strata["resume_from"] == "disk" and toks == ref[1][0] and e.state_hashes() == ref[1][1]
+    finally:
+        e.close()
+    Engine(default_model_path, n_ctx=512, conversation_cache_dir=tmp_path).close()
+
+
+def test_a_save_in_flight_in_a_shared_slot_dir_survives_another_start(model_path, tmp_path):
+    """Two daemons on one --slot-save-path: a start removes the temporaries of saves killed part-way, not the
+    one another process is writing (it completes, renamed into place)."""
+    w = _writer(tmp_path, "theirs.bin")
+    dead = _writer(tmp_path, "dead.bin")
+    dead.send_signal(signal.SIGKILL)
+    dead.wait()
+    temps = [n for n in _files(tmp_path) if ".tmp-" in n]
+    assert len(temps) == 2
+    e = Engine(model_path, n_ctx=256, ubatch=32, slot_save_path=tmp_path)
+    e.close()
+    assert [n for n in _files(tmp_path) if ".tmp-" in n] == [n for n in temps if n.startswith(".theirs")]
+    out, _ = w.communicate("", timeout=60)
+    assert w.returncode == 0 and "done" in out
+    assert _files(tmp_path) == ["theirs.bin"] and (tmp_path / "theirs.bin").stat().st_size == 8192
+
+
+def test_a_disk_tier_file_holding_another_conversation_is_refused_never_restored(default_model_path, tmp_path):
+    """A parked conversation's file replaced by another one's (valid, same model): refused when it is taken back,
+    with a log line; the prompt is read without it and answers as the conversation played alone does."""
+    alone = Engine(default_model_path, n_ctx=512, ubatch=32, conversation_cache_mib=0)
+    ref = play(alone, "rivers", 2, [])
+    e = Engine(default_model_path, n_ctx=512, ubatch=32, conversation_cache_mib=256, conversation_cache_dir=tmp_path,
+               conversation_cache_disk_mib=64, park_resident=0)
+    try:
+        answers: list[str] = []
+        play(e, "rivers", 1, answers)
+        e.park.budget = 1                                        # what is parked goes to disk
+        play(e, "ships", 1, [])
+        play(e, "bread", 1, [])
+        files = sorted(tmp_path.glob("park-*.bin"), key=lambda p: p.stat().st_mtime_ns)
+        assert len(files) == 2                                   # rivers', then ships'
+        os.replace(files[1], files[0])                           # rivers' file now holds ships
+        toks, final = ask(e, chat("rivers", 1, answers))
+        assert final.strata["resume_from"] != "disk"
+        assert toks == ref[1][0] and e.state_hashes() == ref[1][1]
+    finally:
+        e.close()
