@@ -6,6 +6,7 @@ one's start; a disk tier file that holds another conversation is refused, the pr
 wrong."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -141,3 +142,58 @@ def test_a_disk_tier_file_holding_another_conversation_is_refused_never_restored
         assert toks == ref[1][0] and e.state_hashes() == ref[1][1]
     finally:
         e.close()
+
+
+# a save on a file system that fills up, then turns read-only: run inside its own mount namespace (unshare -rm) on
+# a small tmpfs; prints what each save answered
+FULL_DISK = textwrap.dedent("""
+    import json, os, sys
+    from pathlib import Path
+    from strata.cache import session
+    from strata.engine import Engine
+    from tests.helpers import ask
+    d, model = Path(sys.argv[1]), sys.argv[2]
+    e = Engine(model, n_ctx=256, ubatch=32, slot_save_path=d, conversation_cache_mib=0)
+    ask(e, [{"role": "user", "content": "Tell me fact 1 about rivers."}])
+    e.slot_save(0, filename="a.bin")
+    good = (d / "a.bin").read_bytes()
+    fd = os.open(d / "filler", os.O_WRONLY | os.O_CREAT)     # the rest of the file system
+    try:
+        while True:
+            os.write(fd, b"f" * 4096)
+    except OSError:
+        os.close(fd)
+    out = {}
+    for step in ("full", "read-only"):
+        if step == "read-only":
+            os.unlink(d / "filler")
+            os.system(f"mount -o remount,ro {d}")
+        try:
+            e.slot_save(0, filename="a.bin")
+            out[step] = "saved"
+        except session.SessionError as x:
+            out[step] = [x.status, x.code, x.param, str(x)]
+        out[step + " intact"] = (d / "a.bin").read_bytes() == good and sorted(os.listdir(d)) == \\
+            (["a.bin", "filler"] if step == "full" else ["a.bin"])
+    print(json.dumps(out))
+""")
+
+
+def test_a_save_the_file_system_refuses_is_a_server_error_and_keeps_the_old_file(model_path, tmp_path):
+    """Disk full (a small tmpfs), then read-only: the save answers 507 insufficient_storage, then 500 storage_error
+    (the server's fault, no request field named), in one line; the file it would have replaced is intact and no
+    temporary is left."""
+    d = tmp_path / "slots"
+    d.mkdir()
+    probe = subprocess.run(["unshare", "-rm", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"no mount namespace here (unshare -rm: {probe.stderr.decode(errors='replace').strip()})")
+    r = subprocess.run(["unshare", "-rm", "sh", "-c", f'mount -t tmpfs -o size=4m tmpfs "{d}" && exec "$@"', "sh",
+                        sys.executable, "-c", FULL_DISK, str(d), str(model_path)], capture_output=True, text=True,
+                       env=env_for_daemon(), cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["full"][:3] == [507, "insufficient_storage", None] and "No space left" in out["full"][3]
+    assert out["read-only"][:3] == [500, "storage_error", None] and "Read-only" in out["read-only"][3]
+    assert out["full intact"] and out["read-only intact"]
+    assert all("\n" not in out[k][3] for k in ("full", "read-only"))

@@ -78,6 +78,18 @@ class QuotaExceeded(SessionError):
     code = "slot_quota_exceeded"
 
 
+class StorageFailed(SessionError):
+    """A save the file system refused (the disk or a disk quota full, a read-only or unwritable directory, an I/O
+    error): the server's fault, not the request's, and nothing was written (a file it would replace is intact):
+    507 Insufficient Storage (code insufficient_storage) when space ran out, else 500 (code storage_error)."""
+
+    param = None
+
+    def __init__(self, message: str, full: bool):
+        super().__init__(message, code="insufficient_storage" if full else "storage_error")
+        self.status = 507 if full else 500
+
+
 # new session files: llama.cpp's fs_validate_filename intent, the portable subset (no '~', '$', spaces, look-alike
 # separators, bidirectional or format characters; Windows device names refused too)
 _SAVE_NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]*$")
@@ -362,8 +374,8 @@ def save_atomic(path: Path, writer, quota: int | None = None) -> int:
                 os.replace(tmp, path.name, src_dir_fd=dfd, dst_dir_fd=dfd)
                 made = False
         except OSError as e:
-            raise SessionError(f"cannot write session file {path.name!r}: {e.strerror or type(e).__name__}") \
-                from None
+            raise StorageFailed(f"cannot write session file {path.name!r}: {e.strerror or type(e).__name__}",
+                                full=e.errno in (errno.ENOSPC, errno.EDQUOT)) from None
         finally:
             if made:
                 try:
