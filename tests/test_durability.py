@@ -200,42 +200,56 @@ def test_a_save_the_file_system_refuses_is_a_server_error_and_keeps_the_old_file
     assert all("\n" not in out[k][3] for k in ("full", "read-only"))
 
 
-def test_a_worker_killed_with_parked_parts_on_it_is_re_read_never_restored_wrong(default_model_path):
+def test_a_worker_killed_with_parked_parts_on_it_is_re_read_never_restored_wrong(default_model_path, tmp_path):
     """A worker (a real process) SIGKILLed while one conversation is parked resident (its part an id in the
     worker's store) and one in host RAM: while it is gone each request is refused naming the reason once; once a
     fresh worker is up on its port, both conversations answer as they do played alone (the resident one read again,
-    the one in RAM restored from the main's copy of the worker's part)."""
-    from strata.errors import Unavailable
+    the one in RAM restored from the main's copy of the worker's part). Killed and replaced again while idle:
+    saving the live conversation (its worker part gone with the old worker) is refused and writes no file."""
+    from strata.errors import Refused, Unavailable
     from tests.daemon import WorkerProc
     alone = Engine(default_model_path, n_ctx=512, ubatch=32, conversation_cache_mib=0)
     refs = {t: play(alone, t, 2, []) for t in ("rivers", "ships")}
-    w = WorkerProc("--model", str(default_model_path)).start()
-    e = Engine(default_model_path, n_ctx=512, ubatch=32, layer_split="15", remote_stage=w.address, prompt_cache=4,
-               conversation_cache_mib=64, park_resident=1)
-    back = None
+    workers = [WorkerProc("--model", str(default_model_path)).start()]
+    e = Engine(default_model_path, n_ctx=512, ubatch=32, layer_split="15", remote_stage=workers[0].address,
+               prompt_cache=4, conversation_cache_mib=64, park_resident=1, slot_save_path=tmp_path)
+    stage = e.stages[-1]
+
+    def replace_worker():
+        workers[-1].stop(signal.SIGKILL)
+        workers.append(WorkerProc("--model", str(default_model_path), port=workers[0].port).start())
+
+    def link_back(epoch: int) -> None:
+        up = threading.Event()
+        for _ in range(600):          # the link's pings notice the dead worker, then it reconnects (backoff)
+            if stage.epoch > epoch and stage.unavailable() is None:
+                up.set()
+                break
+            up.wait(0.1)
+        assert up.is_set(), stage.unavailable()
     try:
         answers = {t: [] for t in ("rivers", "ships", "bread")}
         for t in answers:
             play(e, t, 1, answers[t])
         assert sorted(p["tier"] for p in e.parked()) == ["device", "ram"]
-        w.stop(signal.SIGKILL)
+        epoch = stage.epoch
+        workers[-1].stop(signal.SIGKILL)
         for _ in range(2):
             with pytest.raises(Unavailable) as exc:
                 ask(e, chat("rivers", 1, answers["rivers"]))
             assert str(exc.value).count("is unreachable") <= 1, str(exc.value)
-        back = WorkerProc("--model", str(default_model_path), port=w.port).start()
-        up = threading.Event()
-        for _ in range(600):                                 # the link reconnects on its own (backoff <= 2 s)
-            if e.stages[-1].unavailable() is None:
-                up.set()
-                break
-            up.wait(0.1)
-        assert up.is_set(), e.stages[-1].unavailable()
+        workers.append(WorkerProc("--model", str(default_model_path), port=workers[0].port).start())
+        link_back(epoch)
         for t in ("rivers", "ships"):
             toks, final = ask(e, chat(t, 1, answers[t]))
             assert toks == refs[t][1][0], t
+        epoch = stage.epoch
+        replace_worker()
+        link_back(epoch)
+        with pytest.raises(Refused, match="conversation is gone: a remote stage's worker restarted"):
+            e.slot_save(0, "ships.bin")
+        assert not (tmp_path / "ships.bin").exists()
     finally:
         e.close()
-        w.stop()
-        if back is not None:
-            back.stop()
+        for w in workers:
+            w.stop()

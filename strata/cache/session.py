@@ -182,6 +182,10 @@ def write(io: BinaryIO, conv: Conversation, fingerprint: str, stages: list) -> i
     their write does the parts); version 1 for one stage, 3 for several. Returns bytes written."""
     if len(conv.parts) != len(stages) or any(len(c.parts) != len(stages) for c in conv.checkpoints):
         raise SessionError("incomplete state: a part per stage is missing; nothing saved")
+    for i, p in enumerate(conv.parts):       # what read() refuses is never written
+        if p.pos != conv.pos:
+            raise SessionError(f"incomplete state: stage {i}'s part is at position {p.pos}, the conversation at "
+                               f"{conv.pos}; nothing saved")
     version = VERSION_ONE_STAGE if len(stages) == 1 else VERSION_STAGES
     header = {"fingerprint": fingerprint, "n_tokens": conv.pos, "live_ok": bool(conv.live_ok),
               "checkpoints": [[c.pos, c.kind] for c in conv.checkpoints],

@@ -185,11 +185,7 @@ class ConversationStore:
         forgets `seq` (it starts over) and propagates."""
         self.forget_dropped()
         try:
-            if seq.lost():         # a remote stage reconnected: the worker holds none of it any more
-                log.warning("a remote stage lost the live sequence and its checkpoints: reading from 0")
-                self.forget(seq)
-                self.checkpoints.clear()
-                self.parking.drop_gone()
+            self._drop_lost(seq, "reading from 0")
             found = lookup(self.checkpoints.tree, prompt)      # one walk along the prompt, both slots
             unparked = self.switch(seq, prompt, cache_prompt, trace, found)
             if unparked is None and self.share_prefix(seq, prompt, peers, cache_prompt, found):
@@ -282,6 +278,18 @@ class ConversationStore:
         self.forget_dropped()
         return self.checkpoints.save(p, kind, seq.with_room(lambda: seq.capture_at(p)), spill=self._spill)
 
+    def _drop_lost(self, seq: Sequence, then: str) -> bool:
+        """When a remote stage reconnected since `seq` was read (the worker holds none of it, nor its checkpoints):
+        forget `seq`, clear the tree and the resident conversations whose parts went with the link -> whether it
+        did (logged, `then` saying what follows)."""
+        if not seq.lost():
+            return False
+        log.warning(f"a remote stage lost the live sequence and its checkpoints: {then}")
+        self.forget(seq)
+        self.checkpoints.clear()
+        self.parking.drop_gone()
+        return True
+
     def forget(self, seq: Sequence) -> None:
         """`seq` back to position 0, not to be continued live: the next prompt resumes from a checkpoint or from 0
         (the tree and the parked conversations stay)."""
@@ -341,8 +349,8 @@ class ConversationStore:
         never fails the request that leaves the conversation."""
         self.forget_dropped()
         t = self.parking
-        if t.ram is None or seq.pos == 0 or not seq.live_ok:
-            return                   # nothing live, or a "strata_checkpoint": false request's
+        if t.ram is None or seq.pos == 0 or not seq.live_ok or self._drop_lost(seq, "nothing parked"):
+            return                   # nothing live, or a "strata_checkpoint": false request's, or gone
         try:
             t0 = time.perf_counter()
             if t.device is not None:
@@ -478,6 +486,10 @@ class ConversationStore:
     def save(self, seq: Sequence, path: Path, filename) -> dict[str, Any]:
         """Save `seq`'s conversation (with its checkpoints) to `path`, atomically -> llama-server's answer of a
         slot save. SessionError (one line), nothing written."""
+        if self._drop_lost(seq, "nothing saved"):
+            raise Refused("slot 0's conversation is gone: a remote stage's worker restarted (or its link reconnected) "
+                          "since it was read; nothing saved (send the conversation again, then save)",
+                          code="empty_slot")
         if seq.pos == 0:
             raise Refused("slot 0 holds no conversation (0 tokens): nothing to save", code="empty_slot")
         t0 = time.perf_counter()
