@@ -58,6 +58,9 @@ class ConversationStore:
         self.checkpoints = checkpoints
         # with parking off the tree's checkpoints alone spill to the disk tier
         disk = DiskTier(disk_dir, disk_bytes, write=self._write_file, read=self._read_file) if disk_dir else None
+        if disk is not None and disk.cleared:
+            log.info("conversation cache: files of an earlier run removed (parked conversations do not outlive the "
+                     "process; a session file does)", directory=str(disk.dir), files=disk.cleared)
         self.parking = ParkedConversations(checkpoints.tree, stages, park_bytes=park_bytes, resident=resident,
                                           disk=disk)
         self.slot_save_path = Path(slot_save_path) if slot_save_path else None
@@ -69,6 +72,11 @@ class ConversationStore:
         self._from_session: weakref.WeakSet = weakref.WeakSet()   # loaded from a file, not yet resumed
         self._restoring = None      # the checkpoint a restore is mounting (make_room does not drop it meanwhile)
         self._drops_seen = 0        # the stages' drop counts (Memory.drops) already acted on
+
+    def close(self) -> None:
+        """Give up the disk tier's directory (another process may use it from now on)."""
+        if self.disk is not None:
+            self.disk.close()
 
     def forget_dropped(self) -> None:
         """Forget what a worker dropped on its own to make room for a Forward (its Result named the ids,
@@ -177,11 +185,7 @@ class ConversationStore:
         forgets `seq` (it starts over) and propagates."""
         self.forget_dropped()
         try:
-            if seq.lost():         # a remote stage reconnected: the worker holds none of it any more
-                log.warning("a remote stage lost the live sequence and its checkpoints: reading from 0")
-                self.forget(seq)
-                self.checkpoints.clear()
-                self.parking.drop_gone()
+            self._drop_lost(seq, "reading from 0")
             found = lookup(self.checkpoints.tree, prompt)      # one walk along the prompt, both slots
             unparked = self.switch(seq, prompt, cache_prompt, trace, found)
             if unparked is None and self.share_prefix(seq, prompt, peers, cache_prompt, found):
@@ -274,6 +278,18 @@ class ConversationStore:
         self.forget_dropped()
         return self.checkpoints.save(p, kind, seq.with_room(lambda: seq.capture_at(p)), spill=self._spill)
 
+    def _drop_lost(self, seq: Sequence, then: str) -> bool:
+        """When a remote stage reconnected since `seq` was read (the worker holds none of it, nor its checkpoints):
+        forget `seq`, clear the tree and the resident conversations whose parts went with the link -> whether it
+        did (logged, `then` saying what follows)."""
+        if not seq.lost():
+            return False
+        log.warning(f"a remote stage lost the live sequence and its checkpoints: {then}")
+        self.forget(seq)
+        self.checkpoints.clear()
+        self.parking.drop_gone()
+        return True
+
     def forget(self, seq: Sequence) -> None:
         """`seq` back to position 0, not to be continued live: the next prompt resumes from a checkpoint or from 0
         (the tree and the parked conversations stay)."""
@@ -333,8 +349,8 @@ class ConversationStore:
         never fails the request that leaves the conversation."""
         self.forget_dropped()
         t = self.parking
-        if t.ram is None or seq.pos == 0 or not seq.live_ok:
-            return                   # nothing live, or a "strata_checkpoint": false request's
+        if t.ram is None or seq.pos == 0 or not seq.live_ok or self._drop_lost(seq, "nothing parked"):
+            return                   # nothing live, or a "strata_checkpoint": false request's, or gone
         try:
             t0 = time.perf_counter()
             if t.device is not None:
@@ -470,6 +486,10 @@ class ConversationStore:
     def save(self, seq: Sequence, path: Path, filename) -> dict[str, Any]:
         """Save `seq`'s conversation (with its checkpoints) to `path`, atomically -> llama-server's answer of a
         slot save. SessionError (one line), nothing written."""
+        if self._drop_lost(seq, "nothing saved"):
+            raise Refused("slot 0's conversation is gone: a remote stage's worker restarted (or its link reconnected) "
+                          "since it was read; nothing saved (send the conversation again, then save)",
+                          code="empty_slot")
         if seq.pos == 0:
             raise Refused("slot 0 holds no conversation (0 tokens): nothing to save", code="empty_slot")
         t0 = time.perf_counter()

@@ -300,5 +300,8 @@ class EngineConfig:
                         ("conversation-cache-dir", self.parking.disk_dir)):
             if d is not None and not os.path.isdir(d):
                 return f"--{flag} {d}: not a directory (create it first)"
+        if self.parking.disk_dir is not None:
+            from strata.cache.disk import dir_in_use
+            return dir_in_use(self.parking.disk_dir)
         return None
 

@@ -528,9 +528,12 @@ class Engine:
         return self.seq.unavailable()
 
     def close(self) -> None:
-        """Stop the stage links' threads and close their connections."""
+        """Stop the stage links' threads and close their connections; give up the disk tier's directory."""
         for st in self.stages:
             st.close()
+        store = getattr(self, "store", None)
+        if store is not None:
+            store.close()
 
     def checkpoints(self) -> list[dict]:
         """The kept checkpoints, for `stratactl cache`: dicts with pos, kind, bytes, last_use (see strata.cache)."""

@@ -111,6 +111,8 @@ class RemoteStage(StageBase):
 
     def _mark_down(self, why: str) -> None:
         with self._io:
+            if self.client is None and self.down_reason is not None:
+                return                      # already down: `why` is _live's refusal, which quotes the reason
             if self.client is not None:
                 self.client.close()
             self.client = None
