@@ -122,8 +122,9 @@ class Worker:
         frames stay plain), ``+spec`` (speculative decoding's verify and Commit, Carrier.forward / commit) and ``+park``
         (a kept part's bytes streamed to the main and back, Carrier.part_get / part_put), ``+drops`` (a Result names
         the kept parts dropped to make room for its Forward, Carrier.forward), ``+slots`` (a sequence per request
-        slot, addressed by the seq fields, and the batched decode step, Carrier.batch_forward)."""
-        own = [link.CAP_SPEC, link.CAP_PARK, link.CAP_DROPS, link.CAP_SLOTS]
+        slot, addressed by the seq fields, and the batched decode step, Carrier.batch_forward), ``+rowids`` (that
+        step's answer names each row's sequence and position, when the hello asks)."""
+        own = [link.CAP_SPEC, link.CAP_PARK, link.CAP_DROPS, link.CAP_SLOTS, link.CAP_ROWIDS]
         if self.cfg.key is None:
             return own
         return [link.CAP_MAC, link.CAP_AEAD] + ([link.CAP_ENCRYPT] if self.cfg.encrypt else []) + own
@@ -149,7 +150,8 @@ class Worker:
                 ack = next_hop.connect(Hello(protocol=link.VERSION, fingerprint=h.fingerprint, lo=nh.lo, hi=nh.hi,
                                              n_blocks=h.n_blocks, n_embd=h.n_embd, act_dtype=h.act_dtype,
                                              n_ctx=h.n_ctx, max_batch=h.max_batch, ckpt_max=h.ckpt_max,
-                                             next_hops=list(rest), nonce=b"", mac=b"", slots=h.slots))
+                                             next_hops=list(rest), nonce=b"", mac=b"", slots=h.slots,
+                                             row_ids=h.row_ids))
             except LinkDown as e:
                 raise Refuse(ErrorCode.NEXT_HOP, f"relay: {e}", fatal=True) from None
             next_hop.max_payload = max(1 << 20, max(int(h.max_batch), int(h.slots)) * (int(h.n_embd) * 4 + 16) + 4096)
