@@ -10,8 +10,8 @@ import numpy as np
 
 import link
 from link import (FLAG_ASYNC, Ack, BatchForward, BatchResult, BatchRows, Bye, Challenge, CkptRestore, CkptSave, Commit,
-                  Error, ErrorCode, Forward, Hello, HelloAck, Hop, PartData, PartGet, PartPut, Ping, Pong, Reset, Result,
-                  frame_bytes)
+                  Error, ErrorCode, Forward, Hello, HelloAck, Hop, PartData, PartGet, PartPut, Ping, Pong, Reset,
+                  Result, frame_bytes)
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN_PATH = ROOT / "tests" / "data" / "link_golden.json"

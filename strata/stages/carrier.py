@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 import structlog
 
-from link import (Ack, BatchForward, BatchResult, BatchRows, CkptRestore, CkptSave, Commit, ErrorCode, Forward, Hello, PartData,
-                  PartGet, PartPut, Reset, Result)
+from link import (Ack, BatchForward, BatchResult, BatchRows, CkptRestore, CkptSave, Commit, ErrorCode, Forward, Hello,
+                  PartData, PartGet, PartPut, Reset, Result)
 from strata.backend.quant import ROWWISE_MAX_TOKENS
 from strata.memory import FormatError, KVCacheFull, PartMismatch
 from strata.stages.link_client import PART_CHUNK, LinkClient, LinkDown, WorkerError, get_part, put_part
