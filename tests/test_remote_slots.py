@@ -215,6 +215,22 @@ def test_daemon_slots_over_a_worker_secrets_and_a_worker_killed_mid_batch(worker
             back.stop()
 
 
+def _rows(res, order):
+    """The BatchRows `res` with its rows (hidden rows and their ids together) in `order`: a worker whose batched step
+    put rows elsewhere, left one out or gave one twice, and names them as they are."""
+    return link.BatchRows(res.compute_us, res.hidden[order], res.dropped, [res.seqs[i] for i in order],
+                          [res.positions[i] for i in order])
+
+
+BAD_IDS = [    # (what a worker does to its BatchRows of two rows, what the 502 says)
+    ("swapped", lambda r: _rows(r, [1, 0]), "row 0 named as sequence"),
+    ("dropped", lambda r: _rows(r, [1]), "ids of 1 rows for a batched step of 2"),
+    ("repeated", lambda r: _rows(r, [0, 0]), "row 1 named as sequence"),
+    ("position", lambda r: link.BatchRows(r.compute_us, r.hidden, r.dropped, r.seqs, [r.positions[0] + 1,
+                                                                                   r.positions[1]]), "at position"),
+    ("no ids", lambda r: link.BatchResult(r.compute_us, r.hidden, r.dropped), "a BatchResult without row ids"),
+]
+
 BAD_BATCHES = [   # (what a worker does to its BatchResult of two rows, what the 502 says)
     ("nan", lambda r: _hidden(r, lambda h: _put(h, (1, 2), np.nan)), "non-finite hidden states (1 NaN, 0 infinite"),
     ("extra row", lambda r: _hidden(r, lambda h: np.concatenate([h, h[:1]])), "shape (3, "),
@@ -237,8 +253,19 @@ def _put(h, at, v):
 
 def test_a_workers_bad_batched_result_is_a_502_for_every_slot_and_the_link_recovers(llama, tmp_path, monkeypatch):
     """A worker whose BatchResult breaks what the BatchForward asked (NaN, a row too many or too few, a wrong width or
-    dtype, another message) fails every slot of that step with 502 worker_bad_result naming the fault, never a 400
+    dtype, another message; rows swapped, left out, repeated or at another position, as its row ids say, or no ids
+    where they were agreed) fails every slot of that step with 502 worker_bad_result naming the fault, never a 400
     and never an answer; the link comes back and both requests answer as before."""
+    _bad_batches(llama, tmp_path, monkeypatch, BAD_IDS + BAD_BATCHES, relay=False)
+
+
+def test_a_relay_passes_its_last_workers_row_ids_through(llama, tmp_path, monkeypatch):
+    """Over a relay of two workers the last worker's row ids reach the main unchanged: its swapped, left-out,
+    repeated or misplaced rows are the same 502s, naming the chain."""
+    _bad_batches(llama, tmp_path, monkeypatch, BAD_IDS[:4], relay=True)
+
+
+def _bad_batches(llama, tmp_path, monkeypatch, cases, relay):
     from strata.stages import carrier as cmod
     path, n_blocks = llama
     fault = {"now": None}
@@ -246,11 +273,12 @@ def test_a_workers_bad_batched_result_is_a_502_for_every_slot_and_the_link_recov
 
     def bad_batch_forward(self, m):
         res = batch_forward(self, m)
-        return res if fault["now"] is None else fault["now"](res)
+        return res if fault["now"] is None or self.next is not None else fault["now"](res)   # the last worker's
     monkeypatch.setattr(cmod.Carrier, "batch_forward", bad_batch_forward)
-    w = InProcessWorker(model=path)
-    d = Daemon(tmp_path, "--model", path, "--parallel", "2", "--remote-stage", w.address, "--layer-split",
-               str(n_blocks // 2), n_ctx=256).start()
+    ws = [InProcessWorker(model=path) for _ in range(2 if relay else 1)]
+    w = ws[-1]
+    d = Daemon(tmp_path, "--model", path, "--parallel", "2", "--remote-stage", ",".join(x.address for x in ws),
+               "--layer-split", "1,3" if relay else str(n_blocks // 2), "--require-row-ids", n_ctx=256).start()
 
     def both(max_tokens=8):    # a long answer with a fault on: the two surely meet in a batched step
         bodies = [{"prompt": f"{i} {i} {i} story", "max_tokens": max_tokens, "temperature": 0,
@@ -264,7 +292,7 @@ def test_a_workers_bad_batched_result_is_a_502_for_every_slot_and_the_link_recov
         assert st == 400 and body["error"]["param"] == "n" and "--prompt-cache" in body["error"]["message"], body
         rows = d.metric("strata_batched_rows_total")
         assert rows > 0
-        for name, corrupt, says in BAD_BATCHES:
+        for name, corrupt, says in cases:
             fault["now"] = corrupt
             got = both(200)
             fault["now"] = None
@@ -282,5 +310,6 @@ def test_a_workers_bad_batched_result_is_a_502_for_every_slot_and_the_link_recov
         assert d.metric("strata_batched_rows_total") > rows
     finally:
         d.stop()
-        w.close()
+        for x in ws:
+            x.close()
 

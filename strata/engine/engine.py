@@ -110,7 +110,8 @@ class Engine:
             return RemoteStage(index, hops, model, fingerprint=self.file.fingerprint(), n_ctx=self.n_ctx,
                                max_batch=min(self.ubatch, self.n_ctx), ckpt_max=parts, key=key,
                                encrypt=cfg.link.encrypt,
-                               insecure=cfg.link.insecure, slots=int(cfg.parallel))
+                               insecure=cfg.link.insecure, slots=int(cfg.parallel),
+                               require_row_ids=cfg.link.require_row_ids)
 
         self.remote = remote
         self.parallel = int(cfg.parallel)
