@@ -54,6 +54,7 @@ def test_hybrid_slots_over_a_worker_answer_as_alone(workers, hybrid):
     assert (stats["link"]["batched_steps"], stats["link"]["batched_rows"]) == \
         (stats["batched_steps"], stats["batched_rows"]), stats
     assert stats["prefill_parts"] >= 3 + 5                 # the long prompt in ubatch parts, among the decodes
+    assert stats["link"]["row_ids"] is True                 # every BatchResult named its rows, each checked
 
 
 def test_llama_slots_over_a_relay_of_two_workers_answer_as_alone(workers, llama):
@@ -63,6 +64,7 @@ def test_llama_slots_over_a_relay_of_two_workers_answer_as_alone(workers, llama)
     got, stats = _together(path, 3, remote_stage=f"{a.address},{b.address}", layer_split="1,3", prompt_cache=4)
     _same(got, want)
     assert stats["link"]["batched_steps"] == stats["batched_steps"] > 0 and stats["max_rows"] == 3, stats
+    assert stats["link"]["row_ids"] is True                 # the last worker's ids, through the relay
 
 
 def test_a_worker_without_slots_is_refused_for_several_and_serves_one(llama):
@@ -81,6 +83,23 @@ def test_a_worker_without_slots_is_refused_for_several_and_serves_one(llama):
             assert set(old.worker.carrier.seqs) == {0}    # one slot: only sequence 0, the frames it always had
         finally:
             e.close()
+    finally:
+        old.close()
+
+
+def test_a_worker_without_row_ids_is_refused_when_required_and_serves_unchecked_otherwise(llama):
+    path, _ = llama
+    old = InProcessWorker(caps=[link.CAP_SPEC, link.CAP_PARK, link.CAP_DROPS, link.CAP_SLOTS], model=path)
+    try:
+        with pytest.raises(WorkerRefused) as e:
+            Engine(path, n_ctx=256, device="cpu", parallel=2, remote_stage=old.address, layer_split="2",
+                   require_row_ids=True)
+        msg = str(e.value)
+        assert "+rowids" in msg and "--require-row-ids" in msg and old.address in msg and "\n" not in msg, msg
+        want = _alone(path)
+        got, stats = _together(path, 2, remote_stage=old.address, layer_split="2", prompt_cache=4)
+        _same(got, want)
+        assert stats["link"]["batched_steps"] > 0 and stats["link"]["row_ids"] is False, stats["link"]
     finally:
         old.close()
 
