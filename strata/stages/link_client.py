@@ -1,6 +1,7 @@
 """The main side of one stage link: LinkClient (one TCP connection to a worker: the hello, calls answered in order,
 Commits sent ahead and settled later, pings while waiting), a kept part's bytes streamed in chunks (get_part /
-put_part, ``+park``), the link's errors and the worker's address."""
+put_part, ``+park``), the link's errors (a worker's bad result: result_fault, rows_fault) and the worker's
+address."""
 from __future__ import annotations
 
 import itertools
@@ -14,8 +15,10 @@ import numpy as np
 import structlog
 
 import link
-from link import (Challenge, Error, Hello, HelloAck, LinkError, PartData, PartGet, PartPut, Ping, Pong, FLAG_ASYNC)
+from link import (Challenge, Error, ErrorCode, Hello, HelloAck, LinkError, PartData, PartGet, PartPut, Ping, Pong,
+                  FLAG_ASYNC)
 from strata.errors import EngineFault, Unavailable
+from strata.gguf import identity
 
 log = structlog.get_logger("strata.stages.remote")
 
@@ -119,12 +122,13 @@ class LinkClient:
     requires it); ``insecure`` accepts a worker that does not protect frames (plain frames, as without a key).
 
     A Hello that asks for row ids (``row_ids``) keeps asking only a worker that announces ``+rowids`` (``row_ids``
-    tells what was agreed); ``require_row_ids`` refuses one that does not, where the Hello asked.
+    tells what was agreed); ``require_row_ids`` refuses one that does not, where the Hello asked. ``model``: this
+    side's model summary; a worker that refuses it for another model is refused naming what differs.
     """
 
     def __init__(self, address: str, key: bytes | None = None, *, silent_after: float = SILENT_AFTER,
                  connect_timeout: float = CONNECT_TIMEOUT, encrypt: bool = False, insecure: bool = False,
-                 require_row_ids: bool = False):
+                 require_row_ids: bool = False, model: identity.ModelSummary | None = None):
         self.address = address
         self.host, self.port = parse_address(address)
         if encrypt and key is None:
@@ -143,6 +147,7 @@ class LinkClient:
         self.ack: HelloAck | None = None
         self.caps: set[str] = set()              # the capabilities the worker's Challenge announced
         self.require_row_ids = bool(require_row_ids)
+        self.model = model                       # this side's model: a worker's refusal of it names what differs
         self.row_ids = False                     # the worker answers a BatchForward with BatchRows (agreed at hello)
 
     # ---- the hello -----------------------------------------------------------------------------------------
@@ -188,6 +193,9 @@ class LinkClient:
             link.send_frame(sock, hello, 1)
             _, ack = link.recv_frame(sock, HANDSHAKE_MAX)
             if isinstance(ack, Error):
+                theirs = identity.parse_refusal(ack.message) if ack.code == ErrorCode.MODEL else None
+                if theirs is not None and self.model is not None:
+                    raise WorkerRefused(f"{who} {identity.mismatch(theirs, self.model)}")
                 raise WorkerRefused(f"{who} refused the hello: {ack.message}")
             if not isinstance(ack, HelloAck):
                 raise WorkerRefused(f"{who} answered the hello with {type(ack).__name__}")

@@ -58,7 +58,8 @@ class RemoteStage(StageBase):
 
     def __init__(self, index: int, hops: list[tuple[str, Carve]], model, *, fingerprint: str, n_ctx: int,
                  max_batch: int, ckpt_max: int, key: bytes | None = None, silent_after: float = SILENT_AFTER,
-                 encrypt: bool = False, insecure: bool = False, slots: int = 1, require_row_ids: bool = False):
+                 encrypt: bool = False, insecure: bool = False, slots: int = 1, require_row_ids: bool = False,
+                 summary=None):
         self.index = index
         self.hops = [(a, Carve(c.lo, c.hi)) for a, c in hops]
         self.carve = Carve(self.hops[0][1].lo, self.hops[-1][1].hi)
@@ -71,6 +72,7 @@ class RemoteStage(StageBase):
         self.slots = max(1, int(slots))
         self.encrypt, self.insecure = bool(encrypt), bool(insecure)
         self.require_row_ids = bool(require_row_ids)
+        self.summary = summary               # the main's model file (an identity.ModelSummary) for a worker's refusal
         self.client: LinkClient | None = None
         self.epoch = 0                       # connections made; a RemotePart of another epoch is gone
         self.memory = RemoteMemory(self, recurrent=bool(model.new_running_state(self.carve)),
@@ -98,7 +100,7 @@ class RemoteStage(StageBase):
 
     def _connect(self) -> None:
         client = LinkClient(self.hops[0][0], self.key, silent_after=self.silent_after, encrypt=self.encrypt,
-                            insecure=self.insecure, require_row_ids=self.require_row_ids)
+                            insecure=self.insecure, require_row_ids=self.require_row_ids, model=self.summary)
         ack = client.connect(self._hello())
         n_embd = int(self.model.config.n_embd)
         client.max_payload = max(1 << 20, max(self.max_batch, self.slots) * (n_embd * 4 + 16) + 4096)
