@@ -453,7 +453,11 @@ def _put(out: _Out, what: str, kind: str, v) -> None:
         if len(seqs) != len(positions):
             raise FrameError(f"{what}: {len(seqs)} sequence ids but {len(positions)} positions")
         out.buf += _COUNT.pack(_int(f"{what} count", len(seqs), 32))
-        for i, (q, p) in enumerate(zip(seqs, positions)):
+        flat = [x for row in zip(seqs, positions) for x in row]
+        if all(type(x) is int and 0 <= x <= 0xFFFFFFFF for x in flat):      # the usual case, checked at once
+            out.buf += struct.pack(f"<{len(flat)}I", *flat)
+            return
+        for i, (q, p) in enumerate(zip(seqs, positions)):                 # else the row at fault is named
             out.buf += _ROW.pack(_int(f"{what}[{i}].seq", q, 32), _int(f"{what}[{i}].pos", p, 32))
         return
     if kind in _INTS:
@@ -634,8 +638,8 @@ def _get(inp: _In, what: str, kind: str):
             inp.refuse(f"{what} count {n} is outside 1..{MAX_ROWS}")
         if _ROW.size * n > inp.left:
             inp.refuse(f"{what} count {n} needs {_ROW.size * n} bytes, {inp.left} are left")
-        rows = np.frombuffer(inp.take(_ROW.size * n, what), dtype="<u4").reshape(n, 2)
-        return rows[:, 0].tolist(), rows[:, 1].tolist()
+        flat = struct.unpack(f"<{2 * n}I", inp.take(_ROW.size * n, what))
+        return list(flat[0::2]), list(flat[1::2])
     if kind == "more_ids" and not inp.left:
         return []                                # an optional last field, absent
     if kind in ("ids", "more_ids"):
