@@ -171,8 +171,8 @@ def main() -> int:
         "notes": "codec: in process, per answer, the worker's send (encode + frame, sealed for mac) and the "
                  "main's receive (read + open + decode) and rows_fault, the min over interleaved timings, for each "
                  "row count and protection; ratio = ids / no ids. worker: a real keyed strata worker (default "
-                 "model, layers n/3..n, --threads 1) on loopback, one BatchForward of `rows` rows a step, a fresh connection per "
-                 "round and arm (interleaved), link time = round trip (including the main's check) less the "
+                 "model, layers n/3..n, --threads 1) on loopback, one BatchForward of `rows` rows a step, a fresh "
+                 "connection per round and arm (interleaved), link time = round trip (including the main's check) less the "
                  "compute the answer reports; ratio of the medians (a ratio within the spread of round_medians_us "
                  "is no measurable cost).",
     }
