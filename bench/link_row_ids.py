@@ -172,9 +172,9 @@ def main() -> int:
                  "main's receive (read + open + decode) and rows_fault, the min over interleaved timings, for each "
                  "row count and protection; ratio = ids / no ids. worker: a real keyed strata worker (default "
                  "model, layers n/3..n, --threads 1) on loopback, one BatchForward of `rows` rows a step, a fresh "
-                 "connection per round and arm (interleaved), link time = round trip (including the main's check) less the "
-                 "compute the answer reports; ratio of the medians (a ratio within the spread of round_medians_us "
-                 "is no measurable cost).",
+                 "connection per round and arm (interleaved), link time = round trip (including the main's "
+                 "check) less the compute the answer reports; ratio of the medians (a ratio within the spread of "
+                 "round_medians_us is no measurable cost).",
     }
     tag = "".join(ch if ch.isalnum() else "_" for ch in cpu_name())[:40].strip("_")
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"link_row_ids_{tag}_{result['commit']}.json"
