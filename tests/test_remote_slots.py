@@ -138,6 +138,50 @@ def test_the_worker_refuses_bad_batched_rows(llama):
         w.close()
 
 
+def test_a_relay_refuses_its_next_workers_answer_without_the_agreed_ids(llama, monkeypatch):
+    """A relay asked for row ids asks its next worker too; an answer from it without them (or with them where none
+    were agreed) is the relay's ERROR NEXT_HOP naming that worker, never rows passed on unnamed."""
+    from strata.stages import carrier as cmod
+    path, _ = llama
+    batch_forward = cmod.Carrier.batch_forward
+    strip = {"on": True}
+
+    def last_strips_ids(self, m):
+        res = batch_forward(self, m)
+        if self.next is None and strip["on"]:
+            return BatchResult(res.compute_us, res.hidden, res.dropped)
+        return res
+    monkeypatch.setattr(cmod.Carrier, "batch_forward", last_strips_ids)
+    a, b = InProcessWorker(model=path), InProcessWorker(model=path)
+    e = Engine(path, n_ctx=64, device="cpu")
+    try:
+        d = int(e.config.n_embd)
+        h2, t2 = np.ones((2, d), np.float32), np.array([5, 6], np.int32)
+        for row_ids in (True, False):
+            c = LinkClient(a.address)
+            c.connect(Hello(protocol=link.VERSION, fingerprint=e.file.fingerprint(), lo=1, hi=3, n_blocks=4,
+                            n_embd=d, act_dtype="f32", n_ctx=512, max_batch=16, ckpt_max=0, nonce=b"", slots=2,
+                            next_hops=[link.Hop("127.0.0.1", int(b.address.rpartition(":")[2]), 3, 4)],
+                            row_ids=row_ids))
+            assert c.row_ids is row_ids and a.worker.carrier.next.row_ids is row_ids
+            strip["on"] = row_ids
+            if not row_ids:      # no ids agreed: the last worker names its rows anyway
+                monkeypatch.setattr(cmod.Carrier, "batch_forward", lambda self, m: (
+                    lambda r: link.BatchRows(r.compute_us, r.hidden, r.dropped, list(m.seqs), list(m.positions))
+                    if self.next is None else r)(batch_forward(self, m)))
+            with pytest.raises(WorkerError) as err:
+                c.call(BatchForward(seqs=[0, 1], positions=[0, 0], tokens=t2, hidden=h2))
+            msg = str(err.value)
+            assert err.value.link_code == ErrorCode.NEXT_HOP and b.address in msg, msg
+            assert ("a BatchResult" if row_ids else "a BatchRows") in msg and "\n" not in msg, msg
+            c.close()
+            time.sleep(0.3)
+    finally:
+        e.close()
+        a.close()
+        b.close()
+
+
 def _client(d):
     return openai.OpenAI(base_url=f"http://127.0.0.1:{d.port}/v1", api_key="unused", max_retries=0, timeout=120)
 
