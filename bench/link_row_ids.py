@@ -62,19 +62,39 @@ def _step(msg, frames, seqs, pos, flag):
     return step
 
 
+def _parts(msg, seqs, pos, flag) -> dict:
+    """The answer's trip in parts, plain frames: the worker's send, the main's receive + decode, its check."""
+    from link_mac import _Sink
+    sink = _Sink()
+    link.send_frame(sink, msg, 2)
+    data = b"".join(sink.parts)
+    got = link.recv_frame(_Source(data), 1 << 30)[1]
+    return {"send": lambda: link.send_frame(sink, msg, 2), "recv": lambda: link.recv_frame(_Source(data), 1 << 30),
+            "check": lambda: rows_fault(got, seqs, pos, flag)}
+
+
 def codec_arm(rows: list[int], n_embd: int, n: int, trials: int) -> dict:
-    """Microseconds per answer of each arm: the min over `trials` interleaved timings of n steps each."""
+    """Microseconds per answer of each arm: the min over `trials` interleaved timings of n steps each (and, plain
+    frames, of each part of the step)."""
     out = {}
     for frames in (None, FRAMES_MAC):
         for k in rows:
             seqs, pos, plain, ids = answers(k, n_embd)
             steps = {"no_ids": _step(plain, frames, seqs, pos, False), "ids": _step(ids, frames, seqs, pos, True)}
+            parts = {"no_ids": _parts(plain, seqs, pos, False), "ids": _parts(ids, seqs, pos, True)}
             got = {name: float("inf") for name in steps}
+            part = {(name, p): float("inf") for name in parts for p in parts[name]}
             for t in range(trials):
                 for name in (("no_ids", "ids") if t % 2 == 0 else ("ids", "no_ids")):
                     got[name] = min(got[name], best(steps[name], n, repeat=1))
+                    if frames is None:
+                        for p, fn in parts[name].items():
+                            part[name, p] = min(part[name, p], best(fn, n, repeat=1))
             arm = {name: {"us": round(v * 1e6, 3), "frame_bytes": len(link.frame_bytes(m, 2))}
                    for (name, v), m in zip(got.items(), (plain, ids))}
+            if frames is None:
+                for (name, p), v in part.items():
+                    arm[name][f"{p}_us"] = round(v * 1e6, 3)
             arm["added_us"] = round(arm["ids"]["us"] - arm["no_ids"]["us"], 3)
             arm["ratio"] = round(arm["ids"]["us"] / arm["no_ids"]["us"], 4)
             out[f"{frames or 'plain'}_rows{k}"] = arm
