@@ -126,12 +126,23 @@ def test_the_worker_refuses_bad_batched_rows(llama):
             assert err.value.link_code == code and needle in str(err.value), str(err.value)
         # nothing was read by the refused rows: both sequences still at 0, a batched step reads them there
         res = c.call(BatchForward(seqs=[1, 0], positions=[0, 0], tokens=t2, hidden=h2))
-        assert isinstance(res, BatchResult) and res.hidden.shape == (2, d)
+        assert type(res) is BatchResult and res.hidden.shape == (2, d)      # no row ids asked: the answer of old
         # row 1 (sequence 0, token 6) is that sequence's lone one-token Forward, bit for bit
         assert c.call(Reset(keep=[], seq=0)).pos == 0
         lone = c.call(Forward(pos=0, want_all=False, tokens=t2[1:], hidden=h2[1:], seq=0))
         assert lone.pos == 1 and lone.hidden.tobytes() == res.hidden[1:].tobytes()
         assert c.call(Forward(pos=1, want_all=False, tokens=t1, hidden=h1, seq=1)).pos == 2   # sequence 1 read on
+        c.close()
+        time.sleep(0.3)
+        # asked for row ids, the same step is answered with each row's sequence and the position its token took
+        c = LinkClient(w.address)
+        c.connect(Hello(protocol=link.VERSION, fingerprint=e.file.fingerprint(), lo=2, hi=4, n_blocks=4,
+                        n_embd=d, act_dtype="f32", n_ctx=512, max_batch=16, ckpt_max=0, next_hops=[], nonce=b"",
+                        slots=2, row_ids=True))
+        assert c.call(Forward(pos=0, want_all=False, tokens=t1, hidden=h1, seq=1)).pos == 1
+        rows = c.call(BatchForward(seqs=[1, 0], positions=[1, 0], tokens=t2, hidden=h2))
+        assert type(rows) is link.BatchRows and (rows.seqs, rows.positions) == ([1, 0], [1, 0])
+        assert rows.hidden[1:].tobytes() == res.hidden[1:].tobytes()     # sequence 0's row: the same bits
         c.close()
     finally:
         e.close()
