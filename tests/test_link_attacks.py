@@ -341,7 +341,7 @@ def test_a_plain_main_is_refused_unless_the_worker_has_insecure_link(workers, tm
     s, ch, _, reply = _plain_main_hello(key, w.address)
     s.close()
     assert link.split_challenge_name(ch.worker)[1] == {link.CAP_MAC, link.CAP_AEAD, link.CAP_SPEC, link.CAP_PARK,
-                                                       link.CAP_DROPS, link.CAP_SLOTS}
+                                                       link.CAP_DROPS, link.CAP_SLOTS, link.CAP_ROWIDS}
     assert isinstance(reply, link.Error) and reply.code == link.ErrorCode.AUTH
     assert "does not authenticate frames" in reply.message and "--insecure-link" in reply.message
     time.sleep(0.3)

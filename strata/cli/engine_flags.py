@@ -104,6 +104,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--insecure-link", action="store_true",
                    help="accept a keyed worker that does not authenticate frames after the hello (an older strata); "
                         "its frames are then protected by checksums only")
+    r.add_argument("--require-row-ids", action="store_true",
+                   help="with --parallel above 1, refuse a worker that does not name each row of a batched decode "
+                        "step (an older strata worker without +rowids); by default such a worker serves unchecked")
 
 
 def add_tier_args(p: argparse.ArgumentParser) -> None:

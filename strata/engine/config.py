@@ -54,12 +54,14 @@ class ParkingConfig:
 class LinkConfig:
     """Remote stages. remote_stage: 'HOST:PORT[,HOST:PORT...]', workers running the last carves in chain order;
     key_file: the stage link's shared key (with it every frame after the hello is authenticated); encrypt: encrypt
-    the frames too (needs key_file); insecure: accept a keyed worker that does not protect frames."""
+    the frames too (needs key_file); insecure: accept a keyed worker that does not protect frames; require_row_ids:
+    refuse, with --parallel above 1, a worker that does not name the rows of a batched step (+rowids)."""
 
     remote_stage: str | None = None
     key_file: str | None = None
     encrypt: bool = False
     insecure: bool = False
+    require_row_ids: bool = False
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,7 @@ FLAT = {
     "slot_save_path": ("parking", "slot_save_path"), "slot_quota_mib": ("parking", "slot_quota_mib"),
     "remote_stage": ("link", "remote_stage"), "link_key_file": ("link", "key_file"),
     "link_encrypt": ("link", "encrypt"), "insecure_link": ("link", "insecure"),
+    "require_row_ids": ("link", "require_row_ids"),
     "moe_vram_mib": ("moe", "vram_mib"), "adapt_every": ("moe", "adapt_every"), "adapt_swaps": ("moe", "adapt_swaps"),
     "pcie_frac": ("moe", "pcie_frac"),
     "spec": ("spec", "n"), "spec_min_p": ("spec", "min_p"), "spec_adaptive": ("spec", "adaptive"),

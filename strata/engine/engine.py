@@ -22,6 +22,7 @@ from strata.backend import quant
 
 from strata.cache.checkpoints import CheckpointCache
 from strata.cache.store import ConversationStore
+from strata.gguf import identity
 from strata.gguf.default_model import resolve_model
 from strata.engine import embed as embeddings, report
 from strata.engine.config import EngineConfig
@@ -110,7 +111,9 @@ class Engine:
             return RemoteStage(index, hops, model, fingerprint=self.file.fingerprint(), n_ctx=self.n_ctx,
                                max_batch=min(self.ubatch, self.n_ctx), ckpt_max=parts, key=key,
                                encrypt=cfg.link.encrypt,
-                               insecure=cfg.link.insecure, slots=int(cfg.parallel))
+                               insecure=cfg.link.insecure, slots=int(cfg.parallel),
+                               require_row_ids=cfg.link.require_row_ids,
+                               summary=identity.summary(self.file, self.model_path, int(model.n_blocks)))
 
         self.remote = remote
         self.parallel = int(cfg.parallel)

@@ -1,6 +1,7 @@
 """The main side of one stage link: LinkClient (one TCP connection to a worker: the hello, calls answered in order,
 Commits sent ahead and settled later, pings while waiting), a kept part's bytes streamed in chunks (get_part /
-put_part, ``+park``), the link's errors and the worker's address."""
+put_part, ``+park``), the link's errors (a worker's bad result: result_fault, rows_fault) and the worker's
+address."""
 from __future__ import annotations
 
 import itertools
@@ -14,8 +15,10 @@ import numpy as np
 import structlog
 
 import link
-from link import (Challenge, Error, Hello, HelloAck, LinkError, PartData, PartGet, PartPut, Ping, Pong, FLAG_ASYNC)
+from link import (Challenge, Error, ErrorCode, Hello, HelloAck, LinkError, PartData, PartGet, PartPut, Ping, Pong,
+                  FLAG_ASYNC)
 from strata.errors import EngineFault, Unavailable
+from strata.gguf import identity
 
 log = structlog.get_logger("strata.stages.remote")
 
@@ -73,6 +76,28 @@ def result_fault(h, rows: int, n_embd: int) -> str | None:
 
 
 
+def rows_fault(res, seqs: list[int], positions: list[int], row_ids: bool) -> str | None:
+    """What is wrong with the ids of a BatchForward's answer `res` (the hidden rows checked apart, result_fault), for
+    the rows of sequences `seqs` at `positions`, or None: with ``row_ids`` agreed at the hello it must be a BatchRows
+    naming exactly those rows in that order; without, a plain BatchResult."""
+    if not isinstance(res, link.BatchResult):
+        return f"a {type(res).__name__} to a BatchForward"
+    if not row_ids:
+        return None if type(res) is link.BatchResult else \
+            f"a {type(res).__name__} to a BatchForward (row ids were not asked for at the hello)"
+    if not isinstance(res, link.BatchRows):
+        return "a BatchResult without row ids (they were agreed at the hello)"
+    want = list(zip(seqs, positions))
+    got = list(zip(res.seqs, res.positions))
+    if got == want:
+        return None
+    if len(got) != len(want):
+        return f"ids of {len(got)} rows for a batched step of {len(want)}"
+    i = next(k for k, (g, w) in enumerate(zip(got, want)) if g != w)
+    return (f"row {i} named as sequence {got[i][0]} at position {got[i][1]}, where sequence {want[i][0]} at "
+            f"{want[i][1]} was asked")
+
+
 def parse_address(addr: str) -> tuple[str, int]:
     """'HOST:PORT' or '[IPv6]:PORT' -> (host, port); ValueError (one line) otherwise."""
     s = str(addr).strip()
@@ -95,10 +120,15 @@ class LinkClient:
 
     With a key every frame after the hello is authenticated (encrypted with ``encrypt``, or when the worker
     requires it); ``insecure`` accepts a worker that does not protect frames (plain frames, as without a key).
+
+    A Hello that asks for row ids (``row_ids``) keeps asking only a worker that announces ``+rowids`` (``row_ids``
+    tells what was agreed); ``require_row_ids`` refuses one that does not, where the Hello asked. ``model``: this
+    side's model summary; a worker that refuses it for another model is refused naming what differs.
     """
 
     def __init__(self, address: str, key: bytes | None = None, *, silent_after: float = SILENT_AFTER,
-                 connect_timeout: float = CONNECT_TIMEOUT, encrypt: bool = False, insecure: bool = False):
+                 connect_timeout: float = CONNECT_TIMEOUT, encrypt: bool = False, insecure: bool = False,
+                 require_row_ids: bool = False, model: identity.ModelSummary | None = None):
         self.address = address
         self.host, self.port = parse_address(address)
         if encrypt and key is None:
@@ -116,6 +146,9 @@ class LinkClient:
         self.sent_bytes = self.received_bytes = 0
         self.ack: HelloAck | None = None
         self.caps: set[str] = set()              # the capabilities the worker's Challenge announced
+        self.require_row_ids = bool(require_row_ids)
+        self.model = model                       # this side's model: a worker's refusal of it names what differs
+        self.row_ids = False                     # the worker answers a BatchForward with BatchRows (agreed at hello)
 
     # ---- the hello -----------------------------------------------------------------------------------------
     def connect(self, hello: Hello) -> HelloAck:
@@ -149,12 +182,20 @@ class LinkClient:
                 raise WorkerRefused(f"{who} does not announce +slots (an older strata worker holds one sequence): "
                                     f"--parallel {hello.slots} needs a worker that holds one per slot; upgrade it or "
                                     f"use --parallel 1")
+            if hello.row_ids and link.CAP_ROWIDS not in caps:
+                if self.require_row_ids:
+                    raise WorkerRefused(f"{who} does not announce +rowids (an older strata worker): it cannot name "
+                                        f"the rows of a batched step, which --require-row-ids asks for; upgrade it")
+                hello.row_ids = False
             hello.nonce, hello.mac = secrets.token_bytes(32), b""
             if self.key is not None:
                 hello.mac = link.hello_mac(self.key, ch.nonce, hello, frames)
             link.send_frame(sock, hello, 1)
             _, ack = link.recv_frame(sock, HANDSHAKE_MAX)
             if isinstance(ack, Error):
+                theirs = identity.parse_refusal(ack.message) if ack.code == ErrorCode.MODEL else None
+                if theirs is not None and self.model is not None:
+                    raise WorkerRefused(f"{who} {identity.mismatch(theirs, self.model)}")
                 raise WorkerRefused(f"{who} refused the hello: {ack.message}")
             if not isinstance(ack, HelloAck):
                 raise WorkerRefused(f"{who} answered the hello with {type(ack).__name__}")
@@ -186,6 +227,7 @@ class LinkClient:
             log.warning("stage link frames are not authenticated (--insecure-link)", worker=self.address)
         self.sock, self.ack, self.heard = sock, ack, time.monotonic()
         self.caps = link.split_challenge_name(ch.worker)[1]
+        self.row_ids = bool(hello.row_ids)
         return ack
 
     def close(self) -> None:

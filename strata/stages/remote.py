@@ -10,10 +10,10 @@ import numpy as np
 import structlog
 
 import link
-from link import BatchForward, BatchResult, Forward, Hello, Hop, Result
+from link import BatchForward, Forward, Hello, Hop, Result
 from strata.memory import Carve
 from strata.stages.link_client import (BACKOFF, PING_EVERY, SILENT_AFTER, LinkClient, LinkDown, WorkerBadResult,
-                                       WorkerError, parse_address, result_fault)
+                                       WorkerError, parse_address, result_fault, rows_fault)
 from strata.stages.remote_memory import CheckpointGone, RemoteMemory
 from strata.stages.stage import StageBase
 
@@ -48,16 +48,18 @@ class RemoteStage(StageBase):
 
     The main decides positions and which checkpoints exist. With ``slots`` > 1 (--parallel) the worker holds one
     sequence per request slot (``+slots``), each addressed by its id, and a batched decode step of several slots is
-    one BatchForward round trip (``forward_batch``). A link failure fails the requests in flight (LinkDown); a
-    background thread then reconnects with backoff, and the fresh worker state makes the engine start every live
-    sequence and its checkpoints over (``lost``).
+    one BatchForward round trip (``forward_batch``), whose answer names each row's sequence and position where the
+    worker announces ``+rowids`` (required with ``require_row_ids``), checked before a row is used. A link failure
+    fails the requests in flight (LinkDown); a background thread then reconnects with backoff, and the fresh worker
+    state makes the engine start every live sequence and its checkpoints over (``lost``).
     """
 
     runner_name = "LinkClient"
 
     def __init__(self, index: int, hops: list[tuple[str, Carve]], model, *, fingerprint: str, n_ctx: int,
                  max_batch: int, ckpt_max: int, key: bytes | None = None, silent_after: float = SILENT_AFTER,
-                 encrypt: bool = False, insecure: bool = False, slots: int = 1):
+                 encrypt: bool = False, insecure: bool = False, slots: int = 1, require_row_ids: bool = False,
+                 summary=None):
         self.index = index
         self.hops = [(a, Carve(c.lo, c.hi)) for a, c in hops]
         self.carve = Carve(self.hops[0][1].lo, self.hops[-1][1].hi)
@@ -69,6 +71,8 @@ class RemoteStage(StageBase):
         self.key, self.silent_after = key, silent_after
         self.slots = max(1, int(slots))
         self.encrypt, self.insecure = bool(encrypt), bool(insecure)
+        self.require_row_ids = bool(require_row_ids)
+        self.summary = summary               # the main's model file (an identity.ModelSummary) for a worker's refusal
         self.client: LinkClient | None = None
         self.epoch = 0                       # connections made; a RemotePart of another epoch is gone
         self.memory = RemoteMemory(self, recurrent=bool(model.new_running_state(self.carve)),
@@ -92,11 +96,11 @@ class RemoteStage(StageBase):
                      n_ctx=self.n_ctx, max_batch=self.max_batch, ckpt_max=self.ckpt_max,
                      next_hops=[Hop(host=host, port=port, lo=cc.lo, hi=cc.hi)
                                 for (host, port), cc in ((parse_address(a), cc) for a, cc in self.hops[1:])],
-                     nonce=b"", mac=b"", slots=self.slots)
+                     nonce=b"", mac=b"", slots=self.slots, row_ids=self.slots > 1)
 
     def _connect(self) -> None:
         client = LinkClient(self.hops[0][0], self.key, silent_after=self.silent_after, encrypt=self.encrypt,
-                            insecure=self.insecure)
+                            insecure=self.insecure, require_row_ids=self.require_row_ids, model=self.summary)
         ack = client.connect(self._hello())
         n_embd = int(self.model.config.n_embd)
         client.max_payload = max(1 << 20, max(self.max_batch, self.slots) * (n_embd * 4 + 16) + 4096)
@@ -271,8 +275,8 @@ class RemoteStage(StageBase):
             self.settle()
         res = self.call(BatchForward(seqs=sids, positions=at, tokens=toks, hidden=x))
         n_embd = int(self.model.config.n_embd)
-        fault = (f"a {type(res).__name__} to a BatchForward" if not isinstance(res, BatchResult)
-                 else result_fault(res.hidden, n, n_embd))
+        # the rows' ids (+rowids) first: a worker that swapped, dropped or repeated a row is named as such
+        fault = rows_fault(res, sids, at, c.row_ids) or result_fault(res.hidden, n, n_embd)
         if fault is not None:
             self._mark_down(f"returned {fault}")
             raise WorkerBadResult(f"stage {self.index} ({self.device}): the worker returned {fault} (a batched "
@@ -307,6 +311,7 @@ class RemoteStage(StageBase):
                          "workers": [{"address": a, "layer_lo": cc.lo, "layer_hi": cc.hi} for a, cc in self.hops],
                          "rtt_ms": None if self.rtt_s is None else round(self.rtt_s * 1e3, 3),
                          "checkpoints_held": self.memory.held, "store_bytes": self.memory.store_bytes,
-                         "slots": self.slots, "batched_steps": self.batched_steps,
+                         "slots": self.slots, "row_ids": bool(c.row_ids) if c else None,
+                         "batched_steps": self.batched_steps,
                          "batched_rows": self.batched_rows,
                          "bytes_sent": c.sent_bytes if c else 0, "bytes_received": c.received_bytes if c else 0}}
