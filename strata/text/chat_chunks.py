@@ -136,13 +136,14 @@ class _Loop:
         self.index0, self.index, self.first, self.last = index0, index0 + 1, index0 == 0, last
 
 
-def _split_sentinels(stext: str, table: dict[str, str], nonce: str) -> list[tuple[str, bool]]:
-    """[(text, parse_special)] of a sentinel rendering: each sentinel of `table` found becomes its client string
-    (False), the text between them template text (True). Every sentinel is zqx{nonce}s{i}qzx: one small pattern
-    whatever the number of client strings (the nonce is hex, so no sentinel starts inside another's text); one the
-    table lacks (a template rewrote it) stays template text."""
+def _split_sentinels(stext: str, table, nonce: str) -> list[tuple[str, bool]]:
+    """[(text, parse_special)] of a sentinel rendering: each sentinel of `table` (a mapping with .get) found becomes
+    its client string (False), the text between them template text (True). Every sentinel is zqx{nonce}s{i}qzx or,
+    tagged with the index j of its message, zqx{nonce}x{j}s{i}qzx: one small pattern whatever the number of client
+    strings (the nonce is hex, so no sentinel starts inside another's text); one the table lacks (a template
+    rewrote it) stays template text."""
     pieces: list[tuple[str, bool]] = []
-    pat = re.compile(re.escape(f"zqx{nonce}s") + r"[0-9]+qzx")
+    pat = re.compile(re.escape(f"zqx{nonce}") + r"(?:x[0-9]+)?s[0-9]+qzx")
     pos = 0
     for m in pat.finditer(stext):
         string = table.get(m.group(0))

@@ -19,6 +19,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from strata.text.chat_chunks import MessageChunks, _split_sentinels, split_template
 from strata.text.chat_prefixes import PrefixEnds, is_plain, prefix_digests
+from strata.text.chat_window import WindowChunks, split_window
 from strata.text.token_ids import frozen_ids
 from strata.text.tokenizer import Tokenizer
 from strata.text.turn_tokens import TurnTokens
@@ -252,7 +253,11 @@ class ChatTemplate:
         # each message's output kept across requests where the template provably renders messages one by one
         # (strata.text.chat_chunks); checked once against the whole render on the first chat it renders
         split = split_template(env, template_str)
-        self.chunks = None if split is None else MessageChunks(split, _prepare_message, self._substitute)
+        if split is not None:
+            self.chunks = MessageChunks(split, _prepare_message, self._substitute)
+        else:          # messages that read their neighbours or the state set before the loop (strata.text.chat_window)
+            wsplit = split_window(env, template_str)
+            self.chunks = None if wsplit is None else WindowChunks(wsplit, _prepare_message, self._substitute)
         self._chunks_checked = False
 
     @classmethod

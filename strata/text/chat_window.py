@@ -1,0 +1,590 @@
+"""WindowChunks: message outputs kept across requests for chat templates whose messages see their neighbours and the
+state computed before the loop (Qwen's look-back for the last user query, tool results grouped with their
+neighbours), proven from the jinja AST; a later turn re-renders only the messages whose output can have changed."""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import jinja2
+import jinja2.nodes as nodes
+import jinja2.utils
+
+from strata.text.chat_chunks import (_LOOP_ATTRS, _MARK, _NOT_IN_BODY, _UNSTABLE, MAX_NEW, Chunked, MessageChunks,
+                                     _all_str, _extend, _joined, _Loop, _split_sentinels)
+
+__all__ = ["WindowSplit", "WindowChunks", "split_window"]
+
+_COMPARE_OPS = frozenset({"gt", "gteq", "lt", "lteq", "eq", "ne"})
+_PY_OPS = {"gt": operator.gt, "ge": operator.ge, "lt": operator.lt, "le": operator.le, "eq": operator.eq,
+           "ne": operator.ne}
+_SAFE_LOOP = frozenset({"index", "index0", "revindex", "revindex0", "length", "first", "last"})
+_SCALARS = (str, int, float, bool, type(None))
+
+
+@dataclass(frozen=True)
+class WindowSplit:
+    """A template cut at its loop over the messages: `outer` (the template with the loop replaced by the variable
+    strata_loop_output, its flag-guarded look-back loops stopping once their flag is cleared) and `body` (the loop's
+    body as a template: the message as `target`, `loop` with first / last / index / index0, `messages` the chat).
+    A message's output depends only on itself, messages[0], the messages `behind` before and `ahead` after it,
+    whether it is the last, the render's other inputs and the values of `state` (names the outer sets before the
+    loop) the body reads: `compared` ((name, attribute) of a namespace read only as an operand of a comparison: a
+    message depends on the comparisons' outcomes) and `exact` (any other read: it depends on the value)."""
+    outer: jinja2.Template
+    body: jinja2.Template
+    target: str
+    behind: int
+    ahead: int
+    state: frozenset
+    compared: frozenset
+    exact: frozenset
+
+
+def _leftmost(test: nodes.Node) -> nodes.Node:
+    while isinstance(test, nodes.And):
+        test = test.left
+    return test
+
+
+def _safe_expr(node: nodes.Node, local: set[str]) -> bool:
+    """An expression that raises either in every iteration of a loop or in none: constants, names the loop does not
+    set, loop counters, |length and + - * of those."""
+    if isinstance(node, nodes.Const):
+        return type(node.value) in (int, str, bool)
+    if isinstance(node, nodes.Name):
+        return node.ctx == "load" and node.name not in local and node.name != "loop"
+    if isinstance(node, nodes.Getattr):
+        return isinstance(node.node, nodes.Name) and node.node.name == "loop" and node.attr in _SAFE_LOOP
+    if isinstance(node, nodes.Filter):
+        return (node.name in ("length", "count") and not node.args and not node.kwargs and node.dyn_args is None
+                and node.dyn_kwargs is None and node.node is not None and _safe_expr(node.node, local))
+    if isinstance(node, (nodes.Add, nodes.Sub, nodes.Mul)):
+        return _safe_expr(node.left, local) and _safe_expr(node.right, local)
+    if isinstance(node, (nodes.Neg, nodes.Pos)):
+        return _safe_expr(node.node, local)
+    return False
+
+
+def _stop_when_cleared(loop: nodes.For) -> nodes.For | None:
+    """`loop` with a break once its flag is cleared, when it is provably a look-back that does nothing after that:
+    its body holds only `set name = <safe expression>` and `if` blocks (no elif / else) whose test starts with the
+    same namespace flag `ns.flag and ...`. Once the flag is false no `if` runs (so nothing writes it back), the sets
+    write loop-local names and raise in no later iteration, and nothing is output: the remaining iterations are no-ops.
+    None when the loop is not of that shape."""
+    if loop.else_ or loop.recursive or loop.test is not None:
+        return None
+    local = {n.name for n in loop.target.find_all(nodes.Name)}
+    for st in loop.body:
+        if isinstance(st, nodes.Assign) and isinstance(st.target, nodes.Name):
+            local.add(st.target.name)
+    flag = None
+    for st in loop.body:
+        if isinstance(st, nodes.Assign) and isinstance(st.target, nodes.Name):
+            if not _safe_expr(st.node, local):
+                return None
+            continue
+        if isinstance(st, nodes.If) and not st.elif_ and not st.else_:
+            f = _leftmost(st.test)
+            if isinstance(f, nodes.Getattr) and isinstance(f.node, nodes.Name) and f.node.name not in local:
+                key = (f.node.name, f.attr)
+                if flag in (None, key):
+                    flag = key
+                    continue
+        return None
+    if flag is None:
+        return None
+    stop = nodes.If(nodes.Not(nodes.Getattr(nodes.Name(flag[0], "load"), flag[1], "load")), [nodes.Break()], [], [])
+    loop.body = list(loop.body) + [stop]
+    return loop
+
+
+class _BodyScan:
+    """What the loop's body reads: the offsets c of messages[loop.index0 - c] / messages[loop.index0 + c], the
+    state names and their attributes, and whether it stays within what WindowSplit allows (`ok`)."""
+
+    def __init__(self, state_names: set[str]):
+        self.state_names = state_names
+        self.behind = self.ahead = 0
+        self.loads: set[str] = set()
+        self.compared: set[tuple[str, str]] = set()
+        self.exact: set[tuple[str, str | None]] = set()
+        self.ok = True
+
+    @staticmethod
+    def _offset(arg: nodes.Node) -> int | None:
+        if (isinstance(arg, (nodes.Add, nodes.Sub)) and isinstance(arg.left, nodes.Getattr)
+                and isinstance(arg.left.node, nodes.Name) and arg.left.node.name == "loop"
+                and arg.left.attr == "index0" and isinstance(arg.right, nodes.Const)
+                and type(arg.right.value) is int and arg.right.value >= 0):
+            return arg.right.value if isinstance(arg, nodes.Add) else -arg.right.value
+        return None
+
+    def visit(self, node: nodes.Node, stack: list, inner: bool) -> None:
+        parent = stack[-1] if stack else None
+        if isinstance(node, nodes.For) and stack:             # a nested loop: its own `loop`
+            stack.append(node)
+            self.visit(node.target, stack, inner)
+            self.visit(node.iter, stack, inner)
+            for c in ([node.test] if node.test is not None else []) + list(node.body) + list(node.else_):
+                self.visit(c, stack, True)
+            stack.pop()
+            return
+        if isinstance(node, _NOT_IN_BODY) or (not inner and isinstance(node, (nodes.Break, nodes.Continue))):
+            self.ok = False
+            return
+        if (isinstance(node, nodes.Getitem) and isinstance(node.node, nodes.Name) and node.node.name == "messages"
+                and node.node.ctx == "load"):
+            arg = node.arg
+            if isinstance(arg, nodes.Const) and type(arg.value) is int and arg.value == 0:
+                self.loads.add("messages")
+                return
+            off = self._offset(arg)
+            if off is None or inner:                      # inside a nested loop `loop` is that loop's
+                self.ok = False
+                return
+            self.loads.add("messages")
+            if off < 0:
+                self.behind = max(self.behind, -off)
+            else:
+                self.ahead = max(self.ahead, off)
+            return
+        if isinstance(node, nodes.Name):
+            if node.ctx != "load":
+                return
+            self.loads.add(node.name)
+            if node.name == "loop" and not inner:
+                if not (isinstance(parent, nodes.Getattr) and parent.node is node and parent.attr in _LOOP_ATTRS):
+                    self.ok = False
+            elif node.name == "messages":
+                self.ok = False                           # only messages[0] and messages[loop.index0 +- c]
+            elif node.name in self.state_names:
+                if isinstance(parent, nodes.Getattr) and parent.node is node:
+                    grand = stack[-2] if len(stack) > 1 else None
+                    key = (node.name, parent.attr)
+                    if isinstance(grand, nodes.Compare) and grand.expr is parent and \
+                            all(o.op in _COMPARE_OPS for o in grand.ops):
+                        self.compared.add(key)
+                    elif isinstance(grand, nodes.Operand) and grand.expr is parent and grand.op in _COMPARE_OPS and \
+                            len(stack) > 2 and all(o.op in _COMPARE_OPS for o in stack[-3].ops):
+                        self.compared.add(key)
+                    else:
+                        self.exact.add(key)
+                else:
+                    self.exact.add((node.name, None))
+            return
+        stack.append(node)
+        for c in node.iter_child_nodes():
+            self.visit(c, stack, inner)
+        stack.pop()
+
+
+def _stores(ns: list) -> set[str]:
+    return {n.name for x in ns for n in x.find_all(nodes.Name) if n.ctx in ("store", "param")} | \
+        {m.name for x in ns for m in x.find_all(nodes.Macro)}
+
+
+def split_window(env: jinja2.Environment, source: str) -> WindowSplit | None:
+    """The template cut at its loop over the messages when each message's output provably depends only on what
+    WindowSplit says; None otherwise. Proven from the AST: exactly one top-level `for x in messages` (no filter,
+    else or recursion) whose body reads `loop` only as loop.first / last / index / index0 (outside its nested
+    loops), `messages` only as messages[0] and messages[loop.index0 +- constant], nothing whose value changes between
+    calls, not add_generation_prompt, and holds no namespace assignment, macro, import, break / continue or `do`;
+    the rest of the template does not set `messages`, and after the loop sets no name the body reads and no
+    namespace attribute (so the state the body reads is the one the outer template leaves)."""
+    try:
+        tree = env.parse(source)
+    except jinja2.TemplateError:
+        return None
+    loops = [i for i, n in enumerate(tree.body) if isinstance(n, nodes.For)
+             and isinstance(n.iter, nodes.Name) and n.iter.name == "messages"]
+    if len(loops) != 1:
+        return None
+    at = loops[0]
+    loop = tree.body[at]
+    if (loop.test is not None or loop.else_ or loop.recursive or not isinstance(loop.target, nodes.Name)
+            or loop.target.name in ("loop", "messages")):
+        return None
+    before, after = tree.body[:at], tree.body[at + 1:]
+    pre_stores, post_stores = _stores(before), _stores(after)
+    if "messages" in pre_stores | post_stores:
+        return None
+    if any(True for x in after for _ in x.find_all(nodes.NSRef)):
+        return None
+    scan = _BodyScan(pre_stores)
+    for n in loop.body:
+        scan.visit(n, [loop], False)
+    outer_loads = {n.name for x in before + after for n in x.find_all(nodes.Name) if n.ctx == "load"}
+    if not scan.ok or _MARK in scan.loads | outer_loads:
+        return None
+    if scan.loads & (post_stores | _UNSTABLE | {"add_generation_prompt"}):
+        return None
+    tree2 = env.parse(source)
+    body_tmpl = env.from_string(nodes.Template(list(tree2.body[at].body), lineno=1))
+    outer_nodes = list(tree.body)
+    for i, n in enumerate(outer_nodes[:at]):
+        if isinstance(n, nodes.For):
+            outer_nodes[i] = _stop_when_cleared(n) or n
+    outer_nodes[at] = nodes.Output([nodes.Name(_MARK, "load", lineno=loop.lineno)], lineno=loop.lineno)
+    outer_tmpl = env.from_string(nodes.Template(outer_nodes, lineno=1))
+    state = frozenset(scan.loads & pre_stores)
+    return WindowSplit(outer=outer_tmpl, body=body_tmpl, target=loop.target.name, behind=scan.behind,
+                       ahead=scan.ahead, state=state, compared=frozenset(k for k in scan.compared
+                                                                         if k not in scan.exact),
+                       exact=frozenset(scan.exact))
+
+
+class _Traced(int):
+    """An int state attribute read only as an operand of comparisons: each comparison is recorded (the outcome is
+    what the message's output depends on)."""
+
+    def __new__(cls, value: int, key, sink: list):
+        self = super().__new__(cls, value)
+        self._key, self._sink = key, sink
+        return self
+
+    def _cmp(self, other, op: str):
+        result = _PY_OPS[op](int(self), other)
+        if type(other) in (int, float, bool) and type(result) is bool:
+            self._sink.append((self._key, op, other, result))
+        else:
+            self._sink.append((self._key, "exact", int(self), None))
+        return result
+
+    def __lt__(self, o):
+        return self._cmp(o, "lt")
+
+    def __le__(self, o):
+        return self._cmp(o, "le")
+
+    def __gt__(self, o):
+        return self._cmp(o, "gt")
+
+    def __ge__(self, o):
+        return self._cmp(o, "ge")
+
+    def __eq__(self, o):
+        return self._cmp(o, "eq")
+
+    def __ne__(self, o):
+        return self._cmp(o, "ne")
+
+    __hash__ = int.__hash__
+
+
+def _ns_attrs(v) -> dict | None:
+    if isinstance(v, jinja2.utils.Namespace):
+        return object.__getattribute__(v, "_Namespace__attrs")
+    return None
+
+
+@dataclass
+class _State:
+    """The outer template's result for one chat: head and tail (its output before and after the loop's), the
+    values the body reads (`values`: name -> value, a namespace's attributes as a dict), and `key`: the exact
+    dependencies' values."""
+    head: str
+    tail: str
+    values: dict
+    key: tuple
+    types: dict = field(default_factory=dict)     # name -> the namespace class of a namespace value
+
+
+@dataclass
+class _Rec:
+    """One message's output as not the last (`text`, `pieces`), rendered under a state: the comparisons it made
+    (`guards`, `sguards` for its sentinel rendering) and its exact dependencies' key."""
+    text: str
+    pieces: list
+    guards: list
+    sguards: list
+    key: tuple
+    skey: tuple
+
+
+@dataclass
+class _WChain:
+    """One conversation: the messages as given (raws, keys, flat, sigs as MessageChunks' chains), their prepared and
+    sentinel copies and sentinel tables, the records (not last) of all but the last, the texts as they stand in the
+    chat's text, its head, and its prefix ends (i -> ("end", position) or ("miss", first differing position))."""
+    ctx: str
+    raws: list
+    keys: list
+    flat: bool
+    sigs: list | None
+    msgs: list
+    smsgs: list
+    tables: list
+    recs: list
+    texts: list
+    head: str
+    pends: dict = field(default_factory=dict)
+
+
+class _Tables:
+    """The sentinel tables of a chat's messages as one mapping: a tagged sentinel names its message."""
+    __slots__ = ("tables", "nonce")
+
+    def __init__(self, tables: list, nonce: str):
+        self.tables, self.nonce = tables, nonce
+
+    def get(self, key: str):
+        at = 3 + len(self.nonce)
+        if key[at:at + 1] != "x":
+            return None
+        try:
+            return self.tables[int(key[at + 1:key.index("s", at)])].get(key)
+        except (ValueError, IndexError):
+            return None
+
+
+def _common(a: str, pos: int, b: str) -> int:
+    """The length of the common prefix of a[pos:] and b."""
+    lo, hi = 0, min(len(b), len(a) - pos)
+    if a.startswith(b[:hi], pos):
+        return hi
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a.startswith(b[:mid], pos):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class WindowChunks(MessageChunks):
+    """Renders chats through a WindowSplit, keeping each message's output across requests (the last `keep`
+    conversations); a later request reuses the output of a leading message it shares exactly with a kept chain
+    when the messages it reads are shared too and the state's comparisons it made come out the same, and renders
+    the rest. The same contract as MessageChunks.render (None where it cannot answer). Thread-safe."""
+
+    def __init__(self, split: WindowSplit, prepare, substitute, keep: int = 4):
+        super().__init__(split, prepare, substitute, keep)
+        self.stats["prefix_renders"] = 0
+
+    # ---------------------------------------------------------------- the outer template
+    def _outer(self, msgs: list, agp: bool, variables) -> _State | None:
+        sp = self.split
+        mark = f"\x00{self._nonce}\x00"
+        kw = dict(variables, messages=msgs, add_generation_prompt=agp)
+        kw[_MARK] = mark
+        ctx = sp.outer.new_context(kw)
+        out = sp.outer.environment.concat(sp.outer.root_render_func(ctx)).split(mark)
+        if len(out) != 2:
+            return None
+        values, key, types = {}, [], {}
+        for name in sp.state:
+            if name not in ctx.vars:
+                continue
+            v = ctx.vars[name]
+            attrs = _ns_attrs(v)
+            values[name] = dict(attrs) if attrs is not None else v
+            if attrs is not None:
+                types[name] = type(v)
+        for name, attr in sorted(sp.exact, key=str):
+            if name not in values:
+                continue
+            v = values[name]
+            if attr is not None:
+                if not isinstance(v, dict):
+                    return None
+                v = v.get(attr)
+            elif isinstance(v, dict):
+                v = tuple(sorted(v.items(), key=str))
+            if not (type(v) in _SCALARS or (type(v) is tuple and all(type(x) in _SCALARS for _, x in v))):
+                return None
+            key.append((name, attr, type(v), v))
+        for name, attr in sp.compared:
+            if name in values and not isinstance(values[name], dict):
+                return None
+        return _State(out[0], out[1], values, tuple(key), types)
+
+    # ---------------------------------------------------------------- one message
+    def _vars(self, state: _State, sink: list) -> dict:
+        kw = {}
+        for name, v in state.values.items():
+            if isinstance(v, dict):
+                attrs = dict(v)
+                for (n, a) in self.split.compared:
+                    if n == name and a in attrs and type(attrs[a]) is int:
+                        attrs[a] = _Traced(attrs[a], (n, a), sink)
+                kw[name] = state.types[name](attrs)
+            else:
+                kw[name] = v
+        return kw
+
+    def _body(self, msgs: list, i: int, last: bool, state: _State, variables) -> tuple[str, list]:
+        sink: list = []
+        kw = dict(variables)
+        kw.update(self._vars(state, sink))
+        kw[self.split.target] = msgs[i]
+        kw["messages"] = msgs
+        kw["loop"] = _Loop(i, last)
+        return self.split.body.render(**kw), sink
+
+    def _one(self, msgs, smsgs, tables, i: int, last: bool, st: _State, sst: _State, variables):
+        """(text, pieces, guards, sguards) of message i, or None when its sentinel split does not give the text."""
+        text, guards = self._body(msgs, i, last, st, variables)
+        stext, sguards = self._body(smsgs, i, last, sst, variables)
+        pieces = _split_sentinels(stext, _Tables(tables, self._nonce), self._nonce)
+        if "".join(t for t, _ in pieces) != text:
+            return None
+        return text, pieces, guards, sguards
+
+    @staticmethod
+    def _holds(guards: list, st: _State) -> bool:
+        for (name, attr), op, other, result in guards:
+            v = st.values.get(name)
+            v = v.get(attr) if isinstance(v, dict) else None
+            if type(v) is not int:
+                return False
+            if op == "exact":
+                if v != other:
+                    return False
+            elif _PY_OPS[op](v, other) != result:
+                return False
+        return True
+
+    def _valid(self, rec: _Rec, st: _State, sst: _State) -> bool:
+        return (rec.key == st.key and rec.skey == sst.key and self._holds(rec.guards, st)
+                and self._holds(rec.sguards, sst))
+
+    # ---------------------------------------------------------------- a chat
+    def render(self, messages: list, agp: bool, variables: dict, ctx: str, wanted) -> Chunked | None:
+        n = len(messages)
+        if n == 0 or set(map(type, messages)) != {dict}:
+            return None
+        keys = list(map(tuple, messages))
+        chain, k = self._find(ctx, messages, keys)
+        if n - k > MAX_NEW:
+            return None
+        sp, nonce = self.split, self._nonce
+        if f"zqx{nonce}" in ctx:
+            return self._fallback()
+        try:
+            if chain is not None and k:
+                msgs, smsgs, tables = chain.msgs[:k], chain.smsgs[:k], chain.tables[:k]
+            else:
+                msgs, smsgs, tables = [], [], []
+            for j in range(k, n):
+                m = self._prepare(messages[j], j)
+                if f"zqx{nonce}" in repr(m):
+                    return self._fallback()
+                (sm,), table = self._substitute([m], f"{nonce}x{j}")
+                msgs.append(m)
+                smsgs.append(sm)
+                tables.append(table)
+            st, sst = self._outer(msgs, agp, variables), self._outer(smsgs, agp, variables)
+            if st is None or sst is None:
+                return self._fallback()
+            tabs = _Tables(tables, nonce)
+            head_p = _split_sentinels(sst.head, tabs, nonce)
+            tail_p = _split_sentinels(sst.tail, tabs, nonce)
+            if "".join(t for t, _ in head_p) != st.head or "".join(t for t, _ in tail_p) != st.tail:
+                return self._fallback()
+            recs: list[_Rec] = []
+            rendered = 0
+            old = chain.recs if chain is not None and k else []
+            reuse_below = k - sp.ahead
+            for j in range(n - 1):
+                r = old[j] if sp.behind <= j < reuse_below and j < len(old) else None
+                if r is None or not self._valid(r, st, sst):
+                    got = self._one(msgs, smsgs, tables, j, False, st, sst, variables)
+                    if got is None:
+                        return self._fallback()
+                    r = _Rec(got[0], got[1], got[2], got[3], st.key, sst.key)
+                    rendered += 1
+                recs.append(r)
+            got = self._one(msgs, smsgs, tables, n - 1, True, st, sst, variables)
+            if got is None:
+                return self._fallback()
+            last_text, last_pieces = got[0], got[1]
+            rendered += 1
+        except Exception:        # the whole render says what is wrong (or renders where a piece does not)
+            return self._fallback()
+        texts = [r.text for r in recs] + [last_text]
+        text = st.head + "".join(texts) + st.tail
+        acc: list = []
+        _extend(acc, head_p)
+        for r in recs:
+            _extend(acc, r.pieces)
+        _extend(acc, last_pieces)
+        _extend(acc, tail_p)
+        pieces = _joined(acc)
+        # where this text starts to differ from the kept chat's (its prefix ends before that still hold)
+        stable = 0
+        if chain is not None and k and chain.head == st.head:
+            stable = len(st.head)
+            for j in range(min(len(chain.texts), n)):
+                if texts[j] is not chain.texts[j] and texts[j] != chain.texts[j]:
+                    break
+                stable += len(texts[j])
+        offs = [len(st.head)]
+        for t in texts:
+            offs.append(offs[-1] + len(t))
+        ends_out: dict[int, int] = {}
+        pends: dict = {}
+        try:
+            for i in sorted(wanted):
+                if not 0 <= i < n or (i == n - 1 and not agp):
+                    continue
+                kept = chain.pends.get(i) if chain is not None and i < k else None
+                if kept is not None and ((kept[0] == "end" and kept[1] <= stable)
+                                         or (kept[0] == "miss" and kept[1] < stable)):
+                    got_end = kept
+                elif kept is not None and kept[0] == "error":
+                    got_end = kept
+                else:
+                    try:
+                        got_end = self._prefix_end(i, msgs, recs, texts, offs, text, st, variables)
+                    except Exception:        # the prefix does not render: no end (a function of the prefix)
+                        got_end = ("error", 0)
+                if got_end is None:
+                    continue
+                pends[i] = got_end
+                if got_end[0] == "end":
+                    ends_out[i] = got_end[1]
+        except Exception:
+            return self._fallback()
+        flat = (chain.flat if chain is not None and k else True) and _all_str(messages[k:])
+        sigs = None if flat else [repr(m) for m in messages]
+        self._keep(_WChain(ctx=ctx, raws=list(messages), keys=keys, flat=flat, sigs=sigs, msgs=msgs, smsgs=smsgs,
+                           tables=tables, recs=recs, texts=texts, head=st.head, pends=pends),
+                   chain if chain is not None and k == len(chain.raws) else None)
+        with self._lock:
+            self.stats["calls"] += 1
+            self.stats["rendered"] += rendered
+            self.stats["kept"] += n - rendered
+        return Chunked(text=text, pieces=pieces, ends=ends_out, rendered=rendered)
+
+    def _prefix_end(self, i: int, msgs, recs, texts, offs, text: str, st: _State, variables):
+        """("end", len(render(messages[:i+1], add_generation_prompt=False))) when that is a prefix of `text`, else
+        ("miss", the first position where they differ): the prefix's outer template run, the outputs of the
+        messages before i that read only messages within the prefix and make the same comparisons under its state
+        taken from this chat, the rest rendered."""
+        sp = self.split
+        with self._lock:
+            self.stats["prefix_renders"] += 1
+        pm = msgs[:i + 1]
+        pst = self._outer(pm, False, variables)
+        if pst is None:
+            return None
+        if not text.startswith(pst.head):
+            return "miss", _common(text, 0, pst.head)
+        same = pst.key == st.key and pst.values == st.values
+        pos = len(pst.head)
+        for j in range(i):
+            r = recs[j]
+            if j >= sp.behind and j + sp.ahead <= i and (same or (r.key == pst.key and self._holds(r.guards, pst))):
+                t = r.text                  # this output under the prefix's state and messages
+            else:
+                t, _ = self._body(pm, j, False, pst, variables)
+            if pos != offs[j] or t != texts[j]:
+                if not text.startswith(t, pos):
+                    return "miss", pos + _common(text, pos, t)
+            pos += len(t)
+        t, _ = self._body(pm, i, True, pst, variables)
+        t += pst.tail
+        if not text.startswith(t, pos):
+            return "miss", pos + _common(text, pos, t)
+        return "end", pos + len(t)
