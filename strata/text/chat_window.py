@@ -10,8 +10,8 @@ import jinja2
 import jinja2.nodes as nodes
 import jinja2.utils
 
-from strata.text.chat_chunks import (_LOOP_ATTRS, _MARK, _NOT_IN_BODY, _UNSTABLE, MAX_NEW, Chunked, MessageChunks,
-                                     _all_str, _extend, _joined, _Loop, _split_sentinels)
+from strata.text.chat_chunks import (_LOOP_ATTRS, _MARK, _UNSTABLE, MAX_NEW, Chunked, MessageChunks, _all_str,
+                                     _extend, _joined, _split_sentinels)
 
 __all__ = ["WindowSplit", "WindowChunks", "split_window"]
 
@@ -39,6 +39,7 @@ class WindowSplit:
     state: frozenset
     compared: frozenset
     exact: frozenset
+    threaded: frozenset = frozenset()
 
 
 def _leftmost(test: nodes.Node) -> nodes.Node:
@@ -99,16 +100,25 @@ def _stop_when_cleared(loop: nodes.For) -> nodes.For | None:
     return loop
 
 
-class _BodyScan:
-    """What the loop's body reads: the offsets c of messages[loop.index0 - c] / messages[loop.index0 + c], the
-    state names and their attributes, and whether it stays within what WindowSplit allows (`ok`)."""
+_BODY_REFUSED = (nodes.Macro, nodes.Import, nodes.FromImport, nodes.Include, nodes.Extends, nodes.Block,
+                 nodes.ExprStmt)
+_NEIGHBOURS = {"previtem": -1, "nextitem": 1}
 
-    def __init__(self, state_names: set[str]):
+
+class _BodyScan:
+    """What the loop's body (and the macros it calls) reads: the offsets c of messages[loop.index0 +- c] and
+    loop.previtem / nextitem, the state names and their attributes, the namespaces it assigns (`threaded`: their
+    values run from one message to the next), and whether it stays within what WindowSplit allows (`ok`)."""
+
+    def __init__(self, state_names: set[str], macros: dict):
         self.state_names = state_names
+        self.macros = macros                # top-level macros of the template before the loop, by name
+        self.called: list[str] = []         # the macros the body calls (directly or through other macros)
         self.behind = self.ahead = 0
         self.loads: set[str] = set()
         self.compared: set[tuple[str, str]] = set()
         self.exact: set[tuple[str, str | None]] = set()
+        self.threaded: set[str] = set()
         self.ok = True
 
     @staticmethod
@@ -120,6 +130,12 @@ class _BodyScan:
             return arg.right.value if isinstance(arg, nodes.Add) else -arg.right.value
         return None
 
+    def _reach(self, off: int) -> None:
+        if off < 0:
+            self.behind = max(self.behind, -off)
+        else:
+            self.ahead = max(self.ahead, off)
+
     def visit(self, node: nodes.Node, stack: list, inner: bool) -> None:
         parent = stack[-1] if stack else None
         if isinstance(node, nodes.For) and stack:             # a nested loop: its own `loop`
@@ -130,34 +146,42 @@ class _BodyScan:
                 self.visit(c, stack, True)
             stack.pop()
             return
-        if isinstance(node, _NOT_IN_BODY) or (not inner and isinstance(node, (nodes.Break, nodes.Continue))):
+        if isinstance(node, _BODY_REFUSED) or (not inner and isinstance(node, (nodes.Break, nodes.Continue))):
             self.ok = False
+            return
+        if isinstance(node, nodes.NSRef):
+            self.threaded.add(node.name)
             return
         if (isinstance(node, nodes.Getitem) and isinstance(node.node, nodes.Name) and node.node.name == "messages"
                 and node.node.ctx == "load"):
             arg = node.arg
+            self.loads.add("messages")
             if isinstance(arg, nodes.Const) and type(arg.value) is int and arg.value == 0:
-                self.loads.add("messages")
                 return
             off = self._offset(arg)
             if off is None or inner:                      # inside a nested loop `loop` is that loop's
                 self.ok = False
                 return
-            self.loads.add("messages")
-            if off < 0:
-                self.behind = max(self.behind, -off)
-            else:
-                self.ahead = max(self.ahead, off)
+            self._reach(off)
             return
         if isinstance(node, nodes.Name):
             if node.ctx != "load":
                 return
             self.loads.add(node.name)
             if node.name == "loop" and not inner:
-                if not (isinstance(parent, nodes.Getattr) and parent.node is node and parent.attr in _LOOP_ATTRS):
+                if isinstance(parent, nodes.Getattr) and parent.node is node and parent.attr in _NEIGHBOURS:
+                    self._reach(_NEIGHBOURS[parent.attr])
+                elif not (isinstance(parent, nodes.Getattr) and parent.node is node and parent.attr in _LOOP_ATTRS):
                     self.ok = False
             elif node.name == "messages":
                 self.ok = False                           # only messages[0] and messages[loop.index0 +- c]
+            elif node.name in self.macros:
+                if node.name not in self.called:
+                    self.called.append(node.name)
+                    for c in self.macros[node.name].body:    # a macro's `loop` is its own loops' (inner)
+                        self.visit(c, [self.macros[node.name]], True)
+                    for d in self.macros[node.name].defaults:
+                        self.visit(d, [self.macros[node.name]], True)
             elif node.name in self.state_names:
                 if isinstance(parent, nodes.Getattr) and parent.node is node:
                     grand = stack[-2] if len(stack) > 1 else None
@@ -187,11 +211,13 @@ def _stores(ns: list) -> set[str]:
 def split_window(env: jinja2.Environment, source: str) -> WindowSplit | None:
     """The template cut at its loop over the messages when each message's output provably depends only on what
     WindowSplit says; None otherwise. Proven from the AST: exactly one top-level `for x in messages` (no filter,
-    else or recursion) whose body reads `loop` only as loop.first / last / index / index0 (outside its nested
-    loops), `messages` only as messages[0] and messages[loop.index0 +- constant], nothing whose value changes between
-    calls, not add_generation_prompt, and holds no namespace assignment, macro, import, break / continue or `do`;
-    the rest of the template does not set `messages`, and after the loop sets no name the body reads and no
-    namespace attribute (so the state the body reads is the one the outer template leaves)."""
+    else or recursion) whose body (with the top-level macros it calls, which it renders with) reads `loop` only as
+    loop.first / last / index / index0 / previtem / nextitem (outside its nested loops), `messages` only as
+    messages[0] and messages[loop.index0 +- constant], nothing whose value changes between calls, not
+    add_generation_prompt, and holds no macro, import, break / continue or `do`; a namespace it assigns is
+    threaded from message to message; the rest of the template does not set `messages`, and after the loop sets no
+    name the body reads, no namespace attribute, and reads no namespace the body assigns (so the state the body
+    reads is the one the outer template leaves)."""
     try:
         tree = env.parse(source)
     except jinja2.TemplateError:
@@ -211,27 +237,33 @@ def split_window(env: jinja2.Environment, source: str) -> WindowSplit | None:
         return None
     if any(True for x in after for _ in x.find_all(nodes.NSRef)):
         return None
-    scan = _BodyScan(pre_stores)
+    macros = {n.name: n for n in before if isinstance(n, nodes.Macro)}
+    scan = _BodyScan(pre_stores - {loop.target.name} - set(macros), macros)
     for n in loop.body:
         scan.visit(n, [loop], False)
-    outer_loads = {n.name for x in before + after for n in x.find_all(nodes.Name) if n.ctx == "load"}
-    if not scan.ok or _MARK in scan.loads | outer_loads:
+    post_loads = {n.name for x in after for n in x.find_all(nodes.Name) if n.ctx == "load"}
+    outer_loads = {n.name for x in before for n in x.find_all(nodes.Name) if n.ctx == "load"} | post_loads
+    if not scan.ok or _MARK in scan.loads | outer_loads or scan.threaded & post_loads:
         return None
     if scan.loads & (post_stores | _UNSTABLE | {"add_generation_prompt"}):
         return None
+    if scan.threaded - pre_stores:       # a namespace the template does not set before the loop
+        return None
     tree2 = env.parse(source)
-    body_tmpl = env.from_string(nodes.Template(list(tree2.body[at].body), lineno=1))
+    kept = [n for n in tree2.body[:at] if isinstance(n, nodes.Macro) and n.name in scan.called]
+    body_tmpl = env.from_string(nodes.Template(kept + list(tree2.body[at].body), lineno=1))
     outer_nodes = list(tree.body)
     for i, n in enumerate(outer_nodes[:at]):
         if isinstance(n, nodes.For):
             outer_nodes[i] = _stop_when_cleared(n) or n
     outer_nodes[at] = nodes.Output([nodes.Name(_MARK, "load", lineno=loop.lineno)], lineno=loop.lineno)
     outer_tmpl = env.from_string(nodes.Template(outer_nodes, lineno=1))
-    state = frozenset(scan.loads & pre_stores)
+    threaded = frozenset(scan.threaded)
+    state = frozenset((scan.loads & pre_stores) - {loop.target.name} - set(macros)) | threaded
     return WindowSplit(outer=outer_tmpl, body=body_tmpl, target=loop.target.name, behind=scan.behind,
-                       ahead=scan.ahead, state=state, compared=frozenset(k for k in scan.compared
-                                                                         if k not in scan.exact),
-                       exact=frozenset(scan.exact))
+                       ahead=scan.ahead, state=state,
+                       compared=frozenset(k for k in scan.compared if k not in scan.exact and k[0] not in threaded),
+                       exact=frozenset(k for k in scan.exact if k[0] not in threaded), threaded=threaded)
 
 
 class _Traced(int):
@@ -293,13 +325,35 @@ class _State:
 @dataclass
 class _Rec:
     """One message's output as not the last (`text`, `pieces`), rendered under a state: the comparisons it made
-    (`guards`, `sguards` for its sentinel rendering) and its exact dependencies' key."""
+    (`guards`, `sguards` for its sentinel rendering), its exact dependencies' key, and the threaded namespaces'
+    attributes it found and left (`tin`, `tout`; `stin`, `stout` for its sentinel rendering)."""
     text: str
     pieces: list
     guards: list
     sguards: list
     key: tuple
     skey: tuple
+    tin: dict
+    tout: dict
+    stin: dict
+    stout: dict
+
+
+class _WLoop:
+    """What a message's output reads of its loop (jinja's loop.previtem / nextitem are undefined at the ends)."""
+    __slots__ = ("index0", "index", "first", "last", "_msgs", "_undefined")
+
+    def __init__(self, index0: int, last: bool, msgs: list, undefined):
+        self.index0, self.index, self.first, self.last = index0, index0 + 1, index0 == 0, last
+        self._msgs, self._undefined = msgs, undefined
+
+    @property
+    def previtem(self):
+        return self._undefined("there is no previous item") if self.first else self._msgs[self.index0 - 1]
+
+    @property
+    def nextitem(self):
+        return self._undefined("there is no next item") if self.last else self._msgs[self.index0 + 1]
 
 
 @dataclass
@@ -381,29 +435,29 @@ class WindowChunks(MessageChunks):
             values[name] = dict(attrs) if attrs is not None else v
             if attrs is not None:
                 types[name] = type(v)
-        for name, attr in sorted(sp.exact, key=str):
+        # a value read other than as a namespace attribute compared: the output depends on it (on the whole value
+        # where it is not a namespace)
+        deps = set(sp.exact) | {(name, None) for name, _ in sp.compared if not isinstance(values.get(name), dict)}
+        for name, attr in sorted(deps, key=str):
             if name not in values:
                 continue
             v = values[name]
-            if attr is not None:
-                if not isinstance(v, dict):
-                    return None
-                v = v.get(attr)
-            elif isinstance(v, dict):
-                v = tuple(sorted(v.items(), key=str))
+            if isinstance(v, dict):
+                v = v.get(attr) if attr is not None else tuple(sorted(v.items(), key=str))
+            else:
+                attr = None
             if not (type(v) in _SCALARS or (type(v) is tuple and all(type(x) in _SCALARS for _, x in v))):
                 return None
             key.append((name, attr, type(v), v))
-        for name, attr in sp.compared:
-            if name in values and not isinstance(values[name], dict):
-                return None
         return _State(out[0], out[1], values, tuple(key), types)
 
     # ---------------------------------------------------------------- one message
-    def _vars(self, state: _State, sink: list) -> dict:
+    def _vars(self, state: _State, sink: list, tin: dict) -> dict:
         kw = {}
         for name, v in state.values.items():
-            if isinstance(v, dict):
+            if name in tin:
+                kw[name] = state.types[name](dict(tin[name]))
+            elif isinstance(v, dict):
                 attrs = dict(v)
                 for (n, a) in self.split.compared:
                     if n == name and a in attrs and type(attrs[a]) is int:
@@ -413,23 +467,37 @@ class WindowChunks(MessageChunks):
                 kw[name] = v
         return kw
 
-    def _body(self, msgs: list, i: int, last: bool, state: _State, variables) -> tuple[str, list]:
+    def _body(self, msgs: list, i: int, last: bool, state: _State, variables, tin: dict):
+        """(output, the comparisons it made, the threaded namespaces' attributes it left) of message i."""
         sink: list = []
         kw = dict(variables)
-        kw.update(self._vars(state, sink))
+        kw.update(self._vars(state, sink, tin))
         kw[self.split.target] = msgs[i]
         kw["messages"] = msgs
-        kw["loop"] = _Loop(i, last)
-        return self.split.body.render(**kw), sink
+        body = self.split.body
+        kw["loop"] = _WLoop(i, last, msgs, body.environment.undefined)
+        text = body.render(**kw)
+        return text, sink, {name: dict(_ns_attrs(kw[name])) for name in tin}
 
-    def _one(self, msgs, smsgs, tables, i: int, last: bool, st: _State, sst: _State, variables):
-        """(text, pieces, guards, sguards) of message i, or None when its sentinel split does not give the text."""
-        text, guards = self._body(msgs, i, last, st, variables)
-        stext, sguards = self._body(smsgs, i, last, sst, variables)
+    def _threads(self, st: _State) -> dict | None:
+        """The threaded namespaces' attributes as the outer template leaves them (None when one is not a
+        namespace)."""
+        out = {}
+        for name in self.split.threaded:
+            v = st.values.get(name)
+            if not isinstance(v, dict):
+                return None
+            out[name] = v
+        return out
+
+    def _one(self, msgs, smsgs, tables, i: int, last: bool, st: _State, sst: _State, variables, tin, stin):
+        """The _Rec of message i, or None when its sentinel split does not give the text."""
+        text, guards, tout = self._body(msgs, i, last, st, variables, tin)
+        stext, sguards, stout = self._body(smsgs, i, last, sst, variables, stin)
         pieces = _split_sentinels(stext, _Tables(tables, self._nonce), self._nonce)
         if "".join(t for t, _ in pieces) != text:
             return None
-        return text, pieces, guards, sguards
+        return _Rec(text, pieces, guards, sguards, st.key, sst.key, tin, tout, stin, stout)
 
     @staticmethod
     def _holds(guards: list, st: _State) -> bool:
@@ -482,23 +550,26 @@ class WindowChunks(MessageChunks):
             tail_p = _split_sentinels(sst.tail, tabs, nonce)
             if "".join(t for t, _ in head_p) != st.head or "".join(t for t, _ in tail_p) != st.tail:
                 return self._fallback()
+            tin, stin = self._threads(st), self._threads(sst)
+            if tin is None or stin is None:
+                return self._fallback()
             recs: list[_Rec] = []
             rendered = 0
             old = chain.recs if chain is not None and k else []
             reuse_below = k - sp.ahead
             for j in range(n - 1):
                 r = old[j] if sp.behind <= j < reuse_below and j < len(old) else None
-                if r is None or not self._valid(r, st, sst):
-                    got = self._one(msgs, smsgs, tables, j, False, st, sst, variables)
-                    if got is None:
+                if r is None or r.tin != tin or r.stin != stin or not self._valid(r, st, sst):
+                    r = self._one(msgs, smsgs, tables, j, False, st, sst, variables, tin, stin)
+                    if r is None:
                         return self._fallback()
-                    r = _Rec(got[0], got[1], got[2], got[3], st.key, sst.key)
                     rendered += 1
                 recs.append(r)
-            got = self._one(msgs, smsgs, tables, n - 1, True, st, sst, variables)
+                tin, stin = r.tout, r.stout
+            got = self._one(msgs, smsgs, tables, n - 1, True, st, sst, variables, tin, stin)
             if got is None:
                 return self._fallback()
-            last_text, last_pieces = got[0], got[1]
+            last_text, last_pieces = got.text, got.pieces
             rendered += 1
         except Exception:        # the whole render says what is wrong (or renders where a piece does not)
             return self._fallback()
@@ -572,18 +643,22 @@ class WindowChunks(MessageChunks):
         if not text.startswith(pst.head):
             return "miss", _common(text, 0, pst.head)
         same = pst.key == st.key and pst.values == st.values
+        tin = self._threads(pst)
+        if tin is None:
+            return None
         pos = len(pst.head)
         for j in range(i):
             r = recs[j]
-            if j >= sp.behind and j + sp.ahead <= i and (same or (r.key == pst.key and self._holds(r.guards, pst))):
-                t = r.text                  # this output under the prefix's state and messages
+            if j >= sp.behind and j + sp.ahead <= i and r.tin == tin and \
+                    (same or (r.key == pst.key and self._holds(r.guards, pst))):
+                t, tin = r.text, r.tout     # this output under the prefix's state and messages
             else:
-                t, _ = self._body(pm, j, False, pst, variables)
+                t, _, tin = self._body(pm, j, False, pst, variables, tin)
             if pos != offs[j] or t != texts[j]:
                 if not text.startswith(t, pos):
                     return "miss", pos + _common(text, pos, t)
             pos += len(t)
-        t, _ = self._body(pm, i, True, pst, variables)
+        t, _, _ = self._body(pm, i, True, pst, variables, tin)
         t += pst.tail
         if not text.startswith(t, pos):
             return "miss", pos + _common(text, pos, t)
