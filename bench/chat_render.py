@@ -50,15 +50,16 @@ def turn(i: int) -> list[dict]:
             {"role": "assistant", "content": ANSWER.format(i=i), "reasoning_content": THOUGHT.format(i=i)}]
 
 
-def conversation(tok, n_tokens: int) -> list[dict]:
-    msgs, total, i = [{"role": "system", "content": "You are a careful archivist."}], 0, 0
-    while total < n_tokens:
-        t = turn(i)
-        total += sum(len(tok.encode(m["content"] + m.get("reasoning_content", ""))) + 30 for m in t)
-        msgs += t
-        i += 1
-    msgs.append({"role": "user", "content": "And the Lune?"})
-    return msgs
+def conversation(template, n_tokens: int) -> list[dict]:
+    """The agent chat of about n_tokens prompt tokens (as `template` renders and tokenizes it), ending in a
+    question."""
+    def chat(turns: int) -> list[dict]:
+        msgs = [{"role": "system", "content": "You are a careful archivist."}]
+        for i in range(turns):
+            msgs += turn(i)
+        return msgs + [{"role": "user", "content": "And the Lune?"}]
+    per_turn = len(template.render(chat(11), tools=TOOLS).ids) - len(template.render(chat(1), tools=TOOLS).ids)
+    return chat(max(1, round(n_tokens * 10 / per_turn)))
 
 
 def main(argv=None) -> int:
@@ -83,9 +84,9 @@ def main(argv=None) -> int:
     for name in args.templates:
         source = (ROOT / "tests" / "data" / "templates" / TEMPLATES[name]).read_text()
         for size in args.sizes:
-            msgs = conversation(tok, size)
             arms = {"whole": ChatTemplate(source, tok), "kept": ChatTemplate(source, tok)}
             arms["whole"].chunks = None
+            msgs = conversation(ChatTemplate(source, tok), size)
             first, later = {}, {a: [] for a in arms}
             for a, t in arms.items():
                 t0 = time.perf_counter()

@@ -3,6 +3,7 @@ state computed before the loop (Qwen's look-back for the last user query, tool r
 neighbours), proven from the jinja AST; a later turn re-renders only the messages whose output can have changed."""
 from __future__ import annotations
 
+import itertools
 import operator
 from dataclasses import dataclass, field
 
@@ -11,7 +12,7 @@ import jinja2.nodes as nodes
 import jinja2.utils
 
 from strata.text.chat_chunks import (_LOOP_ATTRS, _MARK, _UNSTABLE, MAX_NEW, Chunked, MessageChunks, _all_str,
-                                     _extend, _joined, _split_sentinels)
+                                     _extend, _joined, _sigs, _split_sentinels, _upto)
 
 __all__ = ["WindowSplit", "WindowChunks", "split_window"]
 
@@ -322,17 +323,76 @@ class _State:
     types: dict = field(default_factory=dict)     # name -> the namespace class of a namespace value
 
 
+# ------------------------------------------------------------------------------------------------ guard boxes
+# A box: {(name, attribute): (lower, upper)} of the traced values under which a record's comparisons all come out
+# as they did. lower (v, open): value > v (open) or >= v; upper (v, open): value < v (open) or <= v.
+_NO_LOWER = (float("-inf"), False)
+_NO_UPPER = (float("inf"), False)
+
+
+def _bounds(op: str, other, result: bool, value) -> tuple[tuple, tuple]:
+    """The (lower, upper) of the values v for which `v op other` is `result` (v was `value` when it was recorded)."""
+    if op == "exact":
+        return (value, False), (value, False)
+    if op == "eq" and result or op == "ne" and not result:
+        return (other, False), (other, False)
+    if op in ("eq", "ne"):                     # v != other: the side of it that `value` is on
+        return ((other, True), _NO_UPPER) if value > other else (_NO_LOWER, (other, True))
+    below = {"lt": result, "le": result, "gt": not result, "ge": not result}[op]
+    strict = {"lt": result, "le": not result, "gt": not result, "ge": result}[op]
+    return (_NO_LOWER, (other, strict)) if below else ((other, strict), _NO_UPPER)
+
+
+def _tighter(a: tuple, b: tuple, lower: bool) -> tuple:
+    if lower:
+        return a if (a[0], a[1]) >= (b[0], b[1]) else b
+    return a if (a[0], not a[1]) <= (b[0], not b[1]) else b
+
+
+def _box(guards: list, values: dict) -> dict:
+    box: dict = {}
+    for key, op, other, result in guards:
+        v = values.get(key[0])
+        lo, hi = _bounds(op, other, result, v.get(key[1]) if isinstance(v, dict) else None)
+        if key in box:
+            lo, hi = _tighter(box[key][0], lo, True), _tighter(box[key][1], hi, False)
+        box[key] = (lo, hi)
+    return box
+
+
+def _meet(a: dict, b: dict) -> dict:
+    if not b:
+        return a
+    if not a:
+        return b
+    out = dict(a)
+    for key, (lo, hi) in b.items():
+        if key in out:
+            lo, hi = _tighter(out[key][0], lo, True), _tighter(out[key][1], hi, False)
+        out[key] = (lo, hi)
+    return out
+
+
+def _inside(box: dict, values: dict) -> bool:
+    for (name, attr), ((lo, lo_open), (hi, hi_open)) in box.items():
+        v = values.get(name)
+        v = v.get(attr) if isinstance(v, dict) else None
+        if type(v) is not int:
+            return False
+        if (v <= lo if lo_open else v < lo) or (v >= hi if hi_open else v > hi):
+            return False
+    return True
+
+
 @dataclass
 class _Rec:
-    """One message's output as not the last (`text`, `pieces`), rendered under a state: the comparisons it made
-    (`guards`, `sguards` for its sentinel rendering), its exact dependencies' key, and the threaded namespaces'
-    attributes it found and left (`tin`, `tout`; `stin`, `stout` for its sentinel rendering)."""
+    """One message's output as not the last (`text`, `pieces`), rendered under a state: the box of traced values
+    under which its comparisons come out the same (`box`, `sbox` for its sentinel rendering) and the threaded
+    namespaces' attributes it found and left (`tin`, `tout`; `stin`, `stout` for its sentinel rendering)."""
     text: str
     pieces: list
-    guards: list
-    sguards: list
-    key: tuple
-    skey: tuple
+    box: dict
+    sbox: dict
     tin: dict
     tout: dict
     stin: dict
@@ -359,8 +419,11 @@ class _WLoop:
 @dataclass
 class _WChain:
     """One conversation: the messages as given (raws, keys, flat, sigs as MessageChunks' chains), their prepared and
-    sentinel copies and sentinel tables, the records (not last) of all but the last, the texts as they stand in the
-    chat's text, its head, and its prefix ends (i -> ("end", position) or ("miss", first differing position))."""
+    sentinel copies and sentinel tables, the records (not last) of all but the last message with `cum[j]` the meet
+    of the boxes of records [behind, j) (real, sentinel), the exact dependencies' keys the records hold under
+    (`key`, `skey`), the texts as they stand in the chat's text, its head and head pieces, the runs of the head's
+    and the records' pieces (`acc`, `ends`, `tails` as MessageChunks' chains), and its prefix ends (i -> ("end",
+    position), ("miss", first differing position) or ("error", 0))."""
     ctx: str
     raws: list
     keys: list
@@ -370,8 +433,16 @@ class _WChain:
     smsgs: list
     tables: list
     recs: list
+    cum: list
+    key: tuple
+    skey: tuple
     texts: list
     head: str
+    head_p: list
+    acc: list
+    ends: list
+    tails: list
+    jruns: list
     pends: dict = field(default_factory=dict)
 
 
@@ -409,8 +480,9 @@ def _common(a: str, pos: int, b: str) -> int:
 class WindowChunks(MessageChunks):
     """Renders chats through a WindowSplit, keeping each message's output across requests (the last `keep`
     conversations); a later request reuses the output of a leading message it shares exactly with a kept chain
-    when the messages it reads are shared too and the state's comparisons it made come out the same, and renders
-    the rest. The same contract as MessageChunks.render (None where it cannot answer). Thread-safe."""
+    when the messages it reads are shared too, the threaded namespaces reach it alike and the state's comparisons
+    it made come out the same, and renders the rest. The same contract as MessageChunks.render (None where it cannot
+    answer). Thread-safe."""
 
     def __init__(self, split: WindowSplit, prepare, substitute, keep: int = 4):
         super().__init__(split, prepare, substitute, keep)
@@ -451,34 +523,6 @@ class WindowChunks(MessageChunks):
             key.append((name, attr, type(v), v))
         return _State(out[0], out[1], values, tuple(key), types)
 
-    # ---------------------------------------------------------------- one message
-    def _vars(self, state: _State, sink: list, tin: dict) -> dict:
-        kw = {}
-        for name, v in state.values.items():
-            if name in tin:
-                kw[name] = state.types[name](dict(tin[name]))
-            elif isinstance(v, dict):
-                attrs = dict(v)
-                for (n, a) in self.split.compared:
-                    if n == name and a in attrs and type(attrs[a]) is int:
-                        attrs[a] = _Traced(attrs[a], (n, a), sink)
-                kw[name] = state.types[name](attrs)
-            else:
-                kw[name] = v
-        return kw
-
-    def _body(self, msgs: list, i: int, last: bool, state: _State, variables, tin: dict):
-        """(output, the comparisons it made, the threaded namespaces' attributes it left) of message i."""
-        sink: list = []
-        kw = dict(variables)
-        kw.update(self._vars(state, sink, tin))
-        kw[self.split.target] = msgs[i]
-        kw["messages"] = msgs
-        body = self.split.body
-        kw["loop"] = _WLoop(i, last, msgs, body.environment.undefined)
-        text = body.render(**kw)
-        return text, sink, {name: dict(_ns_attrs(kw[name])) for name in tin}
-
     def _threads(self, st: _State) -> dict | None:
         """The threaded namespaces' attributes as the outer template leaves them (None when one is not a
         namespace)."""
@@ -490,6 +534,29 @@ class WindowChunks(MessageChunks):
             out[name] = v
         return out
 
+    # ---------------------------------------------------------------- one message
+    def _body(self, msgs: list, i: int, last: bool, state: _State, variables, tin: dict):
+        """(output, the comparisons it made, the threaded namespaces' attributes it left) of message i."""
+        sink: list = []
+        kw = dict(variables)
+        for name, v in state.values.items():
+            if name in tin:
+                kw[name] = state.types[name](dict(tin[name]))
+            elif isinstance(v, dict):
+                attrs = dict(v)
+                for (n, a) in self.split.compared:
+                    if n == name and a in attrs and type(attrs[a]) is int:
+                        attrs[a] = _Traced(attrs[a], (n, a), sink)
+                kw[name] = state.types[name](attrs)
+            else:
+                kw[name] = v
+        kw[self.split.target] = msgs[i]
+        kw["messages"] = msgs
+        body = self.split.body
+        kw["loop"] = _WLoop(i, last, msgs, body.environment.undefined)
+        text = body.render(**kw)
+        return text, sink, {name: dict(_ns_attrs(kw[name])) for name in tin}
+
     def _one(self, msgs, smsgs, tables, i: int, last: bool, st: _State, sst: _State, variables, tin, stin):
         """The _Rec of message i, or None when its sentinel split does not give the text."""
         text, guards, tout = self._body(msgs, i, last, st, variables, tin)
@@ -497,25 +564,7 @@ class WindowChunks(MessageChunks):
         pieces = _split_sentinels(stext, _Tables(tables, self._nonce), self._nonce)
         if "".join(t for t, _ in pieces) != text:
             return None
-        return _Rec(text, pieces, guards, sguards, st.key, sst.key, tin, tout, stin, stout)
-
-    @staticmethod
-    def _holds(guards: list, st: _State) -> bool:
-        for (name, attr), op, other, result in guards:
-            v = st.values.get(name)
-            v = v.get(attr) if isinstance(v, dict) else None
-            if type(v) is not int:
-                return False
-            if op == "exact":
-                if v != other:
-                    return False
-            elif _PY_OPS[op](v, other) != result:
-                return False
-        return True
-
-    def _valid(self, rec: _Rec, st: _State, sst: _State) -> bool:
-        return (rec.key == st.key and rec.skey == sst.key and self._holds(rec.guards, st)
-                and self._holds(rec.sguards, sst))
+        return _Rec(text, pieces, _box(guards, st.values), _box(sguards, sst.values), tin, tout, stin, stout)
 
     # ---------------------------------------------------------------- a chat
     def render(self, messages: list, agp: bool, variables: dict, ctx: str, wanted) -> Chunked | None:
@@ -527,10 +576,13 @@ class WindowChunks(MessageChunks):
         if n - k > MAX_NEW:
             return None
         sp, nonce = self.split, self._nonce
+        behind = sp.behind
         if f"zqx{nonce}" in ctx:
             return self._fallback()
+        if chain is None or not k:
+            chain, k = None, 0
         try:
-            if chain is not None and k:
+            if chain is not None:
                 msgs, smsgs, tables = chain.msgs[:k], chain.smsgs[:k], chain.tables[:k]
             else:
                 msgs, smsgs, tables = [], [], []
@@ -555,72 +607,101 @@ class WindowChunks(MessageChunks):
                 return self._fallback()
             recs: list[_Rec] = []
             rendered = 0
-            old = chain.recs if chain is not None and k else []
-            reuse_below = k - sp.ahead
+            old = chain.recs if chain is not None else []
+            same_key = chain is not None and chain.key == st.key and chain.skey == sst.key
+            reuse_below = min(k - sp.ahead, len(old))
+            bulk = 0          # records [behind, bulk) taken from the chain at once
             for j in range(n - 1):
-                r = old[j] if sp.behind <= j < reuse_below and j < len(old) else None
-                if r is None or r.tin != tin or r.stin != stin or not self._valid(r, st, sst):
+                if j == behind and not bulk and same_key and reuse_below > behind and old[j].tin == tin and \
+                        old[j].stin == stin and _inside(chain.cum[reuse_below][0], st.values) and \
+                        _inside(chain.cum[reuse_below][1], sst.values):
+                    bulk = reuse_below
+                if j < bulk:
+                    r = old[j]
+                elif behind <= j < reuse_below and same_key and old[j].tin == tin and old[j].stin == stin and \
+                        _inside(old[j].box, st.values) and _inside(old[j].sbox, sst.values):
+                    r = old[j]
+                else:
                     r = self._one(msgs, smsgs, tables, j, False, st, sst, variables, tin, stin)
                     if r is None:
                         return self._fallback()
                     rendered += 1
                 recs.append(r)
                 tin, stin = r.tout, r.stout
-            got = self._one(msgs, smsgs, tables, n - 1, True, st, sst, variables, tin, stin)
-            if got is None:
+            last = self._one(msgs, smsgs, tables, n - 1, True, st, sst, variables, tin, stin)
+            if last is None:
                 return self._fallback()
-            last_text, last_pieces = got.text, got.pieces
             rendered += 1
         except Exception:        # the whole render says what is wrong (or renders where a piece does not)
             return self._fallback()
-        texts = [r.text for r in recs] + [last_text]
-        text = st.head + "".join(texts) + st.tail
-        acc: list = []
-        _extend(acc, head_p)
-        for r in recs:
+        # the boxes' meets and the pieces' runs: the chain's up to the records it shares (when those before `behind`
+        # and the head came out the same), then the rest
+        same = 0
+        if chain is not None and chain.head_p == head_p:
+            lim = min(len(recs), len(old))
+            while same < min(behind, lim) and recs[same].pieces == old[same].pieces:
+                same += 1
+            if same == behind:
+                same = max(same, min(bulk, lim))
+                while same < lim and recs[same] is old[same]:
+                    same += 1
+        if same:
+            acc = _upto(chain.acc, chain.ends, chain.tails, same)
+            ends, tails = chain.ends[:same + 1], chain.tails[:same + 1]
+            jruns = chain.jruns[:max(0, ends[-1] - 1)]      # the runs no later record can join, joined
+        else:
+            acc = []
+            _extend(acc, head_p)
+            ends, tails = [len(acc)], [len(acc[-1][0]) if acc else 0]
+            jruns = []
+        for r in recs[same:]:
             _extend(acc, r.pieces)
-        _extend(acc, last_pieces)
-        _extend(acc, tail_p)
-        pieces = _joined(acc)
-        # where this text starts to differ from the kept chat's (its prefix ends before that still hold)
+            ends.append(len(acc))
+            tails.append(len(acc[-1][0]) if acc else 0)
+        jruns += _joined(acc[len(jruns):])
+        cum = chain.cum[:max(same, behind) + 1] if same > behind else [None] * behind + [({}, {})]
+        for j in range(len(cum) - 1, len(recs)):
+            cum.append((_meet(cum[j][0], recs[j].box), _meet(cum[j][1], recs[j].sbox)))
+        end = _upto(acc, ends, tails, len(recs))[-1:]       # the last run, which the last message may join
+        _extend(end, last.pieces)
+        _extend(end, tail_p)
+        pieces = jruns[:-1] + _joined(end) if end and acc else jruns + _joined(end)
+        texts = [r.text for r in recs] + [last.text]
+        text = st.head + "".join(texts) + st.tail
+        offs = list(itertools.accumulate(map(len, texts), initial=len(st.head)))
+        # where this text starts to differ from the kept chat's (its prefix ends before that still hold): the
+        # records it shares are the same text
         stable = 0
-        if chain is not None and k and chain.head == st.head:
-            stable = len(st.head)
-            for j in range(min(len(chain.texts), n)):
-                if texts[j] is not chain.texts[j] and texts[j] != chain.texts[j]:
-                    break
-                stable += len(texts[j])
-        offs = [len(st.head)]
-        for t in texts:
-            offs.append(offs[-1] + len(t))
+        if chain is not None and chain.head == st.head:
+            j = same
+            while j < min(len(chain.texts), n) and texts[j] == chain.texts[j]:
+                j += 1
+            stable = offs[j]
         ends_out: dict[int, int] = {}
         pends: dict = {}
-        try:
-            for i in sorted(wanted):
-                if not 0 <= i < n or (i == n - 1 and not agp):
-                    continue
-                kept = chain.pends.get(i) if chain is not None and i < k else None
-                if kept is not None and ((kept[0] == "end" and kept[1] <= stable)
-                                         or (kept[0] == "miss" and kept[1] < stable)):
-                    got_end = kept
-                elif kept is not None and kept[0] == "error":
-                    got_end = kept
-                else:
-                    try:
-                        got_end = self._prefix_end(i, msgs, recs, texts, offs, text, st, variables)
-                    except Exception:        # the prefix does not render: no end (a function of the prefix)
-                        got_end = ("error", 0)
-                if got_end is None:
-                    continue
-                pends[i] = got_end
-                if got_end[0] == "end":
-                    ends_out[i] = got_end[1]
-        except Exception:
-            return self._fallback()
-        flat = (chain.flat if chain is not None and k else True) and _all_str(messages[k:])
-        sigs = None if flat else [repr(m) for m in messages]
+        for i in sorted(wanted):
+            if not 0 <= i < n or (i == n - 1 and not agp):
+                continue
+            kept = chain.pends.get(i) if chain is not None and i < k else None
+            if kept is not None and ((kept[0] == "end" and kept[1] <= stable) or (kept[0] == "miss" and
+                                                                                  kept[1] < stable)
+                                     or kept[0] == "error"):
+                got = kept
+            else:
+                try:
+                    got = self._prefix_end(i, msgs, recs, cum, texts, offs, text, st, variables)
+                except Exception:        # the prefix does not render: no end (a function of the prefix)
+                    got = ("error", 0)
+            if got is None:
+                continue
+            pends[i] = got
+            if got[0] == "end":
+                ends_out[i] = got[1]
+        flat = (chain.flat if chain is not None else True) and _all_str(messages[k:])
+        sigs = None if flat else _sigs(messages, k, chain)
         self._keep(_WChain(ctx=ctx, raws=list(messages), keys=keys, flat=flat, sigs=sigs, msgs=msgs, smsgs=smsgs,
-                           tables=tables, recs=recs, texts=texts, head=st.head, pends=pends),
+                           tables=tables, recs=recs, cum=cum, key=st.key, skey=sst.key, texts=texts, head=st.head,
+                           head_p=head_p, acc=acc, ends=ends, tails=tails, jruns=jruns, pends=pends),
                    chain if chain is not None and k == len(chain.raws) else None)
         with self._lock:
             self.stats["calls"] += 1
@@ -628,11 +709,11 @@ class WindowChunks(MessageChunks):
             self.stats["kept"] += n - rendered
         return Chunked(text=text, pieces=pieces, ends=ends_out, rendered=rendered)
 
-    def _prefix_end(self, i: int, msgs, recs, texts, offs, text: str, st: _State, variables):
+    def _prefix_end(self, i: int, msgs, recs, cum, texts, offs, text: str, st: _State, variables):
         """("end", len(render(messages[:i+1], add_generation_prompt=False))) when that is a prefix of `text`, else
         ("miss", the first position where they differ): the prefix's outer template run, the outputs of the
-        messages before i that read only messages within the prefix and make the same comparisons under its state
-        taken from this chat, the rest rendered."""
+        messages before i that read only messages within the prefix, find the threaded namespaces alike and make the
+        same comparisons under its state taken from this chat, the rest rendered."""
         sp = self.split
         with self._lock:
             self.stats["prefix_renders"] += 1
@@ -642,15 +723,19 @@ class WindowChunks(MessageChunks):
             return None
         if not text.startswith(pst.head):
             return "miss", _common(text, 0, pst.head)
-        same = pst.key == st.key and pst.values == st.values
         tin = self._threads(pst)
         if tin is None:
             return None
+        upto = i - sp.ahead + 1          # records [behind, upto) read only messages of the prefix
         pos = len(pst.head)
-        for j in range(i):
+        j = 0
+        while j < i:
             r = recs[j]
-            if j >= sp.behind and j + sp.ahead <= i and r.tin == tin and \
-                    (same or (r.key == pst.key and self._holds(r.guards, pst))):
+            if j == sp.behind < upto and pst.key == st.key and r.tin == tin and pos == offs[j] and \
+                    _inside(cum[upto][0], pst.values):
+                pos, tin, j = offs[upto], recs[upto - 1].tout, upto     # all of them as in this chat
+                continue
+            if sp.behind <= j < upto and pst.key == st.key and r.tin == tin and _inside(r.box, pst.values):
                 t, tin = r.text, r.tout     # this output under the prefix's state and messages
             else:
                 t, _, tin = self._body(pm, j, False, pst, variables, tin)
@@ -658,6 +743,7 @@ class WindowChunks(MessageChunks):
                 if not text.startswith(t, pos):
                     return "miss", pos + _common(text, pos, t)
             pos += len(t)
+            j += 1
         t, _, _ = self._body(pm, i, True, pst, variables, tin)
         t += pst.tail
         if not text.startswith(t, pos):
