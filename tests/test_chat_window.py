@@ -145,15 +145,17 @@ def test_which_templates_split_by_window():
         assert split_window(env, source) is None, name
 
 
-# a body that reads two messages back and one ahead, a namespace it counts in (threaded), and a state value read
-# whole (not only compared)
+# a body that reads two messages back and one ahead, a namespace it counts in (threaded), a state value read whole
+# (not only compared), a compared bool (its value is a dependency) and a compared int (the comparison's outcome is)
 WIDE = """{%- set ns = namespace(last=-1, n=0) %}{%- set mark = messages|length > 3 %}
+{%- set fl = namespace(big=messages|length > 4, at=messages|length // 2) %}
 {%- for m in messages[::-1] %}{%- set i = messages|length - 1 - loop.index0 %}
 {%- if ns.last == -1 and m.role == 'user' %}{%- set ns.last = i %}{%- endif %}{%- endfor %}
 {%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.n = ns.n + 1 %}{%- endif %}
 <{{ m.role }} {{ ns.n }}{% if loop.index0 >= 2 and messages[loop.index0 - 2].role == m.role %} again{% endif %}
 {%- if not loop.last and messages[loop.index0 + 1].role == 'tool' %} calls{% endif %}
-{%- if loop.index0 >= ns.last %} {{ mark }}{% endif %}>{{ m.content }}
+{%- if loop.index0 >= ns.last %} {{ mark }}{% endif %}{% if fl.big == true %}!{% endif %}
+{%- if loop.index0 < fl.at %}<{% endif %}>{{ m.content }}
 {% endfor %}"""
 
 
@@ -163,6 +165,7 @@ def test_a_wide_window_threaded_namespace_and_exact_state(bpe, sent):
     tk, _ = bpe
     sp = split_window(_environment(), WIDE)
     assert (sp.behind, sp.ahead, sp.threaded) == (2, 1, {"ns"})
+    assert sp.compared == {("fl", "big"), ("fl", "at")} and ("mark", None) in sp.exact
     kept, whole = ChatTemplate(WIDE, tk), _whole(WIDE, tk)
     for msgs in sent:
         ref = whole.render(msgs, add_generation_prompt=False)
@@ -239,3 +242,21 @@ def test_a_wrong_window_split_is_caught_by_the_first_check(bpe):
     got = t.render(msgs)
     assert t.chunks is None
     assert got.tokens == _whole(QWEN3_TEMPLATE, tk).render(msgs).tokens
+
+
+def test_a_comparison_box_holds_exactly_the_values_that_compare_alike():
+    """A record's box (the traced values under which its comparisons come out as they did) against every value."""
+    import operator
+
+    from strata.text.chat_window import _box, _inside
+    ops = {"lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge, "eq": operator.eq,
+           "ne": operator.ne}
+    for op, f in ops.items():
+        for other in (-1, 0, 3, 2.5):
+            for value in range(-3, 7):
+                guards = [(("ns", "x"), op, other, f(value, other))]
+                box = _box(guards, {"ns": {"x": value}})
+                for v in range(-5, 9):
+                    assert _inside(box, {"ns": {"x": v}}) == (f(v, other) == f(value, other) and (
+                        op not in ("eq", "ne") or f(value, other) == (op == "eq") or
+                        (v > other) == (value > other))), (op, other, value, v)

@@ -300,7 +300,8 @@ class ChatTemplate:
         generation prompt (only with add_generation_prompt: the last message's prefix); pin_at is
         message_at(pin_message). A template that renders each message on its own (self.chunks,
         strata.text.chat_chunks) renders only the messages no kept conversation holds exactly, and finds the message
-        ends from the kept outputs; other templates reuse prefix lengths rendered by earlier requests
+        ends from the kept outputs (one whose messages read their neighbours and the state set before the loop,
+        strata.text.chat_window, likewise the messages whose output can have changed); other templates reuse prefix lengths rendered by earlier requests
         (self.prefix_ends, keyed by the messages, checked against the new text), so a later turn renders only its new
         prefixes. Either way the result is that of rendering everything.
         text_check, if given, is called with the rendered text before anything is tokenized (the engine refuses

@@ -76,10 +76,7 @@ def _stop_when_cleared(loop: nodes.For) -> nodes.For | None:
     None when the loop is not of that shape."""
     if loop.else_ or loop.recursive or loop.test is not None:
         return None
-    local = {n.name for n in loop.target.find_all(nodes.Name)}
-    for st in loop.body:
-        if isinstance(st, nodes.Assign) and isinstance(st.target, nodes.Name):
-            local.add(st.target.name)
+    local = {n.name for n in loop.find_all(nodes.Name) if n.ctx in ("store", "param")}   # set anywhere in it
     flag = None
     for st in loop.body:
         if isinstance(st, nodes.Assign) and isinstance(st.target, nodes.Name):
@@ -339,7 +336,7 @@ def _bounds(op: str, other, result: bool, value) -> tuple[tuple, tuple]:
     if op in ("eq", "ne"):                     # v != other: the side of it that `value` is on
         return ((other, True), _NO_UPPER) if value > other else (_NO_LOWER, (other, True))
     below = {"lt": result, "le": result, "gt": not result, "ge": not result}[op]
-    strict = {"lt": result, "le": not result, "gt": not result, "ge": result}[op]
+    strict = {"lt": result, "le": not result, "gt": result, "ge": not result}[op]
     return (_NO_LOWER, (other, strict)) if below else ((other, strict), _NO_UPPER)
 
 
@@ -509,7 +506,9 @@ class WindowChunks(MessageChunks):
                 types[name] = type(v)
         # a value read other than as a namespace attribute compared: the output depends on it (on the whole value
         # where it is not a namespace)
-        deps = set(sp.exact) | {(name, None) for name, _ in sp.compared if not isinstance(values.get(name), dict)}
+        deps = set(sp.exact) | {(name, None) for name, _ in sp.compared if not isinstance(values.get(name), dict)} \
+            | {(name, a) for name, a in sp.compared if isinstance(values.get(name), dict)
+               and type(values[name].get(a)) is not int}          # only an int's comparisons are traced
         for name, attr in sorted(deps, key=str):
             if name not in values:
                 continue
