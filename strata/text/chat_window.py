@@ -27,11 +27,13 @@ _SCALARS = (str, int, float, bool, type(None))
 class WindowSplit:
     """A template cut at its loop over the messages: `outer` (the template with the loop replaced by the variable
     strata_loop_output, its flag-guarded look-back loops stopping once their flag is cleared) and `body` (the loop's
-    body as a template: the message as `target`, `loop` with first / last / index / index0, `messages` the chat).
-    A message's output depends only on itself, messages[0], the messages `behind` before and `ahead` after it,
-    whether it is the last, the render's other inputs and the values of `state` (names the outer sets before the
-    loop) the body reads: `compared` ((name, attribute) of a namespace read only as an operand of a comparison: a
-    message depends on the comparisons' outcomes) and `exact` (any other read: it depends on the value)."""
+    body, with the top-level macros it calls, as a template: the message as `target`, `loop` with first / last /
+    index / index0 / previtem / nextitem, `messages` the chat). A message's output depends only on itself,
+    messages[0], the messages `behind` before and `ahead` after it, whether it is the last, the render's other
+    inputs, the namespaces of `threaded` (the body assigns them: their attributes as the previous message left them)
+    and the values of `state` (names the outer sets before the loop) the body reads: `compared` ((name, attribute)
+    of a namespace read only as an operand of a comparison: a message depends on the comparisons' outcomes) and
+    `exact` (any other read: it depends on the value)."""
     outer: jinja2.Template
     body: jinja2.Template
     target: str
