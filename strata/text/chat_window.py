@@ -612,14 +612,17 @@ class WindowChunks(MessageChunks):
             same_key = chain is not None and chain.key == st.key and chain.skey == sst.key
             reuse_below = min(k - sp.ahead, len(old))
             bulk = 0          # records [behind, bulk) taken from the chain at once
-            for j in range(n - 1):
-                if j == behind and not bulk and same_key and reuse_below > behind and old[j].tin == tin and \
+            j = 0
+            while j < n - 1:
+                if j == behind and same_key and reuse_below > behind and old[j].tin == tin and \
                         old[j].stin == stin and _inside(chain.cum[reuse_below][0], st.values) and \
                         _inside(chain.cum[reuse_below][1], sst.values):
                     bulk = reuse_below
-                if j < bulk:
-                    r = old[j]
-                elif behind <= j < reuse_below and same_key and old[j].tin == tin and old[j].stin == stin and \
+                    recs += old[behind:bulk]
+                    tin, stin = old[bulk - 1].tout, old[bulk - 1].stout
+                    j = bulk
+                    continue
+                if behind <= j < reuse_below and same_key and old[j].tin == tin and old[j].stin == stin and \
                         _inside(old[j].box, st.values) and _inside(old[j].sbox, sst.values):
                     r = old[j]
                 else:
@@ -629,6 +632,7 @@ class WindowChunks(MessageChunks):
                     rendered += 1
                 recs.append(r)
                 tin, stin = r.tout, r.stout
+                j += 1
             last = self._one(msgs, smsgs, tables, n - 1, True, st, sst, variables, tin, stin)
             if last is None:
                 return self._fallback()
