@@ -39,6 +39,7 @@ class WindowSplit:
     target: str
     behind: int
     ahead: int
+    wraps: int          # the largest c of messages[loop.index0 - c]: the first c messages read from the chat's end
     state: frozenset
     compared: frozenset
     exact: frozenset
@@ -114,7 +115,7 @@ class _BodyScan:
         self.state_names = state_names
         self.macros = macros                # top-level macros of the template before the loop, by name
         self.called: list[str] = []         # the macros the body calls (directly or through other macros)
-        self.behind = self.ahead = 0
+        self.behind = self.ahead = self.wraps = 0
         self.loads: set[str] = set()
         self.compared: set[tuple[str, str]] = set()
         self.exact: set[tuple[str, str | None]] = set()
@@ -163,6 +164,7 @@ class _BodyScan:
                 self.ok = False
                 return
             self._reach(off)
+            self.wraps = max(self.wraps, -off)
             return
         if isinstance(node, nodes.Name):
             if node.ctx != "load":
@@ -261,7 +263,7 @@ def split_window(env: jinja2.Environment, source: str) -> WindowSplit | None:
     threaded = frozenset(scan.threaded)
     state = frozenset((scan.loads & pre_stores) - {loop.target.name} - set(macros)) | threaded
     return WindowSplit(outer=outer_tmpl, body=body_tmpl, target=loop.target.name, behind=scan.behind,
-                       ahead=scan.ahead, state=state,
+                       ahead=scan.ahead, wraps=scan.wraps, state=state,
                        compared=frozenset(k for k in scan.compared if k not in scan.exact and k[0] not in threaded),
                        exact=frozenset(k for k in scan.exact if k[0] not in threaded), threaded=threaded)
 
@@ -419,7 +421,7 @@ class _WLoop:
 class _WChain:
     """One conversation: the messages as given (raws, keys, flat, sigs as MessageChunks' chains), their prepared and
     sentinel copies and sentinel tables, the records (not last) of all but the last message with `cum[j]` the meet
-    of the boxes of records [behind, j) (real, sentinel), the exact dependencies' keys the records hold under
+    of the boxes of records [wraps, j) (real, sentinel), the exact dependencies' keys the records hold under
     (`key`, `skey`), the texts as they stand in the chat's text, its head and head pieces, the runs of the head's
     and the records' pieces (`acc`, `ends`, `tails` as MessageChunks' chains), and its prefix ends (i -> ("end",
     position), ("miss", first differing position) or ("error", 0))."""
@@ -577,7 +579,7 @@ class WindowChunks(MessageChunks):
         if n - k > MAX_NEW:
             return None
         sp, nonce = self.split, self._nonce
-        behind = sp.behind
+        lead = sp.wraps           # records [0, lead) read the chat's last messages: rendered every time
         if f"zqx{nonce}" in ctx:
             return self._fallback()
         if chain is None or not k:
@@ -611,18 +613,18 @@ class WindowChunks(MessageChunks):
             old = chain.recs if chain is not None else []
             same_key = chain is not None and chain.key == st.key and chain.skey == sst.key
             reuse_below = min(k - sp.ahead, len(old))
-            bulk = 0          # records [behind, bulk) taken from the chain at once
+            bulk = 0          # records [lead, bulk) taken from the chain at once
             j = 0
             while j < n - 1:
-                if j == behind and same_key and reuse_below > behind and old[j].tin == tin and \
+                if j == lead and same_key and reuse_below > lead and old[j].tin == tin and \
                         old[j].stin == stin and _inside(chain.cum[reuse_below][0], st.values) and \
                         _inside(chain.cum[reuse_below][1], sst.values):
                     bulk = reuse_below
-                    recs += old[behind:bulk]
+                    recs += old[lead:bulk]
                     tin, stin = old[bulk - 1].tout, old[bulk - 1].stout
                     j = bulk
                     continue
-                if behind <= j < reuse_below and same_key and old[j].tin == tin and old[j].stin == stin and \
+                if lead <= j < reuse_below and same_key and old[j].tin == tin and old[j].stin == stin and \
                         _inside(old[j].box, st.values) and _inside(old[j].sbox, sst.values):
                     r = old[j]
                 else:
@@ -639,14 +641,14 @@ class WindowChunks(MessageChunks):
             rendered += 1
         except Exception:        # the whole render says what is wrong (or renders where a piece does not)
             return self._fallback()
-        # the boxes' meets and the pieces' runs: the chain's up to the records it shares (when those before `behind`
+        # the boxes' meets and the pieces' runs: the chain's up to the records it shares (when those before `lead`
         # and the head came out the same), then the rest
         same = 0
         if chain is not None and chain.head_p == head_p:
             lim = min(len(recs), len(old))
-            while same < min(behind, lim) and recs[same].pieces == old[same].pieces:
+            while same < min(lead, lim) and recs[same].pieces == old[same].pieces:
                 same += 1
-            if same == behind:
+            if same == lead:
                 same = max(same, min(bulk, lim))
                 while same < lim and recs[same] is old[same]:
                     same += 1
@@ -664,7 +666,7 @@ class WindowChunks(MessageChunks):
             ends.append(len(acc))
             tails.append(len(acc[-1][0]) if acc else 0)
         jruns += _joined(acc[len(jruns):])
-        cum = chain.cum[:max(same, behind) + 1] if same > behind else [None] * behind + [({}, {})]
+        cum = chain.cum[:max(same, lead) + 1] if same > lead else [None] * lead + [({}, {})]
         for j in range(len(cum) - 1, len(recs)):
             cum.append((_meet(cum[j][0], recs[j].box), _meet(cum[j][1], recs[j].sbox)))
         end = _upto(acc, ends, tails, len(recs))[-1:]       # the last run, which the last message may join
@@ -731,16 +733,16 @@ class WindowChunks(MessageChunks):
         tin = self._threads(pst)
         if tin is None:
             return None
-        upto = i - sp.ahead + 1          # records [behind, upto) read only messages of the prefix
+        upto = i - sp.ahead + 1          # records [wraps, upto) read only messages of the prefix
         pos = len(pst.head)
         j = 0
         while j < i:
             r = recs[j]
-            if j == sp.behind < upto and pst.key == st.key and r.tin == tin and pos == offs[j] and \
+            if j == sp.wraps < upto and pst.key == st.key and r.tin == tin and pos == offs[j] and \
                     _inside(cum[upto][0], pst.values):
                 pos, tin, j = offs[upto], recs[upto - 1].tout, upto     # all of them as in this chat
                 continue
-            if sp.behind <= j < upto and pst.key == st.key and r.tin == tin and _inside(r.box, pst.values):
+            if sp.wraps <= j < upto and pst.key == st.key and r.tin == tin and _inside(r.box, pst.values):
                 t, tin = r.text, r.tout     # this output under the prefix's state and messages
             else:
                 t, _, tin = self._body(pm, j, False, pst, variables, tin)
