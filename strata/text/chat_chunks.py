@@ -3,6 +3,7 @@ output and its pieces kept across requests, so that a later turn renders only it
 from __future__ import annotations
 
 import itertools
+import operator
 import re
 import secrets
 import threading
@@ -136,13 +137,14 @@ class _Loop:
         self.index0, self.index, self.first, self.last = index0, index0 + 1, index0 == 0, last
 
 
-def _split_sentinels(stext: str, table: dict[str, str], nonce: str) -> list[tuple[str, bool]]:
-    """[(text, parse_special)] of a sentinel rendering: each sentinel of `table` found becomes its client string
-    (False), the text between them template text (True). Every sentinel is zqx{nonce}s{i}qzx: one small pattern
-    whatever the number of client strings (the nonce is hex, so no sentinel starts inside another's text); one the
-    table lacks (a template rewrote it) stays template text."""
+def _split_sentinels(stext: str, table, nonce: str) -> list[tuple[str, bool]]:
+    """[(text, parse_special)] of a sentinel rendering: each sentinel of `table` (a mapping with .get) found becomes
+    its client string (False), the text between them template text (True). Every sentinel is zqx{nonce}s{i}qzx or,
+    tagged with the index j of its message, zqx{nonce}x{j}s{i}qzx: one small pattern whatever the number of client
+    strings (the nonce is hex, so no sentinel starts inside another's text); one the table lacks (a template
+    rewrote it) stays template text."""
     pieces: list[tuple[str, bool]] = []
-    pat = re.compile(re.escape(f"zqx{nonce}s") + r"[0-9]+qzx")
+    pat = re.compile(re.escape(f"zqx{nonce}") + r"(?:x[0-9]+)?s[0-9]+qzx")
     pos = 0
     for m in pat.finditer(stext):
         string = table.get(m.group(0))
@@ -187,7 +189,7 @@ class _Rec:
 @dataclass
 class _Chain:
     """One conversation's records under one context: the messages as the request gave them (`raws`), their key
-    orders (`keys`) and whether every value was a str (`flat`; else `sigs`: each message's repr); the runs of the
+    orders (`keys`) and whether every value was a str (`flat`; else `sigs`, see _sigs); the runs of the
     head's and the records' pieces (each not last; `acc`, see _extend), and per count j of records: how many runs
     they fill (`ends[j]`), the fragments the last of them had then (`tails[j]`: a later record's template text joins
     that run) and where their text ends after the head (`offs[j]`)."""
@@ -220,6 +222,32 @@ def _all_str(msgs) -> bool:
     """Every value of every message is a str (type exact): equal (==) messages then render alike, given the same key
     order (1, 1.0 and True are equal but print differently). One pass in C."""
     return set(map(type, itertools.chain.from_iterable(map(dict.values, msgs)))) <= {str}
+
+
+def _sigs(messages: list, k: int, chain) -> list:
+    """Per message: None where every value is a str (type exact), else its repr; the first k as `chain` has them."""
+    old = chain.sigs if chain is not None and k and chain.sigs is not None else None
+    head = old[:k] if old is not None else [None if _all_str((m,)) else repr(m) for m in messages[:k]]
+    return head + [None if _all_str((m,)) else repr(m) for m in messages[k:]]
+
+
+def _strict(messages: list, keys: list, chain, k: int) -> int:
+    """How many of the first k messages (equal (==) to `chain`'s) print as chain's do: those whose key orders match
+    and whose values are all str where chain's were (== on str is exact), and whose repr matches where they were
+    not. The reprs are taken only of messages that hold other values."""
+    sigs = chain.sigs if chain.sigs is not None else [None] * len(chain.raws)     # a flat chain: every value a str
+    if keys[:k] == chain.keys[:k]:
+        flat = [j for j in range(k) if sigs[j] is None]
+        if not flat or _all_str(operator.itemgetter(*flat)(messages) if len(flat) > 1 else (messages[flat[0]],)):
+            for j in range(k):
+                if sigs[j] is not None and repr(messages[j]) != sigs[j]:
+                    return j
+            return k
+    j = 0
+    while j < k and keys[j] == chain.keys[j] and (repr(messages[j]) == sigs[j] if sigs[j] is not None
+                                                  else _all_str((messages[j],))):
+        j += 1
+    return j
 
 
 def _upto(acc: list, ends: list[int], tails: list[int], j: int) -> list:
@@ -402,7 +430,7 @@ class MessageChunks:
                 if text.startswith(rec.last_text, pos) and text.startswith(btail, pos + len(rec.last_text)):
                     ends_out[i] = pos + len(rec.last_text) + len(btail)
         flat = (chain.flat if chain is not None and k else True) and _all_str(messages[k:])
-        sigs = None if flat else [repr(m) for m in messages]
+        sigs = None if flat else _sigs(messages, k, chain)
         self._keep(_Chain(ctx=ctx, head=head_p, recs=recs, raws=list(messages), keys=keys, flat=flat, sigs=sigs,
                           acc=acc, ends=ends, tails=tails, offs=offs, body=body, outer=outer),
                    chain if chain is not None and k == len(chain.raws) else None)
@@ -463,11 +491,7 @@ class MessageChunks:
                 continue
             # equal (==) is not enough: 1, 1.0 and True are equal and print differently, key orders may differ
             if not (c.flat and keys[:k] == c.keys[:k] and _all_str(messages[:k])):
-                sigs = c.sigs if c.sigs is not None else [repr(m) for m in raws[:k]]
-                j = 0
-                while j < k and repr(messages[j]) == sigs[j]:
-                    j += 1
-                k = j
+                k = _strict(messages, keys, c, k)
             if k > best_k:
                 best, best_k = c, k
         return best, best_k
