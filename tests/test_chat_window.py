@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from strata.text.chat_chunks import split_template
 from strata.text.chat_template import ChatTemplate, _environment
-from strata.text.chat_window import WindowChunks, split_window
+from strata.text.chat_window import WindowChunks
+from strata.text.window_proof import split_window
 from strata.text.tokenizer import Tokenizer
 from tests.templates import QWEN35_TEMPLATE, QWEN3_TEMPLATE, QWEN_TEMPLATE, QWQ_TEMPLATE
 
@@ -215,7 +216,7 @@ def test_a_later_turn_renders_only_what_can_have_changed(bpe, which):
 def test_the_look_back_stops_once_its_flag_is_cleared():
     """The outer template's look-back loop gets a break after its flag is cleared; one whose later iterations could
     still do something (output, a write the flag does not guard, an expression that may raise) keeps running."""
-    from strata.text.chat_window import _stop_when_cleared
+    from strata.text.window_proof import _stop_when_cleared
     env = _environment()
 
     def loop_of(src):

@@ -19,7 +19,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from strata.text.chat_chunks import MessageChunks, _split_sentinels, split_template
 from strata.text.chat_prefixes import PrefixEnds, is_plain, prefix_digests
-from strata.text.chat_window import WindowChunks, split_window
+from strata.text.chat_window import WindowChunks
+from strata.text.window_proof import split_window
 from strata.text.token_ids import frozen_ids
 from strata.text.tokenizer import Tokenizer
 from strata.text.turn_tokens import TurnTokens
