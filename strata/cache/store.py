@@ -67,6 +67,8 @@ class ConversationStore:
         if self.slot_save_path is not None:
             session.remove_stale_temporaries(self.slot_save_path)
         self._from_session: weakref.WeakSet = weakref.WeakSet()   # loaded from a file, not yet resumed
+        # each sequence's last prompt length (resume): where the answer it holds began
+        self._answer_from: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._restoring = None      # the checkpoint a restore is mounting (make_room does not drop it meanwhile)
         self._drops_seen = 0        # the stages' drop counts (Memory.drops) already acted on
 
@@ -193,6 +195,7 @@ class ConversationStore:
         if plan.resume_pos > 0 and (unparked or seq in self._from_session):
             plan.resume_from = unparked or "session"
         self._from_session.discard(seq)
+        self._answer_from[seq] = len(prompt)
         n, resume = len(prompt), plan.resume_pos
         if seq.pos != resume or not 0 <= resume < n or not is_prefix(seq.ids, prompt):
             self.forget(seq)
@@ -416,10 +419,21 @@ class ConversationStore:
                 log.info("unparked", tier=source, tokens=conv.pos, resume=depth,
                          ms=round((time.perf_counter() - t0) * 1e3, 2))
             return source
-        deepest = self.checkpoints.deepest(seq.ids)
-        if seq.pos > 0 and (here < deepest or (deepest == 0 and here == 0)):
+        if seq.pos > 0 and self._leaves(seq, prompt, here):
             self.park(seq, trace)
         return None
+
+    def _leaves(self, seq: Sequence, prompt: np.ndarray, here: int) -> bool:
+        """Whether `prompt` leaves `seq`'s conversation (then it is parked before the plan cuts it back): it resumes
+        before the deepest checkpoint on `seq`'s path, or it differs from `seq`'s tokens before the answer `seq`
+        holds began (its last prompt's end: another conversation, an earlier message edited), whether or not the
+        tree still keeps that conversation's checkpoints (another slot's may have evicted them). A regenerated
+        answer (the same prompt) or a next turn that re-renders the last answer differently leaves nothing."""
+        deepest = self.checkpoints.deepest(seq.ids)
+        if here < deepest or (deepest == 0 and here == 0):
+            return True
+        start = min(self._answer_from.get(seq, 0), int(seq.pos))
+        return common_prefix(seq.ids, prompt) < min(start, len(prompt))
 
     def parked(self) -> list[dict]:
         """The parked conversations for `stratactl cache` (tokens, bytes, tier, checkpoints, last use)."""
