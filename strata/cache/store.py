@@ -511,6 +511,7 @@ class ConversationStore:
                 self.forget(seq)            # a worker refused its part after a local stage was written
             raise session.SessionError(f"session file {filename!r}: {e}") from None
         self._from_session.add(seq)
+        self._turn_start.pop(seq, None)      # its turns are not known: the deepest checkpoint rule alone
         self.parking.discard(conv.tokens)     # now live: a parked copy of the same conversation is dropped
         return {"id_slot": 0, "filename": filename, "n_restored": conv.pos, "n_read": n_read,
                 "timings": {"restore_ms": round((time.perf_counter() - t0) * 1e3, 3)}}
