@@ -249,13 +249,16 @@ def test_fail_on_no_slot_is_a_503_only_while_every_slot_runs(pair):
 
 
 
-def test_a_conversation_left_in_a_slot_is_parked_when_its_checkpoints_were_evicted(tmp_path):
+@pytest.mark.parametrize("where", ["local", "worker"])
+def test_a_conversation_left_in_a_slot_is_parked_when_its_checkpoints_were_evicted(tmp_path, workers, where):
     """An agent's conversation sits idle in slot 0 while another slot's checkpoints push its own out of the tree
-    (--prompt-cache 2: the root and one more); a third conversation on the same system prompt then takes slot 0.
-    The first must be parked, not cut back to the shared system prompt: its next turn, sent to the other slot,
-    resumes from the parked copy and reads only its new message, and answers as that prompt read from token 0.
-    (It was lost: the park rule only looked for checkpoints on the conversation's path.)"""
-    d = Daemon(tmp_path, "--parallel", "2", "--prompt-cache", "2", n_ctx=1024).start()
+    (--prompt-cache 2: the root and one more; over a worker the default keeps none); a third conversation on the
+    same system prompt then takes slot 0. The first must be parked, not cut back to the shared system prompt: its
+    next turn, sent to the other slot, resumes from the parked copy and reads only its new message, and answers as
+    that prompt read from token 0. (It was lost: the park rule only looked for checkpoints on its path.)"""
+    flags = ["--prompt-cache", "2"] if where == "local" else \
+        ["--remote-stage", workers().address, "--layer-split", "15"]
+    d = Daemon(tmp_path, "--parallel", "2", *flags, n_ctx=1024).start()
     try:
         system = {"role": "system", "content": "You are a careful coding agent in a git repository. " * 8}
 
