@@ -14,7 +14,7 @@ import numpy as np
 import structlog
 
 from strata.cache import session
-from strata.cache.checkpoints import CheckpointCache, PrefillPlan, _cut
+from strata.cache.checkpoints import CheckpointCache, PrefillPlan, turn_start
 from strata.cache.conversation import CUT_MIN, Conversation, SavedCheckpoint
 from strata.cache.disk import DiskNode, DiskTier
 from strata.cache.lookup import Found, lookup
@@ -516,9 +516,3 @@ class ConversationStore:
         return {"id_slot": 0, "filename": filename, "n_restored": conv.pos, "n_read": n_read,
                 "timings": {"restore_ms": round((time.perf_counter() - t0) * 1e3, 3)}}
 
-
-def turn_start(cut_points, n: int) -> int:
-    """Where a prompt of n tokens begins its final turn: its last "turn" or "message" cut point (the generation
-    prompt's start, the last message's end), else n (a raw prompt: the answer follows it)."""
-    ends = [p for p, kind in map(_cut, cut_points or ()) if kind in ("turn", "message") and 0 < p <= n]
-    return max(ends, default=n)
