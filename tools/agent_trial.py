@@ -59,7 +59,7 @@ ASKS = ["Look at src/app/main.py and tell me what it does.", "Now run the tests.
 def tool_output(agent: str, name: str, args: str, turn: int) -> str:
     """A deterministic, long tool result (a few hundred tokens) carrying the agent's secret."""
     lines = [f"# {name} {args[:60]} (turn {turn}) project code {SECRETS[agent]}"]
-    for k in range(24 if agent == "messages" else 12):
+    for k in range(16 if agent == "messages" else 12):
         lines.append(f"def handler_{turn}_{k}(request):  # line {k}: returns the {k}th route's answer")
     return "\n".join(lines)
 
