@@ -323,3 +323,23 @@ def test_a_final_assistant_message_that_cannot_be_continued_gets_400(client, las
     with pytest.raises(anthropic.BadRequestError) as e:
         client.messages.create(model="x", messages=ASK + [last], max_tokens=4, tools=[WEATHER])
     assert why in str(e.value) and "messages[1].content" in str(e.value)
+
+
+READ_FILE = {"name": "read_file", "description": "Read a file of the repository.",
+             "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}
+
+
+@pytest.mark.parametrize("max_tokens", [28, 34])
+def test_cut_tool_use_input_is_what_its_stream_assembles(client, max_tokens):
+    """A tool_use cut by max_tokens: the non-streamed message's input equals the one the SDK assembles from the
+    streamed input_json_delta fragments (at 34 tokens the default model has written `{"path": "...", "`, which the
+    SDK reads as {"path": ...}; the message said {} and an agent lost the argument)."""
+    kw = dict(model="default", max_tokens=max_tokens, extra_body=GREEDY, tools=[READ_FILE],
+              tool_choice={"type": "any"},
+              messages=[{"role": "user", "content": "Read src/app/main.py and tell me what it does."}])
+    m = client.messages.create(**kw)
+    final, _, _ = _streamed(client, **kw)
+    assert m.stop_reason == final.stop_reason == "max_tokens"
+    assert _blocks(m) == _blocks(final)
+    if max_tokens == 34:    # the fragments hold a complete key and value: the input carries them
+        assert _tool_uses(m)[0].input["path"].endswith("src/app/main.py")

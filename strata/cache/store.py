@@ -14,7 +14,7 @@ import numpy as np
 import structlog
 
 from strata.cache import session
-from strata.cache.checkpoints import CheckpointCache, PrefillPlan
+from strata.cache.checkpoints import CheckpointCache, PrefillPlan, turn_start
 from strata.cache.conversation import CUT_MIN, Conversation, SavedCheckpoint
 from strata.cache.disk import DiskNode, DiskTier
 from strata.cache.lookup import Found, lookup
@@ -70,6 +70,8 @@ class ConversationStore:
         if self.slot_save_path is not None:
             session.remove_stale_temporaries(self.slot_save_path)
         self._from_session: weakref.WeakSet = weakref.WeakSet()   # loaded from a file, not yet resumed
+        # where the final turn of the prompt each sequence last read began (resume; turn_start)
+        self._turn_start: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._restoring = None      # the checkpoint a restore is mounting (make_room does not drop it meanwhile)
         self._drops_seen = 0        # the stages' drop counts (Memory.drops) already acted on
 
@@ -197,6 +199,7 @@ class ConversationStore:
         if plan.resume_pos > 0 and (unparked or seq in self._from_session):
             plan.resume_from = unparked or "session"
         self._from_session.discard(seq)
+        self._turn_start[seq] = turn_start(cut_points, len(prompt))
         n, resume = len(prompt), plan.resume_pos
         if seq.pos != resume or not 0 <= resume < n or not is_prefix(seq.ids, prompt):
             self.forget(seq)
@@ -432,10 +435,22 @@ class ConversationStore:
                 log.info("unparked", tier=source, tokens=conv.pos, resume=depth,
                          ms=round((time.perf_counter() - t0) * 1e3, 2))
             return source
-        deepest = self.checkpoints.deepest(seq.ids)
-        if seq.pos > 0 and (here < deepest or (deepest == 0 and here == 0)):
+        if seq.pos > 0 and self._leaves(seq, prompt, here):
             self.park(seq, trace)
         return None
+
+    def _leaves(self, seq: Sequence, prompt: np.ndarray, here: int) -> bool:
+        """Whether `prompt` leaves `seq`'s conversation (then it is parked before the plan cuts it back): it resumes
+        before the deepest checkpoint on `seq`'s path, or it differs from `seq`'s tokens before the final turn of
+        the prompt `seq` last read began (turn_start: another conversation, an earlier message edited), whether or
+        not the tree still keeps that conversation's checkpoints (another slot's may have evicted them). A
+        regenerated answer, a next turn that re-renders the last answer differently, or a template whose
+        generation prompt differs from a past turn's header (Qwen3's empty think block) leaves nothing."""
+        deepest = self.checkpoints.deepest(seq.ids)
+        if here < deepest or (deepest == 0 and here == 0):
+            return True
+        start = min(self._turn_start.get(seq, 0), int(seq.pos))
+        return common_prefix(seq.ids, prompt) < min(start, len(prompt))
 
     def parked(self) -> list[dict]:
         """The parked conversations for `stratactl cache` (tokens, bytes, tier, checkpoints, last use)."""
@@ -516,6 +531,8 @@ class ConversationStore:
                 self.forget(seq)            # a worker refused its part after a local stage was written
             raise session.SessionError(f"session file {filename!r}: {e}") from None
         self._from_session.add(seq)
+        self._turn_start.pop(seq, None)      # its turns are not known: the deepest checkpoint rule alone
         self.parking.discard(conv.tokens)     # now live: a parked copy of the same conversation is dropped
         return {"id_slot": 0, "filename": filename, "n_restored": conv.pos, "n_read": n_read,
                 "timings": {"restore_ms": round((time.perf_counter() - t0) * 1e3, 3)}}
+

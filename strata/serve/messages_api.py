@@ -12,6 +12,8 @@ import json
 import re
 import uuid
 
+import jiter
+
 from aiohttp import web
 
 from strata.serve import schema
@@ -235,15 +237,24 @@ def stop_reason(ab: AnswerBlocks, p: schema.ParsedRequest) -> tuple[str, str | N
     return "end_turn", None
 
 
+def _tool_input(text: str):
+    """A call's arguments as its tool_use input. Arguments cut by max_tokens are read as the anthropic SDK reads the
+    streamed input_json_delta fragments (jiter's partial mode: what the cut text holds complete, an unfinished
+    string or key left out), so a message equals the one its stream assembles to; None when not even that parses."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        pass
+    try:
+        return jiter.from_json(text.encode(), partial_mode=True)
+    except ValueError:
+        return None
+
+
 def _block(b: Block, done: bool) -> dict:
     """Block b as a content block: empty (content_block_start) or whole (done)."""
     if b.kind == "call":
-        args = None
-        if done and b.text:
-            try:
-                args = json.loads(b.text)
-            except ValueError:
-                args = None        # arguments cut by max_tokens: the streamed deltas hold what was written
+        args = _tool_input(b.text) if done and b.text else None
         return {"type": "tool_use", "id": b.call_id, "name": b.name, "input": args if isinstance(args, dict) else {}}
     if b.kind == "reasoning":
         return {"type": "thinking", "thinking": b.text if done else "", "signature": ""}
