@@ -86,16 +86,9 @@ class LoopSplit:
     outer_pure: bool            # the outer output is a function of its inputs (reads nothing that changes by itself)
 
 
-def split_template(env: jinja2.Environment, source: str) -> LoopSplit | None:
-    """The template cut at its loop over the messages when each message's output provably depends only on that
-    message, its index, whether it is the last, messages[0] and the render's other inputs; None otherwise. Proven
-    from the AST: exactly one top-level `for x in messages` (no filter, else or recursion) whose body reads `loop`
-    only as loop.first / last / index / index0 (outside its nested loops), `messages` only as messages[0], no name
-    the rest of the template sets, nothing whose value changes between calls (the time, random text) and not
-    add_generation_prompt (a message's cut point renders its prefix without one), and holds no namespace
-    assignment, macro, import, break / continue or `do` (nothing that reaches out of one message's output); the rest
-    of the template reads `messages` only as messages[0] and does not set it (so the output around the loop is the
-    same for every prefix of the chat)."""
+def _messages_loop(env: jinja2.Environment, source: str):
+    """(tree, index, node) of the template's one top-level `for x in messages` with no filter, else or recursion and
+    a plain target other than loop / messages; None when it does not parse or has no such single loop."""
     try:
         tree = env.parse(source)
     except jinja2.TemplateError:
@@ -109,6 +102,23 @@ def split_template(env: jinja2.Environment, source: str) -> LoopSplit | None:
     if (loop.test is not None or loop.else_ or loop.recursive or not isinstance(loop.target, nodes.Name)
             or loop.target.name in ("loop", "messages")):
         return None
+    return tree, at, loop
+
+
+def split_template(env: jinja2.Environment, source: str) -> LoopSplit | None:
+    """The template cut at its loop over the messages when each message's output provably depends only on that
+    message, its index, whether it is the last, messages[0] and the render's other inputs; None otherwise. Proven
+    from the AST: exactly one top-level `for x in messages` (no filter, else or recursion) whose body reads `loop`
+    only as loop.first / last / index / index0 (outside its nested loops), `messages` only as messages[0], no name
+    the rest of the template sets, nothing whose value changes between calls (the time, random text) and not
+    add_generation_prompt (a message's cut point renders its prefix without one), and holds no namespace
+    assignment, macro, import, break / continue or `do` (nothing that reaches out of one message's output); the rest
+    of the template reads `messages` only as messages[0] and does not set it (so the output around the loop is the
+    same for every prefix of the chat)."""
+    found = _messages_loop(env, source)
+    if found is None:
+        return None
+    tree, at, loop = found
     outer, body = _Scan(body=False), _Scan(body=True)
     for n in tree.body[:at] + tree.body[at + 1:]:
         outer.visit(n, None, True)

@@ -9,7 +9,7 @@ import jinja2
 import jinja2.nodes as nodes
 import jinja2.utils
 
-from strata.text.chat_chunks import _LOOP_ATTRS, _MARK, _UNSTABLE
+from strata.text.chat_chunks import _LOOP_ATTRS, _MARK, _UNSTABLE, _messages_loop
 
 __all__ = ["WindowSplit", "split_window"]
 
@@ -214,19 +214,10 @@ def split_window(env: jinja2.Environment, source: str) -> WindowSplit | None:
     threaded from message to message; the rest of the template does not set `messages`, and after the loop sets no
     name the body reads, no namespace attribute, and reads no namespace the body assigns (so the state the body
     reads is the one the outer template leaves)."""
-    try:
-        tree = env.parse(source)
-    except jinja2.TemplateError:
+    found = _messages_loop(env, source)
+    if found is None:
         return None
-    loops = [i for i, n in enumerate(tree.body) if isinstance(n, nodes.For)
-             and isinstance(n.iter, nodes.Name) and n.iter.name == "messages"]
-    if len(loops) != 1:
-        return None
-    at = loops[0]
-    loop = tree.body[at]
-    if (loop.test is not None or loop.else_ or loop.recursive or not isinstance(loop.target, nodes.Name)
-            or loop.target.name in ("loop", "messages")):
-        return None
+    tree, at, loop = found
     before, after = tree.body[:at], tree.body[at + 1:]
     pre_stores, post_stores = _stores(before), _stores(after)
     if "messages" in pre_stores | post_stores:
