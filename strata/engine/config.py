@@ -285,6 +285,8 @@ class EngineConfig:
             return why
         if self.moe.vram_mib is not None and devices[0] == "cpu":
             return "--moe-vram-mib needs --device cuda (the expert tier keeps hot experts in VRAM slots)"
+        if self.link.require_row_ids and not self.remote:
+            return "--require-row-ids needs --remote-stage (it checks the rows a worker answers)"
         if self.link.encrypt and not self.link.key_file:
             return "--link-encrypt needs --link-key-file (the frame keys derive from the shared key)"
         if self.link.encrypt and self.link.insecure:
