@@ -30,6 +30,9 @@ def test_service_settings():
     s = settings(UNITS / "strata.service")
     assert s["Type"] == ["notify"] and s["RuntimeDirectory"] == ["strata"] and s["StateDirectory"] == ["strata"]
     assert "-/etc/strata/strata.env" in s["EnvironmentFile"]
+    # /var/cache/strata: under ProtectSystem=strict the one writable place for --conversation-cache-dir apart from
+    # the session files' /var/lib/strata
+    assert s["CacheDirectory"] == ["strata"]
     assert s["ExecStart"][0].split()[1] == "serve"
     for key, val in (("ProtectSystem", "strict"), ("NoNewPrivileges", "yes"), ("PrivateTmp", "yes"),
                      ("User", "strata")):

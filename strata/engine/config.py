@@ -305,6 +305,10 @@ class EngineConfig:
                         ("conversation-cache-dir", self.parking.disk_dir)):
             if d is not None and not os.path.isdir(d):
                 return f"--{flag} {d}: not a directory (create it first)"
+        if (self.parking.disk_dir is not None and self.parking.slot_save_path is not None
+                and os.path.samefile(self.parking.disk_dir, self.parking.slot_save_path)):
+            return (f"--conversation-cache-dir and --slot-save-path are the same directory ({self.parking.disk_dir}):"
+                    " give the cache a directory of its own (its files are removed at start, session files are kept)")
         if self.parking.disk_dir is not None:
             from strata.cache.disk import dir_in_use
             return dir_in_use(self.parking.disk_dir)
