@@ -615,7 +615,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "or /run/strata/strata.sock)")
     p.add_argument("--url", default=os.environ.get("STRATA_URL") or None,
                    help="talk HTTP to this URL instead of the socket, e.g. http://127.0.0.1:8080")
-    p.add_argument("--api-key", default=os.environ.get("STRATA_API_KEY") or None, help="Bearer token for --url")
+    p.add_argument("--api-key", default=os.environ.get("STRATA_API_KEY") or None,
+                   help="Bearer token for --url (default $STRATA_API_KEY)")
     p.add_argument("--timeout", type=_seconds, default=600.0,
                    help="seconds an exchange with the daemon may take in all, a streamed answer included (> 0)")
     p.add_argument("--json", action="store_true", help="print the server's JSON instead of a table")
