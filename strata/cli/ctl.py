@@ -353,7 +353,9 @@ def _parked_line(e: dict) -> str:
     tiers = {t: [p for p in parked if p.get("tier") == t] for t in ("device", "ram", "disk")}
     used = {t: sum(int(p.get("bytes") or 0) for p in ps) for t, ps in tiers.items()}
     cps = sum(int(p.get("checkpoints") or 0) for p in parked)
-    out = [f"{len(parked)} conversations ({cps} checkpoints of their own)"]
+    n = len(parked)
+    out = [f"{n} conversation{'s' * (n != 1)} "
+           f"({cps} checkpoint{'s' * (cps != 1)} of {'its' if n == 1 else 'their'} own)"]
     if tiers["device"]:
         out.append(f"{len(tiers['device'])} resident on the device (--park-resident)")
     if tiers["ram"]:
