@@ -40,6 +40,8 @@ def test_service_settings():
     assert s["KillSignal"] == ["SIGTERM"]
     w = settings(UNITS / "strata-worker@.service")
     assert w["Type"] == ["notify"] and w["ExecStart"][0].split()[1] == "worker"
+    # a worker runs the main's model (the hello refuses another): STRATA_MODEL, which a --model in the args overrides
+    assert w["ExecStart"][0].split()[2:4] == ["--model", "${STRATA_MODEL}"], w["ExecStart"]
     env = settings(UNITS / "strata.env")
     assert env["STRATA_MODEL"] == ["default"] and "STRATA_ARGS" in env
 
