@@ -410,7 +410,9 @@ def cmd_health(c: Client, args) -> int:
     except ValueError:
         raise CtlError(f"server error {resp.status}: {_summary(payload)} that are not a JSON object",
                        EXIT_SERVER) from None
-    _out(args, d, d.get("status", "?") + (f" ({d['model']})" if d.get("model") else ""))
+    why = d.get("error") if isinstance(d.get("error"), str) else None        # unavailable / stuck: the reason
+    _out(args, d, str(d.get("status", "?")) + (f" ({d['model']})" if d.get("model") else "")
+         + (f": {why}" if why else ""))
     return EXIT_OK if resp.status == 200 else EXIT_SERVER
 
 
