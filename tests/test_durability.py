@@ -105,6 +105,27 @@ def test_one_process_holds_a_conversation_cache_dir(default_model_path, tmp_path
     Engine(default_model_path, n_ctx=512, conversation_cache_dir=tmp_path).close()
 
 
+def test_the_conversation_cache_dir_is_never_the_session_directory(default_model_path, tmp_path):
+    """--conversation-cache-dir and --slot-save-path naming one directory (a link to it too) are refused in one line
+    naming both flags, before the model loads, and the session file there stays: the disk tier removes its files
+    (park-*.bin, node-*.bin) at start, and a session may be saved under such a name."""
+    sessions = tmp_path / "sessions"
+    sessions.mkdir()
+    (tmp_path / "link").symlink_to(sessions)
+    kept = sessions / "park-1-0.bin"
+    kept.write_bytes(b"a session the user saved")
+    with pytest.raises(ValueError, match="are the same directory"):
+        Engine(default_model_path, n_ctx=512, slot_save_path=str(sessions), conversation_cache_dir=str(sessions))
+    for cache_dir in (sessions, tmp_path / "link"):
+        r = subprocess.run([sys.executable, "-m", "strata.cli.main", "serve", "--socket", str(tmp_path / "s.sock"),
+                            "--slot-save-path", str(sessions), "--conversation-cache-dir", str(cache_dir)],
+                           capture_output=True, text=True, env=env_for_daemon(), cwd=ROOT, timeout=120)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr[-2000:]
+        assert "--conversation-cache-dir and --slot-save-path are the same directory" in r.stderr, r.stderr[-2000:]
+        assert kept.read_bytes() == b"a session the user saved"
+    assert sorted(p.name for p in sessions.iterdir()) == ["park-1-0.bin"]
+
+
 def test_a_save_in_flight_in_a_shared_slot_dir_survives_another_start(model_path, tmp_path):
     """Two daemons on one --slot-save-path: a start removes the temporaries of saves killed part-way, not the
     one another process is writing (it completes, renamed into place)."""

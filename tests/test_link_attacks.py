@@ -371,7 +371,9 @@ def test_flag_usage_errors():
                        (["worker", "--link-encrypt", "--insecure-link", "--link-key-file", "/nonexistent"],
                         "contradict"),
                        (["generate", "--remote-stage", "127.0.0.1:1", "--link-encrypt", "-p", "x"],
-                        "--link-encrypt needs --link-key-file")):
+                        "--link-encrypt needs --link-key-file"),
+                       (["serve", "--require-row-ids", "--parallel", "2", "--socket", str(ROOT / "never.sock")],
+                        "--require-row-ids needs --remote-stage")):
         r = subprocess.run([sys.executable, "-m", "strata.cli.main", *args], env=env, cwd=ROOT, capture_output=True,
                            text=True, timeout=120)
         assert r.returncode == 2 and want in r.stderr, (args, r.returncode, r.stderr[-500:])

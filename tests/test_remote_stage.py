@@ -552,6 +552,9 @@ def test_daemon_worker_killed_mid_stream_then_back(workers, tmp_path):
         assert st == 503 and body["error"]["code"] == "worker_unavailable"
         assert time.monotonic() - t0 < 1.0
         assert d.request("GET", "/health")[0] == 503
+        r = subprocess.run([sys.executable, "-m", "strata.cli.ctl", "--url", f"http://127.0.0.1:{port}", "health"],
+                           env=env_for_daemon(), cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1 and r.stdout.startswith("unavailable: ") and w.address in r.stdout, r
         # the worker comes back on its port: the daemon reconnects and answers as before
         back = WorkerProc(port=wport).start()
         deadline = time.monotonic() + 30

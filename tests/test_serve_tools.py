@@ -209,6 +209,29 @@ def test_allowed_tools_limit_the_calls_to_the_named_tools(qwen, seed):
         assert st == 400 and needle in d["error"]["message"], (spec, d)
 
 
+def test_responses_allowed_tools_errors_name_the_responses_fields(smol):
+    """The Responses API's flat allowed_tools form: a bad mode, an empty or missing list, an item in the chat form
+    and a name not among the tools are 400s naming the Responses API's own fields (tool_choice.mode,
+    tool_choice.tools[j]) and the item shape it takes, not the chat form's (tool_choice.allowed_tools.*)."""
+    tools = [{"type": "function", **WEATHER["function"]}, {"type": "function", **CLOCK["function"]}]
+    get_time = {"type": "function", "name": "get_time"}
+    cases = (({"mode": "sometimes", "tools": [get_time]}, "tool_choice.mode", "got \"sometimes\""),
+             ({"tools": [get_time]}, "tool_choice.mode", "\"auto\" or \"required\""),
+             ({"mode": "auto", "tools": []}, "tool_choice.tools", '{"type": "function", "name": ...}'),
+             ({"mode": "auto"}, "tool_choice.tools", "non-empty array"),
+             ({"mode": "auto", "tools": [{"type": "function", "function": {"name": "get_time"}}]},
+              "tool_choice.tools[0]", '{"type": "function", "name": ...}'),
+             ({"mode": "auto", "tools": [get_time, {"type": "function", "name": "nope"}]}, "tool_choice.tools[1]",
+              "names the function 'nope', which is not among the tools (get_weather, get_time)"))
+    for spec, field, words in cases:
+        st, d = smol.json("POST", "/v1/responses", {"input": "hi", "max_output_tokens": 4, "tools": tools,
+                                                    "tool_choice": {"type": "allowed_tools", **spec}})
+        assert st == 400, (spec, d)
+        msg = d["error"]["message"]
+        assert msg.startswith(f"'{field}'") and words in msg and "allowed_tools." not in msg, (spec, d)
+        assert d["error"].get("param") == field, (spec, d)
+
+
 def test_advisory_fields_coding_agents_send_change_nothing(smol):
     """user, store, metadata, service_tier, modalities, prediction, verbosity and reasoning_effort (sent by the
     openai client as Codex, aider and OpenCode do): accepted, the greedy answer the same as without them."""

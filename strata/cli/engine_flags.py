@@ -84,7 +84,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "in huge-page steps)")
     c.add_argument("--conversation-cache-dir", default=None, metavar="DIR",
                    help="disk tier: parked conversations RAM drops and checkpoints --prompt-cache-mib evicts are "
-                        "kept as files here (removed at start: a cache; one process at a time)")
+                        "kept as files here (removed at start: a cache; one process at a time; not the "
+                        "--slot-save-path)")
     c.add_argument("--conversation-cache-disk-mib", type=_nonneg_int, default=D.parking.disk_mib,
                    help="disk budget of --conversation-cache-dir (MiB, default %(default)s)")
     c.add_argument("--slot-save-path", default=None, metavar="DIR",

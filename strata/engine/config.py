@@ -285,6 +285,8 @@ class EngineConfig:
             return why
         if self.moe.vram_mib is not None and devices[0] == "cpu":
             return "--moe-vram-mib needs --device cuda (the expert tier keeps hot experts in VRAM slots)"
+        if self.link.require_row_ids and not self.remote:
+            return "--require-row-ids needs --remote-stage (it checks the rows a worker answers)"
         if self.link.encrypt and not self.link.key_file:
             return "--link-encrypt needs --link-key-file (the frame keys derive from the shared key)"
         if self.link.encrypt and self.link.insecure:
@@ -303,6 +305,10 @@ class EngineConfig:
                         ("conversation-cache-dir", self.parking.disk_dir)):
             if d is not None and not os.path.isdir(d):
                 return f"--{flag} {d}: not a directory (create it first)"
+        if (self.parking.disk_dir is not None and self.parking.slot_save_path is not None
+                and os.path.samefile(self.parking.disk_dir, self.parking.slot_save_path)):
+            return (f"--conversation-cache-dir and --slot-save-path are the same directory ({self.parking.disk_dir}):"
+                    " give the cache a directory of its own (its files are removed at start, session files are kept)")
         if self.parking.disk_dir is not None:
             from strata.cache.disk import dir_in_use
             return dir_in_use(self.parking.disk_dir)

@@ -367,7 +367,7 @@ def parse_chat(body: dict) -> ParsedRequest:
     r.tools = _tools(body.get("tools"))
     tc = body.get("tool_choice")
     if isinstance(tc, dict) and tc.get("type") == "allowed_tools":
-        r.tools, tc = _allowed_tools(tc, r.tools)
+        r.tools, tc = allowed_tools(tc.get("allowed_tools"), r.tools)
     r.tool_choice = _tool_choice(tc, r.tools)
     r.parallel_tool_calls = _opt_bool(body, "parallel_tool_calls", True)
     _grammar_fields(body, r)
@@ -514,13 +514,15 @@ def _tool_choice(tc, tools: list[dict] | None):
     raise _bad("tool_choice", 'must be "none", "auto", "required" or a function object')
 
 
-def _allowed_tools(tc: dict, tools: list[dict] | None) -> tuple[list[dict], str]:
-    """'tool_choice' {"type": "allowed_tools", "allowed_tools": {"mode": "auto" | "required", "tools": [{"type":
-    "function", "function": {"name": N}}, ...]}}: the model may call only the named tools -> (those tools, the mode
-    as a tool_choice). The tools the request lists but does not allow are left out of the prompt too (OpenAI keeps
-    them there for its prompt cache), so the model neither sees nor calls them."""
-    at = "tool_choice.allowed_tools"
-    spec = tc.get("allowed_tools")
+def allowed_tools(spec, tools: list[dict] | None, at: str = "tool_choice.allowed_tools",
+                  flat: bool = False) -> tuple[list[dict], str]:
+    """A 'tool_choice' of type allowed_tools: the model may call only the named tools -> (those tools, the mode as a
+    tool_choice). spec is chat's {"mode": "auto" | "required", "tools": [{"type": "function", "function": {"name":
+    N}}, ...]} (the tool_choice's 'allowed_tools'), or with flat the Responses API's tool_choice itself, whose items
+    are {"type": "function", "name": N}; a 400 names the field under `at`. The tools the request lists but does not
+    allow are left out of the prompt too (OpenAI keeps them there for its prompt cache), so the model neither sees
+    nor calls them."""
+    item = '{"type": "function", "name": ...}' if flat else '{"type": "function", "function": {"name": ...}}'
     if not isinstance(spec, dict):
         raise _bad(at, "must be an object with 'mode' and 'tools'")
     mode = spec.get("mode")
@@ -528,17 +530,16 @@ def _allowed_tools(tc: dict, tools: list[dict] | None) -> tuple[list[dict], str]
         raise _bad(f"{at}.mode", f'must be "auto" or "required", got {json.dumps(mode)[:40]}')
     allowed = spec.get("tools")
     if not isinstance(allowed, list) or not allowed:
-        raise _bad(f"{at}.tools", "must be a non-empty array of {\"type\": \"function\", \"function\": {\"name\": "
-                                  "...}}")
+        raise _bad(f"{at}.tools", f"must be a non-empty array of {item}")
     if not tools:
         raise _bad("tool_choice", "allowed_tools needs 'tools'")
     known = {t["function"]["name"]: t for t in tools}
     names = []
     for j, a in enumerate(allowed):
-        fn = a.get("function") if isinstance(a, dict) else None
+        fn = a if flat else a.get("function") if isinstance(a, dict) else None
         name = fn.get("name") if isinstance(fn, dict) else None
         if not isinstance(a, dict) or a.get("type", "function") != "function" or not isinstance(name, str):
-            raise _bad(f"{at}.tools[{j}]", 'must be {"type": "function", "function": {"name": ...}}')
+            raise _bad(f"{at}.tools[{j}]", f"must be {item}")
         if name not in known:
             raise _bad(f"{at}.tools[{j}]", f"names the function {name!r}, which is not among the tools "
                                            f"({', '.join(known)})")
