@@ -498,19 +498,19 @@ class ConversationStore:
                     "error": e.strerror or type(e).__name__}
         return {"bytes": used, "files": files, "quota_bytes": self.slot_quota_bytes}
 
-    def save(self, seq: Sequence, path: Path, filename) -> dict[str, Any]:
+    def save(self, seq: Sequence, path: Path, filename, slot_id: int = 0) -> dict[str, Any]:
         """Save `seq`'s conversation (with its checkpoints) to `path`, atomically -> llama-server's answer of a
-        slot save. SessionError (one line), nothing written."""
+        save of slot `slot_id`. SessionError / Refused (one line, naming the slot), nothing written."""
         if self._drop_lost(seq, "nothing saved"):
-            raise Refused("slot 0's conversation is gone: a remote stage's worker restarted (or its link reconnected) "
-                          "since it was read; nothing saved (send the conversation again, then save)",
+            raise Refused(f"slot {slot_id}'s conversation is gone: a remote stage's worker restarted (or its link "
+                          "reconnected) since it was read; nothing saved (send the conversation again, then save)",
                           code="empty_slot")
         if seq.pos == 0:
-            raise Refused("slot 0 holds no conversation (0 tokens): nothing to save", code="empty_slot")
+            raise Refused(f"slot {slot_id} holds no conversation (0 tokens): nothing to save", code="empty_slot")
         t0 = time.perf_counter()
         conv = self.capture(seq, on_disk=True)
         n = self._write_file(path, conv, self.slot_quota_bytes)
-        return {"id_slot": 0, "filename": filename, "n_saved": conv.pos, "n_written": n,
+        return {"id_slot": slot_id, "filename": filename, "n_saved": conv.pos, "n_written": n,
                 "timings": {"save_ms": round((time.perf_counter() - t0) * 1e3, 3)}}
 
     def load(self, seq: Sequence, path: Path, filename) -> dict[str, Any]:

@@ -478,7 +478,7 @@ class Engine:
         slot = self._idle_slot(slot_id)
         path = self.store.session_path(filename)
         with self._lock:
-            return {**self.store.save(slot.seq, path, filename), "id_slot": slot.id}
+            return self.store.save(slot.seq, path, filename, slot_id=slot.id)
 
     def slot_restore(self, slot_id: int = 0, filename=None, **_ignored) -> dict[str, Any]:
         """Restore the slot's conversation from --slot-save-path/filename (llama-server's POST
