@@ -11,7 +11,7 @@ from .secure import (FRAMES, FRAMES_AEAD, FRAMES_MAC, FRAMES_PLAIN, TAG_SIZE, Ch
                      channel_for, derive_keys)
 from .messages import (MAX_ROWS, MAX_STR, NONCE_SIZE, REPLY, Ack, BatchForward, BatchResult, BatchRows, Bye,
                        Challenge, CkptRestore, CkptSave, Commit, Error, Forward, Hello, HelloAck, Hop, Message,
-                       MsgType, PartData, PartGet, PartPut, Ping, Pong, Reset, Result, decode_message,
+                       MsgType, PartData, PartGet, PartPut, Ping, Pong, Reset, Result, SeqResult, decode_message,
                        encode_payload, msg_type)
 
 __all__ = [
@@ -28,6 +28,6 @@ __all__ = [
     "MAX_ROWS", "MAX_STR", "NONCE_SIZE", "REPLY", "Ack", "BatchForward", "BatchResult", "BatchRows", "Bye",
     "Challenge",    "CkptRestore", "CkptSave", "Commit", "Error",
     "Forward", "Hello", "HelloAck", "Hop", "Message", "MsgType", "PartData", "PartGet", "PartPut", "Ping", "Pong",
-    "Reset", "Result",
+    "Reset", "Result", "SeqResult",
     "decode_message", "encode_payload", "msg_type",
 ]

@@ -14,7 +14,7 @@ from .errors import ErrorCode, FrameError, LinkError
 __all__ = [
     "MsgType", "ErrorCode", "Hop", "Challenge", "Hello", "HelloAck", "Forward", "Result", "Commit", "Reset",
     "CkptSave", "CkptRestore", "PartGet", "PartData", "PartPut", "Ack", "Error", "Ping", "Pong", "Bye", "BatchForward",
-    "BatchResult", "BatchRows", "Message", "REPLY", "TENSOR_TYPES", "MAX_ROWS",
+    "BatchResult", "BatchRows", "SeqResult", "Message", "REPLY", "TENSOR_TYPES", "MAX_ROWS",
     "MAX_STR", "NONCE_SIZE", "MAC_SIZE", "MAX_NDIM", "MAX_ELEMENTS", "TENSOR_ALIGN", "DTYPE_CODES",
     "encode_payload", "decode_message", "msg_type", "same",
 ]
@@ -42,17 +42,18 @@ class MsgType(IntEnum):
     BATCH_FORWARD = 18
     BATCH_RESULT = 19
     BATCH_ROWS = 20
+    SEQ_RESULT = 21
 
 
-# The reply each request gets (or an Error instead), in the order the requests were sent (a BatchForward's is a
-# BATCH_ROWS instead when the Hello asked for row ids, +rowids).
+# The reply each request gets (or an Error instead), in the order the requests were sent (when the Hello asked for
+# row ids, +rowids, a BatchForward's is a BATCH_ROWS instead and a Forward's a SEQ_RESULT).
 REPLY = {MsgType.HELLO: MsgType.HELLO_ACK, MsgType.FORWARD: MsgType.RESULT, MsgType.COMMIT: MsgType.ACK,
          MsgType.RESET: MsgType.ACK, MsgType.CKPT_SAVE: MsgType.ACK, MsgType.CKPT_RESTORE: MsgType.ACK,
          MsgType.PING: MsgType.PONG, MsgType.PART_GET: MsgType.PART_DATA, MsgType.PART_PUT: MsgType.ACK,
          MsgType.BATCH_FORWARD: MsgType.BATCH_RESULT}
 # The only messages that carry tensors: their payloads may use the whole frame limit, the others a small one.
 TENSOR_TYPES = frozenset({MsgType.FORWARD, MsgType.RESULT, MsgType.PART_DATA, MsgType.PART_PUT, MsgType.BATCH_FORWARD,
-                          MsgType.BATCH_RESULT, MsgType.BATCH_ROWS})
+                          MsgType.BATCH_RESULT, MsgType.BATCH_ROWS, MsgType.SEQ_RESULT})
 
 MAX_STR = 4096               # bytes of UTF-8 in one string field
 NONCE_SIZE = 32              # a nonce is 32 raw bytes, no length prefix
@@ -300,8 +301,16 @@ class BatchRows(BatchResult):
     positions: list = field(default_factory=list)
 
 
+@dataclass(eq=False)
+class SeqResult(Result):
+    """Worker -> main (``+rowids``), the reply to Forward when the Hello asked for row ids: a Result that names the
+    sequence its rows were read for (as the worker chain's last step read them); the main checks it against the
+    Forward's ``seq``, beside ``pos``."""
+    seq: int = 0
+
+
 Message = Union[Challenge, Hello, HelloAck, Forward, Result, Commit, Reset, CkptSave, CkptRestore, PartGet, PartData,
-                PartPut, Ack, Error, Ping, Pong, Bye, BatchForward, BatchResult, BatchRows]
+                PartPut, Ack, Error, Ping, Pong, Bye, BatchForward, BatchResult, BatchRows, SeqResult]
 
 # Field kinds: bool (u8 0/1), u16, u32, u64, str (u16 length + UTF-8), nonce (32 raw bytes), mac (u16 length + 0 or
 # 32 raw bytes), ids (u32 count + u64 each; more_ids: the same as an optional last field, absent when empty), hops
@@ -336,6 +345,8 @@ _LAYOUT: dict[type, tuple[MsgType, tuple[tuple[str, str], ...]]] = {
     BatchForward: (MsgType.BATCH_FORWARD, (("seqs", "rows"), ("tokens", "tokens"), ("hidden", "hidden"))),
     BatchResult: (MsgType.BATCH_RESULT, (("compute_us", "u64"), ("hidden", "hidden"), ("dropped", "more_ids"))),
     BatchRows: (MsgType.BATCH_ROWS, (("compute_us", "u64"), ("seqs", "rows"), ("hidden", "hidden"),
+                                     ("dropped", "more_ids"))),
+    SeqResult: (MsgType.SEQ_RESULT, (("pos", "u32"), ("seq", "u32"), ("compute_us", "u64"), ("hidden", "hidden"),
                                      ("dropped", "more_ids"))),
 }
 # optional last u32 fields: absent when the value is the default (then the message is the bytes it was before the

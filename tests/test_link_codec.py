@@ -19,7 +19,7 @@ import pytest
 
 import link
 from link import (DEFAULT_MAX_PAYLOAD, FLAG_ASYNC, HEADER_SIZE, MAGIC, MAX_CONTROL_PAYLOAD, VERSION, Ack, BatchForward,
-                  BatchResult, BatchRows, Bye, Challenge, CkptRestore, CkptSave, Commit, Error, ErrorCode, Forward,
+                  BatchResult, BatchRows, SeqResult, Bye, Challenge, CkptRestore, CkptSave, Commit, Error, ErrorCode, Forward,
                   FrameError, Header, Hello, HelloAck, Hop, LinkError, MsgType, PartPut, Ping, Pong, Reset, Result,
                   VersionMismatch, decode_frame, decode_message, encode_frame, encode_payload, frame_bytes,
                   parse_header, read_frame, recv_frame, send_frame, write_frame)
@@ -183,6 +183,29 @@ def test_batch_rows_name_each_row_before_the_hidden_rows():
     assert BatchRows(1, msg.hidden, [], [0], [0]) != BatchResult(1, msg.hidden, [])      # another message
 
 
+def test_seq_result_names_its_sequence_after_pos():
+    """A SeqResult (+rowids, the answer to a Forward) is a Result with its sequence id, a plain u32 always present
+    (sequence 0 too), right after pos; the rest is a Result's (an optional dropped list last). A Result's bytes read
+    as a SeqResult are another message (or none), never the same one."""
+    msg = golden_cases()["seq_result"][0]
+    p = payload_of(GOLDEN_FRAMES["seq_result"])
+    assert len(p) == 108 and p[:16] == struct.pack("<IIQ", 20, 2, 1500)
+    assert p[96:] == struct.pack("<IQ", 1, 4)                 # dropped = [4], after the hidden rows (16..96)
+    got = decode_message(MsgType.SEQ_RESULT, p)
+    assert isinstance(got, Result) and got.seq == 2 and got == msg and got.dropped == [4]
+    zero = dataclasses.replace(msg, seq=0, dropped=[])
+    body = b"".join(bytes(b) for b in encode_payload(zero))
+    assert body[4:8] == b"\0\0\0\0" and decode_message(MsgType.SEQ_RESULT, body) == zero
+    with pytest.raises(FrameError, match="ends inside its compute_us"):
+        decode_message(MsgType.SEQ_RESULT, p[:8])
+    with pytest.raises(FrameError, match=r"seq = 4294967296 is outside"):
+        encode_payload(dataclasses.replace(msg, seq=2 ** 32))
+    assert SeqResult(1, 2, msg.hidden, [], 0) != Result(1, 2, msg.hidden, [])        # another message
+    plain = payload_of(frame_bytes(Result(20, 1500, msg.hidden, [4]), 1))
+    with pytest.raises(FrameError):
+        decode_message(MsgType.SEQ_RESULT, plain)
+
+
 def test_batch_forward_rows_are_checked_before_anything_is_read():
     tok, hid = np.array([1, 2], np.int32), np.ones((2, 4), np.float32)
     ok = BatchForward([0, 3], [5, 9], tok, hid)
@@ -268,10 +291,10 @@ def test_refuses_payload_checksum():
 
 
 def test_refuses_unknown_type():
-    for t in (0, 21, 99, 0xFFFF):
+    for t in (0, 22, 99, 0xFFFF):
         refused(raw_frame(t, b""), f"unknown message type {t}$")
-    with pytest.raises(FrameError, match="unknown message type 21"):
-        decode_message(21, b"")
+    with pytest.raises(FrameError, match="unknown message type 22"):
+        decode_message(22, b"")
 
 
 def test_refuses_unknown_flag_bits():
@@ -372,7 +395,7 @@ def test_refuses_payload_cut_short_at_every_byte(name):
     # Hello's row_ids follows its optional slots, so it has two such cuts)
     bare, bares = copy.copy(msg), {}
     for f, default in (("row_ids", False), ("slots", 1), ("seq", 0), ("dropped", [])):
-        if hasattr(bare, f):
+        if hasattr(bare, f) and not (f == "seq" and isinstance(bare, SeqResult)):   # a SeqResult's is not optional
             setattr(bare, f, default)
             bares[len(b"".join(bytes(b) for b in encode_payload(bare)))] = copy.copy(bare)
     for cut in range(len(p)):
@@ -480,7 +503,7 @@ def test_errors_are_value_errors_with_codes_and_pickle():
         assert isinstance(e, ValueError) and type(back) is type(e) and str(back) == str(e) and back.code == e.code
     assert FrameError("y").code == ErrorCode.BAD_FRAME and LinkError("x").code == ErrorCode.INTERNAL
     assert [c.value for c in ErrorCode] == list(range(1, 11))
-    assert [t.value for t in MsgType] == list(range(1, 21))
+    assert [t.value for t in MsgType] == list(range(1, 22))
 
 
 def test_error_of_an_exception_is_one_clipped_line():
@@ -804,10 +827,14 @@ def fuzz_strategies():
         elif draw(hs.booleans()):
             payload = struct.pack("<Q", draw(hs.integers(0, 2 ** 64 - 1)))
             t, payload = MsgType.BATCH_RESULT, payload + _tensor_at(len(payload), hid)
-        else:                                      # BatchRows: the rows between compute_us and the hidden rows
+        elif draw(hs.booleans()):                  # BatchRows: the rows between compute_us and the hidden rows
             payload = struct.pack("<QI", draw(hs.integers(0, 2 ** 64 - 1)), n)
             payload += b"".join(struct.pack("<II", q, p) for q, p in rows)
             t, payload = MsgType.BATCH_ROWS, payload + _tensor_at(len(payload), hid)
+        else:                                      # SeqResult: pos, the sequence id, compute_us, the hidden rows
+            payload = struct.pack("<IIQ", draw(hs.integers(0, 2 ** 32 - 1)), draw(hs.integers(0, 2 ** 32 - 1)),
+                                  draw(hs.integers(0, 2 ** 64 - 1)))
+            t, payload = MsgType.SEQ_RESULT, payload + _tensor_at(len(payload), hid)
         payload += draw(hs.sampled_from([b"", b"", b"", struct.pack("<I", 0), struct.pack("<IQ", 1, 9), b"\x01"]))
         ch, tr = draw(changes), draw(trunc)
         return t, (mutate(payload, ch, tr) if payload and (ch or tr is not None) else payload)
@@ -901,9 +928,9 @@ def _message_strategy():
         r, e = draw(hs.integers(0, 5)), draw(hs.integers(0, 6))
         dt = draw(hs.sampled_from(["<f4", "<f2"]))
         size = r * e * np.dtype(dt).itemsize
-        return Result(draw(u32), draw(u64),
-                      np.frombuffer(draw(hs.binary(min_size=size, max_size=size)), dt).reshape(r, e),
-                      draw(hs.lists(u64, max_size=3)))
+        args = (draw(u32), draw(u64), np.frombuffer(draw(hs.binary(min_size=size, max_size=size)), dt).reshape(r, e),
+                draw(hs.lists(u64, max_size=3)))
+        return SeqResult(*args, seq=draw(u32)) if draw(hs.booleans()) else Result(*args)
 
     return hs.one_of(
         hs.builds(Challenge, nonce, hs.booleans(), text),

@@ -98,6 +98,20 @@ def rows_fault(res, seqs: list[int], positions: list[int], row_ids: bool) -> str
             f"{want[i][1]} was asked")
 
 
+def seq_fault(res, seq: int, row_ids: bool) -> str | None:
+    """What is wrong with the sequence id of a Forward's answer `res` (a Result; its pos and hidden rows checked
+    apart) for sequence `seq`, or None: with ``row_ids`` agreed at the hello it must be a SeqResult naming `seq`;
+    without, a plain Result."""
+    if not row_ids:
+        return None if type(res) is link.Result else \
+            f"a {type(res).__name__} to a Forward (row ids were not asked for at the hello)"
+    if not isinstance(res, link.SeqResult):
+        return "a Result without its sequence id (row ids were agreed at the hello)"
+    if res.seq != seq:
+        return f"the rows of sequence {res.seq} where sequence {seq}'s were asked"
+    return None
+
+
 def parse_address(addr: str) -> tuple[str, int]:
     """'HOST:PORT' or '[IPv6]:PORT' -> (host, port); ValueError (one line) otherwise."""
     s = str(addr).strip()
@@ -148,7 +162,7 @@ class LinkClient:
         self.caps: set[str] = set()              # the capabilities the worker's Challenge announced
         self.require_row_ids = bool(require_row_ids)
         self.model = model                       # this side's model: a worker's refusal of it names what differs
-        self.row_ids = False                     # the worker answers a BatchForward with BatchRows (agreed at hello)
+        self.row_ids = False      # the worker answers BatchForward / Forward with BatchRows / SeqResult (hello)
 
     # ---- the hello -----------------------------------------------------------------------------------------
     def connect(self, hello: Hello) -> HelloAck:

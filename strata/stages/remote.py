@@ -13,7 +13,8 @@ import link
 from link import BatchForward, Forward, Hello, Hop, Result
 from strata.memory import Carve
 from strata.stages.link_client import (BACKOFF, PING_EVERY, SILENT_AFTER, LinkClient, LinkDown, WorkerBadResult,
-                                       WorkerError, parse_address, result_fault, rows_fault)
+                                       WorkerError, parse_address, result_fault, rows_fault,
+                                       seq_fault)
 from strata.stages.remote_memory import CheckpointGone, RemoteMemory
 from strata.stages.stage import StageBase
 
@@ -49,9 +50,10 @@ class RemoteStage(StageBase):
     The main decides positions and which checkpoints exist. With ``slots`` > 1 (--parallel) the worker holds one
     sequence per request slot (``+slots``), each addressed by its id, and a batched decode step of several slots is
     one BatchForward round trip (``forward_batch``), whose answer names each row's sequence and position where the
-    worker announces ``+rowids`` (required with ``require_row_ids``), checked before a row is used. A link failure
-    fails the requests in flight (LinkDown); a background thread then reconnects with backoff, and the fresh worker
-    state makes the engine start every live sequence and its checkpoints over (``lost``).
+    worker announces ``+rowids`` (required with ``require_row_ids``), checked before a row is used; there, a lone
+    Forward's answer (a verify, a prefill chunk) names its sequence too (a SeqResult), checked beside its position.
+    A link failure fails the requests in flight (LinkDown); a background thread then reconnects with backoff, and
+    the fresh worker state makes the engine start every live sequence and its checkpoints over (``lost``).
     """
 
     runner_name = "LinkClient"
@@ -229,17 +231,21 @@ class RemoteStage(StageBase):
             # a verify's Commit is in flight: a worker may apply it late (while expert swaps finish), so it lands
             # before the next Forward is sent
             self.settle()
+        c = self.client          # the link this Forward goes over (call raises LinkDown when there is none)
         res = self.call(Forward(pos=at, want_all=bool(all_logits), tokens=toks, hidden=x, seq=sid))
         if not isinstance(res, Result) or res.pos != at + n:
             self._mark_down(f"answered a Forward at {at} of {n} tokens with "
                             f"{type(res).__name__} at {getattr(res, 'pos', '?')}")
             raise LinkDown(f"stage {self.index} ({self.device}): the worker lost step with the main")
         h = res.hidden
-        fault = result_fault(h, n if all_logits else 1, int(self.model.config.n_embd))
+        # the sequence id (+rowids) first: a worker (or relay) that answered with another sequence's rows at the
+        # same position is named as such
+        fault = seq_fault(res, sid, c is not None and c.row_ids) or result_fault(h, n if all_logits else 1,
+                                                                               int(self.model.config.n_embd))
         if fault is not None:        # the worker's state is not to be trusted: a fresh link, the sequence read again
             self._mark_down(f"returned {fault}")
             raise WorkerBadResult(f"stage {self.index} ({self.device}): the worker returned {fault} for a Forward "
-                                  f"of {n} tokens at {at}; the link is reset")
+                                  f"of {n} tokens of sequence {sid} at {at}; the link is reset")
         self.memory.seqs[sid].at = int(res.pos)
         self.worker_us += int(res.compute_us)
         if res.dropped:                   # parts the worker dropped to fit this Forward: forgotten at once
