@@ -15,7 +15,7 @@ import openai
 import pytest
 
 import link
-from link import BatchForward, BatchResult, ErrorCode, Forward, Hello, Reset
+from link import BatchForward, BatchResult, ErrorCode, Forward, Hello, Reset, Result
 from strata.engine import Engine
 from strata.stages.link_client import LinkClient, WorkerError, WorkerRefused
 from tests.daemon import Daemon, InProcessWorker, WorkerProc, free_port
@@ -131,6 +131,7 @@ def test_the_worker_refuses_bad_batched_rows(llama):
         assert c.call(Reset(keep=[], seq=0)).pos == 0
         lone = c.call(Forward(pos=0, want_all=False, tokens=t2[1:], hidden=h2[1:], seq=0))
         assert lone.pos == 1 and lone.hidden.tobytes() == res.hidden[1:].tobytes()
+        assert type(lone) is link.Result                  # no row ids asked: a Forward's answer of old too
         assert c.call(Forward(pos=1, want_all=False, tokens=t1, hidden=h1, seq=1)).pos == 2   # sequence 1 read on
         c.close()
         time.sleep(0.3)
@@ -139,10 +140,13 @@ def test_the_worker_refuses_bad_batched_rows(llama):
         c.connect(Hello(protocol=link.VERSION, fingerprint=e.file.fingerprint(), lo=2, hi=4, n_blocks=4,
                         n_embd=d, act_dtype="f32", n_ctx=512, max_batch=16, ckpt_max=0, next_hops=[], nonce=b"",
                         slots=2, row_ids=True))
-        assert c.call(Forward(pos=0, want_all=False, tokens=t1, hidden=h1, seq=1)).pos == 1
+        one = c.call(Forward(pos=0, want_all=False, tokens=t1, hidden=h1, seq=1))
+        assert type(one) is link.SeqResult and (one.seq, one.pos) == (1, 1)     # a Forward's answer names its sequence
         rows = c.call(BatchForward(seqs=[1, 0], positions=[1, 0], tokens=t2, hidden=h2))
         assert type(rows) is link.BatchRows and (rows.seqs, rows.positions) == ([1, 0], [1, 0])
         assert rows.hidden[1:].tobytes() == res.hidden[1:].tobytes()     # sequence 0's row: the same bits
+        zero = c.call(Forward(pos=1, want_all=False, tokens=t1, hidden=h1, seq=0))
+        assert type(zero) is link.SeqResult and (zero.seq, zero.pos) == (0, 2)
         c.close()
     finally:
         e.close()
@@ -185,6 +189,51 @@ def test_a_relay_refuses_its_next_workers_answer_without_the_agreed_ids(llama, m
             msg = str(err.value)
             assert err.value.link_code == ErrorCode.NEXT_HOP and b.address in msg, msg
             assert ("a BatchResult" if row_ids else "a BatchRows") in msg and "\n" not in msg, msg
+            c.close()
+            time.sleep(0.3)
+    finally:
+        e.close()
+        a.close()
+        b.close()
+
+
+def test_a_relay_passes_its_next_workers_sequence_id_and_refuses_an_answer_without_the_agreed_one(llama, monkeypatch):
+    """A relay asked for row ids passes its next worker's SeqResult's sequence through unchanged (the main checks the
+    whole chain: here the last worker names another sequence); a plain Result from it where ids were agreed, or a
+    SeqResult where none were, is the relay's ERROR NEXT_HOP naming that worker."""
+    import dataclasses
+
+    from strata.stages import carrier as cmod
+    path, _ = llama
+    forward = cmod.Carrier.forward
+    fault = {"now": None}
+    monkeypatch.setattr(cmod.Carrier, "forward", lambda self, m: (
+        lambda r: fault["now"](r) if self.next is None and fault["now"] else r)(forward(self, m)))
+    a, b = InProcessWorker(model=path), InProcessWorker(model=path)
+    e = Engine(path, n_ctx=64, device="cpu")
+    try:
+        d = int(e.config.n_embd)
+        h1, t1 = np.ones((1, d), np.float32), np.array([5], np.int32)
+        cases = [(True, lambda r: dataclasses.replace(r, seq=0), None),
+                 (True, lambda r: Result(r.pos, r.compute_us, r.hidden, r.dropped), "a Result"),
+                 (False, lambda r: link.SeqResult(r.pos, r.compute_us, r.hidden, r.dropped, 1), "a SeqResult")]
+        for row_ids, corrupt, says in cases:
+            c = LinkClient(a.address)
+            c.connect(Hello(protocol=link.VERSION, fingerprint=e.file.fingerprint(), lo=1, hi=3, n_blocks=4,
+                            n_embd=d, act_dtype="f32", n_ctx=512, max_batch=16, ckpt_max=0, nonce=b"", slots=2,
+                            next_hops=[link.Hop("127.0.0.1", int(b.address.rpartition(":")[2]), 3, 4)],
+                            row_ids=row_ids))
+            fault["now"] = corrupt
+            if says is None:     # passed through: sequence 1's rows named as sequence 0's, as the last worker said
+                got = c.call(Forward(pos=0, want_all=False, tokens=t1, hidden=h1, seq=1))
+                assert type(got) is link.SeqResult and (got.seq, got.pos) == (0, 1)
+            else:
+                with pytest.raises(WorkerError) as err:
+                    c.call(Forward(pos=0, want_all=False, tokens=t1, hidden=h1, seq=1))
+                msg = str(err.value)
+                assert err.value.link_code == ErrorCode.NEXT_HOP and b.address in msg, msg
+                assert f"answered a Forward with {says} " in msg and "\n" not in msg, msg
+            fault["now"] = None
             c.close()
             time.sleep(0.3)
     finally:
