@@ -29,7 +29,8 @@ CAP_SPEC = "+spec"          # a Forward with want_all keeps each token's state; 
 CAP_PARK = "+park"          # PartGet / PartPut: a kept part's bytes streamed to the main and back (parking, session files)
 CAP_DROPS = "+drops"        # a Result names the kept parts the worker dropped to make room for its Forward
 CAP_SLOTS = "+slots"        # one sequence per request slot (seq fields, Hello.slots) and BatchForward / BatchResult
-CAP_ROWIDS = "+rowids"      # asked in the Hello (row_ids), a BatchForward is answered with BatchRows: each row's ids
+# asked in the Hello (row_ids): a BatchForward is answered with BatchRows (each row's ids), a Forward with SeqResult
+CAP_ROWIDS = "+rowids"
 _CAPS = (CAP_MAC, CAP_AEAD, CAP_ENCRYPT, CAP_SPEC, CAP_PARK, CAP_DROPS, CAP_SLOTS, CAP_ROWIDS)
 
 

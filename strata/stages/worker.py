@@ -125,7 +125,7 @@ class Worker:
         (a kept part's bytes streamed to the main and back, Carrier.part_get / part_put), ``+drops`` (a Result names
         the kept parts dropped to make room for its Forward, Carrier.forward), ``+slots`` (a sequence per request
         slot, addressed by the seq fields, and the batched decode step, Carrier.batch_forward), ``+rowids`` (that
-        step's answer names each row's sequence and position, when the hello asks)."""
+        step's answer names each row's sequence and position, and a Forward's its sequence, when the hello asks)."""
         own = [link.CAP_SPEC, link.CAP_PARK, link.CAP_DROPS, link.CAP_SLOTS, link.CAP_ROWIDS]
         if self.cfg.key is None:
             return own
