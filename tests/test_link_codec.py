@@ -19,9 +19,9 @@ import pytest
 
 import link
 from link import (DEFAULT_MAX_PAYLOAD, FLAG_ASYNC, HEADER_SIZE, MAGIC, MAX_CONTROL_PAYLOAD, VERSION, Ack, BatchForward,
-                  BatchResult, BatchRows, SeqResult, Bye, Challenge, CkptRestore, CkptSave, Commit, Error, ErrorCode, Forward,
+                  BatchResult, BatchRows, Bye, Challenge, CkptRestore, CkptSave, Commit, Error, ErrorCode, Forward,
                   FrameError, Header, Hello, HelloAck, Hop, LinkError, MsgType, PartPut, Ping, Pong, Reset, Result,
-                  VersionMismatch, decode_frame, decode_message, encode_frame, encode_payload, frame_bytes,
+                  SeqResult, VersionMismatch, decode_frame, decode_message, encode_frame, encode_payload, frame_bytes,
                   parse_header, read_frame, recv_frame, send_frame, write_frame)
 from tests.link_cases import (CHALLENGE_NONCE, GOLDEN, GOLDEN_FRAMES, HELLO_NONCE, KEY, TrickleSocket,
                                golden_cases)

@@ -197,8 +197,9 @@ def test_a_verify_answered_with_another_slots_rows(model, monkeypatch, row_ids):
     """A worker that answers one slot's verify with another slot's rows at the same position (its own state mixed
     the two sequences, and it names the rows for the sequence they are of): with +rowids its SeqResult names the
     other sequence and the main refuses it (502 worker_bad_result naming the worker and both sequences, for the
-    requests of that step), so no request answers with another's rows; from a worker without +rowids (the check off) the rows are used and that
-    slot answers wrong. Two prompts of one length, drafts always right: both slots verify at the same positions."""
+    requests of that step), so no request answers with another's rows; from a worker without +rowids (the check
+    off) the rows are used and that slot answers wrong. Two prompts of one length, drafts always right: both slots
+    verify at the same positions."""
     import dataclasses
 
     import link
