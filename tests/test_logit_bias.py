@@ -83,7 +83,8 @@ def test_device_sampler_with_a_bias_takes_the_array_path_and_judges_verifies_on_
 @pytest.mark.parametrize("bias, needle", [
     ((("a", 1.0),), "must be an integer"), (((-1, 1.0),), ">= 0"), (((3, 101.0),), "[-100, 100]"),
     (((3, math.nan),), "must be a number"), (((3, math.inf),), "[-100, 100]"), (((3, 1.0), (3, 2.0)), "twice"),
-    (tuple((i, 1.0) for i in range(1025)), "at most 1024"), (((3, True),), "must be a number")])
+    (tuple((i, 1.0) for i in range(1025)), "at most 1024"), (((3, True),), "must be a number"),
+    (((3, 10 ** 400),), "[-100, 100]")])
 def test_sampling_params_refuse_a_bad_bias(bias, needle):
     with pytest.raises(ValueError, match="logit_bias") as e:
         SamplingParams(logit_bias=bias)
@@ -206,6 +207,9 @@ def test_chat_with_the_openai_client_equals_transformers(llama):
     ("/completion", [[5, -100.5]], "logit_bias[0][1]", "[-100, 100]"),
     ("/completion", [[5, True]], "logit_bias[0][1]", "must be a number"),
     ("/completion", [[60000, False]], "logit_bias", "outside the vocabulary"),
+    # an integer past float's range (JSON has no bound): was a 500 (OverflowError formatting it)
+    ("/v1/chat/completions", {"5": 10 ** 400}, 'logit_bias["5"]', "[-100, 100]"),
+    ("/completion", [[5, -10 ** 400]], "logit_bias[0][1]", "[-100, 100]"),
 ])
 def test_bad_logit_bias_is_a_400_naming_the_field(llama, path, bias, param, needle):
     d = llama[0]
@@ -220,10 +224,11 @@ def test_bad_logit_bias_is_a_400_naming_the_field(llama, path, bias, param, need
 
 
 _json = st.recursive(st.none() | st.booleans() | st.integers(-2 ** 40, 2 ** 40) | st.floats(allow_nan=False)
+                     | st.integers(10 ** 300, 10 ** 400).map(lambda i: -i) | st.integers(10 ** 300, 10 ** 400)
                      | st.text(max_size=8), lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=6), c,
                                                                                                max_size=4), max_leaves=12)
 _entry = st.tuples(st.integers(-3, 70000) | st.text("0123456789x", min_size=1, max_size=6),
-                   st.floats(-150, 150) | st.booleans() | st.integers(-120, 120))
+                   st.floats(-150, 150) | st.booleans() | st.integers(-120, 120) | st.integers(10 ** 300, 10 ** 400))
 
 
 @settings(max_examples=1500, deadline=None)
