@@ -4,6 +4,7 @@ and greedy answers of a real daemon (--parallel 2, both slots at once) equal tra
 from __future__ import annotations
 
 import math
+import re
 import threading
 
 import numpy as np
@@ -83,7 +84,8 @@ def test_device_sampler_with_a_bias_takes_the_array_path_and_judges_verifies_on_
 @pytest.mark.parametrize("bias, needle", [
     ((("a", 1.0),), "must be an integer"), (((-1, 1.0),), ">= 0"), (((3, 101.0),), "[-100, 100]"),
     (((3, math.nan),), "must be a number"), (((3, math.inf),), "[-100, 100]"), (((3, 1.0), (3, 2.0)), "twice"),
-    (tuple((i, 1.0) for i in range(1025)), "at most 1024"), (((3, True),), "must be a number")])
+    (tuple((i, 1.0) for i in range(1025)), "at most 1024"), (((3, True),), "must be a number"),
+    (((3, 10 ** 400),), "[-100, 100]")])
 def test_sampling_params_refuse_a_bad_bias(bias, needle):
     with pytest.raises(ValueError, match="logit_bias") as e:
         SamplingParams(logit_bias=bias)
@@ -206,6 +208,9 @@ def test_chat_with_the_openai_client_equals_transformers(llama):
     ("/completion", [[5, -100.5]], "logit_bias[0][1]", "[-100, 100]"),
     ("/completion", [[5, True]], "logit_bias[0][1]", "must be a number"),
     ("/completion", [[60000, False]], "logit_bias", "outside the vocabulary"),
+    # an integer past float's range (JSON has no bound): was a 500 (OverflowError formatting it)
+    ("/v1/chat/completions", {"5": 10 ** 400}, 'logit_bias["5"]', "[-100, 100]"),
+    ("/completion", [[5, -10 ** 400]], "logit_bias[0][1]", "[-100, 100]"),
 ])
 def test_bad_logit_bias_is_a_400_naming_the_field(llama, path, bias, param, needle):
     d = llama[0]
@@ -220,10 +225,11 @@ def test_bad_logit_bias_is_a_400_naming_the_field(llama, path, bias, param, need
 
 
 _json = st.recursive(st.none() | st.booleans() | st.integers(-2 ** 40, 2 ** 40) | st.floats(allow_nan=False)
+                     | st.integers(10 ** 300, 10 ** 400).map(lambda i: -i) | st.integers(10 ** 300, 10 ** 400)
                      | st.text(max_size=8), lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=6), c,
                                                                                                max_size=4), max_leaves=12)
 _entry = st.tuples(st.integers(-3, 70000) | st.text("0123456789x", min_size=1, max_size=6),
-                   st.floats(-150, 150) | st.booleans() | st.integers(-120, 120))
+                   st.floats(-150, 150) | st.booleans() | st.integers(-120, 120) | st.integers(10 ** 300, 10 ** 400))
 
 
 @settings(max_examples=1500, deadline=None)
@@ -243,3 +249,38 @@ def test_the_logit_bias_reader_takes_a_valid_bias_or_names_the_field(value):
     pairs = r.sampling.get("logit_bias", ())
     assert SamplingParams(logit_bias=pairs).logit_bias == pairs
     assert all(-100 <= b <= 100 or b == -math.inf for _, b in pairs)
+
+
+# ---- a bias against a constraint ---------------------------------------------------------------------------------
+
+BAN_LOW = {str(i): False for i in range(1024)}      # OpenAI's object form takes false (llama-server's ban) too
+
+
+def test_a_bias_banning_every_token_a_grammar_allows_is_a_400_naming_logit_bias(qwen):
+    """The grammar `root ::= "7"` allows one token first (the vocabulary's "7", an id below 1024): banning ids
+    0..1023 leaves nothing to sample, so the answer is a 400 naming logit_bias (it was a 200 'stop' with no text,
+    an output the grammar does not admit); under `root ::= "7"+` with the "7" token spared the answer is sevens."""
+    st_, r = qwen.json("POST", "/completion", {"prompt": "hi", "n_predict": 4, "grammar": 'root ::= "7"',
+                                               "logit_bias": [[i, False] for i in range(1024)]})
+    assert st_ == 400, r
+    assert "logit_bias" in r["error"]["message"] and "constraint" in r["error"]["message"], r
+    st_, r = qwen.json("POST", "/tokenize", {"content": "7"})
+    assert st_ == 200, r
+    (seven,) = r["tokens"]
+    spare = [[i, False] for i in range(1024) if i != seven]
+    st_, r = qwen.json("POST", "/completion", {"prompt": "hi", "n_predict": 4, "grammar": 'root ::= "7"+',
+                                               "logit_bias": spare, "temperature": 1.0, "seed": 3})
+    assert st_ == 200 and re.fullmatch("7+", r["content"]), r
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "allowed_tools", "allowed_tools": {
+    "mode": "required", "tools": [{"type": "function", "function": {"name": "f"}}]}}])
+def test_a_required_tool_call_under_a_bias_banning_its_tokens_is_a_400_not_an_empty_stop(qwen, tool_choice):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "temperature": 0, "tools": tools,
+            "tool_choice": tool_choice}
+    st_, r = qwen.json("POST", "/v1/chat/completions", body)
+    assert st_ == 200 and r["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "f", r
+    st_, r = qwen.json("POST", "/v1/chat/completions", {**body, "logit_bias": BAN_LOW})
+    assert st_ == 400, r
+    assert r["error"]["param"] == "logit_bias", r

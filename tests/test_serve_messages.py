@@ -343,3 +343,18 @@ def test_cut_tool_use_input_is_what_its_stream_assembles(client, max_tokens):
     assert _blocks(m) == _blocks(final)
     if max_tokens == 34:    # the fragments hold a complete key and value: the input carries them
         assert _tool_uses(m)[0].input["path"].endswith("src/app/main.py")
+
+
+@pytest.mark.parametrize("args", ['{"x": NaN}', '{"x": -Infinity}', '{"x": 1e999}', '{"x": [1, 2e400', '{"x": NaN, "y"',
+                                  "[" * 100000 + "]" * 100000, '{"x": ' + "[" * 5000])
+def test_tool_use_input_is_strict_json_whatever_the_arguments(args):
+    """A tool call's arguments (whole, or cut by max_tokens) holding NaN, Infinity or a number past float's range, or
+    nested past the parser's depth: the tool_use block's input is {} (as for arguments that do not parse), and the
+    block is strict JSON (it was NaN / Infinity in the body, or a 500 from the RecursionError)."""
+    import json as _json
+    from strata.serve.answer_blocks import Block
+    from strata.serve.messages_api import _block
+    b = Block("call", 0, text=args, call_id="toolu_1", name="f")
+    out = _block(b, True)
+    assert out["input"] == {}
+    _json.loads(_json.dumps(out, allow_nan=False))

@@ -16,12 +16,12 @@ import stat
 import sys
 import threading
 import time
-import unicodedata
 import urllib.parse
 from typing import Any
 
 from strata.cli.argv import Parser, parse_args
 from strata.cli.chat_input import parse_chat_line
+from strata.errors import printable
 from strata.serve.paths import client_socket_path
 
 EXIT_OK, EXIT_SERVER, EXIT_USAGE, EXIT_CONNECT = 0, 1, 2, 3
@@ -33,16 +33,6 @@ class CtlError(Exception):
     def __init__(self, message: str, code: int, payload: bytes | None = None):
         super().__init__(message)
         self.code, self.payload = code, payload
-
-
-_BIDI = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
-
-
-def printable(text: str, keep: str = "") -> str:
-    """text with its control characters (C0, DEL, C1: escape sequences), bidirectional controls and lone surrogates
-    written as \\uXXXX, except those in `keep`: server text is safe to print, and JSON text stays valid JSON."""
-    return "".join(f"\\u{ord(c):04x}" if c not in keep and (unicodedata.category(c) in ("Cc", "Cs") or c in _BIDI)
-                   else c for c in text)
 
 
 def loads(payload: bytes | str):

@@ -50,11 +50,12 @@ def check_logit_bias(pairs) -> tuple[tuple[int, float], ...]:
         if tok < 0:
             raise ValueError(f"logit_bias token ids must be >= 0, got {tok}")
         b = pair[1]
-        if isinstance(b, bool) or not isinstance(b, Real) or math.isnan(float(b)):
+        if isinstance(b, bool) or not isinstance(b, Real) or b != b:       # b != b: NaN (float() overflows a huge int)
             raise ValueError(f"logit_bias of token {tok} must be a number, got {b!r}")
+        if not (-MAX_BIAS <= b <= MAX_BIAS or b == -math.inf):       # compared before float(): a huge int overflows it
+            raise ValueError(f"logit_bias of token {tok} must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}] (or -inf), got "
+                             f"{f'{float(b):g}' if abs(b) < 1e300 else 'a number past 1e300'}")
         b = float(b)
-        if not (-MAX_BIAS <= b <= MAX_BIAS or b == -math.inf):
-            raise ValueError(f"logit_bias of token {tok} must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}] (or -inf), got {b:g}")
         out.append((tok, b))
     if len(out) > MAX_BIAS_ENTRIES:
         raise ValueError(f"logit_bias has {len(out)} entries, at most {MAX_BIAS_ENTRIES} are allowed")

@@ -9,6 +9,7 @@ middleware's too (a bad key, an unknown method), are Anthropic's: {"type": "erro
 from __future__ import annotations
 
 import json
+import math
 import re
 import uuid
 
@@ -240,15 +241,35 @@ def stop_reason(ab: AnswerBlocks, p: schema.ParsedRequest) -> tuple[str, str | N
 def _tool_input(text: str):
     """A call's arguments as its tool_use input. Arguments cut by max_tokens are read as the anthropic SDK reads the
     streamed input_json_delta fragments (jiter's partial mode: what the cut text holds complete, an unfinished
-    string or key left out), so a message equals the one its stream assembles to; None when not even that parses."""
+    string or key left out), so a message equals the one its stream assembles to; None when not even that parses,
+    or when it holds a number JSON cannot write back (NaN, Infinity, or one past float's range: the answer's body
+    would not be JSON)."""
     try:
-        return json.loads(text)
-    except ValueError:
-        pass
-    try:
-        return jiter.from_json(text.encode(), partial_mode=True)
-    except ValueError:
-        return None
+        value = json.loads(text, parse_constant=_no_constant)
+    except (ValueError, RecursionError):        # RecursionError: nested past the parser's depth
+        try:
+            value = jiter.from_json(text.encode(), partial_mode=True, allow_inf_nan=False)
+        except (ValueError, RecursionError):
+            return None
+    return value if _finite(value) else None
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite(v) -> bool:
+    """Whether every number in the decoded JSON value v is finite (a literal like 1e999 decodes to inf)."""
+    stack = [v]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, float) and not math.isfinite(x):
+            return False
+        if isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+    return True
 
 
 def _block(b: Block, done: bool) -> dict:

@@ -206,7 +206,8 @@ def _bias_value(v, where: str) -> float:
         raise _bad(where, f"must be a number in [-{MAX_BIAS:g}, {MAX_BIAS:g}] (or false to ban the token), got "
                           f"{_tname(v)}")
     if not -MAX_BIAS <= v <= MAX_BIAS:
-        raise _bad(where, f"must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}] (or false to ban the token), got {v:g}")
+        got = f"{v:g}" if isinstance(v, float) else json.dumps(v)[:80]       # an int past float's range has no :g
+        raise _bad(where, f"must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}] (or false to ban the token), got {got}")
     return float(v)
 
 

@@ -17,7 +17,7 @@ import structlog
 import link
 from link import (Challenge, Error, ErrorCode, Hello, HelloAck, LinkError, PartData, PartGet, PartPut, Ping, Pong,
                   FLAG_ASYNC)
-from strata.errors import EngineFault, Unavailable
+from strata.errors import EngineFault, Unavailable, printable
 from strata.gguf import identity
 
 log = structlog.get_logger("strata.stages.remote")
@@ -124,6 +124,12 @@ def parse_address(addr: str) -> tuple[str, int]:
 
 
 
+def _peer_text(text: str, limit: int = 500) -> str:
+    """A worker's text (an Error's message, a Bye's reason) as quoted in a line for the user: its first `limit`
+    characters, control and bidirectional characters escaped (strata.errors.printable)."""
+    return printable(text[:limit]) + (f"... ({len(text)} characters)" if len(text) > limit else "")
+
+
 class LinkClient:
     """One connection to one worker, used by one thread at a time (the engine thread; on a relay, its executor).
 
@@ -177,7 +183,7 @@ class LinkClient:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             _, ch = link.recv_frame(sock, HANDSHAKE_MAX)
             if isinstance(ch, Error):
-                raise WorkerRefused(f"{who} refused the link: {ch.message}")
+                raise WorkerRefused(f"{who} refused the link: {_peer_text(ch.message)}")
             if not isinstance(ch, Challenge):
                 raise WorkerRefused(f"{who} opened with {type(ch).__name__}, not a Challenge")
             if ch.keyed and self.key is None:
@@ -210,7 +216,7 @@ class LinkClient:
                 theirs = identity.parse_refusal(ack.message) if ack.code == ErrorCode.MODEL else None
                 if theirs is not None and self.model is not None:
                     raise WorkerRefused(f"{who} {identity.mismatch(theirs, self.model)}")
-                raise WorkerRefused(f"{who} refused the hello: {ack.message}")
+                raise WorkerRefused(f"{who} refused the hello: {_peer_text(ack.message)}")
             if not isinstance(ack, HelloAck):
                 raise WorkerRefused(f"{who} answered the hello with {type(ack).__name__}")
             if self.key is not None and not link.verify(link.ack_mac(self.key, hello.nonce, ack, frames), ack.mac):
@@ -335,14 +341,14 @@ class LinkClient:
                 self._posted[hdr.request_id] = msg
                 continue
             if isinstance(msg, link.Bye):
-                self._down(f"closed the link: {msg.reason}")
+                self._down(f"closed the link: {_peer_text(msg.reason)}")
             if isinstance(msg, Error):
-                self._down(f"failed: {msg.message}")
+                self._down(f"failed: {_peer_text(msg.message)}")
             self._down(f"sent a {type(msg).__name__} that answers no request")
 
     def _checked(self, msg):
         if isinstance(msg, Error):
-            raise WorkerError(msg.code, f"worker {self.address}: {msg.message}")
+            raise WorkerError(msg.code, f"worker {self.address}: {_peer_text(msg.message)}")
         return msg
 
 
