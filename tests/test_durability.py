@@ -6,6 +6,7 @@ one's start; a disk tier file that holds another conversation is refused, the pr
 wrong."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -78,19 +79,28 @@ def test_a_disk_tier_write_killed_part_way_leaves_nothing_the_next_start_keeps(m
         e.close()
 
 
-def test_one_process_holds_a_conversation_cache_dir(default_model_path, tmp_path):
-    """A second engine (in this process or a `strata serve` started beside it) on a directory a live engine's disk
-    tier holds is refused in one line naming the holder, before its model loads; the first keeps its parked
-    conversation on disk and resumes it bit-exact; once it closes, the directory is free."""
-    alone = Engine(default_model_path, n_ctx=512, ubatch=32, conversation_cache_mib=0)
-    ref = play(alone, "rivers", 2, [])
-    e = Engine(default_model_path, n_ctx=512, ubatch=32, conversation_cache_mib=256, conversation_cache_dir=tmp_path,
+@contextlib.contextmanager
+def _rivers_parked_on_disk(model, cache_dir):
+    """An engine whose disk tier (in `cache_dir`) holds the "rivers" chat's first turn, parked there when "ships"
+    took its place -> (engine, rivers' answers so far, rivers played alone for 2 turns: the reference); closed after."""
+    ref = play(Engine(model, n_ctx=512, ubatch=32, conversation_cache_mib=0), "rivers", 2, [])
+    e = Engine(model, n_ctx=512, ubatch=32, conversation_cache_mib=256, conversation_cache_dir=cache_dir,
                conversation_cache_disk_mib=64, park_resident=0)
     try:
         answers: list[str] = []
         play(e, "rivers", 1, answers)
         e.park.budget = 1                                        # what is parked goes to disk
         play(e, "ships", 1, [])
+        yield e, answers, ref
+    finally:
+        e.close()
+
+
+def test_one_process_holds_a_conversation_cache_dir(default_model_path, tmp_path):
+    """A second engine (in this process or a `strata serve` started beside it) on a directory a live engine's disk
+    tier holds is refused in one line naming the holder, before its model loads; the first keeps its parked
+    conversation on disk and resumes it bit-exact; once it closes, the directory is free."""
+    with _rivers_parked_on_disk(default_model_path, tmp_path) as (e, answers, ref):
         assert [p["tier"] for p in e.parked()] == ["disk"]
         with pytest.raises(ValueError, match=rf"in use by another strata process \(pid {os.getpid()}\)"):
             Engine(default_model_path, n_ctx=512, conversation_cache_dir=tmp_path)
@@ -100,8 +110,6 @@ def test_one_process_holds_a_conversation_cache_dir(default_model_path, tmp_path
         assert r.returncode != 0 and "in use by another strata process" in r.stderr, r.stderr[-2000:]
         toks, final = ask(e, chat("rivers", 1, answers))
         assert final.strata["resume_from"] == "disk" and toks == ref[1][0] and e.state_hashes() == ref[1][1]
-    finally:
-        e.close()
     Engine(default_model_path, n_ctx=512, conversation_cache_dir=tmp_path).close()
 
 
@@ -146,15 +154,7 @@ def test_a_save_in_flight_in_a_shared_slot_dir_survives_another_start(model_path
 def test_a_disk_tier_file_holding_another_conversation_is_refused_never_restored(default_model_path, tmp_path):
     """A parked conversation's file replaced by another one's (valid, same model): refused when it is taken back,
     with a log line; the prompt is read without it and answers as the conversation played alone does."""
-    alone = Engine(default_model_path, n_ctx=512, ubatch=32, conversation_cache_mib=0)
-    ref = play(alone, "rivers", 2, [])
-    e = Engine(default_model_path, n_ctx=512, ubatch=32, conversation_cache_mib=256, conversation_cache_dir=tmp_path,
-               conversation_cache_disk_mib=64, park_resident=0)
-    try:
-        answers: list[str] = []
-        play(e, "rivers", 1, answers)
-        e.park.budget = 1                                        # what is parked goes to disk
-        play(e, "ships", 1, [])
+    with _rivers_parked_on_disk(default_model_path, tmp_path) as (e, answers, ref):
         play(e, "bread", 1, [])
         files = sorted(tmp_path.glob("park-*.bin"), key=lambda p: p.stat().st_mtime_ns)
         assert len(files) == 2                                   # rivers', then ships'
@@ -162,8 +162,6 @@ def test_a_disk_tier_file_holding_another_conversation_is_refused_never_restored
         toks, final = ask(e, chat("rivers", 1, answers))
         assert final.strata["resume_from"] != "disk"
         assert toks == ref[1][0] and e.state_hashes() == ref[1][1]
-    finally:
-        e.close()
 
 
 # a save on a file system that fills up, then turns read-only: run inside its own mount namespace (unshare -rm) on

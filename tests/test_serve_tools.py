@@ -151,12 +151,10 @@ def test_required_tool_choice_calls_a_tool_whatever_the_weights(qwen, seed):
     _check_calls(calls)
 
 
-def test_required_calls_cut_by_max_tokens_leave_no_content(smol):
-    """tool_choice "required" on the generic JSON format, cut off by max_tokens anywhere: no content, whole or
-    streamed (a cut inside a second call's header came back as content: ', {"name": "get_'), the calls named so
-    far and finish_reason "length"."""
-    client = _client(smol)
-    for n in range(4, 48, 3):
+def _required_cut_leaves_no_content(client, lengths) -> None:
+    """tool_choice "required" cut by max_tokens at each of `lengths`: no content and finish "length" or "tool_calls",
+    whole and streamed alike, the same call names in both."""
+    for n in lengths:
         kw = dict(model="default", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=n, temperature=0)
         r = client.chat.completions.create(**kw)
         m = r.choices[0].message
@@ -164,21 +162,20 @@ def test_required_calls_cut_by_max_tokens_leave_no_content(smol):
         content, _, calls, finish = _assemble(client.chat.completions.create(**kw, stream=True))
         assert not content and finish == r.choices[0].finish_reason, (n, content)
         assert [c["name"] for c in calls] == [c.function.name for c in m.tool_calls or []], n
+
+
+def test_required_calls_cut_by_max_tokens_leave_no_content(smol):
+    """tool_choice "required" on the generic JSON format, cut off by max_tokens anywhere: no content, whole or
+    streamed (a cut inside a second call's header came back as content: ', {"name": "get_'), the calls named so
+    far and finish_reason "length"."""
+    _required_cut_leaves_no_content(_client(smol), range(4, 48, 3))
 
 
 def test_hermes_calls_cut_by_max_tokens_leave_no_content(qwen):
     """tool_choice "required" on the Hermes format (<tool_call> JSON), cut off by max_tokens at many lengths: no
     content, whole or streamed (a cut before the call's name came back as '<tool_call>\n{"na'), the calls named so
     far, the same names streamed."""
-    client = _client(qwen)
-    for n in range(2, 30, 3):
-        kw = dict(model="default", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=n, temperature=0)
-        r = client.chat.completions.create(**kw)
-        m = r.choices[0].message
-        assert not m.content and r.choices[0].finish_reason in ("length", "tool_calls"), (n, m)
-        content, _, calls, finish = _assemble(client.chat.completions.create(**kw, stream=True))
-        assert not content and finish == r.choices[0].finish_reason, (n, content)
-        assert [c["name"] for c in calls] == [c.function.name for c in m.tool_calls or []], n
+    _required_cut_leaves_no_content(_client(qwen), range(2, 30, 3))
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
