@@ -339,7 +339,7 @@ def parse_chat(body: dict) -> ParsedRequest:
     for i, m in enumerate(msgs):
         if type(m) is dict and len(m) == 2:           # the common message: {"role": ..., "content": "..."}
             role, content = m.get("role"), m.get("content")
-            if type(content) is str and role in _ROLE_SET:
+            if type(content) is str and type(role) is str and role in _ROLE_SET:
                 out.append({"role": "system" if role == "developer" else role, "content": content})
                 plain.append(content)
                 continue
