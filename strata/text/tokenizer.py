@@ -28,6 +28,21 @@ _LLAMA3_RE = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n
 _QWEN2_RE = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
              r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _DEFAULT_RES = [r"[\p{P}\$\+<=>\^~\|]+", _GPT2_RE, r"\p{N}+", r"[0-9][0-9][0-9]"]
+# qwen2's expression with combining marks (\p{M}) joined to letter runs and kept out of punctuation runs.
+_QWEN35_RE = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+              r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Mistral's tekken and OpenAI's o200k (gpt-4o, llama4): an upper-case run may open a lower-case word; llama.cpp
+# writes the case classes as "a letter that is not a-z" / "not A-Z", so other scripts' letters fit both.
+_TEKKEN_RE = (r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+"
+              r"|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*"
+              r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_CONTRACTION = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?"
+_GPT4O_RE = (r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+" + _CONTRACTION
+             + r"|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*" + _CONTRACTION
+             + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_DEEPSEEK3_RES = [r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+                  r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+                  r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"]
 
 # tokenizer.ggml.pre -> (regex list, ignore_merges), as llama.cpp maps them.
 PRE_TOKENIZERS: dict[str, tuple[list[str], bool]] = {
@@ -44,7 +59,9 @@ PRE_TOKENIZERS: dict[str, tuple[list[str], bool]] = {
     "falcon3": ([_LLAMA3_RE], True), "pixtral": ([_LLAMA3_RE], True), "dbrx": ([_LLAMA3_RE], False),
     "smaug-bpe": ([_LLAMA3_RE], False), "chatglm-bpe": ([_LLAMA3_RE], False),
     "qwen2": ([_QWEN2_RE], False), "deepseek-r1-qwen": ([_QWEN2_RE], False), "stablelm2": ([_QWEN2_RE], True),
-    "megrez": ([_QWEN2_RE], False),
+    "megrez": ([_QWEN2_RE], False), "qwen35": ([_QWEN35_RE], False),
+    "tekken": ([_TEKKEN_RE], True), "deepseek-v3": (_DEEPSEEK3_RES, False),
+    "gpt-4o": ([_GPT4O_RE], False), "llama4": ([_GPT4O_RE], False),
 }
 
 # Token texts llama.cpp treats as end-of-generation (llama-vocab.cpp, special_eog_ids).
@@ -378,6 +395,14 @@ class Tokenizer:
                 if key is not None:
                     cache.put(key, enc.ids)
         return out
+
+    def pre_tokenize(self, text: str) -> list[str]:
+        """The words a BPE vocabulary's merges run on for raw `text` (tokenizer.ggml.pre's split, no special-token
+        split); `"".join` of them is `text`. An SPM vocabulary has no pre-tokenizer: one word."""
+        pre = self._tk.pre_tokenizer
+        if pre is None:
+            return [text] if text else []
+        return [_byte_level_decode(w).decode("utf-8") for w, _ in pre.pre_tokenize_str(text)]
 
     def encode_pieces(self, pieces: Sequence[tuple[str, bool]], add_bos: bool | None = None,
                       add_eos: bool | None = None) -> list[int]:
