@@ -11,11 +11,12 @@ import pytest
 from tests.daemon import ROOT, Daemon, env_for_daemon, free_port
 
 pytestmark = pytest.mark.slow
+TAIL = 8        # the daemon's --prompt-cache-tail
 
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
-    d = Daemon(tmp_path_factory.mktemp("ctl"), port=free_port()).start()
+    d = Daemon(tmp_path_factory.mktemp("ctl"), "--prompt-cache-tail", str(TAIL), port=free_port()).start()
     yield d
     assert d.stop() == 0, d.log_tail()
 
@@ -62,6 +63,25 @@ def test_chat_one_shot_then_status_cache_metrics(daemon):
     assert r.returncode == 0 and "strata_generated_tokens_total" in r.stdout
     m = json.loads(ctl(daemon, "metrics", "--json").stdout)
     assert sum(s["value"] for s in m["strata_generated_tokens"] if s["name"].endswith("_total")) >= 6
+
+
+def test_near_tail_point_listed_and_skipped_without_checkpoints(daemon):
+    assert ctl(daemon, "erase", "0").returncode == 0
+    body = {"messages": [{"role": "system", "content": "You are brief."},
+                         {"role": "user", "content": "A long note on rivers, hills, forests and the valley's weather "
+                                                     "over many seasons; summarise it in one short line."}],
+            "max_tokens": 2, "temperature": 0}
+    status, r = daemon.json("POST", "/v1/chat/completions", {**body, "strata_checkpoint": False})
+    assert status == 200, r
+    kinds = [c["kind"] for c in json.loads(ctl(daemon, "cache", "--json").stdout)["checkpoints"]]
+    assert kinds and "tail" not in kinds            # the root only
+    status, r = daemon.json("POST", "/v1/chat/completions", body)
+    assert status == 200, r
+    n = r["usage"]["prompt_tokens"]
+    cps = json.loads(ctl(daemon, "cache", "--json").stdout)["checkpoints"]
+    assert [c["pos"] for c in cps if c["kind"] == "tail"] == [n - TAIL], cps
+    out = ctl(daemon, "cache").stdout
+    assert any(line.split()[:2] == [str(n - TAIL), "tail"] for line in out.splitlines()), out
 
 
 def test_chat_interactive(daemon):

@@ -67,6 +67,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "without the root pin)")
     c.add_argument("--prompt-cache-every", type=_nonneg_int, default=D.checkpoints.every,
                    help="also cut the prompt every N tokens (0 = off)")
+    c.add_argument("--prompt-cache-tail", type=_nonneg_int, default=D.checkpoints.tail, metavar="N",
+                   help="also cut the prompt N tokens before its end (the near-tail cut point: a later prompt that "
+                        "differs only in its last N tokens, a re-rendered end, resumes there; 0 = off, the default; "
+                        "not with --remote-stage)")
     c.add_argument("--prompt-cache-root", type=_nonneg_int, default=D.checkpoints.root,
                    help="minimum root length worth pinning (tokens)")
     c.add_argument("--prompt-cache-mib", type=_nonneg_int, default=D.checkpoints.mib,

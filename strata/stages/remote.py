@@ -36,7 +36,7 @@ def unsupported_with_remote(*, prompt_cache_every: int = 0, prompt_cache_tail: i
     """What a remote stage does not support, as one line (the CLI's usage error, the Engine's ValueError), or None.
     (Parking and session files need a worker that announces +park: checked when the link is up.)"""
     if prompt_cache_every or prompt_cache_tail:
-        what = "--prompt-cache-every" if prompt_cache_every else "the near-tail cut point, prompt_cache_tail"
+        what = "--prompt-cache-every" if prompt_cache_every else "--prompt-cache-tail"
         return f"mid-prompt checkpoints ({what}) are not supported with a remote stage (--remote-stage)"
     return None
 
