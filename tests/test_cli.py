@@ -33,6 +33,18 @@ def assert_one_line_error(p, *needles: str):
     assert p.stdout == ""
 
 
+def test_python_dash_m_strata_runs_the_cli():
+    e = dict(os.environ)
+    e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
+    p = subprocess.run([sys.executable, "-m", "strata", "--help"], capture_output=True, text=True, timeout=120,
+                       env=e, cwd=str(ROOT))
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith("usage: strata ") and all(c in p.stdout for c in ("generate", "chat", "serve", "worker"))
+    p = subprocess.run([sys.executable, "-m", "strata", "generate", "--no-such-flag"], capture_output=True, text=True,
+                       timeout=120, env=e, cwd=str(ROOT))
+    assert p.returncode == 2 and "--no-such-flag" in p.stderr and "Traceback" not in p.stderr
+
+
 def test_generate_answers_paris(default_model_path):
     p = strata("generate", "--prompt", "What is the capital of France? Answer in one sentence.",
                "--max-tokens", "30", "--n-ctx", "512", "--seed", "1")
