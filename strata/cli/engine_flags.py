@@ -123,13 +123,15 @@ def add_tier_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--moe-vram-mib", default=None, metavar="N|auto",
                    help="keep the hot MoE experts in N MiB of VRAM slots ('auto': the free VRAM after the model and "
                         "its KV cache, less 1 GiB) and every expert in pinned host RAM (default: all in VRAM)")
-    t.add_argument("--adapt-every", type=_pos_int, default=D.adapt_every, metavar="TOKENS",
-                   help="decoded tokens between two rounds of expert swaps (default %(default)s)")
+    t.add_argument("--adapt-every", type=_nonneg_int, default=D.adapt_every, metavar="TOKENS",
+                   help="decoded tokens between two rounds of expert swaps (default %(default)s; 0 = no adaptation, "
+                        "as --adapt-swaps 0)")
     t.add_argument("--adapt-swaps", type=_nonneg_int, default=D.adapt_swaps, metavar="N",
-                   help="resident experts replaced per round at most (default %(default)s)")
+                   help="resident experts replaced per round at most (default %(default)s; 0 = no adaptation: free "
+                        "slots fill with the hottest experts seen, no resident expert is replaced)")
     t.add_argument("--pcie-frac", type=float, default=D.pcie_frac, metavar="F",
                    help="share of the host->device bandwidth measured at start that the rounds' swaps may use "
-                        "(default %(default)s)")
+                        "(default %(default)s; 0 = no adaptation, as --adapt-swaps 0)")
 
 
 def engine_config(args, **overrides):

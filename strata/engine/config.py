@@ -70,7 +70,8 @@ class MoeTierConfig:
     in VRAM), 'auto' (the free VRAM after the model and its KV cache, less 1 GiB) or a number of MiB of VRAM slots for
     experts, the rest read from pinned host RAM; adapt_every: decoded tokens between two rounds of swaps; adapt_swaps:
     resident experts replaced per round at most; pcie_frac: the share of the host->device bandwidth measured at start
-    that the rounds' swaps may use."""
+    that the rounds' swaps may use. adapt_every 0, adapt_swaps 0 or pcie_frac 0: no adaptation (``adapts`` False):
+    free slots fill with the hottest experts seen, no resident expert is ever replaced."""
 
     vram_mib: str | None = None
     adapt_every: int = 32
@@ -81,18 +82,27 @@ class MoeTierConfig:
         v = self.vram_mib
         if v is not None and str(v).strip() != "auto" and not (str(v).strip().isdigit()):
             return f"--moe-vram-mib must be 'auto' or a whole number of MiB, got {v!r}"
-        why = Policy(every=self.adapt_every, swaps=self.adapt_swaps).problem()     # the policy's own flag checks
+        if self.adapt_every < 0:
+            return f"--adapt-every must be >= 0 (0: no adaptation), got {self.adapt_every}"
+        why = Policy(every=self.adapt_every or Policy.every, swaps=self.adapt_swaps).problem()  # the policy's checks
         if why:
             return why
-        if not 0 < self.pcie_frac <= 1:
-            return f"--pcie-frac must be in (0, 1], got {self.pcie_frac}"
+        if not 0 <= self.pcie_frac <= 1:
+            return f"--pcie-frac must be in [0, 1] (0: no adaptation), got {self.pcie_frac}"
         return None
+
+    @property
+    def adapts(self) -> bool:
+        """Whether rounds may replace resident experts (no flag of the three set to 0)."""
+        return bool(self.adapt_every and self.adapt_swaps and self.pcie_frac)
 
     def settings(self):
         """The CUDA backend's TierSettings, or None when the tier is off."""
         if self.vram_mib is None:
             return None
         from strata.backend.cuda.moe_tier import TierSettings
+        if not self.adapts:                     # every "off" spelling is --adapt-swaps 0's placement
+            return TierSettings(vram_mib=str(self.vram_mib).strip(), swaps=0)
         return TierSettings(vram_mib=str(self.vram_mib).strip(), every=int(self.adapt_every),
                             swaps=int(self.adapt_swaps), pcie_frac=float(self.pcie_frac))
 
