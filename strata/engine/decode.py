@@ -16,6 +16,7 @@ from strata.engine import turn_clock
 from strata.engine.spec_policy import AdaptiveN
 from strata.engine.speculate import MAX_DRAFTS, MTPDrafter, SpecCounts
 from strata.engine.types import GenerationRequest, ReadToken, ReadVerify, TokenEvent, run_reads
+from strata.memory.host import hash_log_fields, state_hash_logging
 from strata.sampling.sampler import Sampler, SamplingParams, StopMatcher
 from strata.sampling.device import DeviceSampler
 from strata.sampling.speculative import judge, judge_picks
@@ -264,7 +265,8 @@ class Decoder:
                 guide.close()
             if self.drafter is not None and finish is not None:
                 self.drafter.flush()     # parked or saved between requests: the drafter's K/V goes along
-            if env_flag("STRATA_STATE_HASH"):
+            if state_hash_logging():
                 h = st.hashes()
-                log.info("state_hash", pos=st.pos, **{k: v for k, v in h.items() if ".L" not in k})
+                log.info("state_hash", pos=st.pos, tokens=h["tokens"], **hash_log_fields(h))
+                st.hash_point()          # a remote stage's workers log their layers' hashes here
         return finish, toks, trailing, stopped_by

@@ -1,8 +1,9 @@
 """State arrays (numpy or CuPy) on the host: views and pinned copies of them, and the sha256 state hashes taken over
-them (per layer, then per field)."""
+them (per layer, then per field) with their log line's fields (STRATA_STATE_HASH)."""
 from __future__ import annotations
 
 import hashlib
+import os
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,24 @@ def sha_arrays(*arrays) -> str:
     for a in arrays:
         h.update(np.ascontiguousarray(host_view(a)).tobytes())
     return h.hexdigest()
+
+
+def state_hash_logging() -> bool:
+    """STRATA_STATE_HASH set (not "", "0", "false", "no"): the main logs its sequence's state hashes after each
+    request, a worker its carve's at each Commit (the main posts one at the request's end)."""
+    return os.environ.get("STRATA_STATE_HASH", "") not in ("", "0", "false", "no")
+
+
+def hash_log_fields(hashes: dict[str, str]) -> dict[str, str]:
+    """A state_hash log line's fields from per-layer hashes (with_field_hashes' form): ``layers`` "[lo, hi)", the
+    layers hashed; each field's hash over them ("kv", full); each layer's ("kv.L3", its first 16 hex digits), so a
+    run split over stages or workers can be compared layer by layer with an unsplit one."""
+    idx = sorted({int(k.split(".L")[1]) for k in hashes if ".L" in k})
+    out: dict[str, str] = {"layers": f"[{idx[0]}, {idx[-1] + 1})" if idx else "[]"}
+    out.update({k: v for k, v in hashes.items() if ".L" not in k and k != "tokens"})
+    for k in sorted((k for k in hashes if ".L" in k), key=lambda k: (int(k.split(".L")[1]), k)):
+        out[k] = hashes[k][:16]
+    return out
 
 
 def with_field_hashes(per_layer: dict[str, str]) -> dict[str, str]:

@@ -411,6 +411,9 @@ class Memory:
         self._each("_hashes", self.seq(sid), out)
         return with_field_hashes(out)
 
+    def hash_point(self, sid: int) -> None:
+        """Nothing to do: a local stage's state is in the caller's hashes (see RemoteMemory.hash_point)."""
+
     def nbytes(self, sid: int) -> int:
         """Bytes of the sequence's state: valid K/V + running state."""
         st = self.seq(sid)

@@ -15,6 +15,7 @@ from link import (Ack, BatchForward, BatchResult, BatchRows, CkptRestore, CkptSa
                   PartData, PartGet, PartPut, Reset, Result, SeqResult)
 from strata.backend.quant import ROWWISE_MAX_TOKENS
 from strata.memory import FormatError, KVCacheFull, PartMismatch
+from strata.memory.host import hash_log_fields, state_hash_logging
 from strata.stages.link_client import PART_CHUNK, LinkClient, LinkDown, WorkerError, get_part, put_part
 from strata.stages.batch import decode_batch
 from strata.stages.sequence import Checkpoint, Sequence
@@ -346,6 +347,9 @@ class Carrier:
         taken from the state kept there; otherwise a cut-back (attention K/V only)."""
         seq = self.seq_of(m.seq)
         seq.commit(int(m.pos))
+        if state_hash_logging():
+            h = seq.hashes()
+            log.info("state_hash", pos=seq.pos, seq=m.seq, **hash_log_fields(h))
         if self.next is not None:
             self.next.call(Commit(pos=m.pos, seq=m.seq))
         return self._ack(seq)

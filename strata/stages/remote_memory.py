@@ -343,8 +343,19 @@ class RemoteMemory:
         """Nothing to give back on the main; a Reset gives the worker's pages back."""
 
     def hashes(self, sid: int) -> dict[str, str]:
-        """No per-layer hashes: the worker's state is not read back over the link."""
+        """No per-layer hashes: the worker's state is not read back over the link (hash_point has each worker log
+        its own)."""
         return {}
+
+    def hash_point(self, sid: int) -> None:
+        """A Commit to the sequence's position (it keeps [0, pos): changes nothing), settled, so each worker of the
+        chain run with STRATA_STATE_HASH=1 has logged its carve's state hashes (it does at a Commit) on return.
+        Nothing while a verify's keep is open or the link is down."""
+        s = self.seqs[sid]
+        if self.link.client is None or s.kept_from is not None:
+            return
+        self.link.post(Commit(pos=int(s.at), seq=sid))
+        self.link.settle()
 
     def nbytes(self, sid: int) -> int:
         return 0

@@ -357,6 +357,12 @@ class Sequence:
         out["tokens"] = hashlib.sha256(self.ids.tobytes()).hexdigest()
         return out
 
+    def hash_point(self) -> None:
+        """Have every remote stage's workers log their layers' state hashes at this position (a worker run with
+        STRATA_STATE_HASH=1 logs them at each Commit: one to the current position is posted, changing nothing)."""
+        for st, sid in zip(self.stages, self.sids):
+            st.memory.hash_point(sid)
+
     def nbytes(self) -> int:
         """Bytes of the sequence's state on every stage + token ids (int32)."""
         return sum(st.memory.nbytes(sid) for st, sid in zip(self.stages, self.sids)) + 4 * self._n
