@@ -22,7 +22,11 @@ State hashes between the two runs are only expected to be equal when both read t
 the cached run splits the read at cut points, the uncached run reads each prompt in one part, and the CPU
 kernels' rounding depends on the batch size, so by default those differences are reported, not fatal.
 
-Usage: PYTHONPATH=. python tools/conversation_cache_parity.py --scenario all [--json out.json]
+It takes the engine flags `strata serve` takes (--model, --n-ctx, --device, --layer-split, --remote-stage,
+--conversation-cache-mib, --park-resident, --kv, ...; --prompt-cache is the cached run's, default 6), so the A/B/A
+check runs over a layer split, parking, or a worker (the two runs use the engine one after the other).
+
+Usage: PYTHONPATH=. python tools/conversation_cache_parity.py --scenario all [--json out.json] [engine flags]
 """
 from __future__ import annotations
 
@@ -70,30 +74,39 @@ def _request(engine, msgs, max_tokens: int, sampling, top: int) -> dict:
                 hashes=engine.state_hashes())
 
 
-def play(cached, uncached, requests, system: str, max_tokens: int, sampling, top: int = 5):
-    """Send the requests to both engines. Each chat's history holds the cached run's answers, so both runs
-    see the same prompts even after their answers diverge. -> (cached records, uncached records)."""
-    for e in (cached, uncached):
-        e.clear_checkpoints()
-        e.state_reset()
+def play(make_engine, requests, system: str, max_tokens: int, sampling, top: int = 5):
+    """Send the requests to the cached engine, then the same prompts to the uncached one (one engine at a time: a
+    worker serves one main). Each chat's history holds the cached run's answers, so both runs see the same prompts
+    even after their answers diverge. make_engine(name) -> an Engine ("cached" or "uncached").
+    -> (cached records, uncached records)."""
     history = {"A": [], "B": []}
     users = {"A": CHAT_A, "B": CHAT_B}
-    out_c, out_u = [], []
-    for chat, turn, repeat in requests:
-        h = history[chat]
-        if repeat:
-            h.pop()                       # resend the same request: drop the answer it got
-        else:
-            assert len(h) == 2 * turn, f"scenario sends {chat} turn {turn} out of order"
-            h.append({"role": "user", "content": users[chat][turn]})
-        msgs = [{"role": "system", "content": system}] + h
-        a = _request(cached, msgs, max_tokens, sampling, top)
-        b = _request(uncached, msgs, max_tokens, sampling, top)
-        for rec in (a, b):
-            rec.update(chat=chat, turn=turn, repeat=repeat)
-        h.append({"role": "assistant", "content": a["text"]})
-        out_c.append(a)
-        out_u.append(b)
+    prompts, out_c, out_u = [], [], []
+    engine = make_engine("cached")
+    try:
+        for chat, turn, repeat in requests:
+            h = history[chat]
+            if repeat:
+                h.pop()                       # resend the same request: drop the answer it got
+            else:
+                assert len(h) == 2 * turn, f"scenario sends {chat} turn {turn} out of order"
+                h.append({"role": "user", "content": users[chat][turn]})
+            msgs = [{"role": "system", "content": system}] + h
+            a = _request(engine, msgs, max_tokens, sampling, top)
+            a.update(chat=chat, turn=turn, repeat=repeat)
+            h.append({"role": "assistant", "content": a["text"]})
+            prompts.append(msgs)
+            out_c.append(a)
+    finally:
+        engine.close()
+    engine = make_engine("uncached")
+    try:
+        for (chat, turn, repeat), msgs in zip(requests, prompts):
+            b = _request(engine, msgs, max_tokens, sampling, top)
+            b.update(chat=chat, turn=turn, repeat=repeat)
+            out_u.append(b)
+    finally:
+        engine.close()
     return out_c, out_u
 
 
@@ -141,11 +154,9 @@ def compare(name: str, cached: list[dict], plain: list[dict], exact: bool, stric
 
 
 def main(argv=None) -> int:
+    from strata.cli.engine_flags import CliError, add_engine_args, engine_config
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--scenario", default="all", choices=["reuse", "repeat", "replay", "all"])
-    ap.add_argument("--model", default="default", help="GGUF path or 'default'")
-    ap.add_argument("--prompt-cache", type=int, default=6, help="checkpoints kept by the cached run")
-    ap.add_argument("--n-ctx", type=int, default=4096)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--system-repeat", type=int, default=4, help="copies of the system prompt text")
     ap.add_argument("--temperature", type=float, default=0.0)
@@ -155,21 +166,25 @@ def main(argv=None) -> int:
     ap.add_argument("--max-gap", type=float, default=1.0,
                     help="a token difference is a rounding flip when both runs' choices win by less (nats)")
     ap.add_argument("--json", help="write every request's record here")
+    add_engine_args(ap)        # the engine flags `strata serve` takes; --prompt-cache is the cached run's (default 6)
     args = ap.parse_args(argv)
-    if args.prompt_cache < 1:
+    keep = 6 if args.prompt_cache is None else args.prompt_cache
+    if keep < 1:
         ap.error("--prompt-cache must be >= 1 (the uncached run is --prompt-cache 0)")
+    try:
+        configs = {"cached": engine_config(args, prompt_cache=keep), "uncached": engine_config(args, prompt_cache=0)}
+    except CliError as e:
+        ap.error(str(e))
 
     from strata.engine import Engine
     from strata.sampling.sampler import SamplingParams
     sampling = SamplingParams(temperature=args.temperature, seed=args.seed)
     system = SYSTEM * args.system_repeat
-    engines = {"cached": Engine(args.model, n_ctx=args.n_ctx, prompt_cache=args.prompt_cache),
-               "uncached": Engine(args.model, n_ctx=args.n_ctx, prompt_cache=0)}
     names = ["reuse", "repeat", "replay"] if args.scenario == "all" else [args.scenario]
     all_ok, report = True, {}
     for name in names:
         reqs = scenario_requests(name)
-        c, u = play(engines["cached"], engines["uncached"], reqs, system, args.max_tokens, sampling)
+        c, u = play(lambda run: Engine(configs[run]), reqs, system, args.max_tokens, sampling)
         runs = {"cached": c, "uncached": u}
         ok, lines = compare(name, c, u, args.exact, args.strict_state, args.max_gap)
         print(f"{name}: {'PASS' if ok else 'FAIL'}")
