@@ -20,6 +20,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from strata.text.chat_chunks import MessageChunks, _split_sentinels, split_template
 from strata.text.chat_prefixes import PrefixEnds, is_plain, prefix_digests
 from strata.text.chat_window import WindowChunks
+from strata.text.content_shape import content_shape, string_markers
 from strata.text.window_proof import split_window
 from strata.text.token_ids import frozen_ids
 from strata.text.tokenizer import Tokenizer
@@ -251,6 +252,8 @@ class ChatTemplate:
             self._template = env.from_string(template_str)
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template does not compile: {_one_line(e)}") from None
+        # client strings shaped for the sentinel method where the template reads them (strata.text.content_shape)
+        self._shape = content_shape(string_markers(env, template_str), tokenizer.special_texts)
         # each message's output kept across requests where the template provably renders messages one by one
         # (strata.text.chat_chunks); checked once against the whole render on the first chat it renders
         split = split_template(env, template_str)
@@ -522,15 +525,19 @@ class ChatTemplate:
         return ends
 
     # ----------------------------------------------------------------- sentinels
-    @staticmethod
-    def _substitute(msgs: list[dict], nonce: str) -> tuple[list[dict], dict[str, str]]:
-        """Copy of msgs with every client string replaced by a sentinel; returns (copy, sentinel -> string)."""
+    def _substitute(self, msgs: list[dict], nonce: str) -> tuple[list[dict], dict[str, str]]:
+        """Copy of msgs with every client string replaced by a sentinel; returns (copy, sentinel -> string). Where
+        the template reads strings (self._shape), each keeps its edge whitespace and the template's markers literal
+        around sentinels of the rest."""
         table: dict[str, str] = {}
 
-        def sent(s: str) -> str:
+        def plain(s: str) -> str:
             key = f"zqx{nonce}s{len(table)}qzx"
             table[key] = s
             return key
+
+        shape = self._shape
+        sent = plain if shape is None else (lambda s: shape.shape(s, plain))
 
         def walk_args(v):
             if isinstance(v, str):

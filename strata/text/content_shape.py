@@ -1,0 +1,140 @@
+"""ContentShape: a client string as the sentinel method gives it to a template that reads strings (strips, trims,
+splits or tests them): its leading and trailing whitespace and the literal markers the template looks for stay as
+they are around sentinels of the rest; and the proof, from the tokenizer's special tokens, that those literal parts
+tokenize as they would as plain text."""
+from __future__ import annotations
+
+import re
+
+import jinja2
+import jinja2.nodes as nodes
+
+__all__ = ["ContentShape", "content_shape", "string_markers"]
+
+#: str methods whose result depends on where a constant string occurs in the string (its first argument)
+_MARKER_METHODS = frozenset({"split", "rsplit", "startswith", "endswith", "replace", "find", "rfind", "index",
+                             "rindex", "count", "partition", "rpartition", "removeprefix", "removesuffix"})
+#: str methods and filters whose result depends on the string's leading / trailing whitespace
+_EDGE_METHODS = frozenset({"strip", "lstrip", "rstrip"})
+_EDGE_FILTERS = frozenset({"trim"})
+
+
+def string_markers(env: jinja2.Environment, source: str) -> frozenset[str] | None:
+    """The string constants the template looks for in strings (the first argument of split / startswith / endswith
+    / replace / find / ... calls and of the `replace` filter, the left operand of `in` / `not in`); None when the
+    template reads no string that way and strips or trims none (its output then holds a client string whole, or
+    not at all)."""
+    try:
+        tree = env.parse(source)
+    except jinja2.TemplateError:
+        return None
+    found: set[str] = set()
+    reads = False
+    for call in tree.find_all(nodes.Call):
+        if isinstance(call.node, nodes.Getattr):
+            if call.node.attr in _MARKER_METHODS:
+                reads = True
+                if call.args and isinstance(call.args[0], nodes.Const) and isinstance(call.args[0].value, str):
+                    found.add(call.args[0].value)
+            elif call.node.attr in _EDGE_METHODS:
+                reads = True
+    for f in tree.find_all(nodes.Filter):
+        if f.name in _EDGE_FILTERS:
+            reads = True
+        elif f.name == "replace":
+            reads = True
+            if f.args and isinstance(f.args[0], nodes.Const) and isinstance(f.args[0].value, str):
+                found.add(f.args[0].value)
+    for cmp in tree.find_all(nodes.Compare):
+        if any(o.op in ("in", "notin") for o in cmp.ops) and isinstance(cmp.expr, nodes.Const) and \
+                isinstance(cmp.expr.value, str):
+            reads = True
+            found.add(cmp.expr.value)
+    if not reads:
+        return None
+    return frozenset(m for m in found if m)
+
+
+def _overlaps(a: str, b: str) -> bool:
+    """Some non-empty suffix of a is a proper prefix of b, or a non-empty suffix of b a proper prefix of a."""
+    for x, y in ((a, b), (b, a)):
+        for k in range(1, min(len(x), len(y))):
+            if x.endswith(y[:k]):
+                return True
+    return False
+
+
+class ContentShape:
+    """Shapes client strings for the sentinel method: a string is cut at each marker (leftmost, longest first); of
+    each piece between markers the leading and trailing whitespace (str.isspace) stay literal and the rest becomes
+    a sentinel (`sent`); the markers stay literal. A template's strip / trim / lstrip('\\n') / split('</think>') /
+    startswith('<tool_response>') / `'</think>' in` then see in the shaped string what they see in the real one, so
+    the sentinel rendering restored gives the real rendering where the template reads strings only that way (the
+    caller checks that it does, string by string)."""
+
+    def __init__(self, markers: frozenset[str], unsafe: frozenset[str] = frozenset()):
+        self.markers = frozenset(markers)
+        self.unsafe = frozenset(unsafe)     # markers that may not stay literal: a string holding one is one sentinel
+        alts = sorted(self.markers, key=lambda m: (-len(m), m))
+        self._pat = re.compile("|".join(map(re.escape, alts))) if alts else None
+
+    def shape(self, s: str, sent) -> str:
+        """`s` shaped, `sent(core)` giving each core's sentinel; `sent(s)` whole when the shaped string does not
+        hold each marker as often as `s` does, at its start and end alike (a marker that a sentinel's text would
+        complete), or holds a marker of `unsafe`."""
+        if any(m in s for m in self.unsafe):
+            return sent(s)
+        parts: list[str] = []
+        pos = 0
+        cores: list[tuple[int, int]] = []
+        if self._pat is not None:
+            for m in self._pat.finditer(s):
+                cores.append((pos, m.start()))
+                pos = m.end()
+        cores.append((pos, len(s)))
+        shaped_cores = []
+        for a, b in cores:
+            seg = s[a:b]
+            lead = len(seg) - len(seg.lstrip())
+            trail = len(seg.rstrip())
+            shaped_cores.append((seg[:lead], seg[lead:trail], seg[trail:] if trail > lead else ""))
+        # the markers between the cores, as they stand in s
+        marks = [s[b:a2] for (_, b), (a2, _) in zip(cores, cores[1:])]
+        keys = []
+        for lead, core, tail in shaped_cores:
+            keys.append((lead, sent(core) if core else "", tail))
+        for i, (lead, key, tail) in enumerate(keys):
+            parts += [lead, key, tail]
+            if i < len(marks):
+                parts.append(marks[i])
+        out = "".join(parts)
+        for m in self.markers:
+            if out.count(m) != s.count(m) or out.startswith(m) != s.startswith(m) or \
+                    out.endswith(m) != s.endswith(m):
+                return sent(s)
+        return out
+
+
+def content_shape(markers: frozenset[str] | None, specials) -> ContentShape | None:
+    """A ContentShape for a template's `markers` (string_markers) when keeping client whitespace and markers literal
+    tokenizes as plain text does, else None. `specials`: (text, user_defined) of the tokenizer's special tokens
+    (CONTROL / UNKNOWN ones are recognised only in template text, USER_DEFINED ones in all text, neither across a
+    piece boundary). Whitespace may stay literal when no special token's text holds whitespace (none can take in a
+    literal client space); a marker when no special token's text overlaps it partly or holds it inside a longer
+    text, and no CONTROL / UNKNOWN one occurs in it (the other markers go to ContentShape.unsafe). Then every
+    special token found in the joined template text lies wholly within the template's own text or is a
+    USER_DEFINED one wholly within a marker (found in plain text too), and the raw text around them is one fragment
+    either way."""
+    if markers is None:
+        return None
+    unsafe = set()
+    for text, user_defined in specials:
+        if any(c.isspace() for c in text):
+            return None
+        for m in markers:
+            if text == m:
+                if not user_defined:
+                    unsafe.add(m)
+            elif m in text or (text in m and not user_defined) or _overlaps(text, m):
+                unsafe.add(m)
+    return ContentShape(markers, frozenset(unsafe))
