@@ -20,7 +20,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from strata.text.chat_chunks import MessageChunks, _split_sentinels, split_template
 from strata.text.chat_prefixes import PrefixEnds, is_plain, prefix_digests
 from strata.text.chat_window import WindowChunks
-from strata.text.content_shape import content_shape, string_markers
+from strata.text.content_shape import SENTINELS, SentinelRendering, content_shape, string_markers
 from strata.text.window_proof import split_window
 from strata.text.token_ids import frozen_ids
 from strata.text.tokenizer import Tokenizer
@@ -94,9 +94,13 @@ def _raise_exception(message):
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    # transformers' override: no HTML escaping, json.dumps options exposed
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+@jinja2.pass_context
+def _tojson(ctx, x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # transformers' override: no HTML escaping, json.dumps options exposed; in a sentinel rendering the sentinels
+    # it escapes are marked (strata.text.content_shape.SentinelRendering)
+    out = json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    sr = ctx.get(SENTINELS)
+    return sr.escaped(out, bool(ensure_ascii)) if type(sr) is SentinelRendering else out
 
 
 def _strftime_now(fmt):
@@ -583,7 +587,8 @@ class ChatTemplate:
         if not table:
             return [(text, True)], True
         try:
-            stext = self._render(smsgs, add_generation_prompt, tools, documents, kw)
+            stext = self._render(smsgs, add_generation_prompt, tools, documents,
+                                 dict(kw, **{SENTINELS: SentinelRendering(nonce)}))
         except ValueError:
             stext = None
         if stext is not None:
@@ -615,9 +620,11 @@ class ChatTemplate:
 
     def _template_control_count(self, msgs, add_generation_prompt, tools, documents, kw) -> int | None:
         """Control tokens the template itself emits: the sentinel rendering tokenized with special parsing."""
-        smsgs, _ = self._substitute(msgs, secrets.token_hex(4))
+        nonce = secrets.token_hex(4)
+        smsgs, _ = self._substitute(msgs, nonce)
         try:
-            stext = self._render(smsgs, add_generation_prompt, tools, documents, kw)
+            stext = self._render(smsgs, add_generation_prompt, tools, documents,
+                                 dict(kw, **{SENTINELS: SentinelRendering(nonce)}))
         except ValueError:
             return None
         _, frags = self.tokenizer.split_special([(stext, True)])

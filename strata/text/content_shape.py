@@ -1,15 +1,20 @@
 """ContentShape: a client string as the sentinel method gives it to a template that reads strings (strips, trims,
 splits or tests them): its leading and trailing whitespace and the literal markers the template looks for stay as
-they are around sentinels of the rest; and the proof, from the tokenizer's special tokens, that those literal parts
-tokenize as they would as plain text."""
+they are around sentinels of the rest; the proof, from the tokenizer's special tokens, that those literal parts
+tokenize as they would as plain text; and SentinelRendering, which marks the sentinels a template's tojson escapes
+(a tool call's arguments given as a JSON string)."""
 from __future__ import annotations
 
+import json
 import re
 
 import jinja2
 import jinja2.nodes as nodes
 
-__all__ = ["ContentShape", "content_shape", "string_markers"]
+__all__ = ["ContentShape", "SENTINELS", "SentinelRendering", "content_shape", "sentinel_string", "string_markers"]
+
+#: the variable a sentinel rendering gets (a SentinelRendering)
+SENTINELS = "strata_sentinels"
 
 #: str methods whose result depends on where a constant string occurs in the string (its first argument)
 _MARKER_METHODS = frozenset({"split", "rsplit", "startswith", "endswith", "replace", "find", "rfind", "index",
@@ -138,3 +143,32 @@ def content_shape(markers: frozenset[str] | None, specials) -> ContentShape | No
             elif m in text or (text in m and not user_defined) or _overlaps(text, m):
                 unsafe.add(m)
     return ContentShape(markers, frozenset(unsafe))
+
+
+class SentinelRendering:
+    """Passed as the variable SENTINELS to a rendering whose client strings hold sentinels of `nonce`: the
+    template's tojson marks each sentinel in its output as JSON-escaped (zqx{nonce}[x{j}]s{i}qzx becomes
+    ...s{i}juqzx, or ...jaqzx with ensure_ascii), which sentinel_string turns into the escaped client string. JSON
+    escapes a string character by character, so the escaped shaped string put back is the escaped real one. A
+    client cannot pass one (it is not a JSON value)."""
+    __slots__ = ("nonce", "_pat")
+
+    def __init__(self, nonce: str):
+        self.nonce = nonce
+        self._pat = re.compile(re.escape(f"zqx{nonce}") + r"((?:x[0-9]+)?s[0-9]+)qzx")
+
+    def escaped(self, out: str, ensure_ascii: bool) -> str:
+        """tojson's output `out` with its sentinels marked as escaped."""
+        if f"zqx{self.nonce}" not in out:
+            return out
+        tag = "ja" if ensure_ascii else "ju"
+        return self._pat.sub(lambda m: f"zqx{self.nonce}{m.group(1)}{tag}qzx", out)
+
+
+def sentinel_string(key: str, table) -> str | None:
+    """The client text a sentinel `key` found in a sentinel rendering stands for (`table`: .get of sentinel ->
+    string): the string, or its JSON escape for a key SentinelRendering marked; None for a key the table lacks."""
+    if key.endswith(("juqzx", "jaqzx")):
+        s = table.get(key[:-5] + "qzx")
+        return None if s is None else json.dumps(s, ensure_ascii=key[-4] == "a")[1:-1]
+    return table.get(key)
