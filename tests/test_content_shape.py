@@ -59,11 +59,12 @@ def test_shaped_strings_read_alike(s):
             len(table) == 1 and core == s
 
 
-def test_a_string_with_an_unsafe_marker_is_one_sentinel():
+def test_an_unsafe_marker_stays_in_a_sentinel():
     shape = ContentShape(MARKERS, unsafe=frozenset({"<think>"}))
-    got = shape.shape(" a<think>b ", lambda core: f"<{core}>")
-    assert got == "< a<think>b >"
+    assert shape.shape(" a<think>b </think>\n", lambda core: f"[{core}]") == " [a<think>b] </think>\n"
     assert ContentShape(MARKERS).shape(" a<think>b ", lambda core: f"[{core}]") == " [a]<think>[b] "
+    # a sentinel text that would complete a marker: the string is one sentinel
+    assert ContentShape(frozenset({"]"})).shape("a ]", lambda core: f"[{core}]") == "[a ]]"
 
 
 def test_markers_of_the_real_templates():

@@ -70,48 +70,43 @@ def _overlaps(a: str, b: str) -> bool:
 
 
 class ContentShape:
-    """Shapes client strings for the sentinel method: a string is cut at each marker (leftmost, longest first); of
-    each piece between markers the leading and trailing whitespace (str.isspace) stay literal and the rest becomes
-    a sentinel (`sent`); the markers stay literal. A template's strip / trim / lstrip('\\n') / split('</think>') /
-    startswith('<tool_response>') / `'</think>' in` then see in the shaped string what they see in the real one, so
-    the sentinel rendering restored gives the real rendering where the template reads strings only that way (the
-    caller checks that it does, string by string)."""
+    """Shapes client strings for the sentinel method: a string is cut at each marker it keeps (`markers` but
+    `unsafe`; leftmost, longest first); of each piece between them the leading and trailing whitespace
+    (str.isspace) stay literal and the rest becomes a sentinel (`sent`); the kept markers stay literal. A
+    template's strip / trim / lstrip('\\n') / split('</think>') / startswith('<tool_response>') / `'</think>' in`
+    then see in the shaped string what they see in the real one, so the sentinel rendering restored gives the real
+    rendering where the template reads strings only that way (the caller checks that it does, string by string).
+    An unsafe marker (one the tokenizer could join to template text) stays inside a sentinel: a template that looks
+    for it sees it nowhere, and where its output differs for that the check fails."""
 
     def __init__(self, markers: frozenset[str], unsafe: frozenset[str] = frozenset()):
-        self.markers = frozenset(markers)
-        self.unsafe = frozenset(unsafe)     # markers that may not stay literal: a string holding one is one sentinel
+        self.markers = frozenset(markers) - frozenset(unsafe)
+        self.unsafe = frozenset(unsafe)
         alts = sorted(self.markers, key=lambda m: (-len(m), m))
         self._pat = re.compile("|".join(map(re.escape, alts))) if alts else None
 
     def shape(self, s: str, sent) -> str:
         """`s` shaped, `sent(core)` giving each core's sentinel; `sent(s)` whole when the shaped string does not
-        hold each marker as often as `s` does, at its start and end alike (a marker that a sentinel's text would
-        complete), or holds a marker of `unsafe`."""
-        if any(m in s for m in self.unsafe):
-            return sent(s)
-        parts: list[str] = []
-        pos = 0
+        hold each kept marker as often as `s` does, at its start and end alike (a marker that a sentinel's text
+        would complete)."""
         cores: list[tuple[int, int]] = []
+        pos = 0
         if self._pat is not None:
             for m in self._pat.finditer(s):
                 cores.append((pos, m.start()))
                 pos = m.end()
         cores.append((pos, len(s)))
-        shaped_cores = []
-        for a, b in cores:
+        parts: list[str] = []
+        for k, (a, b) in enumerate(cores):
+            if k:
+                parts.append(s[cores[k - 1][1]:a])          # the marker before this piece
             seg = s[a:b]
             lead = len(seg) - len(seg.lstrip())
+            if lead == len(seg):
+                parts.append(seg)
+                continue
             trail = len(seg.rstrip())
-            shaped_cores.append((seg[:lead], seg[lead:trail], seg[trail:] if trail > lead else ""))
-        # the markers between the cores, as they stand in s
-        marks = [s[b:a2] for (_, b), (a2, _) in zip(cores, cores[1:])]
-        keys = []
-        for lead, core, tail in shaped_cores:
-            keys.append((lead, sent(core) if core else "", tail))
-        for i, (lead, key, tail) in enumerate(keys):
-            parts += [lead, key, tail]
-            if i < len(marks):
-                parts.append(marks[i])
+            parts += [seg[:lead], sent(seg[lead:trail]), seg[trail:]]
         out = "".join(parts)
         for m in self.markers:
             if out.count(m) != s.count(m) or out.startswith(m) != s.startswith(m) or \
@@ -126,7 +121,7 @@ def content_shape(markers: frozenset[str] | None, specials) -> ContentShape | No
     (CONTROL / UNKNOWN ones are recognised only in template text, USER_DEFINED ones in all text, neither across a
     piece boundary). Whitespace may stay literal when no special token's text holds whitespace (none can take in a
     literal client space); a marker when no special token's text overlaps it partly or holds it inside a longer
-    text, and no CONTROL / UNKNOWN one occurs in it (the other markers go to ContentShape.unsafe). Then every
+    text, and no CONTROL / UNKNOWN one occurs in it (the others go to ContentShape.unsafe). Then every
     special token found in the joined template text lies wholly within the template's own text or is a
     USER_DEFINED one wholly within a marker (found in plain text too), and the raw text around them is one fragment
     either way."""
