@@ -232,7 +232,10 @@ class ChatTemplate:
     the real strings back in gives exactly the real rendering, the template's own text is tokenized with
     special-token parsing and the client strings without it (llama.cpp's fragment rules, so the ids equal
     llama.cpp's tokenization of the same text wherever the contents hold no special-token text).
-    Fallback when a template transforms contents (e.g. strips or splits them): each client string found
+    A template that strips, trims, splits or tests contents (Qwen's) gets them shaped: their edge whitespace and
+    the markers it looks for stay literal around sentinels of the rest, where the tokenizer's special tokens prove
+    that tokenizes as plain text (strata.text.content_shape); a client string its tojson escapes is put back
+    escaped. Fallback when a template transforms contents otherwise: each client string found
     verbatim in the rendering, in order, is marked plain text; then if the result still holds more control
     tokens than the template alone produces, render raises ValueError rather than let client text
     become control tokens.
