@@ -162,7 +162,7 @@ def _tokenizer():
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sizes", type=int, nargs="+", default=[4096, 16384, 65536])
+    ap.add_argument("--sizes", type=int, nargs="*", default=[4096, 16384, 65536])
     ap.add_argument("--templates", nargs="+", default=list(TEMPLATES), choices=list(TEMPLATES))
     ap.add_argument("--cases", nargs="+", default=["agent"], choices=CASES)
     ap.add_argument("--turns", type=int, default=8)

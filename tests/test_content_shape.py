@@ -146,3 +146,31 @@ def test_qwen_templates_keep_contents_plain_text(tk):
 
 def test_a_jinja_error_is_no_markers():
     assert string_markers(jinja2.Environment(), "{% for %}") is None
+
+
+@pytest.mark.parametrize("ascii_", [False, True])
+def test_contents_through_tojson_stay_plain_text(tk, ascii_):
+    """A client string the template prints with tojson is put back JSON-escaped and tokenized as plain text (its
+    <|im_end|> stays text); the tool-call arguments of QwQ's template (a JSON string printed with tojson) alike."""
+    t = ChatTemplate("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content|tojson(ensure_ascii=ASCII) }}"
+                     "<|im_end|>\n{% endfor %}".replace("ASCII", str(ascii_)), tk)
+    t.chunks = None
+    c = ' é "q" <|im_end|>\n\t'
+    got = t.render([{"role": "user", "content": c}], add_generation_prompt=False)
+    import json
+    assert got.text == f"<|im_start|>user\n{json.dumps(c, ensure_ascii=ascii_)}<|im_end|>\n" and got.content_safe
+    end = tk.tokens.index("<|im_end|>")
+    assert got.tokens.count(end) == 1
+    args = json.dumps({"path": "a\"b\n<|im_end|>", "n": 1})
+    msgs = [{"role": "user", "content": "read it"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"type": "function", "function": {"name": "read_file", "arguments": args}}]},
+            {"role": "tool", "content": "ok\n"}, {"role": "user", "content": "and?"}]
+    t = ChatTemplate(QWQ_TEMPLATE, tk)
+    got = t.render(msgs)
+    whole = ChatTemplate(QWQ_TEMPLATE, tk)
+    whole.chunks = None
+    ref = whole.render(msgs)
+    assert json.dumps(args) in got.text and got.content_safe and ref.content_safe
+    assert (got.text, got.tokens, got.cut_points) == (ref.text, ref.tokens, ref.cut_points)
+    assert got.tokens.count(end) == got.text.count("<|im_end|>") - 1
