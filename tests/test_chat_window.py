@@ -327,3 +327,45 @@ def test_agent_chats_with_rewritten_contents_render_only_what_changed(bpe, which
         assert kept.render(msgs, tools=TOOLS).content_safe
     assert kept.chunks is not None and kept.chunks.stats["fallbacks"] == 0
     assert kept.chunks.stats["calls"] == 2 * len(sent)
+
+
+def _small_agent_chat() -> list[dict]:
+    return [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Run it."},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"type": "function", "function": {"name": "get_weather", "arguments": {"q": "ls"}}}]},
+            {"role": "tool", "content": "a b"}, {"role": "assistant", "content": "Done.", "reasoning_content": "ok"},
+            {"role": "user", "content": "More?"}, {"role": "assistant", "content": "Yes."}]
+
+
+# each construct that made a real template's kept path fall back before contents were shaped (the templates it did:
+# 3 Qwen3, q QwQ, 5 Qwen3.5)
+CONSTRUCTS = {
+    "system prompt ends in a space (5)": lambda m: m[0].update(content="Be brief. "),
+    "question ends in a newline (5)": lambda m: m[1].update(content="Run it.\n"),
+    "tool result ends in a newline (5)": lambda m: m[3].update(content="a b\n"),
+    "answer starts with blank lines (3 5)": lambda m: m[6].update(content="\n\nYes."),
+    "reasoning with edge newlines (3 5)": lambda m: m[6].update(reasoning_content="\nthink\n"),
+    "inline reasoning in an earlier answer (3 q)": lambda m: m.__setitem__(
+        4, {"role": "assistant", "content": "<think>\nok\n</think>\n\nDone."}),
+    "inline reasoning in the last answer (3 5)": lambda m: m[6].update(content="<think>\nok\n</think>\n\nYes."),
+    "a question that reads as a tool response (3 5)": lambda m: m[5].update(
+        content="<tool_response>\nx\n</tool_response>"),
+    "arguments a JSON string (q)": lambda m: m[2]["tool_calls"][0]["function"].update(arguments='{"q": "ls -l"}'),
+    "arguments with a quote and a newline (3 q)": lambda m: m[2]["tool_calls"][0]["function"].update(
+        arguments={"q": 'echo "a"\nls'}),
+}
+
+
+@pytest.mark.parametrize("which", ["qwen3", "qwen3.5", "qwq"])
+def test_each_rewritten_construct_takes_the_kept_path(bpe, which):
+    tk, _ = bpe
+    source = TEMPLATES[which]
+    for name, change in CONSTRUCTS.items():
+        if which == "qwen3.5" and "JSON string" in name:
+            continue                    # Qwen3.5 reads arguments as an object (|items): the whole render errs too
+        msgs = _small_agent_chat()
+        change(msgs)
+        kept, whole = ChatTemplate(source, tk), _whole(source, tk)
+        assert same_render(kept, whole, msgs, tools=TOOLS), name
+        assert kept.chunks is not None and kept.chunks.stats["fallbacks"] == 0, name
+        assert whole.render(msgs, tools=TOOLS).content_safe, name
