@@ -126,10 +126,20 @@ def test_tool_arguments_are_plain_text(tok):
     assert rp.tokens.count(2) == 3  # two messages + tools block; the argument's <|im_end|> stayed text
 
 
-def test_fallback_when_template_transforms_content(tok):
+def test_trimmed_contents_stay_plain_text(tok):
+    # the template trims contents: the sentinel method keeps their edge whitespace literal (content_shape)
     t = ChatTemplate("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | trim }}<|im_end|>\n{% endfor %}", tok)
     rp = t.render([{"role": "user", "content": "  hello  "}], add_generation_prompt=False)
-    assert rp.text == "<|im_start|>user\nhello<|im_end|>\n" and not rp.content_safe
+    assert rp.text == "<|im_start|>user\nhello<|im_end|>\n" and rp.content_safe
+    assert rp.tokens == tok.encode(rp.text, parse_special=True)
+    rp = t.render([{"role": "user", "content": " <|im_end|> "}], add_generation_prompt=False)
+    assert rp.content_safe and rp.tokens.count(2) == 1       # the content's <|im_end|> stayed text
+
+
+def test_fallback_when_template_transforms_content(tok):
+    t = ChatTemplate("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content[1:] }}<|im_end|>\n{% endfor %}", tok)
+    rp = t.render([{"role": "user", "content": "  hello  "}], add_generation_prompt=False)
+    assert rp.text == "<|im_start|>user\n hello  <|im_end|>\n" and not rp.content_safe
     assert rp.tokens == tok.encode(rp.text, parse_special=True)
     with pytest.raises(ValueError, match="control tokens"):
         t.render([{"role": "user", "content": " <|im_end|> "}])

@@ -6,6 +6,7 @@ tool responses, enable_thinking, edits of earlier turns, branches; a later turn 
 output can have changed; a look-back loop stops early only where that is provably a no-op."""
 from __future__ import annotations
 
+import json
 
 import jinja2
 import pytest
@@ -252,3 +253,119 @@ def test_a_comparison_box_holds_exactly_the_values_that_compare_alike():
                     assert _inside(box, {"ns": {"x": v}}) == (f(v, other) == f(value, other) and (
                         op not in ("eq", "ne") or f(value, other) == (op == "eq") or
                         (v > other) == (value > other))), (op, other, value, v)
+
+
+# contents as agents send them back: text with whitespace at either end (shell output ends in a newline, answers
+# start with blank lines), inline reasoning, user turns that read as tool responses, control-token text
+WORDS = ["ok", "make test", "all passed", "é", "<|im_end|>", "<tool_call>", "x = 1"]
+EDGE = st.sampled_from(["", "", "\n", "\n\n", " ", "  \n", "\t"])
+BODY = st.lists(st.sampled_from(WORDS), min_size=1, max_size=3).map(" ".join)
+
+
+@st.composite
+def agent_text(draw):
+    return draw(EDGE) + draw(BODY) + draw(st.sampled_from(["", "\n", "\n\n", "\n\n"])) + draw(BODY) + draw(EDGE)
+
+
+@st.composite
+def agent_chats(draw, parts: bool):
+    """A conversation played turn by turn as an agent drives it: a question (at times as a list of text parts, or
+    reading as a tool response); answers that call a tool (no content, or text; reasoning as a field, inline
+    <think> or none) followed by tool results; a final answer."""
+    def content():
+        text = draw(agent_text())
+        if parts and draw(st.integers(0, 2)) == 0:
+            cut = draw(st.integers(0, len(text)))
+            return [{"type": "text", "text": text[:cut]}, {"type": "text", "text": text[cut:]}]
+        return text
+
+    def answer(calls: bool):
+        m = {"role": "assistant", "content": "" if calls and draw(st.booleans()) else draw(agent_text())}
+        how = draw(st.sampled_from(["field", "inline", "none"]))
+        if how == "field":
+            m["reasoning_content"] = draw(agent_text())
+        elif how == "inline":
+            m["content"] = draw(st.sampled_from(["<think>", "", "\n<think>\n"])) + draw(agent_text()) + \
+                draw(st.sampled_from(["</think>", "\n</think>\n\n"])) + m["content"]
+        if calls:         # arguments an object, or (not for Qwen3.5, which reads them as one) a JSON string
+            args = {"cmd": draw(agent_text()), "n": draw(st.integers(0, 3))}
+            if not parts and draw(st.booleans()):
+                args = json.dumps(args, ensure_ascii=draw(st.booleans()))
+            m["tool_calls"] = [{"type": "function", "function": {"name": "run_shell", "arguments": args}}]
+        return m
+
+    msgs = [{"role": "system", "content": draw(agent_text())}] if draw(st.booleans()) else []
+    sent = []
+    for _ in range(draw(st.integers(2, 4))):
+        user = {"role": "user", "content": content()}
+        if sent and draw(st.integers(0, 4)) == 0:       # the first question is a real one (Qwen3.5 needs one)
+            user["content"] = "<tool_response>\n" + draw(BODY) + "\n</tool_response>"
+        msgs.append(user)
+        sent.append([dict(m) for m in msgs])
+        for _ in range(draw(st.integers(0, 2))):
+            msgs.append(answer(True))
+            msgs += [{"role": "tool", "content": draw(agent_text())} for _ in range(draw(st.integers(1, 2)))]
+            if draw(st.booleans()):
+                sent.append([dict(m) for m in msgs])
+        msgs.append(answer(False))
+    return sent
+
+
+@pytest.mark.parametrize("which", ["qwen3", "qwen3.5", "qwq"])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_agent_chats_with_rewritten_contents_render_only_what_changed(bpe, which, data):
+    """Contents the templates trim or cut (edge whitespace, inline <think>, multi-part lists for Qwen3.5, whose
+    content macro joins them) and tool-call arguments they print through tojson take the kept path: no fallback,
+    and the same text, ids, cut points as the whole render, every content tokenized as plain text."""
+    tk, _ = bpe
+    source = TEMPLATES[which]
+    sent = data.draw(agent_chats(parts=which == "qwen3.5"))
+    kept, whole = ChatTemplate(source, tk), _whole(source, tk)
+    for msgs in sent:
+        assert same_render(kept, whole, msgs, tools=TOOLS)
+        assert kept.render(msgs, tools=TOOLS).content_safe
+    assert kept.chunks is not None and kept.chunks.stats["fallbacks"] == 0
+    assert kept.chunks.stats["calls"] == 2 * len(sent)
+
+
+def _small_agent_chat() -> list[dict]:
+    return [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Run it."},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"type": "function", "function": {"name": "get_weather", "arguments": {"q": "ls"}}}]},
+            {"role": "tool", "content": "a b"}, {"role": "assistant", "content": "Done.", "reasoning_content": "ok"},
+            {"role": "user", "content": "More?"}, {"role": "assistant", "content": "Yes."}]
+
+
+# each construct that made a real template's kept path fall back before contents were shaped (the templates it did:
+# 3 Qwen3, q QwQ, 5 Qwen3.5)
+CONSTRUCTS = {
+    "system prompt ends in a space (5)": lambda m: m[0].update(content="Be brief. "),
+    "question ends in a newline (5)": lambda m: m[1].update(content="Run it.\n"),
+    "tool result ends in a newline (5)": lambda m: m[3].update(content="a b\n"),
+    "answer starts with blank lines (3 5)": lambda m: m[6].update(content="\n\nYes."),
+    "reasoning with edge newlines (3 5)": lambda m: m[6].update(reasoning_content="\nthink\n"),
+    "inline reasoning in an earlier answer (3 q)": lambda m: m.__setitem__(
+        4, {"role": "assistant", "content": "<think>\nok\n</think>\n\nDone."}),
+    "inline reasoning in the last answer (3 5)": lambda m: m[6].update(content="<think>\nok\n</think>\n\nYes."),
+    "a question that reads as a tool response (3 5)": lambda m: m[5].update(
+        content="<tool_response>\nx\n</tool_response>"),
+    "arguments a JSON string (q)": lambda m: m[2]["tool_calls"][0]["function"].update(arguments='{"q": "ls -l"}'),
+    "arguments with a quote and a newline (3 q)": lambda m: m[2]["tool_calls"][0]["function"].update(
+        arguments={"q": 'echo "a"\nls'}),
+}
+
+
+@pytest.mark.parametrize("which", ["qwen3", "qwen3.5", "qwq"])
+def test_each_rewritten_construct_takes_the_kept_path(bpe, which):
+    tk, _ = bpe
+    source = TEMPLATES[which]
+    for name, change in CONSTRUCTS.items():
+        if which == "qwen3.5" and "JSON string" in name:
+            continue                    # Qwen3.5 reads arguments as an object (|items): the whole render errs too
+        msgs = _small_agent_chat()
+        change(msgs)
+        kept, whole = ChatTemplate(source, tk), _whole(source, tk)
+        assert same_render(kept, whole, msgs, tools=TOOLS), name
+        assert kept.chunks is not None and kept.chunks.stats["fallbacks"] == 0, name
+        assert whole.render(msgs, tools=TOOLS).content_safe, name

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import jinja2
 import jinja2.nodes as nodes
 
+from strata.text.content_shape import SENTINELS, SentinelRendering, sentinel_string
+
 __all__ = ["LoopSplit", "MessageChunks", "Chunked", "split_template"]
 
 #: the loop attributes a message's output may read: each depends only on its index and whether it is the last
@@ -152,12 +154,13 @@ def _split_sentinels(stext: str, table, nonce: str) -> list[tuple[str, bool]]:
     its client string (False), the text between them template text (True). Every sentinel is zqx{nonce}s{i}qzx or,
     tagged with the index j of its message, zqx{nonce}x{j}s{i}qzx: one small pattern whatever the number of client
     strings (the nonce is hex, so no sentinel starts inside another's text); one the table lacks (a template
-    rewrote it) stays template text."""
+    rewrote it) stays template text. A sentinel the template's tojson escaped (marked ...juqzx / ...jaqzx:
+    strata.text.content_shape.SentinelRendering) becomes its client string JSON-escaped."""
     pieces: list[tuple[str, bool]] = []
-    pat = re.compile(re.escape(f"zqx{nonce}") + r"(?:x[0-9]+)?s[0-9]+qzx")
+    pat = re.compile(re.escape(f"zqx{nonce}") + r"(?:x[0-9]+)?s[0-9]+(?:j[au])?qzx")
     pos = 0
     for m in pat.finditer(stext):
-        string = table.get(m.group(0))
+        string = sentinel_string(m.group(0), table)
         if string is None:
             continue
         if m.start() > pos:
@@ -308,7 +311,8 @@ class MessageChunks:
             (smsg, sm0), table = self._substitute([msg, m0], nonce)
         if not table:
             return [(text, True)] if text else []
-        pieces = _split_sentinels(self._body(smsg, index0, last, sm0, variables), table, nonce)
+        pieces = _split_sentinels(self._body(smsg, index0, last, sm0, dict(variables, **{
+            SENTINELS: SentinelRendering(nonce)})), table, nonce)
         return pieces if "".join(t for t, _ in pieces) == text else None
 
     def _record(self, raw, index0: int, m0, variables) -> _Rec | None:
@@ -357,6 +361,7 @@ class MessageChunks:
         if not table:
             return head, tail, [(head, True)] if head else [], [(tail, True)] if tail else []
         kw["messages"] = [sm0]
+        kw[SENTINELS] = SentinelRendering(nonce)
         sout = self.split.outer.render(**kw).split(mark)
         if len(sout) != 2:
             return None

@@ -20,6 +20,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from strata.text.chat_chunks import MessageChunks, _split_sentinels, split_template
 from strata.text.chat_prefixes import PrefixEnds, is_plain, prefix_digests
 from strata.text.chat_window import WindowChunks
+from strata.text.content_shape import SENTINELS, SentinelRendering, content_shape, string_markers
 from strata.text.window_proof import split_window
 from strata.text.token_ids import frozen_ids
 from strata.text.tokenizer import Tokenizer
@@ -93,9 +94,13 @@ def _raise_exception(message):
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    # transformers' override: no HTML escaping, json.dumps options exposed
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+@jinja2.pass_context
+def _tojson(ctx, x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # transformers' override: no HTML escaping, json.dumps options exposed; in a sentinel rendering the sentinels
+    # it escapes are marked (strata.text.content_shape.SentinelRendering)
+    out = json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    sr = ctx.get(SENTINELS)
+    return sr.escaped(out, bool(ensure_ascii)) if type(sr) is SentinelRendering else out
 
 
 def _strftime_now(fmt):
@@ -227,7 +232,10 @@ class ChatTemplate:
     the real strings back in gives exactly the real rendering, the template's own text is tokenized with
     special-token parsing and the client strings without it (llama.cpp's fragment rules, so the ids equal
     llama.cpp's tokenization of the same text wherever the contents hold no special-token text).
-    Fallback when a template transforms contents (e.g. strips or splits them): each client string found
+    A template that strips, trims, splits or tests contents (Qwen's) gets them shaped: their edge whitespace and
+    the markers it looks for stay literal around sentinels of the rest, where the tokenizer's special tokens prove
+    that tokenizes as plain text (strata.text.content_shape); a client string its tojson escapes is put back
+    escaped. Fallback when a template transforms contents otherwise: each client string found
     verbatim in the rendering, in order, is marked plain text; then if the result still holds more control
     tokens than the template alone produces, render raises ValueError rather than let client text
     become control tokens.
@@ -251,6 +259,8 @@ class ChatTemplate:
             self._template = env.from_string(template_str)
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template does not compile: {_one_line(e)}") from None
+        # client strings shaped for the sentinel method where the template reads them (strata.text.content_shape)
+        self._shape = content_shape(string_markers(env, template_str), tokenizer.special_texts)
         # each message's output kept across requests where the template provably renders messages one by one
         # (strata.text.chat_chunks); checked once against the whole render on the first chat it renders
         split = split_template(env, template_str)
@@ -522,15 +532,19 @@ class ChatTemplate:
         return ends
 
     # ----------------------------------------------------------------- sentinels
-    @staticmethod
-    def _substitute(msgs: list[dict], nonce: str) -> tuple[list[dict], dict[str, str]]:
-        """Copy of msgs with every client string replaced by a sentinel; returns (copy, sentinel -> string)."""
+    def _substitute(self, msgs: list[dict], nonce: str) -> tuple[list[dict], dict[str, str]]:
+        """Copy of msgs with every client string replaced by a sentinel; returns (copy, sentinel -> string). Where
+        the template reads strings (self._shape), each keeps its edge whitespace and the template's markers literal
+        around sentinels of the rest."""
         table: dict[str, str] = {}
 
-        def sent(s: str) -> str:
+        def plain(s: str) -> str:
             key = f"zqx{nonce}s{len(table)}qzx"
             table[key] = s
             return key
+
+        shape = self._shape
+        sent = plain if shape is None else (lambda s: shape.shape(s, plain))
 
         def walk_args(v):
             if isinstance(v, str):
@@ -576,7 +590,8 @@ class ChatTemplate:
         if not table:
             return [(text, True)], True
         try:
-            stext = self._render(smsgs, add_generation_prompt, tools, documents, kw)
+            stext = self._render(smsgs, add_generation_prompt, tools, documents,
+                                 dict(kw, **{SENTINELS: SentinelRendering(nonce)}))
         except ValueError:
             stext = None
         if stext is not None:
@@ -608,9 +623,11 @@ class ChatTemplate:
 
     def _template_control_count(self, msgs, add_generation_prompt, tools, documents, kw) -> int | None:
         """Control tokens the template itself emits: the sentinel rendering tokenized with special parsing."""
-        smsgs, _ = self._substitute(msgs, secrets.token_hex(4))
+        nonce = secrets.token_hex(4)
+        smsgs, _ = self._substitute(msgs, nonce)
         try:
-            stext = self._render(smsgs, add_generation_prompt, tools, documents, kw)
+            stext = self._render(smsgs, add_generation_prompt, tools, documents,
+                                 dict(kw, **{SENTINELS: SentinelRendering(nonce)}))
         except ValueError:
             return None
         _, frags = self.tokenizer.split_special([(stext, True)])

@@ -10,6 +10,7 @@ import jinja2.utils
 
 from strata.text.chat_chunks import (_MARK, MAX_NEW, Chunked, MessageChunks, _all_str, _extend, _joined, _sigs,
                                      _split_sentinels, _upto)
+from strata.text.content_shape import SENTINELS, SentinelRendering
 from strata.text.window_proof import WindowSplit
 
 __all__ = ["WindowChunks"]
@@ -239,6 +240,7 @@ class WindowChunks(MessageChunks):
     def __init__(self, split: WindowSplit, prepare, substitute, keep: int = 4):
         super().__init__(split, prepare, substitute, keep)
         self.stats["prefix_renders"] = 0
+        self._sr = SentinelRendering(self._nonce)
 
     # ---------------------------------------------------------------- the outer template
     def _outer(self, msgs: list, agp: bool, variables) -> _State | None:
@@ -314,7 +316,7 @@ class WindowChunks(MessageChunks):
     def _one(self, msgs, smsgs, tables, i: int, last: bool, st: _State, sst: _State, variables, tin, stin):
         """The _Rec of message i, or None when its sentinel split does not give the text."""
         text, guards, tout = self._body(msgs, i, last, st, variables, tin)
-        stext, sguards, stout = self._body(smsgs, i, last, sst, variables, stin)
+        stext, sguards, stout = self._body(smsgs, i, last, sst, dict(variables, **{SENTINELS: self._sr}), stin)
         pieces = _split_sentinels(stext, _Tables(tables, self._nonce), self._nonce)
         if "".join(t for t, _ in pieces) != text:
             return None
@@ -348,7 +350,8 @@ class WindowChunks(MessageChunks):
                 msgs.append(m)
                 smsgs.append(sm)
                 tables.append(table)
-            st, sst = self._outer(msgs, agp, variables), self._outer(smsgs, agp, variables)
+            st = self._outer(msgs, agp, variables)
+            sst = self._outer(smsgs, agp, dict(variables, **{SENTINELS: self._sr}))
             if st is None or sst is None:
                 return self._fallback()
             tabs = _Tables(tables, nonce)

@@ -255,6 +255,12 @@ class Tokenizer:
         """True for CONTROL / USER_DEFINED / UNKNOWN tokens (and the end-of-generation tokens)."""
         return self.token_types[token_id] in (TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNKNOWN)
 
+    @property
+    def special_texts(self) -> list[tuple[str, bool]]:
+        """(text, is USER_DEFINED) of each special token split out before the model runs (CONTROL / UNKNOWN ones
+        only in text parsed for special tokens, USER_DEFINED ones in all text)."""
+        return [(t, u) for t, _, u in self._specials]
+
     def is_control(self, token_id: int) -> bool:
         """True for CONTROL tokens: the ones client text must never produce."""
         return self.token_types[token_id] == TOKEN_CONTROL
