@@ -88,6 +88,50 @@ def run(engine, prompt, tokens):
     return toks, final.timings
 
 
+def micro(engine, prompt, ns, ngram: tuple[int, int], reps: int = 5) -> dict:
+    """Model times on the live sequence after `prompt` (min of `reps`): a decode step, and a verify of n + 1 tokens
+    with its Commit back to one token (every draft rejected) for each n; then the lookup index itself: linking a
+    64K-token conversation (code-like: a 10K-token span repeated) and one draft at its end."""
+    import numpy as np
+    from strata.sampling.lookup import NgramIndex
+    seq = engine.seq
+    seq.reset()
+    seq.forward(np.asarray(prompt, np.int32))
+    ck = seq.capture()
+    out: dict = {}
+
+    def timed(fn):
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    def decode():
+        seq.restore(ck)
+        return timed(lambda: seq.forward(np.asarray([5], np.int32)))
+    out["decode_ms"] = round(min(decode() for _ in range(reps)) * 1e3, 2)
+    for n in ns:
+        toks = np.arange(100, 101 + n, dtype=np.int32)
+
+        def verify():
+            seq.restore(ck)
+            base = seq.pos
+            return timed(lambda: (seq.verify(toks), seq.commit(base + 1)))
+        ms = min(verify() for _ in range(reps)) * 1e3
+        out[f"verify{n + 1}_commit_ms"] = round(ms, 2)
+        out[f"verify{n + 1}_over_decode"] = round(ms / out["decode_ms"], 3)
+    ck.release()
+    rng = np.random.default_rng(0)
+    big = rng.integers(0, 2000, 65536)
+    big[40000:50000] = big[5000:15000]
+    idx = NgramIndex(*ngram)
+    out["index_link_64k_ms"] = round(timed(lambda: idx.extend(big)) * 1e3, 1)
+    draws = []
+    for t in big[15000:15200].tolist():
+        draws.append(timed(lambda: (idx.extend([t]), idx.propose(8))))
+    out["index_draft_at_64k_us"] = round(statistics.median(draws) * 1e6, 1)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default")
@@ -109,6 +153,10 @@ def main() -> int:
                                            spec_ngram_min=args.ngram_min, spec_ngram_max=args.ngram_max)
     results: dict = {}
     t_start = time.time()
+    code_prompt = base.render_chat([{"role": "user", "content": WORKLOADS["code_repeat"]}]).tokens
+    first = next(iter(arms.values()))
+    costs = micro(first, code_prompt, sorted(set(ns) | {1, 3}), (args.ngram_min, args.ngram_max))
+    print("costs:", costs, flush=True)
     for w in args.workloads.split(","):
         prompt = base.render_chat([{"role": "user", "content": WORKLOADS[w]}]).tokens
         want, _ = run(base, prompt, args.tokens)          # warm, and the answer every arm must give
@@ -136,7 +184,7 @@ def main() -> int:
         e.close()
     out = {"bench": "spec_lookup", "device": "cpu", "threads": args.threads, "model": args.model,
            "tokens": args.tokens, "reps": args.reps, "ngram_min": args.ngram_min, "ngram_max": args.ngram_max,
-           "commit": commit_id(), "seconds": round(time.time() - t_start, 1), "workloads": results}
+           "commit": commit_id(), "seconds": round(time.time() - t_start, 1), "costs": costs, "workloads": results}
     path = Path(args.out) if args.out else ROOT / "bench" / "results" / f"spec_lookup_cpu_{commit_id()}.json"
     path.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {path}")

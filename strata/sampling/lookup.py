@@ -163,9 +163,9 @@ class NgramIndex:
         for n in range(min(self.n_max, N - 1), self.n_min - 1, -1):
             e = self.head[n].get(self._key(n, N))
             best, best_agree, seen = None, -1, 0
-            tail = toks[N - n:N]
+            tail = toks[N - n:N].tolist()
             while e is not None and e >= 0 and seen < self.hops:
-                if np.array_equal(toks[e - n:e], tail):     # a hash collision is skipped
+                if toks[e - n:e].tolist() == tail:     # a hash collision is skipped
                     seen += 1
                     agree = self._agree(e, n)
                     if agree > best_agree:
