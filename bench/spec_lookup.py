@@ -152,7 +152,7 @@ def main() -> int:
     arms[f"adaptive N<={max(ns)}"] = Engine(**common, spec=max(ns), spec_draft="lookup", spec_adaptive=True,
                                            spec_ngram_min=args.ngram_min, spec_ngram_max=args.ngram_max)
     results: dict = {}
-    t_start = time.time()
+    t_start, commit = time.time(), commit_id()          # the code measured (a commit made while it runs is not)
     code_prompt = base.render_chat([{"role": "user", "content": WORKLOADS["code_repeat"]}]).tokens
     first = next(iter(arms.values()))
     costs = micro(first, code_prompt, sorted(set(ns) | {1, 3}), (args.ngram_min, args.ngram_max))
@@ -184,8 +184,8 @@ def main() -> int:
         e.close()
     out = {"bench": "spec_lookup", "device": "cpu", "threads": args.threads, "model": args.model,
            "tokens": args.tokens, "reps": args.reps, "ngram_min": args.ngram_min, "ngram_max": args.ngram_max,
-           "commit": commit_id(), "seconds": round(time.time() - t_start, 1), "costs": costs, "workloads": results}
-    path = Path(args.out) if args.out else ROOT / "bench" / "results" / f"spec_lookup_cpu_{commit_id()}.json"
+           "commit": commit, "seconds": round(time.time() - t_start, 1), "costs": costs, "workloads": results}
+    path = Path(args.out) if args.out else ROOT / "bench" / "results" / f"spec_lookup_cpu_{commit}.json"
     path.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {path}")
     return 0

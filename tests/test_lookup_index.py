@@ -39,7 +39,7 @@ ops = hs.lists(hs.one_of(
     hs.tuples(hs.just("cut"), hs.integers(0, 200))), min_size=1, max_size=12)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(ops=ops, n_min=hs.integers(1, 3), extra=hs.integers(0, 3), hops=hs.integers(1, 4),
        reach=hs.integers(0, 6), k=hs.integers(1, 6))
 def test_proposals_equal_brute_force(ops, n_min, extra, hops, reach, k):
@@ -56,7 +56,7 @@ def test_proposals_equal_brute_force(ops, n_min, extra, hops, reach, k):
         assert idx.propose(k) == brute(seq, n_min, n_min + extra, hops, reach, k)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(toks=hs.lists(hs.integers(0, 4), min_size=0, max_size=150), cut=hs.integers(0, 150))
 def test_chains_after_cut_equal_chains_built_fresh(toks, cut):
     """Cutting back leaves exactly the chains an index built from the kept tokens alone has (nothing stale)."""
