@@ -151,8 +151,8 @@ FLAT = {
     "moe_vram_mib": ("moe", "vram_mib"), "adapt_every": ("moe", "adapt_every"), "adapt_swaps": ("moe", "adapt_swaps"),
     "pcie_frac": ("moe", "pcie_frac"),
     "spec": ("spec", "n"), "spec_draft": ("spec", "draft"), "spec_min_p": ("spec", "min_p"),
-    "spec_ngram_min": ("spec", "ngram_min"), "spec_ngram_max": ("spec", "ngram_max"), "spec_adaptive": ("spec", "adaptive"),
-    "spec_max_ctx": ("spec", "max_ctx"),
+    "spec_ngram_min": ("spec", "ngram_min"), "spec_ngram_max": ("spec", "ngram_max"),
+    "spec_adaptive": ("spec", "adaptive"), "spec_max_ctx": ("spec", "max_ctx"),
 }
 TOP = ("model", "n_ctx", "ubatch", "threads", "parallel")
 
