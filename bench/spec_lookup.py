@@ -9,7 +9,7 @@ costs make fastest; its policy carries over from one rep to the next, as the dae
 next). Prompts are read once per run and not timed (decode tok/s: timings' predicted_per_second).
 Usage: PYTHONPATH=. python bench/spec_lookup.py [--threads 2] [--tokens 200] [--reps 3] [--ns 3,6]
        [--ngram-min 2] [--ngram-max 4] [--workloads code_repeat,code_rename,chat] [--out PATH]
-Writes bench/results/spec_lookup_cpu_<commit>.json (or --out).
+Writes bench/results/spec_lookup_cpu_<commit>.json (spec_lookup_<workloads>_cpu_<commit>.json for a subset; or --out).
 """
 from __future__ import annotations
 
@@ -185,7 +185,8 @@ def main() -> int:
     out = {"bench": "spec_lookup", "device": "cpu", "threads": args.threads, "model": args.model,
            "tokens": args.tokens, "reps": args.reps, "ngram_min": args.ngram_min, "ngram_max": args.ngram_max,
            "commit": commit, "seconds": round(time.time() - t_start, 1), "costs": costs, "workloads": results}
-    path = Path(args.out) if args.out else ROOT / "bench" / "results" / f"spec_lookup_cpu_{commit}.json"
+    what = "" if args.workloads == ",".join(WORKLOADS) else "_" + args.workloads.replace(",", "_")
+    path = Path(args.out) if args.out else ROOT / "bench" / "results" / f"spec_lookup{what}_cpu_{commit}.json"
     path.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {path}")
     return 0

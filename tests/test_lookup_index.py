@@ -39,7 +39,7 @@ ops = hs.lists(hs.one_of(
     hs.tuples(hs.just("cut"), hs.integers(0, 200))), min_size=1, max_size=12)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(ops=ops, n_min=hs.integers(1, 3), extra=hs.integers(0, 3), hops=hs.integers(1, 4),
        reach=hs.integers(0, 6), k=hs.integers(1, 6))
 def test_proposals_equal_brute_force(ops, n_min, extra, hops, reach, k):
@@ -81,3 +81,51 @@ def test_copying_finds_the_right_place():
     assert NgramIndex(2, 2).propose(3) == []
     with pytest.raises(ValueError, match="n_min"):
         NgramIndex(3, 2)
+
+
+class _Seq:
+    """What LookupDrafter reads of a Sequence: ids, pos and an epoch moved by every change that is not a read."""
+
+    def __init__(self):
+        self.buf: list[int] = []
+        self.epoch = 0
+
+    @property
+    def ids(self):
+        return np.asarray(self.buf, np.int32)
+
+    @property
+    def pos(self):
+        return len(self.buf)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=hs.lists(hs.one_of(
+    hs.tuples(hs.just("read"), hs.lists(hs.integers(0, 3), min_size=1, max_size=60)),
+    hs.tuples(hs.just("commit_drafts"), hs.integers(0, 3)),
+    hs.tuples(hs.just("cut"), hs.integers(0, 80)),
+    hs.tuples(hs.just("restore"), hs.lists(hs.integers(0, 3), max_size=80)),
+    hs.tuples(hs.just("draft"), hs.integers(0, 3))), max_size=25))
+def test_drafter_index_follows_the_sequence(ops):
+    """LookupDrafter's index holds exactly the sequence's tokens and the token about to be read at every draft,
+    whatever happened since the last one: reads, a verify's tokens read and committed back, cuts and restores (the
+    epoch moved), the token drafted from never read; its drafts are the brute-force search's."""
+    from strata.engine.lookup import LookupDrafter
+    seq = _Seq()
+    d = LookupDrafter(seq, 1, 3)
+    for op, arg in ops:
+        if op == "read":
+            seq.buf += arg
+        elif op == "commit_drafts":          # a verify of [t, d1, d2] read then committed to one past t
+            seq.buf += [arg, 1, 2]
+            del seq.buf[len(seq.buf) - 2:]
+        elif op == "cut":
+            del seq.buf[arg:]
+            seq.epoch += 1
+        elif op == "restore":
+            seq.buf = list(arg)
+            seq.epoch += 1
+        else:
+            got = [x.token for x in d.draft(arg, 4)]
+            assert d.index.tokens.tolist() == seq.buf + [arg]
+            assert got == brute(seq.buf + [arg], 1, 3, d.index.hops, d.index.reach, 4)
