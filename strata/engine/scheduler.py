@@ -147,9 +147,10 @@ class Scheduler:
         """Each slot's pending token read: one slot's in its own forward call, several in one batched step ->
         {slot id: (what its ReadToken is answered with, None) or (None, the exception)}; a slot whose pool has no
         room for its token fails alone. A ReadToken asking for its hidden row (an MTP drafter's) or its time gets
-        (logits, that row or None, the seconds of the forward it was read in over `decoding`, the slots decoding this step, verifies
-        included): its share of the step the decoding slots would share if none drafted, what its adaptive policy
-        prices a plain step at (a verify at its rows' share of the batched verify it ran in, _verify)."""
+        (logits, that row or None, the seconds of the forward it was read in over `decoding`, the slots decoding
+        this step, verifies included): its share of the step the decoding slots would share if none drafted, what
+        its adaptive policy prices a plain step at (a verify at its rows' share of the batched verify it ran in,
+        _verify)."""
         if len(slots) == 1:
             s = slots[0]
             res = _call(lambda: s.decoder.read(s.run.pending))
