@@ -192,3 +192,21 @@ def test_two_slots_together_equal_alone(models):
         assert e.status()["spec"]["draft"] == "lookup"
     finally:
         e.close()
+
+
+def test_lookup_chosen_on_a_model_with_an_mtp_head(tmp_path):
+    """--spec-draft lookup on a model with an MTP head drafts by lookup (auto would take the head): the answer is
+    --spec 0's and the drafts were made."""
+    m = synth.write_synthetic(tmp_path / "mtp.gguf", synth.preset("qwen35", "tiny", seed=3, n_mtp=1))
+    prompt = _prompt(12, 7) * 2
+    base = Engine(m, n_ctx=256)
+    want, _ = _run(base, prompt, max_tokens=24)
+    base.close()
+    auto = Engine(m, n_ctx=64, spec=2)
+    assert auto.spec_draft == "mtp"
+    auto.close()
+    e = Engine(m, n_ctx=256, spec=3, spec_draft="lookup")
+    got, fin = _run(e, prompt, max_tokens=24)
+    assert e.spec_draft == "lookup" and isinstance(e.drafter, LookupDrafter)
+    assert got == want and fin[0].timings["draft_n"] > 0
+    e.close()
