@@ -287,15 +287,34 @@ def test_a_link_key_open_to_others_is_a_usage_error_before_the_model_loads(tmp_p
 
 
 def test_serve_spec_on_a_model_without_an_mtp_head_refuses_before_listening(tmp_path):
-    """--spec 2 with a model that has no MTP head: one usage line before any socket opens (nothing 'listening',
-    the socket path never made); the same flags on a model with one get past that check."""
+    """--spec 2 --spec-draft mtp with a model that has no MTP head: one usage line before any socket opens
+    (nothing 'listening', the socket path never made); the same flags on a model with one get past that check, and
+    without --spec-draft (auto: lookup drafts) so does the model without one."""
     from strata.gguf import synth
     plain = synth.write_synthetic(tmp_path / "plain.gguf", synth.preset("qwen35", "tiny", seed=3, n_mtp=0))
     sock = tmp_path / "s.sock"
-    p = strata("serve", "--model", str(plain), "--spec", "2", "--socket", str(sock), "--no-warmup", timeout=120)
+    p = strata("serve", "--model", str(plain), "--spec", "2", "--spec-draft", "mtp", "--socket", str(sock),
+               "--no-warmup", timeout=120)
     assert p.returncode == 2 and "listening" not in p.stderr + p.stdout and not sock.exists()
     err = p.stderr.strip()
     assert len(err.splitlines()) == 1 and err.startswith("strata serve: error: --spec needs a model with an MTP head")
     from strata.engine.speculate import file_refusal
     mtp = synth.write_synthetic(tmp_path / "mtp.gguf", synth.preset("qwen35", "tiny", seed=3, n_mtp=1))
     assert file_refusal(str(mtp)) is None and file_refusal(str(plain)) is not None
+    assert file_refusal(str(plain), "auto") is None and file_refusal(str(plain), "lookup") is None
+
+
+def test_generate_with_lookup_drafts_prints_them(tmp_path):
+    """`generate --spec 3` on a model without an MTP head drafts by lookup (auto) and prints drafted / accepted;
+    a bad --spec-draft or n-gram range is a usage error naming the flag."""
+    from strata.gguf import synth
+    plain = synth.write_synthetic(tmp_path / "plain.gguf", synth.preset("llama", "tiny", seed=3))
+    args = ("generate", "--raw", "--model", str(plain), "--prompt", "the cat sat on the mat, the cat sat on the",
+            "--max-tokens", "24", "--n-ctx", "256")
+    p3 = strata(*args, "--spec", "3")
+    assert p3.returncode == 0 and p3.stdout.strip() and "drafted: " in p3.stderr, p3.stderr
+    bad = strata(*args, "--spec", "3", "--spec-draft", "ngram")
+    assert bad.returncode == 2 and bad.stdout == "" and "Traceback" not in bad.stderr
+    assert bad.stderr.strip().splitlines()[-1].startswith("strata generate: error: argument --spec-draft")
+    assert_one_line_error(strata(*args, "--spec", "3", "--spec-ngram-min", "5", "--spec-ngram-max", "3"),
+                          "--spec-ngram-min")

@@ -102,9 +102,9 @@ def test_a_fresh_slot_takes_the_prefix_another_slot_holds(default_model_path):
 def test_options_refused_with_several_slots(default_model_path, tmp_path):
     with pytest.raises(ValueError, match=r"--parallel 4 needs a KV pool of 4 contexts: --kv-pool-ctx 1000"):
         Engine(default_model_path, n_ctx=512, device="cpu", parallel=4, kv_pool_ctx=1000)
-    # --spec runs with several slots: a model without an MTP head is refused for that alone
+    # --spec runs with several slots: a model without an MTP head is refused MTP drafts for that alone
     with pytest.raises(ValueError, match=r"^--spec needs a model with an MTP head"):
-        Engine(default_model_path, n_ctx=512, device="cpu", parallel=2, spec=2)
+        Engine(default_model_path, n_ctx=512, device="cpu", parallel=2, spec=2, spec_draft="mtp")
     with pytest.raises(ValueError, match=r"--parallel must be an integer >= 1"):
         Engine(default_model_path, n_ctx=512, device="cpu", parallel=0)
 

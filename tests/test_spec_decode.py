@@ -279,7 +279,7 @@ def test_session_file_keeps_the_drafter_kv(model, tmp_path):
 
 def test_refusals(model, no_mtp):
     with pytest.raises(ValueError, match="MTP head"):
-        Engine(no_mtp, n_ctx=64, spec=2)
+        Engine(no_mtp, n_ctx=64, spec=2, spec_draft="mtp")
     with pytest.raises(ValueError, match="--spec must be in"):
         Engine(model, n_ctx=64, spec=16)
     with pytest.raises(ValueError, match="--spec-min-p"):

@@ -23,7 +23,7 @@ class CliError(Exception):
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Options every engine-running subcommand shares (`generate`, `chat`, `serve`): model, context, ubatch,
     threads, device, conversation checkpoints; their defaults are EngineConfig's. `engine_config(args)` reads them."""
-    from strata.engine.config import EngineConfig
+    from strata.engine.config import DRAFTERS, EngineConfig
     D = EngineConfig()
     m = p.add_argument_group("model and engine")
     m.add_argument("--model", "-m", default=os.environ.get("STRATA_MODEL", "default"),
@@ -49,12 +49,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     add_tier_args(p)
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--spec", type=_nonneg_int, default=D.spec.n, metavar="N",
-                   help="draft N tokens per step with the model's MTP head and verify them in one forward "
-                        "(0 = off, default %(default)s; CPU stages and the hybrid's CUDA plan; a model without an MTP head "
-                        "refuses N > 0); "
-                        "a request's \"strata_spec\": false turns it off for that request")
+                   help="draft up to N tokens per step and verify them in one forward (0 = off, default "
+                        "%(default)s; CPU stages and the hybrid's CUDA plan); a request's \"strata_spec\": false "
+                        "turns it off for that request")
+    s.add_argument("--spec-draft", default=D.spec.draft, choices=DRAFTERS,
+                   help="what drafts: 'mtp' (the model's MTP head; a model without one refuses), 'lookup' (copied "
+                        "from where the conversation's own tokens continued its last few before: prompt lookup, no "
+                        "second model), 'auto' (default: mtp where the model has an MTP head, else lookup)")
     s.add_argument("--spec-min-p", type=float, default=D.spec.min_p, metavar="P",
-                   help="stop drafting at a draft whose draft probability is below P (default %(default)s)")
+                   help="stop drafting at a draft whose MTP draft probability is below P (default %(default)s)")
+    s.add_argument("--spec-ngram-min", type=_nonneg_int, default=D.spec.ngram_min, metavar="N",
+                   help="lookup drafts: the shortest run of last tokens matched (default %(default)s)")
+    s.add_argument("--spec-ngram-max", type=_nonneg_int, default=D.spec.ngram_max, metavar="N",
+                   help="lookup drafts: the longest run of last tokens matched, tried first (default %(default)s)")
     s.add_argument("--spec-adaptive", action="store_true",
                    help="let each verify take 0..N drafts, as the measured acceptance and costs make fastest (0: a "
                         "plain decode step, with a probe verify now and then to keep the acceptance measured)")

@@ -193,7 +193,7 @@ def run(args) -> int:
         return 2
     if ecfg.spec.n > 0:                 # a model without an MTP head: said before any socket opens
         from strata.engine.speculate import file_refusal
-        why = file_refusal(ecfg.model)
+        why = file_refusal(ecfg.model, ecfg.spec.draft)
         if why:
             print(f"strata serve: error: {why}", file=sys.stderr)
             return 2

@@ -109,13 +109,18 @@ class MoeTierConfig:
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """Speculative decoding with the model's MTP head (strata/engine/speculate.py). n: drafts per verify (0: off);
-    min_p: drafting stops at a draft whose draft probability is below this; adaptive: each verify takes 0..n drafts,
-    as the measured acceptance and costs make fastest (spec_policy.AdaptiveN); max_ctx: no drafts once the sequence
-    holds this many tokens (0: no limit; acceptance falls with the context length)."""
+    """Speculative decoding (strata/engine/speculate.py). n: drafts per verify (0: off); draft: the drafter, 'mtp'
+    (the model's MTP head), 'lookup' (the conversation's own earlier tokens, strata/engine/lookup.py) or 'auto'
+    (mtp where the model has an MTP head, else lookup); min_p: the MTP drafter stops at a draft whose probability
+    is below this; ngram_min / ngram_max: the n-gram lengths the lookup drafter matches; adaptive: each verify takes
+    0..n drafts, as the measured acceptance and costs make fastest (spec_policy.AdaptiveN); max_ctx: no drafts once
+    the sequence holds this many tokens (0: no limit; acceptance falls with the context length)."""
 
     n: int = 0
+    draft: str = "auto"
     min_p: float = 0.0
+    ngram_min: int = 2
+    ngram_max: int = 4
     adaptive: bool = False
     max_ctx: int = 0
 
@@ -124,11 +129,20 @@ class SpecConfig:
         if not 0 <= self.n <= MAX_DRAFTS:
             return (f"--spec must be in [0, {MAX_DRAFTS}] (drafts per verify; a verify reads at most "
                     f"{MAX_DRAFTS + 1} tokens), got {self.n}")
+        if self.draft not in DRAFTERS:
+            return f"--spec-draft must be one of {', '.join(DRAFTERS)}, got {self.draft!r}"
         if not 0.0 <= self.min_p < 1.0:
             return f"--spec-min-p must be in [0, 1), got {self.min_p}"
+        if not 1 <= self.ngram_min <= self.ngram_max <= 64:
+            return (f"--spec-ngram-min and --spec-ngram-max must satisfy 1 <= min <= max <= 64, got "
+                    f"{self.ngram_min} and {self.ngram_max}")
         if self.max_ctx < 0:
             return f"--spec-max-ctx must be 0 (no limit) or a token count, got {self.max_ctx}"
         return None
+
+
+#: --spec-draft's values
+DRAFTERS = ("auto", "mtp", "lookup")
 
 
 #: the engine's keyword arguments (and the CLI's flag names, dashes for underscores) -> (sub-config, field)
@@ -146,8 +160,9 @@ FLAT = {
     "require_row_ids": ("link", "require_row_ids"),
     "moe_vram_mib": ("moe", "vram_mib"), "adapt_every": ("moe", "adapt_every"), "adapt_swaps": ("moe", "adapt_swaps"),
     "pcie_frac": ("moe", "pcie_frac"),
-    "spec": ("spec", "n"), "spec_min_p": ("spec", "min_p"), "spec_adaptive": ("spec", "adaptive"),
-    "spec_max_ctx": ("spec", "max_ctx"),
+    "spec": ("spec", "n"), "spec_draft": ("spec", "draft"), "spec_min_p": ("spec", "min_p"),
+    "spec_ngram_min": ("spec", "ngram_min"), "spec_ngram_max": ("spec", "ngram_max"),
+    "spec_adaptive": ("spec", "adaptive"), "spec_max_ctx": ("spec", "max_ctx"),
 }
 TOP = ("model", "n_ctx", "ubatch", "threads", "parallel")
 

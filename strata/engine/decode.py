@@ -14,7 +14,7 @@ import structlog
 
 from strata.engine import turn_clock
 from strata.engine.spec_policy import AdaptiveN
-from strata.engine.speculate import MAX_DRAFTS, MTPDrafter, SpecCounts
+from strata.engine.speculate import MAX_DRAFTS, SpecCounts
 from strata.engine.types import GenerationRequest, ReadToken, ReadVerify, TokenEvent, run_reads
 from strata.memory.host import hash_log_fields, state_hash_logging
 from strata.sampling.sampler import Sampler, SamplingParams, StopMatcher
@@ -40,7 +40,7 @@ class Decoder:
     (0: no limit)."""
 
     def __init__(self, seq: Sequence, tokenizer: Tokenizer, eog_ids: set[int], n_vocab: int, n_ctx: int, last_stage,
-                 forget_live: Callable[[], None], drafter: MTPDrafter | None = None, spec: int = 0,
+                 forget_live: Callable[[], None], drafter=None, spec: int = 0,
                  spec_min_p: float = 0.0, adaptive: AdaptiveN | None = None, spec_max_ctx: int = 0):
         self.seq, self.tokenizer, self.eog_ids = seq, tokenizer, eog_ids
         self.n_vocab, self.n_ctx, self.last_stage, self.forget_live = n_vocab, n_ctx, last_stage, forget_live
@@ -59,9 +59,12 @@ class Decoder:
                 rows, h = self.seq.verify(list(r.tokens), on_device=r.on_device)
                 return rows, h, time.perf_counter() - t0
             toks = np.asarray([r.token], dtype=np.int32)
-            if not r.hidden:
+            if not r.triple:
                 return self.seq.forward(toks, on_device=r.on_device)
-            logits, h = self.seq.forward(toks, on_device=r.on_device, hidden=True)
+            if not r.hidden:
+                logits, h = self.seq.forward(toks, on_device=r.on_device), None
+            else:
+                logits, h = self.seq.forward(toks, on_device=r.on_device, hidden=True)
             return logits, h, time.perf_counter() - t0
 
     def _sampled(self) -> None:
@@ -240,12 +243,14 @@ class Decoder:
                     tok = int(verdict.tokens[j - 1].token_id)
                 if finish is not None:
                     break
-                if self.drafter is None:
+                if self.drafter is None or not (self.drafter.wants_hidden or self.adaptive is not None):
                     logits = yield ReadToken(tok, on_device)
-                else:                         # the drafter sees every row's hidden state
+                else:                         # an MTP drafter sees every row's hidden state
                     pos = st.pos
-                    logits, h, read_s = yield ReadToken(tok, on_device, hidden=True)
-                    self.drafter.observe(pos, h)
+                    logits, h, read_s = yield ReadToken(tok, on_device, hidden=self.drafter.wants_hidden,
+                                                        timed=self.adaptive is not None)
+                    if h is not None:
+                        self.drafter.observe(pos, h)
                     if self.adaptive is not None:     # the step's time ends once its token is sampled (_sampled)
                         self._step = (read_s, time.perf_counter())
             if not stopper.stopped:         # a stop string's tail and what follows it are dropped

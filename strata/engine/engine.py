@@ -31,7 +31,8 @@ from strata.engine.prefill import PromptReader
 from strata.engine.scheduler import Scheduler, Slot
 from strata.engine.slots import slot_error
 from strata.engine.spec_policy import AdaptiveN
-from strata.engine.speculate import MTPDrafter, SpecCounts, spec_refusal
+from strata.engine.lookup import LookupDrafter
+from strata.engine.speculate import MTPDrafter, SpecCounts, drafter_kind, spec_refusal
 from strata.engine.types import ContextOverflow, FinalEvent, GenerationRequest, TokenEvent, spec_timings
 from strata.engine.validation import check_request, prompt_ids
 from strata.errors import Refused
@@ -160,26 +161,33 @@ class Engine:
                         kv_pool_ctx=st.kv_pool_ctx, n_ctx=self.n_ctx)
         self.eog_ids = set(int(t) for t in self.tokenizer.eog_ids)
         self.spec = int(cfg.spec.n)
-        # one MTP drafter per request slot over the one MTP block: each drafts from its own slot's conversation,
-        # its K/V that slot's sequence's "draft" field on the last stage (or a table of its own, the last stage
-        # remote); each slot's decoder has its own adaptive policy
+        # one drafter per request slot, each drafting from its own slot's conversation: the MTP head's (its K/V that
+        # slot's sequence's "draft" field on the last stage, or a table of its own, the last stage remote) or the
+        # lookup's (an n-gram index of the slot's tokens); each slot's decoder has its own adaptive policy
         drafters: list = [None] * len(seqs)
+        self.spec_draft: str | None = None       # 'mtp' or 'lookup' while --spec > 0
         if self.spec > 0:
             last = self.stages[-1]
             model = getattr(last, "model", None)
-            if model is not None and hasattr(model, "load_mtp"):
+            if cfg.spec.draft != "lookup" and model is not None and hasattr(model, "load_mtp"):
                 model.load_mtp()            # the main runs the drafter beside the head when a worker runs the tail
-            why = spec_refusal(self.stages, model)
+            kind = drafter_kind(cfg.spec.draft, model)
+            why = spec_refusal(self.stages, model, kind)
             if why:
                 self.close()
                 raise ValueError(why)
-            drafters = [MTPDrafter(seqs[0], last, model, self.n_ctx)]
-            drafters += [MTPDrafter(seq, last, model, self.n_ctx, graph=drafters[0].graph) for seq in seqs[1:]]
+            self.spec_draft = kind
+            if kind == "lookup":
+                drafters = [LookupDrafter(seq, cfg.spec.ngram_min, cfg.spec.ngram_max) for seq in seqs]
+            else:
+                drafters = [MTPDrafter(seqs[0], last, model, self.n_ctx)]
+                drafters += [MTPDrafter(seq, last, model, self.n_ctx, graph=drafters[0].graph) for seq in seqs[1:]]
         self.drafter = drafters[0]              # slot 0's (a one-slot engine's only one)
         self.spec_totals = SpecCounts()          # every choice's, since the start (/metrics)
         slots = []
         for i, seq in enumerate(seqs):
-            reader = PromptReader(seq, self.store, self.ubatch, drafter=drafters[i],
+            hidden = drafters[i] if drafters[i] is not None and drafters[i].wants_hidden else None
+            reader = PromptReader(seq, self.store, self.ubatch, drafter=hidden,
                                   peers=(lambda seq=seq: [s for s in seqs if s is not seq]) if len(seqs) > 1 else None)
             decoder = Decoder(seq, self.tokenizer, self.eog_ids, self.n_vocab, self.n_ctx, self.stages[-1],
                               lambda seq=seq: self.store.forget(seq), drafter=drafters[i], spec=self.spec,

@@ -43,7 +43,7 @@ def engine_status(engine, busy: bool) -> dict[str, Any]:
                    "rss_bytes": _rss_bytes(), "pinned_host_bytes": pinned_bytes(),
                    "park_host_bytes": host_bytes()},
         "requests": engine.requests,
-        "spec": dict(n=engine.spec, **spec_totals(engine.spec_totals)),
+        "spec": dict(n=engine.spec, draft=engine.spec_draft, **spec_totals(engine.spec_totals)),
         "busy": busy,
         "parallel": engine.parallel,
         "step_stats": dict(engine.scheduler.stats),

@@ -146,14 +146,15 @@ class Scheduler:
     def _decode(self, slots: list[Slot], decoding: int) -> dict[int, tuple]:
         """Each slot's pending token read: one slot's in its own forward call, several in one batched step ->
         {slot id: (what its ReadToken is answered with, None) or (None, the exception)}; a slot whose pool has no
-        room for its token fails alone. A ReadToken asking for its hidden row (an MTP drafter's) gets (logits, that
-        row, the seconds of the forward it was read in over `decoding`, the slots decoding this step, verifies
-        included): its share of the step the decoding slots would share if none drafted, what its adaptive policy
-        prices a plain step at (a verify at its rows' share of the batched verify it ran in, _verify)."""
+        room for its token fails alone. A ReadToken asking for its hidden row (an MTP drafter's) or its time gets
+        (logits, that row or None, the seconds of the forward it was read in over `decoding`, the slots decoding
+        this step, verifies included): its share of the step the decoding slots would share if none drafted, what
+        its adaptive policy prices a plain step at (a verify at its rows' share of the batched verify it ran in,
+        _verify)."""
         if len(slots) == 1:
             s = slots[0]
             res = _call(lambda: s.decoder.read(s.run.pending))
-            if s.run.pending.hidden and res[1] is None:
+            if s.run.pending.triple and res[1] is None:
                 logits, h, secs = res[0]
                 res = ((logits, h, secs / max(1, decoding)), None)
             return {s.id: res}
@@ -175,12 +176,11 @@ class Scheduler:
             for r, s in enumerate(ok):
                 if rows[1] is not None:
                     out[s.id] = rows
-                elif hidden:
-                    logits, h = rows[0]
-                    share = dt / max(len(ok), decoding)
-                    out[s.id] = ((logits[r], h[r:r + 1], share) if s.run.pending.hidden else logits[r], None)
-                else:
-                    out[s.id] = (rows[0][r], None)
+                    continue
+                logits, h = rows[0] if hidden else (rows[0], None)
+                p = s.run.pending
+                share = dt / max(len(ok), decoding)
+                out[s.id] = ((logits[r], h[r:r + 1] if p.hidden else None, share) if p.triple else logits[r], None)
             if rows[1] is None:
                 self.stats["batched_steps"] += 1
                 self.stats["batched_rows"] += len(ok)

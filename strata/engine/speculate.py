@@ -1,5 +1,6 @@
 """The MTP drafter of speculative decoding (the live sequence's drafts from the model's own MTP head, the drafter's
-K/V kept in step with the main model) and the per-choice counts of what was drafted and accepted.
+K/V kept in step with the main model), which drafter --spec-draft gives and why --spec may not run, and the
+per-choice counts of what was drafted and accepted (the lookup drafter: strata/engine/lookup.py).
 
 The drafter's K/V (the last stage's "draft" field) holds, at MTP position p, the MTP block's K/V over the main
 model's final-normed hidden state h_p and the token at p + 1. Between two reads of the live sequence at position
@@ -57,24 +58,35 @@ class SpecCounts:
         return (self.accepted + self.verifies) / self.verifies if self.verifies else 0.0
 
 
-NO_MTP = "--spec needs a model with an MTP head (nextn_predict_layers > 0); this model has none: use --spec 0"
+NO_MTP = ("--spec needs a model with an MTP head (nextn_predict_layers > 0) for --spec-draft mtp; this model has none: "
+          "use --spec-draft lookup (or auto) or --spec 0")
 
 
-def spec_refusal(stages, model) -> str | None:
-    """Why --spec > 0 cannot run on these stages and this model (one line), or None."""
+def drafter_kind(draft: str, model) -> str:
+    """The drafter --spec-draft `draft` ('auto', 'mtp', 'lookup') gives on `model` (the last stage's, its MTP block
+    loaded where it has one): 'auto' is 'mtp' where the model has an MTP head, else 'lookup'."""
+    if draft == "auto":
+        return "mtp" if getattr(model, "mtp", None) is not None else "lookup"
+    return draft
+
+
+def spec_refusal(stages, model, kind: str = "mtp") -> str | None:
+    """Why --spec > 0 with the `kind` drafter cannot run on these stages and this model (one line), or None."""
     for st in stages:
         why = st.speculates
         if why:
             return f"--spec: {why}; use --spec 0"
-    if getattr(model, "mtp", None) is None:
+    if kind == "mtp" and getattr(model, "mtp", None) is None:
         return NO_MTP
     return None
 
 
-def file_refusal(model: str) -> str | None:
-    """Why --spec > 0 cannot run on the GGUF `model` (a path or 'default'), read from its metadata alone (no
-    weights loaded: the daemon asks before it listens), or None; a file that does not open is left to the engine's
-    own error."""
+def file_refusal(model: str, draft: str = "mtp") -> str | None:
+    """Why --spec > 0 with --spec-draft `draft` cannot run on the GGUF `model` (a path or 'default'), read from its
+    metadata alone (no weights loaded: the daemon asks before it listens), or None; only 'mtp' needs anything of
+    the file, and a file that does not open is left to the engine's own error."""
+    if draft != "mtp":
+        return None
     from strata.gguf.default_model import resolve_model
     from strata.gguf.file import ModelLoadError, open_gguf
     try:
@@ -92,6 +104,9 @@ class MTPDrafter:
     instead (tests and benchmarks: the MTP head still runs on the drafts it is given). graph: the graph step to use
     (another drafter's ``graph``, shared: it holds no sequence's state from one draft to the next), else one made
     here."""
+
+    wants_hidden = True      # every read of the live sequence hands it the last stage's final-normed rows
+    kind = "mtp"
 
     def __init__(self, seq, stage, model, n_ctx: int, graph=False):
         self.seq, self.stage, self.model = seq, stage, model

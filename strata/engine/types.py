@@ -160,11 +160,18 @@ class ReadToken:
     """What a decoding choice asks its driver for: read `token` as the next token of its sequence and send back the
     logits (on the device when on_device and the last stage keeps them there; a batched step sends host rows).
     hidden (a choice with an MTP drafter): send back (logits, the last stage's final-normed row, seconds the
-    read took) instead."""
+    read took) instead; timed (a choice whose adaptive policy prices plain steps): (logits, that row or None
+    without hidden, seconds)."""
 
     token: int
     on_device: bool = False
     hidden: bool = False
+    timed: bool = False
+
+    @property
+    def triple(self) -> bool:
+        """Whether the answer is (logits, final-normed row or None, seconds) rather than the logits alone."""
+        return self.hidden or self.timed
 
 
 @dataclass(frozen=True)

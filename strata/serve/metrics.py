@@ -69,7 +69,7 @@ class Metrics:
                                   "other)", ["phase"],
                                   registry=r)
 
-        self.spec_drafted = Counter("strata_spec_drafted_tokens", "Tokens drafted by the MTP head (--spec)",
+        self.spec_drafted = Counter("strata_spec_drafted_tokens", "Tokens drafted (--spec: the MTP head or lookup)",
                                     registry=r)
         self.spec_accepted = Counter("strata_spec_accepted_tokens", "Drafted tokens a verify kept", registry=r)
         self.spec_verifies = Counter("strata_spec_verifies", "Verifies of drafted tokens run", registry=r)
