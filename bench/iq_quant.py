@@ -105,7 +105,7 @@ def prompt_time(path: Path, reps: int) -> float:
     from strata.gguf.file import open_gguf
     from strata.models.registry import load_model
     m = load_model(open_gguf(path))
-    pool = m.new_page_pool(64)
+    pool = m.new_page_pool(1024)
     toks = np.random.default_rng(0).integers(0, m.config.n_vocab, 512).astype(np.int32)
     times = []
     for _ in range(reps):
