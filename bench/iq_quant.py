@@ -1,11 +1,11 @@
 """Benchmark of the IQ quant types on the CPU: the C core's products beside Q4_K of the same shape, and a 512-token
-prompt of a synthetic llama whose matrices are IQ4_XS beside the same model with Q4_K matrices (and llama.cpp's
+prompt of a synthetic llama whose matrices are IQ4_XS (and IQ3_S) beside the same model with Q4_K matrices (and llama.cpp's
 llama-bench on the same two files when --llama-bench names a CPU build).
 
 Products: a 2048 x 2048 weight (random valid blocks: the time does not depend on the values) times 1 token (decode's
 matvec) and 512 tokens (a prompt's product), ms (best of repeated calls) and the ratio to Q4_K in the same run.
-Model: llama, n_embd 1024, 4 layers, n_ff 2816, 16 heads of 64, 4 KV heads, F16 embeddings and head; the IQ4_XS
-file by strata.gguf.iq_quant, the Q4_K file with random valid Q4_K blocks (gguf-py cannot quantize Q4_K); prompt
+Model: llama, n_embd 1024, 4 layers, n_ff 2816, 16 heads of 64, 4 KV heads, F16 embeddings and head; the IQ
+files by strata.gguf.iq_quant, the Q4_K file with random valid Q4_K blocks (gguf-py cannot quantize Q4_K); prompt
 time of Model.forward on 512 tokens (best of --reps), and llama-bench -p 512 -n 0 -t THREADS on each file.
 
 Usage: PYTHONPATH=. python bench/iq_quant.py [--threads 2] [--types IQ4_XS,IQ3_S,...] [--llama-bench PATH]
@@ -133,7 +133,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--types", default=",".join(ALL))
-    ap.add_argument("--model-type", default="IQ4_XS", help="the IQ type of the model run beside Q4_K")
+    ap.add_argument("--model-types", default="IQ4_XS,IQ3_S", help="the IQ types of the models run beside Q4_K")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--llama-bench", default=None, help="a llama.cpp CPU build's llama-bench (its libs in ../lib)")
     ap.add_argument("--no-model", action="store_true")
@@ -146,7 +146,7 @@ def main() -> None:
     if not a.no_model:
         res["model"] = {"spec": MODEL, "prompt_tokens": 512, "rows": []}
         with tempfile.TemporaryDirectory() as d:
-            for q in ("Q4_K", a.model_type):
+            for q in ("Q4_K", *[t for t in a.model_types.split(",") if t]):
                 p = write_model(Path(d) / f"{q}.gguf", q)
                 s = prompt_time(p, a.reps)
                 row = {"type": q, "file_mib": p.stat().st_size / 2**20, "strata_prompt_s": s,
