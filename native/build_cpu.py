@@ -26,7 +26,7 @@ def cdef_from_header(header: Path) -> str:
 
 CDEF = cdef_from_header(CPU / "strata_cpu.h")
 
-SOURCES = ["core.c", "portable.c", "avx2.c", "avxvnni.c", "avx512.c", "attention.c", "ops.c"]
+SOURCES = ["core.c", "portable.c", "avx2.c", "avxvnni.c", "avx512.c", "attention.c", "ops.c", "iq_tables.c"]
 
 
 def make_builder(absolute: bool = False) -> FFI:
@@ -50,7 +50,8 @@ def make_builder(absolute: bool = False) -> FFI:
         include_dirs=[path(CPU)],
         extra_compile_args=["-O3", "-std=gnu11", "-fno-strict-aliasing", "-Wall", "-Wno-unused-function"],
         libraries=["pthread"] if sys.platform != "win32" else [],
-        depends=[path(CPU / f) for f in ("common.h", "strata_cpu.h", "kernels.inc", "avx2_dot32.inc", "avx2_kquants.inc",
+        depends=[path(CPU / f) for f in ("common.h", "strata_cpu.h", "kernels.inc", "iq.inc", "iq_tables.h",
+                                           "avx2_dot32.inc", "avx2_kquants.inc", "avx2_iq.inc",
                                            "target_avx2_begin.inc", "target_end.inc")],
     )
     return ffi

@@ -1,7 +1,7 @@
 """Shared by the test files: one request sent to an engine and its answer collected (answer, ask), the chats the
 tests play (chat, long_chat) turn by turn (play), the state-hash keys two runs differ in (differing), and bytes that
 are not UTF-8 alone (invalid_alone), random GGUF blocks and their reference dequantization for the kernel
-tests (random_blocks, ref_dequant)."""
+tests (random_blocks, put_iq_scales, ref_dequant)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -111,10 +111,28 @@ def random_blocks(t, n_out, n_in, rng):
     qk, bs = GGML_QUANT_SIZES[t]
     nb = n_in // qk
     raw = rng.integers(0, 256, size=(n_out, nb, bs), dtype=np.uint8)
-    for off in SCALE_OFFS[t]:
+    if t in IQ_TYPES:
+        put_iq_scales(raw, t, rng.uniform(1e-3, 1e-1, size=(n_out, nb)) * rng.choice([-1, 1], size=(n_out, nb)))
+    for off in SCALE_OFFS.get(t, []):
         sc = (rng.uniform(1e-3, 1e-1, size=(n_out, nb)) * rng.choice([-1, 1], size=(n_out, nb))).astype(np.float16)
         raw[:, :, off:off + 2] = sc.view(np.uint8).reshape(n_out, nb, 2)
     return raw.reshape(n_out, nb * bs)
+
+
+IQ_TYPES = [Q.IQ4_XS, Q.IQ4_NL, Q.IQ3_S, Q.IQ3_XXS, Q.IQ2_XS, Q.IQ2_XXS, Q.IQ2_S, Q.IQ1_S, Q.IQ1_M]
+
+
+def put_iq_scales(raw: np.ndarray, t, d: np.ndarray) -> None:
+    """Write the f16 block scales d (n_out, nb) into packed IQ blocks raw (n_out, nb, bytes) in place: the first two
+    bytes of a block, except IQ1_M, whose scale's four nibbles top its four 16-bit scale words (bytes 48..55)."""
+    bits = np.asarray(d, dtype=np.float16).view(np.uint16)
+    if t == Q.IQ1_M:
+        sc = raw[..., 48:56].copy().view(np.uint16) & np.uint16(0x0FFF)
+        for k in range(4):
+            sc[..., k] |= ((bits >> np.uint16(4 * k)) & np.uint16(0xF)) << np.uint16(12)
+        raw[..., 48:56] = sc.view(np.uint8)
+    else:
+        raw[..., 0:2] = bits[..., None].view(np.uint8)
 
 
 def ref_dequant(raw, t, n_out, n_in):

@@ -109,9 +109,9 @@ def test_unknown_architecture(tmp_path):
 
 
 def test_unsupported_quant_type(tmp_path):
-    iq2 = np.zeros((1, 66), dtype=np.uint8)  # one IQ2_XXS block: 256 values in 66 bytes
-    p = write_tiny(tmp_path / "q.gguf", extra_tensors=[("blk.0.odd.weight", iq2, GGMLQuantizationType.IQ2_XXS)])
-    with pytest.raises(ModelLoadError, match=r"tensor blk\.0\.odd\.weight has unsupported quant type IQ2_XXS") as e:
+    tq2 = np.zeros((1, 66), dtype=np.uint8)  # one TQ2_0 block: 256 values in 66 bytes
+    p = write_tiny(tmp_path / "q.gguf", extra_tensors=[("blk.0.odd.weight", tq2, GGMLQuantizationType.TQ2_0)])
+    with pytest.raises(ModelLoadError, match=r"tensor blk\.0\.odd\.weight has unsupported quant type TQ2_0") as e:
         open_gguf(p)
     one_line_error(e)
 

@@ -1,5 +1,6 @@
 """Tests of the C core (strata._native) through strata.backend.quant: dequantization against gguf's numpy
-dequantizers, quantized matmul against fp32 x @ W.T, both CPU dispatch paths, threads, bad input."""
+dequantizers (the IQ types bit for bit), quantized matmul against a float64 x @ W.T of that dequantization, every
+CPU dispatch path, threads, bad input."""
 from __future__ import annotations
 
 import os
@@ -15,10 +16,11 @@ from gguf import quants as gguf_quants
 
 from strata.backend import quant
 from strata.backend.quant import WeightTensor
+from tests.helpers import IQ_TYPES, put_iq_scales
 
 pytestmark = pytest.mark.skipif(not quant.native_available(), reason="strata._native is not built")
 
-QUANT_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
+QUANT_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, *IQ_TYPES]
 PATHS = ["portable"]
 if quant.native_available():
     PATHS += ["avx2"] if quant._lib.strata_cpu_has_avx2() else []
@@ -44,7 +46,9 @@ def random_blocks(t: T, n_rows: int, n_in: int, rng: np.random.Generator) -> np.
     blck, size = GGML_QUANT_SIZES[t]
     nb = n_in // blck
     raw = rng.integers(0, 256, size=(n_rows, nb, size), dtype=np.uint8)
-    for off in F16_FIELDS[t]:
+    if t in IQ_TYPES:
+        put_iq_scales(raw, t, rng.standard_normal((n_rows, nb)) * 0.02)
+    for off in F16_FIELDS.get(t, []):
         scale = (rng.standard_normal((n_rows, nb)) * 0.02).astype(np.float16)
         raw[..., off:off + 2] = scale.view(np.uint8).reshape(n_rows, nb, 2)
     return raw.reshape(n_rows, nb * size)
@@ -68,6 +72,20 @@ def test_dequantize_random_blocks_matches_gguf(t, cpu_path):
     close(w.dequantize(), ref)
     ids = np.array([5, 0, 32, 5])
     close(w.rows(ids), ref[ids])
+
+
+@pytest.mark.parametrize("t", IQ_TYPES, ids=lambda t: t.name)
+def test_dequantize_iq_bit_identical_to_gguf(t, cpu_path):
+    """The IQ types' dequantization equals gguf-py's numpy dequantizer bit for bit (every grid index, sign pattern
+    and sub-block scale drawn at random; f16 block scales of both signs)."""
+    rng = np.random.default_rng(100 + int(t))
+    n_in = 1024 if GGML_QUANT_SIZES[t][0] == 256 else 256
+    raw = random_blocks(t, 41, n_in, rng)
+    ref = gguf_quants.dequantize(raw, t).astype(np.float32)
+    w = WeightTensor("w", t, (41, n_in), raw)
+    np.testing.assert_array_equal(w.dequantize().view(np.uint32), ref.view(np.uint32))
+    ids = np.array([40, 0, 17, 40])
+    np.testing.assert_array_equal(w.rows(ids).view(np.uint32), ref[ids].view(np.uint32))
 
 
 @pytest.mark.parametrize("t", [T.F16, T.BF16, T.F32], ids=lambda t: t.name)
@@ -304,9 +322,17 @@ def test_bad_input_raises_value_error():
     short = WeightTensor("short", T.Q8_0, (4, 64), np.zeros((4, 60), np.uint8))
     one_line_value_error(short.dequantize, "expected 272")
     # unsupported type
-    iq = WeightTensor("iq", T.IQ2_XXS, (1, 256), np.zeros((1, 66), np.uint8))
-    one_line_value_error(iq.dequantize, "unsupported GGML type IQ2_XXS")
+    tq = WeightTensor("tq", T.TQ2_0, (1, 256), np.zeros((1, 66), np.uint8))
+    one_line_value_error(tq.dequantize, "unsupported GGML type TQ2_0")
     one_line_value_error(lambda: quant.set_threads(0), "threads")
     one_line_value_error(lambda: quant.set_cpu_path("sse9"), "sse9")
     # nothing changed by the failures
     np.testing.assert_array_equal(w.data, raw)
+
+
+def test_iq_tables_are_generated_from_gguf():
+    """native/cpu/iq_tables.c is what tools/gen_iq_tables.py writes from gguf-py's grids (no hand edits)."""
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "tools" / "gen_iq_tables.py"), "--check"], capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stderr

@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType as T
 from strata.backend import quant
 from strata.gguf import synth
 from strata.backend.quant import SUPPORTED_TYPES, WeightTensor
+from tests.helpers import IQ_TYPES, put_iq_scales
 
 # f16 scale fields inside one block, per quantized type (ggml-common.h)
 SCALE_OFFS = {T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q8_0: [0], T.Q2_K: [80, 82],
@@ -31,7 +32,9 @@ def _weight(t, n_out, n_in, rng) -> WeightTensor:
     blck, size = GGML_QUANT_SIZES[t]
     nb = n_in // blck
     raw = rng.integers(0, 256, (n_out, nb, size), dtype=np.uint8)
-    for off in SCALE_OFFS[t]:
+    if t in IQ_TYPES:
+        put_iq_scales(raw, t, rng.uniform(1e-3, 1e-2, (n_out, nb)) * rng.choice([-1, 1], (n_out, nb)))
+    for off in SCALE_OFFS.get(t, []):
         d = (rng.uniform(1e-3, 1e-2, (n_out, nb)) * rng.choice([-1, 1], (n_out, nb))).astype(np.float16)
         raw[:, :, off:off + 2] = d.view(np.uint8).reshape(n_out, nb, 2)
     return WeightTensor("w", t, shape, raw.reshape(n_out, nb * size))

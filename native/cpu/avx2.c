@@ -15,6 +15,8 @@
 
 #include "avx2_kquants.inc"
 
+#include "avx2_iq.inc"
+
 ST_DEFINE_AVX2_CLASS_TABLE(st_kernels_avx2, "avx2")
 
 #include "target_end.inc"

@@ -21,6 +21,8 @@
 
 #include "avx2_kquants.inc"
 
+#include "avx2_iq.inc"
+
 ST_DEFINE_AVX2_CLASS_TABLE(st_kernels_avxvnni, "avxvnni")
 
 #include "target_end.inc"

@@ -10,7 +10,9 @@
 /* GGML type ids (ggml.h enum ggml_type; gguf.GGMLQuantizationType). */
 enum {
     ST_F32 = 0, ST_F16 = 1, ST_Q4_0 = 2, ST_Q4_1 = 3, ST_Q5_0 = 6, ST_Q5_1 = 7, ST_Q8_0 = 8,
-    ST_Q2_K = 10, ST_Q3_K = 11, ST_Q4_K = 12, ST_Q5_K = 13, ST_Q6_K = 14, ST_Q8_K = 15, ST_BF16 = 30,
+    ST_Q2_K = 10, ST_Q3_K = 11, ST_Q4_K = 12, ST_Q5_K = 13, ST_Q6_K = 14, ST_Q8_K = 15,
+    ST_IQ2_XXS = 16, ST_IQ2_XS = 17, ST_IQ3_XXS = 18, ST_IQ1_S = 19, ST_IQ4_NL = 20, ST_IQ3_S = 21, ST_IQ2_S = 22,
+    ST_IQ4_XS = 23, ST_IQ1_M = 29, ST_BF16 = 30,
     ST_N_TYPES = 31
 };
 
@@ -32,6 +34,17 @@ typedef struct { st_half d; st_half dmin; uint8_t scales[K_SCALE_SIZE]; uint8_t 
 typedef struct { st_half d; st_half dmin; uint8_t scales[K_SCALE_SIZE]; uint8_t qh[QK_K / 8]; uint8_t qs[QK_K / 2]; } block_q5_K; /* 176 B */
 typedef struct { uint8_t ql[QK_K / 2]; uint8_t qh[QK_K / 4]; int8_t scales[QK_K / 16]; st_half d; } block_q6_K; /* 210 B */
 typedef struct { float d; int8_t qs[QK_K]; int16_t bsums[QK_K / 16]; } block_q8_K; /* 292 B */
+/* The IQ types (grids and value tables in iq_tables.h). */
+typedef struct { st_half d; uint16_t qs[QK_K / 8]; } block_iq2_xxs;                                   /* 66 B */
+typedef struct { st_half d; uint16_t qs[QK_K / 8]; uint8_t scales[QK_K / 32]; } block_iq2_xs;         /* 74 B */
+typedef struct { st_half d; uint8_t qs[QK_K / 4]; uint8_t qh[QK_K / 32]; uint8_t scales[QK_K / 32]; } block_iq2_s; /* 82 B */
+typedef struct { st_half d; uint8_t qs[3 * QK_K / 8]; } block_iq3_xxs;                                /* 98 B */
+typedef struct { st_half d; uint8_t qs[QK_K / 4]; uint8_t qh[QK_K / 32]; uint8_t signs[QK_K / 8];
+                 uint8_t scales[QK_K / 64]; } block_iq3_s;                                            /* 110 B */
+typedef struct { st_half d; uint8_t qs[QK_K / 8]; uint16_t qh[QK_K / 32]; } block_iq1_s;              /* 50 B */
+typedef struct { uint8_t qs[QK_K / 8]; uint8_t qh[QK_K / 16]; uint8_t scales[QK_K / 32]; } block_iq1_m; /* 56 B */
+typedef struct { st_half d; uint8_t qs[QK32 / 2]; } block_iq4_nl;                                     /* 18 B */
+typedef struct { st_half d; uint16_t scales_h; uint8_t scales_l[QK_K / 64]; uint8_t qs[QK_K / 2]; } block_iq4_xs; /* 136 B */
 
 /* Activation block for the 32-element weight types: Q8_0 values with an fp32 scale and the
  * pre-scaled block sum s = d * sum(qs) (ggml's Q8_1 idea, used for the Q4_1/Q5_1 minimum and the

@@ -138,6 +138,15 @@ static int type_info(int type, int *blck, int *size) {
     case ST_Q5_K: *blck = 256; *size = sizeof(block_q5_K); return 1;
     case ST_Q6_K: *blck = 256; *size = sizeof(block_q6_K); return 1;
     case ST_Q8_K: *blck = 256; *size = sizeof(block_q8_K); return 1;
+    case ST_IQ2_XXS: *blck = 256; *size = sizeof(block_iq2_xxs); return 1;
+    case ST_IQ2_XS: *blck = 256; *size = sizeof(block_iq2_xs); return 1;
+    case ST_IQ2_S: *blck = 256; *size = sizeof(block_iq2_s); return 1;
+    case ST_IQ3_XXS: *blck = 256; *size = sizeof(block_iq3_xxs); return 1;
+    case ST_IQ3_S: *blck = 256; *size = sizeof(block_iq3_s); return 1;
+    case ST_IQ1_S: *blck = 256; *size = sizeof(block_iq1_s); return 1;
+    case ST_IQ1_M: *blck = 256; *size = sizeof(block_iq1_m); return 1;
+    case ST_IQ4_NL: *blck = 32; *size = sizeof(block_iq4_nl); return 1;
+    case ST_IQ4_XS: *blck = 256; *size = sizeof(block_iq4_xs); return 1;
     default: *blck = 0; *size = 0; return 0;
     }
 }

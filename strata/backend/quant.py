@@ -21,9 +21,13 @@ except ImportError as _e:  # pragma: no cover - exercised only without the build
 T = GGMLQuantizationType
 
 #: GGML types WeightTensor dequantizes and multiplies (C core; the numpy fallback covers the same set).
+#: The IQ types (non-linear grids: native/cpu/iq.inc); the CUDA backend converts them to F16 at upload.
+IQ_TYPES = frozenset({
+    T.IQ1_S, T.IQ1_M, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ4_NL, T.IQ4_XS,
+})
 SUPPORTED_TYPES = frozenset({
     T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K,
-})
+}) | IQ_TYPES
 
 #: From this many tokens on, matmul dequantizes a tile of weight rows to fp32 and calls numpy's BLAS
 #: instead of the Q8 integer kernels. Off by default (2^30): on a quiet 2-core Sapphire Rapids VM, 2-thread
@@ -216,7 +220,8 @@ class WeightTensor:
         """y = x @ W.T for x float32 (n_tokens, n_in) (or (n_in,)); returns float32 (n_tokens, n_out) (or (n_out,)).
 
         Quantized weights: for n_tokens < BLAS_MIN_TOKENS the activations are quantized to Q8 (Q8_0-style
-        blocks of 32 for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, Q8_K blocks of 256 for K-quants) and multiplied with
+        blocks of 32 for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/IQ4_NL, Q8_K blocks of 256 for the K-quants and the other IQ
+        types) and multiplied with
         integer dot products on the packed blocks (llama.cpp's ggml_vec_dot_*_q8_* scheme), so the result
         carries the Q8 activation rounding (relative error ~1e-2 of |x||w|, see tests/test_quant.py). From
         BLAS_MIN_TOKENS on, tiles of rows are dequantized to fp32 and multiplied by numpy's BLAS.

@@ -21,14 +21,9 @@ from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType,
 from gguf.quants import quant_shape_to_byte_shape
 
 from strata.gguf.config import ConfigError, ModelConfig
+from strata.backend import quant
 from strata.backend.quant import WeightTensor
 
-# Types the C core dequantizes and multiplies (issue 2, item 1). quant.py may publish its own set.
-_DEFAULT_SUPPORTED = frozenset({
-    GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16, GGMLQuantizationType.Q8_0,
-    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1,
-    GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
-})
 
 LARGE_MODEL_BYTES = 500 * 1024 * 1024  # show a progress bar when loading/uploading more than this
 
@@ -41,10 +36,8 @@ class ModelLoadError(Exception):
 
 
 def supported_quant_types() -> frozenset:
-    """GGML types that WeightTensor can dequantize and multiply."""
-    from strata.backend import quant
-    s = getattr(quant, "SUPPORTED_TYPES", None)
-    return frozenset(s) if s else _DEFAULT_SUPPORTED
+    """GGML types that WeightTensor can dequantize and multiply (strata.backend.quant.SUPPORTED_TYPES)."""
+    return frozenset(quant.SUPPORTED_TYPES)
 
 
 class GGUFFormatError(ValueError):

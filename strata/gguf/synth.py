@@ -21,9 +21,11 @@ Converter transforms inverted by ``export_hf`` (qwen3next / qwen35 / qwen35moe):
     ``mtp.pre_fc_norm_hidden`` / ``mtp.norm``) plus a full-attention decoder block (HF ``mtp.layers.0.*``).
   * llama: ``attn_q`` / ``attn_k`` rows are permuted for LLAMA_ROPE_TYPE_NORM (pairs (2i, 2i+1)).
 
-Quant types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 through ``gguf.quants.quantize``. The ``gguf`` library
-(0.19) has no quantizer for the K-quants (Q2_K..Q6_K, incl. Q4_K) nor the IQ types: asking for them raises
-ValueError. 1-D tensors, ``ssm_conv1d``, ``ssm_a`` / ``ssm_dt`` stay F32 (as the converter keeps them).
+Quant types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 through ``gguf.quants.quantize``; the nine IQ types
+through ``strata.gguf.iq_quant`` (valid blocks, not llama.cpp's quality). The ``gguf`` library (0.19) has no
+quantizer for the K-quants (Q2_K..Q6_K, incl. Q4_K): asking for them raises ValueError. A matrix whose row length
+is not whole blocks of the type is written F16 (as llama.cpp's quantizer falls back to another type). 1-D tensors,
+``ssm_conv1d``, ``ssm_a`` / ``ssm_dt`` stay F32 (as the converter keeps them).
 """
 from __future__ import annotations
 
@@ -39,11 +41,14 @@ import numpy as np
 import gguf
 from gguf import GGMLQuantizationType as QT
 
+from strata.gguf import iq_quant
+
 ARCHS = ("llama", "qwen3next", "qwen35", "qwen35moe")
 HYBRID_ARCHS = ("qwen3next", "qwen35", "qwen35moe")
 QUANTIZABLE = {
     "F32": QT.F32, "F16": QT.F16, "BF16": QT.BF16, "Q8_0": QT.Q8_0,
     "Q4_0": QT.Q4_0, "Q4_1": QT.Q4_1, "Q5_0": QT.Q5_0, "Q5_1": QT.Q5_1,
+    **{q.name: q for q in iq_quant.IQ_QUANTIZABLE},
 }
 
 
@@ -108,8 +113,8 @@ class SynthSpec:
             raise ValueError(f"unknown arch {self.arch!r}; supported: {', '.join(ARCHS)}")
         for q in (self.qtype, self.embd_qtype):
             if q not in QUANTIZABLE:
-                raise ValueError(f"quant type {q!r} cannot be written: gguf.quants has quantizers only for "
-                                 f"{', '.join(QUANTIZABLE)} (no K-quants such as Q4_K, no IQ types)")
+                raise ValueError(f"quant type {q!r} cannot be written: synthetic files take only "
+                                 f"{', '.join(QUANTIZABLE)} (no K-quants such as Q4_K)")
         if self.n_head % self.n_head_kv:
             raise ValueError(f"n_head {self.n_head} is not a multiple of n_head_kv {self.n_head_kv}")
         if self.arch in HYBRID_ARCHS and self.n_v_heads % self.n_k_heads:
@@ -320,6 +325,8 @@ def _encode(x: np.ndarray, q: QT) -> np.ndarray:
         return np.ascontiguousarray(x, dtype=np.float32)
     if q == QT.F16:
         return x.astype(np.float16)
+    if q in iq_quant.IQ_QUANTIZABLE:
+        return iq_quant.quantize(x, q)
     return gguf.quants.quantize(x, q)
 
 

@@ -86,7 +86,9 @@ def home_experts(name: str, gate, up, down, device_id: int) -> HomeLayer:
     pinned host RAM (HomeLayer); ValueError (one line) when the host cannot hold them."""
     for t in (gate, up, down):
         if int(t.ggml_type) not in BLOCK:
-            raise ValueError(f"{t.name}: GGML type {int(t.ggml_type)} is not one the CUDA kernels read")
+            raise ValueError(f"{t.name}: GGML type {getattr(t.ggml_type, 'name', t.ggml_type)} is not one the CUDA "
+                             "kernels read from host RAM (an IQ type is converted to F16 only on the device: run "
+                             "without the expert tier, or --device cpu)")
     need = int(gate.nbytes + up.nbytes + down.nbytes)
     avail = available_ram()
     if avail is not None and need > avail:

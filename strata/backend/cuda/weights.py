@@ -7,8 +7,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from gguf import GGMLQuantizationType
 
 from strata.backend.cuda.library import lib
+from strata.backend.quant import IQ_TYPES, WeightTensor
 
 # GGML type ids handled by the quantized kernels (ggml.h numbering) and their (values, bytes) per block.
 SUPPORTED_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
@@ -36,10 +38,29 @@ def row_bytes(t: int, n_in: int) -> int:
     return n_in // qk * bs
 
 
+def host_storage(name: str, ggml_type: int, shape: tuple[int, ...], data: np.ndarray) -> tuple[int, np.ndarray]:
+    """(GGML type, storage) a tensor takes on the device: the GGUF's own blocks, except the IQ types (no CUDA kernel
+    reads their grids), which are dequantized on the host by the C core (gguf-py's values) and rounded to F16, the
+    type the F16 matvec and GEMM paths read (2 bytes a value: 3.8x an IQ4_XS tensor, 7.8x an IQ2_XXS one).
+    ValueError (one line) when a value is past f16's range."""
+    t = int(ggml_type)
+    if t not in {int(q) for q in IQ_TYPES}:
+        return t, data
+    q = GGMLQuantizationType(t)
+    h = WeightTensor(name, q, tuple(shape), data).dequantize().astype(np.float16)
+    if not np.isfinite(h).all():
+        raise ValueError(f"{name}: {q.name} values exceed f16's range, so the CUDA backend cannot hold them as F16 "
+                         "(use --device cpu)")
+    return int(GGMLQuantizationType.F16), h
+
+
 def upload_raw(name: str, ggml_type: int, shape: tuple[int, ...], data: np.ndarray) -> DeviceWeight:
-    """Copy a GGUF tensor's storage to the device. 1-D tensors (norm weights) become f32 vectors."""
+    """Copy a GGUF tensor's storage to the device (an IQ type as F16: host_storage). 1-D tensors (norm weights)
+    become f32 vectors."""
     import cupy
     t = int(ggml_type)
+    if len(shape) > 1:
+        t, data = host_storage(name, t, shape, data)
     if len(shape) == 1:
         v = np.asarray(data)
         if t == 1:
