@@ -136,8 +136,8 @@ def test_host_memory_is_set_aside_for_two_conversations_at_start(hybrid_path):
 @pytest.mark.parametrize("which", ["default", "hybrid"])
 def test_a_parked_one_liner_holds_its_rows_not_whole_pages(which, default_model_path, hybrid_path, tmp_path):
     """A short conversation parked in host RAM (and written to a session file) keeps the K/V of its own tokens, not
-    a whole page per layer: its bytes are its tokens times the pools' bytes per token plus its running state and its
-    checkpoints' (prefixes of its K/V: running state only), and it comes back bit-exact."""
+    a whole page per layer: its bytes are its tokens times the pools' bytes per token plus its running state and the
+    checkpoints it holds in the tree (prefixes of its K/V: running state only), and it comes back bit-exact."""
     path = default_model_path if which == "default" else hybrid_path
     kw = dict(n_ctx=1024, ubatch=32)
     one = [{"role": "user", "content": "Say hi."}]
@@ -162,7 +162,11 @@ def test_a_parked_one_liner_holds_its_rows_not_whole_pages(which, default_model_
                 per_token += f.pool.bytes_per_token
                 page = f.pool.page_size
     assert parked["tokens"] < page                        # a one-liner: less than a page
-    exact = parked["tokens"] * per_token + running * (1 + parked["checkpoints"]) + 4 * parked["tokens"]
+    # its checkpoints are the tree's, held by it alone (pins 1): each a copy of the running state and its token ids
+    held = [c for c in e.checkpoints() if c["pins"]]
+    assert len(held) == parked["checkpoints"] and all(c["pins"] == 1 for c in held)
+    assert all(c["bytes"] == running + 4 * c["pos"] for c in held), (held, running)
+    exact = parked["tokens"] * per_token + running + 4 * parked["tokens"] + sum(c["bytes"] for c in held)
     assert parked["bytes"] == exact, (parked, exact)      # whole pages would be page / tokens times the K/V
     assert os.path.getsize(tmp_path / "one.bin") < page * per_token
     again = ask(e, two, n=4)

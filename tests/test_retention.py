@@ -167,3 +167,36 @@ def test_branches_at_one_position_are_told_apart_by_their_keys():
     assert choose_victims(kept, cap=2) == [8]
     with pytest.raises(ValueError, match="unique"):
         choose_victims(kept + [Kept(pos=60, kind="turn", last_use=4, bytes=0, saved=4, key=9)], cap=2)
+
+
+def test_held_checkpoints_are_outside_the_count_and_move_last_for_the_bytes():
+    # a parked conversation holds 150 and 300: the cap of 2 counts 100 (the root), 200 and 400 only
+    kept = [Kept(100, "root", 5, 100, 1), Kept(150, "turn", 1, 100, 2, held=True), Kept(200, "turn", 2, 100, 3),
+            Kept(300, "turn", 3, 100, 4, held=True), Kept(400, "turn", 4, 100, 5)]
+    assert choose_victims(kept, cap=2) == [200]
+    assert choose_victims(kept, cap=0) == [100, 200, 400]
+    assert choose_victims(kept, cap=1) == [100, 200]
+    # bytes: the unheld least recently used first, the root, then the held ones least recently used first
+    assert choose_victims(kept, cap=5, budget_bytes=300) == [200, 400]
+    assert choose_victims(kept, cap=5, budget_bytes=100) == [200, 400, 100, 150]
+    assert choose_victims(kept, cap=2, budget_bytes=0) == [200, 400, 100, 150, 300]
+
+
+@settings(max_examples=300, deadline=None)
+@given(kept=chains(), held=st.lists(st.booleans(), min_size=12, max_size=12), cap=st.integers(0, 8),
+       budget=st.one_of(st.none(), st.integers(0, 6000)))
+def test_held_properties(kept, held, cap, budget):
+    kept = [Kept(k.pos, k.kind, k.last_use, k.bytes, k.saved, held=h) for k, h in zip(kept, held)]
+    victims = choose_victims(kept, cap=cap, budget_bytes=budget)
+    left = [k for k in kept if k.pos not in set(victims)]
+    assert len([k for k in left if not k.held]) <= cap                  # the cap counts the unheld
+    if budget is None:
+        assert all(not k.held for k in kept if k.pos in set(victims))   # the count never takes a held one
+    else:
+        assert sum(k.bytes for k in left) <= budget
+        # a held one goes only once every unheld one is gone
+        if any(k.held for k in kept if k.pos in set(victims)):
+            assert all(k.held for k in left)
+    unheld = choose_victims([k for k in kept if not k.held], cap=cap)
+    if budget is None:
+        assert victims == unheld                                        # the held ones change nothing else

@@ -358,10 +358,11 @@ class CheckpointCache:
             self._stats["replaced"] += 1
 
     def _retain(self, spill=None) -> list[int]:
-        """Evict retention's victims (under the lock) -> the positions dropped. The count (--prompt-cache) first:
-        its victims are dropped, whatever their tier; then the byte budget (--prompt-cache-mib) over what the
-        checkpoints hold in memory: its victims move to the disk tier through `spill` when it takes them, else
-        are dropped (the same order and victims as one pass of choose_victims when nothing spills)."""
+        """Evict retention's victims (under the lock) -> the positions dropped. The count (--prompt-cache, over the
+        checkpoints no parked conversation holds) first: its victims are dropped, whatever their tier; then the
+        byte budget (--prompt-cache-mib) over what all the checkpoints hold in memory: its victims move to the
+        disk tier through `spill` when it takes them, else are dropped, except a held one, which then stays (the
+        same order and victims as one pass of choose_victims when nothing spills)."""
         if not self._entries:
             return []
         victims = choose_victims(self._kept(), cap=self.cap, root_min=self.root_min, budget_bytes=None)
@@ -377,6 +378,8 @@ class CheckpointCache:
                     node = spill(e.snapshot, e.last_use_time)
                 except Exception:  # noqa: BLE001 -- a spill that fails leaves the drop
                     node = None
+            if node is None and e.node.pins:
+                continue                        # held by a parked conversation: it stays where it is
             if node is None:
                 gone.append(e.pos)
                 self._drop(k)
@@ -395,17 +398,20 @@ class CheckpointCache:
                 if e.snapshot is snapshot:
                     e.snapshot, e.bytes, e.tier = copy, _snapshot_bytes(copy), "ram"
 
-    def make_room(self, live_ids, off_path: bool = False, spare=None, demote=None, spill=None) -> bool:
+    def make_room(self, live_ids, off_path: bool = False, spare=None, demote=None, spill=None,
+                  held: bool | None = None, skip=frozenset()) -> bool:
         """Give back one checkpoint's pages when a pool is short: the least recently used of those holding pages that
         are not a prefix of ``live_ids`` (the live sequence's tokens: their pages are the sequence's too), then
-        (unless off_path) of the rest, never the one whose snapshot is `spare` (being restored). With `demote`
-        (snapshot -> the same checkpoint as host copies, or None), it moves to host RAM (its tier "ram": restored
-        from there on a hit, its bytes counted against the byte budget) instead of being dropped. -> False when
-        none holds pages any more."""
+        (unless off_path) of the rest, never the one whose snapshot is `spare` (being restored); held: only those
+        a parked conversation holds (True) or none holds (False), None: either; never one at a node in `skip` (ids of
+        nodes: those a resident conversation pins, which stay on the device with it). With `demote` (snapshot -> the same
+        checkpoint as host copies, or None), it moves to host RAM (its tier "ram": restored from there on a hit, its
+        bytes counted against the byte budget) instead of being dropped. -> False when none holds pages any more."""
         live = as_ids(live_ids)
         with self._lock:
             cand = [(is_prefix(e.tokens, live), e.last_use, e.key) for e in self._entries.values()
-                    if (spare is None or e.snapshot is not spare) and _holds_pages(e.snapshot)]
+                    if (spare is None or e.snapshot is not spare) and _holds_pages(e.snapshot)
+                    and (held is None or bool(e.node.pins) == held) and id(e.node) not in skip]
             cand = [c for c in cand if not (off_path and c[0])]
             if not cand:
                 return False
@@ -425,6 +431,23 @@ class CheckpointCache:
             self._stats["demoted"] += 1
             self._retain(spill)                # host copies count against the byte budget
             return True
+
+    def pin_path(self, tokens) -> list[Node]:
+        """Pin the nodes on the path of `tokens` (a conversation being parked) that keep a checkpoint, in any tier
+        -> them, shallowest first: the conversation references these checkpoints instead of copying them, and
+        retention keeps them while it does (``unpin``)."""
+        with self._lock:
+            nodes = self._tree.path(tokens)
+            for nd in nodes:
+                self._tree.pin(nd)
+            return nodes
+
+    def unpin(self, nodes) -> None:
+        """Give back the pins ``pin_path`` took (a parked conversation dropped or made live again); the checkpoints
+        stay, counted by --prompt-cache again from the next retention."""
+        with self._lock:
+            for nd in nodes:
+                self._tree.unpin(nd)
 
     def drop_gone(self) -> int:
         """Drop the checkpoints a worker dropped a part of (their other parts' pages given back) -> how many."""
@@ -450,20 +473,20 @@ class CheckpointCache:
 
     # ---- visibility ------------------------------------------------------------------------------
     def _kept(self) -> list[Kept]:
-        return [Kept(pos=e.pos, kind=e.kind, last_use=e.last_use, bytes=e.bytes, saved=e.saved, key=e.key)
-                for e in self._entries.values()]
+        return [Kept(pos=e.pos, kind=e.kind, last_use=e.last_use, bytes=e.bytes, saved=e.saved, key=e.key,
+                     held=e.node.pins > 0) for e in self._entries.values()]
 
     def entries(self) -> list[dict]:
         """The kept checkpoints by position (then save order): dicts with pos (tokens), kind, bytes, last_use
         (logical clock, larger = more recent), last_use_time (Unix seconds), mounts (times restored), tier, pinned
-        (bool). A view (CheckpointTree.view): never held up by slow work under the lock (then the one just before it)."""
+        (bool: the root retention keeps), pins (how many parked conversations hold it: outside --prompt-cache). A view (CheckpointTree.view): never held up by slow work under the lock (then the one just before it)."""
         return [dict(e) for e in self._tree.view("checkpoints")]
 
     def _entries_now(self) -> tuple[dict, ...]:
-        pin = pinned_root(self._kept(), self.cap, self.root_min)
+        pin = pinned_root([k for k in self._kept() if not k.held], self.cap, self.root_min)
         return tuple(dict(pos=e.pos, kind=e.kind, bytes=e.bytes, last_use=e.last_use,
                           last_use_time=e.last_use_time, mounts=e.mounts, tier=e.tier,
-                          pinned=pin is not None and pin.key == e.key)
+                          pinned=pin is not None and pin.key == e.key, pins=e.node.pins)
                      for e in sorted(self._entries.values(), key=lambda e: (e.pos, e.saved)))
 
     def branches(self) -> int:
@@ -477,11 +500,13 @@ class CheckpointCache:
         (moved to the disk tier by the byte budget). A view, as ``entries``."""
         return dict(self._tree.view("checkpoint_stats"))
 
-    def clear(self) -> None:
-        """Drop every checkpoint, its pages given back (counters stay)."""
+    def clear(self, held: bool = True) -> None:
+        """Drop every checkpoint (held False: every one no parked conversation holds), its pages given back
+        (counters stay). A held one dropped stays pinned by its conversations, which then skip it."""
         with self._lock:
-            for p in list(self._entries):
-                self._drop(p)
+            for k, e in list(self._entries.items()):
+                if held or not e.node.pins:
+                    self._drop(k)
 
     def __len__(self) -> int:
         return len(self._entries)

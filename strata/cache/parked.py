@@ -34,14 +34,21 @@ class Parked:
     saved: int = 0
 
     def nbytes(self) -> int:
-        """What it takes in its tier: a file's size, host copies' bytes, a resident one's held K/V too."""
+        """What it takes in its tier: a file's size, host copies' bytes, a resident one's held K/V too; in memory
+        also its share of the checkpoints it pins (``pinned_share``)."""
         if self.tier == "disk":
             return self.file.size
-        return self.conv.nbytes() + (self.conv.held_bytes() if self.tier == "device" else 0)
+        return self.conv.nbytes() + self.pinned_share() + \
+            (self.conv.held_bytes() if self.tier == "device" else 0)
+
+    def pinned_share(self) -> int:
+        """Its share of the bytes the tree's checkpoints it pins keep of their own (each checkpoint's bytes split
+        evenly among the conversations pinning it, rounded up): shared checkpoints are counted once over all."""
+        return sum(-(-n.value.bytes // n.pins) for n in self.conv.pins if n.value is not None and n.pins > 0)
 
     def entry(self) -> dict:
         return {"tokens": self.conv.pos, "bytes": self.nbytes(), "tier": self.tier,
-                "checkpoints": len(self.conv.checkpoints), "last_use_time": self.conv.last_use}
+                "checkpoints": len(self.conv.checkpoint_positions()), "last_use_time": self.conv.last_use}
 
 
 class Tier:
@@ -54,7 +61,7 @@ class Tier:
         self.stats = {"parked": 0, "restored": 0, "evicted": 0, "refused": 0}
 
     def cost(self, p: Parked) -> int:
-        return 1 if self.name == "device" else p.conv.nbytes()
+        return 1 if self.name == "device" else p.conv.nbytes() + p.pinned_share()
 
     def conversations(self) -> list[Conversation]:
         return [p.conv for p in self.owner.in_tier(self.name)]
@@ -63,7 +70,7 @@ class Tier:
         return len(self.owner.in_tier(self.name))
 
     def nbytes(self) -> int:
-        return sum(c.nbytes() for c in self.conversations())
+        return sum(p.conv.nbytes() + p.pinned_share() for p in self.owner.in_tier(self.name))
 
     def clear(self) -> None:
         self.owner.clear(self.name)
@@ -153,8 +160,10 @@ class ParkedConversations:
             with self._lock:
                 return self._enter(p, tier, touch)
         except BaseException:
-            if p.node is None and conv.resident:
-                self.release(conv)
+            if p.node is None:
+                if conv.resident:
+                    self.release(conv)
+                self.unpin(p.conv)
             raise
 
     def _enter(self, p: Parked, tier: Tier, touch: bool) -> list[Parked]:
@@ -204,6 +213,7 @@ class ParkedConversations:
             if host is None:
                 self._drop(p, give_back=False)
                 return None
+            host.pins, p.conv.pins = p.conv.pins, []     # the host copy holds its pins now
             p.conv = host
             self._enter_below(p, self.ram, place)
             return p if p.node is not None else None
@@ -216,7 +226,8 @@ class ParkedConversations:
         c = p.conv
         # the file's stub: no common-prefix cut from it (reading a whole file to cut it back is rarely worth it)
         p.conv = Conversation(tokens=c.tokens, parts=[], live_ok=c.live_ok, last_use=c.last_use,
-                              checkpoints=[SavedCheckpoint(s.pos, s.kind, []) for s in c.checkpoints])
+                              checkpoints=[SavedCheckpoint(s.pos, s.kind, []) for s in c.checkpoints], pins=c.pins)
+        c.pins = []                             # the stub holds them: the tree's checkpoints stay where they are
         p.file, p.tier = node, "disk"
         if place or p.node is None:
             self._place(p)
@@ -240,12 +251,15 @@ class ParkedConversations:
             tier.stats["evicted"] += 1
             self._move_down(victim)
 
-    def _drop(self, p: Parked, give_back: bool = True) -> None:
+    def _drop(self, p: Parked, give_back: bool = True, unpin: bool = True) -> None:
         """(under the lock) `p` out of the tree (unless another took its node's place); give_back: what it holds
-        given back (a resident one's pages, a disk one's file)."""
+        given back (a resident one's pages, a disk one's file); unpin: its pins on the tree's checkpoints given
+        back (not when it is taken: its taker holds them)."""
         if p.node is not None and p.node.parked is p:
             self.tree.remove(p.node, SLOT)
         p.node = None
+        if unpin:
+            self.unpin(p.conv)
         if give_back and p.tier == "device":
             self.release(p.conv)
         elif give_back and p.tier == "disk":
@@ -289,12 +303,29 @@ class ParkedConversations:
             return True
 
     def take(self, p: Parked) -> Conversation:
-        """Take `p` out of the tree -> its conversation (a file's read back: its errors propagate)."""
+        """Take `p` out of the tree -> its conversation (a file's read back: its errors propagate, its pins then
+        given back), still pinning the tree's checkpoints on its path: the taker parks it again or gives them
+        back (``unpin``)."""
         with self._lock:
-            self._drop(p, give_back=False)
+            self._drop(p, give_back=False, unpin=False)
             if p.tier != "disk":
                 self.tier(p.tier).stats["restored"] += 1
-        return self.disk.read(p.file) if p.tier == "disk" else p.conv
+                return p.conv
+        try:
+            conv = self.disk.read(p.file)
+        except BaseException:
+            with self._lock:
+                self.unpin(p.conv)
+            raise
+        conv.pins, p.conv.pins = p.conv.pins, []
+        return conv
+
+    def unpin(self, conv: Conversation) -> None:
+        """Give back `conv`'s pins on the tree's checkpoints (CheckpointTree.unpin); again: nothing."""
+        with self._lock:
+            for n in conv.pins:
+                self.tree.unpin(n)
+            conv.pins = []
 
     def discard(self, tokens) -> None:
         """Drop the conversation parked on the device or in RAM at exactly these tokens (now live by another way)."""
@@ -353,10 +384,11 @@ class ParkedConversations:
         log.warning(f"{what}: host RAM unknown or short", bytes=need, available=avail)
         return True
 
-    def prepin(self, n_ctx: int, checkpoints_cap: int) -> int:
+    def prepin(self, n_ctx: int) -> int:
         """Host memory ahead for parking (strata.memory.pinned: pinned for the GPU stages, paged in for the CPU
         ones): two full conversations of the local stages (a switch parks the live one while the other is still
-        parked), each a full context's K/V plus its running state and the checkpoints' copies of it; capped by the
+        parked), each a full context's K/V plus its running state (its checkpoints are the tree's: pinned, not
+        copied); capped by the
         park budget and PREPIN_MAX and kept up to the park budget, so a park copies at the bus's (or memcpy's)
         bandwidth instead of getting fresh memory first (docs/checkpoints.md). Returns the bytes asked for."""
         if self.ram is None:
@@ -371,7 +403,7 @@ class ParkedConversations:
             kv = mem.get("kv", {})
             tokens = int(kv.get("pages_total", 0)) * int(kv.get("page_size", 0))
             kv_bytes = int(kv.get("bytes", 0)) * min(1.0, n_ctx / tokens) if tokens else 0   # one context's
-            full[kind] = full.get(kind, 0) + int(kv_bytes) + running * (1 + checkpoints_cap)
+            full[kind] = full.get(kind, 0) + int(kv_bytes) + running
         from strata.memory.pinned import arena
         asked = 0
         for kind, n in full.items():

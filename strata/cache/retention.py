@@ -20,6 +20,8 @@ class Kept:
     saved: logical time of the save (insertion order), used by the first-in-first-out mode (cap 1).
     key: what names it among the kept ones (unique; None: its pos, which must then be unique). Several branches
     of a prefix tree can keep a checkpoint at one position: their keys tell them apart.
+    held: referenced by a parked conversation (CheckpointTree.pin): not counted against the cap and never its
+    victim; the byte budget moves it down a tier after every unheld one (the caller never drops it for that).
     """
 
     pos: int
@@ -28,6 +30,7 @@ class Kept:
     bytes: int
     saved: int = 0
     key: int | None = None
+    held: bool = False
 
     @property
     def id(self) -> int:
@@ -74,7 +77,9 @@ def choose_victims(kept: Sequence[Kept], *, cap: int, root_min: int = 0,
 
     The policy ("the conversation cache keeps its shared prefix; the rest rotates LRU"):
 
-    * cap 0 (``--prompt-cache 0``): keep none; every checkpoint is a victim.
+    * held checkpoints (Kept.held: a parked conversation references them) are outside the count: the cap
+      bounds the unheld ones, and no rule below evicts a held one for the count.
+    * cap 0 (``--prompt-cache 0``): keep none; every unheld checkpoint is a victim.
     * cap 1: plain first-in-first-out by save order, no pin — the old behaviour exactly.
     * cap >= 2: the root (see :func:`pinned_root`: the shallowest checkpoint of the prefix chain, when it
       is at least ``root_min`` tokens long) is pinned and never a victim of the count limit; the others are
@@ -82,7 +87,8 @@ def choose_victims(kept: Sequence[Kept], *, cap: int, root_min: int = 0,
       most ``cap`` remain, whichever branch of the tree they are on.
     * ``budget_bytes`` (``--prompt-cache-mib``): after the count limit, unpinned checkpoints keep going in
       the same order while the kept bytes exceed the budget; if the pinned root alone still exceeds it, the
-      root goes too (the budget is a hard cap on memory). None means no byte limit.
+      root goes too, then the held ones, least recently used first (the budget is a hard cap on memory: the
+      caller moves a held victim down a tier, never drops it). None means no byte limit.
     * pin=False: no root is pinned (the parked conversations of a tier: plain LRU under its count and bytes).
 
     Pure: reads its arguments only, changes nothing. Raises ValueError (one line) for a negative cap,
@@ -90,8 +96,12 @@ def choose_victims(kept: Sequence[Kept], *, cap: int, root_min: int = 0,
     """
     kept = list(kept)
     _check(kept, cap, root_min, budget_bytes)
+    held = sorted((k for k in kept if k.held), key=lambda k: (k.last_use, k.saved, k.pos))
+    total = sum(k.bytes for k in kept)
+    kept = [k for k in kept if not k.held]
     if cap == 0:
-        return [k.id for k in sorted(kept, key=lambda k: (k.saved, k.pos))]
+        return [k.id for k in sorted(kept, key=lambda k: (k.saved, k.pos))] + \
+            _over_bytes(held, total - sum(k.bytes for k in kept), budget_bytes)
     pin = pinned_root(kept, cap, root_min) if pin else None
     if cap == 1:
         order = sorted(kept, key=lambda k: (k.saved, k.pos))
@@ -99,7 +109,6 @@ def choose_victims(kept: Sequence[Kept], *, cap: int, root_min: int = 0,
         order = sorted((k for k in kept if k is not pin), key=lambda k: (k.last_use, k.saved, k.pos))
     victims: list[int] = []
     n = len(kept)
-    total = sum(k.bytes for k in kept)
     for k in order:
         over_count = n > cap
         over_bytes = budget_bytes is not None and total > budget_bytes
@@ -110,4 +119,16 @@ def choose_victims(kept: Sequence[Kept], *, cap: int, root_min: int = 0,
         total -= k.bytes
     if pin is not None and budget_bytes is not None and total > budget_bytes:
         victims.append(pin.id)
-    return victims
+        total -= pin.bytes
+    return victims + _over_bytes(held, total, budget_bytes)
+
+
+def _over_bytes(held: list[Kept], total: int, budget_bytes: int | None) -> list[int]:
+    """The held checkpoints (least recently used first) that go while `total` bytes exceed the budget."""
+    out = []
+    for k in held:
+        if budget_bytes is None or total <= budget_bytes:
+            break
+        out.append(k.id)
+        total -= k.bytes
+    return out

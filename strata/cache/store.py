@@ -99,19 +99,23 @@ class ConversationStore:
 
     def prepin(self) -> int:
         """Host memory set aside for parking now (ParkedConversations.prepin) -> the bytes asked for."""
-        return self.parking.prepin(self.n_ctx, self.checkpoints.cap)
+        return self.parking.prepin(self.n_ctx)
 
     # ---- a sequence as a Conversation ------------------------------------------------------------------
-    def capture(self, seq: Sequence, on_disk: bool = False) -> Conversation:
+    def capture(self, seq: Sequence, on_disk: bool = False, pin: bool = False) -> Conversation:
         """`seq`'s conversation as host copies: every stage's used K/V and running state, its checkpoints (running
         state only where the stage can make the K/V a prefix of the conversation's); on_disk: those the tree keeps
-        on disk too, read back (a session file: the tree keeps them where they are, parking leaves them there)."""
+        on disk too, read back (a session file: the tree keeps them where they are, parking leaves them there);
+        pin: the tree's checkpoints on its path pinned instead (``Conversation.pins``: to be parked)."""
         self.forget_dropped()
         here = seq.capture()
         try:
             parts = seq.materialize(here)
         finally:
             here.release()
+        if pin:
+            return Conversation(tokens=seq.ids, parts=parts, live_ok=seq.live_ok,
+                                cut_anywhere=self.parking.cut_anywhere, pins=self.checkpoints.pin_path(seq.ids))
         cps = []
         for pos, kind, snap in self.checkpoints.export(seq.ids, on_disk=on_disk):
             try:
@@ -129,16 +133,11 @@ class ConversationStore:
 
     def capture_resident(self, seq: Sequence) -> Conversation:
         """`seq`'s conversation parked where it is: every stage's pages held (nothing copied), its running state
-        and its checkpoints' copied on the device (a remote stage: more references to the worker's parts)."""
+        copied on the device (a remote stage: more references to the worker's parts), the tree's checkpoints on its
+        path pinned (``Conversation.pins``), not copied."""
         here = seq.with_room(seq.capture)        # its pages held: nothing is copied
-        try:
-            cps = [SavedCheckpoint(pos, kind, seq.detach(snap, to_host=False))
-                   for pos, kind, snap in self.checkpoints.export(seq.ids)]
-        except BaseException:
-            here.release()
-            raise
-        return Conversation(tokens=seq.ids, parts=here.parts, checkpoints=cps, live_ok=seq.live_ok, resident=True,
-                            cut_anywhere=self.parking.cut_anywhere)
+        return Conversation(tokens=seq.ids, parts=here.parts, live_ok=seq.live_ok, resident=True,
+                            cut_anywhere=self.parking.cut_anywhere, pins=self.checkpoints.pin_path(seq.ids))
 
     def restore(self, seq: Sequence, conv: Conversation) -> None:
         """Make `conv` `seq`'s conversation, its checkpoints kept in the tree (a resident one's pages become the
@@ -281,26 +280,36 @@ class ConversationStore:
         seq.live_ok = False
 
     def erase(self, seq: Sequence) -> int:
-        """Forget `seq` and every checkpoint, its pages given back (parked conversations stay) -> the tokens it
-        held."""
+        """Forget `seq` and every checkpoint no parked conversation holds, its pages given back (parked conversations
+        stay, with the checkpoints they hold) -> the tokens it held."""
         n = int(seq.pos)
         self.forget(seq)
-        self.checkpoints.clear()
+        self.checkpoints.clear(held=False)          # those parked conversations hold are theirs
         seq.trim()
         return n
 
     def make_room(self, seq: Sequence) -> bool:
-        """Free pages for `seq` (what a Sequence calls when a pool is short for it): a checkpoint off its path
-        dropped (its pages are its own), else the least recently used resident conversation moved to host RAM,
-        else a checkpoint on its path dropped -> False when nothing more can be freed."""
+        """Free pages for `seq` (what a Sequence calls when a pool is short for it): a checkpoint off its path that no
+        parked conversation holds dropped (its pages are its own; with parking off moved to host RAM), else one
+        held only by conversations parked below the device moved to host RAM (it follows them), else the least
+        recently used resident conversation moved to host RAM, else a held checkpoint off its path moved to host
+        RAM, else a checkpoint on its path (unheld first) -> False when nothing more can be freed. A held
+        checkpoint is dropped only when it cannot be copied to host RAM (its conversations then skip it)."""
         self.forget_dropped()
         ids, spare = seq.ids, self._restoring
-        # with parking off the tree is the only keeper of other branches: their checkpoints move to host RAM
-        # (parking keeps the conversations they belong to, with their K/V, itself)
-        demote = self._demote if self.parking.ram is None and self.parking.host_parts_refusal() is None else None
-        return self.checkpoints.make_room(ids, off_path=True, spare=spare, demote=demote, spill=self._spill) or \
+        # a checkpoint a parked conversation holds moves to host RAM; with parking off the tree is the only keeper
+        # of other branches: theirs move too (parking keeps the conversations they belong to, with their K/V)
+        held = self._demote if self.parking.host_parts_refusal() is None else None
+        demote = held if self.parking.ram is None else None
+        cp = self.checkpoints
+        resident = {id(n) for p in self.parking.in_tier("device") for n in p.conv.pins}
+        return cp.make_room(ids, off_path=True, spare=spare, demote=demote, spill=self._spill, held=False) or \
+            cp.make_room(ids, off_path=True, spare=spare, demote=held, spill=self._spill, held=True,
+                         skip=resident) or \
             self.parking.make_room() or \
-            self.checkpoints.make_room(ids, spare=spare, demote=demote, spill=self._spill)
+            cp.make_room(ids, off_path=True, spare=spare, demote=held, spill=self._spill, held=True) or \
+            cp.make_room(ids, spare=spare, demote=demote, spill=self._spill, held=False) or \
+            cp.make_room(ids, spare=spare, demote=held, spill=self._spill, held=True)
 
     def _spill(self, snap: Checkpoint, last_use: float) -> DiskNode | None:
         """A checkpoint the tree's byte budget evicts, written to the disk tier as a file of the session format
@@ -353,7 +362,7 @@ class ConversationStore:
             need = seq.nbytes()
             if t.ram_short(need, "not parking the live conversation"):
                 return
-            gone = t.park(self.capture(seq))
+            gone = t.park(self.capture(seq, pin=True))
             if trace:
                 log.info("parked", tokens=seq.pos, bytes=need, ms=round((time.perf_counter() - t0) * 1e3, 2),
                          evicted=len(gone))
@@ -378,9 +387,12 @@ class ConversationStore:
         conv = hit.conv if hit is not None else None
         source = {"device": "resident", "ram": "park", "disk": "disk"}[hit.tier] if hit is not None else None
         if conv is not None and source != "disk" and depth != conv.pos and \
-                all(c.pos != depth for c in conv.checkpoints) and depth < here + CUT_MIN:
+                depth not in conv.checkpoint_positions() and depth < here + CUT_MIN:
             conv = None      # a cut at the common prefix that skips too few tokens more than the sequence does
-        if conv is not None and depth > here:
+        # a checkpoint the conversation pins is its own resume point: at equal depth the conversation comes back
+        own = conv is not None and found.checkpoint is not None and depth == here == found.checkpoint.pos and \
+            any(n is found.checkpoint for n in conv.pins)
+        if conv is not None and (depth > here or own):
             t0 = time.perf_counter()
             try:                              # out of the tree first: parking `seq`'s cannot evict it
                 conv = t.take(hit)
@@ -396,6 +408,7 @@ class ConversationStore:
                     self.forget(seq)          # a worker refused its part after a local stage was written
                 if isinstance(e, CheckpointGone):
                     t.release(conv)           # its worker parts are gone with the link: nothing to put back
+                    t.unpin(conv)
                     log.warning("a parked conversation is gone from the worker", tier=source, error=str(e))
                     return None
                 # put back intact (restoring only adds references to a resident one's pages); the caller
@@ -405,19 +418,23 @@ class ConversationStore:
                     raise
                 log.warning("a parked conversation could not be restored", tier=source, error=str(e))
                 return None
-            if depth < max((c.pos for c in conv.checkpoints), default=0):
+            if depth < max(conv.checkpoint_positions(), default=0):
                 # the prompt leaves it before its last checkpoint (a new chat on its system prompt, an earlier
                 # message edited): it stays parked, whole (in RAM, a file's); a next turn, which rewrites only
                 # what follows that checkpoint, takes it over, as the prompt does with one that has none
                 t.park(conv)
-            elif conv.resident:
-                t.release(conv)               # the sequence holds its pages now
+            else:
+                if conv.resident:
+                    t.release(conv)           # the sequence holds its pages now
+                t.unpin(conv)                 # live again: its checkpoints are the tree's alone
             if trace:
                 log.info("unparked", tier=source, tokens=conv.pos, resume=depth,
                          ms=round((time.perf_counter() - t0) * 1e3, 2))
             return source
         deepest = self.checkpoints.deepest(seq.ids)
-        if seq.pos > 0 and (here < deepest or (deepest == 0 and here == 0)):
+        # the prompt leaves `seq` when it resumes before `seq`'s deepest checkpoint or at a checkpoint of another
+        # branch (one a parked conversation holds can be as deep as `seq`'s own)
+        if seq.pos > 0 and (here < deepest or (deepest == 0 and here == 0) or common_prefix(seq.ids, prompt) < here):
             self.park(seq, trace)
         return None
 

@@ -101,7 +101,8 @@ class Engine:
         def make_remote(index, hops, model):
             # the worker may hold, besides the cache's N, the one being saved before an eviction, the one a plan
             # restores and the prompt's state of n > 1 choices: room for 2N + 2 (at most the worker's 64)
-            # and, parking, the conversations parked resident with their checkpoints (the worker holds them too)
+            # and, parking, the conversations parked resident and the checkpoints they pin beyond the N (each
+            # pins those on its path: at most N of its own), which the worker holds too
             parts = 2 * self.prompt_cache + 2 if self.prompt_cache else 0
             if pk.ram_mib != 0:
                 parts += int(pk.resident) * (1 + self.prompt_cache) + 1
