@@ -55,6 +55,7 @@ setup(
         "tqdm>=4.60",
         "llguidance>=1.9",
         "cryptography>=42",
+        "jiter>=0.5",                # cut tool arguments read as the anthropic SDK reads them (messages_api.py)
     ],
     extras_require={
         "test": [

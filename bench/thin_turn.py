@@ -21,7 +21,7 @@ the client and the server's time to first token: the median of the ratios of tur
 goes to bench/results/thin_turn_<model>_<commit>.json.
 
 Usage: PYTHONPATH=. python bench/thin_turn.py [--sizes 4096 16384 65536] [--shapes system chat] [--before main]
-       [--synthetic qwen3next] [--device cpu] [--turns 4] [--threads N]
+       [--synthetic qwen3next] [--chat-template FILE] [--device cpu] [--turns 4] [--threads N]
 """
 from __future__ import annotations
 
@@ -151,6 +151,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", nargs="+", default=["system", "chat"], choices=["system", "chat"])
     ap.add_argument("--synthetic", default="qwen3next", choices=["qwen3next", "llama"])
     ap.add_argument("--model", default=None, help="a GGUF instead of the synthetic model")
+    ap.add_argument("--chat-template", default=None, help="a jinja file written into the synthetic model as its "
+                    "tokenizer.chat_template (default: the default model's), e.g. tests/data/templates/Qwen3.5-4B.jinja")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None, help="the daemons' --threads (default: 1 on the CPU, where "
                     "the arms run side by side)")
@@ -172,8 +174,13 @@ def main(argv=None) -> int:
     else:
         from strata.gguf import synth
         model = str(tmp / f"synthetic-{args.synthetic}-tiny.gguf")
-        synth.write_synthetic(model, synth.preset(args.synthetic, "tiny", ctx=max(args.sizes) + 4096))
+        overrides = None
         model_name = f"synthetic_{args.synthetic}_tiny"
+        if args.chat_template:
+            overrides = {"tokenizer.chat_template": Path(args.chat_template).read_text()}
+            model_name += "_" + Path(args.chat_template).stem.replace(".", "")
+        synth.write_synthetic(model, synth.preset(args.synthetic, "tiny", ctx=max(args.sizes) + 4096),
+                              overrides=overrides)
     from strata.gguf.file import open_gguf
     from strata.text.tokenizer import Tokenizer
     tok = Tokenizer.from_gguf(open_gguf(model).metadata)

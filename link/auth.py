@@ -15,8 +15,8 @@ from .secure import FRAMES, FRAMES_AEAD, FRAMES_MAC, FRAMES_PLAIN
 
 __all__ = ["KEY_SIZE", "MAX_KEY_FILE", "HELLO_LABEL", "ACK_LABEL", "CAP_MAC", "CAP_AEAD", "CAP_ENCRYPT",
            "hello_label", "ack_label", "hello_mac", "ack_mac", "hello_frames", "verify", "new_nonce",
-           "CAP_SPEC", "CAP_PARK", "CAP_DROPS", "CAP_SLOTS", "challenge_name", "split_challenge_name", "main_frames",
-           "worker_accepts", "read_key_file", "write_key_file"]
+           "CAP_SPEC", "CAP_PARK", "CAP_DROPS", "CAP_SLOTS", "CAP_ROWIDS", "challenge_name", "split_challenge_name",
+           "main_frames", "worker_accepts", "read_key_file", "write_key_file"]
 
 KEY_SIZE = 32                   # write_key_file writes this many random bytes; read_key_file wants at least this
 MAX_KEY_FILE = 4096             # a key file longer than this is not a key file
@@ -29,7 +29,9 @@ CAP_SPEC = "+spec"          # a Forward with want_all keeps each token's state; 
 CAP_PARK = "+park"          # PartGet / PartPut: a kept part's bytes streamed to the main and back (parking, session files)
 CAP_DROPS = "+drops"        # a Result names the kept parts the worker dropped to make room for its Forward
 CAP_SLOTS = "+slots"        # one sequence per request slot (seq fields, Hello.slots) and BatchForward / BatchResult
-_CAPS = (CAP_MAC, CAP_AEAD, CAP_ENCRYPT, CAP_SPEC, CAP_PARK, CAP_DROPS, CAP_SLOTS)
+# asked in the Hello (row_ids): a BatchForward is answered with BatchRows (each row's ids), a Forward with SeqResult
+CAP_ROWIDS = "+rowids"
+_CAPS = (CAP_MAC, CAP_AEAD, CAP_ENCRYPT, CAP_SPEC, CAP_PARK, CAP_DROPS, CAP_SLOTS, CAP_ROWIDS)
 
 
 def hello_label(frames: str = FRAMES_PLAIN) -> bytes:

@@ -14,7 +14,7 @@ from .errors import ErrorCode, FrameError, LinkError
 __all__ = [
     "MsgType", "ErrorCode", "Hop", "Challenge", "Hello", "HelloAck", "Forward", "Result", "Commit", "Reset",
     "CkptSave", "CkptRestore", "PartGet", "PartData", "PartPut", "Ack", "Error", "Ping", "Pong", "Bye", "BatchForward",
-    "BatchResult", "Message", "REPLY", "TENSOR_TYPES", "MAX_ROWS",
+    "BatchResult", "BatchRows", "SeqResult", "Message", "REPLY", "TENSOR_TYPES", "MAX_ROWS",
     "MAX_STR", "NONCE_SIZE", "MAC_SIZE", "MAX_NDIM", "MAX_ELEMENTS", "TENSOR_ALIGN", "DTYPE_CODES",
     "encode_payload", "decode_message", "msg_type", "same",
 ]
@@ -41,16 +41,19 @@ class MsgType(IntEnum):
     PART_PUT = 17
     BATCH_FORWARD = 18
     BATCH_RESULT = 19
+    BATCH_ROWS = 20
+    SEQ_RESULT = 21
 
 
-# The reply each request gets (or an Error instead), in the order the requests were sent.
+# The reply each request gets (or an Error instead), in the order the requests were sent (when the Hello asked for
+# row ids, +rowids, a BatchForward's is a BATCH_ROWS instead and a Forward's a SEQ_RESULT).
 REPLY = {MsgType.HELLO: MsgType.HELLO_ACK, MsgType.FORWARD: MsgType.RESULT, MsgType.COMMIT: MsgType.ACK,
          MsgType.RESET: MsgType.ACK, MsgType.CKPT_SAVE: MsgType.ACK, MsgType.CKPT_RESTORE: MsgType.ACK,
          MsgType.PING: MsgType.PONG, MsgType.PART_GET: MsgType.PART_DATA, MsgType.PART_PUT: MsgType.ACK,
          MsgType.BATCH_FORWARD: MsgType.BATCH_RESULT}
 # The only messages that carry tensors: their payloads may use the whole frame limit, the others a small one.
 TENSOR_TYPES = frozenset({MsgType.FORWARD, MsgType.RESULT, MsgType.PART_DATA, MsgType.PART_PUT, MsgType.BATCH_FORWARD,
-                          MsgType.BATCH_RESULT})
+                          MsgType.BATCH_RESULT, MsgType.BATCH_ROWS, MsgType.SEQ_RESULT})
 
 MAX_STR = 4096               # bytes of UTF-8 in one string field
 NONCE_SIZE = 32              # a nonce is 32 raw bytes, no length prefix
@@ -121,6 +124,7 @@ class Hello(_Message):
     nonce: bytes
     mac: bytes = b""
     slots: int = 1          # (+slots) sequences the worker holds for this main, ids 0..slots-1; an optional last field
+    row_ids: bool = False   # (+rowids) answer each BatchForward with BatchRows; optional, after slots (so slots > 1)
 
 
 @dataclass(eq=False)
@@ -288,18 +292,36 @@ class BatchResult(_Message):
     dropped: list = field(default_factory=list)
 
 
+@dataclass(eq=False)
+class BatchRows(BatchResult):
+    """Worker -> main (``+rowids``), the reply to BatchForward when the Hello asked for row ids: a BatchResult that
+    names, for each hidden row, the sequence it was read for and the position its token was read at (the request's
+    rows, as the worker chain's last step produced them); the main checks them against what it asked."""
+    seqs: list = field(default_factory=list)
+    positions: list = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class SeqResult(Result):
+    """Worker -> main (``+rowids``), the reply to Forward when the Hello asked for row ids: a Result that names the
+    sequence its rows were read for (as the worker chain's last step read them); the main checks it against the
+    Forward's ``seq``, beside ``pos``."""
+    seq: int = 0
+
+
 Message = Union[Challenge, Hello, HelloAck, Forward, Result, Commit, Reset, CkptSave, CkptRestore, PartGet, PartData,
-                PartPut, Ack, Error, Ping, Pong, Bye, BatchForward, BatchResult]
+                PartPut, Ack, Error, Ping, Pong, Bye, BatchForward, BatchResult, BatchRows, SeqResult]
 
 # Field kinds: bool (u8 0/1), u16, u32, u64, str (u16 length + UTF-8), nonce (32 raw bytes), mac (u16 length + 0 or
 # 32 raw bytes), ids (u32 count + u64 each; more_ids: the same as an optional last field, absent when empty), hops
 # (u32 count + Hop each), tokens / hidden (a tensor; see PROTOCOL.md); seq / slots (an optional last u32, absent
-# when it is its default, 0 / 1); rows (u32 count + (u32 seq, u32 pos) each, read into two lists).
+# when it is its default, 0 / 1); flag (an optional last bool, absent when false, present as 1); rows (u32 count +
+# (u32 seq, u32 pos) each, read into two lists).
 _LAYOUT: dict[type, tuple[MsgType, tuple[tuple[str, str], ...]]] = {
     Hello: (MsgType.HELLO, (("protocol", "u16"), ("fingerprint", "str"), ("lo", "u32"), ("hi", "u32"),
                             ("n_blocks", "u32"), ("n_embd", "u32"), ("act_dtype", "str"), ("n_ctx", "u32"),
                             ("max_batch", "u32"), ("ckpt_max", "u32"), ("next_hops", "hops"), ("nonce", "nonce"),
-                            ("mac", "mac"), ("slots", "slots"))),
+                            ("mac", "mac"), ("slots", "slots"), ("row_ids", "flag"))),
     HelloAck: (MsgType.HELLO_ACK, (("protocol", "u16"), ("fingerprint", "str"), ("lo", "u32"), ("hi", "u32"),
                                    ("ckpt_max", "u32"), ("part_bytes", "u64"), ("worker", "str"), ("device", "str"),
                                    ("mac", "mac"))),
@@ -322,6 +344,10 @@ _LAYOUT: dict[type, tuple[MsgType, tuple[tuple[str, str], ...]]] = {
                                  ("data", "bytes"), ("keep", "ids"), ("seq", "seq"))),
     BatchForward: (MsgType.BATCH_FORWARD, (("seqs", "rows"), ("tokens", "tokens"), ("hidden", "hidden"))),
     BatchResult: (MsgType.BATCH_RESULT, (("compute_us", "u64"), ("hidden", "hidden"), ("dropped", "more_ids"))),
+    BatchRows: (MsgType.BATCH_ROWS, (("compute_us", "u64"), ("seqs", "rows"), ("hidden", "hidden"),
+                                     ("dropped", "more_ids"))),
+    SeqResult: (MsgType.SEQ_RESULT, (("pos", "u32"), ("seq", "u32"), ("compute_us", "u64"), ("hidden", "hidden"),
+                                     ("dropped", "more_ids"))),
 }
 # optional last u32 fields: absent when the value is the default (then the message is the bytes it was before the
 # field existed); present, never the default
@@ -425,6 +451,12 @@ def _put(out: _Out, what: str, kind: str, v) -> None:
         if v != _OPTIONAL_U32[kind]:
             out.buf += _INTS["u32"].pack(v)
         return
+    if kind == "flag":
+        if not isinstance(v, (bool, np.bool_)) and not (isinstance(v, (int, np.integer)) and v in (0, 1)):
+            raise FrameError(f"{what} must be a bool, not {v!r}")
+        if v:
+            out.buf += _U8.pack(1)
+        return
     if kind == "rows":
         seqs, positions = v
         if not isinstance(seqs, (list, tuple)) or not isinstance(positions, (list, tuple)):
@@ -432,7 +464,11 @@ def _put(out: _Out, what: str, kind: str, v) -> None:
         if len(seqs) != len(positions):
             raise FrameError(f"{what}: {len(seqs)} sequence ids but {len(positions)} positions")
         out.buf += _COUNT.pack(_int(f"{what} count", len(seqs), 32))
-        for i, (q, p) in enumerate(zip(seqs, positions)):
+        flat = [x for row in zip(seqs, positions) for x in row]
+        if all(type(x) is int and 0 <= x <= 0xFFFFFFFF for x in flat):      # the usual case, checked at once
+            out.buf += struct.pack(f"<{len(flat)}I", *flat)
+            return
+        for i, (q, p) in enumerate(zip(seqs, positions)):                 # else the row at fault is named
             out.buf += _ROW.pack(_int(f"{what}[{i}].seq", q, 32), _int(f"{what}[{i}].pos", p, 32))
         return
     if kind in _INTS:
@@ -478,6 +514,10 @@ def _check(msg, name: str) -> None:
     """Rules across fields (the same on both sides)."""
     if isinstance(msg, (Forward, BatchForward)) and msg.tokens.shape[0] != msg.hidden.shape[0]:
         raise FrameError(f"{name} carries {msg.tokens.shape[0]} tokens but {msg.hidden.shape[0]} hidden rows")
+    if isinstance(msg, Hello) and msg.row_ids and msg.slots == 1:
+        raise FrameError(f"{name} asks for row ids with one slot (row ids follow slots, which one slot leaves out)")
+    if isinstance(msg, BatchRows) and not 1 <= len(msg.seqs) <= MAX_ROWS:
+        raise FrameError(f"{name} names {len(msg.seqs)} rows, outside 1..{MAX_ROWS}")
     if isinstance(msg, BatchForward):
         n = len(msg.seqs)
         if not 1 <= n <= MAX_ROWS:
@@ -596,14 +636,21 @@ def _get(inp: _In, what: str, kind: str):
         if v == _OPTIONAL_U32[kind]:
             inp.refuse(f"{what} is present with its default {v} (a default is sent as no field)")
         return v
+    if kind == "flag":
+        if not inp.left:
+            return False                         # an optional last field, absent
+        (v,) = inp.unpack(_U8, what)
+        if v != 1:
+            inp.refuse(f"{what} is present as {v} (a flag is sent as 1, or as no field)")
+        return True
     if kind == "rows":
         (n,) = inp.unpack(_COUNT, f"{what} count")
         if not 1 <= n <= MAX_ROWS:
             inp.refuse(f"{what} count {n} is outside 1..{MAX_ROWS}")
         if _ROW.size * n > inp.left:
             inp.refuse(f"{what} count {n} needs {_ROW.size * n} bytes, {inp.left} are left")
-        rows = np.frombuffer(inp.take(_ROW.size * n, what), dtype="<u4").reshape(n, 2)
-        return rows[:, 0].tolist(), rows[:, 1].tolist()
+        flat = struct.unpack(f"<{2 * n}I", inp.take(_ROW.size * n, what))
+        return list(flat[0::2]), list(flat[1::2])
     if kind == "more_ids" and not inp.left:
         return []                                # an optional last field, absent
     if kind in ("ids", "more_ids"):
@@ -638,13 +685,16 @@ def decode_message(type: int, payload):
     if mv.format != "B" or mv.ndim != 1:
         mv = mv.cast("B")
     inp = _In(mv, name)
-    values = []
+    values = {}
     for fname, kind in _LAYOUT[cls][1]:
         v = _get(inp, fname, kind)
-        values += list(v) if kind == "rows" else [v]
+        if kind == "rows":
+            values["seqs"], values["positions"] = v
+        else:
+            values[fname] = v
     if inp.left:
         raise FrameError(f"the {name} payload has {inp.left} trailing bytes after its last field")
-    msg = cls(*values)
+    msg = cls(**values)
     if isinstance(msg, Error) and msg.code in ErrorCode._value2member_map_:
         msg.code = ErrorCode(msg.code)
     _check(msg, f"the {name} payload")

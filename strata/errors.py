@@ -1,7 +1,9 @@
 """How a request fails when it is not a bug: Refused (for what it asks: 4xx), Unavailable (now, whatever it asks:
 503) and EngineFault (the engine or a worker produced something unusable: 5xx, the server's fault); every layer
-raises them, serve maps them to HTTP by type."""
+raises them, serve maps them to HTTP by type; `printable`, how a peer's or server's text is quoted in a message."""
 from __future__ import annotations
+
+import unicodedata
 
 
 class Refused(ValueError):
@@ -34,3 +36,13 @@ class EngineFault(RuntimeError):
 
     status = 500
     code = "engine_error"
+
+
+_BIDI = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+
+
+def printable(text: str, keep: str = "") -> str:
+    """text with its control characters (C0, DEL, C1: escape sequences), bidirectional controls and lone surrogates
+    written as \\uXXXX, except those in `keep`: server text is safe to print, and JSON text stays valid JSON."""
+    return "".join(f"\\u{ord(c):04x}" if c not in keep and (unicodedata.category(c) in ("Cc", "Cs") or c in _BIDI)
+                   else c for c in text)

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 
 import link
-from link import (FLAG_ASYNC, Ack, BatchForward, BatchResult, Bye, Challenge, CkptRestore, CkptSave, Commit, Error,
-                  ErrorCode, Forward, Hello, HelloAck, Hop, PartData, PartGet, PartPut, Ping, Pong, Reset, Result,
-                  frame_bytes)
+from link import (FLAG_ASYNC, Ack, BatchForward, BatchResult, BatchRows, Bye, Challenge, CkptRestore, CkptSave, Commit,
+                  Error, ErrorCode, Forward, Hello, HelloAck, Hop, PartData, PartGet, PartPut, Ping, Pong, Reset,
+                  Result, SeqResult, frame_bytes)
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN_PATH = ROOT / "tests" / "data" / "link_golden.json"
@@ -50,6 +50,10 @@ def golden_cases() -> dict:
         "commit_seq": (Commit(19, seq=2), 10, FLAG_ASYNC),
         "batch_forward": (BatchForward([2, 0, 1], [17, 5, 9], tokens, hidden), 11, 0),
         "batch_result": (BatchResult(1500, hidden, [4]), 11, 0),
+        "batch_rows": (BatchRows(1500, hidden, [4], [2, 0, 1], [17, 5, 9]), 11, 0),
+        "hello_row_ids": (Hello(5, "smollm2-135m-instruct:q4_1:3f2a", 1, 30, 30, 576, "f32", 4096, 8, 0, [],
+                                HELLO_NONCE, b"", 4, True), 1, 0),
+        "seq_result": (SeqResult(20, 1500, hidden, [4], seq=2), 12, 0),
     }
 
 

@@ -1,5 +1,18 @@
-"""Chat templates the tests write into synthetic models: a Qwen-style one that knows tools, one that opens a
-reasoning block."""
+"""Chat templates the tests write into synthetic models (a Qwen-style one that knows tools, one that opens a reasoning
+block) and the real templates of Qwen models (tests/data/templates, each as its model's tokenizer_config.json
+chat_template gives it, copied from llama.cpp's models/templates)."""
+import re
+from pathlib import Path
+
+import pytest
+
+_REAL = Path(__file__).resolve().parent / "data" / "templates"
+#: Qwen/Qwen3-0.6B (the Qwen3 family's): tools, the look-back for the last user query, reasoning, enable_thinking
+QWEN3_TEMPLATE = (_REAL / "Qwen-Qwen3-0.6B.jinja").read_text()
+#: Qwen/QwQ-32B (Qwen2.5's tool format): tool results grouped with their neighbours, reasoning cut from past turns
+QWQ_TEMPLATE = (_REAL / "Qwen-QwQ-32B.jinja").read_text()
+#: Qwen/Qwen3.5-4B: a content macro counting images in namespaces, the look-back, loop.previtem / nextitem
+QWEN35_TEMPLATE = (_REAL / "Qwen3.5-4B.jinja").read_text()
 
 # A Qwen-style chat template written from the documented prompt format of Qwen2.5 / Qwen3-Next-Instruct (ChatML;
 # tools in the system turn inside <tools></tools>; calls as <tool_call> JSON; results as <tool_response> in a user
@@ -56,3 +69,20 @@ THINK_TEMPLATE = """{%- for m in messages %}<|im_start|>{{ m.role }}
 
 {% else %}<think>
 {% endif %}{% endif %}"""
+
+
+def same_render(kept, whole, msgs, **args) -> bool:
+    """Asserts the kept-output render equals the whole render of `msgs` (text, tokens, cut points, content safety);
+    where the whole render refuses, the kept one must refuse with the same message. True when it rendered."""
+    try:
+        ref = whole.render(msgs, **args)
+    except ValueError as e:
+        with pytest.raises(ValueError, match=re.escape(str(e)[:40])):
+            kept.render(msgs, **args)
+        return False
+    got = kept.render(msgs, **args)
+    assert got.text == ref.text
+    assert got.tokens == ref.tokens
+    assert got.cut_points == ref.cut_points
+    assert got.content_safe == ref.content_safe
+    return True

@@ -341,7 +341,7 @@ def test_a_plain_main_is_refused_unless_the_worker_has_insecure_link(workers, tm
     s, ch, _, reply = _plain_main_hello(key, w.address)
     s.close()
     assert link.split_challenge_name(ch.worker)[1] == {link.CAP_MAC, link.CAP_AEAD, link.CAP_SPEC, link.CAP_PARK,
-                                                       link.CAP_DROPS, link.CAP_SLOTS}
+                                                       link.CAP_DROPS, link.CAP_SLOTS, link.CAP_ROWIDS}
     assert isinstance(reply, link.Error) and reply.code == link.ErrorCode.AUTH
     assert "does not authenticate frames" in reply.message and "--insecure-link" in reply.message
     time.sleep(0.3)
@@ -371,7 +371,9 @@ def test_flag_usage_errors():
                        (["worker", "--link-encrypt", "--insecure-link", "--link-key-file", "/nonexistent"],
                         "contradict"),
                        (["generate", "--remote-stage", "127.0.0.1:1", "--link-encrypt", "-p", "x"],
-                        "--link-encrypt needs --link-key-file")):
+                        "--link-encrypt needs --link-key-file"),
+                       (["serve", "--require-row-ids", "--parallel", "2", "--socket", str(ROOT / "never.sock")],
+                        "--require-row-ids needs --remote-stage")):
         r = subprocess.run([sys.executable, "-m", "strata.cli.main", *args], env=env, cwd=ROOT, capture_output=True,
                            text=True, timeout=120)
         assert r.returncode == 2 and want in r.stderr, (args, r.returncode, r.stderr[-500:])
@@ -478,3 +480,48 @@ def test_insecure_link_with_a_strata_from_before_frame_protection(workers, tmp_p
             assert line[-1] == f"TOKENS {want}"
         w_new.stop()
         time.sleep(0.3)
+
+
+def _refusing_peer(message: str, at: str) -> str:
+    """A listener that answers the main with an Error carrying `message`: in place of the Challenge (at='challenge')
+    or after it, in reply to the Hello (at='hello'), as a MODEL refusal."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+
+    def serve():
+        c, _ = srv.accept()
+        try:
+            if at == "hello":
+                link.send_frame(c, link.Challenge(nonce=bytes(32), keyed=False, worker="w"), 0)
+                link.recv_frame(c, 1 << 16)
+            link.send_frame(c, link.Error(code=link.ErrorCode.MODEL, message=message), 1 if at == "hello" else 0)
+        finally:
+            c.close()
+            srv.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"127.0.0.1:{srv.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("at", ["challenge", "hello"])
+@pytest.mark.parametrize("message", [
+    "\x1b[31mRED\x1b[0m\r\nstrata: fake line \u202etxt.exe",
+    # a model refusal whose file name holds a terminal title sequence: not read as a summary, quoted as text
+    "this worker has another model: a\x1b]0;owned\x07.gguf, 1 bytes, llama, 2 blocks of width 8, F32, fingerprint ab",
+    "\x00" * 4000])
+def test_a_peers_refusal_text_reaches_the_user_with_its_control_characters_escaped(at, message):
+    """A worker's (or an impostor's) Error text is quoted in the one-line refusal the main prints, logs and serves on
+    /health: escape sequences, line breaks and bidirectional controls written as \\uXXXX (they reached the terminal
+    raw), its first 500 characters only (the codec bounds it at 4,096 bytes)."""
+    from strata.gguf.identity import ModelSummary
+    hello = link.Hello(protocol=link.VERSION, fingerprint="ab" * 32, lo=1, hi=2, n_blocks=2, n_embd=8,
+                       act_dtype="f32", n_ctx=64, max_batch=8, ckpt_max=0, next_hops=[], nonce=b"")
+    me = ModelSummary("m.gguf", 10, "llama", 2, 8, "F32", "ab" * 8)
+    addr = _refusing_peer(message, at)
+    with pytest.raises(WorkerRefused) as ei:
+        LinkClient(addr, model=me, connect_timeout=10).connect(hello)
+    text = str(ei.value)
+    assert addr in text and "refused the" in text, text
+    assert text.isprintable() and ("\\u001b" in text or "\\u0000" in text), text
+    assert len(text) < 6 * 500 + 200, len(text)      # the first 500 characters of the peer's text

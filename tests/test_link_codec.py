@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import os
 import socket
 import stat
@@ -18,10 +19,10 @@ import pytest
 
 import link
 from link import (DEFAULT_MAX_PAYLOAD, FLAG_ASYNC, HEADER_SIZE, MAGIC, MAX_CONTROL_PAYLOAD, VERSION, Ack, BatchForward,
-                  BatchResult, Bye, Challenge, CkptRestore, CkptSave, Commit, Error, ErrorCode, Forward, FrameError,
-                  Header, Hello, HelloAck, Hop, LinkError, MsgType, PartPut, Ping, Pong, Reset, Result, VersionMismatch,
-                  decode_frame, decode_message, encode_frame, encode_payload, frame_bytes, parse_header, read_frame,
-                  recv_frame, send_frame, write_frame)
+                  BatchResult, BatchRows, Bye, Challenge, CkptRestore, CkptSave, Commit, Error, ErrorCode, Forward,
+                  FrameError, Header, Hello, HelloAck, Hop, LinkError, MsgType, PartPut, Ping, Pong, Reset, Result,
+                  SeqResult, VersionMismatch, decode_frame, decode_message, encode_frame, encode_payload, frame_bytes,
+                  parse_header, read_frame, recv_frame, send_frame, write_frame)
 from tests.link_cases import (CHALLENGE_NONCE, GOLDEN, GOLDEN_FRAMES, HELLO_NONCE, KEY, TrickleSocket,
                                golden_cases)
 from tests.mutation import mutate
@@ -145,6 +146,66 @@ def test_sequence_ids_are_optional_last_fields():
     assert decode_message(MsgType.HELLO, body + struct.pack("<I", 4)).slots == 4
 
 
+def test_row_ids_are_asked_for_in_an_optional_flag_after_slots():
+    """+rowids: Hello.row_ids is one byte 1 after a present slots field, absent when false (a Hello that does not ask
+    is the bytes it always was); one slot cannot ask (there is no slots field to follow), a present 0 is refused."""
+    hello = golden_cases()["hello_row_ids"][0]
+    body = b"".join(bytes(b) for b in encode_payload(hello))
+    assert body[-5:] == struct.pack("<IB", 4, 1)
+    assert decode_message(MsgType.HELLO, body[:-1]) == dataclasses.replace(hello, row_ids=False)
+    for tail, match in [(b"\x00", "row_ids is present as 0"), (b"\x02", "row_ids is present as 2"),
+                        (b"\x01\x01", "1 trailing bytes")]:
+        with pytest.raises(FrameError, match=match):
+            decode_message(MsgType.HELLO, body[:-1] + tail)
+    with pytest.raises(FrameError, match="asks for row ids with one slot"):
+        encode_payload(dataclasses.replace(hello, slots=1))
+    with pytest.raises(FrameError, match="ends inside its slots"):          # a flag without slots before it
+        decode_message(MsgType.HELLO, body[:-5] + b"\x01")
+
+
+def test_batch_rows_name_each_row_before_the_hidden_rows():
+    """A BatchRows is a BatchResult with the rows (u32 count, then seq and pos per row) after compute_us; the count is
+    checked (1..256, within what is left) before anything is read, and its encoder refuses what the decoder would."""
+    msg = golden_cases()["batch_rows"][0]
+    p = payload_of(GOLDEN_FRAMES["batch_rows"])
+    assert p[8:12] == struct.pack("<I", 3) and np.frombuffer(p[12:36], "<u4").tolist() == [2, 17, 0, 5, 1, 9]
+    got = decode_message(MsgType.BATCH_ROWS, p)
+    assert isinstance(got, BatchResult) and (got.seqs, got.positions) == ([2, 0, 1], [17, 5, 9])
+    for count, match in [(0, "seqs count 0 is outside 1..256"), (257, "count 257 is outside"),
+                         (4, "seqs count 4 needs 32 bytes")]:
+        with pytest.raises(FrameError, match=match):
+            decode_message(MsgType.BATCH_ROWS, p[:8] + struct.pack("<I", count) + (p[12:36] if count == 4 else b""))
+    for bad, match in [(dataclasses.replace(msg, seqs=[], positions=[]), "names 0 rows"),
+                       (dataclasses.replace(msg, positions=[1]), "3 sequence ids but 1 positions"),
+                       (dataclasses.replace(msg, seqs=[0, -1, 2]), r"seqs\[1\].seq = -1 is outside")]:
+        with pytest.raises(FrameError, match=match):
+            encode_payload(bad)
+    assert BatchRows(1, msg.hidden, [], [0], [0]) != BatchResult(1, msg.hidden, [])      # another message
+
+
+def test_seq_result_names_its_sequence_after_pos():
+    """A SeqResult (+rowids, the answer to a Forward) is a Result with its sequence id, a plain u32 always present
+    (sequence 0 too), right after pos; the rest is a Result's (an optional dropped list last). A Result's bytes read
+    as a SeqResult are another message (or none), never the same one."""
+    msg = golden_cases()["seq_result"][0]
+    p = payload_of(GOLDEN_FRAMES["seq_result"])
+    assert len(p) == 108 and p[:16] == struct.pack("<IIQ", 20, 2, 1500)
+    assert p[96:] == struct.pack("<IQ", 1, 4)                 # dropped = [4], after the hidden rows (16..96)
+    got = decode_message(MsgType.SEQ_RESULT, p)
+    assert isinstance(got, Result) and got.seq == 2 and got == msg and got.dropped == [4]
+    zero = dataclasses.replace(msg, seq=0, dropped=[])
+    body = b"".join(bytes(b) for b in encode_payload(zero))
+    assert body[4:8] == b"\0\0\0\0" and decode_message(MsgType.SEQ_RESULT, body) == zero
+    with pytest.raises(FrameError, match="ends inside its compute_us"):
+        decode_message(MsgType.SEQ_RESULT, p[:8])
+    with pytest.raises(FrameError, match=r"seq = 4294967296 is outside"):
+        encode_payload(dataclasses.replace(msg, seq=2 ** 32))
+    assert SeqResult(1, 2, msg.hidden, [], 0) != Result(1, 2, msg.hidden, [])        # another message
+    plain = payload_of(frame_bytes(Result(20, 1500, msg.hidden, [4]), 1))
+    with pytest.raises(FrameError):
+        decode_message(MsgType.SEQ_RESULT, plain)
+
+
 def test_batch_forward_rows_are_checked_before_anything_is_read():
     tok, hid = np.array([1, 2], np.int32), np.ones((2, 4), np.float32)
     ok = BatchForward([0, 3], [5, 9], tok, hid)
@@ -230,10 +291,10 @@ def test_refuses_payload_checksum():
 
 
 def test_refuses_unknown_type():
-    for t in (0, 20, 99, 0xFFFF):
+    for t in (0, 22, 99, 0xFFFF):
         refused(raw_frame(t, b""), f"unknown message type {t}$")
-    with pytest.raises(FrameError, match="unknown message type 20"):
-        decode_message(20, b"")
+    with pytest.raises(FrameError, match="unknown message type 22"):
+        decode_message(22, b"")
 
 
 def test_refuses_unknown_flag_bits():
@@ -330,15 +391,16 @@ def test_refuses_payload_cut_short_at_every_byte(name):
     does not fit is refused from its count or shape, before anything is read)."""
     msg, _, _ = golden_cases()[name]
     p = payload_of(GOLDEN_FRAMES[name])
-    # cut just before an optional last field that is present: the message without it (a message of its own)
-    bare = copy.copy(msg)
-    for f, default in (("seq", 0), ("dropped", [])):
-        if hasattr(bare, f):
+    # cut just before an optional last field that is present: the message without it (a message of its own; a
+    # Hello's row_ids follows its optional slots, so it has two such cuts)
+    bare, bares = copy.copy(msg), {}
+    for f, default in (("row_ids", False), ("slots", 1), ("seq", 0), ("dropped", [])):
+        if hasattr(bare, f) and not (f == "seq" and isinstance(bare, SeqResult)):   # a SeqResult's is not optional
             setattr(bare, f, default)
-    whole = len(b"".join(bytes(b) for b in encode_payload(bare)))
+            bares[len(b"".join(bytes(b) for b in encode_payload(bare)))] = copy.copy(bare)
     for cut in range(len(p)):
-        if cut == whole:
-            assert decode_message(link.msg_type(msg), p[:cut]) == bare
+        if cut in bares:
+            assert decode_message(link.msg_type(msg), p[:cut]) == bares[cut]
             continue
         refused(raw_frame(link.msg_type(msg), p[:cut]), r"payload ends inside its |payload's .* needs .* \d+ are left")
 
@@ -441,7 +503,7 @@ def test_errors_are_value_errors_with_codes_and_pickle():
         assert isinstance(e, ValueError) and type(back) is type(e) and str(back) == str(e) and back.code == e.code
     assert FrameError("y").code == ErrorCode.BAD_FRAME and LinkError("x").code == ErrorCode.INTERNAL
     assert [c.value for c in ErrorCode] == list(range(1, 11))
-    assert [t.value for t in MsgType] == list(range(1, 20))
+    assert [t.value for t in MsgType] == list(range(1, 22))
 
 
 def test_error_of_an_exception_is_one_clipped_line():
@@ -762,9 +824,17 @@ def fuzz_strategies():
             payload = struct.pack("<I", n) + b"".join(struct.pack("<II", q, p) for q, p in rows)
             payload += _tensor_at(len(payload), tok)
             t, payload = MsgType.BATCH_FORWARD, payload + _tensor_at(len(payload), hid)
-        else:
+        elif draw(hs.booleans()):
             payload = struct.pack("<Q", draw(hs.integers(0, 2 ** 64 - 1)))
             t, payload = MsgType.BATCH_RESULT, payload + _tensor_at(len(payload), hid)
+        elif draw(hs.booleans()):                  # BatchRows: the rows between compute_us and the hidden rows
+            payload = struct.pack("<QI", draw(hs.integers(0, 2 ** 64 - 1)), n)
+            payload += b"".join(struct.pack("<II", q, p) for q, p in rows)
+            t, payload = MsgType.BATCH_ROWS, payload + _tensor_at(len(payload), hid)
+        else:                                      # SeqResult: pos, the sequence id, compute_us, the hidden rows
+            payload = struct.pack("<IIQ", draw(hs.integers(0, 2 ** 32 - 1)), draw(hs.integers(0, 2 ** 32 - 1)),
+                                  draw(hs.integers(0, 2 ** 64 - 1)))
+            t, payload = MsgType.SEQ_RESULT, payload + _tensor_at(len(payload), hid)
         payload += draw(hs.sampled_from([b"", b"", b"", struct.pack("<I", 0), struct.pack("<IQ", 1, 9), b"\x01"]))
         ch, tr = draw(changes), draw(trunc)
         return t, (mutate(payload, ch, tr) if payload and (ch or tr is not None) else payload)
@@ -837,23 +907,34 @@ def _message_strategy():
         seqs = draw(hs.lists(u32, min_size=n, max_size=n, unique=True))
         tok = np.frombuffer(draw(hs.binary(min_size=4 * n, max_size=4 * n)), "<i4")
         hid = np.frombuffer(draw(hs.binary(min_size=4 * n * e, max_size=4 * n * e)), "<f4").reshape(n, e)
-        if draw(hs.booleans()):
+        kind = draw(hs.sampled_from(["forward", "result", "rows"]))
+        if kind == "forward":
             return BatchForward(seqs, draw(hs.lists(u32, min_size=n, max_size=n)), tok, hid)
+        if kind == "rows":          # ids as a worker might send them: any sequences (repeats too), any positions
+            ids = draw(hs.lists(u32, min_size=1, max_size=6))
+            return BatchRows(draw(u64), hid, draw(hs.lists(u64, max_size=3)), ids,
+                             draw(hs.lists(u32, min_size=len(ids), max_size=len(ids))))
         return BatchResult(draw(u64), hid, draw(hs.lists(u64, max_size=3)))
+
+    @hs.composite
+    def hello(draw):
+        slots = draw(hs.integers(1, 2 ** 32 - 1))
+        return Hello(draw(u16), draw(text), draw(u32), draw(u32), draw(u32), draw(u32), draw(text), draw(u32),
+                     draw(u32), draw(u32), draw(hs.lists(hop, max_size=3)), draw(nonce), draw(mac), slots,
+                     slots > 1 and draw(hs.booleans()))
 
     @hs.composite
     def result(draw):
         r, e = draw(hs.integers(0, 5)), draw(hs.integers(0, 6))
         dt = draw(hs.sampled_from(["<f4", "<f2"]))
         size = r * e * np.dtype(dt).itemsize
-        return Result(draw(u32), draw(u64),
-                      np.frombuffer(draw(hs.binary(min_size=size, max_size=size)), dt).reshape(r, e),
-                      draw(hs.lists(u64, max_size=3)))
+        args = (draw(u32), draw(u64), np.frombuffer(draw(hs.binary(min_size=size, max_size=size)), dt).reshape(r, e),
+                draw(hs.lists(u64, max_size=3)))
+        return SeqResult(*args, seq=draw(u32)) if draw(hs.booleans()) else Result(*args)
 
     return hs.one_of(
         hs.builds(Challenge, nonce, hs.booleans(), text),
-        hs.builds(Hello, u16, text, u32, u32, u32, u32, text, u32, u32, u32, hs.lists(hop, max_size=3), nonce, mac,
-                  hs.integers(1, 2 ** 32 - 1)),
+        hello(),
         hs.builds(HelloAck, u16, text, u32, u32, u32, u64, text, text, mac),
         forward(), result(), batch(), hs.builds(Commit, u32, u32), hs.builds(Reset, ids, u32),
         hs.builds(CkptSave, u64, u32, ids, u32), hs.builds(CkptRestore, u64, u32, ids, u32),

@@ -247,3 +247,38 @@ def test_fail_on_no_slot_is_a_503_only_while_every_slot_runs(pair):
         threading.Event().wait(0.05)
     assert one.json("GET", "/slots?fail_on_no_slot=1")[0] == 200
 
+
+
+@pytest.mark.parametrize("where", ["local", "worker"])
+def test_a_conversation_left_in_a_slot_is_parked_when_its_checkpoints_were_evicted(tmp_path, workers, where):
+    """An agent's conversation sits idle in slot 0 while another slot's checkpoints push its own out of the tree
+    (--prompt-cache 2: the root and one more; over a worker the default keeps none); a third conversation on the
+    same system prompt then takes slot 0. The first must be parked, not cut back to the shared system prompt: its
+    next turn, sent to the other slot, resumes from the parked copy and reads only its new message, and answers as
+    that prompt read from token 0. (It was lost: the park rule only looked for checkpoints on its path.)"""
+    flags = ["--prompt-cache", "2"] if where == "local" else \
+        ["--remote-stage", workers().address, "--layer-split", "15"]
+    d = Daemon(tmp_path, "--parallel", "2", *flags, n_ctx=1024).start()
+    try:
+        system = {"role": "system", "content": "You are a careful coding agent in a git repository. " * 8}
+
+        def ask(msgs, slot, **kw):
+            st, r = d.json("POST", "/v1/chat/completions", {"messages": msgs, "max_tokens": 6, "temperature": 0,
+                                                           "id_slot": slot, **kw})
+            assert st == 200, r
+            return r
+
+        a = [system, {"role": "user", "content": "Agent A: read the Makefile and tell me its build targets."}]
+        ra = ask(a, 0)
+        ask([system, {"role": "user", "content": "Agent B: list the tests."}], 1)
+        ask([system, {"role": "user", "content": "Agent C: check git status."}], 0)
+        a2 = a + [{"role": "assistant", "content": ra["choices"][0]["message"]["content"]},
+                  {"role": "user", "content": "And the clean target?"}]
+        r2 = ask(a2, 1)
+        held = ra["usage"]["prompt_tokens"]          # at least A's first prompt comes back, not re-read
+        assert r2["strata"]["resume_from"] in ("resident", "park"), r2["strata"]
+        assert r2["timings"]["cache_n"] >= held, (r2["timings"], held)
+        cold = ask(a2, 0, cache_prompt=False)
+        assert r2["choices"][0]["message"]["content"] == cold["choices"][0]["message"]["content"]
+    finally:
+        assert d.stop() == 0, d.log_tail()

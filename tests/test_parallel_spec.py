@@ -192,6 +192,63 @@ def test_slots_with_drafts_over_a_remote_stage(model, workers):
         e.close()
 
 
+@pytest.mark.parametrize("row_ids", [True, False])
+def test_a_verify_answered_with_another_slots_rows(model, monkeypatch, row_ids):
+    """A worker that answers one slot's verify with another slot's rows at the same position (its own state mixed
+    the two sequences, and it names the rows for the sequence they are of): with +rowids its SeqResult names the
+    other sequence and the main refuses it (502 worker_bad_result naming the worker and both sequences, for the
+    requests of that step), so no request answers with another's rows; from a worker without +rowids (the check
+    off) the rows are used and that slot answers wrong. Two prompts of one length, drafts always right: both slots
+    verify at the same positions."""
+    import dataclasses
+
+    import link
+    from strata.stages import carrier as cmod
+    from tests.daemon import InProcessWorker
+    seen, swapped = {}, []             # (position after, rows) -> (sequence, hidden rows) of a verify answered
+    forward = cmod.Carrier.forward
+
+    def mixing_forward(self, m):
+        res = forward(self, m)
+        if not (m.want_all and 1 < m.tokens.shape[0] <= 4):          # verifies of up to 3 drafts only
+            return res
+        other = seen.setdefault((res.pos, res.hidden.shape[0]), (m.seq, res.hidden.copy()))
+        if other[0] == m.seq:
+            return res
+        swapped.append(m.seq)
+        named = {"seq": other[0]} if isinstance(res, link.SeqResult) else {}
+        return dataclasses.replace(res, hidden=other[1].copy(), **named)
+    monkeypatch.setattr(cmod.Carrier, "forward", mixing_forward)
+    mix = [(20, 11, 12), (20, 12, 12)]
+    alone = Engine(model, n_ctx=N_CTX, ubatch=32)
+    want = [key(alone.generate(_req(_prompt(n, s), max_tokens=m))) for n, s, m in mix]
+    refs = [[t for kind, _, t, *_ in x if kind == "tok"] for x in want]
+    alone.close()
+    caps = None if row_ids else [link.CAP_SPEC, link.CAP_PARK, link.CAP_DROPS, link.CAP_SLOTS]
+    w = InProcessWorker(caps=caps, model=str(model))
+    e = Engine(model, n_ctx=N_CTX, ubatch=32, parallel=2, spec=3, remote_stage=w.address, layer_split="2")
+    try:
+        assert e.stages[-1].client.row_ids is row_ids
+        _oracles(e, [(_prompt(n, s), ref, 1.0, np.random.default_rng(s)) for (n, s, _), ref in zip(mix, refs)])
+        got, done = drive(e, [_req(_prompt(n, s), max_tokens=m) for n, s, m in mix], [0, 0])
+        assert swapped, "no two verifies met at one position"
+        right = [key(g) == x for g, x in zip(got, want)]
+        if row_ids:
+            bad = [err for err in done.values() if err is not None]
+            assert bad and all(getattr(err, "code", None) in ("worker_bad_result", "stage_unavailable")
+                               for err in bad), done
+            named = [str(err) for err in bad if getattr(err, "code", None) == "worker_bad_result"]
+            assert named and all(w.address in x and "\n" not in x for x in named), named   # the step's requests
+            assert f"the rows of sequence {1 - swapped[0]} where sequence {swapped[0]}'s were asked" in named[0]
+            assert all(ok for ok, err in zip(right, [done[i] for i in range(2)]) if err is None), (right, done)
+        else:
+            assert all(err is None for err in done.values()), done
+            assert not all(right), "the other slot's rows gave the same answer"
+    finally:
+        e.close()
+        w.close()
+
+
 def test_daemon_with_slots_and_drafts(model, tmp_path):
     """`strata serve --parallel 2 --spec 3` (a real daemon, concurrent clients; three requests for two slots, so one
     waits): every greedy answer equals its answer without drafts ("strata_spec": false), each reports its own draft

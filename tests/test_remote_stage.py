@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 import zlib
 
 import numpy as np
@@ -451,8 +452,26 @@ def test_worker_refuses_a_second_main_another_model_and_too_many_parts(workers, 
         e.close()
     time.sleep(0.5)
     other = synth.write_synthetic(tmp_path / "tiny.gguf", synth.preset("llama", "tiny", seed=3))
-    with pytest.raises(WorkerRefused, match="the main runs model"):
+    with pytest.raises(WorkerRefused) as ei:
         Engine(str(other), n_ctx=256, remote_stage=w.address, layer_split="1")
+    # one line naming what differs, each value read here from the two files with gguf-py
+    import gguf
+    from strata.gguf.default_model import resolve_model
+    theirs, ours = Path(resolve_model("default")), Path(other)
+
+    def meta(path, key):
+        f = gguf.GGUFReader(str(path)).fields
+        arch = str(bytes(f["general.architecture"].parts[-1]), "utf-8")
+        return int(f[key.format(arch=arch)].parts[-1][0])
+    msg = str(ei.value)
+    assert "\n" not in msg and msg.startswith(f"worker {w.address} has another model: "), msg
+    for needle in [f"file {theirs.name}, not {ours.name}",
+                   f"size {theirs.stat().st_size:,} bytes, not {ours.stat().st_size:,} bytes",
+                   f"blocks {meta(theirs, '{arch}.block_count')}, not {meta(ours, '{arch}.block_count')}",
+                   f"width {meta(theirs, '{arch}.embedding_length')}, not {meta(ours, '{arch}.embedding_length')}",
+                   f"quantization {gguf.LlamaFileType(meta(theirs, 'general.file_type')).name.removeprefix('MOSTLY_')}",
+                   f"start it with its main's model file ({ours.name}, --model)"]:
+        assert needle in msg, (needle, msg)
     c = LinkClient(w.address)
     with pytest.raises(WorkerRefused, match="at most 64"):
         c.connect(link.Hello(protocol=5, fingerprint=default_fingerprint(), lo=10, hi=30, n_blocks=30, n_embd=576,
@@ -533,6 +552,9 @@ def test_daemon_worker_killed_mid_stream_then_back(workers, tmp_path):
         assert st == 503 and body["error"]["code"] == "worker_unavailable"
         assert time.monotonic() - t0 < 1.0
         assert d.request("GET", "/health")[0] == 503
+        r = subprocess.run([sys.executable, "-m", "strata.cli.ctl", "--url", f"http://127.0.0.1:{port}", "health"],
+                           env=env_for_daemon(), cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1 and r.stdout.startswith("unavailable: ") and w.address in r.stdout, r
         # the worker comes back on its port: the daemon reconnects and answers as before
         back = WorkerProc(port=wport).start()
         deadline = time.monotonic() + 30

@@ -323,3 +323,38 @@ def test_a_final_assistant_message_that_cannot_be_continued_gets_400(client, las
     with pytest.raises(anthropic.BadRequestError) as e:
         client.messages.create(model="x", messages=ASK + [last], max_tokens=4, tools=[WEATHER])
     assert why in str(e.value) and "messages[1].content" in str(e.value)
+
+
+READ_FILE = {"name": "read_file", "description": "Read a file of the repository.",
+             "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}
+
+
+@pytest.mark.parametrize("max_tokens", [28, 34])
+def test_cut_tool_use_input_is_what_its_stream_assembles(client, max_tokens):
+    """A tool_use cut by max_tokens: the non-streamed message's input equals the one the SDK assembles from the
+    streamed input_json_delta fragments (at 34 tokens the default model has written `{"path": "...", "`, which the
+    SDK reads as {"path": ...}; the message said {} and an agent lost the argument)."""
+    kw = dict(model="default", max_tokens=max_tokens, extra_body=GREEDY, tools=[READ_FILE],
+              tool_choice={"type": "any"},
+              messages=[{"role": "user", "content": "Read src/app/main.py and tell me what it does."}])
+    m = client.messages.create(**kw)
+    final, _, _ = _streamed(client, **kw)
+    assert m.stop_reason == final.stop_reason == "max_tokens"
+    assert _blocks(m) == _blocks(final)
+    if max_tokens == 34:    # the fragments hold a complete key and value: the input carries them
+        assert _tool_uses(m)[0].input["path"].endswith("src/app/main.py")
+
+
+@pytest.mark.parametrize("args", ['{"x": NaN}', '{"x": -Infinity}', '{"x": 1e999}', '{"x": [1, 2e400', '{"x": NaN, "y"',
+                                  "[" * 100000 + "]" * 100000, '{"x": ' + "[" * 5000])
+def test_tool_use_input_is_strict_json_whatever_the_arguments(args):
+    """A tool call's arguments (whole, or cut by max_tokens) holding NaN, Infinity or a number past float's range, or
+    nested past the parser's depth: the tool_use block's input is {} (as for arguments that do not parse), and the
+    block is strict JSON (it was NaN / Infinity in the body, or a 500 from the RecursionError)."""
+    import json as _json
+    from strata.serve.answer_blocks import Block
+    from strata.serve.messages_api import _block
+    b = Block("call", 0, text=args, call_id="toolu_1", name="f")
+    out = _block(b, True)
+    assert out["input"] == {}
+    _json.loads(_json.dumps(out, allow_nan=False))

@@ -151,12 +151,10 @@ def test_required_tool_choice_calls_a_tool_whatever_the_weights(qwen, seed):
     _check_calls(calls)
 
 
-def test_required_calls_cut_by_max_tokens_leave_no_content(smol):
-    """tool_choice "required" on the generic JSON format, cut off by max_tokens anywhere: no content, whole or
-    streamed (a cut inside a second call's header came back as content: ', {"name": "get_'), the calls named so
-    far and finish_reason "length"."""
-    client = _client(smol)
-    for n in range(4, 48, 3):
+def _required_cut_leaves_no_content(client, lengths) -> None:
+    """tool_choice "required" cut by max_tokens at each of `lengths`: no content and finish "length" or "tool_calls",
+    whole and streamed alike, the same call names in both."""
+    for n in lengths:
         kw = dict(model="default", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=n, temperature=0)
         r = client.chat.completions.create(**kw)
         m = r.choices[0].message
@@ -164,6 +162,84 @@ def test_required_calls_cut_by_max_tokens_leave_no_content(smol):
         content, _, calls, finish = _assemble(client.chat.completions.create(**kw, stream=True))
         assert not content and finish == r.choices[0].finish_reason, (n, content)
         assert [c["name"] for c in calls] == [c.function.name for c in m.tool_calls or []], n
+
+
+def test_required_calls_cut_by_max_tokens_leave_no_content(smol):
+    """tool_choice "required" on the generic JSON format, cut off by max_tokens anywhere: no content, whole or
+    streamed (a cut inside a second call's header came back as content: ', {"name": "get_'), the calls named so
+    far and finish_reason "length"."""
+    _required_cut_leaves_no_content(_client(smol), range(4, 48, 3))
+
+
+def test_hermes_calls_cut_by_max_tokens_leave_no_content(qwen):
+    """tool_choice "required" on the Hermes format (<tool_call> JSON), cut off by max_tokens at many lengths: no
+    content, whole or streamed (a cut before the call's name came back as '<tool_call>\n{"na'), the calls named so
+    far, the same names streamed."""
+    _required_cut_leaves_no_content(_client(qwen), range(2, 30, 3))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_allowed_tools_limit_the_calls_to_the_named_tools(qwen, seed):
+    """tool_choice allowed_tools (OpenAI's chat form, and the Responses API's flat form): in mode "required" random
+    weights at temperature 1 still call, and only the allowed tool (get_time), never get_weather; a name not among
+    the tools, a bad mode and an empty list are 400s naming the field."""
+    client = _client(qwen)
+    choice = {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [
+        {"type": "function", "function": {"name": "get_time"}}]}}
+    r = client.chat.completions.create(model="default", messages=ASK, tools=TOOLS, temperature=1.0, seed=seed,
+                                       max_tokens=120, extra_body={"tool_choice": choice})
+    names = [c.function.name for c in r.choices[0].message.tool_calls or []]
+    assert names and set(names) == {"get_time"}, r.choices[0].message
+    r = client.responses.create(model="default", input=ASK[0]["content"], tools=[
+        {"type": "function", **WEATHER["function"]}, {"type": "function", **CLOCK["function"]}], temperature=1.0,
+        max_output_tokens=120, extra_body={"seed": seed, "tool_choice": {
+            "type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "get_time"}]}})
+    calls = [o.name for o in r.output if o.type == "function_call"]
+    assert calls and set(calls) == {"get_time"}, r.output
+    for spec, needle in (({"mode": "required", "tools": [{"type": "function", "function": {"name": "nope"}}]},
+                          "tool_choice.allowed_tools.tools[0]' names the function 'nope'"),
+                         ({"mode": "sometimes", "tools": []}, "tool_choice.allowed_tools.mode"),
+                         ({"mode": "auto", "tools": []}, "tool_choice.allowed_tools.tools")):
+        st, d = qwen.json("POST", "/v1/chat/completions", {"messages": ASK, "max_tokens": 4, "tools": TOOLS,
+                                                           "tool_choice": {"type": "allowed_tools",
+                                                                           "allowed_tools": spec}})
+        assert st == 400 and needle in d["error"]["message"], (spec, d)
+
+
+def test_responses_allowed_tools_errors_name_the_responses_fields(smol):
+    """The Responses API's flat allowed_tools form: a bad mode, an empty or missing list, an item in the chat form
+    and a name not among the tools are 400s naming the Responses API's own fields (tool_choice.mode,
+    tool_choice.tools[j]) and the item shape it takes, not the chat form's (tool_choice.allowed_tools.*)."""
+    tools = [{"type": "function", **WEATHER["function"]}, {"type": "function", **CLOCK["function"]}]
+    get_time = {"type": "function", "name": "get_time"}
+    cases = (({"mode": "sometimes", "tools": [get_time]}, "tool_choice.mode", "got \"sometimes\""),
+             ({"tools": [get_time]}, "tool_choice.mode", "\"auto\" or \"required\""),
+             ({"mode": "auto", "tools": []}, "tool_choice.tools", '{"type": "function", "name": ...}'),
+             ({"mode": "auto"}, "tool_choice.tools", "non-empty array"),
+             ({"mode": "auto", "tools": [{"type": "function", "function": {"name": "get_time"}}]},
+              "tool_choice.tools[0]", '{"type": "function", "name": ...}'),
+             ({"mode": "auto", "tools": [get_time, {"type": "function", "name": "nope"}]}, "tool_choice.tools[1]",
+              "names the function 'nope', which is not among the tools (get_weather, get_time)"))
+    for spec, field, words in cases:
+        st, d = smol.json("POST", "/v1/responses", {"input": "hi", "max_output_tokens": 4, "tools": tools,
+                                                    "tool_choice": {"type": "allowed_tools", **spec}})
+        assert st == 400, (spec, d)
+        msg = d["error"]["message"]
+        assert msg.startswith(f"'{field}'") and words in msg and "allowed_tools." not in msg, (spec, d)
+        assert d["error"].get("param") == field, (spec, d)
+
+
+def test_advisory_fields_coding_agents_send_change_nothing(smol):
+    """user, store, metadata, service_tier, modalities, prediction, verbosity and reasoning_effort (sent by the
+    openai client as Codex, aider and OpenCode do): accepted, the greedy answer the same as without them."""
+    client = _client(smol)
+    kw = dict(model="default", messages=ASK, max_tokens=8, temperature=0)
+    plain = client.chat.completions.create(**kw).choices[0].message.content
+    r = client.chat.completions.create(**kw, user="u-1", store=False, metadata={"a": "b"}, service_tier="auto",
+                                       modalities=["text"], reasoning_effort="low",
+                                       extra_body={"prediction": {"type": "content", "content": "x"},
+                                                   "verbosity": "low"})
+    assert r.choices[0].message.content == plain
 
 
 def test_tool_choice_none_and_bad_tool_requests(smol):

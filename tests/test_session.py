@@ -536,3 +536,10 @@ def test_daemon_save_restart_restore_with_stratactl(tmp_path):
         assert st == 400 and "invalid session file name" in e["error"]["message"]
     finally:
         assert d.stop() == 0, d.log_tail()
+
+
+def test_empty_slot_refusal_names_its_slot(model_path, tmp_path):
+    e = Engine(model_path, n_ctx=256, ubatch=32, parallel=2, slot_save_path=tmp_path, conversation_cache_mib=0)
+    with pytest.raises(ValueError, match="slot 1 holds no conversation"):
+        e.slot_save(1, filename="empty.bin")
+    assert not (tmp_path / "empty.bin").exists()

@@ -67,3 +67,19 @@ def test_llama_server_completion_route_takes_strata_spec(daemon):
     for v in ("yes", 1, [], {}):
         st, out = d.json("POST", "/completion", {**body, "strata_spec": v})
         assert st == 400 and "strata_spec" in out["error"]["message"], (v, out)
+
+
+def test_logit_bias_under_drafts_is_the_answer_without_drafts(daemon):
+    """The verify judges each row with the request's bias: a greedy answer under --spec 3 with logit_bias is the
+    one with drafts off, and the bias changed it (the plain answer's first token banned, another raised)."""
+    d = daemon
+    plain = _complete(d, strata_spec=False)
+    st, r = d.json("POST", "/completion", {"prompt": "the quick brown fox", "n_predict": 1, "temperature": 0,
+                                           "strata_spec": False, "return_tokens": True})
+    assert st == 200 and r["content"] == plain["choices"][0]["text"][:len(r["content"])]
+    bias = {str(r["tokens"][0]): -100, "1000": 6.5}
+    drafted = d.metric("strata_spec_drafted_tokens_total")
+    off = _complete(d, strata_spec=False, logit_bias=bias)
+    on = _complete(d, logit_bias=bias, cache_prompt=False)
+    assert on["choices"][0]["text"] == off["choices"][0]["text"] != plain["choices"][0]["text"]
+    assert on["timings"]["draft_n"] > 0 and d.metric("strata_spec_drafted_tokens_total") > drafted

@@ -219,7 +219,7 @@ def test_status_before_the_first_ping_says_so(tmp_path):
     assert "no round trip measured yet" in p.stdout and "None ms" not in p.stdout
     # what each count counts: the tree's checkpoints; the parked conversations' own; the parts the worker keeps
     # (12 = its layers of the 6 checkpoints, the parked conversation and that one's 5 checkpoints)
-    assert "6 kept in the prefix tree" in p.stdout and "1 conversations (5 checkpoints of their own)" in p.stdout
+    assert "6 kept in the prefix tree" in p.stdout and "1 conversation (5 checkpoints of its own)" in p.stdout
     assert "the worker keeps 12 parts for this daemon, 5.0 MiB" in p.stdout and "checkpoint parts held" not in p.stdout
 
 
@@ -241,7 +241,7 @@ def test_status_lists_parked_conversations_and_the_session_quota(tmp_path):
         r = ctl(d, "status")
         assert r.returncode == 0, r.stderr
         line = next(ln for ln in r.stdout.splitlines() if ln.startswith("parked"))
-        assert "1 conversations" in line and "1 in RAM" in line and "--conversation-cache-mib" in line, r.stdout
+        assert "1 conversation (" in line and "1 in RAM" in line and "--conversation-cache-mib" in line, r.stdout
         assert "1 files" in r.stdout and "of 32.0 MiB (--slot-quota-mib)" in r.stdout
         (slots / "other.dat").write_bytes(b"o" * ((32 << 20) - size - size // 2))   # room: half a save
         st, e = d.json("POST", "/slots/0?action=save", {"filename": "b.bin"})

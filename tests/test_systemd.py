@@ -30,6 +30,9 @@ def test_service_settings():
     s = settings(UNITS / "strata.service")
     assert s["Type"] == ["notify"] and s["RuntimeDirectory"] == ["strata"] and s["StateDirectory"] == ["strata"]
     assert "-/etc/strata/strata.env" in s["EnvironmentFile"]
+    # /var/cache/strata: under ProtectSystem=strict the one writable place for --conversation-cache-dir apart from
+    # the session files' /var/lib/strata
+    assert s["CacheDirectory"] == ["strata"]
     assert s["ExecStart"][0].split()[1] == "serve"
     for key, val in (("ProtectSystem", "strict"), ("NoNewPrivileges", "yes"), ("PrivateTmp", "yes"),
                      ("User", "strata")):
@@ -37,6 +40,8 @@ def test_service_settings():
     assert s["KillSignal"] == ["SIGTERM"]
     w = settings(UNITS / "strata-worker@.service")
     assert w["Type"] == ["notify"] and w["ExecStart"][0].split()[1] == "worker"
+    # a worker runs the main's model (the hello refuses another): STRATA_MODEL, which a --model in the args overrides
+    assert w["ExecStart"][0].split()[2:4] == ["--model", "${STRATA_MODEL}"], w["ExecStart"]
     env = settings(UNITS / "strata.env")
     assert env["STRATA_MODEL"] == ["default"] and "STRATA_ARGS" in env
 

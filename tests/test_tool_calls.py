@@ -356,3 +356,50 @@ def test_plain_answers_pass_through_untouched():
     a = _answer(None, thinks=False)
     assert a.feed("  Hello ") == [{"content": "  Hello "}] and a.feed("") == [] and a.finish() == []
     assert a.message() == {"role": "assistant", "content": "  Hello "}
+
+
+_HERMES = ('<tool_call>\n{"name": "get_weather", "arguments": {"location": "Lima"}}\n</tool_call>\n<tool_call>\n'
+           '{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>')
+_LLAMA3 = '{"name": "get_weather", "parameters": {"location": "Lima"}}; {"name": "get_time", "parameters": {"zone": "UTC"}}'
+
+
+@pytest.mark.parametrize("fmt, text", [(tc.Hermes(), _HERMES), (tc.Hermes(), "Let me look. " + _HERMES),
+                                       (tc.Llama3(), _LLAMA3), (tc.Llama3(), "<|python_tag|>" + _LLAMA3)])
+def test_hermes_and_llama3_answers_cut_anywhere_leak_no_call_text(fmt, text):
+    """An answer of calls cut off by max_tokens at every length (finish(cut=True)), fed whole or a character at a
+    time: the content is only the text before the first call (no '<tool_call>\\n{"na', no '{"name": "get_', no
+    marker's first characters), each call named so far keeps its name and its arguments are a prefix of the whole
+    answer's."""
+    lead = text[:text.index("<tool_call>")] if "<tool_call>" in text else ""
+    _, whole = tc.parse(text, fmt, TOOLS)
+    assert [c["function"]["name"] for c in whole] == ["get_weather", "get_time"]
+    for n in range(len(text) + 1):
+        for pieces in ([text[:n]], list(text[:n])):
+            p = fmt.parser(TOOLS)
+            content, calls = tc.assemble([e for piece in pieces for e in p.feed(piece)] + p.finish(cut=True))
+            assert lead.strip().startswith(content.strip()), (n, content)       # blanks between calls aside
+            assert len(calls) <= 2
+            for got, want in zip(calls, whole):
+                assert got["function"]["name"] == want["function"]["name"], (n, calls)
+                assert want["function"]["arguments"].startswith(got["function"]["arguments"]), (n, calls)
+
+
+@pytest.mark.parametrize("fmt, text, content, names", [
+    (tc.Hermes(), 'The answer is 4 <tool_c', "The answer is 4 ", []),
+    (tc.Hermes(), '<tool_call>\n{"name": "get_weather", "arguments": {"loc', "", ["get_weather"]),
+    (tc.Hermes(), '<tool_call>\n{"arguments": {"location": "Lima"}, "name": "get_w', "", []),
+    (tc.Llama3(), '{"answer": "Li', '{"answer": "Li', []),           # not a call object: content, cut or not
+    (tc.Llama3(), '{"nam', "", []),
+    (tc.Llama3(), '{"name": "get_weather", "parameters": {"location": "Lima"}}; {"name": "get_', "",
+     ["get_weather"]),
+    (tc.Llama3(), '<|python_tag|>', "", []),
+])
+def test_a_cut_call_block_is_dropped_and_text_that_is_no_call_stays(fmt, text, content, names):
+    """The cut rule of each format: a call block left before its name is dropped, a named call stays; text that
+    cannot be a call (a Llama 3 object whose first key no call has) stays content. Without the cut, the unnamed
+    block is text that broke the format: content."""
+    p = fmt.parser(TOOLS)
+    got, calls = tc.assemble(p.feed(text) + p.finish(cut=True))
+    assert got == content and [c["function"]["name"] for c in calls] == names
+    if not names and content != text:
+        assert tc.parse(text, fmt, TOOLS)[0] == text

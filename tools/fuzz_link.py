@@ -1,9 +1,9 @@
 """Large fuzz run of the stage-link decoder (link/, protocol 5): the fuzz of tests/test_link_codec.py (random bytes,
 mutated and truncated golden frames, mutated payloads and header fields behind correct checksums, concatenated frames
-read through recv_frame in small pieces, BatchForward / BatchResult payloads built field by field and mutated)
-and of tests/test_link_secure.py (streams of sealed frames, mac and aead,
-mutated and cut: a frame read must be the one sealed there) for N cases. Every input must decode to a message that encodes back to the
-same bytes, or be refused with a one-line LinkError; anything else is counted as a crash.
+read through recv_frame in small pieces, BatchForward / BatchResult / BatchRows / SeqResult payloads built field by
+field and mutated) and of tests/test_link_secure.py (streams of sealed frames, mac and aead, mutated and cut: a frame read must
+be the one sealed there) for N cases. Every input must decode to a message that encodes back to the same bytes, or be
+refused with a one-line LinkError; anything else is counted as a crash.
 
 Usage: python tools/fuzz_link.py [--cases 100000] [--out bench/results/fuzz_link.json]
 """

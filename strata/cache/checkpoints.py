@@ -52,6 +52,13 @@ def _cut(cp) -> tuple[int, str]:
     return int(cp[0]), str(cp[1])
 
 
+def turn_start(cut_points, n: int) -> int:
+    """Where a prompt of n tokens begins its final turn: its last "turn" or "message" cut point (the generation
+    prompt's start, the last message's end), else n (a raw prompt: the answer follows it)."""
+    ends = [p for p, kind in map(_cut, cut_points or ()) if kind in ("turn", "message") and 0 < p <= n]
+    return max(ends, default=n)
+
+
 def _snapshot_bytes(snap) -> int:
     nb = getattr(snap, "nbytes", None)
     if callable(nb):

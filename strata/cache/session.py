@@ -33,6 +33,7 @@ temporary removed.
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import re
@@ -75,6 +76,18 @@ class QuotaExceeded(SessionError):
 
     param = None
     code = "slot_quota_exceeded"
+
+
+class StorageFailed(SessionError):
+    """A save the file system refused (the disk or a disk quota full, a read-only or unwritable directory, an I/O
+    error): the server's fault, not the request's, and nothing was written (a file it would replace is intact):
+    507 Insufficient Storage (code insufficient_storage) when space ran out, else 500 (code storage_error)."""
+
+    param = None
+
+    def __init__(self, message: str, full: bool):
+        super().__init__(message, code="insufficient_storage" if full else "storage_error")
+        self.status = 507 if full else 500
 
 
 # new session files: llama.cpp's fs_validate_filename intent, the portable subset (no '~', '$', spaces, look-alike
@@ -169,6 +182,10 @@ def write(io: BinaryIO, conv: Conversation, fingerprint: str, stages: list) -> i
     their write does the parts); version 1 for one stage, 3 for several. Returns bytes written."""
     if len(conv.parts) != len(stages) or any(len(c.parts) != len(stages) for c in conv.checkpoints):
         raise SessionError("incomplete state: a part per stage is missing; nothing saved")
+    for i, p in enumerate(conv.parts):       # what read() refuses is never written
+        if p.pos != conv.pos:
+            raise SessionError(f"incomplete state: stage {i}'s part is at position {p.pos}, the conversation at "
+                               f"{conv.pos}; nothing saved")
     version = VERSION_ONE_STAGE if len(stages) == 1 else VERSION_STAGES
     header = {"fingerprint": fingerprint, "n_tokens": conv.pos, "live_ok": bool(conv.live_ok),
               "checkpoints": [[c.pos, c.kind] for c in conv.checkpoints],
@@ -288,7 +305,8 @@ _TEMPORARY = re.compile(r"^\..+\.tmp-[0-9a-f]{16}$")
 
 def remove_stale_temporaries(directory: str | os.PathLike) -> int:
     """Remove the temporaries an interrupted save left in `directory` (save_atomic's names, regular files only) ->
-    how many; called before the daemon saves there."""
+    how many; called before the daemon saves there. A temporary a save is still writing (another daemon sharing
+    the directory: save_atomic holds an flock on it until it is renamed) is left alone."""
     n = 0
     try:
         dfd = os.open(directory, _OPEN_DIR)
@@ -296,13 +314,22 @@ def remove_stale_temporaries(directory: str | os.PathLike) -> int:
         return 0
     try:
         for name in os.listdir(dfd):
-            if _TEMPORARY.match(name):
-                try:
-                    if stat.S_ISREG(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode):
-                        os.unlink(name, dir_fd=dfd)
-                        n += 1
-                except OSError:
-                    continue
+            if not _TEMPORARY.match(name):
+                continue
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0),
+                             dir_fd=dfd)
+            except OSError:
+                continue
+            try:
+                if stat.S_ISREG(os.fstat(fd).st_mode):
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)     # BlockingIOError: a save in flight
+                    os.unlink(name, dir_fd=dfd)
+                    n += 1
+            except OSError:
+                continue
+            finally:
+                os.close(fd)
     finally:
         os.close(dfd)
     return n
@@ -344,14 +371,15 @@ def save_atomic(path: Path, writer, quota: int | None = None) -> int:
                          0o600, dir_fd=dfd)
             made = True
             with os.fdopen(fd, "wb") as f:
+                fcntl.flock(fd, fcntl.LOCK_EX)      # in flight: another process's start leaves it (remove_stale_...)
                 n = writer(f if limit is None else _Bounded(f, limit[0], limit[1]))
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, path.name, src_dir_fd=dfd, dst_dir_fd=dfd)
-            made = False
+                os.replace(tmp, path.name, src_dir_fd=dfd, dst_dir_fd=dfd)
+                made = False
         except OSError as e:
-            raise SessionError(f"cannot write session file {path.name!r}: {e.strerror or type(e).__name__}") \
-                from None
+            raise StorageFailed(f"cannot write session file {path.name!r}: {e.strerror or type(e).__name__}",
+                                full=e.errno in (errno.ENOSPC, errno.EDQUOT)) from None
         finally:
             if made:
                 try:

@@ -14,7 +14,7 @@ import numpy as np
 import structlog
 
 from strata.cache import session
-from strata.cache.checkpoints import CheckpointCache, PrefillPlan
+from strata.cache.checkpoints import CheckpointCache, PrefillPlan, turn_start
 from strata.cache.conversation import CUT_MIN, Conversation, SavedCheckpoint
 from strata.cache.disk import DiskNode, DiskTier
 from strata.cache.lookup import Found, lookup
@@ -58,6 +58,9 @@ class ConversationStore:
         self.checkpoints = checkpoints
         # with parking off the tree's checkpoints alone spill to the disk tier
         disk = DiskTier(disk_dir, disk_bytes, write=self._write_file, read=self._read_file) if disk_dir else None
+        if disk is not None and disk.cleared:
+            log.info("conversation cache: files of an earlier run removed (parked conversations do not outlive the "
+                     "process; a session file does)", directory=str(disk.dir), files=disk.cleared)
         self.parking = ParkedConversations(checkpoints.tree, stages, park_bytes=park_bytes, resident=resident,
                                           disk=disk)
         self.slot_save_path = Path(slot_save_path) if slot_save_path else None
@@ -67,8 +70,15 @@ class ConversationStore:
         if self.slot_save_path is not None:
             session.remove_stale_temporaries(self.slot_save_path)
         self._from_session: weakref.WeakSet = weakref.WeakSet()   # loaded from a file, not yet resumed
+        # where the final turn of the prompt each sequence last read began (resume; turn_start)
+        self._turn_start: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._restoring = None      # the checkpoint a restore is mounting (make_room does not drop it meanwhile)
         self._drops_seen = 0        # the stages' drop counts (Memory.drops) already acted on
+
+    def close(self) -> None:
+        """Give up the disk tier's directory (another process may use it from now on)."""
+        if self.disk is not None:
+            self.disk.close()
 
     def forget_dropped(self) -> None:
         """Forget what a worker dropped on its own to make room for a Forward (its Result named the ids,
@@ -176,11 +186,7 @@ class ConversationStore:
         forgets `seq` (it starts over) and propagates."""
         self.forget_dropped()
         try:
-            if seq.lost():         # a remote stage reconnected: the worker holds none of it any more
-                log.warning("a remote stage lost the live sequence and its checkpoints: reading from 0")
-                self.forget(seq)
-                self.checkpoints.clear()
-                self.parking.drop_gone()
+            self._drop_lost(seq, "reading from 0")
             found = lookup(self.checkpoints.tree, prompt)      # one walk along the prompt, both slots
             unparked = self.switch(seq, prompt, cache_prompt, trace, found)
             if unparked is None and self.share_prefix(seq, prompt, peers, cache_prompt, found):
@@ -192,6 +198,7 @@ class ConversationStore:
         if plan.resume_pos > 0 and (unparked or seq in self._from_session):
             plan.resume_from = unparked or "session"
         self._from_session.discard(seq)
+        self._turn_start[seq] = turn_start(cut_points, len(prompt))
         n, resume = len(prompt), plan.resume_pos
         if seq.pos != resume or not 0 <= resume < n or not is_prefix(seq.ids, prompt):
             self.forget(seq)
@@ -273,6 +280,18 @@ class ConversationStore:
         self.forget_dropped()
         return self.checkpoints.save(p, kind, seq.with_room(lambda: seq.capture_at(p)), spill=self._spill)
 
+    def _drop_lost(self, seq: Sequence, then: str) -> bool:
+        """When a remote stage reconnected since `seq` was read (the worker holds none of it, nor its checkpoints):
+        forget `seq`, clear the tree and the resident conversations whose parts went with the link -> whether it
+        did (logged, `then` saying what follows)."""
+        if not seq.lost():
+            return False
+        log.warning(f"a remote stage lost the live sequence and its checkpoints: {then}")
+        self.forget(seq)
+        self.checkpoints.clear()
+        self.parking.drop_gone()
+        return True
+
     def forget(self, seq: Sequence) -> None:
         """`seq` back to position 0, not to be continued live: the next prompt resumes from a checkpoint or from 0
         (the tree and the parked conversations stay)."""
@@ -342,8 +361,8 @@ class ConversationStore:
         never fails the request that leaves the conversation."""
         self.forget_dropped()
         t = self.parking
-        if t.ram is None or seq.pos == 0 or not seq.live_ok:
-            return                   # nothing live, or a "strata_checkpoint": false request's
+        if t.ram is None or seq.pos == 0 or not seq.live_ok or self._drop_lost(seq, "nothing parked"):
+            return                   # nothing live, or a "strata_checkpoint": false request's, or gone
         try:
             t0 = time.perf_counter()
             if t.device is not None:
@@ -431,12 +450,24 @@ class ConversationStore:
                 log.info("unparked", tier=source, tokens=conv.pos, resume=depth,
                          ms=round((time.perf_counter() - t0) * 1e3, 2))
             return source
-        deepest = self.checkpoints.deepest(seq.ids)
-        # the prompt leaves `seq` when it resumes before `seq`'s deepest checkpoint or at a checkpoint of another
-        # branch (one a parked conversation holds can be as deep as `seq`'s own)
-        if seq.pos > 0 and (here < deepest or (deepest == 0 and here == 0) or common_prefix(seq.ids, prompt) < here):
+        if seq.pos > 0 and self._leaves(seq, prompt, here):
             self.park(seq, trace)
         return None
+
+    def _leaves(self, seq: Sequence, prompt: np.ndarray, here: int) -> bool:
+        """Whether `prompt` leaves `seq`'s conversation (then it is parked before the plan cuts it back): it resumes
+        before the deepest checkpoint on `seq`'s path, or it differs from `seq`'s tokens before the final turn of
+        the prompt `seq` last read began (turn_start: another conversation, an earlier message edited), whether or
+        not the tree still keeps that conversation's checkpoints (another slot's may have evicted them). A
+        regenerated answer, a next turn that re-renders the last answer differently, or a template whose
+        generation prompt differs from a past turn's header (Qwen3's empty think block) leaves nothing."""
+        deepest = self.checkpoints.deepest(seq.ids)
+        if here < deepest or (deepest == 0 and here == 0):
+            return True
+        if common_prefix(seq.ids, prompt) < here:  # a checkpoint of another branch (a held one can be as deep)
+            return True
+        start = min(self._turn_start.get(seq, 0), int(seq.pos))
+        return common_prefix(seq.ids, prompt) < min(start, len(prompt))
 
     def parked(self) -> list[dict]:
         """The parked conversations for `stratactl cache` (tokens, bytes, tier, checkpoints, last use)."""
@@ -484,15 +515,19 @@ class ConversationStore:
                     "error": e.strerror or type(e).__name__}
         return {"bytes": used, "files": files, "quota_bytes": self.slot_quota_bytes}
 
-    def save(self, seq: Sequence, path: Path, filename) -> dict[str, Any]:
+    def save(self, seq: Sequence, path: Path, filename, slot_id: int = 0) -> dict[str, Any]:
         """Save `seq`'s conversation (with its checkpoints) to `path`, atomically -> llama-server's answer of a
-        slot save. SessionError (one line), nothing written."""
+        save of slot `slot_id`. SessionError / Refused (one line, naming the slot), nothing written."""
+        if self._drop_lost(seq, "nothing saved"):
+            raise Refused(f"slot {slot_id}'s conversation is gone: a remote stage's worker restarted (or its link "
+                          "reconnected) since it was read; nothing saved (send the conversation again, then save)",
+                          code="empty_slot")
         if seq.pos == 0:
-            raise Refused("slot 0 holds no conversation (0 tokens): nothing to save", code="empty_slot")
+            raise Refused(f"slot {slot_id} holds no conversation (0 tokens): nothing to save", code="empty_slot")
         t0 = time.perf_counter()
         conv = self.capture(seq, on_disk=True)
         n = self._write_file(path, conv, self.slot_quota_bytes)
-        return {"id_slot": 0, "filename": filename, "n_saved": conv.pos, "n_written": n,
+        return {"id_slot": slot_id, "filename": filename, "n_saved": conv.pos, "n_written": n,
                 "timings": {"save_ms": round((time.perf_counter() - t0) * 1e3, 3)}}
 
     def load(self, seq: Sequence, path: Path, filename) -> dict[str, Any]:
@@ -513,6 +548,8 @@ class ConversationStore:
                 self.forget(seq)            # a worker refused its part after a local stage was written
             raise session.SessionError(f"session file {filename!r}: {e}") from None
         self._from_session.add(seq)
+        self._turn_start.pop(seq, None)      # its turns are not known: the deepest checkpoint rule alone
         self.parking.discard(conv.tokens)     # now live: a parked copy of the same conversation is dropped
         return {"id_slot": 0, "filename": filename, "n_restored": conv.pos, "n_read": n_read,
                 "timings": {"restore_ms": round((time.perf_counter() - t0) * 1e3, 3)}}
+

@@ -16,12 +16,12 @@ import stat
 import sys
 import threading
 import time
-import unicodedata
 import urllib.parse
 from typing import Any
 
 from strata.cli.argv import Parser, parse_args
 from strata.cli.chat_input import parse_chat_line
+from strata.errors import printable
 from strata.serve.paths import client_socket_path
 
 EXIT_OK, EXIT_SERVER, EXIT_USAGE, EXIT_CONNECT = 0, 1, 2, 3
@@ -33,16 +33,6 @@ class CtlError(Exception):
     def __init__(self, message: str, code: int, payload: bytes | None = None):
         super().__init__(message)
         self.code, self.payload = code, payload
-
-
-_BIDI = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
-
-
-def printable(text: str, keep: str = "") -> str:
-    """text with its control characters (C0, DEL, C1: escape sequences), bidirectional controls and lone surrogates
-    written as \\uXXXX, except those in `keep`: server text is safe to print, and JSON text stays valid JSON."""
-    return "".join(f"\\u{ord(c):04x}" if c not in keep and (unicodedata.category(c) in ("Cc", "Cs") or c in _BIDI)
-                   else c for c in text)
 
 
 def loads(payload: bytes | str):
@@ -353,7 +343,9 @@ def _parked_line(e: dict) -> str:
     tiers = {t: [p for p in parked if p.get("tier") == t] for t in ("device", "ram", "disk")}
     used = {t: sum(int(p.get("bytes") or 0) for p in ps) for t, ps in tiers.items()}
     cps = sum(int(p.get("checkpoints") or 0) for p in parked)
-    out = [f"{len(parked)} conversations ({cps} checkpoints of their own)"]
+    n = len(parked)
+    out = [f"{n} conversation{'s' * (n != 1)} "
+           f"({cps} checkpoint{'s' * (cps != 1)} of {'its' if n == 1 else 'their'} own)"]
     if tiers["device"]:
         out.append(f"{len(tiers['device'])} resident on the device (--park-resident)")
     if tiers["ram"]:
@@ -408,7 +400,9 @@ def cmd_health(c: Client, args) -> int:
     except ValueError:
         raise CtlError(f"server error {resp.status}: {_summary(payload)} that are not a JSON object",
                        EXIT_SERVER) from None
-    _out(args, d, d.get("status", "?") + (f" ({d['model']})" if d.get("model") else ""))
+    why = d.get("error") if isinstance(d.get("error"), str) else None        # unavailable / stuck: the reason
+    _out(args, d, str(d.get("status", "?")) + (f" ({d['model']})" if d.get("model") else "")
+         + (f": {why}" if why else ""))
     return EXIT_OK if resp.status == 200 else EXIT_SERVER
 
 
@@ -616,7 +610,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "or /run/strata/strata.sock)")
     p.add_argument("--url", default=os.environ.get("STRATA_URL") or None,
                    help="talk HTTP to this URL instead of the socket, e.g. http://127.0.0.1:8080")
-    p.add_argument("--api-key", default=os.environ.get("STRATA_API_KEY") or None, help="Bearer token for --url")
+    p.add_argument("--api-key", default=os.environ.get("STRATA_API_KEY") or None,
+                   help="Bearer token for --url (default $STRATA_API_KEY)")
     p.add_argument("--timeout", type=_seconds, default=600.0,
                    help="seconds an exchange with the daemon may take in all, a streamed answer included (> 0)")
     p.add_argument("--json", action="store_true", help="print the server's JSON instead of a table")

@@ -91,7 +91,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "in huge-page steps)")
     c.add_argument("--conversation-cache-dir", default=None, metavar="DIR",
                    help="disk tier: parked conversations RAM drops and checkpoints --prompt-cache-mib evicts are "
-                        "kept as files here (removed at start: a cache)")
+                        "kept as files here (removed at start: a cache; one process at a time; not the "
+                        "--slot-save-path)")
     c.add_argument("--conversation-cache-disk-mib", type=_nonneg_int, default=D.parking.disk_mib,
                    help="disk budget of --conversation-cache-dir (MiB, default %(default)s)")
     c.add_argument("--slot-save-path", default=None, metavar="DIR",
@@ -111,6 +112,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--insecure-link", action="store_true",
                    help="accept a keyed worker that does not authenticate frames after the hello (an older strata); "
                         "its frames are then protected by checksums only")
+    r.add_argument("--require-row-ids", action="store_true",
+                   help="with --parallel above 1, refuse a worker that does not name each row of a batched decode "
+                        "step (an older strata worker without +rowids); by default such a worker serves unchecked")
 
 
 def add_tier_args(p: argparse.ArgumentParser) -> None:

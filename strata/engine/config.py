@@ -54,12 +54,14 @@ class ParkingConfig:
 class LinkConfig:
     """Remote stages. remote_stage: 'HOST:PORT[,HOST:PORT...]', workers running the last carves in chain order;
     key_file: the stage link's shared key (with it every frame after the hello is authenticated); encrypt: encrypt
-    the frames too (needs key_file); insecure: accept a keyed worker that does not protect frames."""
+    the frames too (needs key_file); insecure: accept a keyed worker that does not protect frames; require_row_ids:
+    refuse, with --parallel above 1, a worker that does not name the rows of a batched step (+rowids)."""
 
     remote_stage: str | None = None
     key_file: str | None = None
     encrypt: bool = False
     insecure: bool = False
+    require_row_ids: bool = False
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,7 @@ FLAT = {
     "slot_save_path": ("parking", "slot_save_path"), "slot_quota_mib": ("parking", "slot_quota_mib"),
     "remote_stage": ("link", "remote_stage"), "link_key_file": ("link", "key_file"),
     "link_encrypt": ("link", "encrypt"), "insecure_link": ("link", "insecure"),
+    "require_row_ids": ("link", "require_row_ids"),
     "moe_vram_mib": ("moe", "vram_mib"), "adapt_every": ("moe", "adapt_every"), "adapt_swaps": ("moe", "adapt_swaps"),
     "pcie_frac": ("moe", "pcie_frac"),
     "spec": ("spec", "n"), "spec_min_p": ("spec", "min_p"), "spec_adaptive": ("spec", "adaptive"),
@@ -282,6 +285,8 @@ class EngineConfig:
             return why
         if self.moe.vram_mib is not None and devices[0] == "cpu":
             return "--moe-vram-mib needs --device cuda (the expert tier keeps hot experts in VRAM slots)"
+        if self.link.require_row_ids and not self.remote:
+            return "--require-row-ids needs --remote-stage (it checks the rows a worker answers)"
         if self.link.encrypt and not self.link.key_file:
             return "--link-encrypt needs --link-key-file (the frame keys derive from the shared key)"
         if self.link.encrypt and self.link.insecure:
@@ -300,5 +305,12 @@ class EngineConfig:
                         ("conversation-cache-dir", self.parking.disk_dir)):
             if d is not None and not os.path.isdir(d):
                 return f"--{flag} {d}: not a directory (create it first)"
+        if (self.parking.disk_dir is not None and self.parking.slot_save_path is not None
+                and os.path.samefile(self.parking.disk_dir, self.parking.slot_save_path)):
+            return (f"--conversation-cache-dir and --slot-save-path are the same directory ({self.parking.disk_dir}):"
+                    " give the cache a directory of its own (its files are removed at start, session files are kept)")
+        if self.parking.disk_dir is not None:
+            from strata.cache.disk import dir_in_use
+            return dir_in_use(self.parking.disk_dir)
         return None
 

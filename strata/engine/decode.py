@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 import dataclasses
+import math
 import os
 from typing import Callable
 
@@ -106,11 +107,12 @@ class Decoder:
         decoder = StreamDecoder(self.tokenizer, show=req.show_tokens)
         # strata.sampling.grammar: the token mask, computed during the forward on the CPU backend and inline when the
         # logits stay on a GPU (docs/serving.md)
-        guide = req.constraint.start(overlap=not on_device) if req.constraint is not None else None
+        guide = req.constraint.start(overlap=not on_device, banned=[t for t, b in params.logit_bias if b == -math.inf]) \
+            if req.constraint is not None else None
         # drafting: under a grammar too (each verified row masked by the grammar's state after the drafts before
         # it; the rejected drafts rolled back)
         spec = self.spec if (self.drafter is not None and req.spec is not False) else 0
-        # a greedy verify without a grammar, penalties or logprobs is judged on the device: each row's greedy pick
+        # a greedy verify without a grammar, penalties, logprobs or logit_bias is judged on the device: each row's greedy pick
         # taken there, only the picks copied to the host (every row's logits otherwise)
         picks_on_device = on_device and guide is None and sampler.greedy_rows_ok
         counts = counts if counts is not None else SpecCounts()

@@ -22,6 +22,7 @@ from strata.backend import quant
 
 from strata.cache.checkpoints import CheckpointCache
 from strata.cache.store import ConversationStore
+from strata.gguf import identity
 from strata.gguf.default_model import resolve_model
 from strata.engine import embed as embeddings, report
 from strata.engine.config import EngineConfig
@@ -111,7 +112,9 @@ class Engine:
             return RemoteStage(index, hops, model, fingerprint=self.file.fingerprint(), n_ctx=self.n_ctx,
                                max_batch=min(self.ubatch, self.n_ctx), ckpt_max=parts, key=key,
                                encrypt=cfg.link.encrypt,
-                               insecure=cfg.link.insecure, slots=int(cfg.parallel))
+                               insecure=cfg.link.insecure, slots=int(cfg.parallel),
+                               require_row_ids=cfg.link.require_row_ids,
+                               summary=identity.summary(self.file, self.model_path, int(model.n_blocks)))
 
         self.remote = remote
         self.parallel = int(cfg.parallel)
@@ -476,7 +479,7 @@ class Engine:
         slot = self._idle_slot(slot_id)
         path = self.store.session_path(filename)
         with self._lock:
-            return {**self.store.save(slot.seq, path, filename), "id_slot": slot.id}
+            return self.store.save(slot.seq, path, filename, slot_id=slot.id)
 
     def slot_restore(self, slot_id: int = 0, filename=None, **_ignored) -> dict[str, Any]:
         """Restore the slot's conversation from --slot-save-path/filename (llama-server's POST
@@ -529,9 +532,12 @@ class Engine:
         return self.seq.unavailable()
 
     def close(self) -> None:
-        """Stop the stage links' threads and close their connections."""
+        """Stop the stage links' threads and close their connections; give up the disk tier's directory."""
         for st in self.stages:
             st.close()
+        store = getattr(self, "store", None)
+        if store is not None:
+            store.close()
 
     def checkpoints(self) -> list[dict]:
         """The kept checkpoints, for `stratactl cache`: dicts with pos, kind, bytes, last_use (see strata.cache)."""

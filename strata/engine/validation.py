@@ -1,5 +1,5 @@
 """What the engine checks of a request before it touches anything: the prompt's token ids, its length, max_tokens, n,
-logprobs and the cut points (each refusal a one-line Refused, strata.engine.types)."""
+logprobs, logit_bias's token ids and the cut points (each refusal a one-line Refused, strata.engine.types)."""
 from __future__ import annotations
 
 import numpy as np
@@ -44,6 +44,10 @@ def check_request(req: GenerationRequest, prompt: np.ndarray, *, n_ctx: int, n_v
     if req.n > 1 and remote and prompt_cache == 0:
         raise Refused("n > 1 with a remote stage needs --prompt-cache N: the worker keeps the prompt's state "
                       "for the later choices as a checkpoint part", param="n")
+    bias = getattr(req.sampling, "logit_bias", ())
+    if bias and bias[-1][0] >= n_vocab:          # ids ascending: the last is the largest
+        bad = next(t for t, _ in bias if t >= n_vocab)
+        raise Refused(f"'logit_bias' names token id {bad}, outside the vocabulary [0, {n_vocab})", param="logit_bias")
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
         raise Refused(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {req.logprobs}", param="logprobs")
     for c in req.cut_points or ():

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from strata.sampling.sampler import NonFiniteLogits, SampleResult, SamplingParams
+from strata.sampling.sampler import NonFiniteLogits, SampleResult, SamplingParams, bias_arrays
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -78,7 +78,8 @@ def _argsort_desc(xp, v):
 class DeviceSampler:
     """strata.sampling.sampler.Sampler's sampling on the device the logits live on (CuPy array on a GPU, or numpy).
 
-    Same chain and formulas as Sampler (llama.cpp src/llama-sampling.cpp order): penalties (repeat_penalty divides
+    Same chain and formulas as Sampler (llama.cpp src/llama-sampling.cpp order): logit_bias (each listed token's bias
+    added to its float32 logit, on the logits' device), penalties (repeat_penalty divides
     positive / multiplies non-positive logits of tokens seen in the last repeat_last_n accepted tokens, then
     logit -= count * frequency_penalty + presence_penalty; float32) -> top-k -> top-p (smallest best-first prefix
     whose softmax mass, over the top-k set or the whole vocabulary when top-k is off, reaches top_p; float64) ->
@@ -93,6 +94,9 @@ class DeviceSampler:
     a fresh 64-bit seed from os.urandom. SampleResult.logprob is NaN unless params.logprobs is set (it costs a
     full-vocabulary reduction); with logprobs, logprob and top_logprobs are Sampler's (natural log-softmax of the
     unmodified logits, best first, ties by lower id).
+
+    A request with logit_bias is sampled by the array path (the strata_sample kernel knows no bias) and its greedy
+    verify rows are judged on the host (``greedy_rows_ok`` is False).
 
     Only a few bytes cross to the host per call: the token id (and its logprob / top-n when asked). Work runs on
     CuPy's current stream of the calling thread, on the logits' device. The array module follows the logits
@@ -118,6 +122,8 @@ class DeviceSampler:
         self._history: deque[int] = deque(maxlen=None if p.repeat_last_n == -1 else p.repeat_last_n)
         self._counts = None          # float32 (n_vocab,) in self._xp: occurrences in the history window
         self._xp = None
+        self._bias = bias_arrays(p.logit_bias, self.n_vocab) if p.logit_bias else None   # (ids, biases) on the host
+        self._bias_dev = None        # (xp, ids, biases) in the module of the last logits biased
         self._out = None             # int32 (2,) on the device: strata_sample's {token, status}
         self.kernel_calls = 0        # samples drawn by the strata_sample kernel
         self.fallbacks = 0           # kernel calls whose candidates did not fit (the array path sampled)
@@ -150,10 +156,22 @@ class DeviceSampler:
             self._xp = xp
         return self._counts
 
+    def _biased(self, xp, x):
+        """x (float32, in xp) with logit_bias added: a new array; x itself when there is no bias."""
+        if self._bias is None:
+            return x
+        if self._bias_dev is None or self._bias_dev[0] is not xp:
+            self._bias_dev = (xp, xp.asarray(self._bias[0]), xp.asarray(self._bias[1]))
+        _, ids, b = self._bias_dev
+        x = x.copy()
+        x[ids] += b          # ids distinct (SamplingParams): one add each
+        return x
+
     def apply_penalties(self, logits):
-        """Penalized float32 copy of logits (same module as the input); the input is unchanged."""
+        """Biased (logit_bias), then penalized float32 copy of logits (same module as the input); the input is
+        unchanged."""
         xp = array_module(logits)
-        x = xp.asarray(logits, dtype=xp.float32)
+        x = self._biased(xp, xp.asarray(logits, dtype=xp.float32))
         if not self.penalize or not self._history:
             return x.copy()
         p = self.params
@@ -206,7 +224,7 @@ class DeviceSampler:
     def _sample(self, xp, logits) -> SampleResult:
         p = self.params
         x0 = xp.asarray(logits, dtype=xp.float32)
-        if xp is not np and p.logprobs is None:
+        if xp is not np and p.logprobs is None and self._bias is None:
             tok = self._kernel_sample(xp, x0)
             if tok is not None:
                 if p.temperature != 0:
@@ -244,8 +262,8 @@ class DeviceSampler:
     @property
     def greedy_rows_ok(self) -> bool:
         """Whether ``greedy_rows`` picks what ``sample`` would for each row on its own: greedy, no penalties (a
-        row's penalties would depend on the tokens picked before it), no logprobs."""
-        return self.params.greedy and not self.penalize and self.params.logprobs is None
+        row's penalties would depend on the tokens picked before it), no logprobs, no logit_bias."""
+        return self.params.greedy and not self.penalize and self.params.logprobs is None and self._bias is None
 
     def greedy_rows(self, rows) -> list[int]:
         """The greedy pick of every row of rows float32 (n, n_vocab) (numpy or CuPy): sample()'s argmax (ties ->

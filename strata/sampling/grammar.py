@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from strata.errors import Refused
 from strata.text.tokenizer import Tokenizer
 
 # JSON the grammar writes: no free whitespace (a model with random weights would fill max_tokens with it), the
@@ -148,14 +149,14 @@ class Constraint:
         self.last: TokenGuide | None = None          # the latest start()'s guide (its timings, for benchmarks)
         self.overlap: bool | None = None             # None: as start() is asked; True / False: always (benchmarks)
 
-    def start(self, overlap: bool = True) -> "TokenGuide":
+    def start(self, overlap: bool = True, banned=()) -> "TokenGuide":
         """A fresh walk from the grammar's start (the first one takes the compiled matcher, later ones a copy).
         overlap: compute each next mask during the forward (the engine: on the CPU backend, not with device logits);
-        self.overlap, when set, decides instead."""
+        self.overlap, when set, decides instead. banned: the token ids the request's logit_bias bans (-inf)."""
         m = self._matcher if not self._started else self._matcher_copy()
         self._started = True
         self.last = TokenGuide(m, self.n_vocab, self.vocab.eos_tokens,
-                               overlap=overlap if self.overlap is None else self.overlap)
+                               overlap=overlap if self.overlap is None else self.overlap, banned=banned)
         return self.last
 
     def _matcher_copy(self):
@@ -181,9 +182,12 @@ class TokenGuide:
 
     When the grammar is complete only the end-of-generation tokens are allowed, so the answer ends there. A matcher
     that fails (a token it did not allow; cannot happen through apply) allows only those tokens too.
+
+    banned: token ids the request bans (logit_bias -inf). A next-token mask that allows only banned tokens leaves
+    nothing to sample: mask() raises Refused naming logit_bias (not a token outside the grammar, nor a false stop).
     """
 
-    def __init__(self, matcher, n_vocab: int, eos: list[int], *, overlap: bool = True):
+    def __init__(self, matcher, n_vocab: int, eos: list[int], *, overlap: bool = True, banned=()):
         self.m = matcher
         self.n_vocab = int(n_vocab)
         self.eos = [int(t) for t in eos if 0 <= int(t) < n_vocab]
@@ -194,6 +198,12 @@ class TokenGuide:
         self.wait_s = 0.0          # seconds the generation waited for a mask (all of mask_s without overlap)
         self.apply_s = 0.0         # seconds spent putting masks on the logits
         self.steps = 0
+        self._open = None          # packed mask of the tokens not banned (None: none is)
+        banned = [int(t) for t in banned if 0 <= int(t) < self.n_vocab]
+        if banned:
+            bits = np.unpackbits(np.full(self.words, -1, dtype=np.int32).view(np.uint8), bitorder="little")
+            bits[banned] = 0
+            self._open = np.packbits(bits, bitorder="little").view(np.int32)
 
     # -- masks
     def _compute(self) -> np.ndarray:
@@ -214,7 +224,13 @@ class TokenGuide:
         f, self._next = self._next, None
         m = f.result() if f is not None else self._compute()
         self.wait_s += time.perf_counter() - t0
+        if self._bans_all(m):
+            raise Refused("'logit_bias' bans every token the request's constraint (response_format, json_schema, "
+                          "grammar or tool_choice) allows next", param="logit_bias")
         return m
+
+    def _bans_all(self, mask: np.ndarray) -> bool:
+        return self._open is not None and not (mask & self._open).any()
 
     def allowed(self) -> np.ndarray:
         """Boolean (n_vocab,) of the tokens allowed next (for tests and the benchmark)."""
@@ -256,7 +272,11 @@ class TokenGuide:
                     or not (int(words[d >> 5]) >> (d & 31)) & 1:
                 break
             self.m.consume_token(d)
-            masks.append(self._compute())
+            nxt = self._compute()
+            if self._bans_all(nxt):         # nothing to sample after d: left to mask() once d is the token read
+                self.m.rollback(1)
+                break
+            masks.append(nxt)
         return masks
 
     def rollback(self, n: int) -> None:

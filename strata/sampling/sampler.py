@@ -1,4 +1,4 @@
-"""Token sampling (SamplingParams, Sampler: greedy, penalties, top-k, top-p, min-p, temperature, seed) and StopMatcher."""
+"""Token sampling (SamplingParams; Sampler: logit bias, greedy, penalties, top-k/p, min-p, temperature, seed), StopMatcher."""
 from __future__ import annotations
 
 import math
@@ -32,6 +32,46 @@ def _int(name, v):
     return int(v)
 
 
+#: the largest |bias| of logit_bias (OpenAI's range, [-100, 100]); -inf (llama-server's `false`) bans a token
+MAX_BIAS = 100.0
+#: the most entries one logit_bias may hold
+MAX_BIAS_ENTRIES = 1024
+
+
+def check_logit_bias(pairs) -> tuple[tuple[int, float], ...]:
+    """pairs (an iterable of (token id, bias)) as SamplingParams keeps them: a tuple sorted by id; ValueError naming
+    the first bad entry (an id that is not an integer >= 0, an id given twice, a bias outside [-MAX_BIAS, MAX_BIAS]
+    that is not -inf, more than MAX_BIAS_ENTRIES entries)."""
+    out = []
+    for pair in pairs:
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise ValueError(f"logit_bias entries must be (token id, bias) pairs, got {pair!r}")
+        tok = _int("logit_bias token id", pair[0])
+        if tok < 0:
+            raise ValueError(f"logit_bias token ids must be >= 0, got {tok}")
+        b = pair[1]
+        if isinstance(b, bool) or not isinstance(b, Real) or b != b:       # b != b: NaN (float() overflows a huge int)
+            raise ValueError(f"logit_bias of token {tok} must be a number, got {b!r}")
+        if not (-MAX_BIAS <= b <= MAX_BIAS or b == -math.inf):       # compared before float(): a huge int overflows it
+            raise ValueError(f"logit_bias of token {tok} must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}] (or -inf), got "
+                             f"{f'{float(b):g}' if abs(b) < 1e300 else 'a number past 1e300'}")
+        b = float(b)
+        out.append((tok, b))
+    if len(out) > MAX_BIAS_ENTRIES:
+        raise ValueError(f"logit_bias has {len(out)} entries, at most {MAX_BIAS_ENTRIES} are allowed")
+    out.sort()
+    for (a, _), (b, _) in zip(out, out[1:]):
+        if a == b:
+            raise ValueError(f"logit_bias names token {a} twice")
+    return tuple(out)
+
+
+def bias_arrays(pairs: tuple[tuple[int, float], ...], n_vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """logit_bias pairs as (ids int64, biases float32), ids past n_vocab left out."""
+    keep = [(t, b) for t, b in pairs if t < n_vocab]
+    return (np.array([t for t, _ in keep], dtype=np.int64), np.array([b for _, b in keep], dtype=np.float32))
+
+
 #: the smallest temperature that is not greedy: logits (|x| < 1e8) divided by it stay finite in float32
 MIN_TEMPERATURE = 1e-30
 
@@ -47,6 +87,10 @@ class SamplingParams:
     repeat_last_n: tokens of history the penalties look at; 0 = none, -1 = all.
     seed: None or -1 = fresh entropy, otherwise an int >= 0 (same seed, same logits -> same tokens).
     logprobs: None, or how many top log-probabilities to return per token (0..20).
+    logit_bias: (token id, bias) pairs, ids ascending and distinct, each bias in [-MAX_BIAS, MAX_BIAS] or -inf (the
+    token never chosen); added to the logits before everything else (llama.cpp's chain puts its logit-bias sampler
+    first). The ids are checked against the vocabulary where the vocabulary is known (the engine's request check;
+    Sampler ignores an id past its n_vocab).
     Raises ValueError (one line naming the field) for a bad value.
     """
     temperature: float = 0.8
@@ -59,6 +103,7 @@ class SamplingParams:
     repeat_last_n: int = 64
     seed: int | None = None
     logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         t = _real("temperature", self.temperature)
@@ -90,6 +135,7 @@ class SamplingParams:
             n = _int("logprobs", self.logprobs)
             if not 0 <= n <= 20:
                 raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs!r}")
+        object.__setattr__(self, "logit_bias", check_logit_bias(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
@@ -121,7 +167,8 @@ class Sampler:
     common/sampling.cpp's default order without DRY/typical/XTC). temperature == 0 is greedy: argmax of the
     penalized logits (ties -> lowest id).
 
-    Penalties (llama_sampler_penalties_apply), for each token seen c > 0 times in the last repeat_last_n
+    logit_bias (llama_sampler_logit_bias_apply) first: each listed token's bias added to its logit (-inf: never
+    chosen). Penalties (llama_sampler_penalties_apply), for each token seen c > 0 times in the last repeat_last_n
     accepted tokens: logit = logit * repeat_penalty if logit <= 0 else logit / repeat_penalty; then
     logit -= c * frequency_penalty + presence_penalty.
     The draw uses numpy's PCG64 Generator seeded with params.seed, so one seed gives one token sequence.
@@ -140,6 +187,7 @@ class Sampler:
         self._rng = np.random.Generator(np.random.PCG64(None if seed is None or seed == -1 else seed))
         maxlen = None if params.repeat_last_n == -1 else params.repeat_last_n
         self._history: deque[int] = deque(maxlen=maxlen)
+        self._bias = bias_arrays(params.logit_bias, self.n_vocab) if params.logit_bias else None
 
     def accept(self, token_id: int) -> None:
         """Record a token in the penalty history."""
@@ -151,9 +199,12 @@ class Sampler:
         self._history.clear()
 
     def apply_penalties(self, logits: np.ndarray) -> np.ndarray:
-        """Penalized copy of logits (float32); the input is unchanged."""
+        """Biased (logit_bias), then penalized copy of logits (float32); the input is unchanged."""
         p = self.params
         out = np.array(logits, dtype=np.float32, copy=True)
+        if self._bias is not None:
+            ids, b = self._bias
+            out[ids] += b
         if not self._history or (p.repeat_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0):
             return out
         counts = Counter(self._history)

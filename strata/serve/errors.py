@@ -16,6 +16,7 @@ ERROR_TYPES = {
     501: "not_implemented_error",
     502: "server_error",
     503: "server_error",
+    507: "server_error",
 }
 
 

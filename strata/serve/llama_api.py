@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import math
 import re
 
 from aiohttp import web
@@ -227,7 +228,10 @@ def _completion_obj(final, content: str, p: schema.ParsedRequest, engine, prompt
             "stopping_word": by or "", "stopped_eos": kind == "eos", "stopped_limit": kind == "limit",
             "stopped_word": kind == "word",
             "generation_settings": {"n_predict": p.max_tokens if p.max_tokens is not None else n_predict,
-                                    **p.sampling, "stop": p.stop},
+                                    **p.sampling, "stop": p.stop,
+                                    # llama-server's shape; a banned token's bias (-inf) as the false it was sent as
+                                    "logit_bias": [{"token": t, "bias": False if b == -math.inf else b}
+                                                   for t, b in p.sampling.get("logit_bias", ())]},
             "timings": {k: t.get(k) for k in ("prompt_n", "prompt_ms", "prompt_per_second", "predicted_n",
                                               "predicted_ms", "predicted_per_second", "cache_n")}}
 

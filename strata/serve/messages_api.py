@@ -9,8 +9,11 @@ middleware's too (a bad key, an unknown method), are Anthropic's: {"type": "erro
 from __future__ import annotations
 
 import json
+import math
 import re
 import uuid
+
+import jiter
 
 from aiohttp import web
 
@@ -235,15 +238,44 @@ def stop_reason(ab: AnswerBlocks, p: schema.ParsedRequest) -> tuple[str, str | N
     return "end_turn", None
 
 
+def _tool_input(text: str):
+    """A call's arguments as its tool_use input. Arguments cut by max_tokens are read as the anthropic SDK reads the
+    streamed input_json_delta fragments (jiter's partial mode: what the cut text holds complete, an unfinished
+    string or key left out), so a message equals the one its stream assembles to; None when not even that parses,
+    or when it holds a number JSON cannot write back (NaN, Infinity, or one past float's range: the answer's body
+    would not be JSON)."""
+    try:
+        value = json.loads(text, parse_constant=_no_constant)
+    except (ValueError, RecursionError):        # RecursionError: nested past the parser's depth
+        try:
+            value = jiter.from_json(text.encode(), partial_mode=True, allow_inf_nan=False)
+        except (ValueError, RecursionError):
+            return None
+    return value if _finite(value) else None
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite(v) -> bool:
+    """Whether every number in the decoded JSON value v is finite (a literal like 1e999 decodes to inf)."""
+    stack = [v]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, float) and not math.isfinite(x):
+            return False
+        if isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+    return True
+
+
 def _block(b: Block, done: bool) -> dict:
     """Block b as a content block: empty (content_block_start) or whole (done)."""
     if b.kind == "call":
-        args = None
-        if done and b.text:
-            try:
-                args = json.loads(b.text)
-            except ValueError:
-                args = None        # arguments cut by max_tokens: the streamed deltas hold what was written
+        args = _tool_input(b.text) if done and b.text else None
         return {"type": "tool_use", "id": b.call_id, "name": b.name, "input": args if isinstance(args, dict) else {}}
     if b.kind == "reasoning":
         return {"type": "thinking", "thinking": b.text if done else "", "signature": ""}

@@ -20,6 +20,7 @@ from aiohttp import web
 
 from strata import __version__
 from strata.engine.types import FinalEvent
+from strata.gguf import identity
 from strata.serve import schema
 from strata.serve.answer_blocks import AnswerBlocks
 from strata.serve.completions_api import generate_chat, generate_completion
@@ -318,12 +319,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 def _details(engine) -> dict:
     f = engine.file
-    ft = f.metadata.get("general.file_type")
-    try:
-        import gguf
-        quant = gguf.LlamaFileType(int(ft)).name.removeprefix("MOSTLY_") if ft is not None else ""
-    except (ValueError, TypeError):
-        quant = ""
+    quant = identity.quant_name(f)
     n_params = sum(math.prod(int(d) for d in t.shape) for t in f.tensors.values())
     return {"parent_model": "", "format": "gguf", "family": engine.arch, "families": [engine.arch],
             "parameter_size": _size_text(n_params), "quantization_level": quant}

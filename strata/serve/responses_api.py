@@ -209,7 +209,8 @@ def _tool_choice(tc):
         return tc                                  # "none" | "auto" | "required" (anything else: parse_chat's 400)
     if isinstance(tc, dict) and tc.get("type") == "function":
         return {"type": "function", "function": {"name": tc.get("name")}}
-    raise _unsupported("tool_choice", 'must be "none", "auto", "required" or {"type": "function", "name": ...}')
+    raise _unsupported("tool_choice", 'must be "none", "auto", "required", {"type": "function", "name": ...} or '
+                                      '{"type": "allowed_tools", ...}')
 
 
 def _text_format(text):
@@ -256,9 +257,14 @@ def parse(body: dict, store: ResponseStore) -> ResponsesRequest:
     metadata = _metadata(body.get("metadata"))
     for key in ("tools", "tool_choice", "text"):                    # echoed in the response as they came
         schema.unicode_json(body.get(key), key)
+    tools, tool_choice = _tools(body.get("tools")), body.get("tool_choice")
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "allowed_tools":    # flat: {"type", "mode", "tools"}
+        tools, tool_choice = schema.allowed_tools(tool_choice, tools, at="tool_choice", flat=True)
+    else:
+        tool_choice = _tool_choice(tool_choice)
     chat = {"model": body.get("model"), "stream": body.get("stream"), "max_tokens": max_out,
             "messages": ([{"role": "system", "content": instructions}] if instructions is not None else []) + history,
-            "tools": _tools(body.get("tools")), "tool_choice": _tool_choice(body.get("tool_choice")),
+            "tools": tools, "tool_choice": tool_choice,
             "parallel_tool_calls": body.get("parallel_tool_calls"), "response_format": _text_format(body.get("text")),
             "temperature": body.get("temperature"), "top_p": body.get("top_p")}
     chat.update({k: body[k] for k in schema.EXTENSION_FIELDS if k in body})

@@ -2,10 +2,10 @@
 
 Field names and ranges follow the OpenAI API reference (https://platform.openai.com/docs/api-reference/chat)
 with llama.cpp's server extensions (top_k, min_p, repeat_penalty, cache_prompt, chat_template_kwargs,
-reasoning_format, json_schema, grammar) and Strata's own (strata_checkpoint, strata_spec, strata_pin). Every refusal is
-an
-ApiError(400, one line naming the field). Unknown fields are ignored (clients send many optional ones), except those
-that would change the answer in a way Strata cannot honour (best_of > 1, echo, suffix, logit_bias, image parts).
+reasoning_format, json_schema, grammar, logit_bias's array form) and Strata's own (strata_checkpoint, strata_spec,
+strata_pin). Every refusal is an ApiError(400, one line naming the field). Unknown fields are ignored (clients send
+many optional ones), except those that would change the answer in a way Strata cannot honour (best_of > 1, echo,
+suffix, image parts).
 """
 from __future__ import annotations
 
@@ -182,9 +182,9 @@ def _common(body: dict, kind: str) -> ParsedRequest:
     seed = _opt_int(body, "seed", -1, 2 ** 64 - 1)
     if seed is not None:
         s["seed"] = seed
-    lb = body.get("logit_bias")
-    if lb not in (None, {}):
-        raise ApiError(400, "'logit_bias' is not supported by Strata", param="logit_bias", code="unsupported_value")
+    lb = _logit_bias(body.get("logit_bias"))
+    if lb:
+        s["logit_bias"] = lb
     r.output = _response_format(body.get("response_format"))
     r.cache_prompt = _opt_bool(body, "cache_prompt", True)
     r.checkpoint = _opt_bool(body, "strata_checkpoint", True)
@@ -192,6 +192,64 @@ def _common(body: dict, kind: str) -> ParsedRequest:
     slot = _opt_int(body, "id_slot", -1)         # llama-server's: -1 (any) or a slot; the engine checks the range
     r.id_slot = None if slot is None or slot == -1 else slot
     return r
+
+
+_TOKEN_KEY = re.compile(r"^[0-9]{1,10}$")
+
+
+def _bias_value(v, where: str) -> float:
+    """One bias: a number in [-MAX_BIAS, MAX_BIAS], or false (llama-server's: the token is never chosen, -inf)."""
+    from strata.sampling.sampler import MAX_BIAS
+    if v is False:
+        return -math.inf
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise _bad(where, f"must be a number in [-{MAX_BIAS:g}, {MAX_BIAS:g}] (or false to ban the token), got "
+                          f"{_tname(v)}")
+    if not -MAX_BIAS <= v <= MAX_BIAS:
+        got = f"{v:g}" if isinstance(v, float) else json.dumps(v)[:80]       # an int past float's range has no :g
+        raise _bad(where, f"must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}] (or false to ban the token), got {got}")
+    return float(v)
+
+
+def _logit_bias(lb) -> tuple[tuple[int, float], ...]:
+    """'logit_bias': OpenAI's object {"token id": bias}, or llama-server's array [[token id, bias], ...]; a bias is a
+    number in [-100, 100], or false (never chosen). Token ids only (a text key is refused: token ids are the
+    model's). At most MAX_BIAS_ENTRIES entries, each id once. The ids are checked against the vocabulary by the
+    engine before the request is queued. -> (id, bias) pairs sorted by id."""
+    from strata.sampling.sampler import MAX_BIAS_ENTRIES
+    if lb is None:
+        return ()
+    if isinstance(lb, dict):
+        items = list(lb.items())
+    elif isinstance(lb, list):
+        items = []
+        for j, e in enumerate(lb):
+            if not isinstance(e, list) or len(e) != 2:
+                raise _bad(f"logit_bias[{j}]", "must be a [token id, bias] pair")
+            items.append((e[0], e[1]))
+    else:
+        raise _bad("logit_bias", 'must be an object {"token id": bias} or an array of [token id, bias] pairs, got '
+                                 f"{_tname(lb)}")
+    if len(items) > MAX_BIAS_ENTRIES:
+        raise _bad("logit_bias", f"has {len(items)} entries, at most {MAX_BIAS_ENTRIES} are allowed")
+    out: dict[int, float] = {}
+    for j, (k, v) in enumerate(items):
+        if isinstance(lb, dict):
+            where = _json_key_path("logit_bias", k)
+            if not _TOKEN_KEY.match(k):
+                raise _bad("logit_bias", f"has the key {json.dumps(k)[:80]}: keys must be token ids (decimal "
+                                         "integers >= 0), not text")
+            tok = int(k)
+        else:
+            where = f"logit_bias[{j}]"
+            if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+                raise _bad(f"{where}[0]", f"must be a token id (an integer >= 0), got {json.dumps(k)[:80]}")
+            tok = k
+        b = _bias_value(v, where if isinstance(lb, dict) else f"{where}[1]")
+        if tok in out:
+            raise _bad("logit_bias", f"names token {tok} twice")
+        out[tok] = b
+    return tuple(sorted(out.items()))
 
 
 def _unicode_text(text: str, where: str) -> str:
@@ -281,7 +339,7 @@ def parse_chat(body: dict) -> ParsedRequest:
     for i, m in enumerate(msgs):
         if type(m) is dict and len(m) == 2:           # the common message: {"role": ..., "content": "..."}
             role, content = m.get("role"), m.get("content")
-            if type(content) is str and role in _ROLE_SET:
+            if type(content) is str and type(role) is str and role in _ROLE_SET:
                 out.append({"role": "system" if role == "developer" else role, "content": content})
                 plain.append(content)
                 continue
@@ -308,7 +366,10 @@ def parse_chat(body: dict) -> ParsedRequest:
     _plain_unicode(msgs, plain, len(msgs))
     r.messages = out
     r.tools = _tools(body.get("tools"))
-    r.tool_choice = _tool_choice(body.get("tool_choice"), r.tools)
+    tc = body.get("tool_choice")
+    if isinstance(tc, dict) and tc.get("type") == "allowed_tools":
+        r.tools, tc = allowed_tools(tc.get("allowed_tools"), r.tools)
+    r.tool_choice = _tool_choice(tc, r.tools)
     r.parallel_tool_calls = _opt_bool(body, "parallel_tool_calls", True)
     _grammar_fields(body, r)
     if r.output is not None and (r.tool_choice == "required" or isinstance(r.tool_choice, dict)):
@@ -452,6 +513,39 @@ def _tool_choice(tc, tools: list[dict] | None):
                                       f"({', '.join(known)})")
         return {"type": "function", "function": {"name": name}}
     raise _bad("tool_choice", 'must be "none", "auto", "required" or a function object')
+
+
+def allowed_tools(spec, tools: list[dict] | None, at: str = "tool_choice.allowed_tools",
+                  flat: bool = False) -> tuple[list[dict], str]:
+    """A 'tool_choice' of type allowed_tools: the model may call only the named tools -> (those tools, the mode as a
+    tool_choice). spec is chat's {"mode": "auto" | "required", "tools": [{"type": "function", "function": {"name":
+    N}}, ...]} (the tool_choice's 'allowed_tools'), or with flat the Responses API's tool_choice itself, whose items
+    are {"type": "function", "name": N}; a 400 names the field under `at`. The tools the request lists but does not
+    allow are left out of the prompt too (OpenAI keeps them there for its prompt cache), so the model neither sees
+    nor calls them."""
+    item = '{"type": "function", "name": ...}' if flat else '{"type": "function", "function": {"name": ...}}'
+    if not isinstance(spec, dict):
+        raise _bad(at, "must be an object with 'mode' and 'tools'")
+    mode = spec.get("mode")
+    if mode not in ("auto", "required"):
+        raise _bad(f"{at}.mode", f'must be "auto" or "required", got {json.dumps(mode)[:40]}')
+    allowed = spec.get("tools")
+    if not isinstance(allowed, list) or not allowed:
+        raise _bad(f"{at}.tools", f"must be a non-empty array of {item}")
+    if not tools:
+        raise _bad("tool_choice", "allowed_tools needs 'tools'")
+    known = {t["function"]["name"]: t for t in tools}
+    names = []
+    for j, a in enumerate(allowed):
+        fn = a if flat else a.get("function") if isinstance(a, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(a, dict) or a.get("type", "function") != "function" or not isinstance(name, str):
+            raise _bad(f"{at}.tools[{j}]", f"must be {item}")
+        if name not in known:
+            raise _bad(f"{at}.tools[{j}]", f"names the function {name!r}, which is not among the tools "
+                                           f"({', '.join(known)})")
+        names.append(name)
+    return [t for t in tools if t["function"]["name"] in names], mode
 
 
 def _message_tool_calls(tc, i: int) -> list[dict]:

@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 import structlog
 
-from link import (Ack, BatchForward, BatchResult, CkptRestore, CkptSave, Commit, ErrorCode, Forward, Hello, PartData,
-                  PartGet, PartPut, Reset, Result)
+from link import (Ack, BatchForward, BatchResult, BatchRows, CkptRestore, CkptSave, Commit, ErrorCode, Forward, Hello,
+                  PartData, PartGet, PartPut, Reset, Result, SeqResult)
 from strata.backend.quant import ROWWISE_MAX_TOKENS
 from strata.memory import FormatError, KVCacheFull, PartMismatch
 from strata.stages.link_client import PART_CHUNK, LinkClient, LinkDown, WorkerError, get_part, put_part
@@ -43,6 +43,8 @@ class Carrier:
     def __init__(self, stages, hello: Hello, ckpt_max: int, next_hop: LinkClient | None):
         self.stages = stages
         self.slots = max(1, int(getattr(hello, "slots", 1)))
+        # (+rowids) answer a BatchForward with BatchRows and a Forward with SeqResult
+        self.row_ids = bool(getattr(hello, "row_ids", False))
         self.seqs: dict[int, Sequence] = {}
         self.n_embd, self.n_ctx, self.max_batch = int(hello.n_embd), int(hello.n_ctx), int(hello.max_batch)
         self.ckpt_max = ckpt_max
@@ -107,7 +109,15 @@ class Carrier:
         if pos != seq.pos:
             raise Refuse(ErrorCode.DESYNC, f"{what} at position {pos}, but this worker's sequence is at {seq.pos}")
 
+    def _sid(self, seq: Sequence) -> int:
+        """The id under which this worker holds `seq` (what a SeqResult names: the worker's own state, not the
+        request's field)."""
+        return next(k for k, s in self.seqs.items() if s is seq)
+
     def forward(self, m: Forward) -> Result:
+        """One sequence's Forward (a prefill chunk, a lone decode, a verify), and the next worker's (relay) with the
+        same rows. Asked at the hello (+rowids), the answer is a SeqResult naming the sequence the rows were read
+        for: the next worker's passed through unchanged, this worker's own where the next one does not give one."""
         seq = self.seq_of(m.seq)
         self._at(seq, m.pos, "Forward")
         n = int(m.tokens.shape[0])
@@ -130,17 +140,26 @@ class Carrier:
         if self.next is not None:
             h = np.ascontiguousarray(be.to_host(x), dtype=np.float32)
             res = self.next.call(Forward(pos=m.pos, want_all=m.want_all, tokens=m.tokens, hidden=h, seq=m.seq))
+            if not isinstance(res, Result) or isinstance(res, SeqResult) != self.next.row_ids:
+                raise Refuse(ErrorCode.NEXT_HOP, f"the next worker {self.next.address} answered a Forward with a "
+                                                 f"{type(res).__name__} (row ids agreed at its hello: "
+                                                 f"{'yes' if self.next.row_ids else 'no'})")
             hidden = res.hidden
             self.dropped += [i for i in res.dropped if i not in self.dropped]   # the chain's drops, one list
         else:
             hidden = np.ascontiguousarray(be.to_host(x if m.want_all else x[-1:]), dtype=np.float32)
-        return Result(pos=seq.pos, compute_us=int((time.perf_counter() - t0) * 1e6), hidden=hidden,
-                      dropped=sorted(self.dropped))
+        us, dropped = int((time.perf_counter() - t0) * 1e6), sorted(self.dropped)
+        if self.row_ids:        # the next worker's id, passed through unchanged (the main checks), else this one's
+            sid = res.seq if self.next is not None and self.next.row_ids else self._sid(seq)
+            return SeqResult(pos=seq.pos, compute_us=us, hidden=hidden, dropped=dropped, seq=sid)
+        return Result(pos=seq.pos, compute_us=us, hidden=hidden, dropped=dropped)
 
     def batch_forward(self, m: BatchForward) -> BatchResult:
         """One decode step of several sequences (+slots): every row checked (its sequence at its position, the hidden
         rows' shape) before anything is read, then the stages' batched step (decode_batch: row i bit-identical to
-        that sequence's lone one-token Forward), and the next worker's (relay) with the same rows."""
+        that sequence's lone one-token Forward), and the next worker's (relay) with the same rows. Asked at the hello
+        (+rowids), the answer is a BatchRows naming each row's sequence and the position its token took: the next
+        worker's ids passed through unchanged, this worker's own where the next one does not give any."""
         n = len(m.seqs)
         if n > self.slots:
             raise Refuse(ErrorCode.LIMIT, f"a BatchForward of {n} rows exceeds the hello's {self.slots} slot(s)")
@@ -156,12 +175,23 @@ class Carrier:
         self.dropped = []
         x = decode_batch(seqs, m.tokens, x_in=np.asarray(m.hidden, dtype=np.float32))
         h = np.ascontiguousarray(self.stages[-1].backend.to_host(x), dtype=np.float32)
+        # each row's ids as this worker's step left them: the sequence it read, the position its token took
+        ids = (list(m.seqs), [s.pos - 1 for s in seqs])
         if self.next is not None:
             res = self.next.call(BatchForward(seqs=list(m.seqs), positions=list(m.positions), tokens=m.tokens,
                                               hidden=h))
+            if not isinstance(res, BatchResult) or isinstance(res, BatchRows) != self.next.row_ids:
+                raise Refuse(ErrorCode.NEXT_HOP, f"the next worker {self.next.address} answered a BatchForward with "
+                                                 f"a {type(res).__name__} (row ids agreed at its hello: "
+                                                 f"{'yes' if self.next.row_ids else 'no'})")
             h = res.hidden
             self.dropped += [i for i in res.dropped if i not in self.dropped]
-        return BatchResult(compute_us=int((time.perf_counter() - t0) * 1e6), hidden=h, dropped=sorted(self.dropped))
+            if self.next.row_ids:               # the next worker's ids, passed through unchanged (the main checks)
+                ids = (list(res.seqs), list(res.positions))
+        us, dropped = int((time.perf_counter() - t0) * 1e6), sorted(self.dropped)
+        if self.row_ids:
+            return BatchRows(compute_us=us, hidden=h, dropped=dropped, seqs=ids[0], positions=ids[1])
+        return BatchResult(compute_us=us, hidden=h, dropped=dropped)
 
     def _prune(self, keep) -> None:
         for k in [k for k in self.store if k not in set(keep)]:

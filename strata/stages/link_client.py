@@ -1,6 +1,7 @@
 """The main side of one stage link: LinkClient (one TCP connection to a worker: the hello, calls answered in order,
 Commits sent ahead and settled later, pings while waiting), a kept part's bytes streamed in chunks (get_part /
-put_part, ``+park``), the link's errors and the worker's address."""
+put_part, ``+park``), the link's errors (a worker's bad result: result_fault, rows_fault) and the worker's
+address."""
 from __future__ import annotations
 
 import itertools
@@ -14,8 +15,10 @@ import numpy as np
 import structlog
 
 import link
-from link import (Challenge, Error, Hello, HelloAck, LinkError, PartData, PartGet, PartPut, Ping, Pong, FLAG_ASYNC)
-from strata.errors import EngineFault, Unavailable
+from link import (Challenge, Error, ErrorCode, Hello, HelloAck, LinkError, PartData, PartGet, PartPut, Ping, Pong,
+                  FLAG_ASYNC)
+from strata.errors import EngineFault, Unavailable, printable
+from strata.gguf import identity
 
 log = structlog.get_logger("strata.stages.remote")
 
@@ -73,6 +76,42 @@ def result_fault(h, rows: int, n_embd: int) -> str | None:
 
 
 
+def rows_fault(res, seqs: list[int], positions: list[int], row_ids: bool) -> str | None:
+    """What is wrong with the ids of a BatchForward's answer `res` (the hidden rows checked apart, result_fault), for
+    the rows of sequences `seqs` at `positions`, or None: with ``row_ids`` agreed at the hello it must be a BatchRows
+    naming exactly those rows in that order; without, a plain BatchResult."""
+    if not isinstance(res, link.BatchResult):
+        return f"a {type(res).__name__} to a BatchForward"
+    if not row_ids:
+        return None if type(res) is link.BatchResult else \
+            f"a {type(res).__name__} to a BatchForward (row ids were not asked for at the hello)"
+    if not isinstance(res, link.BatchRows):
+        return "a BatchResult without row ids (they were agreed at the hello)"
+    want = list(zip(seqs, positions))
+    got = list(zip(res.seqs, res.positions))
+    if got == want:
+        return None
+    if len(got) != len(want):
+        return f"ids of {len(got)} rows for a batched step of {len(want)}"
+    i = next(k for k, (g, w) in enumerate(zip(got, want)) if g != w)
+    return (f"row {i} named as sequence {got[i][0]} at position {got[i][1]}, where sequence {want[i][0]} at "
+            f"{want[i][1]} was asked")
+
+
+def seq_fault(res, seq: int, row_ids: bool) -> str | None:
+    """What is wrong with the sequence id of a Forward's answer `res` (a Result; its pos and hidden rows checked
+    apart) for sequence `seq`, or None: with ``row_ids`` agreed at the hello it must be a SeqResult naming `seq`;
+    without, a plain Result."""
+    if not row_ids:
+        return None if type(res) is link.Result else \
+            f"a {type(res).__name__} to a Forward (row ids were not asked for at the hello)"
+    if not isinstance(res, link.SeqResult):
+        return "a Result without its sequence id (row ids were agreed at the hello)"
+    if res.seq != seq:
+        return f"the rows of sequence {res.seq} where sequence {seq}'s were asked"
+    return None
+
+
 def parse_address(addr: str) -> tuple[str, int]:
     """'HOST:PORT' or '[IPv6]:PORT' -> (host, port); ValueError (one line) otherwise."""
     s = str(addr).strip()
@@ -85,6 +124,12 @@ def parse_address(addr: str) -> tuple[str, int]:
 
 
 
+def _peer_text(text: str, limit: int = 500) -> str:
+    """A worker's text (an Error's message, a Bye's reason) as quoted in a line for the user: its first `limit`
+    characters, control and bidirectional characters escaped (strata.errors.printable)."""
+    return printable(text[:limit]) + (f"... ({len(text)} characters)" if len(text) > limit else "")
+
+
 class LinkClient:
     """One connection to one worker, used by one thread at a time (the engine thread; on a relay, its executor).
 
@@ -95,10 +140,15 @@ class LinkClient:
 
     With a key every frame after the hello is authenticated (encrypted with ``encrypt``, or when the worker
     requires it); ``insecure`` accepts a worker that does not protect frames (plain frames, as without a key).
+
+    A Hello that asks for row ids (``row_ids``) keeps asking only a worker that announces ``+rowids`` (``row_ids``
+    tells what was agreed); ``require_row_ids`` refuses one that does not, where the Hello asked. ``model``: this
+    side's model summary; a worker that refuses it for another model is refused naming what differs.
     """
 
     def __init__(self, address: str, key: bytes | None = None, *, silent_after: float = SILENT_AFTER,
-                 connect_timeout: float = CONNECT_TIMEOUT, encrypt: bool = False, insecure: bool = False):
+                 connect_timeout: float = CONNECT_TIMEOUT, encrypt: bool = False, insecure: bool = False,
+                 require_row_ids: bool = False, model: identity.ModelSummary | None = None):
         self.address = address
         self.host, self.port = parse_address(address)
         if encrypt and key is None:
@@ -116,6 +166,9 @@ class LinkClient:
         self.sent_bytes = self.received_bytes = 0
         self.ack: HelloAck | None = None
         self.caps: set[str] = set()              # the capabilities the worker's Challenge announced
+        self.require_row_ids = bool(require_row_ids)
+        self.model = model                       # this side's model: a worker's refusal of it names what differs
+        self.row_ids = False      # the worker answers BatchForward / Forward with BatchRows / SeqResult (hello)
 
     # ---- the hello -----------------------------------------------------------------------------------------
     def connect(self, hello: Hello) -> HelloAck:
@@ -130,7 +183,7 @@ class LinkClient:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             _, ch = link.recv_frame(sock, HANDSHAKE_MAX)
             if isinstance(ch, Error):
-                raise WorkerRefused(f"{who} refused the link: {ch.message}")
+                raise WorkerRefused(f"{who} refused the link: {_peer_text(ch.message)}")
             if not isinstance(ch, Challenge):
                 raise WorkerRefused(f"{who} opened with {type(ch).__name__}, not a Challenge")
             if ch.keyed and self.key is None:
@@ -149,13 +202,21 @@ class LinkClient:
                 raise WorkerRefused(f"{who} does not announce +slots (an older strata worker holds one sequence): "
                                     f"--parallel {hello.slots} needs a worker that holds one per slot; upgrade it or "
                                     f"use --parallel 1")
+            if hello.row_ids and link.CAP_ROWIDS not in caps:
+                if self.require_row_ids:
+                    raise WorkerRefused(f"{who} does not announce +rowids (an older strata worker): it cannot name "
+                                        f"the rows of a batched step, which --require-row-ids asks for; upgrade it")
+                hello.row_ids = False
             hello.nonce, hello.mac = secrets.token_bytes(32), b""
             if self.key is not None:
                 hello.mac = link.hello_mac(self.key, ch.nonce, hello, frames)
             link.send_frame(sock, hello, 1)
             _, ack = link.recv_frame(sock, HANDSHAKE_MAX)
             if isinstance(ack, Error):
-                raise WorkerRefused(f"{who} refused the hello: {ack.message}")
+                theirs = identity.parse_refusal(ack.message) if ack.code == ErrorCode.MODEL else None
+                if theirs is not None and self.model is not None:
+                    raise WorkerRefused(f"{who} {identity.mismatch(theirs, self.model)}")
+                raise WorkerRefused(f"{who} refused the hello: {_peer_text(ack.message)}")
             if not isinstance(ack, HelloAck):
                 raise WorkerRefused(f"{who} answered the hello with {type(ack).__name__}")
             if self.key is not None and not link.verify(link.ack_mac(self.key, hello.nonce, ack, frames), ack.mac):
@@ -186,6 +247,7 @@ class LinkClient:
             log.warning("stage link frames are not authenticated (--insecure-link)", worker=self.address)
         self.sock, self.ack, self.heard = sock, ack, time.monotonic()
         self.caps = link.split_challenge_name(ch.worker)[1]
+        self.row_ids = bool(hello.row_ids)
         return ack
 
     def close(self) -> None:
@@ -279,14 +341,14 @@ class LinkClient:
                 self._posted[hdr.request_id] = msg
                 continue
             if isinstance(msg, link.Bye):
-                self._down(f"closed the link: {msg.reason}")
+                self._down(f"closed the link: {_peer_text(msg.reason)}")
             if isinstance(msg, Error):
-                self._down(f"failed: {msg.message}")
+                self._down(f"failed: {_peer_text(msg.message)}")
             self._down(f"sent a {type(msg).__name__} that answers no request")
 
     def _checked(self, msg):
         if isinstance(msg, Error):
-            raise WorkerError(msg.code, f"worker {self.address}: {msg.message}")
+            raise WorkerError(msg.code, f"worker {self.address}: {_peer_text(msg.message)}")
         return msg
 
 

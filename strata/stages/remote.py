@@ -10,10 +10,11 @@ import numpy as np
 import structlog
 
 import link
-from link import BatchForward, BatchResult, Forward, Hello, Hop, Result
+from link import BatchForward, Forward, Hello, Hop, Result
 from strata.memory import Carve
 from strata.stages.link_client import (BACKOFF, PING_EVERY, SILENT_AFTER, LinkClient, LinkDown, WorkerBadResult,
-                                       WorkerError, parse_address, result_fault)
+                                       WorkerError, parse_address, result_fault, rows_fault,
+                                       seq_fault)
 from strata.stages.remote_memory import CheckpointGone, RemoteMemory
 from strata.stages.stage import StageBase
 
@@ -48,16 +49,19 @@ class RemoteStage(StageBase):
 
     The main decides positions and which checkpoints exist. With ``slots`` > 1 (--parallel) the worker holds one
     sequence per request slot (``+slots``), each addressed by its id, and a batched decode step of several slots is
-    one BatchForward round trip (``forward_batch``). A link failure fails the requests in flight (LinkDown); a
-    background thread then reconnects with backoff, and the fresh worker state makes the engine start every live
-    sequence and its checkpoints over (``lost``).
+    one BatchForward round trip (``forward_batch``), whose answer names each row's sequence and position where the
+    worker announces ``+rowids`` (required with ``require_row_ids``), checked before a row is used; there, a lone
+    Forward's answer (a verify, a prefill chunk) names its sequence too (a SeqResult), checked beside its position.
+    A link failure fails the requests in flight (LinkDown); a background thread then reconnects with backoff, and
+    the fresh worker state makes the engine start every live sequence and its checkpoints over (``lost``).
     """
 
     runner_name = "LinkClient"
 
     def __init__(self, index: int, hops: list[tuple[str, Carve]], model, *, fingerprint: str, n_ctx: int,
                  max_batch: int, ckpt_max: int, key: bytes | None = None, silent_after: float = SILENT_AFTER,
-                 encrypt: bool = False, insecure: bool = False, slots: int = 1):
+                 encrypt: bool = False, insecure: bool = False, slots: int = 1, require_row_ids: bool = False,
+                 summary=None):
         self.index = index
         self.hops = [(a, Carve(c.lo, c.hi)) for a, c in hops]
         self.carve = Carve(self.hops[0][1].lo, self.hops[-1][1].hi)
@@ -69,6 +73,8 @@ class RemoteStage(StageBase):
         self.key, self.silent_after = key, silent_after
         self.slots = max(1, int(slots))
         self.encrypt, self.insecure = bool(encrypt), bool(insecure)
+        self.require_row_ids = bool(require_row_ids)
+        self.summary = summary               # the main's model file (an identity.ModelSummary) for a worker's refusal
         self.client: LinkClient | None = None
         self.epoch = 0                       # connections made; a RemotePart of another epoch is gone
         self.memory = RemoteMemory(self, recurrent=bool(model.new_running_state(self.carve)),
@@ -92,11 +98,11 @@ class RemoteStage(StageBase):
                      n_ctx=self.n_ctx, max_batch=self.max_batch, ckpt_max=self.ckpt_max,
                      next_hops=[Hop(host=host, port=port, lo=cc.lo, hi=cc.hi)
                                 for (host, port), cc in ((parse_address(a), cc) for a, cc in self.hops[1:])],
-                     nonce=b"", mac=b"", slots=self.slots)
+                     nonce=b"", mac=b"", slots=self.slots, row_ids=self.slots > 1)
 
     def _connect(self) -> None:
         client = LinkClient(self.hops[0][0], self.key, silent_after=self.silent_after, encrypt=self.encrypt,
-                            insecure=self.insecure)
+                            insecure=self.insecure, require_row_ids=self.require_row_ids, model=self.summary)
         ack = client.connect(self._hello())
         n_embd = int(self.model.config.n_embd)
         client.max_payload = max(1 << 20, max(self.max_batch, self.slots) * (n_embd * 4 + 16) + 4096)
@@ -111,6 +117,8 @@ class RemoteStage(StageBase):
 
     def _mark_down(self, why: str) -> None:
         with self._io:
+            if self.client is None and self.down_reason is not None:
+                return                      # already down: `why` is _live's refusal, which quotes the reason
             if self.client is not None:
                 self.client.close()
             self.client = None
@@ -223,17 +231,21 @@ class RemoteStage(StageBase):
             # a verify's Commit is in flight: a worker may apply it late (while expert swaps finish), so it lands
             # before the next Forward is sent
             self.settle()
+        c = self.client          # the link this Forward goes over (call raises LinkDown when there is none)
         res = self.call(Forward(pos=at, want_all=bool(all_logits), tokens=toks, hidden=x, seq=sid))
         if not isinstance(res, Result) or res.pos != at + n:
             self._mark_down(f"answered a Forward at {at} of {n} tokens with "
                             f"{type(res).__name__} at {getattr(res, 'pos', '?')}")
             raise LinkDown(f"stage {self.index} ({self.device}): the worker lost step with the main")
         h = res.hidden
-        fault = result_fault(h, n if all_logits else 1, int(self.model.config.n_embd))
+        # the sequence id (+rowids) first: a worker (or relay) that answered with another sequence's rows at the
+        # same position is named as such
+        fault = seq_fault(res, sid, c is not None and c.row_ids) or result_fault(h, n if all_logits else 1,
+                                                                               int(self.model.config.n_embd))
         if fault is not None:        # the worker's state is not to be trusted: a fresh link, the sequence read again
             self._mark_down(f"returned {fault}")
             raise WorkerBadResult(f"stage {self.index} ({self.device}): the worker returned {fault} for a Forward "
-                                  f"of {n} tokens at {at}; the link is reset")
+                                  f"of {n} tokens of sequence {sid} at {at}; the link is reset")
         self.memory.seqs[sid].at = int(res.pos)
         self.worker_us += int(res.compute_us)
         if res.dropped:                   # parts the worker dropped to fit this Forward: forgotten at once
@@ -269,8 +281,8 @@ class RemoteStage(StageBase):
             self.settle()
         res = self.call(BatchForward(seqs=sids, positions=at, tokens=toks, hidden=x))
         n_embd = int(self.model.config.n_embd)
-        fault = (f"a {type(res).__name__} to a BatchForward" if not isinstance(res, BatchResult)
-                 else result_fault(res.hidden, n, n_embd))
+        # the rows' ids (+rowids) first: a worker that swapped, dropped or repeated a row is named as such
+        fault = rows_fault(res, sids, at, c.row_ids) or result_fault(res.hidden, n, n_embd)
         if fault is not None:
             self._mark_down(f"returned {fault}")
             raise WorkerBadResult(f"stage {self.index} ({self.device}): the worker returned {fault} (a batched "
@@ -305,6 +317,7 @@ class RemoteStage(StageBase):
                          "workers": [{"address": a, "layer_lo": cc.lo, "layer_hi": cc.hi} for a, cc in self.hops],
                          "rtt_ms": None if self.rtt_s is None else round(self.rtt_s * 1e3, 3),
                          "checkpoints_held": self.memory.held, "store_bytes": self.memory.store_bytes,
-                         "slots": self.slots, "batched_steps": self.batched_steps,
+                         "slots": self.slots, "row_ids": bool(c.row_ids) if c else None,
+                         "batched_steps": self.batched_steps,
                          "batched_rows": self.batched_rows,
                          "bytes_sent": c.sent_bytes if c else 0, "bytes_received": c.received_bytes if c else 0}}

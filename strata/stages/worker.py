@@ -14,6 +14,7 @@ import structlog
 
 import link
 from link import Bye, Challenge, Commit, Error, ErrorCode, Hello, HelloAck, LinkError, Ping, Pong
+from strata.gguf import identity
 from strata.memory.hostram import available_ram
 from strata.memory import Carve
 from strata.stages import load_stages, make_backend, n_main_blocks
@@ -61,6 +62,7 @@ class Worker:
         self.file = open_gguf(self.path, archs=supported_archs())
         self.fingerprint = self.file.fingerprint()
         self.n_blocks = n_main_blocks(self.file, model_class(self.file.arch))
+        self.summary = identity.summary(self.file, self.path, self.n_blocks)
         self.backend = make_backend(cfg.device, cfg.kv, cfg.moe_tier)
         self.max_ctx = int(cfg.max_ctx or getattr(self.file.config, "n_ctx_train", 0) or 131072)
         self._stages: tuple[tuple[int, int, int], list] | None = None
@@ -78,8 +80,8 @@ class Worker:
             raise Refuse(ErrorCode.VERSION, f"the main's hello says protocol {h.protocol}, this worker speaks "
                                             f"{link.VERSION}", fatal=True)
         if h.fingerprint != self.fingerprint:
-            raise Refuse(ErrorCode.MODEL, f"the main runs model {h.fingerprint[:16]}, this worker has "
-                                          f"{self.fingerprint[:16]} ({self.path.name})", fatal=True)
+            raise Refuse(ErrorCode.MODEL, identity.refusal(self.summary, h.fingerprint, h.n_blocks, h.n_embd),
+                         fatal=True)
         if h.n_blocks != self.n_blocks or h.n_embd != int(self.file.config.n_embd):
             raise Refuse(ErrorCode.MODEL, f"the main's model has {h.n_blocks} blocks of width {h.n_embd}, this "
                                           f"worker's {self.n_blocks} of {self.file.config.n_embd}", fatal=True)
@@ -122,8 +124,9 @@ class Worker:
         frames stay plain), ``+spec`` (speculative decoding's verify and Commit, Carrier.forward / commit) and ``+park``
         (a kept part's bytes streamed to the main and back, Carrier.part_get / part_put), ``+drops`` (a Result names
         the kept parts dropped to make room for its Forward, Carrier.forward), ``+slots`` (a sequence per request
-        slot, addressed by the seq fields, and the batched decode step, Carrier.batch_forward)."""
-        own = [link.CAP_SPEC, link.CAP_PARK, link.CAP_DROPS, link.CAP_SLOTS]
+        slot, addressed by the seq fields, and the batched decode step, Carrier.batch_forward), ``+rowids`` (that
+        step's answer names each row's sequence and position, and a Forward's its sequence, when the hello asks)."""
+        own = [link.CAP_SPEC, link.CAP_PARK, link.CAP_DROPS, link.CAP_SLOTS, link.CAP_ROWIDS]
         if self.cfg.key is None:
             return own
         return [link.CAP_MAC, link.CAP_AEAD] + ([link.CAP_ENCRYPT] if self.cfg.encrypt else []) + own
@@ -144,12 +147,13 @@ class Worker:
                              fatal=True)
             addr = f"[{nh.host}]:{nh.port}" if ":" in nh.host else f"{nh.host}:{nh.port}"
             next_hop = LinkClient(addr, self.cfg.key, encrypt=self.cfg.encrypt or frames == link.FRAMES_AEAD,
-                                  insecure=self.cfg.insecure_link)
+                                  insecure=self.cfg.insecure_link, model=self.summary)
             try:
                 ack = next_hop.connect(Hello(protocol=link.VERSION, fingerprint=h.fingerprint, lo=nh.lo, hi=nh.hi,
                                              n_blocks=h.n_blocks, n_embd=h.n_embd, act_dtype=h.act_dtype,
                                              n_ctx=h.n_ctx, max_batch=h.max_batch, ckpt_max=h.ckpt_max,
-                                             next_hops=list(rest), nonce=b"", mac=b"", slots=h.slots))
+                                             next_hops=list(rest), nonce=b"", mac=b"", slots=h.slots,
+                                             row_ids=h.row_ids))
             except LinkDown as e:
                 raise Refuse(ErrorCode.NEXT_HOP, f"relay: {e}", fatal=True) from None
             next_hop.max_payload = max(1 << 20, max(int(h.max_batch), int(h.slots)) * (int(h.n_embd) * 4 + 16) + 4096)

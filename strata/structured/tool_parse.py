@@ -147,6 +147,30 @@ class JsonCall:
         return DONE
 
 
+def drop_rest(p: CallParser):
+    """The answer was cut off (CallParser.finish(cut=True)) inside a call block before its call was named (or inside
+    a generic answer's header): what is left is a call the cut left unnamed, dropped, not content. -> DONE."""
+    p.consume(len(p.buf))
+    return DONE
+
+
+_CALL_KEYS = ("name", "arguments", "parameters", "type", "id")
+_FIRST_KEY = re.compile(r'\{\s*(?:"((?:[^"\\]|\\.)*)("?))?\s*$')
+
+
+def may_be_call(text: str) -> bool:
+    """Whether text, a JSON object cut off at its end, may still be a call object: it has no key yet, or its first
+    key is (the start of) one a call object has (call_like). Read only when the answer was cut."""
+    m = _FIRST_KEY.match(text)
+    if m is None:                                     # past the first key: its name decides
+        m2 = re.match(r'\{\s*"((?:[^"\\]|\\.)*)"', text)
+        return m2 is not None and m2.group(1) in _CALL_KEYS
+    key, closed = m.group(1), m.group(2)
+    if key is None:
+        return True
+    return key in _CALL_KEYS if closed else any(k.startswith(key) for k in _CALL_KEYS)
+
+
 def closing(p: CallParser, tag: str, final: bool):
     """An optional closing tag after a call (whitespace before it): consumed when there (or begun at the end)."""
     st, k = expect(p.buf, 0, (tag,))
@@ -259,21 +283,25 @@ class TagBlock:
             if self.phase == "head":
                 j = skip_ws(p.buf, len(self.marker))
                 if j >= len(p.buf):
-                    return len(self.marker) if final else MORE
+                    return (drop_rest(p) if p.cut else len(self.marker)) if final else MORE
                 if p.buf[j] == "{":
                     r = self.obj.head(p, j, final)
                     if r == OK:
                         self.phase = "json"
                         continue
+                    if final and p.cut and r != NO:      # cut before the call was named: no content
+                        return drop_rest(p)
                     return len(self.marker) if r == NO or final else MORE
                 st, k = expect(p.buf, j, ("<function=",))
                 if st == MORE:
-                    return len(self.marker) if final else MORE
+                    return (drop_rest(p) if p.cut else len(self.marker)) if final else MORE
                 if st == NO:
                     return len(self.marker)
                 m = re.match(r"([^>\n<]{1,128})>", p.buf[k:])
                 if m is None:
                     pending = len(p.buf) - k < 129 and re.fullmatch(r"[^>\n<]*", p.buf[k:]) is not None
+                    if pending and final and p.cut:
+                        return drop_rest(p)
                     return MORE if pending and not final else len(self.marker)
                 p.consume(k + m.end())
                 self.index = p.announce(m.group(1).strip())
@@ -344,12 +372,17 @@ class Llama3Block:
             if self.phase == "head":
                 j = skip_ws(p.buf, len(self.marker)) if self.first else 0
                 if j >= len(p.buf):
+                    if final and p.cut and (self.marker or not self.first):
+                        return drop_rest(p)       # cut after <|python_tag|> or a ';': a call left unnamed
                     return max(1, len(self.marker)) if final else MORE
                 r = self.obj.head(p, j, final)
                 if r == OK:
                     self.phase = "body"
                     self.first = False
                     continue
+                # cut before the call was named: no content (without the tag, only what may still be a call object)
+                if final and p.cut and r != NO and (self.marker or not self.first or may_be_call(p.buf[j:])):
+                    return drop_rest(p)
                 return max(1, len(self.marker)) if r == NO or final else MORE
             if self.phase == "body":
                 if self.obj.body(p, final) == MORE:
@@ -507,12 +540,7 @@ class GenericBlock:
                     return DONE
                 return MORE
 
-    @staticmethod
-    def _cut(p: CallParser):
-        """The answer was cut off (CallParser.finish(cut=True)) inside its list of calls or the object's header:
-        what is left is a call (or an answer) the cut left unnamed, dropped, not content."""
-        p.consume(len(p.buf))
-        return DONE
+    _cut = staticmethod(drop_rest)
 
     def _whole(self, p: CallParser, final: bool):
         """Not the usual layout: the whole object, if it is one, read as a generic answer; else content."""
@@ -595,9 +623,11 @@ class CallParser:
         return self._take()
 
     def finish(self, cut: bool = False) -> list[Event]:
-        """The end of the answer. cut: it was cut off (max_tokens, the context's end), so a generic JSON answer's
-        list of calls left unfinished ends with its last named call, its unnamed rest (or a header cut short)
-        dropped; without cut that rest is text that broke the format: content."""
+        """The end of the answer. cut: it was cut off (max_tokens, the context's end), so a call block the cut left
+        before its call was named is dropped, not content: a generic JSON answer's unnamed rest of its list of
+        calls (or a header cut short), a <tool_call> block (or <|python_tag|>, or a Llama 3 answer's object that may
+        still be a call) without its name, a marker's first characters at the very end. The calls named so far
+        stay, their arguments as far as they came. Without cut that rest is text that broke the format: content."""
         self.cut = cut
         self._run(True)
         if self.buf:
@@ -639,6 +669,10 @@ class CallParser:
                 i, reader = self.fmt.find(self.buf, self.at_start)
                 if reader is None:
                     n = len(self.buf) if final else i
+                    if final and self.cut:           # a marker's start left at the very end is no content
+                        self.content(self.consume(i))
+                        self.buf = ""
+                        return
                     self.content(self.consume(n))
                     return
                 self.content(self.consume(i))

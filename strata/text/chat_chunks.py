@@ -3,6 +3,7 @@ output and its pieces kept across requests, so that a later turn renders only it
 from __future__ import annotations
 
 import itertools
+import operator
 import re
 import secrets
 import threading
@@ -85,16 +86,9 @@ class LoopSplit:
     outer_pure: bool            # the outer output is a function of its inputs (reads nothing that changes by itself)
 
 
-def split_template(env: jinja2.Environment, source: str) -> LoopSplit | None:
-    """The template cut at its loop over the messages when each message's output provably depends only on that
-    message, its index, whether it is the last, messages[0] and the render's other inputs; None otherwise. Proven
-    from the AST: exactly one top-level `for x in messages` (no filter, else or recursion) whose body reads `loop`
-    only as loop.first / last / index / index0 (outside its nested loops), `messages` only as messages[0], no name
-    the rest of the template sets, nothing whose value changes between calls (the time, random text) and not
-    add_generation_prompt (a message's cut point renders its prefix without one), and holds no namespace
-    assignment, macro, import, break / continue or `do` (nothing that reaches out of one message's output); the rest
-    of the template reads `messages` only as messages[0] and does not set it (so the output around the loop is the
-    same for every prefix of the chat)."""
+def _messages_loop(env: jinja2.Environment, source: str):
+    """(tree, index, node) of the template's one top-level `for x in messages` with no filter, else or recursion and
+    a plain target other than loop / messages; None when it does not parse or has no such single loop."""
     try:
         tree = env.parse(source)
     except jinja2.TemplateError:
@@ -108,6 +102,23 @@ def split_template(env: jinja2.Environment, source: str) -> LoopSplit | None:
     if (loop.test is not None or loop.else_ or loop.recursive or not isinstance(loop.target, nodes.Name)
             or loop.target.name in ("loop", "messages")):
         return None
+    return tree, at, loop
+
+
+def split_template(env: jinja2.Environment, source: str) -> LoopSplit | None:
+    """The template cut at its loop over the messages when each message's output provably depends only on that
+    message, its index, whether it is the last, messages[0] and the render's other inputs; None otherwise. Proven
+    from the AST: exactly one top-level `for x in messages` (no filter, else or recursion) whose body reads `loop`
+    only as loop.first / last / index / index0 (outside its nested loops), `messages` only as messages[0], no name
+    the rest of the template sets, nothing whose value changes between calls (the time, random text) and not
+    add_generation_prompt (a message's cut point renders its prefix without one), and holds no namespace
+    assignment, macro, import, break / continue or `do` (nothing that reaches out of one message's output); the rest
+    of the template reads `messages` only as messages[0] and does not set it (so the output around the loop is the
+    same for every prefix of the chat)."""
+    found = _messages_loop(env, source)
+    if found is None:
+        return None
+    tree, at, loop = found
     outer, body = _Scan(body=False), _Scan(body=True)
     for n in tree.body[:at] + tree.body[at + 1:]:
         outer.visit(n, None, True)
@@ -136,13 +147,14 @@ class _Loop:
         self.index0, self.index, self.first, self.last = index0, index0 + 1, index0 == 0, last
 
 
-def _split_sentinels(stext: str, table: dict[str, str], nonce: str) -> list[tuple[str, bool]]:
-    """[(text, parse_special)] of a sentinel rendering: each sentinel of `table` found becomes its client string
-    (False), the text between them template text (True). Every sentinel is zqx{nonce}s{i}qzx: one small pattern
-    whatever the number of client strings (the nonce is hex, so no sentinel starts inside another's text); one the
-    table lacks (a template rewrote it) stays template text."""
+def _split_sentinels(stext: str, table, nonce: str) -> list[tuple[str, bool]]:
+    """[(text, parse_special)] of a sentinel rendering: each sentinel of `table` (a mapping with .get) found becomes
+    its client string (False), the text between them template text (True). Every sentinel is zqx{nonce}s{i}qzx or,
+    tagged with the index j of its message, zqx{nonce}x{j}s{i}qzx: one small pattern whatever the number of client
+    strings (the nonce is hex, so no sentinel starts inside another's text); one the table lacks (a template
+    rewrote it) stays template text."""
     pieces: list[tuple[str, bool]] = []
-    pat = re.compile(re.escape(f"zqx{nonce}s") + r"[0-9]+qzx")
+    pat = re.compile(re.escape(f"zqx{nonce}") + r"(?:x[0-9]+)?s[0-9]+qzx")
     pos = 0
     for m in pat.finditer(stext):
         string = table.get(m.group(0))
@@ -187,7 +199,7 @@ class _Rec:
 @dataclass
 class _Chain:
     """One conversation's records under one context: the messages as the request gave them (`raws`), their key
-    orders (`keys`) and whether every value was a str (`flat`; else `sigs`: each message's repr); the runs of the
+    orders (`keys`) and whether every value was a str (`flat`; else `sigs`, see _sigs); the runs of the
     head's and the records' pieces (each not last; `acc`, see _extend), and per count j of records: how many runs
     they fill (`ends[j]`), the fragments the last of them had then (`tails[j]`: a later record's template text joins
     that run) and where their text ends after the head (`offs[j]`)."""
@@ -220,6 +232,32 @@ def _all_str(msgs) -> bool:
     """Every value of every message is a str (type exact): equal (==) messages then render alike, given the same key
     order (1, 1.0 and True are equal but print differently). One pass in C."""
     return set(map(type, itertools.chain.from_iterable(map(dict.values, msgs)))) <= {str}
+
+
+def _sigs(messages: list, k: int, chain) -> list:
+    """Per message: None where every value is a str (type exact), else its repr; the first k as `chain` has them."""
+    old = chain.sigs if chain is not None and k and chain.sigs is not None else None
+    head = old[:k] if old is not None else [None if _all_str((m,)) else repr(m) for m in messages[:k]]
+    return head + [None if _all_str((m,)) else repr(m) for m in messages[k:]]
+
+
+def _strict(messages: list, keys: list, chain, k: int) -> int:
+    """How many of the first k messages (equal (==) to `chain`'s) print as chain's do: those whose key orders match
+    and whose values are all str where chain's were (== on str is exact), and whose repr matches where they were
+    not. The reprs are taken only of messages that hold other values."""
+    sigs = chain.sigs if chain.sigs is not None else [None] * len(chain.raws)     # a flat chain: every value a str
+    if keys[:k] == chain.keys[:k]:
+        flat = [j for j in range(k) if sigs[j] is None]
+        if not flat or _all_str(operator.itemgetter(*flat)(messages) if len(flat) > 1 else (messages[flat[0]],)):
+            for j in range(k):
+                if sigs[j] is not None and repr(messages[j]) != sigs[j]:
+                    return j
+            return k
+    j = 0
+    while j < k and keys[j] == chain.keys[j] and (repr(messages[j]) == sigs[j] if sigs[j] is not None
+                                                  else _all_str((messages[j],))):
+        j += 1
+    return j
 
 
 def _upto(acc: list, ends: list[int], tails: list[int], j: int) -> list:
@@ -402,7 +440,7 @@ class MessageChunks:
                 if text.startswith(rec.last_text, pos) and text.startswith(btail, pos + len(rec.last_text)):
                     ends_out[i] = pos + len(rec.last_text) + len(btail)
         flat = (chain.flat if chain is not None and k else True) and _all_str(messages[k:])
-        sigs = None if flat else [repr(m) for m in messages]
+        sigs = None if flat else _sigs(messages, k, chain)
         self._keep(_Chain(ctx=ctx, head=head_p, recs=recs, raws=list(messages), keys=keys, flat=flat, sigs=sigs,
                           acc=acc, ends=ends, tails=tails, offs=offs, body=body, outer=outer),
                    chain if chain is not None and k == len(chain.raws) else None)
@@ -463,11 +501,7 @@ class MessageChunks:
                 continue
             # equal (==) is not enough: 1, 1.0 and True are equal and print differently, key orders may differ
             if not (c.flat and keys[:k] == c.keys[:k] and _all_str(messages[:k])):
-                sigs = c.sigs if c.sigs is not None else [repr(m) for m in raws[:k]]
-                j = 0
-                while j < k and repr(messages[j]) == sigs[j]:
-                    j += 1
-                k = j
+                k = _strict(messages, keys, c, k)
             if k > best_k:
                 best, best_k = c, k
         return best, best_k

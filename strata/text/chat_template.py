@@ -19,6 +19,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from strata.text.chat_chunks import MessageChunks, _split_sentinels, split_template
 from strata.text.chat_prefixes import PrefixEnds, is_plain, prefix_digests
+from strata.text.chat_window import WindowChunks
+from strata.text.window_proof import split_window
 from strata.text.token_ids import frozen_ids
 from strata.text.tokenizer import Tokenizer
 from strata.text.turn_tokens import TurnTokens
@@ -252,7 +254,11 @@ class ChatTemplate:
         # each message's output kept across requests where the template provably renders messages one by one
         # (strata.text.chat_chunks); checked once against the whole render on the first chat it renders
         split = split_template(env, template_str)
-        self.chunks = None if split is None else MessageChunks(split, _prepare_message, self._substitute)
+        if split is not None:
+            self.chunks = MessageChunks(split, _prepare_message, self._substitute)
+        else:          # messages that read their neighbours or the state set before the loop (strata.text.chat_window)
+            wsplit = split_window(env, template_str)
+            self.chunks = None if wsplit is None else WindowChunks(wsplit, _prepare_message, self._substitute)
         self._chunks_checked = False
 
     @classmethod
@@ -295,7 +301,8 @@ class ChatTemplate:
         generation prompt (only with add_generation_prompt: the last message's prefix); pin_at is
         message_at(pin_message). A template that renders each message on its own (self.chunks,
         strata.text.chat_chunks) renders only the messages no kept conversation holds exactly, and finds the message
-        ends from the kept outputs; other templates reuse prefix lengths rendered by earlier requests
+        ends from the kept outputs (one whose messages read their neighbours and the state set before the loop,
+        strata.text.chat_window, likewise the messages whose output can have changed); other templates reuse prefix lengths rendered by earlier requests
         (self.prefix_ends, keyed by the messages, checked against the new text), so a later turn renders only its new
         prefixes. Either way the result is that of rendering everything.
         text_check, if given, is called with the rendered text before anything is tokenized (the engine refuses
