@@ -397,6 +397,33 @@ class CheckpointCache:
         self._stats["evictions"] += len(gone)
         return gone
 
+    def held_snapshots(self, tokens=None) -> list[tuple[Any, np.ndarray]]:
+        """(snapshot, tokens) of the checkpoints in host RAM (tier "ram"; on the path of `tokens` when given)."""
+        with self._lock:
+            es = [nd.value for nd in self._tree.path(tokens)] if tokens is not None else list(self._entries.values())
+            return [(e.snapshot, e.tokens) for e in es if e.tier == "ram"]
+
+    def device_held(self) -> list[tuple[Any, np.ndarray, Node]]:
+        """(snapshot, tokens, node) of the checkpoints a parked conversation holds whose pages are on the devices."""
+        with self._lock:
+            return [(e.snapshot, e.tokens, e.node) for e in self._entries.values()
+                    if e.node.pins and e.tier == "device" and _holds_pages(e.snapshot) and not _gone(e.snapshot)]
+
+    def rehome(self, snapshot, copy, tier: str) -> None:
+        """The checkpoint whose snapshot is `snapshot` keeps `copy` (the same checkpoint in `tier`) in its place,
+        the pages `snapshot` held given back; its bytes counted against the byte budget at the next retention."""
+        with self._lock:
+            for e in self._entries.values():
+                if e.snapshot is snapshot:
+                    self._stats["demoted"] += e.tier == "device" and tier != "device"
+                    e.snapshot, e.bytes, e.tier = copy, _snapshot_bytes(copy), tier
+                    _release(snapshot)
+
+    def retain(self, spill=None) -> list[int]:
+        """Retention now (the count, then the byte budget; see save) -> the positions dropped."""
+        with self._lock:
+            return self._retain(spill)
+
     def promote(self, snapshot, copy) -> None:
         """The checkpoint whose snapshot is `snapshot` (a DiskNode read back) keeps `copy` (its host copies) in its
         place, tier "ram" (its bytes counted against the byte budget again at the next retention)."""

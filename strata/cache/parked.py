@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import structlog
 
@@ -91,11 +92,12 @@ class ParkedConversations:
     Over a tier's budget the least recently used move down one tier in place (the device's to host RAM when a pool
     is short too, ``make_room``); what RAM evicts is written to disk, or dropped; a file the disk tier removes is
     forgotten. The one that skips most of a prompt is found by the tree's one walk along it (strata.cache.lookup);
-    ``take`` removes it (it becomes live).
+    ``take`` removes it (it becomes live). `leaving(conv)` is called before a conversation's host copy leaves host
+    RAM.
     ValueError (one line) for a negative count or budget."""
 
     def __init__(self, tree: CheckpointTree, stages: list, *, park_bytes: int | None, resident: int,
-                 disk: DiskTier | None):
+                 disk: DiskTier | None, leaving: Callable[[Conversation], None] | None = None):
         if resident < 0:
             raise ValueError(f"--park-resident must be >= 0, got {resident}")
         if park_bytes is not None and park_bytes < 0:
@@ -108,6 +110,9 @@ class ParkedConversations:
         if self.ram is not None and resident > 0 and all(st.memory.holds_pages for st in stages):
             self.device = Tier(self, "device", resident)
         self.disk = disk
+        # called (under the lock) before a conversation's host copy leaves host RAM (moved to disk, dropped, taken):
+        # the tree's checkpoints that read their K/V from it take what they need (strata.cache.held)
+        self._leaving = leaving or (lambda conv: None)
         self._clock = 0
         tree.add_view("parked", self._entries_now)     # entries, for readers on other threads
 
@@ -217,6 +222,8 @@ class ParkedConversations:
             p.conv = host
             self._enter_below(p, self.ram, place)
             return p if p.node is not None else None
+        if p.node is not None:
+            self._leaving(p.conv)               # in RAM until now: what reads from its host copy takes its part
         node = None
         if self.disk is not None:
             node = self.disk.add(p.conv, "park", p.conv.last_use)
@@ -255,6 +262,8 @@ class ParkedConversations:
         """(under the lock) `p` out of the tree (unless another took its node's place); give_back: what it holds
         given back (a resident one's pages, a disk one's file); unpin: its pins on the tree's checkpoints given
         back (not when it is taken: its taker holds them)."""
+        if p.node is not None and p.tier == "ram":
+            self._leaving(p.conv)
         if p.node is not None and p.node.parked is p:
             self.tree.remove(p.node, SLOT)
         p.node = None

@@ -17,6 +17,7 @@ from strata.cache import session
 from strata.cache.checkpoints import CheckpointCache, PrefillPlan, turn_start
 from strata.cache.conversation import CUT_MIN, Conversation, SavedCheckpoint
 from strata.cache.disk import DiskNode, DiskTier
+from strata.cache.held import HeldCheckpoints, is_prefix_form
 from strata.cache.lookup import Found, lookup
 from strata.cache.parked import ParkedConversations, Tier
 from strata.errors import Refused
@@ -62,7 +63,8 @@ class ConversationStore:
             log.info("conversation cache: files of an earlier run removed (parked conversations do not outlive the "
                      "process; a session file does)", directory=str(disk.dir), files=disk.cleared)
         self.parking = ParkedConversations(checkpoints.tree, stages, park_bytes=park_bytes, resident=resident,
-                                          disk=disk)
+                                          disk=disk, leaving=lambda conv: self.held.leaving(conv))
+        self.held = HeldCheckpoints(checkpoints, self.parking, stages)
         self.slot_save_path = Path(slot_save_path) if slot_save_path else None
         if self.slot_save_path is not None and not self.slot_save_path.is_dir():
             raise ValueError(f"--slot-save-path {self.slot_save_path}: not a directory")
@@ -72,6 +74,8 @@ class ConversationStore:
         self._from_session: weakref.WeakSet = weakref.WeakSet()   # loaded from a file, not yet resumed
         # where the final turn of the prompt each sequence last read began (resume; turn_start)
         self._turn_start: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._live: weakref.WeakSet = weakref.WeakSet()   # the sequences the verbs acted on (held.settle keeps
+        #                                                   the checkpoints they extend on the device)
         self._restoring = None      # the checkpoint a restore is mounting (make_room does not drop it meanwhile)
         self._drops_seen = 0        # the stages' drop counts (Memory.drops) already acted on
 
@@ -204,6 +208,7 @@ class ConversationStore:
             self.forget(seq)
             raise RuntimeError(f"internal: plan resumes at {resume} ({plan.resume_from}) but the sequence holds "
                                f"{seq.pos} tokens that are not that prefix of the {n}-token prompt")
+        self._settle(seq)
         return plan
 
     def share_prefix(self, seq: Sequence, prompt: np.ndarray, peers, cache_prompt: bool = True,
@@ -238,8 +243,16 @@ class ConversationStore:
             return self.checkpoints.plan(seq, prompt, list(cut_points or ()), checkpoint=checkpoint,
                                          cache_prompt=cache_prompt, found=found)
         p = plan()
-        while isinstance(p.snapshot, DiskNode):         # a checkpoint on disk: read back into host RAM first
-            node = p.snapshot
+        while isinstance(p.snapshot, DiskNode) or is_prefix_form(p.snapshot):
+            if is_prefix_form(p.snapshot):              # its K/V a prefix of a conversation parked in RAM
+                joined = self.held.join(p.snapshot)
+                if joined is None:
+                    self.checkpoints.discard(p.snapshot)
+                    p = plan()
+                    continue
+                p.snapshot = joined
+                break
+            node = p.snapshot                           # a checkpoint on disk: read back into host RAM first
             try:
                 conv = self.disk.read(node)
             except (session.SessionError, OSError, ValueError) as e:
@@ -305,6 +318,7 @@ class ConversationStore:
         self.forget(seq)
         self.checkpoints.clear(held=False)          # those parked conversations hold are theirs
         seq.trim()
+        self._settle(seq)
         return n
 
     def make_room(self, seq: Sequence) -> bool:
@@ -338,21 +352,26 @@ class ConversationStore:
         disk = self.disk
         if disk is None or isinstance(snap, DiskNode) or self.parking.host_parts_refusal() is not None:
             return None
+        if is_prefix_form(snap):                # its K/V rows from the conversation it reads them from
+            snap = self.held.join(snap)
+            if snap is None:
+                return None
         self.checkpoints.tree.publish()         # readers see the tree as it is before the copy and the write
         parts = [st.memory.materialize(p) for st, p in zip(self.stages, snap.parts)]
         return disk.add(Conversation(tokens=snap.tokens, parts=parts, live_ok=False), "node", last_use)
 
     def _demote(self, snap: Checkpoint) -> Checkpoint | None:
-        """A checkpoint moved down a tier: its parts as host copies (a remote stage's streamed from its worker), or
-        None when host RAM is short (then it is dropped)."""
-        need = snap.nbytes() + sum(k.length * k.hold.pool.bytes_per_token for p in snap.parts
-                                   for k in getattr(p, "kv", {}).values() if k.is_held)
-        avail = available_ram()
-        if avail is None or need > avail // 2:
-            return None
-        self.checkpoints.tree.publish()         # readers see the tree as it is before the copy
-        return Checkpoint(pos=snap.pos, tokens=snap.tokens,
-                          parts=[st.memory.materialize(p) for st, p in zip(self.stages, snap.parts)])
+        """A checkpoint moved down a tier: its parts as host copies (a remote stage's streamed from its worker), its
+        K/V a prefix of a conversation parked in RAM where one extends it (HeldCheckpoints.to_host), or None when
+        host RAM is short (then it is dropped)."""
+        return self.held.to_host(snap)
+
+    def _settle(self, *seqs: Sequence) -> None:
+        """After a verb: the checkpoints parked conversations hold that neither a live sequence nor a conversation
+        parked on the device extends leave the device (HeldCheckpoints.settle), then the byte budget applies."""
+        self._live.update(seqs)
+        self.held.settle([q.ids for q in list(self._live)])
+        self.checkpoints.retain(self._spill)
 
     # ---- parking ----------------------------------------------------------------------------------------
     def park(self, seq: Sequence, trace: bool = False) -> None:
@@ -550,6 +569,7 @@ class ConversationStore:
         self._from_session.add(seq)
         self._turn_start.pop(seq, None)      # its turns are not known: the deepest checkpoint rule alone
         self.parking.discard(conv.tokens)     # now live: a parked copy of the same conversation is dropped
+        self._settle(seq)
         return {"id_slot": 0, "filename": filename, "n_restored": conv.pos, "n_read": n_read,
                 "timings": {"restore_ms": round((time.perf_counter() - t0) * 1e3, 3)}}
 
