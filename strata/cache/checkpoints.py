@@ -31,7 +31,8 @@ class _Entry:
     pos: int
     kind: str
     snapshot: Any
-    tokens: np.ndarray          # read-only int32 (strata.text.token_ids): compared with numpy, never token by token
+    ids: np.ndarray | None      # read-only int32 (strata.text.token_ids): compared with numpy, never token by token;
+    #                             None: its node's path in the tree gives them (a snapshot keeping no ids of its own)
     bytes: int
     saved: int
     last_use: int
@@ -41,6 +42,10 @@ class _Entry:
     mounts: int = 0
     tier: str = "device"        # "device": its pages held in the pools; "ram": host copies (demoted by make_room);
     #                             "disk": a file of the disk tier (a DiskNode: spilled by the byte budget)
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return self.ids if self.ids is not None else self.node.tokens()
 
 
 def _cut(cp) -> tuple[int, str]:
@@ -355,7 +360,7 @@ class CheckpointCache:
         """Keep `snapshot` at `tokens` (under the lock), releasing one it replaces there."""
         self._clock += 1
         self._keys += 1
-        e = _Entry(pos=len(tokens), kind=kind, snapshot=snapshot, tokens=tokens, bytes=_snapshot_bytes(snapshot),
+        e = _Entry(pos=len(tokens), kind=kind, snapshot=snapshot, ids=tokens, bytes=_snapshot_bytes(snapshot),
                    saved=self._clock, last_use=self._clock, last_use_time=time.time(), key=self._keys)
         e.node, old = self._tree.put(tokens, e)
         self._entries[e.key] = e
@@ -397,11 +402,12 @@ class CheckpointCache:
         self._stats["evictions"] += len(gone)
         return gone
 
-    def held_snapshots(self, tokens=None) -> list[tuple[Any, np.ndarray]]:
-        """(snapshot, tokens) of the checkpoints in host RAM (tier "ram"; on the path of `tokens` when given)."""
+    def held_snapshots(self, tokens=None) -> list[tuple[Any, np.ndarray, Node]]:
+        """(snapshot, tokens, node) of the checkpoints in host RAM (tier "ram"; on the path of `tokens` when
+        given)."""
         with self._lock:
             es = [nd.value for nd in self._tree.path(tokens)] if tokens is not None else list(self._entries.values())
-            return [(e.snapshot, e.tokens) for e in es if e.tier == "ram"]
+            return [(e.snapshot, e.tokens, e.node) for e in es if e.tier == "ram"]
 
     def device_held(self) -> list[tuple[Any, np.ndarray, Node]]:
         """(snapshot, tokens, node) of the checkpoints a parked conversation holds whose pages are on the devices."""
@@ -409,13 +415,18 @@ class CheckpointCache:
             return [(e.snapshot, e.tokens, e.node) for e in self._entries.values()
                     if e.node.pins and e.tier == "device" and _holds_pages(e.snapshot) and not _gone(e.snapshot)]
 
-    def rehome(self, snapshot, copy, tier: str) -> None:
+    def rehome(self, snapshot, copy, tier: str, own_ids: bool = True) -> None:
         """The checkpoint whose snapshot is `snapshot` keeps `copy` (the same checkpoint in `tier`) in its place,
-        the pages `snapshot` held given back; its bytes counted against the byte budget at the next retention."""
+        the pages `snapshot` held given back; its bytes counted against the byte budget at the next retention.
+        own_ids=False: `copy` keeps no token ids (its node's path gives them), the checkpoint none either."""
         with self._lock:
             for e in self._entries.values():
                 if e.snapshot is snapshot:
                     self._stats["demoted"] += e.tier == "device" and tier != "device"
+                    if own_ids and e.ids is None:
+                        e.ids = frozen_ids(copy.tokens)
+                    elif not own_ids:
+                        e.ids = None
                     e.snapshot, e.bytes, e.tier = copy, _snapshot_bytes(copy), tier
                     _release(snapshot)
 

@@ -3,11 +3,15 @@ RAM and its K/V read from the host copy of a conversation parked in RAM that ext
 in full when no such conversation is left."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import structlog
 
 from strata.cache.checkpoints import CheckpointCache
 from strata.cache.conversation import Conversation
 from strata.cache.parked import ParkedConversations
+from strata.cache.tree import Node
 from strata.memory import PartMismatch
 from strata.memory.hostram import available_ram
 from strata.stages.sequence import Checkpoint
@@ -15,13 +19,33 @@ from strata.text.token_ids import is_prefix
 
 log = structlog.get_logger("strata.engine")
 
-__all__ = ["HeldCheckpoints", "is_prefix_form"]
+__all__ = ["HeldCheckpoints", "PrefixCheckpoint", "is_prefix_form"]
+
+
+@dataclass(eq=False)
+class PrefixCheckpoint:
+    """A checkpoint in host RAM that keeps its running state only (one part per stage, Memory.detach: its K/V a
+    prefix) and no token ids: its node's path in the tree gives them, a donor's host copy its K/V (see
+    HeldCheckpoints). Holds no pages."""
+
+    pos: int
+    node: Node
+    parts: list
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return self.node.tokens()
+
+    def nbytes(self) -> int:
+        return sum(p.nbytes() for p in self.parts)
+
+    def release(self) -> None:
+        """Nothing held."""
 
 
 def is_prefix_form(snap) -> bool:
-    """Whether a checkpoint's snapshot keeps its running state only, its K/V a prefix of a donor's (see
-    HeldCheckpoints)."""
-    return isinstance(snap, Checkpoint) and any(getattr(p, "is_prefix", False) for p in snap.parts)
+    """Whether a checkpoint's snapshot keeps its running state only, its K/V a prefix of a donor's."""
+    return isinstance(snap, PrefixCheckpoint)
 
 
 class HeldCheckpoints:
@@ -71,7 +95,8 @@ class HeldCheckpoints:
             stack.extend(n.children.values())
         return False
 
-    def join(self, snap: Checkpoint, copy: bool = False, donor: Conversation | None = None) -> Checkpoint | None:
+    def join(self, snap: PrefixCheckpoint, copy: bool = False,
+             donor: Conversation | None = None) -> Checkpoint | None:
         """`snap` (prefix form) with its K/V rows from `donor` (default: ``donor(snap.tokens)``): views of the
         donor's arrays, or arrays of its own (copy) -> a checkpoint restore takes; None without a donor that fits."""
         donor = donor if donor is not None else self.donor(snap.tokens)
@@ -84,11 +109,12 @@ class HeldCheckpoints:
             return None
         return Checkpoint(pos=snap.pos, tokens=snap.tokens, parts=parts)
 
-    def to_host(self, snap: Checkpoint) -> Checkpoint | None:
-        """`snap` (held on the devices) as host copies: running state only with a donor's prefix as its K/V when
-        there is one, else K/V and running state in full -> it, or None when host RAM is short (it stays where it
-        is, or is dropped). The caller gives the device pages back."""
-        prefix = self.prefix_rows and self.donor(snap.tokens) is not None
+    def to_host(self, snap: Checkpoint, node: Node | None = None) -> Checkpoint | PrefixCheckpoint | None:
+        """`snap` (held on the devices; kept at `node` of the tree) as host copies: a PrefixCheckpoint when a donor
+        extends it, else K/V and running state in full -> it, or None when host RAM is short (it stays where it is,
+        or is dropped). The caller gives the device pages back."""
+        node = node if node is not None else self.tree.find(snap.tokens)
+        prefix = node is not None and self.prefix_rows and self.donor(snap.tokens) is not None
         need = sum(p.nbytes() for p in snap.parts)
         if not prefix:
             need += sum(k.length * k.hold.pool.bytes_per_token for p in snap.parts
@@ -98,15 +124,16 @@ class HeldCheckpoints:
             return None
         self.tree.publish()                     # readers see the tree as it is before the copy
         mem = [st.memory for st in self.stages]
-        parts = [m.detach(p, True) if prefix else m.materialize(p) for m, p in zip(mem, snap.parts)]
-        return Checkpoint(pos=snap.pos, tokens=snap.tokens, parts=parts)
+        if prefix:
+            return PrefixCheckpoint(snap.pos, node, [m.detach(p, True) for m, p in zip(mem, snap.parts)])
+        return Checkpoint(pos=snap.pos, tokens=snap.tokens, parts=[m.materialize(p) for m, p in zip(mem, snap.parts)])
 
     def leaving(self, conv: Conversation) -> None:
         """`conv`'s host copy is about to leave host RAM: every checkpoint in prefix form that has no other donor
         takes its K/V rows from it (copies of its own; dropped when they do not fit)."""
         if not conv.parts:
             return
-        for snap, tokens in self.checkpoints.held_snapshots(conv.tokens):
+        for snap, tokens, _ in self.checkpoints.held_snapshots(conv.tokens):
             if not is_prefix_form(snap) or self.donor(tokens, skip=conv) is not None:
                 continue
             whole = self.join(snap, copy=True, donor=conv)
@@ -126,16 +153,16 @@ class HeldCheckpoints:
             for snap, tokens, node in self.checkpoints.device_held():
                 if any(is_prefix(tokens, ids) for ids in live) or self._resident_below(node):
                     continue
-                copy = self.to_host(snap)
+                copy = self.to_host(snap, node)
                 if copy is not None:
-                    self.checkpoints.rehome(snap, copy, "ram")
+                    self.checkpoints.rehome(snap, copy, "ram", own_ids=not is_prefix_form(copy))
             if not self.prefix_rows:
                 return
-            for snap, tokens in self.checkpoints.held_snapshots():
-                if not isinstance(snap, Checkpoint) or is_prefix_form(snap) or \
-                        any(getattr(p, "is_held", False) for p in snap.parts) or self.donor(tokens) is None:
+            for snap, tokens, node in self.checkpoints.held_snapshots():
+                if not isinstance(snap, Checkpoint) or any(getattr(p, "is_held", False) for p in snap.parts) or \
+                        self.donor(tokens) is None:
                     continue
                 mem = [st.memory for st in self.stages]
-                self.checkpoints.rehome(snap, Checkpoint(pos=snap.pos, tokens=snap.tokens,
-                                                         parts=[m.detach(p, True) for m, p in zip(mem, snap.parts)]),
-                                        "ram")
+                self.checkpoints.rehome(snap, PrefixCheckpoint(snap.pos, node, [m.detach(p, True) for m, p in
+                                                                                  zip(mem, snap.parts)]),
+                                        "ram", own_ids=False)
