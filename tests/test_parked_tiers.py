@@ -194,7 +194,7 @@ def _play(ops, resident, ram, disk, d):
             if cp:                                      # the tree's checkpoint at cp, held by the conversation
                 node = tree.find(toks[:cp])
                 if node is None or node.value is None:
-                    node, _ = tree.put(toks[:cp], SimpleNamespace(bytes=_cp_bytes(toks[:cp])))
+                    node, _ = tree.put(toks[:cp], SimpleNamespace(bytes=_cp_bytes(toks[:cp]), tier="ram"))
                 tree.pin(node)
                 conv.pins = [node]
             p.park(conv)

@@ -162,10 +162,11 @@ def test_a_parked_one_liner_holds_its_rows_not_whole_pages(which, default_model_
                 per_token += f.pool.bytes_per_token
                 page = f.pool.page_size
     assert parked["tokens"] < page                        # a one-liner: less than a page
-    # its checkpoints are the tree's, held by it alone (pins 1): each a copy of the running state and its token ids
+    # its checkpoints are the tree's, held by it alone (pins 1), moved to host RAM with it: each a copy of the
+    # running state only (its K/V the parked one's prefix, its token ids the tree's path)
     held = [c for c in e.checkpoints() if c["pins"]]
     assert len(held) == parked["checkpoints"] and all(c["pins"] == 1 for c in held)
-    assert all(c["bytes"] == running + 4 * c["pos"] for c in held), (held, running)
+    assert all(c["bytes"] == running and c["tier"] == "ram" for c in held), (held, running)
     exact = parked["tokens"] * per_token + running + 4 * parked["tokens"] + sum(c["bytes"] for c in held)
     assert parked["bytes"] == exact, (parked, exact)      # whole pages would be page / tokens times the K/V
     assert os.path.getsize(tmp_path / "one.bin") < page * per_token

@@ -43,9 +43,11 @@ class Parked:
             (self.conv.held_bytes() if self.tier == "device" else 0)
 
     def pinned_share(self) -> int:
-        """Its share of the bytes the tree's checkpoints it pins keep of their own (each checkpoint's bytes split
-        evenly among the conversations pinning it, rounded up): shared checkpoints are counted once over all."""
-        return sum(-(-n.value.bytes // n.pins) for n in self.conv.pins if n.value is not None and n.pins > 0)
+        """Its share of the host RAM the tree's checkpoints it pins keep of their own (those in tier "ram"; each
+        checkpoint's bytes split evenly among the conversations pinning it, rounded up): shared checkpoints are
+        counted once over all; one on the device or on disk takes no host RAM."""
+        return sum(-(-n.value.bytes // n.pins) for n in self.conv.pins
+                   if n.value is not None and n.pins > 0 and n.value.tier == "ram")
 
     def entry(self) -> dict:
         return {"tokens": self.conv.pos, "bytes": self.nbytes(), "tier": self.tier,
@@ -222,8 +224,7 @@ class ParkedConversations:
             p.conv = host
             self._enter_below(p, self.ram, place)
             return p if p.node is not None else None
-        if p.node is not None:
-            self._leaving(p.conv)               # in RAM until now: what reads from its host copy takes its part
+        self._leaving(p.conv)                   # in RAM until now: what reads from its host copy takes its part
         node = None
         if self.disk is not None:
             node = self.disk.add(p.conv, "park", p.conv.last_use)
@@ -262,7 +263,7 @@ class ParkedConversations:
         """(under the lock) `p` out of the tree (unless another took its node's place); give_back: what it holds
         given back (a resident one's pages, a disk one's file); unpin: its pins on the tree's checkpoints given
         back (not when it is taken: its taker holds them)."""
-        if p.node is not None and p.tier == "ram":
+        if p.tier == "ram":
             self._leaving(p.conv)
         if p.node is not None and p.node.parked is p:
             self.tree.remove(p.node, SLOT)
