@@ -10,7 +10,7 @@ import numpy as np
 
 from strata.cache.lookup import Found, lookup
 from strata.cache.plan import PrefillPlan
-from strata.cache.retention import Kept, choose_victims, pinned_root
+from strata.cache.retention import Item, Kept, checkpoint_items, evict, pinned_root
 from strata.cache.tree import CheckpointTree, Node
 from strata.text.token_ids import as_ids, common_prefix, frozen_ids, is_prefix
 
@@ -369,37 +369,62 @@ class CheckpointCache:
             _release(old.snapshot)
             self._stats["replaced"] += 1
 
-    def _retain(self, spill=None) -> list[int]:
-        """Evict retention's victims (under the lock) -> the positions dropped. The count (--prompt-cache, over the
-        checkpoints no parked conversation holds) first: its victims are dropped, whatever their tier; then the
-        byte budget (--prompt-cache-mib) over what all the checkpoints hold in memory: its victims move to the
-        disk tier through `spill` when it takes them, else are dropped, except a held one, which then stays (the
-        same order and victims as one pass of choose_victims when nothing spills)."""
-        if not self._entries:
-            return []
-        victims = choose_victims(self._kept(), cap=self.cap, root_min=self.root_min, budget_bytes=None)
-        gone = [self._entries[k].pos for k in victims]
-        for k in victims:
-            self._drop(k)
-        in_memory = [k for k in self._kept() if self._entries[k.id].tier != "disk"]
-        for k in choose_victims(in_memory, cap=self.cap, root_min=self.root_min, budget_bytes=self.budget_bytes):
-            e = self._entries[k]
+    #: the budgets of the two eviction passes (strata.cache.retention.evict) the checkpoints take part in: the count
+    #: (--prompt-cache, the unheld ones, whatever their tier) and host memory (--prompt-cache-mib)
+    COUNT, BYTES = "prompt-cache", "prompt-cache-mib"
+
+    def budgets(self) -> dict[str, int | None]:
+        return {self.COUNT: self.cap, self.BYTES: self.budget_bytes}
+
+    def items(self, budget: str) -> list[Item]:
+        """(under the lock) The checkpoints as items of the eviction pass over `budget` (COUNT: every one, each
+        unheld costing 1; BYTES: those in memory, each costing its own bytes), by the checkpoint policy
+        (retention.checkpoint_items: the pinned root last, the held ones after it), ordered by last use
+        (last_use_time, ties by the logical clock): keys ("checkpoint", key)."""
+        kept = [k for k in self._kept() if budget == self.COUNT or self._entries[k.id].tier != "disk"]
+        root = pinned_root([k for k in kept if not k.held], self.cap, self.root_min)
+        when = {e.key: e.last_use_time for e in self._entries.values()}
+        out = checkpoint_items(kept, self.cap, root, count=self.COUNT if budget == self.COUNT else None,
+                               nbytes=self.BYTES if budget == self.BYTES else None,
+                               clock=lambda k: (when[k.id], k.last_use))
+        return [Item(("checkpoint", it.key), it.order, it.costs, it.by, it.stage) for it in out]
+
+    def evicted(self, keys, budget: str, spill=None) -> list[int]:
+        """(under the lock) Act on the eviction pass's victims `keys` (their ids without the "checkpoint" tag) over
+        `budget` -> the positions dropped. COUNT: dropped, whatever their tier. BYTES: moved to the disk tier through
+        `spill` when it takes them, else dropped, except a held one, which then stays."""
+        gone = []
+        for k in keys:
+            e = self._entries.get(k)
+            if e is None:
+                continue
             node = None
-            if spill is not None:
+            if budget == self.BYTES and spill is not None:
                 try:
                     node = spill(e.snapshot, e.last_use_time)
                 except Exception:  # noqa: BLE001 -- a spill that fails leaves the drop
                     node = None
-            if node is None and e.node.pins:
+            if node is None and budget == self.BYTES and e.node.pins:
                 continue                        # held by a parked conversation: it stays where it is
             if node is None:
                 gone.append(e.pos)
                 self._drop(k)
                 continue
             _release(e.snapshot)
-            e.snapshot, e.bytes, e.tier = node, 0, "disk"
+            e.snapshot, e.bytes, e.tier, e.ids = node, 0, "disk", e.tokens
             self._stats["spilled"] += 1
         self._stats["evictions"] += len(gone)
+        return gone
+
+    def _retain(self, spill=None) -> list[int]:
+        """(under the lock) The checkpoints' two eviction passes (the count, then host memory; see ``evicted``) ->
+        the positions dropped."""
+        gone: list[int] = []
+        if not self._entries:
+            return gone
+        for budget in (self.COUNT, self.BYTES):
+            victims = evict(self.items(budget), self.budgets())
+            gone += self.evicted([key[1] for key, _ in victims], budget, spill)
         return gone
 
     def held_snapshots(self, tokens=None) -> list[tuple[Any, np.ndarray, Node]]:
@@ -429,11 +454,6 @@ class CheckpointCache:
                         e.ids = None
                     e.snapshot, e.bytes, e.tier = copy, _snapshot_bytes(copy), tier
                     _release(snapshot)
-
-    def retain(self, spill=None) -> list[int]:
-        """Retention now (the count, then the byte budget; see save) -> the positions dropped."""
-        with self._lock:
-            return self._retain(spill)
 
     def promote(self, snapshot, copy) -> None:
         """The checkpoint whose snapshot is `snapshot` (a DiskNode read back) keeps `copy` (its host copies) in its

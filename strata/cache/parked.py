@@ -11,7 +11,7 @@ import structlog
 
 from strata.cache.conversation import Conversation, SavedCheckpoint
 from strata.cache.disk import DiskNode, DiskTier
-from strata.cache.retention import Kept, choose_victims
+from strata.cache.retention import Item, evict
 from strata.cache.tree import CheckpointTree, Node
 from strata.memory import PartMismatch
 from strata.memory.hostram import available_ram
@@ -98,8 +98,12 @@ class ParkedConversations:
     RAM.
     ValueError (one line) for a negative count or budget."""
 
+    #: the budgets the parked conversations take part in the tiers' eviction passes with (strata.cache.retention)
+    BUDGETS = {"device": "park-resident", "ram": "conversation-cache-mib"}
+
     def __init__(self, tree: CheckpointTree, stages: list, *, park_bytes: int | None, resident: int,
-                 disk: DiskTier | None, leaving: Callable[[Conversation], None] | None = None):
+                 disk: DiskTier | None, leaving: Callable[[Conversation], None] | None = None,
+                 checkpoints=None, spill=None):
         if resident < 0:
             raise ValueError(f"--park-resident must be >= 0, got {resident}")
         if park_bytes is not None and park_bytes < 0:
@@ -115,6 +119,9 @@ class ParkedConversations:
         # called (under the lock) before a conversation's host copy leaves host RAM (moved to disk, dropped, taken):
         # the tree's checkpoints that read their K/V from it take what they need (strata.cache.held)
         self._leaving = leaving or (lambda conv: None)
+        # the keeper of the tree's other slot (a strata.cache.checkpoints.CheckpointCache, or None): its checkpoints
+        # take part in each tier's eviction pass (their victims handed back to it, the byte budget's to `spill`)
+        self.checkpoints, self._spill = checkpoints, spill
         self._clock = 0
         tree.add_view("parked", self._entries_now)     # entries, for readers on other threads
 
@@ -197,17 +204,40 @@ class ParkedConversations:
         if old is not None and old is not p:
             self._drop(old)
 
-    def _victims(self, tier: Tier) -> list[Parked]:
-        """(under the lock) The tree's retention over one tier: least recently used first, over its count
-        (the device tier) or its bytes (host RAM)."""
-        kept = {id(p): p for p in self._all() if p.tier == tier.name}
-        ks = [Kept(pos=p.conv.pos, kind=SLOT, last_use=p.conv.last_use, bytes=tier.cost(p), saved=p.saved, key=k)
-              for k, p in kept.items()]
-        if tier.name == "device":
-            ids = choose_victims(ks, cap=tier.budget, pin=False)
-        else:
-            ids = choose_victims(ks, cap=max(2, len(ks)), budget_bytes=tier.budget, pin=False)
-        return [kept[i] for i in ids]
+    def _victims(self, tier: Tier | str) -> list[Parked]:
+        """(under the lock) The one eviction pass over `tier` (strata.cache.retention.evict), both slots of the tree
+        in it, by last use alone: the conversations parked in it (each costing 1 of --park-resident on the device,
+        its bytes with its share of the checkpoints it holds of --conversation-cache-mib in host RAM) and, with the
+        checkpoint keeper, the checkpoints (their count on the device pass, their bytes in memory on the RAM one),
+        each against its own budget. The checkpoints that go are handed to their keeper (dropped, or spilled);
+        -> the conversations that go, to be moved down a tier, least recently used first. `tier`: a Tier, or the
+        name of one that is off (the checkpoints' part of its pass alone)."""
+        tname = tier if isinstance(tier, str) else tier.name
+        name = self.BUDGETS[tname]
+        kept = {("parked", id(p)): p for p in self._all() if p.tier == tname} if not isinstance(tier, str) else {}
+        items = [Item(k, (p.conv.last_use, p.saved), {name: tier.cost(p)}) for k, p in kept.items()]
+        budgets: dict[str, int | None] = {name: None if isinstance(tier, str) else tier.budget}
+        cp = self.checkpoints
+        if cp is not None and len(cp):
+            which = cp.COUNT if tname == "device" else cp.BYTES
+            items += cp.items(which)
+            budgets.update(cp.budgets())
+        victims = evict(items, budgets)
+        gone = [k[1] for k, _ in victims if k[0] == "checkpoint"]
+        if gone:
+            cp.evicted(gone, which, self._spill)
+        return [kept[k] for k, _ in victims if k[0] == "parked"]
+
+    def retain(self) -> None:
+        """Each tier's eviction pass now (the device's, then host RAM's: ``_victims``; a tier that is off: the
+        checkpoints' part of it), what goes moved down."""
+        with self._lock:
+            for name in ("device", "ram"):
+                tier = self.tier(name)
+                for victim in self._victims(tier if tier is not None else name):
+                    if victim.node is not None:
+                        tier.stats["evicted"] += 1
+                        self._move_down(victim)
 
     def _move_down(self, p: Parked, place: bool = False) -> Parked | None:
         """(under the lock) `p` one tier down (the device's to host RAM, RAM's to a disk file), in place at its node

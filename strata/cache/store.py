@@ -63,7 +63,8 @@ class ConversationStore:
             log.info("conversation cache: files of an earlier run removed (parked conversations do not outlive the "
                      "process; a session file does)", directory=str(disk.dir), files=disk.cleared)
         self.parking = ParkedConversations(checkpoints.tree, stages, park_bytes=park_bytes, resident=resident,
-                                          disk=disk, leaving=lambda conv: self.held.leaving(conv))
+                                          disk=disk, leaving=lambda conv: self.held.leaving(conv),
+                                          checkpoints=checkpoints, spill=self._spill)
         self.held = HeldCheckpoints(checkpoints, self.parking, stages)
         self.slot_save_path = Path(slot_save_path) if slot_save_path else None
         if self.slot_save_path is not None and not self.slot_save_path.is_dir():
@@ -368,10 +369,11 @@ class ConversationStore:
 
     def _settle(self, *seqs: Sequence) -> None:
         """After a verb: the checkpoints parked conversations hold that neither a live sequence nor a conversation
-        parked on the device extends leave the device (HeldCheckpoints.settle), then the byte budget applies."""
+        parked on the device extends leave the device (HeldCheckpoints.settle), then each tier's one eviction pass
+        over checkpoints and parked conversations (ParkedConversations.retain)."""
         self._live.update(seqs)
         self.held.settle([q.ids for q in list(self._live)])
-        self.checkpoints.retain(self._spill)
+        self.parking.retain()
 
     # ---- parking ----------------------------------------------------------------------------------------
     def park(self, seq: Sequence, trace: bool = False) -> None:
