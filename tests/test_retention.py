@@ -1,11 +1,12 @@
-"""Retention policy (strata.cache.retention.choose_victims): the retention scenarios and property tests."""
+"""Retention (strata.cache.retention): the one eviction pass (evict) and the checkpoint policy (choose_victims):
+scenarios and property tests."""
 from __future__ import annotations
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from strata.cache.retention import Kept, choose_victims, pinned_root
+from strata.cache.retention import Item, Kept, choose_victims, evict, pinned_root
 
 
 def chain(*specs):
@@ -200,3 +201,39 @@ def test_held_properties(kept, held, cap, budget):
     unheld = choose_victims([k for k in kept if not k.held], cap=cap)
     if budget is None:
         assert victims == unheld                                        # the held ones change nothing else
+
+
+def test_one_pass_over_a_tier_orders_both_kinds_by_last_use_each_against_its_budget():
+    """evict: checkpoints and parked conversations of one tier in one pass, least recently used first, each item
+    going only while a budget it counts in is over; a later stage goes after every earlier one."""
+    items = [Item(("c", 1), (1.0,), {"ckpt": 10}), Item(("p", 1), (2.0,), {"conv": 50}),
+             Item(("c", 2), (3.0,), {"ckpt": 10}), Item(("p", 2), (4.0,), {"conv": 50}),
+             Item(("c", 3), (0.5,), {"ckpt": 10}, stage=2)]
+    assert evict(items, {"ckpt": 20, "conv": 50}) == [(("c", 1), frozenset({"ckpt"})),
+                                                      (("p", 1), frozenset({"conv"}))]
+    assert evict(items, {"ckpt": 0, "conv": None}) == [(k, frozenset({"ckpt"})) for k in
+                                                       (("c", 1), ("c", 2), ("c", 3))]
+    assert evict(items, {}) == []                       # no budget named: no limit
+    with pytest.raises(ValueError, match="budget ckpt"):
+        evict(items, {"ckpt": -1})
+    with pytest.raises(ValueError, match="two items"):
+        evict(items + items[:1], {"ckpt": 1})
+
+
+@settings(max_examples=200, deadline=None)
+@given(a=st.lists(st.integers(0, 100), max_size=8), b=st.lists(st.integers(0, 100), max_size=8),
+       ba=st.one_of(st.none(), st.integers(0, 400)), bb=st.one_of(st.none(), st.integers(0, 400)),
+       order=st.randoms(use_true_random=False))
+def test_one_pass_is_each_budget_alone(a, b, ba, bb, order):
+    """Two kinds each against a budget of its own: the one pass evicts exactly what a pass over each kind alone
+    would, in last-use order."""
+    uses = list(range(len(a) + len(b)))
+    order.shuffle(uses)
+    items = [Item(("a", i), (uses[i],), {"A": c}) for i, c in enumerate(a)] + \
+            [Item(("b", i), (uses[len(a) + i],), {"B": c}) for i, c in enumerate(b)]
+    both = [k for k, _ in evict(items, {"A": ba, "B": bb})]
+    alone = [k for k, _ in evict([i for i in items if i.key[0] == "a"], {"A": ba})] + \
+            [k for k, _ in evict([i for i in items if i.key[0] == "b"], {"B": bb})]
+    assert sorted(both) == sorted(alone)
+    assert [dict((i.key, i.order) for i in items)[k] for k in both] == \
+        sorted(dict((i.key, i.order) for i in items)[k] for k in both)

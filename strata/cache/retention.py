@@ -155,8 +155,8 @@ def checkpoint_items(kept: Sequence[Kept], cap: int, root: Kept | None, count: s
     """The kept checkpoints as items of the eviction pass (``evict``), by the checkpoint policy (see
     ``choose_victims``): each unheld one costs 1 of the `count` budget and its bytes of the `nbytes` one (a name
     None: no such cost); `root` (the pinned one) goes by the bytes alone, after the others; a held one costs its
-    bytes alone and goes last. Order: save order with cap 0 or 1, else last use (`clock(k)`: its time, default
-    Kept.last_use), ties by save order then position."""
+    bytes alone and goes last. Order: save order with cap 0 or 1, else last use (`clock(k)`: a tuple of numbers,
+    its time first, default (Kept.last_use,)), ties by save order then position."""
     out = []
     for k in kept:
         costs = {}
@@ -164,8 +164,8 @@ def checkpoint_items(kept: Sequence[Kept], cap: int, root: Kept | None, count: s
             costs[count] = 1
         if nbytes is not None:
             costs[nbytes] = k.bytes
-        when = clock(k) if clock is not None else k.last_use
-        order = (k.saved, k.pos) if cap <= 1 and not k.held else (when, k.saved, k.pos)
+        when = clock(k) if clock is not None else (k.last_use,)
+        order = (k.saved, k.pos) if cap <= 1 and not k.held else (*when, k.saved, k.pos)
         stage = 2 if k.held else 1 if k is root else 0
         by = frozenset([nbytes] if nbytes is not None else []) if stage else None
         out.append(Item(k.id, order, costs, by, stage))
