@@ -151,9 +151,14 @@ class HeldCheckpoints:
         live = [ids for ids in live if len(ids)]
         with self.tree.lock:
             for snap, tokens, node in self.checkpoints.device_held():
-                if any(is_prefix(tokens, ids) for ids in live) or self._resident_below(node):
+                if any(is_prefix(tokens, ids) for ids in live) or self._resident_below(node) or \
+                        self.parking.host_parts_refusal() is not None:
                     continue
-                copy = self.to_host(snap, node)
+                try:
+                    copy = self.to_host(snap, node)
+                except Exception as e:  # noqa: BLE001 -- a copy that fails leaves it on the device
+                    log.warning("a held checkpoint could not be moved to host RAM: it stays", error=str(e))
+                    continue
                 if copy is not None:
                     self.checkpoints.rehome(snap, copy, "ram", own_ids=not is_prefix_form(copy))
             if not self.prefix_rows:
