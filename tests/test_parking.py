@@ -238,3 +238,24 @@ def test_the_disk_tier_budget_drops_spilled_checkpoints_and_the_tree_forgets_the
     assert st["nodes_dropped"] >= 1 and st["too_big"] >= 1 and st["written"] == written
     e.store.forget_dropped()
     assert all(c["tier"] != "disk" for c in e.cache.entries())
+
+
+def test_a_held_checkpoint_off_the_device_reads_its_kv_from_a_parked_copy(hybrid_path):
+    """A conversation parked in host RAM that no live sequence extends takes the checkpoints it holds off the device:
+    each keeps its running state only (no K/V pages, no K/V or token ids of its own), and joined with the rows of the
+    parked conversation's host copy it restores the state a cold read of its tokens gives."""
+    kw = dict(n_ctx=1024, ubatch=32)
+    e = Engine(hybrid_path, conversation_cache_mib=256, park_resident=0, prompt_cache=6, **kw)
+    ask(e, chat("rivers", 0, []), n=4)
+    ask(e, [{"role": "user", "content": "Something else entirely."}], n=4)     # rivers parked; nothing extends it
+    running = sum(int(st.memory.stats().get("running", {}).get("bytes_per_sequence", 0)) for st in e.stages)
+    held = [c for c in e.checkpoints() if c["pins"]]
+    assert held and all(c["tier"] == "ram" and c["bytes"] == running for c in held), (held, running)
+    root = min(c["pos"] for c in held)
+    (snap,) = [x.snapshot for x in e.cache._entries.values() if x.pos == root]
+    joined = e.store.held.join(snap)
+    assert joined is not None and all(not p.is_prefix and not p.is_held for p in joined.parts)
+    e.seq.restore(joined)
+    cold = Engine(hybrid_path, conversation_cache_mib=0, prompt_cache=0, **kw)
+    cold.seq.forward(list(snap.tokens))
+    assert e.state_hashes() == cold.state_hashes()
