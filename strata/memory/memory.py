@@ -68,8 +68,8 @@ class Memory:
     (a captured part holds its pages on the device: a conversation can be parked resident), ``host_parts`` (parts can be
     copied to the host and written as bytes: parking in RAM, session files), ``prefix_rows`` (a checkpoint part whose
     K/V is a prefix takes it from the host copy of a conversation that extends it: ``join_prefix``),
-    ``cuts_anywhere`` (no running state: a sequence can be cut back to any prefix); ``drops``, a count of parts the keeper dropped on its own (0 here:
-    a local stage drops only what its owner releases).
+    ``cuts_anywhere`` (no running state: a sequence can be cut back to any prefix); ``drops``, a count of parts the
+    keeper dropped on its own (0 here: a local stage drops only what its owner releases).
     """
 
     holds_pages = True
