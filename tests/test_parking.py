@@ -136,8 +136,8 @@ def test_host_memory_is_set_aside_for_two_conversations_at_start(hybrid_path):
 @pytest.mark.parametrize("which", ["default", "hybrid"])
 def test_a_parked_one_liner_holds_its_rows_not_whole_pages(which, default_model_path, hybrid_path, tmp_path):
     """A short conversation parked in host RAM (and written to a session file) keeps the K/V of its own tokens, not
-    a whole page per layer: its bytes are its tokens times the pools' bytes per token plus its running state and its
-    checkpoints' (prefixes of its K/V: running state only), and it comes back bit-exact."""
+    a whole page per layer: its bytes are its tokens times the pools' bytes per token plus its running state and the
+    checkpoints it holds in the tree (prefixes of its K/V: running state only), and it comes back bit-exact."""
     path = default_model_path if which == "default" else hybrid_path
     kw = dict(n_ctx=1024, ubatch=32)
     one = [{"role": "user", "content": "Say hi."}]
@@ -162,7 +162,12 @@ def test_a_parked_one_liner_holds_its_rows_not_whole_pages(which, default_model_
                 per_token += f.pool.bytes_per_token
                 page = f.pool.page_size
     assert parked["tokens"] < page                        # a one-liner: less than a page
-    exact = parked["tokens"] * per_token + running * (1 + parked["checkpoints"]) + 4 * parked["tokens"]
+    # its checkpoints are the tree's, held by it alone (pins 1), moved to host RAM with it: each a copy of the
+    # running state only (its K/V the parked one's prefix, its token ids the tree's path)
+    held = [c for c in e.checkpoints() if c["pins"]]
+    assert len(held) == parked["checkpoints"] and all(c["pins"] == 1 for c in held)
+    assert all(c["bytes"] == running and c["tier"] == "ram" for c in held), (held, running)
+    exact = parked["tokens"] * per_token + running + 4 * parked["tokens"] + sum(c["bytes"] for c in held)
     assert parked["bytes"] == exact, (parked, exact)      # whole pages would be page / tokens times the K/V
     assert os.path.getsize(tmp_path / "one.bin") < page * per_token
     again = ask(e, two, n=4)
@@ -233,3 +238,24 @@ def test_the_disk_tier_budget_drops_spilled_checkpoints_and_the_tree_forgets_the
     assert st["nodes_dropped"] >= 1 and st["too_big"] >= 1 and st["written"] == written
     e.store.forget_dropped()
     assert all(c["tier"] != "disk" for c in e.cache.entries())
+
+
+def test_a_held_checkpoint_off_the_device_reads_its_kv_from_a_parked_copy(hybrid_path):
+    """A conversation parked in host RAM that no live sequence extends takes the checkpoints it holds off the device:
+    each keeps its running state only (no K/V pages, no K/V or token ids of its own), and joined with the rows of the
+    parked conversation's host copy it restores the state a cold read of its tokens gives."""
+    kw = dict(n_ctx=1024, ubatch=32)
+    e = Engine(hybrid_path, conversation_cache_mib=256, park_resident=0, prompt_cache=6, **kw)
+    ask(e, chat("rivers", 0, []), n=4)
+    ask(e, [{"role": "user", "content": "Something else entirely."}], n=4)     # rivers parked; nothing extends it
+    running = sum(int(st.memory.stats().get("running", {}).get("bytes_per_sequence", 0)) for st in e.stages)
+    held = [c for c in e.checkpoints() if c["pins"]]
+    assert held and all(c["tier"] == "ram" and c["bytes"] == running for c in held), (held, running)
+    root = min(c["pos"] for c in held)
+    (snap,) = [x.snapshot for x in e.cache._entries.values() if x.pos == root]
+    joined = e.store.held.join(snap)
+    assert joined is not None and all(not p.is_prefix and not p.is_held for p in joined.parts)
+    e.seq.restore(joined)
+    cold = Engine(hybrid_path, conversation_cache_mib=0, prompt_cache=0, **kw)
+    cold.seq.forward(list(snap.tokens))
+    assert e.state_hashes() == cold.state_hashes()

@@ -250,7 +250,9 @@ def test_a_new_chat_that_shares_only_the_system_prompt_leaves_the_parked_one_who
     n_rivers = e.seq.pos
     ask(e, chat("trains", 0, []))
     _, f = ask(e, _long_system("ships", 0, []))
-    assert f.strata["resume_from"] == "resident" and 0 < f.strata["resume_pos"] < n_rivers
+    # from the checkpoint at the system prompt's end, which parked rivers holds (a cut of rivers would skip fewer
+    # than CUT_MIN tokens more): rivers is not touched
+    assert f.strata["resume_from"] == "checkpoint" and 0 < f.strata["resume_pos"] < n_rivers
     assert n_rivers in [p["tokens"] for p in e.parked()]
     _, f = ask(e, _long_system("rivers", 1, a))
     assert f.strata["resume_from"] == "resident" and f.strata["resume_pos"] == n_rivers
@@ -272,8 +274,8 @@ def test_a_restore_failing_midway_puts_the_conversation_back_and_leaks_no_page(d
     assert sorted(p["tier"] for p in e.parked()) == ["device", "device"]     # rivers back, ships parked
     _, f = ask(e, chat("rivers", 1, a))
     assert f.strata["resume_from"] == "resident"
+    e.store.resident.clear()                                   # the parked ones, and the checkpoints they held
     e.slot_erase()
-    e.store.resident.clear()
     assert e.status()["kv_pages"]["used"] == 0 and e.status()["kv_pages"]["held"] == 0
 
 
@@ -286,8 +288,9 @@ def test_the_disk_file_a_switch_picked_is_read_before_parking_can_evict_it(hybri
     for t in answers:
         answers[t].append(e.detokenize(ask(e, chat(t, 0, []))[0]))
         if t == "ships":
-            one = e.parked()[0]["bytes"]
-            e.park.budget = e.disk.budget = one + one // 2
+            one = e.parked()[0]["bytes"]                          # its own bytes and its share of the tree's
+            own = e.store.parking.in_tier("ram")[0].conv.nbytes()  # its file: its own (checkpoints stay in the tree)
+            e.park.budget, e.disk.budget = one + one // 2, own + own // 2
     assert [p["tier"] for p in e.parked()] == ["ram", "disk"]    # bread in RAM, ships on disk (rivers' file gone)
     _, f = ask(e, chat("ships", 1, answers["ships"]))           # parking stars pushes bread to disk: ships' file
     assert f.strata["resume_from"] == "disk"                     # would be evicted had it not been read first

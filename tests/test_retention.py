@@ -1,11 +1,12 @@
-"""Retention policy (strata.cache.retention.choose_victims): the retention scenarios and property tests."""
+"""Retention (strata.cache.retention): the one eviction pass (evict) and the checkpoint policy (choose_victims):
+scenarios and property tests."""
 from __future__ import annotations
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from strata.cache.retention import Kept, choose_victims, pinned_root
+from strata.cache.retention import Item, Kept, choose_victims, evict, pinned_root
 
 
 def chain(*specs):
@@ -167,3 +168,72 @@ def test_branches_at_one_position_are_told_apart_by_their_keys():
     assert choose_victims(kept, cap=2) == [8]
     with pytest.raises(ValueError, match="unique"):
         choose_victims(kept + [Kept(pos=60, kind="turn", last_use=4, bytes=0, saved=4, key=9)], cap=2)
+
+
+def test_held_checkpoints_are_outside_the_count_and_move_last_for_the_bytes():
+    # a parked conversation holds 150 and 300: the cap of 2 counts 100 (the root), 200 and 400 only
+    kept = [Kept(100, "root", 5, 100, 1), Kept(150, "turn", 1, 100, 2, held=True), Kept(200, "turn", 2, 100, 3),
+            Kept(300, "turn", 3, 100, 4, held=True), Kept(400, "turn", 4, 100, 5)]
+    assert choose_victims(kept, cap=2) == [200]
+    assert choose_victims(kept, cap=0) == [100, 200, 400]
+    assert choose_victims(kept, cap=1) == [100, 200]
+    # bytes: the unheld least recently used first, the root, then the held ones least recently used first
+    assert choose_victims(kept, cap=5, budget_bytes=300) == [200, 400]
+    assert choose_victims(kept, cap=5, budget_bytes=100) == [200, 400, 100, 150]
+    assert choose_victims(kept, cap=2, budget_bytes=0) == [200, 400, 100, 150, 300]
+
+
+@settings(max_examples=300, deadline=None)
+@given(kept=chains(), held=st.lists(st.booleans(), min_size=12, max_size=12), cap=st.integers(0, 8),
+       budget=st.one_of(st.none(), st.integers(0, 6000)))
+def test_held_properties(kept, held, cap, budget):
+    kept = [Kept(k.pos, k.kind, k.last_use, k.bytes, k.saved, held=h) for k, h in zip(kept, held)]
+    victims = choose_victims(kept, cap=cap, budget_bytes=budget)
+    left = [k for k in kept if k.pos not in set(victims)]
+    assert len([k for k in left if not k.held]) <= cap                  # the cap counts the unheld
+    if budget is None:
+        assert all(not k.held for k in kept if k.pos in set(victims))   # the count never takes a held one
+    else:
+        assert sum(k.bytes for k in left) <= budget
+        # a held one goes only once every unheld one is gone
+        if any(k.held for k in kept if k.pos in set(victims)):
+            assert all(k.held for k in left)
+    unheld = choose_victims([k for k in kept if not k.held], cap=cap)
+    if budget is None:
+        assert victims == unheld                                        # the held ones change nothing else
+
+
+def test_one_pass_over_a_tier_orders_both_kinds_by_last_use_each_against_its_budget():
+    """evict: checkpoints and parked conversations of one tier in one pass, least recently used first, each item
+    going only while a budget it counts in is over; a later stage goes after every earlier one."""
+    items = [Item(("c", 1), (1.0,), {"ckpt": 10}), Item(("p", 1), (2.0,), {"conv": 50}),
+             Item(("c", 2), (3.0,), {"ckpt": 10}), Item(("p", 2), (4.0,), {"conv": 50}),
+             Item(("c", 3), (0.5,), {"ckpt": 10}, stage=2)]
+    assert evict(items, {"ckpt": 20, "conv": 50}) == [(("c", 1), frozenset({"ckpt"})),
+                                                      (("p", 1), frozenset({"conv"}))]
+    assert evict(items, {"ckpt": 0, "conv": None}) == [(k, frozenset({"ckpt"})) for k in
+                                                       (("c", 1), ("c", 2), ("c", 3))]
+    assert evict(items, {}) == []                       # no budget named: no limit
+    with pytest.raises(ValueError, match="budget ckpt"):
+        evict(items, {"ckpt": -1})
+    with pytest.raises(ValueError, match="two items"):
+        evict(items + items[:1], {"ckpt": 1})
+
+
+@settings(max_examples=200, deadline=None)
+@given(a=st.lists(st.integers(0, 100), max_size=8), b=st.lists(st.integers(0, 100), max_size=8),
+       ba=st.one_of(st.none(), st.integers(0, 400)), bb=st.one_of(st.none(), st.integers(0, 400)),
+       order=st.randoms(use_true_random=False))
+def test_one_pass_is_each_budget_alone(a, b, ba, bb, order):
+    """Two kinds each against a budget of its own: the one pass evicts exactly what a pass over each kind alone
+    would, in last-use order."""
+    uses = list(range(len(a) + len(b)))
+    order.shuffle(uses)
+    items = [Item(("a", i), (uses[i],), {"A": c}) for i, c in enumerate(a)] + \
+            [Item(("b", i), (uses[len(a) + i],), {"B": c}) for i, c in enumerate(b)]
+    both = [k for k, _ in evict(items, {"A": ba, "B": bb})]
+    alone = [k for k, _ in evict([i for i in items if i.key[0] == "a"], {"A": ba})] + \
+            [k for k, _ in evict([i for i in items if i.key[0] == "b"], {"B": bb})]
+    assert sorted(both) == sorted(alone)
+    assert [dict((i.key, i.order) for i in items)[k] for k in both] == \
+        sorted(dict((i.key, i.order) for i in items)[k] for k in both)

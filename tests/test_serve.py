@@ -311,7 +311,8 @@ def test_slots(daemon):
     st, d = daemon.json("POST", "/slots/0?action=erase", {"id_slot": 0, "filename": "x"})   # a body is ignored
     assert st == 200 and d["id_slot"] == 0 and d["n_erased"] > 0
     c = daemon.json("GET", "/cache")[1]
-    assert c["checkpoints"] == [] and c["pos"] == 0
+    # what stays is held by the conversations the daemon's earlier requests parked (they stay)
+    assert [k for k in c["checkpoints"] if not k["pins"]] == [] and c["pos"] == 0
     st, a = daemon.json("POST", "/v1/chat/completions", body)
     assert st == 200 and a["timings"]["cache_n"] == 0 and a["strata"]["resume_from"] == "none"
     st, e = daemon.json("POST", "/slots/3?action=save")

@@ -77,6 +77,27 @@ def _pages_ok(engine, stages=None, owned=None) -> None:
             assert pool.n_free == int((want == 0).sum())
 
 
+def _pins_ok(engine) -> None:
+    """Every pin on a node of the checkpoint tree is held by a parked conversation in the tree, and every parked
+    conversation's pin is on a node of the tree that keeps a checkpoint (unless a worker or the disk tier dropped
+    that checkpoint on its own): nothing leaked after a forget, nothing unpinned early."""
+    tree = engine.store.checkpoints.tree
+
+    def attached(n) -> bool:
+        while n.parent is not None:
+            if n.parent.children.get(int(n.span[0])) is not n:
+                return False
+            n = n.parent
+        return n is tree.root
+    holders = collections.Counter()
+    for nd in tree.nodes("parked"):
+        for n in nd.parked.conv.pins:
+            if n.value is not None and attached(n):
+                holders[id(n)] += 1
+    pinned = {id(n): n.pins for n in tree.nodes("value") if n.pins}
+    assert pinned == dict(holders), f"pins on the tree's checkpoints {pinned}, held by parked conversations {dict(holders)}"
+
+
 def _worker_pages_ok(worker) -> None:
     """A worker's pages: its part store owns every hold, each page's count is its holders', the store within the
     part budget its hello granted."""
@@ -259,6 +280,7 @@ def _machine(path, tmp_path, counts: collections.Counter, parking: bool = True, 
             if hasattr(self, "e"):
                 counts["steps"] += 1
                 _pages_ok(self.e)
+                _pins_ok(self.e)
                 if worker is not None:
                     _worker_pages_ok(worker)
 

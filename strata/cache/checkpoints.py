@@ -10,7 +10,7 @@ import numpy as np
 
 from strata.cache.lookup import Found, lookup
 from strata.cache.plan import PrefillPlan
-from strata.cache.retention import Kept, choose_victims, pinned_root
+from strata.cache.retention import Item, Kept, checkpoint_items, evict, pinned_root
 from strata.cache.tree import CheckpointTree, Node
 from strata.text.token_ids import as_ids, common_prefix, frozen_ids, is_prefix
 
@@ -31,7 +31,8 @@ class _Entry:
     pos: int
     kind: str
     snapshot: Any
-    tokens: np.ndarray          # read-only int32 (strata.text.token_ids): compared with numpy, never token by token
+    ids: np.ndarray | None      # read-only int32 (strata.text.token_ids): compared with numpy, never token by token;
+    #                             None: its node's path in the tree gives them (a snapshot keeping no ids of its own)
     bytes: int
     saved: int
     last_use: int
@@ -41,6 +42,10 @@ class _Entry:
     mounts: int = 0
     tier: str = "device"        # "device": its pages held in the pools; "ram": host copies (demoted by make_room);
     #                             "disk": a file of the disk tier (a DiskNode: spilled by the byte budget)
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return self.ids if self.ids is not None else self.node.tokens()
 
 
 def _cut(cp) -> tuple[int, str]:
@@ -355,7 +360,7 @@ class CheckpointCache:
         """Keep `snapshot` at `tokens` (under the lock), releasing one it replaces there."""
         self._clock += 1
         self._keys += 1
-        e = _Entry(pos=len(tokens), kind=kind, snapshot=snapshot, tokens=tokens, bytes=_snapshot_bytes(snapshot),
+        e = _Entry(pos=len(tokens), kind=kind, snapshot=snapshot, ids=tokens, bytes=_snapshot_bytes(snapshot),
                    saved=self._clock, last_use=self._clock, last_use_time=time.time(), key=self._keys)
         e.node, old = self._tree.put(tokens, e)
         self._entries[e.key] = e
@@ -364,35 +369,91 @@ class CheckpointCache:
             _release(old.snapshot)
             self._stats["replaced"] += 1
 
-    def _retain(self, spill=None) -> list[int]:
-        """Evict retention's victims (under the lock) -> the positions dropped. The count (--prompt-cache) first:
-        its victims are dropped, whatever their tier; then the byte budget (--prompt-cache-mib) over what the
-        checkpoints hold in memory: its victims move to the disk tier through `spill` when it takes them, else
-        are dropped (the same order and victims as one pass of choose_victims when nothing spills)."""
-        if not self._entries:
-            return []
-        victims = choose_victims(self._kept(), cap=self.cap, root_min=self.root_min, budget_bytes=None)
-        gone = [self._entries[k].pos for k in victims]
-        for k in victims:
-            self._drop(k)
-        in_memory = [k for k in self._kept() if self._entries[k.id].tier != "disk"]
-        for k in choose_victims(in_memory, cap=self.cap, root_min=self.root_min, budget_bytes=self.budget_bytes):
-            e = self._entries[k]
+    #: the budgets of the two eviction passes (strata.cache.retention.evict) the checkpoints take part in: the count
+    #: (--prompt-cache, the unheld ones, whatever their tier) and host memory (--prompt-cache-mib)
+    COUNT, BYTES = "prompt-cache", "prompt-cache-mib"
+
+    def budgets(self) -> dict[str, int | None]:
+        return {self.COUNT: self.cap, self.BYTES: self.budget_bytes}
+
+    def items(self, budget: str) -> list[Item]:
+        """(under the lock) The checkpoints as items of the eviction pass over `budget` (COUNT: every one, each
+        unheld costing 1; BYTES: those in memory, each costing its own bytes), by the checkpoint policy
+        (retention.checkpoint_items: the pinned root last, the held ones after it), ordered by last use
+        (last_use_time, ties by the logical clock): keys ("checkpoint", key)."""
+        kept = [k for k in self._kept() if budget == self.COUNT or self._entries[k.id].tier != "disk"]
+        root = pinned_root([k for k in kept if not k.held], self.cap, self.root_min)
+        when = {e.key: e.last_use_time for e in self._entries.values()}
+        out = checkpoint_items(kept, self.cap, root, count=self.COUNT if budget == self.COUNT else None,
+                               nbytes=self.BYTES if budget == self.BYTES else None,
+                               clock=lambda k: (when[k.id], k.last_use))
+        return [Item(("checkpoint", it.key), it.order, it.costs, it.by, it.stage) for it in out]
+
+    def evicted(self, keys, budget: str, spill=None) -> list[int]:
+        """(under the lock) Act on the eviction pass's victims `keys` (their ids without the "checkpoint" tag) over
+        `budget` -> the positions dropped. COUNT: dropped, whatever their tier. BYTES: moved to the disk tier through
+        `spill` when it takes them, else dropped, except a held one, which then stays."""
+        gone = []
+        for k in keys:
+            e = self._entries.get(k)
+            if e is None:
+                continue
             node = None
-            if spill is not None:
+            if budget == self.BYTES and spill is not None:
                 try:
                     node = spill(e.snapshot, e.last_use_time)
                 except Exception:  # noqa: BLE001 -- a spill that fails leaves the drop
                     node = None
+            if node is None and budget == self.BYTES and e.node.pins:
+                continue                        # held by a parked conversation: it stays where it is
             if node is None:
                 gone.append(e.pos)
                 self._drop(k)
                 continue
             _release(e.snapshot)
-            e.snapshot, e.bytes, e.tier = node, 0, "disk"
+            e.snapshot, e.bytes, e.tier, e.ids = node, 0, "disk", e.tokens
             self._stats["spilled"] += 1
         self._stats["evictions"] += len(gone)
         return gone
+
+    def _retain(self, spill=None) -> list[int]:
+        """(under the lock) The checkpoints' two eviction passes (the count, then host memory; see ``evicted``) ->
+        the positions dropped."""
+        gone: list[int] = []
+        if not self._entries:
+            return gone
+        for budget in (self.COUNT, self.BYTES):
+            victims = evict(self.items(budget), self.budgets())
+            gone += self.evicted([key[1] for key, _ in victims], budget, spill)
+        return gone
+
+    def held_snapshots(self, tokens=None) -> list[tuple[Any, np.ndarray, Node]]:
+        """(snapshot, tokens, node) of the checkpoints in host RAM (tier "ram"; on the path of `tokens` when
+        given)."""
+        with self._lock:
+            es = [nd.value for nd in self._tree.path(tokens)] if tokens is not None else list(self._entries.values())
+            return [(e.snapshot, e.tokens, e.node) for e in es if e.tier == "ram"]
+
+    def device_held(self) -> list[tuple[Any, np.ndarray, Node]]:
+        """(snapshot, tokens, node) of the checkpoints a parked conversation holds whose pages are on the devices."""
+        with self._lock:
+            return [(e.snapshot, e.tokens, e.node) for e in self._entries.values()
+                    if e.node.pins and e.tier == "device" and _holds_pages(e.snapshot) and not _gone(e.snapshot)]
+
+    def rehome(self, snapshot, copy, tier: str, own_ids: bool = True) -> None:
+        """The checkpoint whose snapshot is `snapshot` keeps `copy` (the same checkpoint in `tier`) in its place,
+        the pages `snapshot` held given back; its bytes counted against the byte budget at the next retention.
+        own_ids=False: `copy` keeps no token ids (its node's path gives them), the checkpoint none either."""
+        with self._lock:
+            for e in self._entries.values():
+                if e.snapshot is snapshot:
+                    self._stats["demoted"] += e.tier == "device" and tier != "device"
+                    if own_ids and e.ids is None:
+                        e.ids = frozen_ids(copy.tokens)
+                    elif not own_ids:
+                        e.ids = None
+                    e.snapshot, e.bytes, e.tier = copy, _snapshot_bytes(copy), tier
+                    _release(snapshot)
 
     def promote(self, snapshot, copy) -> None:
         """The checkpoint whose snapshot is `snapshot` (a DiskNode read back) keeps `copy` (its host copies) in its
@@ -402,17 +463,20 @@ class CheckpointCache:
                 if e.snapshot is snapshot:
                     e.snapshot, e.bytes, e.tier = copy, _snapshot_bytes(copy), "ram"
 
-    def make_room(self, live_ids, off_path: bool = False, spare=None, demote=None, spill=None) -> bool:
+    def make_room(self, live_ids, off_path: bool = False, spare=None, demote=None, spill=None,
+                  held: bool | None = None, skip=frozenset()) -> bool:
         """Give back one checkpoint's pages when a pool is short: the least recently used of those holding pages that
         are not a prefix of ``live_ids`` (the live sequence's tokens: their pages are the sequence's too), then
-        (unless off_path) of the rest, never the one whose snapshot is `spare` (being restored). With `demote`
-        (snapshot -> the same checkpoint as host copies, or None), it moves to host RAM (its tier "ram": restored
-        from there on a hit, its bytes counted against the byte budget) instead of being dropped. -> False when
-        none holds pages any more."""
+        (unless off_path) of the rest, never the one whose snapshot is `spare` (being restored); held: only those
+        a parked conversation holds (True) or none holds (False), None: either; never one at a node in `skip` (ids of
+        nodes: those a resident conversation pins, which stay on the device with it). With `demote` (snapshot -> the same
+        checkpoint as host copies, or None), it moves to host RAM (its tier "ram": restored from there on a hit, its
+        bytes counted against the byte budget) instead of being dropped. -> False when none holds pages any more."""
         live = as_ids(live_ids)
         with self._lock:
             cand = [(is_prefix(e.tokens, live), e.last_use, e.key) for e in self._entries.values()
-                    if (spare is None or e.snapshot is not spare) and _holds_pages(e.snapshot)]
+                    if (spare is None or e.snapshot is not spare) and _holds_pages(e.snapshot)
+                    and (held is None or bool(e.node.pins) == held) and id(e.node) not in skip]
             cand = [c for c in cand if not (off_path and c[0])]
             if not cand:
                 return False
@@ -432,6 +496,23 @@ class CheckpointCache:
             self._stats["demoted"] += 1
             self._retain(spill)                # host copies count against the byte budget
             return True
+
+    def pin_path(self, tokens) -> list[Node]:
+        """Pin the nodes on the path of `tokens` (a conversation being parked) that keep a checkpoint, in any tier
+        -> them, shallowest first: the conversation references these checkpoints instead of copying them, and
+        retention keeps them while it does (``unpin``)."""
+        with self._lock:
+            nodes = self._tree.path(tokens)
+            for nd in nodes:
+                self._tree.pin(nd)
+            return nodes
+
+    def unpin(self, nodes) -> None:
+        """Give back the pins ``pin_path`` took (a parked conversation dropped or made live again); the checkpoints
+        stay, counted by --prompt-cache again from the next retention."""
+        with self._lock:
+            for nd in nodes:
+                self._tree.unpin(nd)
 
     def drop_gone(self) -> int:
         """Drop the checkpoints a worker dropped a part of (their other parts' pages given back) -> how many."""
@@ -457,20 +538,20 @@ class CheckpointCache:
 
     # ---- visibility ------------------------------------------------------------------------------
     def _kept(self) -> list[Kept]:
-        return [Kept(pos=e.pos, kind=e.kind, last_use=e.last_use, bytes=e.bytes, saved=e.saved, key=e.key)
-                for e in self._entries.values()]
+        return [Kept(pos=e.pos, kind=e.kind, last_use=e.last_use, bytes=e.bytes, saved=e.saved, key=e.key,
+                     held=e.node.pins > 0) for e in self._entries.values()]
 
     def entries(self) -> list[dict]:
         """The kept checkpoints by position (then save order): dicts with pos (tokens), kind, bytes, last_use
         (logical clock, larger = more recent), last_use_time (Unix seconds), mounts (times restored), tier, pinned
-        (bool). A view (CheckpointTree.view): never held up by slow work under the lock (then the one just before it)."""
+        (bool: the root retention keeps), pins (how many parked conversations hold it: outside --prompt-cache). A view (CheckpointTree.view): never held up by slow work under the lock (then the one just before it)."""
         return [dict(e) for e in self._tree.view("checkpoints")]
 
     def _entries_now(self) -> tuple[dict, ...]:
-        pin = pinned_root(self._kept(), self.cap, self.root_min)
+        pin = pinned_root([k for k in self._kept() if not k.held], self.cap, self.root_min)
         return tuple(dict(pos=e.pos, kind=e.kind, bytes=e.bytes, last_use=e.last_use,
                           last_use_time=e.last_use_time, mounts=e.mounts, tier=e.tier,
-                          pinned=pin is not None and pin.key == e.key)
+                          pinned=pin is not None and pin.key == e.key, pins=e.node.pins)
                      for e in sorted(self._entries.values(), key=lambda e: (e.pos, e.saved)))
 
     def branches(self) -> int:
@@ -484,11 +565,13 @@ class CheckpointCache:
         (moved to the disk tier by the byte budget). A view, as ``entries``."""
         return dict(self._tree.view("checkpoint_stats"))
 
-    def clear(self) -> None:
-        """Drop every checkpoint, its pages given back (counters stay)."""
+    def clear(self, held: bool = True) -> None:
+        """Drop every checkpoint (held False: every one no parked conversation holds), its pages given back
+        (counters stay). A held one dropped stays pinned by its conversations, which then skip it."""
         with self._lock:
-            for p in list(self._entries):
-                self._drop(p)
+            for k, e in list(self._entries.items()):
+                if held or not e.node.pins:
+                    self._drop(k)
 
     def __len__(self) -> int:
         return len(self._entries)

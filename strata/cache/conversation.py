@@ -40,6 +40,9 @@ class Conversation:
     last_use: float = field(default_factory=time.time)
     resident: bool = False
     cut_anywhere: bool = False          # attention-only: its K/V can be cut back to any prefix
+    #: parked: the checkpoint tree's nodes on its path whose checkpoints it references (CheckpointTree.pin) in
+    #: place of copies in ``checkpoints``; its keeper pins and unpins them (strata.cache.parked)
+    pins: list = field(default_factory=list)
 
     def __post_init__(self):
         self.tokens = frozen_ids(self.tokens)
@@ -57,6 +60,11 @@ class Conversation:
         return (sum(p.nbytes() for p in self.parts) + 4 * len(self.tokens) +
                 sum(p.nbytes() for c in self.checkpoints for p in c.parts))
 
+    def checkpoint_positions(self) -> list[int]:
+        """Where it can resume short of its end: its own checkpoints' and its pinned tree nodes' positions (a node
+        whose checkpoint the tree dropped anyway, a worker's part gone, left out)."""
+        return [c.pos for c in self.checkpoints] + [n.pos for n in self.pins if n.value is not None]
+
     def depth(self, prompt: Sequence[int]) -> int:
         """How many of the prompt's tokens this conversation can skip: its whole length when the prompt extends
         it (and its end may be continued), the longest common prefix when its K/V can be cut back anywhere (an
@@ -70,7 +78,7 @@ class Conversation:
         """``depth`` of an n-token prompt that shares its first `common` tokens with this conversation (no more)."""
         if self.live_ok and common == self.pos < n:
             return self.pos
-        deepest = max((c.pos for c in self.checkpoints if c.pos <= common and c.pos < n), default=0)
+        deepest = max((p for p in self.checkpoint_positions() if p <= common and p < n), default=0)
         if self.live_ok and self.cut_anywhere and common >= max(CUT_MIN, self.pos // 2):
             return max(deepest, min(common, n - 1))
         return deepest

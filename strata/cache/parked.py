@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import structlog
 
 from strata.cache.conversation import Conversation, SavedCheckpoint
 from strata.cache.disk import DiskNode, DiskTier
-from strata.cache.retention import Kept, choose_victims
+from strata.cache.retention import Item, evict
 from strata.cache.tree import CheckpointTree, Node
 from strata.memory import PartMismatch
 from strata.memory.hostram import available_ram
@@ -34,14 +35,23 @@ class Parked:
     saved: int = 0
 
     def nbytes(self) -> int:
-        """What it takes in its tier: a file's size, host copies' bytes, a resident one's held K/V too."""
+        """What it takes in its tier: a file's size, host copies' bytes, a resident one's held K/V too; in memory
+        also its share of the checkpoints it pins (``pinned_share``)."""
         if self.tier == "disk":
             return self.file.size
-        return self.conv.nbytes() + (self.conv.held_bytes() if self.tier == "device" else 0)
+        return self.conv.nbytes() + self.pinned_share() + \
+            (self.conv.held_bytes() if self.tier == "device" else 0)
+
+    def pinned_share(self) -> int:
+        """Its share of the host RAM the tree's checkpoints it pins keep of their own (those in tier "ram"; each
+        checkpoint's bytes split evenly among the conversations pinning it, rounded up): shared checkpoints are
+        counted once over all; one on the device or on disk takes no host RAM."""
+        return sum(-(-n.value.bytes // n.pins) for n in self.conv.pins
+                   if n.value is not None and n.pins > 0 and n.value.tier == "ram")
 
     def entry(self) -> dict:
         return {"tokens": self.conv.pos, "bytes": self.nbytes(), "tier": self.tier,
-                "checkpoints": len(self.conv.checkpoints), "last_use_time": self.conv.last_use}
+                "checkpoints": len(self.conv.checkpoint_positions()), "last_use_time": self.conv.last_use}
 
 
 class Tier:
@@ -54,7 +64,7 @@ class Tier:
         self.stats = {"parked": 0, "restored": 0, "evicted": 0, "refused": 0}
 
     def cost(self, p: Parked) -> int:
-        return 1 if self.name == "device" else p.conv.nbytes()
+        return 1 if self.name == "device" else p.conv.nbytes() + p.pinned_share()
 
     def conversations(self) -> list[Conversation]:
         return [p.conv for p in self.owner.in_tier(self.name)]
@@ -63,7 +73,7 @@ class Tier:
         return len(self.owner.in_tier(self.name))
 
     def nbytes(self) -> int:
-        return sum(c.nbytes() for c in self.conversations())
+        return sum(p.conv.nbytes() + p.pinned_share() for p in self.owner.in_tier(self.name))
 
     def clear(self) -> None:
         self.owner.clear(self.name)
@@ -84,11 +94,16 @@ class ParkedConversations:
     Over a tier's budget the least recently used move down one tier in place (the device's to host RAM when a pool
     is short too, ``make_room``); what RAM evicts is written to disk, or dropped; a file the disk tier removes is
     forgotten. The one that skips most of a prompt is found by the tree's one walk along it (strata.cache.lookup);
-    ``take`` removes it (it becomes live).
+    ``take`` removes it (it becomes live). `leaving(conv)` is called before a conversation's host copy leaves host
+    RAM.
     ValueError (one line) for a negative count or budget."""
 
+    #: the budgets the parked conversations take part in the tiers' eviction passes with (strata.cache.retention)
+    BUDGETS = {"device": "park-resident", "ram": "conversation-cache-mib"}
+
     def __init__(self, tree: CheckpointTree, stages: list, *, park_bytes: int | None, resident: int,
-                 disk: DiskTier | None):
+                 disk: DiskTier | None, leaving: Callable[[Conversation], None] | None = None,
+                 checkpoints=None, spill=None):
         if resident < 0:
             raise ValueError(f"--park-resident must be >= 0, got {resident}")
         if park_bytes is not None and park_bytes < 0:
@@ -101,6 +116,12 @@ class ParkedConversations:
         if self.ram is not None and resident > 0 and all(st.memory.holds_pages for st in stages):
             self.device = Tier(self, "device", resident)
         self.disk = disk
+        # called (under the lock) before a conversation's host copy leaves host RAM (moved to disk, dropped, taken):
+        # the tree's checkpoints that read their K/V from it take what they need (strata.cache.held)
+        self._leaving = leaving or (lambda conv: None)
+        # the keeper of the tree's other slot (a strata.cache.checkpoints.CheckpointCache, or None): its checkpoints
+        # take part in each tier's eviction pass (their victims handed back to it, the byte budget's to `spill`)
+        self.checkpoints, self._spill = checkpoints, spill
         self._clock = 0
         tree.add_view("parked", self._entries_now)     # entries, for readers on other threads
 
@@ -153,8 +174,10 @@ class ParkedConversations:
             with self._lock:
                 return self._enter(p, tier, touch)
         except BaseException:
-            if p.node is None and conv.resident:
-                self.release(conv)
+            if p.node is None:
+                if conv.resident:
+                    self.release(conv)
+                self.unpin(p.conv)
             raise
 
     def _enter(self, p: Parked, tier: Tier, touch: bool) -> list[Parked]:
@@ -181,17 +204,40 @@ class ParkedConversations:
         if old is not None and old is not p:
             self._drop(old)
 
-    def _victims(self, tier: Tier) -> list[Parked]:
-        """(under the lock) The tree's retention over one tier: least recently used first, over its count
-        (the device tier) or its bytes (host RAM)."""
-        kept = {id(p): p for p in self._all() if p.tier == tier.name}
-        ks = [Kept(pos=p.conv.pos, kind=SLOT, last_use=p.conv.last_use, bytes=tier.cost(p), saved=p.saved, key=k)
-              for k, p in kept.items()]
-        if tier.name == "device":
-            ids = choose_victims(ks, cap=tier.budget, pin=False)
-        else:
-            ids = choose_victims(ks, cap=max(2, len(ks)), budget_bytes=tier.budget, pin=False)
-        return [kept[i] for i in ids]
+    def _victims(self, tier: Tier | str) -> list[Parked]:
+        """(under the lock) The one eviction pass over `tier` (strata.cache.retention.evict), both slots of the tree
+        in it, by last use alone: the conversations parked in it (each costing 1 of --park-resident on the device,
+        its bytes with its share of the checkpoints it holds of --conversation-cache-mib in host RAM) and, with the
+        checkpoint keeper, the checkpoints (their count on the device pass, their bytes in memory on the RAM one),
+        each against its own budget. The checkpoints that go are handed to their keeper (dropped, or spilled);
+        -> the conversations that go, to be moved down a tier, least recently used first. `tier`: a Tier, or the
+        name of one that is off (the checkpoints' part of its pass alone)."""
+        tname = tier if isinstance(tier, str) else tier.name
+        name = self.BUDGETS[tname]
+        kept = {("parked", id(p)): p for p in self._all() if p.tier == tname} if not isinstance(tier, str) else {}
+        items = [Item(k, (p.conv.last_use, p.saved), {name: tier.cost(p)}) for k, p in kept.items()]
+        budgets: dict[str, int | None] = {name: None if isinstance(tier, str) else tier.budget}
+        cp = self.checkpoints
+        if cp is not None and len(cp):
+            which = cp.COUNT if tname == "device" else cp.BYTES
+            items += cp.items(which)
+            budgets.update(cp.budgets())
+        victims = evict(items, budgets)
+        gone = [k[1] for k, _ in victims if k[0] == "checkpoint"]
+        if gone:
+            cp.evicted(gone, which, self._spill)
+        return [kept[k] for k, _ in victims if k[0] == "parked"]
+
+    def retain(self) -> None:
+        """Each tier's eviction pass now (the device's, then host RAM's: ``_victims``; a tier that is off: the
+        checkpoints' part of it), what goes moved down."""
+        with self._lock:
+            for name in ("device", "ram"):
+                tier = self.tier(name)
+                for victim in self._victims(tier if tier is not None else name):
+                    if victim.node is not None:
+                        tier.stats["evicted"] += 1
+                        self._move_down(victim)
 
     def _move_down(self, p: Parked, place: bool = False) -> Parked | None:
         """(under the lock) `p` one tier down (the device's to host RAM, RAM's to a disk file), in place at its node
@@ -204,9 +250,11 @@ class ParkedConversations:
             if host is None:
                 self._drop(p, give_back=False)
                 return None
+            host.pins, p.conv.pins = p.conv.pins, []     # the host copy holds its pins now
             p.conv = host
             self._enter_below(p, self.ram, place)
             return p if p.node is not None else None
+        self._leaving(p.conv)                   # in RAM until now: what reads from its host copy takes its part
         node = None
         if self.disk is not None:
             node = self.disk.add(p.conv, "park", p.conv.last_use)
@@ -216,7 +264,8 @@ class ParkedConversations:
         c = p.conv
         # the file's stub: no common-prefix cut from it (reading a whole file to cut it back is rarely worth it)
         p.conv = Conversation(tokens=c.tokens, parts=[], live_ok=c.live_ok, last_use=c.last_use,
-                              checkpoints=[SavedCheckpoint(s.pos, s.kind, []) for s in c.checkpoints])
+                              checkpoints=[SavedCheckpoint(s.pos, s.kind, []) for s in c.checkpoints], pins=c.pins)
+        c.pins = []                             # the stub holds them: the tree's checkpoints stay where they are
         p.file, p.tier = node, "disk"
         if place or p.node is None:
             self._place(p)
@@ -240,12 +289,17 @@ class ParkedConversations:
             tier.stats["evicted"] += 1
             self._move_down(victim)
 
-    def _drop(self, p: Parked, give_back: bool = True) -> None:
+    def _drop(self, p: Parked, give_back: bool = True, unpin: bool = True) -> None:
         """(under the lock) `p` out of the tree (unless another took its node's place); give_back: what it holds
-        given back (a resident one's pages, a disk one's file)."""
+        given back (a resident one's pages, a disk one's file); unpin: its pins on the tree's checkpoints given
+        back (not when it is taken: its taker holds them)."""
+        if p.tier == "ram":
+            self._leaving(p.conv)
         if p.node is not None and p.node.parked is p:
             self.tree.remove(p.node, SLOT)
         p.node = None
+        if unpin:
+            self.unpin(p.conv)
         if give_back and p.tier == "device":
             self.release(p.conv)
         elif give_back and p.tier == "disk":
@@ -289,12 +343,29 @@ class ParkedConversations:
             return True
 
     def take(self, p: Parked) -> Conversation:
-        """Take `p` out of the tree -> its conversation (a file's read back: its errors propagate)."""
+        """Take `p` out of the tree -> its conversation (a file's read back: its errors propagate, its pins then
+        given back), still pinning the tree's checkpoints on its path: the taker parks it again or gives them
+        back (``unpin``)."""
         with self._lock:
-            self._drop(p, give_back=False)
+            self._drop(p, give_back=False, unpin=False)
             if p.tier != "disk":
                 self.tier(p.tier).stats["restored"] += 1
-        return self.disk.read(p.file) if p.tier == "disk" else p.conv
+                return p.conv
+        try:
+            conv = self.disk.read(p.file)
+        except BaseException:
+            with self._lock:
+                self.unpin(p.conv)
+            raise
+        conv.pins, p.conv.pins = p.conv.pins, []
+        return conv
+
+    def unpin(self, conv: Conversation) -> None:
+        """Give back `conv`'s pins on the tree's checkpoints (CheckpointTree.unpin); again: nothing."""
+        with self._lock:
+            for n in conv.pins:
+                self.tree.unpin(n)
+            conv.pins = []
 
     def discard(self, tokens) -> None:
         """Drop the conversation parked on the device or in RAM at exactly these tokens (now live by another way)."""
@@ -353,10 +424,11 @@ class ParkedConversations:
         log.warning(f"{what}: host RAM unknown or short", bytes=need, available=avail)
         return True
 
-    def prepin(self, n_ctx: int, checkpoints_cap: int) -> int:
+    def prepin(self, n_ctx: int) -> int:
         """Host memory ahead for parking (strata.memory.pinned: pinned for the GPU stages, paged in for the CPU
         ones): two full conversations of the local stages (a switch parks the live one while the other is still
-        parked), each a full context's K/V plus its running state and the checkpoints' copies of it; capped by the
+        parked), each a full context's K/V plus its running state (its checkpoints are the tree's: pinned, not
+        copied); capped by the
         park budget and PREPIN_MAX and kept up to the park budget, so a park copies at the bus's (or memcpy's)
         bandwidth instead of getting fresh memory first (docs/checkpoints.md). Returns the bytes asked for."""
         if self.ram is None:
@@ -371,7 +443,7 @@ class ParkedConversations:
             kv = mem.get("kv", {})
             tokens = int(kv.get("pages_total", 0)) * int(kv.get("page_size", 0))
             kv_bytes = int(kv.get("bytes", 0)) * min(1.0, n_ctx / tokens) if tokens else 0   # one context's
-            full[kind] = full.get(kind, 0) + int(kv_bytes) + running * (1 + checkpoints_cap)
+            full[kind] = full.get(kind, 0) + int(kv_bytes) + running
         from strata.memory.pinned import arena
         asked = 0
         for kind, n in full.items():

@@ -17,6 +17,7 @@ from strata.cache import session
 from strata.cache.checkpoints import CheckpointCache, PrefillPlan, turn_start
 from strata.cache.conversation import CUT_MIN, Conversation, SavedCheckpoint
 from strata.cache.disk import DiskNode, DiskTier
+from strata.cache.held import HeldCheckpoints, is_prefix_form
 from strata.cache.lookup import Found, lookup
 from strata.cache.parked import ParkedConversations, Tier
 from strata.errors import Refused
@@ -62,7 +63,9 @@ class ConversationStore:
             log.info("conversation cache: files of an earlier run removed (parked conversations do not outlive the "
                      "process; a session file does)", directory=str(disk.dir), files=disk.cleared)
         self.parking = ParkedConversations(checkpoints.tree, stages, park_bytes=park_bytes, resident=resident,
-                                          disk=disk)
+                                          disk=disk, leaving=lambda conv: self.held.leaving(conv),
+                                          checkpoints=checkpoints, spill=self._spill)
+        self.held = HeldCheckpoints(checkpoints, self.parking, stages)
         self.slot_save_path = Path(slot_save_path) if slot_save_path else None
         if self.slot_save_path is not None and not self.slot_save_path.is_dir():
             raise ValueError(f"--slot-save-path {self.slot_save_path}: not a directory")
@@ -72,6 +75,8 @@ class ConversationStore:
         self._from_session: weakref.WeakSet = weakref.WeakSet()   # loaded from a file, not yet resumed
         # where the final turn of the prompt each sequence last read began (resume; turn_start)
         self._turn_start: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._live: weakref.WeakSet = weakref.WeakSet()   # the sequences the verbs acted on (held.settle keeps
+        #                                                   the checkpoints they extend on the device)
         self._restoring = None      # the checkpoint a restore is mounting (make_room does not drop it meanwhile)
         self._drops_seen = 0        # the stages' drop counts (Memory.drops) already acted on
 
@@ -109,19 +114,23 @@ class ConversationStore:
 
     def prepin(self) -> int:
         """Host memory set aside for parking now (ParkedConversations.prepin) -> the bytes asked for."""
-        return self.parking.prepin(self.n_ctx, self.checkpoints.cap)
+        return self.parking.prepin(self.n_ctx)
 
     # ---- a sequence as a Conversation ------------------------------------------------------------------
-    def capture(self, seq: Sequence, on_disk: bool = False) -> Conversation:
+    def capture(self, seq: Sequence, on_disk: bool = False, pin: bool = False) -> Conversation:
         """`seq`'s conversation as host copies: every stage's used K/V and running state, its checkpoints (running
         state only where the stage can make the K/V a prefix of the conversation's); on_disk: those the tree keeps
-        on disk too, read back (a session file: the tree keeps them where they are, parking leaves them there)."""
+        on disk too, read back (a session file: the tree keeps them where they are, parking leaves them there);
+        pin: the tree's checkpoints on its path pinned instead (``Conversation.pins``: to be parked)."""
         self.forget_dropped()
         here = seq.capture()
         try:
             parts = seq.materialize(here)
         finally:
             here.release()
+        if pin:
+            return Conversation(tokens=seq.ids, parts=parts, live_ok=seq.live_ok,
+                                cut_anywhere=self.parking.cut_anywhere, pins=self.checkpoints.pin_path(seq.ids))
         cps = []
         for pos, kind, snap in self.checkpoints.export(seq.ids, on_disk=on_disk):
             try:
@@ -139,16 +148,11 @@ class ConversationStore:
 
     def capture_resident(self, seq: Sequence) -> Conversation:
         """`seq`'s conversation parked where it is: every stage's pages held (nothing copied), its running state
-        and its checkpoints' copied on the device (a remote stage: more references to the worker's parts)."""
+        copied on the device (a remote stage: more references to the worker's parts), the tree's checkpoints on its
+        path pinned (``Conversation.pins``), not copied."""
         here = seq.with_room(seq.capture)        # its pages held: nothing is copied
-        try:
-            cps = [SavedCheckpoint(pos, kind, seq.detach(snap, to_host=False))
-                   for pos, kind, snap in self.checkpoints.export(seq.ids)]
-        except BaseException:
-            here.release()
-            raise
-        return Conversation(tokens=seq.ids, parts=here.parts, checkpoints=cps, live_ok=seq.live_ok, resident=True,
-                            cut_anywhere=self.parking.cut_anywhere)
+        return Conversation(tokens=seq.ids, parts=here.parts, live_ok=seq.live_ok, resident=True,
+                            cut_anywhere=self.parking.cut_anywhere, pins=self.checkpoints.pin_path(seq.ids))
 
     def restore(self, seq: Sequence, conv: Conversation) -> None:
         """Make `conv` `seq`'s conversation, its checkpoints kept in the tree (a resident one's pages become the
@@ -205,6 +209,7 @@ class ConversationStore:
             self.forget(seq)
             raise RuntimeError(f"internal: plan resumes at {resume} ({plan.resume_from}) but the sequence holds "
                                f"{seq.pos} tokens that are not that prefix of the {n}-token prompt")
+        self._settle(seq)
         return plan
 
     def share_prefix(self, seq: Sequence, prompt: np.ndarray, peers, cache_prompt: bool = True,
@@ -239,8 +244,16 @@ class ConversationStore:
             return self.checkpoints.plan(seq, prompt, list(cut_points or ()), checkpoint=checkpoint,
                                          cache_prompt=cache_prompt, found=found)
         p = plan()
-        while isinstance(p.snapshot, DiskNode):         # a checkpoint on disk: read back into host RAM first
-            node = p.snapshot
+        while isinstance(p.snapshot, DiskNode) or is_prefix_form(p.snapshot):
+            if is_prefix_form(p.snapshot):              # its K/V a prefix of a conversation parked in RAM
+                joined = self.held.join(p.snapshot)
+                if joined is None:
+                    self.checkpoints.discard(p.snapshot)
+                    p = plan()
+                    continue
+                p.snapshot = joined
+                break
+            node = p.snapshot                           # a checkpoint on disk: read back into host RAM first
             try:
                 conv = self.disk.read(node)
             except (session.SessionError, OSError, ValueError) as e:
@@ -300,26 +313,37 @@ class ConversationStore:
         seq.live_ok = False
 
     def erase(self, seq: Sequence) -> int:
-        """Forget `seq` and every checkpoint, its pages given back (parked conversations stay) -> the tokens it
-        held."""
+        """Forget `seq` and every checkpoint no parked conversation holds, its pages given back (parked conversations
+        stay, with the checkpoints they hold) -> the tokens it held."""
         n = int(seq.pos)
         self.forget(seq)
-        self.checkpoints.clear()
+        self.checkpoints.clear(held=False)          # those parked conversations hold are theirs
         seq.trim()
+        self._settle(seq)
         return n
 
     def make_room(self, seq: Sequence) -> bool:
-        """Free pages for `seq` (what a Sequence calls when a pool is short for it): a checkpoint off its path
-        dropped (its pages are its own), else the least recently used resident conversation moved to host RAM,
-        else a checkpoint on its path dropped -> False when nothing more can be freed."""
+        """Free pages for `seq` (what a Sequence calls when a pool is short for it): a checkpoint off its path that no
+        parked conversation holds dropped (its pages are its own; with parking off moved to host RAM), else one
+        held only by conversations parked below the device moved to host RAM (it follows them), else the least
+        recently used resident conversation moved to host RAM, else a held checkpoint off its path moved to host
+        RAM, else a checkpoint on its path (unheld first) -> False when nothing more can be freed. A held
+        checkpoint is dropped only when it cannot be copied to host RAM (its conversations then skip it)."""
         self.forget_dropped()
         ids, spare = seq.ids, self._restoring
-        # with parking off the tree is the only keeper of other branches: their checkpoints move to host RAM
-        # (parking keeps the conversations they belong to, with their K/V, itself)
-        demote = self._demote if self.parking.ram is None and self.parking.host_parts_refusal() is None else None
-        return self.checkpoints.make_room(ids, off_path=True, spare=spare, demote=demote, spill=self._spill) or \
+        # a checkpoint a parked conversation holds moves to host RAM; with parking off the tree is the only keeper
+        # of other branches: theirs move too (parking keeps the conversations they belong to, with their K/V)
+        held = self._demote if self.parking.host_parts_refusal() is None else None
+        demote = held if self.parking.ram is None else None
+        cp = self.checkpoints
+        resident = {id(n) for p in self.parking.in_tier("device") for n in p.conv.pins}
+        return cp.make_room(ids, off_path=True, spare=spare, demote=demote, spill=self._spill, held=False) or \
+            cp.make_room(ids, off_path=True, spare=spare, demote=held, spill=self._spill, held=True,
+                         skip=resident) or \
             self.parking.make_room() or \
-            self.checkpoints.make_room(ids, spare=spare, demote=demote, spill=self._spill)
+            cp.make_room(ids, off_path=True, spare=spare, demote=held, spill=self._spill, held=True) or \
+            cp.make_room(ids, spare=spare, demote=demote, spill=self._spill, held=False) or \
+            cp.make_room(ids, spare=spare, demote=held, spill=self._spill, held=True)
 
     def _spill(self, snap: Checkpoint, last_use: float) -> DiskNode | None:
         """A checkpoint the tree's byte budget evicts, written to the disk tier as a file of the session format
@@ -329,21 +353,27 @@ class ConversationStore:
         disk = self.disk
         if disk is None or isinstance(snap, DiskNode) or self.parking.host_parts_refusal() is not None:
             return None
+        if is_prefix_form(snap):                # its K/V rows from the conversation it reads them from
+            snap = self.held.join(snap)
+            if snap is None:
+                return None
         self.checkpoints.tree.publish()         # readers see the tree as it is before the copy and the write
         parts = [st.memory.materialize(p) for st, p in zip(self.stages, snap.parts)]
         return disk.add(Conversation(tokens=snap.tokens, parts=parts, live_ok=False), "node", last_use)
 
     def _demote(self, snap: Checkpoint) -> Checkpoint | None:
-        """A checkpoint moved down a tier: its parts as host copies (a remote stage's streamed from its worker), or
-        None when host RAM is short (then it is dropped)."""
-        need = snap.nbytes() + sum(k.length * k.hold.pool.bytes_per_token for p in snap.parts
-                                   for k in getattr(p, "kv", {}).values() if k.is_held)
-        avail = available_ram()
-        if avail is None or need > avail // 2:
-            return None
-        self.checkpoints.tree.publish()         # readers see the tree as it is before the copy
-        return Checkpoint(pos=snap.pos, tokens=snap.tokens,
-                          parts=[st.memory.materialize(p) for st, p in zip(self.stages, snap.parts)])
+        """A checkpoint moved down a tier: its parts as host copies (a remote stage's streamed from its worker), its
+        K/V a prefix of a conversation parked in RAM where one extends it (HeldCheckpoints.to_host), or None when
+        host RAM is short (then it is dropped)."""
+        return self.held.to_host(snap)
+
+    def _settle(self, *seqs: Sequence) -> None:
+        """After a verb: the checkpoints parked conversations hold that neither a live sequence nor a conversation
+        parked on the device extends leave the device (HeldCheckpoints.settle), then each tier's one eviction pass
+        over checkpoints and parked conversations (ParkedConversations.retain)."""
+        self._live.update(seqs)
+        self.held.settle([q.ids for q in list(self._live)])
+        self.parking.retain()
 
     # ---- parking ----------------------------------------------------------------------------------------
     def park(self, seq: Sequence, trace: bool = False) -> None:
@@ -372,7 +402,7 @@ class ConversationStore:
             need = seq.nbytes()
             if t.ram_short(need, "not parking the live conversation"):
                 return
-            gone = t.park(self.capture(seq))
+            gone = t.park(self.capture(seq, pin=True))
             if trace:
                 log.info("parked", tokens=seq.pos, bytes=need, ms=round((time.perf_counter() - t0) * 1e3, 2),
                          evicted=len(gone))
@@ -397,9 +427,12 @@ class ConversationStore:
         conv = hit.conv if hit is not None else None
         source = {"device": "resident", "ram": "park", "disk": "disk"}[hit.tier] if hit is not None else None
         if conv is not None and source != "disk" and depth != conv.pos and \
-                all(c.pos != depth for c in conv.checkpoints) and depth < here + CUT_MIN:
+                depth not in conv.checkpoint_positions() and depth < here + CUT_MIN:
             conv = None      # a cut at the common prefix that skips too few tokens more than the sequence does
-        if conv is not None and depth > here:
+        # a checkpoint the conversation pins is its own resume point: at equal depth the conversation comes back
+        own = conv is not None and found.checkpoint is not None and depth == here == found.checkpoint.pos and \
+            any(n is found.checkpoint for n in conv.pins)
+        if conv is not None and (depth > here or own):
             t0 = time.perf_counter()
             try:                              # out of the tree first: parking `seq`'s cannot evict it
                 conv = t.take(hit)
@@ -415,6 +448,7 @@ class ConversationStore:
                     self.forget(seq)          # a worker refused its part after a local stage was written
                 if isinstance(e, CheckpointGone):
                     t.release(conv)           # its worker parts are gone with the link: nothing to put back
+                    t.unpin(conv)
                     log.warning("a parked conversation is gone from the worker", tier=source, error=str(e))
                     return None
                 # put back intact (restoring only adds references to a resident one's pages); the caller
@@ -424,13 +458,15 @@ class ConversationStore:
                     raise
                 log.warning("a parked conversation could not be restored", tier=source, error=str(e))
                 return None
-            if depth < max((c.pos for c in conv.checkpoints), default=0):
+            if depth < max(conv.checkpoint_positions(), default=0):
                 # the prompt leaves it before its last checkpoint (a new chat on its system prompt, an earlier
                 # message edited): it stays parked, whole (in RAM, a file's); a next turn, which rewrites only
                 # what follows that checkpoint, takes it over, as the prompt does with one that has none
                 t.park(conv)
-            elif conv.resident:
-                t.release(conv)               # the sequence holds its pages now
+            else:
+                if conv.resident:
+                    t.release(conv)           # the sequence holds its pages now
+                t.unpin(conv)                 # live again: its checkpoints are the tree's alone
             if trace:
                 log.info("unparked", tier=source, tokens=conv.pos, resume=depth,
                          ms=round((time.perf_counter() - t0) * 1e3, 2))
@@ -448,6 +484,8 @@ class ConversationStore:
         generation prompt differs from a past turn's header (Qwen3's empty think block) leaves nothing."""
         deepest = self.checkpoints.deepest(seq.ids)
         if here < deepest or (deepest == 0 and here == 0):
+            return True
+        if common_prefix(seq.ids, prompt) < here:  # a checkpoint of another branch (a held one can be as deep)
             return True
         start = min(self._turn_start.get(seq, 0), int(seq.pos))
         return common_prefix(seq.ids, prompt) < min(start, len(prompt))
@@ -533,6 +571,7 @@ class ConversationStore:
         self._from_session.add(seq)
         self._turn_start.pop(seq, None)      # its turns are not known: the deepest checkpoint rule alone
         self.parking.discard(conv.tokens)     # now live: a parked copy of the same conversation is dropped
+        self._settle(seq)
         return {"id_slot": 0, "filename": filename, "n_restored": conv.pos, "n_read": n_read,
                 "timings": {"restore_ms": round((time.perf_counter() - t0) * 1e3, 3)}}
 

@@ -24,12 +24,13 @@ class Node:
     """One node: the token ids ``span`` that follow its parent's end (a node ends at ``pos`` = the parent's pos +
     len(span)), its children by their first token, and what is kept at its end, one slot each (SLOTS): ``value`` (a
     checkpoint entry) and ``parked`` (a parked conversation); a node with neither is a branch point only (two
-    branches part there)."""
+    branches part there). ``pins``: how many parked conversations reference its checkpoint (CheckpointTree.pin):
+    retention never evicts a pinned checkpoint, it only moves it down a tier."""
 
-    __slots__ = ("parent", "span", "pos", "children", "value", "parked")
+    __slots__ = ("parent", "span", "pos", "children", "value", "parked", "pins")
 
     def __init__(self, parent: "Node | None", span: np.ndarray, value: Any = None, slot: str = "value"):
-        self.parent, self.span, self.value, self.parked = parent, span, None, None
+        self.parent, self.span, self.value, self.parked, self.pins = parent, span, None, None, 0
         setattr(self, slot, value)
         self.pos = (parent.pos if parent is not None else 0) + int(span.shape[0])
         self.children: dict[int, Node] = {}
@@ -187,6 +188,25 @@ class CheckpointTree:
                 parent.children[int(node.span[0])] = child
             node = parent
         return old
+
+    def pin(self, node: Node) -> None:
+        """One more holder of the checkpoint kept at `node` (a parked conversation on its path)."""
+        node.pins += 1
+
+    def unpin(self, node: Node) -> None:
+        """One holder fewer of `node`'s checkpoint. ValueError (one line) when it has none."""
+        if node.pins <= 0:
+            raise ValueError(f"internal: unpinning the node at {node.pos}, which has no pins")
+        node.pins -= 1
+
+    def pin_count(self) -> int:
+        """The pins on the nodes in the tree, all together (each parked conversation's, CheckpointTree.pin)."""
+        n, stack = 0, [self.root]
+        while stack:
+            x = stack.pop()
+            n += x.pins
+            stack.extend(x.children.values())
+        return n
 
     def nodes(self, slot: str = "value") -> list[Node]:
         """Every node that keeps a value in `slot`, by position."""

@@ -443,8 +443,9 @@ def cmd_cache(c: Client, args) -> int:
         t = cp.get("last_use_time")
         return f"{max(0.0, now - t):.0f}s ago" if isinstance(t, (int, float)) else cp.get("last_use")
     rows = [[cp.get("pos"), cp.get("kind"), _human_bytes(cp.get("bytes")), last_use(cp),
-             "yes" if cp.get("pinned") or cp.get("root") else ""] for cp in d.get("checkpoints", [])]
-    human = table(rows, ["POS", "KIND", "BYTES", "LAST USE", "PINNED"]) + (
+             "yes" if cp.get("pinned") or cp.get("root") else "", cp.get("pins") or ""]
+            for cp in d.get("checkpoints", [])]
+    human = table(rows, ["POS", "KIND", "BYTES", "LAST USE", "PINNED", "HELD BY"]) + (
         f"\n{len(rows)} checkpoints, {_human_bytes(d.get('checkpoint_bytes'))} (--prompt-cache {d.get('prompt_cache')})")
     parked = d.get("parked") or []
     if parked:

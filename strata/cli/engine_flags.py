@@ -70,8 +70,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(0 = no limit, the default; acceptance falls with the context length)")
     c = p.add_argument_group("conversation checkpoints")
     c.add_argument("--prompt-cache", type=_nonneg_int, default=None,
-                   help="checkpoints kept (default 6, or 0 with --remote-stage; 0 turns them off; 1 is plain FIFO "
-                        "without the root pin)")
+                   help="checkpoints kept beside those parked conversations hold (default 6, or 0 with "
+                        "--remote-stage; 0 turns them off; 1 is plain FIFO without the root pin). Since parked "
+                        "conversations reference the checkpoints on their path instead of copying them, N counts "
+                        "only the checkpoints no parked conversation holds; the held ones count against the parking "
+                        "budgets")
     c.add_argument("--prompt-cache-every", type=_nonneg_int, default=D.checkpoints.every,
                    help="also cut the prompt every N tokens (0 = off)")
     c.add_argument("--prompt-cache-tail", type=_nonneg_int, default=D.checkpoints.tail, metavar="N",
@@ -81,14 +84,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--prompt-cache-root", type=_nonneg_int, default=D.checkpoints.root,
                    help="minimum root length worth pinning (tokens)")
     c.add_argument("--prompt-cache-mib", type=_nonneg_int, default=D.checkpoints.mib,
-                   help="memory budget of the checkpoints' own copies (MiB): running state, and with parking off the "
-                        "K/V of checkpoints a short pool moved to host RAM (default %(default)s)")
+                   help="memory budget of the checkpoints' own copies (MiB), held ones included: running state, and "
+                        "the K/V of checkpoints moved to host RAM with no parked conversation to read it from; over "
+                        "it the least recently used go to "
+                        "--conversation-cache-dir (or are dropped), those parked conversations hold last and never "
+                        "dropped for it (default %(default)s)")
     c.add_argument("--conversation-cache-mib", type=_nonneg_int, default=None,
-                   help="host RAM for parked conversations (MiB; default 25%% of RAM; 0 = no parking)")
+                   help="host RAM for parked conversations (MiB; default 25%% of RAM; 0 = no parking); each counts "
+                        "its share of the checkpoints it holds in host RAM (split among the conversations holding "
+                        "them; a held checkpoint moves there with its holders, its K/V read from theirs)")
     c.add_argument("--park-resident", type=_nonneg_int, default=D.parking.resident, metavar="N",
                    help="up to N parked conversations kept on the device first, their KV pages held in the pool "
                         "(pages they share with the live one are not copied); the least recently used moves to host "
-                        "RAM when the pool runs short or N are kept (default %(default)s; 0 = park straight to host RAM)")
+                        "RAM when the pool runs short or N are kept (default %(default)s; 0 = park straight to host RAM); "
+                        "the checkpoints they hold stay on the device with them, the others' leave it with them")
     c.add_argument("--kv-pool-ctx", type=_nonneg_int, default=None, metavar="TOKENS",
                    help="tokens each stage's KV page pool holds (default --parallel x --n-ctx): more keeps conversations parked "
                         "resident beside the live one (GPU memory: allocated at start; CPU: touched as it fills, "

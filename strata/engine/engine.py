@@ -103,10 +103,13 @@ class Engine:
         def make_remote(index, hops, model):
             # the worker may hold, besides the cache's N, the one being saved before an eviction, the one a plan
             # restores and the prompt's state of n > 1 choices: room for 2N + 2 (at most the worker's 64)
-            # and, parking, the conversations parked resident with their checkpoints (the worker holds them too)
+            # and, parking, the conversations parked resident and the checkpoints they hold beyond the N (each
+            # holds those on its path: at most N of its own), plus those held by conversations below the device
+            # that a live sequence extends (at most N per request slot); the others leave the worker with their
+            # holders (strata.cache.held)
             parts = 2 * self.prompt_cache + 2 if self.prompt_cache else 0
             if pk.ram_mib != 0:
-                parts += int(pk.resident) * (1 + self.prompt_cache) + 1
+                parts += int(pk.resident) * (1 + self.prompt_cache) + 1 + int(cfg.parallel) * self.prompt_cache
             parts = min(64, parts)
             # no forward call reads more than the context holds, whatever --ubatch says (the worker refuses more)
             return RemoteStage(index, hops, model, fingerprint=self.file.fingerprint(), n_ctx=self.n_ctx,

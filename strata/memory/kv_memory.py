@@ -117,6 +117,17 @@ class KVMemory(Memory, Field):
         out.kv[self.name] = KVPages(length=kvp.length, hold=self.pool.hold(t.pages[:self._pages_for(kvp.length)],
                                                                             kvp.length))
 
+    def _join(self, part, whole, out, copy):
+        kvp, w = part.kv[self.name], whole.kv.get(self.name)
+        if not kvp.is_prefix:
+            raise PartMismatch(f"the checkpoint part's {self.name} K/V is not a prefix: nothing to join")
+        if w is None or w.arrays is None or w.length < kvp.length:
+            raise PartMismatch(f"the conversation's {self.name} K/V is not host copies of at least {kvp.length} "
+                               "positions")
+        cut = (slice(None),) * self.pool.page_axis + (slice(0, kvp.length),)
+        out.kv[self.name] = KVPages(length=kvp.length, arrays={k: (np.array(a[cut]) if copy else a[cut])
+                                                               for k, a in w.arrays.items()})
+
     def _materialize(self, part, out):
         kvp = part.kv[self.name]
         if kvp.is_prefix:

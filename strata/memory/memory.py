@@ -66,13 +66,15 @@ class Memory:
     backend: the stage's backend (None: the host's numpy arrays); every verb that reads or writes the state runs in
     its device scope (``scope``). Capabilities, which callers read instead of probing for methods: ``holds_pages``
     (a captured part holds its pages on the device: a conversation can be parked resident), ``host_parts`` (parts can be
-    copied to the host and written as bytes: parking in RAM, session files), ``cuts_anywhere`` (no running state:
-    a sequence can be cut back to any prefix); ``drops``, a count of parts the keeper dropped on its own (0 here:
-    a local stage drops only what its owner releases).
+    copied to the host and written as bytes: parking in RAM, session files), ``prefix_rows`` (a checkpoint part whose
+    K/V is a prefix takes it from the host copy of a conversation that extends it: ``join_prefix``),
+    ``cuts_anywhere`` (no running state: a sequence can be cut back to any prefix); ``drops``, a count of parts the
+    keeper dropped on its own (0 here: a local stage drops only what its owner releases).
     """
 
     holds_pages = True
     host_parts = True
+    prefix_rows = True
     drops = 0        # parts dropped by the keeper on its own (a remote stage's worker short of pages): none here
 
     def __init__(self, carve: Carve, identity: dict[str, Any] | None = None, backend: Any = None,
@@ -328,6 +330,18 @@ class Memory:
             raise
         return out
 
+    def join_prefix(self, part: StatePart, whole: StatePart, copy: bool = False) -> StatePart:
+        """`part` (a checkpoint's, its K/V a prefix: ``detach``) with its K/V taken from the first rows of `whole` (the
+        host copies of a conversation whose tokens extend the checkpoint's, ``materialize``): views of whole's arrays
+        (copy: arrays of its own), its running state `part`'s -> a part ``restore`` takes. Host memory only.
+        PartMismatch (one line) when `whole` is not host copies of this stage or holds fewer positions."""
+        self.validate(part)
+        self.validate(whole)
+        out = StatePart(carve=part.carve, geometry=part.geometry, pos=part.pos,
+                        running={li: dict(d) for li, d in part.running.items()})
+        self._each("_join", part, whole, out, copy)
+        return out
+
     @on_device(drain=True)
     def materialize(self, part: StatePart) -> StatePart:
         """The same part holding its K/V and running state as host copies (parking, session files); a held part
@@ -465,6 +479,9 @@ class Field(ABC):
     def _nbytes(self, st: SequenceState) -> int: ...
     @abstractmethod
     def _stats(self, out: dict) -> None: ...
+
+    def _join(self, part: StatePart, whole: StatePart, out: StatePart, copy: bool) -> None:
+        """Memory.join_prefix: a field with no K/V takes nothing from `whole`."""
 
     def _upgrade(self, part: StatePart, rows) -> None:
         """A part read from bytes: K/V arrays of whole pages (an older writer's, names not in `rows`) as rows."""

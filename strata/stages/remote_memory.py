@@ -86,10 +86,12 @@ class RemoteMemory:
     Capabilities (strata.memory.Memory's): ``holds_pages`` (a captured part stays valid on the worker whatever the
     sequence does next, until released: conversations can be parked resident, as ids); ``host_parts`` when the
     worker announced ``+park`` (a part's bytes stream to the main: parking in RAM, session files); ``cuts_anywhere``
-    unless the carve has recurrent layers (a Commit cuts the worker's K/V back). A capture past the granted part
-    budget is a KVCacheFull (the store frees ids first: Sequence.with_room)."""
+    unless the carve has recurrent layers (a Commit cuts the worker's K/V back); not ``prefix_rows`` (a part's bytes
+    are the worker's format: a checkpoint moved off the worker takes its K/V in full). A capture past the granted
+    part budget is a KVCacheFull (the store frees ids first: Sequence.with_room)."""
 
     holds_pages = True
+    prefix_rows = False
 
     def __init__(self, link_: Any, recurrent: bool, n_embd: int):
         self.link, self.carve, self.recurrent = link_, link_.carve, bool(recurrent)
