@@ -54,6 +54,17 @@ def answer(engine, prompt, n: int | None = 8, *, ignore_eos: bool = True, **requ
     return Answer(evs[:-1], evs[-1], r)
 
 
+def generate_all(engine, prompt_tokens, **request) -> tuple[list[TokenEvent], list[FinalEvent]]:
+    """One request on token ids (max_tokens 30 and ignore_eos unless given): its token events in order and its final
+    events (one per choice)."""
+    request.setdefault("max_tokens", 30)
+    request.setdefault("ignore_eos", True)
+    toks, finals = [], []
+    for ev in engine.generate(GenerationRequest(prompt_tokens=list(prompt_tokens), **request)):
+        (finals if isinstance(ev, FinalEvent) else toks).append(ev)
+    return toks, finals
+
+
 def ask(engine, prompt, n: int | None = 8, **kw) -> tuple[list[int], FinalEvent]:
     """answer() as (token ids, final event)."""
     a = answer(engine, prompt, n, **kw)

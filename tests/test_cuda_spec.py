@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from tests.cuda_marks import default_model_missing, gpu
+from tests.helpers import generate_all
 
 pytestmark = [gpu, pytest.mark.skipif(default_model_missing() is not None, reason=f"{default_model_missing()}")]
 
@@ -46,13 +47,8 @@ def _engine(path, split=None, **kw):
 
 
 def _run(engine, prompt, **kw):
-    from strata.engine.types import FinalEvent, GenerationRequest
-    kw.setdefault("max_tokens", 30)
-    kw.setdefault("ignore_eos", True)
-    toks, finals = [], []
-    for ev in engine.generate(GenerationRequest(prompt_tokens=list(prompt), **kw)):
-        (finals if isinstance(ev, FinalEvent) else toks).append(ev)
-    return [t.token_id for t in toks], finals
+    toks, finals = generate_all(engine, prompt, **kw)
+    return [e.token_id for e in toks], finals
 
 
 def _state(seq):

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings, strategies as hs
 
 from strata.engine.engine import Engine
 from strata.engine.types import FinalEvent, GenerationRequest
+from tests.helpers import generate_all
 from strata.gguf import synth
 from strata.sampling.sampler import SamplingParams
 
@@ -56,15 +57,8 @@ class Oracle:
 
 
 def _run(engine, prompt, **kw):
-    kw.setdefault("max_tokens", 30)
-    kw.setdefault("ignore_eos", True)
-    toks, finals = [], []
-    for ev in engine.generate(GenerationRequest(prompt_tokens=list(prompt), **kw)):
-        if isinstance(ev, FinalEvent):
-            finals.append(ev)
-        else:
-            toks.append((ev.index, ev.token_id, ev.text))
-    return toks, finals
+    toks, finals = generate_all(engine, prompt, **kw)
+    return [(e.index, e.token_id, e.text) for e in toks], finals
 
 
 def _state(engine):

@@ -15,6 +15,7 @@ import pytest
 from strata.engine.engine import Engine
 from strata.engine.lookup import LookupDrafter
 from strata.engine.types import FinalEvent, GenerationRequest
+from tests.helpers import generate_all
 from strata.gguf import synth
 from strata.sampling.sampler import SamplingParams
 from strata.sampling.speculative import Draft
@@ -32,15 +33,8 @@ def _prompt(n, seed):
 
 
 def _run(engine, prompt, **kw):
-    kw.setdefault("max_tokens", 30)
-    kw.setdefault("ignore_eos", True)
-    toks, finals = [], []
-    for ev in engine.generate(GenerationRequest(prompt_tokens=list(prompt), **kw)):
-        if isinstance(ev, FinalEvent):
-            finals.append(ev)
-        else:
-            toks.append((ev.index, ev.token_id))
-    return [t for _, t in toks], finals
+    toks, finals = generate_all(engine, prompt, **kw)
+    return [e.token_id for e in toks], finals
 
 
 def _state(engine):
