@@ -437,3 +437,20 @@ def test_a_string_of_arguments_holding_text_after_its_object_is_kept_as_generate
                 content, calls = tc.assemble(events)
                 assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [("get_time", want)]
                 assert not content.strip(), (fmt.name, content)
+
+
+def test_qwen_xml_answers_cut_anywhere_leak_no_call_text():
+    """A Qwen3-Coder (XML) answer of calls cut off by max_tokens at every length, fed whole or a character at a
+    time: no content (a cut inside '<parameter=NAME' or '</function>' came back as content: '\\n<parameter=b',
+    '\\n</funct'), the calls named so far in order."""
+    text = ("<tool_call>\n<function=get_weather>\n<parameter=location>\nLima\n</parameter>\n<parameter=days>\n3\n"
+            "</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n<parameter=zone>\nUTC\n"
+            "</parameter>\n</function>\n</tool_call>")
+    _, whole = tc.parse(text, tc.QwenXml(), TOOLS)
+    assert [c["function"]["name"] for c in whole] == ["get_weather", "get_time"]
+    for n in range(len(text) + 1):
+        for pieces in ([text[:n]], list(text[:n])):
+            p = tc.QwenXml().parser(TOOLS)
+            content, calls = tc.assemble([e for piece in pieces for e in p.feed(piece)] + p.finish(cut=True))
+            assert not content.strip(), (n, content)
+            assert [c["function"]["name"] for c in calls] == [c["function"]["name"] for c in whole][:len(calls)]
