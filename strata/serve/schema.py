@@ -87,7 +87,7 @@ def _tname(v) -> str:
             float: "a number", type(None): "null"}.get(type(v), type(v).__name__)
 
 
-_PLAIN_KEY = re.compile(r"^[A-Za-z_$][A-Za-z0-9_$-]{0,63}$")
+_PLAIN_KEY = re.compile(r"\A[A-Za-z_$][A-Za-z0-9_$-]{0,63}\Z")
 
 
 def _bad(param: str, msg: str) -> ApiError:
@@ -194,7 +194,7 @@ def _common(body: dict, kind: str) -> ParsedRequest:
     return r
 
 
-_TOKEN_KEY = re.compile(r"^[0-9]{1,10}$")
+_TOKEN_KEY = re.compile(r"\A[0-9]{1,10}\Z")
 
 
 def _logit_bias(lb) -> tuple[tuple[int, float], ...]:
@@ -452,15 +452,15 @@ def _tools(tools) -> list[dict] | None:
         if not isinstance(t, dict):
             raise _bad(where, f"must be an object, got {_tname(t)}")
         if t.get("type", "function") != "function":
-            raise ApiError(400, f"'{where}.type' is {t.get('type')!r}: only 'function' tools are supported",
-                           param=where, code="unsupported_value")
+            raise ApiError(400, f"'{where}.type' is {json.dumps(t.get('type'))[:80]}: only 'function' tools are "
+                                "supported", param=where, code="unsupported_value")
         fn = t.get("function")
         if not isinstance(fn, dict):
             raise _bad(f"{where}.function", "must be an object with a 'name'")
         name = fn.get("name")
         if not isinstance(name, str) or not NAME_RE.match(name):
             raise _bad(f"{where}.function.name", "must be 1-64 letters, digits, '_', '.' or '-', got "
-                                                 f"{json.dumps(name)}")
+                                                 f"{json.dumps(name)[:80]}")
         if name in names:
             raise _bad(f"{where}.function.name", f"{name!r} names two tools")
         names.add(name)

@@ -34,7 +34,7 @@ __all__ = ["NAME_RE", "ToolFormat", "Hermes", "QwenXml", "Llama3", "Mistral", "G
            "template_messages", "generic_system_prompt", "parse", "assemble", "xml_value", "Event", "CallParser",
            "arguments_object"]
 
-NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")      # OpenAI's function-name rule
+NAME_RE = re.compile(r"\A[A-Za-z0-9_.\-]{1,64}\Z")      # OpenAI's function-name rule
 _ALNUM = string.ascii_letters + string.digits
 
 
