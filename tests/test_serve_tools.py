@@ -178,6 +178,21 @@ def test_hermes_calls_cut_by_max_tokens_leave_no_content(qwen):
     _required_cut_leaves_no_content(_client(qwen), range(2, 30, 3))
 
 
+def test_a_stop_string_inside_a_call_block_leaks_no_call_text(qwen):
+    """A stop string that matches inside the Hermes call block (after '<tool', after '<tool_call>\n') ends the answer
+    as max_tokens would: the block left unnamed is dropped, not content ('<tool' and '<tool_call>' came back as
+    content with finish "stop"); a stop after the call keeps it. Whole and streamed alike."""
+    client = _client(qwen)
+    for stop, named in [("_call>", False), ('{"name', False), ("</tool_call>", True)]:
+        kw = dict(model="default", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=40, temperature=0,
+                  stop=[stop])
+        r = client.chat.completions.create(**kw)
+        m = r.choices[0].message
+        assert not m.content and bool(m.tool_calls) == named, (stop, m)
+        content, _, calls, finish = _assemble(client.chat.completions.create(**kw, stream=True))
+        assert not content and finish == r.choices[0].finish_reason and bool(calls) == named, (stop, content)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_allowed_tools_limit_the_calls_to_the_named_tools(qwen, seed):
     """tool_choice allowed_tools (OpenAI's chat form, and the Responses API's flat form): in mode "required" random
