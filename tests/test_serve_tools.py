@@ -289,6 +289,22 @@ def test_tool_choice_none_and_bad_tool_requests(smol):
         assert needle in d["error"]["message"] and len(d["error"]["message"]) < 500, (needle, d)
 
 
+def test_a_refusal_quotes_a_huge_value_cut(smol):
+    """A 100,000-character role, block type or tool_choice name, on the chat, Messages and Responses routes: a 400
+    naming the field whose message quotes the value's first characters (it was echoed whole: 100 KB of error)."""
+    x = "x" * 100000
+    for path, body, field in [
+            ("/v1/chat/completions", {"max_tokens": 2, "messages": [{"role": x, "content": "t"}]}, "messages[0].role"),
+            ("/v1/chat/completions", {"max_tokens": 2, "messages": ASK, "tools": TOOLS,
+                                      "tool_choice": {"type": "function", "function": {"name": x}}}, "tool_choice"),
+            ("/v1/messages", {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": [{"type": x}]}]},
+             "messages[0].content[0].type"),
+            ("/v1/responses", {"max_output_tokens": 16, "input": [{"role": x, "content": "t"}]}, "input[0].role")]:
+        st, d = smol.json("POST", path, body)
+        msg = d["error"]["message"]
+        assert st == 400 and field in msg and "xxxx" in msg and len(msg) < 1200, (path, st, msg[:200], len(msg))
+
+
 # Bounded answers (strings with maxLength or enums, arrays with maxItems, numbers with a range and a multipleOf, which
 # bounds their digits), so that max_tokens (400) is above every answer's length.
 SCHEMAS = [
