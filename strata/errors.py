@@ -1,6 +1,7 @@
 """How a request fails when it is not a bug: Refused (for what it asks: 4xx), Unavailable (now, whatever it asks:
 503) and EngineFault (the engine or a worker produced something unusable: 5xx, the server's fault); every layer
-raises them, serve maps them to HTTP by type; `printable`, how a peer's or server's text is quoted in a message."""
+raises them, serve maps them to HTTP by type; `printable` and `quoted`, how a peer's or server's text is quoted in a
+message."""
 from __future__ import annotations
 
 import unicodedata
@@ -46,3 +47,9 @@ def printable(text: str, keep: str = "") -> str:
     written as \\uXXXX, except those in `keep`: server text is safe to print, and JSON text stays valid JSON."""
     return "".join(f"\\u{ord(c):04x}" if c not in keep and (unicodedata.category(c) in ("Cc", "Cs") or c in _BIDI)
                    else c for c in text)
+
+
+def quoted(text: str, limit: int = 500) -> str:
+    """A peer's text (a worker's Error, a main's Hello field) as a one-line message quotes it: its first `limit`
+    characters, control and bidirectional characters escaped (printable), and its length when it was longer."""
+    return printable(text[:limit]) + (f"... ({len(text)} characters)" if len(text) > limit else "")

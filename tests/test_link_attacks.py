@@ -5,6 +5,7 @@ same greedy answer; --insecure-link talks to peers that speak the plain frames o
 code from before frame protection (its worker and its main), and peers written here from link/PROTOCOL.md."""
 from __future__ import annotations
 
+import json
 import socket
 import struct
 import threading
@@ -525,3 +526,39 @@ def test_a_peers_refusal_text_reaches_the_user_with_its_control_characters_escap
     assert addr in text and "refused the" in text, text
     assert text.isprintable() and ("\\u001b" in text or "\\u0000" in text), text
     assert len(text) < 6 * 500 + 200, len(text)      # the first 500 characters of the peer's text
+
+
+def test_a_mains_hello_fields_reach_the_workers_refusal_escaped(workers):
+    """A main's (or an impostor's) Hello whose strings hold escape sequences, CR/LF, bidirectional controls, NUL and
+    C1: the worker's one-line refusal (the Error it answers, the line it logs) quotes them escaped and cut, the other
+    direction of the main's quoting of a worker's text. The fingerprint and act_dtype were quoted raw (act_dtype by
+    repr, whole), and a next hop's host IDNA cannot encode killed the connection's task with a traceback instead
+    of a refusal. The worker serves a good main afterwards."""
+    evil = "\x1b[31mRED\x1b[0m\r\nstrata: fake line \u202etxt.exe\x00\x9b"
+    w = workers()
+    host, port = w.address.rsplit(":", 1)
+
+    def hello(**kw):
+        h = dict(protocol=link.VERSION, fingerprint=default_fingerprint(), lo=10, hi=30, n_blocks=30, n_embd=576,
+                 act_dtype="f32", n_ctx=256, max_batch=16, ckpt_max=0, next_hops=[], nonce=link.new_nonce())
+        return link.Hello(**{**h, **kw})
+
+    def reply_to(h):
+        with socket.create_connection((host, int(port)), timeout=30) as s:
+            link.recv_frame(s)
+            link.send_frame(s, h, 1)
+            return link.recv_frame(s)[1]
+
+    model, hop = link.ErrorCode.MODEL, link.ErrorCode.NEXT_HOP
+    for h, code in [(hello(fingerprint=evil), model), (hello(act_dtype=evil * 90), model),
+                    (hello(hi=20, next_hops=[link.Hop(evil, 1, 20, 30)]), hop),
+                    (hello(hi=20, next_hops=[link.Hop("a:b" + evil * 90, 1, 20, 30)]), hop)]:
+        r = reply_to(h)
+        assert isinstance(r, link.Error) and r.code == code, r
+        assert r.message.isprintable() and "\\u001b[31mRED" in r.message and len(r.message) < 1500, r.message
+    ack = reply_to(hello())
+    assert isinstance(ack, link.HelloAck), ack
+    time.sleep(0.2)
+    assert not any("Traceback" in line or "Unhandled" in line for line in w.lines), w.lines[-5:]
+    refused = [json.loads(line)["error"] for line in w.lines if "refused a main at the hello" in line]
+    assert len(refused) == 4 and all(t.isprintable() and "\\u001b" in t for t in refused), refused

@@ -284,3 +284,35 @@ def test_a_required_tool_call_under_a_bias_banning_its_tokens_is_a_400_not_an_em
     st_, r = qwen.json("POST", "/v1/chat/completions", {**body, "logit_bias": BAN_LOW})
     assert st_ == 400, r
     assert r["error"]["param"] == "logit_bias", r
+
+
+def _refusal_or_pairs(pairs):
+    """pairs (llama-server's array form, integer ids) -> (what SamplingParams keeps or the words of its refusal after
+    the field's name, the same from the request reader)."""
+    from strata.serve import schema
+    from strata.serve.errors import ApiError
+    try:
+        want = SamplingParams(logit_bias=[(t, -math.inf if b is False else b) for t, b in pairs]).logit_bias
+    except ValueError as e:
+        want = str(e).split(" ", 1)[1]
+    try:
+        got = schema.parse_completion({"prompt": "x", "logit_bias": pairs}).sampling.get("logit_bias", ())
+    except ApiError as e:
+        got = str(e).split("' ", 1)[1]
+    return want, got
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_entry.filter(lambda e: isinstance(e[0], int)).map(list), max_size=5))
+def test_the_reader_and_sampling_params_refuse_by_one_rule(pairs):
+    """llama-server's array form [[id, bias], ...] of pairs with integer ids: the request reader and SamplingParams
+    (the engine's contract) take the same pairs, or refuse with the same words after the field's name (one copy of
+    the id, range and duplicate rules: the reader names the field's path, the sampler's rule the problem)."""
+    want, got = _refusal_or_pairs(pairs)
+    assert got == want
+
+
+def test_the_reader_and_sampling_params_count_by_one_rule():
+    for n in (1024, 1025):
+        want, got = _refusal_or_pairs([[i, 1] for i in range(n)])
+        assert got == want and (n == 1024) == isinstance(got, tuple), got

@@ -346,11 +346,13 @@ def test_cut_tool_use_input_is_what_its_stream_assembles(client, max_tokens):
 
 
 @pytest.mark.parametrize("args", ['{"x": NaN}', '{"x": -Infinity}', '{"x": 1e999}', '{"x": [1, 2e400', '{"x": NaN, "y"',
-                                  "[" * 100000 + "]" * 100000, '{"x": ' + "[" * 5000])
+                                  "[" * 100000 + "]" * 100000, '{"x": ' + "[" * 5000, '{"x": 1} and then some',
+                                  '{"x": 1}}'])
 def test_tool_use_input_is_strict_json_whatever_the_arguments(args):
-    """A tool call's arguments (whole, or cut by max_tokens) holding NaN, Infinity or a number past float's range, or
-    nested past the parser's depth: the tool_use block's input is {} (as for arguments that do not parse), and the
-    block is strict JSON (it was NaN / Infinity in the body, or a 500 from the RecursionError)."""
+    """A tool call's arguments (whole, or cut by max_tokens) holding NaN, Infinity or a number past float's range,
+    nested past the parser's depth, or an object followed by more text: the tool_use block's input is {} (as for
+    arguments that do not parse), and the block is strict JSON (it was NaN / Infinity in the body, or a 500 from the
+    RecursionError; the object alone, the text after it dropped unseen)."""
     import json as _json
     from strata.serve.answer_blocks import Block
     from strata.serve.messages_api import _block

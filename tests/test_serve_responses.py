@@ -171,6 +171,11 @@ def test_store_false_eviction_retrieve_and_delete(client, smol):
     # over the socket too, the 404 is OpenAI's error object
     st, d = smol.json("POST", "/v1/responses", {"input": "x", "previous_response_id": "resp_nope"})
     assert st == 404 and d["error"]["code"] == "previous_response_not_found"
+    # an id of 100,000 characters, or with escape sequences and bidirectional controls: quoted cut and escaped
+    for rid in ["resp_" + "a" * 100000, "resp_\x1b[2J\u202e"]:
+        st, d = smol.json("POST", "/v1/responses", {"input": "x", "previous_response_id": rid})
+        msg = d["error"]["message"]
+        assert st == 404 and len(msg) < 400 and msg.isprintable(), msg[:300]
 
 
 def test_forced_function_call_and_its_output(client):

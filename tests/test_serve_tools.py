@@ -178,6 +178,21 @@ def test_hermes_calls_cut_by_max_tokens_leave_no_content(qwen):
     _required_cut_leaves_no_content(_client(qwen), range(2, 30, 3))
 
 
+def test_a_stop_string_inside_a_call_block_leaks_no_call_text(qwen):
+    """A stop string that matches inside the Hermes call block (after '<tool', after '<tool_call>\n') ends the answer
+    as max_tokens would: the block left unnamed is dropped, not content ('<tool' and '<tool_call>' came back as
+    content with finish "stop"); a stop after the call keeps it. Whole and streamed alike."""
+    client = _client(qwen)
+    for stop, named in [("_call>", False), ('{"name', False), ("</tool_call>", True)]:
+        kw = dict(model="default", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=40, temperature=0,
+                  stop=[stop])
+        r = client.chat.completions.create(**kw)
+        m = r.choices[0].message
+        assert not m.content and bool(m.tool_calls) == named, (stop, m)
+        content, _, calls, finish = _assemble(client.chat.completions.create(**kw, stream=True))
+        assert not content and finish == r.choices[0].finish_reason and bool(calls) == named, (stop, content)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_allowed_tools_limit_the_calls_to_the_named_tools(qwen, seed):
     """tool_choice allowed_tools (OpenAI's chat form, and the Responses API's flat form): in mode "required" random
@@ -251,6 +266,9 @@ def test_tool_choice_none_and_bad_tool_requests(smol):
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among the tools"),
         ({"tool_choice": "required"}, "needs 'tools'"),
         ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
+        # a name with a line break at its end ('$' matched before it: the name reached the template and the grammar)
+        ({"tools": [{"type": "function", "function": {"name": "get_time\n"}}]}, "tools[0].function.name"),
+        ({"tools": [{"type": "function", "function": {"name": "x" * 100000}}]}, "tools[0].function.name"),
         ({"tools": [{"type": "retrieval"}]}, "only 'function' tools"),
         ({"tools": [WEATHER, WEATHER]}, "names two tools"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
@@ -268,7 +286,23 @@ def test_tool_choice_none_and_bad_tool_requests(smol):
     for body, needle in bad:
         st, d = smol.json("POST", "/v1/chat/completions", {"messages": ASK, "max_tokens": 4, **body})
         assert st == 400, (body, d)
-        assert needle in d["error"]["message"], (needle, d)
+        assert needle in d["error"]["message"] and len(d["error"]["message"]) < 500, (needle, d)
+
+
+def test_a_refusal_quotes_a_huge_value_cut(smol):
+    """A 100,000-character role, block type or tool_choice name, on the chat, Messages and Responses routes: a 400
+    naming the field whose message quotes the value's first characters (it was echoed whole: 100 KB of error)."""
+    x = "x" * 100000
+    for path, body, field in [
+            ("/v1/chat/completions", {"max_tokens": 2, "messages": [{"role": x, "content": "t"}]}, "messages[0].role"),
+            ("/v1/chat/completions", {"max_tokens": 2, "messages": ASK, "tools": TOOLS,
+                                      "tool_choice": {"type": "function", "function": {"name": x}}}, "tool_choice"),
+            ("/v1/messages", {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": [{"type": x}]}]},
+             "messages[0].content[0].type"),
+            ("/v1/responses", {"max_output_tokens": 16, "input": [{"role": x, "content": "t"}]}, "input[0].role")]:
+        st, d = smol.json("POST", path, body)
+        msg = d["error"]["message"]
+        assert st == 400 and field in msg and "xxxx" in msg and len(msg) < 1200, (path, st, msg[:200], len(msg))
 
 
 # Bounded answers (strings with maxLength or enums, arrays with maxItems, numbers with a range and a multipleOf, which

@@ -403,3 +403,54 @@ def test_a_cut_call_block_is_dropped_and_text_that_is_no_call_stays(fmt, text, c
     assert got == content and [c["function"]["name"] for c in calls] == names
     if not names and content != text:
         assert tc.parse(text, fmt, TOOLS)[0] == text
+
+
+@pytest.mark.parametrize("text, want", [
+    ('{"tz": "UTC"}', {"tz": "UTC"}),
+    ('{"tz": "UTC", "n": 1', {"tz": "UTC", "n": 1}),          # cut by max_tokens: what it holds complete
+    ('{"tz": "UTC", "n": [1, 2', {"tz": "UTC", "n": [1, 2]}),
+    ('{"tz": "UT', {}),                                        # an unfinished string left out, as the SDK reads it
+    # a complete object followed by more text (a JSON string of arguments holds one): not the front object alone
+    ('{"tz": "UTC"} and then some', None), ('{"tz": "UTC"}}', None), ('{"tz": "UTC"} {"tz": "CET"}', None),
+    ('{"tz": "UTC" oops}', None), ('[1, 2]', None), ('"UTC"', None), ('', None), ('tz=UTC', None),
+    ('{"x": NaN}', None), ('{"x": 1e999}', None)])
+def test_arguments_object_is_one_object_or_a_cut_one(text, want):
+    """The object an object-taking API (Messages' tool_use input, Ollama's arguments) gets from a call's arguments:
+    the object, a cut object's complete part, or None. jiter's partial mode reads a complete object followed by
+    more text as the object alone: that text was dropped unseen (the Messages API gave {"tz": "UTC"} for the first
+    of those; Ollama gave {} for a cut object and NaN in its body)."""
+    from strata.structured.tool_calls import arguments_object
+    assert arguments_object(text) == want
+
+
+def test_a_string_of_arguments_holding_text_after_its_object_is_kept_as_generated():
+    """A call whose arguments are a JSON string holding an object and then more text (whole, or cut by max_tokens
+    inside that string): the arguments are that text as generated, on every format that takes a JSON call object,
+    whole and fed one character at a time."""
+    raw = '{"name": "get_time", "arguments": "{\\"tz\\": \\"UTC\\"} and then some"}'
+    for fmt, text in [(tc.Hermes(), f"<tool_call>\n{raw}\n</tool_call>"), (tc.Llama3(), raw),
+                      (tc.Mistral(), f"[TOOL_CALLS][{raw}]"), (tc.Generic(), '{"tool_calls": [' + raw + "]}")]:
+        for cut, want in [(len(text), '{"tz": "UTC"} and then some'), (text.index("then") + 2, '{"tz": "UTC"} and th')]:
+            for pieces in ([text[:cut]], list(text[:cut])):
+                p = fmt.parser()
+                events = [e for piece in pieces for e in p.feed(piece)] + p.finish(cut=cut < len(text))
+                content, calls = tc.assemble(events)
+                assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [("get_time", want)]
+                assert not content.strip(), (fmt.name, content)
+
+
+def test_qwen_xml_answers_cut_anywhere_leak_no_call_text():
+    """A Qwen3-Coder (XML) answer of calls cut off by max_tokens at every length, fed whole or a character at a
+    time: no content (a cut inside '<parameter=NAME' or '</function>' came back as content: '\\n<parameter=b',
+    '\\n</funct'), the calls named so far in order."""
+    text = ("<tool_call>\n<function=get_weather>\n<parameter=location>\nLima\n</parameter>\n<parameter=days>\n3\n"
+            "</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n<parameter=zone>\nUTC\n"
+            "</parameter>\n</function>\n</tool_call>")
+    _, whole = tc.parse(text, tc.QwenXml(), TOOLS)
+    assert [c["function"]["name"] for c in whole] == ["get_weather", "get_time"]
+    for n in range(len(text) + 1):
+        for pieces in ([text[:n]], list(text[:n])):
+            p = tc.QwenXml().parser(TOOLS)
+            content, calls = tc.assemble([e for piece in pieces for e in p.feed(piece)] + p.finish(cut=True))
+            assert not content.strip(), (n, content)
+            assert [c["function"]["name"] for c in calls] == [c["function"]["name"] for c in whole][:len(calls)]

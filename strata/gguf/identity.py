@@ -7,6 +7,8 @@ import os
 import re
 from dataclasses import dataclass, fields
 
+from strata.errors import printable
+
 __all__ = ["ModelSummary", "summary", "quant_name", "refusal", "parse_refusal", "mismatch"]
 
 FP_CHARS = 16            # the fingerprint's first hex digits shown to a user
@@ -62,9 +64,10 @@ _TEXT = re.compile(r"(?P<file>.+), (?P<bytes>\d+) bytes, (?P<arch>[^,]*), (?P<bl
 
 def refusal(worker: ModelSummary, main_fingerprint: str, main_blocks: int, main_width: int) -> str:
     """The worker's one-line refusal of a main's Hello for another model: its own summary (parse_refusal reads it
-    back) and what the Hello told of the main's (its fingerprint, blocks and width)."""
-    return (f"{_LEAD}{worker.text()}; the main's has fingerprint {main_fingerprint[:FP_CHARS]}, {main_blocks} "
-            f"blocks of width {main_width}")
+    back) and what the Hello told of the main's (its fingerprint, blocks and width; the main's text quoted as a peer's
+    is, strata.errors.printable)."""
+    return (f"{_LEAD}{worker.text()}; the main's has fingerprint {printable(main_fingerprint[:FP_CHARS])}, "
+            f"{main_blocks} blocks of width {main_width}")
 
 
 def parse_refusal(message: str) -> ModelSummary | None:

@@ -38,31 +38,55 @@ MAX_BIAS = 100.0
 MAX_BIAS_ENTRIES = 1024
 
 
+class BiasRefused(ValueError):
+    """A logit_bias rule broken. entry: the index of the pair it concerns (None: the bias as a whole); part: 0 (the
+    token id) or 1 (the bias) of that pair; problem: what is wrong, the words that follow the field's name. str()
+    names the field by the pairs' positions (logit_bias[entry][part]); a reader of another form names it its way."""
+
+    def __init__(self, problem: str, entry: int | None = None, part: int | None = None):
+        self.problem, self.entry, self.part = problem, entry, part
+        at = "" if entry is None else f"[{entry}]" + ("" if part is None else f"[{part}]")
+        super().__init__(f"logit_bias{at} {problem}")
+
+
+def _shown(v) -> str:
+    """A value as a refusal quotes it: a number written short (an integer past 64 bits by its size), else its type."""
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, Integral):
+        return str(int(v)) if abs(int(v)).bit_length() <= 64 else f"an integer of {abs(int(v)).bit_length()} bits"
+    if isinstance(v, Real):
+        return f"{float(v):g}"
+    return {str: "a string", list: "an array", tuple: "an array", dict: "an object", type(None): "null"}.get(
+        type(v), type(v).__name__)
+
+
 def check_logit_bias(pairs) -> tuple[tuple[int, float], ...]:
-    """pairs (an iterable of (token id, bias)) as SamplingParams keeps them: a tuple sorted by id; ValueError naming
-    the first bad entry (an id that is not an integer >= 0, an id given twice, a bias outside [-MAX_BIAS, MAX_BIAS]
-    that is not -inf, more than MAX_BIAS_ENTRIES entries)."""
+    """pairs (an iterable of (token id, bias)) as SamplingParams keeps them: a tuple sorted by id; BiasRefused
+    naming the first broken rule (more than MAX_BIAS_ENTRIES entries, an id that is not an integer >= 0, a bias
+    that is not a number in [-MAX_BIAS, MAX_BIAS] or -inf, an id given twice). The one copy of these rules: a
+    request reader turns its form into pairs and names the field from the refusal's entry and part."""
+    items = pairs if isinstance(pairs, (list, tuple)) else list(pairs)
+    if len(items) > MAX_BIAS_ENTRIES:
+        raise BiasRefused(f"has {len(items)} entries, at most {MAX_BIAS_ENTRIES} are allowed")
     out = []
-    for pair in pairs:
+    for j, pair in enumerate(items):
         if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-            raise ValueError(f"logit_bias entries must be (token id, bias) pairs, got {pair!r}")
-        tok = _int("logit_bias token id", pair[0])
-        if tok < 0:
-            raise ValueError(f"logit_bias token ids must be >= 0, got {tok}")
-        b = pair[1]
+            raise BiasRefused("must be a (token id, bias) pair", j)
+        tok, b = pair
+        if isinstance(tok, bool) or not isinstance(tok, Integral) or tok < 0:
+            raise BiasRefused(f"must be an integer >= 0 (a token id), got {_shown(tok)}", j, 0)
         if isinstance(b, bool) or not isinstance(b, Real) or b != b:       # b != b: NaN (float() overflows a huge int)
-            raise ValueError(f"logit_bias of token {tok} must be a number, got {b!r}")
+            raise BiasRefused(f"must be a number in [-{MAX_BIAS:g}, {MAX_BIAS:g}] (or -inf, false in JSON, to ban "
+                              f"the token), got {_shown(b)}", j, 1)
         if not (-MAX_BIAS <= b <= MAX_BIAS or b == -math.inf):       # compared before float(): a huge int overflows it
-            raise ValueError(f"logit_bias of token {tok} must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}] (or -inf), got "
-                             f"{f'{float(b):g}' if abs(b) < 1e300 else 'a number past 1e300'}")
-        b = float(b)
-        out.append((tok, b))
-    if len(out) > MAX_BIAS_ENTRIES:
-        raise ValueError(f"logit_bias has {len(out)} entries, at most {MAX_BIAS_ENTRIES} are allowed")
+            raise BiasRefused(f"must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}] (or -inf, false in JSON, to ban the token), "
+                              f"got {_shown(b)}", j, 1)
+        out.append((int(tok), float(b)))
     out.sort()
     for (a, _), (b, _) in zip(out, out[1:]):
         if a == b:
-            raise ValueError(f"logit_bias names token {a} twice")
+            raise BiasRefused(f"names token {a} twice")
     return tuple(out)
 
 

@@ -39,7 +39,7 @@ class AnswerBlocks:
         while True:
             ev = await next_event(job)
             if isinstance(ev, FinalEvent):
-                deltas = self.answer.feed(ev.text or "") + self.answer.finish(ev.finish_reason == "length")
+                deltas = self.answer.feed(ev.text or "") + self.answer.finish(self.answer.cut_by(ev))
                 out = self._feed(deltas) + self._close()
                 self.final, self.finish_reason = ev, self.answer.finish_reason(ev.finish_reason)
                 for e in out:

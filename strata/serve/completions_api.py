@@ -242,7 +242,7 @@ async def _collect(request, engine, p, job, answers: list | None = None) -> web.
             message, finish, answer = {"role": "assistant", "content": text}, f.finish_reason, answers[f.index]
             if answer is not None:
                 answer.feed(text)
-                answer.finish(finish == "length")
+                answer.finish(answer.cut_by(f))
                 message, finish = answer.message(), answer.finish_reason(finish)
             choices.append({"index": f.index, "message": message, "logprobs": lp, "finish_reason": finish})
         else:
@@ -330,7 +330,7 @@ async def _stream(request, engine, p, job, answers: list | None = None) -> web.S
                 finals.append(ev)
                 tail = ev.text or ""
                 lp = accs[i].finish(tail) if p.logprobs else None
-                await pieces(i, tail, lp, end=True, cut=ev.finish_reason == "length")
+                await pieces(i, tail, lp, end=True, cut=answers[i] is not None and answers[i].cut_by(ev))
                 finish = answers[i].finish_reason(ev.finish_reason) if answers[i] is not None else ev.finish_reason
                 _first_token(request)         # a choice that ended before any token: its end is what leaves
                 if len(finals) < p.n:

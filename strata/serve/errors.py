@@ -20,11 +20,24 @@ ERROR_TYPES = {
 }
 
 
+#: the most characters of an error's message (and of its param) a client gets back: a refusal that quotes a value
+#: the client sent (a 100,000-character role or function name) quotes its first characters only
+MAX_MESSAGE = 1000
+MAX_PARAM = 300
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 class ApiError(Exception):
-    """A request the daemon refuses: status (HTTP), one-line message, optional OpenAI param and code."""
+    """A request the daemon refuses: status (HTTP), one-line message (at most MAX_MESSAGE characters, the rest cut),
+    optional OpenAI param (at most MAX_PARAM) and code."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
                  headers: dict[str, str] | None = None):
+        message = _cut(message, MAX_MESSAGE)
+        param = _cut(param, MAX_PARAM) if param else param
         super().__init__(message)
         self.status = status
         self.message = message

@@ -9,11 +9,8 @@ middleware's too (a bad key, an unknown method), are Anthropic's: {"type": "erro
 from __future__ import annotations
 
 import json
-import math
 import re
 import uuid
-
-import jiter
 
 from aiohttp import web
 
@@ -25,6 +22,7 @@ from strata.serve.errors import ApiError, renamed
 from strata.serve.fields import bad_field as _bad, each_object, part_text, text_of, unsupported_field as _unsupported
 from strata.serve.handling import json_response, read_body
 from strata.serve.sse import send_events
+from strata.structured.tool_calls import arguments_object
 
 # HTTP status -> Anthropic's error type (https://docs.anthropic.com/en/api/errors)
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -238,45 +236,11 @@ def stop_reason(ab: AnswerBlocks, p: schema.ParsedRequest) -> tuple[str, str | N
     return "end_turn", None
 
 
-def _tool_input(text: str):
-    """A call's arguments as its tool_use input. Arguments cut by max_tokens are read as the anthropic SDK reads the
-    streamed input_json_delta fragments (jiter's partial mode: what the cut text holds complete, an unfinished
-    string or key left out), so a message equals the one its stream assembles to; None when not even that parses,
-    or when it holds a number JSON cannot write back (NaN, Infinity, or one past float's range: the answer's body
-    would not be JSON)."""
-    try:
-        value = json.loads(text, parse_constant=_no_constant)
-    except (ValueError, RecursionError):        # RecursionError: nested past the parser's depth
-        try:
-            value = jiter.from_json(text.encode(), partial_mode=True, allow_inf_nan=False)
-        except (ValueError, RecursionError):
-            return None
-    return value if _finite(value) else None
-
-
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not JSON")
-
-
-def _finite(v) -> bool:
-    """Whether every number in the decoded JSON value v is finite (a literal like 1e999 decodes to inf)."""
-    stack = [v]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, float) and not math.isfinite(x):
-            return False
-        if isinstance(x, dict):
-            stack.extend(x.values())
-        elif isinstance(x, list):
-            stack.extend(x)
-    return True
-
-
 def _block(b: Block, done: bool) -> dict:
     """Block b as a content block: empty (content_block_start) or whole (done)."""
     if b.kind == "call":
-        args = _tool_input(b.text) if done and b.text else None
-        return {"type": "tool_use", "id": b.call_id, "name": b.name, "input": args if isinstance(args, dict) else {}}
+        args = arguments_object(b.text) if done else None
+        return {"type": "tool_use", "id": b.call_id, "name": b.name, "input": {} if args is None else args}
     if b.kind == "reasoning":
         return {"type": "thinking", "thinking": b.text if done else "", "signature": ""}
     return {"type": "text", "text": b.text if done else ""}

@@ -28,6 +28,7 @@ from strata.serve.config import ERROR_SHAPES_KEY
 from strata.serve.errors import ApiError, renamed
 from strata.serve.fields import bad_field as _bad, unsupported_field as _unsupported
 from strata.serve.handling import engine_of, json_response, next_event, read_body, served_names, whole_context
+from strata.structured.tool_calls import arguments_object
 
 #: Ollama's options -> the chat route's fields (the same meaning)
 OPTIONS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed",
@@ -257,11 +258,8 @@ class _Answer:
             elif what == "delta" and b.kind == "reasoning":
                 yield "", text, None
             elif what == "stop" and b.kind == "call":
-                try:
-                    args = json.loads(b.text) if b.text else {}
-                except ValueError:
-                    args = {}          # arguments cut by the length limit
-                yield "", "", [{"function": {"name": b.name, "arguments": args if isinstance(args, dict) else {}}}]
+                args = arguments_object(b.text)
+                yield "", "", [{"function": {"name": b.name, "arguments": {} if args is None else args}}]
         self.final, self.finish = ab.final, ab.final.finish_reason
 
 

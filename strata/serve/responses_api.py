@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from strata.errors import quoted
 from strata.sampling.sampler import SamplingParams
 from strata.serve import schema
 from strata.serve.answer_blocks import AnswerBlocks, Block
@@ -121,8 +122,8 @@ def _metadata(md) -> dict | None:
 
 
 def _not_found(rid: str, param: str | None = None) -> ApiError:
-    return ApiError(404, f"response {rid!r} not found: it was never stored (store false), was deleted, or was dropped "
-                         f"from the store (--responses-store keeps the most recent)", param=param,
+    return ApiError(404, f"response '{quoted(rid, 80)}' not found: it was never stored (store false), was deleted, "
+                         f"or was dropped from the store (--responses-store keeps the most recent)", param=param,
                     code="previous_response_not_found" if param else "not_found")
 
 

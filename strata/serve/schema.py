@@ -87,7 +87,7 @@ def _tname(v) -> str:
             float: "a number", type(None): "null"}.get(type(v), type(v).__name__)
 
 
-_PLAIN_KEY = re.compile(r"^[A-Za-z_$][A-Za-z0-9_$-]{0,63}$")
+_PLAIN_KEY = re.compile(r"\A[A-Za-z_$][A-Za-z0-9_$-]{0,63}\Z")
 
 
 def _bad(param: str, msg: str) -> ApiError:
@@ -194,33 +194,26 @@ def _common(body: dict, kind: str) -> ParsedRequest:
     return r
 
 
-_TOKEN_KEY = re.compile(r"^[0-9]{1,10}$")
-
-
-def _bias_value(v, where: str) -> float:
-    """One bias: a number in [-MAX_BIAS, MAX_BIAS], or false (llama-server's: the token is never chosen, -inf)."""
-    from strata.sampling.sampler import MAX_BIAS
-    if v is False:
-        return -math.inf
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise _bad(where, f"must be a number in [-{MAX_BIAS:g}, {MAX_BIAS:g}] (or false to ban the token), got "
-                          f"{_tname(v)}")
-    if not -MAX_BIAS <= v <= MAX_BIAS:
-        got = f"{v:g}" if isinstance(v, float) else json.dumps(v)[:80]       # an int past float's range has no :g
-        raise _bad(where, f"must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}] (or false to ban the token), got {got}")
-    return float(v)
+_TOKEN_KEY = re.compile(r"\A[0-9]{1,10}\Z")
 
 
 def _logit_bias(lb) -> tuple[tuple[int, float], ...]:
     """'logit_bias': OpenAI's object {"token id": bias}, or llama-server's array [[token id, bias], ...]; a bias is a
-    number in [-100, 100], or false (never chosen). Token ids only (a text key is refused: token ids are the
-    model's). At most MAX_BIAS_ENTRIES entries, each id once. The ids are checked against the vocabulary by the
-    engine before the request is queued. -> (id, bias) pairs sorted by id."""
-    from strata.sampling.sampler import MAX_BIAS_ENTRIES
+    number, or false (llama-server's: the token is never chosen, -inf). Token ids only (a text key is refused: token
+    ids are the model's). The form is read here; the rules on the pairs (count, id, range, each id once) are the
+    sampler's (strata.sampling.sampler.check_logit_bias), refused with the field named by the entry's path here. The
+    ids are checked against the vocabulary by the engine before the request is queued. -> (id, bias) pairs sorted
+    by id."""
+    from strata.sampling.sampler import BiasRefused, check_logit_bias
     if lb is None:
         return ()
     if isinstance(lb, dict):
-        items = list(lb.items())
+        keys = list(lb)
+        for k in keys:
+            if not _TOKEN_KEY.match(k):
+                raise _bad("logit_bias", f"has the key {json.dumps(k)[:80]}: keys must be token ids (decimal "
+                                         "integers >= 0), not text")
+        items = [(int(k), v) for k, v in lb.items()]
     elif isinstance(lb, list):
         items = []
         for j, e in enumerate(lb):
@@ -230,26 +223,16 @@ def _logit_bias(lb) -> tuple[tuple[int, float], ...]:
     else:
         raise _bad("logit_bias", 'must be an object {"token id": bias} or an array of [token id, bias] pairs, got '
                                  f"{_tname(lb)}")
-    if len(items) > MAX_BIAS_ENTRIES:
-        raise _bad("logit_bias", f"has {len(items)} entries, at most {MAX_BIAS_ENTRIES} are allowed")
-    out: dict[int, float] = {}
-    for j, (k, v) in enumerate(items):
-        if isinstance(lb, dict):
-            where = _json_key_path("logit_bias", k)
-            if not _TOKEN_KEY.match(k):
-                raise _bad("logit_bias", f"has the key {json.dumps(k)[:80]}: keys must be token ids (decimal "
-                                         "integers >= 0), not text")
-            tok = int(k)
+    try:
+        return check_logit_bias([(k, -math.inf if v is False else v) for k, v in items])
+    except BiasRefused as e:
+        if e.entry is None:
+            where = "logit_bias"
+        elif isinstance(lb, dict):
+            where = _json_key_path("logit_bias", keys[e.entry])
         else:
-            where = f"logit_bias[{j}]"
-            if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-                raise _bad(f"{where}[0]", f"must be a token id (an integer >= 0), got {json.dumps(k)[:80]}")
-            tok = k
-        b = _bias_value(v, where if isinstance(lb, dict) else f"{where}[1]")
-        if tok in out:
-            raise _bad("logit_bias", f"names token {tok} twice")
-        out[tok] = b
-    return tuple(sorted(out.items()))
+            where = f"logit_bias[{e.entry}]" + ("" if e.part is None else f"[{e.part}]")
+        raise _bad(where, e.problem) from None
 
 
 def _unicode_text(text: str, where: str) -> str:
@@ -469,15 +452,15 @@ def _tools(tools) -> list[dict] | None:
         if not isinstance(t, dict):
             raise _bad(where, f"must be an object, got {_tname(t)}")
         if t.get("type", "function") != "function":
-            raise ApiError(400, f"'{where}.type' is {t.get('type')!r}: only 'function' tools are supported",
-                           param=where, code="unsupported_value")
+            raise ApiError(400, f"'{where}.type' is {json.dumps(t.get('type'))[:80]}: only 'function' tools are "
+                                "supported", param=where, code="unsupported_value")
         fn = t.get("function")
         if not isinstance(fn, dict):
             raise _bad(f"{where}.function", "must be an object with a 'name'")
         name = fn.get("name")
         if not isinstance(name, str) or not NAME_RE.match(name):
             raise _bad(f"{where}.function.name", "must be 1-64 letters, digits, '_', '.' or '-', got "
-                                                 f"{json.dumps(name)}")
+                                                 f"{json.dumps(name)[:80]}")
         if name in names:
             raise _bad(f"{where}.function.name", f"{name!r} names two tools")
         names.add(name)

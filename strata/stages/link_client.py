@@ -17,7 +17,7 @@ import structlog
 import link
 from link import (Challenge, Error, ErrorCode, Hello, HelloAck, LinkError, PartData, PartGet, PartPut, Ping, Pong,
                   FLAG_ASYNC)
-from strata.errors import EngineFault, Unavailable, printable
+from strata.errors import EngineFault, Unavailable, quoted
 from strata.gguf import identity
 
 log = structlog.get_logger("strata.stages.remote")
@@ -118,16 +118,10 @@ def parse_address(addr: str) -> tuple[str, int]:
     host, sep, port = s.rpartition(":")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     if not sep or not host or "/" in host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{addr!r} is not HOST:PORT (a port in 1..65535)")
+        raise ValueError(f"'{quoted(str(addr), 100)}' is not HOST:PORT (a port in 1..65535)")
     return host, int(port)
 
 
-
-
-def _peer_text(text: str, limit: int = 500) -> str:
-    """A worker's text (an Error's message, a Bye's reason) as quoted in a line for the user: its first `limit`
-    characters, control and bidirectional characters escaped (strata.errors.printable)."""
-    return printable(text[:limit]) + (f"... ({len(text)} characters)" if len(text) > limit else "")
 
 
 class LinkClient:
@@ -149,7 +143,7 @@ class LinkClient:
     def __init__(self, address: str, key: bytes | None = None, *, silent_after: float = SILENT_AFTER,
                  connect_timeout: float = CONNECT_TIMEOUT, encrypt: bool = False, insecure: bool = False,
                  require_row_ids: bool = False, model: identity.ModelSummary | None = None):
-        self.address = address
+        self.address = quoted(str(address), 300)  # as messages name it (a relay's comes from its main's Hello)
         self.host, self.port = parse_address(address)
         if encrypt and key is None:
             raise ValueError("--link-encrypt needs the link key (--link-key-file): the frame keys derive from it")
@@ -177,13 +171,13 @@ class LinkClient:
         who = f"worker {self.address}"
         try:
             sock = socket.create_connection((self.host, self.port), timeout=self.connect_timeout)
-        except OSError as e:
-            raise WorkerRefused(f"{who}: cannot connect: {e.strerror or e}") from None
+        except (OSError, UnicodeError) as e:      # UnicodeError: a host name IDNA cannot encode
+            raise WorkerRefused(f"{who}: cannot connect: {quoted(str(getattr(e, 'strerror', None) or e))}") from None
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             _, ch = link.recv_frame(sock, HANDSHAKE_MAX)
             if isinstance(ch, Error):
-                raise WorkerRefused(f"{who} refused the link: {_peer_text(ch.message)}")
+                raise WorkerRefused(f"{who} refused the link: {quoted(ch.message)}")
             if not isinstance(ch, Challenge):
                 raise WorkerRefused(f"{who} opened with {type(ch).__name__}, not a Challenge")
             if ch.keyed and self.key is None:
@@ -216,7 +210,7 @@ class LinkClient:
                 theirs = identity.parse_refusal(ack.message) if ack.code == ErrorCode.MODEL else None
                 if theirs is not None and self.model is not None:
                     raise WorkerRefused(f"{who} {identity.mismatch(theirs, self.model)}")
-                raise WorkerRefused(f"{who} refused the hello: {_peer_text(ack.message)}")
+                raise WorkerRefused(f"{who} refused the hello: {quoted(ack.message)}")
             if not isinstance(ack, HelloAck):
                 raise WorkerRefused(f"{who} answered the hello with {type(ack).__name__}")
             if self.key is not None and not link.verify(link.ack_mac(self.key, hello.nonce, ack, frames), ack.mac):
@@ -341,14 +335,14 @@ class LinkClient:
                 self._posted[hdr.request_id] = msg
                 continue
             if isinstance(msg, link.Bye):
-                self._down(f"closed the link: {_peer_text(msg.reason)}")
+                self._down(f"closed the link: {quoted(msg.reason)}")
             if isinstance(msg, Error):
-                self._down(f"failed: {_peer_text(msg.message)}")
+                self._down(f"failed: {quoted(msg.message)}")
             self._down(f"sent a {type(msg).__name__} that answers no request")
 
     def _checked(self, msg):
         if isinstance(msg, Error):
-            raise WorkerError(msg.code, f"worker {self.address}: {_peer_text(msg.message)}")
+            raise WorkerError(msg.code, f"worker {self.address}: {quoted(msg.message)}")
         return msg
 
 

@@ -14,6 +14,7 @@ import structlog
 
 import link
 from link import Bye, Challenge, Commit, Error, ErrorCode, Hello, HelloAck, LinkError, Ping, Pong
+from strata.errors import quoted
 from strata.gguf import identity
 from strata.memory.hostram import available_ram
 from strata.memory import Carve
@@ -89,7 +90,8 @@ class Worker:
             raise Refuse(ErrorCode.MODEL, f"layers [{h.lo}, {h.hi}) are not a worker's carve of this model's "
                                           f"{self.n_blocks} blocks (the main keeps block 0's embeddings)", fatal=True)
         if h.act_dtype != "f32":
-            raise Refuse(ErrorCode.MODEL, f"activations in {h.act_dtype!r}: this worker takes f32", fatal=True)
+            raise Refuse(ErrorCode.MODEL, f"activations in '{quoted(h.act_dtype, 40)}': this worker takes f32",
+                         fatal=True)
         if not 1 <= h.n_ctx <= self.max_ctx:
             raise Refuse(ErrorCode.LIMIT, f"n_ctx {h.n_ctx} outside [1, {self.max_ctx}] (this worker's --max-ctx)",
                          fatal=True)

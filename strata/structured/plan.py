@@ -30,6 +30,7 @@ class ChatPlan:
     body: str | None = None
     gbnf: str | None = None                  # the request's own grammar (llama-server's `grammar`): the whole answer
     show_tokens: frozenset[int] = frozenset()
+    stop: tuple[str, ...] = ()              # the request's stop strings: one can end the answer inside a call block
 
     def answer(self) -> "Answer":
         return Answer(self)
@@ -39,7 +40,8 @@ def plan_chat(engine, p) -> ChatPlan:
     """The plan of a parsed chat request (strata.serve.schema.parse_chat) on this engine's template."""
     template = getattr(engine, "template", None)
     source = getattr(template, "source", "") or ""
-    plan = ChatPlan(messages=p.messages, tools=None, template_kwargs=dict(p.template_kwargs), pin=p.pin)
+    plan = ChatPlan(messages=p.messages, tools=None, template_kwargs=dict(p.template_kwargs), pin=p.pin,
+                    stop=tuple(getattr(p, "stop", ()) or ()))
     plan.thinks = reasoning.template_thinks(source)
     plan.reasoning = p.reasoning and plan.thinks
     fmt = tool_calls.detect(source)
@@ -197,6 +199,7 @@ class Answer:
     come without the whitespace around them."""
 
     def __init__(self, plan: ChatPlan):
+        self.stop = frozenset(plan.stop)
         self.split = reasoning.ReasoningSplit(plan.think_open) if plan.reasoning else None
         self.calls = plan.fmt.parser(plan.tool_defs) if plan.fmt is not None else None
         self.plain = self.split is None and self.calls is None
@@ -213,8 +216,14 @@ class Answer:
         pieces = self.split.feed(text) if self.split is not None else [("content", text)]
         return self._pieces(pieces)
 
+    def cut_by(self, final) -> bool:
+        """Whether the answer its FinalEvent `final` ends was cut off: by max_tokens or the context's end
+        (finish_reason "length"), or by one of the request's stop strings (which can match inside a call block, e.g.
+        a stop of "_call>" after "<tool")."""
+        return final.finish_reason == "length" or (final.strata or {}).get("stopped_by") in self.stop
+
     def finish(self, cut: bool = False) -> list[dict]:
-        """The last deltas; cut: the answer was cut off (finish_reason "length": CallParser.finish)."""
+        """The last deltas; cut: the answer was cut off (cut_by: CallParser.finish)."""
         if self.plain:
             return []
         out = self._pieces(self.split.finish()) if self.split is not None else []

@@ -18,18 +18,23 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import re
 import secrets
 import string
+
+import jiter
+
 from strata.sampling.grammar import lark_json
-from strata.structured.json_stream import skip_ws
+from strata.structured.json_stream import ValueEnd, skip_ws
 from strata.structured.tool_parse import (CallParser, Event, GenericBlock, Llama3Block, MistralBlock, TagBlock, assemble,
                                          hold_from, is_string, xml_value)
 
 __all__ = ["NAME_RE", "ToolFormat", "Hermes", "QwenXml", "Llama3", "Mistral", "Generic", "detect", "generic_schema",
-           "template_messages", "generic_system_prompt", "parse", "assemble", "xml_value", "Event", "CallParser"]
+           "template_messages", "generic_system_prompt", "parse", "assemble", "xml_value", "Event", "CallParser",
+           "arguments_object"]
 
-NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")      # OpenAI's function-name rule
+NAME_RE = re.compile(r"\A[A-Za-z0-9_.\-]{1,64}\Z")      # OpenAI's function-name rule
 _ALNUM = string.ascii_letters + string.digits
 
 
@@ -306,3 +311,42 @@ def parse(text: str, fmt: ToolFormat, tools: list[dict] | None = None) -> tuple[
     """A whole answer -> (content, calls)."""
     p = fmt.parser(tools)
     return assemble(p.feed(text) + p.finish())
+
+
+def arguments_object(text: str) -> dict | None:
+    """A call's arguments (the text as generated) as the object an API that takes an object gets (the Messages API's
+    tool_use input, Ollama's arguments): the object when the text is one JSON object; when it is one cut short
+    (max_tokens), what it holds complete, read as the anthropic SDK reads a tool_use's streamed fragments (jiter's
+    partial mode: an unfinished string or key left out); None for anything else: no arguments, not an object, an
+    object followed by more text (a JSON string of arguments may hold one: taking its front would drop the rest
+    unseen), one broken before its end, a number JSON cannot write back (NaN, Infinity, past float's range) or
+    nesting past the parser's depth."""
+    try:
+        value = json.loads(text, parse_constant=_no_constant)
+    except (ValueError, RecursionError):        # RecursionError: nested past the parser's depth
+        scan = ValueEnd()
+        if not text.lstrip().startswith("{") or scan.feed(text) >= 0 or scan.bad:     # whole (or broken): no cut
+            return None
+        try:
+            value = jiter.from_json(text.encode(), partial_mode=True, allow_inf_nan=False)
+        except (ValueError, RecursionError):
+            return None
+    return value if isinstance(value, dict) and _finite(value) else None
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite(v) -> bool:
+    """Whether every number in the decoded JSON value v is finite (a literal like 1e999 decodes to inf)."""
+    stack = [v]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, float) and not math.isfinite(x):
+            return False
+        if isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+    return True

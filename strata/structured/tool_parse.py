@@ -319,6 +319,8 @@ class TagBlock:
                     m = re.match(r"([^>\n<]{1,128})>", p.buf[k:])
                     if m is None:
                         if final:
+                            if p.cut:                           # cut inside a parameter's name: not content
+                                p.consume(len(p.buf))
                             return self._close_args(p)
                         return MORE
                     vstart = k + m.end()
@@ -343,6 +345,8 @@ class TagBlock:
                     continue
                 if (st == MORE or st2 == MORE) and not final:
                     return MORE
+                if (st == MORE or st2 == MORE) and p.cut:      # cut inside a tag the format writes: not content
+                    p.consume(len(p.buf))
                 return self._close_args(p)
             else:                                          # close: an optional </tool_call>
                 return closing(p, "</tool_call>", final)
