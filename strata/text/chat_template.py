@@ -277,7 +277,9 @@ class ChatTemplate:
     Rendering follows Hugging Face transformers' apply_chat_template (ImmutableSandboxedEnvironment with
     trim_blocks/lstrip_blocks, loopcontrols, `raise_exception`, `strftime_now`, transformers' `tojson`,
     variables messages/tools/documents/add_generation_prompt/bos_token/eos_token plus any extra keyword such
-    as enable_thinking).
+    as enable_thinking). Tool-call arguments reach the template as it reads them (object_arguments, probed once at
+    load as llama.cpp probes requires_object_arguments): a template that cannot read a JSON string gets the object the
+    string holds; others get the string as sent.
 
     Client text never becomes control tokens: the chat is also rendered with unique sentinel strings in place
     of every client string (message contents and text parts, tool-call arguments, reasoning); when putting
