@@ -144,3 +144,19 @@ def test_the_daemon_answers_a_chat_with_a_past_call_to_a_qwen35_template(qwen35,
     assert e.value.status_code == 400 and e.value.body["param"] == FIELD
     again = client.chat.completions.create(model="default", messages=msgs, max_tokens=2, temperature=0)
     assert again.usage.prompt_tokens == len(ref_ids)
+
+
+def test_the_responses_route_names_the_input_item_whose_arguments_are_bad(qwen35):
+    """Through /v1/responses the refusal names the function_call item (after instructions, a message and another
+    call's good arguments), and the same input with good arguments is answered."""
+    good = json.dumps(ARGS)
+    body = {"instructions": "Be brief.", "max_output_tokens": 2, "input": [
+        {"role": "user", "content": "Weather?"},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": good},
+        {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": "[1, 2]"},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"}]}
+    st, r = qwen35.json("POST", "/v1/responses", body)
+    assert st == 400 and r["error"]["param"] == "input[2].arguments", r
+    body["input"][2]["arguments"] = good
+    st, r = qwen35.json("POST", "/v1/responses", body)
+    assert st == 200 and r["status"] == "incomplete", r
