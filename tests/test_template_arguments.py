@@ -8,8 +8,10 @@ import copy
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from strata.text.chat_template import ChatTemplate, TemplateRefusal
+from strata.text.chat_template import ChatTemplate, TemplateRefusal, json_object
 from strata.text.tokenizer import Tokenizer
 from tests.templates import QWEN3_TEMPLATE, QWEN35_TEMPLATE, QWQ_TEMPLATE
 
@@ -99,6 +101,24 @@ def test_keys_and_strings_inside_the_object_stay_plain_text(tk):
     assert got.tokens.count(end) == got.text.count("<|im_end|>") - 2
 
 
+@pytest.mark.parametrize("which", ["qwen3", "qwen3.5", "qwq"])
+def test_the_chat_routes_plan_hands_arguments_to_the_template_as_the_client_sent_them(tk, hf_tok, which):
+    """The chat route's plan (strata.structured.plan) of a request with a past call, rendered: a string-branch
+    template's prompt holds the client's string byte for byte (compact, as a model may write it), an object
+    template's is transformers' render of the parsed object."""
+    from types import SimpleNamespace
+
+    from strata.serve.schema import parse_chat
+    from strata.structured.plan import plan_chat
+    args = json.dumps(ARGS, separators=(",", ":"), ensure_ascii=False)
+    t = ChatTemplate(TEMPLATES[which], tk)
+    msgs = _chat(args)
+    plan = plan_chat(SimpleNamespace(template=t, tokenizer=tk), parse_chat({"model": "m", "messages": msgs}))
+    got = t.render(plan.messages).text
+    assert got == _reference(hf_tok, TEMPLATES[which], msgs if which == "qwen3" else _parsed(msgs))
+    assert (f'"arguments": {args}}}' in got) is (which == "qwen3")
+
+
 @pytest.mark.parametrize("bad", ["[1, 2]", "city=Paris", '"Paris"', '{"a": NaN}', "{'a': 1}"])
 def test_arguments_no_object_template_can_read_are_refused_naming_the_field(tk, bad):
     """A string that is no JSON object stays as the client sent it (llama.cpp hands valid JSON of another kind
@@ -160,3 +180,23 @@ def test_the_responses_route_names_the_input_item_whose_arguments_are_bad(qwen35
     body["input"][2]["arguments"] = good
     st, r = qwen35.json("POST", "/v1/responses", body)
     assert st == 200 and r["status"] == "incomplete", r
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) |
+                    st.text(), lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(), c, max_size=3),
+                    max_leaves=8)
+
+
+@settings(max_examples=400, deadline=None)
+@given(obj=st.dictionaries(st.text(), JSON, max_size=4), ascii_=st.booleans(), noise=st.text(max_size=12),
+       cut=st.integers(0, 1000))
+def test_json_object_reads_any_string(obj, ascii_, noise, cut):
+    """Arguments as a client sends them: a JSON object is read back whole (its keys in order); anything else (a cut
+    object, other JSON, text) is None, never an exception."""
+    s = json.dumps(obj, ensure_ascii=ascii_)
+    got = json_object(s)
+    assert got == obj and list(got) == list(obj)
+    got = json_object(s[:cut % (len(s) + 1)] + noise)         # a cut object with noise after it: never raises
+    assert got is None or type(got) is dict
+    for other in (json.dumps(list(obj.values())), json.dumps(noise), noise + "]"):
+        assert json_object(other) is None or not other.strip()
