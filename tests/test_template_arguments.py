@@ -200,3 +200,21 @@ def test_json_object_reads_any_string(obj, ascii_, noise, cut):
     assert got is None or type(got) is dict
     for other in (json.dumps(list(obj.values())), json.dumps(noise), noise + "]"):
         assert json_object(other) is None or not other.strip()
+
+
+@pytest.mark.parametrize("depth", [65, 700])
+def test_deeply_nested_arguments_are_a_400_on_every_route(qwen35, depth):
+    """Arguments nested past MAX_ARGUMENT_DEPTH (as an object or as its JSON string) are refused naming the field on
+    the chat, Ollama and Messages routes: never a 5xx from recursion."""
+    deep = json.loads('{"a": ' + "[" * (depth - 1) + "]" * (depth - 1) + "}")
+    for args in (deep, json.dumps(deep)):
+        st, r = qwen35.json("POST", "/v1/chat/completions", {"max_tokens": 1, "messages": _chat(args)})
+        assert st == 400 and r["error"]["param"] == FIELD, r
+        st, r = qwen35.json("POST", "/api/chat", {"stream": False, "options": {"num_predict": 1},
+                                                  "messages": _chat(args)})
+        assert st == 400, r
+    st, r = qwen35.json("POST", "/v1/messages", {"max_tokens": 1, "messages": [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "c1", "name": "get_weather", "input": deep}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": "sunny"}]}]})
+    assert st == 400, r

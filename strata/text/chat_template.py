@@ -173,9 +173,15 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
+#: the deepest nesting of lists and objects a tool call's arguments may have (deeper ones would exhaust the
+#: interpreter's recursion in copying, rendering and tojson)
+MAX_ARGUMENT_DEPTH = 64
+
+
 class TemplateRefusal(ValueError):
-    """The chat template failed or refused to render (its raise_exception, a type error in its code); `param`
-    names the request field it could not read where that is known (else None)."""
+    """The chat template failed or refused to render (its raise_exception, a type error in its code, tool-call
+    arguments nested past MAX_ARGUMENT_DEPTH); `param` names the request field it could not read where that is known
+    (else None)."""
 
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
@@ -194,11 +200,17 @@ def _prepare_message(m, i: int, object_arguments: bool = False) -> dict:
     """Message `i` of a chat as the template reads it (see _prepare_messages); ValueError for one that is not an
     object with a role. With object_arguments, each tool call's arguments given as a string holding a JSON object
     become that object (its keys in the client's order; a blank string an empty object); any other string stays as
-    the client sent it."""
+    the client sent it. TemplateRefusal for arguments nested past MAX_ARGUMENT_DEPTH."""
     if not isinstance(m, dict):
         raise ValueError(f"message {i} must be an object, got {type(m).__name__}")
     if "role" not in m:
         raise ValueError(f"message {i} has no role")
+    calls = m.get("tool_calls")
+    for j, tc in enumerate(calls if isinstance(calls, list) else ()):       # checked before anything copies them
+        fn = tc.get("function") if isinstance(tc, dict) else None
+        if isinstance(fn, dict) and nesting(fn.get("arguments")) > MAX_ARGUMENT_DEPTH:
+            field = f"messages[{i}].tool_calls[{j}].function.arguments"
+            raise TemplateRefusal(f"{field}: nested deeper than {MAX_ARGUMENT_DEPTH} levels", field)
     m = {k: v if type(v) in _IMMUTABLE else copy.deepcopy(v) for k, v in m.items() if v is not None}
     reasoning = next((m[k] for k in _REASONING_FIELDS if m.get(k) is not None), None)
     if reasoning is not None:
@@ -213,19 +225,32 @@ def _prepare_message(m, i: int, object_arguments: bool = False) -> dict:
     return m
 
 
+def nesting(v) -> int:
+    """How deeply lists and objects nest in `v` (0 for a scalar), counted up to one past MAX_ARGUMENT_DEPTH."""
+    depth, level = 0, [v]
+    while depth <= MAX_ARGUMENT_DEPTH:
+        level = [x for x in level if isinstance(x, (dict, list))]
+        if not level:
+            return depth
+        depth += 1
+        level = [y for x in level for y in (x.values() if isinstance(x, dict) else x)]
+    return depth
+
+
 def _no_constant(name: str):
     raise ValueError(f"{name} is not JSON")
 
 
 def json_object(s: str) -> dict | None:
-    """The JSON object `s` holds (strict JSON: no NaN / Infinity), {} for a blank string, None for anything else."""
+    """The JSON object `s` holds (strict JSON: no NaN / Infinity; nested at most MAX_ARGUMENT_DEPTH deep), {} for a
+    blank string, None for anything else."""
     if not s.strip():
         return {}
     try:
         v = json.loads(s, parse_constant=_no_constant)
-    except ValueError:          # JSONDecodeError, a lone surrogate, NaN
+    except (ValueError, RecursionError):      # JSONDecodeError, NaN; nesting past the interpreter's depth
         return None
-    return v if type(v) is dict else None
+    return v if type(v) is dict and nesting(v) <= MAX_ARGUMENT_DEPTH else None
 
 
 def _string_arguments(messages) -> list[str]:
