@@ -59,6 +59,20 @@ def test_the_probe_finds_which_templates_read_arguments_as_an_object(tk, which, 
     assert ChatTemplate(TEMPLATES[which], tk).object_arguments is needs
 
 
+def test_the_probe_passes_a_template_that_checks_call_ids(tk):
+    """A template in the manner of Mistral's (call ids of 9 characters or raise_exception; the function printed
+    with tojson) reads arguments as an object."""
+    source = ("{%- for m in messages %}{%- if m.role == 'user' %}[INST] {{ m.content }}[/INST]"
+              "{%- elif m.tool_calls %}[TOOL_CALLS] [{%- for tc in m.tool_calls %}{%- if tc.id|length != 9 %}"
+              "{{ raise_exception('call ids have 9 characters') }}{%- endif %}{{ tc.function|tojson }}{%- endfor %}]"
+              "{%- endif %}{%- endfor %}")
+    t = ChatTemplate(source, tk)
+    assert t.object_arguments
+    msgs = _chat(json.dumps(ARGS))
+    msgs[1]["tool_calls"][0]["id"] = "abcdefghi"
+    assert '"arguments": ' + json.dumps(ARGS, ensure_ascii=False) in t.render(msgs).text
+
+
 @pytest.mark.parametrize("which", ["qwen3.5", "qwq"])
 @pytest.mark.parametrize("compact", [False, True])
 def test_string_arguments_reach_an_object_template_parsed(tk, hf_tok, which, compact):

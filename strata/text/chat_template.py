@@ -391,7 +391,8 @@ class ChatTemplate:
         def renders(args) -> bool:
             msgs = [{"role": "user", "content": "Hi"},
                     {"role": "assistant", "content": "", "tool_calls": [
-                        {"id": "call_1", "type": "function", "function": {"name": "probe_tool", "arguments": args}}]}]
+                        {"id": "call1abcd", "type": "function",     # 9 letters and digits, as Mistral's require
+                         "function": {"name": "probe_tool", "arguments": args}}]}]
             try:
                 text = self._render(_prepare_messages(msgs), False, None, None, {})
             except ValueError:
