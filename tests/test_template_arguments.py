@@ -196,9 +196,12 @@ def test_the_responses_route_names_the_input_item_whose_arguments_are_bad(qwen35
     assert st == 200 and r["status"] == "incomplete", r
 
 
+def _nested(inner):
+    return st.lists(inner, max_size=3) | st.dictionaries(st.text(), inner, max_size=3)
+
+
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) |
-                    st.text(), lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(), c, max_size=3),
-                    max_leaves=8)
+                    st.text(), _nested, max_leaves=8)
 
 
 @settings(max_examples=400, deadline=None)
