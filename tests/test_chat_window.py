@@ -287,9 +287,12 @@ def agent_chats(draw, parts: bool):
         elif how == "inline":
             m["content"] = draw(st.sampled_from(["<think>", "", "\n<think>\n"])) + draw(agent_text()) + \
                 draw(st.sampled_from(["</think>", "\n</think>\n\n"])) + m["content"]
-        if calls:         # arguments an object, or (not for Qwen3.5, which reads them as one) a JSON string
+        if calls:         # arguments an object (its keys and the strings inside client text) or a JSON string
             args = {"cmd": draw(agent_text()), "n": draw(st.integers(0, 3))}
-            if not parts and draw(st.booleans()):
+            if draw(st.booleans()):
+                args[draw(agent_text()) or "k"] = [draw(agent_text()), {"path": draw(agent_text()),
+                                                                        "deep": [True, None, 1.5]}]
+            if draw(st.booleans()):
                 args = json.dumps(args, ensure_ascii=draw(st.booleans()))
             m["tool_calls"] = [{"type": "function", "function": {"name": "run_shell", "arguments": args}}]
         return m
@@ -361,8 +364,6 @@ def test_each_rewritten_construct_takes_the_kept_path(bpe, which):
     tk, _ = bpe
     source = TEMPLATES[which]
     for name, change in CONSTRUCTS.items():
-        if which == "qwen3.5" and "JSON string" in name:
-            continue                    # Qwen3.5 reads arguments as an object (|items): the whole render errs too
         msgs = _small_agent_chat()
         change(msgs)
         kept, whole = ChatTemplate(source, tk), _whole(source, tk)

@@ -151,7 +151,8 @@ def test_a_jinja_error_is_no_markers():
 @pytest.mark.parametrize("ascii_", [False, True])
 def test_contents_through_tojson_stay_plain_text(tk, ascii_):
     """A client string the template prints with tojson is put back JSON-escaped and tokenized as plain text (its
-    <|im_end|> stays text); the tool-call arguments of QwQ's template (a JSON string printed with tojson) alike."""
+    <|im_end|> stays text); the tool-call arguments of QwQ's template alike (given as a JSON string, handed to it as
+    the object it reads: its tojson prints the object, the strings inside escaped)."""
     t = ChatTemplate("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content|tojson(ensure_ascii=ASCII) }}"
                      "<|im_end|>\n{% endfor %}".replace("ASCII", str(ascii_)), tk)
     t.chunks = None
@@ -171,6 +172,7 @@ def test_contents_through_tojson_stay_plain_text(tk, ascii_):
     whole = ChatTemplate(QWQ_TEMPLATE, tk)
     whole.chunks = None
     ref = whole.render(msgs)
-    assert json.dumps(args) in got.text and got.content_safe and ref.content_safe
+    assert t.object_arguments and '"arguments": ' + json.dumps(json.loads(args), ensure_ascii=False) in got.text
+    assert got.content_safe and ref.content_safe
     assert (got.text, got.tokens, got.cut_points) == (ref.text, ref.tokens, ref.cut_points)
     assert got.tokens.count(end) == got.text.count("<|im_end|>") - 1

@@ -244,7 +244,10 @@ def test_template_messages():
                 {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'}}]},
             {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
     native = tc.template_messages(msgs, tc.Hermes())
-    assert native[1]["tool_calls"][0]["function"]["arguments"] == {"tz": "UTC"}      # an object for the template
+    # as the client gave them: the chat template takes them as a string or an object as it reads them
+    assert native[1]["tool_calls"][0]["function"]["arguments"] == '{"tz": "UTC"}'
+    none = [dict(msgs[1], tool_calls=[{"type": "function", "function": {"name": "get_time", "arguments": None}}])]
+    assert tc.template_messages(none, tc.Hermes())[0]["tool_calls"][0]["function"]["arguments"] == {}
     assert msgs[1]["tool_calls"][0]["function"]["arguments"] == '{"tz": "UTC"}'       # the request is unchanged
     gen = tc.template_messages(msgs, tc.Generic(), renders_tool_role=False)
     assert json.loads(gen[1]["content"]) == {"tool_calls": [{"name": "get_time", "arguments": {"tz": "UTC"}}]}

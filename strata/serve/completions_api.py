@@ -72,8 +72,8 @@ async def render_chat(request: web.Request, p: schema.ParsedRequest):
     except ContextOverflow as e:         # too long to be worth rendering and tokenizing
         raise ApiError(400, str(e), param="messages", code="context_length_exceeded") from None
     except ValueError as e:
-        raise ApiError(400, f"the chat template refused the messages: {e}", param="messages",
-                       code="invalid_value") from None
+        raise ApiError(400, f"the chat template refused the messages: {e}",
+                       param=getattr(e, "param", None) or "messages", code="invalid_value") from None
     structured.after_render(plan, rendered.text)
     return engine, plan, rendered
 

@@ -79,6 +79,8 @@ def _assistant_message(content: list, where: str) -> dict:
                     raise _bad(f"{at}.{key}", "must be a string")
             if not isinstance(b.get("input", {}), dict):
                 raise _bad(f"{at}.input", f"must be an object, got {schema._tname(b['input'])}")
+            if schema.nesting(b.get("input")) > schema.MAX_ARGUMENT_DEPTH:
+                raise _bad(f"{at}.input", f"nests deeper than {schema.MAX_ARGUMENT_DEPTH} levels")
             calls.append({"id": b["id"], "type": "function",
                           "function": {"name": b["name"], "arguments": json.dumps(b.get("input", {}),
                                                                                 ensure_ascii=False)}})

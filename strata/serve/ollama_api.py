@@ -152,6 +152,9 @@ def _messages(msgs) -> list[dict]:
                 if not isinstance(fn, dict):
                     raise _bad(f"messages[{i}].tool_calls[{j}]", "must be an object with a 'function' object")
                 args = fn.get("arguments", {})
+                if schema.nesting(args) > schema.MAX_ARGUMENT_DEPTH:
+                    raise _bad(f"messages[{i}].tool_calls[{j}].function.arguments",
+                               f"nests deeper than {schema.MAX_ARGUMENT_DEPTH} levels")
                 msg["tool_calls"].append({"id": f"call_{i}_{j}", "type": "function",
                                           "function": {"name": fn.get("name"),
                                                        "arguments": args if isinstance(args, str) else

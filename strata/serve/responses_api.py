@@ -136,6 +136,8 @@ class ResponsesRequest:
     history: list[dict]
     store: bool
     echo: dict = field(default_factory=dict)
+    #: the chat route's name of each tool call's arguments from this request's input -> the input item's
+    arguments_at: dict[str, str] = field(default_factory=dict)
 
 
 def _text(content, where: str) -> str:
@@ -151,11 +153,11 @@ def _str_field(item: dict, key: str, where: str) -> str:
     return v
 
 
-def input_messages(inp) -> list[dict]:
+def input_messages(inp, calls_at: dict | None = None) -> list[dict]:
     """'input' as chat messages: a string is one user message; message items keep their role (developer reads as
     system); function_call items join the assistant message before them (or make one) as tool_calls;
     function_call_output items become tool messages; reasoning items are left out (templates drop earlier turns'
-    reasoning)."""
+    reasoning). calls_at, if given, gets (message index, call index) -> the function_call item's name."""
     if isinstance(inp, str):
         return [{"role": "user", "content": inp}]
     if not isinstance(inp, list) or not inp:
@@ -176,6 +178,8 @@ def input_messages(inp) -> list[dict]:
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            if calls_at is not None:
+                calls_at[(len(out) - 1, len(out[-1]["tool_calls"]) - 1)] = where
         elif kind == "function_call_output":
             out.append({"role": "tool", "tool_call_id": _str_field(item, "call_id", where),
                         "content": _text(item.get("output"), f"{where}.output")})
@@ -236,7 +240,8 @@ def parse(body: dict, store: ResponseStore) -> ResponsesRequest:
     comes first (404 when it is not in the store)."""
     if "input" not in body or body["input"] is None:
         raise ApiError(400, "'input' is required", param="input", code="missing_required_parameter")
-    new = input_messages(body["input"])
+    calls_at: dict[tuple[int, int], str] = {}
+    new = input_messages(body["input"], calls_at)
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise _bad("instructions", f"must be a string, got {schema._tname(instructions)}")
@@ -275,7 +280,10 @@ def parse(body: dict, store: ResponseStore) -> ResponsesRequest:
             "tool_choice": body.get("tool_choice") or "auto",
             "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
             "parallel_tool_calls": p.parallel_tool_calls, "store": keep}
-    return ResponsesRequest(p, history, keep, echo)
+    before = len(history) - len(new) + (instructions is not None)        # messages ahead of this request's input
+    arguments_at = {f"messages[{i + before}].tool_calls[{j}].function.arguments": f"{where}.arguments"
+                    for (i, j), where in calls_at.items()}
+    return ResponsesRequest(p, history, keep, echo, arguments_at)
 
 
 # chat-route field names in errors -> the Responses API's
@@ -285,7 +293,12 @@ _RENAMES = [(re.compile(r"\btools\[(\d+)\]\.function\."), r"tools[\1]."),
             (re.compile(r"\bmessages\b"), "input")]
 
 
-def _renamed(e: ApiError) -> ApiError:
+def _renamed(e: ApiError, arguments_at: dict[str, str] | None = None) -> ApiError:
+    """e in the Responses API's names; arguments_at (ResponsesRequest.arguments_at) names a call's arguments as the
+    input item that holds them."""
+    for chat_name, item in (arguments_at or {}).items():
+        if e.param == chat_name:
+            e = ApiError(e.status, e.message.replace(chat_name, item), param=item, code=e.code, headers=e.headers)
     return renamed(e, _RENAMES)
 
 
@@ -431,11 +444,12 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     """POST /v1/responses."""
     body = await read_body(request)
     store = request.app[STORE_KEY]
+    req = None
     try:
         req = parse(body, store)
         return await generate_chat(request, req.p, respond=functools.partial(_respond, req, store))
     except ApiError as e:
-        raise _renamed(e) from None
+        raise _renamed(e, req.arguments_at if req is not None else None) from None
 
 
 async def get_response(request: web.Request) -> web.Response:

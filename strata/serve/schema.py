@@ -17,6 +17,7 @@ from typing import Any
 
 from strata.serve.errors import ApiError
 from strata.structured.tool_calls import NAME_RE
+from strata.text.chat_template import MAX_ARGUMENT_DEPTH, nesting
 
 MAX_STOP = 16
 MAX_STOP_CHARS = 512       # per stop string: matching a held-back prefix costs up to len^2 per generated token
@@ -544,6 +545,8 @@ def _message_tool_calls(tc, i: int) -> list[dict]:
             raise _bad(f"{where}[{j}].function.name", "must be a string")
         if fn.get("arguments") is not None and not isinstance(fn["arguments"], (str, dict)):
             raise _bad(f"{where}[{j}].function.arguments", "must be a JSON string (or an object)")
+        if nesting(fn.get("arguments")) > MAX_ARGUMENT_DEPTH:
+            raise _bad(f"{where}[{j}].function.arguments", f"nests deeper than {MAX_ARGUMENT_DEPTH} levels")
         if c.get("id") is not None and not isinstance(c["id"], str):
             raise _bad(f"{where}[{j}].id", "must be a string")
     return tc

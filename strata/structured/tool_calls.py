@@ -216,15 +216,17 @@ def detect(template_source: str | None) -> ToolFormat:
 # -------------------------------------------------------------------------------------- messages and prompt
 
 def template_messages(messages: list[dict], fmt: ToolFormat, renders_tool_role: bool = True) -> list[dict]:
-    """The chat messages as the family's template wants them: assistant tool-call arguments as objects (templates
-    iterate or `tojson` them); for the generic family, an assistant's calls written as the JSON answer the model
-    gives, and tool results as user messages when the template does not render the tool role."""
+    """The chat messages as the family's template wants them: for a native family, tool calls as the client gave
+    them (the chat template takes arguments as a string or an object as it reads them:
+    strata.text.chat_template.ChatTemplate.object_arguments; missing arguments are an empty object); for the
+    generic family, an assistant's calls written as the JSON answer the model gives (arguments as objects), and
+    tool results as user messages when the template does not render the tool role."""
     out = []
     for m in messages:
         m = dict(m)
         calls = m.get("tool_calls")
         if m.get("role") == "assistant" and calls:
-            calls = [_call_for_template(c) for c in calls]
+            calls = [_call_for_template(c, parse=not fmt.native) for c in calls]
             if fmt.native:
                 m["tool_calls"] = calls
             else:
@@ -241,11 +243,11 @@ def template_messages(messages: list[dict], fmt: ToolFormat, renders_tool_role: 
     return out
 
 
-def _call_for_template(c: dict) -> dict:
+def _call_for_template(c: dict, parse: bool) -> dict:
     c = copy.deepcopy(c)
     fn = c.get("function") if isinstance(c.get("function"), dict) else {}
     args = fn.get("arguments")
-    if isinstance(args, str):
+    if isinstance(args, str) and parse:
         try:
             parsed = json.loads(args)
         except ValueError:

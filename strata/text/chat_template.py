@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import bisect
 import copy
+import functools
 import json
 import secrets
 import time
@@ -172,25 +173,101 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
-def _prepare_messages(messages) -> list[dict]:
-    """A fresh copy: None-valued keys dropped, reasoning fields aliased (as transformers does)."""
+#: the deepest nesting of lists and objects a tool call's arguments may have (deeper ones would exhaust the
+#: interpreter's recursion in copying, rendering and tojson)
+MAX_ARGUMENT_DEPTH = 64
+
+
+class TemplateRefusal(ValueError):
+    """The chat template failed or refused to render (its raise_exception, a type error in its code, tool-call
+    arguments nested past MAX_ARGUMENT_DEPTH); `param` names the request field it could not read where that is known
+    (else None)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+def _prepare_messages(messages, object_arguments: bool = False) -> list[dict]:
+    """A fresh copy: None-valued keys dropped, reasoning fields aliased (as transformers does), tool-call arguments
+    as objects where the template needs them (see _prepare_message)."""
     if not isinstance(messages, (list, tuple)):
         raise ValueError(f"messages must be a list, got {type(messages).__name__}")
-    return [_prepare_message(m, i) for i, m in enumerate(messages)]
+    return [_prepare_message(m, i, object_arguments) for i, m in enumerate(messages)]
 
 
-def _prepare_message(m, i: int) -> dict:
+def _prepare_message(m, i: int, object_arguments: bool = False) -> dict:
     """Message `i` of a chat as the template reads it (see _prepare_messages); ValueError for one that is not an
-    object with a role."""
+    object with a role. With object_arguments, each tool call's arguments given as a string holding a JSON object
+    become that object (its keys in the client's order; a blank string an empty object); any other string stays as
+    the client sent it. TemplateRefusal for arguments nested past MAX_ARGUMENT_DEPTH."""
     if not isinstance(m, dict):
         raise ValueError(f"message {i} must be an object, got {type(m).__name__}")
     if "role" not in m:
         raise ValueError(f"message {i} has no role")
+    calls = m.get("tool_calls")
+    for j, tc in enumerate(calls if isinstance(calls, list) else ()):       # checked before anything copies them
+        fn = tc.get("function") if isinstance(tc, dict) else None
+        if isinstance(fn, dict) and nesting(fn.get("arguments")) > MAX_ARGUMENT_DEPTH:
+            field = f"messages[{i}].tool_calls[{j}].function.arguments"
+            raise TemplateRefusal(f"{field}: nested deeper than {MAX_ARGUMENT_DEPTH} levels", field)
     m = {k: v if type(v) in _IMMUTABLE else copy.deepcopy(v) for k, v in m.items() if v is not None}
     reasoning = next((m[k] for k in _REASONING_FIELDS if m.get(k) is not None), None)
     if reasoning is not None:
         m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+    if object_arguments and isinstance(m.get("tool_calls"), list):
+        for tc in m["tool_calls"]:
+            fn = tc.get("function") if isinstance(tc, dict) else None
+            if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                parsed = json_object(fn["arguments"])
+                if parsed is not None:
+                    fn["arguments"] = parsed
     return m
+
+
+def nesting(v) -> int:
+    """How deeply lists and objects nest in `v` (0 for a scalar), counted up to one past MAX_ARGUMENT_DEPTH."""
+    depth, level = 0, [v]
+    while depth <= MAX_ARGUMENT_DEPTH:
+        level = [x for x in level if isinstance(x, (dict, list))]
+        if not level:
+            return depth
+        depth += 1
+        level = [y for x in level for y in (x.values() if isinstance(x, dict) else x)]
+    return depth
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def json_object(s: str) -> dict | None:
+    """The JSON object `s` holds (strict JSON: no NaN / Infinity; nested at most MAX_ARGUMENT_DEPTH deep), {} for a
+    blank string, None for anything else."""
+    if not s.strip():
+        return {}
+    try:
+        v = json.loads(s, parse_constant=_no_constant)
+    except (ValueError, RecursionError):      # JSONDecodeError, NaN; nesting past the interpreter's depth
+        return None
+    return v if type(v) is dict and nesting(v) <= MAX_ARGUMENT_DEPTH else None
+
+
+def _string_arguments(messages) -> list[str]:
+    """The fields `messages[i].tool_calls[j].function.arguments` that hold a string that is no JSON object."""
+    out = []
+    for i, m in enumerate(messages if isinstance(messages, (list, tuple)) else ()):
+        tcs = m.get("tool_calls") if isinstance(m, dict) else None
+        for j, tc in enumerate(tcs if isinstance(tcs, list) else ()):
+            fn = tc.get("function") if isinstance(tc, dict) else None
+            if isinstance(fn, dict) and isinstance(fn.get("arguments"), str) and json_object(fn["arguments"]) is None:
+                out.append(f"messages[{i}].tool_calls[{j}].function.arguments")
+    return out
+
+
+#: a tool call's arguments whose key the argument probe looks for in the rendering (see ChatTemplate._probe_arguments)
+_PROBE_KEY = "zqxprobe_argument_key"
+_PROBE_ARGS = {_PROBE_KEY: "zqxprobe argument value"}
 
 
 def _cut_pieces(pieces: list[tuple[str, bool]], n: int) -> list[tuple[str, bool]]:
@@ -225,7 +302,9 @@ class ChatTemplate:
     Rendering follows Hugging Face transformers' apply_chat_template (ImmutableSandboxedEnvironment with
     trim_blocks/lstrip_blocks, loopcontrols, `raise_exception`, `strftime_now`, transformers' `tojson`,
     variables messages/tools/documents/add_generation_prompt/bos_token/eos_token plus any extra keyword such
-    as enable_thinking).
+    as enable_thinking). Tool-call arguments reach the template as it reads them (object_arguments, probed once at
+    load as llama.cpp probes requires_object_arguments): a template that cannot read a JSON string gets the object the
+    string holds; others get the string as sent.
 
     Client text never becomes control tokens: the chat is also rendered with unique sentinel strings in place
     of every client string (message contents and text parts, tool-call arguments, reasoning); when putting
@@ -261,14 +340,16 @@ class ChatTemplate:
             raise ValueError(f"chat template does not compile: {_one_line(e)}") from None
         # client strings shaped for the sentinel method where the template reads them (strata.text.content_shape)
         self._shape = content_shape(string_markers(env, template_str), tokenizer.special_texts)
+        self.object_arguments = self._probe_arguments()
+        prepare = functools.partial(_prepare_message, object_arguments=self.object_arguments)
         # each message's output kept across requests where the template provably renders messages one by one
         # (strata.text.chat_chunks); checked once against the whole render on the first chat it renders
         split = split_template(env, template_str)
         if split is not None:
-            self.chunks = MessageChunks(split, _prepare_message, self._substitute)
+            self.chunks = MessageChunks(split, prepare, self._substitute)
         else:          # messages that read their neighbours or the state set before the loop (strata.text.chat_window)
             wsplit = split_window(env, template_str)
-            self.chunks = None if wsplit is None else WindowChunks(wsplit, _prepare_message, self._substitute)
+            self.chunks = None if wsplit is None else WindowChunks(wsplit, prepare, self._substitute)
         self._chunks_checked = False
 
     @classmethod
@@ -282,8 +363,13 @@ class ChatTemplate:
     # ----------------------------------------------------------------- text
     def render_text(self, messages, add_generation_prompt: bool = True, tools=None, documents=None,
                     **kw) -> str:
-        """The rendered prompt text. Raises ValueError (one line) for template errors / raise_exception."""
-        return self._render(_prepare_messages(messages), add_generation_prompt, tools, documents, kw)
+        """The rendered prompt text. Raises ValueError (one line) for bad messages, TemplateRefusal for template
+        errors / raise_exception."""
+        try:
+            return self._render(_prepare_messages(messages, self.object_arguments), add_generation_prompt, tools,
+                                documents, kw)
+        except TemplateRefusal as e:
+            raise self._refusal(messages, e) from None
 
     def _render(self, messages, add_generation_prompt, tools, documents, kw) -> str:
         variables = dict(self.special_tokens)
@@ -293,9 +379,36 @@ class ChatTemplate:
             return self._template.render(messages=messages, tools=tools, documents=documents,
                                          add_generation_prompt=add_generation_prompt, **variables)
         except jinja2.TemplateError as e:
-            raise ValueError(f"chat template error: {_one_line(e)}") from None
+            raise TemplateRefusal(f"chat template error: {_one_line(e)}") from None
         except Exception as e:  # template code errors (TypeError, KeyError, ...) are the template's problem
-            raise ValueError(f"chat template error: {type(e).__name__}: {_one_line(e)}") from None
+            raise TemplateRefusal(f"chat template error: {type(e).__name__}: {_one_line(e)}") from None
+
+    def _probe_arguments(self) -> bool:
+        """Whether the template needs tool-call arguments as an object (llama.cpp's requires_object_arguments): a
+        past call whose arguments are a JSON string does not render its key as the template's own syntax (an error,
+        the key dropped, or the whole string escaped by tojson), while the same arguments as an object do. Rendered
+        once, at load."""
+        def renders(args) -> bool:
+            msgs = [{"role": "user", "content": "Hi"},
+                    {"role": "assistant", "content": "", "tool_calls": [
+                        {"id": "call1abcd", "type": "function",     # 9 letters and digits, as Mistral's require
+                         "function": {"name": "probe_tool", "arguments": args}}]}]
+            try:
+                text = self._render(_prepare_messages(msgs), False, None, None, {})
+            except ValueError:
+                return False
+            return _PROBE_KEY in text and f'\\"{_PROBE_KEY}' not in text
+        return not renders(json.dumps(_PROBE_ARGS)) and renders(_PROBE_ARGS)
+
+    def _refusal(self, messages, e: TemplateRefusal) -> TemplateRefusal:
+        """`e` naming the tool call whose arguments a template that reads them as an object could not read (a
+        string that is no JSON object), where there is one."""
+        if self.object_arguments and e.param is None:
+            fields = _string_arguments(messages)
+            if fields:
+                return TemplateRefusal(f"{fields[0]}: must be a JSON object for this model's chat template, which "
+                                       f"reads tool-call arguments as an object ({e})", fields[0])
+        return e
 
     # ----------------------------------------------------------------- tokens + cut points
     def render(self, messages, add_generation_prompt: bool = True, tools=None, documents=None,
@@ -318,16 +431,25 @@ class ChatTemplate:
         text_check, if given, is called with the rendered text before anything is tokenized (the engine refuses
         text that cannot fit its context there). continue_final_message (with add_generation_prompt false) leaves
         the last message open, its text the end of the prompt, as transformers' apply_chat_template does (an
-        answer continues it: Anthropic's prefill). Raises ValueError for bad messages, a bad pin_message, or
-        template errors (and whatever text_check raises).
+        answer continues it: Anthropic's prefill). Raises ValueError for bad messages or a bad pin_message,
+        TemplateRefusal for template errors (naming the tool call's arguments a template that reads them as an
+        object could not read), and whatever text_check raises.
         """
+        try:
+            return self._render_prompt(messages, add_generation_prompt, tools, documents, pin_message, text_check,
+                                       continue_final_message, kw)
+        except TemplateRefusal as e:
+            raise self._refusal(messages, e) from None
+
+    def _render_prompt(self, messages, add_generation_prompt, tools, documents, pin_message, text_check,
+                       continue_final_message, kw) -> RenderedPrompt:
         if not isinstance(messages, (list, tuple)):
             raise ValueError(f"messages must be a list, got {type(messages).__name__}")
         n = len(messages)
         if pin_message is not None:
             if pin_message is not None and not (isinstance(pin_message, int) and not isinstance(pin_message, bool)
                                                 and -n <= pin_message < n):
-                _prepare_messages(messages)           # a bad message is reported first
+                _prepare_messages(messages, self.object_arguments)           # a bad message is reported first
             if isinstance(pin_message, bool) or not isinstance(pin_message, int):
                 raise ValueError(f"pin_message must be a message index, got {pin_message!r}")
             if pin_message < 0:
@@ -341,7 +463,7 @@ class ChatTemplate:
             if text_check is not None:
                 text_check(text)
         else:
-            msgs = _prepare_messages(messages)
+            msgs = _prepare_messages(messages, self.object_arguments)
             text = self._render(msgs, add_generation_prompt, tools, documents, kw)
             if text_check is not None:
                 text_check(text)
@@ -449,7 +571,7 @@ class ChatTemplate:
         out = (got.text, got.pieces, True, wanted, n_sys, ends)
         if not self._chunks_checked:
             self._chunks_checked = True
-            msgs = _prepare_messages(messages)
+            msgs = _prepare_messages(messages, self.object_arguments)
             text = self._render(msgs, add_generation_prompt, tools, documents, kw)
             pieces, safe = self._pieces(msgs, text, add_generation_prompt, tools, documents, kw)
             whole = self._message_ends(msgs, wanted, text, add_generation_prompt, tools, documents, kw)
@@ -549,8 +671,8 @@ class ChatTemplate:
         def walk_args(v):
             if isinstance(v, str):
                 return sent(v) if v else v
-            if isinstance(v, dict):
-                return {k: walk_args(x) for k, x in v.items()}
+            if isinstance(v, dict):        # keys are client strings too (a template may print them)
+                return {sent(k) if isinstance(k, str) and k else k: walk_args(x) for k, x in v.items()}
             if isinstance(v, list):
                 return [walk_args(x) for x in v]
             return v
