@@ -58,11 +58,17 @@ PRE_TOKENIZERS: dict[str, tuple[list[str], bool]] = {
     "llama3": ([_LLAMA3_RE], True), "llama-v3": ([_LLAMA3_RE], True), "llama-bpe": ([_LLAMA3_RE], True),
     "falcon3": ([_LLAMA3_RE], True), "pixtral": ([_LLAMA3_RE], True), "dbrx": ([_LLAMA3_RE], False),
     "smaug-bpe": ([_LLAMA3_RE], False), "chatglm-bpe": ([_LLAMA3_RE], False),
-    "qwen2": ([_QWEN2_RE], False), "deepseek-r1-qwen": ([_QWEN2_RE], False), "stablelm2": ([_QWEN2_RE], True),
+    "qwen2": ([_QWEN2_RE], False), "deepseek-r1-qwen": ([_QWEN2_RE], False), "stablelm2": ([_QWEN2_RE], False),
     "megrez": ([_QWEN2_RE], False), "qwen35": ([_QWEN35_RE], False),
     "tekken": ([_TEKKEN_RE], True), "deepseek-v3": (_DEEPSEEK3_RES, False),
     "gpt-4o": ([_GPT4O_RE], False), "llama4": ([_GPT4O_RE], False),
 }
+
+# Pre-tokenizers for which llama.cpp adds BOS when the file has no tokenizer.ggml.add_bos_token (SPM always does).
+_ADD_BOS_PRES = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "tekken"})
+# Special token ids llama.cpp assumes when the file leaves the key out, by tokenizer.ggml.model (an id past the
+# vocabulary means none); "chatglm-bpe" has no default BOS.
+_DEFAULT_IDS = {"gpt2": {"bos": 11, "eos": 11}, "llama": {"bos": 1, "eos": 2, "unk": 0}}
 
 # Token texts llama.cpp treats as end-of-generation (llama-vocab.cpp, special_eog_ids).
 _EOG_TEXTS = {
@@ -145,20 +151,21 @@ class Tokenizer:
         for i, t in enumerate(tokens):
             self._token_to_id[t] = i
 
-        # End-of-generation tokens, detected by text as llama.cpp does; such tokens become CONTROL.
+        # End-of-generation tokens: those detected by text become CONTROL (as in llama.cpp); ids given by key
+        # (eos, eot, eom, fim) end generation but keep their type.
         if eot_id is None:
             for t in _EOT_TEXTS:
                 if t in self._token_to_id:
                     eot_id = self._token_to_id[t]
                     break
         self.eot_id = eot_id
-        eog = {i for t, i in self._token_to_id.items() if t in _EOG_TEXTS}
+        by_text = {i for t, i in self._token_to_id.items() if t in _EOG_TEXTS}
+        for i in by_text:
+            types[i] = TOKEN_CONTROL
+        eog = set(by_text)
         for i in (eos_id, eot_id, eom_id, *extra_eog):
             if i is not None and 0 <= i < self.n_vocab:
                 eog.add(i)
-        for i in eog:
-            if types[i] != TOKEN_CONTROL:
-                types[i] = TOKEN_CONTROL
         self.eog_ids: frozenset[int] = frozenset(eog)
         self.token_types = types
 
@@ -223,26 +230,31 @@ class Tokenizer:
         if not tokens:
             raise ValueError("GGUF has no tokenizer.ggml.tokens")
 
-        def opt_id(key):
+        pre = str(metadata.get("tokenizer.ggml.pre", "default") or "default")
+        default_ids = dict(_DEFAULT_IDS.get(str(model), {}))
+        if pre == "chatglm-bpe":
+            default_ids.pop("bos", None)
+
+        def opt_id(key, default=None):
+            """The key's id; llama.cpp's default when it is absent or past the vocabulary; None for neither."""
             v = metadata.get(key)
-            if v is None:
-                return None
-            v = int(v)
-            return v if 0 <= v < len(tokens) else None
+            if v is not None and 0 <= int(v) < len(tokens):
+                return int(v)
+            return default if default is not None and 0 <= default < len(tokens) else None
 
         if model == "gpt2":
-            add_bos_default, add_space_default = False, False
+            add_bos_default, add_space_default = pre in _ADD_BOS_PRES, False
         else:
             add_bos_default, add_space_default = True, True
-        pre = metadata.get("tokenizer.ggml.pre", "default") or "default"
         return cls(
             model=str(model), tokens=[str(t) for t in tokens],
             token_types=[int(t) for t in metadata.get("tokenizer.ggml.token_type", [])],
             scores=[float(s) for s in metadata["tokenizer.ggml.scores"]] if "tokenizer.ggml.scores" in metadata else None,
             merges=list(metadata["tokenizer.ggml.merges"]) if "tokenizer.ggml.merges" in metadata else None,
-            pre=str(pre), bos_id=opt_id("tokenizer.ggml.bos_token_id"), eos_id=opt_id("tokenizer.ggml.eos_token_id"),
+            pre=pre, bos_id=opt_id("tokenizer.ggml.bos_token_id", default_ids.get("bos")),
+            eos_id=opt_id("tokenizer.ggml.eos_token_id", default_ids.get("eos")),
             eot_id=opt_id("tokenizer.ggml.eot_token_id"), eom_id=opt_id("tokenizer.ggml.eom_token_id"),
-            unk_id=opt_id("tokenizer.ggml.unknown_token_id"),
+            unk_id=opt_id("tokenizer.ggml.unknown_token_id", default_ids.get("unk")),
             add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", add_bos_default)),
             add_eos=bool(metadata.get("tokenizer.ggml.add_eos_token", False)),
             add_space_prefix=bool(metadata.get("tokenizer.ggml.add_space_prefix", add_space_default)),
