@@ -1,10 +1,12 @@
 """Shared by the test files: one request sent to an engine and its answer collected (answer, ask), the chats the
 tests play (chat, long_chat) turn by turn (play), the state-hash keys two runs differ in (differing), and bytes that
 are not UTF-8 alone (invalid_alone), random GGUF blocks and their reference dequantization for the kernel
-tests (random_blocks, put_iq_scales, ref_dequant)."""
+tests (random_blocks, put_iq_scales, ref_dequant), a tools/ script loaded as a module (load_tool)."""
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -155,3 +157,11 @@ def default_fingerprint() -> str:
     from strata.gguf.default_model import resolve_model
     from strata.gguf.file import open_gguf
     return open_gguf(resolve_model("default")).fingerprint()
+
+
+def load_tool(name: str):
+    """tools/<name>.py imported as a module (the tools are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent.parent / "tools" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

@@ -2,26 +2,16 @@
 layer split with parking, both runs' records showing the split engine's parts and the parked resumes."""
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _tool():
-    spec = importlib.util.spec_from_file_location("conversation_cache_parity",
-                                                  ROOT / "tools" / "conversation_cache_parity.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from tests.helpers import load_tool
 
 
 def test_abab_parity_over_a_two_stage_split(tmp_path, capsys, default_model_path):
     out = tmp_path / "parity.json"
-    rc = _tool().main(["--scenario", "reuse", "--model", str(default_model_path), "--device", "cpu",
+    rc = load_tool("conversation_cache_parity").main(["--scenario", "reuse", "--model", str(default_model_path), "--device", "cpu",
                        "--layer-split", "15", "--park-resident", "1", "--n-ctx", "512", "--threads", "2",
                        "--max-tokens", "2", "--system-repeat", "1", "--exact", "--json", str(out)])
     text = capsys.readouterr().out
@@ -38,7 +28,7 @@ def test_abab_parity_over_a_two_stage_split(tmp_path, capsys, default_model_path
 
 def test_engine_flags_are_checked_as_the_server_checks_them(capsys):
     with pytest.raises(SystemExit) as e:
-        _tool().main(["--device", "cpu", "--layer-split", "10,20", "--remote-stage", "127.0.0.1:9",
+        load_tool("conversation_cache_parity").main(["--device", "cpu", "--layer-split", "10,20", "--remote-stage", "127.0.0.1:9",
                       "--prompt-cache-every", "64"])
     assert e.value.code == 2
     assert "--prompt-cache-every" in capsys.readouterr().err

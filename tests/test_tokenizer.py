@@ -2,7 +2,6 @@
 llama-cpp-python is importable), transformers' GGUF tokenizer where it agrees, SPM vocabularies, StreamDecoder."""
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -11,21 +10,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from strata.text.tokenizer import StreamDecoder, Tokenizer
-from tests.helpers import invalid_alone
+from tests.helpers import invalid_alone, load_tool
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data"
 
 
-def _reference_tool():
-    spec = importlib.util.spec_from_file_location("llamacpp_tokenizer_reference",
-                                                  ROOT / "tools" / "llamacpp_tokenizer_reference.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-REF = _reference_tool()
+REF = load_tool("llamacpp_tokenizer_reference")
 
 
 @pytest.fixture(scope="module")

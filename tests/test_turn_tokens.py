@@ -3,9 +3,7 @@ a full tokenization: pieces with special-token text, partial special text and pi
 SentencePiece vocabulary, and chats of growing, edited and branching turns with tools, tool calls and reasoning."""
 from __future__ import annotations
 
-import importlib.util
 import re
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -14,9 +12,9 @@ from hypothesis import strategies as st
 from strata.text.chat_template import ChatTemplate
 from strata.text.tokenizer import Tokenizer
 from strata.text.turn_tokens import TurnTokens
+from tests.helpers import load_tool
 from tests.templates import QWEN_TEMPLATE, THINK_TEMPLATE
 
-ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
@@ -34,10 +32,7 @@ def bpe(default_model_path):
 
 @pytest.fixture(scope="module")
 def spm(tmp_path_factory):
-    spec = importlib.util.spec_from_file_location("llamacpp_tokenizer_reference",
-                                                  ROOT / "tools" / "llamacpp_tokenizer_reference.py")
-    ref = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ref)
+    ref = load_tool("llamacpp_tokenizer_reference")
     path = tmp_path_factory.mktemp("spm") / "tiny-spm.gguf"
     ref.write_spm_gguf(path, ref.spm_vocab())
     return _gguf_tokenizer(path)[0]
