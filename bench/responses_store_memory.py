@@ -91,7 +91,8 @@ def main() -> None:
             print(f"{case:10s} {r['store']:10s} entries {r['entries']:4d}  RSS +{r['rss_growth_bytes'] / 1e6:7.2f} MB"
                   f"  reported {r['reported_bytes'] / 1e6:7.2f} MB  RSS/reported {r['rss_over_reported']}")
         ref_r, new_r = rows[-2], rows[-1]
-        print(f"{case:10s} RSS this tree / reference: {new_r['rss_growth_bytes'] / max(ref_r['rss_growth_bytes'], 1):.3f}")
+        ratio = new_r["rss_growth_bytes"] / max(ref_r["rss_growth_bytes"], 1)
+        print(f"{case:10s} RSS this tree / reference: {ratio:.3f}")
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     dest = Path(a.out) if a.out else ROOT / "bench" / "results" / f"responses_store_memory_{commit}.json"
