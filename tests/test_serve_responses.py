@@ -291,19 +291,67 @@ def test_store_is_lru_and_size_zero_keeps_nothing():
 def test_store_holds_its_byte_budget_and_counts_a_shared_conversation_once():
     from strata.serve.responses_api import ResponseStore
     s = ResponseStore(100, budget=10_000)
-    talk = [{"role": "user", "content": "x" * 2000}]
-    s.put("a", {"id": "a"}, talk)
+    s.put("a", {"id": "a"}, [{"role": "user", "content": "x" * 2000}])
     one = s.nbytes
-    s.put("b", {"id": "b"}, talk + [{"role": "assistant", "content": "y"}])     # a chain: the user turn shared
+    a_turn = s.get("a")[1]
+    s.put("b", {"id": "b"}, [{"role": "assistant", "content": "y"}], parent=a_turn)    # a chain: the user turn shared
     assert s.nbytes < 2 * one and len(s) == 2
+    assert [m["content"] for m in s.get("b")[1].conversation()] == ["x" * 2000, "y"]
+    assert s.delete("a") and s.get("b")[1].conversation()[0]["content"] == "x" * 2000   # b's turn keeps a's
     for k in "cdefgh":
         s.put(k, {"id": k}, [{"role": "user", "content": k * 2500}])
-    assert s.nbytes <= 10_000 and s.get("a") is None and s.get("h") is not None
-    for k in list("bcdefgh"):
+    assert s.nbytes <= 10_000 and s.get("b") is None and s.get("h") is not None
+    for k in list("cdefgh"):
         s.delete(k)
     assert s.nbytes == 0 and len(s) == 0
     s.put("big", {"id": "big"}, [{"role": "user", "content": "z" * 20_000}])  # alone over the budget: not kept
     assert s.get("big") is None and s.nbytes == 0
+
+
+def _answered(store, body: dict) -> dict:
+    """body through parse and _Response.done as the route takes it, the engine's answer replaced by a fixed one."""
+    from types import SimpleNamespace
+
+    from strata.serve.responses_api import _Response, parse
+    final = SimpleNamespace(finish_reason="stop", usage={"prompt_tokens": 1, "completion_tokens": 1,
+                                                         "total_tokens": 2}, timings={}, strata={})
+    ab = SimpleNamespace(final=final, blocks=[], reasoning_tokens=0, text=lambda: "ok")
+    return _Response(parse(body, store), SimpleNamespace(model_name="m"), ab, store).done()
+
+
+def test_store_bytes_count_what_a_long_chain_holds():
+    """A chain continued one short message at a time after a long first input: the memory the store holds (traced
+    by tracemalloc) stays within what it reports and its budget, each message is held once, and continuing a
+    response whose parent the budget dropped still sends the whole conversation."""
+    import gc
+    import tracemalloc
+
+    from strata.serve.responses_api import ResponseStore
+    budget = 1 << 20
+    tracemalloc.start()
+    try:
+        gc.collect()
+        base = tracemalloc.get_traced_memory()[0]
+        s = ResponseStore(10_000, budget=budget)
+        first = [{"role": "user", "content": ""} for _ in range(2000)]
+        rid = _answered(s, {"input": first})["id"]
+        for i in range(150):
+            rid = _answered(s, {"input": f"{i}", "previous_response_id": rid})["id"]
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    assert held <= 1.25 * s.nbytes and s.nbytes <= budget, (held, s.nbytes)
+    history = s.get(rid)[1].conversation()
+    assert len(history) == 2001 + 2 * 150 and [m["content"] for m in history[-3:]] == ["ok", "149", "ok"]
+    # a budget that keeps only the last few responses: the last one still carries the whole conversation
+    small = ResponseStore(10_000, budget=400_000)
+    rid = _answered(small, {"input": [{"role": "user", "content": "q" * 50_000}]})["id"]
+    for i in range(100):
+        rid = _answered(small, {"input": "z" * 1000, "previous_response_id": rid})["id"]
+    assert len(small) < 100 and small.nbytes <= 400_000
+    history = small.get(rid)[1].conversation()
+    assert history[0]["content"] == "q" * 50_000 and len(history) == 2 + 2 * 100
 
 
 def test_metadata_is_held_to_openais_limits(smol):

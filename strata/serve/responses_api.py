@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import sys
 import time
 import uuid
 from collections import OrderedDict
@@ -35,53 +36,95 @@ TEXT_PARTS = ("input_text", "output_text", "text")
 ITEM_PREFIX = {"reasoning": "rs", "text": "msg", "call": "fc"}
 
 
+def held_bytes(obj) -> int:
+    """The memory a parsed JSON value holds: the sizes of its dicts, lists, strings and numbers (strings and
+    numbers it shares with other values counted again, so it errs high)."""
+    n, todo = 0, [obj]
+    while todo:
+        o = todo.pop()
+        n += sys.getsizeof(o)
+        if isinstance(o, dict):
+            todo.extend(o.keys())
+            todo.extend(o.values())
+        elif isinstance(o, list):
+            todo.extend(o)
+    return n
+
+
+class Turn:
+    """The messages one stored response added to its conversation (the request's input and the answer), after
+    the turn of the response it continued (`parent`, None for a first turn). A conversation is the chain of its
+    turns, so each message is held once however many responses of the chain are kept."""
+    __slots__ = ("parent", "messages", "cost", "refs")
+
+    def __init__(self, parent: Turn | None, messages: list[dict]):
+        self.parent, self.messages = parent, messages
+        self.cost = held_bytes(messages) + sys.getsizeof(self)
+        self.refs = 0
+
+    def conversation(self) -> list[dict]:
+        """Every message of the chain, the first turn's first."""
+        turns, t = [], self
+        while t is not None:
+            turns.append(t.messages)
+            t = t.parent
+        return [m for ms in reversed(turns) for m in ms]
+
+
 class ResponseStore:
-    """Responses kept for previous_response_id and GET: id -> (the response object, the conversation after it as
-    chat messages). At most `size` of them (0: none) and `budget` bytes of their JSON, the least recently used
-    (created, read, or continued through previous_response_id) dropped first. A chain of responses shares its
-    messages' objects, so a long conversation's text is held, and counted, once."""
+    """Responses kept for previous_response_id and GET: id -> (the response object, its Turn). At most `size` of
+    them (0: none) and `budget` bytes of what they hold (the response objects and every turn a kept response's
+    chain reaches, each counted once), the least recently used (created, read, or continued through
+    previous_response_id) dropped first. A turn lives while a kept response (or a later turn) refers to it: dropping
+    a response never cuts its children's conversations short, and a response dropped is a 404 to continue."""
+
+    ENTRY_COST = 200                               # the index's own bytes per entry: key, tuple, ordered-dict slot
 
     def __init__(self, size: int, budget: int = 256 << 20):
         self.size, self.budget = size, budget
-        self._d: OrderedDict[str, tuple[dict, list[dict], int]] = OrderedDict()
-        self._held: dict[int, list] = {}          # id(message) -> [references, bytes, message]
+        self._d: OrderedDict[str, tuple[dict, Turn, int]] = OrderedDict()
         self.nbytes = 0
 
-    @staticmethod
-    def _size(obj) -> int:
-        return len(json.dumps(obj))
+    def _hold(self, t: Turn | None) -> None:
+        while t is not None:
+            t.refs += 1
+            if t.refs > 1:
+                return
+            self.nbytes += t.cost                  # newly held: it holds its parent in turn
+            t = t.parent
 
-    def put(self, rid: str, response: dict, messages: list[dict]) -> None:
+    def _release(self, t: Turn | None) -> None:
+        while t is not None:
+            t.refs -= 1
+            if t.refs > 0:
+                return
+            self.nbytes -= t.cost
+            t = t.parent
+
+    def put(self, rid: str, response: dict, messages: list[dict], parent: Turn | None = None) -> None:
+        """Keep `response`, whose conversation is parent's followed by `messages` (the ones it added)."""
         if self.size <= 0:
             return
         self.delete(rid)
-        cost = self._size(response)
+        turn = Turn(parent, messages)
+        cost = held_bytes(response) + len(rid) + self.ENTRY_COST
+        self._hold(turn)
         self.nbytes += cost
-        for m in messages:
-            h = self._held.get(id(m))
-            if h is None:
-                h = self._held[id(m)] = [0, self._size(m), m]
-                self.nbytes += h[1]
-            h[0] += 1
-        self._d[rid] = (response, messages, cost)
+        self._d[rid] = (response, turn, cost)
         while self._d and (len(self._d) > self.size or self.nbytes > self.budget):
             self._drop(next(iter(self._d)))
 
     def _drop(self, rid: str) -> None:
-        _response, messages, cost = self._d.pop(rid)
+        _response, turn, cost = self._d.pop(rid)
         self.nbytes -= cost
-        for m in messages:
-            h = self._held[id(m)]
-            h[0] -= 1
-            if h[0] == 0:
-                del self._held[id(m)]
-                self.nbytes -= h[1]
+        self._release(turn)
 
     def stats(self) -> dict:
         return {"entries": len(self._d), "bytes": self.nbytes, "budget": self.budget, "max_entries": self.size}
 
-    def get(self, rid: str, touch: bool = True) -> tuple[dict, list[dict]] | None:
-        """The entry of rid, or None; touch: count this as a use (a request that fails validation does not)."""
+    def get(self, rid: str, touch: bool = True) -> tuple[dict, Turn] | None:
+        """The response of rid and its turn (Turn.conversation: the messages after it), or None; touch: count this
+        as a use (a request that fails validation does not)."""
         entry = self._d.get(rid)
         if entry is not None and touch:
             self._d.move_to_end(rid)
@@ -123,7 +166,8 @@ def _metadata(md) -> dict | None:
 
 def _not_found(rid: str, param: str | None = None) -> ApiError:
     return ApiError(404, f"response '{quoted(rid, 80)}' not found: it was never stored (store false), was deleted, "
-                         f"or was dropped from the store (--responses-store keeps the most recent)", param=param,
+                         f"or was dropped from the store (--responses-store and --responses-store-mib keep the most "
+                         f"recent)", param=param,
                     code="previous_response_not_found" if param else "not_found")
 
 
@@ -138,6 +182,9 @@ class ResponsesRequest:
     echo: dict = field(default_factory=dict)
     #: the chat route's name of each tool call's arguments from this request's input -> the input item's
     arguments_at: dict[str, str] = field(default_factory=dict)
+    #: the turn of the response this one continues (None: a new conversation) and this request's input messages
+    parent: Turn | None = None
+    new: list[dict] = field(default_factory=list)
 
 
 def _text(content, where: str) -> str:
@@ -247,13 +294,15 @@ def parse(body: dict, store: ResponseStore) -> ResponsesRequest:
         raise _bad("instructions", f"must be a string, got {schema._tname(instructions)}")
     prev_id = body.get("previous_response_id")
     history: list[dict] = []
+    parent = None
     if prev_id is not None:
         if not isinstance(prev_id, str):
             raise _bad("previous_response_id", f"must be a string, got {schema._tname(prev_id)}")
         entry = store.get(prev_id, touch=False)        # used once the answer is done (bad input changes nothing)
         if entry is None:
             raise _not_found(prev_id, "previous_response_id")
-        history = entry[1]
+        parent = entry[1]
+        history = parent.conversation()
     history = history + new
     keep = schema._opt_bool(body, "store", True)
     max_out = schema._opt_int(body, "max_output_tokens", 1)
@@ -283,7 +332,7 @@ def parse(body: dict, store: ResponseStore) -> ResponsesRequest:
     before = len(history) - len(new) + (instructions is not None)        # messages ahead of this request's input
     arguments_at = {f"messages[{i + before}].tool_calls[{j}].function.arguments": f"{where}.arguments"
                     for (i, j), where in calls_at.items()}
-    return ResponsesRequest(p, history, keep, echo, arguments_at)
+    return ResponsesRequest(p, history, keep, echo, arguments_at, parent, new)
 
 
 # chat-route field names in errors -> the Responses API's
@@ -374,7 +423,7 @@ class _Response:
             msg = {"role": "assistant", "content": ab.text()}
             if calls:
                 msg["tool_calls"] = calls
-            self.store.put(self.id, d, self.req.history + [msg])
+            self.store.put(self.id, d, self.req.new + [msg], self.req.parent)
         return d
 
     def event(self, kind: str, **data) -> tuple[str, dict]:
