@@ -318,3 +318,16 @@ def test_generate_with_lookup_drafts_prints_them(tmp_path):
     assert bad.stderr.strip().splitlines()[-1].startswith("strata generate: error: argument --spec-draft")
     assert_one_line_error(strata(*args, "--spec", "3", "--spec-ngram-min", "5", "--spec-ngram-max", "3"),
                           "--spec-ngram-min")
+
+
+def test_an_unreachable_remote_stage_is_one_line(tmp_path):
+    """generate with --remote-stage at a port nothing listens on: one line naming the worker, no traceback."""
+    import socket
+    from strata.gguf import synth
+    model = synth.write_synthetic(tmp_path / "m.gguf", synth.preset("llama", "tiny", seed=3))
+    with socket.socket() as s:         # a free loopback port, closed again before the run
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    p = strata("generate", "--model", str(model), "--device", "cpu", "--remote-stage", f"127.0.0.1:{port}",
+               "--layer-split", "1", "--prompt", "hi", timeout=120)
+    assert_one_line_error(p, f"worker 127.0.0.1:{port}", "cannot connect")

@@ -132,3 +132,26 @@ def test_skewed_routers_concentrate_and_follow_the_topic(tmp_path, monkeypatch):
     assert max(share["", 0], share["", 1]) < 0.45
     assert min(share["1.2", 0], share["1.2", 1]) > 0.6
     assert len(hot["1.2", 0] & hot["1.2", 1]) <= 10
+
+
+def test_synth_tool_writes_a_chat_template_and_refuses_bad_input_in_one_line(tmp_path):
+    """tools/synth_gguf.py --chat-template FILE puts the file's text in tokenizer.chat_template; a missing file and
+    a --set value of the wrong type are one line each, with no file written."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from strata.gguf.file import open_gguf
+    root = Path(__file__).resolve().parents[1]
+    tpl = root / "tests/data/templates/Qwen3.5-4B.jinja"
+    tool = [sys.executable, str(root / "tools/synth_gguf.py"), "llama"]
+    out = tmp_path / "t.gguf"
+    p = subprocess.run([*tool, str(out), "--chat-template", str(tpl)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert open_gguf(str(out)).metadata["tokenizer.chat_template"] == tpl.read_text()
+    for extra, needle in ((["--chat-template", str(tmp_path / "nope.jinja")], "--chat-template"),
+                          (["--set", "n_layer=abc"], "--set n_layer")):
+        bad = tmp_path / "bad.gguf"
+        p = subprocess.run([*tool, str(bad), *extra], capture_output=True, text=True, timeout=120)
+        err = p.stderr.strip()
+        assert p.returncode != 0 and len(err.splitlines()) == 1 and needle in err and not bad.exists(), err

@@ -4,6 +4,7 @@ Examples:
     PYTHONPATH=. python tools/synth_gguf.py qwen3next /tmp/tiny.gguf                       # tiny, < 5 MB
     PYTHONPATH=. python tools/synth_gguf.py qwen35moe /tmp/big.gguf --size large --qtype Q8_0
     PYTHONPATH=. python tools/synth_gguf.py qwen35 /tmp/m.gguf --set n_layer=8 --set n_embd=256 --hf-out /tmp/m_hf
+    PYTHONPATH=. python tools/synth_gguf.py qwen35 /tmp/q.gguf --chat-template tests/data/templates/Qwen3.5-4B.jinja
     PYTHONPATH=. python tools/synth_gguf.py qwen35moe /tmp/skew.gguf --set n_expert=128 --set n_expert_used=8 \
         --set router_zipf=1.2 --set router_topics=4          # skewed routers whose hot set follows the topic
 --hf-out also writes the same weights for transformers (config.json + model.safetensors-like torch file).
@@ -31,8 +32,11 @@ def _parse_set(items: list[str]) -> dict:
         if k not in types:
             raise SystemExit(f"unknown spec field {k!r}; fields: {', '.join(types)}")
         t = types[k]
-        out[k] = (v.lower() in ("1", "true", "yes")) if t in (bool, "bool") else \
-            int(v) if t in (int, "int") else float(v) if t in (float, "float") else v
+        try:
+            out[k] = (v.lower() in ("1", "true", "yes")) if t in (bool, "bool") else \
+                int(v) if t in (int, "int") else float(v) if t in (float, "float") else v
+        except ValueError:
+            raise SystemExit(f"--set {k}: not a {getattr(t, '__name__', t)}: {v!r}") from None
     return out
 
 
@@ -46,15 +50,25 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a SynthSpec field")
     ap.add_argument("--hf-out", type=Path, help="directory for the transformers export (config.json, weights.pt)")
+    ap.add_argument("--chat-template", type=Path, metavar="FILE",
+                    help="a jinja file written as the model's tokenizer.chat_template (default: the default model's), "
+                         "e.g. tests/data/templates/Qwen3.5-4B.jinja")
     a = ap.parse_args(argv)
     kw = _parse_set(a.set)
     if a.qtype:
         kw["qtype"] = a.qtype
     if a.embd_qtype:
         kw["embd_qtype"] = a.embd_qtype
+    overrides = None
+    if a.chat_template:
+        try:
+            overrides = {"tokenizer.chat_template": a.chat_template.read_text()}
+        except OSError as e:
+            print(f"error: --chat-template: {e.strerror}: {a.chat_template}", file=sys.stderr)
+            return 2
     try:
         spec = synth.preset(a.arch, a.size, seed=a.seed, **kw)
-        path = synth.write_synthetic(a.out, spec, progress=a.size != "tiny")
+        path = synth.write_synthetic(a.out, spec, progress=a.size != "tiny", overrides=overrides)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -55,7 +55,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--spec-draft", default=D.spec.draft, choices=DRAFTERS,
                    help="what drafts: 'mtp' (the model's MTP head; a model without one refuses), 'lookup' (copied "
                         "from where the conversation's own tokens continued its last few before: prompt lookup, no "
-                        "second model), 'auto' (default: mtp where the model has an MTP head, else lookup)")
+                        "second model), 'auto' (default: mtp where the model has an MTP head, else lookup); drafts only "
+                        "with --spec N > 0")
     s.add_argument("--spec-min-p", type=float, default=D.spec.min_p, metavar="P",
                    help="stop drafting at a draft whose MTP draft probability is below P (default %(default)s)")
     s.add_argument("--spec-ngram-min", type=_nonneg_int, default=D.spec.ngram_min, metavar="N",

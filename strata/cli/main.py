@@ -190,9 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _known_errors() -> tuple[type[BaseException], ...]:
+    from strata.errors import Unavailable
     from strata.gguf.config import ConfigError
     from strata.gguf.file import ModelLoadError
-    return (CliError, OSError, ValueError, ModelLoadError, ConfigError)
+    return (CliError, OSError, ValueError, ModelLoadError, ConfigError, Unavailable)
 
 
 def _one_line(e: BaseException) -> str:
