@@ -225,6 +225,7 @@ def test_errors_in_openai_shape(smol):
         ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, 400,
          "'text.format': invalid JSON schema"),
         ({"input": "x", "previous_response_id": 7}, 400, "'previous_response_id' must be a string"),
+        ({"input": "x", "previous_response_id": ""}, 400, "'previous_response_id' must be a response id"),
     ]
     for body, status, needle in bad:
         st, d = smol.json("POST", "/v1/responses", body)

@@ -298,6 +298,8 @@ def parse(body: dict, store: ResponseStore) -> ResponsesRequest:
     if prev_id is not None:
         if not isinstance(prev_id, str):
             raise _bad("previous_response_id", f"must be a string, got {schema._tname(prev_id)}")
+        if not prev_id:
+            raise _bad("previous_response_id", "must be a response id (resp_...), got an empty string")
         entry = store.get(prev_id, touch=False)        # used once the answer is done (bad input changes nothing)
         if entry is None:
             raise _not_found(prev_id, "previous_response_id")
