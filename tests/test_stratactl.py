@@ -52,6 +52,7 @@ def test_chat_one_shot_then_status_cache_metrics(daemon):
     assert d["timings"]["cache_n"] > 0                                       # the second read resumed
     r = ctl(daemon, "status")
     assert r.returncode == 0 and "SmolLM2-135M-Instruct.Q4_1" in r.stdout and "queue" in r.stdout
+    assert "speculation    off (--spec 0)" in r.stdout and "kept (--responses-store 256)" in r.stdout
     s = json.loads(ctl(daemon, "--json", "status").stdout)
     assert s["engine"]["n_ctx"] == 512 and s["queue"]["waiting"] == 0
     r = ctl(daemon, "cache")
@@ -401,3 +402,14 @@ def test_metrics_text_is_printed_escaped(tmp_path):
         assert b"\\u001b[2J\\u009b\\u0007 help" in r.stdout
     finally:
         stop.set()
+
+
+def test_status_lines_for_speculation_and_the_responses_store():
+    """stratactl status's lines for /status's engine.spec and responses_store, from the fields the daemon sends."""
+    from strata.cli import ctl as c
+    sp = {"n": 3, "draft": "lookup", "drafted": 12, "accepted": 9, "verifies": 5, "acceptance_rate": 0.75}
+    assert c._spec_line(sp) == "--spec 3 (lookup drafts): 12 drafted, 9 accepted (75.0 %) in 5 verifies"
+    assert c._spec_line({"n": 0, "draft": None}) == c._spec_line(None) == "off (--spec 0)"
+    line = c._responses_line({"entries": 4, "bytes": 2048, "budget": 256 << 20, "max_entries": 4})
+    assert line.startswith("4 kept (--responses-store 4), 2") and "(--responses-store-mib)" in line
+    assert c._responses_line(None) == "-"

@@ -317,6 +317,8 @@ def cmd_status(c: Client, args) -> int:
                         "conversations' own are counted below)"),
         ("parked", _parked_line(e)),
         ("session files", _session_line(e.get("session_files"))),
+        ("speculation", _spec_line(e.get("spec"))),
+        ("responses", _responses_line(d.get("responses_store"))),
         ("device", _device_line(d.get("device") or {})),
         ("memory", f"weights {_human_bytes(mem.get('weights_bytes'))}, KV pool {_human_bytes(mem.get('kv_pool_bytes'))}, "
                    f"RSS {_human_bytes(mem.get('rss_bytes'))}"),
@@ -365,6 +367,22 @@ def _session_line(sf) -> str:
     q = sf.get("quota_bytes")
     return (f"{sf.get('files')} files, {_human_bytes(sf.get('bytes'))}"
             + (f" of {_human_bytes(q)} (--slot-quota-mib)" if q else " (no quota)"))
+
+
+def _spec_line(sp) -> str:
+    """/status's engine.spec: the drafter and its totals since the start (warm-up included)."""
+    if not isinstance(sp, dict) or not sp.get("n"):
+        return "off (--spec 0)"
+    return (f"--spec {sp.get('n')} ({sp.get('draft')} drafts): {sp.get('drafted')} drafted, {sp.get('accepted')} "
+            f"accepted ({_rate(sp.get('acceptance_rate'))}) in {sp.get('verifies')} verifies")
+
+
+def _responses_line(rs) -> str:
+    """/status's responses_store: the kept /v1/responses against their two bounds."""
+    if not isinstance(rs, dict):
+        return "-"
+    return (f"{rs.get('entries')} kept (--responses-store {rs.get('max_entries')}), {_human_bytes(rs.get('bytes'))} "
+            f"of {_human_bytes(rs.get('budget'))} (--responses-store-mib)")
 
 
 def _rate(x) -> str:
