@@ -99,11 +99,11 @@ def test_unknown_architecture(tmp_path):
 def test_unsupported_quant_type(tmp_path):
     import gguf
     path = tmp_path / "iq.gguf"
-    # one row of 256 IQ2_XXS elements: a type the C core does not implement
-    n_el, n_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.IQ2_XXS]
+    # one row of 256 TQ1_0 elements: a type the C core does not implement (ternary, llama.cpp's TQ1_0)
+    n_el, n_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.TQ1_0]
     raw = np.zeros((1, n_bytes), np.uint8)
-    _write_gguf(path, "llama", [("token_embd.weight", raw, gguf.GGMLQuantizationType.IQ2_XXS)])
-    assert_one_line_error(strata("generate", "--prompt", "hi", "--model", str(path)), "IQ2_XXS")
+    _write_gguf(path, "llama", [("token_embd.weight", raw, gguf.GGMLQuantizationType.TQ1_0)])
+    assert_one_line_error(strata("generate", "--prompt", "hi", "--model", str(path)), "TQ1_0")
 
 
 def test_missing_default_model():
