@@ -107,9 +107,10 @@ def interleaved(engine) -> list:
 
 
 def test_a_sub_agents_checkpoint_survives_its_parents_turn_over_the_link(workers, synthetic):
-    """The hybrid (no cut back: only checkpoints resume it): each chat's second turn resumes from its own first
-    turn's checkpoint although the other chat ran in between, on the worker's part too (its store holds the pages of
-    both branches), as one process does."""
+    """The hybrid (no cut back: only a checkpoint or the parked conversation resumes it): each chat's second turn
+    resumes from its own first turn (the conversation parked resident when the other chat took the sequence, or its
+    checkpoint) although the other chat ran in between, on the worker's part too (its store holds the pages of both
+    branches), as one process does."""
     path = str(synthetic("qwen35", seed=11, n_mtp=0))
     one = Engine(path, n_ctx=N_CTX, prompt_cache=6)
     n_blocks = one.stages[0].carve.hi
@@ -122,7 +123,7 @@ def test_a_sub_agents_checkpoint_survives_its_parents_turn_over_the_link(workers
     finally:
         e.close()
     assert got == ref
-    assert [src for _, src, _ in got[2:]] == ["checkpoint", "checkpoint"]
+    assert all(src in ("resident", "checkpoint") for _, src, _ in got[2:]), got
     assert all(pos > root for _, _, pos in got[2:]), (got, root)      # past the shared system prompt
 
 
