@@ -95,15 +95,17 @@ static const st_kernels *pick(const char *name) {
 
 static void init_once(void) {
     for (uint32_t i = 0; i < 65536; i++) st_fp16_table[i] = st_h2f_compute((uint16_t)i);
+    /* every table this CPU can run is filled here, once (a later pick() only reads); a set the CPU lacks is never
+       touched: its table fill is compiled for its own instructions (gcc vectorizes it with them) */
     (void)st_kernels_portable();
 #if defined(__x86_64__) || defined(_M_X64)
-    (void)st_kernels_avx2();
+    if (strata_cpu_has_avx2()) (void)st_kernels_avx2();
 #endif
 #if ST_HAVE_AVXVNNI
-    (void)st_kernels_avxvnni();
+    if (strata_cpu_has_avxvnni()) (void)st_kernels_avxvnni();
 #endif
 #if ST_HAVE_AVX512
-    (void)st_kernels_avx512();
+    if (strata_cpu_has_avx512()) (void)st_kernels_avx512();
 #endif
     const st_kernels *k = pick(getenv("STRATA_CPU_PATH"));
     g_k = k ? k : pick("auto");
