@@ -10,6 +10,8 @@ running state kept in the sequence's kept slots on the device, and the Commit ta
 * greedy --spec 1..4 at acceptance 1, 0.6 and 0 (an oracle drafter: the recorded --spec 0 continuation, each
   drafted position kept with that probability) emits --spec 0's tokens and leaves the same K/V and running state,
   on one stage, two stages (each with a GDN layer) and two stages whose second holds only attention;
+* lookup drafts on a llama (attention only: a Commit cuts the K/V back) on one and two stages, at full, partial and
+  no acceptance: --spec 0's tokens and K/V;
 * a greedy verify without penalties or logprobs is judged from each row's greedy pick taken on the device (the rows
   left there are the host rows' bits), any other from host rows, both emitting --spec 0's tokens.
 Skips without a GPU.
@@ -298,3 +300,25 @@ def test_copy_many_copies_every_pair():
     np.testing.assert_array_equal(cp.asnumpy(out), cp.asnumpy(big[3]))
     with pytest.raises(ValueError, match="pair 0"):
         be.copy_many([(out, big[:2])])
+
+
+@pytest.mark.parametrize("split", [None, "2"], ids=["1stage", "2stages"])
+def test_lookup_drafts_on_a_llama_equal_spec0(tmp_path, split):
+    """--spec 3 --spec-draft lookup on a synthetic llama on CUDA stages emits --spec 0's tokens and leaves its K/V,
+    at the lookup's own acceptance and with its drafts spoiled to partial and no acceptance."""
+    from strata.gguf import synth
+    from tests.test_spec_lookup import _spoil
+    path = synth.write_synthetic(tmp_path / "llama.gguf", synth.preset("llama", "tiny", n_layer=4, seed=3))
+    block = _prompt(10, 2)
+    prompt = _prompt(9, 1) + block + _prompt(4, 3) + block[:5]
+    base = _engine(path, split)
+    ref, _ = _run(base, prompt, max_tokens=24)
+    ref_state = _state(base.seq)
+    e = _engine(path, split, spec=3, spec_draft="lookup")
+    for rate in (None, 0.5, 0.0):
+        if rate is not None:
+            _spoil(e, rate, seed=1)
+        got, fin = _run(e, prompt, max_tokens=24, cache_prompt=False)
+        assert got == ref, (split, rate)
+        assert _state(e.seq) == ref_state, (split, rate)
+        assert fin[0].timings["draft_n"] > 0, (split, rate)

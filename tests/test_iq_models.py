@@ -1,7 +1,8 @@
 """Models whose matrices are IQ types, on the CPU backend: a synthetic llama whose matrices hold all nine (blocks
 written by strata.gguf.iq_quant) generates the same greedy tokens as a float64 numpy forward on gguf-py's
 dequantization of the same file's tensors, with close logits; the CUDA upload's host conversion of IQ weights to
-F16 equals gguf-py's dequantization rounded to f16."""
+F16 equals gguf-py's dequantization rounded to f16, and on a GPU the same file's greedy answer (prefill GEMMs and the
+decode plan on those F16 copies) matches the CPU's up to a near tie."""
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
@@ -70,8 +71,8 @@ def _forward64(W, toks, spec, last: int) -> np.ndarray:
     return _rms(h[-last:], W["output_norm.weight"], eps) @ W["output.weight"].T
 
 
-def test_iq_model_greedy_tokens_match_float64_reference(tmp_path, monkeypatch):
-    """One file holds every IQ type (its 14 matrices take the nine types in turn, as real IQ files mix types)."""
+def _write_mixed(path, monkeypatch, **over):
+    """A synthetic llama whose 14 matrices take the nine IQ types in turn (as real IQ files mix types): (spec, file)."""
     plain = synth._qtype_for
     names = []
 
@@ -82,9 +83,15 @@ def test_iq_model_greedy_tokens_match_float64_reference(tmp_path, monkeypatch):
         return IQ_TYPES[(len(names) - 1) % len(IQ_TYPES)]
 
     monkeypatch.setattr(synth, "_qtype_for", mixed)
-    spec = synth.preset("llama", qtype="F16", **SPEC)
-    f = open_gguf(synth.write_synthetic(tmp_path / "iq.gguf", spec))
+    spec = synth.preset("llama", qtype="F16", **{**SPEC, **over})
+    f = open_gguf(synth.write_synthetic(path, spec))
     assert {f.tensors[n].ggml_type for n in names} == set(IQ_TYPES)
+    return spec, f
+
+
+def test_iq_model_greedy_tokens_match_float64_reference(tmp_path, monkeypatch):
+    """One file holds every IQ type."""
+    spec, f = _write_mixed(tmp_path / "iq.gguf", monkeypatch)
     m = load_model(f)
     W = _ref_weights(f)
     toks = np.random.default_rng(1).integers(0, m.config.n_vocab, 24).astype(np.int32)
@@ -141,3 +148,30 @@ def test_iq_quantizer_writes_blocks_that_follow_the_values(t):
         quantize(x[:, :48], t)
     with pytest.raises(ValueError, match="only the IQ types, not Q4_K"):
         quantize(x, T.Q4_K)
+
+
+def test_cuda_iq_model_answers_as_the_cpu(tmp_path, monkeypatch):
+    """The mixed IQ file on a GPU (weights converted to F16 at upload) gives the CPU engine's greedy answer, or parts
+    from it only at a near tie of the CPU's logits."""
+    from tests.cuda_marks import CUDA_WHY, NEAR_TIE_LOGIT, assert_parts_at_near_tie
+    if CUDA_WHY is not None:
+        pytest.skip(f"CUDA backend unavailable: {CUDA_WHY}")
+    from strata.engine.engine import Engine
+    from tests.helpers import ask
+    _, f = _write_mixed(tmp_path / "iq.gguf", monkeypatch, n_layer=4, seed=5)
+    path = str(tmp_path / "iq.gguf")
+    prompt = [{"role": "user", "content": "Tell me about rivers and the sea in three sentences."}]
+    got, _ = ask(Engine(path, n_ctx=256, device="cuda"), prompt, n=24)
+    cpu = Engine(path, n_ctx=256, device="cpu")
+    ref, _ = ask(cpu, prompt, n=24)
+    assert len(got) == len(ref) > 0
+
+    def cpu_logits_after(prefix):
+        m = load_model(open_gguf(path))
+        st = m.new_state(m.new_page_pool(256))
+        ids = np.asarray(list(cpu.render_chat(prompt).tokens) + list(prefix), np.int32)
+        lg = m.forward(ids, st)
+        st.release()
+        return np.asarray(lg)
+
+    assert_parts_at_near_tie(got, ref, cpu_logits_after, NEAR_TIE_LOGIT)

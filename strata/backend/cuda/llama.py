@@ -377,3 +377,4 @@ class LlamaPlanModel(PlanModel):
     """The llama family's PlanModel (runner.PlanModel with LlamaCuda plans)."""
 
     plan_class = LlamaCuda
+    keeps_states = True     # a verify (short read) keeps nothing but K/V rows: a Commit cuts the pages back
