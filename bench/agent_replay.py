@@ -38,6 +38,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+from bench.common import commit as bench_commit  # noqa: E402
 
 from strata.engine import Engine                                  # noqa: E402
 from strata.engine.types import GenerationRequest, TokenEvent    # noqa: E402
@@ -435,8 +436,7 @@ def main(argv=None) -> int:
                                                     "-ngl 99 unless cpu)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip() or "unknown"
+    commit = bench_commit()
     if args.concurrent:
         return main_concurrent(args, commit)
     out = Path(args.out or ROOT / "bench" / "results" / f"agent_replay_cpu_{commit}.json")

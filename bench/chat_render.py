@@ -27,13 +27,13 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from bench.common import commit as bench_commit  # noqa: E402
 TEMPLATES = {"qwen3": "Qwen-Qwen3-0.6B.jinja", "qwen3.5": "Qwen3.5-4B.jinja", "qwq": "Qwen-QwQ-32B.jinja"}
 TOOLS = [{"type": "function", "function": {"name": "search_archive", "description": "Search the archive's records.",
                                            "parameters": {"type": "object", "properties": {
@@ -173,8 +173,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from strata.text.chat_template import ChatTemplate
     tok = _tokenizer()
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
+    commit = bench_commit()
     what = "chat_render" if args.cases == ["agent"] else "chat_render_" + "_".join(args.cases)
     out = Path(args.out or ROOT / "bench" / "results" / f"{what}_{commit}.json")
     results = dict(bench="chat_render", commit=commit, machine=platform.machine(), cpus=os.cpu_count(),

@@ -149,7 +149,8 @@ def main(argv=None) -> int:
     ap.add_argument("--only-attn-decode", action="store_true", help="time the decode attention kernels only")
     a = ap.parse_args(argv)
     import cupy as cp
-    from bench.gpu_throughput import commit, copy_bandwidth
+    from bench.common import commit as bench_commit
+    from bench.gpu_throughput import copy_bandwidth
     from strata.backend import cuda as C
     from strata.backend.cuda import library as K
     from strata.backend.cuda import settings as S
@@ -160,7 +161,7 @@ def main(argv=None) -> int:
     props = cp.cuda.runtime.getDeviceProperties(0)
     gpu = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     print(f"GPU {gpu}, copy bandwidth {bw / 1e12:.2f} TB/s, {be.n_sm} SMs", flush=True)
-    res = {"gpu": gpu, "commit": commit(), "copy_bandwidth_Bps": bw, "matvec": [], "attn_decode": [],
+    res = {"gpu": gpu, "commit": bench_commit(), "copy_bandwidth_Bps": bw, "matvec": [], "attn_decode": [],
            "attn_prefill": [], "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     rng = np.random.default_rng(0)
     if a.only_attn_decode:

@@ -29,59 +29,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.common import commit, host_load  # noqa: E402
+
 PROMPTS = (512, 4096, 16384)
 DEPTHS = (0, 4096, 16384)
-
-
-def source_digest() -> str:
-    """sha256 (first 16 hex digits) of the code that ran: every .py / .cu / .cuh / .h / .c file under strata/,
-    native/ and bench/ (path and bytes, sorted). A copy of the working tree whose git HEAD is stale (the device
-    machine's) still names its code: compare with `python -c "from bench.gpu_throughput import source_digest as d;
-    print(d())"` at a checkout."""
-    import hashlib
-    h = hashlib.sha256()
-    files = sorted(p for d in ("strata", "native", "bench") for p in (ROOT / d).rglob("*")
-                   if p.suffix in (".py", ".cu", ".cuh", ".h", ".c") and p.is_file())
-    for p in files:
-        h.update(str(p.relative_to(ROOT)).encode() + b"\0" + p.read_bytes() + b"\0")
-    return h.hexdigest()[:16]
-
-
-def commit() -> str:
-    """The git commit (STRATA_COMMIT overrides) and, after a '+', source_digest(): the device machine's copy of the
-    tree can carry a stale git HEAD, the digest names the code itself."""
-    if os.environ.get("STRATA_COMMIT"):
-        return os.environ["STRATA_COMMIT"] + "+" + source_digest()
-    try:
-        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True).stdout.strip() or "unknown"
-    except OSError:
-        head = "unknown"
-    return head + "+" + source_digest()
-
-
-BUILD_TOOLS = ("cc1plus", "cc1", "nvcc", "cicc", "ptxas", "ld", "make", "gmake", "cmake", "ninja")
-
-
-def host_load(proc: str = "/proc") -> dict:
-    """What else the host is doing: the 1-minute load average, the CPU count and the names of running compiler /
-    build processes (BUILD_TOOLS, read from proc/*/comm). The prefill rows are host-bound (Python launches), so a
-    llama.cpp build running beside the bench lowers them (session 4 on the H200: SmolLM2 prompt 4096 72.5k vs 102.8k
-    tok/s without); the bench records this and warns."""
-    names = []
-    for d in Path(proc).glob("[0-9]*"):
-        try:
-            comm = (d / "comm").read_text().strip()
-        except OSError:
-            continue
-        if comm in BUILD_TOOLS:
-            names.append(comm)
-    try:
-        load = float(Path(proc, "loadavg").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        load = None
-    return {"load_avg_1m": load, "n_cpu": os.cpu_count(), "build_processes": sorted(set(names)),
-            "n_build_processes": len(names)}
 
 
 def copy_bandwidth(cp) -> float:

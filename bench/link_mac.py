@@ -39,6 +39,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+from bench.common import commit as bench_commit  # noqa: E402
 from cpu_throughput import cpu_name  # noqa: E402  -- the CPU's name in the result's file name
 
 import link  # noqa: E402
@@ -254,12 +255,6 @@ def engine_steps(address: str, key_file: str, frames: str, device: str, n_first:
         e.close()
 
 
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main() -> int:
@@ -400,7 +395,7 @@ def main() -> int:
     result = {
         "what": "stage-link frame protection cost on the CPU (link.Channel: AES-256-GCM; mac = GMAC of the frame, "
                 "aead = payload encrypted)",
-        "commit": commit(), "cpu": cpu_name(), "cores": os.cpu_count(), "python": platform.python_version(),
+        "commit": bench_commit(), "cpu": cpu_name(), "cores": os.cpu_count(), "python": platform.python_version(),
         "cryptography": __import__("cryptography").__version__,
         "large_forward": {"tokens": args.tokens, "n_embd": args.big_embd, "frame_bytes": payload.nbytes},
         "candidates_GBps": prim, "sealed_frames": sealed,

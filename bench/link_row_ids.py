@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 from cpu_throughput import cpu_name  # noqa: E402  -- the CPU's name in the result's file name
-from link_mac import _Source, _start_worker, best, commit  # noqa: E402
+from bench.common import commit  # noqa: E402
+from link_mac import _Source, _start_worker, best  # noqa: E402
 
 import link  # noqa: E402
 from link import FRAMES_MAC, BatchForward, BatchResult, BatchRows  # noqa: E402

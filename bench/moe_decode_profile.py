@@ -388,7 +388,8 @@ def main(argv=None) -> int:
 def strata_rows(a, depths: list[int]) -> dict:
     """Strata's rows (module doc) per depth."""
     import cupy as cp
-    from bench.gpu_throughput import commit, copy_bandwidth
+    from bench.common import commit as bench_commit
+    from bench.gpu_throughput import copy_bandwidth
     from strata.backend.cuda import CudaBackend
     from strata.models.registry import load_model
     t0 = time.perf_counter()
@@ -400,7 +401,7 @@ def strata_rows(a, depths: list[int]) -> dict:
     gpu = cp.cuda.runtime.getDeviceProperties(0)["name"]
     gpu = gpu.decode() if isinstance(gpu, bytes) else str(gpu)
     bw = copy_bandwidth(cp)
-    res = {"what": "bench/moe_decode_profile.py", "model": os.path.basename(a.model), "gpu": gpu, "commit": commit(),
+    res = {"what": "bench/moe_decode_profile.py", "model": os.path.basename(a.model), "gpu": gpu, "commit": bench_commit(),
            "copy_bandwidth_Bps": bw, "load_s": round(time.perf_counter() - t0, 1), "n_gen": a.n_gen,
            "shared_rides_along": any(m.ride for m in plan.moe.values()),
            "layers": {"gdn": sum(1 for L in model.layers[plan.lo:plan.hi] if L.recurrent),

@@ -205,9 +205,9 @@ def main(argv=None) -> int:
     props = cp.cuda.runtime.getDeviceProperties(0)
     gpu = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     peak = next((v for k, v in PEAK_INT8_DENSE_TOPS.items() if k in gpu), None)
-    from bench.gpu_throughput import commit
+    from bench.common import commit as bench_commit
     res = {"what": "bench/moe_prefill_profile.py", "label": a.label, "model": os.path.basename(a.model), "gpu": gpu,
-           "commit": commit(), "kernel_library": str(lib_path()), "peak_int8_dense_tops": peak, "layer": [],
+           "commit": bench_commit(), "kernel_library": str(lib_path()), "peak_int8_dense_tops": peak, "layer": [],
            "prompt": None}
     layer_profile(plan, 512, reps=2)                                 # warm-up
     lanes = [x for x in a.lanes.split(",") if x] or [None]

@@ -140,7 +140,7 @@ def llama(bin_path: str, path: str, extra: list[str]) -> dict:
 def strata_arms(a, fracs: list[float]) -> dict:
     """Strata's arms (module doc) on a.gguf (written when missing): the result dict without llama.cpp."""
     import cupy as cp
-    from bench.gpu_throughput import commit
+    from bench.common import commit as bench_commit
     from strata.backend.cuda.moe_tier import TierSettings
     from strata.gguf import synth
     if not os.path.exists(a.gguf):
@@ -150,7 +150,7 @@ def strata_arms(a, fracs: list[float]) -> dict:
         os.replace(a.gguf + ".tmp", a.gguf)
         print(f"wrote {a.gguf} in {time.perf_counter() - t0:.0f} s", flush=True)
     gpu = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
-    res = {"gpu": gpu, "commit": commit(), "spec": SPEC, "workload": {"topics": TOPICS, "warm": WARM,
+    res = {"gpu": gpu, "commit": bench_commit(), "spec": SPEC, "workload": {"topics": TOPICS, "warm": WARM,
            "prompt": PROMPT, "gen": GEN}, "arms": {}}
     arms = [("resident", None, None)]
     for f in fracs:

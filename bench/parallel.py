@@ -291,12 +291,12 @@ def e2e(model: str, ks: list[int], n_predict: int, prompt_tokens: int, threads: 
 
 
 def main_e2e(a) -> int:
-    from gpu_throughput import commit, host_load
+    from bench.common import commit as bench_commit, host_load
     ks = [int(x) for x in a.e2e.split(",")]
     model = model_path(a.models.split(",")[0], Path(a.dir))
     llama = a.llama_server if a.llama_server and os.path.exists(a.llama_server) else None
     device = a.device or "cpu"
-    out = {"what": "bench/parallel.py --e2e", "device": device, "commit": commit(), "model": os.path.basename(model),
+    out = {"what": "bench/parallel.py --e2e", "device": device, "commit": bench_commit(), "model": os.path.basename(model),
            "ks": ks, "n_predict": a.e2e_tokens, "prompt_words": a.e2e_prompt, "threads": a.threads or 2,
            "llama_server": llama, "remote_split": a.e2e_remote, "host_load": host_load()}
     what = "parallel_e2e_remote" if a.e2e_remote else "parallel_e2e"
@@ -333,14 +333,14 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.e2e:
         return main_e2e(a)
-    from gpu_throughput import commit, host_load
+    from bench.common import commit as bench_commit, host_load
     a.device = a.device or "cuda:0"
     device = "cpu" if a.device == "cpu" else a.device if ":" in a.device else f"{a.device}:0"
     if device == "cpu" and a.threads:
         from strata.backend import quant
         quant.set_threads(a.threads)
     ns = [int(x) for x in a.ns.split(",")]
-    out = {"device": device, "commit": commit(), "ns": ns, "steps": a.steps, "reps": a.reps, "depth": a.depth,
+    out = {"device": device, "commit": bench_commit(), "ns": ns, "steps": a.steps, "reps": a.reps, "depth": a.depth,
            "host_load": host_load(), "models": {}}
     if device != "cpu":
         import cupy

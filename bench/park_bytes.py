@@ -10,19 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-
-
-def rss() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
+from bench.common import commit as bench_commit, rss  # noqa: E402
 
 
 def main() -> None:
@@ -57,8 +50,7 @@ def main() -> None:
     parked = [p for p in e.parked() if p["tier"] == "ram"]
     held = sum(p["bytes"] for p in parked)
     needed = sum(p["tokens"] * per_token + running * (1 + p["checkpoints"]) for p in parked)
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip() or "unknown"
+    commit = bench_commit()
     out = {"model": name, "commit": commit, "conversations": a.n, "parked_in_ram": len(parked),
            "mean_tokens": sum(p["tokens"] for p in parked) / max(1, len(parked)),
            "bytes_per_parked": held / max(1, len(parked)), "needed_per_parked": needed / max(1, len(parked)),

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.common import commit as bench_commit  # noqa: E402
 from strata.cache.checkpoints import CheckpointCache  # noqa: E402
 from strata.cache.conversation import Conversation, SavedCheckpoint  # noqa: E402
 from strata.cache.lookup import lookup  # noqa: E402
@@ -97,8 +97,7 @@ def main() -> None:
                       "walk_ms": round(new_ms, 4), "walk_over_scan": round(new_ms / ref_ms, 4)}
         print(f"{name:10s} depth {f.depth:6d}  scan (reference) {ref_ms:9.3f} ms  one walk {new_ms:9.3f} ms  "
               f"ratio {new_ms / ref_ms:.4f}")
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip() or "unknown"
+    commit = bench_commit()
     out = Path(a.out or ROOT / "bench" / "results" /
                f"parked_lookup_{'cut' if a.cut_anywhere else 'nocut'}_{commit}.json")
     out.write_text(json.dumps({"commit": commit, "n_parked": a.n, "prompt_tokens": a.prompt,

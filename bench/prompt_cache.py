@@ -41,6 +41,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.common import commit as bench_commit  # noqa: E402
 import model_clock  # noqa: E402  (bench/model_clock.py)
 from daemons import stop, wait_healthy  # noqa: E402
 
@@ -278,8 +280,7 @@ def main(argv=None) -> int:
     out = Path(args.out or ROOT / "bench" / "results" / ("prompt_cache_e2e.json" if args.e2e else "prompt_cache.json"))
     tmp = Path(tempfile.mkdtemp(prefix="strata-prompt-cache-"))
     model = synthetic_model(args.synthetic, max(args.sizes) + 2048, tmp) if args.synthetic else args.model
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
+    commit = bench_commit()
     results = dict(bench="prompt_cache", mode="e2e" if args.e2e else "engine", label=args.label, commit=commit,
                    model=(f"synthetic {args.synthetic}" + ("" if args.synthetic == "hybrid_1_5b" else " tiny"))
                    if args.synthetic else args.model, device=args.device,

@@ -22,13 +22,7 @@ from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-
-
-def rss() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
+from bench.common import commit as bench_commit, rss  # noqa: E402
 
 
 def load(ref: str | None):
@@ -93,8 +87,7 @@ def main() -> None:
         ref_r, new_r = rows[-2], rows[-1]
         ratio = new_r["rss_growth_bytes"] / max(ref_r["rss_growth_bytes"], 1)
         print(f"{case:10s} RSS this tree / reference: {ratio:.3f}")
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
+    commit = bench_commit()
     dest = Path(a.out) if a.out else ROOT / "bench" / "results" / f"responses_store_memory_{commit}.json"
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(json.dumps({"commit": commit, "reference": a.ref, "turns": a.turns, "rows": rows}, indent=1) + "\n")

@@ -210,7 +210,7 @@ def bench_llama(bin_path: str, path: str, device: str, ns, depths, threads: int)
 def run_arms(a, paths: dict, dev_name: str) -> int:
     """The --arm A/B (module docstring): every arm's bench in a fresh process per round, llama-bench per round."""
     import tempfile
-    from gpu_throughput import commit, host_load
+    from bench.common import commit as bench_commit, host_load
     arms = []
     for spec in a.arm:
         name, _, tree = spec.partition("=")
@@ -219,7 +219,7 @@ def run_arms(a, paths: dict, dev_name: str) -> int:
         arms.append((name, str(Path(tree).resolve())))
     ns = [int(x) for x in a.ns.split(",") if x]
     depths = [int(x) for x in a.depths.split(",") if x]
-    out = {"commit": commit(), "device": dev_name, "arms": dict(arms), "ns": ns, "depths": depths, "reps": a.reps,
+    out = {"commit": bench_commit(), "device": dev_name, "arms": dict(arms), "ns": ns, "depths": depths, "reps": a.reps,
            "rounds": a.rounds, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "host_at_start": host_load(), "runs": {n: [] for n, _ in arms}, "llama.cpp": {}}
     tmp = Path(tempfile.mkdtemp(prefix="short_read_ab_"))
@@ -296,7 +296,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.arm and len(a.arm) < 2:
         ap.error("--arm: name two trees or more")
-    from gpu_throughput import commit, copy_bandwidth, host_load
+    from bench.common import commit as bench_commit, host_load  # noqa: E402
+    from bench.gpu_throughput import copy_bandwidth
     from strata.gguf.default_model import default_model_path
     from tools.greedy_tokens import model_path
     ns = [int(x) for x in a.ns.split(",") if x]
@@ -317,7 +318,7 @@ def main(argv=None) -> int:
     if a.arm:
         return run_arms(a, paths, dev_name)
     print(f"{dev_name}: copy bandwidth {bw / 1e9:.1f} GB/s", flush=True)
-    out = {"commit": commit(), "device": dev_name, "copy_bandwidth_Bps": bw, "ns": ns, "depths": depths,
+    out = {"commit": bench_commit(), "device": dev_name, "copy_bandwidth_Bps": bw, "ns": ns, "depths": depths,
            "reps": a.reps, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host_at_start": host_load(),
            "models": {}}
     for name, path in paths.items():

@@ -196,7 +196,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     import cupy as cp
-    from gpu_throughput import commit
+    from bench.common import commit as bench_commit
     from strata.gguf.default_model import default_model_path
     from tools.greedy_tokens import model_path
     ns = [int(x) for x in a.ns.split(",") if x]
@@ -204,7 +204,7 @@ def main(argv=None) -> int:
     os.makedirs(a.dir, exist_ok=True)
     props = cp.cuda.runtime.getDeviceProperties(0)
     dev = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
-    out = {"commit": commit(), "device": dev, "ns": ns, "depths": depths, "models": {}}
+    out = {"commit": bench_commit(), "device": dev, "ns": ns, "depths": depths, "models": {}}
     for m in (x for x in a.models.split(",") if x):
         path = str(default_model_path()) if m == "default" else model_path(m, Path(a.dir))
         print(f"model {m} ({path})", flush=True)

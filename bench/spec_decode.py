@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,6 +37,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from bench.common import commit as bench_commit  # noqa: E402
 
 from strata.engine.engine import Engine                      # noqa: E402
 from strata.engine.spec_policy import AdaptiveN              # noqa: E402
@@ -45,11 +45,6 @@ from strata.engine.types import FinalEvent, GenerationRequest  # noqa: E402
 from strata.gguf import synth                                # noqa: E402
 
 
-def commit_id() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 class Oracle:
@@ -350,7 +345,7 @@ def main() -> int:
     prompt = [int(t) for t in np.random.default_rng(3).integers(0, 1000, args.prompt)]
     if args.parallel > 1:
         kw["n_ctx"] = max(256, args.prompt + args.tokens + 32)     # a KV page (256 tokens) per slot at least
-        res = {"device": device, "model": path.name, "commit": commit_id(), "tokens": args.tokens,
+        res = {"device": device, "model": path.name, "commit": bench_commit(), "tokens": args.tokens,
                "prompt": args.prompt, "reps": args.reps, **parallel_arms(path, kw, args.parallel, ns, rates, args)}
         res["threads"] = int(kw.get("threads") or 0) or None
         out = Path(args.out) if args.out else (ROOT / "bench" / "results" /
@@ -372,7 +367,7 @@ def main() -> int:
         return max(tps)
 
     baseline()                                    # warm: the first runs after a load are slower
-    res = {"device": device_name(base, device), "model": path.name, "commit": commit_id(), "tokens": args.tokens, "prompt": args.prompt,
+    res = {"device": device_name(base, device), "model": path.name, "commit": bench_commit(), "tokens": args.tokens, "prompt": args.prompt,
            "threads": base.threads, "reps": args.reps, "spec0_tok_s": baseline(), "runs": []}
     e = Engine(path, spec=max(ns), **kw)           # one engine for every arm: its decoder's N set per arm
     adaptive = AdaptiveN(max(ns))                  # its estimates carry over from one rate's runs to the next

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.common import commit as bench_commit  # noqa: E402
 from strata.engine.engine import Engine                      # noqa: E402
 from strata.engine.types import FinalEvent, GenerationRequest  # noqa: E402
 
@@ -70,11 +70,6 @@ WORKLOADS = {
 }
 
 
-def commit_id() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def run(engine, prompt, tokens):
@@ -152,7 +147,7 @@ def main() -> int:
     arms[f"adaptive N<={max(ns)}"] = Engine(**common, spec=max(ns), spec_draft="lookup", spec_adaptive=True,
                                            spec_ngram_min=args.ngram_min, spec_ngram_max=args.ngram_max)
     results: dict = {}
-    t_start, commit = time.time(), commit_id()          # the code measured (a commit made while it runs is not)
+    t_start, commit = time.time(), bench_commit()          # the code measured (a commit made while it runs is not)
     code_prompt = base.render_chat([{"role": "user", "content": WORKLOADS["code_repeat"]}]).tokens
     first = next(iter(arms.values()))
     costs = micro(first, code_prompt, sorted(set(ns) | {1, 3}), (args.ngram_min, args.ngram_max))

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +31,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from bench.common import commit as bench_commit  # noqa: E402
 
 from strata.engine.spec_policy import AdaptiveN  # noqa: E402
 
@@ -40,11 +40,6 @@ RATES = "0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,0.95"
 CHANGES = "0.9>0.3,0.3>0.9,0.95>0.5>0.95"
 
 
-def commit_id() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 @dataclass
@@ -234,7 +229,7 @@ def main() -> int:
     low = [r["policy_over_n0"] for r in rows if ">" not in r["scenario"] and r["best_fixed"] == 0]
     print(f"worst policy/best over constant rates: {worst:.3f}; policy/N=0 where N=0 is best: "
           f"{min(low) if low else float('nan'):.3f}")
-    out_doc = {"commit": commit_id(), "costs": {"source": costs.source, "step_ms": costs.step * 1e3,
+    out_doc = {"commit": bench_commit(), "costs": {"source": costs.source, "step_ms": costs.step * 1e3,
                                                "step_drafter_on_ms": costs.step_drafter_on * 1e3,
                                                "draft_ms": {k: v * 1e3 for k, v in costs.draft.items()},
                                                "verify_ms": {k: v * 1e3 for k, v in costs.verify.items()},

@@ -34,6 +34,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench.common import commit as bench_commit  # noqa: E402
 sys.path.insert(0, str(ROOT / "bench"))
 from daemons import free_port  # noqa: E402  (bench/daemons.py)
 
@@ -192,12 +194,6 @@ def best(fn, repeats: int, *args) -> tuple[float, list[float]]:
     return min(runs), runs
 
 
-def _git_rev() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main(argv=None) -> int:
@@ -252,7 +248,7 @@ def main(argv=None) -> int:
         print(f"\n{note}")
     out = a.before if a.save_before else a.out
     out.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"bench": "startup", "rev": _git_rev(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": platform.node(),
+    doc = {"bench": "startup", "rev": bench_commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": platform.node(),
            "cpu_count": os.cpu_count(), "threads": a.threads, "repeats": a.repeats, "python": platform.python_version(),
            "llama_cpp_note": note, "rows": rows}
     if before and not a.save_before:

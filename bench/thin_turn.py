@@ -38,7 +38,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+from bench.common import commit as bench_commit  # noqa: E402
 import model_clock  # noqa: E402  (bench/model_clock.py)
 from daemons import free_port, stop, wait_healthy  # noqa: E402
 from prompt_cache import SENTENCES, system_prompt  # noqa: E402  (the same archive text)
@@ -167,8 +169,7 @@ def main(argv=None) -> int:
     if args.threads is None and args.device == "cpu":
         args.threads = 1
     tmp = Path(tempfile.mkdtemp(prefix="strata-thin-turn-"))
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
+    commit = bench_commit()
     if args.model:
         model, model_name = args.model, Path(args.model).stem
     else:

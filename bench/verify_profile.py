@@ -31,7 +31,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.spec_decode import commit_id, device_name, write_model   # noqa: E402
+from bench.common import commit as bench_commit  # noqa: E402
+from bench.spec_decode import device_name, write_model   # noqa: E402
 from strata.engine.engine import Engine                              # noqa: E402
 
 #: launcher names that are queries, not launches
@@ -195,7 +196,7 @@ def main() -> int:
     for fn in reads_by.values():                      # capture every graph once before timing
         seq.restore(ck)
         fn()
-    res = {"device": device_name(e, "cuda:0"), "model": path.name, "commit": commit_id(), "prompt": args.prompt,
+    res = {"device": device_name(e, "cuda:0"), "model": path.name, "commit": bench_commit(), "prompt": args.prompt,
            "reps": args.reps, "reads": {}}
     for name, fn in reads_by.items():
         wall, graph = measure(fn)

@@ -42,9 +42,9 @@ def test_glu_pairs_per_warp(n_ff, n_sm, want, monkeypatch):
 
 
 def test_bench_host_load_names_build_processes(tmp_path):
-    """bench/gpu_throughput.host_load reads a proc tree: the build tools running and the load average (the bench
+    """bench/common.host_load reads a proc tree: the build tools running and the load average (the bench
     warns when a compiler runs beside it: its prefill rows are host-bound)."""
-    from bench.gpu_throughput import host_load
+    from bench.common import host_load
     for pid, comm in ((1, "systemd"), (7, "cc1plus"), (8, "cc1plus"), (9, "nvcc"), (10, "python3")):
         (tmp_path / str(pid)).mkdir()
         (tmp_path / str(pid) / "comm").write_text(comm + "\n")
