@@ -1,7 +1,8 @@
 """Stages on a GPU: 1 vs 2 (and 3) stages on cuda:0 through the CUDA plans (each stage a carve of the graph decode
 and prefill plans): the same greedy tokens and the same per-layer K/V and running-state hashes, cold and resumed
 through per-stage checkpoints; a stage's part through the byte format on device pages; parking resident on the
-device, and moved to pinned host RAM when the pool is short, bit-exact. Skips without a GPU."""
+device, and moved to pinned host RAM when the pool is short, bit-exact; a held checkpoint joined with its donor's
+host rows. Skips without a GPU."""
 from __future__ import annotations
 
 import io
@@ -146,3 +147,33 @@ def test_resident_parking_on_one_gpu_bit_exact_and_short_pool_moves_to_ram(hybri
         assert e.state_hashes() == ref[1][1], differing(e.state_hashes(), ref[1][1])
         alone.close()
         e.close()
+
+
+@pytest.mark.parametrize("split", [None, "2"])
+def test_held_checkpoint_off_the_device_joins_its_donor_rows_bit_exact(hybrid_path, split):
+    """A conversation parked in host RAM that no live sequence extends takes the checkpoints it holds off the device
+    (running state only) and, at a restore, reads their K/V as the first rows of its host copy (the donor): on CUDA
+    stages the joined checkpoint restores the per-layer state of the same checkpoint taken by an engine that read the
+    same prompt in the same parts and kept its checkpoints whole (the donor's rows are the rows the checkpoint was
+    taken beside)."""
+    from strata.engine import Engine
+    from tests.helpers import chat
+    dev = "cuda:0" if split is None else "cuda:0,cuda:0"
+    kw = dict(n_ctx=1024, ubatch=32, device=dev, layer_split=split, prompt_cache=6)
+    e = Engine(hybrid_path, conversation_cache_mib=256, park_resident=0, **kw)
+    ask(e, chat("rivers", 0, []), n=4)
+    ask(e, [{"role": "user", "content": "Something else entirely."}], n=4)     # rivers parked; nothing extends it
+    held = [c for c in e.checkpoints() if c["pins"]]
+    assert held and all(c["tier"] == "ram" for c in held), held
+    root = min(c["pos"] for c in held)
+    (snap,) = [x.snapshot for x in e.cache._entries.values() if x.pos == root]
+    joined = e.store.held.join(snap)
+    assert joined is not None and all(not p.is_prefix and not p.is_held for p in joined.parts)
+    e.seq.restore(joined)
+    whole = Engine(hybrid_path, conversation_cache_mib=0, **kw)
+    ask(whole, chat("rivers", 0, []), n=4)
+    (ref,) = [x.snapshot for x in whole.cache._entries.values() if x.pos == root]
+    whole.seq.restore(ref)
+    assert e.state_hashes() == whole.state_hashes(), differing(e.state_hashes(), whole.state_hashes())
+    e.close()
+    whole.close()
