@@ -331,3 +331,17 @@ def test_an_unreachable_remote_stage_is_one_line(tmp_path):
     p = strata("generate", "--model", str(model), "--device", "cpu", "--remote-stage", f"127.0.0.1:{port}",
                "--layer-split", "1", "--prompt", "hi", timeout=120)
     assert_one_line_error(p, f"worker 127.0.0.1:{port}", "cannot connect")
+
+
+def test_other_spellings_of_the_kv_type_and_the_context_length():
+    """--kv int8 is q8_0 and --ctx-size / --max-context are --n-ctx, on serve, generate, chat (and the worker's
+    --kv); parsed only, no model loaded."""
+    from strata.cli.main import build_parser
+    p = build_parser()
+    for cmd in ("serve", "generate", "chat"):
+        a = p.parse_args([cmd, "--kv", "int8", "--max-context", "2048"])
+        assert (a.kv, a.n_ctx) == ("q8_0", 2048), cmd
+        assert p.parse_args([cmd, "--ctx-size", "512"]).n_ctx == 512
+    assert p.parse_args(["worker", "--kv", "int8"]).kv == "q8_0"
+    with pytest.raises(SystemExit):
+        p.parse_args(["serve", "--kv", "int4"])

