@@ -10,7 +10,8 @@ import io
 import numpy as np
 import pytest
 
-from tests.cuda_marks import CHAT, conversation, default_model_missing, gpu, greedy
+from tests.cuda_marks import (CHAT, NEAR_TIE_LOGIT, assert_parts_at_near_tie, conversation, default_model_missing, gpu,
+                              greedy)
 from tests.helpers import ask, differing, long_chat, play
 
 pytestmark = [gpu, pytest.mark.skipif(default_model_missing() is not None, reason=f"{default_model_missing()}")]
@@ -177,3 +178,35 @@ def test_held_checkpoint_off_the_device_joins_its_donor_rows_bit_exact(hybrid_pa
     assert e.state_hashes() == whole.state_hashes(), differing(e.state_hashes(), whole.state_hashes())
     e.close()
     whole.close()
+
+
+@pytest.mark.parametrize("which", ["default", "hybrid"])
+def test_gpu_and_cpu_stages_in_one_process(which, hybrid_path):
+    """--device cuda:0,cpu (and cpu,cuda:0) with a --layer-split: the hidden states cross from the GPU to the CPU
+    stage (and back), the answer is the CPU's up to a near tie at its first difference, a resumed request repeats the
+    cold one's tokens and per-layer state bit for bit, and /status names both kinds."""
+    from strata.engine import Engine
+    from strata.gguf.default_model import default_model_path
+    from strata.engine.report import device_info
+    path, cut = (default_model_path(), "15") if which == "default" else (hybrid_path, "4")
+    cpu = Engine(path, n_ctx=1024, ubatch=128, device="cpu", prompt_cache=6)
+    (ref, _), _ = conversation(cpu)
+    prompt = list(cpu.render_chat(CHAT).tokens)
+
+    def cpu_logits_after(prefix):
+        from strata.gguf.file import open_gguf
+        from strata.models.registry import load_model
+        m = load_model(open_gguf(str(path)))
+        st = m.new_state(m.new_page_pool(1024))
+        lg = m.forward(np.asarray(prompt + list(prefix), np.int32), st)
+        st.release()
+        return np.asarray(lg)
+    for dev in ("cuda:0,cpu", "cpu,cuda:0"):
+        e = Engine(path, n_ctx=1024, ubatch=128, device=dev, layer_split=cut, prompt_cache=6)
+        assert [st.device for st in e.stages] == dev.split(",")
+        (t1, h1), (t2, h2) = conversation(e)
+        assert (t1, h1) == (t2, h2), dev
+        assert device_info(e)["kind"] == "cuda+cpu"
+        assert_parts_at_near_tie(t1, ref, cpu_logits_after, NEAR_TIE_LOGIT)
+        e.close()
+    cpu.close()

@@ -200,7 +200,8 @@ def test_generate_with_a_layer_split_matches_unsplit():
     (["--layer-split", "ten"], "use 'auto' or the first layer"),
     (["--layer-split", "12,8"], "must be positive and increasing"),
     (["--device", "cpu,cpu", "--layer-split", "5,10"], "makes 3 stages but --device lists 2 devices"),
-    (["--device", "cpu,cuda:0"], "CPU and CUDA stages cannot be mixed"),
+    (["--device", "cpu,cuda:0"], "puts stages on the CPU and on GPUs: give the first layer of each later stage"),
+    (["--device", "cuda:0", "-ngl", "4", "--layer-split", "8"], "--n-gpu-layers and --layer-split both place"),
 ])
 def test_bad_split_flags_are_usage_errors(args, msg):
     r = _strata("generate", "--prompt", "hi", "-n", "1", *args)
@@ -265,3 +266,26 @@ def test_memory_and_stages_import_nothing_above_them():
         bad = {m for m in _imports(p) if m.startswith(("strata.stages", "strata.memory", "strata.backend",
                                                           "strata.models"))}
         assert not bad, f"serve/{p.name} imports {bad}"
+
+
+def test_n_gpu_layers_places_the_first_layers_on_the_gpus_and_the_rest_on_the_cpu():
+    """--n-gpu-layers N (llama.cpp's -ngl) as --device / --layer-split, on the default model's 30 blocks (parsed only,
+    no backend made): N on one GPU, split evenly over two, all on the GPU at or above 30, all on the CPU at 0,
+    nothing changed on a CPU-only --device; refused beside --layer-split or CPU stages in --device."""
+    from strata.cli.engine_flags import CliError, _gpu_layers
+    from strata.engine.config import EngineConfig
+
+    def place(device, n, **kw):
+        c = _gpu_layers(EngineConfig.build(model="default", device=device, **kw), n)
+        return c.stages.device, c.stages.layer_split
+
+    assert place("cuda:0", 10) == ("cuda:0,cpu", "10")
+    assert place("cuda:0,cuda:1", 10) == ("cuda:0,cuda:1,cpu", "5,10")
+    assert place("cuda:0", 30) == place("cuda:0", 99) == ("cuda:0", None)
+    assert place("cuda:0", 0) == ("cpu", None)
+    assert place("cpu", 12) == ("cpu", None)
+    for device, kw, msg in (("cuda:0", {"layer_split": "8"}, "both place the layers"),
+                            ("cuda:0,cpu", {"layer_split": None}, "give only GPUs"),
+                            ("cuda:0,cuda:1,cuda:2", {}, "fewer layers than the 3 GPUs")):
+        with pytest.raises(CliError, match=msg):
+            place(device, 2, **kw)

@@ -49,6 +49,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="split the layers into stages: 'auto' (one stage per --device, layers in proportion to each "
                         "device's total memory) or the first layer of each later stage; the same device may run "
                         "several stages")
+    m.add_argument("--n-gpu-layers", "-ngl", "--gpu-layers", type=_nonneg_int, default=None, metavar="N",
+                   help="the first N layers on the GPU(s) of --device, the rest on the CPU (llama.cpp's -ngl: "
+                        "--device cuda:0 -ngl 20 is --device cuda:0,cpu --layer-split 20); N at or above the "
+                        "model's layer count keeps every layer on the GPU; on a CPU-only --device it changes nothing")
     m.add_argument("--kv", default=D.stages.kv, type=kv_type, choices=("f16", "q8_0"),
                    help="KV cache type on CUDA: f16 (default) or q8_0, also spelled int8 (int8 + a scale per 32 "
                         "values, ~half the memory); the CPU backend keeps float32")
@@ -165,10 +169,51 @@ def engine_config(args, **overrides):
     if overrides:
         cfg = cfg.replace(**overrides)
     cfg = cfg.resolved()
+    if getattr(args, "n_gpu_layers", None) is not None:
+        cfg = _gpu_layers(cfg, int(args.n_gpu_layers))
     why = cfg.problem() or _split_problem(cfg)
     if why:
         raise CliError(why, EXIT_USAGE)
     return cfg
+
+
+def _n_blocks(model: str) -> int | None:
+    """The model's main blocks from the file's header, or None where the file cannot be read (left to the model
+    load to report)."""
+    from strata.gguf.default_model import resolve_model
+    from strata.gguf.file import ModelLoadError, open_gguf
+    from strata.models.registry import model_class
+    from strata.stages import n_main_blocks
+    try:
+        f = open_gguf(resolve_model(model))
+        return n_main_blocks(f, model_class(f.arch))
+    except (ModelLoadError, ValueError, OSError):
+        return None
+
+
+def _gpu_layers(cfg, n: int):
+    """cfg with --n-gpu-layers n made into --device / --layer-split: the first n blocks on the GPUs of --device
+    (split evenly between several), the rest on the CPU; CliError (usage) beside an explicit --layer-split or CPU
+    stages in --device."""
+    from strata.stages.split import carves_by_weight, parse_devices
+    devices = parse_devices(cfg.stages.device)
+    if all(d == "cpu" for d in devices):
+        return cfg                                     # as llama.cpp's CPU build: no GPU, nothing to place
+    if cfg.stages.layer_split is not None:
+        raise CliError("--n-gpu-layers and --layer-split both place the layers: give one", EXIT_USAGE)
+    if "cpu" in devices:
+        raise CliError(f"--n-gpu-layers puts the other layers on the CPU itself: give only GPUs in --device "
+                       f"(got {cfg.stages.device})", EXIT_USAGE)
+    n_blocks = _n_blocks(cfg.model)
+    if n_blocks is None or n >= n_blocks:
+        return cfg
+    if n == 0:
+        return cfg.replace(device="cpu")
+    if n < len(devices):
+        raise CliError(f"--n-gpu-layers {n} is fewer layers than the {len(devices)} GPUs of --device "
+                       f"{cfg.stages.device}: give at least one layer each", EXIT_USAGE)
+    firsts = [c.lo for c in carves_by_weight([1.0] * len(devices), n)[1:]] + [n]
+    return cfg.replace(device=",".join([*devices, "cpu"]), layer_split=",".join(map(str, firsts)))
 
 
 def _split_problem(cfg) -> str | None:
@@ -178,14 +223,8 @@ def _split_problem(cfg) -> str | None:
     split = parse_split(cfg.stages.layer_split)
     if not isinstance(split, list):
         return None
-    from strata.gguf.default_model import resolve_model
-    from strata.gguf.file import ModelLoadError, open_gguf
-    from strata.models.registry import model_class
-    from strata.stages import n_main_blocks
-    try:
-        f = open_gguf(resolve_model(cfg.model))
-        n_blocks = n_main_blocks(f, model_class(f.arch))
-    except (ModelLoadError, ValueError, OSError):
+    n_blocks = _n_blocks(cfg.model)
+    if n_blocks is None:
         return None
     try:
         carves_from_firsts(split, n_blocks)

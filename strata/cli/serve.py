@@ -166,7 +166,8 @@ def _names(values: list[str]) -> tuple[str, ...]:
 
 
 def _cuda_unusable(device: str) -> str | None:
-    """Why `device` ('cuda[:N]' or a comma list of them, already parsed by argparse) cannot run here, or None."""
+    """Why `device` ('cuda[:N]' or a comma list of devices, already parsed by argparse) cannot run here, or None
+    (CPU stages among them need nothing)."""
     from strata.backend.cuda import unavailable_reason
     from strata.stages import parse_devices
     why = unavailable_reason()
@@ -175,6 +176,8 @@ def _cuda_unusable(device: str) -> str | None:
     import cupy
     n = cupy.cuda.runtime.getDeviceCount()
     for d in parse_devices(device):
+        if d == "cpu":
+            continue
         idx = int(d.split(":")[1])
         if idx >= n:
             return f"no CUDA device {idx} (this machine has {n})"
@@ -198,7 +201,7 @@ def run(args) -> int:
             print(f"strata serve: error: {why}", file=sys.stderr)
             return 2
     device = ecfg.stages.device
-    if str(device).startswith("cuda"):   # no GPU / CuPy / kernels / such a GPU: say so before any socket
+    if "cuda" in str(device):   # no GPU / CuPy / kernels / such a GPU: say so before any socket
         why = _cuda_unusable(device)
         if why:
             print(f"strata serve: error: device {device!r}: {why}", file=sys.stderr)

@@ -264,6 +264,7 @@ class EngineConfig:
         """The one-line reason no engine can run these options together, or None: the CLI's usage error (exit 2)
         and the engine's ValueError."""
         from strata.stages import parse_devices, parse_split, pool_ctx_error
+        from strata.stages.split import mixed, mixed_split_error
         from strata.stages.remote import parse_remote, unsupported_with_remote
         if str(self.stages.device).strip() == "auto":
             return self.resolved().problem()
@@ -280,7 +281,7 @@ class EngineConfig:
             return str(e)
         if st.kv not in ("f16", "q8_0"):
             return f"unknown KV cache type {st.kv!r}: use 'f16' or 'q8_0'"
-        if st.kv != "f16" and devices[0] == "cpu":
+        if st.kv != "f16" and all(d == "cpu" for d in devices):
             return f"--kv {st.kv} needs --device cuda (the CPU backend keeps its KV cache in float32)"
         why = pool_ctx_error(st.kv_pool_ctx, self.n_ctx)
         if why:
@@ -293,6 +294,8 @@ class EngineConfig:
             parse_split(split)
         except ValueError as e:
             return str(e)
+        if mixed(devices) and split in (None, "auto"):
+            return mixed_split_error(devices)
         if split not in (None, "auto") and len(devices) > 1 and len(devices) != split.count(",") + 2:
             return (f"--layer-split {split} makes {split.count(',') + 2} stages but --device lists {len(devices)} "
                     f"devices: give one device per stage, or one for all")
@@ -308,7 +311,7 @@ class EngineConfig:
         why = self.moe.problem() or self.spec.problem()
         if why:
             return why
-        if self.moe.vram_mib is not None and devices[0] == "cpu":
+        if self.moe.vram_mib is not None and all(d == "cpu" for d in devices):
             return "--moe-vram-mib needs --device cuda (the expert tier keeps hot experts in VRAM slots)"
         if self.link.require_row_ids and not self.remote:
             return "--require-row-ids needs --remote-stage (it checks the rows a worker answers)"

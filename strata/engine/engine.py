@@ -82,7 +82,8 @@ class Engine:
         self.ubatch = int(cfg.ubatch)
         self.device = st.device
         kv = st.kv
-        self.kv = kv if devices[0] != "cpu" else "f32"   # what the KV cache holds (the CPU backend: float32)
+        # what the KV cache holds on the GPU stages (the CPU backend: float32)
+        self.kv = kv if any(d != "cpu" for d in devices) else "f32"
         self._max_token_chars: int | None = None
         self.prompt_cache = cfg.prompt_cache()
 

@@ -59,7 +59,8 @@ def spec_totals(c) -> dict[str, Any]:
 
 
 def device_info(engine) -> dict[str, Any]:
-    """The "device" object of /status: name (the devices, comma-joined), kind, the model's weight bytes (GGUF
+    """The "device" object of /status: name (the devices, comma-joined), kind ("cpu", "cuda", or "cuda+cpu" for GPU
+    stages beside CPU ones), the model's weight bytes (GGUF
     tensor bytes), the KV cache type ("f32" on the CPU, "f16" / "q8_0" on CUDA), the KV page pools' bytes
     (allocated; in pages held) and the live sequence's state bytes (its valid K/V positions and, for hybrid
     models, its running state: kv_valid_bytes), over all stages; on CUDA also each
@@ -67,7 +68,9 @@ def device_info(engine) -> dict[str, Any]:
     the distinct devices; for an MoE model ``moe``: the paths its stages' MoE layers take ({"decode": "graph" |
     "generic", "prefill": "grouped" | "generic"}, comma-joined where stages differ)."""
     names = list(dict.fromkeys(st.device for st in engine.stages))
-    d: dict[str, Any] = {"name": ",".join(names), "kind": "cuda" if names[0].startswith("cuda") else names[0],
+    kinds = sorted({"cuda" if n.startswith("cuda") else "cpu" for n in names if n == "cpu" or n.startswith("cuda")},
+                   reverse=True) or [names[0]]
+    d: dict[str, Any] = {"name": ",".join(names), "kind": "+".join(kinds),
                          "weights_bytes": int(engine.file.nbytes), "kv": engine.kv}
     sts = [st.status() for st in engine.stages]
     moes = [s["moe"] for s in sts if "moe" in s]

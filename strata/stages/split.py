@@ -8,7 +8,7 @@ from strata.memory import Carve
 
 def parse_devices(spec: str) -> list[str]:
     """'cpu', 'cuda', 'cuda:N' or a comma list of them -> device names ('cuda' is 'cuda:0'). ValueError naming
-    the accepted forms otherwise. CPU and CUDA devices cannot be mixed."""
+    the accepted forms otherwise. CPU and CUDA stages may be mixed (layers the GPUs cannot hold run on the CPU)."""
     out = []
     for d in str(spec).split(","):
         d = d.strip()
@@ -17,9 +17,20 @@ def parse_devices(spec: str) -> list[str]:
         if d != "cpu" and not (d.startswith("cuda:") and d[5:].isascii() and d[5:].isdigit()):
             raise ValueError(f"unknown device {d!r}: use 'cpu', 'cuda[:N]' or a comma list of them")
         out.append(d)
-    if len({d == "cpu" for d in out}) > 1:
-        raise ValueError(f"--device {spec}: CPU and CUDA stages cannot be mixed")
     return out
+
+
+def mixed(devices: Sequence[str]) -> bool:
+    """Whether the devices put some stages on the CPU and others on a GPU."""
+    return len({d == "cpu" for d in devices}) > 1
+
+
+def mixed_split_error(devices: Sequence[str]) -> str:
+    """The one line refusing an automatic split over the CPU and GPUs (host RAM says nothing of how many layers the
+    slower CPU should run)."""
+    return (f"--device {','.join(devices)} puts stages on the CPU and on GPUs: give the first layer of each later "
+            f"stage with --layer-split (--device cuda:0,cpu --layer-split 20: layers 0-19 on the GPU, the rest on "
+            f"the CPU), or --n-gpu-layers N")
 
 
 def parse_split(spec: str | None) -> str | list[int] | None:
@@ -69,7 +80,8 @@ def plan_stages(devices: Sequence[str], split: str | list[int] | None, n_blocks:
 
     No split: one stage per listed device when several are listed (auto), else one stage. 'auto': one stage per
     device, layers in proportion to each device's total memory (total, not free, so the carve is the same after a
-    restart and saved sessions stay valid); a single device gets one stage; with remote workers, whose memory the
+    restart and saved sessions stay valid; refused for the CPU beside GPUs: host RAM says nothing of how many
+    layers the slower CPU should run); a single device gets one stage; with remote workers, whose memory the
     main cannot see, every stage gets an equal share. 'L1,...': len + 1 stages, the last len(remote) on the
     workers and the rest on one local device per stage or all on the one device listed; any other device count
     is a usage error.
@@ -80,6 +92,8 @@ def plan_stages(devices: Sequence[str], split: str | list[int] | None, n_blocks:
     if split is None:
         return [(Carve(0, n_blocks), devices[0])]
     if split == "auto":
+        if mixed(devices):
+            raise ValueError(mixed_split_error(devices))
         if remote:
             carves = carves_by_weight([1.0] * (len(devices) + len(remote)), n_blocks)
             return list(zip(carves, devices + remote))
