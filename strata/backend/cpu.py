@@ -103,6 +103,9 @@ class CPUBackend(Backend):
             return gate / (np.float32(1.0) + np.exp(-gate)) * up
 
     def to_host(self, x: Array) -> np.ndarray:
+        """x as a numpy array; a device array (a GPU stage's hidden states before a CPU stage) copied to the host."""
+        if not isinstance(x, np.ndarray) and hasattr(x, "get"):
+            return x.get()
         return np.asarray(x)
 
     # --- RoPE --------------------------------------------------------------------------------------
