@@ -180,7 +180,8 @@ class Scheduler:
                 logits, h = rows[0] if hidden else (rows[0], None)
                 p = s.run.pending
                 share = dt / max(len(ok), decoding)
-                out[s.id] = ((logits[r], h[r:r + 1] if p.hidden else None, share) if p.triple else logits[r], None)
+                row = _device_row(s.seq, logits[r]) if p.on_device else logits[r]
+                out[s.id] = ((row, h[r:r + 1] if p.hidden else None, share) if p.triple else row, None)
             if rows[1] is None:
                 self.stats["batched_steps"] += 1
                 self.stats["batched_rows"] += len(ok)
@@ -312,6 +313,17 @@ def _groups(verifies, rows: int) -> list[list[int]]:
         out[-1].append(i)
         used += n
     return out
+
+
+def _device_row(seq, row):
+    """A batched step's host row of logits for a choice that samples on the last stage's device: copied back there, so
+    its sampler draws as it does from the lone decode step's device row (the bits are the same; the draw on the
+    device and the host's array path are different algorithms)."""
+    be = getattr(seq.stages[-1], "backend", None)
+    if be is None or getattr(be, "device", None) is None:
+        return row
+    with be.device:
+        return be.xp.asarray(row)
 
 
 def _call(fn) -> tuple:
