@@ -215,6 +215,8 @@ class Scheduler:
                     out[s.id] = res
                 else:
                     rows, h = res[0][r]
+                    if s.run.pending.on_device:      # judged as a lone verify's device rows are (_device_row)
+                        rows = _device_row(s.seq, rows)
                     out[s.id] = ((rows, h, dt * len(s.run.pending.tokens) / total), None)
             if res[1] is None:
                 self.stats["batched_verifies"] += 1
@@ -316,9 +318,9 @@ def _groups(verifies, rows: int) -> list[list[int]]:
 
 
 def _device_row(seq, row):
-    """A batched step's host row of logits for a choice that samples on the last stage's device: copied back there, so
-    its sampler draws as it does from the lone decode step's device row (the bits are the same; the draw on the
-    device and the host's array path are different algorithms)."""
+    """A batched step's (or verify's) host rows of logits for a choice that samples on the last stage's device: copied
+    back there, so its sampler draws as it does from a lone read's device rows (the bits are the same; the draw on
+    the device and the host's array path are different algorithms)."""
     be = getattr(seq.stages[-1], "backend", None)
     if be is None or getattr(be, "device", None) is None:
         return row
