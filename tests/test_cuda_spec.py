@@ -302,13 +302,14 @@ def test_copy_many_copies_every_pair():
         be.copy_many([(out, big[:2])])
 
 
-@pytest.mark.parametrize("split", [None, "2"], ids=["1stage", "2stages"])
-def test_lookup_drafts_on_a_llama_equal_spec0(tmp_path, split):
-    """--spec 3 --spec-draft lookup on a synthetic llama on CUDA stages emits --spec 0's tokens and leaves its K/V,
-    at the lookup's own acceptance and with its drafts spoiled to partial and no acceptance."""
-    from strata.gguf import synth
+@pytest.mark.parametrize("split", [None, "15"], ids=["1stage", "2stages"])
+def test_lookup_drafts_on_a_llama_equal_spec0(split):
+    """--spec 3 --spec-draft lookup on the default model (a llama the CUDA plan runs) on CUDA stages emits --spec 0's
+    tokens and leaves its K/V, at the lookup's own acceptance and with its drafts spoiled to partial and no
+    acceptance."""
+    from strata.gguf.default_model import default_model_path
     from tests.test_spec_lookup import _spoil
-    path = synth.write_synthetic(tmp_path / "llama.gguf", synth.preset("llama", "tiny", n_layer=4, seed=3))
+    path = default_model_path()
     block = _prompt(10, 2)
     prompt = _prompt(9, 1) + block + _prompt(4, 3) + block[:5]
     base = _engine(path, split)
