@@ -19,7 +19,10 @@ class PrefillPlan:
     save_at: part end -> cut point kind: after the part ending there, save ``state.capture()`` with
     ``cache.save(pos, kind, snapshot)``. keep_live: False when the request opted out of checkpoints:
     the engine leaves no live session (the next request does not continue it). key: the kept checkpoint's key
-    when resume_from == "checkpoint" (``CheckpointCache.begin`` re-dates it).
+    when resume_from == "checkpoint" (``CheckpointCache.begin`` re-dates it). continues: the read goes on from where
+    the sequence stood, as a live continuation does (also when a parked conversation, a session or another slot's
+    prefix was put in place first and resume_from names that source): read as a live continuation is, so that its
+    bits on a GPU do not depend on where the state came from.
     """
 
     resume_pos: int
@@ -29,6 +32,7 @@ class PrefillPlan:
     save_at: dict[int, str]
     keep_live: bool = True
     key: int | None = None
+    continues: bool = False
 
     @property
     def reset(self) -> bool:

@@ -57,9 +57,10 @@ class PromptReader:
 
     def one_call(self, plan, ends: list[int], start: int, n: int) -> bool:
         """Whether a read of parts `ends` from `start` runs as one forward call with its checkpoints kept inside it
-        (Sequence.mark): a live continuation of several parts that fits one call (ubatch), on stages that keep states
-        at marks, without a drafter (whose K/V follows every read's hidden states)."""
-        return (plan.resume_from == "live" and len(ends) > 1 and n - start <= self.ubatch and self.drafter is None
+        (Sequence.mark): a live continuation of several parts (PrefillPlan.continues: also after a parked conversation
+        was put back) that fits one call (ubatch), on stages that keep states at marks, without a drafter (whose K/V
+        follows every read's hidden states)."""
+        return ((plan.continues or plan.resume_from == "live") and len(ends) > 1 and n - start <= self.ubatch and self.drafter is None
                 and self.seq.can_mark)
 
     def prefill(self, req: GenerationRequest, prompt: np.ndarray, trace: bool):
