@@ -308,7 +308,7 @@ def test_lookup_drafts_on_a_llama_equal_spec0(split):
     tokens and leaves its K/V, at the lookup's own acceptance and with its drafts spoiled to partial and no
     acceptance."""
     from strata.gguf.default_model import default_model_path
-    from tests.test_spec_lookup import _spoil
+    from tests.spec_checks import spoil
     path = default_model_path()
     block = _prompt(10, 2)
     prompt = _prompt(9, 1) + block + _prompt(4, 3) + block[:5]
@@ -318,7 +318,7 @@ def test_lookup_drafts_on_a_llama_equal_spec0(split):
     e = _engine(path, split, spec=3, spec_draft="lookup")
     for rate in (None, 0.5, 0.0):
         if rate is not None:
-            _spoil(e, rate, seed=1)
+            spoil(e, rate, seed=1)
         got, fin = _run(e, prompt, max_tokens=24, cache_prompt=False)
         assert got == ref, (split, rate)
         assert _state(e.seq) == ref_state, (split, rate)

@@ -16,9 +16,9 @@ from strata.engine.engine import Engine
 from strata.engine.lookup import LookupDrafter
 from strata.engine.types import FinalEvent, GenerationRequest
 from tests.helpers import generate_all
+from tests.spec_checks import spoil
 from strata.gguf import synth
 from strata.sampling.sampler import SamplingParams
-from strata.sampling.speculative import Draft
 
 
 @pytest.fixture(scope="module")
@@ -40,36 +40,6 @@ def _run(engine, prompt, **kw):
 def _state(engine):
     h = engine.seq.hashes()
     return engine.seq.pos, {k: v for k, v in h.items() if k == "tokens" or k.startswith(("kv", "running"))}
-
-
-class Spoiled:
-    """Wraps a slot's LookupDrafter: checks its index against the sequence at every draft, then keeps each drafted
-    token with probability `rate` (else the next id)."""
-
-    def __init__(self, inner: LookupDrafter, rate: float, n_vocab: int, seed: int = 0):
-        self.inner, self.rate, self.n_vocab = inner, rate, n_vocab
-        self.rng = np.random.default_rng(seed)
-        self.wants_hidden, self.graph, self.kind = False, None, "lookup"
-        self.drafted = 0
-
-    def observe(self, start, hidden):
-        self.inner.observe(start, hidden)
-
-    def flush(self):
-        self.inner.flush()
-
-    def draft(self, token, n, min_p=0.0):
-        out = self.inner.draft(token, n, min_p)
-        idx, seq = self.inner.index, self.inner.seq
-        assert idx.tokens[:-1].tolist() == seq.ids.tolist() and int(idx.tokens[-1]) == token
-        self.drafted += len(out)
-        return [d if self.rng.random() < self.rate else Draft((d.token + 1) % self.n_vocab) for d in out]
-
-
-def _spoil(engine, rate, seed=0):
-    for s in engine.slots:
-        d = s.decoder.drafter
-        s.decoder.drafter = Spoiled(d.inner if isinstance(d, Spoiled) else d, rate, engine.n_vocab, seed)
 
 
 def _turns(engine):
@@ -96,7 +66,7 @@ def test_greedy_equals_spec0(models, arch, split):
     for n, rate in ((2, 1.0), (4, 0.5), (3, 0.0)):      # a fresh engine each: the same turns from the same start
         e = Engine(models[arch], n_ctx=256, prompt_cache=4, layer_split=split, spec=n)
         assert e.spec_draft == "lookup"
-        _spoil(e, rate, seed=n)
+        spoil(e, rate, seed=n)
         assert _turns(e) == want, (n, rate)
         assert _state(e) == want_state, (n, rate)
         drafted, accepted = e.spec_totals.drafted, e.spec_totals.accepted
@@ -159,7 +129,7 @@ def test_remote_stage_over_loopback(models, workers, arch, split):
     base.close()
     e = Engine(m, n_ctx=256, ubatch=32, prompt_cache=4, remote_stage=w.address, layer_split=split, spec=3)
     try:
-        _spoil(e, 0.5, seed=1)
+        spoil(e, 0.5, seed=1)
         assert _turns(e) == want
         assert e.spec_totals.accepted > 0 and e.spec_totals.drafted > e.spec_totals.accepted
     finally:
@@ -177,7 +147,7 @@ def test_two_slots_together_equal_alone(models):
     base.close()
     e = Engine(m, n_ctx=256, parallel=2, spec=3)
     try:
-        _spoil(e, 0.7, seed=2)
+        spoil(e, 0.7, seed=2)
         got, done = drive(e, [GenerationRequest(prompt_tokens=p, max_tokens=24, ignore_eos=True) for p in prompts],
                           [0, 2])
         assert all(err is None for err in done.values())
