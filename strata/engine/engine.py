@@ -102,7 +102,9 @@ class Engine:
 
         def make_remote(index, hops, model):
             # the worker may hold, besides the cache's N, the one being saved before an eviction, the one a plan
-            # restores and the prompt's state of n > 1 choices: room for 2N + 2 (at most the worker's 64)
+            # restores and the prompt's state of n > 1 choices: room for 2N + 2 (at most the worker's 64). A read's
+            # mid-prompt checkpoints (periodic, tail) are among the N: they are saved one at a time and each save's
+            # retention lets go of the ids it evicts, which the next CkptSave's keep list leaves out
             # and, parking, the conversations parked resident and the checkpoints they hold beyond the N (each
             # holds those on its path: at most N of its own), plus those held by conversations below the device
             # that a live sequence extends (at most N per request slot); the others leave the worker with their
