@@ -231,7 +231,7 @@ class Engine:
     @property
     def slot_save_path(self):
         """The directory of session files (a Path), or None."""
-        return self.store.slot_save_path
+        return self.store.files.directory
 
     # ---- prompts ---------------------------------------------------------------------------------
     def render_chat(self, messages: list[dict], *, tools=None, add_generation_prompt: bool = True,
@@ -489,7 +489,7 @@ class Engine:
         """Save the slot's conversation (with its checkpoints) to --slot-save-path/filename, atomically
         (llama-server's POST /slots/{id}?action=save). SessionError / ValueError (one line), nothing written."""
         slot = self._idle_slot(slot_id)
-        path = self.store.session_path(filename)
+        path = self.store.files.path(filename)
         with self._lock:
             return self.store.save(slot.seq, path, filename, slot_id=slot.id)
 
@@ -498,7 +498,7 @@ class Engine:
         /slots/{id}?action=restore): the file is read under the live engine's limits and every part validated
         before anything is written; on any error the live conversation is exactly as it was."""
         slot = self._idle_slot(slot_id)
-        path = self.store.session_path(filename, exists=True)
+        path = self.store.files.path(filename, exists=True)
         with self._lock:
             return {**self.store.load(slot.seq, path, filename), "id_slot": slot.id}
 
