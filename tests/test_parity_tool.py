@@ -29,6 +29,6 @@ def test_abab_parity_over_a_two_stage_split(tmp_path, capsys, default_model_path
 def test_engine_flags_are_checked_as_the_server_checks_them(capsys):
     with pytest.raises(SystemExit) as e:
         load_tool("conversation_cache_parity").main(["--device", "cpu", "--layer-split", "10,20", "--remote-stage", "127.0.0.1:9",
-                      "--prompt-cache-every", "64"])
+                      "--link-encrypt"])
     assert e.value.code == 2
-    assert "--prompt-cache-every" in capsys.readouterr().err
+    assert "--link-encrypt needs --link-key-file" in capsys.readouterr().err

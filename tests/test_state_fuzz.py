@@ -8,9 +8,9 @@ equal; after every step every KV page's reference count equals its holders (the 
 kept checkpoints and resident conversations) and every hold is owned by one of those; after a forget no page is
 held but by a parked conversation; a loaded session file's state
 hashes are those it was saved with. A third configuration runs the layers after the first stage on a worker (a
-remote stage, parking and session files over the link): every layer's hash is compared there too (the worker runs in
-this process), and the worker's pages are counted against its part store. STATE_FUZZ_STEPS sets the steps of one run
-(tools/state_fuzz.py runs 10,000+)."""
+remote stage, parking, session files and periodic checkpoints over the link): every layer's hash is compared there too
+(the worker runs in this process), and the worker's pages are counted against its part store. STATE_FUZZ_STEPS sets
+the steps of one run (tools/state_fuzz.py runs 10,000+)."""
 from __future__ import annotations
 
 import collections
@@ -113,9 +113,10 @@ def _machine(path, tmp_path, counts: collections.Counter, parking: bool = True, 
     kw = dict(n_ctx=1024, ubatch=16)
 
     def engine() -> Engine:
-        if worker is not None:   # the layers after the first stage on a worker: parking and session files over it
+        if worker is not None:   # the layers after the first stage on a worker: parking, session files and
+            #                      periodic checkpoints over it
             return Engine(path, remote_stage=worker.address, layer_split="2", conversation_cache_mib=64,
-                          park_resident=1, slot_save_path=str(tmp_path), prompt_cache=6, **kw)
+                          park_resident=1, slot_save_path=str(tmp_path), prompt_cache=6, prompt_cache_every=24, **kw)
         if not parking:         # the checkpoint tree alone keeps the branches (a larger pool holds their pages)
             return Engine(path, conversation_cache_mib=0, slot_save_path=str(tmp_path), prompt_cache=16,
                           prompt_cache_every=24, kv_pool_ctx=8192, **kw)

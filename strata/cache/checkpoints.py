@@ -8,22 +8,15 @@ from typing import Any
 
 import numpy as np
 
+from strata.cache.cut_points import KINDS, MIN_PART, kept_points, template_cuts
 from strata.cache.lookup import Found, lookup
 from strata.cache.plan import PrefillPlan
 from strata.cache.retention import Item, Kept, checkpoint_items, evict, pinned_root
+from strata.cache.snapshot import holds_pages, is_gone, release, snapshot_bytes
 from strata.cache.tree import CheckpointTree, Node
 from strata.text.token_ids import as_ids, common_prefix, frozen_ids, is_prefix
 
 __all__ = ["CheckpointCache", "PrefillPlan", "KINDS", "common_prefix"]
-
-#: cut point kinds, in the order that names a checkpoint when several fall on one position
-KINDS = ("root", "pin", "turn", "message", "tail", "periodic")
-#: tokens from the previous checkpoint (one kept before the read, or one this read keeps) within which a message end,
-#: periodic or near-tail cut point ends no part (a forward call costs more than the tokens it would save; numbers in
-#: docs/checkpoints.md); the root, a client's pin and the turn point stay cut points wherever they fall
-MIN_PART = 16
-_TEMPLATE_KINDS = ("root", "message", "turn", "pin")
-_RANK = {k: i for i, k in enumerate(KINDS)}
 
 
 @dataclass
@@ -46,51 +39,6 @@ class _Entry:
     @property
     def tokens(self) -> np.ndarray:
         return self.ids if self.ids is not None else self.node.tokens()
-
-
-def _cut(cp) -> tuple[int, str]:
-    """(pos, kind) of a CutPoint (strata.text.chat_template.CutPoint, a (pos, kind[, index]) tuple or a dict)."""
-    if isinstance(cp, dict):
-        return int(cp["pos"]), str(cp["kind"])
-    if hasattr(cp, "pos") and hasattr(cp, "kind"):
-        return int(cp.pos), str(cp.kind)
-    return int(cp[0]), str(cp[1])
-
-
-def turn_start(cut_points, n: int) -> int:
-    """Where a prompt of n tokens begins its final turn: its last "turn" or "message" cut point (the generation
-    prompt's start, the last message's end), else n (a raw prompt: the answer follows it)."""
-    ends = [p for p, kind in map(_cut, cut_points or ()) if kind in ("turn", "message") and 0 < p <= n]
-    return max(ends, default=n)
-
-
-def _snapshot_bytes(snap) -> int:
-    nb = getattr(snap, "nbytes", None)
-    if callable(nb):
-        return int(nb())
-    if nb is not None:
-        return int(nb)
-    running = getattr(snap, "running", None) or {}
-    return sum(int(a.nbytes) for parts in running.values() for a in parts.values())
-
-
-def _holds_pages(snap) -> bool:
-    """Whether a snapshot holds pages in a pool (giving it back frees them): a Checkpoint with held parts."""
-    return any(getattr(p, "is_held", False) or (hasattr(p, "ckpt_id") and not p.released and not p.gone)
-               for p in getattr(snap, "parts", ()))
-
-
-def _gone(snap) -> bool:
-    """Whether the snapshot's keeper dropped it on its own: a worker a part of it (a remote stage's RemotePart.gone),
-    the disk tier its file (DiskNode.gone)."""
-    return getattr(snap, "gone", False) or any(getattr(p, "gone", False) for p in getattr(snap, "parts", ()))
-
-
-def _release(snap) -> None:
-    """Give back the pages a snapshot holds (a strata.stages.sequence.Checkpoint; other objects hold none)."""
-    release = getattr(snap, "release", None)
-    if callable(release):
-        release()
 
 
 def _state_ids(state) -> np.ndarray:
@@ -196,14 +144,7 @@ class CheckpointCache:
         n = int(prompt.shape[0])
         if n == 0:
             raise ValueError("the prompt is empty: at least one token is needed")
-        cuts = []
-        for cp in cut_points or ():
-            p, kind = _cut(cp)
-            if kind not in _TEMPLATE_KINDS:
-                raise ValueError(f"unknown cut point kind {kind!r} (expected one of {', '.join(_TEMPLATE_KINDS)})")
-            if not 0 <= p <= n:
-                raise ValueError(f"cut point {kind} at {p} is outside the prompt [0, {n}]")
-            cuts.append((p, kind))
+        cuts = template_cuts(cut_points, n)
         checkpoint = bool(checkpoint)
         cache_prompt = bool(cache_prompt)
         state_tokens = _state_ids(state)
@@ -290,40 +231,12 @@ class CheckpointCache:
     def _kept_points(self, found: Found, cuts: list[tuple[int, str]], resume: int,
                      checkpoint: bool) -> dict[int, str]:
         """Cut points after `resume` at which to end a part and save a checkpoint -> {pos: kind} (found: the tree's
-        lookup of the prompt)."""
+        lookup of the prompt; strata.cache.cut_points.kept_points with this cache's numbers)."""
         if self.cap == 0:
             return {}
-        n = int(found.ids.shape[0])
-        roots = [p for p, k in cuts if k == "root"]
-        root = max(roots) if roots else 0
-        cand: list[tuple[int, str]] = []
-        if checkpoint:
-            cand += cuts
-            if self.every:
-                cand += [(p, "periodic") for p in range(self.every, n, self.every)]
-            if self.tail and n - self.tail > 0:
-                cand.append((n - self.tail, "tail"))
-        else:
-            cand += [(p, k) for p, k in cuts if k == "pin"]
-            if roots and root >= self.root_min:
-                cand.append((root, "root"))
-        out: dict[int, str] = {}
-        held: set[int] = set()          # points kept however near the previous checkpoint (see MIN_PART)
-        for p, k in cand:
-            if p <= resume or p <= 0 or p < root or p > n:
-                continue
-            if k in ("root", "pin", "turn"):
-                held.add(p)
-            if p not in out or _RANK[k] < _RANK[out[p]]:
-                out[p] = k
-        # a checkpoint saves the tokens since the previous one (kept before this read on the prompt's path, or
-        # kept by it)
-        prev = found.deepest_checkpoint(resume)
-        kept: dict[int, str] = {}
-        for p in sorted(out):
-            if p in held or p - prev >= self.min_part:
-                kept[p], prev = out[p], p
-        return kept
+        return kept_points(cuts, int(found.ids.shape[0]), resume, found.deepest_checkpoint(resume),
+                           checkpoint=checkpoint, every=self.every, tail=self.tail, root_min=self.root_min,
+                           min_part=self.min_part)
 
     def save(self, pos: int, kind: str, snapshot, spill=None) -> list[int]:
         """Keep ``snapshot`` (a strata.stages.sequence.Checkpoint taken at ``pos``) as a checkpoint of kind ``kind``.
@@ -339,18 +252,18 @@ class CheckpointCache:
         spos = getattr(snapshot, "pos", None)
         tokens = frozen_ids(getattr(snapshot, "tokens", ()))
         why = None
-        if kind not in _RANK:
+        if kind not in KINDS:
             why = f"unknown checkpoint kind {kind!r} (expected one of {', '.join(KINDS)})"
         elif isinstance(pos, bool) or not isinstance(pos, int) or pos <= 0:
             why = f"a checkpoint position must be an integer > 0, got {pos!r}"
         elif spos != pos or len(tokens) != pos:
             why = f"the snapshot was taken at position {spos} with {len(tokens)} tokens, not at {pos}"
         if why is not None:
-            _release(snapshot)
+            release(snapshot)
             raise ValueError(why)
         with self._lock:
             if self.cap == 0:
-                _release(snapshot)
+                release(snapshot)
                 return []
             self._put(kind, snapshot, tokens)
             self._stats["saves"] += 1
@@ -360,13 +273,13 @@ class CheckpointCache:
         """Keep `snapshot` at `tokens` (under the lock), releasing one it replaces there."""
         self._clock += 1
         self._keys += 1
-        e = _Entry(pos=len(tokens), kind=kind, snapshot=snapshot, ids=tokens, bytes=_snapshot_bytes(snapshot),
+        e = _Entry(pos=len(tokens), kind=kind, snapshot=snapshot, ids=tokens, bytes=snapshot_bytes(snapshot),
                    saved=self._clock, last_use=self._clock, last_use_time=time.time(), key=self._keys)
         e.node, old = self._tree.put(tokens, e)
         self._entries[e.key] = e
         if old is not None:
             del self._entries[old.key]
-            _release(old.snapshot)
+            release(old.snapshot)
             self._stats["replaced"] += 1
 
     #: the budgets of the two eviction passes (strata.cache.retention.evict) the checkpoints take part in: the count
@@ -410,7 +323,7 @@ class CheckpointCache:
                 gone.append(e.pos)
                 self._drop(k)
                 continue
-            _release(e.snapshot)
+            release(e.snapshot)
             e.snapshot, e.bytes, e.tier, e.ids = node, 0, "disk", e.tokens
             self._stats["spilled"] += 1
         self._stats["evictions"] += len(gone)
@@ -438,7 +351,7 @@ class CheckpointCache:
         """(snapshot, tokens, node) of the checkpoints a parked conversation holds whose pages are on the devices."""
         with self._lock:
             return [(e.snapshot, e.tokens, e.node) for e in self._entries.values()
-                    if e.node.pins and e.tier == "device" and _holds_pages(e.snapshot) and not _gone(e.snapshot)]
+                    if e.node.pins and e.tier == "device" and holds_pages(e.snapshot) and not is_gone(e.snapshot)]
 
     def rehome(self, snapshot, copy, tier: str, own_ids: bool = True) -> None:
         """The checkpoint whose snapshot is `snapshot` keeps `copy` (the same checkpoint in `tier`) in its place,
@@ -452,8 +365,8 @@ class CheckpointCache:
                         e.ids = frozen_ids(copy.tokens)
                     elif not own_ids:
                         e.ids = None
-                    e.snapshot, e.bytes, e.tier = copy, _snapshot_bytes(copy), tier
-                    _release(snapshot)
+                    e.snapshot, e.bytes, e.tier = copy, snapshot_bytes(copy), tier
+                    release(snapshot)
 
     def promote(self, snapshot, copy) -> None:
         """The checkpoint whose snapshot is `snapshot` (a DiskNode read back) keeps `copy` (its host copies) in its
@@ -461,7 +374,7 @@ class CheckpointCache:
         with self._lock:
             for e in self._entries.values():
                 if e.snapshot is snapshot:
-                    e.snapshot, e.bytes, e.tier = copy, _snapshot_bytes(copy), "ram"
+                    e.snapshot, e.bytes, e.tier = copy, snapshot_bytes(copy), "ram"
 
     def make_room(self, live_ids, off_path: bool = False, spare=None, demote=None, spill=None,
                   held: bool | None = None, skip=frozenset()) -> bool:
@@ -475,7 +388,7 @@ class CheckpointCache:
         live = as_ids(live_ids)
         with self._lock:
             cand = [(is_prefix(e.tokens, live), e.last_use, e.key) for e in self._entries.values()
-                    if (spare is None or e.snapshot is not spare) and _holds_pages(e.snapshot)
+                    if (spare is None or e.snapshot is not spare) and holds_pages(e.snapshot)
                     and (held is None or bool(e.node.pins) == held) and id(e.node) not in skip]
             cand = [c for c in cand if not (off_path and c[0])]
             if not cand:
@@ -491,8 +404,8 @@ class CheckpointCache:
                 self._drop(e.key)
                 self._stats["evictions"] += 1
                 return True
-            _release(e.snapshot)
-            e.snapshot, e.bytes, e.tier = copy, _snapshot_bytes(copy), "ram"
+            release(e.snapshot)
+            e.snapshot, e.bytes, e.tier = copy, snapshot_bytes(copy), "ram"
             self._stats["demoted"] += 1
             self._retain(spill)                # host copies count against the byte budget
             return True
@@ -517,7 +430,7 @@ class CheckpointCache:
     def drop_gone(self) -> int:
         """Drop the checkpoints a worker dropped a part of (their other parts' pages given back) -> how many."""
         with self._lock:
-            gone = [k for k, e in self._entries.items() if _gone(e.snapshot)]
+            gone = [k for k, e in self._entries.items() if is_gone(e.snapshot)]
             for key in gone:
                 self._drop(key)
             self._stats["evictions"] += len(gone)
@@ -534,7 +447,7 @@ class CheckpointCache:
         """Forget the checkpoint `key` and give back the pages it holds (under the lock)."""
         e = self._entries.pop(key)
         self._tree.remove(e.node)
-        _release(e.snapshot)
+        release(e.snapshot)
 
     # ---- visibility ------------------------------------------------------------------------------
     def _kept(self) -> list[Kept]:

@@ -46,8 +46,8 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from strata.cache.checkpoints import KINDS
 from strata.cache.conversation import Conversation, SavedCheckpoint
+from strata.cache.cut_points import KINDS
 from strata.errors import Refused
 from strata.memory import FormatError, PartMismatch, codec
 

@@ -1,7 +1,7 @@
 """ConversationStore: the one owner of the conversation state the engine keeps beside its live sequences: one prefix
 tree holding the checkpoints (CheckpointCache) and the parked conversations (ParkedConversations: resident on the
-stages' devices, host RAM, disk) and session files; its verbs take the Sequence they act on (resume, note, forget, erase, park,
-save, load, make_room)."""
+stages' devices, host RAM, disk) and session files (ConversationFiles); its verbs take the Sequence they act on
+(resume, note, forget, erase, park, save, load, make_room)."""
 from __future__ import annotations
 
 import os
@@ -13,16 +13,17 @@ from typing import Any
 import numpy as np
 import structlog
 
-from strata.cache import session
-from strata.cache.checkpoints import CheckpointCache, PrefillPlan, turn_start
-from strata.cache.conversation import CUT_MIN, Conversation, SavedCheckpoint
+from strata.cache import capture, session
+from strata.cache.checkpoints import CheckpointCache, PrefillPlan
+from strata.cache.conversation import CUT_MIN, Conversation
+from strata.cache.cut_points import turn_start
 from strata.cache.disk import DiskNode, DiskTier
+from strata.cache.files import ConversationFiles
 from strata.cache.held import HeldCheckpoints, is_prefix_form
 from strata.cache.lookup import Found, lookup
 from strata.cache.parked import ParkedConversations, Tier
 from strata.errors import Refused
 from strata.memory import KVCacheFull, PartMismatch
-from strata.memory.hostram import available_ram
 from strata.stages.remote import CheckpointGone
 from strata.stages.sequence import Checkpoint, Sequence
 from strata.text.token_ids import common_prefix, is_prefix
@@ -40,8 +41,9 @@ class ConversationStore:
       "parked" slot), each in a tier: ``resident`` on the stages' devices (their pages held: a count,
       ``--park-resident``), ``park_store`` in host RAM (bytes, ``--conversation-cache-mib``), ``disk`` (files,
       ``--conversation-cache-dir``, the tree's spilled checkpoints too), the least recently used moving down;
-    - session files in ``slot_save_path``, the regular files there bounded by ``slot_quota_bytes`` (None: no
-      quota).
+    - ``files`` (strata.cache.files.ConversationFiles): conversation files in the session format, the disk tier's
+      and the session files in ``slot_save_path``, the regular files there bounded by ``slot_quota_bytes`` (None:
+      no quota).
 
     Every verb takes the Sequence it acts on (nothing about one live sequence is kept here but a weak mark of a
     sequence loaded from a session file): ``resume`` (plan a prompt, then the one step that restores a parked
@@ -57,8 +59,12 @@ class ConversationStore:
                  resident: int = 0, n_vocab: int | None = None, slot_quota_bytes: int | None = None):
         self.stages, self.file, self.n_ctx, self.n_vocab = stages, file, n_ctx, n_vocab
         self.checkpoints = checkpoints
+        # the disk tier's files and session files: the session format, against this engine's model and stages
+        self.files = ConversationFiles(stages, file, n_ctx, n_vocab, directory=slot_save_path,
+                                       quota_bytes=slot_quota_bytes,
+                                       refusal=lambda: self.parking.host_parts_refusal())
         # with parking off the tree's checkpoints alone spill to the disk tier
-        disk = DiskTier(disk_dir, disk_bytes, write=self._write_file, read=self._read_file) if disk_dir else None
+        disk = DiskTier(disk_dir, disk_bytes, write=self.files.write, read=self.files.read) if disk_dir else None
         if disk is not None and disk.cleared:
             log.info("conversation cache: files of an earlier run removed (parked conversations do not outlive the "
                      "process; a session file does)", directory=str(disk.dir), files=disk.cleared)
@@ -66,12 +72,6 @@ class ConversationStore:
                                           disk=disk, leaving=lambda conv: self.held.leaving(conv),
                                           checkpoints=checkpoints, spill=self._spill)
         self.held = HeldCheckpoints(checkpoints, self.parking, stages)
-        self.slot_save_path = Path(slot_save_path) if slot_save_path else None
-        if self.slot_save_path is not None and not self.slot_save_path.is_dir():
-            raise ValueError(f"--slot-save-path {self.slot_save_path}: not a directory")
-        self.slot_quota_bytes = slot_quota_bytes
-        if self.slot_save_path is not None:
-            session.remove_stale_temporaries(self.slot_save_path)
         self._from_session: weakref.WeakSet = weakref.WeakSet()   # loaded from a file, not yet resumed
         # where the final turn of the prompt each sequence last read began (resume; turn_start)
         self._turn_start: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -116,66 +116,22 @@ class ConversationStore:
         """Host memory set aside for parking now (ParkedConversations.prepin) -> the bytes asked for."""
         return self.parking.prepin(self.n_ctx)
 
-    # ---- a sequence as a Conversation ------------------------------------------------------------------
+    # ---- a sequence as a Conversation (strata.cache.capture) ---------------------------------------------
     def capture(self, seq: Sequence, on_disk: bool = False, pin: bool = False) -> Conversation:
-        """`seq`'s conversation as host copies: every stage's used K/V and running state, its checkpoints (running
-        state only where the stage can make the K/V a prefix of the conversation's); on_disk: those the tree keeps
-        on disk too, read back (a session file: the tree keeps them where they are, parking leaves them there);
-        pin: the tree's checkpoints on its path pinned instead (``Conversation.pins``: to be parked)."""
+        """`seq`'s conversation as host copies, with its checkpoints (capture.as_host_copies; on_disk: those the
+        tree keeps on disk too; pin: the tree's checkpoints on its path pinned instead), what a worker dropped
+        forgotten first."""
         self.forget_dropped()
-        here = seq.capture()
-        try:
-            parts = seq.materialize(here)
-        finally:
-            here.release()
-        if pin:
-            return Conversation(tokens=seq.ids, parts=parts, live_ok=seq.live_ok,
-                                cut_anywhere=self.parking.cut_anywhere, pins=self.checkpoints.pin_path(seq.ids))
-        cps = []
-        for pos, kind, snap in self.checkpoints.export(seq.ids, on_disk=on_disk):
-            try:
-                if isinstance(snap, DiskNode):
-                    read = self.disk.peek(snap).parts
-                    cps.append(SavedCheckpoint(pos, kind, [st.memory.detach(p) for st, p in zip(self.stages, read)]))
-                else:
-                    cps.append(SavedCheckpoint(pos, kind, seq.detach(snap)))
-            except CheckpointGone:              # a worker dropped its part (its pool ran short): not kept either
-                self.checkpoints.discard(snap)
-            except (session.SessionError, OSError, ValueError) as e:   # its file unreadable: saved without it
-                log.warning("a checkpoint on disk could not be read: not saved", error=str(e))
-        return Conversation(tokens=seq.ids, parts=parts, checkpoints=cps, live_ok=seq.live_ok,
-                            cut_anywhere=self.parking.cut_anywhere)
+        return capture.as_host_copies(seq, self.checkpoints, self.stages, self.disk, self.parking.cut_anywhere,
+                                      on_disk=on_disk, pin=pin)
 
     def capture_resident(self, seq: Sequence) -> Conversation:
-        """`seq`'s conversation parked where it is: every stage's pages held (nothing copied), its running state
-        copied on the device (a remote stage: more references to the worker's parts), the tree's checkpoints on its
-        path pinned (``Conversation.pins``), not copied."""
-        here = seq.with_room(seq.capture)        # its pages held: nothing is copied
-        return Conversation(tokens=seq.ids, parts=here.parts, live_ok=seq.live_ok, resident=True,
-                            cut_anywhere=self.parking.cut_anywhere, pins=self.checkpoints.pin_path(seq.ids))
+        """`seq`'s conversation parked where it is (capture.in_place)."""
+        return capture.in_place(seq, self.checkpoints, self.parking.cut_anywhere)
 
     def restore(self, seq: Sequence, conv: Conversation) -> None:
-        """Make `conv` `seq`'s conversation, its checkpoints kept in the tree (a resident one's pages become the
-        sequence's too: nothing is copied but the running state, on the device; `conv` keeps its own hold until
-        released). Every part is validated against its own stage first (PartMismatch / KVCacheFull, one line,
-        change nothing); a pool short of pages first moves resident conversations to RAM (make_room)."""
-        whole = Checkpoint(pos=conv.pos, tokens=conv.tokens, parts=conv.parts)
-        seq.with_room(lambda: seq.validate(whole))
-        for c in conv.checkpoints:
-            if not 0 < c.pos <= conv.pos:
-                raise PartMismatch(f"a checkpoint at {c.pos} lies outside the conversation's {conv.pos} tokens")
-            seq.validate_detached(c.pos, c.parts)
-        seq.with_room(lambda: seq.restore(whole))   # a worker's pool short of pages: parts freed, then again
-        seq.live_ok = conv.live_ok
-        attached = []
-        try:
-            for c in conv.checkpoints:
-                attached.append((c.pos, c.kind, seq.with_room(lambda c=c: seq.attach(c.pos, c.parts))))
-        except BaseException:
-            for _, _, snap in attached:
-                snap.release()
-            raise
-        self.checkpoints.adopt(attached, spill=self._spill)
+        """Make `conv` `seq`'s conversation, its checkpoints kept in the tree (capture.restore)."""
+        capture.restore(seq, conv, self.checkpoints, self._spill)
 
     # ---- the verbs ---------------------------------------------------------------------------------------
     def resume(self, seq: Sequence, prompt: np.ndarray, cut_points=(), *, checkpoint: bool = True,
@@ -496,47 +452,6 @@ class ConversationStore:
         return self.parking.entries()
 
     # ---- session files -----------------------------------------------------------------------------------
-    def _write_file(self, path: Path, conv: Conversation, quota: int | None = None) -> int:
-        return session.save_atomic(path, lambda f: session.write(f, conv, self.file.fingerprint(), self.stages),
-                                   quota)
-
-    def _read_file(self, path: Path) -> Conversation:
-        with session.open_session(path) as f:
-            conv = session.read(f, self.file.fingerprint(), self.stages, self.n_ctx, self.n_vocab)
-        conv.cut_anywhere = self.parking.cut_anywhere
-        return conv
-
-    def session_path(self, filename, *, exists: bool = False) -> Path:
-        """The path of session file `filename` (strata.cache.session.check_filename); exists: it must be a file
-        there. SessionError (one line) otherwise."""
-        why = self.parking.host_parts_refusal()
-        if why:
-            raise Refused(f"session files: {why}", code="unsupported_value")
-        if self.slot_save_path is None:
-            raise Refused("session files need --slot-save-path DIR (the directory they are kept in)",
-                          code="unsupported_value")
-        path = session.check_filename(self.slot_save_path, filename, new=not exists)
-        try:
-            there = path.exists() or path.is_symlink()               # what it is, open_session checks
-        except OSError:                                              # swapped while looked at: open_session decides
-            there = True
-        if exists and not there:
-            raise session.SessionError(f"session file {filename!r} does not exist in the session directory "
-                                       "(--slot-save-path)")
-        return path
-
-    def session_files(self) -> dict[str, Any] | None:
-        """The session directory's use for /status and /metrics: {"bytes", "files" (its regular files), "quota_bytes"
-        (None: no quota)}; None without --slot-save-path; "error" when it cannot be listed."""
-        if self.slot_save_path is None:
-            return None
-        try:
-            used, files = session.directory_usage(self.slot_save_path)
-        except OSError as e:
-            return {"bytes": None, "files": None, "quota_bytes": self.slot_quota_bytes,
-                    "error": e.strerror or type(e).__name__}
-        return {"bytes": used, "files": files, "quota_bytes": self.slot_quota_bytes}
-
     def save(self, seq: Sequence, path: Path, filename, slot_id: int = 0) -> dict[str, Any]:
         """Save `seq`'s conversation (with its checkpoints) to `path`, atomically -> llama-server's answer of a
         save of slot `slot_id`. SessionError / Refused (one line, naming the slot), nothing written."""
@@ -548,7 +463,7 @@ class ConversationStore:
             raise Refused(f"slot {slot_id} holds no conversation (0 tokens): nothing to save", code="empty_slot")
         t0 = time.perf_counter()
         conv = self.capture(seq, on_disk=True)
-        n = self._write_file(path, conv, self.slot_quota_bytes)
+        n = self.files.write(path, conv, self.files.quota_bytes)
         return {"id_slot": slot_id, "filename": filename, "n_saved": conv.pos, "n_written": n,
                 "timings": {"save_ms": round((time.perf_counter() - t0) * 1e3, 3)}}
 
@@ -557,10 +472,7 @@ class ConversationStore:
         file is read under the live engine's limits and every part validated before anything is written; on any
         error `seq` is exactly as it was; the conversation it replaces is parked."""
         t0 = time.perf_counter()
-        with session.open_session(path) as f:
-            conv = session.read(f, self.file.fingerprint(), self.stages, self.n_ctx, self.n_vocab)
-            n_read = f.tell()
-        conv.cut_anywhere = self.parking.cut_anywhere
+        conv, n_read = self.files.read_counted(path)
         self.park(seq)                      # the conversation the restore replaces is parked, not lost
         epoch = seq.epoch
         try:

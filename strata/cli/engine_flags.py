@@ -82,16 +82,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     c = p.add_argument_group("conversation checkpoints")
     c.add_argument("--prompt-cache", type=_nonneg_int, default=None,
                    help="checkpoints kept beside those parked conversations hold (default 6, or 0 with "
-                        "--remote-stage; 0 turns them off; 1 is plain FIFO without the root pin). Since parked "
-                        "conversations reference the checkpoints on their path instead of copying them, N counts "
-                        "only the checkpoints no parked conversation holds; the held ones count against the parking "
-                        "budgets")
+                        "--remote-stage unless --prompt-cache-every or --prompt-cache-tail asks for them; 0 turns "
+                        "them off; 1 is plain FIFO without the root pin). Since parked conversations reference the "
+                        "checkpoints on their path instead of copying them, N counts only the checkpoints no parked "
+                        "conversation holds; the held ones count against the parking budgets")
     c.add_argument("--prompt-cache-every", type=_nonneg_int, default=D.checkpoints.every,
                    help="also cut the prompt every N tokens (0 = off)")
     c.add_argument("--prompt-cache-tail", type=_nonneg_int, default=D.checkpoints.tail, metavar="N",
                    help="also cut the prompt N tokens before its end (the near-tail cut point: a later prompt that "
-                        "differs only in its last N tokens, a re-rendered end, resumes there; 0 = off, the default; "
-                        "not with --remote-stage)")
+                        "differs only in its last N tokens, a re-rendered end, resumes there; 0 = off, the default)")
     c.add_argument("--prompt-cache-root", type=_nonneg_int, default=D.checkpoints.root,
                    help="minimum root length worth pinning (tokens)")
     c.add_argument("--prompt-cache-mib", type=_nonneg_int, default=D.checkpoints.mib,

@@ -24,9 +24,10 @@ class StageConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """Conversation checkpoints (strata.cache). keep: how many (None: 6, or 0 with a remote stage; 0: off);
-    every: a periodic cut point every N prompt tokens (0: off); root: the shortest root worth pinning (tokens);
-    mib: their byte budget; tail: the near-tail cut point's distance from the prompt's end (0: off)."""
+    """Conversation checkpoints (strata.cache). keep: how many (None: 6, or 0 with a remote stage and neither every
+    nor tail; 0: off); every: a periodic cut point every N prompt tokens (0: off); root: the shortest root worth
+    pinning (tokens); mib: their byte budget; tail: the near-tail cut point's distance from the prompt's end (0:
+    off)."""
 
     keep: int | None = None
     every: int = 0
@@ -244,9 +245,11 @@ class EngineConfig:
 
     def prompt_cache(self) -> int:
         """Checkpoints kept: `checkpoints.keep`, or its default (6; 0 with a remote stage, which sends no checkpoint
-        message unless asked)."""
-        keep = self.checkpoints.keep
-        return (0 if self.remote else 6) if keep is None else int(keep)
+        message unless asked: mid-prompt cut points, `every` or `tail`, ask for them, so 6 then too)."""
+        keep, ck = self.checkpoints.keep, self.checkpoints
+        if keep is not None:
+            return int(keep)
+        return 0 if self.remote and not (ck.every or ck.tail) else 6
 
     def pool_ctx(self) -> int | None:
         """Tokens each stage's KV pool holds: --kv-pool-ctx, else one context per request slot (None: n_ctx)."""
@@ -264,8 +267,8 @@ class EngineConfig:
         """The one-line reason no engine can run these options together, or None: the CLI's usage error (exit 2)
         and the engine's ValueError."""
         from strata.stages import parse_devices, parse_split, pool_ctx_error
+        from strata.stages.remote import parse_remote
         from strata.stages.split import mixed, mixed_split_error
-        from strata.stages.remote import parse_remote, unsupported_with_remote
         if str(self.stages.device).strip() == "auto":
             return self.resolved().problem()
         if self.n_ctx < 2:
@@ -304,10 +307,6 @@ class EngineConfig:
                 parse_remote(self.link.remote_stage)
             except ValueError as e:
                 return f"--remote-stage: {e}"
-            ck = self.checkpoints
-            why = unsupported_with_remote(prompt_cache_every=ck.every, prompt_cache_tail=ck.tail)
-            if why:
-                return why
         why = self.moe.problem() or self.spec.problem()
         if why:
             return why

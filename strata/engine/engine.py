@@ -103,7 +103,9 @@ class Engine:
 
         def make_remote(index, hops, model):
             # the worker may hold, besides the cache's N, the one being saved before an eviction, the one a plan
-            # restores and the prompt's state of n > 1 choices: room for 2N + 2 (at most the worker's 64)
+            # restores and the prompt's state of n > 1 choices: room for 2N + 2 (at most the worker's 64). A read's
+            # mid-prompt checkpoints (periodic, tail) are among the N: they are saved one at a time and each save's
+            # retention lets go of the ids it evicts, which the next CkptSave's keep list leaves out
             # and, parking, the conversations parked resident and the checkpoints they hold beyond the N (each
             # holds those on its path: at most N of its own), plus those held by conversations below the device
             # that a live sequence extends (at most N per request slot); the others leave the worker with their
@@ -230,7 +232,7 @@ class Engine:
     @property
     def slot_save_path(self):
         """The directory of session files (a Path), or None."""
-        return self.store.slot_save_path
+        return self.store.files.directory
 
     # ---- prompts ---------------------------------------------------------------------------------
     def render_chat(self, messages: list[dict], *, tools=None, add_generation_prompt: bool = True,
@@ -488,7 +490,7 @@ class Engine:
         """Save the slot's conversation (with its checkpoints) to --slot-save-path/filename, atomically
         (llama-server's POST /slots/{id}?action=save). SessionError / ValueError (one line), nothing written."""
         slot = self._idle_slot(slot_id)
-        path = self.store.session_path(filename)
+        path = self.store.files.path(filename)
         with self._lock:
             return self.store.save(slot.seq, path, filename, slot_id=slot.id)
 
@@ -497,7 +499,7 @@ class Engine:
         /slots/{id}?action=restore): the file is read under the live engine's limits and every part validated
         before anything is written; on any error the live conversation is exactly as it was."""
         slot = self._idle_slot(slot_id)
-        path = self.store.session_path(filename, exists=True)
+        path = self.store.files.path(filename, exists=True)
         with self._lock:
             return {**self.store.load(slot.seq, path, filename), "id_slot": slot.id}
 

@@ -38,7 +38,7 @@ def engine_status(engine, busy: bool) -> dict[str, Any]:
         "resident_stats": dict(res.stats) if res is not None else None,
         "disk_stats": engine.disk.status() if engine.disk is not None else None,
         "conversation_cache_bytes": engine.park.budget if engine.park is not None else 0,
-        "session_files": engine.store.session_files(),
+        "session_files": engine.store.files.usage(),
         "memory": {"weights_bytes": int(engine.file.nbytes), "kv_pool_bytes": int(sum(m["bytes"] for m in kvs)),
                    "rss_bytes": _rss_bytes(), "pinned_host_bytes": pinned_bytes(),
                    "park_host_bytes": host_bytes()},

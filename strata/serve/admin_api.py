@@ -63,7 +63,7 @@ async def metrics(request: web.Request) -> web.Response:
     w = request.app[WORKER_KEY]
     m.slots = (w.slots, w.n_running, w.waiting, dict(engine.scheduler.stats)) if engine is not None else None
     if engine is not None:
-        m.observe_session_files(engine.store.session_files())
+        m.observe_session_files(engine.store.files.usage())
     return web.Response(body=m.render(), headers={"Content-Type": CONTENT_TYPE})
 
 

@@ -116,7 +116,7 @@ class Metrics:
             self.cache_misses.inc()
 
     def observe_session_files(self, usage: dict | None) -> None:
-        """The session directory's use (ConversationStore.session_files), set before a scrape."""
+        """The session directory's use (ConversationFiles.usage), set before a scrape."""
         if usage and usage.get("bytes") is not None:
             self.session_files_bytes.set(usage["bytes"])
         self.session_quota_bytes.set((usage or {}).get("quota_bytes") or 0)

@@ -1,5 +1,5 @@
 """RemoteStage (a Stage whose layers run on a worker chain while the main keeps the output head; its memory is a
-RemoteMemory, strata.stages.remote_memory: the state verbs spoken over the link) and what a remote stage refuses."""
+RemoteMemory, strata.stages.remote_memory: the state verbs spoken over the link) and parse_remote."""
 from __future__ import annotations
 
 import threading
@@ -18,7 +18,7 @@ from strata.stages.link_client import (BACKOFF, PING_EVERY, SILENT_AFTER, LinkCl
 from strata.stages.remote_memory import CheckpointGone, RemoteMemory
 from strata.stages.stage import StageBase
 
-__all__ = ["RemoteStage", "RemoteMemory", "CheckpointGone", "parse_remote", "unsupported_with_remote"]
+__all__ = ["RemoteStage", "RemoteMemory", "CheckpointGone", "parse_remote"]
 
 log = structlog.get_logger("strata.stages.remote")
 
@@ -30,15 +30,6 @@ def parse_remote(spec: str | None) -> list[str]:
     for a in out:
         parse_address(a)
     return out
-
-
-def unsupported_with_remote(*, prompt_cache_every: int = 0, prompt_cache_tail: int = 0) -> str | None:
-    """What a remote stage does not support, as one line (the CLI's usage error, the Engine's ValueError), or None.
-    (Parking and session files need a worker that announces +park: checked when the link is up.)"""
-    if prompt_cache_every or prompt_cache_tail:
-        what = "--prompt-cache-every" if prompt_cache_every else "--prompt-cache-tail"
-        return f"mid-prompt checkpoints ({what}) are not supported with a remote stage (--remote-stage)"
-    return None
 
 
 class RemoteStage(StageBase):
