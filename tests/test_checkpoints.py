@@ -449,15 +449,18 @@ def test_property_chain_cap_root_and_exact_resume(cap, every, steps):
 # ---- end to end on the real default model (SmolLM2-135M-Instruct Q4_1) through strata.engine.Engine ------------
 # (the checks tests/test_cuda_parity.py runs on GPU engines are in tests/checkpoint_checks.py)
 
-# The same end-to-end checks run on the real default model and on a synthetic hybrid model (qwen35: Gated
-# DeltaNet running state + gated attention), whose running state cannot be cut back and is in the state hash.
-MODELS = ["default", "hybrid"]
+# The same end-to-end checks run on the real default model and on synthetic hybrid models (qwen35: Gated
+# DeltaNet running state + gated attention; nemotron_h: Mamba2 running state + attention + MLP blocks), whose
+# running state cannot be cut back and is in the state hash.
+MODELS = ["default", "hybrid", "mamba"]
 
 
 @pytest.fixture(scope="module", params=MODELS)
 def model_path(request, synthetic):
     if request.param == "hybrid":
         return str(synthetic("qwen35", seed=7))
+    if request.param == "mamba":
+        return str(synthetic("nemotron_h", seed=7))
     return str(request.getfixturevalue("default_model_path"))
 
 

@@ -1,5 +1,5 @@
 """Conversation parking (--conversation-cache-mib): A/B/A switching restores A from the park with the tokens and
-per-layer state hashes of A played alone (the default model and a synthetic hybrid, 1 and 2 stages); eight
+per-layer state hashes of A played alone (the default model and synthetic hybrids, 1 and 2 stages); eight
 conversations round-robin each resume from their own park; the budget evicts least recently used; a
 "strata_checkpoint": false request leaves nothing to park; with parking off a switch reads again."""
 from __future__ import annotations
@@ -18,12 +18,19 @@ def hybrid_path(synthetic):
     return synthetic("qwen35", n_layer=4, seed=21, n_mtp=1)
 
 
+@pytest.fixture(scope="module")
+def mamba_path(synthetic):
+    return synthetic("nemotron_h", seed=21)
+
+
 @pytest.mark.parametrize("resident", [0, 2])
-@pytest.mark.parametrize("which,split", [("default", None), ("default", "15"), ("hybrid", None), ("hybrid", "2")])
-def test_a_b_a_restores_a_from_the_park_bit_exact(which, split, resident, default_model_path, hybrid_path):
+@pytest.mark.parametrize("which,split", [("default", None), ("default", "15"), ("hybrid", None), ("hybrid", "2"),
+                                         ("mamba", "3")])
+def test_a_b_a_restores_a_from_the_park_bit_exact(which, split, resident, default_model_path, hybrid_path,
+                                                  mamba_path):
     """In host RAM (park_resident=0) and resident on the device (its pages held in the pool, the new conversation
     sharing the system prompt's pages with it)."""
-    path = default_model_path if which == "default" else hybrid_path
+    path = {"default": default_model_path, "hybrid": hybrid_path, "mamba": mamba_path}[which]
     alone = Engine(path, n_ctx=1024, ubatch=32, layer_split=split, conversation_cache_mib=0)
     ref = play(alone, "rivers", 2, [])
     # one checkpoint beside the root (--prompt-cache 2): B's turn evicts A's from the checkpoint tree, so A comes back

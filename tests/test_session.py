@@ -1,5 +1,5 @@
 """Session files (--slot-save-path; strata/cache/session.py): save / restore round trips on one and two stages (a
-hybrid conversation resumes from its saved checkpoints afterwards), golden files of format versions 1 and 3, and
+hybrid conversation, Gated DeltaNet or Mamba2, resumes from its saved checkpoints afterwards), golden files of format versions 1 and 3, and
 every bad file or name refused with one line, the live conversation untouched, nothing written outside the
 directory; the reader fuzzed (hypothesis)."""
 from __future__ import annotations
@@ -45,8 +45,10 @@ def _engine(path, slot_dir, split=None, n_ctx=512):
     return Engine(path, n_ctx=n_ctx, ubatch=32, layer_split=split, slot_save_path=slot_dir, conversation_cache_mib=0)
 
 
-@pytest.mark.parametrize("split", [None, "2"])
-def test_save_restart_restore_continue(model_path, tmp_path, split):
+@pytest.mark.parametrize("which,split", [("hybrid", None), ("hybrid", "2"), ("mamba", "3")])
+def test_save_restart_restore_continue(which, model_path, synthetic, tmp_path, split):
+    if which == "mamba":                                             # nemotron_h: Mamba2 running state
+        model_path = synthetic("nemotron_h", seed=31)
     e = _engine(model_path, tmp_path, split)
     t1, _ = ask(e, CHAT)
     follow = CHAT + [{"role": "assistant", "content": e.detokenize(t1)}, {"role": "user", "content": "More?"}]

@@ -1,7 +1,7 @@
 """Speculative decoding with lookup drafts (--spec N --spec-draft lookup, the default for a model without an MTP
 head): greedy output equals --spec 0 token for token and leaves the same state, on models without an MTP head
-(llama: attention only; qwen35 without its MTP block: Gated DeltaNet running states rolled back at each Commit), on
-1 and 2 CPU stages, over turns that continue, restore a checkpoint and switch conversations, over a remote stage on
+(llama: attention only; qwen35 without its MTP block and nemotron_h: Gated DeltaNet / Mamba2 running states rolled
+back at each Commit), on 1 and 2 CPU stages, over turns that continue, restore a checkpoint and switch conversations, over a remote stage on
 loopback and with two request slots.
 
 The synthetic models' random weights make their greedy answers fall into repeats, which the lookup drafts almost
@@ -25,7 +25,8 @@ from strata.sampling.sampler import SamplingParams
 def models(tmp_path_factory):
     d = tmp_path_factory.mktemp("lookup")
     return {"llama": synth.write_synthetic(d / "llama.gguf", synth.preset("llama", "tiny", seed=3)),
-            "qwen35": synth.write_synthetic(d / "q35.gguf", synth.preset("qwen35", "tiny", seed=3, n_mtp=0))}
+            "qwen35": synth.write_synthetic(d / "q35.gguf", synth.preset("qwen35", "tiny", seed=3, n_mtp=0)),
+            "nemotron_h": synth.write_synthetic(d / "nh.gguf", synth.preset("nemotron_h", "tiny", seed=3))}
 
 
 def _prompt(n, seed):
@@ -55,8 +56,9 @@ def _turns(engine):
     return [ra, r2, rb, r3]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen35"])
-@pytest.mark.parametrize("split", [None, "2"], ids=["1stage", "2stages"])
+@pytest.mark.parametrize("arch,split", [("llama", None), ("llama", "2"), ("qwen35", None), ("qwen35", "2"),
+                                        ("nemotron_h", "3")], ids=["llama-1stage", "llama-2stages", "qwen35-1stage",
+                                                                   "qwen35-2stages", "nemotron_h-2stages"])
 def test_greedy_equals_spec0(models, arch, split):
     """--spec 2, 4 and 3 with lookup drafts kept at rates 1, 0.5 and 0: every turn's answer is --spec 0's and the
     state after the last is the same; the drafts were made and (rate 1) mostly kept."""

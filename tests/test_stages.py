@@ -72,10 +72,15 @@ def hybrid_path(synthetic):
     return synthetic("qwen35", n_layer=6, seed=11, n_mtp=1)
 
 
-@pytest.mark.parametrize("which", ["default", "hybrid"])
-def test_split_parity_cold_and_resumed(which, default_model_path, hybrid_path):
-    path = default_model_path if which == "default" else hybrid_path
-    splits = {"default": [None, "15", "7,22"], "hybrid": [None, "3", "2,4"]}[which]
+@pytest.fixture(scope="module")
+def mamba_path(synthetic):
+    return synthetic("nemotron_h", seed=11)                   # blocks M-M*M-: Mamba2, MLP, attention
+
+
+@pytest.mark.parametrize("which", ["default", "hybrid", "mamba"])
+def test_split_parity_cold_and_resumed(which, default_model_path, hybrid_path, mamba_path):
+    path = {"default": default_model_path, "hybrid": hybrid_path, "mamba": mamba_path}[which]
+    splits = {"default": [None, "15", "7,22"], "hybrid": [None, "3", "2,4"], "mamba": [None, "3", "2,4"]}[which]
     runs = {}
     for split in splits:
         e = Engine(path, n_ctx=512, ubatch=32, prompt_cache=6, layer_split=split)
@@ -86,8 +91,8 @@ def test_split_parity_cold_and_resumed(which, default_model_path, hybrid_path):
     assert [r[2] for r in base][:2] == ["none", again] and base[2][2] in ("live", "checkpoint")
     assert base[0][0] == base[1][0]
     layer_keys = [k for k in base[0][1] if ".L" in k]
-    n = 30 if which == "default" else 6
-    assert {int(k.split(".L")[1]) for k in layer_keys} == set(range(n)) | ({6} if which == "hybrid" else set())
+    stateful = {"default": set(range(30)), "hybrid": set(range(7)), "mamba": {0, 2, 3, 4}}[which]   # MLP: none
+    assert {int(k.split(".L")[1]) for k in layer_keys} == stateful
     for split in splits[1:]:
         for (t, h, how), (tb, hb, howb) in zip(runs[split], base):
             assert (t, how) == (tb, howb), split

@@ -3,11 +3,11 @@
 Run once (needs llama-cpp-python, not needed by the tests themselves):
     PYTHONPATH=. python tools/hybrid_llamacpp_reference.py [--out tests/data]
 
-For each architecture (qwen3next, qwen35, qwen35moe) it writes the synthetic model of
-``tests/test_hybrid_llamacpp.py::SPEC`` (deterministic from its seed) to a temporary file, reads a fixed
-300-token prompt with llama.cpp (``logits_all``), and stores ``hybrid_<arch>_llamacpp.json``: the spec, the
+For each architecture (qwen3next, qwen35, qwen35moe, nemotron_h) it writes the synthetic model of ``spec_for``
+(deterministic from its seed) to a temporary file, reads a fixed 300-token prompt with llama.cpp (``logits_all``), and stores ``hybrid_<arch>_llamacpp.json``: the spec, the
 file's sha256, the prompt, and at positions 0, 62, 63, 64, 299 the full-vocabulary argmax plus the logits of a
-fixed sample of vocabulary ids (the sample keeps the data small).
+fixed sample of vocabulary ids (the sample keeps the data small), and ``greedy``: the N_GREEDY tokens llama.cpp
+picks greedily after the prompt, one decode step each, with ``greedy_logits``, the sampled logits after the last.
 """
 from __future__ import annotations
 
@@ -26,10 +26,11 @@ sys.path.insert(0, str(ROOT))
 
 from strata.gguf import synth  # noqa: E402
 
-ARCHS = ("qwen3next", "qwen35", "qwen35moe")
+ARCHS = ("qwen3next", "qwen35", "qwen35moe", "nemotron_h")
 POSITIONS = (0, 62, 63, 64, 299)
 N_PROMPT = 300
 N_SAMPLE = 256
+N_GREEDY = 16
 
 
 def spec_for(arch: str) -> synth.SynthSpec:
@@ -64,12 +65,18 @@ def main() -> int:
             toks, sample = prompt_and_sample(n_vocab)
             llm.eval(toks.tolist())
             scores = np.asarray(llm.scores[:N_PROMPT], dtype=np.float32)
+            greedy = [int(scores[-1].argmax())]
+            while len(greedy) < N_GREEDY:
+                llm.eval([greedy[-1]])
+                greedy.append(int(np.asarray(llm.scores[N_PROMPT + len(greedy) - 1]).argmax()))
             rec = {
                 "arch": arch, "spec": dataclasses.asdict(spec), "gguf_sha256": sha256(path),
                 "llama_cpp_python": llama_cpp.__version__, "prompt": toks.tolist(), "sample_ids": sample.tolist(),
                 "positions": list(POSITIONS),
                 "argmax": [int(scores[p].argmax()) for p in POSITIONS],
                 "logits": [[round(float(v), 5) for v in scores[p, sample]] for p in POSITIONS],
+                "greedy": greedy,
+                "greedy_logits": [round(float(v), 5) for v in np.asarray(llm.scores[N_PROMPT + N_GREEDY - 2])[sample]],
             }
             del llm
         (out / f"hybrid_{arch}_llamacpp.json").write_text(json.dumps(rec) + "\n")

@@ -4,6 +4,7 @@ Examples:
     PYTHONPATH=. python tools/synth_gguf.py qwen3next /tmp/tiny.gguf                       # tiny, < 5 MB
     PYTHONPATH=. python tools/synth_gguf.py qwen35moe /tmp/big.gguf --size large --qtype Q8_0
     PYTHONPATH=. python tools/synth_gguf.py qwen35 /tmp/m.gguf --set n_layer=8 --set n_embd=256 --hf-out /tmp/m_hf
+    PYTHONPATH=. python tools/synth_gguf.py nemotron_h /tmp/nh.gguf --set hybrid_pattern=M-M*M-M-    # Mamba2 hybrid
     PYTHONPATH=. python tools/synth_gguf.py qwen35 /tmp/q.gguf --chat-template tests/data/templates/Qwen3.5-4B.jinja
     PYTHONPATH=. python tools/synth_gguf.py qwen35moe /tmp/skew.gguf --set n_expert=128 --set n_expert_used=8 \
         --set router_zipf=1.2 --set router_topics=4          # skewed routers whose hot set follows the topic
@@ -55,6 +56,11 @@ def main(argv=None) -> int:
                          "e.g. tests/data/templates/Qwen3.5-4B.jinja")
     a = ap.parse_args(argv)
     kw = _parse_set(a.set)
+    if a.hf_out and a.arch == "nemotron_h":
+        print("error: --hf-out: no transformers export for nemotron_h", file=sys.stderr)
+        return 2
+    if a.arch == "nemotron_h" and "n_layer" in kw and "hybrid_pattern" not in kw:
+        kw["hybrid_pattern"] = ("M-M*" * kw["n_layer"])[:kw["n_layer"]]
     if a.qtype:
         kw["qtype"] = a.qtype
     if a.embd_qtype:

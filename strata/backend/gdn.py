@@ -66,13 +66,15 @@ def l2_norm(x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
     return x / xp.sqrt(xp.sum(x * x, axis=-1, keepdims=True) + np.float32(eps))
 
 
-def causal_conv1d(x: np.ndarray, weight: np.ndarray, window: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Causal depthwise 1-D convolution with the previous inputs as state, followed by SiLU.
+def causal_conv1d(x: np.ndarray, weight: np.ndarray, window: np.ndarray,
+                  bias: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Causal depthwise 1-D convolution with the previous inputs as state, followed by SiLU (also Mamba2's conv).
 
     x: float32 (n_tokens, channels); weight: float32 (channels, kernel) (GGUF ``ssm_conv1d``, HF
     ``conv1d.weight`` squeezed); window: float32 (kernel - 1, channels), the last kernel-1 inputs before x
-    (zeros at the start of a sequence). Returns (silu(y) of shape (n_tokens, channels), new window of shape
-    (kernel - 1, channels)). y[t, c] = sum_j weight[c, j] * xx[t + j, c] with xx = window ++ x.
+    (zeros at the start of a sequence); bias: None or float32 (channels,) added before the SiLU. Returns (silu(y)
+    of shape (n_tokens, channels), new window of shape (kernel - 1, channels)).
+    y[t, c] = sum_j weight[c, j] * xx[t + j, c] (+ bias[c]) with xx = window ++ x.
     """
     xp = array_module(x)
     n, c = x.shape
@@ -83,6 +85,8 @@ def causal_conv1d(x: np.ndarray, weight: np.ndarray, window: np.ndarray) -> tupl
     y = xp.zeros((n, c), dtype=np.float32)
     for j in range(k):
         y += xx[j:j + n] * weight[:, j]
+    if bias is not None:
+        y += bias
     return silu(y), xp.ascontiguousarray(xx[n:n + k - 1] if k > 1 else xx[:0])
 
 

@@ -1,4 +1,4 @@
-"""Synthetic GGUF models: random weights in llama.cpp's file layout for llama, qwen3next, qwen35, qwen35moe, and their HF export.
+"""Synthetic GGUF models: random weights in llama.cpp's file layout for llama, qwen3next, qwen35, qwen35moe, nemotron_h, and their HF export.
 
 ``write_synthetic(path, spec)`` writes a valid GGUF (tensor names, shapes and metadata keys as the ``gguf``
 library's constants and llama.cpp's converter ``convert_hf_to_gguf.py`` / ``conversion/qwen.py`` write them),
@@ -20,6 +20,15 @@ Converter transforms inverted by ``export_hf`` (qwen3next / qwen35 / qwen35moe):
     ``mtp.fc``), ``nextn.enorm`` / ``nextn.hnorm`` / ``nextn.shared_head_norm`` (HF ``mtp.pre_fc_norm_embedding`` /
     ``mtp.pre_fc_norm_hidden`` / ``mtp.norm``) plus a full-attention decoder block (HF ``mtp.layers.0.*``).
   * llama: ``attn_q`` / ``attn_k`` rows are permuted for LLAMA_ROPE_TYPE_NORM (pairs (2i, 2i+1)).
+
+nemotron_h (llama.cpp's converter ``conversion/nemotron.py`` / ``mamba.py``): block i is a Mamba2 mixer, an
+attention layer or a squared-ReLU MLP as ``hybrid_pattern``'s letter i says (``M``, ``*``, ``-``); the per-layer
+``attention.head_count_kv`` / ``feed_forward_length`` arrays are 0 where the block has none (llama.cpp reads a
+block with both 0 as Mamba2). Mamba2 tensors: ``ssm_in`` (rows [z | x B C | dt]), ``ssm_conv1d`` (channels,
+kernel) + bias, ``ssm_dt.bias``, ``ssm_a`` = -exp(A_log) and ``ssm_d`` as (n_head, 1), ``ssm_norm`` (n_group,
+d_inner / n_group), ``ssm_out``. The spec's GDN fields carry the Mamba2 sizes: ``head_k_dim`` = d_state,
+``n_k_heads`` = n_group, ``n_v_heads`` = SSM heads, ``head_v_dim`` = SSM head dim (d_inner = n_v_heads *
+head_v_dim). No HF export for it.
 
 Quant types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 through ``gguf.quants.quantize``; the nine IQ types
 through ``strata.gguf.iq_quant`` (valid blocks, not llama.cpp's quality). The ``gguf`` library (0.19) has no
@@ -43,7 +52,7 @@ from gguf import GGMLQuantizationType as QT
 
 from strata.gguf import iq_quant
 
-ARCHS = ("llama", "qwen3next", "qwen35", "qwen35moe")
+ARCHS = ("llama", "qwen3next", "qwen35", "qwen35moe", "nemotron_h")
 HYBRID_ARCHS = ("qwen3next", "qwen35", "qwen35moe")
 QUANTIZABLE = {
     "F32": QT.F32, "F16": QT.F16, "BF16": QT.BF16, "Q8_0": QT.Q8_0,
@@ -74,6 +83,8 @@ class SynthSpec:
     n_k_heads: int = 2                  # linear_num_key_heads (= ssm.group_count)
     n_v_heads: int = 4                  # linear_num_value_heads (= ssm.time_step_rank)
     full_attention_interval: int = 4
+    # nemotron_h: one letter per block, M (Mamba2), * (attention), - (MLP); "" = the preset's
+    hybrid_pattern: str = ""
     # MoE (qwen3next, qwen35moe)
     n_expert: int = 8
     n_expert_used: int = 2
@@ -106,7 +117,13 @@ class SynthSpec:
         return self.arch in ("qwen3next", "qwen35moe")
 
     def is_recurrent(self, il: int) -> bool:
+        if self.arch == "nemotron_h":
+            return self.block_kind(il) == "M"
         return self.arch in HYBRID_ARCHS and il < self.n_layer and (il + 1) % self.full_attention_interval != 0
+
+    def block_kind(self, il: int) -> str:
+        """nemotron_h: block il's letter in ``hybrid_pattern`` (M Mamba2, * attention, - MLP)."""
+        return self.hybrid_pattern[il]
 
     def validate(self) -> None:
         if self.arch not in ARCHS:
@@ -119,8 +136,15 @@ class SynthSpec:
             raise ValueError(f"n_head {self.n_head} is not a multiple of n_head_kv {self.n_head_kv}")
         if self.arch in HYBRID_ARCHS and self.n_v_heads % self.n_k_heads:
             raise ValueError(f"n_v_heads {self.n_v_heads} is not a multiple of n_k_heads {self.n_k_heads}")
-        if self.n_mtp not in (0, 1) or (self.arch == "llama" and self.n_mtp):
-            raise ValueError("n_mtp must be 0 or 1 (and 0 for llama)")
+        if self.n_mtp not in (0, 1) or (self.arch in ("llama", "nemotron_h") and self.n_mtp):
+            raise ValueError("n_mtp must be 0 or 1 (and 0 for llama and nemotron_h)")
+        if self.arch == "nemotron_h":
+            if len(self.hybrid_pattern) != self.n_layer or set(self.hybrid_pattern) - set("M*-"):
+                raise ValueError(f"hybrid_pattern {self.hybrid_pattern!r} needs one of M, *, - per block "
+                                 f"({self.n_layer})")
+            if self.n_v_heads % self.n_k_heads:
+                raise ValueError(f"n_v_heads {self.n_v_heads} (SSM heads) is not a multiple of n_k_heads "
+                                 f"{self.n_k_heads} (groups)")
         if self.n_vocab and self.n_vocab < _vocab_size():
             raise ValueError(f"n_vocab {self.n_vocab} is below the default model's {_vocab_size()} tokens "
                              "(a synthetic vocabulary extends it)")
@@ -132,6 +156,9 @@ def preset(arch: str, size: str = "tiny", **kw) -> SynthSpec:
     base: dict[str, Any] = dict(arch=arch)
     if arch == "llama":
         base.update(n_mtp=0, head_dim=16)
+    if arch == "nemotron_h":     # Mamba2 sizes: d_state 16, 2 groups, 8 heads of 16 (d_inner 128 = 2 n_embd)
+        base.update(n_mtp=0, n_layer=6, hybrid_pattern="M-M*M-", head_dim=32, head_k_dim=16, n_k_heads=2,
+                    n_v_heads=8, head_v_dim=16)
     if size == "tiny":
         pass
     elif size in ("small", "medium", "large"):
@@ -143,6 +170,9 @@ def preset(arch: str, size: str = "tiny", **kw) -> SynthSpec:
                     head_k_dim=hk, head_v_dim=hk, n_k_heads=nk, n_v_heads=nv, n_expert=n_exp,
                     n_expert_used=n_used, n_ff_exp=ff_exp, n_ff_shexp=ff_sh, qtype="F16", embd_qtype="F16",
                     tie_embeddings=False)
+        if arch == "nemotron_h":      # Nemotron-H's Mamba2 shape: d_state 128, 8 groups, heads of 64
+            base.update(head_k_dim=128, n_k_heads=8, head_v_dim=64, n_v_heads=2 * n_embd // 64,
+                        hybrid_pattern=("M-M*" * n_layer)[:n_layer])
     else:
         raise ValueError(f"unknown size {size!r}; use tiny, small, medium or large")
     base.update(kw)
@@ -172,6 +202,9 @@ def _plan(s: SynthSpec) -> list[_T]:
         p = f"blk.{il}."
         mtp = il >= s.n_layer
         t.append(_T(p + "attn_norm.weight", (s.n_embd,), "norm"))
+        if s.arch == "nemotron_h":
+            t += _nemotron_h_block(s, p, s.block_kind(il))
+            continue
         if s.arch == "llama":
             t += [_T(p + "attn_q.weight", (s.n_head * s.head_dim, s.n_embd), "mat", s.n_embd),
                   _T(p + "attn_k.weight", (s.n_head_kv * s.head_dim, s.n_embd), "mat", s.n_embd),
@@ -223,6 +256,28 @@ def _plan(s: SynthSpec) -> list[_T]:
                   _T(p + "nextn.hnorm.weight", (s.n_embd,), "norm"),
                   _T(p + "nextn.shared_head_norm.weight", (s.n_embd,), "norm")]
     return t
+
+
+def _nemotron_h_block(s: SynthSpec, p: str, kind: str) -> list[_T]:
+    """A nemotron_h block's tensors past its attn_norm: Mamba2 mixer (M), attention (*) or MLP (-)."""
+    E = s.n_embd
+    if kind == "M":
+        nh, ng, ds = s.n_v_heads, s.n_k_heads, s.head_k_dim
+        d_inner = nh * s.head_v_dim
+        conv_ch = d_inner + 2 * ng * ds
+        return [_T(p + "ssm_in.weight", (2 * d_inner + 2 * ng * ds + nh, E), "mat", E),
+                _T(p + "ssm_conv1d.weight", (conv_ch, s.conv_kernel), "conv", s.conv_kernel),
+                _T(p + "ssm_conv1d.bias", (conv_ch,), "vec", s.conv_kernel),
+                _T(p + "ssm_dt.bias", (nh,), "mamba_dt"),
+                _T(p + "ssm_a", (nh, 1), "ssm_a"),
+                _T(p + "ssm_d", (nh, 1), "gnorm"),
+                _T(p + "ssm_norm.weight", (ng, d_inner // ng), "gnorm"),
+                _T(p + "ssm_out.weight", (E, d_inner), "mat", d_inner)]
+    if kind == "*":
+        q, kv = s.n_head * s.head_dim, s.n_head_kv * s.head_dim
+        return [_T(p + "attn_q.weight", (q, E), "mat", E), _T(p + "attn_k.weight", (kv, E), "mat", E),
+                _T(p + "attn_v.weight", (kv, E), "mat", E), _T(p + "attn_output.weight", (E, q), "mat", q)]
+    return [_T(p + "ffn_up.weight", (s.n_ff, E), "mat", E), _T(p + "ffn_down.weight", (E, s.n_ff), "mat", s.n_ff)]
 
 
 def _qtype_for(s: SynthSpec, t: _T) -> QT:
@@ -313,6 +368,8 @@ def _plain_values(s: SynthSpec, t: _T) -> np.ndarray:
         x = -rng.uniform(0.5, 4.0, n).astype(np.float32)
     elif t.kind == "dt":
         x = rng.uniform(-1.0, 1.0, n).astype(np.float32)
+    elif t.kind == "mamba_dt":      # dt_bias: softplus(dt_bias) ~ 0.02..0.3, a memory of tens of tokens
+        x = rng.uniform(-4.0, -1.0, n).astype(np.float32)
     elif t.kind == "conv":
         x = rng.standard_normal(n, dtype=np.float32) * np.float32(1.0 / math.sqrt(t.fan_in))
     else:                           # vec (shared-expert gate)
@@ -368,13 +425,26 @@ def _write_metadata(w: gguf.GGUFWriter, s: SynthSpec) -> None:
     w.add_embedding_length(s.n_embd)
     w.add_block_count(s.n_layer + s.n_mtp)
     w.add_head_count(s.n_head)
-    w.add_head_count_kv(s.n_head_kv)
+    if a == "nemotron_h":                                  # per-block arrays: 0 where the block has none
+        w.add_head_count_kv([s.n_head_kv if s.block_kind(i) == "*" else 0 for i in range(s.n_layer)])
+    else:
+        w.add_head_count_kv(s.n_head_kv)
     w.add_key_length(s.head_dim)
     w.add_value_length(s.head_dim)
     w.add_layer_norm_rms_eps(s.rms_eps)
-    w.add_rope_freq_base(s.rope_theta)
-    w.add_rope_dimension_count(s.n_rot)
-    w.add_feed_forward_length(s.n_ff)
+    if a != "nemotron_h":                                  # no positional encoding there
+        w.add_rope_freq_base(s.rope_theta)
+        w.add_rope_dimension_count(s.n_rot)
+    if a == "nemotron_h":
+        w.add_feed_forward_length([s.n_ff if s.block_kind(i) == "-" else 0 for i in range(s.n_layer)])
+        w.add_layer_norm_eps(s.rms_eps)                    # llama.cpp's nemotron_h loader requires it
+        w.add_ssm_conv_kernel(s.conv_kernel)
+        w.add_ssm_state_size(s.head_k_dim)
+        w.add_ssm_group_count(s.n_k_heads)
+        w.add_ssm_time_step_rank(s.n_v_heads)
+        w.add_ssm_inner_size(s.head_v_dim * s.n_v_heads)
+    else:
+        w.add_feed_forward_length(s.n_ff)
     w.add_vocab_size(_vocab_size(s))
     w.add_file_type(gguf.LlamaFileType.ALL_F32 if s.qtype == "F32" else gguf.LlamaFileType.MOSTLY_F16
                     if s.qtype == "F16" else gguf.LlamaFileType.MOSTLY_Q8_0)
@@ -546,6 +616,8 @@ def export_hf(path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """
     meta, T = _reader_tensors(path)
     a = meta["general.architecture"]
+    if a == "nemotron_h":
+        raise ValueError("export_hf: no transformers export for nemotron_h (its reference is llama.cpp)")
     g = lambda k, d=None: meta.get(f"{a}.{k}", d)  # noqa: E731
     n_all = int(g("block_count"))
     n_mtp = int(g("nextn_predict_layers", 0) or 0)

@@ -8,7 +8,8 @@ from strata.gguf.file import GGUFModelFile, ModelLoadError, open_gguf
 from strata.models.base import Model
 
 #: GGUF architecture name -> the family that reads it (one module per family, imported on first use)
-ARCHS = {"llama": "llama", "qwen3next": "qwen3next", "qwen35": "qwen3next", "qwen35moe": "qwen3next"}
+ARCHS = {"llama": "llama", "qwen3next": "qwen3next", "qwen35": "qwen3next", "qwen35moe": "qwen3next",
+         "nemotron_h": "nemotron_h"}
 
 
 def supported_archs() -> list[str]:
@@ -25,6 +26,9 @@ def model_class(arch: str) -> type[Model]:
     if family == "qwen3next":
         from strata.models.qwen3next import Qwen3NextModel
         return Qwen3NextModel
+    if family == "nemotron_h":
+        from strata.models.nemotron_h import NemotronHModel
+        return NemotronHModel
     raise ModelLoadError(f"unsupported architecture {arch!r} (supported: {', '.join(supported_archs())})")
 
 
