@@ -6,9 +6,9 @@ borrows this tree's built C core), `strata serve` on the default model (or --mod
 thread sends GET /health every --every ms over one keep-alive connection and times each answer, while a sender
 thread posts the large requests one after the other (--reps of each kind, each waiting for its answer):
 
-  responses_60k   /v1/responses, --items input items (user and assistant messages, ~4.7 MB at 60,000)
-  chat_20k        /v1/chat/completions, --items / 3 messages
-  tokenize_ids    /detokenize of --ids token ids (a JSON array of integers, ~1 MB at 200,000)
+  responses       /v1/responses, --items input items (user and assistant messages, ~8.6 MB at 60,000)
+  chat            /v1/chat/completions, --items / 3 messages (~1.6 MB at 60,000)
+  detokenize      /detokenize of --ids token ids (a JSON array of integers, ~1 MB at 200,000)
 
 A request too long for the context is still parsed, validated and rendered before its 400: the loop's work is the
 same. The idle probes (nothing else sent) are the floor. Per arm and kind: /health p50 / p99 / max (ms) while that
@@ -46,11 +46,11 @@ def bodies(items: int, ids: int) -> dict[str, tuple[str, bytes]]:
                          "text": f"item {i}: a short line about rivers and their deltas"}]} for i in range(items)]
     msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"message {i}: rivers carry silt to the sea"}
             for i in range(items // 3)]
-    return {"responses_60k": ("/v1/responses", json.dumps({"model": "m", "input": inp,
+    return {"responses": ("/v1/responses", json.dumps({"model": "m", "input": inp,
                                                            "max_output_tokens": 1}).encode()),
-            "chat_20k": ("/v1/chat/completions", json.dumps({"model": "m", "messages": msgs,
+            "chat": ("/v1/chat/completions", json.dumps({"model": "m", "messages": msgs,
                                                              "max_tokens": 1}).encode()),
-            "tokenize_ids": ("/detokenize", json.dumps({"tokens": [i % 1000 for i in range(ids)]}).encode())}
+            "detokenize": ("/detokenize", json.dumps({"tokens": [i % 1000 for i in range(ids)]}).encode())}
 
 
 def pct(xs: list[float], q: float) -> float:
