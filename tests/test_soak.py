@@ -26,7 +26,8 @@ def test_a_short_soak_passes(tmp_path, default_model_path):
     assert out.exists(), r.stderr[-3000:]
     d = json.loads(out.read_text())
     assert r.returncode == 0 and d["ok"], d["problems"]
-    assert d["compared"] >= seconds // 3 and d["mismatches"] == 0     # 20 answers a minute at least and set(d["statuses"]) <= {"200", "503"}
+    # at least 20 compared answers a minute
+    assert d["compared"] >= seconds // 3 and d["mismatches"] == 0 and set(d["statuses"]) <= {"200", "503"}
     assert set(d["rss_curve_mib"]) == set(d["fds_curve"]) == {"start", "after_warmup", "end"}
     assert d["rss_curve_mib"]["end"] == d["rss_mib"][1] and set(d["trend"]) == {"rss_mib_per_hour", "fds_per_hour"}
     assert d["curve"][0][0] == 0 and all(len(p) == 3 and p[1] > 0 and p[2] > 0 for p in d["curve"])

@@ -55,32 +55,30 @@ async def render_chat(request: web.Request, p: schema.ParsedRequest):
     engine = serving_engine(request)
 
     def render(plan):
-        with turn_clock.active(request.get("clock")), turn_clock.phase("render"):
-            r = engine.render_chat(plan.messages, tools=plan.tools, pin_message=plan.pin,
-                                   **({"add_generation_prompt": False, "continue_final_message": True}
-                                      if p.continue_final else {}), **plan.template_kwargs)
-            turn_clock.charge("tokenize", r.tokenize_s)      # out of the render's time
+        try:
+            with turn_clock.active(request.get("clock")), turn_clock.phase("render"):
+                r = engine.render_chat(plan.messages, tools=plan.tools, pin_message=plan.pin,
+                                       **({"add_generation_prompt": False, "continue_final_message": True}
+                                          if p.continue_final else {}), **plan.template_kwargs)
+                turn_clock.charge("tokenize", r.tokenize_s)      # out of the render's time
+        except ContextOverflow as e:     # too long to be worth rendering and tokenizing
+            raise ApiError(400, str(e), param="messages", code="context_length_exceeded") from None
+        except ValueError as e:
+            raise ApiError(400, f"the chat template refused the messages: {e}",
+                           param=getattr(e, "param", None) or "messages", code="invalid_value") from None
         structured.after_render(plan, r.text)
         return plan, r
 
     def plan_and_render():
         return render(structured.plan_chat(engine, p))   # tools, reasoning, response_format (strata.structured.plan)
-    try:
-        if prepare.is_heavy(request):    # a large request: planned and rendered in the preparation pool
-            plan, rendered = await prepare.prepared(request, plan_and_render)
-        else:
-            # a later turn of a chat rendered before takes about a millisecond: rendered here, where two thread hops
-            # would cost as much or more on a busy machine; anything else in the preparation pool
-            plan = structured.plan_chat(engine, p)
-            quick = getattr(engine, "renders_quickly", None)
-            plan, rendered = await prepare.prepared(request, lambda: render(plan),
-                                                    heavy=quick is None or not quick(plan.messages))
-    except ContextOverflow as e:         # too long to be worth rendering and tokenizing
-        raise ApiError(400, str(e), param="messages", code="context_length_exceeded") from None
-    except ValueError as e:
-        raise ApiError(400, f"the chat template refused the messages: {e}",
-                       param=getattr(e, "param", None) or "messages", code="invalid_value") from None
-    return engine, plan, rendered
+    if prepare.is_heavy(request):        # a large request: planned and rendered in the preparation pool
+        return engine, *await prepare.prepared(request, plan_and_render)
+    # a later turn of a chat rendered before takes about a millisecond: rendered here, where two thread hops would
+    # cost as much or more on a busy machine; anything else in the preparation pool
+    plan = structured.plan_chat(engine, p)
+    quick = getattr(engine, "renders_quickly", None)
+    return engine, *await prepare.prepared(request, lambda: render(plan),
+                                           heavy=quick is None or not quick(plan.messages))
 
 
 async def _constraint(request: web.Request, compile_it):
