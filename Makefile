@@ -8,7 +8,7 @@ PROMPT ?= What is the capital of France? Answer in one sentence.
 PIP_EXTRA ?=
 BUILD_INPUTS := setup.py pyproject.toml $(wildcard native/*.py native/cpu/* native/cuda/*)
 
-.PHONY: install install-test run test bench clean
+.PHONY: install install-test run test test-sweeps bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -39,6 +39,14 @@ run: install
 test: install-test
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "no tests ran: failing" >&2; exit 1; fi; exit $$rc
+
+# the exhaustive form of the sweeps CI runs a representative case of (tests.helpers.full_sweeps)
+SWEEPS := tests/test_soak.py tests/test_parallel_engine.py::test_any_arrival_pattern_answers_as_alone \
+  tests/test_spec_lookup.py::test_greedy_equals_spec0 tests/test_serve_fuzz.py::test_fuzz_every_route \
+  tests/test_lookup.py::test_one_walk_finds_what_a_scan_of_every_prefix_finds \
+  tests/test_logit_bias.py::test_the_logit_bias_reader_takes_a_valid_bias_or_names_the_field
+test-sweeps: install-test
+	STRATA_FULL_SWEEPS=1 $(BIN)/python -m pytest -q -ra $(SWEEPS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info strata/_native*.so strata/_native*.c strata/_cuda_kernels.so strata/_cuda_kernels.h \

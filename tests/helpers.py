@@ -1,10 +1,12 @@
 """Shared by the test files: one request sent to an engine and its answer collected (answer, ask), the chats the
 tests play (chat, long_chat) turn by turn (play), the state-hash keys two runs differ in (differing), and bytes that
 are not UTF-8 alone (invalid_alone), random GGUF blocks and their reference dequantization for the kernel
-tests (random_blocks, put_iq_scales, ref_dequant), a tools/ script loaded as a module (load_tool)."""
+tests (random_blocks, put_iq_scales, ref_dequant), a tools/ script loaded as a module (load_tool), and whether the
+exhaustive sweeps run (full_sweeps: `make test-sweeps`; CI runs a representative case of each)."""
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,12 @@ from gguf import GGMLQuantizationType as Q
 from gguf import quants as gq
 
 from strata.engine import FinalEvent, GenerationRequest, TokenEvent
+
+
+def full_sweeps() -> bool:
+    """Whether STRATA_FULL_SWEEPS=1 asks for the exhaustive form of the sweeps that CI runs a representative case of
+    (`make test-sweeps` runs those tests so)."""
+    return os.environ.get("STRATA_FULL_SWEEPS", "") not in ("", "0")
 
 
 @dataclass

@@ -286,12 +286,11 @@ def test_a_link_key_open_to_others_is_a_usage_error_before_the_model_loads(tmp_p
     assert "--link-key-file: the link key file" in p.stderr and "chmod 600" in p.stderr
 
 
-def test_serve_spec_on_a_model_without_an_mtp_head_refuses_before_listening(tmp_path):
+def test_serve_spec_on_a_model_without_an_mtp_head_refuses_before_listening(tmp_path, synthetic):
     """--spec 2 --spec-draft mtp with a model that has no MTP head: one usage line before any socket opens
     (nothing 'listening', the socket path never made); the same flags on a model with one get past that check, and
     without --spec-draft (auto: lookup drafts) so does the model without one."""
-    from strata.gguf import synth
-    plain = synth.write_synthetic(tmp_path / "plain.gguf", synth.preset("qwen35", "tiny", seed=3, n_mtp=0))
+    plain = synthetic("qwen35", seed=3, n_mtp=0)
     sock = tmp_path / "s.sock"
     p = strata("serve", "--model", str(plain), "--spec", "2", "--spec-draft", "mtp", "--socket", str(sock),
                "--no-warmup", timeout=120)
@@ -299,16 +298,15 @@ def test_serve_spec_on_a_model_without_an_mtp_head_refuses_before_listening(tmp_
     err = p.stderr.strip()
     assert len(err.splitlines()) == 1 and err.startswith("strata serve: error: --spec needs a model with an MTP head")
     from strata.engine.speculate import file_refusal
-    mtp = synth.write_synthetic(tmp_path / "mtp.gguf", synth.preset("qwen35", "tiny", seed=3, n_mtp=1))
+    mtp = synthetic("qwen35", seed=3, n_mtp=1)
     assert file_refusal(str(mtp)) is None and file_refusal(str(plain)) is not None
     assert file_refusal(str(plain), "auto") is None and file_refusal(str(plain), "lookup") is None
 
 
-def test_generate_with_lookup_drafts_prints_them(tmp_path):
+def test_generate_with_lookup_drafts_prints_them(synthetic):
     """`generate --spec 3` on a model without an MTP head drafts by lookup (auto) and prints drafted / accepted;
     a bad --spec-draft or n-gram range is a usage error naming the flag."""
-    from strata.gguf import synth
-    plain = synth.write_synthetic(tmp_path / "plain.gguf", synth.preset("llama", "tiny", seed=3))
+    plain = synthetic("llama", seed=3)
     args = ("generate", "--raw", "--model", str(plain), "--prompt", "the cat sat on the mat, the cat sat on the",
             "--max-tokens", "24", "--n-ctx", "256")
     p3 = strata(*args, "--spec", "3")
@@ -320,11 +318,10 @@ def test_generate_with_lookup_drafts_prints_them(tmp_path):
                           "--spec-ngram-min")
 
 
-def test_an_unreachable_remote_stage_is_one_line(tmp_path):
+def test_an_unreachable_remote_stage_is_one_line(synthetic):
     """generate with --remote-stage at a port nothing listens on: one line naming the worker, no traceback."""
     import socket
-    from strata.gguf import synth
-    model = synth.write_synthetic(tmp_path / "m.gguf", synth.preset("llama", "tiny", seed=3))
+    model = synthetic("llama", seed=3)
     with socket.socket() as s:         # a free loopback port, closed again before the run
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

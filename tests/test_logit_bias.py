@@ -13,6 +13,7 @@ from hypothesis import given, settings, strategies as st
 
 from strata.sampling.device import DeviceSampler
 from strata.sampling.sampler import Sampler, SamplingParams
+from tests.helpers import full_sweeps
 
 SAMPLERS = [Sampler, DeviceSampler]
 
@@ -232,7 +233,7 @@ _entry = st.tuples(st.integers(-3, 70000) | st.text("0123456789x", min_size=1, m
                    st.floats(-150, 150) | st.booleans() | st.integers(-120, 120) | st.integers(10 ** 300, 10 ** 400))
 
 
-@settings(max_examples=1500, deadline=None)
+@settings(max_examples=1500 if full_sweeps() else 500, deadline=None)     # CI 500, make test-sweeps 1,500
 @given(st.one_of(_json, st.lists(_entry.map(list), max_size=6),
                  st.dictionaries(st.text("0123456789x-", min_size=1, max_size=6), _entry.map(lambda e: e[1]),
                                  max_size=6)))

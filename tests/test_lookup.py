@@ -15,6 +15,7 @@ from strata.cache.conversation import CUT_MIN, Conversation, SavedCheckpoint
 from strata.cache.lookup import lookup
 from strata.cache.parked import Parked
 from strata.cache.tree import CheckpointTree
+from tests.helpers import full_sweeps
 
 TIER_RANK = {"device": 0, "ram": 1, "disk": 2}
 
@@ -46,7 +47,7 @@ _parked = hs.fixed_dictionaries({"toks": _toks, "tier": hs.sampled_from(["device
                                  "gone": hs.booleans(), "cps": hs.lists(hs.integers(1, 45), max_size=3)})
 
 
-@settings(max_examples=1000, deadline=None)
+@settings(max_examples=1000 if full_sweeps() else 300, deadline=None)     # CI 300, make test-sweeps 1,000
 @given(parked=hs.lists(_parked, max_size=12), values=hs.lists(_toks, max_size=8), prompt=_toks)
 def test_one_walk_finds_what_a_scan_of_every_prefix_finds(parked, values, prompt):
     tree = CheckpointTree()

@@ -9,6 +9,7 @@ from strata.engine import Engine, GenerationRequest, TokenEvent
 from strata.sampling.sampler import SamplingParams
 
 from tests.parallel_checks import alone as _alone, key as _key, together as _together
+from tests.helpers import full_sweeps
 
 
 @pytest.fixture(scope="module")
@@ -16,9 +17,15 @@ def hybrid_path(synthetic):
     return synthetic("qwen35", seed=1)
 
 
+@pytest.fixture(scope="module")
+def default_alone(default_model_path):
+    """The requests' answers alone on the default model (one-slot engine), for both slot counts below."""
+    return _alone(default_model_path)
+
+
 @pytest.mark.parametrize("n_slots", [2, 4])
-def test_default_model_slots_answer_as_alone(default_model_path, n_slots):
-    want = _alone(default_model_path)
+def test_default_model_slots_answer_as_alone(default_model_path, default_alone, n_slots):
+    want = default_alone
     got, stats = _together(default_model_path, n_slots)
     for i, (g, w) in enumerate(zip(got, want)):
         assert g == w, f"request {i}: its answer beside others differs from its answer alone"
@@ -149,7 +156,7 @@ def test_any_arrival_pattern_answers_as_alone(hybrid_pair):
     """Hypothesis: requests of any prompt length, length of answer, sampling and slot arriving after any number of
     engine steps (busy slots in every pattern, named slots that are busy): each answer equals the same request on the
     one-slot engine."""
-    from hypothesis import HealthCheck, given, settings
+    from hypothesis import HealthCheck, example, given, settings
 
     alone, eng = hybrid_pair
     V = eng.n_vocab
@@ -161,7 +168,13 @@ def test_any_arrival_pattern_answers_as_alone(hybrid_pair):
                                  max_tokens=r["max_tokens"], cache_prompt=False, ignore_eos=True,
                                  id_slot=r["id_slot"])
 
-    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+    # CI: 8 random patterns beside the fixed one (busy slots, a named busy slot, late arrivals); make test-sweeps: 25
+    @settings(max_examples=25 if full_sweeps() else 8, deadline=None, suppress_health_check=list(HealthCheck))
+    @example([{"length": 150, "max_tokens": 8, "seed": 0, "sampled": False, "id_slot": 1, "wait": 0},
+              {"length": 3, "max_tokens": 10, "seed": 1, "sampled": True, "id_slot": 1, "wait": 1},
+              {"length": 60, "max_tokens": 2, "seed": 2, "sampled": True, "id_slot": None, "wait": 2},
+              {"length": 1, "max_tokens": 5, "seed": 3, "sampled": False, "id_slot": None, "wait": 2},
+              {"length": 200, "max_tokens": 1, "seed": 0, "sampled": False, "id_slot": 0, "wait": 6}])
     @given(_arrivals())
     def check(reqs):
         want = [_key(alone.generate(dataclasses_replace(make(r, i), id_slot=None))) for i, r in enumerate(reqs)]

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from strata.engine import Engine, FinalEvent, GenerationRequest, TokenEvent
-from strata.gguf import synth
 from strata.sampling.sampler import SamplingParams
 
 from tests.parallel_checks import SlotOracle, drive, key
@@ -18,9 +17,8 @@ N_CTX = 256
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return synth.write_synthetic(tmp_path_factory.mktemp("pspec") / "hybrid.gguf",
-                                 synth.preset("qwen35", "tiny", seed=3, n_mtp=1))
+def model(synthetic):
+    return synthetic("qwen35", seed=3, n_mtp=1)
 
 
 def _prompt(n, seed):

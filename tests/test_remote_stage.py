@@ -442,8 +442,7 @@ def test_link_key_is_required_and_checked(workers, tmp_path):
         e.close()
 
 
-def test_worker_refuses_a_second_main_another_model_and_too_many_parts(workers, tmp_path):
-    from strata.gguf import synth
+def test_worker_refuses_a_second_main_another_model_and_too_many_parts(workers, synthetic):
     w = workers()
     e = Engine("default", n_ctx=N_CTX, remote_stage=w.address, layer_split="10")
     try:
@@ -452,7 +451,7 @@ def test_worker_refuses_a_second_main_another_model_and_too_many_parts(workers, 
     finally:
         e.close()
     time.sleep(0.5)
-    other = synth.write_synthetic(tmp_path / "tiny.gguf", synth.preset("llama", "tiny", seed=3))
+    other = synthetic("llama", seed=3)
     with pytest.raises(WorkerRefused) as ei:
         Engine(str(other), n_ctx=256, remote_stage=w.address, layer_split="1")
     # one line naming what differs, each value read here from the two files with gguf-py

@@ -15,6 +15,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from tests import http_fuzz  # noqa: E402
 from tests.daemon import Daemon, free_port  # noqa: E402
+from tests.helpers import full_sweeps  # noqa: E402
 from tests.http_fuzz import (FIELDS, MESSAGES_FIELDS, RESPONSES_FIELDS, anytext, junk, mutated, not_null,  # noqa: E402
                              bodies, schemas, valid_chat, valid_completion, valid_messages, valid_responses)
 
@@ -234,7 +235,9 @@ def test_the_route_table_is_the_routers():
     assert len(table) >= 50
 
 
-@settings(max_examples=3000, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+# CI: 1,500 cases (about 25 per route); make test-sweeps: 3,000; tools/fuzz_http.py runs the long fuzz (100,000)
+@settings(max_examples=3000 if full_sweeps() else 1500, deadline=None, database=None,
+          suppress_health_check=list(HealthCheck))
 @given(case=http_fuzz.cases(ROUTE_TABLE))
 def test_fuzz_every_route(router_fuzz, case):
     """Any method, path, query, headers (odd encodings, huge values) and body (shaped by the route's schema, valid

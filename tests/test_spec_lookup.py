@@ -15,18 +15,15 @@ import pytest
 from strata.engine.engine import Engine
 from strata.engine.lookup import LookupDrafter
 from strata.engine.types import FinalEvent, GenerationRequest
-from tests.helpers import generate_all
+from tests.helpers import full_sweeps, generate_all
 from tests.spec_checks import spoil
-from strata.gguf import synth
 from strata.sampling.sampler import SamplingParams
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    d = tmp_path_factory.mktemp("lookup")
-    return {"llama": synth.write_synthetic(d / "llama.gguf", synth.preset("llama", "tiny", seed=3)),
-            "qwen35": synth.write_synthetic(d / "q35.gguf", synth.preset("qwen35", "tiny", seed=3, n_mtp=0)),
-            "nemotron_h": synth.write_synthetic(d / "nh.gguf", synth.preset("nemotron_h", "tiny", seed=3))}
+def models(synthetic):
+    return {"llama": synthetic("llama", seed=3), "qwen35": synthetic("qwen35", seed=3, n_mtp=0),
+            "nemotron_h": synthetic("nemotron_h", seed=3)}
 
 
 def _prompt(n, seed):
@@ -56,6 +53,11 @@ def _turns(engine):
     return [ra, r2, rb, r3]
 
 
+ROUNDS = ((2, 1.0), (4, 0.5), (3, 0.0))         # (--spec N, the rate drafts are kept at)
+# CI: one round per model and stage count, every round on some model (make test-sweeps: each of them on each)
+CI_ROUND = {("llama", None): 0, ("qwen35", None): 2, ("llama", "2"): 1, ("qwen35", "2"): 0, ("nemotron_h", "3"): 1}
+
+
 @pytest.mark.parametrize("arch,split", [("llama", None), ("llama", "2"), ("qwen35", None), ("qwen35", "2"),
                                         ("nemotron_h", "3")], ids=["llama-1stage", "llama-2stages", "qwen35-1stage",
                                                                    "qwen35-2stages", "nemotron_h-2stages"])
@@ -65,7 +67,8 @@ def test_greedy_equals_spec0(models, arch, split):
     base = Engine(models[arch], n_ctx=256, prompt_cache=4, layer_split=split)
     want, want_state = _turns(base), _state(base)
     base.close()
-    for n, rate in ((2, 1.0), (4, 0.5), (3, 0.0)):      # a fresh engine each: the same turns from the same start
+    rounds = ROUNDS if full_sweeps() else [ROUNDS[CI_ROUND[arch, split]]]
+    for n, rate in rounds:                    # a fresh engine each: the same turns from the same start
         e = Engine(models[arch], n_ctx=256, prompt_cache=4, layer_split=split, spec=n)
         assert e.spec_draft == "lookup"
         spoil(e, rate, seed=n)
@@ -160,10 +163,10 @@ def test_two_slots_together_equal_alone(models):
         e.close()
 
 
-def test_lookup_chosen_on_a_model_with_an_mtp_head(tmp_path):
+def test_lookup_chosen_on_a_model_with_an_mtp_head(synthetic):
     """--spec-draft lookup on a model with an MTP head drafts by lookup (auto would take the head): the answer is
     --spec 0's and the drafts were made."""
-    m = synth.write_synthetic(tmp_path / "mtp.gguf", synth.preset("qwen35", "tiny", seed=3, n_mtp=1))
+    m = synthetic("qwen35", seed=3, n_mtp=1)
     prompt = _prompt(12, 7) * 2
     base = Engine(m, n_ctx=256)
     want, _ = _run(base, prompt, max_tokens=24)

@@ -17,7 +17,7 @@ import time
 from aiohttp import web
 
 from strata.serve import (admin_api, chat_page, completions_api, embeddings_api, infill_api, llama_api, messages_api,
-                          ollama_api, responses_api)
+                          ollama_api, prepare, responses_api)
 from strata.serve.config import (CONFIG_KEY, ERROR_SHAPES_KEY, GUARD_KEY, METRICS_KEY, STARTED_KEY, WORKER_KEY,
                                  ServeConfig, format_hostport)
 from strata.serve.browser import BrowserPolicy
@@ -66,6 +66,7 @@ def make_app(cfg: ServeConfig, worker: EngineWorker, metrics_: Metrics,
     app[METRICS_KEY] = metrics_
     app[STARTED_KEY] = time.time()
     app[ERROR_SHAPES_KEY] = {}
+    prepare.add_pool(app, lambda: worker.queue_max + worker.slots)   # a request's preparation off the loop
     for method, path, handler in ROUTES:
         (app.router.add_get if method == "GET" else app.router.add_post)(path, handler)
     llama_api.add_routes(app)                   # llama-server's /tokenize, /detokenize, /apply-template, /props

@@ -2,7 +2,6 @@
 the engine worker and answered as JSON or SSE; generate_chat is also the path of the Responses and Messages routes."""
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
 import time
@@ -15,7 +14,7 @@ from strata import __version__
 from strata.engine import turn_clock
 from strata.engine.types import ContextOverflow, EmptyPrompt, FinalEvent, merge_choices
 from strata.errors import Refused
-from strata.serve import schema
+from strata.serve import prepare, schema
 from strata.serve.config import CONFIG_KEY, WORKER_KEY
 from strata.serve.errors import ApiError, refusal
 from strata.serve.handling import (as_api_error, json_response, n_ctx_train, next_event, read_body,
@@ -37,7 +36,7 @@ def _sampling(p: schema.ParsedRequest):
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    p = schema.parse_chat(await read_body(request))
+    p = await read_body(request, schema.parse_chat)
     _parsed(request)
     return await generate_chat(request, p)
 
@@ -54,34 +53,38 @@ async def render_chat(request: web.Request, p: schema.ParsedRequest):
     """A parsed chat request on the serving engine, rendered by its template: (engine, plan, rendered). The model is
     checked first; a refusal of the template or a prompt too long to render is an ApiError naming 'messages'."""
     engine = serving_engine(request)
-    plan = structured.plan_chat(engine, p)           # tools, reasoning, response_format (strata.structured.plan)
-    loop = asyncio.get_running_loop()
 
-    def render():
-        with turn_clock.active(request.get("clock")), turn_clock.phase("render"):
-            r = engine.render_chat(plan.messages, tools=plan.tools, pin_message=plan.pin,
-                                   **({"add_generation_prompt": False, "continue_final_message": True}
-                                      if p.continue_final else {}), **plan.template_kwargs)
-            turn_clock.charge("tokenize", r.tokenize_s)      # out of the render's time
-            return r
+    def render(plan):
+        try:
+            with turn_clock.active(request.get("clock")), turn_clock.phase("render"):
+                r = engine.render_chat(plan.messages, tools=plan.tools, pin_message=plan.pin,
+                                       **({"add_generation_prompt": False, "continue_final_message": True}
+                                          if p.continue_final else {}), **plan.template_kwargs)
+                turn_clock.charge("tokenize", r.tokenize_s)      # out of the render's time
+        except ContextOverflow as e:     # too long to be worth rendering and tokenizing
+            raise ApiError(400, str(e), param="messages", code="context_length_exceeded") from None
+        except ValueError as e:
+            raise ApiError(400, f"the chat template refused the messages: {e}",
+                           param=getattr(e, "param", None) or "messages", code="invalid_value") from None
+        structured.after_render(plan, r.text)
+        return plan, r
+
+    def plan_and_render():
+        return render(structured.plan_chat(engine, p))   # tools, reasoning, response_format (strata.structured.plan)
+    if prepare.is_heavy(request):        # a large request: planned and rendered in the preparation pool
+        return engine, *await prepare.prepared(request, plan_and_render)
+    # a later turn of a chat rendered before takes about a millisecond: rendered here, where two thread hops would
+    # cost as much or more on a busy machine; anything else in the preparation pool
+    plan = structured.plan_chat(engine, p)
+    quick = getattr(engine, "renders_quickly", None)
+    return engine, *await prepare.prepared(request, lambda: render(plan),
+                                           heavy=quick is None or not quick(plan.messages))
+
+
+async def _constraint(request: web.Request, compile_it):
+    """The grammar compiled in the preparation pool; a schema it refuses is a 400 naming its field."""
     try:
-        # a later turn of a chat rendered before takes about a millisecond: rendered here, where two thread hops
-        # would cost as much or more on a busy machine; anything else off the event loop
-        quick = getattr(engine, "renders_quickly", None)
-        rendered = render() if quick is not None and quick(plan.messages) else await loop.run_in_executor(None, render)
-    except ContextOverflow as e:         # too long to be worth rendering and tokenizing
-        raise ApiError(400, str(e), param="messages", code="context_length_exceeded") from None
-    except ValueError as e:
-        raise ApiError(400, f"the chat template refused the messages: {e}",
-                       param=getattr(e, "param", None) or "messages", code="invalid_value") from None
-    structured.after_render(plan, rendered.text)
-    return engine, plan, rendered
-
-
-async def _constraint(compile_it):
-    """The grammar compiled off the event loop; a schema it refuses is a 400 naming its field."""
-    try:
-        return await asyncio.get_running_loop().run_in_executor(None, compile_it)
+        return await prepare.prepared(request, compile_it, heavy=True)
     except Refused as e:
         raise refusal(e) from None
 
@@ -93,13 +96,13 @@ async def generate_chat(request: web.Request, p: schema.ParsedRequest, respond=N
     engine, plan, rendered = await render_chat(request, p)
     # a grammar is compiled off the event loop; without one no thread hop (each costs a wake-up)
     constraint = None if plan.body is None and plan.gbnf is None else await _constraint(
-        lambda: structured.chat_constraint(engine, plan, structured.param_of(p)))
+        request, lambda: structured.chat_constraint(engine, plan, structured.param_of(p)))
     return await _generate(request, engine, p, rendered.ids, list(rendered.cut_points), plan=plan,
                            constraint=constraint, respond=respond)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    p = schema.parse_completion(await read_body(request))
+    p = await read_body(request, schema.parse_completion)
     _parsed(request)
     return await generate_completion(request, p)
 
@@ -115,7 +118,7 @@ async def generate_completion(request: web.Request, p: schema.ParsedRequest, res
             with turn_clock.active(request.get("clock")), turn_clock.phase("tokenize"):
                 return engine.tokenize_prompt(text)
         try:
-            tokens = await asyncio.get_running_loop().run_in_executor(None, tokenize)
+            tokens = await prepare.prepared(request, tokenize, heavy=True)
         except ContextOverflow as e:
             raise ApiError(400, str(e), param="prompt", code="context_length_exceeded") from None
         except ValueError as e:          # e.g. a lone surrogate: no UTF-8 encoding, so no tokens
@@ -127,7 +130,8 @@ async def generate_completion(request: web.Request, p: schema.ParsedRequest, res
         if bad is not None:
             raise ApiError(400, f"'prompt' holds token id {bad} outside the vocabulary [0, {n_vocab})",
                            param="prompt", code="invalid_value")
-    constraint = None if p.output is None else await _constraint(lambda: structured.completion_constraint(engine, p))
+    constraint = None if p.output is None else await _constraint(
+        request, lambda: structured.completion_constraint(engine, p))
     return await _generate(request, engine, p, tokens, [], constraint=constraint, respond=respond)
 
 

@@ -20,6 +20,7 @@ from strata.serve.config import CONFIG_KEY, ERROR_SHAPES_KEY
 from strata.serve.errors import ApiError
 from strata.serve.fields import bad_field
 from strata.serve.handling import engine_call, json_response, read_body, serving_engine
+from strata.serve.prepare import prepared
 from strata.serve.llama_api import llama_error
 from strata.serve.ollama_api import check_options, ollama_error
 from strata.text.tokenizer import check_text
@@ -162,7 +163,7 @@ async def openai_embeddings(request: web.Request) -> web.Response:
     engine = serving_engine(request)
     if "input" not in body:
         raise bad_field("input", "is required: the text (or token ids) to embed", "missing_required_parameter")
-    inputs = read_inputs(body["input"], "input")
+    inputs = await prepared(request, lambda: read_inputs(body["input"], "input"))
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_field("model", "must be a string")
@@ -199,7 +200,7 @@ async def llama_embeddings(request: web.Request) -> web.Response:
     if field not in body:
         raise bad_field("input", "or 'content' is required: the text (or token ids) to embed",
                         "missing_required_parameter")
-    inputs = read_inputs(body[field], field)
+    inputs = await prepared(request, lambda: read_inputs(body[field], field))
     fmt = body.get("encoding_format", "float")
     if fmt not in ("float", "base64"):
         raise bad_field("encoding_format", "must be \"float\" or \"base64\"")
@@ -241,7 +242,7 @@ async def ollama_embed(request: web.Request) -> web.Response:
     pooling, num_ctx = _ollama_fields(request, body, engine, "/api/embed")
     if "input" not in body:
         raise bad_field("input", "is required: the text to embed", "missing_required_parameter")
-    inputs = read_inputs(body["input"], "input")
+    inputs = await prepared(request, lambda: read_inputs(body["input"], "input"))
     truncate = body.get("truncate", True)
     if not isinstance(truncate, bool):
         raise bad_field("truncate", "must be a boolean")

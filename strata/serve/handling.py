@@ -1,15 +1,16 @@
-"""What the route handlers share: JSON responses, the body read under --max-body, the engine (503 while it loads or
-a remote stage is down), the model check, jobs submitted to the worker and their events, engine errors as ApiErrors."""
+"""What the route handlers share: JSON responses, the body read under --max-body (parsed and validated in the
+preparation pool when large), the engine (503 while it loads or a remote stage is down), the model check, jobs
+submitted to the worker and their events, engine errors as ApiErrors."""
 from __future__ import annotations
 
 import asyncio
 import json
 import socket
-from typing import Any
+from typing import Any, Callable
 
 from aiohttp import web
 
-from strata.serve import schema
+from strata.serve import prepare, schema
 from strata.serve.config import CONFIG_KEY, WORKER_KEY
 from strata.errors import EngineFault, Refused, Unavailable
 from strata.serve.errors import ApiError, refusal
@@ -73,8 +74,10 @@ def whole_context(engine) -> int:
     return min(engine.n_ctx, n_ctx_train(engine) or engine.n_ctx)
 
 
-async def read_body(request: web.Request) -> dict:
-    """The request's JSON body, read under --max-body (413 past it; 400 for a body that cannot be read or parsed)."""
+async def read_body(request: web.Request, then: Callable[[dict], Any] | None = None) -> Any:
+    """The request's JSON body, read under --max-body (413 past it; 400 for a body that cannot be read or parsed), or
+    then(body) (the route's validation: its ApiError as it raised it). A body of prepare.SMALL_BODY bytes or more is
+    parsed and validated in the preparation pool, and marks the request's later preparation for it too."""
     cfg = request.app[CONFIG_KEY]
     if request.content_length is not None and request.content_length > cfg.max_body:
         raise ApiError(413, f"the request body is {request.content_length} bytes, more than --max-body "
@@ -92,7 +95,10 @@ async def read_body(request: web.Request) -> dict:
         why = " ".join(str(e).split()).removeprefix("400, message: ")
         raise ApiError(400, f"the request body could not be read{f' (Content-Encoding {enc})' if enc else ''}: "
                             f"{why}") from None
-    return schema.parse_json(raw)
+    if len(raw) >= prepare.SMALL_BODY:
+        prepare.mark_heavy(request)
+    return await prepare.prepared(request, lambda: then(schema.parse_json(raw)) if then is not None
+                                  else schema.parse_json(raw))
 
 
 def as_api_error(err: EngineError) -> ApiError:

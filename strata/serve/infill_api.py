@@ -21,6 +21,7 @@ from strata.serve.completions_api import generate_completion
 from strata.serve.config import CONFIG_KEY, ERROR_SHAPES_KEY
 from strata.serve.errors import ApiError
 from strata.serve.handling import engine_call, engine_of, read_body
+from strata.serve.prepare import prepared
 from strata.serve.llama_api import completion_request, completion_respond, llama_error
 
 N_BATCH = 2048
@@ -143,9 +144,11 @@ async def infill(request: web.Request) -> web.StreamResponse:
         raise ApiError(501, f"infill is not supported by this model: it has no FIM {', '.join(missing)} token"
                             f"{'s' if len(missing) > 1 else ''} (fill-in-the-middle needs prefix, suffix and middle "
                             "tokens)", code="not_supported")
-    prefix, suffix = _text(body, "input_prefix", True), _text(body, "input_suffix", True)
-    prompt, extra = _text(body, "prompt", False), _extra(body)
-    p = completion_request({**body, "prompt": [0]}, engine)      # /completion's fields, checked as there
+
+    def check():
+        return (_text(body, "input_prefix", True), _text(body, "input_suffix", True), _text(body, "prompt", False),
+                _extra(body), completion_request({**body, "prompt": [0]}, engine))   # /completion's, checked as there
+    prefix, suffix, prompt, extra, p = await prepared(request, check)
     n_predict = p.max_tokens if p.max_tokens is not None else request.app[CONFIG_KEY].n_predict
     p.prompt = await engine_call(request, lambda e: infill_tokens(e, fim, prefix, suffix, extra, prompt, n_predict))
     return await generate_completion(request, p, respond=completion_respond)

@@ -7,7 +7,6 @@ not_supported_error, unavailable_error, exceed_context_size_error), not OpenAI's
 """
 from __future__ import annotations
 
-import asyncio
 import functools
 import json
 import math
@@ -22,6 +21,7 @@ from strata.serve.completions_api import generate_completion
 from strata.serve.config import CONFIG_KEY, ERROR_SHAPES_KEY, WORKER_KEY
 from strata.serve.errors import ApiError, renamed
 from strata.serve.handling import engine_call, engine_of, json_response, next_event, read_body, whole_context
+from strata.serve.prepare import prepared
 from strata.structured import plan as structured
 from strata.text.token_ids import outside_vocab
 
@@ -75,20 +75,25 @@ async def tokenize(request: web.Request) -> web.Response:
     body = await read_body(request)
     engine = engine_of(request)
     tok = engine.tokenizer
-    content = body.get("content")
-    if content is None:
-        raise _bad("'content' is required: the text to tokenize")
-    if isinstance(content, str):
-        parts: list = [content]
-    elif isinstance(content, list) and all(isinstance(p, str) or (isinstance(p, int) and not isinstance(p, bool))
-                                           for p in content):
-        parts = content
-    else:
-        raise _bad(f"'content' must be a string or an array of strings and token ids, got {schema._tname(content)}")
+
+    def check() -> list:
+        content = body.get("content")
+        if content is None:
+            raise _bad("'content' is required: the text to tokenize")
+        if isinstance(content, str):
+            parts: list = [content]
+        elif isinstance(content, list) and all(isinstance(p, str) or (isinstance(p, int) and not isinstance(p, bool))
+                                               for p in content):
+            parts = content
+        else:
+            raise _bad(f"'content' must be a string or an array of strings and token ids, got "
+                       f"{schema._tname(content)}")
+        return parts
+    parts = await prepared(request, check)
     add_special = _flag(body, "add_special", False)
     parse_special = _flag(body, "parse_special", True)
     with_pieces = _flag(body, "with_pieces", False)
-    _token_ids([p for p in parts if isinstance(p, int)], "content", tok.n_vocab)
+    await prepared(request, lambda: _token_ids([p for p in parts if isinstance(p, int)], "content", tok.n_vocab))
 
     def run() -> list[int]:
         ids: list[int] = []
@@ -107,7 +112,8 @@ async def tokenize(request: web.Request) -> web.Response:
             raise _bad(f"'content': {e.message}") from None
         raise
     if with_pieces:
-        return json_response({"tokens": [{"id": i, "piece": _piece(tok, i)} for i in ids]})
+        return json_response({"tokens": await prepared(request, lambda: [{"id": i, "piece": _piece(tok, i)}
+                                                                         for i in ids])})
     return json_response({"tokens": ids})
 
 
@@ -117,8 +123,8 @@ async def detokenize(request: web.Request) -> web.Response:
     body = await read_body(request)
     engine = engine_of(request)
     tok = engine.tokenizer
-    ids = _token_ids(body.get("tokens", []), "tokens", tok.n_vocab)
-    return json_response({"content": tok.decode(ids, special=True)})
+    return json_response({"content": await prepared(
+        request, lambda: tok.decode(_token_ids(body.get("tokens", []), "tokens", tok.n_vocab), special=True))})
 
 
 async def apply_template(request: web.Request) -> web.Response:
@@ -126,7 +132,7 @@ async def apply_template(request: web.Request) -> web.Response:
     {"prompt": text}: the prompt the chat route would read (tools as it gives them to the model, the generic
     family's system prompt included), nothing generated."""
     body = await read_body(request)
-    p = schema.parse_chat(body)
+    p = await prepared(request, lambda: schema.parse_chat(body))
     engine = engine_of(request)
     if engine.template is None:
         raise _bad(f"{engine.model_name} has no usable chat template ({engine._template_error})")
@@ -134,10 +140,11 @@ async def apply_template(request: web.Request) -> web.Response:
     if not isinstance(agp, bool):
         raise _bad("'add_generation_prompt' must be a boolean")
     try:
-        plan = structured.plan_chat(engine, p)    # the prompt /v1/chat/completions reads: tools as it injects them
-        text = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: engine.template.render_text(plan.messages, add_generation_prompt=agp, tools=plan.tools,
-                                                      **plan.template_kwargs))
+        def render() -> str:
+            plan = structured.plan_chat(engine, p)    # the prompt /v1/chat/completions reads: tools as it injects them
+            return engine.template.render_text(plan.messages, add_generation_prompt=agp, tools=plan.tools,
+                                               **plan.template_kwargs)
+        text = await prepared(request, render, heavy=True)
     except ValueError as e:
         raise _bad(f"the chat template refused the messages: {e}") from None
     return json_response({"prompt": text})
@@ -276,7 +283,7 @@ async def completion(request: web.Request) -> web.StreamResponse:
     body = await read_body(request)
     engine = engine_of(request)
     try:
-        p = completion_request(body, engine)
+        p = await prepared(request, lambda: completion_request(body, engine))
         return await generate_completion(request, p, respond=functools.partial(
             completion_respond, return_tokens=_flag(body, "return_tokens", False)))
     except ApiError as e:                   # the completion route's max_tokens is this route's n_predict

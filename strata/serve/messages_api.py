@@ -21,6 +21,7 @@ from strata.serve.config import ERROR_SHAPES_KEY
 from strata.serve.errors import ApiError, renamed
 from strata.serve.fields import bad_field as _bad, each_object, part_text, text_of, unsupported_field as _unsupported
 from strata.serve.handling import json_response, read_body
+from strata.serve.prepare import prepared
 from strata.serve.sse import send_events
 from strata.structured.tool_calls import arguments_object
 
@@ -320,7 +321,7 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     """POST /v1/messages."""
     body = await read_body(request)
     try:
-        p = parse(body)
+        p = await prepared(request, lambda: parse(body))
         return await generate_chat(request, p, respond=_respond)
     except ApiError as e:
         raise _renamed(e) from None
@@ -331,7 +332,8 @@ async def count_tokens(request: web.Request) -> web.Response:
     generated."""
     body = await read_body(request)
     try:
-        _engine, _plan, rendered = await render_chat(request, parse(body, count_only=True))
+        p = await prepared(request, lambda: parse(body, count_only=True))
+        _engine, _plan, rendered = await render_chat(request, p)
     except ApiError as e:
         raise _renamed(e) from None
     return json_response({"input_tokens": len(rendered.tokens)})

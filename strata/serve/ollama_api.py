@@ -28,6 +28,7 @@ from strata.serve.config import ERROR_SHAPES_KEY
 from strata.serve.errors import ApiError, renamed
 from strata.serve.fields import bad_field as _bad, unsupported_field as _unsupported
 from strata.serve.handling import engine_of, json_response, next_event, read_body, served_names, whole_context
+from strata.serve.prepare import prepared
 from strata.structured.tool_calls import arguments_object
 
 #: Ollama's options -> the chat route's fields (the same meaning)
@@ -296,7 +297,8 @@ async def chat(request: web.Request) -> web.StreamResponse:
         return json_response({"model": _name(body), "created_at": _now(),
                               "message": {"role": "assistant", "content": ""}, "done": True, "done_reason": "load"})
     try:
-        p = parse_chat(body, engine_of(request))
+        engine = engine_of(request)
+        p = await prepared(request, lambda: parse_chat(body, engine))
         return await generate_chat(request, p, respond=_responder(t0, chat=True))
     except ApiError as e:
         raise renamed(e, _RENAMES) from None
@@ -307,7 +309,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     t0 = time.perf_counter()
     body = await read_body(request)
     try:
-        p = parse_generate(body, engine_of(request))
+        engine = engine_of(request)
+        p = await prepared(request, lambda: parse_generate(body, engine))
         if p is None:
             return json_response({"model": _name(body), "created_at": _now(), "response": "", "done": True,
                                   "done_reason": "load"})

@@ -22,7 +22,7 @@ from aiohttp import web
 
 from strata.errors import quoted
 from strata.sampling.sampler import SamplingParams
-from strata.serve import schema
+from strata.serve import prepare, schema
 from strata.serve.answer_blocks import AnswerBlocks, Block
 from strata.serve.completions_api import generate_chat, strata_of, timings_of
 from strata.serve.config import CONFIG_KEY, METRICS_KEY
@@ -497,7 +497,9 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     store = request.app[STORE_KEY]
     req = None
     try:
-        req = parse(body, store)
+        if body.get("previous_response_id") is not None:
+            prepare.mark_heavy(request)    # the stored conversation is validated and rendered again with the input
+        req = await prepare.prepared(request, lambda: parse(body, store))
         return await generate_chat(request, req.p, respond=functools.partial(_respond, req, store))
     except ApiError as e:
         raise _renamed(e, req.arguments_at if req is not None else None) from None
