@@ -95,15 +95,17 @@ static const st_kernels *pick(const char *name) {
 
 static void init_once(void) {
     for (uint32_t i = 0; i < 65536; i++) st_fp16_table[i] = st_h2f_compute((uint16_t)i);
+    /* build the tables of the kernel sets this CPU runs (a set's own code, its table's included, may use its
+     * instructions: the compiler vectorises the table's fill with them) */
     (void)st_kernels_portable();
 #if defined(__x86_64__) || defined(_M_X64)
-    (void)st_kernels_avx2();
+    if (strata_cpu_has_avx2()) (void)st_kernels_avx2();
 #endif
 #if ST_HAVE_AVXVNNI
-    (void)st_kernels_avxvnni();
+    if (strata_cpu_has_avxvnni()) (void)st_kernels_avxvnni();
 #endif
 #if ST_HAVE_AVX512
-    (void)st_kernels_avx512();
+    if (strata_cpu_has_avx512()) (void)st_kernels_avx512();
 #endif
     const st_kernels *k = pick(getenv("STRATA_CPU_PATH"));
     g_k = k ? k : pick("auto");
