@@ -104,6 +104,12 @@ typedef struct {
 typedef void (*st_dot_cols_fn)(const void *w, size_t w_stride, int nr, const st_cols *c, int p0, int np, int nt,
                                 float *out, size_t out_stride);
 
+/* unpack: weight row w's nb blocks -> nb blocks of the kernel set's unpacked form (st_kernels.unpacked_bytes each,
+ * at dst); dot_unpacked: dot_nt reading such a row, every token's result equal to dot's on the packed row. Optional
+ * (the IQ grid types of the AVX2-class sets): a product of more than one tile of tokens unpacks each row once and
+ * runs every tile over it. */
+typedef void (*st_unpack_fn)(int nb, const void *w, void *dst);
+
 typedef struct {
     st_dequant_fn dequant[ST_N_TYPES];
     st_dot_fn dot[ST_N_TYPES];
@@ -111,6 +117,9 @@ typedef struct {
     st_quant_act_fn quant_a8;
     st_quant_act_fn quant_q8k;
     st_dot_cols_fn dot_cols[ST_N_TYPES]; /* optional: short reads of 2 or more tokens (st_cols activations) */
+    st_unpack_fn unpack[ST_N_TYPES];     /* optional, with dot_unpacked and unpacked_bytes */
+    st_dot_fn dot_unpacked[ST_N_TYPES];
+    uint16_t unpacked_bytes[ST_N_TYPES];
     uint8_t nt[ST_N_TYPES];              /* tokens per dot call, at most ST_NT_MAX (0: ST_NT) */
     const char *name;
 } st_kernels;

@@ -409,6 +409,9 @@ typedef struct {
     const st_cols *pk;
     st_dot_fn dot;
     st_dot2_fn dot2;
+    st_unpack_fn unpack;       /* non-NULL: each chunk's rows unpacked once, every tile dotted by dot_unpacked */
+    st_dot_fn dot_unpacked;
+    size_t unpacked_row_bytes;
     const char *w; size_t w_row_bytes; int nb;
     const char *act; size_t act_row_bytes;
     float *y; int64_t n_out, n_tok;
@@ -420,6 +423,9 @@ typedef struct {
 static void mm_worker(void *arg, int ith, int nth) {
     (void)ith; (void)nth;
     mm_task *m = (mm_task *)arg;
+    /* this thread's unpacked rows of a chunk (without memory: the packed dots, the same results) */
+    char *up = m->unpack ? (char *)aligned_alloc(64, ((size_t)m->chunk_rows * m->unpacked_row_bytes + 63) / 64 * 64)
+                         : NULL;
     for (;;) {
         const int64_t c = atomic_fetch_add_explicit(&m->next, 1, memory_order_relaxed);
         if (c >= m->n_chunks) break;
@@ -439,6 +445,19 @@ static void mm_worker(void *arg, int ith, int nth) {
             }
             continue;
         }
+        if (up) {
+            const size_t ur = m->unpacked_row_bytes;
+            for (int64_t r = r0; r < r1; r++) m->unpack(m->nb, m->w + r * m->w_row_bytes, up + (size_t)(r - r0) * ur);
+            for (int64_t t0 = 0; t0 < m->n_tok; t0 += m->nt_max) {
+                const int nt = (int)(m->n_tok - t0 < m->nt_max ? m->n_tok - t0 : m->nt_max);
+                const char *a = m->act + t0 * m->act_row_bytes;
+                float *yy = m->y + t0 * m->n_out;
+                for (int64_t r = r0; r < r1; r++)
+                    m->dot_unpacked(m->nb, up + (size_t)(r - r0) * ur, a, m->act_row_bytes, nt, yy + r,
+                                    (size_t)m->n_out);
+            }
+            continue;
+        }
         for (int64_t t0 = 0; t0 < m->n_tok; t0 += m->nt_max) {
             const int nt = (int)(m->n_tok - t0 < m->nt_max ? m->n_tok - t0 : m->nt_max);
             const char *a = m->act + t0 * m->act_row_bytes;
@@ -452,6 +471,7 @@ static void mm_worker(void *arg, int ith, int nth) {
                 m->dot(m->nb, m->w + r * m->w_row_bytes, a, m->act_row_bytes, nt, yy + r, (size_t)m->n_out);
         }
     }
+    free(up);
 }
 
 int strata_matmul(int type, const void *w, int64_t w_row_bytes, int64_t n_out, int64_t n_in,
@@ -493,14 +513,20 @@ int strata_matmul(int type, const void *w, int64_t w_row_bytes, int64_t n_out, i
     m.dot = k->dot[type];
     m.dot2 = k->dot2[type];
     m.nt_max = k->nt[type] ? k->nt[type] : ST_NT;
+    /* more than one tile of tokens: rows unpacked once where the kernel set can (bit-identical per token) */
+    m.unpack = !m.cols && n_tokens > m.nt_max && k->unpack[type] ? k->unpack[type] : NULL;
+    m.dot_unpacked = k->dot_unpacked[type];
+    m.unpacked_row_bytes = (size_t)nb * k->unpacked_bytes[type];
     m.w = (const char *)w; m.w_row_bytes = (size_t)w_row_bytes; m.nb = nb;
     m.act = act; m.act_row_bytes = act_row_bytes;
     m.y = y; m.n_out = n_out; m.n_tok = n_tokens;
-    /* Chunks of output rows: about 4 per thread for balance; for batches, at most ~32 KiB of weights per
-     * chunk so a chunk stays in L1/L2 while every token tile passes over it. */
+    /* Chunks of output rows: about 4 per thread for balance; for batches, at most ~32 KiB of weights (of
+     * unpacked rows where they are unpacked) per chunk so a chunk stays in L1/L2 while every token tile passes
+     * over it. */
     int64_t rows = (n_out + 4 * nth - 1) / (4 * nth);
     if (n_tokens > ST_NT) {
-        int64_t cap = 32768 / (w_row_bytes > 0 ? w_row_bytes : 1);
+        const size_t row = m.unpack ? m.unpacked_row_bytes : (size_t)w_row_bytes;
+        int64_t cap = 32768 / (int64_t)(row > 0 ? row : 1);
         if (cap < 4) cap = 4;
         if (rows > cap) rows = cap;
     }
