@@ -47,7 +47,6 @@ class Decoder:
         self.drafter, self.spec, self.spec_min_p = drafter, int(spec), float(spec_min_p)
         self.adaptive = adaptive        # picks the drafts of each verify (0 .. spec) when set
         self.spec_max_ctx = int(spec_max_ctx)   # no drafts once the sequence holds this many tokens (0: no limit)
-        self.host_logits = False        # sample on the host whatever the last stage keeps (a batched step's rows)
         self._step: tuple[float, float] | None = None   # a plain step read, its token not yet sampled (_sampled)
 
     def read(self, r):
@@ -102,7 +101,7 @@ class Decoder:
         want_lp = params.logprobs is not None
         # a last stage on a GPU keeps the logits on the device and samples there; STRATA_DEVICE_SAMPLING=0 turns that
         # off (host copy + Sampler)
-        on_device = not self.host_logits and self.last_stage.device_logits and os.environ.get("STRATA_DEVICE_SAMPLING", "1") not in (
+        on_device = self.last_stage.device_logits and os.environ.get("STRATA_DEVICE_SAMPLING", "1") not in (
             "0", "false", "no")
         sampler = (DeviceSampler if on_device else Sampler)(params, self.n_vocab)
         k = params.repeat_last_n        # tokens of history the penalties see (0 none, -1 all)

@@ -200,7 +200,6 @@ class Engine:
                               spec_min_p=float(cfg.spec.min_p), spec_max_ctx=int(cfg.spec.max_ctx),
                               adaptive=AdaptiveN(self.spec) if drafters[i] is not None and cfg.spec.adaptive
                               else None)
-            decoder.host_logits = self.parallel > 1      # a batched step's rows are host logits
             slots.append(Slot(i, seq, reader, decoder))
         self.reader, self.decoder = slots[0].reader, slots[0].decoder
         # the request slots and continuous batching over them (--parallel); one slot runs a request alone (generate)
