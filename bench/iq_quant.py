@@ -19,6 +19,7 @@ import os
 import platform
 import re
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,6 +31,8 @@ from strata.backend import quant
 from strata.gguf import synth
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench.common import commit as bench_commit  # noqa: E402
 ALL = ["IQ4_XS", "IQ4_NL", "IQ3_S", "IQ3_XXS", "IQ2_XS", "IQ2_XXS", "IQ2_S", "IQ1_S", "IQ1_M"]
 
 
@@ -162,8 +165,7 @@ def main() -> None:
             if row.get("llama_cpp_tok_s"):
                 row["strata_time_over_llama_cpp"] = row["llama_cpp_tok_s"] / row["strata_tok_s"]
     res["load_average_end"] = os.getloadavg()
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip() or "unknown"
+    commit = bench_commit()
     out = ROOT / "bench" / "results" / f"iq_quant_cpu_{a.threads}_threads_{commit}.json"
     out.write_text(json.dumps(res, indent=1) + "\n")
     print(out)

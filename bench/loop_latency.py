@@ -34,7 +34,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+from bench.common import commit as bench_commit  # noqa: E402
 
 from daemons import free_port, stop, wait_healthy  # noqa: E402
 
@@ -195,8 +197,7 @@ def main() -> int:
             base = table[ref][kind]
             cell["vs_" + ref.split()[0]] = {k: round(cell[k] / base[k], 3) if base.get(k) else None
                                            for k in ("p50_ms", "p99_ms", "max_ms", "request_ms") if k in cell}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip() or "unknown"
+    commit = bench_commit()
     result = {"bench": "loop_latency", "commit": commit, "rounds": a.rounds, "reps": a.reps, "items": a.items,
               "ids": a.ids, "every_ms": a.every, "n_ctx": a.n_ctx, "model": a.model or "default",
               "cpus": os.cpu_count(), "arms": [n for n, _ in arms], "table": table, "runs": runs,

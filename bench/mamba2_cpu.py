@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,6 +24,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.common import commit as bench_commit  # noqa: E402
 
 from strata.backend import mamba2  # noqa: E402
 from strata.gguf import synth  # noqa: E402
@@ -74,8 +74,7 @@ def main() -> int:
     a = ap.parse_args()
     spec = synth.preset("nemotron_h", a.size, qtype=a.qtype, embd_qtype=a.qtype, seed=5)
     sizes = [int(s) for s in a.sizes.split(",")]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=ROOT).stdout.strip() or "unknown"
+    commit = bench_commit()
     out: dict = {"model": {"size": a.size, "qtype": a.qtype, "n_embd": spec.n_embd, "pattern": spec.hybrid_pattern,
                            "ssm_heads": spec.n_v_heads, "ssm_head_dim": spec.head_v_dim, "d_state": spec.head_k_dim,
                            "groups": spec.n_k_heads},
