@@ -269,7 +269,8 @@ def test_a_bad_flag_value_is_two_lines_not_the_whole_usage(cmd):
     lines = p.stderr.strip().splitlines()
     assert p.returncode == 2 and p.stdout == "" and "Traceback" not in p.stderr
     assert lines == [f"usage: strata {cmd} [options] ('strata {cmd} --help' lists them)",
-                     f"strata {cmd}: error: argument --n-ctx/-c: invalid context length value: 'abc'"]
+                     f"strata {cmd}: error: argument --n-ctx/-c/--ctx-size/--max-context: "
+                     "invalid context length value: 'abc'"]
 
 
 def test_an_empty_model_path_is_named_as_such():
