@@ -151,6 +151,14 @@ def test_kv_q8_0_on_cpu_is_a_usage_error_before_the_model_loads(cmd):
     assert p.returncode == 2
 
 
+def test_worker_kv_q8_0_on_cpu_is_the_same_usage_error():
+    """`strata worker --kv q8_0 --device cpu` refuses as serve and generate do (it used to start and keep f32 K/V)."""
+    p = strata("worker", "--kv", "int8", "--device", "cpu", "--listen", "127.0.0.1:0", "--model", "/nonexistent.gguf")
+    err = p.stderr.strip()
+    assert p.returncode == 2 and "Traceback" not in err and len(err.splitlines()) == 1, (p.returncode, err)
+    assert err == "strata worker: error: --kv q8_0 needs --device cuda (the CPU backend keeps its KV cache in float32)"
+
+
 @pytest.mark.parametrize("cmd", [["serve", "--socket", "/tmp/strata-test-unused.sock"], ["chat"]])
 def test_kv_pool_smaller_than_the_context_is_a_usage_error_before_the_model_loads(cmd):
     p = strata(*cmd, "--n-ctx", "2048", "--kv-pool-ctx", "100", "--model", "/nonexistent.gguf")

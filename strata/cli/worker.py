@@ -89,11 +89,12 @@ def run(args) -> int:
         print(f"strata worker: error: --device {args.device}: a worker runs its carve on one device", file=sys.stderr)
         return 2
     args.device = devices[0]
-    from strata.engine.config import MoeTierConfig
+    from strata.engine.config import MoeTierConfig, kv_device_problem
     tier = MoeTierConfig(vram_mib=args.moe_vram_mib, adapt_every=args.adapt_every, adapt_swaps=args.adapt_swaps,
                          pcie_frac=args.pcie_frac)
     why = tier.problem() or (None if tier.vram_mib is None or args.device != "cpu" else
                              "--moe-vram-mib needs --device cuda (the expert tier keeps hot experts in VRAM slots)")
+    why = why or kv_device_problem(args.kv, [args.device])
     if why:
         print(f"strata worker: error: {why}", file=sys.stderr)
         return 2

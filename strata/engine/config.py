@@ -8,6 +8,14 @@ from dataclasses import dataclass, field
 from strata.moe.policy import Policy
 
 
+def kv_device_problem(kv: str, devices) -> str | None:
+    """Why a KV cache type cannot run on these devices (the CPU backend keeps float32 K/V), or None; `strata worker`
+    runs it on its one device too."""
+    if kv != "f16" and all(d == "cpu" for d in devices):
+        return f"--kv {kv} needs --device cuda (the CPU backend keeps its KV cache in float32)"
+    return None
+
+
 @dataclass(frozen=True)
 class StageConfig:
     """Where the layers run. device: 'cpu', 'cuda[:N]', a comma list (one device per stage, or one for all) or
@@ -284,8 +292,9 @@ class EngineConfig:
             return str(e)
         if st.kv not in ("f16", "q8_0"):
             return f"unknown KV cache type {st.kv!r}: use 'f16' or 'q8_0'"
-        if st.kv != "f16" and all(d == "cpu" for d in devices):
-            return f"--kv {st.kv} needs --device cuda (the CPU backend keeps its KV cache in float32)"
+        why = kv_device_problem(st.kv, devices)
+        if why:
+            return why
         why = pool_ctx_error(st.kv_pool_ctx, self.n_ctx)
         if why:
             return why
