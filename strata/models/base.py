@@ -87,6 +87,14 @@ class Model(ABC):
             logits = be.to_host(logits)
         return logits if all_logits else logits[0]
 
+    def head_hidden(self, x, all_logits: bool = False):
+        """``head(x, all_logits)`` (host logits) and the final-normed rows of every row of x (the backend's array): the
+        MTP drafter's hidden states beside the logits."""
+        be = self.backend
+        h = be.rms_norm(x, self.out_norm, self.config.rms_eps)
+        logits = be.to_host(be.matmul(h if all_logits else h[-1:], self.output))
+        return (logits if all_logits else logits[0]), h
+
     def loads(self, i: int) -> bool:
         """Whether block i is uploaded on this backend (see ``layers``)."""
         return self.loaded_layers is None or i in self.loaded_layers
@@ -211,11 +219,7 @@ class Model(ABC):
     def head_rows(self, x, hidden: bool = False):
         """The final norm and the output head over every row of x (N, n_embd) -> host float32 logits (N, n_vocab);
         hidden: (those logits, the final-normed rows), the very ops ``forward_carve(..., hidden=True)`` runs."""
-        if not hidden:
-            return self.head(x, all_logits=True)
-        be = self.backend
-        h = be.rms_norm(x, self.out_norm, self.config.rms_eps)
-        return be.to_host(be.matmul(h, self.output)), h
+        return self.head_hidden(x, all_logits=True) if hidden else self.head(x, all_logits=True)
 
     def _attend_rows(self, states: list[SequenceState], scale: float):
         """attend(q, k, v, layer) for a batched step: row i's K/V written to and attended over ``states[i]``'s own

@@ -124,9 +124,7 @@ class LlamaModel(Model):
         x = be.embed(self.tok_embd, tokens) if lo == 0 else x_in
         x = self._layers(x, positions, lo, hi, lambda q, k, v, il: be.attention(q, k, v, kv, il, self.scale))
         if hidden and self.ends_with_head(hi):
-            h = be.rms_norm(x, self.out_norm, self.config.rms_eps)
-            logits = be.to_host(be.matmul(h if all_logits else h[-1:], self.output))
-            out = (logits if all_logits else logits[0]), h
+            out = self.head_hidden(x, all_logits)
         else:
             out = self.head(x, all_logits) if self.ends_with_head(hi) else x
         kv.commit(n)

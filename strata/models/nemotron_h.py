@@ -309,7 +309,5 @@ class NemotronHModel(Model):
         if not self.ends_with_head(hi):
             return x
         if hidden:
-            hn = be.rms_norm(x, self.out_norm, self.eps)
-            logits = be.to_host(be.matmul(hn if all_logits else hn[-1:], self.output))
-            return (logits if all_logits else logits[0]), hn
+            return self.head_hidden(x, all_logits)
         return self.head(x, all_logits)

@@ -581,10 +581,7 @@ class Qwen3NextModel(Model):
         if not self.ends_with_head(hi):
             return x
         if hidden:
-            h = self.backend.rms_norm(x, self.out_norm, self.eps)
-            logits = self.backend.matmul(h if all_logits else h[-1:], self.output)
-            logits = self.backend.to_host(logits)
-            return (logits if all_logits else logits[0]), h
+            return self.head_hidden(x, all_logits)
         return self.head(x, all_logits)
 
     # --- MTP drafter -------------------------------------------------------------------------------
