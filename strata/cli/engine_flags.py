@@ -3,6 +3,7 @@ one-line error (`CliError`, exit status 1 or 2 for usage)."""
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 
 from strata.cli.argv import int_at_least
@@ -176,9 +177,10 @@ def engine_config(args, **overrides):
     return cfg
 
 
+@functools.lru_cache(maxsize=4)
 def _n_blocks(model: str) -> int | None:
     """The model's main blocks from the file's header, or None where the file cannot be read (left to the model
-    load to report)."""
+    load to report); read once per model for --n-gpu-layers and the --layer-split check it leads to."""
     from strata.gguf.default_model import resolve_model
     from strata.gguf.file import ModelLoadError, open_gguf
     from strata.models.registry import model_class
