@@ -21,7 +21,8 @@ class PrefillPlan:
     the engine leaves no live session (the next request does not continue it). key: the kept checkpoint's key
     when resume_from == "checkpoint" (``CheckpointCache.begin`` re-dates it). continues: the read goes on from where
     the sequence stood, as a live continuation does (also when a parked conversation, a session or another slot's
-    prefix was put in place first and resume_from names that source): read as a live continuation is, so that its
+    prefix was put in place first and resume_from names that source; set from resume_from "live" when the plan is
+    made, kept when resume_from is renamed): read as a live continuation is, so that its
     bits on a GPU do not depend on where the state came from.
     """
 
@@ -33,6 +34,9 @@ class PrefillPlan:
     keep_live: bool = True
     key: int | None = None
     continues: bool = False
+
+    def __post_init__(self) -> None:
+        self.continues = self.continues or self.resume_from == "live"
 
     @property
     def reset(self) -> bool:

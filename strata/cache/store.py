@@ -156,7 +156,6 @@ class ConversationStore:
         except BaseException:
             self.forget(seq)       # a restore that failed part-way: the sequence starts over
             raise
-        plan.continues = plan.resume_from == "live"
         if plan.resume_pos > 0 and (unparked or seq in self._from_session):
             plan.resume_from = unparked or "session"
         self._from_session.discard(seq)

@@ -60,8 +60,8 @@ class PromptReader:
         (Sequence.mark): a live continuation of several parts (PrefillPlan.continues: also after a parked conversation
         was put back) that fits one call (ubatch), on stages that keep states at marks, without a drafter (whose K/V
         follows every read's hidden states)."""
-        return ((plan.continues or plan.resume_from == "live") and len(ends) > 1 and n - start <= self.ubatch
-                and self.drafter is None and self.seq.can_mark)
+        return (plan.continues and len(ends) > 1 and n - start <= self.ubatch and self.drafter is None
+                and self.seq.can_mark)
 
     def prefill(self, req: GenerationRequest, prompt: np.ndarray, trace: bool):
         """``steps`` with every part read at once (a request alone) -> (plan, parts, logits)."""
