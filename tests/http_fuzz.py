@@ -446,7 +446,12 @@ class Reply:
     body: bytes
 
 
-def exchange(sock_path: str, raw: bytes, method: str, timeout: float = 60.0) -> Reply | None:
+#: how long a case may go unanswered: past the daemon's own deadlines (--body-timeout and --idle-timeout, 60 s by
+#: default), so that a request the daemon gives up on is answered (408) before the fuzz calls it a hang
+ANSWER_TIMEOUT = 120.0
+
+
+def exchange(sock_path: str, raw: bytes, method: str, timeout: float = ANSWER_TIMEOUT) -> Reply | None:
     """Send raw request bytes over the Unix socket and read the answer (None: the connection closed unanswered)."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(timeout)
@@ -513,6 +518,8 @@ def answer_problem(case: Case, r: Reply | None) -> str | None:
     ctype = r.headers.get("content-type", "")
     if r.status >= 500 and not (r.status == 501 and NOT_IMPLEMENTED.match(case.path)):
         return f"{r.status}: {r.body[:300]!r}"
+    if r.status == 408:              # the fuzz sends each request whole at once: the daemon stalled on it
+        return f"408 for a request sent whole: {r.body[:300]!r}"
     if case.method.upper() == "HEAD" and r.status < 400:
         return None
     if r.status >= 400:
@@ -555,6 +562,8 @@ class FuzzRun:
     problems: list = field(default_factory=list)
     state: dict | None = None
     reference: list | None = None
+    slowest: list = field(default_factory=list)  # the 5 slowest answers: {"ms", "status", "case"}
+    last_case: str = ""
 
     def _chat(self, messages) -> str:
         st_, d = self.daemon.json("POST", "/v1/chat/completions",
@@ -587,16 +596,21 @@ class FuzzRun:
         self.state = self.engine_state()
         return self
 
-    def check(self, case: Case, timeout: float = 60.0) -> str | None:
+    def check(self, case: Case, timeout: float = ANSWER_TIMEOUT) -> str | None:
         """Send the case; its problem (also recorded), or None. A refused request (4xx), a GET or a HEAD must leave
         the engine's state (/cache: position, checkpoints, parked conversations) as it was."""
         t0 = time.perf_counter()
         try:
             r = exchange(self.daemon.sock, case.wire(), case.method, timeout)
         except socket.timeout:
-            r, problem = None, f"no answer within {timeout} s"
+            r, problem = None, (f"no answer within {timeout} s; the case before: {self.last_case}; the daemon's "
+                                f"log ends: {self.daemon.log_tail(8)}")
         else:
             problem = answer_problem(case, r)
+        ms = round((time.perf_counter() - t0) * 1e3, 1)
+        if len(self.slowest) < 5 or ms > self.slowest[-1]["ms"]:
+            self.slowest = sorted(self.slowest + [{"ms": ms, "status": None if r is None else r.status,
+                                                   "case": case.short()}], key=lambda e: -e["ms"])[:5]
         if self.daemon.proc.poll() is not None:
             problem = f"the daemon exited with {self.daemon.proc.returncode}"
         key = "none" if r is None else str(r.status)
@@ -609,8 +623,8 @@ class FuzzRun:
                 problem = f"{r.status} changed the engine state: {self.state} -> {state}"
             self.state = state
         if problem is not None:
-            self.problems.append({"problem": problem, "case": case.short(),
-                                  "ms": round((time.perf_counter() - t0) * 1e3, 1)})
+            self.problems.append({"problem": problem, "case": case.short(), "ms": ms})
+        self.last_case = case.short()[:400]
         return problem
 
     def reference_problem(self) -> str | None:

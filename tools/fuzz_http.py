@@ -76,6 +76,7 @@ def main(argv=None) -> int:
                     run.problems.append({"problem": why, "case": "at the end"})
             res["problems"] = len(run.problems)
             res["first_problems"] = run.problems[:50]
+            res["slowest"] = run.slowest
             res["seconds"] = round(time.time() - t0, 1)
             res["daemon_alive"] = d.proc.poll() is None
             d.stop()
