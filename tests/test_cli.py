@@ -351,3 +351,26 @@ def test_other_spellings_of_the_kv_type_and_the_context_length():
     assert p.parse_args(["worker", "--kv", "int8"]).kv == "q8_0"
     with pytest.raises(SystemExit):
         p.parse_args(["serve", "--kv", "int4"])
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--prompt-cache-every", "64"], "--prompt-cache-every 64"),
+    (["--prompt-cache-tail", "8"], "--prompt-cache-tail 8"),
+    (["--prompt-cache-every", "64", "--prompt-cache-tail", "8"], "--prompt-cache-every 64 and --prompt-cache-tail 8"),
+])
+def test_cut_points_with_checkpoints_off_are_a_usage_error_before_the_model_loads(tmp_path, flags, named):
+    """--prompt-cache 0 with --prompt-cache-every / --prompt-cache-tail: the cut points could never be taken, so
+    `strata serve` refuses in one usage line naming both flags (exit 2) before any model loads or socket opens; the
+    engine refuses the same options; --prompt-cache 0 alone, or the cut points with --prompt-cache 1, pass."""
+    sock = tmp_path / "s.sock"
+    p = strata("serve", "--prompt-cache", "0", *flags, "--model", "/nonexistent.gguf", "--socket", str(sock))
+    err = p.stderr.strip()
+    assert p.returncode == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, (p.returncode, err)
+    assert err.startswith("strata serve: error: --prompt-cache 0 turns checkpoints off") and named in err, err
+    assert not sock.exists()
+    from strata.engine.config import EngineConfig
+    opts = {"prompt_cache_every": 64} if "every" in named else {}
+    opts.update({"prompt_cache_tail": 8} if "tail" in named else {})
+    assert named in EngineConfig.build(prompt_cache=0, **opts).problem()
+    assert EngineConfig.build(prompt_cache=1, **opts).problem() is None
+    assert EngineConfig.build(prompt_cache=0).problem() is None
