@@ -53,7 +53,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--n-gpu-layers", "-ngl", "--gpu-layers", type=_nonneg_int, default=None, metavar="N",
                    help="the first N layers on the GPU(s) of --device, the rest on the CPU (llama.cpp's -ngl: "
                         "--device cuda:0 -ngl 20 is --device cuda:0,cpu --layer-split 20); N at or above the "
-                        "model's layer count keeps every layer on the GPU; on a CPU-only --device it changes nothing")
+                        "model's layer count keeps every layer on the GPU; on a CPU-only --device it changes nothing; "
+                        "refused beside --layer-split")
     m.add_argument("--kv", default=D.stages.kv, type=kv_type, choices=("f16", "q8_0"),
                    help="KV cache type on CUDA: f16 (default) or q8_0, also spelled int8 (int8 + a scale per 32 "
                         "values, ~half the memory); the CPU backend keeps float32")
@@ -194,14 +195,15 @@ def _n_blocks(model: str) -> int | None:
 
 def _gpu_layers(cfg, n: int):
     """cfg with --n-gpu-layers n made into --device / --layer-split: the first n blocks on the GPUs of --device
-    (split evenly between several), the rest on the CPU; CliError (usage) beside an explicit --layer-split or CPU
-    stages in --device."""
+    (split evenly between several), the rest on the CPU; nothing changed on a CPU-only --device. CliError (usage)
+    beside an explicit --layer-split (on a CPU-only --device too: the two flags still contradict each other) or
+    CPU stages in --device."""
     from strata.stages.split import carves_by_weight, parse_devices
     devices = parse_devices(cfg.stages.device)
-    if all(d == "cpu" for d in devices):
-        return cfg                                     # as llama.cpp's CPU build: no GPU, nothing to place
     if cfg.stages.layer_split is not None:
         raise CliError("--n-gpu-layers and --layer-split both place the layers: give one", EXIT_USAGE)
+    if all(d == "cpu" for d in devices):
+        return cfg                                     # as llama.cpp's CPU build: no GPU, nothing to place
     if "cpu" in devices:
         raise CliError(f"--n-gpu-layers puts the other layers on the CPU itself: give only GPUs in --device "
                        f"(got {cfg.stages.device})", EXIT_USAGE)
