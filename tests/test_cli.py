@@ -374,3 +374,28 @@ def test_cut_points_with_checkpoints_off_are_a_usage_error_before_the_model_load
     assert named in EngineConfig.build(prompt_cache=0, **opts).problem()
     assert EngineConfig.build(prompt_cache=1, **opts).problem() is None
     assert EngineConfig.build(prompt_cache=0).problem() is None
+
+
+def test_errors_after_n_gpu_layers_name_the_flags_the_user_gave(tmp_path, synthetic):
+    """--n-gpu-layers rewrites --device cuda:N into 'cuda:N,cpu' (with a --layer-split) or 'cpu' (-ngl 0): an error
+    about the rewritten value names --device as given and -ngl, never 'cuda:N,cpu' alone (parsed only; the serve
+    case stops at the device check, before any model loads or socket opens, on any machine: no GPU 63)."""
+    from strata.cli.engine_flags import CliError, engine_config
+    from strata.cli.main import build_parser
+    model = str(synthetic("llama", seed=3))                 # 4 blocks
+    parse = lambda *a: build_parser().parse_args(["generate", "--model", model, *a])  # noqa: E731
+    with pytest.raises(CliError) as ei:                  # -ngl 0 put every layer on the CPU, which keeps f32 K/V
+        engine_config(parse("--device", "cuda:0", "-ngl", "0", "--kv", "q8_0"))
+    assert ei.value.exit_code == 2 and str(ei.value) == (
+        "--kv q8_0 needs --device cuda (the CPU backend keeps its KV cache in float32); --device cuda:0 with "
+        "--n-gpu-layers 0 is --device cpu: every layer on the CPU")
+    with pytest.raises(CliError, match="--n-gpu-layers 2 puts the layers after the first 2 on the CPU, but "
+                                       "--remote-stage runs the last layers on its workers: give --layer-split"):
+        engine_config(parse("--device", "cuda:0", "-ngl", "2", "--remote-stage", "127.0.0.1:9"))
+    cfg = engine_config(parse("--device", "cuda:0", "-ngl", "2"))
+    assert (cfg.stages.device, cfg.stages.layer_split) == ("cuda:0,cpu", "2")
+    sock = tmp_path / "s.sock"
+    p = strata("serve", "--model", model, "--device", "cuda:63", "-ngl", "2", "--socket", str(sock), timeout=120)
+    err = p.stderr.strip()
+    assert p.returncode == 1 and len(err.splitlines()) == 1 and not sock.exists(), (p.returncode, err)
+    assert err.startswith("strata serve: error: --device cuda:63 with --n-gpu-layers 2: ") and "cuda:63,cpu" not in err, err

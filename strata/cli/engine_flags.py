@@ -170,12 +170,39 @@ def engine_config(args, **overrides):
     if overrides:
         cfg = cfg.replace(**overrides)
     cfg = cfg.resolved()
-    if getattr(args, "n_gpu_layers", None) is not None:
-        cfg = _gpu_layers(cfg, int(args.n_gpu_layers))
-    why = cfg.problem() or _split_problem(cfg)
+    why = cfg.problem() or _split_problem(cfg)          # the flags as given: named as the user typed them
     if why:
         raise CliError(why, EXIT_USAGE)
-    return cfg
+    n = getattr(args, "n_gpu_layers", None)
+    if n is None:
+        return cfg
+    placed = _gpu_layers(cfg, int(n))
+    if placed != cfg:
+        why = placed.problem() or _split_problem(placed)
+        if why:                  # a value -ngl made, not one the user gave: the message says where it came from
+            raise CliError(f"{why}; {device_words(args, placed)} {_placement(placed)}", EXIT_USAGE)
+    return placed
+
+
+def device_words(args, cfg) -> str:
+    """The flags that put cfg's layers where they are, as the user gave them, for a message about cfg's devices:
+    '--device cuda:0' ('--device auto (cuda:0)' for what 'auto' became), and 'with --n-gpu-layers N' where that
+    flag made cfg's device list and split, never the rewritten '--device cuda:0,cpu' the user did not type."""
+    from strata.stages import resolve_device
+    given = str(getattr(args, "device", None) or cfg.stages.device).strip()
+    words = f"--device {given}" if given != "auto" else f"--device auto ({resolve_device('auto')})"
+    n = getattr(args, "n_gpu_layers", None)
+    if n is not None and cfg.stages.device != resolve_device(given):
+        words += f" with --n-gpu-layers {n}"
+    return words
+
+
+def _placement(placed) -> str:
+    """What --n-gpu-layers made of --device, in the flags that say it without -ngl."""
+    split = placed.stages.layer_split
+    if split is None:
+        return f"is --device {placed.stages.device}: every layer on the CPU"
+    return f"is --device {placed.stages.device} --layer-split {split}"
 
 
 @functools.lru_cache(maxsize=4)
@@ -196,8 +223,8 @@ def _n_blocks(model: str) -> int | None:
 def _gpu_layers(cfg, n: int):
     """cfg with --n-gpu-layers n made into --device / --layer-split: the first n blocks on the GPUs of --device
     (split evenly between several), the rest on the CPU; nothing changed on a CPU-only --device. CliError (usage)
-    beside an explicit --layer-split (on a CPU-only --device too: the two flags still contradict each other) or
-    CPU stages in --device."""
+    beside an explicit --layer-split (on a CPU-only --device too: the two flags still contradict each other), CPU
+    stages in --device, or a --remote-stage that would run the layers past the GPUs' (which -ngl puts on the CPU)."""
     from strata.stages.split import carves_by_weight, parse_devices
     devices = parse_devices(cfg.stages.device)
     if cfg.stages.layer_split is not None:
@@ -212,6 +239,10 @@ def _gpu_layers(cfg, n: int):
         return cfg
     if n == 0:
         return cfg.replace(device="cpu")
+    if cfg.remote:
+        raise CliError(f"--n-gpu-layers {n} puts the layers after the first {n} on the CPU, but --remote-stage runs "
+                       f"the last layers on its workers: give --layer-split (the first layer of each later stage, the "
+                       f"workers' last) instead", EXIT_USAGE)
     if n < len(devices):
         raise CliError(f"--n-gpu-layers {n} is fewer layers than the {len(devices)} GPUs of --device "
                        f"{cfg.stages.device}: give at least one layer each", EXIT_USAGE)
