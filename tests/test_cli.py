@@ -351,3 +351,73 @@ def test_other_spellings_of_the_kv_type_and_the_context_length():
     assert p.parse_args(["worker", "--kv", "int8"]).kv == "q8_0"
     with pytest.raises(SystemExit):
         p.parse_args(["serve", "--kv", "int4"])
+
+
+def test_the_worker_takes_serves_spellings_of_the_context_length(capsys):
+    """`strata worker` bounds a main's context with serve's spellings (--max-context, --n-ctx, -c, --ctx-size) and
+    its older --max-ctx, checked as serve checks --n-ctx (a bad value: argparse's line naming every spelling);
+    parsed only, no model loaded."""
+    from strata.cli.main import build_parser
+    p = build_parser()
+    assert p.parse_args(["worker"]).max_ctx is None
+    for flag in ("--max-context", "--n-ctx", "-c", "--ctx-size", "--max-ctx"):
+        assert p.parse_args(["worker", flag, "2048"]).max_ctx == 2048, flag
+    capsys.readouterr()
+    for bad in ("1", "abc"):
+        with pytest.raises(SystemExit) as ei:
+            p.parse_args(["worker", "--n-ctx", bad])
+        assert ei.value.code == 2
+        err = capsys.readouterr().err
+        assert "argument --max-context/--n-ctx/-c/--ctx-size/--max-ctx" in err, err
+    with pytest.raises(SystemExit):
+        p.parse_args(["worker", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--max-context N, --n-ctx N, -c N, --ctx-size N, --max-ctx N context length in tokens" in out, out
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--prompt-cache-every", "64"], "--prompt-cache-every 64"),
+    (["--prompt-cache-tail", "8"], "--prompt-cache-tail 8"),
+    (["--prompt-cache-every", "64", "--prompt-cache-tail", "8"], "--prompt-cache-every 64 and --prompt-cache-tail 8"),
+])
+def test_cut_points_with_checkpoints_off_are_a_usage_error_before_the_model_loads(tmp_path, flags, named):
+    """--prompt-cache 0 with --prompt-cache-every / --prompt-cache-tail: the cut points could never be taken, so
+    `strata serve` refuses in one usage line naming both flags (exit 2) before any model loads or socket opens; the
+    engine refuses the same options; --prompt-cache 0 alone, or the cut points with --prompt-cache 1, pass."""
+    sock = tmp_path / "s.sock"
+    p = strata("serve", "--prompt-cache", "0", *flags, "--model", "/nonexistent.gguf", "--socket", str(sock))
+    err = p.stderr.strip()
+    assert p.returncode == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, (p.returncode, err)
+    assert err.startswith("strata serve: error: --prompt-cache 0 turns checkpoints off") and named in err, err
+    assert not sock.exists()
+    from strata.engine.config import EngineConfig
+    opts = {"prompt_cache_every": 64} if "every" in named else {}
+    opts.update({"prompt_cache_tail": 8} if "tail" in named else {})
+    assert named in EngineConfig.build(prompt_cache=0, **opts).problem()
+    assert EngineConfig.build(prompt_cache=1, **opts).problem() is None
+    assert EngineConfig.build(prompt_cache=0).problem() is None
+
+
+def test_errors_after_n_gpu_layers_name_the_flags_the_user_gave(tmp_path, synthetic):
+    """--n-gpu-layers rewrites --device cuda:N into 'cuda:N,cpu' (with a --layer-split) or 'cpu' (-ngl 0): an error
+    about the rewritten value names --device as given and -ngl, never 'cuda:N,cpu' alone (parsed only; the serve
+    case stops at the device check, before any model loads or socket opens, on any machine: no GPU 63)."""
+    from strata.cli.engine_flags import CliError, engine_config
+    from strata.cli.main import build_parser
+    model = str(synthetic("llama", seed=3))                 # 4 blocks
+    parse = lambda *a: build_parser().parse_args(["generate", "--model", model, *a])  # noqa: E731
+    with pytest.raises(CliError) as ei:                  # -ngl 0 put every layer on the CPU, which keeps f32 K/V
+        engine_config(parse("--device", "cuda:0", "-ngl", "0", "--kv", "q8_0"))
+    assert ei.value.exit_code == 2 and str(ei.value) == (
+        "--kv q8_0 needs --device cuda (the CPU backend keeps its KV cache in float32); --device cuda:0 with "
+        "--n-gpu-layers 0 is --device cpu: every layer on the CPU")
+    with pytest.raises(CliError, match="--n-gpu-layers 2 puts the layers after the first 2 on the CPU, but "
+                                       "--remote-stage runs the last layers on its workers: give --layer-split"):
+        engine_config(parse("--device", "cuda:0", "-ngl", "2", "--remote-stage", "127.0.0.1:9"))
+    cfg = engine_config(parse("--device", "cuda:0", "-ngl", "2"))
+    assert (cfg.stages.device, cfg.stages.layer_split) == ("cuda:0,cpu", "2")
+    sock = tmp_path / "s.sock"
+    p = strata("serve", "--model", model, "--device", "cuda:63", "-ngl", "2", "--socket", str(sock), timeout=120)
+    err = p.stderr.strip()
+    assert p.returncode == 1 and len(err.splitlines()) == 1 and not sock.exists(), (p.returncode, err)
+    assert err.startswith("strata serve: error: --device cuda:63 with --n-gpu-layers 2: ") and "cuda:63,cpu" not in err, err

@@ -383,6 +383,36 @@ class _Prompt:
         self.tokens, self.cut_points = list(tokens), []
 
 
+def test_the_links_round_trip_is_measured_from_traffic_while_requests_flow(workers, synthetic):
+    """While requests flow the link is never idle, so no ping measures it: the remote stage takes the round trip
+    from the traffic, each Forward's wall time less the compute the worker reports in its Result, and reports both
+    in its status (/status). Over a real worker with the keepalive kept off the link (its lock held, as a request's
+    forwards hold it): rtt_from "forward", the round trip the last forward's wall time less the worker's compute;
+    once the link is idle a ping measures it again, the last forward's times kept."""
+    model = str(synthetic("llama", seed=3))
+    w = workers("--model", model)
+    e = Engine(model, n_ctx=256, prompt_cache=0, remote_stage=w.address, layer_split="2")
+    try:
+        st = e.stages[-1]
+        with st._io:                     # the keepalive thread skips its ping while the link is in use
+            st.rtt = st.last_forward = None
+            lk0 = st.status()["link"]
+            run(e, _Prompt(e.tokenize_prompt("the cat sat on the mat")), 6)
+            lk = st.status()["link"]
+        assert (lk0["rtt_ms"], lk0["rtt_from"], lk0["last_forward_ms"]) == (None, None, None)
+        assert lk["rtt_from"] == "forward" and lk["last_forward_compute_ms"] > 0
+        assert 0 <= lk["rtt_ms"] <= lk["last_forward_ms"]
+        assert abs(lk["rtt_ms"] - (lk["last_forward_ms"] - lk["last_forward_compute_ms"])) <= 0.002
+        deadline = time.monotonic() + 30
+        while st.status()["link"]["rtt_from"] != "ping" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        idle = st.status()["link"]
+        assert idle["rtt_from"] == "ping" and idle["rtt_ms"] is not None
+        assert idle["last_forward_ms"] == lk["last_forward_ms"]
+    finally:
+        e.close()
+
+
 # ---- the handshake -------------------------------------------------------------------------------------------
 def _fake_worker(behaviour: str) -> tuple[str, threading.Thread]:
     """A listener that misbehaves at the hello: 'close', 'silent', or 'v4' (a Challenge framed as protocol 4)."""

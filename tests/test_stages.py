@@ -207,6 +207,7 @@ def test_generate_with_a_layer_split_matches_unsplit():
     (["--device", "cpu,cpu", "--layer-split", "5,10"], "makes 3 stages but --device lists 2 devices"),
     (["--device", "cpu,cuda:0"], "puts stages on the CPU and on GPUs: give the first layer of each later stage"),
     (["--device", "cuda:0", "-ngl", "4", "--layer-split", "8"], "--n-gpu-layers and --layer-split both place"),
+    (["--device", "cpu", "-ngl", "4", "--layer-split", "8"], "--n-gpu-layers and --layer-split both place"),
 ])
 def test_bad_split_flags_are_usage_errors(args, msg):
     r = _strata("generate", "--prompt", "hi", "-n", "1", *args)
@@ -276,7 +277,8 @@ def test_memory_and_stages_import_nothing_above_them():
 def test_n_gpu_layers_places_the_first_layers_on_the_gpus_and_the_rest_on_the_cpu():
     """--n-gpu-layers N (llama.cpp's -ngl) as --device / --layer-split, on the default model's 30 blocks (parsed only,
     no backend made): N on one GPU, split evenly over two, all on the GPU at or above 30, all on the CPU at 0,
-    nothing changed on a CPU-only --device; refused beside --layer-split or CPU stages in --device."""
+    nothing changed on a CPU-only --device; refused beside --layer-split (on a CPU-only --device too) or CPU stages in
+    --device."""
     from strata.cli.engine_flags import CliError, _gpu_layers
     from strata.engine.config import EngineConfig
 
@@ -290,6 +292,7 @@ def test_n_gpu_layers_places_the_first_layers_on_the_gpus_and_the_rest_on_the_cp
     assert place("cuda:0", 0) == ("cpu", None)
     assert place("cpu", 12) == ("cpu", None)
     for device, kw, msg in (("cuda:0", {"layer_split": "8"}, "both place the layers"),
+                            ("cpu", {"layer_split": "8"}, "both place the layers"),
                             ("cuda:0,cpu", {"layer_split": None}, "give only GPUs"),
                             ("cuda:0,cuda:1,cuda:2", {}, "fewer layers than the 3 GPUs")):
         with pytest.raises(CliError, match=msg):

@@ -195,18 +195,10 @@ def test_chat_is_greedy_by_default_like_strata_chat(daemon):
     assert a.stdout == b.stdout and a.stdout.strip()
 
 
-def test_status_before_the_first_ping_says_so(tmp_path):
-    """A remote stage whose link has no round trip measured yet: said in words, not 'None ms'."""
+def _status_of(tmp_path, status: dict):
+    """`stratactl status` against a Unix socket that answers GET /status with `status`."""
     import http.server
     import socketserver
-
-    status = {"model": "m", "engine": {"arch": "llama", "n_ctx": 8, "prompt_cache": 8,
-                                       "checkpoints": [{"pos": 4 * i, "kind": "turn"} for i in range(1, 7)],
-                                       "parked": [{"tier": "ram", "bytes": 3 << 20, "tokens": 40, "checkpoints": 5}]},
-              "stages": [{"stage": 0, "device": "cpu", "layers": [0, 4], "memory": {}},
-                         {"stage": 1, "device": "remote", "layers": [4, 8], "memory": {},
-                          "link": {"up": True, "rtt_ms": None, "checkpoints_held": 12, "store_bytes": 5 << 20}}],
-              "queue": {"running": 0, "waiting": 0, "max": 1}}
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
@@ -232,16 +224,46 @@ def test_status_before_the_first_ping_says_so(tmp_path):
     t = threading.Thread(target=srv.serve_forever, daemon=True)
     t.start()
     try:
-        p = ctl(None, "status", socket=sock)
+        return ctl(None, "status", socket=sock)
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+def _remote_status(link: dict) -> dict:
+    return {"model": "m", "engine": {"arch": "llama", "n_ctx": 8, "prompt_cache": 8,
+                                     "checkpoints": [{"pos": 4 * i, "kind": "turn"} for i in range(1, 7)],
+                                     "parked": [{"tier": "ram", "bytes": 3 << 20, "tokens": 40, "checkpoints": 5}]},
+            "stages": [{"stage": 0, "device": "cpu", "layers": [0, 4], "memory": {}},
+                       {"stage": 1, "device": "remote", "layers": [4, 8], "memory": {},
+                        "link": {"up": True, "checkpoints_held": 12, "store_bytes": 5 << 20, **link}}],
+            "queue": {"running": 0, "waiting": 0, "max": 1}}
+
+
+def test_status_before_the_first_ping_says_so(tmp_path):
+    """A remote stage whose link has no round trip measured yet: said in words, not 'None ms'."""
+    p = _status_of(tmp_path, _remote_status({"rtt_ms": None}))
     assert p.returncode == 0, p.stderr
     assert "no round trip measured yet" in p.stdout and "None ms" not in p.stdout
     # what each count counts: the tree's checkpoints; the parked conversations' own; the parts the worker keeps
     # (12 = its layers of the 6 checkpoints, the parked conversation and that one's 5 checkpoints)
     assert "6 kept in the prefix tree" in p.stdout and "1 conversation (5 checkpoints of its own)" in p.stdout
     assert "the worker keeps 12 parts for this daemon, 5.0 MiB" in p.stdout and "checkpoint parts held" not in p.stdout
+
+
+@pytest.mark.parametrize("link,words", [
+    ({"rtt_ms": 0.21, "rtt_from": "forward", "last_forward_ms": 3.5, "last_forward_compute_ms": 3.29},
+     "link up (round trip 0.21 ms from the last forward: 3.5 ms, 3.29 ms of it the worker's compute;"),
+    ({"rtt_ms": 0.12, "rtt_from": "ping", "last_forward_ms": 3.5, "last_forward_compute_ms": 3.29},
+     "link up (round trip 0.12 ms by ping, the last forward 3.5 ms;"),
+    ({"rtt_ms": 0.12, "rtt_from": "ping", "last_forward_ms": None, "last_forward_compute_ms": None},
+     "link up (round trip 0.12 ms by ping;"),
+])
+def test_status_says_what_measured_the_links_round_trip(tmp_path, link, words):
+    """The round trip measured from the traffic while requests flow (the last forward's wall time less the worker's
+    compute) is said as such, with both; a ping's with the last forward's wall time where there was one."""
+    p = _status_of(tmp_path, _remote_status(link))
+    assert p.returncode == 0 and words in p.stdout, p.stdout + p.stderr
 
 
 def test_status_lists_parked_conversations_and_the_session_quota(tmp_path):

@@ -172,7 +172,8 @@ def main(argv=None) -> int:
     if keep < 1:
         ap.error("--prompt-cache must be >= 1 (the uncached run is --prompt-cache 0)")
     try:
-        configs = {"cached": engine_config(args, prompt_cache=keep), "uncached": engine_config(args, prompt_cache=0)}
+        configs = {"cached": engine_config(args, prompt_cache=keep),     # uncached: no cut points either
+                   "uncached": engine_config(args, prompt_cache=0, prompt_cache_every=0, prompt_cache_tail=0)}
     except CliError as e:
         ap.error(str(e))
 

@@ -270,6 +270,18 @@ def _device_line(dev: dict) -> str:
     return f"{dev.get('name', '?')}: " + ", ".join(parts)
 
 
+def _link_timing(lk: dict) -> str:
+    """A remote stage's round trip in words: measured from the last forward while requests flow (its wall time
+    less the worker's compute), else by the idle link's ping, with the last forward's wall time."""
+    rtt, src, fwd, comp = (lk.get(k) for k in ("rtt_ms", "rtt_from", "last_forward_ms", "last_forward_compute_ms"))
+    if rtt is None:
+        return "no round trip measured yet"
+    if src == "forward":
+        return f"round trip {rtt} ms from the last forward: {fwd} ms, {comp} ms of it the worker's compute"
+    return f"round trip {rtt} ms" + (" by ping" if src == "ping" else "") + \
+        (f", the last forward {fwd} ms" if fwd is not None else "")
+
+
 def cmd_status(c: Client, args) -> int:
     d = c.call("GET", "/status")
     e = d.get("engine", {})
@@ -292,8 +304,7 @@ def cmd_status(c: Client, args) -> int:
                 extra += f", expert tier: {_tier_line(t)}"
         lk = s.get("link")
         if lk:
-            rtt = lk.get("rtt_ms")
-            rtt = f"round trip {rtt} ms" if rtt is not None else "no round trip measured yet"
+            rtt = _link_timing(lk)
             extra += (f", link up ({rtt}; the worker keeps {lk.get('checkpoints_held')} parts for this daemon, "
                       f"{_human_bytes(lk.get('store_bytes'))}: its layers of each checkpoint and parked conversation)"
                       if lk.get("up") else f", link DOWN: {lk.get('down_reason')}")

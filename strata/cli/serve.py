@@ -7,7 +7,7 @@ import os
 import sys
 
 from strata.cli.argv import int_at_least, number_above
-from strata.cli.engine_flags import CliError, add_engine_args, engine_config
+from strata.cli.engine_flags import CliError, add_engine_args, device_words, engine_config
 from strata.serve.log import LEVELS, configure_logging
 from strata.serve.notify import sd_notify
 from strata.serve.paths import default_socket_path
@@ -204,7 +204,7 @@ def run(args) -> int:
     if "cuda" in str(device):   # no GPU / CuPy / kernels / such a GPU: say so before any socket
         why = _cuda_unusable(device)
         if why:
-            print(f"strata serve: error: device {device!r}: {why}", file=sys.stderr)
+            print(f"strata serve: error: {device_words(args, ecfg)}: {why}", file=sys.stderr)
             return 1
     configure_logging(args.log_level, json={"auto": None, "json": True, "console": False}[args.log_format])
     import asyncio                  # here, not at the top: `strata generate` / `chat` import this module too

@@ -7,7 +7,7 @@ import os
 import signal
 import sys
 
-from strata.cli.engine_flags import kv_type
+from strata.cli.engine_flags import ctx_int, kv_type
 
 DEFAULT_PORT = 7700
 
@@ -34,8 +34,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv", default="f16", type=kv_type, choices=("f16", "q8_0"),
                    help="KV cache type on CUDA (q8_0 also spelled int8)")
     p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: all cores)")
-    p.add_argument("--max-ctx", type=int, default=None, metavar="N",
-                   help="the largest context a main may ask this worker for (default: the model's training context)")
+    p.add_argument("--max-context", "--n-ctx", "-c", "--ctx-size", "--max-ctx", dest="max_ctx", type=ctx_int,
+                   default=None, metavar="N",
+                   help="context length in tokens: the largest a main may ask this worker for (default: the model's "
+                        "training context)")
     p.add_argument("--kv-pool-ctx", type=int, default=None, metavar="TOKENS",
                    help="tokens each stage's KV page pool holds (default: the main's --n-ctx for each of its request "
                         "slots, --parallel): more keeps the parts a main parks here (checkpoints, conversations "

@@ -259,6 +259,16 @@ class EngineConfig:
             return int(keep)
         return 0 if self.remote and not (ck.every or ck.tail) else 6
 
+    def checkpoints_off_problem(self) -> str | None:
+        """Why --prompt-cache 0 contradicts the cut points asked for (--prompt-cache-every, --prompt-cache-tail:
+        with checkpoints off none is ever taken), or None."""
+        ck = self.checkpoints
+        asked = [f"--prompt-cache-{name} {v}" for name, v in (("every", ck.every), ("tail", ck.tail)) if v]
+        if ck.keep != 0 or not asked:
+            return None
+        return (f"--prompt-cache 0 turns checkpoints off, so {' and '.join(asked)} could never take one: give "
+                f"--prompt-cache N > 0, or drop {'them' if len(asked) > 1 else 'it'}")
+
     def pool_ctx(self) -> int | None:
         """Tokens each stage's KV pool holds: --kv-pool-ctx, else one context per request slot (None: n_ctx)."""
         if self.stages.kv_pool_ctx is not None:
@@ -285,6 +295,9 @@ class EngineConfig:
             return f"ubatch must be >= 1, got {self.ubatch}"
         if self.checkpoints.keep is not None and self.checkpoints.keep < 0:
             return f"prompt_cache must be >= 0, got {self.checkpoints.keep}"
+        why = self.checkpoints_off_problem()
+        if why:
+            return why
         st = self.stages
         try:
             devices = parse_devices(st.device)

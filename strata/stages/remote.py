@@ -72,7 +72,8 @@ class RemoteStage(StageBase):
                                    n_embd=int(model.config.n_embd))
         self._io = threading.RLock()         # the engine thread and the heartbeat / reconnect thread
         self.down_reason: str | None = None
-        self.rtt_s = None
+        self.rtt: tuple[float, str] | None = None      # the link's last round trip (s) and what measured it
+        self.last_forward: tuple[float, float] | None = None   # the last Forward / Result pair: (wall, compute) s
         self.commits = 0                     # Commits sent ahead (settled before the next prompt is read)
         self.worker_us = 0                   # the worker chain's own compute time over all Forwards (Result)
         self.batched_steps = self.batched_rows = 0   # BatchForward round trips, and the rows they carried
@@ -136,7 +137,7 @@ class RemoteStage(StageBase):
             try:
                 if self.client is not None and self.client.unsettled == 0 and \
                         time.monotonic() - self.client.heard > PING_EVERY:
-                    self.rtt_s = self.client.ping()
+                    self.rtt = (self.client.ping(), "ping")
             except (LinkDown, WorkerError) as e:
                 self._mark_down(str(e))
             finally:
@@ -162,6 +163,22 @@ class RemoteStage(StageBase):
             except LinkDown as e:
                 self._mark_down(str(e))
                 raise
+
+    def _timed_call(self, msg):
+        """call(msg) -> (the answer, the pair's wall time in s), timed inside the link's lock (a ping of the
+        keepalive thread is never counted)."""
+        with self._io:
+            t0 = time.perf_counter()
+            res = self.call(msg)
+            return res, time.perf_counter() - t0
+
+    def _forwarded(self, wall_s: float, compute_us: int) -> None:
+        """Record a Forward / Result (or batched) pair: its wall time, the compute the worker chain reports in the
+        answer, and the link's round trip from traffic, the one less the other (the idle pings measure it between
+        requests; this while they flow)."""
+        compute_s = int(compute_us) / 1e6
+        self.last_forward = (wall_s, compute_s)
+        self.rtt = (max(0.0, wall_s - compute_s), "forward")
 
     def post(self, msg) -> None:
         """Send `msg` ahead (a Commit): its answer is settled before the next prompt is read."""
@@ -223,7 +240,7 @@ class RemoteStage(StageBase):
             # before the next Forward is sent
             self.settle()
         c = self.client          # the link this Forward goes over (call raises LinkDown when there is none)
-        res = self.call(Forward(pos=at, want_all=bool(all_logits), tokens=toks, hidden=x, seq=sid))
+        res, wall = self._timed_call(Forward(pos=at, want_all=bool(all_logits), tokens=toks, hidden=x, seq=sid))
         if not isinstance(res, Result) or res.pos != at + n:
             self._mark_down(f"answered a Forward at {at} of {n} tokens with "
                             f"{type(res).__name__} at {getattr(res, 'pos', '?')}")
@@ -239,6 +256,7 @@ class RemoteStage(StageBase):
                                   f"of {n} tokens of sequence {sid} at {at}; the link is reset")
         self.memory.seqs[sid].at = int(res.pos)
         self.worker_us += int(res.compute_us)
+        self._forwarded(wall, res.compute_us)
         if res.dropped:                   # parts the worker dropped to fit this Forward: forgotten at once
             self.memory.dropped(res.dropped)
         if getattr(be, "xp", np) is not np:
@@ -270,7 +288,7 @@ class RemoteStage(StageBase):
         at = [self.memory.seqs[q].at for q in sids]
         if c.unsettled:
             self.settle()
-        res = self.call(BatchForward(seqs=sids, positions=at, tokens=toks, hidden=x))
+        res, wall = self._timed_call(BatchForward(seqs=sids, positions=at, tokens=toks, hidden=x))
         n_embd = int(self.model.config.n_embd)
         # the rows' ids (+rowids) first: a worker that swapped, dropped or repeated a row is named as such
         fault = rows_fault(res, sids, at, c.row_ids) or result_fault(res.hidden, n, n_embd)
@@ -281,6 +299,7 @@ class RemoteStage(StageBase):
         for q, p in zip(sids, at):
             self.memory.seqs[q].at = p + 1
         self.worker_us += int(res.compute_us)
+        self._forwarded(wall, res.compute_us)
         self.batched_steps += 1
         self.batched_rows += n
         if res.dropped:
@@ -300,13 +319,22 @@ class RemoteStage(StageBase):
         return {}
 
     def status(self) -> dict[str, Any]:
+        """The stage's report (/status): its carve and the link's. rtt_ms: the link's last round trip, rtt_from
+        what measured it: "ping" (an idle link's ping) or "forward" (a Forward's wall time less the compute the
+        worker reported for it: the frames' transfer and coding to and from the first worker, measured while
+        requests flow; a relay's time on its next hop is inside the compute it reports); None before either. last_forward_ms / last_forward_compute_ms: the last Forward / Result pair's wall time and the
+        worker chain's compute in it."""
         c = self.client
+        rtt, fwd = self.rtt, self.last_forward
+        ms = lambda s: round(s * 1e3, 3)  # noqa: E731
         return {"index": self.index, "layer_lo": self.carve.lo, "layer_hi": self.carve.hi, "device": self.device,
                 "runner": self.runner_name, "memory": {},
                 "link": {"up": c is not None, "epoch": self.epoch, "down_reason": self.down_reason,
                          "frames": c.frames if c else None,
                          "workers": [{"address": a, "layer_lo": cc.lo, "layer_hi": cc.hi} for a, cc in self.hops],
-                         "rtt_ms": None if self.rtt_s is None else round(self.rtt_s * 1e3, 3),
+                         "rtt_ms": None if rtt is None else ms(rtt[0]), "rtt_from": None if rtt is None else rtt[1],
+                         "last_forward_ms": None if fwd is None else ms(fwd[0]),
+                         "last_forward_compute_ms": None if fwd is None else ms(fwd[1]),
                          "checkpoints_held": self.memory.held, "store_bytes": self.memory.store_bytes,
                          "slots": self.slots, "row_ids": bool(c.row_ids) if c else None,
                          "batched_steps": self.batched_steps,

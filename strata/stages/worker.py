@@ -93,7 +93,7 @@ class Worker:
             raise Refuse(ErrorCode.MODEL, f"activations in '{quoted(h.act_dtype, 40)}': this worker takes f32",
                          fatal=True)
         if not 1 <= h.n_ctx <= self.max_ctx:
-            raise Refuse(ErrorCode.LIMIT, f"n_ctx {h.n_ctx} outside [1, {self.max_ctx}] (this worker's --max-ctx)",
+            raise Refuse(ErrorCode.LIMIT, f"n_ctx {h.n_ctx} outside [1, {self.max_ctx}] (this worker's --max-context)",
                          fatal=True)
         if not 1 <= h.max_batch <= min(h.n_ctx, MAX_BATCH):
             raise Refuse(ErrorCode.LIMIT, f"max_batch {h.max_batch} outside [1, {min(h.n_ctx, MAX_BATCH)}]",
