@@ -51,7 +51,7 @@ def make_builder(absolute: bool = False) -> FFI:
         extra_compile_args=["-O3", "-std=gnu11", "-fno-strict-aliasing", "-Wall", "-Wno-unused-function"],
         libraries=["pthread"] if sys.platform != "win32" else [],
         depends=[path(CPU / f) for f in ("common.h", "strata_cpu.h", "kernels.inc", "iq.inc", "iq_tables.h",
-                                           "avx2_dot32.inc", "avx2_kquants.inc", "avx2_iq.inc",
+                                           "avx2_dot32.inc", "avx2_kquants.inc", "avx2_iq.inc", "avx2_float.inc",
                                            "target_avx2_begin.inc", "target_end.inc")],
     )
     return ffi

@@ -194,16 +194,81 @@ def test_matmul_blas_path_vs_fp32(t, monkeypatch):
     np.testing.assert_allclose(w.matmul(x), x @ wf.T, rtol=1e-4, atol=1e-4 * np.abs(x @ wf.T).max())
 
 
-@pytest.mark.parametrize("t", [T.F32, T.F16, T.BF16], ids=lambda t: t.name)
-def test_matmul_float_weights(t):
-    rng = np.random.default_rng(6)
-    wf = rng.standard_normal((21, 64)).astype(np.float32)
-    data = {T.F32: wf, T.F16: wf.astype(np.float16), T.BF16: (wf.view(np.uint32) >> 16).astype(np.uint16)}[t]
-    w = WeightTensor("w", t, (21, 64), data)
-    x = rng.standard_normal((3, 64)).astype(np.float32)
-    ref = x @ w.dequantize().T
-    np.testing.assert_allclose(w.matmul(x), ref, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(w.matmul(x[0]), ref[0], rtol=1e-5, atol=1e-5)
+FLOAT_TYPES = [T.F32, T.F16, T.BF16]
+
+
+def float_weight(t: T, n_out: int, n_in: int, rng: np.random.Generator) -> tuple[WeightTensor, np.ndarray]:
+    """A random F32 / F16 / BF16 tensor and its stored values as float64 (numpy's own conversions, not the C core's)."""
+    f = rng.standard_normal((n_out, n_in)).astype(np.float32)
+    if t == T.F32:
+        data, ref = f, f.astype(np.float64)
+    elif t == T.F16:
+        data = f.astype(np.float16)
+        ref = data.astype(np.float64)
+    else:
+        data = (f.view(np.uint32) >> 16).astype(np.uint16)
+        ref = (data.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return WeightTensor("w", t, (n_out, n_in), data), ref
+
+
+@pytest.mark.parametrize("t", FLOAT_TYPES, ids=lambda t: t.name)
+def test_matmul_float_weights_vs_float64(t, cpu_path):
+    """The C core's float products (x as it is, no activation quantization) against float64 x @ W.T of the stored
+    values, within fp32 accumulation error ((n_in + 4) roundings of at most 2^-24 of sum |x_j w_j|), on odd shapes:
+    n_in not a multiple of 8, 16 or 32, 37 rows, 1..40 tokens (one token, one tile, several tiles of unpacked rows).
+    Every row of an n-token product is bit-identical to that token's product alone."""
+    rng = np.random.default_rng(int(t) + 60)
+    for n_in in (1, 5, 13, 77, 259):
+        w, wf = float_weight(t, 37, n_in, rng)
+        for n in (1, 2, 3, 4, 5, 8, 9, 17, 40):
+            x = rng.standard_normal((n, n_in)).astype(np.float32)
+            y = w.matmul(x)
+            assert y.shape == (n, 37) and y.dtype == np.float32
+            x64 = x.astype(np.float64)
+            bound = (n_in + 4) * 2.0 ** -24 * (np.abs(x64) @ np.abs(wf).T)
+            err = np.abs(y - x64 @ wf.T)
+            assert np.all(err <= bound), f"{t.name} n_in={n_in} n={n}: {float((err / (bound + 1e-300)).max())}"
+            for i in range(n):
+                np.testing.assert_array_equal(y[i], w.matmul(np.ascontiguousarray(x[i:i + 1]))[0],
+                                              err_msg=f"{t.name} n_in={n_in} n={n} row {i}")
+    np.testing.assert_array_equal(w.matmul(x[0]), y[0])  # a 1-D x is one token
+
+
+@pytest.mark.parametrize("t", FLOAT_TYPES, ids=lambda t: t.name)
+def test_matmul_float_weights_route(t, monkeypatch):
+    """Below BLAS_MIN_TOKENS float weights go to the C core (never the BLAS tiles); from it on, to BLAS."""
+    rng = np.random.default_rng(61)
+    w, wf = float_weight(t, 9, 24, rng)
+    x = rng.standard_normal((3, 24)).astype(np.float32)
+    blas = quant.WeightTensor._matmul_blas
+    calls = []
+    monkeypatch.setattr(quant.WeightTensor, "_matmul_blas", lambda self, *a: calls.append(a[0].shape[0]) or blas(self, *a))
+    w.matmul(x)
+    assert calls == []
+    monkeypatch.setattr(quant, "BLAS_MIN_TOKENS", 2)
+    y = w.matmul(x)
+    assert calls == [3]
+    np.testing.assert_allclose(y, x @ wf.T.astype(np.float32), rtol=1e-5, atol=1e-5)
+
+
+def test_matmul_float_refuses_wrong_sizes():
+    """strata_matmul refuses a float weight whose row stride is shorter than n_in elements, n_in <= 0 and a negative
+    token count (ST_ERR_SHAPE), writing nothing."""
+    lib, ffi = quant._lib, quant._ffi
+    w = np.zeros((4, 10), np.float16)
+    x = np.ones((2, 10), np.float32)
+    y = np.full((2, 4), 7.0, np.float32)
+    wp, xp, yp = ffi.from_buffer(w), ffi.from_buffer("float[]", x), ffi.from_buffer("float[]", y)
+    assert lib.strata_can_matmul(int(T.F16)) == lib.strata_can_matmul(int(T.BF16)) == 1
+    assert lib.strata_can_matmul(int(T.F32)) == 1
+    assert lib.strata_matmul(int(T.F16), wp, 18, 4, 10, xp, 2, yp, 1) == -2   # a row is 20 bytes
+    assert lib.strata_matmul(int(T.F32), wp, 20, 4, 10, xp, 2, yp, 1) == -2   # F32 rows need 40
+    assert lib.strata_matmul(int(T.BF16), wp, 20, 4, 0, xp, 2, yp, 1) == -2
+    assert lib.strata_matmul(int(T.F16), wp, 20, 4, 10, xp, -1, yp, 1) == -2
+    assert np.all(y == 7.0)
+    assert lib.strata_matmul(int(T.F16), wp, 20, 4, 10, xp, 2, yp, 1) == 0 and np.all(y == 0.0)
+    short = WeightTensor("short", T.F16, (4, 10), np.zeros((4, 9), np.float16))
+    one_line_value_error(lambda: short.matmul(np.zeros((1, 10), np.float32)), "expected 80")
 
 
 @pytest.mark.parametrize("t", QUANT_TYPES, ids=lambda t: t.name)
@@ -243,11 +308,14 @@ def test_matmul_real_model(model_tensors):
             assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 2e-2, name
 
 
-def test_threads_give_identical_results(monkeypatch):
+@pytest.mark.parametrize("t", [T.Q4_1, T.F16], ids=lambda t: t.name)
+def test_threads_give_identical_results(t, monkeypatch):
     monkeypatch.setattr(quant, "BLAS_MIN_TOKENS", 1 << 30)
     rng = np.random.default_rng(9)
-    raw = random_blocks(T.Q4_1, 301, 1024, rng)
-    w = WeightTensor("w", T.Q4_1, (301, 1024), raw)
+    if t == T.F16:
+        w = float_weight(t, 301, 1024, rng)[0]
+    else:
+        w = WeightTensor("w", t, (301, 1024), random_blocks(t, 301, 1024, rng))
     x = rng.standard_normal((6, 1024)).astype(np.float32)
     saved = quant.get_threads()
     try:

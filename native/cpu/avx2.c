@@ -17,6 +17,8 @@
 
 #include "avx2_iq.inc"
 
+#include "avx2_float.inc"
+
 ST_DEFINE_AVX2_CLASS_TABLE(st_kernels_avx2, "avx2")
 
 #include "target_end.inc"

@@ -32,6 +32,8 @@
 
 #include "avx2_iq.inc"
 
+#include "avx2_float.inc"
+
 /* Lanes 2j and 2j + 1 <- 32-bit group j of a 256-bit block: the weight bytes facing a pair's interleaved groups. */
 static ST_ALWAYS_INLINE __m512i dup_groups(const __m256i qx) {
     const __m512i idx = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
@@ -158,6 +160,7 @@ const st_kernels *st_kernels_avx512(void) {
         k.dot[ST_Q4_K] = dot_q4_K_simd; k.dot[ST_Q5_K] = dot_q5_K_simd; k.dot[ST_Q6_K] = dot_q6_K_simd;
         k.nt[ST_Q4_K] = k.nt[ST_Q5_K] = k.nt[ST_Q6_K] = ST_NT_MAX;
         fill_table_iq_simd(&k);
+        fill_table_float_simd(&k);
         k.dot_cols[ST_Q4_0] = cols_q4_0; k.dot_cols[ST_Q4_1] = cols_q4_1;
         k.dot_cols[ST_Q5_0] = cols_q5_0; k.dot_cols[ST_Q5_1] = cols_q5_1;
         k.dot_cols[ST_Q8_0] = cols_q8_0;

@@ -23,6 +23,8 @@
 
 #include "avx2_iq.inc"
 
+#include "avx2_float.inc"
+
 ST_DEFINE_AVX2_CLASS_TABLE(st_kernels_avxvnni, "avxvnni")
 
 #include "target_end.inc"

@@ -106,8 +106,11 @@ typedef void (*st_dot_cols_fn)(const void *w, size_t w_stride, int nr, const st_
 
 /* unpack: weight row w's nb blocks -> nb blocks of the kernel set's unpacked form (st_kernels.unpacked_bytes each,
  * at dst); dot_unpacked: dot_nt reading such a row, every token's result equal to dot's on the packed row. Optional
- * (the IQ grid types of the AVX2-class sets): a product of more than one tile of tokens unpacks each row once and
- * runs every tile over it. */
+ * (the IQ grid types of the AVX2-class sets, F16 and BF16 everywhere): a product of more than one tile of tokens
+ * unpacks each row once and runs every tile over it.
+ *
+ * Float weights (F32, F16, BF16): the block is one element (nb = n_in), the activations are the float32 rows
+ * themselves (no Q8 quantization; act_stride = 4 * n_in) and F16/BF16 rows unpack to float32. */
 typedef void (*st_unpack_fn)(int nb, const void *w, void *dst);
 
 typedef struct {
@@ -119,6 +122,7 @@ typedef struct {
     st_dot_cols_fn dot_cols[ST_N_TYPES]; /* optional: short reads of 2 or more tokens (st_cols activations) */
     st_unpack_fn unpack[ST_N_TYPES];     /* optional, with dot_unpacked and unpacked_bytes */
     st_dot_fn dot_unpacked[ST_N_TYPES];
+    st_dot2_fn dot2_unpacked[ST_N_TYPES]; /* optional, with unpack: two unpacked rows at a time */
     uint16_t unpacked_bytes[ST_N_TYPES];
     uint8_t nt[ST_N_TYPES];              /* tokens per dot call, at most ST_NT_MAX (0: ST_NT) */
     const char *name;

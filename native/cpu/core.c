@@ -411,6 +411,7 @@ typedef struct {
     st_dot2_fn dot2;
     st_unpack_fn unpack;       /* non-NULL: each chunk's rows unpacked once, every tile dotted by dot_unpacked */
     st_dot_fn dot_unpacked;
+    st_dot2_fn dot2_unpacked;  /* optional: two unpacked rows at a time */
     size_t unpacked_row_bytes;
     const char *w; size_t w_row_bytes; int nb;
     const char *act; size_t act_row_bytes;
@@ -452,7 +453,12 @@ static void mm_worker(void *arg, int ith, int nth) {
                 const int nt = (int)(m->n_tok - t0 < m->nt_max ? m->n_tok - t0 : m->nt_max);
                 const char *a = m->act + t0 * m->act_row_bytes;
                 float *yy = m->y + t0 * m->n_out;
-                for (int64_t r = r0; r < r1; r++)
+                int64_t r = r0;
+                if (m->dot2_unpacked)
+                    for (; r + 1 < r1; r += 2)
+                        m->dot2_unpacked(m->nb, up + (size_t)(r - r0) * ur, ur, a, m->act_row_bytes, nt, yy + r,
+                                         (size_t)m->n_out);
+                for (; r < r1; r++)
                     m->dot_unpacked(m->nb, up + (size_t)(r - r0) * ur, a, m->act_row_bytes, nt, yy + r,
                                     (size_t)m->n_out);
             }
@@ -482,19 +488,24 @@ int strata_matmul(int type, const void *w, int64_t w_row_bytes, int64_t n_out, i
     const st_kernels *k = K();
     if (!k->dot[type]) return ST_ERR_TYPE;
     if (n_tokens <= 0 || n_out == 0) return n_tokens < 0 ? ST_ERR_SHAPE : ST_OK;
+    if (n_in > INT32_MAX) return ST_ERR_SHAPE;
     const int is_k = blck == QK_K;
+    /* float weights (a block of one element) take the float32 rows as they are; the others Q8 activations */
+    const int is_float = blck == 1;
     const int nb = (int)(n_in / blck);
-    const size_t act_row_bytes = (size_t)nb * (is_k ? sizeof(block_q8_K) : sizeof(block_a8));
-    char *act = (char *)malloc(act_row_bytes * (size_t)n_tokens);
-    if (!act) return ST_ERR_NOMEM;
+    const size_t act_row_bytes = (size_t)nb * (is_float ? sizeof(float) : is_k ? sizeof(block_q8_K) : sizeof(block_a8));
     int nth = n_threads < 1 ? 1 : n_threads;
-
-    qa_task qa = {is_k ? k->quant_q8k : k->quant_a8, x, n_in, n_tokens, act, act_row_bytes};
-    atomic_init(&qa.next, 0);
-    int qnth = nth;
-    if (qnth > n_tokens) qnth = (int)n_tokens;
-    if (n_tokens * n_in < 32768) qnth = 1;
-    run_task(qa_worker, &qa, qnth);
+    char *act = NULL;
+    if (!is_float) {
+        act = (char *)malloc(act_row_bytes * (size_t)n_tokens);
+        if (!act) return ST_ERR_NOMEM;
+        qa_task qa = {is_k ? k->quant_q8k : k->quant_a8, x, n_in, n_tokens, act, act_row_bytes};
+        atomic_init(&qa.next, 0);
+        int qnth = nth;
+        if (qnth > n_tokens) qnth = (int)n_tokens;
+        if (n_tokens * n_in < 32768) qnth = 1;
+        run_task(qa_worker, &qa, qnth);
+    }
 
     mm_task m;
     /* The one place a product chooses its kernel by token count: one token (decode) takes the dot kernels, 2 or
@@ -516,9 +527,10 @@ int strata_matmul(int type, const void *w, int64_t w_row_bytes, int64_t n_out, i
     /* more than one tile of tokens: rows unpacked once where the kernel set can (bit-identical per token) */
     m.unpack = !m.cols && n_tokens > m.nt_max && k->unpack[type] ? k->unpack[type] : NULL;
     m.dot_unpacked = k->dot_unpacked[type];
+    m.dot2_unpacked = k->dot2_unpacked[type];
     m.unpacked_row_bytes = (size_t)nb * k->unpacked_bytes[type];
     m.w = (const char *)w; m.w_row_bytes = (size_t)w_row_bytes; m.nb = nb;
-    m.act = act; m.act_row_bytes = act_row_bytes;
+    m.act = is_float ? (const char *)x : act; m.act_row_bytes = act_row_bytes;
     m.y = y; m.n_out = n_out; m.n_tok = n_tokens;
     /* Chunks of output rows: about 4 per thread for balance; for batches, at most ~32 KiB of weights (of
      * unpacked rows where they are unpacked) per chunk so a chunk stays in L1/L2 while every token tile passes

@@ -23,6 +23,9 @@ int strata_dequantize(int type, const void *src, int64_t src_row_bytes, int64_t 
                       float *dst, int n_threads);
 int strata_get_rows(int type, const void *src, int64_t src_row_bytes, int64_t n_rows, int64_t n_in,
                     const int64_t *ids, int64_t n_ids, float *dst);
+/* y (n_tokens, n_out) = x (n_tokens, n_in) @ W^T. Quantized types: x quantized to Q8 blocks, integer dots; F32, F16
+ * and BF16: float32 products of x as it is. Row i of y is bit-identical to the product of x[i] alone, at any
+ * n_tokens and n_threads. */
 int strata_matmul(int type, const void *w, int64_t w_row_bytes, int64_t n_out, int64_t n_in,
                   const float *x, int64_t n_tokens, float *y, int n_threads);
 /* Causal GQA attention over paged float32 K/V (attention.c; AVX2+FMA only: ST_ERR_TYPE without it).

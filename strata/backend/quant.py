@@ -37,9 +37,9 @@ SUPPORTED_TYPES = frozenset({
 #: while the Q8 kernels degrade gracefully. Set the environment variable STRATA_BLAS_MIN_TOKENS (e.g. 128)
 #: to use BLAS for large batches on a dedicated machine.
 BLAS_MIN_TOKENS = int(os.environ.get("STRATA_BLAS_MIN_TOKENS", str(1 << 30)))
-#: Up to this many tokens a BLAS product (F32 / F16 / BF16 weights) runs one token row at a time, so that row i is
-#: bit-identical to the product of that row alone (the short read's exactness contract: BLAS blocks a reduction by
-#: the batch's shape; the integer kernels of the C core already reduce each token as they reduce one).
+#: Up to this many tokens a BLAS product (BLAS_MIN_TOKENS on, or no C core) runs one token row at a time, so that row
+#: i is bit-identical to the product of that row alone (the short read's exactness contract: BLAS blocks a reduction
+#: by the batch's shape; the C core's kernels already reduce each token as they reduce one, at any token count).
 ROWWISE_MAX_TOKENS = 16
 #: Rows per dequantized tile on the BLAS path: at most about this many fp32 bytes at a time.
 _BLAS_TILE_BYTES = 4 << 20
@@ -219,14 +219,15 @@ class WeightTensor:
     def matmul(self, x: np.ndarray) -> np.ndarray:
         """y = x @ W.T for x float32 (n_tokens, n_in) (or (n_in,)); returns float32 (n_tokens, n_out) (or (n_out,)).
 
-        Quantized weights: for n_tokens < BLAS_MIN_TOKENS the activations are quantized to Q8 (Q8_0-style
-        blocks of 32 for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/IQ4_NL, Q8_K blocks of 256 for the K-quants and the other IQ
-        types) and multiplied with
-        integer dot products on the packed blocks (llama.cpp's ggml_vec_dot_*_q8_* scheme), so the result
-        carries the Q8 activation rounding (relative error ~1e-2 of |x||w|, see tests/test_quant.py). From
-        BLAS_MIN_TOKENS on, tiles of rows are dequantized to fp32 and multiplied by numpy's BLAS.
-        F32 weights go to BLAS directly. Either way, up to ROWWISE_MAX_TOKENS tokens, row i of the result is
-        bit-identical to the product of x[i] alone. Raises ValueError for a wrong dtype, rank or row length.
+        For n_tokens < BLAS_MIN_TOKENS the C core multiplies the packed weights. Quantized weights: the
+        activations are quantized to Q8 (Q8_0-style blocks of 32 for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/IQ4_NL, Q8_K blocks
+        of 256 for the K-quants and the other IQ types) and multiplied with integer dot products on the packed
+        blocks (llama.cpp's ggml_vec_dot_*_q8_* scheme), so the result carries the Q8 activation rounding (relative
+        error ~1e-2 of |x||w|, see tests/test_quant.py). F32, F16 and BF16 weights: float32 products of x as it is
+        (fp32 accumulation). Either way row i of the result is bit-identical to the product of x[i] alone, at any
+        token count. From BLAS_MIN_TOKENS on (and without the C core), numpy's BLAS multiplies F32 weights as they
+        are and tiles of the others' rows dequantized to fp32; there the bit-identity holds up to
+        ROWWISE_MAX_TOKENS tokens. Raises ValueError for a wrong dtype, rank or row length.
         """
         fast = self._fast_cache
         if (fast is not None and type(x) is np.ndarray and x.dtype == np.float32 and x.ndim == 2
@@ -248,20 +249,12 @@ class WeightTensor:
         x2 = np.ascontiguousarray(x.reshape(-1, n_in))
         n_tok = x2.shape[0]
         t = self.ggml_type
-        if t == T.F32:
-            wt = np.asarray(self.data, dtype=np.float32).reshape(n_out, n_in).T
-            if 1 < n_tok <= ROWWISE_MAX_TOKENS:
-                y = np.empty((n_tok, n_out), dtype=np.float32)
-                for i in range(n_tok):
-                    y[i:i + 1] = x2[i:i + 1] @ wt
-            else:
-                y = x2 @ wt
-        elif _lib is None:
+        if n_tok == 0:
+            y = np.zeros((0, n_out), dtype=np.float32)
+        elif _lib is None and t != T.F32:
             _fallback_warning()
             y = x2 @ _np_dequantize(self).reshape(n_out, n_in).T
-        elif n_tok == 0:
-            y = np.zeros((0, n_out), dtype=np.float32)
-        elif n_tok >= BLAS_MIN_TOKENS or t in (T.F16, T.BF16) or not _lib.strata_can_matmul(int(t)):
+        elif _lib is None or n_tok >= BLAS_MIN_TOKENS or not _lib.strata_can_matmul(int(t)):
             y = self._matmul_blas(x2, n_out, n_in, row_bytes)
         else:
             self._fast_cache = (n_out, n_in, row_bytes, int(t), self._ptr())
@@ -272,7 +265,17 @@ class WeightTensor:
         return y[0] if squeeze else y
 
     def _matmul_blas(self, x2: np.ndarray, n_out: int, n_in: int, row_bytes: int) -> np.ndarray:
-        """x2 @ W.T by dequantizing tiles of rows (C core) and numpy matmul; never a whole fp32 copy."""
+        """x2 @ W.T by numpy's BLAS: F32 weights as they are, the others by dequantizing tiles of rows (C core),
+        never a whole fp32 copy. Up to ROWWISE_MAX_TOKENS tokens, one token row at a time."""
+        rowwise = 1 < x2.shape[0] <= ROWWISE_MAX_TOKENS
+        if self.ggml_type == T.F32:
+            wt = np.asarray(self.data, dtype=np.float32).reshape(n_out, n_in).T
+            if not rowwise:
+                return x2 @ wt
+            y = np.empty((x2.shape[0], n_out), dtype=np.float32)
+            for i in range(x2.shape[0]):
+                y[i:i + 1] = x2[i:i + 1] @ wt
+            return y
         raw = self._raw()
         y = np.empty((x2.shape[0], n_out), dtype=np.float32)
         tile_rows = max(16, min(n_out, _BLAS_TILE_BYTES // (4 * n_in)))
@@ -284,7 +287,7 @@ class WeightTensor:
                                           n_in, _ffi.from_buffer("float[]", tile), _THREADS),
                    f"matmul with {self.name}")
             _lib.strata_park_workers()  # idle C-core workers sleep instead of spinning against BLAS's threads
-            if 1 < x2.shape[0] <= ROWWISE_MAX_TOKENS:
+            if rowwise:
                 for i in range(x2.shape[0]):
                     np.matmul(x2[i:i + 1], tile.T, out=y[i:i + 1, r0:r1])
             else:
