@@ -10,14 +10,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def source_digest() -> str:
-    """sha256 (first 16 hex digits) of the code that ran: every .py / .cu / .cuh / .h / .c file under strata/,
+    """sha256 (first 16 hex digits) of the code that ran: every .py / .cu / .cuh / .h / .c / .inc file under strata/,
     native/ and bench/ (path and bytes, sorted). A copy of the working tree whose git HEAD is stale (the device
     machine's) still names its code: compare with `python -c "from bench.common import source_digest as d;
     print(d())"` at a checkout."""
     import hashlib
     h = hashlib.sha256()
     files = sorted(p for d in ("strata", "native", "bench") for p in (ROOT / d).rglob("*")
-                   if p.suffix in (".py", ".cu", ".cuh", ".h", ".c") and p.is_file())
+                   if p.suffix in (".py", ".cu", ".cuh", ".h", ".c", ".inc") and p.is_file())
     for p in files:
         h.update(str(p.relative_to(ROOT)).encode() + b"\0" + p.read_bytes() + b"\0")
     return h.hexdigest()[:16]
