@@ -11,6 +11,10 @@ import pytest
 # the CLI's --device default is 'auto' (the GPU where there is one): the suite's commands and daemons run on the CPU
 # unless a test names a device
 os.environ.setdefault("STRATA_DEVICE", "cpu")
+# the C core runs the products on its own threads; OpenBLAS's threads (numpy's few BLAS calls, the transformers
+# references' torch aside) spin against them on a small shared machine: one BLAS thread in the tests and the daemons
+# they start (a 30 s fp32 parity run takes 4 s so on two busy cores)
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")
@@ -29,6 +33,25 @@ def default_model(default_model_path):
     from strata.backend.cpu import CPUBackend
     from strata.models.registry import load_model
     return load_model(default_model_path, CPUBackend())
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(default_model_path):
+    """transformers' tokenizer of the default GGUF (its own GGUF converter: the independent reference), read once
+    per session (each read takes seconds); tests must not change it."""
+    pytest.importorskip("transformers", reason="transformers not installed")
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(default_model_path.parent), gguf_file=default_model_path.name)
+
+
+@pytest.fixture(scope="session")
+def hf_default_model(default_model_path):
+    """transformers' fp32 model of the default GGUF in eval mode, read once per session; tests must not change it."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    m = transformers.AutoModelForCausalLM.from_pretrained(str(default_model_path.parent),
+                                                          gguf_file=default_model_path.name, dtype=torch.float32)
+    return m.eval()
 
 
 @pytest.fixture(scope="session")

@@ -38,13 +38,10 @@ def engine():
 
 
 @pytest.fixture(scope="module")
-def hf_hidden(default_model_path):
+def hf_hidden(hf_default_model):
     """text -> transformers' last_hidden_state (the final norm applied) for the same token ids, fp32."""
     torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    m = transformers.AutoModelForCausalLM.from_pretrained(str(default_model_path.parent),
-                                                          gguf_file=default_model_path.name, dtype=torch.float32)
-    m.eval()
+    m = hf_default_model
     cache = {}
 
     def hidden(ids):

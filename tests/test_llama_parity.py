@@ -69,21 +69,15 @@ RUNS = {
 
 
 @pytest.fixture(scope="session")
-def hf_reference(default_model_path):
+def hf_reference(hf_tokenizer, hf_default_model):
     """(token ids (T,), fp32 logits (T, n_vocab)) from transformers on the same GGUF, computed once per session."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    d, name = str(default_model_path.parent), default_model_path.name
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
-    ids = tok.apply_chat_template(CHAT, add_generation_prompt=True)
+    ids = hf_tokenizer.apply_chat_template(CHAT, add_generation_prompt=True)
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
     ids = np.asarray(ids, dtype=np.int32)
     assert len(ids) >= 500, len(ids)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
-    model.eval()
     with torch.no_grad():
-        logits = model(torch.from_numpy(ids.astype(np.int64))[None]).logits[0].float().numpy()
-    del model
+        logits = hf_default_model(torch.from_numpy(ids.astype(np.int64))[None]).logits[0].float().numpy()
     return ids, logits
 
 

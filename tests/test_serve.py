@@ -73,7 +73,7 @@ def test_health_and_models_over_unix_socket(daemon, model_id):
     assert stat.S_IMODE(os.stat(daemon.sock).st_mode) == 0o660
 
 
-def test_openai_chat_usage_matches_reference_tokenizer(client, model_id):
+def test_openai_chat_usage_matches_reference_tokenizer(client, model_id, hf_tokenizer):
     r = client.chat.completions.create(model=model_id, messages=HI, max_tokens=8, temperature=0)
     ch = r.choices[0]
     assert ch.message.role == "assistant" and isinstance(ch.message.content, str) and ch.message.content
@@ -81,16 +81,13 @@ def test_openai_chat_usage_matches_reference_tokenizer(client, model_id):
     assert r.usage.completion_tokens <= 8
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
     # the prompt length against an independent tokenizer + template: transformers reading the same GGUF
-    transformers = pytest.importorskip("transformers")
-    from strata.gguf.default_model import default_model_path
-    p = default_model_path()
-    tok = transformers.AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    tok = hf_tokenizer
     ref = tok.apply_chat_template(HI, add_generation_prompt=True, tokenize=True)
     ref = ref["input_ids"] if hasattr(ref, "keys") else ref
     assert r.usage.prompt_tokens == len(ref)
 
 
-def test_raw_completion_reads_special_token_text_as_tokens(client, model_id):
+def test_raw_completion_reads_special_token_text_as_tokens(client, model_id, hf_tokenizer):
     """A /v1/completions prompt written in ChatML reads <|im_start|> / <|im_end|> as the special tokens (llama.cpp's
     server and vLLM do): the same token count as transformers' tokenizer on the same GGUF, and the same greedy answer
     as the chat endpoint gives for those messages."""
@@ -100,10 +97,7 @@ def test_raw_completion_reads_special_token_text_as_tokens(client, model_id):
     chat = client.chat.completions.create(model=model_id, messages=msgs, max_tokens=8, temperature=0)
     assert raw.usage.prompt_tokens == chat.usage.prompt_tokens
     assert raw.choices[0].text == chat.choices[0].message.content
-    transformers = pytest.importorskip("transformers")
-    from strata.gguf.default_model import default_model_path
-    p = default_model_path()
-    tok = transformers.AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    tok = hf_tokenizer
     assert raw.usage.prompt_tokens == len(tok(text, add_special_tokens=False)["input_ids"])
 
 

@@ -293,12 +293,11 @@ async def test_an_error_mid_stream_ends_it_with_an_error_event():
                                                                        "message": "the worker went away"}}
 
 
-def test_a_final_assistant_message_is_continued(client, chat, default_model_path):
+def test_a_final_assistant_message_is_continued(client, chat, hf_tokenizer):
     """Anthropic's prefill: a conversation that ends with an assistant message is rendered with that turn open (the
     prompt is transformers' apply_chat_template(..., continue_final_message=True) of the same messages, token for
     token) and the answer continues it (greedy: what a raw completion of that prompt text answers)."""
-    transformers = pytest.importorskip("transformers")
-    hf = transformers.AutoTokenizer.from_pretrained(str(default_model_path.parent), gguf_file=default_model_path.name)
+    hf = hf_tokenizer
     system = "You answer tersely."
     msgs = [{"role": "user", "content": "Name three fruits, separated by commas."},
             {"role": "assistant", "content": "Sure: apple, banana,"}]

@@ -37,12 +37,10 @@ def test_chat_streamed_equals_whole_and_reports_counts(client):
     assert parts[-1].eval_count == whole.eval_count
 
 
-def test_prompt_eval_count_is_the_whole_prompt_cached_tokens_apart(client, daemon, default_model_path):
+def test_prompt_eval_count_is_the_whole_prompt_cached_tokens_apart(client, daemon, hf_tokenizer):
     """prompt_eval_count counts the whole prompt as Ollama's does (cached tokens included; clients track the context
     by it), prompt_eval_cached_count the tokens the cache gave (it was the tokens read: 1 or 2 on a later turn)."""
-    pytest.importorskip("transformers", reason="transformers not installed")
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(str(default_model_path.parent), gguf_file=default_model_path.name)
+    tok = hf_tokenizer
     msgs = [{"role": "system", "content": "You answer in one word."}, *HI]
     first = client.chat(model="x", messages=msgs, options=GREEDY, stream=False)
     msgs += [{"role": "assistant", "content": first.message.content}, {"role": "user", "content": "And Spain?"}]

@@ -43,10 +43,8 @@ def tk(default_model_path):
 
 
 @pytest.fixture(scope="module")
-def hf_tok(default_model_path):
-    pytest.importorskip("transformers", reason="transformers not installed")
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(default_model_path.parent), gguf_file=default_model_path.name)
+def hf_tok(hf_tokenizer):
+    return hf_tokenizer
 
 
 def _reference(hf_tok, source, msgs, tokenize=False):

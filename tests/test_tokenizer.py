@@ -151,10 +151,8 @@ TRANSFORMERS_KNOWN_DIFFERENT = {
 
 
 @pytest.fixture(scope="module")
-def hf_tok(default_model_path):
-    pytest.importorskip("transformers", reason="transformers not installed")
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(default_model_path.parent), gguf_file=default_model_path.name)
+def hf_tok(hf_tokenizer):
+    return hf_tokenizer
 
 
 def test_transformers_gguf_tokenizer_agrees_except_known(tok, hf_tok):
