@@ -18,6 +18,7 @@ from strata.text.chat_template import ChatTemplate, _environment
 from strata.text.chat_window import WindowChunks
 from strata.text.window_proof import split_window
 from strata.text.tokenizer import Tokenizer
+from tests.helpers import full_sweeps
 from tests.templates import QWEN35_TEMPLATE, QWEN3_TEMPLATE, QWEN_TEMPLATE, QWQ_TEMPLATE, same_render
 
 TEMPLATES = {"qwen3": QWEN3_TEMPLATE, "qwq": QWQ_TEMPLATE, "qwen3.5": QWEN35_TEMPLATE, "qwen-style": QWEN_TEMPLATE}
@@ -91,7 +92,8 @@ def _whole(source, tk):
 
 
 @pytest.mark.parametrize("which", sorted(TEMPLATES))
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60 if full_sweeps() else 25, deadline=None,         # make test-sweeps: 60
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(sent=chats(), tools=st.booleans(), agp=st.sampled_from([True, True, False]),
        kw=st.sampled_from([{}, {"enable_thinking": False}, {"enable_thinking": True}]),
        pin=st.sampled_from([None, 0, -1]))

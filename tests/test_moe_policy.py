@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from strata.moe.policy import Policy, Swap, decayed, hottest, plan_swaps
+from tests.helpers import full_sweeps
 
 
 @st.composite
@@ -24,7 +25,7 @@ def rounds(draw):
     return usage, resident, dwell, budget, pol, cap
 
 
-@settings(max_examples=2000, deadline=None)
+@settings(max_examples=2000 if full_sweeps() else 500, deadline=None)    # make test-sweeps: 2,000
 @given(rounds())
 def test_policy_invariants(case):
     """Budget never exceeded, no expert both in and out or twice, ins non-resident and used, outs resident and past

@@ -489,8 +489,10 @@ def test_worker_refuses_a_second_main_another_model_and_too_many_parts(workers, 
     from strata.gguf.default_model import resolve_model
     theirs, ours = Path(resolve_model("default")), Path(other)
 
+    fields = {p: gguf.GGUFReader(str(p)).fields for p in (theirs, ours)}     # each file read once (seconds)
+
     def meta(path, key):
-        f = gguf.GGUFReader(str(path)).fields
+        f = fields[path]
         arch = str(bytes(f["general.architecture"].parts[-1]), "utf-8")
         return int(f[key.format(arch=arch)].parts[-1][0])
     msg = str(ei.value)
