@@ -33,7 +33,7 @@ def _stages(path, split, kv="f16"):
     return build_stages(open_gguf(path), ["cuda:0"], split, n_ctx=2304, kv=kv, pool_ctx=2 * 16 * 2304)
 
 
-def _check(stages, n, seed, setup=None):
+def _check(stages, n, seed, setup=None, hidden=False):
     from strata.stages.batch import decode_batch
     from strata.stages.sequence import Sequence
     V = stages[-1].model.config.n_vocab
@@ -53,12 +53,20 @@ def _check(stages, n, seed, setup=None):
         orders = [list(range(n)), list(range(n))[::-1], odd[1:] + odd[:1]]
         for step, order in enumerate(orders):
             toks = rng.integers(0, V, len(order)).astype(np.int32)
-            got = decode_batch([pairs[i][0] for i in order], toks)
+            got = decode_batch([pairs[i][0] for i in order], toks, hidden=hidden)
+            if hidden:       # the final-normed rows the MTP drafters read: each as the lone step's
+                got, hs = got
+                assert hs.shape == (len(order), stages[-1].model.config.n_embd)
             assert got.shape == (len(order), V) and np.isfinite(got).all()
             for r, i in enumerate(order):
-                want = pairs[i][1].forward(toks[r:r + 1])
-                np.testing.assert_array_equal(got[r], want, err_msg=f"n {n}, step {step}, row {r} (sequence {i} "
-                                                                    f"at {pairs[i][1].pos - 1})")
+                want = pairs[i][1].forward(toks[r:r + 1], hidden=hidden)
+                if hidden:
+                    want, h = want
+                    np.testing.assert_array_equal(np.asarray(hs[r].get()), np.asarray(h.get()).reshape(-1),
+                                                  err_msg=f"n {n}, step {step}, row {r}: final-normed row")
+                np.testing.assert_array_equal(got[r], np.asarray(want).reshape(-1),
+                                              err_msg=f"n {n}, step {step}, row {r} (sequence {i} "
+                                                      f"at {pairs[i][1].pos - 1})")
         for i, (a, b) in enumerate(pairs):
             assert a.pos == b.pos and a.positions() == b.positions()
             assert a.hashes() == b.hashes(), f"sequence {i}: state differs from the lone steps'"
@@ -119,6 +127,14 @@ def hybrid_paths(tmp_path_factory):
 def test_hybrid_batch_rows_bit_identical(hybrid_paths, split, n):
     stages = _stages(hybrid_paths["Q8_0"], split)
     _check(stages, n, seed=50 + n)
+
+
+@pytest.mark.parametrize("split", [None, [3]], ids=["1stage", "2stages"])
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_hybrid_batch_gives_the_final_normed_rows_of_the_lone_steps(hybrid_paths, split, n):
+    """hidden=True (MTP drafters on, --parallel): the batched step gives each row's final-normed hidden state as its
+    lone step does, so drafters keep the batch instead of falling back to one lone step per slot."""
+    _check(_stages(hybrid_paths["Q8_0"], split), n, seed=90 + n, hidden=True)
 
 
 @pytest.mark.parametrize("qtype,kv", [("F16", "f16"), ("Q8_0", "q8_0")])

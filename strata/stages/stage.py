@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from strata.memory import Carve, Memory, StatePart
+from strata.memory import Carve, Memory
 
 
 class ModelRunner:
@@ -209,12 +209,12 @@ class Stage(StageBase):
         return self.runner.forward(tokens, st, all_logits=all_logits, x_in=x_in)
 
     def forward_batch(self, tokens: np.ndarray, sids: list[int], x_in=None, hidden: bool = False):
-        """StageBase.forward_batch through the runner's ``forward_batch`` (every weight read once for the N rows;
-        the CUDA plans: the decode step over N columns), the lone forwards where the runner has none or N is 1, and
-        for the final-normed rows (hidden) where the runner is not the model's own (the CUDA plans give none)."""
+        """StageBase.forward_batch through the runner's ``forward_batch`` (every weight read once for the N rows,
+        the final-normed rows too where the MTP drafters want them; the CUDA plans: the decode step over N columns),
+        the lone forwards where the runner has none or N is 1."""
         run = getattr(self.runner, "forward_batch", None)
         hidden = hidden and self.last
-        if run is None or len(sids) == 1 or (hidden and not isinstance(self.runner, ModelRunner)):
+        if run is None or len(sids) == 1:
             return super().forward_batch(tokens, sids, x_in, hidden)   # one row: the lone forward itself
         if len(set(sids)) != len(sids):
             raise ValueError(f"a batched step reads each sequence at most once (got sequences {list(sids)})")

@@ -94,9 +94,10 @@ class BatchStep:
         self._tables_key = key
 
     # ---- the step
-    def run(self, toks: np.ndarray, states, x) -> Any:
+    def run(self, toks: np.ndarray, states, x, hidden: bool = False) -> Any:
         """The batched step of len(states) <= SHORT_READ_COLS rows (checked by forward_batch) -> host f32 logits
-        (N, n_vocab) on the last stage, else the hidden states, a CuPy f32 (N, n_embd) array of its own."""
+        (N, n_vocab) on the last stage, else the hidden states, a CuPy f32 (N, n_embd) array of its own. hidden (the
+        last stage): (those logits, the final-normed rows the head read, CuPy f32 (N, n_embd) of their own)."""
         plan, cp = self.plan, self.plan.cp
         n, C = len(states), settings.SHORT_READ_COLS
         for st in states:
@@ -118,6 +119,8 @@ class BatchStep:
                 c["x"][:n] = x
             self._launch(plan._form(), n, rows, sets)
             res = cp.asnumpy(c["logits"][:n], stream=plan.stream) if plan.last else c["x"][:n].copy()
+            if hidden and plan.last:
+                res = (res, c["hn"][:n].copy())
         cp.cuda.get_current_stream().wait_event(plan.stream.record())
         for i, st in enumerate(states):
             st.kv.commit(1)
@@ -197,12 +200,13 @@ def _cols_gdn(plan, s, n: int, li: int, L, sets: list) -> None:
     plan._cols_mv(s, [(L.ssm_out, 0, E)], "o", "vn", "vq", vdim, n)
 
 
-def forward_batch(pm, tokens, states, x=None):
+def forward_batch(pm, tokens, states, x=None, hidden: bool = False):
     """PlanModel.forward_batch: Model.forward_batch's contract (one token per distinct sequence -> host f32 logits
-    (N, n_vocab), or a stage's hidden states, CuPy f32 (N, n_embd)); x: a later stage's input, already checked
-    (runner.hidden_input). Sequences on the plan's pool whose plan has a column form go through BatchStep,
-    SHORT_READ_COLS rows at a time; a lone row, or every row where the plan has no column form, takes its lone
-    decode step (PlanModel.forward).
+    (N, n_vocab), or a stage's hidden states, CuPy f32 (N, n_embd); hidden on the last stage: (those logits, the
+    final-normed rows, CuPy f32 (N, n_embd)), each as the lone step with hidden gives it); x: a later stage's input,
+    already checked (runner.hidden_input). Sequences on the plan's pool whose plan has a column form go through
+    BatchStep, SHORT_READ_COLS rows at a time; a lone row, or every row where the plan has no column form, takes its
+    lone decode step (PlanModel.forward).
     ValueError, changing nothing, for a count mismatch, a repeated sequence, a bad token or what a lone step
     refuses."""
     m = pm.model
@@ -222,13 +226,20 @@ def forward_batch(pm, tokens, states, x=None):
         pools = {id(st.kv.pool) for st in states if st.kv is not None}
         plan = pm.plan(states[0].kv.pool) if len(pools) == 1 and all(pm._on_plan(st) for st in states) else None
         C = settings.SHORT_READ_COLS if plan is not None and plan._form() is not None else 1
-        outs = []
+        head = pm.model.ends_with_head(pm.hi)
+        hidden = hidden and head
+        outs, hs = [], []
         for i in range(0, n, C):
             xi = None if x is None else x[i:i + C]
             if min(C, n - i) > 1:
-                outs.append(BatchStep.of(plan).run(toks[i:i + C], states[i:i + C], xi))
+                o = BatchStep.of(plan).run(toks[i:i + C], states[i:i + C], xi, hidden=hidden)
             else:                   # one row: the lone decode step itself (its fused graph is the faster form)
-                outs.append(pm.forward(toks[i:i + 1], states[i], x_in=xi).reshape(1, -1))
-        if not pm.model.ends_with_head(pm.hi):
+                o = pm.forward(toks[i:i + 1], states[i], x_in=xi, hidden=hidden)
+            if hidden:
+                o, h = o
+                hs.append(cp.asarray(h).reshape(-1, m.config.n_embd))
+            outs.append(o if min(C, n - i) > 1 else o.reshape(1, -1))
+        if not head:
             return cp.concatenate([cp.asarray(o) for o in outs], axis=0)
-        return np.concatenate([np.asarray(o) for o in outs], axis=0)
+        logits = np.concatenate([np.asarray(o) for o in outs], axis=0)
+        return (logits, cp.concatenate(hs, axis=0)) if hidden else logits
