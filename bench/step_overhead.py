@@ -166,16 +166,14 @@ def _child(tree: Path, args) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def _thread_cpu(pid: int) -> dict[str, float]:
-    """Seconds of CPU each thread of process `pid` has run, summed by thread name (schedstat's run time)."""
-    out: dict[str, float] = {}
+def _thread_cpu(pid: int) -> dict[int, float]:
+    """Seconds of CPU each thread of process `pid` has run (schedstat's run time), by thread id."""
+    out: dict[int, float] = {}
     for t in Path(f"/proc/{pid}/task").iterdir():
         try:
-            name = (t / "comm").read_text().strip()
-            ns = int((t / "schedstat").read_text().split()[0])
+            out[int(t.name)] = int((t / "schedstat").read_text().split()[0]) / 1e9
         except (OSError, ValueError):
             continue
-        out[name] = out.get(name, 0.0) + ns / 1e9
     return out
 
 
@@ -207,9 +205,10 @@ def _e2e_arm(tree: Path, model: str, k: int, parallel: int, n_predict: int, thre
         proc.terminate()
         proc.wait()
     shutil.rmtree(tmp, ignore_errors=True)
-    cpu = {name: c1.get(name, 0.0) - c0.get(name, 0.0) for name in c1}
-    main = cpu.pop("python", 0.0) + cpu.pop(Path(sys.executable).name, 0.0)
-    engine = cpu.pop("strata-engine", 0.0)
+    cpu = {tid: c1[tid] - c0.get(tid, 0.0) for tid in c1}
+    main = cpu.pop(proc.pid, 0.0)                     # the main thread runs the event loop
+    busiest = max(cpu, key=cpu.get) if cpu else None  # the engine thread (the C core's threads: --threads 1 has none)
+    engine = cpu.pop(busiest, 0.0) if busiest is not None else 0.0
     row["cpu_us_per_token"] = {"event_loop": main * 1e6 / row["tokens"], "engine_thread": engine * 1e6 / row["tokens"],
                                "other_threads": sum(cpu.values()) * 1e6 / row["tokens"]}
     return row
