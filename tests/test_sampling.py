@@ -77,6 +77,32 @@ def test_greedy_is_argmax():
     assert Sampler(SamplingParams(temperature=0), 10).sample(x).token_id == 3
 
 
+def test_plain_greedy_one_pass_matches_the_chain():
+    """The plain greedy pick (no bias, no penalty in effect: one argmax over the logits as they are) is the chain's
+    candidate (Sampler.candidates over its penalized copy), NaN anywhere still refused, and the logprob NaN unless
+    logprobs is asked (the full softmax only then)."""
+    rng = np.random.default_rng(5)
+    s = Sampler(SamplingParams(temperature=0, repeat_penalty=1.3), 500)
+    assert s.plain_greedy                       # a penalty with no history yet changes nothing
+    s.accept(2)
+    assert not s.plain_greedy
+    for _ in range(20):
+        x = rng.integers(-3, 3, 500).astype(np.float32)       # many ties
+        plain = Sampler(SamplingParams(temperature=0), 500)
+        r = plain.sample(x)
+        assert r.token_id == int(plain.candidates(x)[0][0]) == int(np.flatnonzero(x == x.max())[0])
+        assert np.isnan(r.logprob) and r.top_logprobs is None
+    for at in (0, 250, 499):
+        x = rng.standard_normal(500).astype(np.float32)
+        x[at] = np.nan
+        with pytest.raises(NonFiniteLogits):
+            Sampler(SamplingParams(temperature=0), 500).sample(x)
+    x = rng.standard_normal(500).astype(np.float32)
+    lp = Sampler(SamplingParams(temperature=0, logprobs=0), 500).sample(x).logprob
+    x64 = x.astype(np.float64)
+    assert math.isclose(lp, float(x64.max() - np.log(np.exp(x64).sum())), rel_tol=1e-9, abs_tol=1e-9)
+
+
 def test_seed_reproducible():
     rng = np.random.default_rng(1)
     seq = [rng.standard_normal(500).astype(np.float32) for _ in range(40)]

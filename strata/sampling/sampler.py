@@ -168,7 +168,8 @@ class SamplingParams:
 
 @dataclass
 class SampleResult:
-    """One sampled token: its id, its log-probability and (if asked) the top log-probabilities.
+    """One sampled token: its id, its log-probability (NaN unless the sampler's params.logprobs is set) and (if
+    asked) the top log-probabilities.
 
     Log-probabilities are natural logs of the softmax of the model's unmodified logits (before penalties,
     truncation and temperature), as OpenAI reports them. top_logprobs: [(token_id, logprob)], best first.
@@ -293,6 +294,13 @@ class Sampler:
         logits = np.asarray(logits)
         if logits.ndim != 1 or logits.shape[0] != self.n_vocab:
             raise ValueError(f"logits must have shape ({self.n_vocab},), got {logits.shape}")
+        if self.plain_greedy and logits.dtype == np.float32:
+            # the argmax of the logits as they are (what candidates' copy would hold): one pass, no copies; argmax
+            # stops at the first NaN, so a NaN anywhere is the pick's
+            tok = int(np.argmax(logits))
+            if math.isnan(logits[tok]):
+                raise NonFiniteLogits()
+            return self.result(logits, tok)
         if np.isnan(logits).any():
             raise NonFiniteLogits()
         ids, lg = self.candidates(logits)
@@ -320,8 +328,19 @@ class Sampler:
         e = np.exp((lg - lg.max()).astype(np.float64))
         return ids, e / e.sum()
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing that changes the logits first: no logit_bias, no penalty in effect."""
+        p = self.params
+        return p.temperature == 0 and self._bias is None and (not self._history or (
+            p.repeat_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0))
+
     def result(self, logits: np.ndarray, tok: int) -> SampleResult:
-        """The SampleResult of choosing `tok` at logits (its log-probability and the asked top log-probabilities)."""
+        """The SampleResult of choosing `tok` at logits: with params.logprobs set, its log-probability and the asked
+        top log-probabilities; without, logprob NaN (a full-vocabulary float64 softmax per token, which nothing
+        reads: DeviceSampler's contract too)."""
+        if self.params.logprobs is None:
+            return SampleResult(tok, float("nan"), None)
         ls = log_softmax(logits)
         top = None
         if self.params.logprobs is not None:

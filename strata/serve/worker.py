@@ -4,7 +4,8 @@ in the engine's request slots, stepped together), streams events to asyncio.
 The event loop never calls into the model. A request is a Job: the loop submits it (QueueFull beyond
 --queue-max waiting jobs), the engine thread runs it (`engine.generate(job.request)`, or with several slots
 `engine.admit` and `engine.step` until it ends) and hands each TokenEvent / FinalEvent to the job's asyncio.Queue
-with loop.call_soon_threadsafe. Setting the request's cancel event stops generation between two tokens (the engine
+with loop.call_soon_threadsafe (with several slots, every job's events of one engine step in one such call: one
+loop hop per step, not per token). Setting the request's cancel event stops generation between two tokens (the engine
 checks it); a job cancelled while still waiting is dropped without touching the engine. Calls (fn(engine)) run in
 turn between engine steps.
 """
@@ -80,6 +81,7 @@ class EngineWorker:
         self._active: list[Job] = []          # the jobs running (one per busy request slot)
         self._progress = time.monotonic()     # the latest job start, or the moment work arrived at an idle engine
         self._stop = False
+        self._held: list | None = None        # (queue, item) posted during an engine step of several slots (_post)
         self.closing = False
         self._thread = threading.Thread(target=self._main, name="strata-engine", daemon=True)
 
@@ -188,10 +190,25 @@ class EngineWorker:
 
     # ---------------------------------------------------------------- engine thread
     def _post(self, job: Job, item) -> None:
+        """Hand `item` to the job's queue on the event loop: at once, or while ``_held`` is a list (an engine step of
+        several slots running) appended to it, every job's items of the step then carried by one loop hop
+        (``_flush``) instead of one per token."""
+        if self._held is not None:
+            self._held.append((job.events, item))
+            return
         try:
             self.loop.call_soon_threadsafe(job.events.put_nowait, item)
         except RuntimeError:  # loop closed during shutdown
             pass
+
+    def _flush(self) -> None:
+        """The items held during a step, to their queues in one loop hop (each job's in order)."""
+        held, self._held = self._held, []
+        if held:
+            try:
+                self.loop.call_soon_threadsafe(_put_all, held)
+            except RuntimeError:  # loop closed during shutdown
+                pass
 
     def _main(self) -> None:
         try:
@@ -233,6 +250,14 @@ class EngineWorker:
         waiting generations are admitted to slots (Engine.admit; one whose slot is busy waits on, in its place in
         the FIFO); then one step (Engine.step) over every busy slot, each job's events posted as they come."""
         eng = self.engine
+        self._held = []
+        try:
+            self._slot_loop(eng)
+        finally:
+            self._flush()
+            self._held = None
+
+    def _slot_loop(self, eng) -> None:
         while True:
             with self._cv:
                 while not self._waiting and not self._active and not self._stop:
@@ -251,6 +276,7 @@ class EngineWorker:
                     self._run_call(job)
                 with self._cv:
                     job.state = "done"
+            self._flush()
             back = [job for job in gens if not self._admit(job)]
             with self._cv:
                 for job in reversed(back):          # still waiting, in their places at the front
@@ -263,6 +289,7 @@ class EngineWorker:
                 log.error("engine step failed", error=f"{type(e).__name__}: {e}", exc_info=True)
                 eng.scheduler.cancel_all(e)
                 ran = 0
+            self._flush()                        # the step's events (every slot's token), one loop hop
             if ran == 0 and back and not calls:
                 with self._cv:                   # every slot they name is busy but none is running: wait for work
                     if not self._active:
@@ -357,3 +384,9 @@ class EngineWorker:
                     self._deliver(job, ev)
         except BaseException as e:  # noqa: BLE001 - the engine must stay up for the next request
             self._failed(job, e)
+
+
+def _put_all(held: list) -> None:
+    """On the event loop: each (queue, item) put, in order."""
+    for q, item in held:
+        q.put_nowait(item)
