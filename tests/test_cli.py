@@ -375,6 +375,24 @@ def test_the_worker_takes_serves_spellings_of_the_context_length(capsys):
     assert "--max-context N, --n-ctx N, -c N, --ctx-size N, --max-ctx N context length in tokens" in out, out
 
 
+@pytest.mark.parametrize("flag,bad", [("--idle-timeout", "-3"), ("--idle-timeout", "0"), ("--idle-timeout", "nan"),
+                                      ("--threads", "0"), ("--threads", "-1"), ("--kv-pool-ctx", "-5")])
+def test_the_worker_checks_its_numbers_as_serve_does(flag, bad, capsys):
+    """`strata worker` refuses an out-of-range --idle-timeout / --threads / --kv-pool-ctx in argparse's line naming
+    the flag, exit 2, as serve does its own (a negative idle timeout used to start a worker that dropped every main at
+    its first frame, --threads 0 meant all cores); parsed only, no model loaded."""
+    from strata.cli.main import build_parser
+    p = build_parser()
+    a = p.parse_args(["worker", "--idle-timeout", "2.5", "--threads", "1", "--kv-pool-ctx", "0"])
+    assert (a.idle_timeout, a.threads, a.kv_pool_ctx) == (2.5, 1, 0)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as ei:
+        p.parse_args(["worker", flag, bad])
+    assert ei.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"strata worker: error: argument {flag}"), err
+
+
 @pytest.mark.parametrize("flags,named", [
     (["--prompt-cache-every", "64"], "--prompt-cache-every 64"),
     (["--prompt-cache-tail", "8"], "--prompt-cache-tail 8"),

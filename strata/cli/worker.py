@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 
+from strata.cli.argv import int_at_least, number_above
 from strata.cli.engine_flags import ctx_int, kv_type
 
 DEFAULT_PORT = 7700
@@ -33,16 +34,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "env STRATA_DEVICE")
     p.add_argument("--kv", default="f16", type=kv_type, choices=("f16", "q8_0"),
                    help="KV cache type on CUDA (q8_0 also spelled int8)")
-    p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--threads", "-t", type=int_at_least(1, "positive integer"), default=None,
+                   help="CPU threads (default: all cores)")
     p.add_argument("--max-context", "--n-ctx", "-c", "--ctx-size", "--max-ctx", dest="max_ctx", type=ctx_int,
                    default=None, metavar="N",
                    help="context length in tokens: the largest a main may ask this worker for (default: the model's "
                         "training context)")
-    p.add_argument("--kv-pool-ctx", type=int, default=None, metavar="TOKENS",
+    p.add_argument("--kv-pool-ctx", type=int_at_least(0, "non-negative integer"), default=None, metavar="TOKENS",
                    help="tokens each stage's KV page pool holds (default: the main's --n-ctx for each of its request "
                         "slots, --parallel): more keeps the parts a main parks here (checkpoints, conversations "
                         "parked resident) beside its live sequences")
-    p.add_argument("--idle-timeout", type=float, default=15.0, metavar="S",
+    p.add_argument("--idle-timeout", type=number_above(0.0, "number of seconds"), default=15.0, metavar="S",
                    help="drop a main's link after S seconds without a frame (default 15; mains ping idle links every "
                         "second)")
     p.add_argument("--link-key-file", default=None, metavar="FILE",
