@@ -134,6 +134,8 @@ def test_overlapped_masks_equal_synchronous_ones(tok):
     ({"properties": {"a": {"$ref": "#/missing"}}}, "invalid JSON schema: Pointer '/missing' does not exist"),
     ({"type": "string", "format": "no-such-format"}, "Unknown format"),
     ([1, 2], "must be an object"),
+    ({"$ref": "#"}, "no text matches it"),                  # only itself: it compiles, yet nothing can start it
+    ({"anyOf": [{"$ref": "#"}]}, "no text matches it"),
 ])
 def test_bad_schemas_are_named_in_one_line(tok, schema, needle):
     with pytest.raises(grammar.GrammarError, match=needle) as e:

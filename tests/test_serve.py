@@ -302,6 +302,10 @@ def test_slots(daemon):
     body = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
             "max_tokens": 2, "temperature": 0}
     daemon.json("POST", "/v1/chat/completions", body)
+    before = daemon.json("GET", "/cache")[1]
+    st, e = daemon.json("POST", "/slots/0?action=erase&action=save")      # which one? refused, nothing erased
+    assert st == 400 and e["error"]["param"] == "action" and "2 times" in e["error"]["message"], e
+    assert daemon.json("GET", "/cache")[1] == before
     st, d = daemon.json("POST", "/slots/0?action=erase", {"id_slot": 0, "filename": "x"})   # a body is ignored
     assert st == 200 and d["id_slot"] == 0 and d["n_erased"] > 0
     c = daemon.json("GET", "/cache")[1]

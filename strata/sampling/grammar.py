@@ -144,6 +144,12 @@ class Constraint:
         m = llg.LLMatcher(self.vocab, grammar, log_level=0)
         if m.is_error():
             raise GrammarError(_grammar_message(m.get_error()))
+        if not m.is_accepting():      # a grammar nothing can start (a schema that only refers to itself) stops here
+            first = np.zeros((self.n_vocab + 31) // 32, dtype=np.int32)
+            m.unsafe_compute_mask_ptr(first.ctypes.data, first.nbytes)
+            if m.is_error():
+                raise GrammarError("invalid grammar: no text matches it (nothing can start it: a JSON schema that "
+                                   "only refers to itself, say)")
         self._matcher = m
         self._started = False
         self.last: TokenGuide | None = None          # the latest start()'s guide (its timings, for benchmarks)

@@ -155,6 +155,9 @@ async def slot_action(request: web.Request) -> web.Response:
         raise ApiError(404, f"slot {shown} does not exist: this daemon has {has}", code="not_found")
     slot = int(n)
     action = request.query.get("action")
+    if len(request.query.getall("action", [])) > 1:       # which one was meant? (erase and save differ a lot)
+        raise ApiError(400, f"the query parameter 'action' is given {len(request.query.getall('action'))} times: "
+                       f"give it once", param="action", code="invalid_value")
     if action is None:
         raise ApiError(400, f"the query parameter 'action' is required: /slots/{slot}?action= one of "
                        f"{', '.join(SLOT_ACTIONS)}", param="action", code="invalid_value")
