@@ -1,7 +1,8 @@
 """What the benchmarks share: the commit a result file is named by (git HEAD and a digest of the code that ran),
-what else the host is doing, and this process's resident memory."""
+where a result is written, what else the host is doing, and this process's resident memory."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -34,6 +35,16 @@ def commit() -> str:
     except OSError:
         head = "unknown"
     return head + "+" + source_digest()
+
+
+def write_result(data: dict, name: str, out: str | None = None) -> Path:
+    """Write a bench's result as indented JSON to `out`, else bench/results/<name>.json (name: what it measures
+    and the commit); print and return the path."""
+    dest = Path(out) if out else ROOT / "bench" / "results" / f"{name}.json"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    print(f"wrote {dest}")
+    return dest
 
 
 BUILD_TOOLS = ("cc1plus", "cc1", "nvcc", "cicc", "ptxas", "ld", "make", "gmake", "cmake", "ninja")

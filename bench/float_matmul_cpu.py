@@ -31,7 +31,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.common import commit as bench_commit, host_load  # noqa: E402
+from bench.common import commit as bench_commit, host_load, write_result  # noqa: E402
 
 from strata.backend import quant  # noqa: E402
 from strata.backend.quant import T, WeightTensor  # noqa: E402
@@ -191,9 +191,7 @@ def main() -> int:
                    "--decode", str(a.decode), "--repeats", str(a.repeats)] + (["--quick"] if a.quick else [])
             subprocess.run(cmd, env=env, check=True)
             out["runs"].append(json.loads(Path(f.name).read_text()))
-    res = ROOT / "bench" / "results" / f"float_matmul_cpu_{a.size}_{out['commit']}.json"
-    res.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {res}")
+    write_result(out, f"float_matmul_cpu_{a.size}_{out['commit']}")
     return 0
 
 

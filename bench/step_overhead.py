@@ -247,7 +247,7 @@ def main(argv=None) -> int:
         print(json.dumps(_engine_arm(a.model, ns, a.tokens, a.prompt, a.threads, a.profile_n)))
         return 0
     sys.path.insert(0, str(ROOT))
-    from bench.common import commit as bench_commit, host_load
+    from bench.common import commit as bench_commit, host_load, write_result
     from strata.gguf.default_model import default_model_path
     a.model_path = str(default_model_path()) if a.model == "default" else a.model
     trees = {"this": ROOT}
@@ -283,10 +283,7 @@ def main(argv=None) -> int:
     for name in trees:
         if name != "this":
             shutil.rmtree(trees[name], ignore_errors=True)
-    dest = Path(a.out) if a.out else ROOT / "bench" / "results" / f"step_overhead_cpu_{res['commit']}.json"
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    dest.write_text(json.dumps(res, indent=1) + "\n")
-    print(f"wrote {dest}")
+    write_result(res, f"step_overhead_cpu_{res['commit']}", a.out)
     return 0
 
 
