@@ -711,6 +711,23 @@ def test_json_logs_carry_the_request_id(daemon):
     assert all("timestamp" in ln and "level" in ln for ln in lines)
 
 
+def test_polled_routes_log_at_debug(daemon):
+    """A supervisor's /health and a scraper's /metrics, answered, are not logged at info (one line a second would
+    fill the journal); a refused one is, as is every other route."""
+    for _ in range(3):
+        assert daemon.request("GET", "/health")[0] == 200
+    assert daemon.request("GET", "/metrics")[0] == 200
+    assert daemon.request("GET", "/v1/models")[0] == 200
+    assert daemon.request("POST", "/health")[0] == 405
+    time.sleep(0.2)
+    level = {}            # the test daemons log at debug: each (method, path)'s levels
+    for ln in daemon.log_lines():
+        if ln.get("event") == "request":
+            level.setdefault((ln["method"], ln["path"], ln["status"] < 400), set()).add(ln["level"])
+    assert level[("GET", "/v1/models", True)] == {"info"} and level[("POST", "/health", False)] == {"info"}
+    assert level[("GET", "/health", True)] == {"debug"} and level[("GET", "/metrics", True)] == {"debug"}
+
+
 def test_malformed_http_is_one_short_log_line_without_the_body(daemon):
     """A request whose chunked framing is broken: aiohttp answers 400 itself; the daemon's log gets one WARNING
     line naming the error, not an ERROR traceback quoting the body (a prompt would end up in the journal)."""

@@ -56,6 +56,11 @@ def _api_key_of(request: web.Request) -> bytes:
     return key.encode("utf-8", "surrogatepass")
 
 
+#: paths that supervisors and scrapers poll: their answered GETs are logged at debug, not info (a health check every
+#: second would fill the journal)
+POLLED = frozenset({"/health", "/metrics"})
+
+
 @web.middleware
 async def middleware(request: web.Request, handler):
     """Request id on every log line, API-key check on TCP, exceptions -> error objects in the route's API's shape,
@@ -122,8 +127,9 @@ async def middleware(request: web.Request, handler):
                  ms=round((time.perf_counter() - t0) * 1e3, 2), first_token_ms=turn["ms"],
                  outside_model_ms=turn["outside_model_ms"], phases_ms=turn["phases_ms"], other_ms=turn["other_ms"])
     else:
-        log.info("request", method=request.method, path=request.path, status=status,
-                 ms=round((time.perf_counter() - t0) * 1e3, 2))
+        quiet = status < 400 and request.path in POLLED and request.method in ("GET", "HEAD")
+        (log.debug if quiet else log.info)("request", method=request.method, path=request.path, status=status,
+                                           ms=round((time.perf_counter() - t0) * 1e3, 2))
     return resp
 
 
