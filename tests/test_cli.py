@@ -45,6 +45,20 @@ def test_python_dash_m_strata_runs_the_cli():
     assert p.returncode == 2 and "--no-such-flag" in p.stderr and "Traceback" not in p.stderr
 
 
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one CPU: OpenBLAS starts no thread of its own anyway")
+def test_strata_runs_numpy_on_one_blas_thread_unless_told_otherwise():
+    """The CLI's entry sets OPENBLAS_NUM_THREADS=1 before numpy loads (OpenBLAS starts its threads as it loads: a
+    process that imports numpy then has no thread beside its own); a value the user gives is kept."""
+    code = ("import os, sys; from strata.cli.main import one_blas_thread; one_blas_thread(); import numpy; "
+            "print(os.environ['OPENBLAS_NUM_THREADS'], len(os.listdir('/proc/self/task')))")
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["1", "1"], out
+    out = subprocess.run([sys.executable, "-c", code], env=dict(env, OPENBLAS_NUM_THREADS="2"), capture_output=True,
+                         text=True, check=True).stdout
+    assert out.split() == ["2", "2"], out
+
+
 def test_generate_answers_paris(default_model_path):
     p = strata("generate", "--prompt", "What is the capital of France? Answer in one sentence.",
                "--max-tokens", "30", "--n-ctx", "512", "--seed", "1")

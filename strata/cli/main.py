@@ -203,10 +203,19 @@ def _one_line(e: BaseException) -> str:
     return msg or type(e).__name__
 
 
+def one_blas_thread() -> None:
+    """OpenBLAS (numpy's few products on the CPU: the small per-chunk ones of the recurrent layers' chunked scans) on
+    one thread unless OPENBLAS_NUM_THREADS says otherwise: the C core's pool runs the model's products, and
+    OpenBLAS's own threads, spinning after each call, stall it and themselves on a busy machine (docs/hybrid.md).
+    Takes effect only before numpy is first imported."""
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `strata`: returns the exit status (0 ok, 1 error, 2 usage, 130 interrupted).
 
     Errors are printed as one line `strata: error: ...` without a traceback (STRATA_DEBUG=1 shows it)."""
+    one_blas_thread()
     parser = build_parser()
     args = parse_args(parser, argv)
     if os.environ.get("STRATA_DEBUG"):
