@@ -85,9 +85,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--prompt-cache", type=_nonneg_int, default=None,
                    help="checkpoints kept beside those parked conversations hold (default 6, or 0 with "
                         "--remote-stage unless --prompt-cache-every or --prompt-cache-tail asks for them; 0 turns "
-                        "them off, refused beside those two; 1 is plain FIFO without the root pin). Since parked conversations reference the "
-                        "checkpoints on their path instead of copying them, N counts only the checkpoints no parked "
-                        "conversation holds; the held ones count against the parking budgets")
+                        "them off, refused beside those two; 1 is plain FIFO without the root pin). Since parked "
+                        "conversations reference the checkpoints on their path instead of copying them, N counts only "
+                        "the checkpoints no parked conversation holds; the held ones count against the parking "
+                        "budgets")
     c.add_argument("--prompt-cache-every", type=_nonneg_int, default=D.checkpoints.every,
                    help="also cut the prompt every N tokens (0 = off)")
     c.add_argument("--prompt-cache-tail", type=_nonneg_int, default=D.checkpoints.tail, metavar="N",
