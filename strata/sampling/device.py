@@ -118,7 +118,7 @@ class DeviceSampler:
         self.seed = int.from_bytes(os.urandom(8), "little") if seed is None or seed == -1 else int(seed)
         self.step = 0
         p = params
-        self.penalize = not (p.repeat_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0)
+        self.penalize = p.penalties
         self._history: deque[int] = deque(maxlen=None if p.repeat_last_n == -1 else p.repeat_last_n)
         self._counts = None          # float32 (n_vocab,) in self._xp: occurrences in the history window
         self._xp = None

@@ -165,6 +165,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def penalties(self) -> bool:
+        """Whether a repeat, frequency or presence penalty is set (each at its 'off' value: False)."""
+        return not (self.repeat_penalty == 1.0 and self.frequency_penalty == 0.0 and self.presence_penalty == 0.0)
+
 
 @dataclass
 class SampleResult:
@@ -230,7 +235,7 @@ class Sampler:
         if self._bias is not None:
             ids, b = self._bias
             out[ids] += b
-        if not self._history or (p.repeat_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0):
+        if not self.penalizing:
             return out
         counts = Counter(self._history)
         ids = np.fromiter(counts.keys(), dtype=np.int64, count=len(counts))
@@ -329,11 +334,14 @@ class Sampler:
         return ids, e / e.sum()
 
     @property
+    def penalizing(self) -> bool:
+        """Whether a penalty is in effect: a history to penalize and a penalty set (SamplingParams.penalties)."""
+        return bool(self._history) and self.params.penalties
+
+    @property
     def plain_greedy(self) -> bool:
         """Greedy with nothing that changes the logits first: no logit_bias, no penalty in effect."""
-        p = self.params
-        return p.temperature == 0 and self._bias is None and (not self._history or (
-            p.repeat_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0))
+        return self.params.temperature == 0 and self._bias is None and not self.penalizing
 
     def result(self, logits: np.ndarray, tok: int) -> SampleResult:
         """The SampleResult of choosing `tok` at logits: with params.logprobs set, its log-probability and the asked
@@ -342,15 +350,12 @@ class Sampler:
         if self.params.logprobs is None:
             return SampleResult(tok, float("nan"), None)
         ls = log_softmax(logits)
-        top = None
-        if self.params.logprobs is not None:
-            n = self.params.logprobs
-            if n > 0:
-                cand = np.argpartition(-ls, n - 1)[:n] if n < ls.shape[0] else np.arange(ls.shape[0])
-                cand = cand[np.lexsort((cand, -ls[cand]))]
-                top = [(int(i), float(ls[i])) for i in cand]
-            else:
-                top = []
+        n = self.params.logprobs
+        top = []
+        if n > 0:
+            cand = np.argpartition(-ls, n - 1)[:n] if n < ls.shape[0] else np.arange(ls.shape[0])
+            cand = cand[np.lexsort((cand, -ls[cand]))]
+            top = [(int(i), float(ls[i])) for i in cand]
         return SampleResult(tok, float(ls[tok]), top)
 
 
