@@ -1,10 +1,12 @@
 """What the benchmarks share: the commit a result file is named by (git HEAD and a digest of the code that ran),
-where a result is written, what else the host is doing, and this process's resident memory."""
+where a result is written, the best time of a call, what else the host is doing, and this process's resident
+memory."""
 from __future__ import annotations
 
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,6 +47,18 @@ def write_result(data: dict, name: str, out: str | None = None) -> Path:
     dest.write_text(json.dumps(data, indent=1, default=str) + "\n")
     print(f"wrote {dest}")
     return dest
+
+
+def best_time(fn, min_time: float = 0.5, min_reps: int = 3) -> float:
+    """The shortest of fn()'s wall times (s) over at least min_reps calls and min_time seconds, after one warm-up
+    call."""
+    fn()
+    times, end = [], time.perf_counter() + min_time
+    while len(times) < min_reps or time.perf_counter() < end:
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return float(min(times))
 
 
 BUILD_TOOLS = ("cc1plus", "cc1", "nvcc", "cicc", "ptxas", "ld", "make", "gmake", "cmake", "ninja")

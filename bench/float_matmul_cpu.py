@@ -31,7 +31,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.common import commit as bench_commit, host_load, write_result  # noqa: E402
+from bench.common import best_time as best, commit as bench_commit, host_load, write_result  # noqa: E402
 
 from strata.backend import quant  # noqa: E402
 from strata.backend.quant import T, WeightTensor  # noqa: E402
@@ -62,16 +62,6 @@ def route(kind: str):
         yield
     finally:
         quant._lib = saved
-
-
-def best(fn, min_time: float, min_reps: int = 3) -> float:
-    fn()
-    times, end = [], time.perf_counter() + min_time
-    while len(times) < min_reps or time.perf_counter() < end:
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return float(min(times))
 
 
 def weight(t: T, n_out: int, n_in: int, rng) -> WeightTensor:

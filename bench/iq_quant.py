@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import subprocess
 import sys
 import tempfile
@@ -32,18 +31,8 @@ from strata.gguf import synth
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.common import commit as bench_commit  # noqa: E402
+from bench.common import best_time as best, commit as bench_commit  # noqa: E402
 ALL = ["IQ4_XS", "IQ4_NL", "IQ3_S", "IQ3_XXS", "IQ2_XS", "IQ2_XXS", "IQ2_S", "IQ1_S", "IQ1_M"]
-
-
-def best(fn, min_time=0.5, min_reps=3) -> float:
-    fn()
-    times, t_end = [], time.perf_counter() + min_time
-    while len(times) < min_reps or time.perf_counter() < t_end:
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(min(times))
 
 
 def random_weight(t: T, n_out: int, n_in: int, rng) -> np.ndarray:
