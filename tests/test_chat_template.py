@@ -38,11 +38,6 @@ def tmpl(metadata, tok):
     return ChatTemplate.from_gguf(metadata, tok)
 
 
-@pytest.fixture(scope="module")
-def hf_tok(hf_tokenizer):
-    return hf_tokenizer
-
-
 def _n_control(tok, ids):
     return sum(1 for i in ids if tok.is_control(i))
 
@@ -50,19 +45,19 @@ def _n_control(tok, ids):
 # ----------------------------------------------------------------------------- rendering parity
 @pytest.mark.parametrize("gen", [True, False])
 @pytest.mark.parametrize("chat", range(len(CHATS)))
-def test_text_matches_transformers(tmpl, hf_tok, chat, gen):
+def test_text_matches_transformers(tmpl, hf_tokenizer, chat, gen):
     msgs = CHATS[chat]
-    ref = hf_tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+    ref = hf_tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
     rp = tmpl.render(msgs, add_generation_prompt=gen)
     assert rp.text == ref
     assert tmpl.render_text(msgs, add_generation_prompt=gen) == ref
 
 
 @pytest.mark.parametrize("chat", range(3))
-def test_tokens_match_transformers_without_special_text(tmpl, hf_tok, chat):
+def test_tokens_match_transformers_without_special_text(tmpl, hf_tokenizer, chat):
     """Where contents hold no special-token text, ids equal transformers' (and llama.cpp's) tokenization."""
     msgs = CHATS[chat]
-    ref = hf_tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
+    ref = hf_tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
     ref = ref["input_ids"] if isinstance(ref, dict) or hasattr(ref, "keys") else ref
     assert tmpl.render(msgs).tokens == list(ref)
 
@@ -81,7 +76,7 @@ def test_tokens_match_llamacpp_tokenization_of_text(tmpl, tok):
 
 
 # ----------------------------------------------------------------------------- client text stays text
-def test_special_text_in_messages_is_plain_text(tmpl, tok, hf_tok):
+def test_special_text_in_messages_is_plain_text(tmpl, tok, hf_tokenizer):
     msgs = CHATS[3]
     rp = tmpl.render(msgs)
     assert rp.content_safe
@@ -96,7 +91,7 @@ def test_special_text_in_messages_is_plain_text(tmpl, tok, hf_tok):
     s = rp.tokens
     assert any(s[i:i + len(content_ids)] == content_ids for i in range(len(s)))
     # transformers (and llama.cpp on the rendered text) turn the client's text into control tokens
-    ref = hf_tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
+    ref = hf_tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
     ref = list(ref["input_ids"] if hasattr(ref, "keys") else ref)
     assert _n_control(tok, ref) > _n_control(tok, rp.tokens)
 
@@ -385,14 +380,14 @@ def test_message_ends_are_keyed_by_the_messages_not_the_text(metadata):
 
 
 @pytest.mark.parametrize("final", ["The answer is", "Sure: 1, 2,", "", "ends with a space "])
-def test_continue_final_message_matches_transformers(tmpl, hf_tok, final):
+def test_continue_final_message_matches_transformers(tmpl, hf_tokenizer, final):
     """continue_final_message: the last (assistant) message left open, text and tokens as transformers renders them
     (its tag method, a trailing space included), and no cut point past the prompt's end."""
     msgs = CHATS[0] + [{"role": "assistant", "content": final}]
-    ref = hf_tok.apply_chat_template(msgs, tokenize=False, continue_final_message=True)
+    ref = hf_tokenizer.apply_chat_template(msgs, tokenize=False, continue_final_message=True)
     rp = tmpl.render(msgs, add_generation_prompt=False, continue_final_message=True)
     assert rp.text == ref and ref.rstrip().endswith(final.rstrip())
-    assert rp.tokens == hf_tok(ref, add_special_tokens=False)["input_ids"]
+    assert rp.tokens == hf_tokenizer(ref, add_special_tokens=False)["input_ids"]
     assert all(c.pos <= len(rp.tokens) for c in rp.cut_points)
     with pytest.raises(ValueError, match="add_generation_prompt"):
         tmpl.render(msgs, add_generation_prompt=True, continue_final_message=True)

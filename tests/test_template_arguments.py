@@ -42,13 +42,8 @@ def tk(default_model_path):
     return Tokenizer.from_gguf({k: f.contents() for k, f in r.fields.items() if k.startswith("tokenizer.")})
 
 
-@pytest.fixture(scope="module")
-def hf_tok(hf_tokenizer):
-    return hf_tokenizer
-
-
-def _reference(hf_tok, source, msgs, tokenize=False):
-    out = hf_tok.apply_chat_template(msgs, chat_template=source, tokenize=tokenize, add_generation_prompt=True)
+def _reference(hf_tokenizer, source, msgs, tokenize=False):
+    out = hf_tokenizer.apply_chat_template(msgs, chat_template=source, tokenize=tokenize, add_generation_prompt=True)
     return list(out["input_ids"] if hasattr(out, "keys") else out) if tokenize else out
 
 
@@ -73,13 +68,13 @@ def test_the_probe_passes_a_template_that_checks_call_ids(tk):
 
 @pytest.mark.parametrize("which", ["qwen3.5", "qwq"])
 @pytest.mark.parametrize("compact", [False, True])
-def test_string_arguments_reach_an_object_template_parsed(tk, hf_tok, which, compact):
+def test_string_arguments_reach_an_object_template_parsed(tk, hf_tokenizer, which, compact):
     """The JSON string renders as transformers renders the parsed object (Qwen3.5 cannot render the string at
     all), with the same ids, on the kept path and the whole render alike."""
     sep = (",", ":") if compact else None
     msgs = _chat(json.dumps(ARGS, ensure_ascii=compact, separators=sep))
-    ref = _reference(hf_tok, TEMPLATES[which], _parsed(msgs))
-    ref_ids = _reference(hf_tok, TEMPLATES[which], _parsed(msgs), tokenize=True)
+    ref = _reference(hf_tokenizer, TEMPLATES[which], _parsed(msgs))
+    ref_ids = _reference(hf_tokenizer, TEMPLATES[which], _parsed(msgs), tokenize=True)
     kept, whole = ChatTemplate(TEMPLATES[which], tk), ChatTemplate(TEMPLATES[which], tk)
     whole.chunks = None
     for t in (kept, whole, kept):            # the kept path twice: the second render reuses kept messages
@@ -90,13 +85,13 @@ def test_string_arguments_reach_an_object_template_parsed(tk, hf_tok, which, com
     assert msgs[1]["tool_calls"][0]["function"]["arguments"].startswith("{")      # the caller's messages unchanged
 
 
-def test_a_string_branch_template_keeps_the_client_string_byte_for_byte(tk, hf_tok):
+def test_a_string_branch_template_keeps_the_client_string_byte_for_byte(tk, hf_tokenizer):
     """Qwen3 prints a string as it is and an object through tojson: both as transformers does."""
     t = ChatTemplate(QWEN3_TEMPLATE, tk)
     for args in ('{"city":"Paris",  "days":3}', "city=Paris", ARGS):
         msgs = _chat(args)
         got = t.render(msgs)
-        assert got.text == _reference(hf_tok, QWEN3_TEMPLATE, msgs)
+        assert got.text == _reference(hf_tokenizer, QWEN3_TEMPLATE, msgs)
         if isinstance(args, str):
             assert f'"arguments": {args}}}' in got.text
 
@@ -114,7 +109,7 @@ def test_keys_and_strings_inside_the_object_stay_plain_text(tk):
 
 
 @pytest.mark.parametrize("which", ["qwen3", "qwen3.5", "qwq"])
-def test_the_chat_routes_plan_hands_arguments_to_the_template_as_the_client_sent_them(tk, hf_tok, which):
+def test_the_chat_routes_plan_hands_arguments_to_the_template_as_the_client_sent_them(tk, hf_tokenizer, which):
     """The chat route's plan (strata.structured.plan) of a request with a past call, rendered: a string-branch
     template's prompt holds the client's string byte for byte (compact, as a model may write it), an object
     template's is transformers' render of the parsed object."""
@@ -127,7 +122,7 @@ def test_the_chat_routes_plan_hands_arguments_to_the_template_as_the_client_sent
     msgs = _chat(args)
     plan = plan_chat(SimpleNamespace(template=t, tokenizer=tk), parse_chat({"model": "m", "messages": msgs}))
     got = t.render(plan.messages).text
-    assert got == _reference(hf_tok, TEMPLATES[which], msgs if which == "qwen3" else _parsed(msgs))
+    assert got == _reference(hf_tokenizer, TEMPLATES[which], msgs if which == "qwen3" else _parsed(msgs))
     assert (f'"arguments": {args}}}' in got) is (which == "qwen3")
 
 
@@ -157,7 +152,7 @@ def qwen35(tmp_path_factory, synthetic):
     assert d.stop() == 0, d.log_tail()
 
 
-def test_the_daemon_answers_a_chat_with_a_past_call_to_a_qwen35_template(qwen35, hf_tok):
+def test_the_daemon_answers_a_chat_with_a_past_call_to_a_qwen35_template(qwen35, hf_tokenizer):
     """The openai client's chat (arguments the JSON string it sends) is answered; the prompt is transformers'
     render of the parsed messages, its length that render's tokens; bad arguments are a 400 naming the field that
     changes nothing."""
@@ -165,8 +160,8 @@ def test_the_daemon_answers_a_chat_with_a_past_call_to_a_qwen35_template(qwen35,
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{qwen35.port}/v1", api_key="unused", max_retries=0,
                            timeout=120)
     msgs = _chat(json.dumps(ARGS, ensure_ascii=False))
-    ref = _reference(hf_tok, QWEN35_TEMPLATE, _parsed(msgs))
-    ref_ids = _reference(hf_tok, QWEN35_TEMPLATE, _parsed(msgs), tokenize=True)
+    ref = _reference(hf_tokenizer, QWEN35_TEMPLATE, _parsed(msgs))
+    ref_ids = _reference(hf_tokenizer, QWEN35_TEMPLATE, _parsed(msgs), tokenize=True)
     r = client.chat.completions.create(model="default", messages=msgs, max_tokens=2, temperature=0)
     assert r.usage.prompt_tokens == len(ref_ids)
     st, body = qwen35.json("POST", "/apply-template", {"messages": msgs})

@@ -150,23 +150,18 @@ TRANSFORMERS_KNOWN_DIFFERENT = {
 }
 
 
-@pytest.fixture(scope="module")
-def hf_tok(hf_tokenizer):
-    return hf_tokenizer
-
-
-def test_transformers_gguf_tokenizer_agrees_except_known(tok, hf_tok):
+def test_transformers_gguf_tokenizer_agrees_except_known(tok, hf_tokenizer):
     agree = differ = 0
     for text in REF.CORPUS:
         ours = tok.encode(text, parse_special=True)
-        theirs = hf_tok.encode(text, add_special_tokens=False)
+        theirs = hf_tokenizer.encode(text, add_special_tokens=False)
         if text in TRANSFORMERS_KNOWN_DIFFERENT:
             differ += ours != theirs
             continue
         assert ours == theirs, text
         agree += 1
         ours_plain = tok.encode(text, parse_special=False)
-        theirs_plain = hf_tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        theirs_plain = hf_tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
         assert ours_plain == theirs_plain, text
     assert agree >= len(REF.CORPUS) - len(TRANSFORMERS_KNOWN_DIFFERENT)
     assert differ >= 1  # the stated difference is real in this transformers version
