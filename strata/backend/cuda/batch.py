@@ -226,7 +226,7 @@ def forward_batch(pm, tokens, states, x=None, hidden: bool = False):
         pools = {id(st.kv.pool) for st in states if st.kv is not None}
         plan = pm.plan(states[0].kv.pool) if len(pools) == 1 and all(pm._on_plan(st) for st in states) else None
         C = settings.SHORT_READ_COLS if plan is not None and plan._form() is not None else 1
-        head = pm.model.ends_with_head(pm.hi)
+        head = m.ends_with_head(pm.hi)
         hidden = hidden and head
         outs, hs = [], []
         for i in range(0, n, C):
