@@ -45,7 +45,8 @@ SWEEPS := tests/test_soak.py tests/test_parallel_engine.py::test_any_arrival_pat
   tests/test_spec_lookup.py::test_greedy_equals_spec0 tests/test_serve_fuzz.py::test_fuzz_every_route \
   tests/test_lookup.py::test_one_walk_finds_what_a_scan_of_every_prefix_finds \
   tests/test_logit_bias.py::test_the_logit_bias_reader_takes_a_valid_bias_or_names_the_field \
-  tests/test_moe_policy.py::test_policy_invariants tests/test_chat_window.py::test_window_render_equals_the_whole_render
+  tests/test_moe_policy.py::test_policy_invariants tests/test_chat_window.py::test_window_render_equals_the_whole_render \
+  tests/test_body_coding.py::test_any_bytes_decode_or_are_a_4xx
 test-sweeps: install-test
 	STRATA_FULL_SWEEPS=1 $(BIN)/python -m pytest -q -ra $(SWEEPS)
 

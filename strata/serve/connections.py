@@ -165,7 +165,7 @@ class _GuardedServer:
 
 class _JsonErrorsHandler(RequestHandler):
     """aiohttp's RequestHandler whose answer to a request its parser refuses (a request line or header it cannot read,
-    broken chunked framing, a Content-Encoding it cannot decode) is a JSON error in OpenAI's shape (no route was
+    broken chunked framing) is a JSON error in OpenAI's shape (no route was
     read), code bad_http. aiohttp still logs it (strata.serve.log keeps one warning line without the raw bytes) and
     closes the connection."""
 

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from aiohttp import web
 
-from strata.serve import prepare, schema
+from strata.serve import body_coding, prepare, schema
 from strata.serve.config import CONFIG_KEY, WORKER_KEY
 from strata.errors import EngineFault, Refused, Unavailable
 from strata.serve.errors import ApiError, refusal
@@ -75,10 +75,12 @@ def whole_context(engine) -> int:
 
 
 async def read_body(request: web.Request, then: Callable[[dict], Any] | None = None) -> Any:
-    """The request's JSON body, read under --max-body (413 past it; 400 for a body that cannot be read or parsed), or
+    """The request's JSON body, read under --max-body and decoded from its Content-Encoding (413 past --max-body
+    before or after; 400 for a body that cannot be read, decoded or parsed; 415 for a coding not supported), or
     then(body) (the route's validation: its ApiError as it raised it). A body of prepare.SMALL_BODY bytes or more is
     parsed and validated in the preparation pool, and marks the request's later preparation for it too."""
     cfg = request.app[CONFIG_KEY]
+    applied = body_coding.codings(request.headers.getall("Content-Encoding", []))
     if request.content_length is not None and request.content_length > cfg.max_body:
         raise ApiError(413, f"the request body is {request.content_length} bytes, more than --max-body "
                             f"({cfg.max_body} bytes)", code="request_too_large")
@@ -90,15 +92,16 @@ async def read_body(request: web.Request, then: Callable[[dict], Any] | None = N
     except web.HTTPRequestEntityTooLarge:
         raise ApiError(413, f"the request body is larger than --max-body ({cfg.max_body} bytes)",
                        code="request_too_large") from None
-    except web.RequestPayloadError as e:   # e.g. a Content-Encoding the body does not decode with
-        enc = request.headers.get("Content-Encoding")
+    except web.RequestPayloadError as e:   # e.g. broken chunked framing
         why = " ".join(str(e).split()).removeprefix("400, message: ")
-        raise ApiError(400, f"the request body could not be read{f' (Content-Encoding {enc})' if enc else ''}: "
-                            f"{why}") from None
-    if len(raw) >= prepare.SMALL_BODY:
+        raise ApiError(400, f"the request body could not be read: {why}") from None
+    if len(raw) >= prepare.SMALL_BODY or (applied and raw):    # a compressed body may inflate to --max-body
         prepare.mark_heavy(request)
-    return await prepare.prepared(request, lambda: then(schema.parse_json(raw)) if then is not None
-                                  else schema.parse_json(raw))
+
+    def parse():
+        body = schema.parse_json(body_coding.decode(raw, applied, cfg.max_body))
+        return then(body) if then is not None else body
+    return await prepare.prepared(request, parse)
 
 
 def as_api_error(err: EngineError) -> ApiError:

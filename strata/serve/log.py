@@ -13,9 +13,8 @@ LEVELS = ("debug", "info", "warning", "error", "critical")
 def malformed(exc: BaseException) -> str | None:
     """What a client's malformed HTTP comes to in one line: "<error type>: <aiohttp's text>" without aiohttp's status
     prefix and the raw bytes it quotes (a prompt must not end up in the journal) and cut to 200 characters; None for an exception that is
-    not about the request's bytes. Covers a request line or header aiohttp cannot parse, broken chunked framing, and
-    a body whose Content-Encoding does not decode (aiohttp meets that again when it reads the rest of the body after
-    the handler's 400)."""
+    not about the request's bytes. Covers a request line or header aiohttp cannot parse and broken chunked framing
+    (a body's Content-Encoding is decoded by strata.serve.body_coding, not by aiohttp)."""
     from aiohttp.http_exceptions import HttpProcessingError
     from aiohttp.web_protocol import RequestPayloadError
     if isinstance(exc, RequestPayloadError) and isinstance(exc.__cause__, HttpProcessingError):
@@ -29,9 +28,9 @@ def malformed(exc: BaseException) -> str | None:
 
 
 class _MalformedRequestFilter(logging.Filter):
-    """aiohttp logs a malformed HTTP message (bad chunked framing, a header it cannot parse, a body that does not
-    decode) at ERROR with a traceback whose exception text quotes the raw bytes, so one bad request can put a whole
-    prompt into the journal; keep one WARNING line naming the error (malformed())."""
+    """aiohttp logs a malformed HTTP message (bad chunked framing, a header it cannot parse) at ERROR with a
+    traceback whose exception text quotes the raw bytes, so one bad request can put a whole prompt into the journal;
+    keep one WARNING line naming the error (malformed())."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         why = malformed(record.exc_info[1]) if record.exc_info else None

@@ -93,7 +93,7 @@ async def serve(cfg: ServeConfig, engine_factory: Callable[[], Any]) -> int:
     guard = ConnectionGuard(max_connections=cap, header_timeout=cfg.header_timeout, idle_timeout=cfg.idle_timeout)
     app = make_app(cfg, worker, metrics, guard)
     runner = _GuardedRunner(app, guard, handler_cancellation=True, access_log=None, shutdown_timeout=5.0,
-                            keepalive_timeout=cfg.idle_timeout)
+                            keepalive_timeout=cfg.idle_timeout, auto_decompress=False)
     await runner.setup()
     sweeper = asyncio.ensure_future(guard.watch())
     sock_path = Path(cfg.socket_path) if cfg.socket_path else None

@@ -1,0 +1,65 @@
+"""A request body's Content-Encoding: gzip and deflate decoded here (aiohttp's own decoding is off), the decoded body
+bounded by --max-body, a coding that does not decode a one-line 400 and an unknown one a 415 naming it."""
+from __future__ import annotations
+
+import zlib
+
+from strata.serve.errors import ApiError
+
+#: the codings a request body may carry (RFC 9110 section 8.4.1); "identity" means none
+SUPPORTED = ("gzip", "x-gzip", "deflate", "identity")
+
+
+def codings(header_values: list[str]) -> list[str]:
+    """The codings that were applied, in the order they were (all Content-Encoding headers, comma lists, case and
+    spaces ignored), identity and empty items left out; 415 (unsupported_content_encoding) for one not in
+    SUPPORTED."""
+    out = []
+    for value in header_values:
+        for item in value.split(","):
+            c = item.strip().lower()
+            if c in ("", "identity"):
+                continue
+            if c not in SUPPORTED:
+                raise ApiError(415, f"the request's Content-Encoding {item.strip()[:40]!r} is not supported: send "
+                                    f"the body as it is, or with gzip or deflate", param="Content-Encoding",
+                               code="unsupported_content_encoding")
+            out.append(c)
+    return out
+
+
+def decode(raw: bytes, applied: list[str], max_body: int) -> bytes:
+    """raw with the codings of codings() undone, last applied first. 413 (request_too_large) when a step's output
+    passes max_body bytes (a small body that inflates without bound goes no further than that); 400 for bytes that
+    are not what the coding says (a bad header or checksum, a stream cut short, bytes after its end)."""
+    for c in reversed(applied):
+        if raw:
+            raw = _inflate(raw, c, max_body)
+    return raw
+
+
+def _inflate(raw: bytes, coding: str, max_body: int) -> bytes:
+    # gzip may be several members one after another; deflate is a zlib stream (RFC 1950), or raw deflate (RFC 1951)
+    # as some clients send it: a zlib stream's first byte names method 8
+    gzip = coding in ("gzip", "x-gzip")
+    wbits = 16 + zlib.MAX_WBITS if gzip else zlib.MAX_WBITS if raw[0] & 0x0F == 8 else -zlib.MAX_WBITS
+    out = bytearray()
+    rest = raw
+    try:
+        while rest:
+            d = zlib.decompressobj(wbits)
+            out += d.decompress(rest, max_body + 1 - len(out))
+            if len(out) > max_body:
+                raise ApiError(413, f"the request body decodes (Content-Encoding {coding}) to more than --max-body "
+                                    f"({max_body} bytes)", code="request_too_large")
+            if not d.eof:
+                raise ApiError(400, f"the request body could not be read (Content-Encoding {coding}): the "
+                                    f"compressed stream is cut short", param="Content-Encoding")
+            rest = d.unused_data
+            if rest and not gzip:
+                raise ApiError(400, f"the request body could not be read (Content-Encoding {coding}): "
+                                    f"{len(rest)} bytes follow the compressed stream", param="Content-Encoding")
+    except zlib.error as e:
+        raise ApiError(400, f"the request body could not be read (Content-Encoding {coding}): {e}",
+                       param="Content-Encoding") from None
+    return bytes(out)
