@@ -351,6 +351,7 @@ class Case:
     headers: list[tuple[bytes, bytes]]
     body: bytes
     framing: str = "length"               # length | chunked | none (no Content-Length: a body aiohttp ignores)
+    split: float = 0.0                    # 0: sent in one write; else two, the first this fraction of the bytes
 
     @property
     def path(self) -> str:
@@ -373,7 +374,8 @@ class Case:
 
     def short(self) -> str:
         return (f"{self.method} {self.target[:120]!r} headers={[(n, v[:60]) for n, v in self.headers]!r} "
-                f"body={self.body[:200]!r}{'...' if len(self.body) > 200 else ''} framing={self.framing}")
+                f"body={self.body[:200]!r}{'...' if len(self.body) > 200 else ''} framing={self.framing}"
+                f"{f' split={self.split:.2f}' if self.split else ''}")
 
 
 def route_table() -> list[tuple[str, str]]:
@@ -435,7 +437,10 @@ def cases(draw, table: list[tuple[str, str]]) -> Case:
             body = {b"gzip": gzip.compress, b"deflate": zlib.compress}.get(enc, lambda b: b)(body)
         headers.append((b"Content-Encoding", enc))
     framing = draw(st.sampled_from(["length"] * 8 + ["chunked", "none"]))
-    return Case(method, target, template, headers, body, framing)
+    # now and then the request comes in two packets, the daemon already handling it when the second arrives (a body
+    # that breaks in its second packet takes other paths through the HTTP parser than one that arrives whole)
+    split = draw(st.floats(0.05, 0.99)) if draw(st.integers(0, 9)) == 0 else 0.0
+    return Case(method, target, template, headers, body, framing, split)
 
 
 # ---- talking to the daemon ----------------------------------------------------------------------------------------
@@ -451,13 +456,24 @@ class Reply:
 ANSWER_TIMEOUT = 120.0
 
 
-def exchange(sock_path: str, raw: bytes, method: str, timeout: float = ANSWER_TIMEOUT) -> Reply | None:
-    """Send raw request bytes over the Unix socket and read the answer (None: the connection closed unanswered)."""
+#: the pause between the two writes of a split request
+SPLIT_PAUSE = 0.02
+
+
+def exchange(sock_path: str, raw: bytes, method: str, timeout: float = ANSWER_TIMEOUT,
+             split: float = 0.0) -> Reply | None:
+    """Send raw request bytes over the Unix socket (in two writes SPLIT_PAUSE apart when split: the first that
+    fraction of them) and read the answer (None: the connection closed unanswered)."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(timeout)
     try:
         s.connect(sock_path)
         try:
+            cut = int(len(raw) * split)
+            if 0 < cut < len(raw):
+                s.sendall(raw[:cut])
+                time.sleep(SPLIT_PAUSE)
+                raw = raw[cut:]
             s.sendall(raw)
         except (BrokenPipeError, ConnectionResetError):  # answered (and closed) before the whole request was read
             pass
@@ -601,7 +617,7 @@ class FuzzRun:
         the engine's state (/cache: position, checkpoints, parked conversations) as it was."""
         t0 = time.perf_counter()
         try:
-            r = exchange(self.daemon.sock, case.wire(), case.method, timeout)
+            r = exchange(self.daemon.sock, case.wire(), case.method, timeout, case.split)
         except socket.timeout:
             r, problem = None, (f"no answer within {timeout} s; the case before: {self.last_case}; the daemon's "
                                 f"log ends: {self.daemon.log_tail(8)}")

@@ -408,6 +408,29 @@ def test_body_that_does_not_decode_in_its_later_packets_is_answered_at_once(daem
         assert r.status == 413 and "(Content-Encoding deflate)" in json.loads(r.read())["error"]["message"]
 
 
+@pytest.mark.parametrize("later", [b"zz\r\nmpt\r\n", b"3\r\nmptXX\r\n"], ids=["chunk size", "chunk end"])
+def test_chunked_framing_broken_in_a_later_packet_is_answered_at_once(daemon, later):
+    """Chunked framing that breaks in a packet after the handler began reading the body: a 400 saying so (aiohttp's
+    parser raised past the body and left the read waiting for --body-timeout), one answer, then the connection
+    closes; the daemon answers the next request."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(30)
+        s.connect(daemon.sock)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: strata\r\nContent-Type: application/json\r\n"
+                  b"Transfer-Encoding: chunked\r\n\r\n5\r\n{\"pro\r\n")
+        time.sleep(0.3)                      # the handler is reading the body
+        s.sendall(later)
+        got = b""
+        while chunk := s.recv(65536):
+            got += chunk
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and got.count(b"HTTP/1.") == 1, got
+    err = json.loads(body)["error"]
+    assert err["message"].startswith("the request body could not be read: BadHttpMessage: ") and "b'" not in \
+        err["message"], err
+    assert daemon.json("GET", "/health")[0] == 200
+
+
 @pytest.mark.parametrize("enc,pack", [("gzip", gzip.compress), ("deflate", zlib.compress),
                                       ("gzip, deflate", lambda b: zlib.compress(gzip.compress(b)))])
 def test_compressed_body_is_decoded(daemon, enc, pack):

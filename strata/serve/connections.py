@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import structlog
 from aiohttp import web
-from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
 from strata.serve.log import malformed
 
@@ -165,9 +165,28 @@ class _GuardedServer:
 
 class _JsonErrorsHandler(RequestHandler):
     """aiohttp's RequestHandler whose answer to a request its parser refuses (a request line or header it cannot read,
-    broken chunked framing) is a JSON error in OpenAI's shape (no route was
-    read), code bad_http. aiohttp still logs it (strata.serve.log keeps one warning line without the raw bytes) and
-    closes the connection."""
+    broken chunked framing) is a JSON error in OpenAI's shape (no route was read), code bad_http. aiohttp still logs
+    it (strata.serve.log keeps one warning line without the raw bytes) and closes the connection. A parse error in
+    the body of the request being handled fails that request's body read instead (see data_received)."""
+
+    def data_received(self, data: bytes) -> None:
+        """aiohttp's, and: when its parser fails inside the body of the request being handled (chunked framing broken
+        in a later packet), aiohttp queues an error message behind that request but leaves its body unfinished, so
+        the handler's read would wait for --body-timeout. The read fails now (RequestPayloadError: the handler's
+        400), the queued message goes, and the connection closes after the answer."""
+        queued = len(self._messages)
+        super().data_received(data)
+        req = self._current_request
+        if req is None or len(self._messages) <= queued or req.content.is_eof():
+            return
+        err = self._messages[-1][0]
+        if not isinstance(getattr(err, "exc", None), BaseException) or getattr(err, "status", None) != 400:
+            return
+        self._messages.pop()
+        failed = RequestPayloadError(getattr(err, "message", "") or str(err.exc))
+        failed.__cause__ = err.exc
+        req.content.set_exception(failed)
+        self.close()
 
     def handle_error(self, request, status: int = 500, exc: BaseException | None = None, message: str | None = None):
         resp = super().handle_error(request, status, exc, message)      # aiohttp's log line and its checks

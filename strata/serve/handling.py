@@ -14,6 +14,7 @@ from strata.serve import body_coding, prepare, schema
 from strata.serve.config import CONFIG_KEY, WORKER_KEY
 from strata.errors import EngineFault, Refused, Unavailable
 from strata.serve.errors import ApiError, refusal
+from strata.serve.log import malformed
 from strata.serve.worker import EngineError, EngineWorker, Job, QueueFull, ShuttingDown
 
 
@@ -93,7 +94,7 @@ async def read_body(request: web.Request, then: Callable[[dict], Any] | None = N
         raise ApiError(413, f"the request body is larger than --max-body ({cfg.max_body} bytes)",
                        code="request_too_large") from None
     except web.RequestPayloadError as e:   # e.g. broken chunked framing
-        why = " ".join(str(e).split()).removeprefix("400, message: ")
+        why = malformed(e) or " ".join(str(e).split()).removeprefix("400, message: ")
         raise ApiError(400, f"the request body could not be read: {why}") from None
     if len(raw) >= prepare.SMALL_BODY or (applied and raw):    # a compressed body may inflate to --max-body
         prepare.mark_heavy(request)
