@@ -1,6 +1,7 @@
 """Warm-up: the shapes a request will use (prompt reads of each length class, decode steps, greedy and sampled
 choices) run once before the engine serves, and forgotten, so the first request costs what a later one does; on a
-GPU it also measures each plan's crossover between the short read and the prefill (the plans keep it)."""
+GPU it also measures each plan's crossover between the short read and the prefill (the plans keep it). The CPU has
+no shapes to prepare: one short read touches every weight, and a whole ubatch is read on a GPU only."""
 from __future__ import annotations
 
 import dataclasses
@@ -59,7 +60,8 @@ def warm_up(engine) -> dict:
     t0 = time.perf_counter()
     on_gpu = any(str(st.device).startswith("cuda") for st in engine.stages)
     cap = engine.n_ctx - DECODE_TOKENS - 1
-    lengths = sorted({n for n in (*(GPU_LENGTHS if on_gpu else CPU_LENGTHS), min(engine.ubatch, cap)) if 0 < n <= cap})
+    whole = (min(engine.ubatch, cap),) if on_gpu else ()
+    lengths = sorted({n for n in (*(GPU_LENGTHS if on_gpu else CPU_LENGTHS), *whole) if 0 < n <= cap})
     ids = list(engine.tokenizer.encode("Strata reads this text once before it serves, so that no request pays "
                                        "for the first use of a shape. " * 8))
     if not ids or not lengths:
