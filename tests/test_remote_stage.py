@@ -13,6 +13,7 @@ import struct
 import subprocess
 import sys
 import threading
+import statistics
 import time
 from pathlib import Path
 import zlib
@@ -396,6 +397,7 @@ def test_the_links_round_trip_is_measured_from_traffic_while_requests_flow(worke
         st = e.stages[-1]
         with st._io:                     # the keepalive thread skips its ping while the link is in use
             st.rtt = st.last_forward = None
+            st.rtts.clear()
             lk0 = st.status()["link"]
             run(e, _Prompt(e.tokenize_prompt("the cat sat on the mat")), 6)
             lk = st.status()["link"]
@@ -403,6 +405,9 @@ def test_the_links_round_trip_is_measured_from_traffic_while_requests_flow(worke
         assert lk["rtt_from"] == "forward" and lk["last_forward_compute_ms"] > 0
         assert 0 <= lk["rtt_ms"] <= lk["last_forward_ms"]
         assert abs(lk["rtt_ms"] - (lk["last_forward_ms"] - lk["last_forward_compute_ms"])) <= 0.002
+        # the median of the forwards' round trips so far (one prompt read and the decode steps)
+        assert lk0["rtt_samples"] == 0 and lk0["rtt_median_ms"] is None
+        assert lk["rtt_samples"] >= 2 and lk["rtt_median_ms"] == round(statistics.median(st.rtts) * 1e3, 3)
         deadline = time.monotonic() + 30
         while st.status()["link"]["rtt_from"] != "ping" and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -258,6 +258,9 @@ def test_status_before_the_first_ping_says_so(tmp_path):
      "link up (round trip 0.12 ms by ping, the last forward 3.5 ms;"),
     ({"rtt_ms": 0.12, "rtt_from": "ping", "last_forward_ms": None, "last_forward_compute_ms": None},
      "link up (round trip 0.12 ms by ping;"),
+    ({"rtt_ms": 0.9, "rtt_from": "ping", "last_forward_ms": None, "last_forward_compute_ms": None,
+      "rtt_median_ms": 0.15, "rtt_samples": 16},
+     "link up (round trip 0.15 ms (median of the last 16), 0.9 ms by ping;"),
 ])
 def test_status_says_what_measured_the_links_round_trip(tmp_path, link, words):
     """The round trip measured from the traffic while requests flow (the last forward's wall time less the worker's

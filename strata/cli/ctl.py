@@ -271,14 +271,17 @@ def _device_line(dev: dict) -> str:
 
 
 def _link_timing(lk: dict) -> str:
-    """A remote stage's round trip in words: measured from the last forward while requests flow (its wall time
-    less the worker's compute), else by the idle link's ping, with the last forward's wall time."""
+    """A remote stage's round trip in words: the median of the recent ones, then the last, measured from the last
+    forward while requests flow (its wall time less the worker's compute), else by the idle link's ping, with the
+    last forward's wall time."""
     rtt, src, fwd, comp = (lk.get(k) for k in ("rtt_ms", "rtt_from", "last_forward_ms", "last_forward_compute_ms"))
     if rtt is None:
         return "no round trip measured yet"
+    med, n = lk.get("rtt_median_ms"), lk.get("rtt_samples") or 0
+    head = f"round trip {med} ms (median of the last {n}), " if med is not None and n > 1 else "round trip "
     if src == "forward":
-        return f"round trip {rtt} ms from the last forward: {fwd} ms, {comp} ms of it the worker's compute"
-    return f"round trip {rtt} ms" + (" by ping" if src == "ping" else "") + \
+        return head + f"{rtt} ms from the last forward: {fwd} ms, {comp} ms of it the worker's compute"
+    return head + f"{rtt} ms" + (" by ping" if src == "ping" else "") + \
         (f", the last forward {fwd} ms" if fwd is not None else "")
 
 

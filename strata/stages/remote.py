@@ -2,8 +2,10 @@
 RemoteMemory, strata.stages.remote_memory: the state verbs spoken over the link) and parse_remote."""
 from __future__ import annotations
 
+import statistics
 import threading
 import time
+from collections import deque
 from typing import Any
 
 import numpy as np
@@ -19,6 +21,9 @@ from strata.stages.remote_memory import CheckpointGone, RemoteMemory
 from strata.stages.stage import StageBase
 
 __all__ = ["RemoteStage", "RemoteMemory", "CheckpointGone", "parse_remote"]
+
+#: round trips the link's median (/status rtt_median_ms) is taken over: a single one reads the scheduler's wake-ups
+RTT_WINDOW = 16
 
 log = structlog.get_logger("strata.stages.remote")
 
@@ -73,6 +78,7 @@ class RemoteStage(StageBase):
         self._io = threading.RLock()         # the engine thread and the heartbeat / reconnect thread
         self.down_reason: str | None = None
         self.rtt: tuple[float, str] | None = None      # the link's last round trip (s) and what measured it
+        self.rtts: deque[float] = deque(maxlen=RTT_WINDOW)   # the recent round trips (s), pings and forwards
         self.last_forward: tuple[float, float] | None = None   # the last Forward / Result pair: (wall, compute) s
         self.commits = 0                     # Commits sent ahead (settled before the next prompt is read)
         self.worker_us = 0                   # the worker chain's own compute time over all Forwards (Result)
@@ -137,7 +143,7 @@ class RemoteStage(StageBase):
             try:
                 if self.client is not None and self.client.unsettled == 0 and \
                         time.monotonic() - self.client.heard > PING_EVERY:
-                    self.rtt = (self.client.ping(), "ping")
+                    self._round_trip(self.client.ping(), "ping")
             except (LinkDown, WorkerError) as e:
                 self._mark_down(str(e))
             finally:
@@ -178,7 +184,11 @@ class RemoteStage(StageBase):
         requests; this while they flow)."""
         compute_s = int(compute_us) / 1e6
         self.last_forward = (wall_s, compute_s)
-        self.rtt = (max(0.0, wall_s - compute_s), "forward")
+        self._round_trip(max(0.0, wall_s - compute_s), "forward")
+
+    def _round_trip(self, s: float, source: str) -> None:
+        self.rtt = (s, source)
+        self.rtts.append(s)
 
     def post(self, msg) -> None:
         """Send `msg` ahead (a Commit): its answer is settled before the next prompt is read."""
@@ -320,12 +330,12 @@ class RemoteStage(StageBase):
 
     def status(self) -> dict[str, Any]:
         """The stage's report (/status): its carve and the link's. rtt_ms: the link's last round trip, rtt_from
-        what measured it: "ping" (an idle link's ping) or "forward" (a Forward's wall time less the compute the
+        what measured it (rtt_median_ms: the median of the last rtt_samples, at most RTT_WINDOW, of either kind): "ping" (an idle link's ping) or "forward" (a Forward's wall time less the compute the
         worker reported for it: the frames' transfer and coding to and from the first worker, measured while
         requests flow; a relay's time on its next hop is inside the compute it reports); None before either. last_forward_ms / last_forward_compute_ms: the last Forward / Result pair's wall time and the
         worker chain's compute in it."""
         c = self.client
-        rtt, fwd = self.rtt, self.last_forward
+        rtt, fwd, recent = self.rtt, self.last_forward, list(self.rtts)
         ms = lambda s: round(s * 1e3, 3)  # noqa: E731
         return {"index": self.index, "layer_lo": self.carve.lo, "layer_hi": self.carve.hi, "device": self.device,
                 "runner": self.runner_name, "memory": {},
@@ -333,6 +343,8 @@ class RemoteStage(StageBase):
                          "frames": c.frames if c else None,
                          "workers": [{"address": a, "layer_lo": cc.lo, "layer_hi": cc.hi} for a, cc in self.hops],
                          "rtt_ms": None if rtt is None else ms(rtt[0]), "rtt_from": None if rtt is None else rtt[1],
+                         "rtt_median_ms": ms(statistics.median(recent)) if recent else None,
+                         "rtt_samples": len(recent),
                          "last_forward_ms": None if fwd is None else ms(fwd[0]),
                          "last_forward_compute_ms": None if fwd is None else ms(fwd[1]),
                          "checkpoints_held": self.memory.held, "store_bytes": self.memory.store_bytes,
