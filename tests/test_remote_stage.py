@@ -4,7 +4,6 @@ handshake's refusals (version, silence, close, key, model, limits, a second main
 worker dies mid-stream and comes back."""
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
