@@ -84,6 +84,7 @@ class RemoteStage(StageBase):
         self.worker_us = 0                   # the worker chain's own compute time over all Forwards (Result)
         self.batched_steps = self.batched_rows = 0   # BatchForward round trips, and the rows they carried
         self._stop = threading.Event()
+        self._wake = threading.Event()       # set by close() and by the link going down: the keepalive acts at once
         self._connect()                      # WorkerRefused at start: `strata serve` exits naming the worker
         self._thread = threading.Thread(target=self._keepalive, name="strata-link", daemon=True)
         self._thread.start()
@@ -123,21 +124,31 @@ class RemoteStage(StageBase):
             if self.down_reason is None:
                 log.warning("stage link down", stage=self.index, error=why)
             self.down_reason = why
+            self._wake.set()
 
     def _keepalive(self) -> None:
         """Ping an idle link every PING_EVERY s (a dead worker is noticed between requests, so they get 503 at
-        once); reconnect a down one with backoff."""
-        tries = 0
-        while not self._stop.wait(PING_EVERY if self.down_reason is None else BACKOFF[min(tries, len(BACKOFF) - 1)]):
+        once); reconnect a down one with backoff, the first try BACKOFF[0] after it went down."""
+        tries, up = 0, self.down_reason is None
+        while True:
+            self._wake.wait(PING_EVERY if up else BACKOFF[min(tries, len(BACKOFF) - 1)])
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             if self.down_reason is not None:
+                if up:            # it went down since the last look (a request's fault, or this thread's ping)
+                    up, tries = False, 0
+                    if self._stop.wait(BACKOFF[0]):
+                        return
                 try:
                     self._connect()
-                    tries = 0
+                    tries, up = 0, True
                 except LinkDown as e:
                     tries += 1
                     with self._io:
                         self.down_reason = str(e)
                 continue
+            up = True
             if not self._io.acquire(blocking=False):
                 continue                          # the engine is using the link: its own waits ping
             try:
@@ -151,6 +162,7 @@ class RemoteStage(StageBase):
 
     def close(self) -> None:
         self._stop.set()
+        self._wake.set()
         with self._io:
             if self.client is not None:
                 self.client.close()
