@@ -8,6 +8,8 @@ from strata.serve.errors import ApiError
 
 #: the codings a request body may carry (RFC 9110 section 8.4.1); "identity" means none
 SUPPORTED = ("gzip", "x-gzip", "deflate", "identity")
+#: the most compressed bytes fed to zlib at once
+_PIECE = 1 << 16
 
 
 def codings(header_values: list[str]) -> list[str]:
@@ -44,21 +46,26 @@ def _inflate(raw: bytes, coding: str, max_body: int) -> bytes:
     gzip = coding in ("gzip", "x-gzip")
     wbits = 16 + zlib.MAX_WBITS if gzip else zlib.MAX_WBITS if raw[0] & 0x0F == 8 else -zlib.MAX_WBITS
     out = bytearray()
-    rest = raw
+    view = memoryview(raw)
+    pos = 0
     try:
-        while rest:
+        while pos < len(raw):
+            # each member is fed in pieces of at most _PIECE bytes from pos: its unused_data (the bytes after its end,
+            # which zlib copies) stays that small, so many tiny members cost linear time, not quadratic
             d = zlib.decompressobj(wbits)
-            out += d.decompress(rest, max_body + 1 - len(out))
-            if len(out) > max_body:
-                raise ApiError(413, f"the request body decodes (Content-Encoding {coding}) to more than --max-body "
-                                    f"({max_body} bytes)", code="request_too_large")
+            while not d.eof and pos < len(raw):
+                piece = view[pos:pos + _PIECE]
+                out += d.decompress(piece, max_body + 1 - len(out))
+                if len(out) > max_body:
+                    raise ApiError(413, f"the request body decodes (Content-Encoding {coding}) to more than "
+                                        f"--max-body ({max_body} bytes)", code="request_too_large")
+                pos += len(piece) - len(d.unused_data)
             if not d.eof:
                 raise ApiError(400, f"the request body could not be read (Content-Encoding {coding}): the "
                                     f"compressed stream is cut short", param="Content-Encoding")
-            rest = d.unused_data
-            if rest and not gzip:
+            if pos < len(raw) and not gzip:
                 raise ApiError(400, f"the request body could not be read (Content-Encoding {coding}): "
-                                    f"{len(rest)} bytes follow the compressed stream", param="Content-Encoding")
+                                    f"{len(raw) - pos} bytes follow the compressed stream", param="Content-Encoding")
     except zlib.error as e:
         raise ApiError(400, f"the request body could not be read (Content-Encoding {coding}): {e}",
                        param="Content-Encoding") from None
