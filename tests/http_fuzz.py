@@ -327,6 +327,7 @@ HEADERS = {
                                       b"text/html; charset=utf-8"]) | header_value,
     b"Accept": st.sampled_from([b"text/html", b"text/event-stream", b"application/json", b"*/*"]) | header_value,
     b"Accept-Encoding": st.sampled_from([b"gzip", b"br", b"identity;q=0", b"*"]) | header_value,
+    b"Transfer-Encoding": st.sampled_from([b"gzip, chunked", b"chunked, chunked", b"identity", b"x-junk"]),
     b"Accept-Charset": header_value, b"Accept-Language": header_value,
     b"X-Request-Id": st.sampled_from([b"abc", b"a" * 65]) | header_value,
     b"Authorization": st.sampled_from([b"Bearer x", b"Bearer ", b"Basic Zm9vOmJhcg=="]) | header_value,

@@ -32,6 +32,9 @@ def test_decode_undoes_the_codings_last_first():
     raw_deflate = zlib.compressobj(wbits=-15)
     assert body_coding.decode(raw_deflate.compress(raw) + raw_deflate.flush(), ["deflate"], 1 << 20) == raw
     assert body_coding.decode(b"", ["gzip"], 10) == b""
+    assert body_coding.decode(gzip.compress(raw) + b"\0" * 7, ["gzip"], 1 << 20) == raw   # zeros after the last
+    many = gzip.compress(b"", mtime=0) * (body_coding.GZIP_MEMBERS - 1) + gzip.compress(raw)
+    assert body_coding.decode(many, ["gzip"], 1 << 20) == raw
 
 
 def test_decoded_past_the_bound_is_413_and_stops_there():
@@ -45,7 +48,10 @@ def test_decoded_past_the_bound_is_413_and_stops_there():
     (gzip.compress(b"abc")[:-3], "gzip", "cut short"),
     (zlib.compress(b"abc") + b"!", "deflate", "1 bytes follow"),
     (b"not gzip", "gzip", "Error"),
-    (gzip.compress(b"abc") + b"junk", "gzip", "Error"),
+    (gzip.compress(b"abc") + b"junk", "gzip", "4 bytes follow"),
+    (gzip.compress(b"abc") + b"\0\0x", "gzip", "3 bytes follow"),
+    (gzip.compress(b"abc") + b"\x1f\x8b", "gzip", "cut short"),
+    (gzip.compress(b"", mtime=0) * (body_coding.GZIP_MEMBERS + 1), "gzip", f"more than {body_coding.GZIP_MEMBERS}"),
 ])
 def test_bytes_that_are_not_the_coding_are_400(raw, coding, why):
     with pytest.raises(ApiError) as e:

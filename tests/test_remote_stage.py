@@ -413,6 +413,13 @@ def test_the_links_round_trip_is_measured_from_traffic_while_requests_flow(worke
         idle = st.status()["link"]
         assert idle["rtt_from"] == "ping" and idle["rtt_ms"] is not None
         assert idle["last_forward_ms"] == lk["last_forward_ms"]
+        # a new connection (perhaps to another worker) starts its median afresh
+        epoch = st.epoch
+        st._mark_down("the test resets the link")
+        deadline = time.monotonic() + 30
+        while (st.epoch == epoch or st.down_reason is not None) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert st.epoch == epoch + 1 and st.status()["link"]["rtt_samples"] <= 1
     finally:
         e.close()
 

@@ -431,6 +431,21 @@ def test_chunked_framing_broken_in_a_later_packet_is_answered_at_once(daemon, la
     assert daemon.json("GET", "/health")[0] == 200
 
 
+def test_a_transfer_coding_other_than_chunked_is_400_naming_it(daemon):
+    """Transfer-Encoding "gzip, chunked": the parser takes the chunks off and would hand the still-compressed bytes
+    on as JSON; the answer names the transfer coding instead."""
+    body = gzip.compress(json.dumps({"prompt": "Hello", "max_tokens": 1}).encode())
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(30)
+        s.connect(daemon.sock)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: strata\r\nContent-Type: application/json\r\n"
+                  b"Transfer-Encoding: gzip, chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+        r = http.client.HTTPResponse(s)
+        r.begin()
+        err = json.loads(r.read())["error"]
+    assert r.status == 400 and err["param"] == "Transfer-Encoding" and "'gzip'" in err["message"], err
+
+
 @pytest.mark.parametrize("enc,pack", [("gzip", gzip.compress), ("deflate", zlib.compress),
                                       ("gzip, deflate", lambda b: zlib.compress(gzip.compress(b)))])
 def test_compressed_body_is_decoded(daemon, enc, pack):

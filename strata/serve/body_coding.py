@@ -1,5 +1,6 @@
-"""A request body's Content-Encoding: gzip and deflate decoded here (aiohttp's own decoding is off), the decoded body
-bounded by --max-body, a coding that does not decode a one-line 400 and an unknown one a 415 naming it."""
+"""A request body's codings: Content-Encoding gzip and deflate decoded here (aiohttp's own decoding is off), the
+decoded body bounded by --max-body, a coding that does not decode a one-line 400 and an unknown one a 415 naming it;
+a Transfer-Encoding coding other than chunked a 400 naming it."""
 from __future__ import annotations
 
 import zlib
@@ -10,6 +11,10 @@ from strata.serve.errors import ApiError
 SUPPORTED = ("gzip", "x-gzip", "deflate", "identity")
 #: the most compressed bytes fed to zlib at once
 _PIECE = 1 << 16
+#: the first bytes of a gzip member (RFC 1952)
+GZIP_MAGIC = b"\x1f\x8b"
+#: gzip members a body may be made of (clients send one; thousands of empty ones would only cost the daemon time)
+GZIP_MEMBERS = 64
 
 
 def codings(header_values: list[str]) -> list[str]:
@@ -30,10 +35,25 @@ def codings(header_values: list[str]) -> list[str]:
     return out
 
 
+def check_transfer_codings(header_values: list[str]) -> None:
+    """400 (unsupported_transfer_encoding) naming a Transfer-Encoding coding other than chunked: the HTTP parser takes
+    chunked framing off and would pass any other coding through undecoded (a Transfer-Encoding without chunked last
+    is the parser's own 400)."""
+    for value in header_values:
+        for item in value.split(","):
+            c = item.strip().lower()
+            if c not in ("", "chunked", "identity"):
+                raise ApiError(400, f"the request's Transfer-Encoding {item.strip()[:40]!r} is not supported: send "
+                                    f"the body chunked or with a Content-Length (compressed with Content-Encoding "
+                                    f"gzip or deflate if you like)", param="Transfer-Encoding",
+                               code="unsupported_transfer_encoding")
+
+
 def decode(raw: bytes, applied: list[str], max_body: int) -> bytes:
     """raw with the codings of codings() undone, last applied first. 413 (request_too_large) when a step's output
     passes max_body bytes (a small body that inflates without bound goes no further than that); 400 for bytes that
-    are not what the coding says (a bad header or checksum, a stream cut short, bytes after its end)."""
+    are not what the coding says (a bad header or checksum, a stream cut short, bytes after its end, more than
+    GZIP_MEMBERS gzip members)."""
     for c in reversed(applied):
         if raw:
             raw = _inflate(raw, c, max_body)
@@ -41,15 +61,19 @@ def decode(raw: bytes, applied: list[str], max_body: int) -> bytes:
 
 
 def _inflate(raw: bytes, coding: str, max_body: int) -> bytes:
-    # gzip may be several members one after another; deflate is a zlib stream (RFC 1950), or raw deflate (RFC 1951)
-    # as some clients send it: a zlib stream's first byte names method 8
+    # gzip may be several members one after another (zeros after the last ignored); deflate is a zlib stream
+    # (RFC 1950), or raw deflate (RFC 1951) as some clients send it: a zlib stream's first byte names method 8
     gzip = coding in ("gzip", "x-gzip")
     wbits = 16 + zlib.MAX_WBITS if gzip else zlib.MAX_WBITS if raw[0] & 0x0F == 8 else -zlib.MAX_WBITS
     out = bytearray()
     view = memoryview(raw)
-    pos = 0
+    pos = members = 0
     try:
         while pos < len(raw):
+            members += 1
+            if members > GZIP_MEMBERS:
+                raise ApiError(400, f"the request body could not be read (Content-Encoding {coding}): more than "
+                                    f"{GZIP_MEMBERS} gzip members", param="Content-Encoding")
             # each member is fed in pieces of at most _PIECE bytes from pos: its unused_data (the bytes after its end,
             # which zlib copies) stays that small, so many tiny members cost linear time, not quadratic
             d = zlib.decompressobj(wbits)
@@ -63,7 +87,9 @@ def _inflate(raw: bytes, coding: str, max_body: int) -> bytes:
             if not d.eof:
                 raise ApiError(400, f"the request body could not be read (Content-Encoding {coding}): the "
                                     f"compressed stream is cut short", param="Content-Encoding")
-            if pos < len(raw) and not gzip:
+            if pos < len(raw) and (not gzip or raw[pos:pos + 2] != GZIP_MAGIC[:len(raw) - pos]):
+                if gzip and not raw[pos:].strip(b"\0"):
+                    break                   # zeros padding the last member, as gzip's own readers allow
                 raise ApiError(400, f"the request body could not be read (Content-Encoding {coding}): "
                                     f"{len(raw) - pos} bytes follow the compressed stream", param="Content-Encoding")
     except zlib.error as e:

@@ -81,6 +81,7 @@ async def read_body(request: web.Request, then: Callable[[dict], Any] | None = N
     then(body) (the route's validation: its ApiError as it raised it). A body of prepare.SMALL_BODY bytes or more is
     parsed and validated in the preparation pool, and marks the request's later preparation for it too."""
     cfg = request.app[CONFIG_KEY]
+    body_coding.check_transfer_codings(request.headers.getall("Transfer-Encoding", []))
     applied = body_coding.codings(request.headers.getall("Content-Encoding", []))
     if request.content_length is not None and request.content_length > cfg.max_body:
         raise ApiError(413, f"the request body is {request.content_length} bytes, more than --max-body "

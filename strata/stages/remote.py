@@ -110,6 +110,7 @@ class RemoteStage(StageBase):
             self.memory.lost_all()
             self.down_reason, self.memory.held, self.memory.store_bytes = None, 0, 0
             self.memory.granted = int(ack.ckpt_max)
+            self.rtts.clear()                # a new connection (perhaps another worker): its own round trips
         log.info("stage link up", stage=self.index, workers=[a for a, _ in self.hops], epoch=self.epoch,
                  ckpt_max=ack.ckpt_max, part_bytes=ack.part_bytes, worker=ack.worker, device=ack.device,
                  frames=client.frames)
@@ -341,8 +342,9 @@ class RemoteStage(StageBase):
         return {}
 
     def status(self) -> dict[str, Any]:
-        """The stage's report (/status): its carve and the link's. rtt_ms: the link's last round trip, rtt_from
-        what measured it (rtt_median_ms: the median of the last rtt_samples, at most RTT_WINDOW, of either kind): "ping" (an idle link's ping) or "forward" (a Forward's wall time less the compute the
+        """The stage's report (/status): its carve and the link's. rtt_ms: the link's last round trip (rtt_median_ms:
+        the median of this connection's last rtt_samples, at most RTT_WINDOW, of either kind), rtt_from what
+        measured it: "ping" (an idle link's ping) or "forward" (a Forward's wall time less the compute the
         worker reported for it: the frames' transfer and coding to and from the first worker, measured while
         requests flow; a relay's time on its next hop is inside the compute it reports); None before either. last_forward_ms / last_forward_compute_ms: the last Forward / Result pair's wall time and the
         worker chain's compute in it."""
