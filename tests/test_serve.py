@@ -5,6 +5,7 @@ import asyncio
 import gzip
 import http.client
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -429,6 +430,34 @@ def test_chunked_framing_broken_in_a_later_packet_is_answered_at_once(daemon, la
     assert err["message"].startswith("the request body could not be read: BadHttpMessage: ") and "b'" not in \
         err["message"], err
     assert daemon.json("GET", "/health")[0] == 200
+
+
+def test_a_pipelined_requests_body_broken_while_it_waits_its_turn_is_answered_in_its_turn(daemon):
+    """A pipelined request whose chunked body breaks while the request before it still runs: the first answered as
+    always, the second a 400 saying its body could not be read, right after (its read waited for --body-timeout)."""
+    a = json.dumps({"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "ignore_eos": True}).encode()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(30)
+        s.connect(daemon.sock)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: strata\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(a), a) +
+                  b"POST /v1/completions HTTP/1.1\r\nHost: strata\r\nContent-Type: application/json\r\n"
+                  b"Transfer-Encoding: chunked\r\n\r\n5\r\n{\"pro\r\n")
+        time.sleep(0.1)                      # the first request is still answering
+        s.sendall(b"zz\r\nmpt\r\n")
+        got = b""
+        while chunk := s.recv(65536):        # the daemon closes after the second answer
+            got += chunk
+    answers = []
+    while got:                               # each answer: its head, then Content-Length bytes of body
+        head, _, got = got.partition(b"\r\n\r\n")
+        n = int(re.search(rb"(?im)^content-length: *(\d+)", head).group(1))
+        answers.append((int(head.split()[1]), json.loads(got[:n])))
+        got = got[n:]
+    assert len(answers) == 2, answers
+    assert answers[0][0] == 200 and answers[0][1]["usage"]["completion_tokens"] == 24, answers[0]
+    assert answers[1][0] == 400 and answers[1][1]["error"]["message"].startswith(
+        "the request body could not be read: BadHttpMessage: "), answers[1]
 
 
 def test_a_transfer_coding_other_than_chunked_is_400_naming_it(daemon):

@@ -170,23 +170,31 @@ class _JsonErrorsHandler(RequestHandler):
     the body of the request being handled fails that request's body read instead (see data_received)."""
 
     def data_received(self, data: bytes) -> None:
-        """aiohttp's, and: when its parser fails inside the body of the request being handled (chunked framing broken
+        """aiohttp's, and: when its parser fails inside the body of a request already parsed (chunked framing broken
         in a later packet), aiohttp queues an error message behind that request but leaves its body unfinished, so
-        the handler's read would wait for --body-timeout. The read fails now (RequestPayloadError: the handler's
-        400), the queued message goes, and the connection closes after the answer."""
+        the handler's read would wait for --body-timeout. That body's read fails now (RequestPayloadError: the
+        handler's 400), whether its handler runs or the request still waits its turn behind a pipelined one; the
+        queued error message goes. A running handler's connection closes after its answer; a waiting request is
+        answered in its turn, and the client's next bytes meet the failed parser (aiohttp's 400, then it closes)."""
         queued = len(self._messages)
         super().data_received(data)
-        req = self._current_request
-        if req is None or len(self._messages) <= queued or req.content.is_eof():
+        if len(self._messages) <= queued:
             return
         err = self._messages[-1][0]
         if not isinstance(getattr(err, "exc", None), BaseException) or getattr(err, "status", None) != 400:
             return
+        bodies = [p for _, p in list(self._messages)[:-1]]     # the requests parsed before it, still to be handled
+        if self._current_request is not None:
+            bodies.insert(0, self._current_request.content)
+        open_bodies = [p for p in bodies if not p.is_eof()]
+        if not open_bodies:                  # the error is in a request of its own: aiohttp answers it
+            return
         self._messages.pop()
         failed = RequestPayloadError(getattr(err, "message", "") or str(err.exc))
         failed.__cause__ = err.exc
-        req.content.set_exception(failed)
-        self.close()
+        open_bodies[-1].set_exception(failed)      # the parser was inside the last one begun
+        if self._current_request is not None and open_bodies[-1] is self._current_request.content:
+            self.close()                     # (closing now would drop a waiting request unanswered)
 
     def handle_error(self, request, status: int = 500, exc: BaseException | None = None, message: str | None = None):
         resp = super().handle_error(request, status, exc, message)      # aiohttp's log line and its checks
