@@ -28,8 +28,8 @@ from strata.structured.tool_calls import arguments_object
 # HTTP status -> Anthropic's error type (https://docs.anthropic.com/en/api/errors)
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
-               415: "invalid_request_error", 429: "rate_limit_error", 500: "api_error", 501: "api_error", 502: "api_error",
-               503: "overloaded_error"}
+               415: "invalid_request_error", 429: "rate_limit_error", 500: "api_error", 501: "api_error",
+               502: "api_error", 503: "overloaded_error"}
 TOOL_CHOICES = ("auto", "any", "tool", "none")
 
 
