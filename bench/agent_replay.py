@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -38,7 +37,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-from bench.common import commit as bench_commit  # noqa: E402
+from bench.common import commit as bench_commit, tree_env  # noqa: E402
 
 from strata.engine import Engine                                  # noqa: E402
 from strata.engine.types import GenerationRequest, TokenEvent    # noqa: E402
@@ -64,7 +63,7 @@ def start_worker(model: str, threads: int | None, pool_ctx: int):
     cmd = [sys.executable, "-m", "strata.cli.main", "worker", "--listen", "127.0.0.1:0", "--model", model,
            "--log-level", "warning", "--kv-pool-ctx", str(pool_ctx)] + (["--threads", str(threads)] if threads else [])
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")})
+                         env=tree_env())
     for line in p.stderr:
         if line.startswith("strata worker listening on"):
             threading.Thread(target=lambda: [None for _ in p.stderr], daemon=True).start()
@@ -256,7 +255,7 @@ class StrataServer(CompletionServer):
         cmd = [sys.executable, "-m", "strata.cli.main", "serve", "--model", model, "--socket", str(folder / "s.sock"),
                "--port", str(port), "--n-ctx", str(n_ctx), "--threads", str(threads), "--parallel", str(slots),
                "--queue-max", "64", "--log-level", "warning"] + (extra or [])
-        env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        env = tree_env()
         super().__init__(cmd, port, env)
 
 

@@ -1,6 +1,6 @@
 """What the benchmarks share: the commit a result file is named by (git HEAD and a digest of the code that ran),
-where a result is written, the best time of a call, what else the host is doing, and this process's resident
-memory."""
+where a result is written, the best time of a call, what else the host is doing, this process's resident memory, and
+the environment a child process of some checkout runs in."""
 from __future__ import annotations
 
 import json
@@ -90,3 +90,11 @@ def rss() -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def tree_env(tree: str | Path = ROOT, **extra: str) -> dict[str, str]:
+    """os.environ for a child process that imports Strata from `tree`: the tree first on PYTHONPATH, the other entries
+    kept (site folders such as a --target install) except this checkout's root, so that a baseline tree's child never
+    imports this tree's code; `extra` set on top."""
+    keep = [q for q in os.environ.get("PYTHONPATH", "").split(os.pathsep) if q and Path(q).resolve() != ROOT]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree)] + keep), **extra)

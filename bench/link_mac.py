@@ -39,7 +39,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-from bench.common import commit as bench_commit  # noqa: E402
+from bench.common import commit as bench_commit, tree_env  # noqa: E402
 from cpu_throughput import cpu_name  # noqa: E402  -- the CPU's name in the result's file name
 
 import link  # noqa: E402
@@ -161,7 +161,7 @@ def round_trips(frames: str | None, n_embd: int, pairs: int) -> list[float]:
 
 
 def _start_worker(*args: str) -> tuple[subprocess.Popen, str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = tree_env()
     proc = subprocess.Popen([sys.executable, "-m", "strata.cli.main", "worker", "--listen", "127.0.0.1:0",
                              "--threads", "1", "--log-format", "json", *args], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)

@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-from bench.common import commit as bench_commit  # noqa: E402
+from bench.common import commit as bench_commit, tree_env  # noqa: E402
 
 from daemons import free_port, stop, wait_healthy  # noqa: E402
 
@@ -92,7 +92,7 @@ def run_arm(tree: Path, model: str | None, kinds: dict, reps: int, every: float,
            "--n-ctx", str(n_ctx), "--log-level", "warning", "--max-body", str(16 << 20)]
     if model:
         cmd += ["--model", model]
-    env = dict(os.environ, PYTHONPATH=str(tree), STRATA_DEVICE="cpu")
+    env = tree_env(tree, STRATA_DEVICE="cpu")
     proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_healthy(proc, f"http://127.0.0.1:{port}", cmd, "strata serve", poll=0.2)

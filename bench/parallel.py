@@ -10,7 +10,9 @@ tok/s = N * steps / seconds, host logits of every row included. "ratio" = batche
 
 Models: 'default' (the default model), 'syn_smol' (a synthetic llama of the default model's shape, Q4_1: the default
 model's compute where its file is not at hand), 'syn_llama_1_7b' and 'syn_hybrid_1_5b' (bench/gpu_throughput.py's
-and bench/gpu_hybrid_model.py's synthetic models, written into --dir on first use), or GGUF paths.
+and bench/gpu_hybrid_model.py's synthetic models, written into --dir on first use; the llama with its weights
+centred, as its long-prompt tests have them: the throughput bench's file overflows float16 in a GPU prompt read of
+32+ tokens, which a daemon's warm-up refuses as NaN logits), or GGUF paths.
 Usage: PYTHONPATH=. python bench/parallel.py [--device cuda|cpu] [--models default,syn_llama_1_7b,syn_hybrid_1_5b]
        [--ns 1,2,4,8,16] [--steps 16] [--reps 3] [--depth 600] [--threads N] [--out PATH]
        PYTHONPATH=. python bench/parallel.py --e2e 1,2,4 [--models default] [--llama-server PATH] [--e2e-tokens 48]
@@ -42,6 +44,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+from bench.common import tree_env  # noqa: E402
 
 NS = (1, 2, 4, 8, 16)
 MODELS = ("default", "syn_llama_1_7b", "syn_hybrid_1_5b")
@@ -53,7 +56,7 @@ def model_path(name: str, folder: Path) -> str:
     folder.mkdir(parents=True, exist_ok=True)
     if name == "default":
         return str(default_model_path())
-    out = folder / f"{name}.gguf"
+    out = folder / (f"{name}_centred.gguf" if name == "syn_llama_1_7b" else f"{name}.gguf")
     if out.exists():
         return str(out)
     tok = str(default_model_path())
@@ -64,7 +67,7 @@ def model_path(name: str, folder: Path) -> str:
                                                            embd_qtype="Q8_0", seed=3)))
     if name == "syn_llama_1_7b":
         from gpu_throughput import make_synthetic_llama
-        return make_synthetic_llama(str(out), tok)
+        return make_synthetic_llama(str(out), tok, dmin=7.5 * 2e-3)
     if name == "syn_hybrid_1_5b":
         from gpu_hybrid_model import make_synthetic_hybrid
         return str(make_synthetic_hybrid(out, tok, size="1.5b"))
@@ -189,7 +192,7 @@ def _wait_port(port: int, proc, timeout: float = 300.0) -> None:
 
 def _server(cmd: list[str], port: int, log: Path):
     import subprocess
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), STRATA_DEVICE="cpu")
+    env = tree_env(STRATA_DEVICE="cpu")
     f = open(log, "wb")
     proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     try:
@@ -204,7 +207,7 @@ def _server(cmd: list[str], port: int, log: Path):
 def _worker(model: str, threads: int, log: Path, device: str = "cpu"):
     """A `strata worker` on `device` and a free loopback port -> (process, "127.0.0.1:PORT"), once it listens."""
     import subprocess
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), STRATA_DEVICE="cpu")
+    env = tree_env(STRATA_DEVICE="cpu")
     f = open(log, "w")
     proc = subprocess.Popen([sys.executable, "-m", "strata.cli.main", "worker", "--listen", "127.0.0.1:0", "--model",
                              model, "--threads", str(threads), "--device", device, "--log-level", "warning"],

@@ -92,6 +92,7 @@ def main() -> None:
     if a.measure:
         print(json.dumps(measure(a.measure, a.n, a.resident)))
         return
+    from bench.common import tree_env  # noqa: PLC0415
     from strata.gguf import synth  # noqa: PLC0415
     with tempfile.TemporaryDirectory() as tmp:
         model = str(synth.write_synthetic(Path(tmp) / f"{a.arch}.gguf", synth.preset(a.arch, "tiny", n_layer=4)))
@@ -102,7 +103,7 @@ def main() -> None:
                        capture_output=True)
         runs = {}
         for name, root in (("baseline", base), ("this", ROOT)):
-            env = dict(os.environ, PARKED_MEMORY_ROOT=str(root), PYTHONPATH=str(root))
+            env = tree_env(root, PARKED_MEMORY_ROOT=str(root))
             r = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--measure", model, "--n", str(a.n),
                                 "--resident", str(a.resident)], env=env, capture_output=True, text=True,
                                check=True)

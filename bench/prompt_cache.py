@@ -42,7 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import commit as bench_commit  # noqa: E402
+from bench.common import commit as bench_commit, tree_env  # noqa: E402
 import model_clock  # noqa: E402  (bench/model_clock.py)
 from daemons import stop, wait_healthy  # noqa: E402
 
@@ -128,8 +128,7 @@ class DaemonClient:
             cmd += ["--threads", str(threads)]
         if park_resident is not None:
             cmd += ["--park-resident", str(park_resident)]
-        env = dict(os.environ, STRATA_BENCH_CLOCK=clock,
-                   PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+        env = tree_env(STRATA_BENCH_CLOCK=clock)
         self.proc = subprocess.Popen(cmd, env=env)
         base = f"http://127.0.0.1:{port}"
         self.wait_healthy(base, cmd, "the daemon")

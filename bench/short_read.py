@@ -210,7 +210,7 @@ def bench_llama(bin_path: str, path: str, device: str, ns, depths, threads: int)
 def run_arms(a, paths: dict, dev_name: str) -> int:
     """The --arm A/B (module docstring): every arm's bench in a fresh process per round, llama-bench per round."""
     import tempfile
-    from bench.common import commit as bench_commit, host_load
+    from bench.common import commit as bench_commit, host_load, tree_env
     arms = []
     for spec in a.arm:
         name, _, tree = spec.partition("=")
@@ -231,7 +231,7 @@ def run_arms(a, paths: dict, dev_name: str) -> int:
                    "--models", ",".join(paths.values()), "--ns", a.ns, "--depths", a.depths, "--reps", str(a.reps),
                    "--threads", str(a.threads), "--out", str(dest)]
             print(f"round {r + 1}/{a.rounds}: {name} ({tree})", flush=True)
-            p = subprocess.run(cmd, cwd=tree, env=dict(os.environ, PYTHONPATH=tree), capture_output=True, text=True)
+            p = subprocess.run(cmd, cwd=tree, env=tree_env(tree), capture_output=True, text=True)
             if p.returncode != 0:
                 raise SystemExit(f"arm {name} failed:\n{p.stderr[-2000:]}")
             out["runs"][name].append(json.loads(dest.read_text()))

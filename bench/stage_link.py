@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.common import tree_env  # noqa: E402
 
 
 def measure(engine, prompt_len: int, new_len: int, decode: int, rounds: int) -> dict:
@@ -101,8 +101,7 @@ def start_worker(args, listen: str, wrap=None, env=None):
         cmd += ["--link-key-file", args.link_key_file]
     cmd = wrap(cmd) if wrap else cmd
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                              **(env or {})})
+                         env=tree_env(**(env or {})))
     for line in p.stderr:
         if line.startswith("strata worker listening on"):
             threading.Thread(target=lambda: [None for _ in p.stderr], daemon=True).start()

@@ -12,8 +12,8 @@ the two trees alternating round by round (each round a fresh process per tree); 
 Model: 'default' (the default model) or a GGUF path; --threads C-core threads (1 by default: the host work is what is
 measured, and the machine may be shared). Greedy answers of every N are checked equal to each request alone.
 Usage: PYTHONPATH=. python bench/step_overhead.py [--ns 1,2,4,8] [--tokens 48] [--prompt 32] [--reps 3]
-       [--baseline REV] [--profile-n 4] [--e2e 1,4] [--e2e-tokens 48] [--out PATH]
-Writes bench/results/step_overhead_cpu_<commit>.json (or --out).
+       [--baseline REV] [--profile-n 4] [--device cpu|cuda] [--e2e 1,4] [--e2e-tokens 48] [--out PATH]
+Writes bench/results/step_overhead_<device>_<commit>.json (or --out).
 """
 from __future__ import annotations
 
@@ -34,12 +34,15 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # ---- one tree's engine arm (run in a child process: `--child`, PYTHONPATH = that tree) ----------------------------
 
-def _engine_arm(model: str, ns: list[int], tokens: int, prompt_len: int, threads: int, profile_n: int) -> dict:
+def _engine_arm(model: str, ns: list[int], tokens: int, prompt_len: int, threads: int, profile_n: int,
+                device: str = "cpu") -> dict:
     """For each N: N requests (distinct prompts of prompt_len tokens, tokens each, greedy) admitted together and
     stepped until all end -> {N: {"steps", "tokens", "step_us", "forward_us", "host_us_per_step",
     "host_us_per_token"}} over the steps where all N decode (medians of per-step values; the per-token host time
     is the steps' host time over their tokens); greedy answers checked equal to each request alone. With profile_n in
-    ns, a cProfile of that N's host part (the forward calls disabled in the profiler): the top functions."""
+    ns, a cProfile of that N's host part (the forward calls disabled in the profiler): the top functions. On a GPU the
+    forward's time runs until the device has finished it (a synchronize in the timed call), so the host part is the
+    host's own work and the waits it adds."""
     import cProfile
     import pstats
 
@@ -51,6 +54,7 @@ def _engine_arm(model: str, ns: list[int], tokens: int, prompt_len: int, threads
     fwd = [0.0]
     prof: list = [None]           # the profiler while it runs (a step being profiled)
     real_batch, real_read = sched.decode_batch, Decoder.read
+    sync = (lambda: __import__("cupy").cuda.Device().synchronize()) if device != "cpu" else (lambda: None)
 
     def timed(fn):
         def f(*a, **k):
@@ -59,7 +63,9 @@ def _engine_arm(model: str, ns: list[int], tokens: int, prompt_len: int, threads
                 p.disable()
             t0 = time.perf_counter()
             try:
-                return fn(*a, **k)
+                out = fn(*a, **k)
+                sync()
+                return out
             finally:
                 fwd[0] += time.perf_counter() - t0
                 if p is not None:
@@ -69,7 +75,7 @@ def _engine_arm(model: str, ns: list[int], tokens: int, prompt_len: int, threads
     Decoder.read = timed(real_read)
 
     rng = np.random.default_rng(7)
-    kw = dict(n_ctx=max(256, prompt_len + tokens + 16), device="cpu", threads=threads, conversation_cache_mib=0,
+    kw = dict(n_ctx=max(256, prompt_len + tokens + 16), device=device, threads=threads, conversation_cache_mib=0,
               prompt_cache=0)
     prompts = [[int(t) for t in rng.integers(100, 20000, prompt_len)] for _ in range(max(ns))]
     alone = Engine(model, **kw)
@@ -156,10 +162,11 @@ def _baseline_tree(rev: str) -> Path:
 
 
 def _child(tree: Path, args) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(tree))
+    from bench.common import tree_env
+    env = tree_env(tree)
     cmd = [sys.executable, str(ROOT / "bench" / "step_overhead.py"), "--child", "--model", args.model_path,
            "--ns", args.ns, "--tokens", str(args.tokens), "--prompt", str(args.prompt), "--threads", str(args.threads),
-           "--profile-n", str(args.profile_n)]
+           "--profile-n", str(args.profile_n), "--device", args.device]
     r = subprocess.run(cmd, env=env, cwd=str(tree), capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"the engine arm failed in {tree}:\n{r.stderr[-4000:]}")
@@ -177,7 +184,7 @@ def _thread_cpu(pid: int) -> dict[int, float]:
     return out
 
 
-def _e2e_arm(tree: Path, model: str, k: int, parallel: int, n_predict: int, threads: int) -> dict:
+def _e2e_arm(tree: Path, model: str, k: int, parallel: int, n_predict: int, threads: int, device: str = "cpu") -> dict:
     """K streaming clients against `strata serve --parallel P` from `tree` -> bench/parallel.py's burst numbers and
     each daemon thread's CPU seconds per token over the burst (the engine thread, the event loop's, the rest)."""
     sys.path.insert(0, str(ROOT / "bench"))
@@ -191,8 +198,9 @@ def _e2e_arm(tree: Path, model: str, k: int, parallel: int, n_predict: int, thre
     port = free_port()
     cmd = [sys.executable, "-m", "strata.cli.main", "serve", "--model", model, "--socket", str(tmp / "s.sock"),
            "--port", str(port), "--n-ctx", "1024", "--threads", str(threads), "--parallel", str(parallel),
-           "--queue-max", "64", "--log-level", "warning", "--device", "cpu"]
-    env = dict(os.environ, PYTHONPATH=str(tree), STRATA_DEVICE="cpu")
+           "--queue-max", "64", "--log-level", "warning", "--device", device]
+    from bench.common import tree_env
+    env = tree_env(tree, STRATA_DEVICE=device)
     with open(tmp / "serve.log", "wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=str(tree))
     try:
@@ -239,12 +247,13 @@ def main(argv=None) -> int:
     ap.add_argument("--e2e", default=None, metavar="K1,K2")
     ap.add_argument("--e2e-tokens", type=int, default=48)
     ap.add_argument("--e2e-reps", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="the engine's device (cpu, cuda, cuda:N)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     ns = [int(x) for x in a.ns.split(",")]
     if a.child:
-        print(json.dumps(_engine_arm(a.model, ns, a.tokens, a.prompt, a.threads, a.profile_n)))
+        print(json.dumps(_engine_arm(a.model, ns, a.tokens, a.prompt, a.threads, a.profile_n, a.device)))
         return 0
     sys.path.insert(0, str(ROOT))
     from bench.common import commit as bench_commit, host_load, write_result
@@ -253,7 +262,7 @@ def main(argv=None) -> int:
     trees = {"this": ROOT}
     if a.baseline:
         trees = {"baseline": _baseline_tree(a.baseline), "this": ROOT}
-    res = {"what": "bench/step_overhead.py", "device": "cpu", "commit": bench_commit(), "baseline": a.baseline,
+    res = {"what": "bench/step_overhead.py", "device": a.device, "commit": bench_commit(), "baseline": a.baseline,
            "model": os.path.basename(a.model_path), "ns": ns, "tokens": a.tokens, "prompt": a.prompt, "reps": a.reps,
            "threads": a.threads, "host_load": host_load(), "engine": {}, "e2e": {}}
     runs: dict[str, list] = {t: [] for t in trees}
@@ -274,7 +283,7 @@ def main(argv=None) -> int:
         for k in [int(x) for x in a.e2e.split(",")]:
             for p in sorted({1, k}, reverse=True):
                 for name, tree in trees.items():
-                    rows = [_e2e_arm(tree, a.model_path, k, p, a.e2e_tokens, a.threads) for _ in range(a.e2e_reps)]
+                    rows = [_e2e_arm(tree, a.model_path, k, p, a.e2e_tokens, a.threads, a.device) for _ in range(a.e2e_reps)]
                     best = sorted(rows, key=lambda x: x["aggregate_tok_s"])[len(rows) // 2]
                     res["e2e"].setdefault(f"K{k}", {})[f"{name}_parallel_{p}"] = best
                     print(f"e2e K={k} --parallel {p} {name}: {best['aggregate_tok_s']:.1f} tok/s, cpu us/token "
@@ -283,7 +292,7 @@ def main(argv=None) -> int:
     for name in trees:
         if name != "this":
             shutil.rmtree(trees[name], ignore_errors=True)
-    write_result(res, f"step_overhead_cpu_{res['commit']}", a.out)
+    write_result(res, f"step_overhead_{a.device.split(':')[0]}_{res['commit']}", a.out)
     return 0
 
 

@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-from bench.common import commit as bench_commit  # noqa: E402
+from bench.common import commit as bench_commit, tree_env  # noqa: E402
 import model_clock  # noqa: E402  (bench/model_clock.py)
 from daemons import free_port, stop, wait_healthy  # noqa: E402
 from prompt_cache import SENTENCES, system_prompt  # noqa: E402  (the same archive text)
@@ -76,8 +76,7 @@ class Arm:
                "--prompt-cache", str(prompt_cache), "--log-level", "warning"]
         if threads:
             cmd += ["--threads", str(threads)]
-        keep = [q for q in os.environ.get("PYTHONPATH", "").split(os.pathsep) if q and Path(q).resolve() != ROOT]
-        env = dict(os.environ, STRATA_BENCH_CLOCK=clock, PYTHONPATH=os.pathsep.join([str(tree)] + keep))
+        env = tree_env(tree, STRATA_BENCH_CLOCK=clock)
         if device == "cpu":      # one BLAS thread: the arms' daemons share the machine (spinning BLAS threads of idle
             env.update(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")   # daemons cost the others)
         self.proc = subprocess.Popen(cmd, env=env, cwd=str(tree))

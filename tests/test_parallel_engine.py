@@ -30,6 +30,7 @@ def test_default_model_slots_answer_as_alone(default_model_path, default_alone, 
     for i, (g, w) in enumerate(zip(got, want)):
         assert g == w, f"request {i}: its answer beside others differs from its answer alone"
     assert stats["batched_steps"] > 0 and stats["max_rows"] == n_slots, stats      # rows were read together
+    assert stats["picked_rows"] > 0, stats                      # greedy rows were picked together
     assert stats["prefill_parts"] >= 3 + 5                      # the long prompt in ubatch parts, one per step
 
 

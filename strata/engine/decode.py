@@ -15,9 +15,9 @@ import structlog
 from strata.engine import turn_clock
 from strata.engine.spec_policy import AdaptiveN
 from strata.engine.speculate import MAX_DRAFTS, SpecCounts
-from strata.engine.types import GenerationRequest, ReadToken, ReadVerify, TokenEvent, run_reads
+from strata.engine.types import GenerationRequest, Picked, ReadToken, ReadVerify, TokenEvent, run_reads
 from strata.memory.host import hash_log_fields, state_hash_logging
-from strata.sampling.sampler import Sampler, SamplingParams, StopMatcher
+from strata.sampling.sampler import SampleResult, Sampler, SamplingParams, StopMatcher
 from strata.sampling.device import DeviceSampler
 from strata.sampling.speculative import judge, judge_picks
 from strata.stages.sequence import Sequence
@@ -163,9 +163,12 @@ class Decoder:
                     finish = "cancelled"
                     break
                 with turn_clock.phase("sample"):
-                    if guide is not None:
-                        logits = guide.apply(logits)
-                    res = sampler.sample(logits)
+                    if isinstance(logits, Picked):     # a batched step's greedy pick (ReadToken.pick)
+                        res = SampleResult(logits.token_id, float("nan"), None)
+                    else:
+                        if guide is not None:
+                            logits = guide.apply(logits)
+                        res = sampler.sample(logits)
                     tok = int(res.token_id)
                 if self.adaptive is not None:
                     self._sampled()
@@ -242,12 +245,13 @@ class Decoder:
                     tok = int(verdict.tokens[j - 1].token_id)
                 if finish is not None:
                     break
+                pick = guide is None and sampler.greedy_rows_ok      # the row's argmax is the token
                 if self.drafter is None or not (self.drafter.wants_hidden or self.adaptive is not None):
-                    logits = yield ReadToken(tok, on_device)
+                    logits = yield ReadToken(tok, on_device, pick=pick)
                 else:                         # an MTP drafter sees every row's hidden state
                     pos = st.pos
                     logits, h, read_s = yield ReadToken(tok, on_device, hidden=self.drafter.wants_hidden,
-                                                        timed=self.adaptive is not None)
+                                                        timed=self.adaptive is not None, pick=pick)
                     if h is not None:
                         self.drafter.observe(pos, h)
                     if self.adaptive is not None:     # the step's time ends once its token is sampled (_sampled)

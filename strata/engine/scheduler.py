@@ -13,7 +13,8 @@ import structlog
 from strata.engine import turn_clock
 from strata.engine.slots import SlotView, SlotWork, choose_slot, plan_step
 from strata.engine.speculate import MAX_DRAFTS, SpecCounts
-from strata.engine.types import FinalEvent, ReadPart, ReadToken, ReadVerify, TokenEvent
+from strata.engine.types import FinalEvent, Picked, ReadPart, ReadToken, ReadVerify, TokenEvent
+from strata.sampling.device import greedy_picks
 from strata.stages.batch import decode_batch, verify_batch
 
 log = structlog.get_logger("strata.engine")
@@ -76,10 +77,11 @@ class Scheduler:
         self.cursor = 0
         self.tasks = 0
         # steps run, steps whose decode read several slots' tokens in one batched step, the rows of those, the
-        # most rows one step decoded, prompt parts read, requests admitted,
-        # speculative verifies run, the tokens they read and the batched verifies that read several slots' at once
-        self.stats = dict(steps=0, batched_steps=0, batched_rows=0, max_rows=0, prefill_parts=0, admitted=0,
-                          verifies=0, verify_tokens=0, batched_verifies=0)
+        # most rows one step decoded, the rows whose greedy pick was taken with the others', prompt parts read,
+        # requests admitted, speculative verifies run, the tokens they read and the batched verifies that read
+        # several slots' at once
+        self.stats = dict(steps=0, batched_steps=0, batched_rows=0, max_rows=0, picked_rows=0, prefill_parts=0,
+                          admitted=0, verifies=0, verify_tokens=0, batched_verifies=0)
 
     @property
     def busy(self) -> int:
@@ -173,6 +175,8 @@ class Scheduler:
             t0 = time.perf_counter()
             rows = _call(lambda: decode_batch([s.seq for s in ok], [s.run.pending.token for s in ok], hidden=hidden))
             dt = time.perf_counter() - t0
+            picks = _picks(ok, rows[0][0] if hidden else rows[0]) if rows[1] is None else {}
+            self.stats["picked_rows"] += len(picks)
             for r, s in enumerate(ok):
                 if rows[1] is not None:
                     out[s.id] = rows
@@ -180,7 +184,10 @@ class Scheduler:
                 logits, h = rows[0] if hidden else (rows[0], None)
                 p = s.run.pending
                 share = dt / max(len(ok), decoding)
-                row = _device_row(s.seq, logits[r]) if p.on_device else logits[r]
+                if r in picks:
+                    row = Picked(picks[r])
+                else:
+                    row = _device_row(s.seq, logits[r]) if p.on_device else logits[r]
                 out[s.id] = ((row, h[r:r + 1] if p.hidden else None, share) if p.triple else row, None)
             if rows[1] is None:
                 self.stats["batched_steps"] += 1
@@ -315,6 +322,16 @@ def _groups(verifies, rows: int) -> list[list[int]]:
         out[-1].append(i)
         used += n
     return out
+
+
+def _picks(slots: list[Slot], logits) -> dict[int, int]:
+    """The greedy picks of a batched step's rows whose choice takes one (ReadToken.pick), taken together: {row:
+    token}; a row holding a NaN is left out (its choice's sampler sees the row and refuses it)."""
+    rows = [r for r, s in enumerate(slots) if s.run.pending.pick]
+    if not rows:
+        return {}
+    picks = greedy_picks(logits[rows] if len(rows) < len(slots) else logits)
+    return {r: t for r, t in zip(rows, picks) if t is not None}
 
 
 def _device_row(seq, row):

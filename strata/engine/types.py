@@ -161,17 +161,28 @@ class ReadToken:
     logits (on the device when on_device and the last stage keeps them there; a batched step sends host rows).
     hidden (a choice with an MTP drafter): send back (logits, the last stage's final-normed row, seconds the
     read took) instead; timed (a choice whose adaptive policy prices plain steps): (logits, that row or None
-    without hidden, seconds)."""
+    without hidden, seconds). pick (a choice whose sampler picks a row's argmax, ``greedy_rows_ok``, without a
+    grammar): a Picked may stand in for the logits, the row's greedy pick taken with the other rows' of a batched
+    step."""
 
     token: int
     on_device: bool = False
     hidden: bool = False
     timed: bool = False
+    pick: bool = False
 
     @property
     def triple(self) -> bool:
         """Whether the answer is (logits, final-normed row or None, seconds) rather than the logits alone."""
         return self.hidden or self.timed
+
+
+@dataclass(frozen=True)
+class Picked:
+    """A read token's greedy pick sent in place of its logits (ReadToken.pick): the argmax of a row holding no NaN,
+    which is what the choice's sampler would pick from it."""
+
+    token_id: int
 
 
 @dataclass(frozen=True)

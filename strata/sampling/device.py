@@ -267,7 +267,7 @@ class DeviceSampler:
 
     def greedy_rows(self, rows) -> list[int]:
         """The greedy pick of every row of rows float32 (n, n_vocab) (numpy or CuPy): sample()'s argmax (ties ->
-        lowest id), taken on the rows' device, n token ids and one NaN flag copied to the host. For a sampler with
+        lowest id), taken on the rows' device (``greedy_picks``). For a sampler with
         ``greedy_rows_ok`` (ValueError otherwise, or for rows of the wrong shape); NonFiniteLogits when any row
         holds a NaN. Does not call accept()."""
         if not self.greedy_rows_ok:
@@ -276,18 +276,13 @@ class DeviceSampler:
             raise ValueError(f"rows must have shape (n, {self.n_vocab}), got {getattr(rows, 'shape', None)}")
         xp = array_module(rows)
         if xp is np:
-            return self._greedy_rows(np, rows)
-        with xp.cuda.Device(rows.device.id):
-            return self._greedy_rows(xp, rows)
-
-    def _greedy_rows(self, xp, rows) -> list[int]:
-        x = xp.asarray(rows, dtype=xp.float32)
-        picks = _greedy_pick(xp, x).astype(xp.int64)
-        bad = xp.isnan(x).any().astype(xp.int64)
-        host = xp.concatenate([picks, xp.reshape(bad, (1,))]).tolist()          # the one device -> host copy
-        if host[-1]:
+            picks = greedy_picks(rows)
+        else:
+            with xp.cuda.Device(rows.device.id):
+                picks = greedy_picks(rows)
+        if None in picks:
             raise NonFiniteLogits()
-        return [int(t) for t in host[:-1]]
+        return picks
 
     def candidates(self, logits):
         """The candidate set after the chain, on the host: (ids int64 best first, probabilities float64 summing
@@ -351,6 +346,16 @@ class DeviceSampler:
             keep &= (lg >= thr) | (idx == 0)
         lt = (lg / np.float32(p.temperature)).astype(xp.float32)
         return ids, xp.where(keep, xp.exp((lt - lt[0]).astype(xp.float64)), 0.0), keep.sum(), bad
+
+
+def greedy_picks(rows) -> list[int | None]:
+    """The greedy pick of each row of rows float32 (n, n_vocab) (numpy or CuPy): its argmax (ties -> lowest id), None
+    for a row holding a NaN; taken on the rows' device, the n picks and NaN flags copied to the host at once."""
+    xp = array_module(rows)
+    x = xp.asarray(rows, dtype=xp.float32)
+    both = xp.stack([_greedy_pick(xp, x).astype(xp.int64), xp.isnan(x).any(axis=-1).astype(xp.int64)])
+    picks, bad = both.tolist()                                              # the one device -> host copy
+    return [None if b else int(t) for t, b in zip(picks, bad)]
 
 
 def _greedy_pick(xp, x):

@@ -343,6 +343,12 @@ class Sampler:
         """Greedy with nothing that changes the logits first: no logit_bias, no penalty in effect."""
         return self.params.temperature == 0 and self._bias is None and not self.penalizing
 
+    @property
+    def greedy_rows_ok(self) -> bool:
+        """Whether ``sample`` picks the argmax of a row holding no NaN, with no log-probabilities to report (plain
+        greedy, no logprobs): a batched step's rows may then be picked together (``device.greedy_picks``)."""
+        return self.plain_greedy and self.params.logprobs is None
+
     def result(self, logits: np.ndarray, tok: int) -> SampleResult:
         """The SampleResult of choosing `tok` at logits: with params.logprobs set, its log-probability and the asked
         top log-probabilities; without, logprob NaN (a full-vocabulary float64 softmax per token, which nothing

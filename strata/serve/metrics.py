@@ -163,6 +163,8 @@ STEP_COUNTERS = (("steps", "engine_steps", "Engine steps run over the request sl
                  ("batched_steps", "batched_steps", "Engine steps whose decode read several slots' tokens in one "
                                                     "batched step"),
                  ("batched_rows", "batched_rows", "Rows (one slot's token each) of the batched decode steps"),
+                 ("picked_rows", "picked_rows", "Rows of the batched decode steps whose greedy pick was taken with the "
+                                                "other rows' (one argmax and one copy for them all)"),
                  ("prefill_parts", "prefill_parts", "Prompt parts read in engine steps"))
 
 
