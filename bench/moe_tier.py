@@ -3,7 +3,8 @@
 Arms (the same file, prompts and VRAM for experts: 25 % and 50 % of all experts' bytes):
   * resident: every expert in VRAM (the tier off): the reference every ratio is taken against;
   * adaptive: the tier (--moe-vram-mib B, rounds every --adapt-every tokens), also with --pcie-frac 0.02 (a slow link)
-    and with prompt routings counted at --prefill-weight (adaptive_pw, 0.1 by default: bench/moe_policy_sim.py);
+    and with prompt routings counted at --prefill-weight (adaptive_pw, 1 by default: the tier counts them at 0.1,
+    bench/moe_policy_sim.py);
   * static: the same slots filled once with the experts most used over the warm-up prompts, never swapped;
   * layers: as many layers' experts wholly in the slots as the budget holds, the other layers' read from host RAM;
   * host: no slots (every expert read from pinned host RAM over PCIe).
@@ -142,6 +143,7 @@ def strata_arms(a, fracs: list[float]) -> dict:
     import cupy as cp
     from bench.common import commit as bench_commit
     from strata.backend.cuda.moe_tier import TierSettings
+    from strata.moe.policy import Policy
     from strata.gguf import synth
     if not os.path.exists(a.gguf):
         t0 = time.perf_counter()
@@ -171,7 +173,7 @@ def strata_arms(a, fracs: list[float]) -> dict:
             mib = int(frac * total / 2 ** 20)
             s = TierSettings(vram_mib=str(mib), every=a.every, swaps=a.swaps, pcie_frac=how[1],
                              static=place is not None,
-                             prefill_weight=a.prefill_weight if how[0] == "adaptive_pw" else 1.0)
+                             prefill_weight=a.prefill_weight if how[0] == "adaptive_pw" else Policy.prefill_weight)
         try:
             r = run_arm(a.gguf, s, place)
         except Exception as e:                          # noqa: BLE001 - the other arms still run
@@ -230,8 +232,9 @@ def main(argv=None) -> int:
     ap.add_argument("--every", type=int, default=16)
     ap.add_argument("--swaps", type=int, default=16)
     ap.add_argument("--slow-frac", type=float, default=0.02, help="--pcie-frac of the slow-link arm")
-    ap.add_argument("--prefill-weight", type=float, default=0.1,
-                    help="the prefill_weight of the adaptive_pw arm (prompt routings counted at this weight)")
+    ap.add_argument("--prefill-weight", type=float, default=1.0,
+                    help="the prefill_weight of the adaptive_pw arm (prompt routings counted at this weight; 1: as "
+                         "before the tier's default became 0.1)")
     ap.add_argument("--llama-bench", default=None)
     ap.add_argument("--strata-from", default=None, help="a JSON this bench wrote: add the llama.cpp arms to it")
     ap.add_argument("--out", default=None)

@@ -19,14 +19,15 @@ class Policy:
     came in before it may leave; margin: an expert comes in in place of a resident one only when its usage exceeds
     the resident one's by this fraction (and by at least one count: decayed counts of rarely used experts are
     noise); half_life: decoded tokens over which a usage count halves; prefill_weight: what a prompt token's routing
-    counts in the usage beside a decoded token's 1 (the slots serve the decode steps)."""
+    counts in the usage beside a decoded token's 1 (the slots serve the decode steps: a prompt's routings counted
+    fully pull them toward what the prompt used; docs/moe.md has the replay and GPU runs behind 0.1)."""
 
     every: int = 32
     swaps: int = 4
     min_dwell: int = 64
     margin: float = 0.25
     half_life: float = 256.0
-    prefill_weight: float = 1.0
+    prefill_weight: float = 0.1
 
     def problem(self) -> str | None:
         """The one-line reason these settings are unusable (naming the flag), or None."""

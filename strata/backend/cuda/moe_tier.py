@@ -42,7 +42,7 @@ class TierSettings:
     pcie_frac: float = 1.0
     static: bool = False
     lend_rows: int = 64
-    prefill_weight: float = 1.0
+    prefill_weight: float = Policy.prefill_weight
 
 
 class HomeLayer:
