@@ -292,8 +292,8 @@ def _cuda_why():
                                                 logprobs=3)])
 @pytest.mark.parametrize("kernel", ["1", "0"], ids=["kernel", "array-path"])
 def test_cupy_matches_numpy(cfg, kernel, monkeypatch):
-    """The CuPy run (the one-block kernel where it applies, or the array path the engine uses by default) draws the
-    numpy run's tokens for the same seed and logits."""
+    """The CuPy run (the one-block kernel where it applies, as the engine samples by default, or the array path) draws
+    the numpy run's tokens for the same seed and logits."""
     import cupy as cp
     monkeypatch.setenv("STRATA_SAMPLE_KERNEL", kernel)
     rng = np.random.default_rng(3)

@@ -39,13 +39,9 @@ _kernel_lib: Any = None          # (ffi, lib) once loaded, False when unavailabl
 
 def sample_kernel():
     """(ffi, lib) of strata_sample (native/cuda/sampling.cu) in strata/_cuda_kernels.so (the backend's cffi handle), or
-    None: library or symbol missing, or not asked for. Opt-in (STRATA_SAMPLE_KERNEL=1):
-    on the H200 it disagreed with the array path on one of the tricky-logits cases of
-    tests/test_device_sampling.py::test_kernel_matches_array_path (logits rounded to halves: ties, -0.0); the likely
-    cause, the array path's radix sort putting +0.0 before -0.0, is fixed in _argsort_desc but not yet re-run on a
-    GPU."""
+    None: library or symbol missing, or turned off (STRATA_SAMPLE_KERNEL=0: every draw takes the CuPy array path)."""
     global _kernel_lib
-    if os.environ.get("STRATA_SAMPLE_KERNEL", "0") in ("0", "false", "no", ""):
+    if os.environ.get("STRATA_SAMPLE_KERNEL", "1") in ("0", "false", "no"):
         return None
     if _kernel_lib is None:
         try:
