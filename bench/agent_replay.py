@@ -15,8 +15,8 @@ With --concurrent N the sub-agents run at once instead: each round's four sub-ag
 GGUF's template); re-reads, TTFT per step and each round's wall time.
 
 Usage: python bench/agent_replay.py [--model default] [--system-tokens 1200] [--rounds 3] [--threads 2]
-       [--split 15] [--arms local,remote] [--llama-server BIN]
-       [--out bench/results/agent_replay_cpu_<commit>.json]
+       [--split 15] [--arms local,remote] [--device cpu|cuda] [--llama-server BIN]
+       [--out bench/results/agent_replay_<cpu|cuda>_<commit>.json]
        python bench/agent_replay.py --concurrent 4 [--device cpu|cuda] [--llama-server BIN] ...
        [--out bench/results/agent_replay_concurrent_<cpu|cuda>_<commit>.json]
 """
@@ -59,9 +59,10 @@ def system_prompt(engine: Engine, tokens: int) -> str:
     return text
 
 
-def start_worker(model: str, threads: int | None, pool_ctx: int):
+def start_worker(model: str, threads: int | None, pool_ctx: int, device: str = "cpu"):
     cmd = [sys.executable, "-m", "strata.cli.main", "worker", "--listen", "127.0.0.1:0", "--model", model,
-           "--log-level", "warning", "--kv-pool-ctx", str(pool_ctx)] + (["--threads", str(threads)] if threads else [])
+           "--log-level", "warning", "--kv-pool-ctx", str(pool_ctx), "--device", device] + \
+        (["--threads", str(threads)] if threads else [])
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                          env=tree_env())
     for line in p.stderr:
@@ -264,14 +265,15 @@ def run_llama_server(binary: str, model: str, args, session_dir: Path, render: E
     from strata.gguf.default_model import resolve_model
     path = str(resolve_model(model))
     steps_out = []
-    srv = LlamaServer(binary, path, args.n_ctx, args.threads, session_dir)
+    ngl = ["-ngl", "0" if args.device == "cpu" else "99"]
+    srv = LlamaServer(binary, path, args.n_ctx, args.threads, session_dir, extra=ngl)
     cmd = " ".join(srv.cmd)
     try:
         agent = Agent(system_prompt(render, args.system_tokens))
         for phase in (0, 1):
             if phase == 1:
                 srv.close()
-                srv = LlamaServer(binary, path, args.n_ctx, args.threads, session_dir)
+                srv = LlamaServer(binary, path, args.n_ctx, args.threads, session_dir, extra=ngl)
                 loaded: set[str] = set()
             for chat, text in agent.schedule(args.rounds, phase):
                 msgs = agent.chats.setdefault(chat, [{"role": "system", "content": agent.system}])
@@ -431,25 +433,26 @@ def main(argv=None) -> int:
                     help="instead of the arms above: the four sub-agents' steps sent at once to `strata serve "
                          "--parallel N`, to `strata serve --parallel 1` (queued: the reference) and, with "
                          "--llama-server, to `llama-server -np N`, through the chat route (first phase only)")
-    ap.add_argument("--device", default="cpu", help="the daemons' --device in the --concurrent arms (llama-server: "
+    ap.add_argument("--device", default="cpu", help="the engines', workers' and daemons' --device (llama-server: "
                                                     "-ngl 99 unless cpu)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     commit = bench_commit()
     if args.concurrent:
         return main_concurrent(args, commit)
-    out = Path(args.out or ROOT / "bench" / "results" / f"agent_replay_cpu_{commit}.json")
-    results = dict(bench="agent_replay", commit=commit, model=args.model, system_tokens=args.system_tokens,
+    tag = "cpu" if args.device == "cpu" else "cuda"
+    out = Path(args.out or ROOT / "bench" / "results" / f"agent_replay_{tag}_{commit}.json")
+    results = dict(bench="agent_replay", commit=commit, model=args.model, device=args.device,
+                   system_tokens=args.system_tokens,
                    rounds=args.rounds, threads=args.threads, n_ctx=args.n_ctx, kv_pool_ctx=args.kv_pool_ctx,
                    answer_tokens=N_ANSWER, arms={})
     tmp = Path(tempfile.mkdtemp(prefix="agent_replay_"))
-    worker = None
     try:
         for arm in [a for a in args.arms.split(",") if a]:
             d = tmp / arm
             d.mkdir()
             kw = dict(n_ctx=args.n_ctx, threads=args.threads, slot_save_path=str(d), prompt_cache=8,
-                      conversation_cache_mib=1024, kv_pool_ctx=args.kv_pool_ctx)
+                      conversation_cache_mib=1024, kv_pool_ctx=args.kv_pool_ctx, device=args.device)
             if arm == "local":
                 def make(kw=kw):
                     return Engine(args.model, **kw)
@@ -460,7 +463,7 @@ def main(argv=None) -> int:
                     if state.get("w") is not None:            # a restart restarts the worker too
                         state["w"].terminate()
                         state["w"].wait(30)
-                    state["w"], addr = start_worker(args.model, args.threads, args.kv_pool_ctx)
+                    state["w"], addr = start_worker(args.model, args.threads, args.kv_pool_ctx, args.device)
                     return Engine(args.model, remote_stage=addr, layer_split=args.split, **kw)
             print(f"arm {arm}: cold read of the main's first prompt", flush=True)
             cold = cold_ttft(make, args.system_tokens)
