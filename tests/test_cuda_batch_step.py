@@ -53,9 +53,13 @@ def _check(stages, n, seed, setup=None, hidden=False):
         orders = [list(range(n)), list(range(n))[::-1], odd[1:] + odd[:1]]
         for step, order in enumerate(orders):
             toks = rng.integers(0, V, len(order)).astype(np.int32)
-            got = decode_batch([pairs[i][0] for i in order], toks, hidden=hidden)
+            on_device = step == 1         # the logits left on the device (a step whose rows sample there)
+            got = decode_batch([pairs[i][0] for i in order], toks, hidden=hidden, on_device=on_device)
             if hidden:       # the final-normed rows the MTP drafters read: each as the lone step's
                 got, hs = got
+            if on_device:
+                assert not isinstance(got, np.ndarray)
+                got = got.get()
                 assert hs.shape == (len(order), stages[-1].model.config.n_embd)
             assert got.shape == (len(order), V) and np.isfinite(got).all()
             for r, i in enumerate(order):

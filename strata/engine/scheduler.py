@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
 import structlog
 
 from strata.engine import turn_clock
@@ -172,10 +173,12 @@ class Scheduler:
             return {**out, **self._decode(ok, decoding)}
         if ok:
             hidden = any(s.run.pending.hidden for s in ok)
+            on_device = any(s.run.pending.on_device for s in ok)     # the logits stay where the rows sample
             t0 = time.perf_counter()
-            rows = _call(lambda: decode_batch([s.seq for s in ok], [s.run.pending.token for s in ok], hidden=hidden))
-            dt = time.perf_counter() - t0
+            rows = _call(lambda: decode_batch([s.seq for s in ok], [s.run.pending.token for s in ok], hidden=hidden,
+                                              on_device=on_device))
             picks = _picks(ok, rows[0][0] if hidden else rows[0]) if rows[1] is None else {}
+            dt = time.perf_counter() - t0        # the picks' copy waits for the device's step
             self.stats["picked_rows"] += len(picks)
             for r, s in enumerate(ok):
                 if rows[1] is not None:
@@ -186,8 +189,10 @@ class Scheduler:
                 share = dt / max(len(ok), decoding)
                 if r in picks:
                     row = Picked(picks[r])
+                elif p.on_device:
+                    row = _device_row(s.seq, logits[r])
                 else:
-                    row = _device_row(s.seq, logits[r]) if p.on_device else logits[r]
+                    row = _host_row(logits[r])
                 out[s.id] = ((row, h[r:r + 1] if p.hidden else None, share) if p.triple else row, None)
             if rows[1] is None:
                 self.stats["batched_steps"] += 1
@@ -335,14 +340,19 @@ def _picks(slots: list[Slot], logits) -> dict[int, int]:
 
 
 def _device_row(seq, row):
-    """A batched step's (or verify's) host rows of logits for a choice that samples on the last stage's device: copied
-    back there, so its sampler draws as it does from a lone read's device rows (the bits are the same; the draw on
-    the device and the host's array path are different algorithms)."""
+    """A batched step's (or verify's) rows of logits for a choice that samples on the last stage's device: host rows
+    copied there (rows already there as they are), so its sampler draws as it does from a lone read's device rows
+    (the bits are the same; the draw on the device and the host's array path are different algorithms)."""
     be = getattr(seq.stages[-1], "backend", None)
-    if be is None or getattr(be, "device", None) is None:
+    if be is None or getattr(be, "device", None) is None or not isinstance(row, np.ndarray):
         return row
     with be.device:
         return be.xp.asarray(row)
+
+
+def _host_row(row):
+    """A row of logits on the host (a device row copied back: a choice that samples on the host)."""
+    return row if isinstance(row, np.ndarray) else row.get()
 
 
 def _call(fn) -> tuple:

@@ -270,12 +270,7 @@ class DeviceSampler:
             raise ValueError("greedy_rows needs a greedy sampler without penalties or logprobs")
         if getattr(rows, "ndim", None) != 2 or rows.shape[1] != self.n_vocab or rows.shape[0] < 1:
             raise ValueError(f"rows must have shape (n, {self.n_vocab}), got {getattr(rows, 'shape', None)}")
-        xp = array_module(rows)
-        if xp is np:
-            picks = greedy_picks(rows)
-        else:
-            with xp.cuda.Device(rows.device.id):
-                picks = greedy_picks(rows)
+        picks = greedy_picks(rows)
         if None in picks:
             raise NonFiniteLogits()
         return picks
@@ -348,6 +343,13 @@ def greedy_picks(rows) -> list[int | None]:
     """The greedy pick of each row of rows float32 (n, n_vocab) (numpy or CuPy): its argmax (ties -> lowest id), None
     for a row holding a NaN; taken on the rows' device, the n picks and NaN flags copied to the host at once."""
     xp = array_module(rows)
+    if xp is not np:
+        with xp.cuda.Device(rows.device.id):
+            return _picks(xp, rows)
+    return _picks(np, rows)
+
+
+def _picks(xp, rows) -> list[int | None]:
     x = xp.asarray(rows, dtype=xp.float32)
     both = xp.stack([_greedy_pick(xp, x).astype(xp.int64), xp.isnan(x).any(axis=-1).astype(xp.int64)])
     picks, bad = both.tolist()                                              # the one device -> host copy

@@ -11,12 +11,13 @@ import numpy as np
 from strata.stages.sequence import Sequence
 
 
-def decode_batch(seqs: Seq[Sequence], tokens, x_in=None, hidden: bool = False):
+def decode_batch(seqs: Seq[Sequence], tokens, x_in=None, hidden: bool = False, on_device: bool = False):
     """Read tokens[i] as the next token of seqs[i] (distinct live sequences over the same stages) -> the last
     stage's logits, host float32 (N, n_vocab), row i bit-identical to ``seqs[i].forward([tokens[i]])`` (a worker's
     stages: the hidden states (N, n_embd) of its last carve; x_in: the rows its first stage starts from). hidden:
     (those logits, the last stage's final-normed rows (N, n_embd)), row i as ``seqs[i].forward([tokens[i]],
-    hidden=True)`` gives it (the MTP drafters').
+    hidden=True)`` gives it (the MTP drafters'). on_device: the logits may stay on the last stage's device (a
+    backend array of its own) where its runner keeps them there; host rows elsewhere.
 
     Pages for one more token are reserved for every sequence on every stage first (each sequence's ``make_room``
     when a pool is short; KVCacheFull, changing nothing but the extra pages reserved, when nothing more can be
@@ -33,10 +34,10 @@ def decode_batch(seqs: Seq[Sequence], tokens, x_in=None, hidden: bool = False):
     x = x_in
     try:
         for k, st in enumerate(stages):
-            if hidden and st.last:
-                x = st.forward_batch(toks, [s.sids[k] for s in seqs], x_in=x, hidden=True)
-            else:
-                x = st.forward_batch(toks, [s.sids[k] for s in seqs], x_in=x)
+            kw = {"hidden": True} if hidden and st.last else {}
+            if on_device and st.last:
+                kw["on_device"] = True
+            x = st.forward_batch(toks, [s.sids[k] for s in seqs], x_in=x, **kw)
     finally:
         now = time.monotonic()
         for s in seqs:

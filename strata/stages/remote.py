@@ -291,12 +291,14 @@ class RemoteStage(StageBase):
             return self.model.head(h, all_logits), be.rms_norm(h, self.model.out_norm, self.model.config.rms_eps)
         return self.model.head(h, all_logits)
 
-    def forward_batch(self, tokens: np.ndarray, sids: list[int], x_in=None, hidden: bool = False):
+    def forward_batch(self, tokens: np.ndarray, sids: list[int], x_in=None, hidden: bool = False,
+                      on_device: bool = False):
         """One decode step of several sequences in one round trip (``+slots``): a BatchForward of every row (its
         sequence id, position, token and hidden row), the worker chain's rows back in one BatchResult, then the head
-        over them -> host float32 logits (N, n_vocab), row i bit-identical to ``forward([tokens[i]], sids[i])`` (the
-        worker's batched step keeps that per row, and so does the head). One row, or a worker without ``+slots``:
-        StageBase's lone forwards. hidden: (those logits, the final-normed rows), as ``forward`` gives them."""
+        over them -> host float32 logits (N, n_vocab) (on_device too), row i bit-identical to ``forward([tokens[i]],
+        sids[i])`` (the worker's batched step keeps that per row, and so does the head). One row, or a worker
+        without ``+slots``: StageBase's lone forwards. hidden: (those logits, the final-normed rows), as ``forward``
+        gives them."""
         toks = np.ascontiguousarray(np.asarray(tokens, dtype=np.int32).reshape(-1))
         sids = [int(q) for q in sids]
         c = self.client

@@ -25,12 +25,16 @@ class ModelRunner:
                                             hidden=True)
         return self.model.forward_carve(tokens, state, self.lo, self.hi, x_in=x_in, all_logits=all_logits)
 
-    def forward_batch(self, tokens, states, x_in=None, hidden: bool = False):
+    def forward_batch(self, tokens, states, x_in=None, hidden: bool = False, on_device: bool = False):
         """One decode step of several sequences (``model.forward_batch`` of this carve; hidden: with the
-        final-normed rows)."""
+        final-normed rows; on_device: the logits as the backend's array)."""
         if hidden:
-            return self.model.forward_batch(tokens, states, self.lo, self.hi, x_in=x_in, hidden=True)
-        return self.model.forward_batch(tokens, states, self.lo, self.hi, x_in=x_in)
+            out = self.model.forward_batch(tokens, states, self.lo, self.hi, x_in=x_in, hidden=True)
+        else:
+            out = self.model.forward_batch(tokens, states, self.lo, self.hi, x_in=x_in)
+        if not (on_device and self.model.ends_with_head(self.hi)):
+            return out
+        return (self.model.backend.asarray(out[0]), out[1]) if hidden else self.model.backend.asarray(out)
 
     def verify_batch(self, token_lists, states, x_in=None):
         """Several sequences' speculative verifies (``model.verify_batch`` of this carve)."""
@@ -79,14 +83,16 @@ class StageBase(ABC):
         with all_logits; with hidden, (logits, the final-normed hidden states of every row), where
         ``speculates``)."""
 
-    def forward_batch(self, tokens: np.ndarray, sids: list[int], x_in=None, hidden: bool = False):
+    def forward_batch(self, tokens: np.ndarray, sids: list[int], x_in=None, hidden: bool = False,
+                      on_device: bool = False):
         """One decode step of several sequences: token i read by sequence ``sids[i]`` (distinct) at its own position
         -> the last stage's logits, host float32 (N, n_vocab), else the hidden states (N, n_embd) for the next
         stage (x_in: the previous stage's, one row per sequence). Row i is bit-identical to ``forward([tokens[i]],
         sids[i])`` whatever the other rows are and whichever row it sits in. hidden (the last stage): (those
         logits, the final-normed rows (N, n_embd), each as ``forward(..., hidden=True)`` gives it), for the MTP
-        drafters. This default runs those lone forwards one after the other; a local stage's runner reads each
-        weight once for all rows."""
+        drafters. on_device: the logits may be left on the device (a runner that keeps them there; host rows
+        otherwise). This default runs those lone forwards one after the other (host logits); a local stage's runner
+        reads each weight once for all rows."""
         toks = np.asarray(tokens, dtype=np.int32).reshape(-1)
         if toks.shape[0] != len(sids) or len(set(sids)) != len(sids):
             raise ValueError(f"a batched step takes one token per distinct sequence (got {toks.shape[0]} tokens for "
@@ -208,10 +214,11 @@ class Stage(StageBase):
             return self.runner.forward(tokens, st, all_logits=all_logits, x_in=x_in, hidden=True)
         return self.runner.forward(tokens, st, all_logits=all_logits, x_in=x_in)
 
-    def forward_batch(self, tokens: np.ndarray, sids: list[int], x_in=None, hidden: bool = False):
+    def forward_batch(self, tokens: np.ndarray, sids: list[int], x_in=None, hidden: bool = False,
+                      on_device: bool = False):
         """StageBase.forward_batch through the runner's ``forward_batch`` (every weight read once for the N rows,
-        the final-normed rows too where the MTP drafters want them; the CUDA plans: the decode step over N columns),
-        the lone forwards where the runner has none or N is 1."""
+        the final-normed rows too where the MTP drafters want them; the CUDA plans: the decode step over N columns,
+        the logits left on the device with on_device), the lone forwards where the runner has none or N is 1."""
         run = getattr(self.runner, "forward_batch", None)
         hidden = hidden and self.last
         if run is None or len(sids) == 1:
@@ -223,9 +230,10 @@ class Stage(StageBase):
         elif x_in is not None and self.backend.xp is not np:
             with self.backend.device:
                 x_in = self.backend.xp.asarray(x_in)
-        if hidden:
-            return run(tokens, [self.memory.seq(sid) for sid in sids], x_in=x_in, hidden=True)
-        return run(tokens, [self.memory.seq(sid) for sid in sids], x_in=x_in)
+        kw = {"hidden": True} if hidden else {}
+        if on_device and self.last and self.device_logits:
+            kw["on_device"] = True           # the CUDA runners' forward_batch (device_logits: a GPU keeps them)
+        return run(tokens, [self.memory.seq(sid) for sid in sids], x_in=x_in, **kw)
 
     def verify_batch(self, token_lists, sids: list[int], x_in=None):
         """StageBase.verify_batch through the model's own ``verify_batch`` (ModelRunner: every weight read once for

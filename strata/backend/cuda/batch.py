@@ -94,10 +94,11 @@ class BatchStep:
         self._tables_key = key
 
     # ---- the step
-    def run(self, toks: np.ndarray, states, x, hidden: bool = False) -> Any:
+    def run(self, toks: np.ndarray, states, x, hidden: bool = False, on_device: bool = False) -> Any:
         """The batched step of len(states) <= SHORT_READ_COLS rows (checked by forward_batch) -> host f32 logits
-        (N, n_vocab) on the last stage, else the hidden states, a CuPy f32 (N, n_embd) array of its own. hidden (the
-        last stage): (those logits, the final-normed rows the head read, CuPy f32 (N, n_embd) of their own)."""
+        (N, n_vocab) on the last stage (on_device: a CuPy f32 (N, n_vocab) copy of its own, ordered on the current
+        stream), else the hidden states, a CuPy f32 (N, n_embd) array of its own. hidden (the last stage): (those
+        logits, the final-normed rows the head read, CuPy f32 (N, n_embd) of their own)."""
         plan, cp = self.plan, self.plan.cp
         n, C = len(states), settings.SHORT_READ_COLS
         for st in states:
@@ -118,7 +119,10 @@ class BatchStep:
             if x is not None:
                 c["x"][:n] = x
             self._launch(plan._form(), n, rows, sets)
-            res = cp.asnumpy(c["logits"][:n], stream=plan.stream) if plan.last else c["x"][:n].copy()
+            if plan.last:
+                res = c["logits"][:n].copy() if on_device else cp.asnumpy(c["logits"][:n], stream=plan.stream)
+            else:
+                res = c["x"][:n].copy()
             if hidden and plan.last:
                 res = (res, c["hn"][:n].copy())
         cp.cuda.get_current_stream().wait_event(plan.stream.record())
@@ -200,11 +204,12 @@ def _cols_gdn(plan, s, n: int, li: int, L, sets: list) -> None:
     plan._cols_mv(s, [(L.ssm_out, 0, E)], "o", "vn", "vq", vdim, n)
 
 
-def forward_batch(pm, tokens, states, x=None, hidden: bool = False):
+def forward_batch(pm, tokens, states, x=None, hidden: bool = False, on_device: bool = False):
     """PlanModel.forward_batch: Model.forward_batch's contract (one token per distinct sequence -> host f32 logits
     (N, n_vocab), or a stage's hidden states, CuPy f32 (N, n_embd); hidden on the last stage: (those logits, the
     final-normed rows, CuPy f32 (N, n_embd)), each as the lone step with hidden gives it); x: a later stage's input,
-    already checked (runner.hidden_input). Sequences on the plan's pool whose plan has a column form go through
+    already checked (runner.hidden_input); on_device: the logits as CuPy f32 (N, n_vocab) of their own, ordered on
+    the current stream (no copy to the host). Sequences on the plan's pool whose plan has a column form go through
     BatchStep, SHORT_READ_COLS rows at a time; a lone row, or every row where the plan has no column form, takes its
     lone decode step (PlanModel.forward).
     ValueError, changing nothing, for a count mismatch, a repeated sequence, a bad token or what a lone step
@@ -232,8 +237,12 @@ def forward_batch(pm, tokens, states, x=None, hidden: bool = False):
         for i in range(0, n, C):
             xi = None if x is None else x[i:i + C]
             if min(C, n - i) > 1:
-                o = BatchStep.of(plan).run(toks[i:i + C], states[i:i + C], xi, hidden=hidden)
-            else:                   # one row: the lone decode step itself (its fused graph is the faster form)
+                o = BatchStep.of(plan).run(toks[i:i + C], states[i:i + C], xi, hidden=hidden,
+                                           on_device=on_device)
+            elif on_device and head:    # one row: the lone decode step itself (its fused graph is the faster form)
+                o = pm.forward_device(toks[i:i + 1], states[i], x_in=xi, hidden=hidden)
+                o = (o[0].copy(), o[1]) if hidden else o.copy()     # forward_device's rows live until its next call
+            else:
                 o = pm.forward(toks[i:i + 1], states[i], x_in=xi, hidden=hidden)
             if hidden:
                 o, h = o
@@ -241,5 +250,8 @@ def forward_batch(pm, tokens, states, x=None, hidden: bool = False):
             outs.append(o if min(C, n - i) > 1 else o.reshape(1, -1))
         if not head:
             return cp.concatenate([cp.asarray(o) for o in outs], axis=0)
+        if on_device:
+            logits = outs[0] if len(outs) == 1 else cp.concatenate(outs, axis=0)
+            return (logits, cp.concatenate(hs, axis=0)) if hidden else logits
         logits = np.concatenate([np.asarray(o) for o in outs], axis=0)
         return (logits, cp.concatenate(hs, axis=0)) if hidden else logits

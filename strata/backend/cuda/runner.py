@@ -882,15 +882,16 @@ class PlanModel:
             out = xp.concatenate([xp.asarray(o).reshape(1, -1) for o in outs])
         return (out, cp.concatenate([cp.asarray(h).reshape(1, -1) for h in hs])) if hidden and head else out
 
-    def forward_batch(self, tokens, states, x_in=None, hidden: bool = False):
+    def forward_batch(self, tokens, states, x_in=None, hidden: bool = False, on_device: bool = False):
         """One decode step of several sequences (Model.forward_batch's contract, hidden included: the final-normed
-        rows the MTP drafters read) through the plan's decode step over columns (strata/backend/cuda/batch.py), lone
-        decode steps where the plan has no column form."""
+        rows the MTP drafters read; on_device: the logits as CuPy f32 (N, n_vocab) of their own) through the plan's
+        decode step over columns (strata/backend/cuda/batch.py), lone decode steps where the plan has no column
+        form."""
         from strata.backend.cuda.batch import forward_batch
         m = self.model
         with m.backend.device:
             x = hidden_input(x_in, len(states), m.config.n_embd, self.lo == 0, m.backend.device_id)
-        return forward_batch(self, tokens, states, x, hidden=hidden)
+        return forward_batch(self, tokens, states, x, hidden=hidden, on_device=on_device)
 
     def measure_short_read(self, state) -> int | None:
         """The plan's crossover between the short read and the prefill, measured on `state` (left as it was) and
