@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from strata.sampling.sampler import NonFiniteLogits, Sampler, SamplingParams
-from strata.sampling.device import DeviceSampler, uniform
+from strata.sampling.device import DeviceSampler, greedy_picks, uniform
 
 OFF = dict(top_k=0, top_p=1.0, min_p=0.0)
 
@@ -404,3 +404,26 @@ def test_cuda_engine_samples_on_device(monkeypatch, default_model_path):
     seeded = SamplingParams(temperature=0.9, seed=42)
     a = _tokens(e, seeded, 32, logprobs=None)
     assert a == _tokens(e, seeded, 32, logprobs=None) and len(a) > 1
+
+
+def test_greedy_picks_are_each_rows_own_greedy_sample():
+    """A batched step's greedy picks (one argmax over the rows, NaN flags per row): each row's pick is what a greedy
+    sampler takes from that row alone (ties -> the lowest id), None where the row holds a NaN (its sampler refuses
+    it); the greedy rows of a DeviceSampler refuse the lot."""
+    rows = np.array([[0, 3, 3, 1], [np.nan, 9, 0, 0], [-1, -2, -0.5, -0.5], [0, 0, 0, 7]], np.float32)
+    picks = greedy_picks(rows)
+    assert picks == [1, None, 2, 3]
+    alone = Sampler(SamplingParams(temperature=0), 4)
+    assert alone.greedy_rows_ok
+    for row, want in zip(rows, picks):
+        if want is None:
+            with pytest.raises(NonFiniteLogits):
+                alone.sample(row)
+        else:
+            assert alone.sample(row).token_id == want
+    assert greedy_picks(rows[[0, 2, 3]]) == [1, 2, 3]
+    with pytest.raises(NonFiniteLogits):
+        DeviceSampler(SamplingParams(temperature=0), 4).greedy_rows(rows)
+    assert not Sampler(SamplingParams(temperature=0, logprobs=2), 4).greedy_rows_ok
+    assert not Sampler(SamplingParams(temperature=0.7), 4).greedy_rows_ok
+

@@ -177,7 +177,8 @@ class Scheduler:
             t0 = time.perf_counter()
             rows = _call(lambda: decode_batch([s.seq for s in ok], [s.run.pending.token for s in ok], hidden=hidden,
                                               on_device=on_device))
-            picks = _picks(ok, rows[0][0] if hidden else rows[0]) if rows[1] is None else {}
+            # a failure here leaves every row to its own sampler, which meets it in its own request
+            picks = (_call(lambda: _picks(ok, rows[0][0] if hidden else rows[0]))[0] or {}) if rows[1] is None else {}
             dt = time.perf_counter() - t0        # the picks' copy waits for the device's step
             self.stats["picked_rows"] += len(picks)
             for r, s in enumerate(ok):
