@@ -410,9 +410,10 @@ def test_greedy_picks_are_each_rows_own_greedy_sample():
     """A batched step's greedy picks (one argmax over the rows, NaN flags per row): each row's pick is what a greedy
     sampler takes from that row alone (ties -> the lowest id), None where the row holds a NaN (its sampler refuses
     it); the greedy rows of a DeviceSampler refuse the lot."""
-    rows = np.array([[0, 3, 3, 1], [np.nan, 9, 0, 0], [-1, -2, -0.5, -0.5], [0, 0, 0, 7]], np.float32)
+    rows = np.array([[0, 3, 3, 1], [np.nan, 9, 0, 0], [-1, -2, -0.5, -0.5], [0, 0, 0, 7], [1, 9, np.nan, 0]],
+                    np.float32)
     picks = greedy_picks(rows)
-    assert picks == [1, None, 2, 3]
+    assert picks == [1, None, 2, 3, None]
     alone = Sampler(SamplingParams(temperature=0), 4)
     assert alone.greedy_rows_ok
     for row, want in zip(rows, picks):

@@ -351,6 +351,10 @@ def greedy_picks(rows) -> list[int | None]:
 
 def _picks(xp, rows) -> list[int | None]:
     x = xp.asarray(rows, dtype=xp.float32)
+    if xp is np:        # numpy's argmax stops at a row's first NaN, so a NaN anywhere is that row's pick
+        picks = _greedy_pick(np, x)
+        bad = np.isnan(x[np.arange(x.shape[0]), picks])
+        return [None if b else int(t) for t, b in zip(picks.tolist(), bad.tolist())]
     both = xp.stack([_greedy_pick(xp, x).astype(xp.int64), xp.isnan(x).any(axis=-1).astype(xp.int64)])
     picks, bad = both.tolist()                                              # the one device -> host copy
     return [None if b else int(t) for t, b in zip(picks, bad)]
