@@ -173,7 +173,7 @@ class Scheduler:
             return {**out, **self._decode(ok, decoding)}
         if ok:
             hidden = any(s.run.pending.hidden for s in ok)
-            on_device = any(s.run.pending.on_device for s in ok)     # the logits stay where the rows sample
+            on_device = all(s.run.pending.on_device for s in ok)     # the logits stay where the rows sample
             t0 = time.perf_counter()
             rows = _call(lambda: decode_batch([s.seq for s in ok], [s.run.pending.token for s in ok], hidden=hidden,
                                               on_device=on_device))
@@ -190,10 +190,8 @@ class Scheduler:
                 share = dt / max(len(ok), decoding)
                 if r in picks:
                     row = Picked(picks[r])
-                elif p.on_device:
-                    row = _device_row(s.seq, logits[r])
                 else:
-                    row = _host_row(logits[r])
+                    row = _device_row(s.seq, logits[r]) if p.on_device else logits[r]
                 out[s.id] = ((row, h[r:r + 1] if p.hidden else None, share) if p.triple else row, None)
             if rows[1] is None:
                 self.stats["batched_steps"] += 1
@@ -349,11 +347,6 @@ def _device_row(seq, row):
         return row
     with be.device:
         return be.xp.asarray(row)
-
-
-def _host_row(row):
-    """A row of logits on the host (a device row copied back: a choice that samples on the host)."""
-    return row if isinstance(row, np.ndarray) else row.get()
 
 
 def _call(fn) -> tuple:

@@ -32,9 +32,7 @@ class ModelRunner:
             out = self.model.forward_batch(tokens, states, self.lo, self.hi, x_in=x_in, hidden=True)
         else:
             out = self.model.forward_batch(tokens, states, self.lo, self.hi, x_in=x_in)
-        if not (on_device and self.model.ends_with_head(self.hi)):
-            return out
-        return (self.model.backend.asarray(out[0]), out[1]) if hidden else self.model.backend.asarray(out)
+        return self._logits_on_device(out, hidden) if on_device else out
 
     def verify_batch(self, token_lists, states, x_in=None):
         """Several sequences' speculative verifies (``model.verify_batch`` of this carve)."""
@@ -43,12 +41,15 @@ class ModelRunner:
     def forward_device(self, tokens, state, x_in=None, hidden: bool = False, all_logits: bool = False):
         """forward() with the last token's logits (all_logits: every row's) as the backend's array (hidden: (those,
         the final-normed rows))."""
-        out = self.forward(tokens, state, all_logits=all_logits, x_in=x_in, hidden=hidden)
+        return self._logits_on_device(self.forward(tokens, state, all_logits=all_logits, x_in=x_in, hidden=hidden),
+                                      hidden)
+
+    def _logits_on_device(self, out, hidden: bool):
+        """A forward's result with its logits as the backend's array (hidden: (logits, rows)); a carve without the
+        head: its hidden states as they are."""
         if not self.model.ends_with_head(self.hi):
             return out
-        if hidden:
-            return self.model.backend.asarray(out[0]), out[1]
-        return self.model.backend.asarray(out)
+        return (self.model.backend.asarray(out[0]), out[1]) if hidden else self.model.backend.asarray(out)
 
     @property
     def moe_path(self):
