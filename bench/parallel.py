@@ -24,7 +24,8 @@ Writes bench/results/parallel_step_<device>_<commit>.json (or --out).
 `strata serve --parallel K` and, the reference measured in the same run, from `strata serve --parallel 1` (the same K
 clients, queued) and from `llama-server --parallel K` on the same GGUF where --llama-server names its binary:
 aggregate tok/s (every token of every answer over the burst's wall time), per-request latency, time to first token
-and inter-token latency (p50 / p99). Writes bench/results/parallel_e2e_<cpu|cuda>_<commit>.json (or --out).
+and inter-token latency (p50 / p99); at K = 1 also the one client against `strata serve`'s default (--parallel
+auto: request slots where they fit), what the default costs a lone user. Writes bench/results/parallel_e2e_<cpu|cuda>_<commit>.json (or --out).
 --e2e-remote SPLIT: the remote-stage arms too: the same K clients through `strata serve --parallel K --remote-stage`
 and `--parallel 1 --remote-stage` over a `strata worker` on loopback that runs layers SPLIT.. (the main keeps
 0..SPLIT and the head; a fresh worker per arm on --device, --threads as the daemon's), beside the local arms of the
@@ -226,7 +227,8 @@ def _worker(model: str, threads: int, log: Path, device: str = "cpu"):
 
 def e2e(model: str, ks: list[int], n_predict: int, prompt_tokens: int, threads: int, llama: str | None,
         folder: Path, device: str = "cpu", remote_split: int | None = None) -> dict:
-    """The end-to-end arms for each K -> {K: {"strata_parallel_K", "strata_parallel_1", "llama_server"?, ratios}};
+    """The end-to-end arms for each K -> {K: {"strata_parallel_K", "strata_parallel_1", "llama_server"?, ratios}}
+    (K = 1: "strata_parallel_auto" too, the one client against serve's default --parallel auto, and its ratio);
     with remote_split, also "strata_parallel_K_remote" and "strata_parallel_1_remote" (over a worker running layers
     remote_split..) and their ratios."""
     import tempfile
@@ -242,7 +244,8 @@ def e2e(model: str, ks: list[int], n_predict: int, prompt_tokens: int, threads: 
     for k in ks:
         prompts = [f"Story {i}: " + " ".join(rng.choice(words, prompt_tokens)) for i in range(k)]
         row = {}
-        arms = [(f"strata_parallel_{k}", k), ("strata_parallel_1", 1)] if k > 1 else [("strata_parallel_1", 1)]
+        arms = [(f"strata_parallel_{k}", k), ("strata_parallel_1", 1)] if k > 1 else \
+            [("strata_parallel_1", 1), ("strata_parallel_auto", "auto")]      # one client beside serve's default
         if remote_split:
             arms += [(f"{name}_remote", n) for name, n in arms]
         for name, n in arms:
@@ -283,6 +286,9 @@ def e2e(model: str, ks: list[int], n_predict: int, prompt_tokens: int, threads: 
                   f"{row['llama_server']['latency_ms_p50']:.0f} ms", flush=True)
         mine = row.get(f"strata_parallel_{k}", row["strata_parallel_1"])
         row["ratio_vs_parallel_1"] = mine["aggregate_tok_s"] / row["strata_parallel_1"]["aggregate_tok_s"]
+        if "strata_parallel_auto" in row:
+            row["auto_ratio_vs_parallel_1"] = (row["strata_parallel_auto"]["aggregate_tok_s"]
+                                               / row["strata_parallel_1"]["aggregate_tok_s"])
         if "llama_server" in row:
             row["ratio_vs_llama_server"] = mine["aggregate_tok_s"] / row["llama_server"]["aggregate_tok_s"]
         if remote_split:
