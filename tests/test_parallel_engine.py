@@ -117,9 +117,34 @@ def test_options_refused_with_several_slots(default_model_path, tmp_path):
         Engine(default_model_path, n_ctx=512, device="cpu", parallel=0)
 
 
+def test_parallel_auto_takes_four_slots_where_the_memory_holds_them_else_one(default_model_path, monkeypatch):
+    """--parallel auto (strata serve's default): four slots and a pool of four contexts where the device holds them
+    beside the weights and its margin, whole contexts of a --kv-pool-ctx given, one slot with a remote stage or where
+    the memory left is short (MemAvailable made small here)."""
+    from strata.engine.config import EngineConfig
+
+    def pages(e):
+        return e.stages[0].memory.stats()["kv"]["pages_total"]
+
+    e = Engine(default_model_path, n_ctx=512, device="cpu", parallel="auto")
+    one_ctx = -(-512 // e.stages[0].memory.stats()["kv"]["page_size"])
+    assert e.parallel == 4 and len(e.slots) == 4 and pages(e) == 4 * one_ctx
+    e.close()
+    e = Engine(default_model_path, n_ctx=512, device="cpu", parallel="auto", kv_pool_ctx=1100)
+    assert e.parallel == 2 and len(e.slots) == 2
+    e.close()
+    assert EngineConfig.build(parallel="auto", remote_stage="127.0.0.1:9").auto_parallel() == 1
+    assert EngineConfig.build(parallel="auto", n_ctx=512, kv_pool_ctx=400).auto_parallel() == 1
+    monkeypatch.setattr("strata.memory.hostram.available_ram", lambda: 1 << 30)    # below the 1 GiB margin + pages
+    e = Engine(default_model_path, n_ctx=512, device="cpu", parallel="auto")
+    assert e.parallel == 1 and len(e.slots) == 1 and pages(e) == one_ctx
+    e.close()
+
+
 @pytest.mark.parametrize("flags,needle", [
     (["--parallel", "4", "--n-ctx", "512", "--kv-pool-ctx", "1000"], "--parallel 4 needs a KV pool of 4 contexts"),
     (["--parallel", "0"], "argument --parallel/-np: must be >= 1, got 0"),
+    (["--parallel", "many"], "argument --parallel/-np: invalid slot count (a positive integer or 'auto') value"),
 ])
 def test_serve_refuses_slots_it_cannot_run_before_the_model_loads(flags, needle):
     """A usage error (exit 2) naming the flag, before any model loads (the model path does not exist): one line,
