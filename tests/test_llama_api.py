@@ -102,7 +102,7 @@ def test_props(daemon, default_model_path):
     from strata.gguf.file import open_gguf
     st, r = curl(daemon, "/props")
     assert st == 200
-    assert r["total_slots"] == 1 and r["model_path"] == str(default_model_path)
+    assert r["total_slots"] == 4 and r["model_path"] == str(default_model_path)     # serve's --parallel auto
     assert r["chat_template"] == open_gguf(default_model_path).metadata["tokenizer.chat_template"]
     assert r["default_generation_settings"]["n_ctx"] == 512
     assert r["default_generation_settings"]["params"]["temperature"] == 0.8
@@ -125,7 +125,7 @@ def test_props(daemon, default_model_path):
     ("/completion", {}, "'prompt' is required"),
     ("/completion", {"prompt": "x", "n_predict": "ten"}, "'n_predict' must be an integer >= -1"),
     ("/completion", {"prompt": "x", "n_probs": 3}, "'n_probs' is not supported"),
-    ("/completion", {"prompt": "x", "id_slot": 3}, "'id_slot' must be 0 or -1"),
+    ("/completion", {"prompt": "x", "id_slot": 4}, "'id_slot' must be -1 (any slot) or a slot id in 0..3"),
     ("/completion", {"prompt": [1, 10 ** 9]}, "outside the vocabulary"),
 ])
 def test_errors_in_llama_server_shape(daemon, path, body, needle):
@@ -242,18 +242,18 @@ def test_completion_empty_grammar_is_none_and_null_id_slot_is_any(daemon):
     assert st == 400 and "logit_bias" in r["error"]["message"]
 
 
-def test_the_lone_slot_shows_its_last_task_and_what_it_holds(daemon):
-    """/slots on one slot as llama-server shows a slot that has served requests: id_task counts each request (it
-    stayed -1 with one slot), n_prompt_tokens is what its cache holds (the prompt and the answer but its last
-    token; it was 0 once idle)."""
+def test_a_slot_shows_its_last_task_and_what_it_holds(daemon):
+    """/slots as llama-server shows a slot that has served requests (both sent to slot 0): id_task counts each
+    request of every slot (it stayed -1 with one slot), n_prompt_tokens is what its cache holds (the prompt and the
+    answer but its last token; it was 0 once idle)."""
     _, before = curl(daemon, "/slots")
     ids = [curl(daemon, "/tokenize", {"content": "Once upon a time"})[1]["tokens"]]
     for _ in range(2):
         st, r = curl(daemon, "/completion", {"prompt": ids[0], "n_predict": 5, "temperature": 0,
-                                             "cache_prompt": False})
+                                             "cache_prompt": False, "id_slot": 0})
         assert st == 200 and r["tokens_predicted"] == 5
     _, after = curl(daemon, "/slots")
-    assert after[0]["id_task"] == before[0]["id_task"] + 2 and not after[0]["is_processing"]
+    assert after[0]["id_task"] == max(s["id_task"] for s in before) + 2 and not after[0]["is_processing"]
     assert after[0]["n_prompt_tokens"] == len(ids[0]) + 5 - 1
 
 

@@ -50,7 +50,7 @@ def pair(request, tmp_path_factory, synthetic):
     save = tmp_path_factory.mktemp("slots-save")
     four = Daemon(tmp_path_factory.mktemp("par4"), *model, "--parallel", "4", "--slot-save-path", str(save),
                   port=free_port(), n_ctx=1024).start()
-    one = Daemon(tmp_path_factory.mktemp("par1"), *model, port=free_port(), n_ctx=1024).start()
+    one = Daemon(tmp_path_factory.mktemp("par1"), *model, "--parallel", "1", port=free_port(), n_ctx=1024).start()
     yield four, one
     assert four.stop() == 0, four.log_tail()
     assert one.stop() == 0, one.log_tail()
@@ -247,6 +247,41 @@ def test_fail_on_no_slot_is_a_503_only_while_every_slot_runs(pair):
         threading.Event().wait(0.05)
     assert one.json("GET", "/slots?fail_on_no_slot=1")[0] == 200
 
+
+
+def test_a_slot_action_waits_for_the_request_in_its_slot(pair):
+    """POST /slots/{id}?action=save on a slot that runs a request waits until that request ends (llama-server defers
+    it the same way), then saves what the slot holds; the other slots keep serving meanwhile. The request's lines
+    in the log carry its request id, the engine thread's 'generation finished' with its slot."""
+    four, _ = pair
+    started, done, saved = threading.Event(), threading.Event(), []
+
+    def run():
+        with _client(four).completions.create(model="default", prompt="1, 2, 3, 4, 5, 6, 7, 8,", max_tokens=400,
+                                              temperature=0, stream=True, extra_body={"id_slot": 2},
+                                              extra_headers={"X-Request-Id": "busy-slot-2"}) as s:
+            for _ in s:
+                started.set()
+                if done.is_set():
+                    break
+    t = threading.Thread(target=run)
+    t.start()
+    try:
+        assert started.wait(120)
+        w = threading.Thread(target=lambda: saved.append(four.json("POST", "/slots/2?action=save",
+                                                                   {"filename": "busy.bin"})))
+        w.start()
+        st, r = four.json("POST", "/completion", {"prompt": "Hello", "n_predict": 2, "temperature": 0})
+        assert st == 200 and r["id_slot"] != 2                   # another slot answers while slot 2 is busy
+        assert not saved and four.json("GET", "/slots")[1][2]["is_processing"]
+    finally:
+        done.set()
+        t.join(120)
+    w.join(120)
+    st, r = saved[0]
+    assert st == 200 and r["id_slot"] == 2 and r["n_saved"] > 0, r
+    lines = [ln for ln in four.log_lines() if ln.get("request_id") == "busy-slot-2"]
+    assert [ln.get("id_slot") for ln in lines if ln["event"] == "generation finished"] == [2], lines
 
 
 @pytest.mark.parametrize("where", ["local", "worker"])

@@ -525,13 +525,15 @@ def test_an_idle_chain_stays_up_and_a_silent_connection_locks_no_main_out(worker
     """The last worker of a chain drops a link that stays silent past --idle-timeout; the relay keeps it alive while
     its main pings, so the first request after an idle spell still works. A connection that sends nothing does not
     take the worker."""
-    b = workers("--idle-timeout", "2")
-    a = workers("--idle-timeout", "2")
+    # an idle main pings after PING_EVERY (1 s) of quiet, looked at once a second: up to 2 s apart, more on a loaded
+    # host; a 2 s timeout raced it (CI saw the chain dropped once), 4 s leaves that margin twice
+    b = workers("--idle-timeout", "4")
+    a = workers("--idle-timeout", "4")
     e = Engine("default", n_ctx=N_CTX, remote_stage=f"{a.address},{b.address}", layer_split="10,20")
     try:
         r = e.render_chat([{"role": "user", "content": "Hi"}])
         first = run(e, r, 4)[0]
-        time.sleep(5)                                   # longer than the idle timeout on both workers
+        time.sleep(6)                                   # longer than the idle timeout on both workers
         assert run(e, r, 4)[0] == first and e.unavailable() is None
     finally:
         e.close()

@@ -28,7 +28,8 @@ VERIFY_ROWS = MAX_DRAFTS + 1
 @dataclass(eq=False)
 class Run:
     """One request running in a slot: its generator (events, and the reads it waits on), where its events go
-    (``on_event(item)``; ``on_done(None | exception)`` once at the end), the read it waits on (``pending``)."""
+    (``on_event(item)``; ``on_done(None | exception)`` once at the end), the read it waits on (``pending``), the log
+    context bound when it was admitted (``log_context``: its request id; bound again whenever it runs)."""
 
     gen: Any
     on_event: Callable[[Any], None]
@@ -38,6 +39,7 @@ class Run:
     pending: ReadToken | ReadVerify | ReadPart | None = None
     n_decoded: int = 0
     started_at: float = field(default_factory=time.monotonic)
+    log_context: dict = field(default_factory=structlog.contextvars.get_contextvars)
 
 
 @dataclass(eq=False)
@@ -130,7 +132,8 @@ class Scheduler:
         for i, _, _ in plan.prefill:
             slot = self.slots[i]
             t1 = time.perf_counter()
-            with turn_clock.active(getattr(slot.run.request, "clock", None)):
+            with turn_clock.active(getattr(slot.run.request, "clock", None)), \
+                    structlog.contextvars.bound_contextvars(**slot.run.log_context):
                 results[i] = _call(lambda: slot.reader.read_part(slot.run.pending))
             own[i] = time.perf_counter() - t1
         spent = time.perf_counter() - t0
@@ -242,7 +245,8 @@ class Scheduler:
         run.pending = None
         final = None
         try:
-            with turn_clock.active(getattr(run.request, "clock", None)):   # its plan, checkpoints and sampling
+            with turn_clock.active(getattr(run.request, "clock", None)), \
+                    structlog.contextvars.bound_contextvars(**run.log_context):     # its plan, checkpoints, sampling
                 item = run.gen.throw(error) if error is not None else run.gen.send(value)
                 while not isinstance(item, (ReadToken, ReadVerify, ReadPart)):
                     if final is not None:
@@ -254,8 +258,8 @@ class Scheduler:
                         run.n_decoded += isinstance(item, TokenEvent)
                         run.on_event(item)
                     item = next(run.gen)
-            if final is not None:
-                run.on_event(final)
+                if final is not None:
+                    run.on_event(final)
             run.pending = item
         except StopIteration:
             self._finish(slot, None, final)
@@ -266,9 +270,10 @@ class Scheduler:
         """The slot freed, then its request's last FinalEvent (if held) and its end delivered."""
         run, slot.run = slot.run, None
         slot.last_used = time.monotonic()
-        if final is not None:
-            run.on_event(final)
-        run.on_done(error)
+        with structlog.contextvars.bound_contextvars(**run.log_context):
+            if final is not None:
+                run.on_event(final)
+            run.on_done(error)
 
     def cancel_all(self, error: BaseException) -> None:
         """End every running request with `error` (its generator closed, its cleanup run; on_done(error) for each)."""

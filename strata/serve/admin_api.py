@@ -173,5 +173,5 @@ async def slot_action(request: web.Request) -> web.Response:
     if action != "erase" and not kw:
         raise ApiError(400, f"slot {action} needs a JSON body with \"filename\"", param="filename",
                        code="invalid_value")
-    result = await engine_call(request, lambda eng: fn(slot, **kw))
+    result = await engine_call(request, lambda eng: fn(slot, **kw), slot=slot)
     return json_response(result if isinstance(result, dict) else {"id": slot, "action": action, "result": result})

@@ -125,11 +125,11 @@ def as_api_error(err: EngineError) -> ApiError:
     return ApiError(500, f"the engine failed: {name}: {e}", code="engine_error")
 
 
-def submit(w: EngineWorker, what, *, call: bool = False, rid: str = "", stop=None) -> Job:
-    """Queue a GenerationRequest (or, call=True, a function of the engine) on the worker; 503 when it is full or
-    shutting down."""
+def submit(w: EngineWorker, what, *, call: bool = False, rid: str = "", stop=None, slot: int | None = None) -> Job:
+    """Queue a GenerationRequest (or, call=True, a function of the engine, run once request slot `slot` is idle
+    where one is named) on the worker; 503 when it is full or shutting down."""
     try:
-        return w.call(what, rid, stop=stop) if call else w.submit(what, rid)
+        return w.call(what, rid, stop=stop, slot=slot) if call else w.submit(what, rid)
     except QueueFull as e:
         raise ApiError(503, f"the server is busy: {e}; retry later", code="queue_full",
                        headers={"Retry-After": str(1)}) from None
@@ -138,11 +138,12 @@ def submit(w: EngineWorker, what, *, call: bool = False, rid: str = "", stop=Non
                        headers={"Retry-After": "5"}) from None
 
 
-async def engine_call(request: web.Request, fn, stop=None):
-    """fn(engine) run on the engine thread behind the requests before it (bounded by --queue-max: 503 when full);
-    its result, or its exception as an ApiError. stop (a threading.Event fn watches): set when the handler is
-    cancelled (the client went away)."""
-    job = submit(request.app[WORKER_KEY], fn, call=True, rid=request.get("rid", ""), stop=stop)
+async def engine_call(request: web.Request, fn, stop=None, slot: int | None = None):
+    """fn(engine) run on the engine thread behind the requests before it (bounded by --queue-max: 503 when full),
+    and once request slot `slot` is idle where one is named (a slot action waits for the request running there, as
+    llama-server defers it); its result, or its exception as an ApiError. stop (a threading.Event fn watches): set
+    when the handler is cancelled (the client went away)."""
+    job = submit(request.app[WORKER_KEY], fn, call=True, rid=request.get("rid", ""), stop=stop, slot=slot)
     try:
         item = await job.events.get()
     except BaseException:

@@ -53,7 +53,7 @@ class Job:
     state: str = "waiting"                # waiting -> running -> done | dropped
     fn: Callable[[Any], Any] | None = None  # a call to run on the engine thread instead of a generation
     stop: threading.Event | None = None   # a call's own cancel event (fn watches it)
-    slot: int | None = None               # the request slot it runs in (several slots)
+    slot: int | None = None               # the request slot it runs in (several slots); a call's: it waits for it
     last_token_at: float | None = None
 
     def cancel(self) -> None:
@@ -119,10 +119,12 @@ class EngineWorker:
         job = Job(request=request, events=asyncio.Queue(), request_id=request_id)
         return self._enqueue(job)
 
-    def call(self, fn: Callable[[Any], Any], request_id: str = "", stop: threading.Event | None = None) -> Job:
-        """Queue fn(engine) to run on the engine thread in turn; its result arrives as the only event. stop: set
-        when the job is cancelled (fn may watch it to end early)."""
-        job = Job(request=None, events=asyncio.Queue(), request_id=request_id, fn=fn, stop=stop)
+    def call(self, fn: Callable[[Any], Any], request_id: str = "", stop: threading.Event | None = None,
+             slot: int | None = None) -> Job:
+        """Queue fn(engine) to run on the engine thread in turn (and, slot named, once that request slot is idle: it
+        waits in its place meanwhile); its result arrives as the only event. stop: set when the job is cancelled
+        (fn may watch it to end early)."""
+        job = Job(request=None, events=asyncio.Queue(), request_id=request_id, fn=fn, stop=stop, slot=slot)
         return self._enqueue(job)
 
     def _enqueue(self, job: Job) -> Job:
@@ -264,7 +266,7 @@ class EngineWorker:
                     self._cv.wait()
                 if self._stop and not self._waiting and not self._active:
                     return
-                calls = [j for j in self._waiting if j.fn is not None]
+                calls = [j for j in self._waiting if j.fn is not None and not _busy(eng, j.slot)]
                 free = eng.scheduler.busy < self.slots
                 gens = [j for j in self._waiting if j.fn is None] if free else []
                 for j in calls + gens:
@@ -290,7 +292,7 @@ class EngineWorker:
                 eng.scheduler.cancel_all(e)
                 ran = 0
             self._flush()                        # the step's events (every slot's token), one loop hop
-            if ran == 0 and back and not calls:
+            if ran == 0 and not calls and (back or self._waiting):
                 with self._cv:                   # every slot they name is busy but none is running: wait for work
                     if not self._active:
                         self._cv.wait(0.05)
@@ -390,3 +392,9 @@ def _put_all(held: list) -> None:
     """On the event loop: each (queue, item) put, in order."""
     for q, item in held:
         q.put_nowait(item)
+
+
+def _busy(engine, slot: int | None) -> bool:
+    """Whether request slot `slot` (None: none named) of the engine runs a request now."""
+    slots = getattr(engine, "slots", None)
+    return slot is not None and slots is not None and 0 <= slot < len(slots) and slots[slot].busy
