@@ -39,7 +39,9 @@ def _engine_arm(model: str, ns: list[int], tokens: int, prompt_len: int, threads
     """For each N: N requests (distinct prompts of prompt_len tokens, tokens each, greedy) admitted together and
     stepped until all end -> {N: {"steps", "tokens", "step_us", "forward_us", "host_us_per_step",
     "host_us_per_token"}} over the steps where all N decode (medians of per-step values; the per-token host time
-    is the steps' host time over their tokens); greedy answers checked equal to each request alone. With profile_n in
+    is the steps' host time over their tokens), and "alone": the same numbers per token of each request run alone
+    (Engine.generate, what --parallel 1 serves; the reference's tokens after each first, the first request's
+    left out as a warm-up); greedy answers checked equal to each request alone. With profile_n in
     ns, a cProfile of that N's host part (the forward calls disabled in the profiler): the top functions. On a GPU the
     forward's time runs until the device has finished it (a synchronize in the timed call), so the host part is the
     host's own work and the waits it adds."""
@@ -79,13 +81,25 @@ def _engine_arm(model: str, ns: list[int], tokens: int, prompt_len: int, threads
               prompt_cache=0)
     prompts = [[int(t) for t in rng.integers(100, 20000, prompt_len)] for _ in range(max(ns))]
     alone = Engine(model, **kw)
-    refs = []
+    refs, lone = [], []
     for p in prompts:
         req = GenerationRequest(prompt_tokens=list(p), max_tokens=tokens, ignore_eos=True, cache_prompt=False,
                                 checkpoint=False)
-        refs.append([ev.token_id for ev in alone.generate(req) if not isinstance(ev, FinalEvent)])
+        ids, marks = [], []
+        fwd[0] = 0.0
+        for ev in alone.generate(req):
+            if not isinstance(ev, FinalEvent):
+                ids.append(ev.token_id)
+                marks.append((time.perf_counter(), fwd[0]))
+        refs.append(ids)
+        # the lone path (what --parallel 1 runs): each token after the first, its wall time less its forward's
+        lone += [((t1 - t0), (f1 - f0)) for (t0, f0), (t1, f1) in zip(marks, marks[1:])]
     alone.close()
-    out = {}
+    lone = lone[len(lone) // max(1, len(prompts)):]        # the first prompt's tokens warm up
+    out = {"alone": {"steps": len(lone), "tokens": len(lone), "step_us": float(np.median([x[0] for x in lone]) * 1e6),
+                     "forward_us": float(np.median([x[1] for x in lone]) * 1e6),
+                     "host_us_per_step": float(np.median([x[0] - x[1] for x in lone]) * 1e6),
+                     "host_us_per_token": float(np.median([x[0] - x[1] for x in lone]) * 1e6)}} if lone else {}
     for n in ns:
         eng = Engine(model, parallel=n, **kw)
         profiled, rows = 0, []
@@ -278,7 +292,7 @@ def main(argv=None) -> int:
     if a.baseline:
         res["engine"]["host_per_token_ratio"] = {n: res["engine"]["this"][n]["host_us_per_token"] /
                                                  res["engine"]["baseline"][n]["host_us_per_token"]
-                                                 for n in res["engine"]["this"]}
+                                                 for n in res["engine"]["this"] if n in res["engine"]["baseline"]}
     if a.e2e:
         for k in [int(x) for x in a.e2e.split(",")]:
             for p in sorted({1, k}, reverse=True):
