@@ -140,7 +140,9 @@ class Engine:
 
         self.stages = build_stages(self.file, devices, split, self.n_ctx, kv, progress, remote=remote,
                                    make_remote=make_remote, pool_ctx=pool_ctx if fit else cfg.pool_ctx(),
-                                   moe_tier=cfg.moe.settings(), ctx_flag=cfg.pool_flags())
+                                   moe_tier=cfg.moe.settings(),
+                                   ctx_flag=f"--parallel (auto: {fit}) or --n-ctx ({self.n_ctx})" if fit
+                                   else cfg.pool_flags())
         self.parallel = int(cfg.parallel)
         try:
             self.tokenizer = Tokenizer.from_gguf(self.file.metadata)
