@@ -216,22 +216,28 @@ def test_a_client_gone_mid_stream_leaves_the_others_whole(pair):
     assert not any(s["is_processing"] for s in slots)
 
 
-def test_fail_on_no_slot_is_a_503_only_while_every_slot_runs(pair):
-    """llama-server's GET /slots?fail_on_no_slot=1: 503 while no slot is idle (the one slot of --parallel 1 streaming a
-    long answer), the slot list otherwise."""
-    four, one = pair
-    assert four.json("GET", "/slots?fail_on_no_slot=1")[0] == 200
-    started, done = threading.Event(), threading.Event()
-
+def _long_stream(d, started: threading.Event, done: threading.Event, **kw) -> threading.Thread:
+    """A started thread streaming a long greedy answer from daemon d (kw: the openai call's extra options): `started`
+    set at its first chunk, the stream dropped once `done` is set."""
     def run():
-        with _client(one).completions.create(model="default", prompt="1, 2, 3, 4, 5, 6, 7, 8,", max_tokens=400,
-                                             temperature=0, stream=True) as s:
+        with _client(d).completions.create(model="default", prompt="1, 2, 3, 4, 5, 6, 7, 8,", max_tokens=400,
+                                           temperature=0, stream=True, **kw) as s:
             for _ in s:
                 started.set()
                 if done.is_set():
                     break
     t = threading.Thread(target=run)
     t.start()
+    return t
+
+
+def test_fail_on_no_slot_is_a_503_only_while_every_slot_runs(pair):
+    """llama-server's GET /slots?fail_on_no_slot=1: 503 while no slot is idle (the one slot of --parallel 1 streaming a
+    long answer), the slot list otherwise."""
+    four, one = pair
+    assert four.json("GET", "/slots?fail_on_no_slot=1")[0] == 200
+    started, done = threading.Event(), threading.Event()
+    t = _long_stream(one, started, done)
     try:
         assert started.wait(120)
         st, r = one.json("GET", "/slots?fail_on_no_slot=1")
@@ -255,17 +261,7 @@ def test_a_slot_action_waits_for_the_request_in_its_slot(pair):
     in the log carry its request id, the engine thread's 'generation finished' with its slot."""
     four, _ = pair
     started, done, saved = threading.Event(), threading.Event(), []
-
-    def run():
-        with _client(four).completions.create(model="default", prompt="1, 2, 3, 4, 5, 6, 7, 8,", max_tokens=400,
-                                              temperature=0, stream=True, extra_body={"id_slot": 2},
-                                              extra_headers={"X-Request-Id": "busy-slot-2"}) as s:
-            for _ in s:
-                started.set()
-                if done.is_set():
-                    break
-    t = threading.Thread(target=run)
-    t.start()
+    t = _long_stream(four, started, done, extra_body={"id_slot": 2}, extra_headers={"X-Request-Id": "busy-slot-2"})
     try:
         assert started.wait(120)
         w = threading.Thread(target=lambda: saved.append(four.json("POST", "/slots/2?action=save",
