@@ -257,25 +257,37 @@ def test_fail_on_no_slot_is_a_503_only_while_every_slot_runs(pair):
 
 def test_a_slot_action_waits_for_the_request_in_its_slot(pair):
     """POST /slots/{id}?action=save on a slot that runs a request waits until that request ends (llama-server defers
-    it the same way), then saves what the slot holds; the other slots keep serving meanwhile. The request's lines
-    in the log carry its request id, the engine thread's 'generation finished' with its slot."""
+    it the same way), and behind a request queued earlier for that slot: it saves what the later one left; the other
+    slots keep serving meanwhile. The busy request's lines in the log carry its request id, the engine thread's
+    'generation finished' with its slot."""
+    import time
     four, _ = pair
-    started, done, saved = threading.Event(), threading.Event(), []
+    started, done, out = threading.Event(), threading.Event(), {}
     t = _long_stream(four, started, done, extra_body={"id_slot": 2}, extra_headers={"X-Request-Id": "busy-slot-2"})
     try:
         assert started.wait(120)
-        w = threading.Thread(target=lambda: saved.append(four.json("POST", "/slots/2?action=save",
-                                                                   {"filename": "busy.bin"})))
+        g = threading.Thread(target=lambda: out.__setitem__("g", four.json(
+            "POST", "/completion", {"prompt": "Hello", "n_predict": 3, "temperature": 0, "id_slot": 2})))
+        g.start()
+        for _ in range(600):                               # the request for slot 2 waits in the queue
+            if four.json("GET", "/health")[1]["queue"]["waiting"] >= 1:
+                break
+            time.sleep(0.05)
+        w = threading.Thread(target=lambda: out.__setitem__("save", four.json(
+            "POST", "/slots/2?action=save", {"filename": "busy.bin"})))
         w.start()
         st, r = four.json("POST", "/completion", {"prompt": "Hello", "n_predict": 2, "temperature": 0})
         assert st == 200 and r["id_slot"] != 2                   # another slot answers while slot 2 is busy
-        assert not saved and four.json("GET", "/slots")[1][2]["is_processing"]
+        assert "save" not in out and four.json("GET", "/slots")[1][2]["is_processing"]
     finally:
         done.set()
         t.join(120)
+    g.join(120)
     w.join(120)
-    st, r = saved[0]
-    assert st == 200 and r["id_slot"] == 2 and r["n_saved"] > 0, r
+    assert out["g"][0] == 200 and out["g"][1]["id_slot"] == 2
+    st, r = out["save"]
+    held = four.json("GET", "/slots")[1][2]["n_prompt_tokens"]      # what the queued request left in slot 2
+    assert st == 200 and r["id_slot"] == 2 and r["n_saved"] == held, (r, held)
     lines = [ln for ln in four.log_lines() if ln.get("request_id") == "busy-slot-2"]
     assert [ln.get("id_slot") for ln in lines if ln["event"] == "generation finished"] == [2], lines
 

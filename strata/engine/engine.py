@@ -125,7 +125,8 @@ class Engine:
 
         self.remote = remote
         fit = 0           # --parallel auto: slots whose pages the devices hold beside the weights (pool_ctx)
-        if cfg.parallel == "auto":
+        auto = cfg.parallel == "auto"
+        if auto:
             cfg = cfg.replace(parallel=cfg.auto_parallel())
             fit = cfg.parallel if cfg.parallel > 1 and st.kv_pool_ctx is None else 0
 
@@ -144,6 +145,8 @@ class Engine:
                                    ctx_flag=f"--parallel (auto: {fit}) or --n-ctx ({self.n_ctx})" if fit
                                    else cfg.pool_flags())
         self.parallel = int(cfg.parallel)
+        if auto:
+            log.info("request slots (--parallel auto)", parallel=self.parallel, n_ctx=self.n_ctx)
         try:
             self.tokenizer = Tokenizer.from_gguf(self.file.metadata)
         except ValueError as e:

@@ -152,7 +152,7 @@ async def slot_action(request: web.Request) -> web.Response:
     if len(n) > 6 or int(n) >= n_slots:
         shown = n if len(n) <= 20 else f"{n[:20]}... ({len(n)} digits)"
         has = "one slot (0)" if n_slots == 1 else f"{n_slots} slots (0..{n_slots - 1})"
-        raise ApiError(404, f"slot {shown} does not exist: this daemon has {has}", code="not_found")
+        raise ApiError(404, f"slot {shown} does not exist: this daemon has {has}", param="id", code="not_found")
     slot = int(n)
     action = request.query.get("action")
     if len(request.query.getall("action", [])) > 1:       # which one was meant? (erase and save differ a lot)
