@@ -394,23 +394,18 @@ def _put_all(held: list) -> None:
         q.put_nowait(item)
 
 
-def _busy(engine, slot: int | None) -> bool:
-    """Whether request slot `slot` (None: none named) of the engine runs a request now."""
-    slots = getattr(engine, "slots", None)
-    return slot is not None and slots is not None and 0 <= slot < len(slots) and slots[slot].busy
-
-
 def _ready_calls(engine, waiting) -> list[Job]:
     """The waiting calls that may run now, in order: one that names no slot, or names an idle slot that no job
     before it in the queue is waiting for (a request naming it with id_slot, or a call on it: they keep their order,
     as llama-server takes its deferred tasks)."""
+    slots = getattr(engine, "slots", None) or []
     ready, claimed = [], set()
     for j in waiting:
         if j.fn is None:
             sid = getattr(j.request, "id_slot", None)
             if isinstance(sid, int) and sid >= 0:
                 claimed.add(sid)
-        elif j.slot is None or (j.slot not in claimed and not _busy(engine, j.slot)):
+        elif j.slot is None or (j.slot not in claimed and not (0 <= j.slot < len(slots) and slots[j.slot].busy)):
             ready.append(j)
         else:
             claimed.add(j.slot)
