@@ -12,7 +12,9 @@ the two trees alternating round by round (each round a fresh process per tree); 
 Model: 'default' (the default model) or a GGUF path; --threads C-core threads (1 by default: the host work is what is
 measured, and the machine may be shared). Greedy answers of every N are checked equal to each request alone.
 Usage: PYTHONPATH=. python bench/step_overhead.py [--ns 1,2,4,8] [--tokens 48] [--prompt 32] [--reps 3]
-       [--baseline REV] [--profile-n 4] [--device cpu|cuda] [--e2e 1,4] [--e2e-tokens 48] [--out PATH]
+       [--baseline REV] [--profile-n 4] [--device cpu|cuda] [--e2e 1,4] [--e2e-tokens 48] [--e2e-reps 1]
+       [--e2e-slots 4] [--out PATH]
+With --e2e, K = 1 runs against --parallel 1 and --parallel --e2e-slots (one client through the slots' loop).
 Writes bench/results/step_overhead_<device>_<commit>.json (or --out).
 """
 from __future__ import annotations
@@ -261,6 +263,7 @@ def main(argv=None) -> int:
     ap.add_argument("--e2e", default=None, metavar="K1,K2")
     ap.add_argument("--e2e-tokens", type=int, default=48)
     ap.add_argument("--e2e-reps", type=int, default=1)
+    ap.add_argument("--e2e-slots", type=int, default=4, help="K = 1 also against --parallel this (the slot loop alone)")
     ap.add_argument("--device", default="cpu", help="the engine's device (cpu, cuda, cuda:N)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -295,7 +298,7 @@ def main(argv=None) -> int:
                                                  for n in res["engine"]["this"] if n in res["engine"]["baseline"]}
     if a.e2e:
         for k in [int(x) for x in a.e2e.split(",")]:
-            for p in sorted({1, k}, reverse=True):
+            for p in sorted({1, k} | ({a.e2e_slots} if k == 1 else set()), reverse=True):
                 for name, tree in trees.items():
                     rows = [_e2e_arm(tree, a.model_path, k, p, a.e2e_tokens, a.threads, a.device) for _ in range(a.e2e_reps)]
                     best = sorted(rows, key=lambda x: x["aggregate_tok_s"])[len(rows) // 2]

@@ -258,7 +258,8 @@ def test_fail_on_no_slot_is_a_503_only_while_every_slot_runs(pair):
 def test_a_slot_action_waits_for_the_request_in_its_slot(pair):
     """POST /slots/{id}?action=save on a slot that runs a request waits until that request ends (llama-server defers
     it the same way), and behind a request queued earlier for that slot: it saves what the later one left; the other
-    slots keep serving meanwhile. The busy request's lines in the log carry its request id, the engine thread's
+    slots keep serving meanwhile, and a refusal that does not depend on the slot (a bad file name, a file to restore
+    that is not there) answers at once. The busy request's lines in the log carry its request id, the engine thread's
     'generation finished' with its slot."""
     import time
     four, _ = pair
@@ -278,6 +279,12 @@ def test_a_slot_action_waits_for_the_request_in_its_slot(pair):
         w.start()
         st, r = four.json("POST", "/completion", {"prompt": "Hello", "n_predict": 2, "temperature": 0})
         assert st == 200 and r["id_slot"] != 2                   # another slot answers while slot 2 is busy
+        assert "save" not in out and four.json("GET", "/slots")[1][2]["is_processing"]
+        for body in ({"filename": "../up.bin"}, {"filename": 7}):     # refusals that do not depend on the slot: now
+            st, e = four.json("POST", "/slots/2?action=save", body)
+            assert st == 400 and e["error"]["param"] == "filename", (body, e)
+        st, e = four.json("POST", "/slots/2?action=restore", {"filename": "missing.bin"})
+        assert st == 400 and e["error"]["param"] == "filename" and "missing.bin" in e["error"]["message"], e
         assert "save" not in out and four.json("GET", "/slots")[1][2]["is_processing"]
     finally:
         done.set()

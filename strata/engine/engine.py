@@ -522,6 +522,14 @@ class Engine:
         with self._lock:
             return {**self.store.load(slot.seq, path, filename), "id_slot": slot.id}
 
+    def check_slot_file(self, action: str, filename) -> None:
+        """What a slot save (action "save") or restore ("restore") refuses whatever its slot is doing: session files
+        off (no --slot-save-path, a stage whose state cannot reach the main), a bad file name, a file to restore
+        that is not there (Refused / SessionError, one line). Reads the configuration and the directory only, so it
+        is safe from any thread: the server answers these before the call waits for a busy slot. The engine thread
+        checks again (slot_save / slot_restore)."""
+        self.store.files.path(filename, exists=action == "restore")
+
     def _idle_slot(self, slot_id) -> Slot:
         """Request slot `slot_id`, idle: Refused (naming id_slot) for one that does not exist or is processing a
         request (the engine thread calls this between steps, so it stays idle through the call)."""

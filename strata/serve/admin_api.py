@@ -9,9 +9,11 @@ from aiohttp import web
 from strata import __version__
 from strata.serve.config import CONFIG_KEY, GUARD_KEY, METRICS_KEY, STARTED_KEY, WORKER_KEY
 from strata.serve.errors import ApiError
-from strata.serve.handling import check_model, engine_call, engine_of, json_response, read_body, served_names
+from strata.serve.handling import (as_api_error, check_model, engine_call, engine_of, json_response, read_body,
+                                   served_names)
 from strata.serve.metrics import CONTENT_TYPE
 from strata.serve.responses_api import STORE_KEY
+from strata.serve.worker import EngineError
 
 SLOT_ACTIONS = ("save", "restore", "erase")
 
@@ -173,5 +175,10 @@ async def slot_action(request: web.Request) -> web.Response:
     if action != "erase" and not kw:
         raise ApiError(400, f"slot {action} needs a JSON body with \"filename\"", param="filename",
                        code="invalid_value")
+    if action != "erase":
+        try:        # refusals that do not depend on the slot answer now, not once a busy slot is idle
+            engine.check_slot_file(action, kw["filename"])
+        except ValueError as e:         # Refused, SessionError
+            raise as_api_error(EngineError(e)) from None
     result = await engine_call(request, lambda eng: fn(slot, **kw), slot=slot)
     return json_response(result if isinstance(result, dict) else {"id": slot, "action": action, "result": result})

@@ -266,25 +266,23 @@ class EngineWorker:
                     self._cv.wait()
                 if self._stop and not self._waiting and not self._active:
                     return
-                calls = _ready_calls(eng, self._waiting)
-                free = eng.scheduler.busy < self.slots
-                gens = [j for j in self._waiting if j.fn is None] if free else []
-                for j in calls + gens:
-                    self._waiting.remove(j)
-                    j.state = "admitting"
-                self.metrics.queue_depth.set(len(self._waiting))
+                calls, gens = _take_waiting(eng, self._waiting, eng.scheduler.busy < self.slots)
+                if calls or gens:
+                    self.metrics.queue_depth.set(len(self._waiting))
             for job in calls:
                 with structlog.contextvars.bound_contextvars(request_id=job.request_id):
                     self._run_call(job)
                 with self._cv:
                     job.state = "done"
-            self._flush()
+            if calls:
+                self._flush()
             back = [job for job in gens if not self._admit(job)]
-            with self._cv:
-                for job in reversed(back):          # still waiting, in their places at the front
-                    job.state = "waiting"
-                    self._waiting.appendleft(job)
-                self.metrics.queue_depth.set(len(self._waiting))
+            if back:
+                with self._cv:
+                    for job in reversed(back):          # still waiting, in their places at the front
+                        job.state = "waiting"
+                        self._waiting.appendleft(job)
+                    self.metrics.queue_depth.set(len(self._waiting))
             try:
                 ran = eng.step()
             except BaseException as e:  # noqa: BLE001 - a fault outside any one request's reads: theirs all end
@@ -392,6 +390,19 @@ def _put_all(held: list) -> None:
     """On the event loop: each (queue, item) put, in order."""
     for q, item in held:
         q.put_nowait(item)
+
+
+def _take_waiting(engine, waiting, free: bool) -> tuple[list[Job], list[Job]]:
+    """Under the worker's lock: the calls that may run now (_ready_calls) and, when a slot is free (`free`), every
+    waiting generation, each taken out of `waiting` (state "admitting") -> (calls, generations), both in order."""
+    if not waiting:
+        return [], []
+    calls = _ready_calls(engine, waiting)
+    gens = [j for j in waiting if j.fn is None] if free else []
+    for j in calls + gens:
+        waiting.remove(j)
+        j.state = "admitting"
+    return calls, gens
 
 
 def _ready_calls(engine, waiting) -> list[Job]:
