@@ -4,6 +4,7 @@ speculating slot's verify, whole prompt parts under the step's token budget), ea
 from one read to the next."""
 from __future__ import annotations
 
+import contextvars
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -28,8 +29,8 @@ VERIFY_ROWS = MAX_DRAFTS + 1
 @dataclass(eq=False)
 class Run:
     """One request running in a slot: its generator (events, and the reads it waits on), where its events go
-    (``on_event(item)``; ``on_done(None | exception)`` once at the end), the read it waits on (``pending``), the log
-    context bound when it was admitted (``log_context``: its request id; bound again whenever it runs)."""
+    (``on_event(item)``; ``on_done(None | exception)`` once at the end), the read it waits on (``pending``), the
+    context it runs in (``context``: a copy of the one it was admitted in, its request id bound for its log lines)."""
 
     gen: Any
     on_event: Callable[[Any], None]
@@ -39,7 +40,7 @@ class Run:
     pending: ReadToken | ReadVerify | ReadPart | None = None
     n_decoded: int = 0
     started_at: float = field(default_factory=time.monotonic)
-    log_context: dict = field(default_factory=structlog.contextvars.get_contextvars)
+    context: contextvars.Context = field(default_factory=contextvars.copy_context)
 
 
 @dataclass(eq=False)
@@ -116,8 +117,14 @@ class Scheduler:
         """One engine step: the plan (every decoding slot's token, every speculating slot's verify; prompt parts
         round-robin under what is left of the budget), then its reads (the decodes in one batched step, each verify
         a read of its own, the parts), then each slot served advanced to its next read -> tokens read (0: no slot
-        was busy)."""
-        work = [_work(s) for s in self.slots if s.busy]
+        was busy). One busy slot waiting on one token is read at once, as a request alone is (no plan)."""
+        busy = [s for s in self.slots if s.busy]
+        if len(busy) == 1 and isinstance(busy[0].run.pending, ReadToken):    # one slot decoding: its read alone
+            slot = busy[0]
+            self.stats["steps"] += 1
+            self._advance(slot, *self._decode(busy, 1)[slot.id])
+            return 1
+        work = [_work(s) for s in busy]
         if not work:
             return 0
         plan = plan_step(work, self.budget, self.cursor)
@@ -132,9 +139,8 @@ class Scheduler:
         for i, _, _ in plan.prefill:
             slot = self.slots[i]
             t1 = time.perf_counter()
-            with turn_clock.active(getattr(slot.run.request, "clock", None)), \
-                    structlog.contextvars.bound_contextvars(**slot.run.log_context):
-                results[i] = _call(lambda: slot.reader.read_part(slot.run.pending))
+            with turn_clock.active(getattr(slot.run.request, "clock", None)):
+                results[i] = slot.run.context.run(_call, lambda: slot.reader.read_part(slot.run.pending))
             own[i] = time.perf_counter() - t1
         spent = time.perf_counter() - t0
         for s in self.slots:       # the time a request waited on the others' reads of this step (before its first token)
@@ -243,37 +249,20 @@ class Scheduler:
         the slot idle (a slot action, /slots)."""
         run = slot.run
         run.pending = None
-        final = None
+        held: list = [None]
         try:
-            with turn_clock.active(getattr(run.request, "clock", None)), \
-                    structlog.contextvars.bound_contextvars(**run.log_context):     # its plan, checkpoints, sampling
-                item = run.gen.throw(error) if error is not None else run.gen.send(value)
-                while not isinstance(item, (ReadToken, ReadVerify, ReadPart)):
-                    if final is not None:
-                        run.on_event(final)
-                        final = None
-                    if isinstance(item, FinalEvent):
-                        final = item
-                    else:
-                        run.n_decoded += isinstance(item, TokenEvent)
-                        run.on_event(item)
-                    item = next(run.gen)
-                if final is not None:
-                    run.on_event(final)
-            run.pending = item
+            with turn_clock.active(getattr(run.request, "clock", None)):     # its plan, checkpoints, sampling
+                run.pending = run.context.run(_take, run, value, error, held)
         except StopIteration:
-            self._finish(slot, None, final)
+            self._finish(slot, None, held[0])
         except BaseException as e:  # noqa: BLE001 - the request's error, delivered to its client
-            self._finish(slot, e, final)
+            self._finish(slot, e, held[0])
 
     def _finish(self, slot: Slot, error: BaseException | None, final=None) -> None:
         """The slot freed, then its request's last FinalEvent (if held) and its end delivered."""
         run, slot.run = slot.run, None
         slot.last_used = time.monotonic()
-        with structlog.contextvars.bound_contextvars(**run.log_context):
-            if final is not None:
-                run.on_event(final)
-            run.on_done(error)
+        run.context.run(_end, run, error, final)
 
     def cancel_all(self, error: BaseException) -> None:
         """End every running request with `error` (its generator closed, its cleanup run; on_done(error) for each)."""
@@ -310,6 +299,34 @@ class Scheduler:
                                    "mean_accepted": s.spec.mean_accepted,
                                    "policy": adaptive.snapshot() if adaptive is not None else None}
         return out
+
+
+def _take(run: Run, value, error: BaseException | None, held: list):
+    """Scheduler._advance's part in the request's context: `value` sent (or `error` thrown) into its generator, its
+    events delivered until its next read -> that read. The last FinalEvent seen is kept in ``held[0]`` until another
+    item follows it (StopIteration: the request ended, its final still held)."""
+    item = run.gen.throw(error) if error is not None else run.gen.send(value)
+    while not isinstance(item, (ReadToken, ReadVerify, ReadPart)):
+        if held[0] is not None:
+            run.on_event(held[0])
+            held[0] = None
+        if isinstance(item, FinalEvent):
+            held[0] = item
+        else:
+            run.n_decoded += isinstance(item, TokenEvent)
+            run.on_event(item)
+        item = next(run.gen)
+    if held[0] is not None:
+        run.on_event(held[0])
+        held[0] = None
+    return item
+
+
+def _end(run: Run, error: BaseException | None, final) -> None:
+    """A request's held FinalEvent (if any), then its end, delivered (in its context)."""
+    if final is not None:
+        run.on_event(final)
+    run.on_done(error)
 
 
 def _work(slot: Slot) -> SlotWork:
