@@ -438,3 +438,24 @@ def test_status_lines_for_speculation_and_the_responses_store():
     line = c._responses_line({"entries": 4, "bytes": 2048, "budget": 256 << 20, "max_entries": 4})
     assert line.startswith("4 kept (--responses-store 4), 2") and "(--responses-store-mib)" in line
     assert c._responses_line(None) == "-"
+
+
+def test_slots_table_shows_each_busy_slot_phase(tmp_path):
+    """`stratactl slots` shows whether a busy slot reads its prompt or decodes (the /slots `phase`), '-' when idle."""
+    sock = str(tmp_path / "fake.sock")
+    view = [{"id": 0, "state": "processing", "is_processing": True, "phase": "prompt", "pos": 512, "n_ctx": 4096,
+             "id_task": 3, "next_token": {"n_decoded": 0}, "checkpoints": 1},
+            {"id": 1, "state": "processing", "is_processing": True, "phase": "decode", "pos": 70, "n_ctx": 4096,
+             "id_task": 4, "next_token": {"n_decoded": 9}, "checkpoints": 2},
+            {"id": 2, "state": "idle", "is_processing": False, "phase": None, "pos": 0, "n_ctx": 4096,
+             "id_task": -1, "next_token": {"n_decoded": 0}, "checkpoints": 0}]
+    stop = _fake_server(sock, _answer(200, json.dumps(view).encode()))
+    try:
+        r = ctl(None, "slots", socket=sock)
+    finally:
+        stop.set()
+    assert r.returncode == 0, r.stderr
+    head, _, *rows = r.stdout.strip().splitlines()
+    assert head.split()[:3] == ["ID", "STATE", "PHASE"], head
+    assert [row.split()[:3] for row in rows] == [["0", "processing", "prompt"], ["1", "processing", "decode"],
+                                                 ["2", "idle", "-"]], r.stdout

@@ -448,9 +448,9 @@ def cmd_models(c: Client, args) -> int:
 
 def cmd_slots(c: Client, args) -> int:
     d = c.call("GET", "/slots")
-    rows = [[s.get("id"), s.get("state"), s.get("pos"), s.get("n_ctx"), s.get("id_task"),
+    rows = [[s.get("id"), s.get("state"), s.get("phase") or "-", s.get("pos"), s.get("n_ctx"), s.get("id_task"),
              (s.get("next_token") or {}).get("n_decoded", 0), s.get("checkpoints")] for s in d]
-    _out(args, d, table(rows, ["ID", "STATE", "POS", "N_CTX", "TASK", "DECODED", "CHECKPOINTS"]))
+    _out(args, d, table(rows, ["ID", "STATE", "PHASE", "POS", "N_CTX", "TASK", "DECODED", "CHECKPOINTS"]))
     return EXIT_OK
 
 
