@@ -459,3 +459,25 @@ def test_slots_table_shows_each_busy_slot_phase(tmp_path):
     assert head.split()[:3] == ["ID", "STATE", "PHASE"], head
     assert [row.split()[:3] for row in rows] == [["0", "processing", "prompt"], ["1", "processing", "decode"],
                                                  ["2", "idle", "-"]], r.stdout
+
+
+def test_status_names_no_single_position_with_several_slots(tmp_path):
+    """`stratactl status` with one slot shows the live position; with several, each busy slot's position in the
+    slots line and no lone 'position' row (which slot's would it be?)."""
+    def status(slots):
+        return {"model": "m", "engine": {"pos": 1187, "n_ctx": 4096}, "queue": {"running": 1, "waiting": 0, "max": 8},
+                "slots": slots}
+    busy = {"id": 1, "is_processing": True, "phase": "decode", "pos": 136, "next_token": {"n_decoded": 85}}
+    idle = {"id": 0, "is_processing": False, "phase": None, "pos": 1187, "next_token": {"n_decoded": 0}}
+    out = {}
+    for name, slots in (("one", [dict(idle, pos=1187)]), ("four", [idle, busy, dict(idle, id=2), dict(idle, id=3)])):
+        sock = str(tmp_path / f"{name}.sock")
+        stop = _fake_server(sock, _answer(200, json.dumps(status(slots)).encode()))
+        try:
+            out[name] = ctl(None, "status", socket=sock)
+        finally:
+            stop.set()
+        assert out[name].returncode == 0, out[name].stderr
+    rows = {n: {ln.split()[0]: ln for ln in r.stdout.splitlines() if ln.strip()} for n, r in out.items()}
+    assert rows["one"]["position"].split()[1] == "1187" and "0 / 1 busy" in rows["one"]["slots"]
+    assert "position" not in rows["four"] and "1 / 4 busy (1: decode at 136 (85 decoded))" in rows["four"]["slots"]

@@ -319,7 +319,8 @@ def cmd_status(c: Client, args) -> int:
                  for L in _list(s["moe"]["tier"].get("layers")) if isinstance(L, dict)]
     _out(args, d, _kv([
         ("model", d.get("model")), ("arch", e.get("arch")), ("path", e.get("path")), ("n_ctx", e.get("n_ctx")),
-        ("stages", stages), ("position", e.get("pos")),
+        ("stages", stages),
+    ] + ([("position", e.get("pos"))] if len(_list(d.get("slots"))) <= 1 else []) + [   # else each slot's, below
         ("queue", f"{q.get('running', 0)} running, {q.get('waiting', 0)} waiting (max {q.get('max')})"),
         ("slots", _slots_line(_list(d.get("slots")))),
         ("kv pages", f"{kv.get('used')} / {kv.get('total')} used (page size {kv.get('page_size')})" +
